@@ -1,0 +1,62 @@
+"""Keep torch's fused fast paths on while a trace runs.
+
+An active ``TorchFunctionMode`` makes ``torch.overrides.has_torch_function`` answer True, and eval-mode
+``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` then leave their fused kernels for a
+decomposed path with different ops and slightly different numbers.  Those modules look the function up
+on ``torch.overrides`` at call time, so while any trace runs we answer it as if the capturing thread's
+own mode were absent.  The shim is reference-counted across threads and removed when the last trace
+ends; threads that are not tracing get torch's own answer.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.overrides
+
+_lock = threading.Lock()
+_users = 0
+_original = None
+_local = threading.local()
+
+
+def _has_torch_function_ignoring_capture(args) -> bool:
+    mode = getattr(_local, "mode", None)
+    if mode is None or torch._C._len_torch_function_stack() == 0:
+        return _original(args)
+    # Answer with our mode popped, exactly as torch would without it.
+    top = torch._C._pop_torch_function_stack()
+    try:
+        if top is not mode:
+            return True  # another mode is active above ours: torch would say True
+        return _original(args)
+    finally:
+        torch._C._push_on_torch_function_stack(top)
+
+
+class FastPathShim:
+    """Context manager: install the shim for this thread's capture mode."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        global _users, _original
+        with _lock:
+            if _users == 0:
+                _original = torch.overrides.has_torch_function
+                torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
+            _users += 1
+        _local.mode = self.mode
+        return self
+
+    def __exit__(self, *exc):
+        global _users, _original
+        _local.mode = None
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                torch.overrides.has_torch_function = _original
+                _original = None
+        return False

@@ -1,0 +1,72 @@
+"""Module call tracking: a stack of integers maintained by global forward hooks.
+
+Global hooks (``register_module_forward_pre_hook`` / ``register_module_forward_hook``) see every module
+call however the module was reached, and are removed in ``finally``: nothing is left on the model.  A
+call made by another thread is ignored.  Direct ``module.forward(...)`` calls bypass hooks and so are
+not module calls, exactly as for ``torch.utils.module_tracker.ModuleTracker``.
+"""
+
+from __future__ import annotations
+
+import threading
+from time import perf_counter_ns
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from .state import CaptureState
+
+
+def _tensors_in(obj, out: list, depth: int = 0) -> list:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 4:
+        if isinstance(obj, (tuple, list)):
+            for item in obj:
+                _tensors_in(item, out, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                _tensors_in(item, out, depth + 1)
+    return out
+
+
+class ModuleCallTracker:
+    """Context manager that records module calls into ``state.module_calls``."""
+
+    def __init__(self, state: CaptureState, root):
+        self.state = state
+        self.root = root
+        self._handles = []
+
+    def __enter__(self):
+        st, root, owner = self.state, self.root, threading.get_ident()
+
+        def pre_hook(module, args):
+            if module is root or threading.get_ident() != owner:
+                return
+            inputs = tuple(st.producer_of(t) for t in _tensors_in(args, []))
+            parent = st.module_stack[-1] if st.module_stack else -1
+            st.module_calls.append([module, parent, perf_counter_ns(), None, inputs, ()])
+            st.module_stack.append(len(st.module_calls) - 1)
+
+        def post_hook(module, args, output):
+            if module is root or threading.get_ident() != owner or not st.module_stack:
+                return
+            call = st.module_calls[st.module_stack.pop()]
+            call[3] = perf_counter_ns()
+            if output is not None:
+                call[5] = tuple(st.producer_of(t) for t in _tensors_in(output, []))
+
+        try:
+            self._handles.append(register_module_forward_pre_hook(pre_hook))
+            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return False

@@ -1,0 +1,100 @@
+"""The ``save=`` policy: which activations a trace keeps.
+
+``save`` accepts ``"all"`` (default), ``"none"``, a predicate ``f(op) -> bool``, or a list mixing op
+labels (``linear_1_1:2``), layer labels (``linear_1_1``), module addresses (``features.0``: that
+module's output op) and op types (``relu``).  Types and module addresses are decided during the forward
+(ops outside them are never held); labels and predicates need final labels, so every output is held by
+reference until the forward ends and the rest are released then.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..labels.naming import func_name_of, type_of_name
+
+_LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
+_SAVE_ALL, _SAVE_NONE = ("all", True), ("none", None, False)
+
+
+class SavePolicy:
+    def __init__(self, save, model):
+        self.predicate = None
+        self.labels: set = set()
+        self.types: set = set()
+        self.module_ids: set = set()
+        self.addresses: set = set()
+        if isinstance(save, str) and save in _SAVE_ALL or save is True:
+            self.mode = 1
+        elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
+            self.mode = 0
+        elif callable(save):
+            self.mode, self.predicate = 1, save
+        elif isinstance(save, (list, tuple, set, frozenset)):
+            self._parse_selection(list(save), model)
+        else:
+            raise ValueError(
+                f"save={save!r} is not understood: use 'all', 'none', a list of labels / module "
+                "addresses / op types, or a predicate taking an Op"
+            )
+
+    def _parse_selection(self, items, model):
+        modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
+        for item in items:
+            if not isinstance(item, str):
+                raise ValueError(f"save= entries must be strings, got {item!r}")
+            if item in modules:
+                self.addresses.add(item)
+                self.module_ids.add(id(modules[item]))
+            elif _LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")):
+                self.labels.add(item)
+            else:
+                self.types.add(item.lower().replace("_", ""))
+        # Labels are only known after the forward: hold everything until then.
+        self.mode = 1 if self.labels else 2
+
+    @property
+    def filters_after(self) -> bool:
+        return self.predicate is not None or bool(self.labels or self.types or self.addresses)
+
+    def capture_selector(self, state):
+        """The during-forward test for mode 2: op type selected, or inside a selected module."""
+        types, module_ids, calls = self.types, self.module_ids, state.module_calls
+        type_cache: dict = {}
+
+        def wants(func, module_call):
+            t = type_cache.get(func)
+            if t is None:
+                t = type_cache[func] = type_of_name(func_name_of(func))
+            if t in types:
+                return True
+            while module_call >= 0:
+                record = calls[module_call]
+                if id(record[0]) in module_ids:
+                    return True
+                module_call = record[1]
+            return False
+
+        return wants
+
+    def keep(self, trace, op) -> bool:
+        if self.predicate is not None:
+            return bool(self.predicate(op))
+        if op.label in self.labels or op.layer_label in self.labels or op.type in self.types:
+            return True
+        return any(op.index in mc._output_nodes for mc in self._selected_calls(trace))
+
+    def _selected_calls(self, trace):
+        if not hasattr(self, "_calls_cache"):
+            self._calls_cache = [mc for mc in trace.module_calls
+                                 if self.addresses.intersection(mc.module.all_addresses)]
+        return self._calls_cache
+
+    def apply(self, trace) -> None:
+        """Release the activations the selection did not ask for."""
+        if not self.filters_after or not trace._activations:
+            return
+        keep = [i for i in trace._activations if self.keep(trace, trace.ops[i])]
+        trace._activations = {i: trace._activations[i] for i in keep}

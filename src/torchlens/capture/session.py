@@ -1,0 +1,180 @@
+"""``tl.trace``: set capture up, run the forward once, tear everything down, finalize.
+
+Nothing outlives the call: the capture mode is popped, module hooks removed and the fast-path shim
+uninstalled in ``finally`` blocks (context managers), whether the model returns or raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from time import perf_counter_ns
+
+import torch
+
+from ..record.errors import NestedTraceError
+from ..record.finalize import finalize, tensor_leaves
+from ..record.trace import Trace
+from .fastpath import FastPathShim
+from .mode import CaptureMode
+from .modules import ModuleCallTracker
+from .saving import SavePolicy
+from .source import FrameClassifier
+from .state import INPUT, CaptureState, warn_mutated
+
+_local = threading.local()
+
+
+def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
+          max_saved_bytes: int | None = None, name: str | None = None) -> Trace:
+    """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
+
+    Args:
+        model: an ``nn.Module`` or any callable.  DataParallel/DDP wrappers and ``torch.compile``
+            results are unwrapped to the eager module underneath.
+        args: one tensor, or a tuple/list of positional arguments (tensors, containers, anything).
+        kwargs: keyword arguments for forward.
+        save: which activations to keep: ``"all"``, ``"none"``, a list of labels / module addresses /
+            op types, or a predicate ``f(op) -> bool``.  Activations are kept by reference and copied
+            only when an in-place op is about to overwrite them.
+        save_device: move saved activations to this device as they are captured.
+        record_finite: record a (has_nan, has_inf) flag per op even for unsaved ops.
+        max_saved_bytes: stop saving (with a warning naming the first unsaved op) past this budget.
+        name: a display name for the trace (defaults to the model's class name).
+    """
+    model = _unwrap(model)
+    if not callable(model):
+        raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict of keyword arguments for forward, got {type(kwargs).__name__}")
+    if getattr(_local, "active", False):
+        raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
+                               "trace the outer model once instead")
+    kwargs = dict(kwargs or {})
+    args = _as_args(model, args)
+    policy = SavePolicy(save, model)
+    if save_device is not None:
+        save_device = torch.device(save_device)
+    started = perf_counter_ns()
+
+    state = CaptureState(save_mode=policy.mode, save_device=save_device, record_finite=record_finite,
+                         buffers=_buffers(model), max_saved_bytes=max_saved_bytes)
+    if policy.mode == 2:
+        state.selector = policy.capture_selector(state)
+    _add_inputs(state, model, args, kwargs)
+    mode = CaptureMode(state, FrameClassifier(stop_codes=(_run_forward.__code__,)))
+    _local.active = True
+    try:
+        with FastPathShim(mode), ModuleCallTracker(state, model), mode:
+            output = _run_forward(model, args, kwargs)
+    except BaseException as exc:
+        _annotate(exc, state, model)
+        raise
+    finally:
+        _local.active = False
+    forward_done = perf_counter_ns()
+
+    mutated = state.check_saved_versions()
+    model_name = name or type(model).__name__
+    timings = {"forward": (forward_done - started) / 1e9}
+    result = finalize(state, model, output, model_name, timings)
+    policy.apply(result)
+    timings["total"] = (perf_counter_ns() - started) / 1e9
+    warn_mutated([result._labels[i] for i in mutated])
+    if state.budget_exhausted_at is not None:
+        import warnings
+
+        warnings.warn(f"max_saved_bytes reached: activations from {result._labels[state.budget_exhausted_at]} "
+                      "on were not saved", stacklevel=2)
+    return result
+
+
+def _run_forward(model, args, kwargs):
+    # Its code object marks the boundary of user code for source lookup: keep it a plain call.
+    return model(*args, **kwargs)
+
+
+def _unwrap(model):
+    inner = getattr(model, "_orig_mod", None)  # torch.compile'd module
+    if isinstance(inner, torch.nn.Module):
+        model = inner
+    orig = getattr(model, "_torchdynamo_orig_callable", None)  # torch.compile'd function
+    if orig is not None:
+        model = orig
+    parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    if isinstance(model, parallel):
+        model = model.module
+    return model
+
+
+def _forward_signature(model):
+    target = model.forward if isinstance(model, torch.nn.Module) else model
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+
+
+def _as_args(model, args) -> tuple:
+    if isinstance(args, tuple):
+        return args
+    if isinstance(args, list):
+        # A list is the positional arguments, unless forward takes exactly one positional parameter.
+        sig = _forward_signature(model)
+        if sig is not None:
+            positional = [p for p in sig.parameters.values()
+                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            if len(positional) == 1 and len(args) != 1:
+                return (args,)
+        return tuple(args)
+    return (args,)
+
+
+def _buffers(model) -> dict:
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {id(b): (b, name) for name, b in model.named_buffers(remove_duplicate=True) if b is not None}
+
+
+def _add_inputs(state, model, args, kwargs) -> None:
+    sig = _forward_signature(model)
+    names = None
+    if sig is not None:
+        try:
+            bound = sig.bind(*args, **kwargs)
+            names = list(bound.arguments.items())
+        except TypeError:
+            names = None
+    if names is None:
+        names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+    for name, value in names:
+        for path, t in tensor_leaves(value, f"input.{name}", []):
+            if id(t) not in state.producers:  # the same tensor passed twice is one input
+                state.add_source(t, INPUT, path)
+
+
+def _annotate(exc: BaseException, state, model) -> None:
+    if not hasattr(exc, "add_note"):  # Python 3.10
+        return
+    if state.failure is not None and state.failure[2] is exc:
+        from ..labels.naming import func_name_of
+
+        func, module_call, _ = state.failure
+        exc.add_note(f"torchlens: raised by torch call {func_name_of(func)!r} (op #{len(state.records) + 1}) "
+                     f"in {_where(state, module_call, model)}; capture was torn down, nothing is left "
+                     "installed")
+    else:
+        module_call = state.module_stack[-1] if state.module_stack else -1
+        exc.add_note(f"torchlens: raised in {_where(state, module_call, model)} after "
+                     f"{len(state.records)} captured tensors; capture was torn down, nothing is left installed")
+
+
+def _where(state, index: int, model) -> str:
+    if index < 0:
+        return "the root forward"
+    module = state.module_calls[index][0]
+    call_number = sum(1 for c in state.module_calls[: index + 1] if c[0] is module)
+    address = type(module).__name__
+    if isinstance(model, torch.nn.Module):
+        address = next((n for n, m in model.named_modules() if m is module), address)
+    return f"module call {address}:{call_number}"

@@ -1,0 +1,78 @@
+"""Finding the user's line for each op, cheaply.
+
+Walking ``f_back`` from the handler, frames inside torch and inside torchlens's capture package are
+skipped; the first other frame is the user's.  The verdict per code object is cached, so the walk is a
+few dict lookups.  Reaching the trace driver's own frame means no user code called the op (a bare
+``nn.Sequential``): the op then has no source line, and reports fall back to its module call site.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+from dataclasses import dataclass
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_CAPTURE_DIR = os.path.dirname(__file__) + os.sep
+# Python-level torch functions that dispatch to the mode; their frames are the op itself, not a site.
+_DISPATCHERS = tuple(_TORCH_DIR + name for name in ("overrides.py", "nn/functional.py", "functional.py",
+                                                    "_tensor.py", "_jit_internal.py"))
+_USER, _SKIP, _STOP, _DISPATCH = 0, 1, 2, 3
+
+
+class FrameClassifier:
+    def __init__(self, stop_codes=()):
+        self._verdicts = {code: _STOP for code in stop_codes}
+
+    def _classify(self, code) -> int:
+        name = code.co_filename
+        if name.startswith(_CAPTURE_DIR) or name.startswith(_DISPATCHERS):
+            verdict = _DISPATCH
+        elif name.startswith(_TORCH_DIR):
+            verdict = _SKIP
+        else:
+            verdict = _USER
+        self._verdicts[code] = verdict
+        return verdict
+
+    def locate(self, frame):
+        """``(site, code, line)`` for an op called from ``frame``'s caller chain.
+
+        ``site`` is ``(code, instruction offset)`` of the nearest frame that called the op (torch's own
+        module code included): it identifies the call site, so the same site run again is a loop.
+        ``code, line`` are the nearest user frame's, or ``None, None`` when only torch code called it.
+        """
+        verdicts = self._verdicts
+        site = None
+        while frame is not None:
+            code = frame.f_code
+            verdict = verdicts.get(code)
+            if verdict is None:
+                verdict = self._classify(code)
+            if verdict == _USER:
+                return site or (code, frame.f_lasti), code, frame.f_lineno
+            if verdict == _STOP:
+                return site, None, None
+            if verdict == _SKIP and site is None:
+                site = (code, frame.f_lasti)
+            frame = frame.f_back
+        return site, None, None
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """Where in the user's code an op was called."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def code(self) -> str:
+        """The text of the calling line (read lazily from the file)."""
+        return linecache.getline(self.file, self.line).strip()
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"

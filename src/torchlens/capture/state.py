@@ -1,0 +1,194 @@
+"""Raw capture state: the flat lists one forward pass fills, and the few helpers the hot path calls.
+
+Layout of the raw lists (read only by ``record.finalize``):
+
+- ``calls[c]``: ``(func, arg_skeleton, kwarg_skeleton, parents, params, module_call, code, line,
+  t0_ns, t1_ns, first_record, num_outputs, wrote_arguments, site)`` for one tensor-producing torch call;
+  ``code, line`` locate the user's frame, ``site`` the nearest calling frame (see capture/source.py).
+  ``parents`` is a tuple of ``(argument position, record index)``; a position is an int, an
+  ``(int, int)`` pair for a tensor inside a list argument, or a keyword name.  Record index -1 means a
+  tensor capture never saw being made (see ``Trace.unattributed``).  ``params`` holds
+  ``(argument position, Parameter)`` pairs; parameters are metadata on ops, not graph nodes.
+- ``records[r]``: ``(call, slot, shape, dtype, device, requires_grad, grad_fn_class)`` for one tensor
+  produced by a call (``call`` >= 0) or one source tensor (``call`` is ``INPUT`` or ``BUFFER`` and
+  ``slot`` holds the input path or the buffer address).
+- ``module_calls[m]``: ``[module, parent_call, t0_ns, t1_ns, input_records, output_records]``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from time import perf_counter_ns
+from weakref import ref as weakref
+
+import torch
+
+INPUT = -1
+BUFFER = -2
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the memory a tensor lives in; views share it with their base."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return -id(t)
+
+
+class CaptureState:
+    """Everything one trace accumulates while the model runs."""
+
+    def __init__(self, *, save_mode: int, selector=None, save_device=None, record_finite: bool = False,
+                 buffers: dict | None = None, max_saved_bytes: int | None = None):
+        self.owner_thread = threading.get_ident()
+        self.calls: list = []
+        self.records: list = []
+        self.module_calls: list = []
+        self.module_stack: list = []
+        self.producers: dict = {}  # id(tensor) -> (weakref, record index, version when bound)
+        self.writers: dict = {}  # storage key -> (record index, version after the write)
+        self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
+        self.unattributed = 0
+        self.alias_reads: set = set()  # (call index, parent record) read after a write through a view
+        # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
+        self.save_mode = save_mode
+        self.selector = selector
+        self.save_device = save_device
+        self.saved: dict = {}  # record index -> detached tensor
+        self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
+        self.saved_by_storage: dict = {}  # storage key -> [record index, ...]
+        self.saved_bytes = 0
+        self.max_saved_bytes = max_saved_bytes
+        self.budget_exhausted_at: int | None = None
+        self.clobbered: dict = {}  # record index -> reason its saved value was dropped
+        self.finite_flags: dict | None = {} if record_finite else None
+        self.failure = None
+        self.t_start = perf_counter_ns()
+
+    # ----- parents -------------------------------------------------------------------------------
+    def producer_of(self, t: torch.Tensor) -> int:
+        entry = self.producers.get(id(t))
+        if entry is not None and entry[0]() is t:
+            if entry[2] == t._version:
+                return entry[1]
+            # Written since it was bound (through a view or base): the latest writer of its storage.
+            writer = self.writers.get(storage_key(t))
+            index = writer[0] if writer is not None and writer[1] == t._version else entry[1]
+            # The value read is not that op's output as saved (it was written through an alias).
+            self.alias_reads.add((len(self.calls), index))
+            return index
+        return self._source_of(t)
+
+    def _source_of(self, t: torch.Tensor) -> int:
+        buffer = self.buffers.get(id(t))
+        if buffer is not None and buffer[0] is t:
+            index = len(self.records)
+            self.records.append((BUFFER, buffer[1], t.shape, t.dtype, t.device, t.requires_grad, None))
+            self.producers[id(t)] = (weakref(t), index, t._version)
+            if self.save_mode:
+                # Buffers are often rewritten inside fused kernels (BatchNorm running stats): keep the
+                # value as it was read, privately.
+                self._keep(index, t.detach().clone(), None)
+            return index
+        self.unattributed += 1
+        return -1
+
+    def add_source(self, t: torch.Tensor, kind: int, slot) -> int:
+        index = len(self.records)
+        self.records.append((kind, slot, t.shape, t.dtype, t.device, t.requires_grad, None))
+        self.producers[id(t)] = (weakref(t), index, t._version)
+        if self.save_mode:
+            self.save(index, t, t.requires_grad)
+        if self.finite_flags is not None:
+            self.record_finite(index, t)
+        return index
+
+    def note_writes(self, written: list, record_index: int) -> None:
+        """Tensors an op wrote (in place, through ``out=``, or inside a fused kernel)."""
+        for t in written:
+            key = storage_key(t)
+            self.writers[key] = (record_index, t._version)
+            self.producers[id(t)] = (weakref(t), record_index, t._version)
+            stale = self.saved_by_storage.pop(key, None)
+            if stale:
+                for i in stale:
+                    if self.saved_versions.get(i) is not None:
+                        self._drop(i, "overwritten in place by a write capture could not predict")
+
+    # ----- saving --------------------------------------------------------------------------------
+    def wants(self, func, module_call: int) -> bool:
+        return self.selector(func, module_call)
+
+    def save(self, index: int, t: torch.Tensor, requires_grad: bool) -> None:
+        if requires_grad:
+            t = t.detach()
+        if self.save_device is not None and t.device != self.save_device:
+            self._keep(index, t.to(self.save_device), None)
+            return
+        self._keep(index, t, t._version)
+        self.saved_by_storage.setdefault(storage_key(t), []).append(index)
+
+    def _keep(self, index: int, t: torch.Tensor, version) -> None:
+        if self.max_saved_bytes is not None:
+            size = t.numel() * t.element_size()
+            if self.saved_bytes + size > self.max_saved_bytes:
+                if self.budget_exhausted_at is None:
+                    self.budget_exhausted_at = index
+                    self.save_mode = 0
+                return
+            self.saved_bytes += size
+        self.saved[index] = t
+        self.saved_versions[index] = version
+
+    def protect_saved(self, t) -> None:
+        """Copy every saved activation sharing ``t``'s storage before an in-place write to ``t``."""
+        stale = self.saved_by_storage.pop(storage_key(t), None)
+        if stale:
+            for i in stale:
+                if i in self.saved:
+                    self.saved[i] = self.saved[i].clone()
+                    self.saved_versions[i] = None
+
+    def protect_saved_all(self, out) -> None:
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.protect_saved(t)
+
+    def _drop(self, index: int, reason: str) -> None:
+        self.saved.pop(index, None)
+        self.saved_versions.pop(index, None)
+        self.clobbered[index] = reason
+
+    def record_finite(self, index: int, t: torch.Tensor) -> None:
+        if t.is_floating_point() or t.is_complex():
+            with torch.no_grad():
+                nan = bool(torch.isnan(t).any())
+                inf = bool(torch.isinf(t).any())
+            self.finite_flags[index] = (nan, inf)
+        else:
+            self.finite_flags[index] = (False, False)
+
+    def check_saved_versions(self) -> list:
+        """Drop and report saved activations mutated by means capture could not see."""
+        mutated = [i for i, v in self.saved_versions.items() if v is not None and self.saved[i]._version != v]
+        for i in mutated:
+            self._drop(i, "mutated after capture saved it, by a write capture could not see "
+                          "(for example through .data or a NumPy view)")
+        return mutated
+
+    # ----- failures ------------------------------------------------------------------------------
+    def note_failure(self, func, module_call: int, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = (func, module_call, exc)
+
+
+def warn_mutated(labels: list) -> None:
+    if labels:
+        warnings.warn(
+            "torchlens dropped saved activations that were changed after being saved, by writes that "
+            f"torch did not route through capture: {', '.join(labels[:10])}"
+            + (" ..." if len(labels) > 10 else "")
+            + ". Their metadata is intact; re-run with save=[...] excluding them or avoid .data writes.",
+            stacklevel=3,
+        )

@@ -1,0 +1,22 @@
+"""Debugging tools that read an existing trace: ``hot_path`` and ``nonfinite_origin``."""
+
+import importlib
+
+_EXPORTS = {
+    "hot_path": ".hot_path",
+    "HotPath": ".hot_path",
+    "nonfinite_origin": ".nonfinite",
+    "NonfiniteReport": ".nonfinite",
+    "DETECT_ANOMALY_RECIPE": ".nonfinite",
+}
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'torchlens.debug' has no attribute {name!r}")
+
+
+__all__ = list(_EXPORTS)

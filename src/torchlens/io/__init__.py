@@ -1,0 +1,1 @@
+"""(filled by a later issue)"""

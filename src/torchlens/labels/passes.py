@@ -1,0 +1,107 @@
+"""Pass grouping: which executions of ops are passes of one layer (recurrence).
+
+Rules, applied in one pass over the ops in execution order (linear time):
+
+1. An op run inside a module object that was called more than once is keyed by that module object,
+   its position within the module call, its function and output slot: every call of a shared module
+   contributes one pass to each of its op sites.
+2. An op that uses parameters is keyed by its function, the parameter objects, its output slot, its
+   module object and its non-tensor arguments: the same weights applied again (a Python loop over
+   ``x @ self.W``) are passes of one layer; distinct modules never merge, even with tied weights.
+3. Any other op is keyed by its call site (the calling frame's code object and instruction offset),
+   function, output slot, non-tensor arguments, input shapes and module object: the same line run
+   again by a Python loop is another pass.  A class whose every later member consumes an earlier
+   member (``x = x + 1`` in a loop: a single-op self-chain) is not recurrence and is split back into
+   separate layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def arg_signature(obj, depth: int = 0):
+    """A hashable, address-free summary of non-tensor arguments."""
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return "nan" if math.isnan(obj) else obj
+    if isinstance(obj, (torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)):
+        return obj
+    if isinstance(obj, slice):
+        return ("slice", arg_signature(obj.start), arg_signature(obj.stop), arg_signature(obj.step))
+    if obj is Ellipsis:
+        return "..."
+    if depth < 6:
+        if isinstance(obj, (tuple, list)):
+            return tuple(arg_signature(o, depth + 1) for o in obj)
+        if isinstance(obj, dict):
+            return tuple(sorted((str(k), arg_signature(v, depth + 1)) for k, v in obj.items()))
+    return type(obj).__name__
+
+
+def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_objects, module_counts):
+    """Return a group id per node (nodes with ``call_col[i] < 0`` are sources and outputs)."""
+    group: list = [-1] * len(call_col)
+    keys: dict = {}
+    position_in_call: dict = {}
+    site_ops = []
+
+    def assign(i, key):
+        gid = keys.get(key)
+        if gid is None:
+            gid = keys[key] = len(keys)
+        group[i] = gid
+
+    for i, c in enumerate(call_col):
+        if c < 0:
+            assign(i, ("source", i))
+            continue
+        slot, module_call = slot_col[i], module_col[i]
+        call = calls[c]
+        func, params = call[0], call[4]
+        module = module_objects[module_call] if module_call >= 0 else None
+        if module_call >= 0 and (slot is None or slot == 0 or slot == (0,)):
+            position_in_call[module_call] = position_in_call.get(module_call, -1) + 1
+        if module is not None and module_counts[id(module)] > 1:
+            assign(i, ("module", id(module), position_in_call[module_call], func, slot))
+            continue
+        args_sig = (arg_signature(call[1]), arg_signature(call[2]))
+        if params:
+            assign(i, ("params", func, tuple(sorted(id(p) for _, p in params)), slot, id(module), args_sig))
+            continue
+        shapes = tuple(tuple(meta[p][0]) if p >= 0 else None for _, p in parents_col[i])
+        assign(i, ("site", call[13], func, slot, args_sig, shapes, id(module)))
+        site_ops.append(i)
+
+    _split_self_chains(group, site_ops, parents_col, len(keys))
+    return group
+
+
+def _split_self_chains(group: list, site_ops: list, parents_col: list, next_id: int) -> None:
+    """Rule 3's exception: a class fed only by itself is a chain, not a loop body.
+
+    A later member that also consumes another repeated layer (a residual ``x = x + block(x)``, an RNN
+    ``h = tanh(fc(x) + h)``) is part of a loop body; one fed only by its own class and by one-off
+    tensors (``x = x + 1``, ``x = x * y``) is a chain.
+    """
+    sizes: dict = {}
+    for g in group:
+        sizes[g] = sizes.get(g, 0) + 1
+    members: dict = {}
+    for i in site_ops:
+        members.setdefault(group[i], []).append(i)
+
+    def fed_by_other_loop(i, gid):
+        return any(p >= 0 and group[p] != gid and sizes[group[p]] > 1 for _, p in parents_col[i])
+
+    for gid, ops in members.items():
+        if len(ops) < 2:
+            continue
+        chained = all(any(p >= 0 and group[p] == gid for _, p in parents_col[i]) for i in ops[1:])
+        if chained and not any(fed_by_other_loop(i, gid) for i in ops[1:]):
+            for i in ops[1:]:
+                group[i] = next_id
+                next_id += 1

@@ -1,0 +1,9 @@
+"""The record model: ``Trace`` holds columns; ``Op``, ``Layer``, ``ModuleCall`` and ``Module`` are views."""
+
+from .errors import ActivationUnavailable, NestedTraceError, TorchlensError, TraceCleanedUp
+from .modules import Module, ModuleCall
+from .op import Layer, Op
+from .trace import Trace
+
+__all__ = ["Trace", "Op", "Layer", "ModuleCall", "Module", "TorchlensError", "ActivationUnavailable",
+           "TraceCleanedUp", "NestedTraceError"]

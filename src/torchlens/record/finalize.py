@@ -1,0 +1,220 @@
+"""Turn the raw lists one forward filled into a ``Trace``: one linear pass, no rich objects per op."""
+
+from __future__ import annotations
+
+from ..capture.state import BUFFER, INPUT, CaptureState
+from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
+from ..labels.passes import group_ops
+from .modules import Module, ModuleCall
+from .op import KIND_BUFFER, KIND_INPUT, KIND_OP, KIND_OUTPUT
+from .trace import Trace
+
+
+def tensor_leaves(obj, path: str, out: list, depth: int = 0) -> list:
+    """``(path, tensor)`` for each tensor in a nested structure of tuples, lists and dicts."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+    elif depth < 8:
+        if isinstance(obj, (tuple, list)):
+            for i, item in enumerate(obj):
+                tensor_leaves(item, f"{path}.{i}", out, depth + 1)
+        elif isinstance(obj, dict):
+            for key, item in obj.items():
+                tensor_leaves(item, f"{path}.{key}", out, depth + 1)
+        elif hasattr(obj, "__dataclass_fields__") or hasattr(obj, "to_tuple"):
+            items = obj.items() if hasattr(obj, "items") else vars(obj).items()
+            for key, item in items:
+                tensor_leaves(item, f"{path}.{key}", out, depth + 1)
+    return out
+
+
+def finalize(state: CaptureState, model, output, model_name: str, timings: dict) -> Trace:
+    calls, records = state.calls, state.records
+    # Producers of the returned tensors first: this may still add a buffer source (a returned buffer).
+    returned = [(path, state.producer_of(t), t) for path, t in tensor_leaves(output, "output", [])]
+
+    n_records = len(records)
+    kind, call_col, slot_col, meta, parents_col, module_col, inplace = [], [], [], [], [], [], []
+    io: dict = {}
+    for i, (c, slot, *rest) in enumerate(records):
+        meta.append(rest)
+        if c >= 0:
+            call = calls[c]
+            kind.append(KIND_OP)
+            call_col.append(c)
+            slot_col.append(slot)
+            parents_col.append(call[3])
+            module_col.append(call[5])
+            inplace.append(call[12] and slot is None and _writes_receiver(call))
+        else:
+            kind.append(KIND_INPUT if c == INPUT else KIND_BUFFER)
+            io[i] = slot
+            call_col.append(-1)
+            slot_col.append(None)
+            parents_col.append(())
+            module_col.append(-1)
+            inplace.append(False)
+    activations = dict(state.saved)
+    for path, producer, t in returned:
+        i = len(kind)
+        kind.append(KIND_OUTPUT)
+        io[i] = path
+        call_col.append(-1)
+        slot_col.append(None)
+        parents_col.append(((0, producer),))
+        module_col.append(-1)
+        inplace.append(False)
+        meta.append([t.shape, t.dtype, t.device, t.requires_grad, None])
+        if producer in activations:
+            activations[i] = activations[producer]
+
+    module_objects, module_calls, modules = _build_modules(state, model)
+    module_counts = {id(m._ref): m.num_calls for m in modules}
+    nodes_module_obj = [mc.module._ref for mc in module_calls]
+    group = group_ops(call_col, slot_col, module_col, parents_col, meta, calls, nodes_module_obj,
+                      module_counts)
+    func_names, types = _names(kind, call_col, calls)
+    labels, layer_labels, pass_col, group_size = _label(kind, types, group)
+
+    for i, m in enumerate(module_col):
+        if m >= 0:
+            call = module_calls[m]
+            while call is not None:
+                call._op_nodes.append(i)
+                call = call.parent
+
+    return Trace(
+        model_name=model_name,
+        calls=calls,
+        kind=kind,
+        call=call_col,
+        slot=slot_col,
+        meta=meta,
+        parents=parents_col,
+        module_call=module_col,
+        inplace=inplace,
+        io=io,
+        labels=labels,
+        layer_labels=layer_labels,
+        pass_col=pass_col,
+        group=group,
+        group_size=group_size,
+        types=types,
+        func_names=func_names,
+        activations=activations,
+        dropped=dict(state.clobbered),
+        finite=dict(state.finite_flags or {}),
+        param_addresses=_param_addresses(calls, call_col, model),
+        module_calls=module_calls,
+        modules=modules,
+        output=output,
+        model=model,
+        unattributed=state.unattributed,
+        timings=timings,
+        n_records=n_records,
+        budget_exhausted_at=state.budget_exhausted_at,
+        alias_reads=state.alias_reads,
+    )
+
+
+def _writes_receiver(call) -> bool:
+    """An op is in place when it wrote its first argument (``add_``, ``x[i] = v``, ``out=x``)."""
+    from ..capture.mode import _predicts_inplace
+
+    kwargs = call[2] or {}
+    return _predicts_inplace(call[0]) or bool(kwargs.get("inplace")) or "out" in kwargs
+
+
+def _names(kind, call_col, calls):
+    cache: dict = {}
+    func_names, types = [], []
+    pseudo = {KIND_INPUT: "input", KIND_BUFFER: "buffer", KIND_OUTPUT: "output"}
+    for k, c in zip(kind, call_col):
+        if k == KIND_OP:
+            func = calls[c][0]
+            named = cache.get(func)
+            if named is None:
+                name = func_name_of(func)
+                named = cache[func] = (name, type_of_name(name))
+            func_names.append(named[0])
+            types.append(named[1])
+        else:
+            func_names.append("none")
+            types.append(pseudo[k])
+    return func_names, types
+
+
+def _label(kind, types, group):
+    """Assign ``{type}_{typeIdx}_{layerIdx}:{pass}``; inputs, buffers and outputs have own counters."""
+    type_counts: dict = {}
+    source_counts = {KIND_INPUT: 0, KIND_BUFFER: 0, KIND_OUTPUT: 0}
+    layer_count = 0
+    layer_of_group: dict = {}
+    passes_of_group: dict = {}
+    labels, layer_labels, pass_col = [], [], []
+    for k, t, g in zip(kind, types, group):
+        layer = layer_of_group.get(g)
+        if layer is None:
+            if k == KIND_OP:
+                layer_count += 1
+                type_counts[t] = type_counts.get(t, 0) + 1
+                layer = op_label(t, type_counts[t], layer_count)
+            else:
+                if k == KIND_OUTPUT:
+                    layer_count += 1  # outputs consume a layer number without printing it
+                source_counts[k] += 1
+                layer = f"{t}_{source_counts[k]}"
+            layer_of_group[g] = layer
+        p = passes_of_group[g] = passes_of_group.get(g, 0) + 1
+        layer_labels.append(layer)
+        labels.append(with_pass(layer, p))
+        pass_col.append(p)
+    return labels, layer_labels, pass_col, passes_of_group
+
+
+def _build_modules(state: CaptureState, model):
+    import torch
+
+    addresses: dict = {}
+    params_of: dict = {}
+    if isinstance(model, torch.nn.Module):
+        for name, module in model.named_modules(remove_duplicate=False):
+            addresses.setdefault(id(module), []).append(name or "self")
+    modules_by_id: dict = {}
+    module_calls = []
+    unregistered = 0
+    for index, (module, parent, t0, t1, inputs, outputs) in enumerate(state.module_calls):
+        record = modules_by_id.get(id(module))
+        if record is None:
+            names = addresses.get(id(module))
+            if names is None:
+                unregistered += 1
+                names = [f"<unregistered {type(module).__name__} #{unregistered}>"]
+            if id(module) not in params_of:
+                params_of[id(module)] = [n for n, _ in module.named_parameters(recurse=False)]
+            record = modules_by_id[id(module)] = Module(names[0], names, type(module).__name__,
+                                                        params_of[id(module)], module)
+        parent_call = module_calls[parent] if parent >= 0 else None
+        call = ModuleCall(None, index, record, record.num_calls + 1, parent_call, t0, t1, inputs, outputs)
+        record.calls.append(call)
+        if parent_call is not None:
+            parent_call.children.append(call)
+        module_calls.append(call)
+    return modules_by_id, module_calls, list(modules_by_id.values())
+
+
+def _param_addresses(calls, call_col, model) -> dict:
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    out = {}
+    for i, c in enumerate(call_col):
+        if c >= 0 and calls[c][4]:
+            out[i] = tuple(names.get(id(p), f"<unregistered parameter {tuple(p.shape)}>") for _, p in calls[c][4])
+    return out

@@ -1,0 +1,288 @@
+"""``Op`` (one execution of one torch call output) and ``Layer`` (all passes of one op site).
+
+Both are light views over the columns a ``Trace`` holds: creating one costs an object with two slots,
+and every field is read from (or derived from) the trace's columns on demand.
+"""
+
+from __future__ import annotations
+
+from ..capture.source import SourceLocation
+from .errors import ActivationUnavailable
+
+KIND_OP, KIND_INPUT, KIND_BUFFER, KIND_OUTPUT = 0, 1, 2, 3
+_KIND_NAMES = {KIND_OP: "op", KIND_INPUT: "input", KIND_BUFFER: "buffer", KIND_OUTPUT: "output"}
+
+
+class Op:
+    """One tensor produced by one torch call (or a model input, buffer or output)."""
+
+    __slots__ = ("_trace", "index")
+
+    def __init__(self, trace, index: int):
+        self._trace = trace
+        self.index = index
+
+    # ----- addressing ----------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        return self._trace._labels[self.index]
+
+    @property
+    def layer_label(self) -> str:
+        return self._trace._layer_labels[self.index]
+
+    @property
+    def pass_index(self) -> int:
+        return self._trace._pass[self.index]
+
+    @property
+    def num_passes(self) -> int:
+        return self._trace._group_size[self._trace._group[self.index]]
+
+    @property
+    def layer(self) -> "Layer":
+        return self._trace.layers_by_label[self.layer_label]
+
+    @property
+    def type(self) -> str:
+        return self._trace._types[self.index]
+
+    @property
+    def kind(self) -> str:
+        """``"op"``, ``"input"``, ``"buffer"`` or ``"output"``."""
+        return _KIND_NAMES[self._trace._kind[self.index]]
+
+    @property
+    def is_input(self) -> bool:
+        return self._trace._kind[self.index] == KIND_INPUT
+
+    @property
+    def is_output(self) -> bool:
+        return self._trace._kind[self.index] == KIND_OUTPUT
+
+    @property
+    def is_buffer(self) -> bool:
+        return self._trace._kind[self.index] == KIND_BUFFER
+
+    @property
+    def io_path(self):
+        """For inputs and outputs, where the tensor sat (``input.x``, ``output.logits``); for buffers, the
+        buffer's address (``bn.running_mean``)."""
+        return self._trace._io.get(self.index)
+
+    # ----- the call ------------------------------------------------------------------------------
+    def _call(self):
+        c = self._trace._call[self.index]
+        return self._trace._calls[c] if c >= 0 else None
+
+    @property
+    def func(self):
+        call = self._call()
+        return call[0] if call is not None else None
+
+    @property
+    def func_name(self) -> str:
+        return self._trace._func_names[self.index]
+
+    @property
+    def args(self):
+        """Non-tensor positional arguments, with ``None`` where a tensor was passed."""
+        call = self._call()
+        return call[1] if call is not None else None
+
+    @property
+    def kwargs(self):
+        call = self._call()
+        return call[2] if call is not None else None
+
+    @property
+    def parents(self) -> list:
+        """Labels of the ops whose outputs this op consumed, in argument order."""
+        labels = self._trace._labels
+        return [labels[p] for _, p in self._trace._parents[self.index] if p >= 0]
+
+    @property
+    def parent_arg_positions(self) -> dict:
+        """``{position: parent label}``; a position is an int, ``(int, int)`` inside a list, or a name."""
+        labels = self._trace._labels
+        return {pos: labels[p] for pos, p in self._trace._parents[self.index] if p >= 0}
+
+    @property
+    def children(self) -> list:
+        labels = self._trace._labels
+        return [labels[c] for c in self._trace._children()[self.index]]
+
+    @property
+    def params(self) -> tuple:
+        """Addresses of the parameters this op used (``fc.weight``)."""
+        return self._trace._param_addresses.get(self.index, ())
+
+    @property
+    def multi_output_index(self):
+        """Position of this tensor in a call that returned several (``None`` for single outputs)."""
+        return self._trace._slot[self.index]
+
+    @property
+    def is_inplace(self) -> bool:
+        return self._trace._inplace[self.index]
+
+    @property
+    def unattributed_args(self) -> int:
+        """How many tensor arguments came from nowhere capture saw (a tensor made outside the trace)."""
+        return sum(1 for _, p in self._trace._parents[self.index] if p < 0)
+
+    # ----- the tensor ----------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple:
+        return tuple(self._trace._meta[self.index][0])
+
+    @property
+    def dtype(self):
+        return self._trace._meta[self.index][1]
+
+    @property
+    def device(self):
+        return self._trace._meta[self.index][2]
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._trace._meta[self.index][3]
+
+    @property
+    def grad_fn(self):
+        """Name of the autograd node that produced the tensor (``AddmmBackward0``), or None."""
+        cls = self._trace._meta[self.index][4]
+        return cls.__name__ if cls is not None else None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self._trace._meta[self.index][0]:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        dtype = self.dtype
+        size = dtype.itemsize if hasattr(dtype, "itemsize") else 0
+        return self.numel * size
+
+    @property
+    def has_activation(self) -> bool:
+        return self.index in self._trace._activations
+
+    @property
+    def activation(self):
+        """The saved output tensor (detached), or None when it was not selected for saving."""
+        trace = self._trace
+        if trace._cleaned:
+            raise ActivationUnavailable(f"{self.label}: the trace was cleaned up; its activations are gone")
+        reason = trace._dropped.get(self.index)
+        if reason is not None:
+            raise ActivationUnavailable(f"{self.label}: the saved activation was dropped: {reason}")
+        return trace._activations.get(self.index)
+
+    @property
+    def finite(self):
+        """``(has_nan, has_inf)`` recorded during capture (``record_finite=True``), else None."""
+        return self._trace._finite.get(self.index)
+
+    # ----- where and when ------------------------------------------------------------------------
+    @property
+    def module_call(self):
+        """The innermost ``ModuleCall`` this op ran in (None in the root forward)."""
+        m = self._trace._module_call[self.index]
+        return self._trace.module_calls[m] if m >= 0 else None
+
+    @property
+    def module(self):
+        """Label of the innermost module call (``features.2:1``), or None in the root forward."""
+        call = self.module_call
+        return call.label if call is not None else None
+
+    @property
+    def modules(self) -> tuple:
+        """Module call labels containing this op, outer to inner."""
+        call = self.module_call
+        stack = []
+        while call is not None:
+            stack.append(call.label)
+            call = call.parent
+        return tuple(reversed(stack))
+
+    @property
+    def source(self):
+        """The user's call site (``.file``, ``.line``, ``.function``, ``.code``), or None."""
+        call = self._call()
+        if call is None or call[6] is None:
+            return None
+        code = call[6]
+        return SourceLocation(code.co_filename, call[7], getattr(code, "co_qualname", code.co_name))
+
+    @property
+    def duration(self):
+        """Host wall time of the torch call in seconds (instrumented: for ranking, not quoting)."""
+        call = self._call()
+        return (call[9] - call[8]) / 1e9 if call is not None else None
+
+    @property
+    def start_ns(self):
+        call = self._call()
+        return call[8] if call is not None else None
+
+    def __repr__(self) -> str:
+        shape = "x".join(str(d) for d in self.shape)
+        where = f" in {self.module}" if self.module else ""
+        return f"<Op {self.label} {self.func_name}({shape}, {str(self.dtype).replace('torch.', '')}){where}>"
+
+    def __eq__(self, other):
+        return isinstance(other, Op) and other._trace is self._trace and other.index == self.index
+
+    def __hash__(self):
+        return hash((id(self._trace), self.index))
+
+
+_PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
+                       "has_activation", "parent_arg_positions", "module_call", "module", "modules",
+                       "start_ns", "finite", "args", "kwargs"])
+
+
+class Layer:
+    """Every pass of one op site; a single-pass layer answers any ``Op`` field itself."""
+
+    __slots__ = ("_trace", "layer_label", "_indices")
+
+    def __init__(self, trace, layer_label: str, indices: list):
+        self._trace = trace
+        self.layer_label = layer_label
+        self._indices = indices
+
+    @property
+    def ops(self) -> list:
+        return [self._trace.ops[i] for i in self._indices]
+
+    @property
+    def num_passes(self) -> int:
+        return len(self._indices)
+
+    @property
+    def first(self) -> Op:
+        return self._trace.ops[self._indices[0]]
+
+    @property
+    def duration(self) -> float:
+        return sum(op.duration or 0.0 for op in self.ops)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if len(self._indices) > 1 and name in _PER_PASS:
+            raise AttributeError(
+                f"layer {self.layer_label} has {len(self._indices)} passes, so {name!r} differs per pass: "
+                f"use log['{self.layer_label}:1'].{name} or layer.ops[k].{name}"
+            )
+        return getattr(self.first, name)
+
+    def __repr__(self) -> str:
+        return f"<Layer {self.layer_label} ({self.first.func_name}, {self.num_passes} pass" \
+               f"{'es' if self.num_passes != 1 else ''})>"

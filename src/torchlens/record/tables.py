@@ -1,0 +1,93 @@
+"""DataFrame views of a trace's records (pandas is imported only here, only when asked for)."""
+
+from __future__ import annotations
+
+
+def require_pandas():
+    try:
+        import pandas
+    except ImportError as exc:  # pragma: no cover - exercised only where pandas is absent
+        raise ImportError("to_pandas() needs pandas: pip install pandas") from exc
+    return pandas
+
+
+def ops_frame(ops) -> "pandas.DataFrame":
+    pd = require_pandas()
+    rows = []
+    for op in ops:
+        source = op.source
+        rows.append({
+            "label": op.label,
+            "layer_label": op.layer_label,
+            "pass_index": op.pass_index,
+            "num_passes": op.num_passes,
+            "type": op.type,
+            "kind": op.kind,
+            "func_name": op.func_name,
+            "shape": op.shape,
+            "dtype": str(op.dtype).replace("torch.", ""),
+            "device": str(op.device),
+            "nbytes": op.nbytes,
+            "parents": op.parents,
+            "children": op.children,
+            "module": op.module,
+            "modules": op.modules,
+            "params": op.params,
+            "source_file": source.file if source else None,
+            "source_line": source.line if source else None,
+            "duration": op.duration,
+            "grad_fn": op.grad_fn,
+            "is_inplace": op.is_inplace,
+            "multi_output_index": op.multi_output_index,
+            "has_activation": op.index in op._trace._activations,
+        })
+    return pd.DataFrame(rows)
+
+
+def layers_frame(layers) -> "pandas.DataFrame":
+    pd = require_pandas()
+    return pd.DataFrame([
+        {
+            "layer_label": layer.layer_label,
+            "type": layer.first.type,
+            "func_name": layer.first.func_name,
+            "num_passes": layer.num_passes,
+            "shape": layer.first.shape,
+            "module": layer.first.module_call.address if layer.first.module_call else None,
+            "duration": layer.duration,
+        }
+        for layer in layers
+    ])
+
+
+def module_calls_frame(calls) -> "pandas.DataFrame":
+    pd = require_pandas()
+    return pd.DataFrame([
+        {
+            "label": c.label,
+            "address": c.address,
+            "call_index": c.call_index,
+            "class_name": c.module.class_name,
+            "parent": c.parent.label if c.parent else None,
+            "depth": c.depth,
+            "num_ops": len(c._op_nodes),
+            "input_ops": c.input_ops,
+            "output_ops": c.output_ops,
+            "duration": c.duration,
+        }
+        for c in calls
+    ])
+
+
+def modules_frame(modules) -> "pandas.DataFrame":
+    pd = require_pandas()
+    return pd.DataFrame([
+        {
+            "address": m.address,
+            "all_addresses": m.all_addresses,
+            "class_name": m.class_name,
+            "num_calls": m.num_calls,
+            "params": m.param_names,
+        }
+        for m in modules
+    ])

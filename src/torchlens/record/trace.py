@@ -1,0 +1,276 @@
+"""``Trace``: the record of one forward pass, held as columns, read through light views."""
+
+from __future__ import annotations
+
+import difflib
+
+from .errors import TraceCleanedUp
+from .modules import Module
+from .op import KIND_INPUT, KIND_OUTPUT, Layer, Op
+
+
+class RecordList(list):
+    """A list of records (ops, layers, module calls, modules) that also converts to a DataFrame."""
+
+    def __init__(self, items, to_frame):
+        super().__init__(items)
+        self._to_frame = to_frame
+
+    def to_pandas(self):
+        return self._to_frame(self)
+
+
+class Trace:
+    """Everything one forward pass computed, addressable by label, module call or position.
+
+    ``log['linear_1_1']`` is a Layer, ``log['linear_1_1:2']`` an Op, ``log['fc:2']`` the output op of
+    that module call, ``log['fc']`` the Module (or its output op when it ran once), ``log[i]`` and
+    ``log[a:b]`` index ops in execution order.
+    """
+
+    def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
+                 labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
+                 dropped, finite, param_addresses, module_calls, modules, output, model, unattributed,
+                 timings, n_records, budget_exhausted_at, alias_reads=frozenset()):
+        self.model_name = model_name
+        self._calls = calls
+        self._kind = kind
+        self._call = call
+        self._slot = slot
+        self._meta = meta
+        self._parents = parents
+        self._module_call = module_call
+        self._inplace = inplace
+        self._io = io
+        self._labels = labels
+        self._layer_labels = layer_labels
+        self._pass = pass_col
+        self._group = group
+        self._group_size = group_size
+        self._types = types
+        self._func_names = func_names
+        self._activations = activations
+        self._dropped = dropped
+        self._finite = finite
+        self._param_addresses = param_addresses
+        self._output = output
+        self._model = model
+        self._cleaned = False
+        self._children_col = None
+        self._lookup = None
+        self._ops = None
+        self._layers = None
+        self.unattributed = unattributed
+        self.timings = timings
+        self.budget_exhausted_at = budget_exhausted_at
+        self._alias_reads = alias_reads
+        for mc in module_calls:
+            mc._trace = self
+        from . import tables
+
+        self.module_calls = RecordList(module_calls, tables.module_calls_frame)
+        self.modules = RecordList(modules, tables.modules_frame)
+
+    # ----- records -------------------------------------------------------------------------------
+    @property
+    def ops(self) -> RecordList:
+        """Every op (inputs, buffers and outputs included) in execution order."""
+        if self._ops is None:
+            from . import tables
+
+            self._ops = RecordList([Op(self, i) for i in range(len(self._kind))], tables.ops_frame)
+        return self._ops
+
+    @property
+    def layers(self) -> RecordList:
+        if self._layers is None:
+            from . import tables
+
+            indices: dict = {}
+            for i, layer in enumerate(self._layer_labels):
+                indices.setdefault(layer, []).append(i)
+            self._layers = RecordList([Layer(self, k, v) for k, v in indices.items()], tables.layers_frame)
+        return self._layers
+
+    @property
+    def layers_by_label(self) -> dict:
+        return {layer.layer_label: layer for layer in self.layers}
+
+    @property
+    def inputs(self) -> list:
+        return [op for op in self.ops if op._trace._kind[op.index] == KIND_INPUT]
+
+    @property
+    def outputs(self) -> list:
+        return [op for op in self.ops if op._trace._kind[op.index] == KIND_OUTPUT]
+
+    @property
+    def output(self):
+        """The model's return value, exactly as forward returned it."""
+        if self._cleaned:
+            raise TraceCleanedUp("the trace was cleaned up; its output was released")
+        return self._output
+
+    @property
+    def model(self):
+        if self._cleaned:
+            raise TraceCleanedUp("the trace was cleaned up; it no longer holds the model")
+        return self._model
+
+    @property
+    def num_passes_max(self) -> int:
+        return max(self._group_size.values(), default=1)
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.num_passes_max > 1
+
+    @property
+    def saved_bytes(self) -> int:
+        seen, total = set(), 0
+        for t in self._activations.values():
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    @property
+    def capture_duration(self) -> float:
+        """Seconds from the start of ``tl.trace`` to the finished record."""
+        return self.timings.get("total", 0.0)
+
+    def _children(self) -> list:
+        if self._children_col is None:
+            children: list = [[] for _ in self._kind]
+            for i, parents in enumerate(self._parents):
+                for _, p in parents:
+                    if p >= 0 and (not children[p] or children[p][-1] != i):
+                        children[p].append(i)
+            self._children_col = children
+        return self._children_col
+
+    # ----- indexing ------------------------------------------------------------------------------
+    def _build_lookup(self) -> dict:
+        lookup: dict = {}
+        for layer in self.layers:
+            lookup[layer.layer_label] = layer
+        for op, label in zip(self.ops, self._labels):
+            lookup[label] = op
+        for op in self.ops:
+            path = self._io.get(op.index)
+            if path is not None and op._trace._kind[op.index] != 2:
+                lookup.setdefault(path, op)
+        for mc in self.module_calls:
+            outs = [i for i in mc._output_nodes if i >= 0]
+            if outs:
+                lookup.setdefault(mc.label, self.ops[outs[-1]])
+        for module in self.modules:
+            target = module
+            if module.num_calls == 1:
+                outs = [i for i in module.calls[0]._output_nodes if i >= 0]
+                target = self.ops[outs[-1]] if outs else module
+            for address in module.all_addresses:
+                lookup.setdefault(address, target)
+        return lookup
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, slice)):
+            return self.ops[key]
+        if not isinstance(key, str):
+            raise TypeError(f"index a trace with a label string, an int or a slice, not {type(key).__name__}")
+        if self._lookup is None:
+            self._lookup = self._build_lookup()
+        found = self._lookup.get(key)
+        if found is None:
+            close = difflib.get_close_matches(key, list(self._lookup), n=5, cutoff=0.5)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise KeyError(f"no op, layer, module call or module named {key!r} in this trace{hint}")
+        return found
+
+    def __contains__(self, key) -> bool:
+        try:
+            self[key]
+        except (KeyError, IndexError, TypeError):
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._kind)
+
+    def __iter__(self):
+        return iter(self.ops)
+
+    # ----- views and tools -----------------------------------------------------------------------
+    def to_pandas(self):
+        """One row per op."""
+        return self.ops.to_pandas()
+
+    def __str__(self) -> str:
+        from .summary import summary_text
+
+        return summary_text(self)
+
+    def __repr__(self) -> str:
+        return (f"<Trace of {self.model_name}: {len(self)} ops, {len(self.layers)} layers, "
+                f"{len(self.module_calls)} module calls>")
+
+    def _repr_html_(self) -> str:
+        from ..viz import notebook_html
+
+        return notebook_html(self)
+
+    def validate(self, **kwargs):
+        """Replay every op from its saved parents and compare (see ``tl.validate``)."""
+        from ..validate import validate_trace
+
+        return validate_trace(self, **kwargs)
+
+    @property
+    def flops(self):
+        """Total analytic forward FLOPs (a multiply-add counts 2); see ``torchlens.report.flops``."""
+        from ..report.flops import total_flops
+
+        return total_flops(self)
+
+    def render(self, path=None, **kwargs):
+        from ..viz import render
+
+        return render(self, path, **kwargs)
+
+    def show(self, **kwargs):
+        from ..viz import show
+
+        return show(self, **kwargs)
+
+    def save(self, path, **kwargs):
+        from ..io import save
+
+        return save(self, path, **kwargs)
+
+    def to_chrome_trace(self, path, **kwargs):
+        from ..report.chrome import to_chrome_trace
+
+        return to_chrome_trace(self, path, **kwargs)
+
+    def cleanup(self) -> None:
+        """Release every saved activation and every reference to the model and its tensors.
+
+        Metadata (labels, shapes, modules, timings) stays readable; reading an activation afterwards
+        raises ``ActivationUnavailable``.  Calling it again does nothing.
+        """
+        if self._cleaned:
+            return
+        self._cleaned = True
+        self._activations = {}
+        self._output = None
+        self._model = None
+        self._calls = [(c[0], None, None, c[3], ()) + c[5:] for c in self._calls]
+        for module in self.modules:
+            module._ref = None
+
+    @property
+    def is_cleaned_up(self) -> bool:
+        return self._cleaned
+
+
+__all__ = ["Trace", "RecordList", "Module"]

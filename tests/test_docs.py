@@ -1,0 +1,37 @@
+"""Every ```python block in README.md and docs/*.md runs, in order, one namespace per file.
+
+A block whose first line is ``# doctest: skip-if-no-cuda`` is skipped (with that reason) when CUDA is
+absent.  Blocks run with a temporary working directory so examples may write files.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def python_blocks(page: pathlib.Path) -> list:
+    return _BLOCK.findall(page.read_text())
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.exists()], ids=lambda p: p.name)
+def test_page_examples_run(page, tmp_path, monkeypatch):
+    blocks = python_blocks(page)
+    if not blocks:
+        pytest.skip(f"{page.name} has no python examples")
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": f"docs_{page.stem}"}
+    for n, block in enumerate(blocks, 1):
+        if block.startswith("# doctest: skip-if-no-cuda") and not torch.cuda.is_available():
+            continue
+        try:
+            exec(compile(block, f"{page.name}[block {n}]", "exec"), namespace)
+        except Exception as exc:  # name the page and block in the failure
+            raise AssertionError(f"{page.name}, python block {n} failed: {exc!r}") from exc
