@@ -140,12 +140,18 @@ class CaptureMode(TorchFunctionMode):
                 st.protect_saved_all(kwargs["out"])
 
         module_call = st.module_stack[-1] if st.module_stack else -1
+        markers = st.markers
+        if markers is not None:
+            token = markers.op_enter(len(st.calls))
         t0 = perf_counter_ns()
         try:
             out = func(*args, **kwargs)
         except BaseException as exc:
             st.note_failure(func, module_call, exc)
             raise
+        finally:
+            if markers is not None:
+                markers.op_exit(token)
         t1 = perf_counter_ns()
 
         # Only tensor-producing calls are ops; setitem returns None but writes its receiver.

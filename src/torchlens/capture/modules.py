@@ -48,12 +48,17 @@ class ModuleCallTracker:
             parent = st.module_stack[-1] if st.module_stack else -1
             st.module_calls.append([module, parent, perf_counter_ns(), None, inputs, ()])
             st.module_stack.append(len(st.module_calls) - 1)
+            if st.markers is not None:
+                st.markers.module_enter(len(st.module_calls) - 1)
 
         def post_hook(module, args, output):
             if module is root or threading.get_ident() != owner or not st.module_stack:
                 return
-            call = st.module_calls[st.module_stack.pop()]
+            index = st.module_stack.pop()
+            call = st.module_calls[index]
             call[3] = perf_counter_ns()
+            if st.markers is not None:
+                st.markers.module_exit(index)
             if output is not None:
                 call[5] = tuple(st.producer_of(t) for t in _tensors_in(output, []))
 

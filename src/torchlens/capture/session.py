@@ -26,7 +26,7 @@ _local = threading.local()
 
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
-          max_saved_bytes: int | None = None, name: str | None = None) -> Trace:
+          max_saved_bytes: int | None = None, name: str | None = None, _markers=None) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -61,6 +61,7 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
                          buffers=_buffers(model), max_saved_bytes=max_saved_bytes)
     if policy.mode == 2:
         state.selector = policy.capture_selector(state)
+    state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
     _add_inputs(state, model, args, kwargs)
     mode = CaptureMode(state, FrameClassifier(stop_codes=(_run_forward.__code__,)))
     _local.active = True

@@ -64,6 +64,9 @@ class CaptureState:
         self.clobbered: dict = {}  # record index -> reason its saved value was dropped
         self.finite_flags: dict | None = {} if record_finite else None
         self.failure = None
+        # Optional profiler markers (report/kernel_profile.py): an object with op_enter(call index) ->
+        # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
+        self.markers = None
         self.t_start = perf_counter_ns()
 
     # ----- parents -------------------------------------------------------------------------------
