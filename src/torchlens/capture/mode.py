@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .source import FrameClassifier
-from .state import CaptureState
+from .state import CaptureState, storage_key
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
@@ -55,6 +55,8 @@ _INPLACE_DUNDERS = frozenset(
      "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"]
 )
 _inplace_cache: dict = {}
+_SEQUENCES = (list, tuple)
+_NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
 
 
 def _predicts_inplace(func) -> bool:
@@ -77,7 +79,7 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
-            kwargs = {}
+            kwargs = _NO_KWARGS
         if func in _NOT_OPS:
             return func(*args, **kwargs)
         st = self.state
@@ -86,35 +88,31 @@ class CaptureMode(TorchFunctionMode):
         # Scan tensor arguments: parents (by producing op), parameters, and version counters.
         parents = []
         params = None
-        versions = []
+        versions = []  # (tensor, version before the call): detects writes, predicted or not
         skeleton = None
         for pos, a in enumerate(args):
             if isinstance(a, Tensor):
                 if skeleton is None:
                     skeleton = list(args)
                 skeleton[pos] = None
-                versions.append(a)
+                version = a._version
+                versions.append((a, version))
                 if type(a) is Parameter:
                     if params is None:
                         params = []
                     params.append((pos, a))
                     continue
-                parents.append((pos, st.producer_of(a)))
-            elif type(a) in (list, tuple) and a and isinstance(a[0], Tensor):
+                entry = producers.get(id(a))
+                if entry is not None and entry[2] == version and entry[0]() is a:
+                    parents.append((pos, entry[1]))
+                else:
+                    parents.append((pos, st.producer_of(a)))
+            elif type(a) in _SEQUENCES and a and isinstance(a[0], Tensor):
                 if skeleton is None:
                     skeleton = list(args)
-                inner = list(a)
-                for j, b in enumerate(a):
-                    if isinstance(b, Tensor):
-                        inner[j] = None
-                        versions.append(b)
-                        if type(b) is Parameter:
-                            if params is None:
-                                params = []
-                            params.append(((pos, j), b))
-                        else:
-                            parents.append(((pos, j), st.producer_of(b)))
-                skeleton[pos] = type(a)(inner) if type(a) is tuple else inner
+                skeleton[pos] = self._scan_sequence(a, pos, parents, versions, params_out := [])
+                if params_out:
+                    params = (params or []) + params_out
         kw_skeleton = kwargs
         if kwargs:
             for key, a in kwargs.items():
@@ -122,19 +120,21 @@ class CaptureMode(TorchFunctionMode):
                     if kw_skeleton is kwargs:
                         kw_skeleton = dict(kwargs)
                     kw_skeleton[key] = None
-                    versions.append(a)
+                    versions.append((a, a._version))
                     if type(a) is Parameter:
                         if params is None:
                             params = []
                         params.append((key, a))
                     else:
                         parents.append((key, st.producer_of(a)))
-        before = [v._version for v in versions]
 
         # Copy-on-write: a predicted in-place write must not alter an activation saved earlier.
         if st.saved and versions:
-            if _predicts_inplace(func) or kwargs.get("inplace"):
-                if isinstance(args[0], Tensor):
+            inplace = _inplace_cache.get(func)
+            if inplace is None:
+                inplace = _predicts_inplace(func)
+            if inplace or kwargs.get("inplace"):
+                if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
                     st.protect_saved(args[0])
             elif "out" in kwargs:
                 st.protect_saved_all(kwargs["out"])
@@ -166,35 +166,68 @@ class CaptureMode(TorchFunctionMode):
         else:
             return out
 
-        site, code, line = self.frames.locate(sys._getframe(1))
+        # The user's frame: one dict lookup in the common case of an op called from user code.
+        # Lines are resolved from instruction offsets only when asked for (record/op.py).
+        frame = sys._getframe(1)
+        code = frame.f_code
+        if self.frames.is_user(code):
+            line = frame.f_lasti
+            site = (code, line)
+        else:
+            site, code, line = self.frames.locate(frame)
         call_index = len(st.calls)
         first_op = len(st.records)
         written = None
-        for i, v in enumerate(versions):
-            if v._version != before[i]:
+        for v, before in versions:
+            if v._version != before:
                 if written is None:
                     written = []
                 written.append(v)
-        st.calls.append(
-            (func, tuple(skeleton) if skeleton is not None else args, kw_skeleton, tuple(parents),
-             tuple(params) if params else (), module_call, code, line, t0, t1, first_op, len(leaves),
-             written is not None, site)
-        )
+        st.calls.append((func, tuple(skeleton) if skeleton is not None else args, kw_skeleton, parents,
+                         params or (), module_call, code, line, t0, t1, first_op, len(leaves),
+                         written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
         records = st.records
         save_mode = st.save_mode
+        saved, saved_versions, saved_by_storage = st.saved, st.saved_versions, st.saved_by_storage
         for slot, t in leaves:
             index = len(records)
             requires_grad = t.requires_grad
             records.append((call_index, slot, t.shape, t.dtype, t.device, requires_grad,
                             type(t.grad_fn) if requires_grad else None))
-            producers[id(t)] = (weakref(t), index, t._version)
+            version = t._version
+            producers[id(t)] = (weakref(t), index, version)
             if save_mode and (save_mode == 1 or st.wants(func, module_call)):
-                st.save(index, t, requires_grad)
+                if st.plain_save:  # the common case, inlined: keep a reference, note its storage
+                    if requires_grad:
+                        t = t.detach()
+                    saved[index] = t
+                    saved_versions[index] = version
+                    key = storage_key(t)
+                    stored = saved_by_storage.get(key)
+                    if stored is None:
+                        saved_by_storage[key] = [index]
+                    else:
+                        stored.append(index)
+                else:
+                    st.save(index, t, requires_grad)
             if st.finite_flags is not None:
                 st.record_finite(index, t)
         return out
+
+    def _scan_sequence(self, seq, pos, parents, versions, params):
+        """Tensors inside a list/tuple argument (``torch.cat([a, b])``): positions are ``(pos, j)``."""
+        inner = list(seq)
+        for j, b in enumerate(seq):
+            if isinstance(b, Tensor):
+                inner[j] = None
+                versions.append((b, b._version))
+                if type(b) is Parameter:
+                    params.append(((pos, j), b))
+                else:
+                    parents.append(((pos, j), self.state.producer_of(b)))
+        return tuple(inner) if type(seq) is tuple else inner
 
 
 def _tensor_leaves(out, prefix=()):

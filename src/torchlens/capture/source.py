@@ -8,6 +8,7 @@ few dict lookups.  Reaching the trace driver's own frame means no user code call
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 from dataclasses import dataclass
@@ -37,12 +38,19 @@ class FrameClassifier:
         self._verdicts[code] = verdict
         return verdict
 
+    def is_user(self, code) -> bool:
+        verdict = self._verdicts.get(code)
+        if verdict is None:
+            verdict = self._classify(code)
+        return verdict == _USER
+
     def locate(self, frame):
         """``(site, code, line)`` for an op called from ``frame``'s caller chain.
 
         ``site`` is ``(code, instruction offset)`` of the nearest frame that called the op (torch's own
         module code included): it identifies the call site, so the same site run again is a loop.
-        ``code, line`` are the nearest user frame's, or ``None, None`` when only torch code called it.
+        ``code, offset`` are the nearest user frame's code and instruction offset (``line_of`` turns them
+        into a line number, lazily), or ``None, None`` when only torch code called it.
         """
         verdicts = self._verdicts
         site = None
@@ -52,7 +60,7 @@ class FrameClassifier:
             if verdict is None:
                 verdict = self._classify(code)
             if verdict == _USER:
-                return site or (code, frame.f_lasti), code, frame.f_lineno
+                return site or (code, frame.f_lasti), code, frame.f_lasti
             if verdict == _STOP:
                 return site, None, None
             if verdict == _SKIP and site is None:
@@ -76,3 +84,20 @@ class SourceLocation:
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line} in {self.function}"
+
+
+@functools.lru_cache(maxsize=65536)
+def line_of(code, offset: int):
+    """The source line of instruction ``offset`` in ``code``."""
+    for start, end, line in code.co_lines():
+        if start <= offset < end:
+            return line
+    return code.co_firstlineno
+
+
+def source_of(code, offset):
+    """``SourceLocation`` for a recorded user frame, or None."""
+    if code is None:
+        return None
+    return SourceLocation(code.co_filename, line_of(code, offset), getattr(code, "co_qualname", code.co_name))
+

@@ -4,7 +4,8 @@ Layout of the raw lists (read only by ``record.finalize``):
 
 - ``calls[c]``: ``(func, arg_skeleton, kwarg_skeleton, parents, params, module_call, code, line,
   t0_ns, t1_ns, first_record, num_outputs, wrote_arguments, site)`` for one tensor-producing torch call;
-  ``code, line`` locate the user's frame, ``site`` the nearest calling frame (see capture/source.py).
+  ``code, line`` locate the user's frame (``line`` is an instruction offset: see ``source.line_of``),
+  ``site`` the nearest calling frame (see capture/source.py).
   ``parents`` is a tuple of ``(argument position, record index)``; a position is an int, an
   ``(int, int)`` pair for a tensor inside a list argument, or a keyword name.  Record index -1 means a
   tensor capture never saw being made (see ``Trace.unattributed``).  ``params`` holds
@@ -60,10 +61,13 @@ class CaptureState:
         self.saved_by_storage: dict = {}  # storage key -> [record index, ...]
         self.saved_bytes = 0
         self.max_saved_bytes = max_saved_bytes
+        # No device move and no budget: the hot path saves inline (capture/mode.py).
+        self.plain_save = save_device is None and max_saved_bytes is None
         self.budget_exhausted_at: int | None = None
         self.clobbered: dict = {}  # record index -> reason its saved value was dropped
         self.finite_flags: dict | None = {} if record_finite else None
         self.failure = None
+        self.raised_in = None  # (exception, module call index) where an exception left a module call
         # Optional profiler markers (report/kernel_profile.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
         self.markers = None
@@ -129,8 +133,17 @@ class CaptureState:
         if self.save_device is not None and t.device != self.save_device:
             self._keep(index, t.to(self.save_device), None)
             return
-        self._keep(index, t, t._version)
-        self.saved_by_storage.setdefault(storage_key(t), []).append(index)
+        if self.max_saved_bytes is None:  # the common case, inlined
+            self.saved[index] = t
+            self.saved_versions[index] = t._version
+        else:
+            self._keep(index, t, t._version)
+        key = storage_key(t)
+        stored = self.saved_by_storage.get(key)
+        if stored is None:
+            self.saved_by_storage[key] = [index]
+        else:
+            stored.append(index)
 
     def _keep(self, index: int, t: torch.Tensor, version) -> None:
         if self.max_saved_bytes is not None:
@@ -139,6 +152,7 @@ class CaptureState:
                 if self.budget_exhausted_at is None:
                     self.budget_exhausted_at = index
                     self.save_mode = 0
+                    self.plain_save = False
                 return
             self.saved_bytes += size
         self.saved[index] = t

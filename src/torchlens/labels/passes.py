@@ -42,39 +42,47 @@ def arg_signature(obj, depth: int = 0):
     return type(obj).__name__
 
 
+def args_key(call) -> tuple:
+    """The non-tensor arguments of a raw call as a hashable key (fast when they are hashable)."""
+    args, kwargs = call[1], call[2]
+    key = (args, tuple(kwargs.items()) if kwargs else None)
+    try:
+        hash(key)
+    except TypeError:  # lists, dicts, slices (before Python 3.12), unhashable objects
+        return (arg_signature(args), arg_signature(kwargs))
+    return key
+
+
 def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_objects, module_counts):
     """Return a group id per node (nodes with ``call_col[i] < 0`` are sources and outputs)."""
     group: list = [-1] * len(call_col)
     keys: dict = {}
     position_in_call: dict = {}
     site_ops = []
-
-    def assign(i, key):
+    for i, c in enumerate(call_col):
+        if c < 0:
+            key = ("source", i)
+        else:
+            slot, module_call = slot_col[i], module_col[i]
+            call = calls[c]
+            func, params = call[0], call[4]
+            module = None
+            if module_call >= 0:
+                module = module_objects[module_call]
+                if slot is None or slot == 0 or slot == (0,):
+                    position_in_call[module_call] = position_in_call.get(module_call, -1) + 1
+            if module is not None and module_counts[id(module)] > 1:
+                key = ("module", id(module), position_in_call[module_call], func, slot)
+            elif params:
+                key = ("params", func, tuple(sorted(id(p) for _, p in params)), slot, id(module), args_key(call))
+            else:
+                shapes = tuple(meta[p][0] if p >= 0 else None for _, p in parents_col[i])
+                key = ("site", call[13], func, slot, args_key(call), shapes, id(module))
+                site_ops.append(i)
         gid = keys.get(key)
         if gid is None:
             gid = keys[key] = len(keys)
         group[i] = gid
-
-    for i, c in enumerate(call_col):
-        if c < 0:
-            assign(i, ("source", i))
-            continue
-        slot, module_call = slot_col[i], module_col[i]
-        call = calls[c]
-        func, params = call[0], call[4]
-        module = module_objects[module_call] if module_call >= 0 else None
-        if module_call >= 0 and (slot is None or slot == 0 or slot == (0,)):
-            position_in_call[module_call] = position_in_call.get(module_call, -1) + 1
-        if module is not None and module_counts[id(module)] > 1:
-            assign(i, ("module", id(module), position_in_call[module_call], func, slot))
-            continue
-        args_sig = (arg_signature(call[1]), arg_signature(call[2]))
-        if params:
-            assign(i, ("params", func, tuple(sorted(id(p) for _, p in params)), slot, id(module), args_sig))
-            continue
-        shapes = tuple(tuple(meta[p][0]) if p >= 0 else None for _, p in parents_col[i])
-        assign(i, ("site", call[13], func, slot, args_sig, shapes, id(module)))
-        site_ops.append(i)
 
     _split_self_chains(group, site_ops, parents_col, len(keys))
     return group

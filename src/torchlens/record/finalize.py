@@ -36,26 +36,16 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict)
     returned = [(path, state.producer_of(t), t) for path, t in tensor_leaves(output, "output", [])]
 
     n_records = len(records)
-    kind, call_col, slot_col, meta, parents_col, module_col, inplace = [], [], [], [], [], [], []
-    io: dict = {}
-    for i, (c, slot, *rest) in enumerate(records):
-        meta.append(rest)
-        if c >= 0:
-            call = calls[c]
-            kind.append(KIND_OP)
-            call_col.append(c)
-            slot_col.append(slot)
-            parents_col.append(call[3])
-            module_col.append(call[5])
-            inplace.append(call[12] and slot is None and _writes_receiver(call))
-        else:
-            kind.append(KIND_INPUT if c == INPUT else KIND_BUFFER)
-            io[i] = slot
-            call_col.append(-1)
-            slot_col.append(None)
-            parents_col.append(())
-            module_col.append(-1)
-            inplace.append(False)
+    raw_calls = [r[0] for r in records]
+    call_col = [c if c >= 0 else -1 for c in raw_calls]
+    kind = [KIND_OP if c >= 0 else (KIND_INPUT if c == INPUT else KIND_BUFFER) for c in raw_calls]
+    slot_col = [r[1] if r[0] >= 0 else None for r in records]
+    parents_col = [calls[c][3] if c >= 0 else () for c in call_col]
+    module_col = [calls[c][5] if c >= 0 else -1 for c in call_col]
+    inplace = [c >= 0 and calls[c][12] and s is None and _writes_receiver(calls[c])
+               for c, s in zip(call_col, slot_col)]
+    io = {i: r[1] for i, r in enumerate(records) if r[0] < 0}
+    meta = [r[2:] for r in records]
     activations = dict(state.saved)
     for path, producer, t in returned:
         i = len(kind)
@@ -66,7 +56,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict)
         parents_col.append(((0, producer),))
         module_col.append(-1)
         inplace.append(False)
-        meta.append([t.shape, t.dtype, t.device, t.requires_grad, None])
+        meta.append((t.shape, t.dtype, t.device, t.requires_grad, None))
         if producer in activations:
             activations[i] = activations[producer]
 

@@ -6,7 +6,7 @@ and every field is read from (or derived from) the trace's columns on demand.
 
 from __future__ import annotations
 
-from ..capture.source import SourceLocation
+from ..capture.source import source_of
 from .errors import ActivationUnavailable
 
 KIND_OP, KIND_INPUT, KIND_BUFFER, KIND_OUTPUT = 0, 1, 2, 3
@@ -214,10 +214,7 @@ class Op:
     def source(self):
         """The user's call site (``.file``, ``.line``, ``.function``, ``.code``), or None."""
         call = self._call()
-        if call is None or call[6] is None:
-            return None
-        code = call[6]
-        return SourceLocation(code.co_filename, call[7], getattr(code, "co_qualname", code.co_name))
+        return source_of(call[6], call[7]) if call is not None else None
 
     @property
     def duration(self):

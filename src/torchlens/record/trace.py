@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 
-from .errors import TraceCleanedUp
+from .errors import TorchlensError, TraceCleanedUp
 from .modules import Module
 from .op import KIND_INPUT, KIND_OUTPUT, Layer, Op
 
@@ -27,6 +27,8 @@ class Trace:
     that module call, ``log['fc']`` the Module (or its output op when it ran once), ``log[i]`` and
     ``log[a:b]`` index ops in execution order.
     """
+
+    loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
@@ -109,6 +111,9 @@ class Trace:
         """The model's return value, exactly as forward returned it."""
         if self._cleaned:
             raise TraceCleanedUp("the trace was cleaned up; its output was released")
+        if self.loaded_from is not None:
+            raise TraceCleanedUp(f"this trace was loaded from {self.loaded_from}; saved traces hold no model "
+                                 "output object: read log.outputs[k].activation")
         return self._output
 
     @property
@@ -221,6 +226,10 @@ class Trace:
 
     def validate(self, **kwargs):
         """Replay every op from its saved parents and compare (see ``tl.validate``)."""
+        if self.loaded_from is not None:
+            raise TorchlensError(f"this trace was loaded from {self.loaded_from}: replay needs the torch callables "
+                                 "and parameters, which saved traces name but do not hold; validate the live "
+                                 "model with tl.validate(model, x)")
         from ..validate import validate_trace
 
         return validate_trace(self, **kwargs)
@@ -260,6 +269,10 @@ class Trace:
         """
         if self._cleaned:
             return
+        if not hasattr(self, "_flops_col"):
+            from ..report.flops import flops_column
+
+            flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held
         self._cleaned = True
         self._activations = {}
         self._output = None
