@@ -1,0 +1,351 @@
+"""Capture on real models: labels, passes, parents, module calls, source lines and faithfulness."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import pytest
+
+import torchlens as tl
+from zoo import LoopRNN, SharedModule, zoo
+
+
+def labels(log):
+    return [op.label for op in log]
+
+
+def run_untraced(model, args, kwargs):
+    return model(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(zoo()))
+def test_outputs_are_bit_identical_to_an_untraced_run(name):
+    model, args, kwargs = zoo()[name]
+    torch.manual_seed(1)
+    expected = run_untraced(model, args, kwargs)
+    model, args, kwargs = zoo()[name]
+    torch.manual_seed(1)
+    log = tl.trace(model, args, kwargs)
+    assert tl.validate is not None
+    from torchlens.validate import outputs_equal
+
+    assert outputs_equal(log.output, expected)
+
+
+@pytest.mark.parametrize("name", sorted(zoo()))
+def test_every_op_replays_from_its_saved_parents(name):
+    result = tl.validate(*zoo()[name])
+    assert result.outputs_match, name
+    assert not result.mismatched, result.mismatched
+    for label, reason in result.not_replayed:  # anything not replayed says why
+        assert reason
+
+
+def test_mlp_labels_modules_and_params():
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args)
+    assert labels(log) == ["input_1:1", "linear_1_1:1", "relu_1_2:1", "linear_2_3:1", "relu_1_2:2",
+                           "linear_3_4:1", "relu_1_2:3", "linear_4_5:1", "output_1:1"]
+    # F.relu at one call site in a loop is one layer with three passes
+    assert log["relu_1_2"].num_passes == 3
+    op = log["linear_2_3:1"]
+    assert op.module == "layers.1:1" and op.modules == ("layers.1:1",)
+    assert op.params == ("layers.1.weight", "layers.1.bias")
+    assert op.parents == ["relu_1_2:1"] and op.children == ["relu_1_2:2"]
+    assert op.shape == (4, 16) and op.dtype == torch.float32 and op.nbytes == 4 * 16 * 4
+    assert op.source.line > 0 and "layer(x)" in op.source.code and op.source.function == "MLP.forward"
+    assert op.grad_fn == "AddmmBackward0"
+    assert log["head"].label == "linear_4_5:1"  # a module that ran once -> its output op
+
+
+def test_shared_module_gives_one_layer_with_a_pass_per_call():
+    model = SharedModule().eval()
+    log = tl.trace(model, torch.randn(2, 8))
+    assert labels(log) == ["input_1:1", "linear_1_1:1", "relu_1_2:1", "linear_1_1:2", "relu_1_2:2",
+                           "linear_1_1:3", "output_1:1"]
+    assert [c.label for c in log.module_calls] == ["fc:1", "act:1", "fc:2", "act:2", "fc:3"]
+    assert log["fc:2"].label == "linear_1_1:2"
+    fc = log["fc"]
+    assert isinstance(fc, tl.Module) and fc.num_calls == 3 and fc.class_name == "Linear"
+    layer = log["linear_1_1"]
+    assert isinstance(layer, tl.Layer) and layer.num_passes == 3
+    assert [op.pass_index for op in layer.ops] == [1, 2, 3]
+    with pytest.raises(AttributeError, match="passes"):
+        layer.activation
+
+
+def test_python_loop_groups_module_and_param_free_body():
+    model = LoopRNN(steps=4).eval()
+    log = tl.trace(model, torch.randn(2, 8))
+    layer_labels = [layer.layer_label for layer in log.layers]
+    assert layer_labels == ["input_1", "zeroslike_1_1", "linear_1_2", "add_1_3", "tanh_1_4", "mul_1_5",
+                            "output_1"]
+    assert [layer.num_passes for layer in log.layers] == [1, 1, 4, 4, 4, 4, 1]
+    assert log["add_1_3:2"].parents == ["linear_1_2:2", "mul_1_5:1"]
+    assert log.is_recurrent
+
+
+def test_single_op_self_chain_is_not_recurrence():
+    def chain(x):
+        for _ in range(3):
+            x = x + 1
+        return x
+
+    log = tl.trace(chain, torch.randn(3))
+    assert labels(log) == ["input_1:1", "add_1_1:1", "add_2_2:1", "add_3_3:1", "output_1:1"]
+
+
+def test_growing_shapes_are_not_grouped_and_distinct_modules_never_merge():
+    def grow(x):
+        for _ in range(2):
+            x = torch.tanh(torch.cat([x, x]))
+        return x
+
+    assert labels(tl.trace(grow, torch.randn(2))) == [
+        "input_1:1", "cat_1_1:1", "tanh_1_2:1", "cat_2_3:1", "tanh_2_4:1", "output_1:1"]
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    assert labels(tl.trace(Tied(), torch.randn(1, 4))) == ["input_1:1", "linear_1_1:1", "linear_2_2:1",
+                                                          "output_1:1"]
+
+
+def test_multi_output_calls_give_one_op_per_tensor():
+    model, args, _ = zoo()["multi_output"]
+    log = tl.trace(model, args)
+    assert labels(log) == ["input_1:1", "chunk_1_1:1", "chunk_2_2:1", "mul_1_3:1", "max_1_4:1", "max_2_5:1",
+                           "output_1:1", "output_2:1"]
+    assert [log[k].multi_output_index for k in ("chunk_1_1:1", "chunk_2_2:1", "max_1_4:1", "max_2_5:1")] == \
+        [0, 1, 0, 1]
+    assert log["mul_1_3:1"].parent_arg_positions == {0: "chunk_1_1:1", 1: "chunk_2_2:1"}
+    assert log["output_2:1"].dtype == torch.int64
+
+
+def test_lstm_and_gru_outputs_are_separate_ops():
+    model, args, _ = zoo()["recurrent"]
+    log = tl.trace(model, args)
+    lstm = [op for op in log if op.func_name == "lstm"]
+    assert [op.multi_output_index for op in lstm] == [0, 1, 2]
+    assert all(op.module == "lstm:1" for op in lstm)
+    assert log["getitem_1_9:1"].parents == [lstm_output_of(log, "gru")]
+
+
+def lstm_output_of(log, address):
+    return [op.label for op in log if op.module == f"{address}:1" and op.multi_output_index == 0][0]
+
+
+def test_inplace_ops_keep_the_value_saved_before_the_write():
+    class M(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.relu_()
+            y += 1
+            return y
+
+    x = torch.tensor([[-1.0, 2.0]])
+    log = tl.trace(M(), x)
+    assert labels(log) == ["input_1:1", "mul_1_1:1", "relu_1_2:1", "add_1_3:1", "output_1:1"]
+    assert torch.equal(log["mul_1_1:1"].activation, torch.tensor([[-2.0, 4.0]]))
+    assert torch.equal(log["relu_1_2:1"].activation, torch.tensor([[0.0, 4.0]]))
+    assert torch.equal(log["add_1_3:1"].activation, torch.tensor([[1.0, 5.0]]))
+    assert log["relu_1_2:1"].is_inplace and log["add_1_3:1"].parents == ["relu_1_2:1"]
+    assert not log["mul_1_1:1"].is_inplace
+
+
+def test_write_through_a_view_protects_the_saved_base_and_rebinds_readers():
+    def f(x):
+        y = x * 1
+        z = y[:, :1]
+        z += 10
+        return y.sum()
+
+    log = tl.trace(f, torch.ones(2, 2))
+    assert torch.equal(log["mul_1_1:1"].activation, torch.ones(2, 2))  # copied before the write
+    assert log["sum_1_4:1"].parents == ["add_1_3:1"]  # y was last written through z
+    assert log.output.item() == 24.0
+
+
+def test_setitem_is_an_inplace_op_on_its_receiver():
+    def f(x):
+        c = x.clone()
+        c[:, 0] = 5.0
+        return c
+
+    log = tl.trace(f, torch.zeros(2, 2))
+    op = log["setitem_1_2:1"]
+    assert op.is_inplace and op.parents == ["clone_1_1:1"]
+    assert torch.equal(log["clone_1_1:1"].activation, torch.zeros(2, 2))
+    assert torch.equal(op.activation, torch.tensor([[5.0, 0.0], [5.0, 0.0]]))
+
+
+def test_buffers_in_train_and_eval_batchnorm():
+    model, args, _ = zoo()["batchnorm_train"]
+    before = model.bn.running_mean.clone()
+    log = tl.trace(model, args)
+    buffers = [op for op in log if op.is_buffer]
+    assert [op.io_path for op in buffers] == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var",
+                                              "scale"]
+    assert log["buffer_2:1"].children == ["batchnorm_1_3:1"]
+    assert torch.equal(log["buffer_2:1"].activation, before)  # the value as read, not as rewritten
+    assert model.bn.num_batches_tracked.item() == 1  # the model ran exactly once
+
+    model, args, _ = zoo()["batchnorm_eval"]
+    log = tl.trace(model, args)
+    assert [op.io_path for op in log if op.is_buffer] == ["bn.running_mean", "bn.running_var", "scale"]
+
+
+def test_root_functional_ops_and_internal_tensors():
+    model, args, _ = zoo()["functional"]
+    log = tl.trace(model, args)
+    ones, arange = log["ones_1_1:1"], log["arange_1_2:1"]
+    assert ones.parents == [] and arange.parents == []
+    assert ones.module is None and ones.modules == ()
+    normalize = [op for op in log if op.func_name == "normalize"]
+    assert len(normalize) == 1  # a Python-level torch function is one op
+
+
+def test_dict_inputs_kwargs_and_structured_outputs():
+    model, args, kwargs = zoo()["dict_io"]
+    log = tl.trace(model, args, kwargs)
+    assert [op.io_path for op in log.inputs] == ["input.batch.a", "input.batch.b", "input.mask"]
+    assert [op.io_path for op in log.outputs] == ["output.h", "output.aux.0", "output.aux.1"]
+    assert set(log.output) == {"h", "aux"}
+    assert log["input.batch.b"].label == "input_2:1"
+
+
+def test_data_dependent_branch_records_the_branch_taken():
+    model, _, _ = zoo()["branchy"]
+    pos = tl.trace(model, torch.ones(2, 8))
+    neg = tl.trace(model, -torch.ones(2, 8))
+    assert [op.module for op in pos if op.func_name == "linear"] == ["a:1"]
+    assert [op.module for op in neg if op.func_name == "linear"] == ["b:1"]
+
+
+def test_dropout_in_train_mode_draws_the_same_mask_as_an_untraced_run():
+    model, args, _ = zoo()["dropout_train"]
+    torch.manual_seed(7)
+    expected = model(*args)
+    after_untraced = torch.get_rng_state()
+    torch.manual_seed(7)
+    log = tl.trace(model, args)
+    assert torch.equal(log.output, expected)
+    assert torch.equal(torch.get_rng_state(), after_untraced)  # RNG consumed exactly as untraced
+
+
+def test_transformer_fast_path_stays_on_and_bit_identical():
+    model, args, _ = zoo()["transformer_fastpath"]
+    x = args[0]
+    with torch.no_grad():
+        expected = model(x)
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, expected)
+    assert [op.func_name for op in log if op.kind == "op"] == ["_transformer_encoder_layer_fwd"] * 2
+    assert torch.overrides.has_torch_function is torch._C._has_torch_function
+
+
+def test_model_state_and_training_flags_are_left_as_an_untraced_run_leaves_them():
+    model, args, _ = zoo()["batchnorm_train"]
+    twin, _, _ = zoo()["batchnorm_train"]
+    twin.load_state_dict(model.state_dict())
+    model(*args)
+    tl.trace(twin, args)
+    for (k, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert twin.training and twin.bn.training
+
+
+def test_nothing_stays_installed_after_a_trace_even_when_the_model_raises():
+    from torch.nn.modules import module as module_globals
+
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return torch.linalg.cholesky(self.fc(x) * 0 - torch.eye(2))  # not positive definite
+
+    hooks_before = (dict(module_globals._global_forward_hooks), dict(module_globals._global_forward_pre_hooks))
+    model = Boom()
+    with pytest.raises(Exception) as info:
+        tl.trace(model, torch.randn(2, 2))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "'linalg_cholesky'" in notes and "root forward" in notes
+    assert torch._C._len_torch_function_stack() == 0
+    assert (dict(module_globals._global_forward_hooks), dict(module_globals._global_forward_pre_hooks)) == \
+        hooks_before
+    assert torch.overrides.has_torch_function is torch._C._has_torch_function
+    assert not model._forward_hooks and not model.fc._forward_pre_hooks
+    # the model then runs normally, and a new trace works
+    model.forward = lambda x: model.fc(x)
+    assert len(tl.trace(model, torch.randn(2, 2))) == 3
+
+
+def test_exception_note_names_the_op_and_module():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as info:
+        tl.trace(Bad(), torch.randn(2, 5))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "'linear'" in notes and "inner:1" in notes
+
+
+def test_nested_trace_is_refused_clearly():
+    def outer(x):
+        return tl.trace(torch.relu, x)
+
+    with pytest.raises(tl.NestedTraceError, match="already being traced"):
+        tl.trace(outer, torch.randn(2))
+
+
+def test_non_tensor_inputs_reach_forward_untouched():
+    seen = {}
+
+    def f(x, n, opts):
+        seen["n"], seen["opts"] = n, opts
+        return x * n
+
+    opts = {"k": [1, 2]}
+    log = tl.trace(f, (torch.ones(2), 3, opts))
+    assert seen["n"] == 3 and seen["opts"] is opts
+    assert len(log.inputs) == 1
+
+
+def test_other_threads_are_not_captured():
+    import threading
+
+    done = threading.Event()
+
+    def background():
+        while not done.is_set():
+            torch.ones(3) * 2
+
+    worker = threading.Thread(target=background)
+    worker.start()
+    try:
+        log = tl.trace(lambda x: x.exp().sum(), torch.randn(4))
+    finally:
+        done.set()
+        worker.join()
+    assert [op.func_name for op in log if op.kind == "op"] == ["exp", "sum"]
+
+
+def test_sequential_ops_have_no_user_source_line():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    log = tl.trace(model, torch.randn(1, 4))
+    assert log["linear_1_1:1"].source is None
+    assert log["0"].module == "0:1"

@@ -1,0 +1,236 @@
+"""The record model: indexing, summaries, tables, cleanup, and the save policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.labels.naming import type_of_name
+from zoo import SmallCNN, SharedModule, zoo
+
+
+@pytest.fixture
+def cnn_log():
+    torch.manual_seed(0)
+    return tl.trace(SmallCNN().eval(), torch.randn(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("max_pool2d", "maxpool2d"), ("__getitem__", "getitem"), ("__setitem__", "setitem"), ("relu_", "relu"),
+    ("__iadd__", "iadd"), ("lstm_cell", "lstmcell"), ("scaled_dot_product_attention", "scaleddotproductattention"),
+    ("T", "t"), ("__matmul__", "matmul"), ("__radd__", "add"), ("__rmul__", "mul"), ("__rsub__", "rsub"),
+])
+def test_type_names_follow_the_label_grammar(raw, expected):
+    assert type_of_name(raw) == expected
+
+
+def test_indexing_by_every_kind_of_key(cnn_log):
+    log = cnn_log
+    assert log[0].label == "input_1:1" and log[-1].label == "output_1:1"
+    assert [op.label for op in log[1:3]] == ["conv2d_1_1:1", "buffer_1:1"]
+    assert isinstance(log["conv2d_1_1"], tl.Layer)
+    assert isinstance(log["conv2d_1_1:1"], tl.Op)
+    assert log["features.4.0:1"].label == log["features.4.0"].label == "conv2d_2_5:1"
+    assert log["features"].label == "relu_2_6:1"  # a container's output op
+    assert log["input.x"].label == "input_1:1"
+    assert len(log) == len(log.ops) and list(log)[1] == log.ops[1]
+    assert "conv2d_1_1:1" in log and "nope" not in log
+
+
+def test_unknown_key_suggests_close_labels(cnn_log):
+    with pytest.raises(KeyError, match="conv2d_1_1"):
+        cnn_log["conv2d_1_11"]
+    with pytest.raises(TypeError):
+        cnn_log[1.5]
+
+
+def test_module_records(cnn_log):
+    calls = {c.label: c for c in cnn_log.module_calls}
+    inner = calls["features.4.0:1"]
+    assert inner.parent.label == "features.4:1" and inner.parent.parent.label == "features:1"
+    assert inner.depth == 2 and inner.module.class_name == "Conv2d"
+    assert inner.input_ops == ["maxpool2d_1_4:1"] and inner.output_ops == ["conv2d_2_5:1"]
+    assert calls["features:1"].ops[0] == "conv2d_1_1:1" and calls["features:1"].duration > 0
+    assert cnn_log["conv2d_2_5:1"].modules == ("features:1", "features.4:1", "features.4.0:1")
+    module = next(m for m in cnn_log.modules if m.address == "fc")
+    assert module.param_names == ["weight", "bias"] and module.call_labels == ["fc:1"]
+
+
+def test_aliased_module_keeps_first_address_and_counts_calls_per_object():
+    class Alias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = self.a
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    log = tl.trace(Alias(), torch.randn(1, 3))
+    assert [c.label for c in log.module_calls] == ["a:1", "a:2"]
+    assert log["a"].all_addresses == ["a", "b"]
+    assert isinstance(log["b"], tl.Module)
+
+
+def test_summary_is_bounded_and_informative():
+    log = tl.trace(zoo()["loop_rnn"][0], zoo()["loop_rnn"][1])
+    text = str(log)
+    assert "Trace of LoopRNN" in text and "67 ops" in text and "recurrent (up to 16 passes" in text
+    assert "more ops" in text and len(text.splitlines()) < 50
+    assert repr(log).startswith("<Trace of LoopRNN")
+
+
+def test_tables(cnn_log):
+    frame = cnn_log.to_pandas()
+    assert list(frame["label"]) == [op.label for op in cnn_log]
+    assert {"layer_label", "pass_index", "module", "duration", "source_line", "parents"} <= set(frame.columns)
+    assert len(cnn_log.layers.to_pandas()) == len(cnn_log.layers)
+    calls = cnn_log.module_calls.to_pandas()
+    assert list(calls["label"])[:2] == ["features:1", "features.0:1"]
+    assert "num_calls" in cnn_log.modules.to_pandas().columns
+
+
+def test_cleanup_releases_activations_model_and_output(cnn_log):
+    log = cnn_log
+    label = log[1].label
+    log.cleanup()
+    log.cleanup()  # idempotent
+    assert log.is_cleaned_up and log[1].label == label and log[1].shape == (2, 8, 8, 8)
+    with pytest.raises(tl.ActivationUnavailable, match="cleaned up"):
+        log[1].activation
+    with pytest.raises(tl.TraceCleanedUp):
+        log.output
+    assert "released by cleanup()" in str(log)
+    assert all(m._ref is None for m in log.modules)
+
+
+def test_cleanup_drops_every_reference_to_model_tensors():
+    import gc
+    import weakref
+
+    model = SharedModule().eval()
+    x = torch.randn(2, 8)
+    log = tl.trace(model, x)
+    weight = weakref.ref(model.fc.weight)
+    activation = weakref.ref(log[2].activation)
+    log.cleanup()
+    del model
+    gc.collect()
+    assert weight() is None and activation() is None
+
+
+def test_save_none_keeps_metadata_only():
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, save="none")
+    assert not log._activations and log[1].activation is None and log[1].shape == (4, 16)
+
+
+@pytest.mark.parametrize("selection, expected", [
+    (["relu"], {"relu_1_2:1", "relu_1_2:2", "relu_1_2:3"}),
+    (["layers.1"], {"linear_2_3:1"}),
+    (["linear_3_4"], {"linear_3_4:1"}),
+    (["relu_1_2:2", "head"], {"relu_1_2:2", "linear_4_5:1"}),
+])
+def test_save_selection(selection, expected):
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, save=selection)
+    assert {op.label for op in log if op.has_activation} == expected
+
+
+def test_save_predicate_and_bad_save_values():
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, save=lambda op: op.type == "linear" and op.pass_index == 1)
+    assert {op.label for op in log if op.has_activation} == {"linear_1_1:1", "linear_2_3:1", "linear_3_4:1",
+                                                             "linear_4_5:1"}
+    with pytest.raises(ValueError, match="not understood"):
+        tl.trace(model, args, save=3)
+    with pytest.raises(TypeError, match="kwargs must be a dict"):
+        tl.trace(model, args, kwargs=[1])
+    with pytest.raises(TypeError, match="callable"):
+        tl.trace(42, args)
+
+
+def test_saved_activations_are_detached_references():
+    model = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    log = tl.trace(model, x)
+    act = log[1].activation
+    assert not act.requires_grad and torch.equal(act, log.output.detach())
+    assert act.untyped_storage().data_ptr() == log.output.untyped_storage().data_ptr()  # no copy
+
+
+def test_save_device_moves_activations_as_captured():
+    log = tl.trace(nn.Linear(3, 3), torch.randn(2, 3), save_device="meta")
+    assert log[1].activation.device.type == "meta" and log[1].device.type == "cpu"
+
+
+def test_record_finite_flags_without_saving():
+    def f(x):
+        y = torch.log(x)  # log of a negative -> nan
+        return y * 0 + torch.exp(x * 1000)
+
+    log = tl.trace(f, torch.tensor([-1.0, 1.0]), save="none", record_finite=True)
+    assert log["log_1_1:1"].finite == (True, False)
+    assert log["exp_1_4:1"].finite == (False, True)
+    assert log["mul_2_3:1"].finite == (False, False)
+
+
+def test_max_saved_bytes_stops_saving_with_a_warning():
+    def f(x):
+        for _ in range(5):
+            x = x * 2
+        return x
+
+    with pytest.warns(UserWarning, match="max_saved_bytes"):
+        log = tl.trace(f, torch.ones(256), max_saved_bytes=3 * 1024)
+    saved = [op.label for op in log if op.has_activation]
+    assert saved == ["input_1:1", "mul_1_1:1", "mul_2_2:1"]
+    assert "saving stopped at" in str(log)
+
+
+def test_write_through_data_is_captured_and_the_saved_value_kept():
+    def f(x):
+        y = x * 2
+        y.data.add_(1)  # `.data` is an op, and its in-place write triggers copy-on-write
+        return y
+
+    log = tl.trace(f, torch.ones(2))
+    assert torch.equal(log["mul_1_1:1"].activation, torch.full((2,), 2.0))
+    assert torch.equal(log.output, torch.full((2,), 3.0))
+
+
+def test_mutation_capture_cannot_see_is_flagged_never_kept():
+    def f(x):
+        y = x * 2
+        with torch._C.DisableTorchFunction():  # a write that bypasses interposition entirely
+            y.add_(1)
+        return y.sum()
+
+    with pytest.warns(UserWarning, match="dropped saved activations.*mul_1_1:1"):
+        log = tl.trace(f, torch.ones(2))
+    with pytest.raises(tl.ActivationUnavailable, match="dropped"):
+        log["mul_1_1:1"].activation
+    assert log["mul_1_1:1"].shape == (2,)
+    assert "dropped" in str(log)
+
+
+def test_tensor_from_outside_the_trace_is_counted_as_unattributed():
+    outside = torch.randn(3)
+
+    def f(x):
+        return x + outside
+
+    log = tl.trace(f, torch.randn(3))
+    assert log.unattributed == 1 and log["add_1_1:1"].unattributed_args == 1
+    assert "outside the trace" in str(log)
+
+
+def test_list_argument_is_one_input_per_tensor_when_forward_takes_one_parameter():
+    def f(xs):
+        return torch.stack(xs).sum(0)
+
+    log = tl.trace(f, [torch.ones(2), torch.ones(2)])
+    assert [op.io_path for op in log.inputs] == ["input.xs.0", "input.xs.1"]
+    assert log["stack_1_1:1"].parent_arg_positions == {(0, 0): "input_1:1", (0, 1): "input_2:1"}
