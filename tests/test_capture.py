@@ -349,3 +349,23 @@ def test_sequential_ops_have_no_user_source_line():
     log = tl.trace(model, torch.randn(1, 4))
     assert log["linear_1_1:1"].source is None
     assert log["0"].module == "0:1"
+
+
+def test_deep_capture_records_the_calls_inside_python_level_torch_functions():
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 3, 8)
+    expected = attention(x, x, x)
+    shallow = tl.trace(attention, (x, x, x))
+    deep = tl.trace(attention, (x, x, x), deep=True)
+    assert [op.func_name for op in shallow if op.kind == "op"].count("multi_head_attention_forward") == 2
+    softmax = [op for op in deep if op.func_name == "softmax"]
+    assert len(softmax) == 1 and softmax[0].shape == (2, 3, 3)  # per-head attention weights
+    assert softmax[0].module is None  # the root module's own forward
+    assert torch.equal(deep.output[0], expected[0]) and torch.equal(deep.output[1], expected[1])
+    result = tl.validate(attention, (x, x, x), deep=True)
+    assert result.passed and result.outputs_match and not result.not_replayed
+
+    log = tl.trace(lambda t: F.normalize(t, dim=-1), torch.randn(2, 3), deep=True)
+    assert [op.type for op in log if op.kind == "op"] == ["linalgvectornorm", "clampmin", "expandas", "div"]
+    assert torch._C._len_torch_function_stack() == 0

@@ -8,6 +8,7 @@ existing trace that saved its activations.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -56,6 +57,8 @@ def tensors_equal(a, b) -> bool:
         return a == b
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare
+        return a.is_meta and b.is_meta
     if a.is_floating_point() or a.is_complex():
         nan_a, nan_b = torch.isnan(a), torch.isnan(b)
         return bool(torch.equal(nan_a, nan_b)) and bool(torch.equal(a[~nan_a], b[~nan_b]))
@@ -96,13 +99,18 @@ class RunState:
                 m.training = flag
 
 
-def clone_inputs(obj):
+def clone_inputs(obj, memo=None):
+    """Clone the tensors in a structure, keeping aliasing: a tensor passed twice stays one tensor
+    (``nn.MultiheadAttention`` takes a different path when ``query is key``)."""
+    memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.clone()
+        return memo[id(obj)]
     if isinstance(obj, (tuple, list)):
-        return type(obj)(clone_inputs(o) for o in obj)
+        return type(obj)(clone_inputs(o, memo) for o in obj)
     if isinstance(obj, dict):
-        return {k: clone_inputs(v) for k, v in obj.items()}
+        return {k: clone_inputs(v, memo) for k, v in obj.items()}
     return copy.copy(obj)
 
 
@@ -114,7 +122,8 @@ def validate(model, args=(), kwargs=None, **trace_kwargs) -> ValidationResult:
     call_args = _as_args(model, args)
     kwargs = dict(kwargs or {})
     before = RunState(model)
-    expected = model(*clone_inputs(call_args), **clone_inputs(kwargs))
+    memo: dict = {}
+    expected = model(*clone_inputs(call_args, memo), **clone_inputs(kwargs, memo))
     before.restore()
     log = trace(model, call_args, kwargs, save="all", **trace_kwargs)
     result = validate_trace(log)
@@ -128,7 +137,8 @@ def validate_trace(log) -> ValidationResult:
     for op in log.ops:
         if op.kind != "op" or op.multi_output_index not in (None, 0, (0,)):
             continue
-        reason = _replay_problem(log, op)
+        with _autocast_as_traced(log):
+            reason = _replay_problem(log, op)
         if reason is None:
             result.replayed += 1
         elif reason.startswith("mismatch"):
@@ -138,11 +148,26 @@ def validate_trace(log) -> ValidationResult:
     return result
 
 
+def _autocast_as_traced(log):
+    """Autocast on or off for replay exactly as it was around the traced forward (an autocast region
+    opened inside the model itself is not recorded: its ops replay as mismatches, never silently)."""
+    traced = getattr(log, "_autocast", {})
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if device_type in traced:
+            stack.enter_context(torch.autocast(device_type, dtype=traced[device_type]))
+        elif torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
 def _replay_problem(log, op):
     call = log._calls[log._call[op.index]]
     func, skeleton, kw_skeleton, parents, params = call[0], call[1], call[2], call[3], call[4]
     if skeleton is None and kw_skeleton is None:
         return "the trace was cleaned up"
+    if op.device.type == "meta":
+        return "meta tensors hold no values to compare"
     if op.func_name in _RANDOM_FUNCS:
         return "random op (consumes the RNG; replay would draw new numbers)"
     if not op.has_activation:

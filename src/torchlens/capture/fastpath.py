@@ -57,6 +57,6 @@ class FastPathShim:
         with _lock:
             _users -= 1
             if _users == 0:
+                # _original stays set: another thread may have looked the shim up just before this.
                 torch.overrides.has_torch_function = _original
-                _original = None
         return False

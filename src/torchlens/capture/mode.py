@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import sys
 from time import perf_counter_ns
+from types import FunctionType
 from weakref import ref as weakref
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, redispatch_function
 
 from .source import FrameClassifier
 from .state import CaptureState, storage_key
@@ -72,10 +73,14 @@ def _predicts_inplace(func) -> bool:
 class CaptureMode(TorchFunctionMode):
     """Records one raw event per tensor-producing torch call into a ``CaptureState``."""
 
-    def __init__(self, state: CaptureState, frames: FrameClassifier):
+    def __init__(self, state: CaptureState, frames: FrameClassifier, deep: bool = False):
         super().__init__()
         self.state = state
         self.frames = frames
+        # Deep capture: torch functions written in Python (F.normalize, F.multi_head_attention_forward)
+        # are entered and the torch calls inside them recorded, instead of one op per call.
+        self.deep = deep
+        self._entered = [None]  # Python-level torch functions currently entered by deep capture
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -140,12 +145,24 @@ class CaptureMode(TorchFunctionMode):
                 st.protect_saved_all(kwargs["out"])
 
         module_call = st.module_stack[-1] if st.module_stack else -1
-        markers = st.markers
+        # A Python-level function re-dispatching to itself (Tensor.unflatten -> super().unflatten) is
+        # called plainly the second time.
+        deep = self.deep and type(func) is FunctionType and self._entered[-1] is not func
+        markers = None if deep else st.markers  # in deep mode the inner calls carry the markers
         if markers is not None:
             token = markers.op_enter(len(st.calls))
+        records_before = len(st.records)
         t0 = perf_counter_ns()
         try:
-            out = func(*args, **kwargs)
+            if deep:
+                self._entered.append(func)
+                try:
+                    with self:  # re-enter capture for the torch calls inside this Python-level function
+                        out = redispatch_function(func, types, args, kwargs)
+                finally:
+                    self._entered.pop()
+            else:
+                out = func(*args, **kwargs)
         except BaseException as exc:
             st.note_failure(func, module_call, exc)
             raise
@@ -165,6 +182,8 @@ class CaptureMode(TorchFunctionMode):
                 return out
         else:
             return out
+        if deep and all(_made_since(producers, t, records_before) for _, t in leaves):
+            return out  # the inner ops produced every output: they are the record
 
         # The user's frame: one dict lookup in the common case of an op called from user code.
         # Lines are resolved from instruction offsets only when asked for (record/op.py).
@@ -174,7 +193,7 @@ class CaptureMode(TorchFunctionMode):
             line = frame.f_lasti
             site = (code, line)
         else:
-            site, code, line = self.frames.locate(frame)
+            site, code, line = self.frames.locate(frame, func)
         call_index = len(st.calls)
         first_op = len(st.records)
         written = None
@@ -228,6 +247,11 @@ class CaptureMode(TorchFunctionMode):
                 else:
                     parents.append(((pos, j), self.state.producer_of(b)))
         return tuple(inner) if type(seq) is tuple else inner
+
+
+def _made_since(producers, t, first_record: int) -> bool:
+    entry = producers.get(id(t))
+    return entry is not None and entry[1] >= first_record and entry[0]() is t
 
 
 def _tensor_leaves(out, prefix=()):

@@ -8,6 +8,7 @@ not module calls, exactly as for ``torch.utils.module_tracker.ModuleTracker``.
 
 from __future__ import annotations
 
+import sys
 import threading
 from time import perf_counter_ns
 
@@ -61,6 +62,11 @@ class ModuleCallTracker:
                 st.markers.module_exit(index)
             if output is not None:
                 call[5] = tuple(st.producer_of(t) for t in _tensors_in(output, []))
+            else:
+                # Torch runs always-call hooks while an exception unwinds: remember the innermost call.
+                raised = sys.exc_info()[1]
+                if raised is not None and (st.raised_in is None or st.raised_in[0] is not raised):
+                    st.raised_in = (raised, index)
 
         try:
             self._handles.append(register_module_forward_pre_hook(pre_hook))

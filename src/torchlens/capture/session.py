@@ -26,7 +26,8 @@ _local = threading.local()
 
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
-          max_saved_bytes: int | None = None, name: str | None = None, _markers=None) -> Trace:
+          max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
+          _markers=None) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -41,6 +42,9 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
         record_finite: record a (has_nan, has_inf) flag per op even for unsaved ops.
         max_saved_bytes: stop saving (with a warning naming the first unsaved op) past this budget.
         name: a display name for the trace (defaults to the model's class name).
+        deep: also record the torch calls made inside torch functions written in Python
+            (``F.normalize``, ``F.interpolate``, ``F.multi_head_attention_forward``), which are
+            otherwise one op each.
     """
     model = _unwrap(model)
     if not callable(model):
@@ -52,6 +56,7 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
                                "trace the outer model once instead")
     kwargs = dict(kwargs or {})
     args = _as_args(model, args)
+    _refuse_inference_tensors(model, args, kwargs)
     policy = SavePolicy(save, model)
     if save_device is not None:
         save_device = torch.device(save_device)
@@ -63,7 +68,8 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
         state.selector = policy.capture_selector(state)
     state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
     _add_inputs(state, model, args, kwargs)
-    mode = CaptureMode(state, FrameClassifier(stop_codes=(_run_forward.__code__,)))
+    autocast = _autocast_state()
+    mode = CaptureMode(state, FrameClassifier(stop_codes=(_run_forward.__code__,)), deep=deep)
     _local.active = True
     try:
         with FastPathShim(mode), ModuleCallTracker(state, model), mode:
@@ -74,11 +80,18 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
     finally:
         _local.active = False
     forward_done = perf_counter_ns()
+    if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
+        # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
+        getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
+        raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, whose body runs "
+                        "only when iterated, after tracing ended; trace a forward that returns its results "
+                        "(e.g. wrap it: lambda x: list(model(x)))")
 
     mutated = state.check_saved_versions()
     model_name = name or type(model).__name__
     timings = {"forward": (forward_done - started) / 1e9}
     result = finalize(state, model, output, model_name, timings)
+    result._autocast = autocast
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])
@@ -137,6 +150,26 @@ def _buffers(model) -> dict:
     return {id(b): (b, name) for name, b in model.named_buffers(remove_duplicate=True) if b is not None}
 
 
+def _autocast_state() -> dict:
+    """Autocast in effect around the forward (``{device type: dtype}``), so that replay reproduces it."""
+    return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+
+
+def _refuse_inference_tensors(model, args, kwargs) -> None:
+    """Inference tensors carry no version counter, which capture needs to attribute in-place writes."""
+    fix = "; run the model under torch.no_grad() instead (same kernels, same values)"
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("tl.trace cannot capture under torch.inference_mode(): its tensors carry no "
+                           "version counter, so in-place writes could not be attributed" + fix)
+    tensors = [t for _, t in tensor_leaves((args, kwargs), "input", [])]
+    if isinstance(model, torch.nn.Module):
+        tensors += list(model.parameters()) + list(model.buffers())
+    if any(t.is_inference() for t in tensors):
+        raise RuntimeError("tl.trace got an inference tensor (made under torch.inference_mode()) as an input, "
+                           "parameter or buffer: it carries no version counter, so in-place writes could "
+                           "not be attributed" + fix + " and, for tensors, .clone() them outside inference mode")
+
+
 def _add_inputs(state, model, args, kwargs) -> None:
     sig = _forward_signature(model)
     names = None
@@ -166,8 +199,13 @@ def _annotate(exc: BaseException, state, model) -> None:
                      "installed")
     else:
         module_call = state.module_stack[-1] if state.module_stack else -1
-        exc.add_note(f"torchlens: raised in {_where(state, module_call, model)} after "
-                     f"{len(state.records)} captured tensors; capture was torn down, nothing is left installed")
+        if state.raised_in is not None and state.raised_in[0] is exc:
+            module_call = state.raised_in[1]
+        where = _where(state, module_call, model)
+        if module_call < 0 and state.module_calls:  # e.g. raised by a forward hook, after the call ended
+            where += f" (the last module call before it: {_where(state, len(state.module_calls) - 1, model)})"
+        exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; capture was "
+                     "torn down, nothing is left installed")
 
 
 def _where(state, index: int, model) -> str:

@@ -17,9 +17,8 @@ import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _CAPTURE_DIR = os.path.dirname(__file__) + os.sep
-# Python-level torch functions that dispatch to the mode; their frames are the op itself, not a site.
-_DISPATCHERS = tuple(_TORCH_DIR + name for name in ("overrides.py", "nn/functional.py", "functional.py",
-                                                    "_tensor.py", "_jit_internal.py"))
+# torch's dispatcher: its frames are how an op reached us, never where it was called.
+_DISPATCHERS = (_TORCH_DIR + "overrides.py",)
 _USER, _SKIP, _STOP, _DISPATCH = 0, 1, 2, 3
 
 
@@ -44,16 +43,19 @@ class FrameClassifier:
             verdict = self._classify(code)
         return verdict == _USER
 
-    def locate(self, frame):
+    def locate(self, frame, func=None):
         """``(site, code, line)`` for an op called from ``frame``'s caller chain.
 
         ``site`` is ``(code, instruction offset)`` of the nearest frame that called the op (torch's own
-        module code included): it identifies the call site, so the same site run again is a loop.
+        module code included; the frame of a Python-level torch function ``func`` itself, which only
+        dispatched to capture, excluded): it identifies the call site, so the same site run again is a
+        loop.
         ``code, offset`` are the nearest user frame's code and instruction offset (``line_of`` turns them
         into a line number, lazily), or ``None, None`` when only torch code called it.
         """
         verdicts = self._verdicts
         site = None
+        own_code = getattr(func, "__code__", None)
         while frame is not None:
             code = frame.f_code
             verdict = verdicts.get(code)
@@ -63,7 +65,7 @@ class FrameClassifier:
                 return site or (code, frame.f_lasti), code, frame.f_lasti
             if verdict == _STOP:
                 return site, None, None
-            if verdict == _SKIP and site is None:
+            if verdict == _SKIP and site is None and code is not own_code:
                 site = (code, frame.f_lasti)
             frame = frame.f_back
         return site, None, None
