@@ -234,3 +234,20 @@ def test_list_argument_is_one_input_per_tensor_when_forward_takes_one_parameter(
     log = tl.trace(f, [torch.ones(2), torch.ones(2)])
     assert [op.io_path for op in log.inputs] == ["input.xs.0", "input.xs.1"]
     assert log["stack_1_1:1"].parent_arg_positions == {(0, 0): "input_1:1", (0, 1): "input_2:1"}
+
+
+def test_params_and_buffers_records():
+    model, args, _ = zoo()["batchnorm_train"]
+    log = tl.trace(model, args)
+    params = {p.address: p for p in log.params}
+    assert set(params) == {"conv.weight", "conv.bias", "bn.weight", "bn.bias"}
+    assert params["conv.weight"].ops == ["conv2d_1_1:1"] and params["conv.weight"].shape == (4, 3, 3, 3)
+    assert params["bn.weight"].module_address == "bn" and params["conv.bias"].numel == 4
+    buffers = {b.address: b for b in log.buffers}
+    assert buffers["bn.running_mean"].readers == ["batchnorm_1_3:1"]
+    assert buffers["scale"].ops == ["buffer_4:1"]
+    assert len(log.params.to_pandas()) == 4 and len(log.buffers.to_pandas()) == 4
+
+    shared = tl.trace(SharedModule().eval(), torch.randn(2, 8))
+    weight = next(p for p in shared.params if p.address == "fc.weight")
+    assert weight.ops == ["linear_1_1:1", "linear_1_1:2", "linear_1_1:3"]

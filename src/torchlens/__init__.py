@@ -7,8 +7,8 @@ to the native PyTorch tools that own each measurement.
 """
 
 from .capture.session import trace
-from .record import (ActivationUnavailable, Layer, Module, ModuleCall, NestedTraceError, Op, TorchlensError,
-                     Trace, TraceCleanedUp)
+from .record import (ActivationUnavailable, Buffer, Layer, Module, ModuleCall, NestedTraceError, Op, Param,
+                     TorchlensError, Trace, TraceCleanedUp)
 from .validate import validate
 
 __version__ = "0.1.0"
@@ -31,6 +31,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'torchlens' has no attribute {name!r}")
 
 
-__all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "TorchlensError",
+__all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
            "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "debug", "report", "viz", "io",
            "load", "extract"]

@@ -3,7 +3,8 @@
 from .errors import ActivationUnavailable, NestedTraceError, TorchlensError, TraceCleanedUp
 from .modules import Module, ModuleCall
 from .op import Layer, Op
+from .params import Buffer, Param
 from .trace import Trace
 
-__all__ = ["Trace", "Op", "Layer", "ModuleCall", "Module", "TorchlensError", "ActivationUnavailable",
+__all__ = ["Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError", "ActivationUnavailable",
            "TraceCleanedUp", "NestedTraceError"]

@@ -72,6 +72,10 @@ class Trace:
 
         self.module_calls = RecordList(module_calls, tables.module_calls_frame)
         self.modules = RecordList(modules, tables.modules_frame)
+        from .params import build_buffers, build_params
+
+        self.params = RecordList(build_params(self, model), tables.params_frame)
+        self.buffers = RecordList(build_buffers(self), tables.buffers_frame)
 
     # ----- records -------------------------------------------------------------------------------
     @property
