@@ -45,7 +45,7 @@ class ModuleCallTracker:
         def pre_hook(module, args):
             if module is root or threading.get_ident() != owner:
                 return
-            inputs = tuple(st.producer_of(t) for t in _tensors_in(args, []))
+            inputs = tuple(st.bound_producer(t) for t in _tensors_in(args, []))
             parent = st.module_stack[-1] if st.module_stack else -1
             st.module_calls.append([module, parent, perf_counter_ns(), None, inputs, ()])
             st.module_stack.append(len(st.module_calls) - 1)
@@ -61,7 +61,7 @@ class ModuleCallTracker:
             if st.markers is not None:
                 st.markers.module_exit(index)
             if output is not None:
-                call[5] = tuple(st.producer_of(t) for t in _tensors_in(output, []))
+                call[5] = tuple(st.bound_producer(t) for t in _tensors_in(output, []))
             else:
                 # Torch runs always-call hooks while an exception unwinds: remember the innermost call.
                 raised = sys.exc_info()[1]
@@ -71,13 +71,21 @@ class ModuleCallTracker:
         try:
             self._handles.append(register_module_forward_pre_hook(pre_hook))
             self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+            return self  # inside the try: an interrupt landing here must not strand the hooks
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        return self
 
     def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        # An interrupt landing mid-teardown is re-raised only once every hook is gone
+        # (RemovableHandle.remove is idempotent).
+        interrupted = None
+        while self._handles:
+            try:
+                self._handles[-1].remove()
+                self._handles.pop()
+            except BaseException as e:  # noqa: BLE001
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
         return False

@@ -87,6 +87,12 @@ class CaptureState:
             return index
         return self._source_of(t)
 
+    def bound_producer(self, t: torch.Tensor) -> int:
+        """The op a tensor was last bound to, without touching its properties (module hooks run with
+        the capture mode active, where every tensor property read would re-enter it)."""
+        entry = self.producers.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else -1
+
     def _source_of(self, t: torch.Tensor) -> int:
         buffer = self.buffers.get(id(t))
         if buffer is not None and buffer[0] is t:
