@@ -18,7 +18,12 @@ from types import FunctionType
 from weakref import ref as weakref
 
 import torch
-from torch.overrides import TorchFunctionMode, redispatch_function
+from torch.overrides import TorchFunctionMode
+
+try:  # torch >= 2.10; deep capture re-enters Python-level torch functions through it
+    from torch.overrides import redispatch_function
+except ImportError:  # pragma: no cover - older torch
+    redispatch_function = None
 
 from .source import FrameClassifier
 from .state import CaptureState, storage_key

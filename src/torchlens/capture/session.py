@@ -16,7 +16,7 @@ from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.trace import Trace
 from .fastpath import FastPathShim
-from .mode import CaptureMode
+from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
 from .saving import SavePolicy
 from .source import FrameClassifier
@@ -54,6 +54,9 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
     if getattr(_local, "active", False):
         raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
                                "trace the outer model once instead")
+    if deep and redispatch_function is None:
+        raise RuntimeError(f"deep=True needs torch.overrides.redispatch_function, which torch {torch.__version__} "
+                           "lacks; upgrade torch or trace with deep=False")
     kwargs = dict(kwargs or {})
     args = _as_args(model, args)
     _refuse_inference_tensors(model, args, kwargs)
