@@ -1,0 +1,198 @@
+"""Each claim on docs/capture_honesty.md, demonstrated on real calls.
+
+Capture sits at ``__torch_function__``.  These tests show what that level structurally cannot see (work
+inside one call, below the dispatcher, in the autograd engine, in other threads, under functorch
+transforms or compiled wrappers, behind protocol-free entry points) and what capture changes or keeps
+(fast paths, timing brackets).  A native tool that does see each blind spot is used as the witness.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchlens as tl
+
+
+class FunctionLevelCalls(TorchFunctionMode):
+    """Every call a __torch_function__ mode is handed (the level capture works at)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class DispatchLevelCalls(TorchDispatchMode):
+    """Every ATen operator the dispatcher runs (the level below capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def op_types(log) -> list:
+    return [op.type for op in log.ops if op.kind == "op"]
+
+
+# ----- one call is one op ----------------------------------------------------------------------------
+@pytest.mark.parametrize("call, expected", [
+    (lambda x: F.normalize(x), ["normalize"]),
+    (lambda x: F.interpolate(x[None, None], scale_factor=2), ["getitem", "interpolate"]),
+    (lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None]), ["getitem"] * 3 + ["scaleddotproductattention"]),
+])
+def test_python_level_torch_functions_are_one_op(call, expected):
+    x = torch.randn(4, 8)
+    assert op_types(tl.trace(call, x)) == expected
+    # The dispatcher, one level down, runs several operators for the same call.
+    with DispatchLevelCalls() as below:
+        call(x)
+    assert len(below.names) > len(expected)
+
+
+def test_multi_head_attention_forward_is_one_op_in_training():
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).train()
+    q = torch.randn(1, 3, 8)
+    types_seen = op_types(tl.trace(mha, (q, q, q)))
+    assert "multiheadattentionforward" in types_seen
+    assert "linear" not in types_seen  # the projections inside it are not separate ops
+
+
+# ----- fused kernels, and the fast path capture keeps ------------------------------------------------
+def test_eval_attention_keeps_its_fused_kernel_and_its_numbers():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    q = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        expected = mha(q, q, q)[0]
+        log = tl.trace(mha, (q, q, q))
+        # Any other __torch_function__ mode knocks the module off its fast path.
+        with FunctionLevelCalls() as plain_mode:
+            mha(q, q, q)
+    assert op_types(log)[0] == "nativemultiheadattention"  # one fused call: its interior is invisible
+    assert torch.equal(log.outputs[0].activation, expected)  # bit-identical to the untraced call
+    assert "_native_multi_head_attention" not in plain_mode.names
+    assert "multi_head_attention_forward" in plain_mode.names
+    assert torch.overrides.has_torch_function is torch._C._has_torch_function  # shim removed afterwards
+
+
+def test_fast_path_shim_hides_capture_from_call_time_checks():
+    # torch.sym_max asks torch.overrides.has_torch_function when called; while tracing, the shim answers
+    # as if capture were off, so the call does not reach capture (it returns a Python number anyway).
+    def f(x):
+        return x * torch.sym_max(2, 3)
+
+    with FunctionLevelCalls() as plain_mode:
+        f(torch.ones(2))
+    assert "sym_max" in plain_mode.names
+    assert op_types(tl.trace(f, torch.ones(2))) == ["mul"]
+
+
+# ----- below __torch_function__: dispatcher work ------------------------------------------------------
+def test_autocast_casts_and_decompositions_are_invisible():
+    lin = nn.Linear(8, 4)
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log = tl.trace(lin, x)
+        with DispatchLevelCalls() as below:
+            lin(x)
+    assert op_types(log) == ["linear"]
+    assert log.ops[1].dtype == torch.bfloat16  # the cast's effect is recorded, not the cast
+    assert "_to_copy" in below.names and "addmm" in below.names
+
+
+# ----- autograd engine --------------------------------------------------------------------------------
+def test_backward_runs_no_function_level_calls():
+    w = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(2, 8)
+    loss = (x @ w).tanh().sum()
+    with FunctionLevelCalls() as fn_level, DispatchLevelCalls() as below:
+        loss.backward()
+    assert fn_level.names == ["backward"]  # the call itself; nothing the engine runs
+    assert len(below.names) > 3
+
+
+def test_backward_inside_a_trace_adds_no_ops():
+    w = torch.randn(8, 4, requires_grad=True)
+
+    def forward_only(x):
+        return (x @ w).tanh().sum()
+
+    def forward_and_backward(x):
+        loss = forward_only(x)
+        loss.backward()
+        return loss
+
+    x = torch.randn(2, 8)
+    assert op_types(tl.trace(forward_and_backward, x)) == op_types(tl.trace(forward_only, x))
+    assert w.grad is not None  # backward did run
+
+
+# ----- other threads, transforms, compiled wrappers, protocol-free entry points --------------------------
+class SpawnsThread(nn.Module):
+    def forward(self, x):
+        box = {}
+        worker = threading.Thread(target=lambda: box.update(y=x.exp()))
+        worker.start()
+        worker.join()
+        return box["y"] + 1
+
+
+def test_ops_in_other_threads_are_not_captured():
+    log = tl.trace(SpawnsThread(), torch.randn(3))
+    assert op_types(log) == ["add"]
+    assert log.unattributed == 1  # the thread's result arrives as a tensor of unknown origin
+
+
+def test_vmap_records_per_example_calls():
+    x = torch.randn(4, 8)
+    log = tl.trace(lambda x: torch.vmap(torch.sin)(x), x)
+    assert op_types(log) == ["sin"]
+    assert tuple(log.ops[1].shape) == (8,)  # one example's shape, not the batched kernel's (4, 8)
+
+
+def test_compiled_module_is_traced_as_its_eager_module():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = torch.compile(model)  # nothing compiles until it is called, and tl.trace never calls it
+    x = torch.randn(2, 4)
+    assert op_types(tl.trace(compiled, x)) == op_types(tl.trace(model, x)) == ["linear", "relu"]
+
+
+def test_from_numpy_and_set_never_reach_capture():
+    def f():
+        t = torch.from_numpy(np.ones(3, dtype=np.float32))
+        t.set_(torch.zeros(3))
+        return t + 1
+
+    log = tl.trace(f, ())
+    assert op_types(log) == ["zeros", "add"]
+    with FunctionLevelCalls() as plain_mode:
+        f()
+    assert "from_numpy" not in plain_mode.names and "set_" not in plain_mode.names
+
+
+# ----- timing ------------------------------------------------------------------------------------------
+def test_op_durations_are_host_brackets_inside_the_forward():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    log = tl.trace(model, torch.randn(8, 16))
+    ops = [op for op in log.ops if op.kind == "op"]
+    starts = [op.start_ns for op in ops]
+    assert starts == sorted(starts)
+    for earlier, later in zip(ops, ops[1:]):  # brackets never overlap: they time the call alone
+        assert earlier.start_ns + earlier.duration * 1e9 <= later.start_ns + 1
+    # Capture's own work falls between the brackets, so they sum to less than the traced forward.
+    assert sum(op.duration for op in ops) < log.timings["forward"]

@@ -1,0 +1,92 @@
+"""Drift oracle: the checked-in inventory must classify exactly torch's overridable-function registry.
+
+When a torch upgrade adds overridable functions, capture may see calls nobody has classified (is it an op?
+in-place? does it have a FLOPs formula?); when torch removes some, the inventory claims coverage of
+functions that no longer exist.  Either way this test fails and names the functions.  Fix it by running
+``python scripts/regen_inventory.py`` and reviewing the diff.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchlens.capture import inventory
+
+
+def _drift_message(unclassified, vanished) -> str:
+    lines = [f"inventory.csv is out of date for torch {torch.__version__}; run scripts/regen_inventory.py."]
+    if unclassified:
+        lines.append(f"{len(unclassified)} overridable function(s) not classified: " + ", ".join(unclassified))
+    if vanished:
+        lines.append(f"{len(vanished)} inventory row(s) torch no longer has: " + ", ".join(vanished))
+    return "\n".join(lines)
+
+
+def test_inventory_classifies_exactly_the_installed_registry():
+    unclassified, vanished = inventory.drift(inventory.load(), inventory.registry())
+    assert not unclassified and not vanished, _drift_message(unclassified, vanished)
+
+
+def test_flattening_keeps_every_registry_entry_reachable():
+    # Each (namespace, callable) pair of torch's registry maps to one row, and each row to its callable.
+    registry = inventory.registry()
+    pairs = {(inventory.namespace_name(ns), id(f))
+             for ns, funcs in torch.overrides.get_overridable_functions().items() for f in funcs}
+    assert len(registry) == len(pairs)
+    assert registry["torch.Tensor.abs"] is torch.Tensor.abs
+    assert registry["torch.nn.functional.linear"] is torch.nn.functional.linear
+    assert registry["torch.Tensor.shape.__get__"] == torch.Tensor.shape.__get__
+
+
+def test_oracle_names_added_and_removed_functions():
+    # The comparison the oracle relies on, fed a registry that gained and lost a function.
+    rows = inventory.load()
+    changed = set(inventory.registry()) - {"torch.relu"} | {"torch.brand_new_op"}
+    unclassified, vanished = inventory.drift(rows, changed)
+    assert unclassified == ["torch.brand_new_op"]
+    assert vanished == ["torch.relu"]
+    message = _drift_message(unclassified, vanished)
+    assert "torch.brand_new_op" in message and "torch.relu" in message
+
+
+def test_every_row_is_fully_classified():
+    problems = []
+    for name, row in inventory.load().items():
+        if row["kind"] not in inventory.KINDS:
+            problems.append(f"{name}: kind {row['kind']!r}")
+        if row["inplace"] not in ("0", "1") or row["multi_output"] not in ("0", "1"):
+            problems.append(f"{name}: inplace/multi_output must be 0 or 1")
+        if row["flops"] not in ("0", "1", ""):
+            problems.append(f"{name}: flops {row['flops']!r}")
+        unknown = [t for t in filter(None, row["caveat"].split(";")) if t not in inventory.CAVEATS]
+        if unknown:
+            problems.append(f"{name}: unknown caveat tag(s) {unknown}")
+        if row["classified_by"] not in inventory.CLASSIFIERS:
+            problems.append(f"{name}: classified_by {row['classified_by']!r}")
+        if "respelled" in row["caveat"] and row["seen_as"] not in inventory.registry():
+            problems.append(f"{name}: seen_as {row['seen_as']!r} is not a registry function")
+    assert not problems, "\n".join(problems)
+
+
+def test_inventory_agrees_with_capture_on_known_functions():
+    rows = inventory.load()
+    assert rows["torch.nn.functional.linear"]["kind"] == "op"
+    assert rows["torch.Tensor.add_"]["inplace"] == "1"
+    assert rows["torch.Tensor.size"]["kind"] == "not_op"
+    assert rows["torch.Tensor.shape.__get__"]["kind"] == "not_op"
+    assert rows["torch.split"]["multi_output"] == "1"
+    assert rows["torch.Tensor.__iadd__"]["seen_as"] == "torch.Tensor.add_"
+    assert "python_composite" in rows["torch.nn.functional.normalize"]["caveat"]
+
+
+def test_inventory_ships_with_the_package():
+    # The package-data globs in pyproject.toml must pick the CSV up, or installed copies lose it.
+    import fnmatch
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    relative = inventory.INVENTORY_PATH.relative_to(root / "src" / "torchlens").as_posix()
+    section = root.joinpath("pyproject.toml").read_text().split("[tool.setuptools.package-data]", 1)[1]
+    globs = re.findall(r'"([^"]+)"', re.search(r"torchlens\s*=\s*\[([^\]]*)\]", section).group(1))
+    assert any(fnmatch.fnmatch(relative, g) or fnmatch.fnmatch("x/" + relative, g) for g in globs), globs
