@@ -1,33 +1,421 @@
-"""The ``torchlens`` command line (``python -m torchlens``)."""
+"""The ``torchlens`` command line (also ``python -m torchlens``): trace, inspect and check models from a shell.
+
+Results go to stdout, progress notes to stderr.  Exit status: 0 success, 2 a usage problem (bad
+arguments, an unimportable target, a damaged saved trace), 1 the model failed (the message names the
+op or module call where it raised) or validation found a mismatch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import json
+import os
 import sys
+import time
+import traceback
+
+USAGE, MODEL = 2, 1
 
 
-def _demo(args) -> int:
+class UsageError(Exception):
+    """Raised for anything the user can fix on the command line; exits with status 2."""
+
+
+class ModelError(Exception):
+    """Wraps an exception the user's model (or its factory) raised; exits with status 1."""
+
+
+def _note(message: str) -> None:
+    print(f"torchlens: {message}", file=sys.stderr, flush=True)
+
+
+# ----- targets and inputs -------------------------------------------------------------------------------
+def load_target(spec: str):
+    """The model named by ``pkg.module:factory`` or ``path/to/file.py:factory``."""
+    module_name, sep, attr_path = spec.rpartition(":")
+    if not sep or not module_name or not attr_path:
+        raise UsageError(f"target {spec!r} should look like pkg.module:factory or path/to/file.py:factory")
+    module = _import(module_name)
+    obj = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            raise UsageError(f"{module_name} has no attribute {attr_path!r} (it defines: {', '.join(names[:12])})")
+        obj = getattr(obj, part)
+    return _build_model(obj, spec)
+
+
+def _import(module_name: str):
+    if module_name.endswith(".py") or os.sep in module_name:
+        if not os.path.isfile(module_name):
+            raise UsageError(f"no such file: {module_name}")
+        name = "_torchlens_target_" + os.path.splitext(os.path.basename(module_name))[0]
+        spec = importlib.util.spec_from_file_location(name, module_name)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        loader = lambda: spec.loader.exec_module(module)  # noqa: E731
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # the console script, unlike python -m, does not add it
+        loader = lambda: importlib.import_module(module_name)  # noqa: E731
+        module = None
+    _note(f"importing {module_name}")
+    try:
+        result = loader()
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise UsageError(f"cannot import {module_name!r}: {exc} (is it on PYTHONPATH?)") from None
+        raise ModelError(exc) from exc
+    except Exception as exc:
+        raise ModelError(exc) from exc
+    return module if module is not None else result
+
+
+def _build_model(obj, spec):
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    if not callable(obj):
+        raise UsageError(f"{spec} is a {type(obj).__name__}, not a module or a factory returning one")
+    try:
+        model = obj()
+    except TypeError as exc:
+        raise UsageError(f"calling {spec}() with no arguments failed: {exc}; point at a factory that takes none") \
+            from None
+    except Exception as exc:
+        raise ModelError(exc) from exc
+    if not isinstance(model, torch.nn.Module) and not callable(model):
+        raise UsageError(f"{spec}() returned a {type(model).__name__}, not a module")
+    return model
+
+
+def parse_shape(text: str) -> tuple:
+    parts = text.lower().split("x")
+    if not all(p.isdigit() for p in parts):
+        raise UsageError(f"--input {text!r}: write a shape as sizes joined by 'x', e.g. 1x3x224x224")
+    return tuple(int(p) for p in parts)
+
+
+def make_inputs(shapes, dtype_name, seed, high, device):
+    import torch
+
+    from .io.encode import torch_constant
+
+    try:
+        dtype = torch_constant("dtype", dtype_name)
+    except ValueError:
+        raise UsageError(f"--dtype {dtype_name!r} is not a torch dtype (try float32, float16, int64)") from None
+    g = torch.Generator().manual_seed(seed)
+    args = []
+    for text in shapes:
+        shape = parse_shape(text)
+        if dtype.is_floating_point or dtype.is_complex:
+            t = torch.randn(shape, generator=g).to(dtype)
+        elif dtype == torch.bool:
+            t = torch.randint(0, 2, shape, generator=g).bool()
+        else:
+            t = torch.randint(0, high, shape, generator=g).to(dtype)
+        args.append(t.to(device))
+    return tuple(args)
+
+
+def parse_kwargs(text):
+    if text is None:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--kwargs-json is not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError("--kwargs-json must be a JSON object, e.g. '{\"return_loss\": false}'")
+    return kwargs
+
+
+def _prepare(args):
+    """Model, positional inputs and keyword arguments from the shared target options."""
+    import torch
+
+    if not args.input:
+        raise UsageError("give at least one --input SHAPE (one per positional argument of forward)")
+    kwargs = parse_kwargs(args.kwargs_json)
+    model = load_target(args.target)
+    if args.eval:
+        model.eval()
+    inputs = make_inputs(args.input, args.dtype, args.seed, args.high, args.device)
+    dtype = inputs[0].dtype
+    try:
+        if isinstance(model, torch.nn.Module):
+            # A floating --dtype is the precision to run in: parameters follow it, integer inputs do not.
+            model = model.to(args.device, dtype) if dtype.is_floating_point else model.to(args.device)
+    except Exception as exc:
+        raise ModelError(exc) from exc
+    return model, inputs, kwargs
+
+
+# ----- printing -----------------------------------------------------------------------------------------
+def module_tree(log, depth: int) -> str:
+    """Module calls down to ``depth`` levels, indented, with op counts and instrumented host times."""
+    lines = [f"Module calls (to depth {depth}):"]
+    for call in log.module_calls:
+        if call.depth < depth:
+            ms = f"{call.duration * 1e3:.2f} ms" if call.duration is not None else "did not return"
+            lines.append(f"  {'  ' * call.depth}{call.label:<30} {call.module.class_name:<20} "
+                         f"{len(call.ops):>5} ops  {ms}")
+    if len(lines) == 1:
+        lines.append("  (the model made no module calls)")
+    return "\n".join(lines)
+
+
+def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
+    try:
+        from .debug.hotspots import hot_path
+    except ImportError:
+        return "hot path: not available in this installation (torchlens.debug.hot_path is missing)"
+    ranked = hot_path(log, by=by, group=group)
+    lines = [f"Hot path ({by}, by {group}; top {n} of {len(ranked.rows)}):"]
+    unit = "ms" if by == "duration" else ranked.unit
+    for row in ranked.rows[:n]:
+        total = row["total"] * 1e3 if by == "duration" else row["total"]
+        shown = f"{total:.3f}" if by == "duration" else f"{int(total):,}"
+        lines.append(f"  {row['address']:<36} x{row['count']:<4} {shown:>14} {unit}  {row['percent']:5.1f}%")
+    if ranked.excluded:
+        lines.append(f"  excluded (no {by} value): {len(ranked.excluded)} ops")
+    lines.append(f"  note: {ranked.note}")
+    return "\n".join(lines)
+
+
+def _optional(what: str, write):
+    """Run an export that another part of torchlens provides; say so plainly when it is not installed."""
+    try:
+        return write()
+    except ImportError as exc:
+        if not (exc.name or "").startswith("torchlens"):
+            raise
+        _note(f"skipped {what}: {exc} (not available in this installation)")
+        return None
+
+
+def _write_exports(log, save=None, html=None, chrome=None) -> list:
+    written = []
+    if save:
+        log.save(save, overwrite=_is_saved_trace(save))
+        written.append(("saved trace", save))
+    if html:
+        if _optional("the HTML view", lambda: log.render(html)) is not None or os.path.exists(html):
+            written.append(("HTML view", html))
+    if chrome:
+        if _optional("the chrome trace", lambda: log.to_chrome_trace(chrome)) is not None or os.path.exists(chrome):
+            written.append(("chrome trace", chrome))
+    for what, path in written:
+        _note(f"wrote {what}: {path}")
+    return written
+
+
+def _is_saved_trace(path) -> bool:
+    return os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+# ----- commands -----------------------------------------------------------------------------------------
+def cmd_demo(args) -> int:
     import torchlens as tl
     from torchlens.demo import demo_model
 
     model, x = demo_model()
-    log = tl.trace(model, x)
+    _note(f"tracing the built-in demo model ({type(model).__name__}) on a {'x'.join(map(str, x.shape))} input")
+    log = tl.trace(model, x, name="DemoNet")
     print(log)
+    print()
+    print(module_tree(log, 2))
+    print()
+    print(hot_path_text(log, 10))
+    os.makedirs(args.out, exist_ok=True)
+    written = _write_exports(log, save=os.path.join(args.out, "trace"), html=os.path.join(args.out, "demo.html"),
+                             chrome=os.path.join(args.out, "demo.chrome.json"))
+    print()
+    print(f"Demo outputs in {os.path.abspath(args.out)}:")
+    for what, path in written:
+        print(f"  {what:<14} {path}")
+    print(f"Next: torchlens show {os.path.join(args.out, 'trace')}")
     return 0
 
 
+def cmd_trace(args) -> int:
+    import torchlens as tl
+
+    model, inputs, kwargs = _prepare(args)
+    _note(f"tracing {type(model).__name__} on {', '.join(args.input)} ({args.dtype})")
+    started = time.perf_counter()
+    try:
+        log = tl.trace(model, inputs, kwargs, save="all" if (args.save or args.html) else "none")
+    except Exception as exc:
+        raise ModelError(exc) from exc
+    _note(f"traced {len(log)} ops in {time.perf_counter() - started:.2f} s")
+    print(log)
+    if args.depth is not None:
+        print()
+        print(module_tree(log, args.depth))
+    if args.hot_path:
+        print()
+        print(hot_path_text(log, args.hot_path))
+    _write_exports(log, save=args.save, html=args.html, chrome=args.chrome)
+    return 0
+
+
+def _load(path):
+    import torchlens as tl
+
+    _note(f"loading {path}")
+    return tl.load(path)
+
+
+def cmd_show(args) -> int:
+    log = _load(args.dir)
+    print(log)
+    if args.depth is not None:
+        print()
+        print(module_tree(log, args.depth))
+    return 0
+
+
+def cmd_hot_path(args) -> int:
+    log = _load(args.dir)
+    print(hot_path_text(log, args.n, by=args.by, group=args.group))
+    return 0
+
+
+def cmd_validate(args) -> int:
+    import torchlens as tl
+
+    model, inputs, kwargs = _prepare(args)
+    _note(f"validating {type(model).__name__}: an untraced run, a traced run, and a replay of every op")
+    try:
+        result = tl.validate(model, inputs, kwargs)
+    except Exception as exc:
+        raise ModelError(exc) from exc
+    print(result)
+    return 0 if result.passed else MODEL
+
+
+# ----- the parser ---------------------------------------------------------------------------------------
+_EXAMPLES = {
+    "demo": "examples:\n  torchlens demo\n  torchlens demo --out /tmp/tl-demo",
+    "trace": "examples:\n  torchlens trace torchvision.models:resnet18 --input 1x3x224x224 --hot-path 10\n"
+             "  torchlens trace mymodels.py:build --input 2x16 --input 2x16 --save run1 --html run1.html\n"
+             "  torchlens trace mypkg.nets:Encoder --input 4x128 --dtype int64 --high 1000 "
+             "--kwargs-json '{\"causal\": true}'",
+    "show": "examples:\n  torchlens show run1\n  torchlens show run1 --depth 2",
+    "hot-path": "examples:\n  torchlens hot-path run1\n  torchlens hot-path run1 -n 5 --by flops --group module",
+    "validate": "examples:\n  torchlens validate mymodels.py:build --input 2x16\n"
+                "  torchlens validate torchvision.models:resnet18 --input 1x3x64x64 --eval",
+}
+
+
+def _target_options(p) -> None:
+    p.add_argument("target", help="pkg.module:factory or path/to/file.py:factory (a module instance, a module "
+                                  "class, or a callable returning a module)")
+    p.add_argument("--input", action="append", metavar="SHAPE", default=[],
+                   help="shape of one random positional input, e.g. 1x3x224x224; repeat for several arguments")
+    p.add_argument("--dtype", default="float32", help="dtype of the random inputs (default float32); a floating "
+                                                      "dtype also converts the model's parameters")
+    p.add_argument("--high", type=int, default=10, help="integer inputs are drawn from [0, HIGH) (default 10)")
+    p.add_argument("--kwargs-json", metavar="JSON", help="keyword arguments for forward, as a JSON object")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--device", default="cpu", help="device for the model and inputs (default cpu)")
+    p.add_argument("--eval", action="store_true", help="call model.eval() first (default: keep the factory's mode)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchlens", description="Trace a PyTorch forward pass.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="trace the built-in demo model and print the summary")
-    demo.set_defaults(run=_demo)
+    parser = argparse.ArgumentParser(
+        prog="torchlens", description="Trace a PyTorch forward pass: every op named, placed and recorded.",
+        epilog="Run 'torchlens COMMAND --help' for each command's options and examples.")
+    parser.add_argument("--traceback", action="store_true", help="print the full traceback when a model fails")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, run, help_text):
+        p = commands.add_parser(name, help=help_text, description=help_text, epilog=_EXAMPLES[name],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(run=run)
+        return p
+
+    demo = command("demo", cmd_demo, "trace the built-in demo model; print its summary and hot path and write "
+                                     "the saved trace, HTML view and chrome trace into a folder")
+    demo.add_argument("--out", default="torchlens_demo", help="folder for the outputs (default ./torchlens_demo)")
+
+    trace = command("trace", cmd_trace, "trace a model on random inputs and print the summary")
+    _target_options(trace)
+    trace.add_argument("--save", metavar="DIR", help="save the trace (with activations) to this folder")
+    trace.add_argument("--html", metavar="FILE", help="write the HTML view of the graph")
+    trace.add_argument("--chrome", metavar="FILE", help="write a chrome://tracing / Perfetto JSON of host times")
+    trace.add_argument("--hot-path", type=int, metavar="N", help="print the N ops with the most host time")
+    trace.add_argument("--depth", type=int, metavar="N", help="print module calls down to depth N")
+
+    show = command("show", cmd_show, "print the summary of a saved trace")
+    show.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")
+    show.add_argument("--depth", type=int, metavar="N", help="also print module calls down to depth N")
+
+    hot = command("hot-path", cmd_hot_path, "rank the ops of a saved trace by host time, FLOPs or memory")
+    hot.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")
+    hot.add_argument("-n", type=int, default=10, help="rows to print (default 10)")
+    hot.add_argument("--by", default="duration", choices=["duration", "flops", "memory"])
+    hot.add_argument("--group", default="op", choices=["op", "layer", "module", "source"])
+
+    check = command("validate", cmd_validate, "check that a trace of the model reproduces an untraced run and "
+                                              "that every op replays to its recorded output")
+    _target_options(check)
     return parser
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return args.run(args)
+    args = build_parser().parse_args(argv)
+    for name in ("n", "hot_path", "depth"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 0:
+            print(f"torchlens: error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
+            return USAGE
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        print(f"torchlens: error: {exc}", file=sys.stderr)
+        return USAGE
+    except ModelError as exc:
+        _report_model_error(exc.__cause__ or exc, args.traceback)
+        return MODEL
+    except KeyboardInterrupt:
+        print("torchlens: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        from .io.format import TraceFileError
+
+        if isinstance(exc, (TraceFileError, FileNotFoundError)):
+            print(f"torchlens: error: {exc}", file=sys.stderr)
+            return USAGE
+        raise
+
+
+def _report_model_error(exc: BaseException, full: bool) -> None:
+    if full:
+        traceback.print_exception(exc, file=sys.stderr)
+    else:
+        print("torchlens: the model failed:", file=sys.stderr)
+        sys.stderr.write("".join("  " + line for line in traceback.format_exception_only(exc)))
+        frame = _user_frame(exc)
+        if frame:
+            print(f"  at {frame}", file=sys.stderr)
+        print("  (rerun with --traceback for the full traceback)", file=sys.stderr)
+
+
+def _user_frame(exc) -> str | None:
+    """The innermost traceback frame outside torch and torchlens: usually the user's failing line."""
+    import torch
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not frame.filename.startswith(skip):
+            found = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return found
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ class CaptureState:
         self.finite_flags: dict | None = {} if record_finite else None
         self.failure = None
         self.raised_in = None  # (exception, module call index) where an exception left a module call
-        # Optional profiler markers (report/kernel_profile.py): an object with op_enter(call index) ->
+        # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
         self.markers = None
         self.t_start = perf_counter_ns()
@@ -184,13 +184,32 @@ class CaptureState:
         self.clobbered[index] = reason
 
     def record_finite(self, index: int, t: torch.Tensor) -> None:
-        if t.is_floating_point() or t.is_complex():
-            with torch.no_grad():
-                nan = bool(torch.isnan(t).any())
-                inf = bool(torch.isinf(t).any())
-            self.finite_flags[index] = (nan, inf)
-        else:
+        if not (t.is_floating_point() or t.is_complex()):
             self.finite_flags[index] = (False, False)
+            return
+        if t.device.type == "meta":
+            return  # no values: the op stays unexamined
+        with torch.no_grad():
+            if t.device.type != "cpu":
+                # Kept on the device and read once after the forward: no host sync per op.
+                self.finite_flags[index] = torch.stack((torch.isnan(t).any(), torch.isinf(t).any()))
+            elif bool(torch.isfinite(t).all()):  # one pass in the common, finite case
+                self.finite_flags[index] = (False, False)
+            else:
+                self.finite_flags[index] = (bool(torch.isnan(t).any()), bool(torch.isinf(t).any()))
+
+    def drained_finite_flags(self) -> dict:
+        """The finite flags as ``{record: (has_nan, has_inf)}``, device flags read with one copy per device."""
+        flags = dict(self.finite_flags or {})
+        pending: dict = {}
+        for i, v in flags.items():
+            if isinstance(v, torch.Tensor):
+                pending.setdefault(v.device, []).append(i)
+        for indices in pending.values():
+            values = torch.stack([flags[i] for i in indices]).tolist()
+            for i, (nan, inf) in zip(indices, values):
+                flags[i] = (bool(nan), bool(inf))
+        return flags
 
     def check_saved_versions(self) -> list:
         """Drop and report saved activations mutated by means capture could not see."""

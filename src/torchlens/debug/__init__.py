@@ -3,8 +3,8 @@
 import importlib
 
 _EXPORTS = {
-    "hot_path": ".hot_path",
-    "HotPath": ".hot_path",
+    "hot_path": ".hotspots",
+    "HotPath": ".hotspots",
     "nonfinite_origin": ".nonfinite",
     "NonfiniteReport": ".nonfinite",
     "DETECT_ANOMALY_RECIPE": ".nonfinite",

@@ -95,7 +95,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict)
         func_names=func_names,
         activations=activations,
         dropped=dict(state.clobbered),
-        finite=dict(state.finite_flags or {}),
+        finite=state.drained_finite_flags(),
         param_addresses=_param_addresses(calls, call_col, model),
         module_calls=module_calls,
         modules=modules,

@@ -6,16 +6,18 @@ _EXPORTS = {
     "flops": ".flops",
     "op_flops": ".flops",
     "total_flops": ".flops",
-    "flops_vs_dispatch": ".flops_vs_dispatch",
-    "kernel_profile": ".kernel_profile",
-    "KernelProfile": ".kernel_profile",
+    "flops_vs_dispatch": ".flops_compare",
+    "kernel_profile": ".kernel_profiling",  # a module named kernel_profile would shadow the function
+    "KernelProfile": ".kernel_profiling",
     "to_chrome_trace": ".chrome",
 }
 
 
 def __getattr__(name):
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        module = importlib.import_module(_EXPORTS[name], __name__)
+        # ``flops`` names its submodule itself (the registry); every other name is defined in its module.
+        value = module if name == "flops" else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'torchlens.report' has no attribute {name!r}")

@@ -1,0 +1,156 @@
+"""``hot_path``: rank where a captured forward spent its time, FLOPs or activation memory.
+
+It reads an existing trace (no extra forward) and groups its torch calls by op, layer, module call or
+the user's source line.  Durations are the instrumented host times capture recorded around each torch
+call: good for finding the hot spot, not for quoting it (``torch.utils.benchmark.Timer`` owns that).
+Ops with no value for the metric (an op with no FLOPs formula) are counted and named as excluded, never
+ranked as if they cost nothing.  Inputs, buffers and outputs are not torch calls and are not ranked.
+"""
+
+from __future__ import annotations
+
+
+METRICS = {
+    "duration": "s",
+    "flops": "FLOPs",
+    "memory": "bytes",
+}
+GROUPS = ("op", "layer", "module", "source")
+DURATION_NOTE = ("duration = instrumented host time around each torch call (no device sync, capture "
+                 "bookkeeping nearby): use it to rank, not to quote; quote with torch.utils.benchmark.Timer")
+_METRIC_NOTES = {
+    "duration": DURATION_NOTE,
+    "flops": "flops = analytic forward FLOPs (a multiply-add counts 2); see torchlens.report.flops",
+    "memory": "memory = bytes of each op's output tensor (activation size, saved or not)",
+}
+_SHOWN = 20
+
+
+class HotPath:
+    """Ranked rows plus what they mean: ``rows``, ``by``, ``group``, ``unit``, ``total``, ``excluded``."""
+
+    def __init__(self, rows, *, by, group, total, excluded, considered, model_name):
+        self.rows = rows
+        self.by = by
+        self.group = group
+        self.unit = METRICS[by]
+        self.total = total
+        self.excluded = tuple(excluded)
+        self.considered = considered
+        self.model_name = model_name
+        self.note = _METRIC_NOTES[by]
+
+    def to_pandas(self):
+        """One row per group, hottest first; the metadata is in ``DataFrame.attrs``."""
+        from ..record.tables import require_pandas
+
+        frame = require_pandas().DataFrame(self.rows, columns=["address", "count", "total", "percent"])
+        frame.attrs.update({"by": self.by, "group": self.group, "unit": self.unit, "total": self.total,
+                            "excluded": list(self.excluded), "note": self.note})
+        return frame
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __str__(self) -> str:
+        width = max([len("address")] + [len(r["address"]) for r in self.rows[:_SHOWN]])
+        lines = [f"hot path of {self.model_name} by {self.by} ({self.unit}), grouped by {self.group}: "
+                 f"{self.considered} torch calls, total {_fmt(self.total, self.by)} {self.unit}",
+                 f"  {'address':<{width}}  {'count':>6}  {'total':>12}  {'percent':>7}"]
+        for row in self.rows[:_SHOWN]:
+            lines.append(f"  {row['address']:<{width}}  {row['count']:>6}  {_fmt(row['total'], self.by):>12}  "
+                         f"{row['percent']:>6.1f}%")
+        if len(self.rows) > _SHOWN:
+            lines.append(f"  ... {len(self.rows) - _SHOWN} more rows (see .rows or .to_pandas())")
+        if self.excluded:
+            shown = ", ".join(self.excluded[:5]) + (" ..." if len(self.excluded) > 5 else "")
+            lines.append(f"  excluded, no {self.by} value: {len(self.excluded)} ops ({shown})")
+        lines.append(f"  note: {self.note}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _fmt(value, by) -> str:
+    return f"{value:.6f}" if by == "duration" else f"{int(value):,}"
+
+
+def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
+    """Rank ``log``'s torch calls by ``by`` ("duration", "flops", "memory"), grouped by ``group``
+    ("op": pass-qualified ops, "layer", "module": module calls, inclusive of nested calls, "source": the
+    user's file:line, or the module for ops no user line called)."""
+    if by not in METRICS:
+        raise ValueError(f"by={by!r} is not a metric hot_path knows; use one of: {', '.join(METRICS)}")
+    if group not in GROUPS:
+        raise ValueError(f"group={group!r} is not a grouping hot_path knows; use one of: {', '.join(GROUPS)}")
+    values, excluded = _metric_values(log, by)
+    totals: dict = {}
+    counts: dict = {}
+    for index, value in values:
+        for key in _keys(log, index, group):
+            totals[key] = totals.get(key, 0) + value
+            counts[key] = counts.get(key, 0) + 1
+    grand = sum(v for _, v in values)
+    rows = [{"address": key, "count": counts[key], "total": total,
+             "percent": 100.0 * total / grand if grand else 0.0} for key, total in totals.items()]
+    rows.sort(key=lambda r: r["total"], reverse=True)
+    return HotPath(rows, by=by, group=group, total=grand, excluded=excluded, considered=len(values),
+                   model_name=log.model_name)
+
+
+def _metric_values(log, by):
+    """``[(op index, value)]`` for torch-call ops with a value, and the labels of those without."""
+    values, excluded = [], []
+    if by == "flops":
+        from ..report.flops import flops_column
+
+        column = flops_column(log)
+    for op in log.ops:
+        if op.kind != "op":
+            continue
+        i = op.index
+        call = log._calls[log._call[i]]
+        first_output = call[10] == i
+        if by == "duration":
+            if not first_output:
+                continue  # one call, one duration: it is on the call's first output
+            value = op.duration
+        elif by == "flops":
+            parts = column[i]
+            value = None if parts is None else sum(parts.values())
+        else:
+            value = op.nbytes
+        if value is None:
+            excluded.append(op.label)
+        else:
+            values.append((i, value))
+    return values, excluded
+
+
+def _keys(log, index, group) -> list:
+    if group == "op":
+        return [log._labels[index]]
+    if group == "layer":
+        return [log._layer_labels[index]]
+    m = log._module_call[index]
+    calls = log.module_calls
+    if group == "module":
+        keys = []
+        while m >= 0:
+            keys.append(calls[m].label)
+            parent = calls[m].parent
+            m = parent.index if parent is not None else -1
+        return keys
+    source = log.ops[index].source
+    if source is not None:
+        return [f"{source.file}:{source.line}"]
+    if m >= 0:  # no user frame called it (a bare nn.Sequential): the module it ran in stands for the site
+        module = calls[m].module
+        return [f"{module.address} ({module.class_name})"]
+    return ["(no user source)"]

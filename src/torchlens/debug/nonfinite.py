@@ -1,0 +1,228 @@
+"""``nonfinite_origin``: the forward op where a NaN or Inf was born, read from an existing trace.
+
+The origin is the first op in execution order whose output holds a NaN or Inf while every tensor it
+read was finite; later non-finite ops that read a non-finite tensor merely propagated it.  Evidence for
+each op comes from its saved activation or, when the trace was taken with ``record_finite=True``, from
+the flag capture recorded (flags survive ``cleanup()``).  Ops with neither are *unexamined*: when one of
+them is an ancestor of the first non-finite op seen, it could be the true origin, and the report says so.
+
+What a forward trace cannot see — NaNs born in backward, errors inside custom ``autograd.Function``
+backward code, a NaN born and removed inside one captured call — is autograd anomaly mode's job; every
+report carries ``DETECT_ANOMALY_RECIPE``, the same text each time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..record.errors import TraceCleanedUp
+
+DETECT_ANOMALY_CODE = """\
+import torch
+
+with torch.autograd.set_detect_anomaly(True):
+    loss = model(x).sum()  # forward: anomaly mode keeps each op's creation traceback
+    loss.backward()  # raises at the first backward node that returns NaN, naming it
+"""
+DETECT_ANOMALY_RECIPE = (
+    "For NaN/Inf born in backward, or inside a custom autograd.Function, let autograd find it: run the "
+    "failing step once under anomaly mode (slower; leave it off otherwise):\n\n"
+    + "".join(f"    {line}\n" if line else "\n" for line in DETECT_ANOMALY_CODE.splitlines())
+    + "\nThe RuntimeError names the backward node (e.g. 'SqrtBackward0') and the warning above it shows the "
+      "forward line that created it.")
+
+_KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
+
+
+class NonfiniteReport:
+    """Where a NaN/Inf entered the forward, what carried it, and what could not be examined."""
+
+    def __init__(self, **fields):
+        self.found = fields["found"]
+        self.origin = fields["origin"]  # Op, or None
+        self.origin_kind = fields["origin_kind"]  # "op", "input", "buffer", "parameter" or None
+        self.kind = fields["kind"]  # "nan", "inf", "both" or None
+        self.certain = fields["certain"]
+        self.possible_origins = tuple(fields["possible_origins"])
+        self.propagators = tuple(fields["propagators"])
+        self.other_origins = tuple(fields["other_origins"])
+        self.undetermined = tuple(fields["undetermined"])  # later non-finite ops fed by unexamined ones
+        self.parameters = tuple(fields["parameters"])
+        self.parameters_checked = fields["parameters_checked"]
+        self.basis = fields["basis"]
+        self.examined = fields["examined"]
+        self.unexamined = tuple(fields["unexamined"])
+        self.recipe = DETECT_ANOMALY_RECIPE
+
+    @property
+    def origin_label(self):
+        return self.origin.label if self.origin is not None else None
+
+    @property
+    def module(self):
+        return self.origin.module if self.origin is not None else None
+
+    @property
+    def source(self):
+        return self.origin.source if self.origin is not None else None
+
+    def __bool__(self) -> bool:
+        return self.found
+
+    def __str__(self) -> str:
+        lines = [f"non-finite origin ({self.examined} ops examined from {self.basis}):"]
+        if not self.found:
+            lines.append("  no NaN or Inf in any examined forward output")
+        else:
+            lines += self._origin_lines()
+        if self.unexamined:
+            shown = ", ".join(self.unexamined[:5]) + (" ..." if len(self.unexamined) > 5 else "")
+            lines.append(f"  {len(self.unexamined)} ops were not examined (not saved, no finite flag): {shown}")
+        if self.parameters and self.origin_kind != "parameter":
+            lines.append(f"  parameters holding NaN/Inf: {', '.join(self.parameters)}")
+        if not self.parameters_checked:
+            lines.append("  parameters were not checked (the trace no longer holds the model)")
+        lines += ["", self.recipe]
+        return "\n".join(lines)
+
+    def _origin_lines(self) -> list:
+        op = self.origin
+        where = f" in {op.module}" if op.module else ""
+        source = f" at {op.source}" if op.source else ""
+        if self.origin_kind in ("input", "buffer"):
+            lines = [f"  {self.kind.upper()} already present in {self.origin_kind} {op.io_path} ({op.label}): "
+                     "not born in this forward"]
+        elif self.origin_kind == "parameter":
+            read = [a for a in self.parameters if a in op.params]
+            lines = [f"  {self.kind.upper()} already present in parameter(s) {', '.join(read)}, first "
+                     f"read by {op.label} ({op.func_name}){where}{source}"]
+        elif self.certain:
+            lines = [f"  origin: {op.label} ({op.func_name}){where}{source} produced {self.kind.upper()} from "
+                     "finite inputs"]
+        else:
+            lines = [f"  first non-finite op examined: {op.label} ({op.func_name}){where}{source} produced "
+                     f"{self.kind.upper()}, but not all of its inputs were examined",
+                     f"  the origin may be one of these unexamined ancestors: {', '.join(self.possible_origins)}"]
+        if self.propagators:
+            shown = ", ".join(self.propagators[:8]) + (" ..." if len(self.propagators) > 8 else "")
+            lines.append(f"  propagated by {len(self.propagators)} op(s): {shown}")
+        if self.other_origins:
+            lines.append(f"  further independent origins: {', '.join(self.other_origins)}")
+        if self.undetermined:
+            lines.append(f"  also non-finite, fed by unexamined ops (origin or propagator, cannot tell): "
+                         f"{', '.join(self.undetermined)}")
+        return lines
+
+    __repr__ = __str__
+
+
+def nonfinite_origin(log) -> NonfiniteReport:
+    """Name the forward op where a NaN/Inf first appeared in ``log`` (no extra forward is run)."""
+    has_flags = bool(log._finite)
+    if log.is_cleaned_up and not has_flags:
+        raise TraceCleanedUp("nonfinite_origin needs saved activations or finite flags, and this trace was "
+                             "cleaned up without flags: call it before cleanup(), or trace with "
+                             "record_finite=True (the flags survive cleanup)")
+    # Outputs repeat their producer's tensor: not examined twice.
+    status = [_status(log, i) if k != 3 else None for i, k in enumerate(log._kind)]
+    examined = sum(1 for s in status if s is not None)
+    if examined == 0 and any(k != 3 for k in log._kind):
+        raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
+                         "recorded; trace with save='all' or record_finite=True")
+    bad_params, params_checked = _nonfinite_parameters(log)
+    unexamined = [log._labels[i] for i, s in enumerate(status) if s is None and log._kind[i] != 3]
+    origin = origin_kind = None
+    certain, possible, propagators, others, undetermined = True, [], [], [], []
+    for i, s in enumerate(status):
+        if s is None or s == (False, False):
+            continue
+        parents = [p for _, p in log._parents[i]]
+        if any(p >= 0 and status[p] not in (None, (False, False)) for p in parents):
+            propagators.append(log._labels[i])
+            continue
+        kind_here, unsure = _birth_kind(log, i, bad_params)
+        if origin is None:
+            origin, origin_kind = i, kind_here
+            if unsure:
+                certain, possible = False, _unexamined_ancestors(log, status, i)
+        elif unsure:
+            undetermined.append(log._labels[i])
+        else:
+            others.append(log._labels[i])
+    basis = ("recorded finite flags" if has_flags and log.is_cleaned_up else
+             "saved activations and recorded finite flags" if has_flags else "saved activations")
+    return NonfiniteReport(
+        found=origin is not None, origin=log.ops[origin] if origin is not None else None,
+        origin_kind=origin_kind, kind=_KINDS[status[origin]] if origin is not None else None, certain=certain,
+        possible_origins=possible, propagators=propagators, other_origins=others,
+        undetermined=undetermined,
+        parameters=bad_params,
+        parameters_checked=params_checked, basis=basis, examined=examined, unexamined=unexamined)
+
+
+def _status(log, i):
+    """``(has_nan, has_inf)`` for op ``i``, or None when neither an activation nor a flag says."""
+    flag = log._finite.get(i)
+    if flag is not None:
+        return tuple(flag)
+    if log.is_cleaned_up or i in log._dropped:
+        return None
+    t = log._activations.get(i)
+    if t is None:
+        return None
+    if t.device.type == "meta":
+        return None  # shape only, no values to examine
+    if not (t.is_floating_point() or t.is_complex()):
+        return (False, False)
+    with torch.no_grad():
+        return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+
+
+def _birth_kind(log, i, bad_params):
+    """What a non-finite op with no non-finite examined parent is: ("op" / "input" / "buffer" /
+    "parameter", unsure) where unsure means an unexamined or untracked tensor fed it."""
+    kind = log._kind[i]
+    if kind == 1:
+        return "input", False
+    if kind == 2:
+        return "buffer", False
+    params = log._param_addresses.get(i, ())
+    if any(p in bad_params for p in params):
+        return "parameter", False
+    unsure = any(p < 0 or _status_unknown(log, p) for _, p in log._parents[i])
+    return "op", unsure
+
+
+def _status_unknown(log, p) -> bool:
+    return log._finite.get(p) is None and (log.is_cleaned_up or p in log._dropped or p not in log._activations)
+
+
+def _unexamined_ancestors(log, status, i) -> list:
+    """Unexamined ops upstream of ``i`` reachable without crossing an examined op."""
+    found, stack, seen = [], [i], {i}
+    while stack:
+        for _, p in log._parents[stack.pop()]:
+            if p >= 0 and p not in seen:
+                seen.add(p)
+                if status[p] is None:
+                    found.append(p)
+                    stack.append(p)
+    found.sort()
+    labels = [log._labels[p] for p in found]
+    if any(p < 0 for _, p in log._parents[i]):
+        labels.append("(a tensor made outside the trace)")
+    return labels
+
+
+def _nonfinite_parameters(log):
+    """Addresses of parameters holding NaN/Inf, and whether parameters could be checked at all."""
+    if log.is_cleaned_up:
+        return [], False
+    if not isinstance(log._model, torch.nn.Module):
+        return [], True  # a plain function has no parameters of its own
+    bad = []
+    with torch.no_grad():
+        for name, p in log._model.named_parameters():
+            if (p.is_floating_point() or p.is_complex()) and not bool(torch.isfinite(p).all()):
+                bad.append(name)
+    return bad, True

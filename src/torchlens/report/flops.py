@@ -1,0 +1,430 @@
+"""Analytic forward FLOPs for captured ops, from a registry of per-function formulas.
+
+Convention: a multiply-add counts 2 FLOPs; every other arithmetic operation counts 1, and an elementwise
+function (``exp``, ``gelu``, a comparison) counts 1 per output element whatever its kernel does inside.
+A formula reads only shapes and non-tensor arguments, never values, so counts are metadata: they stay
+available after ``Trace.cleanup()``.  An op whose function has no formula, or whose formula lacks a shape
+it needs, is *unknown*: it is listed, never counted as 0.  Ops that only move or create data (views,
+``cat``, ``zeros``) have a formula, and it says 0.
+
+The registry is keyed by the torch function's canonical name, so ``torch.add``, ``Tensor.add``,
+``Tensor.add_``, ``x + y`` and ``y + x`` share one entry.  Each formula credits its FLOPs to one or more
+families (``matmul``, ``conv``, ``attention``, ``elementwise``, ``other``) so that reports can compare
+like with like.  A call with several outputs (``torch.max(x, dim)``, ``lstm``) is counted once, on its
+first output.
+"""
+
+from __future__ import annotations
+
+import math
+
+CONVENTION = ("analytic forward FLOPs: a multiply-add counts 2, any other arithmetic operation 1, "
+              "an elementwise function 1 per output element")
+FAMILIES = ("matmul", "conv", "attention", "elementwise", "other")
+
+_BINARY_DUNDERS = frozenset(["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+                             "lshift", "rshift", "div"])
+
+
+def canonical_name(func_name: str) -> str:
+    """``__iadd__``/``__radd__``/``add_`` -> ``add``; ``__rmatmul__`` stays distinct (operands swap)."""
+    if func_name.startswith("__") and func_name.endswith("__"):
+        inner = func_name[2:-2]
+        if inner in ("rmatmul", "imatmul"):
+            return "rmatmul" if inner == "rmatmul" else "matmul"
+        if inner[:1] in ("r", "i") and inner[1:] in _BINARY_DUNDERS:
+            return inner[1:]
+        return inner
+    if func_name.endswith("_") and not func_name.startswith("_"):
+        return func_name[:-1]
+    return func_name
+
+
+class CallArgs:
+    """Shapes and non-tensor arguments of one captured call, read by formulas."""
+
+    __slots__ = ("_trace", "_call", "out_shape")
+
+    def __init__(self, trace, call, out_shape):
+        self._trace = trace
+        self._call = call
+        self.out_shape = tuple(out_shape)
+
+    @property
+    def out_numel(self) -> int:
+        return math.prod(self.out_shape)
+
+    def shape(self, position, name=None):
+        """Shape of the tensor passed at ``position`` (or keyword ``name``); None if absent or unknown."""
+        meta = self._trace._meta
+        for pos, parent in self._call[3]:
+            if pos == position or (name is not None and pos == name):
+                return tuple(meta[parent][0]) if parent >= 0 else None
+        for pos, param in self._call[4]:
+            if pos == position or (name is not None and pos == name):
+                return tuple(param.shape)
+        return None
+
+    def has_tensor(self, position, name=None) -> bool:
+        positions = [p for p, _ in self._call[3]] + [p for p, _ in self._call[4]]
+        return position in positions or (name is not None and name in positions)
+
+    def nested_shapes(self) -> list:
+        """Shapes of tensors passed inside list arguments (RNN weights), parents and parameters alike."""
+        meta = self._trace._meta
+        shapes = [tuple(meta[p][0]) if p >= 0 else None for pos, p in self._call[3] if isinstance(pos, tuple)]
+        shapes += [tuple(p.shape) for pos, p in self._call[4] if isinstance(pos, tuple)]
+        return shapes
+
+    def value(self, position, name, default=None):
+        """A non-tensor argument, positional or keyword."""
+        args, kwargs = self._call[1] or (), self._call[2] or {}
+        if name in kwargs:
+            return kwargs[name]
+        if position is not None and position < len(args) and not self.has_tensor(position):
+            return args[position]
+        return default
+
+
+# ----- formulas: each takes CallArgs and returns an int, a {family: int} dict, or None (unknown) ------
+def _per_element(cost):
+    return lambda a: cost * a.out_numel
+
+
+def _add_like(a):
+    alpha = a.value(2, "alpha", 1)
+    return (2 if alpha not in (1, None) else 1) * a.out_numel
+
+
+def _linear(a):
+    weight = a.shape(1, "weight")
+    k = weight[-1] if weight else (a.shape(0, "input") or (None,))[-1]
+    if k is None:
+        return None
+    return 2 * a.out_numel * k + (a.out_numel if a.has_tensor(2, "bias") else 0)
+
+
+def _matmul(a):
+    left = a.shape(0, "input")
+    return 2 * a.out_numel * left[-1] if left else None
+
+
+def _rmatmul(a):
+    right = a.shape(0)  # Tensor.__rmatmul__(self, other) computes other @ self
+    if not right:
+        return None
+    return 2 * a.out_numel * (right[-2] if len(right) >= 2 else right[0])
+
+
+def _addmm(a):
+    left = a.shape(1, "mat1") or a.shape(1, "batch1") or a.shape(1, "mat")
+    return 2 * a.out_numel * left[-1] + a.out_numel if left else None
+
+
+def _einsum(a):
+    equation = a.value(0, "equation")
+    shapes = [s for s in a.nested_shapes()] or [a.shape(i) for i in range(1, 8) if a.has_tensor(i)]
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation or None in shapes:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if len(terms) != len(shapes) or len(terms) > 2:
+        return None
+    sizes = {}
+    for term, shape in zip(terms, shapes):
+        sizes.update(zip(term, shape))
+    total = math.prod(sizes.values())
+    summed = set(sizes) - set(output)
+    if len(terms) == 1:
+        return total if summed else 0
+    return 2 * total if summed else total
+
+
+def _conv(a):
+    weight = a.shape(1, "weight")
+    if not weight:
+        return None
+    bias = a.out_numel if a.has_tensor(2, "bias") else 0
+    return 2 * a.out_numel * math.prod(weight[1:]) + bias
+
+
+def _conv_transpose(a):
+    weight, inp = a.shape(1, "weight"), a.shape(0, "input")
+    if not weight or not inp:
+        return None
+    bias = a.out_numel if a.has_tensor(2, "bias") else 0
+    return 2 * math.prod(inp) * math.prod(weight[1:]) + bias
+
+
+def _sdpa(a):
+    q, k, v = a.shape(0, "query"), a.shape(1, "key"), a.shape(2, "value")
+    if not (q and k and v):
+        return None
+    batch = math.prod(q[:-2])
+    return 2 * batch * q[-2] * k[-2] * (q[-1] + v[-1])  # Q @ K^T, then weights @ V
+
+
+def _multi_head_attention(a):
+    q, k, v = a.shape(0, "query"), a.shape(1, "key"), a.shape(2, "value")
+    embed = a.value(3, "embed_dim_to_check")
+    if not (q and k and v) or not isinstance(embed, int):
+        return None
+    if a.has_tensor(7, "bias_k") or a.value(9, "add_zero_attn", False):
+        return None  # extra key/value rows change the attention shape; not modelled
+    rows_q, rows_k, rows_v = math.prod(q) // q[-1], math.prod(k) // k[-1], math.prod(v) // v[-1]
+    projections = 2 * embed * (math.prod(q) + math.prod(k) + math.prod(v))
+    if a.has_tensor(6, "in_proj_bias"):
+        projections += embed * (rows_q + rows_k + rows_v)
+    projections += 2 * rows_q * embed * embed + (rows_q * embed if a.has_tensor(12, "out_proj_bias") else 0)
+    batch = q[1] if len(q) == 3 else 1
+    attention = 2 * 2 * batch * q[0] * k[0] * embed
+    return {"matmul": projections, "attention": attention}
+
+
+def _recurrent(a):
+    inp = a.shape(0, "input")
+    shapes = a.nested_shapes()
+    if not inp or not shapes or None in shapes:
+        return None
+    rows = math.prod(inp) // inp[-1]  # time steps x batch (or packed rows): every weight sees each once
+    weights = sum(math.prod(s) for s in shapes if len(s) == 2)
+    biases = sum(math.prod(s) for s in shapes if len(s) == 1)
+    return 2 * rows * weights + rows * biases
+
+
+def _recurrent_cell(a):
+    inp = a.shape(0, "input")
+    if not inp:
+        return None
+    rows = math.prod(inp) // inp[-1]
+    weights = [a.shape(i) for i in (2, 3)]
+    if None in weights:
+        return None
+    biases = [a.shape(i) for i in (4, 5) if a.has_tensor(i)]
+    return 2 * rows * sum(math.prod(w) for w in weights) + rows * sum(math.prod(b) for b in biases)
+
+
+def _norm(stats_cost, affine_positions):
+    def formula(a):
+        per = 2 + stats_cost(a) + sum(1 for p, n in affine_positions if a.has_tensor(p, n))
+        return per * a.out_numel
+    return formula
+
+
+def _batch_norm_stats(a):
+    training = a.value(5, "training", False)
+    return 3 if training or not a.has_tensor(1, "running_mean") else 0
+
+
+def _reduction(cost):
+    def formula(a):
+        inp = a.shape(0, "input")
+        if a.has_tensor(1, "other"):  # torch.max(x, y) is elementwise
+            return a.out_numel
+        return cost * math.prod(inp) if inp is not None else None
+    return formula
+
+
+def _pool(dims):
+    def formula(a):
+        kernel = a.value(1, "kernel_size")
+        if kernel is None:
+            return None
+        window = kernel ** dims if isinstance(kernel, int) else math.prod(kernel)
+        return a.out_numel * window  # each output element reads one window
+    return formula
+
+
+def _adaptive_pool(dims):
+    def formula(a):
+        inp = a.shape(0, "input")
+        if not inp or len(inp) < dims:
+            return None
+        reads = 1
+        for size_in, size_out in zip(inp[-dims:], a.out_shape[-dims:]):
+            # torch's windows: start = floor(i*in/out), end = ceil((i+1)*in/out)
+            reads *= sum(-(-(i + 1) * size_in // size_out) - (i * size_in // size_out) for i in range(size_out))
+        return math.prod(a.out_shape[:-dims]) * reads
+    return formula
+
+
+def _dropout(a):
+    training, p = a.value(2, "training", True), a.value(1, "p", 0.5)
+    return a.out_numel if training and p else 0
+
+
+_REGISTRY: dict = {}
+
+
+def register(names, family, formula) -> None:
+    """Add (or replace) the formula for functions by canonical name; ``family`` is one of FAMILIES."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    for name in names.split() if isinstance(names, str) else names:
+        _REGISTRY[name] = (family, formula)
+
+
+register("linear", "matmul", _linear)
+register("matmul mm bmm mv dot vdot inner", "matmul", _matmul)
+register("rmatmul", "matmul", _rmatmul)
+register("addmm addmv baddbmm", "matmul", _addmm)
+register("addr", "matmul", _per_element(2))
+register("einsum", "matmul", _einsum)
+register("lstm gru rnn_tanh rnn_relu", "matmul", _recurrent)
+register("lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell", "matmul", _recurrent_cell)
+register("conv1d conv2d conv3d", "conv", _conv)
+register("conv_transpose1d conv_transpose2d conv_transpose3d", "conv", _conv_transpose)
+register("scaled_dot_product_attention", "attention", _sdpa)
+register("multi_head_attention_forward", "attention", _multi_head_attention)
+register("add sub rsub", "elementwise", _add_like)
+register("""mul div truediv true_divide floordiv floor_divide mod remainder fmod pow neg negative abs absolute
+    exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal square sin cos tan asin acos atan atan2 sinh cosh
+    tanh sigmoid relu relu6 leaky_relu gelu silu mish elu selu celu softplus softsign hardtanh hardsigmoid
+    hardswish hardshrink softshrink tanhshrink threshold prelu logsigmoid clamp clip clamp_min clamp_max
+    maximum minimum fmax fmin sign sgn floor ceil round trunc frac erf erfc erfinv hypot lt le gt ge eq ne
+    less less_equal greater greater_equal equal not_equal logical_and logical_or logical_not logical_xor
+    and or xor invert bitwise_and bitwise_or bitwise_xor bitwise_not isnan isinf isfinite isposinf
+    isneginf nan_to_num lerp""".split(), "elementwise", _per_element(1))
+register("addcmul addcdiv", "elementwise", _per_element(2))
+register("dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d", "elementwise",
+         _dropout)
+register("batch_norm", "other", _norm(_batch_norm_stats, [(3, "weight"), (4, "bias")]))
+register("layer_norm group_norm", "other", _norm(lambda a: 3, [(2, "weight"), (3, "bias")]))
+register("instance_norm", "other", _norm(lambda a: 3 if a.value(5, "use_input_stats", True) else 0,
+                                         [(3, "weight"), (4, "bias")]))
+register("rms_norm", "other", lambda a: (3 + a.has_tensor(2, "weight")) * a.out_numel)  # square, add, scale
+register("normalize", "other", _per_element(3))
+register("softmax log_softmax softmin", "other", _per_element(5))
+register("sum mean nansum nanmean prod amax amin max min argmax argmin all any cumsum cumprod "
+         "count_nonzero", "other", _reduction(1))
+register("norm linalg_vector_norm linalg_norm vector_norm", "other", _reduction(2))
+register("var std var_mean std_mean logsumexp", "other", _reduction(3))
+# Pure data movement, selection and creation: their formula is 0.
+register("""view view_as reshape reshape_as permute transpose swapaxes swapdims movedim t T mT H mH
+    contiguous clone copy detach pos positive flatten unflatten squeeze unsqueeze expand expand_as repeat tile
+    cat concat concatenate stack hstack vstack split split_with_sizes chunk unbind narrow select getitem setitem
+    index_select gather take masked_fill masked_select where embedding one_hot pad roll flip to float double
+    half bfloat16 int long bool type type_as cpu cuda zeros ones empty full zeros_like ones_like empty_like
+    full_like arange linspace eye tensor as_tensor rand randn randint rand_like randn_like randint_like
+    randperm new_zeros new_ones new_empty new_full new_tensor fill zero tril triu diag diagonal
+    unfold""".split(), "other", _per_element(0))
+
+
+for _d in (1, 2, 3):
+    register([f"max_pool{_d}d", f"max_pool{_d}d_with_indices", f"avg_pool{_d}d", f"lp_pool{_d}d"], "other",
+             _pool(_d))
+    register([f"adaptive_avg_pool{_d}d", f"adaptive_max_pool{_d}d", f"adaptive_max_pool{_d}d_with_indices"],
+             "other", _adaptive_pool(_d))
+
+
+# ----- per-op evaluation -------------------------------------------------------------------------------
+def _evaluate(trace, index):
+    """``{family: flops}`` for op ``index``; ``{}`` for pseudo-ops and secondary outputs; None if unknown."""
+    c = trace._call[index]
+    if c < 0:
+        return {}
+    call = trace._calls[c]
+    if call[10] != index:
+        return {}  # a further output of a multi-output call: the call was counted on its first output
+    entry = _REGISTRY.get(canonical_name(trace._func_names[index]))
+    if entry is None:
+        return None
+    family, formula = entry
+    try:
+        result = formula(CallArgs(trace, call, trace._meta[index][0]))
+    except Exception:  # an argument layout the formula does not understand: unknown, never 0
+        result = None
+    if result is None:
+        return None
+    return dict(result) if isinstance(result, dict) else {family: int(result)}
+
+
+def flops_column(trace) -> list:
+    """Per op index: ``{family: flops}`` or None (unknown).  Computed once per trace and kept."""
+    column = getattr(trace, "_flops_col", None)
+    if column is None:
+        if trace.is_cleaned_up:
+            raise RuntimeError("this trace was cleaned up before its FLOPs were derived")
+        column = [_evaluate(trace, i) for i in range(len(trace))]
+        trace._flops_col = column
+    return column
+
+
+def op_flops(op):
+    """Analytic forward FLOPs of one op (int), or None when no formula covers it.
+
+    Inputs, buffers and outputs compute nothing (0); further outputs of a multi-output call are 0 because
+    the call is counted on its first output.
+    """
+    parts = flops_column(op._trace)[op.index]
+    return None if parts is None else sum(parts.values())
+
+
+def op_flops_by_family(op):
+    """``{family: flops}`` for one op, or None when unknown."""
+    parts = flops_column(op._trace)[op.index]
+    return None if parts is None else dict(parts)
+
+
+class FlopCount(int):
+    """A FLOP total (an int) that also names the ops it could not count."""
+
+    def __new__(cls, total: int, unknown=(), counted: int = 0):
+        self = super().__new__(cls, total)
+        self.unknown = tuple(unknown)
+        self.counted = counted
+        return self
+
+    @property
+    def complete(self) -> bool:
+        return not self.unknown
+
+    def __repr__(self) -> str:
+        if not self.unknown:
+            return f"{int(self):,} FLOPs"
+        shown = ", ".join(self.unknown[:5]) + (" ..." if len(self.unknown) > 5 else "")
+        return f"{int(self):,} FLOPs over {self.counted} counted ops; {len(self.unknown)} ops unknown: {shown}"
+
+    __str__ = __repr__
+
+
+def total_flops(trace) -> FlopCount:
+    """Sum of analytic forward FLOPs over every op; ``.unknown`` lists ops with no formula."""
+    column = flops_column(trace)
+    total, counted, unknown = 0, 0, []
+    for i, parts in enumerate(column):
+        if parts is None:
+            unknown.append(trace._labels[i])
+        elif parts:
+            total += sum(parts.values())
+            counted += 1
+    return FlopCount(total, unknown, counted)
+
+
+def module_call_flops(trace) -> dict:
+    """``{module call label: FlopCount}``, inclusive of nested calls, in call order."""
+    column = flops_column(trace)
+    calls = trace.module_calls
+    totals = [0] * len(calls)
+    counted = [0] * len(calls)
+    unknown = [[] for _ in calls]
+    for i, m in enumerate(trace._module_call):
+        parts = column[i]
+        while m >= 0:
+            if parts is None:
+                unknown[m].append(trace._labels[i])
+            elif parts:
+                totals[m] += sum(parts.values())
+                counted[m] += 1
+            parent = calls[m].parent
+            m = parent.index if parent is not None else -1
+    return {call.label: FlopCount(totals[k], unknown[k], counted[k]) for k, call in enumerate(calls)}
+
+
+def family_totals(trace) -> dict:
+    """``{family: flops}`` over the whole trace (unknown ops are in ``total_flops(trace).unknown``)."""
+    totals = dict.fromkeys(FAMILIES, 0)
+    for parts in flops_column(trace):
+        for family, n in (parts or {}).items():
+            totals[family] += n
+    return totals

@@ -1,0 +1,243 @@
+"""``flops_vs_dispatch``: torchlens's analytic FLOPs beside ``torch.utils.flop_counter.FlopCounterMode``.
+
+Two formula registries, two separate executions.  One execution is traced and every captured op is
+counted by ``torchlens.report.flops``; the other runs the model untraced under ``FlopCounterMode``, which
+counts per dispatched ATen overload.  RNG (CPU and CUDA), parameters and buffers and training flags are
+restored before the second run and again afterwards, and the two outputs must agree (the witness that
+both executions ran the same program); a forward that draws random numbers is refused, since restoring
+the global generators cannot make its draws a proof of anything.
+
+The two sides are reported side by side, by total, by op family and by module, with the signed
+difference ``native - torchlens``.  Neither side fills the other's gaps and neither is a measurement:
+both are formulas applied to shapes.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from ..record.errors import TorchlensError
+from .flops import CONVENTION, FAMILIES, flops_column, total_flops
+
+NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
+                     "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
+                     "counts nothing")
+SDPA_CPU_NOTE = ("FlopCounterMode counts 0 for scaled_dot_product_attention on CPU in torch 2.13: the CPU "
+                 "kernel (aten._scaled_dot_product_flash_attention_for_cpu) has no entry in its flop "
+                 "registry. The native attention family is missing that work, not free.")
+_NATIVE_FAMILY = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "baddbmm": "matmul", "_scaled_mm": "matmul",
+                  "convolution": "conv", "_convolution": "conv", "cudnn_convolution": "conv",
+                  "convolution_overrideable": "conv", "_slow_conv2d_forward": "conv",
+                  "convolution_backward": "conv"}
+
+
+class WitnessFailed(TorchlensError):
+    """The traced and the FlopCounterMode executions could not be shown to run the same program."""
+
+
+class FlopsComparison:
+    """Both registries' FLOPs for one forward, side by side; see ``flops_vs_dispatch``."""
+
+    def __init__(self, model_name, torchlens_total, native_total, families, modules, native_by_overload,
+                 notes, witness):
+        self.model_name = model_name
+        self.torchlens_total = torchlens_total
+        self.native_total = native_total
+        self.families = families
+        self.modules = modules
+        self.native_by_overload = native_by_overload
+        self.notes = notes
+        self.witness = witness
+        self.convention = {"torchlens": CONVENTION, "native": NATIVE_CONVENTION}
+
+    @property
+    def difference(self) -> int:
+        """``native - torchlens`` over the whole forward."""
+        return self.native_total - int(self.torchlens_total)
+
+    @property
+    def torchlens_unknown(self) -> tuple:
+        """Labels of captured ops with no torchlens formula (missing from the torchlens side)."""
+        return self.torchlens_total.unknown
+
+    def to_pandas(self, table: str = "family"):
+        """``table="family"`` (default) or ``"module"``, one row each."""
+        from ..record.tables import require_pandas
+
+        if table not in ("family", "module"):
+            raise ValueError(f"table must be 'family' or 'module', got {table!r}")
+        return require_pandas().DataFrame(self.families if table == "family" else self.modules)
+
+    def __str__(self) -> str:
+        lines = [f"FLOPs of {self.model_name}: two formula registries, never measured",
+                 f"  {'':<24}{'torchlens':>14}{'native':>14}{'native-tl':>14}",
+                 f"  {'total':<24}{int(self.torchlens_total):>14,}{self.native_total:>14,}{self.difference:>14,}"]
+        for row in self.families:
+            lines.append(f"  {row['family']:<24}{row['torchlens']:>14,}{row['native']:>14,}{row['difference']:>14,}")
+        lines.append("  by module (inclusive; calls of one module merged, as FlopCounterMode does):")
+        for row in self.modules:
+            lines.append(f"  {row['module'][:24]:<24}{row['torchlens']:>14,}{row['native']:>14,}"
+                         f"{row['difference']:>14,}")
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: float = 1e-6) -> FlopsComparison:
+    """Count ``model(*args, **kwargs)``'s forward FLOPs with torchlens's registry and with
+    ``FlopCounterMode``, in two separate executions, and report both side by side.
+
+    Raises ``WitnessFailed`` when the two executions cannot be shown to have run the same program: the
+    forward drew random numbers (e.g. dropout in training mode), or the outputs differ.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..capture.session import _as_args, _unwrap, trace
+    from ..validate import RunState, clone_inputs
+
+    model = _unwrap(model)
+    call_args = _as_args(model, args)
+    kwargs = dict(kwargs or {})
+    saved = RunState(model)
+    try:
+        log = trace(model, clone_inputs(call_args), clone_inputs(kwargs), save="none")
+        traced_output = _detached(log.output)
+        drew = _drew_random_numbers(saved)
+        if drew:
+            randoms = [op.label for op in log.ops if op.kind == "op" and _is_random(op.func_name)]
+            raise WitnessFailed(
+                "flops_vs_dispatch refused: the forward draws random numbers"
+                + (f" ({', '.join(randoms[:5])})" if randoms else "")
+                + ", so matching outputs would rest on both executions drawing the same numbers in the same "
+                "order, which restoring the global generators cannot guarantee. Call model.eval() (or remove "
+                "the randomness) and compare again.")
+        saved.restore()
+        with FlopCounterMode(display=False) as counter:
+            native_output = _detached(model(*clone_inputs(call_args), **clone_inputs(kwargs)))
+    finally:
+        saved.restore()
+    if not _outputs_close(traced_output, native_output, rtol, atol):
+        raise WitnessFailed(
+            "flops_vs_dispatch refused: the traced execution and the FlopCounterMode execution returned "
+            "different outputs, so they did not run the same program and their FLOPs are not comparable. "
+            "Make the forward deterministic (eval mode, no data-dependent randomness) and compare again.")
+    return _compare(log, model, counter.get_flop_counts())
+
+
+def _compare(log, model, native_counts) -> FlopsComparison:
+    tl_total = total_flops(log)
+    root_name = type(model).__name__
+    native_global = {str(k): int(v) for k, v in native_counts.get("Global", {}).items()}
+    native_families = dict.fromkeys(FAMILIES, 0)
+    for overload, count in native_global.items():
+        native_families[_native_family(overload)] += count
+    tl_families = dict.fromkeys(FAMILIES, 0)
+    for parts in flops_column(log):
+        for family, n in (parts or {}).items():
+            tl_families[family] += n
+    families = [{"family": f, "torchlens": tl_families[f], "native": native_families[f],
+                 "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
+    modules = _module_rows(log, native_counts, root_name)
+    notes = _notes(log, tl_total, tl_families, native_families)
+    witness = {"outputs_match": True, "random_draws": False, "rng_restored": True,
+               "training_flags_restored": True, "buffers_restored": True}
+    return FlopsComparison(log.model_name, tl_total, sum(native_global.values()), families, modules,
+                           native_global, notes, witness)
+
+
+def _module_rows(log, native_counts, root_name) -> list:
+    """Inclusive totals per module address; each op counts once per module on its stack (set semantics,
+    as FlopCounterMode's module tracker has)."""
+    column = flops_column(log)
+    tl: dict = {"": 0}
+    unknown: dict = {"": 0}
+    for module in log.modules:
+        tl[module.address] = 0
+        unknown[module.address] = 0
+    calls = log.module_calls
+    for i, m in enumerate(log._module_call):
+        if log._call[i] < 0:
+            continue
+        parts = column[i]
+        addresses = {""}
+        while m >= 0:
+            addresses.add(calls[m].module.address)
+            parent = calls[m].parent
+            m = parent.index if parent is not None else -1
+        for address in addresses:
+            if parts is None:
+                unknown[address] += 1
+            else:
+                tl[address] += sum(parts.values())
+    by_alias = {alias: module.address for module in log.modules for alias in module.all_addresses}
+    native = dict.fromkeys(tl, 0)
+    for name, counts in native_counts.items():
+        if name == "Global":
+            continue
+        address = "" if name == root_name else by_alias.get(name.split(".", 1)[1] if "." in name else name)
+        if address is not None:
+            native[address] = native.get(address, 0) + sum(int(v) for v in counts.values())
+    return [{"module": address or f"(root {log.model_name})", "torchlens": tl[address],
+             "native": native.get(address, 0), "difference": native.get(address, 0) - tl[address],
+             "torchlens_unknown_ops": unknown[address]} for address in tl]
+
+
+def _notes(log, tl_total, tl_families, native_families) -> list:
+    notes = []
+    cpu_attention = [op.label for op in log.ops if op.kind == "op" and op.device.type == "cpu"
+                     and op.func_name in ("scaled_dot_product_attention", "multi_head_attention_forward")]
+    if cpu_attention:
+        notes.append(SDPA_CPU_NOTE + f" (here: {', '.join(cpu_attention[:3])})")
+    for family in FAMILIES:
+        if tl_families[family] and not native_families[family]:
+            notes.append(f"{family}: counted by torchlens only (FlopCounterMode counted none of these ops)")
+        elif native_families[family] and not tl_families[family]:
+            notes.append(f"{family}: counted by FlopCounterMode only (torchlens counted none of these ops)")
+    if tl_total.unknown:
+        names = sorted({log[label].func_name for label in tl_total.unknown})
+        notes.append(f"{len(tl_total.unknown)} captured ops have no torchlens formula ({', '.join(names)}): their "
+                     "FLOPs are missing from the torchlens side, not zero")
+    return notes
+
+
+def _native_family(overload: str) -> str:
+    name = overload.split(".", 1)[-1]
+    if "attention" in name:
+        return "attention"
+    return _NATIVE_FAMILY.get(name, "other")
+
+
+def _is_random(func_name: str) -> bool:
+    from ..validate import _RANDOM_FUNCS
+
+    return func_name in _RANDOM_FUNCS
+
+
+def _drew_random_numbers(saved) -> bool:
+    if not torch.equal(torch.get_rng_state(), saved.cpu_rng):
+        return True
+    if saved.cuda_rng is not None:
+        return any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), saved.cuda_rng))
+    return False
+
+
+def _detached(output):
+    from ..record.finalize import tensor_leaves
+
+    return [t.detach().clone() for _, t in tensor_leaves(output, "output", [])]
+
+
+def _outputs_close(a: list, b: list, rtol: float, atol: float) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.is_floating_point() or x.is_complex():
+            if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True

@@ -1,0 +1,252 @@
+"""Analytic FLOPs per captured op, and the side-by-side comparison with FlopCounterMode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+import torchlens as tl
+from torchlens.report import flops as registry
+from zoo import zoo
+
+
+def native_total(model, *args):
+    with FlopCounterMode(display=False) as counter:
+        model(*args)
+    return counter.get_total_flops()
+
+
+# ----- the registry -------------------------------------------------------------------------------------
+def test_report_flops_is_the_registry_module_and_trace_flops_uses_it():
+    assert tl.report.flops is registry
+    assert callable(tl.report.op_flops) and callable(tl.report.total_flops)
+    model = nn.Linear(8, 4)
+    log = tl.trace(model, torch.randn(3, 8))
+    assert int(log.flops) == int(tl.report.total_flops(log)) == tl.report.op_flops(log["linear_1_1:1"])
+
+
+def test_importing_the_comparison_module_does_not_shadow_the_function():
+    import importlib
+
+    importlib.import_module("torchlens.report.flops_compare")
+    importlib.import_module("torchlens.debug.hotspots")
+    assert callable(tl.report.flops_vs_dispatch) and callable(tl.debug.hot_path)
+    result = tl.report.flops_vs_dispatch(nn.Linear(3, 2, bias=False).eval(), torch.randn(1, 3))
+    assert result.difference == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_and_conv_match_flop_counter_mode_up_to_bias(bias):
+    model = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1, bias=bias), nn.Flatten(),
+                          nn.Linear(5 * 6 * 6, 7, bias=bias)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    log = tl.trace(model, x)
+    # FlopCounterMode does not count bias additions; torchlens adds one per output element.
+    bias_adds = sum(math.prod(op.shape) for op in log.ops if op.kind == "op" and op.params and bias)
+    assert int(log.flops) - native_total(model, x) == bias_adds
+    assert log.flops.complete
+
+
+def test_matmul_family_spellings_share_one_formula():
+    class Spellings(nn.Module):
+        def forward(self, a, b):
+            return a @ b, torch.matmul(a, b), torch.mm(a, b), a.matmul(b)
+
+    a, b = torch.randn(4, 6), torch.randn(6, 3)
+    log = tl.trace(Spellings(), (a, b))
+    counts = {tl.report.op_flops(op) for op in log.ops if op.kind == "op"}
+    assert counts == {native_total(lambda p, q: p @ q, a, b)}
+
+
+def test_elementwise_aliases_and_in_place_spellings_count_per_output_element():
+    class Adds(nn.Module):
+        def forward(self, x, y):
+            z = x + y
+            z = torch.add(z, y)
+            z.add_(1.0)
+            z += y
+            return (2.0 + z).relu()
+
+    x, y = torch.randn(3, 5), torch.randn(3, 5)
+    log = tl.trace(Adds(), (x, y))
+    ops = [op for op in log.ops if op.kind == "op"]
+    assert len(ops) == 6
+    assert all(tl.report.op_flops(op) == x.numel() for op in ops)
+
+
+def test_sdpa_formula_counts_both_matrix_products():
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 4)
+    log = tl.trace(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q, k, v))
+    op = next(op for op in log.ops if op.kind == "op")
+    batch, length, source = 2 * 3, 5, 7
+    assert tl.report.op_flops(op) == 2 * batch * length * source * 8 + 2 * batch * length * source * 4
+    assert registry.op_flops_by_family(op) == {"attention": tl.report.op_flops(op)}
+
+
+def test_unknown_ops_are_listed_never_counted_as_zero():
+    class Sorts(nn.Module):
+        def forward(self, x):
+            values, _ = torch.sort(x, dim=-1)
+            return F.interpolate(values.unsqueeze(0), scale_factor=2.0) * 3
+
+    log = tl.trace(Sorts(), torch.randn(4, 6))
+    unknown = [op.label for op in log.ops if op.kind == "op" and tl.report.op_flops(op) is None]
+    assert {log[label].func_name for label in unknown} == {"sort", "interpolate"}
+    total = log.flops
+    assert set(total.unknown) == set(unknown) and not total.complete
+    assert int(total) == sum(tl.report.op_flops(op) or 0 for op in log.ops)  # only the mul is counted
+    assert "unknown" in repr(total) and unknown[0] in repr(total)
+
+
+def test_a_multi_output_call_is_counted_once_on_its_first_output():
+    log = tl.trace(lambda x: torch.max(x, dim=1), torch.randn(4, 9))
+    values, indices = [op for op in log.ops if op.kind == "op"]
+    assert tl.report.op_flops(values) == 36 and tl.report.op_flops(indices) == 0
+
+
+def test_pooling_formulas_follow_torch_windows():
+    x = torch.randn(1, 2, 7, 5)
+    log = tl.trace(lambda x: (F.max_pool2d(x, 3, stride=2), F.adaptive_avg_pool2d(x, (3, 2))), x)
+    pool, adaptive = [op for op in log.ops if op.kind == "op"]
+    assert tl.report.op_flops(pool) == math.prod(pool.shape) * 9
+    # Adaptive windows overlap when sizes do not divide: count the elements each window really reads.
+    rows = [(math.floor(i * 7 / 3), math.ceil((i + 1) * 7 / 3)) for i in range(3)]
+    cols = [(math.floor(j * 5 / 2), math.ceil((j + 1) * 5 / 2)) for j in range(2)]
+    expected = 2 * sum((r1 - r0) * (c1 - c0) for r0, r1 in rows for c0, c1 in cols)
+    assert tl.report.op_flops(adaptive) == expected
+
+
+def test_module_call_totals_are_inclusive_and_sum_their_ops():
+    model, args, kwargs = zoo()["small_cnn"]
+    log = tl.trace(model, args, kwargs)
+    per_call = registry.module_call_flops(log)
+    assert set(per_call) == {c.label for c in log.module_calls}
+    for call in log.module_calls:
+        own = sum(tl.report.op_flops(log[label]) for label in call.ops)
+        assert int(per_call[call.label]) == own
+    assert int(per_call["features:1"]) >= int(per_call["features.4:1"]) + int(per_call["features.0:1"])
+    top_level = sum(int(per_call[c.label]) for c in log.module_calls if c.parent is None)
+    assert top_level == int(log.flops) - sum(tl.report.op_flops(op) for op in log.ops if op.module is None)
+
+
+def test_flops_survive_cleanup_unchanged():
+    model, args, kwargs = zoo()["transformer_fastpath"]
+    log = tl.trace(model, args, kwargs)
+    before = [tl.report.op_flops(op) for op in log.ops]
+    fresh = tl.trace(model, args, kwargs)
+    fresh.cleanup()  # FLOPs never asked for before cleanup: they are derived on the way out
+    assert [tl.report.op_flops(op) for op in fresh.ops] == before
+    assert int(fresh.flops) == int(log.flops) > 0
+
+
+def test_deep_capture_counts_what_the_shallow_attention_formula_counts():
+    """Deep capture records the torch calls inside ``multi_head_attention_forward``; their formulas must
+    add up to the one-op formula of the shallow trace, family by family."""
+    model, args, kwargs = zoo()["transformer_fastpath"]
+    shallow, deep = tl.trace(model, args, kwargs), tl.trace(model, args, kwargs, deep=True)
+    assert len(deep) > len(shallow) and deep.flops.complete and shallow.flops.complete
+    assert int(deep.flops) == int(shallow.flops)
+    assert registry.family_totals(deep) == registry.family_totals(shallow)
+
+
+def test_the_torch_calls_inside_normalize_all_have_formulas():
+    model, args, kwargs = zoo()["functional"]
+    deep = tl.trace(model, args, kwargs, deep=True)
+    assert deep.flops.complete and deep.flops.counted > tl.trace(model, args, kwargs).flops.counted
+
+
+# ----- flops_vs_dispatch --------------------------------------------------------------------------------
+def test_linear_only_model_agrees_with_flop_counter_mode_up_to_bias_terms():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    result = tl.report.flops_vs_dispatch(model, x)
+    matmul = next(row for row in result.families if row["family"] == "matmul")
+    assert matmul["difference"] == -(4 * 32 + 4 * 8)  # one bias add per output element, native omits it
+    assert result.native_total == native_total(model, x)
+    assert result.difference == result.native_total - int(result.torchlens_total)
+    rows = {row["module"]: row for row in result.modules}
+    assert rows["0"]["difference"] == -4 * 32 and rows["2"]["difference"] == -4 * 8
+    assert rows["1"]["native"] == 0 and rows["1"]["torchlens"] == 4 * 32  # relu: torchlens only
+    assert any("elementwise" in note and "torchlens only" in note for note in result.notes)
+    assert set(result.to_pandas().columns) == {"family", "torchlens", "native", "difference"}
+    assert "never measured" in str(result)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(zoo()) if n != "dropout_train"])
+def test_zoo_linear_and_conv_modules_differ_from_native_by_exactly_their_bias_adds(name):
+    model, args, kwargs = zoo()[name]
+    result = tl.report.flops_vs_dispatch(model, args, kwargs)
+    log = tl.trace(model, args, kwargs, save="none")
+    rows = {row["module"]: row for row in result.modules}
+    checked = 0
+    for module in log.modules:
+        if module.class_name not in ("Linear", "Conv2d"):
+            continue
+        outputs = [log[label] for call in module.calls for label in call.output_ops]
+        bias = "bias" in module.param_names
+        expected = sum(math.prod(op.shape) for op in outputs) if bias else 0
+        assert rows[module.address]["torchlens"] - rows[module.address]["native"] == expected, module.address
+        checked += 1
+    assert result.witness["outputs_match"]
+    assert checked or not any(m.class_name in ("Linear", "Conv2d") for m in log.modules)
+
+
+def test_sdpa_on_cpu_is_noted_and_counted_only_by_torchlens():
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    q = k = v = torch.randn(1, 2, 4, 8)
+    result = tl.report.flops_vs_dispatch(Attention(), (q, k, v))
+    attention = next(row for row in result.families if row["family"] == "attention")
+    assert attention["native"] == 0 and attention["torchlens"] == 2 * 2 * 4 * 4 * (8 + 8)
+    assert any("scaled_dot_product_attention on CPU" in note for note in result.notes)
+
+
+def test_dropout_in_train_mode_is_refused_and_nothing_is_left_changed():
+    model, args, kwargs = zoo()["dropout_train"]
+    rng = torch.get_rng_state()
+    with pytest.raises(tl.TorchlensError, match="random numbers.*dropout.*model.eval"):
+        tl.report.flops_vs_dispatch(model, args, kwargs)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training
+    model.eval()
+    assert tl.report.flops_vs_dispatch(model, args, kwargs).witness["outputs_match"]
+
+
+def test_diverging_outputs_fail_the_witness():
+    class Counter(nn.Module):
+        """Returns a different value on each call: the two executions cannot be shown equivalent."""
+
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * self.calls
+
+    with pytest.raises(tl.TorchlensError, match="different outputs"):
+        tl.report.flops_vs_dispatch(Counter(), torch.randn(3))
+
+
+def test_training_flags_buffers_and_rng_are_restored():
+    model, args, kwargs = zoo()["batchnorm_train"]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    result = tl.report.flops_vs_dispatch(model, args, kwargs)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert model.training and torch.equal(torch.get_rng_state(), rng)
+    assert int(result.torchlens_total) > 0 and result.native_total > 0
+
+
+def test_unknown_ops_are_reported_on_the_torchlens_side_only():
+    model = lambda x: torch.sort(x @ x.T, dim=-1).values  # noqa: E731
+    result = tl.report.flops_vs_dispatch(model, torch.randn(4, 4))
+    assert len(result.torchlens_unknown) == 1
+    assert any("no torchlens formula (sort)" in note for note in result.notes)

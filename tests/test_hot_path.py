@@ -1,0 +1,126 @@
+"""``tl.debug.hot_path``: ranking a trace's torch calls by time, FLOPs or activation memory."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchlens as tl
+from zoo import LoopRNN, zoo
+
+
+def test_the_seed_recipe_runs_verbatim():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    x = torch.randn(32, 64)
+    log = tl.trace(model, x)
+    ranked = tl.debug.hot_path(log, by="duration").to_pandas()
+    log.cleanup()
+    assert list(ranked.columns) == ["address", "count", "total", "percent"]
+    assert list(ranked["total"]) == sorted(ranked["total"], reverse=True)
+    assert set(ranked["address"]) == {"linear_1_1:1", "relu_1_2:1", "linear_2_3:1"}
+    assert ranked.attrs["by"] == "duration" and "Timer" in ranked.attrs["note"]
+    assert abs(ranked["percent"].sum() - 100.0) < 1e-6
+
+
+def test_result_is_an_object_with_rows_metadata_and_a_readable_table():
+    model, args, kwargs = zoo()["mlp"]
+    log = tl.trace(model, args, kwargs)
+    result = tl.debug.hot_path(log, by="flops")
+    assert isinstance(result, tl.debug.HotPath)
+    totals = [row["total"] for row in result.rows]
+    assert totals == sorted(totals, reverse=True)
+    assert result.total == int(log.flops) and result.unit == "FLOPs"
+    text = str(result)
+    assert "grouped by op" in text and result.rows[0]["address"] in text
+
+
+def test_durations_are_the_instrumented_call_times_counted_once_per_call():
+    log = tl.trace(lambda x: torch.max(x, dim=1), torch.randn(4, 9))
+    result = tl.debug.hot_path(log, by="duration")
+    values = next(op for op in log.ops if op.kind == "op")
+    assert [row["address"] for row in result.rows] == [values.label]  # the indices share the call's time
+    assert result.rows[0]["total"] == values.duration
+    assert "instrumented" in str(result) and "torch.utils.benchmark.Timer" in str(result)
+
+
+def test_layer_grouping_sums_every_pass():
+    log = tl.trace(LoopRNN().eval(), torch.randn(2, 8))
+    by_layer = {row["address"]: row for row in tl.debug.hot_path(log, by="duration", group="layer")}
+    layer = log["linear_1_2"]
+    assert by_layer["linear_1_2"]["count"] == layer.num_passes == 16
+    assert by_layer["linear_1_2"]["total"] == pytest.approx(sum(op.duration for op in layer.ops))
+
+
+def test_module_grouping_is_inclusive_of_nested_calls():
+    model, args, kwargs = zoo()["small_cnn"]
+    log = tl.trace(model, args, kwargs)
+    rows = {row["address"]: row for row in tl.debug.hot_path(log, by="memory", group="module")}
+    assert set(rows) == {call.label for call in log.module_calls}
+    for call in log.module_calls:
+        ops = [log[label] for label in call.ops if log[label].kind == "op"]
+        assert rows[call.label]["total"] == sum(op.nbytes for op in ops)
+        assert rows[call.label]["count"] == len(ops)
+    assert rows["features:1"]["total"] > rows["features.4:1"]["total"]
+
+
+class LoopedLine(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.tanh(self.fc(x))
+        return x.sum()
+
+
+def test_source_grouping_collects_every_execution_of_a_line():
+    log = tl.trace(LoopedLine(), torch.randn(2, 8))
+    rows = {row["address"]: row for row in tl.debug.hot_path(log, by="flops", group="source")}
+    lines, start = inspect.getsourcelines(LoopedLine.forward)
+    loop_line = start + next(i for i, text in enumerate(lines) if "torch.tanh" in text)
+    key = f"{inspect.getsourcefile(LoopedLine)}:{loop_line}"
+    assert rows[key]["count"] == 6  # linear and tanh, three times
+    assert rows[key]["total"] == sum(tl.report.op_flops(op) for op in log.ops if op.source and
+                                     op.source.line == loop_line)
+
+
+def test_source_grouping_falls_back_to_the_module_for_a_bare_sequential():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    log = tl.trace(model, torch.randn(3, 8))
+    keys = [row["address"] for row in tl.debug.hot_path(log, by="flops", group="source")]
+    assert sorted(keys) == ["0 (Linear)", "1 (ReLU)", "2 (Linear)"]
+    torch_dir = os.path.dirname(torch.__file__)
+    assert not any(torch_dir in key for key in keys)
+
+
+def test_ops_without_a_metric_value_are_excluded_and_named():
+    log = tl.trace(lambda x: torch.sort(x * 2, dim=-1).values, torch.randn(3, 5))
+    result = tl.debug.hot_path(log, by="flops")
+    sort = next(op for op in log.ops if op.func_name == "sort")
+    assert result.excluded == (sort.label,)
+    assert sort.label not in [row["address"] for row in result.rows]
+    assert result.to_pandas().attrs["excluded"] == [sort.label]
+    assert f"excluded, no flops value: 1 ops ({sort.label})" in str(result)
+
+
+def test_a_cleaned_up_trace_still_ranks_by_duration_flops_and_memory():
+    model, args, kwargs = zoo()["transformer_fastpath"]
+    log = tl.trace(model, args, kwargs)
+    before = {by: tl.debug.hot_path(log, by=by, group="module").rows for by in ("duration", "flops", "memory")}
+    log.cleanup()
+    for by, rows in before.items():
+        assert tl.debug.hot_path(log, by=by, group="module").rows == rows
+
+
+@pytest.mark.parametrize("kwargs, valid", [({"by": "time"}, "duration, flops, memory"),
+                                           ({"group": "file"}, "op, layer, module, source")])
+def test_unknown_metric_or_grouping_is_refused_with_the_valid_values(kwargs, valid):
+    log = tl.trace(F.relu, torch.randn(3))
+    with pytest.raises(ValueError, match=valid):
+        tl.debug.hot_path(log, **kwargs)

@@ -1,0 +1,192 @@
+"""``tl.debug.nonfinite_origin``: the forward op where a NaN/Inf was born, on constructed models."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.debug.nonfinite import DETECT_ANOMALY_CODE
+
+
+def line_of(func, needle: str) -> int:
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, text in enumerate(lines) if needle in text)
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.log(h - 100.0) * 2  # every element negative before log: NaN is born here
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.ReLU(), Inner())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x).relu() + 1)
+
+
+def test_nan_born_deep_inside_a_module_is_named_with_its_call_and_line():
+    log = tl.trace(Deep().eval(), torch.randn(3, 4))
+    report = tl.debug.nonfinite_origin(log)
+    assert report.found and report.certain and report.kind == "nan" and report.origin_kind == "op"
+    assert report.origin.func_name == "log"
+    assert report.module == "block.1:1"
+    assert report.source.line == line_of(Inner.forward, "torch.log")
+    downstream = [op.label for op in log.ops if op.kind == "op" and op.index > report.origin.index]
+    assert list(report.propagators) == downstream  # mul, relu, add, head
+    assert report.origin_label in str(report)
+
+
+def test_inf_from_exp_is_kind_inf():
+    log = tl.trace(lambda x: torch.exp(x * 100.0).sum(), torch.full((3,), 10.0))
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin.func_name == "exp" and report.kind == "inf"
+    assert [log[label].func_name for label in report.propagators] == ["sum"]
+
+
+def test_nan_and_inf_in_one_output_is_kind_both():
+    log = tl.trace(lambda x: torch.log(x) / x, torch.tensor([-1.0, 0.0, 2.0]))
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin.func_name == "log" and report.kind == "both"
+
+
+def test_nan_in_the_input_is_reported_as_already_present():
+    x = torch.randn(3, 4)
+    x[1, 2] = float("nan")
+    log = tl.trace(nn.Linear(4, 2), x)
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin_kind == "input" and report.origin.label == "input_1:1"
+    assert "already present in input" in str(report)
+    assert [log[label].func_name for label in report.propagators] == ["linear"]
+
+
+def test_nan_in_a_parameter_is_reported_as_already_present():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    report = tl.debug.nonfinite_origin(tl.trace(model, torch.randn(3, 4)))
+    assert report.origin_kind == "parameter" and report.parameters == ("2.weight",)
+    assert report.origin.module == "2:1"
+    assert "parameter(s) 2.weight" in str(report)
+
+
+class Healed(nn.Module):
+    def forward(self, x):
+        y = torch.log(x)  # x < 0: NaN
+        return torch.nan_to_num(y, nan=0.0) + 1
+
+
+def test_nan_healed_by_nan_to_num_is_still_found_when_its_birth_was_examined():
+    x = -torch.rand(5) - 0.1
+    report = tl.debug.nonfinite_origin(tl.trace(Healed(), x))
+    assert report.found and report.origin.func_name == "log" and not report.propagators
+
+
+def test_nan_healed_among_unexamined_ops_is_a_documented_miss_unless_flags_were_recorded():
+    x = -torch.rand(5) - 0.1
+    log = tl.trace(Healed(), x, save=["nantonum"])  # log's output was not kept
+    miss = tl.debug.nonfinite_origin(log)
+    assert not miss.found
+    assert "log_1_1:1" in miss.unexamined and "not examined" in str(miss)
+    flagged = tl.debug.nonfinite_origin(tl.trace(Healed(), x, save=["nantonum"], record_finite=True))
+    assert flagged.found and flagged.origin.func_name == "log"
+
+
+def test_unsaved_ancestors_that_could_be_the_origin_are_named():
+    log = tl.trace(Deep().eval(), torch.randn(3, 4), save=["linear"])
+    report = tl.debug.nonfinite_origin(log)
+    assert report.found and not report.certain
+    assert report.origin.func_name == "linear" and report.origin.module == "head:1"
+    log_op = next(op.label for op in log.ops if op.func_name == "log")
+    assert log_op in report.possible_origins
+    first_linear = next(op.label for op in log.ops if op.func_name == "linear")
+    assert first_linear not in report.possible_origins  # examined and finite: the walk stops there
+    assert "may be one of these unexamined ancestors" in str(report)
+
+
+def test_both_evidence_bases_agree_and_flags_survive_cleanup():
+    x = torch.randn(3, 4)
+    from_activations = tl.debug.nonfinite_origin(tl.trace(Deep().eval(), x))
+    log = tl.trace(Deep().eval(), x, save="none", record_finite=True)
+    log.cleanup()
+    from_flags = tl.debug.nonfinite_origin(log)
+    assert from_flags.origin_label == from_activations.origin_label
+    assert from_flags.propagators == from_activations.propagators
+    assert from_flags.basis == "recorded finite flags" and not from_flags.parameters_checked
+
+
+def test_a_cleaned_up_trace_without_flags_is_refused_clearly():
+    log = tl.trace(Deep().eval(), torch.randn(3, 4))
+    log.cleanup()
+    with pytest.raises(tl.TraceCleanedUp, match="record_finite=True"):
+        tl.debug.nonfinite_origin(log)
+    with pytest.raises(ValueError, match="nothing to examine"):
+        tl.debug.nonfinite_origin(tl.trace(Deep().eval(), torch.randn(3, 4), save="none"))
+
+
+def test_two_independent_births_are_both_reported():
+    log = tl.trace(lambda x: (torch.log(x - 10), torch.sqrt(x - 10)), torch.rand(4))
+    report = tl.debug.nonfinite_origin(log)
+    births = [report.origin_label, *report.other_origins]
+    assert [log[label].func_name for label in births] == ["log", "sqrt"]
+
+
+class BackwardNaN(nn.Module):
+    """Finite forward (sqrt(0) * 0 = 0) whose backward multiplies 0 by sqrt's infinite slope at 0."""
+
+    def forward(self, x):
+        return torch.sqrt(x * 0) * 0
+
+
+def test_backward_born_nan_is_outside_the_forward_and_the_recipe_finds_it():
+    x = torch.randn(3, requires_grad=True)
+    report = tl.debug.nonfinite_origin(tl.trace(BackwardNaN(), x))
+    assert not report.found
+    assert tl.debug.DETECT_ANOMALY_RECIPE in str(report)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="SqrtBackward0.*nan"):
+        exec(DETECT_ANOMALY_CODE, {"model": BackwardNaN(), "x": x})
+
+
+def test_the_recipe_is_word_for_word_the_same_in_every_report():
+    found = str(tl.debug.nonfinite_origin(tl.trace(Deep().eval(), torch.randn(3, 4))))
+    clean = str(tl.debug.nonfinite_origin(tl.trace(nn.Linear(4, 2), torch.randn(3, 4))))
+    recipe = tl.debug.DETECT_ANOMALY_RECIPE
+    assert found.endswith(recipe) and clean.endswith(recipe)
+    assert "torch.autograd.set_detect_anomaly(True)" in recipe
+    assert all(f"    {line}" in recipe for line in DETECT_ANOMALY_CODE.splitlines() if line)
+
+
+def test_later_non_finite_ops_fed_by_unexamined_ops_are_not_called_independent_origins():
+    chain = lambda x: torch.log(x - 10).mul(2).relu().add(1)  # noqa: E731
+    log = tl.trace(chain, torch.rand(4), save=["mul", "add"])
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin.func_name == "mul" and not report.certain
+    assert [log[label].func_name for label in report.undetermined] == ["add"]
+    assert report.other_origins == () and "cannot tell" in str(report)
+
+
+def test_device_flags_are_read_back_once_after_the_forward():
+    from torchlens.capture.state import CaptureState
+
+    state = CaptureState(save_mode=0, record_finite=True)
+    state.finite_flags.update({0: torch.tensor([True, False]), 1: (False, False), 2: torch.tensor([False, True])})
+    assert state.drained_finite_flags() == {0: (True, False), 1: (False, False), 2: (False, True)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_finite_flags_on_cuda_find_the_origin():
+    log = tl.trace(Deep().eval().cuda(), torch.randn(3, 4, device="cuda"), save="none", record_finite=True)
+    assert all(isinstance(flag, tuple) for flag in log._finite.values())
+    assert tl.debug.nonfinite_origin(log).origin.func_name == "log"
