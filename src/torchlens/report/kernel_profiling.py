@@ -1,0 +1,283 @@
+"""``tl.report.kernel_profile``: profiler time of every captured op and module call, joined by ids.
+
+One traced forward (optionally with its backward) runs inside ``torch.profiler.profile``.  Every
+captured op and module call is bracketed by a profiler range named by its id (report/markers.py).
+After the profiler closes, its events are joined to those ranges by ids alone (report/profile_join.py):
+host aten ops by containment on their thread, device kernels through the CUPTI correlation id of the
+runtime call that launched them, backward work through autograd sequence numbers.  Every time figure
+is a profiler (Kineto) figure; torchlens only says which op each one belongs to, and how much it could
+not place (``.coverage``).
+
+Two ways in: by default torchlens owns the profiler (and refuses to start one inside another); with
+``profiler=prof`` it borrows the one you run, adds its ranges, and joins after you close it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .markers import ProfilerMarkers
+from .profile_coverage import Coverage, find_problems
+from .profile_events import events_from_profiler
+from .profile_join import join
+from .profile_tables import layer_rows, module_rows, op_rows
+
+SIDECAR_SUFFIX = ".torchlens.json"
+SIDECAR_SCHEMA = "torchlens.kernel_profile_map.v1"
+
+
+class ProfilerBusyError(RuntimeError):
+    """A torch profiler is already running, and it was not handed to ``kernel_profile``."""
+
+
+def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=None, profiler=None,
+                   activities=None, profiler_kwargs=None, name=None) -> "KernelProfile":
+    """Profile one traced forward (and optionally backward) and attribute profiler time to ops.
+
+    Args:
+        model, args, kwargs: as for ``tl.trace``.  The trace saves no activations (the cheapest tier).
+        backward: ``True`` runs ``torch.autograd.backward`` on every output that requires grad with
+            all-ones gradients; a callable ``f(output)`` runs your own loss and backward instead.
+        chrome_trace: a path: write torch's own chrome export of this profile there, untouched, plus
+            ``<path>.torchlens.json`` naming its events by op, layer and module call.
+        profiler: an entered ``torch.profiler.profile`` you run (borrowed mode): torchlens adds its
+            ranges inside it, never steps or closes it; read the result after your ``with`` block.
+        activities: profiler activities when torchlens owns the profiler (default CPU, plus CUDA when
+            available).  ``profiler_kwargs`` go to ``torch.profiler.profile`` as given.
+        name: display name of the trace.
+    """
+    if backward is not False and backward is not True and not callable(backward):
+        raise TypeError("backward must be True, False, or a callable f(output) that runs the backward")
+    markers = ProfilerMarkers()
+    if profiler is not None:
+        _check_borrowed(profiler, chrome_trace)
+        trace = _run(model, args, kwargs, markers, backward, name)
+        return KernelProfile(trace, profiler, markers, borrowed=True, backward=backward is not False)
+    if torch._C._autograd._profiler_enabled():
+        raise ProfilerBusyError(
+            "a torch profiler is already running in this process. Pass it as kernel_profile(..., "
+            "profiler=prof) to add torchlens ranges to your profile (borrowed mode), or close it first.")
+    prof = torch.profiler.profile(activities=activities or _default_activities(), **(profiler_kwargs or {}))
+    with prof:
+        trace = _run(model, args, kwargs, markers, backward, name)
+    result = KernelProfile(trace, prof, markers, borrowed=False, backward=backward is not False)
+    if chrome_trace is not None:
+        result.export_chrome_trace(chrome_trace)
+    return result
+
+
+def _default_activities() -> list:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
+def _check_borrowed(profiler, chrome_trace) -> None:
+    if not hasattr(profiler, "export_chrome_trace") or not hasattr(profiler, "profiler"):
+        raise TypeError(f"profiler= takes a torch.profiler.profile object, got {type(profiler).__name__}")
+    if profiler.profiler is None or not torch._C._autograd._profiler_enabled():
+        raise ValueError("the profiler passed as profiler= is not recording now: call kernel_profile inside "
+                         "its `with torch.profiler.profile(...) as prof:` block, in a step its schedule records")
+    if chrome_trace is not None:
+        raise ValueError("with a borrowed profiler the trace only exists once you close it: call "
+                         "result.export_chrome_trace(path) after your `with` block")
+
+
+def _run(model, args, kwargs, markers, backward, name):
+    from ..capture.session import trace as tl_trace
+
+    try:
+        markers.phase_enter("forward")
+        trace = tl_trace(model, args, kwargs, save="none", name=name, _markers=markers)
+        if backward is not False:
+            markers.phase_enter("backward")
+            _run_backward(trace.output, backward)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # every launched kernel finishes inside the profile
+    finally:
+        markers.close()
+    return trace
+
+
+def _run_backward(output, backward) -> None:
+    if callable(backward) and backward is not True:
+        backward(output)
+        return
+    from ..record.finalize import tensor_leaves
+
+    roots = [t for _, t in tensor_leaves(output, "output", []) if t.requires_grad]
+    if not roots:
+        raise ValueError("backward=True needs a model output that requires grad; none does (eval under "
+                         "no_grad, or integer outputs). Pass backward=f(output) to run your own loss.")
+    torch.autograd.backward(roots, grad_tensors=[torch.ones_like(t) for t in roots])
+
+
+class KernelProfile:
+    """Profiler time per op, layer and module call of one traced run, with its coverage.
+
+    Built by ``kernel_profile``.  ``events=`` (a list of ``profile_events.Event``) joins those events
+    instead of reading ``profiler``: a trace read back from disk with ``events_from_chrome``."""
+
+    def __init__(self, trace, profiler, markers, *, borrowed: bool, backward: bool, events=None):
+        self.trace = trace
+        self.profiler = profiler
+        self.markers = markers
+        self.borrowed = borrowed
+        self.backward = backward
+        self._events = events
+        self._joined = None
+        self._tables: dict = {}
+        self._index = None
+
+    # ----- the join (lazy: a borrowed profiler is only readable once its owner closed it) ---------
+    def _join(self):
+        if self._joined is None:
+            events = self._events if self._events is not None else events_from_profiler(self.profiler)
+            serial_of_call = {c: s for s, c in self.markers.resolve_calls(len(self.trace._calls)).items()}
+            joined = join(events, self.markers.run, set(serial_of_call.values()))
+            problems = find_problems(joined, len(self.trace.module_calls), serial_of_call)
+            rows = op_rows(self.trace, serial_of_call, joined, self.backward)
+            self._joined = (joined, Coverage(joined, problems), rows, serial_of_call)
+            self._events = None
+        return self._joined
+
+    @property
+    def coverage(self) -> Coverage:
+        return self._join()[1]
+
+    @property
+    def complete(self) -> bool:
+        """Whether the join is complete (see ``coverage.problems`` when it is not)."""
+        return self.coverage.complete
+
+    @property
+    def has_device(self) -> bool:
+        return self._join()[0].has_device
+
+    def _table(self, level: str) -> list:
+        tables = self._tables
+        if level not in tables:
+            joined, _, rows, _ = self._join()
+            if level == "op":
+                tables[level] = [{k: v for k, v in row.items() if k != "_index"} for row in rows]
+            elif level == "layer":
+                tables[level] = layer_rows(rows, self.backward)
+            else:
+                tables[level] = module_rows(self.trace, rows, joined, self.backward)
+        return tables[level]
+
+    @property
+    def ops(self) -> list:
+        """One dict per captured call (multi-output calls: one row, extra labels in ``outputs``)."""
+        return [dict(row) for row in self._table("op")]
+
+    @property
+    def layers(self) -> list:
+        return [dict(row) for row in self._table("layer")]
+
+    @property
+    def module_calls(self) -> list:
+        """Per module call: inclusive figures, and ``self_*`` ones (its own ops and direct work)."""
+        return [dict(row) for row in self._table("module")]
+
+    def __getitem__(self, label: str) -> dict:
+        """The row of an op label (``linear_1_1:1``), a layer (``linear_1_1``) or a module call."""
+        if self._index is None:
+            index: dict = {}
+            for level, key in (("module", "module_call"), ("layer", "layer"), ("op", "op")):
+                for row in self._table(level):
+                    index[row[key]] = row
+                    for extra in row.get("outputs", ()):
+                        index.setdefault(extra, row)
+            self._index = index
+        row = self._index.get(label)
+        if row is None:
+            raise KeyError(f"no op, layer or module call {label!r} in this profile")
+        return dict(row)
+
+    def device_time(self, label: str):
+        """Device nanoseconds of an op, layer or module call (inclusive); None when not measured."""
+        return self[label]["device_ns"]
+
+    def to_pandas(self, level: str = "op"):
+        """A DataFrame of ``level`` ``"op"``, ``"layer"`` or ``"module"`` rows."""
+        if level not in ("op", "layer", "module"):
+            raise ValueError(f"level must be 'op', 'layer' or 'module', got {level!r}")
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise ImportError("KernelProfile.to_pandas needs pandas: pip install pandas") from exc
+        return pd.DataFrame(self._table(level))
+
+    # ----- chrome trace + sidecar -----------------------------------------------------------------
+    def export_chrome_trace(self, path) -> tuple:
+        """Write torch's own chrome export to ``path`` and the id map beside it; returns both paths."""
+        path = os.fspath(path)
+        if self.profiler is None:
+            raise ValueError("this profile was built from events, not a live profiler: nothing to export")
+        self._join()  # also checks the profiler is closed
+        self.profiler.export_chrome_trace(path, use_python_export=True)
+        sidecar = path + SIDECAR_SUFFIX
+        with open(sidecar, "w") as f:
+            json.dump(self.sidecar(os.path.basename(path)), f, indent=1)
+        return path, sidecar
+
+    def sidecar(self, trace_file: str = "") -> dict:
+        """Map from native trace event identities to op, layer and module call labels."""
+        joined, coverage, rows, serial_of_call = self._join()
+        call_of_serial = {s: c for c, s in serial_of_call.items()}
+        row_of_call = {c: rows[c] for c in range(len(rows))}
+        module_calls = self.trace.module_calls
+
+        def describe(target):
+            if target[0] == "op":
+                row = row_of_call[call_of_serial[target[1]]] if target[1] in call_of_serial else None
+                if row is None:
+                    return {"op": None, "note": "a torch call that produced no op"}
+                return {"op": row["op"], "layer": row["layer"], "module_call": row["module"],
+                        "phase": target[2]}
+            return {"module_call": module_calls[target[1]].label}
+
+        markers = {}
+        for serial in range(len(self.markers.op_calls)):
+            name = self.markers.op_name(serial)
+            if name in joined.marker_ids:
+                markers[name] = {"kind": "op", **describe(("op", serial, "forward"))}
+        for index in range(len(module_calls)):
+            name = self.markers.module_name(index)
+            if name in joined.marker_ids:
+                markers[name] = {"kind": "module_call", "module_call": module_calls[index].label}
+        for phase in self.markers.phases:
+            name = self.markers.phase_name(phase)
+            if name in joined.marker_ids:
+                markers[name] = {"kind": "phase", "phase": phase}
+        return {
+            "schema": SIDECAR_SCHEMA,
+            "trace_file": trace_file,
+            "clock": "The trace file is torch's own chrome export, unmodified, on the profiler's (Kineto) "
+                     "clock. This map only names its events; it adds no times.",
+            "model": self.trace.model_name,
+            "torch": torch.__version__,
+            "keys": {"markers": "event name", "external_ids": "args['External id'] of host events",
+                     "correlations": "args['correlation'] of runtime and device events"},
+            "markers": markers,
+            "marker_external_ids": {k: v for k, v in joined.marker_ids.items() if k in markers},
+            "external_ids": {str(k): describe(v) for k, v in joined.external_ids.items()},
+            "correlations": {str(k): describe(v) for k, v in joined.correlations.items()},
+            "complete": coverage.complete,
+            "problems": coverage.problems,
+        }
+
+    # ----- printing --------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        from .profile_text import profile_text
+
+        return profile_text(self)
+
+    def __repr__(self) -> str:
+        state = "pending (profiler still open)" if self._joined is None and self.borrowed else "joined"
+        return f"<KernelProfile of {self.trace.model_name}: {len(self.trace._calls)} ops, {state}>"

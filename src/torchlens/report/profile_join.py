@@ -1,0 +1,287 @@
+"""Join profiler events to torchlens markers by ids: host containment, CUPTI correlation, sequence number.
+
+Three links, each exact:
+
+1. Host events (aten ops, runtime calls such as ``cudaLaunchKernel``) belong to the innermost
+   torchlens marker that contains them *on the same thread* (RecordFunction ranges nest strictly per
+   thread, so containment is the profiler's own parent relation).
+2. A device event (kernel, memcpy, memset) carries the CUPTI correlation id of the runtime call that
+   launched it; it belongs to wherever that runtime call belongs.  A kernel that runs long after its
+   launch still lands on the op that launched it.  When no runtime event carries its correlation,
+   the External id Kineto stamped on it (the launching host op's) is used instead, and counted.
+3. Backward work: the autograd engine wraps each grad node in events carrying the node's sequence
+   number; forward aten ops carry the sequence number of the node they created.  Backward work goes to
+   the op whose marker contained those forward aten ops, on whatever thread the engine ran it.
+
+Nothing is matched by name except decoding our own marker names.  Work that none of the links reaches
+is counted under a reason, never dropped and never guessed.
+"""
+
+from __future__ import annotations
+
+from .markers import PREFIX, parse_marker
+from .profile_events import DEVICE, HOST, OVERHEAD, RUNTIME
+
+# Why an event is not attributed to an op.  Keys are stable; the text is what the report prints.
+REASONS = {
+    "module_outside_ops": "inside a module call but outside any captured op (counted on the module call)",
+    "forward_outside_ops": "inside the traced forward but outside any captured op or module call",
+    "backward_outside_nodes": "in the backward phase outside any grad node (the loss, the backward seed, "
+                              "AccumulateGrad, engine bookkeeping)",
+    "backward_without_op": "backward of a grad node no captured op created (AccumulateGrad, the loss)",
+    "call_without_op": "inside a torch call that returned no tensor, so is not an op (torch.equal, ...)",
+    "outside_profile": "before or after the profiled forward/backward on the model's thread",
+    "other_thread": "on a thread that ran no torchlens marker (other threads' work)",
+    "no_correlation": "device event without a CUPTI correlation id",
+    "no_launch_event": "no runtime event with this correlation id in the trace (CUDA graph replay, or a "
+                       "launch before the profiler started)",
+}
+
+CPU_NS, ATEN_OPS, DEVICE_NS, KERNELS, MEMOPS = range(5)
+
+
+def _tally() -> list:
+    return [0, 0, 0, 0, 0]
+
+
+def union_ns(intervals) -> int:
+    """Total length of the union of ``(start, end)`` intervals (overlaps counted once)."""
+    total, cur_start, cur_end = 0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        elif end > cur_end:
+            cur_end = end
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+class JoinResult:
+    """What the join found, keyed by marker ids (serials, module call indices)."""
+
+    def __init__(self):
+        self.op_forward: dict = {}  # op serial -> tally
+        self.op_backward: dict = {}  # op serial -> tally
+        self.module_direct: dict = {}  # module call index -> tally (work outside ops inside the call)
+        self.op_span: dict = {}  # op serial -> marker duration (ns, the profiler's own host range)
+        self.op_aten: dict = {}  # op serial -> names of the top-level aten ops inside its marker
+        self.marker_counts: dict = {}  # (kind, key) -> times seen
+        self.marker_ids: dict = {}  # marker name -> External id of its event
+        self.host_unattributed: dict = {}  # reason -> [events, self ns]
+        self.device_unattributed: dict = {}  # reason -> [events, ns]
+        self.host_total = [0, 0]  # [events, self ns] of every aten op and runtime call
+        self.host_attributed = [0, 0]  # of those, landed on an op (forward or backward)
+        self.device_intervals: dict = {}  # device -> [(start, end)] of every device event
+        self.attributed_intervals: dict = {}  # device -> [(start, end)] landed on an op or module call
+        self.device_events = 0
+        self.external_ids: dict = {}  # host External id -> owner
+        self.correlations: dict = {}  # CUPTI correlation id -> owner
+        self.nesting_violations = 0
+        self.profiler_overhead = [0, 0]  # [events, ns] the profiler spent on itself
+        self.device_via_external_id = 0  # device events linked by External id, lacking a runtime event
+
+    @property
+    def has_device(self) -> bool:
+        return self.device_events > 0
+
+
+def join(events: list, run: int, op_serials=None) -> JoinResult:
+    """Attribute ``events`` to the markers of profile ``run`` (see the module docstring).
+
+    ``op_serials``: the op marker serials that became ops (``ProfilerMarkers.resolve_calls``); work
+    under any other op marker belongs to a call that returned no tensor."""
+    result = JoinResult()
+    owners = _sweep_threads(events, run, result)
+    seq_owner = _forward_sequence_owners(events, owners)
+    resolved = {}
+    for i, owner in owners.items():
+        e = events[i]
+        target = _resolve(owner, seq_owner)
+        if target[0] == "op" and op_serials is not None and target[1] not in op_serials:
+            target = ("unattributed", "call_without_op")
+        resolved[i] = target
+        self_ns = owner[5]
+        result.host_total[0] += 1
+        result.host_total[1] += self_ns
+        _credit_host(result, e, target, self_ns)
+    _join_device(events, resolved, result)
+    return result
+
+
+def _sweep_threads(events, run, result) -> dict:
+    """Per thread, the innermost op marker / module marker / phase / grad node around each event.
+
+    Returns ``{event index: [op, module, phase, seq, top_level_in_op, self_ns]}`` for aten ops and
+    runtime calls (markers themselves are recorded in ``result``)."""
+    by_thread: dict = {}
+    for i, e in enumerate(events):
+        if e.kind == HOST or e.kind == RUNTIME:
+            by_thread.setdefault(e.thread, []).append(i)
+    owners: dict = {}
+    children_ns = [0] * len(events)
+    marked_threads = set()
+    for thread, indices in by_thread.items():
+        indices.sort(key=lambda i: (events[i].start, -events[i].end))
+        stack: list = []  # (end, index, op, module, phase, seq, is_marker)
+        for i in indices:
+            e = events[i]
+            while stack and stack[-1][0] <= e.start:
+                stack.pop()
+            if stack:
+                end, parent, op, module, phase, seq, parent_is_op_marker = stack[-1]
+                children_ns[parent] += e.end - e.start
+                if e.end > end:
+                    result.nesting_violations += 1
+            else:
+                op = module = phase = seq = None
+                parent_is_op_marker = False
+            marker = parse_marker(e.name) if e.kind == HOST and e.name.startswith(PREFIX) else None
+            if marker is not None and marker[1] == run:
+                kind, _, key = marker
+                marked_threads.add(thread)
+                result.marker_counts[(kind, key)] = result.marker_counts.get((kind, key), 0) + 1
+                result.marker_ids[e.name] = e.external_id
+                if kind == "op":
+                    op, seq = key, None
+                    result.op_span[key] = result.op_span.get(key, 0) + e.end - e.start
+                elif kind == "module":
+                    module = key
+                else:
+                    phase = key
+                stack.append((e.end, i, op, module, phase, seq, kind == "op"))
+                continue
+            if parent_is_op_marker and e.kind == HOST:
+                result.op_aten.setdefault(op, []).append(e.name)
+            if e.kind == HOST and e.backward and e.seq >= 0:
+                seq, op = e.seq, None
+            owners[i] = [op, module, phase, seq, thread, 0]
+            stack.append((e.end, i, op, module, phase, seq, False))
+    for i, owner in owners.items():
+        owner[5] = events[i].end - events[i].start - children_ns[i]
+        if owner[4] not in marked_threads:
+            owner[4] = None  # thread without any marker of this run
+    return owners
+
+
+def _forward_sequence_owners(events, owners) -> dict:
+    """``{sequence number: op serial or None}`` from the aten ops run on the model's thread.
+
+    Every autograd-aware aten op records the *next* sequence number, but only an op that creates a
+    grad node advances it; so node N was created by the last op (in time) that recorded N.  An
+    in-place ``add_`` on a BatchNorm's step counter records the same N as the ``batch_norm`` after
+    it; the batch norm is the later one, and owns the node.  Ops outside any captured op count too
+    (a loss computed after the forward): their nodes belong to no op (``None``)."""
+    latest: dict = {}
+    for i, owner in owners.items():
+        e = events[i]
+        if owner[4] is not None and owner[3] is None and e.kind == HOST and not e.backward and e.seq >= 0:
+            seen = latest.get(e.seq)
+            if seen is None or e.start >= seen[0]:
+                latest[e.seq] = (e.start, owner[0])
+    return {seq: serial for seq, (_, serial) in latest.items()}
+
+
+def _resolve(owner, seq_owner):
+    """``("op", serial, phase)``, ``("module", index)`` or ``("unattributed", reason)``."""
+    op, module, phase, seq, thread = owner[0], owner[1], owner[2], owner[3], owner[4]
+    if op is not None:
+        return ("op", op, "forward")
+    if seq is not None:
+        serial = seq_owner.get(seq)
+        if serial is None:
+            return ("unattributed", "backward_without_op")
+        return ("op", serial, "backward")
+    if module is not None:
+        return ("module", module)
+    if thread is None:
+        return ("unattributed", "other_thread")
+    if phase == "forward":
+        return ("unattributed", "forward_outside_ops")
+    if phase == "backward":
+        return ("unattributed", "backward_outside_nodes")
+    return ("unattributed", "outside_profile")
+
+
+def _credit_host(result, e, target, self_ns) -> None:
+    kind = target[0]
+    if kind == "op":
+        table = result.op_forward if target[2] == "forward" else result.op_backward
+        tally = table.get(target[1])
+        if tally is None:
+            tally = table[target[1]] = _tally()
+        tally[CPU_NS] += self_ns
+        tally[ATEN_OPS] += e.kind == HOST
+        result.host_attributed[0] += 1
+        result.host_attributed[1] += self_ns
+    elif kind == "module":
+        tally = result.module_direct.get(target[1])
+        if tally is None:
+            tally = result.module_direct[target[1]] = _tally()
+        tally[CPU_NS] += self_ns
+        tally[ATEN_OPS] += e.kind == HOST
+        reason = result.host_unattributed.setdefault("module_outside_ops", [0, 0])
+        reason[0] += 1
+        reason[1] += self_ns
+    else:
+        reason = result.host_unattributed.setdefault(target[1], [0, 0])
+        reason[0] += 1
+        reason[1] += self_ns
+    if kind != "unattributed":
+        if e.kind == HOST and e.external_id is not None:
+            result.external_ids[e.external_id] = target
+        elif e.kind == RUNTIME and e.correlation is not None:
+            result.correlations[e.correlation] = target
+
+
+def _join_device(events, resolved, result) -> None:
+    launches: dict = {}  # CUPTI correlation -> owner of the runtime call that launched it
+    host_ops: dict = {}  # External id -> owner of that host op (the fallback link)
+    for i, target in resolved.items():
+        e = events[i]
+        if e.kind == RUNTIME and e.correlation is not None:
+            launches[e.correlation] = target
+        elif e.kind == HOST and e.external_id is not None:
+            host_ops[e.external_id] = target
+    for e in events:
+        if e.kind != DEVICE:
+            if e.category == OVERHEAD:
+                result.profiler_overhead[0] += 1
+                result.profiler_overhead[1] += e.end - e.start
+            continue
+        result.device_events += 1
+        interval = (e.start, e.end)
+        result.device_intervals.setdefault(e.device, []).append(interval)
+        target = launches.get(e.correlation) if e.correlation is not None else None
+        if target is None and e.external_id in host_ops:
+            # No runtime event with this correlation, but Kineto linked the device event to the host op
+            # that launched it (its External id): the same link torch's FunctionEvent.kernels uses.
+            target = host_ops[e.external_id]
+            result.device_via_external_id += 1
+        if target is None:
+            target = ("unattributed", "no_correlation" if e.correlation is None else "no_launch_event")
+        if target[0] == "unattributed":
+            reason = result.device_unattributed.setdefault(target[1], [0, 0])
+            reason[0] += 1
+            reason[1] += e.end - e.start
+            continue
+        if target[0] == "op":
+            table = result.op_forward if target[2] == "forward" else result.op_backward
+        else:
+            table = result.module_direct
+            reason = result.device_unattributed.setdefault("module_outside_ops", [0, 0])
+            reason[0] += 1
+            reason[1] += e.end - e.start
+        tally = table.get(target[1])
+        if tally is None:
+            tally = table[target[1]] = _tally()
+        tally[DEVICE_NS] += e.end - e.start
+        if e.device_kind == "kernel":
+            tally[KERNELS] += 1
+        else:
+            tally[MEMOPS] += 1
+        result.attributed_intervals.setdefault(e.device, []).append(interval)
+        if e.correlation is not None:
+            result.correlations[e.correlation] = target

@@ -1,0 +1,41 @@
+"""The printed form of a ``KernelProfile``: a header, the coverage, and the costliest ops."""
+
+from __future__ import annotations
+
+
+def _fmt_ns(ns) -> str:
+    if ns is None:
+        return "n/a"
+    if ns >= 1e6:
+        return f"{ns / 1e6:.2f} ms"
+    return f"{ns / 1e3:.1f} us"
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else str(value)
+
+
+def profile_text(profile, top: int = 15) -> str:
+    coverage = profile.coverage
+    rows = profile.ops
+    mode = "borrowed profiler" if profile.borrowed else "own profiler"
+    phases = "forward + backward" if profile.backward else "forward"
+    lines = [f"KernelProfile of {profile.trace.model_name}: {len(rows)} ops, {phases}, {mode}; "
+             "all times are profiler (Kineto) measurements", str(coverage)]
+    device = coverage.has_device
+    key = "device_ns" if device else "cpu_ns"
+    ranked = sorted(rows, key=lambda r: -(r[key] or 0))[:top]
+    header = ["op", "module", "device" if device else "self CPU", "kernels" if device else "aten ops"]
+    if profile.backward:
+        header.append("bwd device" if device else "bwd self CPU")
+    table = [header]
+    for r in ranked:
+        line = [r["op"], r["module"] or "-", _fmt_ns(r[key]), _fmt(r["kernels"] if device else r["aten_ops"])]
+        if profile.backward:
+            line.append(_fmt_ns(r["bwd_" + key]))
+        table.append(line)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines.append(f"top {len(ranked)} ops by {'device time' if device else 'self CPU time'}:")
+    for row in table:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
