@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch is pinned for development: an unpinned torch would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean browser
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m torchlens demo
 
-test: $(STAMP)
+# The browser tests drive Debian's chromium; install it only when it is missing (needs root).
+browser:
+	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest tests
 
 bench: $(STAMP)

@@ -1,1 +1,151 @@
-"""(filled by a later issue)"""
+"""Pictures of a trace: DOT, SVG, PNG, and a self-contained interactive HTML viewer.
+
+``render(trace, "model.html")`` picks the format from the suffix.  The unrolled view draws every op; the
+rolled view folds the passes of each op site into one node and the calls of each module into one box.
+Layout is Graphviz's (``dot`` on PATH, else ``pip install torchlens[viz]``); DOT text needs no engine.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import tempfile
+
+from .layout import LayoutEngineMissing, LayoutFailed, find_engine
+
+FORMATS = ("dot", "svg", "png", "html")
+
+
+def _format_of(path, fmt) -> str:
+    if fmt is not None:
+        fmt = fmt.lower().lstrip(".")
+        if fmt == "gv":
+            fmt = "dot"
+        if fmt not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+        return fmt
+    if path is None:
+        return "dot"
+    suffix = pathlib.Path(path).suffix.lower().lstrip(".")
+    if suffix in ("htm", "html"):
+        return "html"
+    if suffix == "gv":
+        return "dot"
+    if suffix not in FORMATS:
+        raise ValueError(f"cannot tell the format from {str(path)!r}: use a path ending in "
+                         f"{', '.join('.' + f for f in FORMATS)}, or pass format=")
+    return suffix
+
+
+def _check(trace, depth):
+    from ..record.trace import Trace
+
+    if not isinstance(trace, Trace):
+        raise TypeError(f"render needs a Trace from tl.trace(...), not {type(trace).__name__}")
+    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
+        raise ValueError(f"depth must be None or a non-negative int (0 collapses every top-level module), "
+                         f"not {depth!r}")
+
+
+def _coloring(trace, color_by, device_times):
+    from .metrics import Coloring, nonfinite_origins, op_values, resolve_metric
+
+    metric, device_times = resolve_metric(color_by, device_times)
+    if metric is None:
+        return None
+    origins = nonfinite_origins(trace) if metric == "nonfinite" else ()
+    return Coloring(metric, op_values(trace, metric, device_times), origins)
+
+
+def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, format=None, *,
+           device_times=None, title=None):
+    """Draw a trace.  Returns the path written, or the content (str, or bytes for PNG) when ``path`` is None.
+
+    ``view``: ``"unrolled"`` (one node per op) or ``"rolled"`` (one node per layer, passes folded).
+    ``depth``: module calls this many levels down are collapsed into one node (0: every top-level module);
+    None draws everything in static formats and picks a readable starting depth in HTML.
+    ``color_by``: ``"duration"``, ``"flops"``, ``"memory"``, ``"nonfinite"`` or ``"device_time"`` (with
+    ``device_times={op label: seconds}``; a mapping passed as ``color_by`` means the same).
+    ``format``: ``"dot"``, ``"svg"``, ``"png"`` or ``"html"``; by default taken from the path's suffix.
+    """
+    from .dot import DotWriter
+    from .graph import build_structure, project
+
+    fmt = _format_of(path, format)
+    _check(trace, depth)
+    structure = build_structure(trace, view)
+    coloring = _coloring(trace, color_by, device_times)
+    if fmt == "html":
+        from .html import html_page
+        from .records import RecordBuilder
+
+        content = html_page(trace, structure, coloring, RecordBuilder(trace, coloring), depth, title)
+    else:
+        writer = DotWriter(trace, structure, coloring)
+        heading = title or f"{trace.model_name} ({view}, {len(trace)} ops)"
+        dot = writer.write(project(structure, -1, depth), heading, coloring.legend() if coloring else None)
+        if fmt == "dot":
+            content = dot
+        else:
+            from .layout import layout
+
+            content = layout([dot], fmt)[0]
+            if fmt == "svg":
+                content = content.decode("utf-8")
+    if path is None:
+        return content
+    path = pathlib.Path(path)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return path
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    if shell is None:
+        return False
+    ipython = shell.get_ipython() if hasattr(shell, "get_ipython") else None
+    return ipython is not None and "IPKernelApp" in getattr(ipython, "config", {})
+
+
+def show(trace, **kwargs):
+    """Open the interactive view: inline in Jupyter, else in the default web browser (a temp HTML file)."""
+    if _in_notebook():
+        from IPython.display import HTML, display
+
+        display(HTML(notebook_html(trace, max_ops=None, **kwargs)))
+        return None
+    import webbrowser
+
+    handle, name = tempfile.mkstemp(prefix=f"torchlens_{trace.model_name}_", suffix=".html")
+    os.close(handle)
+    path = render(trace, name, **kwargs)
+    webbrowser.open(path.resolve().as_uri())
+    return path
+
+
+def notebook_html(trace, max_ops=2000, **kwargs) -> str:
+    """The trace's summary and, when a layout engine is present, the viewer in an isolated inline frame.
+
+    A notebook shows this whenever the trace is displayed, so past ``max_ops`` ops the viewer (seconds of
+    layout, megabytes of page) is left to an explicit ``log.show()``.
+    """
+    import html
+
+    summary = f'<pre style="font-size:12px">{html.escape(str(trace))}</pre>'
+    if max_ops is not None and len(trace) > max_ops:
+        return summary + (f"<p><i>{len(trace)} ops: call .show() for the interactive graph, or "
+                          ".render('graph.html') to write it.</i></p>")
+    try:
+        page = render(trace, None, format="html", **kwargs)
+    except LayoutEngineMissing as missing:
+        return summary + f"<p><i>{html.escape(str(missing))}</i></p>"
+    frame = (f'<iframe srcdoc="{html.escape(page, quote=True)}" style="width:100%;height:560px;'
+             'border:1px solid #ccc" sandbox="allow-scripts"></iframe>')
+    return f"<div>{summary}{frame}</div>"
+
+
+__all__ = ["render", "show", "notebook_html", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS"]

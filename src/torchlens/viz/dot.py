@@ -1,0 +1,203 @@
+"""DOT text for one picture: ops as nodes, module calls as nested clusters, data flow as edges.
+
+Writing DOT needs no layout engine, so ``render(path="graph.dot")`` always works.  Node ids are the item
+keys (``o12`` an op, ``l12`` a layer, ``m3`` a collapsed module, ``ro12`` a reference to a node drawn in
+another picture); the interactive viewer finds its records by them in the laid-out SVG.
+
+Kinds stay distinguishable whatever the fill colour: inputs are green ovals, outputs double ovals,
+buffers cylinders, ops that use parameters bold boxes, collapsed modules 3-D boxes.
+"""
+
+from __future__ import annotations
+
+from .graph import edge_pass_label
+from .metrics import aggregate, format_value
+from .records import shape_text
+
+FONT = "Helvetica"
+_KIND_STYLE = {
+    "input": 'shape=ellipse, style=filled, color="#2e7d32"',
+    "output": 'shape=ellipse, peripheries=2, style=filled, color="#1f4e9c"',
+    "buffer": 'shape=cylinder, style=filled, color="#8a6d00"',
+    "op": 'shape=box, style="rounded,filled", color="#444444"',
+    "param_op": 'shape=box, style="rounded,filled,bold", color="#222222"',
+    "module": 'shape=box3d, style=filled, color="#5b3f8c"',
+    "ref": 'shape=note, style="dashed,filled", color="#999999", fontcolor="#666666"',
+}
+KIND_FILL = {"input": "#c8ecc8", "output": "#cfe0fa", "buffer": "#fff2c2", "op": "#ffffff", "param_op": "#e6e6e6",
+             "module": "#e8e0f5", "ref": "#fafafa"}
+
+
+def esc(text) -> str:
+    """Escape text for a Graphviz HTML-like label."""
+    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace('"', "&quot;"))
+
+
+def quote(text) -> str:
+    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class DotWriter:
+    """Writes pictures of one structure, with shared styling and optional colouring."""
+
+    def __init__(self, trace, structure, coloring=None):
+        self.trace = trace
+        self.structure = structure
+        self.coloring = coloring
+        self.rolled = structure.view == "rolled"
+
+    # ----- labels -------------------------------------------------------------------------------
+    def item_label(self, index) -> str:
+        item = self.structure.items[index]
+        trace = self.trace
+        first = item.ops[0]
+        n = len(item.ops)
+        title = item.label
+        if not self.rolled and trace._group_size[trace._group[first]] == 1:
+            title = trace._layer_labels[first]  # a single pass needs no ":1"
+        if self.rolled and n > 1:
+            title += f" \u00d7{n}"
+        shapes = sorted({shape_text(trace._meta[i][0]) for i in item.ops})
+        shape = shapes[0] if len(shapes) == 1 else f"{len(shapes)} shapes"
+        what = trace._func_names[first] if item.kind == "op" else (trace._io.get(first) or item.kind)
+        rows = [f"<b>{esc(title)}</b>", f"{esc(what)} {esc(shape)}"]
+        params = trace._param_addresses.get(first)
+        if params:
+            rows.append(f'<font point-size="8">params: {esc(", ".join(p.rsplit(".", 1)[-1] for p in params))}'
+                        "</font>")
+        where = self._module_of(first)
+        if where:
+            grey = ' color="#555555"' if self.coloring is None else ""
+            rows.append(f'<font point-size="8"{grey}>@{esc(where)}</font>')
+        value = self._value_row(item.ops) if item.kind == "op" else None
+        if value:
+            rows.append(value)
+        return "<" + "<br/>".join(rows) + ">"
+
+    def _module_of(self, op_index):
+        m = self.trace._module_call[op_index]
+        if m < 0:
+            return None
+        call = self.trace.module_calls[m]
+        return call.address if self.rolled else call.label
+
+    def _value_row(self, ops):
+        if self.coloring is None or self.coloring.metric == "nonfinite":
+            return None
+        value = aggregate(self.coloring.values, ops)
+        return f'<font point-size="8">{esc(format_value(self.coloring.metric, value))}</font>'
+
+    def group_title(self, g) -> str:
+        group = self.structure.groups[g]
+        title = f"{group.label} ({group.class_name})"
+        if self.rolled and len(group.calls) > 1:
+            title += f" \u00d7{len(group.calls)} calls"
+        return title
+
+    def module_label(self, g) -> str:
+        group = self.structure.groups[g]
+        first = self.trace.module_calls[group.calls[0]]
+        ins = [shape_text(self.trace._meta[i][0]) for i in first._input_nodes if i >= 0]
+        outs = [shape_text(self.trace._meta[i][0]) for i in first._output_nodes if i >= 0]
+        rows = [f"<b>{esc(self.group_title(g))}</b>",
+                f"{esc(', '.join(ins) or '-')} \u2192 {esc(', '.join(outs) or '-')}",
+                f'<font point-size="8">{len(first._op_nodes)} ops</font>']
+        value = self._value_row(self._group_ops(g))
+        if value:
+            rows.append(value)
+        return "<" + "<br/>".join(rows) + ">"
+
+    def _group_ops(self, g):
+        items = self.structure.items
+        return [i for it in self.structure.groups[g].items for i in items[it].ops]
+
+    # ----- nodes and edges ----------------------------------------------------------------------
+    def _fill(self, kind, ops=()):
+        """Fill attributes: the kind's colour, or the metric's for ops and modules when colouring."""
+        if self.coloring is None or kind not in ("op", "param_op", "module"):
+            return f'fillcolor="{KIND_FILL[kind]}"'
+        labels = [self.trace._labels[i] for i in ops]
+        fill = self.coloring.fill(aggregate(self.coloring.values, ops), labels)
+        return f'fillcolor="{fill}", fontcolor="{self.coloring.font(fill)}"'
+
+    def item_node(self, index) -> str:
+        item = self.structure.items[index]
+        kind = item.kind
+        if kind == "op" and self.trace._param_addresses.get(item.ops[0]):
+            kind = "param_op"
+        return (f'{item.key} [id="{item.key}", class="tl-node tl-{item.kind}", {_KIND_STYLE[kind]}, '
+                f"{self._fill(kind, item.ops)}, label={self.item_label(index)}];")
+
+    def module_node(self, g) -> str:
+        key = self.structure.groups[g].key
+        return (f'{key} [id="{key}", class="tl-node tl-module", {_KIND_STYLE["module"]}, '
+                f"{self._fill('module', self._group_ops(g))}, label={self.module_label(g)}];")
+
+    def ref_node(self, index, incoming) -> str:
+        item = self.structure.items[index]
+        arrow = "from" if incoming else "to"
+        return (f'r{item.key} [id="r{item.key}", class="tl-node tl-ref", {_KIND_STYLE["ref"]}, '
+                f'{self._fill("ref")}, label=<{arrow} <b>{esc(item.label)}</b>>];')
+
+    def edge(self, src, dst, pairs) -> str:
+        attrs = ""
+        if self.rolled and any(pair != (1, 1) for pair in pairs):
+            attrs = f" [label={quote(edge_pass_label(pairs))}]"
+        return f"{src} -> {dst}{attrs};"
+
+    # ----- a whole picture ----------------------------------------------------------------------
+    def write(self, picture, title=None, legend=None) -> str:
+        lines = [
+            "digraph torchlens {",
+            f'graph [rankdir=TB, nodesep=0.25, ranksep=0.35, fontname="{FONT}", fontsize=11, '
+            'bgcolor="white", id="tl-graph"];',
+            f'node [fontname="{FONT}", fontsize=10, margin="0.1,0.04", height=0.3];',
+            f'edge [fontname="{FONT}", fontsize=8, color="#555555", arrowsize=0.6];',
+        ]
+        if title or legend:
+            lines.append(f"label={self.graph_label(title, legend)}; labelloc=t; labeljust=l;")
+        contents: dict = {}
+        for node_id, lines_ in self._node_lines(picture):
+            contents.setdefault(picture.placement[node_id], []).append(lines_)
+        children: dict = {}
+        for g in picture.clusters:
+            parent = self.structure.groups[g].parent
+            children.setdefault(parent if parent in picture.clusters else -1, []).append(g)
+        self._emit(-1, contents, children, lines, 1)
+        for (src, dst), pairs in picture.edges.items():
+            lines.append("  " + self.edge(src, dst, pairs))
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    def _node_lines(self, picture):
+        for i in picture.items:
+            yield self.structure.items[i].key, self.item_node(i)
+        for g in picture.collapsed:
+            yield self.structure.groups[g].key, self.module_node(g)
+        for i in picture.refs_in:
+            yield "r" + self.structure.items[i].key, self.ref_node(i, True)
+        for i in picture.refs_out:
+            yield "r" + self.structure.items[i].key, self.ref_node(i, False)
+
+    def _emit(self, g, contents, children, lines, level):
+        pad = "  " * level
+        for node in contents.get(g, ()):
+            lines.append(pad + node)
+        for child in children.get(g, ()):
+            group = self.structure.groups[child]
+            lines.append(f"{pad}subgraph cluster_{group.key} {{")
+            lines.append(f'{pad}  id="c{group.key}"; class="tl-cluster"; label={quote(self.group_title(child))}; '
+                         'style="rounded,dashed"; color="#7a6aa8"; fontsize=10; labeljust=l;')
+            self._emit(child, contents, children, lines, level + 1)
+            lines.append(pad + "}")
+
+    def graph_label(self, title, legend) -> str:
+        rows = []
+        if title:
+            rows.append(f'<tr><td align="left" colspan="2"><b>{esc(title)}</b></td></tr>')
+        if legend:
+            rows.append(f'<tr><td align="left" colspan="2">{esc(legend["title"])}: {esc(legend["note"])}</td></tr>')
+            for colour, text in legend["entries"]:
+                rows.append(f'<tr><td bgcolor="{colour}" width="14"> </td><td align="left">{esc(text)}</td></tr>')
+        return '<<table border="0" cellspacing="1" cellpadding="2">' + "".join(rows) + "</table>>"

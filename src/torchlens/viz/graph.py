@@ -1,0 +1,325 @@
+"""The drawable structure of a trace: items, module groups and data-flow edges, for either view.
+
+In the unrolled view an item is one op (one pass of one op site) and a group is one module call.  In the
+rolled view an item is one layer (every pass of an op site) and a group is one module *position* (the
+chain of module addresses), so the repeated calls of a module fold into one box that carries its call
+count, and edges carry the pass ranges they occur on.
+
+``project`` then cuts the structure into what one picture shows: the items inside one group (or the
+whole model), with module groups down to a depth drawn as nested clusters and deeper ones collapsed into
+a single node.  Everything here is plain indices and lists; nothing lays anything out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..record.op import KIND_BUFFER, KIND_INPUT, KIND_OUTPUT
+
+KIND_NAMES = {0: "op", KIND_INPUT: "input", KIND_BUFFER: "buffer", KIND_OUTPUT: "output"}
+VIEWS = ("unrolled", "rolled")
+
+
+@dataclass
+class Item:
+    """One drawable op (unrolled) or layer (rolled)."""
+
+    key: str
+    label: str
+    kind: str
+    group: int
+    ops: list
+
+
+@dataclass
+class Group:
+    """One module call (unrolled) or module position (rolled)."""
+
+    key: str
+    label: str
+    class_name: str
+    parent: int
+    depth: int
+    calls: list = field(default_factory=list)  # ModuleCall indices this group stands for
+    children: list = field(default_factory=list)
+    items: list = field(default_factory=list)  # every item inside, nested groups included
+
+
+@dataclass
+class Structure:
+    view: str
+    items: list
+    groups: list
+    edges: dict  # (src item, dst item) -> list of (src pass, dst pass)
+    out_edges: list  # item -> list of dst items
+    in_edges: list  # item -> list of src items
+    op_item: list  # op index -> item index
+
+
+def build_structure(trace, view: str = "unrolled") -> Structure:
+    if view not in VIEWS:
+        raise ValueError(f"view must be one of {', '.join(map(repr, VIEWS))}, not {view!r}")
+    op_call = _op_module_calls(trace)
+    if view == "unrolled":
+        groups, call_group = _call_groups(trace)
+        items, op_item = _op_items(trace, op_call, call_group)
+    else:
+        groups, call_group = _position_groups(trace)
+        items, op_item = _layer_items(trace, op_call, call_group)
+    for index, item in enumerate(items):
+        g = item.group
+        while g >= 0:
+            groups[g].items.append(index)
+            g = groups[g].parent
+    edges: dict = {}
+    passes = trace._pass
+    for child, parents in enumerate(trace._parents):
+        dst = op_item[child]
+        for _, parent in parents:
+            if parent >= 0:
+                pairs = edges.setdefault((op_item[parent], dst), [])
+                pair = (passes[parent], passes[child])
+                if not pairs or pairs[-1] != pair:
+                    pairs.append(pair)
+    out_edges: list = [[] for _ in items]
+    in_edges: list = [[] for _ in items]
+    for src, dst in edges:
+        out_edges[src].append(dst)
+        in_edges[dst].append(src)
+    return Structure(view, items, groups, edges, out_edges, in_edges, op_item)
+
+
+def _op_module_calls(trace) -> list:
+    """The module call each op is drawn inside; buffers sit with the module that owns them."""
+    calls = list(trace._module_call)
+    children = None
+    for i, kind in enumerate(trace._kind):
+        if kind != KIND_BUFFER:
+            continue
+        if children is None:
+            children = trace._children()
+        path = trace._io.get(i) or ""
+        consumers = children[i]
+        call = trace.module_calls[calls[consumers[0]]] if consumers and calls[consumers[0]] >= 0 else None
+        while call is not None and not path.startswith(call.address + "."):
+            call = call.parent
+        calls[i] = call.index if call is not None else -1
+    return calls
+
+
+def _call_groups(trace):
+    groups = []
+    for mc in trace.module_calls:
+        parent = mc.parent.index if mc.parent is not None else -1
+        groups.append(Group(f"m{mc.index}", mc.label, mc.module.class_name, parent, mc.depth, [mc.index]))
+        if parent >= 0:
+            groups[parent].children.append(mc.index)
+    return groups, list(range(len(groups)))
+
+
+def _position_groups(trace):
+    """One group per chain of module addresses; every call along the same chain lands in it."""
+    groups, by_path, call_group = [], {}, []
+    for mc in trace.module_calls:
+        parent = call_group[mc.parent.index] if mc.parent is not None else -1
+        path = (parent, mc.address)
+        g = by_path.get(path)
+        if g is None:
+            g = by_path[path] = len(groups)
+            groups.append(Group(f"m{g}", mc.address, mc.module.class_name, parent, mc.depth))
+            if parent >= 0:
+                groups[parent].children.append(g)
+        groups[g].calls.append(mc.index)
+        call_group.append(g)
+    return groups, call_group
+
+
+def _op_items(trace, op_call, call_group):
+    labels, kinds = trace._labels, trace._kind
+    items = [Item(f"o{i}", labels[i], KIND_NAMES[kinds[i]], call_group[c] if c >= 0 else -1, [i])
+             for i, c in enumerate(op_call)]
+    return items, list(range(len(items)))
+
+
+def _layer_items(trace, op_call, call_group):
+    items, op_item, by_layer = [], [], {}
+    for i, layer in enumerate(trace._layer_labels):
+        index = by_layer.get(layer)
+        if index is None:
+            index = by_layer[layer] = len(items)
+            c = op_call[i]
+            items.append(Item(f"l{i}", layer, KIND_NAMES[trace._kind[i]], call_group[c] if c >= 0 else -1, []))
+        items[index].ops.append(i)
+        op_item.append(index)
+    return items, op_item
+
+
+# ----- projecting one picture ------------------------------------------------------------------------
+@dataclass
+class Picture:
+    """What one drawing shows: node ids are item keys, group keys, or ``r``+item key for references."""
+
+    focus: int  # the group this picture is the inside of (-1: the whole model)
+    depth: object  # groups this many levels below the focus are collapsed (None: nothing collapsed)
+    items: list  # visible item indices
+    collapsed: list  # collapsed group indices
+    clusters: list  # expanded group indices (drawn as boxes), outer before inner
+    refs_in: list  # item indices outside the focus that feed it
+    refs_out: list  # item indices outside the focus that it feeds
+    edges: dict  # (src node id, dst node id) -> list of (src pass, dst pass)
+    placement: dict = field(default_factory=dict)  # node id -> enclosing cluster group (-1: top level)
+
+
+def _relative_depth(structure, focus):
+    base = structure.groups[focus].depth + 1 if focus >= 0 else 0
+    return lambda g: structure.groups[g].depth - base
+
+
+def count_nodes(structure, focus: int, depth) -> int:
+    """How many nodes ``project(structure, focus, depth)`` draws, references aside."""
+    rel = _relative_depth(structure, focus)
+    inside = structure.groups[focus].items if focus >= 0 else range(len(structure.items))
+    seen_groups = set()
+    count = 0
+    for i in inside:
+        g = _representative(structure, structure.items[i].group, focus, depth, rel)
+        if g is None:
+            count += 1
+        elif g not in seen_groups:
+            seen_groups.add(g)
+            count += 1
+    return count
+
+
+def auto_depth(structure, focus: int, budget: int) -> int:
+    """The deepest level whose picture still has at most ``budget`` nodes (at least level 0)."""
+    groups = structure.groups
+    rel = _relative_depth(structure, focus)
+    inside = groups[focus].items if focus >= 0 else range(len(structure.items))
+    below = list(_descendants(structure, focus))
+    if not below:
+        return 0
+    deepest = max(rel(g) for g in below)
+    # Nodes at depth k = items whose innermost group is shallower than k + groups exactly at level k.
+    items_at = [0] * (deepest + 2)
+    groups_at = [0] * (deepest + 2)
+    for i in inside:
+        g = structure.items[i].group
+        items_at[rel(g) + 1 if g != focus else 0] += 1
+    for g in below:
+        groups_at[rel(g)] += 1
+    best, shown = 0, 0
+    for k in range(deepest + 2):
+        shown += items_at[k]
+        if shown + groups_at[k] <= budget:
+            best = k
+        else:
+            break
+    return best
+
+
+def _descendants(structure, focus):
+    groups = structure.groups
+    stack = list(groups[focus].children) if focus >= 0 else [g for g, grp in enumerate(groups) if grp.parent < 0]
+    while stack:
+        g = stack.pop()
+        yield g
+        stack.extend(groups[g].children)
+
+
+def _representative(structure, group, focus, depth, rel):
+    """The collapsed group that swallows an item in ``group``, None when the item is drawn itself.
+
+    Returns ``False`` when the group lies outside the focus.
+    """
+    chain = []
+    g = group
+    while g >= 0 and g != focus:
+        chain.append(g)
+        g = structure.groups[g].parent
+    if g != focus:
+        return False
+    if depth is None:
+        return None
+    for g in reversed(chain):  # outermost first
+        if rel(g) >= depth:
+            return g
+    return None
+
+
+def project(structure, focus: int = -1, depth=None) -> Picture:
+    """The picture of ``focus``'s inside with groups ``depth`` levels down collapsed.
+
+    Edges from or to items outside the focus end at reference nodes; edges that fall inside one
+    collapsed group disappear into it.
+    """
+    groups, items = structure.groups, structure.items
+    rel = _relative_depth(structure, focus)
+    inside = groups[focus].items if focus >= 0 else range(len(items))
+    node_of: dict = {}
+    visible, collapsed, clusters = [], [], set()
+    placement: dict = {}
+    for i in inside:
+        rep = _representative(structure, items[i].group, focus, depth, rel)
+        if rep is None:
+            node_of[i] = items[i].key
+            visible.append(i)
+            g = items[i].group
+            placement[items[i].key] = g if g != focus else -1
+            while g >= 0 and g != focus:
+                clusters.add(g)
+                g = groups[g].parent
+        else:
+            key = groups[rep].key
+            node_of[i] = key
+            if key not in placement:
+                collapsed.append(rep)
+                parent = groups[rep].parent
+                placement[key] = parent if parent != focus else -1
+                g = parent
+                while g >= 0 and g != focus:
+                    clusters.add(g)
+                    g = groups[g].parent
+    edges: dict = {}
+    refs_in, refs_out = [], []
+    for i in inside:
+        dst = node_of[i]
+        for src_item in structure.in_edges[i]:
+            src = node_of.get(src_item)
+            if src is None:
+                src = "r" + items[src_item].key
+                if src not in placement:
+                    placement[src] = -1
+                    refs_in.append(src_item)
+            if src == dst and src not in (items[i].key,):
+                continue  # an edge swallowed inside one collapsed module
+            edges.setdefault((src, dst), []).extend(structure.edges[(src_item, i)])
+        for dst_item in structure.out_edges[i]:
+            if dst_item in node_of:
+                continue
+            ref = "r" + items[dst_item].key
+            if ref not in placement:
+                placement[ref] = -1
+                refs_out.append(dst_item)
+            edges.setdefault((dst, ref), []).extend(structure.edges[(i, dst_item)])
+    ordered_clusters = sorted(clusters, key=lambda g: (groups[g].depth, g))
+    return Picture(focus, depth, visible, collapsed, ordered_clusters, refs_in, refs_out, edges, placement)
+
+
+def pass_ranges(passes) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3,5"``."""
+    values = sorted(set(passes))
+    parts, start = [], None
+    for a, b in zip(values, values[1:] + [None]):
+        start = a if start is None else start
+        if b != a + 1:
+            parts.append(str(a) if start == a else f"{start}-{a}")
+            start = None
+    return ",".join(parts)
+
+
+def edge_pass_label(pairs) -> str:
+    """A rolled edge's label: the passes it occurs on (``src->dst`` when the two sides differ)."""
+    src = pass_ranges(p for p, _ in pairs)
+    dst = pass_ranges(q for _, q in pairs)
+    return src if src == dst else f"{src}\u2192{dst}"

@@ -1,0 +1,71 @@
+"""Laying DOT out with Graphviz: a ``dot`` on PATH, else the ``graphviz-pure`` wheel's executable.
+
+torchlens never places nodes itself.  Graphviz's ``dot`` is the field's standard layered layout; the
+``graphviz-pure`` wheel (``pip install torchlens[viz]``) ships the same command line as a static binary,
+for machines where installing Graphviz is a chore.  Several pictures are laid out by parallel processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+from ..record.errors import TorchlensError
+
+FORMATS = ("svg", "png")
+ENGINE_ENV = "TORCHLENS_DOT"
+
+
+class LayoutEngineMissing(TorchlensError, RuntimeError):
+    """Neither Graphviz's ``dot`` nor the ``graphviz-pure`` executable could be found."""
+
+
+class LayoutFailed(TorchlensError, RuntimeError):
+    """The layout engine ran and reported an error."""
+
+
+def find_engine() -> str:
+    """Path of the layout executable: ``$TORCHLENS_DOT``, ``dot`` on PATH, then ``graphviz-pure``."""
+    chosen = os.environ.get(ENGINE_ENV)
+    if chosen:
+        if shutil.which(chosen) is None:
+            raise LayoutEngineMissing(f"{ENGINE_ENV}={chosen!r} is not an executable; unset it or point it at "
+                                      "Graphviz's dot")
+        return shutil.which(chosen)
+    found = shutil.which("dot") or shutil.which("graphviz-pure")
+    if found:
+        return found
+    # A wheel's executable lands beside this interpreter even when that folder is not on PATH.
+    for folder in {sysconfig.get_path("scripts"), os.path.dirname(sys.executable)}:
+        candidate = shutil.which("graphviz-pure", path=folder) if folder else None
+        if candidate:
+            return candidate
+    raise LayoutEngineMissing(
+        "laying out the graph needs Graphviz's `dot` command, and neither `dot` nor `graphviz-pure` was "
+        "found. Install one: `apt-get install graphviz` (or your platform's Graphviz package), or "
+        "`pip install torchlens[viz]` for the graphviz-pure wheel. DOT text needs neither: "
+        "render(path='graph.dot').")
+
+
+def layout(dot_texts, fmt: str = "svg", engine: str | None = None) -> list:
+    """Lay out each DOT text; returns the output bytes of each, in order."""
+    if fmt not in FORMATS:
+        raise ValueError(f"layout format must be one of {FORMATS}, not {fmt!r}")
+    engine = engine or find_engine()
+    texts = list(dot_texts)
+    if len(texts) == 1:
+        return [_run(engine, texts[0], fmt)]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(texts), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda text: _run(engine, text, fmt), texts))
+
+
+def _run(engine, text, fmt) -> bytes:
+    done = subprocess.run([engine, f"-T{fmt}"], input=text.encode("utf-8"), capture_output=True, check=False)
+    if done.returncode != 0 or not done.stdout:
+        message = done.stderr.decode("utf-8", "replace").strip()[:2000]
+        raise LayoutFailed(f"{os.path.basename(engine)} failed (exit {done.returncode}): {message}")
+    return done.stdout

@@ -1,0 +1,221 @@
+"""Per-op values behind ``color_by=``, the colour each value gets, and the legend that explains them.
+
+Values are read per op and summed over whatever a node stands for (a layer's passes, a collapsed module's
+ops).  An op with no value (no FLOPs formula, a pseudo-op with no host time) stays uncoloured and the
+legend says so: a missing number is never drawn as zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from ..record.summary import human_bytes
+
+METRICS = ("duration", "flops", "memory", "nonfinite", "device_time")
+# Light to dark: low values pale, the costliest ops dark red.
+_SCALE = ("#fff7c4", "#fee391", "#fec44f", "#fe9929", "#ec7014", "#cc4c02", "#8c2d04")
+_DARK = frozenset(_SCALE[4:])
+UNKNOWN_FILL = "#eeeeee"
+NONFINITE_FILL, ORIGIN_FILL, FINITE_FILL = "#f4a3a3", "#c0001a", "#d9f2d9"
+_DARK = _DARK | {ORIGIN_FILL}
+
+_NOTES = {
+    "duration": "host wall time per op; instrumented, so right for ranking ops and wrong for quoting them "
+                "(time a model with torch.utils.benchmark.Timer)",
+    "flops": "analytic forward FLOPs from torchlens's formula registry (a multiply-add counts 2)",
+    "memory": "bytes of each op's output tensor",
+    "device_time": "device time per op from the kernel profile passed in",
+    "nonfinite": "ops whose output held NaN or Inf, from flags recorded during capture or saved activations",
+}
+
+
+def resolve_metric(color_by, device_times=None):
+    """Normalise ``color_by`` to ``(name, device_times)``; a mapping alone means device times."""
+    if color_by is None:
+        return None, None
+    if isinstance(color_by, Mapping):
+        return "device_time", color_by
+    if color_by not in METRICS:
+        raise ValueError(f"color_by must be one of {', '.join(map(repr, METRICS))} (or a mapping of op label "
+                         f"to device seconds), not {color_by!r}")
+    if color_by == "device_time":
+        device_times = _profile_times(device_times)
+        if device_times is None:
+            raise ValueError("color_by='device_time' needs device_times=, a mapping of op label to seconds "
+                             "(for example from a kernel profile)")
+        if not isinstance(device_times, Mapping):
+            raise TypeError(f"device_times must map op labels to seconds, not {type(device_times).__name__}")
+    return color_by, device_times
+
+
+def _profile_times(source):
+    """A kernel profile's per-op device times as ``{op label: seconds}``; anything else unchanged."""
+    rows = getattr(source, "ops", None) if not isinstance(source, Mapping) else None
+    if not isinstance(rows, list) or not hasattr(source, "device_time"):
+        return source
+    return {row["op"]: row["device_ns"] / 1e9 for row in rows if row.get("device_ns") is not None}
+
+
+def op_values(trace, metric, device_times=None) -> list:
+    """One value per op (None where unknown); for ``nonfinite`` True/False/None."""
+    n = len(trace)
+    if metric == "duration":
+        return [(c[9] - c[8]) / 1e9 if c is not None else None
+                for c in (trace._calls[k] if k >= 0 else None for k in trace._call)]
+    if metric == "memory":
+        return [op.nbytes if op.kind == "op" else None for op in trace.ops]
+    if metric == "flops":
+        from .records import flops_function
+
+        flops = flops_function()
+        if flops is None:
+            raise ImportError("color_by='flops' needs torchlens.report.flops, which this installation lacks")
+        return [flops(op) if op.kind == "op" else None for op in trace.ops]
+    if metric == "device_time":
+        values: list = [None] * n
+        for label, seconds in device_times.items():
+            target = trace[label]
+            ops = getattr(target, "ops", None)
+            if ops is not None and not hasattr(target, "first"):
+                raise ValueError(f"device_times key {label!r} is a module, not an op label")
+            if ops is not None and len(ops) > 1:
+                raise ValueError(f"device_times key {label!r} names a layer with {len(ops)} passes: "
+                                 f"key each pass ({label}:1, {label}:2, ...)")
+            index = target.first.index if hasattr(target, "first") else target.index
+            values[index] = float(seconds)
+        return values
+    if metric == "nonfinite":
+        return nonfinite_flags(trace)
+    raise ValueError(metric)
+
+
+def nonfinite_flags(trace) -> list:
+    """True where an op's output held NaN/Inf, False where checked finite, None where not checked."""
+    import torch
+
+    flags: list = [None] * len(trace)
+    for i, finite in trace._finite.items():
+        flags[i] = bool(finite[0] or finite[1])
+    if not trace.is_cleaned_up:
+        for i, tensor in trace._activations.items():
+            if flags[i] is None and isinstance(tensor, torch.Tensor):
+                if tensor.is_floating_point() or tensor.is_complex():
+                    flags[i] = not bool(torch.isfinite(tensor).all())
+                else:
+                    flags[i] = False
+    return flags
+
+
+def nonfinite_origins(trace) -> set:
+    """Labels ``torchlens.debug.nonfinite_origin`` names as origins (empty when it is unavailable)."""
+    try:
+        from ..debug.nonfinite import nonfinite_origin
+    except ImportError:
+        return set()
+    try:
+        report = nonfinite_origin(trace)
+    except Exception:  # no flags, nothing non-finite: the colouring still stands without an origin
+        return set()
+    candidates = [getattr(report, "origin", None)] + list(getattr(report, "other_origins", ()))
+    labels = set()
+    for candidate in candidates:
+        label = getattr(candidate, "label", candidate)
+        if isinstance(label, str):
+            labels.add(label)
+    return labels
+
+
+def aggregate(values, ops):
+    """Sum of the known values of ``ops`` (any() for flags); None when none is known."""
+    known = [values[i] for i in ops if values[i] is not None]
+    if not known:
+        return None
+    if isinstance(known[0], bool):
+        return any(known)
+    return sum(known)
+
+
+class Coloring:
+    """Maps a node's aggregated value to a fill colour, and describes the mapping for the legend."""
+
+    def __init__(self, metric, values, origins=()):
+        self.metric = metric
+        self.values = values
+        self.origins = set(origins)
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+        self.low = min(numbers) if numbers else 0.0
+        self.high = max(numbers) if numbers else 0.0
+
+    def fill(self, value, labels=()):
+        """Fill colour for a node with aggregated ``value`` whose ops are ``labels``."""
+        if self.metric == "nonfinite":
+            if value is None:
+                return UNKNOWN_FILL
+            if value and self.origins.intersection(labels):
+                return ORIGIN_FILL
+            return NONFINITE_FILL if value else FINITE_FILL
+        if value is None:
+            return UNKNOWN_FILL
+        return _SCALE[self._bin(value)]
+
+    def font(self, fill) -> str:
+        """Text colour readable on ``fill``."""
+        return "white" if fill in _DARK else "black"
+
+    def _bin(self, value) -> int:
+        if value <= self.low or self.high <= self.low:
+            return 0
+        span = math.log(self.high) - math.log(self.low)
+        position = (math.log(min(value, self.high)) - math.log(self.low)) / span
+        return min(len(_SCALE) - 1, int(position * len(_SCALE)))
+
+    def legend(self) -> dict:
+        """``{"title", "note", "entries": [(colour, text), ...]}``."""
+        entries = []
+        if self.metric == "nonfinite":
+            entries = [(NONFINITE_FILL, "output held NaN or Inf"), (FINITE_FILL, "checked finite"),
+                       (UNKNOWN_FILL, "not checked (capture with record_finite=True or save activations)")]
+            if self.origins:
+                entries.insert(0, (ORIGIN_FILL, "origin: first op to produce a non-finite value"))
+        else:
+            if self.high > self.low:
+                span = math.log(self.high) - math.log(self.low)
+                for k, colour in enumerate(_SCALE):
+                    top = math.exp(math.log(self.low) + span * (k + 1) / len(_SCALE))
+                    entries.append((colour, f"up to {format_value(self.metric, top)}"))
+            elif self.high > 0:
+                entries.append((_SCALE[0], format_value(self.metric, self.high)))
+            entries.append((UNKNOWN_FILL, "no value for this op"))
+        note = _NOTES[self.metric]
+        if self.metric != "nonfinite":
+            note += "; a node standing for several ops (a rolled layer, a collapsed module) shows their sum"
+        return {"title": f"colour: {self.metric.replace('_', ' ')}", "note": note, "entries": entries}
+
+
+def format_value(metric, value) -> str:
+    if value is None:
+        return "unknown"
+    if metric in ("duration", "device_time"):
+        return format_seconds(value)
+    if metric == "memory":
+        return human_bytes(value)
+    if metric == "flops":
+        return format_count(value)
+    return str(value)
+
+
+def format_seconds(seconds) -> str:
+    if seconds is None:
+        return "unknown"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("\u00b5s", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def format_count(n) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"

@@ -1,0 +1,170 @@
+"""The record panel's content: one small JSON-ready dict per item and per module group.
+
+Built once per render from the trace's columns.  Activation statistics are computed only for saved
+activations, under ``torch.no_grad``, and never for a cleaned-up trace.
+"""
+
+from __future__ import annotations
+
+from .metrics import format_count, format_seconds
+from ..record.summary import human_bytes
+
+
+def flops_function():
+    """``torchlens.report.flops.op_flops`` when it is installed, else None."""
+    try:
+        from ..report.flops import op_flops
+    except ImportError:
+        return None
+    return op_flops
+
+
+def shape_text(shape) -> str:
+    return "x".join(str(d) for d in shape) if len(shape) else "scalar"
+
+
+def activation_stats(tensor) -> dict:
+    import torch
+
+    with torch.no_grad():
+        stats = {"numel": tensor.numel()}
+        if tensor.numel() == 0:
+            return stats
+        t = tensor.detach()
+        if t.is_complex():
+            t = t.abs()
+        if t.dtype == torch.bool:
+            stats["true"] = int(t.sum())
+            return stats
+        finite = torch.isfinite(t) if t.is_floating_point() else None
+        if finite is not None:
+            stats["nan"] = int(torch.isnan(t).sum())
+            stats["inf"] = int(torch.isinf(t).sum())
+            if not bool(finite.all()):
+                t = t[finite]
+                if t.numel() == 0:
+                    return stats
+        t = t.double() if t.is_floating_point() else t.to(torch.float64)
+        stats.update(min=_num(t.min()), max=_num(t.max()), mean=_num(t.mean()))
+        if t.numel() > 1:
+            stats["std"] = _num(t.std())
+        return stats
+
+
+def _num(x) -> float:
+    return float(f"{float(x):.6g}")
+
+
+class RecordBuilder:
+    """Turns ops, items and module groups into panel records."""
+
+    def __init__(self, trace, coloring=None):
+        self.trace = trace
+        self.coloring = coloring
+        self.flops = flops_function()
+        self._flops_cache: dict = {}
+
+    def op_flops(self, op):
+        if self.flops is None or op.kind != "op":
+            return None
+        if op.index not in self._flops_cache:
+            try:
+                self._flops_cache[op.index] = self.flops(op)
+            except Exception:  # a formula that cannot read this op leaves FLOPs unknown, not wrong
+                self._flops_cache[op.index] = None
+        return self._flops_cache[op.index]
+
+    def op_record(self, op) -> dict:
+        trace = self.trace
+        rec = {
+            "label": op.label, "layer": op.layer_label, "kind": op.kind, "type": op.type,
+            "function": op.func_name, "shape": shape_text(op.shape), "dtype": str(op.dtype).replace("torch.", ""),
+            "device": str(op.device), "memory": human_bytes(op.nbytes),
+        }
+        if op.num_passes > 1:
+            rec["pass"] = f"{op.pass_index} of {op.num_passes}"
+        if op.io_path:
+            rec["path"] = op.io_path
+        call = op.module_call
+        stack = []
+        while call is not None:
+            stack.append(f"{call.label} ({call.module.class_name})")
+            call = call.parent
+        if stack:
+            rec["modules"] = list(reversed(stack))
+        source = op.source
+        if source is not None:
+            rec["source"] = f"{source.file}:{source.line} in {source.function}"
+            code = source.code
+            if code:
+                rec["code"] = code
+        if op.params:
+            rec["params"] = list(op.params)
+        if op.kind == "op":
+            rec["duration"] = format_seconds(op.duration) + " (host, instrumented)"
+            flops = self.op_flops(op)
+            rec["flops"] = format_count(flops) if flops is not None else "unknown"
+            coloring = self.coloring
+            if coloring is not None and coloring.metric == "device_time":
+                rec["device_time"] = format_seconds(coloring.values[op.index])
+            if op.grad_fn:
+                rec["grad_fn"] = op.grad_fn
+            if op.is_inplace:
+                rec["inplace"] = True
+        rec["parents"] = op.parents
+        rec["children"] = op.children
+        if op.finite is not None:
+            rec["finite"] = {"nan": bool(op.finite[0]), "inf": bool(op.finite[1])}
+        if not trace.is_cleaned_up and op.index in trace._activations:
+            rec["activation"] = activation_stats(trace._activations[op.index])
+        elif op.index in trace._dropped:
+            rec["activation"] = {"dropped": trace._dropped[op.index]}
+        return rec
+
+    def layer_record(self, item) -> dict:
+        ops = [self.trace.ops[i] for i in item.ops]
+        if len(ops) == 1:
+            return self.op_record(ops[0])
+        first = ops[0]
+        rec = self.op_record(first)
+        rec["label"] = item.label
+        rec["passes"] = [op.label for op in ops]
+        rec.pop("pass", None)
+        rec.pop("activation", None)
+        shapes = sorted({shape_text(op.shape) for op in ops})
+        rec["shape"] = ", ".join(shapes)
+        if first.kind == "op":
+            total = sum(op.duration or 0.0 for op in ops)
+            rec["duration"] = f"{format_seconds(total)} over {len(ops)} passes (host, instrumented)"
+            flops = [self.op_flops(op) for op in ops]
+            rec["flops"] = format_count(sum(flops)) if None not in flops else "unknown"
+        rec["parents"] = self._in_order(p for op in ops for p in op.parents)
+        rec["children"] = self._in_order(c for op in ops for c in op.children)
+        return rec
+
+    def _in_order(self, labels) -> list:
+        """Distinct labels in execution order."""
+        return sorted(set(labels), key=lambda label: self.trace[label].index)
+
+    def group_record(self, group) -> dict:
+        trace = self.trace
+        calls = [trace.module_calls[c] for c in group.calls]
+        first = calls[0]
+        rec = {"label": group.label, "kind": "module", "class": group.class_name, "depth": group.depth,
+               "calls": [c.label for c in calls], "ops": len(first.ops)}
+        rec["inputs"] = [f"{label} ({shape_text(trace[label].shape)})" for label in first.input_ops]
+        rec["outputs"] = [f"{label} ({shape_text(trace[label].shape)})" for label in first.output_ops]
+        durations = [c.duration for c in calls if c.duration is not None]
+        if durations:
+            rec["duration"] = format_seconds(sum(durations)) + " (host, instrumented)"
+        if first.module.param_names:
+            rec["params"] = [f"{first.address}.{name}" for name in first.module.param_names]
+        return rec
+
+    def io_shapes(self, group) -> tuple:
+        """Input and output shapes of a group's first call, for its collapsed node."""
+        trace = self.trace
+        first = trace.module_calls[group.calls[0]]
+        ins = [shape_text(trace._meta[i][0]) for i in first._input_nodes if i >= 0]
+        outs = [shape_text(trace._meta[i][0]) for i in first._output_nodes if i >= 0]
+        return ins, outs

@@ -1,0 +1,330 @@
+"""Rendering traces: DOT structure in both views, collapsing, colouring, formats and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens import viz
+from torchlens.viz import graph, html, layout
+
+sys.path.insert(0, os.path.dirname(__file__))
+from zoo import zoo  # noqa: E402
+
+NODE = re.compile(r'^\s*(\w+) \[id="\w+", class="tl-node tl-(\w+)"', re.M)
+CLUSTER = re.compile(r"^\s*subgraph cluster_(\w+) \{", re.M)
+EDGE = re.compile(r"^\s*(\w+) -> (\w+)(?: \[label=\"([^\"]*)\"\])?;", re.M)
+
+
+def nodes(dot):
+    return dict(NODE.findall(dot))
+
+
+def call_chain(mc):
+    chain = []
+    while mc is not None:
+        chain.append(mc.address)
+        mc = mc.parent
+    return tuple(reversed(chain))
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return {name: tl.trace(model, args, kwargs) for name, (model, args, kwargs) in zoo(0).items()}
+
+
+@pytest.mark.parametrize("name", list(zoo(0)))
+def test_unrolled_dot_has_every_op_and_module_call(traces, name):
+    log = traces[name]
+    dot = log.render()
+    found = nodes(dot)
+    assert sorted(found) == sorted(f"o{i}" for i in range(len(log)))
+    assert [found[f"o{op.index}"] for op in log.ops] == [op.kind for op in log.ops]
+    calls_with_ops = {f"m{mc.index}" for mc in log.module_calls if mc.ops}
+    assert set(CLUSTER.findall(dot)) == calls_with_ops
+    expected_edges = {(f"o{log[p].index}", f"o{op.index}") for op in log.ops for p in op.parents}
+    assert {(a, b) for a, b, _ in EDGE.findall(dot)} == expected_edges
+
+
+@pytest.mark.parametrize("name", list(zoo(0)))
+def test_rolled_dot_has_one_node_per_layer_and_module_position(traces, name):
+    log = traces[name]
+    dot = log.render(view="rolled")
+    found = nodes(dot)
+    assert len(found) == len(log.layers)
+    assert sorted(found) == sorted(f"l{layer.first.index}" for layer in log.layers)
+    positions = {call_chain(mc) for mc in log.module_calls if mc.ops}
+    assert len(CLUSTER.findall(dot)) == len(positions)
+    for layer in log.layers:
+        if layer.num_passes > 1:
+            assert f"{layer.layer_label} \u00d7{layer.num_passes}</b>" in dot
+
+
+def test_rolled_loop_labels_passes_and_back_edge(traces):
+    log = traces["loop_rnn"]
+    dot = log.render(view="rolled")
+    edges = {(a, b): label for a, b, label in EDGE.findall(dot)}
+    key = {layer.layer_label: f"l{layer.first.index}" for layer in log.layers}
+    linear, add, tanh, mul = (key[log[i].layer_label] for i in (2, 3, 4, 5))
+    assert edges[(linear, add)] == "1-16"
+    assert edges[(mul, add)] == "1-15\u219216-16".replace("16-16", "2-16")  # the loop's back edge
+    assert edges[(add, tanh)] == "1-16"
+    assert 'label="cell (Linear) \u00d716 calls"' in dot
+    unrolled_edges = EDGE.findall(log.render())
+    assert all(label == "" for _, _, label in unrolled_edges)
+
+
+def test_shared_module_rolls_its_calls(traces):
+    log = traces["shared_module"]
+    dot = log.render(view="rolled")
+    assert 'label="fc (Linear) \u00d73 calls"' in dot
+    assert 'label="act (ReLU) \u00d72 calls"' in dot
+    assert len(nodes(dot)) == len(log.layers) == 4
+
+
+def test_depth_collapses_modules_into_nodes_with_shapes(traces):
+    log = traces["small_cnn"]
+    dot = log.render(depth=0)
+    found = nodes(dot)
+    top = [mc for mc in log.module_calls if mc.parent is None and mc.ops]
+    assert sorted(k for k, kind in found.items() if kind == "module") == sorted(f"m{mc.index}" for mc in top)
+    inside = {log[label].index for mc in top for label in mc.ops}
+    # buffers are drawn with the module that owns them
+    inside |= {op.index for op in log.ops if op.kind == "buffer" and op.io_path.startswith("features.")}
+    assert sorted(k for k, kind in found.items() if kind != "module") == \
+        sorted(f"o{i}" for i in range(len(log)) if i not in inside)
+    assert CLUSTER.findall(dot) == []
+    assert "features:1 (Sequential)</b><br/>2x3x8x8 \u2192 2x8x4x4" in dot
+    one = log.render(depth=1)
+    assert set(CLUSTER.findall(one)) == {f"m{mc.index}" for mc in top}
+    assert f'm{log.module_calls[0].children[-1].index} [id=' in one  # features.4:1 collapsed at depth 1
+
+
+def test_buffers_sit_with_their_module(traces):
+    log = traces["batchnorm_eval"]
+    dot = log.render()
+    bn = next(mc for mc in log.module_calls if mc.address == "bn")
+    block = re.search(r"subgraph cluster_m%d \{(.*?)\n  \}" % bn.index, dot, re.S).group(1)
+    buffers = [op for op in log.ops if op.kind == "buffer"]
+    owned = [op for op in buffers if op.io_path.startswith("bn.")]
+    assert len(owned) == 2 and all(f"o{op.index} [" in block for op in owned)
+    root = next(op for op in buffers if op.io_path == "scale")
+    assert f"o{root.index} [" not in block and f"o{root.index} [" in dot
+    assert all(re.search(rf'o{op.index} \[[^\n]*shape=cylinder', dot) for op in buffers)
+    collapsed = log.render(depth=0)
+    assert not any(f"o{op.index} [" in collapsed for op in owned)
+
+
+def test_kinds_are_drawn_distinctly(traces):
+    dot = traces["dict_io"].render()
+    log = traces["dict_io"]
+    for op in log.ops:
+        line = re.search(rf"^\s*o{op.index} \[.*$", dot, re.M).group(0)
+        shape = {"input": "shape=ellipse", "output": "peripheries=2", "op": "shape=box"}[op.kind]
+        assert shape in line
+        if op.params:
+            assert "bold" in line and "params: weight, bias" in line
+
+
+def test_svg_and_png_from_the_layout_engine(traces, tmp_path):
+    log = traces["mlp"]
+    svg = log.render(tmp_path / "mlp.svg")
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") or "<svg" in text[:300]
+    for i in range(len(log)):
+        assert f'id="o{i}"' in text
+    png = log.render(tmp_path / "mlp.png", view="rolled")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert isinstance(log.render(format="png"), bytes)
+
+
+def _page_data(page: str) -> dict:
+    raw = re.search(r'<script type="application/json" id="tl-data">(.*?)</script>', page, re.S).group(1)
+    return json.loads(raw)
+
+
+def test_html_is_self_contained_and_holds_every_record(traces, tmp_path):
+    log = traces["transformer_fastpath"]
+    path = log.render(tmp_path / "t.html")
+    page = path.read_text()
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
+    assert "<script src" not in page and "<link" not in page
+    data = _page_data(page)
+    assert len(data["items"]) == len(log)
+    assert {rec["label"] for rec in data["items"].values()} == {op.label for op in log.ops}
+    rec = data["items"][f"o{log['linear_1_7'].index}"]
+    assert rec["shape"] == "2x5x64" and rec["params"] == ["layers.0.linear1.weight", "layers.0.linear1.bias"]
+    assert rec["modules"] == ["layers.0:1 (TransformerEncoderLayer)", "layers.0.linear1:1 (Linear)"]
+    assert {"min", "max", "mean", "std"} <= set(rec["activation"])
+    act = log["linear_1_7"].activation
+    assert rec["activation"]["max"] == pytest.approx(float(act.max()), rel=1e-5)
+    assert len(re.findall(r'<script type="text/x-tl-svg" id="tl-view-', page)) == len(data["views"])
+
+
+def test_html_pictures_drill_down_and_cover_each_op_once(traces):
+    log = traces["transformer_fastpath"]
+    structure = graph.build_structure(log)
+    pictures = html.build_pictures(structure, budget=8)
+    assert len(pictures) > 1
+    drawn = [i for picture, _ in pictures for i in picture.items]
+    assert sorted(drawn) == list(range(len(log)))
+    focuses = {picture.focus for picture, _ in pictures}
+    for picture, parent in pictures:
+        assert parent is None or picture.focus in pictures[parent][0].collapsed
+        assert all(g in focuses for g in picture.collapsed)
+    first = pictures[0][0]
+    assert len(first.items) + len(first.collapsed) <= 8 or first.depth == 0
+
+
+def test_auto_depth_is_the_deepest_level_within_budget(traces):
+    log = traces["small_cnn"]
+    structure = graph.build_structure(log)
+    sizes = {k: graph.count_nodes(structure, -1, k) for k in range(4)}
+    assert sizes[0] < sizes[1] < sizes[2] <= sizes[3] == len(log)
+    for budget in range(sizes[0], len(log) + 1):
+        chosen = graph.auto_depth(structure, -1, budget)
+        assert sizes[chosen] <= budget and (chosen == 3 or sizes[chosen + 1] > budget)
+
+
+def test_color_by_duration_and_memory_fill_ops_and_explain(traces):
+    log = traces["mlp"]
+    dot = log.render(color_by="duration")
+    assert "instrumented" in dot and "torch.utils.benchmark.Timer" in dot
+    fills = re.findall(r'^\s*o\d+ \[[^\n]*fillcolor="(#\w+)"', dot, re.M)
+    assert len(set(fills)) > 2
+    slowest = max((op for op in log.ops if op.kind == "op"), key=lambda op: op.duration)
+    line = re.search(rf"^\s*o{slowest.index} \[.*$", dot, re.M).group(0)
+    assert 'fillcolor="#8c2d04"' in line and 'fontcolor="white"' in line
+    memory = log.render(color_by="memory")
+    assert "bytes of each op" in memory
+    head = next(op for op in log.ops if op.func_name == "linear" and op.shape == (4, 4))
+    assert "64 B" in re.search(rf"^\s*o{head.index} \[.*$", memory, re.M).group(0)
+
+
+def test_color_by_nonfinite_marks_the_nan_ops():
+    class MakesNaN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = torch.log(self.fc(x) - 100.0)  # log of a negative: NaN
+            return y.relu() + 1
+
+    log = tl.trace(MakesNaN().eval(), torch.randn(2, 4), save="none", record_finite=True)
+    dot = log.render(color_by="nonfinite")
+    fill = {int(i): f for i, f in re.findall(r'^\s*o(\d+) \[[^\n]*fillcolor="(#\w+)"', dot, re.M)}
+    log_op = next(op for op in log.ops if op.func_name == "log")
+    linear = next(op for op in log.ops if op.func_name == "linear")
+    assert fill[linear.index] == "#d9f2d9"  # checked finite
+    assert fill[log_op.index] == "#c0001a"  # the origin tl.debug.nonfinite_origin names
+    relu = next(op for op in log.ops if op.func_name == "relu")
+    assert fill[relu.index] == "#f4a3a3"  # carried the NaN on
+    assert "output held NaN or Inf" in dot and "origin: first op" in dot
+    saved = tl.trace(MakesNaN().eval(), torch.randn(2, 4))  # no flags: read from saved activations
+    fill = {int(i): f for i, f in re.findall(r'^\s*o(\d+) \[[^\n]*fillcolor="(#\w+)"',
+                                            saved.render(color_by="nonfinite"), re.M)}
+    assert fill[relu.index] == "#f4a3a3" and fill[linear.index] == "#d9f2d9"
+
+
+def test_color_by_device_time_mapping(traces):
+    log = traces["loop_rnn"]
+    times = {"linear_1_2:3": 2e-3, "tanh_1_4:1": 1e-6}
+    dot = log.render(color_by=times)
+    assert "device time per op" in dot
+    line = re.search(rf"^\s*o{log['linear_1_2:3'].index} \[.*$", dot, re.M).group(0)
+    assert "2 ms" in line
+    untimed = re.search(rf"^\s*o{log['linear_1_2:4'].index} \[.*$", dot, re.M).group(0)
+    assert 'fillcolor="#eeeeee"' in untimed and "unknown" in untimed
+    page = _page_data(log.render(format="html", color_by=times))
+    assert page["items"][f"o{log['linear_1_2:3'].index}"]["device_time"] == "2 ms"
+    assert page["items"][f"o{log['linear_1_2:4'].index}"]["device_time"] == "unknown"
+    with pytest.raises(ValueError, match="16 passes"):
+        log.render(color_by="device_time", device_times={"linear_1_2": 1.0})
+    with pytest.raises(KeyError, match="no op"):
+        log.render(color_by={"nope_9_9:1": 1.0})
+    with pytest.raises(ValueError, match="device_times="):
+        log.render(color_by="device_time")
+
+
+def test_color_by_flops_when_the_registry_is_installed(traces):
+    pytest.importorskip("torchlens.report.flops", reason="FLOPs registry not installed")
+    log = traces["mlp"]
+    dot = log.render(color_by="flops")
+    assert "multiply-add counts 2" in dot
+
+
+def test_bad_arguments_say_what_to_do(traces, tmp_path):
+    log = traces["mlp"]
+    with pytest.raises(ValueError, match="view must be one of"):
+        log.render(view="sideways")
+    with pytest.raises(ValueError, match="depth must be"):
+        log.render(depth=-1)
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        log.render(tmp_path / "graph.pdf")
+    with pytest.raises(ValueError, match="color_by must be one of"):
+        log.render(color_by="loudness")
+    with pytest.raises(TypeError, match="needs a Trace"):
+        viz.render(object())
+    assert not list(tmp_path.iterdir())
+
+
+def test_missing_layout_engine_names_both_ways_to_get_one(traces, tmp_path, monkeypatch):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv(layout.ENGINE_ENV, raising=False)
+    monkeypatch.setattr(layout.sysconfig, "get_path", lambda name: str(empty))
+    monkeypatch.setattr(layout.sys, "executable", str(empty / "python"))
+    log = traces["mlp"]
+    with pytest.raises(layout.LayoutEngineMissing) as missing:
+        log.render(tmp_path / "g.svg")
+    assert "apt-get install graphviz" in str(missing.value) and "pip install torchlens[viz]" in str(missing.value)
+    assert not (tmp_path / "g.svg").exists()
+    assert "digraph" in log.render(tmp_path / "g.dot").read_text()  # DOT needs no engine
+    assert "apt-get install graphviz" in log._repr_html_()
+
+
+def test_cleaned_up_trace_still_renders_from_metadata():
+    model, args, kwargs = zoo(0)["small_cnn"]
+    log = tl.trace(model, args, kwargs)
+    log.cleanup()
+    page = log.render(format="html")
+    data = _page_data(page)
+    assert len(data["items"]) == len(log)
+    assert not any("activation" in rec for rec in data["items"].values())
+
+
+def test_notebook_html_and_show(traces, monkeypatch):
+    log = traces["mlp"]
+    snippet = log._repr_html_()
+    assert snippet.startswith("<div><pre") and "<iframe srcdoc=" in snippet and "Trace of MLP" in snippet
+    assert "<iframe" not in viz.notebook_html(log, max_ops=5) and ".show()" in viz.notebook_html(log, max_ops=5)
+    opened = []
+    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url))
+    path = log.show(view="rolled")
+    try:
+        assert opened == [path.resolve().as_uri()] and "tl-data" in path.read_text()
+    finally:
+        path.unlink()
+
+
+def test_device_times_from_a_kernel_profile_object():
+    kernel = pytest.importorskip("torchlens.report.kernel_profiling", reason="kernel profiling not installed")
+    model, args, kwargs = zoo(0)["mlp"]
+    profile = kernel.kernel_profile(model, args, kwargs)
+    times = {row["op"]: row["device_ns"] / 1e9 for row in profile.ops if row["device_ns"] is not None}
+    log = profile.trace
+    from_profile = log.render(color_by="device_time", device_times=profile)
+    assert from_profile == log.render(color_by="device_time", device_times=times)
+    ops = [op for op in log.ops if op.kind == "op"]
+    unknown = [op for op in ops if op.label not in times]
+    for op in unknown:  # on a CPU-only run every op is unmeasured, and says so
+        assert "unknown" in re.search(rf"^\s*o{op.index} \[.*$", from_profile, re.M).group(0)
