@@ -17,6 +17,11 @@ def _shape(op) -> str:
     return "x".join(str(d) for d in op.shape) or "scalar"
 
 
+def _what(op) -> str:
+    """The function for ops; where the tensor sat for inputs, outputs and buffers."""
+    return op.func_name if op.kind == "op" else (op.io_path or op.kind)
+
+
 def summary_text(trace) -> str:
     ops = trace.ops
     n_compute = sum(1 for op in ops if op.kind == "op")
@@ -41,11 +46,16 @@ def summary_text(trace) -> str:
     lines.append("Ops:")
     shown = list(range(len(ops))) if len(ops) <= _HEAD + _TAIL else \
         list(range(_HEAD)) + [None] + list(range(len(ops) - _TAIL, len(ops)))
+    listed = [ops[i] for i in shown if i is not None]
+    label_width = min(40, max(len(op.label) for op in listed) + 1)
+    func_width = min(32, max(len(_what(op)) for op in listed) + 1)
+    index_width = len(str(len(ops) - 1)) + 2
     for i in shown:
         if i is None:
             lines.append(f"  ... {len(ops) - _HEAD - _TAIL} more ops ...")
             continue
         op = ops[i]
         where = f"  @{op.module}" if op.module else ""
-        lines.append(f"  ({i}) {op.label:<28} {op.func_name:<18} {_shape(op):<14}{where}")
+        lines.append(f"  {f'({i})':<{index_width}} {op.label:<{label_width}} {_what(op):<{func_width}} "
+                     f"{_shape(op):<14}{where}".rstrip())
     return "\n".join(lines)
