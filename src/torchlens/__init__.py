@@ -33,4 +33,4 @@ def __getattr__(name):
 
 __all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
            "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "debug", "report", "viz", "io",
-           "load", "extract"]
+           "load", "extract", "load_extracted"]

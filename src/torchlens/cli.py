@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -81,10 +82,14 @@ def _build_model(obj, spec):
     if not callable(obj):
         raise UsageError(f"{spec} is a {type(obj).__name__}, not a module or a factory returning one")
     try:
-        model = obj()
+        inspect.signature(obj).bind()
     except TypeError as exc:
-        raise UsageError(f"calling {spec}() with no arguments failed: {exc}; point at a factory that takes none") \
+        raise UsageError(f"{spec} cannot be called with no arguments ({exc}); point at a factory that takes none") \
             from None
+    except ValueError:
+        pass  # no introspectable signature (some builtins): just call it
+    try:
+        model = obj()
     except Exception as exc:
         raise ModelError(exc) from exc
     if not isinstance(model, torch.nn.Module) and not callable(model):
@@ -198,13 +203,13 @@ def _optional(what: str, write):
         return None
 
 
-def _write_exports(log, save=None, html=None, chrome=None) -> list:
+def _write_exports(log, save=None, html=None, chrome=None, depth=None) -> list:
     written = []
     if save:
         log.save(save, overwrite=_is_saved_trace(save))
         written.append(("saved trace", save))
     if html:
-        if _optional("the HTML view", lambda: log.render(html)) is not None or os.path.exists(html):
+        if _optional("the HTML view", lambda: log.render(html, format="html", depth=depth)) is not None or os.path.exists(html):
             written.append(("HTML view", html))
     if chrome:
         if _optional("the chrome trace", lambda: log.to_chrome_trace(chrome)) is not None or os.path.exists(chrome):
@@ -260,7 +265,7 @@ def cmd_trace(args) -> int:
     if args.hot_path:
         print()
         print(hot_path_text(log, args.hot_path))
-    _write_exports(log, save=args.save, html=args.html, chrome=args.chrome)
+    _write_exports(log, save=args.save, html=args.html, chrome=args.chrome, depth=args.depth)
     return 0
 
 
@@ -350,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--html", metavar="FILE", help="write the HTML view of the graph")
     trace.add_argument("--chrome", metavar="FILE", help="write a chrome://tracing / Perfetto JSON of host times")
     trace.add_argument("--hot-path", type=int, metavar="N", help="print the N ops with the most host time")
-    trace.add_argument("--depth", type=int, metavar="N", help="print module calls down to depth N")
+    trace.add_argument("--depth", type=int, metavar="N", help="print module calls down to depth N (the HTML view "
+                                                              "then opens collapsed below that depth)")
 
     show = command("show", cmd_show, "print the summary of a saved trace")
     show.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")

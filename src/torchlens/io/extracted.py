@@ -1,0 +1,45 @@
+"""``tl.load_extracted``: read a finished extraction folder as one array per layer, memory-mapped.
+
+Each layer lives in one safetensors file whose single tensor is every input's activation stacked along
+dim 0, so a layer maps straight onto an array without reading it into memory.  numpy arrays are
+read-only maps; ``as_torch=True`` gives copy-on-write maps (writes stay private) and also covers dtypes
+numpy lacks (bfloat16, float8).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS
+from .format import MANIFEST, TraceFileError, read_json, safe_member, verify_manifest
+from .tensorfile import mapped
+
+
+def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict:
+    """``{layer name: array of shape (inputs, ...)}`` for an extraction written by ``tl.extract``.
+
+    Args:
+        as_torch: return torch tensors instead of numpy arrays.
+        verify: check each file's sha256 against the manifest first (reads every byte once; pass False
+            to skip on very large extractions, sizes are still checked).
+    """
+    folder = os.fspath(path)
+    if not os.path.exists(os.path.join(folder, MANIFEST)) and os.path.exists(os.path.join(folder, PROGRESS)):
+        progress = read_json(os.path.join(folder, PROGRESS), "an extraction")
+        done = progress.get("batches_done") if isinstance(progress, dict) else "?"
+        raise TraceFileError(f"{folder}: the extraction is incomplete ({done} batches committed); call tl.extract "
+                             "again with the same arguments to finish it")
+    manifest = verify_manifest(folder, EXTRACT_FORMAT, EXTRACT_SCHEMA, hashes=verify)
+    layers = manifest.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
+        raise TraceFileError(f"{folder}/{MANIFEST}: no 'layers' table")
+    arrays = {}
+    for info in layers:
+        name, file = info.get("name"), info.get("file")
+        if not isinstance(name, str) or file not in manifest["files"]:
+            raise TraceFileError(f"{folder}/{MANIFEST}: layer entry {info!r} names no listed file")
+        arrays[name] = mapped(safe_member(folder, file), "activations", as_torch)
+        if list(arrays[name].shape) != info.get("shape"):
+            raise TraceFileError(f"{folder}/{file}: holds shape {list(arrays[name].shape)}, the manifest says "
+                                 f"{info.get('shape')}")
+    return arrays

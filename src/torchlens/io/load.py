@@ -1,0 +1,318 @@
+"""``tl.load(path)``: rebuild a ``Trace`` from a folder written by ``log.save``, trusting nothing in it.
+
+The manifest is checked first (format, schema version, every file's size and sha256), then every
+column of ``trace.json`` is checked for type, length and index range before a ``Trace`` is built, so a
+damaged or hand-edited file is refused with a ``TraceFileError`` naming the problem instead of failing
+later inside some view.  Nothing in the folder is executed: JSON and safetensors are data formats, torch
+callables are not resolved from their stored names (a loaded op's ``func`` is None), and source
+locations are file names and line numbers only.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from ..record.modules import Module, ModuleCall
+from ..record.trace import Trace
+from .encode import decode_value, torch_constant
+from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, read_json,
+                     require_safetensors, safe_member, verify_manifest)
+
+
+
+def load(path) -> Trace:
+    """Load a saved trace.  It supports everything that does not need the live model (indexing, summary,
+    tables, reports, rendering); ``log.model`` is None and ``log.output`` / ``log.validate()`` raise."""
+    folder = os.fspath(path)
+    manifest = verify_manifest(folder, TRACE_FORMAT, TRACE_SCHEMA, required=(TRACE_JSON,))
+    record = read_json(safe_member(folder, TRACE_JSON), "a saved trace")
+    tensors = _read_tensors(folder) if TRACE_TENSORS in manifest["files"] else {}
+    try:
+        trace = _build(record, tensors)
+    except TraceFileError as exc:  # column checks name the file; add the folder
+        raise TraceFileError(f"{folder}/{exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, RuntimeError) as exc:
+        raise TraceFileError(f"{folder}/{TRACE_JSON}: does not match trace schema {TRACE_SCHEMA} "
+                             f"({type(exc).__name__}: {exc}); the file was edited or written by other software") \
+            from None
+    trace.loaded_from = folder
+    return trace
+
+
+def _read_tensors(folder: str) -> dict:
+    path = safe_member(folder, TRACE_TENSORS)
+    st = require_safetensors()
+    try:
+        return st.load_file(path, device="cpu")
+    except Exception as exc:  # the library raises its own error types for malformed headers
+        raise TraceFileError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+class _Columns:
+    """Checks on the decoded JSON: each failure names the column and what was wrong."""
+
+    def __init__(self, record: dict):
+        if not isinstance(record, dict):
+            raise TraceFileError(f"{TRACE_JSON} holds a {type(record).__name__}, not a trace record")
+        self.record = record
+        self.n = self.count("n_ops")
+
+    def get(self, name):
+        if name not in self.record:
+            raise TraceFileError(f"{TRACE_JSON}: column {name!r} is missing")
+        return self.record[name]
+
+    def count(self, name) -> int:
+        value = self.get(name)
+        if not _is_int(value) or value < 0:
+            raise TraceFileError(f"{TRACE_JSON}: {name!r} must be a non-negative integer")
+        return value
+
+    def column(self, name, n=None) -> list:
+        value = self.get(name)
+        if not isinstance(value, list) or (n is not None and len(value) != n):
+            raise TraceFileError(f"{TRACE_JSON}: column {name!r} must be a list of {n if n is not None else 'rows'}"
+                                 f" entries")
+        return value
+
+    def ints(self, name, lo, hi, n=None) -> list:
+        values = self.column(name, self.n if n is None else n)
+        for v in values:
+            check_index(v, lo, hi, name)
+        return values
+
+    def strings(self, name, n=None) -> list:
+        values = self.column(name, self.n if n is None else n)
+        if not all(isinstance(v, str) for v in values):
+            raise TraceFileError(f"{TRACE_JSON}: column {name!r} must hold strings")
+        return values
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_index(v, lo, hi, what) -> int:
+    if not _is_int(v) or not lo <= v < hi:
+        raise TraceFileError(f"{TRACE_JSON}: {what}: {v!r} is not an integer in [{lo}, {hi})")
+    return v
+
+
+def _build(record, tensors: dict) -> Trace:
+    cols = _Columns(record)
+    n = cols.n
+    calls = _calls(cols, n)
+    module_calls, modules = _modules(cols, n)
+    kind = cols.ints("kind", 0, 4)
+    call = cols.ints("call", -1, len(calls))
+    group = cols.ints("group", 0, 1 << 62)
+    group_size = {check_index(g, 0, 1 << 62, "group_size"): check_index(k, 1, n + 1, "group_size")
+                  for g, k in cols.column("group_size")}
+    if any(g not in group_size for g in group):
+        raise TraceFileError(f"{TRACE_JSON}: 'group' names a group missing from 'group_size'")
+    meta = [_meta(m) for m in cols.column("meta", n)]
+    activations = _activations(cols, tensors, meta)
+    finite = {check_index(i, 0, n, "finite"): (bool(a), bool(b)) for i, a, b in cols.column("finite")}
+    trace = Trace(
+        model_name=_string(cols.get("model_name"), "model_name"),
+        calls=calls,
+        kind=kind,
+        call=call,
+        slot=[decode_value(s) for s in cols.column("slot", n)],
+        meta=meta,
+        parents=[_edges(ps, n, "parents") for ps in cols.column("parents", n)],
+        module_call=cols.ints("module_call", -1, len(module_calls)),
+        inplace=[bool(x) for x in cols.column("inplace", n)],
+        io={check_index(i, 0, n, "io"): _string(p, "io") for i, p in cols.column("io")},
+        labels=cols.strings("labels"),
+        layer_labels=cols.strings("layer_labels"),
+        pass_col=cols.ints("pass", 1, n + 1),
+        group=group,
+        group_size=group_size,
+        types=cols.strings("types"),
+        func_names=cols.strings("func_names"),
+        activations=activations,
+        dropped={check_index(i, 0, n, "dropped"): _string(r, "dropped") for i, r in cols.column("dropped")},
+        finite=finite,
+        param_addresses={check_index(i, 0, n, "param_addresses"): tuple(_string(a, "param_addresses") for a in ps)
+                         for i, ps in cols.column("param_addresses")},
+        module_calls=module_calls,
+        modules=modules,
+        output=None,
+        model=None,
+        unattributed=cols.count("unattributed"),
+        timings={_string(k, "timings"): float(v) for k, v in cols.get("timings").items()},
+        n_records=n,
+        budget_exhausted_at=_optional_index(cols.get("budget_exhausted_at"), n),
+        alias_reads=frozenset((check_index(c, 0, len(calls), "alias_reads"), check_index(p, -1, n, "alias_reads"))
+                              for c, p in cols.column("alias_reads")),
+    )
+    flops = _flops(record.get("flops"), n)
+    if flops is not None:
+        trace._flops_col = flops
+    if cols.get("cleaned_up") is True:
+        trace.cleanup()
+    return trace
+
+
+def _string(v, what) -> str:
+    if not isinstance(v, str):
+        raise TraceFileError(f"{TRACE_JSON}: {what}: expected a string, got {type(v).__name__}")
+    return v
+
+
+def _optional_index(v, n):
+    return None if v is None else check_index(v, 0, n, "budget_exhausted_at")
+
+
+def _edges(pairs, n, what) -> tuple:
+    """``((argument position, op index), ...)``; a position is an int, an ``(int, int)`` or a name."""
+    out = []
+    for position, index in pairs:
+        position = decode_value(position)
+        if isinstance(position, list):
+            position = tuple(position)
+        if isinstance(position, tuple) and not (len(position) == 2 and all(_is_int(p) for p in position)):
+            raise TraceFileError(f"{TRACE_JSON}: {what}: bad argument position {position!r}")
+        if not isinstance(position, (int, str, tuple)) or isinstance(position, bool):
+            raise TraceFileError(f"{TRACE_JSON}: {what}: bad argument position {position!r}")
+        out.append((position, check_index(index, -1, n, what)))
+    return tuple(out)
+
+
+_grad_fn_stubs: dict = {}
+
+
+def _grad_fn_stub(name):
+    # Op.grad_fn reads ``cls.__name__``; a named stand-in class keeps that working without the autograd node.
+    if name is None:
+        return None
+    stub = _grad_fn_stubs.get(name)
+    if stub is None:
+        stub = _grad_fn_stubs[name] = types.SimpleNamespace(__name__=_string(name, "grad_fn"))
+    return stub
+
+
+def _meta(m) -> list:
+    shape, dtype, device, requires_grad, grad_fn = m
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise TraceFileError(f"{TRACE_JSON}: meta: bad shape {shape!r}")
+    return [torch.Size(shape), torch_constant("dtype", dtype), torch.device(_string(device, "meta device")),
+            bool(requires_grad), _grad_fn_stub(grad_fn)]
+
+
+def _activations(cols, tensors: dict, meta: list) -> dict:
+    out = {}
+    for index, key in cols.column("activations"):
+        check_index(index, 0, cols.n, "activations")
+        if not isinstance(key, str) or key not in tensors:
+            raise TraceFileError(f"{TRACE_JSON}: activation {key!r} is not in {TRACE_TENSORS}")
+        t = tensors[key]
+        shape, dtype = meta[index][0], meta[index][1]
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise TraceFileError(f"{TRACE_TENSORS}: tensor {key!r} is {tuple(t.shape)} {t.dtype}, but op #{index} "
+                                 f"recorded {tuple(shape)} {dtype}")
+        out[index] = t
+    return out
+
+
+class _SavedCode:
+    """Stands in for a user frame's code object: its file, function and the one line a call ran.
+
+    ``Op.source`` resolves ``(code, instruction offset)`` through ``co_lines()``; a saved trace stores the
+    resolved line, so this code's single range maps offset 0 to that line.
+    """
+
+    __slots__ = ("co_filename", "co_qualname", "co_name", "co_firstlineno")
+
+    def __init__(self, filename: str, qualname: str, line: int):
+        self.co_filename = filename
+        self.co_qualname = qualname
+        self.co_name = qualname.rsplit(".", 1)[-1]
+        self.co_firstlineno = line
+
+    def co_lines(self):
+        return iter(((0, 1, self.co_firstlineno),))
+
+
+def _code_stub(codes, i, line, cache):
+    if i < 0 or line is None:
+        return None
+    key = (i, line)
+    stub = cache.get(key)
+    if stub is None:
+        filename, qualname = codes[i]
+        stub = cache[key] = _SavedCode(_string(filename, "codes"), _string(qualname, "codes"), line)
+    return stub
+
+
+def _calls(cols, n) -> list:
+    codes = cols.column("codes")
+    n_funcs = len(cols.column("funcs"))
+    n_module_calls = len(cols.column("module_calls"))
+    calls, stubs = [], {}
+    for row in cols.column("calls"):
+        f, args, kwargs, parents, module_call, code, line, t0, t1, first, n_out, wrote, params = row
+        check_index(f, 0, n_funcs, "calls.func")
+        check_index(code, -1, len(codes), "calls.code")
+        kwargs = decode_value(kwargs)
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TraceFileError(f"{TRACE_JSON}: calls: keyword arguments must be a dict")
+        calls.append((None, decode_value(args), kwargs, _edges(parents, n, "calls.parents"), _params(params),
+                      check_index(module_call, -1, n_module_calls, "calls.module_call"),
+                      _code_stub(codes, code, None if line is None else check_index(line, 0, 1 << 31, "calls.line"),
+                                 stubs), 0,
+                      _ns(t0), _ns(t1), check_index(first, 0, n, "calls.first_record"),
+                      check_index(n_out, 1, n + 1, "calls.num_outputs"), bool(wrote), None))
+    return calls
+
+
+def _params(rows) -> tuple:
+    # Parameters are stored by shape (what reports such as FLOPs read), never by value.
+    out = []
+    for (position, _), (_, shape) in zip(_edges([(p, 0) for p, _ in rows], 1, "calls.params"), rows):
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise TraceFileError(f"{TRACE_JSON}: calls.params: bad shape {shape!r}")
+        out.append((position, types.SimpleNamespace(shape=torch.Size(shape))))
+    return tuple(out)
+
+
+def _flops(column, n):
+    if column is None:
+        return None
+    if not isinstance(column, list) or len(column) != n or not all(
+            c is None or (isinstance(c, dict) and all(isinstance(k, str) and _is_int(v) for k, v in c.items()))
+            for c in column):
+        raise TraceFileError(f"{TRACE_JSON}: column 'flops' must hold, per op, null or {{family: integer}}")
+    return column
+
+
+def _ns(v) -> int:
+    if not _is_int(v):
+        raise TraceFileError(f"{TRACE_JSON}: a timestamp must be an integer of nanoseconds, got {v!r}")
+    return v
+
+
+def _modules(cols, n):
+    modules = []
+    for address, addresses, class_name, param_names in cols.column("modules"):
+        modules.append(Module(_string(address, "modules"), [_string(a, "modules") for a in addresses],
+                              _string(class_name, "modules"), [_string(p, "modules") for p in param_names]))
+    module_calls = []
+    for index, row in enumerate(cols.column("module_calls")):
+        module, call_index, parent, start, end, inputs, outputs, op_nodes = row
+        record = modules[check_index(module, 0, len(modules), "module_calls.module")]
+        parent_call = module_calls[check_index(parent, -1, index, "module_calls.parent")] if parent >= 0 else None
+        call = ModuleCall(None, index, record, check_index(call_index, 1, n + 2 + index, "module_calls.call_index"),
+                          parent_call, _ns(start), None if end is None else _ns(end),
+                          [check_index(i, -1, n, "module_calls.inputs") for i in inputs],
+                          [check_index(i, -1, n, "module_calls.outputs") for i in outputs])
+        call._op_nodes = [check_index(i, 0, n, "module_calls.ops") for i in op_nodes]
+        record.calls.append(call)
+        if parent_call is not None:
+            parent_call.children.append(call)
+        module_calls.append(call)
+    return module_calls, modules

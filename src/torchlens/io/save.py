@@ -1,0 +1,197 @@
+"""``log.save(path)``: a trace as a folder of plain data that anyone can load without running code.
+
+Layout (schema 1)::
+
+    path/manifest.json             format, schema version, size and sha256 of each file
+    path/trace.json                every record column (labels, parents, modules, timings, ...)
+    path/activations.safetensors   the saved activations, one tensor per distinct saved tensor
+
+No pickle anywhere: torch callables are stored by name (a loaded op's ``func`` is None), non-data
+argument values by type and repr.  The folder is written next to ``path`` and renamed into place, so an
+interrupted save never leaves a half-written trace under ``path``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import torch
+
+from .encode import encode_value, torch_constant_name
+from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
+                     require_safetensors, write_atomic, write_manifest)
+
+
+def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> str:
+    """Write ``trace`` to the folder ``path`` and return the folder's path.
+
+    Args:
+        activations: also write the saved activations (metadata alone is much smaller).
+        overwrite: replace an existing saved trace at ``path`` (any other existing folder is refused).
+    """
+    path = os.fspath(path)
+    _check_target(path, overwrite)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
+    os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
+    try:
+        tensors, keys, unsaved = _activation_tensors(trace) if activations else ({}, {}, {})
+        names = [TRACE_JSON]
+        if activations:
+            require_safetensors().save_file(tensors, os.path.join(staging, TRACE_TENSORS),
+                                            metadata={"format": TRACE_FORMAT})
+            names.append(TRACE_TENSORS)
+        record = trace_columns(trace, keys, unsaved, activations)
+        write_atomic(os.path.join(staging, TRACE_JSON), dump_json(record))
+        write_manifest(staging, TRACE_FORMAT, TRACE_SCHEMA, names)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def _check_target(path: str, overwrite: bool) -> None:
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path) or (os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST))):
+        raise TraceFileError(f"{path} exists and is not a saved trace; choose another path")
+    if os.listdir(path) and not overwrite:
+        raise TraceFileError(f"{path} already holds a saved trace; pass overwrite=True to replace it")
+
+
+def _activation_tensors(trace):
+    """Distinct saved tensors as CPU, contiguous, unaliased tensors; ``index -> key``; unsavable reasons."""
+    tensors, keys, unsaved = {}, {}, {}
+    key_of_tensor: dict = {}
+    storages: set = set()
+    if trace.is_cleaned_up:
+        return tensors, keys, unsaved
+    for index, t in sorted(trace._activations.items()):
+        key = key_of_tensor.get(id(t))
+        if key is None:
+            problem = _unsavable(t)
+            if problem:
+                unsaved[index] = problem
+                continue
+            data = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+            if data.untyped_storage().data_ptr() in storages:
+                data = data.clone()  # safetensors refuses two tensors viewing one buffer
+            storages.add(data.untyped_storage().data_ptr())
+            key = key_of_tensor[id(t)] = f"a{index}"
+            tensors[key] = data
+        keys[index] = key
+    return tensors, keys, unsaved
+
+
+def _unsavable(t) -> str | None:
+    if t.layout != torch.strided:
+        return f"not saved: {t.layout} tensors have no safetensors encoding"
+    if t.is_quantized or t.device.type == "meta" or t.is_nested:
+        return "not saved: quantized, nested and meta tensors have no safetensors encoding"
+    if t.dtype not in _SAFETENSORS_DTYPES:
+        return f"not saved: safetensors cannot store {torch_constant_name(t.dtype)}"
+    return None
+
+
+_SAFETENSORS_DTYPES = frozenset(getattr(torch, n) for n in (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n))
+
+
+def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> dict:
+    """Every column of ``trace`` as JSON-ready data (see load.py for the reverse)."""
+    funcs, func_index = [], {}
+    codes, code_index = [], {}
+
+    def func_id(func) -> int:
+        i = func_index.get(id(func))
+        if i is None:
+            i = func_index[id(func)] = len(funcs)
+            funcs.append(_qualified_name(func))
+        return i
+
+    def code_id(code) -> int:
+        if code is None:
+            return -1
+        i = code_index.get(id(code))
+        if i is None:
+            i = code_index[id(code)] = len(codes)
+            codes.append([code.co_filename, getattr(code, "co_qualname", code.co_name)])
+        return i
+
+    calls = [[func_id(c[0]), encode_value(c[1]), encode_value(c[2]),
+              [[encode_value(pos), p] for pos, p in c[3]], c[5], code_id(c[6]), _line(c[6], c[7]), c[8], c[9], c[10], c[11],
+              bool(c[12]), [[encode_value(pos), [int(d) for d in p.shape]] for pos, p in c[4]]]
+             for c in trace._calls]
+    dropped = dict(trace._dropped)
+    if not with_activations and not trace.is_cleaned_up:
+        dropped.update({i: "not saved: the trace was saved with activations=False"
+                        for i in trace._activations if i not in dropped})
+    dropped.update(unsaved)
+    return {
+        "model_name": trace.model_name,
+        "n_ops": len(trace._kind),
+        "cleaned_up": trace.is_cleaned_up,
+        "kind": list(trace._kind),
+        "call": list(trace._call),
+        "slot": [encode_value(s) for s in trace._slot],
+        "meta": [_meta(m) for m in trace._meta],
+        "parents": [[[encode_value(pos), p] for pos, p in ps] for ps in trace._parents],
+        "module_call": list(trace._module_call),
+        "inplace": [bool(x) for x in trace._inplace],
+        "io": [[i, p] for i, p in sorted(trace._io.items())],
+        "labels": list(trace._labels),
+        "layer_labels": list(trace._layer_labels),
+        "pass": list(trace._pass),
+        "group": list(trace._group),
+        "group_size": [[g, n] for g, n in trace._group_size.items()],
+        "types": list(trace._types),
+        "func_names": list(trace._func_names),
+        "dropped": [[i, r] for i, r in sorted(dropped.items())],
+        "finite": [[i, bool(f[0]), bool(f[1])] for i, f in sorted(trace._finite.items())],
+        "param_addresses": [[i, list(a)] for i, a in sorted(trace._param_addresses.items())],
+        "funcs": funcs,
+        "codes": codes,
+        "calls": calls,
+        "modules": [[m.address, list(m.all_addresses), m.class_name, list(m.param_names)] for m in trace.modules],
+        "module_calls": _module_calls(trace),
+        "unattributed": trace.unattributed,
+        "timings": {k: float(v) for k, v in trace.timings.items()},
+        "budget_exhausted_at": trace.budget_exhausted_at,
+        "alias_reads": sorted([int(c), int(p)] for c, p in trace._alias_reads),
+        "activations": [[i, k] for i, k in sorted(keys.items()) if i not in dropped],
+        "flops": getattr(trace, "_flops_col", None),  # derived before cleanup(), when arguments were held
+    }
+
+
+def _line(code, offset):
+    # Calls record the user frame's instruction offset; a saved trace keeps the resolved line number.
+    from ..capture.source import line_of
+
+    return None if code is None else line_of(code, offset)
+
+
+def _qualified_name(func) -> str:
+    from ..labels.naming import func_name_of
+
+    owner = getattr(func, "__module__", None) or getattr(getattr(func, "__objclass__", None), "__name__", "")
+    return f"{owner}.{getattr(func, '__qualname__', func_name_of(func))}" if owner else func_name_of(func)
+
+
+def _meta(m) -> list:
+    shape, dtype, device, requires_grad, grad_fn = m
+    return [[int(d) for d in shape], torch_constant_name(dtype), str(device), bool(requires_grad),
+            grad_fn.__name__ if grad_fn is not None else None]
+
+
+def _module_calls(trace) -> list:
+    module_index = {id(m): i for i, m in enumerate(trace.modules)}
+    return [[module_index[id(mc.module)], mc.call_index, mc.parent.index if mc.parent is not None else -1,
+             mc.start_ns, mc.end_ns, list(mc._input_nodes), list(mc._output_nodes), list(mc._op_nodes)]
+            for mc in trace.module_calls]

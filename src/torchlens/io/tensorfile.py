@@ -1,0 +1,128 @@
+"""Streaming reads and writes of the safetensors file layout, for files too big to hold in memory.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
+shape and byte range, then the raw little-endian bytes.  Knowing that, a tensor can be written piece by
+piece (extraction appends shard after shard into one file) and read back as a memory map, neither of
+which the library's whole-file ``save_file`` / ``load_file`` do.  Files written here are ordinary
+safetensors files that the library reads too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+
+import torch
+
+from .format import TraceFileError
+
+_MAX_HEADER = 100 << 20
+_ALIGN = 8
+# safetensors dtype name -> torch dtype (where this torch has it)
+DTYPES = {name: getattr(torch, attr) for name, attr in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+    ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"),
+    ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2")) if hasattr(torch, attr)}
+NAME_OF = {dtype: name for name, dtype in DTYPES.items()}
+# numpy dtype strings for the names numpy can map (bfloat16 and float8 it cannot)
+NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+         "U8": "u1", "BOOL": "?", "C64": "<c8", "U16": "<u2", "U32": "<u4", "U64": "<u8"}
+
+
+def read_header(path: str) -> tuple:
+    """``(header dict, offset of the data section)``, checked against the file's real size."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise TraceFileError(f"{path}: too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", raw)
+        if length > min(_MAX_HEADER, size - 8):
+            raise TraceFileError(f"{path}: header length {length} does not fit the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(length).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TraceFileError(f"{path}: unreadable safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise TraceFileError(f"{path}: safetensors header is not a table")
+    data_start = 8 + length
+    for key, entry in header.items():
+        if key != "__metadata__":
+            check_entry(path, key, entry, size - data_start)
+    return header, data_start
+
+
+def check_entry(path: str, key: str, entry, data_size: int) -> tuple:
+    """``(torch dtype, shape, start, end)`` of one tensor entry, refusing anything inconsistent."""
+    try:
+        dtype = DTYPES[entry["dtype"]]
+        shape = [int(d) for d in entry["shape"]]
+        start, end = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise TraceFileError(f"{path}: tensor {key!r} has a malformed header entry") from None
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if min(shape, default=0) < 0 or not 0 <= start <= end <= data_size or end - start != nbytes:
+        raise TraceFileError(f"{path}: tensor {key!r} claims bytes [{start}, {end}) for shape {shape}, which "
+                             f"do not fit the file")
+    return dtype, shape, start, end
+
+
+def header_bytes(tensors: dict, metadata: dict | None = None) -> bytes:
+    """The length prefix and JSON header for ``{name: (torch dtype, shape)}``, laid out in order."""
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for name, (dtype, shape) in tensors.items():
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": NAME_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % _ALIGN)  # keep the data section aligned for memory maps
+    return struct.pack("<Q", len(text)) + text
+
+
+def copy_range(src: str, start: int, end: int, out) -> None:
+    """Append bytes ``[start, end)`` of file ``src`` to the open file ``out`` in bounded chunks."""
+    with open(src, "rb") as f:
+        f.seek(start)
+        remaining = end - start
+        while remaining:
+            block = f.read(min(remaining, 8 << 20))
+            if not block:
+                raise TraceFileError(f"{src}: ended before byte {end}; the file is truncated")
+            out.write(block)
+            remaining -= len(block)
+
+
+def mapped(path: str, key: str, as_torch: bool):
+    """Tensor ``key`` of a safetensors file as a read-only memory map (numpy) or a copy-on-write one (torch)."""
+    header, data_start = read_header(path)
+    if key not in header:
+        raise TraceFileError(f"{path}: holds no tensor {key!r}")
+    dtype, shape, start, end = check_entry(path, key, header[key], os.path.getsize(path) - data_start)
+    name = header[key]["dtype"]
+    if as_torch:
+        return _torch_map(path, dtype, shape, data_start + start, end - start)
+    import numpy as np
+
+    if name not in NUMPY:
+        raise TypeError(f"{path}: numpy has no {NAME_OF.get(dtype, name)} dtype ({dtype}); "
+                        "load with as_torch=True")
+    if end == start:
+        return np.empty(shape, dtype=NUMPY[name])
+    return np.memmap(path, dtype=NUMPY[name], mode="r", offset=data_start + start, shape=tuple(shape))
+
+
+def _torch_map(path, dtype, shape, offset, nbytes):
+    import mmap
+
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    with open(path, "rb") as f:
+        # ACCESS_COPY: writes land in private pages, never in the file.
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    count = nbytes // torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)

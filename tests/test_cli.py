@@ -1,0 +1,159 @@
+"""The ``torchlens`` command line, run as a user runs it: in a subprocess, with its real output checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torchlens as tl
+from torchlens.cli import main
+
+MODELS = textwrap.dedent('''
+    import torch, torch.nn as nn
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+
+        def forward(self, x, y, scale=1.0):
+            return self.blocks(x + y) * scale
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(5, 2))
+
+        def forward(self, x):
+            return self.blocks(x)
+
+    def build():
+        return Pair()
+
+    def needs_args(width):
+        return nn.Linear(width, width)
+
+    INSTANCE = Pair()
+''')
+
+
+@pytest.fixture()
+def models(tmp_path):
+    (tmp_path / "clitargets.py").write_text(MODELS)
+    return tmp_path
+
+
+def run(args, cwd, timeout=180):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(cwd)] + sys.path))
+    return subprocess.run([sys.executable, "-m", "torchlens", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_demo_writes_its_folder_and_show_reads_it_back(tmp_path):
+    done = run(["demo", "--out", "demo_out"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Trace of DemoNet" in done.stdout and "recurrent (up to 3 passes" in done.stdout
+    assert "Hot path (duration" in done.stdout and "conv2d_2_4:" in done.stdout
+    assert "Module calls (to depth 2)" in done.stdout and "block:3" in done.stdout
+    saved = tmp_path / "demo_out" / "trace"
+    assert (saved / "manifest.json").is_file()
+    assert f"Demo outputs in {tmp_path / 'demo_out'}" in done.stdout
+    shown = run(["show", str(saved), "--depth", "1"], tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    loaded = tl.load(saved)
+    assert str(loaded) in shown.stdout and "  stem:1 " in shown.stdout and "  stem.0:1" not in shown.stdout
+
+
+def test_trace_a_factory_with_two_inputs_kwargs_and_save(models):
+    done = run(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--kwargs-json", '{"scale": 3.0}',
+                "--save", "saved", "--hot-path", "2", "--depth", "1"], models)
+    assert done.returncode == 0, done.stderr
+    assert "tracing Pair on 2x8, 2x8 (float32)" in done.stderr and "wrote saved trace: saved" in done.stderr
+    loaded = tl.load(models / "saved")
+    assert "Trace of Pair" in done.stdout and str(loaded) in done.stdout
+    assert [op.func_name for op in loaded.ops if op.kind == "op"] == ["add", "linear", "relu", "linear", "mul"]
+    assert loaded["mul_1_5"].args == (None, 3.0)
+    g = torch.Generator().manual_seed(0)  # the CLI's inputs: seed 0, one randn per --input, in order
+    x, y = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    assert torch.equal(loaded["input_1"].activation, x) and torch.equal(loaded["input_2"].activation, y)
+    section = done.stdout.split("Hot path (duration, by op; top 2 of 5):\n")[1].split("  note:")[0]
+    rows = section.strip().splitlines()
+    assert len(rows) == 2 and all(row.split()[0] in [op.label for op in loaded.ops] for row in rows)
+
+
+def test_usage_errors_exit_2_with_a_clear_message(models):
+    done = run(["trace", "clitargets:nothing_here", "--input", "2x8"], models)
+    assert done.returncode == 2
+    assert "clitargets has no attribute 'nothing_here'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_model_errors_exit_1_naming_where_it_failed(models):
+    done = run(["trace", "clitargets:Broken", "--input", "2x8"], models)
+    assert done.returncode == 1
+    assert "the model failed" in done.stderr and "mat1 and mat2 shapes cannot be multiplied" in done.stderr
+    assert "module call blocks.1:1" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_console_script_help_lists_every_command(tmp_path):
+    script = os.path.join(os.path.dirname(sys.executable), "torchlens")
+    done = subprocess.run([script, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and all(c in done.stdout for c in ("demo", "trace", "show", "hot-path", "validate"))
+
+
+def test_each_command_help_has_examples(capsys):
+    for command in ("demo", "trace", "show", "hot-path", "validate"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        assert f"examples:\n  torchlens {command}" in capsys.readouterr().out
+
+
+# In-process runs of the same entry point, for the many small error cases (each subprocess costs seconds).
+@pytest.mark.parametrize("argv, message", [
+    (["trace", "no_colon_here", "--input", "2x8"], "should look like pkg.module:factory"),
+    (["trace", "clitargets:build", "--input", "2by8"], "write a shape as sizes joined by 'x'"),
+    (["trace", "clitargets:build", "--input", "2x8", "--dtype", "floaty"], "'floaty' is not a torch dtype"),
+    (["trace", "clitargets:build", "--input", "2x8", "--kwargs-json", "[1]"], "must be a JSON object"),
+    (["trace", "clitargets:build", "--input", "2x8", "--kwargs-json", "{oops"], "not valid JSON"),
+    (["trace", "no_such_module_xyz:build", "--input", "2x8"], "cannot import 'no_such_module_xyz'"),
+    (["trace", "missing.py:build", "--input", "2x8"], "no such file: missing.py"),
+    (["show", "not_a_folder"], "not a folder"),
+    (["trace", "clitargets:needs_args", "--input", "2x8"], "cannot be called with no arguments"),
+])
+def test_usage_errors_in_process(models, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_validate_and_module_instances(models, monkeypatch, capsys):
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["validate", "clitargets:INSTANCE", "--input", "2x8", "--input", "2x8", "--eval"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("validation passed: 5 ops replayed exactly") and "outputs equal an untraced run: True" in out
+    assert main(["trace", "clitargets.py:build", "--input", "2x8", "--input", "2x8", "--dtype", "float64"]) == 0
+    assert "Trace of Pair" in capsys.readouterr().out
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--save", "s"]) == 0
+    assert main(["hot-path", "s", "-n", "3", "--by", "memory"]) == 0
+    out = capsys.readouterr().out
+    assert "Hot path (memory, by op; top 3 of 5)" in out and out.count(" bytes  ") == 3
+    assert main(["trace", "clitargets:build"]) == 2
+    assert "at least one --input" in capsys.readouterr().err
+
+
+def test_a_damaged_saved_trace_is_reported_not_raised(models, monkeypatch, capsys):
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--save", "s"]) == 0
+    with open(models / "s" / "trace.json", "ab") as f:
+        f.write(b" ")
+    assert main(["hot-path", "s"]) == 2
+    assert "the manifest says" in capsys.readouterr().err

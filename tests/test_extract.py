@@ -1,0 +1,224 @@
+"""Streaming extraction: exact activations, bounded shards, and resumption after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchlens as tl
+from torchlens.io import TraceFileError
+
+SCRIPT = textwrap.dedent('''
+    import sys, time
+    import torch, torch.nn as nn
+    import torchlens as tl
+
+    class Slow(nn.Module):
+        def __init__(self, pause=0.0):
+            super().__init__()
+            torch.manual_seed(0)
+            self.pause = pause
+            self.fc = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x):
+            time.sleep(self.pause)  # makes the run long enough to be killed in the middle
+            return self.out(torch.relu(self.fc(x)))
+
+    g = torch.Generator().manual_seed(1)
+    BATCHES = [torch.randn(3, 8, generator=g) for _ in range(24)]
+    LAYERS = ["fc", "relu_1_2", "out"]
+
+    if __name__ == "__main__":
+        tl.extract(Slow(float(sys.argv[2])).eval(), BATCHES, LAYERS, sys.argv[1], shard_bytes=400, progress=False)
+''')
+
+
+def hooked_reference(model, batches):
+    """What a hand-written forward-hook extractor gets for the same layers."""
+    got = {"fc": [], "relu_1_2": [], "out": []}
+    handles = [model.fc.register_forward_hook(lambda m, i, o: got["fc"].append(o)),
+               model.out.register_forward_hook(lambda m, i, o: got["out"].append(o))]
+    try:
+        with torch.no_grad():
+            for x in batches:
+                model(x)
+                got["relu_1_2"].append(torch.relu(got["fc"][-1]))
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: torch.cat(v).numpy() for k, v in got.items()}
+
+
+def progress_of(folder):
+    try:
+        return json.load(open(os.path.join(folder, "progress.json")))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def test_a_killed_extraction_resumes_to_the_uninterrupted_result(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.Popen([sys.executable, str(script), str(out), "0.05"], env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            state = progress_of(out)
+            if state and state["batches_done"] >= 6:
+                break
+            assert child.poll() is None, "the run ended before it could be interrupted"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    state = progress_of(out)
+    assert not state["complete"] and 6 <= state["batches_done"] < 24
+    assert not os.path.exists(out / "manifest.json")
+
+    subprocess.run([sys.executable, str(script), str(out), "0"], env=env, check=True, timeout=300)
+    job = runpy.run_path(str(script))
+    whole = tl.extract(job["Slow"]().eval(), job["BATCHES"], job["LAYERS"], tmp_path / "whole", shard_bytes=400,
+                       progress=False)
+    resumed, uninterrupted = tl.load_extracted(out), tl.load_extracted(whole)
+    expected = hooked_reference(job["Slow"]().eval(), job["BATCHES"])
+    for name in job["LAYERS"]:
+        assert resumed[name].shape == (72,) + expected[name].shape[1:]
+        np.testing.assert_array_equal(resumed[name], uninterrupted[name])
+        np.testing.assert_array_equal(resumed[name], expected[name])
+    assert sorted(os.listdir(out)) == sorted(os.listdir(whole))  # no shard or temporary file left behind
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.fc(x)) + self.act(x))
+
+
+class LSTMNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+def batches(n=10, rows=4, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, 8, generator=g) for _ in range(n)]
+
+
+def interrupted(items, at):
+    for i, item in enumerate(items):
+        if i == at:
+            raise KeyboardInterrupt
+        yield item
+
+
+def test_in_process_interruption_resumes_without_duplicates(tmp_path):
+    model, data = TwoLayer().eval(), batches()
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 7), ["fc", "head"], tmp_path / "x", shard_bytes=300, progress=False)
+    state = progress_of(tmp_path / "x")
+    assert len(state["shards"]) >= 2 and state["batches_done"] < 7  # bounded shards, committed in order
+    tl.extract(model, data, ["fc", "head"], tmp_path / "x", shard_bytes=300, progress=False)
+    got = tl.load_extracted(tmp_path / "x")
+    with torch.no_grad():
+        np.testing.assert_array_equal(got["head"], torch.cat([model(x) for x in data]).numpy())
+        np.testing.assert_array_equal(got["fc"], torch.cat([model.fc(x) for x in data]).numpy())
+    assert tl.extract(model, data, ["fc", "head"], tmp_path / "x", progress=False) == str(tmp_path / "x")
+
+
+def test_resuming_with_other_inputs_or_layers_is_refused(tmp_path):
+    model, data = TwoLayer().eval(), batches()
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 6), ["fc"], tmp_path / "x", shard_bytes=100, progress=False)
+    with pytest.raises(ValueError, match="holds an extraction of TwoLayer layers"):
+        tl.extract(model, data, ["head"], tmp_path / "x", progress=False)
+    with pytest.raises(ValueError, match="differs from the one the interrupted run committed"):
+        tl.extract(model, batches(seed=3), ["fc"], tmp_path / "x", shard_bytes=100, progress=False)
+    with pytest.raises(TraceFileError, match="incomplete"):
+        tl.load_extracted(tmp_path / "x")
+
+
+def test_dataloader_batches_with_labels_and_a_partial_last_batch(tmp_path):
+    model = TwoLayer().eval()
+    x = torch.randn(10, 8)
+    loader = DataLoader(TensorDataset(x, torch.arange(10)), batch_size=4)
+    tl.extract(model, loader, ["head", "fc"], tmp_path / "x", args_of=lambda batch: batch[0], progress=False)
+    got = tl.load_extracted(tmp_path / "x", as_torch=True)
+    assert list(got) == ["head", "fc"]
+    with torch.no_grad():  # batch by batch: a matmul over 10 rows may round differently than over 4
+        assert torch.equal(got["head"], torch.cat([model(x[i:i + 4]) for i in range(0, 10, 4)]))
+        assert torch.equal(got["fc"], torch.cat([model.fc(x[i:i + 4]) for i in range(0, 10, 4)]))
+    assert isinstance(tl.load_extracted(tmp_path / "x")["fc"], np.memmap)
+
+
+def test_layer_names_must_pick_one_op_per_batch(tmp_path):
+    model, data = TwoLayer().eval(), batches(2)
+    with pytest.raises(ValueError, match="module act is called 2 times per forward; name one call: act:1, act:2"):
+        tl.extract(model, data, ["act"], tmp_path / "a", progress=False)
+    with pytest.raises(KeyError, match="batch 0: no op, layer, module call or module named 'hed'"):
+        tl.extract(model, data, ["hed"], tmp_path / "b", progress=False)
+    tl.extract(model, data, ["head"], tmp_path / "b", progress=False)  # a failed first batch left nothing behind
+    assert tl.load_extracted(tmp_path / "b")["head"].shape == (8, 2)
+    with pytest.raises(ValueError, match=r"module call lstm returns 3 tensors \(lstm_1_3:1, lstm_2_4:1"):
+        tl.extract(LSTMNet(), [torch.randn(2, 3, 4)], ["lstm"], tmp_path / "d", progress=False)
+    with pytest.raises(ValueError, match="batch 0: transpose_1_1 has 5 rows along dim 0, but the batch has 2"):
+        tl.extract(lambda x: x.transpose(0, 1), [torch.randn(2, 5)], ["transpose_1_1"], tmp_path / "e", progress=False)
+    tl.extract(model, data, ["act:2"], tmp_path / "c", progress=False)
+    with torch.no_grad():
+        np.testing.assert_array_equal(tl.load_extracted(tmp_path / "c")["act:2"],
+                                      torch.cat([torch.relu(x) for x in data]).numpy())
+
+
+def test_dtypes_numpy_lacks_load_as_torch(tmp_path):
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    data = [x.to(torch.bfloat16) for x in batches(3)]
+    tl.extract(model, data, ["linear_1_1"], tmp_path / "x", progress=False)
+    with pytest.raises(TypeError, match="as_torch=True"):
+        tl.load_extracted(tmp_path / "x")
+    with torch.no_grad():
+        assert torch.equal(tl.load_extracted(tmp_path / "x", as_torch=True)["linear_1_1"],
+                           torch.cat([model(x) for x in data]))
+
+
+def test_a_damaged_layer_file_is_refused(tmp_path):
+    tl.extract(TwoLayer().eval(), batches(3), ["fc"], tmp_path / "x", progress=False)
+    path = tmp_path / "x" / "layer_000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(TraceFileError, match="content hash does not match"):
+        tl.load_extracted(tmp_path / "x")
+    assert tl.load_extracted(tmp_path / "x", verify=False)["fc"].shape == (12, 8)  # sizes still checked
+
+
+def test_foreign_folders_and_empty_inputs_are_refused(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(TraceFileError, match="not empty and holds no extraction"):
+        tl.extract(TwoLayer(), batches(1), ["fc"], tmp_path / "mine", progress=False)
+    with pytest.raises(ValueError, match="no batches"):
+        tl.extract(TwoLayer(), [], ["fc"], tmp_path / "none", progress=False)

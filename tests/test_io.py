@@ -1,0 +1,350 @@
+"""Saved traces: exact round trips on the zoo, and damaged or hostile folders refused with clear errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchlens as tl
+from torchlens.io import TraceFileError
+from torchlens.io.format import sha256_of
+from zoo import zoo
+
+OP_FIELDS = ["label", "layer_label", "pass_index", "num_passes", "type", "kind", "func_name", "parents",
+             "children", "parent_arg_positions", "params", "shape", "dtype", "device", "requires_grad", "grad_fn",
+             "numel", "nbytes", "has_activation", "finite", "module", "modules", "duration", "start_ns",
+             "is_inplace", "multi_output_index", "is_input", "is_output", "is_buffer", "io_path", "index",
+             "unattributed_args"]
+
+
+def same_value(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) and torch.equal(a.isnan(), b.isnan())
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
+def assert_same_trace(live, loaded) -> None:
+    assert len(live) == len(loaded)
+    for a, b in zip(live.ops, loaded.ops):
+        for field in OP_FIELDS:
+            assert same_value(getattr(a, field), getattr(b, field)), (a.label, field)
+        assert same_value(a.args, b.args) and same_value(a.kwargs, b.kwargs), a.label
+        assert (a.source is None) == (b.source is None) and (a.source is None or (
+            a.source.file, a.source.line, a.source.function) == (b.source.file, b.source.line, b.source.function))
+        if a.has_activation:
+            assert same_value(a.activation, b.activation), a.label
+    for a, b in zip(live.module_calls, loaded.module_calls, strict=True):
+        assert (a.label, a.address, a.call_index, a.depth, a.start_ns, a.end_ns, a.input_ops, a.output_ops, a.ops) == \
+            (b.label, b.address, b.call_index, b.depth, b.start_ns, b.end_ns, b.input_ops, b.output_ops, b.ops)
+        assert (a.parent and a.parent.label) == (b.parent and b.parent.label)
+        assert [c.label for c in a.children] == [c.label for c in b.children]
+    for a, b in zip(live.modules, loaded.modules, strict=True):
+        assert (a.address, a.all_addresses, a.class_name, a.call_labels, a.param_names) == \
+            (b.address, b.all_addresses, b.class_name, b.call_labels, b.param_names)
+    assert [layer.layer_label for layer in live.layers] == [layer.layer_label for layer in loaded.layers]
+    assert str(live) == str(loaded)
+    assert (live.unattributed, live.timings, live.is_recurrent, live.saved_bytes) == \
+        (loaded.unattributed, loaded.timings, loaded.is_recurrent, loaded.saved_bytes)
+    assert live.to_pandas().equals(loaded.to_pandas())
+    assert int(live.flops) == int(loaded.flops) and live.flops.unknown == loaded.flops.unknown
+
+
+@pytest.mark.parametrize("name", sorted(zoo()))
+def test_round_trip_on_the_zoo_is_exact(name, tmp_path):
+    model, args, kwargs = zoo()[name]
+    live = tl.trace(model, args, kwargs, record_finite=True)
+    folder = live.save(tmp_path / "t")
+    loaded = tl.load(folder)
+    assert_same_trace(live, loaded)
+    for key in [live.ops[-2].label, live.layers[-1].layer_label] + [m.address for m in live.modules]:
+        assert type(live[key]) is type(loaded[key])
+    assert_same_reports(live, loaded, tmp_path)
+
+
+def assert_same_reports(live, loaded, tmp_path) -> None:
+    """The tools that only read a record give the same answers on the loaded copy."""
+    for group in ("op", "layer", "module", "source"):
+        for by in ("duration", "flops", "memory"):
+            assert str(tl.debug.hot_path(live, by=by, group=group)) == str(tl.debug.hot_path(loaded, by=by, group=group))
+    assert str(tl.debug.nonfinite_origin(live)) == str(tl.debug.nonfinite_origin(loaded))
+    assert live.render(None, format="dot") == loaded.render(None, format="dot")
+    assert live.render(None, format="html") == loaded.render(None, format="html")
+    live.to_chrome_trace(tmp_path / "live.json")
+    loaded.to_chrome_trace(tmp_path / "loaded.json")
+    assert json.load(open(tmp_path / "live.json")) == json.load(open(tmp_path / "loaded.json"))
+
+
+def test_nonfinite_origin_on_a_loaded_trace(tmp_path):
+    class Blowup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.log(self.fc(x) - 100.0).exp()
+
+    live = tl.trace(Blowup(), torch.randn(2, 4), record_finite=True)
+    loaded = tl.load(live.save(tmp_path / "t"))
+    report = tl.debug.nonfinite_origin(loaded)
+    assert report.found and report.origin.label == "log_1_3:1" and report.origin.source.line == \
+        live["log_1_3:1"].source.line
+    live.cleanup()
+    flags_only = tl.load(live.save(tmp_path / "flags"))
+    assert tl.debug.nonfinite_origin(flags_only).origin.label == "log_1_3:1"
+
+
+def test_a_loaded_trace_holds_no_model_and_refuses_replay(tmp_path):
+    model, args, kwargs = zoo()["mlp"]
+    loaded = tl.load(tl.trace(model, args).save(tmp_path / "t"))
+    assert loaded.model is None and loaded.loaded_from == str(tmp_path / "t")
+    assert all(op.func is None for op in loaded.ops)
+    with pytest.raises(tl.TraceCleanedUp, match="loaded from"):
+        loaded.output
+    with pytest.raises(tl.TorchlensError, match="tl.validate"):
+        loaded.validate()
+    with pytest.raises(KeyError, match="closest"):
+        loaded["linear_1_"]
+
+
+def test_cleaned_up_and_metadata_only_saves(tmp_path):
+    model, args, _ = zoo()["small_cnn"]
+    log = tl.trace(model, args)
+    light = tl.load(log.save(tmp_path / "meta", activations=False))
+    assert not os.path.exists(tmp_path / "meta" / "activations.safetensors")
+    with pytest.raises(tl.ActivationUnavailable, match="activations=False"):
+        light["fc"].activation
+    flops = int(log.flops)
+    log.cleanup()
+    cleaned = tl.load(log.save(tmp_path / "cleaned"))
+    assert cleaned.is_cleaned_up and int(cleaned.flops) == flops
+    with pytest.raises(tl.ActivationUnavailable, match="cleaned up"):
+        cleaned["fc"].activation
+    assert str(cleaned) == str(log)
+
+
+def test_dtypes_safetensors_lacks_are_marked_not_saved(tmp_path):
+    class Mixed(nn.Module):
+        def forward(self, x):
+            return x.to(torch.bfloat16) * 2, torch.view_as_complex(x.reshape(2, 2)).to(torch.complex128)
+
+    live = tl.trace(Mixed(), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    loaded = tl.load(live.save(tmp_path / "t"))
+    bf16 = next(op for op in loaded.ops if op.dtype == torch.bfloat16 and op.kind == "op")
+    assert torch.equal(bf16.activation, live[bf16.label].activation)
+    complex_op = next(op for op in loaded.ops if op.dtype == torch.complex128 and op.kind == "op")
+    with pytest.raises(tl.ActivationUnavailable, match="safetensors cannot store complex128"):
+        complex_op.activation
+
+
+def test_saving_never_clobbers_other_folders(tmp_path):
+    log = tl.trace(*zoo()["mlp"][:2])
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(TraceFileError, match="not a saved trace"):
+        log.save(tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    log.save(tmp_path / "t")
+    with pytest.raises(TraceFileError, match="overwrite=True"):
+        log.save(tmp_path / "t")
+    log.save(tmp_path / "t", overwrite=True)
+    assert tl.load(tmp_path / "t")[-1].label == log[-1].label
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# ----- damaged and hostile folders -----------------------------------------------------------------------
+@pytest.fixture()
+def saved(tmp_path):
+    model, args, _ = zoo()["small_cnn"]
+    return tl.trace(model, args).save(tmp_path / "t")
+
+
+def rehash(folder) -> None:
+    """Make the manifest agree with edited files: a deliberate tamper, not an accident."""
+    path = os.path.join(folder, "manifest.json")
+    manifest = json.load(open(path))
+    for name, entry in manifest["files"].items():
+        member = os.path.join(folder, name)
+        if os.path.isfile(member):
+            entry.update(bytes=os.path.getsize(member), sha256=sha256_of(member))
+    json.dump(manifest, open(path, "w"))
+
+
+def edit_json(folder, name, change) -> None:
+    path = os.path.join(folder, name)
+    record = json.load(open(path))
+    change(record)
+    json.dump(record, open(path, "w"))
+
+
+def test_truncated_file_is_refused(saved):
+    path = os.path.join(saved, "activations.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    with pytest.raises(TraceFileError, match="truncated"):
+        tl.load(saved)
+
+
+@pytest.mark.parametrize("name", ["trace.json", "activations.safetensors"])
+def test_flipped_byte_is_refused(saved, name):
+    path = os.path.join(saved, name)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(TraceFileError, match=f"{name}: content hash does not match"):
+        tl.load(saved)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(schema_version=2), "schema version 2 was written by a newer torchlens"),
+    (lambda m: m.update(schema_version="1"), "no integer schema_version"),
+    (lambda m: m.update(format="something-else"), "expected 'torchlens-trace'"),
+    (lambda m: m["files"].pop("trace.json"), "does not list 'trace.json'"),
+    (lambda m: m["files"].update({"../outside.json": {"bytes": 1, "sha256": "0"}}), "refusing file name '../outside"),
+    (lambda m: m["files"].update({"/etc/passwd": {"bytes": 1, "sha256": "0"}}), "refusing file name '/etc/passwd'"),
+    (lambda m: m["files"].update({"sub/x.json": {"bytes": 1, "sha256": "0"}}), "refusing file name 'sub/x.json'"),
+])
+def test_edited_manifest_is_refused(saved, edit, message):
+    edit_json(saved, "manifest.json", edit)
+    with pytest.raises(TraceFileError, match=message):
+        tl.load(saved)
+
+
+def test_symlinked_member_is_refused(saved, tmp_path):
+    outside = tmp_path / "elsewhere.json"
+    os.replace(os.path.join(saved, "trace.json"), outside)
+    os.symlink(outside, os.path.join(saved, "trace.json"))
+    with pytest.raises(TraceFileError, match="symbolic link"):
+        tl.load(saved)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["labels"].pop(), "column 'labels' must be a list of"),
+    (lambda r: r["parents"][3].append([0, 999]), r"parents: 999 is not an integer in \[-1,"),
+    (lambda r: r["meta"][1].__setitem__(1, "os.system"), "'os.system' is not a torch dtype"),
+    (lambda r: r["calls"][0].__setitem__(1, {"$": "repr_exec", "v": "__import__('os')"}), "unknown value tag"),
+    (lambda r: r["module_calls"][1].__setitem__(2, 5), "module_calls.parent"),
+    (lambda r: r.pop("kind"), "column 'kind' is missing"),
+    (lambda r: r["activations"].append([0, "missing_key"]), "not in activations.safetensors"),
+    (lambda r: r["meta"][0].__setitem__(0, [9, 9]), "recorded"),
+])
+def test_edited_trace_json_is_refused_even_when_rehashed(saved, edit, message):
+    edit_json(saved, "trace.json", edit)
+    rehash(saved)
+    with pytest.raises(TraceFileError, match=message):
+        tl.load(saved)
+
+
+def test_a_pickle_in_place_of_the_tensors_is_never_executed(saved, tmp_path):
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    with open(os.path.join(saved, "activations.safetensors"), "wb") as f:
+        pickle.dump(Payload(), f)
+    rehash(saved)
+    with pytest.raises(TraceFileError, match="not a readable safetensors file"):
+        tl.load(saved)
+    assert not marker.exists()
+
+
+def test_missing_or_wrong_folder(tmp_path):
+    with pytest.raises(TraceFileError, match="not a folder"):
+        tl.load(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TraceFileError, match="manifest.json: missing"):
+        tl.load(tmp_path / "empty")
+
+
+_FUZZ = dict(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@settings(**_FUZZ)
+@given(name=st.sampled_from(["trace.json", "activations.safetensors", "manifest.json"]),
+       position=st.floats(0, 1, exclude_max=True), flip=st.integers(1, 255), cut=st.booleans(),
+       resign=st.booleans())
+def test_fuzzed_damage_is_refused_or_harmless(saved, name, position, flip, cut, resign):
+    path = os.path.join(saved, name)
+    original = open(path, "rb").read()
+    manifest = open(os.path.join(saved, "manifest.json"), "rb").read()
+    data = bytearray(original)
+    at = int(position * len(data))
+    if cut:
+        del data[at:]
+    else:
+        data[at] ^= flip
+    try:
+        open(path, "wb").write(bytes(data))
+        if resign and name != "manifest.json":
+            rehash(saved)
+        try:
+            loaded = tl.load(saved)
+        except TraceFileError as exc:
+            assert str(exc).startswith(saved) or saved in str(exc)
+        else:  # a change that kept every column valid (a digit of a timing, say) loads and works
+            str(loaded)
+            loaded.to_pandas()
+            [op.activation for op in loaded.ops]
+    finally:
+        open(path, "wb").write(original)
+        open(os.path.join(saved, "manifest.json"), "wb").write(manifest)
+
+
+def json_paths(obj, path=()):
+    yield path
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from json_paths(v, path + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from json_paths(v, path + (i,))
+
+
+_JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.text(max_size=5),
+                         st.lists(st.integers(-2, 3), max_size=3), st.dictionaries(st.text(max_size=2), st.none()))
+
+
+@settings(**_FUZZ)
+@given(pick=st.floats(0, 1, exclude_max=True), value=_JSON_VALUES)
+def test_fuzzed_json_values_are_refused_or_harmless(saved, pick, value):
+    path = os.path.join(saved, "trace.json")
+    original = open(path, "rb").read()
+    manifest = open(os.path.join(saved, "manifest.json"), "rb").read()
+    record = json.loads(original)
+    paths = [p for p in json_paths(record) if p]
+    target = paths[int(pick * len(paths))]
+    holder = record
+    for key in target[:-1]:
+        holder = holder[key]
+    holder[target[-1]] = value
+    try:
+        json.dump(record, open(path, "w"))
+        rehash(saved)
+        try:
+            loaded = tl.load(saved)
+        except TraceFileError as exc:
+            assert saved in str(exc)
+        else:
+            str(loaded)
+            loaded.to_pandas()
+            loaded.module_calls.to_pandas()
+            [(op.activation, op.source, op.parents, op.children, op.modules) for op in loaded.ops]
+    finally:
+        open(path, "wb").write(original)
+        open(os.path.join(saved, "manifest.json"), "wb").write(manifest)
