@@ -251,3 +251,8 @@ def test_params_and_buffers_records():
     shared = tl.trace(SharedModule().eval(), torch.randn(2, 8))
     weight = next(p for p in shared.params if p.address == "fc.weight")
     assert weight.ops == ["linear_1_1:1", "linear_1_1:2", "linear_1_1:3"]
+
+
+def test_save_a_module_call_label_keeps_that_calls_output():
+    log = tl.trace(SharedModule().eval(), torch.randn(2, 8), save=["fc:2"])
+    assert [op.label for op in log if op.has_activation] == ["linear_1_1:2"]

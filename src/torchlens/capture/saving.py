@@ -2,7 +2,8 @@
 
 ``save`` accepts ``"all"`` (default), ``"none"``, a predicate ``f(op) -> bool``, or a list mixing op
 labels (``linear_1_1:2``), layer labels (``linear_1_1``), module addresses (``features.0``: that
-module's output op) and op types (``relu``).  Types and module addresses are decided during the forward
+module's output op, every call), module call labels (``fc:2``: that call's output op) and op types
+(``relu``).  Types and module addresses are decided during the forward
 (ops outside them are never held); labels and predicates need final labels, so every output is held by
 reference until the forward ends and the rest are released then.
 """
@@ -26,6 +27,7 @@ class SavePolicy:
         self.types: set = set()
         self.module_ids: set = set()
         self.addresses: set = set()
+        self.call_labels: set = set()
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
@@ -45,9 +47,13 @@ class SavePolicy:
         for item in items:
             if not isinstance(item, str):
                 raise ValueError(f"save= entries must be strings, got {item!r}")
+            address, _, call = item.rpartition(":")
             if item in modules:
                 self.addresses.add(item)
                 self.module_ids.add(id(modules[item]))
+            elif address in modules and call.isdigit():  # a module call label: that call's output op
+                self.call_labels.add(item)
+                self.module_ids.add(id(modules[address]))
             elif _LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")):
                 self.labels.add(item)
             else:
@@ -57,7 +63,7 @@ class SavePolicy:
 
     @property
     def filters_after(self) -> bool:
-        return self.predicate is not None or bool(self.labels or self.types or self.addresses)
+        return self.predicate is not None or bool(self.labels or self.types or self.addresses or self.call_labels)
 
     def capture_selector(self, state):
         """The during-forward test for mode 2: op type selected, or inside a selected module."""
@@ -89,7 +95,8 @@ class SavePolicy:
     def _selected_calls(self, trace):
         if not hasattr(self, "_calls_cache"):
             self._calls_cache = [mc for mc in trace.module_calls
-                                 if self.addresses.intersection(mc.module.all_addresses)]
+                                 if self.addresses.intersection(mc.module.all_addresses)
+                                 or mc.label in self.call_labels]
         return self._calls_cache
 
     def apply(self, trace) -> None:

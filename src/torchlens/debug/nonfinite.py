@@ -216,7 +216,7 @@ def _unexamined_ancestors(log, status, i) -> list:
 
 def _nonfinite_parameters(log):
     """Addresses of parameters holding NaN/Inf, and whether parameters could be checked at all."""
-    if log.is_cleaned_up:
+    if log.is_cleaned_up or log.loaded_from is not None:  # no live model to look at
         return [], False
     if not isinstance(log._model, torch.nn.Module):
         return [], True  # a plain function has no parameters of its own
