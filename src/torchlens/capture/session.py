@@ -6,6 +6,8 @@ uninstalled in ``finally`` blocks (context managers), whether the model returns 
 
 from __future__ import annotations
 
+import functools
+import gc
 import inspect
 import threading
 from time import perf_counter_ns
@@ -14,6 +16,7 @@ import torch
 
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
+from ..record.model_index import ModelIndex
 from ..record.trace import Trace
 from .fastpath import FastPathShim
 from .mode import CaptureMode, redispatch_function
@@ -59,21 +62,26 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
                            "lacks; upgrade torch or trace with deep=False")
     kwargs = dict(kwargs or {})
     args = _as_args(model, args)
-    _refuse_inference_tensors(model, args, kwargs)
+    index = ModelIndex(model)  # the one walk over the model's modules, parameters and buffers
+    _refuse_inference_tensors(index, args, kwargs)
     policy = SavePolicy(save, model)
     if save_device is not None:
         save_device = torch.device(save_device)
     started = perf_counter_ns()
 
     state = CaptureState(save_mode=policy.mode, save_device=save_device, record_finite=record_finite,
-                         buffers=_buffers(model), max_saved_bytes=max_saved_bytes)
+                         buffers=index.buffers, max_saved_bytes=max_saved_bytes)
     if policy.mode == 2:
         state.selector = policy.capture_selector(state)
+        # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
+        state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
     mode = CaptureMode(state, FrameClassifier(stop_codes=(_run_forward.__code__,)), deep=deep)
     _local.active = True
+    collecting = gc.isenabled()
+    gc.disable()  # capture allocates many small records: no collector passes over them mid-forward
     try:
         with FastPathShim(mode), ModuleCallTracker(state, model), mode:
             output = _run_forward(model, args, kwargs)
@@ -82,6 +90,8 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
         raise
     finally:
         _local.active = False
+        if collecting:
+            gc.enable()
     forward_done = perf_counter_ns()
     if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
         # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
@@ -93,7 +103,7 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
     mutated = state.check_saved_versions()
     model_name = name or type(model).__name__
     timings = {"forward": (forward_done - started) / 1e9}
-    result = finalize(state, model, output, model_name, timings)
+    result = finalize(state, model, output, model_name, timings, index)
     result._autocast = autocast
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9
@@ -125,11 +135,27 @@ def _unwrap(model):
 
 
 def _forward_signature(model):
-    target = model.forward if isinstance(model, torch.nn.Module) else model
+    if isinstance(model, torch.nn.Module):
+        forward = model.forward
+        func = getattr(forward, "__func__", None)
+        if func is not None and getattr(forward, "__self__", None) is model:
+            return _bound_signature(func)  # cached per forward function, first parameter (self) dropped
+        target = forward
+    else:
+        target = model
     try:
         return inspect.signature(target)
     except (TypeError, ValueError):
         return None
+
+
+@functools.lru_cache(maxsize=256)
+def _bound_signature(func):
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+    return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
 def _as_args(model, args) -> tuple:
@@ -147,26 +173,19 @@ def _as_args(model, args) -> tuple:
     return (args,)
 
 
-def _buffers(model) -> dict:
-    if not isinstance(model, torch.nn.Module):
-        return {}
-    return {id(b): (b, name) for name, b in model.named_buffers(remove_duplicate=True) if b is not None}
-
-
 def _autocast_state() -> dict:
     """Autocast in effect around the forward (``{device type: dtype}``), so that replay reproduces it."""
     return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
-def _refuse_inference_tensors(model, args, kwargs) -> None:
+def _refuse_inference_tensors(index, args, kwargs) -> None:
     """Inference tensors carry no version counter, which capture needs to attribute in-place writes."""
     fix = "; run the model under torch.no_grad() instead (same kernels, same values)"
     if torch.is_inference_mode_enabled():
         raise RuntimeError("tl.trace cannot capture under torch.inference_mode(): its tensors carry no "
                            "version counter, so in-place writes could not be attributed" + fix)
     tensors = [t for _, t in tensor_leaves((args, kwargs), "input", [])]
-    if isinstance(model, torch.nn.Module):
-        tensors += list(model.parameters()) + list(model.buffers())
+    tensors += [p for _, p in index.params] + [b for b, _ in index.buffers.values()]
     if any(t.is_inference() for t in tensors):
         raise RuntimeError("tl.trace got an inference tensor (made under torch.inference_mode()) as an input, "
                            "parameter or buffer: it carries no version counter, so in-place writes could "

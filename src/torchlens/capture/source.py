@@ -22,9 +22,16 @@ _DISPATCHERS = (_TORCH_DIR + "overrides.py",)
 _USER, _SKIP, _STOP, _DISPATCH = 0, 1, 2, 3
 
 
+# Verdicts per code object, shared by every trace (code objects outlive traces; the set is bounded by
+# the program's code).
+_VERDICTS: dict = {}
+
+
 class FrameClassifier:
     def __init__(self, stop_codes=()):
-        self._verdicts = {code: _STOP for code in stop_codes}
+        self._verdicts = _VERDICTS
+        for code in stop_codes:
+            _VERDICTS[code] = _STOP
 
     def _classify(self, code) -> int:
         name = code.co_filename

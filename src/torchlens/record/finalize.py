@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..capture.state import BUFFER, INPUT, CaptureState
 from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
 from ..labels.passes import group_ops
+from .model_index import ModelIndex
 from .modules import Module, ModuleCall
 from .op import KIND_BUFFER, KIND_INPUT, KIND_OP, KIND_OUTPUT
 from .trace import Trace
@@ -30,7 +31,8 @@ def tensor_leaves(obj, path: str, out: list, depth: int = 0) -> list:
     return out
 
 
-def finalize(state: CaptureState, model, output, model_name: str, timings: dict) -> Trace:
+def finalize(state: CaptureState, model, output, model_name: str, timings: dict, index=None) -> Trace:
+    index = index if index is not None else ModelIndex(model)
     calls, records = state.calls, state.records
     # Producers of the returned tensors first: this may still add a buffer source (a returned buffer).
     returned = [(path, state.producer_of(t), t) for path, t in tensor_leaves(output, "output", [])]
@@ -60,7 +62,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict)
         if producer in activations:
             activations[i] = activations[producer]
 
-    module_objects, module_calls, modules = _build_modules(state, model)
+    module_objects, module_calls, modules = _build_modules(state, index)
     module_counts = {id(m._ref): m.num_calls for m in modules}
     nodes_module_obj = [mc.module._ref for mc in module_calls]
     group = group_ops(call_col, slot_col, module_col, parents_col, meta, calls, nodes_module_obj,
@@ -96,7 +98,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict)
         activations=activations,
         dropped=dict(state.clobbered),
         finite=state.drained_finite_flags(),
-        param_addresses=_param_addresses(calls, call_col, model),
+        param_addresses=_param_addresses(calls, call_col, index),
         module_calls=module_calls,
         modules=modules,
         output=output,
@@ -106,6 +108,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict)
         n_records=n_records,
         budget_exhausted_at=state.budget_exhausted_at,
         alias_reads=state.alias_reads,
+        index=index,
     )
 
 
@@ -164,14 +167,8 @@ def _label(kind, types, group):
     return labels, layer_labels, pass_col, passes_of_group
 
 
-def _build_modules(state: CaptureState, model):
-    import torch
-
-    addresses: dict = {}
-    params_of: dict = {}
-    if isinstance(model, torch.nn.Module):
-        for name, module in model.named_modules(remove_duplicate=False):
-            addresses.setdefault(id(module), []).append(name or "self")
+def _build_modules(state: CaptureState, model_index: ModelIndex):
+    addresses = model_index.module_addresses
     modules_by_id: dict = {}
     module_calls = []
     unregistered = 0
@@ -182,10 +179,8 @@ def _build_modules(state: CaptureState, model):
             if names is None:
                 unregistered += 1
                 names = [f"<unregistered {type(module).__name__} #{unregistered}>"]
-            if id(module) not in params_of:
-                params_of[id(module)] = [n for n, _ in module.named_parameters(recurse=False)]
             record = modules_by_id[id(module)] = Module(names[0], names, type(module).__name__,
-                                                        params_of[id(module)], module)
+                                                        model_index.param_names_of(module), module)
         parent_call = module_calls[parent] if parent >= 0 else None
         call = ModuleCall(None, index, record, record.num_calls + 1, parent_call, t0, t1, inputs, outputs)
         record.calls.append(call)
@@ -195,14 +190,8 @@ def _build_modules(state: CaptureState, model):
     return modules_by_id, module_calls, list(modules_by_id.values())
 
 
-def _param_addresses(calls, call_col, model) -> dict:
-    import torch
-
-    if not isinstance(model, torch.nn.Module):
-        return {}
-    names = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
+def _param_addresses(calls, call_col, index: ModelIndex) -> dict:
+    names = index.param_addresses
     out = {}
     for i, c in enumerate(call_col):
         if c >= 0 and calls[c][4]:

@@ -60,18 +60,15 @@ class Buffer:
         return f"<Buffer {self.address}, read by {len(self.readers)} ops>"
 
 
-def build_params(trace, model) -> list:
-    import torch
-
-    if not isinstance(model, torch.nn.Module):
+def build_params(trace, index) -> list:
+    """Param records from the trace's model index (None for a loaded trace or a plain function)."""
+    if index is None:
         return []
-    records = {}
-    for address, p in model.named_parameters():
-        records[address] = Param(trace, address, p.shape, p.dtype, p.requires_grad)
-    for index, addresses in trace._param_addresses.items():
+    records = {address: Param(trace, address, p.shape, p.dtype, p.requires_grad) for address, p in index.params}
+    for op_index, addresses in trace._param_addresses.items():
         for address in addresses:
             if address in records:
-                records[address]._users.append(index)
+                records[address]._users.append(op_index)
     return list(records.values())
 
 

@@ -33,7 +33,7 @@ class Trace:
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
                  dropped, finite, param_addresses, module_calls, modules, output, model, unattributed,
-                 timings, n_records, budget_exhausted_at, alias_reads=frozenset()):
+                 timings, n_records, budget_exhausted_at, alias_reads=frozenset(), index=None):
         self.model_name = model_name
         self._calls = calls
         self._kind = kind
@@ -72,10 +72,9 @@ class Trace:
 
         self.module_calls = RecordList(module_calls, tables.module_calls_frame)
         self.modules = RecordList(modules, tables.modules_frame)
-        from .params import build_buffers, build_params
-
-        self.params = RecordList(build_params(self, model), tables.params_frame)
-        self.buffers = RecordList(build_buffers(self), tables.buffers_frame)
+        self._index = index
+        self._params = None
+        self._buffers = None
 
     # ----- records -------------------------------------------------------------------------------
     @property
@@ -86,6 +85,25 @@ class Trace:
 
             self._ops = RecordList([Op(self, i) for i in range(len(self._kind))], tables.ops_frame)
         return self._ops
+
+    @property
+    def params(self) -> RecordList:
+        """The model's parameters and the ops that used each (built on first use)."""
+        if self._params is None:
+            from . import tables
+            from .params import build_params
+
+            self._params = RecordList(build_params(self, self._index), tables.params_frame)
+        return self._params
+
+    @property
+    def buffers(self) -> RecordList:
+        if self._buffers is None:
+            from . import tables
+            from .params import build_buffers
+
+            self._buffers = RecordList(build_buffers(self), tables.buffers_frame)
+        return self._buffers
 
     @property
     def layers(self) -> RecordList:
@@ -277,6 +295,8 @@ class Trace:
             from ..report.flops import flops_column
 
             flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held
+        self.params  # parameter records keep shapes, not tensors: build them before the index goes
+        self._index = None
         self._cleaned = True
         self._activations = {}
         self._output = None
