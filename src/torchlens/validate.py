@@ -22,6 +22,9 @@ _RANDOM_FUNCS = frozenset([
 ])
 
 
+_UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
+
+
 @dataclass
 class ValidationResult:
     """What validation checked and found; ``passed`` is the one-word verdict."""
@@ -168,10 +171,13 @@ def _replay_problem(log, op):
         return "the trace was cleaned up"
     if op.device.type == "meta":
         return "meta tensors hold no values to compare"
+    if op.func_name in _UNINITIALIZED_FUNCS:
+        return "uninitialized memory (torch.empty and kin): its contents are not defined"
     if op.func_name in _RANDOM_FUNCS:
         return "random op (consumes the RNG; replay would draw new numbers)"
     if not op.has_activation:
-        return "its own output was not saved"
+        dropped = log._dropped.get(op.index)
+        return f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved"
     args, kwargs = list(skeleton), dict(kw_skeleton)
     for position, parent in parents:
         if parent < 0:
@@ -181,7 +187,7 @@ def _replay_problem(log, op):
         if (log._call[op.index], parent) in log._alias_reads:
             return (f"it read {log._labels[parent]}'s storage after a write through a view, a value "
                     "that no op output holds")
-        _place(args, kwargs, position, log._activations[parent].clone())
+        _place(args, kwargs, position, _copy_with_layout(log._activations[parent]))
     for position, param in params:
         _place(args, kwargs, position, param.detach())
     try:
@@ -203,6 +209,17 @@ def _replay_problem(log, op):
     if not tensors_equal(out, log._activations[op.index]):
         return "mismatch: the replayed output differs from the saved one"
     return None
+
+
+def _copy_with_layout(t):
+    """A private copy with ``t``'s strides: a reduction over a strided view (``z.real``) sums in a
+    different order, and so to different bits, than over a contiguous copy."""
+    if t.is_contiguous() or t.layout != torch.strided:
+        return t.clone()
+    try:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
+        return t.clone()
 
 
 def _flat(out):

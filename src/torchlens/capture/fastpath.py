@@ -40,23 +40,42 @@ class FastPathShim:
 
     def __init__(self, mode):
         self.mode = mode
+        self._counted = False
 
     def __enter__(self):
         global _users, _original
-        with _lock:
-            if _users == 0:
-                _original = torch.overrides.has_torch_function
-                torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
-            _users += 1
-        _local.mode = self.mode
-        return self
+        try:
+            with _lock:
+                if _users == 0 and torch.overrides.has_torch_function is not _has_torch_function_ignoring_capture:
+                    _original = torch.overrides.has_torch_function
+                    torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
+                _users, self._counted = _users + 1, True  # one statement: no interrupt between them
+            _local.mode = self.mode
+            return self  # inside the try: an interrupt landing here must not strand the shim
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc):
-        global _users, _original
+        # Idempotent release, retried so that an interrupt landing mid-teardown cannot strand the shim;
+        # the interrupt is re-raised once the shim is gone.
+        interrupted = None
+        while True:
+            try:
+                self._release()
+                break
+            except BaseException as e:  # noqa: BLE001
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+        return False
+
+    def _release(self) -> None:
+        global _users
         _local.mode = None
         with _lock:
-            _users -= 1
-            if _users == 0:
+            if self._counted:
+                _users, self._counted = _users - 1, False
+            if _users == 0 and torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
                 # _original stays set: another thread may have looked the shim up just before this.
                 torch.overrides.has_torch_function = _original
-        return False

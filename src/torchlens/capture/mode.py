@@ -198,7 +198,7 @@ class CaptureMode(TorchFunctionMode):
             line = frame.f_lasti
             site = (code, line)
         else:
-            site, code, line = self.frames.locate(frame, func)
+            site, code, line = self.frames.locate(frame, func, st.call_frames, module_call)
         call_index = len(st.calls)
         first_op = len(st.records)
         written = None

@@ -34,19 +34,24 @@ def _tensors_in(obj, out: list, depth: int = 0) -> list:
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
 
-    def __init__(self, state: CaptureState, root):
+    def __init__(self, state: CaptureState, root, frames=None):
         self.state = state
         self.root = root
+        self.frames = frames  # a FrameClassifier: each call's user frame is found once, here
         self._handles = []
 
     def __enter__(self):
-        st, root, owner = self.state, self.root, threading.get_ident()
+        st, root, owner, frames = self.state, self.root, threading.get_ident(), self.frames
 
         def pre_hook(module, args):
             if module is root or threading.get_ident() != owner:
                 return
             inputs = tuple(st.bound_producer(t) for t in _tensors_in(args, []))
             parent = st.module_stack[-1] if st.module_stack else -1
+            if frames is not None:
+                st.call_frames.append(frames.module_call_frame(sys._getframe(1), st.call_frames, parent))
+            else:
+                st.call_frames.append((None, None))
             st.module_calls.append([module, parent, perf_counter_ns(), None, inputs, ()])
             st.module_stack.append(len(st.module_calls) - 1)
             if st.markers is not None:

@@ -28,27 +28,10 @@ from .state import INPUT, CaptureState, warn_mutated
 _local = threading.local()
 
 
-def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
+def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
           _markers=None) -> Trace:
-    """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
-
-    Args:
-        model: an ``nn.Module`` or any callable.  DataParallel/DDP wrappers and ``torch.compile``
-            results are unwrapped to the eager module underneath.
-        args: one tensor, or a tuple/list of positional arguments (tensors, containers, anything).
-        kwargs: keyword arguments for forward.
-        save: which activations to keep: ``"all"``, ``"none"``, a list of labels / module addresses /
-            op types, or a predicate ``f(op) -> bool``.  Activations are kept by reference and copied
-            only when an in-place op is about to overwrite them.
-        save_device: move saved activations to this device as they are captured.
-        record_finite: record a (has_nan, has_inf) flag per op even for unsaved ops.
-        max_saved_bytes: stop saving (with a warning naming the first unsaved op) past this budget.
-        name: a display name for the trace (defaults to the model's class name).
-        deep: also record the torch calls made inside torch functions written in Python
-            (``F.normalize``, ``F.interpolate``, ``F.multi_head_attention_forward``), which are
-            otherwise one op each.
-    """
+    """One trace, with the collector already paused by ``trace``."""
     model = _unwrap(model)
     if not callable(model):
         raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
@@ -78,20 +61,17 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
     state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
-    mode = CaptureMode(state, FrameClassifier(stop_codes=(_run_forward.__code__,)), deep=deep)
+    frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
+    mode = CaptureMode(state, frames, deep=deep)
     _local.active = True
-    collecting = gc.isenabled()
-    gc.disable()  # capture allocates many small records: no collector passes over them mid-forward
     try:
-        with FastPathShim(mode), ModuleCallTracker(state, model), mode:
+        with FastPathShim(mode), ModuleCallTracker(state, model, frames), mode:
             output = _run_forward(model, args, kwargs)
     except BaseException as exc:
         _annotate(exc, state, model)
         raise
     finally:
         _local.active = False
-        if collecting:
-            gc.enable()
     forward_done = perf_counter_ns()
     if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
         # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
@@ -114,6 +94,37 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
         warnings.warn(f"max_saved_bytes reached: activations from {result._labels[state.budget_exhausted_at]} "
                       "on were not saved", stacklevel=2)
     return result
+
+
+def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
+          max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
+          _markers=None) -> Trace:
+    """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
+
+    Args:
+        model: an ``nn.Module`` or any callable.  DataParallel/DDP wrappers and ``torch.compile``
+            results are unwrapped to the eager module underneath.
+        args: one tensor, or a tuple/list of positional arguments (tensors, containers, anything).
+        kwargs: keyword arguments for forward.
+        save: which activations to keep: ``"all"``, ``"none"``, a list of labels / module addresses /
+            op types, or a predicate ``f(op) -> bool``.  Activations are kept by reference and copied
+            only when an in-place op is about to overwrite them.
+        save_device: move saved activations to this device as they are captured.
+        record_finite: record a (has_nan, has_inf) flag per op even for unsaved ops.
+        max_saved_bytes: stop saving (with a warning naming the first unsaved op) past this budget.
+        name: a display name for the trace (defaults to the model's class name).
+        deep: also record the torch calls made inside torch functions written in Python
+            (``F.normalize``, ``F.interpolate``, ``F.multi_head_attention_forward``), which are
+            otherwise one op each.
+    """
+    collecting = gc.isenabled()
+    gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
+    try:
+        return _trace(model, args, kwargs, save=save, save_device=save_device, record_finite=record_finite,
+                      max_saved_bytes=max_saved_bytes, name=name, deep=deep, _markers=_markers)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _run_forward(model, args, kwargs):

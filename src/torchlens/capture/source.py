@@ -19,12 +19,12 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _CAPTURE_DIR = os.path.dirname(__file__) + os.sep
 # torch's dispatcher: its frames are how an op reached us, never where it was called.
 _DISPATCHERS = (_TORCH_DIR + "overrides.py",)
-_USER, _SKIP, _STOP, _DISPATCH = 0, 1, 2, 3
-
+_USER, _SKIP, _STOP, _DISPATCH, _BOUNDARY = 0, 1, 2, 3, 4
 
 # Verdicts per code object, shared by every trace (code objects outlive traces; the set is bounded by
-# the program's code).
-_VERDICTS: dict = {}
+# the program's code).  A module call's ``_call_impl`` frame is a boundary: above it, every op of that
+# call has the same user frame, found once when the call starts (``module_call_frame``).
+_VERDICTS: dict = {torch.nn.Module._call_impl.__code__: _BOUNDARY}
 
 
 class FrameClassifier:
@@ -50,7 +50,7 @@ class FrameClassifier:
             verdict = self._classify(code)
         return verdict == _USER
 
-    def locate(self, frame, func=None):
+    def locate(self, frame, func=None, call_frames=None, module_call: int = -1):
         """``(site, code, line)`` for an op called from ``frame``'s caller chain.
 
         ``site`` is ``(code, instruction offset)`` of the nearest frame that called the op (torch's own
@@ -58,7 +58,8 @@ class FrameClassifier:
         dispatched to capture, excluded): it identifies the call site, so the same site run again is a
         loop.
         ``code, offset`` are the nearest user frame's code and instruction offset (``line_of`` turns them
-        into a line number, lazily), or ``None, None`` when only torch code called it.
+        into a line number, lazily), or ``None, None`` when only torch code called it.  The walk stops at
+        the innermost module call's boundary, whose user frame ``call_frames[module_call]`` holds.
         """
         verdicts = self._verdicts
         site = None
@@ -72,10 +73,36 @@ class FrameClassifier:
                 return site or (code, frame.f_lasti), code, frame.f_lasti
             if verdict == _STOP:
                 return site, None, None
+            if verdict == _BOUNDARY and module_call >= 0:
+                user = call_frames[module_call]
+                return site or (user if user[0] is not None else None), user[0], user[1]
             if verdict == _SKIP and site is None and code is not own_code:
                 site = (code, frame.f_lasti)
             frame = frame.f_back
         return site, None, None
+
+    def module_call_frame(self, frame, call_frames, parent: int):
+        """``(code, offset)`` of the user frame that made a module call, from inside its pre-hook.
+
+        Walks past the call's own boundary, then stops at the first user frame, or at the parent
+        call's boundary, whose answer is already known."""
+        verdicts = self._verdicts
+        own_boundary = True
+        while frame is not None:
+            code = frame.f_code
+            verdict = verdicts.get(code)
+            if verdict is None:
+                verdict = self._classify(code)
+            if verdict == _USER:
+                return code, frame.f_lasti
+            if verdict == _STOP:
+                break
+            if verdict == _BOUNDARY:
+                if not own_boundary and parent >= 0:
+                    return call_frames[parent]
+                own_boundary = False
+            frame = frame.f_back
+        return None, None
 
 
 @dataclass(frozen=True)

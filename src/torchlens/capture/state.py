@@ -47,6 +47,7 @@ class CaptureState:
         self.records: list = []
         self.module_calls: list = []
         self.module_stack: list = []
+        self.call_frames: list = []  # per module call: (code, offset) of the user frame that made it
         self.producers: dict = {}  # id(tensor) -> (weakref, record index, version when bound)
         self.writers: dict = {}  # storage key -> (record index, version after the write)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
@@ -55,6 +56,7 @@ class CaptureState:
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
         self.selector = selector
+        self.save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
         self.save_device = save_device
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
@@ -99,7 +101,7 @@ class CaptureState:
             index = len(self.records)
             self.records.append((BUFFER, buffer[1], t.shape, t.dtype, t.device, t.requires_grad, None))
             self.producers[id(t)] = (weakref(t), index, t._version)
-            if self.save_mode:
+            if self.save_mode and self.save_sources:
                 # Buffers are often rewritten inside fused kernels (BatchNorm running stats): keep the
                 # value as it was read, privately.
                 self._keep(index, t.detach().clone(), None)
@@ -111,7 +113,7 @@ class CaptureState:
         index = len(self.records)
         self.records.append((kind, slot, t.shape, t.dtype, t.device, t.requires_grad, None))
         self.producers[id(t)] = (weakref(t), index, t._version)
-        if self.save_mode:
+        if self.save_mode and self.save_sources:
             self.save(index, t, t.requires_grad)
         if self.finite_flags is not None:
             self.record_finite(index, t)
@@ -213,6 +215,10 @@ class CaptureState:
 
     def check_saved_versions(self) -> list:
         """Drop and report saved activations mutated by means capture could not see."""
+        wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+        for i in [i for i, t in self.saved.items() if wrapped is not None and wrapped(t)]:
+            self._drop(i, "made inside a torch.func transform (vmap, grad, ...): what was saved is the "
+                          "transform's internal wrapper, which cannot be read outside it")
         mutated = [i for i, v in self.saved_versions.items() if v is not None and self.saved[i]._version != v]
         for i in mutated:
             self._drop(i, "mutated after capture saved it, by a write capture could not see "

@@ -1,0 +1,116 @@
+"""``max_saved_bytes``: saving stops at the budget, with a warning naming the first unsaved op, while
+every op's metadata is still recorded and the model's result is untouched.  Each ``@CASE`` returns its
+row of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from torchlens.validate import outputs_equal  # noqa: E402
+from reliability_cases import case, outcome, titles  # noqa: E402
+from untouched import assert_clean_process  # noqa: E402
+
+CASE = case("Memory budget")
+
+
+class Deep(nn.Module):
+    """``depth`` rounds of linear -> relu -> in-place scale on a (4, 256) float tensor (4 KiB each)."""
+
+    def __init__(self, depth: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(256, 256)
+        self.depth = depth
+
+    def forward(self, x):
+        for _ in range(self.depth):
+            x = torch.relu(self.fc(x))
+            x.mul_(0.5)
+        return x
+
+
+def trace_with_budget(model, x, budget, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log = tl.trace(model, x, max_saved_bytes=budget, **kwargs)
+    messages = [str(w.message) for w in caught if "max_saved_bytes" in str(w.message)]
+    return log, messages
+
+
+@CASE
+def budget_stops_saving_midway():
+    """A budget that holds the first few activations of a deeper model."""
+    x = torch.randn(4, 256)
+    budget = 5 * 4096
+    log, messages = trace_with_budget(Deep(), x, budget)
+    assert outputs_equal(log.output, Deep()(x))
+    saved = [op.has_activation for op in log.ops if op.kind != "output"]
+    first_unsaved = saved.index(False)
+    assert all(saved[:first_unsaved]) and not any(saved[first_unsaved:]), "saving must stop, not skip"
+    label = log.ops[first_unsaved].label
+    assert messages == [f"max_saved_bytes reached: activations from {label} on were not saved"], messages
+    assert log.saved_bytes <= budget
+    assert all(op.shape == (4, 256) for op in log.ops[1:])  # metadata of unsaved ops is complete
+    result = log.validate()
+    assert result.passed and {reason for _, reason in result.not_replayed} == {"its own output was not saved"}
+    assert_clean_process()
+    return (f"saved {first_unsaved} of {len(saved)} activations ({log.saved_bytes} of {budget} bytes); "
+            f"warning names {label}; every op's metadata recorded")
+
+
+@CASE
+def zero_budget():
+    """A budget of zero bytes."""
+    log, messages = trace_with_budget(Deep(2), torch.randn(4, 256), 0)
+    assert not any(op.has_activation for op in log.ops) and log.saved_bytes == 0
+    assert messages == ["max_saved_bytes reached: activations from input_1:1 on were not saved"]
+    return "nothing saved; the warning names the input as the first unsaved tensor"
+
+
+@CASE
+def ample_budget():
+    """A budget larger than everything the model produces."""
+    log, messages = trace_with_budget(Deep(3), torch.randn(4, 256), 10**9)
+    assert messages == [] and all(op.has_activation for op in log.ops)
+    return "everything saved, no warning"
+
+
+@CASE
+def budget_with_selection():
+    """A budget combined with save=[op types]."""
+    log, messages = trace_with_budget(Deep(6), torch.randn(4, 256), 2 * 4096, save=["relu"])
+    saved = [op.label for op in log.ops if op.has_activation]
+    assert saved == ["relu_1_2:1", "relu_1_2:2"], saved
+    assert messages == ["max_saved_bytes reached: activations from relu_1_2:3 on were not saved"], messages
+    return "only selected ops count against the budget; the warning names the first selected op left out"
+
+
+@CASE
+def budget_bounds_a_large_trace():
+    """2,000 ops of 64 KiB each (125 MiB if all were kept) under a 1 MiB budget."""
+    class Wide(nn.Module):
+        def forward(self, x):
+            for _ in range(1000):
+                x = (x * 0.5).add(1.0)  # tends to 2: no denormals to slow it down
+            return x
+
+    budget = 1 << 20
+    log, messages = trace_with_budget(Wide(), torch.randn(128, 128), budget)
+    assert len(log.ops) == 2002 and log.saved_bytes <= budget and len(messages) == 1
+    kept = sum(op.has_activation for op in log.ops)
+    return f"kept {kept} activations ({log.saved_bytes} bytes), stopped at {messages[0].split()[4]}"
+
+
+@pytest.mark.parametrize("title", titles("Memory budget"))
+def test_case(title):
+    assert outcome("Memory budget", title)

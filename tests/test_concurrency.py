@@ -1,0 +1,164 @@
+"""Traces in several threads at once, and torch work in other threads during a trace.
+
+The capture mode lives on the tracing thread's own mode stack, module hooks ignore calls from other
+threads, and the fast-path shim is shared and reference-counted: two simultaneous traces must each be
+exactly the trace a lone run gives, and a thread that is not tracing must be neither recorded nor
+disturbed.  Each ``@CASE`` returns its row of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from torchlens.validate import outputs_equal  # noqa: E402
+from reliability_cases import case, outcome, titles  # noqa: E402
+from untouched import assert_clean_process  # noqa: E402
+
+CASE = case("Concurrency")
+
+
+class Stack(nn.Module):
+    """Linear layers with a pause after each, so that concurrent traces interleave."""
+
+    def __init__(self, depth: int, width: int, pause: float = 0.001):
+        super().__init__()
+        torch.manual_seed(depth * 100 + width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.pause = pause
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x
+            time.sleep(self.pause)
+        return x.sum(-1)
+
+
+def _signature(log) -> list:
+    return ([(op.label, op.func_name, tuple(op.parents), op.module, op.shape,
+              op.source.line if op.source else None) for op in log.ops]
+            + [mc.label for mc in log.module_calls])
+
+
+def _run_together(jobs: dict) -> dict:
+    """Start every job at once (a barrier), return {name: result or exception}."""
+    barrier = threading.Barrier(len(jobs))
+    results: dict = {}
+
+    def run(name, job):
+        barrier.wait()
+        try:
+            results[name] = job()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+@CASE
+def two_threads_trace_two_models():
+    """Two threads trace two different models at the same time."""
+    a, b = Stack(12, 4), Stack(8, 6)
+    xa, xb = torch.randn(2, 4), torch.randn(3, 6)
+    alone = {"a": tl.trace(a, xa), "b": tl.trace(b, xb)}
+    together = _run_together({"a": lambda: tl.trace(a, xa), "b": lambda: tl.trace(b, xb)})
+    for name, log in together.items():
+        assert not isinstance(log, BaseException), repr(log)
+        assert _signature(log) == _signature(alone[name]), f"thread {name}'s trace differs from a lone trace"
+        assert outputs_equal(log.output, alone[name].output)
+        assert log.validate().passed
+    assert_clean_process()
+    return f"each trace equals a lone trace of its model ({len(together['a'])} and {len(together['b'])} ops)"
+
+
+@CASE
+def two_threads_trace_one_model():
+    """Two threads trace the same model object at the same time."""
+    model, x, y = Stack(10, 5), torch.randn(2, 5), torch.randn(4, 5)
+    alone = {"x": tl.trace(model, x), "y": tl.trace(model, y)}
+    together = _run_together({"x": lambda: tl.trace(model, x), "y": lambda: tl.trace(model, y)})
+    for name, log in together.items():
+        assert not isinstance(log, BaseException), repr(log)
+        assert _signature(log) == _signature(alone[name])
+    assert_clean_process()
+    return "each thread's trace holds only its own calls and equals a lone trace"
+
+
+@CASE
+def untraced_thread_during_a_trace():
+    """Another thread runs torch ops and modules (including the fused attention fast path) during a trace."""
+    traced = Stack(15, 4)
+    x = torch.randn(2, 4)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    src = torch.randn(2, 5, 16)
+
+    def side_work():
+        outputs = []
+        with torch.no_grad():
+            for _ in range(20):
+                outputs.append(layer(src))
+                outputs.append(torch.tanh(src @ src.transpose(1, 2)))
+                time.sleep(0.001)
+        return outputs
+
+    expected = side_work()
+    alone = tl.trace(traced, x)
+    results = _run_together({"trace": lambda: tl.trace(traced, x), "side": side_work})
+    assert not isinstance(results["side"], BaseException), repr(results["side"])
+    assert all(torch.equal(a, b) for a, b in zip(results["side"], expected)), "the other thread was disturbed"
+    assert _signature(results["trace"]) == _signature(alone), "the other thread's work leaked into the trace"
+    assert_clean_process()
+    return "the other thread's results are bit-identical to an untraced run; none of its ops were recorded"
+
+
+@CASE
+def shim_looked_up_before_the_trace_ended():
+    """has_torch_function looked up during a trace and called after the trace ended."""
+    captured = []
+
+    class Grab(nn.Module):
+        def forward(self, x):
+            captured.append(torch.overrides.has_torch_function)  # as MultiheadAttention does per call
+            return x + 1
+
+    tl.trace(Grab(), torch.randn(2))
+    assert_clean_process()
+    plain, subclass = torch.randn(2), torch.randn(2).as_subclass(Sub)
+    assert captured[0]((plain,)) is False and captured[0]((subclass,)) is True
+    return "the stale function still answers exactly as torch's own does"
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+@CASE
+def many_threads_trace_concurrently():
+    """Eight threads trace eight models at once."""
+    models = {f"m{i}": (Stack(3 + i, 4, pause=0.0005), torch.randn(2, 4)) for i in range(8)}
+    alone = {name: tl.trace(m, x) for name, (m, x) in models.items()}
+    together = _run_together({name: (lambda m=m, x=x: tl.trace(m, x)) for name, (m, x) in models.items()})
+    for name, log in together.items():
+        assert not isinstance(log, BaseException), repr(log)
+        assert _signature(log) == _signature(alone[name])
+    assert_clean_process()
+    return "every trace equals its lone trace; the shared shim was removed after the last one"
+
+
+@pytest.mark.parametrize("title", titles("Concurrency"))
+def test_case(title):
+    assert outcome("Concurrency", title)

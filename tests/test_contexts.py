@@ -1,0 +1,303 @@
+"""Tracing under torch's global modes and on unusual tensors and wrappers.
+
+Grad modes, autocast, meta tensors, complex/integer/sparse data, compiled and data-parallel wrappers:
+each either traces faithfully (outputs bit-identical to an untraced run, replay validation passing) or is
+refused with an error that says what to do instead.  Each ``@CASE`` returns its row of
+docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from torchlens.validate import outputs_equal  # noqa: E402
+from reliability_cases import case, outcome, titles  # noqa: E402
+from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: E402
+
+CASE = case("Contexts and wrappers")
+
+
+class Net(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.gelu(self.fc(x))
+        h = self.norm(h + x)
+        return self.head(h).softmax(-1)
+
+
+def faithful(model, args, context=None) -> tuple:
+    """Trace and validate under ``context``; assert faithfulness; return (trace, validation)."""
+    context = context or (lambda: torch.enable_grad())
+    before = snapshot(model, args if isinstance(args, tuple) else (args,))
+    with context():
+        expected = model(*args) if isinstance(args, tuple) else model(args)
+        log = tl.trace(model, args)
+        result = tl.validate(model, args)
+    assert outputs_equal(log.output, expected), "traced output differs from the untraced run"
+    assert result.outputs_match and result.passed, str(result)
+    assert_untouched(before, snapshot(model, args if isinstance(args, tuple) else (args,)))
+    return log, result
+
+
+@CASE
+def no_grad():
+    """torch.no_grad()."""
+    log, result = faithful(Net(), torch.randn(4, 6), torch.no_grad)
+    assert not any(op.requires_grad for op in log.ops)
+    return f"faithful; {result.replayed} ops replayed exactly; no op records requires_grad"
+
+
+@CASE
+def inference_mode():
+    """torch.inference_mode(), and inference tensors passed in afterwards."""
+    model, x = Net(), torch.randn(4, 6)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match=r"torch.no_grad\(\) instead") as inside:
+            tl.trace(model, x)
+        made_inside = torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match="inference tensor") as passed_in:
+        tl.trace(model, made_inside)
+    assert_clean_process()
+    # The suggested replacement works and gives the same numbers.
+    with torch.inference_mode():
+        expected = model(x)
+    log, _ = faithful(model, x, torch.no_grad)
+    assert torch.equal(log.output, expected)
+    return (f"refused with a clear error ({str(inside.value).split(':')[0]}); inference-tensor inputs "
+            "likewise; torch.no_grad() traces with identical values")
+
+
+@CASE
+def autocast_cpu_bf16():
+    """torch.autocast('cpu', dtype=torch.bfloat16), validated inside and outside the autocast region."""
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    model, x = Net(), torch.randn(4, 6)
+    log, result = faithful(model, x, autocast)
+    linears = [op for op in log.ops if op.type == "linear"]
+    assert linears and all(op.dtype == torch.bfloat16 for op in linears)
+    assert log.validate().passed  # replayed outside the region: autocast is reapplied as traced
+    plain = tl.trace(model, x)
+    with autocast():
+        assert plain.validate().passed  # and a plain trace replays without it
+    return f"faithful; linear ops recorded as bfloat16; {result.replayed} ops replay exactly in or out of it"
+
+
+@CASE
+def backward_after_trace():
+    """torch.enable_grad() with a backward pass through the traced output."""
+    x = torch.randn(4, 6, requires_grad=True)
+    plain, traced = Net(), Net()
+    plain(x).pow(2).sum().backward()
+    expected_x_grad = x.grad.clone()
+    x.grad = None
+    log = tl.trace(traced, x)
+    log.output.pow(2).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), traced.parameters()):
+        assert torch.equal(p.grad, q.grad), f"gradient of {name} differs"
+    assert torch.equal(x.grad, expected_x_grad)
+    assert all(not t.requires_grad for t in log._activations.values())  # saved copies hold no graph
+    return "gradients of every parameter and of the input are bit-identical to an untraced backward"
+
+
+@CASE
+def meta_device():
+    """Meta-device model and input (shapes only, no data)."""
+    model = Net().to("meta")
+    x = torch.randn(4, 6, device="meta")
+    log = tl.trace(model, x)
+    assert log.output.is_meta and log["head"].shape == (4, 3)
+    result = tl.validate(model, x)
+    assert result.passed and result.replayed == 0
+    reasons = {reason for _, reason in result.not_replayed}
+    assert reasons == {"meta tensors hold no values to compare"}, reasons
+    return f"traced with shapes; validation replays nothing and says why ({reasons.pop()})"
+
+
+class Mixed(nn.Module):
+    def forward(self, z, counts):
+        spectrum = torch.fft.fft(z)
+        power = (spectrum * spectrum.conj()).real
+        bins = torch.bincount(counts % 5, minlength=5)
+        return power.sum(-1), bins * 2 // 3, (counts > 2).logical_and(counts < 7)
+
+
+@CASE
+def complex_and_integer_dtypes():
+    """Complex, integer and boolean tensors."""
+    z = torch.randn(3, 8, dtype=torch.complex64)
+    counts = torch.arange(12)
+    log, result = faithful(Mixed(), (z, counts))
+    dtypes = {op.dtype for op in log.ops}
+    assert {torch.complex64, torch.int64, torch.bool, torch.float32} <= dtypes
+    return f"faithful; {result.replayed} ops replayed exactly across complex64, int64, bool and float32"
+
+
+class SparseMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, adjacency, features):
+        return self.fc(torch.sparse.mm(adjacency, features)).relu()
+
+
+@CASE
+def sparse_inputs():
+    """A sparse COO input (graph adjacency)."""
+    adjacency = torch.eye(5).add(torch.diag(torch.ones(4), 1)).to_sparse()
+    features = torch.randn(5, 4)
+    log, result = faithful(SparseMatmul(), (adjacency, features))
+    assert log.inputs[0].shape == (5, 5)
+    return f"supported: faithful, {result.replayed} ops replayed exactly"
+
+
+@CASE
+def compiled_module_and_function():
+    """torch.compile'd module and function (unwrapped, never compiled by tracing)."""
+    import torch._dynamo
+
+    model, x = Net(), torch.randn(4, 6)
+    compiled = torch.compile(model)  # lazy: nothing is compiled until it is called
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    frames_before = sum(torch._dynamo.utils.counters["frames"].values())
+    log = tl.trace(compiled, x)
+    assert log.model is model and outputs_equal(log.output, model(x))
+    assert [mc.label for mc in log.module_calls] == ["fc:1", "norm:1", "head:1"]
+
+    def f(a):
+        return torch.sin(a) * 2
+
+    flog = tl.trace(torch.compile(f), x)
+    assert [op.type for op in flog.ops] == ["input", "sin", "mul", "output"]
+    assert sum(torch._dynamo.utils.counters["frames"].values()) == frames_before  # nothing compiled
+    assert_clean_process()
+    return "traced the eager module / function underneath; nothing was compiled"
+
+
+@CASE
+def data_parallel_wrappers():
+    """nn.DataParallel and DistributedDataParallel wrappers."""
+    import torch.distributed as dist
+
+    model, x = Net(), torch.randn(4, 6)
+    log = tl.trace(nn.DataParallel(model), x)
+    assert log.model is model and [mc.label for mc in log.module_calls] == ["fc:1", "norm:1", "head:1"]
+    if not dist.is_available():
+        return "DataParallel unwrapped to .module (torch.distributed unavailable here)"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(model)
+        dlog = tl.trace(ddp, x)
+    finally:
+        dist.destroy_process_group()
+    assert dlog.model is model and outputs_equal(dlog.output, model(x))
+    return "both unwrapped to .module; module addresses are the inner model's"
+
+
+class Vmapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.vmap(lambda row: self.fc(row).relu())(x) + 1
+
+
+@CASE
+def vmap_inside_forward():
+    """torch.vmap inside forward (ops see per-example tensors)."""
+    model, x = Vmapped(), torch.randn(4, 3)
+    log = tl.trace(model, x)
+    assert outputs_equal(log.output, model(x))
+    inside = log["linear_1_1:1"]
+    assert inside.shape == (3,)  # the per-example shape the op saw
+    with pytest.raises(tl.ActivationUnavailable, match="torch.func transform"):
+        inside.activation
+    result = log.validate()
+    assert result.passed and result.replayed == 0
+    assert log["add_1_3:1"].unattributed_args == 1  # vmap's unbatched result is made outside capture
+    return ("faithful output; ops inside record per-example shapes; their saved values are dropped with a "
+            "reason, and the op after vmap says its input came from outside the trace")
+
+
+class EmptyThenOut(nn.Module):
+    def forward(self, x):
+        buffer = torch.empty(3)
+        torch.add(x, 1, out=buffer)
+        return buffer * 2
+
+
+@CASE
+def out_argument_into_empty_buffer():
+    """torch.add(..., out=buffer) into a torch.empty buffer."""
+    log, result = faithful(EmptyThenOut(), torch.randn(3))
+    assert [label for label, _ in result.not_replayed] == ["empty_1_1:1"]
+    assert log["add_1_2:1"].is_inplace
+    return f"faithful; the write is an in-place op; torch.empty is not replayed ({result.not_replayed[0][1]})"
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(3, 4)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return nn.utils.rnn.pad_packed_sequence(out)[0]
+
+
+@CASE
+def packed_sequences():
+    """An LSTM over a PackedSequence."""
+    log, result = faithful(PackedLSTM().eval(), (torch.randn(5, 2, 3), torch.tensor([5, 3])))
+    assert log["rnn"].module == "rnn:1"
+    return f"faithful; {result.replayed} ops replayed exactly"
+
+
+class DataWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.fc(x)
+        y.data.mul_(2)  # shares y's memory but not its version counter
+        return y + 1
+
+
+@CASE
+def write_through_data():
+    """A write through .data (invisible to version counters) before the value is read again."""
+    model, x = DataWrite(), torch.randn(2, 3)
+    log = tl.trace(model, x)
+    assert outputs_equal(log.output, model(x))
+    result = tl.validate(model, x)
+    assert not result.passed and [label for label, _ in result.mismatched] == ["add_1_4:1"]
+    assert log["add_1_4:1"].parents == ["linear_1_1:1"]
+    return ("output faithful, but the add is attributed to the linear's pre-write value; validation "
+            "reports it as a mismatch (add_1_4:1), never as a pass")
+
+
+@pytest.mark.parametrize("title", titles("Contexts and wrappers"))
+def test_case(title):
+    assert outcome("Contexts and wrappers", title)

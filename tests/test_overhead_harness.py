@@ -1,0 +1,181 @@
+"""The paired-ratio harness on synthetic arms of known relative cost.
+
+Arms are sleep-free busy loops, so their cost ratio is set by iteration counts.  Nothing here times
+torchlens itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torchlens._observability import OverheadResult, RefusalPredicate, measure_overhead, same_output
+from torchlens._observability.overhead import _lower_bound, _median_interval, _order_rank
+
+
+def busy(iterations: int, result=1):
+    def arm():
+        total = 0
+        for i in range(iterations):
+            total += i
+        return result
+    return arm
+
+
+LOOSE = RefusalPredicate(min_pairs=9, max_relative_iqr=0.5)
+
+
+def test_ratio_of_n_and_2n_loops_is_near_two():
+    result = measure_overhead(("N", busy(20_000)), ("2N", busy(40_000)), pairs=11, repeats=5,
+                              predicate=LOOSE)
+    assert result.admitted, str(result)
+    assert 1.6 <= result.ratio <= 2.5, str(result)
+    lo, hi = result.ci
+    assert lo <= result.ratio <= hi
+    assert result.floor is not None and result.floor <= result.ratio
+    assert result.delta_ns > 0 and result.b_ns > result.a_ns
+    assert result.pairs == 11 and len(result.ratios) == 11
+    assert result.outputs_equal == 11 and result.module_calls == (0, 0)
+
+
+def test_swapped_arms_give_the_reciprocal_ratio():
+    result = measure_overhead(("2N", busy(40_000)), ("N", busy(20_000)), pairs=11, repeats=5, predicate=LOOSE)
+    assert result.admitted, str(result)
+    assert 0.4 <= result.ratio <= 0.625, str(result)
+
+
+def test_noisy_arm_is_refused_with_a_floor():
+    # Arm B costs 1x or 8x arm A at random (seeded): the paired ratios spread far beyond the bound.
+    rng = itertools.cycle([1, 8, 1, 8, 8, 1, 1, 8, 1, 8, 8, 1, 8])
+    heavy = busy(5_000)
+
+    def noisy():
+        for _ in range(next(rng)):
+            heavy()
+        return 1
+
+    result = measure_overhead(("steady", busy(5_000)), ("noisy", noisy), pairs=13, repeats=1,
+                              min_sample_s=0, predicate=RefusalPredicate(min_pairs=9, max_relative_iqr=0.25))
+    assert not result.admitted
+    assert result.ratio is None and result.ci is None and result.delta_ns is None
+    assert any("relIQR" in reason for reason in result.reasons), result.reasons
+    assert result.floor is not None and 0.5 < result.floor < 8
+    assert "REFUSED" in str(result) and "floor >=" in str(result)
+    assert result.cell().endswith("(refused)")
+
+
+def test_arms_returning_different_outputs_are_refused_without_a_floor():
+    result = measure_overhead(("a", busy(1_000, torch.ones(3))), ("b", busy(1_000, torch.zeros(3))), pairs=9)
+    assert not result.admitted
+    assert result.floor is None and result.ratio is None
+    assert result.outputs_equal == 0
+    assert any("outputs differ" in reason for reason in result.reasons)
+    assert "no floor" in str(result)
+
+
+def test_arms_making_different_module_calls_are_refused():
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def once():
+        return layer(x).detach()
+
+    def twice():
+        layer(x)  # a second forward: same output, different execution scope
+        return layer(x).detach()
+
+    with torch.no_grad():
+        result = measure_overhead(("once", once), ("twice", twice), pairs=9)
+    assert not result.admitted and result.floor is None
+    assert result.module_calls == (1, 2)
+    assert any("module calls differ" in reason for reason in result.reasons)
+
+
+def test_module_call_witness_is_removed_afterwards():
+    from torch.nn.modules import module as module_mod
+
+    before = dict(module_mod._global_forward_pre_hooks)
+    layer = nn.Linear(2, 2)
+    measure_overhead(lambda: layer(torch.ones(1, 2)).detach(), lambda: layer(torch.ones(1, 2)).detach(), pairs=3)
+    assert dict(module_mod._global_forward_pre_hooks) == before
+
+
+def test_too_few_pairs_are_refused_by_the_declared_predicate():
+    result = measure_overhead(busy(2_000), busy(2_000), pairs=5, predicate=RefusalPredicate(min_pairs=10))
+    assert not result.admitted
+    assert any("5 pairs < 10" in reason for reason in result.reasons)
+
+
+def test_physically_impossible_ratio_is_refused():
+    # An "instrumented" arm that is much cheaper than its baseline cannot be an additive instrument.
+    predicate = RefusalPredicate(min_pairs=9, max_relative_iqr=1.0, min_ratio=1.0)
+    result = measure_overhead(("base", busy(40_000)), ("instrumented", busy(4_000)), pairs=9, predicate=predicate)
+    assert not result.admitted
+    assert any("physically impossible" in reason for reason in result.reasons)
+
+
+def test_arm_order_alternates():
+    order = []
+    measure_overhead(("a", lambda: order.append("a")), ("b", lambda: order.append("b")), pairs=4,
+                     warmup=1, repeats=1, min_sample_s=0)
+    timed = order[2:-2]  # after the warm-up pair, before the closing witness calls
+    assert timed == ["a", "b", "b", "a", "a", "b", "b", "a"]
+
+    shuffled = []
+    measure_overhead(("a", lambda: shuffled.append("a")), ("b", lambda: shuffled.append("b")), pairs=16,
+                     warmup=1, repeats=1, min_sample_s=0, order="random", seed=3)
+    firsts = shuffled[2:-2][::2]
+    assert set(firsts) == {"a", "b"}
+
+
+def test_result_prints_one_line_with_predicate_and_fingerprint():
+    result = measure_overhead(("N", busy(2_000)), ("N again", busy(2_000)), pairs=9, predicate=LOOSE)
+    line = str(result)
+    assert "\n" not in line
+    assert "predicate: pairs>=9" in line and "9 pairs" in line
+    assert f"torch {torch.__version__}" in line and "threads" in line
+    record = result.to_dict()
+    assert record["schema"] == "torchlens.overhead_measurement.v1"
+    assert record["fingerprint"]["threads"] == torch.get_num_threads()
+    assert isinstance(result, OverheadResult)
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(TypeError, match="zero-argument callable"):
+        measure_overhead(3, busy(10))
+    with pytest.raises(ValueError, match="order"):
+        measure_overhead(busy(10), busy(10), order="aabb")
+    with pytest.raises(ValueError, match="pairs"):
+        measure_overhead(busy(10), busy(10), pairs=0)
+
+
+def test_order_statistic_bounds_match_the_binomial():
+    # n = 7: P(B <= 0) = 1/128 <= 0.025 < P(B <= 1): the interval is [min, max].
+    assert _order_rank(7, 0.025) == 1
+    # n = 21, one-sided 5%: P(B <= 5) = 0.0133, P(B <= 6) = 0.0392, P(B <= 7) = 0.0946.
+    assert _order_rank(21, 0.05) == 7
+    assert _order_rank(4, 0.05) == 0 and _lower_bound([1.0, 2.0, 3.0, 4.0], 0.05) is None
+    values = list(range(1, 22))
+    assert _lower_bound(values, 0.05) == 7
+    assert _median_interval(values, 0.025) == (6, 16)
+    tail = sum(math.comb(21, k) for k in range(7)) / 2 ** 21
+    assert tail <= 0.05
+
+
+def test_same_output_is_exact():
+    a = torch.tensor([1.0, float("nan")])
+    assert same_output((a, {"k": 2}), (a.clone(), {"k": 2}))
+    assert not same_output(a, a.double())
+    assert not same_output(torch.ones(2), torch.ones(2) + 1e-7)
+    assert not same_output([torch.ones(1)], (torch.ones(1),))
+
+
+def test_predicate_rejects_meaningless_settings():
+    with pytest.raises(ValueError, match="confidence"):
+        RefusalPredicate(confidence=1.5)
+    with pytest.raises(ValueError, match="min_pairs"):
+        RefusalPredicate(min_pairs=0)

@@ -1,0 +1,70 @@
+"""What tracing must leave exactly as it found it, as a comparable snapshot.
+
+``snapshot(model, tensors)`` records the torch-function mode stack depth, the global module hook
+dictionaries, the identity of ``torch.overrides.has_torch_function`` and of every public attribute of
+the torch namespaces capture could patch, and, per module and per tensor, its attribute dictionary and
+hook dictionaries.  Two snapshots compare equal exactly when nothing was installed or left behind.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torch.nn.modules.module as module_globals
+import torch.overrides
+
+ORIGINAL = torch.overrides.has_torch_function
+_NAMESPACES = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": F,
+               "torch.overrides": torch.overrides, "torch.nn.Module": torch.nn.Module}
+
+
+def _global_hook_dicts() -> dict:
+    return {name: tuple(getattr(module_globals, name).keys()) for name in sorted(dir(module_globals))
+            if name.startswith("_global_") and isinstance(getattr(module_globals, name), dict)}
+
+
+def _namespace_ids() -> dict:
+    return {f"{label}.{name}": id(value) for label, space in _NAMESPACES.items()
+            for name, value in list(vars(space).items())}
+
+
+def _module_state(module: torch.nn.Module) -> tuple:
+    attrs = tuple(sorted(vars(module)))
+    hooks = tuple((name, len(value)) for name, value in sorted(vars(module).items())
+                  if "hook" in name and isinstance(value, dict))
+    return attrs, hooks
+
+
+def _tensor_state(t: torch.Tensor) -> tuple:
+    return tuple(sorted(getattr(t, "__dict__", {}))), t._backward_hooks is None or len(t._backward_hooks)
+
+
+def snapshot(model=None, tensors=()) -> dict:
+    state = {
+        "mode stack depth": torch._C._len_torch_function_stack(),
+        "has_torch_function is torch's own": torch.overrides.has_torch_function is ORIGINAL,
+        "global module hooks": _global_hook_dicts(),
+        "torch namespaces": _namespace_ids(),
+    }
+    if isinstance(model, torch.nn.Module):
+        for name, m in model.named_modules(remove_duplicate=False):
+            state[f"module {name or 'root'}"] = _module_state(m)
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            state[f"tensor {name}"] = _tensor_state(t)
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor):
+            state[f"tensor argument {i}"] = _tensor_state(t)
+    return state
+
+
+def assert_untouched(before: dict, after: dict) -> None:
+    changed = [key for key in before.keys() | after.keys() if before.get(key) != after.get(key)]
+    assert not changed, f"tracing left state behind: {sorted(changed)}"
+
+
+def assert_clean_process() -> None:
+    """The parts of a snapshot that do not depend on a model: nothing installed at all."""
+    assert torch._C._len_torch_function_stack() == 0, "a torch function mode is still on the stack"
+    assert torch.overrides.has_torch_function is ORIGINAL, "has_torch_function is patched"
+    leftover = {k: v for k, v in _global_hook_dicts().items() if v}
+    assert not leftover, f"global module hooks left installed: {leftover}"
