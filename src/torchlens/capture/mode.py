@@ -207,9 +207,10 @@ class CaptureMode(TorchFunctionMode):
                 if written is None:
                     written = []
                 written.append(v)
-        st.calls.append((func, tuple(skeleton) if skeleton is not None else args, kw_skeleton, parents,
-                         params or (), module_call, code, line, t0, t1, first_op, len(leaves),
-                         written is not None, site))
+        # Compact for long traces: tuples, and one shared empty dict for the common no-keyword call.
+        st.calls.append((func, tuple(skeleton) if skeleton is not None else args,
+                         kw_skeleton if kw_skeleton else _NO_KWARGS, tuple(parents), params or (), module_call,
+                         code, line, t0, t1, first_op, len(leaves), written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
         records = st.records

@@ -47,7 +47,9 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     inplace = [c >= 0 and calls[c][12] and s is None and _writes_receiver(calls[c])
                for c, s in zip(call_col, slot_col)]
     io = {i: r[1] for i, r in enumerate(records) if r[0] < 0}
-    meta = [r[2:] for r in records]
+    # Most ops share a handful of (shape, dtype, device, ...) rows: keep one tuple of each.
+    distinct: dict = {}
+    meta = [distinct.setdefault(m, m) for m in (r[2:] for r in records)]
     activations = dict(state.saved)
     for path, producer, t in returned:
         i = len(kind)

@@ -60,11 +60,11 @@ class Buffer:
         return f"<Buffer {self.address}, read by {len(self.readers)} ops>"
 
 
-def build_params(trace, index) -> list:
-    """Param records from the trace's model index (None for a loaded trace or a plain function)."""
-    if index is None:
+def build_params(trace, model_params) -> list:
+    """Param records from the model's ``(address, parameter)`` list (None for a loaded trace)."""
+    if model_params is None:
         return []
-    records = {address: Param(trace, address, p.shape, p.dtype, p.requires_grad) for address, p in index.params}
+    records = {address: Param(trace, address, p.shape, p.dtype, p.requires_grad) for address, p in model_params}
     for op_index, addresses in trace._param_addresses.items():
         for address in addresses:
             if address in records:

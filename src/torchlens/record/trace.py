@@ -72,7 +72,8 @@ class Trace:
 
         self.module_calls = RecordList(module_calls, tables.module_calls_frame)
         self.modules = RecordList(modules, tables.modules_frame)
-        self._index = index
+        # Only the (address, parameter) list is kept for the lazy Param records, not the whole index.
+        self._model_params = index.params if index is not None else None
         self._params = None
         self._buffers = None
 
@@ -93,7 +94,7 @@ class Trace:
             from . import tables
             from .params import build_params
 
-            self._params = RecordList(build_params(self, self._index), tables.params_frame)
+            self._params = RecordList(build_params(self, self._model_params), tables.params_frame)
         return self._params
 
     @property
@@ -296,7 +297,7 @@ class Trace:
 
             flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held
         self.params  # parameter records keep shapes, not tensors: build them before the index goes
-        self._index = None
+        self._model_params = None
         self._cleaned = True
         self._activations = {}
         self._output = None
