@@ -117,13 +117,14 @@ the bytes.
 SCALE = """\
 | model | ops | retained per op | peak per op while tracing |
 |---|---|---|---|
-| recurrent (50 blocks x 500 rounds) | 100,002 | 1,320 B | 1,518 B |
-| feed-forward (25,000 blocks, once each) | 100,002 | 1,818 B | 2,150 B |
+| recurrent (50 blocks x 500 rounds) | 100,002 | 1,102 B | 1,466 B |
+| feed-forward (25,000 blocks, once each) | 100,002 | 1,511 B | 2,258 B |
 
 Both are above the 1 KiB per op aimed for. The largest shares are the per-call tuple (about 216 B),
-the list and tuples of parent references (about 160 B), the per-tensor record (about 96 B), its
-metadata row (about 88 B) and the op's pass-qualified label (about 65 B); the feed-forward model adds a
-module record, a module call and per-module parameter names for every four ops."""
+the tuples of parent references (about 120 B), the op's pass-qualified label (about 65 B) and its site
+key (about 42 B); metadata rows (shape, dtype, device) are shared between ops that have the same ones.
+The feed-forward model adds a module record, a module call and per-module parameter names for every
+four ops."""
 
 
 def _load_suite() -> None:
