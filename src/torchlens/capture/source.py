@@ -21,17 +21,23 @@ _CAPTURE_DIR = os.path.dirname(__file__) + os.sep
 _DISPATCHERS = (_TORCH_DIR + "overrides.py",)
 _USER, _SKIP, _STOP, _DISPATCH, _BOUNDARY = 0, 1, 2, 3, 4
 
-# Verdicts per code object, shared by every trace (code objects outlive traces; the set is bounded by
-# the program's code).  A module call's ``_call_impl`` frame is a boundary: above it, every op of that
-# call has the same user frame, found once when the call starts (``module_call_frame``).
-_VERDICTS: dict = {torch.nn.Module._call_impl.__code__: _BOUNDARY}
+# Verdicts per code object, shared by every trace.  Keyed by ``id(code)``: hashing a code object
+# hashes its bytecode (about a microsecond), an id costs nothing.  The code objects themselves are kept
+# in ``_KEPT`` so that no id is ever reused while its verdict is cached.  A module call's ``_call_impl``
+# frame is a boundary: above it, every op of that call has the same user frame, found once when the
+# call starts (``module_call_frame``).
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+_VERDICTS: dict = {id(_CALL_IMPL): _BOUNDARY}
+_KEPT: list = [_CALL_IMPL]
 
 
 class FrameClassifier:
     def __init__(self, stop_codes=()):
         self._verdicts = _VERDICTS
         for code in stop_codes:
-            _VERDICTS[code] = _STOP
+            if id(code) not in _VERDICTS:
+                _KEPT.append(code)
+            _VERDICTS[id(code)] = _STOP
 
     def _classify(self, code) -> int:
         name = code.co_filename
@@ -41,11 +47,12 @@ class FrameClassifier:
             verdict = _SKIP
         else:
             verdict = _USER
-        self._verdicts[code] = verdict
+        _KEPT.append(code)
+        self._verdicts[id(code)] = verdict
         return verdict
 
     def is_user(self, code) -> bool:
-        verdict = self._verdicts.get(code)
+        verdict = self._verdicts.get(id(code))
         if verdict is None:
             verdict = self._classify(code)
         return verdict == _USER
@@ -66,7 +73,7 @@ class FrameClassifier:
         own_code = getattr(func, "__code__", None)
         while frame is not None:
             code = frame.f_code
-            verdict = verdicts.get(code)
+            verdict = verdicts.get(id(code))
             if verdict is None:
                 verdict = self._classify(code)
             if verdict == _USER:
@@ -90,7 +97,7 @@ class FrameClassifier:
         own_boundary = True
         while frame is not None:
             code = frame.f_code
-            verdict = verdicts.get(code)
+            verdict = verdicts.get(id(code))
             if verdict is None:
                 verdict = self._classify(code)
             if verdict == _USER:

@@ -77,7 +77,10 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
                 key = ("params", func, tuple(sorted(id(p) for _, p in params)), slot, id(module), args_key(call))
             else:
                 shapes = tuple(meta[p][0] if p >= 0 else None for _, p in parents_col[i])
-                key = ("site", call[13], func, slot, args_key(call), shapes, id(module))
+                site = call[13]
+                # The site's code object by id: hashing a code object hashes its bytecode.
+                site = (id(site[0]), site[1]) if site is not None else None
+                key = ("site", site, func, slot, args_key(call), shapes, id(module))
                 site_ops.append(i)
         gid = keys.get(key)
         if gid is None:
