@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 # The browser tests drive Debian's chromium; install it only when it is missing (needs root).
 browser:
-	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+	@test -x /usr/bin/chromium || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest tests
