@@ -51,11 +51,12 @@ class FrameClassifier:
         self._verdicts[id(code)] = verdict
         return verdict
 
-    def is_user(self, code) -> bool:
+    def verdict_of(self, code) -> int:
         verdict = self._verdicts.get(id(code))
-        if verdict is None:
-            verdict = self._classify(code)
-        return verdict == _USER
+        return self._classify(code) if verdict is None else verdict
+
+    def is_user(self, code) -> bool:
+        return self.verdict_of(code) == _USER
 
     def locate(self, frame, func=None, call_frames=None, module_call: int = -1):
         """``(site, code, line)`` for an op called from ``frame``'s caller chain.
@@ -73,7 +74,7 @@ class FrameClassifier:
         own_code = getattr(func, "__code__", None)
         while frame is not None:
             code = frame.f_code
-            verdict = verdicts.get(id(code))
+            verdict = verdicts.get(id(code))  # verdict_of, inlined: this loop runs for every op
             if verdict is None:
                 verdict = self._classify(code)
             if verdict == _USER:
@@ -93,15 +94,11 @@ class FrameClassifier:
 
         Walks past the call's own boundary, then stops at the first user frame, or at the parent
         call's boundary, whose answer is already known."""
-        verdicts = self._verdicts
         own_boundary = True
         while frame is not None:
-            code = frame.f_code
-            verdict = verdicts.get(id(code))
-            if verdict is None:
-                verdict = self._classify(code)
+            verdict = self.verdict_of(frame.f_code)
             if verdict == _USER:
-                return code, frame.f_lasti
+                return frame.f_code, frame.f_lasti
             if verdict == _STOP:
                 break
             if verdict == _BOUNDARY:
