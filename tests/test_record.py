@@ -199,6 +199,17 @@ def test_write_through_data_is_captured_and_the_saved_value_kept():
     log = tl.trace(f, torch.ones(2))
     assert torch.equal(log["mul_1_1:1"].activation, torch.full((2,), 2.0))
     assert torch.equal(log.output, torch.full((2,), 3.0))
+    assert log["output_1:1"].parents == ["add_1_3:1"]  # y was last written through y.data
+
+    def g(x):
+        y = x * 2
+        y.data.mul_(3)
+        return y + 1
+
+    log = tl.trace(g, torch.ones(2))
+    assert log["add_1_4:1"].parents == ["mul_2_3:1"]
+    result = log.validate()
+    assert not result.mismatched, result.mismatched
 
 
 def test_mutation_capture_cannot_see_is_flagged_never_kept():

@@ -31,6 +31,7 @@ from .state import CaptureState, storage_key
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
 _setitem = Tensor.__setitem__
+_DATA_GET = frozenset([Tensor.data.__get__])  # method-wrappers compare equal, not identical
 
 # Calls that never produce a tensor; skipping them early keeps the commonest calls nearly free.
 _NOT_OP_METHODS = (
@@ -213,6 +214,8 @@ class CaptureMode(TorchFunctionMode):
                          code, line, t0, t1, first_op, len(leaves), written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
+        if func in _DATA_GET:  # ``x.data`` shares x's storage but not its version counter
+            st.data_bases[id(out)] = (weakref(out), weakref(args[0]))
         records = st.records
         save_mode = st.save_mode
         saved, saved_versions, saved_by_storage = st.saved, st.saved_versions, st.saved_by_storage

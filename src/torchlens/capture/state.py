@@ -50,6 +50,7 @@ class CaptureState:
         self.call_frames: list = []  # per module call: (code, offset) of the user frame that made it
         self.producers: dict = {}  # id(tensor) -> (weakref, record index, version when bound)
         self.writers: dict = {}  # storage key -> (record index, version after the write)
+        self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
         self.unattributed = 0
         self.alias_reads: set = set()  # (call index, parent record) read after a write through a view
@@ -125,6 +126,11 @@ class CaptureState:
             key = storage_key(t)
             self.writers[key] = (record_index, t._version)
             self.producers[id(t)] = (weakref(t), record_index, t._version)
+            alias = self.data_bases.get(id(t))
+            if alias is not None and alias[0]() is t and alias[1]() is not None:
+                # A write through ``x.data`` changes x without touching x's version counter: rebind x.
+                base = alias[1]()
+                self.producers[id(base)] = (weakref(base), record_index, base._version)
             stale = self.saved_by_storage.pop(key, None)
             if stale:
                 for i in stale:
