@@ -131,7 +131,7 @@ def test_save_none_keeps_metadata_only():
     (["relu"], {"relu_1_2:1", "relu_1_2:2", "relu_1_2:3"}),
     (["layers.1"], {"linear_2_3:1"}),
     (["linear_3_4"], {"linear_3_4:1"}),
-    (["relu_1_2:2", "head"], {"relu_1_2:2", "linear_4_5:1"}),
+    (["relu_1_2:2", "head"], {"relu_1_2:2", "linear_4_5:1", "output_1:1"}),  # the output shows head's tensor
 ])
 def test_save_selection(selection, expected):
     model, args, _ = zoo()["mlp"]
@@ -143,7 +143,7 @@ def test_save_predicate_and_bad_save_values():
     model, args, _ = zoo()["mlp"]
     log = tl.trace(model, args, save=lambda op: op.type == "linear" and op.pass_index == 1)
     assert {op.label for op in log if op.has_activation} == {"linear_1_1:1", "linear_2_3:1", "linear_3_4:1",
-                                                             "linear_4_5:1"}
+                                                             "linear_4_5:1", "output_1:1"}
     with pytest.raises(ValueError, match="not understood"):
         tl.trace(model, args, save=3)
     with pytest.raises(TypeError, match="kwargs must be a dict"):
@@ -267,3 +267,11 @@ def test_params_and_buffers_records():
 def test_save_a_module_call_label_keeps_that_calls_output():
     log = tl.trace(SharedModule().eval(), torch.randn(2, 8), save=["fc:2"])
     assert [op.label for op in log if op.has_activation] == ["linear_1_1:2"]
+
+
+def test_output_keeps_its_tensor_when_its_producer_is_saved():
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, save=["head"])
+    assert [op.label for op in log if op.has_activation] == ["linear_4_5:1", "output_1:1"]
+    assert torch.equal(log["output_1:1"].activation, log.output.detach())
+    assert not tl.trace(model, args, save=["relu"])["output_1:1"].has_activation
