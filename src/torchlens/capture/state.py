@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-from time import perf_counter_ns
 from weakref import ref as weakref
 
 import torch
@@ -74,7 +73,6 @@ class CaptureState:
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
         self.markers = None
-        self.t_start = perf_counter_ns()
 
     # ----- parents -------------------------------------------------------------------------------
     def producer_of(self, t: torch.Tensor) -> int:

@@ -145,7 +145,6 @@ def _build(record, tensors: dict) -> Trace:
         model=None,
         unattributed=cols.count("unattributed"),
         timings={_string(k, "timings"): float(v) for k, v in cols.get("timings").items()},
-        n_records=n,
         budget_exhausted_at=_optional_index(cols.get("budget_exhausted_at"), n),
         alias_reads=frozenset((check_index(c, 0, len(calls), "alias_reads"), check_index(p, -1, n, "alias_reads"))
                               for c, p in cols.column("alias_reads")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..capture.mode import _predicts_inplace
 from ..capture.state import BUFFER, INPUT, CaptureState
 from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
 from ..labels.passes import group_ops
@@ -37,7 +38,6 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     # Producers of the returned tensors first: this may still add a buffer source (a returned buffer).
     returned = [(path, state.producer_of(t), t) for path, t in tensor_leaves(output, "output", [])]
 
-    n_records = len(records)
     raw_calls = [r[0] for r in records]
     call_col = [c if c >= 0 else -1 for c in raw_calls]
     kind = [KIND_OP if c >= 0 else (KIND_INPUT if c == INPUT else KIND_BUFFER) for c in raw_calls]
@@ -107,7 +107,6 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         model=model,
         unattributed=state.unattributed,
         timings=timings,
-        n_records=n_records,
         budget_exhausted_at=state.budget_exhausted_at,
         alias_reads=state.alias_reads,
         index=index,
@@ -116,8 +115,6 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
 
 def _writes_receiver(call) -> bool:
     """An op is in place when it wrote its first argument (``add_``, ``x[i] = v``, ``out=x``)."""
-    from ..capture.mode import _predicts_inplace
-
     kwargs = call[2] or {}
     return _predicts_inplace(call[0]) or bool(kwargs.get("inplace")) or "out" in kwargs
 

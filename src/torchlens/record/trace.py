@@ -33,7 +33,7 @@ class Trace:
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
                  dropped, finite, param_addresses, module_calls, modules, output, model, unattributed,
-                 timings, n_records, budget_exhausted_at, alias_reads=frozenset(), index=None):
+                 timings, budget_exhausted_at, alias_reads=frozenset(), index=None):
         self.model_name = model_name
         self._calls = calls
         self._kind = kind
@@ -62,6 +62,7 @@ class Trace:
         self._lookup = None
         self._ops = None
         self._layers = None
+        self._layers_by_label = None
         self.unattributed = unattributed
         self.timings = timings
         self.budget_exhausted_at = budget_exhausted_at
@@ -119,7 +120,9 @@ class Trace:
 
     @property
     def layers_by_label(self) -> dict:
-        return {layer.layer_label: layer for layer in self.layers}
+        if self._layers_by_label is None:  # Op.layer reads it per op: build it once
+            self._layers_by_label = {layer.layer_label: layer for layer in self.layers}
+        return self._layers_by_label
 
     @property
     def inputs(self) -> list:
