@@ -1,0 +1,159 @@
+"""The one tensor walker: every tensor inside a nested Python value, with the path that reaches it.
+
+Capture, module calls, validation, extraction and output comparison all need the same answer to
+"which tensors are in this argument, and where", so they all ask this module.  Containers walked:
+tuples and lists (named tuples included), dicts and other mappings (``ModelOutput``-style ordered
+dicts included), and dataclasses.  ``attrs=True`` also walks the instance attributes of plain
+objects, for comparing return values of any shape.
+
+A path is a tuple of keys: list indices, dict keys and field names, outermost first.  ``strip``
+copies a value with every tensor replaced by ``None`` (so a record holds the non-tensor arguments by
+value, not by reference to a list the model may mutate later) and ``fill`` puts tensors back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+Tensor = torch.Tensor
+MAX_DEPTH = 32  # deeper nesting is not walked: a guard against self-referencing containers
+
+
+def _is_namedtuple(obj) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def _children(obj, attrs: bool):
+    """``(key, child)`` pairs of a container, or None when ``obj`` is not one we walk."""
+    if isinstance(obj, (tuple, list)):
+        return enumerate(obj)
+    if isinstance(obj, Mapping):
+        return obj.items()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return ((f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj))
+    if attrs and hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        return vars(obj).items()
+    return None
+
+
+def tensor_leaves(obj, path: tuple = (), *, attrs: bool = False) -> list:
+    """``(path, tensor)`` for every tensor inside ``obj``, in a stable depth-first order."""
+    out: list = []
+    _walk(obj, path, out, attrs, 0, set())
+    return out
+
+
+def _walk(obj, path, out, attrs, depth, seen) -> None:
+    if isinstance(obj, Tensor):
+        out.append((path, obj))
+        return
+    if depth >= MAX_DEPTH or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return
+    children = _children(obj, attrs)
+    if children is None or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    for key, child in children:
+        _walk(child, path + (key,), out, attrs, depth + 1, seen)
+    seen.discard(id(obj))
+
+
+def has_tensor(obj) -> bool:
+    return bool(tensor_leaves(obj))
+
+
+def strip(obj, depth: int = 0):
+    """A copy of ``obj`` with every tensor replaced by ``None``; containers are copied, leaves kept."""
+    if isinstance(obj, Tensor):
+        return None
+    if depth >= MAX_DEPTH:
+        return obj
+    if isinstance(obj, list):
+        return [strip(x, depth + 1) for x in obj]
+    if _is_namedtuple(obj):
+        return type(obj)(*(strip(x, depth + 1) for x in obj))
+    if isinstance(obj, tuple):
+        return tuple(strip(x, depth + 1) for x in obj)
+    if type(obj) is dict:
+        return {k: strip(v, depth + 1) for k, v in obj.items()}
+    return obj  # other values are kept as they are (immutable in practice: numbers, dtypes, slices)
+
+
+def fill(skeleton, tensors: dict, path: tuple = ()):
+    """Rebuild a value from ``strip``'s skeleton and ``{path: tensor}``."""
+    if path in tensors:
+        return tensors[path]
+    if isinstance(skeleton, list):
+        return [fill(x, tensors, path + (i,)) for i, x in enumerate(skeleton)]
+    if _is_namedtuple(skeleton):
+        return type(skeleton)(*(fill(x, tensors, path + (i,)) for i, x in enumerate(skeleton)))
+    if isinstance(skeleton, tuple):
+        return tuple(fill(x, tensors, path + (i,)) for i, x in enumerate(skeleton))
+    if type(skeleton) is dict:
+        return {k: fill(v, tensors, path + (k,)) for k, v in skeleton.items()}
+    return skeleton
+
+
+def path_text(prefix: str, path: tuple) -> str:
+    """``input.x.0``-style text for a path under a prefix."""
+    return ".".join([prefix, *map(str, path)]) if prefix else ".".join(map(str, path))
+
+
+def structures_equal(a, b, *, exact: bool = True, rtol: float = 0.0, atol: float = 0.0) -> tuple:
+    """Whether two return values match, tensor for tensor and leaf for leaf: ``(equal, why)``.
+
+    Walks every container ``tensor_leaves`` walks, plus plain objects' attributes, and compares
+    non-tensor leaves by ``==``; never falls back to comparing types alone.
+    """
+    return _equal(a, b, (), exact, rtol, atol, 0)
+
+
+def _equal(a, b, path, exact, rtol, atol, depth) -> tuple:
+    where = path_text("output", path)
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+            return False, f"{where}: a tensor on one side only"
+        return _tensors_equal(a, b, where, exact, rtol, atol)
+    if type(a) is not type(b):
+        return False, f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if depth >= MAX_DEPTH:
+        return True, ""
+    ca, cb = _children(a, True), _children(b, True)
+    if ca is None or cb is None:
+        try:
+            same = bool(a == b)
+        except Exception:  # noqa: BLE001 - values without a usable == (arrays): compare identity
+            same = a is b
+        return (True, "") if same else (False, f"{where}: {a!r} vs {b!r}")
+    da, db = dict(ca), dict(cb)
+    if list(da) != list(db):
+        return False, f"{where}: keys {list(da)} vs {list(db)}"
+    for key in da:
+        ok, why = _equal(da[key], db[key], path + (key,), exact, rtol, atol, depth + 1)
+        if not ok:
+            return ok, why
+    return True, ""
+
+
+def _tensors_equal(a, b, where, exact, rtol, atol) -> tuple:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False, f"{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    if a.layout != torch.strided or b.layout != torch.strided:
+        a, b = _dense(a), _dense(b)
+    a, b = a.detach(), b.detach()
+    if exact:
+        same = torch.equal(a, b)
+        if not same and (a.is_floating_point() or a.is_complex()):  # NaN == NaN for bit-identical runs
+            same = bool(((a == b) | (a.isnan() & b.isnan())).all())
+    else:
+        same = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    return (True, "") if same else (False, f"{where}: values differ")
+
+
+def _dense(t: Tensor) -> Tensor:
+    if t.is_nested:
+        return torch.nested.to_padded_tensor(t, 0.0) if t.is_floating_point() else t.to_padded_tensor(0)
+    return t.to_dense()
