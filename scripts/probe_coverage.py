@@ -31,12 +31,12 @@ import warnings
 import torch
 
 from torchlens.capture.fastpath import FastPathShim
-from torchlens.capture.inventory import registry
 from torchlens.capture.mode import CaptureMode
 from torchlens.capture.source import FrameClassifier
 from torchlens.capture.state import CaptureState
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from inventory import registry  # noqa: E402
 from probe_recipes import RECIPES, SKIP  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Regenerate src/torchlens/capture/inventory.csv for the installed torch.
+"""Regenerate scripts/inventory.csv for the installed torch.
 
 Usage: ``python scripts/regen_inventory.py`` (then review ``git diff`` of the CSV and re-run
 ``python scripts/probe_coverage.py`` to refresh the docs table).
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from probe_coverage import probe_all  # noqa: E402
 
-from torchlens.capture import inventory  # noqa: E402
+import inventory  # noqa: E402
 from torchlens.labels.naming import func_name_of  # noqa: E402
 
 _RANDOM = ("bernoulli", "dropout", "rand", "normal", "multinomial", "poisson", "exponential_", "geometric_",

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import torchlens as tl
-from torchlens.capture import inventory
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+
+import inventory  # noqa: E402
 
 import probe_coverage  # noqa: E402
 import regen_inventory  # noqa: E402
