@@ -4,10 +4,12 @@ Runs every entry of the real-model corpus (tests/real_models.py) in every mode a
 mode:
 
 - ``same``: the traced output equals an untraced run bit for bit, and the trace drew exactly as much from
-  the RNG as the untraced run (both seeded alike);
+  the RNG as the untraced run (both seeded alike); ``draws``: whether the forward draws from the RNG;
 - ``replayed``, ``skipped`` (not replayed, of which ``random`` gave randomness as the reason) and
   ``mismatch`` from ``tl.validate``.  The trace is faithful whenever ``same`` holds, so every mismatch,
-  and an "outputs differ" verdict, is a false alarm;
+  and an "outputs differ" verdict, is a false alarm.  A forward that draws nothing has no random op,
+  and one that draws has at least one: ops listed as random otherwise are counted as wrongly random.
+  Validate must leave the RNG where one untraced forward would;
 - ``false passes``, out of the checks a faithful validator must fail: ``save="none"`` and
   ``cleanup()`` traces (nothing to check: "passed" is vacuous), ``PLANTS`` saved activations replaced by
   wrong values (validate must name each planted op's call), and a forward that computes something else when
@@ -54,13 +56,16 @@ def traced(model, args, kwargs, **trace_kwargs):
 
 
 def faithful(model, args, kwargs) -> tuple:
-    """``(same, why)``: traced output and RNG consumption equal an untraced run's."""
+    """``(same, why, draws)``: traced output and RNG consumption equal an untraced run's; whether the
+    forward draws from the RNG at all."""
+    torch.manual_seed(SEED)
+    start = torch.get_rng_state()
     expected, rng_expected = untraced(model, args, kwargs)
     log, rng_traced = traced(model, args, kwargs)
     same, why = structures_equal(log.output, expected)
     if same and not torch.equal(rng_expected, rng_traced):
         same, why = False, "the trace drew a different amount from the RNG"
-    return same, why
+    return same, why, not torch.equal(start, rng_expected)
 
 
 def is_random(reason: str) -> bool:
@@ -148,29 +153,40 @@ def wrong_output_missed(model, args, kwargs) -> int:
 def row(name, mode, plants):
     model, args, kwargs = real_models.build(name)
     with real_models.in_mode(model, mode):
-        same, why = faithful(model, args, kwargs)
+        same, why, draws = faithful(model, args, kwargs)
         torch.manual_seed(SEED)
         result = tl.validate(model, args, kwargs)
+        rng_kept = torch.equal(torch.get_rng_state(), untraced(model, args, kwargs)[1])
         random = sum(is_random(reason) for _, reason in result.not_replayed)
         alarms = len(result.mismatched) + (same and result.outputs_match is False)
+        # A forward that draws nothing has no random op; one that draws has at least one.
+        wrong_random = random if not draws else int(random == 0)
         vacuous = vacuous_passes(model, args, kwargs)
         planted, missed = planted_misses(model, args, kwargs, plants)
         wrong_out = wrong_output_missed(model, args, kwargs)
-    return {"model": name, "mode": mode, "same": same, "why": why, "replayed": result.replayed,
+    return {"model": name, "mode": mode, "same": same, "why": why, "draws": draws, "rng_kept": rng_kept,
+            "wrong_random": wrong_random, "replayed": result.replayed,
             "skipped": len(result.not_replayed), "random": random, "alarms": alarms,
             "mismatched": result.mismatched, "vacuous": vacuous, "planted": planted, "missed": missed,
             "wrong_out": wrong_out, "false_passes": vacuous + missed + wrong_out, "checks": 2 + planted + 1}
 
 
-HEADER = (f"{'model':<28}{'mode':<14}{'same':<6}{'replayed':>9}{'skipped':>8}{'random':>7}{'mismatch':>9}"
-          f"{'false passes':>16}")
+HEADER = (f"{'model':<28}{'mode':<14}{'same':<6}{'draws':<6}{'replayed':>9}{'skipped':>8}{'random':>7}"
+          f"{'mismatch':>9}{'false passes':>16}")
 
 
 def print_row(r) -> None:
-    print(f"{r['model']:<28}{r['mode']:<14}{'yes' if r['same'] else 'NO':<6}{r['replayed']:>9}{r['skipped']:>8}"
-          f"{r['random']:>7}{r['alarms']:>9}{r['false_passes']:>10} of {r['checks']:<3}", flush=True)
+    print(f"{r['model']:<28}{r['mode']:<14}{'yes' if r['same'] else 'NO':<6}{'yes' if r['draws'] else 'no':<6}"
+          f"{r['replayed']:>9}{r['skipped']:>8}{r['random']:>7}{r['alarms']:>9}"
+          f"{r['false_passes']:>10} of {r['checks']:<3}", flush=True)
     if not r["same"]:
         print(f"    not faithful: {r['why']}")
+    if r["wrong_random"] and r["draws"]:
+        print("    the forward draws from the RNG, but no op is listed as random")
+    elif r["wrong_random"]:
+        print(f"    {r['random']} ops listed as random, but the forward draws nothing from the RNG")
+    if not r["rng_kept"]:
+        print("    validate left the RNG elsewhere than one untraced forward would")
     for label, reason in r["mismatched"]:
         print(f"    MISMATCH {label}: {reason}")
     detail = []
@@ -214,6 +230,10 @@ def main(argv=None) -> int:
           f"(random: {sum(r['random'] for r in rows)})")
     print(f"false alarms (mismatches on faithful traces): {sum(r['alarms'] for r in rows)} "
           f"in {sum(bool(r['alarms']) for r in rows)} runs")
+    print(f"ops wrongly listed as random (or random ops missed): {sum(r['wrong_random'] for r in rows)} "
+          f"in {sum(bool(r['wrong_random']) for r in rows)} runs")
+    print(f"runs after which validate left the RNG elsewhere than one forward: "
+          f"{sum(not r['rng_kept'] for r in rows)}")
     print(f"false passes: {sum(r['false_passes'] for r in rows)} of {sum(r['checks'] for r in rows)} checks "
           f"(vacuous: {sum(r['vacuous'] for r in rows)}, planted activations missed: "
           f"{sum(r['missed'] for r in rows)} of {sum(r['planted'] for r in rows)}, changed outputs missed: "

@@ -6,8 +6,10 @@ Every entry of tests/real_models.py (``transformers`` models from small configs 
 
 - the traced output is bit-identical to an untraced run from the same seed, the trace draws exactly as
   much from the RNG, and nothing is left installed;
+- every tensor an op read is a recorded parent or parameter;
 - ``tl.validate`` finds no mismatch on these faithful traces, lists an op as random exactly when the
-  forward draws from the RNG, and leaves the RNG as one untraced forward would;
+  forward draws from the RNG, and leaves the RNG and the model's parameters and buffers as one untraced
+  forward would;
 - a wrong saved activation, and a trace with nothing saved, are never reported as a pass.
 
 The ``transformers`` entries skip when ``transformers`` is not installed.
@@ -47,12 +49,25 @@ def input_tensors(args, kwargs):
     return [t for _, t in tensor_leaves((args, kwargs))]
 
 
+def state_of(model) -> dict:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def rewind(model, state) -> None:
+    """Parameters and buffers back to ``state`` (train-mode BatchNorm updates its running stats)."""
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            t.copy_(state[name])
+
+
 @pytest.mark.parametrize("name, mode", CASES)
 def test_traces_bit_identically(name, mode):
     model, args, kwargs = entry(name)
     with in_mode(model, mode):
+        start = state_of(model)
         expected, _ = untraced(model, args, kwargs)
         after_untraced = torch.get_rng_state()
+        rewind(model, start)
         before = snapshot(model, input_tensors(args, kwargs))
         torch.manual_seed(SEED)
         log = tl.trace(model, args, kwargs)
@@ -61,18 +76,25 @@ def test_traces_bit_identically(name, mode):
     same, why = structures_equal(log.output, expected)
     assert same, why
     assert torch.equal(after_traced, after_untraced), "the trace drew a different amount from the RNG"
-    assert sum(op.kind == "op" for op in log.ops) > 0
+    ops = [op for op in log.ops if op.kind == "op"]
+    assert ops
+    # A complete graph: every tensor an op read is a recorded parent or parameter, none held live in its
+    # recorded arguments, none from outside the trace.
+    assert [op.label for op in ops if tensor_leaves((op.args, op.kwargs))] == []
+    assert [op.label for op in ops if op.unattributed_args] == []
 
 
 @pytest.mark.parametrize("name, mode", CASES)
 def test_validates_without_false_alarms(name, mode):
     model, args, kwargs = entry(name)
     with in_mode(model, mode):
+        start = state_of(model)
         _, draws = untraced(model, args, kwargs)
-        after_one_forward = torch.get_rng_state()
+        after_one_forward = torch.get_rng_state(), state_of(model)
+        rewind(model, start)
         torch.manual_seed(SEED)
         result = tl.validate(model, args, kwargs)
-        after_validate = torch.get_rng_state()
+        after_validate = torch.get_rng_state(), state_of(model)
     assert result.outputs_match is True, str(result)
     assert result.mismatched == [], str(result)
     assert result.replayed > 0
@@ -81,7 +103,9 @@ def test_validates_without_false_alarms(name, mode):
         assert random, f"the forward draws from the RNG, but no op is listed as random:\n{result}"
     else:
         assert not random, f"the forward draws nothing from the RNG, yet these are listed as random: {random}"
-    assert torch.equal(after_validate, after_one_forward), "validate left the RNG elsewhere than one forward"
+    assert torch.equal(after_validate[0], after_one_forward[0]), "validate left the RNG elsewhere than one forward"
+    same, why = structures_equal(after_validate[1], after_one_forward[1])
+    assert same, f"validate left the model's state elsewhere than one forward: {why}"
 
 
 def test_train_mode_draws_where_dropout_is_active():
@@ -131,7 +155,8 @@ def test_a_wrong_saved_activation_is_named(name):
             planted.activation.add_(1.0)  # as a user writing into a saved tensor (through NumPy, say) would
         result = log.validate()
     assert not result.passed
-    assert planted.label in {label for label, _ in result.mismatched}, str(result)
+    named = {label for label, _ in result.mismatched + result.not_replayed}
+    assert planted.label in named, str(result)
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
