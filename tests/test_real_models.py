@@ -17,6 +17,8 @@ The ``transformers`` entries skip when ``transformers`` is not installed.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections import Counter
 
 import pytest
@@ -170,3 +172,16 @@ def test_nothing_saved_is_not_a_pass(name):
         result = log.validate()
         assert result.replayed == 0
         assert not result.passed, f"nothing was checked, yet: {result}"
+
+
+def test_corpus_script_counts_every_run(capsys):
+    # scripts/validate_corpus.py is how the false-alarm and false-pass figures are produced: keep it running.
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "validate_corpus.py")
+    spec = importlib.util.spec_from_file_location("validate_corpus", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["lstm", "gru", "--modes", "eval,train", "--plants", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "runs: 4 (2 models x 2 modes), crashed: 0" in out
+    assert "traced == untraced: 4 of 4" in out
+    assert "planted activations missed: 0 of 8" in out, out
