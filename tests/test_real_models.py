@@ -131,11 +131,13 @@ def test_inference_path_takes_the_fast_path_with_nested_tensors():
     assert "_transformer_encoder_layer_fwd" in names and "_nested_tensor_from_mask" in names, names
 
 
-def _replayed_op(log, result):
+def _replayed_op(log, result, model):
     """A single-output op validate replayed whose saved float output shares its memory with no other
-    saved tensor (a write into a shared one would make its neighbours wrong too)."""
+    saved tensor (a write into a shared one would make its neighbours wrong too) and with no parameter
+    or buffer of the model (``weight.t()`` does)."""
     skipped = {label for label, _ in result.mismatched + result.not_replayed}
     saved = [op.activation for op in log.ops if op.has_activation and isinstance(op.activation, torch.Tensor)]
+    saved += list(model.state_dict().values())
     sharing = Counter(t.untyped_storage().data_ptr() for t in saved if t.layout == torch.strided)
     candidates = [op for op in log.ops if op.kind == "op" and op.label not in skipped and op.has_activation
                   and op.multi_output_index is None and isinstance(op.activation, torch.Tensor)
@@ -152,7 +154,7 @@ def test_a_wrong_saved_activation_is_named(name):
     with in_mode(model, "eval"):
         torch.manual_seed(SEED)
         log = tl.trace(model, args, kwargs)
-        planted = _replayed_op(log, log.validate())
+        planted = _replayed_op(log, log.validate(), model)
         with torch.no_grad():
             planted.activation.add_(1.0)  # as a user writing into a saved tensor (through NumPy, say) would
         result = log.validate()
