@@ -6,6 +6,10 @@ no pretrained weights, ``HF_HUB_OFFLINE`` set) and the recurrent and transformer
 whole corpus traces and validates in seconds.  Builders import ``transformers`` lazily: the ``torch.nn``
 entries work without it.
 
+Dropout is left at each config's default except where noted, so train mode covers both active dropout
+(GPT-2, BERT, T5, BART, DETR, Llama's attention, Swin's stochastic depth, the ``torch.nn`` entries) and
+dropout with ``p=0`` (Whisper, ViT, Mistral, Qwen2), which draws nothing and is deterministic.
+
 ``build(name)`` is cached, so tests and ``scripts/validate_corpus.py`` share one model per entry;
 ``in_mode(model, mode)`` sets one of ``MODES`` up around a run, and callers seed the RNG before each run.
 """
@@ -63,8 +67,9 @@ def bert():
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(**_DECODER)), (), {"input_ids": _tokens(),
-                                                            "attention_mask": _attention_mask()}
+    # Attention dropout on: train mode draws inside SDPA (dropout_p > 0) with grouped-query attention.
+    config = LlamaConfig(**_DECODER, attention_dropout=0.1)
+    return LlamaForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
 
 
 def mistral():
