@@ -1,0 +1,253 @@
+"""The real-model corpus: standard architectures at tiny sizes, with random weights.
+
+Each entry builds ``(model, args, kwargs)``: ``transformers`` models from small configs (no download,
+no pretrained weights, ``HF_HUB_OFFLINE`` set) and the recurrent and transformer layers of
+``torch.nn``.  Sizes are tiny (hidden 32, one or two layers, sequences of 8, images of 32 pixels) so the
+whole corpus traces and validates in seconds.  Builders import ``transformers`` lazily: the ``torch.nn``
+entries work without it.
+
+Dropout is left at each config's default except where noted, so train mode covers both active dropout
+(GPT-2, BERT, T5, BART, DETR, Llama's attention, Swin's stochastic depth, the ``torch.nn`` entries) and
+dropout with ``p=0`` (Whisper, ViT, Mistral, Qwen2), which draws nothing and is deterministic.
+
+``build(name)`` is cached, so tests and ``scripts/validate_corpus.py`` share one model per entry;
+``in_mode(model, mode)`` sets one of ``MODES`` up around a run, and callers seed the RNG before each run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import torch.nn as nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing here may reach the network
+
+SEQ = 8
+VOCAB = 99
+HIDDEN = 32
+IMAGE = 32
+
+
+def _tokens(batch=2, seq=SEQ, vocab=VOCAB):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _attention_mask(batch=2, seq=SEQ):
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, -3:] = 0  # the second sequence is padded: masking paths run, not just the all-ones shortcut
+    return mask
+
+
+def _image(batch=2, size=IMAGE, channels=3):
+    return torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(2))
+
+
+_DECODER = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)
+    return GPT2LMHeadModel(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        vocab_size=VOCAB, max_position_embeddings=64)
+    return BertForSequenceClassification(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # Attention dropout on: train mode draws inside SDPA (dropout_p > 0) with grouped-query attention.
+    config = LlamaConfig(**_DECODER, attention_dropout=0.1)
+    return LlamaForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(**_DECODER, sliding_window=4)), (), {"input_ids": _tokens()}
+
+
+def qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**_DECODER)), (), {"input_ids": _tokens(),
+                                                            "attention_mask": _attention_mask()}
+
+
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      vocab_size=VOCAB, decoder_start_token_id=0, pad_token_id=0)
+    kwargs = {"input_ids": _tokens(), "attention_mask": _attention_mask(), "labels": _tokens(seq=5)}
+    return T5ForConditionalGeneration(config), (), kwargs
+
+
+def bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                        max_position_embeddings=64)
+    kwargs = {"input_ids": _tokens(), "attention_mask": _attention_mask(), "decoder_input_ids": _tokens(seq=5)}
+    return BartForConditionalGeneration(config), (), kwargs
+
+
+def whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                           num_mel_bins=16, max_source_positions=16, max_target_positions=16,
+                           decoder_start_token_id=1, pad_token_id=0)
+    features = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))  # 32 frames -> 16 positions
+    return WhisperForConditionalGeneration(config), (), {"input_features": features,
+                                                         "decoder_input_ids": _tokens(seq=5)}
+
+
+def vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                       image_size=IMAGE, patch_size=8, num_labels=3)
+    return ViTForImageClassification(config), (_image(),), {}
+
+
+def swin():
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(image_size=IMAGE, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                        window_size=4, num_labels=3)
+    return SwinForImageClassification(config), (_image(),), {}
+
+
+def convnext():
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    config = ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3)
+    return ConvNextForImageClassification(config), (_image(),), {}
+
+
+def resnet():
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+                          num_labels=3)
+    return ResNetForImageClassification(config), (_image(),), {}
+
+
+def detr():
+    from transformers import DetrConfig, DetrForObjectDetection, ResNetConfig
+
+    # A transformers ResNet backbone from its config: no timm, no pretrained download.
+    backbone = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+                            out_features=["stage2"])
+    config = DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
+                        d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5,
+                        num_labels=3)
+    return DetrForObjectDetection(config), (), {"pixel_values": _image(size=64)}
+
+
+def clip():
+    from transformers import CLIPConfig, CLIPModel
+
+    text = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                vocab_size=VOCAB, max_position_embeddings=SEQ)
+    vision = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  image_size=IMAGE, patch_size=8)
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    kwargs = {"input_ids": _tokens(), "attention_mask": _attention_mask(), "pixel_values": _image()}
+    return CLIPModel(config), (), kwargs
+
+
+def mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(hidden_size=HIDDEN, state_size=8, num_hidden_layers=2, vocab_size=VOCAB, expand=2,
+                         conv_kernel=4)
+    return MambaForCausalLM(config), (), {"input_ids": _tokens()}
+
+
+class Recurrent(nn.Module):
+    """Two-layer LSTM and GRU, with dropout between layers (active in train mode)."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn = cell(12, HIDDEN, num_layers=2, batch_first=True, dropout=0.1)
+        self.head = nn.Linear(HIDDEN, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def _sequence(batch=2, seq=SEQ, width=12):
+    return torch.randn(batch, seq, width, generator=torch.Generator().manual_seed(4))
+
+
+def lstm():
+    return Recurrent(nn.LSTM), (_sequence(),), {}
+
+
+def gru():
+    return Recurrent(nn.GRU), (_sequence(),), {}
+
+
+def _encoder():
+    layer = nn.TransformerEncoderLayer(HIDDEN, nhead=4, dim_feedforward=64, batch_first=True)  # dropout 0.1
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True)
+
+
+def transformer_encoder():
+    return _encoder(), (_sequence(width=HIDDEN),), {}
+
+
+def transformer_encoder_padded():
+    padding = torch.zeros(2, SEQ, dtype=torch.bool)
+    padding[1, -3:] = True
+    return _encoder(), (_sequence(width=HIDDEN),), {"src_key_padding_mask": padding}
+
+
+TRANSFORMERS = {f.__name__: f for f in (gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, vit, swin,
+                                        convnext, resnet, detr, clip, mamba)}
+TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
+CORPUS = {**TRANSFORMERS, **TORCH_NN}
+
+
+@functools.lru_cache(maxsize=None)
+def build(name):
+    """``(model, args, kwargs)`` for corpus entry ``name``, built once per process with seed 0."""
+    torch.manual_seed(0)
+    model, args, kwargs = CORPUS[name]()
+    if hasattr(model, "config"):
+        model.config.use_cache = False  # a KV cache object in the output is not what the corpus tests
+    return model, args, kwargs
+
+
+# eval with gradients on (the LSTM/GRU and attention paths that pick kernels by requires_grad), eval under
+# no_grad (the standard inference path: the fast MHA path and nested tensors), and train (dropout active).
+MODES = ("eval", "eval_no_grad", "train")
+
+
+@contextlib.contextmanager
+def in_mode(model, mode):
+    """Put ``model`` in ``mode`` (one of ``MODES``) for the duration of the block."""
+    model.train(mode == "train")
+    grad = torch.no_grad() if mode == "eval_no_grad" else torch.enable_grad()
+    try:
+        with grad:
+            yield
+    finally:
+        model.eval()
