@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..capture.mode import _predicts_inplace
-from ..capture.state import BUFFER, INPUT, CaptureState
+from ..capture.state import BUFFER, INPUT, CaptureState, ReplayContext
 from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
 from ..labels.passes import group_ops
 from .model_index import ModelIndex
@@ -79,7 +79,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
                 call._op_nodes.append(i)
                 call = call.parent
 
-    return Trace(
+    trace = Trace(
         model_name=model_name,
         calls=calls,
         kind=kind,
@@ -111,6 +111,9 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         alias_reads=state.alias_reads,
         index=index,
     )
+    trace._replay = ReplayContext(state.context, state.contexts, state.param_writes,
+                                  {id(p): p._version for _, p in index.params})
+    return trace
 
 
 def _writes_receiver(call) -> bool:
