@@ -12,6 +12,7 @@ import dataclasses
 import os
 import threading
 
+import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -401,3 +402,22 @@ def test_a_list_is_one_positional_argument_whatever_its_length():
         assert_trusted(tl.validate(total, xs))
     pair = (torch.ones(2), torch.ones(2))
     assert torch.equal(tl.trace(torch.add, pair).output, torch.add(*pair))  # a tuple is the arguments
+
+
+class SumsAList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, xs):
+        return self.fc(xs[0] + xs[1])
+
+
+def test_extract_follows_the_same_rule(tmp_path):
+    model = SumsAList().eval()
+    batches = [[torch.randn(4, 3), torch.randn(4, 3)] for _ in range(2)]  # each batch: one list argument
+    tl.extract(model, batches, ["fc"], tmp_path / "x", progress=False)
+    rows = torch.from_numpy(numpy.array(tl.load_extracted(tmp_path / "x")["fc"]))
+    with torch.no_grad():
+        expected = torch.cat([model(b) for b in batches])
+    assert torch.equal(rows, expected)

@@ -271,8 +271,8 @@ def _scan_container(st, value, key, parents, versions):
     ``cat(tensors=[a, b])``), at positions ``(key, *path)``; returns the argument as recorded (a copy
     with its tensors blanked, so a list the model mutates later cannot rewrite the record) and the
     parameters found, if any."""
-    if type(value) is tuple and not _holds_walkable(value):  # the common case: a shape or dims
-        return value, None
+    if isinstance(value, tuple) and not _holds_walkable(value):  # the common case: a shape or dims
+        return value, None  # immutable all the way down: held as it is
     found = None
     for path, t in tensor_leaves(value, (key,)):
         versions.append((t, t._version))
