@@ -82,6 +82,30 @@ def strip(obj, depth: int = 0):
     return obj  # other values are kept as they are (immutable in practice: numbers, dtypes, slices)
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None), slice, type(Ellipsis), torch.dtype, torch.device)
+
+
+def split(obj, path: tuple = ()) -> tuple:
+    """``(tensor_leaves(obj, path), strip(obj))`` in one pass; flat lists and tuples of tensors and
+    plain values (``torch.cat([a, b])``, ``x[..., idx]``), the common case on the capture hot path,
+    take one loop."""
+    if type(obj) is list or type(obj) is tuple:
+        leaves, inner = [], None
+        for i, item in enumerate(obj):
+            if isinstance(item, Tensor):
+                if inner is None:
+                    inner = list(obj)
+                inner[i] = None
+                leaves.append((path + (i,), item))
+            elif not isinstance(item, _PLAIN):
+                break  # something nested: the general walk
+        else:
+            if inner is None:
+                return leaves, list(obj) if type(obj) is list else obj
+            return leaves, inner if type(obj) is list else tuple(inner)
+    return tensor_leaves(obj, path), strip(obj)
+
+
 def fill(skeleton, tensors: dict, path: tuple = ()):
     """Rebuild a value from ``strip``'s skeleton and ``{path: tensor}``."""
     if path in tensors:

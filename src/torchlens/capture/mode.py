@@ -25,7 +25,7 @@ try:  # torch >= 2.10; deep capture re-enters Python-level torch functions throu
 except ImportError:  # pragma: no cover - older torch
     redispatch_function = None
 
-from ..tree import strip, tensor_leaves
+from ..tree import split
 from .source import FrameClassifier
 from .state import CaptureState, storage_key
 
@@ -68,6 +68,7 @@ _INPLACE_DUNDERS = frozenset(
 _inplace_cache: dict = {}
 _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
 _WALKED = (Tensor, list, tuple, dict)
+_Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
 
 
@@ -127,7 +128,7 @@ class CaptureMode(TorchFunctionMode):
                     parents.append((pos, entry[1]))
                 else:
                     parents.append((pos, st.producer_of(a)))
-            elif isinstance(a, _CONTAINERS):  # walked only when it holds a tensor or a mutable container
+            elif isinstance(a, _CONTAINERS) and type(a) is not _Size:  # walked when it may hold a tensor
                 inner, found = _scan_container(st, a, pos, parents, versions)
                 if found:
                     params = (params or []) + found
@@ -274,7 +275,8 @@ def _scan_container(st, value, key, parents, versions):
     if isinstance(value, tuple) and not _holds_walkable(value):  # the common case: a shape or dims
         return value, None  # immutable all the way down: held as it is
     found = None
-    for path, t in tensor_leaves(value, (key,)):
+    leaves, inner = split(value, (key,))
+    for path, t in leaves:
         versions.append((t, t._version))
         if type(t) is Parameter:
             if found is None:
@@ -282,7 +284,7 @@ def _scan_container(st, value, key, parents, versions):
             found.append((path, t))
         else:
             parents.append((path, st.producer_of(t)))
-    return strip(value), found
+    return inner, found
 
 
 def _holds_walkable(items) -> bool:
