@@ -67,7 +67,6 @@ _INPLACE_DUNDERS = frozenset(
 )
 _inplace_cache: dict = {}
 _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
-_WALKED = (Tensor, list, tuple, dict)
 _Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
 
@@ -272,10 +271,8 @@ def _scan_container(st, value, key, parents, versions):
     ``cat(tensors=[a, b])``), at positions ``(key, *path)``; returns the argument as recorded (a copy
     with its tensors blanked, so a list the model mutates later cannot rewrite the record) and the
     parameters found, if any."""
-    if isinstance(value, tuple) and not _holds_walkable(value):  # the common case: a shape or dims
-        return value, None  # immutable all the way down: held as it is
+    leaves, inner = split(value, (key,))  # a flat tuple without tensors comes back as it is
     found = None
-    leaves, inner = split(value, (key,))
     for path, t in leaves:
         versions.append((t, t._version))
         if type(t) is Parameter:
@@ -285,13 +282,6 @@ def _scan_container(st, value, key, parents, versions):
         else:
             parents.append((path, st.producer_of(t)))
     return inner, found
-
-
-def _holds_walkable(items) -> bool:
-    for item in items:
-        if isinstance(item, _WALKED):
-            return True
-    return False
 
 
 def _made_since(producers, t, first_record: int) -> bool:

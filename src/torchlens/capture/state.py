@@ -6,8 +6,8 @@ Layout of the raw lists (read only by ``record.finalize``):
   t0_ns, t1_ns, first_record, num_outputs, wrote_arguments, site)`` for one tensor-producing torch call;
   ``code, line`` locate the user's frame (``line`` is an instruction offset: see ``source.line_of``),
   ``site`` the nearest calling frame (see capture/source.py).
-  ``parents`` is a tuple of ``(argument position, record index)``; a position is an int, an
-  ``(int, int)`` pair for a tensor inside a list argument, or a keyword name.  Record index -1 means a
+  ``parents`` is a tuple of ``(argument position, record index)``; a position is an int, a keyword
+  name, or a path tuple for a tensor inside a container argument (below).  Record index -1 means a
   tensor capture never saw being made (see ``Trace.unattributed``).  ``params`` holds
   ``(argument position, Parameter)`` pairs; parameters are metadata on ops, not graph nodes.
 - ``records[r]``: ``(call, slot, shape, dtype, device, requires_grad, grad_fn_class)`` for one tensor
@@ -37,8 +37,7 @@ INPUT = -1
 BUFFER = -2
 
 # Fields of a raw call tuple read outside the hot path.
-CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARENTS, CALL_PARAMS = 0, 1, 2, 3, 4
-CALL_FIRST_RECORD, CALL_NUM_OUTPUTS = 10, 11
+CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARENTS, CALL_PARAMS, CALL_NUM_OUTPUTS = 0, 1, 2, 3, 4, 11
 
 
 def grad_and_autocast() -> tuple:
