@@ -421,3 +421,11 @@ def test_extract_follows_the_same_rule(tmp_path):
     with torch.no_grad():
         expected = torch.cat([model(b) for b in batches])
     assert torch.equal(rows, expected)
+
+
+def test_a_bound_method_is_validated_on_a_copy_of_its_module():
+    torch.manual_seed(0)
+    model, x = Stateful(), torch.randn(2, 3)
+    result = tl.validate(model.forward, x)
+    assert_trusted(result)
+    assert result.outputs_match is True and model.calls == 1

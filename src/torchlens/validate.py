@@ -194,15 +194,16 @@ def _reference_output(model, args: tuple, kwargs: dict):
     everything a forward can change restored afterwards."""
     memo: dict = {}
     args, kwargs = clone_inputs(args, memo), clone_inputs(kwargs, memo)
+    owner = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
     reference = None
-    if isinstance(model, torch.nn.Module):
+    if isinstance(owner, torch.nn.Module):  # a module, or a bound method of one (copied with it)
         try:
             reference = copy.deepcopy(model)
         except Exception:  # noqa: BLE001 - locks, open files, C++ handles: fall back to restoring
             reference = None
     if reference is not None:
         return reference(*args, **kwargs)
-    state = ModelState(model)
+    state = ModelState(owner if isinstance(owner, torch.nn.Module) else model)
     try:
         return model(*args, **kwargs)
     finally:
