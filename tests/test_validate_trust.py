@@ -429,3 +429,20 @@ def test_a_bound_method_is_validated_on_a_copy_of_its_module():
     result = tl.validate(model.forward, x)
     assert_trusted(result)
     assert result.outputs_match is True and model.calls == 1
+
+
+class SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        h = x * 1.0  # an op output passed as query, key and value: one tensor, three times
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_a_tensor_passed_twice_replays_as_one_tensor():
+    torch.manual_seed(0)
+    result = tl.validate(SelfAttention(), torch.randn(2, 5, 16))
+    assert_trusted(result)
+    assert not result.not_replayed

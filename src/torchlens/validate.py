@@ -290,6 +290,7 @@ def _replay_problem(log, op, rng: RngState):
     replay = getattr(log, "_replay", None)
     context = replay.contexts.get(call_index, replay.context) if replay is not None else None
     positional, keyword = {}, {}
+    copies: dict = {}  # one copy per parent: a tensor passed twice stays one tensor (``query is key``)
     for position, parent in call[CALL_PARENTS]:
         if parent < 0:
             return _skip("a tensor argument came from outside the trace")
@@ -298,8 +299,9 @@ def _replay_problem(log, op, rng: RngState):
         if (call_index, parent) in log._alias_reads:
             return _skip(f"it read {log._labels[parent]}'s storage after a write through a view, a value "
                          "that no op output holds")
-        requires_grad = log._meta[parent][3]
-        _put(positional, keyword, position, _private_copy(log._activations[parent], requires_grad))
+        if parent not in copies:
+            copies[parent] = _private_copy(log._activations[parent], log._meta[parent][3])
+        _put(positional, keyword, position, copies[parent])
     for position, param in call[CALL_PARAMS]:
         value, why = _param_as_it_ran(log, replay, param, call_index)
         if why is not None:
