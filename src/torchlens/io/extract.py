@@ -35,8 +35,9 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
-        inputs: an iterable of batches (a list, a generator, a ``DataLoader``).  A batch is a tensor or a
-            tuple/list of positional arguments; give ``args_of`` to pick them out of richer batches
+        inputs: an iterable of batches (a list, a generator, a ``DataLoader``).  A batch follows
+            ``tl.trace``'s rule: a tuple is the positional arguments, any other value (a tensor, a
+            list, a dict) the single positional argument; give ``args_of`` to pick them out of richer batches
             (``args_of=lambda batch: batch[0]`` drops the labels of an ``(x, y)`` loader).  The order must
             be the same on every run for a resume to be valid.
         layers: what to keep, each naming one op per batch: an op label (``linear_1_1:2``), a single-pass
