@@ -446,3 +446,26 @@ def test_a_tensor_passed_twice_replays_as_one_tensor():
     result = tl.validate(SelfAttention(), torch.randn(2, 5, 16))
     assert_trusted(result)
     assert not result.not_replayed
+
+
+class AutocastDtypeInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)  # the trace-wide autocast: bfloat16
+        with torch.autocast("cpu", enabled=False):
+            f = self.fc(x)
+        return h.float() + f
+
+
+def test_autocast_changed_inside_a_traced_autocast_region_replays_as_it_ran():
+    torch.manual_seed(0)
+    model, x = AutocastDtypeInside(), torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log = tl.trace(model, x)
+    assert [op.dtype for op in log.ops if op.type == "linear"] == [torch.bfloat16, torch.float32]
+    result = log.validate()  # outside the region: each op gets its own autocast state back
+    assert_trusted(result)
+    assert not result.not_replayed
