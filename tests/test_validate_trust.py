@@ -469,3 +469,11 @@ def test_autocast_changed_inside_a_traced_autocast_region_replays_as_it_ran():
     result = log.validate()  # outside the region: each op gets its own autocast state back
     assert_trusted(result)
     assert not result.not_replayed
+
+
+def test_parameters_replay_with_the_requires_grad_flag_they_had_in_the_forward():
+    torch.manual_seed(0)
+    model = ParamMaskAttention()
+    log = tl.trace(model, torch.randn(2, 2, 6, 8))
+    model.requires_grad_(False)  # frozen after the trace: replay still runs the kernel the forward ran
+    assert_trusted(log.validate())

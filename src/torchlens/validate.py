@@ -366,7 +366,8 @@ def _param_as_it_ran(log, replay, param, call_index: int) -> tuple:
                       "validate right after tracing")
     copied = _copy_with_layout(value.detach())
     if copied.is_floating_point() or copied.is_complex():
-        copied.requires_grad_(param.requires_grad)
+        flags = replay.param_requires_grad if replay is not None else {}
+        copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
     return copied, None
 
 

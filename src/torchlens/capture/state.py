@@ -53,6 +53,7 @@ class ReplayContext(NamedTuple):
     contexts: dict  # call index -> grad_and_autocast() where a call ran under another state
     param_writes: dict  # id(Parameter) -> [(call index, value before the write or None)]
     param_versions: dict  # id(Parameter) -> version when the forward ended
+    param_requires_grad: dict  # id(Parameter) -> its requires_grad flag during the forward
 
 
 def storage_key(t: torch.Tensor) -> int:

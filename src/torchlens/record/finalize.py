@@ -101,7 +101,8 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         index=index,
     )
     trace._replay = ReplayContext(state.context, state.contexts, state.param_writes,
-                                  {id(p): p._version for _, p in index.params})
+                                  {id(p): p._version for _, p in index.params},
+                                  {id(p): p.requires_grad for _, p in index.params})
     return trace
 
 
