@@ -224,9 +224,11 @@ def validate(model, args=(), kwargs=None, **trace_kwargs) -> ValidationResult:
     call_args = as_args(args)
     kwargs = dict(kwargs or {})
     before = RngState()
-    expected = _reference_output(model, call_args, kwargs)
-    after = RngState()
-    before.restore()
+    try:
+        expected = _reference_output(model, call_args, kwargs)
+        after = RngState()
+    finally:
+        before.restore()  # the traced forward draws what the untraced one drew
     try:
         log = trace(model, call_args, kwargs, save="all", **trace_kwargs)
         result = validate_trace(log)
