@@ -227,8 +227,8 @@ class CaptureMode(TorchFunctionMode):
                 if written is None:
                     written = []
                 written.append(v)
-        if _grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast:
-            st.note_context(call_index)  # replay runs it under the same grad mode and autocast
+        if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
+            st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
         # Compact for long traces: tuples, and one shared empty dict for the common no-keyword call.
         st.calls.append((func, tuple(skeleton) if skeleton is not None else args,
                          kw_skeleton if kw_skeleton else _NO_KWARGS, tuple(parents), params or (), module_call,
