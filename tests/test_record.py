@@ -238,7 +238,7 @@ def test_tensor_from_outside_the_trace_is_counted_as_unattributed():
     assert "outside the trace" in str(log)
 
 
-def test_list_argument_is_one_input_per_tensor_when_forward_takes_one_parameter():
+def test_a_list_is_one_positional_argument_with_one_input_per_tensor():
     def f(xs):
         return torch.stack(xs).sum(0)
 

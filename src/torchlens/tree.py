@@ -82,6 +82,30 @@ def strip(obj, depth: int = 0):
     return obj  # other values are kept as they are (immutable in practice: numbers, dtypes, slices)
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None), slice, type(Ellipsis), torch.dtype, torch.device)
+
+
+def split(obj, path: tuple = ()) -> tuple:
+    """``(tensor_leaves(obj, path), strip(obj))`` in one pass; flat lists and tuples of tensors and
+    plain values (``torch.cat([a, b])``, ``x[..., idx]``), the common case on the capture hot path,
+    take one loop."""
+    if type(obj) is list or type(obj) is tuple:
+        leaves, inner = [], None
+        for i, item in enumerate(obj):
+            if isinstance(item, Tensor):
+                if inner is None:
+                    inner = list(obj)
+                inner[i] = None
+                leaves.append((path + (i,), item))
+            elif not isinstance(item, _PLAIN):
+                break  # something nested: the general walk
+        else:
+            if inner is None:
+                return leaves, list(obj) if type(obj) is list else obj
+            return leaves, inner if type(obj) is list else tuple(inner)
+    return tensor_leaves(obj, path), strip(obj)
+
+
 def fill(skeleton, tensors: dict, path: tuple = ()):
     """Rebuild a value from ``strip``'s skeleton and ``{path: tensor}``."""
     if path in tensors:
@@ -141,6 +165,8 @@ def _equal(a, b, path, exact, rtol, atol, depth) -> tuple:
 def _tensors_equal(a, b, where, exact, rtol, atol) -> tuple:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False, f"{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare
+        return (True, "") if a.is_meta and b.is_meta else (False, f"{where}: a meta tensor on one side only")
     if a.layout != torch.strided or b.layout != torch.strided:
         a, b = _dense(a), _dense(b)
     a, b = a.detach(), b.detach()
@@ -157,3 +183,13 @@ def _dense(t: Tensor) -> Tensor:
     if t.is_nested:
         return torch.nested.to_padded_tensor(t, 0.0) if t.is_floating_point() else t.to_padded_tensor(0)
     return t.to_dense()
+
+
+def as_args(value) -> tuple:
+    """The positional arguments a forward is called with, by one rule and no guessing.
+
+    A tuple is the positional arguments; any other value (a tensor, a list, a dict, ...) is the one
+    positional argument.  So ``trace(model, (a, b))`` calls ``model(a, b)`` and ``trace(model, [a, b])``
+    calls ``model([a, b])``; to pass one tuple as the only argument, wrap it: ``((a, b),)``.
+    """
+    return value if isinstance(value, tuple) else (value,)

@@ -1,9 +1,15 @@
 """Validation by replay: does the trace describe what the model really computed?
 
-``tl.validate(model, x)`` runs the model untraced (on cloned inputs, RNG and state restored afterwards),
-traces it, checks the traced outputs equal the untraced ones bit for bit, and replays every op from its
-saved parents and recorded non-tensor arguments.  ``trace.validate()`` does the replay part on an
-existing trace that saved its activations.
+``tl.validate(model, x)`` runs an untraced reference forward on a copy of the model, traces the model
+itself, checks the traced outputs equal the reference bit for bit, and replays every op from its saved
+parents and recorded non-tensor arguments.  ``trace.validate()`` does the replay part on an existing
+trace that saved its activations.
+
+Replay runs each op as it ran: under its grad mode and autocast state, with its inputs' ``requires_grad``
+flags, on private copies of its inputs and of the parameters as they were when it ran (CPU kernels
+differ with these: ``torch.lstm`` and attention pick other kernels without grad).  It never writes
+model state, and it decides that an op is random by what it did, not by its name: an op whose replay
+moved a random number generator is reported as not replayed, and the generators are put back.
 """
 
 from __future__ import annotations
@@ -14,41 +20,61 @@ from dataclasses import dataclass, field
 
 import torch
 
-_RANDOM_FUNCS = frozenset([
-    "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
-    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
-    "bernoulli_", "multinomial", "normal", "normal_", "uniform_", "exponential_", "geometric_",
-    "cauchy_", "log_normal_", "random_", "poisson", "rrelu", "rrelu_", "native_dropout",
-])
-
+from .capture.state import CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS, CALL_PARAMS, CALL_PARENTS
+from .tree import as_args, fill, strip, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
+
+PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
+RANDOM = "random: consumed the RNG (replay would draw other numbers)"
 
 
 @dataclass
 class ValidationResult:
-    """What validation checked and found; ``passed`` is the one-word verdict."""
+    """What validation checked and found.
+
+    ``status`` is ``"passed"``, ``"failed"`` or ``"nothing to replay"`` (nothing was checked: no saved
+    activations, a cleaned-up trace, or no op that could run again); ``passed`` and ``bool(result)`` are
+    True only for ``"passed"``.
+    """
 
     outputs_match: bool | None = None
     replayed: int = 0
     mismatched: list = field(default_factory=list)  # (label, reason)
     not_replayed: list = field(default_factory=list)  # (label, reason)
+    outputs_differ: str = ""  # where the traced and untraced outputs differ, when they do
+    nothing_reason: str = ""  # why nothing could be replayed, when nothing was
+
+    @property
+    def status(self) -> str:
+        if self.outputs_match is False or self.mismatched:
+            return FAILED
+        if self.replayed == 0 and self.outputs_match is None:
+            return NOTHING_TO_REPLAY
+        return PASSED
 
     @property
     def passed(self) -> bool:
-        return self.outputs_match is not False and not self.mismatched
+        return self.status == PASSED
 
     def __bool__(self) -> bool:
         return self.passed
 
     def __str__(self) -> str:
-        lines = [f"validation {'passed' if self.passed else 'FAILED'}: {self.replayed} ops replayed exactly"]
+        status = self.status
+        if status == NOTHING_TO_REPLAY:
+            lines = [f"validation: NOTHING TO REPLAY, nothing was checked: "
+                     f"{self.nothing_reason or 'no op could be replayed'}"]
+        else:
+            verdict = "passed" if status == PASSED else "FAILED"
+            lines = [f"validation {verdict}: {self.replayed} ops replayed exactly"]
         if self.outputs_match is not None:
-            lines.append(f"  outputs equal an untraced run: {self.outputs_match}")
+            lines.append(f"  outputs equal an untraced run: {self.outputs_match}"
+                         + (f" ({self.outputs_differ})" if self.outputs_differ else ""))
         for label, reason in self.mismatched:
             lines.append(f"  MISMATCH {label}: {reason}")
         if self.not_replayed:
-            lines.append(f"  {len(self.not_replayed)} ops could not be replayed:")
+            lines.append(f"  {len(self.not_replayed)} ops not replayed:")
             for label, reason in self.not_replayed[:20]:
                 lines.append(f"    {label}: {reason}")
         return "\n".join(lines)
@@ -58,42 +84,90 @@ def tensors_equal(a, b) -> bool:
     """Bit-for-bit equality that treats NaNs in the same places as equal."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return a == b
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
     if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare
-        return a.is_meta and b.is_meta
-    if a.is_floating_point() or a.is_complex():
-        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-        return bool(torch.equal(nan_a, nan_b)) and bool(torch.equal(a[~nan_a], b[~nan_b]))
-    return bool(torch.equal(a, b))
+        return a.is_meta and b.is_meta and a.shape == b.shape and a.dtype == b.dtype
+    return structures_equal(a, b)[0]
 
 
 def outputs_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return tensors_equal(a, b)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(outputs_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(outputs_equal(a[k], b[k]) for k in a)
-    return type(a) is type(b)
+    """Whether two return values match, tensor for tensor and leaf for leaf (``tree.structures_equal``)."""
+    return structures_equal(a, b)[0]
+
+
+# ----- state a forward can change ----------------------------------------------------------------------
+class RngState:
+    """The global random number generators (CPU and every initialized CUDA device), restorable."""
+
+    def __init__(self):
+        self.cpu_rng = torch.get_rng_state()
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def moved(self) -> bool:
+        """Whether any generator drew numbers since this state was taken."""
+        if not torch.equal(torch.get_rng_state(), self.cpu_rng):
+            return True
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if self.cuda_rng is None:
+                return True  # CUDA started since: its generators may have been used
+            return any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), self.cuda_rng))
+        return False
+
+
+class ModelState:
+    """Everything a forward can change on a module tree, restorable: parameter and buffer values
+    (non-persistent buffers too), tensors held in plain attributes, and every Python attribute
+    (counters, caches, flags; containers are copied one level deep)."""
+
+    def __init__(self, model):
+        modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+        self.attributes = [(m, {k: _copy_attribute(v) for k, v in vars(m).items()}) for m in modules]
+        tensors: dict = {}
+        for m in modules:
+            for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
+                if isinstance(t, torch.Tensor) and id(t) not in tensors:
+                    tensors[id(t)] = (t, t.detach().clone())
+        self.tensors = list(tensors.values())
+
+    def restore(self) -> None:
+        for m, attributes in self.attributes:
+            state = vars(m)
+            state.clear()
+            state.update({k: _copy_attribute(v) for k, v in attributes.items()})
+        with torch.no_grad():
+            for t, value in self.tensors:
+                if t.shape == value.shape and t.dtype == value.dtype:
+                    t.copy_(value)
+                else:
+                    t.data = value.clone()
+
+
+def _copy_attribute(value):
+    if isinstance(value, (list, dict, set)):
+        return copy.copy(value)  # parameter/buffer/module tables and user caches: membership restored
+    return value
 
 
 class RunState:
-    """RNG state, parameters/buffers and training flags, restorable after a run."""
+    """RNG state, parameter/buffer values and training flags, restorable after a run (what two runs
+    must share to be comparable; ``ModelState`` also restores Python attributes)."""
 
     def __init__(self, model):
         self.model = model
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.rng = RngState()
+        self.cpu_rng, self.cuda_rng = self.rng.cpu_rng, self.rng.cuda_rng
         self.is_module = isinstance(model, torch.nn.Module)
         if self.is_module:
             self.state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
             self.training = {m: m.training for m in model.modules()}
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.rng.restore()
         if self.is_module:
             with torch.no_grad():
                 for k, v in self.model.state_dict(keep_vars=True).items():
@@ -103,112 +177,240 @@ class RunState:
 
 
 def clone_inputs(obj, memo=None):
-    """Clone the tensors in a structure, keeping aliasing: a tensor passed twice stays one tensor
+    """Clone the tensors in a value, keeping aliasing: a tensor passed twice stays one tensor
     (``nn.MultiheadAttention`` takes a different path when ``query is key``)."""
     memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.clone()
-        return memo[id(obj)]
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(clone_inputs(o, memo) for o in obj)
-    if isinstance(obj, dict):
-        return {k: clone_inputs(v, memo) for k, v in obj.items()}
-    return copy.copy(obj)
+    clones = {}
+    for path, t in tensor_leaves(obj):
+        if id(t) not in memo:
+            memo[id(t)] = t.clone()
+        clones[path] = memo[id(t)]
+    return fill(strip(obj), clones)
 
 
+def _reference_output(model, args: tuple, kwargs: dict):
+    """The untraced output, from a copy of the model (so its counters, caches and in-place updates
+    stay out of the user's model); when the model cannot be copied, from the model itself with
+    everything a forward can change restored afterwards."""
+    memo: dict = {}
+    args, kwargs = clone_inputs(args, memo), clone_inputs(kwargs, memo)
+    owner = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+    reference = None
+    if isinstance(owner, torch.nn.Module):  # a module, or a bound method of one (copied with it)
+        try:
+            reference = copy.deepcopy(model)
+        except Exception:  # noqa: BLE001 - locks, open files, C++ handles: fall back to restoring
+            reference = None
+    if reference is not None:
+        return reference(*args, **kwargs)
+    state = ModelState(owner if isinstance(owner, torch.nn.Module) else model)
+    try:
+        return model(*args, **kwargs)
+    finally:
+        state.restore()
+
+
+# ----- entry points ------------------------------------------------------------------------------------
 def validate(model, args=(), kwargs=None, **trace_kwargs) -> ValidationResult:
-    """Trace ``model`` and check the trace against an untraced run and against replay of every op."""
-    from .capture.session import _as_args, _unwrap, trace
+    """Trace ``model`` and check the trace against an untraced run and against replay of every op.
+
+    ``args`` follows ``tl.trace``'s rule: a tuple is the positional arguments, any other value the one
+    positional argument.  The untraced run uses a copy of the model; the model and the global RNG end
+    exactly as after one untraced forward.
+    """
+    from .capture.session import _unwrap, trace
 
     model = _unwrap(model)
-    call_args = _as_args(model, args)
+    call_args = as_args(args)
     kwargs = dict(kwargs or {})
-    before = RunState(model)
-    memo: dict = {}
-    expected = model(*clone_inputs(call_args, memo), **clone_inputs(kwargs, memo))
-    before.restore()
-    log = trace(model, call_args, kwargs, save="all", **trace_kwargs)
-    result = validate_trace(log)
-    result.outputs_match = outputs_equal(log.output, expected)
+    before = RngState()
+    try:
+        expected = _reference_output(model, call_args, kwargs)
+        after = RngState()
+    finally:
+        before.restore()  # the traced forward draws what the untraced one drew
+    try:
+        log = trace(model, call_args, kwargs, save="all", **trace_kwargs)
+        result = validate_trace(log)
+    finally:
+        after.restore()
+    result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
     return result
 
 
 def validate_trace(log) -> ValidationResult:
     """Replay each op of ``log`` from its saved parents; report mismatches and what could not run."""
     result = ValidationResult()
-    for op in log.ops:
-        if op.kind != "op" or op.multi_output_index not in (None, 0, (0,)):
-            continue
-        with _autocast_as_traced(log):
-            reason = _replay_problem(log, op)
-        if reason is None:
-            result.replayed += 1
-        elif reason.startswith("mismatch"):
-            result.mismatched.append((op.label, reason))
-        else:
-            result.not_replayed.append((op.label, reason))
+    if getattr(log, "_cleaned", False):
+        result.nothing_reason = "the trace was cleaned up (cleanup() released its activations)"
+        return result
+    if not log._activations:
+        result.nothing_reason = "the trace saved no activations; trace with save='all' to validate"
+        return result
+    rng = RngState()
+    try:
+        for op in log.ops:
+            if op.kind != "op" or op.multi_output_index not in (None, 0, (0,)):
+                continue
+            problem = _replay_problem(log, op, rng)
+            if problem is None:
+                result.replayed += 1
+            elif problem[0] == "mismatch":
+                result.mismatched.append((op.label, problem[1]))
+            else:
+                result.not_replayed.append((op.label, problem[1]))
+    finally:
+        rng.restore()
+    if result.replayed == 0:
+        result.nothing_reason = "no op could be replayed (see the reasons listed)"
     return result
 
 
-def _autocast_as_traced(log):
-    """Autocast on or off for replay exactly as it was around the traced forward (an autocast region
-    opened inside the model itself is not recorded: its ops replay as mismatches, never silently)."""
-    traced = getattr(log, "_autocast", {})
-    stack = contextlib.ExitStack()
-    for device_type in ("cpu", "cuda"):
-        if device_type in traced:
-            stack.enter_context(torch.autocast(device_type, dtype=traced[device_type]))
-        elif torch.is_autocast_enabled(device_type):
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-    return stack
+# ----- one op ------------------------------------------------------------------------------------------
+def _skip(reason: str) -> tuple:
+    return ("not replayed", reason)
 
 
-def _replay_problem(log, op):
-    call = log._calls[log._call[op.index]]
-    func, skeleton, kw_skeleton, parents, params = call[0], call[1], call[2], call[3], call[4]
+def _mismatch(reason: str) -> tuple:
+    return ("mismatch", reason)
+
+
+def _replay_problem(log, op, rng: RngState):
+    """None when ``op`` replays to its saved output; else ``(kind, reason)``."""
+    call_index = log._call[op.index]
+    call = log._calls[call_index]
+    func, skeleton, kw_skeleton = call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS]
     if skeleton is None and kw_skeleton is None:
-        return "the trace was cleaned up"
+        return _skip("the trace was cleaned up")
     if op.device.type == "meta":
-        return "meta tensors hold no values to compare"
+        return _skip("meta tensors hold no values to compare")
     if op.func_name in _UNINITIALIZED_FUNCS:
-        return "uninitialized memory (torch.empty and kin): its contents are not defined"
-    if op.func_name in _RANDOM_FUNCS:
-        return "random op (consumes the RNG; replay would draw new numbers)"
+        return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
     if not op.has_activation:
         dropped = log._dropped.get(op.index)
-        return f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved"
-    args, kwargs = list(skeleton), dict(kw_skeleton)
-    for position, parent in parents:
+        return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")
+    replay = getattr(log, "_replay", None)
+    context = replay.contexts.get(call_index, replay.context) if replay is not None else None
+    positional, keyword = {}, {}
+    copies: dict = {}  # one copy per parent: a tensor passed twice stays one tensor (``query is key``)
+    for position, parent in call[CALL_PARENTS]:
         if parent < 0:
-            return "a tensor argument came from outside the trace"
+            return _skip("a tensor argument came from outside the trace")
         if parent not in log._activations:
-            return f"parent {log._labels[parent]} was not saved"
-        if (log._call[op.index], parent) in log._alias_reads:
-            return (f"it read {log._labels[parent]}'s storage after a write through a view, a value "
-                    "that no op output holds")
-        _place(args, kwargs, position, _copy_with_layout(log._activations[parent]))
-    for position, param in params:
-        _place(args, kwargs, position, param.detach())
+            return _skip(f"parent {log._labels[parent]} was not saved")
+        if (call_index, parent) in log._alias_reads:
+            return _skip(f"it read {log._labels[parent]}'s storage after a write through a view, a value "
+                         "that no op output holds")
+        if parent not in copies:
+            copies[parent] = _private_copy(log._activations[parent], log._meta[parent][3])
+        _put(positional, keyword, position, copies[parent])
+    for position, param in call[CALL_PARAMS]:
+        value, why = _param_as_it_ran(log, replay, param, call_index)
+        if why is not None:
+            return _skip(why)
+        _put(positional, keyword, position, value)
+    args = fill(tuple(skeleton), positional)
+    kwargs = fill(dict(kw_skeleton), keyword)
+    generators = _private_generators(kwargs)
     try:
-        with torch.no_grad():
+        with _as_traced(log, context):
             out = func(*args, **kwargs)
     except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
-        return f"replay raised {type(exc).__name__}: {exc}"
+        return _skip(f"replay raised {type(exc).__name__}: {exc}")
+    if rng.moved() or any(g.get_state().ne(state).any() for g, state in generators):
+        rng.restore()
+        return _skip(RANDOM)
     if out is None or op.is_inplace:
         out = args[0] if out is None else out
     if isinstance(out, (tuple, list)):
-        outs = [log._activations.get(i) for i in range(op.index, op.index + call[11])]
-        got = [o for o in _flat(out)]
-        if len(got) != len(outs):
-            return "mismatch: a different number of outputs on replay"
-        for g, want in zip(got, outs):
+        count = call[CALL_NUM_OUTPUTS]
+        wanted = [log._activations.get(i) for i in range(op.index, op.index + count)]
+        got = [t for _, t in tensor_leaves(out)]
+        if len(got) != len(wanted):
+            return _mismatch("a different number of outputs on replay")
+        for g, want in zip(got, wanted):
             if want is not None and not tensors_equal(g, want):
-                return "mismatch: a replayed output differs from the saved one"
+                return _mismatch("a replayed output differs from the saved one")
         return None
     if not tensors_equal(out, log._activations[op.index]):
-        return "mismatch: the replayed output differs from the saved one"
+        return _mismatch("the replayed output differs from the saved one")
     return None
+
+
+def _put(positional: dict, keyword: dict, position, value) -> None:
+    """Place a tensor for ``tree.fill``: a position is an int, a keyword, or ``(int or keyword, *path)``."""
+    path = position if isinstance(position, tuple) else (position,)
+    (keyword if isinstance(path[0], str) else positional)[path] = value
+
+
+def _private_copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A copy replay may write, with ``t``'s strides and, as the op saw it, ``requires_grad`` (made by a
+    differentiable copy, so an in-place op accepts it as it accepted the op output it stands for)."""
+    if requires_grad and (t.is_floating_point() or t.is_complex()):
+        with torch.enable_grad():
+            return _copy_with_layout(t.detach().requires_grad_(True))
+    return _copy_with_layout(t)
+
+
+def _param_as_it_ran(log, replay, param, call_index: int) -> tuple:
+    """``(private copy of the parameter as the call saw it, None)`` or ``(None, why not)``."""
+    value = param
+    writes = replay.param_writes.get(id(param)) if replay is not None else None
+    for write_call, before in writes or ():
+        if write_call >= call_index:  # the first write at or after this call: the value before it
+            if before is None:
+                return None, (f"parameter changed by the forward: {_param_name(log, param)} was written by "
+                              "a call capture could not predict, so its value when this op ran is unknown")
+            value = before
+            break
+    if value is param and replay is not None and replay.param_versions.get(id(param), param._version) != param._version:
+        return None, (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "
+                      "validate right after tracing")
+    copied = _copy_with_layout(value.detach())
+    if copied.is_floating_point() or copied.is_complex():
+        flags = replay.param_requires_grad if replay is not None else {}
+        copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
+    return copied, None
+
+
+def _param_name(log, param) -> str:
+    index = getattr(log, "_index", None)
+    names = getattr(index, "param_addresses", None) or {}
+    return names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
+
+
+def _private_generators(kwargs: dict) -> list:
+    """Swap each ``torch.Generator`` argument for a copy (replay must not advance the user's); returns
+    ``(copy, state before)`` pairs to see whether replay drew from them."""
+    swapped = []
+
+    def private(g):
+        twin = torch.Generator(device=g.device)
+        twin.set_state(g.get_state())
+        swapped.append((twin, twin.get_state()))
+        return twin
+
+    for key, value in list(kwargs.items()):  # torch takes generators by keyword only
+        if isinstance(value, torch.Generator):
+            kwargs[key] = private(value)
+    return swapped
+
+
+def _as_traced(log, context):
+    """Grad mode and autocast exactly as the op ran under (``context``); a trace without a recorded
+    context replays under no grad, with the autocast state around its forward."""
+    stack = contextlib.ExitStack()
+    if context is None:
+        grad, autocast = False, getattr(log, "_autocast", {})
+    else:
+        grad, autocast = context
+    stack.enter_context(torch.set_grad_enabled(grad))
+    for device_type in ("cpu", "cuda"):
+        if device_type in autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=autocast[device_type]))
+        elif torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 def _copy_with_layout(t):
@@ -220,23 +422,3 @@ def _copy_with_layout(t):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
     except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
         return t.clone()
-
-
-def _flat(out):
-    for item in out:
-        if isinstance(item, torch.Tensor):
-            yield item
-        elif isinstance(item, (tuple, list)):
-            yield from _flat(item)
-
-
-def _place(args, kwargs, position, value) -> None:
-    if isinstance(position, str):
-        kwargs[position] = value
-    elif isinstance(position, tuple):
-        outer, inner = position
-        container = list(args[outer])
-        container[inner] = value
-        args[outer] = container
-    else:
-        args[position] = value

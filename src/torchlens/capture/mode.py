@@ -25,6 +25,7 @@ try:  # torch >= 2.10; deep capture re-enters Python-level torch functions throu
 except ImportError:  # pragma: no cover - older torch
     redispatch_function = None
 
+from ..tree import split
 from .source import FrameClassifier
 from .state import CaptureState, storage_key
 
@@ -38,7 +39,7 @@ _NOT_OP_METHODS = (
     "size", "dim", "numel", "stride", "item", "tolist", "numpy", "__len__", "__bool__", "__format__",
     "__repr__", "__hash__", "__index__", "__int__", "__float__", "is_contiguous", "is_floating_point",
     "is_complex", "data_ptr", "storage_offset", "element_size", "nelement", "untyped_storage",
-    "get_device", "requires_grad_", "retain_grad", "register_hook",
+    "get_device", "requires_grad_", "retain_grad", "register_hook", "__array__",
 )
 _NOT_OP_PROPERTIES = (
     "shape", "dtype", "device", "requires_grad", "grad_fn", "grad", "is_leaf", "ndim", "is_cuda",
@@ -56,13 +57,17 @@ def _not_ops() -> frozenset:
 
 # Calls that never produce a tensor; skipping them early keeps the commonest calls nearly free.
 _NOT_OPS = _not_ops()
+_NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
+_grad_enabled = torch.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
 
 _INPLACE_DUNDERS = frozenset(
     ["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
      "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"]
 )
 _inplace_cache: dict = {}
-_SEQUENCES = (list, tuple)
+_CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
+_Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
 
 
@@ -92,6 +97,10 @@ class CaptureMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = _NO_KWARGS
         if func in _NOT_OPS:
+            if func in _NUMPY_VIEWS and self.state.saved:
+                # NumPy shares the memory and writes through it bump no version counter: what is saved
+                # must not change with it.
+                self.state.protect_saved(args[0])
             return func(*args, **kwargs)
         st = self.state
         producers = st.producers
@@ -118,12 +127,14 @@ class CaptureMode(TorchFunctionMode):
                     parents.append((pos, entry[1]))
                 else:
                     parents.append((pos, st.producer_of(a)))
-            elif type(a) in _SEQUENCES and a and isinstance(a[0], Tensor):
-                if skeleton is None:
-                    skeleton = list(args)
-                skeleton[pos] = self._scan_sequence(a, pos, parents, versions, params_out := [])
-                if params_out:
-                    params = (params or []) + params_out
+            elif isinstance(a, _CONTAINERS) and type(a) is not _Size:  # walked when it may hold a tensor
+                inner, found = _scan_container(st, a, pos, parents, versions)
+                if found:
+                    params = (params or []) + found
+                if inner is not a:
+                    if skeleton is None:
+                        skeleton = list(args)
+                    skeleton[pos] = inner
         kw_skeleton = kwargs
         if kwargs:
             for key, a in kwargs.items():
@@ -138,6 +149,14 @@ class CaptureMode(TorchFunctionMode):
                         params.append((key, a))
                     else:
                         parents.append((key, st.producer_of(a)))
+                elif isinstance(a, _CONTAINERS):
+                    inner, found = _scan_container(st, a, key, parents, versions)
+                    if found:
+                        params = (params or []) + found
+                    if inner is not a:
+                        if kw_skeleton is kwargs:
+                            kw_skeleton = dict(kwargs)
+                        kw_skeleton[key] = inner
 
         # Copy-on-write: a predicted in-place write must not alter an activation saved earlier.
         if st.saved and versions:
@@ -208,6 +227,8 @@ class CaptureMode(TorchFunctionMode):
                 if written is None:
                     written = []
                 written.append(v)
+        if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
+            st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
         # Compact for long traces: tuples, and one shared empty dict for the common no-keyword call.
         st.calls.append((func, tuple(skeleton) if skeleton is not None else args,
                          kw_skeleton if kw_skeleton else _NO_KWARGS, tuple(parents), params or (), module_call,
@@ -244,18 +265,23 @@ class CaptureMode(TorchFunctionMode):
                 st.record_finite(index, t)
         return out
 
-    def _scan_sequence(self, seq, pos, parents, versions, params):
-        """Tensors inside a list/tuple argument (``torch.cat([a, b])``): positions are ``(pos, j)``."""
-        inner = list(seq)
-        for j, b in enumerate(seq):
-            if isinstance(b, Tensor):
-                inner[j] = None
-                versions.append((b, b._version))
-                if type(b) is Parameter:
-                    params.append(((pos, j), b))
-                else:
-                    parents.append(((pos, j), self.state.producer_of(b)))
-        return tuple(inner) if type(seq) is tuple else inner
+
+def _scan_container(st, value, key, parents, versions):
+    """Tensors at any depth inside a container argument (``torch.cat([a, b])``, ``x[..., idx]``,
+    ``cat(tensors=[a, b])``), at positions ``(key, *path)``; returns the argument as recorded (a copy
+    with its tensors blanked, so a list the model mutates later cannot rewrite the record) and the
+    parameters found, if any."""
+    leaves, inner = split(value, (key,))  # a flat tuple without tensors comes back as it is
+    found = None
+    for path, t in leaves:
+        versions.append((t, t._version))
+        if type(t) is Parameter:
+            if found is None:
+                found = []
+            found.append((path, t))
+        else:
+            parents.append((path, st.producer_of(t)))
+    return inner, found
 
 
 def _made_since(producers, t, first_record: int) -> bool:

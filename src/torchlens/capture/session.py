@@ -18,6 +18,7 @@ from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
 from ..record.trace import Trace
+from ..tree import as_args
 from .fastpath import FastPathShim
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
@@ -44,7 +45,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         raise RuntimeError(f"deep=True needs torch.overrides.redispatch_function, which torch {torch.__version__} "
                            "lacks; upgrade torch or trace with deep=False")
     kwargs = dict(kwargs or {})
-    args = _as_args(model, args)
+    args = as_args(args)
     index = ModelIndex(model)  # the one walk over the model's modules, parameters and buffers
     _refuse_inference_tensors(index, args, kwargs)
     policy = SavePolicy(save, model)
@@ -54,6 +55,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 
     state = CaptureState(save_mode=policy.mode, save_device=save_device, record_finite=record_finite,
                          buffers=index.buffers, max_saved_bytes=max_saved_bytes)
+    state.watch_params(index.params)
     if policy.mode == 2:
         state.selector = policy.capture_selector(state)
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
@@ -104,7 +106,9 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
     Args:
         model: an ``nn.Module`` or any callable.  DataParallel/DDP wrappers and ``torch.compile``
             results are unwrapped to the eager module underneath.
-        args: one tensor, or a tuple/list of positional arguments (tensors, containers, anything).
+        args: the positional arguments.  A tuple is the positional arguments; any other value (a
+            tensor, a list, a dict) is the single positional argument: ``trace(model, [a, b])`` calls
+            ``model([a, b])``.  To pass one tuple as the only argument, wrap it: ``((a, b),)``.
         kwargs: keyword arguments for forward.
         save: which activations to keep: ``"all"``, ``"none"``, a list of labels / module addresses /
             op types, or a predicate ``f(op) -> bool``.  Activations are kept by reference and copied
@@ -167,21 +171,6 @@ def _bound_signature(func):
     except (TypeError, ValueError):
         return None
     return sig.replace(parameters=list(sig.parameters.values())[1:])
-
-
-def _as_args(model, args) -> tuple:
-    if isinstance(args, tuple):
-        return args
-    if isinstance(args, list):
-        # A list is the positional arguments, unless forward takes exactly one positional parameter.
-        sig = _forward_signature(model)
-        if sig is not None:
-            positional = [p for p in sig.parameters.values()
-                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            if len(positional) == 1 and len(args) != 1:
-                return (args,)
-        return tuple(args)
-    return (args,)
 
 
 def _autocast_state() -> dict:

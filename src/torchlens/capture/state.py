@@ -6,26 +6,54 @@ Layout of the raw lists (read only by ``record.finalize``):
   t0_ns, t1_ns, first_record, num_outputs, wrote_arguments, site)`` for one tensor-producing torch call;
   ``code, line`` locate the user's frame (``line`` is an instruction offset: see ``source.line_of``),
   ``site`` the nearest calling frame (see capture/source.py).
-  ``parents`` is a tuple of ``(argument position, record index)``; a position is an int, an
-  ``(int, int)`` pair for a tensor inside a list argument, or a keyword name.  Record index -1 means a
+  ``parents`` is a tuple of ``(argument position, record index)``; a position is an int, a keyword
+  name, or a path tuple for a tensor inside a container argument (below).  Record index -1 means a
   tensor capture never saw being made (see ``Trace.unattributed``).  ``params`` holds
   ``(argument position, Parameter)`` pairs; parameters are metadata on ops, not graph nodes.
 - ``records[r]``: ``(call, slot, shape, dtype, device, requires_grad, grad_fn_class)`` for one tensor
   produced by a call (``call`` >= 0) or one source tensor (``call`` is ``INPUT`` or ``BUFFER`` and
   ``slot`` holds the input path or the buffer address).
 - ``module_calls[m]``: ``[module, parent_call, t0_ns, t1_ns, input_records, output_records]``.
+
+A position generalises to any depth: an int (positional argument), a keyword name, or a tuple whose
+first element is one of those followed by the path inside that argument (``tree.tensor_leaves``), as
+in ``(1, 1)`` for ``idx`` in ``x[..., idx]``.  Non-tensor arguments are held by value (``tree.strip``).
+
+What replay needs beyond that is kept small: the grad mode and autocast state of a call only where
+they differ from the trace-wide state (``contexts``), and the value of a parameter before each write
+the forward made to it (``param_writes``).
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+from typing import NamedTuple
 from weakref import ref as weakref
 
 import torch
 
 INPUT = -1
 BUFFER = -2
+
+# Fields of a raw call tuple read outside the hot path.
+CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARENTS, CALL_PARAMS, CALL_NUM_OUTPUTS = 0, 1, 2, 3, 4, 11
+
+
+def grad_and_autocast() -> tuple:
+    """``(grad enabled, {device type: autocast dtype})``: the state replay must run an op under."""
+    autocast = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+    return torch.is_grad_enabled(), autocast
+
+
+class ReplayContext(NamedTuple):
+    """What replay needs to run each op as it ran (kept on the trace as ``_replay``)."""
+
+    context: tuple  # grad_and_autocast() around the forward
+    contexts: dict  # call index -> grad_and_autocast() where a call ran under another state
+    param_writes: dict  # id(Parameter) -> [(call index, value before the write or None)]
+    param_versions: dict  # id(Parameter) -> version when the forward ended
+    param_requires_grad: dict  # id(Parameter) -> its requires_grad flag during the forward
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -70,6 +98,14 @@ class CaptureState:
         self.finite_flags: dict | None = {} if record_finite else None
         self.failure = None
         self.raised_in = None  # (exception, module call index) where an exception left a module call
+        # Replay context: the trace-wide grad/autocast state, the calls that ran under another one, and
+        # the model's parameters by storage (their values before an in-place write are kept).
+        self.grad_enabled = torch.is_grad_enabled()
+        self.any_autocast = torch._C._is_any_autocast_enabled()
+        self.context = grad_and_autocast()
+        self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
+        self.param_storages: dict = {}  # storage key -> Parameter
+        self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
         self.markers = None
@@ -118,10 +154,32 @@ class CaptureState:
             self.record_finite(index, t)
         return index
 
+    def note_context(self, call_index: int) -> None:
+        """The call about to be recorded ran under another grad mode or autocast state than the trace."""
+        context = grad_and_autocast()
+        if context != self.context:
+            self.contexts[call_index] = context
+
+    def watch_params(self, params) -> None:
+        self.param_storages = {storage_key(p): p for _, p in params}
+
+    def keep_param(self, key: int, call_index: int, before) -> None:
+        """Note a write to a parameter by the call ``call_index``: ``before`` is its value before the
+        write (None: the write was not predicted, so the old value is lost)."""
+        param = self.param_storages.get(key)
+        if param is None:
+            return
+        writes = self.param_writes.setdefault(id(param), [])
+        if writes and writes[-1][0] == call_index:
+            return  # the predicted write of this call was kept already
+        writes.append((call_index, None if before is None else param.detach().clone()))
+
     def note_writes(self, written: list, record_index: int) -> None:
         """Tensors an op wrote (in place, through ``out=``, or inside a fused kernel)."""
         for t in written:
             key = storage_key(t)
+            if self.param_storages:
+                self.keep_param(key, len(self.calls) - 1, None)
             self.writers[key] = (record_index, t._version)
             self.producers[id(t)] = (weakref(t), record_index, t._version)
             alias = self.data_bases.get(id(t))
@@ -172,7 +230,10 @@ class CaptureState:
 
     def protect_saved(self, t) -> None:
         """Copy every saved activation sharing ``t``'s storage before an in-place write to ``t``."""
-        stale = self.saved_by_storage.pop(storage_key(t), None)
+        key = storage_key(t)
+        if self.param_storages:  # replay needs the parameter as the ops before this write saw it
+            self.keep_param(key, len(self.calls), True)
+        stale = self.saved_by_storage.pop(key, None)
         if stale:
             for i in stale:
                 if i in self.saved:

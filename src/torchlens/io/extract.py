@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from ..tree import as_args
 from .format import (MANIFEST, TraceFileError, dump_json, read_json, require_safetensors, safe_member, write_atomic,
                      write_manifest)
 from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header
@@ -34,8 +35,9 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
-        inputs: an iterable of batches (a list, a generator, a ``DataLoader``).  A batch is a tensor or a
-            tuple/list of positional arguments; give ``args_of`` to pick them out of richer batches
+        inputs: an iterable of batches (a list, a generator, a ``DataLoader``).  A batch follows
+            ``tl.trace``'s rule: a tuple is the positional arguments, any other value (a tensor, a
+            list, a dict) the single positional argument; give ``args_of`` to pick them out of richer batches
             (``args_of=lambda batch: batch[0]`` drops the labels of an ``(x, y)`` loader).  The order must
             be the same on every run for a resume to be valid.
         layers: what to keep, each naming one op per batch: an op label (``linear_1_1:2``), a single-pass
@@ -60,7 +62,7 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
     try:
         for position, batch in enumerate(inputs):
             seen = position + 1
-            args = _as_args(args_of(batch) if args_of is not None else batch)
+            args = as_args(args_of(batch) if args_of is not None else batch)
             if position < resumed_from:
                 if position == resumed_from - 1:
                     run.check_boundary(_fingerprint(args), position)
@@ -93,15 +95,6 @@ def _check_layers(layers) -> list:
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers lists a name twice: {layers}")
     return layers
-
-
-def _as_args(batch) -> tuple:
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch)
-    raise TypeError(f"a batch must be a tensor or a tuple/list of forward arguments, got {type(batch).__name__}; "
-                    "pass args_of= to turn your batches into forward arguments")
 
 
 def _fingerprint(args) -> str:

@@ -3,32 +3,21 @@
 from __future__ import annotations
 
 from ..capture.mode import _predicts_inplace
-from ..capture.state import BUFFER, INPUT, CaptureState
+from ..capture.state import BUFFER, INPUT, CaptureState, ReplayContext
 from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
 from ..labels.passes import group_ops
+from ..tree import path_text
+from ..tree import tensor_leaves as leaves_with_paths
 from .model_index import ModelIndex
 from .modules import Module, ModuleCall
 from .op import KIND_BUFFER, KIND_INPUT, KIND_OP, KIND_OUTPUT
 from .trace import Trace
 
 
-def tensor_leaves(obj, path: str, out: list, depth: int = 0) -> list:
-    """``(path, tensor)`` for each tensor in a nested structure of tuples, lists and dicts."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        out.append((path, obj))
-    elif depth < 8:
-        if isinstance(obj, (tuple, list)):
-            for i, item in enumerate(obj):
-                tensor_leaves(item, f"{path}.{i}", out, depth + 1)
-        elif isinstance(obj, dict):
-            for key, item in obj.items():
-                tensor_leaves(item, f"{path}.{key}", out, depth + 1)
-        elif hasattr(obj, "__dataclass_fields__") or hasattr(obj, "to_tuple"):
-            items = obj.items() if hasattr(obj, "items") else vars(obj).items()
-            for key, item in items:
-                tensor_leaves(item, f"{path}.{key}", out, depth + 1)
+def tensor_leaves(obj, path: str, out: list) -> list:
+    """``(path text, tensor)`` for each tensor in a nested value: ``tree.tensor_leaves`` with its paths
+    written under ``path`` (``output.0.logits``)."""
+    out.extend((path_text(path, p), t) for p, t in leaves_with_paths(obj))
     return out
 
 
@@ -79,7 +68,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
                 call._op_nodes.append(i)
                 call = call.parent
 
-    return Trace(
+    trace = Trace(
         model_name=model_name,
         calls=calls,
         kind=kind,
@@ -111,6 +100,10 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         alias_reads=state.alias_reads,
         index=index,
     )
+    trace._replay = ReplayContext(state.context, state.contexts, state.param_writes,
+                                  {id(p): p._version for _, p in index.params},
+                                  {id(p): p.requires_grad for _, p in index.params})
+    return trace
 
 
 def _writes_receiver(call) -> bool:

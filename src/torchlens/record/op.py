@@ -103,7 +103,8 @@ class Op:
 
     @property
     def parent_arg_positions(self) -> dict:
-        """``{position: parent label}``; a position is an int, ``(int, int)`` inside a list, or a name."""
+        """``{position: parent label}``; a position is an int (positional argument), a keyword name, or
+        a tuple: that int or name followed by the path inside the argument (``("tensors", 1)``)."""
         labels = self._trace._labels
         return {pos: labels[p] for pos, p in self._trace._parents[self.index] if p >= 0}
 

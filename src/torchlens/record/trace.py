@@ -303,6 +303,7 @@ class Trace:
         self._model_params = None
         self._cleaned = True
         self._activations = {}
+        self._replay = None  # parameter values kept for replay
         self._output = None
         self._model = None
         self._calls = [(c[0], None, None, c[3], ()) + c[5:] for c in self._calls]

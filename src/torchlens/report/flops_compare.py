@@ -14,6 +14,7 @@ both are formulas applied to shapes.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -94,11 +95,12 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..capture.session import _as_args, _unwrap, trace
+    from ..capture.session import _unwrap, trace
+    from ..tree import as_args
     from ..validate import RunState, clone_inputs
 
     model = _unwrap(model)
-    call_args = _as_args(model, args)
+    call_args = as_args(args)
     kwargs = dict(kwargs or {})
     saved = RunState(model)
     try:
@@ -210,9 +212,21 @@ def _native_family(overload: str) -> str:
 
 
 def _is_random(func_name: str) -> bool:
-    from ..validate import _RANDOM_FUNCS
+    """Whether torch tags an aten op of this name as drawing random numbers (used to name suspects;
+    that the forward drew at all is decided by the generator state, ``_drew_random_numbers``)."""
+    return func_name in _seeded_aten_names()
 
-    return func_name in _RANDOM_FUNCS
+
+@functools.lru_cache(maxsize=1)
+def _seeded_aten_names() -> frozenset:
+    names = set()
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        overloads = getattr(packet, "overloads", None)
+        if overloads is not None and any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags
+                                         for o in overloads()):
+            names.add(name)
+    return frozenset(names)
 
 
 def _drew_random_numbers(saved) -> bool:
