@@ -11,6 +11,12 @@ batches after the last committed shard; the next call with the same ``out`` skip
 written twice or missed.  When every batch is in, the shards are concatenated per layer into one file
 each (``layer_000.safetensors`` ...), a manifest with their hashes is written, and the shards are
 removed; ``tl.load_extracted`` reads those files as memory maps.
+
+A resume must continue the same job: ``progress.json`` records a checksum of the model (see
+``identity.py``) and the call's arguments (layers, keyword arguments, batch settings), and a resume that
+differs in any of them is refused with ``ResumeMismatchError`` rather than mixing rows of two models.
+Every write is atomic (temporary file, fsync, rename), so a kill at any instant, the very first
+``progress.json`` included, leaves a folder the next call resumes from.
 """
 
 from __future__ import annotations
@@ -21,12 +27,19 @@ import sys
 
 import torch
 
-from .format import (MANIFEST, TraceFileError, dump_json, read_json, require_safetensors, safe_member, write_atomic,
-                     write_manifest)
+from ..record.errors import TorchlensError
+from ..tree import path_text, strip, tensor_leaves
+from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_safetensors, safe_member,
+                     write_atomic, write_manifest)
+from .identity import model_checksum
 from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
 PROGRESS = "progress.json"
+
+
+class ResumeMismatchError(TorchlensError, ValueError):
+    """``tl.extract`` was asked to resume a folder written with another model, other arguments or other inputs."""
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
@@ -51,7 +64,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
     """
     out = os.fspath(out)
     layers = _check_layers(layers)
-    run = _Run(out, layers, type(model).__name__, shard_bytes)
+    job = {"model_sha256": model_checksum(model), "arguments": _arguments(layers, kwargs, inputs)}
+    run = _Run(out, layers, type(model).__name__, shard_bytes, job)
     if run.complete:
         return out
     resumed_from = run.batches_done
@@ -62,9 +76,11 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
             seen = position + 1
             args = _as_args(args_of(batch) if args_of is not None else batch)
             if position < resumed_from:
-                if position == resumed_from - 1:
+                if position in (0, resumed_from - 1):
                     run.check_boundary(_fingerprint(args), position)
                 continue
+            if position == 0:
+                run.first_fingerprint = _fingerprint(args)
             with torch.no_grad():
                 run.add(_extract_batch(model, args, kwargs, layers, run, position), _batch_rows(args), position)
             if run.buffered_bytes >= run.shard_bytes:
@@ -95,6 +111,15 @@ def _check_layers(layers) -> list:
     return layers
 
 
+def _arguments(layers, kwargs, inputs) -> dict:
+    """What must match for a resume to continue the same job (the model is checked by its checksum)."""
+    kwargs_sha256 = None
+    if kwargs:  # tensors by value, everything else by its repr
+        kwargs_sha256 = hashlib.sha256(f"{_fingerprint(kwargs)}{strip(kwargs)!r}".encode()).hexdigest()
+    return {"layers": layers, "kwargs_sha256": kwargs_sha256,
+            "batch_size": getattr(inputs, "batch_size", None), "drop_last": getattr(inputs, "drop_last", None)}
+
+
 def _as_args(batch) -> tuple:
     if isinstance(batch, torch.Tensor):
         return (batch,)
@@ -106,24 +131,20 @@ def _as_args(batch) -> tuple:
 
 def _fingerprint(args) -> str:
     """A hash of a batch's tensors, used to check a resumed run sees the same inputs as before."""
-    from ..record.finalize import tensor_leaves
-
     try:
         import numpy  # noqa: F401  (Tensor.numpy below needs it)
     except ImportError as exc:  # pragma: no cover - exercised only where numpy is absent
         raise ImportError("tl.extract needs numpy: pip install numpy") from exc
     digest = hashlib.sha256()
-    for path, t in tensor_leaves(args, "args", []):
+    for path, t in tensor_leaves(args):
         t = t.detach().to("cpu").contiguous()
-        digest.update(f"{path}{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(f"{path_text('args', path)}{tuple(t.shape)}{t.dtype}".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
 def _batch_rows(args):
-    from ..record.finalize import tensor_leaves
-
-    leaves = tensor_leaves(args, "args", [])
+    leaves = tensor_leaves(args)
     return leaves[0][1].shape[0] if leaves and leaves[0][1].dim() else None
 
 
@@ -213,22 +234,24 @@ class _NoBar:
 class _Run:
     """The extraction folder's state: committed shards, the buffer, and what each layer looks like."""
 
-    def __init__(self, out, layers, model_name, shard_bytes):
+    def __init__(self, out, layers, model_name, shard_bytes, job):
         self.out, self.layers, self.shard_bytes = out, layers, max(int(shard_bytes), 1)
         self.buffer = [[] for _ in layers]
         self.buffered_bytes = 0
         self.pending_batches = 0
+        self.first_fingerprint = None
         os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, PROGRESS)
-        self.state = read_json(path, "a resumed extraction") if os.path.exists(path) else None
+        has_progress = os.path.lexists(os.path.join(out, PROGRESS))
+        self.state = read_json(out, PROGRESS, "a resumed extraction") if has_progress else None
         if self.state is not None and not self._nothing_committed():
-            self._check_resumable(model_name)
+            self._check_resumable(model_name, job)
         else:
-            if self.state is None and os.listdir(out):
+            leftovers = [n for n in os.listdir(out) if not _is_leftover(n)]
+            if self.state is None and leftovers:
                 raise TraceFileError(f"{out} is not empty and holds no extraction; choose an empty or new folder")
             self.state = {"format": EXTRACT_FORMAT, "schema_version": EXTRACT_SCHEMA, "layers": layers,
-                          "model": model_name, "complete": False, "batches_done": 0, "rows": 0, "shards": [],
-                          "layer_info": [None] * len(layers)}
+                          "model": model_name, **job, "complete": False, "batches_done": 0, "rows": 0,
+                          "shards": [], "layer_info": [None] * len(layers)}
             self._commit()
         self._remove_uncommitted()
 
@@ -246,17 +269,30 @@ class _Run:
         return isinstance(s, dict) and s.get("format") == EXTRACT_FORMAT and s.get("batches_done") == 0 \
             and not s.get("shards") and not s.get("complete")
 
-    def _check_resumable(self, model_name):
+    def _check_resumable(self, model_name, job):
         s = self.state
         if not isinstance(s, dict) or s.get("format") != EXTRACT_FORMAT or s.get("schema_version") != EXTRACT_SCHEMA:
             raise TraceFileError(f"{self.out}/{PROGRESS}: not a torchlens extraction of schema {EXTRACT_SCHEMA}")
         if s.get("layers") != self.layers or s.get("model") != model_name:
-            raise ValueError(f"{self.out} holds an extraction of {s.get('model')} layers {s.get('layers')}; this call "
-                             f"asks for {model_name} layers {self.layers}. Use another folder, or delete it to "
-                             "start over")
+            raise ResumeMismatchError(f"{self.out} holds an extraction of {s.get('model')} layers {s.get('layers')}; "
+                                      f"this call asks for {model_name} layers {self.layers}. Use another folder, or "
+                                      "delete it to start over")
+        if s.get("model_sha256") != job["model_sha256"]:
+            raise ResumeMismatchError(
+                f"{self.out} was extracted with another {model_name} (its parameters differ: checksum "
+                f"{str(s.get('model_sha256'))[:12]} vs {job['model_sha256'][:12]}); resuming would mix rows of two "
+                f"models. Resume with the model that started it, or use another folder / delete {self.out}")
+        before = s.get("arguments") if isinstance(s.get("arguments"), dict) else {}
+        changed = {k: (before.get(k), v) for k, v in job["arguments"].items() if before.get(k) != v}
+        if changed:
+            what = "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
+            raise ResumeMismatchError(f"{self.out} was started with other arguments ({what}); resume with the same "
+                                      f"call, or use another folder / delete {self.out}")
+        if not isinstance(s.get("shards"), list) or not all(isinstance(x, dict) for x in s["shards"]):
+            raise TraceFileError(f"{self.out}/{PROGRESS}: no 'shards' list; the file was edited")
         for shard in s["shards"]:
-            path = safe_member(self.out, shard["file"])
-            if not os.path.isfile(path) or os.path.getsize(path) != shard["bytes"]:
+            path = safe_member(self.out, shard.get("file"))
+            if not os.path.lexists(path) or os.path.getsize(checked_member(self.out, shard["file"])) != shard["bytes"]:
                 raise TraceFileError(f"{path}: committed shard is missing or has the wrong size; delete {self.out} "
                                      "and extract again")
 
@@ -270,11 +306,14 @@ class _Run:
 
     def check_boundary(self, fingerprint, position):
         shards = self.state["shards"]
-        expected = shards[-1]["last_input_sha256"] if shards else None
+        if position == 0:
+            expected = self.state.get("first_input_sha256")
+        else:
+            expected = shards[-1]["last_input_sha256"] if shards else None
         if expected is not None and fingerprint != expected:
-            raise ValueError(f"input batch {position} differs from the one the interrupted run committed; resuming "
-                             "needs the same inputs in the same order (a shuffling DataLoader cannot resume). "
-                             f"Delete {self.out} to start over")
+            raise ResumeMismatchError(f"input batch {position} differs from the one the interrupted run committed; "
+                                      "resuming needs the same inputs in the same order (a shuffling DataLoader "
+                                      f"cannot resume). Delete {self.out} to start over")
 
     def check_layer(self, i, name, label, t, position):
         info = {"name": name, "label": label, "dtype": NAME_OF.get(t.dtype), "row_shape": list(t.shape[1:])}
@@ -318,6 +357,8 @@ class _Run:
                                      "batches": [start, start + self.pending_batches],
                                      "last_input_sha256": last_fingerprint})
         self.state["batches_done"] = start + self.pending_batches
+        if start == 0:
+            self.state["first_input_sha256"] = self.first_fingerprint
         self.state["rows"] += rows
         self._commit()
         self.buffer = [[] for _ in self.layers]
@@ -329,7 +370,7 @@ class _Run:
 
     def consolidate(self):
         """Concatenate the shards into one file per layer, write the manifest, drop the shards."""
-        shards = [safe_member(self.out, s["file"]) for s in self.state["shards"]]
+        shards = [checked_member(self.out, s["file"]) for s in self.state["shards"]]
         headers = [read_header(p) for p in shards]
         names, described = [], []
         for i, info in enumerate(self.state["layer_info"]):
@@ -355,3 +396,8 @@ class _Run:
         self._commit()
         for shard in shards:
             os.remove(shard)
+
+
+def _is_leftover(name: str) -> bool:
+    # Temporary files a killed run may leave before its first progress.json is in place.
+    return name.endswith(".tmp") and name.startswith(("shard_", "layer_", PROGRESS))
