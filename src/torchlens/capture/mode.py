@@ -25,6 +25,7 @@ try:  # torch >= 2.10; deep capture re-enters Python-level torch functions throu
 except ImportError:  # pragma: no cover - older torch
     redispatch_function = None
 
+from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .source import FrameClassifier
 from .state import CaptureState, storage_key
 
@@ -61,7 +62,7 @@ _INPLACE_DUNDERS = frozenset(
     ["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
      "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"]
 )
-_inplace_cache: dict = {}
+_inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write their output argument
 _SEQUENCES = (list, tuple)
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
 
@@ -147,6 +148,8 @@ class CaptureMode(TorchFunctionMode):
             if inplace or kwargs.get("inplace"):
                 if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
                     st.protect_saved(args[0])
+                elif args and type(args[0]) is list:  # collectives writing a list (dist.all_gather)
+                    st.protect_saved_all(args[0])
             elif "out" in kwargs:
                 st.protect_saved_all(kwargs["out"])
 
@@ -184,6 +187,10 @@ class CaptureMode(TorchFunctionMode):
             leaves = ((None, args[0]),)
         elif isinstance(out, (tuple, list)):
             leaves = _tensor_leaves(out)
+            if not leaves:
+                return out
+        elif func in WRITTEN_ARGUMENT:  # a torch.distributed collective: its output is the tensor it wrote
+            leaves = written_tensors(func, args, kwargs)
             if not leaves:
                 return out
         else:

@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from ..capture.collectives import process_rank
 from ..record.errors import TorchlensError
 from ..tree import path_text, strip, tensor_leaves
 from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_safetensors, safe_member,
@@ -36,6 +37,7 @@ from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
 PROGRESS = "progress.json"
+SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, where the rows carry one
 
 
 class ResumeMismatchError(TorchlensError, ValueError):
@@ -43,7 +45,7 @@ class ResumeMismatchError(TorchlensError, ValueError):
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
-            progress: bool = True) -> str:
+            progress: bool = True, barrier_timeout: float = 1800.0) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -58,13 +60,33 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
         kwargs: keyword arguments passed to every forward.
         shard_bytes: buffer size before a shard is written: the bound on extra memory used.
         progress: show a progress bar on stderr (needs tqdm).
+        barrier_timeout: under ``torch.distributed``, how long (seconds) a rank that finished waits for the
+            others before naming the ones that did not arrive.
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
+
+    Inside an initialised ``torch.distributed`` process group (``torchrun``), each rank extracts its share
+    into ``out/rank-{r}/`` and the shares are joined in dataset order when all ranks are done; see
+    docs/distributed.md.
     """
     out = os.fspath(out)
     layers = _check_layers(layers)
-    job = {"model_sha256": model_checksum(model), "arguments": _arguments(layers, kwargs, inputs)}
+    if process_rank()[0] is not None:
+        from ..distributed.extraction import extract_ranks
+
+        return extract_ranks(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
+                             progress=progress, barrier_timeout=barrier_timeout)
+    return extract_folder(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
+                          progress=progress)
+
+
+def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, indices_of=None,
+                   arguments=None) -> str:
+    """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
+    batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
+    job = {"model_sha256": model_checksum(model), "arguments": dict(_arguments(layers, kwargs, inputs),
+                                                                    **(arguments or {}))}
     run = _Run(out, layers, type(model).__name__, shard_bytes, job)
     if run.complete:
         return out
@@ -82,7 +104,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
             if position == 0:
                 run.first_fingerprint = _fingerprint(args)
             with torch.no_grad():
-                run.add(_extract_batch(model, args, kwargs, layers, run, position), _batch_rows(args), position)
+                run.add(_extract_batch(model, args, kwargs, layers, run, position), _batch_rows(args), position,
+                        None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(_fingerprint(args))
             bar.update(1)
@@ -237,6 +260,7 @@ class _Run:
     def __init__(self, out, layers, model_name, shard_bytes, job):
         self.out, self.layers, self.shard_bytes = out, layers, max(int(shard_bytes), 1)
         self.buffer = [[] for _ in layers]
+        self.index_buffer = []
         self.buffered_bytes = 0
         self.pending_batches = 0
         self.first_fingerprint = None
@@ -299,7 +323,8 @@ class _Run:
     def _remove_uncommitted(self):
         # Leftovers of a killed run: temporary files and a shard written but never counted.
         keep = {s["file"] for s in self.state["shards"]} | {PROGRESS, MANIFEST}
-        keep |= {f"layer_{i:03d}.safetensors" for i in range(len(self.layers))} if self.complete else set()
+        keep |= {f"layer_{i:03d}.safetensors" for i in range(len(self.layers))} | {SAMPLE_INDEX} if self.complete \
+            else set()
         for name in os.listdir(self.out):
             if name not in keep and (name.endswith(".tmp") or name.startswith(("shard_", "layer_"))):
                 os.remove(os.path.join(self.out, name))
@@ -328,9 +353,13 @@ class _Run:
             raise ValueError(f"batch {position}: {name} is {label} {info['dtype']} rows of {info['row_shape']}, but "
                              f"earlier batches gave {known['label']} {known['dtype']} rows of {known['row_shape']}")
 
-    def add(self, acts, rows, position):
+    def add(self, acts, rows, position, sample_index=None):
         """Buffer one batch; ``rows`` is its first input's dim 0 (None when it has no tensor)."""
         n = acts[0].shape[0] if rows is None else rows
+        if sample_index is not None:
+            if sample_index.shape != (n,):
+                raise ValueError(f"batch {position} has {n} rows but {tuple(sample_index.shape)} sample indices")
+            self.index_buffer.append(sample_index.to(torch.int64))
         for i, t in enumerate(acts):
             if t.shape[0] != n:
                 raise ValueError(f"batch {position}: {self.layers[i]} has {t.shape[0]} rows along dim 0, but the batch "
@@ -346,6 +375,8 @@ class _Run:
         name = f"shard_{index:06d}.safetensors"
         path = safe_member(self.out, name)
         tensors = {str(i): torch.cat(parts) for i, parts in enumerate(self.buffer)}
+        if self.index_buffer:
+            tensors["index"] = torch.cat(self.index_buffer)
         tmp = path + ".tmp"
         require_safetensors().save_file(tensors, tmp)
         with open(tmp, "rb+") as f:
@@ -362,6 +393,7 @@ class _Run:
         self.state["rows"] += rows
         self._commit()
         self.buffer = [[] for _ in self.layers]
+        self.index_buffer = []
         self.buffered_bytes = 0
         self.pending_batches = 0
 
@@ -373,24 +405,31 @@ class _Run:
         shards = [checked_member(self.out, s["file"]) for s in self.state["shards"]]
         headers = [read_header(p) for p in shards]
         names, described = [], []
-        for i, info in enumerate(self.state["layer_info"]):
-            name = f"layer_{i:03d}.safetensors"
+        columns = [(f"layer_{i:03d}.safetensors", str(i), info) for i, info in enumerate(self.state["layer_info"])]
+        indexed = bool(headers) and "index" in headers[0][0]
+        if indexed:
+            columns.append((SAMPLE_INDEX, "index", {"name": "sample_index", "label": "", "dtype": "I64",
+                                                     "row_shape": []}))
+        for name, key, info in columns:
             shape = [self.state["rows"]] + info["row_shape"]
             dtype = DTYPES[info["dtype"]]
             path = safe_member(self.out, name)
             with open(path + ".tmp", "wb") as f:
                 f.write(header_bytes({"activations": (dtype, shape)}, {"layer": info["name"], "label": info["label"]}))
                 for shard, (header, data_start) in zip(shards, headers):
-                    start, end = header[str(i)]["data_offsets"]
+                    start, end = header[key]["data_offsets"]
                     copy_range(shard, data_start + start, data_start + end, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(path + ".tmp", path)
             names.append(name)
-            described.append(dict(info, file=name, shape=shape))
-        write_manifest(self.out, EXTRACT_FORMAT, EXTRACT_SCHEMA, names,
-                       {"layers": described, "rows": self.state["rows"], "batches": self.batches_done,
-                        "model": self.state["model"]})
+            if key != "index":
+                described.append(dict(info, file=name, shape=shape))
+        extra = {"layers": described, "rows": self.state["rows"], "batches": self.batches_done,
+                 "model": self.state["model"]}
+        if indexed:
+            extra["sample_index"] = SAMPLE_INDEX
+        write_manifest(self.out, EXTRACT_FORMAT, EXTRACT_SCHEMA, names, extra)
         self.state["complete"] = True
         self.state["shards"] = []
         self._commit()

@@ -152,6 +152,10 @@ def _build(record, tensors: dict) -> Trace:
     flops = _flops(record.get("flops"), n)
     if flops is not None:
         trace._flops_col = flops
+    for name in ("rank", "world_size"):  # absent from traces saved before distributed support
+        value = record.get(name)
+        if value is not None:
+            setattr(trace, name, check_index(value, 0, 1 << 31, name))
     if cols.get("cleaned_up") is True:
         trace.cleanup()
     return trace

@@ -157,6 +157,11 @@ def _activation_tensors(trace):
 
 
 def _unsavable(t) -> str | None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        try:
+            t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses hold no storage of their own
+            return f"not saved: a {type(t).__name__} tensor subclass has no plain storage to save"
     if t.layout != torch.strided:
         return f"not saved: {t.layout} tensors have no safetensors encoding"
     if t.is_quantized or t.device.type == "meta" or t.is_nested:
@@ -203,6 +208,8 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
     dropped.update(unsaved)
     return {
         "model_name": trace.model_name,
+        "rank": trace.rank,
+        "world_size": trace.world_size,
         "n_ops": len(trace._kind),
         "cleaned_up": trace.is_cleaned_up,
         "kind": list(trace._kind),
