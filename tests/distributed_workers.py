@@ -137,6 +137,11 @@ def traces(rank, world):
         "reduced_is_parent_of_mul": [op.parents for op in log.ops if op.func_name == "mul"] == [[reduced]],
         "reduced_value_saved": torch.equal(log[reduced].activation, _all_reduced(model, x)),
     }
+    result = log.validate()  # on one rank alone: collectives must not be replayed (they would block)
+    out["collectives"]["validate_not_replayed"] = sorted(
+        label for label, reason in result.not_replayed if reason.startswith("a collective"))
+    out["collectives"]["validate_mismatched"] = result.mismatched
+    out["collectives"]["labels"] = list(table["label"])
 
     # Replicas that should agree: the same batch on every rank, one weight nudged on rank 1.
     same = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))

@@ -63,6 +63,8 @@ def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
         assert c["groups"] == [[0, 1]] * 3
         assert c["reduced_is_parent_of_mul"]  # the op after dist.all_reduce reads the collective, not fc
         assert c["reduced_value_saved"]  # and the saved value is the reduced one
+        assert c["validate_mismatched"] == []
+        assert set(c["labels"]) <= set(c["validate_not_replayed"])  # replay never re-issues a collective
 
 
 def test_compare_finds_a_divergence_planted_on_one_rank(traced):
@@ -111,6 +113,8 @@ def test_a_killed_rank_is_named_and_the_rerun_redoes_only_its_uncommitted_batche
     committed = progress["batches_done"]
     assert 1 <= committed < 6 and not progress["complete"]
     assert not os.path.exists(os.path.join(out, "manifest.json"))
+    with pytest.raises(tl.io.TraceFileError, match="distributed extraction is incomplete"):
+        tl.load_extracted(out)
 
     again = values(launch(extract_share, 2, str(tmp_path), out, 48, 4))
     assert again[0]["forwards"] == 0  # rank 0 had finished: nothing redone

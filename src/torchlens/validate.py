@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .capture.collectives import is_collective
+
 _RANDOM_FUNCS = frozenset([
     "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
     "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
@@ -175,6 +177,8 @@ def _replay_problem(log, op):
         return "uninitialized memory (torch.empty and kin): its contents are not defined"
     if op.func_name in _RANDOM_FUNCS:
         return "random op (consumes the RNG; replay would draw new numbers)"
+    if is_collective(func):
+        return "a collective: replayed on one rank alone it would block on, or pair with, other ranks' calls"
     if not op.has_activation:
         dropped = log._dropped.get(op.index)
         return f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved"

@@ -62,6 +62,15 @@ def written_tensors(func, args, kwargs) -> tuple:
     return tuple(leaves)
 
 
+def is_collective(func) -> bool:
+    """A ``torch.distributed`` collective or a functional one: replaying it on one rank alone would block on,
+    or pair with, the other ranks' calls."""
+    if func in WRITTEN_ARGUMENT:
+        return True
+    name = getattr(func, "_qualified_op_name", None) or getattr(getattr(func, "_schema", None), "name", "")
+    return isinstance(name, str) and name.startswith("_c10d_functional::") and "wait_tensor" not in name
+
+
 def process_rank() -> tuple:
     """``(rank, world size)`` of the default process group, or ``(None, None)`` outside one."""
     dist = sys.modules.get("torch.distributed")

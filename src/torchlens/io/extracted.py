@@ -29,6 +29,9 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
         done = progress.get("batches_done") if isinstance(progress, dict) else "?"
         raise TraceFileError(f"{folder}: the extraction is incomplete ({done} batches committed); call tl.extract "
                              "again with the same arguments to finish it")
+    if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.isdir(os.path.join(folder, "rank-0")):
+        raise TraceFileError(f"{folder}: the distributed extraction is incomplete (its ranks' shares were not joined "
+                             "yet); run the same torchrun command again to finish it")
     manifest = verify_manifest(folder, EXTRACT_FORMAT, EXTRACT_SCHEMA, hashes=verify)
     layers = manifest.get("layers")
     if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):

@@ -93,14 +93,19 @@ def _check_target(path: str, overwrite: bool):
 def _replace_saved(path: str, staging: str, old_files: list) -> None:
     """Replace the saved trace at ``path`` by the one in ``staging``, deleting only ``old_files``."""
     others = sorted(n for n in os.listdir(path) if n not in old_files or not _is_regular(os.path.join(path, n)))
-    blocked = [n for n in os.listdir(staging) if n in others and n != MANIFEST and os.path.lexists(os.path.join(path, n))]
+    blocked = [n for n in os.listdir(staging)
+               if n in others and n != MANIFEST and os.path.lexists(os.path.join(path, n))]
     if blocked or not _is_regular(os.path.join(path, MANIFEST)):
-        raise TraceFileError(f"{path}: {', '.join(blocked) or MANIFEST} is not a regular file, so the saved trace "
-                             "cannot be replaced in place; remove it or choose another path")
+        raise TraceFileError(f"{path}: {', '.join(blocked) or MANIFEST} exists but is not a regular file the old "
+                             "trace's manifest lists, so saving would overwrite it; remove it or choose another path")
     if not others:  # the usual case: swap whole folders, so the old trace stays whole until the new is in place
         retired = f"{staging}-old"
         os.replace(path, retired)
-        os.replace(staging, path)
+        try:
+            os.replace(staging, path)
+        except BaseException:
+            os.replace(retired, path)  # put the old trace back where it was
+            raise
         _remove_files(retired, old_files)
         os.rmdir(retired)
         return
