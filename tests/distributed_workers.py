@@ -97,7 +97,7 @@ class WithCollectives(nn.Module):
         return torch.cat(parts) + 1
 
 
-def traces(rank, world):
+def traces(rank, world, workdir):
     """DDP, FSDP2 and collective-issuing forwards traced on each rank, and replicas compared."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -151,7 +151,9 @@ def traces(rank, world):
     if rank == 1:
         with torch.no_grad():
             replica.fc2.weight[0, 0] += 1e-3
-    gathered = tl.distributed.gather(tl.trace(replica, same), dst=0, activations=True)
+    planted = tl.trace(replica, same)
+    planted.save(os.path.join(workdir, f"saved-{rank}"))  # per-rank saves, compared after loading
+    gathered = tl.distributed.gather(planted, dst=0, activations=True)
     if rank == 0:
         out["planted"] = tl.distributed.compare(gathered).to_dict("records")
         out["tolerated"] = tl.distributed.compare(gathered, atol=1e-2).to_dict("records")

@@ -37,8 +37,13 @@ def single_process(n, batch_size, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    return values(launch(traces, 2, str(tmp_path_factory.mktemp("traces"))))
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("traces"))
+
+
+@pytest.fixture(scope="module")
+def traced(workdir):
+    return values(launch(traces, 2, workdir, workdir))
 
 
 def test_ddp_and_fsdp2_traces_are_bit_identical_with_plain_addresses(traced):
@@ -77,6 +82,14 @@ def test_compare_finds_a_divergence_planted_on_one_rank(traced):
     assert row["ops_compared"] == got["labels"].index(fc2)  # every op before it agreed bit for bit
     assert [r["diverges"] for r in got["tolerated"]] == [False]
     assert got["metadata_only"] == 0
+
+
+def test_compare_reads_per_rank_saves_too(traced, workdir):
+    loaded = [tl.load(os.path.join(workdir, f"saved-{rank}")) for rank in range(2)]
+    assert [(t.rank, t.world_size) for t in loaded] == [(0, 2), (1, 2)]
+    (row,) = tl.distributed.compare(loaded).to_dict("records")
+    assert (row["rank"], row["first_op"], row["origin"]) == tuple(traced[0]["planted"][0][k]
+                                                                 for k in ("rank", "first_op", "origin"))
 
 
 def test_distributed_extraction_equals_a_single_process_one(tmp_path):
