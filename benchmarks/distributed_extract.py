@@ -5,10 +5,13 @@ times ``tl.extract`` inside the ranks, from the first batch to the joined, manif
 0's join of every rank's rows in dataset order included); process start-up and imports are not timed.
 The one-rank arm runs the same code in a one-process group, so the ratio isolates sharding (and the
 join it needs), not the launcher.  Each rank uses ``torch.set_num_threads(cores // ranks)`` so the arms
-get the same CPU: on a two-core machine the two-rank arm has one core per rank.  Arms alternate across
-repeats; medians are reported with the ratio.
+get the same CPU: on a two-core machine the two-rank arm has one core per rank.  ``--threads-per-rank 1``
+instead gives every rank one thread in both arms (the two-rank arm then uses twice the cores), which
+separates the gain of sharding from the cost of intra-op threading on a busy machine.  Arms alternate
+across repeats; medians are reported with the ratio.
 
 Run:  .venv/bin/python benchmarks/distributed_extract.py [--samples 4096] [--batch-size 64] [--repeats 3]
+      [--threads-per-rank N]
 """
 
 from __future__ import annotations
@@ -55,13 +58,13 @@ def _rank(rank, world, store, out, samples, batch_size, threads, result):
     dist.destroy_process_group()
 
 
-def run(world, samples, batch_size, workdir) -> float:
+def run(world, samples, batch_size, workdir, threads_per_rank=None) -> float:
     import torch.multiprocessing as mp
 
     out = os.path.join(workdir, f"out-{world}")
     shutil.rmtree(out, ignore_errors=True)
     store, result = os.path.join(workdir, f"store-{time.time_ns()}"), os.path.join(workdir, "result.pkl")
-    threads = max(1, (os.cpu_count() or 1) // world)
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world)
     mp.start_processes(_rank, args=(world, store, out, samples, batch_size, threads, result), nprocs=world,
                        start_method="spawn")
     got = pickle.load(open(result, "rb"))
@@ -74,15 +77,19 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="intra-op threads of every rank (default: the cores split evenly between the ranks)")
     a = p.parse_args()
     times = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as workdir:
         for repeat in range(a.repeats):
             for world in ((1, 2) if repeat % 2 == 0 else (2, 1)):
-                times[world].append(run(world, a.samples, a.batch_size, workdir))
+                times[world].append(run(world, a.samples, a.batch_size, workdir, a.threads_per_rank))
                 print(f"repeat {repeat}: {world} rank(s) {times[world][-1]:.2f}s", flush=True)
     one, two = statistics.median(times[1]), statistics.median(times[2])
-    print(f"\n{a.samples} samples, batch {a.batch_size}, layers {LAYERS}, {os.cpu_count()} cores")
+    threads = a.threads_per_rank or "cores / ranks"
+    print(f"\n{a.samples} samples, batch {a.batch_size}, layers {LAYERS}, {os.cpu_count()} cores, "
+          f"threads per rank: {threads}")
     print(f"one rank : {one:.2f}s (median of {a.repeats})")
     print(f"two ranks: {two:.2f}s (median of {a.repeats})")
     print(f"two-rank time / one-rank time: {two / one:.2f}x (speed-up {one / two:.2f}x)")
