@@ -217,4 +217,9 @@ def extract_share(rank, world, out, n, batch_size, kill_rank=-1, kill_at=0, barr
         model = KilledAfter(0).eval()
         tl.extract(model, batches, LAYERS, round_robin, shard_bytes=200, progress=False)
         result["round_robin_forwards"] = model.forwards
+        mine = [b + rank for b in batches]  # each rank its own stream: not shardable batch by batch
+        try:
+            tl.extract(KilledAfter(0).eval(), mine, LAYERS, round_robin + "-per-rank", progress=False)
+        except ValueError as exc:
+            result["per_rank_error"] = str(exc)
     return result

@@ -96,6 +96,7 @@ def test_distributed_extraction_equals_a_single_process_one(tmp_path):
     out, rr = str(tmp_path / "dist"), str(tmp_path / "round-robin")
     forwards = values(launch(extract_share, 2, str(tmp_path), out, 24, 4, -1, 0, 30.0, rr))
     assert [f["forwards"] for f in forwards] == [3, 3] and [f["round_robin_forwards"] for f in forwards] == [3, 3]
+    assert all("the ranks were given different inputs" in f["per_rank_error"] for f in forwards)
     expected = single_process(24, 4, tmp_path)
     for folder in (out, rr):
         got = tl.load_extracted(folder)

@@ -51,7 +51,7 @@ def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, p
             _remove_rank_folders(out, world)  # a kill after the join, before its cleanup, leaves them
         return out
     folder = os.path.join(out, RANK_FOLDER.format(rank))
-    batches, indices_of, settings = _share(inputs, rank, world, args_of)
+    batches, indices_of, settings = _share(inputs, rank, world, args_of, barrier_group)
     # A rank that raises here never reaches the barrier, and the others name it there.
     extract_folder(model, batches, layers, folder, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
                    progress=progress and rank == 0, indices_of=indices_of,
@@ -63,7 +63,7 @@ def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, p
     return out
 
 
-def _share(inputs, rank, world, args_of):
+def _share(inputs, rank, world, args_of, group):
     """``(batches for this rank, position -> sample indices, settings a resume must match)``."""
     sampler = getattr(inputs, "sampler", None)
     batch_sampler = getattr(inputs, "batch_sampler", None)
@@ -75,8 +75,31 @@ def _share(inputs, rank, world, args_of):
         settings = {"sharding": "DistributedSampler", "shuffle": sampler.shuffle, "seed": sampler.seed,
                     "epoch": sampler.epoch, "dataset_rows": len(sampler.dataset)}
         return inputs, plan.__getitem__, settings
+    inputs = _same_stream_everywhere(inputs, args_of, group)
     share = _RoundRobin(inputs, rank, world, args_of)
     return share, share.indices.__getitem__, {"sharding": "round-robin batches"}
+
+
+def _same_stream_everywhere(inputs, args_of, group):
+    """Refuse to shard batch by batch a stream that differs between ranks (each rank's own share already):
+    taking every ``world``-th batch of it would silently drop rows.  Returns an iterable of all batches."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from ..io.extract import _fingerprint
+
+    iterator = iter(inputs)
+    first = next(iterator, None)
+    mine = None if first is None else _fingerprint(_as_args(args_of(first) if args_of is not None else first))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=group)
+    if len(set(everyone)) > 1:
+        raise ValueError("the ranks were given different inputs (their first batches differ). Under "
+                         "torch.distributed, tl.extract shards either a DataLoader with a DistributedSampler or "
+                         "one stream that every rank iterates identically; it cannot tell where the rows of "
+                         "per-rank streams belong in the dataset")
+    return [] if first is None else itertools.chain([first], iterator)
 
 
 class _RoundRobin:
@@ -159,7 +182,7 @@ def join_ranks(out, world, layers) -> None:
     names, described = [], []
     for i, info in enumerate(manifests[0]["layers"]):
         name = info["file"]
-        sources = [_rows_as_bytes(os.path.join(f, name)) for f in folders]
+        sources = [_rows_as_bytes(checked_member(f, name)) for f in folders]
         row_bytes = sources[0].shape[1]
         _write_rows(os.path.join(out, name), info, len(merged), row_bytes,
                     lambda lo, hi: _gather_rows(sources, rank_of[order[lo:hi]], row_of[order[lo:hi]]))
