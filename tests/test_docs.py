@@ -48,7 +48,7 @@ def _run_with_torchrun(block: str, where: str, folder: pathlib.Path) -> None:
     import sys
 
     options = block.splitlines()[0].split("torchrun", 1)[1].split()
-    script = folder / f"block_{abs(hash(where))}.py"
+    script = folder / (re.sub(r"\W+", "_", where).strip("_") + ".py")
     script.write_text(block)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *options, str(script)],
