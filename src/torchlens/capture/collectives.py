@@ -8,8 +8,7 @@ produced the buffer before it was overwritten, and a saved activation of that bu
 the write (the collective counts as in-place).  Functional collectives (``torch.ops._c10d_functional``)
 return tensors and need nothing here.
 
-The table is read from ``torch.distributed`` only if torch already imported it, so this module costs
-nothing where distributed support is absent.
+The table is empty where torch was built without distributed support.
 """
 
 from __future__ import annotations
@@ -28,9 +27,12 @@ _WRITTEN_ARGUMENT = {
 
 
 def _written_arguments() -> dict:
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    if c10d is None:
+    import torch
+
+    if not torch.distributed.is_available():
         return {}
+    import torch.distributed.distributed_c10d as c10d  # already imported by torch itself: no cost
+
     found = {}
     for name, where in _WRITTEN_ARGUMENT.items():
         func = getattr(c10d, name, None)
