@@ -137,6 +137,8 @@ def traces(rank, world, workdir):
         "reduced_is_parent_of_mul": [op.parents for op in log.ops if op.func_name == "mul"] == [[reduced]],
         "reduced_value_saved": torch.equal(log[reduced].activation, _all_reduced(model, x)),
     }
+    saved = tl.load(log.save(os.path.join(workdir, f"collectives-{rank}")))
+    out["collectives"]["loaded_names"] = list(tl.distributed.collectives(saved)["collective"])
     result = log.validate()  # on one rank alone: collectives must not be replayed (they would block)
     out["collectives"]["validate_not_replayed"] = sorted(
         label for label, reason in result.not_replayed if reason.startswith("a collective"))

@@ -68,6 +68,7 @@ def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
         assert c["groups"] == [[0, 1]] * 3
         assert c["reduced_is_parent_of_mul"]  # the op after dist.all_reduce reads the collective, not fc
         assert c["reduced_value_saved"]  # and the saved value is the reduced one
+        assert c["loaded_names"] == c["names"]  # a saved trace keeps which collectives ran (not their groups)
         assert c["validate_mismatched"] == []
         assert set(c["labels"]) <= set(c["validate_not_replayed"])  # replay never re-issues a collective
 
@@ -142,6 +143,12 @@ def test_a_killed_rank_is_named_and_the_rerun_redoes_only_its_uncommitted_batche
 
     rerun = values(launch(extract_share, 2, str(tmp_path), out, 48, 4))  # a finished extraction returns at once
     assert [r["forwards"] for r in rerun] == [0, 0]
+
+
+def test_outside_a_process_group_a_trace_has_no_rank():
+    log = tl.trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
+    assert (log.rank, log.world_size) == (None, None)
+    assert len(tl.distributed.collectives(log)) == 0
 
 
 def test_importing_torchlens_does_not_import_its_distributed_package():

@@ -41,6 +41,8 @@ def _written_arguments() -> dict:
     return found
 
 
+NAMES = frozenset(_WRITTEN_ARGUMENT)  # the torch.distributed collectives capture records
+
 # func -> (position, keyword) of the argument it writes; looked up by the capture mode only for calls
 # that returned no tensor.
 WRITTEN_ARGUMENT = _written_arguments()

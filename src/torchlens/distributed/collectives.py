@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import inspect
 
+from ..capture.collectives import NAMES as _DISTRIBUTED_NAMES
+
 _FUNCTIONAL = "_c10d_functional::"
+# what a loaded trace's function names can say: the torch.distributed ones and the functional ops
+_COLLECTIVE_NAMES = _DISTRIBUTED_NAMES | {
+    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce_coalesced"}
 
 
 def collectives(trace):
@@ -37,8 +42,11 @@ def _describe(op):
     from ..capture.collectives import WRITTEN_ARGUMENT
 
     func = op.func
-    if func is None:
-        return None
+    if func is None:  # a loaded trace keeps function names only: the group was not saved
+        if op.kind != "op" or op.func_name not in _COLLECTIVE_NAMES:
+            return None
+        return {"label": op.label, "collective": op.func_name, "group": None, "group_ranks": None, "async": None,
+                "module": op.module, "shape": op.shape}
     if func in WRITTEN_ARGUMENT:
         bound = _bind(func, op.args or (), op.kwargs or {})
         group = bound.get("group")
