@@ -1,7 +1,9 @@
 """Every ```python block in README.md and docs/*.md runs, in order, one namespace per file.
 
 A block whose first line is ``# doctest: skip-if-no-cuda`` is skipped (with that reason) when CUDA is
-absent.  Blocks run with a temporary working directory so examples may write files.
+absent.  A block whose first line is ``# doctest: torchrun <options>`` is a script: it is written to a
+file and run with ``torchrun --standalone <options>``.  Blocks run with a temporary working directory so
+examples may write files.
 """
 
 from __future__ import annotations
@@ -31,7 +33,24 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
     for n, block in enumerate(blocks, 1):
         if block.startswith("# doctest: skip-if-no-cuda") and not torch.cuda.is_available():
             continue
+        if block.startswith("# doctest: torchrun"):
+            _run_with_torchrun(block, f"{page.name}[block {n}]", tmp_path)
+            continue
         try:
             exec(compile(block, f"{page.name}[block {n}]", "exec"), namespace)
         except Exception as exc:  # name the page and block in the failure
             raise AssertionError(f"{page.name}, python block {n} failed: {exc!r}") from exc
+
+
+def _run_with_torchrun(block: str, where: str, folder: pathlib.Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    options = block.splitlines()[0].split("torchrun", 1)[1].split()
+    script = folder / (re.sub(r"\W+", "_", where).strip("_") + ".py")
+    script.write_text(block)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *options, str(script)],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{where} failed under torchrun:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -13,7 +13,7 @@ from .validate import validate
 
 __version__ = "0.1.0"
 
-_LAZY = {"debug", "report", "viz", "io"}
+_LAZY = {"debug", "report", "viz", "io", "distributed"}
 
 
 def __getattr__(name):
@@ -32,5 +32,5 @@ def __getattr__(name):
 
 
 __all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
-           "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "debug", "report", "viz", "io",
+           "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "debug", "report", "viz", "io", "distributed",
            "load", "extract", "load_extracted"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .capture.collectives import is_collective
 from .capture.state import CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS, CALL_PARAMS, CALL_PARENTS
 from .tree import as_args, fill, strip, structures_equal, tensor_leaves
 
@@ -286,6 +287,8 @@ def _replay_problem(log, op, rng: RngState):
         return _skip("meta tensors hold no values to compare")
     if op.func_name in _UNINITIALIZED_FUNCS:
         return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
+    if is_collective(func):
+        return _skip("a collective: replayed on one rank alone it would block on, or pair with, other ranks' calls")
     if not op.has_activation:
         dropped = log._dropped.get(op.index)
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")

@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - older torch
     redispatch_function = None
 
 from ..tree import split
+from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .source import FrameClassifier
 from .state import CaptureState, storage_key
 
@@ -65,7 +66,7 @@ _INPLACE_DUNDERS = frozenset(
     ["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
      "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"]
 )
-_inplace_cache: dict = {}
+_inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write their output argument
 _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
 _Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
@@ -166,6 +167,8 @@ class CaptureMode(TorchFunctionMode):
             if inplace or kwargs.get("inplace"):
                 if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
                     st.protect_saved(args[0])
+                elif args and type(args[0]) is list:  # collectives writing a list (dist.all_gather)
+                    st.protect_saved_all(args[0])
             elif "out" in kwargs:
                 st.protect_saved_all(kwargs["out"])
 
@@ -203,6 +206,10 @@ class CaptureMode(TorchFunctionMode):
             leaves = ((None, args[0]),)
         elif isinstance(out, (tuple, list)):
             leaves = _tensor_leaves(out)
+            if not leaves:
+                return out
+        elif func in WRITTEN_ARGUMENT:  # a torch.distributed collective: its output is the tensor it wrote
+            leaves = written_tensors(func, args, kwargs)
             if not leaves:
                 return out
         else:

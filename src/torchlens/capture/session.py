@@ -19,6 +19,7 @@ from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
 from ..record.trace import Trace
 from ..tree import as_args
+from .collectives import process_rank
 from .fastpath import FastPathShim
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
@@ -87,6 +88,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     timings = {"forward": (forward_done - started) / 1e9}
     result = finalize(state, model, output, model_name, timings, index)
     result._autocast = autocast
+    result.rank, result.world_size = process_rank()
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])

@@ -11,6 +11,12 @@ batches after the last committed shard; the next call with the same ``out`` skip
 written twice or missed.  When every batch is in, the shards are concatenated per layer into one file
 each (``layer_000.safetensors`` ...), a manifest with their hashes is written, and the shards are
 removed; ``tl.load_extracted`` reads those files as memory maps.
+
+A resume must continue the same job: ``progress.json`` records a checksum of the model (see
+``identity.py``) and the call's arguments (layers, keyword arguments, batch settings), and a resume that
+differs in any of them is refused with ``ResumeMismatchError`` rather than mixing rows of two models.
+Every write is atomic (temporary file, fsync, rename), so a kill at any instant, the very first
+``progress.json`` included, leaves a folder the next call resumes from.
 """
 
 from __future__ import annotations
@@ -21,17 +27,25 @@ import sys
 
 import torch
 
-from ..tree import as_args
-from .format import (MANIFEST, TraceFileError, dump_json, read_json, require_safetensors, safe_member, write_atomic,
-                     write_manifest)
+from ..capture.collectives import process_rank
+from ..record.errors import TorchlensError
+from ..tree import as_args, path_text, strip, tensor_leaves
+from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_safetensors, safe_member,
+                     write_atomic, write_manifest)
+from .identity import model_checksum
 from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
 PROGRESS = "progress.json"
+SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, where the rows carry one
+
+
+class ResumeMismatchError(TorchlensError, ValueError):
+    """``tl.extract`` was asked to resume a folder written with another model, other arguments or other inputs."""
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
-            progress: bool = True) -> str:
+            progress: bool = True, barrier_timeout: float = 1800.0) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -47,13 +61,34 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
         kwargs: keyword arguments passed to every forward.
         shard_bytes: buffer size before a shard is written: the bound on extra memory used.
         progress: show a progress bar on stderr (needs tqdm).
+        barrier_timeout: under ``torch.distributed``, how long (seconds) a rank that finished waits for the
+            others before naming the ones that did not arrive.
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
+
+    Inside an initialised ``torch.distributed`` process group (``torchrun``), each rank extracts its share
+    into ``out/rank-{r}/`` and the shares are joined in dataset order when all ranks are done; see
+    docs/distributed.md.
     """
     out = os.fspath(out)
     layers = _check_layers(layers)
-    run = _Run(out, layers, type(model).__name__, shard_bytes)
+    if process_rank()[0] is not None:
+        from ..distributed.extraction import extract_ranks
+
+        return extract_ranks(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
+                             progress=progress, barrier_timeout=barrier_timeout)
+    return extract_folder(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
+                          progress=progress)
+
+
+def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, indices_of=None,
+                   arguments=None) -> str:
+    """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
+    batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
+    job = {"model_sha256": model_checksum(model), "arguments": dict(_arguments(layers, kwargs, inputs),
+                                                                    **(arguments or {}))}
+    run = _Run(out, layers, type(model).__name__, shard_bytes, job)
     if run.complete:
         return out
     resumed_from = run.batches_done
@@ -64,11 +99,14 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
             seen = position + 1
             args = as_args(args_of(batch) if args_of is not None else batch)
             if position < resumed_from:
-                if position == resumed_from - 1:
+                if position in (0, resumed_from - 1):
                     run.check_boundary(_fingerprint(args), position)
                 continue
+            if position == 0:
+                run.first_fingerprint = _fingerprint(args)
             with torch.no_grad():
-                run.add(_extract_batch(model, args, kwargs, layers, run, position), _batch_rows(args), position)
+                run.add(_extract_batch(model, args, kwargs, layers, run, position), _batch_rows(args), position,
+                        None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(_fingerprint(args))
             bar.update(1)
@@ -97,26 +135,31 @@ def _check_layers(layers) -> list:
     return layers
 
 
+def _arguments(layers, kwargs, inputs) -> dict:
+    """What must match for a resume to continue the same job (the model is checked by its checksum)."""
+    kwargs_sha256 = None
+    if kwargs:  # tensors by value, everything else by its repr
+        kwargs_sha256 = hashlib.sha256(f"{_fingerprint(kwargs)}{strip(kwargs)!r}".encode()).hexdigest()
+    return {"layers": layers, "kwargs_sha256": kwargs_sha256,
+            "batch_size": getattr(inputs, "batch_size", None), "drop_last": getattr(inputs, "drop_last", None)}
+
+
 def _fingerprint(args) -> str:
     """A hash of a batch's tensors, used to check a resumed run sees the same inputs as before."""
-    from ..record.finalize import tensor_leaves
-
     try:
         import numpy  # noqa: F401  (Tensor.numpy below needs it)
     except ImportError as exc:  # pragma: no cover - exercised only where numpy is absent
         raise ImportError("tl.extract needs numpy: pip install numpy") from exc
     digest = hashlib.sha256()
-    for path, t in tensor_leaves(args, "args", []):
+    for path, t in tensor_leaves(args):
         t = t.detach().to("cpu").contiguous()
-        digest.update(f"{path}{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(f"{path_text('args', path)}{tuple(t.shape)}{t.dtype}".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
 def _batch_rows(args):
-    from ..record.finalize import tensor_leaves
-
-    leaves = tensor_leaves(args, "args", [])
+    leaves = tensor_leaves(args)
     return leaves[0][1].shape[0] if leaves and leaves[0][1].dim() else None
 
 
@@ -206,22 +249,25 @@ class _NoBar:
 class _Run:
     """The extraction folder's state: committed shards, the buffer, and what each layer looks like."""
 
-    def __init__(self, out, layers, model_name, shard_bytes):
+    def __init__(self, out, layers, model_name, shard_bytes, job):
         self.out, self.layers, self.shard_bytes = out, layers, max(int(shard_bytes), 1)
         self.buffer = [[] for _ in layers]
+        self.index_buffer = []
         self.buffered_bytes = 0
         self.pending_batches = 0
+        self.first_fingerprint = None
         os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, PROGRESS)
-        self.state = read_json(path, "a resumed extraction") if os.path.exists(path) else None
+        has_progress = os.path.lexists(os.path.join(out, PROGRESS))
+        self.state = read_json(out, PROGRESS, "a resumed extraction") if has_progress else None
         if self.state is not None and not self._nothing_committed():
-            self._check_resumable(model_name)
+            self._check_resumable(model_name, job)
         else:
-            if self.state is None and os.listdir(out):
+            leftovers = [n for n in os.listdir(out) if not _is_leftover(n)]
+            if self.state is None and leftovers:
                 raise TraceFileError(f"{out} is not empty and holds no extraction; choose an empty or new folder")
             self.state = {"format": EXTRACT_FORMAT, "schema_version": EXTRACT_SCHEMA, "layers": layers,
-                          "model": model_name, "complete": False, "batches_done": 0, "rows": 0, "shards": [],
-                          "layer_info": [None] * len(layers)}
+                          "model": model_name, **job, "complete": False, "batches_done": 0, "rows": 0,
+                          "shards": [], "layer_info": [None] * len(layers)}
             self._commit()
         self._remove_uncommitted()
 
@@ -239,35 +285,52 @@ class _Run:
         return isinstance(s, dict) and s.get("format") == EXTRACT_FORMAT and s.get("batches_done") == 0 \
             and not s.get("shards") and not s.get("complete")
 
-    def _check_resumable(self, model_name):
+    def _check_resumable(self, model_name, job):
         s = self.state
         if not isinstance(s, dict) or s.get("format") != EXTRACT_FORMAT or s.get("schema_version") != EXTRACT_SCHEMA:
             raise TraceFileError(f"{self.out}/{PROGRESS}: not a torchlens extraction of schema {EXTRACT_SCHEMA}")
         if s.get("layers") != self.layers or s.get("model") != model_name:
-            raise ValueError(f"{self.out} holds an extraction of {s.get('model')} layers {s.get('layers')}; this call "
-                             f"asks for {model_name} layers {self.layers}. Use another folder, or delete it to "
-                             "start over")
+            raise ResumeMismatchError(f"{self.out} holds an extraction of {s.get('model')} layers {s.get('layers')}; "
+                                      f"this call asks for {model_name} layers {self.layers}. Use another folder, or "
+                                      "delete it to start over")
+        if s.get("model_sha256") != job["model_sha256"]:
+            raise ResumeMismatchError(
+                f"{self.out} was extracted with another {model_name} (its parameters differ: checksum "
+                f"{str(s.get('model_sha256'))[:12]} vs {job['model_sha256'][:12]}); resuming would mix rows of two "
+                f"models. Resume with the model that started it, or use another folder / delete {self.out}")
+        before = s.get("arguments") if isinstance(s.get("arguments"), dict) else {}
+        changed = {k: (before.get(k), v) for k, v in job["arguments"].items() if before.get(k) != v}
+        if changed:
+            what = "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
+            raise ResumeMismatchError(f"{self.out} was started with other arguments ({what}); resume with the same "
+                                      f"call, or use another folder / delete {self.out}")
+        if not isinstance(s.get("shards"), list) or not all(isinstance(x, dict) for x in s["shards"]):
+            raise TraceFileError(f"{self.out}/{PROGRESS}: no 'shards' list; the file was edited")
         for shard in s["shards"]:
-            path = safe_member(self.out, shard["file"])
-            if not os.path.isfile(path) or os.path.getsize(path) != shard["bytes"]:
+            path = safe_member(self.out, shard.get("file"))
+            if not os.path.lexists(path) or os.path.getsize(checked_member(self.out, shard["file"])) != shard["bytes"]:
                 raise TraceFileError(f"{path}: committed shard is missing or has the wrong size; delete {self.out} "
                                      "and extract again")
 
     def _remove_uncommitted(self):
         # Leftovers of a killed run: temporary files and a shard written but never counted.
         keep = {s["file"] for s in self.state["shards"]} | {PROGRESS, MANIFEST}
-        keep |= {f"layer_{i:03d}.safetensors" for i in range(len(self.layers))} if self.complete else set()
+        keep |= {f"layer_{i:03d}.safetensors" for i in range(len(self.layers))} | {SAMPLE_INDEX} if self.complete \
+            else set()
         for name in os.listdir(self.out):
             if name not in keep and (name.endswith(".tmp") or name.startswith(("shard_", "layer_"))):
                 os.remove(os.path.join(self.out, name))
 
     def check_boundary(self, fingerprint, position):
         shards = self.state["shards"]
-        expected = shards[-1]["last_input_sha256"] if shards else None
+        if position == 0:
+            expected = self.state.get("first_input_sha256")
+        else:
+            expected = shards[-1]["last_input_sha256"] if shards else None
         if expected is not None and fingerprint != expected:
-            raise ValueError(f"input batch {position} differs from the one the interrupted run committed; resuming "
-                             "needs the same inputs in the same order (a shuffling DataLoader cannot resume). "
-                             f"Delete {self.out} to start over")
+            raise ResumeMismatchError(f"input batch {position} differs from the one the interrupted run committed; "
+                                      "resuming needs the same inputs in the same order (a shuffling DataLoader "
+                                      f"cannot resume). Delete {self.out} to start over")
 
     def check_layer(self, i, name, label, t, position):
         info = {"name": name, "label": label, "dtype": NAME_OF.get(t.dtype), "row_shape": list(t.shape[1:])}
@@ -282,9 +345,13 @@ class _Run:
             raise ValueError(f"batch {position}: {name} is {label} {info['dtype']} rows of {info['row_shape']}, but "
                              f"earlier batches gave {known['label']} {known['dtype']} rows of {known['row_shape']}")
 
-    def add(self, acts, rows, position):
+    def add(self, acts, rows, position, sample_index=None):
         """Buffer one batch; ``rows`` is its first input's dim 0 (None when it has no tensor)."""
         n = acts[0].shape[0] if rows is None else rows
+        if sample_index is not None:
+            if sample_index.shape != (n,):
+                raise ValueError(f"batch {position} has {n} rows but {tuple(sample_index.shape)} sample indices")
+            self.index_buffer.append(sample_index.to(torch.int64))
         for i, t in enumerate(acts):
             if t.shape[0] != n:
                 raise ValueError(f"batch {position}: {self.layers[i]} has {t.shape[0]} rows along dim 0, but the batch "
@@ -300,6 +367,8 @@ class _Run:
         name = f"shard_{index:06d}.safetensors"
         path = safe_member(self.out, name)
         tensors = {str(i): torch.cat(parts) for i, parts in enumerate(self.buffer)}
+        if self.index_buffer:
+            tensors["index"] = torch.cat(self.index_buffer)
         tmp = path + ".tmp"
         require_safetensors().save_file(tensors, tmp)
         with open(tmp, "rb+") as f:
@@ -311,9 +380,12 @@ class _Run:
                                      "batches": [start, start + self.pending_batches],
                                      "last_input_sha256": last_fingerprint})
         self.state["batches_done"] = start + self.pending_batches
+        if start == 0:
+            self.state["first_input_sha256"] = self.first_fingerprint
         self.state["rows"] += rows
         self._commit()
         self.buffer = [[] for _ in self.layers]
+        self.index_buffer = []
         self.buffered_bytes = 0
         self.pending_batches = 0
 
@@ -322,29 +394,41 @@ class _Run:
 
     def consolidate(self):
         """Concatenate the shards into one file per layer, write the manifest, drop the shards."""
-        shards = [safe_member(self.out, s["file"]) for s in self.state["shards"]]
+        shards = [checked_member(self.out, s["file"]) for s in self.state["shards"]]
         headers = [read_header(p) for p in shards]
         names, described = [], []
-        for i, info in enumerate(self.state["layer_info"]):
-            name = f"layer_{i:03d}.safetensors"
+        columns = [(f"layer_{i:03d}.safetensors", str(i), info) for i, info in enumerate(self.state["layer_info"])]
+        indexed = bool(headers) and "index" in headers[0][0]
+        if indexed:
+            columns.append((SAMPLE_INDEX, "index", {"name": "sample_index", "label": "", "dtype": "I64",
+                                                     "row_shape": []}))
+        for name, key, info in columns:
             shape = [self.state["rows"]] + info["row_shape"]
             dtype = DTYPES[info["dtype"]]
             path = safe_member(self.out, name)
             with open(path + ".tmp", "wb") as f:
                 f.write(header_bytes({"activations": (dtype, shape)}, {"layer": info["name"], "label": info["label"]}))
                 for shard, (header, data_start) in zip(shards, headers):
-                    start, end = header[str(i)]["data_offsets"]
+                    start, end = header[key]["data_offsets"]
                     copy_range(shard, data_start + start, data_start + end, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(path + ".tmp", path)
             names.append(name)
-            described.append(dict(info, file=name, shape=shape))
-        write_manifest(self.out, EXTRACT_FORMAT, EXTRACT_SCHEMA, names,
-                       {"layers": described, "rows": self.state["rows"], "batches": self.batches_done,
-                        "model": self.state["model"]})
+            if key != "index":
+                described.append(dict(info, file=name, shape=shape))
+        extra = {"layers": described, "rows": self.state["rows"], "batches": self.batches_done,
+                 "model": self.state["model"]}
+        if indexed:
+            extra["sample_index"] = SAMPLE_INDEX
+        write_manifest(self.out, EXTRACT_FORMAT, EXTRACT_SCHEMA, names, extra)
         self.state["complete"] = True
         self.state["shards"] = []
         self._commit()
         for shard in shards:
             os.remove(shard)
+
+
+def _is_leftover(name: str) -> bool:
+    # Temporary files a killed run may leave before its first progress.json is in place.
+    return name.endswith(".tmp") and name.startswith(("shard_", "layer_", PROGRESS))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from .extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS
-from .format import MANIFEST, TraceFileError, read_json, safe_member, verify_manifest
+from .format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest
 from .tensorfile import mapped
 
 
@@ -24,11 +24,14 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
             to skip on very large extractions, sizes are still checked).
     """
     folder = os.fspath(path)
-    if not os.path.exists(os.path.join(folder, MANIFEST)) and os.path.exists(os.path.join(folder, PROGRESS)):
-        progress = read_json(os.path.join(folder, PROGRESS), "an extraction")
+    if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.lexists(os.path.join(folder, PROGRESS)):
+        progress = read_json(folder, PROGRESS, "an extraction")
         done = progress.get("batches_done") if isinstance(progress, dict) else "?"
         raise TraceFileError(f"{folder}: the extraction is incomplete ({done} batches committed); call tl.extract "
                              "again with the same arguments to finish it")
+    if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.isdir(os.path.join(folder, "rank-0")):
+        raise TraceFileError(f"{folder}: the distributed extraction is incomplete (its ranks' shares were not joined "
+                             "yet); run the same torchrun command again to finish it")
     manifest = verify_manifest(folder, EXTRACT_FORMAT, EXTRACT_SCHEMA, hashes=verify)
     layers = manifest.get("layers")
     if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
@@ -38,7 +41,7 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
         name, file = info.get("name"), info.get("file")
         if not isinstance(name, str) or file not in manifest["files"]:
             raise TraceFileError(f"{folder}/{MANIFEST}: layer entry {info!r} names no listed file")
-        arrays[name] = mapped(safe_member(folder, file), "activations", as_torch)
+        arrays[name] = mapped(checked_member(folder, file), "activations", as_torch)
         if list(arrays[name].shape) != info.get("shape"):
             raise TraceFileError(f"{folder}/{file}: holds shape {list(arrays[name].shape)}, the manifest says "
                                  f"{info.get('shape')}")

@@ -11,18 +11,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
+import stat
 
 from ..record.errors import TorchlensError
 
 MANIFEST = "manifest.json"
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _CHUNK = 1 << 20
+MAX_SMALL_JSON = 64 << 20  # manifest.json and progress.json: far above any real one, far below memory
+MAX_JSON_DEPTH = 256  # deeper than any file torchlens writes; bounds the parser's recursion
 
 
 class TraceFileError(TorchlensError, ValueError):
     """A saved trace or extraction folder is missing, damaged, tampered with, or from another schema."""
+
+
+class UnsafeMemberError(TraceFileError):
+    """A file in a torchlens folder is not a plain, bounded, in-folder regular file (a link, FIFO, device,
+    directory, or oversized), so it is refused before anything reads it."""
 
 
 def sha256_of(path: str) -> str:
@@ -40,11 +49,65 @@ def safe_member(folder: str, name) -> str:
                              "names inside the folder (no separators, no '..', no leading dot)")
     path = os.path.join(folder, name)
     if os.path.islink(path):
-        raise TraceFileError(f"{path}: is a symbolic link; refusing to follow links out of the saved folder")
+        raise UnsafeMemberError(f"{path}: is a symbolic link; refusing to follow links out of the saved folder")
     root = os.path.realpath(folder)
     if os.path.dirname(os.path.realpath(path)) != root:
-        raise TraceFileError(f"{path}: resolves outside {folder}; refusing it")
+        raise UnsafeMemberError(f"{path}: resolves outside {folder}; refusing it")
     return path
+
+
+def checked_member(folder: str, name, max_bytes: int | None = None) -> str:
+    """``safe_member`` plus the file itself: it must exist as a regular file of at most ``max_bytes``.
+
+    Used for files read by other libraries (safetensors, memory maps); ``read_member`` does the same
+    checks on the open descriptor for the files torchlens reads itself.
+    """
+    path = safe_member(folder, name)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise TraceFileError(f"{path}: missing") from None
+    _check_regular(path, info, max_bytes)
+    return path
+
+
+def _check_regular(path: str, info, max_bytes) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else "a directory" if stat.S_ISDIR(info.st_mode)
+                else "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device or socket")
+        raise UnsafeMemberError(f"{path}: is {kind}, not a regular file; torchlens reads only the regular files "
+                                "it wrote (replace it with the file the folder was written with)")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise UnsafeMemberError(f"{path}: {info.st_size} bytes, more than the {max_bytes} this file may hold; "
+                                "refusing to read it")
+
+
+def read_member(folder: str, name, max_bytes: int) -> bytes:
+    """The bytes of regular file ``name`` inside ``folder``, refusing links, FIFOs, devices, directories and
+    files over ``max_bytes``.  The checks are made on the opened descriptor (``O_NOFOLLOW``, and
+    ``O_NONBLOCK`` so that opening a FIFO cannot hang), so the file cannot be swapped in between."""
+    path = safe_member(folder, name)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a link swapped in after safe_member; EISDIR and the like
+        try:
+            _check_regular(path, os.lstat(path), max_bytes)
+        except FileNotFoundError:
+            pass
+        raise UnsafeMemberError(f"{path}: cannot be opened as a regular file ({exc.strerror})") from None
+    try:
+        _check_regular(path, os.fstat(fd), max_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise UnsafeMemberError(f"{path}: grew past {max_bytes} bytes while being read; refusing it")
+    return data
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -62,14 +125,46 @@ def dump_json(obj) -> bytes:
     return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
 
 
-def read_json(path: str, what: str):
+def read_json(folder: str, name: str, what: str, max_bytes: int = MAX_SMALL_JSON):
+    """Parse member ``name`` of ``folder`` as standard JSON: bounded size and nesting, finite numbers only."""
+    path = os.path.join(folder, name)
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        text = read_member(folder, name, max_bytes).decode("utf-8")
     except FileNotFoundError:
         raise TraceFileError(f"{path}: missing; {what} needs it") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except UnicodeDecodeError as exc:
         raise TraceFileError(f"{path}: not valid JSON ({exc}); the file is damaged or was edited") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise TraceFileError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels; refusing it") from None
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise TraceFileError(f"{path}: not valid JSON ({exc}); the file is damaged or was edited") from None
+    if _depth_exceeds(value, MAX_JSON_DEPTH):
+        raise TraceFileError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels; refusing it")
+    return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"non-standard constant {name} (torchlens writes non-finite numbers as tagged values)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} overflows to {value}; torchlens never writes one")
+    return value
+
+
+def _depth_exceeds(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def write_manifest(folder: str, fmt: str, schema: int, names: list, extra: dict | None = None) -> None:
@@ -88,7 +183,7 @@ def verify_manifest(folder: str, fmt: str, schema: int, required: tuple = (), ha
     """Read and check ``folder``'s manifest: format, schema version, and every file's size and hash."""
     if not os.path.isdir(folder):
         raise TraceFileError(f"{folder}: not a folder; expected a folder written by torchlens")
-    manifest = read_json(os.path.join(folder, MANIFEST), f"a {fmt} folder")
+    manifest = read_json(folder, MANIFEST, f"a {fmt} folder")
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise TraceFileError(f"{folder}: manifest says format {found!r}, expected {fmt!r}")
@@ -115,8 +210,9 @@ def _verify_file(folder: str, name, entry, hashes: bool) -> None:
     if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
             or not isinstance(entry.get("sha256"), str):
         raise TraceFileError(f"{folder}: manifest entry for {name!r} lacks its size and sha256")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise TraceFileError(f"{path}: listed in the manifest but missing")
+    checked_member(folder, name)
     size = os.path.getsize(path)
     if size != entry["bytes"]:
         raise TraceFileError(f"{path}: {size} bytes, the manifest says {entry['bytes']}: the file is truncated "

@@ -18,8 +18,8 @@ import torch
 from ..record.modules import Module, ModuleCall
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
-from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, read_json,
-                     require_safetensors, safe_member, verify_manifest)
+from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, checked_member,
+                     read_json, require_safetensors, verify_manifest)
 
 
 
@@ -28,7 +28,7 @@ def load(path) -> Trace:
     tables, reports, rendering); ``log.model`` is None and ``log.output`` / ``log.validate()`` raise."""
     folder = os.fspath(path)
     manifest = verify_manifest(folder, TRACE_FORMAT, TRACE_SCHEMA, required=(TRACE_JSON,))
-    record = read_json(safe_member(folder, TRACE_JSON), "a saved trace")
+    record = read_json(folder, TRACE_JSON, "a saved trace", max_bytes=manifest["files"][TRACE_JSON]["bytes"])
     tensors = _read_tensors(folder) if TRACE_TENSORS in manifest["files"] else {}
     try:
         trace = _build(record, tensors)
@@ -43,7 +43,7 @@ def load(path) -> Trace:
 
 
 def _read_tensors(folder: str) -> dict:
-    path = safe_member(folder, TRACE_TENSORS)
+    path = checked_member(folder, TRACE_TENSORS)
     st = require_safetensors()
     try:
         return st.load_file(path, device="cpu")
@@ -152,6 +152,10 @@ def _build(record, tensors: dict) -> Trace:
     flops = _flops(record.get("flops"), n)
     if flops is not None:
         trace._flops_col = flops
+    for name in ("rank", "world_size"):  # absent from traces saved before distributed support
+        value = record.get(name)
+        if value is not None:
+            setattr(trace, name, check_index(value, 0, 1 << 31, name))
     if cols.get("cleaned_up") is True:
         trace.cleanup()
     return trace

@@ -9,19 +9,24 @@ Layout (schema 1)::
 No pickle anywhere: torch callables are stored by name (a loaded op's ``func`` is None), non-data
 argument values by type and repr.  The folder is written next to ``path`` and renamed into place, so an
 interrupted save never leaves a half-written trace under ``path``.
+
+``overwrite=True`` replaces only a folder whose manifest says it is a saved trace, and removes only the
+files that manifest lists: anything else found there is left in place, with a warning naming it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
+import warnings
 
 import torch
 
 from .encode import encode_value, torch_constant_name
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
-                     require_safetensors, write_atomic, write_manifest)
+                     read_json, require_safetensors, safe_member, write_atomic, write_manifest)
 
 
 def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> str:
@@ -29,10 +34,12 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
 
     Args:
         activations: also write the saved activations (metadata alone is much smaller).
-        overwrite: replace an existing saved trace at ``path`` (any other existing folder is refused).
+        overwrite: replace an existing saved trace at ``path``: only a folder whose manifest names the
+            trace format, and only the files that manifest lists (other files are kept, with a warning).
+            Any other existing folder is refused.
     """
     path = os.fspath(path)
-    _check_target(path, overwrite)
+    old_files = _check_target(path, overwrite)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
@@ -47,22 +54,87 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         record = trace_columns(trace, keys, unsaved, activations)
         write_atomic(os.path.join(staging, TRACE_JSON), dump_json(record))
         write_manifest(staging, TRACE_FORMAT, TRACE_SCHEMA, names)
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(staging, path)
-    except BaseException:
+        if old_files is None:
+            os.replace(staging, path)
+        else:
+            _replace_saved(path, staging, old_files)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     return path
 
 
-def _check_target(path: str, overwrite: bool) -> None:
-    if not os.path.exists(path):
-        return
-    if not os.path.isdir(path) or (os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST))):
+def _check_target(path: str, overwrite: bool):
+    """The files of the saved trace at ``path`` that saving over it will remove; None when nothing is there."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.islink(path) or not os.path.isdir(path):
         raise TraceFileError(f"{path} exists and is not a saved trace; choose another path")
-    if os.listdir(path) and not overwrite:
+    if not os.listdir(path):
+        os.rmdir(path)
+        return None
+    if not os.path.lexists(os.path.join(path, MANIFEST)):
+        raise TraceFileError(f"{path} exists and is not a saved trace; choose another path")
+    try:
+        manifest = read_json(path, MANIFEST, "overwriting a saved trace")
+    except TraceFileError as exc:
+        raise TraceFileError(f"{path} exists and is not a saved trace (its manifest is unreadable: {exc}); "
+                             "choose another path") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != TRACE_FORMAT \
+            or not isinstance(manifest.get("schema_version"), int) or not isinstance(manifest.get("files"), dict):
+        raise TraceFileError(f"{path} exists and is not a saved trace (its manifest.json does not name the "
+                             f"{TRACE_FORMAT!r} format and a schema version); choose another path")
+    if not overwrite:
         raise TraceFileError(f"{path} already holds a saved trace; pass overwrite=True to replace it")
+    for name in manifest["files"]:
+        safe_member(path, name)  # a manifest naming a path outside the folder is refused, not obeyed
+    return [MANIFEST, *manifest["files"]]
+
+
+def _replace_saved(path: str, staging: str, old_files: list) -> None:
+    """Replace the saved trace at ``path`` by the one in ``staging``, deleting only ``old_files``."""
+    others = sorted(n for n in os.listdir(path) if n not in old_files or not _is_regular(os.path.join(path, n)))
+    blocked = [n for n in os.listdir(staging)
+               if n in others and n != MANIFEST and os.path.lexists(os.path.join(path, n))]
+    if blocked or not _is_regular(os.path.join(path, MANIFEST)):
+        raise TraceFileError(f"{path}: {', '.join(blocked) or MANIFEST} exists but is not a regular file the old "
+                             "trace's manifest lists, so saving would overwrite it; remove it or choose another path")
+    if not others:  # the usual case: swap whole folders, so the old trace stays whole until the new is in place
+        retired = f"{staging}-old"
+        os.replace(path, retired)
+        try:
+            os.replace(staging, path)
+        except BaseException:
+            os.replace(retired, path)  # put the old trace back where it was
+            raise
+        _remove_files(retired, old_files)
+        os.rmdir(retired)
+        return
+    # Foreign files share the folder: take the old manifest out first (the folder stops claiming to be a
+    # trace), move the new files in, and write the new manifest last.
+    _remove_files(path, old_files)
+    for name in os.listdir(staging):
+        if name != MANIFEST:
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
+    os.replace(os.path.join(staging, MANIFEST), os.path.join(path, MANIFEST))
+    kept = [n for n in others if os.path.lexists(os.path.join(path, n))]
+    warnings.warn(f"{path}: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the old trace's manifest did not "
+                  f"list ({', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''}); saving over a trace removes only "
+                  "the files its manifest names", stacklevel=4)
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _remove_files(folder: str, names: list) -> None:
+    """Delete the regular files ``names`` from ``folder``; anything else under those names stays."""
+    for name in [MANIFEST, *[n for n in names if n != MANIFEST]]:
+        member = os.path.join(folder, name)
+        if _is_regular(member):
+            os.remove(member)
 
 
 def _activation_tensors(trace):
@@ -90,6 +162,11 @@ def _activation_tensors(trace):
 
 
 def _unsavable(t) -> str | None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        try:
+            t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses hold no storage of their own
+            return f"not saved: a {type(t).__name__} tensor subclass has no plain storage to save"
     if t.layout != torch.strided:
         return f"not saved: {t.layout} tensors have no safetensors encoding"
     if t.is_quantized or t.device.type == "meta" or t.is_nested:
@@ -136,6 +213,8 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
     dropped.update(unsaved)
     return {
         "model_name": trace.model_name,
+        "rank": trace.rank,
+        "world_size": trace.world_size,
         "n_ops": len(trace._kind),
         "cleaned_up": trace.is_cleaned_up,
         "kind": list(trace._kind),

@@ -29,6 +29,8 @@ class Trace:
     """
 
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
+    rank = None  # this process's rank and the world size when traced under torch.distributed
+    world_size = None
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,

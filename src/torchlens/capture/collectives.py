@@ -1,0 +1,83 @@
+"""``torch.distributed`` collectives as ops: which argument each one writes.
+
+The collectives of ``torch.distributed`` (``all_reduce``, ``broadcast``, ``all_gather`` ...) dispatch
+through ``__torch_function__`` when a mode is active, so capture sees them, but they return ``None`` (or
+a ``Work`` handle) and write their result into an argument.  Recorded like ``x[i] = v`` is, as an op whose
+output is the written tensor, later readers get the collective as their parent instead of the op that
+produced the buffer before it was overwritten, and a saved activation of that buffer is copied before
+the write (the collective counts as in-place).  Functional collectives (``torch.ops._c10d_functional``)
+return tensors and need nothing here.
+
+The table is empty where torch was built without distributed support.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# collective name -> (position, keyword) of the argument it writes
+_WRITTEN_ARGUMENT = {
+    "broadcast": (0, "tensor"), "all_reduce": (0, "tensor"), "all_reduce_coalesced": (0, "tensors"),
+    "reduce": (0, "tensor"), "recv": (0, "tensor"), "irecv": (0, "tensor"), "all_gather": (0, "tensor_list"),
+    "all_gather_single": (0, "output_tensor"), "all_gather_into_tensor": (0, "output_tensor"),
+    "all_gather_coalesced": (0, "output_tensor_lists"), "gather": (1, "gather_list"), "scatter": (0, "tensor"),
+    "reduce_scatter": (0, "output"), "reduce_scatter_single": (0, "output"), "reduce_scatter_tensor": (0, "output"),
+    "all_to_all_single": (0, "output"), "all_to_all": (0, "output_tensor_list"),
+}
+
+
+def _written_arguments() -> dict:
+    import torch
+
+    if not torch.distributed.is_available():
+        return {}
+    import torch.distributed.distributed_c10d as c10d  # already imported by torch itself: no cost
+
+    found = {}
+    for name, where in _WRITTEN_ARGUMENT.items():
+        func = getattr(c10d, name, None)
+        if func is not None:
+            found[func] = where
+    return found
+
+
+NAMES = frozenset(_WRITTEN_ARGUMENT)  # the torch.distributed collectives capture records
+
+# func -> (position, keyword) of the argument it writes; looked up by the capture mode only for calls
+# that returned no tensor.
+WRITTEN_ARGUMENT = _written_arguments()
+
+
+def written_tensors(func, args, kwargs) -> tuple:
+    """``(slot, tensor)`` for each tensor ``func`` wrote, in the form capture records outputs."""
+    import torch
+
+    position, keyword = WRITTEN_ARGUMENT[func]
+    target = args[position] if len(args) > position else kwargs.get(keyword)
+    if isinstance(target, torch.Tensor):
+        return ((None, target),)
+    leaves = []
+    if isinstance(target, (list, tuple)):
+        for i, item in enumerate(target):
+            if isinstance(item, torch.Tensor):
+                leaves.append((i, item))
+            elif isinstance(item, (list, tuple)):
+                leaves.extend(((i, j), t) for j, t in enumerate(item) if isinstance(t, torch.Tensor))
+    return tuple(leaves)
+
+
+def is_collective(func) -> bool:
+    """A ``torch.distributed`` collective or a functional one: replaying it on one rank alone would block on,
+    or pair with, the other ranks' calls."""
+    if func in WRITTEN_ARGUMENT:
+        return True
+    name = getattr(func, "_qualified_op_name", None) or getattr(getattr(func, "_schema", None), "name", "")
+    return isinstance(name, str) and name.startswith("_c10d_functional::") and "wait_tensor" not in name
+
+
+def process_rank() -> tuple:
+    """``(rank, world size)`` of the default process group, or ``(None, None)`` outside one."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None, None
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,78 @@
+"""``compare``: the first op, in execution order, where ranks that should agree (DDP replicas) diverge.
+
+Each rank is compared with a reference rank op by op: first the graph (same label at the same
+position), then shape and dtype, then the saved activations, bit for bit or within ``rtol`` / ``atol``.
+The first op that differs is where the drift shows; ``origin`` is ``"here"`` when every parent of that op
+was compared and agreed (the drift starts at this op: a parameter or a buffer that differs, a
+nondeterministic kernel), and ``"unknown"`` when a parent's activation was not saved on both ranks.
+"""
+
+from __future__ import annotations
+
+from ..tree import structures_equal
+from .gather import RankTrace
+
+COLUMNS = ["rank", "reference", "diverges", "first_op", "module", "func", "reason", "max_abs_diff", "origin",
+           "ops_compared"]
+
+
+def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0):
+    """A pandas table with one row per rank other than ``reference``: where it first diverges, and why.
+
+    Args:
+        traces: one trace per rank, in rank order: ``Trace`` objects (a rank's own, or ``tl.load``'ed
+            per-rank saves) or the ``RankTrace`` list ``gather`` returns.
+        rtol, atol: tolerances; both 0 (the default) compares bit for bit (NaN equals NaN).
+    """
+    from .collectives import _frame
+
+    ranks = [t if isinstance(t, RankTrace) else RankTrace.of(t, activations=True) for t in traces]
+    if not 0 <= reference < len(ranks):
+        raise ValueError(f"reference rank {reference} is not among the {len(ranks)} traces")
+    base = ranks[reference]
+    rows = [_first_divergence(base, other, reference, r, rtol, atol)
+            for r, other in enumerate(ranks) if r != reference]
+    return _frame(rows, COLUMNS)
+
+
+def _first_divergence(base, other, reference, rank, rtol, atol) -> dict:
+    row = {"rank": other.rank if other.rank is not None else rank, "reference": reference, "diverges": False,
+           "first_op": None, "module": None, "func": None, "reason": None, "max_abs_diff": None, "origin": None,
+           "ops_compared": 0}
+    uncompared: set = set()  # ops whose activations were not saved on both ranks
+    for i in range(max(len(base.ops), len(other.ops))):
+        a = base.ops[i] if i < len(base.ops) else None
+        b = other.ops[i] if i < len(other.ops) else None
+        reason, diff = _op_difference(a, b, base, other, rtol, atol)
+        if reason is None:
+            if a["label"] in base.activations and b["label"] in other.activations:
+                row["ops_compared"] += 1
+            else:
+                uncompared.add(a["label"])
+            continue
+        op = a or b
+        row.update(diverges=True, first_op=op["label"], module=op["module"], func=op["func"], reason=reason,
+                   max_abs_diff=diff, origin="unknown" if uncompared & set(op["parents"]) else "here")
+        return row
+    return row
+
+
+def _op_difference(a, b, base, other, rtol, atol):
+    """``(reason, max |a - b|)`` when op ``a`` (reference) and ``b`` differ, ``(None, None)`` otherwise."""
+    if a is None or b is None:
+        present = a or b
+        return f"the graph ends earlier on one rank ({present['label']} has no counterpart)", None
+    if a["label"] != b["label"]:
+        return f"the graph differs: {a['label']} on the reference, {b['label']} here", None
+    if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
+        return f"{a['shape']} {a['dtype']} on the reference, {b['shape']} {b['dtype']} here", None
+    x, y = base.activations.get(a["label"]), other.activations.get(b["label"])
+    if x is None or y is None:
+        return None, None  # not saved on one side: nothing to compare
+    equal, _ = structures_equal(x, y, exact=rtol == 0 and atol == 0, rtol=rtol, atol=atol)
+    if equal:
+        return None, None
+    diff = None
+    if x.is_floating_point() or x.is_complex():
+        diff = float((x - y).abs().double().nan_to_num(nan=float("inf")).max()) if x.numel() else 0.0
+    return "values differ" if rtol == 0 and atol == 0 else f"values differ beyond rtol={rtol}, atol={atol}", diff

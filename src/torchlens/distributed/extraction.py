@@ -1,0 +1,255 @@
+"""``tl.extract`` under ``torch.distributed``: each rank extracts its share, rank 0 joins them in dataset order.
+
+Each rank writes ``out/rank-{r}/``, an ordinary resumable, checksummed extraction folder whose rows also
+carry their sample index (``sample_index.safetensors``).  Which rows a rank takes:
+
+- a ``DataLoader`` over a ``DistributedSampler``: the loader's own batches; the sample indices are the
+  ones its batch sampler yields (the sampler's padding duplicates are dropped when joining);
+- anything else (a list of batches, a generator, a plain ``DataLoader``): every rank iterates all of it
+  and takes batches ``r, r + world, r + 2 * world, ...``; a row's sample index is its position in the
+  whole stream.
+
+When a rank finishes it waits at a barrier with a timeout (``monitored_barrier`` on a gloo group), so a
+rank that died or hung is named in the error instead of every other rank waiting forever.  Rank 0 then
+copies the rows of every rank, in sample-index order and without duplicates, into ``out/layer_*.safetensors``,
+writes ``out/manifest.json`` (the ordinary extraction format, so ``tl.load_extracted(out)`` memory-maps it
+as for one process), and removes the rank folders; a second barrier lets every rank return only once the
+result is readable.  Rerunning the same command after a kill resumes each rank from its own commits.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from datetime import timedelta
+
+import torch
+
+from ..io.extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, _batch_rows, _as_args, extract_folder
+from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
+from ..io.tensorfile import header_bytes, mapped, read_header
+from ..record.errors import TorchlensError
+
+RANK_FOLDER = "rank-{}"
+_JOIN_CHUNK_BYTES = 64 << 20
+
+
+class RankFailedError(TorchlensError, RuntimeError):
+    """A rank did not reach a distributed barrier in time: it died, hung, or raised."""
+
+
+def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, barrier_timeout) -> str:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    barrier_group = _barrier_group(dist)
+    os.makedirs(out, exist_ok=True)
+    if _joined(out):
+        _barrier(dist, barrier_group, barrier_timeout, "start")
+        if rank == 0:
+            _remove_rank_folders(out, world)  # a kill after the join, before its cleanup, leaves them
+        return out
+    folder = os.path.join(out, RANK_FOLDER.format(rank))
+    batches, indices_of, settings = _share(inputs, rank, world, args_of, barrier_group)
+    # A rank that raises here never reaches the barrier, and the others name it there.
+    extract_folder(model, batches, layers, folder, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
+                   progress=progress and rank == 0, indices_of=indices_of,
+                   arguments=dict(settings, rank=rank, world_size=world))
+    _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
+    if rank == 0:
+        join_ranks(out, world, layers)
+    _barrier(dist, barrier_group, barrier_timeout, "the joined result")
+    return out
+
+
+def _share(inputs, rank, world, args_of, group):
+    """``(batches for this rank, position -> sample indices, settings a resume must match)``."""
+    sampler = getattr(inputs, "sampler", None)
+    batch_sampler = getattr(inputs, "batch_sampler", None)
+    if isinstance(sampler, torch.utils.data.DistributedSampler) and batch_sampler is not None:
+        if sampler.num_replicas != world or sampler.rank != rank:
+            raise ValueError(f"the DistributedSampler is set for rank {sampler.rank} of {sampler.num_replicas}, but "
+                             f"this process is rank {rank} of {world}")
+        plan = [torch.as_tensor(list(b), dtype=torch.int64) for b in batch_sampler]
+        settings = {"sharding": "DistributedSampler", "shuffle": sampler.shuffle, "seed": sampler.seed,
+                    "epoch": sampler.epoch, "dataset_rows": len(sampler.dataset)}
+        return inputs, plan.__getitem__, settings
+    inputs = _same_stream_everywhere(inputs, args_of, group)
+    share = _RoundRobin(inputs, rank, world, args_of)
+    return share, share.indices.__getitem__, {"sharding": "round-robin batches"}
+
+
+def _same_stream_everywhere(inputs, args_of, group):
+    """Refuse to shard batch by batch a stream that differs between ranks (each rank's own share already):
+    taking every ``world``-th batch of it would silently drop rows.  Returns an iterable of all batches."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from ..io.extract import _fingerprint
+
+    iterator = iter(inputs)
+    first = next(iterator, None)
+    mine = None if first is None else _fingerprint(_as_args(args_of(first) if args_of is not None else first))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=group)
+    if len(set(everyone)) > 1:
+        raise ValueError("the ranks were given different inputs (their first batches differ). Under "
+                         "torch.distributed, tl.extract shards either a DataLoader with a DistributedSampler or "
+                         "one stream that every rank iterates identically; it cannot tell where the rows of "
+                         "per-rank streams belong in the dataset")
+    return [] if first is None else itertools.chain([first], iterator)
+
+
+class _RoundRobin:
+    """Batches ``rank, rank + world, ...`` of a stream every rank iterates; ``indices`` fills as it goes."""
+
+    def __init__(self, inputs, rank, world, args_of):
+        self.inputs, self.rank, self.world, self.args_of = inputs, rank, world, args_of
+        self.indices: dict = {}  # this rank's batch position -> sample index of each row
+
+    def __iter__(self):
+        offset, mine = 0, 0
+        for position, batch in enumerate(self.inputs):
+            rows = _batch_rows(_as_args(self.args_of(batch) if self.args_of is not None else batch))
+            if rows is None:
+                raise ValueError(f"batch {position} holds no tensor with a batch dimension; sharding a stream "
+                                 "across ranks needs each batch's row count (use a DataLoader with a "
+                                 "DistributedSampler)")
+            if position % self.world == self.rank:
+                self.indices[mine] = torch.arange(offset, offset + rows, dtype=torch.int64)
+                yield batch
+                mine += 1
+            offset += rows
+
+
+def _barrier_group(dist):
+    # monitored_barrier (which names the ranks that did not arrive) exists on gloo only.
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def _barrier(dist, group, timeout, what, missing=None) -> None:
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as exc:
+        # gloo names late ranks, but a rank that died outright shows as a closed connection: then the
+        # rank folders say who has not finished.
+        found = re.search(r"[Rr]anks? ([\d, ]+?) failed", str(exc))
+        late = missing() if missing is not None else []
+        who = (f"rank {', '.join(map(str, late))}" if late else f"rank {found.group(1)}" if found
+               else "a rank (see the torch.distributed message)")
+        raise RankFailedError(f"{who} did not reach {what} within {timeout:g}s: it died, hung or raised. Every rank "
+                              "keeps its committed shards; rerun the same command to resume. "
+                              f"(torch.distributed: {str(exc).splitlines()[0]})") from None
+
+
+def _unfinished(out, world) -> list:
+    """Ranks whose folder under ``out`` holds no complete extraction."""
+    late = []
+    for r in range(world):
+        folder = os.path.join(out, RANK_FOLDER.format(r))
+        try:
+            state = read_json(folder, PROGRESS, "a rank's extraction")
+        except TraceFileError:
+            state = None
+        if not (isinstance(state, dict) and state.get("complete")):
+            late.append(r)
+    return late
+
+
+def _joined(out) -> bool:
+    if not os.path.lexists(os.path.join(out, MANIFEST)):
+        return False
+    manifest = read_json(out, MANIFEST, "a distributed extraction")
+    return isinstance(manifest, dict) and manifest.get("format") == EXTRACT_FORMAT and "world_size" in manifest
+
+
+def join_ranks(out, world, layers) -> None:
+    """Copy every rank's rows into ``out``'s layer files in sample-index order, duplicates dropped."""
+    import numpy as np
+
+    folders = [os.path.join(out, RANK_FOLDER.format(r)) for r in range(world)]
+    manifests = [verify_manifest(f, EXTRACT_FORMAT, EXTRACT_SCHEMA) for f in folders]
+    indices = [mapped(checked_member(f, SAMPLE_INDEX), "activations", as_torch=False) for f in folders]
+    rank_of = np.concatenate([np.full(len(ix), r, dtype=np.int64) for r, ix in enumerate(indices)])
+    row_of = np.concatenate([np.arange(len(ix), dtype=np.int64) for ix in indices])
+    order = np.argsort(np.concatenate(indices), kind="stable")  # stable: a duplicate keeps the lowest rank's row
+    merged = np.concatenate(indices)[order]
+    first = np.ones(len(merged), dtype=bool)
+    first[1:] = merged[1:] != merged[:-1]
+    order, merged = order[first], merged[first]
+    names, described = [], []
+    for i, info in enumerate(manifests[0]["layers"]):
+        name = info["file"]
+        sources = [_rows_as_bytes(checked_member(f, name)) for f in folders]
+        row_bytes = sources[0].shape[1]
+        _write_rows(os.path.join(out, name), info, len(merged), row_bytes,
+                    lambda lo, hi: _gather_rows(sources, rank_of[order[lo:hi]], row_of[order[lo:hi]]))
+        names.append(name)
+        described.append(dict(info, shape=[len(merged)] + info["row_shape"]))
+    index_info = {"name": "sample_index", "label": "", "dtype": "I64", "row_shape": []}
+    _write_rows(os.path.join(out, SAMPLE_INDEX), index_info, len(merged), 8,
+                lambda lo, hi: merged[lo:hi].astype("<i8").view(np.uint8).reshape(hi - lo, 8))
+    write_manifest(out, EXTRACT_FORMAT, EXTRACT_SCHEMA, names + [SAMPLE_INDEX],
+                   {"layers": described, "rows": int(len(merged)), "batches": sum(m["batches"] for m in manifests),
+                    "model": manifests[0]["model"], "world_size": world, "sample_index": SAMPLE_INDEX,
+                    "rank_rows": [len(ix) for ix in indices]})
+    _remove_rank_folders(out, world)
+
+
+def _remove_rank_folders(out, world) -> None:
+    for r in range(world):
+        folder = os.path.join(out, RANK_FOLDER.format(r))
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            shutil.rmtree(folder)
+
+
+def _rows_as_bytes(path):
+    """A layer file's rows as a ``(rows, bytes per row)`` uint8 memory map, whatever its dtype."""
+    import numpy as np
+
+    header, data_start = read_header(path)
+    entry = header["activations"]
+    start, end = entry["data_offsets"]
+    rows = entry["shape"][0]
+    if rows == 0 or end == start:
+        return np.zeros((rows, 0), dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=data_start + start, shape=(rows, (end - start) // rows))
+
+
+def _gather_rows(sources, ranks, rows):
+    import numpy as np
+
+    out = np.empty((len(ranks), sources[0].shape[1]), dtype=np.uint8)
+    for r, source in enumerate(sources):
+        take = ranks == r
+        if take.any():
+            out[take] = source[rows[take]]
+    return out
+
+
+def _write_rows(path, info, n_rows, row_bytes, rows_between) -> None:
+    """Write a one-tensor safetensors file of ``n_rows`` rows, filled chunk by chunk, atomically."""
+    from ..io.tensorfile import DTYPES
+
+    shape = [n_rows] + info["row_shape"]
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header_bytes({"activations": (DTYPES[info["dtype"]], shape)},
+                             {"layer": info["name"], "label": info["label"]}))
+        step = max(1, _JOIN_CHUNK_BYTES // max(row_bytes, 1))
+        for lo in range(0, n_rows, step):
+            f.write(rows_between(lo, min(lo + step, n_rows)).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sample_index(out):
+    """The dataset index of every row of a distributed extraction (rows are in this order)."""
+    folder = os.fspath(out)
+    manifest = verify_manifest(folder, EXTRACT_FORMAT, EXTRACT_SCHEMA, hashes=False)
+    if manifest.get("sample_index") != SAMPLE_INDEX:
+        raise TraceFileError(f"{folder}: this extraction's rows carry no sample index (it was not distributed)")
+    return mapped(checked_member(folder, SAMPLE_INDEX), "activations", as_torch=False)

@@ -1,0 +1,77 @@
+"""``gather``: every rank's trace, as plain picklable metadata (and chosen activations), on one rank.
+
+A ``Trace`` holds the live model and references to its tensors; what travels between ranks is a
+``RankTrace``: the rank, the world size and one row per op (label, function, module, shape, dtype,
+parents), plus the activations asked for, moved to the CPU.  ``compare`` accepts either kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..record.errors import ActivationUnavailable
+
+
+@dataclass
+class RankTrace:
+    """One rank's trace metadata, small enough to send: ``ops`` rows in execution order."""
+
+    rank: int | None
+    world_size: int | None
+    model_name: str
+    ops: list
+    activations: dict = field(default_factory=dict)  # label -> CPU tensor, for the labels asked for
+
+    @classmethod
+    def of(cls, trace, activations=False) -> "RankTrace":
+        wanted = _wanted(trace, activations)
+        ops, acts = [], {}
+        for op in trace.ops:
+            ops.append({"label": op.label, "func": op.func_name, "module": op.module, "shape": tuple(op.shape),
+                        "dtype": str(op.dtype), "parents": list(op.parents)})
+            if op.label in wanted:
+                try:
+                    acts[op.label] = op.activation.detach().to("cpu")
+                except ActivationUnavailable:
+                    pass  # dropped or never saved: compare reports it as not compared
+        return cls(trace.rank, trace.world_size, trace.model_name, ops, acts)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+def _wanted(trace, activations) -> set:
+    if activations is False or activations is None:
+        return set()
+    if activations is True or activations == "all":
+        return {op.label for op in trace.ops if op.has_activation}
+    if isinstance(activations, str):
+        activations = [activations]
+    labels = {op.label for op in trace.ops}
+    missing = [a for a in activations if a not in labels]
+    if missing:
+        raise KeyError(f"gather: no op labelled {missing[0]!r} in this trace")
+    return set(activations)
+
+
+def gather(trace, dst: int = 0, *, activations=False, group=None):
+    """Collect every rank's ``RankTrace`` on rank ``dst`` (a list indexed by rank there, None elsewhere).
+
+    Args:
+        activations: False (metadata only), True (every saved activation), or a list of op labels.
+        group: the process group to gather over (default: the world).
+
+    Every rank of ``group`` must call it, like any collective.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
+                           "(run under torchrun, or call torch.distributed.init_process_group first)")
+    mine = RankTrace.of(trace, activations)
+    everyone = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    with torch.no_grad():
+        dist.gather_object(mine, everyone, dst=dst, group=group)
+    return everyone

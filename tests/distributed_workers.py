@@ -1,0 +1,227 @@
+"""What each rank runs in tests/test_distributed.py: module-level functions, so that spawn can pickle them.
+
+``launch`` starts ``world`` processes on one host over gloo (a file store in a temporary folder, so no
+port can collide), each bounded by timeouts; a rank's return value (or error text) comes back through a
+file, so a rank that is killed still lets the others report.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.nn as nn
+
+RANK_TIMEOUT_S = 90
+
+
+def launch(fn, world: int, workdir, *args, timeout: float = RANK_TIMEOUT_S) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; ``[(exit code, result or None), ...]``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    store = os.path.join(workdir, f"store-{time.time_ns()}")
+    procs = [ctx.Process(target=_entry, args=(fn, rank, world, store, workdir, args), daemon=True)
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():  # a hang: fail fast instead of stalling the suite
+            p.kill()
+            p.join()
+    results = []
+    for rank, p in enumerate(procs):
+        path = os.path.join(workdir, f"result-{rank}.pkl")
+        result = pickle.load(open(path, "rb")) if os.path.exists(path) else None
+        if os.path.exists(path):
+            os.remove(path)
+        results.append((p.exitcode, result))
+    return results
+
+
+def _entry(fn, rank, world, store, workdir, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # two ranks on a shared two-core machine
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        result = {"value": fn(rank, world, *args)}
+    except BaseException as exc:  # noqa: BLE001 - reported to the test, which asserts on it
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    with open(os.path.join(workdir, f"result-{rank}.pkl.tmp"), "wb") as f:
+        pickle.dump(result, f)
+    os.replace(os.path.join(workdir, f"result-{rank}.pkl.tmp"), os.path.join(workdir, f"result-{rank}.pkl"))
+    if "error" not in result:
+        dist.destroy_process_group()
+    os._exit(0)  # a failed group may hang in teardown; the result is already written
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class WithCollectives(nn.Module):
+    """A forward that talks to the other ranks: torch.distributed calls and a functional collective."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        y = self.fc(x)
+        dist.all_reduce(y)
+        z = funcol.all_reduce(y * 2, "sum", dist.group.WORLD)
+        parts = [torch.empty_like(z) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, z)
+        return torch.cat(parts) + 1
+
+
+def traces(rank, world, workdir):
+    """DDP, FSDP2 and collective-issuing forwards traced on each rank, and replicas compared."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torchlens as tl
+
+    out = {}
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))  # each rank its own batch
+    ddp = DDP(MLP())
+    with torch.no_grad():
+        expected = ddp(x)
+    log = tl.trace(ddp, x)
+    out["ddp"] = {"equal": torch.equal(log.output, expected), "addresses": [m.address for m in log.modules],
+                  "rank": log.rank, "world_size": log.world_size}
+
+    fsdp = MLP()
+    fully_shard(fsdp.fc1)
+    fully_shard(fsdp.fc2)
+    fully_shard(fsdp)
+    with torch.no_grad():
+        expected = fsdp(x)
+    log = tl.trace(fsdp, x)
+    table = tl.distributed.collectives(log)
+    out["fsdp"] = {"equal": torch.equal(log.output, expected), "addresses": [m.address for m in log.modules],
+                   "collectives": list(table["collective"]), "modules": list(table["module"]),
+                   "linear_inputs": [op.parents for op in log.ops if op.func_name == "linear"]}
+
+    model = WithCollectives()
+    expected = model(x)
+    log = tl.trace(model, x)
+    table = tl.distributed.collectives(log)
+    reduced = table["label"][0]
+    out["collectives"] = {
+        "equal": torch.equal(log.output, expected), "names": list(table["collective"]),
+        "groups": [list(r) for r in table["group_ranks"]],
+        "reduced_is_parent_of_mul": [op.parents for op in log.ops if op.func_name == "mul"] == [[reduced]],
+        "reduced_value_saved": torch.equal(log[reduced].activation, _all_reduced(model, x)),
+    }
+    saved = tl.load(log.save(os.path.join(workdir, f"collectives-{rank}")))
+    out["collectives"]["loaded_names"] = list(tl.distributed.collectives(saved)["collective"])
+    result = log.validate()  # on one rank alone: collectives must not be replayed (they would block)
+    out["collectives"]["validate_not_replayed"] = sorted(
+        label for label, reason in result.not_replayed if reason.startswith("a collective"))
+    out["collectives"]["validate_mismatched"] = result.mismatched
+    out["collectives"]["labels"] = list(table["label"])
+
+    # Replicas that should agree: the same batch on every rank, one weight nudged on rank 1.
+    same = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
+    replica = MLP()
+    gathered = tl.distributed.gather(tl.trace(replica, same), dst=0, activations=True)
+    out["agree"] = gathered and tl.distributed.compare(gathered).to_dict("records")
+    if rank == 1:
+        with torch.no_grad():
+            replica.fc2.weight[0, 0] += 1e-3
+    planted = tl.trace(replica, same)
+    planted.save(os.path.join(workdir, f"saved-{rank}"))  # per-rank saves, compared after loading
+    gathered = tl.distributed.gather(planted, dst=0, activations=True)
+    if rank == 0:
+        out["planted"] = tl.distributed.compare(gathered).to_dict("records")
+        out["tolerated"] = tl.distributed.compare(gathered, atol=1e-2).to_dict("records")
+        out["labels"] = [row["label"] for row in gathered[0].ops]
+        out["metadata_only"] = len(tl.distributed.gather(tl.trace(replica, same), dst=0)[1].activations)
+    else:
+        tl.distributed.gather(tl.trace(replica, same), dst=0)
+    dist.barrier()
+    return out
+
+
+def _all_reduced(model, x):
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        y = model.fc(x)
+        dist.all_reduce(y)
+    return y
+
+
+class KilledAfter(nn.Module):
+    """MLP that SIGKILLs its own process at forward number ``kill_at`` (0: never)."""
+
+    def __init__(self, kill_at: int):
+        super().__init__()
+        self.inner = MLP()
+        self.kill_at = kill_at
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        if self.forwards == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner(x)
+
+
+def dataset(n: int):
+    from torch.utils.data import TensorDataset
+
+    return TensorDataset(torch.randn(n, 8, generator=torch.Generator().manual_seed(3)))
+
+
+LAYERS = ["inner.fc1", "inner.act", "inner"]
+
+
+def extract_share(rank, world, out, n, batch_size, kill_rank=-1, kill_at=0, barrier_timeout=30.0,
+                  round_robin=None):
+    """This rank's part of one distributed extraction; returns how many forwards it ran."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import torchlens as tl
+
+    ds = dataset(n)
+    model = KilledAfter(kill_at if rank == kill_rank else 0).eval()
+    loader = DataLoader(ds, batch_size=batch_size, sampler=DistributedSampler(ds, shuffle=False))
+    tl.extract(model, loader, LAYERS, out, args_of=lambda b: b[0], shard_bytes=200, progress=False,
+               barrier_timeout=barrier_timeout)
+    result = {"forwards": model.forwards}
+    if round_robin is not None:  # a plain list of batches, sharded batch by batch
+        batches = [ds.tensors[0][i:i + batch_size] for i in range(0, n, batch_size)]
+        model = KilledAfter(0).eval()
+        tl.extract(model, batches, LAYERS, round_robin, shard_bytes=200, progress=False)
+        result["round_robin_forwards"] = model.forwards
+        mine = [b + rank for b in batches]  # each rank its own stream: not shardable batch by batch
+        try:
+            tl.extract(KilledAfter(0).eval(), mine, LAYERS, round_robin + "-per-rank", progress=False)
+        except ValueError as exc:
+            result["per_rank_error"] = str(exc)
+    return result

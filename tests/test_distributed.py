@@ -1,0 +1,161 @@
+"""torchlens on torch.distributed: two gloo ranks on localhost, spawned, each bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import torchlens as tl
+from distributed_workers import LAYERS, KilledAfter, dataset, extract_share, launch, traces
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+JOINED = ["layer_000.safetensors", "layer_001.safetensors", "layer_002.safetensors", "manifest.json",
+          "sample_index.safetensors"]
+
+
+def values(results):
+    for code, result in results:
+        assert result is not None, f"a rank exited with code {code} before reporting"
+        assert "error" not in result, result.get("traceback")
+    return [result["value"] for _, result in results]
+
+
+def single_process(n, batch_size, tmp_path):
+    """The same data extracted in one process, batch by batch in dataset order."""
+    folder = tl.extract(KilledAfter(0).eval(), DataLoader(dataset(n), batch_size=batch_size), LAYERS,
+                        tmp_path / f"single-{n}", args_of=lambda b: b[0], progress=False)
+    return tl.load_extracted(folder)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("traces"))
+
+
+@pytest.fixture(scope="module")
+def traced(workdir):
+    return values(launch(traces, 2, workdir, workdir))
+
+
+def test_ddp_and_fsdp2_traces_are_bit_identical_with_plain_addresses(traced):
+    for rank, got in enumerate(traced):
+        assert got["ddp"]["equal"] and got["fsdp"]["equal"]
+        assert got["ddp"]["addresses"] == ["fc1", "act", "fc2"]  # no "module." from the DDP wrapper
+        assert got["fsdp"]["addresses"] == ["fc1", "act", "fc2"]
+        assert (got["ddp"]["rank"], got["ddp"]["world_size"]) == (rank, 2)
+
+
+def test_fsdp2_all_gathers_from_its_forward_hooks_are_recorded_in_their_module(traced):
+    fsdp = traced[0]["fsdp"]
+    assert fsdp["collectives"] == ["all_gather_single", "all_gather_single"]  # one per sharded Linear
+    assert fsdp["modules"] == ["fc1:1", "fc2:1"]  # issued by the pre-forward hook, inside the module call
+
+
+def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
+    for got in traced:
+        c = got["collectives"]
+        assert c["equal"]
+        assert c["names"] == ["all_reduce", "all_reduce", "all_gather"]  # dist, functional, dist
+        assert c["groups"] == [[0, 1]] * 3
+        assert c["reduced_is_parent_of_mul"]  # the op after dist.all_reduce reads the collective, not fc
+        assert c["reduced_value_saved"]  # and the saved value is the reduced one
+        assert c["loaded_names"] == c["names"]  # a saved trace keeps which collectives ran (not their groups)
+        assert c["validate_mismatched"] == []
+        assert set(c["labels"]) <= set(c["validate_not_replayed"])  # replay never re-issues a collective
+
+
+def test_compare_finds_a_divergence_planted_on_one_rank(traced):
+    got = traced[0]
+    assert [row["diverges"] for row in got["agree"]] == [False]
+    (row,) = got["planted"]
+    fc2 = [label for label in got["labels"] if label.startswith("linear_2")][0]
+    assert (row["rank"], row["first_op"], row["module"], row["origin"]) == (1, fc2, "fc2:1", "here")
+    assert 0 < row["max_abs_diff"] < 1e-2
+    assert row["ops_compared"] == got["labels"].index(fc2)  # every op before it agreed bit for bit
+    assert [r["diverges"] for r in got["tolerated"]] == [False]
+    assert got["metadata_only"] == 0
+
+
+def test_compare_reads_per_rank_saves_too(traced, workdir):
+    loaded = [tl.load(os.path.join(workdir, f"saved-{rank}")) for rank in range(2)]
+    assert [(t.rank, t.world_size) for t in loaded] == [(0, 2), (1, 2)]
+    (row,) = tl.distributed.compare(loaded).to_dict("records")
+    assert (row["rank"], row["first_op"], row["origin"]) == tuple(traced[0]["planted"][0][k]
+                                                                 for k in ("rank", "first_op", "origin"))
+
+
+def test_distributed_extraction_equals_a_single_process_one(tmp_path):
+    out, rr = str(tmp_path / "dist"), str(tmp_path / "round-robin")
+    forwards = values(launch(extract_share, 2, str(tmp_path), out, 24, 4, -1, 0, 30.0, rr))
+    assert [f["forwards"] for f in forwards] == [3, 3] and [f["round_robin_forwards"] for f in forwards] == [3, 3]
+    assert all("the ranks were given different inputs" in f["per_rank_error"] for f in forwards)
+    expected = single_process(24, 4, tmp_path)
+    for folder in (out, rr):
+        got = tl.load_extracted(folder)
+        assert list(got) == LAYERS
+        for name in LAYERS:
+            assert isinstance(got[name], np.memmap)
+            np.testing.assert_array_equal(got[name], expected[name])
+        np.testing.assert_array_equal(tl.distributed.sample_index(folder), np.arange(24))
+        assert sorted(os.listdir(folder)) == JOINED  # rank folders removed once joined
+
+
+def test_uneven_shares_lose_and_duplicate_nothing(tmp_path):
+    out = str(tmp_path / "dist")
+    values(launch(extract_share, 2, str(tmp_path), out, 21, 4))  # the sampler pads rank 1 with sample 0
+    np.testing.assert_array_equal(tl.distributed.sample_index(out), np.arange(21))
+    expected = single_process(21, 4, tmp_path)
+    for name in LAYERS:  # other batch shapes: the same rows, up to matmul rounding
+        np.testing.assert_allclose(tl.load_extracted(out)[name], expected[name], rtol=1e-6, atol=1e-6)
+
+
+def test_a_killed_rank_is_named_and_the_rerun_redoes_only_its_uncommitted_batches(tmp_path):
+    out = str(tmp_path / "dist")
+    first = launch(extract_share, 2, str(tmp_path), out, 48, 4, 1, 4, 5.0)
+    (code0, result0), (code1, result1) = first
+    assert code1 == -9 and result1 is None  # rank 1 was killed in its 4th forward
+    assert "rank 1 did not reach the end of its share" in result0["error"]
+    progress = json.load(open(os.path.join(out, "rank-1", "progress.json")))
+    committed = progress["batches_done"]
+    assert 1 <= committed < 6 and not progress["complete"]
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    with pytest.raises(tl.io.TraceFileError, match="distributed extraction is incomplete"):
+        tl.load_extracted(out)
+
+    again = values(launch(extract_share, 2, str(tmp_path), out, 48, 4))
+    assert again[0]["forwards"] == 0  # rank 0 had finished: nothing redone
+    assert again[1]["forwards"] == 6 - committed  # rank 1 redid exactly what it had not committed
+    expected = single_process(48, 4, tmp_path)
+    got = tl.load_extracted(out)
+    for name in LAYERS:
+        np.testing.assert_array_equal(got[name], expected[name])
+    np.testing.assert_array_equal(tl.distributed.sample_index(out), np.arange(48))
+    assert sorted(os.listdir(out)) == JOINED
+
+    rerun = values(launch(extract_share, 2, str(tmp_path), out, 48, 4))  # a finished extraction returns at once
+    assert [r["forwards"] for r in rerun] == [0, 0]
+
+
+def test_outside_a_process_group_a_trace_has_no_rank():
+    log = tl.trace(torch.nn.Linear(2, 2), torch.ones(1, 2))
+    assert (log.rank, log.world_size) == (None, None)
+    assert len(tl.distributed.collectives(log)) == 0
+
+
+def test_importing_torchlens_does_not_import_its_distributed_package():
+    import subprocess
+    import sys
+
+    code = "import sys, torchlens; print('torchlens.distributed' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120).stdout.strip() == "False"
