@@ -3,7 +3,7 @@
 A block whose first line is ``# doctest: skip-if-no-cuda`` is skipped (with that reason) when CUDA is
 absent.  A block whose first line is ``# doctest: torchrun <options>`` is a script: it is written to a
 file and run with ``torchrun --standalone <options>``.  Blocks run with a temporary working directory so
-examples may write files.
+examples may write files, and with the checkout's ``scripts/`` importable.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
     if not blocks:
         pytest.skip(f"{page.name} has no python examples")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # development tools the pages show (inventory.py)
     namespace = {"__name__": f"docs_{page.stem}"}
     for n, block in enumerate(blocks, 1):
         if block.startswith("# doctest: skip-if-no-cuda") and not torch.cuda.is_available():

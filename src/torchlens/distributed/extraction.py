@@ -26,7 +26,8 @@ from datetime import timedelta
 
 import torch
 
-from ..io.extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, _batch_rows, _as_args, extract_folder
+from ..io.extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, _batch_rows, extract_folder
+from ..tree import as_args
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.errors import TorchlensError
@@ -91,7 +92,7 @@ def _same_stream_everywhere(inputs, args_of, group):
 
     iterator = iter(inputs)
     first = next(iterator, None)
-    mine = None if first is None else _fingerprint(_as_args(args_of(first) if args_of is not None else first))
+    mine = None if first is None else _fingerprint(as_args(args_of(first) if args_of is not None else first))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=group)
     if len(set(everyone)) > 1:
@@ -112,7 +113,7 @@ class _RoundRobin:
     def __iter__(self):
         offset, mine = 0, 0
         for position, batch in enumerate(self.inputs):
-            rows = _batch_rows(_as_args(self.args_of(batch) if self.args_of is not None else batch))
+            rows = _batch_rows(as_args(self.args_of(batch) if self.args_of is not None else batch))
             if rows is None:
                 raise ValueError(f"batch {position} holds no tensor with a batch dimension; sharding a stream "
                                  "across ranks needs each batch's row count (use a DataLoader with a "
