@@ -250,6 +250,12 @@ class Trace:
 
         return notebook_html(self)
 
+    def summary(self, depth=None):
+        """The module tree as a table: one row per module call (``print`` it, or ``.to_pandas()``)."""
+        from .module_table import module_summary
+
+        return module_summary(self, depth)
+
     def validate(self, **kwargs):
         """Replay every op from its saved parents and compare (see ``tl.validate``)."""
         if self.loaded_from is not None:
@@ -300,6 +306,9 @@ class Trace:
 
             flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held
         self.params  # parameter records keep shapes, not tensors: build them before the index goes
+        from .module_table import module_param_counts
+
+        module_param_counts(self)  # counted from the live modules, which cleanup releases
         self._model_params = None
         self._cleaned = True
         self._activations = {}
