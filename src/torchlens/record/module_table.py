@@ -117,8 +117,10 @@ def module_summary(trace, depth=None) -> ModuleSummary:
 
 
 def _root_class(trace) -> str:
-    model = trace._model
-    return type(model).__name__ if model is not None else getattr(trace, "_root_class", trace.model_name)
+    known = getattr(trace, "_root_class", None)  # set by tl.trace: the root module's class
+    if known is not None:
+        return known
+    return type(trace._model).__name__ if trace._model is not None else trace.model_name
 
 
 def _produced_bytes(trace, i: int) -> int:
