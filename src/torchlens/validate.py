@@ -122,6 +122,11 @@ def validate(model, args=(), kwargs=None, **trace_kwargs) -> ValidationResult:
     from .capture.session import _as_args, _unwrap, trace
 
     model = _unwrap(model)
+    if isinstance(model, type) or not callable(model):
+        what = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
+        raise TypeError(f"tl.validate needs the model to run (a module instance or a callable), got {what}, "
+                        "which " + ("is not an instance: pass a module instance" if isinstance(model, type)
+                                    else "is not callable"))
     call_args = _as_args(model, args)
     kwargs = dict(kwargs or {})
     before = RunState(model)

@@ -90,6 +90,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     timings = {"forward": (forward_done - started) / 1e9}
     result = finalize(state, model, output, model_name, timings, index)
     result._autocast = autocast
+    policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9

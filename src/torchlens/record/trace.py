@@ -205,6 +205,9 @@ class Trace:
         return lookup
 
     def __getitem__(self, key):
+        if isinstance(key, int) and not -len(self) <= key < len(self):
+            raise IndexError(f"op index {key} is out of range: this trace has {len(self)} ops "
+                             f"(0..{len(self) - 1}, or -1..-{len(self)} from the end)")
         if isinstance(key, (int, slice)):
             return self.ops[key]
         if not isinstance(key, str):
