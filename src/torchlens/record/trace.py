@@ -124,6 +124,22 @@ class Trace:
             self._layers_by_label = {layer.layer_label: layer for layer in self.layers}
         return self._layers_by_label
 
+    # ----- the reference library's names (see docs/labels.md) -----------------------------------
+    @property
+    def layer_list(self) -> RecordList:
+        """Every op in execution order (the reference's name for ``ops``)."""
+        return self.ops
+
+    @property
+    def layer_labels(self) -> list:
+        """Each layer's label once, in order of first execution."""
+        return [layer.layer_label for layer in self.layers]
+
+    @property
+    def op_labels(self) -> list:
+        """Every op's label (``relu_1_2:3``), in execution order."""
+        return list(self._labels)
+
     @property
     def inputs(self) -> list:
         return [op for op in self.ops if op._trace._kind[op.index] == KIND_INPUT]
