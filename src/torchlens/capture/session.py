@@ -92,6 +92,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     result._autocast = autocast
     policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name
+    result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])

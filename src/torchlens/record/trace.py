@@ -150,12 +150,14 @@ class Trace:
 
     @property
     def output(self):
-        """The model's return value, exactly as forward returned it."""
+        """The model's return value, exactly as forward returned it (for a loaded trace: its saved
+        tensors, in tuples and dicts along their paths)."""
         if self._cleaned:
             raise TraceCleanedUp("the trace was cleaned up; its output was released")
         if self.loaded_from is not None:
-            raise TraceCleanedUp(f"this trace was loaded from {self.loaded_from}; saved traces hold no model "
-                                 "output object: read log.outputs[k].activation")
+            from .saved_output import rebuild_output
+
+            return rebuild_output(self)  # plain tuples and dicts around the saved tensors
         return self._output
 
     @property
