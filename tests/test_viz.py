@@ -305,10 +305,11 @@ def test_cleaned_up_trace_still_renders_from_metadata():
 def test_notebook_html_and_show(traces, monkeypatch):
     log = traces["mlp"]
     snippet = log._repr_html_()
-    assert snippet.startswith("<div><pre") and "<iframe srcdoc=" in snippet and "Trace of MLP" in snippet
-    assert "<iframe" not in viz.notebook_html(log, max_ops=5) and ".show()" in viz.notebook_html(log, max_ops=5)
+    assert snippet.startswith("<div><pre") and "Open the interactive viewer" in snippet and "Trace of MLP" in snippet
+    assert "tlOpenViewer" not in viz.notebook_html(log, max_ops=5) and ".show()" in viz.notebook_html(log, max_ops=5)
     opened = []
-    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url))
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url) or True)
     path = log.show(view="rolled")
     try:
         assert opened == [path.resolve().as_uri()] and "tl-data" in path.read_text()

@@ -112,40 +112,36 @@ def _in_notebook() -> bool:
 
 
 def show(trace, **kwargs):
-    """Open the interactive view: inline in Jupyter, else in the default web browser (a temp HTML file)."""
+    """Open the interactive view: inline in Jupyter, else in the default web browser (a temp HTML file);
+    where no browser can open (no display), say where the file is.  Returns the file's path."""
     if _in_notebook():
         from IPython.display import HTML, display
 
-        display(HTML(notebook_html(trace, max_ops=None, **kwargs)))
+        display(HTML(notebook_html(trace, **kwargs)))
         return None
     import webbrowser
 
     handle, name = tempfile.mkstemp(prefix=f"torchlens_{trace.model_name}_", suffix=".html")
     os.close(handle)
     path = render(trace, name, **kwargs)
-    webbrowser.open(path.resolve().as_uri())
+    if not _has_display() or not webbrowser.open(path.resolve().as_uri()):
+        print(f"torchlens: no browser could be opened here; the viewer is at {path} (open it where a browser "
+              "runs)", file=sys.stderr)
     return path
 
 
-def notebook_html(trace, max_ops=2000, **kwargs) -> str:
-    """The trace's summary and, when a layout engine is present, the viewer in an isolated inline frame.
+def _has_display() -> bool:
+    """False on a Linux machine with no graphical session (a server, a container, ssh without -X)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
-    A notebook shows this whenever the trace is displayed, so past ``max_ops`` ops the viewer (seconds of
-    layout, megabytes of page) is left to an explicit ``log.show()``.
-    """
-    import html
 
-    summary = f'<pre style="font-size:12px">{html.escape(str(trace))}</pre>'
-    if max_ops is not None and len(trace) > max_ops:
-        return summary + (f"<p><i>{len(trace)} ops: call .show() for the interactive graph, or "
-                          ".render('graph.html') to write it.</i></p>")
-    try:
-        page = render(trace, None, format="html", **kwargs)
-    except LayoutEngineMissing as missing:
-        return summary + f"<p><i>{html.escape(str(missing))}</i></p>"
-    frame = (f'<iframe srcdoc="{html.escape(page, quote=True)}" style="width:100%;height:560px;'
-             'border:1px solid #ccc" sandbox="allow-scripts"></iframe>')
-    return f"<div>{summary}{frame}</div>"
+def notebook_html(trace, max_ops=None, **kwargs) -> str:
+    """The trace's summary, module and op tables, and the viewer packed for opening on demand."""
+    from .notebook import notebook_html as page
+
+    return page(trace, max_ops=max_ops, **kwargs)
 
 
 __all__ = ["render", "show", "notebook_html", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS"]
