@@ -117,8 +117,11 @@ def clone_inputs(obj, memo=None):
     return copy.copy(obj)
 
 
-def validate(model, args=(), kwargs=None, **trace_kwargs) -> ValidationResult:
-    """Trace ``model`` and check the trace against an untraced run and against replay of every op."""
+def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> ValidationResult:
+    """Trace ``model`` and check the trace against an untraced run and against replay of every op.
+
+    ``progress``: bars for tracing and replay once either takes about a second (None: on an interactive
+    terminal or notebook only; True: anywhere; False: never)."""
     from .capture.session import _as_args, _unwrap, trace
 
     model = _unwrap(model)
@@ -133,16 +136,20 @@ def validate(model, args=(), kwargs=None, **trace_kwargs) -> ValidationResult:
     memo: dict = {}
     expected = model(*clone_inputs(call_args, memo), **clone_inputs(kwargs, memo))
     before.restore()
-    log = trace(model, call_args, kwargs, save="all", **trace_kwargs)
-    result = validate_trace(log)
+    log = trace(model, call_args, kwargs, save="all", progress=progress, **trace_kwargs)
+    result = validate_trace(log, progress=progress)
     result.outputs_match = outputs_equal(log.output, expected)
     return result
 
 
-def validate_trace(log) -> ValidationResult:
+def validate_trace(log, progress=None) -> ValidationResult:
     """Replay each op of ``log`` from its saved parents; report mismatches and what could not run."""
+    from .progress import bar
+
     result = ValidationResult()
+    shown = bar(progress, f"validating {log.model_name}", total=len(log), unit=" ops")
     for op in log.ops:
+        shown.update()
         if op.kind != "op" or op.multi_output_index not in (None, 0, (0,)):
             continue
         with _autocast_as_traced(log):
@@ -153,6 +160,7 @@ def validate_trace(log) -> ValidationResult:
             result.mismatched.append((op.label, reason))
         else:
             result.not_replayed.append((op.label, reason))
+    shown.close()
     return result
 
 

@@ -14,6 +14,7 @@ from time import perf_counter_ns
 
 import torch
 
+from ..progress import QUIET, bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
@@ -30,7 +31,7 @@ _local = threading.local()
 
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
-          markers=None) -> Trace:
+          markers=None, progress=None) -> Trace:
     """One trace, with the collector already paused by ``trace``."""
     model = _unwrap(model)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
@@ -67,12 +68,16 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     autocast = _autocast_state()
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
     mode = CaptureMode(state, frames, deep=deep)
+    shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls")
+    tracker = ModuleCallTracker(state, model if root is model else None, frames)
+    tracker.progress = shown if shown is not QUIET else None
     _local.active = True
     try:
         # The root's own call is the trace itself; a callable's calls into its root are module calls.
-        with FastPathShim(mode), ModuleCallTracker(state, model if root is model else None, frames), mode:
+        with FastPathShim(mode), tracker, mode:
             output = _run_forward(model, args, kwargs)
     except BaseException as exc:
+        shown.close()
         _annotate(exc, state, root)
         raise
     finally:
@@ -88,7 +93,11 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     mutated = state.check_saved_versions()
     model_name = name or _display_name(model, root)
     timings = {"forward": (forward_done - started) / 1e9}
-    result = finalize(state, model, output, model_name, timings, index)
+    shown.set_description(f"finalizing {model_name}")
+    try:
+        result = finalize(state, model, output, model_name, timings, index)
+    finally:
+        shown.close()
     result._autocast = autocast
     policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name
@@ -105,7 +114,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
-          max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None) -> Trace:
+          max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
+          progress=None) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -127,10 +137,12 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
         root: for a callable that is not a module (``lambda x: m(x).logits``), the module whose
             submodules it calls: they are named by their address in it.  Each call of the root
             itself is a module call ``self:k`` (in ``generate()``, ``k`` is the step).
+        progress: a progress bar (module calls, then finalizing) once tracing takes about a second:
+            None shows it on an interactive terminal or notebook only, True anywhere, False never.
     """
     return _paused_collector(model, args, kwargs, save=save, save_device=save_device,
                              record_finite=record_finite, max_saved_bytes=max_saved_bytes, name=name, deep=deep,
-                             root=root)
+                             root=root, progress=progress)
 
 
 def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:

@@ -59,7 +59,7 @@ def _coloring(trace, color_by, device_times):
 
 
 def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, format=None, *,
-           device_times=None, title=None):
+           device_times=None, title=None, progress=None):
     """Draw a trace.  Returns the path written, or the content (str, or bytes for PNG) when ``path`` is None.
 
     ``view``: ``"unrolled"`` (one node per op) or ``"rolled"`` (one node per layer, passes folded).
@@ -68,14 +68,24 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     ``color_by``: ``"duration"``, ``"flops"``, ``"memory"``, ``"nonfinite"`` or ``"device_time"`` (with
     ``device_times={op label: seconds}``; a mapping passed as ``color_by`` means the same).
     ``format``: ``"dot"``, ``"svg"``, ``"png"`` or ``"html"``; by default taken from the path's suffix.
+    ``progress``: a bar over the rendering steps once they take about a second (None: on an interactive
+    terminal or notebook only; True: anywhere; False: never).
     """
-    from .dot import DotWriter
-    from .graph import build_structure, project
+    from ..progress import bar
 
     fmt = _format_of(path, format)
     _check(trace, depth)
+    with bar(progress, f"rendering {trace.model_name}", total=3, unit=" steps") as shown:
+        return _render(trace, path, view, depth, color_by, fmt, device_times, title, shown)
+
+
+def _render(trace, path, view, depth, color_by, fmt, device_times, title, shown):
+    from .dot import DotWriter
+    from .graph import build_structure, project
+
     structure = build_structure(trace, view)
     coloring = _coloring(trace, color_by, device_times)
+    shown.update()
     if fmt == "html":
         from .html import html_page
         from .records import RecordBuilder
@@ -85,6 +95,7 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
         writer = DotWriter(trace, structure, coloring)
         heading = title or f"{trace.model_name} ({view}, {len(trace)} ops)"
         dot = writer.write(project(structure, -1, depth), heading, coloring.legend() if coloring else None)
+        shown.update()
         if fmt == "dot":
             content = dot
         else:
@@ -93,6 +104,7 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
             content = layout([dot], fmt)[0]
             if fmt == "svg":
                 content = content.decode("utf-8")
+    shown.update()
     if path is None:
         return content
     path = pathlib.Path(path)
