@@ -223,7 +223,7 @@ def test_color_by_nonfinite_marks_the_nan_ops():
     fill = {int(i): f for i, f in re.findall(r'^\s*o(\d+) \[[^\n]*fillcolor="(#\w+)"', dot, re.M)}
     log_op = next(op for op in log.ops if op.func_name == "log")
     linear = next(op for op in log.ops if op.func_name == "linear")
-    assert fill[linear.index] == "#d9f2d9"  # checked finite
+    assert fill[linear.index] == "#d6e6f5"  # checked finite (blue: green is the input colour)
     assert fill[log_op.index] == "#c0001a"  # the origin tl.debug.nonfinite_origin names
     relu = next(op for op in log.ops if op.func_name == "relu")
     assert fill[relu.index] == "#f4a3a3"  # carried the NaN on
@@ -231,7 +231,7 @@ def test_color_by_nonfinite_marks_the_nan_ops():
     saved = tl.trace(MakesNaN().eval(), torch.randn(2, 4))  # no flags: read from saved activations
     fill = {int(i): f for i, f in re.findall(r'^\s*o(\d+) \[[^\n]*fillcolor="(#\w+)"',
                                             saved.render(color_by="nonfinite"), re.M)}
-    assert fill[relu.index] == "#f4a3a3" and fill[linear.index] == "#d9f2d9"
+    assert fill[relu.index] == "#f4a3a3" and fill[linear.index] == "#d6e6f5"
 
 
 def test_color_by_device_time_mapping(traces):
@@ -329,3 +329,20 @@ def test_device_times_from_a_kernel_profile_object():
     unknown = [op for op in ops if op.label not in times]
     for op in unknown:  # on a CPU-only run every op is unmeasured, and says so
         assert "unknown" in re.search(rf"^\s*o{op.index} \[.*$", from_profile, re.M).group(0)
+
+
+def test_left_to_right_layout(traces):
+    log = traces["mlp"]
+    assert "rankdir=LR" in log.render(format="dot", direction="LR")
+    assert "rankdir=TB" in log.render(format="dot")
+    with pytest.raises(ValueError, match="direction must be 'TB'"):
+        log.render(format="dot", direction="sideways")
+
+
+def test_checked_finite_is_not_the_input_colour(traces):
+    from torchlens.viz.dot import KIND_FILL
+    from torchlens.viz.metrics import FINITE_FILL, NONFINITE_FILL, UNKNOWN_FILL
+
+    assert len({FINITE_FILL, NONFINITE_FILL, UNKNOWN_FILL} | set(KIND_FILL.values())) == len(KIND_FILL) + 3
+    dot = traces["mlp"].render(format="dot", color_by="nonfinite")
+    assert f'fillcolor="{FINITE_FILL}"' in dot and f'fillcolor="{KIND_FILL["input"]}"' in dot

@@ -314,7 +314,7 @@ def cmd_render(args) -> int:
 
     log = _load(args.dir)
     try:
-        written = log.render(args.output, view=args.view, depth=args.depth)
+        written = log.render(args.output, view=args.view, depth=args.depth, direction=args.direction)
     except ValueError:  # a suffix render cannot tell the format from
         raise UsageError(f"-o {args.output}: the suffix picks the format: end the file name in .html, .svg, .png "
                          "or .dot") from None
@@ -423,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     draw.add_argument("--view", default="unrolled", choices=["unrolled", "rolled"],
                       help="one node per op (unrolled, default) or per layer with passes folded (rolled)")
     draw.add_argument("--depth", type=int, metavar="N", help="collapse module calls N levels down into one node")
+    draw.add_argument("--direction", default="TB", choices=["TB", "LR"],
+                      help="data flows top to bottom (TB, default) or left to right (LR: deep models)")
 
     check = command("validate", cmd_validate, "check that a trace of the model reproduces an untraced run and "
                                               "that every op replays to its recorded output")

@@ -59,7 +59,7 @@ def _coloring(trace, color_by, device_times):
 
 
 def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, format=None, *,
-           device_times=None, title=None, progress=None):
+           device_times=None, title=None, progress=None, direction="TB"):
     """Draw a trace.  Returns the path written, or the content (str, or bytes for PNG) when ``path`` is None.
 
     ``view``: ``"unrolled"`` (one node per op) or ``"rolled"`` (one node per layer, passes folded).
@@ -68,6 +68,8 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     ``color_by``: ``"duration"``, ``"flops"``, ``"memory"``, ``"nonfinite"`` or ``"device_time"`` (with
     ``device_times={op label: seconds}``; a mapping passed as ``color_by`` means the same).
     ``format``: ``"dot"``, ``"svg"``, ``"png"`` or ``"html"``; by default taken from the path's suffix.
+    ``direction``: ``"TB"`` (data flows down, the default) or ``"LR"`` (left to right: deep models on wide
+    screens).
     ``progress``: a bar over the rendering steps once they take about a second (None: on an interactive
     terminal or notebook only; True: anywhere; False: never).
     """
@@ -76,10 +78,10 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     fmt = _format_of(path, format)
     _check(trace, depth)
     with bar(progress, f"rendering {trace.model_name}", total=3, unit=" steps") as shown:
-        return _render(trace, path, view, depth, color_by, fmt, device_times, title, shown)
+        return _render(trace, path, view, depth, color_by, fmt, device_times, title, shown, direction)
 
 
-def _render(trace, path, view, depth, color_by, fmt, device_times, title, shown):
+def _render(trace, path, view, depth, color_by, fmt, device_times, title, shown, direction):
     from .dot import DotWriter
     from .graph import build_structure, project
 
@@ -90,9 +92,9 @@ def _render(trace, path, view, depth, color_by, fmt, device_times, title, shown)
         from .html import html_page
         from .records import RecordBuilder
 
-        content = html_page(trace, structure, coloring, RecordBuilder(trace, coloring), depth, title)
+        content = html_page(trace, structure, coloring, RecordBuilder(trace, coloring), depth, title, direction)
     else:
-        writer = DotWriter(trace, structure, coloring)
+        writer = DotWriter(trace, structure, coloring, direction)
         heading = title or f"{trace.model_name} ({view}, {len(trace)} ops)"
         dot = writer.write(project(structure, -1, depth), heading, coloring.legend() if coloring else None)
         shown.update()

@@ -15,6 +15,7 @@ from .metrics import aggregate, format_value
 from .records import shape_text
 
 FONT = "Helvetica"
+DIRECTIONS = ("TB", "LR")  # data flows down the page, or across it (wide screens, deep models)
 _KIND_STYLE = {
     "input": 'shape=ellipse, style=filled, color="#2e7d32"',
     "output": 'shape=ellipse, peripheries=2, style=filled, color="#1f4e9c"',
@@ -41,7 +42,10 @@ def quote(text) -> str:
 class DotWriter:
     """Writes pictures of one structure, with shared styling and optional colouring."""
 
-    def __init__(self, trace, structure, coloring=None):
+    def __init__(self, trace, structure, coloring=None, direction="TB"):
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be 'TB' (top to bottom) or 'LR' (left to right), not {direction!r}")
+        self.direction = direction
         self.trace = trace
         self.structure = structure
         self.coloring = coloring
@@ -150,7 +154,7 @@ class DotWriter:
     def write(self, picture, title=None, legend=None) -> str:
         lines = [
             "digraph torchlens {",
-            f'graph [rankdir=TB, nodesep=0.25, ranksep=0.35, fontname="{FONT}", fontsize=11, '
+            f'graph [rankdir={self.direction}, nodesep=0.25, ranksep=0.35, fontname="{FONT}", fontsize=11, '
             'bgcolor="white", id="tl-graph"];',
             f'node [fontname="{FONT}", fontsize=10, margin="0.1,0.04", height=0.3];',
             f'edge [fontname="{FONT}", fontsize=8, color="#555555", arrowsize=0.6];',
