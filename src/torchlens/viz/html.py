@@ -104,6 +104,9 @@ def html_page(trace, structure, coloring, records, depth=None, title=None, direc
     writer = DotWriter(trace, structure, coloring, direction)
     svgs = layout([writer.write(picture) for picture, _ in pictures], "svg")
     data = page_data(trace, structure, pictures, records, coloring)
+    # A multi-output call's further outputs are ports of its first output's node: find them there.
+    data["alias"] = {key: node for picture, _ in pictures for key, (node, _) in writer.port_aliases(picture).items()
+                     if key != node}
     title = title or f"{trace.model_name} \u2014 torchlens ({structure.view})"
     summary = str(trace).split("\nOps:")[0]
     view_blocks = "\n".join(f'<script type="text/x-tl-svg" id="tl-view-{i}">{_svg_body(svg)}</script>'

@@ -173,6 +173,7 @@
 
   // ----- selection and records -----------------------------------------------------------------
   function nodeElement(key) {
+    key = (data.alias && data.alias[key]) || key;  // an output drawn as a port of its call's node
     return state.svg && (document.getElementById(key) || document.getElementById("c" + key));
   }
 
