@@ -105,6 +105,8 @@ class SavePolicy:
 
     def check_matched(self, trace) -> None:
         """Refuse a selection entry that picked nothing: a typo must not silently save less."""
+        if not (self.labels or self.types or self.addresses or self.call_labels):
+            return  # "all", "none" or a predicate: nothing to match
         known = {op.label for op in trace.ops} | {op.layer_label for op in trace.ops}
         types = {op.type for op in trace.ops}
         called = {a for mc in trace.module_calls for a in mc.module.all_addresses}
