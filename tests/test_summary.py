@@ -84,3 +84,15 @@ def test_saved_for_backward_column_appears_when_ops_carry_it(monkeypatch):
     assert table["head:1"]["saved_for_backward_bytes"] == 8
     assert table[0]["saved_for_backward_bytes"] == 8 * sum(1 for op in log.ops if op.kind == "op")
     assert "Saved for bwd" in str(table)
+
+
+def test_a_loaded_trace_counts_the_parameters_its_ops_used(tmp_path):
+    model, ids = _tied_gpt2()
+    live = tl.trace(model, ids).summary()
+    loaded = tl.load(tl.trace(model, ids).save(tmp_path / "t")).summary()
+    assert [r["call"] for r in loaded.rows] == [r["call"] for r in live.rows]
+    assert loaded[0]["params"] == live[0]["params"]  # the tied weight still once
+    assert loaded["lm_head:1"]["params"] == live["lm_head:1"]["params"]
+    assert loaded["transformer.h.0:1"]["params"] == live["transformer.h.0:1"]["params"]
+    assert [r["flops"] for r in loaded.rows] == [r["flops"] for r in live.rows]
+    assert "counts the parameters its ops used" in str(loaded)

@@ -18,24 +18,48 @@ SAVED_FOR_BACKWARD = "saved_for_backward_bytes"
 
 
 def module_param_counts(trace) -> dict:
-    """``{module address: unique parameter count under it}``, from the live modules (kept after cleanup)."""
+    """``{module address: unique parameter count under it}``, from the live modules (kept after cleanup);
+    a loaded trace, which holds no modules, counts the parameters its ops used instead."""
     counts = getattr(trace, "_module_param_counts", None)
     if counts is None:
-        counts = {}
-        for module in trace.modules:
-            if module._ref is None:
-                continue
-            counts[module.address] = sum(p.numel() for p in module._ref.parameters())  # deduplicated by torch
+        live = [m for m in trace.modules if m._ref is not None]
+        if live or not trace.modules:
+            # parameters() yields each parameter object once, so tied weights count once per module.
+            counts = {m.address: sum(p.numel() for p in m._ref.parameters()) for m in live}
+        else:
+            counts = _used_param_counts(trace)
         trace._module_param_counts = counts
     return counts
 
 
+def _used_numels(trace) -> dict:
+    """``{parameter address: numel}`` for every parameter an op used (from the recorded shapes)."""
+    numels = {}
+    for i, addresses in trace._param_addresses.items():
+        for address, (_, param) in zip(addresses, trace._calls[trace._call[i]][4]):
+            n = 1
+            for d in param.shape:
+                n *= d
+            numels[address] = n
+    return numels
+
+
+def _used_param_counts(trace) -> dict:
+    numels = _used_numels(trace)
+    used: dict = {}
+    for mc in trace.module_calls:
+        addresses = used.setdefault(mc.address, set())
+        for i in mc._op_nodes:
+            addresses.update(trace._param_addresses.get(i, ()))
+    return {address: sum(numels[a] for a in names) for address, names in used.items()}
+
+
 def root_param_count(trace):
-    """Unique parameters of the whole model (None when the trace no longer knows them)."""
+    """Unique parameters of the whole model (for a loaded trace: those its ops used)."""
     params = trace.params
     if params:
         return sum(p.numel for p in params)
-    return getattr(trace, "_root_param_count", None)
+    return sum(_used_numels(trace).values()) if trace.loaded_from is not None else None
 
 
 class ModuleSummary:
@@ -176,6 +200,8 @@ def summary_table_text(summary: ModuleSummary) -> str:
     lines.append("-" * len(lines[0]))
     params = "unknown" if root["params"] is None else f"{root['params']:,} (each parameter counted once, tied " \
                                                       "weights included)"
+    if summary.trace.loaded_from is not None and root["params"] is not None:
+        params += "; a loaded trace counts the parameters its ops used"
     lines.append(f"Parameters: {params}")
     if root["flops"] is not None:
         incomplete = "" if root["flops_complete"] else " (a '+' marks rows with ops no formula covers)"
