@@ -93,7 +93,12 @@ class ModuleSummary:
         return str(self)
 
     def _repr_html_(self) -> str:
-        return self.to_pandas().to_html(index=False)
+        try:
+            return self.to_pandas().to_html(index=False)
+        except ImportError:  # no pandas: the text table still shows
+            import html
+
+            return f"<pre>{html.escape(str(self))}</pre>"
 
 
 def module_summary(trace, depth=None) -> ModuleSummary:

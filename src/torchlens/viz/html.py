@@ -124,7 +124,7 @@ def html_page(trace, structure, coloring, records, depth=None, title=None, direc
   <nav id="tl-crumbs" aria-label="module path"></nav>
   <span id="tl-tools">
     <button id="tl-up" type="button" title="collapse: back to the enclosing module (u)">&#8593; Up</button>
-    <button id="tl-fit" type="button" title="fit: the whole picture, or its width at a readable size (f); the whole picture however small (w)">Fit</button>
+    <button id="tl-fit" type="button" title="fit at a readable size (f); the whole picture (w)">Fit</button>
     <input id="tl-search" type="search" placeholder="Search labels (/)" autocomplete="off" spellcheck="false">
   </span>
   <ul id="tl-results" hidden></ul>
