@@ -96,3 +96,13 @@ def test_a_loaded_trace_counts_the_parameters_its_ops_used(tmp_path):
     assert loaded["transformer.h.0:1"]["params"] == live["transformer.h.0:1"]["params"]
     assert [r["flops"] for r in loaded.rows] == [r["flops"] for r in live.rows]
     assert "counts the parameters its ops used" in str(loaded)
+
+
+def test_a_trace_saved_after_cleanup_says_its_parameters_are_unknown(tmp_path):
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    flops = log.summary()[0]["flops"]
+    log.cleanup()
+    table = tl.load(log.save(tmp_path / "c")).summary()
+    assert table[0]["params"] is None and table["head:1"]["params"] is None  # unknown, never 0
+    assert table[0]["flops"] == flops
+    assert "Parameters: unknown" in str(table)

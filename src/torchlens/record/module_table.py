@@ -51,7 +51,9 @@ def _used_param_counts(trace) -> dict:
         addresses = used.setdefault(mc.address, set())
         for i in mc._op_nodes:
             addresses.update(trace._param_addresses.get(i, ()))
-    return {address: sum(numels[a] for a in names) for address, names in used.items()}
+    # A trace saved after cleanup() kept no parameter shapes: its counts are unknown, not zero.
+    return {address: sum(numels[a] for a in names) for address, names in used.items()
+            if all(a in numels for a in names)}
 
 
 def root_param_count(trace):
@@ -59,7 +61,11 @@ def root_param_count(trace):
     params = trace.params
     if params:
         return sum(p.numel for p in params)
-    return sum(_used_numels(trace).values()) if trace.loaded_from is not None else None
+    if trace.loaded_from is None:
+        return None
+    numels = _used_numels(trace)
+    used = {a for addresses in trace._param_addresses.values() for a in addresses}
+    return sum(numels.values()) if used <= set(numels) else None
 
 
 class ModuleSummary:
