@@ -86,6 +86,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
         # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
         getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
+        shown.close()
         raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, whose body runs "
                         "only when iterated, after tracing ended; trace a forward that returns its results "
                         "(e.g. wrap it: lambda x: list(model(x)))")
