@@ -232,3 +232,9 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
             os.close(write)
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_show_prints_the_module_summary(tmp_path, capsys):
+    assert main(["show", str(_saved(tmp_path)), "--summary", "--depth", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Module call" in out and "FLOPs" in out and "0:1" in out and "Parameters: unknown" not in out

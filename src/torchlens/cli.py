@@ -297,7 +297,10 @@ def _load(path):
 def cmd_show(args) -> int:
     log = _load(args.dir)
     print(log)
-    if args.depth is not None:
+    if args.summary:
+        print()
+        print(log.summary(depth=args.depth))
+    elif args.depth is not None:
         print()
         print(module_tree(log, args.depth))
     return 0
@@ -346,7 +349,7 @@ _EXAMPLES = {
              "  torchlens trace mymodels.py:build --input 2x16 --input 2x16 --save run1 --html run1.html\n"
              "  torchlens trace mypkg.nets:Encoder --input 4x128 --dtype int64 --high 1000 "
              "--kwargs-json '{\"causal\": true}'",
-    "show": "examples:\n  torchlens show run1\n  torchlens show run1 --depth 2",
+    "show": "examples:\n  torchlens show run1\n  torchlens show run1 --depth 2\n  torchlens show run1 --summary --depth 2",
     "hot-path": "examples:\n  torchlens hot-path run1\n  torchlens hot-path run1 -n 5 --by flops --group module",
     "render": "examples:\n  torchlens render run1 -o view.html\n  torchlens render run1 -o graph.svg --view rolled "
               "--depth 2",
@@ -408,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = command("show", cmd_show, "print the summary of a saved trace")
     show.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")
     show.add_argument("--depth", type=int, metavar="N", help="also print module calls down to depth N")
+    show.add_argument("--summary", action="store_true", help="print the module summary table (parameters, "
+                                                              "shapes, ops, FLOPs, time, bytes; to --depth)")
 
     hot = command("hot-path", cmd_hot_path, "rank the ops of a saved trace by host time, FLOPs or memory")
     hot.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")
