@@ -237,7 +237,7 @@ def test_color_by_nonfinite_marks_the_nan_ops():
     fill = {int(i): f for i, f in re.findall(r'^\s*o(\d+) \[[^\n]*fillcolor="(#\w+)"', dot, re.M)}
     log_op = next(op for op in log.ops if op.func_name == "log")
     linear = next(op for op in log.ops if op.func_name == "linear")
-    assert fill[linear.index] == "#d6e6f5"  # checked finite (blue: green is the input colour)
+    assert fill[linear.index] == "#ccf2f4"  # checked finite (cyan: green is the input colour)
     assert fill[log_op.index] == "#c0001a"  # the origin tl.debug.nonfinite_origin names
     relu = next(op for op in log.ops if op.func_name == "relu")
     assert fill[relu.index] == "#f4a3a3"  # carried the NaN on
@@ -245,7 +245,7 @@ def test_color_by_nonfinite_marks_the_nan_ops():
     saved = tl.trace(MakesNaN().eval(), torch.randn(2, 4))  # no flags: read from saved activations
     fill = {int(i): f for i, f in re.findall(r'^\s*o(\d+) \[[^\n]*fillcolor="(#\w+)"',
                                             saved.render(color_by="nonfinite"), re.M)}
-    assert fill[relu.index] == "#f4a3a3" and fill[linear.index] == "#d6e6f5"
+    assert fill[relu.index] == "#f4a3a3" and fill[linear.index] == "#ccf2f4"
 
 
 def test_color_by_device_time_mapping(traces):
