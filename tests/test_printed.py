@@ -21,6 +21,14 @@ def test_print_and_hot_path_count_torch_calls_alike():
     for by in ("duration", "memory", "flops"):
         assert f": {calls} torch calls," in str(tl.debug.hot_path(log, by=by))
 
+    class Unknown(nn.Module):  # an op no FLOPs formula covers is excluded, and the count says of how many
+        def forward(self, x):
+            return torch.linalg.det(x).relu()
+
+    unknown = tl.trace(Unknown(), torch.randn(3, 3))
+    ranked = tl.debug.hot_path(unknown, by="flops")
+    assert ranked.excluded and "1 of 2 torch calls" in str(ranked) and "(2 torch calls" in str(unknown)
+
 
 def test_the_roster_says_how_to_see_what_it_cut():
     text = str(tl.trace(LoopRNN(), torch.randn(2, 8)))

@@ -62,7 +62,7 @@ class HotPath:
     def __str__(self) -> str:
         width = max([len("address")] + [len(r["address"]) for r in self.rows[:_SHOWN]])
         lines = [f"hot path of {self.model_name} by {self.by} ({self.unit}), grouped by {self.group}: "
-                 f"{self.calls} torch calls, total {_fmt(self.total, self.by)} {self.unit}",
+                 f"{self._calls_text()}, total {_fmt(self.total, self.by)} {self.unit}",
                  f"  {'address':<{width}}  {'count':>6}  {'total':>12}  {'percent':>7}"]
         for row in self.rows[:_SHOWN]:
             lines.append(f"  {row['address']:<{width}}  {row['count']:>6}  {_fmt(row['total'], self.by):>12}  "
@@ -76,6 +76,11 @@ class HotPath:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _calls_text(self) -> str:
+        # Counted as print(log) counts them; the others are listed under "excluded" below.
+        total = getattr(self, "trace_calls", self.calls)
+        return f"{self.calls} torch calls" if total == self.calls else f"{self.calls} of {total} torch calls"
 
 
 def _fmt(value, by) -> str:
@@ -103,7 +108,10 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     rows.sort(key=lambda r: r["total"], reverse=True)
     ranked = HotPath(rows, by=by, group=group, total=grand, excluded=excluded, considered=len(values),
                      model_name=log.model_name)
+    from ..record.summary import torch_call_count
+
     ranked.calls = len({log._call[i] for i, _ in values})  # counted as print(log) counts them
+    ranked.trace_calls = torch_call_count(log)
     return ranked
 
 
