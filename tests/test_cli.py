@@ -157,3 +157,84 @@ def test_a_damaged_saved_trace_is_reported_not_raised(models, monkeypatch, capsy
         f.write(b" ")
     assert main(["hot-path", "s"]) == 2
     assert "the manifest says" in capsys.readouterr().err
+
+
+# ----- version, render, pipes, devices -------------------------------------------------------------------
+def _saved(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    tl.trace(model, torch.randn(1, 4)).save(tmp_path / "s")
+    return tmp_path / "s"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"torchlens {tl.__version__}"
+
+
+@pytest.mark.parametrize("suffix, magic", [(".html", b"<!DOCTYPE html"), (".dot", b"digraph"), (".svg", b"<svg"),
+                                           (".png", b"\x89PNG")])
+def test_render_a_saved_trace(tmp_path, capsys, suffix, magic):
+    if suffix in (".svg", ".png"):
+        from torchlens.viz import LayoutEngineMissing, find_engine
+
+        try:
+            find_engine()
+        except LayoutEngineMissing:
+            pytest.skip("no layout engine")
+    out = tmp_path / f"view{suffix}"
+    assert main(["render", str(_saved(tmp_path)), "-o", str(out)]) == 0
+    content = out.read_bytes()
+    assert magic in content[:400]
+    if suffix in (".dot", ".html"):
+        assert b"linear_1_1" in content
+
+
+def test_render_with_an_unknown_suffix_is_a_one_line_usage_error(tmp_path, capsys):
+    assert main(["render", str(_saved(tmp_path)), "-o", str(tmp_path / "view.jpg")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "end the file name in .html, .svg, .png or .dot" in err[0]
+
+
+def test_argument_mistakes_are_one_line_with_status_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-o/--output" in err and "torchlens render --help" in err
+
+
+def test_a_missing_device_is_a_usage_error(models, monkeypatch, capsys):
+    monkeypatch.chdir(models)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available on this machine; use --device cpu" in err and "Traceback" not in err
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--device", "gpu0"]) == 2
+    assert "is not a torch device" in capsys.readouterr().err
+
+
+def test_hot_path_says_how_many_rows_it_shows(tmp_path, capsys):
+    assert main(["hot-path", str(_saved(tmp_path)), "-n", "5"]) == 0
+    assert "top 3 of 3)" in capsys.readouterr().out  # three torch calls: not "top 5"
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    saved = _saved(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for argv in (["show", str(saved)], ["--help"]):
+        read, write = os.pipe()
+        os.close(read)  # the reader has gone, as `| head` does once it has its lines
+        try:
+            done = subprocess.run([sys.executable, "-m", "torchlens", *argv], stdout=write, stderr=subprocess.PIPE,
+                                  env=env, text=True, timeout=120)
+        finally:
+            os.close(write)
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_show_prints_the_module_summary(tmp_path, capsys):
+    assert main(["show", str(_saved(tmp_path)), "--summary", "--depth", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Module call" in out and "FLOPs" in out and "0:1" in out and "Parameters: unknown" not in out

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from torchlens.capture.session import _trace_with_markers
 from torchlens.report.kernel_profiling import KernelProfile, ProfilerBusyError
 from torchlens.report.markers import ProfilerMarkers, parse_marker
 from torchlens.report.profile_events import Event, events_from_chrome, events_from_profiler, load_chrome
@@ -283,7 +284,7 @@ def _fixture_profile(drop_orphan=False):
     run = next(parse_marker(e.name)[1] for e in events if parse_marker(e.name))
     model, x = fixture_model()
     markers = ProfilerMarkers(run=run)
-    trace = tl.trace(model, x, save="none", _markers=markers)
+    trace = _trace_with_markers(model, x, None, markers, save="none")
     return KernelProfile(trace, None, markers, borrowed=False, backward=True, events=events), data
 
 

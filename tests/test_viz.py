@@ -20,11 +20,21 @@ from zoo import zoo  # noqa: E402
 
 NODE = re.compile(r'^\s*(\w+) \[id="\w+", class="tl-node tl-(\w+)"', re.M)
 CLUSTER = re.compile(r"^\s*subgraph cluster_(\w+) \{", re.M)
-EDGE = re.compile(r"^\s*(\w+) -> (\w+)(?: \[label=\"([^\"]*)\"\])?;", re.M)
+EDGE = re.compile(r"^\s*(\w+)(?::p\d+)? -> (\w+)(?: \[label=\"([^\"]*)\"\])?;", re.M)
 
 
 def nodes(dot):
     return dict(NODE.findall(dot))
+
+
+def first_outputs(log) -> dict:
+    """``{op index: index of the first output of its call}``: a multi-output call is drawn once, with ports."""
+    first: dict = {}
+    by_call: dict = {}
+    for op in log.ops:
+        key = (op.func_name, op.start_ns) if op.kind == "op" else ("node", op.index)
+        first[op.index] = by_call.setdefault(key, op.index)
+    return first
 
 
 def call_chain(mc):
@@ -45,11 +55,13 @@ def test_unrolled_dot_has_every_op_and_module_call(traces, name):
     log = traces[name]
     dot = log.render()
     found = nodes(dot)
-    assert sorted(found) == sorted(f"o{i}" for i in range(len(log)))
-    assert [found[f"o{op.index}"] for op in log.ops] == [op.kind for op in log.ops]
+    first = first_outputs(log)
+    drawn = sorted({first[i] for i in range(len(log))})
+    assert sorted(found) == sorted(f"o{i}" for i in drawn)
+    assert [found[f"o{i}"] for i in drawn] == [log.ops[i].kind for i in drawn]
     calls_with_ops = {f"m{mc.index}" for mc in log.module_calls if mc.ops}
     assert set(CLUSTER.findall(dot)) == calls_with_ops
-    expected_edges = {(f"o{log[p].index}", f"o{op.index}") for op in log.ops for p in op.parents}
+    expected_edges = {(f"o{first[log[p].index]}", f"o{first[op.index]}") for op in log.ops for p in op.parents}
     assert {(a, b) for a, b, _ in EDGE.findall(dot)} == expected_edges
 
 
@@ -58,12 +70,14 @@ def test_rolled_dot_has_one_node_per_layer_and_module_position(traces, name):
     log = traces[name]
     dot = log.render(view="rolled")
     found = nodes(dot)
-    assert len(found) == len(log.layers)
-    assert sorted(found) == sorted(f"l{layer.first.index}" for layer in log.layers)
+    first = first_outputs(log)
+    layer_of = {op.index: op.layer.first.index for op in log.ops}
+    drawn = sorted({layer_of[first[layer.first.index]] for layer in log.layers})
+    assert sorted(found) == sorted(f"l{i}" for i in drawn)
     positions = {call_chain(mc) for mc in log.module_calls if mc.ops}
     assert len(CLUSTER.findall(dot)) == len(positions)
     for layer in log.layers:
-        if layer.num_passes > 1:
+        if layer.num_passes > 1 and layer_of[first[layer.first.index]] == layer.first.index:
             assert f"{layer.layer_label} \u00d7{layer.num_passes}</b>" in dot
 
 
@@ -223,7 +237,7 @@ def test_color_by_nonfinite_marks_the_nan_ops():
     fill = {int(i): f for i, f in re.findall(r'^\s*o(\d+) \[[^\n]*fillcolor="(#\w+)"', dot, re.M)}
     log_op = next(op for op in log.ops if op.func_name == "log")
     linear = next(op for op in log.ops if op.func_name == "linear")
-    assert fill[linear.index] == "#d9f2d9"  # checked finite
+    assert fill[linear.index] == "#ccf2f4"  # checked finite (cyan: green is the input colour)
     assert fill[log_op.index] == "#c0001a"  # the origin tl.debug.nonfinite_origin names
     relu = next(op for op in log.ops if op.func_name == "relu")
     assert fill[relu.index] == "#f4a3a3"  # carried the NaN on
@@ -231,7 +245,7 @@ def test_color_by_nonfinite_marks_the_nan_ops():
     saved = tl.trace(MakesNaN().eval(), torch.randn(2, 4))  # no flags: read from saved activations
     fill = {int(i): f for i, f in re.findall(r'^\s*o(\d+) \[[^\n]*fillcolor="(#\w+)"',
                                             saved.render(color_by="nonfinite"), re.M)}
-    assert fill[relu.index] == "#f4a3a3" and fill[linear.index] == "#d9f2d9"
+    assert fill[relu.index] == "#f4a3a3" and fill[linear.index] == "#ccf2f4"
 
 
 def test_color_by_device_time_mapping(traces):
@@ -305,10 +319,11 @@ def test_cleaned_up_trace_still_renders_from_metadata():
 def test_notebook_html_and_show(traces, monkeypatch):
     log = traces["mlp"]
     snippet = log._repr_html_()
-    assert snippet.startswith("<div><pre") and "<iframe srcdoc=" in snippet and "Trace of MLP" in snippet
-    assert "<iframe" not in viz.notebook_html(log, max_ops=5) and ".show()" in viz.notebook_html(log, max_ops=5)
+    assert snippet.startswith("<div><pre") and "Open the interactive viewer" in snippet and "Trace of MLP" in snippet
+    assert "tlOpenViewer" not in viz.notebook_html(log, max_ops=5) and ".show()" in viz.notebook_html(log, max_ops=5)
     opened = []
-    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url))
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url) or True)
     path = log.show(view="rolled")
     try:
         assert opened == [path.resolve().as_uri()] and "tl-data" in path.read_text()
@@ -328,3 +343,56 @@ def test_device_times_from_a_kernel_profile_object():
     unknown = [op for op in ops if op.label not in times]
     for op in unknown:  # on a CPU-only run every op is unmeasured, and says so
         assert "unknown" in re.search(rf"^\s*o{op.index} \[.*$", from_profile, re.M).group(0)
+
+
+def test_left_to_right_layout(traces):
+    log = traces["mlp"]
+    assert "rankdir=LR" in log.render(format="dot", direction="LR")
+    assert "rankdir=TB" in log.render(format="dot")
+    with pytest.raises(ValueError, match="direction must be 'TB'"):
+        log.render(format="dot", direction="sideways")
+
+
+def test_checked_finite_is_not_the_input_colour(traces):
+    from torchlens.viz.dot import KIND_FILL
+    from torchlens.viz.metrics import FINITE_FILL, NONFINITE_FILL, UNKNOWN_FILL
+
+    assert len({FINITE_FILL, NONFINITE_FILL, UNKNOWN_FILL} | set(KIND_FILL.values())) == len(KIND_FILL) + 3
+    dot = traces["mlp"].render(format="dot", color_by="nonfinite")
+    assert f'fillcolor="{FINITE_FILL}"' in dot and f'fillcolor="{KIND_FILL["input"]}"' in dot
+
+
+def test_a_multi_output_call_is_one_node_with_a_port_per_output():
+    class UsesAll(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm, self.fc = nn.LSTM(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            out, (h, c) = self.lstm(x)
+            return self.fc(out) + self.fc(h) + c.sum()
+
+    log = tl.trace(UsesAll(), torch.randn(2, 1, 4))
+    dot = log.render(format="dot")
+    outputs = [op for op in log.ops if op.func_name == "lstm"]
+    assert len(outputs) == 3
+    lstm = f"o{outputs[0].index}"
+    assert set(nodes(dot)) & {f"o{op.index}" for op in outputs} == {lstm}  # drawn once
+    assert dot.count("weight_ih_l0") == 1  # its parameters listed once, not per output
+    for port, op in enumerate(outputs):
+        assert f'port="p{port}"' in dot and f"{op.label} " in dot
+        for child in op.children:
+            assert f"{lstm}:p{port} -> o{log[child].index};" in dot  # each edge leaves its output's port
+    page = log.render(format="html") if _has_engine() else None
+    if page is not None:
+        data = json.loads(re.search(r'<script type="application/json" id="tl-data">(.*?)</script>', page, re.S)
+                          .group(1).replace("<\\/", "</"))
+        assert data["alias"] == {f"o{op.index}": lstm for op in outputs[1:]}
+
+
+def _has_engine() -> bool:
+    try:
+        layout.find_engine()
+    except layout.LayoutEngineMissing:
+        return False
+    return True

@@ -134,3 +134,81 @@ def test_collapsed_modules_open_close_and_search_reaches_inside(open_page, tmp_p
     assert page.locator(f"#o{deep.index}.tl-hit").count() == 1
     assert "linear_1_7:1" in page.inner_text("#tl-panel")
     assert errors == []
+
+
+def _tall_bert():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=12, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100)
+    return tl.trace(transformers.BertModel(config).eval(), torch.randint(0, 100, (1, 8)))
+
+
+_VIEW = """() => {
+  const box = document.querySelector('#tl-canvas svg').getAttribute('viewBox').split(/[\\s,]+/).map(Number);
+  const rect = document.getElementById('tl-canvas').getBoundingClientRect();
+  return {scale: Math.max(box[2] / rect.width, box[3] / rect.height), x: box[0], y: box[1]};
+}"""
+
+
+def test_fit_on_a_tall_model_stays_readable(open_page, tmp_path):
+    log = _tall_bert()
+    page, errors = open_page(log.render(tmp_path / "bert.html", depth=10))  # everything expanded: very tall
+    page.keyboard.press("w")
+    assert page.evaluate(_VIEW)["scale"] > 1.5  # the whole picture would be an unreadable strip
+    page.click("#tl-fit")
+    fitted = page.evaluate(_VIEW)
+    assert 1.0 <= fitted["scale"] <= 1.5 + 1e-6 and fitted["y"] <= 0  # readable, from the top
+    shot(page, "bert_fit_width")
+    assert errors == []
+
+
+def test_left_to_right_layout_is_wide(open_page, tmp_path):
+    log = _tall_bert()
+    page, errors = open_page(log.render(tmp_path / "bert_lr.html", depth=10, direction="LR"))
+    page.keyboard.press("w")
+    size = page.evaluate("() => document.querySelector('#tl-canvas svg').getAttribute('viewBox')"
+                         ".split(/[\\s,]+/).map(Number)")
+    assert size[2] > size[3]  # data flows across the page
+    page.click("#tl-fit")
+    assert page.evaluate(_VIEW)["scale"] <= 1.5 + 1e-6
+    shot(page, "bert_left_to_right")
+    assert errors == []
+
+
+def test_checked_finite_and_inputs_look_different(open_page, tmp_path):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    log = tl.trace(model, torch.randn(2, 4), record_finite=True)
+    page, errors = open_page(log.render(tmp_path / "finite.html", color_by="nonfinite"))
+    fills = page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#tl-canvas g.tl-node')]
+        .map(g => [g.id, g.querySelector('polygon, ellipse, path').getAttribute('fill')]))""")
+    input_fill = fills[f"o{log.inputs[0].index}"]
+    op_fill = fills[f"o{log['linear_1_1'].index}"]
+    assert input_fill != op_fill
+    shot(page, "checked_finite")
+    assert errors == []
+
+
+def test_notebook_button_opens_the_viewer(browser, tmp_path):
+    page_file = tmp_path / "cell.html"
+    log = trace_of("small_cnn")
+    page_file.write_text(f"<!DOCTYPE html><html><body>{log._repr_html_()}</body></html>", encoding="utf-8")
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, offline=True)
+    try:
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_file.as_uri())
+        assert page.locator("iframe").count() == 0  # nothing heavy until asked
+        page.click("button.tl-open-viewer")
+        frame = page.frame_locator("iframe")
+        frame.locator("html[data-tl-ready]").wait_for(timeout=20000)
+        assert frame.locator("#tl-canvas g.node.tl-node").count() == len(log)
+        shot(page, "notebook_opened")
+        assert errors == []
+    finally:
+        context.close()

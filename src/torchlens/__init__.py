@@ -13,24 +13,28 @@ from .validate import validate
 
 __version__ = "0.1.0"
 
-_LAZY = {"debug", "report", "viz", "io", "distributed"}
+_LAZY_MODULES = {"debug", "report", "viz", "io", "distributed"}
+_LAZY_NAMES = {"load": ".io", "extract": ".io", "load_extracted": ".io", "log_forward_pass": ".compat"}
 
 
 def __getattr__(name):
     # Bridges load on first use so that `import torchlens` stays cheap.
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY_MODULES:
         module = importlib.import_module(f".{name}", __name__)
         globals()[name] = module
         return module
-    if name in ("load", "extract", "load_extracted"):
-        from . import io
-
-        return getattr(io, name)
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(_LAZY_NAMES[name], __name__), name)
     raise AttributeError(f"module 'torchlens' has no attribute {name!r}")
+
+
+def __dir__():
+    # The lazy names are listed without importing them.
+    return sorted(set(globals()) | _LAZY_MODULES | set(_LAZY_NAMES))
 
 
 __all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
            "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "debug", "report", "viz", "io", "distributed",
-           "load", "extract", "load_extracted"]
+           "load", "extract", "load_extracted", "log_forward_pass"]

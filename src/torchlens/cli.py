@@ -127,6 +127,23 @@ def make_inputs(shapes, dtype_name, seed, high, device):
     return tuple(args)
 
 
+def check_device(name: str) -> None:
+    """Refuse a device this machine lacks before importing the model (one line, not a traceback)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {name!r} is not a torch device (try cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices "
+                         f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name}: MPS is not available on this machine; use --device cpu")
+
+
 def parse_kwargs(text):
     if text is None:
         return {}
@@ -146,6 +163,7 @@ def _prepare(args):
     if not args.input:
         raise UsageError("give at least one --input SHAPE (one per positional argument of forward)")
     kwargs = parse_kwargs(args.kwargs_json)
+    check_device(args.device)
     model = load_target(args.target)
     if args.eval:
         model.eval()
@@ -180,7 +198,7 @@ def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
     except ImportError:
         return "hot path: not available in this installation (torchlens.debug.hot_path is missing)"
     ranked = hot_path(log, by=by, group=group)
-    lines = [f"Hot path ({by}, by {group}; top {n} of {len(ranked.rows)}):"]
+    lines = [f"Hot path ({by}, by {group}; top {min(n, len(ranked.rows))} of {len(ranked.rows)}):"]
     unit = "ms" if by == "duration" else ranked.unit
     for row in ranked.rows[:n]:
         total = row["total"] * 1e3 if by == "duration" else row["total"]
@@ -279,7 +297,10 @@ def _load(path):
 def cmd_show(args) -> int:
     log = _load(args.dir)
     print(log)
-    if args.depth is not None:
+    if args.summary:
+        print()
+        print(log.summary(depth=args.depth))
+    elif args.depth is not None:
         print()
         print(module_tree(log, args.depth))
     return 0
@@ -288,6 +309,23 @@ def cmd_show(args) -> int:
 def cmd_hot_path(args) -> int:
     log = _load(args.dir)
     print(hot_path_text(log, args.n, by=args.by, group=args.group))
+    return 0
+
+
+def cmd_render(args) -> int:
+    from .viz import LayoutEngineMissing, LayoutFailed
+
+    log = _load(args.dir)
+    try:
+        written = log.render(args.output, view=args.view, depth=args.depth, direction=args.direction)
+    except ValueError:  # a suffix render cannot tell the format from
+        raise UsageError(f"-o {args.output}: the suffix picks the format: end the file name in .html, .svg, .png "
+                         "or .dot") from None
+    except LayoutEngineMissing as exc:
+        raise UsageError(f"{exc} (or write a .dot or .html file, which need no layout engine)") from None
+    except LayoutFailed as exc:
+        raise ModelError(exc) from exc
+    _note(f"wrote {written}")
     return 0
 
 
@@ -311,8 +349,10 @@ _EXAMPLES = {
              "  torchlens trace mymodels.py:build --input 2x16 --input 2x16 --save run1 --html run1.html\n"
              "  torchlens trace mypkg.nets:Encoder --input 4x128 --dtype int64 --high 1000 "
              "--kwargs-json '{\"causal\": true}'",
-    "show": "examples:\n  torchlens show run1\n  torchlens show run1 --depth 2",
+    "show": "examples:\n  torchlens show run1\n  torchlens show run1 --depth 2\n  torchlens show run1 --summary --depth 2",
     "hot-path": "examples:\n  torchlens hot-path run1\n  torchlens hot-path run1 -n 5 --by flops --group module",
+    "render": "examples:\n  torchlens render run1 -o view.html\n  torchlens render run1 -o graph.svg --view rolled "
+              "--depth 2",
     "validate": "examples:\n  torchlens validate mymodels.py:build --input 2x16\n"
                 "  torchlens validate torchvision.models:resnet18 --input 1x3x64x64 --eval",
 }
@@ -332,11 +372,21 @@ def _target_options(p) -> None:
     p.add_argument("--eval", action="store_true", help="call model.eval() first (default: keep the factory's mode)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line saying what to do (status 2), not the usage block."""
+
+    def error(self, message):
+        self.exit(USAGE, f"torchlens: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from . import __version__
+
+    parser = _Parser(
         prog="torchlens", description="Trace a PyTorch forward pass: every op named, placed and recorded.",
         epilog="Run 'torchlens COMMAND --help' for each command's options and examples.")
     parser.add_argument("--traceback", action="store_true", help="print the full traceback when a model fails")
+    parser.add_argument("--version", action="version", version=f"torchlens {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name, run, help_text):
@@ -361,12 +411,25 @@ def build_parser() -> argparse.ArgumentParser:
     show = command("show", cmd_show, "print the summary of a saved trace")
     show.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")
     show.add_argument("--depth", type=int, metavar="N", help="also print module calls down to depth N")
+    show.add_argument("--summary", action="store_true", help="print the module summary table (parameters, "
+                                                              "shapes, ops, FLOPs, time, bytes; to --depth)")
 
     hot = command("hot-path", cmd_hot_path, "rank the ops of a saved trace by host time, FLOPs or memory")
     hot.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")
     hot.add_argument("-n", type=int, default=10, help="rows to print (default 10)")
     hot.add_argument("--by", default="duration", choices=["duration", "flops", "memory"])
     hot.add_argument("--group", default="op", choices=["op", "layer", "module", "source"])
+
+    draw = command("render", cmd_render, "draw a saved trace: an interactive .html viewer, or a .svg, .png or .dot "
+                                         "picture")
+    draw.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")
+    draw.add_argument("-o", "--output", required=True, metavar="FILE",
+                      help="where to write; the suffix (.html, .svg, .png, .dot) picks the format")
+    draw.add_argument("--view", default="unrolled", choices=["unrolled", "rolled"],
+                      help="one node per op (unrolled, default) or per layer with passes folded (rolled)")
+    draw.add_argument("--depth", type=int, metavar="N", help="collapse module calls N levels down into one node")
+    draw.add_argument("--direction", default="TB", choices=["TB", "LR"],
+                      help="data flows top to bottom (TB, default) or left to right (LR: deep models)")
 
     check = command("validate", cmd_validate, "check that a trace of the model reproduces an untraced run and "
                                               "that every op replays to its recorded output")
@@ -375,6 +438,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here, not at interpreter exit, where a closed pipe could not be handled
+        return status
+    except SystemExit as stop:  # argparse's --help / --version, which print before exiting
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _silence_stdout()
+            return 0
+        raise stop
+    except BrokenPipeError:
+        # The reader (``| head``) stopped listening: that is the reader's choice, not a failure.
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+    except (OSError, ValueError):
+        pass
+
+
+def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("n", "hot_path", "depth"):
         if getattr(args, name, None) is not None and getattr(args, name) < 0:
@@ -397,7 +486,11 @@ def main(argv=None) -> int:
         if isinstance(exc, (TraceFileError, FileNotFoundError)):
             print(f"torchlens: error: {exc}", file=sys.stderr)
             return USAGE
-        raise
+        if isinstance(exc, BrokenPipeError) or args.traceback:
+            raise
+        print(f"torchlens: error: {type(exc).__name__}: {exc} (rerun with --traceback for the full traceback)",
+              file=sys.stderr)
+        return MODEL
 
 
 def _report_model_error(exc: BaseException, full: bool) -> None:

@@ -212,16 +212,22 @@ def _reference_output(model, args: tuple, kwargs: dict):
 
 
 # ----- entry points ------------------------------------------------------------------------------------
-def validate(model, args=(), kwargs=None, **trace_kwargs) -> ValidationResult:
+def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> ValidationResult:
     """Trace ``model`` and check the trace against an untraced run and against replay of every op.
 
     ``args`` follows ``tl.trace``'s rule: a tuple is the positional arguments, any other value the one
     positional argument.  The untraced run uses a copy of the model; the model and the global RNG end
-    exactly as after one untraced forward.
+    exactly as after one untraced forward.  ``progress``: bars for tracing and replay once either takes
+    about a second (None: on an interactive terminal or notebook only; True: anywhere; False: never).
     """
     from .capture.session import _unwrap, trace
 
     model = _unwrap(model)
+    if isinstance(model, type) or not callable(model):
+        what = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
+        raise TypeError(f"tl.validate needs the model to run (a module instance or a callable), got {what}, "
+                        "which " + ("is not an instance: pass a module instance" if isinstance(model, type)
+                                    else "is not callable"))
     call_args = as_args(args)
     kwargs = dict(kwargs or {})
     before = RngState()
@@ -231,16 +237,18 @@ def validate(model, args=(), kwargs=None, **trace_kwargs) -> ValidationResult:
     finally:
         before.restore()  # the traced forward draws what the untraced one drew
     try:
-        log = trace(model, call_args, kwargs, save="all", **trace_kwargs)
-        result = validate_trace(log)
+        log = trace(model, call_args, kwargs, save="all", progress=progress, **trace_kwargs)
+        result = validate_trace(log, progress=progress)
     finally:
         after.restore()
     result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
     return result
 
 
-def validate_trace(log) -> ValidationResult:
+def validate_trace(log, progress=None) -> ValidationResult:
     """Replay each op of ``log`` from its saved parents; report mismatches and what could not run."""
+    from .progress import bar
+
     result = ValidationResult()
     if getattr(log, "_cleaned", False):
         result.nothing_reason = "the trace was cleaned up (cleanup() released its activations)"
@@ -249,8 +257,10 @@ def validate_trace(log) -> ValidationResult:
         result.nothing_reason = "the trace saved no activations; trace with save='all' to validate"
         return result
     rng = RngState()
+    shown = bar(progress, f"validating {log.model_name}", total=len(log), unit=" ops")
     try:
         for op in log.ops:
+            shown.update()
             if op.kind != "op" or op.multi_output_index not in (None, 0, (0,)):
                 continue
             problem = _replay_problem(log, op, rng)
@@ -262,6 +272,7 @@ def validate_trace(log) -> ValidationResult:
                 result.not_replayed.append((op.label, problem[1]))
     finally:
         rng.restore()
+        shown.close()
     if result.replayed == 0:
         result.nothing_reason = "no op could be replayed (see the reasons listed)"
     return result

@@ -38,10 +38,11 @@ class ModuleCallTracker:
         self.state = state
         self.root = root
         self.frames = frames  # a FrameClassifier: each call's user frame is found once, here
+        self.progress = None  # a progress bar advanced once per module call (torchlens.progress), or None
         self._handles = []
 
     def __enter__(self):
-        st, root, owner, frames = self.state, self.root, threading.get_ident(), self.frames
+        st, root, owner, frames, progress = self.state, self.root, threading.get_ident(), self.frames, self.progress
 
         def pre_hook(module, args):
             if module is root or threading.get_ident() != owner:
@@ -56,6 +57,8 @@ class ModuleCallTracker:
             st.module_stack.append(len(st.module_calls) - 1)
             if st.markers is not None:
                 st.markers.module_enter(len(st.module_calls) - 1)
+            if progress is not None:
+                progress.update()
 
         def post_hook(module, args, output):
             if module is root or threading.get_ident() != owner or not st.module_stack:

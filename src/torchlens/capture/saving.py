@@ -15,6 +15,7 @@ import re
 import torch
 
 from ..labels.naming import func_name_of, type_of_name
+from ..record.errors import UnmatchedSelection
 from ..record.op import KIND_OUTPUT
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
@@ -29,6 +30,7 @@ class SavePolicy:
         self.module_ids: set = set()
         self.addresses: set = set()
         self.call_labels: set = set()
+        self.type_entries: dict = {}  # normalized op type -> the entry as written
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
@@ -59,6 +61,7 @@ class SavePolicy:
                 self.labels.add(item)
             else:
                 self.types.add(item.lower().replace("_", ""))
+                self.type_entries[item.lower().replace("_", "")] = item
         # Labels are only known after the forward: hold everything until then.
         self.mode = 1 if self.labels else 2
 
@@ -99,6 +102,28 @@ class SavePolicy:
                                  if self.addresses.intersection(mc.module.all_addresses)
                                  or mc.label in self.call_labels]
         return self._calls_cache
+
+    def check_matched(self, trace) -> None:
+        """Refuse a selection entry that picked nothing: a typo must not silently save less."""
+        if not (self.labels or self.types or self.addresses or self.call_labels):
+            return  # "all", "none" or a predicate: nothing to match
+        known = {op.label for op in trace.ops} | {op.layer_label for op in trace.ops}
+        types = {op.type for op in trace.ops}
+        called = {a for mc in trace.module_calls for a in mc.module.all_addresses}
+        calls = {mc.label for mc in trace.module_calls}
+        missing = sorted(self.labels - known) + sorted(self.type_entries[t] for t in self.types if t not in types)
+        missing += sorted(self.addresses - called) + sorted(self.call_labels - calls)
+        if missing:
+            import difflib
+
+            entry = missing[0]
+            names = sorted(known | types | called | calls)
+            close = difflib.get_close_matches(entry, names, n=5, cutoff=0.5)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            ran = " (that module exists but never ran in this forward)" if entry in self.addresses else ""
+            more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""
+            raise UnmatchedSelection(f"no op, layer, module call or module named {entry!r} in this trace, and no "
+                                     f"op of that type: save= matched nothing for it{ran}{hint}{more}")
 
     def apply(self, trace) -> None:
         """Release the activations the selection did not ask for."""

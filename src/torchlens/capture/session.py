@@ -14,6 +14,7 @@ from time import perf_counter_ns
 
 import torch
 
+from ..progress import QUIET, bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
@@ -31,12 +32,16 @@ _local = threading.local()
 
 
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
-          max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
-          _markers=None) -> Trace:
+          max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
+          markers=None, progress=None) -> Trace:
     """One trace, with the collector already paused by ``trace``."""
     model = _unwrap(model)
+    if isinstance(model, type) and issubclass(model, torch.nn.Module):
+        raise TypeError(f"tl.trace got the class {model.__name__}, not a module: pass a module instance, "
+                        f"e.g. tl.trace({model.__name__}(...), x)")
     if not callable(model):
         raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
+    root = _root_of(model, root)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments for forward, got {type(kwargs).__name__}")
     if getattr(_local, "active", False):
@@ -47,9 +52,9 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
                            "lacks; upgrade torch or trace with deep=False")
     kwargs = dict(kwargs or {})
     args = as_args(args)
-    index = ModelIndex(model)  # the one walk over the model's modules, parameters and buffers
+    index = ModelIndex(root)  # the one walk over the model's modules, parameters and buffers
     _refuse_inference_tensors(index, args, kwargs)
-    policy = SavePolicy(save, model)
+    policy = SavePolicy(save, root)
     if save_device is not None:
         save_device = torch.device(save_device)
     started = perf_counter_ns()
@@ -61,17 +66,22 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         state.selector = policy.capture_selector(state)
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
-    state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
+    state.markers = markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
     mode = CaptureMode(state, frames, deep=deep)
+    shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls")
+    tracker = ModuleCallTracker(state, model if root is model else None, frames)
+    tracker.progress = shown if shown is not QUIET else None
     _local.active = True
     try:
-        with FastPathShim(mode), ModuleCallTracker(state, model, frames), mode:
+        # The root's own call is the trace itself; a callable's calls into its root are module calls.
+        with FastPathShim(mode), tracker, mode:
             output = _run_forward(model, args, kwargs)
     except BaseException as exc:
-        _annotate(exc, state, model)
+        shown.close()
+        _annotate(exc, state, root)
         raise
     finally:
         _local.active = False
@@ -79,16 +89,24 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
         # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
         getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
+        shown.close()
         raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, whose body runs "
                         "only when iterated, after tracing ended; trace a forward that returns its results "
                         "(e.g. wrap it: lambda x: list(model(x)))")
 
     mutated = state.check_saved_versions()
-    model_name = name or type(model).__name__
+    model_name = name or _display_name(model, root)
     timings = {"forward": (forward_done - started) / 1e9}
-    result = finalize(state, model, output, model_name, timings, index)
+    shown.set_description(f"finalizing {model_name}")
+    try:
+        result = finalize(state, model, output, model_name, timings, index)
+    finally:
+        shown.close()
     result._autocast = autocast
     result.rank, result.world_size = process_rank()
+    policy.check_matched(result)
+    result._root_class = type(root).__name__ if root is not None else model_name
+    result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])
@@ -101,13 +119,14 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
-          max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
-          _markers=None) -> Trace:
+          max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
+          progress=None) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
         model: an ``nn.Module`` or any callable.  DataParallel/DDP wrappers and ``torch.compile``
-            results are unwrapped to the eager module underneath.
+            results are unwrapped to the eager module underneath.  A bound method of a module
+            (``m.generate``, ``m.embed``) names modules from that module.
         args: the positional arguments.  A tuple is the positional arguments; any other value (a
             tensor, a list, a dict) is the single positional argument: ``trace(model, [a, b])`` calls
             ``model([a, b])``.  To pass one tuple as the only argument, wrap it: ``((a, b),)``.
@@ -122,15 +141,55 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
         deep: also record the torch calls made inside torch functions written in Python
             (``F.normalize``, ``F.interpolate``, ``F.multi_head_attention_forward``), which are
             otherwise one op each.
+        root: for a callable that is not a module (``lambda x: m(x).logits``), the module whose
+            submodules it calls: they are named by their address in it.  Each call of the root
+            itself is a module call ``self:k`` (in ``generate()``, ``k`` is the step).
+        progress: a progress bar (module calls, then finalizing) once tracing takes about a second:
+            None shows it on an interactive terminal or notebook only, True anywhere, False never.
     """
+    return _paused_collector(model, args, kwargs, save=save, save_device=save_device,
+                             record_finite=record_finite, max_saved_bytes=max_saved_bytes, name=name, deep=deep,
+                             root=root, progress=progress)
+
+
+def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
+    """``trace`` that also drives profiler ``markers`` per op and module call (``report.kernel_profile``)."""
+    return _paused_collector(model, args, kwargs, markers=markers, **options)
+
+
+def _paused_collector(model, args, kwargs, **options) -> Trace:
     collecting = gc.isenabled()
     gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
     try:
-        return _trace(model, args, kwargs, save=save, save_device=save_device, record_finite=record_finite,
-                      max_saved_bytes=max_saved_bytes, name=name, deep=deep, _markers=_markers)
+        return _trace(model, args, kwargs, **options)
     finally:
         if collecting:
             gc.enable()
+
+
+def _root_of(model, root):
+    """The module whose addresses name the modules a trace sees (None: a plain function)."""
+    if isinstance(model, torch.nn.Module):
+        if root is not None and root is not model:
+            raise ValueError("root= names the module behind a callable; the traced model is already a module "
+                             "(drop root=, or trace the callable you meant)")
+        return model
+    if root is None:
+        owner = getattr(model, "__self__", None)  # a bound method: m.generate, m.embed
+        return owner if isinstance(owner, torch.nn.Module) else None
+    if not isinstance(root, torch.nn.Module):
+        raise TypeError(f"root= must be an nn.Module (the model the callable runs), not {type(root).__name__}")
+    return root
+
+
+def _display_name(model, root) -> str:
+    if root is model:
+        return type(model).__name__
+    method = getattr(model, "__name__", None)
+    if root is not None:
+        bound = getattr(model, "__self__", None) is root and method
+        return f"{type(root).__name__}.{method}" if bound else type(root).__name__
+    return getattr(model, "__qualname__", None) or type(model).__name__
 
 
 def _run_forward(model, args, kwargs):

@@ -19,4 +19,8 @@ def __getattr__(name):
     raise AttributeError(f"module 'torchlens.debug' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))  # lazy names listed without importing them
+
+
 __all__ = list(_EXPORTS)

@@ -37,6 +37,7 @@ class HotPath:
         self.total = total
         self.excluded = tuple(excluded)
         self.considered = considered
+        self.calls = considered  # distinct torch calls ranked (hot_path sets it when some returned several ops)
         self.model_name = model_name
         self.note = _METRIC_NOTES[by]
 
@@ -61,7 +62,7 @@ class HotPath:
     def __str__(self) -> str:
         width = max([len("address")] + [len(r["address"]) for r in self.rows[:_SHOWN]])
         lines = [f"hot path of {self.model_name} by {self.by} ({self.unit}), grouped by {self.group}: "
-                 f"{self.considered} torch calls, total {_fmt(self.total, self.by)} {self.unit}",
+                 f"{self._calls_text()}, total {_fmt(self.total, self.by)} {self.unit}",
                  f"  {'address':<{width}}  {'count':>6}  {'total':>12}  {'percent':>7}"]
         for row in self.rows[:_SHOWN]:
             lines.append(f"  {row['address']:<{width}}  {row['count']:>6}  {_fmt(row['total'], self.by):>12}  "
@@ -75,6 +76,11 @@ class HotPath:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _calls_text(self) -> str:
+        # Counted as print(log) counts them; the others are listed under "excluded" below.
+        total = getattr(self, "trace_calls", self.calls)
+        return f"{self.calls} torch calls" if total == self.calls else f"{self.calls} of {total} torch calls"
 
 
 def _fmt(value, by) -> str:
@@ -100,8 +106,13 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     rows = [{"address": key, "count": counts[key], "total": total,
              "percent": 100.0 * total / grand if grand else 0.0} for key, total in totals.items()]
     rows.sort(key=lambda r: r["total"], reverse=True)
-    return HotPath(rows, by=by, group=group, total=grand, excluded=excluded, considered=len(values),
-                   model_name=log.model_name)
+    ranked = HotPath(rows, by=by, group=group, total=grand, excluded=excluded, considered=len(values),
+                     model_name=log.model_name)
+    from ..record.summary import torch_call_count
+
+    ranked.calls = len({log._call[i] for i, _ in values})  # counted as print(log) counts them
+    ranked.trace_calls = torch_call_count(log)
+    return ranked
 
 
 def _metric_values(log, by):
@@ -134,6 +145,8 @@ def _metric_values(log, by):
 
 
 def _keys(log, index, group) -> list:
+    from ..record.summary import short_path
+
     if group == "op":
         return [log._labels[index]]
     if group == "layer":
@@ -149,7 +162,7 @@ def _keys(log, index, group) -> list:
         return keys
     source = log.ops[index].source
     if source is not None:
-        return [f"{source.file}:{source.line}"]
+        return [f"{short_path(source.file)}:{source.line}"]
     if m >= 0:  # no user frame called it (a bare nn.Sequential): the module it ran in stands for the site
         module = calls[m].module
         return [f"{module.address} ({module.class_name})"]

@@ -175,7 +175,12 @@ def _save_targets(model, layers) -> list:
 def _extract_batch(model, args, kwargs, layers, run, position) -> list:
     from ..capture.session import trace
 
-    log = trace(model, args, kwargs, save=_save_targets(model, layers))
+    from ..record.errors import UnmatchedSelection
+
+    try:
+        log = trace(model, args, kwargs, save=_save_targets(model, layers))
+    except UnmatchedSelection as exc:
+        raise UnmatchedSelection(f"batch {position}: {exc}") from None
     try:
         acts = []
         for i, name in enumerate(layers):

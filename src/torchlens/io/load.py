@@ -25,7 +25,8 @@ from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, Trac
 
 def load(path) -> Trace:
     """Load a saved trace.  It supports everything that does not need the live model (indexing, summary,
-    tables, reports, rendering); ``log.model`` is None and ``log.output`` / ``log.validate()`` raise."""
+    tables, reports, rendering); ``log.model`` is None, ``log.validate()`` raises, and ``log.output`` is
+    rebuilt from the saved output tensors."""
     folder = os.fspath(path)
     manifest = verify_manifest(folder, TRACE_FORMAT, TRACE_SCHEMA, required=(TRACE_JSON,))
     record = read_json(folder, TRACE_JSON, "a saved trace", max_bytes=manifest["files"][TRACE_JSON]["bytes"])

@@ -12,7 +12,12 @@ Rules, applied in one pass over the ops in execution order (linear time):
    function, output slot, non-tensor arguments, input shapes and module object: the same line run
    again by a Python loop is another pass.  A class whose every later member consumes an earlier
    member (``x = x + 1`` in a loop: a single-op self-chain) is not recurrence and is split back into
-   separate layers.
+   separate layers, unless the chain also feeds or is fed by another repeated layer: then it is one
+   step of a longer loop body (``while x.mean() > 0: x = x * 2``: ``mean``, ``gt`` and ``mul`` are
+   all layers with one pass per iteration).
+
+Whether the repeated layers came from a loop or from a module reused at several call sites is told
+apart afterwards, for display only (``repetition``).
 """
 
 from __future__ import annotations
@@ -108,11 +113,48 @@ def _split_self_chains(group: list, site_ops: list, parents_col: list, next_id: 
     def fed_by_other_loop(i, gid):
         return any(p >= 0 and group[p] != gid and sizes[group[p]] > 1 for _, p in parents_col[i])
 
-    for gid, ops in members.items():
-        if len(ops) < 2:
+    chains = [(gid, ops) for gid, ops in members.items() if len(ops) > 1 and
+              all(any(p >= 0 and group[p] == gid for _, p in parents_col[i]) for i in ops[1:])]
+    if not chains:
+        return
+    in_chain = {i for _, ops in chains for i in ops}
+    feeds: dict = {}  # chain member -> the repeated groups (other than its own) that read it
+    for j, parents in enumerate(parents_col):
+        for _, p in parents:
+            if p in in_chain and group[j] != group[p] and sizes[group[j]] > 1:
+                feeds.setdefault(p, set()).add(group[j])
+    for gid, ops in chains:
+        if any(fed_by_other_loop(i, gid) for i in ops[1:]) or any(i in feeds for i in ops[:-1]):
+            continue  # one step of a longer loop body
+        for i in ops[1:]:
+            group[i] = next_id
+            next_id += 1
+
+
+def repetition(trace):
+    """``"loop"`` when some layer's passes re-ran the same code (a loop, ``generate`` steps),
+    ``"reused"`` when every repeated layer ran from different call sites (a shared module called
+    from several lines), None when nothing repeated.  A loaded trace keeps each op's source line but not
+    the lines that made each module call, so it tells them apart by the ops' own lines only."""
+    if not trace.is_recurrent:
+        return None
+    frames = getattr(trace, "_module_call_frames", None)
+    seen: dict = {}
+    calls = trace._calls
+    for i, c in enumerate(trace._call):
+        if c < 0 or trace._group_size[trace._group[i]] < 2:
             continue
-        chained = all(any(p >= 0 and group[p] == gid for _, p in parents_col[i]) for i in ops[1:])
-        if chained and not any(fed_by_other_loop(i, gid) for i in ops[1:]):
-            for i in ops[1:]:
-                group[i] = next_id
-                next_id += 1
+        call = calls[c]
+        origin = [id(call[6]), call[7]]
+        m = trace._module_call[i] if frames is not None else -1
+        while m >= 0:  # the lines that made each enclosing module call
+            code, offset = frames[m]
+            origin += (id(code), offset)
+            parent = trace.module_calls[m].parent
+            m = parent.index if parent is not None else -1
+        origins = seen.setdefault(trace._group[i], set())
+        key = tuple(origin)
+        if key in origins:
+            return "loop"
+        origins.add(key)
+    return "reused"

@@ -15,3 +15,10 @@ class TraceCleanedUp(TorchlensError):
 
 class NestedTraceError(TorchlensError):
     """``tl.trace`` was called from inside a traced forward."""
+
+
+class UnmatchedSelection(TorchlensError, KeyError):
+    """A ``save=`` entry named nothing in the trace (a ``KeyError`` naming the closest labels)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -83,6 +83,16 @@ class Module:
     def call_labels(self) -> list:
         return [c.label for c in self.calls]
 
+    def __getattr__(self, name):
+        # Only reached for names the Module lacks: ``log['fc']`` on a module called several times.
+        from .op import Op
+
+        if not name.startswith("_") and hasattr(Op, name):
+            calls = ", ".join(f"log[{label!r}]" for label in self.call_labels[:3])
+            raise AttributeError(f"{name!r} belongs to one op, but {self.address} ran {self.num_calls} times, so "
+                                 f"log[{self.address!r}] is the Module: read it from one call's output op: {calls}")
+        raise AttributeError(f"'Module' object has no attribute {name!r}")
+
     def __repr__(self) -> str:
         return f"<Module {self.address} ({self.class_name}, {self.num_calls} call" \
                f"{'s' if self.num_calls != 1 else ''})>"

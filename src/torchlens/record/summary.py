@@ -22,16 +22,59 @@ def _what(op) -> str:
     return op.func_name if op.kind == "op" else (op.io_path or op.kind)
 
 
+def torch_call_count(trace) -> int:
+    """Distinct torch calls (a call returning several tensors is one call with several ops)."""
+    return len({c for c, k in zip(trace._call, trace._kind) if k == 0 and c >= 0})
+
+
+def _tensors_and_calls(trace, n_compute: int) -> str:
+    calls = torch_call_count(trace)
+    if calls == n_compute:
+        return f"{calls} torch calls"
+    return f"{n_compute} tensors from {calls} torch calls"
+
+
+def _recurrence(trace) -> str:
+    from ..labels.passes import repetition
+
+    if not trace.is_recurrent:
+        return "feed-forward (every layer ran once)"
+    kind = repetition(trace)
+    if kind == "reused":
+        return f"reused modules (a module called from several places: up to {trace.num_passes_max} passes of " \
+               "one layer; no loop)"
+    if kind == "loop":
+        return f"recurrent (up to {trace.num_passes_max} passes of one layer)"
+    return f"repeated layers (up to {trace.num_passes_max} passes of one layer)"
+
+
+def short_path(file: str) -> str:
+    """A source path as a reader wants it: relative to the working directory, else to the import root
+    it was found under (``transformers/models/gpt2/modeling_gpt2.py``), else as recorded."""
+    import os
+    import sys
+
+    if not file or not os.path.isabs(file):
+        return file
+    cwd = os.getcwd()
+    if file.startswith(cwd + os.sep):
+        return os.path.relpath(file, cwd)
+    roots = sorted((p for p in sys.path if p and os.path.isabs(p)), key=len, reverse=True)
+    for root in roots:
+        if file.startswith(root.rstrip(os.sep) + os.sep):
+            return os.path.relpath(file, root)
+    return file
+
+
 def summary_text(trace) -> str:
     ops = trace.ops
     n_compute = sum(1 for op in ops if op.kind == "op")
-    recurrence = (f"recurrent (up to {trace.num_passes_max} passes of one layer)"
-                  if trace.is_recurrent else "feed-forward (every layer ran once)")
+    recurrence = _recurrence(trace)
     saved = "released by cleanup()" if trace.is_cleaned_up else \
         f"{len(trace._activations)} activations saved, {human_bytes(trace.saved_bytes)}"
     lines = [
         f"Trace of {trace.model_name}",
-        f"  {len(ops)} ops ({n_compute} torch calls, {len(trace.inputs)} inputs, "
+        f"  {len(ops)} ops ({_tensors_and_calls(trace, n_compute)}, {len(trace.inputs)} inputs, "
         f"{len(trace.outputs)} outputs), {len(trace.layers)} layers",
         f"  {len(trace.modules)} modules, {len(trace.module_calls)} module calls; {recurrence}",
         f"  {saved}",
@@ -52,7 +95,7 @@ def summary_text(trace) -> str:
     index_width = len(str(len(ops) - 1)) + 2
     for i in shown:
         if i is None:
-            lines.append(f"  ... {len(ops) - _HEAD - _TAIL} more ops ...")
+            lines.append(f"  ... {len(ops) - _HEAD - _TAIL} more ops (every op: log.ops, or log.to_pandas()) ...")
             continue
         op = ops[i]
         where = f"  @{op.module}" if op.module else ""

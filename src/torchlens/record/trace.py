@@ -126,6 +126,22 @@ class Trace:
             self._layers_by_label = {layer.layer_label: layer for layer in self.layers}
         return self._layers_by_label
 
+    # ----- the reference library's names (see docs/labels.md) -----------------------------------
+    @property
+    def layer_list(self) -> RecordList:
+        """Every op in execution order (the reference's name for ``ops``)."""
+        return self.ops
+
+    @property
+    def layer_labels(self) -> list:
+        """Each layer's label once, in order of first execution."""
+        return [layer.layer_label for layer in self.layers]
+
+    @property
+    def op_labels(self) -> list:
+        """Every op's label (``relu_1_2:3``), in execution order."""
+        return list(self._labels)
+
     @property
     def inputs(self) -> list:
         return [op for op in self.ops if op._trace._kind[op.index] == KIND_INPUT]
@@ -136,12 +152,14 @@ class Trace:
 
     @property
     def output(self):
-        """The model's return value, exactly as forward returned it."""
+        """The model's return value, exactly as forward returned it (for a loaded trace: its saved
+        tensors, in tuples and dicts along their paths)."""
         if self._cleaned:
             raise TraceCleanedUp("the trace was cleaned up; its output was released")
         if self.loaded_from is not None:
-            raise TraceCleanedUp(f"this trace was loaded from {self.loaded_from}; saved traces hold no model "
-                                 "output object: read log.outputs[k].activation")
+            from .saved_output import rebuild_output
+
+            return rebuild_output(self)  # plain tuples and dicts around the saved tensors
         return self._output
 
     @property
@@ -207,6 +225,9 @@ class Trace:
         return lookup
 
     def __getitem__(self, key):
+        if isinstance(key, int) and not -len(self) <= key < len(self):
+            raise IndexError(f"op index {key} is out of range: this trace has {len(self)} ops "
+                             f"(0..{len(self) - 1}, or -1..-{len(self)} from the end)")
         if isinstance(key, (int, slice)):
             return self.ops[key]
         if not isinstance(key, str):
@@ -251,6 +272,12 @@ class Trace:
         from ..viz import notebook_html
 
         return notebook_html(self)
+
+    def summary(self, depth=None):
+        """The module tree as a table: one row per module call (``print`` it, or ``.to_pandas()``)."""
+        from .module_table import module_summary
+
+        return module_summary(self, depth)
 
     def validate(self, **kwargs):
         """Replay every op from its saved parents and compare (see ``tl.validate``)."""
@@ -302,6 +329,9 @@ class Trace:
 
             flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held
         self.params  # parameter records keep shapes, not tensors: build them before the index goes
+        from .module_table import module_param_counts
+
+        module_param_counts(self)  # counted from the live modules, which cleanup releases
         self._model_params = None
         self._cleaned = True
         self._activations = {}

@@ -88,11 +88,11 @@ def _check_borrowed(profiler, chrome_trace) -> None:
 
 
 def _run(model, args, kwargs, markers, backward, name):
-    from ..capture.session import trace as tl_trace
+    from ..capture.session import _trace_with_markers
 
     try:
         markers.phase_enter("forward")
-        trace = tl_trace(model, args, kwargs, save="none", name=name, _markers=markers)
+        trace = _trace_with_markers(model, args, kwargs, markers, save="none", name=name)
         if backward is not False:
             markers.phase_enter("backward")
             _run_backward(trace.output, backward)

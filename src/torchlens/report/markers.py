@@ -1,6 +1,6 @@
 """Profiler ranges that name each captured op and module call by id, for an exact join afterwards.
 
-``tl.trace(..., _markers=ProfilerMarkers())`` calls ``op_enter``/``op_exit`` around every torch call
+``capture.session._trace_with_markers(..., ProfilerMarkers())`` calls ``op_enter``/``op_exit`` around each torch call
 the capture sees and ``module_enter``/``module_exit`` around every module call.  Each opens a profiler
 range whose name is an id, never a label (labels only exist after the forward finishes):
 
@@ -47,7 +47,7 @@ def parse_marker(name: str):
 
 
 class ProfilerMarkers:
-    """The ``_markers`` object ``tl.trace`` drives: one profiler range per op and module call."""
+    """The ``markers`` object a marked trace drives: one profiler range per op and module call."""
 
     def __init__(self, run: int | None = None):
         self.run = next(_runs) if run is None else run  # pass ``run`` only to re-read a saved trace

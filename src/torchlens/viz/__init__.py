@@ -59,7 +59,7 @@ def _coloring(trace, color_by, device_times):
 
 
 def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, format=None, *,
-           device_times=None, title=None):
+           device_times=None, title=None, progress=None, direction="TB"):
     """Draw a trace.  Returns the path written, or the content (str, or bytes for PNG) when ``path`` is None.
 
     ``view``: ``"unrolled"`` (one node per op) or ``"rolled"`` (one node per layer, passes folded).
@@ -68,23 +68,36 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     ``color_by``: ``"duration"``, ``"flops"``, ``"memory"``, ``"nonfinite"`` or ``"device_time"`` (with
     ``device_times={op label: seconds}``; a mapping passed as ``color_by`` means the same).
     ``format``: ``"dot"``, ``"svg"``, ``"png"`` or ``"html"``; by default taken from the path's suffix.
+    ``direction``: ``"TB"`` (data flows down, the default) or ``"LR"`` (left to right: deep models on wide
+    screens).
+    ``progress``: a bar over the rendering steps once they take about a second (None: on an interactive
+    terminal or notebook only; True: anywhere; False: never).
     """
-    from .dot import DotWriter
-    from .graph import build_structure, project
+    from ..progress import bar
 
     fmt = _format_of(path, format)
     _check(trace, depth)
+    with bar(progress, f"rendering {trace.model_name}", total=3, unit=" steps") as shown:
+        return _render(trace, path, view, depth, color_by, fmt, device_times, title, shown, direction)
+
+
+def _render(trace, path, view, depth, color_by, fmt, device_times, title, shown, direction):
+    from .dot import DotWriter
+    from .graph import build_structure, project
+
     structure = build_structure(trace, view)
     coloring = _coloring(trace, color_by, device_times)
+    shown.update()
     if fmt == "html":
         from .html import html_page
         from .records import RecordBuilder
 
-        content = html_page(trace, structure, coloring, RecordBuilder(trace, coloring), depth, title)
+        content = html_page(trace, structure, coloring, RecordBuilder(trace, coloring), depth, title, direction)
     else:
-        writer = DotWriter(trace, structure, coloring)
+        writer = DotWriter(trace, structure, coloring, direction)
         heading = title or f"{trace.model_name} ({view}, {len(trace)} ops)"
         dot = writer.write(project(structure, -1, depth), heading, coloring.legend() if coloring else None)
+        shown.update()
         if fmt == "dot":
             content = dot
         else:
@@ -93,6 +106,7 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
             content = layout([dot], fmt)[0]
             if fmt == "svg":
                 content = content.decode("utf-8")
+    shown.update()
     if path is None:
         return content
     path = pathlib.Path(path)
@@ -112,40 +126,36 @@ def _in_notebook() -> bool:
 
 
 def show(trace, **kwargs):
-    """Open the interactive view: inline in Jupyter, else in the default web browser (a temp HTML file)."""
+    """Open the interactive view: inline in Jupyter, else in the default web browser (a temp HTML file);
+    where no browser can open (no display), say where the file is.  Returns the file's path."""
     if _in_notebook():
         from IPython.display import HTML, display
 
-        display(HTML(notebook_html(trace, max_ops=None, **kwargs)))
+        display(HTML(notebook_html(trace, **kwargs)))
         return None
     import webbrowser
 
     handle, name = tempfile.mkstemp(prefix=f"torchlens_{trace.model_name}_", suffix=".html")
     os.close(handle)
     path = render(trace, name, **kwargs)
-    webbrowser.open(path.resolve().as_uri())
+    if not _has_display() or not webbrowser.open(path.resolve().as_uri()):
+        print(f"torchlens: no browser could be opened here; the viewer is at {path} (open it where a browser "
+              "runs)", file=sys.stderr)
     return path
 
 
-def notebook_html(trace, max_ops=2000, **kwargs) -> str:
-    """The trace's summary and, when a layout engine is present, the viewer in an isolated inline frame.
+def _has_display() -> bool:
+    """False on a Linux machine with no graphical session (a server, a container, ssh without -X)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
-    A notebook shows this whenever the trace is displayed, so past ``max_ops`` ops the viewer (seconds of
-    layout, megabytes of page) is left to an explicit ``log.show()``.
-    """
-    import html
 
-    summary = f'<pre style="font-size:12px">{html.escape(str(trace))}</pre>'
-    if max_ops is not None and len(trace) > max_ops:
-        return summary + (f"<p><i>{len(trace)} ops: call .show() for the interactive graph, or "
-                          ".render('graph.html') to write it.</i></p>")
-    try:
-        page = render(trace, None, format="html", **kwargs)
-    except LayoutEngineMissing as missing:
-        return summary + f"<p><i>{html.escape(str(missing))}</i></p>"
-    frame = (f'<iframe srcdoc="{html.escape(page, quote=True)}" style="width:100%;height:560px;'
-             'border:1px solid #ccc" sandbox="allow-scripts"></iframe>')
-    return f"<div>{summary}{frame}</div>"
+def notebook_html(trace, max_ops=None, **kwargs) -> str:
+    """The trace's summary, module and op tables, and the viewer packed for opening on demand."""
+    from .notebook import notebook_html as page
+
+    return page(trace, max_ops=max_ops, **kwargs)
 
 
 __all__ = ["render", "show", "notebook_html", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS"]

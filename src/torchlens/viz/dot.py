@@ -6,6 +6,10 @@ another picture); the interactive viewer finds its records by them in the laid-o
 
 Kinds stay distinguishable whatever the fill colour: inputs are green ovals, outputs double ovals,
 buffers cylinders, ops that use parameters bold boxes, collapsed modules 3-D boxes.
+
+A torch call that returned several tensors (``nn.LSTM``: output, h, c) is drawn once, on its first
+output's node, with one port per output; edges leave from the port of the output they carry, and the
+other outputs' keys resolve to that node (``port_aliases``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from .metrics import aggregate, format_value
 from .records import shape_text
 
 FONT = "Helvetica"
+DIRECTIONS = ("TB", "LR")  # data flows down the page, or across it (wide screens, deep models)
 _KIND_STYLE = {
     "input": 'shape=ellipse, style=filled, color="#2e7d32"',
     "output": 'shape=ellipse, peripheries=2, style=filled, color="#1f4e9c"',
@@ -41,7 +46,10 @@ def quote(text) -> str:
 class DotWriter:
     """Writes pictures of one structure, with shared styling and optional colouring."""
 
-    def __init__(self, trace, structure, coloring=None):
+    def __init__(self, trace, structure, coloring=None, direction="TB"):
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be 'TB' (top to bottom) or 'LR' (left to right), not {direction!r}")
+        self.direction = direction
         self.trace = trace
         self.structure = structure
         self.coloring = coloring
@@ -121,13 +129,48 @@ class DotWriter:
         fill = self.coloring.fill(aggregate(self.coloring.values, ops), labels)
         return f'fillcolor="{fill}", fontcolor="{self.coloring.font(fill)}"'
 
-    def item_node(self, index) -> str:
+    def item_node(self, index, ports=()) -> str:
         item = self.structure.items[index]
         kind = item.kind
         if kind == "op" and self.trace._param_addresses.get(item.ops[0]):
             kind = "param_op"
+        label = self.item_label(index)
+        if ports:
+            label = self._with_ports(label, ports)
         return (f'{item.key} [id="{item.key}", class="tl-node tl-{item.kind}", {_KIND_STYLE[kind]}, '
-                f"{self._fill(kind, item.ops)}, label={self.item_label(index)}];")
+                f"{self._fill(kind, item.ops)}, label={label}];")
+
+    def _with_ports(self, label, ports) -> str:
+        """The node's rows above one cell per output: the port its edges leave from."""
+        cells = []
+        for port, index in ports:
+            item = self.structure.items[index]
+            shape = shape_text(self.trace._meta[item.ops[0]][0])
+            cells.append(f'<td port="p{port}" border="1" cellpadding="2"><font point-size="8">{esc(item.label)} '
+                         f"{esc(shape)}</font></td>")
+        return (f'<<table border="0" cellspacing="2" cellpadding="0"><tr><td colspan="{len(cells)}">{label[1:-1]}'
+                f'</td></tr><tr>{"".join(cells)}</tr></table>>')
+
+    def port_aliases(self, picture) -> dict:
+        """``{item key: (node key, port)}`` for the outputs of multi-output calls drawn in this picture."""
+        trace, items, op_item = self.trace, self.structure.items, self.structure.op_item
+        visible = set(picture.items)
+        siblings: dict = {}
+        for i in picture.items:
+            op = items[i].ops[0]
+            c = trace._call[op]
+            if c < 0 or trace._calls[c][11] < 2:
+                continue
+            first = op_item[trace._calls[c][10]]
+            if first in visible:
+                siblings.setdefault(first, []).append(i)
+        aliases = {}
+        for first, members in siblings.items():
+            if len(members) < 2:
+                continue
+            for port, i in enumerate(sorted(members, key=lambda m: items[m].ops[0])):
+                aliases[items[i].key] = (items[first].key, port)
+        return aliases
 
     def module_node(self, g) -> str:
         key = self.structure.groups[g].key
@@ -150,29 +193,45 @@ class DotWriter:
     def write(self, picture, title=None, legend=None) -> str:
         lines = [
             "digraph torchlens {",
-            f'graph [rankdir=TB, nodesep=0.25, ranksep=0.35, fontname="{FONT}", fontsize=11, '
+            f'graph [rankdir={self.direction}, nodesep=0.25, ranksep=0.35, fontname="{FONT}", fontsize=11, '
             'bgcolor="white", id="tl-graph"];',
             f'node [fontname="{FONT}", fontsize=10, margin="0.1,0.04", height=0.3];',
             f'edge [fontname="{FONT}", fontsize=8, color="#555555", arrowsize=0.6];',
         ]
         if title or legend:
             lines.append(f"label={self.graph_label(title, legend)}; labelloc=t; labeljust=l;")
+        aliases = self.port_aliases(picture)
         contents: dict = {}
-        for node_id, lines_ in self._node_lines(picture):
+        for node_id, lines_ in self._node_lines(picture, aliases):
             contents.setdefault(picture.placement[node_id], []).append(lines_)
         children: dict = {}
         for g in picture.clusters:
             parent = self.structure.groups[g].parent
             children.setdefault(parent if parent in picture.clusters else -1, []).append(g)
         self._emit(-1, contents, children, lines, 1)
+        drawn = set()
         for (src, dst), pairs in picture.edges.items():
-            lines.append("  " + self.edge(src, dst, pairs))
+            if src in aliases:
+                src = "%s:p%d" % aliases[src]
+            dst = aliases[dst][0] if dst in aliases else dst  # every output has the same inputs: one edge
+            if (src, dst) not in drawn:
+                drawn.add((src, dst))
+                lines.append("  " + self.edge(src, dst, pairs))
         lines.append("}")
         return "\n".join(lines) + "\n"
 
-    def _node_lines(self, picture):
+    def _node_lines(self, picture, aliases=None):
+        aliases = aliases or {}
+        ports: dict = {}
+        for key, (node, port) in aliases.items():
+            ports.setdefault(node, []).append((port, key))
+        index_of = {self.structure.items[i].key: i for i in picture.items}
         for i in picture.items:
-            yield self.structure.items[i].key, self.item_node(i)
+            key = self.structure.items[i].key
+            if key in aliases and aliases[key][0] != key:
+                continue  # drawn as a port of its call's first output
+            shown = sorted((port, index_of[k]) for port, k in ports.get(key, ()))
+            yield key, self.item_node(i, shown)
         for g in picture.collapsed:
             yield self.structure.groups[g].key, self.module_node(g)
         for i in picture.refs_in:

@@ -99,11 +99,14 @@ def legend_html(coloring) -> str:
     return out
 
 
-def html_page(trace, structure, coloring, records, depth=None, title=None) -> str:
+def html_page(trace, structure, coloring, records, depth=None, title=None, direction="TB") -> str:
     pictures = build_pictures(structure, depth)
-    writer = DotWriter(trace, structure, coloring)
+    writer = DotWriter(trace, structure, coloring, direction)
     svgs = layout([writer.write(picture) for picture, _ in pictures], "svg")
     data = page_data(trace, structure, pictures, records, coloring)
+    # A multi-output call's further outputs are ports of its first output's node: find them there.
+    data["alias"] = {key: node for picture, _ in pictures for key, (node, _) in writer.port_aliases(picture).items()
+                     if key != node}
     title = title or f"{trace.model_name} \u2014 torchlens ({structure.view})"
     summary = str(trace).split("\nOps:")[0]
     view_blocks = "\n".join(f'<script type="text/x-tl-svg" id="tl-view-{i}">{_svg_body(svg)}</script>'
@@ -121,7 +124,7 @@ def html_page(trace, structure, coloring, records, depth=None, title=None) -> st
   <nav id="tl-crumbs" aria-label="module path"></nav>
   <span id="tl-tools">
     <button id="tl-up" type="button" title="collapse: back to the enclosing module (u)">&#8593; Up</button>
-    <button id="tl-fit" type="button" title="fit to window (f)">Fit</button>
+    <button id="tl-fit" type="button" title="fit at a readable size (f); the whole picture (w)">Fit</button>
     <input id="tl-search" type="search" placeholder="Search labels (/)" autocomplete="off" spellcheck="false">
   </span>
   <ul id="tl-results" hidden></ul>

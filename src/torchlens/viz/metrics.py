@@ -17,7 +17,8 @@ METRICS = ("duration", "flops", "memory", "nonfinite", "device_time")
 _SCALE = ("#fff7c4", "#fee391", "#fec44f", "#fe9929", "#ec7014", "#cc4c02", "#8c2d04")
 _DARK = frozenset(_SCALE[4:])
 UNKNOWN_FILL = "#eeeeee"
-NONFINITE_FILL, ORIGIN_FILL, FINITE_FILL = "#f4a3a3", "#c0001a", "#d9f2d9"
+# Checked-finite is cyan: green is the input colour and blue the output colour (dot.KIND_FILL).
+NONFINITE_FILL, ORIGIN_FILL, FINITE_FILL = "#f4a3a3", "#c0001a", "#ccf2f4"
 _DARK = _DARK | {ORIGIN_FILL}
 
 _NOTES = {

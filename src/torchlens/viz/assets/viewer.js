@@ -33,7 +33,6 @@
     state.full = { x: vb[0], y: vb[1], w: vb[2], h: vb[3] };
     state.selected = null;
     fit();
-    if (scale() > 1.5) readableStart();
     drawCrumbs();
     upButton.disabled = data.views[index].parent === null;
     markMatches(search.value);
@@ -81,20 +80,35 @@
     state.svg.setAttribute("viewBox", [box.x, box.y, box.w, box.h].join(" "));
   }
 
-  function fit() {
+  // SVG units per screen pixel past which 10-point labels are too small to read.
+  var READABLE = 1.5;
+
+  function wholeBox() {
     var f = state.full;
     var pad = Math.max(f.w, f.h) * 0.02;
-    setBox({ x: f.x - pad, y: f.y - pad, w: f.w + 2 * pad, h: f.h + 2 * pad });
+    return { x: f.x - pad, y: f.y - pad, w: f.w + 2 * pad, h: f.h + 2 * pad };
+  }
+
+  function fitWhole() {
+    setBox(wholeBox());
+  }
+
+  function fit() {
+    // The whole picture when it is readable so; a tall one is fitted to its width (a wide one to its
+    // height) from its start, never smaller than READABLE nor larger than 1:1.
+    var whole = wholeBox();
+    var rect = canvas.getBoundingClientRect();
+    if (!rect.width || !rect.height) return setBox(whole);
+    var sw = whole.w / rect.width, sh = whole.h / rect.height;
+    if (Math.max(sw, sh) <= READABLE) return setBox(whole);
+    var tall = sh >= sw;
+    var s = Math.min(READABLE, Math.max(1, tall ? sw : sh));
+    var w = rect.width * s, h = rect.height * s;
+    var f = state.full, margin = 10;
+    setBox({ x: tall ? f.x + (f.w - w) / 2 : f.x - margin, y: tall ? f.y - margin : f.y + (f.h - h) / 2,
+             w: w, h: h });
   }
   document.getElementById("tl-fit").addEventListener("click", fit);
-
-  function readableStart() {
-    // A tall or wide picture fitted whole is unreadable: start at its top at 1:1 instead.
-    var rect = canvas.getBoundingClientRect();
-    var f = state.full;
-    var w = rect.width, h = rect.height;
-    setBox({ x: f.x + f.w / 2 - w / 2, y: f.y - 10, w: w, h: h });
-  }
 
   function scale() {
     // SVG units per screen pixel under preserveAspectRatio="meet".
@@ -159,6 +173,7 @@
 
   // ----- selection and records -----------------------------------------------------------------
   function nodeElement(key) {
+    key = (data.alias && data.alias[key]) || key;  // an output drawn as a port of its call's node
     return state.svg && (document.getElementById(key) || document.getElementById("c" + key));
   }
 
@@ -298,6 +313,7 @@
     if (event.target === search) return;
     if (event.key === "/") { event.preventDefault(); search.focus(); }
     else if (event.key === "f") fit();
+    else if (event.key === "w") fitWhole();
     else if (event.key === "u" || event.key === "Backspace") goUp();
   });
 

@@ -1,0 +1,33 @@
+"""The reference library's spelling of its commonest entry point, mapped onto ``tl.trace``.
+
+``log_forward_pass(model, x, layers_to_save=...)`` is what many users of the reference library type
+first.  Only arguments with an exact torchlens meaning are accepted; any other reference option is
+refused with the torchlens way to get it, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from .capture.session import trace
+
+_INSTEAD = {
+    "vis_opt": "call log.render('graph.html', view='rolled' or 'unrolled') on the returned trace",
+    "vis_outpath": "call log.render(path) on the returned trace",
+    "output_device": "pass save_device= to tl.trace",
+    "random_seed": "seed torch yourself before tracing (torchlens never touches the RNG)",
+    "save_gradients": "not captured by tl.trace",
+    "keep_unsaved_layers": "every op's metadata is always kept; save= chooses activations",
+    "activation_postfunc": "transform log[label].activation after the trace",
+    "detach_saved_tensors": "saved activations are always detached",
+}
+
+
+def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all", **reference_options):
+    """``tl.trace(model, input_args, input_kwargs, save=layers_to_save)`` under the reference's names."""
+    for option, value in reference_options.items():
+        if option == "vis_opt" and value == "none":
+            continue  # the reference's default: no picture
+        instead = _INSTEAD.get(option, "see tl.trace's arguments")
+        raise TypeError(f"log_forward_pass: {option}= is a reference-library option torchlens does not take; "
+                        f"{instead}")
+    save = "none" if layers_to_save is None else layers_to_save
+    return trace(model, input_args, input_kwargs, save=save)

@@ -1,0 +1,60 @@
+"""Progress bars for work that runs long: tracing, finalizing, validating, rendering.
+
+A bar appears only once the work has taken about a second (``tqdm``'s ``delay``), so quick traces
+print nothing.  ``progress=None`` (the default) shows bars only on an interactive terminal or in a
+notebook, never into a pipe or a log file; ``True`` asks for them anywhere, ``False`` turns them off.
+Bars are advanced at driver granularity (module calls, replayed ops, rendering steps), never from
+the per-op capture handler.  tqdm is imported only when a bar may be shown.
+"""
+
+from __future__ import annotations
+
+import sys
+
+DELAY_S = 1.0
+
+
+class _Quiet:
+    """The bar when none is shown: every method does nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_description(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+QUIET = _Quiet()
+
+
+def _interactive() -> bool:
+    stream = sys.stderr
+    if getattr(stream, "isatty", None) is not None and stream.isatty():
+        return True
+    shell = sys.modules.get("IPython")
+    ipython = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
+    return ipython is not None and "IPKernelApp" in getattr(ipython, "config", {})
+
+
+def bar(progress, desc: str, total=None, unit: str = "it"):
+    """A tqdm bar on stderr, or ``QUIET``; ``progress`` is the user's ``True``/``False``/``None``."""
+    if progress is False or (progress is None and not _interactive()):
+        return QUIET
+    if progress is not None and progress is not True:
+        raise TypeError(f"progress must be True, False or None (automatic), not {progress!r}")
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as exc:
+        if progress is None:
+            return QUIET  # automatic bars are a nicety: without tqdm there are none
+        raise ImportError("progress=True needs tqdm: pip install tqdm (or pass progress=False)") from exc
+    return tqdm(total=total, desc=desc, unit=unit, delay=DELAY_S, leave=False, file=sys.stderr)

@@ -1,0 +1,222 @@
+"""``log.summary()``: the module tree as a table, one row per module call, with counts that add up.
+
+Each row is one call (``encoder.layers.0:1``) with its class, the parameters reachable from its module
+(each parameter object counted once, so a tied embedding and head count their shared weight once), the
+shapes going in and out, the ops run inside it, their analytic FLOPs (``report/flops.py``: a multiply-add
+is 2 FLOPs, shown as FLOPs, never as bytes), the instrumented host time, and the bytes of the tensors its
+ops produced.  When ops carry ``saved_for_backward_bytes`` (filled by gradient capture) a column for it
+appears; otherwise it is left out rather than shown as zeros.
+"""
+
+from __future__ import annotations
+
+from .summary import human_bytes
+
+COLUMNS = ("call", "depth", "class_name", "params", "input_shapes", "output_shapes", "ops", "flops",
+           "flops_complete", "duration", "activation_bytes")
+SAVED_FOR_BACKWARD = "saved_for_backward_bytes"
+
+
+def module_param_counts(trace) -> dict:
+    """``{module address: unique parameter count under it}``, from the live modules (kept after cleanup);
+    a loaded trace, which holds no modules, counts the parameters its ops used instead."""
+    counts = getattr(trace, "_module_param_counts", None)
+    if counts is None:
+        live = [m for m in trace.modules if m._ref is not None]
+        if live or not trace.modules:
+            # parameters() yields each parameter object once, so tied weights count once per module.
+            counts = {m.address: sum(p.numel() for p in m._ref.parameters()) for m in live}
+        else:
+            counts = _used_param_counts(trace)
+        trace._module_param_counts = counts
+    return counts
+
+
+def _used_numels(trace) -> dict:
+    """``{parameter address: numel}`` for every parameter an op used (from the recorded shapes)."""
+    numels = {}
+    for i, addresses in trace._param_addresses.items():
+        for address, (_, param) in zip(addresses, trace._calls[trace._call[i]][4]):
+            n = 1
+            for d in param.shape:
+                n *= d
+            numels[address] = n
+    return numels
+
+
+def _used_param_counts(trace) -> dict:
+    numels = _used_numels(trace)
+    used: dict = {}
+    for mc in trace.module_calls:
+        addresses = used.setdefault(mc.address, set())
+        for i in mc._op_nodes:
+            addresses.update(trace._param_addresses.get(i, ()))
+    # A trace saved after cleanup() kept no parameter shapes: its counts are unknown, not zero.
+    return {address: sum(numels[a] for a in names) for address, names in used.items()
+            if all(a in numels for a in names)}
+
+
+def root_param_count(trace):
+    """Unique parameters of the whole model (for a loaded trace: those its ops used)."""
+    params = trace.params
+    if params:
+        return sum(p.numel for p in params)
+    if trace.loaded_from is None:
+        return None
+    numels = _used_numels(trace)
+    used = {a for addresses in trace._param_addresses.values() for a in addresses}
+    return sum(numels.values()) if used <= set(numels) else None
+
+
+class ModuleSummary:
+    """The rows of ``log.summary()``; ``print`` it for the tree, ``.to_pandas()`` for a DataFrame."""
+
+    def __init__(self, trace, rows: list, columns: tuple):
+        self.trace = trace
+        self.rows = rows
+        self.columns = columns
+
+    def to_pandas(self):
+        from .tables import require_pandas
+
+        return require_pandas().DataFrame(self.rows, columns=list(self.columns))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return self.rows[key]
+        for row in self.rows:
+            if row["call"] == key:
+                return row
+        raise KeyError(f"no row {key!r} in this summary; rows: {', '.join(r['call'] for r in self.rows[:8])}")
+
+    def __str__(self) -> str:
+        return summary_table_text(self)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        try:
+            return self.to_pandas().to_html(index=False)
+        except ImportError:  # no pandas: the text table still shows
+            import html
+
+            return f"<pre>{html.escape(str(self))}</pre>"
+
+
+def module_summary(trace, depth=None) -> ModuleSummary:
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+        raise ValueError(f"depth must be None or a non-negative int (0: the whole model only), not {depth!r}")
+    from ..report.flops import FlopCount, module_call_flops, total_flops
+
+    ops = trace.ops
+    produced = [_produced_bytes(trace, i) for i in range(len(ops))]
+    backward = [getattr(op, SAVED_FOR_BACKWARD, None) for op in ops]
+    has_backward = any(b is not None for b in backward)
+    try:
+        call_flops, whole_flops = module_call_flops(trace), total_flops(trace)
+    except RuntimeError:  # cleaned up before FLOPs were derived: leave the column empty
+        call_flops, whole_flops = {}, None
+    param_counts = module_param_counts(trace)
+    compute = [i for i in range(len(ops)) if trace._kind[i] == 0]
+
+    def row(call, depth_, class_name, params, inputs, outputs, members, flops, duration):
+        entry = {
+            "call": call, "depth": depth_, "class_name": class_name, "params": params,
+            "input_shapes": [tuple(trace._meta[i][0]) for i in inputs],
+            "output_shapes": [tuple(trace._meta[i][0]) for i in outputs],
+            "ops": len(members), "flops": int(flops) if flops is not None else None,
+            "flops_complete": flops.complete if isinstance(flops, FlopCount) else None,
+            "duration": duration, "activation_bytes": sum(produced[i] for i in members),
+        }
+        if has_backward:
+            entry[SAVED_FOR_BACKWARD] = sum(backward[i] or 0 for i in members)
+        return entry
+
+    forward = trace.timings.get("forward")
+    rows = [row(trace.model_name, -1, _root_class(trace), root_param_count(trace),
+                [op.index for op in trace.inputs], [op._trace._parents[op.index][0][1] for op in trace.outputs
+                                                    if op._trace._parents[op.index][0][1] >= 0],
+                compute, whole_flops, forward)]
+    for mc in trace.module_calls:
+        if depth is not None and mc.depth >= depth:
+            continue
+        rows.append(row(mc.label, mc.depth, mc.module.class_name, param_counts.get(mc.address),
+                        [i for i in mc._input_nodes if i >= 0], [i for i in mc._output_nodes if i >= 0],
+                        mc._op_nodes, call_flops.get(mc.label), mc.duration))
+    columns = COLUMNS + ((SAVED_FOR_BACKWARD,) if has_backward else ())
+    return ModuleSummary(trace, rows, columns)
+
+
+def _root_class(trace) -> str:
+    known = getattr(trace, "_root_class", None)  # set by tl.trace: the root module's class
+    if known is not None:
+        return known
+    return type(trace._model).__name__ if trace._model is not None else trace.model_name
+
+
+def _produced_bytes(trace, i: int) -> int:
+    """Bytes a compute op's output occupies; an in-place op wrote into memory another op produced."""
+    if trace._kind[i] != 0 or trace._inplace[i]:
+        return 0
+    shape, dtype = trace._meta[i][0], trace._meta[i][1]
+    n = 1
+    for d in shape:
+        n *= d
+    return n * getattr(dtype, "itemsize", 0)
+
+
+# ----- text ---------------------------------------------------------------------------------------------
+def human_count(n) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(int(n))
+
+
+def _shapes(shapes) -> str:
+    text = ", ".join("x".join(str(d) for d in s) or "scalar" for s in shapes) or "-"
+    return text if len(text) <= 22 else text[:21] + "~"
+
+
+def summary_table_text(summary: ModuleSummary) -> str:
+    backward = SAVED_FOR_BACKWARD in summary.columns
+    header = ["Module call", "Class", "Params", "Input", "Output", "Ops", "FLOPs", "Time", "Act. mem"]
+    if backward:
+        header.append("Saved for bwd")
+    table = [header]
+    for r in summary.rows:
+        name = "  " * (r["depth"] + 1) + r["call"] if r["depth"] >= 0 else r["call"]
+        flops = human_count(r["flops"]) + ("" if r["flops_complete"] in (True, None) else "+")
+        time = f"{r['duration'] * 1e3:.2f} ms" if r["duration"] is not None else "-"
+        cells = [name, r["class_name"], human_count(r["params"]), _shapes(r["input_shapes"]),
+                 _shapes(r["output_shapes"]), str(r["ops"]), flops, time, human_bytes(r["activation_bytes"])]
+        if backward:
+            cells.append(human_bytes(r[SAVED_FOR_BACKWARD]))
+        table.append(cells)
+    widths = [min(48, max(len(row[k]) for row in table)) for k in range(len(header))]
+    right = {2, 5, 6, 7, 8, 9}
+    lines = []
+    for n, cells in enumerate(table):
+        lines.append("  ".join(c.rjust(w) if k in right else c.ljust(w)
+                               for k, (c, w) in enumerate(zip(cells, widths))).rstrip())
+        if n == 0:
+            lines.append("-" * len(lines[0]))
+    root = summary.rows[0]
+    lines.append("-" * len(lines[0]))
+    params = "unknown" if root["params"] is None else f"{root['params']:,} (each parameter counted once, tied " \
+                                                      "weights included)"
+    if summary.trace.loaded_from is not None and root["params"] is not None:
+        params += "; a loaded trace counts the parameters its ops used"
+    lines.append(f"Parameters: {params}")
+    if root["flops"] is not None:
+        incomplete = "" if root["flops_complete"] else " (a '+' marks rows with ops no formula covers)"
+        lines.append(f"Forward FLOPs: {root['flops']:,} (a multiply-add counts 2){incomplete}")
+    lines.append("Times are instrumented host times (for ranking); Act. mem is the bytes of the tensors each "
+                 "call's ops produced")
+    return "\n".join(lines)

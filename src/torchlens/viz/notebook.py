@@ -1,0 +1,99 @@
+"""What a notebook shows for a trace: the summary, a compact op table, and the viewer on demand.
+
+A notebook renders ``_repr_html_`` every time a trace is displayed and keeps the result in the
+notebook file, so the display stays small: the interactive viewer is embedded gzip-compressed and
+only unpacked into an inline frame when the reader presses the button (browsers decompress natively,
+``DecompressionStream``).  A viewer too large even compressed is left to ``log.show()``.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import html
+import itertools
+
+BUDGET_BYTES = 240_000  # the compressed viewer; with the tables a display stays under 300 KB
+_HEAD, _TAIL = 12, 4
+_ids = itertools.count()
+
+_STYLE = ("font:12px monospace;border-collapse:collapse;margin:4px 0", "padding:1px 8px;text-align:left;"
+          "border-bottom:1px solid #ddd")
+
+_OPEN_SCRIPT = """<script>
+async function tlOpenViewer(button, id) {
+  button.disabled = true; button.textContent = "Opening the viewer...";
+  const packed = atob(document.getElementById(id).textContent.trim());
+  const bytes = Uint8Array.from(packed, c => c.charCodeAt(0));
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+  const frame = document.createElement("iframe");
+  frame.setAttribute("sandbox", "allow-scripts");
+  frame.style.cssText = "width:100%;height:600px;border:1px solid #ccc";
+  frame.srcdoc = await new Response(stream).text();
+  button.replaceWith(frame);
+}
+</script>"""
+
+
+def _table(header, rows) -> str:
+    table_style, cell = _STYLE
+    head = "".join(f'<th style="{cell}">{html.escape(h)}</th>' for h in header)
+    body = "".join("<tr>" + "".join(f'<td style="{cell}">{html.escape(str(v))}</td>' for v in row) + "</tr>"
+                   for row in rows)
+    return f'<table style="{table_style}"><tr>{head}</tr>{body}</table>'
+
+
+def _header_text(trace) -> str:
+    """``print(trace)`` up to its op roster, which the op table replaces."""
+    lines = str(trace).splitlines()
+    return "\n".join(lines[: lines.index("Ops:")] if "Ops:" in lines else lines)
+
+
+def _module_table(trace) -> str:
+    from ..record.module_table import human_count
+
+    summary = trace.summary(depth=2)
+    rows = [(r["call"], r["class_name"], human_count(r["params"]), r["ops"], human_count(r["flops"]))
+            for r in summary.rows]
+    return _table(["module call", "class", "params", "ops", "FLOPs"], rows)
+
+
+def _op_table(trace) -> str:
+    ops = trace.ops
+    shown = list(ops) if len(ops) <= _HEAD + _TAIL else list(ops[:_HEAD]) + [None] + list(ops[-_TAIL:])
+    rows = []
+    for op in shown:
+        if op is None:
+            rows.append(("...", f"{len(ops) - _HEAD - _TAIL} more ops: log.ops or log.to_pandas()", "", ""))
+        else:
+            shape = "x".join(str(d) for d in op.shape) or "scalar"
+            rows.append((op.label, op.func_name if op.kind == "op" else op.kind, shape, op.module or ""))
+    return _table(["op", "function", "shape", "module call"], rows)
+
+
+def notebook_html(trace, max_ops=None, **render_kwargs) -> str:
+    from . import render
+    from .layout import LayoutEngineMissing
+
+    parts = [f'<pre style="font-size:12px;margin:0">{html.escape(_header_text(trace))}</pre>',
+             _module_table(trace), _op_table(trace)]
+    if max_ops is not None and len(trace) > max_ops:
+        parts.append(f"<p><i>{len(trace)} ops: call .show() for the interactive graph, or "
+                     ".render('graph.html') to write it.</i></p>")
+        return "<div>" + "".join(parts) + "</div>"
+    try:
+        page = render(trace, None, format="html", **render_kwargs)
+    except LayoutEngineMissing as missing:
+        parts.append(f"<p><i>{html.escape(str(missing))}</i></p>")
+        return "<div>" + "".join(parts) + "</div>"
+    packed = base64.b64encode(gzip.compress(page.encode("utf-8"), 9)).decode("ascii")
+    if len(packed) > BUDGET_BYTES:
+        parts.append(f"<p><i>The interactive viewer of these {len(trace)} ops is too large to keep in a notebook "
+                     "cell: call .show() to open it, or .render('graph.html') to write it.</i></p>")
+        return "<div>" + "".join(parts) + "</div>"
+    data_id = f"tl-viewer-{next(_ids)}"
+    parts.append(f'<script type="application/octet-stream" id="{data_id}">{packed}</script>')
+    parts.append(_OPEN_SCRIPT)
+    parts.append(f'<button class="tl-open-viewer" onclick="tlOpenViewer(this, \'{data_id}\')">'
+                 "Open the interactive viewer</button>")
+    return "<div>" + "".join(parts) + "</div>"

@@ -1,0 +1,48 @@
+"""The public API is discoverable: ``dir(tl)`` lists it, signatures show no private knobs, and the
+reference library's commonest names work where they mean the same thing."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchlens as tl
+from zoo import MLP
+
+
+def test_dir_lists_every_public_name_and_the_lazy_ones_without_importing_them():
+    code = ("import sys, torchlens as tl; names = dir(tl); "
+            "print(','.join(n for n in ('debug', 'report', 'load', 'extract', 'viz', 'io', 'load_extracted', "
+            "'log_forward_pass', 'trace', 'validate') if n in names)); "
+            "print(any(m in sys.modules for m in ('torchlens.io', 'torchlens.debug', 'torchlens.report')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["debug,report,load,extract,viz,io,load_extracted,log_forward_pass,trace,validate", "False"]
+    assert set(tl.__all__) <= set(dir(tl))
+    assert {"hot_path", "nonfinite_origin"} <= set(dir(tl.debug))
+    assert {"kernel_profile", "total_flops"} <= set(dir(tl.report))
+
+
+def test_trace_signature_shows_no_private_parameters():
+    params = inspect.signature(tl.trace).parameters
+    assert not [name for name in params if name.startswith("_")]
+    assert "root" in params
+
+
+def test_reference_names_for_rosters():
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    assert log.layer_list == log.ops
+    assert log.layer_labels == [layer.layer_label for layer in log.layers]
+    assert len(set(log.layer_labels)) == len(log.layer_labels) < len(log.op_labels)
+    assert log.op_labels == [op.label for op in log.ops]
+
+
+def test_log_forward_pass_is_trace_under_the_reference_names():
+    model, x = MLP(), torch.randn(2, 16)
+    log = tl.log_forward_pass(model, x, layers_to_save=["head"], vis_opt="none")
+    assert log["head"].has_activation and not log["linear_1_1"].has_activation
+    with pytest.raises(TypeError, match="vis_opt= is a reference-library option.*log.render"):
+        tl.log_forward_pass(model, x, vis_opt="rolled")

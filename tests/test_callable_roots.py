@@ -1,0 +1,77 @@
+"""Tracing a callable that is not a module: its module names come from the module behind it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class Embedder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(20, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def embed(self, ids):
+        return self.proj(self.tokens(ids))
+
+    def forward(self, ids):
+        return self.embed(ids).sum(-1)
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval(), torch.randint(0, 100, (1, 5))
+
+
+def test_a_bound_method_names_modules_from_its_owner():
+    model = Embedder()
+    log = tl.trace(model.embed, torch.tensor([[1, 2, 3]]))
+    assert [c.label for c in log.module_calls] == ["tokens:1", "proj:1"]
+    assert log.model_name == "Embedder.embed"
+    assert not any("unregistered" in m.address for m in log.modules)
+    assert log["proj"].func_name == "linear"
+
+
+def test_generate_names_every_module_and_numbers_the_steps():
+    model, ids = _gpt2()
+    log = tl.trace(model.generate, (ids,), {"max_new_tokens": 2, "do_sample": False})
+    assert not any("unregistered" in m.address for m in log.modules)
+    roots = [c.label for c in log.module_calls if c.address == "self"]
+    assert roots == ["self:1", "self:2"]  # one root call per generated token
+    heads = [op for op in log.ops if op.module and op.module.startswith("lm_head:")]
+    assert [(op.pass_index, op.modules[0]) for op in heads] == [(1, "self:1"), (2, "self:2")]
+    assert heads[0].layer_label == heads[1].layer_label  # the same layer, one pass per step
+    assert "lm_head:2" in [r["call"] for r in log.summary().rows]
+    assert log.summary()[0]["class_name"] == "GPT2LMHeadModel"
+
+
+def test_root_names_the_module_behind_a_lambda():
+    model, ids = _gpt2()
+    plain = tl.trace(lambda x: model(x).logits, ids)
+    assert any("unregistered" in m.address for m in plain.modules)
+    log = tl.trace(lambda x: model(x).logits, ids, root=model)
+    labels = [c.label for c in log.module_calls]
+    assert labels[:3] == ["self:1", "transformer:1", "transformer.wte:1"]
+    assert log.model_name == "GPT2LMHeadModel"
+    assert log.outputs[0].shape == (1, 5, 100)
+    kept = tl.trace(lambda x: model(x).logits, ids, root=model, save=["lm_head"])
+    assert kept["lm_head"].has_activation
+
+
+def test_root_must_be_a_module_and_agree_with_a_module_model():
+    model = Embedder()
+    with pytest.raises(TypeError, match="root= must be an nn.Module"):
+        tl.trace(lambda x: model(x), torch.tensor([[1]]), root="model")
+    with pytest.raises(ValueError, match="already a module"):
+        tl.trace(model, torch.tensor([[1]]), root=nn.Linear(1, 1))

@@ -1,0 +1,66 @@
+"""Nothing silently ignored: every mistake a user can make with a selection, a key or a model says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from zoo import MLP, SharedModule
+
+
+@pytest.mark.parametrize("entry, closest", [("linearr_1_1", "linear_1_1"), ("rleu", "relu"),
+                                            ("layers.0:3", "layers.0:1"), ("linear_9_9", "linear_1_1")])
+def test_a_save_entry_that_matches_nothing_names_the_closest(entry, closest):
+    with pytest.raises(KeyError, match=rf"named .{entry}. in this trace.*save= matched nothing.*closest: .*{closest}"):
+        tl.trace(MLP(), torch.randn(2, 16), save=["layers.0", entry])
+
+
+def test_a_module_that_never_ran_is_not_silently_empty():
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    with pytest.raises(KeyError, match="never ran"):
+        tl.trace(Skips(), torch.randn(1, 4), save=["unused"])
+
+
+def test_matching_save_entries_still_work():
+    log = tl.trace(MLP(), torch.randn(2, 16), save=["linear_1_1", "relu", "head", "layers.1:1"])
+    assert log["linear_1_1"].has_activation and log["relu_1_2:1"].has_activation
+    assert log["head"].has_activation and log["layers.1:1"].has_activation
+
+
+def test_an_op_attribute_on_a_module_called_several_times_points_at_its_calls():
+    log = tl.trace(SharedModule(), torch.randn(2, 8))
+    with pytest.raises(AttributeError, match=r"fc ran 3 times.*log\['fc:2'\]"):
+        log["fc"].shape
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        log["fc"].nonsense
+    assert log["fc:2"].shape == (2, 8)
+
+
+def test_an_index_past_the_end_names_the_trace_length():
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    with pytest.raises(IndexError, match=f"this trace has {len(log)} ops"):
+        log[99]
+    with pytest.raises(IndexError, match=f"this trace has {len(log)} ops"):
+        log[-len(log) - 1]
+    assert log[-1].is_output
+
+
+def test_a_module_class_is_refused_with_what_to_pass():
+    with pytest.raises(TypeError, match="pass a module instance"):
+        tl.trace(nn.Linear, torch.randn(2, 2))
+    with pytest.raises(TypeError, match="pass a module instance"):
+        tl.validate(nn.Linear, torch.randn(2, 2))
+
+
+def test_validate_says_a_non_callable_model_is_not_callable():
+    with pytest.raises(TypeError, match="got a str, which is not callable"):
+        tl.validate("model", torch.randn(2, 2))

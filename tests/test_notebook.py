@@ -1,0 +1,76 @@
+"""A trace displayed in a notebook: summary, module and op tables, and a viewer packed to open on demand."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import os
+import re
+
+import pytest
+import torch
+
+import torchlens as tl
+from torchlens.viz import LayoutEngineMissing, find_engine
+from zoo import LoopRNN
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _engine_or_skip():
+    try:
+        find_engine()
+    except LayoutEngineMissing:
+        pytest.skip("no layout engine")
+
+
+def _packed_page(snippet: str) -> str:
+    packed = re.search(r'<script type="application/octet-stream" id="tl-viewer-\d+">([^<]+)</script>', snippet)
+    return gzip.decompress(base64.b64decode(packed.group(1))).decode("utf-8")
+
+
+def test_a_12_layer_bert_displays_in_under_300_kb_with_the_viewer_on_demand():
+    _engine_or_skip()
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=12, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100)
+    log = tl.trace(transformers.BertModel(config).eval(), torch.randint(0, 100, (1, 8)))
+    snippet = log._repr_html_()
+    assert len(snippet.encode("utf-8")) < 300_000
+    full = log.render(None, format="html")
+    assert len(full) > 1_000_000  # what embedding the viewer itself would have cost
+    assert _packed_page(snippet) == full  # the button opens exactly the viewer .show() would
+    assert "Open the interactive viewer" in snippet and "<iframe" not in snippet
+    assert "encoder.layer.11:1" in snippet  # the module table, two levels deep
+    assert "embeddings:1" in snippet and "Trace of BertModel" in snippet
+    assert f"{len(log) - 16} more ops" in snippet  # the compact op table
+
+
+def test_the_op_table_lists_a_small_trace_whole():
+    _engine_or_skip()
+    log = tl.trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(1, 4))
+    snippet = log._repr_html_()
+    assert all(op.label in snippet for op in log.ops) and "more ops" not in snippet
+
+
+def test_a_viewer_over_budget_points_at_show(monkeypatch):
+    _engine_or_skip()
+    from torchlens.viz import notebook
+
+    monkeypatch.setattr(notebook, "BUDGET_BYTES", 100)
+    snippet = tl.trace(LoopRNN(), torch.randn(2, 8))._repr_html_()
+    assert "too large to keep in a notebook cell: call .show()" in snippet and "tlOpenViewer" not in snippet
+
+
+def test_show_without_a_display_says_where_it_wrote(monkeypatch, capsys):
+    _engine_or_skip()
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.setattr("webbrowser.open", lambda url: pytest.fail("no browser should be tried"))
+    path = tl.trace(LoopRNN(), torch.randn(2, 8)).show()
+    try:
+        assert f"the viewer is at {path}" in capsys.readouterr().err and path.exists()
+    finally:
+        path.unlink()

@@ -1,0 +1,88 @@
+"""What ``print(log)`` and the hot path say: counts that agree, words that fit, paths a reader can use."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.record.summary import short_path
+from zoo import LoopRNN, SharedModule
+
+
+def test_print_and_hot_path_count_torch_calls_alike():
+    log = tl.trace(nn.LSTM(4, 4), torch.randn(2, 1, 4))  # lstm returns three tensors from one call
+    calls = len({op.func_name + str(op.start_ns) for op in log.ops if op.kind == "op"})
+    tensors = sum(1 for op in log.ops if op.kind == "op")
+    assert tensors > calls
+    assert f"{tensors} tensors from {calls} torch calls" in str(log)
+    for by in ("duration", "memory", "flops"):
+        assert f": {calls} torch calls," in str(tl.debug.hot_path(log, by=by))
+
+    class Unknown(nn.Module):  # an op no FLOPs formula covers is excluded, and the count says of how many
+        def forward(self, x):
+            return torch.linalg.det(x).relu()
+
+    unknown = tl.trace(Unknown(), torch.randn(3, 3))
+    ranked = tl.debug.hot_path(unknown, by="flops")
+    assert ranked.excluded and "1 of 2 torch calls" in str(ranked) and "(2 torch calls" in str(unknown)
+
+
+def test_the_roster_says_how_to_see_what_it_cut():
+    text = str(tl.trace(LoopRNN(), torch.randn(2, 8)))
+    assert "more ops (every op: log.ops, or log.to_pandas())" in text
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class ReusedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        x = self.block(x)
+        return self.block(x)  # the same module again, from another line: reuse, not a loop
+
+
+def test_a_module_reused_from_several_lines_is_reused_not_recurrent():
+    for model in (SharedModule(), ReusedBlock()):
+        text = str(tl.trace(model, torch.randn(2, 8)))
+        assert "reused modules" in text and "recurrent" not in text
+    assert "recurrent (up to 16 passes" in str(tl.trace(LoopRNN(), torch.randn(2, 8)))
+
+
+def test_source_paths_are_relative_to_the_working_directory_or_the_import_root():
+    functional = torch.nn.functional.__file__
+    assert short_path(functional) == os.path.join("torch", "nn", "functional.py")
+    assert short_path(os.path.abspath(__file__)) == os.path.relpath(__file__)
+
+
+def test_a_while_loop_body_groups_every_op_it_runs():
+    def halve_until_small(x):
+        while x.mean() > 0:
+            x = x - 0.1
+        return x
+
+    log = tl.trace(halve_until_small, torch.ones(3))
+    passes = {layer.first.func_name: layer.num_passes for layer in log.layers if layer.num_passes > 1}
+    assert passes == {"mean": 10, "gt": 10, "sub": 10}
+
+
+def test_a_single_op_chain_stays_separate_layers():
+    def add_three_times(x):
+        for _ in range(3):
+            x = x + 1
+        return x
+
+    log = tl.trace(add_three_times, torch.ones(3))
+    assert [layer.num_passes for layer in log.layers if layer.first.kind == "op"] == [1, 1, 1]

@@ -1,0 +1,56 @@
+"""Progress bars: shown for long work when asked or interactive, never into a pipe by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchlens as tl
+from torchlens import progress
+from zoo import MLP
+
+
+@pytest.fixture
+def no_delay(monkeypatch):
+    monkeypatch.setattr(progress, "DELAY_S", 0)  # what a long run shows, without waiting a second
+
+
+def test_trace_validate_and_render_show_bars_when_asked(no_delay, capsys):
+    model, x = MLP(), torch.randn(2, 16)
+    log = tl.trace(model, x, progress=True)
+    err = capsys.readouterr().err
+    assert "tracing MLP" in err and "module calls" in err and "finalizing MLP" in err
+    assert tl.validate(model, x, progress=True).passed
+    assert "validating MLP" in capsys.readouterr().err
+    log.render(None, format="dot", progress=True)
+    assert "rendering MLP" in capsys.readouterr().err
+
+
+def test_no_bar_into_a_pipe_by_default_or_when_turned_off(no_delay, capsys):
+    model, x = MLP(), torch.randn(2, 16)
+    tl.trace(model, x)  # pytest's captured stderr is not a terminal
+    tl.trace(model, x, progress=False)
+    tl.validate(model, x)
+    tl.trace(model, x).render(None, format="dot")
+    assert capsys.readouterr().err == ""
+
+
+def test_a_bar_is_shown_on_a_terminal(no_delay, monkeypatch, capsys):
+    monkeypatch.setattr(progress, "_interactive", lambda: True)
+    tl.trace(MLP(), torch.randn(2, 16))
+    assert "tracing MLP" in capsys.readouterr().err
+
+
+def test_default_traces_in_a_pipe_never_make_a_bar(monkeypatch):
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda *a, **k: pytest.fail("a bar was made for a pipe"))
+    model, x = MLP(), torch.randn(2, 16)
+    tl.validate(model, x)
+    tl.trace(model, x).render(None, format="dot")
+    assert progress.bar(None, "x") is progress.QUIET
+
+
+def test_progress_must_be_a_bool_or_none():
+    with pytest.raises(TypeError, match="progress must be True, False or None"):
+        tl.trace(MLP(), torch.randn(2, 16), progress="yes")

@@ -1,0 +1,108 @@
+"""``log.summary()``: the module tree table, with counts that are right where other summaries are not."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import torchlens as tl
+from torchlens.record.op import Op
+
+from zoo import MLP, SharedModule
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _tied_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval(), torch.randint(0, 100, (1, 5))
+
+
+def test_tied_embedding_counts_once_and_flops_are_flops():
+    model, ids = _tied_gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight  # the tie the count must not double
+    log = tl.trace(model, ids)
+    table = log.summary()
+    root = table[0]
+    assert root["params"] == sum(p.numel() for p in model.parameters())
+    assert root["params"] < sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    assert table["lm_head:1"]["params"] == model.lm_head.weight.numel()
+    assert root["flops"] == int(log.flops)
+    assert table["lm_head:1"]["flops"] == 2 * 5 * 32 * 100  # a (5x32)@(32x100) matmul: 2 FLOPs per multiply-add
+    assert table["transformer.h.0:1"]["input_shapes"] == [(1, 5, 32)]
+    assert table["lm_head:1"]["output_shapes"] == [(1, 5, 100)]
+    text = str(table)
+    assert "FLOPs" in text and "MB" not in text and "lm_head:1" in text
+    assert f"{root['params']:,}" in text
+
+
+def test_rows_follow_module_calls_and_depth_limits_them():
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    full = log.summary()
+    assert [r["call"] for r in full.rows[1:]] == [c.label for c in log.module_calls]
+    assert [r["call"] for r in log.summary(depth=1).rows] == ["MLP", "layers.0:1", "layers.1:1", "layers.2:1",
+                                                              "head:1"]
+    assert len(log.summary(depth=0)) == 1
+    with pytest.raises(ValueError, match="depth"):
+        log.summary(depth=-1)
+    layer = full["layers.0:1"]
+    assert layer["class_name"] == "Linear" and layer["params"] == 16 * 16 + 16
+    assert layer["activation_bytes"] == 2 * 16 * 4
+    assert layer["ops"] == 1 and layer["duration"] > 0
+    frame = full.to_pandas()
+    assert list(frame["call"]) == [r["call"] for r in full.rows]
+    assert "saved_for_backward_bytes" not in frame.columns
+
+
+def test_a_module_called_twice_has_a_row_per_call():
+    log = tl.trace(SharedModule(), torch.randn(2, 8))
+    calls = [r["call"] for r in log.summary().rows]
+    shared = [c.label for c in log.module_calls if c.module.num_calls > 1]
+    assert shared and set(shared) <= set(calls)
+
+
+def test_summary_survives_cleanup():
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    before = log.summary().rows
+    log.cleanup()
+    after = log.summary().rows
+    assert [(r["call"], r["params"], r["flops"]) for r in after] == [(r["call"], r["params"], r["flops"])
+                                                                      for r in before]
+
+
+def test_saved_for_backward_column_appears_when_ops_carry_it(monkeypatch):
+    monkeypatch.setattr(Op, "saved_for_backward_bytes", property(lambda op: 8 if op.kind == "op" else None),
+                        raising=False)
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    table = log.summary()
+    assert "saved_for_backward_bytes" in table.columns
+    assert table["head:1"]["saved_for_backward_bytes"] == 8
+    assert table[0]["saved_for_backward_bytes"] == 8 * sum(1 for op in log.ops if op.kind == "op")
+    assert "Saved for bwd" in str(table)
+
+
+def test_a_loaded_trace_counts_the_parameters_its_ops_used(tmp_path):
+    model, ids = _tied_gpt2()
+    live = tl.trace(model, ids).summary()
+    loaded = tl.load(tl.trace(model, ids).save(tmp_path / "t")).summary()
+    assert [r["call"] for r in loaded.rows] == [r["call"] for r in live.rows]
+    assert loaded[0]["params"] == live[0]["params"]  # the tied weight still once
+    assert loaded["lm_head:1"]["params"] == live["lm_head:1"]["params"]
+    assert loaded["transformer.h.0:1"]["params"] == live["transformer.h.0:1"]["params"]
+    assert [r["flops"] for r in loaded.rows] == [r["flops"] for r in live.rows]
+    assert "counts the parameters its ops used" in str(loaded)
+
+
+def test_a_trace_saved_after_cleanup_says_its_parameters_are_unknown(tmp_path):
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    flops = log.summary()[0]["flops"]
+    log.cleanup()
+    table = tl.load(log.save(tmp_path / "c")).summary()
+    assert table[0]["params"] is None and table["head:1"]["params"] is None  # unknown, never 0
+    assert table[0]["flops"] == flops
+    assert "Parameters: unknown" in str(table)
