@@ -49,8 +49,9 @@ def _recurrence(trace) -> str:
 
 
 def short_path(file: str) -> str:
-    """A source path as a reader wants it: relative to the working directory, else to the import root
-    it was found under (``transformers/models/gpt2/modeling_gpt2.py``), else as recorded."""
+    """A source path as a reader wants it: relative to the working directory (unless it lies in an
+    installed package there, e.g. a virtualenv inside the project), else to the import root it was found
+    under (``transformers/models/gpt2/modeling_gpt2.py``), else as recorded."""
     import os
     import sys
 
@@ -58,10 +59,12 @@ def short_path(file: str) -> str:
         return file
     cwd = os.getcwd()
     if file.startswith(cwd + os.sep):
-        return os.path.relpath(file, cwd)
-    roots = sorted((p for p in sys.path if p and os.path.isabs(p)), key=len, reverse=True)
+        relative = os.path.relpath(file, cwd)
+        if not {"site-packages", "dist-packages"} & set(relative.split(os.sep)):
+            return relative
+    roots = sorted((p.rstrip(os.sep) for p in sys.path if p and os.path.isabs(p)), key=len, reverse=True)
     for root in roots:
-        if file.startswith(root.rstrip(os.sep) + os.sep):
+        if file.startswith(root + os.sep):
             return os.path.relpath(file, root)
     return file
 
