@@ -7,8 +7,9 @@ to the native PyTorch tools that own each measurement.
 """
 
 from .capture.session import trace
-from .record import (ActivationUnavailable, Buffer, Layer, Module, ModuleCall, NestedTraceError, Op, Param,
-                     TorchlensError, Trace, TraceCleanedUp)
+from .intervene import clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
+from .record import (ActivationUnavailable, Buffer, InterventionError, Layer, Module, ModuleCall, NestedTraceError,
+                     Op, Param, TorchlensError, Trace, TraceCleanedUp)
 from .validate import validate
 
 __version__ = "0.1.0"
@@ -33,4 +34,5 @@ def __getattr__(name):
 
 __all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
            "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "debug", "report", "viz", "io",
-           "load", "extract", "load_extracted"]
+           "load", "extract", "load_extracted", "InterventionError", "zero_ablate", "mean_ablate", "patch_from",
+           "steer", "scale", "clamp", "noise"]

@@ -6,6 +6,7 @@ uninstalled in ``finally`` blocks (context managers), whether the model returns 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
@@ -18,6 +19,7 @@ from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
 from ..record.trace import Trace
+from ..intervene.runtime import StopForward, finish_interventions
 from .fastpath import FastPathShim
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
@@ -30,7 +32,7 @@ _local = threading.local()
 
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
-          _markers=None) -> Trace:
+          intervene=None, reference=None, stop_after=None, _markers=None) -> Trace:
     """One trace, with the collector already paused by ``trace``."""
     model = _unwrap(model)
     if not callable(model):
@@ -59,17 +61,22 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
+    runtime = _interventions(model, args, kwargs, intervene, stop_after, reference, deep, index, policy)
+    state.intervention = runtime
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
     mode = CaptureMode(state, frames, deep=deep)
     _local.active = True
+    intervened = runtime.module_hooks(state, model) if runtime is not None else contextlib.nullcontext()
     try:
-        with FastPathShim(mode), ModuleCallTracker(state, model, frames), mode:
+        with FastPathShim(mode), ModuleCallTracker(state, model, frames), intervened, mode:
             output = _run_forward(model, args, kwargs)
     except BaseException as exc:
-        _annotate(exc, state, model)
-        raise
+        if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
+            _annotate(exc, state, model)
+            raise
+        output = None  # stop_after= reached: the trace holds everything up to that site
     finally:
         _local.active = False
     forward_done = perf_counter_ns()
@@ -85,6 +92,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     timings = {"forward": (forward_done - started) / 1e9}
     result = finalize(state, model, output, model_name, timings, index)
     result._autocast = autocast
+    if runtime is not None:
+        finish_interventions(runtime, result)
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])
@@ -98,6 +107,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
+          intervene: dict | None = None, reference: Trace | None = None, stop_after=None,
           _markers=None) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
@@ -116,15 +126,35 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
         deep: also record the torch calls made inside torch functions written in Python
             (``F.normalize``, ``F.interpolate``, ``F.multi_head_attention_forward``), which are
             otherwise one op each.
+        intervene: ``{site: action}``: change what each site produces and trace the run that follows
+            (see docs/interventions.md).  A site is an op label, a layer label (every pass), a module
+            call (``enc.layers.3:1``), a module address (every call) or a predicate over ops; an action
+            is ``f(tensor, op) -> tensor | None``, a tensor, or a helper such as ``tl.zero_ablate()``.
+        reference: the trace label sites are resolved against (by default a metadata-only trace of the
+            same inputs, made first).
+        stop_after: a site; the forward stops once it is produced, and the trace holds everything up to
+            it (``output`` is None and ``stopped_after`` names the site).
     """
     collecting = gc.isenabled()
     gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
     try:
         return _trace(model, args, kwargs, save=save, save_device=save_device, record_finite=record_finite,
-                      max_saved_bytes=max_saved_bytes, name=name, deep=deep, _markers=_markers)
+                      max_saved_bytes=max_saved_bytes, name=name, deep=deep, intervene=intervene,
+                      reference=reference, stop_after=stop_after, _markers=_markers)
     finally:
         if collecting:
             gc.enable()
+
+
+def _interventions(model, args, kwargs, intervene, stop_after, reference, deep, index, policy):
+    """The runtime applying ``intervene=`` / ``stop_after=``, or None (the hot path then costs one check)."""
+    if not intervene and stop_after is None:
+        return None
+    from ..intervene import prepare
+
+    return prepare(model, args, kwargs, intervene=intervene, stop_after=stop_after, reference=reference, deep=deep,
+                   index=index, keep_originals=policy.mode != 0,
+                   run_reference=lambda: _trace(model, args, kwargs, save="none", deep=deep))
 
 
 def _run_forward(model, args, kwargs):

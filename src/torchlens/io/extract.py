@@ -30,7 +30,7 @@ PROGRESS = "progress.json"
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
-            progress: bool = True) -> str:
+            progress: bool = True, stop_after=None) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -45,6 +45,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
         kwargs: keyword arguments passed to every forward.
         shard_bytes: buffer size before a shard is written: the bound on extra memory used.
         progress: show a progress bar on stderr (needs tqdm).
+        stop_after: stop each forward once this site (a module address or call, or an op label) is produced,
+            as ``tl.trace(stop_after=...)``: the cheap way to extract early layers.
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
@@ -66,7 +68,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
                     run.check_boundary(_fingerprint(args), position)
                 continue
             with torch.no_grad():
-                run.add(_extract_batch(model, args, kwargs, layers, run, position), _batch_rows(args), position)
+                run.add(_extract_batch(model, args, kwargs, layers, run, position, stop_after), _batch_rows(args),
+                        position)
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(_fingerprint(args))
             bar.update(1)
@@ -136,10 +139,10 @@ def _save_targets(model, layers) -> list:
     return targets
 
 
-def _extract_batch(model, args, kwargs, layers, run, position) -> list:
+def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None) -> list:
     from ..capture.session import trace
 
-    log = trace(model, args, kwargs, save=_save_targets(model, layers))
+    log = trace(model, args, kwargs, save=_save_targets(model, layers), stop_after=stop_after)
     try:
         acts = []
         for i, name in enumerate(layers):

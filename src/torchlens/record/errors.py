@@ -15,3 +15,8 @@ class TraceCleanedUp(TorchlensError):
 
 class NestedTraceError(TorchlensError):
     """``tl.trace`` was called from inside a traced forward."""
+
+
+class InterventionError(TorchlensError):
+    """An intervention could not be applied faithfully (its site was not reached, the forward took
+    another path than the reference trace, or an action returned an unusable value)."""

@@ -1,0 +1,372 @@
+"""Applying interventions while the forward runs, and recording what was applied.
+
+Label sites are applied by ``Interventions.at_call``, which the capture handler calls once per
+tensor-producing call when a trace has interventions (one attribute check otherwise).  It runs after
+the call's outputs were recorded and fixes the record up: the op's record, saved activation and
+producer binding then describe the value downstream ops see, and the value the op made is kept as
+``op.original``.  Module sites are applied by a global forward hook that replaces the call's output
+the same way.  Action code runs with torch function handling off, so it never adds ops to the trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from weakref import ref as weakref
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from ..capture.state import storage_key
+from ..labels.naming import func_name_of
+from ..record.errors import InterventionError
+from ..tree import tensor_leaves
+from .sites import ModuleCallInfo
+
+# Raw call tuple fields read here (capture/state.py documents the layout).
+CALL_PARENTS, CALL_MODULE, CALL_WROTE = 3, 5, 12
+RECORD_CALL = 0
+
+
+class StopForward(BaseException):
+    """Raised at the ``stop_after`` site.  A BaseException, so the model's own ``except Exception``
+    blocks let it through, as they do KeyboardInterrupt."""
+
+
+class Applied:
+    """One intervention as applied to one op: the site as given, the action and the op's label."""
+
+    __slots__ = ("site", "action", "label")
+
+    def __init__(self, site, action, label=None):
+        self.site, self.action, self.label = site, action, label
+
+    def __repr__(self) -> str:
+        site = self.site if isinstance(self.site, str) else "<predicate>"
+        return f"<Intervention {self.action!r} at {site} -> {self.label}>"
+
+
+class Interventions:
+    """The runtime state of one intervened trace."""
+
+    def __init__(self, label_sites: list, module_sites: list, index, keep_originals: bool):
+        self.by_call: dict = {}
+        self.stop_call = self.stop_key = self.stop_site = None
+        for site in label_sites:
+            if site.stop:
+                self.stop_call, self.stop_key, self.stop_site = site.call, site.op.label, site
+            if site.action is not None:
+                self.by_call.setdefault(site.call, []).append(site)
+        self.label_sites = [s for s in label_sites if s.action is not None]
+        self.module_sites = module_sites
+        self.by_module: dict = {}
+        for site in module_sites:
+            self.by_module.setdefault(id(site.module), []).append(site)
+        self.addresses = index.module_addresses
+        self.keep_originals = keep_originals
+        self.applied: dict = {}  # record index -> Applied
+        self.originals: dict = {}  # record index -> the value before the action
+        self.hit: set = set()  # ids of sites applied at least once
+        self.stopped_at = None  # the site key the forward stopped after
+        self.state = None
+
+    # ----- label sites: called by the capture handler ------------------------------------------
+    def at_call(self, st, call_index: int, first_op: int, out, leaves, func, args, kwargs):
+        """Apply the actions positioned at this call; return what the call returns to the model."""
+        sites = self.by_call.get(call_index)
+        if sites is not None:
+            self._check_path(st, sites, func)
+            values = [t for _, t in leaves]
+            slots = [slot for slot, _ in leaves]
+            changed = False
+            for site in sites:
+                k = slots.index(site.slot) if site.slot in slots else -1
+                if k < 0:
+                    raise InterventionError(f"intervention site {site.key!r}: the op at this position returned no "
+                                            f"output {site.slot!r}; the forward took another path than the reference")
+                new = self._run_action(site.action, values[k], site.op, site.key)
+                self.hit.add(id(site))
+                if new is not None:
+                    values[k] = self._replace(st, call_index, first_op + k, leaves[k][1], new, args, kwargs,
+                                              site)
+                    changed = True
+                else:
+                    self._note(st, first_op + k, site.key, site.action, None)
+            if changed:
+                out = _rebuild_output(out, slots, values)
+        if call_index == self.stop_call:
+            self.stopped_at = self.stop_key
+            raise StopForward
+        return out
+
+    def _check_path(self, st, sites, func) -> None:
+        name = func_name_of(func)
+        chain = tuple((k, self._address(st.module_calls[k][0])) for k in st.module_stack)
+        for site in sites:
+            if name != site.func_name or chain != site.chain:
+                where = " > ".join(f"{a}" for _, a in chain) or "the root forward"
+                expected = " > ".join(f"{a}" for _, a in site.chain) or "the root forward"
+                raise InterventionError(
+                    f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
+                    f"reference trace: at that position it called {name!r} in {where}, where the reference "
+                    f"called {site.func_name!r} in {expected}. Pass reference= a trace of inputs that take the "
+                    "same path, or use a module site")
+
+    def _address(self, module) -> str:
+        names = self.addresses.get(id(module))
+        return names[0] if names else type(module).__name__
+
+    def _run_action(self, action, value, op, key):
+        with torch._C.DisableTorchFunction():  # the action's own torch calls are not ops of the model
+            new = action(value, op)
+        if new is None:
+            return None
+        if not isinstance(new, torch.Tensor):
+            raise InterventionError(f"intervention at {key!r} returned {type(new).__name__}; an action returns a "
+                                    "tensor (the new value) or None (keep the value)")
+        if new.shape != value.shape or new.dtype != value.dtype:
+            raise InterventionError(f"intervention at {key!r} returned a {tuple(new.shape)} {new.dtype} tensor for a "
+                                    f"{tuple(value.shape)} {value.dtype} value; an action must keep shape and dtype")
+        return new
+
+    # ----- record fix-ups ------------------------------------------------------------------------
+    def _replace(self, st, call_index, record, old, new, args, kwargs, site):
+        """Make ``record`` describe ``new``; return the tensor the model gets."""
+        receiver = st.calls[call_index][CALL_WROTE] and (
+            (args and args[0] is old) or (kwargs and kwargs.get("out") is old))
+        if receiver:  # an in-place op: its receiver is what the model holds, so write the value into it
+            st.protect_saved(old)  # copy-on-write: the saved value of this op becomes the original
+            original = st.saved.get(record)
+            with torch._C.DisableTorchFunction():
+                old.copy_(new)
+            new = old
+            key = storage_key(old)
+            if key in st.writers:
+                st.writers[key] = (record, old._version)
+        else:
+            original = st.saved.get(record)
+            if original is not None and (original._base is not None or _is_argument(old, args, kwargs)):
+                original = original.clone()  # a view, or an input the model still holds: may change later
+            self._unbind(st, call_index, old, args, kwargs)
+        self._rebind(st, record, new)
+        self._note(st, record, site.key, site.action, original)
+        return new
+
+    def _unbind(self, st, call_index, old, args, kwargs) -> None:
+        """``old`` is no longer what downstream reads: drop its binding, or give an argument (``x.contiguous()``
+        returning ``x``) back to the op that made it."""
+        if _is_argument(old, args, kwargs):
+            for pos, parent in st.calls[call_index][CALL_PARENTS]:
+                if pos == 0 and parent >= 0:
+                    st.producers[id(old)] = (weakref(old), parent, old._version)
+                    return
+        st.producers.pop(id(old), None)
+
+    def _rebind(self, st, record, new) -> None:
+        rec = st.records[record]
+        requires_grad = new.requires_grad
+        st.records[record] = rec[:2] + (new.shape, new.dtype, new.device, requires_grad,
+                                        type(new.grad_fn) if requires_grad else None)
+        st.producers[id(new)] = (weakref(new), record, new._version)
+        if record in st.saved:
+            saved = st.saved.pop(record)
+            st.saved_versions.pop(record, None)
+            same_storage = st.saved_by_storage.get(storage_key(saved))
+            if same_storage and record in same_storage:
+                same_storage.remove(record)
+            st.save(record, new, requires_grad)
+        if st.finite_flags is not None:
+            st.record_finite(record, new)
+
+    def _note(self, st, record, key, action, original) -> None:
+        self.applied[record] = Applied(key, action)
+        if original is not None and self.keep_originals:
+            self.originals[record] = original
+
+    # ----- module sites: global forward hooks ----------------------------------------------------
+    def module_hooks(self, st, root):
+        return _ModuleHooks(self, st, root)
+
+    def at_module_output(self, st, module, call_index: int, call_number: int, output):
+        sites = [s for s in self.by_module[id(module)] if s.call_number is None or s.call_number == call_number]
+        if not sites:
+            return None
+        leaves = tensor_leaves(output)
+        replaced: dict = {}  # id(original tensor) -> new tensor
+        for site in sites:
+            self.hit.add(id(site))
+            if site.action is None:
+                continue
+            for k, (path, t) in enumerate(leaves):
+                if id(t) in replaced:
+                    continue
+                record = self._made_here(st, t, call_index, site, call_number)
+                info = ModuleCallInfo(site.address, call_number, module, k, path)
+                current = replaced.get(id(t), t)
+                new = self._run_action(site.action, current, info, site.key)
+                if new is None:
+                    self._note(st, record, site.key, site.action, None)
+                    continue
+                original = st.saved.get(record)
+                if original is not None and original._base is not None:
+                    original = original.clone()
+                st.producers.pop(id(t), None)
+                self._rebind(st, record, new)
+                self._note(st, record, site.key, site.action, original)
+                replaced[id(t)] = new
+        if not replaced:
+            return None
+        new_output = output
+        for path, t in leaves:
+            if id(t) in replaced:
+                new_output = _replace_at(new_output, path, replaced[id(t)], sites[0].key)
+        return new_output
+
+    def _made_here(self, st, t, call_index, site, call_number) -> int:
+        """The record of an output tensor made inside this module call and read nowhere inside it."""
+        label = f"{site.address}:{call_number}"
+        entry = st.producers.get(id(t))
+        record = entry[1] if entry is not None and entry[0]() is t else -1
+        made_in = -1
+        if record >= 0 and st.records[record][RECORD_CALL] >= 0:
+            made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
+        while made_in >= 0 and made_in != call_index:
+            made_in = st.module_calls[made_in][1]
+        if made_in != call_index:
+            raise InterventionError(
+                f"module site {site.key!r}: {label} returns a tensor it did not compute (one of its inputs, "
+                "passed through unchanged), so changing it would also change that value for its other readers; "
+                "intervene at the op label of the tensor instead")
+        producing_call = st.records[record][RECORD_CALL]
+        for later in st.calls[producing_call + 1:]:
+            if any(parent == record for _, parent in later[CALL_PARENTS]):
+                raise InterventionError(
+                    f"module site {site.key!r}: {label} read its output tensor inside the call before returning "
+                    "it, so the trace could not say which value those reads saw; intervene at the op label of "
+                    "the tensor instead")
+        return record
+
+    # ----- after the forward ---------------------------------------------------------------------
+    def unmet(self) -> list:
+        """Sites that never applied (the forward never reached them)."""
+        sites = [s for s in self.label_sites if id(s) not in self.hit]
+        sites += [s for s in self.module_sites if id(s) not in self.hit]
+        if self.stop_site is not None and self.stopped_at is None:
+            sites.append(self.stop_site)
+        return sites
+
+    def attach(self, trace) -> None:
+        labels = trace._labels
+        for record, applied in self.applied.items():
+            applied.label = labels[record]
+        trace._interventions = dict(self.applied)
+        trace._originals = dict(self.originals)
+        trace.interventions = [self.applied[r] for r in sorted(self.applied)]
+
+
+def _is_argument(t, args, kwargs) -> bool:
+    return any(a is t for a in args) or bool(kwargs) and any(v is t for v in kwargs.values())
+
+
+def _rebuild_output(out, slots, values):
+    if isinstance(out, torch.Tensor):
+        return values[0]
+    if out is None:  # __setitem__: the receiver was written in place
+        return out
+    for slot, value in zip(slots, values):
+        out = _replace_at(out, slot if isinstance(slot, tuple) else (slot,), value, None)
+    return out
+
+
+def _replace_at(obj, path: tuple, value, key):
+    """``obj`` with the item at ``path`` replaced: containers are copied along the path, never mutated."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(obj, (tuple, list)):
+        items = list(obj)
+        items[head] = _replace_at(items[head], rest, value, key)
+        if isinstance(obj, list):
+            return items
+        if hasattr(type(obj), "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return tuple(items) if type(obj) is tuple else type(obj)(items)  # torch.return_types structseqs
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{head: _replace_at(getattr(obj, head), rest, value, key)})
+    if isinstance(obj, Mapping):
+        copy = dict(obj) if type(obj) is dict else type(obj)(obj)
+        copy[head] = _replace_at(obj[head], rest, value, key)
+        return copy
+    raise InterventionError(f"intervention at {key!r}: cannot rebuild a {type(obj).__name__} output with a changed "
+                            "tensor; intervene at the op label of that tensor instead")
+
+
+class _ModuleHooks:
+    """Global hooks for module sites, entered after ``ModuleCallTracker`` so that they run after its hooks
+    (the call is on ``state.module_stack`` in the pre hook and its outputs recorded in the post hook)."""
+
+    def __init__(self, runtime: Interventions, st, root):
+        self.runtime, self.st, self.root = runtime, st, root
+        self._handles = []
+
+    def __enter__(self):
+        runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
+        by_module = runtime.by_module
+        counts: dict = {}
+        open_calls: list = []  # (module call index, call number) of site modules now running
+
+        def pre_hook(module, args):
+            if id(module) in by_module and module is not root and threading.get_ident() == owner:
+                counts[id(module)] = number = counts.get(id(module), 0) + 1
+                open_calls.append((module, st.module_stack[-1], number))
+
+        def post_hook(module, args, output):
+            if id(module) not in by_module or module is root or threading.get_ident() != owner:
+                return None
+            if not open_calls or open_calls[-1][0] is not module:
+                return None
+            _, call_index, number = open_calls.pop()
+            if output is None and not isinstance(output, torch.Tensor):
+                return None  # unwinding from an exception, or a module returning nothing
+            with torch._C.DisableTorchFunction():
+                new = runtime.at_module_output(st, module, call_index, number, output)
+            stop = next((s for s in by_module[id(module)] if s.stop and s.call_number in (None, number)), None)
+            if stop is not None:
+                runtime.stopped_at = f"{stop.address}:{number}"
+                raise StopForward
+            return new
+
+        try:
+            self._handles.append(register_module_forward_pre_hook(pre_hook))
+            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        interrupted = None
+        while self._handles:
+            try:
+                self._handles[-1].remove()
+                self._handles.pop()
+            except BaseException as e:  # noqa: BLE001
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+        return False
+
+
+def finish_interventions(runtime: Interventions, trace) -> None:
+    """Attach what was applied to the finished trace; a site the forward never reached is an error."""
+    runtime.attach(trace)
+    if runtime.stopped_at is not None:
+        trace.stopped_after = runtime.stopped_at
+        return
+    unmet = runtime.unmet()
+    if unmet:
+        names = ", ".join(dict.fromkeys(repr(s.key) if isinstance(s.key, str) else "<predicate>" for s in unmet))
+        raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or module "
+                                "call (a module call number past its last call, or control flow that skipped it); "
+                                "nothing was changed there")

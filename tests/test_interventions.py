@@ -1,0 +1,377 @@
+"""Interventions (``tl.trace(intervene=..., stop_after=...)``) on real models, against plain traces and
+hand-written forward hooks doing the same edit."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from torchlens.tree import structures_equal  # noqa: E402
+from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: E402
+from zoo import InplaceViews, LoopRNN, SharedModule, zoo  # noqa: E402
+
+CASES = {k: v for k, v in zoo().items() if k != "transformer_fastpath"}
+
+
+def _same_activations(a, b, skip=()):
+    """Labels whose activations differ between two traces of the same ops."""
+    assert a._labels == b._labels
+    differ = []
+    for op_a, op_b in zip(a.ops, b.ops):
+        if op_a.label in skip:
+            continue
+        x, y = op_a.activation, op_b.activation
+        if (x is None) != (y is None) or (x is not None and not structures_equal(x, y)[0]):
+            differ.append(op_a.label)
+    return differ
+
+
+def _seeded(fn, model, seed=0):
+    """``fn()`` from the same RNG seed and model state (train-mode batch norm updates its buffers)."""
+    if not hasattr(model, "_pristine"):
+        model._pristine = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(model._pristine)
+    torch.manual_seed(seed)
+    result = fn()
+    return result, torch.get_rng_state()
+
+
+def _keep(t, op):
+    return None
+
+
+# ----- identity actions: bit-identical to a plain trace ----------------------------------------------
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("how", ["every op", "every module"])
+def test_identity_action_gives_a_bit_identical_trace(name, how):
+    model, args, kwargs = CASES[name]
+    plain, rng_plain = _seeded(lambda: tl.trace(model, args, kwargs), model)
+    if how == "every op":
+        sites = {(lambda op: True): _keep}
+    else:
+        sites = {mc.module.address: _keep for mc in plain.module_calls}
+        if not sites:
+            pytest.skip("no submodules")
+    touched, rng_touched = _seeded(lambda: tl.trace(model, args, kwargs, intervene=sites), model)
+    assert torch.equal(rng_plain, rng_touched), "the intervened trace consumed different random numbers"
+    assert structures_equal(plain.output, touched.output)[0]
+    assert not _same_activations(plain, touched)
+    assert touched.interventions, "the identity action was never applied"
+
+
+def test_identity_returning_a_copy_keeps_values_and_records_the_original():
+    model, args, _ = CASES["mlp"]
+    plain = tl.trace(model, args)
+    touched = tl.trace(model, args, intervene={"layers.1": lambda t, op: t.clone()})
+    assert structures_equal(plain.output, touched.output)[0]
+    assert not _same_activations(plain, touched)
+    op = touched["layers.1"]
+    assert op.intervention is not None and op.intervention.site == "layers.1"
+    assert torch.equal(op.original, op.activation)
+
+
+# ----- an action at site k changes only what k reaches ------------------------------------------------
+def _descendants(trace, label):
+    children = trace._children()
+    todo, seen = [trace[label].index], set()
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo.extend(children[i])
+    return {trace._labels[i] for i in seen}
+
+
+@pytest.mark.parametrize("name,site", [("mlp", "relu_1_2:1"), ("loop_rnn", "tanh_1_4:5"), ("branchy", "linear_1_3:1"),
+                                       ("recurrent", "lstm_1_3:1"), ("small_cnn", "features.1")])
+def test_an_action_changes_only_ops_reachable_from_its_site(name, site):
+    model, args, kwargs = CASES[name]
+    plain = tl.trace(model, args, kwargs)
+    label = plain[site].label
+    touched = tl.trace(model, args, kwargs, intervene={site: tl.scale(3.0)})
+    reachable = _descendants(plain, label)
+    differ = set(_same_activations(plain, touched))
+    assert label in differ
+    assert differ <= reachable, f"ops not reachable from {label} changed: {sorted(differ - reachable)}"
+    assert torch.equal(touched[label].original, plain[label].activation)
+    assert torch.equal(touched[label].activation, plain[label].activation * 3.0)
+
+
+# ----- the same edit as a hand-written forward hook ---------------------------------------------------
+def _with_hook(module, model, args, edit):
+    handle = module.register_forward_hook(edit)
+    try:
+        with torch.no_grad():
+            return model(*args)
+    finally:
+        handle.remove()
+
+
+def test_module_call_site_hits_only_that_call_of_a_reused_module():
+    model, x = SharedModule().eval(), torch.randn(2, 8)
+    calls = []
+
+    def second_call_times_two(module, inputs, output):
+        calls.append(1)
+        return output * 2 if len(calls) == 2 else None
+
+    expected = _with_hook(model.fc, model, (x,), second_call_times_two)
+    log = tl.trace(model, x, intervene={"fc:2": tl.scale(2.0)})
+    assert torch.equal(log.output, expected)
+    assert [a.label for a in log.interventions] == [log["fc:2"].label]
+    plain = tl.trace(model, x)
+    assert torch.equal(log["fc:1"].activation, plain["fc:1"].activation)
+
+
+def test_label_sites_in_a_python_loop_hit_one_pass_or_every_pass():
+    model, x = LoopRNN(steps=4).eval(), torch.randn(2, 8)
+    plain = tl.trace(model, x)
+    layer = plain["cell"].module.address if hasattr(plain["cell"], "module") else "cell"
+    cell_layer = plain[f"{layer}:1"].layer_label
+    calls = []
+
+    def third(module, inputs, output):
+        calls.append(1)
+        return output + 1 if len(calls) == 3 else None
+
+    assert torch.equal(tl.trace(model, x, intervene={f"{cell_layer}:3": lambda t, op: t + 1}).output,
+                       _with_hook(model.cell, model, (x,), third))
+    assert torch.equal(tl.trace(model, x, intervene={cell_layer: lambda t, op: t + 1}).output,
+                       _with_hook(model.cell, model, (x,), lambda m, i, o: o + 1))
+    assert torch.equal(tl.trace(model, x, intervene={"cell": lambda t, op: t + 1}).output,
+                       _with_hook(model.cell, model, (x,), lambda m, i, o: o + 1))
+
+
+def test_one_output_of_a_multi_output_op_and_module():
+    model, args, _ = CASES["recurrent"]
+    plain = tl.trace(model, args)
+    lstm_out = plain["lstm:1"]  # the call's last output op; name the first by its own label
+    first = next(op for op in plain.ops if op.type == "lstm" and op.multi_output_index == 0)
+
+    def zero_first(module, inputs, output):
+        y, hidden = output
+        return torch.zeros_like(y), hidden
+
+    expected = _with_hook(model.lstm, model, args, zero_first)
+    log = tl.trace(model, args, intervene={first.label: tl.zero_ablate()})
+    assert torch.equal(log.output, expected)
+    others = [op.label for op in plain.ops if op.type == "lstm" and op.label != first.label]
+    assert all(torch.equal(log[k].activation, plain[k].activation) for k in others)
+    assert lstm_out.label in others
+    # A module site changes every output tensor of the call.
+    zero_all = _with_hook(model.lstm, model, args, lambda m, i, o: (torch.zeros_like(o[0]),
+                                                                      tuple(torch.zeros_like(h) for h in o[1])))
+    assert torch.equal(tl.trace(model, args, intervene={"lstm": tl.zero_ablate()}).output, zero_all)
+
+
+def test_in_place_ops_after_the_site_keep_saved_values_protected():
+    model, x = InplaceViews().eval(), torch.randn(3, 8)
+    expected = _with_hook(model.fc, model, (x,), lambda m, i, o: o * 3)
+    log = tl.trace(model, x, intervene={"fc": tl.scale(3.0)})
+    assert torch.equal(log.output, expected)
+    fc = log["fc"]
+    with torch.no_grad():
+        assert torch.equal(fc.activation, model.fc(x) * 3), "the in-place relu_ after the site wrote the saved value"
+        assert torch.equal(fc.original, model.fc(x))
+    relu = next(op for op in log.ops if op.func_name == "relu_")
+    assert torch.equal(relu.activation, torch.relu(fc.activation))
+
+
+def test_an_in_place_op_as_the_site_writes_its_receiver():
+    model, x = InplaceViews().eval(), torch.randn(3, 8)
+    plain = tl.trace(model, x)
+    relu = next(op for op in plain.ops if op.func_name == "relu_")
+    log = tl.trace(model, x, intervene={relu.label: tl.scale(2.0)})
+
+    with torch.no_grad():  # InplaceViews.forward with the relu_ result doubled
+        y = model.fc(x)
+        y.relu_()
+        y.mul_(2.0)
+        z = y[:, :4]
+        z += 1
+        c = y.clone()
+        c[:, 0] = 5.0
+        expected = c.view(-1).sum() + y.t().contiguous().sum(0).mean()
+    assert torch.equal(log.output, expected)
+    assert torch.equal(log[relu.label].original, plain[relu.label].activation)
+    assert torch.equal(log[relu.label].activation, plain[relu.label].activation * 2)
+    assert torch.equal(log["fc"].activation, plain["fc"].activation), "the op before the site changed"
+
+
+# ----- nothing left behind ----------------------------------------------------------------------------
+def test_model_and_parameters_unchanged_and_nothing_installed():
+    model, args, _ = CASES["batchnorm_train"]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    tl.trace(model, args)  # a plain train-mode trace updates the running stats once
+    once = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    before = snapshot(model, args)
+    log = tl.trace(model, args, intervene={"relu_1_4": tl.scale(2.0), "bn": tl.noise(0.1)})
+    assert_untouched(before, snapshot(model, args))
+    assert_clean_process()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], once[k]) for k in once), "the reference pass updated the running stats too"
+    assert len(log.interventions) == 2
+
+
+class _RaisesAfter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = F.relu(self.fc(x))
+        if getattr(self, "armed", False):
+            raise RuntimeError("boom")
+        return y
+
+
+@pytest.mark.parametrize("site", ["fc", "relu_1_2:1"])
+def test_a_model_raising_inside_an_intervened_forward_leaves_nothing_behind(site):
+    model, x = _RaisesAfter(), torch.randn(2, 4)
+    reference = tl.trace(model, x, save="none")
+    model.armed = True
+    before = snapshot(model, (x,))
+    with pytest.raises(RuntimeError, match="boom"):
+        tl.trace(model, x, intervene={site: tl.zero_ablate()}, reference=reference)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert_clean_process()
+
+
+# ----- composition with save= ---------------------------------------------------------------------------
+def test_interventions_compose_with_save_selections():
+    model, args, _ = CASES["mlp"]
+    full = tl.trace(model, args, intervene={"layers.0": tl.scale(0.5)})
+    picked = tl.trace(model, args, intervene={"layers.0": tl.scale(0.5)}, save=["layers.0", "head"])
+    assert torch.equal(full.output, picked.output)
+    assert torch.equal(picked["layers.0"].activation, full["layers.0"].activation)
+    assert torch.equal(picked["layers.0"].original, full["layers.0"].original)
+    assert picked["layers.1"].activation is None
+    none = tl.trace(model, args, intervene={"layers.0": tl.scale(0.5)}, save="none")
+    assert torch.equal(none.output, full.output)
+    assert none["layers.0"].intervention is not None and none["layers.0"].original is None
+
+
+# ----- sites ----------------------------------------------------------------------------------------------
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.runs = 0
+
+    def forward(self, x):
+        self.runs += 1
+        return self.fc(x).relu()
+
+
+@pytest.mark.parametrize("site", ["fcc", "fc.weight"])
+def test_an_unknown_module_like_site_raises_before_the_model_runs(site):
+    model = _Counting()
+    with pytest.raises(KeyError, match="fc"):
+        tl.trace(model, torch.randn(2, 4), intervene={site: tl.zero_ablate()})
+    assert model.runs == 0
+
+
+def test_an_unknown_label_raises_with_the_closest_labels_before_the_intervened_run():
+    model = _Counting()
+    reference = tl.trace(model, torch.randn(2, 4), save="none")
+    runs = model.runs
+    with pytest.raises(KeyError, match="closest: relu_1_2"):
+        tl.trace(model, torch.randn(2, 4), intervene={"relu_1_3": tl.zero_ablate()}, reference=reference)
+    assert model.runs == runs
+
+
+def test_a_module_call_never_made_is_an_error():
+    model, x = SharedModule().eval(), torch.randn(2, 8)
+    with pytest.raises(tl.InterventionError, match="never reached"):
+        tl.trace(model, x, intervene={"fc:4": tl.zero_ablate()})
+
+
+def test_control_flow_diverging_from_the_reference_names_the_site():
+    model = CASES["branchy"][0]
+    positive = torch.ones(2, 8)
+    reference = tl.trace(model, positive, save="none")
+    site = reference["a"].label
+    with pytest.raises(tl.InterventionError, match=site):
+        tl.trace(model, -positive, intervene={site: tl.zero_ablate()}, reference=reference)
+
+
+def test_a_module_passing_its_input_through_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.ReLU())
+    with pytest.raises(tl.InterventionError, match="did not compute"):
+        tl.trace(model, torch.randn(2, 4), intervene={"1": tl.zero_ablate()})
+
+
+def test_a_predicate_site_selects_ops_by_metadata():
+    model, args, _ = CASES["mlp"]
+    log = tl.trace(model, args, intervene={(lambda op: op.type == "relu"): tl.clamp(max=0.1)})
+    relus = [op for op in log.ops if op.type == "relu"]
+    assert len(log.interventions) == len(relus) == 3
+    assert all(bool(op.activation.max() <= torch.tensor(0.1)) for op in relus)
+
+
+# ----- actions --------------------------------------------------------------------------------------------
+def test_helpers_compute_what_they_say():
+    model, args, _ = CASES["mlp"]
+    plain = tl.trace(model, args)
+    base = plain["layers.1"].activation
+    vector = torch.arange(16.0)
+
+    def at(action):
+        return tl.trace(model, args, intervene={"layers.1": action})["layers.1"].activation
+
+    assert torch.equal(at(tl.zero_ablate()), torch.zeros_like(base))
+    assert torch.equal(at(tl.steer(vector, 0.5)), base + 0.5 * vector)
+    assert torch.equal(at(tl.clamp(-0.1, 0.1)), base.clamp(-0.1, 0.1))
+    assert torch.equal(at(tl.mean_ablate()), base.mean(0, keepdim=True).expand_as(base))
+    assert torch.equal(at(torch.ones(16)), torch.ones_like(base))
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(at(tl.noise(0.2, generator=g1)), base + 0.2 * torch.randn(base.shape, generator=g2))
+    head = at(tl.zero_ablate(at=(slice(None), slice(0, 4))))
+    assert torch.equal(head[:, :4], torch.zeros(4, 4)) and torch.equal(head[:, 4:], base[:, 4:])
+    other = tl.trace(model, (args[0] * 2,))
+    assert torch.equal(at(tl.patch_from(other)), other["layers.1"].activation)
+    assert torch.equal(at(tl.mean_ablate(trace=other)), other["layers.1"].activation.mean(0, keepdim=True).expand_as(base))
+    with pytest.raises(tl.InterventionError, match="keep shape"):
+        at(lambda t, op: t[:2])
+
+
+def test_patch_from_needs_the_source_activation():
+    model, args, _ = CASES["mlp"]
+    empty = tl.trace(model, args, save="none")
+    with pytest.raises(ValueError, match="did not save"):
+        tl.trace(model, args, intervene={"layers.1": tl.patch_from(empty)})
+
+
+# ----- stop_after -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("site", ["layers.1", "layers.1:1", "linear_2_3:1"])
+def test_stop_after_holds_everything_up_to_the_site(site):
+    model, args, _ = CASES["mlp"]
+    plain = tl.trace(model, args)
+    before = snapshot(model, args)
+    log = tl.trace(model, args, stop_after=site)
+    assert_untouched(before, snapshot(model, args))
+    assert log.output is None and log.stopped_after in (site, f"{site}:1")
+    assert log[-1].label == plain["layers.1"].label
+    for op in log.ops:
+        assert torch.equal(op.activation, plain[op.label].activation)
+    assert "head:1" not in [mc.label for mc in log.module_calls]
+
+
+def test_extract_accepts_stop_after(tmp_path):
+    model, args, _ = CASES["mlp"]
+    out = tl.extract(model, [args[0], args[0] * 2], ["layers.0"], tmp_path / "x", stop_after="layers.0",
+                     progress=False)
+    got = tl.load_extracted(out)
+    first = got["layers.0"] if not hasattr(got, "layer") else got.layer("layers.0")
+    with torch.no_grad():
+        expected = torch.cat([model.layers[0](args[0]), model.layers[0](args[0] * 2)])
+    assert torch.equal(torch.as_tensor(first[:].copy()), expected)
