@@ -375,3 +375,94 @@ def test_extract_accepts_stop_after(tmp_path):
     with torch.no_grad():
         expected = torch.cat([model.layers[0](args[0]), model.layers[0](args[0] * 2)])
     assert torch.equal(torch.as_tensor(first[:].copy()), expected)
+
+
+# ----- a small GPT-2 from a config ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    clean = torch.tensor([[5, 9, 13, 21, 7, 30]])
+    corrupt = clean.clone()
+    corrupt[0, 1] = 40
+    return model, clean, corrupt
+
+
+def _logit_diff(output):
+    return output.logits[0, -1, 11] - output.logits[0, -1, 12]
+
+
+def test_gpt2_patching_the_last_block_from_the_clean_run_restores_the_clean_logits(gpt2):
+    model, clean, corrupt = gpt2
+    clean_log = tl.trace(model, clean)
+    corrupt_log = tl.trace(model, corrupt)
+    patched = tl.trace(model, corrupt, intervene={"transformer.h.1": tl.patch_from(clean_log)})
+    assert torch.equal(patched.output.logits, clean_log.output.logits)
+    assert not torch.equal(corrupt_log.output.logits, clean_log.output.logits)
+    # Upstream of the site the patched run is the corrupted run, bit for bit.
+    site = patched["transformer.h.1"].index
+    upstream = [op.label for op in patched.ops[:site] if op.activation is not None]
+    assert upstream and all(torch.equal(patched[k].activation, corrupt_log[k].activation) for k in upstream)
+
+
+def test_gpt2_module_site_equals_a_forward_hook(gpt2):
+    model, clean, _ = gpt2
+    expected = _with_hook(model.transformer.h[0].mlp, model, (clean,), lambda m, i, o: o * 0.25).logits
+    log = tl.trace(model, clean, intervene={"transformer.h.0.mlp": tl.scale(0.25)})
+    assert torch.equal(log.output.logits, expected)
+
+
+def test_gpt2_one_attention_head_ablated_at_the_sdpa_output(gpt2):
+    model, clean, _ = gpt2
+    plain = tl.trace(model, clean)
+    sdpa = [op for op in plain.ops if op.type == "scaleddotproductattention"]
+    assert len(sdpa) == 2 and sdpa[0].shape[1] == 4  # (batch, heads, positions, head dim)
+    log = tl.trace(model, clean, intervene={sdpa[0].label: tl.zero_ablate(at=(slice(None), 2))})
+    value = log[sdpa[0].label].activation
+    assert torch.equal(value[:, 2], torch.zeros_like(value[:, 2]))
+    keep = [0, 1, 3]
+    assert torch.equal(value[:, keep], plain[sdpa[0].label].activation[:, keep])
+    assert not torch.equal(log.output.logits, plain.output.logits)
+
+
+def test_mha_head_via_deep_capture():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    model = nn.Sequential()  # a root whose forward calls attention with need_weights=False
+    model.attn = mha
+    model.forward = lambda x: mha(x, x, x, need_weights=False)[0]
+    x = torch.randn(1, 3, 8)
+    plain = tl.trace(model, x, deep=True)
+    sdpa = next(op for op in plain.ops if op.type == "scaleddotproductattention")
+    log = tl.trace(model, x, deep=True, intervene={sdpa.label: tl.zero_ablate(at=(slice(None), 1))})
+    with torch.no_grad():  # the same edit by hand: zero head 1's half of the concatenated heads
+        q, k, v = F.linear(x.transpose(0, 1), mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
+        heads = [t.reshape(3, 2, 4).transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        attended = F.scaled_dot_product_attention(*heads)
+        attended[:, 1] = 0
+        expected = mha.out_proj(attended.permute(2, 0, 1, 3).reshape(3, 8)).view(3, 1, 8).transpose(0, 1)
+    assert torch.allclose(log.output, expected, atol=1e-6)
+    assert not torch.allclose(plain.output, expected, atol=1e-6)
+
+
+def test_gpt2_activation_and_attribution_patching_tables(gpt2):
+    model, clean, corrupt = gpt2
+    sites = ["transformer.h.0:1", "transformer.h.0.attn:1", "transformer.h.1.mlp:1", "transformer.ln_f:1"]
+    exact = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=sites, progress=False)
+    assert list(exact.site) == sites and not exact.error.any()
+    by_site = exact.set_index("site").normalized
+    assert by_site["transformer.ln_f:1"] == 1.0  # everything downstream of ln_f is the clean run
+    with torch.no_grad():
+        patched = tl.trace(model, corrupt, intervene={"transformer.h.0.attn:1": tl.patch_from(tl.trace(model, clean))})
+    assert exact.set_index("site").metric["transformer.h.0.attn:1"] == pytest.approx(float(_logit_diff(patched.output)))
+    estimate = tl.report.attribution_patching(model, clean, corrupt, _logit_diff)
+    calls = estimate[estimate.kind == "module call"].set_index("site").normalized
+    assert calls["lm_head:1"] == pytest.approx(1.0, abs=1e-4)  # the metric is linear in the logits
+    assert set(sites) <= set(calls.index)
+    agreement = torch.corrcoef(torch.tensor([list(by_site[sites]), list(calls[sites])]))[0, 1]
+    assert agreement > 0.9
+    assert (estimate.kind == "op").sum() == sum(1 for op in tl.trace(model, clean, save="none").ops if op.kind == "op")
