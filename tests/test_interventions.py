@@ -466,3 +466,28 @@ def test_gpt2_activation_and_attribution_patching_tables(gpt2):
     agreement = torch.corrcoef(torch.tensor([list(by_site[sites]), list(calls[sites])]))[0, 1]
     assert agreement > 0.9
     assert (estimate.kind == "op").sum() == sum(1 for op in tl.trace(model, clean, save="none").ops if op.kind == "op")
+
+
+def test_a_stopped_trace_keeps_the_labels_of_the_whole_forward_when_it_has_a_reference():
+    model, x = SharedModule().eval(), torch.randn(2, 8)
+    plain = tl.trace(model, x)
+    site = plain["act:1"].label
+    for log in (tl.trace(model, x, stop_after=site), tl.trace(model, x, stop_after="act:1", reference=plain)):
+        assert log.output is None and log[-1].label == site
+        assert log._labels == plain._labels[:len(log)]
+        assert all(torch.equal(op.activation, plain[op.label].activation) for op in log.ops)
+
+
+def test_setitem_and_in_place_view_sites():
+    model, x = InplaceViews().eval(), torch.randn(3, 8)
+    plain = tl.trace(model, x)
+    setitem = next(op for op in plain.ops if op.func_name == "__setitem__")
+    iadd = next(op for op in plain.ops if op.func_name == "add_")
+    log = tl.trace(model, x, intervene={setitem.label: tl.zero_ablate()})
+    assert torch.equal(log[setitem.label].activation, torch.zeros(3, 8))
+    assert torch.equal(log[setitem.label].original, plain[setitem.label].activation)
+    view = next(op for op in log.ops if op.func_name == "view" and setitem.label in op.parents)
+    assert torch.equal(log[view.label].activation, torch.zeros(24))
+    log = tl.trace(model, x, intervene={iadd.label: tl.scale(-1.0)})
+    assert torch.equal(log[iadd.label].activation, -plain[iadd.label].activation)
+    assert torch.equal(log["fc"].activation, plain["fc"].activation)

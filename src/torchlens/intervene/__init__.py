@@ -27,11 +27,13 @@ def prepare(model, args, kwargs, *, intervene, stop_after, reference, deep: bool
         raise TypeError(f"intervene= takes a dict {{site: action}}, got {type(intervene).__name__}")
     module_sites, pending = split_sites(model, intervene or {}, stop_after)
     label_sites = []
-    if pending:
+    if pending or (stop_after is not None and reference is not None):
         if reference is None:
             reference = _reference_pass(run_reference, index)
         label_sites = resolve_labels(reference, pending)
-    return Interventions(label_sites, module_sites, index, keep_originals)
+    runtime = Interventions(label_sites, module_sites, index, keep_originals)
+    runtime.reference = reference
+    return runtime
 
 
 def _reference_pass(run_reference, index):

@@ -69,6 +69,7 @@ class Interventions:
         self.originals: dict = {}  # record index -> the value before the action
         self.hit: set = set()  # ids of sites applied at least once
         self.stopped_at = None  # the site key the forward stopped after
+        self.reference = None  # the trace label sites were resolved against, if any
         self.state = None
 
     # ----- label sites: called by the capture handler ------------------------------------------
@@ -363,6 +364,8 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     runtime.attach(trace)
     if runtime.stopped_at is not None:
         trace.stopped_after = runtime.stopped_at
+        if runtime.reference is not None:
+            _labels_from(runtime.reference, trace)
         return
     unmet = runtime.unmet()
     if unmet:
@@ -370,3 +373,19 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or module "
                                 "call (a module call number past its last call, or control flow that skipped it); "
                                 "nothing was changed there")
+
+
+def _labels_from(reference, trace) -> None:
+    """Give a stopped trace the labels its ops have in the whole forward (``reference``), which labels
+    derived from the ops before the stop can differ from (pass counts, layers a later call would join).
+    Done only when the stopped trace is, op for op, a prefix of the reference."""
+    n = len(trace._kind)
+    if n > len(reference._kind) or trace._kind != reference._kind[:n] or trace._func_names != reference._func_names[:n]:
+        return
+    trace._labels = reference._labels[:n]
+    trace._layer_labels = reference._layer_labels[:n]
+    trace._pass = reference._pass[:n]
+    trace._group = reference._group[:n]
+    trace._group_size = {g: sum(1 for x in trace._group if x == g) for g in set(trace._group)}
+    for record, applied in trace._interventions.items():
+        applied.label = trace._labels[record]
