@@ -103,16 +103,26 @@ class Interventions:
 
     def _check_path(self, st, sites, func) -> None:
         name = func_name_of(func)
-        chain = tuple((k, self._address(st.module_calls[k][0])) for k in st.module_stack)
+        chain = [(k, st.module_calls[k][0]) for k in st.module_stack]
         for site in sites:
-            if name != site.func_name or chain != site.chain:
-                where = " > ".join(f"{a}" for _, a in chain) or "the root forward"
-                expected = " > ".join(f"{a}" for _, a in site.chain) or "the root forward"
+            if name != site.func_name or not self._same_chain(chain, site.chain):
+                where = " > ".join(self._address(m) for _, m in chain) or "the root forward"
+                expected = " > ".join(a for _, _, a in site.chain) or "the root forward"
                 raise InterventionError(
                     f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
                     f"reference trace: at that position it called {name!r} in {where}, where the reference "
                     f"called {site.func_name!r} in {expected}. Pass reference= a trace of inputs that take the "
                     "same path, or use a module site")
+
+    def _same_chain(self, chain, expected) -> bool:
+        if len(chain) != len(expected):
+            return False
+        for (k, module), (ref_k, ref_module, ref_address) in zip(chain, expected):
+            if k != ref_k:
+                return False
+            if module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
+                return False
+        return True
 
     def _address(self, module) -> str:
         names = self.addresses.get(id(module))

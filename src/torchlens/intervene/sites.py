@@ -69,11 +69,12 @@ class ModuleCallInfo:
 
 
 def module_chain(trace, module_call: int) -> tuple:
-    """``((module call index, address), ...)`` outer to inner, for one op of ``trace``."""
+    """``((module call index, module object or None, address), ...)`` outer to inner, for one op of
+    ``trace`` (the object is gone from cleaned-up and loaded traces: the address stands in)."""
     chain = []
     call = trace.module_calls[module_call] if module_call >= 0 else None
     while call is not None:
-        chain.append((call.index, call.module.address))
+        chain.append((call.index, call.module._ref, call.module.address))
         call = call.parent
     return tuple(reversed(chain))
 
