@@ -491,3 +491,29 @@ def test_setitem_and_in_place_view_sites():
     log = tl.trace(model, x, intervene={iadd.label: tl.scale(-1.0)})
     assert torch.equal(log[iadd.label].activation, -plain[iadd.label].activation)
     assert torch.equal(log["fc"].activation, plain["fc"].activation)
+
+
+def test_several_sites_at_one_op_apply_in_order_and_keep_the_first_original():
+    model, x = SharedModule().eval(), torch.randn(2, 8)
+    plain = tl.trace(model, x)
+    log = tl.trace(model, x, intervene={"fc": tl.scale(2.0), "fc:2": lambda t, op: t + 1})
+    first, second = log["fc:1"], log["fc:2"]
+    assert torch.equal(first.original, plain["fc:1"].activation) and first.intervention.site == "fc"
+    assert torch.equal(second.activation, second.original * 2 + 1)
+    with torch.no_grad():
+        assert torch.equal(second.original, model.fc(model.act(plain["fc:1"].activation * 2)))
+    assert second.intervention.site == ("fc", "fc:2")
+    label = plain["fc:1"].label
+    log = tl.trace(model, x, intervene={label: tl.scale(2.0), (lambda op: op.label == label): tl.scale(3.0)})
+    assert torch.equal(log[label].activation, plain[label].activation * 6)
+
+
+def test_an_action_writing_its_tensor_in_place_is_refused():
+    model, args, _ = CASES["mlp"]
+
+    def zero_in_place(t, op):
+        t[:, 0] = 0
+
+    with pytest.raises(tl.InterventionError, match="in place"):
+        tl.trace(model, args, intervene={"layers.0": zero_in_place})
+    assert_clean_process()

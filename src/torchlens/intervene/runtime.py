@@ -70,7 +70,6 @@ class Interventions:
         self.hit: set = set()  # ids of sites applied at least once
         self.stopped_at = None  # the site key the forward stopped after
         self.reference = None  # the trace label sites were resolved against, if any
-        self.state = None
 
     # ----- label sites: called by the capture handler ------------------------------------------
     def at_call(self, st, call_index: int, first_op: int, out, leaves, func, args, kwargs):
@@ -88,12 +87,10 @@ class Interventions:
                                             f"output {site.slot!r}; the forward took another path than the reference")
                 new = self._run_action(site.action, values[k], site.op, site.key)
                 self.hit.add(id(site))
+                self._note(first_op + k, site.key, site.action)
                 if new is not None:
-                    values[k] = self._replace(st, call_index, first_op + k, leaves[k][1], new, args, kwargs,
-                                              site)
+                    values[k] = self._replace(st, call_index, first_op + k, values[k], new, args, kwargs)
                     changed = True
-                else:
-                    self._note(st, first_op + k, site.key, site.action, None)
             if changed:
                 out = _rebuild_output(out, slots, values)
         if call_index == self.stop_call:
@@ -129,8 +126,14 @@ class Interventions:
         return names[0] if names else type(module).__name__
 
     def _run_action(self, action, value, op, key):
+        version = value._version
         with torch._C.DisableTorchFunction():  # the action's own torch calls are not ops of the model
             new = action(value, op)
+        if value._version != version:
+            raise InterventionError(
+                f"the action at {key!r} wrote the tensor it was given in place, which would also change the "
+                "values saved for the ops before it; return a new tensor instead (t = t.clone(); t[...] = v; "
+                "return t)")
         if new is None:
             return None
         if not isinstance(new, torch.Tensor):
@@ -142,7 +145,7 @@ class Interventions:
         return new
 
     # ----- record fix-ups ------------------------------------------------------------------------
-    def _replace(self, st, call_index, record, old, new, args, kwargs, site):
+    def _replace(self, st, call_index, record, old, new, args, kwargs):
         """Make ``record`` describe ``new``; return the tensor the model gets."""
         receiver = st.calls[call_index][CALL_WROTE] and (
             (args and args[0] is old) or (kwargs and kwargs.get("out") is old))
@@ -161,7 +164,7 @@ class Interventions:
                 original = original.clone()  # a view, or an input the model still holds: may change later
             self._unbind(st, call_index, old, args, kwargs)
         self._rebind(st, record, new)
-        self._note(st, record, site.key, site.action, original)
+        self._keep_original(record, original)
         return new
 
     def _unbind(self, st, call_index, old, args, kwargs) -> None:
@@ -190,9 +193,18 @@ class Interventions:
         if st.finite_flags is not None:
             st.record_finite(record, new)
 
-    def _note(self, st, record, key, action, original) -> None:
-        self.applied[record] = Applied(key, action)
-        if original is not None and self.keep_originals:
+    def _note(self, record, key, action) -> None:
+        """Record that ``action`` ran at ``record``; several sites naming one op are kept in order."""
+        applied = self.applied.get(record)
+        if applied is None:
+            self.applied[record] = Applied(key, action)
+        else:
+            applied.site = (applied.site if isinstance(applied.site, tuple) else (applied.site,)) + (key,)
+            applied.action = (applied.action if isinstance(applied.action, tuple) else (applied.action,)) + (action,)
+
+    def _keep_original(self, record, original) -> None:
+        """The value the op made: the first one, when several actions changed it in turn."""
+        if original is not None and self.keep_originals and record not in self.originals:
             self.originals[record] = original
 
     # ----- module sites: global forward hooks ----------------------------------------------------
@@ -200,32 +212,37 @@ class Interventions:
         return _ModuleHooks(self, st, root)
 
     def at_module_output(self, st, module, call_index: int, call_number: int, output):
+        """Apply the module sites matching this call to each tensor it returns; the new output or None."""
         sites = [s for s in self.by_module[id(module)] if s.call_number is None or s.call_number == call_number]
-        if not sites:
-            return None
-        leaves = tensor_leaves(output)
-        replaced: dict = {}  # id(original tensor) -> new tensor
         for site in sites:
             self.hit.add(id(site))
-            if site.action is None:
+        sites = [s for s in sites if s.action is not None]
+        if not sites:
+            return None
+        address = self._address(module)  # the call's label uses the module's first address, not an alias
+        leaves = tensor_leaves(output)
+        replaced: dict = {}  # id(returned tensor) -> the tensor downstream gets
+        done: set = set()
+        for k, (path, t) in enumerate(leaves):
+            if id(t) in done:  # the same tensor returned twice is one value
                 continue
-            for k, (path, t) in enumerate(leaves):
-                if id(t) in replaced:
-                    continue
-                record = self._made_here(st, t, call_index, site, call_number)
-                info = ModuleCallInfo(site.address, call_number, module, k, path)
-                current = replaced.get(id(t), t)
+            done.add(id(t))
+            record = self._made_here(st, t, call_index, sites[0], call_number)
+            info = ModuleCallInfo(address, call_number, module, k, path)
+            original = st.saved.get(record)
+            current = t
+            for site in sites:
                 new = self._run_action(site.action, current, info, site.key)
-                if new is None:
-                    self._note(st, record, site.key, site.action, None)
-                    continue
-                original = st.saved.get(record)
+                self._note(record, site.key, site.action)
+                if new is not None:
+                    current = new
+            if current is not t:
                 if original is not None and original._base is not None:
-                    original = original.clone()
+                    original = original.clone()  # a view of a value later ops may write
                 st.producers.pop(id(t), None)
-                self._rebind(st, record, new)
-                self._note(st, record, site.key, site.action, original)
-                replaced[id(t)] = new
+                self._rebind(st, record, current)
+                self._keep_original(record, original)
+                replaced[id(t)] = current
         if not replaced:
             return None
         new_output = output
@@ -338,7 +355,7 @@ class _ModuleHooks:
             if not open_calls or open_calls[-1][0] is not module:
                 return None
             _, call_index, number = open_calls.pop()
-            if output is None and not isinstance(output, torch.Tensor):
+            if output is None:
                 return None  # unwinding from an exception, or a module returning nothing
             with torch._C.DisableTorchFunction():
                 new = runtime.at_module_output(st, module, call_index, number, output)
