@@ -458,7 +458,7 @@ def test_gpt2_activation_and_attribution_patching_tables(gpt2):
     assert by_site["transformer.ln_f:1"] == 1.0  # everything downstream of ln_f is the clean run
     with torch.no_grad():
         patched = tl.trace(model, corrupt, intervene={"transformer.h.0.attn:1": tl.patch_from(tl.trace(model, clean))})
-    assert exact.set_index("site").metric["transformer.h.0.attn:1"] == pytest.approx(float(_logit_diff(patched.output)))
+    assert exact.set_index("site").metric["transformer.h.0.attn:1"] == pytest.approx(_logit_diff(patched.output).item())
     estimate = tl.report.attribution_patching(model, clean, corrupt, _logit_diff)
     calls = estimate[estimate.kind == "module call"].set_index("site").normalized
     assert calls["lm_head:1"] == pytest.approx(1.0, abs=1e-4)  # the metric is linear in the logits
@@ -517,3 +517,18 @@ def test_an_action_writing_its_tensor_in_place_is_refused():
     with pytest.raises(tl.InterventionError, match="in place"):
         tl.trace(model, args, intervene={"layers.0": zero_in_place})
     assert_clean_process()
+
+
+def test_activation_patching_by_position_and_its_heatmap(gpt2, tmp_path):
+    model, clean, corrupt = gpt2
+    table = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer.h.1"],
+                                          positions=1, progress=False)
+    assert list(table.position) == list(range(clean.shape[1]))
+    clean_log = tl.trace(model, clean)
+    at_two = tl.trace(model, corrupt, intervene={"transformer.h.1": tl.patch_from(clean_log, at=(slice(None), 2))})
+    assert table.metric[2] == pytest.approx(_logit_diff(at_two.output).item())
+    svg = tl.viz.heatmap(table, tmp_path / "h.svg").read_text()
+    assert svg.count("<rect") == clean.shape[1]
+    assert "#ff0000" in svg  # the last position restores the clean metric fully: the saturated cell
+    with pytest.raises(KeyError, match="closest"):
+        tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer.h.7"], progress=False)

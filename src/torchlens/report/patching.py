@@ -18,8 +18,8 @@ from ..intervene import patch_from
 from ..record.errors import TorchlensError
 
 
-def activation_patching(model, clean, corrupt, metric, sites="modules", *, kwargs=None, deep: bool = False,
-                        progress: bool = True):
+def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,
+                        kwargs=None, deep: bool = False, progress: bool = True):
     """Patch each site from the clean into the corrupted run; one row per site.
 
     Args:
@@ -28,6 +28,9 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, kwarg
         metric: ``metric(output) -> float`` (a scalar tensor is fine), e.g. a logit difference.
         sites: ``"modules"`` (every module call), ``"layers"`` (every layer label: all passes at once),
             ``"ops"`` (every op label), or a list of sites as ``tl.trace(intervene=...)`` takes them.
+        positions: patch one index at a time along this dimension of each site's value (``1``: the
+            sequence positions of a ``(batch, seq, ...)`` value), adding a ``position`` column; draw the
+            table with ``tl.viz.heatmap(df)``.
     Returns a pandas DataFrame with columns ``site``, ``metric``, ``normalized`` and ``error`` (why a site
     could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
     """
@@ -36,17 +39,27 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, kwarg
     clean_value = _scalar(metric(clean_log.output))
     corrupt_value = _scalar(metric(trace(model, corrupt, kwargs, save="none", deep=deep).output))
     names = _sites(clean_log, sites)
+    for site in names:
+        if isinstance(site, str) and site not in clean_log:
+            clean_log[site]  # raises KeyError with the closest names, before any patched run
+    runs = [(site, None) for site in names] if positions is None else \
+        [(site, p) for site in names for p in range(_extent(clean_log, site, positions))]
     rows = []
-    for site in _progress(names, progress, "activation patching"):
+    for site, position in _progress(runs, progress, "activation patching"):
+        at = None if position is None else (slice(None),) * positions + (position,)
         try:
             patched = trace(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
-                            intervene={site: patch_from(clean_log)})
+                            intervene={site: patch_from(clean_log, at=at)})
             value, error = _scalar(metric(patched.output)), ""
-        except TorchlensError as exc:  # a site that cannot be patched faithfully: say why, keep going
+        except (TorchlensError, ValueError, IndexError) as exc:  # cannot be patched faithfully: say why
             value, error = math.nan, str(exc)
-        rows.append({"site": site, "metric": value, "normalized": _normalized(value, clean_value, corrupt_value),
-                     "error": error})
-    frame = pd.DataFrame(rows, columns=["site", "metric", "normalized", "error"])
+        row = {"site": site, "metric": value, "normalized": _normalized(value, clean_value, corrupt_value),
+               "error": error}
+        if positions is not None:
+            row["position"] = position
+        rows.append(row)
+    columns = ["site"] + (["position"] if positions is not None else []) + ["metric", "normalized", "error"]
+    frame = pd.DataFrame(rows, columns=columns)
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
 
@@ -110,6 +123,15 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
+
+
+def _extent(log, site, dim: int) -> int:
+    """Size of dimension ``dim`` of the value at ``site`` in ``log``."""
+    found = log[site] if isinstance(site, str) else next(op for op in log.ops if op.kind == "op" and site(op))
+    shape = found.ops[0].shape if hasattr(found, "ops") and hasattr(found, "first") else getattr(found, "shape", None)
+    if shape is None or len(shape) <= dim:
+        raise ValueError(f"positions={dim}: the value at {site!r} has shape {shape}, with no dimension {dim}")
+    return shape[dim]
 
 
 def _sites(log, sites) -> list:

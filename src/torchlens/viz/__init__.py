@@ -148,4 +148,11 @@ def notebook_html(trace, max_ops=2000, **kwargs) -> str:
     return f"<div>{summary}{frame}</div>"
 
 
-__all__ = ["render", "show", "notebook_html", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS"]
+def heatmap(frame, path=None, **kwargs):
+    """A patching table (``tl.report.activation_patching``) as an SVG heatmap: see ``viz/heatmap.py``."""
+    from .heatmap import heatmap as draw
+
+    return draw(frame, path, **kwargs)
+
+
+__all__ = ["render", "show", "notebook_html", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS", "heatmap"]
