@@ -100,10 +100,9 @@ class Interventions:
 
     def _check_path(self, st, sites, func) -> None:
         name = func_name_of(func)
-        chain = [(k, st.module_calls[k][0]) for k in st.module_stack]
         for site in sites:
-            if name != site.func_name or not self._same_chain(chain, site.chain):
-                where = " > ".join(self._address(m) for _, m in chain) or "the root forward"
+            if name != site.func_name or not self._same_chain(st, site.chain):
+                where = " > ".join(self._address(st.module_calls[k][0]) for k in st.module_stack) or "the root forward"
                 expected = " > ".join(a for _, _, a in site.chain) or "the root forward"
                 raise InterventionError(
                     f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
@@ -111,13 +110,14 @@ class Interventions:
                     f"called {site.func_name!r} in {expected}. Pass reference= a trace of inputs that take the "
                     "same path, or use a module site")
 
-    def _same_chain(self, chain, expected) -> bool:
-        if len(chain) != len(expected):
+    def _same_chain(self, st, expected) -> bool:
+        """Whether the module calls open now are the reference's, call for call."""
+        stack = st.module_stack
+        if len(stack) != len(expected):
             return False
-        for (k, module), (ref_k, ref_module, ref_address) in zip(chain, expected):
-            if k != ref_k:
-                return False
-            if module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
+        for k, (ref_k, ref_module, ref_address) in zip(stack, expected):
+            module = st.module_calls[k][0]
+            if k != ref_k or module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
                 return False
         return True
 
@@ -159,20 +159,21 @@ class Interventions:
             if key in st.writers:
                 st.writers[key] = (record, old._version)
         else:
+            passed = _argument_position(old, args, kwargs)  # an op returning an argument (x.contiguous() -> x)
             original = st.saved.get(record)
-            if original is not None and (original._base is not None or _is_argument(old, args, kwargs)):
-                original = original.clone()  # a view, or an input the model still holds: may change later
-            self._unbind(st, call_index, old, args, kwargs)
+            if original is not None and (passed is not None or original._base is not None):
+                original = original.clone()  # a view, or a tensor the model still holds: may change later
+            self._unbind(st, call_index, old, passed)
         self._rebind(st, record, new)
         self._keep_original(record, original)
         return new
 
-    def _unbind(self, st, call_index, old, args, kwargs) -> None:
-        """``old`` is no longer what downstream reads: drop its binding, or give an argument (``x.contiguous()``
-        returning ``x``) back to the op that made it."""
-        if _is_argument(old, args, kwargs):
+    def _unbind(self, st, call_index, old, passed) -> None:
+        """``old`` is no longer what downstream reads: drop its binding, or, when the op returned its argument
+        ``passed`` unchanged, give that tensor back to the op that made it."""
+        if passed is not None:
             for pos, parent in st.calls[call_index][CALL_PARENTS]:
-                if pos == 0 and parent >= 0:
+                if pos == passed and parent >= 0:
                     st.producers[id(old)] = (weakref(old), parent, old._version)
                     return
         st.producers.pop(id(old), None)
@@ -293,8 +294,15 @@ class Interventions:
         trace.interventions = [self.applied[r] for r in sorted(self.applied)]
 
 
-def _is_argument(t, args, kwargs) -> bool:
-    return any(a is t for a in args) or bool(kwargs) and any(v is t for v in kwargs.values())
+def _argument_position(t, args, kwargs):
+    """Where ``t`` was passed to the call (an index or a keyword), or None."""
+    for pos, a in enumerate(args):
+        if a is t:
+            return pos
+    for key, a in kwargs.items() if kwargs else ():
+        if a is t:
+            return key
+    return None
 
 
 def _rebuild_output(out, slots, values):
