@@ -532,3 +532,23 @@ def test_activation_patching_by_position_and_its_heatmap(gpt2, tmp_path):
     assert "#ff0000" in svg  # the last position restores the clean metric fully: the saturated cell
     with pytest.raises(KeyError, match="closest"):
         tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer.h.7"], progress=False)
+
+
+def test_a_saved_or_cleaned_up_trace_serves_as_the_reference(tmp_path):
+    model, x = SharedModule().eval(), torch.randn(2, 8)
+    plain = tl.trace(model, x)
+    site = plain["act:2"].label
+    expected = tl.trace(model, x, intervene={site: tl.scale(2.0)}).output
+    plain.save(tmp_path / "run")
+    loaded = tl.load(tmp_path / "run")
+    assert torch.equal(tl.trace(model, x, intervene={site: tl.scale(2.0)}, reference=loaded).output, expected)
+    plain.cleanup()
+    assert torch.equal(tl.trace(model, x, intervene={site: tl.scale(2.0)}, reference=plain).output, expected)
+
+
+def test_stop_after_with_an_intervention_before_it():
+    model, args, _ = CASES["mlp"]
+    log = tl.trace(model, args, intervene={"layers.0": tl.zero_ablate()}, stop_after="layers.1")
+    assert log.output is None and log.interventions[0].label == log["layers.0"].label
+    with torch.no_grad():
+        assert torch.equal(log["layers.1"].activation, model.layers[1](torch.relu(torch.zeros(4, 16))))

@@ -68,7 +68,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
     mode = CaptureMode(state, frames, deep=deep)
     _local.active = True
-    intervened = runtime.module_hooks(state, model) if runtime is not None else contextlib.nullcontext()
+    intervened = runtime.module_hooks(state, model) if runtime is not None and runtime.module_sites \
+        else contextlib.nullcontext()
     try:
         with FastPathShim(mode), ModuleCallTracker(state, model, frames), intervened, mode:
             output = _run_forward(model, args, kwargs)
