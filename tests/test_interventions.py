@@ -339,7 +339,8 @@ def test_helpers_compute_what_they_say():
     assert torch.equal(head[:, :4], torch.zeros(4, 4)) and torch.equal(head[:, 4:], base[:, 4:])
     other = tl.trace(model, (args[0] * 2,))
     assert torch.equal(at(tl.patch_from(other)), other["layers.1"].activation)
-    assert torch.equal(at(tl.mean_ablate(trace=other)), other["layers.1"].activation.mean(0, keepdim=True).expand_as(base))
+    other_mean = other["layers.1"].activation.mean(0, keepdim=True).expand_as(base)
+    assert torch.equal(at(tl.mean_ablate(trace=other)), other_mean)
     with pytest.raises(tl.InterventionError, match="keep shape"):
         at(lambda t, op: t[:2])
 

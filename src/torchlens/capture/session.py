@@ -15,11 +15,11 @@ from time import perf_counter_ns
 
 import torch
 
+from ..intervene.runtime import StopForward, finish_interventions
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
 from ..record.trace import Trace
-from ..intervene.runtime import StopForward, finish_interventions
 from .fastpath import FastPathShim
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
@@ -61,7 +61,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
-    runtime = _interventions(model, args, kwargs, intervene, stop_after, reference, deep, index, policy)
+    runtime = _intervention_runtime(model, args, kwargs, intervene, stop_after, reference, deep, index, policy)
     state.intervention = runtime
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
@@ -147,7 +147,7 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             gc.enable()
 
 
-def _interventions(model, args, kwargs, intervene, stop_after, reference, deep, index, policy):
+def _intervention_runtime(model, args, kwargs, intervene, stop_after, reference, deep, index, policy):
     """The runtime applying ``intervene=`` / ``stop_after=``, or None (the hot path then costs one check)."""
     if not intervene and stop_after is None:
         return None

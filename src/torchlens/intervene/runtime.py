@@ -117,7 +117,9 @@ class Interventions:
             return False
         for k, (ref_k, ref_module, ref_address) in zip(stack, expected):
             module = st.module_calls[k][0]
-            if k != ref_k or module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
+            if k != ref_k:
+                return False
+            if module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
                 return False
         return True
 
@@ -405,9 +407,9 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     unmet = runtime.unmet()
     if unmet:
         names = ", ".join(dict.fromkeys(repr(s.key) if isinstance(s.key, str) else "<predicate>" for s in unmet))
-        raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or module "
-                                "call (a module call number past its last call, or control flow that skipped it); "
-                                "nothing was changed there")
+        raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
+                                "module call (a module call number past its last call, or control flow that skipped "
+                                "it); nothing was changed there")
 
 
 def _labels_from(reference, trace) -> None:
