@@ -553,3 +553,25 @@ def test_stop_after_with_an_intervention_before_it():
     assert log.output is None and log.interventions[0].label == log["layers.0"].label
     with torch.no_grad():
         assert torch.equal(log["layers.1"].activation, model.layers[1](torch.relu(torch.zeros(4, 16))))
+
+
+def test_one_output_of_chunk_and_of_max_keeps_the_others_and_the_result_type():
+    model, args, _ = CASES["multi_output"]
+    x = args[0]
+    plain = tl.trace(model, args)
+    chunk_b = next(op for op in plain.ops if op.type == "chunk" and op.multi_output_index == 1)
+    max_values = next(op for op in plain.ops if op.type == "max" and op.multi_output_index == 0)
+    a, b = torch.chunk(x, 2, dim=1)
+    log = tl.trace(model, args, intervene={chunk_b.label: tl.scale(-1.0)})
+    values, indices = torch.max(a * -b, dim=1)
+    assert torch.equal(log.output[0], values) and torch.equal(log.output[1], indices)
+    seen = {}
+
+    def probe(t, op):
+        seen["result"] = t
+        return t + 100
+
+    log = tl.trace(model, args, intervene={max_values.label: probe})
+    plain_values, plain_indices = plain.output
+    assert torch.equal(log.output[0], plain_values + 100) and torch.equal(log.output[1], plain_indices)
+    assert torch.equal(seen["result"], plain_values)

@@ -43,7 +43,8 @@ class Applied:
         self.site, self.action, self.label = site, action, label
 
     def __repr__(self) -> str:
-        site = self.site if isinstance(self.site, str) else "<predicate>"
+        sites = self.site if isinstance(self.site, tuple) else (self.site,)
+        site = ", ".join(s if isinstance(s, str) else "<predicate>" for s in sites)
         return f"<Intervention {self.action!r} at {site} -> {self.label}>"
 
 
@@ -79,7 +80,7 @@ class Interventions:
             self._check_path(st, sites, func)
             values = [t for _, t in leaves]
             slots = [slot for slot, _ in leaves]
-            changed = False
+            changed = []
             for site in sites:
                 k = slots.index(site.slot) if site.slot in slots else -1
                 if k < 0:
@@ -90,9 +91,9 @@ class Interventions:
                 self._note(first_op + k, site.key, site.action)
                 if new is not None:
                     values[k] = self._replace(st, call_index, first_op + k, values[k], new, args, kwargs)
-                    changed = True
+                    changed.append(k)
             if changed:
-                out = _rebuild_output(out, slots, values)
+                out = _rebuild_output(out, [(slots[k], values[k]) for k in dict.fromkeys(changed)])
         if call_index == self.stop_call:
             self.stopped_at = self.stop_key
             raise StopForward
@@ -307,12 +308,13 @@ def _argument_position(t, args, kwargs):
     return None
 
 
-def _rebuild_output(out, slots, values):
+def _rebuild_output(out, changed):
+    """The call's result with the ``(slot, tensor)`` pairs in ``changed`` put in."""
     if isinstance(out, torch.Tensor):
-        return values[0]
+        return changed[0][1]
     if out is None:  # __setitem__: the receiver was written in place
         return out
-    for slot, value in zip(slots, values):
+    for slot, value in changed:
         out = _replace_at(out, slot if isinstance(slot, tuple) else (slot,), value, None)
     return out
 
