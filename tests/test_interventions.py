@@ -575,3 +575,21 @@ def test_one_output_of_chunk_and_of_max_keeps_the_others_and_the_result_type():
     plain_values, plain_indices = plain.output
     assert torch.equal(log.output[0], plain_values + 100) and torch.equal(log.output[1], plain_indices)
     assert torch.equal(seen["result"], plain_values)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_replacing_every_op_with_an_equal_copy_changes_no_value(name):
+    """Every op's value is swapped for a copy: the whole record-fixing path runs at each op (receivers of
+    in-place ops, ops returning an argument, multi-output calls) and nothing may differ.  Views are kept:
+    a copy of a view is no longer an alias, so a later write through it would not reach its base."""
+    model, args, kwargs = CASES[name]
+    plain, rng_plain = _seeded(lambda: tl.trace(model, args, kwargs), model)
+    copy_unless_view = {(lambda op: True): lambda t, op: None if t._base is not None else t.clone()}
+    copied, rng_copied = _seeded(lambda: tl.trace(model, args, kwargs, intervene=copy_unless_view), model)
+    assert torch.equal(rng_plain, rng_copied)
+    assert structures_equal(plain.output, copied.output)[0]
+    assert not _same_activations(plain, copied)
+    applied = [op for op in copied.ops if op.intervention is not None]
+    assert len(applied) == sum(1 for op in plain.ops if op.kind == "op")
+    assert any(op.original is not None for op in applied)
+    assert [op.parents for op in copied.ops] == [op.parents for op in plain.ops]
