@@ -593,3 +593,19 @@ def test_replacing_every_op_with_an_equal_copy_changes_no_value(name):
     assert len(applied) == sum(1 for op in plain.ops if op.kind == "op")
     assert any(op.original is not None for op in applied)
     assert [op.parents for op in copied.ops] == [op.parents for op in plain.ops]
+
+
+@pytest.mark.parametrize("site", ["fc", "relu_1_2:1"])
+def test_an_action_raising_leaves_nothing_behind(site):
+    model, x = _RaisesAfter(), torch.randn(2, 4)
+    before = snapshot(model, (x,))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def fails(t, op):
+        raise ValueError("bad action")
+
+    with pytest.raises(ValueError, match="bad action"):
+        tl.trace(model, x, intervene={site: fails})
+    assert_untouched(before, snapshot(model, (x,)))
+    assert_clean_process()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
