@@ -62,7 +62,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
     runtime = _intervention_runtime(model, args, kwargs, intervene, stop_after, reference, deep, index, policy)
-    state.intervention = runtime
+    state.intervention = runtime if runtime is not None and runtime.watches_calls else None
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))

@@ -72,6 +72,11 @@ class Interventions:
         self.stopped_at = None  # the site key the forward stopped after
         self.reference = None  # the trace label sites were resolved against, if any
 
+    @property
+    def watches_calls(self) -> bool:
+        """Whether the capture handler must call ``at_call`` (label sites or a label stop site)."""
+        return bool(self.by_call) or self.stop_call is not None
+
     # ----- label sites: called by the capture handler ------------------------------------------
     def at_call(self, st, call_index: int, first_op: int, out, leaves, func, args, kwargs):
         """Apply the actions positioned at this call; return what the call returns to the model."""
