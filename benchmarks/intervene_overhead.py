@@ -118,7 +118,9 @@ def section(rows: list, cfg: dict, command: str) -> str:
               "lookup per op plus the action at its op. Without `reference=` a label site also runs one "
               "metadata-only pass to resolve its label, so it costs about two traces (the label-site column is "
               "against two hooked forwards). The last column is the identity action applied at every op of the "
-              "model (a predicate site), over the same trace without interventions, per op.", "",
+              "model (a predicate site accepting every op), over the same trace without interventions, divided by "
+              "the number of ops: it includes resolving each op's site against the reference, the check that the "
+              "forward reached the same op, calling the action and recording what was applied.", "",
               f"Machine: torch {fp.get('torch')}, {torch.get_num_threads()} torch threads, "
               f"{os.cpu_count()} CPUs, load {tuple(round(x, 2) for x in os.getloadavg())}; measured "
               f"{time.strftime('%Y-%m-%d')}; {cfg['pairs']} pairs per cell.", "", "Command:", "", "```text",
