@@ -153,8 +153,8 @@ def _intervention_runtime(model, args, kwargs, intervene, stop_after, reference,
         return None
     from ..intervene import prepare
 
-    return prepare(model, args, kwargs, intervene=intervene, stop_after=stop_after, reference=reference, deep=deep,
-                   index=index, keep_originals=policy.mode != 0,
+    return prepare(model, intervene=intervene, stop_after=stop_after, reference=reference, index=index,
+                   keep_originals=policy.mode != 0,
                    run_reference=lambda: _trace(model, args, kwargs, save="none", deep=deep))
 
 

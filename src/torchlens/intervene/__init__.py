@@ -17,8 +17,7 @@ __all__ = ["Action", "Applied", "Interventions", "StopForward", "clamp", "mean_a
            "prepare", "scale", "steer", "zero_ablate"]
 
 
-def prepare(model, args, kwargs, *, intervene, stop_after, reference, deep: bool, index, keep_originals: bool,
-            run_reference):
+def prepare(model, *, intervene, stop_after, reference, index, keep_originals: bool, run_reference):
     """The runtime for one intervened trace, or None when nothing is asked.  Label sites are resolved
     against ``reference`` or, when None, a metadata-only trace made here by ``run_reference()``."""
     if not intervene and stop_after is None:

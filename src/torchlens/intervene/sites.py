@@ -62,7 +62,10 @@ class ModuleCallInfo:
     def label(self) -> str:
         return f"{self.address}:{self.call_index}"
 
-    module = label
+    @property
+    def module(self) -> str:
+        """The call's label, as ``Op.module`` names the module call an op ran in."""
+        return self.label
 
     def __repr__(self) -> str:
         return f"<module call {self.label} output {self.output_index}>"
