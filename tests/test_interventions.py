@@ -609,3 +609,15 @@ def test_an_action_raising_leaves_nothing_behind(site):
     assert_untouched(before, snapshot(model, (x,)))
     assert_clean_process()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_a_module_site_may_use_an_alias_address():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model.alias = model[0]
+    x = torch.randn(2, 4)
+    by_alias = tl.trace(model, x, intervene={"alias": tl.zero_ablate()})
+    by_name = tl.trace(model, x, intervene={"0": tl.zero_ablate()})
+    assert torch.equal(by_alias.output, by_name.output) and torch.equal(by_alias.output, torch.zeros(2, 4))
+    clean = tl.trace(model, x * 2)
+    patched = tl.trace(model, x, intervene={"alias:1": tl.patch_from(clean)})
+    assert torch.equal(patched.output, clean.output)

@@ -85,7 +85,8 @@ def module_chain(trace, module_call: int) -> tuple:
 def split_sites(model, intervene: dict, stop_after):
     """``(module sites, pending label sites)``: what needs no reference, and ``(key, action, stop)`` to
     resolve against one.  Unknown module-like names raise ``KeyError`` here, before anything runs."""
-    modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
+    # Every address, aliases included (one module registered under two names answers to both).
+    modules = dict(model.named_modules(remove_duplicate=False)) if isinstance(model, torch.nn.Module) else {}
     modules.pop("", None)  # the root's output is the trace's output: change it after the trace
     module_sites, pending = [], []
     items = [(key, as_action(action), False) for key, action in intervene.items()]
