@@ -621,3 +621,13 @@ def test_a_module_site_may_use_an_alias_address():
     clean = tl.trace(model, x * 2)
     patched = tl.trace(model, x, intervene={"alias:1": tl.patch_from(clean)})
     assert torch.equal(patched.output, clean.output)
+
+
+def test_gpt2_identity_at_every_op_and_module_is_bit_identical(gpt2):
+    model, clean, _ = gpt2
+    plain = tl.trace(model, clean)
+    sites = {(lambda op: True): _keep, **{mc.module.address: _keep for mc in plain.module_calls}}
+    touched = tl.trace(model, clean, intervene=sites)
+    assert torch.equal(plain.output.logits, touched.output.logits)
+    assert not _same_activations(plain, touched)
+    assert len(touched.interventions) == sum(1 for op in plain.ops if op.kind == "op")
