@@ -149,8 +149,8 @@ def notebook_html(trace, max_ops=2000, **kwargs) -> str:
 
 
 def heatmap(frame, path=None, **kwargs):
-    """A patching table (``tl.report.activation_patching``) as an SVG heatmap: see ``viz/heatmap.py``."""
-    from .heatmap import heatmap as draw
+    """A patching table (``tl.report.activation_patching``) as an SVG heatmap: see ``viz/heatmaps.py``."""
+    from .heatmaps import heatmap as draw  # a submodule named heatmap would shadow this function
 
     return draw(frame, path, **kwargs)
 
