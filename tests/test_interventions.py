@@ -528,6 +528,7 @@ def test_activation_patching_by_position_and_its_heatmap(gpt2, tmp_path):
     clean_log = tl.trace(model, clean)
     at_two = tl.trace(model, corrupt, intervene={"transformer.h.1": tl.patch_from(clean_log, at=(slice(None), 2))})
     assert table.metric[2] == pytest.approx(_logit_diff(at_two.output).item())
+    tl.viz.heatmap(table)  # twice: the function must stay the function after its module is imported
     svg = tl.viz.heatmap(table, tmp_path / "h.svg").read_text()
     assert svg.count("<rect") == clean.shape[1]
     assert "#ff0000" in svg  # the last position restores the clean metric fully: the saturated cell
