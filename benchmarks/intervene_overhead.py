@@ -113,7 +113,8 @@ def section(rows: list, cfg: dict, command: str) -> str:
                      f"{_ratio(res[('hooked x2', 'label site')])} | {_ratio(res[('native', 'plain trace')])} | "
                      f"{per_op_us(res[('trace none', 'every op')], row['ops'])} |")
     fp = machine_fingerprint()
-    lines += ["", "Reading it: an intervened trace costs what a plain trace costs (compare the plain-trace column): "
+    lines += ["", "Reading it: an intervened trace should cost about what a plain trace costs (compare the "
+              "plain-trace column; on a loaded machine the cells move by more than their intervals between runs): "
               "a module site adds two global hooks' worth of work per module call, a label site one dictionary "
               "lookup per op plus the action at its op. Without `reference=` a label site also runs one "
               "metadata-only pass to resolve its label, so it costs about two traces (the label-site column is "
