@@ -632,3 +632,16 @@ def test_gpt2_identity_at_every_op_and_module_is_bit_identical(gpt2):
     assert torch.equal(plain.output.logits, touched.output.logits)
     assert not _same_activations(plain, touched)
     assert len(touched.interventions) == sum(1 for op in plain.ops if op.kind == "op")
+
+
+def test_a_replaced_value_counts_once_against_max_saved_bytes():
+    model, args, _ = CASES["mlp"]
+    plain = tl.trace(model, args)
+    exact = sum(op.activation.numel() * op.activation.element_size() for op in plain.ops if not op.is_output)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "max_saved_bytes reached" would mean the old value was still counted
+        touched = tl.trace(model, args, max_saved_bytes=exact, intervene={"layers.1": tl.scale(2.0)})
+    assert all(op.activation is not None for op in touched.ops)
+    assert torch.equal(touched["layers.1"].activation, plain["layers.1"].activation * 2)

@@ -195,6 +195,8 @@ class Interventions:
         if record in st.saved:
             saved = st.saved.pop(record)
             st.saved_versions.pop(record, None)
+            if st.max_saved_bytes is not None:  # the replacement is counted against the budget instead
+                st.saved_bytes -= saved.numel() * saved.element_size()
             same_storage = st.saved_by_storage.get(storage_key(saved))
             if same_storage and record in same_storage:
                 same_storage.remove(record)
