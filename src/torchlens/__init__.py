@@ -7,8 +7,9 @@ to the native PyTorch tools that own each measurement.
 """
 
 from .capture.session import trace
-from .record import (ActivationUnavailable, Buffer, Layer, Module, ModuleCall, NestedTraceError, Op, Param,
-                     TorchlensError, Trace, TraceCleanedUp)
+from .intervene import clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
+from .record import (ActivationUnavailable, Buffer, InterventionError, Layer, Module, ModuleCall, NestedTraceError,
+                     Op, Param, TorchlensError, Trace, TraceCleanedUp)
 from .validate import validate
 
 __version__ = "0.1.0"
@@ -37,4 +38,5 @@ def __dir__():
 
 __all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
            "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "debug", "report", "viz", "io", "distributed",
-           "load", "extract", "load_extracted", "log_forward_pass"]
+           "load", "extract", "load_extracted", "log_forward_pass", "InterventionError", "zero_ablate", "mean_ablate",
+           "patch_from", "steer", "scale", "clamp", "noise"]

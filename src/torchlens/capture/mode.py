@@ -270,6 +270,8 @@ class CaptureMode(TorchFunctionMode):
                     st.save(index, t, requires_grad)
             if st.finite_flags is not None:
                 st.record_finite(index, t)
+        if st.intervention is not None:  # intervene/runtime.py: may change what the model gets back
+            return st.intervention.at_call(st, call_index, first_op, out, leaves, func, args, kwargs)
         return out
 
 

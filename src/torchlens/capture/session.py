@@ -6,6 +6,7 @@ uninstalled in ``finally`` blocks (context managers), whether the model returns 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
@@ -15,6 +16,7 @@ from time import perf_counter_ns
 import torch
 
 from ..progress import QUIET, bar
+from ..intervene.runtime import StopForward, finish_interventions
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
@@ -33,7 +35,7 @@ _local = threading.local()
 
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
-          markers=None, progress=None) -> Trace:
+          markers=None, progress=None, intervene=None, reference=None, stop_after=None) -> Trace:
     """One trace, with the collector already paused by ``trace``."""
     model = _unwrap(model)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
@@ -67,6 +69,9 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     state.markers = markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
+    runtime = _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index,
+                                    policy)
+    state.intervention = runtime if runtime is not None and runtime.watches_calls else None
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
@@ -75,14 +80,18 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     tracker = ModuleCallTracker(state, model if root is model else None, frames)
     tracker.progress = shown if shown is not QUIET else None
     _local.active = True
+    intervened = runtime.module_hooks(state, model if root is model else None) if runtime is not None and runtime.module_sites \
+        else contextlib.nullcontext()
     try:
         # The root's own call is the trace itself; a callable's calls into its root are module calls.
-        with FastPathShim(mode), tracker, mode:
+        with FastPathShim(mode), tracker, intervened, mode:
             output = _run_forward(model, args, kwargs)
     except BaseException as exc:
-        shown.close()
-        _annotate(exc, state, root)
-        raise
+        if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
+            shown.close()
+            _annotate(exc, state, root)
+            raise
+        output = None  # stop_after= reached: the trace holds everything up to that site
     finally:
         _local.active = False
     forward_done = perf_counter_ns()
@@ -107,6 +116,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name
     result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
+    if runtime is not None:
+        finish_interventions(runtime, result)
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])
@@ -120,7 +131,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
-          progress=None) -> Trace:
+          progress=None, intervene: dict | None = None, reference: Trace | None = None, stop_after=None) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -146,10 +157,19 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             itself is a module call ``self:k`` (in ``generate()``, ``k`` is the step).
         progress: a progress bar (module calls, then finalizing) once tracing takes about a second:
             None shows it on an interactive terminal or notebook only, True anywhere, False never.
+        intervene: ``{site: action}``: change what each site produces and trace the run that follows
+            (see docs/interventions.md).  A site is an op label, a layer label (every pass), a module
+            call (``enc.layers.3:1``), a module address (every call) or a predicate over ops; an action
+            is ``f(tensor, op) -> tensor | None``, a tensor, or a helper such as ``tl.zero_ablate()``.
+        reference: the trace label sites are resolved against (by default a metadata-only trace of the
+            same inputs, made first).
+        stop_after: a site; the forward stops once it is produced, and the trace holds everything up to
+            it (``output`` is None and ``stopped_after`` names the site).
     """
     return _paused_collector(model, args, kwargs, save=save, save_device=save_device,
                              record_finite=record_finite, max_saved_bytes=max_saved_bytes, name=name, deep=deep,
-                             root=root, progress=progress)
+                             root=root, progress=progress, intervene=intervene, reference=reference,
+                             stop_after=stop_after)
 
 
 def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
@@ -190,6 +210,17 @@ def _display_name(model, root) -> str:
         bound = getattr(model, "__self__", None) is root and method
         return f"{type(root).__name__}.{method}" if bound else type(root).__name__
     return getattr(model, "__qualname__", None) or type(model).__name__
+
+
+def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy):
+    """The runtime applying ``intervene=`` / ``stop_after=``, or None (the hot path then costs one check)."""
+    if not intervene and stop_after is None:
+        return None
+    from ..intervene import prepare
+
+    return prepare(root if root is not None else model, intervene=intervene, stop_after=stop_after, reference=reference, index=index,
+                   keep_originals=policy.mode != 0,
+                   run_reference=lambda: _trace(model, args, kwargs, save="none", deep=deep, root=root))
 
 
 def _run_forward(model, args, kwargs):

@@ -109,6 +109,8 @@ class CaptureState:
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
         self.markers = None
+        # Interventions (intervene/runtime.py): called once per tensor-producing call when set.
+        self.intervention = None
 
     # ----- parents -------------------------------------------------------------------------------
     def producer_of(self, t: torch.Tensor) -> int:

@@ -45,7 +45,7 @@ class ResumeMismatchError(TorchlensError, ValueError):
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
-            progress: bool = True, barrier_timeout: float = 1800.0) -> str:
+            progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -63,6 +63,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
         progress: show a progress bar on stderr (needs tqdm).
         barrier_timeout: under ``torch.distributed``, how long (seconds) a rank that finished waits for the
             others before naming the ones that did not arrive.
+        stop_after: stop each forward once this site (a module address or call, or an op label) is produced,
+            as ``tl.trace(stop_after=...)``: the cheap way to extract early layers.
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
@@ -105,8 +107,8 @@ def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, 
             if position == 0:
                 run.first_fingerprint = _fingerprint(args)
             with torch.no_grad():
-                run.add(_extract_batch(model, args, kwargs, layers, run, position), _batch_rows(args), position,
-                        None if indices_of is None else indices_of(position))
+                run.add(_extract_batch(model, args, kwargs, layers, run, position, stop_after), _batch_rows(args),
+                        position, None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(_fingerprint(args))
             bar.update(1)
@@ -172,13 +174,13 @@ def _save_targets(model, layers) -> list:
     return targets
 
 
-def _extract_batch(model, args, kwargs, layers, run, position) -> list:
+def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None) -> list:
     from ..capture.session import trace
 
     from ..record.errors import UnmatchedSelection
 
     try:
-        log = trace(model, args, kwargs, save=_save_targets(model, layers))
+        log = trace(model, args, kwargs, save=_save_targets(model, layers), stop_after=stop_after)
     except UnmatchedSelection as exc:
         raise UnmatchedSelection(f"batch {position}: {exc}") from None
     try:

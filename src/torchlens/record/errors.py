@@ -22,3 +22,8 @@ class UnmatchedSelection(TorchlensError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class InterventionError(TorchlensError):
+    """An intervention could not be applied faithfully (its site was not reached, the forward took
+    another path than the reference trace, or an action returned an unusable value)."""

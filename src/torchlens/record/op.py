@@ -184,6 +184,19 @@ class Op:
         return trace._activations.get(self.index)
 
     @property
+    def intervention(self):
+        """What an intervention applied here (``.site``, ``.action``), or None; ``activation`` is then the
+        value downstream ops saw and ``original`` the value the op made."""
+        return self._trace._interventions.get(self.index)
+
+    @property
+    def original(self):
+        """The value this op made before an intervention changed it (when saved), else None."""
+        if self._trace._cleaned:
+            raise ActivationUnavailable(f"{self.label}: the trace was cleaned up; its activations are gone")
+        return self._trace._originals.get(self.index)
+
+    @property
     def finite(self):
         """``(has_nan, has_inf)`` recorded during capture (``record_finite=True``), else None."""
         return self._trace._finite.get(self.index)

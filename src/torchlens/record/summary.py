@@ -89,6 +89,10 @@ def summary_text(trace) -> str:
         lines.append(f"  {len(trace._dropped)} saved activations were dropped (mutated behind capture)")
     if trace.budget_exhausted_at is not None:
         lines.append(f"  saving stopped at {trace._labels[trace.budget_exhausted_at]} (max_saved_bytes)")
+    if trace.stopped_after is not None:
+        lines.append(f"  the forward was stopped after {trace.stopped_after} (stop_after=): no output")
+    if trace.interventions:
+        lines.append(f"  {len(trace.interventions)} ops changed by interventions (log.interventions)")
     lines.append("Ops:")
     shown = list(range(len(ops))) if len(ops) <= _HEAD + _TAIL else \
         list(range(_HEAD)) + [None] + list(range(len(ops) - _TAIL, len(ops)))

@@ -31,6 +31,11 @@ class Trace:
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
     rank = None  # this process's rank and the world size when traced under torch.distributed
     world_size = None
+    # Interventions (torchlens.intervene): what was applied where, and the values before.
+    interventions = ()
+    _interventions: dict = {}
+    _originals: dict = {}
+    stopped_after = None  # the stop_after= site the forward was stopped at (output is then None)
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
@@ -153,7 +158,8 @@ class Trace:
     @property
     def output(self):
         """The model's return value, exactly as forward returned it (for a loaded trace: its saved
-        tensors, in tuples and dicts along their paths)."""
+        tensors, in tuples and dicts along their paths; None when ``stopped_after`` is set: the forward
+        was stopped there by ``stop_after=``)."""
         if self._cleaned:
             raise TraceCleanedUp("the trace was cleaned up; its output was released")
         if self.loaded_from is not None:
@@ -265,8 +271,9 @@ class Trace:
         return summary_text(self)
 
     def __repr__(self) -> str:
+        stopped = f", stopped after {self.stopped_after}" if self.stopped_after is not None else ""
         return (f"<Trace of {self.model_name}: {len(self)} ops, {len(self.layers)} layers, "
-                f"{len(self.module_calls)} module calls>")
+                f"{len(self.module_calls)} module calls{stopped}>")
 
     def _repr_html_(self) -> str:
         from ..viz import notebook_html
@@ -336,6 +343,7 @@ class Trace:
         self._cleaned = True
         self._activations = {}
         self._replay = None  # parameter values kept for replay
+        self._originals = {}
         self._output = None
         self._model = None
         self._calls = [(c[0], None, None, c[3], ()) + c[5:] for c in self._calls]

@@ -1,4 +1,5 @@
-"""Reports that bridge a trace to PyTorch's native tools: FLOPs, kernel profiles, chrome traces."""
+"""Reports that bridge a trace to PyTorch's native tools (FLOPs, kernel profiles, chrome traces), and patching
+experiments as tables."""
 
 import importlib
 
@@ -10,6 +11,8 @@ _EXPORTS = {
     "kernel_profile": ".kernel_profiling",  # a module named kernel_profile would shadow the function
     "KernelProfile": ".kernel_profiling",
     "to_chrome_trace": ".chrome",
+    "activation_patching": ".patching",
+    "attribution_patching": ".patching",
 }
 
 

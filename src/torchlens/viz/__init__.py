@@ -158,4 +158,12 @@ def notebook_html(trace, max_ops=None, **kwargs) -> str:
     return page(trace, max_ops=max_ops, **kwargs)
 
 
-__all__ = ["render", "show", "notebook_html", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS"]
+def heatmap(frame, path=None, **kwargs):
+    """A patching table (``tl.report.activation_patching``) as an SVG heatmap: see ``viz/heatmaps.py``."""
+    from .heatmaps import heatmap as draw  # a submodule named heatmap would shadow this function
+
+    return draw(frame, path, **kwargs)
+
+
+__all__ = ["render", "show", "notebook_html", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS",
+           "heatmap"]

@@ -1,0 +1,215 @@
+"""What an intervention does to the tensor at its site: the helpers ``tl.zero_ablate()`` and friends.
+
+An action is called as ``action(tensor, op)`` where the site's value is produced and returns the value
+downstream ops see instead (``None`` keeps it).  Every helper computes out of place, so the value the
+model made is never written; ``at=`` restricts a helper to ``tensor[at]`` (one attention head, one
+position) and leaves the rest of the tensor as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Action:
+    """Base class of the helpers: ``value`` computes the new value of ``tensor[at]`` (or the whole)."""
+
+    def __init__(self, at=None):
+        self.at = at
+
+    def __call__(self, tensor: torch.Tensor, op):
+        if self.at is None:
+            return self.value(tensor, op, None)
+        new = tensor.clone()
+        new[self.at] = self.value(tensor[self.at], op, self.at)
+        return new
+
+    def value(self, tensor: torch.Tensor, op, at):
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        parts = [p for p in (self._describe(), f"at={self.at!r}" if self.at is not None else "") if p]
+        return f"{type(self).__name__.lstrip('_')}({', '.join(parts)})"
+
+
+class zero_ablate(Action):  # noqa: N801 - lower case: used like a function, tl.zero_ablate()
+    """Replace the value with zeros."""
+
+    def value(self, tensor, op, at):
+        return torch.zeros_like(tensor)
+
+
+class scale(Action):  # noqa: N801
+    """Multiply the value by ``k``."""
+
+    def __init__(self, k, at=None):
+        super().__init__(at)
+        self.k = k
+
+    def value(self, tensor, op, at):
+        return tensor * self.k
+
+    def _describe(self):
+        return repr(self.k)
+
+
+class clamp(Action):  # noqa: N801
+    """Clamp the value into ``[min, max]`` (either bound may be None)."""
+
+    def __init__(self, min=None, max=None, at=None):  # noqa: A002 - torch.clamp's names
+        super().__init__(at)
+        if min is None and max is None:
+            raise ValueError("tl.clamp needs min, max or both")
+        self.min, self.max = min, max
+
+    def value(self, tensor, op, at):
+        return tensor.clamp(self.min, self.max)
+
+    def _describe(self):
+        return f"min={self.min!r}, max={self.max!r}"
+
+
+class steer(Action):  # noqa: N801
+    """Add ``scale * vector`` along dimension ``dim`` (the last by default), broadcast over the others."""
+
+    def __init__(self, vector, scale=1.0, dim: int = -1, at=None):
+        super().__init__(at)
+        if not isinstance(vector, torch.Tensor) or vector.dim() != 1:
+            raise ValueError("tl.steer needs a 1-d tensor: the direction to add along one dimension")
+        self.vector, self.scale, self.dim = vector, scale, dim
+
+    def value(self, tensor, op, at):
+        dim = self.dim % tensor.dim()
+        if tensor.shape[dim] != self.vector.numel():
+            raise ValueError(f"tl.steer at {_where(op)}: the vector has {self.vector.numel()} entries but "
+                             f"dimension {self.dim} of the value has {tensor.shape[dim]}")
+        shape = [1] * tensor.dim()
+        shape[dim] = -1
+        vector = self.vector.to(device=tensor.device, dtype=tensor.dtype).reshape(shape)
+        return tensor + self.scale * vector
+
+    def _describe(self):
+        return f"vector[{self.vector.numel()}], scale={self.scale!r}" + (f", dim={self.dim}" if self.dim != -1 else "")
+
+
+class noise(Action):  # noqa: N801
+    """Add Gaussian noise of standard deviation ``std`` (drawn from ``generator``, else the global RNG)."""
+
+    def __init__(self, std, generator=None, at=None):
+        super().__init__(at)
+        self.std, self.generator = std, generator
+
+    def value(self, tensor, op, at):
+        drawn = torch.randn(tensor.shape, generator=self.generator, dtype=tensor.dtype, device=tensor.device)
+        return tensor + self.std * drawn
+
+    def _describe(self):
+        return f"std={self.std!r}"
+
+
+class patch_from(Action):  # noqa: N801
+    """The value at the same site in another trace (activation patching: run on a corrupted input,
+    patch in the clean run's value).  That trace must hold the activation (``save="all"`` or a ``save=``
+    list naming the site)."""
+
+    def __init__(self, trace, at=None):
+        super().__init__(at)
+        self.trace = trace
+
+    def value(self, tensor, op, at):
+        source = source_value(self.trace, op, "tl.patch_from")
+        if at is not None:
+            source = source[at]
+        return _like(source, tensor, op, "tl.patch_from")
+
+    def _describe(self):
+        return f"<trace of {self.trace.model_name}>"
+
+
+class mean_ablate(Action):  # noqa: N801
+    """Replace the value with its mean over ``dims`` (the batch, dim 0, by default), broadcast back to its
+    shape; with ``trace=``, the mean of the value at the same site in that trace instead."""
+
+    def __init__(self, dims=0, trace=None, at=None):
+        super().__init__(at)
+        self.dims, self.trace = dims, trace
+
+    def value(self, tensor, op, at):
+        source = tensor
+        if self.trace is not None:
+            source = source_value(self.trace, op, "tl.mean_ablate")
+            if at is not None:
+                source = source[at]
+        mean = source.float().mean(dim=self.dims, keepdim=True) if not source.is_floating_point() \
+            else source.mean(dim=self.dims, keepdim=True)
+        try:
+            mean = torch.broadcast_to(mean, tensor.shape)
+        except RuntimeError as exc:
+            raise ValueError(f"tl.mean_ablate at {_where(op)}: a mean of shape {tuple(mean.shape)} cannot "
+                             f"replace a value of shape {tuple(tensor.shape)}") from exc
+        return mean.to(device=tensor.device, dtype=tensor.dtype).clone()
+
+    def _describe(self):
+        return f"dims={self.dims!r}" + (", trace=<trace>" if self.trace is not None else "")
+
+
+class replace_with(Action):  # noqa: N801
+    """A tensor given as the action: the value is replaced by (a copy of) it, broadcast to the shape."""
+
+    def __init__(self, tensor: torch.Tensor):
+        super().__init__(None)
+        self.tensor = tensor
+
+    def value(self, tensor, op, at):
+        return _like(self.tensor, tensor, op, "a replacement tensor")
+
+    def _describe(self):
+        return f"tensor{tuple(self.tensor.shape)}"
+
+
+def as_action(action):
+    """The callable a site runs: helpers and callables as they are, a tensor as a replacement."""
+    if isinstance(action, torch.Tensor):
+        return replace_with(action)
+    if callable(action):
+        return action
+    raise TypeError(f"an intervention action must be a callable f(tensor, op), a tensor or a helper such as "
+                    f"tl.zero_ablate(); got {type(action).__name__}")
+
+
+def source_value(trace, op, who: str) -> torch.Tensor:
+    """The activation another trace holds at the site ``op`` stands for."""
+    label = op.label
+    found = None
+    output_index = getattr(op, "output_index", None)
+    if output_index is not None:  # a module site: that call's output tensor number ``output_index``
+        call = next((mc for mc in trace.module_calls if mc.label == label), None)
+        if call is not None and output_index < len(call._output_nodes) and call._output_nodes[output_index] >= 0:
+            found = trace.ops[call._output_nodes[output_index]]
+    elif label in trace:
+        found = trace[label]
+    if found is None or not hasattr(found, "activation"):
+        raise KeyError(f"{who}: the source trace has no op at {label!r}; it must come from the same model "
+                       "run on inputs taking the same path")
+    value = found.activation
+    if value is None:
+        raise ValueError(f"{who}: the source trace did not save {found.label} (the value at {label!r}); trace "
+                         "it with save='all' or a save= list naming the site")
+    return value
+
+
+def _like(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Tensor:
+    try:
+        value = torch.broadcast_to(source, tensor.shape)
+    except RuntimeError as exc:
+        raise ValueError(f"{who} at {_where(op)}: a value of shape {tuple(source.shape)} cannot replace one of "
+                         f"shape {tuple(tensor.shape)}") from exc
+    # A copy: downstream in-place ops must not write into the other trace's activation or the user's tensor.
+    return value.to(device=tensor.device, dtype=tensor.dtype).clone()
+
+
+def _where(op) -> str:
+    return getattr(op, "label", None) or "the site"

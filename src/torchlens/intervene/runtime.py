@@ -1,0 +1,437 @@
+"""Applying interventions while the forward runs, and recording what was applied.
+
+Label sites are applied by ``Interventions.at_call``, which the capture handler calls once per
+tensor-producing call when a trace has interventions (one attribute check otherwise).  It runs after
+the call's outputs were recorded and fixes the record up: the op's record, saved activation and
+producer binding then describe the value downstream ops see, and the value the op made is kept as
+``op.original``.  Module sites are applied by a global forward hook that replaces the call's output
+the same way.  Action code runs with torch function handling off, so it never adds ops to the trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from weakref import ref as weakref
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from ..capture.state import storage_key
+from ..labels.naming import func_name_of
+from ..record.errors import InterventionError
+from ..tree import tensor_leaves
+from .sites import ModuleCallInfo
+
+# Raw call tuple fields read here (capture/state.py documents the layout).
+CALL_PARENTS, CALL_MODULE, CALL_WROTE = 3, 5, 12
+RECORD_CALL = 0
+
+
+class StopForward(BaseException):
+    """Raised at the ``stop_after`` site.  A BaseException, so the model's own ``except Exception``
+    blocks let it through, as they do KeyboardInterrupt."""
+
+
+class Applied:
+    """One intervention as applied to one op: the site as given, the action and the op's label."""
+
+    __slots__ = ("site", "action", "label")
+
+    def __init__(self, site, action, label=None):
+        self.site, self.action, self.label = site, action, label
+
+    def __repr__(self) -> str:
+        sites = self.site if isinstance(self.site, tuple) else (self.site,)
+        site = ", ".join(s if isinstance(s, str) else "<predicate>" for s in sites)
+        return f"<Intervention {self.action!r} at {site} -> {self.label}>"
+
+
+class Interventions:
+    """The runtime state of one intervened trace."""
+
+    def __init__(self, label_sites: list, module_sites: list, index, keep_originals: bool):
+        self.by_call: dict = {}
+        self.stop_call = self.stop_key = self.stop_site = None
+        for site in label_sites:
+            if site.stop:
+                self.stop_call, self.stop_key, self.stop_site = site.call, site.op.label, site
+            if site.action is not None:
+                self.by_call.setdefault(site.call, []).append(site)
+        self.label_sites = [s for s in label_sites if s.action is not None]
+        self.module_sites = module_sites
+        self.by_module: dict = {}
+        for site in module_sites:
+            self.by_module.setdefault(id(site.module), []).append(site)
+        self.addresses = index.module_addresses
+        self.keep_originals = keep_originals
+        self.applied: dict = {}  # record index -> Applied
+        self.originals: dict = {}  # record index -> the value before the action
+        self.hit: set = set()  # ids of sites applied at least once
+        self.stopped_at = None  # the site key the forward stopped after
+        self.reference = None  # the trace label sites were resolved against, if any
+
+    @property
+    def watches_calls(self) -> bool:
+        """Whether the capture handler must call ``at_call`` (label sites or a label stop site)."""
+        return bool(self.by_call) or self.stop_call is not None
+
+    # ----- label sites: called by the capture handler ------------------------------------------
+    def at_call(self, st, call_index: int, first_op: int, out, leaves, func, args, kwargs):
+        """Apply the actions positioned at this call; return what the call returns to the model."""
+        sites = self.by_call.get(call_index)
+        if sites is not None:
+            self._check_path(st, sites, func)
+            values = [t for _, t in leaves]
+            slots = [slot for slot, _ in leaves]
+            changed = []
+            for site in sites:
+                k = slots.index(site.slot) if site.slot in slots else -1
+                if k < 0:
+                    raise InterventionError(f"intervention site {site.key!r}: the op at this position returned no "
+                                            f"output {site.slot!r}; the forward took another path than the reference")
+                new = self._run_action(site.action, values[k], site.op, site.key)
+                self.hit.add(id(site))
+                self._note(first_op + k, site.key, site.action)
+                if new is not None:
+                    values[k] = self._replace(st, call_index, first_op + k, values[k], new, args, kwargs)
+                    changed.append(k)
+            if changed:
+                out = _rebuild_output(out, [(slots[k], values[k]) for k in dict.fromkeys(changed)])
+        if call_index == self.stop_call:
+            self.stopped_at = self.stop_key
+            raise StopForward
+        return out
+
+    def _check_path(self, st, sites, func) -> None:
+        name = func_name_of(func)
+        for site in sites:
+            if name != site.func_name or not self._same_chain(st, site.chain):
+                where = " > ".join(self._address(st.module_calls[k][0]) for k in st.module_stack) or "the root forward"
+                expected = " > ".join(a for _, _, a in site.chain) or "the root forward"
+                raise InterventionError(
+                    f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
+                    f"reference trace: at that position it called {name!r} in {where}, where the reference "
+                    f"called {site.func_name!r} in {expected}. Pass reference= a trace of inputs that take the "
+                    "same path, or use a module site")
+
+    def _same_chain(self, st, expected) -> bool:
+        """Whether the module calls open now are the reference's, call for call."""
+        stack = st.module_stack
+        if len(stack) != len(expected):
+            return False
+        for k, (ref_k, ref_module, ref_address) in zip(stack, expected):
+            module = st.module_calls[k][0]
+            if k != ref_k:
+                return False
+            if module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
+                return False
+        return True
+
+    def _address(self, module) -> str:
+        names = self.addresses.get(id(module))
+        return names[0] if names else type(module).__name__
+
+    def _run_action(self, action, value, op, key):
+        version = value._version
+        with torch._C.DisableTorchFunction():  # the action's own torch calls are not ops of the model
+            new = action(value, op)
+        if value._version != version:
+            raise InterventionError(
+                f"the action at {key!r} wrote the tensor it was given in place, which would also change the "
+                "values saved for the ops before it; return a new tensor instead (t = t.clone(); t[...] = v; "
+                "return t)")
+        if new is None:
+            return None
+        if not isinstance(new, torch.Tensor):
+            raise InterventionError(f"intervention at {key!r} returned {type(new).__name__}; an action returns a "
+                                    "tensor (the new value) or None (keep the value)")
+        if new.shape != value.shape or new.dtype != value.dtype:
+            raise InterventionError(f"intervention at {key!r} returned a {tuple(new.shape)} {new.dtype} tensor for a "
+                                    f"{tuple(value.shape)} {value.dtype} value; an action must keep shape and dtype")
+        return new
+
+    # ----- record fix-ups ------------------------------------------------------------------------
+    def _replace(self, st, call_index, record, old, new, args, kwargs):
+        """Make ``record`` describe ``new``; return the tensor the model gets."""
+        receiver = st.calls[call_index][CALL_WROTE] and (
+            (args and args[0] is old) or (kwargs and kwargs.get("out") is old))
+        if receiver:  # an in-place op: its receiver is what the model holds, so write the value into it
+            st.protect_saved(old)  # copy-on-write: the saved value of this op becomes the original
+            original = st.saved.get(record)
+            with torch._C.DisableTorchFunction():
+                old.copy_(new)
+            new = old
+            key = storage_key(old)
+            if key in st.writers:
+                st.writers[key] = (record, old._version)
+        else:
+            passed = _argument_position(old, args, kwargs)  # an op returning an argument (x.contiguous() -> x)
+            original = st.saved.get(record)
+            if original is not None and (passed is not None or original._base is not None):
+                original = original.clone()  # a view, or a tensor the model still holds: may change later
+            self._unbind(st, call_index, old, passed)
+        self._rebind(st, record, new)
+        self._keep_original(record, original)
+        return new
+
+    def _unbind(self, st, call_index, old, passed) -> None:
+        """``old`` is no longer what downstream reads: drop its binding, or, when the op returned its argument
+        ``passed`` unchanged, give that tensor back to the op that made it."""
+        if passed is not None:
+            for pos, parent in st.calls[call_index][CALL_PARENTS]:
+                if pos == passed and parent >= 0:
+                    st.producers[id(old)] = (weakref(old), parent, old._version)
+                    return
+        st.producers.pop(id(old), None)
+
+    def _rebind(self, st, record, new) -> None:
+        rec = st.records[record]
+        requires_grad = new.requires_grad
+        st.records[record] = rec[:2] + (new.shape, new.dtype, new.device, requires_grad,
+                                        type(new.grad_fn) if requires_grad else None)
+        st.producers[id(new)] = (weakref(new), record, new._version)
+        if record in st.saved:
+            saved = st.saved.pop(record)
+            st.saved_versions.pop(record, None)
+            if st.max_saved_bytes is not None:  # the replacement is counted against the budget instead
+                st.saved_bytes -= saved.numel() * saved.element_size()
+            same_storage = st.saved_by_storage.get(storage_key(saved))
+            if same_storage and record in same_storage:
+                same_storage.remove(record)
+            st.save(record, new, requires_grad)
+        if st.finite_flags is not None:
+            st.record_finite(record, new)
+
+    def _note(self, record, key, action) -> None:
+        """Record that ``action`` ran at ``record``; several sites naming one op are kept in order."""
+        applied = self.applied.get(record)
+        if applied is None:
+            self.applied[record] = Applied(key, action)
+        else:
+            applied.site = (applied.site if isinstance(applied.site, tuple) else (applied.site,)) + (key,)
+            applied.action = (applied.action if isinstance(applied.action, tuple) else (applied.action,)) + (action,)
+
+    def _keep_original(self, record, original) -> None:
+        """The value the op made: the first one, when several actions changed it in turn."""
+        if original is not None and self.keep_originals and record not in self.originals:
+            self.originals[record] = original
+
+    # ----- module sites: global forward hooks ----------------------------------------------------
+    def module_hooks(self, st, root):
+        return _ModuleHooks(self, st, root)
+
+    def at_module_output(self, st, module, call_index: int, call_number: int, output):
+        """Apply the module sites matching this call to each tensor it returns; the new output or None."""
+        sites = [s for s in self.by_module[id(module)] if s.call_number is None or s.call_number == call_number]
+        for site in sites:
+            self.hit.add(id(site))
+        sites = [s for s in sites if s.action is not None]
+        if not sites:
+            return None
+        address = self._address(module)  # the call's label uses the module's first address, not an alias
+        leaves = tensor_leaves(output)
+        replaced: dict = {}  # id(returned tensor) -> the tensor downstream gets
+        done: set = set()
+        for k, (path, t) in enumerate(leaves):
+            if id(t) in done:  # the same tensor returned twice is one value
+                continue
+            done.add(id(t))
+            record = self._made_here(st, t, call_index, sites[0], call_number)
+            info = ModuleCallInfo(address, call_number, module, k, path)
+            original = st.saved.get(record)
+            current = t
+            for site in sites:
+                new = self._run_action(site.action, current, info, site.key)
+                self._note(record, site.key, site.action)
+                if new is not None:
+                    current = new
+            if current is not t:
+                if original is not None and original._base is not None:
+                    original = original.clone()  # a view of a value later ops may write
+                st.producers.pop(id(t), None)
+                self._rebind(st, record, current)
+                self._keep_original(record, original)
+                replaced[id(t)] = current
+        if not replaced:
+            return None
+        new_output = output
+        for path, t in leaves:
+            if id(t) in replaced:
+                new_output = _replace_at(new_output, path, replaced[id(t)], sites[0].key)
+        return new_output
+
+    def _made_here(self, st, t, call_index, site, call_number) -> int:
+        """The record of an output tensor made inside this module call and read nowhere inside it."""
+        label = f"{site.address}:{call_number}"
+        entry = st.producers.get(id(t))
+        record = entry[1] if entry is not None and entry[0]() is t else -1
+        made_in = -1
+        if record >= 0 and st.records[record][RECORD_CALL] >= 0:
+            made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
+        while made_in >= 0 and made_in != call_index:
+            made_in = st.module_calls[made_in][1]
+        if made_in != call_index:
+            raise InterventionError(
+                f"module site {site.key!r}: {label} returns a tensor it did not compute (one of its inputs, "
+                "passed through unchanged), so changing it would also change that value for its other readers; "
+                "intervene at the op label of the tensor instead")
+        producing_call = st.records[record][RECORD_CALL]
+        for later in st.calls[producing_call + 1:]:
+            if any(parent == record for _, parent in later[CALL_PARENTS]):
+                raise InterventionError(
+                    f"module site {site.key!r}: {label} read its output tensor inside the call before returning "
+                    "it, so the trace could not say which value those reads saw; intervene at the op label of "
+                    "the tensor instead")
+        return record
+
+    # ----- after the forward ---------------------------------------------------------------------
+    def unmet(self) -> list:
+        """Sites that never applied (the forward never reached them)."""
+        sites = [s for s in self.label_sites if id(s) not in self.hit]
+        sites += [s for s in self.module_sites if id(s) not in self.hit]
+        if self.stop_site is not None and self.stopped_at is None:
+            sites.append(self.stop_site)
+        return sites
+
+    def attach(self, trace) -> None:
+        labels = trace._labels
+        for record, applied in self.applied.items():
+            applied.label = labels[record]
+        trace._interventions = dict(self.applied)
+        trace._originals = dict(self.originals)
+        trace.interventions = [self.applied[r] for r in sorted(self.applied)]
+
+
+def _argument_position(t, args, kwargs):
+    """Where ``t`` was passed to the call (an index or a keyword), or None."""
+    for pos, a in enumerate(args):
+        if a is t:
+            return pos
+    for key, a in kwargs.items() if kwargs else ():
+        if a is t:
+            return key
+    return None
+
+
+def _rebuild_output(out, changed):
+    """The call's result with the ``(slot, tensor)`` pairs in ``changed`` put in."""
+    if isinstance(out, torch.Tensor):
+        return changed[0][1]
+    if out is None:  # __setitem__: the receiver was written in place
+        return out
+    for slot, value in changed:
+        out = _replace_at(out, slot if isinstance(slot, tuple) else (slot,), value, None)
+    return out
+
+
+def _replace_at(obj, path: tuple, value, key):
+    """``obj`` with the item at ``path`` replaced: containers are copied along the path, never mutated."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(obj, (tuple, list)):
+        items = list(obj)
+        items[head] = _replace_at(items[head], rest, value, key)
+        if isinstance(obj, list):
+            return items
+        if hasattr(type(obj), "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return tuple(items) if type(obj) is tuple else type(obj)(items)  # torch.return_types structseqs
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{head: _replace_at(getattr(obj, head), rest, value, key)})
+    if isinstance(obj, Mapping):
+        copy = dict(obj) if type(obj) is dict else type(obj)(obj)
+        copy[head] = _replace_at(obj[head], rest, value, key)
+        return copy
+    raise InterventionError(f"intervention at {key!r}: cannot rebuild a {type(obj).__name__} output with a changed "
+                            "tensor; intervene at the op label of that tensor instead")
+
+
+class _ModuleHooks:
+    """Global hooks for module sites, entered after ``ModuleCallTracker`` so that they run after its hooks
+    (the call is on ``state.module_stack`` in the pre hook and its outputs recorded in the post hook)."""
+
+    def __init__(self, runtime: Interventions, st, root):
+        self.runtime, self.st, self.root = runtime, st, root
+        self._handles = []
+
+    def __enter__(self):
+        runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
+        by_module = runtime.by_module
+        counts: dict = {}
+        open_calls: list = []  # (module call index, call number) of site modules now running
+
+        def pre_hook(module, args):
+            if id(module) in by_module and module is not root and threading.get_ident() == owner:
+                counts[id(module)] = number = counts.get(id(module), 0) + 1
+                open_calls.append((module, st.module_stack[-1], number))
+
+        def post_hook(module, args, output):
+            if id(module) not in by_module or module is root or threading.get_ident() != owner:
+                return None
+            if not open_calls or open_calls[-1][0] is not module:
+                return None
+            _, call_index, number = open_calls.pop()
+            if output is None:
+                return None  # unwinding from an exception, or a module returning nothing
+            with torch._C.DisableTorchFunction():
+                new = runtime.at_module_output(st, module, call_index, number, output)
+            stop = next((s for s in by_module[id(module)] if s.stop and s.call_number in (None, number)), None)
+            if stop is not None:
+                runtime.stopped_at = f"{stop.address}:{number}"
+                raise StopForward
+            return new
+
+        try:
+            self._handles.append(register_module_forward_pre_hook(pre_hook))
+            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        interrupted = None
+        while self._handles:
+            try:
+                self._handles[-1].remove()
+                self._handles.pop()
+            except BaseException as e:  # noqa: BLE001
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+        return False
+
+
+def finish_interventions(runtime: Interventions, trace) -> None:
+    """Attach what was applied to the finished trace; a site the forward never reached is an error."""
+    runtime.attach(trace)
+    if runtime.stopped_at is not None:
+        trace.stopped_after = runtime.stopped_at
+        if runtime.reference is not None:
+            _labels_from(runtime.reference, trace)
+        return
+    unmet = runtime.unmet()
+    if unmet:
+        names = ", ".join(dict.fromkeys(repr(s.key) if isinstance(s.key, str) else "<predicate>" for s in unmet))
+        raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
+                                "module call (a module call number past its last call, or control flow that skipped "
+                                "it); nothing was changed there")
+
+
+def _labels_from(reference, trace) -> None:
+    """Give a stopped trace the labels its ops have in the whole forward (``reference``), which labels
+    derived from the ops before the stop can differ from (pass counts, layers a later call would join).
+    Done only when the stopped trace is, op for op, a prefix of the reference."""
+    n = len(trace._kind)
+    if n > len(reference._kind) or trace._kind != reference._kind[:n] or trace._func_names != reference._func_names[:n]:
+        return
+    trace._labels = reference._labels[:n]
+    trace._layer_labels = reference._layer_labels[:n]
+    trace._pass = reference._pass[:n]
+    trace._group = reference._group[:n]
+    trace._group_size = {g: sum(1 for x in trace._group if x == g) for g in set(trace._group)}
+    for record, applied in trace._interventions.items():
+        applied.label = trace._labels[record]

@@ -1,0 +1,146 @@
+"""Where interventions apply: turning ``intervene={site: action}`` keys into positions in the forward.
+
+Module sites (``enc.layers.3`` every call, ``enc.layers.3:1`` one call) are matched by module object
+and call number while the model runs, so they need nothing beforehand.  Op and layer labels, and
+predicates over op metadata, only mean something against a whole forward: they are resolved against a
+reference trace of the same inputs (a first metadata-only pass, or one the caller passes) into the
+position of each op in execution order (tensor-producing call number and output slot).  The
+intervened run checks that the op met at each position has the same function and module call stack,
+so a forward that took another path fails loudly instead of editing the wrong op.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+import torch
+
+from ..record.op import KIND_OP, Layer, Op
+from .actions import as_action
+
+_LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
+
+
+class LabelSite:
+    """One op of the reference trace an action applies to."""
+
+    __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "stop")
+
+    def __init__(self, key, action, op, stop: bool):
+        trace = op._trace
+        self.key, self.action, self.op, self.stop = key, action, op, stop
+        self.call = trace._call[op.index]
+        self.slot = trace._slot[op.index]
+        self.func_name = op.func_name
+        self.chain = module_chain(trace, trace._module_call[op.index])
+
+
+class ModuleSite:
+    """A module object and, optionally, one call number of it."""
+
+    __slots__ = ("key", "action", "address", "module", "call_number", "stop")
+
+    def __init__(self, key, action, address, module, call_number, stop: bool):
+        self.key, self.action, self.address, self.module = key, action, address, module
+        self.call_number, self.stop = call_number, stop
+
+
+class ModuleCallInfo:
+    """What an action at a module site receives as ``op``: the call and which of its output tensors."""
+
+    kind = "module"
+
+    def __init__(self, address, call_index, module, output_index, output_path):
+        self.address = address
+        self.call_index = call_index
+        self.module_object = module
+        self.output_index = output_index  # position among the call's output tensors
+        self.output_path = output_path  # where that tensor sits in the returned value
+
+    @property
+    def label(self) -> str:
+        return f"{self.address}:{self.call_index}"
+
+    @property
+    def module(self) -> str:
+        """The call's label, as ``Op.module`` names the module call an op ran in."""
+        return self.label
+
+    def __repr__(self) -> str:
+        return f"<module call {self.label} output {self.output_index}>"
+
+
+def module_chain(trace, module_call: int) -> tuple:
+    """``((module call index, module object or None, address), ...)`` outer to inner, for one op of
+    ``trace`` (the object is gone from cleaned-up and loaded traces: the address stands in)."""
+    chain = []
+    call = trace.module_calls[module_call] if module_call >= 0 else None
+    while call is not None:
+        chain.append((call.index, call.module._ref, call.module.address))
+        call = call.parent
+    return tuple(reversed(chain))
+
+
+def split_sites(model, intervene: dict, stop_after):
+    """``(module sites, pending label sites)``: what needs no reference, and ``(key, action, stop)`` to
+    resolve against one.  Unknown module-like names raise ``KeyError`` here, before anything runs."""
+    # Every address, aliases included (one module registered under two names answers to both).
+    modules = dict(model.named_modules(remove_duplicate=False)) if isinstance(model, torch.nn.Module) else {}
+    modules.pop("", None)  # the root's output is the trace's output: change it after the trace
+    module_sites, pending = [], []
+    items = [(key, as_action(action), False) for key, action in intervene.items()]
+    if stop_after is not None:
+        items.append((stop_after, None, True))
+    for key, action, stop in items:
+        if callable(key) and not isinstance(key, str):
+            pending.append((key, action, stop))
+            continue
+        if not isinstance(key, str):
+            raise TypeError(f"an intervention site must be a label, a module address or a predicate over ops, "
+                            f"got {key!r}")
+        address, _, number = key.rpartition(":")
+        if key in modules:
+            module_sites.append(ModuleSite(key, action, key, modules[key], None, stop))
+        elif address in modules and number.isdigit():
+            if int(number) < 1:
+                raise KeyError(f"module call {key!r}: calls are numbered from 1")
+            module_sites.append(ModuleSite(key, action, address, modules[address], int(number), stop))
+        elif _LABEL.match(key):
+            pending.append((key, action, stop))
+        else:
+            names = list(modules) + [f"{name}:1" for name in modules]
+            close = difflib.get_close_matches(key, names, n=5, cutoff=0.5)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address or "
+                           f"module call of {type(model).__name__}{hint}")
+    return module_sites, pending
+
+
+def resolve_labels(reference, pending) -> list:
+    """``LabelSite`` per op each pending key names in ``reference``."""
+    sites = []
+    for key, action, stop in pending:
+        if isinstance(key, str):
+            try:
+                found = reference[key]
+            except KeyError as exc:
+                raise KeyError(f"intervention site {key!r}: {exc.args[0]}") from None
+            if isinstance(found, Layer):
+                ops = found.ops
+            elif isinstance(found, Op):
+                ops = [found]
+            else:
+                raise KeyError(f"intervention site {key!r} does not name an op in the reference trace")
+        else:
+            ops = [op for op in reference.ops if reference._kind[op.index] == KIND_OP and key(op)]
+            if not ops:
+                raise KeyError("an intervention predicate matched no op of the reference trace")
+        for op in ops:
+            if reference._kind[op.index] != KIND_OP:
+                raise KeyError(f"intervention site {key!r} is the model's {op.kind} {op.label}: intervene at the op "
+                               "that produces it, or pass a different input")
+            sites.append(LabelSite(key, action, op, stop))
+            if stop:
+                break  # stop after the first op the site names
+    return sites

@@ -1,0 +1,179 @@
+"""Patching experiments as tables: exact activation patching and its first-order estimate.
+
+``activation_patching`` runs the corrupted input once per site with the clean run's value patched in
+there (``tl.patch_from``) and reports the metric, normalised so that 0 is the corrupted baseline and 1
+the clean one.  ``attribution_patching`` estimates the same numbers for every op and module call from
+one forward on each input and one backward: ``(clean - corrupt activation) . d metric / d activation``
+on the corrupted run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..capture.session import trace
+from ..intervene import patch_from
+from ..record.errors import TorchlensError
+
+
+def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,
+                        kwargs=None, deep: bool = False, progress: bool = True):
+    """Patch each site from the clean into the corrupted run; one row per site.
+
+    Args:
+        model: the model; ``clean`` and ``corrupt`` are its arguments (a tensor or a tuple), taking the same
+            path through the forward.
+        metric: ``metric(output) -> float`` (a scalar tensor is fine), e.g. a logit difference.
+        sites: ``"modules"`` (every module call), ``"layers"`` (every layer label: all passes at once),
+            ``"ops"`` (every op label), or a list of sites as ``tl.trace(intervene=...)`` takes them.
+        positions: patch one index at a time along this dimension of each site's value (``1``: the
+            sequence positions of a ``(batch, seq, ...)`` value), adding a ``position`` column; draw the
+            table with ``tl.viz.heatmap(df)``.
+    Returns a pandas DataFrame with columns ``site``, ``metric``, ``normalized`` and ``error`` (why a site
+    could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
+    """
+    pd = _pandas()
+    clean_log = trace(model, clean, kwargs, save="all", deep=deep)
+    clean_value = _scalar(metric(clean_log.output))
+    corrupt_value = _scalar(metric(trace(model, corrupt, kwargs, save="none", deep=deep).output))
+    names = _sites(clean_log, sites)
+    for site in names:
+        if isinstance(site, str) and site not in clean_log:
+            clean_log[site]  # raises KeyError with the closest names, before any patched run
+    runs = [(site, None) for site in names] if positions is None else \
+        [(site, p) for site in names for p in range(_extent(clean_log, site, positions))]
+    rows = []
+    for site, position in _progress(runs, progress, "activation patching"):
+        at = None if position is None else (slice(None),) * positions + (position,)
+        try:
+            patched = trace(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+                            intervene={site: patch_from(clean_log, at=at)})
+            value, error = _scalar(metric(patched.output)), ""
+        except (TorchlensError, ValueError, IndexError) as exc:  # cannot be patched faithfully: say why
+            value, error = math.nan, str(exc)
+        row = {"site": site, "metric": value, "normalized": _normalized(value, clean_value, corrupt_value),
+               "error": error}
+        if positions is not None:
+            row["position"] = position
+        rows.append(row)
+    columns = ["site"] + (["position"] if positions is not None else []) + ["metric", "normalized", "error"]
+    frame = pd.DataFrame(rows, columns=columns)
+    frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
+    return frame
+
+
+def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bool = False):
+    """First-order estimate of activation patching for every op and module call (``kind`` column).
+
+    ``estimate`` is ``sum((clean - corrupt) * grad)`` with the gradient of ``metric(output)`` taken on the
+    corrupted run, ``normalized`` divides it by ``clean - corrupt`` of the metric.  Ops whose value the
+    gradient cannot reach (integer tensors, a value written in place later) have NaN and a ``note``.
+    """
+    pd = _pandas()
+    with torch.no_grad():
+        clean_log = trace(model, clean, kwargs, save="all", deep=deep)
+    clean_value = _scalar(metric(clean_log.output))
+    live: dict = {}  # label -> (differentiable tensor, its version when captured)
+    notes: dict = {}
+
+    def grab(t, op):
+        if not t.is_floating_point():
+            notes[op.label] = "not a floating-point value"
+            return None
+        if op.is_inplace:
+            notes[op.label] = "written in place: no gradient of its own value"
+            return None
+        if t.requires_grad:
+            live[op.label] = (t, t._version)
+            return None
+        leaf = t.detach().requires_grad_()  # same values; a leaf so the metric's gradient reaches it
+        live[op.label] = (leaf, leaf._version)
+        return leaf
+
+    with torch.enable_grad():
+        corrupt_log = trace(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+                            intervene={(lambda op: True): grab})
+        value = metric(corrupt_log.output)
+        corrupt_value = _scalar(value)
+        labels = [k for k, (t, v) in live.items() if t._version == v]
+        for k, (t, v) in live.items():
+            if t._version != v:
+                notes[k] = "written in place later in the forward: its gradient is not that of this value"
+        grads = torch.autograd.grad(value, [live[k][0] for k in labels], allow_unused=True) if labels else ()
+    estimate = {}
+    for k, g in zip(labels, grads):
+        delta = clean_log[k].activation.to(live[k][0].dtype) - live[k][0].detach()
+        estimate[k] = 0.0 if g is None else float((delta * g).sum())
+    rows = []
+    for op in clean_log.ops:
+        if op.kind != "op":
+            continue
+        e = estimate.get(op.label, math.nan)
+        rows.append({"site": op.label, "kind": "op", "estimate": e,
+                     "normalized": _normalized(e, clean_value, corrupt_value, baseline=0.0),
+                     "note": notes.get(op.label, "")})
+    for mc in clean_log.module_calls:
+        outs = list(dict.fromkeys(mc.output_ops))
+        e = sum(estimate.get(k, math.nan) for k in outs) if outs else math.nan
+        rows.append({"site": mc.label, "kind": "module call", "estimate": e,
+                     "normalized": _normalized(e, clean_value, corrupt_value, baseline=0.0),
+                     "note": "; ".join(notes[k] for k in outs if k in notes)})
+    frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
+    frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
+    return frame
+
+
+def _extent(log, site, dim: int) -> int:
+    """Size of dimension ``dim`` of the value at ``site`` in ``log``."""
+    found = log[site] if isinstance(site, str) else next(op for op in log.ops if op.kind == "op" and site(op))
+    shape = found.ops[0].shape if hasattr(found, "ops") and hasattr(found, "first") else getattr(found, "shape", None)
+    if shape is None or len(shape) <= dim:
+        raise ValueError(f"positions={dim}: the value at {site!r} has shape {shape}, with no dimension {dim}")
+    return shape[dim]
+
+
+def _sites(log, sites) -> list:
+    if sites == "modules":
+        return [mc.label for mc in log.module_calls]
+    if sites == "layers":
+        return list(dict.fromkeys(op.layer_label for op in log.ops if op.kind == "op"))
+    if sites == "ops":
+        return [op.label for op in log.ops if op.kind == "op"]
+    if isinstance(sites, str):
+        raise ValueError(f"sites={sites!r}: use 'modules', 'layers', 'ops' or a list of sites")
+    return list(sites)
+
+
+def _normalized(value, clean, corrupt, baseline=None):
+    span = clean - corrupt
+    if span == 0 or math.isnan(value):
+        return math.nan
+    return (value - (corrupt if baseline is None else baseline)) / span
+
+
+def _scalar(value) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"the metric must return one number, got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach())
+    return float(value)
+
+
+def _pandas():
+    try:
+        import pandas
+    except ImportError as exc:  # pragma: no cover - pandas is optional
+        raise ImportError("patching reports are pandas tables: pip install pandas") from exc
+    return pandas
+
+
+def _progress(items, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as exc:  # pragma: no cover - tqdm is optional
+        raise ImportError("the progress bar needs tqdm: pip install tqdm, or pass progress=False") from exc
+    return tqdm(items, desc=desc, leave=False)

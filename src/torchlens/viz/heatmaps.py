@@ -1,0 +1,65 @@
+"""A patching table as a heatmap: one row per site, one column per position, as a standalone SVG.
+
+Written directly as SVG (no plotting library): cells are coloured on a diverging scale centred on 0,
+blue for negative and red for positive values, saturated at the largest magnitude in the table; a
+missing value (NaN: a site that could not be patched) is grey and says so in its tooltip.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+_CELL, _ROW_LABEL_CHARS, _FONT = 22, 7, 11
+MISSING = "#dddddd"
+
+
+def heatmap(frame, path=None, value: str = "normalized", title: str | None = None):
+    """SVG text of ``frame`` (from ``tl.report.activation_patching`` or ``attribution_patching``): rows are
+    its ``site`` values in order, columns its ``position`` values (one column without that column), cells
+    ``frame[value]``.  Written to ``path`` when given (and the path returned)."""
+    sites = list(dict.fromkeys(frame["site"]))
+    positions = list(dict.fromkeys(frame["position"])) if "position" in frame else [None]
+    cells = {}
+    for row in frame.itertuples(index=False):
+        position = getattr(row, "position", None) if positions != [None] else None
+        cells[(row.site, position)] = float(getattr(row, value))
+    finite = [abs(v) for v in cells.values() if not math.isnan(v)]
+    scale = max(finite, default=1.0) or 1.0
+    left = _ROW_LABEL_CHARS * max((len(str(s)) for s in sites), default=4) + 10
+    top = 40
+    width = left + _CELL * len(positions) + 20
+    height = top + _CELL * len(sites) + 30
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="monospace" font-size="{_FONT}">',
+             f'<text x="4" y="14">{escape(title or value)} (blue &lt; 0 &lt; red, |max| = {scale:.3g})</text>']
+    for j, position in enumerate(positions):
+        if position is not None:
+            parts.append(f'<text x="{left + j * _CELL + _CELL / 2}" y="{top - 6}" text-anchor="middle">'
+                         f'{escape(str(position))}</text>')
+    for i, site in enumerate(sites):
+        y = top + i * _CELL
+        parts.append(f'<text x="{left - 6}" y="{y + _CELL * 0.7}" text-anchor="end">{escape(str(site))}</text>')
+        for j, position in enumerate(positions):
+            v = cells.get((site, position), math.nan)
+            fill = MISSING if math.isnan(v) else _color(v / scale)
+            shown = "not patched" if math.isnan(v) else f"{v:.4g}"
+            where = f" position {position}" if position is not None else ""
+            parts.append(f'<rect x="{left + j * _CELL}" y="{y}" width="{_CELL}" height="{_CELL}" fill="{fill}" '
+                         f'stroke="white"><title>{escape(str(site))}{where}: {shown}</title></rect>')
+    parts.append("</svg>")
+    svg = "\n".join(parts)
+    if path is None:
+        return svg
+    import pathlib
+
+    path = pathlib.Path(path)
+    path.write_text(svg, encoding="utf-8")
+    return path
+
+
+def _color(x: float) -> str:
+    """White at 0, red towards +1, blue towards -1."""
+    x = max(-1.0, min(1.0, x))
+    fade = int(round(255 * (1 - abs(x))))
+    return f"#ff{fade:02x}{fade:02x}" if x >= 0 else f"#{fade:02x}{fade:02x}ff"
