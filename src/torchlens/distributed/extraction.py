@@ -40,7 +40,8 @@ class RankFailedError(TorchlensError, RuntimeError):
     """A rank did not reach a distributed barrier in time: it died, hung, or raised."""
 
 
-def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, barrier_timeout) -> str:
+def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, barrier_timeout,
+                  stop_after=None) -> str:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -56,7 +57,7 @@ def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, p
     # A rank that raises here never reaches the barrier, and the others name it there.
     extract_folder(model, batches, layers, folder, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
                    progress=progress and rank == 0, indices_of=indices_of,
-                   arguments=dict(settings, rank=rank, world_size=world))
+                   arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after)
     _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
     if rank == 0:
         join_ranks(out, world, layers)

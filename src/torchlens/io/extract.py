@@ -79,13 +79,13 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
         from ..distributed.extraction import extract_ranks
 
         return extract_ranks(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
-                             progress=progress, barrier_timeout=barrier_timeout)
+                             progress=progress, barrier_timeout=barrier_timeout, stop_after=stop_after)
     return extract_folder(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
-                          progress=progress)
+                          progress=progress, stop_after=stop_after)
 
 
 def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, indices_of=None,
-                   arguments=None) -> str:
+                   arguments=None, stop_after=None) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
     job = {"model_sha256": model_checksum(model), "arguments": dict(_arguments(layers, kwargs, inputs),
