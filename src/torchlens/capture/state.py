@@ -73,6 +73,7 @@ class CaptureState:
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
         self.markers = None
+        self.grads = None  # a capture.grads.GradCapture when tracing with grads=...
 
     # ----- parents -------------------------------------------------------------------------------
     def producer_of(self, t: torch.Tensor) -> int:
@@ -116,6 +117,8 @@ class CaptureState:
             self.save(index, t, t.requires_grad)
         if self.finite_flags is not None:
             self.record_finite(index, t)
+        if self.grads is not None and t.requires_grad:
+            self.grads.watch_source(index, t)
         return index
 
     def note_writes(self, written: list, record_index: int) -> None:

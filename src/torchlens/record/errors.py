@@ -15,3 +15,7 @@ class TraceCleanedUp(TorchlensError):
 
 class NestedTraceError(TorchlensError):
     """``tl.trace`` was called from inside a traced forward."""
+
+
+class GradientUnavailable(TorchlensError):
+    """A gradient was asked for that autograd never computes or the trace was not set up to receive."""

@@ -29,6 +29,7 @@ class Trace:
     """
 
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
+    _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
@@ -170,6 +171,30 @@ class Trace:
         """Seconds from the start of ``tl.trace`` to the finished record."""
         return self.timings.get("total", 0.0)
 
+    @property
+    def num_backwards(self) -> int:
+        """How many backward passes reached this trace's ops (each ``.backward()`` or ``autograd.grad``)."""
+        return self._gradcap.backwards if self._gradcap is not None else 0
+
+    def backward(self, loss, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
+        """``torch.autograd.backward(loss, ...)``: fills every op's ``.grad`` (trace with ``grads=True``)."""
+        from .grads import backward
+
+        backward(self, loss, gradient, retain_graph, create_graph, inputs)
+
+    @property
+    def saved_for_backward_bytes(self) -> int:
+        """Bytes autograd keeps for backward over the whole forward (distinct storages, each once)."""
+        from .grads import saved_for_backward_bytes
+
+        return saved_for_backward_bytes(self)
+
+    def saved_for_backward(self):
+        """Per module call, what autograd keeps for backward, largest first (``str()`` it, or ``.to_pandas()``)."""
+        from .grads import SavedForBackward
+
+        return SavedForBackward(self)
+
     def _children(self) -> list:
         if self._children_col is None:
             children: list = [[] for _ in self._kind]
@@ -300,6 +325,9 @@ class Trace:
 
             flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held
         self.params  # parameter records keep shapes, not tensors: build them before the index goes
+        from .grads import release
+
+        release(self)  # gradient statistics stay; the tensors and every hook go
         self._model_params = None
         self._cleaned = True
         self._activations = {}
