@@ -25,6 +25,7 @@ import torch
 
 from .state import storage_key
 
+_no_torch_function = torch._C.DisableTorchFunction
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -33,6 +34,27 @@ def _store(capture_ref, index: int, grad) -> None:
     capture = capture_ref()
     if capture is not None and grad is not None:
         capture.add(index, grad)
+
+
+def _pack(capture_ref, t: torch.Tensor):
+    """The pack hook.  Autograd keeps it with every saved tensor, so it holds the capture weakly; and it
+    runs inside custom Functions' forward too, where the capture mode is active: what it calls is
+    bookkeeping, never ops of the model."""
+    capture = capture_ref()
+    with _no_torch_function():
+        if capture is not None:
+            capture.note_packed(t)
+        return t.detach(), t._version
+
+
+def _unpack(packed):
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+            f"{version} instead (checked by the torchlens grads=True trace, as autograd checks it)")
+    return t
 
 
 def _remove_all(handles: dict) -> None:
@@ -77,7 +99,7 @@ class GradCapture:
             self.handles[index] = t.register_hook(partial(_store, self._self_ref, index))
             self.selected.add(index)
 
-    def pack(self, t: torch.Tensor):
+    def note_packed(self, t: torch.Tensor) -> None:
         calls = self.calls
         if calls is not None:
             sizes = self.packed.get(len(calls))
@@ -87,17 +109,6 @@ class GradCapture:
                 sizes[storage_key(t)] = t.untyped_storage().nbytes()
             except (RuntimeError, NotImplementedError):  # storage-less layouts: their own size
                 sizes[-id(t)] = t.numel() * t.element_size()
-        return t.detach(), t._version
-
-    @staticmethod
-    def unpack(packed):
-        t, version = packed
-        if t._version != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-                f"{version} instead (checked by the torchlens grads=True trace, as autograd checks it)")
-        return t
 
     def saved_tensors_context(self):
         """``saved_tensors_hooks`` for the forward, or a null context when packing cannot be observed."""
@@ -113,7 +124,7 @@ class GradCapture:
                               "charge and did not observe packing")
         if self.pack_note is not None:
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(partial(_pack, self._self_ref), _unpack)
 
     # ----- the backward --------------------------------------------------------------------------
     def add(self, index: int, grad: torch.Tensor) -> None:
