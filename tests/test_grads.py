@@ -589,3 +589,49 @@ def test_gpt2_gradients_bit_identical_to_an_untraced_run():
     assert log.saved_for_backward_bytes > 0
     top = log.saved_for_backward().rows[0]
     assert top["module_call"] in ("transformer:1", "self:1") or top["saved_for_backward_bytes"] > 0
+
+
+def test_hot_path_by_grad_norm_and_saved_for_backward():
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True)
+    with pytest.raises(ValueError, match="backward"):
+        tl.debug.hot_path(log, by="grad_norm")
+    log.backward(log.output.pow(2).sum())
+    ranked = tl.debug.hot_path(log, by="grad_norm")
+    norms = {op.label: float(torch.linalg.vector_norm(op.grad)) for op in log if op.kind == "op"}
+    assert [r["address"] for r in ranked.rows] == sorted(norms, key=norms.get, reverse=True)
+    assert ranked.rows[0]["total"] == pytest.approx(max(norms.values()))
+    by_module = {r["address"]: r["total"] for r in tl.debug.hot_path(log, by="grad_norm", group="module")}
+    head = [op for op in log if op.module == "head:1"]
+    assert by_module["head:1"] == pytest.approx(sum(norms[op.label] ** 2 for op in head) ** 0.5)
+    saved = tl.debug.hot_path(log, by="saved_for_backward", group="module")
+    assert {r["address"]: r["total"] for r in saved} == {
+        mc.label: mc.saved_for_backward_bytes for mc in log.module_calls}
+    with pytest.raises(GradientUnavailable, match="grads=True"):
+        tl.debug.hot_path(tl.trace(model, args), by="grad_norm")
+
+
+class SqrtOfZero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        spread = h.norm(dim=-1, keepdim=True) * 0.0  # finite in the forward; sqrt'(0) is Inf
+        return self.b(torch.sqrt(spread) + h)
+
+
+def test_nonfinite_origin_of_gradients_names_the_first_op_in_backward_order():
+    log = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=True)
+    log.backward(log.output.sum())
+    assert not tl.debug.nonfinite_origin(log)  # the forward is finite
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    assert report.origin_label == "mul_1_3:1" and report.kind == "inf"
+    assert report.born_in == ("sqrt_1_4:1",)
+    assert set(report.nonfinite) == {"mul_1_3:1", "norm_1_2:1", "linear_1_1:1"}
+    assert "detect_anomaly" in str(report) and "sqrt_1_4:1" in str(report)
+    clean = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=["b"])
+    clean.backward(clean.output.sum())
+    assert not tl.debug.nonfinite_origin(clean, grads=True)

@@ -77,6 +77,7 @@ class GradCapture:
         self.handles: dict = {}  # record index -> RemovableHandle
         self.selected: set = set()  # record indices whose gradient the trace keeps
         self.backwards = 0
+        self.order: list = []  # record indices in the order their first gradient arrived (backward order)
         self._last_task = None
         self._self_ref = weakref.ref(self)
         self._finalizer = weakref.finalize(self, _remove_all, self.handles)
@@ -138,6 +139,7 @@ class GradCapture:
             if kept is None:
                 # A copy, as retain_grad() keeps: autograd may reuse the buffer it passed in.
                 self.grads[index] = grad.detach().clone()
+                self.order.append(index)
             else:
                 self.grads[index] = kept + grad.detach()
 
