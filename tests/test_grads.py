@@ -635,3 +635,33 @@ def test_nonfinite_origin_of_gradients_names_the_first_op_in_backward_order():
     clean = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=["b"])
     clean.backward(clean.output.sum())
     assert not tl.debug.nonfinite_origin(clean, grads=True)
+
+
+def test_save_and_load_keep_gradients(tmp_path):
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True)
+    log.backward(log.output.sum())
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    assert loaded.num_backwards == 1
+    for op in log:
+        if op.has_grad:
+            assert torch.equal(loaded[op.label].grad, op.grad), op.label
+    assert torch.equal(loaded._param_grads["head.weight"], model.head.weight.grad)
+    assert loaded.saved_for_backward_bytes == log.saved_for_backward_bytes
+    assert loaded["linear_1_1:1"].saved_for_backward_bytes == log["linear_1_1:1"].saved_for_backward_bytes
+    frame, original = loaded.to_pandas(), log.to_pandas()
+    assert frame["grad_norm"].equals(original["grad_norm"])
+    manifest = (tmp_path / "t" / "manifest.json").read_text()
+    assert "gradients.safetensors" in manifest
+    # Statistics survive a save after cleanup(); non-finite values round-trip through JSON.
+    bad = tl.trace(model, args, grads=True)
+    bad.backward(torch.sqrt(bad.output - 1e6).sum())
+    bad.cleanup()
+    bad.save(tmp_path / "c")
+    reread = tl.load(tmp_path / "c").to_pandas().set_index("label")
+    assert reread["grad_nonfinite"].equals(bad.to_pandas().set_index("label")["grad_nonfinite"])
+    assert reread["grad_norm"].isna().any()
+    plain = tl.trace(model, args)
+    plain.save(tmp_path / "p")
+    assert tl.load(tmp_path / "p")._gradcap is None

@@ -18,6 +18,7 @@ import torch
 from ..record.modules import Module, ModuleCall
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
+from .grads import read_grads
 from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, read_json,
                      require_safetensors, safe_member, verify_manifest)
 
@@ -38,6 +39,7 @@ def load(path) -> Trace:
         raise TraceFileError(f"{folder}/{TRACE_JSON}: does not match trace schema {TRACE_SCHEMA} "
                              f"({type(exc).__name__}: {exc}); the file was edited or written by other software") \
             from None
+    read_grads(trace, record, folder, manifest["files"])  # io/grads.py
     trace.loaded_from = folder
     return trace
 

@@ -20,6 +20,7 @@ import uuid
 import torch
 
 from .encode import encode_value, torch_constant_name
+from .grads import write_grads
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
                      require_safetensors, write_atomic, write_manifest)
 
@@ -45,6 +46,8 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
                                             metadata={"format": TRACE_FORMAT})
             names.append(TRACE_TENSORS)
         record = trace_columns(trace, keys, unsaved, activations)
+        grad_files, record["grads"] = write_grads(trace, staging, activations)  # io/grads.py
+        names += grad_files
         write_atomic(os.path.join(staging, TRACE_JSON), dump_json(record))
         write_manifest(staging, TRACE_FORMAT, TRACE_SCHEMA, names)
         if os.path.exists(path):
