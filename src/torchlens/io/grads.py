@@ -22,7 +22,11 @@ def _float(v):
 
 
 def _unfloat(v):
-    return float(v) if isinstance(v, str) else v
+    if v is None or isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    if v in ("nan", "inf", "-inf"):
+        return float(v)
+    raise TraceFileError(f"{TRACE_JSON}: grads: {v!r} is not a number")
 
 
 def write_grads(trace, folder: str, with_tensors: bool):
@@ -65,9 +69,9 @@ def read_grads(trace, record, folder: str, files) -> None:
     """Give a loaded ``trace`` the gradients its folder holds (nothing when it was traced without them)."""
     try:
         _read_grads(trace, record, folder, files)
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
-        if isinstance(exc, TraceFileError):
-            raise
+    except TraceFileError as exc:  # column checks name the file; add the folder
+        raise exc if str(exc).startswith(folder) else TraceFileError(f"{folder}/{exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
         raise TraceFileError(f"{folder}/{TRACE_JSON}: its 'grads' record is malformed ({type(exc).__name__}: {exc}); "
                              "the file was edited or written by other software") from None
 
@@ -81,6 +85,7 @@ def _read_grads(trace, record, folder: str, files) -> None:
     n = len(trace._kind)
     if not isinstance(grads, dict):
         raise TraceFileError(f"{TRACE_JSON}: 'grads' must be a table")
+    stats = {_index(i, n): {_stat_name(k): _unfloat(v) for k, v in s.items()} for i, s in grads["stats"]}
     tensors = {}
     if GRAD_TENSORS in files:
         try:
@@ -101,8 +106,16 @@ def _read_grads(trace, record, folder: str, files) -> None:
         capture.grads[i] = g
     trace._gradcap = capture
     trace._param_grads = {address: tensors[key] for address, key in grads["param_tensors"] if key in tensors}
-    if not capture.grads and grads["stats"]:  # saved after cleanup(), or without tensors: statistics only
-        trace._grad_stats = {_index(i, n): {k: _unfloat(v) for k, v in s.items()} for i, s in grads["stats"]}
+    if not capture.grads and stats:  # saved after cleanup(), or without tensors: statistics only
+        trace._grad_stats = stats
+
+
+def _stat_name(k) -> str:
+    from ..record.grads import GRAD_COLUMNS
+
+    if k not in GRAD_COLUMNS:
+        raise TraceFileError(f"{TRACE_JSON}: grads: {k!r} is not a gradient statistic")
+    return k
 
 
 def _index(i, n) -> int:
