@@ -525,7 +525,7 @@ def test_inplace_after_save_still_refused_as_autograd_refuses_it():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         f(x).sum().backward()
-    log = tl.trace(f, x, grads=True)
+    log = tl.trace(f, x, grads=True, saved_for_backward=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         log.backward(log.output.sum())
 
@@ -533,7 +533,9 @@ def test_inplace_after_save_still_refused_as_autograd_refuses_it():
 def test_saved_for_backward_bytes_count_distinct_storages():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     x = torch.randn(3, 4)
-    log = tl.trace(model, x, grads=True)
+    with pytest.raises(GradientUnavailable, match="saved_for_backward=True"):
+        tl.trace(model, x, grads=True)["0"].saved_for_backward_bytes
+    log = tl.trace(model, x, saved_for_backward=True)
     fp = 4
     # The first linear keeps only its input (the weight's gradient needs it; x needs no gradient),
     # relu its output, the second linear relu's output (the same storage: counted once in totals) and
@@ -546,14 +548,14 @@ def test_saved_for_backward_bytes_count_distinct_storages():
     assert [r["module_call"] for r in table.rows] == ["2:1", "1:1", "0:1"]
     assert "saved for backward" in str(table)
     x.requires_grad_()
-    log = tl.trace(model, x, grads=True)
+    log = tl.trace(model, x, saved_for_backward=True)
     assert log["0"].saved_for_backward_bytes == (3 * 4 + 8 * 4) * fp  # now the weight is kept for x's gradient
 
 
 def test_saved_for_backward_left_to_callers_own_hooks():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
     with torch.autograd.graph.save_on_cpu():
-        log = tl.trace(model, torch.randn(3, 4), grads=True)
+        log = tl.trace(model, torch.randn(3, 4), grads=True, saved_for_backward=True)
     with pytest.raises(GradientUnavailable, match="saved_tensors_hooks"):
         log.saved_for_backward_bytes
     log.backward(log.output.sum())
@@ -577,7 +579,7 @@ def test_gpt2_gradients_bit_identical_to_an_untraced_run():
     expected = oracle.grads()
     ref_params = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    log = tl.trace(model, ids, grads=True)
+    log = tl.trace(model, ids, grads=True, saved_for_backward=True)
     log.backward(log.output.logits.logsumexp(-1).sum())
     ops, got = _op_grads(log)
     _assert_bit_identical(ops, got, expected)
@@ -593,7 +595,7 @@ def test_gpt2_gradients_bit_identical_to_an_untraced_run():
 
 def test_hot_path_by_grad_norm_and_saved_for_backward():
     model, args, _ = zoo()["mlp"]
-    log = tl.trace(model, args, grads=True)
+    log = tl.trace(model, args, grads=True, saved_for_backward=True)
     with pytest.raises(ValueError, match="backward"):
         tl.debug.hot_path(log, by="grad_norm")
     log.backward(log.output.pow(2).sum())
@@ -639,7 +641,7 @@ def test_nonfinite_origin_of_gradients_names_the_first_op_in_backward_order():
 
 def test_save_and_load_keep_gradients(tmp_path):
     model, args, _ = zoo()["mlp"]
-    log = tl.trace(model, args, grads=True)
+    log = tl.trace(model, args, grads=True, saved_for_backward=True)
     log.backward(log.output.sum())
     log.save(tmp_path / "t")
     loaded = tl.load(tmp_path / "t")
@@ -665,3 +667,7 @@ def test_save_and_load_keep_gradients(tmp_path):
     plain = tl.trace(model, args)
     plain.save(tmp_path / "p")
     assert tl.load(tmp_path / "p")._gradcap is None
+    packed_only = tl.trace(model, args, saved_for_backward=True)
+    packed_only.save(tmp_path / "s")
+    reread = tl.load(tmp_path / "s")
+    assert reread._gradcap is None and reread.saved_for_backward_bytes == packed_only.saved_for_backward_bytes

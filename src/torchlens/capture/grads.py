@@ -1,4 +1,4 @@
-"""Gradient capture: a tensor hook per recorded output, and what autograd packs for backward.
+"""Gradient capture: a tensor hook per recorded output, delivering d loss / d output to the trace.
 
 With ``tl.trace(..., grads=True)`` the hot path calls ``GradCapture.watch`` for each recorded output
 that requires grad.  ``watch`` registers one tensor hook (what ``retain_grad()`` does, through the public
@@ -10,22 +10,18 @@ never keeps the graph alive (it holds the handles, which hold the hook dicts wea
 removed by ``Trace.cleanup()`` or when the trace is garbage-collected, so a later backward through the
 same graph is unaffected.
 
-During the forward, ``torch.autograd.graph.saved_tensors_hooks`` tells which tensors autograd packs for
-backward and which call packed them.  The pack hook keeps a detached alias (no copy, no reference cycle
-through the output's ``grad_fn``) and the version it had, so that unpacking still refuses a tensor
-modified in place after it was saved, as autograd does without hooks.
+What autograd keeps for backward is recorded separately, on request (capture/packing.py).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from functools import partial
 
 import torch
 
-from .state import storage_key
-
-_no_torch_function = torch._C.DisableTorchFunction
+_INLINE_HOOKS = hasattr(torch._C.TensorBase, "_backward_hooks") and hasattr(torch._C._FunctionBase, "_register_hook_dict")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -36,35 +32,30 @@ def _store(capture_ref, index: int, grad) -> None:
         capture.add(index, grad)
 
 
-def _pack(capture_ref, t: torch.Tensor):
-    """The pack hook.  Autograd keeps it with every saved tensor, so it holds the capture weakly; and it
-    runs inside custom Functions' forward too, where the capture mode is active: what it calls is
-    bookkeeping, never ops of the model."""
-    capture = capture_ref()
-    with _no_torch_function():
-        if capture is not None:
-            capture.note_packed(t)
-        return t.detach(), t._version
-
-
-def _unpack(packed):
-    t, version = packed
-    if t._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-            f"{version} instead (checked by the torchlens grads=True trace, as autograd checks it)")
-    return t
-
-
 def _remove_all(handles: dict) -> None:
-    for handle in handles.values():
-        handle.remove()
+    for hooks_ref, key in handles.values():
+        hooks = hooks_ref()
+        if hooks is not None:
+            hooks.pop(key, None)
     handles.clear()
 
 
+def _hook_dict(t: torch.Tensor):
+    """The tensor's hook dict, made and attached to its ``grad_fn`` as ``Tensor.register_hook`` does.
+
+    ``register_hook`` takes these same steps and then builds a ``RemovableHandle`` per call, which costs
+    several times what ``retain_grad()`` costs; the trace removes its hooks by key instead."""
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        grad_fn = t.grad_fn
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(t)
+    return hooks
+
+
 class GradCapture:
-    """The gradients one trace receives, the hooks that deliver them, and the packed-for-backward log.
+    """The gradients one trace receives and the hooks that deliver them.
 
     ``selector`` is ``None`` (every op that requires grad) or a ``(func, module_call) -> bool`` test
     decided during the forward (op types and modules of a ``grads=[...]`` selection).
@@ -74,58 +65,38 @@ class GradCapture:
         self.selector = selector
         self.sources = True  # inputs are watched (False when a type selection does not name them)
         self.grads: dict = {}  # record index -> accumulated gradient (a private, detached tensor)
-        self.handles: dict = {}  # record index -> RemovableHandle
+        self.handles: dict = {}  # record index -> (weakref to the tensor's hook dict, our key in it)
+        self._token = object()  # keys are (token, index): never equal to another hook's key
         self.selected: set = set()  # record indices whose gradient the trace keeps
         self.backwards = 0
         self.order: list = []  # record indices in the order their first gradient arrived (backward order)
         self._last_task = None
         self._self_ref = weakref.ref(self)
         self._finalizer = weakref.finalize(self, _remove_all, self.handles)
-        # Packed for backward: call index -> {storage key: storage bytes}.
-        self.packed: dict = {}
-        self.calls = None  # the capture state's calls list, whose length is the call being run
-        self.pack_note = None  # why packing was not observed, when it was not
 
     # ----- the forward ---------------------------------------------------------------------------
     def watch(self, index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
         """Register the gradient hook for record ``index`` (``t`` requires grad)."""
         if self.selector is not None and not self.selector(func, module_call):
             return
-        self.handles[index] = t.register_hook(partial(_store, self._self_ref, index))
+        self._hook(index, t)
+
+    def _hook(self, index: int, t: torch.Tensor) -> None:
+        hook = partial(_store, self._self_ref, index)
+        if type(t) is not torch.Tensor or not _INLINE_HOOKS:  # subclasses dispatch register_hook themselves
+            handle = t.register_hook(hook)
+            self.handles[index] = (weakref.ref(handle.hooks_dict_ref()), handle.id)
+        else:
+            key = (self._token, index)
+            hooks = _hook_dict(t)
+            hooks[key] = hook
+            self.handles[index] = (weakref.ref(hooks), key)
         self.selected.add(index)
 
     def watch_source(self, index: int, t: torch.Tensor) -> None:
         """An input that requires grad: its gradient is d loss / d input."""
         if self.selector is None or self.sources:
-            self.handles[index] = t.register_hook(partial(_store, self._self_ref, index))
-            self.selected.add(index)
-
-    def note_packed(self, t: torch.Tensor) -> None:
-        calls = self.calls
-        if calls is not None:
-            sizes = self.packed.get(len(calls))
-            if sizes is None:
-                sizes = self.packed[len(calls)] = {}
-            try:
-                sizes[storage_key(t)] = t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):  # storage-less layouts: their own size
-                sizes[-id(t)] = t.numel() * t.element_size()
-
-    def saved_tensors_context(self):
-        """``saved_tensors_hooks`` for the forward, or a null context when packing cannot be observed."""
-        import contextlib
-
-        autograd = torch._C._autograd
-        enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)()
-        top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
-        if not enabled:
-            self.pack_note = "saved-tensor hooks are disabled here, so packing was not observed"
-        elif top is not None and top(False) is not None:
-            self.pack_note = ("the caller's own saved_tensors_hooks were active: torchlens left them in "
-                              "charge and did not observe packing")
-        if self.pack_note is not None:
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(partial(_pack, self._self_ref), _unpack)
+            self._hook(index, t)
 
     # ----- the backward --------------------------------------------------------------------------
     def add(self, index: int, grad: torch.Tensor) -> None:
@@ -134,19 +105,20 @@ class GradCapture:
             if task != self._last_task:
                 self._last_task = task
                 self.backwards += 1
+        if grad.requires_grad:  # a backward with create_graph=True: keep the value, not a graph
+            grad = grad.detach()
         kept = self.grads.get(index)
-        with torch.no_grad():
-            if kept is None:
-                # A copy, as retain_grad() keeps: autograd may reuse the buffer it passed in.
-                self.grads[index] = grad.detach().clone()
-                self.order.append(index)
-            else:
-                self.grads[index] = kept + grad.detach()
+        if kept is None:
+            # Kept by reference, not copied: autograd accumulates into a gradient buffer in place only
+            # while nothing else holds it (it checks the reference count), so holding it is enough.
+            self.grads[index] = grad
+            self.order.append(index)
+        else:
+            self.grads[index] = kept + grad
 
     def keep_only(self, indices) -> None:
         """Remove the hooks of records not in ``indices`` (a selection decided after the forward)."""
-        for index in [i for i in self.handles if i not in indices]:
-            self.handles.pop(index).remove()
+        _remove_all({i: self.handles.pop(i) for i in [i for i in self.handles if i not in indices]})
         self.selected.intersection_update(indices)
 
     def remove_hooks(self) -> None:
@@ -170,22 +142,13 @@ def grad_capture(grads, model, state):
     if policy is not None and policy.mode == 2:  # types and modules: decided during the forward
         capture.selector = policy.capture_selector(state)
         capture.sources = "input" in policy.types or bool(policy.module_ids)
-    capture.calls = state.calls
     return capture
-
-
-def packing_observed(capture):
-    """The context the forward runs in: saved-tensor hooks when gradients are captured."""
-    import contextlib
-
-    return capture.saved_tensors_context() if capture is not None else contextlib.nullcontext()
 
 
 def attach_grads(trace, capture) -> None:
     """Give the finished trace its gradient capture, and apply a ``grads=[...]`` selection."""
     if capture is None:
         return
-    capture.calls = None  # the forward is over: nothing more is packed
     trace._gradcap = capture
     policy = capture.policy
     if policy is None:

@@ -19,9 +19,10 @@ from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
 from ..record.trace import Trace
 from .fastpath import FastPathShim
-from .grads import attach_grads, grad_capture, packing_observed
+from .grads import attach_grads, grad_capture
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
+from .packing import PackLog, packing_observed
 from .saving import SavePolicy
 from .source import FrameClassifier
 from .state import INPUT, CaptureState, warn_mutated
@@ -31,7 +32,7 @@ _local = threading.local()
 
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
-          grads=False, _markers=None) -> Trace:
+          grads=False, saved_for_backward: bool = False, _markers=None) -> Trace:
     """One trace, with the collector already paused by ``trace``."""
     model = _unwrap(model)
     if not callable(model):
@@ -61,13 +62,14 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     state.markers = _markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
     state.grads = grad_capture(grads, model, state)
+    packing = PackLog(state.calls) if saved_for_backward else None
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
     mode = CaptureMode(state, frames, deep=deep)
     _local.active = True
     try:
-        with packing_observed(state.grads), FastPathShim(mode), ModuleCallTracker(state, model, frames), mode:
+        with packing_observed(packing), FastPathShim(mode), ModuleCallTracker(state, model, frames), mode:
             output = _run_forward(model, args, kwargs)
     except BaseException as exc:
         _annotate(exc, state, model)
@@ -89,6 +91,9 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     result._autocast = autocast
     policy.apply(result)
     attach_grads(result, state.grads)
+    if packing is not None:
+        packing.calls = None  # the forward is over: nothing more is attributed
+        result._packlog = packing
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])
     if state.budget_exhausted_at is not None:
@@ -101,7 +106,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
-          grads=False, _markers=None) -> Trace:
+          grads=False, saved_for_backward: bool = False, _markers=None) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -121,14 +126,16 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             otherwise one op each.
         grads: ``True`` to receive, from any later backward through the traced output, the gradient
             of every op's output (``log[label].grad``); a list of selectors (as for ``save=``) keeps
-            only some.  Also records what autograd saves for backward, op by op.  See
-            docs/gradients.md.
+            only some.  See docs/gradients.md.
+        saved_for_backward: record which tensors autograd keeps for backward, op by op
+            (``op.saved_for_backward_bytes``, ``log.saved_for_backward()``).
     """
     collecting = gc.isenabled()
     gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
     try:
         return _trace(model, args, kwargs, save=save, save_device=save_device, record_finite=record_finite,
-                      max_saved_bytes=max_saved_bytes, name=name, deep=deep, grads=grads, _markers=_markers)
+                      max_saved_bytes=max_saved_bytes, name=name, deep=deep, grads=grads,
+                      saved_for_backward=saved_for_backward, _markers=_markers)
     finally:
         if collecting:
             gc.enable()

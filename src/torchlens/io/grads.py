@@ -31,18 +31,21 @@ def _unfloat(v):
 
 def write_grads(trace, folder: str, with_tensors: bool):
     """Write ``gradients.safetensors`` (when there are gradients to write); return (file names, record)."""
+    packing = trace._packlog
+    packed = None if packing is None else {
+        "note": packing.note_text,
+        "packed": [[c, [[int(k), int(b)] for k, b in sizes.items()]] for c, sizes in sorted(packing.packed.items())]}
     capture = trace._gradcap
     if capture is None:
-        return [], None
+        return [], (None if packed is None else {"saved_for_backward": packed})
     from ..record.grads import grad_stats_column
 
     record = {
+        "saved_for_backward": packed,
         "selected": sorted(capture.selected),
         "num_backwards": capture.backwards,
         "order": list(capture.order),
         "stats": [[i, {k: _float(v) for k, v in s.items()}] for i, s in sorted(grad_stats_column(trace).items())],
-        "pack_note": capture.pack_note,
-        "packed": [[c, [[int(k), int(b)] for k, b in sizes.items()]] for c, sizes in sorted(capture.packed.items())],
         "tensors": [],
         "param_tensors": [],
     }
@@ -81,10 +84,18 @@ def _read_grads(trace, record, folder: str, files) -> None:
     if grads is None:
         return
     from ..capture.grads import GradCapture
+    from ..capture.packing import PackLog
 
     n = len(trace._kind)
     if not isinstance(grads, dict):
         raise TraceFileError(f"{TRACE_JSON}: 'grads' must be a table")
+    packed = grads["saved_for_backward"]
+    if packed is not None:
+        trace._packlog = PackLog(None)
+        trace._packlog.note_text = None if packed["note"] is None else str(packed["note"])
+        trace._packlog.packed = {int(c): {int(k): int(b) for k, b in sizes} for c, sizes in packed["packed"]}
+    if "selected" not in grads:  # saved_for_backward without gradients
+        return
     stats = {_index(i, n): {_stat_name(k): _unfloat(v) for k, v in s.items()} for i, s in grads["stats"]}
     tensors = {}
     if GRAD_TENSORS in files:
@@ -96,8 +107,6 @@ def _read_grads(trace, record, folder: str, files) -> None:
     capture.selected = {_index(i, n) for i in grads["selected"]}
     capture.backwards = int(grads["num_backwards"])
     capture.order = [_index(i, n) for i in grads["order"]]
-    capture.pack_note = grads["pack_note"]
-    capture.packed = {int(c): {int(k): int(b) for k, b in sizes} for c, sizes in grads["packed"]}
     for i, key in grads["tensors"]:
         g = tensors.get(key)
         meta = trace._meta[_index(i, n)]

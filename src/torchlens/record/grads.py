@@ -135,10 +135,13 @@ def release(trace) -> None:
 
 # ----- saved for backward -------------------------------------------------------------------------
 def _packed(trace):
-    capture = _capture(trace)
-    if capture.pack_note is not None:
-        raise GradientUnavailable(f"what autograd saved for backward is unknown for this trace: {capture.pack_note}")
-    return capture.packed
+    log = trace._packlog
+    if log is None:
+        raise GradientUnavailable("this trace did not record what autograd saves for backward: trace with "
+                                  "tl.trace(model, x, saved_for_backward=True)")
+    if log.note_text is not None:
+        raise GradientUnavailable(f"what autograd saved for backward is unknown for this trace: {log.note_text}")
+    return log.packed
 
 
 def op_saved_for_backward_bytes(trace, index: int) -> int:

@@ -30,6 +30,7 @@ class Trace:
 
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
     _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
+    _packlog = None  # a capture.packing.PackLog when traced with saved_for_backward=True
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
