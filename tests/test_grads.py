@@ -671,3 +671,35 @@ def test_save_and_load_keep_gradients(tmp_path):
     packed_only.save(tmp_path / "s")
     reread = tl.load(tmp_path / "s")
     assert reread._gradcap is None and reread.saved_for_backward_bytes == packed_only.saved_for_backward_bytes
+
+
+def test_extract_streams_gradients_beside_activations(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,))) for _ in range(3)]
+
+    def loss_fn(output, batch):
+        return F.cross_entropy(output, batch[1], reduction="sum")
+
+    with pytest.raises(ValueError, match="loss_fn"):
+        tl.extract(model, batches, ["0"], tmp_path / "x", grads=True, progress=False)
+    out = tl.extract(model, batches, ["0", "2"], tmp_path / "e", args_of=lambda b: b[0], grads=True,
+                     loss_fn=loss_fn, progress=False)
+    arrays = tl.load_extracted(out, as_torch=True)
+    assert set(arrays) == {"0", "2", "grad:0", "grad:2"}
+    expected_acts, expected_grads = [], []
+    for x, y in batches:
+        hidden = model[0](x)
+        hidden.retain_grad()
+        logits = model[2](model[1](hidden))
+        logits.retain_grad()
+        F.cross_entropy(logits, y, reduction="sum").backward()
+        expected_acts.append(hidden.detach())
+        expected_grads.append((hidden.grad, logits.grad))
+    assert torch.equal(arrays["0"], torch.cat(expected_acts))
+    assert torch.equal(arrays["grad:0"], torch.cat([g for g, _ in expected_grads]))
+    assert torch.equal(arrays["grad:2"], torch.cat([g for _, g in expected_grads]))
+    model.zero_grad(set_to_none=True)
+    tl.extract(model, batches, ["2"], tmp_path / "f", args_of=lambda b: b[0], grads=True, loss_fn=loss_fn,
+               progress=False)
+    assert all(p.grad is None for p in model.parameters())  # extraction leaves the model as it was

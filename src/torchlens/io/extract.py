@@ -23,6 +23,7 @@ import torch
 
 from .format import (MANIFEST, TraceFileError, dump_json, read_json, require_safetensors, safe_member, write_atomic,
                      write_manifest)
+from .extract_grads import backward_through, check_request, grad_columns, layer_grad
 from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
@@ -30,7 +31,7 @@ PROGRESS = "progress.json"
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
-            progress: bool = True) -> str:
+            progress: bool = True, grads: bool = False, loss_fn=None) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -45,13 +46,16 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
         kwargs: keyword arguments passed to every forward.
         shard_bytes: buffer size before a shard is written: the bound on extra memory used.
         progress: show a progress bar on stderr (needs tqdm).
+        grads: also write each layer's gradient, d loss / d activation, as ``grad:<layer>``; needs
+            ``loss_fn(output, batch)`` returning the loss to backpropagate (see io/extract_grads.py).
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
     """
     out = os.fspath(out)
     layers = _check_layers(layers)
-    run = _Run(out, layers, type(model).__name__, shard_bytes)
+    check_request(grads, loss_fn)
+    run = _Run(out, grad_columns(layers) if grads else layers, type(model).__name__, shard_bytes)
     if run.complete:
         return out
     resumed_from = run.batches_done
@@ -65,8 +69,10 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
                 if position == resumed_from - 1:
                     run.check_boundary(_fingerprint(args), position)
                 continue
-            with torch.no_grad():
-                run.add(_extract_batch(model, args, kwargs, layers, run, position), _batch_rows(args), position)
+            with torch.enable_grad() if grads else torch.no_grad():
+                request = (loss_fn, batch) if grads else None
+                run.add(_extract_batch(model, args, kwargs, layers, run, position, request), _batch_rows(args),
+                        position)
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(_fingerprint(args))
             bar.update(1)
@@ -136,15 +142,20 @@ def _save_targets(model, layers) -> list:
     return targets
 
 
-def _extract_batch(model, args, kwargs, layers, run, position) -> list:
+def _extract_batch(model, args, kwargs, layers, run, position, grads=None) -> list:
     from ..capture.session import trace
 
-    log = trace(model, args, kwargs, save=_save_targets(model, layers))
+    targets = _save_targets(model, layers)
+    log = trace(model, args, kwargs, save=targets, grads=targets if grads is not None else False)
     try:
+        if grads is not None:
+            backward_through(log, *grads, position)
         acts = []
-        for i, name in enumerate(layers):
-            op = _resolve(log, name, position)
-            t = op.activation
+        ops = [_resolve(log, name, position) for name in layers]
+        tensors = [op.activation for op in ops]
+        if grads is not None:
+            ops, tensors = ops + ops, tensors + [layer_grad(op, name, position) for op, name in zip(ops, layers)]
+        for i, (name, op, t) in enumerate(zip(run.layers, ops, tensors)):
             if t is None:
                 raise RuntimeError(f"batch {position}: {name} ({op.label}) was not saved")
             run.check_layer(i, name, op.label, t, position)
