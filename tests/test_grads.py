@@ -703,3 +703,24 @@ def test_extract_streams_gradients_beside_activations(tmp_path):
     tl.extract(model, batches, ["2"], tmp_path / "f", args_of=lambda b: b[0], grads=True, loss_fn=loss_fn,
                progress=False)
     assert all(p.grad is None for p in model.parameters())  # extraction leaves the model as it was
+
+
+def test_kernel_profile_reuses_a_grads_trace_and_reports_backward_per_module_call():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    fresh = tl.report.kernel_profile(model, x, backward=True)
+    model.zero_grad()
+    log = tl.trace(model, x, grads=True)
+    reused = tl.report.kernel_profile(log, backward=True)
+    assert log.num_backwards == 1 and log["linear_1_1:1"].grad is not None  # the profiled backward filled them
+    # The same backward nodes land on the same ops and module calls, with no second forward.
+    assert [(r["op"], r["bwd_aten_ops"]) for r in reused.ops] == [(r["op"], r["bwd_aten_ops"]) for r in fresh.ops]
+    assert all(r["cpu_ns"] is None and r["bwd_cpu_ns"] > 0 for r in reused.ops)
+    by_call = {r["module_call"]: r for r in reused.module_calls}
+    assert by_call["2:1"]["bwd_aten_ops"] == sum(r["bwd_aten_ops"] for r in reused.ops if r["module"] in ("2.0:1", "2.1:1"))
+    assert "module calls by backward" in str(reused)
+    with pytest.raises(ValueError, match="backward"):
+        tl.report.kernel_profile(tl.trace(model, x, grads=True), backward=False)
+    with pytest.raises(GradientUnavailable, match="grads=True"):
+        tl.report.kernel_profile(tl.trace(model, x), backward=True)

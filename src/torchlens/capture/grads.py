@@ -40,7 +40,7 @@ def _remove_all(handles: dict) -> None:
     handles.clear()
 
 
-def _hook_dict(t: torch.Tensor):
+def _hook_dict(t: torch.Tensor, grad_fn):
     """The tensor's hook dict, made and attached to its ``grad_fn`` as ``Tensor.register_hook`` does.
 
     ``register_hook`` takes these same steps and then builds a ``RemovableHandle`` per call, which costs
@@ -48,7 +48,6 @@ def _hook_dict(t: torch.Tensor):
     hooks = t._backward_hooks
     if hooks is None:
         hooks = t._backward_hooks = OrderedDict()
-        grad_fn = t.grad_fn
         if grad_fn is not None:
             grad_fn._register_hook_dict(t)
     return hooks
@@ -69,6 +68,8 @@ class GradCapture:
         self._token = object()  # keys are (token, index): never equal to another hook's key
         self.selected: set = set()  # record indices whose gradient the trace keeps
         self.backwards = 0
+        self.sequence_numbers: dict = {}  # record index -> sequence number of its backward node
+        self.first_sequence_number = None
         self.order: list = []  # record indices in the order their first gradient arrived (backward order)
         self._last_task = None
         self._self_ref = weakref.ref(self)
@@ -88,9 +89,12 @@ class GradCapture:
             self.handles[index] = (weakref.ref(handle.hooks_dict_ref()), handle.id)
         else:
             key = (self._token, index)
-            hooks = _hook_dict(t)
+            grad_fn = t.grad_fn
+            hooks = _hook_dict(t, grad_fn)
             hooks[key] = hook
             self.handles[index] = (weakref.ref(hooks), key)
+            if grad_fn is not None:  # the backward node's id, by which profilers name its work
+                self.sequence_numbers[index] = grad_fn._sequence_nr()
         self.selected.add(index)
 
     def watch_source(self, index: int, t: torch.Tensor) -> None:
@@ -139,6 +143,7 @@ def grad_capture(grads, model, state):
         policy = SavePolicy(grads, model)
     capture = GradCapture()
     capture.policy = policy
+    capture.first_sequence_number = _next_sequence_number()
     if policy is not None and policy.mode == 2:  # types and modules: decided during the forward
         capture.selector = policy.capture_selector(state)
         capture.sources = "input" in policy.types or bool(policy.module_ids)
@@ -160,6 +165,13 @@ def attach_grads(trace, capture) -> None:
         raise
     if policy.filters_after:
         capture.keep_only({i for i in capture.selected if policy.keep(trace, trace.ops[i])})
+
+
+def _next_sequence_number():
+    """Backward nodes made from here on are numbered above this (None when grad mode is off)."""
+    with torch.enable_grad():
+        probe = torch.zeros((), requires_grad=True) * 1
+    return probe.grad_fn._sequence_nr() if probe.grad_fn is not None else None
 
 
 def _check_selectors(trace, policy) -> None:
