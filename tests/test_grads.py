@@ -724,3 +724,28 @@ def test_kernel_profile_reuses_a_grads_trace_and_reports_backward_per_module_cal
         tl.report.kernel_profile(tl.trace(model, x, grads=True), backward=False)
     with pytest.raises(GradientUnavailable, match="grads=True"):
         tl.report.kernel_profile(tl.trace(model, x), backward=True)
+
+
+def test_viewer_colours_by_gradient_norm_and_shows_gradient_stats():
+    from torchlens.viz.metrics import Coloring, op_values
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    log = tl.trace(model, torch.randn(3, 4), grads=True)
+    log.backward(log.output.pow(3).sum())
+    values = op_values(log, "grad_norm")
+    for op in log:
+        if op.has_grad:
+            assert values[op.index] == pytest.approx(float(torch.linalg.vector_norm(op.grad)))
+    svg = log.render(color_by="grad_norm", format="svg")
+    assert "colour: grad norm" in svg
+    html = log.render(color_by="grad_norm", format="html")
+    assert '"gradient":{' in html and '"norm":' in html
+    exploded = tl.trace(model, torch.randn(3, 4), grads=True)
+    exploded.backward(torch.sqrt(exploded.output - 1e6).sum())  # NaN gradients
+    values = op_values(exploded, "grad_norm")
+    coloring = Coloring("grad_norm", values)
+    top = coloring.fill(max(v for v in values if v is not None))
+    assert coloring.fill(values[exploded["linear_2_3:1"].index]) == top  # the darkest colour
+    html = exploded.render(color_by="grad_norm", format="html")
+    assert '"norm":"nan"' in html
