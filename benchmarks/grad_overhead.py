@@ -12,7 +12,7 @@ arm runs one forward and one backward of ``output.sum()``, with the parameters' 
     trace grads     ``tl.trace(model, args, save="none", grads=True)`` + ``log.backward(loss)``
 
 It reports what ``retain_grad()`` adds per op (retain_grad - bare), what gradient capture adds per op
-(trace grads - trace: the tensor hooks, the copies of each gradient, the saved-tensor hooks), the
+(trace grads - trace: the tensor hooks and the Python call per op in the backward), the
 ratio of a traced forward+backward with gradients to the untraced one with ``retain_grad()``, and
 checks the target:
 

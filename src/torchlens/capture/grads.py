@@ -1,12 +1,13 @@
 """Gradient capture: a tensor hook per recorded output, delivering d loss / d output to the trace.
 
 With ``tl.trace(..., grads=True)`` the hot path calls ``GradCapture.watch`` for each recorded output
-that requires grad.  ``watch`` registers one tensor hook (what ``retain_grad()`` does, through the public
-``register_hook``), so that any later backward through the traced output hands each op's gradient to
-the trace: d loss / d (that op's output), accumulated over backwards as ``.grad`` accumulates.
+that requires grad.  ``watch`` adds one tensor hook (the mechanism ``retain_grad()`` uses), so that any
+later backward through the traced output hands each op's gradient to the trace: d loss / d (that op's
+output), accumulated over backwards as ``.grad`` accumulates.  It also notes the sequence number of the
+output's backward node, by which a profiler names that node's work (report/backward_profile.py).
 
 The hooks hold the capture only weakly: the autograd graph never keeps a trace alive, and the trace
-never keeps the graph alive (it holds the handles, which hold the hook dicts weakly).  Every hook is
+never keeps the graph alive (it holds the tensors' hook dicts weakly, by key).  Every hook is
 removed by ``Trace.cleanup()`` or when the trace is garbage-collected, so a later backward through the
 same graph is unaffected.
 
@@ -21,7 +22,9 @@ from functools import partial
 
 import torch
 
-_INLINE_HOOKS = hasattr(torch._C.TensorBase, "_backward_hooks") and hasattr(torch._C._FunctionBase, "_register_hook_dict")
+# The steps of Tensor.register_hook, taken inline (see _hook_dict); the public call where they are absent.
+_INLINE_HOOKS = hasattr(torch._C.TensorBase, "_backward_hooks") and \
+    hasattr(torch._C._FunctionBase, "_register_hook_dict")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
@@ -63,7 +66,7 @@ class GradCapture:
     def __init__(self, selector=None):
         self.selector = selector
         self.sources = True  # inputs are watched (False when a type selection does not name them)
-        self.grads: dict = {}  # record index -> accumulated gradient (a private, detached tensor)
+        self.grads: dict = {}  # record index -> accumulated gradient (detached; never written in place)
         self.handles: dict = {}  # record index -> (weakref to the tensor's hook dict, our key in it)
         self._token = object()  # keys are (token, index): never equal to another hook's key
         self.selected: set = set()  # record indices whose gradient the trace keeps
