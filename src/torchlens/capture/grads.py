@@ -22,17 +22,38 @@ from functools import partial
 
 import torch
 
-# The steps of Tensor.register_hook, taken inline (see _hook_dict); the public call where they are absent.
+# ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
+# ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
+# its hooks by key instead.  Where these internals are absent, the public call is used.
+Tensor = torch.Tensor
 _INLINE_HOOKS = hasattr(torch._C.TensorBase, "_backward_hooks") and \
     hasattr(torch._C._FunctionBase, "_register_hook_dict")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def _store(capture_ref, index: int, grad) -> None:
-    """The tensor hook: add ``grad`` to the gradient kept for record ``index``; never alters it."""
+    """The tensor hook: add ``grad`` to the gradient kept for record ``index``; never alters it.
+
+    Runs once per op per backward, so the accumulation is written out here rather than called."""
     capture = capture_ref()
-    if capture is not None and grad is not None:
-        capture.add(index, grad)
+    if capture is None or grad is None:
+        return
+    if _graph_task_id is not None:
+        task = _graph_task_id()
+        if task != capture.last_task:
+            capture.last_task = task
+            capture.backwards += 1
+    if grad.requires_grad:  # a backward with create_graph=True: keep the value, not a graph
+        grad = grad.detach()
+    grads = capture.grads
+    kept = grads.get(index)
+    if kept is None:
+        # Kept by reference, not copied: autograd accumulates into a gradient buffer in place only while
+        # nothing else holds it (it checks the reference count), so holding it is enough.
+        grads[index] = grad
+        capture.order.append(index)
+    else:
+        grads[index] = kept + grad
 
 
 def _remove_all(handles: dict) -> None:
@@ -41,19 +62,6 @@ def _remove_all(handles: dict) -> None:
         if hooks is not None:
             hooks.pop(key, None)
     handles.clear()
-
-
-def _hook_dict(t: torch.Tensor, grad_fn):
-    """The tensor's hook dict, made and attached to its ``grad_fn`` as ``Tensor.register_hook`` does.
-
-    ``register_hook`` takes these same steps and then builds a ``RemovableHandle`` per call, which costs
-    several times what ``retain_grad()`` costs; the trace removes its hooks by key instead."""
-    hooks = t._backward_hooks
-    if hooks is None:
-        hooks = t._backward_hooks = OrderedDict()
-        if grad_fn is not None:
-            grad_fn._register_hook_dict(t)
-    return hooks
 
 
 class GradCapture:
@@ -69,60 +77,45 @@ class GradCapture:
         self.grads: dict = {}  # record index -> accumulated gradient (detached; never written in place)
         self.handles: dict = {}  # record index -> (weakref to the tensor's hook dict, our key in it)
         self._token = object()  # keys are (token, index): never equal to another hook's key
-        self.selected: set = set()  # record indices whose gradient the trace keeps
+        self.selected: set = set()  # record indices whose gradient the trace keeps (set after the forward)
         self.backwards = 0
         self.sequence_numbers: dict = {}  # record index -> sequence number of its backward node
         self.first_sequence_number = None
         self.order: list = []  # record indices in the order their first gradient arrived (backward order)
-        self._last_task = None
+        self.last_task = None  # the graph task (one backward) that last delivered a gradient
         self._self_ref = weakref.ref(self)
         self._finalizer = weakref.finalize(self, _remove_all, self.handles)
 
     # ----- the forward ---------------------------------------------------------------------------
     def watch(self, index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
-        """Register the gradient hook for record ``index`` (``t`` requires grad)."""
-        if self.selector is not None and not self.selector(func, module_call):
+        """Add the gradient hook for record ``index`` (``t`` requires grad).  Runs once per op: flat."""
+        selector = self.selector  # a grads=[...] selection of op types or modules
+        if selector is not None and not (selector(func, module_call) if func is not None else self.sources):
+            return  # (func is None for the model's inputs)
+        if type(t) is not Tensor or not _INLINE_HOOKS:  # subclasses dispatch register_hook themselves
+            self._watch_subclass(index, t)
             return
-        self._hook(index, t)
+        grad_fn = t.grad_fn
+        hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
+        if hooks is None:
+            hooks = t._backward_hooks = OrderedDict()
+            if grad_fn is not None:
+                grad_fn._register_hook_dict(t)
+        key = (self._token, index)
+        hooks[key] = partial(_store, self._self_ref, index)
+        self.handles[index] = (weakref.ref(hooks), key)
+        if grad_fn is not None:  # the backward node's id, by which profilers name its work
+            self.sequence_numbers[index] = grad_fn._sequence_nr()
 
-    def _hook(self, index: int, t: torch.Tensor) -> None:
-        hook = partial(_store, self._self_ref, index)
-        if type(t) is not torch.Tensor or not _INLINE_HOOKS:  # subclasses dispatch register_hook themselves
-            handle = t.register_hook(hook)
-            self.handles[index] = (weakref.ref(handle.hooks_dict_ref()), handle.id)
-        else:
-            key = (self._token, index)
-            grad_fn = t.grad_fn
-            hooks = _hook_dict(t, grad_fn)
-            hooks[key] = hook
-            self.handles[index] = (weakref.ref(hooks), key)
-            if grad_fn is not None:  # the backward node's id, by which profilers name its work
-                self.sequence_numbers[index] = grad_fn._sequence_nr()
-        self.selected.add(index)
+    def _watch_subclass(self, index: int, t: torch.Tensor) -> None:
+        handle = t.register_hook(partial(_store, self._self_ref, index))
+        self.handles[index] = (handle.hooks_dict_ref, handle.id)
 
     def watch_source(self, index: int, t: torch.Tensor) -> None:
         """An input that requires grad: its gradient is d loss / d input."""
-        if self.selector is None or self.sources:
-            self._hook(index, t)
+        self.watch(index, t, None, -1)
 
-    # ----- the backward --------------------------------------------------------------------------
-    def add(self, index: int, grad: torch.Tensor) -> None:
-        if _graph_task_id is not None:
-            task = _graph_task_id()
-            if task != self._last_task:
-                self._last_task = task
-                self.backwards += 1
-        if grad.requires_grad:  # a backward with create_graph=True: keep the value, not a graph
-            grad = grad.detach()
-        kept = self.grads.get(index)
-        if kept is None:
-            # Kept by reference, not copied: autograd accumulates into a gradient buffer in place only
-            # while nothing else holds it (it checks the reference count), so holding it is enough.
-            self.grads[index] = grad
-            self.order.append(index)
-        else:
-            self.grads[index] = kept + grad
-
+    # ----- after the forward ---------------------------------------------------------------------
     def keep_only(self, indices) -> None:
         """Remove the hooks of records not in ``indices`` (a selection decided after the forward)."""
         _remove_all({i: self.handles.pop(i) for i in [i for i in self.handles if i not in indices]})
@@ -158,6 +151,7 @@ def attach_grads(trace, capture) -> None:
     if capture is None:
         return
     trace._gradcap = capture
+    capture.selected = set(capture.handles)
     policy = capture.policy
     if policy is None:
         return
