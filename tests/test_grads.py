@@ -749,3 +749,27 @@ def test_viewer_colours_by_gradient_norm_and_shows_gradient_stats():
     assert coloring.fill(values[exploded["linear_2_3:1"].index]) == top  # the darkest colour
     html = exploded.render(color_by="grad_norm", format="html")
     assert '"norm":"nan"' in html
+
+
+class RaisesMidway(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.kept = []
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.kept.append(h)  # a tensor that outlives the failed forward
+        raise RuntimeError("model failure")
+
+
+def test_a_forward_that_raises_leaves_no_hook_behind():
+    model = RaisesMidway()
+    with pytest.raises(RuntimeError, match="model failure"):
+        tl.trace(model, torch.randn(2, 4), grads=True, saved_for_backward=True)
+    gc.collect()
+    (h,) = model.kept
+    assert not h._backward_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no saved-tensor hooks left
+    h.sum().backward()  # an untraced backward afterwards runs as usual
+    assert model.fc.weight.grad is not None

@@ -84,6 +84,9 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
     import torch
 
     _capture(trace)
+    if trace.loaded_from is not None:
+        raise GradientUnavailable(f"this trace was loaded from {trace.loaded_from}: it holds no autograd graph to "
+                                  "run a backward through; its saved gradients are in op.grad")
     if trace._cleaned:
         raise TraceCleanedUp("the trace was cleaned up: its gradient hooks were removed, so a backward would "
                              "fill nothing; trace again")
