@@ -26,8 +26,9 @@ _METRIC_NOTES = {
     "memory": "memory = bytes of each op's output tensor (activation size, saved or not)",
     "grad_norm": ("grad_norm = 2-norm of d loss / d (op output), accumulated over the backwards seen (grads=True); "
                   "a group's value is the 2-norm over its ops (square root of the sum of squares)"),
-    "saved_for_backward": ("saved_for_backward = bytes of the distinct storages autograd packed for backward while "
-                           "running each call (saved_for_backward=True); a storage several ops keep counts for each of them"),
+    "saved_for_backward": ("saved_for_backward = bytes of the distinct storages autograd packed for backward "
+                           "while running each call (saved_for_backward=True); a storage several ops keep "
+                           "counts for each of them"),
 }
 _SHOWN = 20
 
@@ -90,8 +91,8 @@ def _fmt(value, by) -> str:
 
 
 def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
-    """Rank ``log``'s torch calls by ``by`` ("duration", "flops", "memory", "grad_norm",
-    "saved_for_backward"; the last two need a trace taken with ``grads=True`` or ``saved_for_backward=True``), grouped by ``group``
+    """Rank ``log``'s torch calls by ``by`` ("duration", "flops", "memory", "grad_norm" (a trace taken with
+    ``grads=True``, after a backward), "saved_for_backward" (``saved_for_backward=True``)), grouped by ``group``
     ("op": pass-qualified ops, "layer", "module": module calls, inclusive of nested calls, "source": the
     user's file:line, or the module for ops no user line called)."""
     if by not in METRICS:

@@ -1,9 +1,10 @@
 """Reading gradients and backward memory from a trace captured with ``grads=...``.
 
-``capture/grads.py`` fills a ``GradCapture`` during the forward (hooks, packed storages) and the
-backward (gradients).  This module answers the record views: ``Op.grad``, ``Layer.grads``,
-``ModuleCall.grad``, ``Param.grad``, the gradient statistics columns, ``Trace.backward`` and the
-saved-for-backward totals.  Everything here is derived on demand; nothing runs during the forward.
+``capture/grads.py`` fills a ``GradCapture`` during the forward (hooks) and the backward (gradients);
+``capture/packing.py`` a ``PackLog`` of what autograd saved, with ``saved_for_backward=True``.  This
+module answers the record views: ``Op.grad``, ``Layer.grads``, ``ModuleCall.grad``, ``Param.grad``, the
+gradient statistics columns, ``Trace.backward`` and the saved-for-backward totals.  Everything here is
+derived on demand; nothing runs during the forward.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from .errors import GradientUnavailable, TraceCleanedUp
 from .op import KIND_OUTPUT
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
+# Fields of a raw call tuple (``calls[c]``, laid out in capture/state.py).
+CALL_FIRST_RECORD, CALL_NUM_OUTPUTS = 10, 11
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
              "backward through log.output (or call log.backward(loss))")
 
@@ -153,7 +156,7 @@ def op_saved_for_backward_bytes(trace, index: int) -> int:
     A call that returned several tensors counts once, on its first output (0 on the others)."""
     packed = _packed(trace)
     c = trace._call[index]
-    if c < 0 or trace._calls[c][10] != index:
+    if c < 0 or trace._calls[c][CALL_FIRST_RECORD] != index:
         return 0
     return sum(packed.get(c, {}).values())
 

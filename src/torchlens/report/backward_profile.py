@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..record.grads import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS
 from .markers import ProfilerMarkers
 from .profile_join import join
 
@@ -74,6 +75,11 @@ def _node_owners(trace, capture) -> dict:
     return owners
 
 
+def _needs_grad(trace, call) -> bool:
+    first = call[CALL_FIRST_RECORD]
+    return any(trace._meta[i][3] for i in range(first, first + call[CALL_NUM_OUTPUTS]))
+
+
 def join_backward(profile, events):
     """``(serial_of_call, joined, problems)`` where each call is its own serial."""
     trace = profile.trace
@@ -82,7 +88,7 @@ def join_backward(profile, events):
     with_node = set(profile.backward_nodes.values())
     # No backward node at all (the output needs no grad) is a measured zero; an unseen node is unknown.
     joined.backward_measured = {c for c, call in enumerate(trace._calls)
-                                if c in with_node or not any(trace._meta[i][3] for i in range(call[10], call[10] + call[11]))}
+                                if c in with_node or not _needs_grad(trace, call)}
     problems = []
     unknown = len(trace._calls) - len(joined.backward_measured)
     if unknown:
