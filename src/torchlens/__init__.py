@@ -7,8 +7,8 @@ to the native PyTorch tools that own each measurement.
 """
 
 from .capture.session import trace
-from .record import (ActivationUnavailable, Buffer, Layer, Module, ModuleCall, NestedTraceError, Op, Param,
-                     TorchlensError, Trace, TraceCleanedUp)
+from .record import (ActivationUnavailable, Buffer, GradientUnavailable, Layer, Module, ModuleCall, NestedTraceError,
+                     Op, Param, TorchlensError, Trace, TraceCleanedUp)
 from .validate import validate
 
 __version__ = "0.1.0"
@@ -32,5 +32,5 @@ def __getattr__(name):
 
 
 __all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
-           "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "debug", "report", "viz", "io",
+           "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "GradientUnavailable", "debug", "report", "viz", "io",
            "load", "extract", "load_extracted"]
