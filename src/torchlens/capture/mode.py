@@ -254,6 +254,8 @@ class CaptureMode(TorchFunctionMode):
                             type(t.grad_fn) if requires_grad else None))
             version = t._version
             producers[id(t)] = (weakref(t), index, version)
+            if requires_grad and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
+                st.grads.watch(index, t, func, module_call)
             if save_mode and (save_mode == 1 or st.wants(func, module_call)):
                 if st.plain_save:  # the common case, inlined: keep a reference, note its storage
                     if requires_grad:

@@ -24,8 +24,10 @@ from ..record.trace import Trace
 from ..tree import as_args
 from .collectives import process_rank
 from .fastpath import FastPathShim
+from .grads import attach_grads, grad_capture
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
+from .packing import PackLog, packing_observed
 from .saving import SavePolicy
 from .source import FrameClassifier
 from .state import INPUT, CaptureState, warn_mutated
@@ -35,7 +37,8 @@ _local = threading.local()
 
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
-          markers=None, progress=None, intervene=None, reference=None, stop_after=None) -> Trace:
+          markers=None, progress=None, intervene=None, reference=None, stop_after=None, grads=False,
+          saved_for_backward: bool = False) -> Trace:
     """One trace, with the collector already paused by ``trace``."""
     model = _unwrap(model)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
@@ -72,6 +75,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     runtime = _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index,
                                     policy)
     state.intervention = runtime if runtime is not None and runtime.watches_calls else None
+    state.grads = grad_capture(grads, root, state)
+    packing = PackLog(state.calls) if saved_for_backward else None
     _add_inputs(state, model, args, kwargs)
     autocast = _autocast_state()
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
@@ -80,11 +85,12 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     tracker = ModuleCallTracker(state, model if root is model else None, frames)
     tracker.progress = shown if shown is not QUIET else None
     _local.active = True
-    intervened = runtime.module_hooks(state, model if root is model else None) if runtime is not None and runtime.module_sites \
-        else contextlib.nullcontext()
+    intervened = contextlib.nullcontext()
+    if runtime is not None and runtime.module_sites:
+        intervened = runtime.module_hooks(state, model if root is model else None)
     try:
         # The root's own call is the trace itself; a callable's calls into its root are module calls.
-        with FastPathShim(mode), tracker, intervened, mode:
+        with packing_observed(packing), FastPathShim(mode), tracker, intervened, mode:
             output = _run_forward(model, args, kwargs)
     except BaseException as exc:
         if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
@@ -119,6 +125,10 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     if runtime is not None:
         finish_interventions(runtime, result)
     policy.apply(result)
+    attach_grads(result, state.grads)
+    if packing is not None:
+        packing.calls = None  # the forward is over: nothing more is attributed
+        result._packlog = packing
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])
     if state.budget_exhausted_at is not None:
@@ -131,7 +141,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
-          progress=None, intervene: dict | None = None, reference: Trace | None = None, stop_after=None) -> Trace:
+          progress=None, intervene: dict | None = None, reference: Trace | None = None, stop_after=None,
+          grads=False, saved_for_backward: bool = False) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -165,11 +176,16 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             same inputs, made first).
         stop_after: a site; the forward stops once it is produced, and the trace holds everything up to
             it (``output`` is None and ``stopped_after`` names the site).
+        grads: ``True`` to receive, from any later backward through the traced output, the gradient
+            of every op's output (``log[label].grad``); a list of selectors (as for ``save=``) keeps
+            only some.  See docs/gradients.md.
+        saved_for_backward: record which tensors autograd keeps for backward, op by op
+            (``op.saved_for_backward_bytes``, ``log.saved_for_backward()``).
     """
     return _paused_collector(model, args, kwargs, save=save, save_device=save_device,
                              record_finite=record_finite, max_saved_bytes=max_saved_bytes, name=name, deep=deep,
                              root=root, progress=progress, intervene=intervene, reference=reference,
-                             stop_after=stop_after)
+                             stop_after=stop_after, grads=grads, saved_for_backward=saved_for_backward)
 
 
 def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:

@@ -111,6 +111,7 @@ class CaptureState:
         self.markers = None
         # Interventions (intervene/runtime.py): called once per tensor-producing call when set.
         self.intervention = None
+        self.grads = None  # a capture.grads.GradCapture when tracing with grads=...
 
     # ----- parents -------------------------------------------------------------------------------
     def producer_of(self, t: torch.Tensor) -> int:
@@ -154,6 +155,8 @@ class CaptureState:
             self.save(index, t, t.requires_grad)
         if self.finite_flags is not None:
             self.record_finite(index, t)
+        if self.grads is not None and t.requires_grad:
+            self.grads.watch_source(index, t)
         return index
 
     def note_context(self, call_index: int) -> None:

@@ -8,6 +8,7 @@ _EXPORTS = {
     "nonfinite_origin": ".nonfinite",
     "NonfiniteReport": ".nonfinite",
     "DETECT_ANOMALY_RECIPE": ".nonfinite",
+    "GradNonfiniteReport": ".grad_nonfinite",
 }
 
 

@@ -14,6 +14,8 @@ METRICS = {
     "duration": "s",
     "flops": "FLOPs",
     "memory": "bytes",
+    "grad_norm": "2-norm",
+    "saved_for_backward": "bytes",
 }
 GROUPS = ("op", "layer", "module", "source")
 DURATION_NOTE = ("duration = instrumented host time around each torch call (no device sync, capture "
@@ -22,6 +24,11 @@ _METRIC_NOTES = {
     "duration": DURATION_NOTE,
     "flops": "flops = analytic forward FLOPs (a multiply-add counts 2); see torchlens.report.flops",
     "memory": "memory = bytes of each op's output tensor (activation size, saved or not)",
+    "grad_norm": ("grad_norm = 2-norm of d loss / d (op output), accumulated over the backwards seen (grads=True); "
+                  "a group's value is the 2-norm over its ops (square root of the sum of squares)"),
+    "saved_for_backward": ("saved_for_backward = bytes of the distinct storages autograd packed for backward "
+                           "while running each call (saved_for_backward=True); a storage several ops keep "
+                           "counts for each of them"),
 }
 _SHOWN = 20
 
@@ -84,11 +91,14 @@ class HotPath:
 
 
 def _fmt(value, by) -> str:
+    if by == "grad_norm":
+        return f"{value:.4g}"
     return f"{value:.6f}" if by == "duration" else f"{int(value):,}"
 
 
 def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
-    """Rank ``log``'s torch calls by ``by`` ("duration", "flops", "memory"), grouped by ``group``
+    """Rank ``log``'s torch calls by ``by`` ("duration", "flops", "memory", "grad_norm" (a trace taken with
+    ``grads=True``, after a backward), "saved_for_backward" (``saved_for_backward=True``)), grouped by ``group``
     ("op": pass-qualified ops, "layer", "module": module calls, inclusive of nested calls, "source": the
     user's file:line, or the module for ops no user line called)."""
     if by not in METRICS:
@@ -96,6 +106,8 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     if group not in GROUPS:
         raise ValueError(f"group={group!r} is not a grouping hot_path knows; use one of: {', '.join(GROUPS)}")
     values, excluded = _metric_values(log, by)
+    if by == "grad_norm":  # norms combine as the norm of the concatenation
+        values = [(i, v * v) for i, v in values]
     totals: dict = {}
     counts: dict = {}
     for index, value in values:
@@ -103,8 +115,14 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
             totals[key] = totals.get(key, 0) + value
             counts[key] = counts.get(key, 0) + 1
     grand = sum(v for _, v in values)
-    rows = [{"address": key, "count": counts[key], "total": total,
-             "percent": 100.0 * total / grand if grand else 0.0} for key, total in totals.items()]
+    if by == "grad_norm":
+        totals = {key: total ** 0.5 for key, total in totals.items()}
+        shares = {key: 100.0 * total * total / grand if grand else 0.0 for key, total in totals.items()}
+        grand = grand ** 0.5
+    else:
+        shares = {key: 100.0 * total / grand if grand else 0.0 for key, total in totals.items()}
+    rows = [{"address": key, "count": counts[key], "total": total, "percent": shares[key]}
+            for key, total in totals.items()]
     rows.sort(key=lambda r: r["total"], reverse=True)
     ranked = HotPath(rows, by=by, group=group, total=grand, excluded=excluded, considered=len(values),
                      model_name=log.model_name)
@@ -122,6 +140,10 @@ def _metric_values(log, by):
         from ..report.flops import flops_column
 
         column = flops_column(log)
+    elif by == "grad_norm":
+        column = _grad_norms(log)
+    elif by == "saved_for_backward":
+        from ..record.grads import op_saved_for_backward_bytes
     for op in log.ops:
         if op.kind != "op":
             continue
@@ -135,6 +157,12 @@ def _metric_values(log, by):
         elif by == "flops":
             parts = column[i]
             value = None if parts is None else sum(parts.values())
+        elif by == "grad_norm":
+            value = column.get(i)
+        elif by == "saved_for_backward":
+            if not first_output:
+                continue  # packing is per call: on the call's first output
+            value = op_saved_for_backward_bytes(log, i)
         else:
             value = op.nbytes
         if value is None:
@@ -142,6 +170,18 @@ def _metric_values(log, by):
         else:
             values.append((i, value))
     return values, excluded
+
+
+def _grad_norms(log) -> dict:
+    """``{op index: gradient norm}``; ops with no gradient (yet) are excluded, by name."""
+    from ..record.grads import _capture, grad_stats_column
+
+    _capture(log)  # a trace taken without grads=True says how to get them
+    stats = grad_stats_column(log)
+    if not stats:
+        raise ValueError("hot_path(by='grad_norm') needs gradients: run a backward through log.output first "
+                         "(or log.backward(loss))")
+    return {i: s["grad_norm"] for i, s in stats.items()}
 
 
 def _keys(log, index, group) -> list:

@@ -116,8 +116,15 @@ class NonfiniteReport:
     __repr__ = __str__
 
 
-def nonfinite_origin(log) -> NonfiniteReport:
-    """Name the forward op where a NaN/Inf first appeared in ``log`` (no extra forward is run)."""
+def nonfinite_origin(log, grads: bool = False):
+    """Name the forward op where a NaN/Inf first appeared in ``log`` (no extra forward is run).
+
+    With ``grads=True``, name instead the first op, in backward order, whose gradient became NaN/Inf
+    (a trace taken with ``grads=True``, after a backward): see ``debug/grad_nonfinite.py``."""
+    if grads:
+        from .grad_nonfinite import grad_nonfinite_origin
+
+        return grad_nonfinite_origin(log)
     has_flags = bool(log._finite)
     if log.is_cleaned_up and not has_flags:
         raise TraceCleanedUp("nonfinite_origin needs saved activations or finite flags, and this trace was "

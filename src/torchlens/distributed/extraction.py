@@ -41,7 +41,7 @@ class RankFailedError(TorchlensError, RuntimeError):
 
 
 def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, barrier_timeout,
-                  stop_after=None) -> str:
+                  stop_after=None, grads=False, loss_fn=None) -> str:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -57,7 +57,8 @@ def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, p
     # A rank that raises here never reaches the barrier, and the others name it there.
     extract_folder(model, batches, layers, folder, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
                    progress=progress and rank == 0, indices_of=indices_of,
-                   arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after)
+                   arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
+                   loss_fn=loss_fn)
     _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
     if rank == 0:
         join_ranks(out, world, layers)

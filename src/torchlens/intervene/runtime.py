@@ -192,6 +192,8 @@ class Interventions:
         st.records[record] = rec[:2] + (new.shape, new.dtype, new.device, requires_grad,
                                         type(new.grad_fn) if requires_grad else None)
         st.producers[id(new)] = (weakref(new), record, new._version)
+        if st.grads is not None:  # grads=True: the op's gradient is that of the value downstream saw
+            st.grads.rewatch(record, new)
         if record in st.saved:
             saved = st.saved.pop(record)
             st.saved_versions.pop(record, None)

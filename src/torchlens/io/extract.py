@@ -33,6 +33,7 @@ from ..tree import as_args, path_text, strip, tensor_leaves
 from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_safetensors, safe_member,
                      write_atomic, write_manifest)
 from .identity import model_checksum
+from .extract_grads import backward_through, check_request, grad_columns, layer_grad
 from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
@@ -45,7 +46,8 @@ class ResumeMismatchError(TorchlensError, ValueError):
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
-            progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None) -> str:
+            progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None, grads: bool = False,
+            loss_fn=None) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -65,6 +67,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
             others before naming the ones that did not arrive.
         stop_after: stop each forward once this site (a module address or call, or an op label) is produced,
             as ``tl.trace(stop_after=...)``: the cheap way to extract early layers.
+        grads: also write each layer's gradient, d loss / d activation, as ``grad:<layer>``; needs
+            ``loss_fn(output, batch)`` returning the loss to backpropagate (see io/extract_grads.py).
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
@@ -75,22 +79,24 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
     """
     out = os.fspath(out)
     layers = _check_layers(layers)
+    check_request(grads, loss_fn)
     if process_rank()[0] is not None:
         from ..distributed.extraction import extract_ranks
 
         return extract_ranks(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
-                             progress=progress, barrier_timeout=barrier_timeout, stop_after=stop_after)
+                             progress=progress, barrier_timeout=barrier_timeout, stop_after=stop_after, grads=grads,
+                             loss_fn=loss_fn)
     return extract_folder(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
-                          progress=progress, stop_after=stop_after)
+                          progress=progress, stop_after=stop_after, grads=grads, loss_fn=loss_fn)
 
 
 def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, indices_of=None,
-                   arguments=None, stop_after=None) -> str:
+                   arguments=None, stop_after=None, grads=False, loss_fn=None) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
     job = {"model_sha256": model_checksum(model), "arguments": dict(_arguments(layers, kwargs, inputs),
-                                                                    **(arguments or {}))}
-    run = _Run(out, layers, type(model).__name__, shard_bytes, job)
+                                                                    grads=bool(grads), **(arguments or {}))}
+    run = _Run(out, grad_columns(layers) if grads else layers, type(model).__name__, shard_bytes, job)
     if run.complete:
         return out
     resumed_from = run.batches_done
@@ -106,9 +112,10 @@ def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, 
                 continue
             if position == 0:
                 run.first_fingerprint = _fingerprint(args)
-            with torch.no_grad():
-                run.add(_extract_batch(model, args, kwargs, layers, run, position, stop_after), _batch_rows(args),
-                        position, None if indices_of is None else indices_of(position))
+            with torch.enable_grad() if grads else torch.no_grad():
+                request = (loss_fn, batch) if grads else None
+                run.add(_extract_batch(model, args, kwargs, layers, run, position, stop_after, request),
+                        _batch_rows(args), position, None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(_fingerprint(args))
             bar.update(1)
@@ -174,20 +181,26 @@ def _save_targets(model, layers) -> list:
     return targets
 
 
-def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None) -> list:
+def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None) -> list:
     from ..capture.session import trace
 
     from ..record.errors import UnmatchedSelection
 
+    targets = _save_targets(model, layers)
     try:
-        log = trace(model, args, kwargs, save=_save_targets(model, layers), stop_after=stop_after)
+        log = trace(model, args, kwargs, save=targets, stop_after=stop_after,
+                    grads=targets if grads is not None else False)
     except UnmatchedSelection as exc:
         raise UnmatchedSelection(f"batch {position}: {exc}") from None
     try:
+        if grads is not None:
+            backward_through(log, *grads, position)
         acts = []
-        for i, name in enumerate(layers):
-            op = _resolve(log, name, position)
-            t = op.activation
+        ops = [_resolve(log, name, position) for name in layers]
+        tensors = [op.activation for op in ops]
+        if grads is not None:
+            ops, tensors = ops + ops, tensors + [layer_grad(op, name, position) for op, name in zip(ops, layers)]
+        for i, (name, op, t) in enumerate(zip(run.layers, ops, tensors)):
             if t is None:
                 raise RuntimeError(f"batch {position}: {name} ({op.label}) was not saved")
             run.check_layer(i, name, op.label, t, position)

@@ -20,6 +20,7 @@ from ..record.trace import Trace
 from .encode import decode_value, torch_constant
 from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, checked_member,
                      read_json, require_safetensors, verify_manifest)
+from .grads import read_grads
 
 
 
@@ -39,6 +40,7 @@ def load(path) -> Trace:
         raise TraceFileError(f"{folder}/{TRACE_JSON}: does not match trace schema {TRACE_SCHEMA} "
                              f"({type(exc).__name__}: {exc}); the file was edited or written by other software") \
             from None
+    read_grads(trace, record, folder, manifest["files"])  # io/grads.py
     trace.loaded_from = folder
     return trace
 

@@ -27,3 +27,7 @@ class UnmatchedSelection(TorchlensError, KeyError):
 class InterventionError(TorchlensError):
     """An intervention could not be applied faithfully (its site was not reached, the forward took
     another path than the reference trace, or an action returned an unusable value)."""
+
+
+class GradientUnavailable(TorchlensError):
+    """A gradient was asked for that autograd never computes or the trace was not set up to receive."""

@@ -4,12 +4,13 @@ Each row is one call (``encoder.layers.0:1``) with its class, the parameters rea
 (each parameter object counted once, so a tied embedding and head count their shared weight once), the
 shapes going in and out, the ops run inside it, their analytic FLOPs (``report/flops.py``: a multiply-add
 is 2 FLOPs, shown as FLOPs, never as bytes), the instrumented host time, and the bytes of the tensors its
-ops produced.  When ops carry ``saved_for_backward_bytes`` (filled by gradient capture) a column for it
+ops produced.  When the trace recorded what autograd saves (``saved_for_backward=True``) a column for it
 appears; otherwise it is left out rather than shown as zeros.
 """
 
 from __future__ import annotations
 
+from .grads import saved_for_backward_bytes
 from .summary import human_bytes
 
 COLUMNS = ("call", "depth", "class_name", "params", "input_shapes", "output_shapes", "ops", "flops",
@@ -114,8 +115,8 @@ def module_summary(trace, depth=None) -> ModuleSummary:
 
     ops = trace.ops
     produced = [_produced_bytes(trace, i) for i in range(len(ops))]
-    backward = [getattr(op, SAVED_FOR_BACKWARD, None) for op in ops]
-    has_backward = any(b is not None for b in backward)
+    packlog = trace._packlog  # tl.trace(..., saved_for_backward=True): what autograd kept, per op
+    has_backward = packlog is not None and packlog.note_text is None
     try:
         call_flops, whole_flops = module_call_flops(trace), total_flops(trace)
     except RuntimeError:  # cleaned up before FLOPs were derived: leave the column empty
@@ -133,7 +134,8 @@ def module_summary(trace, depth=None) -> ModuleSummary:
             "duration": duration, "activation_bytes": sum(produced[i] for i in members),
         }
         if has_backward:
-            entry[SAVED_FOR_BACKWARD] = sum(backward[i] or 0 for i in members)
+            # Distinct storages over the call's ops: a tensor two ops saved counts once.
+            entry[SAVED_FOR_BACKWARD] = saved_for_backward_bytes(trace, members)
         return entry
 
     forward = trace.timings.get("forward")

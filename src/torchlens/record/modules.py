@@ -53,6 +53,20 @@ class ModuleCall:
         return [labels[i] for i in self._output_nodes if i >= 0]
 
     @property
+    def grad(self):
+        """d loss / d (this call's output): a tensor, or a tuple for a call with several outputs."""
+        from .grads import module_call_grad
+
+        return module_call_grad(self)
+
+    @property
+    def saved_for_backward_bytes(self) -> int:
+        """Bytes autograd packed for backward inside this call, nested calls included (distinct storages)."""
+        from .grads import saved_for_backward_bytes
+
+        return saved_for_backward_bytes(self._trace, self._op_nodes)
+
+    @property
     def ops(self) -> list:
         """Labels of every op run inside this call, nested calls included, in execution order."""
         labels = self._trace._labels

@@ -197,6 +197,27 @@ class Op:
         return self._trace._originals.get(self.index)
 
     @property
+    def grad(self):
+        """d loss / d (this op's output), accumulated over the backwards seen (``grads=True``); None before
+        a backward reached it or when ``grads=[...]`` did not select it.  See docs/gradients.md."""
+        from .grads import grad_of
+
+        return grad_of(self._trace, self.index)
+
+    @property
+    def has_grad(self) -> bool:
+        from .grads import has_grad
+
+        return has_grad(self._trace, self.index)
+
+    @property
+    def saved_for_backward_bytes(self) -> int:
+        """Bytes of the distinct storages autograd packed for backward while running this op."""
+        from .grads import op_saved_for_backward_bytes
+
+        return op_saved_for_backward_bytes(self._trace, self.index)
+
+    @property
     def finite(self):
         """``(has_nan, has_inf)`` recorded during capture (``record_finite=True``), else None."""
         return self._trace._finite.get(self.index)
@@ -255,7 +276,8 @@ class Op:
 
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
                        "has_activation", "parent_arg_positions", "module_call", "module", "modules",
-                       "start_ns", "finite", "args", "kwargs"])
+                       "start_ns", "finite", "args", "kwargs", "grad", "has_grad",
+                       "saved_for_backward_bytes"])
 
 
 class Layer:
@@ -283,6 +305,11 @@ class Layer:
     @property
     def duration(self) -> float:
         return sum(op.duration or 0.0 for op in self.ops)
+
+    @property
+    def grads(self) -> list:
+        """The gradient of every pass, in pass order (see ``Op.grad``)."""
+        return [op.grad for op in self.ops]
 
     def __getattr__(self, name):
         if name.startswith("_"):

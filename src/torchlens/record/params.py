@@ -28,6 +28,13 @@ class Param:
         return self.address.rpartition(".")[0] or "self"
 
     @property
+    def grad(self):
+        """The parameter's own ``.grad`` after a backward (what the optimizer would read)."""
+        from .grads import param_grad
+
+        return param_grad(self._trace, self.address)
+
+    @property
     def ops(self) -> list:
         """Labels of the ops that used this parameter, in execution order."""
         return [self._trace._labels[i] for i in self._users]

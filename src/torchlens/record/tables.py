@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .grads import GRAD_COLUMNS, grad_stats_column
+
 
 def require_pandas():
     try:
@@ -14,6 +16,7 @@ def require_pandas():
 def ops_frame(ops) -> "pandas.DataFrame":
     pd = require_pandas()
     rows = []
+    grad_stats = _grad_stats(ops)
     for op in ops:
         source = op.source
         rows.append({
@@ -41,7 +44,16 @@ def ops_frame(ops) -> "pandas.DataFrame":
             "multi_output_index": op.multi_output_index,
             "has_activation": op.index in op._trace._activations,
         })
+        if grad_stats:  # columns appear once a backward delivered gradients
+            rows[-1].update(grad_stats.get(op.index, _NO_GRAD))
     return pd.DataFrame(rows)
+
+
+def _grad_stats(ops) -> dict:
+    return grad_stats_column(ops[0]._trace) if ops else {}
+
+
+_NO_GRAD = dict.fromkeys(GRAD_COLUMNS)
 
 
 def layers_frame(layers) -> "pandas.DataFrame":

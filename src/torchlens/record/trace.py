@@ -36,6 +36,8 @@ class Trace:
     _interventions: dict = {}
     _originals: dict = {}
     stopped_after = None  # the stop_after= site the forward was stopped at (output is then None)
+    _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
+    _packlog = None  # a capture.packing.PackLog when traced with saved_for_backward=True
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
@@ -196,6 +198,30 @@ class Trace:
         """Seconds from the start of ``tl.trace`` to the finished record."""
         return self.timings.get("total", 0.0)
 
+    @property
+    def num_backwards(self) -> int:
+        """How many backward passes reached this trace's ops (each ``.backward()`` or ``autograd.grad``)."""
+        return self._gradcap.backwards if self._gradcap is not None else 0
+
+    def backward(self, loss, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
+        """``torch.autograd.backward(loss, ...)``: fills every op's ``.grad`` (trace with ``grads=True``)."""
+        from .grads import backward
+
+        backward(self, loss, gradient, retain_graph, create_graph, inputs)
+
+    @property
+    def saved_for_backward_bytes(self) -> int:
+        """Bytes autograd keeps for backward over the whole forward (distinct storages, each once)."""
+        from .grads import saved_for_backward_bytes
+
+        return saved_for_backward_bytes(self)
+
+    def saved_for_backward(self):
+        """Per module call, what autograd keeps for backward, largest first (``str()`` it, or ``.to_pandas()``)."""
+        from .grads import SavedForBackward
+
+        return SavedForBackward(self)
+
     def _children(self) -> list:
         if self._children_col is None:
             children: list = [[] for _ in self._kind]
@@ -339,6 +365,10 @@ class Trace:
         from .module_table import module_param_counts
 
         module_param_counts(self)  # counted from the live modules, which cleanup releases
+
+        from .grads import release
+
+        release(self)  # gradient statistics stay; the tensors and every hook go
         self._model_params = None
         self._cleaned = True
         self._activations = {}

@@ -39,6 +39,8 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
 
     Args:
         model, args, kwargs: as for ``tl.trace``.  The trace saves no activations (the cheapest tier).
+            ``model`` may instead be a trace taken with ``grads=True`` whose backward has not run yet:
+            only that backward is profiled (no second forward), see report/backward_profile.py.
         backward: ``True`` runs ``torch.autograd.backward`` on every output that requires grad with
             all-ones gradients; a callable ``f(output)`` runs your own loss and backward instead.
         chrome_trace: a path: write torch's own chrome export of this profile there, untouched, plus
@@ -51,6 +53,12 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
     """
     if backward is not False and backward is not True and not callable(backward):
         raise TypeError("backward must be True, False, or a callable f(output) that runs the backward")
+    from ..record.trace import Trace
+
+    if isinstance(model, Trace):  # reuse a trace taken with grads=True: profile its backward only
+        from .backward_profile import profile_backward_of
+
+        return profile_backward_of(model, backward, chrome_trace, profiler, activities, profiler_kwargs)
     markers = ProfilerMarkers()
     if profiler is not None:
         _check_borrowed(profiler, chrome_trace)
@@ -122,7 +130,9 @@ class KernelProfile:
     Built by ``kernel_profile``.  ``events=`` (a list of ``profile_events.Event``) joins those events
     instead of reading ``profiler``: a trace read back from disk with ``events_from_chrome``."""
 
-    def __init__(self, trace, profiler, markers, *, borrowed: bool, backward: bool, events=None):
+    def __init__(self, trace, profiler, markers, *, borrowed: bool, backward: bool, events=None,
+                 backward_nodes=None):
+        self.backward_nodes = backward_nodes  # {sequence number: call} for a backward-only profile
         self.trace = trace
         self.profiler = profiler
         self.markers = markers
@@ -137,9 +147,14 @@ class KernelProfile:
     def _join(self):
         if self._joined is None:
             events = self._events if self._events is not None else events_from_profiler(self.profiler)
-            serial_of_call = {c: s for s, c in self.markers.resolve_calls(len(self.trace._calls)).items()}
-            joined = join(events, self.markers.run, set(serial_of_call.values()))
-            problems = find_problems(joined, len(self.trace.module_calls), serial_of_call)
+            if self.backward_nodes is not None:
+                from .backward_profile import join_backward
+
+                serial_of_call, joined, problems = join_backward(self, events)
+            else:
+                serial_of_call = {c: s for s, c in self.markers.resolve_calls(len(self.trace._calls)).items()}
+                joined = join(events, self.markers.run, set(serial_of_call.values()))
+                problems = find_problems(joined, len(self.trace.module_calls), serial_of_call)
             rows = op_rows(self.trace, serial_of_call, joined, self.backward)
             self._joined = (joined, Coverage(joined, problems), rows, serial_of_call)
             self._events = None

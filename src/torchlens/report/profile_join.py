@@ -82,20 +82,26 @@ class JoinResult:
         self.nesting_violations = 0
         self.profiler_overhead = [0, 0]  # [events, ns] the profiler spent on itself
         self.device_via_external_id = 0  # device events linked by External id, lacking a runtime event
+        self.backward_only = False  # a backward-only profile of an earlier trace (kernel_profile(log))
+        self.backward_measured: set = set()  # there: the op serials whose backward could be attributed
 
     @property
     def has_device(self) -> bool:
         return self.device_events > 0
 
 
-def join(events: list, run: int, op_serials=None) -> JoinResult:
+def join(events: list, run: int, op_serials=None, seq_owner=None) -> JoinResult:
     """Attribute ``events`` to the markers of profile ``run`` (see the module docstring).
 
     ``op_serials``: the op marker serials that became ops (``ProfilerMarkers.resolve_calls``); work
-    under any other op marker belongs to a call that returned no tensor."""
+    under any other op marker belongs to a call that returned no tensor.  ``seq_owner``
+    (``{sequence number: op serial}``): a backward-only profile of an earlier trace, whose backward
+    nodes the trace itself numbered (``grads=True``); no forward ran inside the profile."""
     result = JoinResult()
     owners = _sweep_threads(events, run, result)
-    seq_owner = _forward_sequence_owners(events, owners)
+    result.backward_only = seq_owner is not None
+    if seq_owner is None:
+        seq_owner = _forward_sequence_owners(events, owners)
     resolved = {}
     for i, owner in owners.items():
         e = events[i]

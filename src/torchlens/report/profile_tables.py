@@ -44,6 +44,9 @@ def op_rows(trace, serial_of_call: dict, joined, backward: bool) -> list:
         first, count = call[10], call[11]
         serial = serial_of_call.get(c)
         measured = serial is not None and joined.marker_counts.get(("op", serial)) == 1
+        measured_backward = measured
+        if joined.backward_only:  # a backward-only profile of an earlier trace: no forward figures
+            measured_backward = serial in joined.backward_measured
         m = trace._module_call[first]
         row = {
             "op": labels[first],
@@ -56,7 +59,7 @@ def op_rows(trace, serial_of_call: dict, joined, backward: bool) -> list:
         }
         row.update(_metrics(joined.op_forward.get(serial), measured, joined.has_device, ""))
         if backward:
-            row.update(_metrics(joined.op_backward.get(serial), measured, joined.has_device, "bwd_"))
+            row.update(_metrics(joined.op_backward.get(serial), measured_backward, joined.has_device, "bwd_"))
         row["_index"] = first
         rows.append(row)
     return rows

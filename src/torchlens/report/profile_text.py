@@ -38,4 +38,17 @@ def profile_text(profile, top: int = 15) -> str:
     lines.append(f"top {len(ranked)} ops by {'device time' if device else 'self CPU time'}:")
     for row in table:
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if profile.backward:
+        lines += _backward_by_module(profile, "bwd_" + key, device)
     return "\n".join(lines)
+
+
+def _backward_by_module(profile, key, device, top: int = 8) -> list:
+    """The module calls whose backward cost most (inclusive of nested calls)."""
+    calls = sorted(profile.module_calls, key=lambda r: -(r[key] or 0))[:top]
+    if not calls:
+        return []
+    width = max(len(r["module_call"]) for r in calls)
+    lines = [f"top {len(calls)} module calls by backward {'device' if device else 'self CPU'} time (inclusive):"]
+    lines += [f"  {r['module_call'].ljust(width)}  {_fmt_ns(r[key])}" for r in calls]
+    return lines

@@ -65,8 +65,9 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     ``view``: ``"unrolled"`` (one node per op) or ``"rolled"`` (one node per layer, passes folded).
     ``depth``: module calls this many levels down are collapsed into one node (0: every top-level module);
     None draws everything in static formats and picks a readable starting depth in HTML.
-    ``color_by``: ``"duration"``, ``"flops"``, ``"memory"``, ``"nonfinite"`` or ``"device_time"`` (with
-    ``device_times={op label: seconds}``; a mapping passed as ``color_by`` means the same).
+    ``color_by``: ``"duration"``, ``"flops"``, ``"memory"``, ``"nonfinite"``, ``"grad_norm"`` (a trace taken
+    with ``grads=True``, after a backward) or ``"device_time"`` (with ``device_times={op label: seconds}``;
+    a mapping passed as ``color_by`` means the same).
     ``format``: ``"dot"``, ``"svg"``, ``"png"`` or ``"html"``; by default taken from the path's suffix.
     ``direction``: ``"TB"`` (data flows down, the default) or ``"LR"`` (left to right: deep models on wide
     screens).

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from ..record.summary import human_bytes
 
-METRICS = ("duration", "flops", "memory", "nonfinite", "device_time")
+METRICS = ("duration", "flops", "memory", "nonfinite", "device_time", "grad_norm")
 # Light to dark: low values pale, the costliest ops dark red.
 _SCALE = ("#fff7c4", "#fee391", "#fec44f", "#fe9929", "#ec7014", "#cc4c02", "#8c2d04")
 _DARK = frozenset(_SCALE[4:])
@@ -28,6 +28,8 @@ _NOTES = {
     "memory": "bytes of each op's output tensor",
     "device_time": "device time per op from the kernel profile passed in",
     "nonfinite": "ops whose output held NaN or Inf, from flags recorded during capture or saved activations",
+    "grad_norm": "2-norm of d loss / d (op output), from a trace taken with grads=True after a backward; "
+                 "NaN/Inf gradients take the darkest colour",
 }
 
 
@@ -88,6 +90,14 @@ def op_values(trace, metric, device_times=None) -> list:
         return values
     if metric == "nonfinite":
         return nonfinite_flags(trace)
+    if metric == "grad_norm":
+        from ..record.grads import grad_stats_column
+
+        values = [None] * n
+        for i, stats in grad_stats_column(trace).items():
+            norm = stats["grad_norm"]
+            values[i] = norm if math.isfinite(norm) else math.inf  # exploded: the top of the scale
+        return values
     raise ValueError(metric)
 
 
@@ -144,7 +154,8 @@ class Coloring:
         self.metric = metric
         self.values = values
         self.origins = set(origins)
-        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                   and math.isfinite(v)]
         self.low = min(numbers) if numbers else 0.0
         self.high = max(numbers) if numbers else 0.0
 
@@ -203,6 +214,8 @@ def format_value(metric, value) -> str:
         return human_bytes(value)
     if metric == "flops":
         return format_count(value)
+    if metric == "grad_norm":
+        return f"{value:.3g}"
     return str(value)
 
 

@@ -6,6 +6,8 @@ activations, under ``torch.no_grad``, and never for a cleaned-up trace.
 
 from __future__ import annotations
 
+import math
+
 from .metrics import format_count, format_seconds
 from ..record.summary import human_bytes
 
@@ -49,6 +51,24 @@ def activation_stats(tensor) -> dict:
         if t.numel() > 1:
             stats["std"] = _num(t.std())
         return stats
+
+
+def gradient_record(trace, op):
+    """The panel's gradient row: statistics of d loss / d output, or why there is none (``grads=True``)."""
+    if trace._gradcap is None:
+        return None
+    from ..record.grads import grad_stats_column
+
+    stats = grad_stats_column(trace).get(op.index)
+    if stats is not None:
+        shown = {"norm": stats["grad_norm"], "min": stats["grad_min"], "max": stats["grad_max"],
+                 "non-finite": stats["grad_nonfinite"]}
+        if not trace.is_cleaned_up and op.has_grad:
+            shown = dict(activation_stats(op.grad), **shown)
+        return {k: (_num(v) if math.isfinite(v) else str(v)) if isinstance(v, float) else v for k, v in shown.items()}
+    if not op.requires_grad:
+        return "none: the output does not require grad"
+    return "none yet: no backward reached it (or grads=[...] left it out)"
 
 
 def _num(x) -> float:
@@ -119,6 +139,9 @@ class RecordBuilder:
             rec["activation"] = activation_stats(trace._activations[op.index])
         elif op.index in trace._dropped:
             rec["activation"] = {"dropped": trace._dropped[op.index]}
+        gradient = gradient_record(trace, op)
+        if gradient is not None:
+            rec["gradient"] = gradient
         return rec
 
     def layer_record(self, item) -> dict:

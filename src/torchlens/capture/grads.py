@@ -1,0 +1,200 @@
+"""Gradient capture: a tensor hook per recorded output, delivering d loss / d output to the trace.
+
+With ``tl.trace(..., grads=True)`` the hot path calls ``GradCapture.watch`` for each recorded output
+that requires grad.  ``watch`` adds one tensor hook (the mechanism ``retain_grad()`` uses), so that any
+later backward through the traced output hands each op's gradient to the trace: d loss / d (that op's
+output), accumulated over backwards as ``.grad`` accumulates.  It also notes the sequence number of the
+output's backward node, by which a profiler names that node's work (report/backward_profile.py).
+
+The hooks hold the capture only weakly: the autograd graph never keeps a trace alive, and the trace
+never keeps the graph alive (it holds the tensors' hook dicts weakly, by key).  Every hook is
+removed by ``Trace.cleanup()`` or when the trace is garbage-collected, so a later backward through the
+same graph is unaffected.
+
+What autograd keeps for backward is recorded separately, on request (capture/packing.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from functools import partial
+
+import torch
+
+# ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
+# ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
+# its hooks by key instead.  Where these internals are absent, the public call is used.
+Tensor = torch.Tensor
+_INLINE_HOOKS = hasattr(torch._C.TensorBase, "_backward_hooks") and \
+    hasattr(torch._C._FunctionBase, "_register_hook_dict")
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _store(capture_ref, index: int, grad) -> None:
+    """The tensor hook: add ``grad`` to the gradient kept for record ``index``; never alters it.
+
+    Runs once per op per backward, so the accumulation is written out here rather than called."""
+    capture = capture_ref()
+    if capture is None or grad is None:
+        return
+    if _graph_task_id is not None:
+        task = _graph_task_id()
+        if task != capture.last_task:
+            capture.last_task = task
+            capture.backwards += 1
+    if grad.requires_grad:  # a backward with create_graph=True: keep the value, not a graph
+        grad = grad.detach()
+    grads = capture.grads
+    kept = grads.get(index)
+    if kept is None:
+        # Kept by reference, not copied: autograd accumulates into a gradient buffer in place only while
+        # nothing else holds it (it checks the reference count), so holding it is enough.
+        grads[index] = grad
+        capture.order.append(index)
+    else:
+        grads[index] = kept + grad
+
+
+def _remove_all(handles: dict) -> None:
+    for hooks_ref, key in handles.values():
+        hooks = hooks_ref()
+        if hooks is not None:
+            hooks.pop(key, None)
+    handles.clear()
+
+
+class GradCapture:
+    """The gradients one trace receives and the hooks that deliver them.
+
+    ``selector`` is ``None`` (every op that requires grad) or a ``(func, module_call) -> bool`` test
+    decided during the forward (op types and modules of a ``grads=[...]`` selection).
+    """
+
+    def __init__(self, selector=None):
+        self.selector = selector
+        self.sources = True  # inputs are watched (False when a type selection does not name them)
+        self.grads: dict = {}  # record index -> accumulated gradient (detached; never written in place)
+        self.handles: dict = {}  # record index -> (weakref to the tensor's hook dict, our key in it)
+        self._token = object()  # keys are (token, index): never equal to another hook's key
+        self.selected: set = set()  # record indices whose gradient the trace keeps (set after the forward)
+        self.backwards = 0
+        self.sequence_numbers: dict = {}  # record index -> sequence number of its backward node
+        self.first_sequence_number = None
+        self.order: list = []  # record indices in the order their first gradient arrived (backward order)
+        self.last_task = None  # the graph task (one backward) that last delivered a gradient
+        self._self_ref = weakref.ref(self)
+        self._finalizer = weakref.finalize(self, _remove_all, self.handles)
+
+    # ----- the forward ---------------------------------------------------------------------------
+    def watch(self, index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
+        """Add the gradient hook for record ``index`` (``t`` requires grad).  Runs once per op: flat."""
+        selector = self.selector  # a grads=[...] selection of op types or modules
+        if selector is not None and not (selector(func, module_call) if func is not None else self.sources):
+            return  # (func is None for the model's inputs)
+        if type(t) is not Tensor or not _INLINE_HOOKS:  # subclasses dispatch register_hook themselves
+            self._watch_subclass(index, t)
+            return
+        grad_fn = t.grad_fn
+        hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
+        if hooks is None:
+            hooks = t._backward_hooks = OrderedDict()
+            if grad_fn is not None:
+                grad_fn._register_hook_dict(t)
+        key = (self._token, index)
+        hooks[key] = partial(_store, self._self_ref, index)
+        self.handles[index] = (weakref.ref(hooks), key)
+        if grad_fn is not None:  # the backward node's id, by which profilers name its work
+            self.sequence_numbers[index] = grad_fn._sequence_nr()
+
+    def _watch_subclass(self, index: int, t: torch.Tensor) -> None:
+        handle = t.register_hook(partial(_store, self._self_ref, index))
+        self.handles[index] = (handle.hooks_dict_ref, handle.id)
+
+    def rewatch(self, index: int, t: torch.Tensor) -> None:
+        """An intervention replaced record ``index``'s value: its gradient is now that of ``t``, the value
+        downstream ops saw (the hook moves from the op's own output to it)."""
+        handle = self.handles.pop(index, None)
+        if handle is None:  # not selected, or its output did not require grad
+            return
+        _remove_all({index: handle})
+        if t.requires_grad:
+            selector, self.selector = self.selector, None  # already selected when first watched
+            try:
+                self.watch(index, t)
+            finally:
+                self.selector = selector
+
+    def watch_source(self, index: int, t: torch.Tensor) -> None:
+        """An input that requires grad: its gradient is d loss / d input."""
+        self.watch(index, t, None, -1)
+
+    # ----- after the forward ---------------------------------------------------------------------
+    def keep_only(self, indices) -> None:
+        """Remove the hooks of records not in ``indices`` (a selection decided after the forward)."""
+        _remove_all({i: self.handles.pop(i) for i in [i for i in self.handles if i not in indices]})
+        self.selected.intersection_update(indices)
+
+    def remove_hooks(self) -> None:
+        _remove_all(self.handles)
+
+
+# ----- set-up and hand-over, called by capture/session.py ---------------------------------------
+def grad_capture(grads, model, state):
+    """The ``GradCapture`` for ``tl.trace(..., grads=...)``, or None when gradients are off."""
+    if grads is None or grads is False or (isinstance(grads, str) and grads in ("none", "")):
+        return None
+    from .saving import SavePolicy
+
+    policy = None
+    if not (grads is True or grads == "all"):
+        if isinstance(grads, str):
+            grads = [grads]
+        policy = SavePolicy(grads, model)
+    capture = GradCapture()
+    capture.policy = policy
+    capture.first_sequence_number = _next_sequence_number()
+    if policy is not None and policy.mode == 2:  # types and modules: decided during the forward
+        capture.selector = policy.capture_selector(state)
+        capture.sources = "input" in policy.types or bool(policy.module_ids)
+    return capture
+
+
+def attach_grads(trace, capture) -> None:
+    """Give the finished trace its gradient capture, and apply a ``grads=[...]`` selection."""
+    if capture is None:
+        return
+    trace._gradcap = capture
+    capture.selected = set(capture.handles)
+    policy = capture.policy
+    if policy is None:
+        return
+    try:
+        _check_selectors(trace, policy)
+    except KeyError:
+        capture.remove_hooks()  # the trace is not returned: nothing it registered may stay
+        raise
+    if policy.filters_after:
+        capture.keep_only({i for i in capture.selected if policy.keep(trace, trace.ops[i])})
+
+
+def _next_sequence_number():
+    """Backward nodes made from here on are numbered above this (None when grad mode is off)."""
+    with torch.enable_grad():
+        probe = torch.zeros((), requires_grad=True) * 1
+    return probe.grad_fn._sequence_nr() if probe.grad_fn is not None else None
+
+
+def _check_selectors(trace, policy) -> None:
+    """Unknown labels and op types in ``grads=[...]`` raise, naming the closest labels."""
+    import difflib
+
+    for label in policy.labels:
+        trace[label]  # raises KeyError with the closest labels
+    known_types = set(trace._types)
+    for wanted in policy.types:
+        if wanted not in known_types:
+            names = sorted(known_types | set(trace._labels))
+            close = difflib.get_close_matches(wanted, names, n=5, cutoff=0.5)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise KeyError(f"grads= selector {wanted!r} names no op type, label or module in this trace{hint}")

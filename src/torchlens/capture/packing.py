@@ -1,0 +1,88 @@
+"""What autograd keeps for backward, op by op: ``tl.trace(..., saved_for_backward=True)``.
+
+During the forward, ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd packs into
+a backward node, while the torch call that packs it runs; the call index is the length of the capture
+state's call list at that moment.  Per call the log keeps ``{storage: bytes}`` (never the tensors), so
+that totals count each distinct storage once however many ops keep it (an activation that two ops save,
+a weight every pass of a loop saves).
+
+The pack hook returns a detached alias of the tensor (no copy, and no reference cycle through an
+output's own ``grad_fn``) with the version it had, and unpacking refuses a tensor modified in place after
+it was saved, exactly as autograd refuses it without hooks.  It is opt-in: a Python call per saved tensor
+costs a few microseconds, more than the gradient hooks themselves.  When the caller already has
+saved-tensor hooks active (``save_on_cpu``, offloading), torchlens leaves them in charge and says that
+packing was not observed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from functools import partial
+
+import torch
+
+from .state import storage_key
+
+_no_torch_function = torch._C.DisableTorchFunction
+
+
+def _pack(log_ref, t: torch.Tensor):
+    """The pack hook.  Autograd keeps it with every saved tensor, so it holds the log weakly; it runs
+    inside custom Functions' forward too, where the capture mode is active: what it calls is
+    bookkeeping, never ops of the model."""
+    log = log_ref()
+    with _no_torch_function():
+        if log is not None:
+            log.note(t)
+        return t.detach(), t._version
+
+
+def _unpack(packed):
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+            f"{version} instead (checked by the torchlens saved_for_backward=True trace, as autograd checks it)")
+    return t
+
+
+class PackLog:
+    """``packed[call index] = {storage key: storage bytes}`` for the tensors autograd saved in that call."""
+
+    def __init__(self, calls: list):
+        self.packed: dict = {}
+        self.calls = calls  # the capture state's call list while the forward runs; None after it
+        self.note_text = None  # why packing was not observed, when it was not
+
+    def note(self, t: torch.Tensor) -> None:
+        calls = self.calls
+        if calls is None:
+            return
+        sizes = self.packed.get(len(calls))
+        if sizes is None:
+            sizes = self.packed[len(calls)] = {}
+        try:
+            sizes[storage_key(t)] = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # storage-less layouts: their own size
+            sizes[-id(t)] = t.numel() * t.element_size()
+
+    def context(self):
+        """``saved_tensors_hooks`` for the forward, or a null context when packing cannot be observed."""
+        autograd = torch._C._autograd
+        enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)()
+        top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+        if not enabled:
+            self.note_text = "saved-tensor hooks are disabled here, so packing was not observed"
+        elif top is not None and top(False) is not None:
+            self.note_text = ("the caller's own saved_tensors_hooks were active: torchlens left them in charge "
+                              "and did not observe packing")
+        if self.note_text is not None:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(partial(_pack, weakref.ref(self)), _unpack)
+
+
+def packing_observed(log):
+    """The context the forward runs in: saved-tensor hooks when ``saved_for_backward=True``."""
+    return log.context() if log is not None else contextlib.nullcontext()

@@ -1,0 +1,47 @@
+"""Gradients in ``tl.extract(..., grads=True, loss_fn=...)``: each layer's d loss / d activation.
+
+Per batch the model is traced with ``grads=`` set to the requested layers, the user's
+``loss_fn(output, batch)`` is backpropagated through the trace, and each layer's gradient is streamed
+beside its activation, under the name ``grad:<layer>``.  The backward must not leave anything behind in
+the model: the parameters' ``.grad`` are put back as they were before the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GRAD_PREFIX = "grad:"
+
+
+def grad_columns(layers: list) -> list:
+    """The extraction's column names: the layers, then ``grad:<layer>`` for each."""
+    return list(layers) + [GRAD_PREFIX + name for name in layers]
+
+
+def check_request(grads: bool, loss_fn) -> None:
+    if grads and not callable(loss_fn):
+        raise ValueError("tl.extract(..., grads=True) needs loss_fn=f(output, batch) -> scalar loss, whose backward "
+                         "gives each layer's gradient")
+
+
+def backward_through(log, loss_fn, batch, position) -> None:
+    """Run ``loss_fn(log.output, batch)``'s backward, leaving the model's parameter ``.grad`` untouched."""
+    loss = loss_fn(log.output, batch)
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        raise ValueError(f"batch {position}: loss_fn returned {type(loss).__name__}"
+                         f"{' that does not require grad' if isinstance(loss, torch.Tensor) else ''}; it must "
+                         "return a tensor computed from the model's output")
+    params = list(log.model.parameters()) if isinstance(log.model, torch.nn.Module) else []
+    kept = [p.grad for p in params]
+    try:
+        log.backward(loss)
+    finally:
+        for p, g in zip(params, kept):
+            p.grad = g
+
+
+def layer_grad(op, name, position):
+    g = op.grad
+    if g is None:
+        raise RuntimeError(f"batch {position}: no gradient reached {name} ({op.label}): the loss does not depend on it")
+    return g

@@ -1,0 +1,133 @@
+"""Gradients in a saved trace: ``gradients.safetensors`` beside the activations, and a ``grads`` record.
+
+The folder keeps the same rules as the rest of a saved trace (manifest sizes and hashes, safetensors,
+no pickle): the tensors are d loss / d (op output) per op and each parameter's ``.grad``; the JSON
+record holds which ops were selected, how many backwards were seen, the arrival (backward) order, the
+statistics columns (which survive ``cleanup()``) and what autograd packed for backward per call.
+A trace taken without ``grads=`` writes neither.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
+
+GRAD_TENSORS = "gradients.safetensors"
+
+
+def _float(v):
+    return v if v is None or math.isfinite(v) else repr(v)  # JSON has no NaN/Inf: "nan", "inf", "-inf"
+
+
+def _unfloat(v):
+    if v is None or isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    if v in ("nan", "inf", "-inf"):
+        return float(v)
+    raise TraceFileError(f"{TRACE_JSON}: grads: {v!r} is not a number")
+
+
+def write_grads(trace, folder: str, with_tensors: bool):
+    """Write ``gradients.safetensors`` (when there are gradients to write); return (file names, record)."""
+    packing = trace._packlog
+    packed = None if packing is None else {
+        "note": packing.note_text,
+        "packed": [[c, [[int(k), int(b)] for k, b in sizes.items()]] for c, sizes in sorted(packing.packed.items())]}
+    capture = trace._gradcap
+    if capture is None:
+        return [], (None if packed is None else {"saved_for_backward": packed})
+    from ..record.grads import grad_stats_column
+
+    record = {
+        "saved_for_backward": packed,
+        "selected": sorted(capture.selected),
+        "num_backwards": capture.backwards,
+        "order": list(capture.order),
+        "stats": [[i, {k: _float(v) for k, v in s.items()}] for i, s in sorted(grad_stats_column(trace).items())],
+        "tensors": [],
+        "param_tensors": [],
+    }
+    tensors = {}
+    if with_tensors and not trace.is_cleaned_up:
+        for i, g in sorted(capture.grads.items()):
+            tensors[f"g{i}"] = _plain(g)
+            record["tensors"].append([i, f"g{i}"])
+        for n, (address, p) in enumerate(trace._model_params or ()):
+            if p.grad is not None:
+                tensors[f"p{n}"] = _plain(p.grad)
+                record["param_tensors"].append([address, f"p{n}"])
+    if not tensors:
+        return [], record
+    require_safetensors().save_file(tensors, os.path.join(folder, GRAD_TENSORS), metadata={"format": "torchlens-grads"})
+    return [GRAD_TENSORS], record
+
+
+def _plain(t):
+    return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous().clone()
+
+
+def read_grads(trace, record, folder: str, files) -> None:
+    """Give a loaded ``trace`` the gradients its folder holds (nothing when it was traced without them)."""
+    try:
+        _read_grads(trace, record, folder, files)
+    except TraceFileError as exc:  # column checks name the file; add the folder
+        raise exc if str(exc).startswith(folder) else TraceFileError(f"{folder}/{exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise TraceFileError(f"{folder}/{TRACE_JSON}: its 'grads' record is malformed ({type(exc).__name__}: {exc}); "
+                             "the file was edited or written by other software") from None
+
+
+def _read_grads(trace, record, folder: str, files) -> None:
+    grads = record.get("grads")
+    if grads is None:
+        return
+    from ..capture.grads import GradCapture
+    from ..capture.packing import PackLog
+
+    n = len(trace._kind)
+    if not isinstance(grads, dict):
+        raise TraceFileError(f"{TRACE_JSON}: 'grads' must be a table")
+    packed = grads["saved_for_backward"]
+    if packed is not None:
+        trace._packlog = PackLog(None)
+        trace._packlog.note_text = None if packed["note"] is None else str(packed["note"])
+        trace._packlog.packed = {int(c): {int(k): int(b) for k, b in sizes} for c, sizes in packed["packed"]}
+    if "selected" not in grads:  # saved_for_backward without gradients
+        return
+    stats = {_index(i, n): {_stat_name(k): _unfloat(v) for k, v in s.items()} for i, s in grads["stats"]}
+    tensors = {}
+    if GRAD_TENSORS in files:
+        try:
+            tensors = require_safetensors().load_file(safe_member(folder, GRAD_TENSORS), device="cpu")
+        except Exception as exc:  # the library raises its own error types for malformed headers
+            raise TraceFileError(f"{folder}/{GRAD_TENSORS}: not a readable safetensors file ({exc})") from None
+    capture = GradCapture()
+    capture.selected = {_index(i, n) for i in grads["selected"]}
+    capture.backwards = int(grads["num_backwards"])
+    capture.order = [_index(i, n) for i in grads["order"]]
+    for i, key in grads["tensors"]:
+        g = tensors.get(key)
+        meta = trace._meta[_index(i, n)]
+        if g is None or tuple(g.shape) != tuple(meta[0]) or g.dtype != meta[1]:
+            raise TraceFileError(f"{folder}/{GRAD_TENSORS}: gradient {key!r} is missing or does not match op #{i}")
+        capture.grads[i] = g
+    trace._gradcap = capture
+    trace._param_grads = {address: tensors[key] for address, key in grads["param_tensors"] if key in tensors}
+    if not capture.grads and stats:  # saved after cleanup(), or without tensors: statistics only
+        trace._grad_stats = stats
+
+
+def _stat_name(k) -> str:
+    from ..record.grads import GRAD_COLUMNS
+
+    if k not in GRAD_COLUMNS:
+        raise TraceFileError(f"{TRACE_JSON}: grads: {k!r} is not a gradient statistic")
+    return k
+
+
+def _index(i, n) -> int:
+    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+        raise TraceFileError(f"{TRACE_JSON}: grads: {i!r} is not an op index in [0, {n})")
+    return i

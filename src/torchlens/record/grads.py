@@ -1,0 +1,211 @@
+"""Reading gradients and backward memory from a trace captured with ``grads=...``.
+
+``capture/grads.py`` fills a ``GradCapture`` during the forward (hooks) and the backward (gradients);
+``capture/packing.py`` a ``PackLog`` of what autograd saved, with ``saved_for_backward=True``.  This
+module answers the record views: ``Op.grad``, ``Layer.grads``, ``ModuleCall.grad``, ``Param.grad``, the
+gradient statistics columns, ``Trace.backward`` and the saved-for-backward totals.  Everything here is
+derived on demand; nothing runs during the forward.
+"""
+
+from __future__ import annotations
+
+from .errors import GradientUnavailable, TraceCleanedUp
+from .op import KIND_OUTPUT
+
+GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
+# Fields of a raw call tuple (``calls[c]``, laid out in capture/state.py).
+CALL_FIRST_RECORD, CALL_NUM_OUTPUTS = 10, 11
+_NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
+             "backward through log.output (or call log.backward(loss))")
+
+
+def _capture(trace):
+    capture = trace._gradcap
+    if capture is None:
+        raise GradientUnavailable(_NO_GRADS)
+    return capture
+
+
+def _producer(trace, index: int) -> int:
+    """An output node shows its producer's tensor, and so its producer's gradient."""
+    if trace._kind[index] == KIND_OUTPUT:
+        return trace._parents[index][0][1]
+    return index
+
+
+def grad_of(trace, index: int):
+    """d loss / d (op ``index``'s output), accumulated over every backward seen; None before one."""
+    capture = _capture(trace)
+    label = trace._labels[index]
+    if trace._cleaned:
+        raise TraceCleanedUp(f"{label}: the trace was cleaned up; its gradients were released (their norms, "
+                             "min, max and non-finite counts stay in to_pandas())")
+    index = _producer(trace, index)
+    if index < 0:
+        return None
+    if not trace._meta[index][3]:
+        raise GradientUnavailable(
+            f"{label}: its output does not require grad (made under torch.no_grad(), from tensors that do not "
+            "require grad, or of an integer dtype), so autograd computes no gradient for it")
+    return capture.grads.get(index)
+
+
+def has_grad(trace, index: int) -> bool:
+    capture = trace._gradcap
+    if capture is None or trace._cleaned:
+        return False
+    index = _producer(trace, index)
+    return index in capture.grads
+
+
+def module_call_grad(call):
+    """The gradient of a module call's output: one tensor, or a tuple for several outputs."""
+    trace = call._trace
+    outputs = [i for i in call._output_nodes if i >= 0]
+    grads = [grad_of(trace, i) if trace._meta[i][3] else None for i in outputs]
+    if not grads:
+        return None
+    return grads[0] if len(grads) == 1 else tuple(grads)
+
+
+def param_grad(trace, address: str):
+    """The parameter's own ``.grad`` (what autograd accumulated into it), found by address."""
+    stored = getattr(trace, "_param_grads", None)
+    if stored is not None:  # a loaded trace: the gradients saved with it
+        return stored.get(address)
+    if trace._model_params is None:
+        raise TraceCleanedUp(f"{address}: the trace no longer holds the model, so its parameters' .grad "
+                             "cannot be read")
+    for name, p in trace._model_params:
+        if name == address:
+            return p.grad
+    return None
+
+
+def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
+    """``torch.autograd.backward`` through ``loss``; the trace's hooks receive every gradient."""
+    import torch
+
+    _capture(trace)
+    if trace.loaded_from is not None:
+        raise GradientUnavailable(f"this trace was loaded from {trace.loaded_from}: it holds no autograd graph to "
+                                  "run a backward through; its saved gradients are in op.grad")
+    if trace._cleaned:
+        raise TraceCleanedUp("the trace was cleaned up: its gradient hooks were removed, so a backward would "
+                             "fill nothing; trace again")
+    torch.autograd.backward(loss, grad_tensors=gradient, retain_graph=retain_graph, create_graph=create_graph,
+                            inputs=inputs)
+
+
+# ----- statistics ---------------------------------------------------------------------------------
+def grad_stats(g) -> dict:
+    """Norm (2-norm over all elements), min, max and the count of NaN/Inf entries of one gradient."""
+    import torch
+
+    with torch.no_grad():
+        if g.is_complex():
+            g = g.abs()
+        values = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+        finite = torch.isfinite(values)
+        nonfinite = int(values.numel() - finite.sum())
+        return {"grad_norm": float(torch.linalg.vector_norm(values)),
+                "grad_min": float(values.min()) if values.numel() else None,
+                "grad_max": float(values.max()) if values.numel() else None,
+                "grad_nonfinite": nonfinite}
+
+
+def grad_stats_column(trace) -> dict:
+    """``{op index: stats}`` for every op holding a gradient (output nodes repeat their producer's)."""
+    kept = getattr(trace, "_grad_stats", None)
+    if kept is not None:  # computed before cleanup() released the tensors
+        return kept
+    capture = trace._gradcap
+    if capture is None or trace._cleaned:
+        return {}
+    stats = {i: grad_stats(g) for i, g in capture.grads.items()}
+    for i, kind in enumerate(trace._kind):
+        if kind == KIND_OUTPUT and _producer(trace, i) in stats:
+            stats[i] = stats[_producer(trace, i)]
+    return stats
+
+
+def release(trace) -> None:
+    """For ``Trace.cleanup()``: keep the statistics, drop the tensors, remove every hook."""
+    capture = trace._gradcap
+    if capture is None:
+        return
+    trace._grad_stats = grad_stats_column(trace)
+    capture.remove_hooks()
+    capture.grads.clear()
+
+
+# ----- saved for backward -------------------------------------------------------------------------
+def _packed(trace):
+    log = trace._packlog
+    if log is None:
+        raise GradientUnavailable("this trace did not record what autograd saves for backward: trace with "
+                                  "tl.trace(model, x, saved_for_backward=True)")
+    if log.note_text is not None:
+        raise GradientUnavailable(f"what autograd saved for backward is unknown for this trace: {log.note_text}")
+    return log.packed
+
+
+def op_saved_for_backward_bytes(trace, index: int) -> int:
+    """Bytes of the distinct storages autograd packed for backward while running this op's call.
+
+    A call that returned several tensors counts once, on its first output (0 on the others)."""
+    packed = _packed(trace)
+    c = trace._call[index]
+    if c < 0 or trace._calls[c][CALL_FIRST_RECORD] != index:
+        return 0
+    return sum(packed.get(c, {}).values())
+
+
+def saved_for_backward_bytes(trace, op_indices=None) -> int:
+    """Distinct storages packed by the calls of ``op_indices`` (all ops when None), each counted once."""
+    packed = _packed(trace)
+    if op_indices is None:
+        calls = packed.keys()
+    else:
+        calls = {trace._call[i] for i in op_indices if trace._call[i] >= 0}
+    storages: dict = {}
+    for c in calls:
+        storages.update(packed.get(c, {}))
+    return sum(storages.values())
+
+
+class SavedForBackward:
+    """Per module call: bytes autograd keeps for backward (distinct storages), largest first."""
+
+    def __init__(self, trace):
+        self.total = saved_for_backward_bytes(trace)
+        self.model_name = trace.model_name
+        self.rows = sorted(
+            ({"module_call": mc.label, "class_name": mc.module.class_name, "depth": mc.depth,
+              "num_ops": len(mc._op_nodes), "saved_for_backward_bytes": saved_for_backward_bytes(trace, mc._op_nodes)}
+             for mc in trace.module_calls),
+            key=lambda r: r["saved_for_backward_bytes"], reverse=True)
+
+    def to_pandas(self):
+        from .tables import require_pandas
+
+        frame = require_pandas().DataFrame(self.rows, columns=["module_call", "class_name", "depth", "num_ops",
+                                                               "saved_for_backward_bytes"])
+        frame.attrs["total"] = self.total
+        return frame
+
+    def __str__(self) -> str:
+        from .summary import human_bytes
+
+        width = max([len("module call")] + [len(r["module_call"]) for r in self.rows[:30]])
+        lines = [f"saved for backward by {self.model_name}: {human_bytes(self.total)} in distinct storages "
+                 "(a storage packed by several ops counts once)",
+                 f"  {'module call':<{width}}  {'class':<20} {'ops':>5}  {'saved':>10}"]
+        for r in self.rows[:30]:
+            lines.append(f"  {r['module_call']:<{width}}  {r['class_name'][:20]:<20} {r['num_ops']:>5}  "
+                         f"{human_bytes(r['saved_for_backward_bytes']):>10}")
+        if len(self.rows) > 30:
+            lines.append(f"  ... {len(self.rows) - 30} more module calls (see .rows or .to_pandas())")
+        return "\n".join(lines)
+
+    __repr__ = __str__

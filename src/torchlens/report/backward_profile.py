@@ -1,0 +1,97 @@
+"""``kernel_profile(log, backward=...)``: profile only the backward of a trace taken with ``grads=True``.
+
+The usual kernel profile runs a traced forward inside the profiler and learns which op created each
+backward node from the sequence numbers its forward aten ops carry.  A trace taken with ``grads=True``
+already knows them: capture read each recorded output's ``grad_fn`` sequence number while registering
+its gradient hook.  So the backward can be profiled on its own, later, without a second forward: every
+profiler event inside a backward node is joined to the op whose output that node differentiates, per
+op, per layer and per module call (inclusive).  Forward columns are ``None`` (not measured), and so is
+the backward of any op whose node number capture did not see (an op left out by ``grads=[...]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..record.grads import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS
+from .markers import ProfilerMarkers
+from .profile_join import join
+
+
+def profile_backward_of(trace, backward, chrome_trace, profiler, activities, profiler_kwargs):
+    from ..record.grads import _capture
+    from .kernel_profiling import KernelProfile, ProfilerBusyError, _check_borrowed, _default_activities, _run_backward
+
+    capture = _capture(trace)
+    if backward is False:
+        raise ValueError("kernel_profile(trace) profiles the trace's backward: pass backward=True (all-ones "
+                         "gradients on every output that requires grad) or backward=f(output)")
+    if trace.is_cleaned_up or trace.loaded_from is not None:
+        raise ValueError("kernel_profile(trace) needs the live trace's output to run its backward; this one was "
+                         "cleaned up or loaded from disk")
+    nodes = _node_owners(trace, capture)
+    markers = ProfilerMarkers()
+
+    def run():
+        try:
+            markers.phase_enter("backward")
+            _run_backward(trace.output, backward)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+        finally:
+            markers.close()
+
+    if profiler is not None:
+        _check_borrowed(profiler, chrome_trace)
+        run()
+        return KernelProfile(trace, profiler, markers, borrowed=True, backward=True, backward_nodes=nodes)
+    if torch._C._autograd._profiler_enabled():
+        raise ProfilerBusyError("a torch profiler is already running in this process. Pass it as "
+                                "kernel_profile(..., profiler=prof), or close it first.")
+    prof = torch.profiler.profile(activities=activities or _default_activities(), **(profiler_kwargs or {}))
+    with prof:
+        run()
+    result = KernelProfile(trace, prof, markers, borrowed=False, backward=True, backward_nodes=nodes)
+    if chrome_trace is not None:
+        result.export_chrome_trace(chrome_trace)
+    return result
+
+
+def _node_owners(trace, capture) -> dict:
+    """``{sequence number: call}``.  Nodes are numbered in creation order, so when every output was
+    numbered, the nodes a call made besides its output's (``weight.t()`` inside ``linear``) are the
+    numbers after the previous call's and up to its own."""
+    owners = {}
+    for index, seq in capture.sequence_numbers.items():
+        owners.setdefault(seq, trace._call[index])
+    if capture.policy is not None:  # a grads=[...] selection: unnumbered ops in between; exact only
+        return owners
+    previous = capture.first_sequence_number
+    for seq in sorted(owners):
+        if previous is not None:
+            for inner in range(previous + 1, seq):
+                owners[inner] = owners[seq]
+        previous = seq
+    return owners
+
+
+def _needs_grad(trace, call) -> bool:
+    first = call[CALL_FIRST_RECORD]
+    return any(trace._meta[i][3] for i in range(first, first + call[CALL_NUM_OUTPUTS]))
+
+
+def join_backward(profile, events):
+    """``(serial_of_call, joined, problems)`` where each call is its own serial."""
+    trace = profile.trace
+    serial_of_call = {c: c for c in range(len(trace._calls))}
+    joined = join(events, profile.markers.run, None, seq_owner=profile.backward_nodes)
+    with_node = set(profile.backward_nodes.values())
+    # No backward node at all (the output needs no grad) is a measured zero; an unseen node is unknown.
+    joined.backward_measured = {c for c, call in enumerate(trace._calls)
+                                if c in with_node or not _needs_grad(trace, call)}
+    problems = []
+    unknown = len(trace._calls) - len(joined.backward_measured)
+    if unknown:
+        problems.append(f"{unknown} ops' backward nodes were not numbered during capture (left out by grads=[...] "
+                        "or tensor subclasses): their backward columns are n/a")
+    return serial_of_call, joined, problems
