@@ -18,6 +18,7 @@ Rules, applied in one pass over the ops in execution order (linear time):
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -74,18 +75,15 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
             if module is not None and module_counts[id(module)] > 1:
                 key = ("module", id(module), position_in_call[module_call], func, slot)
             elif params:
-                key = ("params", func, tuple(sorted(id(p) for _, p in params)), slot, id(module), args_key(call))
+                key = ("params", func, tuple(sorted([id(p) for _, p in params])), slot, id(module), args_key(call))
             else:
-                shapes = tuple(meta[p][0] if p >= 0 else None for _, p in parents_col[i])
+                shapes = tuple([meta[p][0] if p >= 0 else None for _, p in parents_col[i]])
                 site = call[13]
                 # The site's code object by id: hashing a code object hashes its bytecode.
                 site = (id(site[0]), site[1]) if site is not None else None
                 key = ("site", site, func, slot, args_key(call), shapes, id(module))
                 site_ops.append(i)
-        gid = keys.get(key)
-        if gid is None:
-            gid = keys[key] = len(keys)
-        group[i] = gid
+        group[i] = keys.setdefault(key, len(keys))
 
     _split_self_chains(group, site_ops, parents_col, len(keys))
     return group
@@ -98,9 +96,7 @@ def _split_self_chains(group: list, site_ops: list, parents_col: list, next_id: 
     ``h = tanh(fc(x) + h)``) is part of a loop body; one fed only by its own class and by one-off
     tensors (``x = x + 1``, ``x = x * y``) is a chain.
     """
-    sizes: dict = {}
-    for g in group:
-        sizes[g] = sizes.get(g, 0) + 1
+    sizes = Counter(group)
     members: dict = {}
     for i in site_ops:
         members.setdefault(group[i], []).append(i)

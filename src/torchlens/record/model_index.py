@@ -26,6 +26,7 @@ class ModelIndex:
         self.params: list = []  # (address, Parameter), each parameter once, at its first address
         self.param_addresses: dict = {}  # id(Parameter) -> address
         self.buffers: dict = {}  # id(buffer) -> (buffer, address)
+        self._param_names: dict = {}  # id(module) -> (module, [parameter name, ...])
         self._root = None  # a weak reference: a cached index must not keep its model alive
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
@@ -59,7 +60,12 @@ class ModelIndex:
         return {"": root, **self.submodules} if root is not None else dict(self.submodules)
 
     def param_names_of(self, module) -> list:
-        return [key for key, p in module._parameters.items() if p is not None]
+        """Names of the module's parameters (a fresh list; computed once per module of the index, whose
+        structure check covers every ``_parameters`` dict)."""
+        names = self._param_names.get(id(module))
+        if names is None or names[0] is not module:
+            names = self._param_names[id(module)] = (module, [k for k, p in module._parameters.items() if p is not None])
+        return list(names[1])
 
     def has_inference_tensor(self) -> bool:
         return any(map(_is_inference, self.tensors))
