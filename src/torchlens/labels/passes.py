@@ -96,10 +96,13 @@ def _split_self_chains(group: list, site_ops: list, parents_col: list, next_id: 
     ``h = tanh(fc(x) + h)``) is part of a loop body; one fed only by its own class and by one-off
     tensors (``x = x + 1``, ``x = x * y``) is a chain.
     """
+    site_groups = [group[i] for i in site_ops]
+    if len(set(site_groups)) == len(site_groups):
+        return  # no call site ran twice: nothing to split
     sizes = Counter(group)
     members: dict = {}
-    for i in site_ops:
-        members.setdefault(group[i], []).append(i)
+    for i, gid in zip(site_ops, site_groups):
+        members.setdefault(gid, []).append(i)
 
     def fed_by_other_loop(i, gid):
         return any(p >= 0 and group[p] != gid and sizes[group[p]] > 1 for _, p in parents_col[i])
