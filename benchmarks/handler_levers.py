@@ -75,8 +75,9 @@ def levers(tensors: list) -> dict:
         for i, t in enumerate(tensors):
             table[id(t)] = (weakref(t), i, t._version)
 
+    table = {id(t): (weakref(t), i, 0) for i, t in enumerate(tensors)}
+
     def lookup():
-        table = {id(t): (weakref(t), i, 0) for i, t in enumerate(tensors)}
         for t in tensors:
             entry = table.get(id(t))
             entry[0]() is t
@@ -85,6 +86,17 @@ def levers(tensors: list) -> dict:
         out = []
         for i, t in enumerate(tensors):
             out.append((i, None, t.shape, t.dtype, t.device, False, None))
+
+    def call_tuple():
+        out = []
+        for i, t in enumerate(tensors):
+            out.append((t, (None,), {}, ((0, i),), (), -1, None, 0, 0, 0, i, 1, False, None))
+
+    def python_call():
+        def handler(func, types, args, kwargs):
+            return func
+        for t in tensors:
+            handler(t, None, (), None)
 
     def native_op():
         for t in tensors[:200]:
@@ -105,7 +117,9 @@ def levers(tensors: list) -> dict:
         "caller frame + verdict lookup per call": (frame, empty, N),
         "producer entry per output (weakref, index, version)": (producers, empty, N),
         "parent lookup per tensor argument (dict + weakref deref)": (lookup, empty, N),
-        "raw record tuple per output": (record, empty, N),
+        "raw record tuple per output (with its metadata reads)": (record, empty, N),
+        "raw call tuple per call (14 fields)": (call_tuple, empty, N),
+        "one Python function call (the handler's own entry)": (python_call, empty, N),
         "TorchFunctionMode dispatch of one op (bare mode - native)": (mode_op, native_op, 200),
     }
 
