@@ -72,13 +72,6 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     func_names, types = _names(kind, call_col, calls)
     labels, layer_labels, pass_col, group_size = _label(kind, types, group)
 
-    for i, m in enumerate(module_col):
-        if m >= 0:
-            call = module_calls[m]
-            while call is not None:
-                call._op_nodes.append(i)
-                call = call.parent
-
     return Trace(
         model_name=model_name,
         calls=calls,
