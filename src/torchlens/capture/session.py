@@ -46,7 +46,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     kwargs = dict(kwargs or {})
     args = _as_args(model, args)
     index = index_of(model)  # the one walk over the model's modules, parameters and buffers, cached per model
-    _refuse_inference_tensors(index, args, kwargs)
+    _refuse_inference_tensors(index)
     policy = SavePolicy(save, model)
     if save_device is not None:
         save_device = torch.device(save_device)
@@ -194,17 +194,22 @@ def _autocast_state() -> dict:
     return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
-def _refuse_inference_tensors(index, args, kwargs) -> None:
+def _refuse_inference_tensors(index) -> None:
     """Inference tensors carry no version counter, which capture needs to attribute in-place writes."""
     fix = "; run the model under torch.no_grad() instead (same kernels, same values)"
     if torch.is_inference_mode_enabled():
         raise RuntimeError("tl.trace cannot capture under torch.inference_mode(): its tensors carry no "
                            "version counter, so in-place writes could not be attributed" + fix)
-    inputs = [t for _, t in tensor_leaves((args, kwargs), "input", [])]
-    if any(t.is_inference() for t in inputs) or index.has_inference_tensor():
-        raise RuntimeError("tl.trace got an inference tensor (made under torch.inference_mode()) as an input, "
-                           "parameter or buffer: it carries no version counter, so in-place writes could "
-                           "not be attributed" + fix + " and, for tensors, .clone() them outside inference mode")
+    # Inputs are checked as _add_inputs walks them (still before the forward): one walk, not two.
+    if index.has_inference_tensor():
+        _refuse_inference_tensor()
+
+
+def _refuse_inference_tensor() -> None:
+    raise RuntimeError("tl.trace got an inference tensor (made under torch.inference_mode()) as an input, "
+                       "parameter or buffer: it carries no version counter, so in-place writes could "
+                       "not be attributed; run the model under torch.no_grad() instead (same kernels, same "
+                       "values) and, for tensors, .clone() them outside inference mode")
 
 
 def _positional_call_names(model, args, kwargs):
@@ -252,6 +257,8 @@ def _add_inputs(state, model, args, kwargs) -> None:
         names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
     for name, value in names:
         for path, t in tensor_leaves(value, f"input.{name}", []):
+            if t.is_inference():
+                _refuse_inference_tensor()
             if id(t) not in state.producers:  # the same tensor passed twice is one input
                 state.add_source(t, INPUT, path)
 

@@ -175,7 +175,7 @@ def _build_modules(state: CaptureState, model_index: ModelIndex):
             record = modules_by_id[id(module)] = Module(names[0], list(names), type(module).__name__,
                                                         model_index.param_names_of(module), module)
         parent_call = module_calls[parent] if parent >= 0 else None
-        call = ModuleCall(None, index, record, record.num_calls + 1, parent_call, t0, t1, inputs, outputs)
+        call = ModuleCall(None, index, record, len(record.calls) + 1, parent_call, t0, t1, inputs, outputs)
         record.calls.append(call)
         if parent_call is not None:
             parent_call.children.append(call)
