@@ -53,6 +53,7 @@ def test_an_unchanged_model_reuses_its_index_and_traces_the_same():
 @pytest.mark.parametrize("change", [
     "replace submodule", "add submodule", "rename submodule", "replace nested submodule", "replace parameter",
     "delete parameter", "replace buffer", "add buffer", "replace _parameters dict", "module via _modules dict",
+    "convert dtype",
 ])
 def test_a_changed_structure_is_seen_by_the_next_trace(change):
     torch.manual_seed(0)
@@ -84,6 +85,9 @@ def test_a_changed_structure_is_seen_by_the_next_trace(change):
         model.head._parameters = dict(model.head._parameters, weight=nn.Parameter(torch.ones(2, 4)))
     elif change == "module via _modules dict":
         model.body._modules["0"] = nn.Linear(4, 4)
+    elif change == "convert dtype":  # _apply: new buffer tensors, parameters converted in place
+        model.double()
+        x = x.double()
     after = _trace(model, x)
     fresh = model_index.ModelIndex(model)
     index = index_of(model)
@@ -98,7 +102,7 @@ def test_a_changed_structure_is_seen_by_the_next_trace(change):
         assert "final" in _module_addresses(after) and "head" not in _module_addresses(after)
     if change == "add submodule":
         assert "extra" in _module_addresses(after) and "extra" not in _module_addresses(before)
-    if change in ("replace buffer", "add buffer"):
+    if change in ("replace buffer", "add buffer", "convert dtype"):
         expected = {"norm.running_mean", "norm.running_var"} | ({"head.shift"} if change == "add buffer" else set())
         assert _buffer_addresses(after) == expected
         assert after.unattributed == 0
