@@ -15,7 +15,7 @@ from time import perf_counter_ns
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .source import _USER
+from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
 
 _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
@@ -33,6 +33,13 @@ def _tensors_in(obj, out: list, depth: int = 0) -> list:
             for item in obj.values():
                 _tensors_in(item, out, depth + 1)
     return out
+
+
+def _in_parent_call(frame, verdicts) -> bool:
+    """Whether ``frame`` is torch's ``inner`` of the enclosing module call (its ``_call_impl`` next):
+    the walk in ``FrameClassifier.module_call_frame`` would stop there with the parent's answer."""
+    return (frame is not None and verdicts.get(id(frame.f_code)) == _SKIP and frame.f_back is not None
+            and frame.f_back.f_code is _CALL_IMPL)
 
 
 class ModuleCallTracker:
@@ -69,8 +76,11 @@ class ModuleCallTracker:
             # answer (FrameClassifier.module_call_frame, its first step inlined).
             wrapped = getframe(3)
             caller = wrapped.f_back if wrapped.f_code is _WRAPPED_CALL else None
-            if caller is not None and verdicts.get(id(caller.f_code)) == _USER:
+            verdict = verdicts.get(id(caller.f_code)) if caller is not None else None
+            if verdict == _USER:
                 call_frames.append((caller.f_code, caller.f_lasti))
+            elif verdict == _SKIP and parent >= 0 and _in_parent_call(caller.f_back, verdicts):
+                call_frames.append(call_frames[parent])  # torch code (nn.Sequential) made it: the parent's
             elif frames is not None:
                 call_frames.append(frames.module_call_frame(getframe(1), call_frames, parent))
             else:
