@@ -79,10 +79,14 @@ class LoopRNN(nn.Module):
 
 
 class ElementwiseChain(nn.Module):
-    """200 elementwise tensor ops in a row: the worst case for per-op cost."""
+    """200 elementwise tensor ops in a row (4 per step): the worst case for per-op cost."""
+
+    def __init__(self, steps: int = 50):
+        super().__init__()
+        self.steps = steps
 
     def forward(self, x):
-        for _ in range(50):
+        for _ in range(self.steps):
             x = x * 1.001
             x = x + 0.5
             x = torch.sin(x)

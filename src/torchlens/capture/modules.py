@@ -15,7 +15,11 @@ from time import perf_counter_ns
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
+
+_WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
+_TENSORS = frozenset([torch.Tensor, torch.nn.Parameter])
 
 
 def _tensors_in(obj, out: list, depth: int = 0) -> list:
@@ -31,6 +35,13 @@ def _tensors_in(obj, out: list, depth: int = 0) -> list:
     return out
 
 
+def _in_parent_call(frame, verdicts) -> bool:
+    """Whether ``frame`` is torch's ``inner`` of the enclosing module call (its ``_call_impl`` next):
+    the walk in ``FrameClassifier.module_call_frame`` would stop there with the parent's answer."""
+    return (frame is not None and verdicts.get(id(frame.f_code)) == _SKIP and frame.f_back is not None
+            and frame.f_back.f_code is _CALL_IMPL)
+
+
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
 
@@ -43,33 +54,60 @@ class ModuleCallTracker:
 
     def __enter__(self):
         st, root, owner, frames, progress = self.state, self.root, threading.get_ident(), self.frames, self.progress
+        calls, stack, call_frames = st.module_calls, st.module_stack, st.call_frames
+        producers = st.producers
+        get_ident, getframe, clock = threading.get_ident, sys._getframe, perf_counter_ns
+        verdicts = frames._verdicts if frames is not None else {}
 
+        def bound(t):  # st.bound_producer, inlined
+            entry = producers.get(id(t))
+            return entry[1] if entry is not None and entry[0]() is t else -1
+
+        # The hook bodies run once per module call inside every trace: the common cases (tensor
+        # arguments, a call made straight from user code) take no loop and no method call.
         def pre_hook(module, args):
-            if module is root or threading.get_ident() != owner:
+            if get_ident() != owner or module is root:
                 return
-            inputs = tuple(st.bound_producer(t) for t in _tensors_in(args, []))
-            parent = st.module_stack[-1] if st.module_stack else -1
-            if frames is not None:
-                st.call_frames.append(frames.module_call_frame(sys._getframe(1), st.call_frames, parent))
+            parent = stack[-1] if stack else -1
+            if len(args) == 1 and type(args[0]) in _TENSORS:
+                inputs = (bound(args[0]),)
             else:
-                st.call_frames.append((None, None))
-            st.module_calls.append([module, parent, perf_counter_ns(), None, inputs, ()])
-            st.module_stack.append(len(st.module_calls) - 1)
+                inputs = tuple(bound(t) for t in _tensors_in(args, []))
+            # pre_hook <- inner <- _call_impl <- _wrapped_call_impl <- the caller: a user frame is the
+            # answer (FrameClassifier.module_call_frame, its first step inlined).
+            wrapped = getframe(3)
+            caller = wrapped.f_back if wrapped.f_code is _WRAPPED_CALL else None
+            verdict = verdicts.get(id(caller.f_code)) if caller is not None else None
+            if verdict == _USER:
+                call_frames.append((caller.f_code, caller.f_lasti))
+            elif verdict == _SKIP and parent >= 0 and _in_parent_call(caller.f_back, verdicts):
+                call_frames.append(call_frames[parent])  # torch code (nn.Sequential) made it: the parent's
+            elif frames is not None:
+                call_frames.append(frames.module_call_frame(getframe(1), call_frames, parent))
+            else:
+                call_frames.append((None, None))
+            calls.append([module, parent, clock(), None, inputs, ()])
+            stack.append(len(calls) - 1)  # after the record: an interrupt between them strands nothing
             if st.markers is not None:
-                st.markers.module_enter(len(st.module_calls) - 1)
+                st.markers.module_enter(len(calls) - 1)
             if progress is not None:
                 progress.update()
 
+        # The one place a module call's end is seen: a value returned here would replace the module's
+        # output (torch's forward-hook contract), after the call's record is complete.
         def post_hook(module, args, output):
-            if module is root or threading.get_ident() != owner or not st.module_stack:
+            if get_ident() != owner or module is root or not stack:
                 return
-            index = st.module_stack.pop()
-            call = st.module_calls[index]
-            call[3] = perf_counter_ns()
+            index = stack.pop()
+            call = calls[index]
+            call[3] = clock()
             if st.markers is not None:
                 st.markers.module_exit(index)
             if output is not None:
-                call[5] = tuple(st.bound_producer(t) for t in _tensors_in(output, []))
+                if type(output) in _TENSORS:
+                    call[5] = (bound(output),)
+                else:
+                    call[5] = tuple(bound(t) for t in _tensors_in(output, []))
             else:
                 # Torch runs always-call hooks while an exception unwinds: remember the innermost call.
                 raised = sys.exc_info()[1]

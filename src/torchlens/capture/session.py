@@ -19,7 +19,7 @@ from ..progress import QUIET, bar
 from ..intervene.runtime import StopForward, finish_interventions
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
-from ..record.model_index import ModelIndex
+from ..record.model_index import index_of
 from ..record.trace import Trace
 from ..tree import as_args
 from .collectives import process_rank
@@ -57,8 +57,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
                            "lacks; upgrade torch or trace with deep=False")
     kwargs = dict(kwargs or {})
     args = as_args(args)
-    index = ModelIndex(root)  # the one walk over the model's modules, parameters and buffers
-    _refuse_inference_tensors(index, args, kwargs)
+    index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
+    _refuse_inference_tensors(index)
     policy = SavePolicy(save, root)
     if save_device is not None:
         save_device = torch.device(save_device)
@@ -245,11 +245,16 @@ def _run_forward(model, args, kwargs):
 
 
 def _unwrap(model):
-    inner = getattr(model, "_orig_mod", None)  # torch.compile'd module
-    if isinstance(inner, torch.nn.Module):
+    # A module's missing attribute raises through nn.Module.__getattr__, which formats a message:
+    # look torch.compile's attributes up where they live instead.
+    is_module = isinstance(model, torch.nn.Module)
+    inner = model._modules.get("_orig_mod") if is_module else getattr(model, "_orig_mod", None)
+    if isinstance(inner, torch.nn.Module):  # torch.compile'd module
         model = inner
-    orig = getattr(model, "_torchdynamo_orig_callable", None)  # torch.compile'd function
-    if orig is not None:
+        is_module = True
+    orig = vars(model).get("_torchdynamo_orig_callable") if is_module else \
+        getattr(model, "_torchdynamo_orig_callable", None)
+    if orig is not None:  # torch.compile'd function
         model = orig
     parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     if isinstance(model, parallel):
@@ -286,23 +291,59 @@ def _autocast_state() -> dict:
     return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
-def _refuse_inference_tensors(index, args, kwargs) -> None:
+def _refuse_inference_tensors(index) -> None:
     """Inference tensors carry no version counter, which capture needs to attribute in-place writes."""
     fix = "; run the model under torch.no_grad() instead (same kernels, same values)"
     if torch.is_inference_mode_enabled():
         raise RuntimeError("tl.trace cannot capture under torch.inference_mode(): its tensors carry no "
                            "version counter, so in-place writes could not be attributed" + fix)
-    tensors = [t for _, t in tensor_leaves((args, kwargs), "input", [])]
-    tensors += [p for _, p in index.params] + [b for b, _ in index.buffers.values()]
-    if any(t.is_inference() for t in tensors):
-        raise RuntimeError("tl.trace got an inference tensor (made under torch.inference_mode()) as an input, "
-                           "parameter or buffer: it carries no version counter, so in-place writes could "
-                           "not be attributed" + fix + " and, for tensors, .clone() them outside inference mode")
+    # Inputs are checked as _add_inputs walks them (still before the forward): one walk, not two.
+    if index.has_inference_tensor():
+        _refuse_inference_tensor()
+
+
+def _refuse_inference_tensor() -> None:
+    raise RuntimeError("tl.trace got an inference tensor (made under torch.inference_mode()) as an input, "
+                       "parameter or buffer: it carries no version counter, so in-place writes could "
+                       "not be attributed; run the model under torch.no_grad() instead (same kernels, same "
+                       "values) and, for tensors, .clone() them outside inference mode")
+
+
+def _positional_call_names(model, args, kwargs):
+    """Input names for the common call (positional arguments only) without ``Signature.bind``."""
+    if kwargs or not isinstance(model, torch.nn.Module):
+        return None
+    forward = model.forward
+    func = getattr(forward, "__func__", None)
+    if func is None or getattr(forward, "__self__", None) is not model:
+        return None
+    shape = _positional_shape(func)
+    if shape is None or not shape[1] <= len(args) <= len(shape[0]):
+        return None  # *args, a missing argument, or too many: let bind decide
+    return list(zip(shape[0], args))
+
+
+@functools.lru_cache(maxsize=256)
+def _positional_shape(func):
+    """(leading positional parameter names, how many are required) of a forward, or None when a
+    positional call could bind otherwise (a required keyword-only parameter)."""
+    sig = _bound_signature(func)
+    if sig is None:
+        return None
+    names, required = [], 0
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+            if p.default is p.empty:
+                required = len(names)
+        elif p.kind == p.KEYWORD_ONLY and p.default is p.empty:
+            return None
+    return tuple(names), required
 
 
 def _add_inputs(state, model, args, kwargs) -> None:
-    sig = _forward_signature(model)
-    names = None
+    names = _positional_call_names(model, args, kwargs)
+    sig = _forward_signature(model) if names is None else None
     if sig is not None:
         try:
             bound = sig.bind(*args, **kwargs)
@@ -313,6 +354,8 @@ def _add_inputs(state, model, args, kwargs) -> None:
         names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
     for name, value in names:
         for path, t in tensor_leaves(value, f"input.{name}", []):
+            if t.is_inference():
+                _refuse_inference_tensor()
             if id(t) not in state.producers:  # the same tensor passed twice is one input
                 state.add_source(t, INPUT, path)
 

@@ -95,8 +95,12 @@ class FrameClassifier:
         Walks past the call's own boundary, then stops at the first user frame, or at the parent
         call's boundary, whose answer is already known."""
         own_boundary = True
+        verdicts = self._verdicts
         while frame is not None:
-            verdict = self.verdict_of(frame.f_code)
+            code = frame.f_code
+            verdict = verdicts.get(id(code))  # verdict_of, inlined: this loop runs for every module call
+            if verdict is None:
+                verdict = self._classify(code)
             if verdict == _USER:
                 return frame.f_code, frame.f_lasti
             if verdict == _STOP:

@@ -23,6 +23,7 @@ apart afterwards, for display only (``repetition``).
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -66,31 +67,38 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
     site_ops = []
     for i, c in enumerate(call_col):
         if c < 0:
-            key = ("source", i)
+            group[i] = keys.setdefault(("source", i), len(keys))
+            continue
+        slot, module_call = slot_col[i], module_col[i]
+        call = calls[c]
+        func, params = call[0], call[4]
+        module = None
+        if module_call >= 0:
+            module = module_objects[module_call]
+            if slot is None or slot == 0 or slot == (0,):
+                position_in_call[module_call] = position_in_call.get(module_call, -1) + 1
+        if module is not None and module_counts[id(module)] > 1:
+            group[i] = keys.setdefault(("module", id(module), position_in_call[module_call], func, slot), len(keys))
+            continue
+        # The non-tensor arguments as they are (hashed once, by the dict), or by signature when unhashable.
+        kwargs = call[2]
+        arguments = (call[1], tuple(kwargs.items()) if kwargs else None)
+        if params:
+            ids = tuple(sorted([id(p) for _, p in params]))
+            try:
+                group[i] = keys.setdefault(("params", func, ids, slot, id(module), arguments), len(keys))
+            except TypeError:  # lists, dicts, slices (before Python 3.12), unhashable objects
+                group[i] = keys.setdefault(("params", func, ids, slot, id(module), args_key(call)), len(keys))
         else:
-            slot, module_call = slot_col[i], module_col[i]
-            call = calls[c]
-            func, params = call[0], call[4]
-            module = None
-            if module_call >= 0:
-                module = module_objects[module_call]
-                if slot is None or slot == 0 or slot == (0,):
-                    position_in_call[module_call] = position_in_call.get(module_call, -1) + 1
-            if module is not None and module_counts[id(module)] > 1:
-                key = ("module", id(module), position_in_call[module_call], func, slot)
-            elif params:
-                key = ("params", func, tuple(sorted(id(p) for _, p in params)), slot, id(module), args_key(call))
-            else:
-                shapes = tuple(meta[p][0] if p >= 0 else None for _, p in parents_col[i])
-                site = call[13]
-                # The site's code object by id: hashing a code object hashes its bytecode.
-                site = (id(site[0]), site[1]) if site is not None else None
-                key = ("site", site, func, slot, args_key(call), shapes, id(module))
-                site_ops.append(i)
-        gid = keys.get(key)
-        if gid is None:
-            gid = keys[key] = len(keys)
-        group[i] = gid
+            shapes = tuple([meta[p][0] if p >= 0 else None for _, p in parents_col[i]])
+            site = call[13]
+            # The site's code object by id: hashing a code object hashes its bytecode.
+            site = (id(site[0]), site[1]) if site is not None else None
+            try:
+                group[i] = keys.setdefault(("site", site, func, slot, arguments, shapes, id(module)), len(keys))
+            except TypeError:
+                group[i] = keys.setdefault(("site", site, func, slot, args_key(call), shapes, id(module)), len(keys))
+            site_ops.append(i)
 
     _split_self_chains(group, site_ops, parents_col, len(keys))
     return group
@@ -103,12 +111,13 @@ def _split_self_chains(group: list, site_ops: list, parents_col: list, next_id: 
     ``h = tanh(fc(x) + h)``) is part of a loop body; one fed only by its own class and by one-off
     tensors (``x = x + 1``, ``x = x * y``) is a chain.
     """
-    sizes: dict = {}
-    for g in group:
-        sizes[g] = sizes.get(g, 0) + 1
+    site_groups = [group[i] for i in site_ops]
+    if len(set(site_groups)) == len(site_groups):
+        return  # no call site ran twice: nothing to split
+    sizes = Counter(group)
     members: dict = {}
-    for i in site_ops:
-        members.setdefault(group[i], []).append(i)
+    for i, gid in zip(site_ops, site_groups):
+        members.setdefault(gid, []).append(i)
 
     def fed_by_other_loop(i, gid):
         return any(p >= 0 and group[p] != gid and sizes[group[p]] > 1 for _, p in parents_col[i])

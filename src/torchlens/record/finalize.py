@@ -61,13 +61,6 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     func_names, types = _names(kind, call_col, calls)
     labels, layer_labels, pass_col, group_size = _label(kind, types, group)
 
-    for i, m in enumerate(module_col):
-        if m >= 0:
-            call = module_calls[m]
-            while call is not None:
-                call._op_nodes.append(i)
-                call = call.parent
-
     trace = Trace(
         model_name=model_name,
         calls=calls,
@@ -171,10 +164,11 @@ def _build_modules(state: CaptureState, model_index: ModelIndex):
             if names is None:
                 unregistered += 1
                 names = [f"<unregistered {type(module).__name__} #{unregistered}>"]
-            record = modules_by_id[id(module)] = Module(names[0], names, type(module).__name__,
+            # Copies: the index is shared by every trace of an unchanged model.
+            record = modules_by_id[id(module)] = Module(names[0], list(names), type(module).__name__,
                                                         model_index.param_names_of(module), module)
         parent_call = module_calls[parent] if parent >= 0 else None
-        call = ModuleCall(None, index, record, record.num_calls + 1, parent_call, t0, t1, inputs, outputs)
+        call = ModuleCall(None, index, record, len(record.calls) + 1, parent_call, t0, t1, inputs, outputs)
         record.calls.append(call)
         if parent_call is not None:
             parent_call.children.append(call)
@@ -185,7 +179,15 @@ def _build_modules(state: CaptureState, model_index: ModelIndex):
 def _param_addresses(calls, call_col, index: ModelIndex) -> dict:
     names = index.param_addresses
     out = {}
+    by_call: dict = {}  # the outputs of one call share its addresses
     for i, c in enumerate(call_col):
         if c >= 0 and calls[c][4]:
-            out[i] = tuple(names.get(id(p), f"<unregistered parameter {tuple(p.shape)}>") for _, p in calls[c][4])
+            addresses = by_call.get(c)
+            if addresses is None:
+                addresses = by_call[c] = tuple([names.get(id(p)) or _unregistered(p) for _, p in calls[c][4]])
+            out[i] = addresses
     return out
+
+
+def _unregistered(p) -> str:
+    return f"<unregistered parameter {tuple(p.shape)}>"

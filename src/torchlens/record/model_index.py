@@ -1,23 +1,39 @@
-"""One walk over the model per trace: the address of every module, parameter and buffer by object.
+"""The address of every module, parameter and buffer of a model by object, walked once per model.
 
 Every part of a trace that needs an address (buffer sources during capture, module records, parameter
-records, the save policy) reads this index instead of walking ``named_modules`` again.
+records, the save policy) reads this index instead of walking ``named_modules`` again.  ``index_of``
+keeps one index per model and hands it to later traces while the model's structure is unchanged
+(``Structure``): tracing the same model again walks nothing it already knows.
 """
 
 from __future__ import annotations
 
+import gc
+from collections import OrderedDict
+from itertools import chain
+from operator import is_, itemgetter
+from weakref import ref as weakref
+
 import torch
+
+_is_inference = torch.Tensor.is_inference
 
 
 class ModelIndex:
     def __init__(self, model):
         self.module_addresses: dict = {}  # id(module) -> [every address it is reachable under]
-        self.modules: dict = {}  # first address -> module
+        self.submodules: dict = {}  # first address -> module, for every module but the root
         self.params: list = []  # (address, Parameter), each parameter once, at its first address
         self.param_addresses: dict = {}  # id(Parameter) -> address
         self.buffers: dict = {}  # id(buffer) -> (buffer, address)
+        self._param_names: dict = {}  # id(module) -> (module, [parameter name, ...])
+        self._root = None  # a weak reference: a cached index must not keep its model alive
         if isinstance(model, torch.nn.Module):
+            self._root = weakref(model)
             self._walk(model)
+        # Every parameter and buffer, for the per-trace inference-tensor check (a ``.data`` assignment
+        # can make one an inference tensor without changing which object it is).
+        self.tensors = [p for _, p in self.params] + [b for b, _ in self.buffers.values()]
 
     def _walk(self, model) -> None:
         for name, module in model.named_modules(remove_duplicate=False):
@@ -26,7 +42,8 @@ class ModelIndex:
                 seen.append(name or "self")
                 continue
             self.module_addresses[id(module)] = [name or "self"]
-            self.modules[name] = module
+            if name:
+                self.submodules[name] = module
             prefix = f"{name}." if name else ""
             for key, p in module._parameters.items():
                 if p is not None and id(p) not in self.param_addresses:
@@ -36,5 +53,87 @@ class ModelIndex:
                 if b is not None and id(b) not in self.buffers:
                     self.buffers[id(b)] = (b, prefix + key)
 
+    @property
+    def modules(self) -> dict:
+        """First address -> module, the root (address ``""``) included."""
+        root = self._root() if self._root is not None else None
+        return {"": root, **self.submodules} if root is not None else dict(self.submodules)
+
     def param_names_of(self, module) -> list:
-        return [key for key, p in module._parameters.items() if p is not None]
+        """Names of the module's parameters (a fresh list; computed once per module of the index, whose
+        structure check covers every ``_parameters`` dict)."""
+        names = self._param_names.get(id(module))
+        if names is None or names[0] is not module:
+            names = self._param_names[id(module)] = (module, [k for k, p in module._parameters.items() if p is not None])
+        return list(names[1])
+
+    def has_inference_tensor(self) -> bool:
+        return any(map(_is_inference, self.tensors))
+
+
+# ----- one index per model, while its structure is unchanged ------------------------------------
+# Each module keeps its submodules, parameters and buffers in three dicts of its ``__dict__``; every
+# change to the module tree (assigning, replacing or deleting a submodule, parameter or buffer,
+# ``register_*``, ``add_module``, ``_apply`` producing new tensors) changes the keys or the values of
+# one of them, or replaces the dict.
+_DICTS = itemgetter("_modules", "_parameters", "_buffers")
+
+
+class Structure:
+    """What a model's index was derived from: every module's three dicts, their keys and their values.
+
+    Everything is held strongly, so an object seen here can never be freed and its address reused by a
+    different object that would then pass for it.  The check is a few C-level loops: the dicts and
+    their values come from ``gc.get_referents`` (a container's references, in order: any change of a
+    value changes the list), the keys from one chained iteration (string keys are not references)."""
+
+    __slots__ = ("modules", "snapshot", "keys")
+
+    def __init__(self, model, modules: list):
+        self.modules = modules  # every module but the root, once each, in walk order
+        dicts = _dicts_of(model, modules)
+        if not all(type(d) in (dict, OrderedDict) for d in dicts):  # whose references are their values
+            raise TypeError("a module keeps its submodules, parameters or buffers in a custom mapping")
+        # Later checks find the very same dict objects (or fail on identity), so they are dicts too.
+        self.snapshot = dicts + gc.get_referents(*dicts)
+        self.keys = list(chain.from_iterable(dicts))
+
+    def unchanged(self, model) -> bool:
+        """Whether ``model``'s module tree is exactly what was snapshotted."""
+        try:
+            dicts = _dicts_of(model, self.modules)
+        except (KeyError, TypeError):  # a module without the usual dicts: never cached anyway
+            return False
+        now = dicts + gc.get_referents(*dicts)
+        return (len(now) == len(self.snapshot) and all(map(is_, now, self.snapshot))
+                and list(chain.from_iterable(dicts)) == self.keys)
+
+
+def _dicts_of(model, modules: list) -> list:
+    return gc.get_referents(*map(_DICTS, map(vars, chain((model,), modules))))
+
+
+_cache: dict = {}  # id(model) -> (weak reference to the model, Structure, ModelIndex)
+
+
+def index_of(model) -> ModelIndex:
+    """The model's index: the cached one while its structure is unchanged, else a fresh walk."""
+    if not isinstance(model, torch.nn.Module):
+        return ModelIndex(model)
+    entry = _cache.get(id(model))
+    if entry is not None and entry[0]() is model and entry[1].unchanged(model):
+        return entry[2]
+    index = ModelIndex(model)
+    try:
+        structure = Structure(model, list(index.submodules.values()))
+    except (KeyError, TypeError):
+        return index
+    key = id(model)
+    _cache[key] = (weakref(model, lambda _, key=key: _forget(key)), structure, index)
+    return index
+
+
+def _forget(key: int) -> None:
+    entry = _cache.get(key)
+    if entry is not None and entry[0]() is None:  # not a newer model that took the same id
+        del _cache[key]

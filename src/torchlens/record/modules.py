@@ -7,7 +7,7 @@ class ModuleCall:
     """One call of a module's forward: ``features.2:1`` is the first call of ``features.2``."""
 
     __slots__ = ("_trace", "index", "module", "call_index", "parent", "children", "start_ns", "end_ns",
-                 "_input_nodes", "_output_nodes", "_op_nodes")
+                 "_input_nodes", "_output_nodes", "_op_list")
 
     def __init__(self, trace, index, module, call_index, parent, start_ns, end_ns, inputs, outputs):
         self._trace = trace
@@ -20,7 +20,18 @@ class ModuleCall:
         self.end_ns = end_ns
         self._input_nodes = inputs
         self._output_nodes = outputs
-        self._op_nodes = []
+        self._op_list = None  # filled for every call of the trace on first use (Trace._fill_module_ops)
+
+    @property
+    def _op_nodes(self) -> list:
+        """Indices of every op run inside this call, nested calls included, in execution order."""
+        if self._op_list is None:
+            self._trace._fill_module_ops()
+        return self._op_list
+
+    @_op_nodes.setter
+    def _op_nodes(self, nodes: list) -> None:
+        self._op_list = nodes
 
     @property
     def address(self) -> str:

@@ -222,6 +222,21 @@ class Trace:
 
         return SavedForBackward(self)
 
+    def _fill_module_ops(self) -> None:
+        """Every module call's op indices (nested calls included), in one pass over the ops: derived
+        on first use rather than while the trace is built, since most traces never ask."""
+        calls = self.module_calls
+        fresh = {c.index for c in calls if c._op_list is None}
+        for c in calls:
+            if c.index in fresh:
+                c._op_list = []
+        for i, m in enumerate(self._module_call):
+            call = calls[m] if m >= 0 else None
+            while call is not None:
+                if call.index in fresh:
+                    call._op_list.append(i)
+                call = call.parent
+
     def _children(self) -> list:
         if self._children_col is None:
             children: list = [[] for _ in self._kind]

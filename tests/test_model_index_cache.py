@@ -1,0 +1,133 @@
+"""The per-model index cache: reused while the model is unchanged, never stale, never keeps a model alive."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.record import model_index
+from torchlens.record.model_index import index_of
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.norm = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x)))
+
+
+def _trace(model, x):
+    with torch.no_grad():
+        return tl.trace(model.eval(), x)
+
+
+def _module_addresses(log) -> list:
+    return [m.address for m in log.modules]
+
+
+def _buffer_addresses(log) -> set:
+    return {b.address for b in log.buffers}
+
+
+def test_an_unchanged_model_reuses_its_index_and_traces_the_same():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 4)
+    first = index_of(model)
+    assert index_of(model) is first
+    a, b = _trace(model, x), _trace(model, x)
+    assert index_of(model) is first
+    assert [op.label for op in a.ops] == [op.label for op in b.ops]
+    assert [op.params for op in a.ops] == [op.params for op in b.ops]
+    assert _module_addresses(a) == _module_addresses(b)
+
+
+@pytest.mark.parametrize("change", [
+    "replace submodule", "add submodule", "rename submodule", "replace nested submodule", "replace parameter",
+    "delete parameter", "replace buffer", "add buffer", "replace _parameters dict", "module via _modules dict",
+    "convert dtype",
+])
+def test_a_changed_structure_is_seen_by_the_next_trace(change):
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 4)
+    before = _trace(model, x)
+    cached = index_of(model)
+    if change == "replace submodule":
+        model.head = nn.Linear(4, 2)
+    elif change == "add submodule":
+        model.extra = nn.Tanh()
+        model.forward = lambda x: model.extra(Net.forward(model, x))
+    elif change == "rename submodule":
+        head = model.head
+        del model.head
+        model.final = head
+        model.forward = lambda x: model.final(model.norm(model.body(x)))
+    elif change == "replace nested submodule":
+        model.body[0] = nn.Linear(4, 4)
+    elif change == "replace parameter":
+        model.head.weight = nn.Parameter(torch.ones(2, 4))
+    elif change == "delete parameter":
+        model.head.bias = None
+    elif change == "replace buffer":
+        model.norm.running_mean = torch.zeros(4)
+    elif change == "add buffer":
+        model.head.register_buffer("shift", torch.ones(2))
+        model.forward = lambda x: Net.forward(model, x) + model.head.shift
+    elif change == "replace _parameters dict":
+        model.head._parameters = dict(model.head._parameters, weight=nn.Parameter(torch.ones(2, 4)))
+    elif change == "module via _modules dict":
+        model.body._modules["0"] = nn.Linear(4, 4)
+    elif change == "convert dtype":  # _apply: new buffer tensors, parameters converted in place
+        model.double()
+        x = x.double()
+    after = _trace(model, x)
+    fresh = model_index.ModelIndex(model)
+    index = index_of(model)
+    assert index is not cached
+    assert index.module_addresses == fresh.module_addresses
+    assert index.param_addresses == fresh.param_addresses
+    assert {k: v[1] for k, v in index.buffers.items()} == {k: v[1] for k, v in fresh.buffers.items()}
+    # The trace itself names what now runs: no "<unregistered ...>" modules or parameters.
+    assert not any(a.startswith("<unregistered") for a in _module_addresses(after))
+    assert not any(p.startswith("<unregistered") for op in after.ops for p in op.params)
+    if change == "rename submodule":
+        assert "final" in _module_addresses(after) and "head" not in _module_addresses(after)
+    if change == "add submodule":
+        assert "extra" in _module_addresses(after) and "extra" not in _module_addresses(before)
+    if change in ("replace buffer", "add buffer", "convert dtype"):
+        expected = {"norm.running_mean", "norm.running_var"} | ({"head.shift"} if change == "add buffer" else set())
+        assert _buffer_addresses(after) == expected
+        assert after.unattributed == 0
+    if change == "delete parameter":
+        assert ("head.bias" in {p for op in before.ops for p in op.params}
+                and "head.bias" not in {p for op in after.ops for p in op.params})
+
+
+def test_the_cache_does_not_keep_a_model_alive():
+    model = Net()
+    _trace(model, torch.randn(3, 4))
+    assert id(model) in model_index._cache
+    alive, key = weakref.ref(model), id(model)
+    del model
+    gc.collect()
+    assert alive() is None
+    assert key not in model_index._cache
+
+
+def test_a_parameter_made_an_inference_tensor_by_data_assignment_is_still_refused():
+    model, x = Net(), torch.randn(3, 4)
+    _trace(model, x)
+    with torch.inference_mode():
+        frozen = torch.ones(2, 4)
+    model.head.weight.data = frozen  # same Parameter object, now an inference tensor
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        _trace(model, x)
+
