@@ -58,6 +58,9 @@ def tensors_equal(a, b) -> bool:
     """Bit-for-bit equality that treats NaNs in the same places as equal."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return a == b
+    if a.is_nested or b.is_nested:  # no single shape: compare component by component
+        parts_a, parts_b = (a.unbind(), b.unbind()) if a.is_nested and b.is_nested else ((a,), ())
+        return len(parts_a) == len(parts_b) and all(map(tensors_equal, parts_a, parts_b))
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare

@@ -18,6 +18,7 @@ from types import FunctionType
 from weakref import ref as weakref
 
 import torch
+import torch.compiler as _compiler
 from torch.overrides import TorchFunctionMode
 
 try:  # torch >= 2.10; deep capture re-enters Python-level torch functions through it
@@ -25,6 +26,7 @@ try:  # torch >= 2.10; deep capture re-enters Python-level torch functions throu
 except ImportError:  # pragma: no cover - older torch
     redispatch_function = None
 
+from .layouts import shape_of
 from .source import FrameClassifier
 from .state import CaptureState, storage_key
 
@@ -93,6 +95,11 @@ class CaptureMode(TorchFunctionMode):
             kwargs = _NO_KWARGS
         if func in _NOT_OPS:
             return func(*args, **kwargs)
+        if _compiler._is_compiling_flag:
+            # Dynamo is tracing this handler symbolically (torch.cond, flex_attention and other
+            # higher-order ops compile their bodies even in eager mode): be transparent to it.  The
+            # compiled region then runs and reaches this handler as one op (see capture/compiled.py).
+            return func(*args, **kwargs)
         st = self.state
         producers = st.producers
 
@@ -106,7 +113,10 @@ class CaptureMode(TorchFunctionMode):
                 if skeleton is None:
                     skeleton = list(args)
                 skeleton[pos] = None
-                version = a._version
+                try:
+                    version = a._version
+                except RuntimeError:  # an inference tensor: no version counter
+                    version = st.version(a)
                 versions.append((a, version))
                 if type(a) is Parameter:
                     if params is None:
@@ -131,7 +141,10 @@ class CaptureMode(TorchFunctionMode):
                     if kw_skeleton is kwargs:
                         kw_skeleton = dict(kwargs)
                     kw_skeleton[key] = None
-                    versions.append((a, a._version))
+                    try:
+                        versions.append((a, a._version))
+                    except RuntimeError:  # an inference tensor: no version counter
+                        versions.append((a, st.version(a)))
                     if type(a) is Parameter:
                         if params is None:
                             params = []
@@ -204,7 +217,7 @@ class CaptureMode(TorchFunctionMode):
         first_op = len(st.records)
         written = None
         for v, before in versions:
-            if v._version != before:
+            if v._version != before if before is not None else _predicted_write(func, args, kwargs, v):
                 if written is None:
                     written = []
                 written.append(v)
@@ -222,9 +235,16 @@ class CaptureMode(TorchFunctionMode):
         for slot, t in leaves:
             index = len(records)
             requires_grad = t.requires_grad
-            records.append((call_index, slot, t.shape, t.dtype, t.device, requires_grad,
+            try:
+                shape = t.shape
+            except RuntimeError:  # a nested tensor has no single shape
+                shape = shape_of(t)
+            records.append((call_index, slot, shape, t.dtype, t.device, requires_grad,
                             type(t.grad_fn) if requires_grad else None))
-            version = t._version
+            try:
+                version = t._version
+            except RuntimeError:  # made under torch.inference_mode(): no version counter
+                version = st.version(t)
             producers[id(t)] = (weakref(t), index, version)
             if save_mode and (save_mode == 1 or st.wants(func, module_call)):
                 if st.plain_save:  # the common case, inlined: keep a reference, note its storage
@@ -250,12 +270,23 @@ class CaptureMode(TorchFunctionMode):
         for j, b in enumerate(seq):
             if isinstance(b, Tensor):
                 inner[j] = None
-                versions.append((b, b._version))
+                try:
+                    versions.append((b, b._version))
+                except RuntimeError:  # an inference tensor: no version counter
+                    versions.append((b, self.state.version(b)))
                 if type(b) is Parameter:
                     params.append(((pos, j), b))
                 else:
                     parents.append(((pos, j), self.state.producer_of(b)))
         return tuple(inner) if type(seq) is tuple else inner
+
+
+def _predicted_write(func, args, kwargs, t) -> bool:
+    """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter) are known."""
+    if args and args[0] is t and (_predicts_inplace(func) or kwargs.get("inplace")):
+        return True
+    out = kwargs.get("out")
+    return out is t or (isinstance(out, (tuple, list)) and any(o is t for o in out))
 
 
 def _made_since(producers, t, first_record: int) -> bool:

@@ -34,17 +34,20 @@ def _tensors_in(obj, out: list, depth: int = 0) -> list:
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
 
-    def __init__(self, state: CaptureState, root, frames=None):
+    def __init__(self, state: CaptureState, root, frames=None, skip=()):
         self.state = state
         self.root = root
         self.frames = frames  # a FrameClassifier: each call's user frame is found once, here
+        self.skip = skip  # ids of modules whose calls are not module calls (see capture/compiled.py)
         self._handles = []
+        self._hooks = None
 
     def __enter__(self):
         st, root, owner, frames = self.state, self.root, threading.get_ident(), self.frames
+        skip = {id(root), *self.skip}
 
         def pre_hook(module, args):
-            if module is root or threading.get_ident() != owner:
+            if id(module) in skip or threading.get_ident() != owner:
                 return
             inputs = tuple(st.bound_producer(t) for t in _tensors_in(args, []))
             parent = st.module_stack[-1] if st.module_stack else -1
@@ -58,7 +61,7 @@ class ModuleCallTracker:
                 st.markers.module_enter(len(st.module_calls) - 1)
 
         def post_hook(module, args, output):
-            if module is root or threading.get_ident() != owner or not st.module_stack:
+            if id(module) in skip or threading.get_ident() != owner or not st.module_stack:
                 return
             index = st.module_stack.pop()
             call = st.module_calls[index]
@@ -73,13 +76,24 @@ class ModuleCallTracker:
                 if raised is not None and (st.raised_in is None or st.raised_in[0] is not raised):
                     st.raised_in = (raised, index)
 
+        self._hooks = (pre_hook, post_hook)
         try:
-            self._handles.append(register_module_forward_pre_hook(pre_hook))
-            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+            self.resume()
             return self  # inside the try: an interrupt landing here must not strand the hooks
         except BaseException:
             self.__exit__(None, None, None)
             raise
+
+    def resume(self) -> None:
+        """Register the hooks (again, after ``pause``)."""
+        pre_hook, post_hook = self._hooks
+        if not self._handles:
+            self._handles.append(register_module_forward_pre_hook(pre_hook))
+            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+
+    def pause(self) -> None:
+        """Remove the hooks while a compiled region runs: Dynamo would trace them."""
+        self.__exit__(None, None, None)
 
     def __exit__(self, *exc):
         # An interrupt landing mid-teardown is re-raised only once every hook is gone

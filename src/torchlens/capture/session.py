@@ -18,35 +18,34 @@ from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import ModelIndex
 from ..record.trace import Trace
+from .compiled import CompiledSubmodules, Suspension, check_compiled_option
 from .fastpath import FastPathShim
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
 from .saving import SavePolicy
 from .source import FrameClassifier
-from .state import INPUT, CaptureState, warn_mutated
+from .state import INFERENCE_CAVEAT, INPUT, CaptureState, warn_mutated
+from .teardown import ModeOnStack, leftovers
 
 _local = threading.local()
 
 
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
-          _markers=None) -> Trace:
-    """One trace, with the collector already paused by ``trace``."""
+          compiled: str = "run", _markers=None) -> Trace:
+    """One trace, with the collector already paused and the thread marked as tracing by ``trace``."""
     model = _unwrap(model)
     if not callable(model):
         raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments for forward, got {type(kwargs).__name__}")
-    if getattr(_local, "active", False):
-        raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
-                               "trace the outer model once instead")
+    check_compiled_option(compiled)
     if deep and redispatch_function is None:
         raise RuntimeError(f"deep=True needs torch.overrides.redispatch_function, which torch {torch.__version__} "
                            "lacks; upgrade torch or trace with deep=False")
     kwargs = dict(kwargs or {})
     args = _as_args(model, args)
     index = ModelIndex(model)  # the one walk over the model's modules, parameters and buffers
-    _refuse_inference_tensors(index, args, kwargs)
     policy = SavePolicy(save, model)
     if save_device is not None:
         save_device = torch.device(save_device)
@@ -63,15 +62,20 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     autocast = _autocast_state()
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
     mode = CaptureMode(state, frames, deep=deep)
-    _local.active = True
+    shim, installed = FastPathShim(mode), ModeOnStack(mode)
+    submodules = CompiledSubmodules(model, compiled, None)
+    tracker = ModuleCallTracker(state, model, frames, skip=submodules.eager_modules)
+    submodules.suspend = lambda: Suspension(tracker, shim)
+    parts = (submodules, shim, tracker, installed)
     try:
-        with FastPathShim(mode), ModuleCallTracker(state, model, frames), mode:
+        with submodules, shim, tracker, installed:
             output = _run_forward(model, args, kwargs)
     except BaseException as exc:
-        _annotate(exc, state, model)
+        _tear_down(parts)  # again: an interrupt on the ``with`` line can skip its exits
+        _annotate(exc, state, model, leftovers(mode, parts))
         raise
     finally:
-        _local.active = False
+        _tear_down(parts)
     forward_done = perf_counter_ns()
     if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
         # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
@@ -85,6 +89,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     timings = {"forward": (forward_done - started) / 1e9}
     result = finalize(state, model, output, model_name, timings, index)
     result._autocast = autocast
+    result.caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + submodules.caveats()
     policy.apply(result)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     warn_mutated([result._labels[i] for i in mutated])
@@ -98,7 +103,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False,
-          _markers=None) -> Trace:
+          compiled: str = "run", _markers=None) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -116,15 +121,42 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
         deep: also record the torch calls made inside torch functions written in Python
             (``F.normalize``, ``F.interpolate``, ``F.multi_head_attention_forward``), which are
             otherwise one op each.
+        compiled: how ``torch.compile``'d submodules run: ``"run"`` (compiled, exactly as untraced, each
+            call one ``compiled`` op) or ``"eager"`` (their interior traced op by op; outputs may then
+            differ from the compiled run, and ``Trace.caveats`` says so).
     """
+    if getattr(_local, "active", False):
+        raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
+                               "trace the outer model once instead")
     collecting = gc.isenabled()
-    gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
     try:
-        return _trace(model, args, kwargs, save=save, save_device=save_device, record_finite=record_finite,
-                      max_saved_bytes=max_saved_bytes, name=name, deep=deep, _markers=_markers)
+        try:
+            _local.active = True
+            gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
+            return _trace(model, args, kwargs, save=save, save_device=save_device, record_finite=record_finite,
+                          max_saved_bytes=max_saved_bytes, name=name, deep=deep, compiled=compiled,
+                          _markers=_markers)
+        finally:
+            _local.active = False
+            if collecting:
+                gc.enable()
     finally:
-        if collecting:
+        # Once more: an interrupt landing on a line of the block above can cut it short.
+        _local.active = False
+        if collecting and not gc.isenabled():
             gc.enable()
+
+
+def _tear_down(parts) -> None:
+    """Exit every capture context (each exit is idempotent and finishes even when interrupted)."""
+    interrupted = None
+    for part in parts:
+        try:
+            part.__exit__(None, None, None)
+        except BaseException as e:  # noqa: BLE001
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
 
 
 def _run_forward(model, args, kwargs):
@@ -189,20 +221,6 @@ def _autocast_state() -> dict:
     return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
-def _refuse_inference_tensors(index, args, kwargs) -> None:
-    """Inference tensors carry no version counter, which capture needs to attribute in-place writes."""
-    fix = "; run the model under torch.no_grad() instead (same kernels, same values)"
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError("tl.trace cannot capture under torch.inference_mode(): its tensors carry no "
-                           "version counter, so in-place writes could not be attributed" + fix)
-    tensors = [t for _, t in tensor_leaves((args, kwargs), "input", [])]
-    tensors += [p for _, p in index.params] + [b for b, _ in index.buffers.values()]
-    if any(t.is_inference() for t in tensors):
-        raise RuntimeError("tl.trace got an inference tensor (made under torch.inference_mode()) as an input, "
-                           "parameter or buffer: it carries no version counter, so in-place writes could "
-                           "not be attributed" + fix + " and, for tensors, .clone() them outside inference mode")
-
-
 def _add_inputs(state, model, args, kwargs) -> None:
     sig = _forward_signature(model)
     names = None
@@ -220,16 +238,17 @@ def _add_inputs(state, model, args, kwargs) -> None:
                 state.add_source(t, INPUT, path)
 
 
-def _annotate(exc: BaseException, state, model) -> None:
+def _annotate(exc: BaseException, state, model, left=()) -> None:
     if not hasattr(exc, "add_note"):  # Python 3.10
         return
+    torn_down = ("capture was torn down, nothing is left installed" if not left else
+                 "capture could not remove " + ", ".join(left) + "; restart the process before tracing again")
     if state.failure is not None and state.failure[2] is exc:
         from ..labels.naming import func_name_of
 
         func, module_call, _ = state.failure
         exc.add_note(f"torchlens: raised by torch call {func_name_of(func)!r} (op #{len(state.records) + 1}) "
-                     f"in {_where(state, module_call, model)}; capture was torn down, nothing is left "
-                     "installed")
+                     f"in {_where(state, module_call, model)}; {torn_down}")
     else:
         module_call = state.module_stack[-1] if state.module_stack else -1
         if state.raised_in is not None and state.raised_in[0] is exc:
@@ -237,8 +256,7 @@ def _annotate(exc: BaseException, state, model) -> None:
         where = _where(state, module_call, model)
         if module_call < 0 and state.module_calls:  # e.g. raised by a forward hook, after the call ended
             where += f" (the last module call before it: {_where(state, len(state.module_calls) - 1, model)})"
-        exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; capture was "
-                     "torn down, nothing is left installed")
+        exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; {torn_down}")
 
 
 def _where(state, index: int, model) -> str:

@@ -21,12 +21,14 @@ class ModelIndex:
 
     def _walk(self, model) -> None:
         for name, module in model.named_modules(remove_duplicate=False):
+            if "_orig_mod" in name:  # inside a torch.compile'd submodule: the address it was given
+                name = ".".join(part for part in name.split(".") if part != "_orig_mod")
             seen = self.module_addresses.get(id(module))
             if seen is not None:  # an alias: same object, another address
                 seen.append(name or "self")
                 continue
             self.module_addresses[id(module)] = [name or "self"]
-            self.modules[name] = module
+            self.modules.setdefault(name, module)  # a compiled wrapper keeps the address, not its module
             prefix = f"{name}." if name else ""
             for key, p in module._parameters.items():
                 if p is not None and id(p) not in self.param_addresses:

@@ -29,6 +29,7 @@ class Trace:
     """
 
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
+    caveats: tuple = ()  # guarantees this trace gives only in weakened form, one sentence each
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
