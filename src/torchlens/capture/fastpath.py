@@ -15,7 +15,8 @@ import threading
 import torch
 import torch.overrides
 
-_lock = threading.Lock()
+# Reentrant, so that a hold left by an interrupt on a ``with _lock:`` exit line can be found and dropped.
+_lock = threading.RLock()
 _users = 0
 _original = None
 _local = threading.local()
@@ -63,6 +64,8 @@ class FastPathShim:
         interrupted = None
         while True:
             try:
+                while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
+                    _lock.release()
                 self._release()
                 break
             except BaseException as e:  # noqa: BLE001

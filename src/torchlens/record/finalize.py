@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..capture.layouts import shape_of
 from ..capture.mode import _predicts_inplace
 from ..capture.state import BUFFER, INPUT, CaptureState
 from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
@@ -60,7 +61,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         parents_col.append(((0, producer),))
         module_col.append(-1)
         inplace.append(False)
-        meta.append((t.shape, t.dtype, t.device, t.requires_grad, None))
+        meta.append((shape_of(t), t.dtype, t.device, t.requires_grad, None))
         if producer in activations:
             activations[i] = activations[producer]
 
