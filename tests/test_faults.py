@@ -280,8 +280,8 @@ def keyboard_interrupt_in_the_trace_driver():
     landed = _interrupt_every_line(lambda: tl.trace(model, x), traced)
     assert landed > 100, f"only {landed} interrupts landed in the trace driver"
     assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
-    return (f"{landed} interrupts, each re-raised unchanged; afterwards no mode, hook or shim installed, "
-            "the collector on and the next trace identical")
+    return ("every interrupt re-raised unchanged; afterwards no mode, hook or shim installed, the collector "
+            "on, the thread not marked as tracing, and the next trace identical")
 
 
 @CASE
@@ -291,15 +291,28 @@ def keyboard_interrupt_in_torch_mode_push_pop():
 
     import torch.overrides
 
+    from torchlens.capture import teardown
+
     files = {torch.overrides.__file__, contextlib.__file__}
     model, x = Normalized(), torch.randn(2, 4)
     in_contextlib = lambda code: code.co_filename == contextlib.__file__  # noqa: E731
-    landed = _interrupt_every_line(lambda: tl.trace(model, x), lambda code: code.co_filename in files,
-                                   collect=in_contextlib)
+    closed, close = [], teardown.close_pending_pushes
+
+    def counting(mode):
+        closed.append(close(mode))
+        return closed[-1]
+
+    teardown.close_pending_pushes = counting
+    try:
+        landed = _interrupt_every_line(lambda: tl.trace(model, x), lambda code: code.co_filename in files,
+                                       collect=in_contextlib)
+    finally:
+        teardown.close_pending_pushes = close
     assert landed > 20, f"only {landed} interrupts landed in torch's mode handling"
+    assert any(closed), "no interrupt ever left torch's push-back suspended: the repair went untested"
     assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
-    return (f"{landed} interrupts, each re-raised unchanged (never 'pop from empty mode stack'); the mode "
-            "stack repaired, including a push-back left suspended inside contextlib")
+    return ("every interrupt re-raised unchanged (never 'pop from empty mode stack'); the mode stack "
+            "repaired, including when torch's push-back was left suspended inside contextlib")
 
 
 @CASE
