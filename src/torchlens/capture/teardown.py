@@ -63,9 +63,11 @@ class ModeOnStack:
 
     def __init__(self, mode):
         self.mode = mode
+        self.removed = False  # teardown runs twice (see capture/session.py): the second is a no-op
 
     def __enter__(self):
         try:
+            self.removed = False
             _push(self.mode)
             return self
         except BaseException:
@@ -86,11 +88,14 @@ class ModeOnStack:
         return False
 
     def remove(self) -> None:
+        if self.removed:
+            return
         if not on_stack(self.mode):
             # Lifted off by torch for a handler call whose push-back an interrupt cut short: make sure
             # no suspended push-back can put it back later.  (Rare: only then is the heap searched.)
             close_pending_pushes(self.mode)
         remove_from_stack(self.mode)
+        self.removed = True
 
 
 def leftovers(mode, parts) -> list:
