@@ -97,8 +97,8 @@ class CaptureMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if _compiler._is_compiling_flag:
             # Dynamo is tracing this handler symbolically (torch.cond, flex_attention and other
-            # higher-order ops compile their bodies even in eager mode): be transparent to it.  The
-            # compiled region then runs and reaches this handler as one op (see capture/compiled.py).
+            # higher-order ops compile their bodies even in eager mode): be transparent to it, so the
+            # bodies compile as they would untraced.  What then runs eagerly is recorded as usual.
             return func(*args, **kwargs)
         st = self.state
         producers = st.producers

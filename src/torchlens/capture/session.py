@@ -148,9 +148,10 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
 
 
 def _tear_down(parts) -> None:
-    """Exit every capture context (each exit is idempotent and finishes even when interrupted)."""
+    """Exit every capture context, innermost first (each exit is idempotent and finishes even when
+    interrupted)."""
     interrupted = None
-    for part in parts:
+    for part in reversed(parts):
         try:
             part.__exit__(None, None, None)
         except BaseException as e:  # noqa: BLE001
