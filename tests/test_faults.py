@@ -31,6 +31,14 @@ from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: 
 CASE = case("Faults")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _collect_compile_garbage():
+    """torch.compile leaves reference cycles holding weak proxies; collect them here, not during
+    another module's tests (a gc callback there would meet dead proxies)."""
+    yield
+    gc.collect()
+
+
 def _signature(log) -> list:
     return [(op.label, op.func_name, tuple(op.parents), op.module, op.shape) for op in log.ops]
 
@@ -244,6 +252,7 @@ def _interrupt_every_line(run, traced, collect=None) -> int:
             sys.settrace(None)
         assert gc.isenabled() == collecting, f"the collector was left off (line event {target})"
         assert not getattr(session._local, "active", False), f"the thread is left marked as tracing ({target})"
+        assert not tl.capture.compiled._installed, f"a compiled submodule is left routed ({target})"
         assert_clean_process()
         if collect and landed_in[0] is not None and collect(landed_in[0]):
             gc.collect()  # a suspended push-back inside torch would put the mode back when collected
@@ -280,6 +289,19 @@ def keyboard_interrupt_in_the_trace_driver():
     landed = _interrupt_every_line(lambda: tl.trace(model, x), traced)
     assert landed > 100, f"only {landed} interrupts landed in the trace driver"
     assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+
+    # The same with a compiled submodule: routing its forward, and running it with capture suspended.
+    import warnings
+
+    with_compiled = nn.Sequential(Normalized(), torch.compile(nn.Linear(4, 4), backend="eager"))
+    expected = with_compiled(x)  # compiled before the interrupts start
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: global module hooks exist while a compiled module runs
+        in_compiled = _interrupt_every_line(lambda: tl.trace(with_compiled, x), traced)
+        log = tl.trace(with_compiled, x)
+    assert in_compiled > landed, (in_compiled, landed)  # the routing and suspension lines were hit too
+    assert torch.equal(log.output, expected) and "compiled" in [op.type for op in log.ops]
+    assert "forward" in vars(with_compiled[1]) and type(vars(with_compiled[1])["forward"]).__name__ != "CompiledCall"
     return ("every interrupt re-raised unchanged; afterwards no mode, hook or shim installed, the collector "
             "on, the thread not marked as tracing, and the next trace identical")
 

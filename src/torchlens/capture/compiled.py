@@ -42,24 +42,35 @@ def check_compiled_option(compiled: str) -> None:
 class CompiledCall:
     """One compiled submodule's forward, as a torch callable the capture mode records as one op.
 
-    A class, not a function: deep capture re-enters Python functions, and this one must stay opaque.
+    One per compiled submodule, shared by every thread tracing a model that holds it: ``threads`` maps
+    each tracing thread to how it runs the submodule (a ``Suspension`` factory, or ``"eager"``); any
+    other caller, and a replay after the trace, gets the compiled forward plainly.  A class, not a
+    function: deep capture re-enters Python functions, and this one must stay opaque.
     """
 
     __name__ = __qualname__ = "compiled"
 
-    def __init__(self, forward, owner: int, suspend):
+    def __init__(self, forward, module):
         self.forward = forward
-        self.owner = owner
-        self.suspend = suspend  # a context manager factory, or None once the trace has ended
+        self.eager = module._orig_mod
+        self.threads: dict = {}
 
     def __call__(self, *args, **kwargs):
-        if torch._C._is_torch_function_mode_enabled() and threading.get_ident() == self.owner:
+        how = self.threads.get(threading.get_ident())
+        if how is None:
+            return self.forward(*args, **kwargs)
+        if how == "eager":
+            return self.eager(*args, **kwargs)  # its own module call, hooks included, under capture
+        if torch._C._is_torch_function_mode_enabled():
             # Hand this call to the mode stack like any torch function: capture records it as one op.
             return torch.overrides.handle_torch_function(self, (), *args, **kwargs)
-        if self.suspend is None or threading.get_ident() != self.owner:
-            return self.forward(*args, **kwargs)  # replay after the trace, or another thread
-        with self.suspend():
+        with how():
             return self.forward(*args, **kwargs)
+
+
+_lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
+_installed: dict = {}  # id(OptimizedModule) -> (module, its own forward, CompiledCall); in use while
+# the CompiledCall's ``threads`` is not empty
 
 
 class Suspension:
@@ -83,14 +94,14 @@ class Suspension:
 
 
 class CompiledSubmodules:
-    """Context manager: swap each compiled submodule's forward for the trace, and restore it."""
+    """Context manager: route each compiled submodule's forward through a ``CompiledCall`` for this
+    thread, and restore the module's own forward when the last trace using it ends."""
 
     def __init__(self, model, mode: str, suspend):
         self.model = model
         self.mode = mode
         self.suspend = suspend
-        self.swapped: list = []  # (module, original forward)
-        self.calls: list = []
+        self.swapped: list = []  # ids of the OptimizedModules this trace routes
         self.eager_modules: set = set()  # ids of OptimizedModules the module tracker must not record
 
     def __enter__(self):
@@ -99,41 +110,54 @@ class CompiledSubmodules:
             if optimized is not None and isinstance(self.model, torch.nn.Module):
                 for module in self.model.modules():
                     if type(module) is optimized and "forward" in vars(module):
-                        self._swap(module)
+                        self._route(module)
             return self
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
-    def _swap(self, module) -> None:
-        original = vars(module)["forward"]
+    def _route(self, module) -> None:
+        tid = threading.get_ident()
+        self.swapped.append(id(module))  # first: whatever happens next, __exit__ will undo it
+        with _lock:
+            entry = _installed.get(id(module))
+            if entry is None:
+                call = CompiledCall(vars(module)["forward"], module)
+                entry = _installed[id(module)] = (module, call.forward, call)
+                vars(module)["forward"] = call
+            entry[2].threads[tid] = "eager" if self.mode == "eager" else self.suspend
         if self.mode == "eager":
-            replacement = module._orig_mod  # its own module call, hooks included, under capture
             self.eager_modules.add(id(module))
-        else:
-            replacement = CompiledCall(original, threading.get_ident(), self.suspend)
-            self.calls.append(replacement)
-        self.swapped.append((module, original))
-        vars(module)["forward"] = replacement
 
     def __exit__(self, *exc):
-        # Restoring is idempotent: retried until done, so an interrupt cannot strand a swapped forward.
+        # Retried until done, so that an interrupt cannot strand a routed forward; re-raised after.
         interrupted = None
         while self.swapped:
             try:
-                module, original = self.swapped[-1]
-                vars(module)["forward"] = original
-                self.swapped.pop()
+                while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
+                    _lock.release()
+                self._unroute(self.swapped[-1])
             except BaseException as e:  # noqa: BLE001
                 interrupted = interrupted or e
-        from .mode import _inplace_cache
-
-        for call in self.calls:
-            call.suspend = None  # a replay later runs the compiled forward plainly
-            _inplace_cache.pop(call, None)  # a per-trace callable: the process-wide cache must not hold it
+        while _lock._is_owned():
+            _lock.release()
         if interrupted is not None:
             raise interrupted
         return False
+
+    def _unroute(self, key: int) -> None:
+        from .mode import _inplace_cache
+
+        with _lock:  # every step is idempotent: a retry after an interrupt repeats them harmlessly
+            entry = _installed.get(key)
+            if entry is not None:
+                module, forward, call = entry
+                call.threads.pop(threading.get_ident(), None)
+                _inplace_cache.pop(call, None)  # the process-wide cache must not keep the model alive
+                if not call.threads:  # the last trace using it: the module gets its own forward back
+                    vars(module)["forward"] = forward
+                    _installed.pop(key, None)
+            self.swapped.pop()
 
     def caveats(self) -> tuple:
         if self.eager_modules:
