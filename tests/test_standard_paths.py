@@ -252,6 +252,7 @@ def compiled_submodule():
     assert log["compiled_1_2"].module == "block:1"
     addresses = [mc.label for mc in log.module_calls] + [m.address for m in log.modules]
     assert addresses == ["embed:1", "block:1", "head:1", "embed", "block", "head"], addresses
+    assert log.modules[1].class_name == "Sequential"  # the class compiled, not torch's wrapper
     assert log.caveats == ()
     result = tl.validate(model, x)
     assert result.passed and result.outputs_match, str(result)

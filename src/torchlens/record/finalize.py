@@ -179,7 +179,8 @@ def _build_modules(state: CaptureState, model_index: ModelIndex):
             if names is None:
                 unregistered += 1
                 names = [f"<unregistered {type(module).__name__} #{unregistered}>"]
-            record = modules_by_id[id(module)] = Module(names[0], names, type(module).__name__,
+            shown = getattr(module, "_orig_mod", module)  # a torch.compile'd submodule: the class it wraps
+            record = modules_by_id[id(module)] = Module(names[0], names, type(shown).__name__,
                                                         model_index.param_names_of(module), module)
         parent_call = module_calls[parent] if parent >= 0 else None
         call = ModuleCall(None, index, record, record.num_calls + 1, parent_call, t0, t1, inputs, outputs)
