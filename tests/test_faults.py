@@ -276,7 +276,7 @@ class Normalized(nn.Module):
 
 @CASE
 def keyboard_interrupt_in_the_trace_driver():
-    """KeyboardInterrupt at every line of tl.trace's setup and teardown (session, mode stack, hooks, shim)."""
+    """KeyboardInterrupt at every line of tl.trace's setup and teardown (driver, mode stack, hooks, shim)."""
     capture = tl.capture
     driver = {capture.session.__file__, capture.teardown.__file__, capture.compiled.__file__}
     parts = {capture.fastpath.__file__, capture.modules.__file__}
