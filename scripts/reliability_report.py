@@ -17,10 +17,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 PAGE = os.path.join(ROOT, "docs", "reliability.md")
-SUITE = ("test_faults", "test_contexts", "test_concurrency", "test_budget")
+SUITE = ("test_faults", "test_contexts", "test_standard_paths", "test_concurrency", "test_budget")
 AREAS = {
     "Faults": "An exception, interrupt or odd forward during a trace.",
     "Contexts and wrappers": "Global torch modes, unusual tensors, and wrapped or compiled models.",
+    "Standard paths": "Inference mode, nested and sparse tensors, higher-order ops and compiled submodules "
+                      "(`tests/test_standard_paths.py`).",
     "Concurrency": "Traces in several threads, and torch work beside a trace.",
     "Memory budget": "`max_saved_bytes`: where saving stops, and what is still recorded.",
 }
@@ -90,16 +92,29 @@ torch call or module call, and the model then runs and traces exactly like an un
 LIMITS = """\
 ## Limits found along the way
 
-- Interrupts are handled anywhere in the per-op handler and module hooks. Capture's setup and teardown
-  retry their own cleanup, but Python cannot make a `with` statement immune to an interrupt landing on
-  its exit line, so an interrupt there may leave the fast-path shim or hooks installed.
+- Interrupts are handled anywhere: in the per-op handler, the module hooks, and every line of the trace
+  driver's setup and teardown and of torch's own temporary mode pop (`handle_torch_function`). Each
+  cleanup is idempotent and run twice (once by its `with`, once by a `finally` below it), because Python
+  cannot make a `with` statement immune to an interrupt landing on its exit line; the checks assume one
+  interrupt per trace, as the tests inject. When an interrupt leaves torch's push-back of the mode
+  suspended inside `contextlib`, teardown resumes it (so it cannot reinstall the mode later) and removes
+  the mode by identity, never popping an empty stack.
 - Autocast is replayed as it was around the traced call. An autocast region opened inside the model's
   own forward is not recorded per op, so validation reports its ops as mismatches, never as passes.
-- `torch.inference_mode()` is refused: its tensors have no version counter, which capture needs to see
-  in-place writes. `torch.no_grad()` runs the same kernels and gives the same values.
-- A model holding `torch.compile`d submodules traces correctly (checked by hand with the eager and
-  inductor backends: Dynamo breaks its graph at capture's hooks and runs those ops eagerly), but the
-  first call compiles and is slow: trace the uncompiled model instead.
+- `torch.inference_mode()` is traced, around the trace or inside forward, with weaker write detection:
+  inference tensors have no version counter, so in-place writes to them are known by name only
+  (`add_`, `__setitem__`, `out=`, `inplace=True`); `Trace.caveats` says so. Use `torch.no_grad()` (same
+  kernels, same values) for the full guarantees.
+- Nested tensors are recorded with `None` for each ragged dimension; `op.numel` counts every component.
+  Sparse COO, CSR, CSC, BSR and BSC results are recorded with their layout and logical (dense) shape,
+  and validation compares them densely. `op.nbytes` of a sparse op is that of its dense shape.
+- `torch.cond` and `flex_attention` in eager mode record the ops that ran (the branch taken, the eager
+  math path); capture stays transparent while Dynamo compiles their bodies.
+- A `torch.compile`d submodule runs compiled and is one `compiled` op; Dynamo compiles it with none of
+  torchlens's hooks, mode or shim in sight. Its parameters are not listed on that op (they are used
+  inside the compiled code). `compiled="eager"` records its interior instead, with a warning. Torch
+  warns that global module hooks exist when such a submodule is called during a trace; capture takes
+  its hooks away while the compiled code runs, so no hook fires twice.
 
 ## Scale
 

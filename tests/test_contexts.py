@@ -64,22 +64,25 @@ def no_grad():
 
 @CASE
 def inference_mode():
-    """torch.inference_mode(), and inference tensors passed in afterwards."""
+    """torch.inference_mode() around the trace, and inference tensors passed in afterwards."""
+    from torchlens.capture.state import INFERENCE_CAVEAT
+
     model, x = Net(), torch.randn(4, 6)
     with torch.inference_mode():
-        with pytest.raises(RuntimeError, match=r"torch.no_grad\(\) instead") as inside:
-            tl.trace(model, x)
-        made_inside = torch.randn(4, 6)
-    with pytest.raises(RuntimeError, match="inference tensor") as passed_in:
-        tl.trace(model, made_inside)
-    assert_clean_process()
-    # The suggested replacement works and gives the same numbers.
-    with torch.inference_mode():
         expected = model(x)
-    log, _ = faithful(model, x, torch.no_grad)
-    assert torch.equal(log.output, expected)
-    return (f"refused with a clear error ({str(inside.value).split(':')[0]}); inference-tensor inputs "
-            "likewise; torch.no_grad() traces with identical values")
+        log = tl.trace(model, x)
+        result = tl.validate(model, x)
+        made_inside = torch.randn(4, 6)
+    assert torch.equal(log.output, expected) and result.passed and result.outputs_match, str(result)
+    assert log.caveats == (INFERENCE_CAVEAT,)
+    with torch.no_grad():  # an inference tensor may enter a no_grad forward
+        passed_in = tl.trace(model, made_inside)
+        assert torch.equal(passed_in.output, model(made_inside))
+    assert passed_in.caveats == (INFERENCE_CAVEAT,)
+    assert tl.trace(model, x).caveats == ()  # a plain trace claims the full guarantees
+    assert_clean_process()
+    return (f"faithful; {result.replayed} ops replayed exactly; Trace.caveats says in-place writes to "
+            "inference tensors are known by name only")
 
 
 @CASE

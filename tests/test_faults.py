@@ -8,6 +8,7 @@ docs/reliability.md, and the last test here checks that page is current.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -15,6 +16,7 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +29,14 @@ from reliability_cases import case, outcome, titles  # noqa: E402
 from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: E402
 
 CASE = case("Faults")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_compile_garbage():
+    """torch.compile leaves reference cycles holding weak proxies; collect them here, not during
+    another module's tests (a gc callback there would meet dead proxies)."""
+    yield
+    gc.collect()
 
 
 def _signature(log) -> list:
@@ -206,6 +216,125 @@ def keyboard_interrupt_inside_capture():
     assert interrupted > 50, f"only {interrupted} interrupts landed in capture code"
     assert _signature(tl.trace(model, x)) == _signature(tl.trace(Pair(), x))
     return "every interrupt re-raised KeyboardInterrupt unchanged and left nothing installed"
+
+
+def _interrupt_every_line(run, traced, collect=None) -> int:
+    """Run ``run()`` once per line event of the code ``traced(code)`` selects, raising KeyboardInterrupt
+    at that event; after each, nothing may be left installed and the interrupt must reach the caller
+    unchanged.  Returns how many interrupts landed."""
+    from torchlens.capture import session
+
+    interrupted = 0
+    for target in range(1, 100_000):
+        seen, landed_in = [0], [None]
+
+        def local(frame, event, arg):
+            if event == "line":
+                seen[0] += 1
+                if seen[0] == target:
+                    landed_in[0] = frame.f_code
+                    raise KeyboardInterrupt(f"interrupt at line event {target}")
+            return local
+
+        def tracer(frame, event, arg):
+            return local if traced(frame.f_code) else None
+
+        collecting = gc.isenabled()
+        sys.settrace(tracer)
+        try:
+            run()
+        except KeyboardInterrupt as exc:
+            assert str(exc) == f"interrupt at line event {target}", repr(exc)  # not "pop from empty stack"
+            notes = getattr(exc, "__notes__", [])
+            assert all("nothing is left installed" in n for n in notes), notes  # and every note is true
+            interrupted += 1
+        finally:
+            sys.settrace(None)
+        assert gc.isenabled() == collecting, f"the collector was left off (line event {target})"
+        assert not getattr(session._local, "active", False), f"the thread is left marked as tracing ({target})"
+        assert not tl.capture.compiled._installed, f"a compiled submodule is left routed ({target})"
+        assert_clean_process()
+        if collect and landed_in[0] is not None and collect(landed_in[0]):
+            gc.collect()  # a suspended push-back inside torch would put the mode back when collected
+            assert_clean_process()
+        if seen[0] < target:
+            return interrupted
+    raise AssertionError("the run never ended")
+
+
+class Normalized(nn.Module):
+    """Python-level torch functions: each call goes through torch's handle_torch_function."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.normalize(self.fc(x)).tanh()
+
+
+@CASE
+def keyboard_interrupt_in_the_trace_driver():
+    """KeyboardInterrupt at every line of tl.trace's setup and teardown (driver, mode stack, hooks, shim)."""
+    capture = tl.capture
+    driver = {capture.session.__file__, capture.teardown.__file__, capture.compiled.__file__}
+    parts = {capture.fastpath.__file__, capture.modules.__file__}
+    setup_and_teardown = {"__enter__", "__exit__", "_release", "pause", "resume"}
+    model, x = Normalized(), torch.randn(2, 4)
+
+    def traced(code):
+        return code.co_filename in driver or (code.co_filename in parts and code.co_name in setup_and_teardown)
+
+    landed = _interrupt_every_line(lambda: tl.trace(model, x), traced)
+    assert landed > 100, f"only {landed} interrupts landed in the trace driver"
+    assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+
+    # The same with a compiled submodule: routing its forward, and running it with capture suspended.
+    import warnings
+
+    with_compiled = nn.Sequential(Normalized(), torch.compile(nn.Linear(4, 4), backend="eager"))
+    expected = with_compiled(x)  # compiled before the interrupts start
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: global module hooks exist while a compiled module runs
+        in_compiled = _interrupt_every_line(lambda: tl.trace(with_compiled, x), traced)
+        log = tl.trace(with_compiled, x)
+    assert in_compiled > landed, (in_compiled, landed)  # the routing and suspension lines were hit too
+    assert torch.equal(log.output, expected) and "compiled" in [op.type for op in log.ops]
+    assert "forward" in vars(with_compiled[1]) and type(vars(with_compiled[1])["forward"]).__name__ != "CompiledCall"
+    return ("every interrupt re-raised unchanged; afterwards no mode, hook or shim installed, the collector "
+            "on, the thread not marked as tracing, and the next trace identical")
+
+
+@CASE
+def keyboard_interrupt_in_torch_mode_push_pop():
+    """KeyboardInterrupt at every line of torch's handle_torch_function, its temporary mode pop and contextlib."""
+    import contextlib
+
+    import torch.overrides
+
+    from torchlens.capture import teardown
+
+    files = {torch.overrides.__file__, contextlib.__file__}
+    model, x = Normalized(), torch.randn(2, 4)
+    in_contextlib = lambda code: code.co_filename == contextlib.__file__  # noqa: E731
+    closed, close = [], teardown.close_pending_pushes
+
+    def counting(mode):
+        closed.append(close(mode))
+        return closed[-1]
+
+    teardown.close_pending_pushes = counting
+    try:
+        landed = _interrupt_every_line(lambda: tl.trace(model, x), lambda code: code.co_filename in files,
+                                       collect=in_contextlib)
+    finally:
+        teardown.close_pending_pushes = close
+    assert landed > 20, f"only {landed} interrupts landed in torch's mode handling"
+    assert any(closed), "no interrupt ever left torch's push-back suspended: the repair went untested"
+    assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+    return ("every interrupt re-raised unchanged (never 'pop from empty mode stack'); the mode stack "
+            "repaired, including when torch's push-back was left suspended inside contextlib")
 
 
 @CASE

@@ -163,6 +163,14 @@ def _equal(a, b, path, exact, rtol, atol, depth) -> tuple:
 
 
 def _tensors_equal(a, b, where, exact, rtol, atol) -> tuple:
+    if a.is_nested or b.is_nested:  # no single shape: compare component by component
+        if not (a.is_nested and b.is_nested) or a.size(0) != b.size(0):
+            return False, f"{where}: nested tensor layouts differ"
+        for i, (x, y) in enumerate(zip(a.unbind(), b.unbind())):
+            same, why = _tensors_equal(x, y, f"{where} component {i}", exact, rtol, atol)
+            if not same:
+                return same, why
+        return True, ""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False, f"{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
     if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare

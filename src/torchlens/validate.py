@@ -85,6 +85,13 @@ def tensors_equal(a, b) -> bool:
     """Bit-for-bit equality that treats NaNs in the same places as equal."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return a == b
+    if a.is_nested or b.is_nested:  # no single shape: compare component by component
+        parts_a, parts_b = (a.unbind(), b.unbind()) if a.is_nested and b.is_nested else ((a,), ())
+        return len(parts_a) == len(parts_b) and all(map(tensors_equal, parts_a, parts_b))
+    if a.layout != torch.strided or b.layout != torch.strided:  # sparse COO / CSR / CSC / BSR / BSC
+        return a.layout == b.layout and tensors_equal(a.to_dense(), b.to_dense())
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
     if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare
         return a.is_meta and b.is_meta and a.shape == b.shape and a.dtype == b.dtype
     return structures_equal(a, b)[0]
@@ -430,7 +437,7 @@ def _as_traced(log, context):
 def _copy_with_layout(t):
     """A private copy with ``t``'s strides: a reduction over a strided view (``z.real``) sums in a
     different order, and so to different bits, than over a contiguous copy."""
-    if t.is_contiguous() or t.layout != torch.strided:
+    if t.layout != torch.strided or t.is_nested or t.is_contiguous():  # in that order: CSR has no strides
         return t.clone()
     try:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)

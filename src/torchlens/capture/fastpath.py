@@ -15,7 +15,8 @@ import threading
 import torch
 import torch.overrides
 
-_lock = threading.Lock()
+# Reentrant, so that a hold left by an interrupt on a ``with _lock:`` exit line can be found and dropped.
+_lock = threading.RLock()
 _users = 0
 _original = None
 _local = threading.local()
@@ -46,8 +47,9 @@ class FastPathShim:
         global _users, _original
         try:
             with _lock:
-                if _users == 0 and torch.overrides.has_torch_function is not _has_torch_function_ignoring_capture:
-                    _original = torch.overrides.has_torch_function
+                if torch.overrides.has_torch_function is not _has_torch_function_ignoring_capture:
+                    if _users == 0:  # otherwise another trace has paused it (see pause): reinstall only
+                        _original = torch.overrides.has_torch_function
                     torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
                 _users, self._counted = _users + 1, True  # one statement: no interrupt between them
             _local.mode = self.mode
@@ -62,6 +64,8 @@ class FastPathShim:
         interrupted = None
         while True:
             try:
+                while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
+                    _lock.release()
                 self._release()
                 break
             except BaseException as e:  # noqa: BLE001
@@ -69,6 +73,18 @@ class FastPathShim:
         if interrupted is not None:
             raise interrupted
         return False
+
+    def pause(self) -> None:
+        """Put torch's own function back while a compiled region runs (Dynamo would trace the shim),
+        unless another thread's trace still needs the shim."""
+        with _lock:
+            if _users == 1 and torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
+                torch.overrides.has_torch_function = _original
+
+    def resume(self) -> None:
+        with _lock:
+            if self._counted and torch.overrides.has_torch_function is not _has_torch_function_ignoring_capture:
+                torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
 
     def _release(self) -> None:
         global _users

@@ -18,6 +18,7 @@ from types import FunctionType
 from weakref import ref as weakref
 
 import torch
+import torch.compiler as _compiler
 from torch.overrides import TorchFunctionMode
 
 try:  # torch >= 2.10; deep capture re-enters Python-level torch functions through it
@@ -27,6 +28,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from ..tree import split
 from .collectives import WRITTEN_ARGUMENT, written_tensors
+from .layouts import shape_of
 from .source import FrameClassifier
 from .state import CaptureState, storage_key
 
@@ -103,6 +105,11 @@ class CaptureMode(TorchFunctionMode):
                 # must not change with it.
                 self.state.protect_saved(args[0])
             return func(*args, **kwargs)
+        if _compiler._is_compiling_flag:
+            # Dynamo is tracing this handler symbolically (torch.cond, flex_attention and other
+            # higher-order ops compile their bodies even in eager mode): be transparent to it, so the
+            # bodies compile as they would untraced.  What then runs eagerly is recorded as usual.
+            return func(*args, **kwargs)
         st = self.state
         producers = st.producers
 
@@ -116,7 +123,10 @@ class CaptureMode(TorchFunctionMode):
                 if skeleton is None:
                     skeleton = list(args)
                 skeleton[pos] = None
-                version = a._version
+                try:
+                    version = a._version
+                except RuntimeError:  # an inference tensor: no version counter
+                    version = st.version(a)
                 versions.append((a, version))
                 if type(a) is Parameter:
                     if params is None:
@@ -143,7 +153,10 @@ class CaptureMode(TorchFunctionMode):
                     if kw_skeleton is kwargs:
                         kw_skeleton = dict(kwargs)
                     kw_skeleton[key] = None
-                    versions.append((a, a._version))
+                    try:
+                        versions.append((a, a._version))
+                    except RuntimeError:  # an inference tensor: no version counter
+                        versions.append((a, st.version(a)))
                     if type(a) is Parameter:
                         if params is None:
                             params = []
@@ -230,7 +243,7 @@ class CaptureMode(TorchFunctionMode):
         first_op = len(st.records)
         written = None
         for v, before in versions:
-            if v._version != before:
+            if v._version != before if before is not None else _predicted_write(func, args, kwargs, v):
                 if written is None:
                     written = []
                 written.append(v)
@@ -250,9 +263,16 @@ class CaptureMode(TorchFunctionMode):
         for slot, t in leaves:
             index = len(records)
             requires_grad = t.requires_grad
-            records.append((call_index, slot, t.shape, t.dtype, t.device, requires_grad,
+            try:
+                shape = t.shape
+            except RuntimeError:  # a nested tensor has no single shape
+                shape = shape_of(t)
+            records.append((call_index, slot, shape, t.dtype, t.device, requires_grad,
                             type(t.grad_fn) if requires_grad else None))
-            version = t._version
+            try:
+                version = t._version
+            except RuntimeError:  # made under torch.inference_mode(): no version counter
+                version = st.version(t)
             producers[id(t)] = (weakref(t), index, version)
             if requires_grad and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
                 st.grads.watch(index, t, func, module_call)
@@ -285,7 +305,10 @@ def _scan_container(st, value, key, parents, versions):
     leaves, inner = split(value, (key,))  # a flat tuple without tensors comes back as it is
     found = None
     for path, t in leaves:
-        versions.append((t, t._version))
+        try:
+            versions.append((t, t._version))
+        except RuntimeError:  # an inference tensor: no version counter
+            versions.append((t, st.version(t)))
         if type(t) is Parameter:
             if found is None:
                 found = []
@@ -293,6 +316,14 @@ def _scan_container(st, value, key, parents, versions):
         else:
             parents.append((path, st.producer_of(t)))
     return inner, found
+
+
+def _predicted_write(func, args, kwargs, t) -> bool:
+    """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter) are known."""
+    if args and args[0] is t and (_predicts_inplace(func) or kwargs.get("inplace")):
+        return True
+    out = kwargs.get("out")
+    return out is t or (isinstance(out, (tuple, list)) and any(o is t for o in out))
 
 
 def _made_since(producers, t, first_record: int) -> bool:

@@ -45,12 +45,14 @@ def _in_parent_call(frame, verdicts) -> bool:
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
 
-    def __init__(self, state: CaptureState, root, frames=None):
+    def __init__(self, state: CaptureState, root, frames=None, skip=()):
         self.state = state
         self.root = root
         self.frames = frames  # a FrameClassifier: each call's user frame is found once, here
         self.progress = None  # a progress bar advanced once per module call (torchlens.progress), or None
+        self.skip = skip  # ids of modules whose calls are not module calls (see capture/compiled.py)
         self._handles = []
+        self._hooks = None
 
     def __enter__(self):
         st, root, owner, frames, progress = self.state, self.root, threading.get_ident(), self.frames, self.progress
@@ -58,6 +60,7 @@ class ModuleCallTracker:
         producers = st.producers
         get_ident, getframe, clock = threading.get_ident, sys._getframe, perf_counter_ns
         verdicts = frames._verdicts if frames is not None else {}
+        skip = {id(root), *self.skip}
 
         def bound(t):  # st.bound_producer, inlined
             entry = producers.get(id(t))
@@ -66,7 +69,7 @@ class ModuleCallTracker:
         # The hook bodies run once per module call inside every trace: the common cases (tensor
         # arguments, a call made straight from user code) take no loop and no method call.
         def pre_hook(module, args):
-            if get_ident() != owner or module is root:
+            if id(module) in skip or get_ident() != owner:
                 return
             parent = stack[-1] if stack else -1
             if len(args) == 1 and type(args[0]) in _TENSORS:
@@ -96,7 +99,7 @@ class ModuleCallTracker:
         # The one place a module call's end is seen: a value returned here would replace the module's
         # output (torch's forward-hook contract), after the call's record is complete.
         def post_hook(module, args, output):
-            if get_ident() != owner or module is root or not stack:
+            if id(module) in skip or get_ident() != owner or not stack:
                 return
             index = stack.pop()
             call = calls[index]
@@ -114,13 +117,24 @@ class ModuleCallTracker:
                 if raised is not None and (st.raised_in is None or st.raised_in[0] is not raised):
                     st.raised_in = (raised, index)
 
+        self._hooks = (pre_hook, post_hook)
         try:
-            self._handles.append(register_module_forward_pre_hook(pre_hook))
-            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+            self.resume()
             return self  # inside the try: an interrupt landing here must not strand the hooks
         except BaseException:
             self.__exit__(None, None, None)
             raise
+
+    def resume(self) -> None:
+        """Register the hooks (again, after ``pause``)."""
+        pre_hook, post_hook = self._hooks
+        if not self._handles:
+            self._handles.append(register_module_forward_pre_hook(pre_hook))
+            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+
+    def pause(self) -> None:
+        """Remove the hooks while a compiled region runs: Dynamo would trace them."""
+        self.__exit__(None, None, None)
 
     def __exit__(self, *exc):
         # An interrupt landing mid-teardown is re-raised only once every hook is gone

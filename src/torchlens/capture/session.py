@@ -23,6 +23,7 @@ from ..record.model_index import index_of
 from ..record.trace import Trace
 from ..tree import as_args
 from .collectives import process_rank
+from .compiled import CompiledSubmodules, Suspension, check_compiled_option
 from .fastpath import FastPathShim
 from .grads import attach_grads, grad_capture
 from .mode import CaptureMode, redispatch_function
@@ -30,7 +31,8 @@ from .modules import ModuleCallTracker
 from .packing import PackLog, packing_observed
 from .saving import SavePolicy
 from .source import FrameClassifier
-from .state import INPUT, CaptureState, warn_mutated
+from .state import INFERENCE_CAVEAT, INPUT, CaptureState, warn_mutated
+from .teardown import ModeOnStack, leftovers
 
 _local = threading.local()
 
@@ -38,8 +40,8 @@ _local = threading.local()
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
           markers=None, progress=None, intervene=None, reference=None, stop_after=None, grads=False,
-          saved_for_backward: bool = False) -> Trace:
-    """One trace, with the collector already paused by ``trace``."""
+          saved_for_backward: bool = False, compiled: str = "run") -> Trace:
+    """One trace, with the collector already paused and the thread marked as tracing by ``trace``."""
     model = _unwrap(model)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
         raise TypeError(f"tl.trace got the class {model.__name__}, not a module: pass a module instance, "
@@ -49,16 +51,13 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     root = _root_of(model, root)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments for forward, got {type(kwargs).__name__}")
-    if getattr(_local, "active", False):
-        raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
-                               "trace the outer model once instead")
+    check_compiled_option(compiled)
     if deep and redispatch_function is None:
         raise RuntimeError(f"deep=True needs torch.overrides.redispatch_function, which torch {torch.__version__} "
                            "lacks; upgrade torch or trace with deep=False")
     kwargs = dict(kwargs or {})
     args = as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
-    _refuse_inference_tensors(index)
     policy = SavePolicy(save, root)
     if save_device is not None:
         save_device = torch.device(save_device)
@@ -82,24 +81,30 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
     mode = CaptureMode(state, frames, deep=deep)
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls")
-    tracker = ModuleCallTracker(state, model if root is model else None, frames)
+    shim, installed = FastPathShim(mode), ModeOnStack(mode)
+    submodules = CompiledSubmodules(root, compiled, None)
+    # The root's own call is the trace itself; a callable's calls into its root are module calls.
+    tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules)
     tracker.progress = shown if shown is not QUIET else None
-    _local.active = True
+    submodules.suspend = lambda: Suspension(tracker, shim)
     intervened = contextlib.nullcontext()
     if runtime is not None and runtime.module_sites:
         intervened = runtime.module_hooks(state, model if root is model else None)
+    # Interventions' module hooks are entered after the tracker's, so they run after them.
+    parts = (submodules, shim, tracker, intervened, installed)
     try:
-        # The root's own call is the trace itself; a callable's calls into its root are module calls.
-        with packing_observed(packing), FastPathShim(mode), tracker, intervened, mode:
-            output = _run_forward(model, args, kwargs)
+        with packing_observed(packing):
+            with submodules, shim, tracker, intervened, installed:
+                output = _run_forward(model, args, kwargs)
     except BaseException as exc:
+        _tear_down(parts)  # again: an interrupt on the ``with`` line can skip its exits
         if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
             shown.close()
-            _annotate(exc, state, root)
+            _annotate(exc, state, root, leftovers(mode, parts))
             raise
         output = None  # stop_after= reached: the trace holds everything up to that site
     finally:
-        _local.active = False
+        _tear_down(parts)
     forward_done = perf_counter_ns()
     if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
         # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
@@ -118,6 +123,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     finally:
         shown.close()
     result._autocast = autocast
+    result.caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + submodules.caveats()
     result.rank, result.world_size = process_rank()
     policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name
@@ -142,7 +148,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
           progress=None, intervene: dict | None = None, reference: Trace | None = None, stop_after=None,
-          grads=False, saved_for_backward: bool = False) -> Trace:
+          grads=False, saved_for_backward: bool = False, compiled: str = "run") -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -181,11 +187,15 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             only some.  See docs/gradients.md.
         saved_for_backward: record which tensors autograd keeps for backward, op by op
             (``op.saved_for_backward_bytes``, ``log.saved_for_backward()``).
+        compiled: how ``torch.compile``'d submodules run: ``"run"`` (compiled, exactly as untraced, each
+            call one ``compiled`` op) or ``"eager"`` (their interior traced op by op; outputs may then
+            differ from the compiled run, and ``Trace.caveats`` says so).
     """
     return _paused_collector(model, args, kwargs, save=save, save_device=save_device,
                              record_finite=record_finite, max_saved_bytes=max_saved_bytes, name=name, deep=deep,
                              root=root, progress=progress, intervene=intervene, reference=reference,
-                             stop_after=stop_after, grads=grads, saved_for_backward=saved_for_backward)
+                             stop_after=stop_after, grads=grads, saved_for_backward=saved_for_backward,
+                             compiled=compiled)
 
 
 def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
@@ -194,12 +204,25 @@ def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
 
 
 def _paused_collector(model, args, kwargs, **options) -> Trace:
+    """Mark the thread as tracing and pause the collector around one trace; both are restored whatever
+    is raised and wherever (an interrupt can land on any line, so the restore runs twice)."""
+    if getattr(_local, "active", False):
+        raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
+                               "trace the outer model once instead")
     collecting = gc.isenabled()
-    gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
     try:
-        return _trace(model, args, kwargs, **options)
+        try:
+            _local.active = True
+            gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
+            return _trace(model, args, kwargs, **options)
+        finally:
+            _local.active = False
+            if collecting:
+                gc.enable()
     finally:
-        if collecting:
+        # Once more: an interrupt landing on a line of the block above can cut it short.
+        _local.active = False
+        if collecting and not gc.isenabled():
             gc.enable()
 
 
@@ -237,6 +260,19 @@ def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, refe
     return prepare(root if root is not None else model, intervene=intervene, stop_after=stop_after, reference=reference, index=index,
                    keep_originals=policy.mode != 0,
                    run_reference=lambda: _trace(model, args, kwargs, save="none", deep=deep, root=root))
+
+
+def _tear_down(parts) -> None:
+    """Exit every capture context, innermost first (each exit is idempotent and finishes even when
+    interrupted)."""
+    interrupted = None
+    for part in reversed(parts):
+        try:
+            part.__exit__(None, None, None)
+        except BaseException as e:  # noqa: BLE001
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
 
 
 def _run_forward(model, args, kwargs):
@@ -291,24 +327,6 @@ def _autocast_state() -> dict:
     return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
-def _refuse_inference_tensors(index) -> None:
-    """Inference tensors carry no version counter, which capture needs to attribute in-place writes."""
-    fix = "; run the model under torch.no_grad() instead (same kernels, same values)"
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError("tl.trace cannot capture under torch.inference_mode(): its tensors carry no "
-                           "version counter, so in-place writes could not be attributed" + fix)
-    # Inputs are checked as _add_inputs walks them (still before the forward): one walk, not two.
-    if index.has_inference_tensor():
-        _refuse_inference_tensor()
-
-
-def _refuse_inference_tensor() -> None:
-    raise RuntimeError("tl.trace got an inference tensor (made under torch.inference_mode()) as an input, "
-                       "parameter or buffer: it carries no version counter, so in-place writes could "
-                       "not be attributed; run the model under torch.no_grad() instead (same kernels, same "
-                       "values) and, for tensors, .clone() them outside inference mode")
-
-
 def _positional_call_names(model, args, kwargs):
     """Input names for the common call (positional arguments only) without ``Signature.bind``."""
     if kwargs or not isinstance(model, torch.nn.Module):
@@ -354,22 +372,21 @@ def _add_inputs(state, model, args, kwargs) -> None:
         names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
     for name, value in names:
         for path, t in tensor_leaves(value, f"input.{name}", []):
-            if t.is_inference():
-                _refuse_inference_tensor()
             if id(t) not in state.producers:  # the same tensor passed twice is one input
                 state.add_source(t, INPUT, path)
 
 
-def _annotate(exc: BaseException, state, model) -> None:
+def _annotate(exc: BaseException, state, model, left=()) -> None:
     if not hasattr(exc, "add_note"):  # Python 3.10
         return
+    torn_down = ("capture was torn down, nothing is left installed" if not left else
+                 "capture could not remove " + ", ".join(left) + "; restart the process before tracing again")
     if state.failure is not None and state.failure[2] is exc:
         from ..labels.naming import func_name_of
 
         func, module_call, _ = state.failure
         exc.add_note(f"torchlens: raised by torch call {func_name_of(func)!r} (op #{len(state.records) + 1}) "
-                     f"in {_where(state, module_call, model)}; capture was torn down, nothing is left "
-                     "installed")
+                     f"in {_where(state, module_call, model)}; {torn_down}")
     else:
         module_call = state.module_stack[-1] if state.module_stack else -1
         if state.raised_in is not None and state.raised_in[0] is exc:
@@ -377,8 +394,7 @@ def _annotate(exc: BaseException, state, model) -> None:
         where = _where(state, module_call, model)
         if module_call < 0 and state.module_calls:  # e.g. raised by a forward hook, after the call ended
             where += f" (the last module call before it: {_where(state, len(state.module_calls) - 1, model)})"
-        exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; capture was "
-                     "torn down, nothing is left installed")
+        exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; {torn_down}")
 
 
 def _where(state, index: int, model) -> str:
@@ -388,5 +404,5 @@ def _where(state, index: int, model) -> str:
     call_number = sum(1 for c in state.module_calls[: index + 1] if c[0] is module)
     address = type(module).__name__
     if isinstance(model, torch.nn.Module):
-        address = next((n for n, m in model.named_modules() if m is module), address)
+        address = next((n for n, m in model.named_modules() if m is module), address).replace("._orig_mod", "")
     return f"module call {address}:{call_number}"

@@ -33,6 +33,8 @@ from weakref import ref as weakref
 
 import torch
 
+from .layouts import shape_of
+
 INPUT = -1
 BUFFER = -2
 
@@ -54,6 +56,22 @@ class ReplayContext(NamedTuple):
     param_writes: dict  # id(Parameter) -> [(call index, value before the write or None)]
     param_versions: dict  # id(Parameter) -> version when the forward ended
     param_requires_grad: dict  # id(Parameter) -> its requires_grad flag during the forward
+
+
+INFERENCE_CAVEAT = (
+    "inference tensors (made under torch.inference_mode()) carry no version counter: in-place writes to "
+    "them were recognised by name only (add_, __setitem__, out=, inplace=True), so a write capture could "
+    "not predict (a fused kernel writing an argument, a write through .data or a NumPy view) is neither "
+    "attributed nor detected in their saved activations"
+)
+
+
+def version_of(t: torch.Tensor):
+    """``t._version``, or None for an inference tensor, which has no version counter."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -97,6 +115,7 @@ class CaptureState:
         self.clobbered: dict = {}  # record index -> reason its saved value was dropped
         self.finite_flags: dict | None = {} if record_finite else None
         self.failure = None
+        self.versionless = False  # an inference tensor was seen: in-place writes known by name only
         self.raised_in = None  # (exception, module call index) where an exception left a module call
         # Replay context: the trace-wide grad/autocast state, the calls that ran under another one, and
         # the model's parameters by storage (their values before an in-place write are kept).
@@ -113,15 +132,24 @@ class CaptureState:
         self.intervention = None
         self.grads = None  # a capture.grads.GradCapture when tracing with grads=...
 
+    def version(self, t: torch.Tensor):
+        """``version_of(t)``, noting when a tensor has no version counter (see ``INFERENCE_CAVEAT``)."""
+        try:
+            return t._version
+        except RuntimeError:
+            self.versionless = True
+            return None
+
     # ----- parents -------------------------------------------------------------------------------
     def producer_of(self, t: torch.Tensor) -> int:
         entry = self.producers.get(id(t))
         if entry is not None and entry[0]() is t:
-            if entry[2] == t._version:
+            version = version_of(t)
+            if entry[2] == version:
                 return entry[1]
             # Written since it was bound (through a view or base): the latest writer of its storage.
             writer = self.writers.get(storage_key(t))
-            index = writer[0] if writer is not None and writer[1] == t._version else entry[1]
+            index = writer[0] if writer is not None and writer[1] == version else entry[1]
             # The value read is not that op's output as saved (it was written through an alias).
             self.alias_reads.add((len(self.calls), index))
             return index
@@ -137,8 +165,8 @@ class CaptureState:
         buffer = self.buffers.get(id(t))
         if buffer is not None and buffer[0] is t:
             index = len(self.records)
-            self.records.append((BUFFER, buffer[1], t.shape, t.dtype, t.device, t.requires_grad, None))
-            self.producers[id(t)] = (weakref(t), index, t._version)
+            self.records.append((BUFFER, buffer[1], shape_of(t), t.dtype, t.device, t.requires_grad, None))
+            self.producers[id(t)] = (weakref(t), index, self.version(t))
             if self.save_mode and self.save_sources:
                 # Buffers are often rewritten inside fused kernels (BatchNorm running stats): keep the
                 # value as it was read, privately.
@@ -149,8 +177,8 @@ class CaptureState:
 
     def add_source(self, t: torch.Tensor, kind: int, slot) -> int:
         index = len(self.records)
-        self.records.append((kind, slot, t.shape, t.dtype, t.device, t.requires_grad, None))
-        self.producers[id(t)] = (weakref(t), index, t._version)
+        self.records.append((kind, slot, shape_of(t), t.dtype, t.device, t.requires_grad, None))
+        self.producers[id(t)] = (weakref(t), index, self.version(t))
         if self.save_mode and self.save_sources:
             self.save(index, t, t.requires_grad)
         if self.finite_flags is not None:
@@ -185,13 +213,14 @@ class CaptureState:
             key = storage_key(t)
             if self.param_storages:
                 self.keep_param(key, len(self.calls) - 1, None)
-            self.writers[key] = (record_index, t._version)
-            self.producers[id(t)] = (weakref(t), record_index, t._version)
+            version = version_of(t)
+            self.writers[key] = (record_index, version)
+            self.producers[id(t)] = (weakref(t), record_index, version)
             alias = self.data_bases.get(id(t))
             if alias is not None and alias[0]() is t and alias[1]() is not None:
                 # A write through ``x.data`` changes x without touching x's version counter: rebind x.
                 base = alias[1]()
-                self.producers[id(base)] = (weakref(base), record_index, base._version)
+                self.producers[id(base)] = (weakref(base), record_index, version_of(base))
             stale = self.saved_by_storage.pop(key, None)
             if stale:
                 for i in stale:
@@ -210,9 +239,9 @@ class CaptureState:
             return
         if self.max_saved_bytes is None:  # the common case, inlined
             self.saved[index] = t
-            self.saved_versions[index] = t._version
+            self.saved_versions[index] = self.version(t)
         else:
-            self._keep(index, t, t._version)
+            self._keep(index, t, self.version(t))
         key = storage_key(t)
         stored = self.saved_by_storage.get(key)
         if stored is None:

@@ -15,6 +15,7 @@ import types
 
 import torch
 
+from ..capture.layouts import RaggedShape
 from ..record.modules import Module, ModuleCall
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
@@ -203,10 +204,12 @@ def _grad_fn_stub(name):
 
 
 def _meta(m) -> list:
-    shape, dtype, device, requires_grad, grad_fn = m
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    shape, dtype, device, requires_grad, grad_fn, *ragged = m  # ragged: [numel] of a nested tensor
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 or d is None and ragged for d in shape):
         raise TraceFileError(f"{TRACE_JSON}: meta: bad shape {shape!r}")
-    return [torch.Size(shape), torch_constant("dtype", dtype), torch.device(_string(device, "meta device")),
+    if ragged and not (len(ragged) == 1 and _is_int(ragged[0]) and ragged[0] >= 0):
+        raise TraceFileError(f"{TRACE_JSON}: meta: bad element count {ragged!r}")
+    return [RaggedShape(shape, ragged[0]) if ragged else torch.Size(shape), torch_constant("dtype", dtype), torch.device(_string(device, "meta device")),
             bool(requires_grad), _grad_fn_stub(grad_fn)]
 
 

@@ -268,8 +268,9 @@ def _qualified_name(func) -> str:
 
 def _meta(m) -> list:
     shape, dtype, device, requires_grad, grad_fn = m
-    return [[int(d) for d in shape], torch_constant_name(dtype), str(device), bool(requires_grad),
-            grad_fn.__name__ if grad_fn is not None else None]
+    row = [[None if d is None else int(d) for d in shape], torch_constant_name(dtype), str(device),
+           bool(requires_grad), grad_fn.__name__ if grad_fn is not None else None]
+    return row + [int(shape.numel)] if None in shape else row  # a nested tensor: None where ragged
 
 
 def _module_calls(trace) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..capture.layouts import shape_of
 from ..capture.mode import _predicts_inplace
 from ..capture.state import BUFFER, INPUT, CaptureState, ReplayContext
 from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
@@ -49,7 +50,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         parents_col.append(((0, producer),))
         module_col.append(-1)
         inplace.append(False)
-        meta.append((t.shape, t.dtype, t.device, t.requires_grad, None))
+        meta.append((shape_of(t), t.dtype, t.device, t.requires_grad, None))
         if producer in activations:
             activations[i] = activations[producer]
 
@@ -165,7 +166,8 @@ def _build_modules(state: CaptureState, model_index: ModelIndex):
                 unregistered += 1
                 names = [f"<unregistered {type(module).__name__} #{unregistered}>"]
             # Copies: the index is shared by every trace of an unchanged model.
-            record = modules_by_id[id(module)] = Module(names[0], list(names), type(module).__name__,
+            shown = getattr(module, "_orig_mod", module)  # a torch.compile'd submodule: the class it wraps
+            record = modules_by_id[id(module)] = Module(names[0], list(names), type(shown).__name__,
                                                         model_index.param_names_of(module), module)
         parent_call = module_calls[parent] if parent >= 0 else None
         call = ModuleCall(None, index, record, len(record.calls) + 1, parent_call, t0, t1, inputs, outputs)

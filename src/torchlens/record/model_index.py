@@ -16,13 +16,11 @@ from weakref import ref as weakref
 
 import torch
 
-_is_inference = torch.Tensor.is_inference
-
-
 class ModelIndex:
     def __init__(self, model):
         self.module_addresses: dict = {}  # id(module) -> [every address it is reachable under]
-        self.submodules: dict = {}  # first address -> module, for every module but the root
+        self.submodules: dict = {}  # walk address -> module, for every module object but the root
+        self._addressed: dict = {}  # first user-facing address -> module (a compiled wrapper keeps its address)
         self.params: list = []  # (address, Parameter), each parameter once, at its first address
         self.param_addresses: dict = {}  # id(Parameter) -> address
         self.buffers: dict = {}  # id(buffer) -> (buffer, address)
@@ -31,19 +29,20 @@ class ModelIndex:
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
             self._walk(model)
-        # Every parameter and buffer, for the per-trace inference-tensor check (a ``.data`` assignment
-        # can make one an inference tensor without changing which object it is).
-        self.tensors = [p for _, p in self.params] + [b for b, _ in self.buffers.values()]
 
     def _walk(self, model) -> None:
-        for name, module in model.named_modules(remove_duplicate=False):
+        for raw, module in model.named_modules(remove_duplicate=False):
+            name = raw
+            if "_orig_mod" in name:  # inside a torch.compile'd submodule: the address it was given
+                name = ".".join(part for part in name.split(".") if part != "_orig_mod")
             seen = self.module_addresses.get(id(module))
             if seen is not None:  # an alias: same object, another address
                 seen.append(name or "self")
                 continue
             self.module_addresses[id(module)] = [name or "self"]
-            if name:
-                self.submodules[name] = module
+            if raw:
+                self.submodules[raw] = module  # every module object, wrappers too: the structure check
+                self._addressed.setdefault(name, module)
             prefix = f"{name}." if name else ""
             for key, p in module._parameters.items():
                 if p is not None and id(p) not in self.param_addresses:
@@ -57,7 +56,7 @@ class ModelIndex:
     def modules(self) -> dict:
         """First address -> module, the root (address ``""``) included."""
         root = self._root() if self._root is not None else None
-        return {"": root, **self.submodules} if root is not None else dict(self.submodules)
+        return {"": root, **self._addressed} if root is not None else dict(self._addressed)
 
     def param_names_of(self, module) -> list:
         """Names of the module's parameters (a fresh list; computed once per module of the index, whose
@@ -66,9 +65,6 @@ class ModelIndex:
         if names is None or names[0] is not module:
             names = self._param_names[id(module)] = (module, [k for k, p in module._parameters.items() if p is not None])
         return list(names[1])
-
-    def has_inference_tensor(self) -> bool:
-        return any(map(_is_inference, self.tensors))
 
 
 # ----- one index per model, while its structure is unchanged ------------------------------------

@@ -157,8 +157,11 @@ class Op:
 
     @property
     def numel(self) -> int:
+        shape = self._trace._meta[self.index][0]
+        if None in shape:  # a nested tensor (capture/layouts.py): its components' count
+            return shape.numel
         n = 1
-        for d in self._trace._meta[self.index][0]:
+        for d in shape:
             n *= d
         return n
 

@@ -38,6 +38,7 @@ class Trace:
     stopped_after = None  # the stop_after= site the forward was stopped at (output is then None)
     _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
     _packlog = None  # a capture.packing.PackLog when traced with saved_for_backward=True
+    caveats: tuple = ()  # guarantees this trace gives only in weakened form, one sentence each
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,

@@ -1,0 +1,111 @@
+"""Putting the capture mode on torch's function-mode stack, and taking it off whatever happened.
+
+``TorchFunctionMode.__exit__`` pops the top of the stack blindly.  That is wrong when an interrupt has
+landed inside torch's own temporary pop (``_pop_mode_temporarily`` in ``handle_torch_function``, which
+lifts the mode off the stack while its handler runs and pushes it back in a ``finally``):
+
+- if the interrupt stopped the push-back, the mode is already off the stack, and a blind pop raises
+  "trying to pop from empty mode stack" in place of the user's KeyboardInterrupt;
+- if it landed in ``contextlib``'s ``__exit__`` before the generator was resumed, the generator is left
+  suspended, and whenever it is collected its ``finally`` pushes the mode back, for good.
+
+``ModeOnStack`` removes this mode by identity, wherever it sits, and first resumes any such suspended
+push-back so that it cannot fire later.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+
+import torch
+import torch.overrides
+
+_push = torch._C._push_on_torch_function_stack
+_pop = torch._C._pop_torch_function_stack
+_depth = torch._C._len_torch_function_stack
+_TEMPORARY_POP = getattr(torch.overrides._pop_mode_temporarily, "__wrapped__", None)
+
+
+def on_stack(mode) -> bool:
+    return any(torch._C._get_function_stack_at(i) is mode for i in range(_depth()))
+
+
+def remove_from_stack(mode) -> None:
+    """Take every occurrence of ``mode`` off the stack, keeping the modes around it in order."""
+    while _depth() and torch._C._get_function_stack_at(_depth() - 1) is mode:
+        _pop()  # the common case: capture's mode is on top; one call, nothing to put back
+    if not on_stack(mode):
+        return
+    kept = [torch._C._get_function_stack_at(i) for i in range(_depth())]
+    while _depth():
+        _pop()
+    for m in kept:
+        if m is not mode:
+            _push(m)
+
+
+def close_pending_pushes(mode) -> int:
+    """Resume every suspended ``_pop_mode_temporarily`` holding ``mode`` (it pushes the mode back)."""
+    if _TEMPORARY_POP is None:
+        return 0
+    code = _TEMPORARY_POP.__code__
+    pending = [g for g in gc.get_referrers(mode)
+               if inspect.isgenerator(g) and g.gi_code is code and g.gi_frame is not None
+               and g.gi_frame.f_locals.get("old") is mode]
+    for generator in pending:
+        generator.close()
+    return len(pending)
+
+
+class ModeOnStack:
+    """Context manager: push ``mode``; on exit remove it by identity and repair what torch left."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.removed = False  # teardown runs twice (see capture/session.py): the second is a no-op
+
+    def __enter__(self):
+        try:
+            self.removed = False
+            _push(self.mode)
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        # Retried until done, so that an interrupt landing here cannot strand the mode; re-raised after.
+        interrupted = None
+        while True:
+            try:
+                self.remove()
+                break
+            except BaseException as e:  # noqa: BLE001
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+        return False
+
+    def remove(self) -> None:
+        if self.removed:
+            return
+        if not on_stack(self.mode):
+            # Lifted off by torch for a handler call whose push-back an interrupt cut short: make sure
+            # no suspended push-back can put it back later.  (Rare: only then is the heap searched.)
+            close_pending_pushes(self.mode)
+        remove_from_stack(self.mode)
+        self.removed = True
+
+
+def leftovers(mode, parts) -> list:
+    """What of one trace is still installed (for the note on an exception: it must be true)."""
+    left = ["the capture mode on the torch function-mode stack"] if on_stack(mode) else []
+    for part in parts:
+        if getattr(part, "_handles", None):
+            left.append("global module hooks")
+        if getattr(part, "_counted", False):
+            left.append("the fast-path shim")
+        if getattr(part, "swapped", None):
+            left.append("a compiled submodule's forward")
+    return left

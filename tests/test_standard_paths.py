@@ -1,0 +1,353 @@
+"""Standard PyTorch paths that a trace must survive: inference mode, nested and sparse tensors,
+higher-order ops and ``torch.compile``'d submodules.
+
+Each either traces bit-identically to an untraced run (and validates) or says plainly what it cannot
+guarantee.  Each ``@CASE`` returns its row of docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from torchlens.capture.compiled import EAGER_CAVEAT, CompiledCall  # noqa
+from torchlens.capture.state import INFERENCE_CAVEAT  # noqa: E402
+from torchlens.validate import outputs_equal  # noqa: E402
+from reliability_cases import case, outcome, titles  # noqa: E402
+from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: E402
+
+CASE = case("Standard paths")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_compile_garbage():
+    """torch.compile leaves reference cycles holding weak proxies; collect them here, not during
+    another module's tests (a gc callback there would meet dead proxies)."""
+    yield
+    gc.collect()
+
+
+# ----- inference mode ----------------------------------------------------------------------------
+class InferenceInside(nn.Module):
+    """Switches to inference mode inside its own forward and writes the inference tensors in place."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = x.relu()
+        with torch.inference_mode():
+            y = self.fc(h)
+            copy = y * 1
+            y.add_(1)
+            y[0] = 5.0
+            torch.mul(copy, 2, out=copy)
+        return y + copy
+
+
+@CASE
+def inference_mode_inside_forward():
+    """torch.inference_mode() entered inside forward, with in-place writes to inference tensors."""
+    model, x = InferenceInside(), torch.randn(3, 4)
+    expected = model(x)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, expected)
+    assert log.caveats == (INFERENCE_CAVEAT,)
+    names = [op.func_name for op in log.ops if op.kind == "op"]
+    assert names == ["relu", "linear", "mul", "add_", "__setitem__", "mul", "add"], names
+    _, linear, copy, add_, setitem, mul_out, final = [op for op in log.ops if op.kind == "op"]
+    # Writes known by name are attributed: each reader gets the op that last wrote its tensor.
+    assert add_.parents == [linear.label] and setitem.parents == [add_.label]
+    assert set(mul_out.parents) == {copy.label}  # its input, and its out= tensor
+    assert final.parents == [setitem.label, mul_out.label], final.parents
+    # Saved activations were copied before the predicted writes overwrote them.
+    with torch.no_grad():
+        assert torch.equal(linear.activation, model.fc(x.relu()))
+        assert torch.equal(copy.activation, model.fc(x.relu()))
+    result = tl.validate(model, x)
+    assert result.passed and result.outputs_match, str(result)
+    assert_clean_process()
+    return (f"faithful; in-place writes attributed by name (add_, setitem, out=); {result.replayed} ops "
+            "replayed exactly; Trace.caveats names the weaker write detection")
+
+
+def test_inference_mode_around_a_transformer_layer():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    with torch.inference_mode():
+        expected = layer(x)
+        log = tl.trace(layer, x)
+    assert torch.equal(log.output, expected)
+    assert log.caveats == (INFERENCE_CAVEAT,)
+    assert "transformerencoderlayerfwd" in [op.type for op in log.ops]  # the fused kernel, as untraced
+
+
+def test_a_plain_trace_has_no_caveats():
+    log = tl.trace(nn.Linear(3, 3), torch.randn(2, 3))
+    assert log.caveats == ()
+
+
+# ----- nested and sparse tensors -----------------------------------------------------------------
+def _encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own note about nested tensors being a prototype
+        return nn.TransformerEncoder(layer, 2).eval()
+
+
+@CASE
+def transformer_encoder_with_padding_mask():
+    """Eval nn.TransformerEncoder under no_grad with src_key_padding_mask (nested tensors inside)."""
+    model = _encoder()
+    x = torch.randn(3, 6, 8)
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 1], [0, 0, 1, 1, 1, 1]]).bool()
+    before = snapshot(model, (x, mask))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model(x, src_key_padding_mask=mask)
+        log = tl.trace(model, x, {"src_key_padding_mask": mask})
+        result = tl.validate(model, x, {"src_key_padding_mask": mask})
+    assert torch.equal(log.output, expected)
+    assert result.passed and result.outputs_match, str(result)
+    nested = [op for op in log.ops if op.activation is not None and op.activation.is_nested]
+    assert [op.type for op in nested] == ["nestedtensorfrommask", "transformerencoderlayerfwd",
+                                          "transformerencoderlayerfwd"], [op.type for op in log.ops]
+    lengths = (~mask).sum(1)
+    for op in nested:
+        assert op.shape == (3, None, 8), op.shape  # the ragged dimension is None, never a guess
+        assert op.numel == int(lengths.sum()) * 8
+    assert_untouched(before, snapshot(model, (x, mask)))
+    return (f"bit-identical; nested activations recorded with shape {nested[0].shape} (None: ragged); "
+            f"{result.replayed} ops replayed exactly")
+
+
+def test_nested_tensor_input_and_ops(tmp_path):
+    parts = [torch.randn(2, 4), torch.randn(5, 4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nt = torch.nested.nested_tensor(parts)
+    log = tl.trace(lambda t: (t * 2).relu(), nt)
+    assert log.inputs[0].shape == (2, None, 4) and log.inputs[0].numel == 28
+    for got, want in zip(log.output.unbind(), parts):
+        assert torch.equal(got, (want * 2).relu())
+    assert log.validate().passed
+    log.save(tmp_path / "nested")  # ragged shapes survive a save (the nested activations are not saved)
+    back = tl.load(tmp_path / "nested")
+    assert [(op.shape, op.numel) for op in back.ops] == [(op.shape, op.numel) for op in log.ops]
+
+
+@CASE
+def sparse_outputs():
+    """Sparse COO and CSR outputs, and ops reading them."""
+
+    def f(t):
+        coo = t.relu().to_sparse()
+        csr = t.relu().to_sparse_csr()
+        return coo, csr, csr @ torch.ones(4, 2), coo.coalesce().values()
+
+    x = torch.randn(3, 4)
+    log = tl.trace(f, x)
+    expected = f(x)
+    assert outputs_equal(log.output[2:], expected[2:])
+    for got, want in zip(log.output[:2], expected[:2]):
+        assert got.layout == want.layout and torch.equal(got.to_dense(), want.to_dense())
+    layouts = {op.type: op.activation.layout for op in log.ops if op.kind == "op"}
+    assert layouts["tosparse"] == torch.sparse_coo and layouts["tosparsecsr"] == torch.sparse_csr
+    assert log["tosparse_1_2"].shape == (3, 4)  # the logical (dense) shape
+    result = log.validate()
+    assert result.passed and not result.not_replayed, str(result)
+    return f"recorded with their layouts and logical shapes; {result.replayed} ops replayed exactly"
+
+
+# ----- higher-order ops --------------------------------------------------------------------------
+def _cond(t):
+    return torch.cond(t.sum() > 0, lambda a: a.sin() * 2, lambda a: a.cos(), (t,))
+
+
+@CASE
+def torch_cond_in_eager_mode():
+    """torch.cond called in eager mode (it compiles its branches with Dynamo)."""
+    taken = []
+    for x in (torch.ones(3), -torch.ones(3)):
+        log = tl.trace(_cond, x)
+        assert torch.equal(log.output, _cond(x))
+        result = log.validate()
+        assert result.passed, str(result)
+        taken.append([op.type for op in log.ops if op.kind == "op"])
+        assert_clean_process()
+    assert taken == [["sum", "gt", "sin", "mul"], ["sum", "gt", "cos"]], taken
+    return "bit-identical; the trace holds the branch that ran (sin, mul / cos), each op replayed exactly"
+
+
+@CASE
+def flex_attention_in_eager_mode():
+    """flex_attention (torch.nn.attention.flex_attention) in eager mode, with a score_mod."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def relative(score, b, h, q, k):
+        return score + (q - k)
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 8, 4).unbind(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "flex_attention called without torch.compile"
+        expected = flex_attention(q, k, v, score_mod=relative)
+        log = tl.trace(lambda a, b, c: flex_attention(a, b, c, score_mod=relative), (q, k, v))
+    assert torch.equal(log.output, expected)
+    assert [op.kind for op in log.ops].count("input") == 3
+    assert_clean_process()
+    return "bit-identical; the eager ops of its math path recorded"
+
+
+# ----- compiled submodules -----------------------------------------------------------------------
+class WithCompiled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.block = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)), backend="aot_eager")
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)).tanh())
+
+
+def _counters():
+    import torch._dynamo
+
+    return torch._dynamo.utils.counters
+
+
+@CASE
+def compiled_submodule():
+    """A torch.compile'd submodule inside a traced model (backend aot_eager)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, x = WithCompiled(), torch.randn(2, 4)
+    _counters().clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that global module hooks exist while compiling
+        log = tl.trace(model, x)  # its first call: Dynamo compiles the submodule inside the trace
+    compiled_frames = dict(_counters()["frames"])
+    assert compiled_frames.get("ok") == 1, compiled_frames  # the submodule's forward, and nothing else
+    assert not _counters()["graph_break"], dict(_counters()["graph_break"])
+    assert not any("torchlens" in name for name in _counters()["resumes"])
+    assert torch.equal(log.output, model(x))  # bit-identical to the untraced compiled run
+    assert [op.type for op in log.ops] == ["input", "linear", "compiled", "tanh", "linear", "output"]
+    assert log["compiled_1_2"].module == "block:1"
+    addresses = [mc.label for mc in log.module_calls] + [m.address for m in log.modules]
+    assert addresses == ["embed:1", "block:1", "head:1", "embed", "block", "head"], addresses
+    assert log.modules[1].class_name == "Sequential"  # the class compiled, not torch's wrapper
+    assert log.caveats == ()
+    result = tl.validate(model, x)
+    assert result.passed and result.outputs_match, str(result)
+    assert_clean_process()
+    assert not isinstance(vars(model.block)["forward"], CompiledCall)  # its own forward is back
+    return ("runs compiled, bit-identical to the untraced run, recorded as one `compiled` op in module "
+            "call block:1; Dynamo compiled one frame, with no graph break into torchlens")
+
+
+@CASE
+def compiled_submodule_traced_eagerly():
+    """compiled="eager": the interior of a torch.compile'd submodule traced op by op."""
+    model, x = WithCompiled(), torch.randn(2, 4)
+    with pytest.warns(UserWarning, match="may differ from the compiled run"):
+        log = tl.trace(model, x, compiled="eager")
+    assert log.caveats == (EAGER_CAVEAT,)
+    assert [op.type for op in log.ops if op.kind == "op"] == ["linear", "linear", "gelu", "layernorm", "tanh",
+                                                               "linear"]
+    calls = [mc.label for mc in log.module_calls]
+    assert calls == ["embed:1", "block:1", "block.0:1", "block.1:1", "block.2:1", "head:1"], calls
+    assert log["linear_2_2"].params == ("block.0.weight", "block.0.bias")
+    assert not any("_orig_mod" in name for op in log.ops for name in (op.params or ()))
+    assert_clean_process()
+    return "interior recorded under the submodule's own addresses (block.0, ...); a warning and Trace.caveats " \
+           "say its outputs may differ from the compiled run"
+
+
+def test_two_threads_trace_one_model_with_a_compiled_submodule():
+    """The routed forward is shared: the trace that began first ends first, while the other still runs."""
+    import threading
+
+    entered, release, routed = threading.Event(), threading.Event(), []
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            if threading.current_thread().name == "first":
+                entered.set()
+                release.wait(10)  # until the main thread's trace is inside its forward
+            elif entered.is_set() and not release.is_set():
+                release.set()
+                first.join(10)  # the first trace ends here, in the middle of this one
+                routed.append(isinstance(vars(model.block)["forward"], CompiledCall))
+            return x + 0
+
+    model = WithCompiled()
+    model.embed = nn.Sequential(Gate(), model.embed)
+    x = torch.randn(2, 4)
+    expected = model(x)
+    logs = {}
+    first = threading.Thread(target=lambda: logs.setdefault("first", tl.trace(model, x)), name="first")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first.start()
+        assert entered.wait(10)
+        logs["second"] = tl.trace(model, x)
+    assert not first.is_alive() and routed == [True]  # still routed for the trace that had not ended
+    for log in logs.values():
+        assert torch.equal(log.output, expected)
+        assert [op.type for op in log.ops if op.kind == "op"] == ["add", "linear", "compiled", "tanh", "linear"]
+    assert not isinstance(vars(model.block)["forward"], CompiledCall)
+    assert_clean_process()
+
+
+def test_compiled_option_is_checked():
+    with pytest.raises(ValueError, match="compiled='inductor' is not understood"):
+        tl.trace(nn.Linear(2, 2), torch.randn(1, 2), compiled="inductor")
+    assert_clean_process()
+
+
+def test_compiled_submodule_with_attention_fast_path():
+    """The fast-path shim is out of Dynamo's sight while a compiled region runs."""
+    import torch._dynamo
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.attn = torch.compile(nn.MultiheadAttention(8, 2, batch_first=True), backend="eager")
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0]
+
+    torch._dynamo.reset()
+    model = Attn().eval()
+    x = torch.randn(2, 3, 8)
+    _counters().clear()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        log = tl.trace(model, x)
+        expected = model(x)
+    assert torch.equal(log.output, expected)
+    assert not any("torchlens" in str(reason) for reason in _counters()["graph_break"])
+    assert [op.type for op in log.ops if op.kind == "op"] == ["compiled", "compiled"]  # (output, weights)
+
+
+@pytest.mark.parametrize("title", titles("Standard paths"))
+def test_case(title):
+    assert outcome("Standard paths", title)
