@@ -16,6 +16,7 @@ from weakref import ref as weakref
 
 import torch
 
+
 class ModelIndex:
     def __init__(self, model):
         self.module_addresses: dict = {}  # id(module) -> [every address it is reachable under]
