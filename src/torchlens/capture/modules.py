@@ -17,6 +17,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
+from .teardown import remove_handles
 
 _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
 _TENSORS = frozenset([torch.Tensor, torch.nn.Parameter])
@@ -137,15 +138,5 @@ class ModuleCallTracker:
         self.__exit__(None, None, None)
 
     def __exit__(self, *exc):
-        # An interrupt landing mid-teardown is re-raised only once every hook is gone
-        # (RemovableHandle.remove is idempotent).
-        interrupted = None
-        while self._handles:
-            try:
-                self._handles[-1].remove()
-                self._handles.pop()
-            except BaseException as e:  # noqa: BLE001
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
+        remove_handles(self._handles)
         return False

@@ -16,7 +16,6 @@ from time import perf_counter_ns
 import torch
 
 from ..progress import QUIET, bar
-from ..intervene.runtime import StopForward, finish_interventions
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import index_of
@@ -31,7 +30,7 @@ from .modules import ModuleCallTracker
 from .packing import PackLog, packing_observed
 from .saving import SavePolicy
 from .source import FrameClassifier
-from .state import INFERENCE_CAVEAT, INPUT, CaptureState, warn_mutated
+from .state import INFERENCE_CAVEAT, INPUT, CaptureState, StopForward, warn_mutated
 from .teardown import ModeOnStack, leftovers
 
 _local = threading.local()
@@ -129,6 +128,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     result._root_class = type(root).__name__ if root is not None else model_name
     result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
     if runtime is not None:
+        from ..intervene.runtime import finish_interventions
+
         finish_interventions(runtime, result)
     policy.apply(result)
     attach_grads(result, state.grads)

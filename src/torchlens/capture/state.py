@@ -339,3 +339,9 @@ def warn_mutated(labels: list) -> None:
             + ". Their metadata is intact; re-run with save=[...] excluding them or avoid .data writes.",
             stacklevel=3,
         )
+
+
+class StopForward(BaseException):
+    """Raised at a ``stop_after=`` site (intervene/runtime.py) and caught by the trace driver.  A
+    BaseException, so the model's own ``except Exception`` blocks let it through, as they do
+    KeyboardInterrupt."""

@@ -109,3 +109,17 @@ def leftovers(mode, parts) -> list:
         if getattr(part, "swapped", None):
             left.append("a compiled submodule's forward")
     return left
+
+
+def remove_handles(handles: list) -> None:
+    """Remove every hook handle in ``handles``, emptying it.  An interrupt landing meanwhile is re-raised
+    only once every hook is gone (``RemovableHandle.remove`` is idempotent, so a retry is safe)."""
+    interrupted = None
+    while handles:
+        try:
+            handles[-1].remove()
+            handles.pop()
+        except BaseException as e:  # noqa: BLE001
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted

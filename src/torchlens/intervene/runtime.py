@@ -18,7 +18,8 @@ from weakref import ref as weakref
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..capture.state import storage_key
+from ..capture.state import StopForward, storage_key
+from ..capture.teardown import remove_handles
 from ..labels.naming import func_name_of
 from ..record.errors import InterventionError
 from ..tree import tensor_leaves
@@ -27,11 +28,6 @@ from .sites import ModuleCallInfo
 # Raw call tuple fields read here (capture/state.py documents the layout).
 CALL_PARENTS, CALL_MODULE, CALL_WROTE = 3, 5, 12
 RECORD_CALL = 0
-
-
-class StopForward(BaseException):
-    """Raised at the ``stop_after`` site.  A BaseException, so the model's own ``except Exception``
-    blocks let it through, as they do KeyboardInterrupt."""
 
 
 class Applied:
@@ -395,15 +391,7 @@ class _ModuleHooks:
             raise
 
     def __exit__(self, *exc):
-        interrupted = None
-        while self._handles:
-            try:
-                self._handles[-1].remove()
-                self._handles.pop()
-            except BaseException as e:  # noqa: BLE001
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
+        remove_handles(self._handles)
         return False
 
 
