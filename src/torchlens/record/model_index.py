@@ -126,11 +126,12 @@ def index_of(model) -> ModelIndex:
     except (KeyError, TypeError):
         return index
     key = id(model)
-    _cache[key] = (weakref(model, lambda _, key=key: _forget(key)), structure, index)
+    # The callback holds the cache itself: at interpreter exit this module's globals may already be gone.
+    _cache[key] = (weakref(model, lambda _, key=key, cache=_cache: _forget(cache, key)), structure, index)
     return index
 
 
-def _forget(key: int) -> None:
-    entry = _cache.get(key)
+def _forget(cache: dict, key: int) -> None:
+    entry = cache.get(key)
     if entry is not None and entry[0]() is None:  # not a newer model that took the same id
-        del _cache[key]
+        del cache[key]
