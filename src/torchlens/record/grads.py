@@ -9,12 +9,10 @@ derived on demand; nothing runs during the forward.
 
 from __future__ import annotations
 
+from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
 from .errors import GradientUnavailable, TraceCleanedUp
-from .op import KIND_OUTPUT
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
-# Fields of a raw call tuple (``calls[c]``, laid out in capture/state.py).
-CALL_FIRST_RECORD, CALL_NUM_OUTPUTS = 10, 11
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
              "backward through log.output (or call log.backward(loss))")
 
@@ -28,7 +26,7 @@ def _capture(trace):
 
 def _producer(trace, index: int) -> int:
     """An output node shows its producer's tensor, and so its producer's gradient."""
-    if trace._kind[index] == KIND_OUTPUT:
+    if trace._kind[index] == Kind.OUTPUT:
         return trace._parents[index][0][1]
     return index
 
@@ -124,7 +122,7 @@ def grad_stats_column(trace) -> dict:
         return {}
     stats = {i: grad_stats(g) for i, g in capture.grads.items()}
     for i, kind in enumerate(trace._kind):
-        if kind == KIND_OUTPUT and _producer(trace, i) in stats:
+        if kind == Kind.OUTPUT and _producer(trace, i) in stats:
             stats[i] = stats[_producer(trace, i)]
     return stats
 
@@ -156,7 +154,7 @@ def op_saved_for_backward_bytes(trace, index: int) -> int:
     A call that returned several tensors counts once, on its first output (0 on the others)."""
     packed = _packed(trace)
     c = trace._call[index]
-    if c < 0 or trace._calls[c][CALL_FIRST_RECORD] != index:
+    if c < 0 or trace.calls[c].first_record != index:
         return 0
     return sum(packed.get(c, {}).values())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .columns import Kind
+
 
 class Param:
     """One parameter of the traced model and the ops that used it."""
@@ -82,7 +84,7 @@ def build_params(trace, model_params) -> list:
 def build_buffers(trace) -> list:
     records: dict = {}
     for i, kind in enumerate(trace._kind):
-        if kind == 2:  # a buffer node
+        if kind == Kind.BUFFER:
             address = trace._io[i]
             records.setdefault(address, Buffer(trace, address))._nodes.append(i)
     return list(records.values())

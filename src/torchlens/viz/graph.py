@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..record.op import KIND_BUFFER, KIND_INPUT, KIND_OUTPUT
+from ..record.columns import Kind
 
-KIND_NAMES = {0: "op", KIND_INPUT: "input", KIND_BUFFER: "buffer", KIND_OUTPUT: "output"}
+KIND_NAMES = {kind: kind.label for kind in Kind}
 VIEWS = ("unrolled", "rolled")
 
 
@@ -94,7 +94,7 @@ def _op_module_calls(trace) -> list:
     calls = list(trace._module_call)
     children = None
     for i, kind in enumerate(trace._kind):
-        if kind != KIND_BUFFER:
+        if kind != Kind.BUFFER:
             continue
         if children is None:
             children = trace._children()
