@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture.collectives import is_collective
-from .capture.state import CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS, CALL_PARAMS, CALL_PARENTS
 from .tree import as_args, fill, strip, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
@@ -289,9 +288,9 @@ def _mismatch(reason: str) -> tuple:
 
 def _replay_problem(log, op, rng: RngState):
     """None when ``op`` replays to its saved output; else ``(kind, reason)``."""
-    call_index = log._call[op.index]
-    call = log._calls[call_index]
-    func, skeleton, kw_skeleton = call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS]
+    call_index = log.call_indices[op.index]
+    call = log.calls[call_index]
+    func, skeleton, kw_skeleton = call.func, call.args, call.kwargs
     if skeleton is None and kw_skeleton is None:
         return _skip("the trace was cleaned up")
     if op.device.type == "meta":
@@ -307,7 +306,7 @@ def _replay_problem(log, op, rng: RngState):
     context = replay.contexts.get(call_index, replay.context) if replay is not None else None
     positional, keyword = {}, {}
     copies: dict = {}  # one copy per parent: a tensor passed twice stays one tensor (``query is key``)
-    for position, parent in call[CALL_PARENTS]:
+    for position, parent in call.parents:
         if parent < 0:
             return _skip("a tensor argument came from outside the trace")
         if parent not in log._activations:
@@ -316,9 +315,9 @@ def _replay_problem(log, op, rng: RngState):
             return _skip(f"it read {log._labels[parent]}'s storage after a write through a view, a value "
                          "that no op output holds")
         if parent not in copies:
-            copies[parent] = _private_copy(log._activations[parent], log._meta[parent][3])
+            copies[parent] = _private_copy(log._activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])
-    for position, param in call[CALL_PARAMS]:
+    for position, param in call.params:
         value, why = _param_as_it_ran(log, replay, param, call_index)
         if why is not None:
             return _skip(why)
@@ -337,7 +336,7 @@ def _replay_problem(log, op, rng: RngState):
     if out is None or op.is_inplace:
         out = args[0] if out is None else out
     if isinstance(out, (tuple, list)):
-        count = call[CALL_NUM_OUTPUTS]
+        count = call.num_outputs
         wanted = [log._activations.get(i) for i in range(op.index, op.index + count)]
         got = [t for _, t in tensor_leaves(out)]
         if len(got) != len(wanted):

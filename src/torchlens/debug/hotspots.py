@@ -128,7 +128,7 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
                      model_name=log.model_name)
     from ..record.summary import torch_call_count
 
-    ranked.calls = len({log._call[i] for i, _ in values})  # counted as print(log) counts them
+    ranked.calls = len({log.call_indices[i] for i, _ in values})  # counted as print(log) counts them
     ranked.trace_calls = torch_call_count(log)
     return ranked
 
@@ -148,8 +148,7 @@ def _metric_values(log, by):
         if op.kind != "op":
             continue
         i = op.index
-        call = log._calls[log._call[i]]
-        first_output = call[10] == i
+        first_output = op.call.first_record == i
         if by == "duration":
             if not first_output:
                 continue  # one call, one duration: it is on the call's first output

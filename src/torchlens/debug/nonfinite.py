@@ -132,9 +132,9 @@ def nonfinite_origin(log, grads: bool = False):
                              "cleaned up without flags: call it before cleanup(), or trace with "
                              "record_finite=True (the flags survive cleanup)")
     # Outputs repeat their producer's tensor: not examined twice.
-    status = [_status(log, i) if k != 3 else None for i, k in enumerate(log._kind)]
+    status = [_status(log, i) if k != Kind.OUTPUT else None for i, k in enumerate(log.kinds)]
     examined = sum(1 for s in status if s is not None)
-    if examined == 0 and any(k != 3 for k in log._kind):
+    if examined == 0 and any(k != Kind.OUTPUT for k in log.kinds):
         raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
                          "recorded; trace with save='all' or record_finite=True")
     bad_params, params_checked = _nonfinite_parameters(log)

@@ -21,12 +21,11 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from ..capture.state import storage_key
 from ..labels.naming import func_name_of
 from ..record.errors import InterventionError
+from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
+from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
+from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..tree import tensor_leaves
 from .sites import ModuleCallInfo
-
-# Raw call tuple fields read here (capture/state.py documents the layout).
-CALL_PARENTS, CALL_MODULE, CALL_WROTE = 3, 5, 12
-RECORD_CALL = 0
 
 
 class StopForward(BaseException):
@@ -108,7 +107,7 @@ class Interventions:
         name = func_name_of(func)
         for site in sites:
             if name != site.func_name or not self._same_chain(st, site.chain):
-                where = " > ".join(self._address(st.module_calls[k][0]) for k in st.module_stack) or "the root forward"
+                where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) or "the root forward"
                 expected = " > ".join(a for _, _, a in site.chain) or "the root forward"
                 raise InterventionError(
                     f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
@@ -122,7 +121,7 @@ class Interventions:
         if len(stack) != len(expected):
             return False
         for k, (ref_k, ref_module, ref_address) in zip(stack, expected):
-            module = st.module_calls[k][0]
+            module = st.module_calls[k][MODULE_CALL_MODULE]
             if k != ref_k:
                 return False
             if module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
@@ -273,7 +272,7 @@ class Interventions:
         if record >= 0 and st.records[record][RECORD_CALL] >= 0:
             made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
         while made_in >= 0 and made_in != call_index:
-            made_in = st.module_calls[made_in][1]
+            made_in = st.module_calls[made_in][MODULE_CALL_PARENT]
         if made_in != call_index:
             raise InterventionError(
                 f"module site {site.key!r}: {label} returns a tensor it did not compute (one of its inputs, "
@@ -427,8 +426,8 @@ def _labels_from(reference, trace) -> None:
     """Give a stopped trace the labels its ops have in the whole forward (``reference``), which labels
     derived from the ops before the stop can differ from (pass counts, layers a later call would join).
     Done only when the stopped trace is, op for op, a prefix of the reference."""
-    n = len(trace._kind)
-    if n > len(reference._kind) or trace._kind != reference._kind[:n] or trace._func_names != reference._func_names[:n]:
+    n = len(trace.kinds)
+    if n > len(reference.kinds) or trace.kinds != reference.kinds[:n] or trace._func_names != reference._func_names[:n]:
         return
     trace._labels = reference._labels[:n]
     trace._layer_labels = reference._layer_labels[:n]

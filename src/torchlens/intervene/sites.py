@@ -31,7 +31,7 @@ class LabelSite:
     def __init__(self, key, action, op, stop: bool):
         trace = op._trace
         self.key, self.action, self.op, self.stop = key, action, op, stop
-        self.call = trace._call[op.index]
+        self.call = trace.call_indices[op.index]
         self.slot = trace._slot[op.index]
         self.func_name = op.func_name
         self.chain = module_chain(trace, trace._module_call[op.index])

@@ -149,12 +149,12 @@ def repetition(trace):
         return None
     frames = getattr(trace, "_module_call_frames", None)
     seen: dict = {}
-    calls = trace._calls
-    for i, c in enumerate(trace._call):
+    calls = trace.calls
+    for i, c in enumerate(trace.call_indices):
         if c < 0 or trace._group_size[trace._group[i]] < 2:
             continue
         call = calls[c]
-        origin = [id(call[6]), call[7]]
+        origin = [id(call.code), call.line]
         m = trace._module_call[i] if frames is not None else -1
         while m >= 0:  # the lines that made each enclosing module call
             code, offset = frames[m]

@@ -38,7 +38,7 @@ def _used_numels(trace) -> dict:
     """``{parameter address: numel}`` for every parameter an op used (from the recorded shapes)."""
     numels = {}
     for i, addresses in trace._param_addresses.items():
-        for address, (_, param) in zip(addresses, trace._calls[trace._call[i]][4]):
+        for address, (_, param) in zip(addresses, trace.calls[trace._call[i]].params):
             n = 1
             for d in param.shape:
                 n *= d

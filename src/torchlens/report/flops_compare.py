@@ -160,7 +160,7 @@ def _module_rows(log, native_counts, root_name) -> list:
         unknown[module.address] = 0
     calls = log.module_calls
     for i, m in enumerate(log._module_call):
-        if log._call[i] < 0:
+        if log.call_indices[i] < 0:
             continue
         parts = column[i]
         addresses = {""}

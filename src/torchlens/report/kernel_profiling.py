@@ -152,7 +152,7 @@ class KernelProfile:
 
                 serial_of_call, joined, problems = join_backward(self, events)
             else:
-                serial_of_call = {c: s for s, c in self.markers.resolve_calls(len(self.trace._calls)).items()}
+                serial_of_call = {c: s for s, c in self.markers.resolve_calls(len(self.trace.calls)).items()}
                 joined = join(events, self.markers.run, set(serial_of_call.values()))
                 problems = find_problems(joined, len(self.trace.module_calls), serial_of_call)
             rows = op_rows(self.trace, serial_of_call, joined, self.backward)
@@ -295,4 +295,4 @@ class KernelProfile:
 
     def __repr__(self) -> str:
         state = "pending (profiler still open)" if self._joined is None and self.borrowed else "joined"
-        return f"<KernelProfile of {self.trace.model_name}: {len(self.trace._calls)} ops, {state}>"
+        return f"<KernelProfile of {self.trace.model_name}: {len(self.trace.calls)} ops, {state}>"

@@ -64,8 +64,9 @@ def op_values(trace, metric, device_times=None) -> list:
     """One value per op (None where unknown); for ``nonfinite`` True/False/None."""
     n = len(trace)
     if metric == "duration":
-        return [(c[9] - c[8]) / 1e9 if c is not None else None
-                for c in (trace._calls[k] if k >= 0 else None for k in trace._call)]
+        calls = trace.calls
+        return [(c.t1_ns - c.t0_ns) / 1e9 if c is not None else None
+                for c in (calls[k] if k >= 0 else None for k in trace.call_indices)]
     if metric == "memory":
         return [op.nbytes if op.kind == "op" else None for op in trace.ops]
     if metric == "flops":

@@ -188,6 +188,6 @@ class RecordBuilder:
         """Input and output shapes of a group's first call, for its collapsed node."""
         trace = self.trace
         first = trace.module_calls[group.calls[0]]
-        ins = [shape_text(trace._meta[i][0]) for i in first._input_nodes if i >= 0]
-        outs = [shape_text(trace._meta[i][0]) for i in first._output_nodes if i >= 0]
+        ins = [shape_text(trace.op_meta[i].shape) for i in first._input_nodes if i >= 0]
+        outs = [shape_text(trace.op_meta[i].shape) for i in first._output_nodes if i >= 0]
         return ins, outs
