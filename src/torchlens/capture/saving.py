@@ -15,7 +15,7 @@ import re
 import torch
 
 from ..labels.naming import func_name_of, type_of_name
-from ..record.errors import UnmatchedSelection
+from ..errors import UnmatchedSelection
 from ..record.columns import Kind
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")

@@ -75,7 +75,7 @@ class GradNonfiniteReport:
 def grad_nonfinite_origin(log) -> GradNonfiniteReport:
     capture = _capture(log)
     if log.is_cleaned_up:
-        from ..record.errors import TraceCleanedUp
+        from ..errors import TraceCleanedUp
 
         raise TraceCleanedUp("nonfinite_origin(grads=True) reads the gradients, which cleanup() released; call it "
                              "before cleanup()")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..record.columns import Kind
-from ..record.errors import TraceCleanedUp
+from ..errors import TraceCleanedUp
 
 DETECT_ANOMALY_CODE = """\
 import torch

@@ -30,14 +30,10 @@ from ..io.extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX,
 from ..tree import as_args
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
-from ..record.errors import TorchlensError
+from ..errors import RankFailedError
 
 RANK_FOLDER = "rank-{}"
 _JOIN_CHUNK_BYTES = 64 << 20
-
-
-class RankFailedError(TorchlensError, RuntimeError):
-    """A rank did not reach a distributed barrier in time: it died, hung, or raised."""
 
 
 def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, barrier_timeout,

@@ -20,7 +20,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from ..capture.state import storage_key
 from ..labels.naming import func_name_of
-from ..record.errors import InterventionError
+from ..errors import InterventionError
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE

@@ -10,7 +10,7 @@ derived on demand; nothing runs during the forward.
 from __future__ import annotations
 
 from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
-from .errors import GradientUnavailable, TraceCleanedUp
+from ..errors import GradientUnavailable, TraceCleanedUp
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "

@@ -7,7 +7,7 @@ and every field is read from (or derived from) the trace's columns on demand.
 from __future__ import annotations
 
 from .columns import Kind
-from .errors import ActivationUnavailable
+from ..errors import ActivationUnavailable
 
 # The kinds under their former names (record/columns.py declares them).
 KIND_OP, KIND_INPUT, KIND_BUFFER, KIND_OUTPUT = Kind.OP, Kind.INPUT, Kind.BUFFER, Kind.OUTPUT

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 
-from .errors import TorchlensError, TraceCleanedUp
+from ..errors import TorchlensError, TraceCleanedUp
 from .modules import Module
 from .columns import Call, Kind
 from .op import Layer, Op

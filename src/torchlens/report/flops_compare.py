@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from ..record.errors import TorchlensError
+from ..errors import WitnessFailed
 from .flops import CONVENTION, FAMILIES, flops_column, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
@@ -31,10 +31,6 @@ _NATIVE_FAMILY = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "baddbmm":
                   "convolution": "conv", "_convolution": "conv", "cudnn_convolution": "conv",
                   "convolution_overrideable": "conv", "_slow_conv2d_forward": "conv",
                   "convolution_backward": "conv"}
-
-
-class WitnessFailed(TorchlensError):
-    """The traced and the FlopCounterMode executions could not be shown to run the same program."""
 
 
 class FlopsComparison:

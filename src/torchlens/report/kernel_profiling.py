@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from ..errors import ProfilerBusyError
 from .markers import ProfilerMarkers
 from .profile_coverage import Coverage, find_problems
 from .profile_events import events_from_profiler
@@ -27,10 +28,6 @@ from .profile_tables import layer_rows, module_rows, op_rows
 
 SIDECAR_SUFFIX = ".torchlens.json"
 SIDECAR_SCHEMA = "torchlens.kernel_profile_map.v1"
-
-
-class ProfilerBusyError(RuntimeError):
-    """A torch profiler is already running, and it was not handed to ``kernel_profile``."""
 
 
 def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=None, profiler=None,
