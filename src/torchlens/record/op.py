@@ -235,8 +235,15 @@ class Op:
         return self._trace.module_calls[m] if m >= 0 else None
 
     @property
+    def module_address(self):
+        """Address of the innermost module this op ran in (``features.2``), or None in the root forward."""
+        call = self.module_call
+        return call.address if call is not None else None
+
+    @property
     def module(self):
-        """Label of the innermost module call (``features.2:1``), or None in the root forward."""
+        """The innermost module call's label (``features.2:1``), or None in the root forward: the former
+        spelling of ``op.module_call.label``, kept for one release (docs/labels.md)."""
         call = self.module_call
         return call.label if call is not None else None
 
@@ -271,7 +278,8 @@ class Op:
 
     def __repr__(self) -> str:
         shape = "x".join(str(d) for d in self.shape)
-        where = f" in {self.module}" if self.module else ""
+        call = self.module_call
+        where = f" in {call.label}" if call is not None else ""
         return f"<Op {self.label} {self.func_name}({shape}, {str(self.dtype).replace('torch.', '')}){where}>"
 
     def __eq__(self, other):
@@ -282,7 +290,7 @@ class Op:
 
 
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
-                       "has_activation", "parent_arg_positions", "module_call", "module", "modules",
+                       "has_activation", "parent_arg_positions", "module_call", "module_address", "module", "modules",
                        "start_ns", "finite", "args", "kwargs", "grad", "has_grad",
                        "saved_for_backward_bytes"])
 

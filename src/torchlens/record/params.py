@@ -38,6 +38,12 @@ class Param:
 
     @property
     def ops(self) -> list:
+        """The ops that used this parameter (``Op`` objects), in execution order."""
+        ops = self._trace.ops
+        return [ops[i] for i in self._users]
+
+    @property
+    def op_labels(self) -> list:
         """Labels of the ops that used this parameter, in execution order."""
         return [self._trace._labels[i] for i in self._users]
 
@@ -57,6 +63,12 @@ class Buffer:
 
     @property
     def ops(self) -> list:
+        """The buffer's nodes (``Op`` objects of kind ``"buffer"``), in order of first use."""
+        ops = self._trace.ops
+        return [ops[i] for i in self._nodes]
+
+    @property
+    def op_labels(self) -> list:
         """Labels of the buffer's nodes (``buffer_k:1``), in order of first use."""
         return [self._trace._labels[i] for i in self._nodes]
 
