@@ -59,7 +59,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         if producer in activations:
             activations[i] = activations[producer]
 
-    module_objects, module_calls, modules = _build_modules(state, index)
+    module_calls, modules = _build_modules(state, index)
     module_counts = {id(m._ref): m.num_calls for m in modules}
     nodes_module_obj = [mc.module._ref for mc in module_calls]
     group = group_ops(call_col, slot_col, module_col, parents_col, meta, calls, nodes_module_obj,
@@ -192,7 +192,7 @@ def _build_modules(state: CaptureState, model_index: ModelIndex):
         if parent_call is not None:
             parent_call.children.append(call)
         module_calls.append(call)
-    return modules_by_id, module_calls, list(modules_by_id.values())
+    return module_calls, list(modules_by_id.values())
 
 
 def _param_addresses(calls, call_col, index: ModelIndex) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 
 from ..errors import TorchlensError, TraceCleanedUp
-from .modules import Module
 from .columns import Call, Kind
 from .op import Layer, Op
 
@@ -432,4 +431,4 @@ class Trace:
         return self._cleaned
 
 
-__all__ = ["Trace", "RecordList", "Module"]
+__all__ = ["Trace", "RecordList"]

@@ -19,7 +19,7 @@ import functools
 import torch
 
 from ..errors import WitnessFailed
-from .flops import CONVENTION, FAMILIES, flops_column, total_flops
+from .flops import CONVENTION, FAMILIES, family_totals, flops_column, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
@@ -131,10 +131,7 @@ def _compare(log, model, native_counts) -> FlopsComparison:
     native_families = dict.fromkeys(FAMILIES, 0)
     for overload, count in native_global.items():
         native_families[_native_family(overload)] += count
-    tl_families = dict.fromkeys(FAMILIES, 0)
-    for parts in flops_column(log):
-        for family, n in (parts or {}).items():
-            tl_families[family] += n
+    tl_families = family_totals(log)
     families = [{"family": f, "torchlens": tl_families[f], "native": native_families[f],
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)

@@ -73,8 +73,6 @@ def op_values(trace, metric, device_times=None) -> list:
         from .records import flops_function
 
         flops = flops_function()
-        if flops is None:
-            raise ImportError("color_by='flops' needs torchlens.report.flops, which this installation lacks")
         return [flops(op) if op.kind == "op" else None for op in trace.ops]
     if metric == "device_time":
         values: list = [None] * n
@@ -120,11 +118,9 @@ def nonfinite_flags(trace) -> list:
 
 
 def nonfinite_origins(trace) -> set:
-    """Labels ``torchlens.debug.nonfinite_origin`` names as origins (empty when it is unavailable)."""
-    try:
-        from ..debug.nonfinite import nonfinite_origin
-    except ImportError:
-        return set()
+    """Labels ``torchlens.debug.nonfinite_origin`` names as origins."""
+    from ..debug.nonfinite import nonfinite_origin
+
     try:
         report = nonfinite_origin(trace)
     except Exception:  # no flags, nothing non-finite: the colouring still stands without an origin
