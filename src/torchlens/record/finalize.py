@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 def tensor_leaves(obj, path: str, out: list) -> list:
     """``(path text, tensor)`` for each tensor in a nested value: ``tree.tensor_leaves`` with its paths
-    written under ``path`` (``output.0.logits``)."""
+    written under ``path`` (``output.0.logits``).  The spelling capture/session.py imports; new code
+    calls ``tree.tensor_leaves`` and ``tree.path_text`` itself."""
     out.extend((path_text(path, p), t) for p, t in leaves_with_paths(obj))
     return out
 
@@ -29,7 +30,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     index = index if index is not None else ModelIndex(model)
     calls, records = state.calls, state.records  # raw tuples: Trace.calls names them on first read
     # Producers of the returned tensors first: this may still add a buffer source (a returned buffer).
-    returned = [(path, state.producer_of(t), t) for path, t in tensor_leaves(output, "output", [])]
+    returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
 
     raw_calls = [r[0] for r in records]
     call_col = [c if c >= 0 else -1 for c in raw_calls]

@@ -231,9 +231,9 @@ def _drew_random_numbers(saved) -> bool:
 
 
 def _detached(output):
-    from ..record.finalize import tensor_leaves
+    from ..tree import tensor_leaves
 
-    return [t.detach().clone() for _, t in tensor_leaves(output, "output", [])]
+    return [t.detach().clone() for _, t in tensor_leaves(output)]
 
 
 def _outputs_close(a: list, b: list, rtol: float, atol: float) -> bool:

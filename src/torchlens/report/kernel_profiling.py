@@ -112,9 +112,9 @@ def _run_backward(output, backward) -> None:
     if callable(backward) and backward is not True:
         backward(output)
         return
-    from ..record.finalize import tensor_leaves
+    from ..tree import tensor_leaves
 
-    roots = [t for _, t in tensor_leaves(output, "output", []) if t.requires_grad]
+    roots = [t for _, t in tensor_leaves(output) if t.requires_grad]
     if not roots:
         raise ValueError("backward=True needs a model output that requires grad; none does (eval under "
                          "no_grad, or integer outputs). Pass backward=f(output) to run your own loss.")
