@@ -77,3 +77,12 @@ def test_errors_have_one_home_and_keep_their_old_bases():
     assert issubclass(ProfilerBusyError, tl.TorchlensError) and issubclass(ProfilerBusyError, RuntimeError)
     with pytest.raises(tl.TorchlensError):
         tl.load(torch.__file__)  # not a trace folder
+
+
+def test_the_indexes_named_below_record_match_the_call_layout():
+    from torchlens.labels import passes
+    from torchlens.record import columns
+
+    for name in ("CALL_FUNC", "CALL_ARGS", "CALL_KWARGS", "CALL_PARAMS", "CALL_SITE"):
+        assert getattr(passes, name) == getattr(columns, name), name
+    assert columns.Call._fields[columns.CALL_SITE] == "site" and len(columns.Call._fields) == 14
