@@ -57,7 +57,7 @@ def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, p
                    loss_fn=loss_fn)
     _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
     if rank == 0:
-        join_ranks(out, world, layers)
+        join_ranks(out, world)
     _barrier(dist, barrier_group, barrier_timeout, "the joined result")
     return out
 
@@ -164,7 +164,7 @@ def _joined(out) -> bool:
     return isinstance(manifest, dict) and manifest.get("format") == EXTRACT_FORMAT and "world_size" in manifest
 
 
-def join_ranks(out, world, layers) -> None:
+def join_ranks(out, world) -> None:
     """Copy every rank's rows into ``out``'s layer files in sample-index order, duplicates dropped."""
     import numpy as np
 
