@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import gc
 
 from ..errors import TorchlensError, TraceCleanedUp
 from .columns import Call, Kind
@@ -142,10 +143,17 @@ class Trace:
         is ``op.call``; ``calls[c].first_record`` is the index of its first op."""
         if not self._calls_named:
             # Named on first read, not in finalize: a trace nobody reads per call pays nothing.  In place,
-            # since the capture state that filled the list may still hold it.
-            make = tuple.__new__
-            self._calls[:] = [make(Call, c) for c in self._calls]
-            self._calls_named = True
+            # since the capture state that filled the list may still hold it.  Without the collector,
+            # whose passes over a large trace would cost more than the naming (as tl.trace does).
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                make = tuple.__new__
+                self._calls[:] = [make(Call, c) for c in self._calls]
+                self._calls_named = True
+            finally:
+                if collecting:
+                    gc.enable()
         return self._calls
 
     @property
