@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..record.columns import Kind
-from ..record.grads import _capture
+from ..record.grads import grad_capture_of
 from .nonfinite import DETECT_ANOMALY_RECIPE
 
 
@@ -73,7 +73,7 @@ class GradNonfiniteReport:
 
 
 def grad_nonfinite_origin(log) -> GradNonfiniteReport:
-    capture = _capture(log)
+    capture = grad_capture_of(log)
     if log.is_cleaned_up:
         from ..errors import TraceCleanedUp
 

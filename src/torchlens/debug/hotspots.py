@@ -173,9 +173,9 @@ def _metric_values(log, by):
 
 def _grad_norms(log) -> dict:
     """``{op index: gradient norm}``; ops with no gradient (yet) are excluded, by name."""
-    from ..record.grads import _capture, grad_stats_column
+    from ..record.grads import grad_capture_of, grad_stats_column
 
-    _capture(log)  # a trace taken without grads=True says how to get them
+    grad_capture_of(log)  # a trace taken without grads=True says how to get them
     stats = grad_stats_column(log)
     if not stats:
         raise ValueError("hot_path(by='grad_norm') needs gradients: run a backward through log.output first "

@@ -17,7 +17,9 @@ _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(mod
              "backward through log.output (or call log.backward(loss))")
 
 
-def _capture(trace):
+def grad_capture_of(trace):
+    """The trace's gradient capture; a trace taken without ``grads=`` raises ``GradientUnavailable`` saying
+    how to get one."""
     capture = trace._gradcap
     if capture is None:
         raise GradientUnavailable(_NO_GRADS)
@@ -33,7 +35,7 @@ def _producer(trace, index: int) -> int:
 
 def grad_of(trace, index: int):
     """d loss / d (op ``index``'s output), accumulated over every backward seen; None before one."""
-    capture = _capture(trace)
+    capture = grad_capture_of(trace)
     label = trace._labels[index]
     if trace._cleaned:
         raise TraceCleanedUp(f"{label}: the trace was cleaned up; its gradients were released (their norms, "
@@ -84,7 +86,7 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
     """``torch.autograd.backward`` through ``loss``; the trace's hooks receive every gradient."""
     import torch
 
-    _capture(trace)
+    grad_capture_of(trace)
     if trace.loaded_from is not None:
         raise GradientUnavailable(f"this trace was loaded from {trace.loaded_from}: it holds no autograd graph to "
                                   "run a backward through; its saved gradients are in op.grad")

@@ -18,10 +18,10 @@ from .profile_join import join
 
 
 def profile_backward_of(trace, backward, chrome_trace, profiler, activities, profiler_kwargs):
-    from ..record.grads import _capture
+    from ..record.grads import grad_capture_of
     from .kernel_profiling import KernelProfile, ProfilerBusyError, _check_borrowed, _default_activities, _run_backward
 
-    capture = _capture(trace)
+    capture = grad_capture_of(trace)
     if backward is False:
         raise ValueError("kernel_profile(trace) profiles the trace's backward: pass backward=True (all-ones "
                          "gradients on every output that requires grad) or backward=f(output)")
