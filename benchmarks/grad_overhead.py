@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import MODELS, BareMode, build  # noqa: E402
 from overhead_matrix import DOC, write_section  # noqa: E402
 
-from torchlens._observability import RefusalPredicate, measure_overhead  # noqa: E402
+from torchlens.report.overhead import RefusalPredicate, measure_overhead  # noqa: E402
 
 SLACK_US = 2.0
 

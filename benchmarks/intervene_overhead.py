@@ -33,7 +33,7 @@ from models import build, native_arm  # noqa: E402
 from overhead_matrix import write_section  # noqa: E402
 
 import torchlens as tl  # noqa: E402
-from torchlens._observability import RefusalPredicate, machine_fingerprint, measure_overhead  # noqa: E402
+from torchlens.report.overhead import RefusalPredicate, machine_fingerprint, measure_overhead  # noqa: E402
 
 SITES = {"mlp20": "layers.10", "gpt2": "h.1", "resnet": "blocks.3", "loop_rnn": "cell"}
 

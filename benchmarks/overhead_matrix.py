@@ -31,7 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DOC = os.path.join(ROOT, "docs", "overhead.md")
-HARNESS = os.path.join(ROOT, "src", "torchlens", "_observability", "overhead.py")
+HARNESS = os.path.join(ROOT, "src", "torchlens", "report", "overhead.py")
 sys.path.insert(0, HERE)
 from models import MODELS, bare_arm, build, native_arm, trace_arm  # noqa: E402
 
@@ -47,7 +47,7 @@ def harness():
     """The harness module: from the package normally; by file path in a reference-library worker,
     where ``import torchlens`` names the other library."""
     if "--ref-worker" not in sys.argv:
-        from torchlens._observability import overhead
+        from torchlens.report import overhead
 
         return overhead
     spec = importlib.util.spec_from_file_location("standalone_overhead_harness", HARNESS)
@@ -163,7 +163,7 @@ def markdown(rows: list, reference: dict, command: str) -> str:
 _TEMPLATE = """# Overhead
 
 Every overhead figure on this page comes from the paired-ratio harness
-(`torchlens._observability.measure_overhead`). It times two zero-argument callables in alternating
+(`tl.report.measure_overhead`). It times two zero-argument callables in alternating
 pairs (A then B, B then A) after a warm-up. Within a pair each arm runs a few interleaved blocks timed
 with `time.perf_counter_ns` (synchronized on CUDA) and keeps its fastest block, so a burst of load
 from other processes does not land on one arm only; each pair then gives one ratio. Before any timing
@@ -184,7 +184,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
-from torchlens._observability import RefusalPredicate, measure_overhead
+from torchlens.report import RefusalPredicate, measure_overhead
 
 model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
 x = torch.randn(32, 64)

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import MODELS, bare_arm, build, native_arm, recorder_arm, trace_arm  # noqa: E402
 from overhead_matrix import DOC, write_section  # noqa: E402
 
-from torchlens._observability import RefusalPredicate, measure_overhead  # noqa: E402
+from torchlens.report.overhead import RefusalPredicate, measure_overhead  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PER_OP_SLACK_US = 5.0

@@ -127,7 +127,7 @@ def test_module_call_totals_are_inclusive_and_sum_their_ops():
     per_call = registry.module_call_flops(log)
     assert set(per_call) == {c.label for c in log.module_calls}
     for call in log.module_calls:
-        own = sum(tl.report.op_flops(log[label]) for label in call.ops)
+        own = sum(tl.report.op_flops(log[label]) for label in call.op_labels)
         assert int(per_call[call.label]) == own
     assert int(per_call["features:1"]) >= int(per_call["features.4:1"]) + int(per_call["features.0:1"])
     top_level = sum(int(per_call[c.label]) for c in log.module_calls if c.parent is None)

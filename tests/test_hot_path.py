@@ -62,7 +62,7 @@ def test_module_grouping_is_inclusive_of_nested_calls():
     rows = {row["address"]: row for row in tl.debug.hot_path(log, by="memory", group="module")}
     assert set(rows) == {call.label for call in log.module_calls}
     for call in log.module_calls:
-        ops = [log[label] for label in call.ops if log[label].kind == "op"]
+        ops = [log[label] for label in call.op_labels if log[label].kind == "op"]
         assert rows[call.label]["total"] == sum(op.nbytes for op in ops)
         assert rows[call.label]["count"] == len(ops)
     assert rows["features:1"]["total"] > rows["features.4:1"]["total"]

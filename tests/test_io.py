@@ -49,8 +49,8 @@ def assert_same_trace(live, loaded) -> None:
         if a.has_activation:
             assert same_value(a.activation, b.activation), a.label
     for a, b in zip(live.module_calls, loaded.module_calls, strict=True):
-        assert (a.label, a.address, a.call_index, a.depth, a.start_ns, a.end_ns, a.input_ops, a.output_ops, a.ops) == \
-            (b.label, b.address, b.call_index, b.depth, b.start_ns, b.end_ns, b.input_ops, b.output_ops, b.ops)
+        assert (a.label, a.address, a.call_index, a.depth, a.start_ns, a.end_ns, a.input_ops, a.output_ops, a.op_labels) == \
+            (b.label, b.address, b.call_index, b.depth, b.start_ns, b.end_ns, b.input_ops, b.output_ops, b.op_labels)
         assert (a.parent and a.parent.label) == (b.parent and b.parent.label)
         assert [c.label for c in a.children] == [c.label for c in b.children]
     for a, b in zip(live.modules, loaded.modules, strict=True):

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from torchlens._observability import OverheadResult, RefusalPredicate, measure_overhead, same_output
-from torchlens._observability.overhead import _lower_bound, _median_interval, _order_rank
+from torchlens.report.overhead import (OverheadResult, RefusalPredicate, _lower_bound, _median_interval, _order_rank,
+                                       measure_overhead, same_output)
 
 
 def busy(iterations: int, result=1):

@@ -74,7 +74,7 @@ def _check_passes(log) -> None:
             continue
         per_call = []
         for j, call in enumerate(module.calls, start=1):
-            inside = [log[label] for label in call.ops if log[label].module == call.label]
+            inside = [log[label] for label in call.op_labels if log[label].module == call.label]
             assert all(op.pass_index == j for op in inside), \
                 f"{call.label}: {[op.label for op in inside]} are not all pass {j}"
             per_call.append([op.layer_label for op in inside])

@@ -52,7 +52,7 @@ def test_module_records(cnn_log):
     assert inner.parent.label == "features.4:1" and inner.parent.parent.label == "features:1"
     assert inner.depth == 2 and inner.module.class_name == "Conv2d"
     assert inner.input_ops == ["maxpool2d_1_4:1"] and inner.output_ops == ["conv2d_2_5:1"]
-    assert calls["features:1"].ops[0] == "conv2d_1_1:1" and calls["features:1"].duration > 0
+    assert calls["features:1"].op_labels[0] == "conv2d_1_1:1" and calls["features:1"].duration > 0
     assert cnn_log["conv2d_2_5:1"].modules == ("features:1", "features.4:1", "features.4.0:1")
     module = next(m for m in cnn_log.modules if m.address == "fc")
     assert module.param_names == ["weight", "bias"] and module.call_labels == ["fc:1"]
@@ -252,16 +252,16 @@ def test_params_and_buffers_records():
     log = tl.trace(model, args)
     params = {p.address: p for p in log.params}
     assert set(params) == {"conv.weight", "conv.bias", "bn.weight", "bn.bias"}
-    assert params["conv.weight"].ops == ["conv2d_1_1:1"] and params["conv.weight"].shape == (4, 3, 3, 3)
+    assert params["conv.weight"].op_labels == ["conv2d_1_1:1"] and params["conv.weight"].shape == (4, 3, 3, 3)
     assert params["bn.weight"].module_address == "bn" and params["conv.bias"].numel == 4
     buffers = {b.address: b for b in log.buffers}
     assert buffers["bn.running_mean"].readers == ["batchnorm_1_3:1"]
-    assert buffers["scale"].ops == ["buffer_4:1"]
+    assert buffers["scale"].op_labels == ["buffer_4:1"]
     assert len(log.params.to_pandas()) == 4 and len(log.buffers.to_pandas()) == 4
 
     shared = tl.trace(SharedModule().eval(), torch.randn(2, 8))
     weight = next(p for p in shared.params if p.address == "fc.weight")
-    assert weight.ops == ["linear_1_1:1", "linear_1_1:2", "linear_1_1:3"]
+    assert weight.op_labels == ["linear_1_1:1", "linear_1_1:2", "linear_1_1:3"]
 
 
 def test_save_a_module_call_label_keeps_that_calls_output():

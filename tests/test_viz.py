@@ -109,7 +109,7 @@ def test_depth_collapses_modules_into_nodes_with_shapes(traces):
     found = nodes(dot)
     top = [mc for mc in log.module_calls if mc.parent is None and mc.ops]
     assert sorted(k for k, kind in found.items() if kind == "module") == sorted(f"m{mc.index}" for mc in top)
-    inside = {log[label].index for mc in top for label in mc.ops}
+    inside = {log[label].index for mc in top for label in mc.op_labels}
     # buffers are drawn with the module that owns them
     inside |= {op.index for op in log.ops if op.kind == "buffer" and op.io_path.startswith("features.")}
     assert sorted(k for k, kind in found.items() if kind != "module") == \

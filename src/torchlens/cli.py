@@ -193,10 +193,8 @@ def module_tree(log, depth: int) -> str:
 
 
 def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
-    try:
-        from .debug.hotspots import hot_path
-    except ImportError:
-        return "hot path: not available in this installation (torchlens.debug.hot_path is missing)"
+    from .debug.hotspots import hot_path
+
     ranked = hot_path(log, by=by, group=group)
     lines = [f"Hot path ({by}, by {group}; top {min(n, len(ranked.rows))} of {len(ranked.rows)}):"]
     unit = "ms" if by == "duration" else ranked.unit
@@ -210,27 +208,16 @@ def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
     return "\n".join(lines)
 
 
-def _optional(what: str, write):
-    """Run an export that another part of torchlens provides; say so plainly when it is not installed."""
-    try:
-        return write()
-    except ImportError as exc:
-        if not (exc.name or "").startswith("torchlens"):
-            raise
-        _note(f"skipped {what}: {exc} (not available in this installation)")
-        return None
-
-
 def _write_exports(log, save=None, html=None, chrome=None, depth=None) -> list:
     written = []
     if save:
         log.save(save, overwrite=_is_saved_trace(save))
         written.append(("saved trace", save))
     if html:
-        if _optional("the HTML view", lambda: log.render(html, format="html", depth=depth)) is not None or os.path.exists(html):
+        if log.render(html, format="html", depth=depth) is not None or os.path.exists(html):
             written.append(("HTML view", html))
     if chrome:
-        if _optional("the chrome trace", lambda: log.to_chrome_trace(chrome)) is not None or os.path.exists(chrome):
+        if log.to_chrome_trace(chrome) is not None or os.path.exists(chrome):
             written.append(("chrome trace", chrome))
     for what, path in written:
         _note(f"wrote {what}: {path}")

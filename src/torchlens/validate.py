@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture.collectives import is_collective
-from .capture.state import CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS, CALL_PARAMS, CALL_PARENTS
 from .tree import as_args, fill, strip, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
@@ -296,9 +295,9 @@ def _mismatch(reason: str) -> tuple:
 
 def _replay_problem(log, op, rng: RngState):
     """None when ``op`` replays to its saved output; else ``(kind, reason)``."""
-    call_index = log._call[op.index]
-    call = log._calls[call_index]
-    func, skeleton, kw_skeleton = call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS]
+    call_position = log.call_indices[op.index]
+    call = log.calls[call_position]
+    func, skeleton, kw_skeleton = call.func, call.args, call.kwargs
     if skeleton is None and kw_skeleton is None:
         return _skip("the trace was cleaned up")
     if op.device.type == "meta":
@@ -311,22 +310,22 @@ def _replay_problem(log, op, rng: RngState):
         dropped = log._dropped.get(op.index)
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")
     replay = getattr(log, "_replay", None)
-    context = replay.contexts.get(call_index, replay.context) if replay is not None else None
+    context = replay.contexts.get(call_position, replay.context) if replay is not None else None
     positional, keyword = {}, {}
     copies: dict = {}  # one copy per parent: a tensor passed twice stays one tensor (``query is key``)
-    for position, parent in call[CALL_PARENTS]:
+    for position, parent in call.parents:
         if parent < 0:
             return _skip("a tensor argument came from outside the trace")
         if parent not in log._activations:
             return _skip(f"parent {log._labels[parent]} was not saved")
-        if (call_index, parent) in log._alias_reads:
+        if (call_position, parent) in log._alias_reads:
             return _skip(f"it read {log._labels[parent]}'s storage after a write through a view, a value "
                          "that no op output holds")
         if parent not in copies:
-            copies[parent] = _private_copy(log._activations[parent], log._meta[parent][3])
+            copies[parent] = _private_copy(log._activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])
-    for position, param in call[CALL_PARAMS]:
-        value, why = _param_as_it_ran(log, replay, param, call_index)
+    for position, param in call.params:
+        value, why = _param_as_it_ran(log, replay, param, call_position)
         if why is not None:
             return _skip(why)
         _put(positional, keyword, position, value)
@@ -344,7 +343,7 @@ def _replay_problem(log, op, rng: RngState):
     if out is None or op.is_inplace:
         out = args[0] if out is None else out
     if isinstance(out, (tuple, list)):
-        count = call[CALL_NUM_OUTPUTS]
+        count = call.num_outputs
         wanted = [log._activations.get(i) for i in range(op.index, op.index + count)]
         got = [t for _, t in tensor_leaves(out)]
         if len(got) != len(wanted):
@@ -373,12 +372,12 @@ def _private_copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return _copy_with_layout(t)
 
 
-def _param_as_it_ran(log, replay, param, call_index: int) -> tuple:
+def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
     """``(private copy of the parameter as the call saw it, None)`` or ``(None, why not)``."""
     value = param
     writes = replay.param_writes.get(id(param)) if replay is not None else None
     for write_call, before in writes or ():
-        if write_call >= call_index:  # the first write at or after this call: the value before it
+        if write_call >= call_position:  # the first write at or after this call: the value before it
             if before is None:
                 return None, (f"parameter changed by the forward: {_param_name(log, param)} was written by "
                               "a call capture could not predict, so its value when this op ran is unknown")

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from ..tree import split
 from .collectives import WRITTEN_ARGUMENT, written_tensors
-from .layouts import shape_of
+from ..record.layouts import shape_of
 from .source import FrameClassifier
 from .state import CaptureState, storage_key
 

@@ -15,8 +15,8 @@ import re
 import torch
 
 from ..labels.naming import func_name_of, type_of_name
-from ..record.errors import UnmatchedSelection
-from ..record.op import KIND_OUTPUT
+from ..errors import UnmatchedSelection
+from ..record.columns import Kind
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 _SAVE_ALL, _SAVE_NONE = ("all", True), ("none", None, False)
@@ -129,9 +129,9 @@ class SavePolicy:
         """Release the activations the selection did not ask for."""
         if not self.filters_after or not trace._activations:
             return
-        kept = {i for i in trace._activations if trace._kind[i] != KIND_OUTPUT and self.keep(trace, trace.ops[i])}
+        kept = {i for i in trace._activations if trace.kinds[i] != Kind.OUTPUT and self.keep(trace, trace.ops[i])}
         # An output node shows its producer's tensor: kept when the producer is (or when asked for).
         for i in trace._activations:
-            if trace._kind[i] == KIND_OUTPUT and (trace._parents[i][0][1] in kept or self.keep(trace, trace.ops[i])):
+            if trace.kinds[i] == Kind.OUTPUT and (trace._parents[i][0][1] in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
         trace._activations = {i: t for i, t in trace._activations.items() if i in kept}

@@ -1,19 +1,10 @@
 """Raw capture state: the flat lists one forward pass fills, and the few helpers the hot path calls.
 
-Layout of the raw lists (read only by ``record.finalize``):
-
-- ``calls[c]``: ``(func, arg_skeleton, kwarg_skeleton, parents, params, module_call, code, line,
-  t0_ns, t1_ns, first_record, num_outputs, wrote_arguments, site)`` for one tensor-producing torch call;
-  ``code, line`` locate the user's frame (``line`` is an instruction offset: see ``source.line_of``),
-  ``site`` the nearest calling frame (see capture/source.py).
-  ``parents`` is a tuple of ``(argument position, record index)``; a position is an int, a keyword
-  name, or a path tuple for a tensor inside a container argument (below).  Record index -1 means a
-  tensor capture never saw being made (see ``Trace.unattributed``).  ``params`` holds
-  ``(argument position, Parameter)`` pairs; parameters are metadata on ops, not graph nodes.
-- ``records[r]``: ``(call, slot, shape, dtype, device, requires_grad, grad_fn_class)`` for one tensor
-  produced by a call (``call`` >= 0) or one source tensor (``call`` is ``INPUT`` or ``BUFFER`` and
-  ``slot`` holds the input path or the buffer address).
-- ``module_calls[m]``: ``[module, parent_call, t0_ns, t1_ns, input_records, output_records]``.
+The raw lists (read only by ``record.finalize``) are ``calls`` (one ``record.columns.Call`` layout
+per tensor-producing torch call), ``records`` (one ``Record`` per tensor: a call's output, or a source
+whose ``call`` is ``INPUT`` or ``BUFFER``) and ``module_calls`` (one ``ModuleCallRaw`` layout, as a list
+filled in while the call runs).  ``record/columns.py`` names and documents every field.  Record index
+-1 in ``parents`` means a tensor capture never saw being made (see ``Trace.unattributed``).
 
 A position generalises to any depth: an int (positional argument), a keyword name, or a tuple whose
 first element is one of those followed by the path inside that argument (``tree.tensor_leaves``), as
@@ -33,13 +24,11 @@ from weakref import ref as weakref
 
 import torch
 
-from .layouts import shape_of
+from ..record.layouts import shape_of
 
-INPUT = -1
-BUFFER = -2
-
-# Fields of a raw call tuple read outside the hot path.
-CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARENTS, CALL_PARAMS, CALL_NUM_OUTPUTS = 0, 1, 2, 3, 4, 11
+# The raw layout is declared in record/columns.py; these names stay importable from here.
+from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
+                              CALL_PARAMS, CALL_PARENTS, INPUT)
 
 
 def grad_and_autocast() -> tuple:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..record.grads import _capture
+from ..record.columns import Kind
+from ..record.grads import grad_capture_of
 from .nonfinite import DETECT_ANOMALY_RECIPE
 
 
@@ -72,9 +73,9 @@ class GradNonfiniteReport:
 
 
 def grad_nonfinite_origin(log) -> GradNonfiniteReport:
-    capture = _capture(log)
+    capture = grad_capture_of(log)
     if log.is_cleaned_up:
-        from ..record.errors import TraceCleanedUp
+        from ..errors import TraceCleanedUp
 
         raise TraceCleanedUp("nonfinite_origin(grads=True) reads the gradients, which cleanup() released; call it "
                              "before cleanup()")
@@ -93,7 +94,7 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
                                    num_backwards=log.num_backwards, loss_nonfinite=False)
     first = bad[0]
     kinds = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
-    children = [c for c in log._children()[first] if log._kind[c] != 3]  # output nodes run no backward
+    children = [c for c in log._children()[first] if log.kinds[c] != Kind.OUTPUT]  # output nodes run no backward
     return GradNonfiniteReport(
         origin=log.ops[first], kind=kinds[status[first]], born_in=[log._labels[c] for c in children],
         nonfinite=[log._labels[i] for i in bad], examined=len(status), num_backwards=log.num_backwards,

@@ -128,7 +128,7 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
                      model_name=log.model_name)
     from ..record.summary import torch_call_count
 
-    ranked.calls = len({log._call[i] for i, _ in values})  # counted as print(log) counts them
+    ranked.calls = len({log.call_indices[i] for i, _ in values})  # counted as print(log) counts them
     ranked.trace_calls = torch_call_count(log)
     return ranked
 
@@ -148,8 +148,7 @@ def _metric_values(log, by):
         if op.kind != "op":
             continue
         i = op.index
-        call = log._calls[log._call[i]]
-        first_output = call[10] == i
+        first_output = op.call.first_record == i
         if by == "duration":
             if not first_output:
                 continue  # one call, one duration: it is on the call's first output
@@ -174,9 +173,9 @@ def _metric_values(log, by):
 
 def _grad_norms(log) -> dict:
     """``{op index: gradient norm}``; ops with no gradient (yet) are excluded, by name."""
-    from ..record.grads import _capture, grad_stats_column
+    from ..record.grads import grad_capture_of, grad_stats_column
 
-    _capture(log)  # a trace taken without grads=True says how to get them
+    grad_capture_of(log)  # a trace taken without grads=True says how to get them
     stats = grad_stats_column(log)
     if not stats:
         raise ValueError("hot_path(by='grad_norm') needs gradients: run a backward through log.output first "

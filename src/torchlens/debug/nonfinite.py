@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..record.errors import TraceCleanedUp
+from ..record.columns import Kind
+from ..errors import TraceCleanedUp
 
 DETECT_ANOMALY_CODE = """\
 import torch
@@ -131,13 +132,13 @@ def nonfinite_origin(log, grads: bool = False):
                              "cleaned up without flags: call it before cleanup(), or trace with "
                              "record_finite=True (the flags survive cleanup)")
     # Outputs repeat their producer's tensor: not examined twice.
-    status = [_status(log, i) if k != 3 else None for i, k in enumerate(log._kind)]
+    status = [_status(log, i) if k != Kind.OUTPUT else None for i, k in enumerate(log.kinds)]
     examined = sum(1 for s in status if s is not None)
-    if examined == 0 and any(k != 3 for k in log._kind):
+    if examined == 0 and any(k != Kind.OUTPUT for k in log.kinds):
         raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
                          "recorded; trace with save='all' or record_finite=True")
     bad_params, params_checked = _nonfinite_parameters(log)
-    unexamined = [log._labels[i] for i, s in enumerate(status) if s is None and log._kind[i] != 3]
+    unexamined = [log._labels[i] for i, s in enumerate(status) if s is None and log.kinds[i] != Kind.OUTPUT]
     origin = origin_kind = None
     certain, possible, propagators, others, undetermined = True, [], [], [], []
     for i, s in enumerate(status):
@@ -188,10 +189,10 @@ def _status(log, i):
 def _birth_kind(log, i, bad_params):
     """What a non-finite op with no non-finite examined parent is: ("op" / "input" / "buffer" /
     "parameter", unsure) where unsure means an unexamined or untracked tensor fed it."""
-    kind = log._kind[i]
-    if kind == 1:
+    kind = log.kinds[i]
+    if kind == Kind.INPUT:
         return "input", False
-    if kind == 2:
+    if kind == Kind.BUFFER:
         return "buffer", False
     params = log._param_addresses.get(i, ())
     if any(p in bad_params for p in params):

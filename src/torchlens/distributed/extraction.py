@@ -30,14 +30,10 @@ from ..io.extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX,
 from ..tree import as_args
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
-from ..record.errors import TorchlensError
+from ..errors import RankFailedError
 
 RANK_FOLDER = "rank-{}"
 _JOIN_CHUNK_BYTES = 64 << 20
-
-
-class RankFailedError(TorchlensError, RuntimeError):
-    """A rank did not reach a distributed barrier in time: it died, hung, or raised."""
 
 
 def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, barrier_timeout,
@@ -61,7 +57,7 @@ def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, p
                    loss_fn=loss_fn)
     _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
     if rank == 0:
-        join_ranks(out, world, layers)
+        join_ranks(out, world)
     _barrier(dist, barrier_group, barrier_timeout, "the joined result")
     return out
 
@@ -168,7 +164,7 @@ def _joined(out) -> bool:
     return isinstance(manifest, dict) and manifest.get("format") == EXTRACT_FORMAT and "world_size" in manifest
 
 
-def join_ranks(out, world, layers) -> None:
+def join_ranks(out, world) -> None:
     """Copy every rank's rows into ``out``'s layer files in sample-index order, duplicates dropped."""
     import numpy as np
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..record.errors import ActivationUnavailable
+from ..errors import ActivationUnavailable
 
 
 @dataclass

@@ -21,13 +21,12 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from ..capture.state import StopForward, storage_key
 from ..capture.teardown import remove_handles
 from ..labels.naming import func_name_of
-from ..record.errors import InterventionError
+from ..errors import InterventionError
+from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
+from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
+from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..tree import tensor_leaves
 from .sites import ModuleCallInfo
-
-# Raw call tuple fields read here (capture/state.py documents the layout).
-CALL_PARENTS, CALL_MODULE, CALL_WROTE = 3, 5, 12
-RECORD_CALL = 0
 
 
 class Applied:
@@ -74,9 +73,9 @@ class Interventions:
         return bool(self.by_call) or self.stop_call is not None
 
     # ----- label sites: called by the capture handler ------------------------------------------
-    def at_call(self, st, call_index: int, first_op: int, out, leaves, func, args, kwargs):
+    def at_call(self, st, call_position: int, first_op: int, out, leaves, func, args, kwargs):
         """Apply the actions positioned at this call; return what the call returns to the model."""
-        sites = self.by_call.get(call_index)
+        sites = self.by_call.get(call_position)
         if sites is not None:
             self._check_path(st, sites, func)
             values = [t for _, t in leaves]
@@ -91,11 +90,11 @@ class Interventions:
                 self.hit.add(id(site))
                 self._note(first_op + k, site.key, site.action)
                 if new is not None:
-                    values[k] = self._replace(st, call_index, first_op + k, values[k], new, args, kwargs)
+                    values[k] = self._replace(st, call_position, first_op + k, values[k], new, args, kwargs)
                     changed.append(k)
             if changed:
                 out = _rebuild_output(out, [(slots[k], values[k]) for k in dict.fromkeys(changed)])
-        if call_index == self.stop_call:
+        if call_position == self.stop_call:
             self.stopped_at = self.stop_key
             raise StopForward
         return out
@@ -104,7 +103,7 @@ class Interventions:
         name = func_name_of(func)
         for site in sites:
             if name != site.func_name or not self._same_chain(st, site.chain):
-                where = " > ".join(self._address(st.module_calls[k][0]) for k in st.module_stack) or "the root forward"
+                where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) or "the root forward"
                 expected = " > ".join(a for _, _, a in site.chain) or "the root forward"
                 raise InterventionError(
                     f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
@@ -118,7 +117,7 @@ class Interventions:
         if len(stack) != len(expected):
             return False
         for k, (ref_k, ref_module, ref_address) in zip(stack, expected):
-            module = st.module_calls[k][0]
+            module = st.module_calls[k][MODULE_CALL_MODULE]
             if k != ref_k:
                 return False
             if module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
@@ -149,9 +148,9 @@ class Interventions:
         return new
 
     # ----- record fix-ups ------------------------------------------------------------------------
-    def _replace(self, st, call_index, record, old, new, args, kwargs):
+    def _replace(self, st, call_position, record, old, new, args, kwargs):
         """Make ``record`` describe ``new``; return the tensor the model gets."""
-        receiver = st.calls[call_index][CALL_WROTE] and (
+        receiver = st.calls[call_position][CALL_WROTE] and (
             (args and args[0] is old) or (kwargs and kwargs.get("out") is old))
         if receiver:  # an in-place op: its receiver is what the model holds, so write the value into it
             st.protect_saved(old)  # copy-on-write: the saved value of this op becomes the original
@@ -167,16 +166,16 @@ class Interventions:
             original = st.saved.get(record)
             if original is not None and (passed is not None or original._base is not None):
                 original = original.clone()  # a view, or a tensor the model still holds: may change later
-            self._unbind(st, call_index, old, passed)
+            self._unbind(st, call_position, old, passed)
         self._rebind(st, record, new)
         self._keep_original(record, original)
         return new
 
-    def _unbind(self, st, call_index, old, passed) -> None:
+    def _unbind(self, st, call_position, old, passed) -> None:
         """``old`` is no longer what downstream reads: drop its binding, or, when the op returned its argument
         ``passed`` unchanged, give that tensor back to the op that made it."""
         if passed is not None:
-            for pos, parent in st.calls[call_index][CALL_PARENTS]:
+            for pos, parent in st.calls[call_position][CALL_PARENTS]:
                 if pos == passed and parent >= 0:
                     st.producers[id(old)] = (weakref(old), parent, old._version)
                     return
@@ -220,7 +219,7 @@ class Interventions:
     def module_hooks(self, st, root):
         return _ModuleHooks(self, st, root)
 
-    def at_module_output(self, st, module, call_index: int, call_number: int, output):
+    def at_module_output(self, st, module, module_call: int, call_number: int, output):
         """Apply the module sites matching this call to each tensor it returns; the new output or None."""
         sites = [s for s in self.by_module[id(module)] if s.call_number is None or s.call_number == call_number]
         for site in sites:
@@ -236,7 +235,7 @@ class Interventions:
             if id(t) in done:  # the same tensor returned twice is one value
                 continue
             done.add(id(t))
-            record = self._made_here(st, t, call_index, sites[0], call_number)
+            record = self._made_here(st, t, module_call, sites[0], call_number)
             info = ModuleCallInfo(address, call_number, module, k, path)
             original = st.saved.get(record)
             current = t
@@ -260,7 +259,7 @@ class Interventions:
                 new_output = _replace_at(new_output, path, replaced[id(t)], sites[0].key)
         return new_output
 
-    def _made_here(self, st, t, call_index, site, call_number) -> int:
+    def _made_here(self, st, t, module_call, site, call_number) -> int:
         """The record of an output tensor made inside this module call and read nowhere inside it."""
         label = f"{site.address}:{call_number}"
         entry = st.producers.get(id(t))
@@ -268,9 +267,9 @@ class Interventions:
         made_in = -1
         if record >= 0 and st.records[record][RECORD_CALL] >= 0:
             made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
-        while made_in >= 0 and made_in != call_index:
-            made_in = st.module_calls[made_in][1]
-        if made_in != call_index:
+        while made_in >= 0 and made_in != module_call:
+            made_in = st.module_calls[made_in][MODULE_CALL_PARENT]
+        if made_in != module_call:
             raise InterventionError(
                 f"module site {site.key!r}: {label} returns a tensor it did not compute (one of its inputs, "
                 "passed through unchanged), so changing it would also change that value for its other readers; "
@@ -371,11 +370,11 @@ class _ModuleHooks:
                 return None
             if not open_calls or open_calls[-1][0] is not module:
                 return None
-            _, call_index, number = open_calls.pop()
+            _, module_call, number = open_calls.pop()
             if output is None:
                 return None  # unwinding from an exception, or a module returning nothing
             with torch._C.DisableTorchFunction():
-                new = runtime.at_module_output(st, module, call_index, number, output)
+                new = runtime.at_module_output(st, module, module_call, number, output)
             stop = next((s for s in by_module[id(module)] if s.stop and s.call_number in (None, number)), None)
             if stop is not None:
                 runtime.stopped_at = f"{stop.address}:{number}"
@@ -415,8 +414,8 @@ def _labels_from(reference, trace) -> None:
     """Give a stopped trace the labels its ops have in the whole forward (``reference``), which labels
     derived from the ops before the stop can differ from (pass counts, layers a later call would join).
     Done only when the stopped trace is, op for op, a prefix of the reference."""
-    n = len(trace._kind)
-    if n > len(reference._kind) or trace._kind != reference._kind[:n] or trace._func_names != reference._func_names[:n]:
+    n = len(trace.kinds)
+    if n > len(reference.kinds) or trace.kinds != reference.kinds[:n] or trace._func_names != reference._func_names[:n]:
         return
     trace._labels = reference._labels[:n]
     trace._layer_labels = reference._layer_labels[:n]

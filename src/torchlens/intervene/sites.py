@@ -16,7 +16,8 @@ import re
 
 import torch
 
-from ..record.op import KIND_OP, Layer, Op
+from ..record.columns import Kind
+from ..record.op import Layer, Op
 from .actions import as_action
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
@@ -30,7 +31,7 @@ class LabelSite:
     def __init__(self, key, action, op, stop: bool):
         trace = op._trace
         self.key, self.action, self.op, self.stop = key, action, op, stop
-        self.call = trace._call[op.index]
+        self.call = trace.call_indices[op.index]
         self.slot = trace._slot[op.index]
         self.func_name = op.func_name
         self.chain = module_chain(trace, trace._module_call[op.index])
@@ -133,11 +134,11 @@ def resolve_labels(reference, pending) -> list:
             else:
                 raise KeyError(f"intervention site {key!r} does not name an op in the reference trace")
         else:
-            ops = [op for op in reference.ops if reference._kind[op.index] == KIND_OP and key(op)]
+            ops = [op for op in reference.ops if reference.kinds[op.index] == Kind.OP and key(op)]
             if not ops:
                 raise KeyError("an intervention predicate matched no op of the reference trace")
         for op in ops:
-            if reference._kind[op.index] != KIND_OP:
+            if reference.kinds[op.index] != Kind.OP:
                 raise KeyError(f"intervention site {key!r} is the model's {op.kind} {op.label}: intervene at the op "
                                "that produces it, or pass a different input")
             sites.append(LabelSite(key, action, op, stop))

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from ..capture.collectives import process_rank
-from ..record.errors import TorchlensError
+from ..errors import ResumeMismatchError
 from ..tree import as_args, path_text, strip, tensor_leaves
 from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_safetensors, safe_member,
                      write_atomic, write_manifest)
@@ -39,10 +39,6 @@ from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
 PROGRESS = "progress.json"
 SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, where the rows carry one
-
-
-class ResumeMismatchError(TorchlensError, ValueError):
-    """``tl.extract`` was asked to resume a folder written with another model, other arguments or other inputs."""
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
@@ -184,7 +180,7 @@ def _save_targets(model, layers) -> list:
 def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None) -> list:
     from ..capture.session import trace
 
-    from ..record.errors import UnmatchedSelection
+    from ..errors import UnmatchedSelection
 
     targets = _save_targets(model, layers)
     try:

@@ -16,22 +16,13 @@ import os
 import re
 import stat
 
-from ..record.errors import TorchlensError
+from ..errors import TraceFileError, UnsafeMemberError
 
 MANIFEST = "manifest.json"
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _CHUNK = 1 << 20
 MAX_SMALL_JSON = 64 << 20  # manifest.json and progress.json: far above any real one, far below memory
 MAX_JSON_DEPTH = 256  # deeper than any file torchlens writes; bounds the parser's recursion
-
-
-class TraceFileError(TorchlensError, ValueError):
-    """A saved trace or extraction folder is missing, damaged, tampered with, or from another schema."""
-
-
-class UnsafeMemberError(TraceFileError):
-    """A file in a torchlens folder is not a plain, bounded, in-folder regular file (a link, FIFO, device,
-    directory, or oversized), so it is refused before anything reads it."""
 
 
 def sha256_of(path: str) -> str:

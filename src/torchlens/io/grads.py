@@ -86,7 +86,7 @@ def _read_grads(trace, record, folder: str, files) -> None:
     from ..capture.grads import GradCapture
     from ..capture.packing import PackLog
 
-    n = len(trace._kind)
+    n = len(trace.kinds)
     if not isinstance(grads, dict):
         raise TraceFileError(f"{TRACE_JSON}: 'grads' must be a table")
     packed = grads["saved_for_backward"]
@@ -109,8 +109,8 @@ def _read_grads(trace, record, folder: str, files) -> None:
     capture.order = [_index(i, n) for i in grads["order"]]
     for i, key in grads["tensors"]:
         g = tensors.get(key)
-        meta = trace._meta[_index(i, n)]
-        if g is None or tuple(g.shape) != tuple(meta[0]) or g.dtype != meta[1]:
+        meta = trace.op_meta[_index(i, n)]
+        if g is None or tuple(g.shape) != tuple(meta.shape) or g.dtype != meta.dtype:
             raise TraceFileError(f"{folder}/{GRAD_TENSORS}: gradient {key!r} is missing or does not match op #{i}")
         capture.grads[i] = g
     trace._gradcap = capture

@@ -15,7 +15,8 @@ import types
 
 import torch
 
-from ..capture.layouts import RaggedShape
+from ..record.columns import Call, OpMeta
+from ..record.layouts import RaggedShape
 from ..record.modules import Module, ModuleCall
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
@@ -203,14 +204,14 @@ def _grad_fn_stub(name):
     return stub
 
 
-def _meta(m) -> list:
+def _meta(m) -> OpMeta:
     shape, dtype, device, requires_grad, grad_fn, *ragged = m  # ragged: [numel] of a nested tensor
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 or d is None and ragged for d in shape):
         raise TraceFileError(f"{TRACE_JSON}: meta: bad shape {shape!r}")
     if ragged and not (len(ragged) == 1 and _is_int(ragged[0]) and ragged[0] >= 0):
         raise TraceFileError(f"{TRACE_JSON}: meta: bad element count {ragged!r}")
-    return [RaggedShape(shape, ragged[0]) if ragged else torch.Size(shape), torch_constant("dtype", dtype), torch.device(_string(device, "meta device")),
-            bool(requires_grad), _grad_fn_stub(grad_fn)]
+    return OpMeta(RaggedShape(shape, ragged[0]) if ragged else torch.Size(shape), torch_constant("dtype", dtype),
+                  torch.device(_string(device, "meta device")), bool(requires_grad), _grad_fn_stub(grad_fn))
 
 
 def _activations(cols, tensors: dict, meta: list) -> dict:
@@ -220,7 +221,7 @@ def _activations(cols, tensors: dict, meta: list) -> dict:
         if not isinstance(key, str) or key not in tensors:
             raise TraceFileError(f"{TRACE_JSON}: activation {key!r} is not in {TRACE_TENSORS}")
         t = tensors[key]
-        shape, dtype = meta[index][0], meta[index][1]
+        shape, dtype = meta[index].shape, meta[index].dtype
         if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
             raise TraceFileError(f"{TRACE_TENSORS}: tensor {key!r} is {tuple(t.shape)} {t.dtype}, but op #{index} "
                                  f"recorded {tuple(shape)} {dtype}")
@@ -270,12 +271,12 @@ def _calls(cols, n) -> list:
         kwargs = decode_value(kwargs)
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TraceFileError(f"{TRACE_JSON}: calls: keyword arguments must be a dict")
-        calls.append((None, decode_value(args), kwargs, _edges(parents, n, "calls.parents"), _params(params),
-                      check_index(module_call, -1, n_module_calls, "calls.module_call"),
-                      _code_stub(codes, code, None if line is None else check_index(line, 0, 1 << 31, "calls.line"),
-                                 stubs), 0,
-                      _ns(t0), _ns(t1), check_index(first, 0, n, "calls.first_record"),
-                      check_index(n_out, 1, n + 1, "calls.num_outputs"), bool(wrote), None))
+        calls.append(Call(None, decode_value(args), kwargs, _edges(parents, n, "calls.parents"), _params(params),
+                          check_index(module_call, -1, n_module_calls, "calls.module_call"),
+                          _code_stub(codes, code, None if line is None else check_index(line, 0, 1 << 31, "calls.line"),
+                                     stubs), 0,
+                          _ns(t0), _ns(t1), check_index(first, 0, n, "calls.first_record"),
+                          check_index(n_out, 1, n + 1, "calls.num_outputs"), bool(wrote), None))
     return calls
 
 

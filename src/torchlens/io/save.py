@@ -205,10 +205,11 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
             codes.append([code.co_filename, getattr(code, "co_qualname", code.co_name)])
         return i
 
-    calls = [[func_id(c[0]), encode_value(c[1]), encode_value(c[2]),
-              [[encode_value(pos), p] for pos, p in c[3]], c[5], code_id(c[6]), _line(c[6], c[7]), c[8], c[9], c[10], c[11],
-              bool(c[12]), [[encode_value(pos), [int(d) for d in p.shape]] for pos, p in c[4]]]
-             for c in trace._calls]
+    calls = [[func_id(c.func), encode_value(c.args), encode_value(c.kwargs),
+              [[encode_value(pos), p] for pos, p in c.parents], c.module_call, code_id(c.code), _line(c.code, c.line),
+              c.t0_ns, c.t1_ns, c.first_record, c.num_outputs, bool(c.wrote_arguments),
+              [[encode_value(pos), [int(d) for d in p.shape]] for pos, p in c.params]]
+             for c in trace.calls]
     dropped = dict(trace._dropped)
     if not with_activations and not trace.is_cleaned_up:
         dropped.update({i: "not saved: the trace was saved with activations=False"
@@ -218,12 +219,12 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
         "model_name": trace.model_name,
         "rank": trace.rank,
         "world_size": trace.world_size,
-        "n_ops": len(trace._kind),
+        "n_ops": len(trace.kinds),
         "cleaned_up": trace.is_cleaned_up,
-        "kind": list(trace._kind),
-        "call": list(trace._call),
+        "kind": [int(k) for k in trace.kinds],
+        "call": list(trace.call_indices),
         "slot": [encode_value(s) for s in trace._slot],
-        "meta": [_meta(m) for m in trace._meta],
+        "meta": [_meta(m) for m in trace.op_meta],
         "parents": [[[encode_value(pos), p] for pos, p in ps] for ps in trace._parents],
         "module_call": list(trace._module_call),
         "inplace": [bool(x) for x in trace._inplace],

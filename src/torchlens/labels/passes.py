@@ -48,9 +48,14 @@ def arg_signature(obj, depth: int = 0):
     return type(obj).__name__
 
 
+# Fields of a raw call tuple read here: the ``record.columns.Call`` layout, named here because labels
+# sits below record (tests/test_columns.py checks they agree).
+CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARAMS, CALL_SITE = 0, 1, 2, 4, 13
+
+
 def args_key(call) -> tuple:
     """The non-tensor arguments of a raw call as a hashable key (fast when they are hashable)."""
-    args, kwargs = call[1], call[2]
+    args, kwargs = call[CALL_ARGS], call[CALL_KWARGS]
     key = (args, tuple(kwargs.items()) if kwargs else None)
     try:
         hash(key)
@@ -71,7 +76,7 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
             continue
         slot, module_call = slot_col[i], module_col[i]
         call = calls[c]
-        func, params = call[0], call[4]
+        func, params = call[CALL_FUNC], call[CALL_PARAMS]
         module = None
         if module_call >= 0:
             module = module_objects[module_call]
@@ -81,8 +86,8 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
             group[i] = keys.setdefault(("module", id(module), position_in_call[module_call], func, slot), len(keys))
             continue
         # The non-tensor arguments as they are (hashed once, by the dict), or by signature when unhashable.
-        kwargs = call[2]
-        arguments = (call[1], tuple(kwargs.items()) if kwargs else None)
+        kwargs = call[CALL_KWARGS]
+        arguments = (call[CALL_ARGS], tuple(kwargs.items()) if kwargs else None)
         if params:
             ids = tuple(sorted([id(p) for _, p in params]))
             try:
@@ -90,8 +95,8 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
             except TypeError:  # lists, dicts, slices (before Python 3.12), unhashable objects
                 group[i] = keys.setdefault(("params", func, ids, slot, id(module), args_key(call)), len(keys))
         else:
-            shapes = tuple([meta[p][0] if p >= 0 else None for _, p in parents_col[i]])
-            site = call[13]
+            shapes = tuple([meta[p].shape if p >= 0 else None for _, p in parents_col[i]])
+            site = call[CALL_SITE]
             # The site's code object by id: hashing a code object hashes its bytecode.
             site = (id(site[0]), site[1]) if site is not None else None
             try:
@@ -149,12 +154,12 @@ def repetition(trace):
         return None
     frames = getattr(trace, "_module_call_frames", None)
     seen: dict = {}
-    calls = trace._calls
-    for i, c in enumerate(trace._call):
+    calls = trace.calls
+    for i, c in enumerate(trace.call_indices):
         if c < 0 or trace._group_size[trace._group[i]] < 2:
             continue
         call = calls[c]
-        origin = [id(call[6]), call[7]]
+        origin = [id(call.code), call.line]
         m = trace._module_call[i] if frames is not None else -1
         while m >= 0:  # the lines that made each enclosing module call
             code, offset = frames[m]

@@ -1,7 +1,7 @@
 """The record model: ``Trace`` holds columns; ``Op``, ``Layer``, ``ModuleCall`` and ``Module`` are views."""
 
-from .errors import (ActivationUnavailable, GradientUnavailable, InterventionError, NestedTraceError, TorchlensError,
-                     TraceCleanedUp)
+from ..errors import (ActivationUnavailable, GradientUnavailable, InterventionError, NestedTraceError, TorchlensError,
+                      TraceCleanedUp)
 from .modules import Module, ModuleCall
 from .op import Layer, Op
 from .params import Buffer, Param

@@ -2,59 +2,66 @@
 
 from __future__ import annotations
 
-from ..capture.layouts import shape_of
-from ..capture.mode import _predicts_inplace
-from ..capture.state import BUFFER, INPUT, CaptureState, ReplayContext
+from typing import TYPE_CHECKING
+
 from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
 from ..labels.passes import group_ops
 from ..tree import path_text
 from ..tree import tensor_leaves as leaves_with_paths
+from .columns import (CALL_FUNC, CALL_KWARGS, CALL_MODULE_CALL, CALL_PARAMS, CALL_PARENTS, CALL_WROTE_ARGUMENTS, INPUT,
+                      Kind, OpMeta, writes_first_argument)
+from .layouts import shape_of
 from .model_index import ModelIndex
 from .modules import Module, ModuleCall
-from .op import KIND_BUFFER, KIND_INPUT, KIND_OP, KIND_OUTPUT
 from .trace import Trace
+
+if TYPE_CHECKING:
+    from ..capture.state import CaptureState
 
 
 def tensor_leaves(obj, path: str, out: list) -> list:
     """``(path text, tensor)`` for each tensor in a nested value: ``tree.tensor_leaves`` with its paths
-    written under ``path`` (``output.0.logits``)."""
+    written under ``path`` (``output.0.logits``).  The spelling capture/session.py imports; new code
+    calls ``tree.tensor_leaves`` and ``tree.path_text`` itself."""
     out.extend((path_text(path, p), t) for p, t in leaves_with_paths(obj))
     return out
 
 
 def finalize(state: CaptureState, model, output, model_name: str, timings: dict, index=None) -> Trace:
     index = index if index is not None else ModelIndex(model)
-    calls, records = state.calls, state.records
+    calls, records = state.calls, state.records  # raw tuples: Trace.calls names them on first read
     # Producers of the returned tensors first: this may still add a buffer source (a returned buffer).
-    returned = [(path, state.producer_of(t), t) for path, t in tensor_leaves(output, "output", [])]
+    returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
 
     raw_calls = [r[0] for r in records]
     call_col = [c if c >= 0 else -1 for c in raw_calls]
-    kind = [KIND_OP if c >= 0 else (KIND_INPUT if c == INPUT else KIND_BUFFER) for c in raw_calls]
+    op, source, buffer = Kind.OP, Kind.INPUT, Kind.BUFFER
+    kind = [op if c >= 0 else (source if c == INPUT else buffer) for c in raw_calls]
     slot_col = [r[1] if r[0] >= 0 else None for r in records]
-    parents_col = [calls[c][3] if c >= 0 else () for c in call_col]
-    module_col = [calls[c][5] if c >= 0 else -1 for c in call_col]
-    inplace = [c >= 0 and calls[c][12] and s is None and _writes_receiver(calls[c])
+    parents_col = [calls[c][CALL_PARENTS] if c >= 0 else () for c in call_col]
+    module_col = [calls[c][CALL_MODULE_CALL] if c >= 0 else -1 for c in call_col]
+    writes_receiver = _receiver_writes()
+    inplace = [c >= 0 and calls[c][CALL_WROTE_ARGUMENTS] and s is None and writes_receiver(calls[c])
                for c, s in zip(call_col, slot_col)]
     io = {i: r[1] for i, r in enumerate(records) if r[0] < 0}
     # Most ops share a handful of (shape, dtype, device, ...) rows: keep one tuple of each.
     distinct: dict = {}
-    meta = [distinct.setdefault(m, m) for m in (r[2:] for r in records)]
+    meta = [distinct.get(m) or distinct.setdefault(m, OpMeta._make(m)) for m in (r[2:] for r in records)]
     activations = dict(state.saved)
     for path, producer, t in returned:
         i = len(kind)
-        kind.append(KIND_OUTPUT)
+        kind.append(Kind.OUTPUT)
         io[i] = path
         call_col.append(-1)
         slot_col.append(None)
         parents_col.append(((0, producer),))
         module_col.append(-1)
         inplace.append(False)
-        meta.append((shape_of(t), t.dtype, t.device, t.requires_grad, None))
+        meta.append(OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None))
         if producer in activations:
             activations[i] = activations[producer]
 
-    module_objects, module_calls, modules = _build_modules(state, index)
+    module_calls, modules = _build_modules(state, index)
     module_counts = {id(m._ref): m.num_calls for m in modules}
     nodes_module_obj = [mc.module._ref for mc in module_calls]
     group = group_ops(call_col, slot_col, module_col, parents_col, meta, calls, nodes_module_obj,
@@ -94,25 +101,38 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         alias_reads=state.alias_reads,
         index=index,
     )
+    from ..capture.state import ReplayContext  # the capture driver's type; imported late, one way
+
     trace._replay = ReplayContext(state.context, state.contexts, state.param_writes,
                                   {id(p): p._version for _, p in index.params},
                                   {id(p): p.requires_grad for _, p in index.params})
     return trace
 
 
-def _writes_receiver(call) -> bool:
-    """An op is in place when it wrote its first argument (``add_``, ``x[i] = v``, ``out=x``)."""
-    kwargs = call[2] or {}
-    return _predicts_inplace(call[0]) or bool(kwargs.get("inplace")) or "out" in kwargs
+def _receiver_writes():
+    """``writes(call)``: whether an op wrote its first argument (``add_``, ``x[i] = v``, ``out=x``, or a
+    collective that fills its argument), judged by name once per function."""
+    from ..capture.collectives import WRITTEN_ARGUMENT  # a leaf module; imported late, one way
+
+    verdicts = dict.fromkeys(WRITTEN_ARGUMENT, True)
+
+    def writes(call: tuple) -> bool:
+        func, kwargs = call[CALL_FUNC], call[CALL_KWARGS] or {}
+        verdict = verdicts.get(func)
+        if verdict is None:
+            verdict = verdicts[func] = writes_first_argument(func)
+        return verdict or bool(kwargs.get("inplace")) or "out" in kwargs
+
+    return writes
 
 
 def _names(kind, call_col, calls):
     cache: dict = {}
     func_names, types = [], []
-    pseudo = {KIND_INPUT: "input", KIND_BUFFER: "buffer", KIND_OUTPUT: "output"}
+    pseudo = {Kind.INPUT: "input", Kind.BUFFER: "buffer", Kind.OUTPUT: "output"}
     for k, c in zip(kind, call_col):
-        if k == KIND_OP:
-            func = calls[c][0]
+        if k == Kind.OP:
+            func = calls[c][CALL_FUNC]
             named = cache.get(func)
             if named is None:
                 name = func_name_of(func)
@@ -128,7 +148,7 @@ def _names(kind, call_col, calls):
 def _label(kind, types, group):
     """Assign ``{type}_{typeIdx}_{layerIdx}:{pass}``; inputs, buffers and outputs have own counters."""
     type_counts: dict = {}
-    source_counts = {KIND_INPUT: 0, KIND_BUFFER: 0, KIND_OUTPUT: 0}
+    source_counts = {Kind.INPUT: 0, Kind.BUFFER: 0, Kind.OUTPUT: 0}
     layer_count = 0
     layer_of_group: dict = {}
     passes_of_group: dict = {}
@@ -136,12 +156,12 @@ def _label(kind, types, group):
     for k, t, g in zip(kind, types, group):
         layer = layer_of_group.get(g)
         if layer is None:
-            if k == KIND_OP:
+            if k == Kind.OP:
                 layer_count += 1
                 type_counts[t] = type_counts.get(t, 0) + 1
                 layer = op_label(t, type_counts[t], layer_count)
             else:
-                if k == KIND_OUTPUT:
+                if k == Kind.OUTPUT:
                     layer_count += 1  # outputs consume a layer number without printing it
                 source_counts[k] += 1
                 layer = f"{t}_{source_counts[k]}"
@@ -175,7 +195,7 @@ def _build_modules(state: CaptureState, model_index: ModelIndex):
         if parent_call is not None:
             parent_call.children.append(call)
         module_calls.append(call)
-    return modules_by_id, module_calls, list(modules_by_id.values())
+    return module_calls, list(modules_by_id.values())
 
 
 def _param_addresses(calls, call_col, index: ModelIndex) -> dict:
@@ -183,10 +203,10 @@ def _param_addresses(calls, call_col, index: ModelIndex) -> dict:
     out = {}
     by_call: dict = {}  # the outputs of one call share its addresses
     for i, c in enumerate(call_col):
-        if c >= 0 and calls[c][4]:
+        if c >= 0 and calls[c][CALL_PARAMS]:
             addresses = by_call.get(c)
             if addresses is None:
-                addresses = by_call[c] = tuple([names.get(id(p)) or _unregistered(p) for _, p in calls[c][4]])
+                addresses = by_call[c] = tuple([names.get(id(p)) or _unregistered(p) for _, p in calls[c][CALL_PARAMS]])
             out[i] = addresses
     return out
 

@@ -9,17 +9,17 @@ derived on demand; nothing runs during the forward.
 
 from __future__ import annotations
 
-from .errors import GradientUnavailable, TraceCleanedUp
-from .op import KIND_OUTPUT
+from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
+from ..errors import GradientUnavailable, TraceCleanedUp
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
-# Fields of a raw call tuple (``calls[c]``, laid out in capture/state.py).
-CALL_FIRST_RECORD, CALL_NUM_OUTPUTS = 10, 11
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
              "backward through log.output (or call log.backward(loss))")
 
 
-def _capture(trace):
+def grad_capture_of(trace):
+    """The trace's gradient capture; a trace taken without ``grads=`` raises ``GradientUnavailable`` saying
+    how to get one."""
     capture = trace._gradcap
     if capture is None:
         raise GradientUnavailable(_NO_GRADS)
@@ -28,14 +28,14 @@ def _capture(trace):
 
 def _producer(trace, index: int) -> int:
     """An output node shows its producer's tensor, and so its producer's gradient."""
-    if trace._kind[index] == KIND_OUTPUT:
+    if trace._kind[index] == Kind.OUTPUT:
         return trace._parents[index][0][1]
     return index
 
 
 def grad_of(trace, index: int):
     """d loss / d (op ``index``'s output), accumulated over every backward seen; None before one."""
-    capture = _capture(trace)
+    capture = grad_capture_of(trace)
     label = trace._labels[index]
     if trace._cleaned:
         raise TraceCleanedUp(f"{label}: the trace was cleaned up; its gradients were released (their norms, "
@@ -86,7 +86,7 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
     """``torch.autograd.backward`` through ``loss``; the trace's hooks receive every gradient."""
     import torch
 
-    _capture(trace)
+    grad_capture_of(trace)
     if trace.loaded_from is not None:
         raise GradientUnavailable(f"this trace was loaded from {trace.loaded_from}: it holds no autograd graph to "
                                   "run a backward through; its saved gradients are in op.grad")
@@ -124,7 +124,7 @@ def grad_stats_column(trace) -> dict:
         return {}
     stats = {i: grad_stats(g) for i, g in capture.grads.items()}
     for i, kind in enumerate(trace._kind):
-        if kind == KIND_OUTPUT and _producer(trace, i) in stats:
+        if kind == Kind.OUTPUT and _producer(trace, i) in stats:
             stats[i] = stats[_producer(trace, i)]
     return stats
 
@@ -156,7 +156,7 @@ def op_saved_for_backward_bytes(trace, index: int) -> int:
     A call that returned several tensors counts once, on its first output (0 on the others)."""
     packed = _packed(trace)
     c = trace._call[index]
-    if c < 0 or trace._calls[c][CALL_FIRST_RECORD] != index:
+    if c < 0 or trace.calls[c].first_record != index:
         return 0
     return sum(packed.get(c, {}).values())
 

@@ -10,6 +10,7 @@ appears; otherwise it is left out rather than shown as zeros.
 
 from __future__ import annotations
 
+from .columns import Kind
 from .grads import saved_for_backward_bytes
 from .summary import human_bytes
 
@@ -37,7 +38,7 @@ def _used_numels(trace) -> dict:
     """``{parameter address: numel}`` for every parameter an op used (from the recorded shapes)."""
     numels = {}
     for i, addresses in trace._param_addresses.items():
-        for address, (_, param) in zip(addresses, trace._calls[trace._call[i]][4]):
+        for address, (_, param) in zip(addresses, trace.calls[trace._call[i]].params):
             n = 1
             for d in param.shape:
                 n *= d
@@ -122,13 +123,13 @@ def module_summary(trace, depth=None) -> ModuleSummary:
     except RuntimeError:  # cleaned up before FLOPs were derived: leave the column empty
         call_flops, whole_flops = {}, None
     param_counts = module_param_counts(trace)
-    compute = [i for i in range(len(ops)) if trace._kind[i] == 0]
+    compute = [i for i in range(len(ops)) if trace._kind[i] == Kind.OP]
 
     def row(call, depth_, class_name, params, inputs, outputs, members, flops, duration):
         entry = {
             "call": call, "depth": depth_, "class_name": class_name, "params": params,
-            "input_shapes": [tuple(trace._meta[i][0]) for i in inputs],
-            "output_shapes": [tuple(trace._meta[i][0]) for i in outputs],
+            "input_shapes": [tuple(trace._meta[i].shape) for i in inputs],
+            "output_shapes": [tuple(trace._meta[i].shape) for i in outputs],
             "ops": len(members), "flops": int(flops) if flops is not None else None,
             "flops_complete": flops.complete if isinstance(flops, FlopCount) else None,
             "duration": duration, "activation_bytes": sum(produced[i] for i in members),
@@ -162,9 +163,9 @@ def _root_class(trace) -> str:
 
 def _produced_bytes(trace, i: int) -> int:
     """Bytes a compute op's output occupies; an in-place op wrote into memory another op produced."""
-    if trace._kind[i] != 0 or trace._inplace[i]:
+    if trace._kind[i] != Kind.OP or trace._inplace[i]:
         return 0
-    shape, dtype = trace._meta[i][0], trace._meta[i][1]
+    shape, dtype = trace._meta[i].shape, trace._meta[i].dtype
     n = 1
     for d in shape:
         n *= d

@@ -79,6 +79,12 @@ class ModuleCall:
 
     @property
     def ops(self) -> list:
+        """Every op run inside this call (``Op`` objects), nested calls included, in execution order."""
+        ops = self._trace.ops
+        return [ops[i] for i in self._op_nodes]
+
+    @property
+    def op_labels(self) -> list:
         """Labels of every op run inside this call, nested calls included, in execution order."""
         labels = self._trace._labels
         return [labels[i] for i in self._op_nodes]

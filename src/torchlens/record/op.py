@@ -6,11 +6,11 @@ and every field is read from (or derived from) the trace's columns on demand.
 
 from __future__ import annotations
 
-from ..capture.source import source_of
-from .errors import ActivationUnavailable
+from .columns import Kind
+from ..errors import ActivationUnavailable
 
-KIND_OP, KIND_INPUT, KIND_BUFFER, KIND_OUTPUT = 0, 1, 2, 3
-_KIND_NAMES = {KIND_OP: "op", KIND_INPUT: "input", KIND_BUFFER: "buffer", KIND_OUTPUT: "output"}
+# The kinds under their former names (record/columns.py declares them).
+KIND_OP, KIND_INPUT, KIND_BUFFER, KIND_OUTPUT = Kind.OP, Kind.INPUT, Kind.BUFFER, Kind.OUTPUT
 
 
 class Op:
@@ -50,19 +50,19 @@ class Op:
     @property
     def kind(self) -> str:
         """``"op"``, ``"input"``, ``"buffer"`` or ``"output"``."""
-        return _KIND_NAMES[self._trace._kind[self.index]]
+        return Kind(self._trace._kind[self.index]).label
 
     @property
     def is_input(self) -> bool:
-        return self._trace._kind[self.index] == KIND_INPUT
+        return self._trace._kind[self.index] == Kind.INPUT
 
     @property
     def is_output(self) -> bool:
-        return self._trace._kind[self.index] == KIND_OUTPUT
+        return self._trace._kind[self.index] == Kind.OUTPUT
 
     @property
     def is_buffer(self) -> bool:
-        return self._trace._kind[self.index] == KIND_BUFFER
+        return self._trace._kind[self.index] == Kind.BUFFER
 
     @property
     def io_path(self):
@@ -71,14 +71,19 @@ class Op:
         return self._trace._io.get(self.index)
 
     # ----- the call ------------------------------------------------------------------------------
-    def _call(self):
+    @property
+    def call(self):
+        """The torch call that produced this tensor, as recorded (a ``record.columns.Call``: ``.func``,
+        ``.parents``, ``.module_call`` ...), or None for inputs, buffers and outputs."""
         c = self._trace._call[self.index]
-        return self._trace._calls[c] if c >= 0 else None
+        return self._trace.calls[c] if c >= 0 else None
+
+    _call = call.fget  # the internal spelling
 
     @property
     def func(self):
         call = self._call()
-        return call[0] if call is not None else None
+        return call.func if call is not None else None
 
     @property
     def func_name(self) -> str:
@@ -88,12 +93,12 @@ class Op:
     def args(self):
         """Non-tensor positional arguments, with ``None`` where a tensor was passed."""
         call = self._call()
-        return call[1] if call is not None else None
+        return call.args if call is not None else None
 
     @property
     def kwargs(self):
         call = self._call()
-        return call[2] if call is not None else None
+        return call.kwargs if call is not None else None
 
     @property
     def parents(self) -> list:
@@ -135,30 +140,30 @@ class Op:
     # ----- the tensor ----------------------------------------------------------------------------
     @property
     def shape(self) -> tuple:
-        return tuple(self._trace._meta[self.index][0])
+        return tuple(self._trace._meta[self.index].shape)
 
     @property
     def dtype(self):
-        return self._trace._meta[self.index][1]
+        return self._trace._meta[self.index].dtype
 
     @property
     def device(self):
-        return self._trace._meta[self.index][2]
+        return self._trace._meta[self.index].device
 
     @property
     def requires_grad(self) -> bool:
-        return self._trace._meta[self.index][3]
+        return self._trace._meta[self.index].requires_grad
 
     @property
     def grad_fn(self):
         """Name of the autograd node that produced the tensor (``AddmmBackward0``), or None."""
-        cls = self._trace._meta[self.index][4]
+        cls = self._trace._meta[self.index].grad_fn_class
         return cls.__name__ if cls is not None else None
 
     @property
     def numel(self) -> int:
         shape = self._trace._meta[self.index][0]
-        if None in shape:  # a nested tensor (capture/layouts.py): its components' count
+        if None in shape:  # a nested tensor (record/layouts.py): its components' count
             return shape.numel
         n = 1
         for d in shape:
@@ -233,8 +238,15 @@ class Op:
         return self._trace.module_calls[m] if m >= 0 else None
 
     @property
+    def module_address(self):
+        """Address of the innermost module this op ran in (``features.2``), or None in the root forward."""
+        call = self.module_call
+        return call.address if call is not None else None
+
+    @property
     def module(self):
-        """Label of the innermost module call (``features.2:1``), or None in the root forward."""
+        """The innermost module call's label (``features.2:1``), or None in the root forward: the former
+        spelling of ``op.module_call.label``, kept for one release (docs/labels.md)."""
         call = self.module_call
         return call.label if call is not None else None
 
@@ -251,23 +263,26 @@ class Op:
     @property
     def source(self):
         """The user's call site (``.file``, ``.line``, ``.function``, ``.code``), or None."""
+        from ..capture.source import source_of  # capture sits above record: imported late
+
         call = self._call()
-        return source_of(call[6], call[7]) if call is not None else None
+        return source_of(call.code, call.line) if call is not None else None
 
     @property
     def duration(self):
         """Host wall time of the torch call in seconds (instrumented: for ranking, not quoting)."""
         call = self._call()
-        return (call[9] - call[8]) / 1e9 if call is not None else None
+        return (call.t1_ns - call.t0_ns) / 1e9 if call is not None else None
 
     @property
     def start_ns(self):
         call = self._call()
-        return call[8] if call is not None else None
+        return call.t0_ns if call is not None else None
 
     def __repr__(self) -> str:
         shape = "x".join(str(d) for d in self.shape)
-        where = f" in {self.module}" if self.module else ""
+        call = self.module_call
+        where = f" in {call.label}" if call is not None else ""
         return f"<Op {self.label} {self.func_name}({shape}, {str(self.dtype).replace('torch.', '')}){where}>"
 
     def __eq__(self, other):
@@ -278,7 +293,7 @@ class Op:
 
 
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
-                       "has_activation", "parent_arg_positions", "module_call", "module", "modules",
+                       "has_activation", "parent_arg_positions", "module_call", "module_address", "module", "modules",
                        "start_ns", "finite", "args", "kwargs", "grad", "has_grad",
                        "saved_for_backward_bytes"])
 

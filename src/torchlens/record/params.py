@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .columns import Kind
+
 
 class Param:
     """One parameter of the traced model and the ops that used it."""
@@ -36,6 +38,12 @@ class Param:
 
     @property
     def ops(self) -> list:
+        """The ops that used this parameter (``Op`` objects), in execution order."""
+        ops = self._trace.ops
+        return [ops[i] for i in self._users]
+
+    @property
+    def op_labels(self) -> list:
         """Labels of the ops that used this parameter, in execution order."""
         return [self._trace._labels[i] for i in self._users]
 
@@ -55,6 +63,12 @@ class Buffer:
 
     @property
     def ops(self) -> list:
+        """The buffer's nodes (``Op`` objects of kind ``"buffer"``), in order of first use."""
+        ops = self._trace.ops
+        return [ops[i] for i in self._nodes]
+
+    @property
+    def op_labels(self) -> list:
         """Labels of the buffer's nodes (``buffer_k:1``), in order of first use."""
         return [self._trace._labels[i] for i in self._nodes]
 
@@ -82,7 +96,7 @@ def build_params(trace, model_params) -> list:
 def build_buffers(trace) -> list:
     records: dict = {}
     for i, kind in enumerate(trace._kind):
-        if kind == 2:  # a buffer node
+        if kind == Kind.BUFFER:
             address = trace._io[i]
             records.setdefault(address, Buffer(trace, address))._nodes.append(i)
     return list(records.values())

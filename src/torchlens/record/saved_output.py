@@ -8,7 +8,7 @@ a dict of its tensor fields).  Non-tensor parts of the original output were neve
 
 from __future__ import annotations
 
-from .errors import ActivationUnavailable
+from ..errors import ActivationUnavailable
 
 
 def rebuild_output(trace):

@@ -109,11 +109,11 @@ def params_frame(params) -> "pandas.DataFrame":
     pd = require_pandas()
     return pd.DataFrame([
         {"address": p.address, "shape": p.shape, "dtype": str(p.dtype).replace("torch.", ""),
-         "numel": p.numel, "requires_grad": p.requires_grad, "module": p.module_address, "ops": p.ops}
+         "numel": p.numel, "requires_grad": p.requires_grad, "module": p.module_address, "ops": p.op_labels}
         for p in params
     ])
 
 
 def buffers_frame(buffers) -> "pandas.DataFrame":
     pd = require_pandas()
-    return pd.DataFrame([{"address": b.address, "ops": b.ops, "readers": b.readers} for b in buffers])
+    return pd.DataFrame([{"address": b.address, "ops": b.op_labels, "readers": b.readers} for b in buffers])

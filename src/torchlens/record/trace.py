@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import gc
 
-from .errors import TorchlensError, TraceCleanedUp
-from .modules import Module
-from .op import KIND_INPUT, KIND_OUTPUT, Layer, Op
+from ..errors import TorchlensError, TraceCleanedUp
+from .columns import Call, Kind
+from .op import Layer, Op
 
 
 class RecordList(list):
@@ -45,7 +46,8 @@ class Trace:
                  dropped, finite, param_addresses, module_calls, modules, output, model, unattributed,
                  timings, budget_exhausted_at, alias_reads=frozenset(), index=None):
         self.model_name = model_name
-        self._calls = calls
+        self._calls = calls  # raw call tuples until ``calls`` names them (record/columns.py)
+        self._calls_named = False
         self._kind = kind
         self._call = call
         self._slot = slot
@@ -134,6 +136,43 @@ class Trace:
             self._layers_by_label = {layer.layer_label: layer for layer in self.layers}
         return self._layers_by_label
 
+    # ----- the record model (record/columns.py), read-only --------------------------------------
+    @property
+    def calls(self) -> list:
+        """Every tensor-producing torch call in execution order, as recorded (``record.columns.Call``:
+        ``.func``, ``.parents``, ``.module_call``, ``.first_record``, ``.num_outputs`` ...).  An op's call
+        is ``op.call``; ``calls[c].first_record`` is the index of its first op."""
+        if not self._calls_named:
+            # Named on first read, not in finalize: a trace nobody reads per call pays nothing.  In place,
+            # since the capture state that filled the list may still hold it.  Without the collector,
+            # whose passes over a large trace would cost more than the naming (as tl.trace does).
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                make = tuple.__new__
+                self._calls[:] = [make(Call, c) for c in self._calls]
+                self._calls_named = True
+            finally:
+                if collecting:
+                    gc.enable()
+        return self._calls
+
+    @property
+    def kinds(self) -> list:
+        """Each op's ``record.columns.Kind`` (OP, INPUT, BUFFER, OUTPUT), by op index."""
+        return self._kind
+
+    @property
+    def call_indices(self) -> list:
+        """Each op's position in ``calls`` (-1 for inputs, buffers and outputs), by op index."""
+        return self._call
+
+    @property
+    def op_meta(self) -> list:
+        """Each op's tensor metadata (``record.columns.OpMeta``: ``.shape``, ``.dtype``, ``.device``,
+        ``.requires_grad``, ``.grad_fn_class``), by op index."""
+        return self._meta
+
     # ----- the reference library's names (see docs/labels.md) -----------------------------------
     @property
     def layer_list(self) -> RecordList:
@@ -152,11 +191,11 @@ class Trace:
 
     @property
     def inputs(self) -> list:
-        return [op for op in self.ops if op._trace._kind[op.index] == KIND_INPUT]
+        return [op for op in self.ops if op._trace._kind[op.index] == Kind.INPUT]
 
     @property
     def outputs(self) -> list:
-        return [op for op in self.ops if op._trace._kind[op.index] == KIND_OUTPUT]
+        return [op for op in self.ops if op._trace._kind[op.index] == Kind.OUTPUT]
 
     @property
     def output(self):
@@ -257,7 +296,7 @@ class Trace:
             lookup[label] = op
         for op in self.ops:
             path = self._io.get(op.index)
-            if path is not None and op._trace._kind[op.index] != 2:
+            if path is not None and op._trace._kind[op.index] != Kind.BUFFER:
                 lookup.setdefault(path, op)
         for mc in self.module_calls:
             outs = [i for i in mc._output_nodes if i >= 0]
@@ -392,7 +431,7 @@ class Trace:
         self._originals = {}
         self._output = None
         self._model = None
-        self._calls = [(c[0], None, None, c[3], ()) + c[5:] for c in self._calls]
+        self._calls = [c._replace(args=None, kwargs=None, params=()) for c in self.calls]
         for module in self.modules:
             module._ref = None
 
@@ -401,4 +440,4 @@ class Trace:
         return self._cleaned
 
 
-__all__ = ["Trace", "RecordList", "Module"]
+__all__ = ["Trace", "RecordList"]

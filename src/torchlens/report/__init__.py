@@ -1,5 +1,5 @@
 """Reports that bridge a trace to PyTorch's native tools (FLOPs, kernel profiles, chrome traces), and patching
-experiments as tables."""
+experiments as tables; and the paired-ratio overhead harness (``measure_overhead``)."""
 
 import importlib
 
@@ -13,6 +13,9 @@ _EXPORTS = {
     "to_chrome_trace": ".chrome",
     "activation_patching": ".patching",
     "attribution_patching": ".patching",
+    "measure_overhead": ".overhead",  # the paired-ratio harness behind every published overhead figure
+    "RefusalPredicate": ".overhead",
+    "OverheadResult": ".overhead",
 }
 
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from ..record.grads import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS
 from .markers import ProfilerMarkers
 from .profile_join import join
 
 
 def profile_backward_of(trace, backward, chrome_trace, profiler, activities, profiler_kwargs):
-    from ..record.grads import _capture
+    from ..record.grads import grad_capture_of
     from .kernel_profiling import KernelProfile, ProfilerBusyError, _check_borrowed, _default_activities, _run_backward
 
-    capture = _capture(trace)
+    capture = grad_capture_of(trace)
     if backward is False:
         raise ValueError("kernel_profile(trace) profiles the trace's backward: pass backward=True (all-ones "
                          "gradients on every output that requires grad) or backward=f(output)")
@@ -63,7 +62,7 @@ def _node_owners(trace, capture) -> dict:
     numbers after the previous call's and up to its own."""
     owners = {}
     for index, seq in capture.sequence_numbers.items():
-        owners.setdefault(seq, trace._call[index])
+        owners.setdefault(seq, trace.call_indices[index])
     if capture.policy is not None:  # a grads=[...] selection: unnumbered ops in between; exact only
         return owners
     previous = capture.first_sequence_number
@@ -76,21 +75,21 @@ def _node_owners(trace, capture) -> dict:
 
 
 def _needs_grad(trace, call) -> bool:
-    first = call[CALL_FIRST_RECORD]
-    return any(trace._meta[i][3] for i in range(first, first + call[CALL_NUM_OUTPUTS]))
+    meta, first = trace.op_meta, call.first_record
+    return any(meta[i].requires_grad for i in range(first, first + call.num_outputs))
 
 
 def join_backward(profile, events):
     """``(serial_of_call, joined, problems)`` where each call is its own serial."""
     trace = profile.trace
-    serial_of_call = {c: c for c in range(len(trace._calls))}
+    serial_of_call = {c: c for c in range(len(trace.calls))}
     joined = join(events, profile.markers.run, None, seq_owner=profile.backward_nodes)
     with_node = set(profile.backward_nodes.values())
     # No backward node at all (the output needs no grad) is a measured zero; an unseen node is unknown.
-    joined.backward_measured = {c for c, call in enumerate(trace._calls)
+    joined.backward_measured = {c for c, call in enumerate(trace.calls)
                                 if c in with_node or not _needs_grad(trace, call)}
     problems = []
-    unknown = len(trace._calls) - len(joined.backward_measured)
+    unknown = len(trace.calls) - len(joined.backward_measured)
     if unknown:
         problems.append(f"{unknown} ops' backward nodes were not numbered during capture (left out by grads=[...] "
                         "or tensor subclasses): their backward columns are n/a")

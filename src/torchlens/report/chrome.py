@@ -30,8 +30,8 @@ def _us(ns: int) -> float:
 def to_chrome_trace(trace, path, *, module_calls: bool = True) -> str:
     """Write ``trace`` as a chrome trace JSON to ``path`` (open it in Perfetto or chrome://tracing)."""
     path = os.fspath(path)
-    calls = trace._calls
-    starts = [c[8] for c in calls]
+    calls = trace.calls
+    starts = [c.t0_ns for c in calls]
     if module_calls:
         starts += [mc.start_ns for mc in trace.module_calls]
     base = min(starts, default=0)
@@ -71,11 +71,11 @@ def _module_events(trace, base: int) -> list:
 
 
 def _op_events(trace, base: int) -> list:
-    labels, layers, types, meta = trace._labels, trace._layer_labels, trace._types, trace._meta
+    labels, layers, types, meta = trace._labels, trace._layer_labels, trace._types, trace.op_meta
     module_calls = trace.module_calls
     events = []
-    for call in trace._calls:
-        first, count = call[10], call[11]
+    for call in trace.calls:
+        first, count = call.first_record, call.num_outputs
         outputs = range(first, first + count)
         m = trace._module_call[first]
         args = {
@@ -83,8 +83,8 @@ def _op_events(trace, base: int) -> list:
             "layer": layers[first],
             "type": types[first],
             "func": trace._func_names[first],
-            "shapes": [list(meta[i][0]) for i in outputs],
-            "dtype": str(meta[first][1]).replace("torch.", ""),
+            "shapes": [list(meta[i].shape) for i in outputs],
+            "dtype": str(meta[first].dtype).replace("torch.", ""),
             "module_call": module_calls[m].label if m >= 0 else None,
         }
         if count > 1:
@@ -93,5 +93,5 @@ def _op_events(trace, base: int) -> list:
         if source is not None:
             args["source"] = f"{source.file}:{source.line}"
         events.append({"ph": "X", "cat": "op", "name": labels[first], "pid": _PID, "tid": _TID,
-                       "ts": _us(call[8] - base), "dur": _us(call[9] - call[8]), "args": args})
+                       "ts": _us(call.t0_ns - base), "dur": _us(call.t1_ns - call.t0_ns), "args": args})
     return events

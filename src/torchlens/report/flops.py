@@ -56,29 +56,29 @@ class CallArgs:
 
     def shape(self, position, name=None):
         """Shape of the tensor passed at ``position`` (or keyword ``name``); None if absent or unknown."""
-        meta = self._trace._meta
-        for pos, parent in self._call[3]:
+        meta = self._trace.op_meta
+        for pos, parent in self._call.parents:
             if pos == position or (name is not None and pos == name):
-                return tuple(meta[parent][0]) if parent >= 0 else None
-        for pos, param in self._call[4]:
+                return tuple(meta[parent].shape) if parent >= 0 else None
+        for pos, param in self._call.params:
             if pos == position or (name is not None and pos == name):
                 return tuple(param.shape)
         return None
 
     def has_tensor(self, position, name=None) -> bool:
-        positions = [p for p, _ in self._call[3]] + [p for p, _ in self._call[4]]
+        positions = [p for p, _ in self._call.parents] + [p for p, _ in self._call.params]
         return position in positions or (name is not None and name in positions)
 
     def nested_shapes(self) -> list:
         """Shapes of tensors passed inside list arguments (RNN weights), parents and parameters alike."""
-        meta = self._trace._meta
-        shapes = [tuple(meta[p][0]) if p >= 0 else None for pos, p in self._call[3] if isinstance(pos, tuple)]
-        shapes += [tuple(p.shape) for pos, p in self._call[4] if isinstance(pos, tuple)]
+        meta = self._trace.op_meta
+        shapes = [tuple(meta[p].shape) if p >= 0 else None for pos, p in self._call.parents if isinstance(pos, tuple)]
+        shapes += [tuple(p.shape) for pos, p in self._call.params if isinstance(pos, tuple)]
         return shapes
 
     def value(self, position, name, default=None):
         """A non-tensor argument, positional or keyword."""
-        args, kwargs = self._call[1] or (), self._call[2] or {}
+        args, kwargs = self._call.args or (), self._call.kwargs or {}
         if name in kwargs:
             return kwargs[name]
         if position is not None and position < len(args) and not self.has_tensor(position):
@@ -320,18 +320,18 @@ for _d in (1, 2, 3):
 # ----- per-op evaluation -------------------------------------------------------------------------------
 def _evaluate(trace, index):
     """``{family: flops}`` for op ``index``; ``{}`` for pseudo-ops and secondary outputs; None if unknown."""
-    c = trace._call[index]
+    c = trace.call_indices[index]
     if c < 0:
         return {}
-    call = trace._calls[c]
-    if call[10] != index:
+    call = trace.calls[c]
+    if call.first_record != index:
         return {}  # a further output of a multi-output call: the call was counted on its first output
     entry = _REGISTRY.get(canonical_name(trace._func_names[index]))
     if entry is None:
         return None
     family, formula = entry
     try:
-        result = formula(CallArgs(trace, call, trace._meta[index][0]))
+        result = formula(CallArgs(trace, call, trace.op_meta[index].shape))
     except Exception:  # an argument layout the formula does not understand: unknown, never 0
         result = None
     if result is None:

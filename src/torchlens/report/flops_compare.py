@@ -18,8 +18,8 @@ import functools
 
 import torch
 
-from ..record.errors import TorchlensError
-from .flops import CONVENTION, FAMILIES, flops_column, total_flops
+from ..errors import WitnessFailed
+from .flops import CONVENTION, FAMILIES, family_totals, flops_column, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
@@ -31,10 +31,6 @@ _NATIVE_FAMILY = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "baddbmm":
                   "convolution": "conv", "_convolution": "conv", "cudnn_convolution": "conv",
                   "convolution_overrideable": "conv", "_slow_conv2d_forward": "conv",
                   "convolution_backward": "conv"}
-
-
-class WitnessFailed(TorchlensError):
-    """The traced and the FlopCounterMode executions could not be shown to run the same program."""
 
 
 class FlopsComparison:
@@ -135,10 +131,7 @@ def _compare(log, model, native_counts) -> FlopsComparison:
     native_families = dict.fromkeys(FAMILIES, 0)
     for overload, count in native_global.items():
         native_families[_native_family(overload)] += count
-    tl_families = dict.fromkeys(FAMILIES, 0)
-    for parts in flops_column(log):
-        for family, n in (parts or {}).items():
-            tl_families[family] += n
+    tl_families = family_totals(log)
     families = [{"family": f, "torchlens": tl_families[f], "native": native_families[f],
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)
@@ -160,7 +153,7 @@ def _module_rows(log, native_counts, root_name) -> list:
         unknown[module.address] = 0
     calls = log.module_calls
     for i, m in enumerate(log._module_call):
-        if log._call[i] < 0:
+        if log.call_indices[i] < 0:
             continue
         parts = column[i]
         addresses = {""}
@@ -238,9 +231,9 @@ def _drew_random_numbers(saved) -> bool:
 
 
 def _detached(output):
-    from ..record.finalize import tensor_leaves
+    from ..tree import tensor_leaves
 
-    return [t.detach().clone() for _, t in tensor_leaves(output, "output", [])]
+    return [t.detach().clone() for _, t in tensor_leaves(output)]
 
 
 def _outputs_close(a: list, b: list, rtol: float, atol: float) -> bool:

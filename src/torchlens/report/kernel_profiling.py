@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from ..errors import ProfilerBusyError
 from .markers import ProfilerMarkers
 from .profile_coverage import Coverage, find_problems
 from .profile_events import events_from_profiler
@@ -27,10 +28,6 @@ from .profile_tables import layer_rows, module_rows, op_rows
 
 SIDECAR_SUFFIX = ".torchlens.json"
 SIDECAR_SCHEMA = "torchlens.kernel_profile_map.v1"
-
-
-class ProfilerBusyError(RuntimeError):
-    """A torch profiler is already running, and it was not handed to ``kernel_profile``."""
 
 
 def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=None, profiler=None,
@@ -115,9 +112,9 @@ def _run_backward(output, backward) -> None:
     if callable(backward) and backward is not True:
         backward(output)
         return
-    from ..record.finalize import tensor_leaves
+    from ..tree import tensor_leaves
 
-    roots = [t for _, t in tensor_leaves(output, "output", []) if t.requires_grad]
+    roots = [t for _, t in tensor_leaves(output) if t.requires_grad]
     if not roots:
         raise ValueError("backward=True needs a model output that requires grad; none does (eval under "
                          "no_grad, or integer outputs). Pass backward=f(output) to run your own loss.")
@@ -152,7 +149,7 @@ class KernelProfile:
 
                 serial_of_call, joined, problems = join_backward(self, events)
             else:
-                serial_of_call = {c: s for s, c in self.markers.resolve_calls(len(self.trace._calls)).items()}
+                serial_of_call = {c: s for s, c in self.markers.resolve_calls(len(self.trace.calls)).items()}
                 joined = join(events, self.markers.run, set(serial_of_call.values()))
                 problems = find_problems(joined, len(self.trace.module_calls), serial_of_call)
             rows = op_rows(self.trace, serial_of_call, joined, self.backward)
@@ -295,4 +292,4 @@ class KernelProfile:
 
     def __repr__(self) -> str:
         state = "pending (profiler still open)" if self._joined is None and self.borrowed else "joined"
-        return f"<KernelProfile of {self.trace.model_name}: {len(self.trace._calls)} ops, {state}>"
+        return f"<KernelProfile of {self.trace.model_name}: {len(self.trace.calls)} ops, {state}>"

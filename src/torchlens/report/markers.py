@@ -9,7 +9,7 @@ range whose name is an id, never a label (labels only exist after the forward fi
     torchlens::phase::<run>.<phase>      the whole forward / backward
 
 ``run`` is unique per profile in this process, so two profiles inside one borrowed profiler never
-share a name.  A call that returns no tensor is not an op, so it leaves no entry in ``trace._calls``
+share a name.  A call that returns no tensor is not an op, so it leaves no entry in ``trace.calls``
 and the next call reuses its call index; ``resolve_calls`` maps serials back to calls afterwards.
 
 The ranges use ``torch._C._profiler._RecordFunctionFast``: about 3 us per range where

@@ -15,7 +15,7 @@ import torch
 
 from ..capture.session import trace
 from ..intervene import patch_from
-from ..record.errors import TorchlensError
+from ..errors import TorchlensError
 
 
 def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,

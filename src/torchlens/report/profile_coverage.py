@@ -73,11 +73,6 @@ class Coverage:
         busy = self.device_busy_ns
         return None if not busy else self.device_attributed_ns / busy
 
-    @property
-    def host_fraction(self):
-        """Share of aten/runtime self CPU time that landed on a captured op."""
-        return None if not self.host_ns else self.host_attributed_ns / self.host_ns
-
     def to_dict(self) -> dict:
         return {
             "complete": self.complete,

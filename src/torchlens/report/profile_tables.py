@@ -40,8 +40,8 @@ def op_rows(trace, serial_of_call: dict, joined, backward: bool) -> list:
     labels, layers, types = trace._labels, trace._layer_labels, trace._types
     module_calls = trace.module_calls
     rows = []
-    for c, call in enumerate(trace._calls):
-        first, count = call[10], call[11]
+    for c, call in enumerate(trace.calls):
+        first, count = call.first_record, call.num_outputs
         serial = serial_of_call.get(c)
         measured = serial is not None and joined.marker_counts.get(("op", serial)) == 1
         measured_backward = measured

@@ -66,7 +66,7 @@ class DotWriter:
             title = trace._layer_labels[first]  # a single pass needs no ":1"
         if self.rolled and n > 1:
             title += f" \u00d7{n}"
-        shapes = sorted({shape_text(trace._meta[i][0]) for i in item.ops})
+        shapes = sorted({shape_text(trace.op_meta[i].shape) for i in item.ops})
         shape = shapes[0] if len(shapes) == 1 else f"{len(shapes)} shapes"
         what = trace._func_names[first] if item.kind == "op" else (trace._io.get(first) or item.kind)
         rows = [f"<b>{esc(title)}</b>", f"{esc(what)} {esc(shape)}"]
@@ -106,8 +106,8 @@ class DotWriter:
     def module_label(self, g) -> str:
         group = self.structure.groups[g]
         first = self.trace.module_calls[group.calls[0]]
-        ins = [shape_text(self.trace._meta[i][0]) for i in first._input_nodes if i >= 0]
-        outs = [shape_text(self.trace._meta[i][0]) for i in first._output_nodes if i >= 0]
+        ins = [shape_text(self.trace.op_meta[i].shape) for i in first._input_nodes if i >= 0]
+        outs = [shape_text(self.trace.op_meta[i].shape) for i in first._output_nodes if i >= 0]
         rows = [f"<b>{esc(self.group_title(g))}</b>",
                 f"{esc(', '.join(ins) or '-')} \u2192 {esc(', '.join(outs) or '-')}",
                 f'<font point-size="8">{len(first._op_nodes)} ops</font>']
@@ -145,7 +145,7 @@ class DotWriter:
         cells = []
         for port, index in ports:
             item = self.structure.items[index]
-            shape = shape_text(self.trace._meta[item.ops[0]][0])
+            shape = shape_text(self.trace.op_meta[item.ops[0]].shape)
             cells.append(f'<td port="p{port}" border="1" cellpadding="2"><font point-size="8">{esc(item.label)} '
                          f"{esc(shape)}</font></td>")
         return (f'<<table border="0" cellspacing="2" cellpadding="0"><tr><td colspan="{len(cells)}">{label[1:-1]}'
@@ -158,10 +158,10 @@ class DotWriter:
         siblings: dict = {}
         for i in picture.items:
             op = items[i].ops[0]
-            c = trace._call[op]
-            if c < 0 or trace._calls[c][11] < 2:
+            c = trace.call_indices[op]
+            if c < 0 or trace.calls[c].num_outputs < 2:
                 continue
-            first = op_item[trace._calls[c][10]]
+            first = op_item[trace.calls[c].first_record]
             if first in visible:
                 siblings.setdefault(first, []).append(i)
         aliases = {}

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..record.op import KIND_BUFFER, KIND_INPUT, KIND_OUTPUT
+from ..record.columns import Kind
 
-KIND_NAMES = {0: "op", KIND_INPUT: "input", KIND_BUFFER: "buffer", KIND_OUTPUT: "output"}
+KIND_NAMES = {kind: kind.label for kind in Kind}
 VIEWS = ("unrolled", "rolled")
 
 
@@ -93,8 +93,8 @@ def _op_module_calls(trace) -> list:
     """The module call each op is drawn inside; buffers sit with the module that owns them."""
     calls = list(trace._module_call)
     children = None
-    for i, kind in enumerate(trace._kind):
-        if kind != KIND_BUFFER:
+    for i, kind in enumerate(trace.kinds):
+        if kind != Kind.BUFFER:
             continue
         if children is None:
             children = trace._children()
@@ -135,7 +135,7 @@ def _position_groups(trace):
 
 
 def _op_items(trace, op_call, call_group):
-    labels, kinds = trace._labels, trace._kind
+    labels, kinds = trace._labels, trace.kinds
     items = [Item(f"o{i}", labels[i], KIND_NAMES[kinds[i]], call_group[c] if c >= 0 else -1, [i])
              for i, c in enumerate(op_call)]
     return items, list(range(len(items)))
@@ -148,7 +148,7 @@ def _layer_items(trace, op_call, call_group):
         if index is None:
             index = by_layer[layer] = len(items)
             c = op_call[i]
-            items.append(Item(f"l{i}", layer, KIND_NAMES[trace._kind[i]], call_group[c] if c >= 0 else -1, []))
+            items.append(Item(f"l{i}", layer, KIND_NAMES[trace.kinds[i]], call_group[c] if c >= 0 else -1, []))
         items[index].ops.append(i)
         op_item.append(index)
     return items, op_item

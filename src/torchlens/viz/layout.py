@@ -14,18 +14,10 @@ import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-from ..record.errors import TorchlensError
+from ..errors import LayoutEngineMissing, LayoutFailed
 
 FORMATS = ("svg", "png")
 ENGINE_ENV = "TORCHLENS_DOT"
-
-
-class LayoutEngineMissing(TorchlensError, RuntimeError):
-    """Neither Graphviz's ``dot`` nor the ``graphviz-pure`` executable could be found."""
-
-
-class LayoutFailed(TorchlensError, RuntimeError):
-    """The layout engine ran and reported an error."""
 
 
 def find_engine() -> str:

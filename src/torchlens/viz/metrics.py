@@ -64,16 +64,15 @@ def op_values(trace, metric, device_times=None) -> list:
     """One value per op (None where unknown); for ``nonfinite`` True/False/None."""
     n = len(trace)
     if metric == "duration":
-        return [(c[9] - c[8]) / 1e9 if c is not None else None
-                for c in (trace._calls[k] if k >= 0 else None for k in trace._call)]
+        calls = trace.calls
+        return [(c.t1_ns - c.t0_ns) / 1e9 if c is not None else None
+                for c in (calls[k] if k >= 0 else None for k in trace.call_indices)]
     if metric == "memory":
         return [op.nbytes if op.kind == "op" else None for op in trace.ops]
     if metric == "flops":
         from .records import flops_function
 
         flops = flops_function()
-        if flops is None:
-            raise ImportError("color_by='flops' needs torchlens.report.flops, which this installation lacks")
         return [flops(op) if op.kind == "op" else None for op in trace.ops]
     if metric == "device_time":
         values: list = [None] * n
@@ -119,11 +118,9 @@ def nonfinite_flags(trace) -> list:
 
 
 def nonfinite_origins(trace) -> set:
-    """Labels ``torchlens.debug.nonfinite_origin`` names as origins (empty when it is unavailable)."""
-    try:
-        from ..debug.nonfinite import nonfinite_origin
-    except ImportError:
-        return set()
+    """Labels ``torchlens.debug.nonfinite_origin`` names as origins."""
+    from ..debug.nonfinite import nonfinite_origin
+
     try:
         report = nonfinite_origin(trace)
     except Exception:  # no flags, nothing non-finite: the colouring still stands without an origin

@@ -13,11 +13,9 @@ from ..record.summary import human_bytes
 
 
 def flops_function():
-    """``torchlens.report.flops.op_flops`` when it is installed, else None."""
-    try:
-        from ..report.flops import op_flops
-    except ImportError:
-        return None
+    """``torchlens.report.flops.op_flops``, imported late (viz and report are sibling bridges)."""
+    from ..report.flops import op_flops
+
     return op_flops
 
 
@@ -85,7 +83,7 @@ class RecordBuilder:
         self._flops_cache: dict = {}
 
     def op_flops(self, op):
-        if self.flops is None or op.kind != "op":
+        if op.kind != "op":
             return None
         if op.index not in self._flops_cache:
             try:
@@ -183,11 +181,3 @@ class RecordBuilder:
         if first.module.param_names:
             rec["params"] = [f"{first.address}.{name}" for name in first.module.param_names]
         return rec
-
-    def io_shapes(self, group) -> tuple:
-        """Input and output shapes of a group's first call, for its collapsed node."""
-        trace = self.trace
-        first = trace.module_calls[group.calls[0]]
-        ins = [shape_text(trace._meta[i][0]) for i in first._input_nodes if i >= 0]
-        outs = [shape_text(trace._meta[i][0]) for i in first._output_nodes if i >= 0]
-        return ins, outs

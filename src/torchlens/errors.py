@@ -1,0 +1,75 @@
+"""Every error torchlens raises on purpose, in one place; each message says what went wrong and what to do.
+
+Nothing here imports the rest of torchlens, so every layer can raise these.  The modules that raise an
+error also re-export it under its former home (``torchlens.io.format.TraceFileError`` and so on).
+"""
+
+
+class TorchlensError(Exception):
+    """Base class for torchlens's own errors."""
+
+
+# ----- the record ---------------------------------------------------------------------------------
+class ActivationUnavailable(TorchlensError):
+    """An activation was asked for that the trace does not hold (cleaned up or dropped)."""
+
+
+class TraceCleanedUp(TorchlensError):
+    """Data released by ``Trace.cleanup()`` was asked for."""
+
+
+# ----- capture ------------------------------------------------------------------------------------
+class NestedTraceError(TorchlensError):
+    """``tl.trace`` was called from inside a traced forward."""
+
+
+class UnmatchedSelection(TorchlensError, KeyError):
+    """A ``save=`` entry named nothing in the trace (a ``KeyError`` naming the closest labels)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+# ----- gradients and interventions ----------------------------------------------------------------
+class GradientUnavailable(TorchlensError):
+    """A gradient was asked for that autograd never computes or the trace was not set up to receive."""
+
+
+class InterventionError(TorchlensError):
+    """An intervention could not be applied faithfully (its site was not reached, the forward took
+    another path than the reference trace, or an action returned an unusable value)."""
+
+
+# ----- files (torchlens.io) -----------------------------------------------------------------------
+class TraceFileError(TorchlensError, ValueError):
+    """A saved trace or extraction folder is missing, damaged, tampered with, or from another schema."""
+
+
+class UnsafeMemberError(TraceFileError):
+    """A file in a torchlens folder is not a plain, bounded, in-folder regular file (a link, FIFO, device,
+    directory, or oversized), so it is refused before anything reads it."""
+
+
+class ResumeMismatchError(TorchlensError, ValueError):
+    """``tl.extract`` was asked to resume a folder written with another model, other arguments or other inputs."""
+
+
+class RankFailedError(TorchlensError, RuntimeError):
+    """A rank did not reach a distributed barrier in time: it died, hung, or raised."""
+
+
+# ----- reports and pictures -----------------------------------------------------------------------
+class ProfilerBusyError(TorchlensError, RuntimeError):
+    """A torch profiler is already running, and it was not handed to ``kernel_profile``."""
+
+
+class WitnessFailed(TorchlensError):
+    """The traced and the FlopCounterMode executions could not be shown to run the same program."""
+
+
+class LayoutEngineMissing(TorchlensError, RuntimeError):
+    """Neither Graphviz's ``dot`` nor the ``graphviz-pure`` executable could be found."""
+
+
+class LayoutFailed(TorchlensError, RuntimeError):
+    """The layout engine ran and reported an error."""

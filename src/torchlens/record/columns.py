@@ -1,0 +1,112 @@
+"""The record model, declared in one place: every raw field capture writes and every column a ``Trace`` holds.
+
+Capture (``capture/mode.py``) appends plain tuples on the hot path, since building a named tuple there
+would cost a Python call per op.  ``record.finalize`` converts each raw call to a ``Call`` once, after
+the forward; from then on every reader uses the field names below (a named-tuple attribute read costs
+what an index read costs).  The field order is the raw tuple's order, so positional code keeps working.
+
+Nothing here imports from the rest of torchlens: capture, record and every bridge import these names.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+# ``Record.call`` for a tensor no torch call made: a model input or a module buffer.
+INPUT = -1
+BUFFER = -2
+
+
+class Kind(IntEnum):
+    """What one op of a trace is (the ``Trace`` kind column; compares equal to its int)."""
+
+    OP = 0  # an output of one torch call
+    INPUT = 1  # a tensor handed to the model
+    BUFFER = 2  # a module buffer the forward read
+    OUTPUT = 3  # a tensor the model returned (a pseudo op whose one parent produced it)
+
+    @property
+    def label(self) -> str:
+        """``"op"``, ``"input"``, ``"buffer"`` or ``"output"`` (``Op.kind``, the visualisation classes)."""
+        return self.name.lower()
+
+
+class Call(NamedTuple):
+    """One tensor-producing torch call, as ``capture/mode.py`` recorded it (``trace.calls[c]``)."""
+
+    func: Any  # the torch function or method called (None in a trace read by ``tl.load``)
+    args: Any  # positional arguments with every tensor replaced by None (``tree.strip``)
+    kwargs: Any  # keyword arguments, stripped the same way (None: none were passed)
+    parents: tuple  # ((argument position, record index), ...): which record fed each tensor argument
+    params: tuple  # ((argument position, Parameter), ...): parameters are metadata, not graph nodes
+    module_call: int  # index of the innermost module call it ran in (-1: the root forward)
+    code: Any  # code object of the user frame that made the call (None when none was found)
+    line: Any  # instruction offset in ``code`` (``capture.source.line_of`` turns it into a line)
+    t0_ns: int  # perf_counter_ns() before the call
+    t1_ns: int  # perf_counter_ns() after the call
+    first_record: int  # index of the first record (op) it produced; its outputs are consecutive
+    num_outputs: int  # how many tensors it produced
+    wrote_arguments: bool  # whether it wrote a tensor argument (in place, ``out=``, a fused kernel)
+    site: Any  # the nearest calling frame (``capture/source.py``), used to tell op sites apart
+
+
+# Index of each ``Call`` field, for code that still reads the raw tuple before finalize.
+(CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARENTS, CALL_PARAMS, CALL_MODULE_CALL, CALL_CODE, CALL_LINE, CALL_T0_NS,
+ CALL_T1_NS, CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, CALL_WROTE_ARGUMENTS, CALL_SITE) = range(len(Call._fields))
+
+
+class Record(NamedTuple):
+    """One tensor capture saw: produced by a call, or a source (``CaptureState.records[r]``, raw)."""
+
+    call: int  # the producing call's index, or INPUT / BUFFER for a source tensor
+    slot: Any  # None for a call's output; the input path (``input.x``) or the buffer address for sources
+    shape: Any  # torch.Size
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+    requires_grad: bool
+    grad_fn_class: Any  # type(t.grad_fn) or None
+
+
+RECORD_CALL, RECORD_SLOT = 0, 1
+
+
+class OpMeta(NamedTuple):
+    """The tensor metadata of one op (``Trace`` meta column: ``Record`` without its first two fields).
+
+    Most ops of a trace share a handful of these; finalize keeps one object of each."""
+
+    shape: Any  # torch.Size
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+    requires_grad: bool
+    grad_fn_class: Any  # type(t.grad_fn) or None (a name string in a trace read by ``tl.load``)
+
+
+class ModuleCallRaw(NamedTuple):
+    """The layout of one raw module call (``CaptureState.module_calls[m]``).
+
+    Capture keeps these as lists it fills in as the call runs (its outputs are known last), so they are
+    read by the ``MODULE_CALL_*`` indexes below; ``record.finalize`` turns each into a ``ModuleCall``."""
+
+    module: Any  # the nn.Module called
+    parent_call: int  # index of the enclosing module call (-1: called from the root forward)
+    t0_ns: int  # perf_counter_ns() on entry
+    t1_ns: int  # perf_counter_ns() on exit
+    input_records: list  # record index of each tensor passed in (-1: one capture never saw made)
+    output_records: list  # record index of each tensor returned
+
+
+(MODULE_CALL_MODULE, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, MODULE_CALL_INPUTS,
+ MODULE_CALL_OUTPUTS) = range(len(ModuleCallRaw._fields))
+
+_INPLACE_DUNDERS = frozenset(
+    ["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"]
+)
+
+
+def writes_first_argument(func) -> bool:
+    """Whether ``func`` writes its first argument by name (``add_``, ``__iadd__``, ``__setitem__``)."""
+    name = getattr(func, "__name__", "")
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))

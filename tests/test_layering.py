@@ -1,0 +1,74 @@
+"""Imports run one way: errors <- record <- capture <- bridges <- cli (docs/architecture.md).
+
+Each package of torchlens is imported, with every module in it, in a fresh interpreter where the
+``torchlens`` package itself is a bare namespace (its ``__init__`` imports everything, which would hide
+the edges).  The torchlens packages that got imported are the package's top-level dependencies; each
+must be one the layering allows.  Imports inside functions (the ``Trace`` facade's ``render``,
+``validate``, ``save``) are lazy on purpose and are not edges.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+SRC = importlib.util.find_spec("torchlens").submodule_search_locations[0]
+
+BASE = {"errors", "tree", "progress"}  # leaves: they import no torchlens package
+LABELS = BASE | {"labels"}
+RECORD = LABELS | {"record"}
+CAPTURE = RECORD | {"capture"}
+BRIDGES = {"validate", "debug", "report", "viz", "io", "intervene", "distributed", "compat"}
+
+ALLOWED = {
+    "errors": set(), "tree": set(), "progress": set(),
+    "labels": BASE,
+    "record": LABELS,
+    # capture/session.py drives interventions (intervene.runtime): the one edge from capture to a
+    # bridge, kept until the handler's cold paths are split out of the driver.
+    "capture": RECORD | {"intervene"},
+    "validate": CAPTURE, "debug": CAPTURE, "viz": CAPTURE, "io": CAPTURE, "intervene": CAPTURE,
+    "report": CAPTURE | {"intervene"},  # activation patching runs interventions
+    "distributed": CAPTURE | {"io"},  # per-rank extraction writes io's folders
+    "compat": CAPTURE | {"intervene"},  # the reference library's names over both
+}
+
+_PROBE = r"""
+import importlib, json, pkgutil, sys, types
+src, name = sys.argv[1], sys.argv[2]
+root = types.ModuleType("torchlens")
+root.__path__ = [src]
+sys.modules["torchlens"] = root
+module = importlib.import_module("torchlens." + name)
+for info in pkgutil.walk_packages(getattr(module, "__path__", []), "torchlens." + name + "."):
+    importlib.import_module(info.name)
+print(json.dumps(sorted({m.split(".")[1] for m in sys.modules if m.startswith("torchlens.")} - {name})))
+"""
+
+
+def imported_by(name: str) -> set:
+    out = subprocess.run([sys.executable, "-c", _PROBE, SRC, name], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("name", sorted(ALLOWED))
+def test_package_imports_only_lower_layers(name):
+    upward = imported_by(name) - ALLOWED[name]
+    assert not upward, f"torchlens.{name} imports {sorted(upward)} at top level, against the layering"
+
+
+def test_every_package_has_a_layer():
+    import pkgutil
+
+    found = {info.name for info in pkgutil.iter_modules([SRC]) if not info.name.startswith("_")}
+    assert found - {"cli", "demo"} == set(ALLOWED), "place a new package in ALLOWED (and docs/architecture.md)"
+
+
+def test_the_probe_sees_a_real_edge():
+    # capture's modules do import record: a probe that saw nothing would pass every test above.
+    assert "record" in imported_by("capture")
