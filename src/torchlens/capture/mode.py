@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from ..tree import split
 from .collectives import WRITTEN_ARGUMENT, written_tensors
+from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
 from .layouts import shape_of
 from .source import FrameClassifier
 from .state import CaptureState
@@ -69,6 +70,9 @@ _INPLACE_DUNDERS = frozenset(
      "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"]
 )
 _inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write their output argument
+# Normalisations that may update running statistics in their kernel: truthy, so the hot path asks.
+_RUNNING_STATS = "running statistics"
+_inplace_cache.update(dict.fromkeys(WRITES_RUNNING_STATS, _RUNNING_STATS))
 _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
 _Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
@@ -81,7 +85,7 @@ def _predicts_inplace(func) -> bool:
         name = getattr(func, "__name__", "")
         verdict = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
         _inplace_cache[func] = verdict
-    return verdict
+    return verdict is True
 
 
 class CaptureMode(TorchFunctionMode):
@@ -347,6 +351,10 @@ def _protect_before_write(st, func, args, kwargs) -> None:
     inplace = _inplace_cache.get(func)
     if inplace is None:
         inplace = _predicts_inplace(func)
+    elif inplace is _RUNNING_STATS:
+        for t in running_stats_written(func, args, kwargs):
+            st.protect_saved(t)
+        return
     if inplace or kwargs.get("inplace"):
         if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
             st.protect_saved(args[0])

@@ -169,9 +169,9 @@ class CaptureState:
             self.records.append((BUFFER, buffer[1], shape_of(t), t.dtype, t.device, t.requires_grad, None))
             self.producers[id(t)] = (weakref(t), index, self.version(t))
             if self.save_mode and self.save_sources:
-                # Buffers are often rewritten inside fused kernels (BatchNorm running stats): keep the
-                # value as it was read, privately.
-                self._keep(index, t.detach().clone(), None)
+                # By reference, like an activation: a write predicted before the call (in place, or
+                # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
+                self.save(index, t, t.requires_grad)
             return index
         self.unattributed += 1
         return -1
