@@ -149,7 +149,11 @@ class CaptureMode(TorchFunctionMode):
         call_index = len(calls)
         records = st.records
         first_op = len(records)
-        written = _written_arguments(func, args, kwargs, versions)
+        written = None
+        for v, before in versions:
+            if before is None or v._version != before:  # a write (or an inference tensor): which ones
+                written = _written_arguments(func, args, kwargs, versions)
+                break
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
         # Compact for long traces: tuples, and one shared empty dict for the common no-keyword call.
