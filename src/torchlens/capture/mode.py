@@ -30,6 +30,8 @@ from ..tree import split
 from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
 from .layouts import shape_of
+from .source import USER as _USER_FRAME
+from .source import VERDICTS as _verdicts
 from .source import FrameClassifier
 from .state import CaptureState
 
@@ -140,10 +142,10 @@ class CaptureMode(TorchFunctionMode):
         # Lines are resolved from instruction offsets only when asked for (record/op.py).
         frame = sys._getframe(1)
         code = frame.f_code
-        if self.frames.is_user(code):
+        if _verdicts.get(id(code)) == _USER_FRAME:
             line = frame.f_lasti
             site = (code, line)
-        else:
+        else:  # torch's own code, or a frame not classified yet
             site, code, line = self.frames.locate(frame, func, st.call_frames, module_call)
         calls = st.calls
         call_index = len(calls)
