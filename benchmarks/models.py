@@ -226,9 +226,29 @@ def recorder_arm(model, args):
     return recorder
 
 
-def trace_arm(model, args, **options):
-    import torchlens as tl  # the package under test (or, in a worker, whichever torchlens is installed)
+def trace_arm(model, args, package=None, **options):
+    """``tl.trace`` of the package under test, or of ``package`` (see ``baseline_package``)."""
+    if package is None:
+        import torchlens as package  # the package under test (or, in a worker, whichever is installed)
+    tl = package
 
     def traced():
         return tl.trace(model, args, **options).output
     return traced
+
+
+def baseline_package(path: str, name: str = "torchlens_baseline"):
+    """The torchlens source tree at ``path`` (another revision's ``src/torchlens``, for instance from
+    ``git archive REV src/torchlens | tar -x -C DIR``) imported under another name, so that it runs side
+    by side with the package under test in one process.  The package imports itself relatively, so
+    the two copies share nothing but torch."""
+    import importlib.util
+    import os
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    return package

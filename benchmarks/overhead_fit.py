@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import (GPT2Stack, LoopRNN, MLP, ElementwiseChain, SmallResNet, native_arm,  # noqa: E402
-                    recorder_arm, trace_arm)
+from models import (GPT2Stack, LoopRNN, MLP, ElementwiseChain, SmallResNet, baseline_package,  # noqa: E402
+                    native_arm, recorder_arm, trace_arm)
 from overhead_matrix import write_section  # noqa: E402
 
 BLOCK_S = 0.0015  # target length of one timed block of the traced arm
@@ -74,6 +74,15 @@ ROWS = {
 ARMS = {"trace": lambda m, a: trace_arm(m, a, save="all"), "none": lambda m, a: trace_arm(m, a, save="none"),
         "recorder": recorder_arm}
 ARM_TITLES = {"trace": 'tl.trace (save="all")', "none": 'tl.trace (save="none")', "recorder": "recorder floor"}
+
+
+def add_baseline_arms(path: str) -> None:
+    """Arms tracing with another revision's package (``models.baseline_package``), beside this one's."""
+    base = baseline_package(path)
+    ARMS["trace_base"] = lambda m, a: trace_arm(m, a, package=base, save="all")
+    ARMS["none_base"] = lambda m, a: trace_arm(m, a, package=base, save="none")
+    ARM_TITLES["trace_base"] = ARM_TITLES["trace"] + " before"
+    ARM_TITLES["none_base"] = ARM_TITLES["none"] + " before"
 
 
 def build(name: str):
@@ -197,13 +206,19 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset")
     parser.add_argument("--arms", default="trace,none,recorder", help=f"comma-separated subset of {list(ARMS)}")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--baseline", help="another revision's src/torchlens directory: adds its tl.trace "
+                                           "arms (trace_base, none_base), side by side in this process")
     parser.add_argument("--section", default="fit", help="the generated section of docs/overhead.md to rewrite")
     parser.add_argument("--no-docs", action="store_true")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     torch.backends.mha.set_fastpath_enabled(False)  # same ops natively and under a mode
+    arms = opts.arms.split(",")
+    if opts.baseline:
+        add_baseline_arms(os.path.abspath(opts.baseline))
+        arms = [a for arm in arms for a in (arm, f"{arm}_base") if a in ARMS]
     with torch.no_grad():
-        result = measure(opts.rows.split(","), opts.arms.split(","), opts.repeats)
+        result = measure(opts.rows.split(","), arms, opts.repeats)
     command = "python benchmarks/overhead_fit.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     text = markdown(result, command)
     print(text)

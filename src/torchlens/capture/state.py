@@ -95,7 +95,8 @@ class CaptureState:
         self.save_device = save_device
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
-        self.saved_by_storage: dict = {}  # storage key -> [record index, ...]
+        self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
+        self.unkeyed: list = []  # record indices saved by reference whose storage is not keyed yet
         self.saved_bytes = 0
         self.max_saved_bytes = max_saved_bytes
         # No device move and no budget: the hot path saves inline (capture/mode.py).
@@ -157,9 +158,9 @@ class CaptureState:
             self.records.append((BUFFER, buffer[1], shape_of(t), t.dtype, t.device, t.requires_grad, None))
             self.producers[id(t)] = (weakref(t), index, self.version(t))
             if self.save_mode and self.save_sources:
-                # Buffers are often rewritten inside fused kernels (BatchNorm running stats): keep the
-                # value as it was read, privately.
-                self._keep(index, t.detach().clone(), None)
+                # By reference, like an activation: a write predicted before the call (in place, or
+                # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
+                self.save(index, t, t.requires_grad)
             return index
         self.unattributed += 1
         return -1
@@ -217,6 +218,30 @@ class CaptureState:
                         self._drop(i, "overwritten in place by a write capture could not predict")
 
     # ----- saving --------------------------------------------------------------------------------
+    @property
+    def saved_by_storage(self) -> dict:
+        """Storage key -> record indices of the activations saved in that memory.
+
+        Keyed lazily: the hot path only notes what it saved (``unkeyed``), and the keys are computed here,
+        the first time a write needs them (copy-on-write before a predicted write, or a write found after
+        a call).  A saved tensor keeps its storage alive, so its key is the same now as when it was saved.
+        """
+        pending = self.unkeyed
+        if pending:
+            by_storage, saved = self._by_storage, self.saved
+            for index in pending:
+                t = saved.get(index)
+                if t is None:
+                    continue  # dropped since (over the budget, or clobbered)
+                key = storage_key(t)
+                stored = by_storage.get(key)
+                if stored is None:
+                    by_storage[key] = [index]
+                else:
+                    stored.append(index)
+            pending.clear()
+        return self._by_storage
+
     def wants(self, func, module_call: int) -> bool:
         return self.selector(func, module_call)
 
@@ -231,12 +256,7 @@ class CaptureState:
             self.saved_versions[index] = self.version(t)
         else:
             self._keep(index, t, self.version(t))
-        key = storage_key(t)
-        stored = self.saved_by_storage.get(key)
-        if stored is None:
-            self.saved_by_storage[key] = [index]
-        else:
-            stored.append(index)
+        self.unkeyed.append(index)
 
     def _keep(self, index: int, t: torch.Tensor, version) -> None:
         if self.max_saved_bytes is not None:

@@ -1,0 +1,92 @@
+"""The capture handler's hot path and its cold paths: same records, exact copy-on-write, buffers by reference."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchlens as tl
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        h = self.bn(self.fc(x))
+        parts = torch.split(h, 2, dim=1)  # several outputs
+        y = torch.cat([parts[1], parts[0]], dim=1)  # a container argument
+        z = y.clone()
+        z.mul_(2.0)  # a predicted in-place write
+        return F.softmax(z + y, dim=-1)
+
+
+def _summary(trace):
+    return [(op.label, op.type, op.parents, tuple(op.shape)) for op in trace.ops]
+
+
+def test_hot_path_and_feature_path_record_the_same_graph():
+    torch.manual_seed(0)
+    model, x = _Net().eval(), torch.randn(3, 4)
+    plain = tl.trace(model, x)
+    featured = tl.trace(model, x, record_finite=True)  # finite flags send every op down the feature path
+    assert _summary(plain) == _summary(featured)
+    assert torch.equal(plain.output, featured.output)
+    for a, b in zip(plain.ops, featured.ops):
+        assert (a.activation is None) == (b.activation is None)
+        if a.activation is not None:
+            assert torch.equal(a.activation, b.activation), a.label
+
+
+def test_copy_on_write_through_a_view_keeps_the_saved_value():
+    def f(x):
+        y = x * 2.0
+        v = y.view(-1)
+        v.add_(1.0)  # writes y's storage through a view: y's saved value must be copied first
+        return y + 0.0
+
+    x = torch.ones(2, 2)
+    trace = tl.trace(f, x)
+    assert torch.equal(trace["mul_1_1:1"].activation, torch.full((2, 2), 2.0))
+    assert torch.equal(trace.output, torch.full((2, 2), 3.0))
+
+
+def _buffer_op(trace, address):
+    return next(op for op in trace.ops if op.is_buffer and op.io_path == address)
+
+
+def test_eval_mode_buffers_are_saved_without_a_copy():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    model[1].running_mean.add_(0.5)
+    trace = tl.trace(model, torch.randn(3, 4))
+    saved = _buffer_op(trace, "1.running_mean").activation
+    assert torch.equal(saved, model[1].running_mean)
+    assert saved.untyped_storage().data_ptr() == model[1].running_mean.untyped_storage().data_ptr()
+
+
+class _Functional(nn.Module):
+    """Running statistics passed to the functions directly, positionally and by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+        self.register_buffer("imean", torch.zeros(4))
+        self.register_buffer("ivar", torch.ones(4))
+
+    def forward(self, x):
+        x = torch.batch_norm(x, None, None, self.mean, self.var, True, 0.5, 1e-5, False)
+        y = F.instance_norm(x.t().unsqueeze(0), running_mean=self.imean, running_var=self.ivar, use_input_stats=True,
+                            momentum=0.5)
+        return y.squeeze(0).t()
+
+
+def test_running_statistics_written_in_a_kernel_keep_the_value_as_read():
+    torch.manual_seed(0)
+    model = _Functional()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    trace = tl.trace(model, torch.randn(3, 4) * 3 + 1)
+    for name, value in before.items():
+        assert not torch.equal(getattr(model, name), value), name  # the kernels did update them
+        assert torch.equal(_buffer_op(trace, name).activation, value), name  # saved as they were read
