@@ -256,10 +256,10 @@ def validate_trace(log, progress=None) -> ValidationResult:
     from .progress import bar
 
     result = ValidationResult()
-    if getattr(log, "_cleaned", False):
+    if log.is_cleaned_up:
         result.nothing_reason = "the trace was cleaned up (cleanup() released its activations)"
         return result
-    if not log._activations:
+    if not log.saved_activations:
         result.nothing_reason = "the trace saved no activations; trace with save='all' to validate"
         return result
     rng = RngState()
@@ -307,7 +307,7 @@ def _replay_problem(log, op, rng: RngState):
     if is_collective(func):
         return _skip("a collective: replayed on one rank alone it would block on, or pair with, other ranks' calls")
     if not op.has_activation:
-        dropped = log._dropped.get(op.index)
+        dropped = log.dropped_activations.get(op.index)
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")
     replay = getattr(log, "_replay", None)
     context = replay.contexts.get(call_position, replay.context) if replay is not None else None
@@ -316,13 +316,13 @@ def _replay_problem(log, op, rng: RngState):
     for position, parent in call.parents:
         if parent < 0:
             return _skip("a tensor argument came from outside the trace")
-        if parent not in log._activations:
-            return _skip(f"parent {log._labels[parent]} was not saved")
-        if (call_position, parent) in log._alias_reads:
-            return _skip(f"it read {log._labels[parent]}'s storage after a write through a view, a value "
+        if parent not in log.saved_activations:
+            return _skip(f"parent {log.labels[parent]} was not saved")
+        if (call_position, parent) in log.alias_reads:
+            return _skip(f"it read {log.labels[parent]}'s storage after a write through a view, a value "
                          "that no op output holds")
         if parent not in copies:
-            copies[parent] = _private_copy(log._activations[parent], log.op_meta[parent].requires_grad)
+            copies[parent] = _private_copy(log.saved_activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])
     for position, param in call.params:
         value, why = _param_as_it_ran(log, replay, param, call_position)
@@ -344,7 +344,7 @@ def _replay_problem(log, op, rng: RngState):
         out = args[0] if out is None else out
     if isinstance(out, (tuple, list)):
         count = call.num_outputs
-        wanted = [log._activations.get(i) for i in range(op.index, op.index + count)]
+        wanted = [log.saved_activations.get(i) for i in range(op.index, op.index + count)]
         got = [t for _, t in tensor_leaves(out)]
         if len(got) != len(wanted):
             return _mismatch("a different number of outputs on replay")
@@ -352,7 +352,7 @@ def _replay_problem(log, op, rng: RngState):
             if want is not None and not tensors_equal(g, want):
                 return _mismatch("a replayed output differs from the saved one")
         return None
-    if not tensors_equal(out, log._activations[op.index]):
+    if not tensors_equal(out, log.saved_activations[op.index]):
         return _mismatch("the replayed output differs from the saved one")
     return None
 

@@ -191,10 +191,10 @@ def _check_selectors(trace, policy) -> None:
 
     for label in policy.labels:
         trace[label]  # raises KeyError with the closest labels
-    known_types = set(trace._types)
+    known_types = set(trace.op_types)
     for wanted in policy.types:
         if wanted not in known_types:
-            names = sorted(known_types | set(trace._labels))
+            names = sorted(known_types | set(trace.labels))
             close = difflib.get_close_matches(wanted, names, n=5, cutoff=0.5)
             hint = f"; closest: {', '.join(close)}" if close else ""
             raise KeyError(f"grads= selector {wanted!r} names no op type, label or module in this trace{hint}")

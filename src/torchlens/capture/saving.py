@@ -127,11 +127,11 @@ class SavePolicy:
 
     def apply(self, trace) -> None:
         """Release the activations the selection did not ask for."""
-        if not self.filters_after or not trace._activations:
+        if not self.filters_after or not trace.saved_activations:
             return
-        kept = {i for i in trace._activations if trace.kinds[i] != Kind.OUTPUT and self.keep(trace, trace.ops[i])}
+        kept = {i for i in trace.saved_activations if trace.kinds[i] != Kind.OUTPUT and self.keep(trace, trace.ops[i])}
         # An output node shows its producer's tensor: kept when the producer is (or when asked for).
-        for i in trace._activations:
-            if trace.kinds[i] == Kind.OUTPUT and (trace._parents[i][0][1] in kept or self.keep(trace, trace.ops[i])):
+        for i in trace.saved_activations:
+            if trace.kinds[i] == Kind.OUTPUT and (trace.op_parents[i][0][1] in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
-        trace._activations = {i: t for i, t in trace._activations.items() if i in kept}
+        trace.keep_activations(kept)

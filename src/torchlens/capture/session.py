@@ -137,11 +137,11 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         packing.calls = None  # the forward is over: nothing more is attributed
         result._packlog = packing
     timings["total"] = (perf_counter_ns() - started) / 1e9
-    warn_mutated([result._labels[i] for i in mutated])
+    warn_mutated([result.labels[i] for i in mutated])
     if state.budget_exhausted_at is not None:
         import warnings
 
-        warnings.warn(f"max_saved_bytes reached: activations from {result._labels[state.budget_exhausted_at]} "
+        warnings.warn(f"max_saved_bytes reached: activations from {result.labels[state.budget_exhausted_at]} "
                       "on were not saved", stacklevel=2)
     return result
 

@@ -94,8 +94,8 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
                                    num_backwards=log.num_backwards, loss_nonfinite=False)
     first = bad[0]
     kinds = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
-    children = [c for c in log._children()[first] if log.kinds[c] != Kind.OUTPUT]  # output nodes run no backward
+    children = [c for c in log.op_children[first] if log.kinds[c] != Kind.OUTPUT]  # output nodes run no backward
     return GradNonfiniteReport(
-        origin=log.ops[first], kind=kinds[status[first]], born_in=[log._labels[c] for c in children],
-        nonfinite=[log._labels[i] for i in bad], examined=len(status), num_backwards=log.num_backwards,
+        origin=log.ops[first], kind=kinds[status[first]], born_in=[log.labels[c] for c in children],
+        nonfinite=[log.labels[i] for i in bad], examined=len(status), num_backwards=log.num_backwards,
         loss_nonfinite=first == capture.order[0])

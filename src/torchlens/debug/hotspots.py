@@ -187,10 +187,10 @@ def _keys(log, index, group) -> list:
     from ..record.summary import short_path
 
     if group == "op":
-        return [log._labels[index]]
+        return [log.labels[index]]
     if group == "layer":
-        return [log._layer_labels[index]]
-    m = log._module_call[index]
+        return [log.op_layer_labels[index]]
+    m = log.module_call_indices[index]
     calls = log.module_calls
     if group == "module":
         keys = []

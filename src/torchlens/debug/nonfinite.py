@@ -126,7 +126,7 @@ def nonfinite_origin(log, grads: bool = False):
         from .grad_nonfinite import grad_nonfinite_origin
 
         return grad_nonfinite_origin(log)
-    has_flags = bool(log._finite)
+    has_flags = bool(log.finite_flags)
     if log.is_cleaned_up and not has_flags:
         raise TraceCleanedUp("nonfinite_origin needs saved activations or finite flags, and this trace was "
                              "cleaned up without flags: call it before cleanup(), or trace with "
@@ -138,15 +138,15 @@ def nonfinite_origin(log, grads: bool = False):
         raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
                          "recorded; trace with save='all' or record_finite=True")
     bad_params, params_checked = _nonfinite_parameters(log)
-    unexamined = [log._labels[i] for i, s in enumerate(status) if s is None and log.kinds[i] != Kind.OUTPUT]
+    unexamined = [log.labels[i] for i, s in enumerate(status) if s is None and log.kinds[i] != Kind.OUTPUT]
     origin = origin_kind = None
     certain, possible, propagators, others, undetermined = True, [], [], [], []
     for i, s in enumerate(status):
         if s is None or s == (False, False):
             continue
-        parents = [p for _, p in log._parents[i]]
+        parents = [p for _, p in log.op_parents[i]]
         if any(p >= 0 and status[p] not in (None, (False, False)) for p in parents):
-            propagators.append(log._labels[i])
+            propagators.append(log.labels[i])
             continue
         kind_here, unsure = _birth_kind(log, i, bad_params)
         if origin is None:
@@ -154,9 +154,9 @@ def nonfinite_origin(log, grads: bool = False):
             if unsure:
                 certain, possible = False, _unexamined_ancestors(log, status, i)
         elif unsure:
-            undetermined.append(log._labels[i])
+            undetermined.append(log.labels[i])
         else:
-            others.append(log._labels[i])
+            others.append(log.labels[i])
     basis = ("recorded finite flags" if has_flags and log.is_cleaned_up else
              "saved activations and recorded finite flags" if has_flags else "saved activations")
     return NonfiniteReport(
@@ -170,12 +170,12 @@ def nonfinite_origin(log, grads: bool = False):
 
 def _status(log, i):
     """``(has_nan, has_inf)`` for op ``i``, or None when neither an activation nor a flag says."""
-    flag = log._finite.get(i)
+    flag = log.finite_flags.get(i)
     if flag is not None:
         return tuple(flag)
-    if log.is_cleaned_up or i in log._dropped:
+    if log.is_cleaned_up or i in log.dropped_activations:
         return None
-    t = log._activations.get(i)
+    t = log.saved_activations.get(i)
     if t is None:
         return None
     if t.device.type == "meta":
@@ -194,30 +194,31 @@ def _birth_kind(log, i, bad_params):
         return "input", False
     if kind == Kind.BUFFER:
         return "buffer", False
-    params = log._param_addresses.get(i, ())
+    params = log.param_addresses.get(i, ())
     if any(p in bad_params for p in params):
         return "parameter", False
-    unsure = any(p < 0 or _status_unknown(log, p) for _, p in log._parents[i])
+    unsure = any(p < 0 or _status_unknown(log, p) for _, p in log.op_parents[i])
     return "op", unsure
 
 
 def _status_unknown(log, p) -> bool:
-    return log._finite.get(p) is None and (log.is_cleaned_up or p in log._dropped or p not in log._activations)
+    return log.finite_flags.get(p) is None and (log.is_cleaned_up or p in log.dropped_activations
+                                                or p not in log.saved_activations)
 
 
 def _unexamined_ancestors(log, status, i) -> list:
     """Unexamined ops upstream of ``i`` reachable without crossing an examined op."""
     found, stack, seen = [], [i], {i}
     while stack:
-        for _, p in log._parents[stack.pop()]:
+        for _, p in log.op_parents[stack.pop()]:
             if p >= 0 and p not in seen:
                 seen.add(p)
                 if status[p] is None:
                     found.append(p)
                     stack.append(p)
     found.sort()
-    labels = [log._labels[p] for p in found]
-    if any(p < 0 for _, p in log._parents[i]):
+    labels = [log.labels[p] for p in found]
+    if any(p < 0 for _, p in log.op_parents[i]):
         labels.append("(a tensor made outside the trace)")
     return labels
 
@@ -226,11 +227,11 @@ def _nonfinite_parameters(log):
     """Addresses of parameters holding NaN/Inf, and whether parameters could be checked at all."""
     if log.is_cleaned_up or log.loaded_from is not None:  # no live model to look at
         return [], False
-    if not isinstance(log._model, torch.nn.Module):
+    if not isinstance(log.model, torch.nn.Module):
         return [], True  # a plain function has no parameters of its own
     bad = []
     with torch.no_grad():
-        for name, p in log._model.named_parameters():
+        for name, p in log.model.named_parameters():
             if (p.is_floating_point() or p.is_complex()) and not bool(torch.isfinite(p).all()):
                 bad.append(name)
     return bad, True

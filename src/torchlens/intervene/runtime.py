@@ -293,7 +293,7 @@ class Interventions:
         return sites
 
     def attach(self, trace) -> None:
-        labels = trace._labels
+        labels = trace.labels
         for record, applied in self.applied.items():
             applied.label = labels[record]
         trace._interventions = dict(self.applied)
@@ -415,12 +415,9 @@ def _labels_from(reference, trace) -> None:
     derived from the ops before the stop can differ from (pass counts, layers a later call would join).
     Done only when the stopped trace is, op for op, a prefix of the reference."""
     n = len(trace.kinds)
-    if n > len(reference.kinds) or trace.kinds != reference.kinds[:n] or trace._func_names != reference._func_names[:n]:
+    if n > len(reference.kinds) or trace.kinds != reference.kinds[:n] or trace.func_names != reference.func_names[:n]:
         return
-    trace._labels = reference._labels[:n]
-    trace._layer_labels = reference._layer_labels[:n]
-    trace._pass = reference._pass[:n]
-    trace._group = reference._group[:n]
-    trace._group_size = {g: sum(1 for x in trace._group if x == g) for g in set(trace._group)}
+    trace.relabel(reference.labels[:n], reference.op_layer_labels[:n], reference.pass_numbers[:n],
+                  reference.groups[:n])
     for record, applied in trace._interventions.items():
-        applied.label = trace._labels[record]
+        applied.label = trace.labels[record]

@@ -32,9 +32,9 @@ class LabelSite:
         trace = op._trace
         self.key, self.action, self.op, self.stop = key, action, op, stop
         self.call = trace.call_indices[op.index]
-        self.slot = trace._slot[op.index]
+        self.slot = trace.slots[op.index]
         self.func_name = op.func_name
-        self.chain = module_chain(trace, trace._module_call[op.index])
+        self.chain = module_chain(trace, trace.module_call_indices[op.index])
 
 
 class ModuleSite:

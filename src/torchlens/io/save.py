@@ -147,7 +147,7 @@ def _activation_tensors(trace):
     storages: set = set()
     if trace.is_cleaned_up:
         return tensors, keys, unsaved
-    for index, t in sorted(trace._activations.items()):
+    for index, t in sorted(trace.saved_activations.items()):
         key = key_of_tensor.get(id(t))
         if key is None:
             problem = _unsavable(t)
@@ -210,10 +210,10 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
               c.t0_ns, c.t1_ns, c.first_record, c.num_outputs, bool(c.wrote_arguments),
               [[encode_value(pos), [int(d) for d in p.shape]] for pos, p in c.params]]
              for c in trace.calls]
-    dropped = dict(trace._dropped)
+    dropped = dict(trace.dropped_activations)
     if not with_activations and not trace.is_cleaned_up:
         dropped.update({i: "not saved: the trace was saved with activations=False"
-                        for i in trace._activations if i not in dropped})
+                        for i in trace.saved_activations if i not in dropped})
     dropped.update(unsaved)
     return {
         "model_name": trace.model_name,
@@ -223,22 +223,22 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
         "cleaned_up": trace.is_cleaned_up,
         "kind": [int(k) for k in trace.kinds],
         "call": list(trace.call_indices),
-        "slot": [encode_value(s) for s in trace._slot],
+        "slot": [encode_value(s) for s in trace.slots],
         "meta": [_meta(m) for m in trace.op_meta],
-        "parents": [[[encode_value(pos), p] for pos, p in ps] for ps in trace._parents],
-        "module_call": list(trace._module_call),
-        "inplace": [bool(x) for x in trace._inplace],
-        "io": [[i, p] for i, p in sorted(trace._io.items())],
-        "labels": list(trace._labels),
-        "layer_labels": list(trace._layer_labels),
-        "pass": list(trace._pass),
-        "group": list(trace._group),
-        "group_size": [[g, n] for g, n in trace._group_size.items()],
-        "types": list(trace._types),
-        "func_names": list(trace._func_names),
+        "parents": [[[encode_value(pos), p] for pos, p in ps] for ps in trace.op_parents],
+        "module_call": list(trace.module_call_indices),
+        "inplace": [bool(x) for x in trace.inplace_flags],
+        "io": [[i, p] for i, p in sorted(trace.io_paths.items())],
+        "labels": list(trace.labels),
+        "layer_labels": list(trace.op_layer_labels),
+        "pass": list(trace.pass_numbers),
+        "group": list(trace.groups),
+        "group_size": [[g, n] for g, n in trace.group_sizes.items()],
+        "types": list(trace.op_types),
+        "func_names": list(trace.func_names),
         "dropped": [[i, r] for i, r in sorted(dropped.items())],
-        "finite": [[i, bool(f[0]), bool(f[1])] for i, f in sorted(trace._finite.items())],
-        "param_addresses": [[i, list(a)] for i, a in sorted(trace._param_addresses.items())],
+        "finite": [[i, bool(f[0]), bool(f[1])] for i, f in sorted(trace.finite_flags.items())],
+        "param_addresses": [[i, list(a)] for i, a in sorted(trace.param_addresses.items())],
         "funcs": funcs,
         "codes": codes,
         "calls": calls,
@@ -247,7 +247,7 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
         "unattributed": trace.unattributed,
         "timings": {k: float(v) for k, v in trace.timings.items()},
         "budget_exhausted_at": trace.budget_exhausted_at,
-        "alias_reads": sorted([int(c), int(p)] for c, p in trace._alias_reads),
+        "alias_reads": sorted([int(c), int(p)] for c, p in trace.alias_reads),
         "activations": [[i, k] for i, k in sorted(keys.items()) if i not in dropped],
         "flops": getattr(trace, "_flops_col", None),  # derived before cleanup(), when arguments were held
     }

@@ -152,21 +152,22 @@ def repetition(trace):
     the lines that made each module call, so it tells them apart by the ops' own lines only."""
     if not trace.is_recurrent:
         return None
-    frames = getattr(trace, "_module_call_frames", None)
+    frames = trace._module_call_frames
     seen: dict = {}
-    calls = trace.calls
+    calls, groups, group_sizes = trace.calls, trace.groups, trace.group_sizes
+    module_call_indices = trace.module_call_indices
     for i, c in enumerate(trace.call_indices):
-        if c < 0 or trace._group_size[trace._group[i]] < 2:
+        if c < 0 or group_sizes[groups[i]] < 2:
             continue
         call = calls[c]
         origin = [id(call.code), call.line]
-        m = trace._module_call[i] if frames is not None else -1
+        m = module_call_indices[i] if frames is not None else -1
         while m >= 0:  # the lines that made each enclosing module call
             code, offset = frames[m]
             origin += (id(code), offset)
             parent = trace.module_calls[m].parent
             m = parent.index if parent is not None else -1
-        origins = seen.setdefault(trace._group[i], set())
+        origins = seen.setdefault(groups[i], set())
         key = tuple(origin)
         if key in origins:
             return "loop"

@@ -40,6 +40,15 @@ class Trace:
     _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
     _packlog = None  # a capture.packing.PackLog when traced with saved_for_backward=True
     caveats: tuple = ()  # guarantees this trace gives only in weakened form, one sentence each
+    # Set after finalize by the layers named; declared here so this class lists all a Trace holds.
+    _flops_col = None  # report.flops.flops_column: each op's FLOPs, derived once (kept by cleanup and save)
+    _autocast: dict = {}  # capture.session: device type -> autocast state around the forward, for replay
+    _root_class = None  # capture.session: the root module's class name (the module table's first row)
+    _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
+    _replay = None  # record.finalize: a capture.state.ReplayContext (contexts, parameter values) for validate
+    _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
+    _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
+    _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
 
     def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
                  labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
@@ -172,6 +181,106 @@ class Trace:
         """Each op's tensor metadata (``record.columns.OpMeta``: ``.shape``, ``.dtype``, ``.device``,
         ``.requires_grad``, ``.grad_fn_class``), by op index."""
         return self._meta
+
+    # ----- per-op columns, read-only (bridges read these; never mutate what they return) ----------
+    @property
+    def labels(self) -> list:
+        """Each op's label (``relu_1_2:3``), by op index (the column itself; ``op_labels`` copies it)."""
+        return self._labels
+
+    @property
+    def op_layer_labels(self) -> list:
+        """Each op's layer label (``relu_1_2``), by op index."""
+        return self._layer_labels
+
+    @property
+    def module_call_indices(self) -> list:
+        """Each op's innermost module call, an index into ``module_calls`` (-1: the root forward), by op index."""
+        return self._module_call
+
+    @property
+    def op_parents(self) -> list:
+        """Each op's ``((argument position, parent op index), ...)`` (-1: a tensor of unknown origin), by op index."""
+        return self._parents
+
+    @property
+    def op_children(self) -> list:
+        """Each op's child op indices, in execution order (derived on first read), by op index."""
+        return self._children()
+
+    @property
+    def pass_numbers(self) -> list:
+        """Each op's pass number within its layer (1-based), by op index."""
+        return self._pass
+
+    @property
+    def groups(self) -> list:
+        """Each op's layer group: ops of one group are passes of one layer, by op index."""
+        return self._group
+
+    @property
+    def group_sizes(self) -> dict:
+        """Layer group -> how many passes (ops) it has."""
+        return self._group_size
+
+    @property
+    def op_types(self) -> list:
+        """Each op's type (``linear``, ``input``, ``output``), by op index."""
+        return self._types
+
+    @property
+    def func_names(self) -> list:
+        """Each op's torch function name (``linear``, ``__add__``), by op index."""
+        return self._func_names
+
+    @property
+    def slots(self) -> list:
+        """Each op's slot: None for a call's output, the input path or buffer address for a source."""
+        return self._slot
+
+    @property
+    def inplace_flags(self) -> list:
+        """Each op's flag: whether its call wrote a tensor argument, by op index."""
+        return self._inplace
+
+    @property
+    def io_paths(self) -> dict:
+        """Op index -> the path of a model input, buffer or output (``input.x``, ``output.0``)."""
+        return self._io
+
+    @property
+    def saved_activations(self) -> dict:
+        """Op index -> its saved tensor, for the ops whose activation was kept (empty after ``cleanup``)."""
+        return self._activations
+
+    @property
+    def dropped_activations(self) -> dict:
+        """Op index -> why its saved value was dropped (it changed behind capture's back)."""
+        return self._dropped
+
+    @property
+    def finite_flags(self) -> dict:
+        """Op index -> (has NaN, has Inf), for ops examined under ``record_finite=True``."""
+        return self._finite
+
+    @property
+    def param_addresses(self) -> dict:
+        """Op index -> the addresses of the parameters its call used."""
+        return self._param_addresses
+
+    @property
+    def alias_reads(self) -> frozenset:
+        """``(call index, parent op index)`` pairs where a call read a storage written through a view."""
+        return self._alias_reads
+
+    def keep_activations(self, kept) -> None:
+        """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward)."""
+        self._activations = {i: t for i, t in self._activations.items() if i in kept}
+
+    def relabel(self, labels, layer_labels, pass_numbers, groups) -> None:
+        """Replace the label columns (a stopped trace takes those of the whole forward); group sizes are recounted."""
+        self._labels, self._layer_labels, self._pass, self._group = labels, layer_labels, pass_numbers, groups
+        self._group_size = {g: sum(1 for x in groups if x == g) for g in set(groups)}
 
     # ----- the reference library's names (see docs/labels.md) -----------------------------------
     @property
@@ -412,7 +521,7 @@ class Trace:
         """
         if self._cleaned:
             return
-        if not hasattr(self, "_flops_col"):
+        if self._flops_col is None:
             from ..report.flops import flops_column
 
             flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held

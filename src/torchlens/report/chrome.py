@@ -71,18 +71,18 @@ def _module_events(trace, base: int) -> list:
 
 
 def _op_events(trace, base: int) -> list:
-    labels, layers, types, meta = trace._labels, trace._layer_labels, trace._types, trace.op_meta
+    labels, layers, types, meta = trace.labels, trace.op_layer_labels, trace.op_types, trace.op_meta
     module_calls = trace.module_calls
     events = []
     for call in trace.calls:
         first, count = call.first_record, call.num_outputs
         outputs = range(first, first + count)
-        m = trace._module_call[first]
+        m = trace.module_call_indices[first]
         args = {
             "label": labels[first],
             "layer": layers[first],
             "type": types[first],
-            "func": trace._func_names[first],
+            "func": trace.func_names[first],
             "shapes": [list(meta[i].shape) for i in outputs],
             "dtype": str(meta[first].dtype).replace("torch.", ""),
             "module_call": module_calls[m].label if m >= 0 else None,

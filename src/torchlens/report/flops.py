@@ -326,7 +326,7 @@ def _evaluate(trace, index):
     call = trace.calls[c]
     if call.first_record != index:
         return {}  # a further output of a multi-output call: the call was counted on its first output
-    entry = _REGISTRY.get(canonical_name(trace._func_names[index]))
+    entry = _REGISTRY.get(canonical_name(trace.func_names[index]))
     if entry is None:
         return None
     family, formula = entry
@@ -394,7 +394,7 @@ def total_flops(trace) -> FlopCount:
     total, counted, unknown = 0, 0, []
     for i, parts in enumerate(column):
         if parts is None:
-            unknown.append(trace._labels[i])
+            unknown.append(trace.labels[i])
         elif parts:
             total += sum(parts.values())
             counted += 1
@@ -408,11 +408,11 @@ def module_call_flops(trace) -> dict:
     totals = [0] * len(calls)
     counted = [0] * len(calls)
     unknown = [[] for _ in calls]
-    for i, m in enumerate(trace._module_call):
+    for i, m in enumerate(trace.module_call_indices):
         parts = column[i]
         while m >= 0:
             if parts is None:
-                unknown[m].append(trace._labels[i])
+                unknown[m].append(trace.labels[i])
             elif parts:
                 totals[m] += sum(parts.values())
                 counted[m] += 1

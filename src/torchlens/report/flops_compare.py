@@ -152,7 +152,7 @@ def _module_rows(log, native_counts, root_name) -> list:
         tl[module.address] = 0
         unknown[module.address] = 0
     calls = log.module_calls
-    for i, m in enumerate(log._module_call):
+    for i, m in enumerate(log.module_call_indices):
         if log.call_indices[i] < 0:
             continue
         parts = column[i]

@@ -37,7 +37,7 @@ def _metrics(tally, measured: bool, has_device: bool, prefix: str) -> dict:
 
 def op_rows(trace, serial_of_call: dict, joined, backward: bool) -> list:
     """One dict per captured call, in execution order."""
-    labels, layers, types = trace._labels, trace._layer_labels, trace._types
+    labels, layers, types = trace.labels, trace.op_layer_labels, trace.op_types
     module_calls = trace.module_calls
     rows = []
     for c, call in enumerate(trace.calls):
@@ -47,7 +47,7 @@ def op_rows(trace, serial_of_call: dict, joined, backward: bool) -> list:
         measured_backward = measured
         if joined.backward_only:  # a backward-only profile of an earlier trace: no forward figures
             measured_backward = serial in joined.backward_measured
-        m = trace._module_call[first]
+        m = trace.module_call_indices[first]
         row = {
             "op": labels[first],
             "layer": layers[first],
@@ -95,7 +95,7 @@ def module_rows(trace, rows: list, joined, backward: bool) -> list:
     own = [dict(zero) for _ in calls]
     counts = [0] * len(calls)
     for row in rows:
-        m = trace._module_call[row["_index"]]
+        m = trace.module_call_indices[row["_index"]]
         if m >= 0:
             counts[m] += 1 + len(row["outputs"])  # op labels, as ModuleCall.ops counts them
             for k in names:

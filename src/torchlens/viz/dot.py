@@ -62,15 +62,15 @@ class DotWriter:
         first = item.ops[0]
         n = len(item.ops)
         title = item.label
-        if not self.rolled and trace._group_size[trace._group[first]] == 1:
-            title = trace._layer_labels[first]  # a single pass needs no ":1"
+        if not self.rolled and trace.group_sizes[trace.groups[first]] == 1:
+            title = trace.op_layer_labels[first]  # a single pass needs no ":1"
         if self.rolled and n > 1:
             title += f" \u00d7{n}"
         shapes = sorted({shape_text(trace.op_meta[i].shape) for i in item.ops})
         shape = shapes[0] if len(shapes) == 1 else f"{len(shapes)} shapes"
-        what = trace._func_names[first] if item.kind == "op" else (trace._io.get(first) or item.kind)
+        what = trace.func_names[first] if item.kind == "op" else (trace.io_paths.get(first) or item.kind)
         rows = [f"<b>{esc(title)}</b>", f"{esc(what)} {esc(shape)}"]
-        params = trace._param_addresses.get(first)
+        params = trace.param_addresses.get(first)
         if params:
             rows.append(f'<font point-size="8">params: {esc(", ".join(p.rsplit(".", 1)[-1] for p in params))}'
                         "</font>")
@@ -84,7 +84,7 @@ class DotWriter:
         return "<" + "<br/>".join(rows) + ">"
 
     def _module_of(self, op_index):
-        m = self.trace._module_call[op_index]
+        m = self.trace.module_call_indices[op_index]
         if m < 0:
             return None
         call = self.trace.module_calls[m]
@@ -125,14 +125,14 @@ class DotWriter:
         """Fill attributes: the kind's colour, or the metric's for ops and modules when colouring."""
         if self.coloring is None or kind not in ("op", "param_op", "module"):
             return f'fillcolor="{KIND_FILL[kind]}"'
-        labels = [self.trace._labels[i] for i in ops]
+        labels = [self.trace.labels[i] for i in ops]
         fill = self.coloring.fill(aggregate(self.coloring.values, ops), labels)
         return f'fillcolor="{fill}", fontcolor="{self.coloring.font(fill)}"'
 
     def item_node(self, index, ports=()) -> str:
         item = self.structure.items[index]
         kind = item.kind
-        if kind == "op" and self.trace._param_addresses.get(item.ops[0]):
+        if kind == "op" and self.trace.param_addresses.get(item.ops[0]):
             kind = "param_op"
         label = self.item_label(index)
         if ports:

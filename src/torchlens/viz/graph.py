@@ -72,8 +72,8 @@ def build_structure(trace, view: str = "unrolled") -> Structure:
             groups[g].items.append(index)
             g = groups[g].parent
     edges: dict = {}
-    passes = trace._pass
-    for child, parents in enumerate(trace._parents):
+    passes = trace.pass_numbers
+    for child, parents in enumerate(trace.op_parents):
         dst = op_item[child]
         for _, parent in parents:
             if parent >= 0:
@@ -91,14 +91,14 @@ def build_structure(trace, view: str = "unrolled") -> Structure:
 
 def _op_module_calls(trace) -> list:
     """The module call each op is drawn inside; buffers sit with the module that owns them."""
-    calls = list(trace._module_call)
+    calls = list(trace.module_call_indices)
     children = None
     for i, kind in enumerate(trace.kinds):
         if kind != Kind.BUFFER:
             continue
         if children is None:
-            children = trace._children()
-        path = trace._io.get(i) or ""
+            children = trace.op_children
+        path = trace.io_paths.get(i) or ""
         consumers = children[i]
         call = trace.module_calls[calls[consumers[0]]] if consumers and calls[consumers[0]] >= 0 else None
         while call is not None and not path.startswith(call.address + "."):
@@ -135,7 +135,7 @@ def _position_groups(trace):
 
 
 def _op_items(trace, op_call, call_group):
-    labels, kinds = trace._labels, trace.kinds
+    labels, kinds = trace.labels, trace.kinds
     items = [Item(f"o{i}", labels[i], KIND_NAMES[kinds[i]], call_group[c] if c >= 0 else -1, [i])
              for i, c in enumerate(op_call)]
     return items, list(range(len(items)))
@@ -143,7 +143,7 @@ def _op_items(trace, op_call, call_group):
 
 def _layer_items(trace, op_call, call_group):
     items, op_item, by_layer = [], [], {}
-    for i, layer in enumerate(trace._layer_labels):
+    for i, layer in enumerate(trace.op_layer_labels):
         index = by_layer.get(layer)
         if index is None:
             index = by_layer[layer] = len(items)

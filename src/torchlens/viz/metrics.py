@@ -105,10 +105,10 @@ def nonfinite_flags(trace) -> list:
     import torch
 
     flags: list = [None] * len(trace)
-    for i, finite in trace._finite.items():
+    for i, finite in trace.finite_flags.items():
         flags[i] = bool(finite[0] or finite[1])
     if not trace.is_cleaned_up:
-        for i, tensor in trace._activations.items():
+        for i, tensor in trace.saved_activations.items():
             if flags[i] is None and isinstance(tensor, torch.Tensor):
                 if tensor.is_floating_point() or tensor.is_complex():
                     flags[i] = not bool(torch.isfinite(tensor).all())

@@ -133,10 +133,10 @@ class RecordBuilder:
         rec["children"] = op.children
         if op.finite is not None:
             rec["finite"] = {"nan": bool(op.finite[0]), "inf": bool(op.finite[1])}
-        if not trace.is_cleaned_up and op.index in trace._activations:
-            rec["activation"] = activation_stats(trace._activations[op.index])
-        elif op.index in trace._dropped:
-            rec["activation"] = {"dropped": trace._dropped[op.index]}
+        if not trace.is_cleaned_up and op.index in trace.saved_activations:
+            rec["activation"] = activation_stats(trace.saved_activations[op.index])
+        elif op.index in trace.dropped_activations:
+            rec["activation"] = {"dropped": trace.dropped_activations[op.index]}
         gradient = gradient_record(trace, op)
         if gradient is not None:
             rec["gradient"] = gradient

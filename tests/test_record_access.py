@@ -1,0 +1,111 @@
+"""Code outside ``record/`` reads a Trace through its public accessors and declares what it adds to one.
+
+The private columns a ``Trace`` is built from (``_labels``, ``_parents`` ...) are ``record/``'s to lay out;
+every other layer reads the documented accessors of ``record/trace.py`` (``labels``, ``op_parents`` ...),
+so the columns can change without touching the bridges (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pathlib
+import re
+
+import torch
+
+import torchlens as tl
+from torchlens.record.trace import Trace
+
+from zoo import LoopRNN
+
+SRC = pathlib.Path(importlib.util.find_spec("torchlens").submodule_search_locations[0])
+
+PRIVATE_COLUMNS = ("_labels", "_activations", "_module_call", "_group", "_layer_labels", "_func_names", "_types",
+                   "_group_size", "_parents", "_pass", "_param_addresses", "_io", "_dropped", "_finite", "_slot",
+                   "_model", "_inplace", "_cleaned", "_alias_reads")
+_NAMES = "|".join(PRIVATE_COLUMNS)
+# An attribute read (``log._labels``) or a name handed to getattr / hasattr (``"_labels"``).
+PRIVATE_READ = re.compile(rf"\.({_NAMES})\b|[\"']({_NAMES})[\"']")
+
+# accessor -> the private column it must return, unchanged (not a copy: bridges bind it once per loop)
+ACCESSORS = {"labels": "_labels", "op_layer_labels": "_layer_labels", "module_call_indices": "_module_call",
+             "op_parents": "_parents", "pass_numbers": "_pass", "groups": "_group", "group_sizes": "_group_size",
+             "op_types": "_types", "func_names": "_func_names", "slots": "_slot", "inplace_flags": "_inplace",
+             "io_paths": "_io", "saved_activations": "_activations", "dropped_activations": "_dropped",
+             "finite_flags": "_finite", "param_addresses": "_param_addresses", "alias_reads": "_alias_reads"}
+
+
+def test_no_file_outside_record_reads_a_private_trace_column():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.relative_to(SRC).parts[0] == "record":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if PRIVATE_READ.search(line):
+                found.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
+    assert not found, "private Trace columns read outside record/ (use the Trace accessors):\n" + "\n".join(found)
+
+
+def test_the_pattern_catches_reads_and_spares_longer_names():
+    assert PRIVATE_READ.search("x = log._labels[i]") and PRIVATE_READ.search('getattr(log, "_cleaned", False)')
+    assert PRIVATE_READ.search("trace._module_call[first]") and PRIVATE_READ.search("log._model.named_parameters()")
+    assert not PRIVATE_READ.search("trace._module_call_frames") and not PRIVATE_READ.search("trace._model_params")
+    assert not PRIVATE_READ.search("trace.module_call_indices[i]")
+
+
+def _traced():
+    torch.manual_seed(0)
+    return tl.trace(LoopRNN(steps=3), torch.randn(2, 8), record_finite=True, grads=True)
+
+
+def test_each_accessor_is_its_column_and_agrees_with_the_records():
+    log = _traced()
+    for accessor, column in ACCESSORS.items():
+        assert getattr(log, accessor) is getattr(log, column), accessor
+    assert log.op_children == log._children()
+    assert log.labels == log.op_labels and log.labels is not log.op_labels
+    for op in log.ops:
+        i = op.index
+        assert log.labels[i] == op.label and log.op_layer_labels[i] == op.layer_label
+        assert [log.labels[p] for _, p in log.op_parents[i]] == op.parents
+        assert [log.labels[c] for c in log.op_children[i]] == op.children
+        m = log.module_call_indices[i]
+        assert (log.module_calls[m] if m >= 0 else None) is op.module_call
+        assert log.pass_numbers[i] == op.pass_index and log.func_names[i] == op.func_name
+        assert log.group_sizes[log.groups[i]] == op.num_passes
+        assert torch.equal(log.saved_activations[i], op.activation)
+    assert log.group_sizes[log.groups[log.labels.index("linear_1_2:3")]] == 3
+    assert set(log.finite_flags) == set(range(len(log))) - {i for i, k in enumerate(log.kinds) if k == 3}
+    assert log.param_addresses[log.labels.index("linear_1_2:1")] == ("cell.weight", "cell.bias")
+
+
+def test_keep_activations_releases_the_rest():
+    log = _traced()
+    log.keep_activations({0, 1})
+    assert set(log.saved_activations) == {0, 1}
+    assert log.ops[1].has_activation and not log.ops[2].has_activation
+
+
+def _record_owned_attributes() -> set:
+    """Every ``self.X = ...`` the Trace class itself makes (in ``__init__`` or any of its methods)."""
+    tree = ast.parse((SRC / "record" / "trace.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trace")
+    return {t.attr for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AugAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            for t in ast.walk(target)
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def test_every_attribute_set_on_a_trace_from_outside_record_is_declared_on_the_class(tmp_path):
+    log = _traced()
+    log.backward(log.output.sum())
+    log.flops, str(log), log.summary()
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    log.cleanup()
+    owned = _record_owned_attributes()
+    for trace in (log, loaded):
+        undeclared = sorted(name for name in vars(trace) if name not in owned and not hasattr(Trace, name))
+        assert not undeclared, f"set on a Trace from outside record/ but not declared on the class: {undeclared}"
+    assert log._flops_col is not None and loaded.loaded_from is not None and log._root_class == "LoopRNN"
