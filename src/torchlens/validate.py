@@ -379,7 +379,7 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
     for write_call, before in writes or ():
         if write_call >= call_position:  # the first write at or after this call: the value before it
             if before is None:
-                return None, (f"parameter changed by the forward: {_param_name(log, param)} was written by "
+                return None, (f"parameter changed by the forward: parameter {_param_name(log, param)} was written by "
                               "a call capture could not predict, so its value when this op ran is unknown")
             value = before
             break
@@ -394,9 +394,13 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
 
 
 def _param_name(log, param) -> str:
-    index = getattr(log, "_index", None)
-    names = getattr(index, "param_addresses", None) or {}
-    return names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
+    """The parameter's address in the traced model, else its shape."""
+    model = None if log.is_cleaned_up else log.model
+    if isinstance(model, torch.nn.Module):
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p is param:
+                return name
+    return f"of shape {tuple(param.shape)}"
 
 
 def _private_generators(kwargs: dict) -> list:

@@ -281,6 +281,7 @@ class Trace:
         """Replace the label columns (a stopped trace takes those of the whole forward); group sizes are recounted."""
         self._labels, self._layer_labels, self._pass, self._group = labels, layer_labels, pass_numbers, groups
         self._group_size = {g: sum(1 for x in groups if x == g) for g in set(groups)}
+        self._lookup = self._layers = self._layers_by_label = None  # derived from the labels: rebuilt on use
 
     # ----- the reference library's names (see docs/labels.md) -----------------------------------
     @property
