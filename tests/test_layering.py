@@ -28,9 +28,7 @@ ALLOWED = {
     "errors": set(), "tree": set(), "progress": set(),
     "labels": BASE,
     "record": LABELS,
-    # capture/session.py drives interventions (intervene.runtime): the one edge from capture to a
-    # bridge, kept until the handler's cold paths are split out of the driver.
-    "capture": RECORD | {"intervene"},
+    "capture": RECORD,  # the driver imports intervene only inside the call that needs it
     "validate": CAPTURE, "debug": CAPTURE, "viz": CAPTURE, "io": CAPTURE, "intervene": CAPTURE,
     "report": CAPTURE | {"intervene"},  # activation patching runs interventions
     "distributed": CAPTURE | {"io"},  # per-rank extraction writes io's folders
