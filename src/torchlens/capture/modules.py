@@ -15,6 +15,7 @@ from time import perf_counter_ns
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ..tree import tensor_leaves
 from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
 from .teardown import remove_handles
@@ -23,17 +24,10 @@ _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
 _TENSORS = frozenset([torch.Tensor, torch.nn.Parameter])
 
 
-def _tensors_in(obj, out: list, depth: int = 0) -> list:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif depth < 4:
-        if isinstance(obj, (tuple, list)):
-            for item in obj:
-                _tensors_in(item, out, depth + 1)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                _tensors_in(item, out, depth + 1)
-    return out
+def _tensors_in(value) -> list:
+    """Every tensor inside a module call's arguments or output, found by the package's one walker (so
+    a module call sees exactly the tensors the trace does, at any depth)."""
+    return [t for _, t in tensor_leaves(value)]
 
 
 def _in_parent_call(frame, verdicts) -> bool:
@@ -76,7 +70,7 @@ class ModuleCallTracker:
             if len(args) == 1 and type(args[0]) in _TENSORS:
                 inputs = (bound(args[0]),)
             else:
-                inputs = tuple(bound(t) for t in _tensors_in(args, []))
+                inputs = tuple(bound(t) for t in _tensors_in(args))
             # pre_hook <- inner <- _call_impl <- _wrapped_call_impl <- the caller: a user frame is the
             # answer (FrameClassifier.module_call_frame, its first step inlined).
             wrapped = getframe(3)
@@ -111,7 +105,7 @@ class ModuleCallTracker:
                 if type(output) in _TENSORS:
                     call[5] = (bound(output),)
                 else:
-                    call[5] = tuple(bound(t) for t in _tensors_in(output, []))
+                    call[5] = tuple(bound(t) for t in _tensors_in(output))
             else:
                 # Torch runs always-call hooks while an exception unwinds: remember the innermost call.
                 raised = sys.exc_info()[1]
