@@ -97,8 +97,9 @@ class CompiledSubmodules:
     """Context manager: route each compiled submodule's forward through a ``CompiledCall`` for this
     thread, and restore the module's own forward when the last trace using it ends."""
 
-    def __init__(self, model, mode: str, suspend):
+    def __init__(self, model, mode: str, suspend, modules=None):
         self.model = model
+        self.modules = modules  # the model's module objects when already listed (the cached index)
         self.mode = mode
         self.suspend = suspend
         self.swapped: list = []  # ids of the OptimizedModules this trace routes
@@ -108,7 +109,8 @@ class CompiledSubmodules:
         optimized = optimized_module_type()
         try:
             if optimized is not None and isinstance(self.model, torch.nn.Module):
-                for module in self.model.modules():
+                modules = self.modules if self.modules is not None else self.model.modules()
+                for module in modules:
                     if type(module) is optimized and "forward" in vars(module):
                         self._route(module)
             return self

@@ -81,7 +81,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     mode = CaptureMode(state, frames, deep=deep)
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls")
     shim, installed = FastPathShim(mode), ModeOnStack(mode)
-    submodules = CompiledSubmodules(root, compiled, None)
+    # The index lists every module object once (wrappers too): no walk of the model per trace.
+    submodules = CompiledSubmodules(root, compiled, None, index.submodules.values())
     # The root's own call is the trace itself; a callable's calls into its root are module calls.
     tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules)
     tracker.progress = shown if shown is not QUIET else None
