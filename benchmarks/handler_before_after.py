@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import MODELS, baseline_package, build, trace_arm  # noqa: E402
 from trace_overhead import count_ops  # noqa: E402
 
-from torchlens._observability import RefusalPredicate, measure_overhead  # noqa: E402
+from torchlens.report.overhead import RefusalPredicate, measure_overhead  # noqa: E402
 
 
 def cell(result, ops: int) -> str:
