@@ -27,13 +27,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import MODELS, BareMode, build  # noqa: E402
+from models import MODELS, BareMode, build, machine_footer  # noqa: E402
 from overhead_matrix import DOC, write_section  # noqa: E402
 
 from torchlens.report.overhead import RefusalPredicate, measure_overhead  # noqa: E402
@@ -165,9 +164,7 @@ def markdown(rows, command) -> str:
             + f" | {_us(retain, retain_floor)} | {_us(grads, grads_floor)} | {verdict(grads, grads_floor, limit)}"
             + (f" (<= {limit:.1f})" if limit is not None else "") + " |")
     fp = rows[0]["results"][("bare", "retain_grad")].fingerprint if rows else {}
-    lines += ["", f"Machine: torch {fp.get('torch')}, {fp.get('threads')} torch threads, {fp.get('device')}, "
-              f"{fp.get('cpus')} CPUs, load {fp.get('load_1_5_15')}; measured {time.strftime('%Y-%m-%d')}.",
-              "", "Command:", "", "```text", command, "```"]
+    lines += machine_footer(fp, command)
     return "\n".join(lines)
 
 

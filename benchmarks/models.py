@@ -9,6 +9,7 @@ This file imports only torch, so a worker running under another virtualenv can i
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn as nn
@@ -252,3 +253,11 @@ def baseline_package(path: str, name: str = "torchlens_baseline"):
     sys.modules[name] = package
     spec.loader.exec_module(package)
     return package
+
+
+def machine_footer(fingerprint: dict, command: str) -> list:
+    """The lines a generated docs table ends with: where it was measured, and the command that remeasures it."""
+    fp = fingerprint
+    return ["", f"Machine: torch {fp.get('torch')}, {fp.get('threads')} torch threads, {fp.get('device')}, "
+            f"{fp.get('cpus')} CPUs, load {fp.get('load_1_5_15')}; measured {time.strftime('%Y-%m-%d')}.",
+            "", "Command:", "", "```text", command, "```"]

@@ -36,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import MODELS, bare_arm, build, native_arm, recorder_arm, trace_arm  # noqa: E402
+from models import MODELS, bare_arm, build, machine_footer, native_arm, recorder_arm, trace_arm  # noqa: E402
 from overhead_matrix import DOC, write_section  # noqa: E402
 
 from torchlens.report.overhead import RefusalPredicate, measure_overhead  # noqa: E402
@@ -207,9 +207,7 @@ def markdown(rows: list, cold: list, command: str) -> str:
                      f"{len(entry['result'].ratios)} pairs): torchlens adds {entry['added_ms']:.0f} ms; target "
                      f"<= {COLD_LIMIT_MS:g} ms: {entry['check']}. Whole processes, paired: `{entry['result']}`")
     fp = rows[0]["results"][("native", "bare")].fingerprint if rows else {}
-    lines += ["", f"Machine: torch {fp.get('torch')}, {fp.get('threads')} torch threads, {fp.get('device')}, "
-              f"{fp.get('cpus')} CPUs, load {fp.get('load_1_5_15')}; measured {time.strftime('%Y-%m-%d')}.",
-              "", "Command:", "", "```text", command, "```"]
+    lines += machine_footer(fp, command)
     return "\n".join(lines)
 
 
