@@ -15,6 +15,8 @@ import threading
 import torch
 import torch.overrides
 
+from .teardown import until_done
+
 # Reentrant, so that a hold left by an interrupt on a ``with _lock:`` exit line can be found and dropped.
 _lock = threading.RLock()
 _users = 0
@@ -59,20 +61,13 @@ class FastPathShim:
             raise
 
     def __exit__(self, *exc):
-        # Idempotent release, retried so that an interrupt landing mid-teardown cannot strand the shim;
-        # the interrupt is re-raised once the shim is gone.
-        interrupted = None
-        while True:
-            try:
-                while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
-                    _lock.release()
-                self._release()
-                break
-            except BaseException as e:  # noqa: BLE001
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
+        until_done(self._release_all)  # an interrupt landing mid-teardown cannot strand the shim
         return False
+
+    def _release_all(self) -> None:
+        while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
+            _lock.release()
+        self._release()
 
     def pause(self) -> None:
         """Put torch's own function back while a compiled region runs (Dynamo would trace the shim),

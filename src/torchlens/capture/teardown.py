@@ -75,16 +75,7 @@ class ModeOnStack:
             raise
 
     def __exit__(self, *exc):
-        # Retried until done, so that an interrupt landing here cannot strand the mode; re-raised after.
-        interrupted = None
-        while True:
-            try:
-                self.remove()
-                break
-            except BaseException as e:  # noqa: BLE001
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
+        until_done(self.remove)  # an interrupt landing here cannot strand the mode
         return False
 
     def remove(self) -> None:
@@ -114,11 +105,22 @@ def leftovers(mode, parts) -> list:
 def remove_handles(handles: list) -> None:
     """Remove every hook handle in ``handles``, emptying it.  An interrupt landing meanwhile is re-raised
     only once every hook is gone (``RemovableHandle.remove`` is idempotent, so a retry is safe)."""
-    interrupted = None
-    while handles:
-        try:
+    def remove_all():
+        while handles:
             handles[-1].remove()
             handles.pop()
+
+    until_done(remove_all)
+
+
+def until_done(step) -> None:
+    """Run ``step`` (idempotent) until it returns; an interrupt that landed meanwhile is re-raised after,
+    so teardown always finishes before the user's KeyboardInterrupt propagates."""
+    interrupted = None
+    while True:
+        try:
+            step()
+            break
         except BaseException as e:  # noqa: BLE001
             interrupted = interrupted or e
     if interrupted is not None:
