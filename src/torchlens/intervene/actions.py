@@ -145,12 +145,7 @@ class mean_ablate(Action):  # noqa: N801
                 source = source[at]
         mean = source.float().mean(dim=self.dims, keepdim=True) if not source.is_floating_point() \
             else source.mean(dim=self.dims, keepdim=True)
-        try:
-            mean = torch.broadcast_to(mean, tensor.shape)
-        except RuntimeError as exc:
-            raise ValueError(f"tl.mean_ablate at {_where(op)}: a mean of shape {tuple(mean.shape)} cannot "
-                             f"replace a value of shape {tuple(tensor.shape)}") from exc
-        return mean.to(device=tensor.device, dtype=tensor.dtype).clone()
+        return _like(mean, tensor, op, "tl.mean_ablate's mean")
 
     def _describe(self):
         return f"dims={self.dims!r}" + (", trace=<trace>" if self.trace is not None else "")
