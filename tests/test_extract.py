@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchlens as tl
 from torchlens.io import TraceFileError
+from streams import batches, interrupted
 
 SCRIPT = textwrap.dedent('''
     import sys, time
@@ -122,18 +123,6 @@ class LSTMNet(nn.Module):
 
     def forward(self, x):
         return self.lstm(x)[0]
-
-
-def batches(n=10, rows=4, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(rows, 8, generator=g) for _ in range(n)]
-
-
-def interrupted(items, at):
-    for i, item in enumerate(items):
-        if i == at:
-            raise KeyboardInterrupt
-        yield item
 
 
 def test_in_process_interruption_resumes_without_duplicates(tmp_path):

@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchlens as tl
 from torchlens.io import ResumeMismatchError, TraceFileError, UnsafeMemberError
 from torchlens.io.format import sha256_of
+import streams
+from streams import interrupted
 from zoo import zoo
 
 
@@ -51,16 +53,8 @@ class TwoLayer(nn.Module):
         return self.head(torch.relu(self.fc(x))) * scale
 
 
-def batches(n=6, rows=3, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(rows, 8, generator=g) for _ in range(n)]
-
-
-def interrupted(items, at):
-    for i, item in enumerate(items):
-        if i == at:
-            raise KeyboardInterrupt
-        yield item
+def batches(n=6):
+    return streams.batches(n, rows=3)
 
 
 def partial_extraction(folder, model=None, **kw):
