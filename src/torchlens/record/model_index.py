@@ -45,10 +45,15 @@ class ModelIndex:
                 self.submodules[raw] = module  # every module object, wrappers too: the structure check
                 self._addressed.setdefault(name, module)
             prefix = f"{name}." if name else ""
+            names = []  # as the walk saw them: the module records of a trace name what its index knew
             for key, p in module._parameters.items():
-                if p is not None and id(p) not in self.param_addresses:
-                    self.param_addresses[id(p)] = prefix + key
-                    self.params.append((prefix + key, p))
+                if p is not None:
+                    names.append(key)
+                    if id(p) not in self.param_addresses:
+                        self.param_addresses[id(p)] = prefix + key
+                        self.params.append((prefix + key, p))
+            if raw:  # not the root, which the index holds only weakly
+                self._param_names[id(module)] = (module, names)
             for key, b in module._buffers.items():
                 if b is not None and id(b) not in self.buffers:
                     self.buffers[id(b)] = (b, prefix + key)
