@@ -18,7 +18,7 @@ from itertools import compress
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
-from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
+from ..labels.naming import func_name_of, op_label, type_of_name, with_passes
 from ..labels.passes import group_ops
 from ..tree import path_text
 from ..tree import tensor_leaves as leaves_with_paths
@@ -29,6 +29,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
 from .layouts import shape_of
 from .model_index import ModelIndex
 from .modules import Module, ModuleCall
+from .tables import module_calls_frame, modules_frame
 from .trace import RecordList, Trace
 
 if TYPE_CHECKING:
@@ -37,10 +38,11 @@ if TYPE_CHECKING:
 # Field readers for the raw tuples (C-level, for map and compress).
 _RECORD_CALL, _RECORD_SLOT = itemgetter(RECORD_CALL), itemgetter(RECORD_SLOT)
 _RECORD_META = itemgetter(slice(RECORD_SLOT + 1, None))  # a Record without its call and slot: an OpMeta's fields
-_CALL_PARENTS, _CALL_MODULE_CALL = itemgetter(CALL_PARENTS), itemgetter(CALL_MODULE_CALL)
+_CALL_FUNC, _CALL_PARENTS, _CALL_MODULE_CALL = itemgetter(CALL_FUNC), itemgetter(CALL_PARENTS), itemgetter(CALL_MODULE_CALL)
 _CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUMENTS)
 _MODULE = itemgetter(MODULE_CALL_MODULE)
-_PARAMETER = itemgetter(1)  # of an (address, Parameter) or (position, Parameter) pair
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_PARAMETER = _SECOND  # of an (address, Parameter) or (position, Parameter) pair
 _VERSION, _REQUIRES_GRAD = attrgetter("_version"), attrgetter("requires_grad")
 
 
@@ -163,8 +165,6 @@ class RawRecord:
 
     def modules(self, trace) -> dict:
         """The ``ModuleCall`` and ``Module`` records, from the module calls and the model index."""
-        from . import tables
-
         addresses, param_names_of = self.index.module_addresses, self.index.param_names_of
         classes, shown = self.module_classes
         by_id: dict = {}
@@ -189,16 +189,17 @@ class RawRecord:
             if parent_call is not None:
                 parent_call.children.append(call)
             module_calls.append(call)
-        return {"module_calls": RecordList(module_calls, tables.module_calls_frame),
-                "modules": RecordList(list(by_id.values()), tables.modules_frame)}
+        return {"module_calls": RecordList(module_calls, module_calls_frame),
+                "modules": RecordList(list(by_id.values()), modules_frame)}
 
     def labels(self, trace) -> dict:
         """Pass groups (``labels/passes.py``), types, function names and labels."""
         modules = list(map(_MODULE, self.module_calls))
         kind, call_col = trace._kind, trace._call
+        counts = Counter(map(id, modules)) if modules else {}
         group = group_ops(call_col, trace._slot, trace._module_call, trace._parents, trace._meta, self.calls,
-                          modules, Counter(map(id, modules)))
-        func_names, types = _names(kind, call_col, self.calls)
+                          modules, counts)
+        func_names, types = _names(kind, call_col, self.calls, trace._io)
         labels, layer_labels, pass_col, group_size = _label(kind, types, group)
         return {"_labels": labels, "_layer_labels": layer_labels, "_pass": pass_col, "_group": group,
                 "_group_size": group_size, "_types": types, "_func_names": func_names}
@@ -221,23 +222,27 @@ def _receiver_writes():
     return writes
 
 
-def _names(kind, call_col, calls):
-    cache: dict = {}
-    func_names, types = [], []
-    pseudo = {Kind.INPUT: "input", Kind.BUFFER: "buffer", Kind.OUTPUT: "output"}
-    for k, c in zip(kind, call_col):
-        if k == Kind.OP:
-            func = calls[c][CALL_FUNC]
-            named = cache.get(func)
-            if named is None:
-                name = func_name_of(func)
-                named = cache[func] = (name, type_of_name(name))
-            func_names.append(named[0])
-            types.append(named[1])
-        else:
-            func_names.append("none")
-            types.append(pseudo[k])
+def _names(kind, call_col, calls, io) -> tuple:
+    """Each op's function name and type: named once per distinct function, then read per op by C-level
+    passes; the few inputs, buffers and outputs (the ``io`` indices) are named by their kind."""
+    funcs = list(map(_CALL_FUNC, calls))
+    named = {}
+    for func in dict.fromkeys(funcs):
+        name = func_name_of(func)
+        named[func] = (name, type_of_name(name))
+    per_call = list(map(named.__getitem__, funcs))
+    call_names = list(map(_FIRST, per_call))
+    call_types = list(map(_SECOND, per_call))
+    call_names.append("none")  # index -1: no call
+    call_types.append(None)
+    func_names = list(map(call_names.__getitem__, call_col))
+    types = list(map(call_types.__getitem__, call_col))
+    for i in io:
+        types[i] = _PSEUDO_TYPES[kind[i]]
     return func_names, types
+
+
+_PSEUDO_TYPES = {Kind.INPUT: "input", Kind.BUFFER: "buffer", Kind.OUTPUT: "output"}
 
 
 def _label(kind, types, group):
@@ -246,38 +251,44 @@ def _label(kind, types, group):
     source_counts = {Kind.INPUT: 0, Kind.BUFFER: 0, Kind.OUTPUT: 0}
     layer_count = 0
     layer_of_group: dict = {}
-    passes_of_group: dict = {}
-    labels, layer_labels, pass_col = [], [], []
+    op, output = Kind.OP, Kind.OUTPUT
+    layer_labels = []
     for k, t, g in zip(kind, types, group):
         layer = layer_of_group.get(g)
-        if layer is None:
-            if k == Kind.OP:
+        if layer is None:  # the first pass of a layer
+            if k == op:
                 layer_count += 1
                 type_counts[t] = type_counts.get(t, 0) + 1
                 layer = op_label(t, type_counts[t], layer_count)
             else:
-                if k == Kind.OUTPUT:
+                if k == output:
                     layer_count += 1  # outputs consume a layer number without printing it
                 source_counts[k] += 1
                 layer = f"{t}_{source_counts[k]}"
             layer_of_group[g] = layer
-        p = passes_of_group[g] = passes_of_group.get(g, 0) + 1
         layer_labels.append(layer)
-        labels.append(with_pass(layer, p))
-        pass_col.append(p)
-    return labels, layer_labels, pass_col, passes_of_group
+    if len(layer_of_group) == len(group):  # no layer ran twice: every pass is the first
+        pass_col, passes_of_group = [1] * len(group), dict.fromkeys(group, 1)
+    else:
+        pass_col, passes_of_group = [], {}
+        for g in group:
+            p = passes_of_group[g] = passes_of_group.get(g, 0) + 1
+            pass_col.append(p)
+    return with_passes(layer_labels, pass_col), layer_labels, pass_col, passes_of_group
 
 
 def _param_addresses(calls, index: ModelIndex) -> dict:
     """Op index -> the addresses of the parameters its call used (read now: a parameter outside the
     index is named by its shape, which a later ``.data`` assignment could change)."""
-    names = index.param_addresses
+    address_of = index.param_addresses.get
     out = {}
     for call in compress(calls, map(_CALL_PARAMS, calls)):  # the calls that used parameters
-        addresses = tuple([names.get(id(p)) or _unregistered(p) for _, p in call[CALL_PARAMS]])
-        first = call[CALL_FIRST_RECORD]
-        for i in range(first, first + call[CALL_NUM_OUTPUTS]):  # the outputs of one call share them
-            out[i] = addresses
+        addresses = tuple([address_of(id(p)) or _unregistered(p) for _, p in call[CALL_PARAMS]])
+        first, count = call[CALL_FIRST_RECORD], call[CALL_NUM_OUTPUTS]
+        out[first] = addresses
+        if count > 1:  # the outputs of one call share them
+            for i in range(first + 1, first + count):
+                out[i] = addresses
     return out
 
 
