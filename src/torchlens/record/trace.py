@@ -156,7 +156,10 @@ class Trace:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            vars(self).update(getattr(raw, group)(self))
+            held = vars(self)
+            held.update(getattr(raw, group)(self))
+            if "_kind" in held and "module_calls" in held and "_labels" in held:
+                self._raw = None  # every group derived: the raw lists are no longer needed
         finally:
             if collecting:
                 gc.enable()
@@ -164,8 +167,7 @@ class Trace:
     def _derive_all(self) -> None:
         """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
         if self._raw is not None:
-            self._labels, self.module_calls  # the labels read the columns and the module objects
-            self._raw = None
+            self._kind, self.module_calls, self._labels
 
     # ----- records -------------------------------------------------------------------------------
     @property
