@@ -93,3 +93,35 @@ def test_cleanup_before_any_read_keeps_every_column():
     log = tl.trace(model, args, kwargs)
     log.cleanup()
     assert _record(log) == expected and log.is_cleaned_up
+
+
+def test_threads_reading_a_trace_first_get_one_record():
+    import sys
+
+    model, args, kwargs = zoo()["mlp"]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often enough to interleave their first reads
+    try:
+        _read_from_threads(model, args, kwargs)
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _read_from_threads(model, args, kwargs):
+    import threading
+
+    for _ in range(5):
+        log = tl.trace(model, args, kwargs)
+        start, seen = threading.Barrier(6), []
+
+        def read():
+            start.wait()
+            seen.append((log.module_calls, log.labels, log.op_parents))
+
+        threads = [threading.Thread(target=read) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(seen) == 6 and all(all(a is b for a, b in zip(s, seen[0])) for s in seen)
+        assert all(mc._trace is log for mc in log.module_calls) and log.ops[-1].module_call is None

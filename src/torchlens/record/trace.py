@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import gc
+import threading
 
 from ..errors import TorchlensError, TraceCleanedUp
 from .columns import Call, Kind
@@ -27,8 +28,11 @@ class _Derived:
     def __get__(self, trace, owner=None):
         if trace is None:
             return self
-        trace._derive(self.group)
+        trace._derive(self.group, self.name)
         return trace.__dict__[self.name]
+
+
+_DERIVING = threading.RLock()  # reentrant: the labels read the columns they are derived from
 
 
 class RecordList(list):
@@ -147,27 +151,30 @@ class Trace:
         self._params = None
         self._buffers = None
 
-    def _derive(self, group: str) -> None:
-        """Set the columns of ``group`` from the raw lists (``_Derived``), with the collector paused as
-        during the trace: building them allocates many small objects, which no collector pass need walk."""
-        raw = self._raw
-        if raw is None:
-            raise AttributeError(f"this trace holds no raw record to derive its {group} from")
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+    def _derive(self, group: str, name: str) -> None:
+        """Set the columns of ``group`` (``name`` among them) from the raw lists (``_Derived``), once even
+        when several threads read it first, with the collector paused as during the trace: building them
+        allocates many small objects, which no collector pass need walk."""
+        with _DERIVING:
             held = vars(self)
-            held.update(getattr(raw, group)(self))
-            if "_kind" in held and "module_calls" in held and "_labels" in held:
-                self._raw = None  # every group derived: the raw lists are no longer needed
-        finally:
-            if collecting:
-                gc.enable()
+            if name in held:
+                return  # another thread derived it meanwhile
+            raw = self._raw
+            if raw is None:
+                raise AttributeError(f"this trace holds no raw record to derive {name} from")
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                held.update(getattr(raw, group)(self))
+                if "_kind" in held and "module_calls" in held and "_labels" in held:
+                    self._raw = None  # every group derived: the raw lists are no longer needed
+            finally:
+                if collecting:
+                    gc.enable()
 
     def _derive_all(self) -> None:
         """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
-        if self._raw is not None:
-            self._kind, self.module_calls, self._labels
+        self._kind, self.module_calls, self._labels
 
     # ----- records -------------------------------------------------------------------------------
     @property
