@@ -73,6 +73,15 @@ def test_a_module_class_swapped_after_the_trace_reads_as_traced():
     assert log["linear_1_1"].params == ("0.weight", "0.bias")
 
 
+def test_parameters_registered_after_the_trace_on_the_root_or_outside_the_model_are_not_listed():
+    root, outside = nn.Linear(4, 4), nn.Linear(4, 4)
+    for called, address in ((root, "self"), (outside, "<unregistered Linear #1>")):
+        log = tl.trace(lambda x: called(x) * 2, torch.randn(2, 4), root=root)
+        called.register_parameter("extra", nn.Parameter(torch.zeros(1)))
+        assert [(m.address, m.param_names) for m in log.modules] == [(address, ["weight", "bias"])]
+        del called.extra
+
+
 def test_a_parameter_outside_the_model_is_named_by_its_shape_when_traced():
     w = nn.Parameter(torch.randn(4, 3))
     log = tl.trace(lambda x: torch.matmul(x, w), torch.randn(2, 4))

@@ -104,7 +104,7 @@ class RawRecord:
     its columns from them on first read, one group at a time (``columns``, ``modules``, ``labels``:
     each returns ``{attribute: value}``)."""
 
-    __slots__ = ("calls", "records", "outputs", "module_calls", "module_classes", "index")
+    __slots__ = ("calls", "records", "outputs", "module_calls", "module_classes", "module_params", "index")
 
     def __init__(self, calls: list, records: list, outputs: list, module_calls: list, index: ModelIndex):
         self.calls = calls
@@ -115,6 +115,10 @@ class RawRecord:
         # parametrization (torch.nn.utils.parametrize) swaps a module's class after the trace.
         modules = list(map(_MODULE, module_calls))
         self.module_classes = (list(map(type, modules)), [type(m._modules.get("_orig_mod", m)) for m in modules])
+        # Parameter names come from the index's walk; those of a module it has none for (the root, a module
+        # outside the model) are read now.
+        unwalked = index.unwalked(modules)
+        self.module_params = {id(m): index.param_names_of(m) for m in modules if id(m) in unwalked} if unwalked else {}
         self.index = index
 
     def columns(self, trace) -> dict:
@@ -165,7 +169,7 @@ class RawRecord:
 
     def modules(self, trace) -> dict:
         """The ``ModuleCall`` and ``Module`` records, from the module calls and the model index."""
-        addresses, param_names_of = self.index.module_addresses, self.index.param_names_of
+        addresses, param_names_of, read_now = self.index.module_addresses, self.index.param_names_of, self.module_params
         classes, shown = self.module_classes
         by_id: dict = {}
         module_calls = []
@@ -179,8 +183,10 @@ class RawRecord:
                     unregistered += 1
                     names = [f"<unregistered {classes[k].__name__} #{unregistered}>"]
                 # Copies: the index is shared by every trace of an unchanged model.
-                record = by_id[id(module)] = Module(names[0], list(names), shown[k].__name__, param_names_of(module),
-                                                    module)
+                params = read_now.get(id(module))
+                if params is None:
+                    params = param_names_of(module)
+                record = by_id[id(module)] = Module(names[0], list(names), shown[k].__name__, params, module)
             parent = raw[MODULE_CALL_PARENT]
             parent_call = module_calls[parent] if parent >= 0 else None
             call = ModuleCall(trace, k, record, len(record.calls) + 1, parent_call, raw[MODULE_CALL_T0_NS],

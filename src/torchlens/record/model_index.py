@@ -65,12 +65,17 @@ class ModelIndex:
         return {"": root, **self._addressed} if root is not None else dict(self._addressed)
 
     def param_names_of(self, module) -> list:
-        """Names of the module's parameters (a fresh list; computed once per module of the index, whose
-        structure check covers every ``_parameters`` dict)."""
+        """Names of the module's parameters (a fresh list): as the walk saw them for a module of the
+        index, whose structure check covers every ``_parameters`` dict; read now for any other."""
         names = self._param_names.get(id(module))
         if names is None or names[0] is not module:
-            names = self._param_names[id(module)] = (module, [k for k, p in module._parameters.items() if p is not None])
+            return [k for k, p in module._parameters.items() if p is not None]
         return list(names[1])
+
+    def unwalked(self, modules) -> set:
+        """The ids of those of ``modules`` whose parameter names the walk did not keep (the root's, or a
+        module outside the model): a trace reads theirs when it ends."""
+        return set(map(id, modules)).difference(self._param_names)
 
 
 # ----- one index per model, while its structure is unchanged ------------------------------------
