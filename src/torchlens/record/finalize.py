@@ -151,9 +151,9 @@ class RawRecord:
                 for i in range(first, first + call[CALL_NUM_OUTPUTS]):
                     inplace[i] = slot_col[i] is None  # a single output: the argument it wrote
         # Most ops share a handful of (shape, dtype, device, ...) rows: one OpMeta for each.
-        rows = list(map(_RECORD_META, records))
-        named = {row: OpMeta._make(row) for row in set(rows)}
-        meta = list(map(named.__getitem__, rows))
+        named: dict = {}
+        make = OpMeta._make
+        meta = [named.get(row) or named.setdefault(row, make(row)) for row in map(_RECORD_META, records)]
         for path, producer, output_meta in self.outputs:
             io[len(kind)] = path
             kind.append(Kind.OUTPUT)
