@@ -42,7 +42,6 @@ _CALL_FUNC, _CALL_PARENTS, _CALL_MODULE_CALL = itemgetter(CALL_FUNC), itemgetter
 _CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUMENTS)
 _MODULE = itemgetter(MODULE_CALL_MODULE)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
-_PARAMETER = _SECOND  # of an (address, Parameter) or (position, Parameter) pair
 _VERSION, _REQUIRES_GRAD = attrgetter("_version"), attrgetter("requires_grad")
 
 
@@ -84,8 +83,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         index=index,
     )
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
-    params = list(map(_PARAMETER, index.params))
-    ids = list(map(id, params))
+    params, ids = index.param_objects
     trace._replay = _replay_context()(state.context, state.contexts, state.param_writes,
                                       dict(zip(ids, map(_VERSION, params))),
                                       dict(zip(ids, map(_REQUIRES_GRAD, params))))

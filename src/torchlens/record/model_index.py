@@ -8,6 +8,7 @@ keeps one index per model and hands it to later traces while the model's structu
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections import OrderedDict
 from itertools import chain
@@ -71,6 +72,13 @@ class ModelIndex:
         if names is None or names[0] is not module:
             return [k for k, p in module._parameters.items() if p is not None]
         return list(names[1])
+
+    @functools.cached_property
+    def param_objects(self) -> tuple:
+        """``(parameters, their ids)``, in ``params`` order: listed once per index, read per trace (the
+        versions replay checks are read when each trace ends)."""
+        params = [p for _, p in self.params]
+        return params, [id(p) for p in params]
 
     def unwalked(self, modules) -> set:
         """The ids of those of ``modules`` whose parameter names the walk did not keep (the root's, or a
