@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 # Field readers for the raw tuples (C-level, for map and compress).
 _RECORD_CALL, _RECORD_SLOT = itemgetter(RECORD_CALL), itemgetter(RECORD_SLOT)
 _RECORD_META = itemgetter(slice(RECORD_SLOT + 1, None))  # a Record without its call and slot: an OpMeta's fields
-_CALL_FUNC, _CALL_PARENTS, _CALL_MODULE_CALL = itemgetter(CALL_FUNC), itemgetter(CALL_PARENTS), itemgetter(CALL_MODULE_CALL)
+_CALL_FUNC, _CALL_PARENTS = itemgetter(CALL_FUNC), itemgetter(CALL_PARENTS)
+_CALL_MODULE_CALL = itemgetter(CALL_MODULE_CALL)
 _CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUMENTS)
 _MODULE = itemgetter(MODULE_CALL_MODULE)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
@@ -180,10 +181,9 @@ class RawRecord:
                 if names is None:
                     unregistered += 1
                     names = [f"<unregistered {classes[k].__name__} #{unregistered}>"]
-                # Copies: the index is shared by every trace of an unchanged model.
                 params = read_now.get(id(module))
                 if params is None:
-                    params = param_names_of(module)
+                    params = param_names_of(module)  # a copy, like list(names): the index is shared by traces
                 record = by_id[id(module)] = Module(names[0], list(names), shown[k].__name__, params, module)
             parent = raw[MODULE_CALL_PARENT]
             parent_call = module_calls[parent] if parent >= 0 else None

@@ -74,7 +74,7 @@ class Trace:
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
     _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
-    _raw = None  # record.finalize: the raw lists the derived columns below are built from, until they are
+    _raw = None  # record.finalize.RawRecord: what the columns below are derived from, until all of them are
 
     # The columns: derived on first read, a group at a time, from ``_raw`` (a trace made by
     # ``record.finalize``), or given to ``__init__`` (a trace read by ``tl.load``).
