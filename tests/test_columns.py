@@ -86,3 +86,10 @@ def test_the_indexes_named_below_record_match_the_call_layout():
     for name in ("CALL_FUNC", "CALL_ARGS", "CALL_KWARGS", "CALL_PARAMS", "CALL_SITE"):
         assert getattr(passes, name) == getattr(columns, name), name
     assert columns.Call._fields[columns.CALL_SITE] == "site" and len(columns.Call._fields) == 14
+
+
+def test_the_shape_index_named_below_record_matches_the_meta_layout():
+    from torchlens.labels import passes
+    from torchlens.record import columns
+
+    assert columns.OpMeta._fields[passes.META_SHAPE] == "shape"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from operator import itemgetter
 
 import torch
 
@@ -51,6 +52,9 @@ def arg_signature(obj, depth: int = 0):
 # Fields of a raw call tuple read here: the ``record.columns.Call`` layout, named here because labels
 # sits below record (tests/test_columns.py checks they agree).
 CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARAMS, CALL_SITE = 0, 1, 2, 4, 13
+META_SHAPE = 0  # ``record.columns.OpMeta.shape``
+_SHAPE = itemgetter(META_SHAPE)
+_SECOND = itemgetter(1)  # of a (position, parent) or (position, Parameter) pair
 
 
 def args_key(call) -> tuple:
@@ -70,39 +74,48 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
     keys: dict = {}
     position_in_call: dict = {}
     site_ops = []
+    # Each op's output shape: a parent of unknown origin (-1) reads the None at the end.
+    shapes = list(map(_SHAPE, meta))
+    shapes.append(None)
     for i, c in enumerate(call_col):
         if c < 0:
             group[i] = keys.setdefault(("source", i), len(keys))
             continue
         slot, module_call = slot_col[i], module_col[i]
         call = calls[c]
-        func, params = call[CALL_FUNC], call[CALL_PARAMS]
+        func = call[CALL_FUNC]
         module = None
         if module_call >= 0:
             module = module_objects[module_call]
             if slot is None or slot == 0 or slot == (0,):
                 position_in_call[module_call] = position_in_call.get(module_call, -1) + 1
-        if module is not None and module_counts[id(module)] > 1:
-            group[i] = keys.setdefault(("module", id(module), position_in_call[module_call], func, slot), len(keys))
-            continue
+            if module_counts[id(module)] > 1:
+                group[i] = keys.setdefault(("module", id(module), position_in_call[module_call], func, slot),
+                                           len(keys))
+                continue
         # The non-tensor arguments as they are (hashed once, by the dict), or by signature when unhashable.
-        kwargs = call[CALL_KWARGS]
+        kwargs, params = call[CALL_KWARGS], call[CALL_PARAMS]
         arguments = (call[CALL_ARGS], tuple(kwargs.items()) if kwargs else None)
         if params:
-            ids = tuple(sorted([id(p) for _, p in params]))
+            ids = tuple(sorted(map(id, map(_SECOND, params))))
             try:
                 group[i] = keys.setdefault(("params", func, ids, slot, id(module), arguments), len(keys))
             except TypeError:  # lists, dicts, slices (before Python 3.12), unhashable objects
                 group[i] = keys.setdefault(("params", func, ids, slot, id(module), args_key(call)), len(keys))
         else:
-            shapes = tuple([meta[p].shape if p >= 0 else None for _, p in parents_col[i]])
+            parents = parents_col[i]
+            if len(parents) == 1:  # the common case, without a loop
+                input_shapes = (shapes[parents[0][1]],)
+            else:
+                input_shapes = tuple([shapes[p] for _, p in parents])
             site = call[CALL_SITE]
             # The site's code object by id: hashing a code object hashes its bytecode.
             site = (id(site[0]), site[1]) if site is not None else None
             try:
-                group[i] = keys.setdefault(("site", site, func, slot, arguments, shapes, id(module)), len(keys))
+                group[i] = keys.setdefault(("site", site, func, slot, arguments, input_shapes, id(module)), len(keys))
             except TypeError:
-                group[i] = keys.setdefault(("site", site, func, slot, args_key(call), shapes, id(module)), len(keys))
+                group[i] = keys.setdefault(("site", site, func, slot, args_key(call), input_shapes, id(module)),
+                                           len(keys))
             site_ops.append(i)
 
     _split_self_chains(group, site_ops, parents_col, len(keys))

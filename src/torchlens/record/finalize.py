@@ -1,22 +1,49 @@
-"""Turn the raw lists one forward filled into a ``Trace``: one linear pass, no rich objects per op."""
+"""Turn the raw lists one forward filled into a ``Trace``.
+
+``finalize`` reads, when the forward ends, only what can change afterwards: which op produced each
+returned tensor (weak references and version counters) and its metadata, what was saved, the class of
+each called module (a parametrization swaps it later), the parameters' versions for replay and their
+addresses.  Every column (kinds, parents, module records, pass groups, labels) is derived from the raw
+lists on first read, a group at a time, by ``RawRecord`` (see ``record.trace._Derived``): a trace nobody
+reads pays for none of it, and one that is read pays once, in flat linear passes.  The raw lists it
+reads are final once the forward returned: calls and records are tuples, arguments are held by value
+(``tree.strip``), parameters and modules by reference until ``Trace.cleanup`` derives every column.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
+from itertools import compress
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
-from ..labels.naming import func_name_of, op_label, type_of_name, with_pass
+from ..labels.naming import func_name_of, op_label, type_of_name, with_passes
 from ..labels.passes import group_ops
 from ..tree import path_text
 from ..tree import tensor_leaves as leaves_with_paths
-from .columns import (CALL_FUNC, CALL_KWARGS, CALL_MODULE_CALL, CALL_PARAMS, CALL_PARENTS, CALL_WROTE_ARGUMENTS, INPUT,
-                      Kind, OpMeta, writes_first_argument)
+from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CALL, CALL_NUM_OUTPUTS, CALL_PARAMS,
+                      CALL_PARENTS, CALL_WROTE_ARGUMENTS, INPUT, MODULE_CALL_INPUTS, MODULE_CALL_MODULE,
+                      MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
+                      RECORD_SLOT, Kind, OpMeta, writes_first_argument)
 from .layouts import shape_of
 from .model_index import ModelIndex
 from .modules import Module, ModuleCall
-from .trace import Trace
+from .tables import module_calls_frame, modules_frame
+from .trace import RecordList, Trace
 
 if TYPE_CHECKING:
     from ..capture.state import CaptureState
+
+# Field readers for the raw tuples (C-level, for map and compress).
+_RECORD_CALL, _RECORD_SLOT = itemgetter(RECORD_CALL), itemgetter(RECORD_SLOT)
+_RECORD_META = itemgetter(slice(RECORD_SLOT + 1, None))  # a Record without its call and slot: an OpMeta's fields
+_CALL_FUNC, _CALL_PARENTS = itemgetter(CALL_FUNC), itemgetter(CALL_PARENTS)
+_CALL_MODULE_CALL = itemgetter(CALL_MODULE_CALL)
+_CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUMENTS)
+_MODULE = itemgetter(MODULE_CALL_MODULE)
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_VERSION, _REQUIRES_GRAD = attrgetter("_version"), attrgetter("requires_grad")
 
 
 def tensor_leaves(obj, path: str, out: list) -> list:
@@ -29,70 +56,25 @@ def tensor_leaves(obj, path: str, out: list) -> list:
 
 def finalize(state: CaptureState, model, output, model_name: str, timings: dict, index=None) -> Trace:
     index = index if index is not None else ModelIndex(model)
-    calls, records = state.calls, state.records  # raw tuples: Trace.calls names them on first read
-    # Producers of the returned tensors first: this may still add a buffer source (a returned buffer).
+    calls = state.calls  # raw tuples: Trace.calls names them on first read
+    # The producers of the returned tensors first: this may still add a buffer source (a returned buffer).
     returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
-
-    raw_calls = [r[0] for r in records]
-    call_col = [c if c >= 0 else -1 for c in raw_calls]
-    op, source, buffer = Kind.OP, Kind.INPUT, Kind.BUFFER
-    kind = [op if c >= 0 else (source if c == INPUT else buffer) for c in raw_calls]
-    slot_col = [r[1] if r[0] >= 0 else None for r in records]
-    parents_col = [calls[c][CALL_PARENTS] if c >= 0 else () for c in call_col]
-    module_col = [calls[c][CALL_MODULE_CALL] if c >= 0 else -1 for c in call_col]
-    writes_receiver = _receiver_writes()
-    inplace = [c >= 0 and calls[c][CALL_WROTE_ARGUMENTS] and s is None and writes_receiver(calls[c])
-               for c, s in zip(call_col, slot_col)]
-    io = {i: r[1] for i, r in enumerate(records) if r[0] < 0}
-    # Most ops share a handful of (shape, dtype, device, ...) rows: keep one tuple of each.
-    distinct: dict = {}
-    meta = [distinct.get(m) or distinct.setdefault(m, OpMeta._make(m)) for m in (r[2:] for r in records)]
+    first_output = len(state.records)  # the output pseudo ops follow the records
+    outputs = [(path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None))
+               for path, producer, t in returned]
     activations = dict(state.saved)
-    for path, producer, t in returned:
-        i = len(kind)
-        kind.append(Kind.OUTPUT)
-        io[i] = path
-        call_col.append(-1)
-        slot_col.append(None)
-        parents_col.append(((0, producer),))
-        module_col.append(-1)
-        inplace.append(False)
-        meta.append(OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None))
-        if producer in activations:
-            activations[i] = activations[producer]
-
-    module_calls, modules = _build_modules(state, index)
-    module_counts = {id(m._ref): m.num_calls for m in modules}
-    nodes_module_obj = [mc.module._ref for mc in module_calls]
-    group = group_ops(call_col, slot_col, module_col, parents_col, meta, calls, nodes_module_obj,
-                      module_counts)
-    func_names, types = _names(kind, call_col, calls)
-    labels, layer_labels, pass_col, group_size = _label(kind, types, group)
-
+    for k, (_, producer, _) in enumerate(returned):
+        if producer in activations:  # an output shows its producer's tensor
+            activations[first_output + k] = activations[producer]
+    raw = RawRecord(calls, state.records, outputs, state.module_calls, index)
     trace = Trace(
         model_name=model_name,
         calls=calls,
-        kind=kind,
-        call=call_col,
-        slot=slot_col,
-        meta=meta,
-        parents=parents_col,
-        module_call=module_col,
-        inplace=inplace,
-        io=io,
-        labels=labels,
-        layer_labels=layer_labels,
-        pass_col=pass_col,
-        group=group,
-        group_size=group_size,
-        types=types,
-        func_names=func_names,
+        raw=raw,
         activations=activations,
         dropped=dict(state.clobbered),
         finite=state.drained_finite_flags(),
-        param_addresses=_param_addresses(calls, call_col, index),
-        module_calls=module_calls,
-        modules=modules,
+        param_addresses=_param_addresses(calls, index),
         output=output,
         model=model,
         unattributed=state.unattributed,
@@ -101,12 +83,130 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         alias_reads=state.alias_reads,
         index=index,
     )
+    # Replay checks that no parameter changed since: their versions now, by C-level passes.
+    params, ids = index.param_objects
+    trace._replay = _replay_context()(state.context, state.contexts, state.param_writes,
+                                      dict(zip(ids, map(_VERSION, params))),
+                                      dict(zip(ids, map(_REQUIRES_GRAD, params))))
+    return trace
+
+
+@functools.cache
+def _replay_context():
     from ..capture.state import ReplayContext  # the capture driver's type; imported late, one way
 
-    trace._replay = ReplayContext(state.context, state.contexts, state.param_writes,
-                                  {id(p): p._version for _, p in index.params},
-                                  {id(p): p.requires_grad for _, p in index.params})
-    return trace
+    return ReplayContext
+
+
+class RawRecord:
+    """The raw lists of one trace and what was read from live objects when it ended; ``Trace`` derives
+    its columns from them on first read, one group at a time (``columns``, ``modules``, ``labels``:
+    each returns ``{attribute: value}``)."""
+
+    __slots__ = ("calls", "records", "outputs", "module_calls", "module_classes", "module_params", "index")
+
+    def __init__(self, calls: list, records: list, outputs: list, module_calls: list, index: ModelIndex):
+        self.calls = calls
+        self.records = records
+        self.outputs = outputs  # (path, producer record, OpMeta) per returned tensor
+        self.module_calls = module_calls
+        # Each call's module class, as shown (a torch.compile wrapper: the class it wraps), read now: a
+        # parametrization (torch.nn.utils.parametrize) swaps a module's class after the trace.
+        modules = list(map(_MODULE, module_calls))
+        self.module_classes = (list(map(type, modules)), [type(m._modules.get("_orig_mod", m)) for m in modules])
+        # Parameter names come from the index's walk; those of a module it has none for (the root, a module
+        # outside the model) are read now.
+        unwalked = index.unwalked(modules)
+        self.module_params = {id(m): index.param_names_of(m) for m in modules if id(m) in unwalked} if unwalked else {}
+        self.index = index
+
+    def columns(self, trace) -> dict:
+        """Each op's kind, call, slot, metadata, parents, module call, in-place flag; the io paths."""
+        calls, records = self.calls, self.records
+        n = len(records)
+        call_col = list(map(_RECORD_CALL, records))
+        slot_col = list(map(_RECORD_SLOT, records))
+        kind = [Kind.OP] * n
+        io = {}
+        sources = [i for i, c in enumerate(call_col) if c < 0]  # model inputs and buffers: a few
+        for i in sources:
+            kind[i] = Kind.INPUT if call_col[i] == INPUT else Kind.BUFFER
+            io[i] = slot_col[i]
+            call_col[i], slot_col[i] = -1, None
+        if calls:
+            op_calls = list(map(calls.__getitem__, call_col))  # a source (call -1) reads the last call ...
+            parents_col = list(map(_CALL_PARENTS, op_calls))
+            module_col = list(map(_CALL_MODULE_CALL, op_calls))
+            for i in sources:  # ... replaced here
+                parents_col[i], module_col[i] = (), -1
+        else:
+            parents_col, module_col = [()] * n, [-1] * n
+        inplace = [False] * n
+        writes = None
+        for call in compress(calls, map(_CALL_WROTE, calls)):  # the calls that wrote an argument: a few
+            writes = writes or _receiver_writes()
+            if writes(call):
+                first = call[CALL_FIRST_RECORD]
+                for i in range(first, first + call[CALL_NUM_OUTPUTS]):
+                    inplace[i] = slot_col[i] is None  # a single output: the argument it wrote
+        # Most ops share a handful of (shape, dtype, device, ...) rows: one OpMeta for each.
+        named: dict = {}
+        make = OpMeta._make
+        meta = [named.get(row) or named.setdefault(row, make(row)) for row in map(_RECORD_META, records)]
+        for path, producer, output_meta in self.outputs:
+            io[len(kind)] = path
+            kind.append(Kind.OUTPUT)
+            call_col.append(-1)
+            slot_col.append(None)
+            parents_col.append(((0, producer),))
+            module_col.append(-1)
+            inplace.append(False)
+            meta.append(output_meta)
+        self.records = self.outputs = None  # read once
+        return {"_kind": kind, "_call": call_col, "_slot": slot_col, "_meta": meta, "_parents": parents_col,
+                "_module_call": module_col, "_inplace": inplace, "_io": io}
+
+    def modules(self, trace) -> dict:
+        """The ``ModuleCall`` and ``Module`` records, from the module calls and the model index."""
+        addresses, param_names_of, read_now = self.index.module_addresses, self.index.param_names_of, self.module_params
+        classes, shown = self.module_classes
+        by_id: dict = {}
+        module_calls = []
+        unregistered = 0
+        for k, raw in enumerate(self.module_calls):
+            module = raw[MODULE_CALL_MODULE]
+            record = by_id.get(id(module))
+            if record is None:
+                names = addresses.get(id(module))
+                if names is None:
+                    unregistered += 1
+                    names = [f"<unregistered {classes[k].__name__} #{unregistered}>"]
+                params = read_now.get(id(module))
+                if params is None:
+                    params = param_names_of(module)  # a copy, like list(names): the index is shared by traces
+                record = by_id[id(module)] = Module(names[0], list(names), shown[k].__name__, params, module)
+            parent = raw[MODULE_CALL_PARENT]
+            parent_call = module_calls[parent] if parent >= 0 else None
+            call = ModuleCall(trace, k, record, len(record.calls) + 1, parent_call, raw[MODULE_CALL_T0_NS],
+                              raw[MODULE_CALL_T1_NS], raw[MODULE_CALL_INPUTS], raw[MODULE_CALL_OUTPUTS])
+            record.calls.append(call)
+            if parent_call is not None:
+                parent_call.children.append(call)
+            module_calls.append(call)
+        return {"module_calls": RecordList(module_calls, module_calls_frame),
+                "modules": RecordList(list(by_id.values()), modules_frame)}
+
+    def labels(self, trace) -> dict:
+        """Pass groups (``labels/passes.py``), types, function names and labels."""
+        modules = list(map(_MODULE, self.module_calls))
+        kind, call_col = trace._kind, trace._call
+        counts = Counter(map(id, modules)) if modules else {}
+        group = group_ops(call_col, trace._slot, trace._module_call, trace._parents, trace._meta, self.calls,
+                          modules, counts)
+        func_names, types = _names(kind, call_col, self.calls, trace._io)
+        labels, layer_labels, pass_col, group_size = _label(kind, types, group)
+        return {"_labels": labels, "_layer_labels": layer_labels, "_pass": pass_col, "_group": group,
+                "_group_size": group_size, "_types": types, "_func_names": func_names}
 
 
 def _receiver_writes():
@@ -126,23 +226,27 @@ def _receiver_writes():
     return writes
 
 
-def _names(kind, call_col, calls):
-    cache: dict = {}
-    func_names, types = [], []
-    pseudo = {Kind.INPUT: "input", Kind.BUFFER: "buffer", Kind.OUTPUT: "output"}
-    for k, c in zip(kind, call_col):
-        if k == Kind.OP:
-            func = calls[c][CALL_FUNC]
-            named = cache.get(func)
-            if named is None:
-                name = func_name_of(func)
-                named = cache[func] = (name, type_of_name(name))
-            func_names.append(named[0])
-            types.append(named[1])
-        else:
-            func_names.append("none")
-            types.append(pseudo[k])
+def _names(kind, call_col, calls, io) -> tuple:
+    """Each op's function name and type: named once per distinct function, then read per op by C-level
+    passes; the few inputs, buffers and outputs (the ``io`` indices) are named by their kind."""
+    funcs = list(map(_CALL_FUNC, calls))
+    named = {}
+    for func in dict.fromkeys(funcs):
+        name = func_name_of(func)
+        named[func] = (name, type_of_name(name))
+    per_call = list(map(named.__getitem__, funcs))
+    call_names = list(map(_FIRST, per_call))
+    call_types = list(map(_SECOND, per_call))
+    call_names.append("none")  # index -1: no call
+    call_types.append(None)
+    func_names = list(map(call_names.__getitem__, call_col))
+    types = list(map(call_types.__getitem__, call_col))
+    for i in io:
+        types[i] = _PSEUDO_TYPES[kind[i]]
     return func_names, types
+
+
+_PSEUDO_TYPES = {Kind.INPUT: "input", Kind.BUFFER: "buffer", Kind.OUTPUT: "output"}
 
 
 def _label(kind, types, group):
@@ -151,63 +255,44 @@ def _label(kind, types, group):
     source_counts = {Kind.INPUT: 0, Kind.BUFFER: 0, Kind.OUTPUT: 0}
     layer_count = 0
     layer_of_group: dict = {}
-    passes_of_group: dict = {}
-    labels, layer_labels, pass_col = [], [], []
+    op, output = Kind.OP, Kind.OUTPUT
+    layer_labels = []
     for k, t, g in zip(kind, types, group):
         layer = layer_of_group.get(g)
-        if layer is None:
-            if k == Kind.OP:
+        if layer is None:  # the first pass of a layer
+            if k == op:
                 layer_count += 1
                 type_counts[t] = type_counts.get(t, 0) + 1
                 layer = op_label(t, type_counts[t], layer_count)
             else:
-                if k == Kind.OUTPUT:
+                if k == output:
                     layer_count += 1  # outputs consume a layer number without printing it
                 source_counts[k] += 1
                 layer = f"{t}_{source_counts[k]}"
             layer_of_group[g] = layer
-        p = passes_of_group[g] = passes_of_group.get(g, 0) + 1
         layer_labels.append(layer)
-        labels.append(with_pass(layer, p))
-        pass_col.append(p)
-    return labels, layer_labels, pass_col, passes_of_group
+    if len(layer_of_group) == len(group):  # no layer ran twice: every pass is the first
+        pass_col, passes_of_group = [1] * len(group), dict.fromkeys(group, 1)
+    else:
+        pass_col, passes_of_group = [], {}
+        for g in group:
+            p = passes_of_group[g] = passes_of_group.get(g, 0) + 1
+            pass_col.append(p)
+    return with_passes(layer_labels, pass_col), layer_labels, pass_col, passes_of_group
 
 
-def _build_modules(state: CaptureState, model_index: ModelIndex):
-    addresses = model_index.module_addresses
-    modules_by_id: dict = {}
-    module_calls = []
-    unregistered = 0
-    for index, (module, parent, t0, t1, inputs, outputs) in enumerate(state.module_calls):
-        record = modules_by_id.get(id(module))
-        if record is None:
-            names = addresses.get(id(module))
-            if names is None:
-                unregistered += 1
-                names = [f"<unregistered {type(module).__name__} #{unregistered}>"]
-            # Copies: the index is shared by every trace of an unchanged model.
-            shown = getattr(module, "_orig_mod", module)  # a torch.compile'd submodule: the class it wraps
-            record = modules_by_id[id(module)] = Module(names[0], list(names), type(shown).__name__,
-                                                        model_index.param_names_of(module), module)
-        parent_call = module_calls[parent] if parent >= 0 else None
-        call = ModuleCall(None, index, record, len(record.calls) + 1, parent_call, t0, t1, inputs, outputs)
-        record.calls.append(call)
-        if parent_call is not None:
-            parent_call.children.append(call)
-        module_calls.append(call)
-    return module_calls, list(modules_by_id.values())
-
-
-def _param_addresses(calls, call_col, index: ModelIndex) -> dict:
-    names = index.param_addresses
+def _param_addresses(calls, index: ModelIndex) -> dict:
+    """Op index -> the addresses of the parameters its call used (read now: a parameter outside the
+    index is named by its shape, which a later ``.data`` assignment could change)."""
+    address_of = index.param_addresses.get
     out = {}
-    by_call: dict = {}  # the outputs of one call share its addresses
-    for i, c in enumerate(call_col):
-        if c >= 0 and calls[c][CALL_PARAMS]:
-            addresses = by_call.get(c)
-            if addresses is None:
-                addresses = by_call[c] = tuple([names.get(id(p)) or _unregistered(p) for _, p in calls[c][CALL_PARAMS]])
-            out[i] = addresses
+    for call in compress(calls, map(_CALL_PARAMS, calls)):  # the calls that used parameters
+        addresses = tuple([address_of(id(p)) or _unregistered(p) for _, p in call[CALL_PARAMS]])
+        first, count = call[CALL_FIRST_RECORD], call[CALL_NUM_OUTPUTS]
+        out[first] = addresses
+        if count > 1:  # the outputs of one call share them
+            for i in range(first + 1, first + count):
+                out[i] = addresses
     return out
 
 

@@ -8,6 +8,7 @@ keeps one index per model and hands it to later traces while the model's structu
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections import OrderedDict
 from itertools import chain
@@ -45,10 +46,15 @@ class ModelIndex:
                 self.submodules[raw] = module  # every module object, wrappers too: the structure check
                 self._addressed.setdefault(name, module)
             prefix = f"{name}." if name else ""
+            names = []  # as the walk saw them: the module records of a trace name what its index knew
             for key, p in module._parameters.items():
-                if p is not None and id(p) not in self.param_addresses:
-                    self.param_addresses[id(p)] = prefix + key
-                    self.params.append((prefix + key, p))
+                if p is not None:
+                    names.append(key)
+                    if id(p) not in self.param_addresses:
+                        self.param_addresses[id(p)] = prefix + key
+                        self.params.append((prefix + key, p))
+            if raw:  # not the root, which the index holds only weakly
+                self._param_names[id(module)] = (module, names)
             for key, b in module._buffers.items():
                 if b is not None and id(b) not in self.buffers:
                     self.buffers[id(b)] = (b, prefix + key)
@@ -60,12 +66,24 @@ class ModelIndex:
         return {"": root, **self._addressed} if root is not None else dict(self._addressed)
 
     def param_names_of(self, module) -> list:
-        """Names of the module's parameters (a fresh list; computed once per module of the index, whose
-        structure check covers every ``_parameters`` dict)."""
+        """Names of the module's parameters (a fresh list): as the walk saw them for a module of the
+        index, whose structure check covers every ``_parameters`` dict; read now for any other."""
         names = self._param_names.get(id(module))
         if names is None or names[0] is not module:
-            names = self._param_names[id(module)] = (module, [k for k, p in module._parameters.items() if p is not None])
+            return [k for k, p in module._parameters.items() if p is not None]
         return list(names[1])
+
+    @functools.cached_property
+    def param_objects(self) -> tuple:
+        """``(parameters, their ids)``, in ``params`` order: listed once per index, read per trace (the
+        versions replay checks are read when each trace ends)."""
+        params = [p for _, p in self.params]
+        return params, [id(p) for p in params]
+
+    def unwalked(self, modules) -> set:
+        """The ids of those of ``modules`` whose parameter names the walk did not keep (the root's, or a
+        module outside the model): a trace reads theirs when it ends."""
+        return set(map(id, modules)).difference(self._param_names)
 
 
 # ----- one index per model, while its structure is unchanged ------------------------------------

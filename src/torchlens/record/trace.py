@@ -4,10 +4,35 @@ from __future__ import annotations
 
 import difflib
 import gc
+import threading
 
 from ..errors import TorchlensError, TraceCleanedUp
 from .columns import Call, Kind
 from .op import Layer, Op
+
+
+class _Derived:
+    """A column a ``Trace`` made by ``record.finalize`` derives on first read, with the other columns of its
+    group (``record.finalize.RawRecord``), and then holds as a plain attribute: an instance attribute
+    shadows a descriptor that defines only ``__get__``, so every later read costs what any attribute read
+    costs.  A trace read by ``tl.load`` is given every column and never reaches here."""
+
+    __slots__ = ("group", "name")
+
+    def __init__(self, group: str):
+        self.group = group
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trace, owner=None):
+        if trace is None:
+            return self
+        trace._derive(self.group, self.name)
+        return trace.__dict__[self.name]
+
+
+_DERIVING = threading.RLock()  # reentrant: the labels read the columns they are derived from
 
 
 class RecordList(list):
@@ -49,29 +74,62 @@ class Trace:
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
     _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
+    _raw = None  # record.finalize.RawRecord: what the columns below are derived from, until all of them are
 
-    def __init__(self, *, model_name, calls, kind, call, slot, meta, parents, module_call, inplace, io,
-                 labels, layer_labels, pass_col, group, group_size, types, func_names, activations,
-                 dropped, finite, param_addresses, module_calls, modules, output, model, unattributed,
-                 timings, budget_exhausted_at, alias_reads=frozenset(), index=None):
+    # The columns: derived on first read, a group at a time, from ``_raw`` (a trace made by
+    # ``record.finalize``), or given to ``__init__`` (a trace read by ``tl.load``).
+    _kind = _Derived("columns")
+    _call = _Derived("columns")
+    _slot = _Derived("columns")
+    _meta = _Derived("columns")
+    _parents = _Derived("columns")
+    _module_call = _Derived("columns")
+    _inplace = _Derived("columns")
+    _io = _Derived("columns")
+    module_calls = _Derived("modules")  # RecordList of ModuleCall
+    modules = _Derived("modules")  # RecordList of Module
+    _labels = _Derived("labels")
+    _layer_labels = _Derived("labels")
+    _pass = _Derived("labels")
+    _group = _Derived("labels")
+    _group_size = _Derived("labels")
+    _types = _Derived("labels")
+    _func_names = _Derived("labels")
+
+    def __init__(self, *, model_name, calls, activations, dropped, finite, param_addresses, output, model,
+                 unattributed, timings, budget_exhausted_at, alias_reads=frozenset(), index=None, raw=None,
+                 kind=None, call=None, slot=None, meta=None, parents=None, module_call=None, inplace=None,
+                 io=None, labels=None, layer_labels=None, pass_col=None, group=None, group_size=None, types=None,
+                 func_names=None, module_calls=None, modules=None):
+        """Either ``raw`` (``record.finalize.RawRecord``: the columns are derived from it on first read)
+        or every column (``tl.load``)."""
         self.model_name = model_name
         self._calls = calls  # raw call tuples until ``calls`` names them (record/columns.py)
         self._calls_named = False
-        self._kind = kind
-        self._call = call
-        self._slot = slot
-        self._meta = meta
-        self._parents = parents
-        self._module_call = module_call
-        self._inplace = inplace
-        self._io = io
-        self._labels = labels
-        self._layer_labels = layer_labels
-        self._pass = pass_col
-        self._group = group
-        self._group_size = group_size
-        self._types = types
-        self._func_names = func_names
+        if raw is not None:
+            self._raw = raw
+        else:
+            self._kind = kind
+            self._call = call
+            self._slot = slot
+            self._meta = meta
+            self._parents = parents
+            self._module_call = module_call
+            self._inplace = inplace
+            self._io = io
+            self._labels = labels
+            self._layer_labels = layer_labels
+            self._pass = pass_col
+            self._group = group
+            self._group_size = group_size
+            self._types = types
+            self._func_names = func_names
+            for mc in module_calls:
+                mc._trace = self
+            from . import tables
+
+            self.module_calls = RecordList(module_calls, tables.module_calls_frame)
+            self.modules = RecordList(modules, tables.modules_frame)
         self._activations = activations
         self._dropped = dropped
         self._finite = finite
@@ -88,16 +146,35 @@ class Trace:
         self.timings = timings
         self.budget_exhausted_at = budget_exhausted_at
         self._alias_reads = alias_reads
-        for mc in module_calls:
-            mc._trace = self
-        from . import tables
-
-        self.module_calls = RecordList(module_calls, tables.module_calls_frame)
-        self.modules = RecordList(modules, tables.modules_frame)
         # Only the (address, parameter) list is kept for the lazy Param records, not the whole index.
         self._model_params = index.params if index is not None else None
         self._params = None
         self._buffers = None
+
+    def _derive(self, group: str, name: str) -> None:
+        """Set the columns of ``group`` (``name`` among them) from the raw lists (``_Derived``), once even
+        when several threads read it first, with the collector paused as during the trace: building them
+        allocates many small objects, which no collector pass need walk."""
+        with _DERIVING:
+            held = vars(self)
+            if name in held:
+                return  # another thread derived it meanwhile
+            raw = self._raw
+            if raw is None:
+                raise AttributeError(f"this trace holds no raw record to derive {name} from")
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                held.update(getattr(raw, group)(self))
+                if "_kind" in held and "module_calls" in held and "_labels" in held:
+                    self._raw = None  # every group derived: the raw lists are no longer needed
+            finally:
+                if collecting:
+                    gc.enable()
+
+    def _derive_all(self) -> None:
+        """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
+        self._kind, self.module_calls, self._labels
 
     # ----- records -------------------------------------------------------------------------------
     @property
@@ -279,6 +356,7 @@ class Trace:
 
     def relabel(self, labels, layer_labels, pass_numbers, groups) -> None:
         """Replace the label columns (a stopped trace takes those of the whole forward); group sizes are recounted."""
+        self._types  # the rest of the label group is derived first, so that it never overwrites these
         self._labels, self._layer_labels, self._pass, self._group = labels, layer_labels, pass_numbers, groups
         self._group_size = {g: sum(1 for x in groups if x == g) for g in set(groups)}
         self._lookup = self._layers = self._layers_by_label = None  # derived from the labels: rebuilt on use
@@ -522,6 +600,7 @@ class Trace:
         """
         if self._cleaned:
             return
+        self._derive_all()  # from the arguments, parameters and module objects released below
         if self._flops_col is None:
             from ..report.flops import flops_column
 
