@@ -89,6 +89,43 @@ class ModeOnStack:
         self.removed = True
 
 
+class Capture:
+    """Context manager: enter one trace's capture parts in order; on exit tear them all down, innermost
+    first.
+
+    Each part cleans up after itself when its own ``__enter__`` fails, and each part's ``__exit__`` is
+    idempotent and finishes even when interrupted (``until_done``).  The ``with`` exit is the one
+    teardown of a forward that returns.  What can still go wrong is a single interrupt landing on a
+    line of ``tear_down`` itself, or on the ``with`` line so that the exit never runs: either way an
+    exception is propagating, and the driver's ``except`` calls ``tear_down`` once more.  So every part
+    is removed whatever single interrupt lands wherever, and a forward that returns pays for one
+    teardown, not two.
+    """
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+
+    def __enter__(self):
+        for part in self.parts:
+            part.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.tear_down()
+        return False
+
+    def tear_down(self) -> None:
+        """Exit every part, innermost first; an interrupt landing meanwhile is re-raised after."""
+        interrupted = None
+        for part in reversed(self.parts):
+            try:
+                part.__exit__(None, None, None)
+            except BaseException as e:  # noqa: BLE001
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+
+
 def leftovers(mode, parts) -> list:
     """What of one trace is still installed (for the note on an exception: it must be true)."""
     left = ["the capture mode on the torch function-mode stack"] if on_stack(mode) else []

@@ -26,6 +26,7 @@ class ModelIndex:
         self.param_addresses: dict = {}  # id(Parameter) -> address
         self.buffers: dict = {}  # id(buffer) -> (buffer, address)
         self._param_names: dict = {}  # id(module) -> (module, [parameter name, ...])
+        self._of_type: dict = {}  # module class -> the submodules of exactly that class (see ``of_type``)
         self._root = None  # a weak reference: a cached index must not keep its model alive
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
@@ -58,6 +59,14 @@ class ModelIndex:
         """First address -> module, the root (address ``""``) included."""
         root = self._root() if self._root is not None else None
         return {"": root, **self._addressed} if root is not None else dict(self._addressed)
+
+    def of_type(self, cls) -> list:
+        """The submodules whose class is exactly ``cls`` (the root excluded), found once per index: an
+        index lives only while the model's structure is unchanged (``Structure``)."""
+        found = self._of_type.get(cls)
+        if found is None:
+            found = self._of_type[cls] = [m for m in self.submodules.values() if type(m) is cls]
+        return found
 
     def param_names_of(self, module) -> list:
         """Names of the module's parameters (a fresh list; computed once per module of the index, whose
