@@ -121,7 +121,8 @@ class CaptureState:
         self.grad_enabled = self.context[0]
         self.any_autocast = _any_autocast()
         self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
-        self.param_storages: dict = {}  # storage key -> Parameter
+        self._watched = ()  # (address, Parameter) of the model: see ``param_storages``
+        self._param_storages = None
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
@@ -192,7 +193,19 @@ class CaptureState:
             self.contexts[call_index] = context
 
     def watch_params(self, params) -> None:
-        self.param_storages = {storage_key(p): p for _, p in params}
+        self._watched, self._param_storages = params, None
+
+    @property
+    def param_storages(self) -> dict:
+        """Storage key -> Parameter, for the parameters ``watch_params`` named.
+
+        Keyed on the first write a call makes (only writes ask): a storage read per parameter is the
+        largest set-up cost of a trace otherwise, and most forwards write nothing in place.  A
+        parameter's storage is the one it has when the forward first writes anything."""
+        storages = self._param_storages
+        if storages is None:
+            storages = self._param_storages = {storage_key(p): p for _, p in self._watched}
+        return storages
 
     def keep_param(self, key: int, call_index: int, before) -> None:
         """Note a write to a parameter by the call ``call_index``: ``before`` is its value before the
