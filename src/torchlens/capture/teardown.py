@@ -24,6 +24,7 @@ import torch.overrides
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 _depth = torch._C._len_torch_function_stack
+_at = torch._C._get_function_stack_at
 _TEMPORARY_POP = getattr(torch.overrides._pop_mode_temporarily, "__wrapped__", None)
 
 
@@ -80,6 +81,10 @@ class ModeOnStack:
 
     def remove(self) -> None:
         if self.removed:
+            return
+        if _depth() == 1 and _at(0) is self.mode:
+            _pop()  # the common case: capture's mode alone on the stack, as pushed
+            self.removed = True
             return
         if not on_stack(self.mode):
             # Lifted off by torch for a handler call whose push-back an interrupt cut short: make sure
