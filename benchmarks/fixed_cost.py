@@ -1,0 +1,167 @@
+"""What one ``tl.trace`` costs beyond the forward itself: a 1-op model, this revision beside another.
+
+The model is ``forward: return x + 1`` on ``randn(4)`` (eval, no_grad), so the time a trace adds is
+almost all fixed cost per trace: setting capture up, tearing it down and building the ``Trace``.  Per
+repeat, the native forward, this package's ``tl.trace`` and (with ``--baseline``) another revision's
+are timed in ABBA blocks in one process; each arm keeps its fastest block.  Reported: medians
+[quartiles] over repeats of the time per trace, the time added over native, and the ratio of the two
+revisions' added times.
+
+``--steps`` also times the driver's set-up steps one by one, each beside the baseline's same step, in
+the same process (a step that exists in one revision only is shown for that one).  Run:
+
+    python benchmarks/fixed_cost.py --baseline /path/to/other/src/torchlens [--repeats 15] [--steps]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import baseline_package  # noqa: E402
+
+
+class OneOp(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def _block(fn, n: int) -> float:
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter_ns() - start) / n / 1e3
+
+
+def _quartiles(values: list) -> tuple:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    return tuple(statistics.quantiles(values, n=4, method="inclusive"))
+
+
+def _cell(values: list) -> str:
+    q1, q2, q3 = _quartiles(values)
+    return f"{q2:.1f} [{q1:.1f}, {q3:.1f}]"
+
+
+def interleaved(arms: dict, repeats: int, n: int) -> dict:
+    """Per arm, the fastest block of each repeat (ABBA order over the arms, twice per repeat)."""
+    best = {name: [] for name in arms}
+    names = list(arms)
+    for _ in range(repeats):
+        times = {name: [] for name in names}
+        for order in (names, names[::-1], names, names[::-1]):
+            for name in order:
+                times[name].append(_block(arms[name], n))
+        for name in names:
+            best[name].append(min(times[name]))
+    return best
+
+
+def trace_arms(model, x, packages: dict) -> dict:
+    arms = {"native": lambda: model(x)}
+    for label, tl in packages.items():
+        arms[label] = lambda tl=tl: tl.trace(model, x)
+    return arms
+
+
+def step_arms(model, x, package) -> dict:
+    """The driver's set-up and teardown steps of ``package``, each a zero-argument callable."""
+    session = sys.modules[package.__name__ + ".capture.session"]
+    state_mod = sys.modules[package.__name__ + ".capture.state"]
+    teardown = sys.modules[package.__name__ + ".capture.teardown"]
+    fastpath = sys.modules[package.__name__ + ".capture.fastpath"]
+    progress = sys.modules[package.__name__ + ".progress"]
+    model_index = sys.modules[package.__name__ + ".record.model_index"]
+    mode_mod = sys.modules[package.__name__ + ".capture.mode"]
+    index = model_index.index_of(model)
+
+    def state():
+        return state_mod.CaptureState(save_mode=1, buffers=index.buffers)
+
+    def inputs():
+        session._add_inputs(state(), model, (x,), {})
+
+    probe = state()
+    frames = session.FrameClassifier(stop_codes=(session._run_forward.__code__,))
+    mode = mode_mod.CaptureMode(probe, frames)
+
+    def mode_stack():
+        installed = teardown.ModeOnStack(mode)
+        installed.__enter__()
+        installed.__exit__(None, None, None)
+
+    def shim():
+        part = fastpath.FastPathShim(mode)
+        part.__enter__()
+        part.__exit__(None, None, None)
+
+    steps = {
+        "_unwrap": lambda: session._unwrap(model),
+        "index_of (cached)": lambda: model_index.index_of(model),
+        "CaptureState()": state,
+        "CaptureState() + _add_inputs": inputs,
+        "FrameClassifier()": lambda: session.FrameClassifier(stop_codes=(session._run_forward.__code__,)),
+        "mode push + pop (ModeOnStack)": mode_stack,
+        "fast-path shim enter + exit": shim,
+        "check_saved_versions": probe.check_saved_versions,
+    }
+    if hasattr(progress, "shows_bar"):
+        steps["progress bar check"] = lambda: progress.shows_bar(None) and progress.bar(None, "x")
+    else:
+        steps["progress bar check"] = lambda: progress.bar(None, "x")
+    return steps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", help="another revision's src/torchlens directory, traced beside this one")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=300, help="traces per timed block")
+    parser.add_argument("--steps", action="store_true", help="also time the driver's steps one by one")
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    import torchlens
+
+    packages = {"this": torchlens}
+    if opts.baseline:
+        packages["baseline"] = baseline_package(os.path.abspath(opts.baseline))
+    model, x = OneOp().eval(), torch.randn(4)
+    with torch.no_grad():
+        for tl in packages.values():
+            tl.trace(model, x)  # first traces: imports and caches
+        best = interleaved(trace_arms(model, x, packages), opts.repeats, opts.calls)
+        added = {k: [b - n for b, n in zip(v, best["native"])] for k, v in best.items() if k != "native"}
+        print("| arm | us per trace | added over native us |")
+        print("|---|---|---|")
+        print(f"| native forward | {_cell(best['native'])} | - |")
+        for label in added:
+            print(f"| tl.trace ({label}) | {_cell(best[label])} | {_cell(added[label])} |")
+        if "baseline" in added:
+            ratios = [a / b for a, b in zip(added["this"], added["baseline"])]
+            print(f"\nadded time, this / baseline: {_cell(ratios).replace('.1f', '')} (median [quartiles])")
+        if opts.steps:
+            steps = {label: step_arms(model, x, tl) for label, tl in packages.items()}
+            names = list(dict.fromkeys(name for s in steps.values() for name in s))
+            print("\n| step | " + " | ".join(f"{label} us" for label in steps) + " |")
+            print("|---" * (1 + len(steps)) + "|")
+            for name in names:
+                arms = {label: s[name] for label, s in steps.items() if name in s}
+                timed = interleaved(arms, opts.repeats, opts.calls * 10)
+                cells = [_cell(timed[label]) if label in timed else "-" for label in steps]
+                print(f"| {name} | " + " | ".join(cells) + " |")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"\ntorch {torch.__version__}, 1 torch thread, {os.cpu_count()} CPUs, load "
+          f"{tuple(round(v, 2) for v in load) if load else '?'}; medians [quartiles] of {opts.repeats} repeats, "
+          "each the fastest of four interleaved blocks per arm.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
