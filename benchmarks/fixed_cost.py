@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import baseline_package  # noqa: E402
+from models import MLP, baseline_package  # noqa: E402
 
 
 class OneOp(torch.nn.Module):
@@ -71,16 +71,17 @@ def trace_arms(model, x, packages: dict) -> dict:
     return arms
 
 
-def step_arms(model, x, package) -> dict:
-    """The driver's set-up and teardown steps of ``package``, each a zero-argument callable."""
-    session = sys.modules[package.__name__ + ".capture.session"]
-    state_mod = sys.modules[package.__name__ + ".capture.state"]
-    teardown = sys.modules[package.__name__ + ".capture.teardown"]
-    fastpath = sys.modules[package.__name__ + ".capture.fastpath"]
-    progress = sys.modules[package.__name__ + ".progress"]
-    model_index = sys.modules[package.__name__ + ".record.model_index"]
-    mode_mod = sys.modules[package.__name__ + ".capture.mode"]
+def step_arms(model, x, package, wide) -> dict:
+    """The driver's set-up and teardown steps of ``package``, each a zero-argument callable (``wide``: a
+    model with many parameters, for the steps whose cost grows with them)."""
+    def part(name):
+        return sys.modules[f"{package.__name__}.{name}"]
+
+    session, state_mod, teardown = part("capture.session"), part("capture.state"), part("capture.teardown")
+    fastpath, progress, model_index = part("capture.fastpath"), part("progress"), part("record.model_index")
+    mode_mod, modules, compiled = part("capture.mode"), part("capture.modules"), part("capture.compiled")
     index = model_index.index_of(model)
+    wide_index = model_index.index_of(wide)
 
     def state():
         return state_mod.CaptureState(save_mode=1, buffers=index.buffers)
@@ -102,7 +103,29 @@ def step_arms(model, x, package) -> dict:
         part.__enter__()
         part.__exit__(None, None, None)
 
+    def capture_block():
+        """Enter every part, run the forward, tear down: as the driver does it."""
+        parts = (compiled.CompiledSubmodules(model, "run", None, ()), fastpath.FastPathShim(mode),
+                 modules.ModuleCallTracker(probe, None, frames), teardown.ModeOnStack(mode))
+        if hasattr(teardown, "Capture"):
+            with teardown.Capture(parts):
+                session._run_forward(model, (x,), {})
+            return
+        try:  # the driver before teardown.Capture: a with statement, then every exit once more
+            with parts[0], parts[1], parts[2], parts[3]:
+                session._run_forward(model, (x,), {})
+        finally:
+            session._tear_down(parts)
+
+    def keyword_hop():
+        """``tl.trace``'s own call path down to ``_trace`` (stubbed for the measurement)."""
+        return session.trace(model, x)
+
+    wide_state = state_mod.CaptureState(save_mode=1, buffers=wide_index.buffers)
     steps = {
+        "trace() down to _trace (stubbed)": keyword_hop,
+        "watch_params, 20 parameters": lambda: wide_state.watch_params(wide_index.params),
+        "capture block: enter, forward, teardown": capture_block,
         "_unwrap": lambda: session._unwrap(model),
         "index_of (cached)": lambda: model_index.index_of(model),
         "CaptureState()": state,
@@ -111,6 +134,7 @@ def step_arms(model, x, package) -> dict:
         "mode push + pop (ModeOnStack)": mode_stack,
         "fast-path shim enter + exit": shim,
         "check_saved_versions": probe.check_saved_versions,
+        "SavePolicy('all')": lambda: part("capture.saving").SavePolicy("all", model),
     }
     if hasattr(progress, "shows_bar"):
         steps["progress bar check"] = lambda: progress.shows_bar(None) and progress.bar(None, "x")
@@ -145,15 +169,27 @@ def main(argv=None) -> int:
             print(f"| tl.trace ({label}) | {_cell(best[label])} | {_cell(added[label])} |")
         if "baseline" in added:
             ratios = [a / b for a, b in zip(added["this"], added["baseline"])]
-            print(f"\nadded time, this / baseline: {_cell(ratios).replace('.1f', '')} (median [quartiles])")
+            q1, q2, q3 = _quartiles(ratios)
+            print(f"\nadded time, this / baseline: {q2:.2f} [{q1:.2f}, {q3:.2f}] (median [quartiles])")
         if opts.steps:
-            steps = {label: step_arms(model, x, tl) for label, tl in packages.items()}
+            torch.manual_seed(0)
+            wide = MLP(10, 8)
+            steps = {label: step_arms(model, x, tl, wide) for label, tl in packages.items()}
             names = list(dict.fromkeys(name for s in steps.values() for name in s))
             print("\n| step | " + " | ".join(f"{label} us" for label in steps) + " |")
             print("|---" * (1 + len(steps)) + "|")
+            stubbed = [sys.modules[f"{tl.__name__}.capture.session"] for tl in packages.values()]
             for name in names:
                 arms = {label: s[name] for label, s in steps.items() if name in s}
-                timed = interleaved(arms, opts.repeats, opts.calls * 10)
+                real = [session._trace for session in stubbed]
+                if name.endswith("(stubbed)"):
+                    for session in stubbed:
+                        session._trace = lambda *args, **kwargs: None
+                try:
+                    timed = interleaved(arms, opts.repeats, opts.calls * 2)
+                finally:
+                    for session, run in zip(stubbed, real):
+                        session._trace = run
                 cells = [_cell(timed[label]) if label in timed else "-" for label in steps]
                 print(f"| {name} | " + " | ".join(cells) + " |")
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
