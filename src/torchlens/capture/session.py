@@ -73,10 +73,10 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     state.markers = markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
-    runtime = _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index,
-                                    policy)
+    runtime = None if not intervene and stop_after is None else \
+        _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy)
     state.intervention = runtime if runtime is not None and runtime.watches_calls else None
-    state.grads = grad_capture(grads, root, state)
+    state.grads = grad_capture(grads, root, state) if grads is not False else None
     packing = PackLog(state.calls) if saved_for_backward else None
     _add_inputs(state, model, args, kwargs)
     autocast = state.context[1]  # the autocast state around the forward, for replay
@@ -132,20 +132,24 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     result._autocast = autocast
     result.caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + submodules.caveats()
     result.rank, result.world_size = process_rank()
-    policy.check_matched(result)
+    if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
+        policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name
     result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
     if runtime is not None:
         from ..intervene.runtime import finish_interventions
 
         finish_interventions(runtime, result)
-    policy.apply(result)
-    attach_grads(result, state.grads)
+    if policy.filters_after:
+        policy.apply(result)
+    if state.grads is not None:
+        attach_grads(result, state.grads)
     if packing is not None:
         packing.calls = None  # the forward is over: nothing more is attributed
         result._packlog = packing
     timings["total"] = (perf_counter_ns() - started) / 1e9
-    warn_mutated([result.labels[i] for i in mutated])
+    if mutated:
+        warn_mutated([result.labels[i] for i in mutated])
     if state.budget_exhausted_at is not None:
         import warnings
 
