@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import MLP, baseline_package  # noqa: E402
+from models import MLP, SmallResNet, baseline_package  # noqa: E402
 
 
 class OneOp(torch.nn.Module):
@@ -71,9 +71,9 @@ def trace_arms(model, x, packages: dict) -> dict:
     return arms
 
 
-def step_arms(model, x, package, wide) -> dict:
+def step_arms(model, x, package, wide, deep) -> dict:
     """The driver's set-up and teardown steps of ``package``, each a zero-argument callable (``wide``: a
-    model with many parameters, for the steps whose cost grows with them)."""
+    model with many parameters, ``deep`` one with many modules, for the steps whose cost grows with them)."""
     def part(name):
         return sys.modules[f"{package.__name__}.{name}"]
 
@@ -82,6 +82,7 @@ def step_arms(model, x, package, wide) -> dict:
     mode_mod, modules, compiled = part("capture.mode"), part("capture.modules"), part("capture.compiled")
     index = model_index.index_of(model)
     wide_index = model_index.index_of(wide)
+    model_index.index_of(deep)
 
     def state():
         return state_mod.CaptureState(save_mode=1, buffers=index.buffers)
@@ -104,9 +105,11 @@ def step_arms(model, x, package, wide) -> dict:
         part.__exit__(None, None, None)
 
     def capture_block():
-        """Enter every part, run the forward, tear down: as the driver does it."""
+        """Enter every part, run the forward, tear down: as the driver does it (with a fresh state)."""
+        fresh = state()
+        mode = mode_mod.CaptureMode(fresh, frames)
         parts = (compiled.CompiledSubmodules(model, "run", None, ()), fastpath.FastPathShim(mode),
-                 modules.ModuleCallTracker(probe, None, frames), teardown.ModeOnStack(mode))
+                 modules.ModuleCallTracker(fresh, model, frames), teardown.ModeOnStack(mode))
         if hasattr(teardown, "Capture"):
             with teardown.Capture(parts):
                 session._run_forward(model, (x,), {})
@@ -122,18 +125,21 @@ def step_arms(model, x, package, wide) -> dict:
         return session.trace(model, x)
 
     wide_state = state_mod.CaptureState(save_mode=1, buffers=wide_index.buffers)
+    checked = state()
+    session._add_inputs(checked, model, (x,), {})
     steps = {
         "trace() down to _trace (stubbed)": keyword_hop,
         "watch_params, 20 parameters": lambda: wide_state.watch_params(wide_index.params),
         "capture block: enter, forward, teardown": capture_block,
         "_unwrap": lambda: session._unwrap(model),
         "index_of (cached)": lambda: model_index.index_of(model),
+        "index_of (cached), ResNet-like, 43 modules": lambda: model_index.index_of(deep),
         "CaptureState()": state,
         "CaptureState() + _add_inputs": inputs,
         "FrameClassifier()": lambda: session.FrameClassifier(stop_codes=(session._run_forward.__code__,)),
         "mode push + pop (ModeOnStack)": mode_stack,
         "fast-path shim enter + exit": shim,
-        "check_saved_versions": probe.check_saved_versions,
+        "check_saved_versions, one saved input": checked.check_saved_versions,
         "SavePolicy('all')": lambda: part("capture.saving").SavePolicy("all", model),
     }
     if hasattr(progress, "shows_bar"):
@@ -173,8 +179,8 @@ def main(argv=None) -> int:
             print(f"\nadded time, this / baseline: {q2:.2f} [{q1:.2f}, {q3:.2f}] (median [quartiles])")
         if opts.steps:
             torch.manual_seed(0)
-            wide = MLP(10, 8)
-            steps = {label: step_arms(model, x, tl, wide) for label, tl in packages.items()}
+            wide, deep = MLP(10, 8), SmallResNet((8, 16, 32))
+            steps = {label: step_arms(model, x, tl, wide, deep) for label, tl in packages.items()}
             names = list(dict.fromkeys(name for s in steps.values() for name in s))
             print("\n| step | " + " | ".join(f"{label} us" for label in steps) + " |")
             print("|---" * (1 + len(steps)) + "|")

@@ -93,7 +93,7 @@ class Structure:
     their values come from ``gc.get_referents`` (a container's references, in order: any change of a
     value changes the list), the keys from one chained iteration (string keys are not references)."""
 
-    __slots__ = ("modules", "snapshot", "keys")
+    __slots__ = ("modules", "snapshot", "keyed", "keys")
 
     def __init__(self, model, modules: list):
         self.modules = modules  # every module but the root, once each, in walk order
@@ -102,7 +102,10 @@ class Structure:
             raise TypeError("a module keeps its submodules, parameters or buffers in a custom mapping")
         # Later checks find the very same dict objects (or fail on identity), so they are dicts too.
         self.snapshot = dicts + gc.get_referents(*dicts)
-        self.keys = list(chain.from_iterable(dicts))
+        # Keys are read back from the dicts that had any: a dict that was empty and gained an entry
+        # already shows it among the values (every value is a reference, None included).
+        self.keyed = [d for d in dicts if d]
+        self.keys = list(chain.from_iterable(self.keyed))
 
     def unchanged(self, model) -> bool:
         """Whether ``model``'s module tree is exactly what was snapshotted."""
@@ -111,8 +114,9 @@ class Structure:
         except (KeyError, TypeError):  # a module without the usual dicts: never cached anyway
             return False
         now = dicts + gc.get_referents(*dicts)
+        # ``keyed`` holds some of the very dicts just found identical, so its keys are theirs now.
         return (len(now) == len(self.snapshot) and all(map(is_, now, self.snapshot))
-                and list(chain.from_iterable(dicts)) == self.keys)
+                and list(chain.from_iterable(self.keyed)) == self.keys)
 
 
 def _dicts_of(model, modules: list) -> list:
