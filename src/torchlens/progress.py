@@ -36,13 +36,33 @@ class _Quiet:
 QUIET = _Quiet()
 
 
+# (stderr, IPython module, answer) of the last ``_interactive`` call: every trace asks, and the answer
+# changes only when stderr is replaced or IPython is imported.
+_last_answer: tuple = (None, None, False)
+
+
 def _interactive() -> bool:
-    stream = sys.stderr
+    global _last_answer
+    stream, shell = sys.stderr, sys.modules.get("IPython")
+    last = _last_answer
+    if last[0] is stream and last[1] is shell and stream is not None:
+        return last[2]
+    answer = _ask_interactive(stream, shell)
+    _last_answer = (stream, shell, answer)
+    return answer
+
+
+def _ask_interactive(stream, shell) -> bool:
     if getattr(stream, "isatty", None) is not None and stream.isatty():
         return True
-    shell = sys.modules.get("IPython")
     ipython = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
     return ipython is not None and "IPKernelApp" in getattr(ipython, "config", {})
+
+
+def shows_bar(progress) -> bool:
+    """Whether ``bar(progress, ...)`` may show a bar (so that a caller builds its description only then).
+    An invalid ``progress`` answers True: ``bar`` refuses it."""
+    return progress is not False and (progress is not None or _interactive())
 
 
 def bar(progress, desc: str, total=None, unit: str = "it"):

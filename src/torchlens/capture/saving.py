@@ -20,16 +20,13 @@ from ..record.columns import Kind
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 _SAVE_ALL, _SAVE_NONE = ("all", True), ("none", None, False)
+_NOTHING = frozenset()  # the selection of "all", "none" and predicates: shared, never added to
 
 
 class SavePolicy:
     def __init__(self, save, model):
         self.predicate = None
-        self.labels: set = set()
-        self.types: set = set()
-        self.module_ids: set = set()
-        self.addresses: set = set()
-        self.call_labels: set = set()
+        self.labels = self.types = self.module_ids = self.addresses = self.call_labels = _NOTHING
         self.type_entries: dict = {}  # normalized op type -> the entry as written
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
@@ -47,6 +44,7 @@ class SavePolicy:
 
     def _parse_selection(self, items, model):
         modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
+        self.labels, self.types, self.module_ids, self.addresses, self.call_labels = set(), set(), set(), set(), set()
         for item in items:
             if not isinstance(item, str):
                 raise ValueError(f"save= entries must be strings, got {item!r}")

@@ -1,12 +1,11 @@
 """``tl.trace``: set capture up, run the forward once, tear everything down, finalize.
 
 Nothing outlives the call: the capture mode is popped, module hooks removed and the fast-path shim
-uninstalled in ``finally`` blocks (context managers), whether the model returns or raises.
+uninstalled by one context manager (``teardown.Capture``), whether the model returns or raises.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import inspect
@@ -15,14 +14,14 @@ from time import perf_counter_ns
 
 import torch
 
-from ..progress import QUIET, bar
+from ..progress import QUIET, bar, shows_bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import index_of
 from ..record.trace import Trace
 from ..tree import as_args
 from .collectives import process_rank
-from .compiled import CompiledSubmodules, Suspension, check_compiled_option
+from .compiled import CompiledSubmodules, Suspension, check_compiled_option, optimized_module_type
 from .fastpath import FastPathShim
 from .grads import attach_grads, grad_capture
 from .mode import CaptureMode, redispatch_function
@@ -31,9 +30,12 @@ from .packing import PackLog, packing_observed
 from .saving import SavePolicy
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, INPUT, CaptureState, StopForward, warn_mutated
-from .teardown import ModeOnStack, leftovers
+from .teardown import Capture, ModeOnStack, leftovers
 
 _local = threading.local()
+# What a forward returns in the common case, and never a generator or coroutine (checked by type first).
+_PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
+_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 
 
 def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
@@ -50,12 +52,13 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     root = _root_of(model, root)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments for forward, got {type(kwargs).__name__}")
-    check_compiled_option(compiled)
+    if compiled != "run":
+        check_compiled_option(compiled)
     if deep and redispatch_function is None:
         raise RuntimeError(f"deep=True needs torch.overrides.redispatch_function, which torch {torch.__version__} "
                            "lacks; upgrade torch or trace with deep=False")
-    kwargs = dict(kwargs or {})
-    args = as_args(args)
+    kwargs = dict(kwargs) if kwargs else {}
+    args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
     policy = SavePolicy(save, root)
     if save_device is not None:
@@ -70,43 +73,47 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     state.markers = markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
-    runtime = _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index,
-                                    policy)
+    runtime = None if not intervene and stop_after is None else \
+        _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy)
     state.intervention = runtime if runtime is not None and runtime.watches_calls else None
-    state.grads = grad_capture(grads, root, state)
+    state.grads = grad_capture(grads, root, state) if grads is not False else None
     packing = PackLog(state.calls) if saved_for_backward else None
     _add_inputs(state, model, args, kwargs)
-    autocast = _autocast_state()
-    frames = FrameClassifier(stop_codes=(_run_forward.__code__,))
+    autocast = state.context[1]  # the autocast state around the forward, for replay
+    frames = _FRAMES
     mode = CaptureMode(state, frames, deep=deep)
-    shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls")
+    shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls") \
+        if shows_bar(progress) else QUIET
     shim, installed = FastPathShim(mode), ModeOnStack(mode)
-    # The index lists every module object once (wrappers too): no walk of the model per trace.
-    submodules = CompiledSubmodules(root, compiled, None, index.submodules.values())
+    # The index keeps the model's compiled submodules (cached with it): no walk of the model per trace.
+    optimized = optimized_module_type()
+    submodules = CompiledSubmodules(root, compiled, None, index.of_type(optimized) if optimized is not None else ())
     # The root's own call is the trace itself; a callable's calls into its root are module calls.
     tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules)
     tracker.progress = shown if shown is not QUIET else None
     submodules.suspend = lambda: Suspension(tracker, shim)
-    intervened = contextlib.nullcontext()
+    parts = (submodules, shim, tracker, installed)
     if runtime is not None and runtime.module_sites:
-        intervened = runtime.module_hooks(state, model if root is model else None)
-    # Interventions' module hooks are entered after the tracker's, so they run after them.
-    parts = (submodules, shim, tracker, intervened, installed)
+        # Interventions' module hooks are entered after the tracker's, so they run after them.
+        parts = (submodules, shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
+    capture = Capture(parts)
     try:
-        with packing_observed(packing):
-            with submodules, shim, tracker, intervened, installed:
-                output = _run_forward(model, args, kwargs)
+        # Torn down once by the ``with`` exit; whenever that exit is skipped or cut short, an exception
+        # is on its way to the ``except`` below, which tears down again (see capture/teardown.py).
+        with capture:
+            output = _run_forward(model, args, kwargs) if packing is None else \
+                _run_observed(packing, model, args, kwargs)
     except BaseException as exc:
-        _tear_down(parts)  # again: an interrupt on the ``with`` line can skip its exits
+        capture.tear_down()
         if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
             shown.close()
             _annotate(exc, state, root, leftovers(mode, parts))
             raise
         output = None  # stop_after= reached: the trace holds everything up to that site
-    finally:
-        _tear_down(parts)
     forward_done = perf_counter_ns()
-    if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
+    if type(output) in _PLAIN_OUTPUTS:
+        pass  # the common case: a tensor, a tuple, a dict (never a generator)
+    elif inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
         # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
         getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
         shown.close()
@@ -125,20 +132,24 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     result._autocast = autocast
     result.caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + submodules.caveats()
     result.rank, result.world_size = process_rank()
-    policy.check_matched(result)
+    if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
+        policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name
     result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
     if runtime is not None:
         from ..intervene.runtime import finish_interventions
 
         finish_interventions(runtime, result)
-    policy.apply(result)
-    attach_grads(result, state.grads)
+    if policy.filters_after:
+        policy.apply(result)
+    if state.grads is not None:
+        attach_grads(result, state.grads)
     if packing is not None:
         packing.calls = None  # the forward is over: nothing more is attributed
         result._packlog = packing
     timings["total"] = (perf_counter_ns() - started) / 1e9
-    warn_mutated([result.labels[i] for i in mutated])
+    if mutated:
+        warn_mutated([result.labels[i] for i in mutated])
     if state.budget_exhausted_at is not None:
         import warnings
 
@@ -193,21 +204,23 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             call one ``compiled`` op) or ``"eager"`` (their interior traced op by op; outputs may then
             differ from the compiled run, and ``Trace.caveats`` says so).
     """
-    return _paused_collector(model, args, kwargs, save=save, save_device=save_device,
-                             record_finite=record_finite, max_saved_bytes=max_saved_bytes, name=name, deep=deep,
-                             root=root, progress=progress, intervene=intervene, reference=reference,
-                             stop_after=stop_after, grads=grads, saved_for_backward=saved_for_backward,
-                             compiled=compiled)
+    # A closure, not **options passed on twice: keyword arguments cost about 0.1 us each per hop.
+    return _paused_collector(lambda: _trace(
+        model, args, kwargs, save=save, save_device=save_device, record_finite=record_finite,
+        max_saved_bytes=max_saved_bytes, name=name, deep=deep, root=root, progress=progress, intervene=intervene,
+        reference=reference, stop_after=stop_after, grads=grads, saved_for_backward=saved_for_backward,
+        compiled=compiled))
 
 
 def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
     """``trace`` that also drives profiler ``markers`` per op and module call (``report.kernel_profile``)."""
-    return _paused_collector(model, args, kwargs, markers=markers, **options)
+    return _paused_collector(lambda: _trace(model, args, kwargs, markers=markers, **options))
 
 
-def _paused_collector(model, args, kwargs, **options) -> Trace:
-    """Mark the thread as tracing and pause the collector around one trace; both are restored whatever
-    is raised and wherever (an interrupt can land on any line, so the restore runs twice)."""
+def _paused_collector(run) -> Trace:
+    """``run()`` (one trace) with the thread marked as tracing and the collector paused; both are
+    restored whatever is raised and wherever (an interrupt can land on any line of the restore, which
+    then runs again as the interrupt passes)."""
     if getattr(_local, "active", False):
         raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
                                "trace the outer model once instead")
@@ -216,16 +229,17 @@ def _paused_collector(model, args, kwargs, **options) -> Trace:
         try:
             _local.active = True
             gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
-            return _trace(model, args, kwargs, **options)
+            return run()
         finally:
             _local.active = False
             if collecting:
                 gc.enable()
-    finally:
-        # Once more: an interrupt landing on a line of the block above can cut it short.
+    except BaseException:
+        # Once more: an interrupt landing on a line of the ``finally`` above cuts it short, and raises.
         _local.active = False
         if collecting and not gc.isenabled():
             gc.enable()
+        raise
 
 
 def _root_of(model, root):
@@ -264,22 +278,19 @@ def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, refe
                    run_reference=lambda: _trace(model, args, kwargs, save="none", deep=deep, root=root))
 
 
-def _tear_down(parts) -> None:
-    """Exit every capture context, innermost first (each exit is idempotent and finishes even when
-    interrupted)."""
-    interrupted = None
-    for part in reversed(parts):
-        try:
-            part.__exit__(None, None, None)
-        except BaseException as e:  # noqa: BLE001
-            interrupted = interrupted or e
-    if interrupted is not None:
-        raise interrupted
-
-
 def _run_forward(model, args, kwargs):
     # Its code object marks the boundary of user code for source lookup: keep it a plain call.
     return model(*args, **kwargs)
+
+
+def _run_observed(packing, model, args, kwargs):
+    """``_run_forward`` inside the saved-tensor hooks of ``saved_for_backward=True``."""
+    with packing_observed(packing):
+        return _run_forward(model, args, kwargs)
+
+
+# Frame verdicts are process-wide (capture/source.py): one classifier serves every trace.
+_FRAMES = FrameClassifier(stop_codes=(_run_forward.__code__,))
 
 
 def _unwrap(model):
@@ -294,8 +305,7 @@ def _unwrap(model):
         getattr(model, "_torchdynamo_orig_callable", None)
     if orig is not None:  # torch.compile'd function
         model = orig
-    parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
-    if isinstance(model, parallel):
+    if isinstance(model, _PARALLEL):
         model = model.module
     return model
 
@@ -322,11 +332,6 @@ def _bound_signature(func):
     except (TypeError, ValueError):
         return None
     return sig.replace(parameters=list(sig.parameters.values())[1:])
-
-
-def _autocast_state() -> dict:
-    """Autocast in effect around the forward (``{device type: dtype}``), so that replay reproduces it."""
-    return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
 
 
 def _positional_call_names(model, args, kwargs):
@@ -372,9 +377,14 @@ def _add_inputs(state, model, args, kwargs) -> None:
             names = None
     if names is None:
         names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+    producers = state.producers
     for name, value in names:
+        if type(value) is torch.Tensor:  # the common case: the leaf is the argument itself
+            if id(value) not in producers:
+                state.add_source(value, INPUT, f"input.{name}")
+            continue
         for path, t in tensor_leaves(value, f"input.{name}", []):
-            if id(t) not in state.producers:  # the same tensor passed twice is one input
+            if id(t) not in producers:  # the same tensor passed twice is one input
                 state.add_source(t, INPUT, path)
 
 

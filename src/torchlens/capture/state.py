@@ -31,9 +31,14 @@ from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NU
                               CALL_PARAMS, CALL_PARENTS, INPUT)
 
 
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
 def grad_and_autocast() -> tuple:
     """``(grad enabled, {device type: autocast dtype})``: the state replay must run an op under."""
-    autocast = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+    # One C call answers the common case (no autocast anywhere) without a query per device type.
+    autocast = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)} \
+        if _any_autocast() else {}
     return torch.is_grad_enabled(), autocast
 
 
@@ -53,6 +58,9 @@ INFERENCE_CAVEAT = (
     "not predict (a fused kernel writing an argument, a write through .data or a NumPy view) is neither "
     "attributed nor detected in their saved activations"
 )
+
+
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
 def version_of(t: torch.Tensor):
@@ -109,11 +117,12 @@ class CaptureState:
         self.raised_in = None  # (exception, module call index) where an exception left a module call
         # Replay context: the trace-wide grad/autocast state, the calls that ran under another one, and
         # the model's parameters by storage (their values before an in-place write are kept).
-        self.grad_enabled = torch.is_grad_enabled()
-        self.any_autocast = torch._C._is_any_autocast_enabled()
         self.context = grad_and_autocast()
+        self.grad_enabled = self.context[0]
+        self.any_autocast = _any_autocast()
         self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
-        self.param_storages: dict = {}  # storage key -> Parameter
+        self._watched = ()  # (address, Parameter) of the model: see ``param_storages``
+        self._param_storages = None
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
@@ -184,7 +193,19 @@ class CaptureState:
             self.contexts[call_index] = context
 
     def watch_params(self, params) -> None:
-        self.param_storages = {storage_key(p): p for _, p in params}
+        self._watched, self._param_storages = params, None
+
+    @property
+    def param_storages(self) -> dict:
+        """Storage key -> Parameter, for the parameters ``watch_params`` named.
+
+        Keyed on the first write a call makes (only writes ask): a storage read per parameter is the
+        largest set-up cost of a trace otherwise, and most forwards write nothing in place.  A
+        parameter's storage is the one it has when the forward first writes anything."""
+        storages = self._param_storages
+        if storages is None:
+            storages = self._param_storages = {storage_key(p): p for _, p in self._watched}
+        return storages
 
     def keep_param(self, key: int, call_index: int, before) -> None:
         """Note a write to a parameter by the call ``call_index``: ``before`` is its value before the
@@ -323,8 +344,8 @@ class CaptureState:
 
     def check_saved_versions(self) -> list:
         """Drop and report saved activations mutated by means capture could not see."""
-        wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-        for i in [i for i, t in self.saved.items() if wrapped is not None and wrapped(t)]:
+        wrapped = _functorch_wrapped
+        for i in [i for i, t in self.saved.items() if wrapped(t)] if wrapped is not None else ():
             self._drop(i, "made inside a torch.func transform (vmap, grad, ...): what was saved is the "
                           "transform's internal wrapper, which cannot be read outside it")
         mutated = [i for i, v in self.saved_versions.items() if v is not None and self.saved[i]._version != v]

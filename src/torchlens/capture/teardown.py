@@ -24,6 +24,7 @@ import torch.overrides
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 _depth = torch._C._len_torch_function_stack
+_at = torch._C._get_function_stack_at
 _TEMPORARY_POP = getattr(torch.overrides._pop_mode_temporarily, "__wrapped__", None)
 
 
@@ -81,12 +82,53 @@ class ModeOnStack:
     def remove(self) -> None:
         if self.removed:
             return
+        if _depth() == 1 and _at(0) is self.mode:
+            _pop()  # the common case: capture's mode alone on the stack, as pushed
+            self.removed = True
+            return
         if not on_stack(self.mode):
             # Lifted off by torch for a handler call whose push-back an interrupt cut short: make sure
             # no suspended push-back can put it back later.  (Rare: only then is the heap searched.)
             close_pending_pushes(self.mode)
         remove_from_stack(self.mode)
         self.removed = True
+
+
+class Capture:
+    """Context manager: enter one trace's capture parts in order; on exit tear them all down, innermost
+    first.
+
+    Each part cleans up after itself when its own ``__enter__`` fails, and each part's ``__exit__`` is
+    idempotent and finishes even when interrupted (``until_done``).  The ``with`` exit is the one
+    teardown of a forward that returns.  What can still go wrong is a single interrupt landing on a
+    line of ``tear_down`` itself, or on the ``with`` line so that the exit never runs: either way an
+    exception is propagating, and the driver's ``except`` calls ``tear_down`` once more.  So every part
+    is removed whatever single interrupt lands wherever, and a forward that returns pays for one
+    teardown, not two.
+    """
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+
+    def __enter__(self):
+        for part in self.parts:
+            part.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.tear_down()
+        return False
+
+    def tear_down(self) -> None:
+        """Exit every part, innermost first; an interrupt landing meanwhile is re-raised after."""
+        interrupted = None
+        for part in reversed(self.parts):
+            try:
+                part.__exit__(None, None, None)
+            except BaseException as e:  # noqa: BLE001
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
 
 def leftovers(mode, parts) -> list:

@@ -27,6 +27,7 @@ class ModelIndex:
         self.param_addresses: dict = {}  # id(Parameter) -> address
         self.buffers: dict = {}  # id(buffer) -> (buffer, address)
         self._param_names: dict = {}  # id(module) -> (module, [parameter name, ...])
+        self._of_type: dict = {}  # module class -> the submodules of exactly that class (see ``of_type``)
         self._root = None  # a weak reference: a cached index must not keep its model alive
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
@@ -65,6 +66,14 @@ class ModelIndex:
         root = self._root() if self._root is not None else None
         return {"": root, **self._addressed} if root is not None else dict(self._addressed)
 
+    def of_type(self, cls) -> list:
+        """The submodules whose class is exactly ``cls`` (the root excluded), found once per index: an
+        index lives only while the model's structure is unchanged (``Structure``)."""
+        found = self._of_type.get(cls)
+        if found is None:
+            found = self._of_type[cls] = [m for m in self.submodules.values() if type(m) is cls]
+        return found
+
     def param_names_of(self, module) -> list:
         """Names of the module's parameters (a fresh list): as the walk saw them for a module of the
         index, whose structure check covers every ``_parameters`` dict; read now for any other."""
@@ -102,7 +111,7 @@ class Structure:
     their values come from ``gc.get_referents`` (a container's references, in order: any change of a
     value changes the list), the keys from one chained iteration (string keys are not references)."""
 
-    __slots__ = ("modules", "snapshot", "keys")
+    __slots__ = ("modules", "snapshot", "keyed", "keys")
 
     def __init__(self, model, modules: list):
         self.modules = modules  # every module but the root, once each, in walk order
@@ -111,7 +120,10 @@ class Structure:
             raise TypeError("a module keeps its submodules, parameters or buffers in a custom mapping")
         # Later checks find the very same dict objects (or fail on identity), so they are dicts too.
         self.snapshot = dicts + gc.get_referents(*dicts)
-        self.keys = list(chain.from_iterable(dicts))
+        # Keys are read back from the dicts that had any: a dict that was empty and gained an entry
+        # already shows it among the values (every value is a reference, None included).
+        self.keyed = [d for d in dicts if d]
+        self.keys = list(chain.from_iterable(self.keyed))
 
     def unchanged(self, model) -> bool:
         """Whether ``model``'s module tree is exactly what was snapshotted."""
@@ -120,8 +132,9 @@ class Structure:
         except (KeyError, TypeError):  # a module without the usual dicts: never cached anyway
             return False
         now = dicts + gc.get_referents(*dicts)
+        # ``keyed`` holds some of the very dicts just found identical, so its keys are theirs now.
         return (len(now) == len(self.snapshot) and all(map(is_, now, self.snapshot))
-                and list(chain.from_iterable(dicts)) == self.keys)
+                and list(chain.from_iterable(self.keyed)) == self.keys)
 
 
 def _dicts_of(model, modules: list) -> list:
