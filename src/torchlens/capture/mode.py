@@ -183,13 +183,21 @@ class CaptureMode(TorchFunctionMode):
             version = out._version
         except RuntimeError:  # made under torch.inference_mode(): no version counter
             version = st.version(out)
-        st.producers[id(out)] = (weakref(out), first_op, version)
         save_mode = st.save_mode
         if save_mode and (save_mode == 1 or st.wants(func, module_call)):
             # Kept by reference; its storage is keyed only when a write may need it (CaptureState.save).
-            st.saved[first_op] = out.detach() if requires_grad else out
+            if requires_grad:
+                st.saved[first_op] = out.detach()
+                st.producers[id(out)] = (weakref(out), first_op, version)
+            else:
+                # ``saved`` holds ``out`` itself, so the binding may too: no weak reference to make and
+                # to clear when it dies (see CaptureState.producers).
+                st.saved[first_op] = out
+                st.producers[id(out)] = (out, first_op, version)
             st.saved_versions[first_op] = version
             st.unkeyed.append(first_op)
+        else:
+            st.producers[id(out)] = (weakref(out), first_op, version)
         return out
 
     def _call_with_features(self, func, types, args, kwargs):
@@ -305,7 +313,7 @@ def _scan_arguments(st, args, kwargs):
                 params.append((pos, a))
                 continue
             entry = producers.get(id(a))
-            if entry is not None and entry[2] == version and entry[0]() is a:
+            if entry is not None and entry[2] == version and (entry[0] is a or entry[0]() is a):
                 parents.append((pos, entry[1]))
             else:
                 parents.append((pos, st.producer_of(a)))
@@ -450,7 +458,7 @@ def _predicted_write(func, args, kwargs, t) -> bool:
 
 def _made_since(producers, t, first_record: int) -> bool:
     entry = producers.get(id(t))
-    return entry is not None and entry[1] >= first_record and entry[0]() is t
+    return entry is not None and entry[1] >= first_record and (entry[0] is t or entry[0]() is t)
 
 
 def _tensor_leaves(out, prefix=()):

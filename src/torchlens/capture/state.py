@@ -63,6 +63,14 @@ def version_of(t: torch.Tensor):
         return None
 
 
+def is_bound(entry: tuple, t: torch.Tensor) -> bool:
+    """Whether a ``CaptureState.producers`` entry found under ``id(t)`` is about ``t`` itself, not about a
+    dead tensor whose id ``t`` now reuses.  An entry holding its tensor is never stale (a live object's id
+    is unique); a weak one is, once its tensor died."""
+    ref = entry[0]
+    return ref is t or (type(ref) is weakref and ref() is t)
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory a tensor lives in; views share it with their base."""
     try:
@@ -82,7 +90,11 @@ class CaptureState:
         self.module_calls: list = []
         self.module_stack: list = []
         self.call_frames: list = []  # per module call: (code, offset) of the user frame that made it
-        self.producers: dict = {}  # id(tensor) -> (weakref, record index, version when bound)
+        # id(tensor) -> (weakref or the tensor itself, record index, version when bound).  A tensor that
+        # is saved by reference anyway is held itself (no weak reference to make per op): while it is
+        # held its id cannot be reused, so ``entry[0] is t`` decides; any other entry is weak, and a dead
+        # tensor's id reused by a new one fails ``entry[0]() is t``.  ``is_bound`` reads either.
+        self.producers: dict = {}
         self.writers: dict = {}  # storage key -> (record index, version after the write)
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
@@ -133,7 +145,7 @@ class CaptureState:
     # ----- parents -------------------------------------------------------------------------------
     def producer_of(self, t: torch.Tensor) -> int:
         entry = self.producers.get(id(t))
-        if entry is not None and entry[0]() is t:
+        if entry is not None and is_bound(entry, t):
             version = version_of(t)
             if entry[2] == version:
                 return entry[1]
@@ -149,7 +161,7 @@ class CaptureState:
         """The op a tensor was last bound to, without touching its properties (module hooks run with
         the capture mode active, where every tensor property read would re-enter it)."""
         entry = self.producers.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else -1
+        return entry[1] if entry is not None and is_bound(entry, t) else -1
 
     def _source_of(self, t: torch.Tensor) -> int:
         buffer = self.buffers.get(id(t))
