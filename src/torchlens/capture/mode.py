@@ -78,6 +78,10 @@ _inplace_cache.update(dict.fromkeys(WRITES_RUNNING_STATS, _RUNNING_STATS))
 _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
 _Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
+_getframe = sys._getframe
+# The hot path's inline scan: the second argument types it handles, and the skeletons it shares.
+_PLAIN_SECOND = frozenset([Tensor, int, float, bool])
+_BLANK_ONE, _BLANK_TWO = (None,), (None, None)
 
 
 def _predicts_inplace(func) -> bool:
@@ -118,9 +122,37 @@ class CaptureMode(TorchFunctionMode):
         if not self.plain or _compiler._is_compiling_flag:
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
-        if kwargs is None:
-            kwargs = _NO_KWARGS
-        skeleton, kw_skeleton, parents, params, versions = _scan_arguments(st, args, kwargs)
+        n = len(args) if kwargs is None else 0
+        if 0 < n < 3 and type(args[0]) is Tensor and (n == 1 or type(args[1]) in _PLAIN_SECOND):
+            # The commonest call, scanned inline: one or two positional arguments, a plain tensor first
+            # and a tensor or a number second (torch.sin(x), x * 2, a @ b).  Parameters, containers,
+            # keywords and tensor subclasses take the general scan.
+            kwargs = kw_skeleton = _NO_KWARGS
+            params = None
+            a = args[0]
+            try:
+                version = a._version
+            except RuntimeError:  # an inference tensor: no version counter
+                version = st.version(a)
+            entry = st.producers.get(id(a))
+            if entry is not None and entry[2] == version and (entry[0] is a or entry[0]() is a):
+                parents = ((0, entry[1]),)
+            else:
+                parents = ((0, st.producer_of(a)),)
+            versions = ((a, version),)
+            if n == 1:
+                skeleton = _BLANK_ONE
+            elif type(args[1]) is Tensor:
+                skeleton = _BLANK_TWO
+                parent, second = _bound_parent(st, args[1])
+                parents += ((1, parent),)
+                versions += (second,)
+            else:
+                skeleton = (None, args[1])
+        else:
+            if kwargs is None:
+                kwargs = _NO_KWARGS
+            skeleton, kw_skeleton, parents, params, versions = _scan_arguments(st, args, kwargs)
         if st.saved and versions and (_inplace_cache.get(func) is not False or kwargs):
             _protect_before_write(st, func, args, kwargs)
         module_call = st.module_stack[-1] if st.module_stack else -1
@@ -140,7 +172,7 @@ class CaptureMode(TorchFunctionMode):
 
         # The user's frame: one dict lookup in the common case of an op called from user code.
         # Lines are resolved from instruction offsets only when asked for (record/op.py).
-        frame = sys._getframe(1)
+        frame = _getframe(1)
         code = frame.f_code
         if _verdicts.get(id(code)) == _USER_FRAME:
             line = frame.f_lasti
@@ -159,8 +191,8 @@ class CaptureMode(TorchFunctionMode):
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
         # Compact for long traces: tuples, and one shared empty dict for the common no-keyword call.
-        calls.append((func, tuple(skeleton) if skeleton is not None else args, kw_skeleton or _NO_KWARGS,
-                      tuple(parents), params or (), module_call, code, line, t0, t1, first_op,
+        calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line,
+                      t0, t1, first_op,
                       1 if leaves is None else len(leaves), written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
@@ -195,7 +227,6 @@ class CaptureMode(TorchFunctionMode):
                 st.saved[first_op] = out
                 st.producers[id(out)] = (out, first_op, version)
             st.saved_versions[first_op] = version
-            st.unkeyed.append(first_op)
         else:
             st.producers[id(out)] = (weakref(out), first_op, version)
         return out
@@ -252,8 +283,7 @@ class CaptureMode(TorchFunctionMode):
         written = _written_arguments(func, args, kwargs, versions)
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)
-        st.calls.append((func, tuple(skeleton) if skeleton is not None else args, kw_skeleton or _NO_KWARGS,
-                         tuple(parents), params or (), module_call, code, line, t0, t1, first_op, len(leaves),
+        st.calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line, t0, t1, first_op, len(leaves),
                          written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
@@ -287,10 +317,10 @@ def _not_an_op(st, func, args, kwargs):
 def _scan_arguments(st, args, kwargs):
     """Parents (by producing op), parameters and version counters of a call's tensor arguments.
 
-    Returns ``(skeleton, kw_skeleton, parents, params, versions)``: the arguments as recorded (tensors
-    blanked; None or the keywords themselves when nothing was blanked), ``(position, record index)``
-    pairs, ``(position, Parameter)`` pairs or None, and ``(tensor, version before the call)`` pairs, by
-    which writes are detected after it, predicted or not.
+    Returns ``(skeleton, kw_skeleton, parents, params, versions)``: the arguments as recorded (a tuple
+    with tensors blanked, or ``args`` itself when nothing was blanked; the keywords likewise), a tuple of
+    ``(position, record index)`` pairs, ``(position, Parameter)`` pairs or None, and ``(tensor, version
+    before the call)`` pairs, by which writes are detected after it, predicted or not.
     """
     producers = st.producers
     parents = []
@@ -328,7 +358,19 @@ def _scan_arguments(st, args, kwargs):
     kw_skeleton = kwargs
     if kwargs:
         kw_skeleton, params = _scan_keywords(st, kwargs, parents, params, versions)
-    return skeleton, kw_skeleton, parents, params, versions
+    return tuple(skeleton) if skeleton is not None else args, kw_skeleton, tuple(parents), params, versions
+
+
+def _bound_parent(st, t):
+    """``(record index, (t, version))`` of a plain tensor argument: the hot path's second argument."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        version = st.version(t)
+    entry = st.producers.get(id(t))
+    if entry is not None and entry[2] == version and (entry[0] is t or entry[0]() is t):
+        return entry[1], (t, version)
+    return st.producer_of(t), (t, version)
 
 
 def _scan_keywords(st, kwargs, parents, params, versions):

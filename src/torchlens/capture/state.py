@@ -108,7 +108,8 @@ class CaptureState:
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
         self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
-        self.unkeyed: list = []  # record indices saved by reference whose storage is not keyed yet
+        self.keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
+        self.unkeyed: list = []  # record indices below ``keyed_to`` saved again since (see ``save``)
         self.saved_bytes = 0
         self.max_saved_bytes = max_saved_bytes
         # No device move and no budget: the hot path saves inline (capture/mode.py).
@@ -234,17 +235,19 @@ class CaptureState:
     def saved_by_storage(self) -> dict:
         """Storage key -> record indices of the activations saved in that memory.
 
-        Keyed lazily: the hot path only notes what it saved (``unkeyed``), and the keys are computed here,
-        the first time a write needs them (copy-on-write before a predicted write, or a write found after
-        a call).  A saved tensor keeps its storage alive, so its key is the same now as when it was saved.
+        Keyed lazily: the hot path notes nothing per op (records at or after ``keyed_to`` are the new
+        ones), and the keys are computed here, the first time a write needs them (copy-on-write before a
+        predicted write, or a write found after a call), so over a trace each record is looked at once.
+        A saved tensor keeps its storage alive, so its key is the same now as when it was saved.
         """
+        new = range(self.keyed_to, len(self.records))
         pending = self.unkeyed
-        if pending:
+        if new or pending:
             by_storage, saved = self._by_storage, self.saved
-            for index in pending:
+            for index in (*pending, *new) if pending else new:
                 t = saved.get(index)
                 if t is None:
-                    continue  # dropped since (over the budget, or clobbered)
+                    continue  # not saved, or dropped since (over the budget, or clobbered)
                 key = storage_key(t)
                 stored = by_storage.get(key)
                 if stored is None:
@@ -252,6 +255,7 @@ class CaptureState:
                 else:
                     stored.append(index)
             pending.clear()
+            self.keyed_to = new.stop
         return self._by_storage
 
     def wants(self, func, module_call: int) -> bool:
@@ -268,7 +272,8 @@ class CaptureState:
             self.saved_versions[index] = self.version(t)
         else:
             self._keep(index, t, self.version(t))
-        self.unkeyed.append(index)
+        if index < self.keyed_to:  # saved again (an intervention's replacement): key it on the next write
+            self.unkeyed.append(index)
 
     def _keep(self, index: int, t: torch.Tensor, version) -> None:
         if self.max_saved_bytes is not None:
