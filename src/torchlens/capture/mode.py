@@ -79,6 +79,9 @@ _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tu
 _Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
 _getframe = sys._getframe
+# Argument types that are neither tensors nor containers (exact types: subclasses take the full checks).
+_PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
+                           torch.layout, torch.memory_format, _Size])
 # The hot path's inline scan: the second argument types it handles, and the skeletons it shares.
 _PLAIN_SECOND = frozenset([Tensor, int, float, bool])
 _BLANK_ONE, _BLANK_TWO = (None,), (None, None)
@@ -153,8 +156,9 @@ class CaptureMode(TorchFunctionMode):
             if kwargs is None:
                 kwargs = _NO_KWARGS
             skeleton, kw_skeleton, parents, params, versions = _scan_arguments(st, args, kwargs)
-        if st.saved and versions and (_inplace_cache.get(func) is not False or kwargs):
-            _protect_before_write(st, func, args, kwargs)
+        if st.saved and versions and (_inplace_cache.get(func) is not False
+                                      or (kwargs and ("out" in kwargs or kwargs.get("inplace")))):
+            _protect_before_write(st, func, args, kwargs)  # a write predicted by name or by keyword
         module_call = st.module_stack[-1] if st.module_stack else -1
         t0 = perf_counter_ns()
         try:
@@ -328,6 +332,8 @@ def _scan_arguments(st, args, kwargs):
     versions = []
     skeleton = None
     for pos, a in enumerate(args):
+        if type(a) in _PLAIN_VALUES:
+            continue
         if isinstance(a, Tensor):
             if skeleton is None:
                 skeleton = list(args)
@@ -377,6 +383,8 @@ def _scan_keywords(st, kwargs, parents, params, versions):
     """``_scan_arguments`` for keyword arguments: returns the keywords as recorded and the parameters."""
     kw_skeleton = kwargs
     for key, a in kwargs.items():
+        if type(a) in _PLAIN_VALUES:
+            continue
         if isinstance(a, Tensor):
             if kw_skeleton is kwargs:
                 kw_skeleton = dict(kwargs)
