@@ -63,6 +63,7 @@ def _not_ops() -> frozenset:
 
 # Calls that never produce a tensor; skipping them early keeps the commonest calls nearly free.
 _NOT_OPS = _not_ops()
+_OFF_HOT_PATH = _NOT_OPS | _DATA_GET  # one lookup per call keeps both out of the hot path
 _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -120,8 +121,10 @@ class CaptureMode(TorchFunctionMode):
             and state.finite_flags is None and state.plain_save
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _NOT_OPS:
-            return _not_an_op(self.state, func, args, kwargs)
+        if func in _OFF_HOT_PATH:
+            if func in _NOT_OPS:
+                return _not_an_op(self.state, func, args, kwargs)
+            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # ``x.data``
         if not self.plain or _compiler._is_compiling_flag:
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
@@ -200,8 +203,6 @@ class CaptureMode(TorchFunctionMode):
                       1 if leaves is None else len(leaves), written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
-        if func in _DATA_GET:  # ``x.data`` shares x's storage but not its version counter
-            st.data_bases[id(out)] = (weakref(out), weakref(args[0]))
         if leaves is not None:
             for slot, t in leaves:
                 _record_output(st, call_index, slot, t, func, module_call)
@@ -291,7 +292,7 @@ class CaptureMode(TorchFunctionMode):
                          written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
-        if func in _DATA_GET:
+        if func in _DATA_GET:  # ``x.data`` shares x's storage but not its version counter
             st.data_bases[id(out)] = (weakref(out), weakref(args[0]))
         for slot, t in leaves:
             _record_output(st, call_index, slot, t, func, module_call)
