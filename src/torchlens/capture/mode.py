@@ -30,6 +30,9 @@ from ..record.layouts import shape_of
 from ..tree import split
 from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
+from .source import CALL_IMPL as _CALL_IMPL
+from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
+from .source import SKIP as _SKIP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
 from .source import FrameClassifier
@@ -181,10 +184,16 @@ class CaptureMode(TorchFunctionMode):
         # Lines are resolved from instruction offsets only when asked for (record/op.py).
         frame = _getframe(1)
         code = frame.f_code
-        if _verdicts.get(id(code)) == _USER_FRAME:
+        verdict = _verdicts.get(id(code))
+        if verdict == _USER_FRAME:
             line = frame.f_lasti
             site = (code, line)
-        else:  # torch's own code, or a frame not classified yet
+        elif verdict == _SKIP_FRAME and module_call >= 0 and _called_by_module_call(frame.f_back):
+            # Called straight from a torch module's forward (nn.Linear): the site is that line, the user
+            # line the module call's (what ``locate`` finds, without its walk).
+            site = (code, frame.f_lasti)
+            code, line = st.call_frames[module_call]
+        else:  # torch's own code elsewhere, or a frame not classified yet
             site, code, line = self.frames.locate(frame, func, st.call_frames, module_call)
         calls = st.calls
         call_index = len(calls)
@@ -308,6 +317,18 @@ class CaptureMode(TorchFunctionMode):
                 return redispatch_function(func, types, args, kwargs)
         finally:
             self._entered.pop()
+
+
+def _called_by_module_call(frame) -> bool:
+    """Whether ``frame`` is torch's module call machinery itself calling ``forward`` (``_call_impl``, or
+    its ``inner`` when hooks are installed), the boundary ``FrameClassifier.locate`` stops at."""
+    if frame is None:
+        return False
+    code = frame.f_code
+    if code is _CALL_IMPL_INNER:
+        frame = frame.f_back
+        code = frame.f_code if frame is not None else None
+    return code is _CALL_IMPL
 
 
 def _not_an_op(st, func, args, kwargs):

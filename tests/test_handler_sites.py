@@ -1,0 +1,69 @@
+"""The capture handler's inlined frame checks find the same call sites as ``FrameClassifier.locate``.
+
+The handler answers two frame shapes without walking: an op called from user code, and an op called
+straight from a torch module's ``forward`` (the module call's boundary is the next frame).  Every other
+shape, and both of these with the shortcut switched off, goes through ``locate``; the records must not
+differ in any op's user frame, instruction offset or site.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.capture import mode
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.norm(self.fc(x))) * 2
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+        self.seq = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.inner(x)
+        x = self.seq(x) + x  # torch code (Sequential) calling torch modules
+        x = self.head.forward(x)  # no module call: the forward's caller is this line
+        for _ in range(2):
+            x = torch.tanh(self.head(torch.cat([x, x], dim=-1)[..., :8]))
+        return x
+
+
+def _sites(trace) -> list:
+    return [(c.code, c.line, c.site) for c in trace.calls]
+
+
+@pytest.mark.parametrize("root", [Model, lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))])
+def test_inlined_frame_checks_agree_with_the_walk(root, monkeypatch):
+    torch.manual_seed(0)
+    model, x = root().eval(), torch.randn(2, 8)
+    fast = tl.trace(model, x)
+    assert any(c.code is not None for c in fast.calls) or isinstance(model, nn.Sequential)
+    monkeypatch.setattr(mode, "_called_by_module_call", lambda frame: False)
+    walked = tl.trace(model, x)
+    assert fast.labels == walked.labels
+    assert _sites(fast) == _sites(walked)
+
+
+def test_ops_inside_torch_modules_report_the_line_that_called_the_module():
+    torch.manual_seed(0)
+    trace = tl.trace(Model().eval(), torch.randn(2, 8))
+    calling_line = {op.source.line for op in trace.ops if op.kind == "op" and op.module == "inner.fc:1"}
+    assert len(calling_line) == 1  # F.linear inside nn.Linear.forward: the line in Inner.forward
+    (line,) = calling_line
+    assert "self.fc(x)" in trace.ops[next(i for i, op in enumerate(trace.ops) if op.module == "inner.fc:1")].source.code
+    assert line > 0
