@@ -32,6 +32,7 @@ from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
 from .source import CALL_IMPL as _CALL_IMPL
 from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
+from .source import DISPATCH as _DISPATCH_FRAME
 from .source import SKIP as _SKIP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
@@ -193,8 +194,9 @@ class CaptureMode(TorchFunctionMode):
             # line the module call's (what ``locate`` finds, without its walk).
             site = (code, frame.f_lasti)
             code, line = st.call_frames[module_call]
-        else:  # torch's own code elsewhere, or a frame not classified yet
-            site, code, line = self.frames.locate(frame, func, st.call_frames, module_call)
+        else:  # a Python-level torch function (F.relu), torch's own code elsewhere, or a new frame
+            found = _dispatched_site(frame, func, st.call_frames, module_call) if verdict == _DISPATCH_FRAME else None
+            site, code, line = found or self.frames.locate(frame, func, st.call_frames, module_call)
         calls = st.calls
         call_index = len(calls)
         records = st.records
@@ -329,6 +331,27 @@ def _called_by_module_call(frame) -> bool:
         frame = frame.f_back
         code = frame.f_code if frame is not None else None
     return code is _CALL_IMPL
+
+
+def _dispatched_site(frame, func, call_frames, module_call: int):
+    """``FrameClassifier.locate``'s answer, without its walk, for a Python-level torch function (``F.relu``)
+    that torch's dispatcher (``frame``) handed over, when torch's function was called from user code or
+    straight from a torch module's forward; None for any other shape of the stack."""
+    own = frame.f_back
+    if own is None or own.f_code is not getattr(func, "__code__", None) or _verdicts.get(id(own.f_code)) != _SKIP_FRAME:
+        return None
+    caller = own.f_back
+    if caller is None:
+        return None
+    code = caller.f_code
+    verdict = _verdicts.get(id(code))
+    if verdict == _USER_FRAME:
+        line = caller.f_lasti
+        return (code, line), code, line
+    if verdict == _SKIP_FRAME and module_call >= 0 and _called_by_module_call(caller.f_back):
+        user_code, user_line = call_frames[module_call]
+        return (code, caller.f_lasti), user_code, user_line
+    return None
 
 
 def _not_an_op(st, func, args, kwargs):

@@ -33,7 +33,7 @@ VERDICTS, USER = _VERDICTS, _USER  # for the capture handler's inlined check of 
 # ``_call_impl``'s nested ``inner``, which calls ``forward`` when hooks are installed: the handler's
 # inlined check of an op called straight from a torch module's forward (``FrameClassifier.locate``'s
 # walk for that case, two frames long).
-SKIP, CALL_IMPL = _SKIP, _CALL_IMPL
+SKIP, DISPATCH, CALL_IMPL = _SKIP, _DISPATCH, _CALL_IMPL
 CALL_IMPL_INNER = next((c for c in _CALL_IMPL.co_consts if getattr(c, "co_name", None) == "inner"), None)
 
 
