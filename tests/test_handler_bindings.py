@@ -8,6 +8,9 @@ its id: such a tensor, made where capture cannot see it, has no parent (an unatt
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -24,11 +27,14 @@ class Reallocates(nn.Module):
     def __init__(self):
         super().__init__()
         self.reused = 0
+        self.made = []  # weak references to the outputs the model made (the test's, not capture's)
 
     def forward(self, x):
         self.reused = 0
+        self.made = []
         for _ in range(STEPS):
             y = x * 2.0
+            self.made.append(weakref.ref(y))
             dead = id(y)
             del y  # dies here unless the trace saved it by reference
             with torch._C.DisableTorchFunction():
@@ -59,35 +65,29 @@ def test_dead_unsaved_outputs_never_parent_a_reallocated_tensor(save):
     _check(trace, model, x)
 
 
-def test_requires_grad_outputs_saved_detached_are_bound_weakly():
-    # Saved as a detached alias: the output itself dies, so its id is reused like an unsaved one's.
-    model, x = Reallocates(), torch.randn(3, requires_grad=True)
-    trace = tl.trace(model, x, save="all")
-    assert model.reused > 0, "no id was reused: the test did not exercise a stale binding"
-    _check(trace, model, x)
-
-
-def test_outputs_saved_by_reference_keep_their_ids():
-    # save="all" without grad holds every output, so no id is reused and every parent is still exact.
-    model, x = Reallocates(), torch.randn(3)
-    with torch.no_grad():
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_outputs_saved_by_reference_keep_their_ids(requires_grad):
+    # save="all" holds every output (a detached alias of one that requires grad, and the output itself
+    # in its binding), so no id is reused and every parent is still exact.
+    model, x = Reallocates(), torch.randn(3, requires_grad=requires_grad)
+    with torch.set_grad_enabled(requires_grad):
         trace = tl.trace(model, x, save="all")
     assert model.reused == 0
     _check(trace, model, x)
     for op in trace.ops:
         if op.kind == "op" and op.func_name == "mul":
-            assert op.activation is not None
+            assert op.activation is not None and not op.activation.requires_grad
+            assert op.requires_grad == requires_grad
 
 
-def test_saved_outputs_are_not_held_after_the_trace():
-    import gc
-    import weakref
-
-    model, x = Reallocates(), torch.randn(3)
-    with torch.no_grad():
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_saved_outputs_are_not_held_after_the_trace(requires_grad):
+    model, x = Reallocates(), torch.randn(3, requires_grad=requires_grad)
+    with torch.set_grad_enabled(requires_grad):
         trace = tl.trace(model, x, save="all")
     muls = [op for op in trace.ops if op.kind == "op" and op.func_name == "mul"]
     refs = [weakref.ref(op.activation) for op in muls]
     del trace, muls
     gc.collect()
     assert all(r() is None for r in refs)  # nothing but the trace kept the outputs it saved
+    assert all(r() is None for r in model.made)  # nor, once it ended, the outputs it bound

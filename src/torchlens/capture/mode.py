@@ -234,15 +234,11 @@ class CaptureMode(TorchFunctionMode):
         save_mode = st.save_mode
         if save_mode and (save_mode == 1 or st.wants(func, module_call)):
             # Kept by reference; its storage is keyed only when a write may need it (CaptureState.save).
-            if requires_grad:
-                st.saved[first_op] = out.detach()
-                st.producers[id(out)] = (weakref(out), first_op, version)
-            else:
-                # ``saved`` holds ``out`` itself, so the binding may too: no weak reference to make and
-                # to clear when it dies (see CaptureState.producers).
-                st.saved[first_op] = out
-                st.producers[id(out)] = (out, first_op, version)
+            st.saved[first_op] = out.detach() if requires_grad else out
             st.saved_versions[first_op] = version
+            # What is saved holds the output's memory until the trace ends anyway, so the binding holds
+            # the output itself: no weak reference to make and to clear when it dies (CaptureState.producers).
+            st.producers[id(out)] = (out, first_op, version)
         else:
             st.producers[id(out)] = (weakref(out), first_op, version)
         return out

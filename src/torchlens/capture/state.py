@@ -90,10 +90,10 @@ class CaptureState:
         self.module_calls: list = []
         self.module_stack: list = []
         self.call_frames: list = []  # per module call: (code, offset) of the user frame that made it
-        # id(tensor) -> (weakref or the tensor itself, record index, version when bound).  A tensor that
-        # is saved by reference anyway is held itself (no weak reference to make per op): while it is
-        # held its id cannot be reused, so ``entry[0] is t`` decides; any other entry is weak, and a dead
-        # tensor's id reused by a new one fails ``entry[0]() is t``.  ``is_bound`` reads either.
+        # id(tensor) -> (weakref or the tensor itself, record index, version when bound).  An op output
+        # whose memory is saved by reference anyway is held itself (no weak reference to make per op):
+        # while it is held its id cannot be reused, so ``entry[0] is t`` decides; any other entry is weak,
+        # and a dead tensor's id reused by a new one fails ``entry[0]() is t``.  ``is_bound`` reads either.
         self.producers: dict = {}
         self.writers: dict = {}  # storage key -> (record index, version after the write)
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
