@@ -189,9 +189,11 @@ class CaptureMode(TorchFunctionMode):
         if verdict == _USER_FRAME:
             line = frame.f_lasti
             site = (code, line)
-        elif verdict == _SKIP_FRAME and module_call >= 0 and _called_by_module_call(frame.f_back):
-            # Called straight from a torch module's forward (nn.Linear): the site is that line, the user
-            # line the module call's (what ``locate`` finds, without its walk).
+        elif verdict == _SKIP_FRAME and module_call >= 0 and type(func) is not FunctionType \
+                and _called_by_module_call(frame.f_back):
+            # A builtin called straight from a torch module's forward (F.linear in nn.Linear): the site is
+            # that line, the user line the module call's (what ``locate`` finds, without its walk; a
+            # Python-level function's own frame is never its site there, so those take the walk).
             site = (code, frame.f_lasti)
             code, line = st.call_frames[module_call]
         else:  # a Python-level torch function (F.relu), torch's own code elsewhere, or a new frame
