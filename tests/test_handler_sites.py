@@ -35,12 +35,17 @@ class Model(nn.Module):
         self.inner = Inner()
         self.seq = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
         self.head = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        # F.relu called from a torch method that is not a forward (TransformerEncoderLayer._ff_block)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
 
     def forward(self, x):
         x = self.inner(x)
         x = self.seq(x) + x  # torch code (Sequential) calling torch modules
         x = self.head.forward(x)  # no module call: the forward's caller is this line
         x = F.layer_norm(F.relu(x), (8,))  # Python-level torch functions called from user code
+        x = x + self.attn(x[None], x[None], x[None], need_weights=False)[0][0]
+        x = self.layer(x[None])[0]
         for _ in range(2):
             x = torch.tanh(self.head(torch.cat([x, x], dim=-1)[..., :8]))
         return x
@@ -55,14 +60,23 @@ def test_inlined_frame_checks_agree_with_the_walk(root, monkeypatch):
     torch.manual_seed(0)
     model, x = root().eval(), torch.randn(2, 8)
     tl.trace(model, x)  # the first sight of a frame classifies it, through the walk
-    answered = []
-    dispatched = mode._dispatched_site
-    monkeypatch.setattr(mode, "_dispatched_site", lambda *args: answered.append(dispatched(*args)) or answered[-1])
+    walks = []
+
+    def counted(classifier, frame, *args):
+        walks.append(frame)
+        return locate(classifier, frame, *args)
+
+    locate = mode.FrameClassifier.locate
+    monkeypatch.setattr(mode.FrameClassifier, "locate", counted)
     fast = tl.trace(model, x)
-    assert any(found is not None for found in answered)  # the shortcuts were taken
+    fast_walks = len(walks)
     monkeypatch.setattr(mode, "_called_by_module_call", lambda frame: False)
-    monkeypatch.setattr(mode, "_dispatched_site", lambda *args: None)
+    # The full walk from the frame that called the handler, for every op not called from user code.
+    monkeypatch.setattr(mode, "_dispatched_site", lambda frame, func, call_frames, module_call, locate:
+                        locate(frame, func, call_frames, module_call))
+    walks.clear()
     walked = tl.trace(model, x)
+    assert fast_walks < len(walks)  # the shortcuts were taken
     assert fast.labels == walked.labels
     assert _sites(fast) == _sites(walked)
 

@@ -197,8 +197,11 @@ class CaptureMode(TorchFunctionMode):
             site = (code, frame.f_lasti)
             code, line = st.call_frames[module_call]
         else:  # a Python-level torch function (F.relu), torch's own code elsewhere, or a new frame
-            found = _dispatched_site(frame, func, st.call_frames, module_call) if verdict == _DISPATCH_FRAME else None
-            site, code, line = found or self.frames.locate(frame, func, st.call_frames, module_call)
+            locate = self.frames.locate
+            if verdict == _DISPATCH_FRAME:
+                site, code, line = _dispatched_site(frame, func, st.call_frames, module_call, locate)
+            else:
+                site, code, line = locate(frame, func, st.call_frames, module_call)
         calls = st.calls
         call_index = len(calls)
         records = st.records
@@ -331,25 +334,25 @@ def _called_by_module_call(frame) -> bool:
     return code is _CALL_IMPL
 
 
-def _dispatched_site(frame, func, call_frames, module_call: int):
-    """``FrameClassifier.locate``'s answer, without its walk, for a Python-level torch function (``F.relu``)
-    that torch's dispatcher (``frame``) handed over, when torch's function was called from user code or
-    straight from a torch module's forward; None for any other shape of the stack."""
+def _dispatched_site(frame, func, call_frames, module_call: int, locate):
+    """``locate``'s answer (``FrameClassifier.locate``) for a call that torch's dispatcher (``frame``)
+    handed over.  For a Python-level torch function (``F.relu``) whose own frame is next, neither frame
+    can be the answer: the walk starts at the function's caller, and is skipped when that caller is user
+    code or a torch module's forward called by its module call."""
     own = frame.f_back
     if own is None or own.f_code is not getattr(func, "__code__", None) or _verdicts.get(id(own.f_code)) != _SKIP_FRAME:
-        return None
+        return locate(frame, func, call_frames, module_call)
     caller = own.f_back
-    if caller is None:
-        return None
-    code = caller.f_code
-    verdict = _verdicts.get(id(code))
-    if verdict == _USER_FRAME:
-        line = caller.f_lasti
-        return (code, line), code, line
-    if verdict == _SKIP_FRAME and module_call >= 0 and _called_by_module_call(caller.f_back):
-        user_code, user_line = call_frames[module_call]
-        return (code, caller.f_lasti), user_code, user_line
-    return None
+    if caller is not None:
+        code = caller.f_code
+        verdict = _verdicts.get(id(code))
+        if verdict == _USER_FRAME:
+            line = caller.f_lasti
+            return (code, line), code, line
+        if verdict == _SKIP_FRAME and module_call >= 0 and _called_by_module_call(caller.f_back):
+            user_code, user_line = call_frames[module_call]
+            return (code, caller.f_lasti), user_code, user_line
+    return locate(caller, func, call_frames, module_call)
 
 
 def _not_an_op(st, func, args, kwargs):
