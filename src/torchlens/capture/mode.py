@@ -132,12 +132,19 @@ class CaptureMode(TorchFunctionMode):
         if not self.plain or _compiler._is_compiling_flag:
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
-        n = len(args) if kwargs is None else 0
-        if 0 < n < 3 and type(args[0]) is Tensor and (n == 1 or type(args[1]) in _PLAIN_SECOND):
+        n = len(args)
+        inline = 0 < n < 3 and type(args[0]) is Tensor and (n == 1 or type(args[1]) in _PLAIN_SECOND)
+        if inline and kwargs:
+            for value in kwargs.values():
+                if type(value) not in _PLAIN_VALUES:
+                    inline = False
+                    break
+        if inline:
             # The commonest call, scanned inline: one or two positional arguments, a plain tensor first
-            # and a tensor or a number second (torch.sin(x), x * 2, a @ b).  Parameters, containers,
-            # keywords and tensor subclasses take the general scan.
-            kwargs = kw_skeleton = _NO_KWARGS
+            # and a tensor or a number second, and plain keyword values if any (torch.sin(x), x * 2,
+            # a @ b, F.relu(x, inplace=False)).  Parameters, containers, tensors passed by keyword and
+            # tensor subclasses take the general scan.
+            kwargs = kw_skeleton = kwargs or _NO_KWARGS
             params = None
             a = args[0]
             try:
