@@ -134,16 +134,22 @@ class CaptureMode(TorchFunctionMode):
         st = self.state
         n = len(args)
         inline = 0 < n < 3 and type(args[0]) is Tensor and (n == 1 or type(args[1]) in _PLAIN_SECOND)
+        if not inline and n > 2 and type(args[0]) is Tensor:  # x.view(b, t, h, d), x.transpose(1, 2)
+            inline = True
+            for value in args[1:]:
+                if type(value) not in _PLAIN_VALUES:
+                    inline = False
+                    break
         if inline and kwargs:
             for value in kwargs.values():
                 if type(value) not in _PLAIN_VALUES:
                     inline = False
                     break
         if inline:
-            # The commonest call, scanned inline: one or two positional arguments, a plain tensor first
-            # and a tensor or a number second, and plain keyword values if any (torch.sin(x), x * 2,
-            # a @ b, F.relu(x, inplace=False)).  Parameters, containers, tensors passed by keyword and
-            # tensor subclasses take the general scan.
+            # The commonest calls, scanned inline: a plain tensor first, then one more tensor or plain
+            # values (numbers, dtypes, slices), and plain keyword values if any (torch.sin(x), x * 2,
+            # a @ b, x.view(b, t, h, d), F.relu(x, inplace=False)).  Parameters, containers, tensors
+            # passed by keyword and tensor subclasses take the general scan.
             kwargs = kw_skeleton = kwargs or _NO_KWARGS
             params = None
             a = args[0]
@@ -159,13 +165,13 @@ class CaptureMode(TorchFunctionMode):
             versions = ((a, version),)
             if n == 1:
                 skeleton = _BLANK_ONE
-            elif type(args[1]) is Tensor:
+            elif type(args[1]) is Tensor:  # two tensors (only two arguments are scanned inline then)
                 skeleton = _BLANK_TWO
                 parent, second = _bound_parent(st, args[1])
                 parents += ((1, parent),)
                 versions += (second,)
             else:
-                skeleton = (None, args[1])
+                skeleton = (None, args[1]) if n == 2 else (None, *args[1:])
         else:
             if kwargs is None:
                 kwargs = _NO_KWARGS
