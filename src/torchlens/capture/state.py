@@ -65,8 +65,11 @@ def version_of(t: torch.Tensor):
 
 def is_bound(entry: tuple, t: torch.Tensor) -> bool:
     """Whether a ``CaptureState.producers`` entry found under ``id(t)`` is about ``t`` itself, not about a
-    dead tensor whose id ``t`` now reuses.  An entry holding its tensor is never stale (a live object's id
-    is unique); a weak one is, once its tensor died."""
+    dead tensor whose id ``t`` now reuses.
+
+    An op output whose memory is saved by reference anyway is bound by the tensor itself (the capture hot
+    path makes no weak reference for it): while the entry holds it, its id cannot be reused, so
+    ``entry[0] is t`` decides.  Every other entry is weak, and goes stale when its tensor dies."""
     ref = entry[0]
     return ref is t or (type(ref) is weakref and ref() is t)
 
@@ -90,11 +93,7 @@ class CaptureState:
         self.module_calls: list = []
         self.module_stack: list = []
         self.call_frames: list = []  # per module call: (code, offset) of the user frame that made it
-        # id(tensor) -> (weakref or the tensor itself, record index, version when bound).  An op output
-        # whose memory is saved by reference anyway is held itself (no weak reference to make per op):
-        # while it is held its id cannot be reused, so ``entry[0] is t`` decides; any other entry is weak,
-        # and a dead tensor's id reused by a new one fails ``entry[0]() is t``.  ``is_bound`` reads either.
-        self.producers: dict = {}
+        self.producers: dict = {}  # id(tensor) -> (tensor or weakref, record index, version when bound)
         self.writers: dict = {}  # storage key -> (record index, version after the write)
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
