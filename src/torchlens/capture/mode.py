@@ -228,8 +228,7 @@ class CaptureMode(TorchFunctionMode):
             st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
         # Compact for long traces: tuples, and one shared empty dict for the common no-keyword call.
         calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line,
-                      t0, t1, first_op,
-                      1 if leaves is None else len(leaves), written is not None, site))
+                      t0, t1, first_op, 1 if leaves is None else len(leaves), written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
         if leaves is not None:
