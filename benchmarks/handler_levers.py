@@ -98,6 +98,20 @@ def levers(tensors: list) -> dict:
         for t in tensors:
             handler(t, None, (), None)
 
+    def made_and_freed():  # an op's output, bound by a strong reference, then freed
+        table = {}
+        for i, t in enumerate(tensors):
+            out = t.neg()
+            table[id(out)] = (out, i, 0)
+        table.clear()
+
+    def made_bound_weakly_and_freed():  # the same, bound by a weak reference (cleared when it dies)
+        table = {}
+        for i, t in enumerate(tensors):
+            out = t.neg()
+            table[id(out)] = (weakref(out), i, 0)
+        table.clear()
+
     def native_op():
         for t in tensors[:200]:
             t.neg()
@@ -116,6 +130,8 @@ def levers(tensors: list) -> dict:
         "two perf_counter_ns per call (op timing)": (clocks, empty, N),
         "caller frame + verdict lookup per call": (frame, empty, N),
         "producer entry per output (weakref, index, version)": (producers, empty, N),
+        "weak binding over a strong one, the output's dealloc included": (made_bound_weakly_and_freed,
+                                                                          made_and_freed, N),
         "parent lookup per tensor argument (dict + weakref deref)": (lookup, empty, N),
         "raw record tuple per output (with its metadata reads)": (record, empty, N),
         "raw call tuple per call (14 fields)": (call_tuple, empty, N),

@@ -30,6 +30,10 @@ from ..record.layouts import shape_of
 from ..tree import split
 from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
+from .source import CALL_IMPL as _CALL_IMPL
+from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
+from .source import DISPATCH as _DISPATCH_FRAME
+from .source import SKIP as _SKIP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
 from .source import FrameClassifier
@@ -63,6 +67,7 @@ def _not_ops() -> frozenset:
 
 # Calls that never produce a tensor; skipping them early keeps the commonest calls nearly free.
 _NOT_OPS = _not_ops()
+_OFF_HOT_PATH = _NOT_OPS | _DATA_GET  # one lookup per call keeps both out of the hot path
 _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -78,6 +83,13 @@ _inplace_cache.update(dict.fromkeys(WRITES_RUNNING_STATS, _RUNNING_STATS))
 _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
 _Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
+_getframe = sys._getframe
+# Argument types that are neither tensors nor containers (exact types: subclasses take the full checks).
+_PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
+                           torch.layout, torch.memory_format, _Size])
+# The hot path's inline scan: the second argument types it handles, and the skeletons it shares.
+_PLAIN_SECOND = frozenset([Tensor, int, float, bool])
+_BLANK_ONE, _BLANK_TWO = (None,), (None, None)
 
 
 def _predicts_inplace(func) -> bool:
@@ -113,16 +125,60 @@ class CaptureMode(TorchFunctionMode):
             and state.finite_flags is None and state.plain_save
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _NOT_OPS:
-            return _not_an_op(self.state, func, args, kwargs)
+        if func in _OFF_HOT_PATH:
+            if func in _NOT_OPS:
+                return _not_an_op(self.state, func, args, kwargs)
+            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # ``x.data``
         if not self.plain or _compiler._is_compiling_flag:
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
-        if kwargs is None:
-            kwargs = _NO_KWARGS
-        skeleton, kw_skeleton, parents, params, versions = _scan_arguments(st, args, kwargs)
-        if st.saved and versions and (_inplace_cache.get(func) is not False or kwargs):
-            _protect_before_write(st, func, args, kwargs)
+        n = len(args)
+        inline = 0 < n < 3 and type(args[0]) is Tensor and (n == 1 or type(args[1]) in _PLAIN_SECOND)
+        if not inline and n > 2 and type(args[0]) is Tensor:  # x.view(b, t, h, d), x.transpose(1, 2)
+            inline = True
+            for value in args[1:]:
+                if type(value) not in _PLAIN_VALUES:
+                    inline = False
+                    break
+        if inline and kwargs:
+            for value in kwargs.values():
+                if type(value) not in _PLAIN_VALUES:
+                    inline = False
+                    break
+        if inline:
+            # The commonest calls, scanned inline: a plain tensor first, then one more tensor or plain
+            # values (numbers, dtypes, slices), and plain keyword values if any (torch.sin(x), x * 2,
+            # a @ b, x.view(b, t, h, d), F.relu(x, inplace=False)).  Parameters, containers, tensors
+            # passed by keyword and tensor subclasses take the general scan.
+            kwargs = kw_skeleton = kwargs or _NO_KWARGS
+            params = None
+            a = args[0]
+            try:
+                version = a._version
+            except RuntimeError:  # an inference tensor: no version counter
+                version = st.version(a)
+            entry = st.producers.get(id(a))
+            if entry is not None and entry[2] == version and (entry[0] is a or entry[0]() is a):
+                parents = ((0, entry[1]),)
+            else:
+                parents = ((0, st.producer_of(a)),)
+            versions = ((a, version),)
+            if n == 1:
+                skeleton = _BLANK_ONE
+            elif type(args[1]) is Tensor:  # two tensors (only two arguments are scanned inline then)
+                skeleton = _BLANK_TWO
+                parent, second = _bound_parent(st, args[1])
+                parents += ((1, parent),)
+                versions += (second,)
+            else:
+                skeleton = (None, args[1]) if n == 2 else (None, *args[1:])
+        else:
+            if kwargs is None:
+                kwargs = _NO_KWARGS
+            skeleton, kw_skeleton, parents, params, versions = _scan_arguments(st, args, kwargs)
+        if st.saved and versions and (_inplace_cache.get(func) is not False
+                                      or (kwargs and ("out" in kwargs or kwargs.get("inplace")))):
+            _protect_before_write(st, func, args, kwargs)  # a write predicted by name or by keyword
         module_call = st.module_stack[-1] if st.module_stack else -1
         t0 = perf_counter_ns()
         try:
@@ -140,13 +196,25 @@ class CaptureMode(TorchFunctionMode):
 
         # The user's frame: one dict lookup in the common case of an op called from user code.
         # Lines are resolved from instruction offsets only when asked for (record/op.py).
-        frame = sys._getframe(1)
+        frame = _getframe(1)
         code = frame.f_code
-        if _verdicts.get(id(code)) == _USER_FRAME:
+        verdict = _verdicts.get(id(code))
+        if verdict == _USER_FRAME:
             line = frame.f_lasti
             site = (code, line)
-        else:  # torch's own code, or a frame not classified yet
-            site, code, line = self.frames.locate(frame, func, st.call_frames, module_call)
+        elif verdict == _SKIP_FRAME and module_call >= 0 and type(func) is not FunctionType \
+                and _called_by_module_call(frame.f_back):
+            # A builtin called straight from a torch module's forward (F.linear in nn.Linear): the site is
+            # that line, the user line the module call's (what ``locate`` finds, without its walk; a
+            # Python-level function's own frame is never its site there, so those take the walk).
+            site = (code, frame.f_lasti)
+            code, line = st.call_frames[module_call]
+        else:  # a Python-level torch function (F.relu), torch's own code elsewhere, or a new frame
+            locate = self.frames.locate
+            if verdict == _DISPATCH_FRAME:
+                site, code, line = _dispatched_site(frame, func, st.call_frames, module_call, locate)
+            else:
+                site, code, line = locate(frame, func, st.call_frames, module_call)
         calls = st.calls
         call_index = len(calls)
         records = st.records
@@ -159,13 +227,10 @@ class CaptureMode(TorchFunctionMode):
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
         # Compact for long traces: tuples, and one shared empty dict for the common no-keyword call.
-        calls.append((func, tuple(skeleton) if skeleton is not None else args, kw_skeleton or _NO_KWARGS,
-                      tuple(parents), params or (), module_call, code, line, t0, t1, first_op,
-                      1 if leaves is None else len(leaves), written is not None, site))
+        calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line,
+                      t0, t1, first_op, 1 if leaves is None else len(leaves), written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
-        if func in _DATA_GET:  # ``x.data`` shares x's storage but not its version counter
-            st.data_bases[id(out)] = (weakref(out), weakref(args[0]))
         if leaves is not None:
             for slot, t in leaves:
                 _record_output(st, call_index, slot, t, func, module_call)
@@ -183,13 +248,16 @@ class CaptureMode(TorchFunctionMode):
             version = out._version
         except RuntimeError:  # made under torch.inference_mode(): no version counter
             version = st.version(out)
-        st.producers[id(out)] = (weakref(out), first_op, version)
         save_mode = st.save_mode
         if save_mode and (save_mode == 1 or st.wants(func, module_call)):
             # Kept by reference; its storage is keyed only when a write may need it (CaptureState.save).
             st.saved[first_op] = out.detach() if requires_grad else out
             st.saved_versions[first_op] = version
-            st.unkeyed.append(first_op)
+            # What is saved holds the output's memory until the trace ends anyway, so the binding holds
+            # the output itself: no weak reference to make and to clear when it dies (CaptureState.producers).
+            st.producers[id(out)] = (out, first_op, version)
+        else:
+            st.producers[id(out)] = (weakref(out), first_op, version)
         return out
 
     def _call_with_features(self, func, types, args, kwargs):
@@ -244,12 +312,11 @@ class CaptureMode(TorchFunctionMode):
         written = _written_arguments(func, args, kwargs, versions)
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)
-        st.calls.append((func, tuple(skeleton) if skeleton is not None else args, kw_skeleton or _NO_KWARGS,
-                         tuple(parents), params or (), module_call, code, line, t0, t1, first_op, len(leaves),
+        st.calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line, t0, t1, first_op, len(leaves),
                          written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)
-        if func in _DATA_GET:
+        if func in _DATA_GET:  # ``x.data`` shares x's storage but not its version counter
             st.data_bases[id(out)] = (weakref(out), weakref(args[0]))
         for slot, t in leaves:
             _record_output(st, call_index, slot, t, func, module_call)
@@ -267,6 +334,39 @@ class CaptureMode(TorchFunctionMode):
             self._entered.pop()
 
 
+def _called_by_module_call(frame) -> bool:
+    """Whether ``frame`` is torch's module call machinery itself calling ``forward`` (``_call_impl``, or
+    its ``inner`` when hooks are installed), the boundary ``FrameClassifier.locate`` stops at."""
+    if frame is None:
+        return False
+    code = frame.f_code
+    if code is _CALL_IMPL_INNER:
+        frame = frame.f_back
+        code = frame.f_code if frame is not None else None
+    return code is _CALL_IMPL
+
+
+def _dispatched_site(frame, func, call_frames, module_call: int, locate):
+    """``locate``'s answer (``FrameClassifier.locate``) for a call that torch's dispatcher (``frame``)
+    handed over.  For a Python-level torch function (``F.relu``) whose own frame is next, neither frame
+    can be the answer: the walk starts at the function's caller, and is skipped when that caller is user
+    code or a torch module's forward called by its module call."""
+    own = frame.f_back
+    if own is None or own.f_code is not getattr(func, "__code__", None) or _verdicts.get(id(own.f_code)) != _SKIP_FRAME:
+        return locate(frame, func, call_frames, module_call)
+    caller = own.f_back
+    if caller is not None:
+        code = caller.f_code
+        verdict = _verdicts.get(id(code))
+        if verdict == _USER_FRAME:
+            line = caller.f_lasti
+            return (code, line), code, line
+        if verdict == _SKIP_FRAME and module_call >= 0 and _called_by_module_call(caller.f_back):
+            user_code, user_line = call_frames[module_call]
+            return (code, caller.f_lasti), user_code, user_line
+    return locate(caller, func, call_frames, module_call)
+
+
 def _not_an_op(st, func, args, kwargs):
     """A call that never produces a tensor (``x.shape``, ``x.size()``): run it unrecorded."""
     if func in _NUMPY_VIEWS and st.saved:
@@ -279,10 +379,10 @@ def _not_an_op(st, func, args, kwargs):
 def _scan_arguments(st, args, kwargs):
     """Parents (by producing op), parameters and version counters of a call's tensor arguments.
 
-    Returns ``(skeleton, kw_skeleton, parents, params, versions)``: the arguments as recorded (tensors
-    blanked; None or the keywords themselves when nothing was blanked), ``(position, record index)``
-    pairs, ``(position, Parameter)`` pairs or None, and ``(tensor, version before the call)`` pairs, by
-    which writes are detected after it, predicted or not.
+    Returns ``(skeleton, kw_skeleton, parents, params, versions)``: the arguments as recorded (a tuple
+    with tensors blanked, or ``args`` itself when nothing was blanked; the keywords likewise), a tuple of
+    ``(position, record index)`` pairs, ``(position, Parameter)`` pairs or None, and ``(tensor, version
+    before the call)`` pairs, by which writes are detected after it, predicted or not.
     """
     producers = st.producers
     parents = []
@@ -290,6 +390,8 @@ def _scan_arguments(st, args, kwargs):
     versions = []
     skeleton = None
     for pos, a in enumerate(args):
+        if type(a) in _PLAIN_VALUES:
+            continue
         if isinstance(a, Tensor):
             if skeleton is None:
                 skeleton = list(args)
@@ -305,7 +407,7 @@ def _scan_arguments(st, args, kwargs):
                 params.append((pos, a))
                 continue
             entry = producers.get(id(a))
-            if entry is not None and entry[2] == version and entry[0]() is a:
+            if entry is not None and entry[2] == version and (entry[0] is a or entry[0]() is a):
                 parents.append((pos, entry[1]))
             else:
                 parents.append((pos, st.producer_of(a)))
@@ -320,13 +422,27 @@ def _scan_arguments(st, args, kwargs):
     kw_skeleton = kwargs
     if kwargs:
         kw_skeleton, params = _scan_keywords(st, kwargs, parents, params, versions)
-    return skeleton, kw_skeleton, parents, params, versions
+    return tuple(skeleton) if skeleton is not None else args, kw_skeleton, tuple(parents), params, versions
+
+
+def _bound_parent(st, t):
+    """``(record index, (t, version))`` of a plain tensor argument: the hot path's second argument."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        version = st.version(t)
+    entry = st.producers.get(id(t))
+    if entry is not None and entry[2] == version and (entry[0] is t or entry[0]() is t):
+        return entry[1], (t, version)
+    return st.producer_of(t), (t, version)
 
 
 def _scan_keywords(st, kwargs, parents, params, versions):
     """``_scan_arguments`` for keyword arguments: returns the keywords as recorded and the parameters."""
     kw_skeleton = kwargs
     for key, a in kwargs.items():
+        if type(a) in _PLAIN_VALUES:
+            continue
         if isinstance(a, Tensor):
             if kw_skeleton is kwargs:
                 kw_skeleton = dict(kwargs)
@@ -450,7 +566,7 @@ def _predicted_write(func, args, kwargs, t) -> bool:
 
 def _made_since(producers, t, first_record: int) -> bool:
     entry = producers.get(id(t))
-    return entry is not None and entry[1] >= first_record and entry[0]() is t
+    return entry is not None and entry[1] >= first_record and (entry[0] is t or entry[0]() is t)
 
 
 def _tensor_leaves(out, prefix=()):

@@ -59,7 +59,7 @@ class ModuleCallTracker:
 
         def bound(t):  # st.bound_producer, inlined
             entry = producers.get(id(t))
-            return entry[1] if entry is not None and entry[0]() is t else -1
+            return entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1
 
         # The hook bodies run once per module call inside every trace: the common cases (tensor
         # arguments, a call made straight from user code) take no loop and no method call.

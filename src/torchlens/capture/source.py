@@ -30,6 +30,11 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _VERDICTS: dict = {id(_CALL_IMPL): _BOUNDARY}
 _KEPT: list = [_CALL_IMPL]
 VERDICTS, USER = _VERDICTS, _USER  # for the capture handler's inlined check of an already-known user frame
+# ``_call_impl``'s nested ``inner``, which calls ``forward`` when hooks are installed: the handler's
+# inlined check of an op called straight from a torch module's forward (``FrameClassifier.locate``'s
+# walk for that case, two frames long).
+SKIP, DISPATCH, CALL_IMPL = _SKIP, _DISPATCH, _CALL_IMPL
+CALL_IMPL_INNER = next((c for c in _CALL_IMPL.co_consts if getattr(c, "co_name", None) == "inner"), None)
 
 
 class FrameClassifier:

@@ -71,6 +71,17 @@ def version_of(t: torch.Tensor):
         return None
 
 
+def is_bound(entry: tuple, t: torch.Tensor) -> bool:
+    """Whether a ``CaptureState.producers`` entry found under ``id(t)`` is about ``t`` itself, not about a
+    dead tensor whose id ``t`` now reuses.
+
+    An op output whose memory is saved by reference anyway is bound by the tensor itself (the capture hot
+    path makes no weak reference for it): while the entry holds it, its id cannot be reused, so
+    ``entry[0] is t`` decides.  Every other entry is weak, and goes stale when its tensor dies."""
+    ref = entry[0]
+    return ref is t or (type(ref) is weakref and ref() is t)
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory a tensor lives in; views share it with their base."""
     try:
@@ -90,7 +101,7 @@ class CaptureState:
         self.module_calls: list = []
         self.module_stack: list = []
         self.call_frames: list = []  # per module call: (code, offset) of the user frame that made it
-        self.producers: dict = {}  # id(tensor) -> (weakref, record index, version when bound)
+        self.producers: dict = {}  # id(tensor) -> (tensor or weakref, record index, version when bound)
         self.writers: dict = {}  # storage key -> (record index, version after the write)
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
@@ -104,7 +115,8 @@ class CaptureState:
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
         self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
-        self.unkeyed: list = []  # record indices saved by reference whose storage is not keyed yet
+        self.keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
+        self.unkeyed: list = []  # record indices below ``keyed_to`` saved again since (see ``save``)
         self.saved_bytes = 0
         self.max_saved_bytes = max_saved_bytes
         # No device move and no budget: the hot path saves inline (capture/mode.py).
@@ -142,7 +154,7 @@ class CaptureState:
     # ----- parents -------------------------------------------------------------------------------
     def producer_of(self, t: torch.Tensor) -> int:
         entry = self.producers.get(id(t))
-        if entry is not None and entry[0]() is t:
+        if entry is not None and is_bound(entry, t):
             version = version_of(t)
             if entry[2] == version:
                 return entry[1]
@@ -158,7 +170,7 @@ class CaptureState:
         """The op a tensor was last bound to, without touching its properties (module hooks run with
         the capture mode active, where every tensor property read would re-enter it)."""
         entry = self.producers.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else -1
+        return entry[1] if entry is not None and is_bound(entry, t) else -1
 
     def _source_of(self, t: torch.Tensor) -> int:
         buffer = self.buffers.get(id(t))
@@ -243,17 +255,19 @@ class CaptureState:
     def saved_by_storage(self) -> dict:
         """Storage key -> record indices of the activations saved in that memory.
 
-        Keyed lazily: the hot path only notes what it saved (``unkeyed``), and the keys are computed here,
-        the first time a write needs them (copy-on-write before a predicted write, or a write found after
-        a call).  A saved tensor keeps its storage alive, so its key is the same now as when it was saved.
+        Keyed lazily: the hot path notes nothing per op (records at or after ``keyed_to`` are the new
+        ones), and the keys are computed here, the first time a write needs them (copy-on-write before a
+        predicted write, or a write found after a call), so over a trace each record is looked at once.
+        A saved tensor keeps its storage alive, so its key is the same now as when it was saved.
         """
+        new = range(self.keyed_to, len(self.records))
         pending = self.unkeyed
-        if pending:
+        if new or pending:
             by_storage, saved = self._by_storage, self.saved
-            for index in pending:
+            for index in (*pending, *new) if pending else new:
                 t = saved.get(index)
                 if t is None:
-                    continue  # dropped since (over the budget, or clobbered)
+                    continue  # not saved, or dropped since (over the budget, or clobbered)
                 key = storage_key(t)
                 stored = by_storage.get(key)
                 if stored is None:
@@ -261,6 +275,7 @@ class CaptureState:
                 else:
                     stored.append(index)
             pending.clear()
+            self.keyed_to = new.stop
         return self._by_storage
 
     def wants(self, func, module_call: int) -> bool:
@@ -277,7 +292,8 @@ class CaptureState:
             self.saved_versions[index] = self.version(t)
         else:
             self._keep(index, t, self.version(t))
-        self.unkeyed.append(index)
+        if index < self.keyed_to:  # saved again (an intervention's replacement): key it on the next write
+            self.unkeyed.append(index)
 
     def _keep(self, index: int, t: torch.Tensor, version) -> None:
         if self.max_saved_bytes is not None:

@@ -18,7 +18,7 @@ from weakref import ref as weakref
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..capture.state import StopForward, storage_key
+from ..capture.state import StopForward, is_bound, storage_key
 from ..capture.teardown import remove_handles
 from ..labels.naming import func_name_of
 from ..errors import InterventionError
@@ -263,7 +263,7 @@ class Interventions:
         """The record of an output tensor made inside this module call and read nowhere inside it."""
         label = f"{site.address}:{call_number}"
         entry = st.producers.get(id(t))
-        record = entry[1] if entry is not None and entry[0]() is t else -1
+        record = entry[1] if entry is not None and is_bound(entry, t) else -1
         made_in = -1
         if record >= 0 and st.records[record][RECORD_CALL] >= 0:
             made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
