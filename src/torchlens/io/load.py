@@ -23,6 +23,7 @@ from .encode import decode_value, torch_constant
 from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, checked_member,
                      read_json, require_safetensors, verify_manifest)
 from .grads import read_grads
+from .params import read_params
 
 
 
@@ -161,6 +162,7 @@ def _build(record, tensors: dict) -> Trace:
         value = record.get(name)
         if value is not None:
             setattr(trace, name, check_index(value, 0, 1 << 31, name))
+    read_params(trace, record.get("params"))  # io/params.py
     if cols.get("cleaned_up") is True:
         trace.cleanup()
     return trace

@@ -26,6 +26,7 @@ import torch
 
 from .encode import encode_value, torch_constant_name
 from .grads import write_grads
+from .params import write_params
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
                      read_json, require_safetensors, safe_member, write_atomic, write_manifest)
 
@@ -239,6 +240,7 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
         "dropped": [[i, r] for i, r in sorted(dropped.items())],
         "finite": [[i, bool(f[0]), bool(f[1])] for i, f in sorted(trace.finite_flags.items())],
         "param_addresses": [[i, list(a)] for i, a in sorted(trace.param_addresses.items())],
+        "params": write_params(trace),  # io/params.py
         "funcs": funcs,
         "codes": codes,
         "calls": calls,
