@@ -92,9 +92,9 @@ class GradCapture:
 
     policy = None  # a grads=[...] selection (capture/saving.py SavePolicy), set by grad_capture
 
-    def __init__(self, selector=None):
+    def __init__(self, selector=None, sources: bool = True):
         self.selector = selector
-        self.sources = True  # inputs are watched (False when a type selection does not name them)
+        self.sources = sources  # inputs are watched (False when a type selection does not name them)
         self._sink = _Sink()
         self.handles: dict = {}  # record index -> weakref to the hook dict holding its hook
         self._base = -_KEY_SPAN * next(_bases)
@@ -105,6 +105,9 @@ class GradCapture:
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.
         weakref.finalize(self, _remove_all, self.handles, self._key_function())
+        self.add_hook = self._hook_adder()
+        if selector is None:
+            self.watch = self.add_hook
 
     @property
     def grads(self) -> dict:
@@ -136,28 +139,37 @@ class GradCapture:
 
     # ----- the forward ---------------------------------------------------------------------------
     def watch(self, index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
-        """Add the gradient hook for record ``index`` (``t`` requires grad).  Runs once per op: flat."""
+        """Add the gradient hook for record ``index`` (``t`` requires grad), if the selection wants it."""
         selector = self.selector  # a grads=[...] selection of op types or modules
         if selector is not None and not (selector(func, module_call) if func is not None else self.sources):
             return  # (func is None for the model's inputs)
-        if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
-            self._watch_subclass(index, t)
-            return
-        grad_fn = t.grad_fn
-        hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
-        if hooks is None:
-            hooks = t._backward_hooks = OrderedDict()
-            if grad_fn is not None:
-                grad_fn._register_hook_dict(t)
-        hooks[self._base - index] = partial(_store, self._sink, index)
-        self.handles[index] = weakref.ref(hooks)
-        if grad_fn is not None:  # the backward node's id, by which profilers name its work
-            self.sequence_numbers[index] = grad_fn._sequence_nr()
+        self.add_hook(index, t)
 
-    def _watch_subclass(self, index: int, t: torch.Tensor) -> None:
-        handle = t.register_hook(partial(_store, self._sink, index))
-        self.handles[index] = handle.hooks_dict_ref
-        self._keys[index] = handle.id
+    def _hook_adder(self):
+        """``add_hook(index, t)``, run once per op: what it reads are closure cells, not attributes.
+
+        Without a selection it is also ``watch`` itself (an instance attribute), one call less per op."""
+        sink, handles, numbers, base, ref = self._sink, self.handles, self.sequence_numbers, self._base, weakref.ref
+        keys = self._keys  # (no reference to the capture: its death is what removes the hooks)
+
+        def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
+            if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
+                handle = t.register_hook(partial(_store, sink, index))
+                handles[index] = handle.hooks_dict_ref
+                keys[index] = handle.id
+                return
+            grad_fn = t.grad_fn
+            hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
+            if hooks is None:
+                hooks = t._backward_hooks = OrderedDict()
+                if grad_fn is not None:
+                    grad_fn._register_hook_dict(t)
+            hooks[base - index] = partial(_store, sink, index)
+            handles[index] = ref(hooks)
+            if grad_fn is not None:  # the backward node's id, by which profilers name its work
+                numbers[index] = grad_fn._sequence_nr()
+
+        return add_hook
 
     def rewatch(self, index: int, t: torch.Tensor) -> None:
         """An intervention replaced record ``index``'s value: its gradient is now that of ``t``, the value
@@ -168,11 +180,7 @@ class GradCapture:
         _remove_all({index: handle}, self._key)
         self._keys.pop(index, None)
         if t.requires_grad:
-            selector, self.selector = self.selector, None  # already selected when first watched
-            try:
-                self.watch(index, t)
-            finally:
-                self.selector = selector
+            self.add_hook(index, t)  # already selected when first watched
 
     def watch_source(self, index: int, t: torch.Tensor) -> None:
         """An input that requires grad: its gradient is d loss / d input."""
@@ -193,16 +201,19 @@ def grad_capture(grads, model, state):
     """The ``GradCapture`` for ``tl.trace(..., grads=...)``, or None when gradients are off."""
     if grads is None or grads is False or (isinstance(grads, str) and grads in ("none", "")):
         return None
-    capture = GradCapture()
-    capture.first_sequence_number = _next_sequence_number()
+    first = _next_sequence_number()
     if grads is True or grads == "all":
-        return capture
-    from .saving import SavePolicy
+        capture = GradCapture()
+    else:
+        from .saving import SavePolicy
 
-    policy = capture.policy = SavePolicy([grads] if isinstance(grads, str) else grads, model)
-    if policy.mode == 2:  # types and modules: decided during the forward
-        capture.selector = policy.capture_selector(state)
-        capture.sources = "input" in policy.types or bool(policy.module_ids)
+        policy = SavePolicy([grads] if isinstance(grads, str) else grads, model)
+        if policy.mode == 2:  # types and modules: decided during the forward
+            capture = GradCapture(policy.capture_selector(state), "input" in policy.types or bool(policy.module_ids))
+        else:
+            capture = GradCapture()
+        capture.policy = policy
+    capture.first_sequence_number = first
     return capture
 
 
