@@ -33,7 +33,7 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None) or (lambda: N
 _sequence_nr = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None)
 
 # A hook's key in a tensor's hook dict is ``capture base - record index``: an int (no tuple per hook),
-# negative, so never a ``RemovableHandle`` id (those count up from 0), and below every other capture's.
+# negative, so never a ``RemovableHandle`` id (those count up from 0), and in a range of its own per capture.
 _KEY_SPAN = 1 << 40
 _bases = itertools.count(1)
 _NO_TASK = object()
@@ -104,7 +104,8 @@ class GradCapture:
         self.first_sequence_number = None
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.
-        weakref.finalize(self, _remove_all, self.handles, self._key_function())
+        self._key = self._key_function()
+        weakref.finalize(self, _remove_all, self.handles, self._key)
         self.add_hook = self._hook_adder()
         if selector is None:
             self.watch = self.add_hook
@@ -129,11 +130,8 @@ class GradCapture:
     def backwards(self, n: int) -> None:
         self._sink.backwards = n
 
-    def _key(self, index: int):
-        return self._keys.get(index, self._base - index) if self._keys else self._base - index
-
     def _key_function(self):
-        """``_key`` without a reference to the capture (the finalizer may not keep it alive)."""
+        """``index -> key in its hook dict``, without a reference to the capture (for the finalizer)."""
         keys, base = self._keys, self._base
         return lambda index: keys.get(index, base - index)
 
