@@ -54,11 +54,12 @@ class _Sink:
         self.task = _NO_TASK  # the graph task (one backward) that last delivered a gradient
 
 
-def _store(sink: _Sink, index: int, grad) -> None:
+def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
     """The tensor hook: add ``grad`` to the gradient kept for record ``index``; never alters it.
 
-    Runs once per op per backward, so the accumulation is written out here rather than called."""
-    task = _graph_task_id()
+    Runs once per op per backward, so the accumulation is written out here rather than called (and the
+    task reader is a default argument: a local, not a global lookup)."""
+    task = _task_id()
     if task != sink.task:
         sink.task = task
         sink.backwards += 1
