@@ -800,3 +800,34 @@ def test_gradients_of_an_intervened_run_follow_the_value_downstream_saw():
     for p, expected in zip(model.parameters(), expected_param_grads):
         assert torch.equal(p.grad, expected)
     log.cleanup()
+
+
+def test_loaded_trace_gives_parameters_and_their_gradients_back(tmp_path):
+    model, args, _ = zoo()["mlp"]
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, args, grads=True)
+    log.backward(log.output.sum())
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    assert [p.address for p in loaded.params] == [p.address for p in log.params]
+    for live, back in zip(log.params, loaded.params, strict=True):
+        assert (back.shape, back.dtype, back.requires_grad, back.op_labels) == \
+            (live.shape, live.dtype, live.requires_grad, live.op_labels)
+        assert torch.equal(back.grad, live.grad), live.address
+    assert loaded.params.to_pandas().equals(log.params.to_pandas())
+    # Saved without the tensors, or without gradients at all: the loaded Param says so.
+    log.save(tmp_path / "meta", activations=False)
+    with pytest.raises(GradientUnavailable, match="activations=False"):
+        tl.load(tmp_path / "meta").params[0].grad
+    plain = tl.trace(model, args)
+    plain.save(tmp_path / "plain")
+    reread = tl.load(tmp_path / "plain")
+    assert reread.params[0].address == log.params[0].address
+    with pytest.raises(GradientUnavailable, match="without grads="):
+        reread.params[0].grad
+    log.cleanup()
+    log.save(tmp_path / "cleaned")
+    cleaned = tl.load(tmp_path / "cleaned")
+    assert [p.op_labels for p in cleaned.params] == [p.op_labels for p in log.params]
+    with pytest.raises(GradientUnavailable, match="cleanup"):
+        cleaned.params[0].grad

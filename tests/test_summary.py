@@ -99,11 +99,32 @@ def test_a_loaded_trace_counts_the_parameters_its_ops_used(tmp_path):
     assert "counts the parameters its ops used" in str(loaded)
 
 
-def test_a_trace_saved_after_cleanup_says_its_parameters_are_unknown(tmp_path):
+def test_a_trace_saved_after_cleanup_keeps_its_parameter_counts_or_says_they_are_unknown(tmp_path):
+    import json
+
+    from torchlens.io.format import sha256_of
+
     log = tl.trace(MLP(), torch.randn(2, 16))
-    flops = log.summary()[0]["flops"]
+    live = log.summary()
     log.cleanup()
-    table = tl.load(log.save(tmp_path / "c")).summary()
-    assert table[0]["params"] is None and table["head:1"]["params"] is None  # unknown, never 0
-    assert table[0]["flops"] == flops
-    assert "Parameters: unknown" in str(table)
+    folder = log.save(tmp_path / "c")
+    table = tl.load(folder).summary()
+    assert table[0]["params"] == live[0]["params"] and table["head:1"]["params"] == live["head:1"]["params"]
+    assert table[0]["flops"] == live[0]["flops"]
+    # A folder written before saved traces kept their parameter table: unknown, never 0.
+    path = os.path.join(folder, "trace.json")
+    with open(path) as fh:
+        record = json.load(fh)
+    del record["params"]
+    with open(path, "w") as fh:
+        json.dump(record, fh)
+    manifest_path = os.path.join(folder, "manifest.json")
+    with open(manifest_path) as fh:
+        manifest = json.load(fh)
+    manifest["files"]["trace.json"] = {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+    with open(manifest_path, "w") as fh:
+        json.dump(manifest, fh)
+    old = tl.load(folder).summary()
+    assert old[0]["params"] is None and old["head:1"]["params"] is None
+    assert old[0]["flops"] == live[0]["flops"]
+    assert "Parameters: unknown" in str(old)

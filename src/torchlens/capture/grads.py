@@ -6,16 +6,17 @@ later backward through the traced output hands each op's gradient to the trace: 
 output), accumulated over backwards as ``.grad`` accumulates.  It also notes the sequence number of the
 output's backward node, by which a profiler names that node's work (report/backward_profile.py).
 
-The hooks hold the capture only weakly: the autograd graph never keeps a trace alive, and the trace
-never keeps the graph alive (it holds the tensors' hook dicts weakly, by key).  Every hook is
-removed by ``Trace.cleanup()`` or when the trace is garbage-collected, so a later backward through the
-same graph is unaffected.
+The hooks hold only the sink they write into, never the capture or the trace: the autograd graph never
+keeps a trace alive, and the trace never keeps the graph alive (it holds the tensors' hook dicts weakly,
+by key).  Every hook is removed by ``Trace.cleanup()`` or when the capture is garbage-collected with its
+trace, so a later backward through the same graph is unaffected.
 
 What autograd keeps for backward is recorded separately, on request (capture/packing.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import OrderedDict
 from functools import partial
@@ -25,42 +26,61 @@ import torch
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
 # its hooks by key instead.  Where these internals are absent, the public call is used.
-Tensor = torch.Tensor
 _INLINE_HOOKS = hasattr(torch._C.TensorBase, "_backward_hooks") and \
     hasattr(torch._C._FunctionBase, "_register_hook_dict")
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_PLAIN = torch.Tensor if _INLINE_HOOKS else None  # the tensor type whose hooks are added inline
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None) or (lambda: None)
+_sequence_nr = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None)
+
+# A hook's key in a tensor's hook dict is ``capture base - record index``: an int (no tuple per hook),
+# negative, so never a ``RemovableHandle`` id (those count up from 0), and in a range of its own per capture.
+_KEY_SPAN = 1 << 40
+_bases = itertools.count(1)
+_NO_TASK = object()
 
 
-def _store(capture_ref, index: int, grad) -> None:
+class _Sink:
+    """What the hooks write into: the gradients and the backwards that delivered them.
+
+    The hooks hold the sink, not the capture: the autograd graph may outlive the trace, and the
+    capture's death is what removes the hooks (its finalizer)."""
+
+    __slots__ = ("grads", "order", "backwards", "task")
+
+    def __init__(self):
+        self.grads: dict = {}  # record index -> accumulated gradient (detached; never written in place)
+        self.order: list = []  # record indices in the order their first gradient arrived (backward order)
+        self.backwards = 0
+        self.task = _NO_TASK  # the graph task (one backward) that last delivered a gradient
+
+
+def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
     """The tensor hook: add ``grad`` to the gradient kept for record ``index``; never alters it.
 
-    Runs once per op per backward, so the accumulation is written out here rather than called."""
-    capture = capture_ref()
-    if capture is None or grad is None:
-        return
-    if _graph_task_id is not None:
-        task = _graph_task_id()
-        if task != capture.last_task:
-            capture.last_task = task
-            capture.backwards += 1
+    Runs once per op per backward, so the accumulation is written out here rather than called (and the
+    task reader is a default argument: a local, not a global lookup)."""
+    task = _task_id()
+    if task != sink.task:
+        sink.task = task
+        sink.backwards += 1
     if grad.requires_grad:  # a backward with create_graph=True: keep the value, not a graph
         grad = grad.detach()
-    grads = capture.grads
+    grads = sink.grads
     kept = grads.get(index)
     if kept is None:
         # Kept by reference, not copied: autograd accumulates into a gradient buffer in place only while
         # nothing else holds it (it checks the reference count), so holding it is enough.
         grads[index] = grad
-        capture.order.append(index)
+        sink.order.append(index)
     else:
         grads[index] = kept + grad
 
 
-def _remove_all(handles: dict) -> None:
-    for hooks_ref, key in handles.values():
+def _remove_all(handles: dict, key_of) -> None:
+    for index, hooks_ref in handles.items():
         hooks = hooks_ref()
         if hooks is not None:
-            hooks.pop(key, None)
+            hooks.pop(key_of(index), None)
     handles.clear()
 
 
@@ -71,45 +91,84 @@ class GradCapture:
     decided during the forward (op types and modules of a ``grads=[...]`` selection).
     """
 
-    def __init__(self, selector=None):
+    policy = None  # a grads=[...] selection (capture/saving.py SavePolicy), set by grad_capture
+
+    def __init__(self, selector=None, sources: bool = True):
         self.selector = selector
-        self.sources = True  # inputs are watched (False when a type selection does not name them)
-        self.grads: dict = {}  # record index -> accumulated gradient (detached; never written in place)
-        self.handles: dict = {}  # record index -> (weakref to the tensor's hook dict, our key in it)
-        self._token = object()  # keys are (token, index): never equal to another hook's key
+        self.sources = sources  # inputs are watched (False when a type selection does not name them)
+        self._sink = _Sink()
+        self.handles: dict = {}  # record index -> weakref to the hook dict holding its hook
+        self._base = -_KEY_SPAN * next(_bases)
+        self._keys: dict = {}  # record index -> key, where a subclass's register_hook chose it
         self.selected: set = set()  # record indices whose gradient the trace keeps (set after the forward)
-        self.backwards = 0
         self.sequence_numbers: dict = {}  # record index -> sequence number of its backward node
         self.first_sequence_number = None
-        self.order: list = []  # record indices in the order their first gradient arrived (backward order)
-        self.last_task = None  # the graph task (one backward) that last delivered a gradient
-        self._self_ref = weakref.ref(self)
-        self._finalizer = weakref.finalize(self, _remove_all, self.handles)
+        # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
+        # before finalizers run; the finalizer's own reference keeps them out of that garbage.
+        self._key = self._key_function()
+        weakref.finalize(self, _remove_all, self.handles, self._key)
+        self.add_hook = self._hook_adder()
+        if selector is None:
+            self.watch = self.add_hook
+
+    @property
+    def grads(self) -> dict:
+        return self._sink.grads
+
+    @property
+    def order(self) -> list:
+        return self._sink.order
+
+    @order.setter
+    def order(self, indices) -> None:
+        self._sink.order = list(indices)
+
+    @property
+    def backwards(self) -> int:
+        return self._sink.backwards
+
+    @backwards.setter
+    def backwards(self, n: int) -> None:
+        self._sink.backwards = n
+
+    def _key_function(self):
+        """``index -> key in its hook dict``, without a reference to the capture (for the finalizer)."""
+        keys, base = self._keys, self._base
+        return lambda index: keys.get(index, base - index)
 
     # ----- the forward ---------------------------------------------------------------------------
     def watch(self, index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
-        """Add the gradient hook for record ``index`` (``t`` requires grad).  Runs once per op: flat."""
+        """Add the gradient hook for record ``index`` (``t`` requires grad), if the selection wants it."""
         selector = self.selector  # a grads=[...] selection of op types or modules
         if selector is not None and not (selector(func, module_call) if func is not None else self.sources):
             return  # (func is None for the model's inputs)
-        if type(t) is not Tensor or not _INLINE_HOOKS:  # subclasses dispatch register_hook themselves
-            self._watch_subclass(index, t)
-            return
-        grad_fn = t.grad_fn
-        hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
-        if hooks is None:
-            hooks = t._backward_hooks = OrderedDict()
-            if grad_fn is not None:
-                grad_fn._register_hook_dict(t)
-        key = (self._token, index)
-        hooks[key] = partial(_store, self._self_ref, index)
-        self.handles[index] = (weakref.ref(hooks), key)
-        if grad_fn is not None:  # the backward node's id, by which profilers name its work
-            self.sequence_numbers[index] = grad_fn._sequence_nr()
+        self.add_hook(index, t)
 
-    def _watch_subclass(self, index: int, t: torch.Tensor) -> None:
-        handle = t.register_hook(partial(_store, self._self_ref, index))
-        self.handles[index] = (handle.hooks_dict_ref, handle.id)
+    def _hook_adder(self):
+        """``add_hook(index, t)``, run once per op: what it reads are closure cells, not attributes.
+
+        Without a selection it is also ``watch`` itself (an instance attribute), one call less per op."""
+        sink, handles, numbers, base, ref = self._sink, self.handles, self.sequence_numbers, self._base, weakref.ref
+        keys = self._keys  # (no reference to the capture: its death is what removes the hooks)
+
+        def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
+            if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
+                handle = t.register_hook(partial(_store, sink, index))
+                handles[index] = handle.hooks_dict_ref
+                keys[index] = handle.id
+                return
+            grad_fn = t.grad_fn
+            hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
+            if hooks is None:
+                hooks = t._backward_hooks = OrderedDict()
+                if grad_fn is not None:
+                    grad_fn._register_hook_dict(t)
+            hooks[base - index] = partial(_store, sink, index)
+            handles[index] = ref(hooks)
+            if grad_fn is not None:  # the backward node's id, by which profilers name its work
+                numbers[index] = grad_fn._sequence_nr()
+
+        return add_hook
 
     def rewatch(self, index: int, t: torch.Tensor) -> None:
         """An intervention replaced record ``index``'s value: its gradient is now that of ``t``, the value
@@ -117,13 +176,10 @@ class GradCapture:
         handle = self.handles.pop(index, None)
         if handle is None:  # not selected, or its output did not require grad
             return
-        _remove_all({index: handle})
+        _remove_all({index: handle}, self._key)
+        self._keys.pop(index, None)
         if t.requires_grad:
-            selector, self.selector = self.selector, None  # already selected when first watched
-            try:
-                self.watch(index, t)
-            finally:
-                self.selector = selector
+            self.add_hook(index, t)  # already selected when first watched
 
     def watch_source(self, index: int, t: torch.Tensor) -> None:
         """An input that requires grad: its gradient is d loss / d input."""
@@ -132,11 +188,11 @@ class GradCapture:
     # ----- after the forward ---------------------------------------------------------------------
     def keep_only(self, indices) -> None:
         """Remove the hooks of records not in ``indices`` (a selection decided after the forward)."""
-        _remove_all({i: self.handles.pop(i) for i in [i for i in self.handles if i not in indices]})
+        _remove_all({i: self.handles.pop(i) for i in [i for i in self.handles if i not in indices]}, self._key)
         self.selected.intersection_update(indices)
 
     def remove_hooks(self) -> None:
-        _remove_all(self.handles)
+        _remove_all(self.handles, self._key)
 
 
 # ----- set-up and hand-over, called by capture/session.py ---------------------------------------
@@ -144,19 +200,19 @@ def grad_capture(grads, model, state):
     """The ``GradCapture`` for ``tl.trace(..., grads=...)``, or None when gradients are off."""
     if grads is None or grads is False or (isinstance(grads, str) and grads in ("none", "")):
         return None
-    from .saving import SavePolicy
+    first = _next_sequence_number()
+    if grads is True or grads == "all":
+        capture = GradCapture()
+    else:
+        from .saving import SavePolicy
 
-    policy = None
-    if not (grads is True or grads == "all"):
-        if isinstance(grads, str):
-            grads = [grads]
-        policy = SavePolicy(grads, model)
-    capture = GradCapture()
-    capture.policy = policy
-    capture.first_sequence_number = _next_sequence_number()
-    if policy is not None and policy.mode == 2:  # types and modules: decided during the forward
-        capture.selector = policy.capture_selector(state)
-        capture.sources = "input" in policy.types or bool(policy.module_ids)
+        policy = SavePolicy([grads] if isinstance(grads, str) else grads, model)
+        if policy.mode == 2:  # types and modules: decided during the forward
+            capture = GradCapture(policy.capture_selector(state), "input" in policy.types or bool(policy.module_ids))
+        else:
+            capture = GradCapture()
+        capture.policy = policy
+    capture.first_sequence_number = first
     return capture
 
 
@@ -179,8 +235,10 @@ def attach_grads(trace, capture) -> None:
 
 
 def _next_sequence_number():
-    """Backward nodes made from here on are numbered above this (None when grad mode is off)."""
-    with torch.enable_grad():
+    """Backward nodes made from here on are numbered above this (this thread's counter, less one)."""
+    if _sequence_nr is not None:
+        return _sequence_nr() - 1
+    with torch.enable_grad():  # torch without the counter's reader: number a probe node
         probe = torch.zeros((), requires_grad=True) * 1
     return probe.grad_fn._sequence_nr() if probe.grad_fn is not None else None
 

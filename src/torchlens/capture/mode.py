@@ -121,7 +121,7 @@ class CaptureMode(TorchFunctionMode):
         self.deep = deep
         self._entered = [None]  # Python-level torch functions currently entered by deep capture
         # The features set on the state before the mode is made; with all off, every op takes the hot path.
-        self.plain = not deep and state.markers is None and state.grads is None and state.intervention is None \
+        self.plain = not deep and state.markers is None and state.intervention is None \
             and state.finite_flags is None and state.plain_save
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -248,6 +248,8 @@ class CaptureMode(TorchFunctionMode):
             version = out._version
         except RuntimeError:  # made under torch.inference_mode(): no version counter
             version = st.version(out)
+        if requires_grad and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
+            st.grads.watch(first_op, out, func, module_call)
         save_mode = st.save_mode
         if save_mode and (save_mode == 1 or st.wants(func, module_call)):
             # Kept by reference; its storage is keyed only when a write may need it (CaptureState.save).

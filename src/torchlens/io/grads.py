@@ -48,6 +48,7 @@ def write_grads(trace, folder: str, with_tensors: bool):
         "stats": [[i, {k: _float(v) for k, v in s.items()}] for i, s in sorted(grad_stats_column(trace).items())],
         "tensors": [],
         "param_tensors": [],
+        "param_grads": _param_grads_missing(trace, with_tensors),  # None: saved; else why they were not
     }
     tensors = {}
     if with_tensors and not trace.is_cleaned_up:
@@ -62,6 +63,14 @@ def write_grads(trace, folder: str, with_tensors: bool):
         return [], record
     require_safetensors().save_file(tensors, os.path.join(folder, GRAD_TENSORS), metadata={"format": "torchlens-grads"})
     return [GRAD_TENSORS], record
+
+
+def _param_grads_missing(trace, with_tensors: bool):
+    if trace.is_cleaned_up:
+        return "it was saved after cleanup(), which releases the model and so its parameters' .grad"
+    if not with_tensors:
+        return "it was saved with activations=False, which writes no tensors"
+    return None
 
 
 def _plain(t):
@@ -114,7 +123,12 @@ def _read_grads(trace, record, folder: str, files) -> None:
             raise TraceFileError(f"{folder}/{GRAD_TENSORS}: gradient {key!r} is missing or does not match op #{i}")
         capture.grads[i] = g
     trace._gradcap = capture
-    trace._param_grads = {address: tensors[key] for address, key in grads["param_tensors"] if key in tensors}
+    missing = grads.get("param_grads", None if GRAD_TENSORS in files or grads["param_tensors"] else
+                        "it was saved without gradient tensors")  # files written before the field existed
+    if missing is None:
+        trace._param_grads = {address: tensors[key] for address, key in grads["param_tensors"] if key in tensors}
+    else:
+        trace._param_grads_missing = str(missing)
     if not capture.grads and stats:  # saved after cleanup(), or without tensors: statistics only
         trace._grad_stats = stats
 

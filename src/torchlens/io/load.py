@@ -23,6 +23,8 @@ from .encode import decode_value, torch_constant
 from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, checked_member,
                      read_json, require_safetensors, verify_manifest)
 from .grads import read_grads
+from .interventions import read_interventions
+from .params import read_params
 
 
 
@@ -43,6 +45,7 @@ def load(path) -> Trace:
                              f"({type(exc).__name__}: {exc}); the file was edited or written by other software") \
             from None
     read_grads(trace, record, folder, manifest["files"])  # io/grads.py
+    read_interventions(trace, record, folder, manifest["files"])  # io/interventions.py
     trace.loaded_from = folder
     return trace
 
@@ -161,6 +164,7 @@ def _build(record, tensors: dict) -> Trace:
         value = record.get(name)
         if value is not None:
             setattr(trace, name, check_index(value, 0, 1 << 31, name))
+    read_params(trace, record.get("params"))  # io/params.py
     if cols.get("cleaned_up") is True:
         trace.cleanup()
     return trace

@@ -26,6 +26,8 @@ import torch
 
 from .encode import encode_value, torch_constant_name
 from .grads import write_grads
+from .interventions import write_interventions
+from .params import write_params
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
                      read_json, require_safetensors, safe_member, write_atomic, write_manifest)
 
@@ -55,6 +57,8 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         record = trace_columns(trace, keys, unsaved, activations)
         grad_files, record["grads"] = write_grads(trace, staging, activations)  # io/grads.py
         names += grad_files
+        original_files, record["interventions"] = write_interventions(trace, staging, activations)
+        names += original_files
         write_atomic(os.path.join(staging, TRACE_JSON), dump_json(record))
         write_manifest(staging, TRACE_FORMAT, TRACE_SCHEMA, names)
         if old_files is None:
@@ -239,6 +243,7 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
         "dropped": [[i, r] for i, r in sorted(dropped.items())],
         "finite": [[i, bool(f[0]), bool(f[1])] for i, f in sorted(trace.finite_flags.items())],
         "param_addresses": [[i, list(a)] for i, a in sorted(trace.param_addresses.items())],
+        "params": write_params(trace),  # io/params.py
         "funcs": funcs,
         "codes": codes,
         "calls": calls,

@@ -70,9 +70,8 @@ def module_call_grad(call):
 
 def param_grad(trace, address: str):
     """The parameter's own ``.grad`` (what autograd accumulated into it), found by address."""
-    stored = getattr(trace, "_param_grads", None)
-    if stored is not None:  # a loaded trace: the gradients saved with it
-        return stored.get(address)
+    if trace.loaded_from is not None:
+        return _saved_param_grad(trace, address)
     if trace._model_params is None:
         raise TraceCleanedUp(f"{address}: the trace no longer holds the model, so its parameters' .grad "
                              "cannot be read")
@@ -80,6 +79,18 @@ def param_grad(trace, address: str):
         if name == address:
             return p.grad
     return None
+
+
+def _saved_param_grad(trace, address: str):
+    """A loaded trace: the parameter's ``.grad`` as it was when the trace was saved (None if it had none)."""
+    saved = trace._param_grads
+    if saved is None:
+        why = getattr(trace, "_param_grads_missing", None) or (
+            "it was traced without grads= (parameters' gradients are saved with a trace taken with "
+            "tl.trace(model, x, grads=True))")
+        raise GradientUnavailable(f"{address}: the trace loaded from {trace.loaded_from} holds no parameter "
+                                  f"gradients: {why}")
+    return saved.get(address)
 
 
 def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:

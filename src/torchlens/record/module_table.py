@@ -36,7 +36,7 @@ def module_param_counts(trace) -> dict:
 
 def _used_numels(trace) -> dict:
     """``{parameter address: numel}`` for every parameter an op used (from the recorded shapes)."""
-    numels = {}
+    numels = {p.address: p.numel for p in trace.params}  # a loaded trace's saved table (io/params.py)
     for i, addresses in trace._param_addresses.items():
         for address, (_, param) in zip(addresses, trace.calls[trace._call[i]].params):
             n = 1

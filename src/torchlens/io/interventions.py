@@ -1,0 +1,121 @@
+"""Interventions in a saved trace: which ops an intervention changed, and the values they made.
+
+``op.intervention`` and ``op.original`` of a loaded trace answer as they did live, so that a loaded
+intervened trace never passes for a plain one.  The site and the action are written as their
+descriptions (an action or a predicate is code, and a saved trace holds no code): a loaded
+``op.intervention.action`` is a ``SavedAction`` whose ``repr`` is the live action's.  The original
+values go to ``originals.safetensors``, under the same manifest rules as the activations, when
+activations are written.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
+
+ORIGINAL_TENSORS = "originals.safetensors"
+
+
+class SavedAction:
+    """An action as a loaded trace knows it: its description (it cannot be run again)."""
+
+    __slots__ = ("description",)
+
+    def __init__(self, description: str):
+        self.description = description
+
+    def __repr__(self) -> str:
+        return self.description
+
+
+def _site_text(site):
+    if isinstance(site, tuple):
+        return [_site_text(s) for s in site]
+    return site if isinstance(site, str) else "<predicate>"
+
+
+def _action_text(action):
+    if isinstance(action, tuple):
+        return [_action_text(a) for a in action]
+    return repr(action)
+
+
+def write_interventions(trace, folder: str, with_tensors: bool):
+    """``(file names, record)`` for ``trace.json``'s ``interventions``; (``[]``, None) without any."""
+    applied = trace._interventions
+    if not applied:
+        return [], None
+    record = {"applied": [[int(i), _site_text(a.site), _action_text(a.action)] for i, a in sorted(applied.items())],
+              "originals": []}
+    tensors = {}
+    if with_tensors and not trace.is_cleaned_up:
+        from .grads import _plain
+
+        for i, t in sorted(trace._originals.items()):
+            tensors[f"o{i}"] = _plain(t)
+            record["originals"].append([int(i), f"o{i}"])
+    if not tensors:
+        return [], record
+    require_safetensors().save_file(tensors, os.path.join(folder, ORIGINAL_TENSORS),
+                                    metadata={"format": "torchlens-originals"})
+    return [ORIGINAL_TENSORS], record
+
+
+def read_interventions(trace, record, folder: str, files) -> None:
+    """Give a loaded trace its ``op.intervention`` and ``op.original`` (nothing for a plain trace)."""
+    saved = record.get("interventions")
+    if saved is None:
+        return
+    try:
+        _read(trace, saved, folder, files)
+    except TraceFileError as exc:
+        raise exc if str(exc).startswith(folder) else TraceFileError(f"{folder}/{exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise TraceFileError(f"{folder}/{TRACE_JSON}: its 'interventions' record is malformed "
+                             f"({type(exc).__name__}: {exc}); the file was edited or written by other software") from None
+
+
+def _read(trace, saved, folder: str, files) -> None:
+    from ..intervene.runtime import Applied
+
+    n = len(trace.kinds)
+    applied = {}
+    for i, site, action in saved["applied"]:
+        i = _index(i, n)
+        applied[i] = Applied(_from_text(site, str), _from_text(action, SavedAction), trace.labels[i])
+    originals = {}
+    if saved["originals"]:
+        if ORIGINAL_TENSORS not in files:
+            raise TraceFileError(f"{ORIGINAL_TENSORS}: named in {TRACE_JSON} but not in the manifest")
+        try:
+            tensors = require_safetensors().load_file(safe_member(folder, ORIGINAL_TENSORS), device="cpu")
+        except Exception as exc:  # the library raises its own error types for malformed headers
+            raise TraceFileError(f"{ORIGINAL_TENSORS}: not a readable safetensors file ({exc})") from None
+        for i, key in saved["originals"]:
+            i = _index(i, n)
+            t, meta = tensors.get(key), trace.op_meta[i]
+            if t is None or tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype:
+                raise TraceFileError(f"{ORIGINAL_TENSORS}: original {key!r} is missing or does not match op #{i}")
+            originals[i] = t
+    trace._interventions = applied
+    trace._originals = originals
+    trace.interventions = [applied[i] for i in sorted(applied)]
+
+
+def _from_text(value, make):
+    if isinstance(value, list):
+        return tuple(make(_string(v)) for v in value)
+    return make(_string(value))
+
+
+def _string(v) -> str:
+    if not isinstance(v, str):
+        raise TraceFileError(f"{TRACE_JSON}: interventions: {v!r} is not a string")
+    return v
+
+
+def _index(i, n) -> int:
+    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+        raise TraceFileError(f"{TRACE_JSON}: interventions: {i!r} is not an op index in [0, {n})")
+    return i

@@ -1,0 +1,49 @@
+"""The model's parameters in a saved trace: address, shape, dtype and ``requires_grad`` of each.
+
+A loaded trace holds no model, so without this table it would have no ``log.params``; with it, every
+``Param`` record comes back with the ops that used it (from the saved ``param_addresses``), and
+``Param.grad`` returns the gradient saved with the trace (io/grads.py) or says why there is none.
+Traces saved before the table existed load with no ``Param`` records, as they did.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .encode import torch_constant, torch_constant_name
+from .format import TRACE_JSON, TraceFileError
+
+
+class _SavedParam(NamedTuple):
+    """What ``Param`` records read from a parameter, as saved."""
+
+    shape: tuple
+    dtype: object
+    requires_grad: bool
+
+
+def write_params(trace) -> list:
+    """``[[address, shape, dtype name, requires_grad], ...]`` for ``trace.json``."""
+    return [[p.address, [int(d) for d in p.shape], torch_constant_name(p.dtype), bool(p.requires_grad)]
+            for p in trace.params]
+
+
+def read_params(trace, rows) -> None:
+    """Give a loaded trace its ``Param`` records (none when the file predates the table)."""
+    if rows is None:
+        return
+    from ..record import tables
+    from ..record.params import build_params
+    from ..record.trace import RecordList
+
+    if not isinstance(rows, list):
+        raise TraceFileError(f"{TRACE_JSON}: 'params' must be a list")
+    saved = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and isinstance(row[1], list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row[1])
+                and isinstance(row[3], bool)):
+            raise TraceFileError(f"{TRACE_JSON}: params: {row!r} is not [address, shape, dtype, requires_grad]")
+        address, shape, dtype, requires_grad = row
+        saved.append((address, _SavedParam(tuple(shape), torch_constant("dtype", dtype), requires_grad)))
+    trace._params = RecordList(build_params(trace, saved), tables.params_frame)

@@ -1,0 +1,63 @@
+"""Saved intervened traces: ``op.intervention`` and ``op.original`` come back from ``tl.load``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.io import TraceFileError
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2)).eval()
+
+
+def test_a_loaded_intervened_trace_keeps_what_was_applied_and_the_original_values(tmp_path):
+    model, x = _model(), torch.randn(4, 8)
+    plain = tl.trace(model, x)
+    log = tl.trace(model, x, intervene={"2": tl.zero_ablate(), "relu_2_4:1": tl.scale(2.0)}, reference=plain)
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    assert [repr(a) for a in loaded.interventions] == [repr(a) for a in log.interventions]
+    assert [a.label for a in loaded.interventions] == ["linear_2_3:1", "relu_2_4:1"]
+    for op in log:
+        back = loaded[op.label]
+        assert (back.intervention is None) == (op.intervention is None), op.label
+        if op.original is not None:
+            assert torch.equal(back.original, op.original), op.label
+        else:
+            assert back.original is None, op.label
+    assert torch.equal(loaded["2"].original, plain["2"].activation)
+    assert torch.equal(loaded["2"].activation, torch.zeros(4, 16))
+    assert repr(loaded["2"].intervention.action) == "zero_ablate()"
+
+    # Without tensors the record of what was applied stays; the originals, like activations, do not.
+    log.save(tmp_path / "meta", activations=False)
+    meta = tl.load(tmp_path / "meta")
+    assert meta["2"].intervention is not None and meta["2"].original is None
+    # A plain trace loads with none.
+    plain.save(tmp_path / "plain")
+    reread = tl.load(tmp_path / "plain")
+    assert not reread.interventions and all(op.intervention is None for op in reread)
+
+
+def test_a_damaged_interventions_record_is_refused(tmp_path):
+    import json
+
+    model, x = _model(), torch.randn(4, 8)
+    tl.trace(model, x, intervene={"2": tl.zero_ablate()}).save(tmp_path / "t")
+    path = tmp_path / "t" / "trace.json"
+    record = json.loads(path.read_text())
+    record["interventions"]["applied"][0][0] = 10 ** 6
+    path.write_text(json.dumps(record))
+    from torchlens.io.format import sha256_of
+
+    manifest_path = tmp_path / "t" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["trace.json"] = {"bytes": path.stat().st_size, "sha256": sha256_of(str(path))}
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(TraceFileError, match="interventions"):
+        tl.load(tmp_path / "t")
