@@ -84,7 +84,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     # The index lists every module object once (wrappers too): no walk of the model per trace.
     submodules = CompiledSubmodules(root, compiled, None, index.submodules.values())
     # The root's own call is the trace itself; a callable's calls into its root are module calls.
-    tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules)
+    tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules,
+                                module_types=index.module_types())
     tracker.progress = shown if shown is not QUIET else None
     submodules.suspend = lambda: Suspension(tracker, shim)
     intervened = contextlib.nullcontext()

@@ -23,7 +23,7 @@ from ..capture.teardown import remove_handles
 from ..labels.naming import func_name_of
 from ..errors import InterventionError
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
-from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
+from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..tree import tensor_leaves
 from .sites import ModuleCallInfo
@@ -378,6 +378,10 @@ class _ModuleHooks:
             stop = next((s for s in by_module[id(module)] if s.stop and s.call_number in (None, number)), None)
             if stop is not None:
                 runtime.stopped_at = f"{stop.address}:{number}"
+                # The call ends here, inside it: record what it returned, as its end would have.
+                returned = output if new is None else new
+                st.module_calls[module_call][MODULE_CALL_OUTPUTS] = tuple(
+                    st.bound_producer(t) for _, t in tensor_leaves(returned))
                 raise StopForward
             return new
 

@@ -27,6 +27,7 @@ class ModelIndex:
         self.buffers: dict = {}  # id(buffer) -> (buffer, address)
         self._param_names: dict = {}  # id(module) -> (module, [parameter name, ...])
         self._root = None  # a weak reference: a cached index must not keep its model alive
+        self._module_types = None  # every distinct module class, the root's included (on first use)
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
             self._walk(model)
@@ -58,6 +59,15 @@ class ModelIndex:
         """First address -> module, the root (address ``""``) included."""
         root = self._root() if self._root is not None else None
         return {"": root, **self._addressed} if root is not None else dict(self._addressed)
+
+    def module_types(self) -> tuple:
+        """Every distinct class of the model's modules, the root's first: capture checks which of them
+        replace ``nn.Module._call_impl`` themselves (``capture/call_impl.py``)."""
+        if self._module_types is None:
+            root = self._root() if self._root is not None else None
+            modules = chain((root,) if root is not None else (), self.submodules.values())
+            self._module_types = tuple(dict.fromkeys(map(type, modules)))
+        return self._module_types
 
     def param_names_of(self, module) -> list:
         """Names of the module's parameters (a fresh list; computed once per module of the index, whose
