@@ -6,13 +6,15 @@ would be updated for) puts one Python function around every module call, and the
 the module's own hooks, jit tracing and everything else ``_call_impl`` does, runs untouched inside it.
 Global forward hooks would see the same calls but move every one of them onto torch's slow hook path.
 
-The replacement is process-wide, shared by every thread that traces: ``_recorders`` maps each tracing
-thread to its trace's recorder, and a call from any other thread goes straight to the original after
-one dict lookup.  A class that defines its own ``_call_impl`` (``torch.compiler.disable`` on a module
-class does) is not reached through ``nn.Module``'s, so its attribute is replaced the same way for the
-traces whose model holds one.  Each replaced attribute (a ``Site``) remembers the threads using it and
-is restored when the last of them is done.  Every step is idempotent, so teardown can be retried until
-it finishes (``until_done``) and an interrupt cannot strand a replacement.
+The replacement is process-wide and shared by the threads that trace.  Each trace brings a recorder
+per replaced attribute: ``recorder(module, *args, **kwargs)``, which records the calls of its own thread
+and hands any other thread's straight to the original.  While one trace runs, its recorder is the
+attribute itself (one Python frame per module call); while several do, a dispatcher picks the calling
+thread's.  A class that defines its own ``_call_impl`` (``torch.compiler.disable`` on a module class
+does) is not reached through ``nn.Module``'s, so its attribute is replaced the same way for the traces
+whose model holds one.  Each replaced attribute (a ``Site``) is restored when no trace needs it, and
+every step is idempotent, so teardown can be retried until it finishes (``until_done``): an interrupt
+cannot strand a replacement.
 """
 
 from __future__ import annotations
@@ -26,50 +28,51 @@ import torch
 from .teardown import until_done
 
 _ATTRIBUTE = "_call_impl"
+MARK = "_torchlens_replaces"  # set on every function put in place here: the ``_call_impl`` it wraps
 _lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
-_recorders: dict = {}  # thread id -> that thread's recorder: f(impl, module, args, kwargs)
-_sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl, while any thread uses it
+_sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl, while any trace holds it
 
 
-def _dispatcher(impl):
-    """The replacement for one ``_call_impl``: this thread's recorder around ``impl``, or ``impl``."""
-    get_recorder, get_ident = _recorders.get, threading.get_ident
+def _dispatcher(impl, recorders: dict):
+    """The replacement while several threads trace: the calling thread's recorder, or ``impl``."""
+    get_recorder, get_ident = recorders.get, threading.get_ident
 
     def _call_impl(self, *args, **kwargs):
         recorder = get_recorder(get_ident())
         if recorder is None:
             return impl(self, *args, **kwargs)
-        return recorder(impl, self, args, kwargs)
+        return recorder(self, *args, **kwargs)
 
-    _call_impl.__wrapped__ = impl
+    setattr(_call_impl, MARK, impl)
     return _call_impl
 
 
-_REPLACEMENT_CODE = _dispatcher(None).__code__
-
-
-def is_replacement(value) -> bool:
-    """Whether ``value`` is one of the replacements made here (they all share one code object)."""
-    return getattr(value, "__code__", None) is _REPLACEMENT_CODE
+DISPATCHER_CODE = _dispatcher(None, {}).__code__  # a recorder called by it finds the caller one frame up
 
 
 class Site:
-    """One class whose ``_call_impl`` attribute is replaced, and the threads that need it replaced."""
+    """One class whose ``_call_impl`` attribute is replaced, and the traces that hold it."""
 
     def __init__(self, owner):
         self.owner = owner
         self.original = vars(owner)[_ATTRIBUTE]
-        self.replacement = _dispatcher(self.original)
-        self.threads: set = set()
+        self.threads: set = set()  # threads whose trace holds this site, paused or not
+        self.recorders: dict = {}  # thread id -> its trace's recorder, while that trace records
+        self.dispatcher = _dispatcher(self.original, self.recorders)
 
-    def install(self) -> None:
-        if vars(self.owner).get(_ATTRIBUTE) is not self.replacement:
-            setattr(self.owner, _ATTRIBUTE, self.replacement)
-
-    def restore(self) -> None:
-        if vars(self.owner).get(_ATTRIBUTE) is self.replacement:
-            setattr(self.owner, _ATTRIBUTE, self.original)
-        _unsee_in_dynamo(self.replacement, self.original)
+    def update(self) -> None:
+        """Put in place what the recording traces need: torch's own, the one recorder, or the dispatcher."""
+        recorders = self.recorders
+        if not recorders:
+            target = self.original
+        elif len(recorders) == 1:
+            target = next(iter(recorders.values()))
+        else:
+            target = self.dispatcher
+        if vars(self.owner).get(_ATTRIBUTE) is not target:
+            setattr(self.owner, _ATTRIBUTE, target)
+        if target is self.original:
+            _unsee_in_dynamo(self.original)
 
 
 def owners_overriding(module_types) -> list:
@@ -92,14 +95,14 @@ def unsupported_overrides(owners) -> list:
 
 
 class Replacement:
-    """Context manager: while it is entered, this thread's module calls (of ``nn.Module`` and of the
-    classes in ``owners``) go through ``recorder(impl, module, args, kwargs)``."""
+    """Context manager: while it is entered, this thread's calls of ``nn.Module`` and of the classes in
+    ``owners`` go through ``make_recorder(original)`` (one recorder per replaced attribute)."""
 
-    def __init__(self, recorder, owners=()):
-        self.recorder = recorder
+    def __init__(self, make_recorder, owners=()):
+        self.make_recorder = make_recorder
         self.owners = (torch.nn.Module, *owners)
-        self.held: list = []  # ids of the sites this thread is counted in
-        self.paused = False
+        self.held: list = []  # ids of the sites this trace holds
+        self._recorders: dict = {}  # id(owner) -> this trace's recorder there
 
     def __enter__(self):
         try:
@@ -116,10 +119,12 @@ class Replacement:
                 site = _sites.get(id(owner))
                 if site is None:
                     site = _sites[id(owner)] = Site(owner)
-                self.held.append(id(owner))  # before counting: whatever happens next, __exit__ undoes it
+                self.held.append(id(owner))  # first: whatever happens next, __exit__ undoes it
                 site.threads.add(tid)
-                site.install()
-            _recorders[tid] = self.recorder
+                recorder = self._recorders[id(owner)] = self.make_recorder(site.original)
+                setattr(recorder, MARK, site.original)
+                site.recorders[tid] = recorder
+                site.update()
 
     def __exit__(self, *exc):
         until_done(self._release_all)  # an interrupt landing mid-teardown cannot strand the replacement
@@ -130,49 +135,49 @@ class Replacement:
             _lock.release()
         tid = threading.get_ident()
         with _lock:
-            _recorders.pop(tid, None)
             while self.held:
-                site = _sites.get(self.held[-1])
+                key = self.held[-1]
+                site = _sites.get(key)
                 if site is not None:
+                    site.recorders.pop(tid, None)
                     site.threads.discard(tid)
-                    if not site.threads:  # the last trace using it: the class gets its own back
-                        site.restore()
-                        _sites.pop(self.held[-1], None)
+                    site.update()
+                    if not site.threads:  # no trace holds it any more (its original is back)
+                        _sites.pop(key, None)
                 self.held.pop()
 
     def pause(self) -> None:
-        """Stop recording this thread's calls, and put the originals back unless another thread's trace
-        still needs them (a compiled region runs meanwhile: Dynamo would trace the replacement)."""
+        """Stop recording this thread's calls, and take the recorder out of place (a compiled region
+        runs meanwhile: Dynamo would trace it); torch's own is back unless another trace records."""
         tid = threading.get_ident()
         with _lock:
-            _recorders.pop(tid, None)
             for key in self.held:
                 site = _sites.get(key)
-                if site is not None and site.threads == {tid}:
-                    site.restore()
+                if site is not None:
+                    site.recorders.pop(tid, None)
+                    site.update()
 
     def resume(self) -> None:
         tid = threading.get_ident()
         with _lock:
-            if not self.held:
-                return  # already torn down
-            for key in self.held:
+            for key in self.held:  # empty once torn down: nothing comes back
                 site = _sites.get(key)
-                if site is not None:
-                    site.install()
-            _recorders[tid] = self.recorder
+                if site is not None and tid in site.threads:
+                    site.recorders[tid] = self._recorders[key]
+                    site.update()
 
 
 def installed() -> list:
-    """Descriptions of every replacement now in place (for tests and the teardown check)."""
+    """Every ``_call_impl`` now replaced by a trace (for tests and the teardown check)."""
     return [f"{site.owner.__qualname__}._call_impl" for site in list(_sites.values())
-            if vars(site.owner).get(_ATTRIBUTE) is site.replacement]
+            if vars(site.owner).get(_ATTRIBUTE) is not site.original]
 
 
-def _unsee_in_dynamo(replacement, original) -> None:
+def _unsee_in_dynamo(original) -> None:
     """Dynamo keeps ``nn.Module._call_impl`` as found when it was imported, to recognise unpatched
-    modules; imported while a trace ran, it kept the replacement: give it the original."""
+    modules; imported while a trace ran, it kept a replacement: give it the original."""
     for name in ("torch._dynamo.utils", "torch._dynamo.variables.nn_module"):
         namespace = sys.modules.get(name)
-        if namespace is not None and getattr(namespace, "unpatched_nn_module_call_impl", None) is replacement:
+        kept = getattr(namespace, "unpatched_nn_module_call_impl", None)
+        if kept is not None and getattr(kept, MARK, None) is original:
             namespace.unpatched_nn_module_call_impl = original

@@ -24,7 +24,7 @@ from types import CodeType
 import torch
 
 from ..tree import tensor_leaves
-from .call_impl import Replacement, owners_overriding, unsupported_overrides
+from .call_impl import DISPATCHER_CODE, Replacement, owners_overriding, unsupported_overrides
 from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
 
@@ -45,11 +45,7 @@ def _run_by_call_impl(frame) -> bool:
     for a module with hooks): torch code there (``nn.Sequential.forward``) makes its children's calls
     from the parent call's site."""
     back = frame.f_back
-    if back is None:
-        return False
-    if back.f_code is _INNER:
-        back = back.f_back
-    return back is not None and back.f_code is _CALL_IMPL
+    return back is not None and (back.f_code is _CALL_IMPL or back.f_code is _INNER)  # inner: only _call_impl's
 
 
 class ModuleCallTracker:
@@ -75,21 +71,21 @@ class ModuleCallTracker:
             unsupported = unsupported_overrides(owners)
             if unsupported:
                 names = ", ".join(o.__qualname__ for o in unsupported)
-                warnings.warn(f"{names} replace nn.Module._call_impl with something other than a function: "
-                              "calls of their modules are not recorded as module calls (their ops are "
-                              "attributed to the enclosing call)", stacklevel=4)
+                warnings.warn(f"the _call_impl of {names} is not a function: calls of their modules are not "
+                              "recorded as module calls (their ops are attributed to the enclosing call)",
+                              stacklevel=4)
             owners = [o for o in owners if o not in unsupported]
-            self._replacement = Replacement(self._recorder(), owners)
+            self._replacement = Replacement(self._recorder_factory(), owners)
             self._replacement.__enter__()
             return self  # inside the try: an interrupt landing here must not strand the replacement
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
-    def _recorder(self):
+    def _recorder_factory(self):
         st, progress, markers, frames = self.state, self.progress, self.state.markers, self.frames
         calls, stack, call_frames, producers = st.module_calls, st.module_stack, st.call_frames, st.producers
-        getframe, clock = sys._getframe, perf_counter_ns
+        getframe, clock, get_ident, owner = sys._getframe, perf_counter_ns, threading.get_ident, threading.get_ident()
         verdicts = frames._verdicts if frames is not None else {}
         skip = {id(self.root), *self.skip}
 
@@ -97,66 +93,86 @@ class ModuleCallTracker:
             entry = producers.get(id(t))
             return entry[1] if entry is not None and entry[0]() is t else -1
 
-        def call_frame(parent):
-            """The user frame that made the call, by a walk (the uncommon cases)."""
+        def call_frame(wrapped, parent):
+            """The user frame that made the call, by a walk from above the call (the uncommon cases)."""
             if frames is None:
                 return None, None
-            return frames.module_call_frame(getframe(2), call_frames, parent)
+            return frames.module_call_frame(wrapped, call_frames, parent)
 
-        # Runs once per module call inside every trace: the common cases (one tensor argument, a call
-        # made straight from user code) take no loop and no method call.
-        def record_call(impl, module, args, kwargs):
-            if id(module) in skip:
-                return impl(module, *args, **kwargs)
-            parent = stack[-1] if stack else -1
-            # record_call <- the replacement <- _wrapped_call_impl <- the caller: a user frame is the
-            # answer (FrameClassifier.module_call_frame, its first step inlined).
-            wrapped = getframe(2)
-            if wrapped.f_code is _WRAPPED_CALL:
-                caller = wrapped.f_back
-                verdict = verdicts.get(id(caller.f_code))
-                if verdict == _USER:
-                    frame = (caller.f_code, caller.f_lasti)
-                elif verdict == _SKIP and parent >= 0 and _run_by_call_impl(caller):
-                    frame = call_frames[parent]  # torch code (nn.Sequential) made it: the parent's site
+        # Torch code run as an unrecorded module's forward (the root nn.Sequential's) calls every child
+        # from the same frame: walk once per such frame.  (It is on the stack, so alive, meanwhile.)
+        outside = [None, None]  # [that frame, its answer]
+
+        def recorder_for(impl):
+            """The recorder around one ``_call_impl`` (torch's, or a class's own)."""
+
+            # Runs once per module call inside every trace: the common cases (one tensor argument, a call
+            # made straight from user code or by nn.Sequential) take no loop and no method call.
+            def record_call(module, *args, **kwargs):
+                if get_ident() != owner or id(module) in skip:
+                    return impl(module, *args, **kwargs)
+                parent = stack[-1] if stack else -1
+                # record_call <- (the dispatcher, while several threads trace) <- _wrapped_call_impl <- the
+                # caller: a user frame is the answer (FrameClassifier.module_call_frame, inlined).
+                wrapped = getframe(1)
+                if wrapped.f_code is DISPATCHER_CODE:
+                    wrapped = wrapped.f_back
+                if wrapped.f_code is _WRAPPED_CALL:
+                    caller = wrapped.f_back
+                    verdict = verdicts.get(id(caller.f_code))
+                    if verdict == _USER:
+                        frame = (caller.f_code, caller.f_lasti)
+                    elif verdict == _SKIP and _run_by_call_impl(caller):
+                        # Torch code (nn.Sequential) made it, as the parent's forward: the parent's site.
+                        if parent >= 0:
+                            frame = call_frames[parent]
+                        elif outside[0] is caller:
+                            frame = outside[1]
+                        else:
+                            frame = call_frame(caller, parent)
+                            outside[:] = caller, frame
+                    else:
+                        frame = call_frame(caller, parent)
+                elif parent >= 0 and calls[parent][0] is module:
+                    # A class's own _call_impl calling nn.Module's (super()): the same call, recorded once.
+                    return impl(module, *args, **kwargs)
                 else:
-                    frame = call_frame(parent)
-            elif parent >= 0 and calls[parent][0] is module:
-                # A class's own _call_impl calling nn.Module's (super()): the same call, recorded once.
-                return impl(module, *args, **kwargs)
-            else:
-                frame = call_frame(parent)
-            if len(args) == 1 and type(args[0]) in _TENSORS:
-                inputs = (bound(args[0]),)
-            else:
-                inputs = tuple(bound(t) for t in _tensors_in(args))
-            call = [module, parent, clock(), None, inputs, ()]
-            call_frames.append(frame)
-            calls.append(call)
-            index = len(calls) - 1
-            stack.append(index)  # after the record: an interrupt between them strands nothing
-            if markers is not None:
-                markers.module_enter(index)
-            if progress is not None:
-                progress.update()
-            try:
-                output = impl(module, *args, **kwargs)
-            except BaseException as raised:
-                if st.raised_in is None or st.raised_in[0] is not raised:  # the innermost call it left
-                    st.raised_in = (raised, index)
-                raise
-            finally:
-                call[3] = clock()
-                stack.pop()
+                    frame = call_frame(wrapped, parent)
+                if len(args) == 1 and type(args[0]) in _TENSORS:
+                    entry = producers.get(id(args[0]))  # bound(), inlined
+                    inputs = (entry[1] if entry is not None and entry[0]() is args[0] else -1,)
+                else:
+                    inputs = tuple(bound(t) for t in _tensors_in(args))
+                call = [module, parent, clock(), None, inputs, ()]
+                call_frames.append(frame)
+                calls.append(call)
+                index = len(calls) - 1
+                stack.append(index)  # after the record: an interrupt between them strands nothing
                 if markers is not None:
-                    markers.module_exit(index)
-            if type(output) in _TENSORS:
-                call[5] = (bound(output),)
-            elif output is not None:
-                call[5] = tuple(bound(t) for t in _tensors_in(output))
-            return output
+                    markers.module_enter(index)
+                if progress is not None:
+                    progress.update()
+                try:
+                    output = impl(module, *args, **kwargs)
+                except BaseException as raised:
+                    if st.raised_in is None or st.raised_in[0] is not raised:  # the innermost call it left
+                        st.raised_in = (raised, index)
+                    raise
+                finally:
+                    call[3] = clock()
+                    stack.pop()
+                    if markers is not None:
+                        markers.module_exit(index)
+                if type(output) in _TENSORS:
+                    entry = producers.get(id(output))  # bound(), inlined
+                    call[5] = (entry[1] if entry is not None and entry[0]() is output else -1,)
+                elif output is not None:
+                    call[5] = tuple(bound(t) for t in _tensors_in(output))
+                return output
 
-        return record_call
+            return record_call
+
+        return recorder_for
 
     def resume(self) -> None:
         """Record this thread's module calls again, after ``pause``."""
