@@ -91,7 +91,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     intervened = contextlib.nullcontext()
     if runtime is not None and runtime.module_sites:
         intervened = runtime.module_hooks(state, model if root is model else None)
-    # Interventions' module hooks are entered after the tracker's, so they run after them.
+    # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
     parts = (submodules, shim, tracker, intervened, installed)
     try:
         with packing_observed(packing):

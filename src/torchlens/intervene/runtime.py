@@ -347,8 +347,9 @@ def _replace_at(obj, path: tuple, value, key):
 
 
 class _ModuleHooks:
-    """Global hooks for module sites, entered after ``ModuleCallTracker`` so that they run after its hooks
-    (the call is on ``state.module_stack`` in the pre hook and its outputs recorded in the post hook)."""
+    """Global hooks for module sites.  Torch runs them inside the module call ``ModuleCallTracker``
+    records, so the call is on ``state.module_stack`` in both; the call's outputs are recorded when it
+    returns, after the post hook replaced them (or by the post hook itself when it stops the forward)."""
 
     def __init__(self, runtime: Interventions, st, root):
         self.runtime, self.st, self.root = runtime, st, root
