@@ -13,7 +13,7 @@ With ``--baseline DIR`` (another revision's ``src/torchlens``) the tracker and t
 revision too, side by side.  Each figure is the fastest block of its arm over the rounds (the machine is
 shared: read the medians over repeated runs and the ratios).  Run:
 
-    python benchmarks/module_call_cost.py [--rounds 15] [--baseline /path/to/src/torchlens]
+    python benchmarks/module_call_cost.py [--rounds 200] [--baseline /path/to/src/torchlens]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import baseline_package  # noqa: E402
 
 SMALL, LARGE = 10, 100
+BLOCK = 2  # calls per timed block: short blocks, many rounds, so that the fastest escaped preemption
 
 
 def _stack(n: int):
@@ -72,8 +73,8 @@ def measure(packages: dict, rounds: int) -> dict:
         fn()
     for _ in range(rounds):
         for key, fn in arms.items():
-            best[key] = min(best[key], _time(fn, 20))
-    native_small = min(_time(lambda: small(x), 50) for _ in range(rounds))
+            best[key] = min(best[key], _time(fn, BLOCK))
+    native_small = min(_time(lambda: small(x), BLOCK) for _ in range(rounds))
     out = {}
     per_native = best["native"] / LARGE
     for name in packages:
@@ -88,7 +89,7 @@ def measure(packages: dict, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--baseline", help="another revision's src/torchlens directory, measured beside this one")
     options = parser.parse_args()
     torch.set_num_threads(1)

@@ -30,7 +30,7 @@ from .teardown import until_done
 _ATTRIBUTE = "_call_impl"
 MARK = "_torchlens_replaces"  # set on every function put in place here: the ``_call_impl`` it wraps
 _lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
-_sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl, while any trace holds it
+_sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl: nn.Module's stays, others while held
 
 
 def _dispatcher(impl, recorders: dict):
@@ -117,8 +117,8 @@ class Replacement:
         with _lock:
             for owner in self.owners:
                 site = _sites.get(id(owner))
-                if site is None:
-                    site = _sites[id(owner)] = Site(owner)
+                if site is None or not site.threads and vars(owner).get(_ATTRIBUTE) is not site.original:
+                    site = _sites[id(owner)] = Site(owner)  # first use, or the class has been given another
                 self.held.append(id(owner))  # first: whatever happens next, __exit__ undoes it
                 site.threads.add(tid)
                 recorder = self._recorders[id(owner)] = self.make_recorder(site.original)
@@ -142,8 +142,8 @@ class Replacement:
                     site.recorders.pop(tid, None)
                     site.threads.discard(tid)
                     site.update()
-                    if not site.threads:  # no trace holds it any more (its original is back)
-                        _sites.pop(key, None)
+                    if not site.threads and site.owner is not torch.nn.Module:  # its original is back
+                        _sites.pop(key, None)  # and the class is not held alive here
                 self.held.pop()
 
     def pause(self) -> None:

@@ -88,6 +88,7 @@ class ModuleCallTracker:
         getframe, clock, get_ident, owner = sys._getframe, perf_counter_ns, threading.get_ident, threading.get_ident()
         verdicts = frames._verdicts if frames is not None else {}
         skip = {id(self.root), *self.skip}
+        extras = markers is not None or progress is not None  # one check per call when neither is on
 
         def bound(t):  # st.bound_producer, inlined
             entry = producers.get(id(t))
@@ -115,14 +116,18 @@ class ModuleCallTracker:
                 # record_call <- (the dispatcher, while several threads trace) <- _wrapped_call_impl <- the
                 # caller: a user frame is the answer (FrameClassifier.module_call_frame, inlined).
                 wrapped = getframe(1)
-                if wrapped.f_code is DISPATCHER_CODE:
+                code = wrapped.f_code
+                if code is DISPATCHER_CODE:
                     wrapped = wrapped.f_back
-                if wrapped.f_code is _WRAPPED_CALL:
+                    code = wrapped.f_code
+                if code is _WRAPPED_CALL:
                     caller = wrapped.f_back
-                    verdict = verdicts.get(id(caller.f_code))
+                    code = caller.f_code
+                    verdict = verdicts.get(id(code))
                     if verdict == _USER:
-                        frame = (caller.f_code, caller.f_lasti)
-                    elif verdict == _SKIP and _run_by_call_impl(caller):
+                        frame = (code, caller.f_lasti)
+                    elif verdict == _SKIP and (back := caller.f_back) is not None and (
+                            (code := back.f_code) is _CALL_IMPL or code is _INNER):
                         # Torch code (nn.Sequential) made it, as the parent's forward: the parent's site.
                         if parent >= 0:
                             frame = call_frames[parent]
@@ -143,15 +148,16 @@ class ModuleCallTracker:
                     inputs = (entry[1] if entry is not None and entry[0]() is args[0] else -1,)
                 else:
                     inputs = tuple(bound(t) for t in _tensors_in(args))
+                index = len(calls)
                 call = [module, parent, clock(), None, inputs, ()]
                 call_frames.append(frame)
                 calls.append(call)
-                index = len(calls) - 1
                 stack.append(index)  # after the record: an interrupt between them strands nothing
-                if markers is not None:
-                    markers.module_enter(index)
-                if progress is not None:
-                    progress.update()
+                if extras:
+                    if markers is not None:
+                        markers.module_enter(index)
+                    if progress is not None:
+                        progress.update()
                 try:
                     output = impl(module, *args, **kwargs)
                 except BaseException as raised:
@@ -161,7 +167,7 @@ class ModuleCallTracker:
                 finally:
                     call[3] = clock()
                     stack.pop()
-                    if markers is not None:
+                    if extras and markers is not None:
                         markers.module_exit(index)
                 if type(output) in _TENSORS:
                     entry = producers.get(id(output))  # bound(), inlined
