@@ -186,9 +186,7 @@ def _build_modules(state: CaptureState, model_index: ModelIndex):
                 unregistered += 1
                 names = [f"<unregistered {type(module).__name__} #{unregistered}>"]
             # Copies: the index is shared by every trace of an unchanged model.
-            # A torch.compile'd submodule: the class it wraps (read from its submodules: a missing
-            # attribute of a module is an exception nn.Module.__getattr__ formats, a microsecond each).
-            shown = module._modules.get("_orig_mod", module)
+            shown = getattr(module, "_orig_mod", module)  # a torch.compile'd submodule: the class it wraps
             record = modules_by_id[id(module)] = Module(names[0], list(names), type(shown).__name__,
                                                         model_index.param_names_of(module), module)
         parent_call = module_calls[parent] if parent >= 0 else None

@@ -54,12 +54,6 @@ class ModelIndex:
                 if b is not None and id(b) not in self.buffers:
                     self.buffers[id(b)] = (b, prefix + key)
 
-    @property
-    def modules(self) -> dict:
-        """First address -> module, the root (address ``""``) included."""
-        root = self._root() if self._root is not None else None
-        return {"": root, **self._addressed} if root is not None else dict(self._addressed)
-
     def module_types(self) -> tuple:
         """Every distinct class of the model's modules, the root's first: capture checks which of them
         replace ``nn.Module._call_impl`` themselves (``capture/call_impl.py``)."""
@@ -68,6 +62,12 @@ class ModelIndex:
             modules = chain((root,) if root is not None else (), self.submodules.values())
             self._module_types = tuple(dict.fromkeys(map(type, modules)))
         return self._module_types
+
+    @property
+    def modules(self) -> dict:
+        """First address -> module, the root (address ``""``) included."""
+        root = self._root() if self._root is not None else None
+        return {"": root, **self._addressed} if root is not None else dict(self._addressed)
 
     def param_names_of(self, module) -> list:
         """Names of the module's parameters (a fresh list; computed once per module of the index, whose
