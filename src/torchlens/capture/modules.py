@@ -40,14 +40,6 @@ def _tensors_in(value) -> list:
     return [t for _, t in tensor_leaves(value)]
 
 
-def _run_by_call_impl(frame) -> bool:
-    """Whether ``frame`` is a forward that torch's ``_call_impl`` is running (directly, or from ``inner``
-    for a module with hooks): torch code there (``nn.Sequential.forward``) makes its children's calls
-    from the parent call's site."""
-    back = frame.f_back
-    return back is not None and (back.f_code is _CALL_IMPL or back.f_code is _INNER)  # inner: only _call_impl's
-
-
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
 
@@ -73,7 +65,7 @@ class ModuleCallTracker:
                 names = ", ".join(o.__qualname__ for o in unsupported)
                 warnings.warn(f"the _call_impl of {names} is not a function: calls of their modules are not "
                               "recorded as module calls (their ops are attributed to the enclosing call)",
-                              stacklevel=4)
+                              stacklevel=5)
             owners = [o for o in owners if o not in unsupported]
             self._replacement = Replacement(self._recorder_factory(), owners)
             self._replacement.__enter__()
@@ -128,7 +120,8 @@ class ModuleCallTracker:
                         frame = (code, caller.f_lasti)
                     elif verdict == _SKIP and (back := caller.f_back) is not None and (
                             (code := back.f_code) is _CALL_IMPL or code is _INNER):
-                        # Torch code (nn.Sequential) made it, as the parent's forward: the parent's site.
+                        # Torch code run as a forward by _call_impl (nn.Sequential's) made it: the site of
+                        # the call running that forward.
                         if parent >= 0:
                             frame = call_frames[parent]
                         elif outside[0] is caller:
