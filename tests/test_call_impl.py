@@ -291,3 +291,22 @@ def test_the_modules_own_call_impl_override_found_once_per_model_class():
     assert types == (Overriding, CallsSuper, WrapsOriginal, ChildOfWrapping, nn.Linear)
     assert call_impl.owners_overriding(types) == [CallsSuper, WrapsOriginal]
     assert index_of(model).module_types() is types
+
+
+def test_dynamo_first_imported_during_a_trace_keeps_torchs_own_call_impl():
+    """Dynamo records ``nn.Module._call_impl`` when imported, to recognise unpatched modules: imported
+    inside a traced forward it would record the replacement, which teardown gives back."""
+    import torch._dynamo.utils as dynamo_utils
+
+    kept = dynamo_utils.unpatched_nn_module_call_impl
+
+    class ImportsDynamo(nn.Module):
+        def forward(self, x):
+            dynamo_utils.unpatched_nn_module_call_impl = vars(nn.Module)["_call_impl"]  # what its import records
+            return x + 1
+
+    try:
+        tl.trace(ImportsDynamo(), torch.randn(2))
+        assert dynamo_utils.unpatched_nn_module_call_impl is CALL_IMPL
+    finally:
+        dynamo_utils.unpatched_nn_module_call_impl = kept
