@@ -310,3 +310,24 @@ def test_dynamo_first_imported_during_a_trace_keeps_torchs_own_call_impl():
         assert dynamo_utils.unpatched_nn_module_call_impl is CALL_IMPL
     finally:
         dynamo_utils.unpatched_nn_module_call_impl = kept
+
+
+def test_a_replacement_teardown_could_not_undo_is_named_in_the_note(monkeypatch):
+    """The note on an exception says what is still installed, and it is true: here a teardown that does
+    nothing leaves nn.Module._call_impl replaced."""
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("model failure")
+
+    monkeypatch.setattr(call_impl.Replacement, "_release_all", lambda self: None)
+    try:
+        with pytest.raises(ValueError) as info:
+            tl.trace(Fails(), torch.randn(2))
+        assert vars(nn.Module)["_call_impl"] is not CALL_IMPL
+        assert "capture could not remove nn.Module._call_impl replaced" in info.value.__notes__[0]
+    finally:
+        for site in list(call_impl._sites.values()):  # what the real teardown does
+            site.recorders.clear()
+            site.threads.clear()
+            site.update()
+    assert_clean_process()

@@ -167,6 +167,11 @@ class Replacement:
                     site.update()
 
 
+def held_by(tid: int) -> bool:
+    """Whether any replaced attribute is still held, or recorded into, by thread ``tid``'s trace."""
+    return any(tid in site.threads or tid in site.recorders for site in list(_sites.values()))
+
+
 def installed() -> list:
     """Every ``_call_impl`` now replaced by a trace (for tests and the teardown check)."""
     return [f"{site.owner.__qualname__}._call_impl" for site in list(_sites.values())

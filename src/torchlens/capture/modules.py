@@ -24,7 +24,7 @@ from types import CodeType
 import torch
 
 from ..tree import tensor_leaves
-from .call_impl import DISPATCHER_CODE, Replacement, owners_overriding, unsupported_overrides
+from .call_impl import DISPATCHER_CODE, Replacement, held_by, owners_overriding, unsupported_overrides
 from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
 
@@ -55,7 +55,7 @@ class ModuleCallTracker:
     @property
     def replaced(self) -> bool:
         """Whether this trace still holds ``_call_impl`` replaced (it must not, once exited)."""
-        return bool(self._replacement is not None and self._replacement.held)
+        return bool(self._replacement is not None and self._replacement.held) or held_by(threading.get_ident())
 
     def __enter__(self):
         try:
