@@ -331,3 +331,23 @@ def test_a_replacement_teardown_could_not_undo_is_named_in_the_note(monkeypatch)
             site.threads.clear()
             site.update()
     assert_clean_process()
+
+
+def test_no_frame_of_the_forward_outlives_the_trace():
+    """Capture looks at the frames that make module calls; holding one after the trace would hold the
+    driver's frame behind it, with every record, until a collector pass."""
+    import gc
+    import types
+
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    forward = nn.Sequential.forward.__code__
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        tl.trace(model, x)
+        alive = [o for o in gc.get_objects() if isinstance(o, types.FrameType) and o.f_code is forward]
+    finally:
+        if collecting:
+            gc.enable()
+    assert alive == []

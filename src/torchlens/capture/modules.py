@@ -51,6 +51,7 @@ class ModuleCallTracker:
         self.skip = skip  # ids of modules whose calls are not module calls (see capture/compiled.py)
         self.module_types = module_types  # the model's module classes: which replace _call_impl themselves
         self._replacement = None
+        self._outside = [None, None]
 
     @property
     def replaced(self) -> bool:
@@ -93,8 +94,10 @@ class ModuleCallTracker:
             return frames.module_call_frame(wrapped, call_frames, parent)
 
         # Torch code run as an unrecorded module's forward (the root nn.Sequential's) calls every child
-        # from the same frame: walk once per such frame.  (It is on the stack, so alive, meanwhile.)
-        outside = [None, None]  # [that frame, its answer]
+        # from the same frame: walk once per such frame.  (It is on the stack, so alive, meanwhile.)  The
+        # frame leads back to the trace driver's, which holds this tracker: __exit__ lets go of it, so
+        # that the trace's records are freed by reference counting, not by a later collector pass.
+        outside = self._outside = [None, None]  # [that frame, its answer]
 
         def recorder_for(impl):
             """The recorder around one ``_call_impl`` (torch's, or a class's own)."""
@@ -184,6 +187,7 @@ class ModuleCallTracker:
             self._replacement.pause()
 
     def __exit__(self, *exc):
+        self._outside[:] = None, None  # first: one statement, nothing to strand
         if self._replacement is not None:
             self._replacement.__exit__(None, None, None)
         return False
