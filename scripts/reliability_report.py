@@ -37,8 +37,9 @@ claim more than the suite checks. `scripts/reliability_report.py` writes this pa
 a test fails when the page is out of date.
 
 After every scenario the suite also checks that nothing was left installed: no torch function mode on
-the stack, no global module hooks, `torch.overrides.has_torch_function` is torch's own, and no
-attribute, hook or patch added to torch, the model, its parameters or the input tensors.
+the stack, no global module hooks, `torch.overrides.has_torch_function` and `nn.Module._call_impl` are
+torch's own, and no attribute, hook or patch added to torch, the model, its parameters or the input
+tensors.
 
 When the model raises, the caller gets the model's own exception, unchanged, with one note (Python
 3.11+) saying where in the forward it happened:

@@ -196,3 +196,26 @@ def test_op_durations_are_host_brackets_inside_the_forward():
         assert earlier.start_ns + earlier.duration * 1e9 <= later.start_ns + 1
     # Capture's own work falls between the brackets, so they sum to less than the traced forward.
     assert sum(op.duration for op in ops) < log.timings["forward"]
+
+
+def test_a_modules_own_hooks_run_inside_its_module_call():
+    """A module call holds what its caller sees: the caller's inputs, the value the caller receives, and the
+    ops of the module's own hooks; torch's _call_impl is back after the trace."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    original = vars(nn.Module)["_call_impl"]
+    handles = [model[0].register_forward_hook(lambda module, args, output: output * 2),
+               model[1].register_forward_pre_hook(lambda module, args: (args[0] - 1,))]
+    x = torch.randn(2, 4)
+    try:
+        expected = model(x)
+        log = tl.trace(model, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(log.output, expected)
+    linear, relu = log.module_calls
+    assert linear.op_labels == ["linear_1_1:1", "mul_1_2:1"] and linear.output_ops == ["mul_1_2:1"]
+    assert relu.input_ops == ["mul_1_2:1"]  # before its pre-hook subtracted one
+    assert [log[label].type for label in relu.op_labels] == ["sub", "relu"]
+    assert vars(nn.Module)["_call_impl"] is original

@@ -182,10 +182,10 @@ def user_forward_pre_hook_raises():
 
 @CASE
 def keyboard_interrupt_inside_capture():
-    """KeyboardInterrupt at every other line capture's per-op handler and module hooks run."""
+    """KeyboardInterrupt at every other line capture's per-op handler and module call recorder run."""
     model, x = Pair(), torch.randn(2, 4)
     capture = tl.capture
-    files = {m.__file__ for m in (capture.mode, capture.modules, capture.state, capture.fastpath)}
+    files = {m.__file__ for m in (capture.mode, capture.modules, capture.call_impl, capture.state, capture.fastpath)}
     setup_and_teardown = {"__enter__", "__exit__", "_release"}  # not mid-forward; see the page's notes
     interrupted = 0
     for target in range(1, 10_000, 2):
@@ -274,13 +274,24 @@ class Normalized(nn.Module):
         return F.normalize(self.fc(x)).tanh()
 
 
+class OwnCallImpl(nn.Linear):
+    """Defines its own _call_impl (reaching nn.Module's through super())."""
+
+    def _call_impl(self, *args, **kwargs):
+        return super()._call_impl(*args, **kwargs)
+
+    own = _call_impl
+
+
 @CASE
 def keyboard_interrupt_in_the_trace_driver():
-    """KeyboardInterrupt at every line of tl.trace's setup and teardown (driver, mode stack, hooks, shim)."""
+    """KeyboardInterrupt at every line of tl.trace's setup and teardown (driver, mode stack, _call_impl, shim)."""
     capture = tl.capture
     driver = {capture.session.__file__, capture.teardown.__file__, capture.compiled.__file__}
-    parts = {capture.fastpath.__file__, capture.modules.__file__}
-    setup_and_teardown = {"__enter__", "__exit__", "_release", "pause", "resume"}
+    parts = {capture.fastpath.__file__, capture.modules.__file__, capture.call_impl.__file__}
+    setup_and_teardown = {"__enter__", "__exit__", "_release", "pause", "resume", "_acquire", "_release_all",
+                          "update", "_unsee_in_dynamo", "owners_overriding", "unsupported_overrides",
+                          "_recorder_factory", "recorder_for", "_dispatcher"}
     model, x = Normalized(), torch.randn(2, 4)
 
     def traced(code):
@@ -289,6 +300,13 @@ def keyboard_interrupt_in_the_trace_driver():
     landed = _interrupt_every_line(lambda: tl.trace(model, x), traced)
     assert landed > 100, f"only {landed} interrupts landed in the trace driver"
     assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+
+    # A class with its own _call_impl: a second replaced attribute, set up and restored beside nn.Module's.
+    overriding = nn.Sequential(Normalized(), OwnCallImpl(4, 4))
+    with_override = _interrupt_every_line(lambda: tl.trace(overriding, x), traced)
+    assert with_override > landed, (with_override, landed)
+    assert vars(OwnCallImpl)["_call_impl"] is OwnCallImpl.own
+    assert [mc.label for mc in tl.trace(overriding, x).module_calls] == ["0:1", "0.fc:1", "1:1"]
 
     # The same with a compiled submodule: routing its forward, and running it with capture suspended.
     import warnings
@@ -302,8 +320,9 @@ def keyboard_interrupt_in_the_trace_driver():
     assert in_compiled > landed, (in_compiled, landed)  # the routing and suspension lines were hit too
     assert torch.equal(log.output, expected) and "compiled" in [op.type for op in log.ops]
     assert "forward" in vars(with_compiled[1]) and type(vars(with_compiled[1])["forward"]).__name__ != "CompiledCall"
-    return ("every interrupt re-raised unchanged; afterwards no mode, hook or shim installed, the collector "
-            "on, the thread not marked as tracing, and the next trace identical")
+    return ("every interrupt re-raised unchanged; afterwards no mode, hook, replaced _call_impl (nn.Module's "
+            "or a class's own) or shim installed, the collector on, the thread not marked as tracing, and the "
+            "next trace identical")
 
 
 @CASE

@@ -14,6 +14,7 @@ import torch.nn.modules.module as module_globals
 import torch.overrides
 
 ORIGINAL = torch.overrides.has_torch_function
+CALL_IMPL = torch.nn.Module._call_impl
 _NAMESPACES = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": F,
                "torch.overrides": torch.overrides, "torch.nn.Module": torch.nn.Module}
 
@@ -66,5 +67,6 @@ def assert_clean_process() -> None:
     """The parts of a snapshot that do not depend on a model: nothing installed at all."""
     assert torch._C._len_torch_function_stack() == 0, "a torch function mode is still on the stack"
     assert torch.overrides.has_torch_function is ORIGINAL, "has_torch_function is patched"
+    assert vars(torch.nn.Module)["_call_impl"] is CALL_IMPL, "nn.Module._call_impl is replaced"
     leftover = {k: v for k, v in _global_hook_dicts().items() if v}
     assert not leftover, f"global module hooks left installed: {leftover}"

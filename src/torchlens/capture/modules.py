@@ -1,26 +1,36 @@
-"""Module call tracking: a stack of integers maintained by global forward hooks.
+"""Module call tracking: a stack of module call indices kept by one function around each module call.
 
-Global hooks (``register_module_forward_pre_hook`` / ``register_module_forward_hook``) see every module
-call however the module was reached, and are removed in ``finally``: nothing is left on the model.  A
-call made by another thread is ignored.  Direct ``module.forward(...)`` calls bypass hooks and so are
-not module calls, exactly as for ``torch.utils.module_tracker.ModuleTracker``.
+While a trace runs, ``nn.Module._call_impl`` is replaced (``capture/call_impl.py``) so that every module
+call of the tracing thread goes through ``record_call`` below, which records the call, runs torch's own
+``_call_impl`` unchanged inside it, and pops the call in ``finally``.  A call made by another thread
+goes straight to torch's.  Direct ``module.forward(...)`` calls do not go through ``_call_impl`` and so
+are not module calls, exactly as for ``torch.utils.module_tracker.ModuleTracker``.
+
+What a module call holds is what its caller sees.  The module's own hooks run inside the call:
+- its inputs are the tensors the caller passed (before the module's forward pre-hooks replace any);
+- its outputs are the tensors the caller receives (after the module's forward hooks replace any);
+- ops run by the module's own hooks (and by global hooks) belong to that module call, and the call's
+  start and end times include them.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from time import perf_counter_ns
+from types import CodeType
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..tree import tensor_leaves
+from .call_impl import DISPATCHER_CODE, Replacement, held_by, owners_overriding, unsupported_overrides
 from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
-from .teardown import remove_handles
 
 _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
+# ``_call_impl``'s nested ``inner``: a module with hooks of its own runs its forward from there.
+_INNER = next((c for c in _CALL_IMPL.co_consts if isinstance(c, CodeType) and c.co_name == "inner"), None)
 _TENSORS = frozenset([torch.Tensor, torch.nn.Parameter])
 
 
@@ -30,107 +40,154 @@ def _tensors_in(value) -> list:
     return [t for _, t in tensor_leaves(value)]
 
 
-def _in_parent_call(frame, verdicts) -> bool:
-    """Whether ``frame`` is torch's ``inner`` of the enclosing module call (its ``_call_impl`` next):
-    the walk in ``FrameClassifier.module_call_frame`` would stop there with the parent's answer."""
-    return (frame is not None and verdicts.get(id(frame.f_code)) == _SKIP and frame.f_back is not None
-            and frame.f_back.f_code is _CALL_IMPL)
-
-
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
 
-    def __init__(self, state: CaptureState, root, frames=None, skip=()):
+    def __init__(self, state: CaptureState, root, frames=None, skip=(), module_types=()):
         self.state = state
         self.root = root
         self.frames = frames  # a FrameClassifier: each call's user frame is found once, here
         self.progress = None  # a progress bar advanced once per module call (torchlens.progress), or None
         self.skip = skip  # ids of modules whose calls are not module calls (see capture/compiled.py)
-        self._handles = []
-        self._hooks = None
+        self.module_types = module_types  # the model's module classes: which replace _call_impl themselves
+        self._replacement = None
+        self._outside = [None, None]
+
+    @property
+    def replaced(self) -> bool:
+        """Whether this trace still holds ``_call_impl`` replaced (it must not, once exited)."""
+        return bool(self._replacement is not None and self._replacement.held) or held_by(threading.get_ident())
 
     def __enter__(self):
-        st, root, owner, frames, progress = self.state, self.root, threading.get_ident(), self.frames, self.progress
-        calls, stack, call_frames = st.module_calls, st.module_stack, st.call_frames
-        producers = st.producers
-        get_ident, getframe, clock = threading.get_ident, sys._getframe, perf_counter_ns
+        try:
+            owners = owners_overriding(self.module_types)
+            unsupported = unsupported_overrides(owners)
+            if unsupported:
+                names = ", ".join(o.__qualname__ for o in unsupported)
+                warnings.warn(f"the _call_impl of {names} is not a function: calls of their modules are not "
+                              "recorded as module calls (their ops are attributed to the enclosing call)",
+                              stacklevel=5)
+            owners = [o for o in owners if o not in unsupported]
+            self._replacement = Replacement(self._recorder_factory(), owners)
+            self._replacement.__enter__()
+            return self  # inside the try: an interrupt landing here must not strand the replacement
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def _recorder_factory(self):
+        st, progress, markers, frames = self.state, self.progress, self.state.markers, self.frames
+        calls, stack, call_frames, producers = st.module_calls, st.module_stack, st.call_frames, st.producers
+        getframe, clock, get_ident, owner = sys._getframe, perf_counter_ns, threading.get_ident, threading.get_ident()
         verdicts = frames._verdicts if frames is not None else {}
-        skip = {id(root), *self.skip}
+        skip = {id(self.root), *self.skip}
+        extras = markers is not None or progress is not None  # one check per call when neither is on
 
         def bound(t):  # st.bound_producer, inlined
             entry = producers.get(id(t))
             return entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1
 
-        # The hook bodies run once per module call inside every trace: the common cases (tensor
-        # arguments, a call made straight from user code) take no loop and no method call.
-        def pre_hook(module, args):
-            if id(module) in skip or get_ident() != owner:
-                return
-            parent = stack[-1] if stack else -1
-            if len(args) == 1 and type(args[0]) in _TENSORS:
-                inputs = (bound(args[0]),)
-            else:
-                inputs = tuple(bound(t) for t in _tensors_in(args))
-            # pre_hook <- inner <- _call_impl <- _wrapped_call_impl <- the caller: a user frame is the
-            # answer (FrameClassifier.module_call_frame, its first step inlined).
-            wrapped = getframe(3)
-            caller = wrapped.f_back if wrapped.f_code is _WRAPPED_CALL else None
-            verdict = verdicts.get(id(caller.f_code)) if caller is not None else None
-            if verdict == _USER:
-                call_frames.append((caller.f_code, caller.f_lasti))
-            elif verdict == _SKIP and parent >= 0 and _in_parent_call(caller.f_back, verdicts):
-                call_frames.append(call_frames[parent])  # torch code (nn.Sequential) made it: the parent's
-            elif frames is not None:
-                call_frames.append(frames.module_call_frame(getframe(1), call_frames, parent))
-            else:
-                call_frames.append((None, None))
-            calls.append([module, parent, clock(), None, inputs, ()])
-            stack.append(len(calls) - 1)  # after the record: an interrupt between them strands nothing
-            if st.markers is not None:
-                st.markers.module_enter(len(calls) - 1)
-            if progress is not None:
-                progress.update()
+        def call_frame(wrapped, parent):
+            """The user frame that made the call, by a walk from above the call (the uncommon cases)."""
+            if frames is None:
+                return None, None
+            return frames.module_call_frame(wrapped, call_frames, parent)
 
-        # The one place a module call's end is seen: a value returned here would replace the module's
-        # output (torch's forward-hook contract), after the call's record is complete.
-        def post_hook(module, args, output):
-            if id(module) in skip or get_ident() != owner or not stack:
-                return
-            index = stack.pop()
-            call = calls[index]
-            call[3] = clock()
-            if st.markers is not None:
-                st.markers.module_exit(index)
-            if output is not None:
-                if type(output) in _TENSORS:
-                    call[5] = (bound(output),)
+        # Torch code run as an unrecorded module's forward (the root nn.Sequential's) calls every child
+        # from the same frame: walk once per such frame.  (It is on the stack, so alive, meanwhile.)  The
+        # frame leads back to the trace driver's, which holds this tracker: __exit__ lets go of it, so
+        # that the trace's records are freed by reference counting, not by a later collector pass.
+        outside = self._outside = [None, None]  # [that frame, its answer]
+
+        def recorder_for(impl):
+            """The recorder around one ``_call_impl`` (torch's, or a class's own)."""
+
+            # Runs once per module call inside every trace: the common cases (one tensor argument, a call
+            # made straight from user code or by nn.Sequential) take no loop and no method call.
+            def record_call(module, *args, **kwargs):
+                if get_ident() != owner or id(module) in skip:
+                    return impl(module, *args, **kwargs)
+                parent = stack[-1] if stack else -1
+                # record_call <- (the dispatcher, while several threads trace) <- _wrapped_call_impl <- the
+                # caller: a user frame is the answer (FrameClassifier.module_call_frame, inlined).
+                wrapped = getframe(1)
+                code = wrapped.f_code
+                if code is DISPATCHER_CODE:
+                    wrapped = wrapped.f_back
+                    code = wrapped.f_code
+                if code is _WRAPPED_CALL:
+                    caller = wrapped.f_back
+                    code = caller.f_code
+                    verdict = verdicts.get(id(code))
+                    if verdict == _USER:
+                        frame = (code, caller.f_lasti)
+                    elif verdict == _SKIP and (back := caller.f_back) is not None and (
+                            (code := back.f_code) is _CALL_IMPL or code is _INNER):
+                        # Torch code run as a forward by _call_impl (nn.Sequential's) made it: the site of
+                        # the call running that forward.
+                        if parent >= 0:
+                            frame = call_frames[parent]
+                        elif outside[0] is caller:
+                            frame = outside[1]
+                        else:
+                            frame = call_frame(caller, parent)
+                            outside[:] = caller, frame
+                    else:
+                        frame = call_frame(caller, parent)
+                elif parent >= 0 and calls[parent][0] is module:
+                    # A class's own _call_impl calling nn.Module's (super()): the same call, recorded once.
+                    return impl(module, *args, **kwargs)
                 else:
+                    frame = call_frame(wrapped, parent)
+                if len(args) == 1 and type(args[0]) in _TENSORS:
+                    entry = producers.get(id(args[0]))  # bound(), inlined
+                    inputs = (entry[1] if entry is not None and entry[0]() is args[0] else -1,)
+                else:
+                    inputs = tuple(bound(t) for t in _tensors_in(args))
+                index = len(calls)
+                call = [module, parent, clock(), None, inputs, ()]
+                call_frames.append(frame)
+                calls.append(call)
+                stack.append(index)  # after the record: an interrupt between them strands nothing
+                if extras:
+                    if markers is not None:
+                        markers.module_enter(index)
+                    if progress is not None:
+                        progress.update()
+                try:
+                    output = impl(module, *args, **kwargs)
+                except BaseException as raised:
+                    if st.raised_in is None or st.raised_in[0] is not raised:  # the innermost call it left
+                        st.raised_in = (raised, index)
+                    raise
+                finally:
+                    call[3] = clock()
+                    stack.pop()
+                    if extras and markers is not None:
+                        markers.module_exit(index)
+                if type(output) in _TENSORS:
+                    entry = producers.get(id(output))  # bound(), inlined
+                    call[5] = (entry[1] if entry is not None and entry[0]() is output else -1,)
+                elif output is not None:
                     call[5] = tuple(bound(t) for t in _tensors_in(output))
-            else:
-                # Torch runs always-call hooks while an exception unwinds: remember the innermost call.
-                raised = sys.exc_info()[1]
-                if raised is not None and (st.raised_in is None or st.raised_in[0] is not raised):
-                    st.raised_in = (raised, index)
+                return output
 
-        self._hooks = (pre_hook, post_hook)
-        try:
-            self.resume()
-            return self  # inside the try: an interrupt landing here must not strand the hooks
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+            return record_call
+
+        return recorder_for
 
     def resume(self) -> None:
-        """Register the hooks (again, after ``pause``)."""
-        pre_hook, post_hook = self._hooks
-        if not self._handles:
-            self._handles.append(register_module_forward_pre_hook(pre_hook))
-            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+        """Record this thread's module calls again, after ``pause``."""
+        if self._replacement is not None:
+            self._replacement.resume()
 
     def pause(self) -> None:
-        """Remove the hooks while a compiled region runs: Dynamo would trace them."""
-        self.__exit__(None, None, None)
+        """Stop recording while a compiled region runs, and take the replacement out of Dynamo's sight."""
+        if self._replacement is not None:
+            self._replacement.pause()
 
     def __exit__(self, *exc):
-        remove_handles(self._handles)
+        self._outside[:] = None, None  # first: one statement, nothing to strand
+        if self._replacement is not None:
+            self._replacement.__exit__(None, None, None)
         return False

@@ -89,12 +89,13 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     optimized = optimized_module_type()
     submodules = CompiledSubmodules(root, compiled, None, index.of_type(optimized) if optimized is not None else ())
     # The root's own call is the trace itself; a callable's calls into its root are module calls.
-    tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules)
+    tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules,
+                                module_types=index.module_types())
     tracker.progress = shown if shown is not QUIET else None
     submodules.suspend = lambda: Suspension(tracker, shim)
     parts = (submodules, shim, tracker, installed)
     if runtime is not None and runtime.module_sites:
-        # Interventions' module hooks are entered after the tracker's, so they run after them.
+        # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (submodules, shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
     capture = Capture(parts)
     try:

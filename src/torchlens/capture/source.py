@@ -96,11 +96,10 @@ class FrameClassifier:
         return site, None, None
 
     def module_call_frame(self, frame, call_frames, parent: int):
-        """``(code, offset)`` of the user frame that made a module call, from inside its pre-hook.
+        """``(code, offset)`` of the user frame that makes a module call, walking up from ``frame`` (the
+        call has not started yet).
 
-        Walks past the call's own boundary, then stops at the first user frame, or at the parent
-        call's boundary, whose answer is already known."""
-        own_boundary = True
+        Stops at the first user frame, or at the parent call's boundary, whose answer is already known."""
         verdicts = self._verdicts
         while frame is not None:
             code = frame.f_code
@@ -111,10 +110,8 @@ class FrameClassifier:
                 return frame.f_code, frame.f_lasti
             if verdict == _STOP:
                 break
-            if verdict == _BOUNDARY:
-                if not own_boundary and parent >= 0:
-                    return call_frames[parent]
-                own_boundary = False
+            if verdict == _BOUNDARY and parent >= 0:
+                return call_frames[parent]
             frame = frame.f_back
         return None, None
 

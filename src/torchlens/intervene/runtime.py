@@ -23,7 +23,7 @@ from ..capture.teardown import remove_handles
 from ..labels.naming import func_name_of
 from ..errors import InterventionError
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
-from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
+from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..tree import tensor_leaves
 from .sites import ModuleCallInfo
@@ -347,8 +347,9 @@ def _replace_at(obj, path: tuple, value, key):
 
 
 class _ModuleHooks:
-    """Global hooks for module sites, entered after ``ModuleCallTracker`` so that they run after its hooks
-    (the call is on ``state.module_stack`` in the pre hook and its outputs recorded in the post hook)."""
+    """Global hooks for module sites.  Torch runs them inside the module call ``ModuleCallTracker``
+    records, so the call is on ``state.module_stack`` in both; the call's outputs are recorded when it
+    returns, after the post hook replaced them (or by the post hook itself when it stops the forward)."""
 
     def __init__(self, runtime: Interventions, st, root):
         self.runtime, self.st, self.root = runtime, st, root
@@ -378,6 +379,10 @@ class _ModuleHooks:
             stop = next((s for s in by_module[id(module)] if s.stop and s.call_number in (None, number)), None)
             if stop is not None:
                 runtime.stopped_at = f"{stop.address}:{number}"
+                # The call ends here, inside it: record what it returned, as its end would have.
+                returned = output if new is None else new
+                st.module_calls[module_call][MODULE_CALL_OUTPUTS] = tuple(
+                    st.bound_producer(t) for _, t in tensor_leaves(returned))
                 raise StopForward
             return new
 

@@ -29,6 +29,7 @@ class ModelIndex:
         self._param_names: dict = {}  # id(module) -> (module, [parameter name, ...])
         self._of_type: dict = {}  # module class -> the submodules of exactly that class (see ``of_type``)
         self._root = None  # a weak reference: a cached index must not keep its model alive
+        self._module_types = None  # every distinct module class, the root's included (on first use)
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
             self._walk(model)
@@ -59,6 +60,15 @@ class ModelIndex:
             for key, b in module._buffers.items():
                 if b is not None and id(b) not in self.buffers:
                     self.buffers[id(b)] = (b, prefix + key)
+
+    def module_types(self) -> tuple:
+        """Every distinct class of the model's modules, the root's first: capture checks which of them
+        replace ``nn.Module._call_impl`` themselves (``capture/call_impl.py``)."""
+        if self._module_types is None:
+            root = self._root() if self._root is not None else None
+            modules = chain((root,) if root is not None else (), self.submodules.values())
+            self._module_types = tuple(dict.fromkeys(map(type, modules)))
+        return self._module_types
 
     @property
     def modules(self) -> dict:

@@ -1,0 +1,188 @@
+"""Seeing every module call by replacing ``nn.Module._call_impl`` while a trace runs.
+
+``Module.__call__`` is ``_wrapped_call_impl``, which looks ``self._call_impl`` up at every call.
+Replacing that class attribute (a plain dict entry, unlike ``__call__``, a type slot that every subclass
+would be updated for) puts one Python function around every module call, and the call itself, with
+the module's own hooks, jit tracing and everything else ``_call_impl`` does, runs untouched inside it.
+Global forward hooks would see the same calls but move every one of them onto torch's slow hook path.
+
+The replacement is process-wide and shared by the threads that trace.  Each trace brings a recorder
+per replaced attribute: ``recorder(module, *args, **kwargs)``, which records the calls of its own thread
+and hands any other thread's straight to the original.  While one trace runs, its recorder is the
+attribute itself (one Python frame per module call); while several do, a dispatcher picks the calling
+thread's.  A class that defines its own ``_call_impl`` (``torch.compiler.disable`` on a module class
+does) is not reached through ``nn.Module``'s, so its attribute is replaced the same way for the traces
+whose model holds one.  Each replaced attribute (a ``Site``) is restored when no trace needs it, and
+every step is idempotent, so teardown can be retried until it finishes (``until_done``): an interrupt
+cannot strand a replacement.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import torch
+
+from .teardown import until_done
+
+_ATTRIBUTE = "_call_impl"
+MARK = "_torchlens_replaces"  # set on every function put in place here: the ``_call_impl`` it wraps
+_lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
+_sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl: nn.Module's stays, others while held
+
+
+def _dispatcher(impl, recorders: dict):
+    """The replacement while several threads trace: the calling thread's recorder, or ``impl``."""
+    get_recorder, get_ident = recorders.get, threading.get_ident
+
+    def _call_impl(self, *args, **kwargs):
+        recorder = get_recorder(get_ident())
+        if recorder is None:
+            return impl(self, *args, **kwargs)
+        return recorder(self, *args, **kwargs)
+
+    setattr(_call_impl, MARK, impl)
+    return _call_impl
+
+
+DISPATCHER_CODE = _dispatcher(None, {}).__code__  # a recorder called by it finds the caller one frame up
+
+
+class Site:
+    """One class whose ``_call_impl`` attribute is replaced, and the traces that hold it."""
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.original = vars(owner)[_ATTRIBUTE]
+        self.threads: set = set()  # threads whose trace holds this site, paused or not
+        self.recorders: dict = {}  # thread id -> its trace's recorder, while that trace records
+        self.dispatcher = _dispatcher(self.original, self.recorders)
+
+    def update(self) -> None:
+        """Put in place what the recording traces need: torch's own, the one recorder, or the dispatcher."""
+        recorders = self.recorders
+        if not recorders:
+            target = self.original
+        elif len(recorders) == 1:
+            target = next(iter(recorders.values()))
+        else:
+            target = self.dispatcher
+        if vars(self.owner).get(_ATTRIBUTE) is not target:
+            setattr(self.owner, _ATTRIBUTE, target)
+        if target is self.original:
+            _unsee_in_dynamo(self.original)
+
+
+def owners_overriding(module_types) -> list:
+    """The classes, among the bases of ``module_types``, whose own ``_call_impl`` a call of one of those
+    types reaches instead of ``nn.Module``'s (rare: ``torch.compiler.disable`` on a module class)."""
+    owners = []
+    for cls in module_types:
+        if cls._call_impl is torch.nn.Module._call_impl:  # the common case: one attribute lookup
+            continue
+        owner = next(k for k in cls.__mro__ if _ATTRIBUTE in vars(k))
+        if owner is not torch.nn.Module and owner not in owners:
+            owners.append(owner)
+    return owners
+
+
+def unsupported_overrides(owners) -> list:
+    """Those of ``owners`` whose ``_call_impl`` is not a plain function (a descriptor of another kind):
+    calls of their modules cannot be seen and are not module calls."""
+    return [o for o in owners if not isinstance(vars(o)[_ATTRIBUTE], types.FunctionType)]
+
+
+class Replacement:
+    """Context manager: while it is entered, this thread's calls of ``nn.Module`` and of the classes in
+    ``owners`` go through ``make_recorder(original)`` (one recorder per replaced attribute)."""
+
+    def __init__(self, make_recorder, owners=()):
+        self.make_recorder = make_recorder
+        self.owners = (torch.nn.Module, *owners)
+        self.held: list = []  # ids of the sites this trace holds
+        self._recorders: dict = {}  # id(owner) -> this trace's recorder there
+
+    def __enter__(self):
+        try:
+            self._acquire()
+            return self  # inside the try: an interrupt landing here must not strand the replacement
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def _acquire(self) -> None:
+        tid = threading.get_ident()
+        with _lock:
+            for owner in self.owners:
+                site = _sites.get(id(owner))
+                if site is None or not site.threads and vars(owner).get(_ATTRIBUTE) is not site.original:
+                    site = _sites[id(owner)] = Site(owner)  # first use, or the class has been given another
+                self.held.append(id(owner))  # first: whatever happens next, __exit__ undoes it
+                site.threads.add(tid)
+                recorder = self._recorders[id(owner)] = self.make_recorder(site.original)
+                setattr(recorder, MARK, site.original)
+                site.recorders[tid] = recorder
+                site.update()
+
+    def __exit__(self, *exc):
+        until_done(self._release_all)  # an interrupt landing mid-teardown cannot strand the replacement
+        return False
+
+    def _release_all(self) -> None:
+        while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
+            _lock.release()
+        tid = threading.get_ident()
+        with _lock:
+            while self.held:
+                key = self.held[-1]
+                site = _sites.get(key)
+                if site is not None:
+                    site.recorders.pop(tid, None)
+                    site.threads.discard(tid)
+                    site.update()
+                    if not site.threads and site.owner is not torch.nn.Module:  # its original is back
+                        _sites.pop(key, None)  # and the class is not held alive here
+                self.held.pop()
+
+    def pause(self) -> None:
+        """Stop recording this thread's calls, and take the recorder out of place (a compiled region
+        runs meanwhile: Dynamo would trace it); torch's own is back unless another trace records."""
+        tid = threading.get_ident()
+        with _lock:
+            for key in self.held:
+                site = _sites.get(key)
+                if site is not None:
+                    site.recorders.pop(tid, None)
+                    site.update()
+
+    def resume(self) -> None:
+        tid = threading.get_ident()
+        with _lock:
+            for key in self.held:  # empty once torn down: nothing comes back
+                site = _sites.get(key)
+                if site is not None and tid in site.threads:
+                    site.recorders[tid] = self._recorders[key]
+                    site.update()
+
+
+def held_by(tid: int) -> bool:
+    """Whether any replaced attribute is still held, or recorded into, by thread ``tid``'s trace."""
+    return any(tid in site.threads or tid in site.recorders for site in list(_sites.values()))
+
+
+def installed() -> list:
+    """Every ``_call_impl`` now replaced by a trace (for tests and the teardown check)."""
+    return [f"{site.owner.__qualname__}._call_impl" for site in list(_sites.values())
+            if vars(site.owner).get(_ATTRIBUTE) is not site.original]
+
+
+def _unsee_in_dynamo(original) -> None:
+    """Dynamo keeps ``nn.Module._call_impl`` as found when it was imported, to recognise unpatched
+    modules; imported while a trace ran, it kept a replacement: give it the original."""
+    for name in ("torch._dynamo.utils", "torch._dynamo.variables.nn_module"):
+        namespace = sys.modules.get(name)
+        kept = getattr(namespace, "unpatched_nn_module_call_impl", None)
+        if kept is not None and getattr(kept, MARK, None) is original:
+            namespace.unpatched_nn_module_call_impl = original
