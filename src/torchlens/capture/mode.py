@@ -314,7 +314,8 @@ class CaptureMode(TorchFunctionMode):
         written = _written_arguments(func, args, kwargs, versions)
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)
-        st.calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line, t0, t1, first_op, len(leaves),
+        st.calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line,
+                         t0, t1, first_op, len(leaves),
                          written is not None, site))
         if written is not None:
             st.note_writes(written, first_op)

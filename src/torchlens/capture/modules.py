@@ -140,8 +140,9 @@ class ModuleCallTracker:
                 else:
                     frame = call_frame(wrapped, parent)
                 if len(args) == 1 and type(args[0]) in _TENSORS:
-                    entry = producers.get(id(args[0]))  # bound(), inlined
-                    inputs = (entry[1] if entry is not None and entry[0]() is args[0] else -1,)
+                    t = args[0]
+                    entry = producers.get(id(t))  # bound(), inlined
+                    inputs = (entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1,)
                 else:
                     inputs = tuple(bound(t) for t in _tensors_in(args))
                 index = len(calls)
@@ -167,7 +168,7 @@ class ModuleCallTracker:
                         markers.module_exit(index)
                 if type(output) in _TENSORS:
                     entry = producers.get(id(output))  # bound(), inlined
-                    call[5] = (entry[1] if entry is not None and entry[0]() is output else -1,)
+                    call[5] = (entry[1] if entry is not None and (entry[0] is output or entry[0]() is output) else -1,)
                 elif output is not None:
                     call[5] = tuple(bound(t) for t in _tensors_in(output))
                 return output

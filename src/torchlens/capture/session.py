@@ -274,7 +274,8 @@ def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, refe
         return None
     from ..intervene import prepare
 
-    return prepare(root if root is not None else model, intervene=intervene, stop_after=stop_after, reference=reference, index=index,
+    return prepare(root if root is not None else model, intervene=intervene, stop_after=stop_after,
+                   reference=reference, index=index,
                    keep_originals=policy.mode != 0,
                    run_reference=lambda: _trace(model, args, kwargs, save="none", deep=deep, root=root))
 
