@@ -9,6 +9,12 @@ callable that the capture mode records as one op, named ``compiled``, inside the
 call, and that runs the compiled forward with torchlens's hooks and shim out of the way (torch has
 already popped the mode while the handler runs it).  Everything is restored in ``__exit__``.
 
+A module compiled in place (``module.compile()``) is not wrapped: torch calls its instance attribute
+``_compiled_call_impl`` instead of ``_call_impl``, which would take the call past the module-call
+recorder and let Dynamo trace torchlens itself.  For the duration of a trace that attribute is replaced
+by an ``InPlaceCompiledCall``, which sends the tracing thread's calls back through ``_call_impl`` (a
+recorded module call) whose forward is, for that call, one ``compiled`` op running the compiled code.
+
 With ``compiled="eager"`` the submodule's original module runs eagerly under capture instead, so its
 interior is recorded op by op; its outputs may then differ from a compiled run (fused kernels round
 differently), and the trace says so.
@@ -50,9 +56,9 @@ class CompiledCall:
 
     __name__ = __qualname__ = "compiled"
 
-    def __init__(self, forward, module):
+    def __init__(self, forward, eager):
         self.forward = forward
-        self.eager = module._orig_mod
+        self.eager = eager  # the module to call eagerly under compiled="eager"
         self.threads: dict = {}
 
     def __call__(self, *args, **kwargs):
@@ -66,6 +72,73 @@ class CompiledCall:
             return torch.overrides.handle_torch_function(self, (), *args, **kwargs)
         with how():
             return self.forward(*args, **kwargs)
+
+
+class InPlaceCompiledCall:
+    """The ``_compiled_call_impl`` of a module compiled in place, for the duration of a trace.
+
+    For a tracing thread the call goes through the class's ``_call_impl`` (so it is a module call, with
+    the module's own hooks run once, eagerly), whose forward is for that call a ``CompiledCall`` of the
+    compiled ``_call_impl``: one ``compiled`` op that runs the compiled code.  Any other caller gets the
+    compiled callable plainly.  With compiled="eager" the module runs eagerly, its interior recorded."""
+
+    def __init__(self, compiled, module):
+        self.compiled = compiled
+        self.module = module
+        self.op = CompiledCall(self._run_compiled, module)  # its threads are those of this call
+        self.threads = self.op.threads
+        self._own: dict = {}  # thread -> the module's own ``forward`` entry while its call is routed
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        tid = threading.get_ident()
+        how = self.threads.get(tid)
+        if how is None:
+            return self.compiled(*args, **kwargs)
+        if how == "eager":
+            return type(module)._call_impl(module, *args, **kwargs)
+        held = vars(module)
+        self._own[tid] = held.get("forward", _ABSENT)
+        held["forward"] = self.op  # read once, as the call starts, by torch's _call_impl
+        try:
+            return type(module)._call_impl(module, *args, **kwargs)
+        finally:
+            self._give_forward_back(tid)
+
+    def _run_compiled(self, *args, **kwargs):
+        # The compiled _call_impl reads ``forward`` again: it must find the module's own.
+        self._give_forward_back(threading.get_ident())
+        return self.compiled(*args, **kwargs)
+
+    def _give_forward_back(self, tid) -> None:
+        own = self._own.pop(tid, None)
+        if own is _ABSENT:
+            vars(self.module).pop("forward", None)
+        elif own is not None:
+            vars(self.module)["forward"] = own
+
+
+_ABSENT = object()
+
+
+def compiled_in_place(modules) -> list:
+    """Those of ``modules`` compiled in place (``module.compile()``), which a trace must route."""
+    return [m for m in modules if vars(m).get("_compiled_call_impl") is not None]
+
+
+def _check_routable(module, mode: str) -> None:
+    """Under compiled="run" the compiled code runs inside the module's own ``_call_impl`` call, so the
+    hooks it compiled would run twice: refuse, with what to do instead."""
+    from torch.nn.modules import module as nn_module
+
+    hooked = (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+              or module._backward_pre_hooks or nn_module._global_forward_hooks
+              or nn_module._global_forward_pre_hooks or nn_module._global_backward_hooks
+              or nn_module._global_backward_pre_hooks)
+    if mode == "run" and hooked:
+        raise RuntimeError(f"{type(module).__name__} was compiled in place (module.compile()) and module hooks are "
+                           "registered, which its compiled code would run a second time under capture; trace "
+                           "with compiled='eager', or compile it as torch.compile(module) instead")
 
 
 _lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
@@ -97,9 +170,10 @@ class CompiledSubmodules:
     """Context manager: route each compiled submodule's forward through a ``CompiledCall`` for this
     thread, and restore the module's own forward when the last trace using it ends."""
 
-    def __init__(self, model, mode: str, suspend, modules=None):
+    def __init__(self, model, mode: str, suspend, modules=None, in_place=()):
         self.model = model
         self.modules = modules  # the model's module objects when already listed (the cached index)
+        self.in_place = in_place  # modules compiled in place (``compiled_in_place``)
         self.mode = mode
         self.suspend = suspend
         self.swapped: list = []  # ids of the OptimizedModules this trace routes
@@ -113,23 +187,29 @@ class CompiledSubmodules:
                 for module in modules:
                     if type(module) is optimized and "forward" in vars(module):
                         self._route(module)
+            for module in self.in_place:
+                _check_routable(module, self.mode)
+                self._route(module, "_compiled_call_impl", InPlaceCompiledCall)
             return self
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
-    def _route(self, module) -> None:
+    def _route(self, module, slot: str = "forward", router=None) -> None:
         tid = threading.get_ident()
         self.swapped.append(id(module))  # first: whatever happens next, __exit__ will undo it
         with _lock:
             entry = _installed.get(id(module))
             if entry is None:
-                call = CompiledCall(vars(module)["forward"], module)
-                entry = _installed[id(module)] = (module, call.forward, call)
-                vars(module)["forward"] = call
+                own = vars(module)[slot]
+                call = router(own, module) if router is not None else CompiledCall(own, module._orig_mod)
+                entry = _installed[id(module)] = (module, own, call, slot)
+                vars(module)[slot] = call
             entry[2].threads[tid] = "eager" if self.mode == "eager" else self.suspend
-        if self.mode == "eager":
+        if self.mode == "eager" and router is None:
             self.eager_modules.add(id(module))
+        elif self.mode == "eager":
+            self.compiled_eagerly = True
 
     def __exit__(self, *exc):
         # Retried until done, so that an interrupt cannot strand a routed forward; re-raised after.
@@ -153,16 +233,19 @@ class CompiledSubmodules:
         with _lock:  # every step is idempotent: a retry after an interrupt repeats them harmlessly
             entry = _installed.get(key)
             if entry is not None:
-                module, forward, call = entry
+                module, own, call, slot = entry
                 call.threads.pop(threading.get_ident(), None)
-                _inplace_cache.pop(call, None)  # the process-wide cache must not keep the model alive
+                # The process-wide cache must not keep the model alive.
+                _inplace_cache.pop(getattr(call, "op", call), None)
                 if not call.threads:  # the last trace using it: the module gets its own forward back
-                    vars(module)["forward"] = forward
+                    vars(module)[slot] = own
                     _installed.pop(key, None)
             self.swapped.pop()
 
+    compiled_eagerly = False  # a module compiled in place ran eagerly (compiled="eager")
+
     def caveats(self) -> tuple:
-        if self.eager_modules:
+        if self.eager_modules or self.compiled_eagerly:
             warnings.warn(EAGER_CAVEAT, stacklevel=4)
             return (EAGER_CAVEAT,)
         return ()

@@ -21,7 +21,8 @@ from ..record.model_index import index_of
 from ..record.trace import Trace
 from ..tree import as_args
 from .collectives import process_rank
-from .compiled import CompiledSubmodules, Suspension, check_compiled_option, optimized_module_type
+from .compiled import (CompiledSubmodules, Suspension, check_compiled_option, compiled_in_place,
+                       optimized_module_type)
 from .fastpath import FastPathShim
 from .grads import attach_grads, grad_capture
 from .mode import CaptureMode, redispatch_function
@@ -87,7 +88,10 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     shim, installed = FastPathShim(mode), ModeOnStack(mode)
     # The index keeps the model's compiled submodules (cached with it): no walk of the model per trace.
     optimized = optimized_module_type()
-    submodules = CompiledSubmodules(root, compiled, None, index.of_type(optimized) if optimized is not None else ())
+    # Modules compiled in place (module.compile()) can exist only once Dynamo is imported, as can wrappers.
+    in_place = compiled_in_place(index.all_modules()) if optimized is not None else ()
+    submodules = CompiledSubmodules(root, compiled, None, index.of_type(optimized) if optimized is not None else (),
+                                    in_place)
     # The root's own call is the trace itself; a callable's calls into its root are module calls.
     tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules,
                                 module_types=index.module_types())

@@ -70,6 +70,11 @@ class ModelIndex:
             self._module_types = tuple(dict.fromkeys(map(type, modules)))
         return self._module_types
 
+    def all_modules(self) -> list:
+        """Every module object of the model once, the root first (wrappers included)."""
+        root = self._root() if self._root is not None else None
+        return ([root] if root is not None else []) + list(self.submodules.values())
+
     @property
     def modules(self) -> dict:
         """First address -> module, the root (address ``""``) included."""

@@ -1,0 +1,107 @@
+"""Modules compiled in place (``module.compile()``): torch calls their ``_compiled_call_impl``, not
+``_call_impl``, so a trace routes them (capture/compiled.py) and records them as it records a
+``torch.compile(module)`` submodule."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.capture.compiled import EAGER_CAVEAT, InPlaceCompiledCall
+from untouched import assert_clean_process
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_compile_garbage():
+    yield
+    gc.collect()
+
+
+class Block(nn.Module):
+    """Defined here, not in torch.nn: Dynamo compiles a user module's forward (torch.nn's own it skips)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return self.act(self.fc(x)) * 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)).tanh())
+
+
+def compiled_net(graphs=None):
+    """The model with its block compiled in place; ``graphs`` collects each FX graph Dynamo compiles."""
+
+    def backend(gm, example_inputs):
+        if graphs is not None:
+            graphs.append(gm)
+        return gm.forward
+
+    model = Net().eval()
+    model.block.compile(backend=backend)
+    return model, torch.randn(2, 4)
+
+
+def test_a_module_compiled_in_place_runs_compiled_as_one_op_in_its_own_call():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs = []
+    model, x = compiled_net(graphs)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # Dynamo warns when it meets torchlens's own code
+        log = tl.trace(model, x)  # the block's first call: Dynamo compiles it inside the trace
+        expected = model(x)
+    assert torch.equal(log.output, expected)
+    assert len(graphs) == 1  # one graph, the block's: no graph break, no recompilation after the trace
+    code = graphs[0].code
+    assert "linear" in code and "gelu" in code and "torchlens" not in code
+    assert [op.type for op in log.ops if op.kind == "op"] == ["linear", "compiled", "tanh", "linear"]
+    assert log["compiled_1_2"].module == "block:1"
+    assert [mc.label for mc in log.module_calls] == ["embed:1", "block:1", "head:1"]
+    assert log.caveats == ()
+    assert not isinstance(vars(model.block)["_compiled_call_impl"], InPlaceCompiledCall)
+    assert "forward" not in vars(model.block)  # nothing of the routing is left on the module
+    assert_clean_process()
+
+
+def test_compiled_eager_traces_the_interior_of_a_module_compiled_in_place():
+    model, x = compiled_net()
+    with torch.no_grad(), pytest.warns(UserWarning, match="may differ from the compiled run"):
+        log = tl.trace(model, x, compiled="eager")
+    assert log.caveats == (EAGER_CAVEAT,)
+    assert [op.type for op in log.ops if op.kind == "op"] == ["linear", "linear", "gelu", "mul", "tanh", "linear"]
+    assert [mc.label for mc in log.module_calls] == ["embed:1", "block:1", "block.fc:1", "block.act:1", "head:1"]
+    assert not isinstance(vars(model.block)["_compiled_call_impl"], InPlaceCompiledCall)
+    assert_clean_process()
+
+
+def test_hooks_on_a_module_compiled_in_place_are_refused_with_what_to_do():
+    model, x = compiled_net()
+    handle = model.block.register_forward_hook(lambda m, a, o: None)
+    try:
+        with pytest.raises(RuntimeError, match="compiled in place.*compiled='eager'"):
+            tl.trace(model, x)
+        assert not isinstance(vars(model.block)["_compiled_call_impl"], InPlaceCompiledCall)
+        assert_clean_process()
+        log = tl.trace(model, x, compiled="eager")  # the way the message names
+        assert [mc.label for mc in log.module_calls][:3] == ["embed:1", "block:1", "block.fc:1"]
+    finally:
+        handle.remove()
