@@ -14,7 +14,7 @@ The coefficients are reported as medians with quartiles over repeats; each arm k
 so only those medians (and the per-row medians beside them) mean anything.  The minimal recorder mode of
 ``models.py`` is fitted the same way, as the floor of recording.  Run:
 
-    python benchmarks/overhead_fit.py [--repeats 15] [--arms trace,none,recorder] [--no-docs]
+    python benchmarks/overhead_fit.py [--repeats 15] [--arms trace,none,read,recorder] [--no-docs]
 """
 
 from __future__ import annotations
@@ -71,9 +71,24 @@ ROWS = {
     "gpt2_1": (lambda: GPT2Stack(512, 64, 4, 1, 32), lambda g: (torch.randint(0, 512, (1, 16), generator=g),)),
     "gpt2_2": (lambda: GPT2Stack(512, 64, 4, 2, 32), lambda g: (torch.randint(0, 512, (1, 16), generator=g),)),
 }
+def read_arm(model, args, package=None):
+    """``tl.trace(save="all")`` and a first read of every derived column (labels, ops, module calls): the
+    record is built on first read, so this arm shows what a trace costs once it is looked at."""
+    if package is None:
+        import torchlens as package
+    tl = package
+
+    def traced_and_read():
+        log = tl.trace(model, args)
+        log.labels, log.ops, log.module_calls, log.modules
+        return log.output
+    return traced_and_read
+
+
 ARMS = {"trace": lambda m, a: trace_arm(m, a, save="all"), "none": lambda m, a: trace_arm(m, a, save="none"),
-        "recorder": recorder_arm}
-ARM_TITLES = {"trace": 'tl.trace (save="all")', "none": 'tl.trace (save="none")', "recorder": "recorder floor"}
+        "read": read_arm, "recorder": recorder_arm}
+ARM_TITLES = {"trace": 'tl.trace (save="all")', "none": 'tl.trace (save="none")',
+              "read": 'tl.trace (save="all") + first read', "recorder": "recorder floor"}
 
 
 def add_baseline_arms(path: str) -> None:
@@ -81,6 +96,8 @@ def add_baseline_arms(path: str) -> None:
     base = baseline_package(path)
     ARMS["trace_base"] = lambda m, a: trace_arm(m, a, package=base, save="all")
     ARMS["none_base"] = lambda m, a: trace_arm(m, a, package=base, save="none")
+    ARMS["read_base"] = lambda m, a: read_arm(m, a, package=base)
+    ARM_TITLES["read_base"] = ARM_TITLES["read"] + " before"
     ARM_TITLES["trace_base"] = ARM_TITLES["trace"] + " before"
     ARM_TITLES["none_base"] = ARM_TITLES["none"] + " before"
 
@@ -204,7 +221,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset")
-    parser.add_argument("--arms", default="trace,none,recorder", help=f"comma-separated subset of {list(ARMS)}")
+    parser.add_argument("--arms", default="trace,none,read,recorder", help=f"comma-separated subset of {list(ARMS)}")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--baseline", help="another revision's src/torchlens directory: adds its tl.trace "
                                            "arms (trace_base, none_base), side by side in this process")
