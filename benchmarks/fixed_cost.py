@@ -104,6 +104,12 @@ def step_arms(model, x, package, wide, deep) -> dict:
         part.__enter__()
         part.__exit__(None, None, None)
 
+    def tracker():
+        """The module call tracker alone: ``_call_impl`` replaced and restored, no forward."""
+        part = modules.ModuleCallTracker(probe, model, frames, module_types=(type(model),))
+        part.__enter__()
+        part.__exit__(None, None, None)
+
     def capture_block():
         """Enter every part, run the forward, tear down: as the driver does it (with a fresh state)."""
         fresh = state()
@@ -139,6 +145,7 @@ def step_arms(model, x, package, wide, deep) -> dict:
         "FrameClassifier()": lambda: session.FrameClassifier(stop_codes=(session._run_forward.__code__,)),
         "mode push + pop (ModeOnStack)": mode_stack,
         "fast-path shim enter + exit": shim,
+        "module call tracker enter + exit": tracker,
         "check_saved_versions, one saved input": checked.check_saved_versions,
         "SavePolicy('all')": lambda: part("capture.saving").SavePolicy("all", model),
     }

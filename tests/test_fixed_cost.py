@@ -159,3 +159,23 @@ def test_a_traced_model_is_indexed_once_while_unchanged():
         cached = model_index._cache[id(model)][2]
         tl.trace(model, x)
     assert model_index._cache[id(model)][2] is cached
+
+
+def test_a_tensor_output_is_named_and_bound_as_the_walk_names_a_nested_one():
+    class ReturnsBuffer(nn.Module):  # a returned buffer becomes a source only when finalize binds it
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.arange(3.0))
+
+        def forward(self, x):
+            return self.scale
+
+    class Nested(nn.Module):
+        def forward(self, x):
+            return (x + 1,)
+
+    plain = tl.trace(ReturnsBuffer(), torch.randn(3))
+    assert [op.io_path for op in plain.outputs] == ["output"]
+    assert [plain[p].label for p in plain.outputs[0].parents] == ["buffer_1:1"]
+    assert torch.equal(plain.outputs[0].activation, torch.arange(3.0))
+    assert [op.io_path for op in tl.trace(Nested(), torch.randn(3)).outputs] == ["output.0"]

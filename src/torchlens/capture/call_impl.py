@@ -69,10 +69,17 @@ class Site:
             target = next(iter(recorders.values()))
         else:
             target = self.dispatcher
-        if vars(self.owner).get(_ATTRIBUTE) is not target:
-            setattr(self.owner, _ATTRIBUTE, target)
         if target is self.original:
-            _unsee_in_dynamo(self.original)
+            self.restore()
+        elif vars(self.owner).get(_ATTRIBUTE) is not target:
+            setattr(self.owner, _ATTRIBUTE, target)
+
+    def restore(self) -> None:
+        """Put torch's own ``_call_impl`` (or the class's) back in place, and in Dynamo's sight."""
+        original = self.original
+        setattr(self.owner, _ATTRIBUTE, original)  # unconditionally: cheaper than reading it first
+        if "torch._dynamo" in sys.modules:  # the usual case: Dynamo never imported, nothing kept
+            _unsee_in_dynamo(original)
 
 
 def owners_overriding(module_types) -> list:
@@ -123,8 +130,12 @@ class Replacement:
                 site.threads.add(tid)
                 recorder = self._recorders[id(owner)] = self.make_recorder(site.original)
                 setattr(recorder, MARK, site.original)
-                site.recorders[tid] = recorder
-                site.update()
+                recorders = site.recorders
+                recorders[tid] = recorder
+                if len(recorders) == 1:  # the one trace recording: its recorder is the attribute itself
+                    setattr(owner, _ATTRIBUTE, recorder)
+                else:
+                    site.update()
 
     def __exit__(self, *exc):
         until_done(self._release_all)  # an interrupt landing mid-teardown cannot strand the replacement
@@ -141,7 +152,10 @@ class Replacement:
                 if site is not None:
                     site.recorders.pop(tid, None)
                     site.threads.discard(tid)
-                    site.update()
+                    if site.recorders:
+                        site.update()
+                    else:  # no trace records: torch's own goes back (Site.update, inlined)
+                        site.restore()
                     if not site.threads and site.owner is not torch.nn.Module:  # its original is back
                         _sites.pop(key, None)  # and the class is not held alive here
                 self.held.pop()

@@ -61,13 +61,13 @@ class ModuleCallTracker:
     def __enter__(self):
         try:
             owners = owners_overriding(self.module_types)
-            unsupported = unsupported_overrides(owners)
+            unsupported = unsupported_overrides(owners) if owners else ()  # owners: rare
             if unsupported:
                 names = ", ".join(o.__qualname__ for o in unsupported)
                 warnings.warn(f"the _call_impl of {names} is not a function: calls of their modules are not "
                               "recorded as module calls (their ops are attributed to the enclosing call)",
                               stacklevel=5)
-            owners = [o for o in owners if o not in unsupported]
+                owners = [o for o in owners if o not in unsupported]
             self._replacement = Replacement(self._recorder_factory(), owners)
             self._replacement.__enter__()
             return self  # inside the try: an interrupt landing here must not strand the replacement

@@ -88,16 +88,17 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     shim, installed = FastPathShim(mode), ModeOnStack(mode)
     # The index keeps the model's compiled submodules (cached with it): no walk of the model per trace.
     optimized = optimized_module_type()
+    compiled_modules = index.of_type(optimized) if optimized is not None else ()
     # Modules compiled in place (module.compile()) can exist only once Dynamo is imported, as can wrappers.
     in_place = compiled_in_place(index.all_modules()) if optimized is not None else ()
-    submodules = CompiledSubmodules(root, compiled, None, index.of_type(optimized) if optimized is not None else (),
-                                    in_place)
+    submodules = CompiledSubmodules(root, compiled, None, compiled_modules, in_place)
     # The root's own call is the trace itself; a callable's calls into its root are module calls.
     tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules,
                                 module_types=index.module_types())
     tracker.progress = shown if shown is not QUIET else None
     submodules.suspend = lambda: Suspension(tracker, shim)
-    parts = (submodules, shim, tracker, installed)
+    # Without compiled submodules there is nothing to route: the part is left out (its enter and exit).
+    parts = (submodules, shim, tracker, installed) if compiled_modules or in_place else (shim, tracker, installed)
     if runtime is not None and runtime.module_sites:
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (submodules, shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
@@ -129,7 +130,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     mutated = state.check_saved_versions()
     model_name = name or _display_name(model, root)
     timings = {"forward": (forward_done - started) / 1e9}
-    shown.set_description(f"finalizing {model_name}")
+    if shown is not QUIET:
+        shown.set_description(f"finalizing {model_name}")
     try:
         result = finalize(state, model, output, model_name, timings, index)
     finally:

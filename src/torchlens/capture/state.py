@@ -347,7 +347,9 @@ class CaptureState:
 
     def drained_finite_flags(self) -> dict:
         """The finite flags as ``{record: (has_nan, has_inf)}``, device flags read with one copy per device."""
-        flags = dict(self.finite_flags or {})
+        if not self.finite_flags:  # record_finite=False, the default
+            return {}
+        flags = dict(self.finite_flags)
         pending: dict = {}
         for i, v in flags.items():
             if isinstance(v, torch.Tensor):

@@ -18,6 +18,8 @@ from itertools import compress
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..labels.naming import func_name_of, op_label, type_of_name, with_passes
 from ..labels.passes import group_ops
 from ..tree import path_text
@@ -58,7 +60,10 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     index = index if index is not None else ModelIndex(model)
     calls = state.calls  # raw tuples: Trace.calls names them on first read
     # The producers of the returned tensors first: this may still add a buffer source (a returned buffer).
-    returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
+    if isinstance(output, torch.Tensor):  # the common case: the one leaf is the output itself
+        returned = [("output", state.producer_of(output), output)]
+    else:
+        returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
     first_output = len(state.records)  # the output pseudo ops follow the records
     outputs = [(path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None))
                for path, producer, t in returned]
