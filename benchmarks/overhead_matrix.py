@@ -226,7 +226,7 @@ keeping every activation can cost: holding every intermediate alive is allocator
 `tl.trace(save="all")`; `tl.trace(save="none")`. "+us/op" is the median paired time difference against
 the untraced forward (or the bare mode, last column) divided by the op count, so a trace's fixed cost is
 spread over its ops. The checks: `tl.trace` adds at most twice the recorder's cost per op plus 5 us on
-every row, at most 15 us per op on the elementwise chain, and with `save="none"` at most 5 us per op
+every row, at most 15 us per op on the elementwise chain, and with `save="none"` at most 2 us per op
 over the bare mode; in a fresh process that has already imported torch, importing torchlens and the
 first `tl.trace` add at most 150 ms to what the first untraced forward takes there. A refused
 measurement decides a check only when its floor alone already breaks the limit; otherwise the check
