@@ -23,17 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torchlens as tl  # noqa: E402
 from torchlens.capture import call_impl  # noqa: E402
 from untouched import CALL_IMPL, assert_clean_process, assert_untouched, snapshot  # noqa: E402
-
-
-class Pair(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 4)
-        self.act = nn.Tanh()
-
-    def forward(self, x):
-        return self.act(self.fc(x))
+from zoo import Pair  # noqa: E402
 
 
 def _owner_of(op) -> str | None:

@@ -27,6 +27,7 @@ from random_models import FAULTS, Program, build, programs  # noqa: E402
 from torchlens.validate import outputs_equal  # noqa: E402
 from reliability_cases import case, outcome, titles  # noqa: E402
 from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: E402
+from zoo import Pair  # noqa: E402
 
 CASE = case("Faults")
 
@@ -136,17 +137,6 @@ def fault_kinds_at_fixed_positions():
 
 
 # ----- hooks, interrupts and odd forwards --------------------------------------------------------
-class Pair(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 4)
-        self.act = nn.Tanh()
-
-    def forward(self, x):
-        return self.act(self.fc(x))
-
-
 @CASE
 def user_forward_hook_raises():
     """A user forward hook raises after its module ran."""

@@ -39,6 +39,19 @@ class InplaceViews(nn.Module):
         return v.sum() + y.t().contiguous().sum(0).mean()
 
 
+class Pair(nn.Module):
+    """Two modules in a row, seeded: the smallest model with module calls inside the root."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
 class MultiOutput(nn.Module):
     def forward(self, x):
         a, b = torch.chunk(x, 2, dim=1)
