@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -64,3 +66,22 @@ def test_a_module_class_is_refused_with_what_to_pass():
 def test_validate_says_a_non_callable_model_is_not_callable():
     with pytest.raises(TypeError, match="got a str, which is not callable"):
         tl.validate("model", torch.randn(2, 2))
+
+
+def test_warnings_name_the_users_line_not_a_line_of_torchlens(tmp_path):
+    import warnings
+
+    model, x = MLP().eval(), torch.randn(2, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tl.trace(model, x, max_saved_bytes=1)  # the budget warning, raised deep in the driver
+        line = sys._getframe().f_lineno - 1
+        folder = tmp_path / "t"
+        tl.trace(model, x).save(folder)
+        (folder / "notes.txt").write_text("kept")
+        tl.trace(model, x).save(folder, overwrite=True)  # the kept-entries warning, raised in io/save.py
+    budget = [w for w in caught if "max_saved_bytes" in str(w.message)]
+    kept = [w for w in caught if "manifest did not list" in str(w.message)]
+    assert budget and kept, [str(w.message) for w in caught]
+    assert (budget[0].filename, budget[0].lineno) == (__file__, line)
+    assert kept[0].filename == __file__

@@ -2,7 +2,23 @@
 
 Nothing here imports the rest of torchlens, so every layer can raise these.  The modules that raise an
 error also re-export it under its former home (``torchlens.io.format.TraceFileError`` and so on).
+``warn_user`` is the one way torchlens warns: at the user's line, not at a line of torchlens.
 """
+
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category=UserWarning) -> None:
+    """``warnings.warn``, attributed to the first frame outside torchlens (the user's call into it), so
+    the warning names the user's file and line however deep in torchlens it was raised."""
+    frame, level = sys._getframe(1), 2  # level 2: warn_user's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class TorchlensError(Exception):

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 
 import torch
+
+from ..errors import warn_user
 
 EAGER_CAVEAT = ("compiled submodules were traced eagerly (compiled='eager'): their outputs may differ from "
                 "the compiled run the untraced model would make")
@@ -246,6 +247,6 @@ class CompiledSubmodules:
 
     def caveats(self) -> tuple:
         if self.eager_modules or self.compiled_eagerly:
-            warnings.warn(EAGER_CAVEAT, stacklevel=4)
+            warn_user(EAGER_CAVEAT)
             return (EAGER_CAVEAT,)
         return ()

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from time import perf_counter_ns
 from types import CodeType
 
 import torch
 
+from ..errors import warn_user
 from ..tree import tensor_leaves
 from .call_impl import DISPATCHER_CODE, Replacement, held_by, owners_overriding, unsupported_overrides
 from .source import _CALL_IMPL, _SKIP, _USER
@@ -64,9 +64,8 @@ class ModuleCallTracker:
             unsupported = unsupported_overrides(owners) if owners else ()  # owners: rare
             if unsupported:
                 names = ", ".join(o.__qualname__ for o in unsupported)
-                warnings.warn(f"the _call_impl of {names} is not a function: calls of their modules are not "
-                              "recorded as module calls (their ops are attributed to the enclosing call)",
-                              stacklevel=5)
+                warn_user(f"the _call_impl of {names} is not a function: calls of their modules are not "
+                          "recorded as module calls (their ops are attributed to the enclosing call)")
                 owners = [o for o in owners if o not in unsupported]
             self._replacement = Replacement(self._recorder_factory(), owners)
             self._replacement.__enter__()

@@ -14,6 +14,7 @@ from time import perf_counter_ns
 
 import torch
 
+from ..errors import warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
@@ -158,10 +159,8 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     if mutated:
         warn_mutated([result.labels[i] for i in mutated])
     if state.budget_exhausted_at is not None:
-        import warnings
-
-        warnings.warn(f"max_saved_bytes reached: activations from {result.labels[state.budget_exhausted_at]} "
-                      "on were not saved", stacklevel=2)
+        warn_user(f"max_saved_bytes reached: activations from {result.labels[state.budget_exhausted_at]} "
+                  "on were not saved")
     return result
 
 

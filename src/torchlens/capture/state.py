@@ -18,12 +18,12 @@ the forward made to it (``param_writes``).
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import NamedTuple
 from weakref import ref as weakref
 
 import torch
 
+from ..errors import warn_user
 from ..record.layouts import shape_of
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
@@ -380,13 +380,11 @@ class CaptureState:
 
 def warn_mutated(labels: list) -> None:
     if labels:
-        warnings.warn(
+        warn_user(
             "torchlens dropped saved activations that were changed after being saved, by writes that "
             f"torch did not route through capture: {', '.join(labels[:10])}"
             + (" ..." if len(labels) > 10 else "")
-            + ". Their metadata is intact; re-run with save=[...] excluding them or avoid .data writes.",
-            stacklevel=3,
-        )
+            + ". Their metadata is intact; re-run with save=[...] excluding them or avoid .data writes.")
 
 
 class StopForward(BaseException):

@@ -20,10 +20,10 @@ import os
 import shutil
 import stat
 import uuid
-import warnings
 
 import torch
 
+from ..errors import warn_user
 from .encode import encode_value, torch_constant_name
 from .grads import write_grads
 from .interventions import write_interventions
@@ -124,9 +124,9 @@ def _replace_saved(path: str, staging: str, old_files: list) -> None:
             os.replace(os.path.join(staging, name), os.path.join(path, name))
     os.replace(os.path.join(staging, MANIFEST), os.path.join(path, MANIFEST))
     kept = [n for n in others if os.path.lexists(os.path.join(path, n))]
-    warnings.warn(f"{path}: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the old trace's manifest did not "
-                  f"list ({', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''}); saving over a trace removes only "
-                  "the files its manifest names", stacklevel=4)
+    warn_user(f"{path}: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the old trace's manifest did not "
+              f"list ({', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''}); saving over a trace removes only "
+              "the files its manifest names")
 
 
 def _is_regular(path: str) -> bool:
