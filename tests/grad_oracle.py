@@ -1,0 +1,122 @@
+"""The untraced reference for gradient tests: a minimal recording mode that keeps each torch call's
+outputs and their gradients (``retain_grad()``, or a hook per output for tensors later modified in place).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import torchlens as tl
+from torchlens.capture.mode import _NOT_OPS
+from zoo import zoo
+
+
+class Oracle(TorchFunctionMode):
+    """Untraced reference: keeps each torch call's output tensors in order and their gradients.
+
+    ``how="retain_grad"`` calls ``retain_grad()``; ``how="hook"`` registers a hook per output, which is
+    what PyTorch defines for a tensor modified in place afterwards (the gradient of that version)."""
+
+    def __init__(self, how="retain_grad"):
+        super().__init__()
+        self.how = how
+        self.outputs = []  # (tensor or None, requires_grad)
+        self.hooked: dict = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _NOT_OPS:
+            return out
+        if isinstance(out, torch.Tensor):
+            leaves = [out]
+        elif func is torch.Tensor.__setitem__:
+            leaves = [args[0]]
+        elif isinstance(out, (tuple, list)):
+            leaves = _flat(out)
+        else:
+            return out
+        for t in leaves:
+            k = len(self.outputs)
+            self.outputs.append((t, t.requires_grad))
+            if t.requires_grad:
+                if self.how == "retain_grad":
+                    t.retain_grad()
+                else:
+                    t.register_hook(lambda g, k=k: self._keep(k, g))
+        return out
+
+    def _keep(self, k, g):
+        self.hooked[k] = g.clone() if k not in self.hooked else self.hooked[k] + g
+
+    def grads(self):
+        if self.how == "retain_grad":
+            return [t.grad if rg else None for t, rg in self.outputs]
+        return [self.hooked.get(k) for k in range(len(self.outputs))]
+
+
+def _flat(out):
+    """Every tensor inside nested tuples, lists and dicts, in order."""
+    found = []
+    for item in (out.values() if isinstance(out, dict) else out):
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (tuple, list, dict)):
+            found.extend(_flat(item))
+    return found
+
+
+def _loss(output):
+    """A loss reaching every floating output, weighted so that gradients differ per element."""
+    leaves = [t for t in _flat([output]) if t.is_floating_point() and t.requires_grad]
+    g = torch.Generator().manual_seed(7)
+    return sum((t * torch.randn(t.shape, generator=g)).sum() for t in leaves)
+
+
+# Models without parameters: their inputs require grad, so that there is a backward at all.
+_INPUT_GRAD = {"functional", "multi_output"}
+
+
+def _case(name):
+    model, args, kwargs = zoo()[name]
+    if name in _INPUT_GRAD:
+        args = tuple(a.clone().requires_grad_() for a in args)
+    return model, args, kwargs
+
+
+def _reference(name, how="retain_grad", case=_case):
+    model, args, kwargs = case(name)
+    oracle = Oracle(how)
+    torch.manual_seed(1)
+    with oracle:
+        out = model(*args, **kwargs)
+    _loss(out).backward()
+    return oracle, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _traced(name, case=_case, **options):
+    model, args, kwargs = case(name)
+    torch.manual_seed(1)
+    log = tl.trace(model, args, kwargs, grads=True, **options)
+    log.backward(_loss(log.output))
+    return log, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _op_grads(log):
+    ops = [op for op in log if op.kind == "op"]
+    return ops, [op.grad if op.requires_grad else None for op in ops]
+
+
+def _assert_bit_identical(ops, got, expected):
+    assert len(got) == len(expected), (len(got), len(expected))
+    assert any(e is not None for e in expected), "the reference run produced no gradient to compare"
+    for op, g, e in zip(ops, got, expected):
+        if e is None:
+            assert g is None, op.label
+        else:
+            assert g is not None, op.label
+            assert g.dtype == e.dtype and g.shape == e.shape == op.shape, op.label
+            assert torch.equal(g, e), op.label
+
+
+# Models without in-place writes: retain_grad() on every output is the reference.

@@ -1,0 +1,325 @@
+"""Gradients through the tools that read a trace: saved-for-backward memory, the debug helpers, save /
+load and extraction, the kernel profile, the viewer, and interventions.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchlens as tl
+from torchlens.record.errors import GradientUnavailable
+from grad_oracle import Oracle, _assert_bit_identical, _op_grads
+from zoo import zoo
+
+
+def test_saved_for_backward_bytes_count_distinct_storages():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    with pytest.raises(GradientUnavailable, match="saved_for_backward=True"):
+        tl.trace(model, x, grads=True)["0"].saved_for_backward_bytes
+    log = tl.trace(model, x, saved_for_backward=True)
+    fp = 4
+    # The first linear keeps only its input (the weight's gradient needs it; x needs no gradient),
+    # relu its output, the second linear relu's output (the same storage: counted once in totals) and
+    # its weight (to pass the gradient on to relu).
+    assert log["0"].saved_for_backward_bytes == 3 * 4 * fp
+    assert log["1"].saved_for_backward_bytes == 3 * 8 * fp
+    assert log["2"].saved_for_backward_bytes == (3 * 8 + 2 * 8) * fp
+    assert log.saved_for_backward_bytes == (3 * 4 + 3 * 8 + 2 * 8) * fp
+    table = log.saved_for_backward()
+    assert [r["module_call"] for r in table.rows] == ["2:1", "1:1", "0:1"]
+    assert "saved for backward" in str(table)
+    x.requires_grad_()
+    log = tl.trace(model, x, saved_for_backward=True)
+    assert log["0"].saved_for_backward_bytes == (3 * 4 + 8 * 4) * fp  # now the weight is kept for x's gradient
+
+
+def test_saved_for_backward_left_to_callers_own_hooks():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    with torch.autograd.graph.save_on_cpu():
+        log = tl.trace(model, torch.randn(3, 4), grads=True, saved_for_backward=True)
+    with pytest.raises(GradientUnavailable, match="saved_tensors_hooks"):
+        log.saved_for_backward_bytes
+    log.backward(log.output.sum())
+    assert log["0"].grad is not None
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval(), torch.randint(0, 64, (2, 8))
+
+
+def test_gpt2_gradients_bit_identical_to_an_untraced_run():
+    model, ids = _gpt2()
+    oracle = Oracle(how="hook")
+    with oracle:
+        logits = model(ids).logits
+    logits.logsumexp(-1).sum().backward()
+    expected = oracle.grads()
+    ref_params = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    log = tl.trace(model, ids, grads=True, saved_for_backward=True)
+    log.backward(log.output.logits.logsumexp(-1).sum())
+    ops, got = _op_grads(log)
+    _assert_bit_identical(ops, got, expected)
+    assert all(torch.equal(p.grad, ref_params[n]) for n, p in model.named_parameters())
+    block = log["transformer.h.1:1"]
+    assert block.grad is not None
+    params = {p.address: p for p in log.params}
+    assert torch.equal(params["transformer.wte.weight"].grad, ref_params["transformer.wte.weight"])
+    assert log.saved_for_backward_bytes > 0
+    top = log.saved_for_backward().rows[0]
+    assert top["module_call"] in ("transformer:1", "self:1") or top["saved_for_backward_bytes"] > 0
+
+
+def test_hot_path_by_grad_norm_and_saved_for_backward():
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True, saved_for_backward=True)
+    with pytest.raises(ValueError, match="backward"):
+        tl.debug.hot_path(log, by="grad_norm")
+    log.backward(log.output.pow(2).sum())
+    ranked = tl.debug.hot_path(log, by="grad_norm")
+    norms = {op.label: float(torch.linalg.vector_norm(op.grad)) for op in log if op.kind == "op"}
+    assert [r["address"] for r in ranked.rows] == sorted(norms, key=norms.get, reverse=True)
+    assert ranked.rows[0]["total"] == pytest.approx(max(norms.values()))
+    by_module = {r["address"]: r["total"] for r in tl.debug.hot_path(log, by="grad_norm", group="module")}
+    head = [op for op in log if op.module == "head:1"]
+    assert by_module["head:1"] == pytest.approx(sum(norms[op.label] ** 2 for op in head) ** 0.5)
+    saved = tl.debug.hot_path(log, by="saved_for_backward", group="module")
+    assert {r["address"]: r["total"] for r in saved} == {
+        mc.label: mc.saved_for_backward_bytes for mc in log.module_calls}
+    with pytest.raises(GradientUnavailable, match="grads=True"):
+        tl.debug.hot_path(tl.trace(model, args), by="grad_norm")
+
+
+class SqrtOfZero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        spread = h.norm(dim=-1, keepdim=True) * 0.0  # finite in the forward; sqrt'(0) is Inf
+        return self.b(torch.sqrt(spread) + h)
+
+
+def test_nonfinite_origin_of_gradients_names_the_first_op_in_backward_order():
+    log = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=True)
+    log.backward(log.output.sum())
+    assert not tl.debug.nonfinite_origin(log)  # the forward is finite
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    assert report.origin_label == "mul_1_3:1" and report.kind == "inf"
+    assert report.born_in == ("sqrt_1_4:1",)
+    assert set(report.nonfinite) == {"mul_1_3:1", "norm_1_2:1", "linear_1_1:1"}
+    assert "detect_anomaly" in str(report) and "sqrt_1_4:1" in str(report)
+    clean = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=["b"])
+    clean.backward(clean.output.sum())
+    assert not tl.debug.nonfinite_origin(clean, grads=True)
+
+
+def test_save_and_load_keep_gradients(tmp_path):
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True, saved_for_backward=True)
+    log.backward(log.output.sum())
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    assert loaded.num_backwards == 1
+    for op in log:
+        if op.has_grad:
+            assert torch.equal(loaded[op.label].grad, op.grad), op.label
+    assert torch.equal(loaded._param_grads["head.weight"], model.head.weight.grad)
+    assert loaded.saved_for_backward_bytes == log.saved_for_backward_bytes
+    assert loaded["linear_1_1:1"].saved_for_backward_bytes == log["linear_1_1:1"].saved_for_backward_bytes
+    frame, original = loaded.to_pandas(), log.to_pandas()
+    assert frame["grad_norm"].equals(original["grad_norm"])
+    manifest = (tmp_path / "t" / "manifest.json").read_text()
+    assert "gradients.safetensors" in manifest
+    # Statistics survive a save after cleanup(); non-finite values round-trip through JSON.
+    bad = tl.trace(model, args, grads=True)
+    bad.backward(torch.sqrt(bad.output - 1e6).sum())
+    bad.cleanup()
+    bad.save(tmp_path / "c")
+    reread = tl.load(tmp_path / "c").to_pandas().set_index("label")
+    assert reread["grad_nonfinite"].equals(bad.to_pandas().set_index("label")["grad_nonfinite"])
+    assert reread["grad_norm"].isna().any()
+    plain = tl.trace(model, args)
+    plain.save(tmp_path / "p")
+    assert tl.load(tmp_path / "p")._gradcap is None
+    packed_only = tl.trace(model, args, saved_for_backward=True)
+    packed_only.save(tmp_path / "s")
+    reread = tl.load(tmp_path / "s")
+    assert reread._gradcap is None and reread.saved_for_backward_bytes == packed_only.saved_for_backward_bytes
+
+
+def test_extract_streams_gradients_beside_activations(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,))) for _ in range(3)]
+
+    def loss_fn(output, batch):
+        return F.cross_entropy(output, batch[1], reduction="sum")
+
+    with pytest.raises(ValueError, match="loss_fn"):
+        tl.extract(model, batches, ["0"], tmp_path / "x", grads=True, progress=False)
+    out = tl.extract(model, batches, ["0", "2"], tmp_path / "e", args_of=lambda b: b[0], grads=True,
+                     loss_fn=loss_fn, progress=False)
+    arrays = tl.load_extracted(out, as_torch=True)
+    assert set(arrays) == {"0", "2", "grad:0", "grad:2"}
+    expected_acts, expected_grads = [], []
+    for x, y in batches:
+        hidden = model[0](x)
+        hidden.retain_grad()
+        logits = model[2](model[1](hidden))
+        logits.retain_grad()
+        F.cross_entropy(logits, y, reduction="sum").backward()
+        expected_acts.append(hidden.detach())
+        expected_grads.append((hidden.grad, logits.grad))
+    assert torch.equal(arrays["0"], torch.cat(expected_acts))
+    assert torch.equal(arrays["grad:0"], torch.cat([g for g, _ in expected_grads]))
+    assert torch.equal(arrays["grad:2"], torch.cat([g for _, g in expected_grads]))
+    model.zero_grad(set_to_none=True)
+    tl.extract(model, batches, ["2"], tmp_path / "f", args_of=lambda b: b[0], grads=True, loss_fn=loss_fn,
+               progress=False)
+    assert all(p.grad is None for p in model.parameters())  # extraction leaves the model as it was
+
+
+def test_kernel_profile_reuses_a_grads_trace_and_reports_backward_per_module_call():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    fresh = tl.report.kernel_profile(model, x, backward=True)
+    model.zero_grad()
+    log = tl.trace(model, x, grads=True)
+    reused = tl.report.kernel_profile(log, backward=True)
+    assert log.num_backwards == 1 and log["linear_1_1:1"].grad is not None  # the profiled backward filled them
+    # The same backward nodes land on the same ops and module calls, with no second forward.
+    assert [(r["op"], r["bwd_aten_ops"]) for r in reused.ops] == [(r["op"], r["bwd_aten_ops"]) for r in fresh.ops]
+    assert all(r["cpu_ns"] is None and r["bwd_cpu_ns"] > 0 for r in reused.ops)
+    by_call = {r["module_call"]: r for r in reused.module_calls}
+    inside = [r["bwd_aten_ops"] for r in reused.ops if r["module"] in ("2.0:1", "2.1:1")]
+    assert by_call["2:1"]["bwd_aten_ops"] == sum(inside)
+    assert "module calls by backward" in str(reused)
+    with pytest.raises(ValueError, match="backward"):
+        tl.report.kernel_profile(tl.trace(model, x, grads=True), backward=False)
+    with pytest.raises(GradientUnavailable, match="grads=True"):
+        tl.report.kernel_profile(tl.trace(model, x), backward=True)
+
+
+def test_viewer_colours_by_gradient_norm_and_shows_gradient_stats():
+    from torchlens.viz.metrics import Coloring, op_values
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    log = tl.trace(model, torch.randn(3, 4), grads=True)
+    log.backward(log.output.pow(3).sum())
+    values = op_values(log, "grad_norm")
+    for op in log:
+        if op.has_grad:
+            assert values[op.index] == pytest.approx(float(torch.linalg.vector_norm(op.grad)))
+    svg = log.render(color_by="grad_norm", format="svg")
+    assert "colour: grad norm" in svg
+    html = log.render(color_by="grad_norm", format="html")
+    assert '"gradient":{' in html and '"norm":' in html
+    exploded = tl.trace(model, torch.randn(3, 4), grads=True)
+    exploded.backward(torch.sqrt(exploded.output - 1e6).sum())  # NaN gradients
+    values = op_values(exploded, "grad_norm")
+    coloring = Coloring("grad_norm", values)
+    top = coloring.fill(max(v for v in values if v is not None))
+    assert coloring.fill(values[exploded["linear_2_3:1"].index]) == top  # the darkest colour
+    html = exploded.render(color_by="grad_norm", format="html")
+    assert '"norm":"nan"' in html
+
+
+class RaisesMidway(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.kept = []
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.kept.append(h)  # a tensor that outlives the failed forward
+        raise RuntimeError("model failure")
+
+
+def test_a_forward_that_raises_leaves_no_hook_behind():
+    model = RaisesMidway()
+    with pytest.raises(RuntimeError, match="model failure"):
+        tl.trace(model, torch.randn(2, 4), grads=True, saved_for_backward=True)
+    gc.collect()
+    (h,) = model.kept
+    assert not h._backward_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no saved-tensor hooks left
+    h.sum().backward()  # an untraced backward afterwards runs as usual
+    assert model.fc.weight.grad is not None
+
+
+def test_gradients_of_an_intervened_run_follow_the_value_downstream_saw():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    x = torch.randn(3, 6)
+
+    kept = {}
+
+    def halve(module, args, output):  # the same edit as tl.scale(0.5), by hand
+        edited = output * 0.5
+        edited.retain_grad()
+        kept["edited"] = edited
+        return edited
+
+    handle = model[1].register_forward_hook(halve)
+    try:
+        model(x).sum().backward()
+    finally:
+        handle.remove()
+    expected_param_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    log = tl.trace(model, x, grads=True, intervene={"1": tl.scale(0.5)})
+    log.backward(log.output.sum())
+    site = log["1"]
+    assert site.intervention is not None
+    assert torch.equal(site.grad, kept["edited"].grad)
+    for p, expected in zip(model.parameters(), expected_param_grads):
+        assert torch.equal(p.grad, expected)
+    log.cleanup()
+
+
+def test_loaded_trace_gives_parameters_and_their_gradients_back(tmp_path):
+    model, args, _ = zoo()["mlp"]
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, args, grads=True)
+    log.backward(log.output.sum())
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    assert [p.address for p in loaded.params] == [p.address for p in log.params]
+    for live, back in zip(log.params, loaded.params, strict=True):
+        assert (back.shape, back.dtype, back.requires_grad, back.op_labels) == \
+            (live.shape, live.dtype, live.requires_grad, live.op_labels)
+        assert torch.equal(back.grad, live.grad), live.address
+    assert loaded.params.to_pandas().equals(log.params.to_pandas())
+    # Saved without the tensors, or without gradients at all: the loaded Param says so.
+    log.save(tmp_path / "meta", activations=False)
+    with pytest.raises(GradientUnavailable, match="activations=False"):
+        tl.load(tmp_path / "meta").params[0].grad
+    plain = tl.trace(model, args)
+    plain.save(tmp_path / "plain")
+    reread = tl.load(tmp_path / "plain")
+    assert reread.params[0].address == log.params[0].address
+    with pytest.raises(GradientUnavailable, match="without grads="):
+        reread.params[0].grad
+    log.cleanup()
+    log.save(tmp_path / "cleaned")
+    cleaned = tl.load(tmp_path / "cleaned")
+    assert [p.op_labels for p in cleaned.params] == [p.op_labels for p in log.params]
+    with pytest.raises(GradientUnavailable, match="cleanup"):
+        cleaned.params[0].grad
