@@ -15,23 +15,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torchlens as tl  # noqa: E402
 from torchlens.tree import structures_equal  # noqa: E402
+from hooked import differing_activations, keep, with_hook  # noqa: E402
 from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: E402
 from zoo import InplaceViews, LoopRNN, SharedModule, zoo  # noqa: E402
 
 CASES = {k: v for k, v in zoo().items() if k != "transformer_fastpath"}
-
-
-def _same_activations(a, b, skip=()):
-    """Labels whose activations differ between two traces of the same ops."""
-    assert a._labels == b._labels
-    differ = []
-    for op_a, op_b in zip(a.ops, b.ops):
-        if op_a.label in skip:
-            continue
-        x, y = op_a.activation, op_b.activation
-        if (x is None) != (y is None) or (x is not None and not structures_equal(x, y)[0]):
-            differ.append(op_a.label)
-    return differ
 
 
 def _seeded(fn, model, seed=0):
@@ -44,10 +32,6 @@ def _seeded(fn, model, seed=0):
     return result, torch.get_rng_state()
 
 
-def _keep(t, op):
-    return None
-
-
 # ----- identity actions: bit-identical to a plain trace ----------------------------------------------
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("how", ["every op", "every module"])
@@ -55,15 +39,15 @@ def test_identity_action_gives_a_bit_identical_trace(name, how):
     model, args, kwargs = CASES[name]
     plain, rng_plain = _seeded(lambda: tl.trace(model, args, kwargs), model)
     if how == "every op":
-        sites = {(lambda op: True): _keep}
+        sites = {(lambda op: True): keep}
     else:
-        sites = {mc.module.address: _keep for mc in plain.module_calls}
+        sites = {mc.module.address: keep for mc in plain.module_calls}
         if not sites:
             pytest.skip("no submodules")
     touched, rng_touched = _seeded(lambda: tl.trace(model, args, kwargs, intervene=sites), model)
     assert torch.equal(rng_plain, rng_touched), "the intervened trace consumed different random numbers"
     assert structures_equal(plain.output, touched.output)[0]
-    assert not _same_activations(plain, touched)
+    assert not differing_activations(plain, touched)
     assert touched.interventions, "the identity action was never applied"
 
 
@@ -72,7 +56,7 @@ def test_identity_returning_a_copy_keeps_values_and_records_the_original():
     plain = tl.trace(model, args)
     touched = tl.trace(model, args, intervene={"layers.1": lambda t, op: t.clone()})
     assert structures_equal(plain.output, touched.output)[0]
-    assert not _same_activations(plain, touched)
+    assert not differing_activations(plain, touched)
     op = touched["layers.1"]
     assert op.intervention is not None and op.intervention.site == "layers.1"
     assert torch.equal(op.original, op.activation)
@@ -98,7 +82,7 @@ def test_an_action_changes_only_ops_reachable_from_its_site(name, site):
     label = plain[site].label
     touched = tl.trace(model, args, kwargs, intervene={site: tl.scale(3.0)})
     reachable = _descendants(plain, label)
-    differ = set(_same_activations(plain, touched))
+    differ = set(differing_activations(plain, touched))
     assert label in differ
     assert differ <= reachable, f"ops not reachable from {label} changed: {sorted(differ - reachable)}"
     assert torch.equal(touched[label].original, plain[label].activation)
@@ -106,15 +90,6 @@ def test_an_action_changes_only_ops_reachable_from_its_site(name, site):
 
 
 # ----- the same edit as a hand-written forward hook ---------------------------------------------------
-def _with_hook(module, model, args, edit):
-    handle = module.register_forward_hook(edit)
-    try:
-        with torch.no_grad():
-            return model(*args)
-    finally:
-        handle.remove()
-
-
 def test_module_call_site_hits_only_that_call_of_a_reused_module():
     model, x = SharedModule().eval(), torch.randn(2, 8)
     calls = []
@@ -123,7 +98,7 @@ def test_module_call_site_hits_only_that_call_of_a_reused_module():
         calls.append(1)
         return output * 2 if len(calls) == 2 else None
 
-    expected = _with_hook(model.fc, model, (x,), second_call_times_two)
+    expected = with_hook(model.fc, model, (x,), second_call_times_two)
     log = tl.trace(model, x, intervene={"fc:2": tl.scale(2.0)})
     assert torch.equal(log.output, expected)
     assert [a.label for a in log.interventions] == [log["fc:2"].label]
@@ -143,11 +118,11 @@ def test_label_sites_in_a_python_loop_hit_one_pass_or_every_pass():
         return output + 1 if len(calls) == 3 else None
 
     assert torch.equal(tl.trace(model, x, intervene={f"{cell_layer}:3": lambda t, op: t + 1}).output,
-                       _with_hook(model.cell, model, (x,), third))
+                       with_hook(model.cell, model, (x,), third))
     assert torch.equal(tl.trace(model, x, intervene={cell_layer: lambda t, op: t + 1}).output,
-                       _with_hook(model.cell, model, (x,), lambda m, i, o: o + 1))
+                       with_hook(model.cell, model, (x,), lambda m, i, o: o + 1))
     assert torch.equal(tl.trace(model, x, intervene={"cell": lambda t, op: t + 1}).output,
-                       _with_hook(model.cell, model, (x,), lambda m, i, o: o + 1))
+                       with_hook(model.cell, model, (x,), lambda m, i, o: o + 1))
 
 
 def test_one_output_of_a_multi_output_op_and_module():
@@ -160,21 +135,21 @@ def test_one_output_of_a_multi_output_op_and_module():
         y, hidden = output
         return torch.zeros_like(y), hidden
 
-    expected = _with_hook(model.lstm, model, args, zero_first)
+    expected = with_hook(model.lstm, model, args, zero_first)
     log = tl.trace(model, args, intervene={first.label: tl.zero_ablate()})
     assert torch.equal(log.output, expected)
     others = [op.label for op in plain.ops if op.type == "lstm" and op.label != first.label]
     assert all(torch.equal(log[k].activation, plain[k].activation) for k in others)
     assert lstm_out.label in others
     # A module site changes every output tensor of the call.
-    zero_all = _with_hook(model.lstm, model, args, lambda m, i, o: (torch.zeros_like(o[0]),
+    zero_all = with_hook(model.lstm, model, args, lambda m, i, o: (torch.zeros_like(o[0]),
                                                                       tuple(torch.zeros_like(h) for h in o[1])))
     assert torch.equal(tl.trace(model, args, intervene={"lstm": tl.zero_ablate()}).output, zero_all)
 
 
 def test_in_place_ops_after_the_site_keep_saved_values_protected():
     model, x = InplaceViews().eval(), torch.randn(3, 8)
-    expected = _with_hook(model.fc, model, (x,), lambda m, i, o: o * 3)
+    expected = with_hook(model.fc, model, (x,), lambda m, i, o: o * 3)
     log = tl.trace(model, x, intervene={"fc": tl.scale(3.0)})
     assert torch.equal(log.output, expected)
     fc = log["fc"]
@@ -378,58 +353,6 @@ def test_extract_accepts_stop_after(tmp_path):
     assert torch.equal(torch.as_tensor(first[:].copy()), expected)
 
 
-# ----- a small GPT-2 from a config ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def gpt2():
-    transformers = pytest.importorskip("transformers")
-    transformers.utils.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    clean = torch.tensor([[5, 9, 13, 21, 7, 30]])
-    corrupt = clean.clone()
-    corrupt[0, 1] = 40
-    return model, clean, corrupt
-
-
-def _logit_diff(output):
-    return output.logits[0, -1, 11] - output.logits[0, -1, 12]
-
-
-def test_gpt2_patching_the_last_block_from_the_clean_run_restores_the_clean_logits(gpt2):
-    model, clean, corrupt = gpt2
-    clean_log = tl.trace(model, clean)
-    corrupt_log = tl.trace(model, corrupt)
-    patched = tl.trace(model, corrupt, intervene={"transformer.h.1": tl.patch_from(clean_log)})
-    assert torch.equal(patched.output.logits, clean_log.output.logits)
-    assert not torch.equal(corrupt_log.output.logits, clean_log.output.logits)
-    # Upstream of the site the patched run is the corrupted run, bit for bit.
-    site = patched["transformer.h.1"].index
-    upstream = [op.label for op in patched.ops[:site] if op.activation is not None]
-    assert upstream and all(torch.equal(patched[k].activation, corrupt_log[k].activation) for k in upstream)
-
-
-def test_gpt2_module_site_equals_a_forward_hook(gpt2):
-    model, clean, _ = gpt2
-    expected = _with_hook(model.transformer.h[0].mlp, model, (clean,), lambda m, i, o: o * 0.25).logits
-    log = tl.trace(model, clean, intervene={"transformer.h.0.mlp": tl.scale(0.25)})
-    assert torch.equal(log.output.logits, expected)
-
-
-def test_gpt2_one_attention_head_ablated_at_the_sdpa_output(gpt2):
-    model, clean, _ = gpt2
-    plain = tl.trace(model, clean)
-    sdpa = [op for op in plain.ops if op.type == "scaleddotproductattention"]
-    assert len(sdpa) == 2 and sdpa[0].shape[1] == 4  # (batch, heads, positions, head dim)
-    log = tl.trace(model, clean, intervene={sdpa[0].label: tl.zero_ablate(at=(slice(None), 2))})
-    value = log[sdpa[0].label].activation
-    assert torch.equal(value[:, 2], torch.zeros_like(value[:, 2]))
-    keep = [0, 1, 3]
-    assert torch.equal(value[:, keep], plain[sdpa[0].label].activation[:, keep])
-    assert not torch.equal(log.output.logits, plain.output.logits)
-
-
 def test_mha_head_via_deep_capture():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
@@ -448,25 +371,6 @@ def test_mha_head_via_deep_capture():
         expected = mha.out_proj(attended.permute(2, 0, 1, 3).reshape(3, 8)).view(3, 1, 8).transpose(0, 1)
     assert torch.allclose(log.output, expected, atol=1e-6)
     assert not torch.allclose(plain.output, expected, atol=1e-6)
-
-
-def test_gpt2_activation_and_attribution_patching_tables(gpt2):
-    model, clean, corrupt = gpt2
-    sites = ["transformer.h.0:1", "transformer.h.0.attn:1", "transformer.h.1.mlp:1", "transformer.ln_f:1"]
-    exact = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=sites, progress=False)
-    assert list(exact.site) == sites and not exact.error.any()
-    by_site = exact.set_index("site").normalized
-    assert by_site["transformer.ln_f:1"] == 1.0  # everything downstream of ln_f is the clean run
-    with torch.no_grad():
-        patched = tl.trace(model, corrupt, intervene={"transformer.h.0.attn:1": tl.patch_from(tl.trace(model, clean))})
-    assert exact.set_index("site").metric["transformer.h.0.attn:1"] == pytest.approx(_logit_diff(patched.output).item())
-    estimate = tl.report.attribution_patching(model, clean, corrupt, _logit_diff)
-    calls = estimate[estimate.kind == "module call"].set_index("site").normalized
-    assert calls["lm_head:1"] == pytest.approx(1.0, abs=1e-4)  # the metric is linear in the logits
-    assert set(sites) <= set(calls.index)
-    agreement = torch.corrcoef(torch.tensor([list(by_site[sites]), list(calls[sites])]))[0, 1]
-    assert agreement > 0.9
-    assert (estimate.kind == "op").sum() == sum(1 for op in tl.trace(model, clean, save="none").ops if op.kind == "op")
 
 
 def test_a_stopped_trace_keeps_the_labels_of_the_whole_forward_when_it_has_a_reference():
@@ -518,22 +422,6 @@ def test_an_action_writing_its_tensor_in_place_is_refused():
     with pytest.raises(tl.InterventionError, match="in place"):
         tl.trace(model, args, intervene={"layers.0": zero_in_place})
     assert_clean_process()
-
-
-def test_activation_patching_by_position_and_its_heatmap(gpt2, tmp_path):
-    model, clean, corrupt = gpt2
-    table = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer.h.1"],
-                                          positions=1, progress=False)
-    assert list(table.position) == list(range(clean.shape[1]))
-    clean_log = tl.trace(model, clean)
-    at_two = tl.trace(model, corrupt, intervene={"transformer.h.1": tl.patch_from(clean_log, at=(slice(None), 2))})
-    assert table.metric[2] == pytest.approx(_logit_diff(at_two.output).item())
-    tl.viz.heatmap(table)  # twice: the function must stay the function after its module is imported
-    svg = tl.viz.heatmap(table, tmp_path / "h.svg").read_text()
-    assert svg.count("<rect") == clean.shape[1]
-    assert "#ff0000" in svg  # the last position restores the clean metric fully: the saturated cell
-    with pytest.raises(KeyError, match="closest"):
-        tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer.h.7"], progress=False)
 
 
 def test_a_saved_or_cleaned_up_trace_serves_as_the_reference(tmp_path):
@@ -589,7 +477,7 @@ def test_replacing_every_op_with_an_equal_copy_changes_no_value(name):
     copied, rng_copied = _seeded(lambda: tl.trace(model, args, kwargs, intervene=copy_unless_view), model)
     assert torch.equal(rng_plain, rng_copied)
     assert structures_equal(plain.output, copied.output)[0]
-    assert not _same_activations(plain, copied)
+    assert not differing_activations(plain, copied)
     applied = [op for op in copied.ops if op.intervention is not None]
     assert len(applied) == sum(1 for op in plain.ops if op.kind == "op")
     assert any(op.original is not None for op in applied)
@@ -622,16 +510,6 @@ def test_a_module_site_may_use_an_alias_address():
     clean = tl.trace(model, x * 2)
     patched = tl.trace(model, x, intervene={"alias:1": tl.patch_from(clean)})
     assert torch.equal(patched.output, clean.output)
-
-
-def test_gpt2_identity_at_every_op_and_module_is_bit_identical(gpt2):
-    model, clean, _ = gpt2
-    plain = tl.trace(model, clean)
-    sites = {(lambda op: True): _keep, **{mc.module.address: _keep for mc in plain.module_calls}}
-    touched = tl.trace(model, clean, intervene=sites)
-    assert torch.equal(plain.output.logits, touched.output.logits)
-    assert not _same_activations(plain, touched)
-    assert len(touched.interventions) == sum(1 for op in plain.ops if op.kind == "op")
 
 
 def test_a_replaced_value_counts_once_against_max_saved_bytes():

@@ -1,0 +1,111 @@
+"""Interventions on a transformers GPT-2 built from a small config: patching from a clean run, module
+sites against forward hooks, one attention head, activation and attribution patching tables."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from hooked import differing_activations, keep, with_hook  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    clean = torch.tensor([[5, 9, 13, 21, 7, 30]])
+    corrupt = clean.clone()
+    corrupt[0, 1] = 40
+    return model, clean, corrupt
+
+
+def _logit_diff(output):
+    return output.logits[0, -1, 11] - output.logits[0, -1, 12]
+
+
+def test_gpt2_patching_the_last_block_from_the_clean_run_restores_the_clean_logits(gpt2):
+    model, clean, corrupt = gpt2
+    clean_log = tl.trace(model, clean)
+    corrupt_log = tl.trace(model, corrupt)
+    patched = tl.trace(model, corrupt, intervene={"transformer.h.1": tl.patch_from(clean_log)})
+    assert torch.equal(patched.output.logits, clean_log.output.logits)
+    assert not torch.equal(corrupt_log.output.logits, clean_log.output.logits)
+    # Upstream of the site the patched run is the corrupted run, bit for bit.
+    site = patched["transformer.h.1"].index
+    upstream = [op.label for op in patched.ops[:site] if op.activation is not None]
+    assert upstream and all(torch.equal(patched[k].activation, corrupt_log[k].activation) for k in upstream)
+
+
+def test_gpt2_module_site_equals_a_forward_hook(gpt2):
+    model, clean, _ = gpt2
+    expected = with_hook(model.transformer.h[0].mlp, model, (clean,), lambda m, i, o: o * 0.25).logits
+    log = tl.trace(model, clean, intervene={"transformer.h.0.mlp": tl.scale(0.25)})
+    assert torch.equal(log.output.logits, expected)
+
+
+def test_gpt2_one_attention_head_ablated_at_the_sdpa_output(gpt2):
+    model, clean, _ = gpt2
+    plain = tl.trace(model, clean)
+    sdpa = [op for op in plain.ops if op.type == "scaleddotproductattention"]
+    assert len(sdpa) == 2 and sdpa[0].shape[1] == 4  # (batch, heads, positions, head dim)
+    log = tl.trace(model, clean, intervene={sdpa[0].label: tl.zero_ablate(at=(slice(None), 2))})
+    value = log[sdpa[0].label].activation
+    assert torch.equal(value[:, 2], torch.zeros_like(value[:, 2]))
+    keep = [0, 1, 3]
+    assert torch.equal(value[:, keep], plain[sdpa[0].label].activation[:, keep])
+    assert not torch.equal(log.output.logits, plain.output.logits)
+
+
+def test_gpt2_activation_and_attribution_patching_tables(gpt2):
+    model, clean, corrupt = gpt2
+    sites = ["transformer.h.0:1", "transformer.h.0.attn:1", "transformer.h.1.mlp:1", "transformer.ln_f:1"]
+    exact = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=sites, progress=False)
+    assert list(exact.site) == sites and not exact.error.any()
+    by_site = exact.set_index("site").normalized
+    assert by_site["transformer.ln_f:1"] == 1.0  # everything downstream of ln_f is the clean run
+    with torch.no_grad():
+        patched = tl.trace(model, corrupt, intervene={"transformer.h.0.attn:1": tl.patch_from(tl.trace(model, clean))})
+    assert exact.set_index("site").metric["transformer.h.0.attn:1"] == pytest.approx(_logit_diff(patched.output).item())
+    estimate = tl.report.attribution_patching(model, clean, corrupt, _logit_diff)
+    calls = estimate[estimate.kind == "module call"].set_index("site").normalized
+    assert calls["lm_head:1"] == pytest.approx(1.0, abs=1e-4)  # the metric is linear in the logits
+    assert set(sites) <= set(calls.index)
+    agreement = torch.corrcoef(torch.tensor([list(by_site[sites]), list(calls[sites])]))[0, 1]
+    assert agreement > 0.9
+    assert (estimate.kind == "op").sum() == sum(1 for op in tl.trace(model, clean, save="none").ops if op.kind == "op")
+
+
+def test_activation_patching_by_position_and_its_heatmap(gpt2, tmp_path):
+    model, clean, corrupt = gpt2
+    table = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer.h.1"],
+                                          positions=1, progress=False)
+    assert list(table.position) == list(range(clean.shape[1]))
+    clean_log = tl.trace(model, clean)
+    at_two = tl.trace(model, corrupt, intervene={"transformer.h.1": tl.patch_from(clean_log, at=(slice(None), 2))})
+    assert table.metric[2] == pytest.approx(_logit_diff(at_two.output).item())
+    tl.viz.heatmap(table)  # twice: the function must stay the function after its module is imported
+    svg = tl.viz.heatmap(table, tmp_path / "h.svg").read_text()
+    assert svg.count("<rect") == clean.shape[1]
+    assert "#ff0000" in svg  # the last position restores the clean metric fully: the saturated cell
+    with pytest.raises(KeyError, match="closest"):
+        tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer.h.7"], progress=False)
+
+
+def test_gpt2_identity_at_every_op_and_module_is_bit_identical(gpt2):
+    model, clean, _ = gpt2
+    plain = tl.trace(model, clean)
+    sites = {(lambda op: True): keep, **{mc.module.address: keep for mc in plain.module_calls}}
+    touched = tl.trace(model, clean, intervene=sites)
+    assert torch.equal(plain.output.logits, touched.output.logits)
+    assert not differing_activations(plain, touched)
+    assert len(touched.interventions) == sum(1 for op in plain.ops if op.kind == "op")
