@@ -4,7 +4,7 @@
 returned tensor (weak references and version counters) and its metadata, what was saved, the class of
 each called module (a parametrization swaps it later), the parameters' versions for replay and their
 addresses.  Every column (kinds, parents, module records, pass groups, labels) is derived from the raw
-lists on first read, a group at a time, by ``RawRecord`` (see ``record.trace._Derived``): a trace nobody
+lists on first read, a group at a time, by ``RawRecord`` (see ``record.derived``): a trace nobody
 reads pays for none of it, and one that is read pays once, in flat linear passes.  The raw lists it
 reads are final once the forward returned: calls and records are tuples, arguments are held by value
 (``tree.strip``), parameters and modules by reference until ``Trace.cleanup`` derives every column.

@@ -4,35 +4,11 @@ from __future__ import annotations
 
 import difflib
 import gc
-import threading
 
 from ..errors import TorchlensError, TraceCleanedUp
 from .columns import Call, Kind
+from .derived import Derived as _Derived
 from .op import Layer, Op
-
-
-class _Derived:
-    """A column a ``Trace`` made by ``record.finalize`` derives on first read, with the other columns of its
-    group (``record.finalize.RawRecord``), and then holds as a plain attribute: an instance attribute
-    shadows a descriptor that defines only ``__get__``, so every later read costs what any attribute read
-    costs.  A trace read by ``tl.load`` is given every column and never reaches here."""
-
-    __slots__ = ("group", "name")
-
-    def __init__(self, group: str):
-        self.group = group
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, trace, owner=None):
-        if trace is None:
-            return self
-        trace._derive(self.group, self.name)
-        return trace.__dict__[self.name]
-
-
-_DERIVING = threading.RLock()  # reentrant: the labels read the columns they are derived from
 
 
 class RecordList(list):
@@ -150,27 +126,6 @@ class Trace:
         self._model_params = index.params if index is not None else None
         self._params = None
         self._buffers = None
-
-    def _derive(self, group: str, name: str) -> None:
-        """Set the columns of ``group`` (``name`` among them) from the raw lists (``_Derived``), once even
-        when several threads read it first, with the collector paused as during the trace: building them
-        allocates many small objects, which no collector pass need walk."""
-        with _DERIVING:
-            held = vars(self)
-            if name in held:
-                return  # another thread derived it meanwhile
-            raw = self._raw
-            if raw is None:
-                raise AttributeError(f"this trace holds no raw record to derive {name} from")
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
-                held.update(getattr(raw, group)(self))
-                if "_kind" in held and "module_calls" in held and "_labels" in held:
-                    self._raw = None  # every group derived: the raw lists are no longer needed
-            finally:
-                if collecting:
-                    gc.enable()
 
     def _derive_all(self) -> None:
         """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
