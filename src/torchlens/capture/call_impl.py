@@ -25,7 +25,7 @@ import types
 
 import torch
 
-from .teardown import until_done
+from .teardown import release_stranded, until_done
 
 _ATTRIBUTE = "_call_impl"
 MARK = "_torchlens_replaces"  # set on every function put in place here: the ``_call_impl`` it wraps
@@ -142,8 +142,7 @@ class Replacement:
         return False
 
     def _release_all(self) -> None:
-        while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
-            _lock.release()
+        release_stranded(_lock)
         tid = threading.get_ident()
         with _lock:
             while self.held:

@@ -28,6 +28,7 @@ import threading
 import torch
 
 from ..errors import warn_user
+from .teardown import release_stranded, until_done
 
 EAGER_CAVEAT = ("compiled submodules were traced eagerly (compiled='eager'): their outputs may differ from "
                 "the compiled run the untraced model would make")
@@ -213,20 +214,13 @@ class CompiledSubmodules:
             self.compiled_eagerly = True
 
     def __exit__(self, *exc):
-        # Retried until done, so that an interrupt cannot strand a routed forward; re-raised after.
-        interrupted = None
-        while self.swapped:
-            try:
-                while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
-                    _lock.release()
-                self._unroute(self.swapped[-1])
-            except BaseException as e:  # noqa: BLE001
-                interrupted = interrupted or e
-        while _lock._is_owned():
-            _lock.release()
-        if interrupted is not None:
-            raise interrupted
+        until_done(self._unroute_all)  # an interrupt cannot strand a routed forward; re-raised after
         return False
+
+    def _unroute_all(self) -> None:
+        release_stranded(_lock)
+        while self.swapped:
+            self._unroute(self.swapped[-1])
 
     def _unroute(self, key: int) -> None:
         from .mode import _inplace_cache

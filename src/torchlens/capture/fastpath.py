@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.overrides
 
-from .teardown import until_done
+from .teardown import release_stranded, until_done
 
 # Reentrant, so that a hold left by an interrupt on a ``with _lock:`` exit line can be found and dropped.
 _lock = threading.RLock()
@@ -65,8 +65,7 @@ class FastPathShim:
         return False
 
     def _release_all(self) -> None:
-        while _lock._is_owned():  # stranded by an interrupt on a ``with _lock:`` exit line
-            _lock.release()
+        release_stranded(_lock)
         self._release()
 
     def pause(self) -> None:

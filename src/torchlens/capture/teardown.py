@@ -157,6 +157,13 @@ def remove_handles(handles: list) -> None:
     until_done(remove_all)
 
 
+def release_stranded(lock) -> None:
+    """Drop the holds this thread still has on the reentrant ``lock``: an interrupt landing on the exit
+    line of a ``with lock:`` block leaves it held."""
+    while lock._is_owned():
+        lock.release()
+
+
 def until_done(step) -> None:
     """Run ``step`` (idempotent) until it returns; an interrupt that landed meanwhile is re-raised after,
     so teardown always finishes before the user's KeyboardInterrupt propagates."""
