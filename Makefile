@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+ACCEL := $(VENV)/.accel-installed
 # torch is pinned for development: an unpinned torch would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
@@ -15,6 +16,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]' $(TORCH)
 	touch $(STAMP)
 
+# The optional compiled hot path (torchlens[fast]): built here so that the tests run both paths.
+$(ACCEL): $(STAMP) accel/setup.py accel/pyproject.toml $(wildcard accel/src/torchlens_accel/*)
+	$(BIN)/python -m pip install -q ./accel
+	touch $(ACCEL)
+
 demo: $(STAMP)
 	$(BIN)/python -m torchlens demo
 
@@ -22,11 +28,13 @@ demo: $(STAMP)
 browser:
 	@test -x /usr/bin/chromium || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 
-test: $(STAMP) browser
+# The suite runs twice: with the compiled hot path, then on the pure-Python path alone.
+test: $(ACCEL) browser
 	$(BIN)/python -m pytest tests
+	TORCHLENS_ACCEL=0 $(BIN)/python -m pytest tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/trace_overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build accel/build *.egg-info src/*.egg-info accel/src/*.egg-info

@@ -1,0 +1,7 @@
+"""The compiled modules of torchlens-accel: plain C against the CPython API (no torch headers)."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[
+    Extension("torchlens_accel._capture", ["src/torchlens_accel/_capture.c"], extra_compile_args=["-O2"]),
+])

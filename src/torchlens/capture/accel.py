@@ -1,0 +1,57 @@
+"""The optional compiled hot path: the ``torchlens-accel`` distribution (``pip install torchlens[fast]``).
+
+Pure Python is the default and records everything.  When ``torchlens_accel`` is installed and built for
+this revision's record layout (its ``ABI`` equals ours), capture uses its compiled versions of the hot
+path instead; they record exactly what the pure-Python path records, which the test suite checks by
+tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
+capture on the pure-Python path.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+ABI = 1  # the record layout the compiled modules must be built for (their ``ABI``)
+
+_enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
+_modules: dict = {}
+
+
+def _load(name: str):
+    """``torchlens_accel.<name>`` if installed and built for this layout, else None (warned once)."""
+    if name in _modules:
+        return _modules[name]
+    try:
+        module = __import__(f"torchlens_accel.{name}", fromlist=[name])
+    except ImportError:
+        module = None
+    if module is not None and getattr(module, "ABI", None) != ABI:
+        warnings.warn(f"torchlens-accel's {name} is built for record layout {getattr(module, 'ABI', None)}, "
+                      f"this torchlens needs {ABI}: capture runs on the pure-Python path; reinstall "
+                      "torchlens-accel from the same revision as torchlens", RuntimeWarning, stacklevel=3)
+        module = None
+    _modules[name] = module
+    return module
+
+
+def compiled(name: str):
+    """The compiled module ``name`` when the accelerator is in use, else None (use the Python path)."""
+    return _load(name) if _enabled else None
+
+
+def available() -> bool:
+    """Whether the compiled hot path is installed and matches this torchlens."""
+    return _load("_capture") is not None
+
+
+def active() -> bool:
+    """Whether capture uses the compiled hot path now."""
+    return _enabled and available()
+
+
+def use(enabled: bool) -> bool:
+    """Turn the compiled hot path on or off for traces started from now on; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
