@@ -23,6 +23,8 @@ from functools import partial
 
 import torch
 
+from . import accel
+
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
 # its hooks by key instead.  Where these internals are absent, the public call is used.
@@ -96,7 +98,9 @@ class GradCapture:
     def __init__(self, selector=None, sources: bool = True):
         self.selector = selector
         self.sources = sources  # inputs are watched (False when a type selection does not name them)
-        self._sink = _Sink()
+        # The compiled hooks (torchlens-accel), decided per capture: ``accel.use`` applies to later traces.
+        self._native = accel.compiled("_grads") if _INLINE_HOOKS else None
+        self._sink = _Sink() if self._native is None else self._native.Sink(_graph_task_id)
         self.handles: dict = {}  # record index -> weakref to the hook dict holding its hook
         self._base = -_KEY_SPAN * next(_bases)
         self._keys: dict = {}  # record index -> key, where a subclass's register_hook chose it
@@ -106,7 +110,10 @@ class GradCapture:
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.
         self._key = self._key_function()
-        weakref.finalize(self, _remove_all, self.handles, self._key)
+        if self._native is None:
+            weakref.finalize(self, _remove_all, self.handles, self._key)
+        else:
+            weakref.finalize(self, self._native.remove_hooks, self.handles, self._keys, self._base)
         self.add_hook = self._hook_adder()
         if selector is None:
             self.watch = self.add_hook
@@ -150,10 +157,12 @@ class GradCapture:
         Without a selection it is also ``watch`` itself (an instance attribute), one call less per op."""
         sink, handles, numbers, base, ref = self._sink, self.handles, self.sequence_numbers, self._base, weakref.ref
         keys = self._keys  # (no reference to the capture: its death is what removes the hooks)
+        native = self._native
+        hook_of = partial(partial, _store, sink) if native is None else partial(native.Hook, sink)
 
         def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
             if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
-                handle = t.register_hook(partial(_store, sink, index))
+                handle = t.register_hook(hook_of(index))
                 handles[index] = handle.hooks_dict_ref
                 keys[index] = handle.id
                 return
@@ -168,6 +177,8 @@ class GradCapture:
             if grad_fn is not None:  # the backward node's id, by which profilers name its work
                 numbers[index] = grad_fn._sequence_nr()
 
+        if native is not None:  # the same steps in C for plain tensors; add_hook takes every other call
+            return native.HookAdder(sink, handles, numbers, base, _PLAIN, OrderedDict, add_hook)
         return add_hook
 
     def rewatch(self, index: int, t: torch.Tensor) -> None:
@@ -192,7 +203,10 @@ class GradCapture:
         self.selected.intersection_update(indices)
 
     def remove_hooks(self) -> None:
-        _remove_all(self.handles, self._key)
+        if self._native is None:
+            _remove_all(self.handles, self._key)
+        else:
+            self._native.remove_hooks(self.handles, self._keys, self._base)
 
 
 # ----- set-up and hand-over, called by capture/session.py ---------------------------------------

@@ -1,0 +1,438 @@
+/* Gradient capture's tensor hooks, compiled: see torchlens/capture/grads.py, whose pure-Python path
+ * this follows step for step.
+ *
+ * Sink       what the hooks write into: gradients by record index, their arrival order, the backwards
+ *            that delivered them (the Python path's _Sink).
+ * Hook       the tensor hook of one record: Hook(sink, index)(grad) is _store(sink, index, grad).
+ * HookAdder  add_hook(index, t, func=None, module_call=-1) for plain tensors, taking the steps of
+ *            Tensor.register_hook itself; any other call (a tensor subclass) goes to the Python fallback.
+ * remove_hooks(handles, keys, base)  the Python path's _remove_all.
+ *
+ * Hooks are called by autograd once per op per backward and added once per op per forward, so both
+ * are C callables with vectorcall: no Python frame on either path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+/* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
+#define TORCHLENS_ACCEL_ABI 1
+
+static PyObject *str_requires_grad, *str_detach, *str_grad_fn, *str_backward_hooks, *str_register_hook_dict,
+    *str_sequence_nr;
+
+/* ----- Sink ---------------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    PyObject *grads;   /* record index -> accumulated gradient (detached; never written in place) */
+    PyObject *order;   /* record indices in the order their first gradient arrived (a list) */
+    Py_ssize_t backwards;
+    PyObject *task;    /* the graph task that last delivered a gradient; NULL before the first */
+    PyObject *task_id; /* torch._C._current_graph_task_id, or a stand-in returning None */
+} Sink;
+
+static PyObject *sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *task_id;
+    static char *kwlist[] = {"task_id", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Sink", kwlist, &task_id)) return NULL;
+    Sink *self = (Sink *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->grads = PyDict_New();
+    self->order = PyList_New(0);
+    if (self->grads == NULL || self->order == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_INCREF(task_id);
+    self->task_id = task_id;
+    return (PyObject *)self;
+}
+
+static int sink_traverse(Sink *self, visitproc visit, void *arg) {
+    Py_VISIT(self->grads);
+    Py_VISIT(self->order);
+    Py_VISIT(self->task);
+    Py_VISIT(self->task_id);
+    return 0;
+}
+
+static int sink_clear(Sink *self) {
+    Py_CLEAR(self->grads);
+    Py_CLEAR(self->order);
+    Py_CLEAR(self->task);
+    Py_CLEAR(self->task_id);
+    return 0;
+}
+
+static void sink_dealloc(Sink *self) {
+    PyObject_GC_UnTrack(self);
+    sink_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *sink_get_order(Sink *self, void *closure) {
+    Py_INCREF(self->order);
+    return self->order;
+}
+
+static int sink_set_order(Sink *self, PyObject *value, void *closure) {
+    if (value == NULL || !PyList_CheckExact(value)) {
+        PyErr_SetString(PyExc_TypeError, "Sink.order must be a list");
+        return -1;
+    }
+    Py_INCREF(value);
+    Py_SETREF(self->order, value);
+    return 0;
+}
+
+static PyMemberDef sink_members[] = {
+    {"grads", T_OBJECT_EX, offsetof(Sink, grads), READONLY, "record index -> accumulated gradient"},
+    {"backwards", T_PYSSIZET, offsetof(Sink, backwards), 0, "how many backwards delivered a gradient"},
+    {NULL},
+};
+
+static PyGetSetDef sink_getset[] = {
+    {"order", (getter)sink_get_order, (setter)sink_set_order, "record indices in backward order", NULL},
+    {NULL},
+};
+
+static PyTypeObject SinkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._grads.Sink",
+    .tp_doc = "What the gradient hooks write into: Sink(task_id).",
+    .tp_basicsize = sizeof(Sink),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = sink_new,
+    .tp_traverse = (traverseproc)sink_traverse,
+    .tp_clear = (inquiry)sink_clear,
+    .tp_dealloc = (destructor)sink_dealloc,
+    .tp_members = sink_members,
+    .tp_getset = sink_getset,
+};
+
+/* ----- Hook ---------------------------------------------------------------------------------- */
+/* Not tracked by the collector: it holds only the sink, whose gradients never lead back to a hook,
+ * and one is made per op (a tracked object per op would also bring the collector round more often). */
+typedef struct {
+    PyObject_HEAD
+    Sink *sink;
+    PyObject *index; /* the record index, an int */
+    vectorcallfunc vectorcall;
+} Hook;
+
+/* Add ``grad`` to the gradient kept for the record; never alters it (grads.py's _store). */
+static int store(Sink *sink, PyObject *index, PyObject *grad) {
+    PyObject *task = PyObject_CallNoArgs(sink->task_id);
+    if (task == NULL) return -1;
+    int differs = sink->task == NULL ? 1 : PyObject_RichCompareBool(task, sink->task, Py_NE);
+    if (differs < 0) {
+        Py_DECREF(task);
+        return -1;
+    }
+    if (differs) {
+        Py_XSETREF(sink->task, task);
+        sink->backwards++;
+    } else {
+        Py_DECREF(task);
+    }
+    PyObject *requires_grad = PyObject_GetAttr(grad, str_requires_grad);
+    if (requires_grad == NULL) return -1;
+    int graph = PyObject_IsTrue(requires_grad);
+    Py_DECREF(requires_grad);
+    if (graph < 0) return -1;
+    Py_INCREF(grad);
+    if (graph) { /* a backward with create_graph=True: keep the value, not a graph */
+        Py_SETREF(grad, PyObject_CallMethodNoArgs(grad, str_detach));
+        if (grad == NULL) return -1;
+    }
+    int rc;
+    PyObject *kept = PyDict_GetItemWithError(sink->grads, index);
+    if (kept == NULL) {
+        /* Kept by reference, not copied: autograd accumulates into a gradient buffer in place only while
+         * nothing else holds it (it checks the reference count), so holding it is enough. */
+        rc = PyErr_Occurred() ? -1 : PyDict_SetItem(sink->grads, index, grad);
+        if (rc == 0) rc = PyList_Append(sink->order, index);
+    } else {
+        Py_INCREF(kept);
+        PyObject *sum = PyNumber_Add(kept, grad);
+        Py_DECREF(kept);
+        rc = sum == NULL ? -1 : PyDict_SetItem(sink->grads, index, sum);
+        Py_XDECREF(sum);
+    }
+    Py_DECREF(grad);
+    return rc;
+}
+
+static PyObject *hook_vectorcall(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "a gradient hook takes one argument, the gradient");
+        return NULL;
+    }
+    if (store(self->sink, self->index, args[0]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *make_hook(Sink *sink, PyObject *index);
+
+static PyObject *hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *sink, *index;
+    static char *kwlist[] = {"sink", "index", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!:Hook", kwlist, &SinkType, &sink, &PyLong_Type, &index))
+        return NULL;
+    return make_hook((Sink *)sink, index);
+}
+
+static void hook_dealloc(Hook *self) {
+    Py_DECREF(self->sink);
+    Py_DECREF(self->index);
+    PyObject_Free(self);
+}
+
+static PyObject *hook_repr(Hook *self) {
+    return PyUnicode_FromFormat("<torchlens gradient hook of record %R>", self->index);
+}
+
+static PyMemberDef hook_members[] = {
+    {"index", T_OBJECT_EX, offsetof(Hook, index), READONLY, "the record index"},
+    {NULL},
+};
+
+static PyTypeObject HookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._grads.Hook",
+    .tp_doc = "Hook(sink, index): the tensor hook keeping record index's gradient in sink.",
+    .tp_basicsize = sizeof(Hook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = hook_new,
+    .tp_dealloc = (destructor)hook_dealloc,
+    .tp_repr = (reprfunc)hook_repr,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Hook, vectorcall),
+    .tp_members = hook_members,
+};
+
+static PyObject *make_hook(Sink *sink, PyObject *index) {
+    Hook *hook = PyObject_New(Hook, &HookType);
+    if (hook == NULL) return NULL;
+    Py_INCREF(sink);
+    Py_INCREF(index);
+    hook->sink = sink;
+    hook->index = index;
+    hook->vectorcall = (vectorcallfunc)hook_vectorcall;
+    return (PyObject *)hook;
+}
+
+/* ----- HookAdder ----------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD
+    Sink *sink;
+    PyObject *handles;      /* record index -> weakref to the hook dict holding its hook */
+    PyObject *numbers;      /* record index -> sequence number of its backward node */
+    PyObject *plain;        /* the tensor type whose hooks are added here (torch.Tensor) */
+    PyObject *ordered_dict; /* collections.OrderedDict, the hook dict Tensor.register_hook makes */
+    PyObject *fallback;     /* the Python add_hook, for every other call */
+    long long base;         /* a hook's key is base - index */
+    vectorcallfunc vectorcall;
+} HookAdder;
+
+static PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
+
+static PyObject *adder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *sink, *handles, *numbers, *plain, *ordered_dict, *fallback;
+    long long base;
+    static char *kwlist[] = {"sink", "handles", "numbers", "base", "plain", "ordered_dict", "fallback", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!LOOO:HookAdder", kwlist, &SinkType, &sink, &PyDict_Type,
+                                     &handles, &PyDict_Type, &numbers, &base, &plain, &ordered_dict, &fallback))
+        return NULL;
+    if (!PyDict_CheckExact(handles) || !PyDict_CheckExact(numbers)) {
+        PyErr_SetString(PyExc_TypeError, "HookAdder: handles and numbers must be dicts");
+        return NULL;
+    }
+    HookAdder *self = (HookAdder *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    Py_INCREF(sink);
+    self->sink = (Sink *)sink;
+    Py_INCREF(handles);
+    self->handles = handles;
+    Py_INCREF(numbers);
+    self->numbers = numbers;
+    Py_INCREF(plain);
+    self->plain = plain;
+    Py_INCREF(ordered_dict);
+    self->ordered_dict = ordered_dict;
+    Py_INCREF(fallback);
+    self->fallback = fallback;
+    self->base = base;
+    self->vectorcall = (vectorcallfunc)adder_vectorcall;
+    return (PyObject *)self;
+}
+
+static int adder_traverse(HookAdder *self, visitproc visit, void *arg) {
+    Py_VISIT(self->sink);
+    Py_VISIT(self->handles);
+    Py_VISIT(self->numbers);
+    Py_VISIT(self->plain);
+    Py_VISIT(self->ordered_dict);
+    Py_VISIT(self->fallback);
+    return 0;
+}
+
+static int adder_clear(HookAdder *self) {
+    Py_CLEAR(self->sink);
+    Py_CLEAR(self->handles);
+    Py_CLEAR(self->numbers);
+    Py_CLEAR(self->plain);
+    Py_CLEAR(self->ordered_dict);
+    Py_CLEAR(self->fallback);
+    return 0;
+}
+
+static void adder_dealloc(HookAdder *self) {
+    PyObject_GC_UnTrack(self);
+    adder_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Tensor.register_hook's own steps, without a RemovableHandle: the trace removes its hooks by key. */
+static int add_plain_hook(HookAdder *self, PyObject *index, PyObject *t) {
+    long long i = PyLong_AsLongLong(index);
+    if (i == -1 && PyErr_Occurred()) return -1;
+    int rc = -1;
+    PyObject *hooks = NULL, *key = NULL, *hook = NULL, *ref = NULL, *number = NULL;
+    PyObject *grad_fn = PyObject_GetAttr(t, str_grad_fn);
+    if (grad_fn == NULL) return -1;
+    hooks = PyObject_GetAttr(t, str_backward_hooks);
+    if (hooks == NULL) goto done;
+    if (hooks == Py_None) {
+        Py_SETREF(hooks, PyObject_CallNoArgs(self->ordered_dict));
+        if (hooks == NULL || PyObject_SetAttr(t, str_backward_hooks, hooks) < 0) goto done;
+        if (grad_fn != Py_None) {
+            PyObject *r = PyObject_CallMethodOneArg(grad_fn, str_register_hook_dict, t);
+            if (r == NULL) goto done;
+            Py_DECREF(r);
+        }
+    }
+    key = PyLong_FromLongLong(self->base - i);
+    hook = make_hook(self->sink, index);
+    if (key == NULL || hook == NULL || PyObject_SetItem(hooks, key, hook) < 0) goto done;
+    ref = PyWeakref_NewRef(hooks, NULL);
+    if (ref == NULL || PyDict_SetItem(self->handles, index, ref) < 0) goto done;
+    if (grad_fn != Py_None) { /* the backward node's id, by which profilers name its work */
+        number = PyObject_CallMethodNoArgs(grad_fn, str_sequence_nr);
+        if (number == NULL || PyDict_SetItem(self->numbers, index, number) < 0) goto done;
+    }
+    rc = 0;
+done:
+    Py_DECREF(grad_fn);
+    Py_XDECREF(hooks);
+    Py_XDECREF(key);
+    Py_XDECREF(hook);
+    Py_XDECREF(ref);
+    Py_XDECREF(number);
+    return rc;
+}
+
+static PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL || n < 2 || n > 4 || !PyLong_CheckExact(args[0]) || (PyObject *)Py_TYPE(args[1]) != self->plain)
+        return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    if (add_plain_hook(self, args[0], args[1]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyTypeObject HookAdderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._grads.HookAdder",
+    .tp_doc = "HookAdder(sink, handles, numbers, base, plain, ordered_dict, fallback): add_hook(index, t, ...).",
+    .tp_basicsize = sizeof(HookAdder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = adder_new,
+    .tp_traverse = (traverseproc)adder_traverse,
+    .tp_clear = (inquiry)adder_clear,
+    .tp_dealloc = (destructor)adder_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(HookAdder, vectorcall),
+};
+
+/* ----- remove_hooks -------------------------------------------------------------------------- */
+static PyObject *remove_hooks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "remove_hooks(handles: dict, keys: dict, base: int)");
+        return NULL;
+    }
+    PyObject *handles = args[0], *keys = args[1];
+    long long base = PyLong_AsLongLong(args[2]);
+    if (base == -1 && PyErr_Occurred()) return NULL;
+    /* A snapshot: dropping a hook may free a sink, and so run arbitrary deallocators. */
+    PyObject *items = PyDict_Items(handles);
+    if (items == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *index = PyTuple_GET_ITEM(PyList_GET_ITEM(items, k), 0);
+        PyObject *ref = PyTuple_GET_ITEM(PyList_GET_ITEM(items, k), 1);
+        if (!PyWeakref_Check(ref)) continue;
+        PyObject *hooks;
+#if PY_VERSION_HEX >= 0x030D0000
+        if (PyWeakref_GetRef(ref, &hooks) < 0) goto error;
+        if (hooks == NULL) continue; /* the tensor and its hooks are gone */
+#else
+        hooks = PyWeakref_GetObject(ref); /* borrowed */
+        if (hooks == NULL) goto error;
+        if (hooks == Py_None) continue; /* the tensor and its hooks are gone */
+        Py_INCREF(hooks);
+#endif
+        PyObject *key = PyDict_GetItemWithError(keys, index); /* a subclass's register_hook chose it */
+        if (key != NULL) {
+            Py_INCREF(key);
+        } else if (!PyErr_Occurred()) {
+            long long i = PyLong_AsLongLong(index);
+            key = i == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(base - i);
+        }
+        int rc = key == NULL ? -1 : PyObject_DelItem(hooks, key);
+        Py_XDECREF(key);
+        Py_DECREF(hooks);
+        if (rc < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) goto error;
+            PyErr_Clear(); /* already gone (pop(key, None)) */
+        }
+    }
+    Py_DECREF(items);
+    PyDict_Clear(handles);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(items);
+    return NULL;
+}
+
+static PyMethodDef grads_methods[] = {
+    {"remove_hooks", (PyCFunction)(void (*)(void))remove_hooks, METH_FASTCALL,
+     "remove_hooks(handles, keys, base): remove every hook named in handles (grads.py's _remove_all)."},
+    {NULL},
+};
+
+static struct PyModuleDef grads_module = {
+    PyModuleDef_HEAD_INIT, "_grads", "torchlens's gradient-capture hooks, compiled.", -1, grads_methods,
+};
+
+static int intern(PyObject **slot, const char *text) {
+    *slot = PyUnicode_InternFromString(text);
+    return *slot == NULL ? -1 : 0;
+}
+
+PyMODINIT_FUNC PyInit__grads(void) {
+    if (intern(&str_requires_grad, "requires_grad") < 0 || intern(&str_detach, "detach") < 0 ||
+        intern(&str_grad_fn, "grad_fn") < 0 || intern(&str_backward_hooks, "_backward_hooks") < 0 ||
+        intern(&str_register_hook_dict, "_register_hook_dict") < 0 || intern(&str_sequence_nr, "_sequence_nr") < 0)
+        return NULL;
+    if (PyType_Ready(&SinkType) < 0 || PyType_Ready(&HookType) < 0 || PyType_Ready(&HookAdderType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&grads_module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0 ||
+        PyModule_AddObjectRef(m, "Sink", (PyObject *)&SinkType) < 0 ||
+        PyModule_AddObjectRef(m, "Hook", (PyObject *)&HookType) < 0 ||
+        PyModule_AddObjectRef(m, "HookAdder", (PyObject *)&HookAdderType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
