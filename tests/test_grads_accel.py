@@ -1,0 +1,321 @@
+"""Gradient capture on both paths: torchlens-accel's compiled hooks (``_grads``) and pure Python.
+
+Each model is traced twice in one process, once per path (``accel.use``), and driven through the same
+backwards: the two traces must hold bit-identical gradients, in the same arrival order, count the same
+backwards and note the same backward-node sequence numbers, and each must match an untraced run that
+calls ``retain_grad()`` on the same tensors (``grad_oracle.Oracle``).  Both paths must remove every hook
+they add, on ``cleanup()`` and when the trace is dropped, even inside a reference cycle.
+
+Skipped, saying so, when the compiled module is not built; ``TORCHLENS_REQUIRE_ACCEL=1`` makes that a
+failure instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.capture import accel
+from grad_oracle import Oracle, _assert_bit_identical, _case, _loss, _op_grads, _reference
+from zoo import zoo
+
+
+def _compiled_module():
+    previous = accel.use(True)  # whatever TORCHLENS_ACCEL says: this file sets the path per trace
+    try:
+        return accel.compiled("_grads")
+    finally:
+        accel.use(previous)
+
+
+NATIVE = _compiled_module()
+_NOT_BUILT = ("torchlens-accel's _grads is not built (cd accel && python setup.py build_ext --inplace, "
+              "then run with accel/src on PYTHONPATH)")
+if NATIVE is None:
+    if os.environ.get("TORCHLENS_REQUIRE_ACCEL") == "1":
+        pytest.fail(f"TORCHLENS_REQUIRE_ACCEL=1: {_NOT_BUILT}", pytrace=False)
+    pytestmark = pytest.mark.skip(reason=_NOT_BUILT)
+
+PATHS = [pytest.param(True, id="compiled"), pytest.param(False, id="python")]
+
+
+@contextlib.contextmanager
+def on_path(compiled: bool):
+    previous = accel.use(compiled)
+    try:
+        yield
+    finally:
+        accel.use(previous)
+
+
+def _trace(compiled: bool, model, args, kwargs=None, **options):
+    with on_path(compiled):
+        log = tl.trace(model, args, kwargs, grads=True, **options)
+    capture = log._gradcap
+    assert isinstance(capture._sink, NATIVE.Sink) is compiled  # the path asked for is the path taken
+    return log
+
+
+def _record(log, model) -> dict:
+    """What a path must reproduce exactly: gradients, order, backwards, sequence numbers, param grads."""
+    capture = log._gradcap
+    first = capture.first_sequence_number
+    return {"grads": dict(capture.grads), "order": list(capture.order), "backwards": log.num_backwards,
+            "sequence": {i: n - first for i, n in capture.sequence_numbers.items()},
+            "params": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a["grads"].keys() == b["grads"].keys() and a["grads"]
+    for i, g in a["grads"].items():
+        h = b["grads"][i]
+        assert g.dtype == h.dtype and g.shape == h.shape and torch.equal(g, h), i
+        assert not g.requires_grad and not h.requires_grad, i
+    assert a["order"] == b["order"]
+    assert a["backwards"] == b["backwards"]
+    assert a["sequence"] == b["sequence"]
+    assert a["params"].keys() == b["params"].keys()
+    assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+def _both(build, drive) -> list:
+    """Trace ``build()`` on each path, ``drive(log)`` its backwards; the two records (compiled first)."""
+    records = []
+    for compiled in (True, False):
+        model, args, kwargs = build()
+        torch.manual_seed(1)
+        log = _trace(compiled, model, args, kwargs)
+        drive(log)
+        records.append(_record(log, model))
+    _assert_same(*records)
+    return records
+
+
+# ----- real models, one backward, against retain_grad() ----------------------------------------------
+ZOO = ["mlp", "recurrent", "shared_module", "loop_rnn", "branchy", "functional", "dict_io", "multi_output",
+       "batchnorm_train", "transformer_fastpath"]
+IN_PLACE = ["small_cnn", "batchnorm_eval"]  # in-place ReLU: the reference is a hook per version (test_grads.py)
+
+
+@pytest.mark.parametrize("name", ZOO + IN_PLACE)
+def test_zoo_gradients_identical_on_both_paths_and_to_retain_grad(name):
+    oracle, _ = _reference(name, how="hook" if name in IN_PLACE else "retain_grad")
+    for compiled in (True, False):
+        model, args, kwargs = _case(name)
+        torch.manual_seed(1)
+        log = _trace(compiled, model, args, kwargs)
+        log.backward(_loss(log.output))
+        ops, got = _op_grads(log)
+        _assert_bit_identical(ops, got, oracle.grads())
+    _both(lambda: _case(name), lambda log: log.backward(_loss(log.output)))
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    tokens = torch.randint(0, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+    return model, (), {"input_ids": tokens}
+
+
+def test_gpt2_gradients_identical_on_both_paths_with_retain_graph_and_two_backwards():
+    def drive(log):
+        logits = log.output.logits
+        log.backward(logits.pow(2).mean(), retain_graph=True)
+        log.backward(logits[:, -1].sum())
+
+    compiled, _ = _both(_gpt2, drive)
+    assert compiled["backwards"] == 2
+    # Against retain_grad(): the same two backwards, accumulated as .grad accumulates.
+    model, _, kwargs = _gpt2()
+    oracle = Oracle()
+    with oracle:
+        logits = model(**kwargs).logits
+    logits.pow(2).mean().backward(retain_graph=True)
+    logits[:, -1].sum().backward()
+    log = _trace(True, *_gpt2())
+    drive(log)
+    ops, got = _op_grads(log)
+    _assert_bit_identical(ops, got, oracle.grads())
+
+
+def test_multi_output_ops_get_each_output_gradient_on_both_paths():
+    def build():
+        torch.manual_seed(0)
+        return nn.LSTM(4, 6, batch_first=True), (torch.randn(2, 3, 4),), {}
+
+    def drive(log):
+        out, (h, c) = log.output
+        a, b = out.unbind(1)[:2]  # unbind's outputs are traced after the forward: untraced here
+        log.backward(out.sum() + 2 * h.sum() + 3 * c.sum() + (a * b).sum())
+
+    records = _both(build, drive)
+    model, args, _ = build()
+    log = _trace(True, model, args)
+    drive(log)
+    lstm = [op for op in log if op.func_name == "lstm" and op.multi_output_index is not None]
+    assert len(lstm) >= 3 and all(op.grad is not None for op in lstm)
+    assert torch.equal(log.outputs[2].grad, torch.full_like(log.output[1][1], 3.0))
+    assert len(records[0]["order"]) == len(records[0]["grads"])
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_keeps_values_and_second_order_backward_counts_on_both_paths():
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), (torch.randn(3, 4),), {}
+
+    def drive(log):
+        log.backward(log.output.pow(2).sum(), create_graph=True)
+        # The parameters' .grad now carry a graph: a second-order backward through it reaches the forward.
+        sum(p.grad.pow(2).sum() for _, p in log._model_params).backward()
+
+    compiled, python = _both(build, drive)
+    assert compiled["backwards"] == python["backwards"] == 2
+
+
+def test_autograd_grad_fills_gradients_on_both_paths():
+    def build():
+        model, (x,), _ = zoo()["mlp"]
+        return model, (x.clone().requires_grad_(),), {}
+
+    records = []
+    for compiled in (True, False):
+        model, (x,), _ = build()
+        log = _trace(compiled, model, (x,))
+        (gx,) = torch.autograd.grad(log.output.sum(), [x])
+        assert torch.equal(log["input_1"].grad, gx)
+        assert log.num_backwards == 1 and x.grad is None  # autograd.grad accumulates into nothing
+        records.append(_record(log, model))
+    _assert_same(*records)
+
+
+# ----- hooks removed, graph never kept ----------------------------------------------------------------
+class Token:
+    pass
+
+
+class Keep(torch.autograd.Function):
+    """The identity, with a token on its backward node: the node (and graph) is alive while the token is."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.token = Token()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class WithToken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.tokens = []
+
+    def forward(self, x):
+        h = self.fc(x)
+        y = Keep.apply(h)
+        self.tokens.append(weakref.ref(y.grad_fn.token))
+        return y.tanh(), h
+
+
+def _ours(hooks) -> list:
+    return [k for k, v in hooks.items() if isinstance(v, NATIVE.Hook) or getattr(v, "func", None) is not None]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("how", ["drop", "cycle", "cleanup"])
+def test_hooks_removed_and_graph_not_kept(compiled, how):
+    model = WithToken()
+    log = _trace(compiled, model, (torch.randn(2, 4),), save="none")
+    out, h = log.output
+    assert len(_ours(h._backward_hooks)) == 1
+    out_ref = weakref.ref(out)
+    if how == "cleanup":
+        log.cleanup()
+    else:
+        if how == "cycle":
+            log._self = log  # only the collector can free it, after clearing the garbage's weakrefs
+        trace_ref = weakref.ref(log)
+        del log
+        gc.collect()
+        assert trace_ref() is None  # the graph the user holds does not keep the trace alive
+    assert h._backward_hooks is not None and not _ours(h._backward_hooks)  # every hook went with it
+    assert not _ours(out._backward_hooks)
+    out.sum().backward()  # a later untraced backward is unaffected
+    assert model.tokens[0]() is not None
+    del out, h
+    gc.collect()
+    assert out_ref() is None and model.tokens[0]() is None  # nothing the trace made keeps the graph
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_cleanup_then_backward_adds_nothing(compiled):
+    model, args, _ = zoo()["mlp"]
+    log = _trace(compiled, model, args)
+    out = log.output
+    log.backward(out.sum(), retain_graph=True)
+    norm = float(log["linear_1_1:1"].grad.norm())
+    log.cleanup()
+    out.sum().backward()
+    assert log.num_backwards == 1
+    assert log.to_pandas().set_index("label").loc["linear_1_1:1", "grad_norm"] == pytest.approx(norm)
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: its hooks go through its own ``register_hook`` (the fallback of the C adder)."""
+
+
+def test_tensor_subclass_input_goes_through_register_hook_on_both_paths():
+    def build():
+        model, (x,), _ = zoo()["mlp"]
+        return model, (x.clone().as_subclass(Tagged).requires_grad_(),), {}
+
+    records = []
+    for compiled in (True, False):
+        model, (x,), _ = build()
+        log = _trace(compiled, model, (x,))
+        (hook,) = x._backward_hooks.values()  # added by Tagged's own register_hook
+        assert isinstance(hook, NATIVE.Hook) is compiled
+        log.backward(log.output.sum())
+        assert torch.equal(log["input_1"].grad, x.grad)
+        records.append(_record(log, model))
+        log.cleanup()
+        assert len(x._backward_hooks) == 0
+    _assert_same(*records)
+
+
+# ----- the compiled types themselves ------------------------------------------------------------------
+def test_compiled_hook_accumulates_without_writing_in_place_and_counts_tasks():
+    tasks = iter([7, 7, 8, 8])
+    sink = NATIVE.Sink(lambda: next(tasks))
+    first, second = NATIVE.Hook(sink, 3), NATIVE.Hook(sink, 5)
+    g = torch.ones(2)
+    first(g)
+    assert sink.grads[3] is g and sink.order == [3] and sink.backwards == 1  # kept by reference
+    second(torch.full((2,), 2.0))
+    first(torch.full((2,), 4.0))  # a second backward (task 8): accumulated out of place
+    assert torch.equal(g, torch.ones(2)) and torch.equal(sink.grads[3], torch.full((2,), 5.0))
+    assert sink.order == [3, 5] and sink.backwards == 2
+    with_graph = torch.ones(2, requires_grad=True) * 3  # create_graph=True hands over a grad with a graph
+    second(with_graph)
+    assert not sink.grads[5].requires_grad and torch.equal(sink.grads[5], torch.full((2,), 5.0))
+    next_task_fails = NATIVE.Hook(sink, 9)
+    with pytest.raises(StopIteration):
+        next_task_fails(g)  # the task reader's error reaches autograd, not a wrong record
+    with pytest.raises(TypeError, match="one argument"):
+        first(g, g)
+    assert repr(first) == "<torchlens gradient hook of record 3>"
+    with pytest.raises(TypeError, match="must be a list"):
+        sink.order = (1, 2)
