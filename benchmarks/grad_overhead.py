@@ -18,7 +18,11 @@ checks the target:
 
     gradient capture added/op <= retain_grad() added/op + 2 us     (every row)
 
-Run:  .venv/bin/python benchmarks/grad_overhead.py [--quick] [--models mlp3,gpt2]
+With ``--paths both`` the traced arms run twice, on the compiled hot path (torchlens-accel, ``accel.use(True)``)
+and on the pure-Python path (``accel.use(False)``), in the same process, and a second table sets the two
+paths' gradient capture cost per op (median, and the quartiles of the paired ratios) against the target.
+
+Run:  .venv/bin/python benchmarks/grad_overhead.py [--quick] [--models mlp3,gpt2] [--paths both]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -75,8 +80,9 @@ def _result(model, args, out):
     return out.detach(), grads[0].detach()
 
 
-def arms(model, args):
+def arms(model, args, paths="current"):
     import torchlens as tl
+    from torchlens.capture import accel
 
     def untraced(mode_cls):
         def run():
@@ -90,10 +96,15 @@ def arms(model, args):
             return _result(model, args, out)
         return run
 
-    def traced(grads):
+    def traced(grads, compiled=None):
         def run():
             _reset(model, args)
-            log = tl.trace(model, args, save="none", grads=grads)
+            previous = accel.use(compiled) if compiled is not None else None
+            try:
+                log = tl.trace(model, args, save="none", grads=grads)
+            finally:
+                if compiled is not None:
+                    accel.use(previous)
             out = _first_output(log.output)
             if grads:
                 log.backward(out.sum())
@@ -102,8 +113,12 @@ def arms(model, args):
             return _result(model, args, out)
         return run
 
-    return {"native": untraced(None), "bare": untraced(BareMode), "retain_grad": untraced(RetainGradMode),
-            "trace": traced(False), "trace grads": traced(True)}
+    compiled = True if paths == "both" else None
+    fns = {"native": untraced(None), "bare": untraced(BareMode), "retain_grad": untraced(RetainGradMode),
+           "trace": traced(False, compiled), "trace grads": traced(True, compiled)}
+    if paths == "both":
+        fns.update({"trace py": traced(False, False), "trace grads py": traced(True, False)})
+    return fns
 
 
 def count_ops(model, args) -> int:
@@ -116,9 +131,11 @@ def measure_row(name, cfg) -> dict:
     model, args = build(name)
     model.train(False)
     args = _inputs_require_grad(args)
-    fns = arms(model, args)
+    fns = arms(model, args, cfg["paths"])
     plan = [("bare", "retain_grad"), ("trace", "trace grads"), ("retain_grad", "trace grads"),
             ("native", "trace grads")]
+    if cfg["paths"] == "both":
+        plan += [("trace py", "trace grads py"), ("trace grads py", "trace grads")]
     results = {}
     for a, b in plan:
         results[(a, b)] = measure_overhead((a, fns[a]), (b, fns[b]), pairs=cfg["pairs"], repeats=cfg["repeats"],
@@ -168,6 +185,33 @@ def markdown(rows, command) -> str:
     return "\n".join(lines)
 
 
+def _quartiles_us(result, ops) -> str:
+    """The paired ratios' quartiles as added us/op (against the A arm's median time)."""
+    if len(result.ratios) < 4:
+        return "-"
+    q1, _, q3 = statistics.quantiles(result.ratios, n=4)
+    return f"[{(q1 - 1) * result.a_ns / ops / 1e3:.1f}, {(q3 - 1) * result.a_ns / ops / 1e3:.1f}]"
+
+
+def paths_markdown(rows) -> str:
+    """Gradient capture's added cost per op on each path, side by side (``--paths both``)."""
+    lines = ["| model | ops | retain_grad +us/op | grad capture +us/op, compiled [Q1, Q3] | "
+             "grad capture +us/op, pure Python [Q1, Q3] | trace grads compiled / pure | target retain_grad + 2 |",
+             "|---" * 7 + "|"]
+    for row in rows:
+        r, ops = row["results"], row["ops"]
+        retain, retain_floor = per_op(r[("bare", "retain_grad")], ops)
+        limit = retain + SLACK_US if retain is not None else None
+        cells = []
+        for key in [("trace", "trace grads"), ("trace py", "trace grads py")]:
+            value, floor = per_op(r[key], ops)
+            cells.append(f"{_us(value, floor)} {_quartiles_us(r[key], ops)} {verdict(value, floor, limit)}")
+        lines.append(f"| {MODELS[row['name']][0]} | {ops} | {_us(retain, retain_floor)} | " + " | ".join(cells)
+                     + f" | {r[('trace grads py', 'trace grads')].cell()} | "
+                     + (f"<= {limit:.1f}" if limit is not None else "-") + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="7 pairs of 3 blocks per cell, not 15 of 5")
@@ -175,15 +219,25 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--no-docs", action="store_true", help=f"print only; do not rewrite {DOC}")
     parser.add_argument("--json", help="also write every measurement as JSON here")
+    parser.add_argument("--paths", choices=("current", "both"), default="current",
+                        help="both: the traced arms on the compiled and on the pure-Python path, side by side")
     opts = parser.parse_args(argv)
+    if opts.paths == "both":
+        from torchlens.capture import accel
+
+        if accel.compiled("_grads") is None:
+            parser.error("--paths both needs torchlens-accel built (accel/) and TORCHLENS_ACCEL unset")
     torch.set_num_threads(opts.threads)
     pairs, repeats = (7, 3) if opts.quick else (15, 5)
-    cfg = {"pairs": pairs, "repeats": repeats,
+    cfg = {"pairs": pairs, "repeats": repeats, "paths": opts.paths,
            "predicate": RefusalPredicate(min_pairs=pairs, max_relative_iqr=0.25)}
     rows = [measure_row(name, cfg) for name in opts.models.split(",")]
     command = "python benchmarks/grad_overhead.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     text = markdown(rows, command)
     print(text)
+    if opts.paths == "both":
+        print("\nGradient capture per op, compiled against pure-Python path:\n")
+        print(paths_markdown(rows))
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump([{"name": r["name"], "ops": r["ops"],
