@@ -7,6 +7,7 @@ import gc
 
 from ..errors import TorchlensError, TraceCleanedUp
 from .columns import Call, Kind
+from . import grads as _grads
 from .derived import Derived as _Derived
 from .op import Layer, Op
 
@@ -388,9 +389,8 @@ class Trace:
 
     def backward(self, loss, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
         """``torch.autograd.backward(loss, ...)``: fills every op's ``.grad`` (trace with ``grads=True``)."""
-        from .grads import backward
-
-        backward(self, loss, gradient, retain_graph, create_graph, inputs)
+        # (``_grads`` is imported with this module: an import statement here costs more than the call itself)
+        _grads.backward(self, loss, gradient, retain_graph, create_graph, inputs)
 
     @property
     def saved_for_backward_bytes(self) -> int:
