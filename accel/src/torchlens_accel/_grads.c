@@ -6,6 +6,7 @@
  * Hook       the tensor hook of one record: Hook(sink, index)(grad) is _store(sink, index, grad).
  * HookAdder  add_hook(index, t, func=None, module_call=-1) for plain tensors, taking the steps of
  *            Tensor.register_hook itself; any other call (a tensor subclass) goes to the Python fallback.
+ *            It owns the capture's hooks: deleting it removes them.
  * remove_hooks(handles, keys, base)  the Python path's _remove_all.
  *
  * Hooks are called by autograd once per op per backward and added once per op per forward, so both
@@ -222,12 +223,71 @@ static PyObject *make_hook(Sink *sink, PyObject *index) {
     return (PyObject *)hook;
 }
 
+/* ----- removing hooks ------------------------------------------------------------------------ */
+/* Remove every hook named in ``handles`` (record index -> weakref to its hook dict; its key is
+ * keys[index] where a subclass's register_hook chose it, else base - index), then clear ``handles``:
+ * grads.py's _remove_all. */
+static int remove_all(PyObject *handles, PyObject *keys, long long base) {
+    /* Iterated in place: nothing below can change ``handles`` (only its owner does), and deleting a hook
+     * frees only the hook and its key (the sink it holds outlives this loop: its capture holds it). */
+    Py_ssize_t pos = 0;
+    PyObject *index, *ref;
+    while (PyDict_Next(handles, &pos, &index, &ref)) {
+        if (!PyWeakref_Check(ref)) continue;
+        PyObject *hooks;
+#if PY_VERSION_HEX >= 0x030D0000
+        if (PyWeakref_GetRef(ref, &hooks) < 0) return -1;
+        if (hooks == NULL) continue; /* the tensor and its hooks are gone */
+#else
+        hooks = PyWeakref_GetObject(ref); /* borrowed */
+        if (hooks == NULL) return -1;
+        if (hooks == Py_None) continue; /* the tensor and its hooks are gone */
+        Py_INCREF(hooks);
+#endif
+        PyObject *key = PyDict_GetItemWithError(keys, index);
+        if (key != NULL) {
+            Py_INCREF(key);
+        } else if (!PyErr_Occurred()) {
+            long long i = PyLong_AsLongLong(index);
+            key = i == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(base - i);
+        }
+        int rc = key == NULL ? -1 : PyObject_DelItem(hooks, key);
+        Py_XDECREF(key);
+        Py_DECREF(hooks);
+        if (rc < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+            PyErr_Clear(); /* already gone: pop(key, None) */
+        }
+    }
+    PyDict_Clear(handles);
+    return 0;
+}
+
+static PyObject *remove_hooks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "remove_hooks(handles: dict, keys: dict, base: int)");
+        return NULL;
+    }
+    long long base = PyLong_AsLongLong(args[2]);
+    if (base == -1 && PyErr_Occurred()) return NULL;
+    if (remove_all(args[0], args[1], base) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* ----- HookAdder ----------------------------------------------------------------------------- */
+/* The owner of a capture's hooks: its death removes them (no weakref.finalize per trace).
+ *
+ * Not tracked by the collector, on purpose: the Python path needs a finalizer because the collector
+ * clears the weakrefs in ``handles`` together with a dead trace's other garbage before finalizers run.
+ * An untracked owner's reference keeps ``handles`` out of that garbage (the collector cannot account
+ * for it), so its weakrefs are intact when the trace's cycle is cleared and this deallocator runs.  It
+ * can close no cycle: nothing it holds leads back to it (the fallback must not hold the capture). */
 typedef struct {
     PyObject_HEAD
     Sink *sink;
     PyObject *handles;      /* record index -> weakref to the hook dict holding its hook */
     PyObject *numbers;      /* record index -> sequence number of its backward node */
+    PyObject *keys;         /* record index -> key, where a subclass's register_hook chose it */
     PyObject *plain;        /* the tensor type whose hooks are added here (torch.Tensor) */
     PyObject *ordered_dict; /* collections.OrderedDict, the hook dict Tensor.register_hook makes */
     PyObject *fallback;     /* the Python add_hook, for every other call */
@@ -238,58 +298,45 @@ typedef struct {
 static PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static PyObject *adder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *sink, *handles, *numbers, *plain, *ordered_dict, *fallback;
+    PyObject *sink, *handles, *numbers, *keys, *plain, *ordered_dict, *fallback;
     long long base;
-    static char *kwlist[] = {"sink", "handles", "numbers", "base", "plain", "ordered_dict", "fallback", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!LOOO:HookAdder", kwlist, &SinkType, &sink, &PyDict_Type,
-                                     &handles, &PyDict_Type, &numbers, &base, &plain, &ordered_dict, &fallback))
+    static char *kwlist[] = {"sink", "handles", "numbers", "keys", "base", "plain", "ordered_dict", "fallback", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!LOOO:HookAdder", kwlist, &SinkType, &sink, &PyDict_Type,
+                                     &handles, &PyDict_Type, &numbers, &PyDict_Type, &keys, &base, &plain,
+                                     &ordered_dict, &fallback))
         return NULL;
-    if (!PyDict_CheckExact(handles) || !PyDict_CheckExact(numbers)) {
-        PyErr_SetString(PyExc_TypeError, "HookAdder: handles and numbers must be dicts");
+    if (!PyDict_CheckExact(handles) || !PyDict_CheckExact(numbers) || !PyDict_CheckExact(keys)) {
+        PyErr_SetString(PyExc_TypeError, "HookAdder: handles, numbers and keys must be dicts");
         return NULL;
     }
     HookAdder *self = (HookAdder *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
-    Py_INCREF(sink);
-    self->sink = (Sink *)sink;
-    Py_INCREF(handles);
-    self->handles = handles;
-    Py_INCREF(numbers);
-    self->numbers = numbers;
-    Py_INCREF(plain);
-    self->plain = plain;
-    Py_INCREF(ordered_dict);
-    self->ordered_dict = ordered_dict;
-    Py_INCREF(fallback);
-    self->fallback = fallback;
+    PyObject **slots[] = {(PyObject **)&self->sink, &self->handles, &self->numbers, &self->keys, &self->plain,
+                          &self->ordered_dict, &self->fallback};
+    PyObject *values[] = {sink, handles, numbers, keys, plain, ordered_dict, fallback};
+    for (size_t k = 0; k < sizeof(values) / sizeof(values[0]); k++) {
+        Py_INCREF(values[k]);
+        *slots[k] = values[k];
+    }
     self->base = base;
     self->vectorcall = (vectorcallfunc)adder_vectorcall;
     return (PyObject *)self;
 }
 
-static int adder_traverse(HookAdder *self, visitproc visit, void *arg) {
-    Py_VISIT(self->sink);
-    Py_VISIT(self->handles);
-    Py_VISIT(self->numbers);
-    Py_VISIT(self->plain);
-    Py_VISIT(self->ordered_dict);
-    Py_VISIT(self->fallback);
-    return 0;
-}
-
-static int adder_clear(HookAdder *self) {
-    Py_CLEAR(self->sink);
-    Py_CLEAR(self->handles);
-    Py_CLEAR(self->numbers);
-    Py_CLEAR(self->plain);
-    Py_CLEAR(self->ordered_dict);
-    Py_CLEAR(self->fallback);
-    return 0;
-}
-
 static void adder_dealloc(HookAdder *self) {
-    PyObject_GC_UnTrack(self);
-    adder_clear(self);
+    /* May run while an exception propagates (the trace dropped by an unwinding frame): keep it. */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (remove_all(self->handles, self->keys, self->base) < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyErr_Restore(type, value, traceback);
+    Py_DECREF(self->sink);
+    Py_DECREF(self->handles);
+    Py_DECREF(self->numbers);
+    Py_DECREF(self->keys);
+    Py_DECREF(self->plain);
+    Py_DECREF(self->ordered_dict);
+    Py_DECREF(self->fallback);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -340,69 +387,29 @@ static PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t
     Py_RETURN_NONE;
 }
 
+static PyObject *adder_remove(HookAdder *self, PyObject *unused) {
+    if (remove_all(self->handles, self->keys, self->base) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef adder_methods[] = {
+    {"remove", (PyCFunction)adder_remove, METH_NOARGS, "Remove every hook added so far (also done on deletion)."},
+    {NULL},
+};
+
 static PyTypeObject HookAdderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "torchlens_accel._grads.HookAdder",
-    .tp_doc = "HookAdder(sink, handles, numbers, base, plain, ordered_dict, fallback): add_hook(index, t, ...).",
+    .tp_doc = "HookAdder(sink, handles, numbers, keys, base, plain, ordered_dict, fallback): "
+              "add_hook(index, t, func=None, module_call=-1); removes its hooks when deleted.",
     .tp_basicsize = sizeof(HookAdder),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_new = adder_new,
-    .tp_traverse = (traverseproc)adder_traverse,
-    .tp_clear = (inquiry)adder_clear,
     .tp_dealloc = (destructor)adder_dealloc,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(HookAdder, vectorcall),
+    .tp_methods = adder_methods,
 };
-
-/* ----- remove_hooks -------------------------------------------------------------------------- */
-static PyObject *remove_hooks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "remove_hooks(handles: dict, keys: dict, base: int)");
-        return NULL;
-    }
-    PyObject *handles = args[0], *keys = args[1];
-    long long base = PyLong_AsLongLong(args[2]);
-    if (base == -1 && PyErr_Occurred()) return NULL;
-    /* A snapshot: dropping a hook may free a sink, and so run arbitrary deallocators. */
-    PyObject *items = PyDict_Items(handles);
-    if (items == NULL) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(items);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *index = PyTuple_GET_ITEM(PyList_GET_ITEM(items, k), 0);
-        PyObject *ref = PyTuple_GET_ITEM(PyList_GET_ITEM(items, k), 1);
-        if (!PyWeakref_Check(ref)) continue;
-        PyObject *hooks;
-#if PY_VERSION_HEX >= 0x030D0000
-        if (PyWeakref_GetRef(ref, &hooks) < 0) goto error;
-        if (hooks == NULL) continue; /* the tensor and its hooks are gone */
-#else
-        hooks = PyWeakref_GetObject(ref); /* borrowed */
-        if (hooks == NULL) goto error;
-        if (hooks == Py_None) continue; /* the tensor and its hooks are gone */
-        Py_INCREF(hooks);
-#endif
-        PyObject *key = PyDict_GetItemWithError(keys, index); /* a subclass's register_hook chose it */
-        if (key != NULL) {
-            Py_INCREF(key);
-        } else if (!PyErr_Occurred()) {
-            long long i = PyLong_AsLongLong(index);
-            key = i == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(base - i);
-        }
-        int rc = key == NULL ? -1 : PyObject_DelItem(hooks, key);
-        Py_XDECREF(key);
-        Py_DECREF(hooks);
-        if (rc < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) goto error;
-            PyErr_Clear(); /* already gone (pop(key, None)) */
-        }
-    }
-    Py_DECREF(items);
-    PyDict_Clear(handles);
-    Py_RETURN_NONE;
-error:
-    Py_DECREF(items);
-    return NULL;
-}
 
 static PyMethodDef grads_methods[] = {
     {"remove_hooks", (PyCFunction)(void (*)(void))remove_hooks, METH_FASTCALL,

@@ -108,12 +108,11 @@ class GradCapture:
         self.sequence_numbers: dict = {}  # record index -> sequence number of its backward node
         self.first_sequence_number = None
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
-        # before finalizers run; the finalizer's own reference keeps them out of that garbage.
+        # before finalizers run; the finalizer's own reference keeps them out of that garbage.  (The
+        # compiled adder removes the hooks itself when it dies, with the capture: see _grads.c.)
         self._key = self._key_function()
         if self._native is None:
             weakref.finalize(self, _remove_all, self.handles, self._key)
-        else:
-            weakref.finalize(self, self._native.remove_hooks, self.handles, self._keys, self._base)
         self.add_hook = self._hook_adder()
         if selector is None:
             self.watch = self.add_hook
@@ -178,7 +177,7 @@ class GradCapture:
                 numbers[index] = grad_fn._sequence_nr()
 
         if native is not None:  # the same steps in C for plain tensors; add_hook takes every other call
-            return native.HookAdder(sink, handles, numbers, base, _PLAIN, OrderedDict, add_hook)
+            return native.HookAdder(sink, handles, numbers, keys, base, _PLAIN, OrderedDict, add_hook)
         return add_hook
 
     def rewatch(self, index: int, t: torch.Tensor) -> None:
