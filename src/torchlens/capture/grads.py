@@ -157,11 +157,11 @@ class GradCapture:
         sink, handles, numbers, base, ref = self._sink, self.handles, self.sequence_numbers, self._base, weakref.ref
         keys = self._keys  # (no reference to the capture: its death is what removes the hooks)
         native = self._native
-        hook_of = partial(partial, _store, sink) if native is None else partial(native.Hook, sink)
 
         def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
             if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
-                handle = t.register_hook(hook_of(index))
+                hook = partial(_store, sink, index) if native is None else native.Hook(sink, index)
+                handle = t.register_hook(hook)
                 handles[index] = handle.hooks_dict_ref
                 keys[index] = handle.id
                 return
