@@ -328,7 +328,7 @@ static void adder_dealloc(HookAdder *self) {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     if (remove_all(self->handles, self->keys, self->base) < 0)
-        PyErr_WriteUnraisable((PyObject *)self);
+        PyErr_WriteUnraisable(NULL); /* (not self: reporting it would take a reference to a dying object) */
     PyErr_Restore(type, value, traceback);
     Py_DECREF(self->sink);
     Py_DECREF(self->handles);
