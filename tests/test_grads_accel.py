@@ -319,3 +319,22 @@ def test_compiled_hook_accumulates_without_writing_in_place_and_counts_tasks():
     assert repr(first) == "<torchlens gradient hook of record 3>"
     with pytest.raises(TypeError, match="must be a list"):
         sink.order = (1, 2)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_intervention_moves_the_hook_to_the_value_downstream_saw(compiled):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    seen = model[0](x) * 2.0  # what tl.scale(2.0) hands downstream
+    seen.retain_grad()
+    model[2](model[1](seen)).pow(2).sum().backward()
+    model.zero_grad()
+    log = _trace(compiled, model, (x,), intervene={"0": tl.scale(2.0)})
+    (op,) = [op for op in log if op.func_name == "linear" and op.module_address == "0"]
+    out = log.output
+    log.backward(out.pow(2).sum())
+    assert torch.equal(op.grad, seen.grad)  # not the gradient of the op's own (replaced) output
+    assert log.num_backwards == 1
+    log.cleanup()
+    assert not log._gradcap.handles and not _ours(out._backward_hooks)

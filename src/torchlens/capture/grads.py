@@ -78,11 +78,14 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
         grads[index] = kept + grad
 
 
-def _remove_all(handles: dict, key_of) -> None:
+def _remove_all(handles: dict, keys: dict, base: int) -> None:
+    """Remove the hook of every record in ``handles`` (its key: ``keys[index]`` where a subclass's
+    ``register_hook`` chose it, else ``base - index``), and forget them.  Takes no capture: the
+    finalizer calls it after the capture's death."""
     for index, hooks_ref in handles.items():
         hooks = hooks_ref()
         if hooks is not None:
-            hooks.pop(key_of(index), None)
+            hooks.pop(keys.get(index, base - index), None)
     handles.clear()
 
 
@@ -110,9 +113,8 @@ class GradCapture:
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.  (The
         # compiled adder removes the hooks itself when it dies, with the capture: see _grads.c.)
-        self._key = self._key_function()
         if self._native is None:
-            weakref.finalize(self, _remove_all, self.handles, self._key)
+            weakref.finalize(self, _remove_all, self.handles, self._keys, self._base)
         self.add_hook = self._hook_adder()
         if selector is None:
             self.watch = self.add_hook
@@ -136,11 +138,6 @@ class GradCapture:
     @backwards.setter
     def backwards(self, n: int) -> None:
         self._sink.backwards = n
-
-    def _key_function(self):
-        """``index -> key in its hook dict``, without a reference to the capture (for the finalizer)."""
-        keys, base = self._keys, self._base
-        return lambda index: keys.get(index, base - index)
 
     # ----- the forward ---------------------------------------------------------------------------
     def watch(self, index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
@@ -186,7 +183,7 @@ class GradCapture:
         handle = self.handles.pop(index, None)
         if handle is None:  # not selected, or its output did not require grad
             return
-        _remove_all({index: handle}, self._key)
+        _remove_all({index: handle}, self._keys, self._base)
         self._keys.pop(index, None)
         if t.requires_grad:
             self.add_hook(index, t)  # already selected when first watched
@@ -198,12 +195,13 @@ class GradCapture:
     # ----- after the forward ---------------------------------------------------------------------
     def keep_only(self, indices) -> None:
         """Remove the hooks of records not in ``indices`` (a selection decided after the forward)."""
-        _remove_all({i: self.handles.pop(i) for i in [i for i in self.handles if i not in indices]}, self._key)
+        _remove_all({i: self.handles.pop(i) for i in [i for i in self.handles if i not in indices]}, self._keys,
+                    self._base)
         self.selected.intersection_update(indices)
 
     def remove_hooks(self) -> None:
         if self._native is None:
-            _remove_all(self.handles, self._key)
+            _remove_all(self.handles, self._keys, self._base)
         else:
             self._native.remove_hooks(self.handles, self._keys, self._base)
 
