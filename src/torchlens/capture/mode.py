@@ -242,8 +242,9 @@ class CaptureMode(TorchFunctionMode):
             shape = out.shape
         except RuntimeError:  # a nested tensor has no single shape
             shape = shape_of(out)
+        grad_fn = out.grad_fn if requires_grad else None  # kept to the watch below: one node object, not two
         records.append((call_index, None, shape, out.dtype, out.device, requires_grad,
-                        type(out.grad_fn) if requires_grad else None))
+                        type(grad_fn) if requires_grad else None))
         try:
             version = out._version
         except RuntimeError:  # made under torch.inference_mode(): no version counter
@@ -522,8 +523,9 @@ def _record_output(st, call_index: int, slot, t, func, module_call: int) -> None
         shape = t.shape
     except RuntimeError:  # a nested tensor has no single shape
         shape = shape_of(t)
+    grad_fn = t.grad_fn if requires_grad else None  # kept to the watch below: one node object, not two
     records.append((call_index, slot, shape, t.dtype, t.device, requires_grad,
-                    type(t.grad_fn) if requires_grad else None))
+                    type(grad_fn) if requires_grad else None))
     try:
         version = t._version
     except RuntimeError:  # made under torch.inference_mode(): no version counter
