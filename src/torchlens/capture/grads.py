@@ -11,6 +11,10 @@ keeps a trace alive, and the trace never keeps the graph alive (it holds the ten
 by key).  Every hook is removed by ``Trace.cleanup()`` or when the capture is garbage-collected with its
 trace, so a later backward through the same graph is unaffected.
 
+With torchlens-accel installed (capture/accel.py), the hook, the hook adder and the removal run compiled
+(``accel/src/torchlens_accel/_grads.c``): the same steps as the Python code here, which stays the
+reference and is tested against it (tests/test_grads_accel.py).
+
 What autograd keeps for backward is recorded separately, on request (capture/packing.py).
 """
 
@@ -150,7 +154,8 @@ class GradCapture:
     def _hook_adder(self):
         """``add_hook(index, t)``, run once per op: what it reads are closure cells, not attributes.
 
-        Without a selection it is also ``watch`` itself (an instance attribute), one call less per op."""
+        Without a selection it is also ``watch`` itself (an instance attribute), one call less per op.  On
+        the compiled path it is a ``HookAdder`` taking plain tensors itself and every other call here."""
         sink, handles, numbers, base, ref = self._sink, self.handles, self.sequence_numbers, self._base, weakref.ref
         keys = self._keys  # (no reference to the capture: its death is what removes the hooks)
         native = self._native
