@@ -123,6 +123,7 @@ typedef struct {
 
 /* Add ``grad`` to the gradient kept for the record; never alters it (grads.py's _store). */
 static int store(Sink *sink, PyObject *index, PyObject *grad) {
+    if (grad == Py_None) return 0; /* an output this backward did not reach (a multi-output op's other) */
     PyObject *task = PyObject_CallNoArgs(sink->task_id);
     if (task == NULL) return -1;
     int differs = sink->task == NULL ? 1 : PyObject_RichCompareBool(task, sink->task, Py_NE);

@@ -65,6 +65,8 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
 
     Runs once per op per backward, so the accumulation is written out here rather than called (and the
     task reader is a default argument: a local, not a global lookup)."""
+    if grad is None:  # an output this backward did not reach (another output of a multi-output op was used)
+        return
     task = _task_id()
     if task != sink.task:
         sink.task = task
