@@ -23,6 +23,7 @@ import torch.nn as nn
 
 import torchlens as tl
 from torchlens.capture import accel
+from torchlens.capture.grads import _store
 from grad_oracle import Oracle, _assert_bit_identical, _case, _loss, _op_grads, _reference
 from zoo import zoo
 
@@ -148,23 +149,44 @@ def test_gpt2_gradients_identical_on_both_paths_with_retain_graph_and_two_backwa
     _assert_bit_identical(ops, got, oracle.grads())
 
 
+class MultiOutputOps(nn.Module):
+    """Ops with several outputs inside the forward: an LSTM (output, h, c), chunk and unbind."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 6, batch_first=True)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        left, right = torch.chunk(out, 2, dim=-1)
+        steps = right.unbind(1)
+        return left.sum() + 2 * h.sum() + 3 * c.sum() + (steps[0] * steps[-1]).sum(), c
+
+
 def test_multi_output_ops_get_each_output_gradient_on_both_paths():
     def build():
         torch.manual_seed(0)
-        return nn.LSTM(4, 6, batch_first=True), (torch.randn(2, 3, 4),), {}
+        return MultiOutputOps(), (torch.randn(2, 3, 4),), {}
 
-    def drive(log):
-        out, (h, c) = log.output
-        a, b = out.unbind(1)[:2]  # unbind's outputs are traced after the forward: untraced here
-        log.backward(out.sum() + 2 * h.sum() + 3 * c.sum() + (a * b).sum())
-
-    records = _both(build, drive)
+    records = _both(build, lambda log: log.backward(log.output[0]))
+    model, args, _ = build()
+    oracle = Oracle()
+    with oracle:
+        loss, _ = model(*args)
+    loss.backward()
     model, args, _ = build()
     log = _trace(True, model, args)
-    drive(log)
-    lstm = [op for op in log if op.func_name == "lstm" and op.multi_output_index is not None]
-    assert len(lstm) >= 3 and all(op.grad is not None for op in lstm)
-    assert torch.equal(log.outputs[2].grad, torch.full_like(log.output[1][1], 3.0))
+    log.backward(log.output[0])
+    ops, got = _op_grads(log)
+    _assert_bit_identical(ops, got, oracle.grads())
+    by_func = {}
+    for op in ops:
+        if op.multi_output_index is not None:
+            by_func.setdefault(op.func_name, []).append(op)
+    assert len(by_func["lstm"]) >= 3 and len(by_func["chunk"]) == 2 and len(by_func["unbind"]) == 3
+    # The middle step is never used: autograd hands its hook no gradient, and it keeps none.
+    assert [op.grad is None for op in by_func["unbind"]] == [False, True, False]
+    assert torch.equal(log.outputs[1].grad, torch.full_like(log.output[1], 3.0))  # c, returned as well
     assert len(records[0]["order"]) == len(records[0]["grads"])
 
 
@@ -231,7 +253,8 @@ class WithToken(nn.Module):
 
 
 def _ours(hooks) -> list:
-    return [k for k, v in hooks.items() if isinstance(v, NATIVE.Hook) or getattr(v, "func", None) is not None]
+    """The keys of the hooks gradient capture put in a hook dict (either path's)."""
+    return [k for k, v in hooks.items() if isinstance(v, NATIVE.Hook) or getattr(v, "func", None) is _store]
 
 
 @pytest.mark.parametrize("compiled", PATHS)
@@ -302,6 +325,8 @@ def test_compiled_hook_accumulates_without_writing_in_place_and_counts_tasks():
     sink = NATIVE.Sink(lambda: next(tasks))
     first, second = NATIVE.Hook(sink, 3), NATIVE.Hook(sink, 5)
     g = torch.ones(2)
+    first(None)  # an output the backward did not reach: nothing kept, no backward counted
+    assert not sink.grads and sink.order == [] and sink.backwards == 0
     first(g)
     assert sink.grads[3] is g and sink.order == [3] and sink.backwards == 1  # kept by reference
     second(torch.full((2,), 2.0))
