@@ -413,3 +413,23 @@ def test_inplace_after_save_still_refused_as_autograd_refuses_it():
     log = tl.trace(f, x, grads=True, saved_for_backward=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         log.backward(log.output.sum())
+
+
+class UnusedOutput(nn.Module):
+    def forward(self, x):
+        steps = (x * 2).unbind(1)
+        return (steps[0] * steps[-1]).sum()
+
+
+def test_an_output_the_backward_never_reaches_has_no_gradient():
+    # autograd hands the hook of an unused output of a multi-output op None: nothing kept, no error.
+    x = torch.randn(2, 3, requires_grad=True)
+    oracle = Oracle()
+    with oracle:
+        UnusedOutput()(x).backward()
+    log = tl.trace(UnusedOutput(), x.detach().requires_grad_(), grads=True)
+    log.backward(log.output)
+    ops, got = _op_grads(log)
+    _assert_bit_identical(ops, got, oracle.grads())
+    assert [op.grad is None for op in ops if op.func_name == "unbind"] == [False, True, False]
+    assert log.num_backwards == 1
