@@ -363,3 +363,23 @@ def test_intervention_moves_the_hook_to_the_value_downstream_saw(compiled):
     assert log.num_backwards == 1
     log.cleanup()
     assert not log._gradcap.handles and not _ours(out._backward_hooks)
+
+
+@pytest.mark.parametrize("selection", [["relu", "head"], ["linear_2_3:1"]], ids=["types+module", "label"])
+def test_selected_grads_identical_on_both_paths_and_unselected_hooks_removed(selection):
+    records = []
+    for compiled in (True, False):
+        model, (x,), _ = zoo()["mlp"]
+        with on_path(compiled):
+            log = tl.trace(model, x, grads=selection)
+        assert isinstance(log._gradcap._sink, NATIVE.Sink) is compiled
+        out = log.output
+        kept = set(log._gradcap.handles)  # hooks left after the selection: the selected records only
+        assert kept == log._gradcap.selected and kept
+        log.backward(out.sum())
+        assert set(log._gradcap.grads) <= kept
+        records.append(_record(log, model))
+        del log
+        gc.collect()
+        assert not _ours(out._backward_hooks)
+    _assert_same(*records)
