@@ -93,6 +93,19 @@ def storage_key(t: torch.Tensor) -> int:
 class CaptureState:
     """Everything one trace accumulates while the model runs."""
 
+    # Set on the instance only when they change (the hot path reads none of them): a trace that
+    # meets none of these cases does not pay for setting them.
+    unattributed = 0  # tensor arguments whose producer capture never saw
+    save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
+    keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
+    saved_bytes = 0
+    budget_exhausted_at: int | None = None
+    failure = None  # (func, module call, exception) of the first torch call that raised
+    versionless = False  # an inference tensor was seen: in-place writes known by name only
+    raised_in = None  # (exception, module call index) where an exception left a module call
+    _watched = ()  # (address, Parameter) of the model: see ``param_storages``
+    _param_storages = None
+
     def __init__(self, *, save_mode: int, selector=None, save_device=None, record_finite: bool = False,
                  buffers: dict | None = None, max_saved_bytes: int | None = None):
         self.owner_thread = threading.get_ident()
@@ -105,36 +118,26 @@ class CaptureState:
         self.writers: dict = {}  # storage key -> (record index, version after the write)
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
-        self.unattributed = 0
         self.alias_reads: set = set()  # (call index, parent record) read after a write through a view
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
         self.selector = selector
-        self.save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
         self.save_device = save_device
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
         self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
-        self.keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
         self.unkeyed: list = []  # record indices below ``keyed_to`` saved again since (see ``save``)
-        self.saved_bytes = 0
         self.max_saved_bytes = max_saved_bytes
         # No device move and no budget: the hot path saves inline (capture/mode.py).
         self.plain_save = save_device is None and max_saved_bytes is None
-        self.budget_exhausted_at: int | None = None
         self.clobbered: dict = {}  # record index -> reason its saved value was dropped
         self.finite_flags: dict | None = {} if record_finite else None
-        self.failure = None
-        self.versionless = False  # an inference tensor was seen: in-place writes known by name only
-        self.raised_in = None  # (exception, module call index) where an exception left a module call
         # Replay context: the trace-wide grad/autocast state, the calls that ran under another one, and
         # the model's parameters by storage (their values before an in-place write are kept).
         self.context = grad_and_autocast()
         self.grad_enabled = self.context[0]
         self.any_autocast = _any_autocast()
         self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
-        self._watched = ()  # (address, Parameter) of the model: see ``param_storages``
-        self._param_storages = None
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
