@@ -142,9 +142,13 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     finally:
         shown.close()
     result._autocast = autocast
-    result.caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
+    caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
         (submodules.caveats() if submodules is not None else ())
-    result.rank, result.world_size = process_rank()
+    if caveats:  # else the class default: none
+        result.caveats = caveats
+    rank = process_rank()
+    if rank[0] is not None:  # else the class defaults: not under torch.distributed
+        result.rank, result.world_size = rank
     if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
         policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name
