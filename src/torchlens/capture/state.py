@@ -42,14 +42,32 @@ def grad_and_autocast() -> tuple:
     return torch.is_grad_enabled(), autocast
 
 
+class ByParam:
+    """``id(Parameter) -> value`` for a model's parameters: read when the forward ends as one list in
+    parameter order (a C-level pass), made a dict only when replay first asks (most traces never do)."""
+
+    __slots__ = ("_ids", "_values", "_by_id")
+
+    def __init__(self, ids: list, values: list):
+        self._ids = ids  # the model index's, shared by its traces: never changed
+        self._values = values
+        self._by_id = None
+
+    def get(self, key: int, default=None):
+        by_id = self._by_id
+        if by_id is None:  # two threads asking first build the same dict
+            by_id = self._by_id = dict(zip(self._ids, self._values))
+        return by_id.get(key, default)
+
+
 class ReplayContext(NamedTuple):
     """What replay needs to run each op as it ran (kept on the trace as ``_replay``)."""
 
     context: tuple  # grad_and_autocast() around the forward
     contexts: dict  # call index -> grad_and_autocast() where a call ran under another state
     param_writes: dict  # id(Parameter) -> [(call index, value before the write or None)]
-    param_versions: dict  # id(Parameter) -> version when the forward ended
-    param_requires_grad: dict  # id(Parameter) -> its requires_grad flag during the forward
+    param_versions: ByParam  # id(Parameter) -> version when the forward ended
+    param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
 
 
 INFERENCE_CAVEAT = (

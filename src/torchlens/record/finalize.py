@@ -90,17 +90,18 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     )
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
-    trace._replay = _replay_context()(state.context, state.contexts, state.param_writes,
-                                      dict(zip(ids, map(_VERSION, params))),
-                                      dict(zip(ids, map(_REQUIRES_GRAD, params))))
+    replay_context, by_param = _replay_types()
+    trace._replay = replay_context(state.context, state.contexts, state.param_writes,
+                                   by_param(ids, list(map(_VERSION, params))),
+                                   by_param(ids, list(map(_REQUIRES_GRAD, params))))
     return trace
 
 
 @functools.cache
-def _replay_context():
-    from ..capture.state import ReplayContext  # the capture driver's type; imported late, one way
+def _replay_types():
+    from ..capture.state import ByParam, ReplayContext  # the capture driver's types; imported late, one way
 
-    return ReplayContext
+    return ReplayContext, ByParam
 
 
 class RawRecord:
