@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from itertools import compress
+from itertools import chain, compress
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
@@ -79,7 +79,9 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         activations=activations,
         dropped=dict(state.clobbered),
         finite=state.drained_finite_flags(),
-        param_addresses=_param_addresses(calls, index),
+        # Derived on first read (from the index the record keeps) unless a parameter outside the index is
+        # named by its shape, read now (a later ``.data`` assignment could change it).
+        param_addresses=None if _all_indexed(calls, index) else _param_addresses(calls, index),
         output=output,
         model=model,
         unattributed=state.unattributed,
@@ -171,6 +173,10 @@ class RawRecord:
         self.records = self.outputs = None  # read once
         return {"_kind": kind, "_call": call_col, "_slot": slot_col, "_meta": meta, "_parents": parents_col,
                 "_module_call": module_col, "_inplace": inplace, "_io": io}
+
+    def params(self, trace) -> dict:
+        """Each op's parameter addresses, from the index (``finalize`` found every parameter used in it)."""
+        return {"_param_addresses": _param_addresses(self.calls, self.index)}
 
     def modules(self, trace) -> dict:
         """The ``ModuleCall`` and ``Module`` records, from the module calls and the model index."""
@@ -300,6 +306,12 @@ def _param_addresses(calls, index: ModelIndex) -> dict:
             for i in range(first + 1, first + count):
                 out[i] = addresses
     return out
+
+
+def _all_indexed(calls, index: ModelIndex) -> bool:
+    """Whether every parameter the calls used has an address in the index (C-level passes)."""
+    used = map(_SECOND, chain.from_iterable(map(_CALL_PARAMS, calls)))  # (argument position, Parameter) pairs
+    return all(map(index.param_addresses.__contains__, map(id, used)))
 
 
 def _unregistered(p) -> str:

@@ -75,6 +75,7 @@ class Trace:
     _group_size = _Derived("labels")
     _types = _Derived("labels")
     _func_names = _Derived("labels")
+    _param_addresses = _Derived("params")
 
     def __init__(self, *, model_name, calls, activations, dropped, finite, param_addresses, output, model,
                  unattributed, timings, budget_exhausted_at, alias_reads=frozenset(), index=None, raw=None,
@@ -112,7 +113,8 @@ class Trace:
         self._activations = activations
         self._dropped = dropped
         self._finite = finite
-        self._param_addresses = param_addresses
+        if param_addresses is not None:  # else derived from ``raw`` on first read
+            self._param_addresses = param_addresses
         self._output = output
         self._model = model
         self.unattributed = unattributed
@@ -124,7 +126,7 @@ class Trace:
 
     def _derive_all(self) -> None:
         """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
-        self._kind, self.module_calls, self._labels
+        self._kind, self.module_calls, self._labels, self._param_addresses
 
     # ----- records -------------------------------------------------------------------------------
     @property
