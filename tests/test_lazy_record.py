@@ -70,6 +70,27 @@ def test_a_parameter_outside_the_index_is_named_by_its_shape_when_the_forward_en
     assert any(p == ("<unregistered parameter (3, 4)>",) for p in log.param_addresses.values())
 
 
+class _Wrapper(nn.Module):
+    """Holds its module as ``_orig_mod``, as a torch.compile wrapper does: shown as the class it wraps."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self._orig_mod = inner
+
+    def forward(self, x):
+        return self._orig_mod(x)
+
+
+def test_a_wrapper_shows_the_class_it_wraps_inside_the_model_and_outside_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Wrapper(nn.Linear(4, 4)), nn.ReLU())
+    log = tl.trace(model, torch.randn(2, 4))
+    assert [(m.address, m.class_name) for m in log.modules] == [("0", "Linear"), ("0", "Linear"), ("1", "ReLU")]
+    outside, inner = _Wrapper(nn.Tanh()), nn.Linear(4, 4)  # a wrapper the root's walk never saw
+    log = tl.trace(lambda x: outside(inner(x)), torch.randn(2, 4), root=inner)
+    assert [m.class_name for m in log.modules] == ["Linear", "Tanh", "Tanh"]
+
+
 def test_a_module_class_swapped_after_the_trace_reads_as_traced():
     class Scaled(nn.Module):
         def forward(self, w):

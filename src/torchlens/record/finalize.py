@@ -121,10 +121,17 @@ class RawRecord:
         # Each call's module class, as shown (a torch.compile wrapper: the class it wraps), read now: a
         # parametrization (torch.nn.utils.parametrize) swaps a module's class after the trace.
         modules = list(map(_MODULE, module_calls))
-        self.module_classes = (list(map(type, modules)), [type(m._modules.get("_orig_mod", m)) for m in modules])
+        classes = list(map(type, modules))
         # Parameter names come from the index's walk; those of a module it has none for (the root, a module
         # outside the model) are read now.
         unwalked = index.unwalked(modules)
+        if index.wrappers:  # the index's walk met a torch.compile wrapper: look at every module
+            shown = [type(m._modules.get("_orig_mod", m)) for m in modules]
+        elif unwalked:  # only a module the walk did not see can be one
+            shown = [type(m._modules.get("_orig_mod", m)) if id(m) in unwalked else c for m, c in zip(modules, classes)]
+        else:
+            shown = classes
+        self.module_classes = (classes, shown)
         self.module_params = {id(m): index.param_names_of(m) for m in modules if id(m) in unwalked} if unwalked else {}
         self.index = index
 

@@ -30,6 +30,7 @@ class ModelIndex:
         self._of_type: dict = {}  # module class -> the submodules of exactly that class (see ``of_type``)
         self._root = None  # a weak reference: a cached index must not keep its model alive
         self._module_types = None  # every distinct module class, the root's included (on first use)
+        self.wrappers = False  # whether a module holds an ``_orig_mod`` (a torch.compile wrapper does)
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
             self._walk(model)
@@ -44,6 +45,8 @@ class ModelIndex:
                 seen.append(name or "self")
                 continue
             self.module_addresses[id(module)] = [name or "self"]
+            if "_orig_mod" in module._modules:
+                self.wrappers = True
             if raw:
                 self.submodules[raw] = module  # every module object, wrappers too: the structure check
                 self._addressed.setdefault(name, module)
