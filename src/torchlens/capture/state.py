@@ -196,23 +196,29 @@ class CaptureState:
     def _source_of(self, t: torch.Tensor) -> int:
         buffer = self.buffers.get(id(t))
         if buffer is not None and buffer[0] is t:
-            index = len(self.records)
-            self.records.append((BUFFER, buffer[1], shape_of(t), t.dtype, t.device, t.requires_grad, None))
-            self.producers[id(t)] = (weakref(t), index, self.version(t))
-            if self.save_mode and self.save_sources:
-                # By reference, like an activation: a write predicted before the call (in place, or
-                # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
-                self.save(index, t, t.requires_grad)
-            return index
+            # By reference, like an activation: a write predicted before the call (in place, or
+            # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
+            return self._add(t, BUFFER, buffer[1])
         self.unattributed += 1
         return -1
 
-    def add_source(self, t: torch.Tensor, kind: int, slot) -> int:
+    def _add(self, t: torch.Tensor, kind: int, slot) -> int:
+        """Record (and save) a source tensor: each of its properties read once."""
         index = len(self.records)
-        self.records.append((kind, slot, shape_of(t), t.dtype, t.device, t.requires_grad, None))
-        self.producers[id(t)] = (weakref(t), index, self.version(t))
+        requires_grad = t.requires_grad
+        self.records.append((kind, slot, shape_of(t), t.dtype, t.device, requires_grad, None))
+        version = self.version(t)
+        self.producers[id(t)] = (weakref(t), index, version)
         if self.save_mode and self.save_sources:
-            self.save(index, t, t.requires_grad)
+            if self.plain_save and not requires_grad:  # ``save``'s common case, with the version just read
+                self.saved[index] = t
+                self.saved_versions[index] = version
+            else:
+                self.save(index, t, requires_grad)
+        return index
+
+    def add_source(self, t: torch.Tensor, kind: int, slot) -> int:
+        index = self._add(t, kind, slot)
         if self.finite_flags is not None:
             self.record_finite(index, t)
         if self.grads is not None and t.requires_grad:
