@@ -111,8 +111,8 @@ def storage_key(t: torch.Tensor) -> int:
 class CaptureState:
     """Everything one trace accumulates while the model runs."""
 
-    # Set on the instance only when they change (the hot path reads none of them): a trace that
-    # meets none of these cases does not pay for setting them.
+    # Set on the instance only when they change (the op handler reads none of them; a source or a
+    # failure reads a few): a trace that meets none of these cases does not pay for setting them.
     unattributed = 0  # tensor arguments whose producer capture never saw
     save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
     keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
