@@ -198,17 +198,19 @@ class CaptureState:
         if buffer is not None and buffer[0] is t:
             # By reference, like an activation: a write predicted before the call (in place, or
             # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
-            return self._add(t, BUFFER, buffer[1])
+            return self._add(t, BUFFER, buffer[1], held=True)
         self.unattributed += 1
         return -1
 
-    def _add(self, t: torch.Tensor, kind: int, slot) -> int:
-        """Record (and save) a source tensor: each of its properties read once."""
+    def _add(self, t: torch.Tensor, kind: int, slot, held: bool = False) -> int:
+        """Record (and save) a source tensor: each of its properties read once.  ``held``: the tensor is
+        held for the whole trace anyway (a buffer, by the model index), so it is bound by itself (see
+        ``is_bound``), without a weak reference."""
         index = len(self.records)
         requires_grad = t.requires_grad
         self.records.append((kind, slot, shape_of(t), t.dtype, t.device, requires_grad, None))
         version = self.version(t)
-        self.producers[id(t)] = (weakref(t), index, version)
+        self.producers[id(t)] = (t if held else weakref(t), index, version)
         if self.save_mode and self.save_sources:
             if self.plain_save and not requires_grad:  # ``save``'s common case, with the version just read
                 self.saved[index] = t
