@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from torchlens.errors import UnmatchedSelection
 from torchlens.record import model_index
 from torchlens.record.model_index import index_of
 
@@ -175,3 +176,22 @@ def test_a_parameter_made_an_inference_tensor_by_data_assignment_is_still_seen()
     log = _trace(model, x)
     expected = torch.nn.functional.linear(log["norm"].activation, frozen, model.head.bias)
     assert torch.equal(log.output, expected)
+
+
+def test_a_save_selection_finds_modules_by_the_cached_index_as_the_model_changes():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 4)
+    first = _trace_saving(model, x, ["head"])
+    assert first.saved_activations and all(first.ops[i].module_address in ("head", None)
+                                           for i in first.saved_activations)
+    model.final = model.head  # an alias: the same module under a second address
+    del model.head
+    model.forward = lambda x: model.final(model.norm(model.body(x)))
+    with pytest.raises(UnmatchedSelection):
+        _trace_saving(model, x, ["head"])  # the index was walked again: no module is called "head" now
+    assert _trace_saving(model, x, ["final"]).saved_activations
+
+
+def _trace_saving(model, x, save):
+    with torch.no_grad():
+        return tl.trace(model.eval(), x, save=save)

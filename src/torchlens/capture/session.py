@@ -62,7 +62,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     kwargs = dict(kwargs) if kwargs else {}
     args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
-    policy = SavePolicy(save, root)
+    policy = SavePolicy(save, root, index)
     if save_device is not None:
         save_device = torch.device(save_device)
     started = perf_counter_ns()
