@@ -317,7 +317,8 @@ def _param_addresses(calls, index: ModelIndex) -> dict:
 
 def _all_indexed(calls, index: ModelIndex) -> bool:
     """Whether every parameter the calls used has an address in the index (C-level passes)."""
-    used = map(_SECOND, chain.from_iterable(map(_CALL_PARAMS, calls)))  # (argument position, Parameter) pairs
+    # (argument position, Parameter) pairs of the calls that used any (as ``_param_addresses`` reads them)
+    used = map(_SECOND, chain.from_iterable(filter(None, map(_CALL_PARAMS, calls))))
     return all(map(index.param_addresses.__contains__, map(id, used)))
 
 
