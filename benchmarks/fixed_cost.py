@@ -16,6 +16,7 @@ the same process (a step that exists in one revision only is shown for that one)
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -149,6 +150,15 @@ def step_arms(model, x, package, wide, deep) -> dict:
         for b in deep_buffers:
             fresh.producer_of(b)
 
+    save_policy = part("capture.saving").SavePolicy
+    # A revision whose policy takes the model's index finds module addresses there; an older one walks.
+    with_index = "index" in inspect.signature(save_policy).parameters
+
+    def selection():
+        """A save= selection naming modules and an op type, on ``deep`` (as ``_trace`` makes it)."""
+        names = ["blocks.0", "conv2d"]
+        return save_policy(names, deep, deep_index) if with_index else save_policy(names, deep)
+
     wide_state = state_mod.CaptureState(save_mode=1, buffers=wide_index.buffers)
     checked = state()
     session._add_inputs(checked, model, (x,), {})
@@ -168,6 +178,7 @@ def step_arms(model, x, package, wide, deep) -> dict:
         "check_saved_versions, one saved input": checked.check_saved_versions,
         "SavePolicy('all')": lambda: part("capture.saving").SavePolicy("all", model),
         f"CaptureState() + {len(deep_buffers)} buffer sources, ResNet-like": buffer_sources,
+        "SavePolicy(['blocks.0', 'conv2d']), ResNet-like": selection,
         "finalize, ResNet-like (52 ops, 42 module calls, 47 parameters)": finalize_of(deep, torch.randn(1, 3, 16, 16)),
     }
     if hasattr(progress, "shows_bar"):
