@@ -16,6 +16,7 @@ the same process (a step that exists in one revision only is shown for that one)
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -130,6 +131,34 @@ def step_arms(model, x, package, wide, deep) -> dict:
         """``tl.trace``'s own call path down to ``_trace`` (stubbed for the measurement)."""
         return session.trace(model, x)
 
+    def finalize_of(traced, x):
+        """``finalize`` of one trace of ``traced``, as a zero-argument callable (its arguments kept)."""
+        real, kept = session.finalize, []
+        session.finalize = lambda *args: kept.append(args) or real(*args)
+        try:
+            package.trace(traced, x)
+        finally:
+            session.finalize = real
+        return lambda: real(*kept[0])
+
+    deep_index = model_index.index_of(deep)
+    deep_buffers = [b for b, _ in deep_index.buffers.values()]
+
+    def buffer_sources():
+        """A fresh state, then every buffer of ``deep`` read once (each becomes a source record)."""
+        fresh = state_mod.CaptureState(save_mode=1, buffers=deep_index.buffers)
+        for b in deep_buffers:
+            fresh.producer_of(b)
+
+    save_policy = part("capture.saving").SavePolicy
+    # A revision whose policy takes the model's index finds module addresses there; an older one walks.
+    with_index = "index" in inspect.signature(save_policy).parameters
+
+    def selection():
+        """A save= selection naming modules and an op type, on ``deep`` (as ``_trace`` makes it)."""
+        names = ["blocks.0", "conv2d"]
+        return save_policy(names, deep, deep_index) if with_index else save_policy(names, deep)
+
     wide_state = state_mod.CaptureState(save_mode=1, buffers=wide_index.buffers)
     checked = state()
     session._add_inputs(checked, model, (x,), {})
@@ -148,6 +177,9 @@ def step_arms(model, x, package, wide, deep) -> dict:
         "module call tracker enter + exit": tracker,
         "check_saved_versions, one saved input": checked.check_saved_versions,
         "SavePolicy('all')": lambda: part("capture.saving").SavePolicy("all", model),
+        f"CaptureState() + {len(deep_buffers)} buffer sources, ResNet-like": buffer_sources,
+        "SavePolicy(['blocks.0', 'conv2d']), ResNet-like": selection,
+        "finalize, ResNet-like (52 ops, 42 module calls, 47 parameters)": finalize_of(deep, torch.randn(1, 3, 16, 16)),
     }
     if hasattr(progress, "shows_bar"):
         steps["progress bar check"] = lambda: progress.shows_bar(None) and progress.bar(None, "x")
@@ -186,7 +218,7 @@ def main(argv=None) -> int:
             print(f"\nadded time, this / baseline: {q2:.2f} [{q1:.2f}, {q3:.2f}] (median [quartiles])")
         if opts.steps:
             torch.manual_seed(0)
-            wide, deep = MLP(10, 8), SmallResNet((8, 16, 32))
+            wide, deep = MLP(10, 8), SmallResNet((8, 16, 32)).eval()
             steps = {label: step_arms(model, x, tl, wide, deep) for label, tl in packages.items()}
             names = list(dict.fromkeys(name for s in steps.values() for name in s))
             print("\n| step | " + " | ".join(f"{label} us" for label in steps) + " |")

@@ -106,3 +106,19 @@ def test_hooks_on_a_module_compiled_in_place_are_refused_with_what_to_do():
         assert [mc.label for mc in log.module_calls][:3] == ["embed:1", "block:1", "block.fc:1"]
     finally:
         handle.remove()
+
+
+class _Slotted(nn.Linear):
+    __slots__ = ("note",)  # one more reference beside its __dict__ once set
+
+
+def test_modules_compiled_in_place_are_found_whatever_the_layout_of_their_references():
+    from torchlens.capture.compiled import compiled_in_place
+
+    plain, marked, slotted = nn.Linear(2, 2), nn.Linear(2, 2), _Slotted(2, 2)
+    marked._compiled_call_impl = lambda *args, **kwargs: None  # the attribute module.compile() sets
+    slotted.note = "set"
+    assert compiled_in_place([plain, slotted]) == []
+    assert compiled_in_place([plain, marked]) == [marked]
+    slotted._compiled_call_impl = marked._compiled_call_impl
+    assert compiled_in_place([slotted, plain]) == [slotted]

@@ -31,7 +31,7 @@ def _record(log) -> dict:
 
 
 def _derived(log) -> set:
-    return {"_kind", "_labels", "module_calls"} & set(vars(log))
+    return {"_kind", "_labels", "module_calls", "_param_addresses"} & set(vars(log))
 
 
 @pytest.mark.parametrize("name", sorted(zoo()))
@@ -55,7 +55,40 @@ def test_a_trace_nobody_reads_derives_no_column():
     assert _derived(log) == {"_kind"}  # one group at a time
     log.module_calls
     log.labels
-    assert _derived(log) == {"_kind", "_labels", "module_calls"} and log._raw is None  # then the raw lists go
+    assert _derived(log) == {"_kind", "_labels", "module_calls"} and log._raw is not None
+    log.param_addresses
+    assert _derived(log) == {"_kind", "_labels", "module_calls", "_param_addresses"} and log._raw is None  # then the raw lists go
+
+
+def test_a_parameter_outside_the_index_is_named_by_its_shape_when_the_forward_ends():
+    outside = nn.Parameter(torch.ones(3, 4))  # held by no module of the model
+    model = nn.Linear(4, 4)
+    log = tl.trace(lambda x: model(x) @ outside.t(), torch.randn(2, 4), root=model)
+    assert "_param_addresses" in vars(log)  # read when the forward ended, not on first read
+    outside.data = torch.ones(5, 4)  # the shape it would be named by now
+    assert log["linear_1_1"].params == ("weight", "bias")
+    assert any(p == ("<unregistered parameter (3, 4)>",) for p in log.param_addresses.values())
+
+
+class _Wrapper(nn.Module):
+    """Holds its module as ``_orig_mod``, as a torch.compile wrapper does: shown as the class it wraps."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self._orig_mod = inner
+
+    def forward(self, x):
+        return self._orig_mod(x)
+
+
+def test_a_wrapper_shows_the_class_it_wraps_inside_the_model_and_outside_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Wrapper(nn.Linear(4, 4)), nn.ReLU())
+    log = tl.trace(model, torch.randn(2, 4))
+    assert [(m.address, m.class_name) for m in log.modules] == [("0", "Linear"), ("0", "Linear"), ("1", "ReLU")]
+    outside, inner = _Wrapper(nn.Tanh()), nn.Linear(4, 4)  # a wrapper the root's walk never saw
+    log = tl.trace(lambda x: outside(inner(x)), torch.randn(2, 4), root=inner)
+    assert [m.class_name for m in log.modules] == ["Linear", "Tanh", "Tanh"]
 
 
 def test_a_module_class_swapped_after_the_trace_reads_as_traced():

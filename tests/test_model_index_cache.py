@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from torchlens.errors import UnmatchedSelection
 from torchlens.record import model_index
 from torchlens.record.model_index import index_of
 
@@ -53,7 +54,8 @@ def test_an_unchanged_model_reuses_its_index_and_traces_the_same():
 @pytest.mark.parametrize("change", [
     "replace submodule", "add submodule", "rename submodule", "replace nested submodule", "replace parameter",
     "delete parameter", "replace buffer", "add buffer", "replace _parameters dict", "module via _modules dict",
-    "convert dtype",
+    "convert dtype", "append to Sequential", "replace _modules dict", "register_parameter", "add_module",
+    "replace __dict__",
 ])
 def test_a_changed_structure_is_seen_by_the_next_trace(change):
     torch.manual_seed(0)
@@ -88,6 +90,18 @@ def test_a_changed_structure_is_seen_by_the_next_trace(change):
     elif change == "convert dtype":  # _apply: new buffer tensors, parameters converted in place
         model.double()
         x = x.double()
+    elif change == "append to Sequential":
+        model.body.append(nn.Tanh())
+    elif change == "replace _modules dict":
+        model.body._modules = {"0": nn.Linear(4, 4), "1": nn.ReLU()}
+    elif change == "register_parameter":
+        model.head.register_parameter("bias", nn.Parameter(torch.zeros(2)))
+    elif change == "add_module":
+        model.add_module("extra", nn.Tanh())
+        model.forward = lambda x: model.extra(Net.forward(model, x))
+    elif change == "replace __dict__":  # the same attributes, but a new buffer
+        model.norm.__dict__ = dict(vars(model.norm), _buffers=dict(model.norm._buffers,
+                                                                  running_mean=torch.zeros(4)))
     after = _trace(model, x)
     fresh = model_index.ModelIndex(model)
     index = index_of(model)
@@ -102,13 +116,43 @@ def test_a_changed_structure_is_seen_by_the_next_trace(change):
         assert "final" in _module_addresses(after) and "head" not in _module_addresses(after)
     if change == "add submodule":
         assert "extra" in _module_addresses(after) and "extra" not in _module_addresses(before)
-    if change in ("replace buffer", "add buffer", "convert dtype"):
+    if change in ("append to Sequential", "replace _modules dict"):
+        assert {"body.0", "body.1"} <= set(_module_addresses(after))
+        assert ("body.2" in _module_addresses(after)) == (change == "append to Sequential")
+    if change in ("replace buffer", "add buffer", "convert dtype", "replace __dict__"):
         expected = {"norm.running_mean", "norm.running_var"} | ({"head.shift"} if change == "add buffer" else set())
         assert _buffer_addresses(after) == expected
         assert after.unattributed == 0
     if change == "delete parameter":
         assert ("head.bias" in {p for op in before.ops for p in op.params}
                 and "head.bias" not in {p for op in after.ops for p in op.params})
+
+
+class _Slotted(nn.Linear):
+    __slots__ = ("note",)  # its instances hold a slot beside their __dict__: another layout of references
+
+
+def test_a_module_with_slots_is_checked_the_general_way_and_still_seen_changing():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 4)
+    model.head = _Slotted(4, 2)
+    model.head.note = "a slot's value is one more reference"
+    _trace(model, x)
+    cached = index_of(model)
+    assert not model_index._cache[id(model)][1].by_referents
+    assert index_of(model) is cached  # unchanged: still served from the cache
+    model.head.weight = nn.Parameter(torch.ones(2, 4))
+    index = index_of(model)
+    assert index is not cached and index.param_addresses == model_index.ModelIndex(model).param_addresses
+
+
+def test_plain_modules_are_checked_by_their_references():
+    model = Net()
+    model.head = _Slotted(4, 2)  # its slot unset: a plain layout of references
+    cached = index_of(model)
+    assert model_index._cache[id(model)][1].by_referents and index_of(model) is cached
+    model.head.note = "set now"  # one more reference: the layout changed, the index is walked again
+    assert index_of(model) is not cached
 
 
 def test_the_cache_does_not_keep_a_model_alive():
@@ -132,3 +176,22 @@ def test_a_parameter_made_an_inference_tensor_by_data_assignment_is_still_seen()
     log = _trace(model, x)
     expected = torch.nn.functional.linear(log["norm"].activation, frozen, model.head.bias)
     assert torch.equal(log.output, expected)
+
+
+def test_a_save_selection_finds_modules_by_the_cached_index_as_the_model_changes():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 4)
+    first = _trace_saving(model, x, ["head"])
+    assert first.saved_activations and all(first.ops[i].module_address in ("head", None)
+                                           for i in first.saved_activations)
+    model.final = model.head  # an alias: the same module under a second address
+    del model.head
+    model.forward = lambda x: model.final(model.norm(model.body(x)))
+    with pytest.raises(UnmatchedSelection):
+        _trace_saving(model, x, ["head"])  # the index was walked again: no module is called "head" now
+    assert _trace_saving(model, x, ["final"]).saved_activations
+
+
+def _trace_saving(model, x, save):
+    with torch.no_grad():
+        return tl.trace(model.eval(), x, save=save)

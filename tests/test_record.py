@@ -227,6 +227,22 @@ def test_mutation_capture_cannot_see_is_flagged_never_kept():
     assert "dropped" in str(log)
 
 
+def test_an_unseen_mutation_is_flagged_beside_saved_values_without_a_version():
+    with torch.inference_mode():
+        frozen = torch.ones(2)  # an inference tensor: saved with no version to compare
+
+    def f(x, w):
+        y = x * 2
+        with torch._C.DisableTorchFunction():  # a write that bypasses interposition entirely
+            y.add_(1)
+        return (y * w).sum()
+
+    with pytest.warns(UserWarning, match="dropped saved activations.*mul_1_1:1"):
+        log = tl.trace(f, (torch.ones(2), frozen))
+    assert set(log.dropped_activations) == {log["mul_1_1:1"].index}
+    assert torch.equal(log["input.w"].activation, frozen)
+
+
 def test_tensor_from_outside_the_trace_is_counted_as_unattributed():
     outside = torch.randn(3)
 

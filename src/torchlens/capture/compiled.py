@@ -22,8 +22,11 @@ differently), and the trace says so.
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
+from itertools import repeat
+from operator import contains
 
 import torch
 
@@ -33,6 +36,7 @@ from .teardown import release_stranded, until_done
 EAGER_CAVEAT = ("compiled submodules were traced eagerly (compiled='eager'): their outputs may differ from "
                 "the compiled run the untraced model would make")
 _MODES = ("run", "eager")
+_IN_PLACE = "_compiled_call_impl"  # the instance attribute module.compile() sets
 
 
 def optimized_module_type():
@@ -125,7 +129,16 @@ _ABSENT = object()
 
 def compiled_in_place(modules) -> list:
     """Those of ``modules`` compiled in place (``module.compile()``), which a trace must route."""
-    return [m for m in modules if vars(m).get("_compiled_call_impl") is not None]
+    # Read per trace once Dynamo is imported (``compile()`` sets an instance attribute, which no structure
+    # check sees): first by C-level passes over the modules' ``__dict__``s, each module's first reference
+    # when every module has just two (its ``__dict__`` and its class), as plain modules do.
+    owners = gc.get_referents(*modules)
+    try:
+        if len(owners) == 2 * len(modules) and not any(map(contains, owners[0::2], repeat(_IN_PLACE))):
+            return []
+    except TypeError:  # a reference that is no mapping: another layout, looked at module by module
+        pass
+    return [m for m in modules if vars(m).get(_IN_PLACE) is not None]
 
 
 def _check_routable(module, mode: str) -> None:

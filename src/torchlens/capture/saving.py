@@ -24,7 +24,7 @@ _NOTHING = frozenset()  # the selection of "all", "none" and predicates: shared,
 
 
 class SavePolicy:
-    def __init__(self, save, model):
+    def __init__(self, save, model, index=None):
         self.predicate = None
         self.labels = self.types = self.module_ids = self.addresses = self.call_labels = _NOTHING
         self.type_entries: dict = {}  # normalized op type -> the entry as written
@@ -35,15 +35,20 @@ class SavePolicy:
         elif callable(save):
             self.mode, self.predicate = 1, save
         elif isinstance(save, (list, tuple, set, frozenset)):
-            self._parse_selection(list(save), model)
+            self._parse_selection(list(save), model, index)
         else:
             raise ValueError(
                 f"save={save!r} is not understood: use 'all', 'none', a list of labels / module "
                 "addresses / op types, or a predicate taking an Op"
             )
 
-    def _parse_selection(self, items, model):
-        modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
+    def _parse_selection(self, items, model, index=None):
+        # The model's cached index knows every module's address (no walk per trace); with a torch.compile
+        # wrapper the walk's own names are read, since they also name the wrapped module ("x._orig_mod").
+        if index is not None and not index.wrappers:
+            modules = index.modules
+        else:
+            modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
         self.labels, self.types, self.module_ids, self.addresses, self.call_labels = set(), set(), set(), set(), set()
         for item in items:
             if not isinstance(item, str):

@@ -62,7 +62,7 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     kwargs = dict(kwargs) if kwargs else {}
     args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
-    policy = SavePolicy(save, root)
+    policy = SavePolicy(save, root, index)
     if save_device is not None:
         save_device = torch.device(save_device)
     started = perf_counter_ns()
@@ -92,17 +92,21 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     compiled_modules = index.of_type(optimized) if optimized is not None else ()
     # Modules compiled in place (module.compile()) can exist only once Dynamo is imported, as can wrappers.
     in_place = compiled_in_place(index.all_modules()) if optimized is not None else ()
-    submodules = CompiledSubmodules(root, compiled, None, compiled_modules, in_place)
+    # Without compiled submodules there is nothing to route: the part is not made (nor entered, nor exited).
+    submodules = CompiledSubmodules(root, compiled, None, compiled_modules, in_place) \
+        if compiled_modules or in_place else None
     # The root's own call is the trace itself; a callable's calls into its root are module calls.
-    tracker = ModuleCallTracker(state, model if root is model else None, frames, skip=submodules.eager_modules,
+    tracker = ModuleCallTracker(state, model if root is model else None, frames,
+                                skip=submodules.eager_modules if submodules is not None else (),
                                 module_types=index.module_types())
     tracker.progress = shown if shown is not QUIET else None
-    submodules.suspend = lambda: Suspension(tracker, shim)
-    # Without compiled submodules there is nothing to route: the part is left out (its enter and exit).
-    parts = (submodules, shim, tracker, installed) if compiled_modules or in_place else (shim, tracker, installed)
+    parts = (shim, tracker, installed)
     if runtime is not None and runtime.module_sites:
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
-        parts = (submodules, shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
+        parts = (shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
+    if submodules is not None:
+        submodules.suspend = lambda: Suspension(tracker, shim)
+        parts = (submodules, *parts)
     capture = Capture(parts)
     try:
         # Torn down once by the ``with`` exit; whenever that exit is skipped or cut short, an exception
@@ -138,8 +142,13 @@ def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_
     finally:
         shown.close()
     result._autocast = autocast
-    result.caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + submodules.caveats()
-    result.rank, result.world_size = process_rank()
+    caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
+        (submodules.caveats() if submodules is not None else ())
+    if caveats:  # else the class default: none
+        result.caveats = caveats
+    rank = process_rank()
+    if rank[0] is not None:  # else the class defaults: not under torch.distributed
+        result.rank, result.world_size = rank
     if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
         policy.check_matched(result)
     result._root_class = type(root).__name__ if root is not None else model_name

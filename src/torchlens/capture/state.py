@@ -42,14 +42,32 @@ def grad_and_autocast() -> tuple:
     return torch.is_grad_enabled(), autocast
 
 
+class ByParam:
+    """``id(Parameter) -> value`` for a model's parameters: read when the forward ends as one list in
+    parameter order (a C-level pass), made a dict only when replay first asks (most traces never do)."""
+
+    __slots__ = ("_ids", "_values", "_by_id")
+
+    def __init__(self, ids: list, values: list):
+        self._ids = ids  # the model index's, shared by its traces: never changed
+        self._values = values
+        self._by_id = None
+
+    def get(self, key: int, default=None):
+        by_id = self._by_id
+        if by_id is None:  # two threads asking first build the same dict
+            by_id = self._by_id = dict(zip(self._ids, self._values))
+        return by_id.get(key, default)
+
+
 class ReplayContext(NamedTuple):
     """What replay needs to run each op as it ran (kept on the trace as ``_replay``)."""
 
     context: tuple  # grad_and_autocast() around the forward
     contexts: dict  # call index -> grad_and_autocast() where a call ran under another state
     param_writes: dict  # id(Parameter) -> [(call index, value before the write or None)]
-    param_versions: dict  # id(Parameter) -> version when the forward ended
-    param_requires_grad: dict  # id(Parameter) -> its requires_grad flag during the forward
+    param_versions: ByParam  # id(Parameter) -> version when the forward ended
+    param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
 
 
 INFERENCE_CAVEAT = (
@@ -93,6 +111,19 @@ def storage_key(t: torch.Tensor) -> int:
 class CaptureState:
     """Everything one trace accumulates while the model runs."""
 
+    # Set on the instance only when they change (the op handler reads none of them; a source or a
+    # failure reads a few): a trace that meets none of these cases does not pay for setting them.
+    unattributed = 0  # tensor arguments whose producer capture never saw
+    save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
+    keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
+    saved_bytes = 0
+    budget_exhausted_at: int | None = None
+    failure = None  # (func, module call, exception) of the first torch call that raised
+    versionless = False  # an inference tensor was seen: in-place writes known by name only
+    raised_in = None  # (exception, module call index) where an exception left a module call
+    _watched = ()  # (address, Parameter) of the model: see ``param_storages``
+    _param_storages = None
+
     def __init__(self, *, save_mode: int, selector=None, save_device=None, record_finite: bool = False,
                  buffers: dict | None = None, max_saved_bytes: int | None = None):
         self.owner_thread = threading.get_ident()
@@ -105,36 +136,26 @@ class CaptureState:
         self.writers: dict = {}  # storage key -> (record index, version after the write)
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
-        self.unattributed = 0
         self.alias_reads: set = set()  # (call index, parent record) read after a write through a view
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
         self.selector = selector
-        self.save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
         self.save_device = save_device
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
         self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
-        self.keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
         self.unkeyed: list = []  # record indices below ``keyed_to`` saved again since (see ``save``)
-        self.saved_bytes = 0
         self.max_saved_bytes = max_saved_bytes
         # No device move and no budget: the hot path saves inline (capture/mode.py).
         self.plain_save = save_device is None and max_saved_bytes is None
-        self.budget_exhausted_at: int | None = None
         self.clobbered: dict = {}  # record index -> reason its saved value was dropped
         self.finite_flags: dict | None = {} if record_finite else None
-        self.failure = None
-        self.versionless = False  # an inference tensor was seen: in-place writes known by name only
-        self.raised_in = None  # (exception, module call index) where an exception left a module call
         # Replay context: the trace-wide grad/autocast state, the calls that ran under another one, and
         # the model's parameters by storage (their values before an in-place write are kept).
         self.context = grad_and_autocast()
         self.grad_enabled = self.context[0]
         self.any_autocast = _any_autocast()
         self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
-        self._watched = ()  # (address, Parameter) of the model: see ``param_storages``
-        self._param_storages = None
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
         # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
@@ -175,23 +196,31 @@ class CaptureState:
     def _source_of(self, t: torch.Tensor) -> int:
         buffer = self.buffers.get(id(t))
         if buffer is not None and buffer[0] is t:
-            index = len(self.records)
-            self.records.append((BUFFER, buffer[1], shape_of(t), t.dtype, t.device, t.requires_grad, None))
-            self.producers[id(t)] = (weakref(t), index, self.version(t))
-            if self.save_mode and self.save_sources:
-                # By reference, like an activation: a write predicted before the call (in place, or
-                # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
-                self.save(index, t, t.requires_grad)
-            return index
+            # By reference, like an activation: a write predicted before the call (in place, or
+            # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
+            return self._add(t, BUFFER, buffer[1], held=True)
         self.unattributed += 1
         return -1
 
-    def add_source(self, t: torch.Tensor, kind: int, slot) -> int:
+    def _add(self, t: torch.Tensor, kind: int, slot, held: bool = False) -> int:
+        """Record (and save) a source tensor: each of its properties read once.  ``held``: the tensor is
+        held for the whole trace anyway (a buffer, by the model index), so it is bound by itself (see
+        ``is_bound``), without a weak reference."""
         index = len(self.records)
-        self.records.append((kind, slot, shape_of(t), t.dtype, t.device, t.requires_grad, None))
-        self.producers[id(t)] = (weakref(t), index, self.version(t))
+        requires_grad = t.requires_grad
+        self.records.append((kind, slot, shape_of(t), t.dtype, t.device, requires_grad, None))
+        version = self.version(t)
+        self.producers[id(t)] = (t if held else weakref(t), index, version)
         if self.save_mode and self.save_sources:
-            self.save(index, t, t.requires_grad)
+            if self.plain_save and not requires_grad:  # ``save``'s common case, with the version just read
+                self.saved[index] = t
+                self.saved_versions[index] = version
+            else:
+                self.save(index, t, requires_grad)
+        return index
+
+    def add_source(self, t: torch.Tensor, kind: int, slot) -> int:
+        index = self._add(t, kind, slot)
         if self.finite_flags is not None:
             self.record_finite(index, t)
         if self.grads is not None and t.requires_grad:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from itertools import compress
+from itertools import chain, compress
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
@@ -79,7 +79,9 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         activations=activations,
         dropped=dict(state.clobbered),
         finite=state.drained_finite_flags(),
-        param_addresses=_param_addresses(calls, index),
+        # Derived on first read (from the index the record keeps) unless a parameter outside the index is
+        # named by its shape, read now (a later ``.data`` assignment could change it).
+        param_addresses=None if _all_indexed(calls, index) else _param_addresses(calls, index),
         output=output,
         model=model,
         unattributed=state.unattributed,
@@ -90,17 +92,18 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     )
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
-    trace._replay = _replay_context()(state.context, state.contexts, state.param_writes,
-                                      dict(zip(ids, map(_VERSION, params))),
-                                      dict(zip(ids, map(_REQUIRES_GRAD, params))))
+    replay_context, by_param = _replay_types()
+    trace._replay = replay_context(state.context, state.contexts, state.param_writes,
+                                   by_param(ids, list(map(_VERSION, params))),
+                                   by_param(ids, list(map(_REQUIRES_GRAD, params))))
     return trace
 
 
 @functools.cache
-def _replay_context():
-    from ..capture.state import ReplayContext  # the capture driver's type; imported late, one way
+def _replay_types():
+    from ..capture.state import ByParam, ReplayContext  # the capture driver's types; imported late, one way
 
-    return ReplayContext
+    return ReplayContext, ByParam
 
 
 class RawRecord:
@@ -118,10 +121,17 @@ class RawRecord:
         # Each call's module class, as shown (a torch.compile wrapper: the class it wraps), read now: a
         # parametrization (torch.nn.utils.parametrize) swaps a module's class after the trace.
         modules = list(map(_MODULE, module_calls))
-        self.module_classes = (list(map(type, modules)), [type(m._modules.get("_orig_mod", m)) for m in modules])
+        classes = list(map(type, modules))
         # Parameter names come from the index's walk; those of a module it has none for (the root, a module
         # outside the model) are read now.
         unwalked = index.unwalked(modules)
+        if index.wrappers:  # the index's walk met a torch.compile wrapper: look at every module
+            shown = [type(m._modules.get("_orig_mod", m)) for m in modules]
+        elif unwalked:  # only a module the walk did not see can be one
+            shown = [type(m._modules.get("_orig_mod", m)) if id(m) in unwalked else c for m, c in zip(modules, classes)]
+        else:
+            shown = classes
+        self.module_classes = (classes, shown)
         self.module_params = {id(m): index.param_names_of(m) for m in modules if id(m) in unwalked} if unwalked else {}
         self.index = index
 
@@ -170,6 +180,10 @@ class RawRecord:
         self.records = self.outputs = None  # read once
         return {"_kind": kind, "_call": call_col, "_slot": slot_col, "_meta": meta, "_parents": parents_col,
                 "_module_call": module_col, "_inplace": inplace, "_io": io}
+
+    def params(self, trace) -> dict:
+        """Each op's parameter addresses, from the index (``finalize`` found every parameter used in it)."""
+        return {"_param_addresses": _param_addresses(self.calls, self.index)}
 
     def modules(self, trace) -> dict:
         """The ``ModuleCall`` and ``Module`` records, from the module calls and the model index."""
@@ -299,6 +313,13 @@ def _param_addresses(calls, index: ModelIndex) -> dict:
             for i in range(first + 1, first + count):
                 out[i] = addresses
     return out
+
+
+def _all_indexed(calls, index: ModelIndex) -> bool:
+    """Whether every parameter the calls used has an address in the index (C-level passes)."""
+    # (argument position, Parameter) pairs of the calls that used any (as ``_param_addresses`` reads them)
+    used = map(_SECOND, chain.from_iterable(filter(None, map(_CALL_PARAMS, calls))))
+    return all(map(index.param_addresses.__contains__, map(id, used)))
 
 
 def _unregistered(p) -> str:

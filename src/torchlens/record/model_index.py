@@ -30,6 +30,7 @@ class ModelIndex:
         self._of_type: dict = {}  # module class -> the submodules of exactly that class (see ``of_type``)
         self._root = None  # a weak reference: a cached index must not keep its model alive
         self._module_types = None  # every distinct module class, the root's included (on first use)
+        self.wrappers = False  # whether a module holds an ``_orig_mod`` (a torch.compile wrapper does)
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
             self._walk(model)
@@ -44,6 +45,8 @@ class ModelIndex:
                 seen.append(name or "self")
                 continue
             self.module_addresses[id(module)] = [name or "self"]
+            if "_orig_mod" in module._modules:
+                self.wrappers = True
             if raw:
                 self.submodules[raw] = module  # every module object, wrappers too: the structure check
                 self._addressed.setdefault(name, module)
@@ -126,11 +129,17 @@ class Structure:
     their values come from ``gc.get_referents`` (a container's references, in order: any change of a
     value changes the list), the keys from one chained iteration (string keys are not references)."""
 
-    __slots__ = ("modules", "snapshot", "keyed", "keys")
+    __slots__ = ("modules", "snapshot", "keyed", "keys", "by_referents")
 
     def __init__(self, model, modules: list):
         self.modules = modules  # every module but the root, once each, in walk order
-        dicts = _dicts_of(model, modules)
+        # A plain module's references are its ``__dict__`` and its class, in that order: one C call then
+        # finds every module's ``__dict__`` (no ``vars`` per module).  Anything else (slots, a dict not
+        # materialised) takes the general path.
+        owners = gc.get_referents(model, *modules)
+        self.by_referents = len(owners) == 2 * (len(modules) + 1) and all(
+            map(is_, owners[0::2], map(vars, chain((model,), modules))))
+        dicts = self._dicts_of(model)
         if not all(type(d) in (dict, OrderedDict) for d in dicts):  # whose references are their values
             raise TypeError("a module keeps its submodules, parameters or buffers in a custom mapping")
         # Later checks find the very same dict objects (or fail on identity), so they are dicts too.
@@ -140,20 +149,27 @@ class Structure:
         self.keyed = [d for d in dicts if d]
         self.keys = list(chain.from_iterable(self.keyed))
 
+    def _dicts_of(self, model) -> list:
+        """Every module's three dicts, the root's first.  By referents, each module's first reference
+        is taken for its ``__dict__`` (a class cannot gain references of another layout: ``__class__``
+        assignment keeps it); anything else fails the check (KeyError, TypeError)."""
+        if self.by_referents:
+            owners = gc.get_referents(model, *self.modules)
+            if len(owners) != 2 * len(self.modules) + 2:
+                raise TypeError("a module's references changed layout")
+            return gc.get_referents(*map(_DICTS, owners[0::2]))
+        return gc.get_referents(*map(_DICTS, map(vars, chain((model,), self.modules))))
+
     def unchanged(self, model) -> bool:
         """Whether ``model``'s module tree is exactly what was snapshotted."""
         try:
-            dicts = _dicts_of(model, self.modules)
+            dicts = self._dicts_of(model)
         except (KeyError, TypeError):  # a module without the usual dicts: never cached anyway
             return False
         now = dicts + gc.get_referents(*dicts)
         # ``keyed`` holds some of the very dicts just found identical, so its keys are theirs now.
         return (len(now) == len(self.snapshot) and all(map(is_, now, self.snapshot))
                 and list(chain.from_iterable(self.keyed)) == self.keys)
-
-
-def _dicts_of(model, modules: list) -> list:
-    return gc.get_referents(*map(_DICTS, map(vars, chain((model,), modules))))
 
 
 _cache: dict = {}  # id(model) -> (weak reference to the model, Structure, ModelIndex)

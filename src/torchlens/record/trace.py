@@ -52,6 +52,10 @@ class Trace:
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
     _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
     _raw = None  # record.finalize.RawRecord: what the columns below are derived from, until all of them are
+    # Built on first read (a trace nobody reads sets none of them), or set by ``cleanup``.
+    _calls_named = False  # whether ``calls`` has named the raw call tuples
+    _cleaned = False
+    _children_col = _lookup = _ops = _layers = _layers_by_label = _params = _buffers = None
 
     # The columns: derived on first read, a group at a time, from ``_raw`` (a trace made by
     # ``record.finalize``), or given to ``__init__`` (a trace read by ``tl.load``).
@@ -72,6 +76,7 @@ class Trace:
     _group_size = _Derived("labels")
     _types = _Derived("labels")
     _func_names = _Derived("labels")
+    _param_addresses = _Derived("params")
 
     def __init__(self, *, model_name, calls, activations, dropped, finite, param_addresses, output, model,
                  unattributed, timings, budget_exhausted_at, alias_reads=frozenset(), index=None, raw=None,
@@ -82,7 +87,6 @@ class Trace:
         or every column (``tl.load``)."""
         self.model_name = model_name
         self._calls = calls  # raw call tuples until ``calls`` names them (record/columns.py)
-        self._calls_named = False
         if raw is not None:
             self._raw = raw
         else:
@@ -110,27 +114,20 @@ class Trace:
         self._activations = activations
         self._dropped = dropped
         self._finite = finite
-        self._param_addresses = param_addresses
+        if param_addresses is not None:  # else derived from ``raw`` on first read
+            self._param_addresses = param_addresses
         self._output = output
         self._model = model
-        self._cleaned = False
-        self._children_col = None
-        self._lookup = None
-        self._ops = None
-        self._layers = None
-        self._layers_by_label = None
         self.unattributed = unattributed
         self.timings = timings
         self.budget_exhausted_at = budget_exhausted_at
         self._alias_reads = alias_reads
         # Only the (address, parameter) list is kept for the lazy Param records, not the whole index.
         self._model_params = index.params if index is not None else None
-        self._params = None
-        self._buffers = None
 
     def _derive_all(self) -> None:
         """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
-        self._kind, self.module_calls, self._labels
+        self._kind, self.module_calls, self._labels, self._param_addresses
 
     # ----- records -------------------------------------------------------------------------------
     @property
