@@ -1,18 +1,869 @@
-/* The capture hot path in C: see torchlens/capture/accel.py for how it is loaded. */
+/* The capture hot path in C: see torchlens/capture/accel.py for how it is loaded.
+ *
+ * ``Handler`` replaces ``CaptureMode.__torch_function__`` for a plain capture (every optional feature
+ * off: see ``CaptureMode.plain``).  It records exactly what the Python method records, for the
+ * commonest shapes of call: exact tensors and Parameters, plain values and flat tuples of plain values
+ * in positional and keyword slots, and a single tensor out.  Every other call is decided before
+ * ``func`` runs and handed whole to the Python method; after the call, everything uncommon (results that
+ * are not one tensor, writes found, sites other than a user frame or a torch module's forward) goes
+ * through the same Python helpers the method calls.  Everything it needs from torch and torchlens is
+ * handed over by Python at construction (``torchlens.capture.mode._compiled_handler``): this file
+ * imports nothing.
+ */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 1
+#define TORCHLENS_ACCEL_ABI 2
+
+/* The most tensor arguments one call may have on the compiled path; more take the Python method. */
+#define MAX_TENSORS 16
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *mode_ref;       /* weak reference to the CaptureMode (no cycle through its __dict__) */
+    PyObject *method;         /* CaptureMode.__torch_function__, the Python method, unbound */
+    PyObject *state;          /* the CaptureState */
+    PyObject *state_dict;     /* its __dict__: the raw lists and flags, read per call */
+    PyObject *off_hot_path;   /* frozenset: calls the Python method handles (not ops, x.data) */
+    PyObject *compiler_dict;  /* torch.compiler's namespace (its _is_compiling_flag) */
+    PyObject *tensor_type;
+    PyObject *parameter_type;
+    PyObject *function_type;
+    PyObject *plain_values;   /* frozenset of the exact types held by value */
+    PyObject *tuple_values;   /* frozenset of the exact types a flat tuple may hold and stay as it is */
+    PyObject *inplace_cache;  /* func -> in-place verdict */
+    PyObject *no_kwargs;      /* the shared empty keyword dict */
+    PyObject *protect;        /* _protect_before_write(st, func, args, kwargs) */
+    PyObject *output_leaves;  /* _output_leaves(func, out, args, kwargs) */
+    PyObject *record_output;  /* _record_output(st, call_index, slot, t, func, module_call) */
+    PyObject *written_arguments; /* _written_arguments(func, args, kwargs, versions) */
+    PyObject *shape_of;
+    PyObject *verdicts;       /* id(code) -> verdict */
+    PyObject *locate;         /* FrameClassifier.locate, bound */
+    PyObject *dispatched_site;
+    PyObject *call_impl;      /* nn.Module._call_impl.__code__ */
+    PyObject *call_impl_inner;
+    PyObject *grad_enabled;   /* torch.is_grad_enabled */
+    PyObject *any_autocast;   /* torch._C._is_any_autocast_enabled */
+    long user, skip, dispatch;
+} Handler;
+
+/* Interned names. */
+static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_grad_fn, *s_detach,
+    *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
+    *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
+    *s_note_failure, *s_note_context, *s_note_writes, *s_wants, *s_watch, *s_is_compiling, *s_out,
+    *s_inplace;
+
+static PyObject *empty_tuple;
+
+/* A state attribute, borrowed; an AttributeError when missing. */
+static PyObject *state_get(Handler *h, PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(h->state_dict, name);
+    if (v == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+    return v;
+}
+
+static PyObject *now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  /* time.perf_counter_ns's clock on Linux */
+    return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+}
+
+/* ``t._version``, or ``st.version(t)`` (None, noting it) for an inference tensor.  New reference. */
+static PyObject *version_of(Handler *h, PyObject *t) {
+    PyObject *v = PyObject_GetAttr(t, s_version);
+    if (v == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+        PyErr_Clear();
+        v = PyObject_CallMethodOneArg(h->state, s_version_m, t);
+    }
+    return v;
+}
+
+/* The record index of a plain tensor argument: the bound producer when its entry is about ``t`` at
+ * ``version``, else ``st.producer_of(t)``.  New reference. */
+static PyObject *parent_of(Handler *h, PyObject *producers, PyObject *t, PyObject *version, int bound_first) {
+    if (bound_first) {
+        PyObject *key = PyLong_FromVoidPtr(t);
+        if (key == NULL) return NULL;
+        PyObject *entry = PyDict_GetItemWithError(producers, key);
+        Py_DECREF(key);
+        if (entry == NULL && PyErr_Occurred()) return NULL;
+        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3) {
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), version, Py_EQ);
+            if (same < 0) return NULL;
+            if (same) {
+                PyObject *ref = PyTuple_GET_ITEM(entry, 0);
+                if (ref == t || (PyWeakref_CheckRef(ref) && PyWeakref_GetObject(ref) == t)) {
+                    PyObject *index = PyTuple_GET_ITEM(entry, 1);
+                    Py_INCREF(index);
+                    return index;
+                }
+            }
+        }
+    }
+    return PyObject_CallMethodOneArg(h->state, s_producer_of, t);
+}
+
+enum { KIND_PLAIN = 0, KIND_TENSOR = 1, KIND_PARAM = 2, KIND_OTHER = 3 };
+
+/* How an argument is recorded: a tensor, a Parameter, a value held as it is, or other (Python). */
+static int kind_of(Handler *h, PyObject *a) {
+    PyObject *type = (PyObject *)Py_TYPE(a);
+    if (type == h->tensor_type) return KIND_TENSOR;
+    if (type == h->parameter_type) return KIND_PARAM;
+    int found = PySet_Contains(h->plain_values, type);
+    if (found < 0) return -1;
+    if (found) return KIND_PLAIN;
+    if (PyTuple_CheckExact(a)) {  /* normalized_shape, kernel sizes, x[..., 0:2] */
+        Py_ssize_t n = PyTuple_GET_SIZE(a);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            found = PySet_Contains(h->tuple_values, (PyObject *)Py_TYPE(PyTuple_GET_ITEM(a, i)));
+            if (found <= 0) return found < 0 ? -1 : KIND_OTHER;
+        }
+        return KIND_PLAIN;
+    }
+    return KIND_OTHER;
+}
+
+/* One scanned tensor argument: the tensor and its version before the call. */
+typedef struct {
+    PyObject *t;        /* borrowed (the arguments hold it) */
+    PyObject *version;  /* owned */
+} Bound;
+
+static void release_bounds(Bound *bounds, int n) {
+    for (int i = 0; i < n; i++) Py_XDECREF(bounds[i].version);
+}
+
+/* ``versions`` as the Python helpers take it: a list of (tensor, version) pairs.  New reference. */
+static PyObject *versions_list(Bound *bounds, int n) {
+    PyObject *list = PyList_New(n);
+    if (list == NULL) return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *pair = PyTuple_Pack(2, bounds[i].t, bounds[i].version);
+        if (pair == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, pair);
+    }
+    return list;
+}
+
+/* The Python method, called as torch called this handler. */
+static PyObject *call_method(Handler *h, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *mode = PyWeakref_GetObject(h->mode_ref);
+    if (mode == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "torchlens: the capture mode this handler belongs to is gone");
+        return NULL;
+    }
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[8];
+    PyObject **stack = total + 1 <= 8 ? small : PyMem_Malloc((total + 1) * sizeof(PyObject *));
+    if (stack == NULL) return PyErr_NoMemory();
+    stack[0] = mode;
+    for (Py_ssize_t i = 0; i < total; i++) stack[i + 1] = args[i];
+    Py_INCREF(mode);
+    PyObject *result = PyObject_Vectorcall(h->method, stack, nargs + 1, kwnames);
+    Py_DECREF(mode);
+    if (stack != small) PyMem_Free(stack);
+    return result;
+}
+
+/* Whether ``frame`` is torch's module call machinery calling ``forward`` (_called_by_module_call). */
+static int called_by_module_call(Handler *h, PyFrameObject *frame) {
+    if (frame == NULL) return 0;
+    PyCodeObject *code = PyFrame_GetCode(frame);
+    int answer;
+    if ((PyObject *)code == h->call_impl_inner) {
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        if (back == NULL) {
+            answer = 0;
+        } else {
+            PyCodeObject *outer = PyFrame_GetCode(back);
+            answer = (PyObject *)outer == h->call_impl;
+            Py_DECREF(outer);
+            Py_DECREF(back);
+        }
+    } else {
+        answer = (PyObject *)code == h->call_impl;
+    }
+    Py_DECREF(code);
+    return answer;
+}
+
+static long verdict_of(Handler *h, PyObject *code) {
+    PyObject *key = PyLong_FromVoidPtr(code);
+    if (key == NULL) return -2;
+    PyObject *v = PyDict_GetItemWithError(h->verdicts, key);
+    Py_DECREF(key);
+    if (v == NULL) return PyErr_Occurred() ? -2 : -1;
+    long verdict = PyLong_AsLong(v);
+    if (verdict == -1 && PyErr_Occurred()) return -2;
+    return verdict;
+}
+
+/* ``(site, code, line)`` of the op, as the Python method finds them.  New references in the out
+ * arguments; -1 with an exception set on failure. */
+static int find_site(Handler *h, PyObject *func, PyObject *module_call, long module_index,
+                     PyObject **site, PyObject **code_out, PyObject **line_out) {
+    PyFrameObject *frame = PyEval_GetFrame();  /* borrowed: the frame that called the torch function */
+    PyObject *code = frame != NULL ? (PyObject *)PyFrame_GetCode(frame) : NULL;
+    long verdict = code != NULL ? verdict_of(h, code) : -1;
+    if (verdict == -2) {
+        Py_DECREF(code);
+        return -1;
+    }
+    if (verdict == h->user) {
+        PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+        if (line == NULL) {
+            Py_DECREF(code);
+            return -1;
+        }
+        *site = PyTuple_Pack(2, code, line);
+        if (*site == NULL) {
+            Py_DECREF(code);
+            Py_DECREF(line);
+            return -1;
+        }
+        *code_out = code;
+        *line_out = line;
+        return 0;
+    }
+    if (verdict == h->skip && module_index >= 0 && Py_TYPE(func) != (PyTypeObject *)h->function_type) {
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        int by_call = called_by_module_call(h, back);
+        Py_XDECREF(back);
+        if (by_call) {
+            PyObject *call_frames = state_get(h, s_call_frames);
+            PyObject *user = call_frames ? PyObject_GetItem(call_frames, module_call) : NULL;
+            PyObject *pair = user ? PySequence_Tuple(user) : NULL;
+            Py_XDECREF(user);
+            if (pair == NULL || PyTuple_GET_SIZE(pair) != 2) {
+                if (pair != NULL) {
+                    PyErr_SetString(PyExc_ValueError, "torchlens: a module call frame is not a (code, offset) pair");
+                    Py_DECREF(pair);
+                }
+                Py_DECREF(code);
+                return -1;
+            }
+            PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+            *site = line ? PyTuple_Pack(2, code, line) : NULL;
+            Py_XDECREF(line);
+            Py_DECREF(code);
+            if (*site == NULL) {
+                Py_DECREF(pair);
+                return -1;
+            }
+            *code_out = PyTuple_GET_ITEM(pair, 0);
+            *line_out = PyTuple_GET_ITEM(pair, 1);
+            Py_INCREF(*code_out);
+            Py_INCREF(*line_out);
+            Py_DECREF(pair);
+            return 0;
+        }
+    }
+    Py_XDECREF(code);
+    /* A Python-level torch function, torch's own code elsewhere, or a new frame: the Python walk. */
+    PyObject *call_frames = state_get(h, s_call_frames);
+    if (call_frames == NULL) return -1;
+    PyObject *frame_obj = frame != NULL ? (PyObject *)frame : Py_None;
+    PyObject *found;
+    if (verdict == h->dispatch) {
+        PyObject *argv[] = {frame_obj, func, call_frames, module_call, h->locate};
+        found = PyObject_Vectorcall(h->dispatched_site, argv, 5, NULL);
+    } else {
+        PyObject *argv[] = {frame_obj, func, call_frames, module_call};
+        found = PyObject_Vectorcall(h->locate, argv, 4, NULL);
+    }
+    if (found == NULL) return -1;
+    PyObject *triple = PySequence_Tuple(found);
+    Py_DECREF(found);
+    if (triple == NULL) return -1;
+    if (PyTuple_GET_SIZE(triple) != 3) {
+        PyErr_SetString(PyExc_ValueError, "torchlens: locate did not answer (site, code, line)");
+        Py_DECREF(triple);
+        return -1;
+    }
+    *site = PyTuple_GET_ITEM(triple, 0);
+    *code_out = PyTuple_GET_ITEM(triple, 1);
+    *line_out = PyTuple_GET_ITEM(triple, 2);
+    Py_INCREF(*site);
+    Py_INCREF(*code_out);
+    Py_INCREF(*line_out);
+    Py_DECREF(triple);
+    return 0;
+}
+
+/* A Python truth value of a state flag or call result (stolen), -1 on error. */
+static int truth_of(PyObject *v) {
+    if (v == NULL) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* The record of the one tensor a call produced, inlined as in the Python method.  0 or -1. */
+static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObject *first_op,
+                         PyObject *func, PyObject *module_call) {
+    PyObject *records = state_get(h, s_records);
+    if (records == NULL) return -1;
+    PyObject *requires_grad = PyObject_GetAttr(out, s_requires_grad);
+    if (requires_grad == NULL) return -1;
+    int rg = PyObject_IsTrue(requires_grad);
+    if (rg < 0) {
+        Py_DECREF(requires_grad);
+        return -1;
+    }
+    PyObject *shape = PyObject_GetAttr(out, s_shape);
+    if (shape == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  /* a nested tensor */
+        PyErr_Clear();
+        shape = PyObject_CallOneArg(h->shape_of, out);
+    }
+    PyObject *dtype = shape ? PyObject_GetAttr(out, s_dtype) : NULL;
+    PyObject *device = dtype ? PyObject_GetAttr(out, s_device) : NULL;
+    PyObject *grad_type = NULL;
+    if (device != NULL) {
+        if (rg) {
+            PyObject *grad_fn = PyObject_GetAttr(out, s_grad_fn);
+            if (grad_fn != NULL) {
+                grad_type = (PyObject *)Py_TYPE(grad_fn);
+                Py_INCREF(grad_type);
+                Py_DECREF(grad_fn);
+            }
+        } else {
+            grad_type = Py_None;
+            Py_INCREF(grad_type);
+        }
+    }
+    PyObject *record = grad_type ? PyTuple_Pack(7, call_index, Py_None, shape, dtype, device, requires_grad,
+                                                grad_type) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    Py_XDECREF(grad_type);
+    Py_DECREF(requires_grad);
+    if (record == NULL) return -1;
+    int failed = PyList_Append(records, record);
+    Py_DECREF(record);
+    if (failed) return -1;
+
+    PyObject *version = version_of(h, out);
+    if (version == NULL) return -1;
+    if (rg) {
+        PyObject *grads = state_get(h, s_grads);
+        if (grads == NULL) goto fail;
+        if (grads != Py_None) {
+            PyObject *argv[] = {grads, first_op, out, func, module_call};
+            PyObject *r = PyObject_VectorcallMethod(s_watch, argv, 5, NULL);
+            if (r == NULL) goto fail;
+            Py_DECREF(r);
+        }
+    }
+    PyObject *save_mode = state_get(h, s_save_mode);
+    if (save_mode == NULL) goto fail;
+    int saving = PyObject_IsTrue(save_mode);
+    if (saving < 0) goto fail;
+    if (saving) {
+        long mode = PyLong_Check(save_mode) ? PyLong_AsLong(save_mode) : -1;
+        if (mode == -1 && PyErr_Occurred()) goto fail;
+        if (mode != 1) {
+            PyObject *argv[] = {h->state, func, module_call};
+            saving = truth_of(PyObject_VectorcallMethod(s_wants, argv, 3, NULL));
+            if (saving < 0) goto fail;
+        }
+    }
+    PyObject *producers = state_get(h, s_producers);
+    if (producers == NULL) goto fail;
+    PyObject *key = PyLong_FromVoidPtr(out);
+    if (key == NULL) goto fail;
+    PyObject *entry;
+    if (saving) {
+        PyObject *saved = state_get(h, s_saved);
+        PyObject *saved_versions = saved ? state_get(h, s_saved_versions) : NULL;
+        PyObject *kept = saved_versions == NULL ? NULL : rg ? PyObject_CallMethodNoArgs(out, s_detach) : Py_NewRef(out);
+        if (kept == NULL) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        failed = PyDict_SetItem(saved, first_op, kept) || PyDict_SetItem(saved_versions, first_op, version);
+        Py_DECREF(kept);
+        entry = failed ? NULL : PyTuple_Pack(3, out, first_op, version);
+    } else {
+        PyObject *ref = PyWeakref_NewRef(out, NULL);
+        entry = ref ? PyTuple_Pack(3, ref, first_op, version) : NULL;
+        Py_XDECREF(ref);
+    }
+    failed = entry == NULL || PyDict_SetItem(producers, key, entry);
+    Py_XDECREF(entry);
+    Py_DECREF(key);
+    Py_DECREF(version);
+    return failed ? -1 : 0;
+fail:
+    Py_DECREF(version);
+    return -1;
+}
+
+/* Scans the arguments.  Returns 1 when the call is for the compiled path and fills the out arguments
+ * (new references), 0 when it is for the Python method (nothing done), -1 on error. */
+static int classify(Handler *h, PyObject *args, PyObject *kwargs, int *tensors) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    int count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int kind = kind_of(h, PyTuple_GET_ITEM(args, i));
+        if (kind < 0) return -1;
+        if (kind == KIND_OTHER) return 0;
+        if (kind != KIND_PLAIN) count++;
+    }
+    if (kwargs != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(kwargs, &pos, &key, &value)) {
+            int kind = kind_of(h, value);
+            if (kind < 0) return -1;
+            if (kind == KIND_OTHER) return 0;
+            if (kind != KIND_PLAIN) count++;
+        }
+    }
+    if (count > MAX_TENSORS) return 0;
+    *tensors = count;
+    return 1;
+}
+
+/* One scanned argument: its version first, then its parent or its place among the parameters. */
+static int scan_one(Handler *h, PyObject *producers, PyObject *slot, PyObject *a, int bound_first,
+                    Bound *bounds, int *nbound, PyObject *parents, PyObject **params) {
+    PyObject *version = version_of(h, a);
+    if (version == NULL) return -1;
+    bounds[*nbound].t = a;
+    bounds[*nbound].version = version;
+    (*nbound)++;
+    PyObject *pair;
+    if (Py_TYPE(a) == (PyTypeObject *)h->parameter_type) {
+        if (*params == NULL && (*params = PyList_New(0)) == NULL) return -1;
+        pair = PyTuple_Pack(2, slot, a);
+        if (pair == NULL) return -1;
+        int failed = PyList_Append(*params, pair);
+        Py_DECREF(pair);
+        return failed;
+    }
+    PyObject *index = parent_of(h, producers, a, version, bound_first);
+    if (index == NULL) return -1;
+    pair = PyTuple_Pack(2, slot, index);
+    Py_DECREF(index);
+    if (pair == NULL) return -1;
+    int failed = PyList_Append(parents, pair);
+    Py_DECREF(pair);
+    return failed;
+}
+
+static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Handler *h = (Handler *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL || nargs < 2 || nargs > 4) return call_method(h, argv, nargsf, kwnames);
+    PyObject *func = argv[0];
+    PyObject *args = nargs > 2 ? argv[2] : empty_tuple;
+    PyObject *kwargs = nargs > 3 ? argv[3] : Py_None;
+    if (!PyTuple_CheckExact(args) || (kwargs != Py_None && !PyDict_CheckExact(kwargs)))
+        return call_method(h, argv, nargsf, kwnames);
+    int found = PySet_Contains(h->off_hot_path, func);
+    if (found < 0) return NULL;
+    if (found) return call_method(h, argv, nargsf, kwnames);
+    PyObject *compiling = PyDict_GetItemWithError(h->compiler_dict, s_is_compiling);
+    if (compiling == NULL && PyErr_Occurred()) return NULL;
+    if (compiling != NULL) {
+        int on = PyObject_IsTrue(compiling);
+        if (on < 0) return NULL;
+        if (on) return call_method(h, argv, nargsf, kwnames);
+    }
+    if (kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;  /* ``kwargs or _NO_KWARGS`` */
+    int tensors = 0;
+    found = classify(h, args, kwargs, &tensors);
+    if (found <= 0) return found < 0 ? NULL : call_method(h, argv, nargsf, kwnames);
+
+    /* From here on the call is recorded here: every error returns NULL with the exception set. */
+    PyObject *result = NULL, *out = NULL, *skeleton = NULL, *kw_skeleton = NULL, *parents = NULL;
+    PyObject *params = NULL, *module_call = NULL, *t0 = NULL, *t1 = NULL, *leaves = NULL;
+    PyObject *site = NULL, *code = NULL, *line = NULL, *call_index = NULL, *first_op = NULL;
+    PyObject *written = NULL, *call = NULL, *call_args = NULL;
+    PyObject *kw = kwargs != NULL ? kwargs : h->no_kwargs;
+    Bound bounds[MAX_TENSORS];
+    int nbound = 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+
+    PyObject *producers = state_get(h, s_producers);
+    if (producers == NULL) goto done;
+    parents = PyList_New(0);
+    if (parents == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        if (Py_TYPE(a) != (PyTypeObject *)h->tensor_type && Py_TYPE(a) != (PyTypeObject *)h->parameter_type)
+            continue;
+        if (skeleton == NULL && (skeleton = PySequence_List(args)) == NULL) goto done;
+        Py_INCREF(Py_None);
+        PyList_SetItem(skeleton, i, Py_None);
+        PyObject *slot = PyLong_FromSsize_t(i);
+        if (slot == NULL) goto done;
+        int failed = scan_one(h, producers, slot, a, 1, bounds, &nbound, parents, &params);
+        Py_DECREF(slot);
+        if (failed) goto done;
+    }
+    if (skeleton != NULL) {
+        PyObject *as_tuple = PyList_AsTuple(skeleton);
+        Py_SETREF(skeleton, as_tuple);
+        if (skeleton == NULL) goto done;
+    } else {
+        skeleton = Py_NewRef(args);
+    }
+    kw_skeleton = Py_NewRef(kw);
+    if (kwargs != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(kwargs, &pos, &key, &value)) {
+            if (Py_TYPE(value) != (PyTypeObject *)h->tensor_type && Py_TYPE(value) != (PyTypeObject *)h->parameter_type)
+                continue;
+            if (kw_skeleton == kwargs) {
+                Py_SETREF(kw_skeleton, PyDict_Copy(kwargs));
+                if (kw_skeleton == NULL) goto done;
+            }
+            if (PyDict_SetItem(kw_skeleton, key, Py_None)) goto done;
+            Py_INCREF(key);
+            Py_INCREF(value);
+            int failed = scan_one(h, producers, key, value, 0, bounds, &nbound, parents, &params);
+            Py_DECREF(key);
+            Py_DECREF(value);
+            if (failed) goto done;
+        }
+    }
+    Py_SETREF(parents, PyList_AsTuple(parents));
+    if (parents == NULL) goto done;
+
+    /* Copy-on-write: a write predicted by name or by keyword must not alter what was saved. */
+    if (nbound > 0) {
+        PyObject *saved = state_get(h, s_saved);
+        if (saved == NULL) goto done;
+        if (PyDict_Check(saved) ? PyDict_GET_SIZE(saved) > 0 : PyObject_IsTrue(saved)) {
+            PyObject *verdict = PyDict_GetItemWithError(h->inplace_cache, func);
+            if (verdict == NULL && PyErr_Occurred()) goto done;
+            int protect = verdict != Py_False;
+            if (!protect && kwargs != NULL) {
+                protect = PyDict_Contains(kwargs, s_out);
+                if (protect < 0) goto done;
+                if (!protect) {
+                    PyObject *inplace = PyDict_GetItemWithError(kwargs, s_inplace);
+                    if (inplace == NULL && PyErr_Occurred()) goto done;
+                    protect = inplace != NULL ? PyObject_IsTrue(inplace) : 0;
+                    if (protect < 0) goto done;
+                }
+            }
+            if (protect) {
+                PyObject *pargv[] = {h->state, func, args, kw};
+                PyObject *r = PyObject_Vectorcall(h->protect, pargv, 4, NULL);
+                if (r == NULL) goto done;
+                Py_DECREF(r);
+            }
+        }
+    }
+    PyObject *stack = state_get(h, s_module_stack);
+    if (stack == NULL) goto done;
+    Py_ssize_t depth = PyObject_Length(stack);
+    if (depth < 0) goto done;
+    if (depth > 0) {
+        module_call = PySequence_GetItem(stack, depth - 1);
+    } else {
+        module_call = PyLong_FromLong(-1);
+    }
+    if (module_call == NULL) goto done;
+    long module_index = PyLong_Check(module_call) ? PyLong_AsLong(module_call) : 0;
+    if (module_index == -1 && PyErr_Occurred()) goto done;
+
+    t0 = now_ns();
+    if (t0 == NULL) goto done;
+    out = PyObject_Call(func, args, kwargs);
+    if (out == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyObject *fargv[] = {h->state, func, module_call, value};
+        PyObject *r = PyObject_VectorcallMethod(s_note_failure, fargv, 4, NULL);
+        if (r == NULL) {  /* raised while noting it: that error, the call's as its context */
+            PyObject *type2, *value2, *tb2;
+            PyErr_Fetch(&type2, &value2, &tb2);
+            PyErr_NormalizeException(&type2, &value2, &tb2);
+            PyException_SetContext(value2, value);  /* steals value */
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            PyErr_Restore(type2, value2, tb2);
+        } else {
+            Py_DECREF(r);
+            PyErr_Restore(type, value, tb);
+        }
+        goto done;
+    }
+    t1 = now_ns();
+    if (t1 == NULL) goto done;
+    int single = PyObject_IsInstance(out, h->tensor_type);
+    if (single < 0) goto done;
+    if (!single) {
+        PyObject *largv[] = {func, out, args, kw};
+        leaves = PyObject_Vectorcall(h->output_leaves, largv, 4, NULL);
+        if (leaves == NULL) goto done;
+        int any = PyObject_IsTrue(leaves);
+        if (any < 0) goto done;
+        if (!any) {
+            result = Py_NewRef(out);
+            goto done;
+        }
+    }
+
+    if (find_site(h, func, module_call, module_index, &site, &code, &line) < 0) goto done;
+    PyObject *calls = state_get(h, s_calls);
+    PyObject *records = calls ? state_get(h, s_records) : NULL;
+    if (records == NULL) goto done;
+    call_index = PyLong_FromSsize_t(PyList_GET_SIZE(calls));
+    first_op = call_index ? PyLong_FromSsize_t(PyList_GET_SIZE(records)) : NULL;
+    if (first_op == NULL) goto done;
+    for (int i = 0; i < nbound; i++) {
+        int moved = bounds[i].version == Py_None;
+        if (!moved) {
+            PyObject *after = PyObject_GetAttr(bounds[i].t, s_version);
+            if (after == NULL) goto done;
+            moved = PyObject_RichCompareBool(after, bounds[i].version, Py_NE);
+            Py_DECREF(after);
+            if (moved < 0) goto done;
+        }
+        if (moved) {  /* a write (or an inference tensor): which ones */
+            PyObject *versions = versions_list(bounds, nbound);
+            if (versions == NULL) goto done;
+            PyObject *wargv[] = {func, args, kw, versions};
+            written = PyObject_Vectorcall(h->written_arguments, wargv, 4, NULL);
+            Py_DECREF(versions);
+            if (written == NULL) goto done;
+            if (written == Py_None) Py_CLEAR(written);
+            break;
+        }
+    }
+    PyObject *save_mode = state_get(h, s_save_mode);
+    if (save_mode == NULL) goto done;
+    int saving = PyObject_IsTrue(save_mode);
+    if (saving < 0) goto done;
+    if (saving) {
+        PyObject *grad_on = PyObject_CallNoArgs(h->grad_enabled);
+        if (grad_on == NULL) goto done;
+        PyObject *trace_grad = state_get(h, s_grad_enabled);
+        int differs = trace_grad == NULL ? -1 : grad_on != trace_grad;
+        Py_DECREF(grad_on);
+        if (differs < 0) goto done;
+        if (!differs) differs = truth_of(PyObject_CallNoArgs(h->any_autocast));
+        if (differs < 0) goto done;
+        if (!differs) {
+            PyObject *any = state_get(h, s_any_autocast);
+            differs = any ? PyObject_IsTrue(any) : -1;
+            if (differs < 0) goto done;
+        }
+        if (differs) {
+            PyObject *r = PyObject_CallMethodOneArg(h->state, s_note_context, call_index);
+            if (r == NULL) goto done;
+            Py_DECREF(r);
+        }
+    }
+    Py_ssize_t outputs = 1;
+    if (leaves != NULL && (outputs = PyObject_Length(leaves)) < 0) goto done;
+    PyObject *num_outputs = PyLong_FromSsize_t(outputs);
+    if (num_outputs == NULL) goto done;
+    call = PyTuple_Pack(14, func, skeleton, PyDict_GET_SIZE(kw_skeleton) ? kw_skeleton : h->no_kwargs, parents,
+                        params != NULL ? params : empty_tuple, module_call, code, line, t0, t1, first_op,
+                        num_outputs, written != NULL ? Py_True : Py_False, site);
+    Py_DECREF(num_outputs);
+    if (call == NULL || PyList_Append(calls, call)) goto done;
+    if (written != NULL) {
+        PyObject *r = PyObject_CallMethodObjArgs(h->state, s_note_writes, written, first_op, NULL);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+    }
+    if (leaves != NULL) {
+        PyObject *iter = PyObject_GetIter(leaves);
+        if (iter == NULL) goto done;
+        PyObject *leaf;
+        while ((leaf = PyIter_Next(iter)) != NULL) {
+            PyObject *pair = PySequence_Tuple(leaf);
+            Py_DECREF(leaf);
+            if (pair == NULL || PyTuple_GET_SIZE(pair) != 2) {
+                if (pair != NULL) {
+                    PyErr_SetString(PyExc_ValueError, "torchlens: an output leaf is not a (slot, tensor) pair");
+                    Py_DECREF(pair);
+                }
+                Py_DECREF(iter);
+                goto done;
+            }
+            PyObject *rargv[] = {h->state, call_index, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1),
+                                 func, module_call};
+            PyObject *r = PyObject_Vectorcall(h->record_output, rargv, 6, NULL);
+            Py_DECREF(pair);
+            if (r == NULL) {
+                Py_DECREF(iter);
+                goto done;
+            }
+            Py_DECREF(r);
+        }
+        Py_DECREF(iter);
+        if (PyErr_Occurred()) goto done;
+    } else if (record_single(h, out, call_index, first_op, func, module_call) < 0) {
+        goto done;
+    }
+    result = Py_NewRef(out);
+done:
+    release_bounds(bounds, nbound);
+    Py_XDECREF(out);
+    Py_XDECREF(skeleton);
+    Py_XDECREF(kw_skeleton);
+    Py_XDECREF(parents);
+    Py_XDECREF(params);
+    Py_XDECREF(module_call);
+    Py_XDECREF(t0);
+    Py_XDECREF(t1);
+    Py_XDECREF(leaves);
+    Py_XDECREF(site);
+    Py_XDECREF(code);
+    Py_XDECREF(line);
+    Py_XDECREF(call_index);
+    Py_XDECREF(first_op);
+    Py_XDECREF(written);
+    Py_XDECREF(call);
+    Py_XDECREF(call_args);
+    return result;
+}
+
+/* ----- the type ------------------------------------------------------------------------------- */
+
+#define HANDLER_OBJECTS(X) \
+    X(mode_ref) X(method) X(state) X(state_dict) X(off_hot_path) X(compiler_dict) X(tensor_type) \
+    X(parameter_type) X(function_type) X(plain_values) X(tuple_values) X(inplace_cache) X(no_kwargs) \
+    X(protect) X(output_leaves) X(record_output) X(written_arguments) X(shape_of) X(verdicts) X(locate) \
+    X(dispatched_site) X(call_impl) X(call_impl_inner) X(grad_enabled) X(any_autocast)
+
+static int handler_traverse(Handler *h, visitproc visit, void *arg) {
+#define VISIT(name) Py_VISIT(h->name);
+    HANDLER_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int handler_clear(Handler *h) {
+#define CLEAR(name) Py_CLEAR(h->name);
+    HANDLER_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void handler_dealloc(Handler *h) {
+    PyObject_GC_UnTrack(h);
+    handler_clear(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {
+        "mode", "method", "state", "off_hot_path", "compiler_dict", "tensor_type", "parameter_type",
+        "function_type", "plain_values", "tuple_values", "inplace_cache", "no_kwargs", "protect",
+        "output_leaves", "record_output", "written_arguments", "shape_of", "verdicts", "locate",
+        "dispatched_site", "call_impl", "call_impl_inner", "grad_enabled", "any_autocast", "user", "skip",
+        "dispatch", NULL};
+    PyObject *mode;
+    Handler *h = (Handler *)type->tp_alloc(type, 0);
+    if (h == NULL) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOOO!O!OOOO!O!O!O!OOOOOO!OOOOOOlll:Handler", names, &mode, &h->method, &h->state,
+            &PyFrozenSet_Type, &h->off_hot_path, &PyDict_Type, &h->compiler_dict, &h->tensor_type,
+            &h->parameter_type, &h->function_type, &PyFrozenSet_Type, &h->plain_values, &PyFrozenSet_Type,
+            &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->no_kwargs, &h->protect,
+            &h->output_leaves, &h->record_output, &h->written_arguments, &h->shape_of, &PyDict_Type,
+            &h->verdicts, &h->locate, &h->dispatched_site, &h->call_impl, &h->call_impl_inner,
+            &h->grad_enabled, &h->any_autocast, &h->user, &h->skip, &h->dispatch)) {
+        memset(&h->mode_ref, 0, sizeof(Handler) - offsetof(Handler, mode_ref));
+        Py_DECREF(h);
+        return NULL;
+    }
+#define HOLD(name) Py_XINCREF(h->name);
+    HANDLER_OBJECTS(HOLD)
+#undef HOLD
+    h->mode_ref = PyWeakref_NewRef(mode, NULL);
+    h->state_dict = PyObject_GenericGetDict(h->state, NULL);
+    if (h->mode_ref == NULL || h->state_dict == NULL) {
+        Py_DECREF(h);
+        return NULL;
+    }
+    if (!PyType_Check(h->tensor_type) || !PyType_Check(h->parameter_type) || !PyType_Check(h->function_type)) {
+        PyErr_SetString(PyExc_TypeError, "Handler: tensor_type, parameter_type and function_type must be types");
+        Py_DECREF(h);
+        return NULL;
+    }
+    h->vectorcall = handler_vectorcall;
+    return (PyObject *)h;
+}
+
+static PyObject *handler_self(Handler *h, void *closure) {
+    /* torch checks that the handler's __self__ is the mode it looked it up on. */
+    PyObject *mode = h->mode_ref ? PyWeakref_GetObject(h->mode_ref) : Py_None;
+    return Py_NewRef(mode);
+}
+
+static PyGetSetDef handler_getset[] = {
+    {"__self__", (getter)handler_self, NULL, "the capture mode this handler records for", NULL},
+    {NULL},
+};
+
+static PyMemberDef handler_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Handler, vectorcall), READONLY, NULL},
+    {"state", T_OBJECT, offsetof(Handler, state), READONLY, "the capture state it records into"},
+    {NULL},
+};
+
+static PyTypeObject HandlerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._capture.Handler",
+    .tp_doc = "CaptureMode.__torch_function__ for a plain capture, compiled.",
+    .tp_basicsize = sizeof(Handler),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = handler_new,
+    .tp_dealloc = (destructor)handler_dealloc,
+    .tp_traverse = (traverseproc)handler_traverse,
+    .tp_clear = (inquiry)handler_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Handler, vectorcall),
+    .tp_getset = handler_getset,
+    .tp_members = handler_members,
+};
 
 static struct PyModuleDef capture_module = {
     PyModuleDef_HEAD_INIT, "_capture", "torchlens's capture hot path, compiled.", -1, NULL,
 };
 
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
+
 PyMODINIT_FUNC PyInit__capture(void) {
+    INTERN(s_version, "_version") INTERN(s_shape, "shape") INTERN(s_dtype, "dtype") INTERN(s_device, "device")
+    INTERN(s_requires_grad, "requires_grad") INTERN(s_grad_fn, "grad_fn") INTERN(s_detach, "detach")
+    INTERN(s_producers, "producers") INTERN(s_calls, "calls") INTERN(s_records, "records")
+    INTERN(s_saved, "saved") INTERN(s_saved_versions, "saved_versions") INTERN(s_module_stack, "module_stack")
+    INTERN(s_call_frames, "call_frames") INTERN(s_save_mode, "save_mode") INTERN(s_grad_enabled, "grad_enabled")
+    INTERN(s_any_autocast, "any_autocast") INTERN(s_grads, "grads") INTERN(s_producer_of, "producer_of")
+    INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
+    INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
+    INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace")
+    if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
+    if (PyType_Ready(&HandlerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&capture_module);
     if (m == NULL) return NULL;
-    if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0
+            || PyModule_AddObjectRef(m, "Handler", (PyObject *)&HandlerType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 
-ABI = 1  # the record layout the compiled modules must be built for (their ``ABI``)
+ABI = 2  # the record layout the compiled modules must be built for (their ``ABI``)
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}

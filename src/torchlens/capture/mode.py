@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from ..record.layouts import shape_of
 from ..tree import split
+from . import accel
 from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
 from .source import CALL_IMPL as _CALL_IMPL
@@ -89,6 +90,8 @@ _PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellips
                            torch.layout, torch.memory_format, _Size])
 # The hot path's inline scan: the second argument types it handles, and the skeletons it shares.
 _PLAIN_SECOND = frozenset([Tensor, int, float, bool])
+# The exact types a flat tuple argument may hold and be recorded as it is (``tree.split``'s plain values).
+_TUPLE_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device])
 _BLANK_ONE, _BLANK_TWO = (None,), (None, None)
 
 
@@ -123,6 +126,10 @@ class CaptureMode(TorchFunctionMode):
         # The features set on the state before the mode is made; with all off, every op takes the hot path.
         self.plain = not deep and state.markers is None and state.intervention is None \
             and state.finite_flags is None and state.plain_save
+        compiled = accel.compiled("_capture") if self.plain else None
+        if compiled is not None:
+            # The compiled hot path records the same; torch looks the handler up on the instance.
+            self.__torch_function__ = _compiled_handler(compiled, self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _OFF_HOT_PATH:
@@ -335,6 +342,21 @@ class CaptureMode(TorchFunctionMode):
                 return redispatch_function(func, types, args, kwargs)
         finally:
             self._entered.pop()
+
+
+def _compiled_handler(compiled, mode):
+    """The compiled ``__torch_function__`` of a plain capture (accel/src/torchlens_accel/_capture.c),
+    handed every object it needs: the C imports nothing.  It holds the mode weakly (the mode holds it),
+    and hands calls it does not cover to ``CaptureMode.__torch_function__`` whole."""
+    return compiled.Handler(
+        mode=mode, method=CaptureMode.__torch_function__, state=mode.state, off_hot_path=_OFF_HOT_PATH,
+        compiler_dict=vars(_compiler), tensor_type=Tensor, parameter_type=Parameter, function_type=FunctionType,
+        plain_values=_PLAIN_VALUES, tuple_values=_TUPLE_VALUES, inplace_cache=_inplace_cache,
+        no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
+        record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
+        verdicts=_verdicts, locate=mode.frames.locate, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
+        call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_any_autocast,
+        user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME)
 
 
 def _called_by_module_call(frame) -> bool:
