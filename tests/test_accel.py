@@ -143,18 +143,22 @@ def _same_trace(a, b) -> None:
 
 
 def _both_ways(states, run, seed=0):
-    """``run()`` traced with the compiled handler, then on the pure-Python path, from the same RNG state."""
+    """``run()`` traced with the compiled handler, on the pure-Python path, and with the compiled handler
+    again, from the same RNG state: the first run may meet frames no trace has classified yet (the
+    compiled handler hands those to the Python walk), the last meets only classified ones."""
     traces = []
-    for enabled in (True, False):
+    for enabled in (True, False, True):
         torch.manual_seed(seed)
         with _compiled(enabled):
             traces.append(run())
-    (compiled_state, compiled_kind), (pure_state, pure_kind) = states[-2:]
-    assert pure_kind == "NoneType"
+    (cold_state, cold_kind), (pure_state, pure_kind), (compiled_state, compiled_kind) = states[-3:]
+    assert pure_kind == "NoneType" and cold_kind == compiled_kind
+    _same_state(cold_state, pure_state)
     _same_state(compiled_state, pure_state)
     if isinstance(traces[0], tl.Trace):
         _same_trace(traces[0], traces[1])
-    return traces, compiled_kind
+        _same_trace(traces[2], traces[1])
+    return traces[1:], compiled_kind
 
 
 @pytest.mark.parametrize("name", sorted(zoo()))
@@ -223,7 +227,7 @@ def test_writes_and_copy_on_write_record_the_same(states, save):
     torch.manual_seed(0)
     model, x = _Writes().eval(), torch.randn(3, 6)
     with torch.no_grad():  # out= refuses arguments that require grad
-        (compiled, pure), _ = _both_ways(states, lambda: tl.trace(model, x, save=save))
+        (pure, compiled), _ = _both_ways(states, lambda: tl.trace(model, x, save=save))
     assert torch.equal(compiled.output, pure.output)
     with torch.no_grad():
         assert torch.equal(compiled.output, model(x))
@@ -239,7 +243,7 @@ def test_inference_tensors_record_the_same(states):
         with torch.inference_mode():
             x = torch.randn(2, 4)
             return tl.trace(lambda t: model(t).add_(1.0), x, root=model)
-    (compiled, pure), _ = _both_ways(states, run)
+    (pure, compiled), _ = _both_ways(states, run)
     assert compiled.caveats == pure.caveats and compiled.caveats
 
 
@@ -249,7 +253,7 @@ def test_grads_record_the_same(states):
         trace = tl.trace(model, torch.randn(3, 4, requires_grad=True), grads=True)
         trace.backward(trace.output.sum())
         return trace
-    (compiled, pure), kind = _both_ways(states, run)
+    (pure, compiled), kind = _both_ways(states, run)
     assert kind == "Handler"  # the compiled handler watches gradients as the Python method does
     for p, q in zip(compiled.ops, pure.ops):
         assert (p.grad is None) == (q.grad is None)
@@ -267,8 +271,8 @@ def test_grad_mode_change_inside_the_forward_records_the_same(states):
         return h + g
 
     x = torch.randn(2, 4, requires_grad=True)
-    (compiled, pure), kind = _both_ways(states, lambda: tl.trace(forward, x, root=model))
-    assert kind == "Handler" and states[-2][0].contexts
+    (pure, compiled), kind = _both_ways(states, lambda: tl.trace(forward, x, root=model))
+    assert kind == "Handler" and states[-1][0].contexts
 
 
 class _Raises(nn.Module):

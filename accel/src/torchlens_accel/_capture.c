@@ -49,8 +49,14 @@ typedef struct {
     PyObject *call_impl_inner;
     PyObject *grad_enabled;   /* torch.is_grad_enabled */
     PyObject *any_autocast;   /* torch._C._is_any_autocast_enabled */
-    long user, skip, dispatch;
+    PyObject *getters;        /* the tensor attributes' data descriptors, in GETTER order, or None */
+    long user, skip, dispatch, stop, boundary;  /* the frame verdicts (capture/source.py) */
 } Handler;
+
+/* The tensor attributes read per op, read through their descriptors on exact tensors and Parameters
+ * (which resolve them to the same data descriptors; checked at construction). */
+enum { G_VERSION, G_SHAPE, G_DTYPE, G_DEVICE, G_REQUIRES_GRAD, G_GRAD_FN, N_GETTERS };
+static PyObject *getter_names[N_GETTERS];
 
 /* Interned names. */
 static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_grad_fn, *s_detach,
@@ -60,6 +66,15 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_inplace;
 
 static PyObject *empty_tuple;
+
+static PyObject *tensor_get(Handler *h, PyObject *t, int which) {
+    PyTypeObject *type = Py_TYPE(t);
+    if (h->getters != Py_None && (type == (PyTypeObject *)h->tensor_type || type == (PyTypeObject *)h->parameter_type)) {
+        PyObject *d = PyTuple_GET_ITEM(h->getters, which);
+        return Py_TYPE(d)->tp_descr_get(d, t, (PyObject *)type);
+    }
+    return PyObject_GetAttr(t, getter_names[which]);
+}
 
 /* A state attribute, borrowed; an AttributeError when missing. */
 static PyObject *state_get(Handler *h, PyObject *name) {
@@ -76,7 +91,7 @@ static PyObject *now_ns(void) {
 
 /* ``t._version``, or ``st.version(t)`` (None, noting it) for an inference tensor.  New reference. */
 static PyObject *version_of(Handler *h, PyObject *t) {
-    PyObject *v = PyObject_GetAttr(t, s_version);
+    PyObject *v = tensor_get(h, t, G_VERSION);
     if (v == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
         PyErr_Clear();
         v = PyObject_CallMethodOneArg(h->state, s_version_m, t);
@@ -209,94 +224,216 @@ static long verdict_of(Handler *h, PyObject *code) {
     return verdict;
 }
 
+/* ``call_frames[module_call]`` as a (code, offset) tuple.  New reference. */
+static PyObject *module_call_frame(Handler *h, PyObject *module_call) {
+    PyObject *call_frames = state_get(h, s_call_frames);
+    PyObject *user = call_frames ? PyObject_GetItem(call_frames, module_call) : NULL;
+    PyObject *pair = user ? PySequence_Tuple(user) : NULL;
+    Py_XDECREF(user);
+    if (pair != NULL && PyTuple_GET_SIZE(pair) != 2) {
+        PyErr_SetString(PyExc_ValueError, "torchlens: a module call frame is not a (code, offset) pair");
+        Py_CLEAR(pair);
+    }
+    return pair;
+}
+
+/* The three answers, each a new reference (``site`` stolen). */
+static int answer(PyObject *site, PyObject *code, PyObject *line, PyObject **out) {
+    if (site == NULL) return -1;
+    out[0] = site;
+    out[1] = Py_NewRef(code);
+    out[2] = Py_NewRef(line);
+    return 1;
+}
+
+static PyObject *site_of(PyObject *code, PyFrameObject *frame) {
+    PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+    if (line == NULL) return NULL;
+    PyObject *site = PyTuple_Pack(2, code, line);
+    Py_DECREF(line);
+    return site;
+}
+
+/* ``FrameClassifier.locate``'s walk up from ``frame``, for frames whose verdicts are known: 1 with
+ * ``out`` = (site, code, line), 0 at a frame without a verdict yet (Python's walk classifies it), -1 on
+ * error.  ``own_code`` is the code of the Python-level torch function being recorded, or NULL. */
+static int walk(Handler *h, PyFrameObject *frame, PyObject *own_code, PyObject *module_call, long module_index,
+                PyObject **out) {
+    PyObject *site = NULL;
+    int result = -1;
+    Py_XINCREF(frame);
+    while (frame != NULL) {
+        PyObject *code = (PyObject *)PyFrame_GetCode(frame);
+        long verdict = verdict_of(h, code);
+        if (verdict == -2 || verdict == -1) {
+            result = verdict == -1 ? 0 : -1;
+            Py_DECREF(code);
+            goto done;
+        }
+        if (verdict == h->user) {
+            PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+            if (line != NULL) {
+                PyObject *found = site != NULL ? Py_NewRef(site) : PyTuple_Pack(2, code, line);
+                result = answer(found, code, line, out);
+                Py_DECREF(line);
+            }
+            Py_DECREF(code);
+            goto done;
+        }
+        if (verdict == h->stop) {
+            Py_DECREF(code);
+            result = answer(Py_NewRef(site != NULL ? site : Py_None), Py_None, Py_None, out);
+            goto done;
+        }
+        if (verdict == h->boundary && module_index >= 0) {
+            Py_DECREF(code);
+            PyObject *user = module_call_frame(h, module_call);
+            if (user == NULL) goto done;
+            PyObject *user_code = PyTuple_GET_ITEM(user, 0);
+            PyObject *found = site != NULL ? site : user_code != Py_None ? user : Py_None;
+            result = answer(Py_NewRef(found), user_code, PyTuple_GET_ITEM(user, 1), out);
+            Py_DECREF(user);
+            goto done;
+        }
+        if (verdict == h->skip && site == NULL && code != own_code && (site = site_of(code, frame)) == NULL) {
+            Py_DECREF(code);
+            goto done;
+        }
+        Py_DECREF(code);
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        Py_DECREF(frame);
+        frame = back;
+    }
+    result = answer(Py_NewRef(site != NULL ? site : Py_None), Py_None, Py_None, out);
+done:
+    Py_XDECREF(frame);
+    Py_XDECREF(site);
+    return result;
+}
+
+/* ``getattr(func, "__code__", None)`` for the kinds of function torch hands over; 0 for any other kind
+ * (the Python walk answers for those).  ``*code`` is borrowed, NULL for None. */
+static int own_code_of(PyObject *func, PyObject **code) {
+    if (PyFunction_Check(func)) {
+        *code = PyFunction_GET_CODE(func);
+        return 1;
+    }
+    *code = NULL;
+    return PyCFunction_Check(func) || Py_IS_TYPE(func, &PyMethodDescr_Type) || Py_IS_TYPE(func, &PyWrapperDescr_Type);
+}
+
+/* ``_dispatched_site``: a call that torch's dispatcher (``frame``, in torch/overrides.py) handed over.
+ * For a Python-level torch function whose own frame is next, the answer is its caller's.  Same returns
+ * as ``walk``. */
+static int dispatched(Handler *h, PyFrameObject *frame, PyObject *func, PyObject *own_code, PyObject *module_call,
+                      long module_index, PyObject **out) {
+    PyFrameObject *own = PyFrame_GetBack(frame);
+    if (own == NULL) return walk(h, frame, own_code, module_call, module_index, out);
+    PyObject *code = (PyObject *)PyFrame_GetCode(own);
+    long verdict = code == own_code ? verdict_of(h, code) : -3;
+    Py_DECREF(code);
+    if (verdict == -2 || verdict != h->skip) {
+        Py_DECREF(own);
+        return verdict == -2 ? -1 : walk(h, frame, own_code, module_call, module_index, out);
+    }
+    PyFrameObject *caller = PyFrame_GetBack(own);
+    Py_DECREF(own);
+    if (caller == NULL) return walk(h, NULL, own_code, module_call, module_index, out);
+    int result;
+    code = (PyObject *)PyFrame_GetCode(caller);
+    verdict = verdict_of(h, code);
+    if (verdict == -2) {
+        result = -1;
+    } else if (verdict == h->user) {
+        PyObject *line = PyLong_FromLong(PyFrame_GetLasti(caller));
+        result = line ? answer(PyTuple_Pack(2, code, line), code, line, out) : -1;
+        Py_XDECREF(line);
+    } else {
+        PyFrameObject *back = verdict == h->skip && module_index >= 0 ? PyFrame_GetBack(caller) : NULL;
+        int by_call = back != NULL && called_by_module_call(h, back);
+        Py_XDECREF(back);
+        if (by_call) {
+            PyObject *user = module_call_frame(h, module_call);
+            result = user ? answer(site_of(code, caller), PyTuple_GET_ITEM(user, 0), PyTuple_GET_ITEM(user, 1), out) : -1;
+            Py_XDECREF(user);
+        } else {
+            result = walk(h, caller, own_code, module_call, module_index, out);
+        }
+    }
+    Py_DECREF(code);
+    Py_DECREF(caller);
+    return result;
+}
+
 /* ``(site, code, line)`` of the op, as the Python method finds them.  New references in the out
  * arguments; -1 with an exception set on failure. */
 static int find_site(Handler *h, PyObject *func, PyObject *module_call, long module_index,
                      PyObject **site, PyObject **code_out, PyObject **line_out) {
     PyFrameObject *frame = PyEval_GetFrame();  /* borrowed: the frame that called the torch function */
+    PyObject *found[3];
     PyObject *code = frame != NULL ? (PyObject *)PyFrame_GetCode(frame) : NULL;
     long verdict = code != NULL ? verdict_of(h, code) : -1;
     if (verdict == -2) {
         Py_DECREF(code);
         return -1;
     }
+    int known = 0;
     if (verdict == h->user) {
         PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
-        if (line == NULL) {
-            Py_DECREF(code);
-            return -1;
-        }
-        *site = PyTuple_Pack(2, code, line);
-        if (*site == NULL) {
-            Py_DECREF(code);
-            Py_DECREF(line);
-            return -1;
-        }
-        *code_out = code;
-        *line_out = line;
-        return 0;
-    }
-    if (verdict == h->skip && module_index >= 0 && Py_TYPE(func) != (PyTypeObject *)h->function_type) {
+        known = line ? answer(PyTuple_Pack(2, code, line), code, line, found) : -1;
+        Py_XDECREF(line);
+    } else if (verdict == h->skip && module_index >= 0 && Py_TYPE(func) != (PyTypeObject *)h->function_type) {
+        /* A builtin called straight from a torch module's forward (F.linear in nn.Linear). */
         PyFrameObject *back = PyFrame_GetBack(frame);
         int by_call = called_by_module_call(h, back);
         Py_XDECREF(back);
         if (by_call) {
-            PyObject *call_frames = state_get(h, s_call_frames);
-            PyObject *user = call_frames ? PyObject_GetItem(call_frames, module_call) : NULL;
-            PyObject *pair = user ? PySequence_Tuple(user) : NULL;
+            PyObject *user = module_call_frame(h, module_call);
+            known = user ? answer(site_of(code, frame), PyTuple_GET_ITEM(user, 0), PyTuple_GET_ITEM(user, 1), found) : -1;
             Py_XDECREF(user);
-            if (pair == NULL || PyTuple_GET_SIZE(pair) != 2) {
-                if (pair != NULL) {
-                    PyErr_SetString(PyExc_ValueError, "torchlens: a module call frame is not a (code, offset) pair");
-                    Py_DECREF(pair);
-                }
-                Py_DECREF(code);
-                return -1;
-            }
-            PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
-            *site = line ? PyTuple_Pack(2, code, line) : NULL;
-            Py_XDECREF(line);
-            Py_DECREF(code);
-            if (*site == NULL) {
-                Py_DECREF(pair);
-                return -1;
-            }
-            *code_out = PyTuple_GET_ITEM(pair, 0);
-            *line_out = PyTuple_GET_ITEM(pair, 1);
-            Py_INCREF(*code_out);
-            Py_INCREF(*line_out);
-            Py_DECREF(pair);
-            return 0;
+        }
+    }
+    if (known == 0 && frame != NULL) {
+        /* A Python-level torch function (F.relu), torch's own code elsewhere: the walk, in C while every
+         * frame on it has a verdict already. */
+        PyObject *own_code;
+        if (own_code_of(func, &own_code)) {
+            known = verdict == h->dispatch ? dispatched(h, frame, func, own_code, module_call, module_index, found)
+                                           : walk(h, frame, own_code, module_call, module_index, found);
         }
     }
     Py_XDECREF(code);
-    /* A Python-level torch function, torch's own code elsewhere, or a new frame: the Python walk. */
+    if (known < 0) return -1;
+    if (known) {
+        *site = found[0];
+        *code_out = found[1];
+        *line_out = found[2];
+        return 0;
+    }
+    /* A new frame (classified by the Python walk), or a kind of function the C does not know. */
     PyObject *call_frames = state_get(h, s_call_frames);
     if (call_frames == NULL) return -1;
     PyObject *frame_obj = frame != NULL ? (PyObject *)frame : Py_None;
-    PyObject *found;
+    PyObject *result;
     if (verdict == h->dispatch) {
         PyObject *argv[] = {frame_obj, func, call_frames, module_call, h->locate};
-        found = PyObject_Vectorcall(h->dispatched_site, argv, 5, NULL);
+        result = PyObject_Vectorcall(h->dispatched_site, argv, 5, NULL);
     } else {
         PyObject *argv[] = {frame_obj, func, call_frames, module_call};
-        found = PyObject_Vectorcall(h->locate, argv, 4, NULL);
+        result = PyObject_Vectorcall(h->locate, argv, 4, NULL);
     }
-    if (found == NULL) return -1;
-    PyObject *triple = PySequence_Tuple(found);
-    Py_DECREF(found);
+    if (result == NULL) return -1;
+    PyObject *triple = PySequence_Tuple(result);
+    Py_DECREF(result);
     if (triple == NULL) return -1;
     if (PyTuple_GET_SIZE(triple) != 3) {
         PyErr_SetString(PyExc_ValueError, "torchlens: locate did not answer (site, code, line)");
         Py_DECREF(triple);
         return -1;
     }
-    *site = PyTuple_GET_ITEM(triple, 0);
-    *code_out = PyTuple_GET_ITEM(triple, 1);
-    *line_out = PyTuple_GET_ITEM(triple, 2);
-    Py_INCREF(*site);
-    Py_INCREF(*code_out);
-    Py_INCREF(*line_out);
+    *site = Py_NewRef(PyTuple_GET_ITEM(triple, 0));
+    *code_out = Py_NewRef(PyTuple_GET_ITEM(triple, 1));
+    *line_out = Py_NewRef(PyTuple_GET_ITEM(triple, 2));
     Py_DECREF(triple);
     return 0;
 }
@@ -314,24 +451,24 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
                          PyObject *func, PyObject *module_call) {
     PyObject *records = state_get(h, s_records);
     if (records == NULL) return -1;
-    PyObject *requires_grad = PyObject_GetAttr(out, s_requires_grad);
+    PyObject *requires_grad = tensor_get(h, out, G_REQUIRES_GRAD);
     if (requires_grad == NULL) return -1;
     int rg = PyObject_IsTrue(requires_grad);
     if (rg < 0) {
         Py_DECREF(requires_grad);
         return -1;
     }
-    PyObject *shape = PyObject_GetAttr(out, s_shape);
+    PyObject *shape = tensor_get(h, out, G_SHAPE);
     if (shape == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  /* a nested tensor */
         PyErr_Clear();
         shape = PyObject_CallOneArg(h->shape_of, out);
     }
-    PyObject *dtype = shape ? PyObject_GetAttr(out, s_dtype) : NULL;
-    PyObject *device = dtype ? PyObject_GetAttr(out, s_device) : NULL;
+    PyObject *dtype = shape ? tensor_get(h, out, G_DTYPE) : NULL;
+    PyObject *device = dtype ? tensor_get(h, out, G_DEVICE) : NULL;
     PyObject *grad_type = NULL;
     if (device != NULL) {
         if (rg) {
-            PyObject *grad_fn = PyObject_GetAttr(out, s_grad_fn);
+            PyObject *grad_fn = tensor_get(h, out, G_GRAD_FN);
             if (grad_fn != NULL) {
                 grad_type = (PyObject *)Py_TYPE(grad_fn);
                 Py_INCREF(grad_type);
@@ -412,15 +549,17 @@ fail:
 
 /* Scans the arguments.  Returns 1 when the call is for the compiled path and fills the out arguments
  * (new references), 0 when it is for the Python method (nothing done), -1 on error. */
-static int classify(Handler *h, PyObject *args, PyObject *kwargs, int *tensors) {
+static int classify(Handler *h, PyObject *args, PyObject *kwargs, int *tensors, int *params, int *positional) {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
-    int count = 0;
+    int count = 0, found = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int kind = kind_of(h, PyTuple_GET_ITEM(args, i));
         if (kind < 0) return -1;
         if (kind == KIND_OTHER) return 0;
-        if (kind != KIND_PLAIN) count++;
+        count += kind != KIND_PLAIN;
+        found += kind == KIND_PARAM;
     }
+    *positional = count;
     if (kwargs != NULL) {
         Py_ssize_t pos = 0;
         PyObject *key, *value;
@@ -428,17 +567,19 @@ static int classify(Handler *h, PyObject *args, PyObject *kwargs, int *tensors) 
             int kind = kind_of(h, value);
             if (kind < 0) return -1;
             if (kind == KIND_OTHER) return 0;
-            if (kind != KIND_PLAIN) count++;
+            count += kind != KIND_PLAIN;
+            found += kind == KIND_PARAM;
         }
     }
     if (count > MAX_TENSORS) return 0;
     *tensors = count;
+    *params = found;
     return 1;
 }
 
 /* One scanned argument: its version first, then its parent or its place among the parameters. */
 static int scan_one(Handler *h, PyObject *producers, PyObject *slot, PyObject *a, int bound_first,
-                    Bound *bounds, int *nbound, PyObject *parents, PyObject **params) {
+                    Bound *bounds, int *nbound, PyObject *parents, int *nparents, PyObject *params, int *nparams) {
     PyObject *version = version_of(h, a);
     if (version == NULL) return -1;
     bounds[*nbound].t = a;
@@ -446,21 +587,18 @@ static int scan_one(Handler *h, PyObject *producers, PyObject *slot, PyObject *a
     (*nbound)++;
     PyObject *pair;
     if (Py_TYPE(a) == (PyTypeObject *)h->parameter_type) {
-        if (*params == NULL && (*params = PyList_New(0)) == NULL) return -1;
         pair = PyTuple_Pack(2, slot, a);
         if (pair == NULL) return -1;
-        int failed = PyList_Append(*params, pair);
-        Py_DECREF(pair);
-        return failed;
+        PyList_SET_ITEM(params, (*nparams)++, pair);
+        return 0;
     }
     PyObject *index = parent_of(h, producers, a, version, bound_first);
     if (index == NULL) return -1;
     pair = PyTuple_Pack(2, slot, index);
     Py_DECREF(index);
     if (pair == NULL) return -1;
-    int failed = PyList_Append(parents, pair);
-    Py_DECREF(pair);
-    return failed;
+    PyTuple_SET_ITEM(parents, (*nparents)++, pair);
+    return 0;
 }
 
 static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
@@ -483,8 +621,8 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         if (on) return call_method(h, argv, nargsf, kwnames);
     }
     if (kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;  /* ``kwargs or _NO_KWARGS`` */
-    int tensors = 0;
-    found = classify(h, args, kwargs, &tensors);
+    int tensors = 0, nparams_all = 0, positional = 0;
+    found = classify(h, args, kwargs, &tensors, &nparams_all, &positional);
     if (found <= 0) return found < 0 ? NULL : call_method(h, argv, nargsf, kwnames);
 
     /* From here on the call is recorded here: every error returns NULL with the exception set. */
@@ -494,32 +632,35 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     PyObject *written = NULL, *call = NULL, *call_args = NULL;
     PyObject *kw = kwargs != NULL ? kwargs : h->no_kwargs;
     Bound bounds[MAX_TENSORS];
-    int nbound = 0;
+    int nbound = 0, nparents = 0, nparams = 0;
     Py_ssize_t n = PyTuple_GET_SIZE(args);
 
     PyObject *producers = state_get(h, s_producers);
     if (producers == NULL) goto done;
-    parents = PyList_New(0);
+    /* Filled in place: a tuple of exactly the parents found, a list of exactly the parameters. */
+    parents = PyTuple_New(tensors - nparams_all);
     if (parents == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyTuple_GET_ITEM(args, i);
-        if (Py_TYPE(a) != (PyTypeObject *)h->tensor_type && Py_TYPE(a) != (PyTypeObject *)h->parameter_type)
-            continue;
-        if (skeleton == NULL && (skeleton = PySequence_List(args)) == NULL) goto done;
-        Py_INCREF(Py_None);
-        PyList_SetItem(skeleton, i, Py_None);
-        PyObject *slot = PyLong_FromSsize_t(i);
-        if (slot == NULL) goto done;
-        int failed = scan_one(h, producers, slot, a, 1, bounds, &nbound, parents, &params);
-        Py_DECREF(slot);
-        if (failed) goto done;
-    }
-    if (skeleton != NULL) {
-        PyObject *as_tuple = PyList_AsTuple(skeleton);
-        Py_SETREF(skeleton, as_tuple);
-        if (skeleton == NULL) goto done;
-    } else {
+    if (nparams_all > 0 && (params = PyList_New(nparams_all)) == NULL) goto done;
+    if (positional == 0) {
         skeleton = Py_NewRef(args);
+    } else {
+        /* The arguments as recorded: tensors blanked, every other value held as it is. */
+        if ((skeleton = PyTuple_New(n)) == NULL) goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *a = PyTuple_GET_ITEM(args, i);
+            int is_tensor = Py_TYPE(a) == (PyTypeObject *)h->tensor_type || Py_TYPE(a) == (PyTypeObject *)h->parameter_type;
+            PyTuple_SET_ITEM(skeleton, i, Py_NewRef(is_tensor ? Py_None : a));
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *a = PyTuple_GET_ITEM(args, i);
+            if (Py_TYPE(a) != (PyTypeObject *)h->tensor_type && Py_TYPE(a) != (PyTypeObject *)h->parameter_type)
+                continue;
+            PyObject *slot = PyLong_FromSsize_t(i);
+            if (slot == NULL) goto done;
+            int failed = scan_one(h, producers, slot, a, 1, bounds, &nbound, parents, &nparents, params, &nparams);
+            Py_DECREF(slot);
+            if (failed) goto done;
+        }
     }
     kw_skeleton = Py_NewRef(kw);
     if (kwargs != NULL) {
@@ -535,14 +676,12 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             if (PyDict_SetItem(kw_skeleton, key, Py_None)) goto done;
             Py_INCREF(key);
             Py_INCREF(value);
-            int failed = scan_one(h, producers, key, value, 0, bounds, &nbound, parents, &params);
+            int failed = scan_one(h, producers, key, value, 0, bounds, &nbound, parents, &nparents, params, &nparams);
             Py_DECREF(key);
             Py_DECREF(value);
             if (failed) goto done;
         }
     }
-    Py_SETREF(parents, PyList_AsTuple(parents));
-    if (parents == NULL) goto done;
 
     /* Copy-on-write: a write predicted by name or by keyword must not alter what was saved. */
     if (nbound > 0) {
@@ -633,7 +772,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     for (int i = 0; i < nbound; i++) {
         int moved = bounds[i].version == Py_None;
         if (!moved) {
-            PyObject *after = PyObject_GetAttr(bounds[i].t, s_version);
+            PyObject *after = tensor_get(h, bounds[i].t, G_VERSION);
             if (after == NULL) goto done;
             moved = PyObject_RichCompareBool(after, bounds[i].version, Py_NE);
             Py_DECREF(after);
@@ -747,7 +886,7 @@ done:
     X(mode_ref) X(method) X(state) X(state_dict) X(off_hot_path) X(compiler_dict) X(tensor_type) \
     X(parameter_type) X(function_type) X(plain_values) X(tuple_values) X(inplace_cache) X(no_kwargs) \
     X(protect) X(output_leaves) X(record_output) X(written_arguments) X(shape_of) X(verdicts) X(locate) \
-    X(dispatched_site) X(call_impl) X(call_impl_inner) X(grad_enabled) X(any_autocast)
+    X(dispatched_site) X(call_impl) X(call_impl_inner) X(grad_enabled) X(any_autocast) X(getters)
 
 static int handler_traverse(Handler *h, visitproc visit, void *arg) {
 #define VISIT(name) Py_VISIT(h->name);
@@ -774,19 +913,19 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         "mode", "method", "state", "off_hot_path", "compiler_dict", "tensor_type", "parameter_type",
         "function_type", "plain_values", "tuple_values", "inplace_cache", "no_kwargs", "protect",
         "output_leaves", "record_output", "written_arguments", "shape_of", "verdicts", "locate",
-        "dispatched_site", "call_impl", "call_impl_inner", "grad_enabled", "any_autocast", "user", "skip",
-        "dispatch", NULL};
+        "dispatched_site", "call_impl", "call_impl_inner", "grad_enabled", "any_autocast", "getters", "user", "skip",
+        "dispatch", "stop", "boundary", NULL};
     PyObject *mode;
     Handler *h = (Handler *)type->tp_alloc(type, 0);
     if (h == NULL) return NULL;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOO!O!OOOO!O!O!O!OOOOOO!OOOOOOlll:Handler", names, &mode, &h->method, &h->state,
+            args, kwds, "OOOO!O!OOOO!O!O!O!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
             &PyFrozenSet_Type, &h->off_hot_path, &PyDict_Type, &h->compiler_dict, &h->tensor_type,
             &h->parameter_type, &h->function_type, &PyFrozenSet_Type, &h->plain_values, &PyFrozenSet_Type,
             &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->no_kwargs, &h->protect,
             &h->output_leaves, &h->record_output, &h->written_arguments, &h->shape_of, &PyDict_Type,
             &h->verdicts, &h->locate, &h->dispatched_site, &h->call_impl, &h->call_impl_inner,
-            &h->grad_enabled, &h->any_autocast, &h->user, &h->skip, &h->dispatch)) {
+            &h->grad_enabled, &h->any_autocast, &h->getters, &h->user, &h->skip, &h->dispatch, &h->stop, &h->boundary)) {
         memset(&h->mode_ref, 0, sizeof(Handler) - offsetof(Handler, mode_ref));
         Py_DECREF(h);
         return NULL;
@@ -799,6 +938,18 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (h->mode_ref == NULL || h->state_dict == NULL) {
         Py_DECREF(h);
         return NULL;
+    }
+    if (h->getters != Py_None) {
+        int fits = PyTuple_CheckExact(h->getters) && PyTuple_GET_SIZE(h->getters) == N_GETTERS;
+        for (int i = 0; fits && i < N_GETTERS; i++) {
+            PyTypeObject *d = Py_TYPE(PyTuple_GET_ITEM(h->getters, i));
+            fits = d->tp_descr_get != NULL && d->tp_descr_set != NULL;  /* data descriptors only */
+        }
+        if (!fits) {
+            PyErr_SetString(PyExc_TypeError, "Handler: getters must be a tuple of the tensor attributes' data descriptors");
+            Py_DECREF(h);
+            return NULL;
+        }
     }
     if (!PyType_Check(h->tensor_type) || !PyType_Check(h->parameter_type) || !PyType_Check(h->function_type)) {
         PyErr_SetString(PyExc_TypeError, "Handler: tensor_type, parameter_type and function_type must be types");
@@ -859,6 +1010,12 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace")
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
+    getter_names[G_VERSION] = s_version;
+    getter_names[G_SHAPE] = s_shape;
+    getter_names[G_DTYPE] = s_dtype;
+    getter_names[G_DEVICE] = s_device;
+    getter_names[G_REQUIRES_GRAD] = s_requires_grad;
+    getter_names[G_GRAD_FN] = s_grad_fn;
     if (PyType_Ready(&HandlerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&capture_module);
     if (m == NULL) return NULL;

@@ -34,7 +34,9 @@ from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
 from .source import CALL_IMPL as _CALL_IMPL
 from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
 from .source import DISPATCH as _DISPATCH_FRAME
+from .source import BOUNDARY as _BOUNDARY_FRAME
 from .source import SKIP as _SKIP_FRAME
+from .source import STOP as _STOP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
 from .source import FrameClassifier
@@ -356,7 +358,28 @@ def _compiled_handler(compiled, mode):
         record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
         verdicts=_verdicts, locate=mode.frames.locate, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
         call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_any_autocast,
-        user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME)
+        getters=_tensor_getters(), user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME, stop=_STOP_FRAME,
+        boundary=_BOUNDARY_FRAME)
+
+
+_GETTERS = ("_version", "shape", "dtype", "device", "requires_grad", "grad_fn")  # the C's GETTER order
+
+
+def _resolved(cls, name: str):
+    """What ``cls``'s instances find first for attribute ``name`` in the class hierarchy."""
+    for owner in cls.__mro__:
+        if name in owner.__dict__:
+            return owner.__dict__[name]
+    return None
+
+
+def _tensor_getters():
+    """The data descriptors that exact tensors and Parameters resolve the attributes the hot path reads to
+    (the compiled handler calls them directly), or None where a torch build resolves them otherwise."""
+    getters = tuple(_resolved(Tensor, name) for name in _GETTERS)
+    same = all(_resolved(Parameter, name) is g for name, g in zip(_GETTERS, getters))
+    data = all(hasattr(type(g), "__get__") and hasattr(type(g), "__set__") for g in getters)
+    return getters if same and data else None
 
 
 def _called_by_module_call(frame) -> bool:
