@@ -28,7 +28,9 @@ typedef struct {
     PyObject *method;         /* CaptureMode.__torch_function__, the Python method, unbound */
     PyObject *state;          /* the CaptureState */
     PyObject *state_dict;     /* its __dict__: the raw lists and flags, read per call */
-    PyObject *off_hot_path;   /* frozenset: calls the Python method handles (not ops, x.data) */
+    PyObject *off_hot_path;   /* frozenset: calls that are not ops, and x.data (the Python method's) */
+    PyObject *not_ops;        /* frozenset: calls that never produce a tensor, run unrecorded */
+    PyObject *numpy_views;    /* frozenset: not ops that the Python method still looks at */
     PyObject *compiler_dict;  /* torch.compiler's namespace (its _is_compiling_flag) */
     PyObject *tensor_type;
     PyObject *parameter_type;
@@ -612,7 +614,14 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         return call_method(h, argv, nargsf, kwnames);
     int found = PySet_Contains(h->off_hot_path, func);
     if (found < 0) return NULL;
-    if (found) return call_method(h, argv, nargsf, kwnames);
+    if (found) {
+        /* ``x.shape``, ``x.size()``: run unrecorded (``_not_an_op``), but for NumPy views and ``x.data``. */
+        int plain = PySet_Contains(h->not_ops, func);
+        if (plain > 0) plain = !PySet_Contains(h->numpy_views, func);
+        if (plain < 0) return NULL;
+        if (!plain) return call_method(h, argv, nargsf, kwnames);
+        return PyObject_Call(func, args, kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0 ? NULL : kwargs);
+    }
     PyObject *compiling = PyDict_GetItemWithError(h->compiler_dict, s_is_compiling);
     if (compiling == NULL && PyErr_Occurred()) return NULL;
     if (compiling != NULL) {
@@ -883,7 +892,7 @@ done:
 /* ----- the type ------------------------------------------------------------------------------- */
 
 #define HANDLER_OBJECTS(X) \
-    X(mode_ref) X(method) X(state) X(state_dict) X(off_hot_path) X(compiler_dict) X(tensor_type) \
+    X(mode_ref) X(method) X(state) X(state_dict) X(off_hot_path) X(not_ops) X(numpy_views) X(compiler_dict) X(tensor_type) \
     X(parameter_type) X(function_type) X(plain_values) X(tuple_values) X(inplace_cache) X(no_kwargs) \
     X(protect) X(output_leaves) X(record_output) X(written_arguments) X(shape_of) X(verdicts) X(locate) \
     X(dispatched_site) X(call_impl) X(call_impl_inner) X(grad_enabled) X(any_autocast) X(getters)
@@ -910,7 +919,7 @@ static void handler_dealloc(Handler *h) {
 
 static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {
-        "mode", "method", "state", "off_hot_path", "compiler_dict", "tensor_type", "parameter_type",
+        "mode", "method", "state", "off_hot_path", "not_ops", "numpy_views", "compiler_dict", "tensor_type", "parameter_type",
         "function_type", "plain_values", "tuple_values", "inplace_cache", "no_kwargs", "protect",
         "output_leaves", "record_output", "written_arguments", "shape_of", "verdicts", "locate",
         "dispatched_site", "call_impl", "call_impl_inner", "grad_enabled", "any_autocast", "getters", "user", "skip",
@@ -919,8 +928,9 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Handler *h = (Handler *)type->tp_alloc(type, 0);
     if (h == NULL) return NULL;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOO!O!OOOO!O!O!O!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
-            &PyFrozenSet_Type, &h->off_hot_path, &PyDict_Type, &h->compiler_dict, &h->tensor_type,
+            args, kwds, "OOOO!O!O!O!OOOO!O!O!O!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
+            &PyFrozenSet_Type, &h->off_hot_path, &PyFrozenSet_Type, &h->not_ops, &PyFrozenSet_Type,
+            &h->numpy_views, &PyDict_Type, &h->compiler_dict, &h->tensor_type,
             &h->parameter_type, &h->function_type, &PyFrozenSet_Type, &h->plain_values, &PyFrozenSet_Type,
             &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->no_kwargs, &h->protect,
             &h->output_leaves, &h->record_output, &h->written_arguments, &h->shape_of, &PyDict_Type,

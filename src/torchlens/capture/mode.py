@@ -352,6 +352,7 @@ def _compiled_handler(compiled, mode):
     and hands calls it does not cover to ``CaptureMode.__torch_function__`` whole."""
     return compiled.Handler(
         mode=mode, method=CaptureMode.__torch_function__, state=mode.state, off_hot_path=_OFF_HOT_PATH,
+        not_ops=_NOT_OPS, numpy_views=_NUMPY_VIEWS,
         compiler_dict=vars(_compiler), tensor_type=Tensor, parameter_type=Parameter, function_type=FunctionType,
         plain_values=_PLAIN_VALUES, tuple_values=_TUPLE_VALUES, inplace_cache=_inplace_cache,
         no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
