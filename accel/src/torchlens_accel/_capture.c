@@ -65,7 +65,7 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
     *s_note_failure, *s_note_context, *s_note_writes, *s_wants, *s_watch, *s_is_compiling, *s_out,
-    *s_inplace;
+    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite;
 
 static PyObject *empty_tuple;
 
@@ -449,10 +449,10 @@ static int truth_of(PyObject *v) {
 }
 
 /* The record of the one tensor a call produced, inlined as in the Python method.  0 or -1. */
-static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObject *first_op,
-                         PyObject *func, PyObject *module_call) {
-    PyObject *records = state_get(h, s_records);
-    if (records == NULL) return -1;
+/* Appends the tensor record of ``out`` (at ``slot`` of the call's result) to ``records``; ``*rg`` is
+ * whether it requires grad.  0 or -1. */
+static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject *call_index, PyObject *slot,
+                         int *rg_out) {
     PyObject *requires_grad = tensor_get(h, out, G_REQUIRES_GRAD);
     if (requires_grad == NULL) return -1;
     int rg = PyObject_IsTrue(requires_grad);
@@ -481,7 +481,7 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
             Py_INCREF(grad_type);
         }
     }
-    PyObject *record = grad_type ? PyTuple_Pack(7, call_index, Py_None, shape, dtype, device, requires_grad,
+    PyObject *record = grad_type ? PyTuple_Pack(7, call_index, slot, shape, dtype, device, requires_grad,
                                                 grad_type) : NULL;
     Py_XDECREF(shape);
     Py_XDECREF(dtype);
@@ -491,33 +491,85 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
     if (record == NULL) return -1;
     int failed = PyList_Append(records, record);
     Py_DECREF(record);
-    if (failed) return -1;
+    *rg_out = rg;
+    return failed ? -1 : 0;
+}
 
+/* Whether the output of ``func`` is saved: ``save_mode == 1``, or the selection wants it.  1, 0, -1. */
+static int wanted(Handler *h, PyObject *func, PyObject *module_call) {
+    PyObject *save_mode = state_get(h, s_save_mode);
+    if (save_mode == NULL) return -1;
+    int saving = PyObject_IsTrue(save_mode);
+    if (saving <= 0) return saving;
+    long mode = PyLong_Check(save_mode) ? PyLong_AsLong(save_mode) : -1;
+    if (mode == -1 && PyErr_Occurred()) return -1;
+    if (mode == 1) return 1;
+    PyObject *argv[] = {h->state, func, module_call};
+    return truth_of(PyObject_VectorcallMethod(s_wants, argv, 3, NULL));
+}
+
+/* ``grads.watch(index, t, func, module_call)`` when gradients are captured.  0 or -1. */
+static int watch(Handler *h, PyObject *index, PyObject *t, PyObject *func, PyObject *module_call) {
+    PyObject *grads = state_get(h, s_grads);
+    if (grads == NULL) return -1;
+    if (grads == Py_None) return 0;
+    PyObject *argv[] = {grads, index, t, func, module_call};
+    PyObject *r = PyObject_VectorcallMethod(s_watch, argv, 5, NULL);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* ``_record_output``: one output of a call with several, bound weakly and saved by ``st.save``. */
+static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *slot, PyObject *func,
+                       PyObject *module_call) {
+    PyObject *records = state_get(h, s_records);
+    PyObject *producers = records ? state_get(h, s_producers) : NULL;
+    if (producers == NULL) return -1;
+    PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(records));
+    if (index == NULL) return -1;
+    int rg = 0, failed = -1;
+    PyObject *version = NULL, *ref = NULL, *entry = NULL, *key = NULL;
+    if (append_record(h, records, t, call_index, slot, &rg) < 0 || (version = version_of(h, t)) == NULL)
+        goto done;
+    if ((ref = PyWeakref_NewRef(t, NULL)) == NULL || (entry = PyTuple_Pack(3, ref, index, version)) == NULL
+            || (key = PyLong_FromVoidPtr(t)) == NULL || PyDict_SetItem(producers, key, entry) < 0)
+        goto done;
+    if (rg && watch(h, index, t, func, module_call) < 0) goto done;
+    int saving = wanted(h, func, module_call);
+    if (saving < 0) goto done;
+    if (saving) {
+        PyObject *r = PyObject_CallMethodObjArgs(h->state, s_save, index, t, rg ? Py_True : Py_False, NULL);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+    }
+    PyObject *finite = state_get(h, s_finite_flags);
+    if (finite == NULL) goto done;
+    if (finite != Py_None) {
+        PyObject *r = PyObject_CallMethodObjArgs(h->state, s_record_finite, index, t, NULL);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+    }
+    failed = 0;
+done:
+    Py_DECREF(index);
+    Py_XDECREF(version);
+    Py_XDECREF(ref);
+    Py_XDECREF(entry);
+    Py_XDECREF(key);
+    return failed;
+}
+
+/* The record of the one tensor a call produced, inlined as in the Python method.  0 or -1. */
+static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObject *first_op,
+                         PyObject *func, PyObject *module_call) {
+    PyObject *records = state_get(h, s_records);
+    int rg = 0, failed;
+    if (records == NULL || append_record(h, records, out, call_index, Py_None, &rg) < 0) return -1;
     PyObject *version = version_of(h, out);
     if (version == NULL) return -1;
-    if (rg) {
-        PyObject *grads = state_get(h, s_grads);
-        if (grads == NULL) goto fail;
-        if (grads != Py_None) {
-            PyObject *argv[] = {grads, first_op, out, func, module_call};
-            PyObject *r = PyObject_VectorcallMethod(s_watch, argv, 5, NULL);
-            if (r == NULL) goto fail;
-            Py_DECREF(r);
-        }
-    }
-    PyObject *save_mode = state_get(h, s_save_mode);
-    if (save_mode == NULL) goto fail;
-    int saving = PyObject_IsTrue(save_mode);
+    if (rg && watch(h, first_op, out, func, module_call) < 0) goto fail;
+    int saving = wanted(h, func, module_call);
     if (saving < 0) goto fail;
-    if (saving) {
-        long mode = PyLong_Check(save_mode) ? PyLong_AsLong(save_mode) : -1;
-        if (mode == -1 && PyErr_Occurred()) goto fail;
-        if (mode != 1) {
-            PyObject *argv[] = {h->state, func, module_call};
-            saving = truth_of(PyObject_VectorcallMethod(s_wants, argv, 3, NULL));
-            if (saving < 0) goto fail;
-        }
-    }
     PyObject *producers = state_get(h, s_producers);
     if (producers == NULL) goto fail;
     PyObject *key = PyLong_FromVoidPtr(out);
@@ -759,7 +811,17 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     if (t1 == NULL) goto done;
     int single = PyObject_IsInstance(out, h->tensor_type);
     if (single < 0) goto done;
-    if (!single) {
+    Py_ssize_t several = 0;  /* a flat tuple or list of plain tensors (split, chunk, unbind): recorded here */
+    if (!single && (PyTuple_CheckExact(out) || PyList_CheckExact(out))) {
+        several = PySequence_Fast_GET_SIZE(out);
+        for (Py_ssize_t i = 0; i < several; i++) {
+            if (Py_TYPE(PySequence_Fast_GET_ITEM(out, i)) != (PyTypeObject *)h->tensor_type) {
+                several = 0;
+                break;
+            }
+        }
+    }
+    if (!single && !several) {
         PyObject *largv[] = {func, out, args, kw};
         leaves = PyObject_Vectorcall(h->output_leaves, largv, 4, NULL);
         if (leaves == NULL) goto done;
@@ -822,7 +884,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             Py_DECREF(r);
         }
     }
-    Py_ssize_t outputs = 1;
+    Py_ssize_t outputs = several ? several : 1;
     if (leaves != NULL && (outputs = PyObject_Length(leaves)) < 0) goto done;
     PyObject *num_outputs = PyLong_FromSsize_t(outputs);
     if (num_outputs == NULL) goto done;
@@ -836,7 +898,16 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         if (r == NULL) goto done;
         Py_DECREF(r);
     }
-    if (leaves != NULL) {
+    if (several) {
+        for (Py_ssize_t i = 0; i < several; i++) {
+            PyObject *slot = PyLong_FromSsize_t(i);
+            if (slot == NULL) goto done;
+            /* the result is held by ``out``, which nothing here changes */
+            int failed = record_leaf(h, PySequence_Fast_GET_ITEM(out, i), call_index, slot, func, module_call);
+            Py_DECREF(slot);
+            if (failed) goto done;
+        }
+    } else if (leaves != NULL) {
         PyObject *iter = PyObject_GetIter(leaves);
         if (iter == NULL) goto done;
         PyObject *leaf;
@@ -1003,6 +1074,375 @@ static PyTypeObject HandlerType = {
     .tp_members = handler_members,
 };
 
+/* ----- the slot torch looks the handler up in ------------------------------------------------ */
+
+/* ``CaptureMode.__torch_function__``: a data descriptor answering, for a mode, its compiled handler
+ * (``mode.__dict__[key]``) when it has one, and otherwise, or while Dynamo compiles (it traces the
+ * handler of a mode on the stack, torch.cond's bodies for instance, and can trace only Python), the
+ * Python method bound to the mode.  Looked up on the class, it is the Python method itself. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *method;
+    PyObject *compiler_dict;
+    PyObject *key;
+} Slot;
+
+static PyObject *slot_get(PyObject *self, PyObject *obj, PyObject *type) {
+    Slot *slot = (Slot *)self;
+    if (obj == NULL || obj == Py_None) return Py_NewRef(slot->method);
+    PyObject *compiling = PyDict_GetItemWithError(slot->compiler_dict, s_is_compiling);
+    if (compiling == NULL && PyErr_Occurred()) return NULL;
+    int on = compiling != NULL ? PyObject_IsTrue(compiling) : 0;
+    if (on < 0) return NULL;
+    if (!on) {
+        PyObject **dictptr = _PyObject_GetDictPtr(obj);
+        PyObject *handler = dictptr != NULL && *dictptr != NULL ? PyDict_GetItemWithError(*dictptr, slot->key) : NULL;
+        if (handler != NULL) return Py_NewRef(handler);
+        if (PyErr_Occurred()) return NULL;
+    }
+    return PyMethod_New(slot->method, obj);
+}
+
+static int slot_set(PyObject *self, PyObject *obj, PyObject *value) {
+    PyErr_SetString(PyExc_AttributeError, "a capture mode's __torch_function__ is read-only");
+    return -1;
+}
+
+static int slot_traverse(Slot *slot, visitproc visit, void *arg) {
+    Py_VISIT(slot->method);
+    Py_VISIT(slot->compiler_dict);
+    Py_VISIT(slot->key);
+    return 0;
+}
+
+static int slot_clear(Slot *slot) {
+    Py_CLEAR(slot->method);
+    Py_CLEAR(slot->compiler_dict);
+    Py_CLEAR(slot->key);
+    return 0;
+}
+
+static void slot_dealloc(Slot *slot) {
+    PyObject_GC_UnTrack(slot);
+    slot_clear(slot);
+    Py_TYPE(slot)->tp_free((PyObject *)slot);
+}
+
+static PyObject *slot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"method", "compiler_dict", "key", NULL};
+    PyObject *method, *compiler_dict, *key;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!U:HandlerSlot", names, &method, &PyDict_Type, &compiler_dict, &key))
+        return NULL;
+    Slot *slot = (Slot *)type->tp_alloc(type, 0);
+    if (slot == NULL) return NULL;
+    slot->method = Py_NewRef(method);
+    slot->compiler_dict = Py_NewRef(compiler_dict);
+    slot->key = Py_NewRef(key);
+    return (PyObject *)slot;
+}
+
+static PyMemberDef slot_members[] = {
+    {"__func__", T_OBJECT, offsetof(Slot, method), READONLY, "the Python method"},
+    {NULL},
+};
+
+static PyTypeObject SlotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._capture.HandlerSlot",
+    .tp_doc = "CaptureMode.__torch_function__: the compiled handler of a mode that has one, else the method.",
+    .tp_basicsize = sizeof(Slot),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = slot_new,
+    .tp_dealloc = (destructor)slot_dealloc,
+    .tp_traverse = (traverseproc)slot_traverse,
+    .tp_clear = (inquiry)slot_clear,
+    .tp_descr_get = slot_get,
+    .tp_descr_set = slot_set,
+    .tp_members = slot_members,
+};
+
+/* ----- module calls: ModuleCallTracker's record_call ------------------------------------------ */
+
+/* ``record_call`` (capture/modules.py) for the common module call: made on the tracing thread, from a
+ * user frame or by a torch module's forward (nn.Sequential's) inside a recorded call, with no profiler
+ * markers or progress bar.  Every other call is handed whole to the Python ``record_call``.  Put in
+ * place as ``nn.Module._call_impl``, it binds to the module like a function. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;           /* attributes (capture/call_impl.py marks every replacement) */
+    PyObject *impl;           /* the _call_impl it runs the call with */
+    PyObject *fallback;       /* the Python record_call */
+    PyObject *state;
+    PyObject *skip;           /* set of ids of modules whose calls are not module calls */
+    PyObject *stack, *calls, *call_frames, *producers;
+    PyObject *verdicts;
+    PyObject *bound_all;      /* value -> tuple of the bound producers of the tensors in it */
+    PyObject *dispatcher_code, *wrapped_call, *call_impl, *inner;
+    PyObject *tensor_type, *parameter_type;
+    unsigned long owner;
+    long user, skip_verdict;
+} Recorder;
+
+#define RECORDER_OBJECTS(X) \
+    X(dict) X(impl) X(fallback) X(state) X(skip) X(stack) X(calls) X(call_frames) X(producers) X(verdicts) \
+    X(bound_all) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type)
+
+static PyObject *s_raised_in;
+
+/* The record index a tensor was last bound to, or -1 (``bound`` in capture/modules.py).  New reference. */
+static PyObject *bound_index(Recorder *r, PyObject *t) {
+    PyObject *key = PyLong_FromVoidPtr(t);
+    if (key == NULL) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(r->producers, key);
+    Py_DECREF(key);
+    if (entry == NULL && PyErr_Occurred()) return NULL;
+    if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3) {
+        PyObject *ref = PyTuple_GET_ITEM(entry, 0);
+        if (ref == t || (PyWeakref_CheckRef(ref) && PyWeakref_GetObject(ref) == t))
+            return Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* The bound producers of the tensors in ``value``: one plain tensor inline, anything else by the walker. */
+static PyObject *bound_of(Recorder *r, PyObject *value) {
+    PyTypeObject *type = Py_TYPE(value);
+    if (type == (PyTypeObject *)r->tensor_type || type == (PyTypeObject *)r->parameter_type) {
+        PyObject *index = bound_index(r, value);
+        if (index == NULL) return NULL;
+        PyObject *one = PyTuple_Pack(1, index);
+        Py_DECREF(index);
+        return one;
+    }
+    return PyObject_CallOneArg(r->bound_all, value);
+}
+
+static long frame_verdict(Recorder *r, PyObject *code) {
+    PyObject *key = PyLong_FromVoidPtr(code);
+    if (key == NULL) return -2;
+    PyObject *v = PyDict_GetItemWithError(r->verdicts, key);
+    Py_DECREF(key);
+    if (v == NULL) return PyErr_Occurred() ? -2 : -1;
+    long verdict = PyLong_AsLong(v);
+    return verdict == -1 && PyErr_Occurred() ? -2 : verdict;
+}
+
+/* The (code, offset) of the user frame making the call, when the common cases decide it: 1 with
+ * ``*frame`` set (new reference), 0 for the Python record_call, -1 on error. */
+static int call_site(Recorder *r, PyObject *parent, long parent_index, PyObject **frame) {
+    PyFrameObject *wrapped = PyEval_GetFrame();  /* borrowed: record_call's caller */
+    if (wrapped == NULL) return 0;
+    PyObject *code = (PyObject *)PyFrame_GetCode(wrapped);
+    int is_wrapped = code == r->wrapped_call;
+    Py_DECREF(code);
+    if (!is_wrapped) return 0;  /* the dispatcher, a class's own _call_impl, or a direct call */
+    PyFrameObject *caller = PyFrame_GetBack(wrapped);
+    if (caller == NULL) return 0;
+    int result = 0;
+    code = (PyObject *)PyFrame_GetCode(caller);
+    long verdict = frame_verdict(r, code);
+    if (verdict == -2) {
+        result = -1;
+    } else if (verdict == r->user) {
+        PyObject *line = PyLong_FromLong(PyFrame_GetLasti(caller));
+        *frame = line ? PyTuple_Pack(2, code, line) : NULL;
+        Py_XDECREF(line);
+        result = *frame ? 1 : -1;
+    } else if (verdict == r->skip_verdict && parent_index >= 0) {
+        PyFrameObject *back = PyFrame_GetBack(caller);
+        if (back != NULL) {
+            PyObject *outer = (PyObject *)PyFrame_GetCode(back);
+            if (outer == r->call_impl || outer == r->inner) {
+                /* Torch code run as a forward by _call_impl (nn.Sequential's): the parent call's site. */
+                *frame = PyObject_GetItem(r->call_frames, parent);
+                result = *frame ? 1 : -1;
+            }
+            Py_DECREF(outer);
+            Py_DECREF(back);
+        }
+    }
+    Py_DECREF(code);
+    Py_DECREF(caller);
+    return result;
+}
+
+static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Recorder *r = (Recorder *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1 || PyThread_get_thread_ident() != r->owner)
+        return PyObject_Vectorcall(nargs < 1 ? r->fallback : r->impl, argv, nargsf, kwnames);
+    PyObject *module = argv[0];
+    PyObject *key = PyLong_FromVoidPtr(module);
+    if (key == NULL) return NULL;
+    int skipped = PySet_Contains(r->skip, key);
+    Py_DECREF(key);
+    if (skipped < 0) return NULL;
+    if (skipped) return PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
+    Py_ssize_t depth = PyList_GET_SIZE(r->stack);
+    PyObject *parent = depth ? Py_NewRef(PyList_GET_ITEM(r->stack, depth - 1)) : PyLong_FromLong(-1);
+    if (parent == NULL) return NULL;
+    long parent_index = PyLong_AsLong(parent);
+    if (parent_index == -1 && PyErr_Occurred()) {
+        Py_DECREF(parent);
+        return NULL;
+    }
+    PyObject *frame = NULL;
+    int decided = call_site(r, parent, parent_index, &frame);
+    if (decided <= 0) {
+        Py_DECREF(parent);
+        return decided < 0 ? NULL : PyObject_Vectorcall(r->fallback, argv, nargsf, kwnames);
+    }
+    PyObject *result = NULL, *call = NULL, *index = NULL, *t0 = NULL, *inputs = NULL;
+    /* ``args`` as record_call sees them: the positional arguments after the module. */
+    if (nargs == 2) {
+        inputs = bound_of(r, argv[1]);
+    } else {
+        PyObject *positional = PyTuple_New(nargs - 1);
+        if (positional != NULL) {
+            for (Py_ssize_t i = 1; i < nargs; i++) PyTuple_SET_ITEM(positional, i - 1, Py_NewRef(argv[i]));
+            inputs = PyObject_CallOneArg(r->bound_all, positional);
+            Py_DECREF(positional);
+        }
+    }
+    if (inputs == NULL) goto done;
+    index = PyLong_FromSsize_t(PyList_GET_SIZE(r->calls));
+    t0 = index ? now_ns() : NULL;
+    call = t0 ? PyList_New(6) : NULL;
+    if (call == NULL) goto done;
+    PyObject *fields[6] = {module, parent, t0, Py_None, inputs, empty_tuple};
+    for (int i = 0; i < 6; i++) PyList_SET_ITEM(call, i, Py_NewRef(fields[i]));
+    if (PyList_Append(r->call_frames, frame) < 0) goto done;
+    if (PyList_Append(r->calls, call) < 0 || PyList_Append(r->stack, index) < 0) goto done;
+    PyObject *output = PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
+    if (output == NULL) {
+        /* The innermost call an exception left: ``st.raised_in = (exception, index)``. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyObject *raised_in = PyObject_GetAttr(r->state, s_raised_in);
+        int fresh = raised_in != NULL && (raised_in == Py_None || !PyTuple_Check(raised_in)
+                                         || PyTuple_GET_SIZE(raised_in) < 1 || PyTuple_GET_ITEM(raised_in, 0) != value);
+        Py_XDECREF(raised_in);
+        PyObject *pair = fresh ? PyTuple_Pack(2, value, index) : NULL;
+        int noted = raised_in != NULL && (!fresh || (pair != NULL && PyObject_SetAttr(r->state, s_raised_in, pair) == 0));
+        Py_XDECREF(pair);
+        if (noted) {
+            PyErr_Restore(type, value, tb);
+        } else {  /* failed noting it: that error, with the call's as its context */
+            PyObject *type2, *value2, *tb2;
+            PyErr_Fetch(&type2, &value2, &tb2);
+            PyErr_NormalizeException(&type2, &value2, &tb2);
+            PyException_SetContext(value2, value);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            PyErr_Restore(type2, value2, tb2);
+        }
+    }
+    /* ``finally``: the end time and the pop, whatever happened. */
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *t1 = now_ns();
+        int failed = t1 == NULL || PyList_SetItem(call, 3, t1) < 0;  /* steals t1 */
+        Py_ssize_t n = PyList_GET_SIZE(r->stack);
+        failed = failed || n == 0 || PyList_SetSlice(r->stack, n - 1, n, NULL) < 0;
+        if (failed && output != NULL) {
+            Py_CLEAR(output);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchlens: the module call stack is empty");
+            goto done;
+        }
+        PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    if (output == NULL) goto done;
+    if (output != Py_None) {
+        PyObject *outputs = bound_of(r, output);
+        if (outputs == NULL || PyList_SetItem(call, 5, outputs) < 0) {
+            Py_DECREF(output);
+            goto done;
+        }
+    }
+    result = output;
+done:
+    Py_DECREF(parent);
+    Py_DECREF(frame);
+    Py_XDECREF(inputs);
+    Py_XDECREF(index);
+    Py_XDECREF(t0);
+    Py_XDECREF(call);
+    return result;
+}
+
+static int recorder_traverse(Recorder *r, visitproc visit, void *arg) {
+#define VISIT(name) Py_VISIT(r->name);
+    RECORDER_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int recorder_clear(Recorder *r) {
+#define CLEAR(name) Py_CLEAR(r->name);
+    RECORDER_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void recorder_dealloc(Recorder *r) {
+    PyObject_GC_UnTrack(r);
+    recorder_clear(r);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"impl", "fallback", "state", "owner", "skip", "stack", "calls", "call_frames",
+                            "producers", "verdicts", "bound_all", "dispatcher_code", "wrapped_call", "call_impl",
+                            "inner", "tensor_type", "parameter_type", "user", "skip_verdict", NULL};
+    Recorder *r = (Recorder *)type->tp_alloc(type, 0);
+    if (r == NULL) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOOkO!O!O!O!O!O!OOOOOO!O!ll:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
+            &r->owner, &PySet_Type, &r->skip, &PyList_Type, &r->stack, &PyList_Type, &r->calls, &PyList_Type,
+            &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all,
+            &r->dispatcher_code, &r->wrapped_call, &r->call_impl, &r->inner, &PyType_Type, &r->tensor_type,
+            &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict)) {
+        memset(&r->dict, 0, offsetof(Recorder, owner) - offsetof(Recorder, dict));
+        Py_DECREF(r);
+        return NULL;
+    }
+#define HOLD(name) Py_XINCREF(r->name);
+    RECORDER_OBJECTS(HOLD)
+#undef HOLD
+    r->vectorcall = recorder_vectorcall;
+    return (PyObject *)r;
+}
+
+static PyObject *recorder_get(PyObject *self, PyObject *obj, PyObject *type) {
+    /* Looked up on a module, it binds to it, as the function it replaces would. */
+    if (obj == NULL || obj == Py_None) return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static PyTypeObject RecorderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._capture.ModuleRecorder",
+    .tp_doc = "ModuleCallTracker's record_call for the common module call, compiled.",
+    .tp_basicsize = sizeof(Recorder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = recorder_new,
+    .tp_dealloc = (destructor)recorder_dealloc,
+    .tp_traverse = (traverseproc)recorder_traverse,
+    .tp_clear = (inquiry)recorder_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Recorder, vectorcall),
+    .tp_descr_get = recorder_get,
+    .tp_dictoffset = offsetof(Recorder, dict),
+};
+
 static struct PyModuleDef capture_module = {
     PyModuleDef_HEAD_INIT, "_capture", "torchlens's capture hot path, compiled.", -1, NULL,
 };
@@ -1018,7 +1458,8 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_any_autocast, "any_autocast") INTERN(s_grads, "grads") INTERN(s_producer_of, "producer_of")
     INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
     INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
-    INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace")
+    INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
+    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite")
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     getter_names[G_VERSION] = s_version;
     getter_names[G_SHAPE] = s_shape;
@@ -1026,11 +1467,15 @@ PyMODINIT_FUNC PyInit__capture(void) {
     getter_names[G_DEVICE] = s_device;
     getter_names[G_REQUIRES_GRAD] = s_requires_grad;
     getter_names[G_GRAD_FN] = s_grad_fn;
-    if (PyType_Ready(&HandlerType) < 0) return NULL;
+    if (PyType_Ready(&HandlerType) < 0 || PyType_Ready(&RecorderType) < 0 || PyType_Ready(&SlotType) < 0)
+        return NULL;
+    INTERN(s_raised_in, "raised_in")
     PyObject *m = PyModule_Create(&capture_module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0
-            || PyModule_AddObjectRef(m, "Handler", (PyObject *)&HandlerType) < 0) {
+            || PyModule_AddObjectRef(m, "Handler", (PyObject *)&HandlerType) < 0
+            || PyModule_AddObjectRef(m, "ModuleRecorder", (PyObject *)&RecorderType) < 0
+            || PyModule_AddObjectRef(m, "HandlerSlot", (PyObject *)&SlotType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

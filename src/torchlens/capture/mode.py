@@ -130,8 +130,8 @@ class CaptureMode(TorchFunctionMode):
             and state.finite_flags is None and state.plain_save
         compiled = accel.compiled("_capture") if self.plain else None
         if compiled is not None:
-            # The compiled hot path records the same; torch looks the handler up on the instance.
-            self.__torch_function__ = _compiled_handler(compiled, self)
+            # The compiled hot path records the same; torch finds it through the class's slot (below).
+            setattr(self, _HANDLER_KEY, _compiled_handler(compiled, self))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _OFF_HOT_PATH:
@@ -344,6 +344,17 @@ class CaptureMode(TorchFunctionMode):
                 return redispatch_function(func, types, args, kwargs)
         finally:
             self._entered.pop()
+
+
+# The compiled accelerator, when installed: each plain mode holds its compiled handler under this key, and
+# the class's ``__torch_function__`` becomes a slot (a data descriptor) that answers a mode's lookup with
+# that handler, and with the Python method for a mode without one, or while Dynamo compiles (it traces a
+# mode's handler and can trace only Python: torch.cond's bodies, flex_attention).
+_HANDLER_KEY = "_compiled_torch_function"
+_ACCEL = accel.module("_capture")
+if _ACCEL is not None:
+    CaptureMode.__torch_function__ = _ACCEL.HandlerSlot(
+        method=CaptureMode.__dict__["__torch_function__"], compiler_dict=vars(_compiler), key=_HANDLER_KEY)
 
 
 def _compiled_handler(compiled, mode):
