@@ -370,7 +370,7 @@ def _compiled_handler(compiled, mode):
         record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
         verdicts=_verdicts, locate=mode.frames.locate, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
         call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_any_autocast,
-        getters=_tensor_getters(), user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME, stop=_STOP_FRAME,
+        getters=_GETTER_DESCRIPTORS, user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME, stop=_STOP_FRAME,
         boundary=_BOUNDARY_FRAME)
 
 
@@ -392,6 +392,9 @@ def _tensor_getters():
     same = all(_resolved(Parameter, name) is g for name, g in zip(_GETTERS, getters))
     data = all(hasattr(type(g), "__get__") and hasattr(type(g), "__set__") for g in getters)
     return getters if same and data else None
+
+
+_GETTER_DESCRIPTORS = _tensor_getters()
 
 
 def _called_by_module_call(frame) -> bool:
