@@ -1178,6 +1178,8 @@ typedef struct {
     PyObject *stack, *calls, *call_frames, *producers;
     PyObject *verdicts;
     PyObject *bound_all;      /* value -> tuple of the bound producers of the tensors in it */
+    PyObject *outside;        /* [frame, its answer]: torch code calling modules outside any recorded call */
+    PyObject *call_frame;     /* (frame, parent) -> the user frame, by the Python walk */
     PyObject *dispatcher_code, *wrapped_call, *call_impl, *inner;
     PyObject *tensor_type, *parameter_type;
     unsigned long owner;
@@ -1186,7 +1188,7 @@ typedef struct {
 
 #define RECORDER_OBJECTS(X) \
     X(dict) X(impl) X(fallback) X(state) X(skip) X(stack) X(calls) X(call_frames) X(producers) X(verdicts) \
-    X(bound_all) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type)
+    X(bound_all) X(outside) X(call_frame) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type)
 
 static PyObject *s_raised_in;
 
@@ -1249,13 +1251,25 @@ static int call_site(Recorder *r, PyObject *parent, long parent_index, PyObject 
         *frame = line ? PyTuple_Pack(2, code, line) : NULL;
         Py_XDECREF(line);
         result = *frame ? 1 : -1;
-    } else if (verdict == r->skip_verdict && parent_index >= 0) {
+    } else if (verdict == r->skip_verdict) {
         PyFrameObject *back = PyFrame_GetBack(caller);
         if (back != NULL) {
             PyObject *outer = (PyObject *)PyFrame_GetCode(back);
-            if (outer == r->call_impl || outer == r->inner) {
+            if ((outer == r->call_impl || outer == r->inner) && parent_index >= 0) {
                 /* Torch code run as a forward by _call_impl (nn.Sequential's): the parent call's site. */
                 *frame = PyObject_GetItem(r->call_frames, parent);
+                result = *frame ? 1 : -1;
+            } else if (outer == r->call_impl || outer == r->inner) {
+                /* ... outside any recorded call (the root nn.Sequential's): walked once per such frame. */
+                if (PyList_GET_ITEM(r->outside, 0) == (PyObject *)caller) {
+                    *frame = Py_NewRef(PyList_GET_ITEM(r->outside, 1));
+                } else {
+                    PyObject *argv[] = {(PyObject *)caller, parent};
+                    *frame = PyObject_Vectorcall(r->call_frame, argv, 2, NULL);
+                    if (*frame != NULL && (PyList_SetItem(r->outside, 0, Py_NewRef((PyObject *)caller)) < 0
+                                           || PyList_SetItem(r->outside, 1, Py_NewRef(*frame)) < 0))
+                        Py_CLEAR(*frame);
+                }
                 result = *frame ? 1 : -1;
             }
             Py_DECREF(outer);
@@ -1400,14 +1414,14 @@ static void recorder_dealloc(Recorder *r) {
 
 static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {"impl", "fallback", "state", "owner", "skip", "stack", "calls", "call_frames",
-                            "producers", "verdicts", "bound_all", "dispatcher_code", "wrapped_call", "call_impl",
+                            "producers", "verdicts", "bound_all", "outside", "call_frame", "dispatcher_code", "wrapped_call", "call_impl",
                             "inner", "tensor_type", "parameter_type", "user", "skip_verdict", NULL};
     Recorder *r = (Recorder *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOkO!O!O!O!O!O!OOOOOO!O!ll:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
+            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
             &r->owner, &PySet_Type, &r->skip, &PyList_Type, &r->stack, &PyList_Type, &r->calls, &PyList_Type,
-            &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all,
+            &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all, &PyList_Type, &r->outside, &r->call_frame,
             &r->dispatcher_code, &r->wrapped_call, &r->call_impl, &r->inner, &PyType_Type, &r->tensor_type,
             &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict)) {
         memset(&r->dict, 0, offsetof(Recorder, owner) - offsetof(Recorder, dict));
@@ -1417,6 +1431,11 @@ static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 #define HOLD(name) Py_XINCREF(r->name);
     RECORDER_OBJECTS(HOLD)
 #undef HOLD
+    if (PyList_GET_SIZE(r->outside) != 2) {
+        PyErr_SetString(PyExc_ValueError, "ModuleRecorder: outside must be a [frame, answer] list");
+        Py_DECREF(r);
+        return NULL;
+    }
     r->vectorcall = recorder_vectorcall;
     return (PyObject *)r;
 }

@@ -181,7 +181,8 @@ class ModuleCallTracker:
             return compiled.ModuleRecorder(
                 impl=impl, fallback=record_call, state=st, owner=owner, skip=skip, stack=stack, calls=calls,
                 call_frames=call_frames, producers=producers, verdicts=verdicts,
-                bound_all=lambda value: tuple(bound(t) for t in _tensors_in(value)), dispatcher_code=DISPATCHER_CODE,
+                bound_all=lambda value: tuple(bound(t) for t in _tensors_in(value)), outside=outside,
+                call_frame=call_frame, dispatcher_code=DISPATCHER_CODE,
                 wrapped_call=_WRAPPED_CALL, call_impl=_CALL_IMPL, inner=_INNER, tensor_type=torch.Tensor,
                 parameter_type=torch.nn.Parameter, user=_USER, skip_verdict=_SKIP)
 
