@@ -381,7 +381,8 @@ def test_refcounts_of_functions_and_arguments_are_unchanged():
         h = model(t)
         return F.layer_norm(h.view(2, 4) * 2.0, shape, eps=1e-5).transpose(0, 1).reshape(size + 1, 2)
 
-    objects = [F.linear, F.layer_norm, torch.Tensor.view, model[0].weight, model[1].weight, x, shape, size]
+    objects = [F.linear, F.layer_norm, torch.Tensor.view, model, model[0], model[1], model[0].weight,
+               model[1].weight, x, shape, size]
     with _compiled(True):
         tl.trace(forward, x, root=model)  # warm caches (verdicts, in-place verdicts, line tables)
         gc.collect()

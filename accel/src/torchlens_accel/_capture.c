@@ -690,7 +690,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     PyObject *result = NULL, *out = NULL, *skeleton = NULL, *kw_skeleton = NULL, *parents = NULL;
     PyObject *params = NULL, *module_call = NULL, *t0 = NULL, *t1 = NULL, *leaves = NULL;
     PyObject *site = NULL, *code = NULL, *line = NULL, *call_index = NULL, *first_op = NULL;
-    PyObject *written = NULL, *call = NULL, *call_args = NULL;
+    PyObject *written = NULL, *call = NULL;
     PyObject *kw = kwargs != NULL ? kwargs : h->no_kwargs;
     Bound bounds[MAX_TENSORS];
     int nbound = 0, nparents = 0, nparams = 0;
@@ -956,7 +956,6 @@ done:
     Py_XDECREF(first_op);
     Py_XDECREF(written);
     Py_XDECREF(call);
-    Py_XDECREF(call_args);
     return result;
 }
 
