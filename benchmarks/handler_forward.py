@@ -7,9 +7,10 @@ the ``CaptureMode`` and the ``ModuleCallTracker`` entered, and nothing else.  Pe
 arm is timed against the untraced forward in ABBA quartets (``overhead_fit.abba_added_us``: each arm keeps
 its fastest block); the table gives the added microseconds per op, medians [quartiles] over repeats, for
 the minimal recorder mode (the floor), the handler saving everything and saving nothing, and, with
-``--baseline``, the same two arms of another revision's package side by side in this process.  Run:
+``--baseline``, the same two arms of another revision's package side by side in this process; with
+``--pure``, both arms on the compiled hot path (torchlens-accel) and again on the pure-Python path.  Run:
 
-    python benchmarks/handler_forward.py [--rows chain200,gpt2_2] [--repeats 9] [--baseline DIR]
+    python benchmarks/handler_forward.py [--rows chain200,gpt2_2] [--repeats 9] [--baseline DIR] [--pure]
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import baseline_package, native_arm, recorder_arm  # noqa: E402
+from models import baseline_package, native_arm, on_path, recorder_arm  # noqa: E402
 from overhead_fit import abba_added_us, build, calls_per_block, counts, quartiles  # noqa: E402
 
 
-def capture_arm(package, model, args, save_mode: int):
-    """One forward under ``package``'s capture mode and module hooks, with the inputs bound as sources."""
+def capture_arm(package, model, args, save_mode: int, compiled=None):
+    """One forward under ``package``'s capture mode and module hooks, with the inputs bound as sources;
+    with ``compiled`` True or False, on the compiled hot path or on the pure-Python path."""
     name = package.__name__
     mode = importlib.import_module(f"{name}.capture.mode")
     state = importlib.import_module(f"{name}.capture.state")
@@ -44,7 +46,7 @@ def capture_arm(package, model, args, save_mode: int):
         frames = source.FrameClassifier()
         with modules.ModuleCallTracker(st, model, frames), mode.CaptureMode(st, frames):
             return model(*args)
-    return forward
+    return forward if compiled is None else on_path(package, compiled, forward)
 
 
 def main(argv=None) -> int:
@@ -52,23 +54,26 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="chain200,gpt2_2,mlp40,loop_rnn32")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--baseline", help="another revision's src/torchlens directory, run beside this one")
+    parser.add_argument("--pure", action="store_true", help="the package under test on the compiled hot path "
+                                                             "and again on the pure-Python path")
     opts = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     torch.backends.mha.set_fastpath_enabled(False)
     import torchlens
 
-    packages = {"": torchlens}
+    # suffix -> (package, compiled: True, False or None for as configured)
+    packages = {" compiled": (torchlens, True), " pure": (torchlens, False)} if opts.pure else {"": (torchlens, None)}
     if opts.baseline:
-        packages[" before"] = baseline_package(os.path.abspath(opts.baseline))
+        packages[" before"] = (baseline_package(os.path.abspath(opts.baseline)), None)
     titles = ["recorder floor"] + [f"capture, save {s}{suffix}" for suffix in packages for s in ("all", "none")]
     lines = ["| row | ops | module calls | " + " | ".join(f"{t} +us/op" for t in titles) + " |",
              "|---" * (3 + len(titles)) + "|"]
     for name in opts.rows.split(","):
         model, args = build(name)
         ops, calls = counts(model, args)
-        arms = [recorder_arm(model, args)] + [capture_arm(p, model, args, save) for p in packages.values()
-                                              for save in (1, 0)]
+        arms = [recorder_arm(model, args)] + [capture_arm(p, model, args, save, compiled)
+                                              for p, compiled in packages.values() for save in (1, 0)]
         native = native_arm(model, args)
         sizes = [calls_per_block(arm) for arm in arms]
         added = [[] for _ in arms]

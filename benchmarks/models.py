@@ -227,15 +227,34 @@ def recorder_arm(model, args):
     return recorder
 
 
-def trace_arm(model, args, package=None, **options):
-    """``tl.trace`` of the package under test, or of ``package`` (see ``baseline_package``)."""
+def trace_arm(model, args, package=None, compiled=None, **options):
+    """``tl.trace`` of the package under test, or of ``package`` (see ``baseline_package``); with
+    ``compiled`` True or False, on the compiled hot path (torchlens-accel) or on the pure-Python path."""
     if package is None:
         import torchlens as package  # the package under test (or, in a worker, whichever is installed)
     tl = package
 
     def traced():
         return tl.trace(model, args, **options).output
-    return traced
+    return traced if compiled is None else on_path(package, compiled, traced)
+
+
+def on_path(package, compiled: bool, fn):
+    """``fn`` run with ``package``'s compiled hot path turned on or off (``capture.accel.use``) around it:
+    two such arms time the compiled and the pure-Python path side by side in one process."""
+    import importlib
+
+    accel = importlib.import_module(f"{package.__name__}.capture.accel")
+    if compiled and not accel.available():
+        raise SystemExit("the compiled hot path is not built: pip install ./accel (or build it in place)")
+
+    def switched():
+        previous = accel.use(compiled)
+        try:
+            return fn()
+        finally:
+            accel.use(previous)
+    return switched
 
 
 def baseline_package(path: str, name: str = "torchlens_baseline"):

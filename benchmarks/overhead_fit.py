@@ -91,6 +91,20 @@ ARM_TITLES = {"trace": 'tl.trace (save="all")', "none": 'tl.trace (save="none")'
               "read": 'tl.trace (save="all") + first read', "recorder": "recorder floor"}
 
 
+def add_pure_arms() -> None:
+    """The package under test on the compiled hot path (``trace``, ``none``) and on the pure-Python path
+    (``trace_pure``, ``none_pure``), side by side in this process."""
+    import torchlens
+
+    ARMS["trace"] = lambda m, a: trace_arm(m, a, compiled=True, save="all")
+    ARMS["none"] = lambda m, a: trace_arm(m, a, compiled=True, save="none")
+    ARMS["trace_pure"] = lambda m, a: trace_arm(m, a, package=torchlens, compiled=False, save="all")
+    ARMS["none_pure"] = lambda m, a: trace_arm(m, a, package=torchlens, compiled=False, save="none")
+    ARM_TITLES["trace"], ARM_TITLES["none"] = ARM_TITLES["trace"] + " compiled", ARM_TITLES["none"] + " compiled"
+    ARM_TITLES["trace_pure"] = 'tl.trace (save="all") pure Python'
+    ARM_TITLES["none_pure"] = 'tl.trace (save="none") pure Python'
+
+
 def add_baseline_arms(path: str) -> None:
     """Arms tracing with another revision's package (``models.baseline_package``), beside this one's."""
     base = baseline_package(path)
@@ -98,8 +112,8 @@ def add_baseline_arms(path: str) -> None:
     ARMS["none_base"] = lambda m, a: trace_arm(m, a, package=base, save="none")
     ARMS["read_base"] = lambda m, a: read_arm(m, a, package=base)
     ARM_TITLES["read_base"] = ARM_TITLES["read"] + " before"
-    ARM_TITLES["trace_base"] = ARM_TITLES["trace"] + " before"
-    ARM_TITLES["none_base"] = ARM_TITLES["none"] + " before"
+    ARM_TITLES["trace_base"] = 'tl.trace (save="all") before'
+    ARM_TITLES["none_base"] = 'tl.trace (save="none") before'
 
 
 def build(name: str):
@@ -225,12 +239,17 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--baseline", help="another revision's src/torchlens directory: adds its tl.trace "
                                            "arms (trace_base, none_base), side by side in this process")
+    parser.add_argument("--pure", action="store_true", help="time the trace and none arms on the compiled "
+                                                             "hot path and again on the pure-Python path")
     parser.add_argument("--section", default="fit", help="the generated section of docs/overhead.md to rewrite")
     parser.add_argument("--no-docs", action="store_true")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     torch.backends.mha.set_fastpath_enabled(False)  # same ops natively and under a mode
     arms = opts.arms.split(",")
+    if opts.pure:
+        add_pure_arms()
+        arms = [a for arm in arms for a in (arm, f"{arm}_pure") if a in ARMS]
     if opts.baseline:
         add_baseline_arms(os.path.abspath(opts.baseline))
         arms = [a for arm in arms for a in (arm, f"{arm}_base") if a in ARMS]

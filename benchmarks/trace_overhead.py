@@ -20,7 +20,10 @@ cold first ``tl.trace`` in fresh processes.  Targets (2-core CPU host):
           own cold first forward, measured in paired fresh processes)
 
 A refused measurement decides a target only when its floor already breaks it; otherwise the check
-reads "not established".  Run:  .venv/bin/python benchmarks/trace_overhead.py [--quick]
+reads "not established".  With ``--pure`` the tl.trace arms run on the compiled hot path (torchlens-accel)
+and two more on the pure-Python path beside them.  Run:
+
+    .venv/bin/python benchmarks/trace_overhead.py [--quick] [--pure] [--no-cold]
 """
 
 from __future__ import annotations
@@ -62,13 +65,18 @@ def count_ops(model, args) -> int:
     return sum(1 for op in tl.trace(model, args, save="none").ops if op.kind == "op")
 
 
-def measure_row(name: str, cfg: dict) -> dict:
+def measure_row(name: str, cfg: dict, pure: bool = False) -> dict:
     model, args = build(name)
+    compiled = True if pure else None  # with --pure: the compiled path, and the pure-Python path beside it
     arms = {"native": native_arm(model, args), "bare": bare_arm(model, args),
-            "recorder": recorder_arm(model, args), "trace all": trace_arm(model, args, save="all"),
-            "trace none": trace_arm(model, args, save="none")}
+            "recorder": recorder_arm(model, args), "trace all": trace_arm(model, args, compiled=compiled, save="all"),
+            "trace none": trace_arm(model, args, compiled=compiled, save="none")}
     plan = [("native", "bare"), ("native", "recorder"), ("native", "trace all"), ("native", "trace none"),
             ("bare", "trace all"), ("bare", "trace none")]
+    if pure:
+        arms["trace all pure"] = trace_arm(model, args, compiled=False, save="all")
+        arms["trace none pure"] = trace_arm(model, args, compiled=False, save="none")
+        plan += [("native", "trace all pure"), ("bare", "trace none pure")]
     results = {}
     for a, b in plan:
         results[(a, b)] = measure_overhead((a, arms[a]), (b, arms[b]), pairs=cfg["pairs"],
@@ -115,6 +123,10 @@ def row_checks(row: dict) -> dict:
               "none_close_to_bare": check(none_over_bare, none_floor, NONE_OVER_BARE_US)}
     if row["name"] == "chain200":
         checks["chain"] = check(trace, trace_floor, CHAIN_LIMIT_US)
+    if ("native", "trace all pure") in res:  # --pure: the same two figures on the pure-Python path
+        checks["pure_trace_us_per_op"], checks["pure_trace_floor_us_per_op"] = per_op(res[("native", "trace all pure")], ops)
+        checks["pure_none_over_bare_us_per_op"], checks["pure_none_over_bare_floor_us_per_op"] = \
+            per_op(res[("bare", "trace none pure")], ops)
     return checks
 
 
@@ -191,6 +203,16 @@ def markdown(rows: list, cold: list, command: str) -> str:
             + f" | {us_cell(c['none_over_bare_us_per_op'], c['none_over_bare_floor_us_per_op'])}"
             f" ({c['none_close_to_bare']}) |")
     lines.append("")
+    if rows and "pure_trace_us_per_op" in rows[0]["checks"]:
+        lines += ["| model | trace all +us/op compiled | trace all +us/op pure Python | trace none +us/op over bare "
+                  "compiled | trace none +us/op over bare pure Python |", "|---" * 5 + "|"]
+        for row in rows:
+            c = row["checks"]
+            lines.append(f"| {MODELS[row['name']][0]} | {us_cell(c['trace_us_per_op'], c['trace_floor_us_per_op'])} | "
+                         f"{us_cell(c['pure_trace_us_per_op'], c['pure_trace_floor_us_per_op'])} | "
+                         f"{us_cell(c['none_over_bare_us_per_op'], c['none_over_bare_floor_us_per_op'])} | "
+                         f"{us_cell(c['pure_none_over_bare_us_per_op'], c['pure_none_over_bare_floor_us_per_op'])} |")
+        lines.append("")
     chain = next((row for row in rows if row["name"] == "chain200"), None)
     if chain is not None:
         c = chain["checks"]
@@ -220,6 +242,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cold-pairs", type=int, default=6)
     parser.add_argument("--no-docs", action="store_true", help=f"do not rewrite the section of {DOC}")
     parser.add_argument("--json", help="also write every measurement as JSON here")
+    parser.add_argument("--pure", action="store_true", help="trace on the compiled hot path and, beside it, on "
+                                                             "the pure-Python path (needs torchlens-accel)")
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold-start processes")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     # Every arm must run the same program: without this, eval-mode attention takes a fused fast path
@@ -229,11 +254,11 @@ def main(argv=None) -> int:
     rows = []
     with torch.no_grad():
         for name in opts.models.split(","):
-            row = measure_row(name, cfg)
+            row = measure_row(name, cfg, pure=opts.pure)
             row["checks"] = row_checks(row)
             rows.append(row)
     cold_models = ["mlp3"] if opts.quick else ["mlp3", "transformer"]
-    cold = [cold_start(name, opts.cold_pairs) for name in cold_models]
+    cold = [] if opts.no_cold else [cold_start(name, opts.cold_pairs) for name in cold_models]
     command = "python benchmarks/trace_overhead.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     text = markdown(rows, cold, command)
     print(text)

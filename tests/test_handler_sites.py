@@ -57,6 +57,8 @@ def _sites(trace) -> list:
 
 @pytest.mark.parametrize("root", [Model, lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))])
 def test_inlined_frame_checks_agree_with_the_walk(root, monkeypatch):
+    # The pure-Python handler's shortcuts (test_accel.py holds the compiled handler's to this path).
+    monkeypatch.setattr("torchlens.capture.accel._enabled", False)
     torch.manual_seed(0)
     model, x = root().eval(), torch.randn(2, 8)
     tl.trace(model, x)  # the first sight of a frame classifies it, through the walk

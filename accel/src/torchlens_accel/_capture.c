@@ -1,18 +1,1499 @@
-/* The capture hot path in C: see torchlens/capture/accel.py for how it is loaded. */
+/* The capture hot path in C: see torchlens/capture/accel.py for how it is loaded.
+ *
+ * ``Handler`` replaces ``CaptureMode.__torch_function__`` for a plain capture (every optional feature
+ * off: see ``CaptureMode.plain``).  It records exactly what the Python method records, for the
+ * commonest shapes of call: exact tensors and Parameters, plain values and flat tuples of plain values
+ * in positional and keyword slots, and a single tensor out.  Every other call is decided before
+ * ``func`` runs and handed whole to the Python method; after the call, everything uncommon (results that
+ * are not one tensor, writes found, sites other than a user frame or a torch module's forward) goes
+ * through the same Python helpers the method calls.  Everything it needs from torch and torchlens is
+ * handed over by Python at construction (``torchlens.capture.mode._compiled_handler``): this file
+ * imports nothing.
+ */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 1
+#define TORCHLENS_ACCEL_ABI 2
+
+/* The most tensor arguments one call may have on the compiled path; more take the Python method. */
+#define MAX_TENSORS 16
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *mode_ref;       /* weak reference to the CaptureMode (no cycle through its __dict__) */
+    PyObject *method;         /* CaptureMode.__torch_function__, the Python method, unbound */
+    PyObject *state;          /* the CaptureState */
+    PyObject *state_dict;     /* its __dict__: the raw lists and flags, read per call */
+    PyObject *off_hot_path;   /* frozenset: calls that are not ops, and x.data (the Python method's) */
+    PyObject *not_ops;        /* frozenset: calls that never produce a tensor, run unrecorded */
+    PyObject *numpy_views;    /* frozenset: not ops that the Python method still looks at */
+    PyObject *compiler_dict;  /* torch.compiler's namespace (its _is_compiling_flag) */
+    PyObject *tensor_type;
+    PyObject *parameter_type;
+    PyObject *function_type;
+    PyObject *plain_values;   /* frozenset of the exact types held by value */
+    PyObject *tuple_values;   /* frozenset of the exact types a flat tuple may hold and stay as it is */
+    PyObject *inplace_cache;  /* func -> in-place verdict */
+    PyObject *no_kwargs;      /* the shared empty keyword dict */
+    PyObject *protect;        /* _protect_before_write(st, func, args, kwargs) */
+    PyObject *output_leaves;  /* _output_leaves(func, out, args, kwargs) */
+    PyObject *record_output;  /* _record_output(st, call_index, slot, t, func, module_call) */
+    PyObject *written_arguments; /* _written_arguments(func, args, kwargs, versions) */
+    PyObject *shape_of;
+    PyObject *verdicts;       /* id(code) -> verdict */
+    PyObject *locate;         /* FrameClassifier.locate, bound */
+    PyObject *dispatched_site;
+    PyObject *call_impl;      /* nn.Module._call_impl.__code__ */
+    PyObject *call_impl_inner;
+    PyObject *grad_enabled;   /* torch.is_grad_enabled */
+    PyObject *any_autocast;   /* torch._C._is_any_autocast_enabled */
+    PyObject *getters;        /* the tensor attributes' data descriptors, in GETTER order, or None */
+    long user, skip, dispatch, stop, boundary;  /* the frame verdicts (capture/source.py) */
+} Handler;
+
+/* The tensor attributes read per op, read through their descriptors on exact tensors and Parameters
+ * (which resolve them to the same data descriptors; checked at construction). */
+enum { G_VERSION, G_SHAPE, G_DTYPE, G_DEVICE, G_REQUIRES_GRAD, G_GRAD_FN, N_GETTERS };
+static PyObject *getter_names[N_GETTERS];
+
+/* Interned names. */
+static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_grad_fn, *s_detach,
+    *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
+    *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
+    *s_note_failure, *s_note_context, *s_note_writes, *s_wants, *s_watch, *s_is_compiling, *s_out,
+    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite;
+
+static PyObject *empty_tuple;
+
+static PyObject *tensor_get(Handler *h, PyObject *t, int which) {
+    PyTypeObject *type = Py_TYPE(t);
+    if (h->getters != Py_None && (type == (PyTypeObject *)h->tensor_type || type == (PyTypeObject *)h->parameter_type)) {
+        PyObject *d = PyTuple_GET_ITEM(h->getters, which);
+        return Py_TYPE(d)->tp_descr_get(d, t, (PyObject *)type);
+    }
+    return PyObject_GetAttr(t, getter_names[which]);
+}
+
+/* A state attribute, borrowed; an AttributeError when missing. */
+static PyObject *state_get(Handler *h, PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(h->state_dict, name);
+    if (v == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+    return v;
+}
+
+static PyObject *now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  /* time.perf_counter_ns's clock on Linux */
+    return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+}
+
+/* ``t._version``, or ``st.version(t)`` (None, noting it) for an inference tensor.  New reference. */
+static PyObject *version_of(Handler *h, PyObject *t) {
+    PyObject *v = tensor_get(h, t, G_VERSION);
+    if (v == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+        PyErr_Clear();
+        v = PyObject_CallMethodOneArg(h->state, s_version_m, t);
+    }
+    return v;
+}
+
+/* The record index of a plain tensor argument: the bound producer when its entry is about ``t`` at
+ * ``version``, else ``st.producer_of(t)``.  New reference. */
+static PyObject *parent_of(Handler *h, PyObject *producers, PyObject *t, PyObject *version, int bound_first) {
+    if (bound_first) {
+        PyObject *key = PyLong_FromVoidPtr(t);
+        if (key == NULL) return NULL;
+        PyObject *entry = PyDict_GetItemWithError(producers, key);
+        Py_DECREF(key);
+        if (entry == NULL && PyErr_Occurred()) return NULL;
+        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3) {
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), version, Py_EQ);
+            if (same < 0) return NULL;
+            if (same) {
+                PyObject *ref = PyTuple_GET_ITEM(entry, 0);
+                if (ref == t || (PyWeakref_CheckRef(ref) && PyWeakref_GetObject(ref) == t)) {
+                    PyObject *index = PyTuple_GET_ITEM(entry, 1);
+                    Py_INCREF(index);
+                    return index;
+                }
+            }
+        }
+    }
+    return PyObject_CallMethodOneArg(h->state, s_producer_of, t);
+}
+
+enum { KIND_PLAIN = 0, KIND_TENSOR = 1, KIND_PARAM = 2, KIND_OTHER = 3 };
+
+/* How an argument is recorded: a tensor, a Parameter, a value held as it is, or other (Python). */
+static int kind_of(Handler *h, PyObject *a) {
+    PyObject *type = (PyObject *)Py_TYPE(a);
+    if (type == h->tensor_type) return KIND_TENSOR;
+    if (type == h->parameter_type) return KIND_PARAM;
+    int found = PySet_Contains(h->plain_values, type);
+    if (found < 0) return -1;
+    if (found) return KIND_PLAIN;
+    if (PyTuple_CheckExact(a)) {  /* normalized_shape, kernel sizes, x[..., 0:2] */
+        Py_ssize_t n = PyTuple_GET_SIZE(a);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            found = PySet_Contains(h->tuple_values, (PyObject *)Py_TYPE(PyTuple_GET_ITEM(a, i)));
+            if (found <= 0) return found < 0 ? -1 : KIND_OTHER;
+        }
+        return KIND_PLAIN;
+    }
+    return KIND_OTHER;
+}
+
+/* One scanned tensor argument: the tensor and its version before the call. */
+typedef struct {
+    PyObject *t;        /* borrowed (the arguments hold it) */
+    PyObject *version;  /* owned */
+} Bound;
+
+static void release_bounds(Bound *bounds, int n) {
+    for (int i = 0; i < n; i++) Py_XDECREF(bounds[i].version);
+}
+
+/* ``versions`` as the Python helpers take it: a list of (tensor, version) pairs.  New reference. */
+static PyObject *versions_list(Bound *bounds, int n) {
+    PyObject *list = PyList_New(n);
+    if (list == NULL) return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *pair = PyTuple_Pack(2, bounds[i].t, bounds[i].version);
+        if (pair == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, pair);
+    }
+    return list;
+}
+
+/* The Python method, called as torch called this handler. */
+static PyObject *call_method(Handler *h, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *mode = PyWeakref_GetObject(h->mode_ref);
+    if (mode == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "torchlens: the capture mode this handler belongs to is gone");
+        return NULL;
+    }
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject *small[8];
+    PyObject **stack = total + 1 <= 8 ? small : PyMem_Malloc((total + 1) * sizeof(PyObject *));
+    if (stack == NULL) return PyErr_NoMemory();
+    stack[0] = mode;
+    for (Py_ssize_t i = 0; i < total; i++) stack[i + 1] = args[i];
+    Py_INCREF(mode);
+    PyObject *result = PyObject_Vectorcall(h->method, stack, nargs + 1, kwnames);
+    Py_DECREF(mode);
+    if (stack != small) PyMem_Free(stack);
+    return result;
+}
+
+/* Whether ``frame`` is torch's module call machinery calling ``forward`` (_called_by_module_call). */
+static int called_by_module_call(Handler *h, PyFrameObject *frame) {
+    if (frame == NULL) return 0;
+    PyCodeObject *code = PyFrame_GetCode(frame);
+    int answer;
+    if ((PyObject *)code == h->call_impl_inner) {
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        if (back == NULL) {
+            answer = 0;
+        } else {
+            PyCodeObject *outer = PyFrame_GetCode(back);
+            answer = (PyObject *)outer == h->call_impl;
+            Py_DECREF(outer);
+            Py_DECREF(back);
+        }
+    } else {
+        answer = (PyObject *)code == h->call_impl;
+    }
+    Py_DECREF(code);
+    return answer;
+}
+
+static long verdict_of(Handler *h, PyObject *code) {
+    PyObject *key = PyLong_FromVoidPtr(code);
+    if (key == NULL) return -2;
+    PyObject *v = PyDict_GetItemWithError(h->verdicts, key);
+    Py_DECREF(key);
+    if (v == NULL) return PyErr_Occurred() ? -2 : -1;
+    long verdict = PyLong_AsLong(v);
+    if (verdict == -1 && PyErr_Occurred()) return -2;
+    return verdict;
+}
+
+/* ``call_frames[module_call]`` as a (code, offset) tuple.  New reference. */
+static PyObject *module_call_frame(Handler *h, PyObject *module_call) {
+    PyObject *call_frames = state_get(h, s_call_frames);
+    PyObject *user = call_frames ? PyObject_GetItem(call_frames, module_call) : NULL;
+    PyObject *pair = user ? PySequence_Tuple(user) : NULL;
+    Py_XDECREF(user);
+    if (pair != NULL && PyTuple_GET_SIZE(pair) != 2) {
+        PyErr_SetString(PyExc_ValueError, "torchlens: a module call frame is not a (code, offset) pair");
+        Py_CLEAR(pair);
+    }
+    return pair;
+}
+
+/* The three answers, each a new reference (``site`` stolen). */
+static int answer(PyObject *site, PyObject *code, PyObject *line, PyObject **out) {
+    if (site == NULL) return -1;
+    out[0] = site;
+    out[1] = Py_NewRef(code);
+    out[2] = Py_NewRef(line);
+    return 1;
+}
+
+static PyObject *site_of(PyObject *code, PyFrameObject *frame) {
+    PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+    if (line == NULL) return NULL;
+    PyObject *site = PyTuple_Pack(2, code, line);
+    Py_DECREF(line);
+    return site;
+}
+
+/* ``FrameClassifier.locate``'s walk up from ``frame``, for frames whose verdicts are known: 1 with
+ * ``out`` = (site, code, line), 0 at a frame without a verdict yet (Python's walk classifies it), -1 on
+ * error.  ``own_code`` is the code of the Python-level torch function being recorded, or NULL. */
+static int walk(Handler *h, PyFrameObject *frame, PyObject *own_code, PyObject *module_call, long module_index,
+                PyObject **out) {
+    PyObject *site = NULL;
+    int result = -1;
+    Py_XINCREF(frame);
+    while (frame != NULL) {
+        PyObject *code = (PyObject *)PyFrame_GetCode(frame);
+        long verdict = verdict_of(h, code);
+        if (verdict == -2 || verdict == -1) {
+            result = verdict == -1 ? 0 : -1;
+            Py_DECREF(code);
+            goto done;
+        }
+        if (verdict == h->user) {
+            PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+            if (line != NULL) {
+                PyObject *found = site != NULL ? Py_NewRef(site) : PyTuple_Pack(2, code, line);
+                result = answer(found, code, line, out);
+                Py_DECREF(line);
+            }
+            Py_DECREF(code);
+            goto done;
+        }
+        if (verdict == h->stop) {
+            Py_DECREF(code);
+            result = answer(Py_NewRef(site != NULL ? site : Py_None), Py_None, Py_None, out);
+            goto done;
+        }
+        if (verdict == h->boundary && module_index >= 0) {
+            Py_DECREF(code);
+            PyObject *user = module_call_frame(h, module_call);
+            if (user == NULL) goto done;
+            PyObject *user_code = PyTuple_GET_ITEM(user, 0);
+            PyObject *found = site != NULL ? site : user_code != Py_None ? user : Py_None;
+            result = answer(Py_NewRef(found), user_code, PyTuple_GET_ITEM(user, 1), out);
+            Py_DECREF(user);
+            goto done;
+        }
+        if (verdict == h->skip && site == NULL && code != own_code && (site = site_of(code, frame)) == NULL) {
+            Py_DECREF(code);
+            goto done;
+        }
+        Py_DECREF(code);
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        Py_DECREF(frame);
+        frame = back;
+    }
+    result = answer(Py_NewRef(site != NULL ? site : Py_None), Py_None, Py_None, out);
+done:
+    Py_XDECREF(frame);
+    Py_XDECREF(site);
+    return result;
+}
+
+/* ``getattr(func, "__code__", None)`` for the kinds of function torch hands over; 0 for any other kind
+ * (the Python walk answers for those).  ``*code`` is borrowed, NULL for None. */
+static int own_code_of(PyObject *func, PyObject **code) {
+    if (PyFunction_Check(func)) {
+        *code = PyFunction_GET_CODE(func);
+        return 1;
+    }
+    *code = NULL;
+    return PyCFunction_Check(func) || Py_IS_TYPE(func, &PyMethodDescr_Type) || Py_IS_TYPE(func, &PyWrapperDescr_Type);
+}
+
+/* ``_dispatched_site``: a call that torch's dispatcher (``frame``, in torch/overrides.py) handed over.
+ * For a Python-level torch function whose own frame is next, the answer is its caller's.  Same returns
+ * as ``walk``. */
+static int dispatched(Handler *h, PyFrameObject *frame, PyObject *func, PyObject *own_code, PyObject *module_call,
+                      long module_index, PyObject **out) {
+    PyFrameObject *own = PyFrame_GetBack(frame);
+    if (own == NULL) return walk(h, frame, own_code, module_call, module_index, out);
+    PyObject *code = (PyObject *)PyFrame_GetCode(own);
+    long verdict = code == own_code ? verdict_of(h, code) : -3;
+    Py_DECREF(code);
+    if (verdict == -2 || verdict != h->skip) {
+        Py_DECREF(own);
+        return verdict == -2 ? -1 : walk(h, frame, own_code, module_call, module_index, out);
+    }
+    PyFrameObject *caller = PyFrame_GetBack(own);
+    Py_DECREF(own);
+    if (caller == NULL) return walk(h, NULL, own_code, module_call, module_index, out);
+    int result;
+    code = (PyObject *)PyFrame_GetCode(caller);
+    verdict = verdict_of(h, code);
+    if (verdict == -2) {
+        result = -1;
+    } else if (verdict == h->user) {
+        PyObject *line = PyLong_FromLong(PyFrame_GetLasti(caller));
+        result = line ? answer(PyTuple_Pack(2, code, line), code, line, out) : -1;
+        Py_XDECREF(line);
+    } else {
+        PyFrameObject *back = verdict == h->skip && module_index >= 0 ? PyFrame_GetBack(caller) : NULL;
+        int by_call = back != NULL && called_by_module_call(h, back);
+        Py_XDECREF(back);
+        if (by_call) {
+            PyObject *user = module_call_frame(h, module_call);
+            result = user ? answer(site_of(code, caller), PyTuple_GET_ITEM(user, 0), PyTuple_GET_ITEM(user, 1), out) : -1;
+            Py_XDECREF(user);
+        } else {
+            result = walk(h, caller, own_code, module_call, module_index, out);
+        }
+    }
+    Py_DECREF(code);
+    Py_DECREF(caller);
+    return result;
+}
+
+/* ``(site, code, line)`` of the op, as the Python method finds them.  New references in the out
+ * arguments; -1 with an exception set on failure. */
+static int find_site(Handler *h, PyObject *func, PyObject *module_call, long module_index,
+                     PyObject **site, PyObject **code_out, PyObject **line_out) {
+    PyFrameObject *frame = PyEval_GetFrame();  /* borrowed: the frame that called the torch function */
+    PyObject *found[3];
+    PyObject *code = frame != NULL ? (PyObject *)PyFrame_GetCode(frame) : NULL;
+    long verdict = code != NULL ? verdict_of(h, code) : -1;
+    if (verdict == -2) {
+        Py_DECREF(code);
+        return -1;
+    }
+    int known = 0;
+    if (verdict == h->user) {
+        PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+        known = line ? answer(PyTuple_Pack(2, code, line), code, line, found) : -1;
+        Py_XDECREF(line);
+    } else if (verdict == h->skip && module_index >= 0 && Py_TYPE(func) != (PyTypeObject *)h->function_type) {
+        /* A builtin called straight from a torch module's forward (F.linear in nn.Linear). */
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        int by_call = called_by_module_call(h, back);
+        Py_XDECREF(back);
+        if (by_call) {
+            PyObject *user = module_call_frame(h, module_call);
+            known = user ? answer(site_of(code, frame), PyTuple_GET_ITEM(user, 0), PyTuple_GET_ITEM(user, 1), found) : -1;
+            Py_XDECREF(user);
+        }
+    }
+    if (known == 0 && frame != NULL) {
+        /* A Python-level torch function (F.relu), torch's own code elsewhere: the walk, in C while every
+         * frame on it has a verdict already. */
+        PyObject *own_code;
+        if (own_code_of(func, &own_code)) {
+            known = verdict == h->dispatch ? dispatched(h, frame, func, own_code, module_call, module_index, found)
+                                           : walk(h, frame, own_code, module_call, module_index, found);
+        }
+    }
+    Py_XDECREF(code);
+    if (known < 0) return -1;
+    if (known) {
+        *site = found[0];
+        *code_out = found[1];
+        *line_out = found[2];
+        return 0;
+    }
+    /* A new frame (classified by the Python walk), or a kind of function the C does not know. */
+    PyObject *call_frames = state_get(h, s_call_frames);
+    if (call_frames == NULL) return -1;
+    PyObject *frame_obj = frame != NULL ? (PyObject *)frame : Py_None;
+    PyObject *result;
+    if (verdict == h->dispatch) {
+        PyObject *argv[] = {frame_obj, func, call_frames, module_call, h->locate};
+        result = PyObject_Vectorcall(h->dispatched_site, argv, 5, NULL);
+    } else {
+        PyObject *argv[] = {frame_obj, func, call_frames, module_call};
+        result = PyObject_Vectorcall(h->locate, argv, 4, NULL);
+    }
+    if (result == NULL) return -1;
+    PyObject *triple = PySequence_Tuple(result);
+    Py_DECREF(result);
+    if (triple == NULL) return -1;
+    if (PyTuple_GET_SIZE(triple) != 3) {
+        PyErr_SetString(PyExc_ValueError, "torchlens: locate did not answer (site, code, line)");
+        Py_DECREF(triple);
+        return -1;
+    }
+    *site = Py_NewRef(PyTuple_GET_ITEM(triple, 0));
+    *code_out = Py_NewRef(PyTuple_GET_ITEM(triple, 1));
+    *line_out = Py_NewRef(PyTuple_GET_ITEM(triple, 2));
+    Py_DECREF(triple);
+    return 0;
+}
+
+/* A Python truth value of a state flag or call result (stolen), -1 on error. */
+static int truth_of(PyObject *v) {
+    if (v == NULL) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* The record of the one tensor a call produced, inlined as in the Python method.  0 or -1. */
+/* Appends the tensor record of ``out`` (at ``slot`` of the call's result) to ``records``; ``*rg`` is
+ * whether it requires grad.  0 or -1. */
+static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject *call_index, PyObject *slot,
+                         int *rg_out) {
+    PyObject *requires_grad = tensor_get(h, out, G_REQUIRES_GRAD);
+    if (requires_grad == NULL) return -1;
+    int rg = PyObject_IsTrue(requires_grad);
+    if (rg < 0) {
+        Py_DECREF(requires_grad);
+        return -1;
+    }
+    PyObject *shape = tensor_get(h, out, G_SHAPE);
+    if (shape == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  /* a nested tensor */
+        PyErr_Clear();
+        shape = PyObject_CallOneArg(h->shape_of, out);
+    }
+    PyObject *dtype = shape ? tensor_get(h, out, G_DTYPE) : NULL;
+    PyObject *device = dtype ? tensor_get(h, out, G_DEVICE) : NULL;
+    PyObject *grad_type = NULL;
+    if (device != NULL) {
+        if (rg) {
+            PyObject *grad_fn = tensor_get(h, out, G_GRAD_FN);
+            if (grad_fn != NULL) {
+                grad_type = (PyObject *)Py_TYPE(grad_fn);
+                Py_INCREF(grad_type);
+                Py_DECREF(grad_fn);
+            }
+        } else {
+            grad_type = Py_None;
+            Py_INCREF(grad_type);
+        }
+    }
+    PyObject *record = grad_type ? PyTuple_Pack(7, call_index, slot, shape, dtype, device, requires_grad,
+                                                grad_type) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(device);
+    Py_XDECREF(grad_type);
+    Py_DECREF(requires_grad);
+    if (record == NULL) return -1;
+    int failed = PyList_Append(records, record);
+    Py_DECREF(record);
+    *rg_out = rg;
+    return failed ? -1 : 0;
+}
+
+/* Whether the output of ``func`` is saved: ``save_mode == 1``, or the selection wants it.  1, 0, -1. */
+static int wanted(Handler *h, PyObject *func, PyObject *module_call) {
+    PyObject *save_mode = state_get(h, s_save_mode);
+    if (save_mode == NULL) return -1;
+    int saving = PyObject_IsTrue(save_mode);
+    if (saving <= 0) return saving;
+    long mode = PyLong_Check(save_mode) ? PyLong_AsLong(save_mode) : -1;
+    if (mode == -1 && PyErr_Occurred()) return -1;
+    if (mode == 1) return 1;
+    PyObject *argv[] = {h->state, func, module_call};
+    return truth_of(PyObject_VectorcallMethod(s_wants, argv, 3, NULL));
+}
+
+/* ``grads.watch(index, t, func, module_call)`` when gradients are captured.  0 or -1. */
+static int watch(Handler *h, PyObject *index, PyObject *t, PyObject *func, PyObject *module_call) {
+    PyObject *grads = state_get(h, s_grads);
+    if (grads == NULL) return -1;
+    if (grads == Py_None) return 0;
+    PyObject *argv[] = {grads, index, t, func, module_call};
+    PyObject *r = PyObject_VectorcallMethod(s_watch, argv, 5, NULL);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* ``_record_output``: one output of a call with several, bound weakly and saved by ``st.save``. */
+static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *slot, PyObject *func,
+                       PyObject *module_call) {
+    PyObject *records = state_get(h, s_records);
+    PyObject *producers = records ? state_get(h, s_producers) : NULL;
+    if (producers == NULL) return -1;
+    PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(records));
+    if (index == NULL) return -1;
+    int rg = 0, failed = -1;
+    PyObject *version = NULL, *ref = NULL, *entry = NULL, *key = NULL;
+    if (append_record(h, records, t, call_index, slot, &rg) < 0 || (version = version_of(h, t)) == NULL)
+        goto done;
+    if ((ref = PyWeakref_NewRef(t, NULL)) == NULL || (entry = PyTuple_Pack(3, ref, index, version)) == NULL
+            || (key = PyLong_FromVoidPtr(t)) == NULL || PyDict_SetItem(producers, key, entry) < 0)
+        goto done;
+    if (rg && watch(h, index, t, func, module_call) < 0) goto done;
+    int saving = wanted(h, func, module_call);
+    if (saving < 0) goto done;
+    if (saving) {
+        PyObject *r = PyObject_CallMethodObjArgs(h->state, s_save, index, t, rg ? Py_True : Py_False, NULL);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+    }
+    PyObject *finite = state_get(h, s_finite_flags);
+    if (finite == NULL) goto done;
+    if (finite != Py_None) {
+        PyObject *r = PyObject_CallMethodObjArgs(h->state, s_record_finite, index, t, NULL);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+    }
+    failed = 0;
+done:
+    Py_DECREF(index);
+    Py_XDECREF(version);
+    Py_XDECREF(ref);
+    Py_XDECREF(entry);
+    Py_XDECREF(key);
+    return failed;
+}
+
+/* The record of the one tensor a call produced, inlined as in the Python method.  0 or -1. */
+static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObject *first_op,
+                         PyObject *func, PyObject *module_call) {
+    PyObject *records = state_get(h, s_records);
+    int rg = 0, failed;
+    if (records == NULL || append_record(h, records, out, call_index, Py_None, &rg) < 0) return -1;
+    PyObject *version = version_of(h, out);
+    if (version == NULL) return -1;
+    if (rg && watch(h, first_op, out, func, module_call) < 0) goto fail;
+    int saving = wanted(h, func, module_call);
+    if (saving < 0) goto fail;
+    PyObject *producers = state_get(h, s_producers);
+    if (producers == NULL) goto fail;
+    PyObject *key = PyLong_FromVoidPtr(out);
+    if (key == NULL) goto fail;
+    PyObject *entry;
+    if (saving) {
+        PyObject *saved = state_get(h, s_saved);
+        PyObject *saved_versions = saved ? state_get(h, s_saved_versions) : NULL;
+        PyObject *kept = saved_versions == NULL ? NULL : rg ? PyObject_CallMethodNoArgs(out, s_detach) : Py_NewRef(out);
+        if (kept == NULL) {
+            Py_DECREF(key);
+            goto fail;
+        }
+        failed = PyDict_SetItem(saved, first_op, kept) || PyDict_SetItem(saved_versions, first_op, version);
+        Py_DECREF(kept);
+        entry = failed ? NULL : PyTuple_Pack(3, out, first_op, version);
+    } else {
+        PyObject *ref = PyWeakref_NewRef(out, NULL);
+        entry = ref ? PyTuple_Pack(3, ref, first_op, version) : NULL;
+        Py_XDECREF(ref);
+    }
+    failed = entry == NULL || PyDict_SetItem(producers, key, entry);
+    Py_XDECREF(entry);
+    Py_DECREF(key);
+    Py_DECREF(version);
+    return failed ? -1 : 0;
+fail:
+    Py_DECREF(version);
+    return -1;
+}
+
+/* Scans the arguments.  Returns 1 when the call is for the compiled path and fills the out arguments
+ * (new references), 0 when it is for the Python method (nothing done), -1 on error. */
+static int classify(Handler *h, PyObject *args, PyObject *kwargs, int *tensors, int *params, int *positional) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    int count = 0, found = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int kind = kind_of(h, PyTuple_GET_ITEM(args, i));
+        if (kind < 0) return -1;
+        if (kind == KIND_OTHER) return 0;
+        count += kind != KIND_PLAIN;
+        found += kind == KIND_PARAM;
+    }
+    *positional = count;
+    if (kwargs != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(kwargs, &pos, &key, &value)) {
+            int kind = kind_of(h, value);
+            if (kind < 0) return -1;
+            if (kind == KIND_OTHER) return 0;
+            count += kind != KIND_PLAIN;
+            found += kind == KIND_PARAM;
+        }
+    }
+    if (count > MAX_TENSORS) return 0;
+    *tensors = count;
+    *params = found;
+    return 1;
+}
+
+/* One scanned argument: its version first, then its parent or its place among the parameters. */
+static int scan_one(Handler *h, PyObject *producers, PyObject *slot, PyObject *a, int bound_first,
+                    Bound *bounds, int *nbound, PyObject *parents, int *nparents, PyObject *params, int *nparams) {
+    PyObject *version = version_of(h, a);
+    if (version == NULL) return -1;
+    bounds[*nbound].t = a;
+    bounds[*nbound].version = version;
+    (*nbound)++;
+    PyObject *pair;
+    if (Py_TYPE(a) == (PyTypeObject *)h->parameter_type) {
+        pair = PyTuple_Pack(2, slot, a);
+        if (pair == NULL) return -1;
+        PyList_SET_ITEM(params, (*nparams)++, pair);
+        return 0;
+    }
+    PyObject *index = parent_of(h, producers, a, version, bound_first);
+    if (index == NULL) return -1;
+    pair = PyTuple_Pack(2, slot, index);
+    Py_DECREF(index);
+    if (pair == NULL) return -1;
+    PyTuple_SET_ITEM(parents, (*nparents)++, pair);
+    return 0;
+}
+
+static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Handler *h = (Handler *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL || nargs < 2 || nargs > 4) return call_method(h, argv, nargsf, kwnames);
+    PyObject *func = argv[0];
+    PyObject *args = nargs > 2 ? argv[2] : empty_tuple;
+    PyObject *kwargs = nargs > 3 ? argv[3] : Py_None;
+    if (!PyTuple_CheckExact(args) || (kwargs != Py_None && !PyDict_CheckExact(kwargs)))
+        return call_method(h, argv, nargsf, kwnames);
+    int found = PySet_Contains(h->off_hot_path, func);
+    if (found < 0) return NULL;
+    if (found) {
+        /* ``x.shape``, ``x.size()``: run unrecorded (``_not_an_op``), but for NumPy views and ``x.data``. */
+        int plain = PySet_Contains(h->not_ops, func);
+        if (plain > 0) plain = !PySet_Contains(h->numpy_views, func);
+        if (plain < 0) return NULL;
+        if (!plain) return call_method(h, argv, nargsf, kwnames);
+        return PyObject_Call(func, args, kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0 ? NULL : kwargs);
+    }
+    PyObject *compiling = PyDict_GetItemWithError(h->compiler_dict, s_is_compiling);
+    if (compiling == NULL && PyErr_Occurred()) return NULL;
+    if (compiling != NULL) {
+        int on = PyObject_IsTrue(compiling);
+        if (on < 0) return NULL;
+        if (on) return call_method(h, argv, nargsf, kwnames);
+    }
+    if (kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;  /* ``kwargs or _NO_KWARGS`` */
+    int tensors = 0, nparams_all = 0, positional = 0;
+    found = classify(h, args, kwargs, &tensors, &nparams_all, &positional);
+    if (found <= 0) return found < 0 ? NULL : call_method(h, argv, nargsf, kwnames);
+
+    /* From here on the call is recorded here: every error returns NULL with the exception set. */
+    PyObject *result = NULL, *out = NULL, *skeleton = NULL, *kw_skeleton = NULL, *parents = NULL;
+    PyObject *params = NULL, *module_call = NULL, *t0 = NULL, *t1 = NULL, *leaves = NULL;
+    PyObject *site = NULL, *code = NULL, *line = NULL, *call_index = NULL, *first_op = NULL;
+    PyObject *written = NULL, *call = NULL;
+    PyObject *kw = kwargs != NULL ? kwargs : h->no_kwargs;
+    Bound bounds[MAX_TENSORS];
+    int nbound = 0, nparents = 0, nparams = 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+
+    PyObject *producers = state_get(h, s_producers);
+    if (producers == NULL) goto done;
+    /* Filled in place: a tuple of exactly the parents found, a list of exactly the parameters. */
+    parents = PyTuple_New(tensors - nparams_all);
+    if (parents == NULL) goto done;
+    if (nparams_all > 0 && (params = PyList_New(nparams_all)) == NULL) goto done;
+    if (positional == 0) {
+        skeleton = Py_NewRef(args);
+    } else {
+        /* The arguments as recorded: tensors blanked, every other value held as it is. */
+        if ((skeleton = PyTuple_New(n)) == NULL) goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *a = PyTuple_GET_ITEM(args, i);
+            int is_tensor = Py_TYPE(a) == (PyTypeObject *)h->tensor_type || Py_TYPE(a) == (PyTypeObject *)h->parameter_type;
+            PyTuple_SET_ITEM(skeleton, i, Py_NewRef(is_tensor ? Py_None : a));
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *a = PyTuple_GET_ITEM(args, i);
+            if (Py_TYPE(a) != (PyTypeObject *)h->tensor_type && Py_TYPE(a) != (PyTypeObject *)h->parameter_type)
+                continue;
+            PyObject *slot = PyLong_FromSsize_t(i);
+            if (slot == NULL) goto done;
+            int failed = scan_one(h, producers, slot, a, 1, bounds, &nbound, parents, &nparents, params, &nparams);
+            Py_DECREF(slot);
+            if (failed) goto done;
+        }
+    }
+    kw_skeleton = Py_NewRef(kw);
+    if (kwargs != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(kwargs, &pos, &key, &value)) {
+            if (Py_TYPE(value) != (PyTypeObject *)h->tensor_type && Py_TYPE(value) != (PyTypeObject *)h->parameter_type)
+                continue;
+            if (kw_skeleton == kwargs) {
+                Py_SETREF(kw_skeleton, PyDict_Copy(kwargs));
+                if (kw_skeleton == NULL) goto done;
+            }
+            if (PyDict_SetItem(kw_skeleton, key, Py_None)) goto done;
+            Py_INCREF(key);
+            Py_INCREF(value);
+            int failed = scan_one(h, producers, key, value, 0, bounds, &nbound, parents, &nparents, params, &nparams);
+            Py_DECREF(key);
+            Py_DECREF(value);
+            if (failed) goto done;
+        }
+    }
+
+    /* Copy-on-write: a write predicted by name or by keyword must not alter what was saved. */
+    if (nbound > 0) {
+        PyObject *saved = state_get(h, s_saved);
+        if (saved == NULL) goto done;
+        if (PyDict_Check(saved) ? PyDict_GET_SIZE(saved) > 0 : PyObject_IsTrue(saved)) {
+            PyObject *verdict = PyDict_GetItemWithError(h->inplace_cache, func);
+            if (verdict == NULL && PyErr_Occurred()) goto done;
+            int protect = verdict != Py_False;
+            if (!protect && kwargs != NULL) {
+                protect = PyDict_Contains(kwargs, s_out);
+                if (protect < 0) goto done;
+                if (!protect) {
+                    PyObject *inplace = PyDict_GetItemWithError(kwargs, s_inplace);
+                    if (inplace == NULL && PyErr_Occurred()) goto done;
+                    protect = inplace != NULL ? PyObject_IsTrue(inplace) : 0;
+                    if (protect < 0) goto done;
+                }
+            }
+            if (protect) {
+                PyObject *pargv[] = {h->state, func, args, kw};
+                PyObject *r = PyObject_Vectorcall(h->protect, pargv, 4, NULL);
+                if (r == NULL) goto done;
+                Py_DECREF(r);
+            }
+        }
+    }
+    PyObject *stack = state_get(h, s_module_stack);
+    if (stack == NULL) goto done;
+    Py_ssize_t depth = PyObject_Length(stack);
+    if (depth < 0) goto done;
+    if (depth > 0) {
+        module_call = PySequence_GetItem(stack, depth - 1);
+    } else {
+        module_call = PyLong_FromLong(-1);
+    }
+    if (module_call == NULL) goto done;
+    long module_index = PyLong_Check(module_call) ? PyLong_AsLong(module_call) : 0;
+    if (module_index == -1 && PyErr_Occurred()) goto done;
+
+    t0 = now_ns();
+    if (t0 == NULL) goto done;
+    out = PyObject_Call(func, args, kwargs);
+    if (out == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyObject *fargv[] = {h->state, func, module_call, value};
+        PyObject *r = PyObject_VectorcallMethod(s_note_failure, fargv, 4, NULL);
+        if (r == NULL) {  /* raised while noting it: that error, the call's as its context */
+            PyObject *type2, *value2, *tb2;
+            PyErr_Fetch(&type2, &value2, &tb2);
+            PyErr_NormalizeException(&type2, &value2, &tb2);
+            PyException_SetContext(value2, value);  /* steals value */
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            PyErr_Restore(type2, value2, tb2);
+        } else {
+            Py_DECREF(r);
+            PyErr_Restore(type, value, tb);
+        }
+        goto done;
+    }
+    t1 = now_ns();
+    if (t1 == NULL) goto done;
+    int single = PyObject_IsInstance(out, h->tensor_type);
+    if (single < 0) goto done;
+    Py_ssize_t several = 0;  /* a flat tuple or list of plain tensors (split, chunk, unbind): recorded here */
+    if (!single && (PyTuple_CheckExact(out) || PyList_CheckExact(out))) {
+        several = PySequence_Fast_GET_SIZE(out);
+        for (Py_ssize_t i = 0; i < several; i++) {
+            if (Py_TYPE(PySequence_Fast_GET_ITEM(out, i)) != (PyTypeObject *)h->tensor_type) {
+                several = 0;
+                break;
+            }
+        }
+    }
+    if (!single && !several) {
+        PyObject *largv[] = {func, out, args, kw};
+        leaves = PyObject_Vectorcall(h->output_leaves, largv, 4, NULL);
+        if (leaves == NULL) goto done;
+        int any = PyObject_IsTrue(leaves);
+        if (any < 0) goto done;
+        if (!any) {
+            result = Py_NewRef(out);
+            goto done;
+        }
+    }
+
+    if (find_site(h, func, module_call, module_index, &site, &code, &line) < 0) goto done;
+    PyObject *calls = state_get(h, s_calls);
+    PyObject *records = calls ? state_get(h, s_records) : NULL;
+    if (records == NULL) goto done;
+    call_index = PyLong_FromSsize_t(PyList_GET_SIZE(calls));
+    first_op = call_index ? PyLong_FromSsize_t(PyList_GET_SIZE(records)) : NULL;
+    if (first_op == NULL) goto done;
+    for (int i = 0; i < nbound; i++) {
+        int moved = bounds[i].version == Py_None;
+        if (!moved) {
+            PyObject *after = tensor_get(h, bounds[i].t, G_VERSION);
+            if (after == NULL) goto done;
+            moved = PyObject_RichCompareBool(after, bounds[i].version, Py_NE);
+            Py_DECREF(after);
+            if (moved < 0) goto done;
+        }
+        if (moved) {  /* a write (or an inference tensor): which ones */
+            PyObject *versions = versions_list(bounds, nbound);
+            if (versions == NULL) goto done;
+            PyObject *wargv[] = {func, args, kw, versions};
+            written = PyObject_Vectorcall(h->written_arguments, wargv, 4, NULL);
+            Py_DECREF(versions);
+            if (written == NULL) goto done;
+            if (written == Py_None) Py_CLEAR(written);
+            break;
+        }
+    }
+    PyObject *save_mode = state_get(h, s_save_mode);
+    if (save_mode == NULL) goto done;
+    int saving = PyObject_IsTrue(save_mode);
+    if (saving < 0) goto done;
+    if (saving) {
+        PyObject *grad_on = PyObject_CallNoArgs(h->grad_enabled);
+        if (grad_on == NULL) goto done;
+        PyObject *trace_grad = state_get(h, s_grad_enabled);
+        int differs = trace_grad == NULL ? -1 : grad_on != trace_grad;
+        Py_DECREF(grad_on);
+        if (differs < 0) goto done;
+        if (!differs) differs = truth_of(PyObject_CallNoArgs(h->any_autocast));
+        if (differs < 0) goto done;
+        if (!differs) {
+            PyObject *any = state_get(h, s_any_autocast);
+            differs = any ? PyObject_IsTrue(any) : -1;
+            if (differs < 0) goto done;
+        }
+        if (differs) {
+            PyObject *r = PyObject_CallMethodOneArg(h->state, s_note_context, call_index);
+            if (r == NULL) goto done;
+            Py_DECREF(r);
+        }
+    }
+    Py_ssize_t outputs = several ? several : 1;
+    if (leaves != NULL && (outputs = PyObject_Length(leaves)) < 0) goto done;
+    PyObject *num_outputs = PyLong_FromSsize_t(outputs);
+    if (num_outputs == NULL) goto done;
+    call = PyTuple_Pack(14, func, skeleton, PyDict_GET_SIZE(kw_skeleton) ? kw_skeleton : h->no_kwargs, parents,
+                        params != NULL ? params : empty_tuple, module_call, code, line, t0, t1, first_op,
+                        num_outputs, written != NULL ? Py_True : Py_False, site);
+    Py_DECREF(num_outputs);
+    if (call == NULL || PyList_Append(calls, call)) goto done;
+    if (written != NULL) {
+        PyObject *r = PyObject_CallMethodObjArgs(h->state, s_note_writes, written, first_op, NULL);
+        if (r == NULL) goto done;
+        Py_DECREF(r);
+    }
+    if (several) {
+        for (Py_ssize_t i = 0; i < several; i++) {
+            PyObject *slot = PyLong_FromSsize_t(i);
+            if (slot == NULL) goto done;
+            /* the result is held by ``out``, which nothing here changes */
+            int failed = record_leaf(h, PySequence_Fast_GET_ITEM(out, i), call_index, slot, func, module_call);
+            Py_DECREF(slot);
+            if (failed) goto done;
+        }
+    } else if (leaves != NULL) {
+        PyObject *iter = PyObject_GetIter(leaves);
+        if (iter == NULL) goto done;
+        PyObject *leaf;
+        while ((leaf = PyIter_Next(iter)) != NULL) {
+            PyObject *pair = PySequence_Tuple(leaf);
+            Py_DECREF(leaf);
+            if (pair == NULL || PyTuple_GET_SIZE(pair) != 2) {
+                if (pair != NULL) {
+                    PyErr_SetString(PyExc_ValueError, "torchlens: an output leaf is not a (slot, tensor) pair");
+                    Py_DECREF(pair);
+                }
+                Py_DECREF(iter);
+                goto done;
+            }
+            PyObject *rargv[] = {h->state, call_index, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1),
+                                 func, module_call};
+            PyObject *r = PyObject_Vectorcall(h->record_output, rargv, 6, NULL);
+            Py_DECREF(pair);
+            if (r == NULL) {
+                Py_DECREF(iter);
+                goto done;
+            }
+            Py_DECREF(r);
+        }
+        Py_DECREF(iter);
+        if (PyErr_Occurred()) goto done;
+    } else if (record_single(h, out, call_index, first_op, func, module_call) < 0) {
+        goto done;
+    }
+    result = Py_NewRef(out);
+done:
+    release_bounds(bounds, nbound);
+    Py_XDECREF(out);
+    Py_XDECREF(skeleton);
+    Py_XDECREF(kw_skeleton);
+    Py_XDECREF(parents);
+    Py_XDECREF(params);
+    Py_XDECREF(module_call);
+    Py_XDECREF(t0);
+    Py_XDECREF(t1);
+    Py_XDECREF(leaves);
+    Py_XDECREF(site);
+    Py_XDECREF(code);
+    Py_XDECREF(line);
+    Py_XDECREF(call_index);
+    Py_XDECREF(first_op);
+    Py_XDECREF(written);
+    Py_XDECREF(call);
+    return result;
+}
+
+/* ----- the type ------------------------------------------------------------------------------- */
+
+#define HANDLER_OBJECTS(X) \
+    X(mode_ref) X(method) X(state) X(state_dict) X(off_hot_path) X(not_ops) X(numpy_views) X(compiler_dict) X(tensor_type) \
+    X(parameter_type) X(function_type) X(plain_values) X(tuple_values) X(inplace_cache) X(no_kwargs) \
+    X(protect) X(output_leaves) X(record_output) X(written_arguments) X(shape_of) X(verdicts) X(locate) \
+    X(dispatched_site) X(call_impl) X(call_impl_inner) X(grad_enabled) X(any_autocast) X(getters)
+
+static int handler_traverse(Handler *h, visitproc visit, void *arg) {
+#define VISIT(name) Py_VISIT(h->name);
+    HANDLER_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int handler_clear(Handler *h) {
+#define CLEAR(name) Py_CLEAR(h->name);
+    HANDLER_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void handler_dealloc(Handler *h) {
+    PyObject_GC_UnTrack(h);
+    handler_clear(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {
+        "mode", "method", "state", "off_hot_path", "not_ops", "numpy_views", "compiler_dict", "tensor_type", "parameter_type",
+        "function_type", "plain_values", "tuple_values", "inplace_cache", "no_kwargs", "protect",
+        "output_leaves", "record_output", "written_arguments", "shape_of", "verdicts", "locate",
+        "dispatched_site", "call_impl", "call_impl_inner", "grad_enabled", "any_autocast", "getters", "user", "skip",
+        "dispatch", "stop", "boundary", NULL};
+    PyObject *mode;
+    Handler *h = (Handler *)type->tp_alloc(type, 0);
+    if (h == NULL) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOOO!O!O!O!OOOO!O!O!O!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
+            &PyFrozenSet_Type, &h->off_hot_path, &PyFrozenSet_Type, &h->not_ops, &PyFrozenSet_Type,
+            &h->numpy_views, &PyDict_Type, &h->compiler_dict, &h->tensor_type,
+            &h->parameter_type, &h->function_type, &PyFrozenSet_Type, &h->plain_values, &PyFrozenSet_Type,
+            &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->no_kwargs, &h->protect,
+            &h->output_leaves, &h->record_output, &h->written_arguments, &h->shape_of, &PyDict_Type,
+            &h->verdicts, &h->locate, &h->dispatched_site, &h->call_impl, &h->call_impl_inner,
+            &h->grad_enabled, &h->any_autocast, &h->getters, &h->user, &h->skip, &h->dispatch, &h->stop, &h->boundary)) {
+        memset(&h->mode_ref, 0, sizeof(Handler) - offsetof(Handler, mode_ref));
+        Py_DECREF(h);
+        return NULL;
+    }
+#define HOLD(name) Py_XINCREF(h->name);
+    HANDLER_OBJECTS(HOLD)
+#undef HOLD
+    h->mode_ref = PyWeakref_NewRef(mode, NULL);
+    h->state_dict = PyObject_GenericGetDict(h->state, NULL);
+    if (h->mode_ref == NULL || h->state_dict == NULL) {
+        Py_DECREF(h);
+        return NULL;
+    }
+    if (h->getters != Py_None) {
+        int fits = PyTuple_CheckExact(h->getters) && PyTuple_GET_SIZE(h->getters) == N_GETTERS;
+        for (int i = 0; fits && i < N_GETTERS; i++) {
+            PyTypeObject *d = Py_TYPE(PyTuple_GET_ITEM(h->getters, i));
+            fits = d->tp_descr_get != NULL && d->tp_descr_set != NULL;  /* data descriptors only */
+        }
+        if (!fits) {
+            PyErr_SetString(PyExc_TypeError, "Handler: getters must be a tuple of the tensor attributes' data descriptors");
+            Py_DECREF(h);
+            return NULL;
+        }
+    }
+    if (!PyType_Check(h->tensor_type) || !PyType_Check(h->parameter_type) || !PyType_Check(h->function_type)) {
+        PyErr_SetString(PyExc_TypeError, "Handler: tensor_type, parameter_type and function_type must be types");
+        Py_DECREF(h);
+        return NULL;
+    }
+    h->vectorcall = handler_vectorcall;
+    return (PyObject *)h;
+}
+
+static PyObject *handler_self(Handler *h, void *closure) {
+    /* torch checks that the handler's __self__ is the mode it looked it up on. */
+    PyObject *mode = h->mode_ref ? PyWeakref_GetObject(h->mode_ref) : Py_None;
+    return Py_NewRef(mode);
+}
+
+static PyGetSetDef handler_getset[] = {
+    {"__self__", (getter)handler_self, NULL, "the capture mode this handler records for", NULL},
+    {NULL},
+};
+
+static PyMemberDef handler_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Handler, vectorcall), READONLY, NULL},
+    {"state", T_OBJECT, offsetof(Handler, state), READONLY, "the capture state it records into"},
+    {NULL},
+};
+
+static PyTypeObject HandlerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._capture.Handler",
+    .tp_doc = "CaptureMode.__torch_function__ for a plain capture, compiled.",
+    .tp_basicsize = sizeof(Handler),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = handler_new,
+    .tp_dealloc = (destructor)handler_dealloc,
+    .tp_traverse = (traverseproc)handler_traverse,
+    .tp_clear = (inquiry)handler_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Handler, vectorcall),
+    .tp_getset = handler_getset,
+    .tp_members = handler_members,
+};
+
+/* ----- the slot torch looks the handler up in ------------------------------------------------ */
+
+/* ``CaptureMode.__torch_function__``: a data descriptor answering, for a mode, its compiled handler
+ * (``mode.__dict__[key]``) when it has one, and otherwise, or while Dynamo compiles (it traces the
+ * handler of a mode on the stack, torch.cond's bodies for instance, and can trace only Python), the
+ * Python method bound to the mode.  Looked up on the class, it is the Python method itself. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *method;
+    PyObject *compiler_dict;
+    PyObject *key;
+} Slot;
+
+static PyObject *slot_get(PyObject *self, PyObject *obj, PyObject *type) {
+    Slot *slot = (Slot *)self;
+    if (obj == NULL || obj == Py_None) return Py_NewRef(slot->method);
+    PyObject *compiling = PyDict_GetItemWithError(slot->compiler_dict, s_is_compiling);
+    if (compiling == NULL && PyErr_Occurred()) return NULL;
+    int on = compiling != NULL ? PyObject_IsTrue(compiling) : 0;
+    if (on < 0) return NULL;
+    if (!on) {
+        PyObject **dictptr = _PyObject_GetDictPtr(obj);
+        PyObject *handler = dictptr != NULL && *dictptr != NULL ? PyDict_GetItemWithError(*dictptr, slot->key) : NULL;
+        if (handler != NULL) return Py_NewRef(handler);
+        if (PyErr_Occurred()) return NULL;
+    }
+    return PyMethod_New(slot->method, obj);
+}
+
+static int slot_set(PyObject *self, PyObject *obj, PyObject *value) {
+    PyErr_SetString(PyExc_AttributeError, "a capture mode's __torch_function__ is read-only");
+    return -1;
+}
+
+static int slot_traverse(Slot *slot, visitproc visit, void *arg) {
+    Py_VISIT(slot->method);
+    Py_VISIT(slot->compiler_dict);
+    Py_VISIT(slot->key);
+    return 0;
+}
+
+static int slot_clear(Slot *slot) {
+    Py_CLEAR(slot->method);
+    Py_CLEAR(slot->compiler_dict);
+    Py_CLEAR(slot->key);
+    return 0;
+}
+
+static void slot_dealloc(Slot *slot) {
+    PyObject_GC_UnTrack(slot);
+    slot_clear(slot);
+    Py_TYPE(slot)->tp_free((PyObject *)slot);
+}
+
+static PyObject *slot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"method", "compiler_dict", "key", NULL};
+    PyObject *method, *compiler_dict, *key;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!U:HandlerSlot", names, &method, &PyDict_Type, &compiler_dict, &key))
+        return NULL;
+    Slot *slot = (Slot *)type->tp_alloc(type, 0);
+    if (slot == NULL) return NULL;
+    slot->method = Py_NewRef(method);
+    slot->compiler_dict = Py_NewRef(compiler_dict);
+    slot->key = Py_NewRef(key);
+    return (PyObject *)slot;
+}
+
+static PyMemberDef slot_members[] = {
+    {"__func__", T_OBJECT, offsetof(Slot, method), READONLY, "the Python method"},
+    {NULL},
+};
+
+static PyTypeObject SlotType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._capture.HandlerSlot",
+    .tp_doc = "CaptureMode.__torch_function__: the compiled handler of a mode that has one, else the method.",
+    .tp_basicsize = sizeof(Slot),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = slot_new,
+    .tp_dealloc = (destructor)slot_dealloc,
+    .tp_traverse = (traverseproc)slot_traverse,
+    .tp_clear = (inquiry)slot_clear,
+    .tp_descr_get = slot_get,
+    .tp_descr_set = slot_set,
+    .tp_members = slot_members,
+};
+
+/* ----- module calls: ModuleCallTracker's record_call ------------------------------------------ */
+
+/* ``record_call`` (capture/modules.py) for the common module call: made on the tracing thread, from a
+ * user frame or by a torch module's forward (nn.Sequential's) inside a recorded call, with no profiler
+ * markers or progress bar.  Every other call is handed whole to the Python ``record_call``.  Put in
+ * place as ``nn.Module._call_impl``, it binds to the module like a function. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *dict;           /* attributes (capture/call_impl.py marks every replacement) */
+    PyObject *impl;           /* the _call_impl it runs the call with */
+    PyObject *fallback;       /* the Python record_call */
+    PyObject *state;
+    PyObject *skip;           /* set of ids of modules whose calls are not module calls */
+    PyObject *stack, *calls, *call_frames, *producers;
+    PyObject *verdicts;
+    PyObject *bound_all;      /* value -> tuple of the bound producers of the tensors in it */
+    PyObject *outside;        /* [frame, its answer]: torch code calling modules outside any recorded call */
+    PyObject *call_frame;     /* (frame, parent) -> the user frame, by the Python walk */
+    PyObject *dispatcher_code, *wrapped_call, *call_impl, *inner;
+    PyObject *tensor_type, *parameter_type;
+    unsigned long owner;
+    long user, skip_verdict;
+} Recorder;
+
+#define RECORDER_OBJECTS(X) \
+    X(dict) X(impl) X(fallback) X(state) X(skip) X(stack) X(calls) X(call_frames) X(producers) X(verdicts) \
+    X(bound_all) X(outside) X(call_frame) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type)
+
+static PyObject *s_raised_in;
+
+/* The record index a tensor was last bound to, or -1 (``bound`` in capture/modules.py).  New reference. */
+static PyObject *bound_index(Recorder *r, PyObject *t) {
+    PyObject *key = PyLong_FromVoidPtr(t);
+    if (key == NULL) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(r->producers, key);
+    Py_DECREF(key);
+    if (entry == NULL && PyErr_Occurred()) return NULL;
+    if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3) {
+        PyObject *ref = PyTuple_GET_ITEM(entry, 0);
+        if (ref == t || (PyWeakref_CheckRef(ref) && PyWeakref_GetObject(ref) == t))
+            return Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* The bound producers of the tensors in ``value``: one plain tensor inline, anything else by the walker. */
+static PyObject *bound_of(Recorder *r, PyObject *value) {
+    PyTypeObject *type = Py_TYPE(value);
+    if (type == (PyTypeObject *)r->tensor_type || type == (PyTypeObject *)r->parameter_type) {
+        PyObject *index = bound_index(r, value);
+        if (index == NULL) return NULL;
+        PyObject *one = PyTuple_Pack(1, index);
+        Py_DECREF(index);
+        return one;
+    }
+    return PyObject_CallOneArg(r->bound_all, value);
+}
+
+static long frame_verdict(Recorder *r, PyObject *code) {
+    PyObject *key = PyLong_FromVoidPtr(code);
+    if (key == NULL) return -2;
+    PyObject *v = PyDict_GetItemWithError(r->verdicts, key);
+    Py_DECREF(key);
+    if (v == NULL) return PyErr_Occurred() ? -2 : -1;
+    long verdict = PyLong_AsLong(v);
+    return verdict == -1 && PyErr_Occurred() ? -2 : verdict;
+}
+
+/* The (code, offset) of the user frame making the call, when the common cases decide it: 1 with
+ * ``*frame`` set (new reference), 0 for the Python record_call, -1 on error. */
+static int call_site(Recorder *r, PyObject *parent, long parent_index, PyObject **frame) {
+    PyFrameObject *wrapped = PyEval_GetFrame();  /* borrowed: record_call's caller */
+    if (wrapped == NULL) return 0;
+    PyObject *code = (PyObject *)PyFrame_GetCode(wrapped);
+    int is_wrapped = code == r->wrapped_call;
+    Py_DECREF(code);
+    if (!is_wrapped) return 0;  /* the dispatcher, a class's own _call_impl, or a direct call */
+    PyFrameObject *caller = PyFrame_GetBack(wrapped);
+    if (caller == NULL) return 0;
+    int result = 0;
+    code = (PyObject *)PyFrame_GetCode(caller);
+    long verdict = frame_verdict(r, code);
+    if (verdict == -2) {
+        result = -1;
+    } else if (verdict == r->user) {
+        PyObject *line = PyLong_FromLong(PyFrame_GetLasti(caller));
+        *frame = line ? PyTuple_Pack(2, code, line) : NULL;
+        Py_XDECREF(line);
+        result = *frame ? 1 : -1;
+    } else if (verdict == r->skip_verdict) {
+        PyFrameObject *back = PyFrame_GetBack(caller);
+        if (back != NULL) {
+            PyObject *outer = (PyObject *)PyFrame_GetCode(back);
+            if ((outer == r->call_impl || outer == r->inner) && parent_index >= 0) {
+                /* Torch code run as a forward by _call_impl (nn.Sequential's): the parent call's site. */
+                *frame = PyObject_GetItem(r->call_frames, parent);
+                result = *frame ? 1 : -1;
+            } else if (outer == r->call_impl || outer == r->inner) {
+                /* ... outside any recorded call (the root nn.Sequential's): walked once per such frame. */
+                if (PyList_GET_ITEM(r->outside, 0) == (PyObject *)caller) {
+                    *frame = Py_NewRef(PyList_GET_ITEM(r->outside, 1));
+                } else {
+                    PyObject *argv[] = {(PyObject *)caller, parent};
+                    *frame = PyObject_Vectorcall(r->call_frame, argv, 2, NULL);
+                    if (*frame != NULL && (PyList_SetItem(r->outside, 0, Py_NewRef((PyObject *)caller)) < 0
+                                           || PyList_SetItem(r->outside, 1, Py_NewRef(*frame)) < 0))
+                        Py_CLEAR(*frame);
+                }
+                result = *frame ? 1 : -1;
+            }
+            Py_DECREF(outer);
+            Py_DECREF(back);
+        }
+    }
+    Py_DECREF(code);
+    Py_DECREF(caller);
+    return result;
+}
+
+static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
+    Recorder *r = (Recorder *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1 || PyThread_get_thread_ident() != r->owner)
+        return PyObject_Vectorcall(nargs < 1 ? r->fallback : r->impl, argv, nargsf, kwnames);
+    PyObject *module = argv[0];
+    PyObject *key = PyLong_FromVoidPtr(module);
+    if (key == NULL) return NULL;
+    int skipped = PySet_Contains(r->skip, key);
+    Py_DECREF(key);
+    if (skipped < 0) return NULL;
+    if (skipped) return PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
+    Py_ssize_t depth = PyList_GET_SIZE(r->stack);
+    PyObject *parent = depth ? Py_NewRef(PyList_GET_ITEM(r->stack, depth - 1)) : PyLong_FromLong(-1);
+    if (parent == NULL) return NULL;
+    long parent_index = PyLong_AsLong(parent);
+    if (parent_index == -1 && PyErr_Occurred()) {
+        Py_DECREF(parent);
+        return NULL;
+    }
+    PyObject *frame = NULL;
+    int decided = call_site(r, parent, parent_index, &frame);
+    if (decided <= 0) {
+        Py_DECREF(parent);
+        return decided < 0 ? NULL : PyObject_Vectorcall(r->fallback, argv, nargsf, kwnames);
+    }
+    PyObject *result = NULL, *call = NULL, *index = NULL, *t0 = NULL, *inputs = NULL;
+    /* ``args`` as record_call sees them: the positional arguments after the module. */
+    if (nargs == 2) {
+        inputs = bound_of(r, argv[1]);
+    } else {
+        PyObject *positional = PyTuple_New(nargs - 1);
+        if (positional != NULL) {
+            for (Py_ssize_t i = 1; i < nargs; i++) PyTuple_SET_ITEM(positional, i - 1, Py_NewRef(argv[i]));
+            inputs = PyObject_CallOneArg(r->bound_all, positional);
+            Py_DECREF(positional);
+        }
+    }
+    if (inputs == NULL) goto done;
+    index = PyLong_FromSsize_t(PyList_GET_SIZE(r->calls));
+    t0 = index ? now_ns() : NULL;
+    call = t0 ? PyList_New(6) : NULL;
+    if (call == NULL) goto done;
+    PyObject *fields[6] = {module, parent, t0, Py_None, inputs, empty_tuple};
+    for (int i = 0; i < 6; i++) PyList_SET_ITEM(call, i, Py_NewRef(fields[i]));
+    if (PyList_Append(r->call_frames, frame) < 0) goto done;
+    if (PyList_Append(r->calls, call) < 0 || PyList_Append(r->stack, index) < 0) goto done;
+    PyObject *output = PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
+    if (output == NULL) {
+        /* The innermost call an exception left: ``st.raised_in = (exception, index)``. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyObject *raised_in = PyObject_GetAttr(r->state, s_raised_in);
+        int fresh = raised_in != NULL && (raised_in == Py_None || !PyTuple_Check(raised_in)
+                                         || PyTuple_GET_SIZE(raised_in) < 1 || PyTuple_GET_ITEM(raised_in, 0) != value);
+        Py_XDECREF(raised_in);
+        PyObject *pair = fresh ? PyTuple_Pack(2, value, index) : NULL;
+        int noted = raised_in != NULL && (!fresh || (pair != NULL && PyObject_SetAttr(r->state, s_raised_in, pair) == 0));
+        Py_XDECREF(pair);
+        if (noted) {
+            PyErr_Restore(type, value, tb);
+        } else {  /* failed noting it: that error, with the call's as its context */
+            PyObject *type2, *value2, *tb2;
+            PyErr_Fetch(&type2, &value2, &tb2);
+            PyErr_NormalizeException(&type2, &value2, &tb2);
+            PyException_SetContext(value2, value);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            PyErr_Restore(type2, value2, tb2);
+        }
+    }
+    /* ``finally``: the end time and the pop, whatever happened. */
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *t1 = now_ns();
+        int failed = t1 == NULL || PyList_SetItem(call, 3, t1) < 0;  /* steals t1 */
+        Py_ssize_t n = PyList_GET_SIZE(r->stack);
+        failed = failed || n == 0 || PyList_SetSlice(r->stack, n - 1, n, NULL) < 0;
+        if (failed && output != NULL) {
+            Py_CLEAR(output);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchlens: the module call stack is empty");
+            goto done;
+        }
+        PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    if (output == NULL) goto done;
+    if (output != Py_None) {
+        PyObject *outputs = bound_of(r, output);
+        if (outputs == NULL || PyList_SetItem(call, 5, outputs) < 0) {
+            Py_DECREF(output);
+            goto done;
+        }
+    }
+    result = output;
+done:
+    Py_DECREF(parent);
+    Py_DECREF(frame);
+    Py_XDECREF(inputs);
+    Py_XDECREF(index);
+    Py_XDECREF(t0);
+    Py_XDECREF(call);
+    return result;
+}
+
+static int recorder_traverse(Recorder *r, visitproc visit, void *arg) {
+#define VISIT(name) Py_VISIT(r->name);
+    RECORDER_OBJECTS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int recorder_clear(Recorder *r) {
+#define CLEAR(name) Py_CLEAR(r->name);
+    RECORDER_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void recorder_dealloc(Recorder *r) {
+    PyObject_GC_UnTrack(r);
+    recorder_clear(r);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"impl", "fallback", "state", "owner", "skip", "stack", "calls", "call_frames",
+                            "producers", "verdicts", "bound_all", "outside", "call_frame", "dispatcher_code", "wrapped_call", "call_impl",
+                            "inner", "tensor_type", "parameter_type", "user", "skip_verdict", NULL};
+    Recorder *r = (Recorder *)type->tp_alloc(type, 0);
+    if (r == NULL) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
+            &r->owner, &PySet_Type, &r->skip, &PyList_Type, &r->stack, &PyList_Type, &r->calls, &PyList_Type,
+            &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all, &PyList_Type, &r->outside, &r->call_frame,
+            &r->dispatcher_code, &r->wrapped_call, &r->call_impl, &r->inner, &PyType_Type, &r->tensor_type,
+            &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict)) {
+        memset(&r->dict, 0, offsetof(Recorder, owner) - offsetof(Recorder, dict));
+        Py_DECREF(r);
+        return NULL;
+    }
+#define HOLD(name) Py_XINCREF(r->name);
+    RECORDER_OBJECTS(HOLD)
+#undef HOLD
+    if (PyList_GET_SIZE(r->outside) != 2) {
+        PyErr_SetString(PyExc_ValueError, "ModuleRecorder: outside must be a [frame, answer] list");
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->vectorcall = recorder_vectorcall;
+    return (PyObject *)r;
+}
+
+static PyObject *recorder_get(PyObject *self, PyObject *obj, PyObject *type) {
+    /* Looked up on a module, it binds to it, as the function it replaces would. */
+    if (obj == NULL || obj == Py_None) return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static PyTypeObject RecorderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchlens_accel._capture.ModuleRecorder",
+    .tp_doc = "ModuleCallTracker's record_call for the common module call, compiled.",
+    .tp_basicsize = sizeof(Recorder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = recorder_new,
+    .tp_dealloc = (destructor)recorder_dealloc,
+    .tp_traverse = (traverseproc)recorder_traverse,
+    .tp_clear = (inquiry)recorder_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Recorder, vectorcall),
+    .tp_descr_get = recorder_get,
+    .tp_dictoffset = offsetof(Recorder, dict),
+};
 
 static struct PyModuleDef capture_module = {
     PyModuleDef_HEAD_INIT, "_capture", "torchlens's capture hot path, compiled.", -1, NULL,
 };
 
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
+
 PyMODINIT_FUNC PyInit__capture(void) {
+    INTERN(s_version, "_version") INTERN(s_shape, "shape") INTERN(s_dtype, "dtype") INTERN(s_device, "device")
+    INTERN(s_requires_grad, "requires_grad") INTERN(s_grad_fn, "grad_fn") INTERN(s_detach, "detach")
+    INTERN(s_producers, "producers") INTERN(s_calls, "calls") INTERN(s_records, "records")
+    INTERN(s_saved, "saved") INTERN(s_saved_versions, "saved_versions") INTERN(s_module_stack, "module_stack")
+    INTERN(s_call_frames, "call_frames") INTERN(s_save_mode, "save_mode") INTERN(s_grad_enabled, "grad_enabled")
+    INTERN(s_any_autocast, "any_autocast") INTERN(s_grads, "grads") INTERN(s_producer_of, "producer_of")
+    INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
+    INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
+    INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
+    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite")
+    if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
+    getter_names[G_VERSION] = s_version;
+    getter_names[G_SHAPE] = s_shape;
+    getter_names[G_DTYPE] = s_dtype;
+    getter_names[G_DEVICE] = s_device;
+    getter_names[G_REQUIRES_GRAD] = s_requires_grad;
+    getter_names[G_GRAD_FN] = s_grad_fn;
+    if (PyType_Ready(&HandlerType) < 0 || PyType_Ready(&RecorderType) < 0 || PyType_Ready(&SlotType) < 0)
+        return NULL;
+    INTERN(s_raised_in, "raised_in")
     PyObject *m = PyModule_Create(&capture_module);
     if (m == NULL) return NULL;
-    if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0
+            || PyModule_AddObjectRef(m, "Handler", (PyObject *)&HandlerType) < 0
+            || PyModule_AddObjectRef(m, "ModuleRecorder", (PyObject *)&RecorderType) < 0
+            || PyModule_AddObjectRef(m, "HandlerSlot", (PyObject *)&SlotType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 
-ABI = 1  # the record layout the compiled modules must be built for (their ``ABI``)
+ABI = 2  # the record layout the compiled modules must be built for (their ``ABI``)
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}
@@ -38,6 +38,11 @@ def _load(name: str):
 def compiled(name: str):
     """The compiled module ``name`` when the accelerator is in use, else None (use the Python path)."""
     return _load(name) if _enabled else None
+
+
+def module(name: str):
+    """The compiled module ``name`` when installed and built for this layout, in use or not, else None."""
+    return _load(name)
 
 
 def available() -> bool:

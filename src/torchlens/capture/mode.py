@@ -28,12 +28,15 @@ except ImportError:  # pragma: no cover - older torch
 
 from ..record.layouts import shape_of
 from ..tree import split
+from . import accel
 from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
 from .source import CALL_IMPL as _CALL_IMPL
 from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
 from .source import DISPATCH as _DISPATCH_FRAME
+from .source import BOUNDARY as _BOUNDARY_FRAME
 from .source import SKIP as _SKIP_FRAME
+from .source import STOP as _STOP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
 from .source import FrameClassifier
@@ -89,6 +92,8 @@ _PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellips
                            torch.layout, torch.memory_format, _Size])
 # The hot path's inline scan: the second argument types it handles, and the skeletons it shares.
 _PLAIN_SECOND = frozenset([Tensor, int, float, bool])
+# The exact types a flat tuple argument may hold and be recorded as it is (``tree.split``'s plain values).
+_TUPLE_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device])
 _BLANK_ONE, _BLANK_TWO = (None,), (None, None)
 
 
@@ -123,6 +128,10 @@ class CaptureMode(TorchFunctionMode):
         # The features set on the state before the mode is made; with all off, every op takes the hot path.
         self.plain = not deep and state.markers is None and state.intervention is None \
             and state.finite_flags is None and state.plain_save
+        compiled = accel.compiled("_capture") if self.plain else None
+        if compiled is not None:
+            # The compiled hot path records the same; torch finds it through the class's slot (below).
+            setattr(self, _HANDLER_KEY, _compiled_handler(compiled, self))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _OFF_HOT_PATH:
@@ -336,6 +345,57 @@ class CaptureMode(TorchFunctionMode):
                 return redispatch_function(func, types, args, kwargs)
         finally:
             self._entered.pop()
+
+
+# The compiled accelerator, when installed: each plain mode holds its compiled handler under this key, and
+# the class's ``__torch_function__`` becomes a slot (a data descriptor) that answers a mode's lookup with
+# that handler, and with the Python method for a mode without one, or while Dynamo compiles (it traces a
+# mode's handler and can trace only Python: torch.cond's bodies, flex_attention).
+_HANDLER_KEY = "_compiled_torch_function"
+_ACCEL = accel.module("_capture")
+if _ACCEL is not None:
+    CaptureMode.__torch_function__ = _ACCEL.HandlerSlot(
+        method=CaptureMode.__dict__["__torch_function__"], compiler_dict=vars(_compiler), key=_HANDLER_KEY)
+
+
+def _compiled_handler(compiled, mode):
+    """The compiled ``__torch_function__`` of a plain capture (accel/src/torchlens_accel/_capture.c),
+    handed every object it needs: the C imports nothing.  It holds the mode weakly (the mode holds it),
+    and hands calls it does not cover to ``CaptureMode.__torch_function__`` whole."""
+    return compiled.Handler(
+        mode=mode, method=CaptureMode.__torch_function__, state=mode.state, off_hot_path=_OFF_HOT_PATH,
+        not_ops=_NOT_OPS, numpy_views=_NUMPY_VIEWS,
+        compiler_dict=vars(_compiler), tensor_type=Tensor, parameter_type=Parameter, function_type=FunctionType,
+        plain_values=_PLAIN_VALUES, tuple_values=_TUPLE_VALUES, inplace_cache=_inplace_cache,
+        no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
+        record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
+        verdicts=_verdicts, locate=mode.frames.locate, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
+        call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_any_autocast,
+        getters=_GETTER_DESCRIPTORS, user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME, stop=_STOP_FRAME,
+        boundary=_BOUNDARY_FRAME)
+
+
+_GETTERS = ("_version", "shape", "dtype", "device", "requires_grad", "grad_fn")  # the C's GETTER order
+
+
+def _resolved(cls, name: str):
+    """What ``cls``'s instances find first for attribute ``name`` in the class hierarchy."""
+    for owner in cls.__mro__:
+        if name in owner.__dict__:
+            return owner.__dict__[name]
+    return None
+
+
+def _tensor_getters():
+    """The data descriptors that exact tensors and Parameters resolve the attributes the hot path reads to
+    (the compiled handler calls them directly), or None where a torch build resolves them otherwise."""
+    getters = tuple(_resolved(Tensor, name) for name in _GETTERS)
+    same = all(_resolved(Parameter, name) is g for name, g in zip(_GETTERS, getters))
+    data = all(hasattr(type(g), "__get__") and hasattr(type(g), "__set__") for g in getters)
+    return getters if same and data else None
+
+
+_GETTER_DESCRIPTORS = _tensor_getters()
 
 
 def _called_by_module_call(frame) -> bool:

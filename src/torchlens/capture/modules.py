@@ -24,6 +24,7 @@ import torch
 
 from ..errors import warn_user
 from ..tree import tensor_leaves
+from . import accel
 from .call_impl import DISPATCHER_CODE, Replacement, held_by, owners_overriding, unsupported_overrides
 from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
@@ -172,7 +173,18 @@ class ModuleCallTracker:
                     call[5] = tuple(bound(t) for t in _tensors_in(output))
                 return output
 
-            return record_call
+            compiled = None if extras else accel.compiled("_capture")
+            if compiled is None:
+                return record_call
+            # The compiled record_call (accel/src/torchlens_accel/_capture.c) records the common call the
+            # same way, and hands every other call to this one whole.
+            return compiled.ModuleRecorder(
+                impl=impl, fallback=record_call, state=st, owner=owner, skip=skip, stack=stack, calls=calls,
+                call_frames=call_frames, producers=producers, verdicts=verdicts,
+                bound_all=lambda value: tuple(bound(t) for t in _tensors_in(value)), outside=outside,
+                call_frame=call_frame, dispatcher_code=DISPATCHER_CODE,
+                wrapped_call=_WRAPPED_CALL, call_impl=_CALL_IMPL, inner=_INNER, tensor_type=torch.Tensor,
+                parameter_type=torch.nn.Parameter, user=_USER, skip_verdict=_SKIP)
 
         return recorder_for
 

@@ -34,6 +34,7 @@ VERDICTS, USER = _VERDICTS, _USER  # for the capture handler's inlined check of 
 # inlined check of an op called straight from a torch module's forward (``FrameClassifier.locate``'s
 # walk for that case, two frames long).
 SKIP, DISPATCH, CALL_IMPL = _SKIP, _DISPATCH, _CALL_IMPL
+STOP, BOUNDARY = _STOP, _BOUNDARY  # and the rest of the walk, for the compiled handler's copy of it
 CALL_IMPL_INNER = next((c for c in _CALL_IMPL.co_consts if getattr(c, "co_name", None) == "inner"), None)
 
 

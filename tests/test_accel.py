@@ -1,0 +1,430 @@
+"""The compiled capture hot path (torchlens-accel) records exactly what the pure-Python path records.
+
+Each model is traced twice, with the compiled handler (``accel.use(True)``) and without it, and the whole
+record is compared: the raw capture state (every field of every call but its two clock readings, every
+tensor record, the producers' bindings, what was saved and at which version, module calls, writes,
+failures) and the finished trace (every column of ``trace.ops`` but durations, activations bit for bit).
+The tests skip when the accelerator is not built, and fail instead when ``TORCHLENS_REQUIRE_ACCEL=1``
+(the Makefile's first pass sets it, so a broken build cannot pass as skipped).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchlens as tl
+import torchlens.capture.mode as mode_module
+from torchlens.capture import accel
+from torchlens.record.columns import MODULE_CALL_T0_NS, MODULE_CALL_T1_NS
+
+import real_models
+from zoo import zoo
+
+if not accel.available():
+    if os.environ.get("TORCHLENS_REQUIRE_ACCEL") == "1":
+        raise RuntimeError("TORCHLENS_REQUIRE_ACCEL=1 but torchlens_accel is not importable or is built for "
+                           "another record layout: build it (pip install ./accel)")
+    pytestmark = pytest.mark.skip(reason="torchlens-accel is not built (pip install ./accel); "
+                                         "the pure-Python path is tested everywhere else")
+
+
+@pytest.fixture
+def states(monkeypatch):
+    """The capture states of the traces run in a test, in order, and how each mode handled calls."""
+    kept = []
+    real_init = mode_module.CaptureMode.__init__
+
+    def init(self, state, *args, **kwargs):
+        real_init(self, state, *args, **kwargs)
+        kept.append((state, type(self.__dict__.get(mode_module._HANDLER_KEY)).__name__))
+
+    monkeypatch.setattr(mode_module.CaptureMode, "__init__", init)
+    return kept
+
+
+def _compiled(enabled: bool):
+    class Using:
+        def __enter__(self):
+            self.previous = accel.use(enabled)
+
+        def __exit__(self, *exc):
+            accel.use(self.previous)
+    return Using()
+
+
+def _same(a, b, where="") -> None:
+    """Equal in type and value at every depth; tensors bit for bit."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b), f"{where}: {len(a)} != {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b)), f"{where}: tensors differ"
+    elif isinstance(a, nn.Module):  # each run builds its own model
+        assert repr(a) == repr(b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _bits(t):
+    """A tensor's bytes (NaNs and signed zeros compared exactly)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8) if t.is_floating_point() else t
+
+
+def _untimed(module_call):
+    return [v for i, v in enumerate(module_call) if i not in (MODULE_CALL_T0_NS, MODULE_CALL_T1_NS)]
+
+
+def _bindings(state):
+    """``(bound strongly, record, version)`` of the producers' entries about live tensors (an entry about
+    a dead tensor may have been replaced by one whose tensor reuses its id, as memory reuse decides)."""
+    live = []
+    for ref, index, version in state.producers.values():
+        if type(ref) is not weakref.ref or ref() is not None:
+            live.append((type(ref) is not weakref.ref, index, version))
+    return sorted(live)
+
+
+def _same_state(a, b) -> None:
+    assert len(a.calls) == len(b.calls), "number of calls"
+    for i, (x, y) in enumerate(zip(a.calls, b.calls)):
+        assert len(x) == len(y) == 14
+        _same(x[:8] + x[10:], y[:8] + y[10:], f"call {i}")
+        assert x[9] >= x[8] and y[9] >= y[8]
+    _same(a.records, b.records, "records")
+    _same(_bindings(a), _bindings(b), "producers")
+    assert list(a.saved) == list(b.saved), "saved records"
+    for i in a.saved:
+        x, y = a.saved[i], b.saved[i]
+        assert x.dtype == y.dtype and x.shape == y.shape and x.requires_grad == y.requires_grad, i
+        assert torch.equal(_bits(x), _bits(y)), f"saved {i}"
+    _same(a.saved_versions, b.saved_versions, "saved versions")
+    _same([_untimed(m) for m in a.module_calls], [_untimed(m) for m in b.module_calls], "module calls")
+    _same(a.call_frames, b.call_frames, "call frames")
+    _same(sorted(a.writers.values()), sorted(b.writers.values()), "writers")
+    _same(sorted(a.alias_reads), sorted(b.alias_reads), "alias reads")
+    _same(a.contexts, b.contexts, "contexts")
+    _same(a.clobbered, b.clobbered, "clobbered")
+    assert (a.unattributed, a.versionless, a.keyed_to) == (b.unattributed, b.versionless, b.keyed_to)
+    assert sorted(a.param_writes) == sorted(b.param_writes)
+    if a.raised_in is None:
+        assert b.raised_in is None
+    else:
+        assert (type(a.raised_in[0]), str(a.raised_in[0]), a.raised_in[1]) == \
+            (type(b.raised_in[0]), str(b.raised_in[0]), b.raised_in[1])
+    if a.failure is None:
+        assert b.failure is None
+    else:
+        (fa, ma, ea), (fb, mb, eb) = a.failure, b.failure
+        assert (fa, ma, type(ea), str(ea)) == (fb, mb, type(eb), str(eb))
+
+
+def _same_trace(a, b) -> None:
+    x, y = a.to_pandas().drop(columns=["duration"]), b.to_pandas().drop(columns=["duration"])
+    assert list(x.columns) == list(y.columns)
+    for column in x.columns:
+        assert repr(x[column].tolist()) == repr(y[column].tolist()), column  # NaN equal to NaN
+    assert a.labels == b.labels and a.op_parents == b.op_parents
+    assert [(str(op.source), op.modules) for op in a.ops] == [(str(op.source), op.modules) for op in b.ops]
+    for p, q in zip(a.ops, b.ops):
+        assert (p.activation is None) == (q.activation is None), p.label
+        if p.activation is not None:
+            assert p.activation.dtype == q.activation.dtype
+            assert torch.equal(_bits(p.activation), _bits(q.activation)), p.label
+
+
+def _both_ways(states, run, seed=0):
+    """``run()`` traced with the compiled handler, on the pure-Python path, and with the compiled handler
+    again, from the same RNG state: the first run may meet frames no trace has classified yet (the
+    compiled handler hands those to the Python walk), the last meets only classified ones."""
+    traces = []
+    for enabled in (True, False, True):
+        torch.manual_seed(seed)
+        with _compiled(enabled):
+            traces.append(run())
+    (cold_state, cold_kind), (pure_state, pure_kind), (compiled_state, compiled_kind) = states[-3:]
+    assert pure_kind == "NoneType" and cold_kind == compiled_kind
+    _same_state(cold_state, pure_state)
+    _same_state(compiled_state, pure_state)
+    if isinstance(traces[0], tl.Trace):
+        _same_trace(traces[0], traces[1])
+        _same_trace(traces[2], traces[1])
+    return traces[1:], compiled_kind
+
+
+@pytest.mark.parametrize("name", sorted(zoo()))
+def test_zoo_models_record_the_same(states, name):
+    def run():  # a model of its own per run: a run in train mode moves its running statistics
+        model, args, kwargs = zoo()[name]
+        return tl.trace(model, args, kwargs)
+    _, kind = _both_ways(states, run)
+    assert kind == "Handler"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_transformers_record_the_same(states, name, train):
+    def run():  # built from the same seed per run
+        model, args, kwargs = getattr(real_models, name)()
+        return tl.trace(model.train(train), args, kwargs)
+    _, kind = _both_ways(states, run)
+    assert kind == "Handler"
+
+
+def test_most_calls_of_a_transformer_stay_in_c(states):
+    """The commonest shapes of call (linear, layer_norm, views, elementwise with Parameters and plain
+    values, property reads) never reach the Python method: only the rest does."""
+    model, args, kwargs = real_models.gpt2()
+    model.eval()
+    method = mode_module.CaptureMode.__torch_function__.__code__
+    handed = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is method:
+            handed.append(frame.f_locals.get("func"))
+
+    with _compiled(True):
+        tl.trace(model, args, kwargs)  # classifies every frame
+        sys.setprofile(profile)
+        try:
+            trace = tl.trace(model, args, kwargs)
+        finally:
+            sys.setprofile(None)
+    assert states[-1][1] == "Handler"
+    recorded = len(states[-1][0].calls)
+    assert len(handed) < recorded / 8, (len(handed), recorded, handed)
+    assert len(trace.ops) > 50
+
+
+class _Writes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        v = h.view(-1)
+        v.add_(1.0)  # copy-on-write through a view of a saved output
+        h.mul_(2.0)  # predicted by name
+        y = F.relu(h, inplace=True)  # predicted by keyword
+        z = torch.zeros_like(y)
+        torch.add(y, 1.0, out=z)  # a write through out=
+        w = self.norm(z)
+        w[0] = 0.0  # __setitem__
+        a, b = w.chunk(2, dim=-1)  # several outputs
+        return torch.cat([a, b], dim=-1) + self.fc.bias  # a list argument, a Parameter second
+
+
+@pytest.mark.parametrize("save", ["all", "none", ["linear_1_1:1", "norm:1"]], ids=["all", "none", "some"])
+def test_writes_and_copy_on_write_record_the_same(states, save):
+    torch.manual_seed(0)
+    model, x = _Writes().eval(), torch.randn(3, 6)
+    with torch.no_grad():  # out= refuses arguments that require grad
+        (pure, compiled), _ = _both_ways(states, lambda: tl.trace(model, x, save=save))
+    assert torch.equal(compiled.output, pure.output)
+    with torch.no_grad():
+        assert torch.equal(compiled.output, model(x))
+    if save == "all":
+        # The saved output of the linear layer is the value before the writes that followed.
+        assert torch.equal(compiled["linear_1_1:1"].activation, model.fc(x).detach())
+
+
+def test_inference_tensors_record_the_same(states):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def run():
+        with torch.inference_mode():
+            x = torch.randn(2, 4)
+            return tl.trace(lambda t: model(t).add_(1.0), x, root=model)
+    (pure, compiled), _ = _both_ways(states, run)
+    assert compiled.caveats == pure.caveats and compiled.caveats
+
+
+def test_grads_record_the_same(states):
+    def run():  # its own model and input per run: gradients accumulate
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        trace = tl.trace(model, torch.randn(3, 4, requires_grad=True), grads=True)
+        trace.backward(trace.output.sum())
+        return trace
+    (pure, compiled), kind = _both_ways(states, run)
+    assert kind == "Handler"  # the compiled handler watches gradients as the Python method does
+    for p, q in zip(compiled.ops, pure.ops):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad)
+
+
+def test_grad_mode_change_inside_the_forward_records_the_same(states):
+    model = nn.Linear(4, 4)
+
+    def forward(x):
+        h = model(x)
+        with torch.no_grad():
+            g = h * 2.0
+        return h + g
+
+    x = torch.randn(2, 4, requires_grad=True)
+    (pure, compiled), kind = _both_ways(states, lambda: tl.trace(forward, x, root=model))
+    assert kind == "Handler" and states[-1][0].contexts
+
+
+class _Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) @ torch.ones(3, 3)  # a shape mismatch
+
+
+def test_a_raising_op_records_the_same_failure(states):
+    model, x = _Raises(), torch.randn(2, 4)
+    errors = []
+    for enabled in (True, False):
+        with _compiled(enabled), pytest.raises(RuntimeError) as info:
+            tl.trace(model, x)
+        errors.append(info.value)
+    assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1])
+    _same_state(states[-2][0], states[-1][0])
+    assert states[-2][0].failure is not None and states[-2][1] == "Handler"
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def _interrupted(x):
+    """A torch function of our own (dispatched like torch's) that is interrupted while it runs."""
+    if torch._C._len_torch_function_stack() > 0:
+        return torch.overrides.handle_torch_function(_interrupted, (x,), x)
+    raise KeyboardInterrupt
+
+
+def test_keyboard_interrupt_propagates_unchanged(states):
+    def forward(x):
+        return _interrupted(torch.sigmoid(x))
+
+    x = torch.randn(2)
+    for enabled in (True, False):
+        with _compiled(enabled), pytest.raises(KeyboardInterrupt):
+            tl.trace(forward, x)
+    _same_state(states[-2][0], states[-1][0])
+    assert states[-2][1] == "Handler" and type(states[-2][0].failure[2]) is KeyboardInterrupt
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_clock_is_perf_counter_ns(states):
+    model, x = nn.Linear(3, 3), torch.randn(2, 3)
+    before = time.perf_counter_ns()
+    with _compiled(True):
+        tl.trace(model, x)
+    after = time.perf_counter_ns()
+    state, kind = states[-1]
+    assert kind == "Handler"
+    for call in state.calls:
+        assert before <= call[8] <= call[9] <= after
+
+
+def test_handler_belongs_to_its_mode_and_holds_it_weakly():
+    from torchlens.capture.source import FrameClassifier
+    from torchlens.capture.state import CaptureState
+
+    with _compiled(True):
+        mode = mode_module.CaptureMode(CaptureState(save_mode=1), FrameClassifier())
+    handler = mode.__dict__[mode_module._HANDLER_KEY]
+    assert type(handler).__name__ == "Handler" and handler.__self__ is mode
+    assert mode.__torch_function__ is handler  # what torch looks up
+    dead = weakref.ref(mode)
+    del mode, handler
+    assert dead() is None  # no cycle: freed without the garbage collector
+    with _compiled(True):
+        deep = mode_module.CaptureMode(CaptureState(save_mode=1), FrameClassifier(), deep=True)
+    assert mode_module._HANDLER_KEY not in deep.__dict__  # every feature path stays in Python
+    assert deep.__torch_function__.__func__ is mode_module.CaptureMode.__torch_function__
+
+
+def test_every_tensor_is_freed_when_the_trace_is_dropped():
+    model, args, kwargs = real_models.gpt2()
+    model.eval()
+    made = []
+    with _compiled(True):
+        trace = tl.trace(model, args, kwargs)
+        made = [weakref.ref(op.activation) for op in trace.ops if op.activation is not None]
+    assert made
+    del trace
+    gc.collect()  # a Trace refers to itself (its lazy records): freed by a collection on either path
+    alive = [r for r in made if r() is not None]
+    # Inputs are the caller's; everything the model made must be gone.
+    made_ids = {id(t) for t in (*args, *kwargs.values())}
+    assert all(id(r()) in made_ids for r in alive), f"{len(alive)} tensors outlived their trace"
+
+
+def test_refcounts_of_functions_and_arguments_are_unchanged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    x = torch.randn(2, 4)
+    shape, size = (4,), 3
+
+    def forward(t):
+        h = model(t)
+        return F.layer_norm(h.view(2, 4) * 2.0, shape, eps=1e-5).transpose(0, 1).reshape(size + 1, 2)
+
+    objects = [F.linear, F.layer_norm, torch.Tensor.view, model, model[0], model[1], model[0].weight,
+               model[1].weight, x, shape, size]
+    with _compiled(True):
+        tl.trace(forward, x, root=model)  # warm caches (verdicts, in-place verdicts, line tables)
+        gc.collect()
+        before = [sys.getrefcount(o) for o in objects]
+        for _ in range(50):
+            tl.trace(forward, x, root=model)
+        gc.collect()
+        after = [sys.getrefcount(o) for o in objects]
+    assert before == after
+
+
+class _Nested(nn.Module):
+    """Module calls made from user code, by nn.Sequential, with keywords and several arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+        self.pair = nn.Bilinear(4, 4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(type(vars(nn.Module)["_call_impl"]).__name__)
+        h = self.seq(x)
+        return self.pair(h, input2=x) + self.pair(x, h)
+
+
+def test_module_calls_are_recorded_the_same_by_the_compiled_recorder(states):
+    model, x = _Nested(), torch.randn(2, 4)
+    _both_ways(states, lambda: tl.trace(model, x))
+    assert model.seen == ["ModuleRecorder", "function", "ModuleRecorder"]
+    assert len(states[-1][0].module_calls) == 8  # seq, its 3 children, the inner two, pair twice
+
+
+def test_an_exception_leaving_module_calls_is_noted_the_same(states):
+    class Inner(nn.Module):
+        def forward(self, x):
+            raise ValueError("inner fails")
+
+    model, x = nn.Sequential(nn.Linear(2, 2), nn.Sequential(Inner())), torch.randn(1, 2)
+    for enabled in (True, False):
+        with _compiled(enabled), pytest.raises(ValueError, match="inner fails"):
+            tl.trace(lambda t: model(t), x, root=model)
+    _same_state(states[-2][0], states[-1][0])
+    assert states[-2][0].raised_in is not None
+    assert type(vars(nn.Module)["_call_impl"]).__name__ == "function"  # nothing left in place
