@@ -451,8 +451,10 @@ static int truth_of(PyObject *v) {
 /* The record of the one tensor a call produced, inlined as in the Python method.  0 or -1. */
 /* Appends the tensor record of ``out`` (at ``slot`` of the call's result) to ``records``; ``*rg`` is
  * whether it requires grad.  0 or -1. */
+/* ``*node_out`` gets the output's grad_fn (a new reference, or NULL when it needs no grad): the caller keeps
+ * it until the gradient watch has read it again, so that torch makes one node object per op, not two. */
 static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject *call_index, PyObject *slot,
-                         int *rg_out) {
+                         int *rg_out, PyObject **node_out) {
     PyObject *requires_grad = tensor_get(h, out, G_REQUIRES_GRAD);
     if (requires_grad == NULL) return -1;
     int rg = PyObject_IsTrue(requires_grad);
@@ -474,7 +476,7 @@ static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject 
             if (grad_fn != NULL) {
                 grad_type = (PyObject *)Py_TYPE(grad_fn);
                 Py_INCREF(grad_type);
-                Py_DECREF(grad_fn);
+                *node_out = grad_fn;
             }
         } else {
             grad_type = Py_None;
@@ -488,10 +490,14 @@ static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject 
     Py_XDECREF(device);
     Py_XDECREF(grad_type);
     Py_DECREF(requires_grad);
-    if (record == NULL) return -1;
+    if (record == NULL) {
+        Py_CLEAR(*node_out);
+        return -1;
+    }
     int failed = PyList_Append(records, record);
     Py_DECREF(record);
     *rg_out = rg;
+    if (failed) Py_CLEAR(*node_out);
     return failed ? -1 : 0;
 }
 
@@ -528,8 +534,8 @@ static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *
     PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(records));
     if (index == NULL) return -1;
     int rg = 0, failed = -1;
-    PyObject *version = NULL, *ref = NULL, *entry = NULL, *key = NULL;
-    if (append_record(h, records, t, call_index, slot, &rg) < 0 || (version = version_of(h, t)) == NULL)
+    PyObject *version = NULL, *ref = NULL, *entry = NULL, *key = NULL, *node = NULL;
+    if (append_record(h, records, t, call_index, slot, &rg, &node) < 0 || (version = version_of(h, t)) == NULL)
         goto done;
     if ((ref = PyWeakref_NewRef(t, NULL)) == NULL || (entry = PyTuple_Pack(3, ref, index, version)) == NULL
             || (key = PyLong_FromVoidPtr(t)) == NULL || PyDict_SetItem(producers, key, entry) < 0)
@@ -556,6 +562,7 @@ done:
     Py_XDECREF(ref);
     Py_XDECREF(entry);
     Py_XDECREF(key);
+    Py_XDECREF(node);
     return failed;
 }
 
@@ -564,10 +571,16 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
                          PyObject *func, PyObject *module_call) {
     PyObject *records = state_get(h, s_records);
     int rg = 0, failed;
-    if (records == NULL || append_record(h, records, out, call_index, Py_None, &rg) < 0) return -1;
+    PyObject *node = NULL;
+    if (records == NULL || append_record(h, records, out, call_index, Py_None, &rg, &node) < 0) return -1;
     PyObject *version = version_of(h, out);
-    if (version == NULL) return -1;
-    if (rg && watch(h, first_op, out, func, module_call) < 0) goto fail;
+    if (version == NULL) {
+        Py_XDECREF(node);
+        return -1;
+    }
+    failed = rg && watch(h, first_op, out, func, module_call) < 0;
+    Py_XDECREF(node);
+    if (failed) goto fail;
     int saving = wanted(h, func, module_call);
     if (saving < 0) goto fail;
     PyObject *producers = state_get(h, s_producers);
@@ -657,6 +670,10 @@ static int scan_one(Handler *h, PyObject *producers, PyObject *slot, PyObject *a
 
 static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     Handler *h = (Handler *)self;
+    if (h->state_dict == NULL) {
+        PyErr_SetString(PyExc_TypeError, "torchlens: a Handler template records for no capture: bind() it first");
+        return NULL;
+    }
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (kwnames != NULL || nargs < 2 || nargs > 4) return call_method(h, argv, nargsf, kwnames);
     PyObject *func = argv[0];
@@ -1013,11 +1030,13 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 #define HOLD(name) Py_XINCREF(h->name);
     HANDLER_OBJECTS(HOLD)
 #undef HOLD
-    h->mode_ref = PyWeakref_NewRef(mode, NULL);
-    h->state_dict = PyObject_GenericGetDict(h->state, NULL);
-    if (h->mode_ref == NULL || h->state_dict == NULL) {
-        Py_DECREF(h);
-        return NULL;
+    if (mode != Py_None || h->state != Py_None) {  /* (both None: a template, see handler_bind) */
+        h->mode_ref = PyWeakref_NewRef(mode, NULL);
+        h->state_dict = PyObject_GenericGetDict(h->state, NULL);
+        if (h->mode_ref == NULL || h->state_dict == NULL) {
+            Py_DECREF(h);
+            return NULL;
+        }
     }
     if (h->getters != Py_None) {
         int fits = PyTuple_CheckExact(h->getters) && PyTuple_GET_SIZE(h->getters) == N_GETTERS;
@@ -1039,6 +1058,44 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     h->vectorcall = handler_vectorcall;
     return (PyObject *)h;
 }
+
+/* ``template.bind(mode, state, locate)``: a handler for one capture, sharing everything else the
+ * template was made with.  The template is made once per process, so a trace does not pay for parsing
+ * the thirty objects every handler holds. */
+static PyObject *handler_bind(Handler *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "Handler.bind(mode, state, locate) takes three arguments");
+        return NULL;
+    }
+    Handler *h = (Handler *)Py_TYPE(t)->tp_alloc(Py_TYPE(t), 0);
+    if (h == NULL) return NULL;
+#define COPY(name) h->name = Py_XNewRef(t->name);
+    HANDLER_OBJECTS(COPY)
+#undef COPY
+    h->user = t->user;
+    h->skip = t->skip;
+    h->dispatch = t->dispatch;
+    h->stop = t->stop;
+    h->boundary = t->boundary;
+    Py_CLEAR(h->mode_ref);
+    Py_CLEAR(h->state_dict);
+    Py_XSETREF(h->state, Py_NewRef(args[1]));
+    Py_XSETREF(h->locate, Py_NewRef(args[2]));
+    h->mode_ref = PyWeakref_NewRef(args[0], NULL);
+    h->state_dict = h->mode_ref ? PyObject_GenericGetDict(h->state, NULL) : NULL;
+    if (h->state_dict == NULL) {
+        Py_DECREF(h);
+        return NULL;
+    }
+    h->vectorcall = handler_vectorcall;
+    return (PyObject *)h;
+}
+
+static PyMethodDef handler_methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))handler_bind, METH_FASTCALL,
+     "bind(mode, state, locate): a handler for one capture, sharing the template's other objects."},
+    {NULL},
+};
 
 static PyObject *handler_self(Handler *h, void *closure) {
     /* torch checks that the handler's __self__ is the mode it looked it up on. */
@@ -1071,6 +1128,7 @@ static PyTypeObject HandlerType = {
     .tp_vectorcall_offset = offsetof(Handler, vectorcall),
     .tp_getset = handler_getset,
     .tp_members = handler_members,
+    .tp_methods = handler_methods,
 };
 
 /* ----- the slot torch looks the handler up in ------------------------------------------------ */

@@ -1,7 +1,7 @@
 """The optional compiled hot path: the ``torchlens-accel`` distribution (``pip install torchlens[fast]``).
 
 Pure Python is the default and records everything.  When ``torchlens_accel`` is installed and built for
-this revision's record layout (its ``ABI`` equals ours), capture uses its compiled versions of the hot
+this revision (each module's ``ABI`` equals the one named here), capture uses its compiled versions of the hot
 path instead; they record exactly what the pure-Python path records, which the test suite checks by
 tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
 capture on the pure-Python path.
@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import warnings
 
-ABI = 2  # the record layout the compiled modules must be built for (their ``ABI``)
+# What each compiled module must be built for (its ``ABI``): bumped, here and in its C file, whenever the
+# objects it exchanges with this package change shape.
+ABI = {"_capture": 2, "_grads": 1}
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}
@@ -26,9 +28,9 @@ def _load(name: str):
         module = __import__(f"torchlens_accel.{name}", fromlist=[name])
     except ImportError:
         module = None
-    if module is not None and getattr(module, "ABI", None) != ABI:
-        warnings.warn(f"torchlens-accel's {name} is built for record layout {getattr(module, 'ABI', None)}, "
-                      f"this torchlens needs {ABI}: capture runs on the pure-Python path; reinstall "
+    if module is not None and getattr(module, "ABI", None) != ABI.get(name):
+        warnings.warn(f"torchlens-accel's {name} is built for layout {getattr(module, 'ABI', None)}, "
+                      f"this torchlens needs {ABI.get(name)}: capture runs on the pure-Python path; reinstall "
                       "torchlens-accel from the same revision as torchlens", RuntimeWarning, stacklevel=3)
         module = None
     _modules[name] = module

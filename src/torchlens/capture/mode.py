@@ -359,17 +359,29 @@ if _ACCEL is not None:
 
 
 def _compiled_handler(compiled, mode):
-    """The compiled ``__torch_function__`` of a plain capture (accel/src/torchlens_accel/_capture.c),
-    handed every object it needs: the C imports nothing.  It holds the mode weakly (the mode holds it),
-    and hands calls it does not cover to ``CaptureMode.__torch_function__`` whole."""
+    """The compiled ``__torch_function__`` of a plain capture (accel/src/torchlens_accel/_capture.c).  It
+    holds the mode weakly (the mode holds it), and hands calls it does not cover to
+    ``CaptureMode.__torch_function__`` whole."""
+    template = _templates.get(compiled)
+    if template is None:
+        template = _templates[compiled] = _handler_template(compiled)
+    return template.bind(mode, mode.state, mode.frames.locate)
+
+
+_templates: dict = {}  # compiled module -> its Handler template
+
+
+def _handler_template(compiled):
+    """A handler for no capture, holding every object the C needs (it imports nothing): what each trace's
+    handler shares, made once per process."""
     return compiled.Handler(
-        mode=mode, method=CaptureMode.__torch_function__, state=mode.state, off_hot_path=_OFF_HOT_PATH,
+        mode=None, method=CaptureMode.__torch_function__, state=None, off_hot_path=_OFF_HOT_PATH,
         not_ops=_NOT_OPS, numpy_views=_NUMPY_VIEWS,
         compiler_dict=vars(_compiler), tensor_type=Tensor, parameter_type=Parameter, function_type=FunctionType,
         plain_values=_PLAIN_VALUES, tuple_values=_TUPLE_VALUES, inplace_cache=_inplace_cache,
         no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
         record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
-        verdicts=_verdicts, locate=mode.frames.locate, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
+        verdicts=_verdicts, locate=None, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
         call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_any_autocast,
         getters=_GETTER_DESCRIPTORS, user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME, stop=_STOP_FRAME,
         boundary=_BOUNDARY_FRAME)
