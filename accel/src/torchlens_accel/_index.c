@@ -60,20 +60,16 @@ typedef struct {
 
 /* The owner's __dict__ (a new reference), or NULL with an exception set. */
 static PyObject *instance_dict(PyObject *owner) {
-    PyObject *d = PyObject_GenericGetDict(owner, NULL);
-    if (d != NULL && !PyDict_CheckExact(d)) {
-        Py_DECREF(d);
-        PyErr_SetString(PyExc_TypeError, "a module's __dict__ is not a plain dict");
-        return NULL;
-    }
-    return d;
+    return PyObject_GenericGetDict(owner, NULL);
 }
 
-/* The dict stored under kind_names[kind] in the owner's __dict__ ``d`` (borrowed), or NULL with an
- * exception set. */
+/* The dict stored under kind_names[kind] in the owner's __dict__ ``d`` (a new reference), or NULL with
+ * an exception set.  A __dict__ of a dict subclass is read through its own __getitem__, as vars() is. */
 static PyObject *kind_dict(PyObject *d, int kind) {
+    if (!PyDict_CheckExact(d)) return PyObject_GetItem(d, kind_names[kind]);
     PyObject *sub = PyDict_GetItemWithError(d, kind_names[kind]);
     if (sub == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, kind_names[kind]);
+    Py_XINCREF(sub);
     return sub;
 }
 
@@ -171,14 +167,13 @@ static int take_dicts(Snapshot *self, PyObject *model) {
                 Py_DECREF(d);
                 return -1;
             }
+            self->dicts[k] = sub;
             if (!PyDict_CheckExact(sub) && !PyODict_CheckExact(sub)) { /* whose entries are its own */
                 Py_DECREF(d);
                 PyErr_SetString(PyExc_TypeError,
                                 "a module keeps its submodules, parameters or buffers in a custom mapping");
                 return -1;
             }
-            Py_INCREF(sub);
-            self->dicts[k] = sub;
             self->ordered[k] = !PyDict_CheckExact(sub);
             self->dict_versions[k] = dict_version(sub);
             self->offsets[k + 1] = self->offsets[k] + PyDict_GET_SIZE(sub);
@@ -262,16 +257,19 @@ static int owner_unchanged(Snapshot *self, PyObject *owner, Py_ssize_t i) {
         PyErr_Clear();
         return 0;
     }
-    /* The same __dict__ at the same tag still maps the three names to the same dicts. */
-    int same_owner = self->versions && (void *)d == self->owner_dicts[i] && dict_version(d) == self->owner_versions[i];
+    /* The same plain __dict__ at the same tag still maps the three names to the same dicts (a tag is
+     * drawn from a global counter when a dict is made or written: no other dict can show it). */
+    int same_owner = self->versions && PyDict_CheckExact(d) && (void *)d == self->owner_dicts[i] &&
+                     dict_version(d) == self->owner_versions[i];
     int unchanged = 1;
     for (int kind = 0; unchanged && kind < KINDS; kind++) {
         Py_ssize_t k = i * KINDS + kind;
         PyObject *sub = self->dicts[k];
         if (!same_owner) {
             PyObject *now = kind_dict(d, kind);
+            if (now == NULL) PyErr_Clear();
+            Py_XDECREF(now); /* compared by address only: the snapshot holds the dict it may be */
             if (now != sub) {
-                PyErr_Clear();
                 unchanged = 0;
                 break;
             }
@@ -280,7 +278,7 @@ static int owner_unchanged(Snapshot *self, PyObject *owner, Py_ssize_t i) {
         unchanged = entries_equal(self, k);
         if (unchanged && self->versions) self->dict_versions[k] = dict_version(sub);
     }
-    if (unchanged && self->versions) { /* remembered only once all three agree */
+    if (unchanged && self->versions && PyDict_CheckExact(d)) { /* remembered once all three agree */
         self->owner_dicts[i] = d;
         self->owner_versions[i] = dict_version(d);
     }
