@@ -157,7 +157,13 @@ static PyObject *owner_at(Snapshot *self, PyObject *model, Py_ssize_t i) {
 static int take_dicts(Snapshot *self, PyObject *model) {
     for (Py_ssize_t i = 0; i < self->owners; i++) {
         PyObject *d = instance_dict(owner_at(self, model, i));
-        if (d == NULL) return -1;
+        if (d == NULL) {
+            if (PyErr_ExceptionMatches(PyExc_AttributeError)) { /* never cached, as Structure's vars() */
+                PyErr_Clear();
+                PyErr_SetString(PyExc_TypeError, "a module has no __dict__");
+            }
+            return -1;
+        }
         self->owner_dicts[i] = d;
         self->owner_versions[i] = dict_version(d);
         for (int kind = 0; kind < KINDS; kind++) {
