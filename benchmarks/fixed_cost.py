@@ -16,6 +16,7 @@ the same process (a step that exists in one revision only is shown for that one)
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import os
 import statistics
@@ -181,6 +182,14 @@ def step_arms(model, x, package, wide, deep) -> dict:
         "SavePolicy(['blocks.0', 'conv2d']), ResNet-like": selection,
         "finalize, ResNet-like (52 ops, 42 module calls, 47 parameters)": finalize_of(deep, torch.randn(1, 3, 16, 16)),
     }
+    accel = sys.modules.get(f"{package.__name__}.capture.accel")
+    if accel is not None and accel.compiled("_index") is not None:  # the compiled check is in use: time both
+        deep_python, previous = copy.deepcopy(deep), accel.use(False)
+        try:
+            model_index.index_of(deep_python)
+        finally:
+            accel.use(previous)
+        steps["index_of (cached), ResNet-like, 43 modules, pure-Python check"] = lambda: model_index.index_of(deep_python)
     if hasattr(progress, "shows_bar"):
         steps["progress bar check"] = lambda: progress.shows_bar(None) and progress.bar(None, "x")
     else:

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from torchlens.capture import accel
 from torchlens.errors import UnmatchedSelection
 from torchlens.record import model_index
 from torchlens.record.model_index import index_of
@@ -128,11 +129,22 @@ def test_a_changed_structure_is_seen_by_the_next_trace(change):
                 and "head.bias" not in {p for op in after.ops for p in op.params})
 
 
+@pytest.fixture
+def python_structure():
+    """The pure-Python ``Structure`` for the models indexed in the test (the compiled check, which reads
+    each ``__dict__`` directly, has no referents layout: see test_model_index_accel.py)."""
+    previous = accel.use(False)
+    try:
+        yield
+    finally:
+        accel.use(previous)
+
+
 class _Slotted(nn.Linear):
     __slots__ = ("note",)  # its instances hold a slot beside their __dict__: another layout of references
 
 
-def test_a_module_with_slots_is_checked_the_general_way_and_still_seen_changing():
+def test_a_module_with_slots_is_checked_the_general_way_and_still_seen_changing(python_structure):
     torch.manual_seed(0)
     model, x = Net(), torch.randn(3, 4)
     model.head = _Slotted(4, 2)
@@ -146,7 +158,7 @@ def test_a_module_with_slots_is_checked_the_general_way_and_still_seen_changing(
     assert index is not cached and index.param_addresses == model_index.ModelIndex(model).param_addresses
 
 
-def test_plain_modules_are_checked_by_their_references():
+def test_plain_modules_are_checked_by_their_references(python_structure):
     model = Net()
     model.head = _Slotted(4, 2)  # its slot unset: a plain layout of references
     cached = index_of(model)

@@ -184,13 +184,23 @@ def index_of(model) -> ModelIndex:
         return entry[2]
     index = ModelIndex(model)
     try:
-        structure = Structure(model, list(index.submodules.values()))
+        structure = _snapshot(model, list(index.submodules.values()))
     except (KeyError, TypeError):
         return index
     key = id(model)
     # The callback holds the cache itself: at interpreter exit this module's globals may already be gone.
     _cache[key] = (weakref(model, lambda _, key=key, cache=_cache: _forget(cache, key)), structure, index)
     return index
+
+
+def _snapshot(model, modules: list):
+    """The structure check for a fresh index: torchlens-accel's compiled ``Snapshot`` when in use (the
+    same changes seen, without a Python call per module), else ``Structure``.  The path is chosen when
+    the index is cached; both see exactly the same changes."""
+    from ..capture import accel  # imported here, not above: capture imports record
+
+    native = accel.compiled("_index")
+    return native.Snapshot(model, modules) if native is not None else Structure(model, modules)
 
 
 def _forget(cache: dict, key: int) -> None:
