@@ -14,7 +14,7 @@
  * Raises TypeError (a module without a ``__dict__``, or keeping its submodules, parameters or buffers in
  * a custom mapping) or KeyError (a module without the usual dicts), as Structure does: never cached.
  *
- * On CPython 3.11 and 3.12, every dict carries a version tag, drawn from one global counter whenever
+ * On CPython 3.11, every dict carries a version tag, drawn from one global counter whenever
  * the dict is created or changes an entry (PEP 509): an equal tag on the same dict means nothing in it
  * changed, so the check compares one tag per dict where nothing changed instead of every entry.  A tag
  * that differs (a write of an equal entry, a watcher added) falls back to comparing the entries, and
@@ -28,7 +28,8 @@
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
 #define TORCHLENS_ACCEL_ABI 1
 
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
+/* Only where it is built and tested: CPython 3.11 (3.12 deprecates the tag and folds watcher bits into it). */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
 #define HAVE_DICT_VERSIONS 1
 _Py_COMP_DIAG_PUSH
 _Py_COMP_DIAG_IGNORE_DEPR_DECLS
