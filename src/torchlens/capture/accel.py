@@ -42,11 +42,6 @@ def compiled(name: str):
     return _load(name) if _enabled else None
 
 
-def module(name: str):
-    """The compiled module ``name`` when installed and built for this layout, in use or not, else None."""
-    return _load(name)
-
-
 def available() -> bool:
     """Whether the compiled hot path is installed and matches this torchlens."""
     return _load("_capture") is not None

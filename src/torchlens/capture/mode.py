@@ -13,6 +13,7 @@ docs/capture_honesty.md.
 from __future__ import annotations
 
 import sys
+import threading
 from time import perf_counter_ns
 from types import FunctionType
 from weakref import ref as weakref
@@ -131,6 +132,8 @@ class CaptureMode(TorchFunctionMode):
         compiled = accel.compiled("_capture") if self.plain else None
         if compiled is not None:
             # The compiled hot path records the same; torch finds it through the class's slot (below).
+            if _slot is None:
+                _install_slot(compiled)
             setattr(self, _HANDLER_KEY, _compiled_handler(compiled, self))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -347,15 +350,23 @@ class CaptureMode(TorchFunctionMode):
             self._entered.pop()
 
 
-# The compiled accelerator, when installed: each plain mode holds its compiled handler under this key, and
+# The compiled accelerator, once first used: each plain mode holds its compiled handler under this key, and
 # the class's ``__torch_function__`` becomes a slot (a data descriptor) that answers a mode's lookup with
 # that handler, and with the Python method for a mode without one, or while Dynamo compiles (it traces a
-# mode's handler and can trace only Python: torch.cond's bodies, flex_attention).
+# mode's handler and can trace only Python: torch.cond's bodies, flex_attention).  A process that never
+# uses the accelerator (TORCHLENS_ACCEL=0) keeps the plain Python method on the class.
 _HANDLER_KEY = "_compiled_torch_function"
-_ACCEL = accel.module("_capture")
-if _ACCEL is not None:
-    CaptureMode.__torch_function__ = _ACCEL.HandlerSlot(
-        method=CaptureMode.__dict__["__torch_function__"], compiler_dict=vars(_compiler), key=_HANDLER_KEY)
+_slot = None
+_slot_lock = threading.Lock()
+
+
+def _install_slot(compiled) -> None:
+    global _slot
+    with _slot_lock:
+        if _slot is None:
+            _slot = compiled.HandlerSlot(method=CaptureMode.__dict__["__torch_function__"],
+                                         compiler_dict=vars(_compiler), key=_HANDLER_KEY)
+            CaptureMode.__torch_function__ = _slot
 
 
 def _compiled_handler(compiled, mode):
