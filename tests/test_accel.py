@@ -11,7 +11,6 @@ The tests skip when the accelerator is not built, and fail instead when ``TORCHL
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 import weakref
@@ -23,18 +22,13 @@ import torch.nn.functional as F
 
 import torchlens as tl
 import torchlens.capture.mode as mode_module
-from torchlens.capture import accel
 from torchlens.record.columns import MODULE_CALL_T0_NS, MODULE_CALL_T1_NS
 
 import real_models
+from accel_paths import compiled_or_skip, on_path
 from zoo import zoo
 
-if not accel.available():
-    if os.environ.get("TORCHLENS_REQUIRE_ACCEL") == "1":
-        raise RuntimeError("TORCHLENS_REQUIRE_ACCEL=1 but torchlens_accel is not importable or is built for "
-                           "another record layout: build it (pip install ./accel)")
-    pytestmark = pytest.mark.skip(reason="torchlens-accel is not built (pip install ./accel); "
-                                         "the pure-Python path is tested everywhere else")
+compiled_or_skip("_capture")
 
 
 @pytest.fixture
@@ -51,14 +45,6 @@ def states(monkeypatch):
     return kept
 
 
-def _compiled(enabled: bool):
-    class Using:
-        def __enter__(self):
-            self.previous = accel.use(enabled)
-
-        def __exit__(self, *exc):
-            accel.use(self.previous)
-    return Using()
 
 
 def _same(a, b, where="") -> None:
@@ -154,7 +140,7 @@ def _both_ways(states, run, seed=0):
     traces = []
     for enabled in (True, False, True):
         torch.manual_seed(seed)
-        with _compiled(enabled):
+        with on_path(enabled):
             traces.append(run())
     (cold_state, cold_kind), (pure_state, pure_kind), (compiled_state, compiled_kind) = states[-3:]
     assert pure_kind == "NoneType" and cold_kind == compiled_kind
@@ -197,7 +183,7 @@ def test_most_calls_of_a_transformer_stay_in_c(states):
         if event == "call" and frame.f_code is method:
             handed.append(frame.f_locals.get("func"))
 
-    with _compiled(True):
+    with on_path(True):
         tl.trace(model, args, kwargs)  # classifies every frame
         sys.setprofile(profile)
         try:
@@ -296,7 +282,7 @@ def test_a_raising_op_records_the_same_failure(states):
     model, x = _Raises(), torch.randn(2, 4)
     errors = []
     for enabled in (True, False):
-        with _compiled(enabled), pytest.raises(RuntimeError) as info:
+        with on_path(enabled), pytest.raises(RuntimeError) as info:
             tl.trace(model, x)
         errors.append(info.value)
     assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1])
@@ -318,7 +304,7 @@ def test_keyboard_interrupt_propagates_unchanged(states):
 
     x = torch.randn(2)
     for enabled in (True, False):
-        with _compiled(enabled), pytest.raises(KeyboardInterrupt):
+        with on_path(enabled), pytest.raises(KeyboardInterrupt):
             tl.trace(forward, x)
     _same_state(states[-2][0], states[-1][0])
     assert states[-2][1] == "Handler" and type(states[-2][0].failure[2]) is KeyboardInterrupt
@@ -328,7 +314,7 @@ def test_keyboard_interrupt_propagates_unchanged(states):
 def test_clock_is_perf_counter_ns(states):
     model, x = nn.Linear(3, 3), torch.randn(2, 3)
     before = time.perf_counter_ns()
-    with _compiled(True):
+    with on_path(True):
         tl.trace(model, x)
     after = time.perf_counter_ns()
     state, kind = states[-1]
@@ -341,7 +327,7 @@ def test_handler_belongs_to_its_mode_and_holds_it_weakly():
     from torchlens.capture.source import FrameClassifier
     from torchlens.capture.state import CaptureState
 
-    with _compiled(True):
+    with on_path(True):
         mode = mode_module.CaptureMode(CaptureState(save_mode=1), FrameClassifier())
     handler = mode.__dict__[mode_module._HANDLER_KEY]
     assert type(handler).__name__ == "Handler" and handler.__self__ is mode
@@ -349,7 +335,7 @@ def test_handler_belongs_to_its_mode_and_holds_it_weakly():
     dead = weakref.ref(mode)
     del mode, handler
     assert dead() is None  # no cycle: freed without the garbage collector
-    with _compiled(True):
+    with on_path(True):
         deep = mode_module.CaptureMode(CaptureState(save_mode=1), FrameClassifier(), deep=True)
     assert mode_module._HANDLER_KEY not in deep.__dict__  # every feature path stays in Python
     assert deep.__torch_function__.__func__ is mode_module.CaptureMode.__torch_function__
@@ -359,7 +345,7 @@ def test_every_tensor_is_freed_when_the_trace_is_dropped():
     model, args, kwargs = real_models.gpt2()
     model.eval()
     made = []
-    with _compiled(True):
+    with on_path(True):
         trace = tl.trace(model, args, kwargs)
         made = [weakref.ref(op.activation) for op in trace.ops if op.activation is not None]
     assert made
@@ -383,7 +369,7 @@ def test_refcounts_of_functions_and_arguments_are_unchanged():
 
     objects = [F.linear, F.layer_norm, torch.Tensor.view, model, model[0], model[1], model[0].weight,
                model[1].weight, x, shape, size]
-    with _compiled(True):
+    with on_path(True):
         tl.trace(forward, x, root=model)  # warm caches (verdicts, in-place verdicts, line tables)
         gc.collect()
         before = [sys.getrefcount(o) for o in objects]
@@ -423,7 +409,7 @@ def test_an_exception_leaving_module_calls_is_noted_the_same(states):
 
     model, x = nn.Sequential(nn.Linear(2, 2), nn.Sequential(Inner())), torch.randn(1, 2)
     for enabled in (True, False):
-        with _compiled(enabled), pytest.raises(ValueError, match="inner fails"):
+        with on_path(enabled), pytest.raises(ValueError, match="inner fails"):
             tl.trace(lambda t: model(t), x, root=model)
     _same_state(states[-2][0], states[-1][0])
     assert states[-2][0].raised_in is not None

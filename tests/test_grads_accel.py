@@ -12,9 +12,7 @@ failure instead.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
 import weakref
 
 import pytest
@@ -22,38 +20,13 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
-from torchlens.capture import accel
+from accel_paths import PATHS, compiled_or_skip, on_path
 from torchlens.capture.grads import _store
 from grad_oracle import Oracle, _assert_bit_identical, _case, _loss, _op_grads, _reference
 from zoo import zoo
 
 
-def _compiled_module():
-    previous = accel.use(True)  # whatever TORCHLENS_ACCEL says: this file sets the path per trace
-    try:
-        return accel.compiled("_grads")
-    finally:
-        accel.use(previous)
-
-
-NATIVE = _compiled_module()
-_NOT_BUILT = ("torchlens-accel's _grads is not built (cd accel && python setup.py build_ext --inplace, "
-              "then run with accel/src on PYTHONPATH)")
-if NATIVE is None:
-    if os.environ.get("TORCHLENS_REQUIRE_ACCEL") == "1":
-        pytest.fail(f"TORCHLENS_REQUIRE_ACCEL=1: {_NOT_BUILT}", pytrace=False)
-    pytestmark = pytest.mark.skip(reason=_NOT_BUILT)
-
-PATHS = [pytest.param(True, id="compiled"), pytest.param(False, id="python")]
-
-
-@contextlib.contextmanager
-def on_path(compiled: bool):
-    previous = accel.use(compiled)
-    try:
-        yield
-    finally:
-        accel.use(previous)
+NATIVE = compiled_or_skip("_grads")
 
 
 def _trace(compiled: bool, model, args, kwargs=None, **options):

@@ -13,9 +13,7 @@ failure instead.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
 import sys
 import weakref
 from collections import OrderedDict
@@ -25,38 +23,13 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
-from torchlens.capture import accel
+from accel_paths import PATHS, compiled_or_skip, on_path
 from torchlens.record import model_index
 from torchlens.record.model_index import ModelIndex, Structure, index_of
 from test_model_index_cache import Net, test_a_changed_structure_is_seen_by_the_next_trace as _trace_case
 
 
-def _compiled_module():
-    previous = accel.use(True)  # whatever TORCHLENS_ACCEL says: this file sets the path per check
-    try:
-        return accel.compiled("_index")
-    finally:
-        accel.use(previous)
-
-
-NATIVE = _compiled_module()
-_NOT_BUILT = ("torchlens-accel's _index is not built (cd accel && python setup.py build_ext --inplace, "
-              "then run with accel/src on PYTHONPATH)")
-if NATIVE is None:
-    if os.environ.get("TORCHLENS_REQUIRE_ACCEL") == "1":
-        pytest.fail(f"TORCHLENS_REQUIRE_ACCEL=1: {_NOT_BUILT}", pytrace=False)
-    pytestmark = pytest.mark.skip(reason=_NOT_BUILT)
-
-PATHS = [pytest.param(True, id="compiled"), pytest.param(False, id="python")]
-
-
-@contextlib.contextmanager
-def on_path(compiled: bool):
-    previous = accel.use(compiled)
-    try:
-        yield
-    finally:
-        accel.use(previous)
+NATIVE = compiled_or_skip("_index")
 
 
 def _checkers(model) -> dict:
