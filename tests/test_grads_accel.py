@@ -23,6 +23,7 @@ import torchlens as tl
 from accel_paths import PATHS, compiled_or_skip, on_path
 from torchlens.capture.grads import _store
 from grad_oracle import Oracle, _assert_bit_identical, _case, _loss, _op_grads, _reference
+from test_grads import WithSentinel
 from zoo import zoo
 
 
@@ -195,36 +196,6 @@ def test_autograd_grad_fills_gradients_on_both_paths():
 
 
 # ----- hooks removed, graph never kept ----------------------------------------------------------------
-class Token:
-    pass
-
-
-class Keep(torch.autograd.Function):
-    """The identity, with a token on its backward node: the node (and graph) is alive while the token is."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.token = Token()
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
-class WithToken(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.tokens = []
-
-    def forward(self, x):
-        h = self.fc(x)
-        y = Keep.apply(h)
-        self.tokens.append(weakref.ref(y.grad_fn.token))
-        return y.tanh(), h
-
-
 def _ours(hooks) -> list:
     """The keys of the hooks gradient capture put in a hook dict (either path's)."""
     return [k for k, v in hooks.items() if isinstance(v, NATIVE.Hook) or getattr(v, "func", None) is _store]
@@ -233,7 +204,7 @@ def _ours(hooks) -> list:
 @pytest.mark.parametrize("compiled", PATHS)
 @pytest.mark.parametrize("how", ["drop", "cycle", "cleanup"])
 def test_hooks_removed_and_graph_not_kept(compiled, how):
-    model = WithToken()
+    model = WithSentinel()
     log = _trace(compiled, model, (torch.randn(2, 4),), save="none")
     out, h = log.output
     assert len(_ours(h._backward_hooks)) == 1
