@@ -1,9 +1,9 @@
 """The optional compiled hot path: the ``torchlens-accel`` distribution (``pip install torchlens[fast]``).
 
 Pure Python is the default and records everything.  When ``torchlens_accel`` is installed and built for
-this revision (each module's ``ABI`` equals the one named here), capture uses its compiled versions of the hot
-path instead; they record exactly what the pure-Python path records, which the test suite checks by
-tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
+this revision (each module's ``ABI`` equals the one named here), capture uses its compiled versions of
+the hot path instead; they record exactly what the pure-Python path records, which the test suite checks
+by tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
 capture on the pure-Python path.
 """
 
