@@ -367,17 +367,22 @@ def test_refcounts_of_functions_and_arguments_are_unchanged():
         h = model(t)
         return F.layer_norm(h.view(2, 4) * 2.0, shape, eps=1e-5).transpose(0, 1).reshape(size + 1, 2)
 
-    objects = [F.linear, F.layer_norm, torch.Tensor.view, model, model[0], model[1], model[0].weight,
-               model[1].weight, x, shape, size]
+    private = [model, model[0], model[1], model[0].weight, model[1].weight, x, shape]
+    # Shared with the whole interpreter, so another thread may move their counts by one or two while
+    # the traces run; a reference leaked per trace would move them by fifty.
+    shared = [F.linear, F.layer_norm, torch.Tensor.view, size]
+    repeats = 50
     with on_path(True):
         tl.trace(forward, x, root=model)  # warm caches (verdicts, in-place verdicts, line tables)
         gc.collect()
-        before = [sys.getrefcount(o) for o in objects]
-        for _ in range(50):
+        before = [sys.getrefcount(o) for o in private + shared]
+        for _ in range(repeats):
             tl.trace(forward, x, root=model)
         gc.collect()
-        after = [sys.getrefcount(o) for o in objects]
-    assert before == after
+        after = [sys.getrefcount(o) for o in private + shared]
+    n = len(private)
+    assert after[:n] == before[:n]
+    assert all(abs(a - b) < repeats // 2 for a, b in zip(after[n:], before[n:])), (before[n:], after[n:])
 
 
 class _Nested(nn.Module):

@@ -197,13 +197,28 @@ def no_collection():
         gc.enable()
 
 
+def _private_keys(model) -> None:
+    """Give every key of the model's dicts a copy of its own.  Keys are interned strings the whole
+    interpreter shares ("weight"), so any other thread's work could move their counts between two reads;
+    a copy only this model holds is moved by nothing but the check under test.  Single characters are
+    cached singletons that cannot be copied: ``_everything`` leaves them out."""
+    for module in model.modules():
+        for name in ("_modules", "_parameters", "_buffers"):
+            d = vars(module)[name]
+            for key in list(d):
+                d["".join(list(key)) if isinstance(key, str) else key] = d.pop(key)  # order kept
+
+
 def _everything(model) -> list:
-    """Every object a snapshot may hold: modules, their dicts, keys and values, and the root."""
+    """Every object a snapshot may hold that only this model holds: modules, their dicts, keys and values,
+    and the root."""
+    _private_keys(model)
     found = [model, vars(model)]
     for module in model.modules():
         for name in ("_modules", "_parameters", "_buffers"):
             d = vars(module)[name]
-            found += [d, *d.keys(), *(v for v in d.values() if v is not None)]
+            keys = [k for k in d if not (isinstance(k, str) and len(k) <= 1)]
+            found += [d, *keys, *(v for v in d.values() if v is not None)]
         found.append(module)
     return found
 
