@@ -31,7 +31,7 @@ def _record(log) -> dict:
 
 
 def _derived(log) -> set:
-    return {"_kind", "_labels", "module_calls", "_param_addresses"} & set(vars(log))
+    return {"_kind", "_labels", "_call_rows", "_param_addresses"} & set(vars(log))
 
 
 @pytest.mark.parametrize("name", sorted(zoo()))
@@ -55,9 +55,9 @@ def test_a_trace_nobody_reads_derives_no_column():
     assert _derived(log) == {"_kind"}  # one group at a time
     log.module_calls
     log.labels
-    assert _derived(log) == {"_kind", "_labels", "module_calls"} and log._raw is not None
+    assert _derived(log) == {"_kind", "_labels", "_call_rows"} and log._raw is not None
     log.param_addresses
-    assert _derived(log) == {"_kind", "_labels", "module_calls", "_param_addresses"} and log._raw is None  # then the raw lists go
+    assert _derived(log) == {"_kind", "_labels", "_call_rows", "_param_addresses"} and log._raw is None  # then the raw lists go
 
 
 def test_a_parameter_outside_the_index_is_named_by_its_shape_when_the_forward_ends():
@@ -158,7 +158,7 @@ def _read_from_threads(model, args, kwargs):
 
         def read():
             start.wait()
-            seen.append((log.module_calls, log.labels, log.op_parents))
+            seen.append((log._call_rows, log.labels, log.op_parents))  # module_calls: views over _call_rows
 
         threads = [threading.Thread(target=read) for _ in range(6)]
         for t in threads:

@@ -71,7 +71,7 @@ def test_each_accessor_is_its_column_and_agrees_with_the_records():
         assert [log.labels[p] for _, p in log.op_parents[i]] == op.parents
         assert [log.labels[c] for c in log.op_children[i]] == op.children
         m = log.module_call_indices[i]
-        assert (log.module_calls[m] if m >= 0 else None) is op.module_call
+        assert (log.module_calls[m] if m >= 0 else None) == op.module_call
         assert log.pass_numbers[i] == op.pass_index and log.func_names[i] == op.func_name
         assert log.group_sizes[log.groups[i]] == op.num_passes
         assert torch.equal(log.saved_activations[i], op.activation)

@@ -17,7 +17,7 @@ import torch
 
 from ..record.columns import Call, OpMeta
 from ..record.layouts import RaggedShape
-from ..record.modules import Module, ModuleCall
+from ..record.modules import CallRow, ModuleRow
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
 from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, checked_member,
@@ -113,7 +113,7 @@ def _build(record, tensors: dict) -> Trace:
     cols = _Columns(record)
     n = cols.n
     calls = _calls(cols, n)
-    module_calls, modules = _modules(cols, n)
+    module_calls, modules, call_ops = _modules(cols, n)
     kind = cols.ints("kind", 0, 4)
     call = cols.ints("call", -1, len(calls))
     group = cols.ints("group", 0, 1 << 62)
@@ -147,8 +147,9 @@ def _build(record, tensors: dict) -> Trace:
         finite=finite,
         param_addresses={check_index(i, 0, n, "param_addresses"): tuple(_string(a, "param_addresses") for a in ps)
                          for i, ps in cols.column("param_addresses")},
-        module_calls=module_calls,
-        modules=modules,
+        call_rows=module_calls,
+        module_rows=modules,
+        call_op_indices=call_ops,
         output=None,
         model=None,
         unattributed=cols.count("unattributed"),
@@ -311,22 +312,20 @@ def _ns(v) -> int:
 
 
 def _modules(cols, n):
+    """The module rows, the module call rows and each call's op indices (``record.modules``)."""
     modules = []
     for address, addresses, class_name, param_names in cols.column("modules"):
-        modules.append(Module(_string(address, "modules"), [_string(a, "modules") for a in addresses],
-                              _string(class_name, "modules"), [_string(p, "modules") for p in param_names]))
-    module_calls = []
+        modules.append(ModuleRow(_string(address, "modules"), [_string(a, "modules") for a in addresses],
+                                 _string(class_name, "modules"), [_string(p, "modules") for p in param_names]))
+    module_calls, call_ops = [], []
     for index, row in enumerate(cols.column("module_calls")):
         module, call_index, parent, start, end, inputs, outputs, op_nodes = row
-        record = modules[check_index(module, 0, len(modules), "module_calls.module")]
-        parent_call = module_calls[check_index(parent, -1, index, "module_calls.parent")] if parent >= 0 else None
-        call = ModuleCall(None, index, record, check_index(call_index, 1, n + 2 + index, "module_calls.call_index"),
-                          parent_call, _ns(start), None if end is None else _ns(end),
-                          [check_index(i, -1, n, "module_calls.inputs") for i in inputs],
-                          [check_index(i, -1, n, "module_calls.outputs") for i in outputs])
-        call._op_nodes = [check_index(i, 0, n, "module_calls.ops") for i in op_nodes]
-        record.calls.append(call)
-        if parent_call is not None:
-            parent_call.children.append(call)
-        module_calls.append(call)
-    return module_calls, modules
+        m = check_index(module, 0, len(modules), "module_calls.module")
+        module_calls.append(CallRow(m, check_index(call_index, 1, n + 2 + index, "module_calls.call_index"),
+                                    check_index(parent, -1, index, "module_calls.parent"), _ns(start),
+                                    None if end is None else _ns(end),
+                                    tuple(check_index(i, -1, n, "module_calls.inputs") for i in inputs),
+                                    tuple(check_index(i, -1, n, "module_calls.outputs") for i in outputs)))
+        call_ops.append([check_index(i, 0, n, "module_calls.ops") for i in op_nodes])
+        modules[m].calls.append(index)
+    return module_calls, modules, call_ops

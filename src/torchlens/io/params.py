@@ -32,9 +32,7 @@ def read_params(trace, rows) -> None:
     """Give a loaded trace its ``Param`` records (none when the file predates the table)."""
     if rows is None:
         return
-    from ..record import tables
     from ..record.params import build_params
-    from ..record.trace import RecordList
 
     if not isinstance(rows, list):
         raise TraceFileError(f"{TRACE_JSON}: 'params' must be a list")
@@ -46,4 +44,4 @@ def read_params(trace, rows) -> None:
             raise TraceFileError(f"{TRACE_JSON}: params: {row!r} is not [address, shape, dtype, requires_grad]")
         address, shape, dtype, requires_grad = row
         saved.append((address, _SavedParam(tuple(shape), torch_constant("dtype", dtype), requires_grad)))
-    trace._params = RecordList(build_params(trace, saved), tables.params_frame)
+    trace._param_rows = build_params(trace, saved)

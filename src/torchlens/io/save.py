@@ -280,7 +280,6 @@ def _meta(m) -> list:
 
 
 def _module_calls(trace) -> list:
-    module_index = {id(m): i for i, m in enumerate(trace.modules)}
-    return [[module_index[id(mc.module)], mc.call_index, mc.parent.index if mc.parent is not None else -1,
-             mc.start_ns, mc.end_ns, list(mc._input_nodes), list(mc._output_nodes), list(mc._op_nodes)]
-            for mc in trace.module_calls]
+    ops = trace._call_ops()
+    return [[row.module, row.number, row.parent, row.start_ns, row.end_ns, list(row.inputs), list(row.outputs),
+             list(ops[k])] for k, row in enumerate(trace._call_rows)]

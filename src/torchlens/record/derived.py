@@ -50,7 +50,7 @@ def derive(trace, group: str, name: str) -> None:
         gc.disable()
         try:
             held.update(getattr(raw, group)(trace))
-            if "_kind" in held and "module_calls" in held and "_labels" in held and "_param_addresses" in held:
+            if "_kind" in held and "_call_rows" in held and "_labels" in held and "_param_addresses" in held:
                 trace._raw = None  # every group derived: the raw lists are no longer needed
         finally:
             if collecting:

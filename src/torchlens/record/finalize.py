@@ -30,9 +30,8 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
 from .layouts import shape_of
 from .model_index import ModelIndex
-from .modules import Module, ModuleCall
-from .tables import module_calls_frame, modules_frame
-from .trace import RecordList, Trace
+from .modules import CallRow, ModuleRow
+from .trace import Trace
 
 if TYPE_CHECKING:
     from ..capture.state import CaptureState
@@ -186,16 +185,16 @@ class RawRecord:
         return {"_param_addresses": _param_addresses(self.calls, self.index)}
 
     def modules(self, trace) -> dict:
-        """The ``ModuleCall`` and ``Module`` records, from the module calls and the model index."""
+        """The module call and module rows (``record.modules``), from the module calls and the model index."""
         addresses, param_names_of, read_now = self.index.module_addresses, self.index.param_names_of, self.module_params
         classes, shown = self.module_classes
-        by_id: dict = {}
-        module_calls = []
+        by_id: dict = {}  # id(module) -> its index among the module rows
+        module_rows, call_rows = [], []
         unregistered = 0
         for k, raw in enumerate(self.module_calls):
             module = raw[MODULE_CALL_MODULE]
-            record = by_id.get(id(module))
-            if record is None:
+            m = by_id.get(id(module))
+            if m is None:
                 names = addresses.get(id(module))
                 if names is None:
                     unregistered += 1
@@ -203,17 +202,14 @@ class RawRecord:
                 params = read_now.get(id(module))
                 if params is None:
                     params = param_names_of(module)  # a copy, like list(names): the index is shared by traces
-                record = by_id[id(module)] = Module(names[0], list(names), shown[k].__name__, params, module)
-            parent = raw[MODULE_CALL_PARENT]
-            parent_call = module_calls[parent] if parent >= 0 else None
-            call = ModuleCall(trace, k, record, len(record.calls) + 1, parent_call, raw[MODULE_CALL_T0_NS],
-                              raw[MODULE_CALL_T1_NS], raw[MODULE_CALL_INPUTS], raw[MODULE_CALL_OUTPUTS])
-            record.calls.append(call)
-            if parent_call is not None:
-                parent_call.children.append(call)
-            module_calls.append(call)
-        return {"module_calls": RecordList(module_calls, module_calls_frame),
-                "modules": RecordList(list(by_id.values()), modules_frame)}
+                m = by_id[id(module)] = len(module_rows)
+                module_rows.append(ModuleRow(names[0], list(names), shown[k].__name__, params, module))
+            calls = module_rows[m].calls
+            calls.append(k)
+            call_rows.append(CallRow(m, len(calls), raw[MODULE_CALL_PARENT], raw[MODULE_CALL_T0_NS],
+                                     raw[MODULE_CALL_T1_NS], tuple(raw[MODULE_CALL_INPUTS]),
+                                     tuple(raw[MODULE_CALL_OUTPUTS])))
+        return {"_call_rows": call_rows, "_module_rows": module_rows}
 
     def labels(self, trace) -> dict:
         """Pass groups (``labels/passes.py``), types, function names and labels."""

@@ -1,67 +1,128 @@
-"""``ModuleCall`` (one forward call of one module) and ``Module`` (one module object)."""
+"""``ModuleCall`` (one forward call of one module) and ``Module`` (one module object).
+
+Both are views made on demand, like ``Op``: the trace holds each call's and each module's data as a row
+(``CallRow``, ``ModuleRow``), and a view is a (trace, index) pair over one row.  No record the trace holds
+points back at the trace, so a trace nobody refers to any more is freed at once by reference counting,
+with its activations, its output and the autograd graph that output holds, instead of waiting for the
+cycle collector.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class CallRow(NamedTuple):
+    """One module call's data, as the trace holds it."""
+
+    module: int  # index of the called module among the trace's modules
+    number: int  # the call's number among that module's calls, from 1
+    parent: int  # the enclosing module call's index, -1 in the root forward
+    start_ns: int
+    end_ns: int | None  # None if the call never returned
+    inputs: tuple  # op indices of the tensors the caller passed (-1: of unknown origin)
+    outputs: tuple  # op indices of the tensors the caller received
+
+
+class ModuleRow:
+    """One module's data, as the trace holds it."""
+
+    __slots__ = ("address", "all_addresses", "class_name", "param_names", "calls", "ref")
+
+    def __init__(self, address, all_addresses, class_name, param_names, ref=None):
+        self.address = address
+        self.all_addresses = all_addresses
+        self.class_name = class_name
+        self.param_names = param_names
+        self.calls: list = []  # indices of its calls, in order
+        self.ref = ref  # the live module (None for a loaded or cleaned-up trace)
 
 
 class ModuleCall:
     """One call of a module's forward: ``features.2:1`` is the first call of ``features.2``."""
 
-    __slots__ = ("_trace", "index", "module", "call_index", "parent", "children", "start_ns", "end_ns",
-                 "_input_nodes", "_output_nodes", "_op_list")
+    __slots__ = ("_trace", "index")
 
-    def __init__(self, trace, index, module, call_index, parent, start_ns, end_ns, inputs, outputs):
+    def __init__(self, trace, index: int):
         self._trace = trace
         self.index = index
-        self.module = module
-        self.call_index = call_index
-        self.parent = parent
-        self.children = []
-        self.start_ns = start_ns
-        self.end_ns = end_ns
-        self._input_nodes = inputs
-        self._output_nodes = outputs
-        self._op_list = None  # filled for every call of the trace on first use (Trace._fill_module_ops)
+
+    @property
+    def _row(self) -> CallRow:
+        return self._trace._call_rows[self.index]
+
+    @property
+    def module(self) -> "Module":
+        return Module(self._trace, self._row.module)
+
+    @property
+    def call_index(self) -> int:
+        return self._row.number
+
+    @property
+    def parent(self):
+        """The enclosing ``ModuleCall``, or None for a call made from the root forward."""
+        parent = self._row.parent
+        return ModuleCall(self._trace, parent) if parent >= 0 else None
+
+    @property
+    def children(self) -> list:
+        """The calls made directly inside this one, in order."""
+        return [ModuleCall(self._trace, c) for c in self._trace._call_children()[self.index]]
+
+    @property
+    def start_ns(self) -> int:
+        return self._row.start_ns
+
+    @property
+    def end_ns(self):
+        return self._row.end_ns
+
+    @property
+    def _input_nodes(self) -> tuple:
+        return self._row.inputs
+
+    @property
+    def _output_nodes(self) -> tuple:
+        return self._row.outputs
 
     @property
     def _op_nodes(self) -> list:
         """Indices of every op run inside this call, nested calls included, in execution order."""
-        if self._op_list is None:
-            self._trace._fill_module_ops()
-        return self._op_list
-
-    @_op_nodes.setter
-    def _op_nodes(self, nodes: list) -> None:
-        self._op_list = nodes
+        return self._trace._call_ops()[self.index]
 
     @property
     def address(self) -> str:
-        return self.module.address
+        return self._trace._module_rows[self._row.module].address
 
     @property
     def label(self) -> str:
-        return f"{self.module.address}:{self.call_index}"
+        row = self._row
+        return f"{self._trace._module_rows[row.module].address}:{row.number}"
 
     @property
     def depth(self) -> int:
-        depth, call = 0, self.parent
-        while call is not None:
-            depth, call = depth + 1, call.parent
+        rows, depth = self._trace._call_rows, 0
+        parent = rows[self.index].parent
+        while parent >= 0:
+            depth, parent = depth + 1, rows[parent].parent
         return depth
 
     @property
     def duration(self):
         """Host wall time of the whole call in seconds (None if the call never returned)."""
-        return (self.end_ns - self.start_ns) / 1e9 if self.end_ns is not None else None
+        row = self._row
+        return (row.end_ns - row.start_ns) / 1e9 if row.end_ns is not None else None
 
     @property
     def input_ops(self) -> list:
         labels = self._trace._labels
-        return [labels[i] for i in self._input_nodes if i >= 0]
+        return [labels[i] for i in self._row.inputs if i >= 0]
 
     @property
     def output_ops(self) -> list:
         labels = self._trace._labels
-        return [labels[i] for i in self._output_nodes if i >= 0]
+        return [labels[i] for i in self._row.outputs if i >= 0]
 
     @property
     def grad(self):
@@ -80,14 +141,22 @@ class ModuleCall:
     @property
     def ops(self) -> list:
         """Every op run inside this call (``Op`` objects), nested calls included, in execution order."""
-        ops = self._trace.ops
-        return [ops[i] for i in self._op_nodes]
+        from .op import Op
+
+        trace = self._trace
+        return [Op(trace, i) for i in self._op_nodes]
 
     @property
     def op_labels(self) -> list:
         """Labels of every op run inside this call, nested calls included, in execution order."""
         labels = self._trace._labels
         return [labels[i] for i in self._op_nodes]
+
+    def __eq__(self, other):
+        return type(other) is ModuleCall and other._trace is self._trace and other.index == self.index
+
+    def __hash__(self):
+        return hash((id(self._trace), "call", self.index))
 
     def __repr__(self) -> str:
         return f"<ModuleCall {self.label} ({self.module.class_name}, {len(self._op_nodes)} ops)>"
@@ -96,23 +165,50 @@ class ModuleCall:
 class Module:
     """One module object: its address(es), class, and every call made to it."""
 
-    __slots__ = ("address", "all_addresses", "class_name", "calls", "param_names", "_ref")
+    __slots__ = ("_trace", "index")
 
-    def __init__(self, address, all_addresses, class_name, param_names, module=None):
-        self.address = address
-        self.all_addresses = all_addresses
-        self.class_name = class_name
-        self.calls = []
-        self.param_names = param_names
-        self._ref = module
+    def __init__(self, trace, index: int):
+        self._trace = trace
+        self.index = index
+
+    @property
+    def _row(self) -> ModuleRow:
+        return self._trace._module_rows[self.index]
+
+    @property
+    def address(self) -> str:
+        return self._row.address
+
+    @property
+    def all_addresses(self) -> list:
+        return self._row.all_addresses
+
+    @property
+    def class_name(self) -> str:
+        return self._row.class_name
+
+    @property
+    def param_names(self) -> list:
+        return self._row.param_names
+
+    @property
+    def _ref(self):
+        """The live module, while the trace holds it."""
+        return self._row.ref
+
+    @property
+    def calls(self) -> list:
+        trace = self._trace
+        return [ModuleCall(trace, c) for c in self._row.calls]
 
     @property
     def num_calls(self) -> int:
-        return len(self.calls)
+        return len(self._row.calls)
 
     @property
     def call_labels(self) -> list:
-        return [c.label for c in self.calls]
+        address, rows = self._row.address, self._trace._call_rows
+        return [f"{address}:{rows[c].number}" for c in self._row.calls]
 
     def __getattr__(self, name):
         # Only reached for names the Module lacks: ``log['fc']`` on a module called several times.
@@ -124,6 +220,31 @@ class Module:
                                  f"log[{self.address!r}] is the Module: read it from one call's output op: {calls}")
         raise AttributeError(f"'Module' object has no attribute {name!r}")
 
+    def __eq__(self, other):
+        return type(other) is Module and other._trace is self._trace and other.index == self.index
+
+    def __hash__(self):
+        return hash((id(self._trace), "module", self.index))
+
     def __repr__(self) -> str:
         return f"<Module {self.address} ({self.class_name}, {self.num_calls} call" \
                f"{'s' if self.num_calls != 1 else ''})>"
+
+
+def call_children(rows) -> list:
+    """Each module call's direct children (call indices, in order), from the parents of ``rows``."""
+    children: list = [[] for _ in rows]
+    for k, row in enumerate(rows):
+        if row.parent >= 0:
+            children[row.parent].append(k)
+    return children
+
+
+def call_ops(rows, op_module_calls) -> list:
+    """Each module call's op indices, nested calls included, in execution order: one pass over the ops."""
+    ops: list = [[] for _ in rows]
+    for i, m in enumerate(op_module_calls):
+        while m >= 0:
+            ops[m].append(i)
+            m = rows[m].parent
+    return ops

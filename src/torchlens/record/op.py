@@ -41,7 +41,7 @@ class Op:
 
     @property
     def layer(self) -> "Layer":
-        return self._trace.layers_by_label[self.layer_label]
+        return Layer(self._trace, self._trace._layer_labels[self.index])
 
     @property
     def type(self) -> str:
@@ -240,24 +240,27 @@ class Op:
     @property
     def module_address(self):
         """Address of the innermost module this op ran in (``features.2``), or None in the root forward."""
-        call = self.module_call
-        return call.address if call is not None else None
+        trace = self._trace
+        m = trace._module_call[self.index]
+        return trace._module_rows[trace._call_rows[m].module].address if m >= 0 else None
 
     @property
     def module(self):
         """The innermost module call's label (``features.2:1``), or None in the root forward: the former
         spelling of ``op.module_call.label``, kept for one release (docs/labels.md)."""
-        call = self.module_call
-        return call.label if call is not None else None
+        labels = self.modules
+        return labels[-1] if labels else None
 
     @property
     def modules(self) -> tuple:
         """Module call labels containing this op, outer to inner."""
-        call = self.module_call
-        stack = []
-        while call is not None:
-            stack.append(call.label)
-            call = call.parent
+        trace = self._trace
+        rows, modules = trace._call_rows, trace._module_rows
+        stack, m = [], trace._module_call[self.index]
+        while m >= 0:
+            row = rows[m]
+            stack.append(f"{modules[row.module].address}:{row.number}")
+            m = row.parent
         return tuple(reversed(stack))
 
     @property
@@ -303,14 +306,15 @@ class Layer:
 
     __slots__ = ("_trace", "layer_label", "_indices")
 
-    def __init__(self, trace, layer_label: str, indices: list):
+    def __init__(self, trace, layer_label: str):
         self._trace = trace
         self.layer_label = layer_label
-        self._indices = indices
+        self._indices = trace._layer_index()[layer_label]
 
     @property
     def ops(self) -> list:
-        return [self._trace.ops[i] for i in self._indices]
+        trace = self._trace
+        return [Op(trace, i) for i in self._indices]
 
     @property
     def num_passes(self) -> int:
@@ -318,7 +322,7 @@ class Layer:
 
     @property
     def first(self) -> Op:
-        return self._trace.ops[self._indices[0]]
+        return Op(self._trace, self._indices[0])
 
     @property
     def duration(self) -> float:
@@ -338,6 +342,12 @@ class Layer:
                 f"use log['{self.layer_label}:1'].{name} or layer.ops[k].{name}"
             )
         return getattr(self.first, name)
+
+    def __eq__(self, other):
+        return type(other) is Layer and other._trace is self._trace and other.layer_label == self.layer_label
+
+    def __hash__(self):
+        return hash((id(self._trace), "layer", self.layer_label))
 
     def __repr__(self) -> str:
         return f"<Layer {self.layer_label} ({self.first.func_name}, {self.num_passes} pass" \

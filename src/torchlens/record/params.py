@@ -1,102 +1,163 @@
-"""``Param`` and ``Buffer``: the model's tensors that ops read, as records (never graph nodes for params)."""
+"""``Param`` and ``Buffer``: the model's tensors that ops read, as records (never graph nodes for params).
+
+Like every record, each is a view made on demand over a row the trace holds (see record/modules.py)."""
 
 from __future__ import annotations
 
 from .columns import Kind
 
 
-class Param:
-    """One parameter of the traced model and the ops that used it."""
+class ParamRow:
+    """One parameter's data, as the trace holds it."""
 
-    __slots__ = ("address", "shape", "dtype", "requires_grad", "_trace", "_users")
+    __slots__ = ("address", "shape", "dtype", "requires_grad", "users")
 
-    def __init__(self, trace, address, shape, dtype, requires_grad):
-        self._trace = trace
+    def __init__(self, address, shape, dtype, requires_grad):
         self.address = address
         self.shape = tuple(shape)
         self.dtype = dtype
         self.requires_grad = requires_grad
-        self._users = []
+        self.users: list = []  # indices of the ops that used it, in execution order
+
+
+class BufferRow:
+    """One buffer's data, as the trace holds it."""
+
+    __slots__ = ("address", "nodes")
+
+    def __init__(self, address):
+        self.address = address
+        self.nodes: list = []  # indices of its buffer ops, in order of first use
+
+
+class Param:
+    """One parameter of the traced model and the ops that used it (a view over the trace's row)."""
+
+    __slots__ = ("_trace", "index")
+
+    def __init__(self, trace, index: int):
+        self._trace = trace
+        self.index = index
+
+    @property
+    def _row(self) -> ParamRow:
+        return self._trace._param_rows[self.index]
+
+    @property
+    def address(self) -> str:
+        return self._row.address
+
+    @property
+    def shape(self) -> tuple:
+        return self._row.shape
+
+    @property
+    def dtype(self):
+        return self._row.dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._row.requires_grad
 
     @property
     def numel(self) -> int:
         n = 1
-        for d in self.shape:
+        for d in self._row.shape:
             n *= d
         return n
 
     @property
     def module_address(self) -> str:
-        return self.address.rpartition(".")[0] or "self"
+        return self._row.address.rpartition(".")[0] or "self"
 
     @property
     def grad(self):
         """The parameter's own ``.grad`` after a backward (what the optimizer would read)."""
         from .grads import param_grad
 
-        return param_grad(self._trace, self.address)
+        return param_grad(self._trace, self._row.address)
 
     @property
     def ops(self) -> list:
         """The ops that used this parameter (``Op`` objects), in execution order."""
-        ops = self._trace.ops
-        return [ops[i] for i in self._users]
+        from .op import Op
+
+        return [Op(self._trace, i) for i in self._row.users]
 
     @property
     def op_labels(self) -> list:
         """Labels of the ops that used this parameter, in execution order."""
-        return [self._trace._labels[i] for i in self._users]
+        labels = self._trace._labels
+        return [labels[i] for i in self._row.users]
+
+    def __eq__(self, other):
+        return type(other) is Param and other._trace is self._trace and other.index == self.index
+
+    def __hash__(self):
+        return hash((id(self._trace), "param", self.index))
 
     def __repr__(self) -> str:
-        return f"<Param {self.address} {tuple(self.shape)}, used by {len(self._users)} ops>"
+        return f"<Param {self.address} {tuple(self.shape)}, used by {len(self._row.users)} ops>"
 
 
 class Buffer:
-    """One buffer of the traced model: the nodes where it was read."""
+    """One buffer of the traced model: the nodes where it was read (a view over the trace's row)."""
 
-    __slots__ = ("address", "_trace", "_nodes")
+    __slots__ = ("_trace", "index")
 
-    def __init__(self, trace, address):
+    def __init__(self, trace, index: int):
         self._trace = trace
-        self.address = address
-        self._nodes = []
+        self.index = index
+
+    @property
+    def address(self) -> str:
+        return self._trace._buffer_rows[self.index].address
 
     @property
     def ops(self) -> list:
         """The buffer's nodes (``Op`` objects of kind ``"buffer"``), in order of first use."""
-        ops = self._trace.ops
-        return [ops[i] for i in self._nodes]
+        from .op import Op
+
+        return [Op(self._trace, i) for i in self._trace._buffer_rows[self.index].nodes]
 
     @property
     def op_labels(self) -> list:
         """Labels of the buffer's nodes (``buffer_k:1``), in order of first use."""
-        return [self._trace._labels[i] for i in self._nodes]
+        labels = self._trace._labels
+        return [labels[i] for i in self._trace._buffer_rows[self.index].nodes]
 
     @property
     def readers(self) -> list:
-        children = self._trace._children()
-        return [self._trace._labels[c] for i in self._nodes for c in children[i]]
+        trace = self._trace
+        children, labels = trace._children(), trace._labels
+        return [labels[c] for i in trace._buffer_rows[self.index].nodes for c in children[i]]
+
+    def __eq__(self, other):
+        return type(other) is Buffer and other._trace is self._trace and other.index == self.index
+
+    def __hash__(self):
+        return hash((id(self._trace), "buffer", self.index))
 
     def __repr__(self) -> str:
         return f"<Buffer {self.address}, read by {len(self.readers)} ops>"
 
 
 def build_params(trace, model_params) -> list:
-    """Param records from the model's ``(address, parameter)`` list (None for a loaded trace)."""
+    """Param rows from the model's ``(address, parameter)`` list (None for a loaded trace)."""
     if model_params is None:
         return []
-    records = {address: Param(trace, address, p.shape, p.dtype, p.requires_grad) for address, p in model_params}
+    rows = {address: ParamRow(address, p.shape, p.dtype, p.requires_grad) for address, p in model_params}
     for op_index, addresses in trace._param_addresses.items():
         for address in addresses:
-            if address in records:
-                records[address]._users.append(op_index)
-    return list(records.values())
+            if address in rows:
+                rows[address].users.append(op_index)
+    return list(rows.values())
 
 
 def build_buffers(trace) -> list:
-    records: dict = {}
+    rows: dict = {}
     for i, kind in enumerate(trace._kind):
         if kind == Kind.BUFFER:
             address = trace._io[i]
-            records.setdefault(address, Buffer(trace, address))._nodes.append(i)
-    return list(records.values())
+            rows.setdefault(address, BufferRow(address)).nodes.append(i)
+    return list(rows.values())

@@ -1,23 +1,62 @@
-"""``Trace``: the record of one forward pass, held as columns, read through light views."""
+"""``Trace``: the record of one forward pass, held as columns, read through light views.
+
+The trace holds plain data only (columns, rows, tensors); every record it hands out (``Op``, ``Layer``,
+``ModuleCall``, ``Module``, ``Param``, ``Buffer``) is a view made on demand that refers to the trace, and no
+view is kept by the trace.  So there is no reference cycle: a trace is freed, with its activations and
+the autograd graph its output holds, as soon as nothing refers to it or to one of its records.
+"""
 
 from __future__ import annotations
 
 import difflib
 import gc
+from collections.abc import Sequence
 
 from ..errors import TorchlensError, TraceCleanedUp
 from .columns import Call, Kind
 from . import grads as _grads
+from . import tables
 from .derived import Derived as _Derived
+from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
+from .params import Buffer, Param
 
 
-class RecordList(list):
-    """A list of records (ops, layers, module calls, modules) that also converts to a DataFrame."""
+class RecordList(Sequence):
+    """The records of one kind (ops, layers, module calls, modules, parameters, buffers) as a sequence
+    that also converts to a DataFrame.  Each item is a view made when it is read, ``view(trace, key)``
+    for one of ``keys``: a slice gives a list of them."""
 
-    def __init__(self, items, to_frame):
-        super().__init__(items)
+    __slots__ = ("_trace", "_view", "_keys", "_to_frame")
+
+    def __init__(self, trace, view, keys, to_frame):
+        self._trace = trace
+        self._view = view
+        self._keys = keys
         self._to_frame = to_frame
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            trace, view = self._trace, self._view
+            return [view(trace, k) for k in self._keys[i]]
+        return self._view(self._trace, self._keys[i])
+
+    def __iter__(self):
+        trace, view = self._trace, self._view
+        return (view(trace, k) for k in self._keys)
+
+    def __eq__(self, other):
+        if isinstance(other, (RecordList, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # like a list
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
     def to_pandas(self):
         return self._to_frame(self)
@@ -55,7 +94,8 @@ class Trace:
     # Built on first read (a trace nobody reads sets none of them), or set by ``cleanup``.
     _calls_named = False  # whether ``calls`` has named the raw call tuples
     _cleaned = False
-    _children_col = _lookup = _ops = _layers = _layers_by_label = _params = _buffers = None
+    _children_col = _lookup = _layer_index_col = _layer_keys = _call_children_col = _call_ops_col = None
+    _param_rows = _buffer_rows = None  # record.params rows, built on first read of ``params`` / ``buffers``
 
     # The columns: derived on first read, a group at a time, from ``_raw`` (a trace made by
     # ``record.finalize``), or given to ``__init__`` (a trace read by ``tl.load``).
@@ -67,8 +107,8 @@ class Trace:
     _module_call = _Derived("columns")
     _inplace = _Derived("columns")
     _io = _Derived("columns")
-    module_calls = _Derived("modules")  # RecordList of ModuleCall
-    modules = _Derived("modules")  # RecordList of Module
+    _call_rows = _Derived("modules")  # a record.modules.CallRow per module call
+    _module_rows = _Derived("modules")  # a record.modules.ModuleRow per module
     _labels = _Derived("labels")
     _layer_labels = _Derived("labels")
     _pass = _Derived("labels")
@@ -82,7 +122,7 @@ class Trace:
                  unattributed, timings, budget_exhausted_at, alias_reads=frozenset(), index=None, raw=None,
                  kind=None, call=None, slot=None, meta=None, parents=None, module_call=None, inplace=None,
                  io=None, labels=None, layer_labels=None, pass_col=None, group=None, group_size=None, types=None,
-                 func_names=None, module_calls=None, modules=None):
+                 func_names=None, call_rows=None, module_rows=None, call_op_indices=None):
         """Either ``raw`` (``record.finalize.RawRecord``: the columns are derived from it on first read)
         or every column (``tl.load``)."""
         self.model_name = model_name
@@ -105,12 +145,9 @@ class Trace:
             self._group_size = group_size
             self._types = types
             self._func_names = func_names
-            for mc in module_calls:
-                mc._trace = self
-            from . import tables
-
-            self.module_calls = RecordList(module_calls, tables.module_calls_frame)
-            self.modules = RecordList(modules, tables.modules_frame)
+            self._call_rows = call_rows
+            self._module_rows = module_rows
+            self._call_ops_col = call_op_indices
         self._activations = activations
         self._dropped = dropped
         self._finite = finite
@@ -127,53 +164,71 @@ class Trace:
 
     def _derive_all(self) -> None:
         """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
-        self._kind, self.module_calls, self._labels, self._param_addresses
+        self._kind, self._call_rows, self._labels, self._param_addresses
 
     # ----- records -------------------------------------------------------------------------------
     @property
     def ops(self) -> RecordList:
         """Every op (inputs, buffers and outputs included) in execution order."""
-        if self._ops is None:
-            from . import tables
-
-            self._ops = RecordList([Op(self, i) for i in range(len(self._kind))], tables.ops_frame)
-        return self._ops
+        return RecordList(self, Op, range(len(self._kind)), tables.ops_frame)
 
     @property
     def params(self) -> RecordList:
         """The model's parameters and the ops that used each (built on first use)."""
-        if self._params is None:
-            from . import tables
+        if self._param_rows is None:
             from .params import build_params
 
-            self._params = RecordList(build_params(self, self._model_params), tables.params_frame)
-        return self._params
+            self._param_rows = build_params(self, self._model_params)
+        return RecordList(self, Param, range(len(self._param_rows)), tables.params_frame)
 
     @property
     def buffers(self) -> RecordList:
-        if self._buffers is None:
-            from . import tables
+        if self._buffer_rows is None:
             from .params import build_buffers
 
-            self._buffers = RecordList(build_buffers(self), tables.buffers_frame)
-        return self._buffers
+            self._buffer_rows = build_buffers(self)
+        return RecordList(self, Buffer, range(len(self._buffer_rows)), tables.buffers_frame)
 
     @property
     def layers(self) -> RecordList:
-        if self._layers is None:
-            from . import tables
-
-            indices: dict = {}
-            for i, layer in enumerate(self._layer_labels):
-                indices.setdefault(layer, []).append(i)
-            self._layers = RecordList([Layer(self, k, v) for k, v in indices.items()], tables.layers_frame)
-        return self._layers
+        self._layer_index()
+        return RecordList(self, Layer, self._layer_keys, tables.layers_frame)
 
     @property
     def layers_by_label(self) -> dict:
-        if self._layers_by_label is None:  # Op.layer reads it per op: build it once
-            self._layers_by_label = {layer.layer_label: layer for layer in self.layers}
-        return self._layers_by_label
+        """Layer label -> ``Layer``, in order of first execution."""
+        return {label: Layer(self, label) for label in self._layer_index()}
+
+    @property
+    def module_calls(self) -> RecordList:
+        """Every module call, in the order the calls began."""
+        return RecordList(self, ModuleCall, range(len(self._call_rows)), tables.module_calls_frame)
+
+    @property
+    def modules(self) -> RecordList:
+        """Every module called, in the order of its first call."""
+        return RecordList(self, Module, range(len(self._module_rows)), tables.modules_frame)
+
+    def _layer_index(self) -> dict:
+        """Layer label -> its op indices, in order of first execution (derived once from the labels)."""
+        if self._layer_index_col is None:
+            indices: dict = {}
+            for i, layer in enumerate(self._layer_labels):
+                indices.setdefault(layer, []).append(i)
+            self._layer_index_col, self._layer_keys = indices, list(indices)
+        return self._layer_index_col
+
+    def _call_children(self) -> list:
+        if self._call_children_col is None:
+            self._call_children_col = call_children(self._call_rows)
+        return self._call_children_col
+
+    def _call_ops(self) -> list:
+        """Every module call's op indices (nested calls included), derived on first use in one pass over
+        the ops rather than while the trace is built, since most traces never ask."""
+        if self._call_ops_col is None:
+            self._call_ops_col = call_ops(self._call_rows, self._module_call)
+        return self._call_ops_col
 
     # ----- the record model (record/columns.py), read-only --------------------------------------
     @property
@@ -227,6 +282,11 @@ class Trace:
     def module_call_indices(self) -> list:
         """Each op's innermost module call, an index into ``module_calls`` (-1: the root forward), by op index."""
         return self._module_call
+
+    @property
+    def module_call_parents(self) -> list:
+        """Each module call's enclosing call, an index into ``module_calls`` (-1: the root forward), by call index."""
+        return [row.parent for row in self._call_rows]
 
     @property
     def op_parents(self) -> list:
@@ -312,7 +372,7 @@ class Trace:
         self._types  # the rest of the label group is derived first, so that it never overwrites these
         self._labels, self._layer_labels, self._pass, self._group = labels, layer_labels, pass_numbers, groups
         self._group_size = {g: sum(1 for x in groups if x == g) for g in set(groups)}
-        self._lookup = self._layers = self._layers_by_label = None  # derived from the labels: rebuilt on use
+        self._lookup = self._layer_index_col = None  # derived from the labels: rebuilt on use
 
     # ----- the reference library's names (see docs/labels.md) -----------------------------------
     @property
@@ -332,11 +392,11 @@ class Trace:
 
     @property
     def inputs(self) -> list:
-        return [op for op in self.ops if op._trace._kind[op.index] == Kind.INPUT]
+        return [Op(self, i) for i, kind in enumerate(self._kind) if kind == Kind.INPUT]
 
     @property
     def outputs(self) -> list:
-        return [op for op in self.ops if op._trace._kind[op.index] == Kind.OUTPUT]
+        return [Op(self, i) for i, kind in enumerate(self._kind) if kind == Kind.OUTPUT]
 
     @property
     def output(self):
@@ -402,21 +462,6 @@ class Trace:
 
         return SavedForBackward(self)
 
-    def _fill_module_ops(self) -> None:
-        """Every module call's op indices (nested calls included), in one pass over the ops: derived
-        on first use rather than while the trace is built, since most traces never ask."""
-        calls = self.module_calls
-        fresh = {c.index for c in calls if c._op_list is None}
-        for c in calls:
-            if c.index in fresh:
-                c._op_list = []
-        for i, m in enumerate(self._module_call):
-            call = calls[m] if m >= 0 else None
-            while call is not None:
-                if call.index in fresh:
-                    call._op_list.append(i)
-                call = call.parent
-
     def _children(self) -> list:
         if self._children_col is None:
             children: list = [[] for _ in self._kind]
@@ -429,24 +474,24 @@ class Trace:
 
     # ----- indexing ------------------------------------------------------------------------------
     def _build_lookup(self) -> dict:
-        lookup: dict = {}
-        for layer in self.layers:
-            lookup[layer.layer_label] = layer
-        for op, label in zip(self.ops, self._labels):
-            lookup[label] = op
-        for op in self.ops:
-            path = self._io.get(op.index)
-            if path is not None and op._trace._kind[op.index] != Kind.BUFFER:
-                lookup.setdefault(path, op)
-        for mc in self.module_calls:
-            outs = [i for i in mc._output_nodes if i >= 0]
+        """Key -> (view class, key of the view): plain data, so that the lookup holds no view."""
+        lookup: dict = {label: (Layer, label) for label in self._layer_index()}
+        for i, label in enumerate(self._labels):
+            lookup[label] = (Op, i)
+        kind = self._kind
+        for i, path in self._io.items():
+            if kind[i] != Kind.BUFFER:
+                lookup.setdefault(path, (Op, i))
+        rows, modules = self._call_rows, self._module_rows
+        for k, row in enumerate(rows):
+            outs = [i for i in row.outputs if i >= 0]
             if outs:
-                lookup.setdefault(mc.label, self.ops[outs[-1]])
-        for module in self.modules:
-            target = module
-            if module.num_calls == 1:
-                outs = [i for i in module.calls[0]._output_nodes if i >= 0]
-                target = self.ops[outs[-1]] if outs else module
+                lookup.setdefault(f"{modules[row.module].address}:{row.number}", (Op, outs[-1]))
+        for m, module in enumerate(modules):
+            target = (Module, m)
+            if len(module.calls) == 1:
+                outs = [i for i in rows[module.calls[0]].outputs if i >= 0]
+                target = (Op, outs[-1]) if outs else target
             for address in module.all_addresses:
                 lookup.setdefault(address, target)
         return lookup
@@ -466,7 +511,8 @@ class Trace:
             close = difflib.get_close_matches(key, list(self._lookup), n=5, cutoff=0.5)
             hint = f"; closest: {', '.join(close)}" if close else ""
             raise KeyError(f"no op, layer, module call or module named {key!r} in this trace{hint}")
-        return found
+        view, view_key = found
+        return view(self, view_key)
 
     def __contains__(self, key) -> bool:
         try:
@@ -573,8 +619,8 @@ class Trace:
         self._output = None
         self._model = None
         self._calls = [c._replace(args=None, kwargs=None, params=()) for c in self.calls]
-        for module in self.modules:
-            module._ref = None
+        for row in self._module_rows:
+            row.ref = None
 
     @property
     def is_cleaned_up(self) -> bool:

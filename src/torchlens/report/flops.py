@@ -404,7 +404,7 @@ def total_flops(trace) -> FlopCount:
 def module_call_flops(trace) -> dict:
     """``{module call label: FlopCount}``, inclusive of nested calls, in call order."""
     column = flops_column(trace)
-    calls = trace.module_calls
+    calls, parents = trace.module_calls, trace.module_call_parents
     totals = [0] * len(calls)
     counted = [0] * len(calls)
     unknown = [[] for _ in calls]
@@ -416,8 +416,7 @@ def module_call_flops(trace) -> dict:
             elif parts:
                 totals[m] += sum(parts.values())
                 counted[m] += 1
-            parent = calls[m].parent
-            m = parent.index if parent is not None else -1
+            m = parents[m]
     return {call.label: FlopCount(totals[k], unknown[k], counted[k]) for k, call in enumerate(calls)}
 
 

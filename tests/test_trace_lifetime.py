@@ -1,0 +1,155 @@
+"""A trace is freed by reference counting the moment nothing refers to it, however much of it was read.
+
+Every record a trace hands out is a view made on demand (``Op``, ``Layer``, ``ModuleCall``, ``Module``,
+``Param``, ``Buffer``), and the trace keeps none of them, so there is no reference cycle for the
+collector to find: dropping a trace frees its activations, its output and the autograd graph that output
+holds at once.  Each case below runs with the collector off, reads the trace the way users do (every
+record, the tables, the printed summary, gradients, interventions, a saved and reloaded copy), drops it,
+and checks that it and its tensors are gone.  A record held on its own keeps its trace alive and usable.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import torchlens as tl
+from real_models import build
+from torchlens.tree import tensor_leaves
+from zoo import zoo
+
+
+@pytest.fixture
+def no_collector():
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _read_everything(log) -> None:
+    str(log), repr(log), str(log.summary()), log.summary().to_pandas()
+    for records in (log.ops, log.layers, log.module_calls, log.modules, log.params, log.buffers):
+        records.to_pandas()
+        list(records)
+    for op in log.ops:
+        op.parents, op.children, op.module_call, op.layer, op.source, op.modules, op.activation, op.call
+    for layer in log.layers:
+        layer.ops, layer.first
+    for call in log.module_calls:
+        call.ops, call.children, call.parent, call.module.calls, call.input_ops, call.output_ops
+    for param in log.params:
+        param.ops
+    log[log.labels[1]], log[log.op_layer_labels[1]], log.flops
+    tl.debug.hot_path(log)
+
+
+def _tensors_of(log, *held) -> list:
+    """Weak references to what a dropped trace must free: its saved activations and its output, but for
+    the tensors someone else holds (the inputs the caller passed, the model's parameters and buffers,
+    which inputs and buffer ops save by reference)."""
+    others = {id(t) for t in held}
+    if log.model is not None:
+        others |= {id(t) for t in (*log.model.parameters(), *log.model.buffers())}
+    kept = [*log.saved_activations.values(), *(op.activation for op in log.outputs if op.activation is not None)]
+    return [weakref.ref(t) for t in kept if id(t) not in others]
+
+
+def _inputs(args, kwargs) -> list:
+    return [t for _, t in tensor_leaves((args, kwargs))]
+
+
+def _assert_freed(trace_ref, tensor_refs) -> None:
+    assert trace_ref() is None, "the dropped trace is still alive: something forms a reference cycle"
+    assert not [r for r in tensor_refs if r() is not None], "tensors of the dropped trace are still alive"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "lstm"])
+def test_a_fully_read_trace_of_a_real_model_is_freed_when_dropped(name, no_collector):
+    model, args, kwargs = build(name)
+    log = tl.trace(model.eval(), args, kwargs)
+    _read_everything(log)
+    refs = weakref.ref(log), _tensors_of(log, *_inputs(args, kwargs))
+    del log
+    _assert_freed(*refs)
+
+
+@pytest.mark.parametrize("name", sorted(zoo()))
+def test_every_zoo_trace_read_whole_is_freed_when_dropped(name, no_collector):
+    model, args, kwargs = zoo()[name]
+    log = tl.trace(model, args, kwargs)
+    _read_everything(log)
+    refs = weakref.ref(log), _tensors_of(log, *_inputs(args, kwargs))
+    del log
+    _assert_freed(*refs)
+
+
+def test_a_trace_with_gradients_frees_them_and_the_graph_of_its_output(no_collector):
+    model, args, kwargs = build("gpt2")
+    model.train()
+    log = tl.trace(model, args, kwargs, grads=True, saved_for_backward=True)
+    output = weakref.ref(log.output.logits)  # holds the autograd graph until the backward frees it
+    log.backward(log.output.logits.sum(), retain_graph=True)  # the graph stays: only the trace holds it
+    grads = [weakref.ref(op.grad) for op in log.ops if op.has_grad]
+    assert grads
+    log.to_pandas(), log.saved_for_backward_bytes, str(log.saved_for_backward()), log.params[0].grad
+    _read_everything(log)
+    trace = weakref.ref(log)
+    del log
+    assert trace() is None and output() is None
+    assert not [g for g in grads if g() is not None]
+    model.zero_grad(set_to_none=True)
+
+
+def test_an_intervened_trace_is_freed_with_its_originals(no_collector):
+    model, args, kwargs = build("gpt2")
+    log = tl.trace(model.eval(), args, kwargs, intervene={"transformer.h.0": tl.zero_ablate()})
+    originals = [weakref.ref(op.original) for op in log.ops if op.intervention is not None and op.original is not None]
+    assert originals and log.interventions
+    _read_everything(log)
+    refs = weakref.ref(log), _tensors_of(log, *_inputs(args, kwargs))
+    del log
+    _assert_freed(*refs)
+    assert not [o for o in originals if o() is not None]
+
+
+def test_a_loaded_trace_is_freed_when_dropped(tmp_path, no_collector):
+    model, args, kwargs = zoo()["small_cnn"]
+    tl.trace(model, args, kwargs).save(tmp_path / "run")
+    loaded = tl.load(tmp_path / "run")
+    str(loaded), loaded.to_pandas(), loaded.module_calls.to_pandas()
+    [(op.parents, op.module_call, op.activation) for op in loaded.ops]  # no name left holding an op
+    refs = weakref.ref(loaded), _tensors_of(loaded)
+    del loaded
+    _assert_freed(*refs)
+
+
+def test_a_record_held_alone_keeps_its_trace_alive_and_readable(no_collector):
+    model, args, kwargs = zoo()["small_cnn"]
+    log = tl.trace(model, args, kwargs)
+    label, expected = log.labels[2], log.ops[2].activation.clone()
+    op, call, layer = log[label], log.module_calls[0], log.layers[1]
+    trace = weakref.ref(log)
+    del log
+    assert trace() is not None  # held by the records
+    assert op.label == label and torch.equal(op.activation, expected)
+    assert call.ops and call.module.calls[0] == call and layer.first.layer_label == layer.layer_label
+    del op, call, layer
+    assert trace() is None
+
+
+def test_records_are_views_equal_by_what_they_address():
+    model, args, kwargs = zoo()["small_cnn"]
+    log = tl.trace(model, args, kwargs)
+    assert log.ops[3] == log[log.labels[3]] and hash(log.ops[3]) == hash(log[log.labels[3]])
+    assert log.module_calls[0] == log.module_calls[0] and log.module_calls[0] != log.module_calls[-1]
+    assert log.ops[3].layer == log.layers_by_label[log.op_layer_labels[3]]
+    assert len({log.modules[0], log.modules[0], log.modules[-1]}) == (2 if len(log.modules) > 1 else 1)
+    assert log.ops == log.ops and list(log.ops[1:3]) == [log.ops[1], log.ops[2]]
+    other = tl.trace(model, args, kwargs)
+    assert log.ops[3] != other.ops[3]  # the same address in another trace is another record
