@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]' $(TORCH)
 	touch $(STAMP)
 
-# The optional compiled hot path (torchlens[fast]): built here so that the tests run both paths.
+# The optional compiled hot path (torchlens[fast]): built here so that the tests run both paths.  Without
+# build isolation, so that its C++ gradient hooks build against the torch installed above.
 $(ACCEL): $(STAMP) accel/setup.py accel/pyproject.toml $(wildcard accel/src/torchlens_accel/*)
-	$(BIN)/python -m pip install -q ./accel
+	$(BIN)/python -m pip install -q "setuptools>=77"
+	$(BIN)/python -m pip install -q --no-build-isolation ./accel
 	touch $(ACCEL)
 
 demo: $(STAMP)

@@ -1,9 +1,26 @@
-"""The compiled modules of torchlens-accel: plain C against the CPython API (no torch headers)."""
+"""The compiled modules of torchlens-accel.
+
+``_capture``, ``_grads`` and ``_index`` are plain C against the CPython API.  ``_autograd`` (gradient hooks as
+autograd's own C++ hooks) is built against torch's headers, so only where torch is importable when building
+(``pip install --no-build-isolation ./accel``); it records the torch it was built for, and torchlens uses it
+only with that torch.  Without it, gradient capture takes the ``_grads`` hooks.
+"""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[
-    Extension("torchlens_accel._capture", ["src/torchlens_accel/_capture.c"], extra_compile_args=["-O2"]),
-    Extension("torchlens_accel._grads", ["src/torchlens_accel/_grads.c"], extra_compile_args=["-O2"]),
-    Extension("torchlens_accel._index", ["src/torchlens_accel/_index.c"], extra_compile_args=["-O2"]),
-])
+# An explicit C standard: torch's build command would otherwise give every module its C++ one.
+C_FLAGS = ["-O2", "-std=c11"]
+modules = [Extension(f"torchlens_accel.{name}", [f"src/torchlens_accel/{name}.c"], extra_compile_args=C_FLAGS)
+           for name in ("_capture", "_grads", "_index")]
+commands = {}
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:  # an isolated build, or no torch: the C++ hooks are left out
+    pass
+else:
+    modules.append(CppExtension("torchlens_accel._autograd", ["src/torchlens_accel/_autograd.cpp"],
+                                extra_compile_args=["-O2", f'-DTORCHLENS_TORCH_VERSION="{torch.__version__}"']))
+    commands["build_ext"] = BuildExtension.with_options(use_ninja=False)
+
+setup(ext_modules=modules, cmdclass=commands)

@@ -10,7 +10,8 @@ fastest of ``--blocks`` runs per round, part by part):
     noop hook     a C callable returning None in each tensor's hook dict (torch's own cost of a
                   Python tensor hook: the hook dict, its registration and the call per backward)
     python        ``GradCapture`` on the pure-Python path (``accel.use(False)``)
-    compiled      ``GradCapture`` with torchlens-accel's ``_grads`` (``accel.use(True)``)
+    c hooks       ``GradCapture`` with torchlens-accel's ``_grads`` (C callables torch calls as Python hooks)
+    c++ hooks     ``GradCapture`` with torchlens-accel's ``_autograd`` (autograd C++ hooks, as retain_grad's)
 
 Reported per op, in microseconds over ``none``: medians over rounds and their quartiles.  Run:
 
@@ -57,10 +58,14 @@ def _arm(name: str, n: int):
         elif name == "noop hook":
             per_output = noop_hook
         else:
-            previous = accel.use(name == "compiled")
+            previous = accel.use(name != "python")
+            hidden = accel._modules.get("_autograd", accel._load("_autograd"))
+            if name == "c hooks":
+                accel._modules["_autograd"] = None  # the C hooks serve where the C++ ones are absent
             try:
                 capture = GradCapture()
             finally:
+                accel._modules["_autograd"] = hidden
                 accel.use(previous)
             per_output = capture.watch
         t0 = time.perf_counter_ns()
@@ -70,7 +75,7 @@ def _arm(name: str, n: int):
         t2 = time.perf_counter_ns()
         if capture is not None:
             capture.remove_hooks()
-            capture.grads.clear()
+            capture.release_grads()
         del y
         t3 = time.perf_counter_ns()
         return (t1 - t0) / n, (t2 - t1) / n, (t3 - t2) / n
@@ -88,10 +93,11 @@ def main(argv=None) -> int:
 
     names = ["none", "retain_grad", "noop hook", "python"]
     previous = accel.use(True)
-    if accel.compiled("_grads") is not None:
-        names.append("compiled")
-    else:
-        print("torchlens-accel's _grads is not built: the compiled arm is left out", file=sys.stderr)
+    for module, arm in (("_grads", "c hooks"), ("_autograd", "c++ hooks")):
+        if accel.compiled(module) is not None:
+            names.append(arm)
+        else:
+            print(f"torchlens-accel's {module} is not built: the {arm} arm is left out", file=sys.stderr)
     accel.use(previous)
     torch.set_num_threads(1)
     arms = {name: _arm(name, opts.ops) for name in names}

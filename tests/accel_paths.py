@@ -1,6 +1,6 @@
 """The two capture paths, for the tests that run both: torchlens-accel's compiled modules and pure Python.
 
-``compiled_or_skip(name)`` is the compiled module ``name`` (``_capture``, ``_grads``, ``_index``) whatever
+``compiled_or_skip(name)`` is the compiled module ``name`` (``_capture``, ``_grads``, ``_index``, ``_autograd``) whatever
 ``TORCHLENS_ACCEL`` says, or None with the calling test module marked skipped, saying how to build it;
 with ``TORCHLENS_REQUIRE_ACCEL=1`` (the Makefile's first pass) a missing module fails the run instead, so a
 broken build cannot pass as skipped.  ``on_path(compiled)`` sets the path for the traces inside it.
@@ -35,10 +35,14 @@ def compiled_or_skip(name: str):
 
 
 @contextlib.contextmanager
-def on_path(compiled: bool):
-    """Trace on the compiled path (True) or the pure-Python one (False) inside the block."""
+def on_path(compiled: bool, without=()):
+    """Trace on the compiled path (True) or the pure-Python one (False) inside the block; ``without`` names
+    compiled modules left out meanwhile (``_autograd``: gradient capture then takes the ``_grads`` hooks)."""
     previous = accel.use(compiled)
+    hidden = {name: accel._modules.get(name, accel._load(name)) for name in without}
+    accel._modules.update(dict.fromkeys(hidden))
     try:
         yield
     finally:
+        accel._modules.update(hidden)
         accel.use(previous)

@@ -1,10 +1,12 @@
-"""Gradient capture on both paths: torchlens-accel's compiled hooks (``_grads``) and pure Python.
+"""Gradient capture on its three paths: torchlens-accel's C++ hooks (``_autograd``), its C hooks
+(``_grads``) and pure Python.
 
-Each model is traced twice in one process, once per path (``accel.use``), and driven through the same
-backwards: the two traces must hold bit-identical gradients, in the same arrival order, count the same
-backwards and note the same backward-node sequence numbers, and each must match an untraced run that
-calls ``retain_grad()`` on the same tensors (``grad_oracle.Oracle``).  Both paths must remove every hook
-they add, on ``cleanup()`` and when the trace is dropped, even inside a reference cycle.
+Each model is traced once per path in one process (``accel.use``, and ``_autograd`` left out for the C
+hooks) and driven through the same backwards: the traces must hold bit-identical gradients, in the same
+arrival order, count the same backwards and note the same backward-node sequence numbers, and each must
+match an untraced run that calls ``retain_grad()`` on the same tensors (``grad_oracle.Oracle``).  Every
+path must remove every hook it adds, on ``cleanup()`` and when the trace is dropped, even inside a
+reference cycle.
 
 Skipped, saying so, when the compiled module is not built; ``TORCHLENS_REQUIRE_ACCEL=1`` makes that a
 failure instead.
@@ -20,21 +22,32 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
-from accel_paths import PATHS, compiled_or_skip, on_path
-from torchlens.capture.grads import _store
+from accel_paths import compiled_or_skip, on_path
+from torchlens.capture.grads import _Sink, _store
 from grad_oracle import Oracle, _assert_bit_identical, _case, _loss, _op_grads, _reference
 from test_grads import WithSentinel
 from zoo import zoo
 
 
 NATIVE = compiled_or_skip("_grads")
+CPP = compiled_or_skip("_autograd")
+CPP_HOOK = type(CPP.Sink().hook(0))
+
+# name -> (accel.use, compiled modules left out, the sink the path writes into); the C++ hooks first.
+PATH_SETUP = {"cpp": (True, (), CPP.Sink), "c": (True, ("_autograd",), NATIVE.Sink), "python": (False, (), _Sink)}
+PATH_NAMES = tuple(PATH_SETUP)
+PATHS = [pytest.param(name, id=name) for name in PATH_NAMES]
 
 
-def _trace(compiled: bool, model, args, kwargs=None, **options):
-    with on_path(compiled):
+def _on(path: str):
+    compiled, without, _ = PATH_SETUP[path]
+    return on_path(compiled, without)
+
+
+def _trace(path: str, model, args, kwargs=None, **options):
+    with _on(path):
         log = tl.trace(model, args, kwargs, grads=True, **options)
-    capture = log._gradcap
-    assert isinstance(capture._sink, NATIVE.Sink) is compiled  # the path asked for is the path taken
+    assert type(log._gradcap._sink) is PATH_SETUP[path][2]  # the path asked for is the path taken
     return log
 
 
@@ -60,16 +73,17 @@ def _assert_same(a: dict, b: dict) -> None:
     assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
 
 
-def _both(build, drive) -> list:
-    """Trace ``build()`` on each path, ``drive(log)`` its backwards; the two records (compiled first)."""
+def _every_path(build, drive) -> list:
+    """Trace ``build()`` on each path, ``drive(log)`` its backwards; the records, in ``PATH_NAMES`` order."""
     records = []
-    for compiled in (True, False):
+    for path in PATH_NAMES:
         model, args, kwargs = build()
         torch.manual_seed(1)
-        log = _trace(compiled, model, args, kwargs)
+        log = _trace(path, model, args, kwargs)
         drive(log)
         records.append(_record(log, model))
-    _assert_same(*records)
+    for other in records[1:]:
+        _assert_same(records[0], other)
     return records
 
 
@@ -82,14 +96,14 @@ IN_PLACE = ["small_cnn", "batchnorm_eval"]  # in-place ReLU: the reference is a 
 @pytest.mark.parametrize("name", ZOO + IN_PLACE)
 def test_zoo_gradients_identical_on_both_paths_and_to_retain_grad(name):
     oracle, _ = _reference(name, how="hook" if name in IN_PLACE else "retain_grad")
-    for compiled in (True, False):
+    for path in PATH_NAMES:
         model, args, kwargs = _case(name)
         torch.manual_seed(1)
-        log = _trace(compiled, model, args, kwargs)
+        log = _trace(path, model, args, kwargs)
         log.backward(_loss(log.output))
         ops, got = _op_grads(log)
         _assert_bit_identical(ops, got, oracle.grads())
-    _both(lambda: _case(name), lambda log: log.backward(_loss(log.output)))
+    _every_path(lambda: _case(name), lambda log: log.backward(_loss(log.output)))
 
 
 def _gpt2():
@@ -108,8 +122,8 @@ def test_gpt2_gradients_identical_on_both_paths_with_retain_graph_and_two_backwa
         log.backward(logits.pow(2).mean(), retain_graph=True)
         log.backward(logits[:, -1].sum())
 
-    compiled, _ = _both(_gpt2, drive)
-    assert compiled["backwards"] == 2
+    cpp, *_ = _every_path(_gpt2, drive)
+    assert cpp["backwards"] == 2
     # Against retain_grad(): the same two backwards, accumulated as .grad accumulates.
     model, _, kwargs = _gpt2()
     oracle = Oracle()
@@ -117,7 +131,7 @@ def test_gpt2_gradients_identical_on_both_paths_with_retain_graph_and_two_backwa
         logits = model(**kwargs).logits
     logits.pow(2).mean().backward(retain_graph=True)
     logits[:, -1].sum().backward()
-    log = _trace(True, *_gpt2())
+    log = _trace("cpp", *_gpt2())
     drive(log)
     ops, got = _op_grads(log)
     _assert_bit_identical(ops, got, oracle.grads())
@@ -142,14 +156,14 @@ def test_multi_output_ops_get_each_output_gradient_on_both_paths():
         torch.manual_seed(0)
         return MultiOutputOps(), (torch.randn(2, 3, 4),), {}
 
-    records = _both(build, lambda log: log.backward(log.output[0]))
+    records = _every_path(build, lambda log: log.backward(log.output[0]))
     model, args, _ = build()
     oracle = Oracle()
     with oracle:
         loss, _ = model(*args)
     loss.backward()
     model, args, _ = build()
-    log = _trace(True, model, args)
+    log = _trace("cpp", model, args)
     log.backward(log.output[0])
     ops, got = _op_grads(log)
     _assert_bit_identical(ops, got, oracle.grads())
@@ -175,8 +189,8 @@ def test_create_graph_keeps_values_and_second_order_backward_counts_on_both_path
         # The parameters' .grad now carry a graph: a second-order backward through it reaches the forward.
         sum(p.grad.pow(2).sum() for _, p in log._model_params).backward()
 
-    compiled, python = _both(build, drive)
-    assert compiled["backwards"] == python["backwards"] == 2
+    records = _every_path(build, drive)
+    assert [r["backwards"] for r in records] == [2, 2, 2]
 
 
 def test_autograd_grad_fills_gradients_on_both_paths():
@@ -185,32 +199,45 @@ def test_autograd_grad_fills_gradients_on_both_paths():
         return model, (x.clone().requires_grad_(),), {}
 
     records = []
-    for compiled in (True, False):
+    for path in PATH_NAMES:
         model, (x,), _ = build()
-        log = _trace(compiled, model, (x,))
+        log = _trace(path, model, (x,))
         (gx,) = torch.autograd.grad(log.output.sum(), [x])
         assert torch.equal(log["input_1"].grad, gx)
         assert log.num_backwards == 1 and x.grad is None  # autograd.grad accumulates into nothing
         records.append(_record(log, model))
-    _assert_same(*records)
+    for other in records[1:]:
+        _assert_same(records[0], other)
 
 
 # ----- hooks removed, graph never kept ----------------------------------------------------------------
 def _ours(hooks) -> list:
-    """The keys of the hooks gradient capture put in a hook dict (either path's)."""
-    return [k for k, v in hooks.items() if isinstance(v, NATIVE.Hook) or getattr(v, "func", None) is _store]
+    """The keys of the hooks gradient capture put in a hook dict (any path's Python-called hooks)."""
+    if hooks is None:
+        return []
+    return [k for k, v in hooks.items()
+            if isinstance(v, (NATIVE.Hook, CPP_HOOK)) or getattr(v, "func", None) is _store]
 
 
-@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("how", ["drop", "cycle", "cleanup"])
-def test_hooks_removed_and_graph_not_kept(compiled, how):
+def test_hooks_removed_and_graph_not_kept(path, how):
     model = WithSentinel()
-    log = _trace(compiled, model, (torch.randn(2, 4),), save="none")
+    log = _trace(path, model, (torch.randn(2, 4),), save="none")
     out, h = log.output
-    assert len(_ours(h._backward_hooks)) == 1
+    if path == "cpp":  # a C++ hook, on the node: in no Python hook dict
+        assert not _ours(h._backward_hooks) and log._gradcap.add_hook.placed() == len(log._gradcap.handles)
+    else:
+        assert len(_ours(h._backward_hooks)) == 1
+    log.backward((out.sum() + h.sum()), retain_graph=True)
+    kept = weakref.ref(log._gradcap.grads[log._gradcap.order[0]])  # held by the trace alone
+    num_backwards = log.num_backwards
     out_ref = weakref.ref(out)
     if how == "cleanup":
         log.cleanup()
+        assert path != "cpp" or log._gradcap.add_hook.placed() == 0
+        out.sum().backward(retain_graph=True)  # reaches no hook of the trace
+        assert log.num_backwards == num_backwards and not log._gradcap.grads
     else:
         if how == "cycle":
             log._self = log  # only the collector can free it, after clearing the garbage's weakrefs
@@ -218,7 +245,8 @@ def test_hooks_removed_and_graph_not_kept(compiled, how):
         del log
         gc.collect()
         assert trace_ref() is None  # the graph the user holds does not keep the trace alive
-    assert h._backward_hooks is not None and not _ours(h._backward_hooks)  # every hook went with it
+    assert kept() is None  # no hook left in the graph holds what the trace kept
+    assert not _ours(h._backward_hooks)  # every hook went with it
     assert not _ours(out._backward_hooks)
     out.sum().backward()  # a later untraced backward is unaffected
     assert model.tokens[0]() is not None
@@ -227,10 +255,10 @@ def test_hooks_removed_and_graph_not_kept(compiled, how):
     assert out_ref() is None and model.tokens[0]() is None  # nothing the trace made keeps the graph
 
 
-@pytest.mark.parametrize("compiled", PATHS)
-def test_cleanup_then_backward_adds_nothing(compiled):
+@pytest.mark.parametrize("path", PATHS)
+def test_cleanup_then_backward_adds_nothing(path):
     model, args, _ = zoo()["mlp"]
-    log = _trace(compiled, model, args)
+    log = _trace(path, model, args)
     out = log.output
     log.backward(out.sum(), retain_graph=True)
     norm = float(log["linear_1_1:1"].grad.norm())
@@ -250,17 +278,19 @@ def test_tensor_subclass_input_goes_through_register_hook_on_both_paths():
         return model, (x.clone().as_subclass(Tagged).requires_grad_(),), {}
 
     records = []
-    for compiled in (True, False):
+    expected = {"cpp": CPP_HOOK, "c": NATIVE.Hook, "python": type(None)}
+    for path in PATH_NAMES:
         model, (x,), _ = build()
-        log = _trace(compiled, model, (x,))
+        log = _trace(path, model, (x,))
         (hook,) = x._backward_hooks.values()  # added by Tagged's own register_hook
-        assert isinstance(hook, NATIVE.Hook) is compiled
+        assert type(hook) is expected[path] or (path == "python" and hook.func is _store)
         log.backward(log.output.sum())
         assert torch.equal(log["input_1"].grad, x.grad)
         records.append(_record(log, model))
         log.cleanup()
         assert len(x._backward_hooks) == 0
-    _assert_same(*records)
+    for other in records[1:]:
+        _assert_same(records[0], other)
 
 
 # ----- the compiled types themselves ------------------------------------------------------------------
@@ -290,8 +320,62 @@ def test_compiled_hook_accumulates_without_writing_in_place_and_counts_tasks():
         sink.order = (1, 2)
 
 
-@pytest.mark.parametrize("compiled", PATHS)
-def test_intervention_moves_the_hook_to_the_value_downstream_saw(compiled):
+def test_cpp_sink_accumulates_without_writing_in_place_and_counts_each_backward_once():
+    sink = CPP.Sink()
+    first, second = sink.hook(3), sink.hook(5)
+    g = torch.ones(2)
+    first(None)  # an output the backward did not reach: nothing kept, no backward counted
+    assert not sink.grads and sink.order == [] and sink.backwards == 0
+    first(g)  # called outside any backward: one "task" for every call
+    assert sink.grads[3] is g and sink.order == [3] and sink.backwards == 1  # kept by reference
+    second(torch.full((2,), 2.0))
+    first(torch.full((2,), 4.0))
+    assert torch.equal(g, torch.ones(2)) and torch.equal(sink.grads[3], torch.full((2,), 5.0))  # out of place
+    assert sink.order == [3, 5] and sink.backwards == 1
+    second(torch.ones(2, requires_grad=True) * 3)  # create_graph=True hands over a grad with a graph
+    assert not sink.grads[5].requires_grad and torch.equal(sink.grads[5], torch.full((2,), 5.0))
+    with pytest.raises(TypeError, match="one argument"):
+        first(g, g)
+    with pytest.raises(TypeError, match="must be a list"):
+        sink.order = (1, 2)
+    sink.order, sink.backwards = [5, 3], 4  # what a loaded trace sets
+    assert sink.order == [5, 3] and sink.backwards == 4
+    kept = weakref.ref(sink.grads[5])
+    sink.clear()
+    assert not sink.grads and kept() is None and sink.order == [5, 3]
+
+
+def test_cpp_hooks_count_backwards_by_graph_task_and_stop_when_removed():
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    z = y.tanh()
+    sink = CPP.Sink()
+    handles, numbers = {}, {}
+    fallback_calls = []
+    adder = CPP.HookAdder(sink, handles, numbers, lambda: None, torch.Tensor,
+                          lambda *a: fallback_calls.append(a[0]), lambda: None)
+    adder(0, x)  # a leaf: the Python fallback's
+    adder(1, y)
+    adder(2, z)
+    assert fallback_calls == [0] and adder.placed() == 2 and set(handles) == {1, 2}
+    assert numbers == {1: y.grad_fn._sequence_nr(), 2: z.grad_fn._sequence_nr()}
+    z.sum().backward(retain_graph=True)
+    assert sink.backwards == 1 and sink.order == [2, 1]
+    assert torch.equal(sink.grads[2], torch.ones(3)) and torch.allclose(sink.grads[1], 1 - z.detach() ** 2)
+    z.sum().backward(retain_graph=True)
+    assert sink.backwards == 2 and torch.equal(sink.grads[2], torch.full((3,), 2.0))
+    adder.remove([2])
+    assert adder.placed() == 1
+    z.sum().backward(retain_graph=True)
+    assert torch.equal(sink.grads[2], torch.full((3,), 2.0)) and sink.backwards == 3  # only record 1 wrote
+    del adder  # removes the rest
+    before = sink.grads[1].clone()
+    z.sum().backward()
+    assert torch.equal(sink.grads[1], before) and sink.backwards == 3
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_intervention_moves_the_hook_to_the_value_downstream_saw(path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
     x = torch.randn(3, 4)
@@ -299,7 +383,7 @@ def test_intervention_moves_the_hook_to_the_value_downstream_saw(compiled):
     seen.retain_grad()
     model[2](model[1](seen)).pow(2).sum().backward()
     model.zero_grad()
-    log = _trace(compiled, model, (x,), intervene={"0": tl.scale(2.0)})
+    log = _trace(path, model, (x,), intervene={"0": tl.scale(2.0)})
     (op,) = [op for op in log if op.func_name == "linear" and op.module_address == "0"]
     out = log.output
     log.backward(out.pow(2).sum())
@@ -307,23 +391,26 @@ def test_intervention_moves_the_hook_to_the_value_downstream_saw(compiled):
     assert log.num_backwards == 1
     log.cleanup()
     assert not log._gradcap.handles and not _ours(out._backward_hooks)
+    assert path != "cpp" or log._gradcap.add_hook.placed() == 0
 
 
 @pytest.mark.parametrize("selection", [["relu", "head"], ["linear_2_3:1"]], ids=["types+module", "label"])
 def test_selected_grads_identical_on_both_paths_and_unselected_hooks_removed(selection):
     records = []
-    for compiled in (True, False):
+    for path in PATH_NAMES:
         model, (x,), _ = zoo()["mlp"]
-        with on_path(compiled):
+        with _on(path):
             log = tl.trace(model, x, grads=selection)
-        assert isinstance(log._gradcap._sink, NATIVE.Sink) is compiled
+        assert type(log._gradcap._sink) is PATH_SETUP[path][2]
         out = log.output
         kept = set(log._gradcap.handles)  # hooks left after the selection: the selected records only
         assert kept == log._gradcap.selected and kept
+        assert path != "cpp" or log._gradcap.add_hook.placed() == len(kept)
         log.backward(out.sum())
         assert set(log._gradcap.grads) <= kept
         records.append(_record(log, model))
         del log
         gc.collect()
         assert not _ours(out._backward_hooks)
-    _assert_same(*records)
+    for other in records[1:]:
+        _assert_same(records[0], other)

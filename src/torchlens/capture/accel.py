@@ -4,7 +4,9 @@ Pure Python is the default and records everything.  When ``torchlens_accel`` is 
 this revision (each module's ``ABI`` equals the one named here), capture uses its compiled versions of
 the hot path instead; they record exactly what the pure-Python path records, which the test suite checks
 by tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
-capture on the pure-Python path.
+capture on the pure-Python path.  One module, ``_autograd`` (gradient hooks as autograd's C++ hooks), is
+built against torch's headers: it is used only with the torch it was built for, and gradient capture
+takes the ``_grads`` hooks without it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import warnings
 
 # What each compiled module must be built for (its ``ABI``): bumped, here and in its C file, whenever the
 # objects it exchanges with this package change shape.
-ABI = {"_capture": 2, "_grads": 1, "_index": 1}
+ABI = {"_capture": 2, "_grads": 1, "_index": 1, "_autograd": 1}
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}
@@ -26,7 +28,12 @@ def _load(name: str):
         return _modules[name]
     try:
         module = __import__(f"torchlens_accel.{name}", fromlist=[name])
-    except ImportError:
+    except (ImportError, OSError):  # not built, or (a module built against torch) built for another torch
+        module = None
+    built_for = getattr(module, "TORCH_VERSION", None)
+    if built_for is not None and built_for != _torch_version():
+        warnings.warn(f"torchlens-accel's {name} was built for torch {built_for}, not {_torch_version()}: it is "
+                      "not used; reinstall torchlens-accel with this torch installed", RuntimeWarning, stacklevel=3)
         module = None
     if module is not None and getattr(module, "ABI", None) != ABI.get(name):
         warnings.warn(f"torchlens-accel's {name} is built for layout {getattr(module, 'ABI', None)}, "
@@ -35,6 +42,12 @@ def _load(name: str):
         module = None
     _modules[name] = module
     return module
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def compiled(name: str):

@@ -11,9 +11,12 @@ keeps a trace alive, and the trace never keeps the graph alive (it holds the ten
 by key).  Every hook is removed by ``Trace.cleanup()`` or when the capture is garbage-collected with its
 trace, so a later backward through the same graph is unaffected.
 
-With torchlens-accel installed (capture/accel.py), the hook, the hook adder and the removal run compiled
-(``accel/src/torchlens_accel/_grads.c``): the same steps as the Python code here, which stays the
-reference and is tested against it (tests/test_grads_accel.py).
+With torchlens-accel installed (capture/accel.py), the hooks run compiled, the same steps as the Python
+code here, which stays the reference and is tested against it (tests/test_grads_accel.py): where its
+``_autograd`` module is built for this torch, a plain tensor's hook is a C++ hook of autograd's own kind
+(the kind ``retain_grad()`` adds: no Python call per op in the backward,
+``accel/src/torchlens_accel/_autograd.cpp``); otherwise the hook, the hook adder and the removal are the
+C callables of ``_grads.c``.
 
 What autograd keeps for backward is recorded separately, on request (capture/packing.py).
 """
@@ -43,6 +46,11 @@ _sequence_nr = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr",
 _KEY_SPAN = 1 << 40
 _bases = itertools.count(1)
 _NO_TASK = object()
+
+
+def _held_in_cpp():
+    """What ``handles`` holds for a hook placed by the C++ adder (its hook dict: none, so nothing to pop)."""
+    return None
 
 
 class _Sink:
@@ -108,8 +116,12 @@ class GradCapture:
         self.selector = selector
         self.sources = sources  # inputs are watched (False when a type selection does not name them)
         # The compiled hooks (torchlens-accel), decided per capture: ``accel.use`` applies to later traces.
-        self._native = accel.compiled("_grads") if _INLINE_HOOKS else None
-        self._sink = _Sink() if self._native is None else self._native.Sink(_graph_task_id)
+        self._cpp = accel.compiled("_autograd") if _INLINE_HOOKS else None
+        self._native = accel.compiled("_grads") if _INLINE_HOOKS and self._cpp is None else None
+        if self._cpp is not None:
+            self._sink = self._cpp.Sink()
+        else:
+            self._sink = _Sink() if self._native is None else self._native.Sink(_graph_task_id)
         self.handles: dict = {}  # record index -> weakref to the hook dict holding its hook
         self._base = -_KEY_SPAN * next(_bases)
         self._keys: dict = {}  # record index -> key, where a subclass's register_hook chose it
@@ -118,8 +130,8 @@ class GradCapture:
         self.first_sequence_number = None
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.  (The
-        # compiled adder removes the hooks itself when it dies, with the capture: see _grads.c.)
-        if self._native is None:
+        # compiled adders remove the hooks themselves when they die, with the capture: see _grads.c.)
+        if self._native is None and self._cpp is None:
             weakref.finalize(self, _remove_all, self.handles, self._keys, self._base)
         self.add_hook = self._hook_adder()
         if selector is None:
@@ -160,11 +172,17 @@ class GradCapture:
         the compiled path it is a ``HookAdder`` taking plain tensors itself and every other call here."""
         sink, handles, numbers, base, ref = self._sink, self.handles, self.sequence_numbers, self._base, weakref.ref
         keys = self._keys  # (no reference to the capture: its death is what removes the hooks)
-        native = self._native
+        native, cpp = self._native, self._cpp
+        if cpp is not None:
+            make_hook = sink.hook
+        elif native is not None:
+            make_hook = partial(native.Hook, sink)
+        else:
+            make_hook = partial(partial, _store, sink)
 
         def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
             if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
-                hook = partial(_store, sink, index) if native is None else native.Hook(sink, index)
+                hook = make_hook(index)
                 handle = t.register_hook(hook)
                 handles[index] = handle.hooks_dict_ref
                 keys[index] = handle.id
@@ -175,11 +193,14 @@ class GradCapture:
                 hooks = t._backward_hooks = OrderedDict()
                 if grad_fn is not None:
                     grad_fn._register_hook_dict(t)
-            hooks[base - index] = partial(_store, sink, index)
+            hooks[base - index] = make_hook(index)
             handles[index] = ref(hooks)
             if grad_fn is not None:  # the backward node's id, by which profilers name its work
                 numbers[index] = grad_fn._sequence_nr()
 
+        if cpp is not None:  # a C++ hook for a plain tensor with a backward node; add_hook takes every other
+            return cpp.HookAdder(sink, handles, numbers, _held_in_cpp, _PLAIN, add_hook,
+                                 partial(_remove_all, handles, keys, base))
         if native is not None:  # the same steps in C for plain tensors; add_hook takes every other call
             return native.HookAdder(sink, handles, numbers, keys, base, _PLAIN, OrderedDict, add_hook)
         return add_hook
@@ -191,6 +212,8 @@ class GradCapture:
         if handle is None:  # not selected, or its output did not require grad
             return
         _remove_all({index: handle}, self._keys, self._base)
+        if self._cpp is not None:
+            self.add_hook.remove((index,))
         self._keys.pop(index, None)
         if t.requires_grad:
             self.add_hook(index, t)  # already selected when first watched
@@ -202,15 +225,27 @@ class GradCapture:
     # ----- after the forward ---------------------------------------------------------------------
     def keep_only(self, indices) -> None:
         """Remove the hooks of records not in ``indices`` (a selection decided after the forward)."""
-        _remove_all({i: self.handles.pop(i) for i in [i for i in self.handles if i not in indices]}, self._keys,
-                    self._base)
+        dropped = [i for i in self.handles if i not in indices]
+        _remove_all({i: self.handles.pop(i) for i in dropped}, self._keys, self._base)
+        if self._cpp is not None:
+            self.add_hook.remove(dropped)
         self.selected.intersection_update(indices)
 
     def remove_hooks(self) -> None:
+        if self._cpp is not None:
+            self.add_hook.remove()
         if self._native is None:
             _remove_all(self.handles, self._keys, self._base)
         else:
             self._native.remove_hooks(self.handles, self._keys, self._base)
+
+    def release_grads(self) -> None:
+        """Let go of every gradient kept (``Trace.cleanup``); the order and the count of backwards stay."""
+        clear = getattr(self._sink, "clear", None)  # the C++ store's; the other sinks' grads are a dict
+        if clear is not None:
+            clear()
+        else:
+            self._sink.grads.clear()
 
 
 # ----- set-up and hand-over, called by capture/session.py ---------------------------------------

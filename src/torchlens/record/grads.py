@@ -147,7 +147,7 @@ def release(trace) -> None:
         return
     trace._grad_stats = grad_stats_column(trace)
     capture.remove_hooks()
-    capture.grads.clear()
+    capture.release_grads()
 
 
 # ----- saved for backward -------------------------------------------------------------------------

@@ -1,0 +1,506 @@
+/* Gradient capture's hooks as autograd's own C++ hooks: see torchlens/capture/grads.py.
+ *
+ * The one module of torchlens-accel built against torch's headers: it is built only where torch is
+ * importable at build time, and used only with the torch it was built for (TORCH_VERSION).  A hook added
+ * here is the kind retain_grad() adds: a C++ function on the output's backward node, which the engine
+ * calls with no Python frame and without the GIL.  It writes into a C++ store that the Sink shares; the
+ * Sink shows the store to Python as the Python path's _Sink does (grads, order, backwards).
+ *
+ * Sink       Sink(): the store.  .grads (a dict, rebuilt only after a hook wrote), .order, .backwards,
+ *            .clear(), and .hook(index): a Python callable hook writing into the same store, for the
+ *            tensors whose hooks stay Python (tensor subclasses, leaves).
+ * HookAdder  HookAdder(sink, handles, numbers, marker, fallback, release):
+ *            add_hook(index, t, func=None, module_call=-1) for a plain tensor with a backward node; any
+ *            other call goes to ``fallback``.  .remove(indices=None) removes its hooks (all, or those of
+ *            the records named); deleting it removes them all and calls ``release`` once the fallback
+ *            was used (to remove the hooks the fallback added).
+ *
+ * Every step follows the Python path's ``_store`` and ``add_hook`` (tests/test_grads_accel.py compares
+ * the three paths bit for bit).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <ATen/ops/add.h>
+#include <torch/csrc/autograd/cpp_hook.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <mutex>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+/* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
+#define TORCHLENS_ACCEL_ABI 1
+
+#ifndef TORCHLENS_TORCH_VERSION
+#error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
+#endif
+
+namespace {
+
+/* ----- the store the hooks write into ------------------------------------------------------------ */
+struct Store {
+    std::mutex mutex;
+    std::unordered_map<int64_t, at::Tensor> grads; /* record index -> accumulated gradient (detached) */
+    std::vector<int64_t> order; /* record indices in the order their first gradient arrived */
+    Py_ssize_t backwards = 0;
+    bool has_task = false;
+    int task = 0;               /* the graph task (one backward) that last delivered a gradient */
+    uint64_t version = 1;       /* bumped by every write to ``grads`` */
+    uint64_t order_version = 1; /* bumped by every change of ``order`` */
+
+    /* ``_store``: add ``grad`` to the gradient kept for record ``index``; never alters it.  No tensor is
+     * released while the lock is held (releasing one may take the GIL, which a reader may hold while it
+     * waits for the lock). */
+    void add(int64_t index, const at::TensorBase &grad_base) {
+        if (!grad_base.defined()) return; /* an output this backward did not reach */
+        int current = torch::autograd::get_current_graph_task_id();
+        at::Tensor grad(grad_base);
+        if (grad.requires_grad()) grad = grad.detach(); /* create_graph=True: keep the value, not a graph */
+        at::Tensor replaced;
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!has_task || current != task) {
+            has_task = true;
+            task = current;
+            backwards++;
+        }
+        auto kept = grads.find(index);
+        if (kept == grads.end()) {
+            /* Kept by reference, not copied, as the Python path keeps it. */
+            grads.emplace(index, std::move(grad));
+            order.push_back(index);
+            order_version++;
+        } else {
+            replaced = kept->second;
+            kept->second = at::add(replaced, grad);
+        }
+        version++;
+    }  /* the lock goes first, then ``replaced`` (declared before it) */
+};
+
+using StorePtr = std::shared_ptr<Store>;
+
+/* ----- Sink -------------------------------------------------------------------------------------- */
+struct Sink {
+    PyObject_HEAD
+    StorePtr store;
+    PyObject *grads;          /* the dict shown to Python, as of ``grads_version`` */
+    uint64_t grads_version;
+    PyObject *order;          /* the list shown to Python, as of ``order_version`` */
+    uint64_t order_version;
+};
+
+PyTypeObject SinkType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject *sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != nullptr && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Sink() takes no arguments");
+        return nullptr;
+    }
+    Sink *self = reinterpret_cast<Sink *>(type->tp_alloc(type, 0));
+    if (self == nullptr) return nullptr;
+    new (&self->store) StorePtr(std::make_shared<Store>());
+    self->grads = PyDict_New();
+    self->order = PyList_New(0);
+    if (self->grads == nullptr || self->order == nullptr) {
+        Py_DECREF(self);
+        return nullptr;
+    }
+    self->grads_version = self->order_version = 1;
+    return reinterpret_cast<PyObject *>(self);
+}
+
+void sink_dealloc(Sink *self) {
+    Py_XDECREF(self->grads);
+    Py_XDECREF(self->order);
+    self->store.~StorePtr(); /* the hooks still in a graph keep their store; the tensors go with the last */
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
+}
+
+/* The dict of gradients, rebuilt from the store when a hook wrote since it was last built (a dict a
+ * loaded trace filled stays as filled: no hook writes there). */
+PyObject *sink_get_grads(Sink *self, void *) {
+    std::vector<std::pair<int64_t, at::Tensor>> snapshot;
+    uint64_t version;
+    {
+        std::lock_guard<std::mutex> lock(self->store->mutex);
+        version = self->store->version;
+        if (version != self->grads_version) snapshot.assign(self->store->grads.begin(), self->store->grads.end());
+    }
+    if (version != self->grads_version) {
+        PyObject *grads = PyDict_New();
+        if (grads == nullptr) return nullptr;
+        for (const auto &entry : snapshot) {
+            PyObject *key = PyLong_FromLongLong(entry.first);
+            PyObject *value = key == nullptr ? nullptr : THPVariable_Wrap(entry.second);
+            int failed = value == nullptr || PyDict_SetItem(grads, key, value) < 0;
+            Py_XDECREF(key);
+            Py_XDECREF(value);
+            if (failed) {
+                Py_DECREF(grads);
+                return nullptr;
+            }
+        }
+        Py_SETREF(self->grads, grads);
+        self->grads_version = version;
+    }
+    Py_INCREF(self->grads);
+    return self->grads;
+}
+
+PyObject *sink_get_order(Sink *self, void *) {
+    std::lock_guard<std::mutex> lock(self->store->mutex);
+    Store &store = *self->store;
+    if (store.order_version != self->order_version) {
+        PyObject *order = PyList_New(static_cast<Py_ssize_t>(store.order.size()));
+        if (order == nullptr) return nullptr;
+        for (size_t k = 0; k < store.order.size(); k++) {
+            PyObject *index = PyLong_FromLongLong(store.order[k]);
+            if (index == nullptr) {
+                Py_DECREF(order);
+                return nullptr;
+            }
+            PyList_SET_ITEM(order, static_cast<Py_ssize_t>(k), index);
+        }
+        Py_SETREF(self->order, order);
+        self->order_version = store.order_version;
+    }
+    Py_INCREF(self->order);
+    return self->order;
+}
+
+int sink_set_order(Sink *self, PyObject *value, void *) {
+    if (value == nullptr || !PyList_CheckExact(value)) {
+        PyErr_SetString(PyExc_TypeError, "Sink.order must be a list");
+        return -1;
+    }
+    std::vector<int64_t> order;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(value); k++) {
+        long long index = PyLong_AsLongLong(PyList_GET_ITEM(value, k));
+        if (index == -1 && PyErr_Occurred()) return -1;
+        order.push_back(index);
+    }
+    std::lock_guard<std::mutex> lock(self->store->mutex);
+    self->store->order = std::move(order);
+    self->store->order_version++;
+    return 0;
+}
+
+PyObject *sink_get_backwards(Sink *self, void *) {
+    std::lock_guard<std::mutex> lock(self->store->mutex);
+    return PyLong_FromSsize_t(self->store->backwards);
+}
+
+int sink_set_backwards(Sink *self, PyObject *value, void *) {
+    Py_ssize_t n = value == nullptr ? -1 : PyLong_AsSsize_t(value);
+    if (n == -1 && (value == nullptr || PyErr_Occurred())) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Sink.backwards must be an int");
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(self->store->mutex);
+    self->store->backwards = n;
+    return 0;
+}
+
+/* Release every gradient (``Trace.cleanup``); the order and the count stay. */
+PyObject *sink_clear(Sink *self, PyObject *) {
+    std::unordered_map<int64_t, at::Tensor> released;
+    uint64_t version;
+    {
+        std::lock_guard<std::mutex> lock(self->store->mutex);
+        released.swap(self->store->grads);
+        version = ++self->store->version;
+    }
+    PyDict_Clear(self->grads);
+    self->grads_version = version;
+    Py_RETURN_NONE; /* ``released`` frees the tensors here, outside the lock */
+}
+
+PyObject *make_py_hook(Sink *sink, long long index);
+
+PyObject *sink_hook(Sink *self, PyObject *index) {
+    long long i = PyLong_AsLongLong(index);
+    if (i == -1 && PyErr_Occurred()) return nullptr;
+    return make_py_hook(self, i);
+}
+
+PyGetSetDef sink_getset[] = {
+    {"grads", (getter)sink_get_grads, nullptr, "record index -> accumulated gradient", nullptr},
+    {"order", (getter)sink_get_order, (setter)sink_set_order, "record indices in backward order", nullptr},
+    {"backwards", (getter)sink_get_backwards, (setter)sink_set_backwards, "backwards that delivered a gradient",
+     nullptr},
+    {nullptr},
+};
+
+PyMethodDef sink_methods[] = {
+    {"clear", (PyCFunction)sink_clear, METH_NOARGS, "Release every gradient (the order and the count stay)."},
+    {"hook", (PyCFunction)sink_hook, METH_O, "hook(index): a Python tensor hook writing into this sink."},
+    {nullptr},
+};
+
+/* ----- the Python hook, for the tensors whose hooks stay Python ----------------------------------- */
+struct PyHook {
+    PyObject_HEAD
+    StorePtr store;
+    long long index;
+    vectorcallfunc vectorcall;
+};
+
+PyTypeObject PyHookType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject *py_hook_vectorcall(PyHook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "a gradient hook takes one argument, the gradient");
+        return nullptr;
+    }
+    PyObject *grad = args[0];
+    if (grad != Py_None) {
+        if (!THPVariable_Check(grad)) {
+            PyErr_SetString(PyExc_TypeError, "a gradient hook was handed something other than a tensor");
+            return nullptr;
+        }
+        try {
+            self->store->add(self->index, THPVariable_Unpack(grad));
+        } catch (const std::exception &e) {
+            PyErr_SetString(PyExc_RuntimeError, e.what());
+            return nullptr;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+void py_hook_dealloc(PyHook *self) {
+    self->store.~StorePtr();
+    PyObject_Free(self);
+}
+
+PyObject *make_py_hook(Sink *sink, long long index) {
+    PyHook *hook = PyObject_New(PyHook, &PyHookType);
+    if (hook == nullptr) return nullptr;
+    new (&hook->store) StorePtr(sink->store);
+    hook->index = index;
+    hook->vectorcall = (vectorcallfunc)py_hook_vectorcall;
+    return reinterpret_cast<PyObject *>(hook);
+}
+
+/* ----- HookAdder ---------------------------------------------------------------------------------- */
+/* Where one added hook sits: the tensor's C++ hook list (shared with its backward node) and the hook's
+ * position in it.  Removing a hook empties its place, as Tensor.remove_hook does; the list outlives the
+ * tensor while the node does, so a hook is removable for as long as it could run. */
+struct Placed {
+    std::shared_ptr<torch::autograd::hooks_list> list;
+    unsigned position;
+};
+
+struct HookAdder {
+    PyObject_HEAD
+    StorePtr store;
+    std::unordered_map<int64_t, Placed> placed; /* record index -> its hook */
+    PyObject *handles;  /* record index -> ``marker`` for the hooks placed here (the capture's record of hooks) */
+    PyObject *numbers;  /* record index -> sequence number of its backward node */
+    PyObject *marker;
+    PyObject *plain;    /* torch.Tensor: the type whose hooks are placed here */
+    PyObject *fallback; /* the Python add_hook, for every other call */
+    PyObject *release;  /* removes the fallback's hooks; called on deletion once the fallback was used */
+    bool fallback_used;
+    vectorcallfunc vectorcall;
+};
+
+PyTypeObject HookAdderType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+void remove_placed(HookAdder *self, int64_t index) {
+    auto found = self->placed.find(index);
+    if (found == self->placed.end()) return;
+    auto &list = *found->second.list;
+    if (found->second.position < list.size()) list[found->second.position] = nullptr;
+    self->placed.erase(found);
+}
+
+void remove_all_placed(HookAdder *self) {
+    for (auto &entry : self->placed) {
+        auto &list = *entry.second.list;
+        if (entry.second.position < list.size()) list[entry.second.position] = nullptr;
+    }
+    self->placed.clear();
+}
+
+PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
+
+PyObject *adder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *sink, *handles, *numbers, *marker, *plain, *fallback, *release;
+    static const char *kwlist[] = {"sink", "handles", "numbers", "marker", "plain", "fallback", "release", nullptr};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOO:HookAdder", const_cast<char **>(kwlist), &SinkType,
+                                     &sink, &PyDict_Type, &handles, &PyDict_Type, &numbers, &marker, &plain,
+                                     &fallback, &release))
+        return nullptr;
+    HookAdder *self = reinterpret_cast<HookAdder *>(type->tp_alloc(type, 0));
+    if (self == nullptr) return nullptr;
+    new (&self->store) StorePtr(reinterpret_cast<Sink *>(sink)->store);
+    new (&self->placed) std::unordered_map<int64_t, Placed>();
+    PyObject **slots[] = {&self->handles, &self->numbers, &self->marker, &self->plain, &self->fallback,
+                          &self->release};
+    PyObject *values[] = {handles, numbers, marker, plain, fallback, release};
+    for (size_t k = 0; k < sizeof(values) / sizeof(values[0]); k++) {
+        Py_INCREF(values[k]);
+        *slots[k] = values[k];
+    }
+    self->fallback_used = false;
+    self->vectorcall = (vectorcallfunc)adder_vectorcall;
+    return reinterpret_cast<PyObject *>(self);
+}
+
+void adder_dealloc(HookAdder *self) {
+    /* May run while an exception propagates (the trace dropped by an unwinding frame): keep it. */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    remove_all_placed(self);
+    if (self->fallback_used) {
+        PyObject *r = PyObject_CallNoArgs(self->release);
+        if (r == nullptr) PyErr_WriteUnraisable(nullptr);
+        Py_XDECREF(r);
+    }
+    PyErr_Restore(type, value, traceback);
+    self->placed.~unordered_map();
+    self->store.~StorePtr();
+    Py_DECREF(self->handles);
+    Py_DECREF(self->numbers);
+    Py_DECREF(self->marker);
+    Py_DECREF(self->plain);
+    Py_DECREF(self->fallback);
+    Py_DECREF(self->release);
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
+}
+
+/* The hook of a plain tensor with a backward node: 1 placed, 0 for the fallback, -1 on error. */
+int place(HookAdder *self, PyObject *index, PyObject *t) {
+    long long i = PyLong_AsLongLong(index);
+    if (i == -1 && PyErr_Occurred()) return -1;
+    const at::Tensor &var = THPVariable_Unpack(t);
+    if (!var.requires_grad()) return 0; /* the fallback says what register_hook says */
+    const auto &node = var.grad_fn();
+    if (!node) return 0; /* a leaf: its hook stays Python, as the Python path adds it */
+    PyObject *number = PyLong_FromUnsignedLongLong(node->sequence_nr());
+    if (number == nullptr) return -1;
+    StorePtr store = self->store;
+    int64_t record = i;
+    /* A hook returning nothing leaves the gradient as it is. */
+    unsigned position = var.register_hook([store, record](const at::TensorBase &grad) { store->add(record, grad); });
+    auto *meta = torch::autograd::impl::get_autograd_meta(var);
+    if (meta == nullptr || !meta->cpp_hooks_list_) { /* cannot happen after _register_hook: never strand one */
+        Py_DECREF(number);
+        PyErr_SetString(PyExc_RuntimeError, "torchlens: a C++ gradient hook was added where it cannot be removed");
+        return -1;
+    }
+    remove_placed(self, i); /* a record watched again (rewatch) keeps one hook */
+    self->placed.emplace(i, Placed{meta->cpp_hooks_list_, position});
+    int failed = PyDict_SetItem(self->handles, index, self->marker) < 0 ||
+                 PyDict_SetItem(self->numbers, index, number) < 0;
+    Py_DECREF(number);
+    return failed ? -1 : 1;
+}
+
+PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (kwnames == nullptr && n >= 2 && n <= 4 && PyLong_CheckExact(args[0]) &&
+        reinterpret_cast<PyObject *>(Py_TYPE(args[1])) == self->plain) {
+        int placed;
+        try {
+            placed = place(self, args[0], args[1]);
+        } catch (const std::exception &e) {
+            PyErr_SetString(PyExc_RuntimeError, e.what());
+            return nullptr;
+        }
+        if (placed < 0) return nullptr;
+        if (placed) Py_RETURN_NONE;
+    }
+    self->fallback_used = true;
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+/* remove(indices=None): remove the hooks placed here, of every record or of the records named. */
+PyObject *adder_remove(HookAdder *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "remove(indices=None)");
+        return nullptr;
+    }
+    if (nargs == 0 || args[0] == Py_None) {
+        remove_all_placed(self);
+        Py_RETURN_NONE;
+    }
+    PyObject *iter = PyObject_GetIter(args[0]);
+    if (iter == nullptr) return nullptr;
+    PyObject *item;
+    while ((item = PyIter_Next(iter)) != nullptr) {
+        long long i = PyLong_AsLongLong(item);
+        Py_DECREF(item);
+        if (i == -1 && PyErr_Occurred()) break;
+        remove_placed(self, i);
+    }
+    Py_DECREF(iter);
+    if (PyErr_Occurred()) return nullptr;
+    Py_RETURN_NONE;
+}
+
+PyObject *adder_placed(HookAdder *self, PyObject *) {
+    return PyLong_FromSize_t(self->placed.size());
+}
+
+PyMethodDef adder_methods[] = {
+    {"remove", (PyCFunction)(void (*)(void))adder_remove, METH_FASTCALL,
+     "remove(indices=None): remove the hooks placed here (all, or those of the records named)."},
+    {"placed", (PyCFunction)adder_placed, METH_NOARGS, "How many hooks placed here are in place."},
+    {nullptr},
+};
+
+PyModuleDef autograd_module = {PyModuleDef_HEAD_INIT, "_autograd",
+                               "torchlens's gradient-capture hooks as autograd C++ hooks.", -1, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__autograd(void) {
+    SinkType.tp_name = "torchlens_accel._autograd.Sink";
+    SinkType.tp_doc = "What the gradient hooks write into: Sink().";
+    SinkType.tp_basicsize = sizeof(Sink);
+    SinkType.tp_flags = Py_TPFLAGS_DEFAULT;
+    SinkType.tp_new = sink_new;
+    SinkType.tp_dealloc = (destructor)sink_dealloc;
+    SinkType.tp_getset = sink_getset;
+    SinkType.tp_methods = sink_methods;
+
+    PyHookType.tp_name = "torchlens_accel._autograd.PyHook";
+    PyHookType.tp_doc = "sink.hook(index): the Python tensor hook keeping record index's gradient in sink.";
+    PyHookType.tp_basicsize = sizeof(PyHook);
+    PyHookType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+    PyHookType.tp_dealloc = (destructor)py_hook_dealloc;
+    PyHookType.tp_call = PyVectorcall_Call;
+    PyHookType.tp_vectorcall_offset = offsetof(PyHook, vectorcall);
+
+    HookAdderType.tp_name = "torchlens_accel._autograd.HookAdder";
+    HookAdderType.tp_doc = "HookAdder(sink, handles, numbers, marker, plain, fallback, release): "
+                           "add_hook(index, t, func=None, module_call=-1); removes its hooks when deleted.";
+    HookAdderType.tp_basicsize = sizeof(HookAdder);
+    HookAdderType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+    HookAdderType.tp_new = adder_new;
+    HookAdderType.tp_dealloc = (destructor)adder_dealloc;
+    HookAdderType.tp_call = PyVectorcall_Call;
+    HookAdderType.tp_vectorcall_offset = offsetof(HookAdder, vectorcall);
+    HookAdderType.tp_methods = adder_methods;
+
+    if (PyType_Ready(&SinkType) < 0 || PyType_Ready(&PyHookType) < 0 || PyType_Ready(&HookAdderType) < 0)
+        return nullptr;
+    PyObject *m = PyModule_Create(&autograd_module);
+    if (m == nullptr) return nullptr;
+    if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0 ||
+        PyModule_AddStringConstant(m, "TORCH_VERSION", TORCHLENS_TORCH_VERSION) < 0 ||
+        PyModule_AddObjectRef(m, "Sink", reinterpret_cast<PyObject *>(&SinkType)) < 0 ||
+        PyModule_AddObjectRef(m, "HookAdder", reinterpret_cast<PyObject *>(&HookAdderType)) < 0) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}
