@@ -18,8 +18,9 @@ checks the target:
 
     gradient capture added/op <= retain_grad() added/op + 2 us     (every row)
 
-With ``--paths both`` the traced arms run twice, on the compiled hot path (torchlens-accel, ``accel.use(True)``)
-and on the pure-Python path (``accel.use(False)``), in the same process, and a second table sets the two
+With ``--paths both`` the traced arms run on each path in the same process: torchlens-accel with its C++
+gradient hooks (``_autograd``, ``accel.use(True)``), torchlens-accel with its C hooks alone (``_grads``:
+``_autograd`` left out), and the pure-Python path (``accel.use(False)``); a second table sets the three
 paths' gradient capture cost per op (median, and the quartiles of the paired ratios) against the target.
 
 Run:  .venv/bin/python benchmarks/grad_overhead.py [--quick] [--models mlp3,gpt2] [--paths both]
@@ -96,13 +97,16 @@ def arms(model, args, paths="current"):
             return _result(model, args, out)
         return run
 
-    def traced(grads, compiled=None):
+    def traced(grads, compiled=None, without=()):
         def run():
             _reset(model, args)
             previous = accel.use(compiled) if compiled is not None else None
+            hidden = {name: accel._modules.get(name, accel._load(name)) for name in without}
+            accel._modules.update(dict.fromkeys(hidden))  # e.g. no C++ hooks: the C hooks serve
             try:
                 log = tl.trace(model, args, save="none", grads=grads)
             finally:
+                accel._modules.update(hidden)
                 if compiled is not None:
                     accel.use(previous)
             out = _first_output(log.output)
@@ -117,7 +121,9 @@ def arms(model, args, paths="current"):
     fns = {"native": untraced(None), "bare": untraced(BareMode), "retain_grad": untraced(RetainGradMode),
            "trace": traced(False, compiled), "trace grads": traced(True, compiled)}
     if paths == "both":
-        fns.update({"trace py": traced(False, False), "trace grads py": traced(True, False)})
+        fns.update({"trace py": traced(False, False), "trace grads py": traced(True, False),
+                    "trace c": traced(False, True, ("_autograd",)),
+                    "trace grads c": traced(True, True, ("_autograd",))})
     return fns
 
 
@@ -135,7 +141,7 @@ def measure_row(name, cfg) -> dict:
     plan = [("bare", "retain_grad"), ("trace", "trace grads"), ("retain_grad", "trace grads"),
             ("native", "trace grads")]
     if cfg["paths"] == "both":
-        plan += [("trace py", "trace grads py"), ("trace grads py", "trace grads")]
+        plan += [("trace c", "trace grads c"), ("trace py", "trace grads py"), ("trace grads py", "trace grads")]
     results = {}
     for a, b in plan:
         results[(a, b)] = measure_overhead((a, fns[a]), (b, fns[b]), pairs=cfg["pairs"], repeats=cfg["repeats"],
@@ -195,15 +201,16 @@ def _quartiles_us(result, ops) -> str:
 
 def paths_markdown(rows) -> str:
     """Gradient capture's added cost per op on each path, side by side (``--paths both``)."""
-    lines = ["| model | ops | retain_grad +us/op | grad capture +us/op, compiled [Q1, Q3] | "
-             "grad capture +us/op, pure Python [Q1, Q3] | trace grads compiled / pure | target retain_grad + 2 |",
-             "|---" * 7 + "|"]
+    lines = ["| model | ops | retain_grad +us/op | grad capture +us/op, C++ hooks [Q1, Q3] | "
+             "grad capture +us/op, C hooks [Q1, Q3] | grad capture +us/op, pure Python [Q1, Q3] | "
+             "trace grads C++ hooks / pure | target retain_grad + 2 |",
+             "|---" * 8 + "|"]
     for row in rows:
         r, ops = row["results"], row["ops"]
         retain, retain_floor = per_op(r[("bare", "retain_grad")], ops)
         limit = retain + SLACK_US if retain is not None else None
         cells = []
-        for key in [("trace", "trace grads"), ("trace py", "trace grads py")]:
+        for key in [("trace", "trace grads"), ("trace c", "trace grads c"), ("trace py", "trace grads py")]:
             value, floor = per_op(r[key], ops)
             cells.append(f"{_us(value, floor)} {_quartiles_us(r[key], ops)} {verdict(value, floor, limit)}")
         lines.append(f"| {MODELS[row['name']][0]} | {ops} | {_us(retain, retain_floor)} | " + " | ".join(cells)
@@ -234,10 +241,9 @@ def main(argv=None) -> int:
     rows = [measure_row(name, cfg) for name in opts.models.split(",")]
     command = "python benchmarks/grad_overhead.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     text = markdown(rows, command)
-    print(text)
     if opts.paths == "both":
-        print("\nGradient capture per op, compiled against pure-Python path:\n")
-        print(paths_markdown(rows))
+        text += "\n\nGradient capture per op on each path:\n\n" + paths_markdown(rows)
+    print(text)
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump([{"name": r["name"], "ops": r["ops"],
