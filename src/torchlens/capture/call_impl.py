@@ -30,6 +30,7 @@ from .teardown import release_stranded, until_done
 _ATTRIBUTE = "_call_impl"
 MARK = "_torchlens_replaces"  # set on every function put in place here: the ``_call_impl`` it wraps
 _lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
+_MODULE_ONLY = (torch.nn.Module,)  # the owners of a trace whose model's classes keep nn.Module's _call_impl
 _sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl: nn.Module's stays, others while held
 
 
@@ -107,21 +108,24 @@ class Replacement:
 
     def __init__(self, make_recorder, owners=()):
         self.make_recorder = make_recorder
-        self.owners = (torch.nn.Module, *owners)
+        self.owners = (torch.nn.Module, *owners) if owners else _MODULE_ONLY
         self.held: list = []  # ids of the sites this trace holds
         self._recorders: dict = {}  # id(owner) -> this trace's recorder there
 
     def __enter__(self):
         try:
-            self._acquire()
+            self.acquire()
             return self  # inside the try: an interrupt landing here must not strand the replacement
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
-    def _acquire(self) -> None:
+    def acquire(self) -> None:
         tid = threading.get_ident()
-        with _lock:
+        # acquire/release rather than ``with``: half the cost; a hold an interrupt strands between them is
+        # dropped by ``release_all`` (as one stranded on a ``with`` exit line would be).
+        _lock.acquire()
+        try:
             for owner in self.owners:
                 site = _sites.get(id(owner))
                 if site is None or not site.threads and vars(owner).get(_ATTRIBUTE) is not site.original:
@@ -136,15 +140,18 @@ class Replacement:
                     setattr(owner, _ATTRIBUTE, recorder)
                 else:
                     site.update()
+        finally:
+            _lock.release()
 
     def __exit__(self, *exc):
-        until_done(self._release_all)  # an interrupt landing mid-teardown cannot strand the replacement
+        until_done(self.release_all)  # an interrupt landing mid-teardown cannot strand the replacement
         return False
 
-    def _release_all(self) -> None:
+    def release_all(self) -> None:
         release_stranded(_lock)
         tid = threading.get_ident()
-        with _lock:
+        _lock.acquire()
+        try:
             while self.held:
                 key = self.held[-1]
                 site = _sites.get(key)
@@ -158,6 +165,8 @@ class Replacement:
                     if not site.threads and site.owner is not torch.nn.Module:  # its original is back
                         _sites.pop(key, None)  # and the class is not held alive here
                 self.held.pop()
+        finally:
+            _lock.release()
 
     def pause(self) -> None:
         """Stop recording this thread's calls, and take the recorder out of place (a compiled region

@@ -26,6 +26,7 @@ from ..errors import warn_user
 from ..tree import tensor_leaves
 from . import accel
 from .call_impl import DISPATCHER_CODE, Replacement, held_by, owners_overriding, unsupported_overrides
+from .teardown import until_done
 from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
 
@@ -68,8 +69,8 @@ class ModuleCallTracker:
                 warn_user(f"the _call_impl of {names} is not a function: calls of their modules are not "
                           "recorded as module calls (their ops are attributed to the enclosing call)")
                 owners = [o for o in owners if o not in unsupported]
-            self._replacement = Replacement(self._recorder_factory(), owners)
-            self._replacement.__enter__()
+            replacement = self._replacement = Replacement(self._recorder_factory(), owners)
+            replacement.acquire()  # Replacement.__enter__ without its own try: the except below undoes it
             return self  # inside the try: an interrupt landing here must not strand the replacement
         except BaseException:
             self.__exit__(None, None, None)
@@ -202,5 +203,5 @@ class ModuleCallTracker:
     def __exit__(self, *exc):
         self._outside[:] = None, None  # first: one statement, nothing to strand
         if self._replacement is not None:
-            self._replacement.__exit__(None, None, None)
+            until_done(self._replacement.release_all)  # Replacement.__exit__, one call less
         return False

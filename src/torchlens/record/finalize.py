@@ -78,7 +78,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         raw=raw,
         activations=activations,
         dropped=dict(state.clobbered),
-        finite=state.drained_finite_flags(),
+        finite=state.drained_finite_flags() if state.finite_flags else {},
         # Derived on first read (from the index the record keeps) unless a parameter outside the index is
         # named by its shape, read now (a later ``.data`` assignment could change it).
         param_addresses=None if _all_indexed(calls, index) else _param_addresses(calls, index),
@@ -120,6 +120,9 @@ class RawRecord:
         self.module_calls = module_calls
         # Each call's module class, as shown (a torch.compile wrapper: the class it wraps), read now: a
         # parametrization (torch.nn.utils.parametrize) swaps a module's class after the trace.
+        if not module_calls:  # a model whose root calls no module: nothing to read
+            self.module_classes, self.module_params, self.index = ([], []), {}, index
+            return
         modules = list(map(_MODULE, module_calls))
         classes = list(map(type, modules))
         # Parameter names come from the index's walk; those of a module it has none for (the root, a module
