@@ -152,9 +152,10 @@ class CaptureState:
         self.finite_flags: dict | None = {} if record_finite else None
         # Replay context: the trace-wide grad/autocast state, the calls that ran under another one, and
         # the model's parameters by storage (their values before an in-place write are kept).
-        self.context = grad_and_autocast()
+        # grad_and_autocast(), with its one C call reused for ``any_autocast``.
+        any_autocast = self.any_autocast = _any_autocast()
+        self.context = grad_and_autocast() if any_autocast else (torch.is_grad_enabled(), {})
         self.grad_enabled = self.context[0]
-        self.any_autocast = _any_autocast()
         self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->

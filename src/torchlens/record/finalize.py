@@ -65,10 +65,10 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     else:
         returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
     first_output = len(state.records)  # the output pseudo ops follow the records
-    outputs = [(path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None))
-               for path, producer, t in returned]
+    outputs = []
     activations = dict(state.saved)
-    for k, (_, producer, _) in enumerate(returned):
+    for k, (path, producer, t) in enumerate(returned):
+        outputs.append((path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None)))
         if producer in activations:  # an output shows its producer's tensor
             activations[first_output + k] = activations[producer]
     raw = RawRecord(calls, state.records, outputs, state.module_calls, index)
