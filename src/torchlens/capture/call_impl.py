@@ -34,7 +34,7 @@ import torch
 from .teardown import release_stranded, until_done
 
 _ATTRIBUTE = "_call_impl"
-MARK = "_torchlens_replaces"  # set on every function put in place here: the ``_call_impl`` it wraps
+MARK = "_torchlens_replaces"  # set on what is put in a class attribute here: the ``_call_impl`` it wraps
 _lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
 _MODULE_ONLY = (torch.nn.Module,)  # the owners of a trace whose model's classes keep nn.Module's _call_impl
 _sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl: nn.Module's stays, others while held
@@ -203,7 +203,8 @@ class Replacement:
                 self.held.append(id(owner))  # first: whatever happens next, __exit__ undoes it
                 site.threads.add(tid)
                 recorder = self._recorders[id(owner)] = self.make_recorder(site.impl, site.relays)
-                setattr(recorder, MARK, site.original)
+                if site.slot is None:  # a replaced class attribute: Dynamo may keep it (_unsee_in_dynamo)
+                    setattr(recorder, MARK, site.original)
                 recorders = site.recorders
                 recorders[tid] = recorder
                 if len(recorders) == 1:  # the one trace recording: its recorder receives the calls itself

@@ -350,7 +350,8 @@ def _bound_signature(func):
 
 
 def _positional_call_names(model, args, kwargs):
-    """Input names for the common call (positional arguments only) without ``Signature.bind``."""
+    """The input slots (``input.x``) of the common call's arguments (positional only), in order, without
+    ``Signature.bind``; there may be more slots than arguments."""
     if kwargs or not isinstance(model, torch.nn.Module):
         return None
     forward = model.forward
@@ -360,13 +361,13 @@ def _positional_call_names(model, args, kwargs):
     shape = _positional_shape(func)
     if shape is None or not shape[1] <= len(args) <= len(shape[0]):
         return None  # *args, a missing argument, or too many: let bind decide
-    return list(zip(shape[0], args))
+    return shape[0]
 
 
 @functools.lru_cache(maxsize=256)
 def _positional_shape(func):
-    """(leading positional parameter names, how many are required) of a forward, or None when a
-    positional call could bind otherwise (a required keyword-only parameter)."""
+    """(input slots of the leading positional parameters, how many are required) of a forward, or None
+    when a positional call could bind otherwise (a required keyword-only parameter)."""
     sig = _bound_signature(func)
     if sig is None:
         return None
@@ -378,27 +379,32 @@ def _positional_shape(func):
                 required = len(names)
         elif p.kind == p.KEYWORD_ONLY and p.default is p.empty:
             return None
-    return tuple(names), required
+    return tuple(f"input.{name}" for name in names), required
 
 
 def _add_inputs(state, model, args, kwargs) -> None:
-    names = _positional_call_names(model, args, kwargs)
-    sig = _forward_signature(model) if names is None else None
-    if sig is not None:
-        try:
-            bound = sig.bind(*args, **kwargs)
-            names = list(bound.arguments.items())
-        except TypeError:
-            names = None
-    if names is None:
-        names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+    slots = _positional_call_names(model, args, kwargs)
+    if slots is not None:
+        inputs = zip(slots, args)  # the common call: the slots of the arguments given
+    else:
+        sig = _forward_signature(model)
+        names = None
+        if sig is not None:
+            try:
+                bound = sig.bind(*args, **kwargs)
+                names = list(bound.arguments.items())
+            except TypeError:
+                pass
+        if names is None:
+            names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+        inputs = [(f"input.{name}", value) for name, value in names]
     producers = state.producers
-    for name, value in names:
+    for slot, value in inputs:
         if type(value) is torch.Tensor:  # the common case: the leaf is the argument itself
             if id(value) not in producers:
-                state.add_source(value, INPUT, f"input.{name}")
+                state.add_source(value, INPUT, slot)
             continue
-        for path, t in tensor_leaves(value, f"input.{name}", []):
+        for path, t in tensor_leaves(value, slot, []):
             if id(t) not in producers:  # the same tensor passed twice is one input
                 state.add_source(t, INPUT, path)
 
