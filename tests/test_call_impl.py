@@ -211,6 +211,26 @@ def test_the_replacement_is_in_place_only_during_the_trace_and_other_threads_are
     assert not any(site.threads or site.recorders for site in call_impl._sites.values())
 
 
+def test_only_the_code_of_torchs_function_is_swapped_while_a_trace_runs():
+    """No class attribute is written (that would invalidate every module class's attribute cache): the
+    function stays torch's object with torch's signature, and runs torch's code again after the trace."""
+    import inspect
+
+    signature, seen = str(inspect.signature(CALL_IMPL)), []
+
+    class Look(nn.Module):
+        def forward(self, x):
+            seen.append((vars(nn.Module)["_call_impl"] is CALL_IMPL, CALL_IMPL.__code__ is not CALL_IMPL_CODE,
+                         str(inspect.signature(CALL_IMPL))))
+            return x + 1
+
+    log = tl.trace(nn.Sequential(Look()), torch.randn(2))
+    assert seen == [(True, True, signature)]
+    assert [mc.label for mc in log.module_calls] == ["0:1"]
+    assert CALL_IMPL.__code__ is CALL_IMPL_CODE and not call_impl.installed()
+    assert_clean_process()
+
+
 def test_the_replacement_stays_while_another_thread_still_traces():
     entered, release, seen = threading.Event(), threading.Event(), []
 
