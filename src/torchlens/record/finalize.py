@@ -92,18 +92,19 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     )
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
-    replay_context, by_param = _replay_types()
+    replay_context, by_param, none = _replay_types()
     trace._replay = replay_context(state.context, state.contexts, state.param_writes,
-                                   by_param(ids, list(map(_VERSION, params))),
-                                   by_param(ids, list(map(_REQUIRES_GRAD, params))))
+                                   by_param(ids, list(map(_VERSION, params))) if params else none,
+                                   by_param(ids, list(map(_REQUIRES_GRAD, params))) if params else none)
     return trace
 
 
 @functools.cache
 def _replay_types():
+    """The replay record's types, and the (immutable) ``ByParam`` of a model without parameters."""
     from ..capture.state import ByParam, ReplayContext  # the capture driver's types; imported late, one way
 
-    return ReplayContext, ByParam
+    return ReplayContext, ByParam, ByParam([], [])
 
 
 class RawRecord:
