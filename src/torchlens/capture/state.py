@@ -392,11 +392,17 @@ class CaptureState:
 
     def check_saved_versions(self) -> list:
         """Drop and report saved activations mutated by means capture could not see."""
-        wrapped = _functorch_wrapped
-        for i in [i for i, t in self.saved.items() if wrapped(t)] if wrapped is not None else ():
-            self._drop(i, "made inside a torch.func transform (vmap, grad, ...): what was saved is the "
-                          "transform's internal wrapper, which cannot be read outside it")
-        mutated = [i for i, v in self.saved_versions.items() if v is not None and self.saved[i]._version != v]
+        # A C-level pass and a plain loop: a comprehension is a call of its own (Python 3.11), and most
+        # traces drop nothing.
+        wrapped, saved = _functorch_wrapped, self.saved
+        if wrapped is not None and any(map(wrapped, saved.values())):
+            for i in [i for i, t in saved.items() if wrapped(t)]:
+                self._drop(i, "made inside a torch.func transform (vmap, grad, ...): what was saved is the "
+                              "transform's internal wrapper, which cannot be read outside it")
+        mutated = []
+        for i, v in self.saved_versions.items():
+            if v is not None and saved[i]._version != v:
+                mutated.append(i)
         for i in mutated:
             self._drop(i, "mutated after capture saved it, by a write capture could not see "
                           "(for example through .data or a NumPy view)")
