@@ -17,7 +17,6 @@ the forward made to it (``param_writes``).
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 from weakref import ref as weakref
 
@@ -126,7 +125,6 @@ class CaptureState:
 
     def __init__(self, *, save_mode: int, selector=None, save_device=None, record_finite: bool = False,
                  buffers: dict | None = None, max_saved_bytes: int | None = None):
-        self.owner_thread = threading.get_ident()
         self.calls: list = []
         self.records: list = []
         self.module_calls: list = []
