@@ -176,6 +176,8 @@ class Replacement:
     ``owners`` go through ``make_recorder(impl, relays)`` (one recorder per redirected function; see
     ``Site`` for its two arguments)."""
 
+    __slots__ = ("make_recorder", "owners", "held", "_recorders")
+
     def __init__(self, make_recorder, owners=()):
         self.make_recorder = make_recorder
         self.owners = (torch.nn.Module, *owners) if owners else _MODULE_ONLY

@@ -45,6 +45,8 @@ def _tensors_in(value) -> list:
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
 
+    __slots__ = ("state", "root", "frames", "progress", "skip", "module_types", "_replacement", "_outside")
+
     def __init__(self, state: CaptureState, root, frames=None, skip=(), module_types=()):
         self.state = state
         self.root = root
