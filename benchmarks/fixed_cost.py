@@ -185,6 +185,7 @@ def step_arms(model, x, package, wide, deep) -> dict:
         "SavePolicy('all')": lambda: part("capture.saving").SavePolicy("all", model),
         f"CaptureState() + {len(deep_buffers)} buffer sources, ResNet-like": buffer_sources,
         "SavePolicy(['blocks.0', 'conv2d']), ResNet-like": selection,
+        "finalize, the one-op model": finalize_of(model, x),
         "finalize, ResNet-like (52 ops, 42 module calls, 47 parameters)": finalize_of(deep, torch.randn(1, 3, 16, 16)),
         # Capture's effect on the forward itself (a class attribute written per trace would make every
         # module class's attribute lookups miss once, in the forward and after it).
