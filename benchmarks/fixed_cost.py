@@ -112,19 +112,19 @@ def step_arms(model, x, package, wide, deep) -> dict:
         part.__enter__()
         part.__exit__(None, None, None)
 
-    def capture_block():
+    def capture_block(traced=model, x=x, index=index):
         """Enter every part, run the forward, tear down: as the driver does it (with a fresh state)."""
-        fresh = state()
+        fresh = state_mod.CaptureState(save_mode=1, buffers=index.buffers)
         mode = mode_mod.CaptureMode(fresh, frames)
-        parts = (compiled.CompiledSubmodules(model, "run", None, ()), fastpath.FastPathShim(mode),
-                 modules.ModuleCallTracker(fresh, model, frames), teardown.ModeOnStack(mode))
+        parts = (compiled.CompiledSubmodules(traced, "run", None, ()), fastpath.FastPathShim(mode),
+                 modules.ModuleCallTracker(fresh, traced, frames), teardown.ModeOnStack(mode))
         if hasattr(teardown, "Capture"):
             with teardown.Capture(parts):
-                session._run_forward(model, (x,), {})
+                session._run_forward(traced, (x,), {})
             return
         try:  # the driver before teardown.Capture: a with statement, then every exit once more
             with parts[0], parts[1], parts[2], parts[3]:
-                session._run_forward(model, (x,), {})
+                session._run_forward(traced, (x,), {})
         finally:
             session._tear_down(parts)
 
@@ -144,6 +144,11 @@ def step_arms(model, x, package, wide, deep) -> dict:
 
     deep_index = model_index.index_of(deep)
     deep_buffers = [b for b, _ in deep_index.buffers.values()]
+    deep_x = torch.randn(1, 3, 16, 16)
+
+    def deep_forward():
+        """The ResNet-like forward alone (the capture block below adds capture to it)."""
+        deep(deep_x)
 
     def buffer_sources():
         """A fresh state, then every buffer of ``deep`` read once (each becomes a source record)."""
@@ -180,7 +185,12 @@ def step_arms(model, x, package, wide, deep) -> dict:
         "SavePolicy('all')": lambda: part("capture.saving").SavePolicy("all", model),
         f"CaptureState() + {len(deep_buffers)} buffer sources, ResNet-like": buffer_sources,
         "SavePolicy(['blocks.0', 'conv2d']), ResNet-like": selection,
+        "finalize, the one-op model": finalize_of(model, x),
         "finalize, ResNet-like (52 ops, 42 module calls, 47 parameters)": finalize_of(deep, torch.randn(1, 3, 16, 16)),
+        # Capture's effect on the forward itself (a class attribute written per trace would make every
+        # module class's attribute lookups miss once, in the forward and after it).
+        "forward alone, ResNet-like (7 module classes)": deep_forward,
+        "capture block, ResNet-like": lambda: capture_block(deep, deep_x, deep_index),
     }
     accel = sys.modules.get(f"{package.__name__}.capture.accel")
     if accel is not None and accel.compiled("_index") is not None:  # the compiled check is in use: time both

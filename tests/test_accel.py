@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import torchlens as tl
 import torchlens.capture.mode as mode_module
+from torchlens.capture import call_impl
 from torchlens.record.columns import MODULE_CALL_T0_NS, MODULE_CALL_T1_NS
 
 import real_models
@@ -395,7 +396,7 @@ class _Nested(nn.Module):
         self.seen = []
 
     def forward(self, x):
-        self.seen.append(type(vars(nn.Module)["_call_impl"]).__name__)
+        self.seen.append(type(call_impl.receiver()).__name__)
         h = self.seq(x)
         return self.pair(h, input2=x) + self.pair(x, h)
 
@@ -418,4 +419,4 @@ def test_an_exception_leaving_module_calls_is_noted_the_same(states):
             tl.trace(lambda t: model(t), x, root=model)
     _same_state(states[-2][0], states[-1][0])
     assert states[-2][0].raised_in is not None
-    assert type(vars(nn.Module)["_call_impl"]).__name__ == "function"  # nothing left in place
+    assert type(call_impl.receiver()).__name__ == "function" and not call_impl.installed()  # nothing left in place

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torchlens as tl  # noqa: E402
 from torchlens.capture import call_impl  # noqa: E402
-from untouched import CALL_IMPL, assert_clean_process, assert_untouched, snapshot  # noqa: E402
+from untouched import CALL_IMPL, CALL_IMPL_CODE, assert_clean_process, assert_untouched, snapshot  # noqa: E402
 from zoo import Pair  # noqa: E402
 
 
@@ -193,7 +193,7 @@ class Probe(nn.Module):
         self.seen = []
 
     def forward(self, x):
-        self.seen.append(vars(nn.Module)["_call_impl"] is not CALL_IMPL)
+        self.seen.append(call_impl.receiver() is not CALL_IMPL)
         other = []
         side = threading.Thread(target=lambda: other.append(self.fc(x)))
         side.start()
@@ -211,6 +211,26 @@ def test_the_replacement_is_in_place_only_during_the_trace_and_other_threads_are
     assert not any(site.threads or site.recorders for site in call_impl._sites.values())
 
 
+def test_only_the_code_of_torchs_function_is_swapped_while_a_trace_runs():
+    """No class attribute is written (that would invalidate every module class's attribute cache): the
+    function stays torch's object with torch's signature, and runs torch's code again after the trace."""
+    import inspect
+
+    signature, seen = str(inspect.signature(CALL_IMPL)), []
+
+    class Look(nn.Module):
+        def forward(self, x):
+            seen.append((vars(nn.Module)["_call_impl"] is CALL_IMPL, CALL_IMPL.__code__ is not CALL_IMPL_CODE,
+                         str(inspect.signature(CALL_IMPL))))
+            return x + 1
+
+    log = tl.trace(nn.Sequential(Look()), torch.randn(2))
+    assert seen == [(True, True, signature)]
+    assert [mc.label for mc in log.module_calls] == ["0:1"]
+    assert CALL_IMPL.__code__ is CALL_IMPL_CODE and not call_impl.installed()
+    assert_clean_process()
+
+
 def test_the_replacement_stays_while_another_thread_still_traces():
     entered, release, seen = threading.Event(), threading.Event(), []
 
@@ -219,7 +239,7 @@ def test_the_replacement_stays_while_another_thread_still_traces():
             if threading.current_thread().name == "long":
                 entered.set()
                 release.wait(10)
-                seen.append(vars(nn.Module)["_call_impl"] is not CALL_IMPL)
+                seen.append(call_impl.receiver() is not CALL_IMPL)
             return x + 0
 
     model = nn.Sequential(nn.Linear(4, 4), Gate(), nn.Linear(4, 4))
@@ -242,7 +262,7 @@ def test_a_compiled_region_compiles_with_torchs_own_call_impl():
     seen = []
 
     def backend(graph, example_inputs):
-        seen.append(vars(nn.Module)["_call_impl"] is CALL_IMPL)
+        seen.append(call_impl.receiver() is CALL_IMPL and CALL_IMPL.__code__ is CALL_IMPL_CODE)
         return graph.forward
 
     torch.manual_seed(0)
@@ -309,11 +329,11 @@ def test_a_replacement_teardown_could_not_undo_is_named_in_the_note(monkeypatch)
         def forward(self, x):
             raise ValueError("model failure")
 
-    monkeypatch.setattr(call_impl.Replacement, "_release_all", lambda self: None)
+    monkeypatch.setattr(call_impl.Replacement, "release_all", lambda self: None)
     try:
         with pytest.raises(ValueError) as info:
             tl.trace(Fails(), torch.randn(2))
-        assert vars(nn.Module)["_call_impl"] is not CALL_IMPL
+        assert call_impl.receiver() is not CALL_IMPL
         assert "capture could not remove nn.Module._call_impl replaced" in info.value.__notes__[0]
     finally:
         for site in list(call_impl._sites.values()):  # what the real teardown does

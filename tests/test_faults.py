@@ -281,6 +281,7 @@ def keyboard_interrupt_in_the_trace_driver():
     parts = {capture.fastpath.__file__, capture.modules.__file__, capture.call_impl.__file__}
     setup_and_teardown = {"__enter__", "__exit__", "_release", "pause", "resume", "_acquire", "_release_all",
                           "update", "_unsee_in_dynamo", "owners_overriding", "unsupported_overrides",
+                          "acquire", "release_all", "install", "restore", "changed",
                           "_recorder_factory", "recorder_for", "_dispatcher"}
     model, x = Normalized(), torch.randn(2, 4)
 

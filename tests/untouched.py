@@ -15,6 +15,7 @@ import torch.overrides
 
 ORIGINAL = torch.overrides.has_torch_function
 CALL_IMPL = torch.nn.Module._call_impl
+CALL_IMPL_CODE = CALL_IMPL.__code__  # a trace swaps the function's code while it runs (capture/call_impl.py)
 _NAMESPACES = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": F,
                "torch.overrides": torch.overrides, "torch.nn.Module": torch.nn.Module}
 
@@ -46,6 +47,7 @@ def snapshot(model=None, tensors=()) -> dict:
         "has_torch_function is torch's own": torch.overrides.has_torch_function is ORIGINAL,
         "global module hooks": _global_hook_dicts(),
         "torch namespaces": _namespace_ids(),
+        "nn.Module._call_impl's code is torch's own": CALL_IMPL.__code__ is CALL_IMPL_CODE,
     }
     if isinstance(model, torch.nn.Module):
         for name, m in model.named_modules(remove_duplicate=False):
@@ -68,5 +70,6 @@ def assert_clean_process() -> None:
     assert torch._C._len_torch_function_stack() == 0, "a torch function mode is still on the stack"
     assert torch.overrides.has_torch_function is ORIGINAL, "has_torch_function is patched"
     assert vars(torch.nn.Module)["_call_impl"] is CALL_IMPL, "nn.Module._call_impl is replaced"
+    assert CALL_IMPL.__code__ is CALL_IMPL_CODE, "nn.Module._call_impl runs other code"
     leftover = {k: v for k, v in _global_hook_dicts().items() if v}
     assert not leftover, f"global module hooks left installed: {leftover}"

@@ -1289,14 +1289,37 @@ static long frame_verdict(Recorder *r, PyObject *code) {
 
 /* The (code, offset) of the user frame making the call, when the common cases decide it: 1 with
  * ``*frame`` set (new reference), 0 for the Python record_call, -1 on error. */
+/* Whether ``code`` is one of the relays' (``dispatcher_code``: the dispatcher's and the relay's code, in
+ * the order a recorder meets their frames; capture/call_impl.py). */
+static int is_relay(Recorder *r, PyObject *code) {
+    PyObject *relays = r->dispatcher_code;
+    if (!PyTuple_Check(relays)) return code == relays;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(relays); i++)
+        if (PyTuple_GET_ITEM(relays, i) == code) return 1;
+    return 0;
+}
+
 static int call_site(Recorder *r, PyObject *parent, long parent_index, PyObject **frame) {
     PyFrameObject *wrapped = PyEval_GetFrame();  /* borrowed: record_call's caller */
     if (wrapped == NULL) return 0;
+    Py_INCREF(wrapped);
     PyObject *code = (PyObject *)PyFrame_GetCode(wrapped);
+    while (is_relay(r, code)) {  /* the relay and the dispatcher pass the call on: look past them */
+        PyFrameObject *back = PyFrame_GetBack(wrapped);
+        Py_DECREF(wrapped);
+        Py_DECREF(code);
+        if (back == NULL) return 0;
+        wrapped = back;
+        code = (PyObject *)PyFrame_GetCode(wrapped);
+    }
     int is_wrapped = code == r->wrapped_call;
     Py_DECREF(code);
-    if (!is_wrapped) return 0;  /* the dispatcher, a class's own _call_impl, or a direct call */
+    if (!is_wrapped) {  /* a class's own _call_impl, or a direct call */
+        Py_DECREF(wrapped);
+        return 0;
+    }
     PyFrameObject *caller = PyFrame_GetBack(wrapped);
+    Py_DECREF(wrapped);
     if (caller == NULL) return 0;
     int result = 0;
     code = (PyObject *)PyFrame_GetCode(caller);

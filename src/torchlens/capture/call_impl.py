@@ -1,20 +1,26 @@
-"""Seeing every module call by replacing ``nn.Module._call_impl`` while a trace runs.
+"""Seeing every module call by redirecting ``nn.Module._call_impl`` while a trace runs.
 
-``Module.__call__`` is ``_wrapped_call_impl``, which looks ``self._call_impl`` up at every call.
-Replacing that class attribute (a plain dict entry, unlike ``__call__``, a type slot that every subclass
-would be updated for) puts one Python function around every module call, and the call itself, with
-the module's own hooks, jit tracing and everything else ``_call_impl`` does, runs untouched inside it.
+``Module.__call__`` is ``_wrapped_call_impl``, which looks ``self._call_impl`` up at every call.  While
+a trace runs, that function's code is swapped for a relay (``_relay``: one frame that calls what the
+site's ``slot`` holds), and the call itself, with the module's own hooks, jit tracing and everything
+else ``_call_impl`` does, runs untouched inside it, in a copy of the function that keeps torch's code.
+Swapping the code of the function, not the class attribute, leaves every type alone: writing an
+attribute of ``nn.Module`` would invalidate the attribute caches of ``nn.Module`` and of every subclass
+(each later lookup on a module, in the trace and after it, misses once: about 5 us on a one-op model,
+more with every module class a model has).  The function stays the same object, so Dynamo, ``inspect``
+and any reference taken before see the same function, whose code is torch's again once no trace runs.
 Global forward hooks would see the same calls but move every one of them onto torch's slow hook path.
 
-The replacement is process-wide and shared by the threads that trace.  Each trace brings a recorder
-per replaced attribute: ``recorder(module, *args, **kwargs)``, which records the calls of its own thread
-and hands any other thread's straight to the original.  While one trace runs, its recorder is the
-attribute itself (one Python frame per module call); while several do, a dispatcher picks the calling
-thread's.  A class that defines its own ``_call_impl`` (``torch.compiler.disable`` on a module class
-does) is not reached through ``nn.Module``'s, so its attribute is replaced the same way for the traces
-whose model holds one.  Each replaced attribute (a ``Site``) is restored when no trace needs it, and
-every step is idempotent, so teardown can be retried until it finishes (``until_done``): an interrupt
-cannot strand a replacement.
+The redirection is process-wide and shared by the threads that trace.  Each trace brings a recorder
+per redirected function: ``recorder(module, *args, **kwargs)``, which records the calls of its own thread
+and hands any other thread's straight to torch's code.  While one trace runs, its recorder is in the
+slot; while several do, a dispatcher picks the calling thread's.  A class that defines its own
+``_call_impl`` (``torch.compiler.disable`` on a module class does) is not reached through ``nn.Module``'s,
+so its own is redirected the same way for the traces whose model holds one; one whose code cannot be
+swapped (a closure, as ``super()`` or a wrapper makes, or another signature) has its class attribute
+replaced instead.  Each redirected function (a ``Site``) is restored when no trace needs it, and every
+step is idempotent, so teardown can be retried until it finishes (``until_done``): an interrupt cannot
+strand a redirection.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ import torch
 from .teardown import release_stranded, until_done
 
 _ATTRIBUTE = "_call_impl"
-MARK = "_torchlens_replaces"  # set on every function put in place here: the ``_call_impl`` it wraps
+MARK = "_torchlens_replaces"  # set on what is put in a class attribute here: the ``_call_impl`` it wraps
 _lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
+_MODULE_ONLY = (torch.nn.Module,)  # the owners of a trace whose model's classes keep nn.Module's _call_impl
 _sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl: nn.Module's stays, others while held
 
 
@@ -49,37 +56,100 @@ def _dispatcher(impl, recorders: dict):
 
 DISPATCHER_CODE = _dispatcher(None, {}).__code__  # a recorder called by it finds the caller one frame up
 
+_SLOT_MARK = 0x7E1A7C0DE  # a constant of the relay's code, replaced by each site's slot (a one-item list)
+
+
+def _relay(self, *args, **kwargs):
+    # The code a redirected ``_call_impl`` runs: what its site's slot holds (a recorder, the dispatcher, or
+    # torch's code).  The slot is a constant of each site's copy of this code (nothing is looked up by name
+    # in torch's module globals); a frame that read it as the last trace ended runs torch's code.
+    slot = 0x7E1A7C0DE  # _SLOT_MARK, written out: a constant of the code, not a name looked up
+    return slot[0](self, *args, **kwargs)
+
+
+def _swappable(function) -> bool:
+    """Whether ``function``'s code can be the relay's: a plain function shaped ``(self, *args, **kwargs)``
+    with no closure and no defaults (torch's ``_call_impl`` is)."""
+    if type(function) is not types.FunctionType or function.__closure__ is not None \
+            or function.__defaults__ is not None or function.__kwdefaults__ is not None:
+        return False
+    code, relay = function.__code__, _relay.__code__
+    return (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags & _SHAPE) == \
+        (relay.co_argcount, relay.co_posonlyargcount, relay.co_kwonlyargcount, relay.co_flags & _SHAPE)
+
+
+_SHAPE = 0x04 | 0x08  # CO_VARARGS | CO_VARKEYWORDS
+
 
 class Site:
-    """One class whose ``_call_impl`` attribute is replaced, and the traces that hold it."""
+    """One class whose ``_call_impl`` is redirected, and the traces that hold it.
+
+    ``impl`` runs torch's (or the class's) code: a copy of the function when its code is swapped, the
+    function itself when the class attribute is replaced.  ``relays``: the code of the frames between
+    ``_wrapped_call_impl`` and a recorder (the relay, the dispatcher), which a recorder looks past."""
 
     def __init__(self, owner):
         self.owner = owner
-        self.original = vars(owner)[_ATTRIBUTE]
+        self.original = original = vars(owner)[_ATTRIBUTE]
         self.threads: set = set()  # threads whose trace holds this site, paused or not
         self.recorders: dict = {}  # thread id -> its trace's recorder, while that trace records
-        self.dispatcher = _dispatcher(self.original, self.recorders)
+        if _swappable(original) and _SLOT_MARK in _relay.__code__.co_consts:
+            self.code = original.__code__
+            impl = types.FunctionType(self.code, original.__globals__, original.__name__, None, None)
+            impl.__qualname__ = original.__qualname__
+            self.slot = [impl]
+            consts = tuple(self.slot if type(c) is int and c == _SLOT_MARK else c for c in _relay.__code__.co_consts)
+            names = {"co_name": self.code.co_name}
+            if hasattr(self.code, "co_qualname"):  # Python 3.11 on: tracebacks name the function as torch does
+                names["co_qualname"] = self.code.co_qualname
+            self.relay = _relay.__code__.replace(co_consts=consts, **names)
+        else:  # the class attribute is replaced instead
+            self.code = self.slot = self.relay = None
+            impl = original
+        self.impl = impl
+        self.dispatcher = _dispatcher(impl, self.recorders)
+        self.relays = (DISPATCHER_CODE, self.relay)  # in the order a recorder meets them (None: no relay)
+
+    def changed(self) -> bool:
+        """Whether the class now holds another ``_call_impl`` (or the function other code) than this site
+        found: asked only while no trace holds the site, when it must hold what it found."""
+        original = vars(self.owner).get(_ATTRIBUTE)
+        return original is not self.original or (self.code is not None and original.__code__ is not self.code)
+
+    def install(self, target) -> None:
+        """Make ``target`` (a recorder or the dispatcher) receive the calls of the class's ``_call_impl``."""
+        if self.slot is not None:
+            self.slot[0] = target  # first: the relay must find it once in place
+            self.original.__code__ = self.relay
+        elif vars(self.owner).get(_ATTRIBUTE) is not target:
+            setattr(self.owner, _ATTRIBUTE, target)
 
     def update(self) -> None:
         """Put in place what the recording traces need: torch's own, the one recorder, or the dispatcher."""
         recorders = self.recorders
         if not recorders:
-            target = self.original
-        elif len(recorders) == 1:
-            target = next(iter(recorders.values()))
-        else:
-            target = self.dispatcher
-        if target is self.original:
             self.restore()
-        elif vars(self.owner).get(_ATTRIBUTE) is not target:
-            setattr(self.owner, _ATTRIBUTE, target)
+        elif len(recorders) == 1:
+            self.install(next(iter(recorders.values())))
+        else:
+            self.install(self.dispatcher)
 
     def restore(self) -> None:
         """Put torch's own ``_call_impl`` (or the class's) back in place, and in Dynamo's sight."""
+        if self.slot is not None:
+            self.original.__code__ = self.code  # first: no call reaches the relay from here on
+            self.slot[0] = self.impl
+            return
         original = self.original
         setattr(self.owner, _ATTRIBUTE, original)  # unconditionally: cheaper than reading it first
         if "torch._dynamo" in sys.modules:  # the usual case: Dynamo never imported, nothing kept
             _unsee_in_dynamo(original)
+
+    def receiver(self):
+        """What a call of the class's ``_call_impl`` reaches now (a recorder, the dispatcher or torch's)."""
+        if self.slot is not None:
+            return self.slot[0] if self.original.__code__ is self.relay else self.original
+        return vars(self.owner).get(_ATTRIBUTE)
 
 
 def owners_overriding(module_types) -> list:
@@ -103,48 +173,58 @@ def unsupported_overrides(owners) -> list:
 
 class Replacement:
     """Context manager: while it is entered, this thread's calls of ``nn.Module`` and of the classes in
-    ``owners`` go through ``make_recorder(original)`` (one recorder per replaced attribute)."""
+    ``owners`` go through ``make_recorder(impl, relays)`` (one recorder per redirected function; see
+    ``Site`` for its two arguments)."""
+
+    __slots__ = ("make_recorder", "owners", "held", "_recorders")
 
     def __init__(self, make_recorder, owners=()):
         self.make_recorder = make_recorder
-        self.owners = (torch.nn.Module, *owners)
+        self.owners = (torch.nn.Module, *owners) if owners else _MODULE_ONLY
         self.held: list = []  # ids of the sites this trace holds
         self._recorders: dict = {}  # id(owner) -> this trace's recorder there
 
     def __enter__(self):
         try:
-            self._acquire()
+            self.acquire()
             return self  # inside the try: an interrupt landing here must not strand the replacement
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
-    def _acquire(self) -> None:
+    def acquire(self) -> None:
         tid = threading.get_ident()
-        with _lock:
+        # acquire/release rather than ``with``: half the cost; a hold an interrupt strands between them is
+        # dropped by ``release_all`` (as one stranded on a ``with`` exit line would be).
+        _lock.acquire()
+        try:
             for owner in self.owners:
                 site = _sites.get(id(owner))
-                if site is None or not site.threads and vars(owner).get(_ATTRIBUTE) is not site.original:
+                if site is None or not site.threads and site.changed():
                     site = _sites[id(owner)] = Site(owner)  # first use, or the class has been given another
                 self.held.append(id(owner))  # first: whatever happens next, __exit__ undoes it
                 site.threads.add(tid)
-                recorder = self._recorders[id(owner)] = self.make_recorder(site.original)
-                setattr(recorder, MARK, site.original)
+                recorder = self._recorders[id(owner)] = self.make_recorder(site.impl, site.relays)
+                if site.slot is None:  # a replaced class attribute: Dynamo may keep it (_unsee_in_dynamo)
+                    setattr(recorder, MARK, site.original)
                 recorders = site.recorders
                 recorders[tid] = recorder
-                if len(recorders) == 1:  # the one trace recording: its recorder is the attribute itself
-                    setattr(owner, _ATTRIBUTE, recorder)
+                if len(recorders) == 1:  # the one trace recording: its recorder receives the calls itself
+                    site.install(recorder)
                 else:
                     site.update()
+        finally:
+            _lock.release()
 
     def __exit__(self, *exc):
-        until_done(self._release_all)  # an interrupt landing mid-teardown cannot strand the replacement
+        until_done(self.release_all)  # an interrupt landing mid-teardown cannot strand the replacement
         return False
 
-    def _release_all(self) -> None:
+    def release_all(self) -> None:
         release_stranded(_lock)
         tid = threading.get_ident()
-        with _lock:
+        _lock.acquire()
+        try:
             while self.held:
                 key = self.held[-1]
                 site = _sites.get(key)
@@ -158,6 +238,8 @@ class Replacement:
                     if not site.threads and site.owner is not torch.nn.Module:  # its original is back
                         _sites.pop(key, None)  # and the class is not held alive here
                 self.held.pop()
+        finally:
+            _lock.release()
 
     def pause(self) -> None:
         """Stop recording this thread's calls, and take the recorder out of place (a compiled region
@@ -186,9 +268,17 @@ def held_by(tid: int) -> bool:
 
 
 def installed() -> list:
-    """Every ``_call_impl`` now replaced by a trace (for tests and the teardown check)."""
+    """Every ``_call_impl`` now redirected by a trace (for tests and the teardown check)."""
     return [f"{site.owner.__qualname__}._call_impl" for site in list(_sites.values())
-            if vars(site.owner).get(_ATTRIBUTE) is not site.original]
+            if vars(site.owner).get(_ATTRIBUTE) is not site.original
+            or (site.code is not None and site.original.__code__ is not site.code)]
+
+
+def receiver(owner=torch.nn.Module):
+    """What a call of ``owner``'s ``_call_impl`` reaches now: a trace's recorder, the dispatcher, or the
+    function itself (no trace redirects it)."""
+    site = _sites.get(id(owner))
+    return site.receiver() if site is not None else vars(owner).get(_ATTRIBUTE)
 
 
 def _unsee_in_dynamo(original) -> None:

@@ -48,12 +48,17 @@ class FastPathShim:
     def __enter__(self):
         global _users, _original
         try:
-            with _lock:
+            # acquire/release rather than ``with``: half the cost; a hold an interrupt strands between
+            # them is dropped by ``_release_all``.
+            _lock.acquire()
+            try:
                 if torch.overrides.has_torch_function is not _has_torch_function_ignoring_capture:
                     if _users == 0:  # otherwise another trace has paused it (see pause): reinstall only
                         _original = torch.overrides.has_torch_function
                     torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
                 _users, self._counted = _users + 1, True  # one statement: no interrupt between them
+            finally:
+                _lock.release()
             _local.mode = self.mode
             return self  # inside the try: an interrupt landing here must not strand the shim
         except BaseException:
@@ -83,9 +88,12 @@ class FastPathShim:
     def _release(self) -> None:
         global _users
         _local.mode = None
-        with _lock:
+        _lock.acquire()
+        try:
             if self._counted:
                 _users, self._counted = _users - 1, False
             if _users == 0 and torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
                 # _original stays set: another thread may have looked the shim up just before this.
                 torch.overrides.has_torch_function = _original
+        finally:
+            _lock.release()

@@ -25,7 +25,8 @@ import torch
 from ..errors import warn_user
 from ..tree import tensor_leaves
 from . import accel
-from .call_impl import DISPATCHER_CODE, Replacement, held_by, owners_overriding, unsupported_overrides
+from .call_impl import Replacement, held_by, owners_overriding, unsupported_overrides
+from .teardown import until_done
 from .source import _CALL_IMPL, _SKIP, _USER
 from .state import CaptureState
 
@@ -43,6 +44,8 @@ def _tensors_in(value) -> list:
 
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
+
+    __slots__ = ("state", "root", "frames", "progress", "skip", "module_types", "_replacement", "_outside")
 
     def __init__(self, state: CaptureState, root, frames=None, skip=(), module_types=()):
         self.state = state
@@ -68,8 +71,8 @@ class ModuleCallTracker:
                 warn_user(f"the _call_impl of {names} is not a function: calls of their modules are not "
                           "recorded as module calls (their ops are attributed to the enclosing call)")
                 owners = [o for o in owners if o not in unsupported]
-            self._replacement = Replacement(self._recorder_factory(), owners)
-            self._replacement.__enter__()
+            replacement = self._replacement = Replacement(self._recorder_factory(), owners)
+            replacement.acquire()  # Replacement.__enter__ without its own try: the except below undoes it
             return self  # inside the try: an interrupt landing here must not strand the replacement
         except BaseException:
             self.__exit__(None, None, None)
@@ -99,8 +102,10 @@ class ModuleCallTracker:
         # that the trace's records are freed by reference counting, not by a later collector pass.
         outside = self._outside = [None, None]  # [that frame, its answer]
 
-        def recorder_for(impl):
-            """The recorder around one ``_call_impl`` (torch's, or a class's own)."""
+        def recorder_for(impl, relays):
+            """The recorder around one ``_call_impl`` (torch's, or a class's own), called through the
+            frames of ``relays`` (the code of the relay and of the dispatcher: capture/call_impl.py)."""
+            dispatcher_code, relay_code = relays
 
             # Runs once per module call inside every trace: the common cases (one tensor argument, a call
             # made straight from user code or by nn.Sequential) take no loop and no method call.
@@ -108,11 +113,15 @@ class ModuleCallTracker:
                 if get_ident() != owner or id(module) in skip:
                     return impl(module, *args, **kwargs)
                 parent = stack[-1] if stack else -1
-                # record_call <- (the dispatcher, while several threads trace) <- _wrapped_call_impl <- the
-                # caller: a user frame is the answer (FrameClassifier.module_call_frame, inlined).
+                # record_call <- (the dispatcher, while several threads trace) <- (the relay, when the code of
+                # _call_impl is swapped) <- _wrapped_call_impl <- the caller: a user frame is the answer
+                # (FrameClassifier.module_call_frame, inlined).
                 wrapped = getframe(1)
                 code = wrapped.f_code
-                if code is DISPATCHER_CODE:
+                if code is dispatcher_code:
+                    wrapped = wrapped.f_back
+                    code = wrapped.f_code
+                if code is relay_code:
                     wrapped = wrapped.f_back
                     code = wrapped.f_code
                 if code is _WRAPPED_CALL:
@@ -181,10 +190,10 @@ class ModuleCallTracker:
             # Positional, in the order of its keyword names (impl, fallback, state, owner, skip, stack, calls,
             # call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
             # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict): matching
-            # twenty-one keywords costs about 1.5 us per trace.
+            # twenty-one keywords costs about 1.5 us per trace.  ``dispatcher_code``: the relays' codes.
             return compiled.ModuleRecorder(
                 impl, record_call, st, owner, skip, stack, calls, call_frames, producers, verdicts,
-                lambda value: tuple(bound(t) for t in _tensors_in(value)), outside, call_frame, DISPATCHER_CODE,
+                lambda value: tuple(bound(t) for t in _tensors_in(value)), outside, call_frame, relays,
                 _WRAPPED_CALL, _CALL_IMPL, _INNER, torch.Tensor, torch.nn.Parameter, _USER, _SKIP)
 
         return recorder_for
@@ -202,5 +211,5 @@ class ModuleCallTracker:
     def __exit__(self, *exc):
         self._outside[:] = None, None  # first: one statement, nothing to strand
         if self._replacement is not None:
-            self._replacement.__exit__(None, None, None)
+            until_done(self._replacement.release_all)  # Replacement.__exit__, one call less
         return False

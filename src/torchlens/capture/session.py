@@ -40,11 +40,12 @@ _PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
 _PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 
 
-def _trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
+def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
           markers=None, progress=None, intervene=None, reference=None, stop_after=None, grads=False,
           saved_for_backward: bool = False, compiled: str = "run") -> Trace:
-    """One trace, with the collector already paused and the thread marked as tracing by ``trace``."""
+    """One trace, with the collector already paused and the thread marked as tracing by ``trace``.
+    ``trace`` passes every option by position (a keyword costs about 0.1 us per hop); others name them."""
     model = _unwrap(model)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
         raise TypeError(f"tl.trace got the class {model.__name__}, not a module: pass a module instance, "
@@ -219,23 +220,21 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             call one ``compiled`` op) or ``"eager"`` (their interior traced op by op; outputs may then
             differ from the compiled run, and ``Trace.caveats`` says so).
     """
-    # A closure, not **options passed on twice: keyword arguments cost about 0.1 us each per hop.
-    return _paused_collector(lambda: _trace(
-        model, args, kwargs, save=save, save_device=save_device, record_finite=record_finite,
-        max_saved_bytes=max_saved_bytes, name=name, deep=deep, root=root, progress=progress, intervene=intervene,
-        reference=reference, stop_after=stop_after, grads=grads, saved_for_backward=saved_for_backward,
-        compiled=compiled))
+    # By position, in _trace's order (markers: None), not **options passed on: keywords cost per hop.
+    return _paused_collector(_trace, (model, args, kwargs, save, save_device, record_finite, max_saved_bytes,
+                                      name, deep, root, None, progress, intervene, reference, stop_after, grads,
+                                      saved_for_backward, compiled))
 
 
 def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
     """``trace`` that also drives profiler ``markers`` per op and module call (``report.kernel_profile``)."""
-    return _paused_collector(lambda: _trace(model, args, kwargs, markers=markers, **options))
+    return _paused_collector(lambda: _trace(model, args, kwargs, markers=markers, **options), ())
 
 
-def _paused_collector(run) -> Trace:
-    """``run()`` (one trace) with the thread marked as tracing and the collector paused; both are
-    restored whatever is raised and wherever (an interrupt can land on any line of the restore, which
-    then runs again as the interrupt passes)."""
+def _paused_collector(run, arguments: tuple) -> Trace:
+    """``run(*arguments)`` (one trace) with the thread marked as tracing and the collector paused; both
+    are restored whatever is raised and wherever (an interrupt can land on any line of the restore,
+    which then runs again as the interrupt passes)."""
     if getattr(_local, "active", False):
         raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
                                "trace the outer model once instead")
@@ -244,7 +243,7 @@ def _paused_collector(run) -> Trace:
         try:
             _local.active = True
             gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
-            return run()
+            return run(*arguments)
         finally:
             _local.active = False
             if collecting:
@@ -351,7 +350,8 @@ def _bound_signature(func):
 
 
 def _positional_call_names(model, args, kwargs):
-    """Input names for the common call (positional arguments only) without ``Signature.bind``."""
+    """The input slots (``input.x``) of the common call's arguments (positional only), in order, without
+    ``Signature.bind``; there may be more slots than arguments."""
     if kwargs or not isinstance(model, torch.nn.Module):
         return None
     forward = model.forward
@@ -361,13 +361,13 @@ def _positional_call_names(model, args, kwargs):
     shape = _positional_shape(func)
     if shape is None or not shape[1] <= len(args) <= len(shape[0]):
         return None  # *args, a missing argument, or too many: let bind decide
-    return list(zip(shape[0], args))
+    return shape[0]
 
 
 @functools.lru_cache(maxsize=256)
 def _positional_shape(func):
-    """(leading positional parameter names, how many are required) of a forward, or None when a
-    positional call could bind otherwise (a required keyword-only parameter)."""
+    """(input slots of the leading positional parameters, how many are required) of a forward, or None
+    when a positional call could bind otherwise (a required keyword-only parameter)."""
     sig = _bound_signature(func)
     if sig is None:
         return None
@@ -379,27 +379,32 @@ def _positional_shape(func):
                 required = len(names)
         elif p.kind == p.KEYWORD_ONLY and p.default is p.empty:
             return None
-    return tuple(names), required
+    return tuple(f"input.{name}" for name in names), required
 
 
 def _add_inputs(state, model, args, kwargs) -> None:
-    names = _positional_call_names(model, args, kwargs)
-    sig = _forward_signature(model) if names is None else None
-    if sig is not None:
-        try:
-            bound = sig.bind(*args, **kwargs)
-            names = list(bound.arguments.items())
-        except TypeError:
-            names = None
-    if names is None:
-        names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+    slots = _positional_call_names(model, args, kwargs)
+    if slots is not None:
+        inputs = zip(slots, args)  # the common call: the slots of the arguments given
+    else:
+        sig = _forward_signature(model)
+        names = None
+        if sig is not None:
+            try:
+                bound = sig.bind(*args, **kwargs)
+                names = list(bound.arguments.items())
+            except TypeError:
+                pass
+        if names is None:
+            names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
+        inputs = [(f"input.{name}", value) for name, value in names]
     producers = state.producers
-    for name, value in names:
+    for slot, value in inputs:
         if type(value) is torch.Tensor:  # the common case: the leaf is the argument itself
             if id(value) not in producers:
-                state.add_source(value, INPUT, f"input.{name}")
+                state.add_source(value, INPUT, slot)
             continue
-        for path, t in tensor_leaves(value, f"input.{name}", []):
+        for path, t in tensor_leaves(value, slot, []):
             if id(t) not in producers:  # the same tensor passed twice is one input
                 state.add_source(t, INPUT, path)
 

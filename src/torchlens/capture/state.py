@@ -17,7 +17,6 @@ the forward made to it (``param_writes``).
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 from weakref import ref as weakref
 
@@ -126,7 +125,6 @@ class CaptureState:
 
     def __init__(self, *, save_mode: int, selector=None, save_device=None, record_finite: bool = False,
                  buffers: dict | None = None, max_saved_bytes: int | None = None):
-        self.owner_thread = threading.get_ident()
         self.calls: list = []
         self.records: list = []
         self.module_calls: list = []
@@ -152,9 +150,10 @@ class CaptureState:
         self.finite_flags: dict | None = {} if record_finite else None
         # Replay context: the trace-wide grad/autocast state, the calls that ran under another one, and
         # the model's parameters by storage (their values before an in-place write are kept).
-        self.context = grad_and_autocast()
+        # grad_and_autocast(), with its one C call reused for ``any_autocast``.
+        any_autocast = self.any_autocast = _any_autocast()
+        self.context = grad_and_autocast() if any_autocast else (torch.is_grad_enabled(), {})
         self.grad_enabled = self.context[0]
-        self.any_autocast = _any_autocast()
         self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
@@ -391,11 +390,17 @@ class CaptureState:
 
     def check_saved_versions(self) -> list:
         """Drop and report saved activations mutated by means capture could not see."""
-        wrapped = _functorch_wrapped
-        for i in [i for i, t in self.saved.items() if wrapped(t)] if wrapped is not None else ():
-            self._drop(i, "made inside a torch.func transform (vmap, grad, ...): what was saved is the "
-                          "transform's internal wrapper, which cannot be read outside it")
-        mutated = [i for i, v in self.saved_versions.items() if v is not None and self.saved[i]._version != v]
+        # A C-level pass and a plain loop: a comprehension is a call of its own (Python 3.11), and most
+        # traces drop nothing.
+        wrapped, saved = _functorch_wrapped, self.saved
+        if wrapped is not None and any(map(wrapped, saved.values())):
+            for i in [i for i, t in saved.items() if wrapped(t)]:
+                self._drop(i, "made inside a torch.func transform (vmap, grad, ...): what was saved is the "
+                              "transform's internal wrapper, which cannot be read outside it")
+        mutated = []
+        for i, v in self.saved_versions.items():
+            if v is not None and saved[i]._version != v:
+                mutated.append(i)
         for i in mutated:
             self._drop(i, "mutated after capture saved it, by a write capture could not see "
                           "(for example through .data or a NumPy view)")

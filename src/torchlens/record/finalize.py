@@ -64,10 +64,10 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     else:
         returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
     first_output = len(state.records)  # the output pseudo ops follow the records
-    outputs = [(path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None))
-               for path, producer, t in returned]
+    outputs = []
     activations = dict(state.saved)
-    for k, (_, producer, _) in enumerate(returned):
+    for k, (path, producer, t) in enumerate(returned):
+        outputs.append((path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None)))
         if producer in activations:  # an output shows its producer's tensor
             activations[first_output + k] = activations[producer]
     raw = RawRecord(calls, state.records, outputs, state.module_calls, index)
@@ -77,7 +77,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         raw=raw,
         activations=activations,
         dropped=dict(state.clobbered),
-        finite=state.drained_finite_flags(),
+        finite=state.drained_finite_flags() if state.finite_flags else {},
         # Derived on first read (from the index the record keeps) unless a parameter outside the index is
         # named by its shape, read now (a later ``.data`` assignment could change it).
         param_addresses=None if _all_indexed(calls, index) else _param_addresses(calls, index),
@@ -91,18 +91,19 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     )
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
-    replay_context, by_param = _replay_types()
+    replay_context, by_param, none = _replay_types()
     trace._replay = replay_context(state.context, state.contexts, state.param_writes,
-                                   by_param(ids, list(map(_VERSION, params))),
-                                   by_param(ids, list(map(_REQUIRES_GRAD, params))))
+                                   by_param(ids, list(map(_VERSION, params))) if params else none,
+                                   by_param(ids, list(map(_REQUIRES_GRAD, params))) if params else none)
     return trace
 
 
 @functools.cache
 def _replay_types():
+    """The replay record's types, and the (immutable) ``ByParam`` of a model without parameters."""
     from ..capture.state import ByParam, ReplayContext  # the capture driver's types; imported late, one way
 
-    return ReplayContext, ByParam
+    return ReplayContext, ByParam, ByParam([], [])
 
 
 class RawRecord:
@@ -119,6 +120,9 @@ class RawRecord:
         self.module_calls = module_calls
         # Each call's module class, as shown (a torch.compile wrapper: the class it wraps), read now: a
         # parametrization (torch.nn.utils.parametrize) swaps a module's class after the trace.
+        if not module_calls:  # a model whose root calls no module: nothing to read
+            self.module_classes, self.module_params, self.index = ([], []), {}, index
+            return
         modules = list(map(_MODULE, module_calls))
         classes = list(map(type, modules))
         # Parameter names come from the index's walk; those of a module it has none for (the root, a module
