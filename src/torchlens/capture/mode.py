@@ -567,7 +567,7 @@ def _protect_before_write(st, func, args, kwargs) -> None:
     if inplace or kwargs.get("inplace"):
         if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
             st.protect_saved(args[0])
-        elif args and type(args[0]) is list:  # collectives writing a list (dist.all_gather)
+        elif args and type(args[0]) in (list, tuple):  # a list written whole (_foreach_add_, dist.all_gather)
             st.protect_saved_all(args[0])
     elif "out" in kwargs:
         st.protect_saved_all(kwargs["out"])
