@@ -442,6 +442,7 @@ class _Containers(nn.Module):
         self.fc = nn.Linear(6, 6)
         self.weight = nn.Parameter(torch.randn(2, 6))
         self.register_buffer("stat", torch.randn(2, 6))
+        self.register_buffer("tracked", torch.randn(2, 6).requires_grad_())  # a buffer source saved detached
         self.attn = nn.MultiheadAttention(6, 2)
 
     def forward(self, x):
@@ -452,7 +453,7 @@ class _Containers(nn.Module):
         k = torch.cat(tensors=[h, self.stat], dim=1)  # a list by keyword
         many = torch.cat([x] * 20 + [h], 0)  # more tensors than the compiled handler holds inline
         p = c.permute([1, 0]).new_zeros([2, 3])  # lists of plain values only
-        e = torch.cat([h, x * 0.0 + _CONSTANT]).sum(0)
+        e = torch.cat([h, x * 0.0 + _CONSTANT, self.tracked]).sum(0)
         h.add_(1.0)  # written in place after the lists above read it: their saved copies must not change
         top = torch.topk(c, 2, dim=1)  # torch.return_types: structseqs
         big, at = c.max(1)

@@ -2,11 +2,12 @@
  *
  * ``Handler`` replaces ``CaptureMode.__torch_function__`` for a plain capture (every optional feature
  * off: see ``CaptureMode.plain``).  It records exactly what the Python method records, for the
- * commonest shapes of call: exact tensors and Parameters, plain values and flat tuples of plain values
- * in positional and keyword slots, and a single tensor out.  Every other call is decided before
- * ``func`` runs and handed whole to the Python method; after the call, everything uncommon (results that
- * are not one tensor, writes found, sites other than a user frame or a torch module's forward) goes
- * through the same Python helpers the method calls.  Everything it needs from torch and torchlens is
+ * commonest shapes of call: exact tensors and Parameters, plain values, and flat lists and tuples of
+ * those (``torch.cat([a, b])``) in positional and keyword slots; one tensor out, or tuples (structseqs
+ * included) and lists of tensors, None and plain values, nested.  Every other call is decided before
+ * ``func`` runs and handed whole to the Python method; after the call, everything uncommon (other
+ * results, writes found, sites other than a user frame or a torch module's forward, buffers that need
+ * grad) goes through the same Python helpers the method calls.  Everything it needs from torch and torchlens is
  * handed over by Python at construction (``torchlens.capture.mode._compiled_handler``): this file
  * imports nothing.
  */
@@ -18,7 +19,7 @@
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
 #define TORCHLENS_ACCEL_ABI 3
 
-/* The most tensor arguments one call may have on the compiled path; more take the Python method. */
+/* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
 
 typedef struct {
@@ -39,6 +40,7 @@ typedef struct {
     PyObject *tuple_values;   /* frozenset of the exact types a flat tuple may hold and stay as it is */
     PyObject *inplace_cache;  /* func -> in-place verdict */
     PyObject *running_stats;  /* func -> (flag name, flag position): a norm whose kernel writes its running statistics */
+    PyObject *buffer_kind;    /* a buffer source's record kind (record.columns.BUFFER) */
     PyObject *no_kwargs;      /* the shared empty keyword dict */
     PyObject *protect;        /* _protect_before_write(st, func, args, kwargs) */
     PyObject *output_leaves;  /* _output_leaves(func, out, args, kwargs) */
@@ -66,7 +68,7 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
     *s_note_failure, *s_note_context, *s_note_writes, *s_wants, *s_watch, *s_is_compiling, *s_out,
-    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_unattributed;
+    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_unattributed, *s_save_sources;
 
 static PyObject *empty_tuple, *one;
 
@@ -102,53 +104,28 @@ static PyObject *version_of(Handler *h, PyObject *t) {
     return v;
 }
 
-/* ``st.producer_of(t)`` for a tensor no entry is about: ``_source_of``'s answer for one that is not a
- * buffer (-1, counted in ``unattributed``), and Python's for a buffer (recorded the first time it is
- * read, bound after).  New reference. */
-static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key) {
-    PyObject *buffers = state_get(h, s_buffers);
-    if (buffers == NULL) return NULL;
-    PyObject *buffer = PyDict_CheckExact(buffers) ? PyDict_GetItemWithError(buffers, key) : Py_None;
-    if (buffer == NULL && PyErr_Occurred()) return NULL;
-    if (buffer != NULL) return PyObject_CallMethodOneArg(h->state, s_producer_of, t);
-    PyObject *count = PyObject_GetAttr(h->state, s_unattributed);
-    PyObject *more = count ? PyNumber_Add(count, one) : NULL;
-    Py_XDECREF(count);
-    int failed = more == NULL || PyObject_SetAttr(h->state, s_unattributed, more) < 0;
-    Py_XDECREF(more);
-    return failed ? NULL : PyLong_FromLong(-1);
-}
+/* ``st.producer_of(t)`` for a tensor no entry is about (defined with the records below). */
+static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key);
 
-/* The record index of a plain tensor argument: the bound producer when its entry is about ``t`` at
- * ``version``, ``unbound_source`` when no entry is, else ``st.producer_of(t)``.  New reference. */
-static PyObject *parent_of(Handler *h, PyObject *producers, PyObject *t, PyObject *version, int bound_first) {
-    if (bound_first) {
-        PyObject *key = PyLong_FromVoidPtr(t);
-        if (key == NULL) return NULL;
-        PyObject *entry = PyDict_GetItemWithError(producers, key);
-        if (entry == NULL && PyErr_Occurred()) {
-            Py_DECREF(key);
-            return NULL;
-        }
-        int bound = 0, valid = entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3;
-        if (valid) {
-            PyObject *ref = PyTuple_GET_ITEM(entry, 0);
-            bound = ref == t || (PyWeakref_CheckRefExact(ref) && PyWeakref_GetObject(ref) == t);
-            int same = bound ? PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), version, Py_EQ) : 0;
-            if (same < 0) {
-                Py_DECREF(key);
-                return NULL;
-            }
-            if (same) {
-                Py_DECREF(key);
-                return Py_NewRef(PyTuple_GET_ITEM(entry, 1));
-            }
-        }
-        /* An entry about a dead tensor whose id ``t`` reuses, or none: a source. */
-        PyObject *index = entry == NULL || (valid && !bound) ? unbound_source(h, t, key) : NULL;
-        Py_DECREF(key);
-        if (index != NULL || PyErr_Occurred()) return index;
+/* The record index of a tensor argument read at ``version``: ``st.producer_of(t)``, answered here when
+ * its entry is about ``t`` at that version (the bound producer) or no entry is (``unbound_source``), by
+ * Python otherwise (written since it was bound).  New reference. */
+static PyObject *parent_of(Handler *h, PyObject *producers, PyObject *t, PyObject *version) {
+    PyObject *key = PyLong_FromVoidPtr(t);
+    if (key == NULL) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(producers, key), *index = NULL;
+    int bound = 0, valid = entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3;
+    if (valid) {
+        PyObject *ref = PyTuple_GET_ITEM(entry, 0);
+        bound = ref == t || (PyWeakref_CheckRefExact(ref) && PyWeakref_GetObject(ref) == t);  /* ``is_bound`` */
+        int same = bound ? PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), version, Py_EQ) : 0;
+        if (same > 0) index = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    } else if (entry == NULL && !PyErr_Occurred()) {
+        index = unbound_source(h, t, key);
     }
+    if (valid && !bound) index = unbound_source(h, t, key);  /* about a dead tensor whose id ``t`` reuses */
+    Py_DECREF(key);
+    if (index != NULL || PyErr_Occurred()) return index;
     return PyObject_CallMethodOneArg(h->state, s_producer_of, t);
 }
 
@@ -588,6 +565,54 @@ static int save_inline(Handler *h, PyObject *index, PyObject *t, int rg, PyObjec
     return failed ? -1 : 0;
 }
 
+/* ``st.producer_of(t)`` for a tensor no entry is about, as ``_source_of`` answers: a buffer read for the
+ * first time in the trace is recorded as a source (``_add(t, BUFFER, address, held=True)``: bound by
+ * itself, saved when sources are), any other tensor is counted in ``unattributed`` (-1).  A buffer that
+ * requires grad, or one saved other than inline, takes Python's ``producer_of``.  New reference. */
+static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key) {
+    PyObject *buffers = state_get(h, s_buffers);
+    if (buffers == NULL) return NULL;
+    PyObject *buffer = PyDict_CheckExact(buffers) ? PyDict_GetItemWithError(buffers, key) : Py_None;
+    if (buffer == NULL && PyErr_Occurred()) return NULL;
+    if (buffer == NULL || (PyTuple_CheckExact(buffer) && PyTuple_GET_SIZE(buffer) == 2 && PyTuple_GET_ITEM(buffer, 0) != t)) {
+        PyObject *count = PyObject_GetAttr(h->state, s_unattributed);
+        PyObject *more = count ? PyNumber_Add(count, one) : NULL;
+        Py_XDECREF(count);
+        int failed = more == NULL || PyObject_SetAttr(h->state, s_unattributed, more) < 0;
+        Py_XDECREF(more);
+        return failed ? NULL : PyLong_FromLong(-1);
+    }
+    PyObject *records = state_get(h, s_records);
+    PyObject *producers = records ? state_get(h, s_producers) : NULL;
+    PyObject *save_mode = producers ? state_get(h, s_save_mode) : NULL;
+    PyObject *plain = save_mode ? state_get(h, s_plain_save) : NULL;
+    if (plain == NULL) return NULL;
+    int saving = PyObject_IsTrue(save_mode);
+    if (saving > 0) saving = truth_of(PyObject_GetAttr(h->state, s_save_sources));
+    if (saving < 0) return NULL;
+    PyObject *requires_grad = tensor_get(h, t, G_REQUIRES_GRAD);
+    if (requires_grad == NULL) return NULL;
+    Py_DECREF(requires_grad);
+    if (!PyTuple_CheckExact(buffer) || PyTuple_GET_SIZE(buffer) != 2 || requires_grad != Py_False
+            || (saving && plain != Py_True))
+        return PyObject_CallMethodOneArg(h->state, s_producer_of, t);
+    PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(records));
+    if (index == NULL) return NULL;
+    int rg = 0;
+    PyObject *node = NULL, *version = NULL, *entry = NULL;
+    if (append_record(h, records, t, h->buffer_kind, PyTuple_GET_ITEM(buffer, 1), &rg, &node) < 0
+            || (version = version_of(h, t)) == NULL || (entry = PyTuple_Pack(3, t, index, version)) == NULL
+            || PyDict_SetItem(producers, key, entry) < 0
+            || (saving && save_inline(h, index, t, 0, version) != 0)) {
+        Py_CLEAR(index);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchlens: a buffer could not be saved inline");
+    }
+    Py_XDECREF(node);
+    Py_XDECREF(version);
+    Py_XDECREF(entry);
+    return index;
+}
+
 /* The deepest result nesting walked here; deeper ones go to the Python helper. */
 #define MAX_OUTPUT_DEPTH 8
 
@@ -771,7 +796,7 @@ typedef struct {
 } Scan;
 
 /* One scanned tensor argument: its version first, then its parent or its place among the parameters. */
-static int scan_one(Handler *h, Scan *sc, PyObject *slot, PyObject *a, int bound_first) {
+static int scan_one(Handler *h, Scan *sc, PyObject *slot, PyObject *a) {
     int param = Py_TYPE(a) == (PyTypeObject *)h->parameter_type;
     if (sc->nbound >= sc->capacity || (param ? sc->params == NULL || sc->nparams >= PyList_GET_SIZE(sc->params)
                                              : sc->nparents >= PyTuple_GET_SIZE(sc->parents))) {
@@ -790,7 +815,7 @@ static int scan_one(Handler *h, Scan *sc, PyObject *slot, PyObject *a, int bound
         PyList_SET_ITEM(sc->params, sc->nparams++, pair);
         return 0;
     }
-    PyObject *index = parent_of(h, sc->producers, a, version, bound_first);
+    PyObject *index = parent_of(h, sc->producers, a, version);
     if (index == NULL) return -1;
     pair = PyTuple_Pack(2, slot, index);
     Py_DECREF(index);
@@ -847,7 +872,7 @@ static PyObject *scan_container(Handler *h, Scan *sc, PyObject *key, PyObject *a
         PyObject *index = PyLong_FromSsize_t(i);
         PyObject *slot = index ? PyTuple_Pack(2, key, index) : NULL;
         Py_XDECREF(index);
-        int failed = slot == NULL || scan_one(h, sc, slot, item, 1) < 0;
+        int failed = slot == NULL || scan_one(h, sc, slot, item) < 0;
         Py_XDECREF(slot);
         if (failed) {
             Py_DECREF(inner);
@@ -924,7 +949,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             if (tensor || walked(h, a)) {
                 PyObject *slot = PyLong_FromSsize_t(i);
                 if (slot == NULL) goto done;
-                inner = !tensor ? scan_container(h, &sc, slot, a) : scan_one(h, &sc, slot, a, 1) < 0 ? NULL : Py_NewRef(Py_None);
+                inner = !tensor ? scan_container(h, &sc, slot, a) : scan_one(h, &sc, slot, a) < 0 ? NULL : Py_NewRef(Py_None);
                 Py_DECREF(slot);
                 if (inner == NULL) goto done;
             } else {
@@ -946,7 +971,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             }
             Py_INCREF(key);
             Py_INCREF(value);
-            PyObject *inner = tensor ? (scan_one(h, &sc, key, value, 0) < 0 ? NULL : Py_NewRef(Py_None))
+            PyObject *inner = tensor ? (scan_one(h, &sc, key, value) < 0 ? NULL : Py_NewRef(Py_None))
                                      : scan_container(h, &sc, key, value);
             int failed = inner == NULL || PyDict_SetItem(kw_skeleton, key, inner) < 0;
             Py_XDECREF(inner);
@@ -1178,7 +1203,7 @@ done:
 
 #define HANDLER_OBJECTS(X) \
     X(mode_ref) X(method) X(state) X(state_dict) X(off_hot_path) X(not_ops) X(numpy_views) X(compiler_dict) X(tensor_type) \
-    X(parameter_type) X(function_type) X(plain_values) X(tuple_values) X(inplace_cache) X(running_stats) X(no_kwargs) \
+    X(parameter_type) X(function_type) X(plain_values) X(tuple_values) X(inplace_cache) X(running_stats) X(buffer_kind) X(no_kwargs) \
     X(protect) X(output_leaves) X(record_output) X(written_arguments) X(shape_of) X(verdicts) X(locate) \
     X(dispatched_site) X(call_impl) X(call_impl_inner) X(grad_enabled) X(any_autocast) X(getters)
 
@@ -1205,7 +1230,7 @@ static void handler_dealloc(Handler *h) {
 static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {
         "mode", "method", "state", "off_hot_path", "not_ops", "numpy_views", "compiler_dict", "tensor_type", "parameter_type",
-        "function_type", "plain_values", "tuple_values", "inplace_cache", "running_stats", "no_kwargs", "protect",
+        "function_type", "plain_values", "tuple_values", "inplace_cache", "running_stats", "buffer_kind", "no_kwargs", "protect",
         "output_leaves", "record_output", "written_arguments", "shape_of", "verdicts", "locate",
         "dispatched_site", "call_impl", "call_impl_inner", "grad_enabled", "any_autocast", "getters", "user", "skip",
         "dispatch", "stop", "boundary", NULL};
@@ -1213,11 +1238,11 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Handler *h = (Handler *)type->tp_alloc(type, 0);
     if (h == NULL) return NULL;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOO!O!O!O!OOOO!O!O!O!O!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
+            args, kwds, "OOOO!O!O!O!OOOO!O!O!O!OO!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
             &PyFrozenSet_Type, &h->off_hot_path, &PyFrozenSet_Type, &h->not_ops, &PyFrozenSet_Type,
             &h->numpy_views, &PyDict_Type, &h->compiler_dict, &h->tensor_type,
             &h->parameter_type, &h->function_type, &PyFrozenSet_Type, &h->plain_values, &PyFrozenSet_Type,
-            &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->running_stats, &PyDict_Type, &h->no_kwargs, &h->protect,
+            &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->running_stats, &h->buffer_kind, &PyDict_Type, &h->no_kwargs, &h->protect,
             &h->output_leaves, &h->record_output, &h->written_arguments, &h->shape_of, &PyDict_Type,
             &h->verdicts, &h->locate, &h->dispatched_site, &h->call_impl, &h->call_impl_inner,
             &h->grad_enabled, &h->any_autocast, &h->getters, &h->user, &h->skip, &h->dispatch, &h->stop, &h->boundary)) {
@@ -1733,7 +1758,7 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
     INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
-    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_unattributed, "unattributed")
+    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_unattributed, "unattributed") INTERN(s_save_sources, "save_sources")
     if ((empty_tuple = PyTuple_New(0)) == NULL || (one = PyLong_FromLong(1)) == NULL) return NULL;
     getter_names[G_VERSION] = s_version;
     getter_names[G_SHAPE] = s_shape;

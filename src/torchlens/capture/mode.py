@@ -27,6 +27,7 @@ try:  # torch >= 2.10; deep capture re-enters Python-level torch functions throu
 except ImportError:  # pragma: no cover - older torch
     redispatch_function = None
 
+from ..record.columns import BUFFER
 from ..record.layouts import shape_of
 from ..tree import split
 from . import accel
@@ -390,7 +391,7 @@ def _handler_template(compiled):
         not_ops=_NOT_OPS, numpy_views=_NUMPY_VIEWS,
         compiler_dict=vars(_compiler), tensor_type=Tensor, parameter_type=Parameter, function_type=FunctionType,
         plain_values=_PLAIN_VALUES, tuple_values=_TUPLE_VALUES, inplace_cache=_inplace_cache,
-        running_stats=RUNNING_STATS_FLAGS, no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
+        running_stats=RUNNING_STATS_FLAGS, buffer_kind=BUFFER, no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
         record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
         verdicts=_verdicts, locate=None, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
         call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_any_autocast,
