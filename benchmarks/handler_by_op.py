@@ -32,7 +32,8 @@ from overhead_fit import abba_added_us, calls_per_block, quartiles  # noqa: E402
 REPEATS_PER_FORWARD = 50
 _MASK = torch.ones(4, 16, dtype=torch.bool)  # a tensor no op made: read as unattributed
 
-# name -> the op, called with the model (its Linear, LayerNorm and eval BatchNorm) and the input (4, 16).
+# name -> the op (one recorded op per call), called with the model (its Linear, LayerNorm, eval BatchNorm,
+# and a Parameter and a buffer shaped like the input) and the input (4, 16).
 OPS = {
     "add": lambda m, x: x + 1,
     "relu": lambda m, x: torch.relu(x),
@@ -43,10 +44,10 @@ OPS = {
     "transpose": lambda m, x: x.transpose(0, 1),
     "split (tuple out)": lambda m, x: x.split(8, dim=1),
     "torch.cat list": lambda m, x: torch.cat([x, x], 1),
-    "torch.stack tuple (param, buffer)": lambda m, x: torch.stack((x[0], m.ln.weight, m.bn.running_mean)),
+    "torch.stack tuple (param & buffer)": lambda m, x: torch.stack((x, m.weight, m.stat)),
     "where": lambda m, x: torch.where(_MASK, x, 0.0),
     "softmax": lambda m, x: x.softmax(-1),
-    "matmul": lambda m, x: x @ x.T,
+    "matmul": lambda m, x: x @ m.lin.weight,
     "max(dim) structseq": lambda m, x: x.max(1),
     "topk structseq": lambda m, x: torch.topk(x, 2),
     "batch_norm buffers": lambda m, x: F.batch_norm(x, m.bn.running_mean, m.bn.running_var, m.bn.weight, m.bn.bias),
@@ -63,6 +64,8 @@ class Repeated(nn.Module):
         self.lin = nn.Linear(16, 16)
         self.ln = nn.LayerNorm(16)
         self.bn = nn.BatchNorm1d(16)
+        self.weight = nn.Parameter(torch.randn(4, 16))
+        self.register_buffer("stat", torch.randn(4, 16))
 
     def forward(self, x):
         for _ in range(REPEATS_PER_FORWARD):
