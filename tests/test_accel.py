@@ -172,8 +172,9 @@ def test_transformers_record_the_same(states, name, train):
 
 
 def test_most_calls_of_a_transformer_stay_in_c(states):
-    """The commonest shapes of call (linear, layer_norm, views, elementwise with Parameters and plain
-    values, property reads) never reach the Python method: only the rest does."""
+    """Every call of a GPT-2 forward (linear, layer_norm, views, elementwise with Parameters and plain
+    values, property reads, torch.cat of lists, torch.tensor of lists, indexing with tuples) is recorded
+    in C: none reaches the Python method."""
     model, args, kwargs = real_models.gpt2()
     model.eval()
     method = mode_module.CaptureMode.__torch_function__.__code__
@@ -191,8 +192,7 @@ def test_most_calls_of_a_transformer_stay_in_c(states):
         finally:
             sys.setprofile(None)
     assert states[-1][1] == "Handler"
-    recorded = len(states[-1][0].calls)
-    assert len(handed) < recorded / 8, (len(handed), recorded, handed)
+    assert handed == [], handed
     assert len(trace.ops) > 50
 
 
