@@ -1052,6 +1052,17 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     if (t1 == NULL) goto done;
     int single = PyObject_IsInstance(out, h->tensor_type);
     if (single < 0) goto done;
+    if (!single && !is_walked_output(out)) {
+        /* A plain value (``x.is_nested``, ``x.dim()`` of a subclass): not an op, as ``_output_leaves`` finds
+         * for any call but ``__setitem__`` and the collectives, whose in-place verdict is never False. */
+        int plain = PySet_Contains(h->plain_values, (PyObject *)Py_TYPE(out));
+        PyObject *verdict = plain > 0 ? PyDict_GetItemWithError(h->inplace_cache, func) : NULL;
+        if (plain < 0 || (verdict == NULL && PyErr_Occurred())) goto done;
+        if (verdict == Py_False) {
+            result = Py_NewRef(out);
+            goto done;
+        }
+    }
     if (!single && is_walked_output(out)) {
         /* Several tensors (split, chunk, torch.return_types.max, LSTM's (out, (h, c))): recorded here. */
         if ((pairs = PyList_New(0)) == NULL) goto done;
