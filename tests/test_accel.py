@@ -269,6 +269,23 @@ def test_grad_mode_change_inside_the_forward_records_the_same(states):
     assert kind == "Handler" and states[-1][0].contexts
 
 
+def test_autocast_and_grad_mode_inside_the_forward_record_the_same_contexts(states):
+    model = nn.Linear(4, 4)
+
+    def forward(x):
+        h = model(x)
+        with torch.no_grad():  # another grad mode, no autocast: the context noted in C
+            g = h * 2.0
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast on: noted in Python
+            a = model(g)
+        return h + g + a.float()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    _, kind = _both_ways(states, lambda: tl.trace(forward, x, root=model))
+    contexts = states[-1][0].contexts
+    assert kind == "Handler" and any(c[1] for c in contexts.values()) and any(not c[1] for c in contexts.values())
+
+
 class _Raises(nn.Module):
     def __init__(self):
         super().__init__()

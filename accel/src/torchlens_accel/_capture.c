@@ -68,7 +68,7 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
     *s_note_failure, *s_note_context, *s_note_writes, *s_wants, *s_watch, *s_is_compiling, *s_out,
-    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_unattributed, *s_save_sources;
+    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_unattributed, *s_save_sources, *s_context, *s_contexts;
 
 static PyObject *empty_tuple, *one;
 
@@ -824,6 +824,31 @@ static int scan_one(Handler *h, Scan *sc, PyObject *slot, PyObject *a) {
     return 0;
 }
 
+/* ``st.note_context(call_index)``: the call ran under another grad mode or autocast state than the trace.
+ * Its common case here (no autocast anywhere: the context is ``(grad mode, {})``, as
+ * ``grad_and_autocast`` gives it), the rest in Python.  0 or -1. */
+static int note_context(Handler *h, PyObject *call_index) {
+    int autocast = truth_of(PyObject_CallNoArgs(h->any_autocast));
+    if (autocast < 0) return -1;
+    if (autocast) {
+        PyObject *r = PyObject_CallMethodOneArg(h->state, s_note_context, call_index);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    PyObject *trace_context = state_get(h, s_context);
+    PyObject *contexts = trace_context ? state_get(h, s_contexts) : NULL;
+    PyObject *grad_on = contexts ? PyObject_CallNoArgs(h->grad_enabled) : NULL;
+    PyObject *none = grad_on ? PyDict_New() : NULL;
+    PyObject *context = none ? PyTuple_Pack(2, grad_on, none) : NULL;
+    Py_XDECREF(grad_on);
+    Py_XDECREF(none);
+    if (context == NULL) return -1;
+    int differs = PyObject_RichCompareBool(context, trace_context, Py_NE);
+    int failed = differs < 0 || (differs && PyObject_SetItem(contexts, call_index, context) < 0);
+    Py_DECREF(context);
+    return failed ? -1 : 0;
+}
+
 /* Whether a normalisation with running statistics (``h->running_stats``) may write them in its kernel:
  * 0 when its flag (``training``, ``use_input_stats``) is False or None, as eval mode passes it (then
  * ``running_stats_written`` finds nothing to protect), 1 when Python must look, -1 on error. */
@@ -1131,9 +1156,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             if (differs < 0) goto done;
         }
         if (differs) {
-            PyObject *r = PyObject_CallMethodOneArg(h->state, s_note_context, call_index);
-            if (r == NULL) goto done;
-            Py_DECREF(r);
+            if (note_context(h, call_index) < 0) goto done;
         }
     }
     Py_ssize_t outputs = 1;
@@ -1769,7 +1792,7 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
     INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
-    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_unattributed, "unattributed") INTERN(s_save_sources, "save_sources")
+    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_unattributed, "unattributed") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
     if ((empty_tuple = PyTuple_New(0)) == NULL || (one = PyLong_FromLong(1)) == NULL) return NULL;
     getter_names[G_VERSION] = s_version;
     getter_names[G_SHAPE] = s_shape;
