@@ -173,8 +173,9 @@ def test_transformers_record_the_same(states, name, train):
 
 
 def test_most_calls_of_a_transformer_stay_in_c(states):
-    """The commonest shapes of call (linear, layer_norm, views, elementwise with Parameters and plain
-    values, property reads) never reach the Python method: only the rest does."""
+    """Every call of a GPT-2 forward (linear, layer_norm, views, elementwise with Parameters and plain
+    values, property reads, torch.cat of lists, torch.tensor of lists, indexing with tuples) is recorded
+    in C: none reaches the Python method."""
     model, args, kwargs = real_models.gpt2()
     model.eval()
     method = mode_module.CaptureMode.__torch_function__.__code__
@@ -192,8 +193,7 @@ def test_most_calls_of_a_transformer_stay_in_c(states):
         finally:
             sys.setprofile(None)
     assert states[-1][1] == "Handler"
-    recorded = len(states[-1][0].calls)
-    assert len(handed) < recorded / 8, (len(handed), recorded, handed)
+    assert handed == [], handed
     assert len(trace.ops) > 50
 
 
@@ -268,6 +268,23 @@ def test_grad_mode_change_inside_the_forward_records_the_same(states):
     x = torch.randn(2, 4, requires_grad=True)
     (pure, compiled), kind = _both_ways(states, lambda: tl.trace(forward, x, root=model))
     assert kind == "Handler" and states[-1][0].contexts
+
+
+def test_autocast_and_grad_mode_inside_the_forward_record_the_same_contexts(states):
+    model = nn.Linear(4, 4)
+
+    def forward(x):
+        h = model(x)
+        with torch.no_grad():  # another grad mode, no autocast: the context noted in C
+            g = h * 2.0
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast on: noted in Python
+            a = model(g)
+        return h + g + a.float()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    _, kind = _both_ways(states, lambda: tl.trace(forward, x, root=model))
+    contexts = states[-1][0].contexts
+    assert kind == "Handler" and any(c[1] for c in contexts.values()) and any(not c[1] for c in contexts.values())
 
 
 class _Raises(nn.Module):
@@ -420,3 +437,134 @@ def test_an_exception_leaving_module_calls_is_noted_the_same(states):
     _same_state(states[-2][0], states[-1][0])
     assert states[-2][0].raised_in is not None
     assert type(call_impl.receiver()).__name__ == "function" and not call_impl.installed()  # nothing left in place
+
+
+# ----- containers in, several tensors out: recorded by the compiled handler ------------------------
+
+_CONSTANT = torch.linspace(-1.0, 1.0, 6)  # neither an input, a buffer nor made by an op: unattributed
+
+
+def _paired(x):
+    """A torch function of our own (dispatched like torch's) whose result nests tuples, with None and a
+    plain value among the tensors."""
+    if torch._C._len_torch_function_stack() > 0:
+        return torch.overrides.handle_torch_function(_paired, (x,), x)
+    return x * 2.0, (x + 1.0, None, 3, [x - 1.0]), None
+
+
+class _Containers(nn.Module):
+    """Lists and tuples of tensors in every slot, and results of every shape the compiled handler records."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.weight = nn.Parameter(torch.randn(2, 6))
+        self.register_buffer("stat", torch.randn(2, 6))
+        self.register_buffer("tracked", torch.randn(2, 6).requires_grad_())  # a buffer source saved detached
+        self.attn = nn.MultiheadAttention(6, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        parts = [h, x, self.weight, self.stat]  # an op's output, the input, a Parameter, a buffer
+        c = torch.cat(parts, 0)
+        s = torch.stack((h, x, self.weight, self.stat), dim=1)  # a tuple
+        k = torch.cat(tensors=[h, self.stat], dim=1)  # a list by keyword
+        many = torch.cat([x] * 20 + [h], 0)  # more tensors than the compiled handler holds inline
+        p = c.permute([1, 0]).new_zeros([2, 3])  # lists of plain values only
+        e = torch.cat([h, x * 0.0 + _CONSTANT, self.tracked]).sum(0)
+        h.add_(1.0)  # written in place after the lists above read it: their saved copies must not change
+        top = torch.topk(c, 2, dim=1)  # torch.return_types: structseqs
+        big, at = c.max(1)
+        small = torch.sort(s, dim=-1)
+        lo, hi = torch.aminmax(k)
+        pieces = torch._foreach_add([h, x], 1.0)  # a list out
+        torch._foreach_mul_(pieces, 2.0)  # writes every tensor of a list argument, returns None
+        doubled, (plus, _, _, (minus,)), _ = _paired(h)  # nested, with None and a plain value
+        out, weights = self.attn(x[:, None], x[:, None], x[:, None], need_weights=False)  # (out, None)
+        assert weights is None
+        return (c.sum() + s.sum() + many.sum() + p.sum() + e.sum() + top.values.sum() + big.sum()
+                + at.float().sum() + small.values.sum() + lo + hi + pieces[0].sum() + doubled.sum()
+                + plus.sum() + minus.sum() + out.sum())
+
+
+@pytest.mark.parametrize("save", ["all", "none", ["cat_1_2:1", "topk_1_13:1"]], ids=["all", "none", "some"])
+def test_containers_and_several_outputs_record_the_same(states, save):
+    def run():
+        torch.manual_seed(0)
+        model = _Containers().eval()
+        return tl.trace(model, torch.randn(2, 6), save=save)
+
+    (pure, compiled), kind = _both_ways(states, run)
+    assert kind == "Handler"
+    state = states[-1][0]
+    assert state.unattributed > 0  # the constant read is counted the same on both paths
+    slots = {slot for call in state.calls for slot, _ in call[3]}
+    assert (0, 3) in slots and ("tensors", 1) in slots  # a buffer in a list, a tensor in a keyword list
+    assert any(slot == (1, 3, 0) for _, slot, *_ in state.records)  # a tensor nested two levels down
+    with torch.no_grad():
+        torch.manual_seed(0)
+        model = _Containers().eval()
+        assert torch.equal(compiled.output, model(torch.randn(2, 6)))
+    if save == "all":  # saved before the in-place write, on both paths
+        assert torch.equal(compiled["cat_1_2:1"].activation, pure["cat_1_2:1"].activation)
+
+
+def test_container_calls_and_structseqs_stay_in_c(states):
+    """Lists and tuples of tensors in, structseqs, tuples with None and plain values (MultiheadAttention
+    reads ``is_nested``) out: none reaches the Python method or the Python output helpers."""
+    model = _Containers().eval()
+    x = torch.randn(2, 6)
+    python = {mode_module.CaptureMode.__torch_function__.__code__, mode_module._output_leaves.__code__,
+              mode_module._record_output.__code__, mode_module._scan_arguments.__code__}
+    handed = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in python:
+            handed.append((frame.f_code.co_name, frame.f_locals.get("func")))
+
+    with on_path(True):
+        tl.trace(model, x)  # classifies every frame
+        sys.setprofile(profile)
+        try:
+            tl.trace(model, x)
+        finally:
+            sys.setprofile(None)
+    assert states[-1][1] == "Handler"
+    assert handed == [], handed
+
+
+def test_refcounts_on_the_container_and_several_output_paths_are_unchanged():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    model.register_buffer("stat", torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    parts = [x, model.stat]  # a list the test holds: the record copies it, never keeps it
+    pair = (x, model.weight[:2])
+    dims = [1, 0]
+
+    def forward(t):
+        h = model(t)
+        c = torch.cat(parts + [h], 0)
+        s = torch.stack(pair, 0).permute([1, 0, 2]).sum(1)
+        top = torch.topk(c, 2, dim=1)
+        return top.values.sum() + s.sum() + torch.cat(tensors=[h, model.stat]).transpose(*dims).sum() + h.split(2, 1)[0].sum()
+
+    private = [model, model.weight, model.stat, x, parts, pair, dims]
+    shared = [torch.cat, torch.stack, torch.topk, torch.Tensor.split]
+    repeats = 50
+    made = []
+    with on_path(True):
+        tl.trace(forward, x, root=model)  # warm caches (verdicts, in-place verdicts, line tables)
+        gc.collect()
+        before = [sys.getrefcount(o) for o in private + shared]
+        for _ in range(repeats):
+            trace = tl.trace(forward, x, root=model)
+            made = [weakref.ref(op.activation) for op in trace.ops if op.activation is not None]
+            del trace
+        gc.collect()
+        after = [sys.getrefcount(o) for o in private + shared]
+    n = len(private)
+    assert after[:n] == before[:n]
+    assert all(abs(a - b) < repeats // 2 for a, b in zip(after[n:], before[n:])), (before[n:], after[n:])
+    held = {id(x), id(model.stat), id(model.weight)}
+    assert made and all(r() is None or id(r()) in held for r in made), "tensors outlived their trace"

@@ -2,11 +2,12 @@
  *
  * ``Handler`` replaces ``CaptureMode.__torch_function__`` for a plain capture (every optional feature
  * off: see ``CaptureMode.plain``).  It records exactly what the Python method records, for the
- * commonest shapes of call: exact tensors and Parameters, plain values and flat tuples of plain values
- * in positional and keyword slots, and a single tensor out.  Every other call is decided before
- * ``func`` runs and handed whole to the Python method; after the call, everything uncommon (results that
- * are not one tensor, writes found, sites other than a user frame or a torch module's forward) goes
- * through the same Python helpers the method calls.  Everything it needs from torch and torchlens is
+ * commonest shapes of call: exact tensors and Parameters, plain values, and flat lists and tuples of
+ * those (``torch.cat([a, b])``) in positional and keyword slots; one tensor out, or tuples (structseqs
+ * included) and lists of tensors, None and plain values, nested.  Every other call is decided before
+ * ``func`` runs and handed whole to the Python method; after the call, everything uncommon (other
+ * results, writes found, sites other than a user frame or a torch module's forward, buffers that need
+ * grad) goes through the same Python helpers the method calls.  Everything it needs from torch and torchlens is
  * handed over by Python at construction (``torchlens.capture.mode._compiled_handler``): this file
  * imports nothing.
  */
@@ -16,9 +17,9 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 2
+#define TORCHLENS_ACCEL_ABI 3
 
-/* The most tensor arguments one call may have on the compiled path; more take the Python method. */
+/* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
 
 typedef struct {
@@ -38,6 +39,8 @@ typedef struct {
     PyObject *plain_values;   /* frozenset of the exact types held by value */
     PyObject *tuple_values;   /* frozenset of the exact types a flat tuple may hold and stay as it is */
     PyObject *inplace_cache;  /* func -> in-place verdict */
+    PyObject *running_stats;  /* func -> (flag name, flag position): a norm whose kernel writes its running statistics */
+    PyObject *buffer_kind;    /* a buffer source's record kind (record.columns.BUFFER) */
     PyObject *no_kwargs;      /* the shared empty keyword dict */
     PyObject *protect;        /* _protect_before_write(st, func, args, kwargs) */
     PyObject *output_leaves;  /* _output_leaves(func, out, args, kwargs) */
@@ -65,9 +68,9 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
     *s_note_failure, *s_note_context, *s_note_writes, *s_wants, *s_watch, *s_is_compiling, *s_out,
-    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite;
+    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_unattributed, *s_save_sources, *s_context, *s_contexts;
 
-static PyObject *empty_tuple;
+static PyObject *empty_tuple, *one;
 
 static PyObject *tensor_get(Handler *h, PyObject *t, int which) {
     PyTypeObject *type = Py_TYPE(t);
@@ -101,60 +104,81 @@ static PyObject *version_of(Handler *h, PyObject *t) {
     return v;
 }
 
-/* The record index of a plain tensor argument: the bound producer when its entry is about ``t`` at
- * ``version``, else ``st.producer_of(t)``.  New reference. */
-static PyObject *parent_of(Handler *h, PyObject *producers, PyObject *t, PyObject *version, int bound_first) {
-    if (bound_first) {
-        PyObject *key = PyLong_FromVoidPtr(t);
-        if (key == NULL) return NULL;
-        PyObject *entry = PyDict_GetItemWithError(producers, key);
-        Py_DECREF(key);
-        if (entry == NULL && PyErr_Occurred()) return NULL;
-        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3) {
-            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), version, Py_EQ);
-            if (same < 0) return NULL;
-            if (same) {
-                PyObject *ref = PyTuple_GET_ITEM(entry, 0);
-                if (ref == t || (PyWeakref_CheckRef(ref) && PyWeakref_GetObject(ref) == t)) {
-                    PyObject *index = PyTuple_GET_ITEM(entry, 1);
-                    Py_INCREF(index);
-                    return index;
-                }
-            }
-        }
+/* ``st.producer_of(t)`` for a tensor no entry is about (defined with the records below). */
+static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key);
+
+/* The record index of a tensor argument read at ``version``: ``st.producer_of(t)``, answered here when
+ * its entry is about ``t`` at that version (the bound producer) or no entry is (``unbound_source``), by
+ * Python otherwise (written since it was bound).  New reference. */
+static PyObject *parent_of(Handler *h, PyObject *producers, PyObject *t, PyObject *version) {
+    PyObject *key = PyLong_FromVoidPtr(t);
+    if (key == NULL) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(producers, key), *index = NULL;
+    int bound = 0, valid = entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3;
+    if (valid) {
+        PyObject *ref = PyTuple_GET_ITEM(entry, 0);
+        bound = ref == t || (PyWeakref_CheckRefExact(ref) && PyWeakref_GetObject(ref) == t);  /* ``is_bound`` */
+        int same = bound ? PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), version, Py_EQ) : 0;
+        if (same > 0) index = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    } else if (entry == NULL && !PyErr_Occurred()) {
+        index = unbound_source(h, t, key);
     }
+    if (valid && !bound) index = unbound_source(h, t, key);  /* about a dead tensor whose id ``t`` reuses */
+    Py_DECREF(key);
+    if (index != NULL || PyErr_Occurred()) return index;
     return PyObject_CallMethodOneArg(h->state, s_producer_of, t);
 }
 
-enum { KIND_PLAIN = 0, KIND_TENSOR = 1, KIND_PARAM = 2, KIND_OTHER = 3 };
+enum { KIND_PLAIN = 0, KIND_TENSOR = 1, KIND_PARAM = 2, KIND_OTHER = 3, KIND_CONTAINER = 4 };
 
-/* How an argument is recorded: a tensor, a Parameter, a value held as it is, or other (Python). */
-static int kind_of(Handler *h, PyObject *a) {
+static int is_tensor(Handler *h, PyObject *a) {
+    return Py_TYPE(a) == (PyTypeObject *)h->tensor_type || Py_TYPE(a) == (PyTypeObject *)h->parameter_type;
+}
+
+/* How an argument is recorded: a tensor, a Parameter, a value held as it is, a flat container of those
+ * (``torch.cat([a, b])``, ``torch.stack((a, b))``, ``x.permute([0, 2, 1])``), or other (Python).  A
+ * container's tensors and Parameters are added to ``*tensors`` and ``*params``. */
+static int kind_of(Handler *h, PyObject *a, int *tensors, int *params) {
     PyObject *type = (PyObject *)Py_TYPE(a);
     if (type == h->tensor_type) return KIND_TENSOR;
     if (type == h->parameter_type) return KIND_PARAM;
     int found = PySet_Contains(h->plain_values, type);
     if (found < 0) return -1;
     if (found) return KIND_PLAIN;
-    if (PyTuple_CheckExact(a)) {  /* normalized_shape, kernel sizes, x[..., 0:2] */
-        Py_ssize_t n = PyTuple_GET_SIZE(a);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            found = PySet_Contains(h->tuple_values, (PyObject *)Py_TYPE(PyTuple_GET_ITEM(a, i)));
-            if (found <= 0) return found < 0 ? -1 : KIND_OTHER;
+    int is_list = PyList_CheckExact(a);
+    if (!is_list && !PyTuple_CheckExact(a)) return KIND_OTHER;
+    /* ``tree.split``'s flat case: tensors and plain values.  A list is always copied into the record (the
+     * model may change it later), a tuple only when it holds tensors: one without (normalized_shape,
+     * kernel sizes, x[..., 0:2]) is held as it is. */
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+    int count = 0, found_params = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(a, i);
+        if (is_tensor(h, item)) {
+            count++;
+            found_params += Py_TYPE(item) == (PyTypeObject *)h->parameter_type;
+            continue;
         }
-        return KIND_PLAIN;
+        found = PySet_Contains(h->tuple_values, (PyObject *)Py_TYPE(item));
+        if (found <= 0) return found < 0 ? -1 : KIND_OTHER;
     }
-    return KIND_OTHER;
+    if (!is_list && count == 0) return KIND_PLAIN;
+    *tensors += count;
+    *params += found_params;
+    return KIND_CONTAINER;
 }
 
 /* One scanned tensor argument: the tensor and its version before the call. */
 typedef struct {
-    PyObject *t;        /* borrowed (the arguments hold it) */
+    PyObject *t;        /* owned: a list argument the call empties must not free it before the checks */
     PyObject *version;  /* owned */
 } Bound;
 
 static void release_bounds(Bound *bounds, int n) {
-    for (int i = 0; i < n; i++) Py_XDECREF(bounds[i].version);
+    for (int i = 0; i < n; i++) {
+        Py_DECREF(bounds[i].t);
+        Py_XDECREF(bounds[i].version);
+    }
 }
 
 /* ``versions`` as the Python helpers take it: a list of (tensor, version) pairs.  New reference. */
@@ -525,7 +549,123 @@ static int watch(Handler *h, PyObject *index, PyObject *t, PyObject *func, PyObj
     return r == NULL ? -1 : 0;
 }
 
-/* ``_record_output``: one output of a call with several, bound weakly and saved by ``st.save``. */
+/* ``st.save(index, t, rg)``'s common case, inlined: no device move and no budget (``plain_save``).  0
+ * when saved here, 1 when ``st.save`` must save it, -1 on error.  ``version`` is ``t``'s, which its
+ * detached alias shares; ``index`` is a new record, never below ``keyed_to``, so nothing is to re-key. */
+static int save_inline(Handler *h, PyObject *index, PyObject *t, int rg, PyObject *version) {
+    PyObject *plain = state_get(h, s_plain_save);
+    if (plain == NULL) return -1;
+    if (plain != Py_True) return 1;
+    PyObject *saved = state_get(h, s_saved);
+    PyObject *saved_versions = saved ? state_get(h, s_saved_versions) : NULL;
+    PyObject *kept = saved_versions == NULL ? NULL : rg ? PyObject_CallMethodNoArgs(t, s_detach) : Py_NewRef(t);
+    if (kept == NULL) return -1;
+    int failed = PyDict_SetItem(saved, index, kept) || PyDict_SetItem(saved_versions, index, version);
+    Py_DECREF(kept);
+    return failed ? -1 : 0;
+}
+
+/* ``st.producer_of(t)`` for a tensor no entry is about, as ``_source_of`` answers: a buffer read for the
+ * first time in the trace is recorded as a source (``_add(t, BUFFER, address, held=True)``: bound by
+ * itself, saved when sources are), any other tensor is counted in ``unattributed`` (-1).  A buffer that
+ * requires grad, or one saved other than inline, takes Python's ``producer_of``.  New reference. */
+static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key) {
+    PyObject *buffers = state_get(h, s_buffers);
+    if (buffers == NULL) return NULL;
+    PyObject *buffer = PyDict_CheckExact(buffers) ? PyDict_GetItemWithError(buffers, key) : Py_None;
+    if (buffer == NULL && PyErr_Occurred()) return NULL;
+    if (buffer == NULL || (PyTuple_CheckExact(buffer) && PyTuple_GET_SIZE(buffer) == 2 && PyTuple_GET_ITEM(buffer, 0) != t)) {
+        PyObject *count = PyObject_GetAttr(h->state, s_unattributed);
+        PyObject *more = count ? PyNumber_Add(count, one) : NULL;
+        Py_XDECREF(count);
+        int failed = more == NULL || PyObject_SetAttr(h->state, s_unattributed, more) < 0;
+        Py_XDECREF(more);
+        return failed ? NULL : PyLong_FromLong(-1);
+    }
+    PyObject *records = state_get(h, s_records);
+    PyObject *producers = records ? state_get(h, s_producers) : NULL;
+    PyObject *save_mode = producers ? state_get(h, s_save_mode) : NULL;
+    PyObject *plain = save_mode ? state_get(h, s_plain_save) : NULL;
+    if (plain == NULL) return NULL;
+    int saving = PyObject_IsTrue(save_mode);
+    if (saving > 0) saving = truth_of(PyObject_GetAttr(h->state, s_save_sources));
+    if (saving < 0) return NULL;
+    PyObject *requires_grad = tensor_get(h, t, G_REQUIRES_GRAD);
+    if (requires_grad == NULL) return NULL;
+    Py_DECREF(requires_grad);
+    if (!PyTuple_CheckExact(buffer) || PyTuple_GET_SIZE(buffer) != 2 || requires_grad != Py_False
+            || (saving && plain != Py_True))
+        return PyObject_CallMethodOneArg(h->state, s_producer_of, t);
+    PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(records));
+    if (index == NULL) return NULL;
+    int rg = 0;
+    PyObject *node = NULL, *version = NULL, *entry = NULL;
+    if (append_record(h, records, t, h->buffer_kind, PyTuple_GET_ITEM(buffer, 1), &rg, &node) < 0
+            || (version = version_of(h, t)) == NULL || (entry = PyTuple_Pack(3, t, index, version)) == NULL
+            || PyDict_SetItem(producers, key, entry) < 0
+            || (saving && save_inline(h, index, t, 0, version) != 0)) {
+        Py_CLEAR(index);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchlens: a buffer could not be saved inline");
+    }
+    Py_XDECREF(node);
+    Py_XDECREF(version);
+    Py_XDECREF(entry);
+    return index;
+}
+
+/* The deepest result nesting walked here; deeper ones go to the Python helper. */
+#define MAX_OUTPUT_DEPTH 8
+
+/* A result ``_tensor_leaves`` walks by iterating it: a list, or a tuple iterated as a tuple (structseqs
+ * such as ``torch.return_types.max`` and named tuples included). */
+static int is_walked_output(PyObject *o) {
+    return PyList_CheckExact(o) || (PyTuple_Check(o) && Py_TYPE(o)->tp_iter == PyTuple_Type.tp_iter);
+}
+
+/* ``_tensor_leaves(out)`` for the results recorded here: tensors, None and plain values inside such
+ * tuples and lists, at any depth up to MAX_OUTPUT_DEPTH.  Appends a ``(slot, tensor)`` pair per tensor
+ * to ``leaves`` (the slot an index, or a path tuple below the top level; ``prefix`` is NULL at the top)
+ * and returns 1; 0 for a result holding anything else (a tensor subclass, say: the Python helper walks
+ * it), -1 on error. */
+static int collect_leaves(Handler *h, PyObject *seq, PyObject *prefix, PyObject *leaves, int depth) {
+    if (depth >= MAX_OUTPUT_DEPTH) return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        int tensor = Py_TYPE(item) == (PyTypeObject *)h->tensor_type;
+        if (!tensor && !is_walked_output(item)) {
+            int plain = PySet_Contains(h->plain_values, (PyObject *)Py_TYPE(item));  /* skipped, as in Python */
+            if (plain <= 0) return plain;
+            continue;
+        }
+        PyObject *index = PyLong_FromSsize_t(i);
+        if (index == NULL) return -1;
+        PyObject *slot;
+        if (prefix == NULL) {
+            slot = tensor ? index : PyTuple_Pack(1, index);
+            if (tensor) Py_INCREF(index);
+        } else {
+            PyObject *last = PyTuple_Pack(1, index);
+            slot = last ? PySequence_Concat(prefix, last) : NULL;
+            Py_XDECREF(last);
+        }
+        Py_DECREF(index);
+        if (slot == NULL) return -1;
+        int result;
+        if (tensor) {
+            PyObject *pair = PyTuple_Pack(2, slot, item);
+            result = pair != NULL && PyList_Append(leaves, pair) == 0 ? 1 : -1;
+            Py_XDECREF(pair);
+        } else {
+            result = collect_leaves(h, item, slot, leaves, depth + 1);
+        }
+        Py_DECREF(slot);
+        if (result <= 0) return result;
+    }
+    return 1;
+}
+
+/* ``_record_output``: one output of a call with several, bound weakly and saved as ``st.save`` saves. */
 static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *slot, PyObject *func,
                        PyObject *module_call) {
     PyObject *records = state_get(h, s_records);
@@ -543,6 +683,7 @@ static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *
     if (rg && watch(h, index, t, func, module_call) < 0) goto done;
     int saving = wanted(h, func, module_call);
     if (saving < 0) goto done;
+    if (saving && (saving = save_inline(h, index, t, rg, version)) < 0) goto done;
     if (saving) {
         PyObject *r = PyObject_CallMethodObjArgs(h->state, s_save, index, t, rg ? Py_True : Py_False, NULL);
         if (r == NULL) goto done;
@@ -614,58 +755,162 @@ fail:
     return -1;
 }
 
-/* Scans the arguments.  Returns 1 when the call is for the compiled path and fills the out arguments
- * (new references), 0 when it is for the Python method (nothing done), -1 on error. */
+/* Scans the arguments.  Returns 1 when the call is for the compiled path and counts its tensors (in
+ * containers too), its Parameters and the positional arguments the record does not hold as they are; 0
+ * when it is for the Python method; -1 on error. */
 static int classify(Handler *h, PyObject *args, PyObject *kwargs, int *tensors, int *params, int *positional) {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
-    int count = 0, found = 0;
+    int count = 0, found = 0, changed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int kind = kind_of(h, PyTuple_GET_ITEM(args, i));
+        int kind = kind_of(h, PyTuple_GET_ITEM(args, i), &count, &found);
         if (kind < 0) return -1;
         if (kind == KIND_OTHER) return 0;
-        count += kind != KIND_PLAIN;
+        count += kind == KIND_TENSOR || kind == KIND_PARAM;
         found += kind == KIND_PARAM;
+        changed += kind != KIND_PLAIN;
     }
-    *positional = count;
+    *positional = changed;
     if (kwargs != NULL) {
         Py_ssize_t pos = 0;
         PyObject *key, *value;
         while (PyDict_Next(kwargs, &pos, &key, &value)) {
-            int kind = kind_of(h, value);
+            int kind = kind_of(h, value, &count, &found);
             if (kind < 0) return -1;
             if (kind == KIND_OTHER) return 0;
-            count += kind != KIND_PLAIN;
+            count += kind == KIND_TENSOR || kind == KIND_PARAM;
             found += kind == KIND_PARAM;
         }
     }
-    if (count > MAX_TENSORS) return 0;
     *tensors = count;
     *params = found;
     return 1;
 }
 
-/* One scanned argument: its version first, then its parent or its place among the parameters. */
-static int scan_one(Handler *h, PyObject *producers, PyObject *slot, PyObject *a, int bound_first,
-                    Bound *bounds, int *nbound, PyObject *parents, int *nparents, PyObject *params, int *nparams) {
+/* What the argument scan fills: the tensors' versions, the parents (a tuple of exactly the parents
+ * found) and the Parameters (a list of exactly those found, or NULL: none). */
+typedef struct {
+    PyObject *producers;
+    Bound *bounds;
+    int nbound, capacity, nparents, nparams;
+    PyObject *parents, *params;
+} Scan;
+
+/* One scanned tensor argument: its version first, then its parent or its place among the parameters. */
+static int scan_one(Handler *h, Scan *sc, PyObject *slot, PyObject *a) {
+    int param = Py_TYPE(a) == (PyTypeObject *)h->parameter_type;
+    if (sc->nbound >= sc->capacity || (param ? sc->params == NULL || sc->nparams >= PyList_GET_SIZE(sc->params)
+                                             : sc->nparents >= PyTuple_GET_SIZE(sc->parents))) {
+        PyErr_SetString(PyExc_RuntimeError, "torchlens: an argument changed while it was scanned");
+        return -1;
+    }
     PyObject *version = version_of(h, a);
     if (version == NULL) return -1;
-    bounds[*nbound].t = a;
-    bounds[*nbound].version = version;
-    (*nbound)++;
+    sc->bounds[sc->nbound].t = Py_NewRef(a);
+    sc->bounds[sc->nbound].version = version;
+    sc->nbound++;
     PyObject *pair;
-    if (Py_TYPE(a) == (PyTypeObject *)h->parameter_type) {
+    if (param) {
         pair = PyTuple_Pack(2, slot, a);
         if (pair == NULL) return -1;
-        PyList_SET_ITEM(params, (*nparams)++, pair);
+        PyList_SET_ITEM(sc->params, sc->nparams++, pair);
         return 0;
     }
-    PyObject *index = parent_of(h, producers, a, version, bound_first);
+    PyObject *index = parent_of(h, sc->producers, a, version);
     if (index == NULL) return -1;
     pair = PyTuple_Pack(2, slot, index);
     Py_DECREF(index);
     if (pair == NULL) return -1;
-    PyTuple_SET_ITEM(parents, (*nparents)++, pair);
+    PyTuple_SET_ITEM(sc->parents, sc->nparents++, pair);
     return 0;
+}
+
+/* ``st.note_context(call_index)``: the call ran under another grad mode or autocast state than the trace.
+ * Its common case here (no autocast anywhere: the context is ``(grad mode, {})``, as
+ * ``grad_and_autocast`` gives it), the rest in Python.  0 or -1. */
+static int note_context(Handler *h, PyObject *call_index) {
+    int autocast = truth_of(PyObject_CallNoArgs(h->any_autocast));
+    if (autocast < 0) return -1;
+    if (autocast) {
+        PyObject *r = PyObject_CallMethodOneArg(h->state, s_note_context, call_index);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    PyObject *trace_context = state_get(h, s_context);
+    PyObject *contexts = trace_context ? state_get(h, s_contexts) : NULL;
+    PyObject *grad_on = contexts ? PyObject_CallNoArgs(h->grad_enabled) : NULL;
+    PyObject *none = grad_on ? PyDict_New() : NULL;
+    PyObject *context = none ? PyTuple_Pack(2, grad_on, none) : NULL;
+    Py_XDECREF(grad_on);
+    Py_XDECREF(none);
+    if (context == NULL) return -1;
+    int differs = PyObject_RichCompareBool(context, trace_context, Py_NE);
+    int failed = differs < 0 || (differs && PyObject_SetItem(contexts, call_index, context) < 0);
+    Py_DECREF(context);
+    return failed ? -1 : 0;
+}
+
+/* Whether a normalisation with running statistics (``h->running_stats``) may write them in its kernel:
+ * 0 when its flag (``training``, ``use_input_stats``) is False or None, as eval mode passes it (then
+ * ``running_stats_written`` finds nothing to protect), 1 when Python must look, -1 on error. */
+static int stats_written(Handler *h, PyObject *func, PyObject *args, PyObject *kwargs) {
+    PyObject *flags = PyDict_GetItemWithError(h->running_stats, func);
+    if (flags == NULL) return PyErr_Occurred() ? -1 : 1;
+    if (!PyTuple_CheckExact(flags) || PyTuple_GET_SIZE(flags) != 2) return 1;
+    Py_ssize_t position = PyLong_AsSsize_t(PyTuple_GET_ITEM(flags, 1));
+    if (position == -1 && PyErr_Occurred()) return -1;
+    PyObject *flag = kwargs != NULL ? PyDict_GetItemWithError(kwargs, PyTuple_GET_ITEM(flags, 0)) : NULL;
+    if (flag == NULL && PyErr_Occurred()) return -1;
+    if (flag == NULL) flag = PyTuple_GET_SIZE(args) > position ? PyTuple_GET_ITEM(args, position) : Py_None;
+    return flag != Py_False && flag != Py_None;
+}
+
+/* Whether an argument ``kind_of`` found plain or a container is a container the record copies: a list,
+ * or a tuple holding tensors. */
+static int walked(Handler *h, PyObject *a) {
+    if (PyList_CheckExact(a)) return 1;
+    if (!PyTuple_CheckExact(a)) return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(a); i++) {
+        if (is_tensor(h, PyTuple_GET_ITEM(a, i))) return 1;
+    }
+    return 0;
+}
+
+/* A container argument at ``key`` (a position or a keyword), as ``_scan_container`` records it: each
+ * tensor at slot ``(key, i)``, in order, and the container as recorded returned (a copy with its
+ * tensors blanked; a new reference). */
+static PyObject *scan_container(Handler *h, Scan *sc, PyObject *key, PyObject *a) {
+    /* Copied first (a tuple too: a full slice of a tuple is the tuple itself), so the scan reads only
+     * the copy, whatever the list's owner does. */
+    int is_list = PyList_CheckExact(a);
+    PyObject *inner;
+    if (is_list) {
+        inner = PyList_GetSlice(a, 0, PyList_GET_SIZE(a));
+    } else if ((inner = PyTuple_New(PyTuple_GET_SIZE(a))) != NULL) {
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(a); i++) PyTuple_SET_ITEM(inner, i, Py_NewRef(PyTuple_GET_ITEM(a, i)));
+    }
+    if (inner == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(inner);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(inner, i);
+        if (!is_tensor(h, item)) continue;
+        /* The tensor stays held by the scan (``bounds``) once blanked in the copy. */
+        PyObject *index = PyLong_FromSsize_t(i);
+        PyObject *slot = index ? PyTuple_Pack(2, key, index) : NULL;
+        Py_XDECREF(index);
+        int failed = slot == NULL || scan_one(h, sc, slot, item) < 0;
+        Py_XDECREF(slot);
+        if (failed) {
+            Py_DECREF(inner);
+            return NULL;
+        }
+        if (is_list) {
+            PyList_SET_ITEM(inner, i, Py_NewRef(Py_None));
+        } else {
+            PyTuple_SET_ITEM(inner, i, Py_NewRef(Py_None));  /* a new tuple: ours alone */
+        }
+        Py_DECREF(item);
+    }
+    return inner;
 }
 
 static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
@@ -705,39 +950,37 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
 
     /* From here on the call is recorded here: every error returns NULL with the exception set. */
     PyObject *result = NULL, *out = NULL, *skeleton = NULL, *kw_skeleton = NULL, *parents = NULL;
-    PyObject *params = NULL, *module_call = NULL, *t0 = NULL, *t1 = NULL, *leaves = NULL;
+    PyObject *params = NULL, *module_call = NULL, *t0 = NULL, *t1 = NULL, *leaves = NULL, *pairs = NULL;
     PyObject *site = NULL, *code = NULL, *line = NULL, *call_index = NULL, *first_op = NULL;
     PyObject *written = NULL, *call = NULL;
     PyObject *kw = kwargs != NULL ? kwargs : h->no_kwargs;
-    Bound bounds[MAX_TENSORS];
-    int nbound = 0, nparents = 0, nparams = 0;
+    Bound small[MAX_TENSORS];
+    Scan sc = {.bounds = tensors <= MAX_TENSORS ? small : PyMem_Malloc(tensors * sizeof(Bound)), .capacity = tensors};
+    if (sc.bounds == NULL) return PyErr_NoMemory();
     Py_ssize_t n = PyTuple_GET_SIZE(args);
 
-    PyObject *producers = state_get(h, s_producers);
-    if (producers == NULL) goto done;
+    if ((sc.producers = state_get(h, s_producers)) == NULL) goto done;
     /* Filled in place: a tuple of exactly the parents found, a list of exactly the parameters. */
-    parents = PyTuple_New(tensors - nparams_all);
-    if (parents == NULL) goto done;
-    if (nparams_all > 0 && (params = PyList_New(nparams_all)) == NULL) goto done;
+    if ((parents = sc.parents = PyTuple_New(tensors - nparams_all)) == NULL) goto done;
+    if (nparams_all > 0 && (params = sc.params = PyList_New(nparams_all)) == NULL) goto done;
     if (positional == 0) {
         skeleton = Py_NewRef(args);
     } else {
-        /* The arguments as recorded: tensors blanked, every other value held as it is. */
+        /* The arguments as recorded: tensors blanked, containers copied, every other value held as it is. */
         if ((skeleton = PyTuple_New(n)) == NULL) goto done;
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *a = PyTuple_GET_ITEM(args, i);
-            int is_tensor = Py_TYPE(a) == (PyTypeObject *)h->tensor_type || Py_TYPE(a) == (PyTypeObject *)h->parameter_type;
-            PyTuple_SET_ITEM(skeleton, i, Py_NewRef(is_tensor ? Py_None : a));
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *a = PyTuple_GET_ITEM(args, i);
-            if (Py_TYPE(a) != (PyTypeObject *)h->tensor_type && Py_TYPE(a) != (PyTypeObject *)h->parameter_type)
-                continue;
-            PyObject *slot = PyLong_FromSsize_t(i);
-            if (slot == NULL) goto done;
-            int failed = scan_one(h, producers, slot, a, 1, bounds, &nbound, parents, &nparents, params, &nparams);
-            Py_DECREF(slot);
-            if (failed) goto done;
+            PyObject *a = PyTuple_GET_ITEM(args, i), *inner;
+            int tensor = is_tensor(h, a);
+            if (tensor || walked(h, a)) {
+                PyObject *slot = PyLong_FromSsize_t(i);
+                if (slot == NULL) goto done;
+                inner = !tensor ? scan_container(h, &sc, slot, a) : scan_one(h, &sc, slot, a) < 0 ? NULL : Py_NewRef(Py_None);
+                Py_DECREF(slot);
+                if (inner == NULL) goto done;
+            } else {
+                inner = Py_NewRef(a);
+            }
+            PyTuple_SET_ITEM(skeleton, i, inner);
         }
     }
     kw_skeleton = Py_NewRef(kw);
@@ -745,21 +988,25 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         Py_ssize_t pos = 0;
         PyObject *key, *value;
         while (PyDict_Next(kwargs, &pos, &key, &value)) {
-            if (Py_TYPE(value) != (PyTypeObject *)h->tensor_type && Py_TYPE(value) != (PyTypeObject *)h->parameter_type)
-                continue;
+            int tensor = is_tensor(h, value);
+            if (!tensor && !walked(h, value)) continue;
             if (kw_skeleton == kwargs) {
                 Py_SETREF(kw_skeleton, PyDict_Copy(kwargs));
                 if (kw_skeleton == NULL) goto done;
             }
-            if (PyDict_SetItem(kw_skeleton, key, Py_None)) goto done;
             Py_INCREF(key);
             Py_INCREF(value);
-            int failed = scan_one(h, producers, key, value, 0, bounds, &nbound, parents, &nparents, params, &nparams);
+            PyObject *inner = tensor ? (scan_one(h, &sc, key, value) < 0 ? NULL : Py_NewRef(Py_None))
+                                     : scan_container(h, &sc, key, value);
+            int failed = inner == NULL || PyDict_SetItem(kw_skeleton, key, inner) < 0;
+            Py_XDECREF(inner);
             Py_DECREF(key);
             Py_DECREF(value);
             if (failed) goto done;
         }
     }
+    int nbound = sc.nbound;
+    Bound *bounds = sc.bounds;
 
     /* Copy-on-write: a write predicted by name or by keyword must not alter what was saved. */
     if (nbound > 0) {
@@ -769,6 +1016,8 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             PyObject *verdict = PyDict_GetItemWithError(h->inplace_cache, func);
             if (verdict == NULL && PyErr_Occurred()) goto done;
             int protect = verdict != Py_False;
+            if (protect && verdict != NULL && verdict != Py_True && (protect = stats_written(h, func, args, kwargs)) < 0)
+                goto done;
             if (!protect && kwargs != NULL) {
                 protect = PyDict_Contains(kwargs, s_out);
                 if (protect < 0) goto done;
@@ -828,23 +1077,34 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     if (t1 == NULL) goto done;
     int single = PyObject_IsInstance(out, h->tensor_type);
     if (single < 0) goto done;
-    Py_ssize_t several = 0;  /* a flat tuple or list of plain tensors (split, chunk, unbind): recorded here */
-    if (!single && (PyTuple_CheckExact(out) || PyList_CheckExact(out))) {
-        several = PySequence_Fast_GET_SIZE(out);
-        for (Py_ssize_t i = 0; i < several; i++) {
-            if (Py_TYPE(PySequence_Fast_GET_ITEM(out, i)) != (PyTypeObject *)h->tensor_type) {
-                several = 0;
-                break;
-            }
+    if (!single && !is_walked_output(out)) {
+        /* A plain value (``x.is_nested``, ``x.dim()`` of a subclass): not an op, as ``_output_leaves`` finds
+         * for any call but ``__setitem__`` and the collectives, whose in-place verdict is never False. */
+        int plain = PySet_Contains(h->plain_values, (PyObject *)Py_TYPE(out));
+        PyObject *verdict = plain > 0 ? PyDict_GetItemWithError(h->inplace_cache, func) : NULL;
+        if (plain < 0 || (verdict == NULL && PyErr_Occurred())) goto done;
+        if (verdict == Py_False) {
+            result = Py_NewRef(out);
+            goto done;
         }
     }
-    if (!single && !several) {
+    if (!single && is_walked_output(out)) {
+        /* Several tensors (split, chunk, torch.return_types.max, LSTM's (out, (h, c))): recorded here. */
+        if ((pairs = PyList_New(0)) == NULL) goto done;
+        int walked_here = collect_leaves(h, out, NULL, pairs, 0);
+        if (walked_here < 0) goto done;
+        if (!walked_here) Py_CLEAR(pairs);
+    }
+    if (!single && pairs == NULL) {
         PyObject *largv[] = {func, out, args, kw};
         leaves = PyObject_Vectorcall(h->output_leaves, largv, 4, NULL);
         if (leaves == NULL) goto done;
-        int any = PyObject_IsTrue(leaves);
+    }
+    PyObject *found_leaves = pairs != NULL ? pairs : leaves;
+    if (found_leaves != NULL) {
+        int any = PyObject_IsTrue(found_leaves);
         if (any < 0) goto done;
-        if (!any) {
+        if (!any) {  /* no tensor produced: not an op */
             result = Py_NewRef(out);
             goto done;
         }
@@ -896,13 +1156,11 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             if (differs < 0) goto done;
         }
         if (differs) {
-            PyObject *r = PyObject_CallMethodOneArg(h->state, s_note_context, call_index);
-            if (r == NULL) goto done;
-            Py_DECREF(r);
+            if (note_context(h, call_index) < 0) goto done;
         }
     }
-    Py_ssize_t outputs = several ? several : 1;
-    if (leaves != NULL && (outputs = PyObject_Length(leaves)) < 0) goto done;
+    Py_ssize_t outputs = 1;
+    if (found_leaves != NULL && (outputs = PyObject_Length(found_leaves)) < 0) goto done;
     PyObject *num_outputs = PyLong_FromSsize_t(outputs);
     if (num_outputs == NULL) goto done;
     call = PyTuple_Pack(14, func, skeleton, PyDict_GET_SIZE(kw_skeleton) ? kw_skeleton : h->no_kwargs, parents,
@@ -915,14 +1173,11 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         if (r == NULL) goto done;
         Py_DECREF(r);
     }
-    if (several) {
-        for (Py_ssize_t i = 0; i < several; i++) {
-            PyObject *slot = PyLong_FromSsize_t(i);
-            if (slot == NULL) goto done;
-            /* the result is held by ``out``, which nothing here changes */
-            int failed = record_leaf(h, PySequence_Fast_GET_ITEM(out, i), call_index, slot, func, module_call);
-            Py_DECREF(slot);
-            if (failed) goto done;
+    if (pairs != NULL) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
+            PyObject *pair = PyList_GET_ITEM(pairs, i);  /* ours alone: nothing else changes it */
+            if (record_leaf(h, PyTuple_GET_ITEM(pair, 1), call_index, PyTuple_GET_ITEM(pair, 0), func, module_call) < 0)
+                goto done;
         }
     } else if (leaves != NULL) {
         PyObject *iter = PyObject_GetIter(leaves);
@@ -956,7 +1211,8 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     }
     result = Py_NewRef(out);
 done:
-    release_bounds(bounds, nbound);
+    release_bounds(sc.bounds, sc.nbound);
+    if (sc.bounds != small) PyMem_Free(sc.bounds);
     Py_XDECREF(out);
     Py_XDECREF(skeleton);
     Py_XDECREF(kw_skeleton);
@@ -966,6 +1222,7 @@ done:
     Py_XDECREF(t0);
     Py_XDECREF(t1);
     Py_XDECREF(leaves);
+    Py_XDECREF(pairs);
     Py_XDECREF(site);
     Py_XDECREF(code);
     Py_XDECREF(line);
@@ -980,7 +1237,7 @@ done:
 
 #define HANDLER_OBJECTS(X) \
     X(mode_ref) X(method) X(state) X(state_dict) X(off_hot_path) X(not_ops) X(numpy_views) X(compiler_dict) X(tensor_type) \
-    X(parameter_type) X(function_type) X(plain_values) X(tuple_values) X(inplace_cache) X(no_kwargs) \
+    X(parameter_type) X(function_type) X(plain_values) X(tuple_values) X(inplace_cache) X(running_stats) X(buffer_kind) X(no_kwargs) \
     X(protect) X(output_leaves) X(record_output) X(written_arguments) X(shape_of) X(verdicts) X(locate) \
     X(dispatched_site) X(call_impl) X(call_impl_inner) X(grad_enabled) X(any_autocast) X(getters)
 
@@ -1007,7 +1264,7 @@ static void handler_dealloc(Handler *h) {
 static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {
         "mode", "method", "state", "off_hot_path", "not_ops", "numpy_views", "compiler_dict", "tensor_type", "parameter_type",
-        "function_type", "plain_values", "tuple_values", "inplace_cache", "no_kwargs", "protect",
+        "function_type", "plain_values", "tuple_values", "inplace_cache", "running_stats", "buffer_kind", "no_kwargs", "protect",
         "output_leaves", "record_output", "written_arguments", "shape_of", "verdicts", "locate",
         "dispatched_site", "call_impl", "call_impl_inner", "grad_enabled", "any_autocast", "getters", "user", "skip",
         "dispatch", "stop", "boundary", NULL};
@@ -1015,11 +1272,11 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Handler *h = (Handler *)type->tp_alloc(type, 0);
     if (h == NULL) return NULL;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOO!O!O!O!OOOO!O!O!O!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
+            args, kwds, "OOOO!O!O!O!OOOO!O!O!O!OO!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
             &PyFrozenSet_Type, &h->off_hot_path, &PyFrozenSet_Type, &h->not_ops, &PyFrozenSet_Type,
             &h->numpy_views, &PyDict_Type, &h->compiler_dict, &h->tensor_type,
             &h->parameter_type, &h->function_type, &PyFrozenSet_Type, &h->plain_values, &PyFrozenSet_Type,
-            &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->no_kwargs, &h->protect,
+            &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->running_stats, &h->buffer_kind, &PyDict_Type, &h->no_kwargs, &h->protect,
             &h->output_leaves, &h->record_output, &h->written_arguments, &h->shape_of, &PyDict_Type,
             &h->verdicts, &h->locate, &h->dispatched_site, &h->call_impl, &h->call_impl_inner,
             &h->grad_enabled, &h->any_autocast, &h->getters, &h->user, &h->skip, &h->dispatch, &h->stop, &h->boundary)) {
@@ -1558,8 +1815,8 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
     INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
-    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite")
-    if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
+    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_unattributed, "unattributed") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
+    if ((empty_tuple = PyTuple_New(0)) == NULL || (one = PyLong_FromLong(1)) == NULL) return NULL;
     getter_names[G_VERSION] = s_version;
     getter_names[G_SHAPE] = s_shape;
     getter_names[G_DTYPE] = s_dtype;

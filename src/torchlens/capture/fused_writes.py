@@ -22,6 +22,8 @@ _NORMS = {
     torch.instance_norm: ("use_input_stats", 5, (("running_mean", 3), ("running_var", 4))),
 }
 WRITES_RUNNING_STATS = frozenset(_NORMS)
+# func -> (flag name, flag position): the compiled hot path skips the check when the flag is off.
+RUNNING_STATS_FLAGS = {func: (name, position) for func, (name, position, _) in _NORMS.items()}
 
 
 def _argument(args, kwargs, name: str, position: int):

@@ -27,11 +27,12 @@ try:  # torch >= 2.10; deep capture re-enters Python-level torch functions throu
 except ImportError:  # pragma: no cover - older torch
     redispatch_function = None
 
+from ..record.columns import BUFFER
 from ..record.layouts import shape_of
 from ..tree import split
 from . import accel
 from .collectives import WRITTEN_ARGUMENT, written_tensors
-from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
+from .fused_writes import RUNNING_STATS_FLAGS, WRITES_RUNNING_STATS, running_stats_written
 from .source import CALL_IMPL as _CALL_IMPL
 from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
 from .source import DISPATCH as _DISPATCH_FRAME
@@ -390,7 +391,7 @@ def _handler_template(compiled):
         not_ops=_NOT_OPS, numpy_views=_NUMPY_VIEWS,
         compiler_dict=vars(_compiler), tensor_type=Tensor, parameter_type=Parameter, function_type=FunctionType,
         plain_values=_PLAIN_VALUES, tuple_values=_TUPLE_VALUES, inplace_cache=_inplace_cache,
-        no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
+        running_stats=RUNNING_STATS_FLAGS, buffer_kind=BUFFER, no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
         record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
         verdicts=_verdicts, locate=None, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
         call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_any_autocast,
@@ -567,7 +568,7 @@ def _protect_before_write(st, func, args, kwargs) -> None:
     if inplace or kwargs.get("inplace"):
         if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
             st.protect_saved(args[0])
-        elif args and type(args[0]) is list:  # collectives writing a list (dist.all_gather)
+        elif args and type(args[0]) in (list, tuple):  # a list written whole (_foreach_add_, dist.all_gather)
             st.protect_saved_all(args[0])
     elif "out" in kwargs:
         st.protect_saved_all(kwargs["out"])
