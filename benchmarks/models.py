@@ -271,7 +271,31 @@ def baseline_package(path: str, name: str = "torchlens_baseline"):
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package
     spec.loader.exec_module(package)
+    _own_compiled_modules(package, name, path)
     return package
+
+
+def _own_compiled_modules(package, name: str, path: str) -> None:
+    """Give the baseline its own revision's compiled modules when they are built in place beside it
+    (``DIR/accel/src/torchlens_accel/*.so`` for ``DIR/src/torchlens``): both revisions' builds share the
+    module name ``torchlens_accel``, so each baseline module is loaded from its file under a name of its
+    own.  Without them the baseline takes whatever ``torchlens_accel`` is importable, if its layout fits."""
+    import glob
+    import importlib
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    built = os.path.join(os.path.dirname(os.path.dirname(path)), "accel", "src", "torchlens_accel")
+    loader_module = importlib.import_module(f"{name}.capture.accel")
+    for file in glob.glob(os.path.join(built, "_*.so")):
+        module_name = os.path.basename(file).split(".")[0]
+        full = f"{name}_accel.{module_name}"
+        loader = importlib.machinery.ExtensionFileLoader(full, file)
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(full, file, loader=loader))
+        loader.exec_module(module)
+        if getattr(module, "ABI", None) == loader_module.ABI.get(module_name):
+            loader_module._modules[module_name] = module
 
 
 def machine_footer(fingerprint: dict, command: str) -> list:

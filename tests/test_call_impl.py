@@ -231,6 +231,30 @@ def test_only_the_code_of_torchs_function_is_swapped_while_a_trace_runs():
     assert_clean_process()
 
 
+def test_the_swapped_code_can_be_hashed_as_profilers_and_dynamo_hash_code_objects():
+    """A code object hashes its constants: the relay's slot is one of them, so it must hash (a list would
+    make every ``{frame.f_code}`` of a profiler raise inside a traced forward)."""
+    codes = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            codes.append(frame.f_code)
+
+    class Look(nn.Module):
+        def forward(self, x):
+            codes.append(CALL_IMPL.__code__)
+            return x + 1
+
+    sys.setprofile(profile)
+    try:
+        tl.trace(nn.Sequential(Look()), torch.randn(2))
+    finally:
+        sys.setprofile(None)
+    relay = [c for c in codes if c is not CALL_IMPL_CODE and c.co_name == CALL_IMPL_CODE.co_name]
+    assert relay and len({*codes}) <= len(codes)  # hashed, each one
+    assert hash(relay[0]) == hash(relay[0]) and relay[0] == relay[0]
+
+
 def test_the_replacement_stays_while_another_thread_still_traces():
     entered, release, seen = threading.Event(), threading.Event(), []
 

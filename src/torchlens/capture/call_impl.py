@@ -56,7 +56,18 @@ def _dispatcher(impl, recorders: dict):
 
 DISPATCHER_CODE = _dispatcher(None, {}).__code__  # a recorder called by it finds the caller one frame up
 
-_SLOT_MARK = 0x7E1A7C0DE  # a constant of the relay's code, replaced by each site's slot (a one-item list)
+_SLOT_MARK = 0x7E1A7C0DE  # a constant of the relay's code, replaced by each site's slot (a ``Slot``)
+
+
+class Slot:
+    """Where a site's relay finds what receives the calls.  An object hashed by identity, not a list:
+    it is a constant of the relay's code, and a code object hashes its constants (profilers and
+    Dynamo put code objects in sets and dicts)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target):
+        self.target = target
 
 
 def _relay(self, *args, **kwargs):
@@ -64,7 +75,7 @@ def _relay(self, *args, **kwargs):
     # torch's code).  The slot is a constant of each site's copy of this code (nothing is looked up by name
     # in torch's module globals); a frame that read it as the last trace ended runs torch's code.
     slot = 0x7E1A7C0DE  # _SLOT_MARK, written out: a constant of the code, not a name looked up
-    return slot[0](self, *args, **kwargs)
+    return slot.target(self, *args, **kwargs)
 
 
 def _swappable(function) -> bool:
@@ -97,7 +108,7 @@ class Site:
             self.code = original.__code__
             impl = types.FunctionType(self.code, original.__globals__, original.__name__, None, None)
             impl.__qualname__ = original.__qualname__
-            self.slot = [impl]
+            self.slot = Slot(impl)
             consts = tuple(self.slot if type(c) is int and c == _SLOT_MARK else c for c in _relay.__code__.co_consts)
             names = {"co_name": self.code.co_name}
             if hasattr(self.code, "co_qualname"):  # Python 3.11 on: tracebacks name the function as torch does
@@ -119,7 +130,7 @@ class Site:
     def install(self, target) -> None:
         """Make ``target`` (a recorder or the dispatcher) receive the calls of the class's ``_call_impl``."""
         if self.slot is not None:
-            self.slot[0] = target  # first: the relay must find it once in place
+            self.slot.target = target  # first: the relay must find it once in place
             self.original.__code__ = self.relay
         elif vars(self.owner).get(_ATTRIBUTE) is not target:
             setattr(self.owner, _ATTRIBUTE, target)
@@ -138,7 +149,7 @@ class Site:
         """Put torch's own ``_call_impl`` (or the class's) back in place, and in Dynamo's sight."""
         if self.slot is not None:
             self.original.__code__ = self.code  # first: no call reaches the relay from here on
-            self.slot[0] = self.impl
+            self.slot.target = self.impl
             return
         original = self.original
         setattr(self.owner, _ATTRIBUTE, original)  # unconditionally: cheaper than reading it first
@@ -148,7 +159,7 @@ class Site:
     def receiver(self):
         """What a call of the class's ``_call_impl`` reaches now (a recorder, the dispatcher or torch's)."""
         if self.slot is not None:
-            return self.slot[0] if self.original.__code__ is self.relay else self.original
+            return self.slot.target if self.original.__code__ is self.relay else self.original
         return vars(self.owner).get(_ATTRIBUTE)
 
 
