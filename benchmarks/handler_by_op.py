@@ -25,9 +25,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from handler_forward import capture_arm  # noqa: E402
+from handler_forward import added_per_op, capture_arm, machine_line  # noqa: E402
 from models import native_arm, recorder_arm  # noqa: E402
-from overhead_fit import abba_added_us, calls_per_block, quartiles  # noqa: E402
+from overhead_fit import quartiles  # noqa: E402
 
 REPEATS_PER_FORWARD = 50
 _MASK = torch.ones(4, 16, dtype=torch.bool)  # a tensor no op made: read as unattributed
@@ -90,17 +90,10 @@ def main(argv=None) -> int:
         model, args = Repeated(OPS[name]).eval(), (torch.randn(4, 16),)
         arms = [recorder_arm(model, args), capture_arm(torchlens, model, args, 1, True),
                 capture_arm(torchlens, model, args, 0, True), capture_arm(torchlens, model, args, 1, False)]
-        native = native_arm(model, args)
-        sizes = [calls_per_block(arm) for arm in arms]
-        added = [[] for _ in arms]
-        for _ in range(opts.repeats):
-            for k, arm in enumerate(arms):
-                added[k].append(abba_added_us(native, arm, sizes[k])[1] / REPEATS_PER_FORWARD)
+        added = added_per_op(native_arm(model, args), arms, opts.repeats, REPEATS_PER_FORWARD)
         lines.append(f"| {name} | " + " | ".join(f"{quartiles(v)[1]:.2f}" for v in added) + " |")
         print(lines[-1], flush=True)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    lines += ["", f"Medians of {opts.repeats} repeats. torch {torch.__version__}, 1 torch thread, "
-              f"{os.cpu_count()} CPUs, load {tuple(round(v, 2) for v in load) if load else '?'}."]
+    lines += ["", f"Medians of {opts.repeats} repeats. {machine_line()}"]
     print("\n".join(lines))
     return 0
 

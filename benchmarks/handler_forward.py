@@ -74,23 +74,32 @@ def main(argv=None) -> int:
         ops, calls = counts(model, args)
         arms = [recorder_arm(model, args)] + [capture_arm(p, model, args, save, compiled)
                                               for p, compiled in packages.values() for save in (1, 0)]
-        native = native_arm(model, args)
-        sizes = [calls_per_block(arm) for arm in arms]
-        added = [[] for _ in arms]
-        for _ in range(opts.repeats):
-            for k, arm in enumerate(arms):
-                added[k].append(abba_added_us(native, arm, sizes[k])[1] / ops)
+        added = added_per_op(native_arm(model, args), arms, opts.repeats, ops)
         cells = []
         for values in added:
             q1, q2, q3 = quartiles(values)
             cells.append(f"{q2:.2f} [{q1:.2f}, {q3:.2f}]")
         lines.append(f"| {name} | {ops} | {calls} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    lines += ["", f"Medians [quartiles] of {opts.repeats} repeats. torch {torch.__version__}, 1 torch thread, "
-              f"{os.cpu_count()} CPUs, load {tuple(round(v, 2) for v in load) if load else '?'}."]
+    lines += ["", f"Medians [quartiles] of {opts.repeats} repeats. {machine_line()}"]
     print("\n".join(lines))
     return 0
+
+
+def added_per_op(native, arms: list, repeats: int, ops: int) -> list:
+    """Per arm, the time it adds over ``native`` per op in each repeat (ABBA quartets in one process)."""
+    sizes = [calls_per_block(arm) for arm in arms]
+    added = [[] for _ in arms]
+    for _ in range(repeats):
+        for k, arm in enumerate(arms):
+            added[k].append(abba_added_us(native, arm, sizes[k])[1] / ops)
+    return added
+
+
+def machine_line() -> str:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return (f"torch {torch.__version__}, 1 torch thread, {os.cpu_count()} CPUs, "
+            f"load {tuple(round(v, 2) for v in load) if load else '?'}.")
 
 
 if __name__ == "__main__":

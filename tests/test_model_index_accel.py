@@ -185,18 +185,6 @@ def _referents_counts(objects) -> list:
     return [sys.getrefcount(o) for o in objects]
 
 
-@pytest.fixture
-def no_collection():
-    """Keys are interned strings every module of that kind shares: a collection of some earlier test's
-    garbage in the middle of a count would move theirs."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def _private_keys(model) -> None:
     """Give every key of the model's dicts a copy of its own.  Keys are interned strings the whole
     interpreter shares ("weight"), so any other thread's work could move their counts between two reads;
@@ -223,7 +211,7 @@ def _everything(model) -> list:
     return found
 
 
-def test_the_compiled_snapshot_holds_exactly_what_the_python_one_holds(no_collection):
+def test_the_compiled_snapshot_holds_exactly_what_the_python_one_holds(no_collector):
     model = Wide()
     objects = _everything(model)
     modules = list(ModelIndex(model).submodules.values())
@@ -243,7 +231,7 @@ def test_the_compiled_snapshot_holds_exactly_what_the_python_one_holds(no_collec
     assert _referents_counts(objects) == before
 
 
-def test_checks_leak_no_reference(no_collection):
+def test_checks_leak_no_reference(no_collector):
     model = Wide()
     objects = _everything(model)
     native = NATIVE.Snapshot(model, list(ModelIndex(model).submodules.values()))

@@ -10,7 +10,6 @@ and checks that it and its tensors are gone.  A record held on its own keeps its
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import pytest
@@ -20,16 +19,6 @@ import torchlens as tl
 from real_models import build
 from torchlens.tree import tensor_leaves
 from zoo import zoo
-
-
-@pytest.fixture
-def no_collector():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _read_everything(log) -> None:

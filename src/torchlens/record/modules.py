@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .view import View
+
 
 class CallRow(NamedTuple):
     """One module call's data, as the trace holds it."""
@@ -38,14 +40,10 @@ class ModuleRow:
         self.ref = ref  # the live module (None for a loaded or cleaned-up trace)
 
 
-class ModuleCall:
+class ModuleCall(View):
     """One call of a module's forward: ``features.2:1`` is the first call of ``features.2``."""
 
-    __slots__ = ("_trace", "index")
-
-    def __init__(self, trace, index: int):
-        self._trace = trace
-        self.index = index
+    __slots__ = ()
 
     @property
     def _row(self) -> CallRow:
@@ -152,24 +150,14 @@ class ModuleCall:
         labels = self._trace._labels
         return [labels[i] for i in self._op_nodes]
 
-    def __eq__(self, other):
-        return type(other) is ModuleCall and other._trace is self._trace and other.index == self.index
-
-    def __hash__(self):
-        return hash((id(self._trace), "call", self.index))
-
     def __repr__(self) -> str:
         return f"<ModuleCall {self.label} ({self.module.class_name}, {len(self._op_nodes)} ops)>"
 
 
-class Module:
+class Module(View):
     """One module object: its address(es), class, and every call made to it."""
 
-    __slots__ = ("_trace", "index")
-
-    def __init__(self, trace, index: int):
-        self._trace = trace
-        self.index = index
+    __slots__ = ()
 
     @property
     def _row(self) -> ModuleRow:
@@ -219,12 +207,6 @@ class Module:
             raise AttributeError(f"{name!r} belongs to one op, but {self.address} ran {self.num_calls} times, so "
                                  f"log[{self.address!r}] is the Module: read it from one call's output op: {calls}")
         raise AttributeError(f"'Module' object has no attribute {name!r}")
-
-    def __eq__(self, other):
-        return type(other) is Module and other._trace is self._trace and other.index == self.index
-
-    def __hash__(self):
-        return hash((id(self._trace), "module", self.index))
 
     def __repr__(self) -> str:
         return f"<Module {self.address} ({self.class_name}, {self.num_calls} call" \

@@ -7,20 +7,17 @@ and every field is read from (or derived from) the trace's columns on demand.
 from __future__ import annotations
 
 from .columns import Kind
+from .view import View
 from ..errors import ActivationUnavailable
 
 # The kinds under their former names (record/columns.py declares them).
 KIND_OP, KIND_INPUT, KIND_BUFFER, KIND_OUTPUT = Kind.OP, Kind.INPUT, Kind.BUFFER, Kind.OUTPUT
 
 
-class Op:
+class Op(View):
     """One tensor produced by one torch call (or a model input, buffer or output)."""
 
-    __slots__ = ("_trace", "index")
-
-    def __init__(self, trace, index: int):
-        self._trace = trace
-        self.index = index
+    __slots__ = ()
 
     # ----- addressing ----------------------------------------------------------------------------
     @property
@@ -287,12 +284,6 @@ class Op:
         call = self.module_call
         where = f" in {call.label}" if call is not None else ""
         return f"<Op {self.label} {self.func_name}({shape}, {str(self.dtype).replace('torch.', '')}){where}>"
-
-    def __eq__(self, other):
-        return isinstance(other, Op) and other._trace is self._trace and other.index == self.index
-
-    def __hash__(self):
-        return hash((id(self._trace), self.index))
 
 
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",

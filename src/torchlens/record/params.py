@@ -5,6 +5,7 @@ Like every record, each is a view made on demand over a row the trace holds (see
 from __future__ import annotations
 
 from .columns import Kind
+from .view import View
 
 
 class ParamRow:
@@ -30,14 +31,10 @@ class BufferRow:
         self.nodes: list = []  # indices of its buffer ops, in order of first use
 
 
-class Param:
+class Param(View):
     """One parameter of the traced model and the ops that used it (a view over the trace's row)."""
 
-    __slots__ = ("_trace", "index")
-
-    def __init__(self, trace, index: int):
-        self._trace = trace
-        self.index = index
+    __slots__ = ()
 
     @property
     def _row(self) -> ParamRow:
@@ -90,24 +87,14 @@ class Param:
         labels = self._trace._labels
         return [labels[i] for i in self._row.users]
 
-    def __eq__(self, other):
-        return type(other) is Param and other._trace is self._trace and other.index == self.index
-
-    def __hash__(self):
-        return hash((id(self._trace), "param", self.index))
-
     def __repr__(self) -> str:
         return f"<Param {self.address} {tuple(self.shape)}, used by {len(self._row.users)} ops>"
 
 
-class Buffer:
+class Buffer(View):
     """One buffer of the traced model: the nodes where it was read (a view over the trace's row)."""
 
-    __slots__ = ("_trace", "index")
-
-    def __init__(self, trace, index: int):
-        self._trace = trace
-        self.index = index
+    __slots__ = ()
 
     @property
     def address(self) -> str:
@@ -131,12 +118,6 @@ class Buffer:
         trace = self._trace
         children, labels = trace._children(), trace._labels
         return [labels[c] for i in trace._buffer_rows[self.index].nodes for c in children[i]]
-
-    def __eq__(self, other):
-        return type(other) is Buffer and other._trace is self._trace and other.index == self.index
-
-    def __hash__(self):
-        return hash((id(self._trace), "buffer", self.index))
 
     def __repr__(self) -> str:
         return f"<Buffer {self.address}, read by {len(self.readers)} ops>"
