@@ -414,3 +414,40 @@ def test_selected_grads_identical_on_both_paths_and_unselected_hooks_removed(sel
         assert not _ours(out._backward_hooks)
     for other in records[1:]:
         _assert_same(records[0], other)
+
+
+class _UserHooks(nn.Module):
+    """A model whose forward registers a hook of its own that changes an intermediate's gradient."""
+
+    def __init__(self, seen: list):
+        super().__init__()
+        self.a, self.b, self.seen = nn.Linear(4, 4), nn.Linear(4, 1), seen
+
+    def forward(self, x):
+        h = self.a(x)
+        h.register_hook(lambda g: (self.seen.append("h"), g * 3)[1])  # after capture's own hook on h
+        return self.b(torch.tanh(h))
+
+
+def test_the_users_own_hooks_still_run_and_change_what_they_change_on_every_path():
+    seen: list = []
+    torch.manual_seed(0)
+    model, x = _UserHooks(seen), torch.randn(2, 4, requires_grad=True)
+    x.register_hook(lambda g: seen.append("x"))  # on the input, before any trace
+    model(x).sum().backward()  # untraced: the reference
+    expected = (x.grad.clone(), model.a.weight.grad.clone(), list(seen))
+    records = []
+    for path in PATH_NAMES:
+        seen.clear()
+        model.zero_grad()
+        x.grad = None
+        log = _trace(path, model, (x,))
+        log.backward(log.output.sum())
+        assert seen == expected[2] == ["h", "x"]  # each ran once
+        assert torch.equal(x.grad, expected[0]) and torch.equal(model.a.weight.grad, expected[1])
+        # capture's hook on h ran before the user's: it holds the gradient the user's hook was handed
+        (linear,) = [op for op in log.ops if op.func_name == "linear" and op.module_address == "a"]
+        assert torch.allclose(model.a.bias.grad, 3 * linear.grad.sum(0))
+        records.append(_record(log, model))
+    for other in records[1:]:
+        _assert_same(records[0], other)
