@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import gc
-from collections.abc import Sequence
 
 from ..errors import TorchlensError, TraceCleanedUp
 from .columns import Call, Kind
@@ -20,46 +19,7 @@ from .derived import Derived as _Derived
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
-
-
-class RecordList(Sequence):
-    """The records of one kind (ops, layers, module calls, modules, parameters, buffers) as a sequence
-    that also converts to a DataFrame.  Each item is a view made when it is read, ``view(trace, key)``
-    for one of ``keys``: a slice gives a list of them."""
-
-    __slots__ = ("_trace", "_view", "_keys", "_to_frame")
-
-    def __init__(self, trace, view, keys, to_frame):
-        self._trace = trace
-        self._view = view
-        self._keys = keys
-        self._to_frame = to_frame
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            trace, view = self._trace, self._view
-            return [view(trace, k) for k in self._keys[i]]
-        return self._view(self._trace, self._keys[i])
-
-    def __iter__(self):
-        trace, view = self._trace, self._view
-        return (view(trace, k) for k in self._keys)
-
-    def __eq__(self, other):
-        if isinstance(other, (RecordList, list, tuple)):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-        return NotImplemented
-
-    __hash__ = None  # like a list
-
-    def __repr__(self) -> str:
-        return repr(list(self))
-
-    def to_pandas(self):
-        return self._to_frame(self)
+from .view import RecordList
 
 
 class Trace:

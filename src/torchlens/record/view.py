@@ -1,4 +1,5 @@
-"""``View``: what every record a trace hands out is, a (trace, index) pair made when it is read.
+"""``View``: what every record a trace hands out is, a (trace, index) pair made when it is read;
+``RecordList``: the records of one kind, made as they are read.
 
 The trace holds its records as columns and rows of plain data and keeps no view, so a trace forms no
 reference cycle and is freed as soon as nothing refers to it or to one of its records.  Two views are
@@ -6,6 +7,8 @@ equal when they address the same record of the same trace.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class View:
@@ -22,3 +25,43 @@ class View:
 
     def __hash__(self):
         return hash((id(self._trace), type(self).__name__, self.index))
+
+
+class RecordList(Sequence):
+    """The records of one kind (ops, layers, module calls, modules, parameters, buffers) as a sequence
+    that also converts to a DataFrame.  Each item is a view made when it is read, ``view(trace, key)``
+    for one of ``keys``: a slice gives a list of them."""
+
+    __slots__ = ("_trace", "_view", "_keys", "_to_frame")
+
+    def __init__(self, trace, view, keys, to_frame):
+        self._trace = trace
+        self._view = view
+        self._keys = keys
+        self._to_frame = to_frame
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            trace, view = self._trace, self._view
+            return [view(trace, k) for k in self._keys[i]]
+        return self._view(self._trace, self._keys[i])
+
+    def __iter__(self):
+        trace, view = self._trace, self._view
+        return (view(trace, k) for k in self._keys)
+
+    def __eq__(self, other):
+        if isinstance(other, (RecordList, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # like a list
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def to_pandas(self):
+        return self._to_frame(self)
