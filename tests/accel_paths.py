@@ -26,8 +26,8 @@ def compiled_or_skip(name: str):
     finally:
         accel.use(previous)
     if module is None:
-        why = (f"torchlens-accel's {name} is not built (pip install ./accel, or cd accel && python setup.py "
-               "build_ext --inplace and run with accel/src on PYTHONPATH)")
+        why = (f"torchlens-accel's {name} is not built (pip install --no-build-isolation ./accel, or cd accel && "
+               "python setup.py build_ext --inplace and run with accel/src on PYTHONPATH)")
         if os.environ.get("TORCHLENS_REQUIRE_ACCEL") == "1":
             pytest.fail(f"TORCHLENS_REQUIRE_ACCEL=1: {why}", pytrace=False)
         pytest.skip(why, allow_module_level=True)
