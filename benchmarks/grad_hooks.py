@@ -59,13 +59,10 @@ def _arm(name: str, n: int):
             per_output = noop_hook
         else:
             previous = accel.use(name != "python")
-            hidden = accel._modules.get("_autograd", accel._load("_autograd"))
-            if name == "c hooks":
-                accel._modules["_autograd"] = None  # the C hooks serve where the C++ ones are absent
             try:
-                capture = GradCapture()
+                with accel.without(*(("_autograd",) if name == "c hooks" else ())):  # the C hooks serve
+                    capture = GradCapture()
             finally:
-                accel._modules["_autograd"] = hidden
                 accel.use(previous)
             per_output = capture.watch
         t0 = time.perf_counter_ns()

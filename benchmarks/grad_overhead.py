@@ -101,12 +101,10 @@ def arms(model, args, paths="current"):
         def run():
             _reset(model, args)
             previous = accel.use(compiled) if compiled is not None else None
-            hidden = {name: accel._modules.get(name, accel._load(name)) for name in without}
-            accel._modules.update(dict.fromkeys(hidden))  # e.g. no C++ hooks: the C hooks serve
             try:
-                log = tl.trace(model, args, save="none", grads=grads)
+                with accel.without(*without):  # e.g. no C++ hooks: the C hooks serve
+                    log = tl.trace(model, args, save="none", grads=grads)
             finally:
-                accel._modules.update(hidden)
                 if compiled is not None:
                     accel.use(previous)
             out = _first_output(log.output)

@@ -39,10 +39,8 @@ def on_path(compiled: bool, without=()):
     """Trace on the compiled path (True) or the pure-Python one (False) inside the block; ``without`` names
     compiled modules left out meanwhile (``_autograd``: gradient capture then takes the ``_grads`` hooks)."""
     previous = accel.use(compiled)
-    hidden = {name: accel._modules.get(name, accel._load(name)) for name in without}
-    accel._modules.update(dict.fromkeys(hidden))
     try:
-        yield
+        with accel.without(*without):
+            yield
     finally:
-        accel._modules.update(hidden)
         accel.use(previous)

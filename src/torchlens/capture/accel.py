@@ -11,6 +11,7 @@ takes the ``_grads`` hooks without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -63,6 +64,18 @@ def available() -> bool:
 def active() -> bool:
     """Whether capture uses the compiled hot path now."""
     return _enabled and available()
+
+
+@contextlib.contextmanager
+def without(*names: str):
+    """Inside the block, the compiled modules ``names`` count as not built (``without("_autograd")``:
+    gradient capture takes the ``_grads`` hooks): for comparing the paths side by side."""
+    kept = {name: _load(name) for name in names}
+    _modules.update(dict.fromkeys(kept))
+    try:
+        yield
+    finally:
+        _modules.update(kept)
 
 
 def use(enabled: bool) -> bool:
