@@ -17,7 +17,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 3
+#define TORCHLENS_ACCEL_ABI 4
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -1621,7 +1621,7 @@ static int call_site(Recorder *r, PyObject *parent, long parent_index, PyObject 
 static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     Recorder *r = (Recorder *)self;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1 || PyThread_get_thread_ident() != r->owner)
+    if (nargs < 1 || PyThread_get_thread_ident() != r->owner || r->stack == NULL)  /* NULL: unbound */
         return PyObject_Vectorcall(nargs < 1 ? r->fallback : r->impl, argv, nargsf, kwnames);
     PyObject *module = argv[0];
     PyObject *key = PyLong_FromVoidPtr(module);
@@ -1777,6 +1777,47 @@ static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     return (PyObject *)r;
 }
 
+/* ``bind(state, skip, stack, calls, call_frames, producers)``: record into another trace's lists from now
+ * on; ``bind()``: into none (every call goes straight to ``impl``).  A recorder is kept per thread, bound
+ * at each trace's start and unbound at its end, so that it holds no trace's records in between: building
+ * one takes twenty-one arguments, binding six. */
+static PyObject *recorder_bind(Recorder *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs == 0) {
+        Py_CLEAR(r->skip);
+        Py_CLEAR(r->stack);
+        Py_CLEAR(r->calls);
+        Py_CLEAR(r->call_frames);
+        Py_CLEAR(r->producers);
+        Py_SETREF(r->state, Py_NewRef(Py_None));
+        Py_RETURN_NONE;
+    }
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "ModuleRecorder.bind(state, skip, stack, calls, call_frames, producers) "
+                                         "takes six arguments, or none");
+        return NULL;
+    }
+    PyTypeObject *types[6] = {NULL, &PySet_Type, &PyList_Type, &PyList_Type, &PyList_Type, &PyDict_Type};
+    for (int i = 1; i < 6; i++) {
+        if (!Py_IS_TYPE(args[i], types[i])) {
+            PyErr_Format(PyExc_TypeError, "ModuleRecorder.bind: argument %d must be a %s", i + 1, types[i]->tp_name);
+            return NULL;
+        }
+    }
+    Py_SETREF(r->state, Py_NewRef(args[0]));
+    Py_XSETREF(r->skip, Py_NewRef(args[1]));
+    Py_XSETREF(r->stack, Py_NewRef(args[2]));
+    Py_XSETREF(r->calls, Py_NewRef(args[3]));
+    Py_XSETREF(r->call_frames, Py_NewRef(args[4]));
+    Py_XSETREF(r->producers, Py_NewRef(args[5]));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef recorder_methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))recorder_bind, METH_FASTCALL,
+     "bind(state, skip, stack, calls, call_frames, producers): record into these from now on; bind(): into none."},
+    {NULL},
+};
+
 static PyObject *recorder_get(PyObject *self, PyObject *obj, PyObject *type) {
     /* Looked up on a module, it binds to it, as the function it replaces would. */
     if (obj == NULL || obj == Py_None) return Py_NewRef(self);
@@ -1796,6 +1837,7 @@ static PyTypeObject RecorderType = {
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Recorder, vectorcall),
     .tp_descr_get = recorder_get,
+    .tp_methods = recorder_methods,
     .tp_dictoffset = offsetof(Recorder, dict),
 };
 

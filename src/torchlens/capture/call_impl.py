@@ -31,7 +31,7 @@ import types
 
 import torch
 
-from .teardown import release_stranded, until_done
+from .teardown import until_done
 
 _ATTRIBUTE = "_call_impl"
 MARK = "_torchlens_replaces"  # set on what is put in a class attribute here: the ``_call_impl`` it wraps
@@ -220,10 +220,13 @@ class Replacement:
                     setattr(recorder, MARK, site.original)
                 recorders = site.recorders
                 recorders[tid] = recorder
-                if len(recorders) == 1:  # the one trace recording: its recorder receives the calls itself
-                    site.install(recorder)
-                else:
+                if len(recorders) != 1:
                     site.update()
+                elif site.slot is not None:  # the one trace recording: its recorder receives the calls itself
+                    site.slot.target = recorder  # Site.install, inlined: first, the relay must find it in place
+                    site.original.__code__ = site.relay
+                else:
+                    site.install(recorder)
         finally:
             _lock.release()
 
@@ -232,7 +235,8 @@ class Replacement:
         return False
 
     def release_all(self) -> None:
-        release_stranded(_lock)
+        while _lock._is_owned():  # release_stranded(_lock), inlined
+            _lock.release()
         tid = threading.get_ident()
         _lock.acquire()
         try:
@@ -244,7 +248,10 @@ class Replacement:
                     site.threads.discard(tid)
                     if site.recorders:
                         site.update()
-                    else:  # no trace records: torch's own goes back (Site.update, inlined)
+                    elif site.slot is not None:  # no trace records: torch's own goes back (Site.restore, inlined)
+                        site.original.__code__ = site.code  # first: no call reaches the relay from here on
+                        site.slot.target = site.impl
+                    else:
                         site.restore()
                     if not site.threads and site.owner is not torch.nn.Module:  # its original is back
                         _sites.pop(key, None)  # and the class is not held alive here

@@ -45,7 +45,8 @@ def _tensors_in(value) -> list:
 class ModuleCallTracker:
     """Context manager that records module calls into ``state.module_calls``."""
 
-    __slots__ = ("state", "root", "frames", "progress", "skip", "module_types", "_replacement", "_outside")
+    __slots__ = ("state", "root", "frames", "progress", "skip", "module_types", "_replacement", "_outside",
+                 "_bound")
 
     def __init__(self, state: CaptureState, root, frames=None, skip=(), module_types=()):
         self.state = state
@@ -56,6 +57,7 @@ class ModuleCallTracker:
         self.module_types = module_types  # the model's module classes: which replace _call_impl themselves
         self._replacement = None
         self._outside = [None, None]
+        self._bound = []  # the Recorders bound to this trace: unbound on exit
 
     @property
     def replaced(self) -> bool:
@@ -71,132 +73,25 @@ class ModuleCallTracker:
                 warn_user(f"the _call_impl of {names} is not a function: calls of their modules are not "
                           "recorded as module calls (their ops are attributed to the enclosing call)")
                 owners = [o for o in owners if o not in unsupported]
-            replacement = self._replacement = Replacement(self._recorder_factory(), owners)
+            replacement = self._replacement = Replacement(self._recorder_for, owners)
             replacement.acquire()  # Replacement.__enter__ without its own try: the except below undoes it
             return self  # inside the try: an interrupt landing here must not strand the replacement
         except BaseException:
             self.__exit__(None, None, None)
             raise
 
-    def _recorder_factory(self):
-        st, progress, markers, frames = self.state, self.progress, self.state.markers, self.frames
-        calls, stack, call_frames, producers = st.module_calls, st.module_stack, st.call_frames, st.producers
-        getframe, clock, get_ident, owner = sys._getframe, perf_counter_ns, threading.get_ident, threading.get_ident()
-        verdicts = frames._verdicts if frames is not None else {}
-        skip = {id(self.root), *self.skip}
-        extras = markers is not None or progress is not None  # one check per call when neither is on
-
-        def bound(t):  # st.bound_producer, inlined
-            entry = producers.get(id(t))
-            return entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1
-
-        def call_frame(wrapped, parent):
-            """The user frame that made the call, by a walk from above the call (the uncommon cases)."""
-            if frames is None:
-                return None, None
-            return frames.module_call_frame(wrapped, call_frames, parent)
-
-        # Torch code run as an unrecorded module's forward (the root nn.Sequential's) calls every child
-        # from the same frame: walk once per such frame.  (It is on the stack, so alive, meanwhile.)  The
-        # frame leads back to the trace driver's, which holds this tracker: __exit__ lets go of it, so
-        # that the trace's records are freed by reference counting, not by a later collector pass.
-        outside = self._outside = [None, None]  # [that frame, its answer]
-
-        def recorder_for(impl, relays):
-            """The recorder around one ``_call_impl`` (torch's, or a class's own), called through the
-            frames of ``relays`` (the code of the relay and of the dispatcher: capture/call_impl.py)."""
-            dispatcher_code, relay_code = relays
-
-            # Runs once per module call inside every trace: the common cases (one tensor argument, a call
-            # made straight from user code or by nn.Sequential) take no loop and no method call.
-            def record_call(module, *args, **kwargs):
-                if get_ident() != owner or id(module) in skip:
-                    return impl(module, *args, **kwargs)
-                parent = stack[-1] if stack else -1
-                # record_call <- (the dispatcher, while several threads trace) <- (the relay, when the code of
-                # _call_impl is swapped) <- _wrapped_call_impl <- the caller: a user frame is the answer
-                # (FrameClassifier.module_call_frame, inlined).
-                wrapped = getframe(1)
-                code = wrapped.f_code
-                if code is dispatcher_code:
-                    wrapped = wrapped.f_back
-                    code = wrapped.f_code
-                if code is relay_code:
-                    wrapped = wrapped.f_back
-                    code = wrapped.f_code
-                if code is _WRAPPED_CALL:
-                    caller = wrapped.f_back
-                    code = caller.f_code
-                    verdict = verdicts.get(id(code))
-                    if verdict == _USER:
-                        frame = (code, caller.f_lasti)
-                    elif verdict == _SKIP and (back := caller.f_back) is not None and (
-                            (code := back.f_code) is _CALL_IMPL or code is _INNER):
-                        # Torch code run as a forward by _call_impl (nn.Sequential's) made it: the site of
-                        # the call running that forward.
-                        if parent >= 0:
-                            frame = call_frames[parent]
-                        elif outside[0] is caller:
-                            frame = outside[1]
-                        else:
-                            frame = call_frame(caller, parent)
-                            outside[:] = caller, frame
-                    else:
-                        frame = call_frame(caller, parent)
-                elif parent >= 0 and calls[parent][0] is module:
-                    # A class's own _call_impl calling nn.Module's (super()): the same call, recorded once.
-                    return impl(module, *args, **kwargs)
-                else:
-                    frame = call_frame(wrapped, parent)
-                if len(args) == 1 and type(args[0]) in _TENSORS:
-                    t = args[0]
-                    entry = producers.get(id(t))  # bound(), inlined
-                    inputs = (entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1,)
-                else:
-                    inputs = tuple(bound(t) for t in _tensors_in(args))
-                index = len(calls)
-                call = [module, parent, clock(), None, inputs, ()]
-                call_frames.append(frame)
-                calls.append(call)
-                stack.append(index)  # after the record: an interrupt between them strands nothing
-                if extras:
-                    if markers is not None:
-                        markers.module_enter(index)
-                    if progress is not None:
-                        progress.update()
-                try:
-                    output = impl(module, *args, **kwargs)
-                except BaseException as raised:
-                    if st.raised_in is None or st.raised_in[0] is not raised:  # the innermost call it left
-                        st.raised_in = (raised, index)
-                    raise
-                finally:
-                    call[3] = clock()
-                    stack.pop()
-                    if extras and markers is not None:
-                        markers.module_exit(index)
-                if type(output) in _TENSORS:
-                    entry = producers.get(id(output))  # bound(), inlined
-                    call[5] = (entry[1] if entry is not None and (entry[0] is output or entry[0]() is output) else -1,)
-                elif output is not None:
-                    call[5] = tuple(bound(t) for t in _tensors_in(output))
-                return output
-
-            compiled = None if extras else accel.compiled("_capture")
-            if compiled is None:
-                return record_call
-            # The compiled record_call (accel/src/torchlens_accel/_capture.c) records the common call the
-            # same way, and hands every other call to this one whole.
-            # Positional, in the order of its keyword names (impl, fallback, state, owner, skip, stack, calls,
-            # call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
-            # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict): matching
-            # twenty-one keywords costs about 1.5 us per trace.  ``dispatcher_code``: the relays' codes.
-            return compiled.ModuleRecorder(
-                impl, record_call, st, owner, skip, stack, calls, call_frames, producers, verdicts,
-                lambda value: tuple(bound(t) for t in _tensors_in(value)), outside, call_frame, relays,
-                _WRAPPED_CALL, _CALL_IMPL, _INNER, torch.Tensor, torch.nn.Parameter, _USER, _SKIP)
-
-        return recorder_for
+    def _recorder_for(self, impl, relays):
+        """The recorder around one ``_call_impl`` (torch's, or a class's own), called through the frames of
+        ``relays`` (the code of the relay and of the dispatcher: capture/call_impl.py): this thread's kept
+        ``Recorders`` around ``impl``, bound to this trace."""
+        recorders = _kept_recorders(impl, relays, self.frames)
+        self._bound.append(recorders)  # first: whatever happens next, __exit__ unbinds it
+        self._outside = recorders.outside
+        st, progress = self.state, self.progress
+        markers = st.markers
+        return recorders.bind((st, st.module_calls, st.module_stack, st.call_frames, st.producers,
+                               {id(self.root), *self.skip}, markers, progress,
+                               markers is not None or progress is not None))
 
     def resume(self) -> None:
         """Record this thread's module calls again, after ``pause``."""
@@ -210,6 +105,188 @@ class ModuleCallTracker:
 
     def __exit__(self, *exc):
         self._outside[:] = None, None  # first: one statement, nothing to strand
-        if self._replacement is not None:
-            until_done(self._replacement.release_all)  # Replacement.__exit__, one call less
+        until_done(self._release)  # Replacement.__exit__, one call less
         return False
+
+    def _release(self) -> None:
+        if self._replacement is not None:
+            self._replacement.release_all()
+            self._replacement.make_recorder = None  # this tracker's method: no cycle keeps the trace alive
+        bound = self._bound
+        while bound:  # the trace's records are freed by reference counting, not held until the next trace
+            bound[-1].unbind()
+            bound.pop()
+
+
+_kept = threading.local()  # per thread: the Recorders of its last trace around torch's _call_impl
+
+
+def _kept_recorders(impl, relays, frames) -> Recorders:
+    """This thread's ``Recorders`` around ``impl``: the ones its last trace used when they fit, else new
+    ones, kept for the next trace when ``impl`` runs torch's own ``_call_impl`` (a class's own is not kept:
+    it would hold the class's function past the trace)."""
+    recorders = getattr(_kept, "recorders", None)
+    if recorders is not None and recorders.impl is impl and recorders.relays is relays and recorders.frames is frames:
+        return recorders
+    recorders = Recorders(impl, relays, frames)
+    if getattr(impl, "__code__", None) is _CALL_IMPL:
+        _kept.recorders = recorders
+    return recorders
+
+
+_UNBOUND = (None, None, None, None, None, frozenset(), None, None, False)
+
+
+class Recorders:
+    """One thread's recorders around one ``_call_impl``: the Python ``record_call`` and, built on first
+    use, the compiled one (accel/src/torchlens_accel/_capture.c).  They are built once per thread and
+    bound to each trace's state as it starts (``bind``) and unbound as it ends (``unbind``), so that a
+    trace builds no closures and no compiled recorder, and no trace's records are held in between."""
+
+    __slots__ = ("impl", "relays", "frames", "owner", "outside", "_binding", "_python", "_shared", "_compiled")
+
+    def __init__(self, impl, relays, frames):
+        self.impl, self.relays, self.frames = impl, relays, frames
+        self.owner = threading.get_ident()
+        # Torch code run as an unrecorded module's forward (the root nn.Sequential's) calls every child
+        # from the same frame: walk once per such frame.  (It is on the stack, so alive, meanwhile.)  The
+        # frame leads back to the trace driver's: the tracker lets go of it on exit.
+        self.outside = [None, None]  # [that frame, its answer]
+        # (state, module_calls, module_stack, call_frames, producers, skip, markers, progress, extras): one
+        # list, rebound in place, read by the Python recorder once per call.
+        self._binding = list(_UNBOUND)
+        self._python, *self._shared = _python_recorder(impl, relays, frames, self._binding, self.outside, self.owner)
+        self._compiled = None
+
+    def bind(self, binding: tuple):
+        """Record into this trace from now on; returns the recorder to put in place."""
+        self._binding[:] = binding
+        extras = binding[-1]
+        compiled = None if extras else accel.compiled("_capture")
+        if compiled is None:
+            return self._python
+        st, calls, stack, call_frames, producers, skip = binding[:6]
+        recorder = self._compiled
+        if recorder is not None:
+            recorder.bind(st, skip, stack, calls, call_frames, producers)
+            return recorder
+        python, (verdicts, bound_all, call_frame) = self._python, self._shared
+        # The compiled record_call records the common call the same way, and hands every other call to the
+        # Python one whole.  Positional, in the order of its keyword names (impl, fallback, state, owner, skip,
+        # stack, calls, call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
+        # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict).
+        # ``dispatcher_code``: the relays' codes.
+        recorder = self._compiled = compiled.ModuleRecorder(
+            self.impl, python, st, self.owner, skip, stack, calls, call_frames, producers, verdicts, bound_all,
+            self.outside, call_frame, self.relays, _WRAPPED_CALL, _CALL_IMPL, _INNER,
+            torch.Tensor, torch.nn.Parameter, _USER, _SKIP)
+        return recorder
+
+    def unbind(self) -> None:
+        """Hold no trace's lists: a call that still reaches a recorder goes straight to torch's code."""
+        self._binding[:] = _UNBOUND
+        if self._compiled is not None:
+            self._compiled.bind()
+
+
+def _python_recorder(impl, relays, frames, binding: list, outside: list, owner: int):
+    """``record_call(module, *args, **kwargs)`` around ``impl`` for the thread ``owner``, recording into the
+    trace ``binding`` holds, with what the compiled one shares with it: ``(record_call, verdicts, bound_all,
+    call_frame)``."""
+    getframe, clock, get_ident = sys._getframe, perf_counter_ns, threading.get_ident
+    verdicts = frames._verdicts if frames is not None else {}
+    dispatcher_code, relay_code = relays
+
+    def bound(t):  # st.bound_producer, inlined
+        producers = binding[4]
+        entry = producers.get(id(t))
+        return entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1
+
+    def bound_all(value):
+        return tuple(bound(t) for t in _tensors_in(value))
+
+    def call_frame(wrapped, parent):
+        """The user frame that made the call, by a walk from above the call (the uncommon cases)."""
+        if frames is None:
+            return None, None
+        return frames.module_call_frame(wrapped, binding[3], parent)
+
+    # Runs once per module call inside every trace: the common cases (one tensor argument, a call
+    # made straight from user code or by nn.Sequential) take no loop and no method call.
+    def record_call(module, *args, **kwargs):
+        if get_ident() != owner:
+            return impl(module, *args, **kwargs)
+        st, calls, stack, call_frames, producers, skip, markers, progress, extras = binding
+        if id(module) in skip or st is None:
+            return impl(module, *args, **kwargs)
+        parent = stack[-1] if stack else -1
+        # record_call <- (the dispatcher, while several threads trace) <- (the relay, when the code of
+        # _call_impl is swapped) <- _wrapped_call_impl <- the caller: a user frame is the answer
+        # (FrameClassifier.module_call_frame, inlined).
+        wrapped = getframe(1)
+        code = wrapped.f_code
+        if code is dispatcher_code:
+            wrapped = wrapped.f_back
+            code = wrapped.f_code
+        if code is relay_code:
+            wrapped = wrapped.f_back
+            code = wrapped.f_code
+        if code is _WRAPPED_CALL:
+            caller = wrapped.f_back
+            code = caller.f_code
+            verdict = verdicts.get(id(code))
+            if verdict == _USER:
+                frame = (code, caller.f_lasti)
+            elif verdict == _SKIP and (back := caller.f_back) is not None and (
+                    (code := back.f_code) is _CALL_IMPL or code is _INNER):
+                # Torch code run as a forward by _call_impl (nn.Sequential's) made it: the site of
+                # the call running that forward.
+                if parent >= 0:
+                    frame = call_frames[parent]
+                elif outside[0] is caller:
+                    frame = outside[1]
+                else:
+                    frame = call_frame(caller, parent)
+                    outside[:] = caller, frame
+            else:
+                frame = call_frame(caller, parent)
+        elif parent >= 0 and calls[parent][0] is module:
+            # A class's own _call_impl calling nn.Module's (super()): the same call, recorded once.
+            return impl(module, *args, **kwargs)
+        else:
+            frame = call_frame(wrapped, parent)
+        if len(args) == 1 and type(args[0]) in _TENSORS:
+            t = args[0]
+            entry = producers.get(id(t))  # bound(), inlined
+            inputs = (entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1,)
+        else:
+            inputs = bound_all(args)
+        index = len(calls)
+        call = [module, parent, clock(), None, inputs, ()]
+        call_frames.append(frame)
+        calls.append(call)
+        stack.append(index)  # after the record: an interrupt between them strands nothing
+        if extras:
+            if markers is not None:
+                markers.module_enter(index)
+            if progress is not None:
+                progress.update()
+        try:
+            output = impl(module, *args, **kwargs)
+        except BaseException as raised:
+            if st.raised_in is None or st.raised_in[0] is not raised:  # the innermost call it left
+                st.raised_in = (raised, index)
+            raise
+        finally:
+            call[3] = clock()
+            stack.pop()
+            if extras and markers is not None:
+                markers.module_exit(index)
+        if type(output) in _TENSORS:
+            entry = producers.get(id(output))  # bound(), inlined
+            call[5] = (entry[1] if entry is not None and (entry[0] is output or entry[0]() is output) else -1,)
+        elif output is not None:
+            call[5] = bound_all(output)
+        return output
+
+    return record_call, verdicts, bound_all, call_frame
