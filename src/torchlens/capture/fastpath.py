@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.overrides
 
-from .teardown import release_stranded, until_done
+from .teardown import until_done
 
 # Reentrant, so that a hold left by an interrupt on a ``with _lock:`` exit line can be found and dropped.
 _lock = threading.RLock()
@@ -70,7 +70,8 @@ class FastPathShim:
         return False
 
     def _release_all(self) -> None:
-        release_stranded(_lock)
+        while _lock._is_owned():  # release_stranded(_lock), inlined
+            _lock.release()
         self._release()
 
     def pause(self) -> None:

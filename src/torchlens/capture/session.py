@@ -69,16 +69,17 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     started = perf_counter_ns()
 
     state = CaptureState(save_mode=policy.mode, save_device=save_device, record_finite=record_finite,
-                         buffers=index.buffers, max_saved_bytes=max_saved_bytes)
-    state.watch_params(index.params)
+                         buffers=index.buffers, max_saved_bytes=max_saved_bytes, params=index.params)
     if policy.mode == 2:
         state.selector = policy.capture_selector(state)
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
-    state.markers = markers  # profiler ranges per op and module call (torchlens.report.kernel_profile)
+    if markers is not None:  # profiler ranges per op and module call (torchlens.report.kernel_profile)
+        state.markers = markers
     runtime = None if not intervene and stop_after is None else \
         _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy)
-    state.intervention = runtime if runtime is not None and runtime.watches_calls else None
+    if runtime is not None and runtime.watches_calls:
+        state.intervention = runtime
     state.grads = grad_capture(grads, root, state) if grads is not False else None
     packing = PackLog(state.calls) if saved_for_backward else None
     _add_inputs(state, model, args, kwargs)
@@ -141,7 +142,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     try:
         result = finalize(state, model, output, model_name, timings, index)
     finally:
-        shown.close()
+        if shown is not QUIET:
+            shown.close()
     result._autocast = autocast
     caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
         (submodules.caveats() if submodules is not None else ())

@@ -122,9 +122,17 @@ class CaptureState:
     raised_in = None  # (exception, module call index) where an exception left a module call
     _watched = ()  # (address, Parameter) of the model: see ``param_storages``
     _param_storages = None
+    # Off unless set (the constructor or the trace driver sets them only when on).
+    selector = None  # save_mode 2: (func, module call) -> whether to save
+    save_device = None
+    max_saved_bytes: int | None = None
+    # Optional profiler markers (report/markers.py): an object with op_enter(call index) -> token,
+    # op_exit(token), module_enter(module call index) and module_exit(module call index).
+    markers = None
+    intervention = None  # interventions (intervene/runtime.py): called once per tensor-producing call when set
 
     def __init__(self, *, save_mode: int, selector=None, save_device=None, record_finite: bool = False,
-                 buffers: dict | None = None, max_saved_bytes: int | None = None):
+                 buffers: dict | None = None, max_saved_bytes: int | None = None, params=()):
         self.calls: list = []
         self.records: list = []
         self.module_calls: list = []
@@ -137,13 +145,16 @@ class CaptureState:
         self.alias_reads: set = set()  # (call index, parent record) read after a write through a view
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
-        self.selector = selector
-        self.save_device = save_device
+        if selector is not None:
+            self.selector = selector
+        if save_device is not None:
+            self.save_device = save_device
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
         self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
         self.unkeyed: list = []  # record indices below ``keyed_to`` saved again since (see ``save``)
-        self.max_saved_bytes = max_saved_bytes
+        if max_saved_bytes is not None:
+            self.max_saved_bytes = max_saved_bytes
         # No device move and no budget: the hot path saves inline (capture/mode.py).
         self.plain_save = save_device is None and max_saved_bytes is None
         self.clobbered: dict = {}  # record index -> reason its saved value was dropped
@@ -156,11 +167,8 @@ class CaptureState:
         self.grad_enabled = self.context[0]
         self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
-        # Optional profiler markers (report/markers.py): an object with op_enter(call index) ->
-        # token, op_exit(token), module_enter(module call index) and module_exit(module call index).
-        self.markers = None
-        # Interventions (intervene/runtime.py): called once per tensor-producing call when set.
-        self.intervention = None
+        if params:  # watch_params(params), without the call
+            self._watched = params
         self.grads = None  # a capture.grads.GradCapture when tracing with grads=...
 
     def version(self, t: torch.Tensor):

@@ -59,17 +59,15 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     index = index if index is not None else ModelIndex(model)
     calls = state.calls  # raw tuples: Trace.calls names them on first read
     # The producers of the returned tensors first: this may still add a buffer source (a returned buffer).
-    if isinstance(output, torch.Tensor):  # the common case: the one leaf is the output itself
-        returned = [("output", state.producer_of(output), output)]
+    if type(output) is torch.Tensor:  # the common case: the one leaf is the output itself, no loop
+        producer = state.producer_of(output)
+        outputs = [("output", producer, OpMeta(shape_of(output), output.dtype, output.device, output.requires_grad,
+                                               None))]
+        activations = dict(state.saved)
+        if producer in activations:  # the output shows its producer's tensor
+            activations[len(state.records)] = activations[producer]
     else:
-        returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
-    first_output = len(state.records)  # the output pseudo ops follow the records
-    outputs = []
-    activations = dict(state.saved)
-    for k, (path, producer, t) in enumerate(returned):
-        outputs.append((path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None)))
-        if producer in activations:  # an output shows its producer's tensor
-            activations[first_output + k] = activations[producer]
+        outputs, activations = _outputs(state, output)
     raw = RawRecord(calls, state.records, outputs, state.module_calls, index)
     trace = Trace(
         model_name=model_name,
@@ -96,6 +94,19 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
                                    by_param(ids, list(map(_VERSION, params))) if params else none,
                                    by_param(ids, list(map(_REQUIRES_GRAD, params))) if params else none)
     return trace
+
+
+def _outputs(state: CaptureState, output) -> tuple:
+    """``(path, producer record, OpMeta)`` per tensor in ``output``, and the activations with theirs."""
+    returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
+    first_output = len(state.records)  # the output pseudo ops follow the records
+    outputs = []
+    activations = dict(state.saved)
+    for k, (path, producer, t) in enumerate(returned):
+        outputs.append((path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None)))
+        if producer in activations:  # an output shows its producer's tensor
+            activations[first_output + k] = activations[producer]
+    return outputs, activations
 
 
 @functools.cache
