@@ -387,6 +387,9 @@ def _positional_shape(func):
 def _add_inputs(state, model, args, kwargs) -> None:
     slots = _positional_call_names(model, args, kwargs)
     if slots is not None:
+        if len(args) == 1 and type(args[0]) is torch.Tensor:  # the commonest call: one tensor, nothing bound yet
+            state.add_source(args[0], INPUT, slots[0])
+            return
         inputs = zip(slots, args)  # the common call: the slots of the arguments given
     else:
         sig = _forward_signature(model)
