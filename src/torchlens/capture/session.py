@@ -38,6 +38,8 @@ _local = threading.local()
 # What a forward returns in the common case, and never a generator or coroutine (checked by type first).
 _PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
 _PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+# save="all" and save="none" name nothing of a model, and a trace never changes them: one policy each.
+_PLAIN_POLICIES = {"all": SavePolicy("all", None), "none": SavePolicy("none", None)}
 
 
 def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_finite: bool = False,
@@ -63,7 +65,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     kwargs = dict(kwargs) if kwargs else {}
     args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
-    policy = SavePolicy(save, root, index)
+    policy = _PLAIN_POLICIES.get(save) if type(save) is str else None
+    if policy is None:
+        policy = SavePolicy(save, root, index)
     if save_device is not None:
         save_device = torch.device(save_device)
     started = perf_counter_ns()
