@@ -124,7 +124,9 @@ class Site:
     def changed(self) -> bool:
         """Whether the class now holds another ``_call_impl`` (or the function other code) than this site
         found: asked only while no trace holds the site, when it must hold what it found."""
-        original = vars(self.owner).get(_ATTRIBUTE)
+        # getattr, not vars(): no mapping proxy made per trace; the owner's own attribute comes first in
+        # its MRO, and one removed from it leaves an inherited one, which is not ``original`` either.
+        original = getattr(self.owner, _ATTRIBUTE, None)
         return original is not self.original or (self.code is not None and original.__code__ is not self.code)
 
     def install(self, target) -> None:

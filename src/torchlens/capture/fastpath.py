@@ -66,7 +66,11 @@ class FastPathShim:
             raise
 
     def __exit__(self, *exc):
-        until_done(self._release_all)  # an interrupt landing mid-teardown cannot strand the shim
+        try:
+            self._release_all()
+        except BaseException:  # interrupted: finish (until_done), then let the interrupt through
+            until_done(self._release_all)
+            raise
         return False
 
     def _release_all(self) -> None:

@@ -105,7 +105,11 @@ class ModuleCallTracker:
 
     def __exit__(self, *exc):
         self._outside[:] = None, None  # first: one statement, nothing to strand
-        until_done(self._release)  # Replacement.__exit__, one call less
+        try:
+            self._release()
+        except BaseException:  # interrupted: finish (until_done), then let the interrupt through
+            until_done(self._release)
+            raise
         return False
 
     def _release(self) -> None:

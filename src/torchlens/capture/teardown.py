@@ -76,7 +76,11 @@ class ModeOnStack:
             raise
 
     def __exit__(self, *exc):
-        until_done(self.remove)  # an interrupt landing here cannot strand the mode
+        try:
+            self.remove()
+        except BaseException:  # interrupted: finish removing (until_done), then let the interrupt through
+            until_done(self.remove)
+            raise
         return False
 
     def remove(self) -> None:
