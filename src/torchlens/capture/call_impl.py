@@ -168,9 +168,9 @@ class Site:
 def owners_overriding(module_types) -> list:
     """The classes, among the bases of ``module_types``, whose own ``_call_impl`` a call of one of those
     types reaches instead of ``nn.Module``'s (rare: ``torch.compiler.disable`` on a module class)."""
-    owners = []
+    owners, base = [], torch.nn.Module._call_impl
     for cls in module_types:
-        if cls._call_impl is torch.nn.Module._call_impl:  # the common case: one attribute lookup
+        if cls._call_impl is base:  # the common case: one attribute lookup
             continue
         owner = next(k for k in cls.__mro__ if _ATTRIBUTE in vars(k))
         if owner is not torch.nn.Module and owner not in owners:

@@ -74,9 +74,20 @@ class FastPathShim:
         return False
 
     def _release_all(self) -> None:
+        """Drop this trace's count (and the shim with the last one), whatever holds an interrupt left."""
+        global _users
         while _lock._is_owned():  # release_stranded(_lock), inlined
             _lock.release()
-        self._release()
+        _local.mode = None
+        _lock.acquire()
+        try:
+            if self._counted:
+                _users, self._counted = _users - 1, False
+            if _users == 0 and torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
+                # _original stays set: another thread may have looked the shim up just before this.
+                torch.overrides.has_torch_function = _original
+        finally:
+            _lock.release()
 
     def pause(self) -> None:
         """Put torch's own function back while a compiled region runs (Dynamo would trace the shim),
@@ -89,16 +100,3 @@ class FastPathShim:
         with _lock:
             if self._counted and torch.overrides.has_torch_function is not _has_torch_function_ignoring_capture:
                 torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
-
-    def _release(self) -> None:
-        global _users
-        _local.mode = None
-        _lock.acquire()
-        try:
-            if self._counted:
-                _users, self._counted = _users - 1, False
-            if _users == 0 and torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
-                # _original stays set: another thread may have looked the shim up just before this.
-                torch.overrides.has_torch_function = _original
-        finally:
-            _lock.release()

@@ -87,11 +87,8 @@ class ModuleCallTracker:
         recorders = _kept_recorders(impl, relays, self.frames)
         self._bound.append(recorders)  # first: whatever happens next, __exit__ unbinds it
         self._outside = recorders.outside
-        st, progress = self.state, self.progress
-        markers = st.markers
-        return recorders.bind((st, st.module_calls, st.module_stack, st.call_frames, st.producers,
-                               {id(self.root), *self.skip}, markers, progress,
-                               markers is not None or progress is not None))
+        return recorders.bind(self.state, {id(self.root), *self.skip} if self.skip else {id(self.root)},
+                              self.progress)
 
     def resume(self) -> None:
         """Record this thread's module calls again, after ``pause``."""
@@ -162,14 +159,16 @@ class Recorders:
         self._python, *self._shared = _python_recorder(impl, relays, frames, self._binding, self.outside, self.owner)
         self._compiled = None
 
-    def bind(self, binding: tuple):
-        """Record into this trace from now on; returns the recorder to put in place."""
-        self._binding[:] = binding
-        extras = binding[-1]
+    def bind(self, st: CaptureState, skip: set, progress):
+        """Record into the trace of ``st`` from now on, but for the calls of the modules whose ids are in
+        ``skip``; returns the recorder to put in place."""
+        markers = st.markers
+        extras = markers is not None or progress is not None  # one check per call when neither is on
+        calls, stack, call_frames, producers = st.module_calls, st.module_stack, st.call_frames, st.producers
+        self._binding[:] = st, calls, stack, call_frames, producers, skip, markers, progress, extras
         compiled = None if extras else accel.compiled("_capture")
         if compiled is None:
             return self._python
-        st, calls, stack, call_frames, producers, skip = binding[:6]
         recorder = self._compiled
         if recorder is not None:
             recorder.bind(st, skip, stack, calls, call_frames, producers)

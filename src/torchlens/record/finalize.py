@@ -45,6 +45,8 @@ _CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUM
 _MODULE = itemgetter(MODULE_CALL_MODULE)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _VERSION, _REQUIRES_GRAD = attrgetter("_version"), attrgetter("requires_grad")
+# A named tuple made from its fields in C (``_made(OpMeta, fields)``): its own ``__new__`` is a Python call.
+_made = tuple.__new__
 
 
 def tensor_leaves(obj, path: str, out: list) -> list:
@@ -61,8 +63,8 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     # The producers of the returned tensors first: this may still add a buffer source (a returned buffer).
     if type(output) is torch.Tensor:  # the common case: the one leaf is the output itself, no loop
         producer = state.producer_of(output)
-        outputs = [("output", producer, OpMeta(shape_of(output), output.dtype, output.device, output.requires_grad,
-                                               None))]
+        outputs = [("output", producer, _made(OpMeta, (shape_of(output), output.dtype, output.device,
+                                                        output.requires_grad, None)))]
         activations = dict(state.saved)
         if producer in activations:  # the output shows its producer's tensor
             activations[len(state.records)] = activations[producer]
@@ -90,9 +92,9 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
     replay_context, by_param, none = _replay_types()
-    trace._replay = replay_context(state.context, state.contexts, state.param_writes,
-                                   by_param(ids, list(map(_VERSION, params))) if params else none,
-                                   by_param(ids, list(map(_REQUIRES_GRAD, params))) if params else none)
+    trace._replay = _made(replay_context, (state.context, state.contexts, state.param_writes,
+                                           by_param(ids, list(map(_VERSION, params))) if params else none,
+                                           by_param(ids, list(map(_REQUIRES_GRAD, params))) if params else none))
     return trace
 
 
