@@ -123,11 +123,13 @@ _kept = threading.local()  # per thread: the Recorders of its last trace around 
 
 
 def _kept_recorders(impl, relays, frames) -> Recorders:
-    """This thread's ``Recorders`` around ``impl``: the ones its last trace used when they fit, else new
-    ones, kept for the next trace when ``impl`` runs torch's own ``_call_impl`` (a class's own is not kept:
-    it would hold the class's function past the trace)."""
+    """This thread's ``Recorders`` around ``impl``: the ones its last trace used when they fit and are not
+    bound (a capture nested in a running one gets its own), else new ones, kept for the next trace when
+    ``impl`` runs torch's own ``_call_impl`` (a class's own is not kept: it would hold the class's function
+    past the trace)."""
     recorders = getattr(_kept, "recorders", None)
-    if recorders is not None and recorders.impl is impl and recorders.relays is relays and recorders.frames is frames:
+    if recorders is not None and recorders.impl is impl and recorders.relays is relays \
+            and recorders.frames is frames and recorders._binding[0] is None:
         return recorders
     recorders = Recorders(impl, relays, frames)
     if getattr(impl, "__code__", None) is _CALL_IMPL:
