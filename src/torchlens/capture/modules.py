@@ -48,11 +48,11 @@ class ModuleCallTracker:
     __slots__ = ("state", "root", "frames", "progress", "skip", "module_types", "_replacement", "_outside",
                  "_bound")
 
-    def __init__(self, state: CaptureState, root, frames=None, skip=(), module_types=()):
+    def __init__(self, state: CaptureState, root, frames=None, skip=(), module_types=(), progress=None):
         self.state = state
         self.root = root
         self.frames = frames  # a FrameClassifier: each call's user frame is found once, here
-        self.progress = None  # a progress bar advanced once per module call (torchlens.progress), or None
+        self.progress = progress  # a progress bar advanced once per module call (torchlens.progress), or None
         self.skip = skip  # ids of modules whose calls are not module calls (see capture/compiled.py)
         self.module_types = module_types  # the model's module classes: which replace _call_impl themselves
         self._replacement = None

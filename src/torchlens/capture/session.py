@@ -102,10 +102,10 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     submodules = CompiledSubmodules(root, compiled, None, compiled_modules, in_place) \
         if compiled_modules or in_place else None
     # The root's own call is the trace itself; a callable's calls into its root are module calls.
+    # By position (skip, module types, progress bar): keywords cost per trace.
     tracker = ModuleCallTracker(state, model if root is model else None, frames,
-                                skip=submodules.eager_modules if submodules is not None else (),
-                                module_types=index.module_types())
-    tracker.progress = shown if shown is not QUIET else None
+                                submodules.eager_modules if submodules is not None else (), index.module_types(),
+                                shown if shown is not QUIET else None)
     parts = (shim, tracker, installed)
     if runtime is not None and runtime.module_sites:
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
