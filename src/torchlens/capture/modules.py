@@ -129,7 +129,7 @@ def _kept_recorders(impl, relays, frames) -> Recorders:
     past the trace)."""
     recorders = getattr(_kept, "recorders", None)
     if recorders is not None and recorders.impl is impl and recorders.relays is relays \
-            and recorders.frames is frames and recorders._binding[0] is None:
+            and recorders.frames is frames and recorders.state is None:
         return recorders
     recorders = Recorders(impl, relays, frames)
     if getattr(impl, "__code__", None) is _CALL_IMPL:
@@ -137,7 +137,14 @@ def _kept_recorders(impl, relays, frames) -> Recorders:
     return recorders
 
 
-_UNBOUND = (None, None, None, None, None, frozenset(), None, None, False)
+class _Everything:
+    """The modules skipped while unbound: all of them (a call that still reaches the recorder goes to torch)."""
+
+    def __contains__(self, module_id) -> bool:
+        return True
+
+
+_UNBOUND = (None, None, None, None, None, _Everything(), None, None, False)
 
 
 class Recorders:
@@ -146,7 +153,7 @@ class Recorders:
     bound to each trace's state as it starts (``bind``) and unbound as it ends (``unbind``), so that a
     trace builds no closures and no compiled recorder, and no trace's records are held in between."""
 
-    __slots__ = ("impl", "relays", "frames", "owner", "outside", "_binding", "_python", "_shared", "_compiled")
+    __slots__ = ("impl", "relays", "frames", "owner", "outside", "state", "_python", "_shared", "_rebind", "_compiled")
 
     def __init__(self, impl, relays, frames):
         self.impl, self.relays, self.frames = impl, relays, frames
@@ -155,10 +162,8 @@ class Recorders:
         # from the same frame: walk once per such frame.  (It is on the stack, so alive, meanwhile.)  The
         # frame leads back to the trace driver's: the tracker lets go of it on exit.
         self.outside = [None, None]  # [that frame, its answer]
-        # (state, module_calls, module_stack, call_frames, producers, skip, markers, progress, extras): one
-        # list, rebound in place, read by the Python recorder once per call.
-        self._binding = list(_UNBOUND)
-        self._python, *self._shared = _python_recorder(impl, relays, frames, self._binding, self.outside, self.owner)
+        self.state = None  # the CaptureState of the trace bound now
+        self._python, *self._shared, self._rebind = _python_recorder(impl, relays, frames, self.outside, self.owner)
         self._compiled = None
 
     def bind(self, st: CaptureState, skip: set, progress):
@@ -167,7 +172,8 @@ class Recorders:
         markers = st.markers
         extras = markers is not None or progress is not None  # one check per call when neither is on
         calls, stack, call_frames, producers = st.module_calls, st.module_stack, st.call_frames, st.producers
-        self._binding[:] = st, calls, stack, call_frames, producers, skip, markers, progress, extras
+        self.state = st
+        self._rebind(st, calls, stack, call_frames, producers, skip, markers, progress, extras)
         compiled = None if extras else accel.compiled("_capture")
         if compiled is None:
             return self._python
@@ -189,21 +195,28 @@ class Recorders:
 
     def unbind(self) -> None:
         """Hold no trace's lists: a call that still reaches a recorder goes straight to torch's code."""
-        self._binding[:] = _UNBOUND
+        self.state = None
+        self._rebind(*_UNBOUND)
         if self._compiled is not None:
             self._compiled.bind()
 
 
-def _python_recorder(impl, relays, frames, binding: list, outside: list, owner: int):
-    """``record_call(module, *args, **kwargs)`` around ``impl`` for the thread ``owner``, recording into the
-    trace ``binding`` holds, with what the compiled one shares with it: ``(record_call, verdicts, bound_all,
-    call_frame)``."""
+def _python_recorder(impl, relays, frames, outside: list, owner: int):
+    """``record_call(module, *args, **kwargs)`` around ``impl`` for the thread ``owner``, with what the
+    compiled one shares with it and the function that binds them to a trace: ``(record_call, verdicts,
+    bound_all, call_frame, rebind)``.  Unbound, every call goes straight to ``impl``."""
     getframe, clock, get_ident = sys._getframe, perf_counter_ns, threading.get_ident
     verdicts = frames._verdicts if frames is not None else {}
     dispatcher_code, relay_code = relays
+    st, calls, stack, call_frames, producers, skip, markers, progress, extras = _UNBOUND
+
+    def rebind(*binding):
+        """Record into another trace (its state and lists, skipped module ids, markers, progress bar, and
+        whether either is on): the closures' own variables, so a call reads them as before."""
+        nonlocal st, calls, stack, call_frames, producers, skip, markers, progress, extras
+        st, calls, stack, call_frames, producers, skip, markers, progress, extras = binding
 
     def bound(t):  # st.bound_producer, inlined
-        producers = binding[4]
         entry = producers.get(id(t))
         return entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1
 
@@ -214,15 +227,12 @@ def _python_recorder(impl, relays, frames, binding: list, outside: list, owner: 
         """The user frame that made the call, by a walk from above the call (the uncommon cases)."""
         if frames is None:
             return None, None
-        return frames.module_call_frame(wrapped, binding[3], parent)
+        return frames.module_call_frame(wrapped, call_frames, parent)
 
     # Runs once per module call inside every trace: the common cases (one tensor argument, a call
     # made straight from user code or by nn.Sequential) take no loop and no method call.
     def record_call(module, *args, **kwargs):
-        if get_ident() != owner:
-            return impl(module, *args, **kwargs)
-        st, calls, stack, call_frames, producers, skip, markers, progress, extras = binding
-        if id(module) in skip or st is None:
+        if get_ident() != owner or id(module) in skip:
             return impl(module, *args, **kwargs)
         parent = stack[-1] if stack else -1
         # record_call <- (the dispatcher, while several threads trace) <- (the relay, when the code of
@@ -294,4 +304,4 @@ def _python_recorder(impl, relays, frames, binding: list, outside: list, owner: 
             call[5] = bound_all(output)
         return output
 
-    return record_call, verdicts, bound_all, call_frame
+    return record_call, verdicts, bound_all, call_frame, rebind
