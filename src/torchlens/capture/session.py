@@ -391,8 +391,8 @@ def _positional_shape(func):
 def _add_inputs(state, model, args, kwargs) -> None:
     slots = _positional_call_names(model, args, kwargs)
     if slots is not None:
-        if len(args) == 1 and type(args[0]) is torch.Tensor:  # the commonest call: one tensor, nothing bound yet
-            state.add_source(args[0], INPUT, slots[0])
+        if len(args) == 1 and type(args[0]) is torch.Tensor and id(args[0]) not in state.producers:
+            state.add_source(args[0], INPUT, slots[0])  # the commonest call: one tensor, no loop
             return
         inputs = zip(slots, args)  # the common call: the slots of the arguments given
     else:
