@@ -86,7 +86,7 @@ class ModuleCallTracker:
         ``Recorders`` around ``impl``, bound to this trace."""
         recorders = _kept_recorders(impl, relays, self.frames)
         self._bound.append(recorders)  # first: whatever happens next, __exit__ unbinds it
-        self._outside = recorders.outside
+        self._outside = recorders.outside  # the last one's, let go of first on exit (all are, by unbind)
         return recorders.bind(self.state, {id(self.root), *self.skip} if self.skip else {id(self.root)},
                               self.progress)
 
@@ -194,7 +194,8 @@ class Recorders:
         return recorder
 
     def unbind(self) -> None:
-        """Hold no trace's lists: a call that still reaches a recorder goes straight to torch's code."""
+        """Hold no trace's lists nor frames: a call that still reaches a recorder goes straight to torch's code."""
+        self.outside[:] = None, None
         self.state = None
         self._rebind(*_UNBOUND)
         if self._compiled is not None:
