@@ -71,24 +71,14 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     else:
         outputs, activations = _outputs(state, output)
     raw = RawRecord(calls, state.records, outputs, state.module_calls, index)
-    trace = Trace(
-        model_name=model_name,
-        calls=calls,
-        raw=raw,
-        activations=activations,
-        dropped=dict(state.clobbered),
-        finite=state.drained_finite_flags() if state.finite_flags else {},
-        # Derived on first read (from the index the record keeps) unless a parameter outside the index is
-        # named by its shape, read now (a later ``.data`` assignment could change it).
-        param_addresses=None if _all_indexed(calls, index) else _param_addresses(calls, index),
-        output=output,
-        model=model,
-        unattributed=state.unattributed,
-        timings=timings,
-        budget_exhausted_at=state.budget_exhausted_at,
-        alias_reads=state.alias_reads,
-        index=index,
-    )
+    # Derived on first read (from the index the record keeps) unless a parameter outside the index is
+    # named by its shape, read now (a later ``.data`` assignment could change it).
+    param_addresses = None if _all_indexed(calls, index) else _param_addresses(calls, index)
+    finite = state.drained_finite_flags() if state.finite_flags else {}
+    # By position, in Trace's order: model_name, calls, activations, dropped, finite, param_addresses,
+    # output, model, unattributed, timings, budget_exhausted_at, alias_reads, index, raw.
+    trace = Trace(model_name, calls, activations, dict(state.clobbered), finite, param_addresses, output, model,
+                  state.unattributed, timings, state.budget_exhausted_at, state.alias_reads, index, raw)
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
     replay_context, by_param, none = _replay_types()
