@@ -1,9 +1,10 @@
-"""The pure-Python handler's argument-scan shortcuts record exactly what its general scan records.
+"""The handler's shortcuts record exactly what its general paths record.
 
 ``F.linear(x, weight, bias)`` (the commonest call with parameters) and flat tuples of plain values
 (``x[:t, :t]``, ``normalized_shape``) skip the general loop of ``capture/mode.py``'s ``_scan_arguments``;
 whatever they skip, the skeleton, parents, parameters and versions must be those of the general scan,
-and a trace through them the same as on the feature path, which never takes them.
+and a trace through them the same as on the feature path, which never takes them.  Tensor properties
+that torch's own modules read on every call are not ops, known before anything is scanned.
 """
 
 import pytest
@@ -91,3 +92,33 @@ def test_a_trace_through_the_shortcuts_is_the_feature_path_trace():
     assert sum(op.type == "linear" for op in plain.ops) == 3
     for a, b in zip(plain.ops, featured.ops):
         assert torch.equal(a.activation, b.activation), a.label
+
+
+def test_properties_torch_modules_read_per_call_are_not_ops_on_either_path(monkeypatch):
+    """``x.is_nested`` (read by every nn.TransformerEncoderLayer and MultiheadAttention call) is run
+    unrecorded before any argument scan, not scanned, run and then found to produce no tensor."""
+    from torchlens.capture import accel
+
+    walked = []
+    real = mode._output_leaves
+
+    def counted(func, out, args, kwargs):
+        if not isinstance(out, (torch.Tensor, tuple, list)):
+            walked.append(func)
+        return real(func, out, args, kwargs)
+
+    monkeypatch.setattr(mode, "_output_leaves", counted)
+    monkeypatch.setattr(mode, "_templates", {})  # compiled handlers made with the counting helper
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(1, 4, 16)
+    assert x.is_nested is False
+    paths = [False] + ([True] if accel.available() else [])
+    for compiled in paths:
+        previous = accel.use(compiled)
+        try:
+            trace = tl.trace(layer, x)
+        finally:
+            accel.use(previous)
+        assert torch.equal(trace.output, layer(x))
+    assert walked == []

@@ -59,6 +59,8 @@ _NOT_OP_METHODS = (
 _NOT_OP_PROPERTIES = (
     "shape", "dtype", "device", "requires_grad", "grad_fn", "grad", "is_leaf", "ndim", "is_cuda",
     "_base", "layout", "_version", "is_sparse", "is_quantized", "is_meta",
+    # Read by torch's own modules on every call (nn.MultiheadAttention, TransformerEncoderLayer: is_nested).
+    "is_nested", "is_cpu", "is_mkldnn", "is_mps", "is_xpu", "is_sparse_csr", "itemsize", "nbytes",
 )
 
 
