@@ -359,6 +359,27 @@ def test_handler_belongs_to_its_mode_and_holds_it_weakly():
     assert deep.__torch_function__.__func__ is mode_module.CaptureMode.__torch_function__
 
 
+def test_handler_holds_the_state_containers_while_bound_and_releases_them():
+    from torchlens.capture.source import FrameClassifier
+    from torchlens.capture.state import CaptureState
+
+    compiled_or_skip("_capture")
+    state = CaptureState(save_mode=1)
+    containers = [state.calls, state.records, state.producers, state.saved, state.saved_versions,
+                  state.module_stack, state.call_frames]
+    before = [sys.getrefcount(c) for c in containers]
+    with on_path(True):
+        mode = mode_module.CaptureMode(state, FrameClassifier())
+    held = [sys.getrefcount(c) for c in containers]
+    x = torch.randn(3)
+    with mode:
+        torch.sin(x)
+    assert len(state.calls) == 1 and len(state.records) == 1 and 0 in state.saved  # recorded through them
+    del mode
+    assert [h - b for h, b in zip(held, before)] == [1] * len(containers)
+    assert [sys.getrefcount(c) for c in containers] == before
+
+
 def test_every_tensor_is_freed_when_the_trace_is_dropped():
     model, args, kwargs = real_models.gpt2()
     model.eval()

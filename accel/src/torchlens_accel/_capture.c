@@ -22,6 +22,9 @@
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
 
+/* The code objects whose frame verdicts a handler remembers (a power of two). */
+#define VERDICTS_SEEN 64
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -56,7 +59,17 @@ typedef struct {
     PyObject *any_autocast;   /* torch._C._is_any_autocast_enabled */
     PyObject *getters;        /* the tensor attributes' data descriptors, in GETTER order, or None */
     long user, skip, dispatch, stop, boundary;  /* the frame verdicts (capture/source.py) */
+    /* The state's raw lists and dicts, in HELD order: a CaptureState makes them in its constructor and
+     * keeps them for the whole trace, so they are looked up once, when the handler is bound, instead of
+     * in the state's __dict__ several times per op.  NULL where the state had none (then looked up per
+     * use, which raises as the Python method would). */
+    PyObject *held[7];
+    /* The verdicts already read in this trace, by code object (direct-mapped; see ``verdict_of``). */
+    struct { PyObject *code; long verdict; } seen[VERDICTS_SEEN];
 } Handler;
+
+enum { H_CALLS, H_RECORDS, H_PRODUCERS, H_SAVED, H_SAVED_VERSIONS, H_MODULE_STACK, H_CALL_FRAMES, N_HELD };
+static PyObject *held_names[N_HELD];
 
 /* The tensor attributes read per op, read through their descriptors on exact tensors and Parameters
  * (which resolve them to the same data descriptors; checked at construction). */
@@ -86,6 +99,22 @@ static PyObject *state_get(Handler *h, PyObject *name) {
     PyObject *v = PyDict_GetItemWithError(h->state_dict, name);
     if (v == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
     return v;
+}
+
+/* One of the state's raw containers (``H_CALLS``...), borrowed: as held since binding. */
+static PyObject *held(Handler *h, int which) {
+    PyObject *v = h->held[which];
+    return v != NULL ? v : state_get(h, held_names[which]);
+}
+
+/* Holds the state's raw containers (see ``Handler.held``).  0 or -1. */
+static int hold_containers(Handler *h) {
+    for (int i = 0; i < N_HELD; i++) {
+        PyObject *v = PyDict_GetItemWithError(h->state_dict, held_names[i]);
+        if (v == NULL && PyErr_Occurred()) return -1;
+        Py_XSETREF(h->held[i], Py_XNewRef(v));
+    }
+    return 0;
 }
 
 static PyObject *now_ns(void) {
@@ -239,7 +268,12 @@ static int called_by_module_call(Handler *h, PyFrameObject *frame) {
     return answer;
 }
 
+/* ``verdicts.get(id(code))``: -1 when unknown, -2 on error.  A known verdict never changes (the
+ * classifier keeps every code it classified alive, so no id is reused, and sets its stop codes when
+ * torchlens is imported), so the handler remembers those it read: most ops come from a few lines. */
 static long verdict_of(Handler *h, PyObject *code) {
+    size_t slot = ((uintptr_t)code >> 4) & (VERDICTS_SEEN - 1);
+    if (h->seen[slot].code == code) return h->seen[slot].verdict;
     PyObject *key = PyLong_FromVoidPtr(code);
     if (key == NULL) return -2;
     PyObject *v = PyDict_GetItemWithError(h->verdicts, key);
@@ -247,12 +281,14 @@ static long verdict_of(Handler *h, PyObject *code) {
     if (v == NULL) return PyErr_Occurred() ? -2 : -1;
     long verdict = PyLong_AsLong(v);
     if (verdict == -1 && PyErr_Occurred()) return -2;
+    h->seen[slot].code = code;
+    h->seen[slot].verdict = verdict;
     return verdict;
 }
 
 /* ``call_frames[module_call]`` as a (code, offset) tuple.  New reference. */
 static PyObject *module_call_frame(Handler *h, PyObject *module_call) {
-    PyObject *call_frames = state_get(h, s_call_frames);
+    PyObject *call_frames = held(h, H_CALL_FRAMES);
     PyObject *user = call_frames ? PyObject_GetItem(call_frames, module_call) : NULL;
     PyObject *pair = user ? PySequence_Tuple(user) : NULL;
     Py_XDECREF(user);
@@ -437,7 +473,7 @@ static int find_site(Handler *h, PyObject *func, PyObject *module_call, long mod
         return 0;
     }
     /* A new frame (classified by the Python walk), or a kind of function the C does not know. */
-    PyObject *call_frames = state_get(h, s_call_frames);
+    PyObject *call_frames = held(h, H_CALL_FRAMES);
     if (call_frames == NULL) return -1;
     PyObject *frame_obj = frame != NULL ? (PyObject *)frame : Py_None;
     PyObject *result;
@@ -556,8 +592,8 @@ static int save_inline(Handler *h, PyObject *index, PyObject *t, int rg, PyObjec
     PyObject *plain = state_get(h, s_plain_save);
     if (plain == NULL) return -1;
     if (plain != Py_True) return 1;
-    PyObject *saved = state_get(h, s_saved);
-    PyObject *saved_versions = saved ? state_get(h, s_saved_versions) : NULL;
+    PyObject *saved = held(h, H_SAVED);
+    PyObject *saved_versions = saved ? held(h, H_SAVED_VERSIONS) : NULL;
     PyObject *kept = saved_versions == NULL ? NULL : rg ? PyObject_CallMethodNoArgs(t, s_detach) : Py_NewRef(t);
     if (kept == NULL) return -1;
     int failed = PyDict_SetItem(saved, index, kept) || PyDict_SetItem(saved_versions, index, version);
@@ -582,8 +618,8 @@ static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key) {
         Py_XDECREF(more);
         return failed ? NULL : PyLong_FromLong(-1);
     }
-    PyObject *records = state_get(h, s_records);
-    PyObject *producers = records ? state_get(h, s_producers) : NULL;
+    PyObject *records = held(h, H_RECORDS);
+    PyObject *producers = records ? held(h, H_PRODUCERS) : NULL;
     PyObject *save_mode = producers ? state_get(h, s_save_mode) : NULL;
     PyObject *plain = save_mode ? state_get(h, s_plain_save) : NULL;
     if (plain == NULL) return NULL;
@@ -668,8 +704,8 @@ static int collect_leaves(Handler *h, PyObject *seq, PyObject *prefix, PyObject 
 /* ``_record_output``: one output of a call with several, bound weakly and saved as ``st.save`` saves. */
 static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *slot, PyObject *func,
                        PyObject *module_call) {
-    PyObject *records = state_get(h, s_records);
-    PyObject *producers = records ? state_get(h, s_producers) : NULL;
+    PyObject *records = held(h, H_RECORDS);
+    PyObject *producers = records ? held(h, H_PRODUCERS) : NULL;
     if (producers == NULL) return -1;
     PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(records));
     if (index == NULL) return -1;
@@ -710,7 +746,7 @@ done:
 /* The record of the one tensor a call produced, inlined as in the Python method.  0 or -1. */
 static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObject *first_op,
                          PyObject *func, PyObject *module_call) {
-    PyObject *records = state_get(h, s_records);
+    PyObject *records = held(h, H_RECORDS);
     int rg = 0, failed;
     PyObject *node = NULL;
     if (records == NULL || append_record(h, records, out, call_index, Py_None, &rg, &node) < 0) return -1;
@@ -724,14 +760,14 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
     if (failed) goto fail;
     int saving = wanted(h, func, module_call);
     if (saving < 0) goto fail;
-    PyObject *producers = state_get(h, s_producers);
+    PyObject *producers = held(h, H_PRODUCERS);
     if (producers == NULL) goto fail;
     PyObject *key = PyLong_FromVoidPtr(out);
     if (key == NULL) goto fail;
     PyObject *entry;
     if (saving) {
-        PyObject *saved = state_get(h, s_saved);
-        PyObject *saved_versions = saved ? state_get(h, s_saved_versions) : NULL;
+        PyObject *saved = held(h, H_SAVED);
+        PyObject *saved_versions = saved ? held(h, H_SAVED_VERSIONS) : NULL;
         PyObject *kept = saved_versions == NULL ? NULL : rg ? PyObject_CallMethodNoArgs(out, s_detach) : Py_NewRef(out);
         if (kept == NULL) {
             Py_DECREF(key);
@@ -959,7 +995,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     if (sc.bounds == NULL) return PyErr_NoMemory();
     Py_ssize_t n = PyTuple_GET_SIZE(args);
 
-    if ((sc.producers = state_get(h, s_producers)) == NULL) goto done;
+    if ((sc.producers = held(h, H_PRODUCERS)) == NULL) goto done;
     /* Filled in place: a tuple of exactly the parents found, a list of exactly the parameters. */
     if ((parents = sc.parents = PyTuple_New(tensors - nparams_all)) == NULL) goto done;
     if (nparams_all > 0 && (params = sc.params = PyList_New(nparams_all)) == NULL) goto done;
@@ -1010,7 +1046,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
 
     /* Copy-on-write: a write predicted by name or by keyword must not alter what was saved. */
     if (nbound > 0) {
-        PyObject *saved = state_get(h, s_saved);
+        PyObject *saved = held(h, H_SAVED);
         if (saved == NULL) goto done;
         if (PyDict_Check(saved) ? PyDict_GET_SIZE(saved) > 0 : PyObject_IsTrue(saved)) {
             PyObject *verdict = PyDict_GetItemWithError(h->inplace_cache, func);
@@ -1036,12 +1072,13 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             }
         }
     }
-    PyObject *stack = state_get(h, s_module_stack);
+    PyObject *stack = held(h, H_MODULE_STACK);
     if (stack == NULL) goto done;
-    Py_ssize_t depth = PyObject_Length(stack);
+    Py_ssize_t depth = PyList_CheckExact(stack) ? PyList_GET_SIZE(stack) : PyObject_Length(stack);
     if (depth < 0) goto done;
     if (depth > 0) {
-        module_call = PySequence_GetItem(stack, depth - 1);
+        module_call = PyList_CheckExact(stack) ? Py_NewRef(PyList_GET_ITEM(stack, depth - 1))
+                                               : PySequence_GetItem(stack, depth - 1);
     } else {
         module_call = PyLong_FromLong(-1);
     }
@@ -1111,8 +1148,8 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     }
 
     if (find_site(h, func, module_call, module_index, &site, &code, &line) < 0) goto done;
-    PyObject *calls = state_get(h, s_calls);
-    PyObject *records = calls ? state_get(h, s_records) : NULL;
+    PyObject *calls = held(h, H_CALLS);
+    PyObject *records = calls ? held(h, H_RECORDS) : NULL;
     if (records == NULL) goto done;
     call_index = PyLong_FromSsize_t(PyList_GET_SIZE(calls));
     first_op = call_index ? PyLong_FromSsize_t(PyList_GET_SIZE(records)) : NULL;
@@ -1245,6 +1282,7 @@ static int handler_traverse(Handler *h, visitproc visit, void *arg) {
 #define VISIT(name) Py_VISIT(h->name);
     HANDLER_OBJECTS(VISIT)
 #undef VISIT
+    for (int i = 0; i < N_HELD; i++) Py_VISIT(h->held[i]);
     return 0;
 }
 
@@ -1252,6 +1290,7 @@ static int handler_clear(Handler *h) {
 #define CLEAR(name) Py_CLEAR(h->name);
     HANDLER_OBJECTS(CLEAR)
 #undef CLEAR
+    for (int i = 0; i < N_HELD; i++) Py_CLEAR(h->held[i]);
     return 0;
 }
 
@@ -1290,7 +1329,7 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (mode != Py_None || h->state != Py_None) {  /* (both None: a template, see handler_bind) */
         h->mode_ref = PyWeakref_NewRef(mode, NULL);
         h->state_dict = PyObject_GenericGetDict(h->state, NULL);
-        if (h->mode_ref == NULL || h->state_dict == NULL) {
+        if (h->mode_ref == NULL || h->state_dict == NULL || hold_containers(h) < 0) {
             Py_DECREF(h);
             return NULL;
         }
@@ -1340,7 +1379,7 @@ static PyObject *handler_bind(Handler *t, PyObject *const *args, Py_ssize_t narg
     Py_XSETREF(h->locate, Py_NewRef(args[2]));
     h->mode_ref = PyWeakref_NewRef(args[0], NULL);
     h->state_dict = h->mode_ref ? PyObject_GenericGetDict(h->state, NULL) : NULL;
-    if (h->state_dict == NULL) {
+    if (h->state_dict == NULL || hold_containers(h) < 0) {
         Py_DECREF(h);
         return NULL;
     }
@@ -1865,6 +1904,13 @@ PyMODINIT_FUNC PyInit__capture(void) {
     getter_names[G_DEVICE] = s_device;
     getter_names[G_REQUIRES_GRAD] = s_requires_grad;
     getter_names[G_GRAD_FN] = s_grad_fn;
+    held_names[H_CALLS] = s_calls;
+    held_names[H_RECORDS] = s_records;
+    held_names[H_PRODUCERS] = s_producers;
+    held_names[H_SAVED] = s_saved;
+    held_names[H_SAVED_VERSIONS] = s_saved_versions;
+    held_names[H_MODULE_STACK] = s_module_stack;
+    held_names[H_CALL_FRAMES] = s_call_frames;
     if (PyType_Ready(&HandlerType) < 0 || PyType_Ready(&RecorderType) < 0 || PyType_Ready(&SlotType) < 0)
         return NULL;
     INTERN(s_raised_in, "raised_in")

@@ -59,6 +59,8 @@ _NOT_OP_METHODS = (
 _NOT_OP_PROPERTIES = (
     "shape", "dtype", "device", "requires_grad", "grad_fn", "grad", "is_leaf", "ndim", "is_cuda",
     "_base", "layout", "_version", "is_sparse", "is_quantized", "is_meta",
+    # Read by torch's own modules on every call (nn.MultiheadAttention, TransformerEncoderLayer: is_nested).
+    "is_nested", "is_cpu", "is_mkldnn", "is_mps", "is_xpu", "is_sparse_csr", "itemsize", "nbytes",
 )
 
 
@@ -185,6 +187,12 @@ class CaptureMode(TorchFunctionMode):
                 versions += (second,)
             else:
                 skeleton = (None, args[1]) if n == 2 else (None, *args[1:])
+        elif 1 < n < 4 and type(args[0]) is Tensor and type(args[1]) is Parameter and not kwargs \
+                and (n == 2 or args[2] is None or type(args[2]) is Parameter):
+            # F.linear(x, weight, bias) in nn.Linear, the commonest call with parameters: as the general
+            # scan records it, without its loop.
+            kwargs = kw_skeleton = _NO_KWARGS
+            skeleton, parents, params, versions = _scan_linear(st, args)
         else:
             if kwargs is None:
                 kwargs = _NO_KWARGS
@@ -499,6 +507,8 @@ def _scan_arguments(st, args, kwargs):
                 parents.append((pos, entry[1]))
             else:
                 parents.append((pos, st.producer_of(a)))
+        elif type(a) is tuple and _TUPLE_VALUES.issuperset(map(type, a)):
+            continue  # x[:t, :t], normalized_shape: held as it is, as the container walk would hold it
         elif isinstance(a, _CONTAINERS) and type(a) is not _Size:  # walked when it may hold a tensor
             inner, found = _scan_container(st, a, pos, parents, versions)
             if found:
@@ -511,6 +521,28 @@ def _scan_arguments(st, args, kwargs):
     if kwargs:
         kw_skeleton, params = _scan_keywords(st, kwargs, parents, params, versions)
     return tuple(skeleton) if skeleton is not None else args, kw_skeleton, tuple(parents), params, versions
+
+
+def _scan_linear(st, args):
+    """``_scan_arguments`` for ``(tensor, Parameter)`` and ``(tensor, Parameter, Parameter or None)``:
+    returns ``(skeleton, parents, params, versions)``."""
+    parent, first = _bound_parent(st, args[0])
+    weight = args[1]
+    try:
+        versions = [first, (weight, weight._version)]
+    except RuntimeError:  # an inference tensor: no version counter
+        versions = [first, (weight, st.version(weight))]
+    params = [(1, weight)]
+    if len(args) == 2:
+        return (None, None), ((0, parent),), params, versions
+    bias = args[2]
+    if bias is not None:
+        try:
+            versions.append((bias, bias._version))
+        except RuntimeError:
+            versions.append((bias, st.version(bias)))
+        params.append((2, bias))
+    return (None, None, None), ((0, parent),), params, versions
 
 
 def _bound_parent(st, t):
