@@ -7,13 +7,23 @@
  * Sink shows the store to Python as the Python path's _Sink does (grads, order, backwards).
  *
  * Sink       Sink(): the store.  .grads (a dict, rebuilt only after a hook wrote), .order, .backwards,
+ *            .incomplete (records whose hook torch removed before a later backward, see below),
  *            .clear(), and .hook(index): a Python callable hook writing into the same store, for the
- *            tensors whose hooks stay Python (tensor subclasses, leaves).
+ *            tensors whose hooks stay Python (tensor subclasses).
  * HookAdder  HookAdder(sink, handles, numbers, marker, fallback, release):
- *            add_hook(index, t, func=None, module_call=-1) for a plain tensor with a backward node; any
+ *            add_hook(index, t, func=None, module_call=-1) for a plain tensor that requires grad; any
  *            other call goes to ``fallback``.  .remove(indices=None) removes its hooks (all, or those of
  *            the records named); deleting it removes them all and calls ``release`` once the fallback
  *            was used (to remove the hooks the fallback added).
+ *
+ * A leaf (an input that requires grad) has no backward node of its own: its hooks sit in the tensor's
+ * own hook list, which its gradient accumulator runs (in ``.backward()`` and in ``autograd.grad`` alike).
+ * Its hook here is a ``LeafHook`` appended to that list, beside the one a Python hook dict adds, so that
+ * the backward calls no Python for it.  torch empties that list when a hook dict is first set on the
+ * tensor (its first Python ``register_hook``) or a C++ hook list is first made for it; a LeafHook
+ * destroyed so while its tensor lives says so to the store, and a later backward then marks the record
+ * incomplete (its gradient dropped, named in ``.incomplete``) rather than keep a gradient missing that
+ * backward's share.
  *
  * Every step follows the Python path's ``_store`` and ``add_hook`` (tests/test_grads_accel.py compares
  * the three paths bit for bit).
@@ -28,6 +38,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -35,7 +47,7 @@
 #include <vector>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 1
+#define TORCHLENS_ACCEL_ABI 2
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -53,6 +65,33 @@ struct Store {
     int task = 0;               /* the graph task (one backward) that last delivered a gradient */
     uint64_t version = 1;       /* bumped by every write to ``grads`` */
     uint64_t order_version = 1; /* bumped by every change of ``order`` */
+    std::unordered_map<int64_t, Py_ssize_t> lost; /* record -> backwards seen when torch removed its hook */
+    std::vector<int64_t> incomplete; /* lost records a later backward may have reached: gradient dropped */
+
+    /* A leaf's hook was removed by torch, not by the capture (see the top of the file). */
+    void lose(int64_t index) {
+        std::lock_guard<std::mutex> lock(mutex);
+        lost.emplace(index, backwards);
+    }
+
+    /* A new backward began: a record that lost its hook before it cannot receive its share.  Called
+     * with the lock held; what it drops goes to ``dropped``, released by the caller after the lock. */
+    void drop_lost(std::vector<at::Tensor> &dropped) {
+        for (auto it = lost.begin(); it != lost.end();) {
+            if (it->second >= backwards) {
+                ++it;
+                continue;
+            }
+            auto kept = grads.find(it->first);
+            if (kept != grads.end()) {
+                dropped.push_back(std::move(kept->second));
+                grads.erase(kept);
+                version++;
+            }
+            incomplete.push_back(it->first);
+            it = lost.erase(it);
+        }
+    }
 
     /* ``_store``: add ``grad`` to the gradient kept for record ``index``; never alters it.  No tensor is
      * released while the lock is held (releasing one may take the GIL, which a reader may hold while it
@@ -63,11 +102,13 @@ struct Store {
         at::Tensor grad(grad_base);
         if (grad.requires_grad()) grad = grad.detach(); /* create_graph=True: keep the value, not a graph */
         at::Tensor replaced;
+        std::vector<at::Tensor> dropped;
         std::lock_guard<std::mutex> lock(mutex);
         if (!has_task || current != task) {
             has_task = true;
             task = current;
             backwards++;
+            if (!lost.empty()) drop_lost(dropped);
         }
         auto kept = grads.find(index);
         if (kept == grads.end()) {
@@ -80,7 +121,7 @@ struct Store {
             kept->second = at::add(replaced, grad);
         }
         version++;
-    }  /* the lock goes first, then ``replaced`` (declared before it) */
+    }  /* the lock goes first, then ``replaced`` and ``dropped`` (declared before it) */
 };
 
 using StorePtr = std::shared_ptr<Store>;
@@ -191,6 +232,18 @@ int sink_set_order(Sink *self, PyObject *value, void *) {
     return 0;
 }
 
+PyObject *sink_get_incomplete(Sink *self, void *) {
+    std::lock_guard<std::mutex> lock(self->store->mutex);
+    const auto &incomplete = self->store->incomplete;
+    PyObject *indices = PyFrozenSet_New(nullptr);
+    for (size_t k = 0; indices != nullptr && k < incomplete.size(); k++) {
+        PyObject *index = PyLong_FromLongLong(incomplete[k]);
+        if (index == nullptr || PySet_Add(indices, index) < 0) Py_CLEAR(indices);
+        Py_XDECREF(index);
+    }
+    return indices;
+}
+
 PyObject *sink_get_backwards(Sink *self, void *) {
     std::lock_guard<std::mutex> lock(self->store->mutex);
     return PyLong_FromSsize_t(self->store->backwards);
@@ -234,6 +287,8 @@ PyGetSetDef sink_getset[] = {
     {"order", (getter)sink_get_order, (setter)sink_set_order, "record indices in backward order", nullptr},
     {"backwards", (getter)sink_get_backwards, (setter)sink_set_backwards, "backwards that delivered a gradient",
      nullptr},
+    {"incomplete", (getter)sink_get_incomplete, nullptr,
+     "records whose gradient was dropped: torch removed their hook before a later backward", nullptr},
     {nullptr},
 };
 
@@ -288,13 +343,57 @@ PyObject *make_py_hook(Sink *sink, long long index) {
     return reinterpret_cast<PyObject *>(hook);
 }
 
+/* ----- a leaf's hook ------------------------------------------------------------------------------ */
+/* What a leaf's hook and its adder share: the tensor (weakly) and whether the capture removed the hook. */
+struct LeafLink {
+    explicit LeafLink(const c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> &impl) : tensor(impl) {}
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> tensor;
+    torch::autograd::FunctionPreHook *hook = nullptr;
+    std::atomic<bool> removed{false};
+};
+
+struct LeafHook : torch::autograd::FunctionPreHook {
+    LeafHook(StorePtr store, int64_t record, std::shared_ptr<LeafLink> link)
+        : store(std::move(store)), record(record), link(std::move(link)) {}
+
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list &grads) override {
+        if (!grads.empty()) store->add(record, grads[0]);
+        return grads; /* the gradient as it came */
+    }
+
+    /* Destroyed by the capture (``removed``), with its tensor (nothing more can arrive), or by torch
+     * emptying the tensor's hook list while it lives: only the last loses gradients. */
+    ~LeafHook() override {
+        if (!link->removed.load() && link->tensor.lock().defined()) store->lose(record);
+    }
+
+    StorePtr store;
+    int64_t record;
+    std::shared_ptr<LeafLink> link;
+};
+
+/* Remove a leaf's hook from its tensor's hook list, if the tensor and the hook are still there. */
+void remove_leaf(const std::shared_ptr<LeafLink> &link) {
+    link->removed.store(true);
+    auto impl = link->tensor.lock();
+    if (!impl.defined()) return;
+    at::Tensor tensor(std::move(impl));
+    auto &hooks = torch::autograd::impl::hooks(tensor);
+    auto found = std::find_if(hooks.begin(), hooks.end(), [&](const auto &h) { return h.get() == link->hook; });
+    if (found == hooks.end()) return;
+    std::unique_ptr<torch::autograd::FunctionPreHook> gone = std::move(*found);
+    hooks.erase(found);
+}  /* ``gone`` is destroyed after the list is whole again */
+
 /* ----- HookAdder ---------------------------------------------------------------------------------- */
 /* Where one added hook sits: the tensor's C++ hook list (shared with its backward node) and the hook's
  * position in it.  Removing a hook empties its place, as Tensor.remove_hook does; the list outlives the
- * tensor while the node does, so a hook is removable for as long as it could run. */
+ * tensor while the node does, so a hook is removable for as long as it could run.  A leaf's hook is
+ * found through its ``leaf`` link instead. */
 struct Placed {
     std::shared_ptr<torch::autograd::hooks_list> list;
     unsigned position;
+    std::shared_ptr<LeafLink> leaf;
 };
 
 struct HookAdder {
@@ -313,19 +412,24 @@ struct HookAdder {
 
 PyTypeObject HookAdderType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+void unplace(Placed &placed) {
+    if (placed.leaf) {
+        remove_leaf(placed.leaf);
+        return;
+    }
+    auto &list = *placed.list;
+    if (placed.position < list.size()) list[placed.position] = nullptr;
+}
+
 void remove_placed(HookAdder *self, int64_t index) {
     auto found = self->placed.find(index);
     if (found == self->placed.end()) return;
-    auto &list = *found->second.list;
-    if (found->second.position < list.size()) list[found->second.position] = nullptr;
+    unplace(found->second);
     self->placed.erase(found);
 }
 
 void remove_all_placed(HookAdder *self) {
-    for (auto &entry : self->placed) {
-        auto &list = *entry.second.list;
-        if (entry.second.position < list.size()) list[entry.second.position] = nullptr;
-    }
+    for (auto &entry : self->placed) unplace(entry.second);
     self->placed.clear();
 }
 
@@ -376,14 +480,27 @@ void adder_dealloc(HookAdder *self) {
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
 }
 
-/* The hook of a plain tensor with a backward node: 1 placed, 0 for the fallback, -1 on error. */
+/* A leaf's hook, appended to its tensor's own hook list.  1 placed, -1 on error. */
+int place_leaf(HookAdder *self, PyObject *index, int64_t record, const at::Tensor &var) {
+    auto link = std::make_shared<LeafLink>(var.getIntrusivePtr());
+    auto hook = std::make_unique<LeafHook>(self->store, record, link);
+    link->hook = hook.get();
+    remove_placed(self, record); /* a record watched again (rewatch) keeps one hook */
+    /* Appended to the list itself: ``impl::add_hook`` takes only an empty list (the one hook a Python
+     * hook dict or a C++ hook list adds), and the accumulator runs every hook the list holds. */
+    torch::autograd::impl::hooks(var).push_back(std::move(hook));
+    self->placed.emplace(record, Placed{nullptr, 0, std::move(link)});
+    return PyDict_SetItem(self->handles, index, self->marker) < 0 ? -1 : 1;
+}
+
+/* The hook of a plain tensor that requires grad: 1 placed, 0 for the fallback, -1 on error. */
 int place(HookAdder *self, PyObject *index, PyObject *t) {
     long long i = PyLong_AsLongLong(index);
     if (i == -1 && PyErr_Occurred()) return -1;
     const at::Tensor &var = THPVariable_Unpack(t);
     if (!var.requires_grad()) return 0; /* the fallback says what register_hook says */
     const auto &node = var.grad_fn();
-    if (!node) return 0; /* a leaf: its hook stays Python, as the Python path adds it */
+    if (!node) return place_leaf(self, index, i, var); /* no sequence number: a leaf has no backward node */
     PyObject *number = PyLong_FromUnsignedLongLong(node->sequence_nr());
     if (number == nullptr) return -1;
     StorePtr store = self->store;
@@ -397,7 +514,7 @@ int place(HookAdder *self, PyObject *index, PyObject *t) {
         return -1;
     }
     remove_placed(self, i); /* a record watched again (rewatch) keeps one hook */
-    self->placed.emplace(i, Placed{meta->cpp_hooks_list_, position});
+    self->placed.emplace(i, Placed{meta->cpp_hooks_list_, position, nullptr});
     int failed = PyDict_SetItem(self->handles, index, self->marker) < 0 ||
                  PyDict_SetItem(self->numbers, index, number) < 0;
     Py_DECREF(number);

@@ -153,6 +153,12 @@ class GradCapture:
     def backwards(self) -> int:
         return self._sink.backwards
 
+    @property
+    def incomplete(self) -> frozenset:
+        """Records whose gradient was dropped: torch removed their hook, then a backward ran (the C++
+        path's leaves, ``_autograd.cpp``; the other sinks' hooks are never removed by torch)."""
+        return getattr(self._sink, "incomplete", frozenset())
+
     @backwards.setter
     def backwards(self, n: int) -> None:
         self._sink.backwards = n

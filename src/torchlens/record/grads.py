@@ -47,7 +47,14 @@ def grad_of(trace, index: int):
         raise GradientUnavailable(
             f"{label}: its output does not require grad (made under torch.no_grad(), from tensors that do not "
             "require grad, or of an integer dtype), so autograd computes no gradient for it")
-    return capture.grads.get(index)
+    grad = capture.grads.get(index)
+    if grad is None and index in capture.incomplete:
+        raise GradientUnavailable(
+            f"{label}: its gradient hook was removed by torch before a later backward (torch resets a leaf "
+            "tensor's hooks when a hook is first registered on it after the trace began), so its gradient "
+            "would miss that backward's share; register hooks on the inputs before tracing, or trace with "
+            "TORCHLENS_ACCEL=0")
+    return grad
 
 
 def has_grad(trace, index: int) -> bool:
