@@ -112,22 +112,23 @@ class GradCapture:
 
     policy = None  # a grads=[...] selection (capture/saving.py SavePolicy), set by grad_capture
 
-    def __init__(self, selector=None, sources: bool = True):
+    def __init__(self, selector=None, sources: bool = True, first_sequence_number=None):
         self.selector = selector
         self.sources = sources  # inputs are watched (False when a type selection does not name them)
         # The compiled hooks (torchlens-accel), decided per capture: ``accel.use`` applies to later traces.
-        self._cpp = accel.compiled("_autograd") if _INLINE_HOOKS else None
-        self._native = accel.compiled("_grads") if _INLINE_HOOKS and self._cpp is None else None
-        if self._cpp is not None:
-            self._sink = self._cpp.Sink()
+        self._cpp = cpp = accel.compiled("_autograd") if _INLINE_HOOKS else None
+        if cpp is not None:  # (the common case first: set-up is a fixed cost of every trace)
+            self._native = None
+            self._sink = cpp.Sink()
         else:
+            self._native = accel.compiled("_grads") if _INLINE_HOOKS else None
             self._sink = _Sink() if self._native is None else self._native.Sink(_graph_task_id)
         self.handles: dict = {}  # record index -> weakref to the hook dict holding its hook
         self._base = -_KEY_SPAN * next(_bases)
         self._keys: dict = {}  # record index -> key, where a subclass's register_hook chose it
         self.selected: set = set()  # record indices whose gradient the trace keeps (set after the forward)
         self.sequence_numbers: dict = {}  # record index -> sequence number of its backward node
-        self.first_sequence_number = None
+        self.first_sequence_number = first_sequence_number
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.  (The
         # compiled adders remove the hooks themselves when they die, with the capture: see _grads.c.)
@@ -257,10 +258,12 @@ class GradCapture:
 # ----- set-up and hand-over, called by capture/session.py ---------------------------------------
 def grad_capture(grads, model, state):
     """The ``GradCapture`` for ``tl.trace(..., grads=...)``, or None when gradients are off."""
+    if grads is True:  # the common case, first: set-up is a fixed cost of every trace
+        return GradCapture(None, True, _next_sequence_number())
     if grads is None or grads is False or (isinstance(grads, str) and grads in ("none", "")):
         return None
     first = _next_sequence_number()
-    if grads is True or grads == "all":
+    if grads == "all":
         capture = GradCapture()
     else:
         from .saving import SavePolicy
