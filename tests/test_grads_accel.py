@@ -352,13 +352,16 @@ def test_cpp_hooks_count_backwards_by_graph_task_and_stop_when_removed():
     sink = CPP.Sink()
     handles, numbers = {}, {}
     fallback_calls = []
-    adder = CPP.HookAdder(sink, handles, numbers, lambda: None, torch.Tensor,
-                          lambda *a: fallback_calls.append(a[0]), lambda: None)
+    made = []  # the fallback is made on the first call that needs it, once
+    adder = CPP.HookAdder(sink, handles, numbers, {}, -1, lambda: None, torch.Tensor,
+                          lambda *a: made.append(a) or (lambda *b: fallback_calls.append(b[0])), lambda *a: None)
     adder(0, x)  # a leaf: a C++ hook in the tensor's own hook list, no sequence number (it has no node)
     adder(1, y)
     adder(2, z)
     adder(3, torch.randn(2))  # needs no grad: the fallback says what register_hook says
-    assert fallback_calls == [3] and adder.placed() == 3 and set(handles) == {0, 1, 2}
+    adder(4, torch.randn(2))
+    assert fallback_calls == [3, 4] and adder.placed() == 3 and set(handles) == {0, 1, 2}
+    assert len(made) == 1 and made[0][:3] == (sink, handles, numbers)
     assert numbers == {1: y.grad_fn._sequence_nr(), 2: z.grad_fn._sequence_nr()}
     assert x._backward_hooks is None  # no Python hook dict: the backward calls no Python for the leaf
     z.sum().backward(retain_graph=True)

@@ -10,11 +10,13 @@
  *            .incomplete (records whose hook torch removed before a later backward, see below),
  *            .clear(), and .hook(index): a Python callable hook writing into the same store, for the
  *            tensors whose hooks stay Python (tensor subclasses).
- * HookAdder  HookAdder(sink, handles, numbers, marker, fallback, release):
+ * HookAdder  HookAdder(sink, handles, numbers, keys, base, marker, plain, make_fallback, release):
  *            add_hook(index, t, func=None, module_call=-1) for a plain tensor that requires grad; any
- *            other call goes to ``fallback``.  .remove(indices=None) removes its hooks (all, or those of
- *            the records named); deleting it removes them all and calls ``release`` once the fallback
- *            was used (to remove the hooks the fallback added).
+ *            other call goes to the fallback, ``make_fallback(sink, handles, numbers, keys, base)``, made
+ *            on the first such call (module-level callables: nothing is built per trace for them).
+ *            .remove(indices=None) removes its hooks (all, or those of the records named); deleting it
+ *            removes them all and, once the fallback was made, calls ``release(handles, keys, base)``
+ *            (to remove the hooks the fallback added).
  *
  * A leaf (an input that requires grad) has no backward node of its own: its hooks sit in the tensor's
  * own hook list, which its gradient accumulator runs (in ``.backward()`` and in ``autograd.grad`` alike).
@@ -400,13 +402,16 @@ struct HookAdder {
     PyObject_HEAD
     StorePtr store;
     std::unordered_map<int64_t, Placed> placed; /* record index -> its hook */
+    PyObject *sink;
     PyObject *handles;  /* record index -> ``marker`` for the hooks placed here (the capture's record of hooks) */
     PyObject *numbers;  /* record index -> sequence number of its backward node */
+    PyObject *keys;     /* record index -> hook key, for the fallback's hooks */
+    PyObject *base;     /* the capture's key base, for the fallback's hooks */
     PyObject *marker;
     PyObject *plain;    /* torch.Tensor: the type whose hooks are placed here */
-    PyObject *fallback; /* the Python add_hook, for every other call */
-    PyObject *release;  /* removes the fallback's hooks; called on deletion once the fallback was used */
-    bool fallback_used;
+    PyObject *make_fallback;
+    PyObject *release;  /* removes the fallback's hooks; called on deletion once the fallback was made */
+    PyObject *fallback; /* the Python add_hook, for every other call: NULL until first needed */
     vectorcallfunc vectorcall;
 };
 
@@ -436,24 +441,25 @@ void remove_all_placed(HookAdder *self) {
 PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 PyObject *adder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *sink, *handles, *numbers, *marker, *plain, *fallback, *release;
-    static const char *kwlist[] = {"sink", "handles", "numbers", "marker", "plain", "fallback", "release", nullptr};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOO:HookAdder", const_cast<char **>(kwlist), &SinkType,
-                                     &sink, &PyDict_Type, &handles, &PyDict_Type, &numbers, &marker, &plain,
-                                     &fallback, &release))
+    PyObject *sink, *handles, *numbers, *keys, *base, *marker, *plain, *make_fallback, *release;
+    if ((kwds != nullptr && PyDict_GET_SIZE(kwds) != 0) ||
+        !PyArg_ParseTuple(args, "O!O!O!O!OOOOO:HookAdder", &SinkType, &sink, &PyDict_Type, &handles, &PyDict_Type,
+                          &numbers, &PyDict_Type, &keys, &base, &marker, &plain, &make_fallback, &release)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "HookAdder() takes positional arguments only");
         return nullptr;
+    }
     HookAdder *self = reinterpret_cast<HookAdder *>(type->tp_alloc(type, 0));
     if (self == nullptr) return nullptr;
     new (&self->store) StorePtr(reinterpret_cast<Sink *>(sink)->store);
     new (&self->placed) std::unordered_map<int64_t, Placed>();
-    PyObject **slots[] = {&self->handles, &self->numbers, &self->marker, &self->plain, &self->fallback,
-                          &self->release};
-    PyObject *values[] = {handles, numbers, marker, plain, fallback, release};
+    PyObject **slots[] = {&self->sink, &self->handles, &self->numbers, &self->keys, &self->base, &self->marker,
+                          &self->plain, &self->make_fallback, &self->release};
+    PyObject *values[] = {sink, handles, numbers, keys, base, marker, plain, make_fallback, release};
     for (size_t k = 0; k < sizeof(values) / sizeof(values[0]); k++) {
         Py_INCREF(values[k]);
         *slots[k] = values[k];
     }
-    self->fallback_used = false;
+    self->fallback = nullptr;
     self->vectorcall = (vectorcallfunc)adder_vectorcall;
     return reinterpret_cast<PyObject *>(self);
 }
@@ -463,20 +469,24 @@ void adder_dealloc(HookAdder *self) {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     remove_all_placed(self);
-    if (self->fallback_used) {
-        PyObject *r = PyObject_CallNoArgs(self->release);
+    if (self->fallback != nullptr) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->release, self->handles, self->keys, self->base, nullptr);
         if (r == nullptr) PyErr_WriteUnraisable(nullptr);
         Py_XDECREF(r);
     }
     PyErr_Restore(type, value, traceback);
     self->placed.~unordered_map();
     self->store.~StorePtr();
+    Py_DECREF(self->sink);
     Py_DECREF(self->handles);
     Py_DECREF(self->numbers);
+    Py_DECREF(self->keys);
+    Py_DECREF(self->base);
     Py_DECREF(self->marker);
     Py_DECREF(self->plain);
-    Py_DECREF(self->fallback);
+    Py_DECREF(self->make_fallback);
     Py_DECREF(self->release);
+    Py_XDECREF(self->fallback);
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
 }
 
@@ -535,7 +545,11 @@ PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf
         if (placed < 0) return nullptr;
         if (placed) Py_RETURN_NONE;
     }
-    self->fallback_used = true;
+    if (self->fallback == nullptr) {
+        self->fallback = PyObject_CallFunctionObjArgs(self->make_fallback, self->sink, self->handles, self->numbers,
+                                                      self->keys, self->base, nullptr);
+        if (self->fallback == nullptr) return nullptr;
+    }
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
 
@@ -598,7 +612,7 @@ PyMODINIT_FUNC PyInit__autograd(void) {
     PyHookType.tp_vectorcall_offset = offsetof(PyHook, vectorcall);
 
     HookAdderType.tp_name = "torchlens_accel._autograd.HookAdder";
-    HookAdderType.tp_doc = "HookAdder(sink, handles, numbers, marker, plain, fallback, release): "
+    HookAdderType.tp_doc = "HookAdder(sink, handles, numbers, keys, base, marker, plain, make_fallback, release): "
                            "add_hook(index, t, func=None, module_call=-1); removes its hooks when deleted.";
     HookAdderType.tp_basicsize = sizeof(HookAdder);
     HookAdderType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;

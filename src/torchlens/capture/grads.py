@@ -92,6 +92,36 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
         grads[index] = kept + grad
 
 
+def _python_add_hook(sink, handles: dict, numbers: dict, keys: dict, base: int, make_hook):
+    """The Python ``add_hook(index, t)``: a tensor hook ``make_hook(index)`` writing into ``sink``."""
+    ref = weakref.ref
+
+    def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
+        if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
+            hook = make_hook(index)
+            handle = t.register_hook(hook)
+            handles[index] = handle.hooks_dict_ref
+            keys[index] = handle.id
+            return
+        grad_fn = t.grad_fn
+        hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
+        if hooks is None:
+            hooks = t._backward_hooks = OrderedDict()
+            if grad_fn is not None:
+                grad_fn._register_hook_dict(t)
+        hooks[base - index] = make_hook(index)
+        handles[index] = ref(hooks)
+        if grad_fn is not None:  # the backward node's id, by which profilers name its work
+            numbers[index] = grad_fn._sequence_nr()
+    return add_hook
+
+
+def _cpp_fallback(sink, handles: dict, numbers: dict, keys: dict, base: int):
+    """The C++ ``HookAdder``'s fallback (tensor subclasses, tensors that need no grad): Python hooks
+    writing into the C++ store."""
+    return _python_add_hook(sink, handles, numbers, keys, base, sink.hook)
+
+
 def _remove_all(handles: dict, keys: dict, base: int) -> None:
     """Remove the hook of every record in ``handles`` (its key: ``keys[index]`` where a subclass's
     ``register_hook`` chose it, else ``base - index``), and forget them.  Takes no capture: the
@@ -176,38 +206,16 @@ class GradCapture:
         """``add_hook(index, t)``, run once per op: what it reads are closure cells, not attributes.
 
         Without a selection it is also ``watch`` itself (an instance attribute), one call less per op.  On
-        the compiled path it is a ``HookAdder`` taking plain tensors itself and every other call here."""
-        sink, handles, numbers, base, ref = self._sink, self.handles, self.sequence_numbers, self._base, weakref.ref
-        keys = self._keys  # (no reference to the capture: its death is what removes the hooks)
-        native, cpp = self._native, self._cpp
-        if cpp is not None:
-            make_hook = sink.hook
-        elif native is not None:
-            make_hook = partial(native.Hook, sink)
-        else:
-            make_hook = partial(partial, _store, sink)
-
-        def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
-            if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
-                hook = make_hook(index)
-                handle = t.register_hook(hook)
-                handles[index] = handle.hooks_dict_ref
-                keys[index] = handle.id
-                return
-            grad_fn = t.grad_fn
-            hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
-            if hooks is None:
-                hooks = t._backward_hooks = OrderedDict()
-                if grad_fn is not None:
-                    grad_fn._register_hook_dict(t)
-            hooks[base - index] = make_hook(index)
-            handles[index] = ref(hooks)
-            if grad_fn is not None:  # the backward node's id, by which profilers name its work
-                numbers[index] = grad_fn._sequence_nr()
-
-        if cpp is not None:  # a C++ hook for a plain tensor with a backward node; add_hook takes every other
-            return cpp.HookAdder(sink, handles, numbers, _held_in_cpp, _PLAIN, add_hook,
-                                 partial(_remove_all, handles, keys, base))
+        the compiled paths it is a ``HookAdder`` taking plain tensors itself and every other call to the
+        Python ``add_hook`` (which the C++ adder makes only when first needed: set-up is a fixed cost of
+        every trace).  (No reference to the capture: its death is what removes the hooks.)"""
+        sink, handles, numbers, keys, base = self._sink, self.handles, self.sequence_numbers, self._keys, self._base
+        if self._cpp is not None:
+            return self._cpp.HookAdder(sink, handles, numbers, keys, base, _held_in_cpp, _PLAIN, _cpp_fallback,
+                                       _remove_all)
+        native = self._native
+        make_hook = partial(partial, _store, sink) if native is None else partial(native.Hook, sink)
+        add_hook = _python_add_hook(sink, handles, numbers, keys, base, make_hook)
         if native is not None:  # the same steps in C for plain tensors; add_hook takes every other call
             return native.HookAdder(sink, handles, numbers, keys, base, _PLAIN, OrderedDict, add_hook)
         return add_hook
