@@ -14,8 +14,8 @@ trace, so a later backward through the same graph is unaffected.
 With torchlens-accel installed (capture/accel.py), the hooks run compiled, the same steps as the Python
 code here, which stays the reference and is tested against it (tests/test_grads_accel.py): where its
 ``_autograd`` module is built for this torch, a plain tensor's hook is a C++ hook of autograd's own kind
-(the kind ``retain_grad()`` adds: no Python call per op in the backward,
-``accel/src/torchlens_accel/_autograd.cpp``); otherwise the hook, the hook adder and the removal are the
+(the kind ``retain_grad()`` adds, or for a leaf one in the tensor's own hook list: no Python call per op
+in the backward, ``accel/src/torchlens_accel/_autograd.cpp``); otherwise the hook, the hook adder and the removal are the
 C callables of ``_grads.c``.
 
 What autograd keeps for backward is recorded separately, on request (capture/packing.py).
