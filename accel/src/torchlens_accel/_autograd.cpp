@@ -34,7 +34,6 @@
 #include <Python.h>
 
 #include <ATen/ops/add.h>
-#include <torch/csrc/autograd/cpp_hook.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -45,6 +44,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -374,27 +374,50 @@ struct LeafHook : torch::autograd::FunctionPreHook {
     std::shared_ptr<LeafLink> link;
 };
 
+/* ----- an output's hook, on its backward node ----------------------------------------------------- */
+/* Of the kind torch's own C++ tensor hook is (the node runs it with the gradients of all its outputs
+ * and it reads its own), added straight to the node: one object per hook, not the tensor's hook list,
+ * its two wrappers and a std::function.  torch moves no node hook on an in-place write: the hook stays
+ * with the node that computed the value, as register_hook's does. */
+struct NodeHook : torch::autograd::FunctionPreHook {
+    NodeHook(StorePtr store, int64_t record, uint32_t output_nr)
+        : store(std::move(store)), record(record), output_nr(output_nr) {}
+
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list &grads) override {
+        if (output_nr < grads.size()) store->add(record, grads[output_nr]);
+        return grads; /* the gradients as they came */
+    }
+
+    StorePtr store;
+    int64_t record;
+    uint32_t output_nr;
+};
+
+/* Take ``hook`` out of ``hooks`` if there; it is destroyed after the list is whole again. */
+void take_out(std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>> &hooks,
+              const torch::autograd::FunctionPreHook *hook) {
+    auto found = std::find_if(hooks.begin(), hooks.end(), [&](const auto &h) { return h.get() == hook; });
+    if (found == hooks.end()) return;
+    std::unique_ptr<torch::autograd::FunctionPreHook> gone = std::move(*found);
+    hooks.erase(found);
+}
+
 /* Remove a leaf's hook from its tensor's hook list, if the tensor and the hook are still there. */
 void remove_leaf(const std::shared_ptr<LeafLink> &link) {
     link->removed.store(true);
     auto impl = link->tensor.lock();
     if (!impl.defined()) return;
     at::Tensor tensor(std::move(impl));
-    auto &hooks = torch::autograd::impl::hooks(tensor);
-    auto found = std::find_if(hooks.begin(), hooks.end(), [&](const auto &h) { return h.get() == link->hook; });
-    if (found == hooks.end()) return;
-    std::unique_ptr<torch::autograd::FunctionPreHook> gone = std::move(*found);
-    hooks.erase(found);
-}  /* ``gone`` is destroyed after the list is whole again */
+    take_out(torch::autograd::impl::hooks(tensor), link->hook);
+}
 
 /* ----- HookAdder ---------------------------------------------------------------------------------- */
-/* Where one added hook sits: the tensor's C++ hook list (shared with its backward node) and the hook's
- * position in it.  Removing a hook empties its place, as Tensor.remove_hook does; the list outlives the
- * tensor while the node does, so a hook is removable for as long as it could run.  A leaf's hook is
- * found through its ``leaf`` link instead. */
+/* Where one added hook sits: on its backward node, held weakly (the hook is removable for as long as
+ * the node could run it, and a node gone took its hooks with it), or, for a leaf, in the tensor's own
+ * hook list, found through its ``leaf`` link. */
 struct Placed {
-    std::shared_ptr<torch::autograd::hooks_list> list;
-    unsigned position;
+    std::optional<c10::weak_intrusive_ptr<torch::autograd::Node>> node;
+    const torch::autograd::FunctionPreHook *hook;
     std::shared_ptr<LeafLink> leaf;
 };
 
@@ -422,8 +445,9 @@ void unplace(Placed &placed) {
         remove_leaf(placed.leaf);
         return;
     }
-    auto &list = *placed.list;
-    if (placed.position < list.size()) list[placed.position] = nullptr;
+    if (!placed.node) return;
+    auto node = placed.node->lock();
+    if (node) take_out(node->tensor_pre_hooks(), placed.hook);
 }
 
 void remove_placed(HookAdder *self, int64_t index) {
@@ -499,7 +523,7 @@ int place_leaf(HookAdder *self, PyObject *index, int64_t record, const at::Tenso
     /* Appended to the list itself: ``impl::add_hook`` takes only an empty list (the one hook a Python
      * hook dict or a C++ hook list adds), and the accumulator runs every hook the list holds. */
     torch::autograd::impl::hooks(var).push_back(std::move(hook));
-    self->placed.emplace(record, Placed{nullptr, 0, std::move(link)});
+    self->placed.emplace(record, Placed{std::nullopt, nullptr, std::move(link)});
     return PyDict_SetItem(self->handles, index, self->marker) < 0 ? -1 : 1;
 }
 
@@ -513,18 +537,11 @@ int place(HookAdder *self, PyObject *index, PyObject *t) {
     if (!node) return place_leaf(self, index, i, var); /* no sequence number: a leaf has no backward node */
     PyObject *number = PyLong_FromUnsignedLongLong(node->sequence_nr());
     if (number == nullptr) return -1;
-    StorePtr store = self->store;
-    int64_t record = i;
-    /* A hook returning nothing leaves the gradient as it is. */
-    unsigned position = var.register_hook([store, record](const at::TensorBase &grad) { store->add(record, grad); });
-    auto *meta = torch::autograd::impl::get_autograd_meta(var);
-    if (meta == nullptr || !meta->cpp_hooks_list_) { /* cannot happen after _register_hook: never strand one */
-        Py_DECREF(number);
-        PyErr_SetString(PyExc_RuntimeError, "torchlens: a C++ gradient hook was added where it cannot be removed");
-        return -1;
-    }
     remove_placed(self, i); /* a record watched again (rewatch) keeps one hook */
-    self->placed.emplace(i, Placed{meta->cpp_hooks_list_, position, nullptr});
+    auto hook = std::make_unique<NodeHook>(self->store, i, var.output_nr());
+    const torch::autograd::FunctionPreHook *placed = hook.get();
+    node->add_tensor_pre_hook(std::move(hook));
+    self->placed.emplace(i, Placed{c10::weak_intrusive_ptr<torch::autograd::Node>(node), placed, nullptr});
     int failed = PyDict_SetItem(self->handles, index, self->marker) < 0 ||
                  PyDict_SetItem(self->numbers, index, number) < 0;
     Py_DECREF(number);
