@@ -2,8 +2,9 @@
  *
  * The one module of torchlens-accel built against torch's headers: it is built only where torch is
  * importable at build time, and used only with the torch it was built for (TORCH_VERSION).  A hook added
- * here is the kind retain_grad() adds: a C++ function on the output's backward node, which the engine
- * calls with no Python frame and without the GIL.  It writes into a C++ store that the Sink shares; the
+ * here is of the kind retain_grad() adds: a C++ tensor pre-hook on the output's backward node (a
+ * ``NodeHook``, added to the node directly), which the engine calls with no Python frame and without the
+ * GIL.  It writes into a C++ store that the Sink shares; the
  * Sink shows the store to Python as the Python path's _Sink does (grads, order, backwards).
  *
  * Sink       Sink(): the store.  .grads (a dict, rebuilt only after a hook wrote), .order, .backwards,
