@@ -8,8 +8,13 @@ compiled modules where built beside it, see ``models.baseline_package``).  Each 
 of ``--block`` runs per round; the table gives the medians over rounds of each arm and of what
 ``grads=True`` adds (the ``G=True`` arm less the ``G=False`` arm of the same round), per trace and per op.
 
+The two packages do not share one position: on a loaded machine the one given as ``--baseline`` has
+measured a few us faster per trace than the same code imported as ``torchlens``.  Run it both ways (the
+other revision on ``PYTHONPATH`` and this tree as ``--baseline``) and read the two together.
+
 Run:  python benchmarks/grad_fixed_cost.py --baseline OTHER/src/torchlens [--model mlp3] [--rounds 31]
       [--paths both]   (both: also on the pure-Python path, ``accel.use(False)``)
+      [--input-no-grad]   (the input does not require grad: no leaf hook)
 """
 
 from __future__ import annotations
