@@ -352,26 +352,61 @@ def test_cpp_hooks_count_backwards_by_graph_task_and_stop_when_removed():
     sink = CPP.Sink()
     handles, numbers = {}, {}
     fallback_calls = []
-    adder = CPP.HookAdder(sink, handles, numbers, lambda: None, torch.Tensor,
-                          lambda *a: fallback_calls.append(a[0]), lambda: None)
-    adder(0, x)  # a leaf: the Python fallback's
+    made = []  # the fallback is made on the first call that needs it, once
+    adder = CPP.HookAdder(sink, handles, numbers, {}, -1, lambda: None, torch.Tensor,
+                          lambda *a: made.append(a) or (lambda *b: fallback_calls.append(b[0])), lambda *a: None)
+    adder(0, x)  # a leaf: a C++ hook in the tensor's own hook list, no sequence number (it has no node)
     adder(1, y)
     adder(2, z)
-    assert fallback_calls == [0] and adder.placed() == 2 and set(handles) == {1, 2}
+    adder(3, torch.randn(2))  # needs no grad: the fallback says what register_hook says
+    adder(4, torch.randn(2))
+    assert fallback_calls == [3, 4] and adder.placed() == 3 and set(handles) == {0, 1, 2}
+    assert len(made) == 1 and made[0][:3] == (sink, handles, numbers)
     assert numbers == {1: y.grad_fn._sequence_nr(), 2: z.grad_fn._sequence_nr()}
+    assert x._backward_hooks is None  # no Python hook dict: the backward calls no Python for the leaf
     z.sum().backward(retain_graph=True)
-    assert sink.backwards == 1 and sink.order == [2, 1]
+    assert sink.backwards == 1 and sink.order == [2, 1, 0]
     assert torch.equal(sink.grads[2], torch.ones(3)) and torch.allclose(sink.grads[1], 1 - z.detach() ** 2)
+    assert torch.equal(sink.grads[0], x.grad) and sink.grads[0] is not x.grad  # x.grad is its own copy
     z.sum().backward(retain_graph=True)
     assert sink.backwards == 2 and torch.equal(sink.grads[2], torch.full((3,), 2.0))
-    adder.remove([2])
+    assert torch.equal(sink.grads[0], x.grad)  # accumulated as x.grad accumulates
+    adder.remove([2, 0])
     assert adder.placed() == 1
+    leaf_before = sink.grads[0].clone()
     z.sum().backward(retain_graph=True)
     assert torch.equal(sink.grads[2], torch.full((3,), 2.0)) and sink.backwards == 3  # only record 1 wrote
+    assert torch.equal(sink.grads[0], leaf_before) and not sink.incomplete  # removed by the capture: not lost
     del adder  # removes the rest
     before = sink.grads[1].clone()
     z.sum().backward()
     assert torch.equal(sink.grads[1], before) and sink.backwards == 3
+
+
+@pytest.mark.parametrize("later", ["python hook", "retain_grad"])
+def test_cpp_leaf_hook_cleared_by_torch_drops_the_gradient_and_says_so(later):
+    """torch empties a leaf's hook list when a Python hook dict is first set on it: the record whose hook
+    went is dropped at the next backward and named, never left holding a gradient short of that backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(3, 4, requires_grad=True)
+    log = _trace("cpp", model, (x,))
+    out = log.output
+    log.backward(out.sum(), retain_graph=True)
+    first = log["input_1"].grad.clone()
+    assert torch.equal(first, x.grad)
+    if later == "python hook":
+        x.register_hook(lambda g: None)  # the tensor's first Python hook: torch resets its hook list
+    else:
+        x.retain_grad()  # a leaf: a no-op, which leaves the capture's hook in place
+    assert torch.equal(log["input_1"].grad, first)  # no backward since: still whole
+    log.backward(out.sum())
+    if later == "python hook":
+        with pytest.raises(tl.errors.GradientUnavailable, match="input_1.*removed"):
+            log["input_1"].grad
+        assert log["linear_1_1"].grad is not None  # the other records are unaffected
+    else:
+        assert torch.equal(log["input_1"].grad, 2 * first) and torch.equal(x.grad, 2 * first)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -2,18 +2,31 @@
  *
  * The one module of torchlens-accel built against torch's headers: it is built only where torch is
  * importable at build time, and used only with the torch it was built for (TORCH_VERSION).  A hook added
- * here is the kind retain_grad() adds: a C++ function on the output's backward node, which the engine
- * calls with no Python frame and without the GIL.  It writes into a C++ store that the Sink shares; the
+ * here is of the kind retain_grad() adds: a C++ tensor pre-hook on the output's backward node (a
+ * ``NodeHook``, added to the node directly), which the engine calls with no Python frame and without the
+ * GIL.  It writes into a C++ store that the Sink shares; the
  * Sink shows the store to Python as the Python path's _Sink does (grads, order, backwards).
  *
  * Sink       Sink(): the store.  .grads (a dict, rebuilt only after a hook wrote), .order, .backwards,
+ *            .incomplete (records whose hook torch removed before a later backward, see below),
  *            .clear(), and .hook(index): a Python callable hook writing into the same store, for the
- *            tensors whose hooks stay Python (tensor subclasses, leaves).
- * HookAdder  HookAdder(sink, handles, numbers, marker, fallback, release):
- *            add_hook(index, t, func=None, module_call=-1) for a plain tensor with a backward node; any
- *            other call goes to ``fallback``.  .remove(indices=None) removes its hooks (all, or those of
- *            the records named); deleting it removes them all and calls ``release`` once the fallback
- *            was used (to remove the hooks the fallback added).
+ *            tensors whose hooks stay Python (tensor subclasses).
+ * HookAdder  HookAdder(sink, handles, numbers, keys, base, marker, plain, make_fallback, release):
+ *            add_hook(index, t, func=None, module_call=-1) for a plain tensor that requires grad; any
+ *            other call goes to the fallback, ``make_fallback(sink, handles, numbers, keys, base)``, made
+ *            on the first such call (module-level callables: nothing is built per trace for them).
+ *            .remove(indices=None) removes its hooks (all, or those of the records named); deleting it
+ *            removes them all and, once the fallback was made, calls ``release(handles, keys, base)``
+ *            (to remove the hooks the fallback added).
+ *
+ * A leaf (an input that requires grad) has no backward node of its own: its hooks sit in the tensor's
+ * own hook list, which its gradient accumulator runs (in ``.backward()`` and in ``autograd.grad`` alike).
+ * Its hook here is a ``LeafHook`` appended to that list, beside the one a Python hook dict adds, so that
+ * the backward calls no Python for it.  torch empties that list when a hook dict is first set on the
+ * tensor (its first Python ``register_hook``) or a C++ hook list is first made for it; a LeafHook
+ * destroyed so while its tensor lives says so to the store, and a later backward then marks the record
+ * incomplete (its gradient dropped, named in ``.incomplete``) rather than keep a gradient missing that
+ * backward's share.
  *
  * Every step follows the Python path's ``_store`` and ``add_hook`` (tests/test_grads_accel.py compares
  * the three paths bit for bit).
@@ -22,20 +35,22 @@
 #include <Python.h>
 
 #include <ATen/ops/add.h>
-#include <torch/csrc/autograd/cpp_hook.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 1
+#define TORCHLENS_ACCEL_ABI 2
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -53,6 +68,33 @@ struct Store {
     int task = 0;               /* the graph task (one backward) that last delivered a gradient */
     uint64_t version = 1;       /* bumped by every write to ``grads`` */
     uint64_t order_version = 1; /* bumped by every change of ``order`` */
+    std::unordered_map<int64_t, Py_ssize_t> lost; /* record -> backwards seen when torch removed its hook */
+    std::vector<int64_t> incomplete; /* lost records a later backward may have reached: gradient dropped */
+
+    /* A leaf's hook was removed by torch, not by the capture (see the top of the file). */
+    void lose(int64_t index) {
+        std::lock_guard<std::mutex> lock(mutex);
+        lost.emplace(index, backwards);
+    }
+
+    /* A new backward began: a record that lost its hook before it cannot receive its share.  Called
+     * with the lock held; what it drops goes to ``dropped``, released by the caller after the lock. */
+    void drop_lost(std::vector<at::Tensor> &dropped) {
+        for (auto it = lost.begin(); it != lost.end();) {
+            if (it->second >= backwards) {
+                ++it;
+                continue;
+            }
+            auto kept = grads.find(it->first);
+            if (kept != grads.end()) {
+                dropped.push_back(std::move(kept->second));
+                grads.erase(kept);
+                version++;
+            }
+            incomplete.push_back(it->first);
+            it = lost.erase(it);
+        }
+    }
 
     /* ``_store``: add ``grad`` to the gradient kept for record ``index``; never alters it.  No tensor is
      * released while the lock is held (releasing one may take the GIL, which a reader may hold while it
@@ -63,11 +105,13 @@ struct Store {
         at::Tensor grad(grad_base);
         if (grad.requires_grad()) grad = grad.detach(); /* create_graph=True: keep the value, not a graph */
         at::Tensor replaced;
+        std::vector<at::Tensor> dropped;
         std::lock_guard<std::mutex> lock(mutex);
         if (!has_task || current != task) {
             has_task = true;
             task = current;
             backwards++;
+            if (!lost.empty()) drop_lost(dropped);
         }
         auto kept = grads.find(index);
         if (kept == grads.end()) {
@@ -80,7 +124,7 @@ struct Store {
             kept->second = at::add(replaced, grad);
         }
         version++;
-    }  /* the lock goes first, then ``replaced`` (declared before it) */
+    }  /* the lock goes first, then ``replaced`` and ``dropped`` (declared before it) */
 };
 
 using StorePtr = std::shared_ptr<Store>;
@@ -191,6 +235,18 @@ int sink_set_order(Sink *self, PyObject *value, void *) {
     return 0;
 }
 
+PyObject *sink_get_incomplete(Sink *self, void *) {
+    std::lock_guard<std::mutex> lock(self->store->mutex);
+    const auto &incomplete = self->store->incomplete;
+    PyObject *indices = PyFrozenSet_New(nullptr);
+    for (size_t k = 0; indices != nullptr && k < incomplete.size(); k++) {
+        PyObject *index = PyLong_FromLongLong(incomplete[k]);
+        if (index == nullptr || PySet_Add(indices, index) < 0) Py_CLEAR(indices);
+        Py_XDECREF(index);
+    }
+    return indices;
+}
+
 PyObject *sink_get_backwards(Sink *self, void *) {
     std::lock_guard<std::mutex> lock(self->store->mutex);
     return PyLong_FromSsize_t(self->store->backwards);
@@ -234,6 +290,8 @@ PyGetSetDef sink_getset[] = {
     {"order", (getter)sink_get_order, (setter)sink_set_order, "record indices in backward order", nullptr},
     {"backwards", (getter)sink_get_backwards, (setter)sink_set_backwards, "backwards that delivered a gradient",
      nullptr},
+    {"incomplete", (getter)sink_get_incomplete, nullptr,
+     "records whose gradient was dropped: torch removed their hook before a later backward", nullptr},
     {nullptr},
 };
 
@@ -288,68 +346,145 @@ PyObject *make_py_hook(Sink *sink, long long index) {
     return reinterpret_cast<PyObject *>(hook);
 }
 
+/* ----- a leaf's hook ------------------------------------------------------------------------------ */
+/* What a leaf's hook and its adder share: the tensor (weakly) and whether the capture removed the hook. */
+struct LeafLink {
+    explicit LeafLink(const c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> &impl) : tensor(impl) {}
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> tensor;
+    torch::autograd::FunctionPreHook *hook = nullptr;
+    std::atomic<bool> removed{false};
+};
+
+struct LeafHook : torch::autograd::FunctionPreHook {
+    LeafHook(StorePtr store, int64_t record, std::shared_ptr<LeafLink> link)
+        : store(std::move(store)), record(record), link(std::move(link)) {}
+
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list &grads) override {
+        if (!grads.empty()) store->add(record, grads[0]);
+        return grads; /* the gradient as it came */
+    }
+
+    /* Destroyed by the capture (``removed``), with its tensor (nothing more can arrive), or by torch
+     * emptying the tensor's hook list while it lives: only the last loses gradients. */
+    ~LeafHook() override {
+        if (!link->removed.load() && link->tensor.lock().defined()) store->lose(record);
+    }
+
+    StorePtr store;
+    int64_t record;
+    std::shared_ptr<LeafLink> link;
+};
+
+/* ----- an output's hook, on its backward node ----------------------------------------------------- */
+/* Of the kind torch's own C++ tensor hook is (the node runs it with the gradients of all its outputs
+ * and it reads its own), added straight to the node: one object per hook, not the tensor's hook list,
+ * its two wrappers and a std::function.  torch moves no node hook on an in-place write: the hook stays
+ * with the node that computed the value, as register_hook's does. */
+struct NodeHook : torch::autograd::FunctionPreHook {
+    NodeHook(StorePtr store, int64_t record, uint32_t output_nr)
+        : store(std::move(store)), record(record), output_nr(output_nr) {}
+
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list &grads) override {
+        if (output_nr < grads.size()) store->add(record, grads[output_nr]);
+        return grads; /* the gradients as they came */
+    }
+
+    StorePtr store;
+    int64_t record;
+    uint32_t output_nr;
+};
+
+/* Take ``hook`` out of ``hooks`` if there; it is destroyed after the list is whole again. */
+void take_out(std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>> &hooks,
+              const torch::autograd::FunctionPreHook *hook) {
+    auto found = std::find_if(hooks.begin(), hooks.end(), [&](const auto &h) { return h.get() == hook; });
+    if (found == hooks.end()) return;
+    std::unique_ptr<torch::autograd::FunctionPreHook> gone = std::move(*found);
+    hooks.erase(found);
+}
+
+/* Remove a leaf's hook from its tensor's hook list, if the tensor and the hook are still there. */
+void remove_leaf(const std::shared_ptr<LeafLink> &link) {
+    link->removed.store(true);
+    auto impl = link->tensor.lock();
+    if (!impl.defined()) return;
+    at::Tensor tensor(std::move(impl));
+    take_out(torch::autograd::impl::hooks(tensor), link->hook);
+}
+
 /* ----- HookAdder ---------------------------------------------------------------------------------- */
-/* Where one added hook sits: the tensor's C++ hook list (shared with its backward node) and the hook's
- * position in it.  Removing a hook empties its place, as Tensor.remove_hook does; the list outlives the
- * tensor while the node does, so a hook is removable for as long as it could run. */
+/* Where one added hook sits: on its backward node, held weakly (the hook is removable for as long as
+ * the node could run it, and a node gone took its hooks with it), or, for a leaf, in the tensor's own
+ * hook list, found through its ``leaf`` link. */
 struct Placed {
-    std::shared_ptr<torch::autograd::hooks_list> list;
-    unsigned position;
+    std::optional<c10::weak_intrusive_ptr<torch::autograd::Node>> node;
+    const torch::autograd::FunctionPreHook *hook;
+    std::shared_ptr<LeafLink> leaf;
 };
 
 struct HookAdder {
     PyObject_HEAD
     StorePtr store;
     std::unordered_map<int64_t, Placed> placed; /* record index -> its hook */
+    PyObject *sink;
     PyObject *handles;  /* record index -> ``marker`` for the hooks placed here (the capture's record of hooks) */
     PyObject *numbers;  /* record index -> sequence number of its backward node */
+    PyObject *keys;     /* record index -> hook key, for the fallback's hooks */
+    PyObject *base;     /* the capture's key base, for the fallback's hooks */
     PyObject *marker;
     PyObject *plain;    /* torch.Tensor: the type whose hooks are placed here */
-    PyObject *fallback; /* the Python add_hook, for every other call */
-    PyObject *release;  /* removes the fallback's hooks; called on deletion once the fallback was used */
-    bool fallback_used;
+    PyObject *make_fallback;
+    PyObject *release;  /* removes the fallback's hooks; called on deletion once the fallback was made */
+    PyObject *fallback; /* the Python add_hook, for every other call: NULL until first needed */
     vectorcallfunc vectorcall;
 };
 
 PyTypeObject HookAdderType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+void unplace(Placed &placed) {
+    if (placed.leaf) {
+        remove_leaf(placed.leaf);
+        return;
+    }
+    if (!placed.node) return;
+    auto node = placed.node->lock();
+    if (node) take_out(node->tensor_pre_hooks(), placed.hook);
+}
+
 void remove_placed(HookAdder *self, int64_t index) {
     auto found = self->placed.find(index);
     if (found == self->placed.end()) return;
-    auto &list = *found->second.list;
-    if (found->second.position < list.size()) list[found->second.position] = nullptr;
+    unplace(found->second);
     self->placed.erase(found);
 }
 
 void remove_all_placed(HookAdder *self) {
-    for (auto &entry : self->placed) {
-        auto &list = *entry.second.list;
-        if (entry.second.position < list.size()) list[entry.second.position] = nullptr;
-    }
+    for (auto &entry : self->placed) unplace(entry.second);
     self->placed.clear();
 }
 
 PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 PyObject *adder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *sink, *handles, *numbers, *marker, *plain, *fallback, *release;
-    static const char *kwlist[] = {"sink", "handles", "numbers", "marker", "plain", "fallback", "release", nullptr};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOO:HookAdder", const_cast<char **>(kwlist), &SinkType,
-                                     &sink, &PyDict_Type, &handles, &PyDict_Type, &numbers, &marker, &plain,
-                                     &fallback, &release))
+    PyObject *sink, *handles, *numbers, *keys, *base, *marker, *plain, *make_fallback, *release;
+    if ((kwds != nullptr && PyDict_GET_SIZE(kwds) != 0) ||
+        !PyArg_ParseTuple(args, "O!O!O!O!OOOOO:HookAdder", &SinkType, &sink, &PyDict_Type, &handles, &PyDict_Type,
+                          &numbers, &PyDict_Type, &keys, &base, &marker, &plain, &make_fallback, &release)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "HookAdder() takes positional arguments only");
         return nullptr;
+    }
     HookAdder *self = reinterpret_cast<HookAdder *>(type->tp_alloc(type, 0));
     if (self == nullptr) return nullptr;
     new (&self->store) StorePtr(reinterpret_cast<Sink *>(sink)->store);
     new (&self->placed) std::unordered_map<int64_t, Placed>();
-    PyObject **slots[] = {&self->handles, &self->numbers, &self->marker, &self->plain, &self->fallback,
-                          &self->release};
-    PyObject *values[] = {handles, numbers, marker, plain, fallback, release};
+    PyObject **slots[] = {&self->sink, &self->handles, &self->numbers, &self->keys, &self->base, &self->marker,
+                          &self->plain, &self->make_fallback, &self->release};
+    PyObject *values[] = {sink, handles, numbers, keys, base, marker, plain, make_fallback, release};
     for (size_t k = 0; k < sizeof(values) / sizeof(values[0]); k++) {
         Py_INCREF(values[k]);
         *slots[k] = values[k];
     }
-    self->fallback_used = false;
+    self->fallback = nullptr;
     self->vectorcall = (vectorcallfunc)adder_vectorcall;
     return reinterpret_cast<PyObject *>(self);
 }
@@ -359,45 +494,55 @@ void adder_dealloc(HookAdder *self) {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     remove_all_placed(self);
-    if (self->fallback_used) {
-        PyObject *r = PyObject_CallNoArgs(self->release);
+    if (self->fallback != nullptr) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->release, self->handles, self->keys, self->base, nullptr);
         if (r == nullptr) PyErr_WriteUnraisable(nullptr);
         Py_XDECREF(r);
     }
     PyErr_Restore(type, value, traceback);
     self->placed.~unordered_map();
     self->store.~StorePtr();
+    Py_DECREF(self->sink);
     Py_DECREF(self->handles);
     Py_DECREF(self->numbers);
+    Py_DECREF(self->keys);
+    Py_DECREF(self->base);
     Py_DECREF(self->marker);
     Py_DECREF(self->plain);
-    Py_DECREF(self->fallback);
+    Py_DECREF(self->make_fallback);
     Py_DECREF(self->release);
+    Py_XDECREF(self->fallback);
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
 }
 
-/* The hook of a plain tensor with a backward node: 1 placed, 0 for the fallback, -1 on error. */
+/* A leaf's hook, appended to its tensor's own hook list.  1 placed, -1 on error. */
+int place_leaf(HookAdder *self, PyObject *index, int64_t record, const at::Tensor &var) {
+    auto link = std::make_shared<LeafLink>(var.getIntrusivePtr());
+    auto hook = std::make_unique<LeafHook>(self->store, record, link);
+    link->hook = hook.get();
+    remove_placed(self, record); /* a record watched again (rewatch) keeps one hook */
+    /* Appended to the list itself: ``impl::add_hook`` takes only an empty list (the one hook a Python
+     * hook dict or a C++ hook list adds), and the accumulator runs every hook the list holds. */
+    torch::autograd::impl::hooks(var).push_back(std::move(hook));
+    self->placed.emplace(record, Placed{std::nullopt, nullptr, std::move(link)});
+    return PyDict_SetItem(self->handles, index, self->marker) < 0 ? -1 : 1;
+}
+
+/* The hook of a plain tensor that requires grad: 1 placed, 0 for the fallback, -1 on error. */
 int place(HookAdder *self, PyObject *index, PyObject *t) {
     long long i = PyLong_AsLongLong(index);
     if (i == -1 && PyErr_Occurred()) return -1;
     const at::Tensor &var = THPVariable_Unpack(t);
     if (!var.requires_grad()) return 0; /* the fallback says what register_hook says */
     const auto &node = var.grad_fn();
-    if (!node) return 0; /* a leaf: its hook stays Python, as the Python path adds it */
+    if (!node) return place_leaf(self, index, i, var); /* no sequence number: a leaf has no backward node */
     PyObject *number = PyLong_FromUnsignedLongLong(node->sequence_nr());
     if (number == nullptr) return -1;
-    StorePtr store = self->store;
-    int64_t record = i;
-    /* A hook returning nothing leaves the gradient as it is. */
-    unsigned position = var.register_hook([store, record](const at::TensorBase &grad) { store->add(record, grad); });
-    auto *meta = torch::autograd::impl::get_autograd_meta(var);
-    if (meta == nullptr || !meta->cpp_hooks_list_) { /* cannot happen after _register_hook: never strand one */
-        Py_DECREF(number);
-        PyErr_SetString(PyExc_RuntimeError, "torchlens: a C++ gradient hook was added where it cannot be removed");
-        return -1;
-    }
     remove_placed(self, i); /* a record watched again (rewatch) keeps one hook */
-    self->placed.emplace(i, Placed{meta->cpp_hooks_list_, position});
+    auto hook = std::make_unique<NodeHook>(self->store, i, var.output_nr());
+    const torch::autograd::FunctionPreHook *placed = hook.get();
+    node->add_tensor_pre_hook(std::move(hook));
+    self->placed.emplace(i, Placed{c10::weak_intrusive_ptr<torch::autograd::Node>(node), placed, nullptr});
     int failed = PyDict_SetItem(self->handles, index, self->marker) < 0 ||
                  PyDict_SetItem(self->numbers, index, number) < 0;
     Py_DECREF(number);
@@ -418,7 +563,11 @@ PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf
         if (placed < 0) return nullptr;
         if (placed) Py_RETURN_NONE;
     }
-    self->fallback_used = true;
+    if (self->fallback == nullptr) {
+        self->fallback = PyObject_CallFunctionObjArgs(self->make_fallback, self->sink, self->handles, self->numbers,
+                                                      self->keys, self->base, nullptr);
+        if (self->fallback == nullptr) return nullptr;
+    }
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
 
@@ -481,7 +630,7 @@ PyMODINIT_FUNC PyInit__autograd(void) {
     PyHookType.tp_vectorcall_offset = offsetof(PyHook, vectorcall);
 
     HookAdderType.tp_name = "torchlens_accel._autograd.HookAdder";
-    HookAdderType.tp_doc = "HookAdder(sink, handles, numbers, marker, plain, fallback, release): "
+    HookAdderType.tp_doc = "HookAdder(sink, handles, numbers, keys, base, marker, plain, make_fallback, release): "
                            "add_hook(index, t, func=None, module_call=-1); removes its hooks when deleted.";
     HookAdderType.tp_basicsize = sizeof(HookAdder);
     HookAdderType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;

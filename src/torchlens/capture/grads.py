@@ -14,8 +14,8 @@ trace, so a later backward through the same graph is unaffected.
 With torchlens-accel installed (capture/accel.py), the hooks run compiled, the same steps as the Python
 code here, which stays the reference and is tested against it (tests/test_grads_accel.py): where its
 ``_autograd`` module is built for this torch, a plain tensor's hook is a C++ hook of autograd's own kind
-(the kind ``retain_grad()`` adds: no Python call per op in the backward,
-``accel/src/torchlens_accel/_autograd.cpp``); otherwise the hook, the hook adder and the removal are the
+(the kind ``retain_grad()`` adds, or for a leaf one in the tensor's own hook list: no Python call per op
+in the backward, ``accel/src/torchlens_accel/_autograd.cpp``); otherwise the hook, the hook adder and the removal are the
 C callables of ``_grads.c``.
 
 What autograd keeps for backward is recorded separately, on request (capture/packing.py).
@@ -92,6 +92,36 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
         grads[index] = kept + grad
 
 
+def _python_add_hook(sink, handles: dict, numbers: dict, keys: dict, base: int, make_hook):
+    """The Python ``add_hook(index, t)``: a tensor hook ``make_hook(index)`` writing into ``sink``."""
+    ref = weakref.ref
+
+    def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
+        if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
+            hook = make_hook(index)
+            handle = t.register_hook(hook)
+            handles[index] = handle.hooks_dict_ref
+            keys[index] = handle.id
+            return
+        grad_fn = t.grad_fn
+        hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
+        if hooks is None:
+            hooks = t._backward_hooks = OrderedDict()
+            if grad_fn is not None:
+                grad_fn._register_hook_dict(t)
+        hooks[base - index] = make_hook(index)
+        handles[index] = ref(hooks)
+        if grad_fn is not None:  # the backward node's id, by which profilers name its work
+            numbers[index] = grad_fn._sequence_nr()
+    return add_hook
+
+
+def _cpp_fallback(sink, handles: dict, numbers: dict, keys: dict, base: int):
+    """The C++ ``HookAdder``'s fallback (tensor subclasses, tensors that need no grad): Python hooks
+    writing into the C++ store."""
+    return _python_add_hook(sink, handles, numbers, keys, base, sink.hook)
+
+
 def _remove_all(handles: dict, keys: dict, base: int) -> None:
     """Remove the hook of every record in ``handles`` (its key: ``keys[index]`` where a subclass's
     ``register_hook`` chose it, else ``base - index``), and forget them.  Takes no capture: the
@@ -112,22 +142,23 @@ class GradCapture:
 
     policy = None  # a grads=[...] selection (capture/saving.py SavePolicy), set by grad_capture
 
-    def __init__(self, selector=None, sources: bool = True):
+    def __init__(self, selector=None, sources: bool = True, first_sequence_number=None):
         self.selector = selector
         self.sources = sources  # inputs are watched (False when a type selection does not name them)
         # The compiled hooks (torchlens-accel), decided per capture: ``accel.use`` applies to later traces.
-        self._cpp = accel.compiled("_autograd") if _INLINE_HOOKS else None
-        self._native = accel.compiled("_grads") if _INLINE_HOOKS and self._cpp is None else None
-        if self._cpp is not None:
-            self._sink = self._cpp.Sink()
+        self._cpp = cpp = accel.compiled("_autograd") if _INLINE_HOOKS else None
+        if cpp is not None:  # (the common case first: set-up is a fixed cost of every trace)
+            self._native = None
+            self._sink = cpp.Sink()
         else:
+            self._native = accel.compiled("_grads") if _INLINE_HOOKS else None
             self._sink = _Sink() if self._native is None else self._native.Sink(_graph_task_id)
         self.handles: dict = {}  # record index -> weakref to the hook dict holding its hook
         self._base = -_KEY_SPAN * next(_bases)
         self._keys: dict = {}  # record index -> key, where a subclass's register_hook chose it
         self.selected: set = set()  # record indices whose gradient the trace keeps (set after the forward)
         self.sequence_numbers: dict = {}  # record index -> sequence number of its backward node
-        self.first_sequence_number = None
+        self.first_sequence_number = first_sequence_number
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.  (The
         # compiled adders remove the hooks themselves when they die, with the capture: see _grads.c.)
@@ -153,6 +184,12 @@ class GradCapture:
     def backwards(self) -> int:
         return self._sink.backwards
 
+    @property
+    def incomplete(self) -> frozenset:
+        """Records whose gradient was dropped: torch removed their hook, then a backward ran (the C++
+        path's leaves, ``_autograd.cpp``; the other sinks' hooks are never removed by torch)."""
+        return getattr(self._sink, "incomplete", frozenset())
+
     @backwards.setter
     def backwards(self, n: int) -> None:
         self._sink.backwards = n
@@ -169,38 +206,16 @@ class GradCapture:
         """``add_hook(index, t)``, run once per op: what it reads are closure cells, not attributes.
 
         Without a selection it is also ``watch`` itself (an instance attribute), one call less per op.  On
-        the compiled path it is a ``HookAdder`` taking plain tensors itself and every other call here."""
-        sink, handles, numbers, base, ref = self._sink, self.handles, self.sequence_numbers, self._base, weakref.ref
-        keys = self._keys  # (no reference to the capture: its death is what removes the hooks)
-        native, cpp = self._native, self._cpp
-        if cpp is not None:
-            make_hook = sink.hook
-        elif native is not None:
-            make_hook = partial(native.Hook, sink)
-        else:
-            make_hook = partial(partial, _store, sink)
-
-        def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
-            if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
-                hook = make_hook(index)
-                handle = t.register_hook(hook)
-                handles[index] = handle.hooks_dict_ref
-                keys[index] = handle.id
-                return
-            grad_fn = t.grad_fn
-            hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
-            if hooks is None:
-                hooks = t._backward_hooks = OrderedDict()
-                if grad_fn is not None:
-                    grad_fn._register_hook_dict(t)
-            hooks[base - index] = make_hook(index)
-            handles[index] = ref(hooks)
-            if grad_fn is not None:  # the backward node's id, by which profilers name its work
-                numbers[index] = grad_fn._sequence_nr()
-
-        if cpp is not None:  # a C++ hook for a plain tensor with a backward node; add_hook takes every other
-            return cpp.HookAdder(sink, handles, numbers, _held_in_cpp, _PLAIN, add_hook,
-                                 partial(_remove_all, handles, keys, base))
+        the compiled paths it is a ``HookAdder`` taking plain tensors itself and every other call to the
+        Python ``add_hook`` (which the C++ adder makes only when first needed: set-up is a fixed cost of
+        every trace).  (No reference to the capture: its death is what removes the hooks.)"""
+        sink, handles, numbers, keys, base = self._sink, self.handles, self.sequence_numbers, self._keys, self._base
+        if self._cpp is not None:
+            return self._cpp.HookAdder(sink, handles, numbers, keys, base, _held_in_cpp, _PLAIN, _cpp_fallback,
+                                       _remove_all)
+        native = self._native
+        make_hook = partial(partial, _store, sink) if native is None else partial(native.Hook, sink)
+        add_hook = _python_add_hook(sink, handles, numbers, keys, base, make_hook)
         if native is not None:  # the same steps in C for plain tensors; add_hook takes every other call
             return native.HookAdder(sink, handles, numbers, keys, base, _PLAIN, OrderedDict, add_hook)
         return add_hook
@@ -251,10 +266,12 @@ class GradCapture:
 # ----- set-up and hand-over, called by capture/session.py ---------------------------------------
 def grad_capture(grads, model, state):
     """The ``GradCapture`` for ``tl.trace(..., grads=...)``, or None when gradients are off."""
+    if grads is True:  # the common case, first: set-up is a fixed cost of every trace
+        return GradCapture(None, True, _next_sequence_number())
     if grads is None or grads is False or (isinstance(grads, str) and grads in ("none", "")):
         return None
     first = _next_sequence_number()
-    if grads is True or grads == "all":
+    if grads == "all":
         capture = GradCapture()
     else:
         from .saving import SavePolicy

@@ -9,6 +9,8 @@ derived on demand; nothing runs during the forward.
 
 from __future__ import annotations
 
+import torch
+
 from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
 from ..errors import GradientUnavailable, TraceCleanedUp
 
@@ -47,7 +49,14 @@ def grad_of(trace, index: int):
         raise GradientUnavailable(
             f"{label}: its output does not require grad (made under torch.no_grad(), from tensors that do not "
             "require grad, or of an integer dtype), so autograd computes no gradient for it")
-    return capture.grads.get(index)
+    grad = capture.grads.get(index)
+    if grad is None and index in capture.incomplete:
+        raise GradientUnavailable(
+            f"{label}: its gradient hook was removed by torch before a later backward (torch resets a leaf "
+            "tensor's hooks when a hook is first registered on it after the trace began), so its gradient "
+            "would miss that backward's share; register hooks on the inputs before tracing, or trace with "
+            "TORCHLENS_ACCEL=0")
+    return grad
 
 
 def has_grad(trace, index: int) -> bool:
@@ -95,8 +104,14 @@ def _saved_param_grad(trace, address: str):
 
 def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
     """``torch.autograd.backward`` through ``loss``; the trace's hooks receive every gradient."""
-    import torch
+    if trace._gradcap is None or trace.loaded_from is not None or trace._cleaned:
+        _refuse_backward(trace)
+    # Positional, as ``Tensor.backward`` passes them: this wrapper is a fixed cost of every traced backward.
+    torch.autograd.backward(loss, gradient, retain_graph, create_graph, inputs=inputs)
 
+
+def _refuse_backward(trace) -> None:
+    """Why ``trace.backward`` cannot run: no gradient capture, a loaded trace, or one cleaned up."""
     grad_capture_of(trace)
     if trace.loaded_from is not None:
         raise GradientUnavailable(f"this trace was loaded from {trace.loaded_from}: it holds no autograd graph to "
@@ -104,8 +119,6 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
     if trace._cleaned:
         raise TraceCleanedUp("the trace was cleaned up: its gradient hooks were removed, so a backward would "
                              "fill nothing; trace again")
-    torch.autograd.backward(loss, grad_tensors=gradient, retain_graph=retain_graph, create_graph=create_graph,
-                            inputs=inputs)
 
 
 # ----- statistics ---------------------------------------------------------------------------------
