@@ -383,6 +383,32 @@ def test_cpp_hooks_count_backwards_by_graph_task_and_stop_when_removed():
     assert torch.equal(sink.grads[1], before) and sink.backwards == 3
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_compiled_autograd_gives_eager_gradients_or_refuses_naming_the_way_out(path):
+    """Compiled autograd traces the backward's hooks: the Python and C hooks let it, and the gradients are
+    the eager backward's; the C++ hooks cannot be traced, and the backward says so and what to do."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    enable = getattr(compiled_autograd, "_enable", None)
+    if enable is None:
+        pytest.skip("this torch has no torch._dynamo.compiled_autograd._enable")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    eager = _trace(path, model, (x,), save="none")
+    eager.output.sum().backward()
+    log = _trace(path, model, (x,), save="none")
+    with enable(torch.compile(backend="eager")):
+        if path == "cpp":
+            with pytest.raises(NotImplementedError, match="torchlens.*compiled autograd.*TORCHLENS_ACCEL=0"):
+                log.output.sum().backward()
+            return
+        log.output.sum().backward()
+    labels = [label for label in log.labels if not label.startswith("input")]
+    assert len(labels) == 4
+    for label in labels:
+        assert torch.equal(log[label].grad, eager[label].grad), label
+
+
 @pytest.mark.parametrize("later", ["python hook", "retain_grad"])
 def test_cpp_leaf_hook_cleared_by_torch_drops_the_gradient_and_says_so(later):
     """torch empties a leaf's hook list when a Python hook dict is first set on it: the record whose hook

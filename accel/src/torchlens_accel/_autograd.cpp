@@ -355,6 +355,16 @@ struct LeafLink {
     std::atomic<bool> removed{false};
 };
 
+/* Compiled autograd (torch._dynamo.compiled_autograd) asks each hook to describe itself so that it can be
+ * traced into the compiled backward; these hooks cannot be: say so, with what to do, instead of torch's
+ * generic "compiled_args nyi" (the pure-Python path's hooks are Python tensor hooks, which it traces). */
+void refuse_compiled_autograd() {
+    TORCH_CHECK_NOT_IMPLEMENTED(false,
+        "torchlens: the gradient capture of torchlens-accel (its C++ hooks) cannot run under compiled autograd "
+        "(torch._dynamo.compiled_autograd); run this backward without compiled autograd, or trace with "
+        "TORCHLENS_ACCEL=0, whose Python hooks compiled autograd can trace");
+}
+
 struct LeafHook : torch::autograd::FunctionPreHook {
     LeafHook(StorePtr store, int64_t record, std::shared_ptr<LeafLink> link)
         : store(std::move(store)), record(record), link(std::move(link)) {}
@@ -363,6 +373,8 @@ struct LeafHook : torch::autograd::FunctionPreHook {
         if (!grads.empty()) store->add(record, grads[0]);
         return grads; /* the gradient as it came */
     }
+
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &) const override { refuse_compiled_autograd(); }
 
     /* Destroyed by the capture (``removed``), with its tensor (nothing more can arrive), or by torch
      * emptying the tensor's hook list while it lives: only the last loses gradients. */
@@ -388,6 +400,8 @@ struct NodeHook : torch::autograd::FunctionPreHook {
         if (output_nr < grads.size()) store->add(record, grads[output_nr]);
         return grads; /* the gradients as they came */
     }
+
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &) const override { refuse_compiled_autograd(); }
 
     StorePtr store;
     int64_t record;
