@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .view import View
+from .view import View, row_field
 
 
 class CallRow(NamedTuple):
@@ -53,9 +53,7 @@ class ModuleCall(View):
     def module(self) -> "Module":
         return Module(self._trace, self._row.module)
 
-    @property
-    def call_index(self) -> int:
-        return self._row.number
+    call_index = row_field("number")
 
     @property
     def parent(self):
@@ -68,21 +66,10 @@ class ModuleCall(View):
         """The calls made directly inside this one, in order."""
         return [ModuleCall(self._trace, c) for c in self._trace._call_children()[self.index]]
 
-    @property
-    def start_ns(self) -> int:
-        return self._row.start_ns
-
-    @property
-    def end_ns(self):
-        return self._row.end_ns
-
-    @property
-    def _input_nodes(self) -> tuple:
-        return self._row.inputs
-
-    @property
-    def _output_nodes(self) -> tuple:
-        return self._row.outputs
+    start_ns = row_field("start_ns")
+    end_ns = row_field("end_ns")
+    _input_nodes = row_field("inputs")
+    _output_nodes = row_field("outputs")
 
     @property
     def _op_nodes(self) -> list:
@@ -163,26 +150,12 @@ class Module(View):
     def _row(self) -> ModuleRow:
         return self._trace._module_rows[self.index]
 
-    @property
-    def address(self) -> str:
-        return self._row.address
+    address = row_field("address")
+    all_addresses = row_field("all_addresses")
+    class_name = row_field("class_name")
+    param_names = row_field("param_names")
 
-    @property
-    def all_addresses(self) -> list:
-        return self._row.all_addresses
-
-    @property
-    def class_name(self) -> str:
-        return self._row.class_name
-
-    @property
-    def param_names(self) -> list:
-        return self._row.param_names
-
-    @property
-    def _ref(self):
-        """The live module, while the trace holds it."""
-        return self._row.ref
+    _ref = row_field("ref")  # the live module, while the trace holds it
 
     @property
     def calls(self) -> list:

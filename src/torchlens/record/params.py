@@ -5,7 +5,7 @@ Like every record, each is a view made on demand over a row the trace holds (see
 from __future__ import annotations
 
 from .columns import Kind
-from .view import View
+from .view import View, row_field
 
 
 class ParamRow:
@@ -40,21 +40,10 @@ class Param(View):
     def _row(self) -> ParamRow:
         return self._trace._param_rows[self.index]
 
-    @property
-    def address(self) -> str:
-        return self._row.address
-
-    @property
-    def shape(self) -> tuple:
-        return self._row.shape
-
-    @property
-    def dtype(self):
-        return self._row.dtype
-
-    @property
-    def requires_grad(self) -> bool:
-        return self._row.requires_grad
+    address = row_field("address")
+    shape = row_field("shape")
+    dtype = row_field("dtype")
+    requires_grad = row_field("requires_grad")
 
     @property
     def numel(self) -> int:
@@ -97,27 +86,29 @@ class Buffer(View):
     __slots__ = ()
 
     @property
-    def address(self) -> str:
-        return self._trace._buffer_rows[self.index].address
+    def _row(self) -> BufferRow:
+        return self._trace._buffer_rows[self.index]
+
+    address = row_field("address")
 
     @property
     def ops(self) -> list:
         """The buffer's nodes (``Op`` objects of kind ``"buffer"``), in order of first use."""
         from .op import Op
 
-        return [Op(self._trace, i) for i in self._trace._buffer_rows[self.index].nodes]
+        return [Op(self._trace, i) for i in self._row.nodes]
 
     @property
     def op_labels(self) -> list:
         """Labels of the buffer's nodes (``buffer_k:1``), in order of first use."""
         labels = self._trace._labels
-        return [labels[i] for i in self._trace._buffer_rows[self.index].nodes]
+        return [labels[i] for i in self._row.nodes]
 
     @property
     def readers(self) -> list:
         trace = self._trace
         children, labels = trace._children(), trace._labels
-        return [labels[c] for i in trace._buffer_rows[self.index].nodes for c in children[i]]
+        return [labels[c] for i in self._row.nodes for c in children[i]]
 
     def __repr__(self) -> str:
         return f"<Buffer {self.address}, read by {len(self.readers)} ops>"

@@ -9,6 +9,7 @@ equal when they address the same record of the same trace.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 
 class View:
@@ -25,6 +26,12 @@ class View:
 
     def __hash__(self):
         return hash((id(self._trace), type(self).__name__, self.index))
+
+
+def row_field(name: str) -> property:
+    """A view's attribute that is its row's ``name`` as held (``address = row_field("address")``): read
+    through the view's ``_row`` at each access, like the view's other fields."""
+    return property(attrgetter(f"_row.{name}"))
 
 
 class RecordList(Sequence):
