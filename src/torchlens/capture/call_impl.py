@@ -31,7 +31,7 @@ import types
 
 import torch
 
-from .teardown import until_done
+from .teardown import release_stranded, until_done
 
 _ATTRIBUTE = "_call_impl"
 MARK = "_torchlens_replaces"  # set on what is put in a class attribute here: the ``_call_impl`` it wraps
@@ -237,8 +237,7 @@ class Replacement:
         return False
 
     def release_all(self) -> None:
-        while _lock._is_owned():  # release_stranded(_lock), inlined
-            _lock.release()
+        release_stranded(_lock)
         tid = threading.get_ident()
         _lock.acquire()
         try:

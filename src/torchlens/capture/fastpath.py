@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.overrides
 
-from .teardown import until_done
+from .teardown import release_stranded, until_done
 
 # Reentrant, so that a hold left by an interrupt on a ``with _lock:`` exit line can be found and dropped.
 _lock = threading.RLock()
@@ -76,8 +76,7 @@ class FastPathShim:
     def _release_all(self) -> None:
         """Drop this trace's count (and the shim with the last one), whatever holds an interrupt left."""
         global _users
-        while _lock._is_owned():  # release_stranded(_lock), inlined
-            _lock.release()
+        release_stranded(_lock)
         _local.mode = None
         _lock.acquire()
         try:
