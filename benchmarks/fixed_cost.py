@@ -165,12 +165,18 @@ def step_arms(model, x, package, wide, deep) -> dict:
         names = ["blocks.0", "conv2d"]
         return save_policy(names, deep, deep_index) if with_index else save_policy(names, deep)
 
-    wide_state = state_mod.CaptureState(save_mode=1, buffers=wide_index.buffers)
+    # The watched parameters: given to the constructor, or (an older revision) by watch_params after it.
+    if "params" in inspect.signature(state_mod.CaptureState).parameters:
+        def watched_state():
+            return state_mod.CaptureState(save_mode=1, params=wide_index.params)
+    else:
+        def watched_state():
+            state_mod.CaptureState(save_mode=1).watch_params(wide_index.params)
     checked = state()
     session._add_inputs(checked, model, (x,), {})
     steps = {
         "trace() down to _trace (stubbed)": keyword_hop,
-        "watch_params, 20 parameters": lambda: wide_state.watch_params(wide_index.params),
+        "CaptureState() watching 20 parameters": watched_state,
         "capture block: enter, forward, teardown": capture_block,
         "_unwrap": lambda: session._unwrap(model),
         "index_of (cached)": lambda: model_index.index_of(model),

@@ -167,7 +167,7 @@ class CaptureState:
         self.grad_enabled = self.context[0]
         self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
-        if params:  # watch_params(params), without the call
+        if params:  # (address, Parameter) pairs: their storages are read on the first write (param_storages)
             self._watched = params
         self.grads = None  # a capture.grads.GradCapture when tracing with grads=...
 
@@ -240,12 +240,9 @@ class CaptureState:
         if context != self.context:
             self.contexts[call_index] = context
 
-    def watch_params(self, params) -> None:
-        self._watched, self._param_storages = params, None
-
     @property
     def param_storages(self) -> dict:
-        """Storage key -> Parameter, for the parameters ``watch_params`` named.
+        """Storage key -> Parameter, for the parameters the constructor was given (``params``).
 
         Keyed on the first write a call makes (only writes ask): a storage read per parameter is the
         largest set-up cost of a trace otherwise, and most forwards write nothing in place.  A
