@@ -4,9 +4,10 @@ Pure Python is the default and records everything.  When ``torchlens_accel`` is 
 this revision (each module's ``ABI`` equals the one named here), capture uses its compiled versions of
 the hot path instead; they record exactly what the pure-Python path records, which the test suite checks
 by tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
-capture on the pure-Python path.  One module, ``_autograd`` (gradient hooks as autograd's C++ hooks), is
-built against torch's headers: it is used only with the torch it was built for, and gradient capture
-takes the ``_grads`` hooks without it.
+capture on the pure-Python path.  Two modules, ``_autograd`` (gradient hooks as autograd's C++ hooks) and
+``_saved`` (the end-of-trace version check of saved activations), are built against torch's headers: each
+is used only with the torch it was built for; without them gradient capture takes the ``_grads`` hooks and
+the check runs in Python.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import warnings
 
 # What each compiled module must be built for (its ``ABI``): bumped, here and in its C file, whenever the
 # objects it exchanges with this package change shape.
-ABI = {"_capture": 4, "_grads": 1, "_index": 1, "_autograd": 2}
+ABI = {"_capture": 4, "_grads": 1, "_index": 1, "_autograd": 2, "_saved": 1}
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}

@@ -28,6 +28,7 @@ from ..record.layouts import shape_of
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
                               CALL_PARAMS, CALL_PARENTS, INPUT)
+from . import accel
 
 
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -395,6 +396,18 @@ class CaptureState:
 
     def check_saved_versions(self) -> list:
         """Drop and report saved activations mutated by means capture could not see."""
+        compiled = accel.compiled("_saved")
+        mutated = compiled.stale(self.saved, self.saved_versions) if compiled is not None else None
+        if mutated is None:  # the compiled check cannot answer (or is not built): the same check here
+            mutated = self._stale_in_python()
+        for i in mutated:
+            self._drop(i, "mutated after capture saved it, by a write capture could not see "
+                          "(for example through .data or a NumPy view)")
+        return mutated
+
+    def _stale_in_python(self) -> list:
+        """``check_saved_versions``'s reads: drops what a torch.func transform made, and returns the indices
+        whose tensor's version changed since it was saved."""
         # A C-level pass and a plain loop: a comprehension is a call of its own (Python 3.11), and most
         # traces drop nothing.
         wrapped, saved = _functorch_wrapped, self.saved
@@ -406,9 +419,6 @@ class CaptureState:
         for i, v in self.saved_versions.items():
             if v is not None and saved[i]._version != v:
                 mutated.append(i)
-        for i in mutated:
-            self._drop(i, "mutated after capture saved it, by a write capture could not see "
-                          "(for example through .data or a NumPy view)")
         return mutated
 
     # ----- failures ------------------------------------------------------------------------------

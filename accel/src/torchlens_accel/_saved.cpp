@@ -1,0 +1,108 @@
+/* The end-of-trace check of saved activations (CaptureState.check_saved_versions), read in C++.
+ *
+ * A trace keeps, beside each saved tensor, its version when it was saved; at the end it drops what a
+ * write capture could not see has changed since (a ``.data`` write, a NumPy view), and what a torch.func
+ * transform made (its internal wrapper).  From Python both reads go through bindings that cost more than
+ * the rest of a small op's record: ``t._version`` and ``is_functorch_wrapped_tensor`` (a pybind call),
+ * about 0.25 us per saved tensor.  Here both are read off the TensorImpl.
+ *
+ * stale(saved, saved_versions): the indices, in ``saved_versions`` order, whose tensor's version is no
+ * longer the one saved; or None where this check cannot answer exactly as the Python loop does, which
+ * then runs instead: a value that is not a plain ``torch.Tensor`` or ``Parameter`` (a subclass may answer
+ * ``_version`` itself), a tensor carrying a functorch or functionalization key (the Python predicate
+ * decides those), an inference tensor with a version to compare, a version that is not an int, or an
+ * index missing from ``saved``.
+ *
+ * Built against torch's headers like ``_autograd``, and used only with the torch it was built for.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <c10/core/DispatchKeySet.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+/* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
+#define TORCHLENS_ACCEL_ABI 1
+
+#ifndef TORCHLENS_TORCH_VERSION
+#error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
+#endif
+
+namespace {
+
+/* The keys ``is_functorch_wrapped_tensor`` looks for (a batched tensor, a grad wrapper, a functional
+ * tensor): a tensor with none of them is not wrapped. */
+const c10::DispatchKeySet kWrapperKeys({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::BatchedNestedTensor,
+                                        c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::Functionalize});
+
+/* 1 when every saved value is a plain tensor no transform wrapped, 0 when the Python loop must decide. */
+int all_plain(PyObject *saved) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(saved, &pos, &key, &value)) {
+        if (!THPVariable_CheckExact(value)) return 0;
+        const at::Tensor &t = THPVariable_Unpack(value);
+        if (t.unsafeGetTensorImpl()->key_set().has_any(kWrapperKeys)) return 0;
+    }
+    return 1;
+}
+
+PyObject *stale(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "stale(saved, saved_versions) takes two dicts");
+        return nullptr;
+    }
+    PyObject *saved = args[0], *versions = args[1];
+    if (!all_plain(saved)) Py_RETURN_NONE;
+    PyObject *changed = PyList_New(0);
+    if (changed == nullptr) return nullptr;
+    Py_ssize_t pos = 0;
+    PyObject *index, *version;
+    while (PyDict_Next(versions, &pos, &index, &version)) {
+        if (version == Py_None) continue;
+        PyObject *value = PyDict_GetItemWithError(saved, index);
+        if (value == nullptr || !PyLong_CheckExact(version)) {
+            Py_DECREF(changed);
+            if (PyErr_Occurred()) return nullptr;
+            Py_RETURN_NONE;
+        }
+        const at::Tensor &t = THPVariable_Unpack(value);
+        long long expected = PyLong_AsLongLong(version);
+        if (expected == -1 && PyErr_Occurred()) {
+            Py_DECREF(changed);
+            return nullptr;
+        }
+        if (t.is_inference()) {  /* ``_version`` raises for it: the Python loop says so */
+            Py_DECREF(changed);
+            Py_RETURN_NONE;
+        }
+        if (static_cast<long long>(t._version()) != expected && PyList_Append(changed, index) < 0) {
+            Py_DECREF(changed);
+            return nullptr;
+        }
+    }
+    return changed;
+}
+
+PyMethodDef saved_methods[] = {
+    {"stale", (PyCFunction)(void (*)(void))stale, METH_FASTCALL,
+     "stale(saved, saved_versions): the indices whose saved tensor changed version since it was saved, in "
+     "saved_versions order; None where the Python check must decide."},
+    {nullptr},
+};
+
+PyModuleDef saved_module = {PyModuleDef_HEAD_INIT, "_saved",
+                            "The end-of-trace version check of saved activations, read in C++.", -1, saved_methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__saved(void) {
+    PyObject *m = PyModule_Create(&saved_module);
+    if (m == nullptr) return nullptr;
+    if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0 ||
+        PyModule_AddStringConstant(m, "TORCH_VERSION", TORCHLENS_TORCH_VERSION) < 0) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}

@@ -1,0 +1,106 @@
+"""The compiled end-of-trace check of saved activations (torchlens-accel's ``_saved``) against the Python one.
+
+``CaptureState.check_saved_versions`` asks ``_saved.stale`` first and runs its own loop only where that
+answers None.  Each case here builds the two dicts a trace keeps (``saved``: index -> tensor, and
+``saved_versions``: index -> version when saved, or None) and checks that the compiled check gives the
+Python loop's answer, or None where the Python loop must decide (subclasses, functorch wrappers, inference
+tensors with a version, malformed entries).  The end-to-end cases (a write that bypasses capture, beside an
+inference tensor) are in tests/test_record.py, run on both paths by the Makefile.  Skipped, saying so,
+when the module is not built; ``TORCHLENS_REQUIRE_ACCEL=1`` makes that a failure.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchlens as tl
+from accel_paths import compiled_or_skip, on_path
+from torchlens.capture.state import CaptureState
+
+_saved = compiled_or_skip("_saved")
+
+
+def python_answer(saved: dict, versions: dict) -> list:
+    state = CaptureState(save_mode=1)
+    state.saved, state.saved_versions = dict(saved), dict(versions)
+    return state._stale_in_python()
+
+
+def test_unchanged_and_written_tensors_match_the_python_loop():
+    tensors = [torch.randn(3) for _ in range(6)]
+    saved = dict(enumerate(tensors))
+    versions = {i: t._version for i, t in saved.items()}
+    assert _saved.stale(saved, versions) == [] == python_answer(saved, versions)
+    tensors[4].add_(1)
+    tensors[1].mul_(2)
+    assert _saved.stale(saved, versions) == [1, 4] == python_answer(saved, versions)
+
+
+def test_a_detached_alias_shares_its_base_version():
+    base = torch.randn(3, requires_grad=True)
+    alias = (base * 2).detach()
+    saved, versions = {0: alias}, {0: alias._version}
+    alias.add_(1)
+    assert _saved.stale(saved, versions) == [0] == python_answer(saved, versions)
+
+
+def test_parameters_are_read_like_tensors():
+    p = torch.nn.Parameter(torch.ones(2))
+    saved, versions = {3: p}, {3: p._version}
+    assert _saved.stale(saved, versions) == []
+    with torch.no_grad():
+        p.add_(1)
+    assert _saved.stale(saved, versions) == [3] == python_answer(saved, versions)
+
+
+def test_entries_without_a_version_are_skipped():
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    written = torch.ones(2)
+    saved, versions = {0: frozen, 1: written}, {0: None, 1: written._version}
+    written.add_(1)
+    assert _saved.stale(saved, versions) == [1] == python_answer(saved, versions)
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("saved, versions", [
+    pytest.param({0: torch.ones(2).as_subclass(Tagged)}, {0: 0}, id="subclass"),
+    pytest.param({0: torch.ones(2)}, {1: 0}, id="missing index"),
+    pytest.param({0: torch.ones(2)}, {0: 0.0}, id="version not an int"),
+])
+def test_what_the_python_loop_must_decide_is_left_to_it(saved, versions):
+    assert _saved.stale(saved, versions) is None
+
+
+def test_an_inference_tensor_with_a_version_is_left_to_python():
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    assert _saved.stale({0: frozen}, {0: 0}) is None
+
+
+def test_a_tensor_a_functorch_transform_wrapped_is_left_to_python():
+    inner = []
+    torch.func.vmap(lambda row: inner.append(row) or row * 2)(torch.ones(3, 2))
+    assert _saved.stale({0: torch.ones(2), 1: inner[0]}, {0: 0, 1: 0}) is None
+
+
+def test_bad_arguments_say_what_is_expected():
+    with pytest.raises(TypeError, match="two dicts"):
+        _saved.stale({}, [])
+
+
+@pytest.mark.parametrize("without", [(), ("_saved",)], ids=["compiled check", "python check"])
+def test_a_write_that_bypasses_capture_is_dropped_on_either_check(without):
+    def f(x):
+        y = x * 2
+        with torch._C.DisableTorchFunction():
+            y.add_(1)
+        return y.sum()
+
+    with on_path(True, without=without), pytest.warns(UserWarning, match="dropped saved activations.*mul_1_1:1"):
+        log = tl.trace(f, torch.ones(2))
+    assert set(log.dropped_activations) == {log["mul_1_1:1"].index}
