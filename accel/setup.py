@@ -1,10 +1,11 @@
 """The compiled modules of torchlens-accel.
 
 ``_capture``, ``_grads`` and ``_index`` are plain C against the CPython API.  ``_autograd`` (gradient hooks as
-autograd's own C++ hooks) and ``_saved`` (the end-of-trace version check of saved activations) are built
+autograd's own C++ hooks) and ``_reads`` (reads of torch state that its Python bindings make slowly) are built
 against torch's headers, so only where torch is importable when building (``pip install
 --no-build-isolation ./accel``); each records the torch it was built for, and torchlens uses it only with
-that torch.  Without them, gradient capture takes the ``_grads`` hooks and the check runs in Python.
+that torch.  Without them, gradient capture takes the ``_grads`` hooks and those reads go through torch's
+own bindings.
 """
 
 from setuptools import Extension, setup
@@ -22,7 +23,7 @@ except ImportError:  # an isolated build, or no torch: the C++ hooks are left ou
 else:
     built_for = ["-O2", f'-DTORCHLENS_TORCH_VERSION="{torch.__version__}"']
     modules += [CppExtension(f"torchlens_accel.{name}", [f"src/torchlens_accel/{name}.cpp"], extra_compile_args=built_for)
-                for name in ("_autograd", "_saved")]
+                for name in ("_autograd", "_reads")]
     commands["build_ext"] = BuildExtension.with_options(use_ninja=False)
 
 setup(ext_modules=modules, cmdclass=commands)

@@ -22,8 +22,9 @@
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
 
-/* The code objects whose frame verdicts a handler remembers (a power of two). */
+/* The code objects whose frame verdicts a handler remembers, and the sites it made (powers of two). */
 #define VERDICTS_SEEN 64
+#define SITES_SEEN 64
 
 typedef struct {
     PyObject_HEAD
@@ -66,6 +67,9 @@ typedef struct {
     PyObject *held[7];
     /* The verdicts already read in this trace, by code object (direct-mapped; see ``verdict_of``). */
     struct { PyObject *code; long verdict; } seen[VERDICTS_SEEN];
+    /* The (code, offset) site tuples already made in this trace, direct-mapped (see ``site_at``); each
+     * holds its code, so no code's address is reused while it is here. */
+    struct { PyObject *code; int lasti; PyObject *site; } sites[SITES_SEEN];
 } Handler;
 
 enum { H_CALLS, H_RECORDS, H_PRODUCERS, H_SAVED, H_SAVED_VERSIONS, H_MODULE_STACK, H_CALL_FRAMES, N_HELD };
@@ -308,12 +312,31 @@ static int answer(PyObject *site, PyObject *code, PyObject *line, PyObject **out
     return 1;
 }
 
-static PyObject *site_of(PyObject *code, PyFrameObject *frame) {
-    PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+/* The site ``(code, lasti)``, a new reference: within a trace the same tuple for the same site (most ops
+ * come from a few lines, and each record holds its site and its line, which need not be new objects). */
+static PyObject *site_at(Handler *h, PyObject *code, int lasti) {
+    size_t slot = (((uintptr_t)code >> 4) ^ ((size_t)lasti * 0x9E3779B1u)) & (SITES_SEEN - 1);
+    if (h->sites[slot].site != NULL && h->sites[slot].code == code && h->sites[slot].lasti == lasti)
+        return Py_NewRef(h->sites[slot].site);
+    PyObject *line = PyLong_FromLong(lasti);
     if (line == NULL) return NULL;
     PyObject *site = PyTuple_Pack(2, code, line);
     Py_DECREF(line);
+    if (site == NULL) return NULL;
+    Py_XSETREF(h->sites[slot].site, Py_NewRef(site));
+    h->sites[slot].code = code;
+    h->sites[slot].lasti = lasti;
     return site;
+}
+
+static PyObject *site_of(Handler *h, PyObject *code, PyFrameObject *frame) {
+    return site_at(h, code, PyFrame_GetLasti(frame));
+}
+
+/* ``answer`` for the user frame ``frame`` running ``code``: its site, and its code and line. */
+static int user_answer(Handler *h, PyObject *code, PyFrameObject *frame, PyObject **out) {
+    PyObject *site = site_of(h, code, frame);
+    return site != NULL ? answer(site, code, PyTuple_GET_ITEM(site, 1), out) : -1;
 }
 
 /* ``FrameClassifier.locate``'s walk up from ``frame``, for frames whose verdicts are known: 1 with
@@ -333,11 +356,12 @@ static int walk(Handler *h, PyFrameObject *frame, PyObject *own_code, PyObject *
             goto done;
         }
         if (verdict == h->user) {
-            PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
-            if (line != NULL) {
-                PyObject *found = site != NULL ? Py_NewRef(site) : PyTuple_Pack(2, code, line);
-                result = answer(found, code, line, out);
-                Py_DECREF(line);
+            if (site == NULL) {
+                result = user_answer(h, code, frame, out);
+            } else {
+                PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+                result = line != NULL ? answer(Py_NewRef(site), code, line, out) : -1;
+                Py_XDECREF(line);
             }
             Py_DECREF(code);
             goto done;
@@ -357,7 +381,7 @@ static int walk(Handler *h, PyFrameObject *frame, PyObject *own_code, PyObject *
             Py_DECREF(user);
             goto done;
         }
-        if (verdict == h->skip && site == NULL && code != own_code && (site = site_of(code, frame)) == NULL) {
+        if (verdict == h->skip && site == NULL && code != own_code && (site = site_of(h, code, frame)) == NULL) {
             Py_DECREF(code);
             goto done;
         }
@@ -407,16 +431,14 @@ static int dispatched(Handler *h, PyFrameObject *frame, PyObject *func, PyObject
     if (verdict == -2) {
         result = -1;
     } else if (verdict == h->user) {
-        PyObject *line = PyLong_FromLong(PyFrame_GetLasti(caller));
-        result = line ? answer(PyTuple_Pack(2, code, line), code, line, out) : -1;
-        Py_XDECREF(line);
+        result = user_answer(h, code, caller, out);
     } else {
         PyFrameObject *back = verdict == h->skip && module_index >= 0 ? PyFrame_GetBack(caller) : NULL;
         int by_call = back != NULL && called_by_module_call(h, back);
         Py_XDECREF(back);
         if (by_call) {
             PyObject *user = module_call_frame(h, module_call);
-            result = user ? answer(site_of(code, caller), PyTuple_GET_ITEM(user, 0), PyTuple_GET_ITEM(user, 1), out) : -1;
+            result = user ? answer(site_of(h, code, caller), PyTuple_GET_ITEM(user, 0), PyTuple_GET_ITEM(user, 1), out) : -1;
             Py_XDECREF(user);
         } else {
             result = walk(h, caller, own_code, module_call, module_index, out);
@@ -441,9 +463,7 @@ static int find_site(Handler *h, PyObject *func, PyObject *module_call, long mod
     }
     int known = 0;
     if (verdict == h->user) {
-        PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
-        known = line ? answer(PyTuple_Pack(2, code, line), code, line, found) : -1;
-        Py_XDECREF(line);
+        known = user_answer(h, code, frame, found);
     } else if (verdict == h->skip && module_index >= 0 && Py_TYPE(func) != (PyTypeObject *)h->function_type) {
         /* A builtin called straight from a torch module's forward (F.linear in nn.Linear). */
         PyFrameObject *back = PyFrame_GetBack(frame);
@@ -451,7 +471,7 @@ static int find_site(Handler *h, PyObject *func, PyObject *module_call, long mod
         Py_XDECREF(back);
         if (by_call) {
             PyObject *user = module_call_frame(h, module_call);
-            known = user ? answer(site_of(code, frame), PyTuple_GET_ITEM(user, 0), PyTuple_GET_ITEM(user, 1), found) : -1;
+            known = user ? answer(site_of(h, code, frame), PyTuple_GET_ITEM(user, 0), PyTuple_GET_ITEM(user, 1), found) : -1;
             Py_XDECREF(user);
         }
     }
@@ -1283,6 +1303,7 @@ static int handler_traverse(Handler *h, visitproc visit, void *arg) {
     HANDLER_OBJECTS(VISIT)
 #undef VISIT
     for (int i = 0; i < N_HELD; i++) Py_VISIT(h->held[i]);
+    for (int i = 0; i < SITES_SEEN; i++) Py_VISIT(h->sites[i].site);
     return 0;
 }
 
@@ -1291,6 +1312,7 @@ static int handler_clear(Handler *h) {
     HANDLER_OBJECTS(CLEAR)
 #undef CLEAR
     for (int i = 0; i < N_HELD; i++) Py_CLEAR(h->held[i]);
+    for (int i = 0; i < SITES_SEEN; i++) Py_CLEAR(h->sites[i].site);
     return 0;
 }
 

@@ -4,10 +4,11 @@ Pure Python is the default and records everything.  When ``torchlens_accel`` is 
 this revision (each module's ``ABI`` equals the one named here), capture uses its compiled versions of
 the hot path instead; they record exactly what the pure-Python path records, which the test suite checks
 by tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
-capture on the pure-Python path.  Two modules, ``_autograd`` (gradient hooks as autograd's C++ hooks) and
-``_saved`` (the end-of-trace version check of saved activations), are built against torch's headers: each
-is used only with the torch it was built for; without them gradient capture takes the ``_grads`` hooks and
-the check runs in Python.
+capture on the pure-Python path.  Two modules are built against torch's headers: ``_autograd`` (gradient
+hooks as autograd's C++ hooks) and ``_reads`` (reads of torch's state that its Python bindings make
+slowly: saved tensors' versions at the end of a trace, the autocast state per op).  Each is used only
+with the torch it was built for; without them gradient capture takes the ``_grads`` hooks and the reads
+go through torch's bindings.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import warnings
 
 # What each compiled module must be built for (its ``ABI``): bumped, here and in its C file, whenever the
 # objects it exchanges with this package change shape.
-ABI = {"_capture": 4, "_grads": 1, "_index": 1, "_autograd": 2, "_saved": 1}
+ABI = {"_capture": 4, "_grads": 1, "_index": 1, "_autograd": 2, "_reads": 1}
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}

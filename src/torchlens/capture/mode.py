@@ -391,6 +391,13 @@ def _compiled_handler(compiled, mode):
 _templates: dict = {}  # compiled module -> its Handler template
 
 
+def _compiled_any_autocast():
+    """``_is_any_autocast_enabled`` as torchlens-accel's ``_reads`` answers it (without the list of device
+    types torch's binding builds per call), or torch's own where that module is not built for this torch."""
+    reads = accel.compiled("_reads")
+    return reads.any_autocast if reads is not None else _any_autocast
+
+
 def _handler_template(compiled):
     """A handler for no capture, holding every object the C needs (it imports nothing): what each trace's
     handler shares, made once per process."""
@@ -402,7 +409,7 @@ def _handler_template(compiled):
         running_stats=RUNNING_STATS_FLAGS, buffer_kind=BUFFER, no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
         record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
         verdicts=_verdicts, locate=None, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
-        call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_any_autocast,
+        call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_compiled_any_autocast(),
         getters=_GETTER_DESCRIPTORS, user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME, stop=_STOP_FRAME,
         boundary=_BOUNDARY_FRAME)
 

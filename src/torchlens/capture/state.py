@@ -396,7 +396,7 @@ class CaptureState:
 
     def check_saved_versions(self) -> list:
         """Drop and report saved activations mutated by means capture could not see."""
-        compiled = accel.compiled("_saved")
+        compiled = accel.compiled("_reads")
         mutated = compiled.stale(self.saved, self.saved_versions) if compiled is not None else None
         if mutated is None:  # the compiled check cannot answer (or is not built): the same check here
             mutated = self._stale_in_python()

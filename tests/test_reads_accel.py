@@ -1,10 +1,12 @@
-"""The compiled end-of-trace check of saved activations (torchlens-accel's ``_saved``) against the Python one.
+"""torchlens-accel's ``_reads`` (reads of torch state in C++) against the Python reads it replaces.
 
-``CaptureState.check_saved_versions`` asks ``_saved.stale`` first and runs its own loop only where that
+``CaptureState.check_saved_versions`` asks ``_reads.stale`` first and runs its own loop only where that
 answers None.  Each case here builds the two dicts a trace keeps (``saved``: index -> tensor, and
 ``saved_versions``: index -> version when saved, or None) and checks that the compiled check gives the
 Python loop's answer, or None where the Python loop must decide (subclasses, functorch wrappers, inference
-tensors with a version, malformed entries).  The end-to-end cases (a write that bypasses capture, beside an
+tensors with a version, malformed entries).  ``any_autocast`` is checked against
+``torch._C._is_any_autocast_enabled`` with autocast switched on for each device type torch accepts.  The
+end-to-end cases (a write that bypasses capture, beside an
 inference tensor) are in tests/test_record.py, run on both paths by the Makefile.  Skipped, saying so,
 when the module is not built; ``TORCHLENS_REQUIRE_ACCEL=1`` makes that a failure.
 """
@@ -18,7 +20,7 @@ import torchlens as tl
 from accel_paths import compiled_or_skip, on_path
 from torchlens.capture.state import CaptureState
 
-_saved = compiled_or_skip("_saved")
+_reads = compiled_or_skip("_reads")
 
 
 def python_answer(saved: dict, versions: dict) -> list:
@@ -31,10 +33,10 @@ def test_unchanged_and_written_tensors_match_the_python_loop():
     tensors = [torch.randn(3) for _ in range(6)]
     saved = dict(enumerate(tensors))
     versions = {i: t._version for i, t in saved.items()}
-    assert _saved.stale(saved, versions) == [] == python_answer(saved, versions)
+    assert _reads.stale(saved, versions) == [] == python_answer(saved, versions)
     tensors[4].add_(1)
     tensors[1].mul_(2)
-    assert _saved.stale(saved, versions) == [1, 4] == python_answer(saved, versions)
+    assert _reads.stale(saved, versions) == [1, 4] == python_answer(saved, versions)
 
 
 def test_a_detached_alias_shares_its_base_version():
@@ -42,16 +44,16 @@ def test_a_detached_alias_shares_its_base_version():
     alias = (base * 2).detach()
     saved, versions = {0: alias}, {0: alias._version}
     alias.add_(1)
-    assert _saved.stale(saved, versions) == [0] == python_answer(saved, versions)
+    assert _reads.stale(saved, versions) == [0] == python_answer(saved, versions)
 
 
 def test_parameters_are_read_like_tensors():
     p = torch.nn.Parameter(torch.ones(2))
     saved, versions = {3: p}, {3: p._version}
-    assert _saved.stale(saved, versions) == []
+    assert _reads.stale(saved, versions) == []
     with torch.no_grad():
         p.add_(1)
-    assert _saved.stale(saved, versions) == [3] == python_answer(saved, versions)
+    assert _reads.stale(saved, versions) == [3] == python_answer(saved, versions)
 
 
 def test_entries_without_a_version_are_skipped():
@@ -60,7 +62,7 @@ def test_entries_without_a_version_are_skipped():
     written = torch.ones(2)
     saved, versions = {0: frozen, 1: written}, {0: None, 1: written._version}
     written.add_(1)
-    assert _saved.stale(saved, versions) == [1] == python_answer(saved, versions)
+    assert _reads.stale(saved, versions) == [1] == python_answer(saved, versions)
 
 
 class Tagged(torch.Tensor):
@@ -73,27 +75,27 @@ class Tagged(torch.Tensor):
     pytest.param({0: torch.ones(2)}, {0: 0.0}, id="version not an int"),
 ])
 def test_what_the_python_loop_must_decide_is_left_to_it(saved, versions):
-    assert _saved.stale(saved, versions) is None
+    assert _reads.stale(saved, versions) is None
 
 
 def test_an_inference_tensor_with_a_version_is_left_to_python():
     with torch.inference_mode():
         frozen = torch.ones(2)
-    assert _saved.stale({0: frozen}, {0: 0}) is None
+    assert _reads.stale({0: frozen}, {0: 0}) is None
 
 
 def test_a_tensor_a_functorch_transform_wrapped_is_left_to_python():
     inner = []
     torch.func.vmap(lambda row: inner.append(row) or row * 2)(torch.ones(3, 2))
-    assert _saved.stale({0: torch.ones(2), 1: inner[0]}, {0: 0, 1: 0}) is None
+    assert _reads.stale({0: torch.ones(2), 1: inner[0]}, {0: 0, 1: 0}) is None
 
 
 def test_bad_arguments_say_what_is_expected():
     with pytest.raises(TypeError, match="two dicts"):
-        _saved.stale({}, [])
+        _reads.stale({}, [])
 
 
-@pytest.mark.parametrize("without", [(), ("_saved",)], ids=["compiled check", "python check"])
+@pytest.mark.parametrize("without", [(), ("_reads",)], ids=["compiled check", "python check"])
 def test_a_write_that_bypasses_capture_is_dropped_on_either_check(without):
     def f(x):
         y = x * 2
@@ -104,3 +106,48 @@ def test_a_write_that_bypasses_capture_is_dropped_on_either_check(without):
     with on_path(True, without=without), pytest.warns(UserWarning, match="dropped saved activations.*mul_1_1:1"):
         log = tl.trace(f, torch.ones(2))
     assert set(log.dropped_activations) == {log["mul_1_1:1"].index}
+
+
+_AUTOCAST_DEVICE_NAMES = ("cpu", "cuda", "xpu", "ipu", "hpu", "xla", "privateuseone", "mps", "mtia", "maia")
+
+
+@pytest.mark.parametrize("device", _AUTOCAST_DEVICE_NAMES)
+def test_any_autocast_answers_as_torch_for_each_device_type(device):
+    assert _reads.any_autocast() is torch._C._is_any_autocast_enabled() is False
+    try:
+        previous = torch.is_autocast_enabled(device)
+        torch.set_autocast_enabled(device, True)
+    except (RuntimeError, ValueError):
+        pytest.skip(f"torch has no autocast state for {device}")
+    try:
+        assert _reads.any_autocast() is torch._C._is_any_autocast_enabled()
+    finally:
+        torch.set_autocast_enabled(device, previous)
+    assert _reads.any_autocast() is False
+
+
+class AutocastInside(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.fc(x)
+        return y.float() + 1
+
+
+def test_an_op_run_under_autocast_inside_forward_is_noted_as_on_the_python_path():
+    from torchlens.capture import mode
+
+    assert mode._compiled_any_autocast() is _reads.any_autocast
+    model, x = AutocastInside(), torch.randn(2, 4)
+    noted = {}
+    for compiled in (True, False):
+        with on_path(compiled):
+            log = tl.trace(model, x)
+        noted[compiled] = log._replay.contexts
+        assert log["linear_1_1:1"].dtype == torch.bfloat16
+        assert log.validate().passed
+    assert noted[True] == noted[False] and len(noted[True]) == 1

@@ -1,23 +1,30 @@
-/* The end-of-trace check of saved activations (CaptureState.check_saved_versions), read in C++.
+/* Reads of torch's state that its Python bindings make slowly, for the hot path and the end of a trace.
  *
- * A trace keeps, beside each saved tensor, its version when it was saved; at the end it drops what a
- * write capture could not see has changed since (a ``.data`` write, a NumPy view), and what a torch.func
- * transform made (its internal wrapper).  From Python both reads go through bindings that cost more than
- * the rest of a small op's record: ``t._version`` and ``is_functorch_wrapped_tensor`` (a pybind call),
- * about 0.25 us per saved tensor.  Here both are read off the TensorImpl.
+ * stale(saved, saved_versions)
+ *     The end-of-trace check of saved activations (CaptureState.check_saved_versions).  A trace keeps,
+ *     beside each saved tensor, its version when it was saved; at the end it drops what a write capture
+ *     could not see has changed since (a write with torch functions disabled, say), and what a torch.func
+ *     transform made (its internal wrapper).  From Python both reads go through bindings that cost more
+ *     than the rest of a small op's record (``t._version`` and the pybind call
+ *     ``is_functorch_wrapped_tensor``: about 0.25 us per saved tensor); here both are read off the
+ *     TensorImpl.  Returns the indices, in ``saved_versions`` order, whose tensor's version is no longer
+ *     the one saved; or None where it cannot answer exactly as the Python loop does, which then runs
+ *     instead: a value that is not a plain ``torch.Tensor`` or ``Parameter`` (a subclass may answer
+ *     ``_version`` itself), a tensor carrying a functorch or functionalization key (the Python predicate
+ *     decides those), an inference tensor with a version to compare, a version that is not an int, or an
+ *     index missing from ``saved``.
  *
- * stale(saved, saved_versions): the indices, in ``saved_versions`` order, whose tensor's version is no
- * longer the one saved; or None where this check cannot answer exactly as the Python loop does, which
- * then runs instead: a value that is not a plain ``torch.Tensor`` or ``Parameter`` (a subclass may answer
- * ``_version`` itself), a tensor carrying a functorch or functionalization key (the Python predicate
- * decides those), an inference tensor with a version to compare, a version that is not an int, or an
- * index missing from ``saved``.
+ * any_autocast()
+ *     ``torch._C._is_any_autocast_enabled()``, which the handler asks once per op (whether the op ran
+ *     under autocast: its context is then recorded); torch's binding builds a vector of device types per
+ *     call.  The same device types, asked of the same thread-local state.
  *
  * Built against torch's headers like ``_autograd``, and used only with the torch it was built for.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <ATen/autocast_mode.h>
 #include <c10/core/DispatchKeySet.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -84,20 +91,34 @@ PyObject *stale(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return changed;
 }
 
-PyMethodDef saved_methods[] = {
+/* The device types torch's ``_is_any_autocast_enabled`` asks about (tests/test_reads_accel.py checks
+ * each device type torch accepts against it). */
+const c10::DeviceType kAutocastDevices[] = {at::kCPU, at::kCUDA, at::kXPU, at::kIPU, at::kHPU, at::kXLA,
+                                            at::kPrivateUse1, at::kMTIA};
+
+PyObject *any_autocast(PyObject *, PyObject *) {
+    for (c10::DeviceType device : kAutocastDevices) {
+        if (at::autocast::is_autocast_enabled(device)) Py_RETURN_TRUE;
+    }
+    Py_RETURN_FALSE;
+}
+
+PyMethodDef reads_methods[] = {
     {"stale", (PyCFunction)(void (*)(void))stale, METH_FASTCALL,
      "stale(saved, saved_versions): the indices whose saved tensor changed version since it was saved, in "
      "saved_versions order; None where the Python check must decide."},
+    {"any_autocast", (PyCFunction)any_autocast, METH_NOARGS,
+     "torch._C._is_any_autocast_enabled(), read without building a list of device types."},
     {nullptr},
 };
 
-PyModuleDef saved_module = {PyModuleDef_HEAD_INIT, "_saved",
-                            "The end-of-trace version check of saved activations, read in C++.", -1, saved_methods};
+PyModuleDef reads_module = {PyModuleDef_HEAD_INIT, "_reads",
+                            "Reads of torch's state that its Python bindings make slowly.", -1, reads_methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__saved(void) {
-    PyObject *m = PyModule_Create(&saved_module);
+PyMODINIT_FUNC PyInit__reads(void) {
+    PyObject *m = PyModule_Create(&reads_module);
     if (m == nullptr) return nullptr;
     if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0 ||
         PyModule_AddStringConstant(m, "TORCH_VERSION", TORCHLENS_TORCH_VERSION) < 0) {
