@@ -90,9 +90,11 @@ def test_a_tensor_a_functorch_transform_wrapped_is_left_to_python():
     assert _reads.stale({0: torch.ones(2), 1: inner[0]}, {0: 0, 1: 0}) is None
 
 
-def test_bad_arguments_say_what_is_expected():
-    with pytest.raises(TypeError, match="two dicts"):
-        _reads.stale({}, [])
+def test_containers_other_than_dicts_are_left_to_python():
+    assert _reads.stale({0: torch.ones(1)}, [0]) is None
+    assert _reads.stale(type("Saved", (dict,), {})({0: torch.ones(1)}), {0: 0}) is None
+    with pytest.raises(TypeError, match="two arguments"):
+        _reads.stale({})
 
 
 @pytest.mark.parametrize("without", [(), ("_reads",)], ids=["compiled check", "python check"])

@@ -11,8 +11,8 @@
  *     the one saved; or None where it cannot answer exactly as the Python loop does, which then runs
  *     instead: a value that is not a plain ``torch.Tensor`` or ``Parameter`` (a subclass may answer
  *     ``_version`` itself), a tensor carrying a functorch or functionalization key (the Python predicate
- *     decides those), an inference tensor with a version to compare, a version that is not an int, or an
- *     index missing from ``saved``.
+ *     decides those), an inference tensor with a version to compare, a version that is not an int, an
+ *     index missing from ``saved``, or containers other than plain dicts.
  *
  * any_autocast()
  *     ``torch._C._is_any_autocast_enabled()``, which the handler asks once per op (whether the op ran
@@ -55,12 +55,12 @@ int all_plain(PyObject *saved) {
 }
 
 PyObject *stale(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "stale(saved, saved_versions) takes two dicts");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "stale(saved, saved_versions) takes two arguments");
         return nullptr;
     }
     PyObject *saved = args[0], *versions = args[1];
-    if (!all_plain(saved)) Py_RETURN_NONE;
+    if (!PyDict_CheckExact(saved) || !PyDict_CheckExact(versions) || !all_plain(saved)) Py_RETURN_NONE;
     PyObject *changed = PyList_New(0);
     if (changed == nullptr) return nullptr;
     Py_ssize_t pos = 0;
