@@ -17,7 +17,7 @@
  * any_autocast()
  *     ``torch._C._is_any_autocast_enabled()``, which the handler asks once per op (whether the op ran
  *     under autocast: its context is then recorded); torch's binding builds a vector of device types per
- *     call.  The same device types, asked of the same thread-local state.
+ *     call.  The same device types, asked of the same thread-local state in one read.
  *
  * Built against torch's headers like ``_autograd``, and used only with the torch it was built for.
  */
@@ -26,6 +26,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
@@ -96,10 +97,21 @@ PyObject *stale(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 const c10::DeviceType kAutocastDevices[] = {at::kCPU, at::kCUDA, at::kXPU, at::kIPU, at::kHPU, at::kXLA,
                                             at::kPrivateUse1, at::kMTIA};
 
+/* Their autocast dispatch keys: autocast is on for a device type while its key is not excluded on this
+ * thread (what ``at::autocast::is_autocast_enabled`` asks, one thread-local read per device type). */
+c10::DispatchKeySet autocast_keys() {
+    c10::DispatchKeySet keys;
+    for (c10::DeviceType device : kAutocastDevices)
+        keys = keys | c10::DispatchKeySet(at::autocast::get_autocast_dispatch_key_from_device_type(device));
+    return keys;
+}
+
+const c10::DispatchKeySet kAutocastKeys = autocast_keys();
+
+/* Whether any of those keys is not excluded: one read of the thread's dispatch key set. */
 PyObject *any_autocast(PyObject *, PyObject *) {
-    for (c10::DeviceType device : kAutocastDevices) {
-        if (at::autocast::is_autocast_enabled(device)) Py_RETURN_TRUE;
-    }
+    c10::DispatchKeySet excluded = c10::impl::tls_local_dispatch_key_set().excluded_;
+    if ((excluded & kAutocastKeys) != kAutocastKeys) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
 }
 
