@@ -143,7 +143,8 @@ class AutocastInside(torch.nn.Module):
 def test_an_op_run_under_autocast_inside_forward_is_noted_as_on_the_python_path():
     from torchlens.capture import mode
 
-    assert mode._compiled_any_autocast() is _reads.any_autocast
+    with on_path(True):  # what a handler template takes when the compiled path is on
+        assert mode._compiled_reads() == (_reads.any_autocast, _reads.fast_reads)
     model, x = AutocastInside(), torch.randn(2, 4)
     noted = {}
     for compiled in (True, False):
@@ -153,3 +154,46 @@ def test_an_op_run_under_autocast_inside_forward_is_noted_as_on_the_python_path(
         assert log["linear_1_1:1"].dtype == torch.bfloat16
         assert log.validate().passed
     assert noted[True] == noted[False] and len(noted[True]) == 1
+
+
+def _mixed_outputs(x):
+    nested = torch.nested.nested_tensor([x, x[:1]])  # its shape is not a torch.Size: the getters answer
+    on_meta = torch.empty(2, 3, device="meta") + 1
+    weight = torch.nn.Parameter(torch.ones(3))
+    return nested.sin(), on_meta, (x.to(torch.float16) * 2), (x * weight).sum(), x.t().contiguous()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_the_fast_tensor_reads_record_what_the_getters_record():
+    """The compiled handler reads an output's fields through ``_reads.fast_reads`` (a nested tensor's
+    through the getters); the pure-Python path reads torch's getters: the columns are the same."""
+    x = torch.randn(2, 3)
+    columns = {}
+    for compiled in (True, False):
+        with on_path(compiled):
+            log = tl.trace(_mixed_outputs, x)
+        columns[compiled] = [(op.label, op.shape, op.dtype, op.device, op.requires_grad) for op in log.ops]
+    assert columns[True] == columns[False]
+    assert {device.type for _, _, _, device, _ in columns[True]} == {"cpu", "meta"}
+
+
+def test_the_context_read_answers_as_torch():
+    """``fast_reads``'s grad-mode and autocast read, through a trace: an op run under no_grad or autocast
+    inside the forward has its context noted on the compiled path exactly as on the Python path."""
+
+    def f(x):
+        with torch.no_grad():
+            y = x * 2
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = torch.mm(y, y.t())
+        return z.float() + x.sum()
+
+    x = torch.randn(3, 3, requires_grad=True)
+    noted = {}
+    for compiled in (True, False):
+        with on_path(compiled):
+            noted[compiled] = tl.trace(f, x)._replay.contexts
+    assert noted[True] == noted[False]
+    # x * 2 under no_grad; y.t() and the mm under autocast
+    assert sorted(noted[True].values(), key=repr) == [(False, {}), (True, {"cpu": torch.bfloat16}),
+                                                      (True, {"cpu": torch.bfloat16})]

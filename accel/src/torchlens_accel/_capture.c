@@ -13,11 +13,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "fast_reads.h"
 #include <structmember.h>
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 4
+#define TORCHLENS_ACCEL_ABI 5
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -59,6 +60,7 @@ typedef struct {
     PyObject *grad_enabled;   /* torch.is_grad_enabled */
     PyObject *any_autocast;   /* torch._C._is_any_autocast_enabled */
     PyObject *getters;        /* the tensor attributes' data descriptors, in GETTER order, or None */
+    const FastReads *fast;    /* torchlens-accel's _reads (fast_reads.h), or NULL: then the getters */
     long user, skip, dispatch, stop, boundary;  /* the frame verdicts (capture/source.py) */
     /* The state's raw lists and dicts, in HELD order: a CaptureState makes them in its constructor and
      * keeps them for the whole trace, so they are looked up once, when the handler is bound, instead of
@@ -89,6 +91,12 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
 
 static PyObject *empty_tuple, *one;
 
+/* An exact torch.Tensor or Parameter (a subclass may answer its attributes itself). */
+static int is_plain_tensor(Handler *h, PyObject *t) {
+    PyTypeObject *type = Py_TYPE(t);
+    return type == (PyTypeObject *)h->tensor_type || type == (PyTypeObject *)h->parameter_type;
+}
+
 static PyObject *tensor_get(Handler *h, PyObject *t, int which) {
     PyTypeObject *type = Py_TYPE(t);
     if (h->getters != Py_None && (type == (PyTypeObject *)h->tensor_type || type == (PyTypeObject *)h->parameter_type)) {
@@ -96,6 +104,15 @@ static PyObject *tensor_get(Handler *h, PyObject *t, int which) {
         return Py_TYPE(d)->tp_descr_get(d, t, (PyObject *)type);
     }
     return PyObject_GetAttr(t, getter_names[which]);
+}
+
+/* ``t._version``, off the TensorImpl where ``_reads`` is built, else by its getter.  New reference. */
+static PyObject *read_version(Handler *h, PyObject *t) {
+    if (h->fast != NULL && is_plain_tensor(h, t)) {
+        PyObject *v = h->fast->version(t);
+        if (v != NULL || PyErr_Occurred()) return v;
+    }
+    return tensor_get(h, t, G_VERSION);
 }
 
 /* A state attribute, borrowed; an AttributeError when missing. */
@@ -129,7 +146,7 @@ static PyObject *now_ns(void) {
 
 /* ``t._version``, or ``st.version(t)`` (None, noting it) for an inference tensor.  New reference. */
 static PyObject *version_of(Handler *h, PyObject *t) {
-    PyObject *v = tensor_get(h, t, G_VERSION);
+    PyObject *v = read_version(h, t);
     if (v == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
         PyErr_Clear();
         v = PyObject_CallMethodOneArg(h->state, s_version_m, t);
@@ -535,20 +552,26 @@ static int truth_of(PyObject *v) {
  * it until the gradient watch has read it again, so that torch makes one node object per op, not two. */
 static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject *call_index, PyObject *slot,
                          int *rg_out, PyObject **node_out) {
-    PyObject *requires_grad = tensor_get(h, out, G_REQUIRES_GRAD);
-    if (requires_grad == NULL) return -1;
-    int rg = PyObject_IsTrue(requires_grad);
-    if (rg < 0) {
-        Py_DECREF(requires_grad);
-        return -1;
+    PyObject *requires_grad, *shape = NULL, *dtype = NULL, *device = NULL;
+    int rg = 0, read = h->fast != NULL && is_plain_tensor(h, out) ? h->fast->facts(out, &shape, &dtype, &device, &rg) : 1;
+    if (read < 0) return -1;
+    if (read == 0) {
+        requires_grad = Py_NewRef(rg ? Py_True : Py_False);
+    } else {
+        if ((requires_grad = tensor_get(h, out, G_REQUIRES_GRAD)) == NULL) return -1;
+        rg = PyObject_IsTrue(requires_grad);
+        if (rg < 0) {
+            Py_DECREF(requires_grad);
+            return -1;
+        }
+        shape = tensor_get(h, out, G_SHAPE);
+        if (shape == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  /* a nested tensor */
+            PyErr_Clear();
+            shape = PyObject_CallOneArg(h->shape_of, out);
+        }
+        dtype = shape ? tensor_get(h, out, G_DTYPE) : NULL;
+        device = dtype ? tensor_get(h, out, G_DEVICE) : NULL;
     }
-    PyObject *shape = tensor_get(h, out, G_SHAPE);
-    if (shape == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  /* a nested tensor */
-        PyErr_Clear();
-        shape = PyObject_CallOneArg(h->shape_of, out);
-    }
-    PyObject *dtype = shape ? tensor_get(h, out, G_DTYPE) : NULL;
-    PyObject *device = dtype ? tensor_get(h, out, G_DEVICE) : NULL;
     PyObject *grad_type = NULL;
     if (device != NULL) {
         if (rg) {
@@ -1177,7 +1200,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     for (int i = 0; i < nbound; i++) {
         int moved = bounds[i].version == Py_None;
         if (!moved) {
-            PyObject *after = tensor_get(h, bounds[i].t, G_VERSION);
+            PyObject *after = read_version(h, bounds[i].t);
             if (after == NULL) goto done;
             moved = PyObject_RichCompareBool(after, bounds[i].version, Py_NE);
             Py_DECREF(after);
@@ -1199,13 +1222,14 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     int saving = PyObject_IsTrue(save_mode);
     if (saving < 0) goto done;
     if (saving) {
-        PyObject *grad_on = PyObject_CallNoArgs(h->grad_enabled);
+        int now = h->fast != NULL ? h->fast->context() : -1;  /* grad mode | autocast << 1, or ask Python */
+        PyObject *grad_on = now >= 0 ? Py_NewRef(now & 1 ? Py_True : Py_False) : PyObject_CallNoArgs(h->grad_enabled);
         if (grad_on == NULL) goto done;
         PyObject *trace_grad = state_get(h, s_grad_enabled);
         int differs = trace_grad == NULL ? -1 : grad_on != trace_grad;
         Py_DECREF(grad_on);
         if (differs < 0) goto done;
-        if (!differs) differs = truth_of(PyObject_CallNoArgs(h->any_autocast));
+        if (!differs) differs = now >= 0 ? (now & 2) != 0 : truth_of(PyObject_CallNoArgs(h->any_autocast));
         if (differs < 0) goto done;
         if (!differs) {
             PyObject *any = state_get(h, s_any_autocast);
@@ -1328,19 +1352,20 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         "function_type", "plain_values", "tuple_values", "inplace_cache", "running_stats", "buffer_kind", "no_kwargs", "protect",
         "output_leaves", "record_output", "written_arguments", "shape_of", "verdicts", "locate",
         "dispatched_site", "call_impl", "call_impl_inner", "grad_enabled", "any_autocast", "getters", "user", "skip",
-        "dispatch", "stop", "boundary", NULL};
-    PyObject *mode;
+        "dispatch", "stop", "boundary", "fast_reads", NULL};
+    PyObject *mode, *fast_reads = Py_None;
     Handler *h = (Handler *)type->tp_alloc(type, 0);
     if (h == NULL) return NULL;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOO!O!O!O!OOOO!O!O!O!OO!OOOOOO!OOOOOOOlllll:Handler", names, &mode, &h->method, &h->state,
+            args, kwds, "OOOO!O!O!O!OOOO!O!O!O!OO!OOOOOO!OOOOOOOlllll|O:Handler", names, &mode, &h->method, &h->state,
             &PyFrozenSet_Type, &h->off_hot_path, &PyFrozenSet_Type, &h->not_ops, &PyFrozenSet_Type,
             &h->numpy_views, &PyDict_Type, &h->compiler_dict, &h->tensor_type,
             &h->parameter_type, &h->function_type, &PyFrozenSet_Type, &h->plain_values, &PyFrozenSet_Type,
             &h->tuple_values, &PyDict_Type, &h->inplace_cache, &PyDict_Type, &h->running_stats, &h->buffer_kind, &PyDict_Type, &h->no_kwargs, &h->protect,
             &h->output_leaves, &h->record_output, &h->written_arguments, &h->shape_of, &PyDict_Type,
             &h->verdicts, &h->locate, &h->dispatched_site, &h->call_impl, &h->call_impl_inner,
-            &h->grad_enabled, &h->any_autocast, &h->getters, &h->user, &h->skip, &h->dispatch, &h->stop, &h->boundary)) {
+            &h->grad_enabled, &h->any_autocast, &h->getters, &h->user, &h->skip, &h->dispatch, &h->stop, &h->boundary,
+            &fast_reads)) {
         memset(&h->mode_ref, 0, sizeof(Handler) - offsetof(Handler, mode_ref));
         Py_DECREF(h);
         return NULL;
@@ -1364,6 +1389,15 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
         if (!fits) {
             PyErr_SetString(PyExc_TypeError, "Handler: getters must be a tuple of the tensor attributes' data descriptors");
+            Py_DECREF(h);
+            return NULL;
+        }
+    }
+    if (fast_reads != Py_None) {
+        h->fast = PyCapsule_GetPointer(fast_reads, TORCHLENS_FAST_READS_NAME);
+        if (h->fast == NULL || h->fast->abi != TORCHLENS_FAST_READS_ABI) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "Handler: fast_reads is from another build of torchlens-accel's _reads");
             Py_DECREF(h);
             return NULL;
         }
@@ -1395,6 +1429,7 @@ static PyObject *handler_bind(Handler *t, PyObject *const *args, Py_ssize_t narg
     h->dispatch = t->dispatch;
     h->stop = t->stop;
     h->boundary = t->boundary;
+    h->fast = t->fast;
     Py_CLEAR(h->mode_ref);
     Py_CLEAR(h->state_dict);
     Py_XSETREF(h->state, Py_NewRef(args[1]));

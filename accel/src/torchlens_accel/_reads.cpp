@@ -19,18 +19,31 @@
  *     under autocast: its context is then recorded); torch's binding builds a vector of device types per
  *     call.  The same device types, asked of the same thread-local state in one read.
  *
+ * fast_reads
+ *     A capsule for ``_capture``'s handler (fast_reads.h): an output's shape, dtype, device and
+ *     requires_grad, and a tensor's version, read off the TensorImpl; grad mode and autocast, read off
+ *     the thread's state, without a Python call.  Torch's attribute getters each set
+ *     up a warning handler and an error guard; a small op's record reads five of them.
+ *
  * Built against torch's headers like ``_autograd``, and used only with the torch it was built for.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+extern "C" {
+#include "fast_reads.h"
+}
+
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 1
+#define TORCHLENS_ACCEL_ABI 2
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -109,11 +122,85 @@ c10::DispatchKeySet autocast_keys() {
 const c10::DispatchKeySet kAutocastKeys = autocast_keys();
 
 /* Whether any of those keys is not excluded: one read of the thread's dispatch key set. */
-PyObject *any_autocast(PyObject *, PyObject *) {
+bool autocast_on() {
     c10::DispatchKeySet excluded = c10::impl::tls_local_dispatch_key_set().excluded_;
-    if ((excluded & kAutocastKeys) != kAutocastKeys) Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
+    return (excluded & kAutocastKeys) != kAutocastKeys;
 }
+
+PyObject *any_autocast(PyObject *, PyObject *) {
+    return Py_NewRef(autocast_on() ? Py_True : Py_False);
+}
+
+PyTypeObject *size_type = nullptr;  /* torch.Size, set when the module is imported */
+
+/* ``t.shape`` as the getter builds it for concrete sizes: a torch.Size of ints. */
+PyObject *size_of(c10::IntArrayRef sizes) {
+    PyObject *size = size_type->tp_alloc(size_type, static_cast<Py_ssize_t>(sizes.size()));
+    if (size == nullptr) return nullptr;
+    for (size_t i = 0; i < sizes.size(); i++) {
+        PyObject *n = PyLong_FromLongLong(sizes[i]);
+        if (n == nullptr) {
+            Py_DECREF(size);
+            return nullptr;
+        }
+        PyTuple_SET_ITEM(size, static_cast<Py_ssize_t>(i), n);
+    }
+    return size;
+}
+
+int facts(PyObject *obj, PyObject **shape, PyObject **dtype, PyObject **device, int *requires_grad) {
+    at::Device where(at::kCPU);
+    at::ScalarType scalar;
+    c10::IntArrayRef sizes;
+    bool rg;
+    try {
+        const at::Tensor &t = THPVariable_Unpack(obj);
+        const c10::TensorImpl *impl = t.unsafeGetTensorImpl();
+        if (impl->is_nested() || impl->has_symbolic_sizes_strides()) return 1;
+        sizes = t.sizes();
+        scalar = t.scalar_type();
+        where = t.device();
+        rg = t.requires_grad();
+    } catch (...) {
+        return 1;  /* the getters raise what torch raises */
+    }
+    PyObject *size = size_of(sizes);
+    if (size == nullptr) return -1;
+    PyObject *place;
+    try {
+        place = THPDevice_New(where);
+    } catch (...) {
+        place = nullptr;
+    }
+    if (place == nullptr) {
+        Py_DECREF(size);
+        if (PyErr_Occurred()) return -1;
+        return 1;
+    }
+    *shape = size;
+    *dtype = Py_NewRef(reinterpret_cast<PyObject *>(torch::getTHPDtype(scalar)));
+    *device = place;
+    *requires_grad = rg;
+    return 0;
+}
+
+PyObject *version(PyObject *obj) {
+    long long v;
+    try {
+        const at::Tensor &t = THPVariable_Unpack(obj);
+        if (t.is_inference()) return nullptr;
+        v = static_cast<long long>(t._version());
+    } catch (...) {
+        return nullptr;
+    }
+    return PyLong_FromLongLong(v);
+}
+
+int context() {
+    return (c10::GradMode::is_enabled() ? 1 : 0) | (autocast_on() ? 2 : 0);
+}
+
+FastReads fast_reads = {TORCHLENS_FAST_READS_ABI, facts, version, context};
 
 PyMethodDef reads_methods[] = {
     {"stale", (PyCFunction)(void (*)(void))stale, METH_FASTCALL,
@@ -130,8 +217,24 @@ PyModuleDef reads_module = {PyModuleDef_HEAD_INIT, "_reads",
 }  // namespace
 
 PyMODINIT_FUNC PyInit__reads(void) {
+    PyObject *torch = PyImport_ImportModule("torch");
+    PyObject *size = torch != nullptr ? PyObject_GetAttrString(torch, "Size") : nullptr;
+    Py_XDECREF(torch);
+    if (size == nullptr) return nullptr;
+    if (!PyType_Check(size) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(size), &PyTuple_Type)) {
+        Py_DECREF(size);
+        PyErr_SetString(PyExc_ImportError, "torchlens_accel._reads: torch.Size is not a tuple type");
+        return nullptr;
+    }
+    size_type = reinterpret_cast<PyTypeObject *>(size);  /* kept for the life of the process */
     PyObject *m = PyModule_Create(&reads_module);
     if (m == nullptr) return nullptr;
+    PyObject *capsule = PyCapsule_New(&fast_reads, TORCHLENS_FAST_READS_NAME, nullptr);
+    if (capsule == nullptr || PyModule_AddObject(m, "fast_reads", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return nullptr;
+    }
     if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0 ||
         PyModule_AddStringConstant(m, "TORCH_VERSION", TORCHLENS_TORCH_VERSION) < 0) {
         Py_DECREF(m);

@@ -6,7 +6,8 @@ the hot path instead; they record exactly what the pure-Python path records, whi
 by tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
 capture on the pure-Python path.  Two modules are built against torch's headers: ``_autograd`` (gradient
 hooks as autograd's C++ hooks) and ``_reads`` (reads of torch's state that its Python bindings make
-slowly: saved tensors' versions at the end of a trace, the autocast state per op).  Each is used only
+slowly: saved tensors' versions at the end of a trace, the autocast state and an output's record fields
+per op).  Each is used only
 with the torch it was built for; without them gradient capture takes the ``_grads`` hooks and the reads
 go through torch's bindings.
 """
@@ -19,7 +20,7 @@ import warnings
 
 # What each compiled module must be built for (its ``ABI``): bumped, here and in its C file, whenever the
 # objects it exchanges with this package change shape.
-ABI = {"_capture": 4, "_grads": 1, "_index": 1, "_autograd": 2, "_reads": 1}
+ABI = {"_capture": 5, "_grads": 1, "_index": 1, "_autograd": 2, "_reads": 2}
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}

@@ -391,16 +391,18 @@ def _compiled_handler(compiled, mode):
 _templates: dict = {}  # compiled module -> its Handler template
 
 
-def _compiled_any_autocast():
-    """``_is_any_autocast_enabled`` as torchlens-accel's ``_reads`` answers it (without the list of device
-    types torch's binding builds per call), or torch's own where that module is not built for this torch."""
+def _compiled_reads():
+    """What torchlens-accel's ``_reads`` (built against torch) gives the handler: ``_is_any_autocast_enabled``
+    without the list of device types torch's binding builds per call, and the capsule of its tensor reads
+    (fast_reads.h); torch's own function and None where that module is not built for this torch."""
     reads = accel.compiled("_reads")
-    return reads.any_autocast if reads is not None else _any_autocast
+    return (reads.any_autocast, reads.fast_reads) if reads is not None else (_any_autocast, None)
 
 
 def _handler_template(compiled):
     """A handler for no capture, holding every object the C needs (it imports nothing): what each trace's
     handler shares, made once per process."""
+    any_autocast, fast_reads = _compiled_reads()
     return compiled.Handler(
         mode=None, method=CaptureMode.__torch_function__, state=None, off_hot_path=_OFF_HOT_PATH,
         not_ops=_NOT_OPS, numpy_views=_NUMPY_VIEWS,
@@ -409,9 +411,9 @@ def _handler_template(compiled):
         running_stats=RUNNING_STATS_FLAGS, buffer_kind=BUFFER, no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
         record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
         verdicts=_verdicts, locate=None, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
-        call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=_compiled_any_autocast(),
+        call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=any_autocast,
         getters=_GETTER_DESCRIPTORS, user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME, stop=_STOP_FRAME,
-        boundary=_BOUNDARY_FRAME)
+        boundary=_BOUNDARY_FRAME, fast_reads=fast_reads)
 
 
 _GETTERS = ("_version", "shape", "dtype", "device", "requires_grad", "grad_fn")  # the C's GETTER order
