@@ -535,8 +535,8 @@ def test_container_calls_and_structseqs_stay_in_c(states):
     reads ``is_nested``) out: none reaches the Python method or the Python output helpers."""
     model = _Containers().eval()
     x = torch.randn(2, 6)
-    python = {mode_module.CaptureMode.__torch_function__.__code__, mode_module._output_leaves.__code__,
-              mode_module._record_output.__code__, mode_module._scan_arguments.__code__}
+    python = {mode_module.CaptureMode.__torch_function__.__code__, mode_module.output_leaves.__code__,
+              mode_module.record_output.__code__, mode_module.scan_arguments.__code__}
     handed = []
 
     def profile(frame, event, arg):

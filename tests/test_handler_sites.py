@@ -72,9 +72,9 @@ def test_inlined_frame_checks_agree_with_the_walk(root, monkeypatch):
     monkeypatch.setattr(mode.FrameClassifier, "locate", counted)
     fast = tl.trace(model, x)
     fast_walks = len(walks)
-    monkeypatch.setattr(mode, "_called_by_module_call", lambda frame: False)
+    monkeypatch.setattr(mode, "called_by_module_call", lambda frame: False)
     # The full walk from the frame that called the handler, for every op not called from user code.
-    monkeypatch.setattr(mode, "_dispatched_site", lambda frame, func, call_frames, module_call, locate:
+    monkeypatch.setattr(mode, "dispatched_site", lambda frame, func, call_frames, module_call, locate:
                         locate(frame, func, call_frames, module_call))
     walks.clear()
     walked = tl.trace(model, x)

@@ -1,7 +1,7 @@
 """The handler's shortcuts record exactly what its general paths record.
 
 ``F.linear(x, weight, bias)`` (the commonest call with parameters) and flat tuples of plain values
-(``x[:t, :t]``, ``normalized_shape``) skip the general loop of ``capture/mode.py``'s ``_scan_arguments``;
+(``x[:t, :t]``, ``normalized_shape``) skip the general loop of ``capture/arguments.py``'s ``scan_arguments``;
 whatever they skip, the skeleton, parents, parameters and versions must be those of the general scan,
 and a trace through them the same as on the feature path, which never takes them.  Tensor properties
 that torch's own modules read on every call are not ops, known before anything is scanned.
@@ -13,14 +13,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchlens as tl
-from torchlens.capture import mode
+from torchlens.capture import arguments, mode
 from torchlens.capture.state import CaptureState
 from torchlens.record.columns import INPUT
 
 
 def _general(st, args):
     """What the general scan gives for ``args`` without the shortcut: ``(skeleton, parents, params, versions)``."""
-    skeleton, kw_skeleton, parents, params, versions = mode._scan_arguments(st, args, mode._NO_KWARGS)
+    skeleton, kw_skeleton, parents, params, versions = arguments.scan_arguments(st, args, mode._NO_KWARGS)
     assert kw_skeleton is mode._NO_KWARGS
     return skeleton, parents, params, versions
 
@@ -38,7 +38,7 @@ def test_the_linear_scan_is_the_general_scan(case, bound):
     if bound:
         st.add_source(args[0], INPUT, "input.0")
         other.add_source(args[0], INPUT, "input.0")
-    assert mode._scan_linear(st, args) == _general(other, args)
+    assert arguments.scan_linear(st, args) == _general(other, args)
     assert (st.unattributed, len(st.records)) == (other.unattributed, len(other.records))
 
 
@@ -47,7 +47,7 @@ def test_the_linear_scan_reads_inference_parameters_as_the_general_scan():
         w = nn.Parameter(torch.randn(3, 4))
     x = torch.randn(2, 4)
     st, other = CaptureState(save_mode=0), CaptureState(save_mode=0)
-    assert mode._scan_linear(st, (x, w)) == _general(other, (x, w))
+    assert arguments.scan_linear(st, (x, w)) == _general(other, (x, w))
     assert st.versionless and other.versionless
 
 
@@ -55,8 +55,8 @@ def test_the_linear_scan_reads_inference_parameters_as_the_general_scan():
 def test_a_flat_tuple_of_plain_values_is_held_as_the_container_walk_holds_it(value):
     x = torch.randn(4, 4)
     st = CaptureState(save_mode=0)
-    skeleton, _, parents, params, versions = mode._scan_arguments(st, (x, value), mode._NO_KWARGS)
-    inner, found = mode._scan_container(CaptureState(save_mode=0), value, 1, [], [])
+    skeleton, _, parents, params, versions = arguments.scan_arguments(st, (x, value), mode._NO_KWARGS)
+    inner, found = arguments.scan_container(CaptureState(save_mode=0), value, 1, [], [])
     assert skeleton[1] is value and inner is value and found is None
     assert (len(parents), params, len(versions)) == (1, None, 1)
 
@@ -100,14 +100,14 @@ def test_properties_torch_modules_read_per_call_are_not_ops_on_either_path(monke
     from torchlens.capture import accel
 
     walked = []
-    real = mode._output_leaves
+    real = mode.output_leaves
 
     def counted(func, out, args, kwargs):
         if not isinstance(out, (torch.Tensor, tuple, list)):
             walked.append(func)
         return real(func, out, args, kwargs)
 
-    monkeypatch.setattr(mode, "_output_leaves", counted)
+    monkeypatch.setattr(mode, "output_leaves", counted)
     monkeypatch.setattr(mode, "_templates", {})  # compiled handlers made with the counting helper
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()

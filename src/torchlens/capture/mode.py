@@ -3,7 +3,10 @@
 Every torch function, Tensor method, operator and factory called by the model's Python code reaches
 ``CaptureMode.__torch_function__``.  The handler calls the function unchanged and, when the result holds
 tensors, appends compact tuples to the session's raw lists.  Everything richer (labels, pass groups,
-module records, source text) is derived after the forward by ``record.finalize``.
+module records, source text) is derived after the forward by ``record.finalize``.  How a call's
+arguments are recorded is ``arguments.py``; its output records, ``outputs.py``; the writes it is
+predicted to make or found to have made (copy-on-write), ``writes.py``; where it was called from,
+``source.py``.
 
 Torch pops the mode while the handler runs, so torch calls made *inside* a handled function (the body
 of ``F.normalize``, say) are not seen: the handled call is one op.  That is the contract documented in
@@ -29,10 +32,10 @@ except ImportError:  # pragma: no cover - older torch
 
 from ..record.columns import BUFFER
 from ..record.layouts import shape_of
-from ..tree import split
 from . import accel
-from .collectives import WRITTEN_ARGUMENT, written_tensors
-from .fused_writes import RUNNING_STATS_FLAGS, WRITES_RUNNING_STATS, running_stats_written
+from .arguments import PLAIN_VALUES, TUPLE_VALUES, bound_parent, scan_arguments, scan_linear
+from .fused_writes import RUNNING_STATS_FLAGS
+from .outputs import made_since, output_leaves, record_output
 from .source import CALL_IMPL as _CALL_IMPL
 from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
 from .source import DISPATCH as _DISPATCH_FRAME
@@ -41,12 +44,12 @@ from .source import SKIP as _SKIP_FRAME
 from .source import STOP as _STOP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
-from .source import FrameClassifier
+from .source import FrameClassifier, called_by_module_call, dispatched_site
 from .state import CaptureState
+from .writes import inplace_cache, protect_before_write, written_arguments
 
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
-_setitem = Tensor.__setitem__
 _DATA_GET = frozenset([Tensor.data.__get__])  # method-wrappers compare equal, not identical
 
 # Calls that never produce a tensor; skipping them early keeps the commonest calls nearly free.
@@ -79,36 +82,11 @@ _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 
-_INPLACE_DUNDERS = frozenset(
-    ["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"]
-)
-_inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write their output argument
-# Normalisations that may update running statistics in their kernel: truthy, so the hot path asks.
-_RUNNING_STATS = "running statistics"
-_inplace_cache.update(dict.fromkeys(WRITES_RUNNING_STATS, _RUNNING_STATS))
-_CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
-_Size = torch.Size
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
 _getframe = sys._getframe
-# Argument types that are neither tensors nor containers (exact types: subclasses take the full checks).
-_PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
-                           torch.layout, torch.memory_format, _Size])
 # The hot path's inline scan: the second argument types it handles, and the skeletons it shares.
 _PLAIN_SECOND = frozenset([Tensor, int, float, bool])
-# The exact types a flat tuple argument may hold and be recorded as it is (``tree.split``'s plain values).
-_TUPLE_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device])
 _BLANK_ONE, _BLANK_TWO = (None,), (None, None)
-
-
-def _predicts_inplace(func) -> bool:
-    """Whether ``func`` writes its first argument by name (``add_``, ``__iadd__``, ``__setitem__``)."""
-    verdict = _inplace_cache.get(func)
-    if verdict is None:
-        name = getattr(func, "__name__", "")
-        verdict = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
-        _inplace_cache[func] = verdict
-    return verdict is True
 
 
 class CaptureMode(TorchFunctionMode):
@@ -152,12 +130,12 @@ class CaptureMode(TorchFunctionMode):
         if not inline and n > 2 and type(args[0]) is Tensor:  # x.view(b, t, h, d), x.transpose(1, 2)
             inline = True
             for value in args[1:]:
-                if type(value) not in _PLAIN_VALUES:
+                if type(value) not in PLAIN_VALUES:
                     inline = False
                     break
         if inline and kwargs:
             for value in kwargs.values():
-                if type(value) not in _PLAIN_VALUES:
+                if type(value) not in PLAIN_VALUES:
                     inline = False
                     break
         if inline:
@@ -182,7 +160,7 @@ class CaptureMode(TorchFunctionMode):
                 skeleton = _BLANK_ONE
             elif type(args[1]) is Tensor:  # two tensors (only two arguments are scanned inline then)
                 skeleton = _BLANK_TWO
-                parent, second = _bound_parent(st, args[1])
+                parent, second = bound_parent(st, args[1])
                 parents += ((1, parent),)
                 versions += (second,)
             else:
@@ -192,14 +170,14 @@ class CaptureMode(TorchFunctionMode):
             # F.linear(x, weight, bias) in nn.Linear, the commonest call with parameters: as the general
             # scan records it, without its loop.
             kwargs = kw_skeleton = _NO_KWARGS
-            skeleton, parents, params, versions = _scan_linear(st, args)
+            skeleton, parents, params, versions = scan_linear(st, args)
         else:
             if kwargs is None:
                 kwargs = _NO_KWARGS
-            skeleton, kw_skeleton, parents, params, versions = _scan_arguments(st, args, kwargs)
-        if st.saved and versions and (_inplace_cache.get(func) is not False
+            skeleton, kw_skeleton, parents, params, versions = scan_arguments(st, args, kwargs)
+        if st.saved and versions and (inplace_cache.get(func) is not False
                                       or (kwargs and ("out" in kwargs or kwargs.get("inplace")))):
-            _protect_before_write(st, func, args, kwargs)  # a write predicted by name or by keyword
+            protect_before_write(st, func, args, kwargs)  # a write predicted by name or by keyword
         module_call = st.module_stack[-1] if st.module_stack else -1
         t0 = perf_counter_ns()
         try:
@@ -211,7 +189,7 @@ class CaptureMode(TorchFunctionMode):
         if isinstance(out, Tensor):
             leaves = None  # one tensor out: recorded below without building a leaf list
         else:
-            leaves = _output_leaves(func, out, args, kwargs)
+            leaves = output_leaves(func, out, args, kwargs)
             if not leaves:
                 return out
 
@@ -224,7 +202,7 @@ class CaptureMode(TorchFunctionMode):
             line = frame.f_lasti
             site = (code, line)
         elif verdict == _SKIP_FRAME and module_call >= 0 and type(func) is not FunctionType \
-                and _called_by_module_call(frame.f_back):
+                and called_by_module_call(frame.f_back):
             # A builtin called straight from a torch module's forward (F.linear in nn.Linear): the site is
             # that line, the user line the module call's (what ``locate`` finds, without its walk; a
             # Python-level function's own frame is never its site there, so those take the walk).
@@ -233,7 +211,7 @@ class CaptureMode(TorchFunctionMode):
         else:  # a Python-level torch function (F.relu), torch's own code elsewhere, or a new frame
             locate = self.frames.locate
             if verdict == _DISPATCH_FRAME:
-                site, code, line = _dispatched_site(frame, func, st.call_frames, module_call, locate)
+                site, code, line = dispatched_site(frame, func, st.call_frames, module_call, locate)
             else:
                 site, code, line = locate(frame, func, st.call_frames, module_call)
         calls = st.calls
@@ -243,7 +221,7 @@ class CaptureMode(TorchFunctionMode):
         written = None
         for v, before in versions:
             if before is None or v._version != before:  # a write (or an inference tensor): which ones
-                written = _written_arguments(func, args, kwargs, versions)
+                written = written_arguments(func, args, kwargs, versions)
                 break
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
@@ -254,7 +232,7 @@ class CaptureMode(TorchFunctionMode):
             st.note_writes(written, first_op)
         if leaves is not None:
             for slot, t in leaves:
-                _record_output(st, call_index, slot, t, func, module_call)
+                record_output(st, call_index, slot, t, func, module_call)
             return out
 
         # One tensor out, the common case, inlined.
@@ -293,9 +271,9 @@ class CaptureMode(TorchFunctionMode):
             # bodies compile as they would untraced.  What then runs eagerly is recorded as usual.
             return func(*args, **kwargs)
         st = self.state
-        skeleton, kw_skeleton, parents, params, versions = _scan_arguments(st, args, kwargs)
+        skeleton, kw_skeleton, parents, params, versions = scan_arguments(st, args, kwargs)
         if st.saved and versions:
-            _protect_before_write(st, func, args, kwargs)
+            protect_before_write(st, func, args, kwargs)
         module_call = st.module_stack[-1] if st.module_stack else -1
         # A Python-level function re-dispatching to itself (Tensor.unflatten -> super().unflatten) is
         # called plainly the second time.
@@ -318,10 +296,10 @@ class CaptureMode(TorchFunctionMode):
                 markers.op_exit(token)
         t1 = perf_counter_ns()
 
-        leaves = ((None, out),) if isinstance(out, Tensor) else _output_leaves(func, out, args, kwargs)
+        leaves = ((None, out),) if isinstance(out, Tensor) else output_leaves(func, out, args, kwargs)
         if not leaves:
             return out
-        if deep and all(_made_since(st.producers, t, records_before) for _, t in leaves):
+        if deep and all(made_since(st.producers, t, records_before) for _, t in leaves):
             return out  # the inner ops produced every output: they are the record
 
         frame = sys._getframe(2)  # the caller of __torch_function__
@@ -333,7 +311,7 @@ class CaptureMode(TorchFunctionMode):
             site, code, line = self.frames.locate(frame, func, st.call_frames, module_call)
         call_index = len(st.calls)
         first_op = len(st.records)
-        written = _written_arguments(func, args, kwargs, versions)
+        written = written_arguments(func, args, kwargs, versions)
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)
         st.calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line,
@@ -344,7 +322,7 @@ class CaptureMode(TorchFunctionMode):
         if func in _DATA_GET:  # ``x.data`` shares x's storage but not its version counter
             st.data_bases[id(out)] = (weakref(out), weakref(args[0]))
         for slot, t in leaves:
-            _record_output(st, call_index, slot, t, func, module_call)
+            record_output(st, call_index, slot, t, func, module_call)
         if st.intervention is not None:  # intervene/runtime.py: may change what the model gets back
             return st.intervention.at_call(st, call_index, first_op, out, leaves, func, args, kwargs)
         return out
@@ -407,10 +385,10 @@ def _handler_template(compiled):
         mode=None, method=CaptureMode.__torch_function__, state=None, off_hot_path=_OFF_HOT_PATH,
         not_ops=_NOT_OPS, numpy_views=_NUMPY_VIEWS,
         compiler_dict=vars(_compiler), tensor_type=Tensor, parameter_type=Parameter, function_type=FunctionType,
-        plain_values=_PLAIN_VALUES, tuple_values=_TUPLE_VALUES, inplace_cache=_inplace_cache,
-        running_stats=RUNNING_STATS_FLAGS, buffer_kind=BUFFER, no_kwargs=_NO_KWARGS, protect=_protect_before_write, output_leaves=_output_leaves,
-        record_output=_record_output, written_arguments=_written_arguments, shape_of=shape_of,
-        verdicts=_verdicts, locate=None, dispatched_site=_dispatched_site, call_impl=_CALL_IMPL,
+        plain_values=PLAIN_VALUES, tuple_values=TUPLE_VALUES, inplace_cache=inplace_cache,
+        running_stats=RUNNING_STATS_FLAGS, buffer_kind=BUFFER, no_kwargs=_NO_KWARGS, protect=protect_before_write, output_leaves=output_leaves,
+        record_output=record_output, written_arguments=written_arguments, shape_of=shape_of,
+        verdicts=_verdicts, locate=None, dispatched_site=dispatched_site, call_impl=_CALL_IMPL,
         call_impl_inner=_CALL_IMPL_INNER, grad_enabled=_grad_enabled, any_autocast=any_autocast,
         getters=_GETTER_DESCRIPTORS, user=_USER_FRAME, skip=_SKIP_FRAME, dispatch=_DISPATCH_FRAME, stop=_STOP_FRAME,
         boundary=_BOUNDARY_FRAME, fast_reads=fast_reads)
@@ -439,39 +417,6 @@ def _tensor_getters():
 _GETTER_DESCRIPTORS = _tensor_getters()
 
 
-def _called_by_module_call(frame) -> bool:
-    """Whether ``frame`` is torch's module call machinery itself calling ``forward`` (``_call_impl``, or
-    its ``inner`` when hooks are installed), the boundary ``FrameClassifier.locate`` stops at."""
-    if frame is None:
-        return False
-    code = frame.f_code
-    if code is _CALL_IMPL_INNER:
-        frame = frame.f_back
-        code = frame.f_code if frame is not None else None
-    return code is _CALL_IMPL
-
-
-def _dispatched_site(frame, func, call_frames, module_call: int, locate):
-    """``locate``'s answer (``FrameClassifier.locate``) for a call that torch's dispatcher (``frame``)
-    handed over.  For a Python-level torch function (``F.relu``) whose own frame is next, neither frame
-    can be the answer: the walk starts at the function's caller, and is skipped when that caller is user
-    code or a torch module's forward called by its module call."""
-    own = frame.f_back
-    if own is None or own.f_code is not getattr(func, "__code__", None) or _verdicts.get(id(own.f_code)) != _SKIP_FRAME:
-        return locate(frame, func, call_frames, module_call)
-    caller = own.f_back
-    if caller is not None:
-        code = caller.f_code
-        verdict = _verdicts.get(id(code))
-        if verdict == _USER_FRAME:
-            line = caller.f_lasti
-            return (code, line), code, line
-        if verdict == _SKIP_FRAME and module_call >= 0 and _called_by_module_call(caller.f_back):
-            user_code, user_line = call_frames[module_call]
-            return (code, caller.f_lasti), user_code, user_line
-    return locate(caller, func, call_frames, module_call)
-
-
 def _not_an_op(st, func, args, kwargs):
     """A call that never produces a tensor (``x.shape``, ``x.size()``): run it unrecorded."""
     if func in _NUMPY_VIEWS and st.saved:
@@ -481,230 +426,3 @@ def _not_an_op(st, func, args, kwargs):
     return func(*args, **(kwargs or _NO_KWARGS))
 
 
-def _scan_arguments(st, args, kwargs):
-    """Parents (by producing op), parameters and version counters of a call's tensor arguments.
-
-    Returns ``(skeleton, kw_skeleton, parents, params, versions)``: the arguments as recorded (a tuple
-    with tensors blanked, or ``args`` itself when nothing was blanked; the keywords likewise), a tuple of
-    ``(position, record index)`` pairs, ``(position, Parameter)`` pairs or None, and ``(tensor, version
-    before the call)`` pairs, by which writes are detected after it, predicted or not.
-    """
-    producers = st.producers
-    parents = []
-    params = None
-    versions = []
-    skeleton = None
-    for pos, a in enumerate(args):
-        if type(a) in _PLAIN_VALUES:
-            continue
-        if isinstance(a, Tensor):
-            if skeleton is None:
-                skeleton = list(args)
-            skeleton[pos] = None
-            try:
-                version = a._version
-            except RuntimeError:  # an inference tensor: no version counter
-                version = st.version(a)
-            versions.append((a, version))
-            if type(a) is Parameter:
-                if params is None:
-                    params = []
-                params.append((pos, a))
-                continue
-            entry = producers.get(id(a))
-            if entry is not None and entry[2] == version and (entry[0] is a or entry[0]() is a):
-                parents.append((pos, entry[1]))
-            else:
-                parents.append((pos, st.producer_of(a)))
-        elif type(a) is tuple and _TUPLE_VALUES.issuperset(map(type, a)):
-            continue  # x[:t, :t], normalized_shape: held as it is, as the container walk would hold it
-        elif isinstance(a, _CONTAINERS) and type(a) is not _Size:  # walked when it may hold a tensor
-            inner, found = _scan_container(st, a, pos, parents, versions)
-            if found:
-                params = (params or []) + found
-            if inner is not a:
-                if skeleton is None:
-                    skeleton = list(args)
-                skeleton[pos] = inner
-    kw_skeleton = kwargs
-    if kwargs:
-        kw_skeleton, params = _scan_keywords(st, kwargs, parents, params, versions)
-    return tuple(skeleton) if skeleton is not None else args, kw_skeleton, tuple(parents), params, versions
-
-
-def _scan_linear(st, args):
-    """``_scan_arguments`` for ``(tensor, Parameter)`` and ``(tensor, Parameter, Parameter or None)``:
-    returns ``(skeleton, parents, params, versions)``."""
-    parent, first = _bound_parent(st, args[0])
-    weight = args[1]
-    try:
-        versions = [first, (weight, weight._version)]
-    except RuntimeError:  # an inference tensor: no version counter
-        versions = [first, (weight, st.version(weight))]
-    params = [(1, weight)]
-    if len(args) == 2:
-        return (None, None), ((0, parent),), params, versions
-    bias = args[2]
-    if bias is not None:
-        try:
-            versions.append((bias, bias._version))
-        except RuntimeError:
-            versions.append((bias, st.version(bias)))
-        params.append((2, bias))
-    return (None, None, None), ((0, parent),), params, versions
-
-
-def _bound_parent(st, t):
-    """``(record index, (t, version))`` of a plain tensor argument: the hot path's second argument."""
-    try:
-        version = t._version
-    except RuntimeError:  # an inference tensor: no version counter
-        version = st.version(t)
-    entry = st.producers.get(id(t))
-    if entry is not None and entry[2] == version and (entry[0] is t or entry[0]() is t):
-        return entry[1], (t, version)
-    return st.producer_of(t), (t, version)
-
-
-def _scan_keywords(st, kwargs, parents, params, versions):
-    """``_scan_arguments`` for keyword arguments: returns the keywords as recorded and the parameters."""
-    kw_skeleton = kwargs
-    for key, a in kwargs.items():
-        if type(a) in _PLAIN_VALUES:
-            continue
-        if isinstance(a, Tensor):
-            if kw_skeleton is kwargs:
-                kw_skeleton = dict(kwargs)
-            kw_skeleton[key] = None
-            try:
-                versions.append((a, a._version))
-            except RuntimeError:  # an inference tensor: no version counter
-                versions.append((a, st.version(a)))
-            if type(a) is Parameter:
-                if params is None:
-                    params = []
-                params.append((key, a))
-            else:
-                parents.append((key, st.producer_of(a)))
-        elif isinstance(a, _CONTAINERS):
-            inner, found = _scan_container(st, a, key, parents, versions)
-            if found:
-                params = (params or []) + found
-            if inner is not a:
-                if kw_skeleton is kwargs:
-                    kw_skeleton = dict(kwargs)
-                kw_skeleton[key] = inner
-    return kw_skeleton, params
-
-
-def _protect_before_write(st, func, args, kwargs) -> None:
-    """Copy-on-write: a predicted in-place write must not alter an activation saved earlier."""
-    inplace = _inplace_cache.get(func)
-    if inplace is None:
-        inplace = _predicts_inplace(func)
-    elif inplace is _RUNNING_STATS:
-        for t in running_stats_written(func, args, kwargs):
-            st.protect_saved(t)
-        return
-    if inplace or kwargs.get("inplace"):
-        if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
-            st.protect_saved(args[0])
-        elif args and type(args[0]) in (list, tuple):  # a list written whole (_foreach_add_, dist.all_gather)
-            st.protect_saved_all(args[0])
-    elif "out" in kwargs:
-        st.protect_saved_all(kwargs["out"])
-
-
-def _output_leaves(func, out, args, kwargs):
-    """``(slot, tensor)`` for each tensor a call produced when its result is not one tensor, or None
-    when it produced none (only tensor-producing calls are ops)."""
-    if func is _setitem:  # returns None but writes its receiver
-        return ((None, args[0]),)
-    if isinstance(out, (tuple, list)):
-        return _tensor_leaves(out)
-    if func in WRITTEN_ARGUMENT:  # a torch.distributed collective: its output is the tensor it wrote
-        return written_tensors(func, args, kwargs)
-    return None
-
-
-def _written_arguments(func, args, kwargs, versions):
-    """The tensor arguments the call wrote (version counter moved, or by name for inference tensors),
-    or None."""
-    written = None
-    for v, before in versions:
-        if v._version != before if before is not None else _predicted_write(func, args, kwargs, v):
-            if written is None:
-                written = []
-            written.append(v)
-    return written
-
-
-def _record_output(st, call_index: int, slot, t, func, module_call: int) -> None:
-    """The record of one output tensor, with every feature that may observe it."""
-    records = st.records
-    index = len(records)
-    requires_grad = t.requires_grad
-    try:
-        shape = t.shape
-    except RuntimeError:  # a nested tensor has no single shape
-        shape = shape_of(t)
-    grad_fn = t.grad_fn if requires_grad else None  # kept to the watch below: one node object, not two
-    records.append((call_index, slot, shape, t.dtype, t.device, requires_grad,
-                    type(grad_fn) if requires_grad else None))
-    try:
-        version = t._version
-    except RuntimeError:  # made under torch.inference_mode(): no version counter
-        version = st.version(t)
-    st.producers[id(t)] = (weakref(t), index, version)
-    if requires_grad and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
-        st.grads.watch(index, t, func, module_call)
-    save_mode = st.save_mode
-    if save_mode and (save_mode == 1 or st.wants(func, module_call)):
-        st.save(index, t, requires_grad)
-    if st.finite_flags is not None:
-        st.record_finite(index, t)
-
-
-def _scan_container(st, value, key, parents, versions):
-    """Tensors at any depth inside a container argument (``torch.cat([a, b])``, ``x[..., idx]``,
-    ``cat(tensors=[a, b])``), at positions ``(key, *path)``; returns the argument as recorded (a copy
-    with its tensors blanked, so a list the model mutates later cannot rewrite the record) and the
-    parameters found, if any."""
-    leaves, inner = split(value, (key,))  # a flat tuple without tensors comes back as it is
-    found = None
-    for path, t in leaves:
-        try:
-            versions.append((t, t._version))
-        except RuntimeError:  # an inference tensor: no version counter
-            versions.append((t, st.version(t)))
-        if type(t) is Parameter:
-            if found is None:
-                found = []
-            found.append((path, t))
-        else:
-            parents.append((path, st.producer_of(t)))
-    return inner, found
-
-
-def _predicted_write(func, args, kwargs, t) -> bool:
-    """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter) are known."""
-    if args and args[0] is t and (_predicts_inplace(func) or kwargs.get("inplace")):
-        return True
-    out = kwargs.get("out")
-    return out is t or (isinstance(out, (tuple, list)) and any(o is t for o in out))
-
-
-def _made_since(producers, t, first_record: int) -> bool:
-    entry = producers.get(id(t))
-    return entry is not None and entry[1] >= first_record and (entry[0] is t or entry[0]() is t)
-
-
-def _tensor_leaves(out, prefix=()):
-    """(slot path, tensor) for each tensor inside a (possibly nested) tuple/list result."""
-    leaves = []
-    for i, item in enumerate(out):
-        if isinstance(item, Tensor):
-            leaves.append((prefix + (i,) if prefix else i, item))
-        elif isinstance(item, (tuple, list)):
-            leaves.extend(_tensor_leaves(item, (prefix + (i,)) if prefix else (i,)))
-    return leaves

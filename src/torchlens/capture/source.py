@@ -149,3 +149,35 @@ def source_of(code, offset):
         return None
     return SourceLocation(code.co_filename, line_of(code, offset), getattr(code, "co_qualname", code.co_name))
 
+
+def called_by_module_call(frame) -> bool:
+    """Whether ``frame`` is torch's module call machinery itself calling ``forward`` (``_call_impl``, or
+    its ``inner`` when hooks are installed), the boundary ``FrameClassifier.locate`` stops at."""
+    if frame is None:
+        return False
+    code = frame.f_code
+    if code is CALL_IMPL_INNER:
+        frame = frame.f_back
+        code = frame.f_code if frame is not None else None
+    return code is _CALL_IMPL
+
+
+def dispatched_site(frame, func, call_frames, module_call: int, locate):
+    """``locate``'s answer (``FrameClassifier.locate``) for a call that torch's dispatcher (``frame``)
+    handed over.  For a Python-level torch function (``F.relu``) whose own frame is next, neither frame
+    can be the answer: the walk starts at the function's caller, and is skipped when that caller is user
+    code or a torch module's forward called by its module call."""
+    own = frame.f_back
+    if own is None or own.f_code is not getattr(func, "__code__", None) or _VERDICTS.get(id(own.f_code)) != _SKIP:
+        return locate(frame, func, call_frames, module_call)
+    caller = own.f_back
+    if caller is not None:
+        code = caller.f_code
+        verdict = _VERDICTS.get(id(code))
+        if verdict == _USER:
+            line = caller.f_lasti
+            return (code, line), code, line
+        if verdict == _SKIP and module_call >= 0 and called_by_module_call(caller.f_back):
+            user_code, user_line = call_frames[module_call]
+            return (code, caller.f_lasti), user_code, user_line
+    return locate(caller, func, call_frames, module_call)

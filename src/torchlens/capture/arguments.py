@@ -1,0 +1,162 @@
+"""How a call's arguments are recorded: the scan the pure-Python hot path runs before each op.
+
+A call's record keeps its arguments with every tensor blanked (the skeleton), the record index of each
+tensor argument's producing op (its parents), the Parameters it read, and each tensor's version before
+the call, by which writes are found after it.  ``scan_arguments`` is the general scan; ``scan_linear``
+and ``bound_parent`` are the same scan for the commonest shapes of call, without its loop.  The compiled
+handler (accel/src/torchlens_accel/_capture.c) records the same, and tests/test_scan_shortcuts.py checks
+each shortcut against the general scan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tree import split
+
+Tensor = torch.Tensor
+Parameter = torch.nn.Parameter
+_CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
+_Size = torch.Size
+# Argument types that are neither tensors nor containers (exact types: subclasses take the full checks).
+PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
+                          torch.layout, torch.memory_format, _Size])
+# The exact types a flat tuple argument may hold and be recorded as it is (``tree.split``'s plain values).
+TUPLE_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device])
+
+
+def scan_arguments(st, args, kwargs):
+    """Parents (by producing op), parameters and version counters of a call's tensor arguments.
+
+    Returns ``(skeleton, kw_skeleton, parents, params, versions)``: the arguments as recorded (a tuple
+    with tensors blanked, or ``args`` itself when nothing was blanked; the keywords likewise), a tuple of
+    ``(position, record index)`` pairs, ``(position, Parameter)`` pairs or None, and ``(tensor, version
+    before the call)`` pairs, by which writes are detected after it, predicted or not.
+    """
+    producers = st.producers
+    parents = []
+    params = None
+    versions = []
+    skeleton = None
+    for pos, a in enumerate(args):
+        if type(a) in PLAIN_VALUES:
+            continue
+        if isinstance(a, Tensor):
+            if skeleton is None:
+                skeleton = list(args)
+            skeleton[pos] = None
+            try:
+                version = a._version
+            except RuntimeError:  # an inference tensor: no version counter
+                version = st.version(a)
+            versions.append((a, version))
+            if type(a) is Parameter:
+                if params is None:
+                    params = []
+                params.append((pos, a))
+                continue
+            entry = producers.get(id(a))
+            if entry is not None and entry[2] == version and (entry[0] is a or entry[0]() is a):
+                parents.append((pos, entry[1]))
+            else:
+                parents.append((pos, st.producer_of(a)))
+        elif type(a) is tuple and TUPLE_VALUES.issuperset(map(type, a)):
+            continue  # x[:t, :t], normalized_shape: held as it is, as the container walk would hold it
+        elif isinstance(a, _CONTAINERS) and type(a) is not _Size:  # walked when it may hold a tensor
+            inner, found = scan_container(st, a, pos, parents, versions)
+            if found:
+                params = (params or []) + found
+            if inner is not a:
+                if skeleton is None:
+                    skeleton = list(args)
+                skeleton[pos] = inner
+    kw_skeleton = kwargs
+    if kwargs:
+        kw_skeleton, params = _scan_keywords(st, kwargs, parents, params, versions)
+    return tuple(skeleton) if skeleton is not None else args, kw_skeleton, tuple(parents), params, versions
+
+
+def scan_linear(st, args):
+    """``scan_arguments`` for ``(tensor, Parameter)`` and ``(tensor, Parameter, Parameter or None)``:
+    returns ``(skeleton, parents, params, versions)``."""
+    parent, first = bound_parent(st, args[0])
+    weight = args[1]
+    try:
+        versions = [first, (weight, weight._version)]
+    except RuntimeError:  # an inference tensor: no version counter
+        versions = [first, (weight, st.version(weight))]
+    params = [(1, weight)]
+    if len(args) == 2:
+        return (None, None), ((0, parent),), params, versions
+    bias = args[2]
+    if bias is not None:
+        try:
+            versions.append((bias, bias._version))
+        except RuntimeError:
+            versions.append((bias, st.version(bias)))
+        params.append((2, bias))
+    return (None, None, None), ((0, parent),), params, versions
+
+
+def bound_parent(st, t):
+    """``(record index, (t, version))`` of a plain tensor argument: the hot path's second argument."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        version = st.version(t)
+    entry = st.producers.get(id(t))
+    if entry is not None and entry[2] == version and (entry[0] is t or entry[0]() is t):
+        return entry[1], (t, version)
+    return st.producer_of(t), (t, version)
+
+
+def _scan_keywords(st, kwargs, parents, params, versions):
+    """``scan_arguments`` for keyword arguments: returns the keywords as recorded and the parameters."""
+    kw_skeleton = kwargs
+    for key, a in kwargs.items():
+        if type(a) in PLAIN_VALUES:
+            continue
+        if isinstance(a, Tensor):
+            if kw_skeleton is kwargs:
+                kw_skeleton = dict(kwargs)
+            kw_skeleton[key] = None
+            try:
+                versions.append((a, a._version))
+            except RuntimeError:  # an inference tensor: no version counter
+                versions.append((a, st.version(a)))
+            if type(a) is Parameter:
+                if params is None:
+                    params = []
+                params.append((key, a))
+            else:
+                parents.append((key, st.producer_of(a)))
+        elif isinstance(a, _CONTAINERS):
+            inner, found = scan_container(st, a, key, parents, versions)
+            if found:
+                params = (params or []) + found
+            if inner is not a:
+                if kw_skeleton is kwargs:
+                    kw_skeleton = dict(kwargs)
+                kw_skeleton[key] = inner
+    return kw_skeleton, params
+
+
+def scan_container(st, value, key, parents, versions):
+    """Tensors at any depth inside a container argument (``torch.cat([a, b])``, ``x[..., idx]``,
+    ``cat(tensors=[a, b])``), at positions ``(key, *path)``; returns the argument as recorded (a copy
+    with its tensors blanked, so a list the model mutates later cannot rewrite the record) and the
+    parameters found, if any."""
+    leaves, inner = split(value, (key,))  # a flat tuple without tensors comes back as it is
+    found = None
+    for path, t in leaves:
+        try:
+            versions.append((t, t._version))
+        except RuntimeError:  # an inference tensor: no version counter
+            versions.append((t, st.version(t)))
+        if type(t) is Parameter:
+            if found is None:
+                found = []
+            found.append((path, t))
+        else:
+            parents.append((path, st.producer_of(t)))
+    return inner, found

@@ -1,0 +1,73 @@
+"""What a call produced, as records: the output tensors of a call and the record of each.
+
+``output_leaves`` finds the tensors of a result that is not one tensor (a tuple, a structseq, a list, a
+write into the receiver, a collective's output argument); ``record_output`` appends one output's record
+with every feature that may observe it (gradients, saving, finite flags).  The hot path inlines the
+common case, one tensor out.
+"""
+
+from __future__ import annotations
+
+from weakref import ref as weakref
+
+import torch
+
+from ..record.layouts import shape_of
+from .collectives import WRITTEN_ARGUMENT, written_tensors
+
+Tensor = torch.Tensor
+_setitem = Tensor.__setitem__
+
+
+def output_leaves(func, out, args, kwargs):
+    """``(slot, tensor)`` for each tensor a call produced when its result is not one tensor, or None
+    when it produced none (only tensor-producing calls are ops)."""
+    if func is _setitem:  # returns None but writes its receiver
+        return ((None, args[0]),)
+    if isinstance(out, (tuple, list)):
+        return _tensor_leaves(out)
+    if func in WRITTEN_ARGUMENT:  # a torch.distributed collective: its output is the tensor it wrote
+        return written_tensors(func, args, kwargs)
+    return None
+
+
+def record_output(st, call_index: int, slot, t, func, module_call: int) -> None:
+    """The record of one output tensor, with every feature that may observe it."""
+    records = st.records
+    index = len(records)
+    requires_grad = t.requires_grad
+    try:
+        shape = t.shape
+    except RuntimeError:  # a nested tensor has no single shape
+        shape = shape_of(t)
+    grad_fn = t.grad_fn if requires_grad else None  # kept to the watch below: one node object, not two
+    records.append((call_index, slot, shape, t.dtype, t.device, requires_grad,
+                    type(grad_fn) if requires_grad else None))
+    try:
+        version = t._version
+    except RuntimeError:  # made under torch.inference_mode(): no version counter
+        version = st.version(t)
+    st.producers[id(t)] = (weakref(t), index, version)
+    if requires_grad and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
+        st.grads.watch(index, t, func, module_call)
+    save_mode = st.save_mode
+    if save_mode and (save_mode == 1 or st.wants(func, module_call)):
+        st.save(index, t, requires_grad)
+    if st.finite_flags is not None:
+        st.record_finite(index, t)
+
+
+def made_since(producers, t, first_record: int) -> bool:
+    entry = producers.get(id(t))
+    return entry is not None and entry[1] >= first_record and (entry[0] is t or entry[0]() is t)
+
+
+def _tensor_leaves(out, prefix=()):
+    """(slot path, tensor) for each tensor inside a (possibly nested) tuple/list result."""
+    leaves = []
+    for i, item in enumerate(out):
+        if isinstance(item, Tensor):
+            leaves.append((prefix + (i,) if prefix else i, item))
+        elif isinstance(item, (tuple, list)):
+            leaves.extend(_tensor_leaves(item, (prefix + (i,)) if prefix else (i,)))
+    return leaves

@@ -1,0 +1,69 @@
+"""Writes a call makes to its arguments: predicted before it runs, found after it.
+
+Copy-on-write needs to know before a call whether it will write an activation already saved
+(``protect_before_write``: by name, ``add_`` and ``x[i] = v``; by keyword, ``out=`` and ``inplace=True``;
+and the normalisations whose kernels update their running statistics).  After the call, a moved version
+counter says which tensor arguments it wrote (``written_arguments``); an inference tensor has no counter,
+so for it the prediction by name decides.  ``inplace_cache`` keeps each function's verdict, and the
+compiled handler reads the same dict.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..record.columns import writes_first_argument
+from .collectives import WRITTEN_ARGUMENT
+from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
+
+Tensor = torch.Tensor
+inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write their output argument
+# Normalisations that may update running statistics in their kernel: truthy, so the hot path asks.
+_RUNNING_STATS = "running statistics"
+inplace_cache.update(dict.fromkeys(WRITES_RUNNING_STATS, _RUNNING_STATS))
+
+
+def predicts_inplace(func) -> bool:
+    """Whether ``func`` writes its first argument by name (``add_``, ``__iadd__``, ``__setitem__``)."""
+    verdict = inplace_cache.get(func)
+    if verdict is None:
+        verdict = inplace_cache[func] = writes_first_argument(func)
+    return verdict is True
+
+
+def protect_before_write(st, func, args, kwargs) -> None:
+    """Copy-on-write: a predicted in-place write must not alter an activation saved earlier."""
+    inplace = inplace_cache.get(func)
+    if inplace is None:
+        inplace = predicts_inplace(func)
+    elif inplace is _RUNNING_STATS:
+        for t in running_stats_written(func, args, kwargs):
+            st.protect_saved(t)
+        return
+    if inplace or kwargs.get("inplace"):
+        if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
+            st.protect_saved(args[0])
+        elif args and type(args[0]) in (list, tuple):  # a list written whole (_foreach_add_, dist.all_gather)
+            st.protect_saved_all(args[0])
+    elif "out" in kwargs:
+        st.protect_saved_all(kwargs["out"])
+
+
+def written_arguments(func, args, kwargs, versions):
+    """The tensor arguments the call wrote (version counter moved, or by name for inference tensors),
+    or None."""
+    written = None
+    for v, before in versions:
+        if v._version != before if before is not None else _predicted_write(func, args, kwargs, v):
+            if written is None:
+                written = []
+            written.append(v)
+    return written
+
+
+def _predicted_write(func, args, kwargs, t) -> bool:
+    """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter) are known."""
+    if args and args[0] is t and (predicts_inplace(func) or kwargs.get("inplace")):
+        return True
+    out = kwargs.get("out")
+    return out is t or (isinstance(out, (tuple, list)) and any(o is t for o in out))
