@@ -22,8 +22,8 @@
  * fast_reads
  *     A capsule for ``_capture``'s handler (fast_reads.h): an output's shape, dtype, device and
  *     requires_grad, and a tensor's version, read off the TensorImpl; grad mode and autocast, read off
- *     the thread's state, without a Python call.  Torch's attribute getters each set
- *     up a warning handler and an error guard; a small op's record reads five of them.
+ *     the thread's state, without a Python call.  Torch's attribute getters each set up a warning
+ *     handler and an error guard; a small op's record reads five of them.
  *
  * Built against torch's headers like ``_autograd``, and used only with the torch it was built for.
  */
@@ -87,17 +87,25 @@ PyObject *stale(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             if (PyErr_Occurred()) return nullptr;
             Py_RETURN_NONE;
         }
-        const at::Tensor &t = THPVariable_Unpack(value);
         long long expected = PyLong_AsLongLong(version);
         if (expected == -1 && PyErr_Occurred()) {
             Py_DECREF(changed);
             return nullptr;
         }
-        if (t.is_inference()) {  /* ``_version`` raises for it: the Python loop says so */
+        long long now = 0;
+        bool readable = true;
+        try {
+            const at::Tensor &t = THPVariable_Unpack(value);
+            readable = !t.is_inference();  /* ``_version`` raises for it: the Python loop says so */
+            if (readable) now = static_cast<long long>(t._version());
+        } catch (...) {
+            readable = false;
+        }
+        if (!readable) {
             Py_DECREF(changed);
             Py_RETURN_NONE;
         }
-        if (static_cast<long long>(t._version()) != expected && PyList_Append(changed, index) < 0) {
+        if (now != expected && PyList_Append(changed, index) < 0) {
             Py_DECREF(changed);
             return nullptr;
         }
@@ -114,8 +122,12 @@ const c10::DeviceType kAutocastDevices[] = {at::kCPU, at::kCUDA, at::kXPU, at::k
  * thread (what ``at::autocast::is_autocast_enabled`` asks, one thread-local read per device type). */
 c10::DispatchKeySet autocast_keys() {
     c10::DispatchKeySet keys;
-    for (c10::DeviceType device : kAutocastDevices)
-        keys = keys | c10::DispatchKeySet(at::autocast::get_autocast_dispatch_key_from_device_type(device));
+    for (c10::DeviceType device : kAutocastDevices) {
+        try {
+            keys = keys | c10::DispatchKeySet(at::autocast::get_autocast_dispatch_key_from_device_type(device));
+        } catch (...) {  /* a device type this torch has no autocast for: never on */
+        }
+    }
     return keys;
 }
 
