@@ -160,7 +160,8 @@ def _mixed_outputs(x):
     nested = torch.nested.nested_tensor([x, x[:1]])  # its shape is not a torch.Size: the getters answer
     on_meta = torch.empty(2, 3, device="meta") + 1
     weight = torch.nn.Parameter(torch.ones(3))
-    return nested.sin(), on_meta, (x.to(torch.float16) * 2), (x * weight).sum(), x.t().contiguous()
+    leaf = torch.ones(3, requires_grad=True)  # requires grad, no grad_fn
+    return nested.sin(), on_meta, (x.to(torch.float16) * 2), (x * weight).sum(), x.t().contiguous(), leaf * 2
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
@@ -172,9 +173,10 @@ def test_the_fast_tensor_reads_record_what_the_getters_record():
     for compiled in (True, False):
         with on_path(compiled):
             log = tl.trace(_mixed_outputs, x)
-        columns[compiled] = [(op.label, op.shape, op.dtype, op.device, op.requires_grad) for op in log.ops]
+        columns[compiled] = [(op.label, op.shape, op.dtype, op.device, op.requires_grad, op.grad_fn) for op in log.ops]
     assert columns[True] == columns[False]
-    assert {device.type for _, _, _, device, _ in columns[True]} == {"cpu", "meta"}
+    assert {device.type for _, _, _, device, _, _ in columns[True]} == {"cpu", "meta"}
+    assert {grad_fn for *_, grad_fn in columns[True]} >= {None, "MulBackward0", "SumBackward0"}
 
 
 def test_the_context_read_answers_as_torch():

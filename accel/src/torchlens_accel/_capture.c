@@ -552,8 +552,9 @@ static int truth_of(PyObject *v) {
  * it until the gradient watch has read it again, so that torch makes one node object per op, not two. */
 static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject *call_index, PyObject *slot,
                          int *rg_out, PyObject **node_out) {
-    PyObject *requires_grad, *shape = NULL, *dtype = NULL, *device = NULL;
-    int rg = 0, read = h->fast != NULL && is_plain_tensor(h, out) ? h->fast->facts(out, &shape, &dtype, &device, &rg) : 1;
+    PyObject *requires_grad, *shape = NULL, *dtype = NULL, *device = NULL, *grad_fn = NULL;
+    int rg = 0, read = h->fast != NULL && is_plain_tensor(h, out)
+                           ? h->fast->facts(out, &shape, &dtype, &device, &rg, &grad_fn) : 1;
     if (read < 0) return -1;
     if (read == 0) {
         requires_grad = Py_NewRef(rg ? Py_True : Py_False);
@@ -575,7 +576,7 @@ static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject 
     PyObject *grad_type = NULL;
     if (device != NULL) {
         if (rg) {
-            PyObject *grad_fn = tensor_get(h, out, G_GRAD_FN);
+            if (grad_fn == NULL) grad_fn = tensor_get(h, out, G_GRAD_FN);  /* read by the getters above */
             if (grad_fn != NULL) {
                 grad_type = (PyObject *)Py_TYPE(grad_fn);
                 Py_INCREF(grad_type);

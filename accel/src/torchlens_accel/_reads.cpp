@@ -20,8 +20,8 @@
  *     call.  The same device types, asked of the same thread-local state in one read.
  *
  * fast_reads
- *     A capsule for ``_capture``'s handler (fast_reads.h): an output's shape, dtype, device and
- *     requires_grad, and a tensor's version, read off the TensorImpl; grad mode and autocast, read off
+ *     A capsule for ``_capture``'s handler (fast_reads.h): an output's shape, dtype, device,
+ *     requires_grad and grad_fn, and a tensor's version, read off the TensorImpl; grad mode and autocast, read off
  *     the thread's state, without a Python call.  Torch's attribute getters each set up a warning
  *     handler and an error guard; a small op's record reads five of them.
  *
@@ -36,6 +36,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 extern "C" {
@@ -160,10 +161,12 @@ PyObject *size_of(c10::IntArrayRef sizes) {
     return size;
 }
 
-int facts(PyObject *obj, PyObject **shape, PyObject **dtype, PyObject **device, int *requires_grad) {
+int facts(PyObject *obj, PyObject **shape, PyObject **dtype, PyObject **device, int *requires_grad,
+          PyObject **grad_fn) {
     at::Device where(at::kCPU);
     at::ScalarType scalar;
     c10::IntArrayRef sizes;
+    c10::intrusive_ptr<torch::autograd::Node> node;
     bool rg;
     try {
         const at::Tensor &t = THPVariable_Unpack(obj);
@@ -173,19 +176,23 @@ int facts(PyObject *obj, PyObject **shape, PyObject **dtype, PyObject **device, 
         scalar = t.scalar_type();
         where = t.device();
         rg = t.requires_grad();
+        if (rg) node = t.grad_fn();
     } catch (...) {
         return 1;  /* the getters raise what torch raises */
     }
     PyObject *size = size_of(sizes);
     if (size == nullptr) return -1;
-    PyObject *place;
+    PyObject *place = nullptr, *fn = nullptr;
     try {
         place = THPDevice_New(where);
+        if (place != nullptr && rg) fn = node ? torch::autograd::functionToPyObject(node) : Py_NewRef(Py_None);
     } catch (...) {
-        place = nullptr;
+        Py_CLEAR(place);
+        fn = nullptr;
     }
-    if (place == nullptr) {
+    if (place == nullptr || (rg && fn == nullptr)) {
         Py_DECREF(size);
+        Py_XDECREF(place);
         if (PyErr_Occurred()) return -1;
         return 1;
     }
@@ -193,6 +200,7 @@ int facts(PyObject *obj, PyObject **shape, PyObject **dtype, PyObject **device, 
     *dtype = Py_NewRef(reinterpret_cast<PyObject *>(torch::getTHPDtype(scalar)));
     *device = place;
     *requires_grad = rg;
+    *grad_fn = fn;
     return 0;
 }
 

@@ -8,13 +8,15 @@
 #include <Python.h>
 
 #define TORCHLENS_FAST_READS_NAME "torchlens_accel._reads.fast_reads"
-#define TORCHLENS_FAST_READS_ABI 1
+#define TORCHLENS_FAST_READS_ABI 2
 
 typedef struct {
     int abi;
-    /* ``t.shape``, ``t.dtype``, ``t.device`` (new references) and ``t.requires_grad``: 0; 1 where it cannot
-     * answer as the getters would (a nested tensor, symbolic sizes), nothing set; -1 with an exception. */
-    int (*facts)(PyObject *t, PyObject **shape, PyObject **dtype, PyObject **device, int *requires_grad);
+    /* ``t.shape``, ``t.dtype``, ``t.device`` (new references), ``t.requires_grad``, and ``t.grad_fn`` (a new
+     * reference, None for a leaf) when it requires grad (else NULL): 0; 1 where it cannot answer as the
+     * getters would (a nested tensor, symbolic sizes), nothing set; -1 with an exception. */
+    int (*facts)(PyObject *t, PyObject **shape, PyObject **dtype, PyObject **device, int *requires_grad,
+                 PyObject **grad_fn);
     /* ``t._version`` as a new int; NULL with no exception where it cannot answer (an inference tensor),
      * NULL with one on error. */
     PyObject *(*version)(PyObject *t);
