@@ -56,7 +56,10 @@ def _torch_version() -> str:
 
 def compiled(name: str):
     """The compiled module ``name`` when the accelerator is in use, else None (use the Python path)."""
-    return _load(name) if _enabled else None
+    if not _enabled:
+        return None
+    module = _modules.get(name, _modules)  # a trace asks several times: loaded once, then one lookup
+    return _load(name) if module is _modules else module
 
 
 def available() -> bool:

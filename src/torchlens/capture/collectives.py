@@ -13,6 +13,7 @@ The table is empty where torch was built without distributed support.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 # collective name -> (position, keyword) of the argument it writes
@@ -78,6 +79,12 @@ def is_collective(func) -> bool:
 def process_rank() -> tuple:
     """``(rank, world size)`` of the default process group, or ``(None, None)`` outside one."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if dist is None or not _built_with_distributed(dist) or not dist.is_initialized():
         return None, None
     return dist.get_rank(), dist.get_world_size()
+
+
+@functools.lru_cache(maxsize=1)
+def _built_with_distributed(dist) -> bool:
+    """``torch.distributed.is_available()``: how torch was built, asked once per process."""
+    return dist.is_available()
