@@ -120,16 +120,7 @@ def _scan_keywords(st, kwargs, parents, params, versions):
             if kw_skeleton is kwargs:
                 kw_skeleton = dict(kwargs)
             kw_skeleton[key] = None
-            try:
-                versions.append((a, a._version))
-            except RuntimeError:  # an inference tensor: no version counter
-                versions.append((a, st.version(a)))
-            if type(a) is Parameter:
-                if params is None:
-                    params = []
-                params.append((key, a))
-            else:
-                parents.append((key, st.producer_of(a)))
+            params = _scan_tensor(st, a, key, parents, versions, params)
         elif isinstance(a, _CONTAINERS):
             inner, found = scan_container(st, a, key, parents, versions)
             if found:
@@ -149,14 +140,21 @@ def scan_container(st, value, key, parents, versions):
     leaves, inner = split(value, (key,))  # a flat tuple without tensors comes back as it is
     found = None
     for path, t in leaves:
-        try:
-            versions.append((t, t._version))
-        except RuntimeError:  # an inference tensor: no version counter
-            versions.append((t, st.version(t)))
-        if type(t) is Parameter:
-            if found is None:
-                found = []
-            found.append((path, t))
-        else:
-            parents.append((path, st.producer_of(t)))
+        found = _scan_tensor(st, t, path, parents, versions, found)
     return inner, found
+
+
+def _scan_tensor(st, t, where, parents, versions, params):
+    """One tensor met by the keyword or container scan, at position ``where``: its version is noted, and
+    it is a parameter (appended to ``params``, a list made here if None; returned) or a parent."""
+    try:
+        versions.append((t, t._version))
+    except RuntimeError:  # an inference tensor: no version counter
+        versions.append((t, st.version(t)))
+    if type(t) is Parameter:
+        if params is None:
+            params = []
+        params.append((where, t))
+    else:
+        parents.append((where, st.producer_of(t)))
+    return params
