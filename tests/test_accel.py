@@ -446,6 +446,83 @@ def test_module_calls_are_recorded_the_same_by_the_compiled_recorder(states):
     assert len(states[-1][0].module_calls) == 8  # seq, its 3 children, the inner two, pair twice
 
 
+def test_module_calls_from_torch_helpers_stay_in_c_and_record_the_same(states):
+    """nn.TransformerEncoderLayer calls its attention, feed-forward and dropout modules from helpers of its
+    forward (``_sa_block``, ``_ff_block``): the compiled recorder walks to the parent call's site itself,
+    as the Python walk does, instead of handing those calls to the Python recorder."""
+    from torchlens.capture import modules as modules_module
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)).eval()
+    x = torch.randn(1, 5, 16)
+    _both_ways(states, lambda: tl.trace(model, x))
+    python_recorder = next(c for c in modules_module._python_recorder.__code__.co_consts
+                           if getattr(c, "co_name", None) == "record_call")
+    handed = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is python_recorder:
+            handed.append(type(frame.f_locals.get("module")).__name__)
+
+    with on_path(True):
+        sys.setprofile(profile)
+        try:
+            trace = tl.trace(model, x)
+        finally:
+            sys.setprofile(None)
+    assert handed == [], handed
+    calls = states[-1][0].module_calls
+    assert sum(type(c[0]) is nn.Dropout for c in calls) == 6  # two layers, each three dropouts, from helpers
+    # Each call made inside a torch forward is sited where the enclosing call was made.
+    assert len(set(states[-1][0].call_frames[1:])) == 1 and trace.output.shape == x.shape
+
+
+class _Flat(nn.Module):
+    """A module call with several positional arguments (tensors, None, numbers, a string) returning a flat
+    tuple, as transformers layers make them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.inner = _FlatInner()
+
+    def forward(self, x):
+        h, _ = self.inner(self.fc(x), None, 2, 0.5, True, "mean", self.fc.weight)
+        return h
+
+
+class _FlatInner(nn.Module):
+    def forward(self, h, mask, k, scale, flag, how, weight):
+        return (h * scale + weight.sum(), None)
+
+
+def test_flat_argument_and_output_tuples_are_bound_in_c(states):
+    from torchlens.capture import modules as modules_module
+
+    model, x = _Flat(), torch.randn(2, 4)
+    _both_ways(states, lambda: tl.trace(model, x))
+    walker = next(c for c in modules_module._python_recorder.__code__.co_consts
+                  if getattr(c, "co_name", None) == "bound_all")
+    walked = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is walker:
+            walked.append(frame.f_locals.get("value"))
+
+    with on_path(True):
+        sys.setprofile(profile)
+        try:
+            tl.trace(model, x)
+        finally:
+            sys.setprofile(None)
+    assert walked == []
+    calls = states[-1][0].module_calls
+    inner = next(c for c in calls if type(c[0]) is _FlatInner)
+    assert len(inner[4]) == 2 and inner[4][0] >= 0 and inner[4][1] == -1  # fc's output; the weight, made by no op
+    assert len(inner[5]) == 1 and inner[5][0] >= 0
+
+
 def test_an_exception_leaving_module_calls_is_noted_the_same(states):
     class Inner(nn.Module):
         def forward(self, x):

@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 5
+#define TORCHLENS_ACCEL_ABI 6
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -1594,7 +1594,7 @@ typedef struct {
     PyObject *dispatcher_code, *wrapped_call, *call_impl, *inner;
     PyObject *tensor_type, *parameter_type;
     unsigned long owner;
-    long user, skip_verdict;
+    long user, skip_verdict, stop, boundary;  /* the frame verdicts (capture/source.py) */
 } Recorder;
 
 #define RECORDER_OBJECTS(X) \
@@ -1618,15 +1618,56 @@ static PyObject *bound_index(Recorder *r, PyObject *t) {
     return PyLong_FromLong(-1);
 }
 
-/* The bound producers of the tensors in ``value``: one plain tensor inline, anything else by the walker. */
-static PyObject *bound_of(Recorder *r, PyObject *value) {
+static int recorded_tensor(Recorder *r, PyObject *value) {
     PyTypeObject *type = Py_TYPE(value);
-    if (type == (PyTypeObject *)r->tensor_type || type == (PyTypeObject *)r->parameter_type) {
+    return type == (PyTypeObject *)r->tensor_type || type == (PyTypeObject *)r->parameter_type;
+}
+
+/* Whether the walker (torchlens/tree.py) finds no tensor and no container in ``value``. */
+static int is_plain_leaf(PyObject *value) {
+    return value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) || PyBool_Check(value)
+        || PyUnicode_CheckExact(value);
+}
+
+/* The bound producers of the tensors in ``items`` (a flat tuple or list of plain tensors and plain
+ * values: ``hidden_states, attention_mask, None``), in the walker's order; NULL without an error when an
+ * item is anything else (the walker decides).  New reference. */
+static PyObject *bound_of_flat(Recorder *r, PyObject *items) {
+    PyObject *fast = PySequence_Fast(items, "");  /* a tuple or list: itself */
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), found = 0;
+    PyObject **item = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (recorded_tensor(r, item[i])) found++;
+        else if (!is_plain_leaf(item[i])) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    PyObject *result = PyTuple_New(found);
+    for (Py_ssize_t i = 0, k = 0; result != NULL && i < n; i++) {
+        if (!recorded_tensor(r, item[i])) continue;
+        PyObject *index = bound_index(r, item[i]);
+        if (index == NULL) Py_CLEAR(result);
+        else PyTuple_SET_ITEM(result, k++, index);
+    }
+    Py_DECREF(fast);
+    return result;
+}
+
+/* The bound producers of the tensors in ``value``: one plain tensor or a flat tuple or list inline,
+ * anything else by the walker. */
+static PyObject *bound_of(Recorder *r, PyObject *value) {
+    if (recorded_tensor(r, value)) {
         PyObject *index = bound_index(r, value);
         if (index == NULL) return NULL;
         PyObject *one = PyTuple_Pack(1, index);
         Py_DECREF(index);
         return one;
+    }
+    if (PyTuple_CheckExact(value) || PyList_CheckExact(value)) {
+        PyObject *flat = bound_of_flat(r, value);
+        if (flat != NULL || PyErr_Occurred()) return flat;
     }
     return PyObject_CallOneArg(r->bound_all, value);
 }
@@ -1651,6 +1692,45 @@ static int is_relay(Recorder *r, PyObject *code) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(relays); i++)
         if (PyTuple_GET_ITEM(relays, i) == code) return 1;
     return 0;
+}
+
+/* The rest of ``FrameClassifier.module_call_frame``'s walk, up from ``frame`` (a new reference, given
+ * away): the first user frame, the parent call's site at a module call's boundary, or no user frame at
+ * the trace driver's.  It runs for calls that torch code makes from a helper of a forward (the
+ * ``_sa_block`` of ``nn.TransformerEncoderLayer``).  1 with ``*site`` set (new reference); 0 when a frame
+ * has no verdict yet (the Python walk classifies it); -1 on error. */
+static int walk_to_site(Recorder *r, PyFrameObject *frame, PyObject *parent, long parent_index, PyObject **site) {
+    while (frame != NULL) {
+        PyObject *code = (PyObject *)PyFrame_GetCode(frame);
+        long verdict = frame_verdict(r, code);
+        int result = 2;  /* 2: walk on */
+        if (verdict == -2) {
+            result = -1;
+        } else if (verdict == -1) {
+            result = 0;
+        } else if (verdict == r->user) {
+            PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
+            *site = line ? PyTuple_Pack(2, code, line) : NULL;
+            Py_XDECREF(line);
+            result = *site ? 1 : -1;
+        } else if (verdict == r->stop) {
+            *site = PyTuple_Pack(2, Py_None, Py_None);
+            result = *site ? 1 : -1;
+        } else if (verdict == r->boundary && parent_index >= 0) {
+            *site = PyObject_GetItem(r->call_frames, parent);
+            result = *site ? 1 : -1;
+        }
+        Py_DECREF(code);
+        if (result != 2) {
+            Py_DECREF(frame);
+            return result;
+        }
+        PyFrameObject *back = PyFrame_GetBack(frame);
+        Py_DECREF(frame);
+        frame = back;
+    }
+    *site = PyTuple_Pack(2, Py_None, Py_None);
+    return *site ? 1 : -1;
 }
 
 static int call_site(Recorder *r, PyObject *parent, long parent_index, PyObject **frame) {
@@ -1711,6 +1791,8 @@ static int call_site(Recorder *r, PyObject *parent, long parent_index, PyObject 
         }
     }
     Py_DECREF(code);
+    if (result == 0 && verdict >= 0 && r->stop >= 0)  /* any other known frame: the walk, here */
+        return walk_to_site(r, caller, parent, parent_index, frame);  /* takes ``caller`` */
     Py_DECREF(caller);
     return result;
 }
@@ -1749,7 +1831,7 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
         PyObject *positional = PyTuple_New(nargs - 1);
         if (positional != NULL) {
             for (Py_ssize_t i = 1; i < nargs; i++) PyTuple_SET_ITEM(positional, i - 1, Py_NewRef(argv[i]));
-            inputs = PyObject_CallOneArg(r->bound_all, positional);
+            inputs = bound_of(r, positional);
             Py_DECREF(positional);
         }
     }
@@ -1849,15 +1931,16 @@ static void recorder_dealloc(Recorder *r) {
 static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {"impl", "fallback", "state", "owner", "skip", "stack", "calls", "call_frames",
                             "producers", "verdicts", "bound_all", "outside", "call_frame", "dispatcher_code", "wrapped_call", "call_impl",
-                            "inner", "tensor_type", "parameter_type", "user", "skip_verdict", NULL};
+                            "inner", "tensor_type", "parameter_type", "user", "skip_verdict", "stop", "boundary", NULL};
     Recorder *r = (Recorder *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
+    r->stop = r->boundary = -1;  /* not given: every other call site is the Python walk's */
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
+            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|ll:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
             &r->owner, &PySet_Type, &r->skip, &PyList_Type, &r->stack, &PyList_Type, &r->calls, &PyList_Type,
             &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all, &PyList_Type, &r->outside, &r->call_frame,
             &r->dispatcher_code, &r->wrapped_call, &r->call_impl, &r->inner, &PyType_Type, &r->tensor_type,
-            &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict)) {
+            &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict, &r->stop, &r->boundary)) {
         memset(&r->dict, 0, offsetof(Recorder, owner) - offsetof(Recorder, dict));
         Py_DECREF(r);
         return NULL;

@@ -27,7 +27,7 @@ from ..tree import tensor_leaves
 from . import accel
 from .call_impl import Replacement, held_by, owners_overriding, unsupported_overrides
 from .teardown import until_done
-from .source import _CALL_IMPL, _SKIP, _USER
+from .source import _BOUNDARY, _CALL_IMPL, _SKIP, _STOP, _USER
 from .state import CaptureState
 
 _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
@@ -185,12 +185,12 @@ class Recorders:
         # The compiled record_call records the common call the same way, and hands every other call to the
         # Python one whole.  Positional, in the order of its keyword names (impl, fallback, state, owner, skip,
         # stack, calls, call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
-        # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict).
+        # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict, stop, boundary).
         # ``dispatcher_code``: the relays' codes.
         recorder = self._compiled = compiled.ModuleRecorder(
             self.impl, python, st, self.owner, skip, stack, calls, call_frames, producers, verdicts, bound_all,
             self.outside, call_frame, self.relays, _WRAPPED_CALL, _CALL_IMPL, _INNER,
-            torch.Tensor, torch.nn.Parameter, _USER, _SKIP)
+            torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY)
         return recorder
 
     def unbind(self) -> None:
