@@ -1,0 +1,94 @@
+"""The input slots of a traced call (``input.x``) are named as ``inspect.Signature.bind`` names them,
+whether the driver's shortcut (``session._call_slots``) or ``bind`` itself names them."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.capture import session
+
+
+class _Plain(nn.Module):
+    def forward(self, x, mask=None, scale=1.0):
+        return x * scale if mask is None else x * mask * scale
+
+
+class _KeywordOnly(nn.Module):
+    def forward(self, x, *, mask, scale=1.0):
+        return x * mask * scale
+
+
+class _VarKeywords(nn.Module):
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        out = input_ids.float()
+        for value in kwargs.values():
+            out = out + value
+        return out if attention_mask is None else out * attention_mask
+
+
+class _VarPositional(nn.Module):
+    def forward(self, x, *rest, bias=None):
+        return x + sum(rest) if bias is None else x + bias
+
+
+class _PositionalOnly(nn.Module):
+    def forward(self, x, /, y=None, **kwargs):
+        return x if y is None else x + y
+
+
+_MODELS = (_Plain, _KeywordOnly, _VarKeywords, _VarPositional, _PositionalOnly)
+_NAMES = ("x", "mask", "scale", "input_ids", "attention_mask", "y", "bias", "extra")
+
+
+def _calls():
+    """Every split of up to three tensors between positional arguments and keywords of the names above."""
+    t = [torch.full((2,), float(i + 1)) for i in range(3)]
+    for n_args in range(4):
+        for names in itertools.permutations(_NAMES, 3 - n_args if n_args < 3 else 0):
+            yield tuple(t[:n_args]), {name: t[n_args + i] for i, name in enumerate(names)}
+        for k in range(1, 3 - n_args + 1 if n_args < 3 else 1):
+            for names in itertools.permutations(_NAMES, k):
+                yield tuple(t[:n_args]), {name: t[n_args + i] for i, name in enumerate(names)}
+
+
+def _bound(model, args, kwargs):
+    try:
+        arguments = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except TypeError:
+        return None
+    return [(f"input.{name}", value) for name, value in arguments.items()]
+
+
+@pytest.mark.parametrize("cls", _MODELS, ids=lambda c: c.__name__)
+def test_the_shortcut_names_every_call_as_bind_does(cls):
+    model, taken = cls(), 0
+    for args, kwargs in _calls():
+        slots = session._call_slots(model, args, kwargs)
+        if slots is None:
+            continue  # bind decides
+        taken += 1
+        expected = _bound(model, args, kwargs)
+        assert expected is not None, (args, kwargs)
+        assert [s for s, _ in slots] == [s for s, _ in expected], (args, kwargs)
+        assert all(a is b for (_, a), (_, b) in zip(slots, expected))
+    assert taken > 0
+
+
+def test_a_transformers_style_call_takes_the_shortcut_and_traces_its_slots():
+    model = _VarKeywords()
+    ids, mask = torch.ones(2, dtype=torch.long), torch.full((2,), 2.0)
+    kwargs = {"attention_mask": mask, "input_ids": ids}  # keywords out of the signature's order
+    assert [s for s, _ in session._call_slots(model, (), kwargs)] == ["input.input_ids", "input.attention_mask"]
+    log = tl.trace(model, (), kwargs)
+    assert [op.io_path for op in log.ops if op.is_input] == ["input.input_ids", "input.attention_mask"]
+    # A keyword only **kwargs takes is left to bind, which gathers it under the name of **kwargs.
+    extra = torch.full((2,), 3.0)
+    assert session._call_slots(model, (ids,), {"extra": extra}) is None
+    log = tl.trace(model, (ids,), {"extra": extra})
+    assert [op.io_path for op in log.ops if op.is_input] == ["input.input_ids", "input.kwargs.extra"]
