@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import torchlens as tl
 import torchlens.capture.mode as mode_module
@@ -446,6 +447,15 @@ def test_module_calls_are_recorded_the_same_by_the_compiled_recorder(states):
     assert len(states[-1][0].module_calls) == 8  # seq, its 3 children, the inner two, pair twice
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.fc, x, use_reentrant=False) + 1
+
+
 def test_module_calls_from_torch_helpers_stay_in_c_and_record_the_same(states):
     """nn.TransformerEncoderLayer calls its attention, feed-forward and dropout modules from helpers of its
     forward (``_sa_block``, ``_ff_block``): the compiled recorder walks to the parent call's site itself,
@@ -453,10 +463,18 @@ def test_module_calls_from_torch_helpers_stay_in_c_and_record_the_same(states):
     from torchlens.capture import modules as modules_module
 
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
     model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)).eval()
     x = torch.randn(1, 5, 16)
+    # Traced as the root, the layer's calls reach the trace driver with no user frame on the way.
+    _both_ways(states, lambda: tl.trace(layer, x))
+    assert states[-1][0].call_frames and set(states[-1][0].call_frames) == {(None, None)}
     _both_ways(states, lambda: tl.trace(model, x))
+    # Called through torch code from a user forward: the user's line is the site.
+    checkpointed = _Checkpointed().eval()
+    _both_ways(states, lambda: tl.trace(checkpointed, x))
+    (code, _), = states[-1][0].call_frames
+    assert code is _Checkpointed.forward.__code__
     python_recorder = next(c for c in modules_module._python_recorder.__code__.co_consts
                            if getattr(c, "co_name", None) == "record_call")
     handed = []
