@@ -374,7 +374,7 @@ def _call_slots(model, args, kwargs):
     if given > len(slots):
         return None  # *args, or too many: let bind decide
     if not kwargs:
-        return list(zip(slots, args)) if given >= required and not required_keywords else None
+        return zip(slots, args) if given >= required and not required_keywords else None
     positions = []
     for name in kwargs:
         position = keywords.get(name)
@@ -421,9 +421,6 @@ def _add_inputs(state, model, args, kwargs) -> None:
         if names is None:
             names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
         inputs = [(f"input.{name}", value) for name, value in names]
-    elif len(inputs) == 1 and type(inputs[0][1]) is torch.Tensor and id(inputs[0][1]) not in state.producers:
-        state.add_source(inputs[0][1], INPUT, inputs[0][0])  # the commonest call: one tensor, no loop
-        return
     producers = state.producers
     for slot, value in inputs:
         if type(value) is torch.Tensor:  # the common case: the leaf is the argument itself
