@@ -34,6 +34,9 @@ _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
 # ``_call_impl``'s nested ``inner``: a module with hooks of its own runs its forward from there.
 _INNER = next((c for c in _CALL_IMPL.co_consts if isinstance(c, CodeType) and c.co_name == "inner"), None)
 _TENSORS = frozenset([torch.Tensor, torch.nn.Parameter])
+# Values the walker finds no tensor in and does not walk into: a flat tuple or list of these and plain
+# tensors (``hidden_states, attention_mask, None``) is read in one loop, in the walker's order.
+_FLAT_LEAVES = frozenset([type(None), int, float, bool, str])
 
 
 def _tensors_in(value) -> list:
@@ -222,6 +225,16 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
         return entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1
 
     def bound_all(value):
+        if type(value) is tuple or type(value) is list:  # the common case, as the compiled recorder reads it
+            found = []
+            for item in value:
+                kind = type(item)
+                if kind in _TENSORS:
+                    found.append(bound(item))
+                elif kind not in _FLAT_LEAVES:
+                    break  # a nested or other value: the walker decides
+            else:
+                return tuple(found)
         return tuple(bound(t) for t in _tensors_in(value))
 
     def call_frame(wrapped, parent):
