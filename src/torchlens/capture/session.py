@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import operator
 import threading
 from time import perf_counter_ns
 
@@ -375,22 +376,28 @@ def _call_slots(model, args, kwargs):
         return None  # *args, or too many: let bind decide
     if not kwargs:
         return zip(slots, args) if given >= required and not required_keywords else None
-    positions = []
-    for name in kwargs:
-        position = keywords.get(name)
-        if position is None or position < given:
+    named = []
+    for name, value in kwargs.items():
+        position, slot = keywords.get(name, _UNNAMED)
+        if position < given:
             return None  # **kwargs, a positional-only name, or a value given twice: let bind decide
-        positions.append((position, name))
-    if any(slots[i][6:] not in kwargs for i in range(given, required)) or not required_keywords <= kwargs.keys():
+        named.append((position, slot, value))
+    taken = {position for position, _, _ in named}
+    if not taken.issuperset(range(given, required)) or not required_keywords <= kwargs.keys():
         return None  # a required argument is missing: bind raises
-    positions.sort()
-    return [*zip(slots, args), *((f"input.{name}", kwargs[name]) for _, name in positions)]
+    named.sort(key=_first)
+    return [*zip(slots, args), *((slot, value) for _, slot, value in named)]
+
+
+_UNNAMED = (-1, None)  # a keyword no parameter of the forward takes by name
+_first = operator.itemgetter(0)
 
 
 @functools.lru_cache(maxsize=256)
 def _call_layout(func):
     """How a forward's parameters bind: (input slots of the leading positional parameters, how many are
-    required, {name: position} of those a keyword can name, the required keyword-only names), or None."""
+    required, {name: (position, input slot)} of those a keyword can name, the required keyword-only
+    names), or None."""
     sig = _bound_signature(func)
     if sig is None:
         return None
@@ -401,7 +408,7 @@ def _call_layout(func):
             if p.default is p.empty:
                 required = len(slots)
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            keywords[p.name] = position
+            keywords[p.name] = position, f"input.{p.name}"
         if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
             required_keywords.add(p.name)
     return tuple(slots), required, keywords, frozenset(required_keywords)
