@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 6
+#define TORCHLENS_ACCEL_ABI 7
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -1593,13 +1593,15 @@ typedef struct {
     PyObject *call_frame;     /* (frame, parent) -> the user frame, by the Python walk */
     PyObject *dispatcher_code, *wrapped_call, *call_impl, *inner;
     PyObject *tensor_type, *parameter_type;
+    PyObject *tuple_values;   /* the Handler's: the exact types a flat tuple may hold beside tensors, or NULL */
     unsigned long owner;
     long user, skip_verdict, stop, boundary;  /* the frame verdicts (capture/source.py) */
 } Recorder;
 
 #define RECORDER_OBJECTS(X) \
     X(dict) X(impl) X(fallback) X(state) X(skip) X(stack) X(calls) X(call_frames) X(producers) X(verdicts) \
-    X(bound_all) X(outside) X(call_frame) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type)
+    X(bound_all) X(outside) X(call_frame) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type) \
+    X(tuple_values)
 
 static PyObject *s_raised_in;
 
@@ -1623,25 +1625,24 @@ static int recorded_tensor(Recorder *r, PyObject *value) {
     return type == (PyTypeObject *)r->tensor_type || type == (PyTypeObject *)r->parameter_type;
 }
 
-/* Whether the walker (torchlens/tree.py) finds no tensor and no container in ``value``. */
-static int is_plain_leaf(PyObject *value) {
-    return value == Py_None || PyLong_CheckExact(value) || PyFloat_CheckExact(value) || PyBool_Check(value)
-        || PyUnicode_CheckExact(value);
-}
-
 /* The bound producers of the tensors in ``items`` (a flat tuple or list of plain tensors and plain
- * values: ``hidden_states, attention_mask, None``), in the walker's order; NULL without an error when an
- * item is anything else (the walker decides).  New reference. */
+ * values, ``hidden_states, attention_mask, None``: ``tuple_values``, where the walker finds nothing), in
+ * the walker's order; NULL without an error when an item is anything else (the walker decides).  New
+ * reference. */
 static PyObject *bound_of_flat(Recorder *r, PyObject *items) {
     PyObject *fast = PySequence_Fast(items, "");  /* a tuple or list: itself */
     if (fast == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), found = 0;
     PyObject **item = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (recorded_tensor(r, item[i])) found++;
-        else if (!is_plain_leaf(item[i])) {
+        if (recorded_tensor(r, item[i])) {
+            found++;
+            continue;
+        }
+        int plain = PySet_Contains(r->tuple_values, (PyObject *)Py_TYPE(item[i]));
+        if (plain <= 0) {
             Py_DECREF(fast);
-            return NULL;
+            return NULL;  /* with an error when the lookup failed */
         }
     }
     PyObject *result = PyTuple_New(found);
@@ -1665,7 +1666,7 @@ static PyObject *bound_of(Recorder *r, PyObject *value) {
         Py_DECREF(index);
         return one;
     }
-    if (PyTuple_CheckExact(value) || PyList_CheckExact(value)) {
+    if (r->tuple_values != NULL && (PyTuple_CheckExact(value) || PyList_CheckExact(value))) {
         PyObject *flat = bound_of_flat(r, value);
         if (flat != NULL || PyErr_Occurred()) return flat;
     }
@@ -1931,16 +1932,19 @@ static void recorder_dealloc(Recorder *r) {
 static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {"impl", "fallback", "state", "owner", "skip", "stack", "calls", "call_frames",
                             "producers", "verdicts", "bound_all", "outside", "call_frame", "dispatcher_code", "wrapped_call", "call_impl",
-                            "inner", "tensor_type", "parameter_type", "user", "skip_verdict", "stop", "boundary", NULL};
+                            "inner", "tensor_type", "parameter_type", "user", "skip_verdict", "stop", "boundary",
+                            "tuple_values", NULL};
     Recorder *r = (Recorder *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
     r->stop = r->boundary = -1;  /* not given: every other call site is the Python walk's */
+    /* tuple_values not given: every container is the walker's */
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|ll:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
+            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|llO!:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
             &r->owner, &PySet_Type, &r->skip, &PyList_Type, &r->stack, &PyList_Type, &r->calls, &PyList_Type,
             &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all, &PyList_Type, &r->outside, &r->call_frame,
             &r->dispatcher_code, &r->wrapped_call, &r->call_impl, &r->inner, &PyType_Type, &r->tensor_type,
-            &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict, &r->stop, &r->boundary)) {
+            &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict, &r->stop, &r->boundary,
+            &PyFrozenSet_Type, &r->tuple_values)) {
         memset(&r->dict, 0, offsetof(Recorder, owner) - offsetof(Recorder, dict));
         Py_DECREF(r);
         return NULL;

@@ -21,7 +21,8 @@ _Size = torch.Size
 # Argument types that are neither tensors nor containers (exact types: subclasses take the full checks).
 PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
                           torch.layout, torch.memory_format, _Size])
-# The exact types a flat tuple argument may hold and be recorded as it is (``tree.split``'s plain values).
+# The exact types a flat tuple argument may hold and be recorded as it is (``tree.split``'s plain values);
+# the walker finds no tensor in them, so a module call's flat tuple of these and tensors is read in one loop.
 TUPLE_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device])
 
 

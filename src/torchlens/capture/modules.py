@@ -25,6 +25,7 @@ import torch
 from ..errors import warn_user
 from ..tree import tensor_leaves
 from . import accel
+from .arguments import TUPLE_VALUES
 from .call_impl import Replacement, held_by, owners_overriding, unsupported_overrides
 from .teardown import until_done
 from .source import _BOUNDARY, _CALL_IMPL, _SKIP, _STOP, _USER
@@ -34,9 +35,6 @@ _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
 # ``_call_impl``'s nested ``inner``: a module with hooks of its own runs its forward from there.
 _INNER = next((c for c in _CALL_IMPL.co_consts if isinstance(c, CodeType) and c.co_name == "inner"), None)
 _TENSORS = frozenset([torch.Tensor, torch.nn.Parameter])
-# Values the walker finds no tensor in and does not walk into: a flat tuple or list of these and plain
-# tensors (``hidden_states, attention_mask, None``) is read in one loop, in the walker's order.
-_FLAT_LEAVES = frozenset([type(None), int, float, bool, str])
 
 
 def _tensors_in(value) -> list:
@@ -188,12 +186,13 @@ class Recorders:
         # The compiled record_call records the common call the same way, and hands every other call to the
         # Python one whole.  Positional, in the order of its keyword names (impl, fallback, state, owner, skip,
         # stack, calls, call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
-        # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict, stop, boundary).
+        # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict, stop, boundary,
+        # tuple_values).
         # ``dispatcher_code``: the relays' codes.
         recorder = self._compiled = compiled.ModuleRecorder(
             self.impl, python, st, self.owner, skip, stack, calls, call_frames, producers, verdicts, bound_all,
             self.outside, call_frame, self.relays, _WRAPPED_CALL, _CALL_IMPL, _INNER,
-            torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY)
+            torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY, TUPLE_VALUES)
         return recorder
 
     def unbind(self) -> None:
@@ -227,11 +226,11 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
     def bound_all(value):
         if type(value) is tuple or type(value) is list:  # the common case, as the compiled recorder reads it
             found = []
-            for item in value:
+            for item in value:  # plain tensors and the plain values of a flat tuple, where the walker finds none
                 kind = type(item)
                 if kind in _TENSORS:
                     found.append(bound(item))
-                elif kind not in _FLAT_LEAVES:
+                elif kind not in TUPLE_VALUES:
                     break  # a nested or other value: the walker decides
             else:
                 return tuple(found)
