@@ -1,6 +1,6 @@
 """The compiled modules of torchlens-accel.
 
-``_capture``, ``_grads`` and ``_index`` are plain C against the CPython API.  ``_autograd`` (gradient hooks as
+``_capture``, ``_dispatch``, ``_grads`` and ``_index`` are plain C against the CPython API.  ``_autograd`` (gradient hooks as
 autograd's own C++ hooks) and ``_reads`` (reads of torch state that its Python bindings make slowly) are built
 against torch's headers, so only where torch is importable when building (``pip install
 --no-build-isolation ./accel``); each records the torch it was built for, and torchlens uses it only with
@@ -13,7 +13,7 @@ from setuptools import Extension, setup
 # An explicit C standard: torch's build command would otherwise give every module its C++ one.
 C_FLAGS = ["-O2", "-std=c11"]
 modules = [Extension(f"torchlens_accel.{name}", [f"src/torchlens_accel/{name}.c"], extra_compile_args=C_FLAGS)
-           for name in ("_capture", "_grads", "_index")]
+           for name in ("_capture", "_dispatch", "_grads", "_index")]
 commands = {}
 try:
     import torch

@@ -9,6 +9,8 @@ the increment per unit between sizes.  The units:
 - ``identity``: an ``nn.Identity`` call (a module call, no op);
 - ``inline``: ``x * 2`` in the model's own forward (an op, no module call);
 - ``op in module``: a module whose forward is ``x * 2`` (a module call with one op inside);
+- ``F.relu`` / ``torch.relu``: the same op reached through torch's Python dispatcher
+  (``handle_torch_function``) or straight from C, in the model's forward;
 - ``F.linear``: ``F.linear(x, weight, bias)`` of a ``Linear``'s parameters, in the model's forward;
 - ``Linear``: an ``nn.Linear`` call.
 
@@ -33,7 +35,7 @@ from models import native_arm, trace_arm  # noqa: E402
 from overhead_fit import abba_added_us  # noqa: E402
 
 SIZES = (1, 2, 3, 5, 10, 20)
-UNITS = ("identity", "inline", "op in module", "F.linear", "Linear")
+UNITS = ("identity", "inline", "F.relu", "torch.relu", "op in module", "F.linear", "Linear")
 
 
 class Doubling(nn.Module):
@@ -48,7 +50,8 @@ class Series(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.unit = unit
-        made = {"identity": nn.Identity, "inline": nn.Identity, "op in module": Doubling,
+        made = {"identity": nn.Identity, "inline": nn.Identity, "F.relu": nn.Identity,
+                "torch.relu": nn.Identity, "op in module": Doubling,
                 "F.linear": lambda: nn.Linear(64, 64), "Linear": lambda: nn.Linear(64, 64)}[unit]
         self.units = nn.ModuleList(made() for _ in range(n))
 
@@ -56,6 +59,10 @@ class Series(nn.Module):
         for unit in self.units:
             if self.unit == "inline":
                 x = x * 2
+            elif self.unit == "F.relu":
+                x = F.relu(x)
+            elif self.unit == "torch.relu":
+                x = torch.relu(x)
             elif self.unit == "F.linear":
                 x = F.linear(x, unit.weight, unit.bias)
             else:

@@ -278,10 +278,11 @@ def keyboard_interrupt_in_the_trace_driver():
     """KeyboardInterrupt at every line of tl.trace's setup and teardown (driver, mode stack, _call_impl, shim)."""
     capture = tl.capture
     driver = {capture.session.__file__, capture.teardown.__file__, capture.compiled.__file__}
-    parts = {capture.fastpath.__file__, capture.modules.__file__, capture.call_impl.__file__}
+    parts = {capture.fastpath.__file__, capture.modules.__file__, capture.call_impl.__file__,
+             capture.dispatch.__file__}
     setup_and_teardown = {"__enter__", "__exit__", "_release", "pause", "resume", "_acquire", "_release_all",
                           "update", "_unsee_in_dynamo", "owners_overriding", "unsupported_overrides",
-                          "acquire", "release_all", "install", "restore", "changed",
+                          "acquire", "release_all", "install", "uninstall", "restore", "changed",
                           "_recorder_for", "_kept_recorders", "bind", "unbind", "_dispatcher"}
     model, x = Normalized(), torch.randn(2, 4)
 
@@ -318,33 +319,47 @@ def keyboard_interrupt_in_the_trace_driver():
 
 @CASE
 def keyboard_interrupt_in_torch_mode_push_pop():
-    """KeyboardInterrupt at every line of torch's handle_torch_function, its temporary mode pop and contextlib."""
+    """KeyboardInterrupt at every line of torch's handle_torch_function, its temporary mode pop and contextlib
+    (torch's own, which a trace still meets wherever its shorter dispatcher does not answer), and at every
+    line of capture's dispatcher."""
     import contextlib
 
     import torch.overrides
 
-    from torchlens.capture import teardown
+    from torchlens.capture import dispatch, teardown
 
     files = {torch.overrides.__file__, contextlib.__file__}
     model, x = Normalized(), torch.randn(2, 4)
     in_contextlib = lambda code: code.co_filename == contextlib.__file__  # noqa: E731
-    closed, close = [], teardown.close_pending_pushes
+    closed, close, install = [], teardown.close_pending_pushes, dispatch.install
 
     def counting(mode):
         closed.append(close(mode))
         return closed[-1]
 
     teardown.close_pending_pushes = counting
+    dispatch.install = lambda: None  # every Python-level torch function through torch's own
     try:
         landed = _interrupt_every_line(lambda: tl.trace(model, x), lambda code: code.co_filename in files,
                                        collect=in_contextlib)
     finally:
-        teardown.close_pending_pushes = close
+        teardown.close_pending_pushes, dispatch.install = close, install
     assert landed > 20, f"only {landed} interrupts landed in torch's mode handling"
     assert any(closed), "no interrupt ever left torch's push-back suspended: the repair went untested"
     assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+
+    from accel_paths import on_path
+
+    for compiled, least in ((False, 10), (True, 1)):  # its Python body, and the frame of the compiled one
+        with on_path(compiled):
+            in_dispatcher = _interrupt_every_line(
+                lambda: tl.trace(model, x), lambda code: code.co_filename == dispatch.__file__
+                and code.co_name in ("handle_torch_function", "handle_torch_function_compiled", "_overloads"))
+            assert in_dispatcher >= least, f"only {in_dispatcher} interrupts landed in capture's dispatcher"
+            assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
     return ("every interrupt re-raised unchanged (never 'pop from empty mode stack'); the mode stack "
-            "repaired, including when torch's push-back was left suspended inside contextlib")
+            "repaired, including when torch's push-back was left suspended inside contextlib; the same for "
+            "capture's own dispatcher")
 
 
 @CASE

@@ -1,7 +1,8 @@
 """What tracing must leave exactly as it found it, as a comparable snapshot.
 
 ``snapshot(model, tensors)`` records the torch-function mode stack depth, the global module hook
-dictionaries, the identity of ``torch.overrides.has_torch_function`` and of every public attribute of
+dictionaries, the identity of ``torch.overrides.has_torch_function``, of the ``handle_torch_function`` torch's
+Python-level functions call, and of every public attribute of
 the torch namespaces capture could patch, and, per module and per tensor, its attribute dictionary and
 hook dictionaries.  Two snapshots compare equal exactly when nothing was installed or left behind.
 """
@@ -9,11 +10,14 @@ hook dictionaries.  Two snapshots compare equal exactly when nothing was install
 from __future__ import annotations
 
 import torch
+import torch.functional
 import torch.nn.functional as F
 import torch.nn.modules.module as module_globals
 import torch.overrides
 
 ORIGINAL = torch.overrides.has_torch_function
+HANDLE = torch.overrides.handle_torch_function  # looked up as a global of the modules below at every call
+_CALLERS = {"torch.nn.functional": F, "torch.functional": torch.functional, "torch._tensor": torch._tensor}
 CALL_IMPL = torch.nn.Module._call_impl
 CALL_IMPL_CODE = CALL_IMPL.__code__  # a trace swaps the function's code while it runs (capture/call_impl.py)
 _NAMESPACES = {"torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.functional": F,
@@ -28,6 +32,10 @@ def _global_hook_dicts() -> dict:
 def _namespace_ids() -> dict:
     return {f"{label}.{name}": id(value) for label, space in _NAMESPACES.items()
             for name, value in list(vars(space).items())}
+
+
+def _handle_is_torchs_own() -> bool:
+    return all(vars(m).get("handle_torch_function") is HANDLE for m in _CALLERS.values())
 
 
 def _module_state(module: torch.nn.Module) -> tuple:
@@ -45,6 +53,7 @@ def snapshot(model=None, tensors=()) -> dict:
     state = {
         "mode stack depth": torch._C._len_torch_function_stack(),
         "has_torch_function is torch's own": torch.overrides.has_torch_function is ORIGINAL,
+        "handle_torch_function is torch's own": _handle_is_torchs_own(),
         "global module hooks": _global_hook_dicts(),
         "torch namespaces": _namespace_ids(),
         "nn.Module._call_impl's code is torch's own": CALL_IMPL.__code__ is CALL_IMPL_CODE,
@@ -69,6 +78,7 @@ def assert_clean_process() -> None:
     """The parts of a snapshot that do not depend on a model: nothing installed at all."""
     assert torch._C._len_torch_function_stack() == 0, "a torch function mode is still on the stack"
     assert torch.overrides.has_torch_function is ORIGINAL, "has_torch_function is patched"
+    assert _handle_is_torchs_own(), "handle_torch_function is replaced in a torch module"
     assert vars(torch.nn.Module)["_call_impl"] is CALL_IMPL, "nn.Module._call_impl is replaced"
     assert CALL_IMPL.__code__ is CALL_IMPL_CODE, "nn.Module._call_impl runs other code"
     leftover = {k: v for k, v in _global_hook_dicts().items() if v}

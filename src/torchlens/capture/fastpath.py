@@ -1,11 +1,16 @@
-"""Keep torch's fused fast paths on while a trace runs.
+"""Two torch globals answered by capture while any trace runs, installed together.
 
-An active ``TorchFunctionMode`` makes ``torch.overrides.has_torch_function`` answer True, and eval-mode
-``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` then leave their fused kernels for a
-decomposed path with different ops and slightly different numbers.  Those modules look the function up
-on ``torch.overrides`` at call time, so while any trace runs we answer it as if the capturing thread's
-own mode were absent.  The shim is reference-counted across threads and removed when the last trace
-ends; threads that are not tracing get torch's own answer.
+Keeping torch's fused fast paths on.  An active ``TorchFunctionMode`` makes
+``torch.overrides.has_torch_function`` answer True, and eval-mode ``nn.MultiheadAttention`` /
+``nn.TransformerEncoderLayer`` then leave their fused kernels for a decomposed path with different ops
+and slightly different numbers.  Those modules look the function up on ``torch.overrides`` at call
+time, so while any trace runs we answer it as if the capturing thread's own mode were absent.  The
+shim is reference-counted across threads and removed when the last trace ends; threads that are not
+tracing get torch's own answer.
+
+Skipping torch's Python dispatcher.  Torch functions written in Python (``F.relu``, ``F.layer_norm``)
+reach the capture mode through ``handle_torch_function``; the shim also puts capture's shorter one in
+place (``dispatch.py``), which likewise answers only the tracing thread's calls.
 """
 
 from __future__ import annotations
@@ -15,17 +20,18 @@ import threading
 import torch
 import torch.overrides
 
+from . import dispatch
 from .teardown import release_stranded, until_done
 
 # Reentrant, so that a hold left by an interrupt on a ``with _lock:`` exit line can be found and dropped.
 _lock = threading.RLock()
 _users = 0
 _original = None
-_local = threading.local()
+_local = dispatch.capturing  # .mode: this thread's capture mode while its trace runs
 
 
 def _has_torch_function_ignoring_capture(args) -> bool:
-    mode = getattr(_local, "mode", None)
+    mode = _local.mode
     if mode is None or torch._C._len_torch_function_stack() == 0:
         return _original(args)
     # Answer with our mode popped, exactly as torch would without it.
@@ -56,6 +62,7 @@ class FastPathShim:
                     if _users == 0:  # otherwise another trace has paused it (see pause): reinstall only
                         _original = torch.overrides.has_torch_function
                     torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
+                    dispatch.install()  # the two are in place together (removed together below)
                 _users, self._counted = _users + 1, True  # one statement: no interrupt between them
             finally:
                 _lock.release()
@@ -82,9 +89,11 @@ class FastPathShim:
         try:
             if self._counted:
                 _users, self._counted = _users - 1, False
-            if _users == 0 and torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
-                # _original stays set: another thread may have looked the shim up just before this.
-                torch.overrides.has_torch_function = _original
+            if _users == 0:
+                if torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
+                    # _original stays set: another thread may have looked the shim up just before this.
+                    torch.overrides.has_torch_function = _original
+                dispatch.uninstall()
         finally:
             _lock.release()
 
@@ -92,10 +101,14 @@ class FastPathShim:
         """Put torch's own function back while a compiled region runs (Dynamo would trace the shim),
         unless another thread's trace still needs the shim."""
         with _lock:
-            if _users == 1 and torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
-                torch.overrides.has_torch_function = _original
+            if _users == 1:
+                if torch.overrides.has_torch_function is _has_torch_function_ignoring_capture:
+                    torch.overrides.has_torch_function = _original
+                dispatch.uninstall()
 
     def resume(self) -> None:
         with _lock:
-            if self._counted and torch.overrides.has_torch_function is not _has_torch_function_ignoring_capture:
-                torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
+            if self._counted:
+                if torch.overrides.has_torch_function is not _has_torch_function_ignoring_capture:
+                    torch.overrides.has_torch_function = _has_torch_function_ignoring_capture
+                dispatch.install()
