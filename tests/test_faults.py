@@ -282,7 +282,7 @@ def keyboard_interrupt_in_the_trace_driver():
              capture.dispatch.__file__}
     setup_and_teardown = {"__enter__", "__exit__", "_release", "pause", "resume", "_acquire", "_release_all",
                           "update", "_unsee_in_dynamo", "owners_overriding", "unsupported_overrides",
-                          "acquire", "release_all", "install", "uninstall", "restore", "changed",
+                          "acquire", "release_all", "install", "uninstall", "_swap", "restore", "changed",
                           "_recorder_for", "_kept_recorders", "bind", "unbind", "_dispatcher"}
     model, x = Normalized(), torch.randn(2, 4)
 

@@ -89,7 +89,6 @@ def _callers() -> tuple:
 
 
 CALLERS = _callers()  # a tuple of dicts
-_FUNCTIONAL, _FUNCTIONAL_TOP, _TENSOR_METHODS = CALLERS
 
 
 def handle_torch_function_compiled(public_api, relevant_args, *args, **kwargs):
@@ -111,37 +110,31 @@ def _compiled_body(module) -> None:
     _answer_of = module
 
 
+def _swap(namespaces, name: str, expected: tuple, replacement) -> None:
+    """In each of ``namespaces`` whose ``name`` holds one of ``expected``, put ``replacement``; one that holds
+    something else (another library's) is left as it is.  torchlens-accel's ``_dispatch.swap`` does the same
+    in one call."""
+    for namespace in namespaces:
+        if namespace.get(name) in expected:
+            namespace[name] = replacement
+
+
 def install() -> None:
     """Put capture's ``handle_torch_function`` in place of torch's own where the callers hold torch's own:
     the compiled one when the compiled hot path is in use."""
     module = accel.compiled("_dispatch")
-    if module is not None:
-        if module is not _answer_of:
-            _compiled_body(module)
-        module.swap(CALLERS, _NAME, _TORCH_OWN, handle_torch_function_compiled)  # every trace: one call
+    if module is None:
+        _swap(CALLERS, _NAME, _TORCH_OWN, handle_torch_function)
         return
-    # Unrolled: every trace runs this and ``uninstall``.
-    if _FUNCTIONAL.get(_NAME) is TORCH_OWN and _FUNCTIONAL_TOP.get(_NAME) is TORCH_OWN \
-            and _TENSOR_METHODS.get(_NAME) is TORCH_OWN:
-        _FUNCTIONAL[_NAME] = _FUNCTIONAL_TOP[_NAME] = _TENSOR_METHODS[_NAME] = handle_torch_function
-        return
-    for namespace in CALLERS:  # one of them holds something else (another library's): left as it is
-        if namespace.get(_NAME) is TORCH_OWN:
-            namespace[_NAME] = handle_torch_function
+    if module is not _answer_of:
+        _compiled_body(module)
+    module.swap(CALLERS, _NAME, _TORCH_OWN, handle_torch_function_compiled)
 
 
 def uninstall() -> None:
-    """Put torch's own back wherever ``install`` replaced it (idempotent)."""
-    if _answer_of is not None:  # the compiled module is loaded: its swap, whichever was installed
-        _answer_of.swap(CALLERS, _NAME, _OURS, TORCH_OWN)
-        return
-    ours = _FUNCTIONAL.get(_NAME)
-    if ours is handle_torch_function and _FUNCTIONAL_TOP.get(_NAME) is ours and _TENSOR_METHODS.get(_NAME) is ours:
-        _FUNCTIONAL[_NAME] = _FUNCTIONAL_TOP[_NAME] = _TENSOR_METHODS[_NAME] = TORCH_OWN  # unrolled, as install
-        return
-    for namespace in CALLERS:
-        if namespace.get(_NAME) in _OURS:
-            namespace[_NAME] = TORCH_OWN
+    """Put torch's own back wherever ``install`` replaced it, with either replacement (idempotent)."""
+    swap = _answer_of.swap if _answer_of is not None else _swap  # the compiled one once loaded: one call
+    swap(CALLERS, _NAME, _OURS, TORCH_OWN)
 
 
 def installed() -> bool:
