@@ -11,13 +11,16 @@ before the counted calls, so that no collection lands among them, and the instru
 threads (``blas_thread_server``, which spin for as long as they like) are left out.  What a trace adds is
 its count less the untraced forward's.
 
+``--pure`` adds the two ``tl.trace`` arms (and the baseline's) on the pure-Python path (``capture.accel.use(False)``),
+``all-pure`` and ``none-pure``.
+
 Models: a row of ``models.py`` (``mlp3``, ``resnet``, ``gpt2``, ...), ``one-op`` (``x + 1``: a trace's
 fixed cost), ``linears:N`` (N ``Linear(64, 64)`` calls in a row), or a prefix of a transformers model of ``transformers_overhead.py`` (``GPT-2``, ``BERT``),
 called with its keyword inputs.  Needs valgrind (Debian's ``valgrind``); a worker takes one to four
 minutes.  Run:
 
     python benchmarks/trace_instructions.py [--models one-op,mlp3,resnet,GPT-2,BERT]
-        [--baseline /path/to/other/src/torchlens] [--traces 10] [--jobs 2]
+        [--baseline /path/to/other/src/torchlens] [--traces 10] [--jobs 2] [--pure]
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def _model(name: str):
 def _worker(name: str, arm: str, baseline: str | None, count: int) -> None:
     """Warm up, then run ``arm`` of model ``name`` ``count`` times inside ``operator.call``."""
     import gc
+    import importlib
     import operator
 
     import torch
@@ -92,9 +96,12 @@ def _worker(name: str, arm: str, baseline: str | None, count: int) -> None:
                 return model(*args, **kwargs)
     else:
         tl = baseline_package(baseline) if baseline else __import__("torchlens")
+        save = arm.removesuffix("-pure")
+        if save != arm:  # the pure-Python path, for the whole process (no switch inside the counted calls)
+            importlib.import_module(f"{tl.__name__}.capture.accel").use(False)
 
         def run():
-            return tl.trace(model, args, kwargs, save=arm)
+            return tl.trace(model, args, kwargs, save=save)
     with torch.no_grad():
         for _ in range(_WARM_UP):
             run()
@@ -104,12 +111,12 @@ def _worker(name: str, arm: str, baseline: str | None, count: int) -> None:
         operator.call(lambda: [run() for _ in range(count)])
 
 
-def _counted(name: str, arm: str, baseline: str | None, count: int, folder: str) -> float:
-    """Instructions per call of one arm, less the idle BLAS threads'."""
-    out = os.path.join(folder, f"callgrind.{abs(hash((name, arm, baseline)))}.out")
+def instructions(arguments: list, out: str) -> int:
+    """The instructions callgrind counts inside ``operator.call`` while ``python *arguments`` runs (a worker
+    that warms up first, then makes its counted calls inside one ``operator.call``), less the idle BLAS
+    threads'; ``out`` is where callgrind writes."""
     command = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=_operator_call",
-               f"--callgrind-out-file={out}", sys.executable, __file__, "--worker", name, "--arm", arm,
-               "--traces", str(count)] + (["--baseline", baseline] if baseline else [])
+               f"--callgrind-out-file={out}", sys.executable, *arguments]
     subprocess.run(command, check=True, capture_output=True)
     listing = subprocess.run(["callgrind_annotate", "--threshold=100", out], check=True, capture_output=True,
                              text=True).stdout
@@ -125,11 +132,22 @@ def _counted(name: str, arm: str, baseline: str | None, count: int, folder: str)
             total = n
         elif any(idle_name in found.group(2) for idle_name in _IDLE):
             idle += n
-    return (total - idle) / count
+    return total - idle
 
 
-def _k(instructions: float) -> str:
-    return f"{instructions / 1e3:,.1f} k"
+def _counted(name: str, arm: str, baseline: str | None, count: int, folder: str) -> float:
+    """Instructions per call of one arm."""
+    out = os.path.join(folder, f"callgrind.{abs(hash((name, arm, baseline)))}.out")
+    arguments = [__file__, "--worker", name, "--arm", arm, "--traces", str(count)]
+    return instructions(arguments + (["--baseline", baseline] if baseline else []), out) / count
+
+
+_ARM_NAMES = {"all": 'tl.trace(save="all")', "none": 'tl.trace(save="none")',
+              "all-pure": 'pure-Python save="all"', "none-pure": 'pure-Python save="none"'}
+
+
+def _k(count: float) -> str:
+    return f"{count / 1e3:,.1f} k"
 
 
 def main() -> None:
@@ -138,6 +156,7 @@ def main() -> None:
     parser.add_argument("--models", default="one-op,mlp3,resnet,GPT-2,BERT", help="comma-separated names")
     parser.add_argument("--traces", type=int, default=10, help="calls counted per arm")
     parser.add_argument("--jobs", type=int, default=2, help="workers under valgrind at once")
+    parser.add_argument("--pure", action="store_true", help="also count the tl.trace arms on the pure-Python path")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -145,28 +164,27 @@ def main() -> None:
         _worker(options.worker, options.arm, options.baseline, options.traces)
         return
     names = options.models.split(",")
-    arms = [("native", None), ("bare", None), ("all", None), ("none", None)]
+    traced = ["all", "none"] + (["all-pure", "none-pure"] if options.pure else [])
+    arms = [("native", None), ("bare", None)] + [(arm, None) for arm in traced]
     if options.baseline:
-        arms += [("all", options.baseline), ("none", options.baseline)]
+        arms += [(arm, options.baseline) for arm in traced]
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(options.jobs) as pool:
         jobs = {(name, arm, path): pool.submit(_counted, name, arm, path, options.traces, folder)
                 for name in names for arm, path in arms}
         counts = {key: job.result() for key, job in jobs.items()}
-    header = ["model", "untraced forward", "bare mode added", 'tl.trace(save="all") added',
-              'tl.trace(save="none") added']
+    header = ["model", "untraced forward", "bare mode added"] + [f"{_ARM_NAMES[arm]} added" for arm in traced]
     if options.baseline:
-        header += ['baseline save="all" added', 'baseline save="none" added', "this / baseline, all",
-                   "this / baseline, none"]
+        header += [f"baseline {_ARM_NAMES[arm]} added" for arm in traced]
+        header += [f"this / baseline, {_ARM_NAMES[arm]}" for arm in traced]
     print("| " + " | ".join(header) + " |")
     print("|---" * len(header) + "|")
     for name in names:
         native = counts[(name, "native", None)]
         added = {(arm, path): counts[(name, arm, path)] - native for arm, path in arms if arm != "native"}
-        cells = [_k(native), _k(added[("bare", None)]), _k(added[("all", None)]), _k(added[("none", None)])]
+        cells = [_k(native), _k(added[("bare", None)])] + [_k(added[(arm, None)]) for arm in traced]
         if options.baseline:
-            base_all, base_none = added[("all", options.baseline)], added[("none", options.baseline)]
-            cells += [_k(base_all), _k(base_none), f"{added[('all', None)] / base_all:.3f}",
-                      f"{added[('none', None)] / base_none:.3f}"]
+            cells += [_k(added[(arm, options.baseline)]) for arm in traced]
+            cells += [f"{added[(arm, None)] / added[(arm, options.baseline)]:.3f}" for arm in traced]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     print(f"\nInstructions per call, {options.traces} calls counted per arm after {_WARM_UP} warm-up calls.")
 

@@ -30,13 +30,16 @@ def _children(obj, attrs: bool):
     """``(key, child)`` pairs of a container, or None when ``obj`` is not one we walk."""
     if isinstance(obj, (tuple, list)):
         return enumerate(obj)
-    if isinstance(obj, Mapping):
+    if isinstance(obj, dict) or isinstance(obj, Mapping):  # a dict subclass (ModelOutput) skips the ABC check
         return obj.items()
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    if not isinstance(obj, type) and hasattr(type(obj), _DATACLASS_FIELDS):  # dataclasses.is_dataclass, inlined
         return ((f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj))
     if attrs and hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
         return vars(obj).items()
     return None
+
+
+_DATACLASS_FIELDS = "__dataclass_fields__"  # what dataclasses.is_dataclass looks for on the class
 
 
 def tensor_leaves(obj, path: tuple = (), *, attrs: bool = False) -> list:
@@ -46,18 +49,46 @@ def tensor_leaves(obj, path: tuple = (), *, attrs: bool = False) -> list:
     return out
 
 
+# Exact types decided by a set lookup, before any isinstance check (one against torch.Tensor, whose
+# metaclass is not ``type``, costs about 0.13 us): tensors are leaves, scalars hold no tensor, and tuples,
+# lists and dicts are walked.  Subclasses of any of them take the general checks.
+_TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))
+_SCALARS = (str, bytes, int, float, bool, type(None))
+_SCALAR_TYPES = frozenset(_SCALARS)
+_PLAIN_TYPES = _TENSOR_TYPES | _SCALAR_TYPES | {tuple, list, dict}
+
+
 def _walk(obj, path, out, attrs, depth, seen) -> None:
-    if isinstance(obj, Tensor):
+    kind = type(obj)
+    if kind is Tensor:  # the commonest value walked alone
         out.append((path, obj))
         return
-    if depth >= MAX_DEPTH or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+    if kind not in _PLAIN_TYPES:
+        if isinstance(obj, Tensor):
+            out.append((path, obj))
+            return
+        if depth >= MAX_DEPTH or isinstance(obj, _SCALARS):
+            return
+        children = _children(obj, attrs)
+        if children is None:
+            return
+    elif kind in _TENSOR_TYPES:
+        out.append((path, obj))
         return
-    children = _children(obj, attrs)
-    if children is None or id(obj) in seen:
+    elif kind in _SCALAR_TYPES or depth >= MAX_DEPTH:
+        return
+    else:
+        children = obj.items() if kind is dict else enumerate(obj)
+    if id(obj) in seen:
         return
     seen.add(id(obj))
+    depth += 1
     for key, child in children:
-        _walk(child, path + (key,), out, attrs, depth + 1, seen)
+        kind = type(child)
+        if kind in _TENSOR_TYPES:  # a leaf, without a call
+            out.append((path + (key,), child))
+        elif kind not in _SCALAR_TYPES:
+            _walk(child, path + (key,), out, attrs, depth, seen)
     seen.discard(id(obj))
 
 
