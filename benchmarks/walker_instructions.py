@@ -1,14 +1,15 @@
-"""Instructions per call of the tensor walker (``torchlens.tree.tensor_leaves``), counted by callgrind, on
-values of the shapes a trace walks: this revision beside another.
+"""Instructions per call of the tensor walker, counted by callgrind: this revision beside another.
 
-Capture walks module calls' arguments and results that are not a lone tensor, finalize walks the
-model's output, and validation and extraction walk whole return values; a transformers model returns a
-``ModelOutput`` (an ``OrderedDict`` subclass) holding a cache object.  Per value and revision, a worker
+The walker is ``torchlens.tree.tensor_leaves``, and the values are of the shapes a trace walks: capture
+walks module calls' arguments and results that are not a lone tensor, finalize walks the model's output,
+and validation and extraction walk whole return values; a transformers model returns a ``ModelOutput``
+(an ``OrderedDict`` subclass) holding a cache object.  Per value and revision, a worker
 process warms up (200 calls), then makes ``--calls`` calls inside one ``operator.call``, the only place
 callgrind collects (``trace_instructions.instructions``).  Needs valgrind and, for the ``ModelOutput``
 value, transformers.  Run:
 
     python benchmarks/walker_instructions.py [--baseline /path/to/other/src/torchlens] [--calls 100]
+        [--values "tensor,ModelOutput with a cache"]
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="another revision's src/torchlens directory")
     parser.add_argument("--calls", type=int, default=100, help="calls counted per value")
+    parser.add_argument("--values", default=",".join(_VALUES), help="comma-separated subset of the values")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -68,7 +70,7 @@ def main() -> None:
     print("| value | instructions per call" + (" | baseline | this / baseline" if options.baseline else "") + " |")
     print("|---|---" + ("|---|---" if options.baseline else "") + "|")
     with tempfile.TemporaryDirectory() as folder:
-        for name in _VALUES:
+        for name in options.values.split(","):
             counts = [instructions([__file__, "--worker", name, "--calls", str(options.calls)]
                                    + (["--baseline", path] if path else []), os.path.join(folder, "callgrind.out"))
                       / options.calls for path in revisions]
