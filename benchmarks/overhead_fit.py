@@ -114,6 +114,11 @@ def add_baseline_arms(path: str) -> None:
     ARM_TITLES["read_base"] = ARM_TITLES["read"] + " before"
     ARM_TITLES["trace_base"] = 'tl.trace (save="all") before'
     ARM_TITLES["none_base"] = 'tl.trace (save="none") before'
+    # Picked only with --pure (its arms are then listed): the baseline on its pure-Python path too.
+    ARMS["trace_pure_base"] = lambda m, a: trace_arm(m, a, package=base, compiled=False, save="all")
+    ARMS["none_pure_base"] = lambda m, a: trace_arm(m, a, package=base, compiled=False, save="none")
+    ARM_TITLES["trace_pure_base"] = 'tl.trace (save="all") pure Python before'
+    ARM_TITLES["none_pure_base"] = 'tl.trace (save="none") pure Python before'
 
 
 def build(name: str):
