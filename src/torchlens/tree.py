@@ -26,6 +26,9 @@ def _is_namedtuple(obj) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
+_DATACLASS_FIELDS = "__dataclass_fields__"  # what dataclasses.is_dataclass looks for on the class
+
+
 def _children(obj, attrs: bool):
     """``(key, child)`` pairs of a container, or None when ``obj`` is not one we walk."""
     if isinstance(obj, (tuple, list)):
@@ -37,9 +40,6 @@ def _children(obj, attrs: bool):
     if attrs and hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
         return vars(obj).items()
     return None
-
-
-_DATACLASS_FIELDS = "__dataclass_fields__"  # what dataclasses.is_dataclass looks for on the class
 
 
 def tensor_leaves(obj, path: tuple = (), *, attrs: bool = False) -> list:
