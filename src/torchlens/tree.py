@@ -50,7 +50,7 @@ def tensor_leaves(obj, path: tuple = (), *, attrs: bool = False) -> list:
 
 
 # Exact types decided by a set lookup, before any isinstance check (one against torch.Tensor, whose
-# metaclass is not ``type``, costs about 0.13 us): tensors are leaves, scalars hold no tensor, and tuples,
+# metaclass is not ``type``, costs about 0.07 us): tensors are leaves, scalars hold no tensor, and tuples,
 # lists and dicts are walked.  Subclasses of any of them take the general checks.
 _TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))
 _SCALARS = (str, bytes, int, float, bool, type(None))

@@ -18,7 +18,7 @@ Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
 _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
 _Size = torch.Size
-# Exact types no tensor has, ruled out before ``isinstance(a, Tensor)``, which costs about 0.13 us for any
+# Exact types no tensor has, ruled out before ``isinstance(a, Tensor)``, which costs about 0.07 us for any
 # other type than Tensor itself (torch.Tensor's metaclass is not ``type``): a Parameter argument or a tuple
 # of sizes would pay it on every call.
 _NOT_TENSORS = frozenset((tuple, list, dict, _Size))
