@@ -52,40 +52,39 @@ def tensor_leaves(obj, path: tuple = (), *, attrs: bool = False) -> list:
 # Exact types decided by a set lookup, before any isinstance check (one against torch.Tensor, whose
 # metaclass is not ``type``, costs about 0.07 us): tensors are leaves, scalars hold no tensor, and tuples,
 # lists and dicts are walked.  Subclasses of any of them take the general checks.
-_TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))
+TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))
 _SCALARS = (str, bytes, int, float, bool, type(None))
 _SCALAR_TYPES = frozenset(_SCALARS)
-_PLAIN_TYPES = _TENSOR_TYPES | _SCALAR_TYPES | {tuple, list, dict}
+_CONTAINER_TYPES = frozenset((tuple, list, dict))
 
 
 def _walk(obj, path, out, attrs, depth, seen) -> None:
     kind = type(obj)
-    if kind is Tensor:  # the commonest value walked alone
+    if kind is Tensor or kind in TENSOR_TYPES:  # a lone tensor, the commonest value, by identity first
         out.append((path, obj))
         return
-    if kind not in _PLAIN_TYPES:
-        if isinstance(obj, Tensor):
-            out.append((path, obj))
+    if kind in _CONTAINER_TYPES:  # _children's answer for them, without its checks
+        if depth >= MAX_DEPTH:
             return
-        if depth >= MAX_DEPTH or isinstance(obj, _SCALARS):
-            return
+        children = obj.items() if kind is dict else enumerate(obj)
+    elif kind in _SCALAR_TYPES:
+        return
+    elif isinstance(obj, Tensor):  # a tensor subclass
+        out.append((path, obj))
+        return
+    elif depth >= MAX_DEPTH or isinstance(obj, _SCALARS):
+        return
+    else:
         children = _children(obj, attrs)
         if children is None:
             return
-    elif kind in _TENSOR_TYPES:
-        out.append((path, obj))
-        return
-    elif kind in _SCALAR_TYPES or depth >= MAX_DEPTH:
-        return
-    else:
-        children = obj.items() if kind is dict else enumerate(obj)
     if id(obj) in seen:
         return
     seen.add(id(obj))
     depth += 1
     for key, child in children:
         kind = type(child)
-        if kind in _TENSOR_TYPES:  # a leaf, without a call
+        if kind in TENSOR_TYPES:  # a leaf, without a call
             out.append((path + (key,), child))
         elif kind not in _SCALAR_TYPES:
             _walk(child, path + (key,), out, attrs, depth, seen)

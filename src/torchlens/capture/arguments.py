@@ -19,9 +19,9 @@ Parameter = torch.nn.Parameter
 _CONTAINERS = (list, tuple, dict)  # argument types walked for tensors (named tuples and dict subclasses too)
 _Size = torch.Size
 # Exact types no tensor has, ruled out before ``isinstance(a, Tensor)``, which costs about 0.07 us for any
-# other type than Tensor itself (torch.Tensor's metaclass is not ``type``): a Parameter argument or a tuple
-# of sizes would pay it on every call.
-_NOT_TENSORS = frozenset((tuple, list, dict, _Size))
+# other type than Tensor itself (torch.Tensor's metaclass is not ``type``): a tuple of sizes would pay it on
+# every call.  (Sizes and other plain values are skipped before; a Parameter is taken by its type.)
+_NOT_TENSORS = frozenset((tuple, list, dict))
 # Argument types that are neither tensors nor containers (exact types: subclasses take the full checks).
 PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device,
                           torch.layout, torch.memory_format, _Size])

@@ -23,7 +23,7 @@ from types import CodeType
 import torch
 
 from ..errors import warn_user
-from ..tree import tensor_leaves
+from ..tree import TENSOR_TYPES, tensor_leaves
 from . import accel
 from .arguments import TUPLE_VALUES
 from .call_impl import Replacement, held_by, owners_overriding, unsupported_overrides
@@ -34,7 +34,6 @@ from .state import CaptureState
 _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
 # ``_call_impl``'s nested ``inner``: a module with hooks of its own runs its forward from there.
 _INNER = next((c for c in _CALL_IMPL.co_consts if isinstance(c, CodeType) and c.co_name == "inner"), None)
-_TENSORS = frozenset([torch.Tensor, torch.nn.Parameter])
 
 
 def _tensors_in(value) -> list:
@@ -228,7 +227,7 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             found = []
             for item in value:  # plain tensors and the plain values of a flat tuple, where the walker finds none
                 kind = type(item)
-                if kind in _TENSORS:
+                if kind in TENSOR_TYPES:
                     found.append(bound(item))
                 elif kind not in TUPLE_VALUES:
                     break  # a nested or other value: the walker decides
@@ -283,7 +282,7 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             return impl(module, *args, **kwargs)
         else:
             frame = call_frame(wrapped, parent)
-        if len(args) == 1 and type(args[0]) in _TENSORS:
+        if len(args) == 1 and type(args[0]) in TENSOR_TYPES:
             t = args[0]
             entry = producers.get(id(t))  # bound(), inlined
             inputs = (entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1,)
@@ -310,7 +309,7 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             stack.pop()
             if extras and markers is not None:
                 markers.module_exit(index)
-        if type(output) in _TENSORS:
+        if type(output) in TENSOR_TYPES:
             entry = producers.get(id(output))  # bound(), inlined
             call[5] = (entry[1] if entry is not None and (entry[0] is output or entry[0]() is output) else -1,)
         elif output is not None:
