@@ -21,7 +21,7 @@ import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _VALUES = ("tensor", "tuple of 2 tensors", "dict of 2 tensors and None", "list of 100 tensors",
-           "nested tuple, list, dict", "ModelOutput with a cache")
+           "nested containers", "ModelOutput with a cache")
 
 
 def _value(name: str):
@@ -34,7 +34,7 @@ def _value(name: str):
 
         return CausalLMOutputWithCrossAttentions(logits=t, past_key_values=DynamicCache())
     return {"tensor": t, "tuple of 2 tensors": (t, t), "dict of 2 tensors and None": {"a": t, "b": t, "c": None},
-            "list of 100 tensors": [t] * 100, "nested tuple, list, dict": (t, [t, (t, 1)], {"k": t})}[name]
+            "list of 100 tensors": [t] * 100, "nested containers": (t, [t, (t, 1)], {"k": t})}[name]
 
 
 def _worker(name: str, baseline: str | None, calls: int) -> None:
