@@ -13,6 +13,7 @@ value, not by reference to a list the model may mutate later) and ``fill`` puts 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 
@@ -149,6 +150,31 @@ def fill(skeleton, tensors: dict, path: tuple = ()):
     if type(skeleton) is dict:
         return {k: fill(v, tensors, path + (k,)) for k, v in skeleton.items()}
     return skeleton
+
+
+def clone_inputs(obj, memo=None):
+    """A copy of a model's inputs for a run that must leave the caller's inputs as they were (a
+    reference forward): every tensor cloned, keeping aliasing (a tensor passed twice stays one tensor:
+    ``nn.MultiheadAttention`` takes a different path when ``query is key``), containers rebuilt, and
+    plain objects holding tensors (a key/value cache the forward extends) deep-copied.  ``memo``
+    (``id -> copy``) shares the aliasing across several values, such as args and kwargs."""
+    memo = {} if memo is None else memo
+    clones = {}
+    for path, t in tensor_leaves(obj):
+        if id(t) not in memo:
+            memo[id(t)] = t.clone()
+        clones[path] = memo[id(t)]
+    held = tensor_leaves(obj, attrs=True)
+    if len(held) > len(clones):  # tensors in plain objects' attributes (a key/value cache), which a
+        # forward may update in place: the object is copied too, each tensor as its clone
+        for _, t in held:
+            if id(t) not in memo:
+                memo[id(t)] = t.clone()
+        try:
+            return copy.deepcopy(obj, memo)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
+            pass
+    return fill(strip(obj), clones)
 
 
 def path_text(prefix: str, path: tuple) -> str:

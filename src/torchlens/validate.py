@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture.collectives import is_collective
-from .tree import as_args, fill, strip, structures_equal, tensor_leaves
+from .tree import as_args, clone_inputs, fill, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
 
@@ -181,18 +181,6 @@ class RunState:
                     v.copy_(self.state[k])
             for m, flag in self.training.items():
                 m.training = flag
-
-
-def clone_inputs(obj, memo=None):
-    """Clone the tensors in a value, keeping aliasing: a tensor passed twice stays one tensor
-    (``nn.MultiheadAttention`` takes a different path when ``query is key``)."""
-    memo = {} if memo is None else memo
-    clones = {}
-    for path, t in tensor_leaves(obj):
-        if id(t) not in memo:
-            memo[id(t)] = t.clone()
-        clones[path] = memo[id(t)]
-    return fill(strip(obj), clones)
 
 
 def _reference_output(model, args: tuple, kwargs: dict):

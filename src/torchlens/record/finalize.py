@@ -50,10 +50,11 @@ _made = tuple.__new__
 
 
 def tensor_leaves(obj, path: str, out: list) -> list:
-    """``(path text, tensor)`` for each tensor in a nested value: ``tree.tensor_leaves`` with its paths
-    written under ``path`` (``output.0.logits``).  The spelling capture/session.py imports; new code
-    calls ``tree.tensor_leaves`` and ``tree.path_text`` itself."""
-    out.extend((path_text(path, p), t) for p, t in leaves_with_paths(obj))
+    """``(path text, tensor)`` for each tensor in a model input or output: ``tree.tensor_leaves`` with its
+    paths written under ``path`` (``output.0.logits``), plain objects' attributes included (a key/value
+    cache passed in or returned holds its tensors in attributes: ``output.past_key_values.layers.0.keys``).
+    Module calls' own arguments and results are walked without attributes, on the hot path."""
+    out.extend((path_text(path, p), t) for p, t in leaves_with_paths(obj, attrs=True))
     return out
 
 
@@ -90,7 +91,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
 
 def _outputs(state: CaptureState, output) -> tuple:
     """``(path, producer record, OpMeta)`` per tensor in ``output``, and the activations with theirs."""
-    returned = [(path_text("output", p), state.producer_of(t), t) for p, t in leaves_with_paths(output)]
+    returned = [(path, state.producer_of(t), t) for path, t in tensor_leaves(output, "output", [])]
     first_output = len(state.records)  # the output pseudo ops follow the records
     outputs = []
     activations = dict(state.saved)

@@ -92,8 +92,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..capture.session import _unwrap, trace
-    from ..tree import as_args
-    from ..validate import RunState, clone_inputs
+    from ..tree import as_args, clone_inputs
+    from ..validate import RunState
 
     model = _unwrap(model)
     call_args = as_args(args)

@@ -16,6 +16,7 @@ import torch
 from ..capture.session import trace
 from ..intervene import patch_from
 from ..errors import TorchlensError
+from ..tree import clone_inputs
 
 
 def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,
@@ -35,9 +36,9 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
     """
     pd = _pandas()
-    clean_log = trace(model, clean, kwargs, save="all", deep=deep)
+    clean_log = _trace_copy(model, clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
-    corrupt_value = _scalar(metric(trace(model, corrupt, kwargs, save="none", deep=deep).output))
+    corrupt_value = _scalar(metric(_trace_copy(model, corrupt, kwargs, save="none", deep=deep).output))
     names = _sites(clean_log, sites)
     for site in names:
         if isinstance(site, str) and site not in clean_log:
@@ -48,8 +49,8 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     for site, position in _progress(runs, progress, "activation patching"):
         at = None if position is None else (slice(None),) * positions + (position,)
         try:
-            patched = trace(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
-                            intervene={site: patch_from(clean_log, at=at)})
+            patched = _trace_copy(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+                                  intervene={site: patch_from(clean_log, at=at)})
             value, error = _scalar(metric(patched.output)), ""
         except (TorchlensError, ValueError, IndexError) as exc:  # cannot be patched faithfully: say why
             value, error = math.nan, str(exc)
@@ -73,7 +74,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     """
     pd = _pandas()
     with torch.no_grad():
-        clean_log = trace(model, clean, kwargs, save="all", deep=deep)
+        clean_log = _trace_copy(model, clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
     live: dict = {}  # label -> (differentiable tensor, its version when captured)
     notes: dict = {}
@@ -93,8 +94,8 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         return leaf
 
     with torch.enable_grad():
-        corrupt_log = trace(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
-                            intervene={(lambda op: True): grab})
+        corrupt_log = _trace_copy(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+                                  intervene={(lambda op: True): grab})
         value = metric(corrupt_log.output)
         corrupt_value = _scalar(value)
         labels = [k for k, (t, v) in live.items() if t._version == v]
@@ -123,6 +124,13 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
+
+
+def _trace_copy(model, args, kwargs, **options):
+    """``trace`` on copies of the inputs: every run of an experiment starts from the inputs as the caller
+    gave them, even when the forward writes them in place or extends a key/value cache among them."""
+    memo: dict = {}
+    return trace(model, clone_inputs(args, memo), clone_inputs(kwargs, memo), **options)
 
 
 def _extent(log, site, dim: int) -> int:

@@ -1,0 +1,167 @@
+"""Tensors held in plain objects' attributes at the edges of a trace: a transformers key/value cache
+passed in as ``past_key_values`` and returned extended.  Its tensors are the trace's inputs and
+outputs like any other, and every run torchlens makes besides the traced one (the reference forward
+of ``tl.validate``, the label-resolving pass of an intervention) works on copies, so the caller's
+inputs end as one forward leaves them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _cache_tensors(cache) -> list:
+    """The key and value tensors of a transformers cache, layer by layer, through its public attributes
+    (``layers[i].keys`` since transformers 5, ``key_cache[i]`` before)."""
+    if hasattr(cache, "layers"):
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return [t for pair in zip(cache.key_cache, cache.value_cache) for t in pair]
+
+
+def _same(saved, tensor) -> bool:
+    """A saved activation is a detached reference to the tensor itself: the same memory, the same values."""
+    return saved.data_ptr() == tensor.data_ptr() and torch.equal(saved, tensor)
+
+
+def _prefix(model):
+    """A cache after five tokens (made without grad, so that the test can deep-copy it), and the next token."""
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 9, 13, 21, 7]]))
+    return out.past_key_values, torch.tensor([[30]])
+
+
+def test_a_returned_cache_is_among_the_outputs(gpt2):
+    log = tl.trace(gpt2, torch.tensor([[5, 9, 13, 21, 7]]))
+    returned = _cache_tensors(log.output.past_key_values)
+    outputs = [op for op in log.ops if op.kind == "output"]
+    assert len(outputs) == 1 + len(returned) == 5  # the logits, then a key and a value per layer
+    assert outputs[0].io_path == "output.logits"
+    for op, tensor in zip(outputs[1:], returned):
+        assert op.io_path.startswith("output.past_key_values.")
+        assert _same(op.activation, tensor)  # the output shows the tensor the caller received
+        (producer,) = op.parents
+        assert _same(log[producer].activation, tensor)  # and the op that made it is its parent
+
+
+def test_a_cache_passed_in_is_recorded_as_inputs(gpt2):
+    cache, token = _prefix(gpt2)
+    given = _cache_tensors(cache)
+    log = tl.trace(gpt2, (token,), {"past_key_values": cache})
+    assert log.unattributed == 0  # every tensor an op read has a producer: the cache's tensors are inputs
+    inputs = [op for op in log.ops if op.kind == "input"]
+    assert [op.io_path for op in inputs][0] == "input.input_ids"
+    assert len(inputs) == 1 + len(given)
+    for op, tensor in zip(inputs[1:], given):
+        assert op.io_path.startswith("input.past_key_values.")
+        assert torch.equal(op.activation, tensor)
+        assert op.children  # attention reads each of them
+
+
+def test_validate_with_a_cache_passes_and_extends_the_callers_cache_once(gpt2):
+    cache, token = _prefix(gpt2)
+    untouched = copy.deepcopy(cache)
+    expected = gpt2(token, past_key_values=untouched)
+    result = tl.validate(gpt2, (token,), {"past_key_values": cache})
+    assert result.passed and result.outputs_match
+    # The caller's cache went through one forward (the traced one), not two.
+    assert [t.shape for t in _cache_tensors(cache)] == [t.shape for t in _cache_tensors(untouched)]
+    assert all(torch.equal(a, b) for a, b in zip(_cache_tensors(cache), _cache_tensors(untouched)))
+    assert expected.logits.shape == (1, 1, 64)
+
+
+def test_an_intervention_by_label_sees_the_cache_one_forward_would(gpt2):
+    cache, token = _prefix(gpt2)
+    untouched = copy.deepcopy(cache)
+    expected = gpt2(token, past_key_values=untouched).logits
+    # A label site is resolved by a metadata pass first; that pass must not extend the caller's cache.
+    log = tl.trace(gpt2, (token,), {"past_key_values": cache}, intervene={"linear_1_99": tl.scale(1.0)})
+    assert torch.equal(log.output.logits, expected)
+    assert [t.shape[2] for t in _cache_tensors(cache)] == [6, 6, 6, 6]
+
+
+class _Doubler(nn.Module):
+    """Writes its input in place before using it."""
+
+    def forward(self, x):
+        x.mul_(2)
+        return torch.relu(x + 1)
+
+
+def test_an_intervention_by_label_leaves_an_input_written_in_place_as_one_forward_would():
+    x, y = torch.ones(3), torch.ones(3)
+    expected = _Doubler()(y)
+    log = tl.trace(_Doubler(), x, intervene={"relu_1_3": tl.scale(1.0)})
+    assert torch.equal(log.output, expected)
+    assert torch.equal(x, y)  # written once, by the intervened forward
+
+
+class _State:
+    """A plain object carrying tensors, as recurrent models pass their state."""
+
+    def __init__(self, h, c):
+        self.h, self.c = h, c
+
+
+class _Cell(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, state):
+        h = torch.tanh(self.linear(x) + state.h)
+        return _State(h, state.c + h)
+
+
+def test_a_plain_object_carrying_state_in_and_out():
+    torch.manual_seed(0)
+    cell, x, state = _Cell(), torch.randn(2, 4), _State(torch.zeros(2, 4), torch.ones(2, 4))
+    log = tl.trace(cell, (x, state))
+    assert log.unattributed == 0
+    assert [op.io_path for op in log.ops if op.kind == "input"] == ["input.x", "input.state.h", "input.state.c"]
+    outputs = [op for op in log.ops if op.kind == "output"]
+    assert [op.io_path for op in outputs] == ["output.h", "output.c"]
+    assert _same(outputs[0].activation, log.output.h) and _same(outputs[1].activation, log.output.c)
+
+
+def test_patching_runs_each_start_from_the_callers_inputs(gpt2):
+    pytest.importorskip("pandas")
+    cache, token = _prefix(gpt2)
+    untouched = copy.deepcopy(cache)
+    clean, corrupt = token, torch.tensor([[40]])
+
+    def metric(output):
+        return output.logits[0, -1, 11] - output.logits[0, -1, 12]
+
+    with torch.no_grad():
+        expected_clean = metric(gpt2(clean, past_key_values=copy.deepcopy(cache)))
+        expected_corrupt = metric(gpt2(corrupt, past_key_values=copy.deepcopy(cache)))
+    table = tl.report.activation_patching(gpt2, clean, corrupt, metric, sites=["transformer.h.1"],
+                                   kwargs={"past_key_values": cache}, progress=False)
+    # Three runs shared one cache argument: each saw it as the caller passed it.
+    assert table.attrs["clean"] == pytest.approx(float(expected_clean), abs=1e-6)
+    assert table.attrs["corrupt"] == pytest.approx(float(expected_corrupt), abs=1e-6)
+    assert table["normalized"].tolist() == pytest.approx([1.0])  # the last block patched: the clean value
+    assert all(torch.equal(a, b) for a, b in zip(_cache_tensors(cache), _cache_tensors(untouched)))
+
+
+def test_attribution_patching_leaves_an_input_written_in_place_as_given():
+    pytest.importorskip("pandas")
+    clean, corrupt = torch.ones(3), torch.full((3,), -1.0)
+    table = tl.report.attribution_patching(_Doubler(), clean, corrupt, lambda out: out.sum())
+    assert torch.equal(clean, torch.ones(3)) and torch.equal(corrupt, torch.full((3,), -1.0))
+    assert table.attrs["clean"] == 9.0 and table.attrs["corrupt"] == 0.0  # relu(2x + 1) summed, from x as given
