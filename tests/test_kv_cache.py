@@ -7,6 +7,8 @@ inputs end as one forward leaves them."""
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch.nn as nn
 
 import torchlens as tl
 
+sys.path.insert(0, os.path.dirname(__file__))  # the real-model corpus lives beside this file
 
 @pytest.fixture(scope="module")
 def gpt2():
@@ -165,3 +168,40 @@ def test_attribution_patching_leaves_an_input_written_in_place_as_given():
     table = tl.report.attribution_patching(_Doubler(), clean, corrupt, lambda out: out.sum())
     assert torch.equal(clean, torch.ones(3)) and torch.equal(corrupt, torch.full((3,), -1.0))
     assert table.attrs["clean"] == 9.0 and table.attrs["corrupt"] == 0.0  # relu(2x + 1) summed, from x as given
+
+
+def _steps(name):
+    """``(model, prefix kwargs, next-step kwargs without the cache)`` for a corpus entry with its cache on."""
+    import real_models  # imports transformers lazily, per entry
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.CORPUS[name]()
+    ids = kwargs["input_ids"]
+    if name == "t5":  # the encoder reads the whole input both times; the decoder goes one token further
+        decoder = real_models._tokens(seq=4)
+        return model.eval(), {"input_ids": ids, "decoder_input_ids": decoder[:, :3]}, \
+            {"input_ids": ids, "decoder_input_ids": decoder[:, 3:]}
+    return model.eval(), {"input_ids": ids[:, :-1]}, {"input_ids": ids[:, -1:]}
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_a_real_models_cache_is_traced_in_and_out_and_validates(name):
+    pytest.importorskip("transformers")
+    model, prefix, step = _steps(name)
+    with torch.no_grad():
+        cache = model(**prefix, use_cache=True).past_key_values
+    untouched = copy.deepcopy(cache)
+    log = tl.trace(model, (), {**step, "past_key_values": cache, "use_cache": True})
+    assert log.unattributed == 0
+    inputs = [op.io_path for op in log.ops if op.kind == "input"]
+    outputs = [op.io_path for op in log.ops if op.kind == "output"]
+    assert sum(p.startswith("input.past_key_values.") for p in inputs) >= 4  # a key and a value per layer
+    assert sum(p.startswith("output.past_key_values.") for p in outputs) >= 4
+    # validate runs a reference forward too: on a copy, so the caller's cache is extended once, as here.
+    cache = copy.deepcopy(untouched)
+    result = tl.validate(model, (), {**step, "past_key_values": cache, "use_cache": True})
+    assert result.passed and result.outputs_match
+    once = copy.deepcopy(untouched)
+    with torch.no_grad():
+        model(**step, past_key_values=once, use_cache=True)
+    assert cache.get_seq_length() == once.get_seq_length() == untouched.get_seq_length() + 1
