@@ -3,7 +3,8 @@
 The walker is ``torchlens.tree.tensor_leaves``, and the values are of the shapes a trace walks: capture
 walks module calls' arguments and results that are not a lone tensor, finalize walks the model's output,
 and validation and extraction walk whole return values; a transformers model returns a ``ModelOutput``
-(an ``OrderedDict`` subclass) holding a cache object.  Per value and revision, a worker
+(an ``OrderedDict`` subclass) holding a cache object, whose key and value tensors finalize finds among
+the cache's attributes (``attrs=True``, the walk of a model's inputs and output).  Per value and revision, a worker
 process warms up (200 calls), then makes ``--calls`` calls inside one ``operator.call``, the only place
 callgrind collects (``trace_instructions.instructions``).  Needs valgrind and, for the ``ModelOutput``
 value, transformers.  Run:
@@ -21,18 +22,23 @@ import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _VALUES = ("tensor", "tuple of 2 tensors", "dict of 2 tensors and None", "list of 100 tensors",
-           "nested containers", "ModelOutput with a cache")
+           "nested containers", "ModelOutput with a cache", "ModelOutput with a 12-layer cache (attrs)")
+_ATTRS = {"ModelOutput with a 12-layer cache (attrs)"}  # walked as finalize walks a model's output
 
 
 def _value(name: str):
     import torch
 
     t = torch.ones(2)
-    if name == "ModelOutput with a cache":
+    if name.startswith("ModelOutput"):
         from transformers import DynamicCache
         from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-        return CausalLMOutputWithCrossAttentions(logits=t, past_key_values=DynamicCache())
+        cache = DynamicCache()
+        if name in _ATTRS:
+            for layer in range(12):
+                cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), layer)
+        return CausalLMOutputWithCrossAttentions(logits=t, past_key_values=cache)
     return {"tensor": t, "tuple of 2 tensors": (t, t), "dict of 2 tensors and None": {"a": t, "b": t, "c": None},
             "list of 100 tensors": [t] * 100, "nested containers": (t, [t, (t, 1)], {"k": t})}[name]
 
@@ -45,12 +51,12 @@ def _worker(name: str, baseline: str | None, calls: int) -> None:
     from models import baseline_package
 
     package = baseline_package(baseline) if baseline else __import__("torchlens")
-    tensor_leaves, value = package.tree.tensor_leaves, _value(name)
+    walk, value, attrs = package.tree.tensor_leaves, _value(name), name in _ATTRS
     for _ in range(200):
-        tensor_leaves(value)
+        walk(value, attrs=attrs)
     gc.collect()
     gc.disable()
-    operator.call(lambda: [tensor_leaves(value) for _ in range(calls)])
+    operator.call(lambda: [walk(value, attrs=attrs) for _ in range(calls)])
 
 
 def main() -> None:

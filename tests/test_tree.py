@@ -103,6 +103,7 @@ def test_each_kind_of_container_and_leaf():
         (FrozenMap({"a": t, "b": [s]}), [("a",), ("b", 0)]),
         (Holder(t), []),  # a plain object is not walked by default
         ([True, 1.5, b"x", "t", None, 3], []),
+        ((torch.float32, torch.device("cpu"), torch.strided, torch.contiguous_format), []),
         (Point, []),  # a dataclass type is not an instance
     ]
     for value, paths in cases:
@@ -110,6 +111,9 @@ def test_each_kind_of_container_and_leaf():
         assert [path for path, _ in found] == paths, value
         _same(found, _reference(value))
     assert [path for path, _ in tensor_leaves(Holder(t), attrs=True)] == [("t",)]
+    layer = Holder(t)  # as a key/value cache layer keeps its tensors: beside their dtype and device
+    layer.dtype, layer.device, layer.inner = t.dtype, t.device, Holder(p)
+    assert [path for path, _ in tensor_leaves(layer, attrs=True)] == [("t",), ("inner", "t")]
 
 
 def test_depth_limit_and_cycles():
@@ -130,7 +134,7 @@ def test_agrees_with_the_rules_on_random_values():
     rng = random.Random(0)
     tensors = [torch.full((1,), float(i)) for i in range(5)] + [torch.nn.Parameter(torch.ones(1)),
                                                                   torch.ones(1).as_subclass(Sub)]
-    leaves = [1, 2.5, True, None, "s", b"b", torch.float32, slice(1, 2)]
+    leaves = [1, 2.5, True, None, "s", b"b", torch.float32, torch.device("cpu"), slice(1, 2)]
 
     def value(depth):
         kind = rng.randrange(9) if depth < 5 else rng.randrange(2)

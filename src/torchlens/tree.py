@@ -51,11 +51,12 @@ def tensor_leaves(obj, path: tuple = (), *, attrs: bool = False) -> list:
 
 
 # Exact types decided by a set lookup, before any isinstance check (one against torch.Tensor, whose
-# metaclass is not ``type``, costs about 0.07 us): tensors are leaves, scalars hold no tensor, and tuples,
-# lists and dicts are walked.  Subclasses of any of them take the general checks.
+# metaclass is not ``type``, costs about 0.07 us): tensors are leaves, scalars (and torch's dtypes,
+# devices, layouts and memory formats) hold no tensor, and tuples, lists and dicts are walked.  Subclasses
+# of any of them take the general checks.
 TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter))
 _SCALARS = (str, bytes, int, float, bool, type(None))
-_SCALAR_TYPES = frozenset(_SCALARS)
+_SCALAR_TYPES = frozenset((*_SCALARS, torch.dtype, torch.device, torch.layout, torch.memory_format))
 _CONTAINER_TYPES = frozenset((tuple, list, dict))
 
 
