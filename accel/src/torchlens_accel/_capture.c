@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 7
+#define TORCHLENS_ACCEL_ABI 8
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -1594,6 +1594,7 @@ typedef struct {
     PyObject *dispatcher_code, *wrapped_call, *call_impl, *inner;
     PyObject *tensor_type, *parameter_type;
     PyObject *tuple_values;   /* the Handler's: the exact types a flat tuple may hold beside tensors, or NULL */
+    PyObject *bound_output;   /* bound_all of a call's result (plain objects' attributes walked too), or NULL */
     unsigned long owner;
     long user, skip_verdict, stop, boundary;  /* the frame verdicts (capture/source.py) */
 } Recorder;
@@ -1601,7 +1602,7 @@ typedef struct {
 #define RECORDER_OBJECTS(X) \
     X(dict) X(impl) X(fallback) X(state) X(skip) X(stack) X(calls) X(call_frames) X(producers) X(verdicts) \
     X(bound_all) X(outside) X(call_frame) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type) \
-    X(tuple_values)
+    X(tuple_values) X(bound_output)
 
 static PyObject *s_raised_in;
 
@@ -1657,8 +1658,8 @@ static PyObject *bound_of_flat(Recorder *r, PyObject *items) {
 }
 
 /* The bound producers of the tensors in ``value``: one plain tensor or a flat tuple or list inline,
- * anything else by the walker. */
-static PyObject *bound_of(Recorder *r, PyObject *value) {
+ * anything else by ``walker`` (``bound_all`` for arguments, ``bound_output`` for a result). */
+static PyObject *bound_of(Recorder *r, PyObject *value, PyObject *walker) {
     if (recorded_tensor(r, value)) {
         PyObject *index = bound_index(r, value);
         if (index == NULL) return NULL;
@@ -1670,7 +1671,7 @@ static PyObject *bound_of(Recorder *r, PyObject *value) {
         PyObject *flat = bound_of_flat(r, value);
         if (flat != NULL || PyErr_Occurred()) return flat;
     }
-    return PyObject_CallOneArg(r->bound_all, value);
+    return PyObject_CallOneArg(walker, value);
 }
 
 static long frame_verdict(Recorder *r, PyObject *code) {
@@ -1827,12 +1828,12 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
     PyObject *result = NULL, *call = NULL, *index = NULL, *t0 = NULL, *inputs = NULL;
     /* ``args`` as record_call sees them: the positional arguments after the module. */
     if (nargs == 2) {
-        inputs = bound_of(r, argv[1]);
+        inputs = bound_of(r, argv[1], r->bound_all);
     } else {
         PyObject *positional = PyTuple_New(nargs - 1);
         if (positional != NULL) {
             for (Py_ssize_t i = 1; i < nargs; i++) PyTuple_SET_ITEM(positional, i - 1, Py_NewRef(argv[i]));
-            inputs = bound_of(r, positional);
+            inputs = bound_of(r, positional, r->bound_all);
             Py_DECREF(positional);
         }
     }
@@ -1892,7 +1893,7 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
     }
     if (output == NULL) goto done;
     if (output != Py_None) {
-        PyObject *outputs = bound_of(r, output);
+        PyObject *outputs = bound_of(r, output, r->bound_output != NULL ? r->bound_output : r->bound_all);
         if (outputs == NULL || PyList_SetItem(call, 5, outputs) < 0) {
             Py_DECREF(output);
             goto done;
@@ -1933,18 +1934,18 @@ static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     static char *names[] = {"impl", "fallback", "state", "owner", "skip", "stack", "calls", "call_frames",
                             "producers", "verdicts", "bound_all", "outside", "call_frame", "dispatcher_code", "wrapped_call", "call_impl",
                             "inner", "tensor_type", "parameter_type", "user", "skip_verdict", "stop", "boundary",
-                            "tuple_values", NULL};
+                            "tuple_values", "bound_output", NULL};
     Recorder *r = (Recorder *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
     r->stop = r->boundary = -1;  /* not given: every other call site is the Python walk's */
     /* tuple_values not given: every container is the walker's */
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|llO!:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
+            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|llO!O:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
             &r->owner, &PySet_Type, &r->skip, &PyList_Type, &r->stack, &PyList_Type, &r->calls, &PyList_Type,
             &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all, &PyList_Type, &r->outside, &r->call_frame,
             &r->dispatcher_code, &r->wrapped_call, &r->call_impl, &r->inner, &PyType_Type, &r->tensor_type,
             &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict, &r->stop, &r->boundary,
-            &PyFrozenSet_Type, &r->tuple_values)) {
+            &PyFrozenSet_Type, &r->tuple_values, &r->bound_output)) {
         memset(&r->dict, 0, offsetof(Recorder, owner) - offsetof(Recorder, dict));
         Py_DECREF(r);
         return NULL;

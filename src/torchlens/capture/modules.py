@@ -36,10 +36,11 @@ _WRAPPED_CALL = torch.nn.Module._wrapped_call_impl.__code__
 _INNER = next((c for c in _CALL_IMPL.co_consts if isinstance(c, CodeType) and c.co_name == "inner"), None)
 
 
-def _tensors_in(value) -> list:
+def _tensors_in(value, attrs: bool = False) -> list:
     """Every tensor inside a module call's arguments or output, found by the package's one walker (so
-    a module call sees exactly the tensors the trace does, at any depth)."""
-    return [t for _, t in tensor_leaves(value)]
+    a module call sees exactly the tensors the trace does, at any depth).  ``attrs``: plain objects'
+    attributes too, as for a call's result (a module may return its state as an object)."""
+    return [t for _, t in tensor_leaves(value, attrs=attrs)]
 
 
 class ModuleCallTracker:
@@ -181,17 +182,17 @@ class Recorders:
         if recorder is not None:
             recorder.bind(st, skip, stack, calls, call_frames, producers)
             return recorder
-        python, (verdicts, bound_all, call_frame) = self._python, self._shared
+        python, (verdicts, bound_all, bound_output, call_frame) = self._python, self._shared
         # The compiled record_call records the common call the same way, and hands every other call to the
         # Python one whole.  Positional, in the order of its keyword names (impl, fallback, state, owner, skip,
         # stack, calls, call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
         # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict, stop, boundary,
-        # tuple_values).
+        # tuple_values, bound_output).
         # ``dispatcher_code``: the relays' codes.
         recorder = self._compiled = compiled.ModuleRecorder(
             self.impl, python, st, self.owner, skip, stack, calls, call_frames, producers, verdicts, bound_all,
             self.outside, call_frame, self.relays, _WRAPPED_CALL, _CALL_IMPL, _INNER,
-            torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY, TUPLE_VALUES)
+            torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY, TUPLE_VALUES, bound_output)
         return recorder
 
     def unbind(self) -> None:
@@ -206,7 +207,7 @@ class Recorders:
 def _python_recorder(impl, relays, frames, outside: list, owner: int):
     """``record_call(module, *args, **kwargs)`` around ``impl`` for the thread ``owner``, with what the
     compiled one shares with it and the function that binds them to a trace: ``(record_call, verdicts,
-    bound_all, call_frame, rebind)``.  Unbound, every call goes straight to ``impl``."""
+    bound_all, bound_output, call_frame, rebind)``.  Unbound, every call goes straight to ``impl``."""
     getframe, clock, get_ident = sys._getframe, perf_counter_ns, threading.get_ident
     verdicts = frames._verdicts if frames is not None else {}
     dispatcher_code, relay_code = relays
@@ -222,7 +223,7 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
         entry = producers.get(id(t))
         return entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1
 
-    def bound_all(value):
+    def bound_all(value, attrs=False):
         if type(value) is tuple or type(value) is list:  # the common case, as the compiled recorder reads it
             found = []
             for item in value:  # plain tensors and the plain values of a flat tuple, where the walker finds none
@@ -233,7 +234,11 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
                     break  # a nested or other value: the walker decides
             else:
                 return tuple(found)
-        return tuple(bound(t) for t in _tensors_in(value))
+        return tuple(bound(t) for t in _tensors_in(value, attrs))
+
+    def bound_output(value):
+        """``bound_all`` of a call's result, plain objects' attributes included."""
+        return bound_all(value, True)
 
     def call_frame(wrapped, parent):
         """The user frame that made the call, by a walk from above the call (the uncommon cases)."""
@@ -313,7 +318,7 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             entry = producers.get(id(output))  # bound(), inlined
             call[5] = (entry[1] if entry is not None and (entry[0] is output or entry[0]() is output) else -1,)
         elif output is not None:
-            call[5] = bound_all(output)
+            call[5] = bound_output(output)
         return output
 
-    return record_call, verdicts, bound_all, call_frame, rebind
+    return record_call, verdicts, bound_all, bound_output, call_frame, rebind

@@ -228,7 +228,15 @@ class Interventions:
         if not sites:
             return None
         address = self._address(module)  # the call's label uses the module's first address, not an alias
+        # The tensors returned in containers.  Those in plain objects' attributes (a key/value cache, a state
+        # object) are listed in the call's record but not edited here: a cache's tensors were read inside
+        # the call, and an object cannot be rebuilt reliably.
         leaves = tensor_leaves(output)
+        if not leaves and tensor_leaves(output, attrs=True):
+            raise InterventionError(
+                f"module site {sites[0].key!r}: {address}:{call_number} returns its tensors inside a "
+                f"{type(output).__name__} object's attributes, which a module site does not edit; intervene at "
+                "the op label of the tensor instead (the call's output_ops in a plain trace)")
         replaced: dict = {}  # id(returned tensor) -> the tensor downstream gets
         done: set = set()
         for k, (path, t) in enumerate(leaves):

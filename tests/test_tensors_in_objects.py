@@ -1,8 +1,9 @@
-"""Tensors held in plain objects' attributes at the edges of a trace: a transformers key/value cache
-passed in as ``past_key_values`` and returned extended.  Its tensors are the trace's inputs and
-outputs like any other, and every run torchlens makes besides the traced one (the reference forward
-of ``tl.validate``, the label-resolving pass of an intervention) works on copies, so the caller's
-inputs end as one forward leaves them."""
+"""Tensors held in plain objects' attributes: a transformers key/value cache passed in as
+``past_key_values`` and returned extended, a recurrent state object, a module returning its result as an
+object.  Their tensors are the trace's inputs and outputs, and a module call's outputs, like any other;
+a module site's intervention refuses clearly where it cannot edit them; and every run torchlens makes besides the traced one (the
+reference forward of ``tl.validate``, the label-resolving pass of an intervention, the runs of the
+patching tables) works on copies, so the caller's inputs end as one forward leaves them."""
 
 from __future__ import annotations
 
@@ -205,3 +206,56 @@ def test_a_real_models_cache_is_traced_in_and_out_and_validates(name):
     with torch.no_grad():
         model(**step, past_key_values=once, use_cache=True)
     assert cache.get_seq_length() == once.get_seq_length() == untouched.get_seq_length() + 1
+
+
+class _Returns(nn.Module):
+    """Returns its result as a plain object, as a recurrent cell may return its state."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _State(self.linear(x), x + 1)
+
+
+class _Uses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Returns()
+
+    def forward(self, x):
+        state = self.inner(x)
+        return state.h * 2 + state.c
+
+
+def test_a_module_returning_an_object_lists_its_tensors_as_outputs():
+    torch.manual_seed(0)
+    model, x = _Uses(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    (call,) = [c for c in log.module_calls if c.label == "inner:1"]
+    assert call.output_ops == ["linear_1_1:1", "add_1_2:1"]  # h, then c
+    assert log["add_1_2"].module_call.label == "inner:1"
+
+
+def test_a_module_site_refuses_a_result_whose_tensors_are_all_in_an_object():
+    torch.manual_seed(0)
+    model, x = _Uses(), torch.randn(2, 4)
+    # Before, the site edited nothing and said nothing: the intervened output was the plain one.
+    with pytest.raises(tl.InterventionError, match="inside a _State object's attributes"):
+        tl.trace(model, x, intervene={"inner": tl.scale(0.0)})
+    # The op labels reach the same tensors.
+    log = tl.trace(model, x, intervene={"linear_1_1": tl.scale(0.0), "add_1_2": tl.scale(0.0)})
+    assert torch.equal(log.output, torch.zeros(2, 4))
+
+
+def test_a_module_site_on_a_model_returning_a_cache_edits_its_hidden_states(gpt2):
+    ids = torch.tensor([[5, 9, 13]])
+    plain = tl.trace(gpt2, ids)
+    (call,) = [c for c in plain.module_calls if c.label == "transformer:1"]
+    assert len(call.output_ops) == 5  # the hidden states, and the cache's four tensors
+    steered = tl.trace(gpt2, ids, intervene={"transformer": tl.scale(0.0)})
+    # The cache's tensors were read inside the call (by attention): the site leaves them as they were.
+    assert torch.equal(steered.output.logits, torch.zeros_like(plain.output.logits))
+    for a, b in zip(_cache_tensors(steered.output.past_key_values), _cache_tensors(plain.output.past_key_values)):
+        assert torch.equal(a, b)
