@@ -1,11 +1,18 @@
-"""A module call sees the same tensors as the trace, at any depth of its arguments and output."""
+"""A module call sees the same tensors as the trace, at any depth of its arguments and output, whether
+passed by position or by keyword."""
 
 from __future__ import annotations
 
+import os
+import sys
+
+import pytest
 import torch
 import torch.nn as nn
 
 import torchlens as tl
+
+sys.path.insert(0, os.path.dirname(__file__))  # the real-model corpus lives beside this file
 
 
 class DeepIn(nn.Module):
@@ -28,3 +35,51 @@ def test_a_deeply_nested_module_input_is_the_op_that_made_it():
     call = log.module_calls[0]
     made = log["add_1_1:1"]
     assert [i for i in call._input_nodes if i >= 0] == [made.index]
+
+
+class Attention(nn.Module):
+    """Takes its tensors by keyword, as transformers' attention layers are called."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, hidden_states, mask=None, scale=1.0):
+        return self.proj(hidden_states) * mask * scale
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+
+    def forward(self, x, mask):
+        h = x + 1
+        by_keyword = self.attn(hidden_states=h, mask=mask, scale=2.0)
+        mixed = self.attn(h, mask=mask)
+        return by_keyword + mixed
+
+
+def test_tensors_passed_by_keyword_are_module_call_inputs():
+    x, mask = torch.randn(2, 4), torch.ones(2, 4)
+    log = tl.trace(Layer(), (x, mask))
+    by_keyword, mixed = [c for c in log.module_calls if c.address == "attn"]
+    # Positional arguments' tensors first, then the keyword ones', in the order they were passed.
+    assert by_keyword.input_ops == ["add_1_1:1", "input_2:1"]
+    assert mixed.input_ops == ["add_1_1:1", "input_2:1"]
+    assert log.summary()["attn:1"]["input_shapes"] == [(2, 4), (2, 4)]
+
+
+def test_a_transformers_attention_layer_called_by_keyword_lists_its_input():
+    pytest.importorskip("transformers")
+    import real_models  # imports transformers lazily, per entry
+
+    model, args, kwargs = real_models.build("llama")
+    log = tl.trace(model, args, kwargs)
+    attention = [c for c in log.module_calls if c.address == "model.layers.0.self_attn"][0]
+    norm = [c for c in log.module_calls if c.address == "model.layers.0.input_layernorm"][0]
+    # Llama's decoder layer calls self_attn(hidden_states=..., position_embeddings=(cos, sin), ...).
+    assert attention.input_ops[0] == norm.output_ops[0]
+    assert len(attention.input_ops) >= 3  # the hidden states, cos and sin, and the mask when one is made
+    root = log.module_calls[0]
+    assert root.input_ops[:2] == ["input_1:1", "input_2:1"]  # input_ids=..., attention_mask=...

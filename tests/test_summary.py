@@ -34,7 +34,7 @@ def test_tied_embedding_counts_once_and_flops_are_flops():
     assert table["lm_head:1"]["params"] == model.lm_head.weight.numel()
     assert root["flops"] == int(log.flops)
     assert table["lm_head:1"]["flops"] == 2 * 5 * 32 * 100  # a (5x32)@(32x100) matmul: 2 FLOPs per multiply-add
-    assert table["transformer.h.0:1"]["input_shapes"] == [(1, 5, 32)]
+    assert table["transformer.h.0:1"]["input_shapes"] == [(1, 5, 32), (1, 5)]  # then position_ids=, by keyword
     assert table["lm_head:1"]["output_shapes"] == [(1, 5, 100)]
     text = str(table)
     assert "FLOPs" in text and "MB" not in text and "lm_head:1" in text

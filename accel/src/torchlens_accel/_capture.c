@@ -1826,7 +1826,7 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
         return decided < 0 ? NULL : PyObject_Vectorcall(r->fallback, argv, nargsf, kwnames);
     }
     PyObject *result = NULL, *call = NULL, *index = NULL, *t0 = NULL, *inputs = NULL;
-    /* ``args`` as record_call sees them: the positional arguments after the module. */
+    /* ``args`` as record_call sees them: the positional arguments after the module, then the keyword ones. */
     if (nargs == 2) {
         inputs = bound_of(r, argv[1], r->bound_all);
     } else {
@@ -1836,6 +1836,20 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
             inputs = bound_of(r, positional, r->bound_all);
             Py_DECREF(positional);
         }
+    }
+    if (inputs != NULL && kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+        /* Then the keyword arguments' tensors, in the order they were passed. */
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        PyObject *values = PyTuple_New(nk), *more = NULL, *all = NULL;
+        if (values != NULL) {
+            for (Py_ssize_t i = 0; i < nk; i++) PyTuple_SET_ITEM(values, i, Py_NewRef(argv[nargs + i]));
+            more = bound_of(r, values, r->bound_all);
+            Py_DECREF(values);
+        }
+        all = more != NULL ? PySequence_Concat(inputs, more) : NULL;
+        Py_XDECREF(more);
+        Py_DECREF(inputs);
+        inputs = all;
     }
     if (inputs == NULL) goto done;
     index = PyLong_FromSsize_t(PyList_GET_SIZE(r->calls));

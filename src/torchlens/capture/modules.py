@@ -287,12 +287,12 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             return impl(module, *args, **kwargs)
         else:
             frame = call_frame(wrapped, parent)
-        if len(args) == 1 and type(args[0]) in TENSOR_TYPES:
+        if len(args) == 1 and not kwargs and type(args[0]) in TENSOR_TYPES:
             t = args[0]
             entry = producers.get(id(t))  # bound(), inlined
             inputs = (entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1,)
-        else:
-            inputs = bound_all(args)
+        else:  # the positional arguments' tensors, then the keyword arguments', in the order passed
+            inputs = bound_all(args) + bound_all(tuple(kwargs.values())) if kwargs else bound_all(args)
         index = len(calls)
         call = [module, parent, clock(), None, inputs, ()]
         call_frames.append(frame)
