@@ -56,6 +56,18 @@ def gpt2():
     return GPT2LMHeadModel(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
 
 
+def small_gpt2_lm():
+    """A GPT-2 language model for token ids below 64 (the intervention and cache tests' own, apart from the
+    corpus), seeded, in eval mode."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
 def bert():
     from transformers import BertConfig, BertForSequenceClassification
 

@@ -13,16 +13,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torchlens as tl  # noqa: E402
 from hooked import differing_activations, keep, with_hook  # noqa: E402
+from real_models import small_gpt2_lm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def gpt2():
-    transformers = pytest.importorskip("transformers")
-    transformers.utils.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    pytest.importorskip("transformers")
+    model = small_gpt2_lm()
     clean = torch.tensor([[5, 9, 13, 21, 7, 30]])
     corrupt = clean.clone()
     corrupt[0, 1] = 40

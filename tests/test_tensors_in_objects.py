@@ -18,15 +18,13 @@ import torch.nn as nn
 import torchlens as tl
 
 sys.path.insert(0, os.path.dirname(__file__))  # the real-model corpus lives beside this file
+import real_models  # noqa: E402 - imports transformers lazily, per entry
+
 
 @pytest.fixture(scope="module")
 def gpt2():
-    transformers = pytest.importorskip("transformers")
-    transformers.utils.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
+    pytest.importorskip("transformers")
+    return real_models.small_gpt2_lm()
 
 
 def _cache_tensors(cache) -> list:
@@ -173,8 +171,6 @@ def test_attribution_patching_leaves_an_input_written_in_place_as_given():
 
 def _steps(name):
     """``(model, prefix kwargs, next-step kwargs without the cache)`` for a corpus entry with its cache on."""
-    import real_models  # imports transformers lazily, per entry
-
     torch.manual_seed(0)
     model, _, kwargs = real_models.CORPUS[name]()
     ids = kwargs["input_ids"]
