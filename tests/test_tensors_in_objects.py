@@ -255,3 +255,11 @@ def test_a_module_site_on_a_model_returning_a_cache_edits_its_hidden_states(gpt2
     assert torch.equal(steered.output.logits, torch.zeros_like(plain.output.logits))
     for a, b in zip(_cache_tensors(steered.output.past_key_values), _cache_tensors(plain.output.past_key_values)):
         assert torch.equal(a, b)
+
+
+def test_stopping_after_a_module_returning_an_object_records_its_outputs():
+    torch.manual_seed(0)
+    log = tl.trace(_Uses(), torch.randn(2, 4), stop_after="inner")
+    assert log.stopped_after == "inner:1"
+    (call,) = [c for c in log.module_calls if c.label == "inner:1"]
+    assert call.output_ops == ["linear_1_1:1", "add_1_2:1"]

@@ -387,10 +387,11 @@ class _ModuleHooks:
             stop = next((s for s in by_module[id(module)] if s.stop and s.call_number in (None, number)), None)
             if stop is not None:
                 runtime.stopped_at = f"{stop.address}:{number}"
-                # The call ends here, inside it: record what it returned, as its end would have.
+                # The call ends here, inside it: record what it returned, as its end would have (objects'
+                # attributes included, as capture/modules.py's bound_output reads a result).
                 returned = output if new is None else new
                 st.module_calls[module_call][MODULE_CALL_OUTPUTS] = tuple(
-                    st.bound_producer(t) for _, t in tensor_leaves(returned))
+                    st.bound_producer(t) for _, t in tensor_leaves(returned, attrs=True))
                 raise StopForward
             return new
 
