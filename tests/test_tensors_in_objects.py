@@ -263,3 +263,11 @@ def test_stopping_after_a_module_returning_an_object_records_its_outputs():
     assert log.stopped_after == "inner:1"
     (call,) = [c for c in log.module_calls if c.label == "inner:1"]
     assert call.output_ops == ["linear_1_1:1", "add_1_2:1"]
+
+
+def test_the_cache_corpus_script_runs():
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import cache_corpus
+
+    assert cache_corpus.row("gpt2") == "| gpt2 | DynamicCache | 4 | 4 | 0 | passed | True |"
