@@ -11,6 +11,7 @@ import random
 from collections import OrderedDict, namedtuple
 from collections.abc import Mapping
 
+import pytest
 import torch
 
 from torchlens.tree import MAX_DEPTH, structures_equal, tensor_leaves
@@ -159,3 +160,19 @@ def test_structures_equal_walks_the_same_containers():
     assert not same and "output.a" in why
     same, why = structures_equal(Point(t), Point(t, "q"))
     assert not same and "output.label" in why
+
+
+def test_clone_inputs_copies_objects_holding_tensors_and_warns_when_it_cannot():
+    import threading
+
+    from torchlens.tree import clone_inputs
+
+    t = torch.ones(2)
+    holder = Holder(t)
+    copied = clone_inputs((holder, t))
+    assert copied[0] is not holder and copied[0].t is copied[1]  # aliasing kept across the copy
+    assert copied[1] is not t and torch.equal(copied[1], t)
+    locked = Holder(t)
+    locked.lock = threading.Lock()  # cannot be deep-copied
+    with pytest.warns(UserWarning, match="could not copy a Holder input"):
+        assert clone_inputs(locked) is locked

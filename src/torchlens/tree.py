@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
+from .errors import warn_user
+
 Tensor = torch.Tensor
 MAX_DEPTH = 32  # deeper nesting is not walked: a guard against self-referencing containers
 
@@ -173,8 +175,9 @@ def clone_inputs(obj, memo=None):
                 memo[id(t)] = t.clone()
         try:
             return copy.deepcopy(obj, memo)
-        except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
-            pass
+        except Exception as exc:  # noqa: BLE001 - an object that cannot be copied is passed as it is
+            warn_user(f"torchlens could not copy a {type(obj).__name__} input ({type(exc).__name__}: {exc}): "
+                      "the extra run uses it as given, so a forward that changes it in place changes it again")
     return fill(strip(obj), clones)
 
 

@@ -53,7 +53,7 @@ def tensor_leaves(obj, path: str, out: list) -> list:
     """``(path text, tensor)`` for each tensor in a model input or output: ``tree.tensor_leaves`` with its
     paths written under ``path`` (``output.0.logits``), plain objects' attributes included (a key/value
     cache passed in or returned holds its tensors in attributes: ``output.past_key_values.layers.0.keys``).
-    Module calls' own arguments and results are walked without attributes, on the hot path."""
+    A module call's arguments are walked without attributes, on the hot path (capture/modules.py)."""
     out.extend((path_text(path, p), t) for p, t in leaves_with_paths(obj, attrs=True))
     return out
 
