@@ -34,25 +34,8 @@ from torchlens.tree import tensor_leaves  # noqa: E402
 MODELS = ("gpt2", "llama", "mistral", "qwen2", "t5", "bart", "whisper", "mamba")
 
 
-def steps(name):
-    """``(model, prefix kwargs, step kwargs without the cache, the cache's keyword)``."""
-    torch.manual_seed(0)
-    model, _, kwargs = real_models.CORPUS[name]()
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "labels")}
-    key = "cache_params" if name == "mamba" else "past_key_values"
-    if "decoder_input_ids" in kwargs or name == "t5":  # the encoder reads its whole input both times
-        decoder = kwargs.pop("decoder_input_ids", real_models._tokens(seq=4))
-        prefix = {**kwargs, "decoder_input_ids": decoder[:, :-1]}
-        return model.eval(), prefix, {**kwargs, "decoder_input_ids": decoder[:, -1:]}, key
-    ids = kwargs["input_ids"]
-    step = {"input_ids": ids[:, -1:]}
-    if name == "mamba":
-        step["cache_position"] = torch.tensor([ids.shape[1] - 1])
-    return model.eval(), {"input_ids": ids[:, :-1]}, step, key
-
-
 def row(name) -> str:
-    model, prefix, step, key = steps(name)
+    model, prefix, step, key = real_models.cache_steps(name)
     with torch.no_grad():
         cache = getattr(model(**prefix, use_cache=True), key)
     kept = copy.deepcopy(cache)

@@ -68,6 +68,25 @@ def small_gpt2_lm():
     return transformers.GPT2LMHeadModel(config).eval()
 
 
+def cache_steps(name):
+    """``(model, prefix kwargs, next-step kwargs without the cache, the cache's keyword)`` for a corpus
+    entry that keeps a key/value cache: the prefix fills the cache, the step decodes one token more
+    (an encoder-decoder reads its whole input both times).  Seeded, in eval mode."""
+    torch.manual_seed(0)
+    model, _, kwargs = CORPUS[name]()
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("attention_mask", "labels")}
+    key = "cache_params" if name == "mamba" else "past_key_values"
+    if "decoder_input_ids" in kwargs or name == "t5":
+        decoder = kwargs.pop("decoder_input_ids", _tokens(seq=4))
+        prefix = {**kwargs, "decoder_input_ids": decoder[:, :-1]}
+        return model.eval(), prefix, {**kwargs, "decoder_input_ids": decoder[:, -1:]}, key
+    ids = kwargs["input_ids"]
+    step = {"input_ids": ids[:, -1:]}
+    if name == "mamba":
+        step["cache_position"] = torch.tensor([ids.shape[1] - 1])
+    return model.eval(), {"input_ids": ids[:, :-1]}, step, key
+
+
 def bert():
     from transformers import BertConfig, BertForSequenceClassification
 

@@ -169,22 +169,11 @@ def test_attribution_patching_leaves_an_input_written_in_place_as_given():
     assert table.attrs["clean"] == 9.0 and table.attrs["corrupt"] == 0.0  # relu(2x + 1) summed, from x as given
 
 
-def _steps(name):
-    """``(model, prefix kwargs, next-step kwargs without the cache)`` for a corpus entry with its cache on."""
-    torch.manual_seed(0)
-    model, _, kwargs = real_models.CORPUS[name]()
-    ids = kwargs["input_ids"]
-    if name == "t5":  # the encoder reads the whole input both times; the decoder goes one token further
-        decoder = real_models._tokens(seq=4)
-        return model.eval(), {"input_ids": ids, "decoder_input_ids": decoder[:, :3]}, \
-            {"input_ids": ids, "decoder_input_ids": decoder[:, 3:]}
-    return model.eval(), {"input_ids": ids[:, :-1]}, {"input_ids": ids[:, -1:]}
-
-
 @pytest.mark.parametrize("name", ["llama", "t5"])
 def test_a_real_models_cache_is_traced_in_and_out_and_validates(name):
     pytest.importorskip("transformers")
-    model, prefix, step = _steps(name)
+    model, prefix, step, key = real_models.cache_steps(name)
+    assert key == "past_key_values"
     with torch.no_grad():
         cache = model(**prefix, use_cache=True).past_key_values
     untouched = copy.deepcopy(cache)

@@ -165,13 +165,15 @@ def test_structures_equal_walks_the_same_containers():
 def test_clone_inputs_copies_objects_holding_tensors_and_warns_when_it_cannot():
     import threading
 
-    from torchlens.tree import clone_inputs
+    from torchlens.tree import clone_call, clone_inputs
 
     t = torch.ones(2)
     holder = Holder(t)
     copied = clone_inputs((holder, t))
     assert copied[0] is not holder and copied[0].t is copied[1]  # aliasing kept across the copy
     assert copied[1] is not t and torch.equal(copied[1], t)
+    args, kwargs = clone_call((t,), {"mask": t, "state": holder})  # one memo for both
+    assert args[0] is kwargs["mask"] is kwargs["state"].t and args[0] is not t
     locked = Holder(t)
     locked.lock = threading.Lock()  # cannot be deep-copied
     with pytest.warns(UserWarning, match="could not copy a Holder input"):

@@ -181,6 +181,13 @@ def clone_inputs(obj, memo=None):
     return fill(strip(obj), clones)
 
 
+def clone_call(args, kwargs) -> tuple:
+    """``(args, kwargs)`` of a call, each copied by ``clone_inputs`` with one memo, so that a tensor
+    passed both positionally and by keyword stays one tensor."""
+    memo: dict = {}
+    return clone_inputs(args, memo), clone_inputs(kwargs, memo)
+
+
 def path_text(prefix: str, path: tuple) -> str:
     """``input.x.0``-style text for a path under a prefix."""
     return ".".join([prefix, *map(str, path)]) if prefix else ".".join(map(str, path))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture.collectives import is_collective
-from .tree import as_args, clone_inputs, fill, structures_equal, tensor_leaves
+from .tree import as_args, clone_call, fill, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
 
@@ -187,8 +187,7 @@ def _reference_output(model, args: tuple, kwargs: dict):
     """The untraced output, from a copy of the model (so its counters, caches and in-place updates
     stay out of the user's model); when the model cannot be copied, from the model itself with
     everything a forward can change restored afterwards."""
-    memo: dict = {}
-    args, kwargs = clone_inputs(args, memo), clone_inputs(kwargs, memo)
+    args, kwargs = clone_call(args, kwargs)
     owner = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
     reference = None
     if isinstance(owner, torch.nn.Module):  # a module, or a bound method of one (copied with it)

@@ -21,7 +21,7 @@ from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import index_of
 from ..record.trace import Trace
-from ..tree import as_args, clone_inputs
+from ..tree import as_args, clone_call
 from .collectives import process_rank
 from .compiled import (CompiledSubmodules, Suspension, check_compiled_option, compiled_in_place,
                        optimized_module_type)
@@ -304,8 +304,7 @@ def _reference_trace(model, args, kwargs, deep, root):
     """The metadata-only trace label sites are resolved against, on copies of the inputs: a forward that
     writes its inputs in place (``x.mul_(2)``, a key/value cache it extends) must meet them unchanged in
     the intervened run, and leave them as one forward would."""
-    memo: dict = {}
-    return _trace(model, clone_inputs(args, memo), clone_inputs(kwargs, memo), save="none", deep=deep, root=root)
+    return _trace(model, *clone_call(args, kwargs), save="none", deep=deep, root=root)
 
 
 def _run_forward(model, args, kwargs):

@@ -92,7 +92,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..capture.session import _unwrap, trace
-    from ..tree import as_args, clone_inputs
+    from ..tree import as_args, clone_call
     from ..validate import RunState
 
     model = _unwrap(model)
@@ -100,7 +100,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     kwargs = dict(kwargs or {})
     saved = RunState(model)
     try:
-        log = trace(model, clone_inputs(call_args), clone_inputs(kwargs), save="none")
+        log = trace(model, *clone_call(call_args, kwargs), save="none")
         traced_output = _detached(log.output)
         drew = _drew_random_numbers(saved)
         if drew:
@@ -113,7 +113,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
                 "the randomness) and compare again.")
         saved.restore()
         with FlopCounterMode(display=False) as counter:
-            native_output = _detached(model(*clone_inputs(call_args), **clone_inputs(kwargs)))
+            copied_args, copied_kwargs = clone_call(call_args, kwargs)
+            native_output = _detached(model(*copied_args, **copied_kwargs))
     finally:
         saved.restore()
     if not _outputs_close(traced_output, native_output, rtol, atol):

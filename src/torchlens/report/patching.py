@@ -16,7 +16,7 @@ import torch
 from ..capture.session import trace
 from ..intervene import patch_from
 from ..errors import TorchlensError
-from ..tree import clone_inputs
+from ..tree import clone_call
 
 
 def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,
@@ -129,8 +129,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
 def _trace_copy(model, args, kwargs, **options):
     """``trace`` on copies of the inputs: every run of an experiment starts from the inputs as the caller
     gave them, even when the forward writes them in place or extends a key/value cache among them."""
-    memo: dict = {}
-    return trace(model, clone_inputs(args, memo), clone_inputs(kwargs, memo), **options)
+    return trace(model, *clone_call(args, kwargs), **options)
 
 
 def _extent(log, site, dim: int) -> int:
