@@ -523,3 +523,46 @@ def test_a_replaced_value_counts_once_against_max_saved_bytes():
         touched = tl.trace(model, args, max_saved_bytes=exact, intervene={"layers.1": tl.scale(2.0)})
     assert all(op.activation is not None for op in touched.ops)
     assert torch.equal(touched["layers.1"].activation, plain["layers.1"].activation * 2)
+
+
+class _ActivationMadePerCall(nn.Module):
+    """Builds its activation module inside forward, as T5 builds its loss and Mamba its activation: a
+    module of the call but not of the model, a new object each forward."""
+
+    def __init__(self, act=nn.GELU):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = act
+
+    def forward(self, x):
+        return self.act()(self.fc(x)) * 2
+
+
+def test_label_sites_inside_a_module_made_per_forward():
+    model, x = _ActivationMadePerCall().eval(), torch.randn(2, 4)
+    plain = tl.trace(model, x)
+    op = plain["gelu_1_2:1"]
+    assert op.module == "<unregistered GELU #1>:1"
+    expected = torch.zeros(2, 4) * 2
+    # Against the default metadata pass, the plain trace, its cleaned-up copy and a loaded copy: each run
+    # makes a new GELU, so the intervened call's module is another object of the same class at the same call.
+    for reference in (None, plain):
+        log = tl.trace(model, x, intervene={op.label: tl.zero_ablate()}, reference=reference)
+        assert torch.equal(log.output, expected)
+        assert [a.label for a in log.interventions] == [op.label]
+    every = tl.trace(model, x, intervene={(lambda o: True): tl.scale(1.0)}, reference=plain)
+    assert torch.equal(every.output, plain.output)
+    plain.cleanup()
+    assert torch.equal(tl.trace(model, x, intervene={op.label: tl.zero_ablate()}, reference=plain).output, expected)
+
+
+def test_a_module_made_per_forward_of_another_class_is_another_path():
+    model, x = _ActivationMadePerCall().eval(), torch.randn(2, 4)
+    reference = tl.trace(model, x, save="none")
+    model.act = _OtherGelu  # the same op at the same position, in a module of another class
+    with pytest.raises(tl.InterventionError, match="another path"):
+        tl.trace(model, x, intervene={"gelu_1_2:1": tl.zero_ablate()}, reference=reference)
+
+
+class _OtherGelu(nn.GELU):
+    """A GELU of another class."""

@@ -25,6 +25,7 @@ from ..errors import InterventionError
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
+from ..record.modules import is_unregistered, shown_class
 from ..tree import tensor_leaves
 from .sites import ModuleCallInfo
 
@@ -104,7 +105,7 @@ class Interventions:
         for site in sites:
             if name != site.func_name or not self._same_chain(st, site.chain):
                 where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) or "the root forward"
-                expected = " > ".join(a for _, _, a in site.chain) or "the root forward"
+                expected = " > ".join(link.address for link in site.chain) or "the root forward"
                 raise InterventionError(
                     f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
                     f"reference trace: at that position it called {name!r} in {where}, where the reference "
@@ -116,11 +117,18 @@ class Interventions:
         stack = st.module_stack
         if len(stack) != len(expected):
             return False
-        for k, (ref_k, ref_module, ref_address) in zip(stack, expected):
+        for k, link in zip(stack, expected):
             module = st.module_calls[k][MODULE_CALL_MODULE]
-            if k != ref_k:
+            if k != link.call:
                 return False
-            if module is not ref_module and (ref_module is not None or self._address(module) != ref_address):
+            if module is link.module:
+                continue
+            if is_unregistered(link.address):
+                # A module outside the model may be made anew by each forward (T5's loss): at the same call,
+                # an unregistered module of the same class is the same site.
+                if id(module) in self.addresses or shown_class(module).__name__ != link.class_name:
+                    return False
+            elif link.module is not None or self._address(module) != link.address:
                 return False
         return True
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from typing import NamedTuple
 
 import torch
 
@@ -72,13 +73,22 @@ class ModuleCallInfo:
         return f"<module call {self.label} output {self.output_index}>"
 
 
+class ChainLink(NamedTuple):
+    """One module call open around an op of the reference trace."""
+
+    call: int  # the call's index among the trace's module calls
+    module: object  # the module object, or None (gone from cleaned-up and loaded traces)
+    address: str
+    class_name: str  # what identifies an unregistered module, which each forward may make anew
+
+
 def module_chain(trace, module_call: int) -> tuple:
-    """``((module call index, module object or None, address), ...)`` outer to inner, for one op of
-    ``trace`` (the object is gone from cleaned-up and loaded traces: the address stands in)."""
+    """The ``ChainLink``s open around one op of ``trace``, outer to inner."""
     chain = []
     call = trace.module_calls[module_call] if module_call >= 0 else None
     while call is not None:
-        chain.append((call.index, call.module._ref, call.module.address))
+        module = call.module
+        chain.append(ChainLink(call.index, module._ref, module.address, module.class_name))
         call = call.parent
     return tuple(reversed(chain))
 

@@ -30,7 +30,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
 from .layouts import shape_of
 from .model_index import ModelIndex
-from .modules import CallRow, ModuleRow
+from .modules import CallRow, ModuleRow, shown_class, unregistered_address
 from .trace import Trace
 
 if TYPE_CHECKING:
@@ -133,9 +133,9 @@ class RawRecord:
         # outside the model) are read now.
         unwalked = index.unwalked(modules)
         if index.wrappers:  # the index's walk met a torch.compile wrapper: look at every module
-            shown = [type(m._modules.get("_orig_mod", m)) for m in modules]
+            shown = list(map(shown_class, modules))
         elif unwalked:  # only a module the walk did not see can be one
-            shown = [type(m._modules.get("_orig_mod", m)) if id(m) in unwalked else c for m, c in zip(modules, classes)]
+            shown = [shown_class(m) if id(m) in unwalked else c for m, c in zip(modules, classes)]
         else:
             shown = classes
         self.module_classes = (classes, shown)
@@ -206,7 +206,7 @@ class RawRecord:
                 names = addresses.get(id(module))
                 if names is None:
                     unregistered += 1
-                    names = [f"<unregistered {classes[k].__name__} #{unregistered}>"]
+                    names = [unregistered_address(classes[k].__name__, unregistered)]
                 params = read_now.get(id(module))
                 if params is None:
                     params = param_names_of(module)  # a copy, like list(names): the index is shared by traces

@@ -14,6 +14,24 @@ from typing import NamedTuple
 from .view import View, row_field
 
 
+_UNREGISTERED = "<unregistered "
+
+
+def unregistered_address(class_name: str, number: int) -> str:
+    """The address a trace gives the ``number``-th module it met that is not in the model (made inside a
+    forward, as T5 makes its loss, or held outside the model)."""
+    return f"{_UNREGISTERED}{class_name} #{number}>"
+
+
+def is_unregistered(address: str) -> bool:
+    return address.startswith(_UNREGISTERED)
+
+
+def shown_class(module) -> type:
+    """The class a trace shows for ``module``: for a ``torch.compile`` wrapper, the class it wraps."""
+    return type(module._modules.get("_orig_mod", module))
+
+
 class CallRow(NamedTuple):
     """One module call's data, as the trace holds it."""
 
