@@ -566,3 +566,16 @@ def test_a_module_made_per_forward_of_another_class_is_another_path():
 
 class _OtherGelu(nn.GELU):
     """A GELU of another class."""
+
+
+def test_an_action_changing_dtype_at_a_predicate_site_names_the_op_and_the_way_out():
+    class Positions(nn.Module):
+        def forward(self, x):
+            return x + torch.arange(x.shape[-1])  # an integer op among float ones
+
+    x = torch.randn(2, 4)
+    with pytest.raises(tl.InterventionError, match=r"\(arange_1_1:1\) returned a \(4,\) torch.float32 tensor for a "
+                                                   r"\(4,\) torch.int64 value.*op.dtype.is_floating_point"):
+        tl.trace(Positions(), x, intervene={(lambda op: True): tl.scale(2.0)})
+    floats = tl.trace(Positions(), x, intervene={(lambda op: op.dtype.is_floating_point): tl.scale(2.0)})
+    assert torch.equal(floats.output, 2 * (x + torch.arange(4)))

@@ -140,19 +140,23 @@ class Interventions:
         version = value._version
         with torch._C.DisableTorchFunction():  # the action's own torch calls are not ops of the model
             new = action(value, op)
+        where = f"{key!r}" if key == op.label else f"{key!r} ({op.label})"
         if value._version != version:
             raise InterventionError(
-                f"the action at {key!r} wrote the tensor it was given in place, which would also change the "
+                f"the action at {where} wrote the tensor it was given in place, which would also change the "
                 "values saved for the ops before it; return a new tensor instead (t = t.clone(); t[...] = v; "
                 "return t)")
         if new is None:
             return None
         if not isinstance(new, torch.Tensor):
-            raise InterventionError(f"intervention at {key!r} returned {type(new).__name__}; an action returns a "
+            raise InterventionError(f"intervention at {where} returned {type(new).__name__}; an action returns a "
                                     "tensor (the new value) or None (keep the value)")
         if new.shape != value.shape or new.dtype != value.dtype:
-            raise InterventionError(f"intervention at {key!r} returned a {tuple(new.shape)} {new.dtype} tensor for a "
-                                    f"{tuple(value.shape)} {value.dtype} value; an action must keep shape and dtype")
+            hint = " (a predicate site can keep to float values: lambda op: op.dtype.is_floating_point and ...)" \
+                if callable(key) and not value.dtype.is_floating_point else ""
+            raise InterventionError(f"intervention at {where} returned a {tuple(new.shape)} {new.dtype} tensor for a "
+                                    f"{tuple(value.shape)} {value.dtype} value; an action must keep shape and dtype"
+                                    + hint)
         return new
 
     # ----- record fix-ups ------------------------------------------------------------------------
