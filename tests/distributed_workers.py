@@ -214,10 +214,11 @@ def extract_share(rank, world, out, n, batch_size, kill_rank=-1, kill_at=0, barr
     tl.extract(model, loader, LAYERS, out, args_of=lambda b: b[0], shard_bytes=200, progress=False,
                barrier_timeout=barrier_timeout)
     result = {"forwards": model.forwards}
-    if round_robin is not None:  # a plain list of batches, sharded batch by batch
+    if round_robin is not None:  # a plain list of batches, sharded batch by batch, given as keyword arguments
         batches = [ds.tensors[0][i:i + batch_size] for i in range(0, n, batch_size)]
         model = KilledAfter(0).eval()
-        tl.extract(model, batches, LAYERS, round_robin, shard_bytes=200, progress=False)
+        tl.extract(model, [{"x": b} for b in batches], LAYERS, round_robin, kwargs_of=dict, shard_bytes=200,
+                   progress=False)
         result["round_robin_forwards"] = model.forwards
         mine = [b + rank for b in batches]  # each rank its own stream: not shardable batch by batch
         try:

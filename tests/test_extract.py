@@ -211,3 +211,51 @@ def test_foreign_folders_and_empty_inputs_are_refused(tmp_path):
         tl.extract(TwoLayer(), batches(1), ["fc"], tmp_path / "mine", progress=False)
     with pytest.raises(ValueError, match="no batches"):
         tl.extract(TwoLayer(), [], ["fc"], tmp_path / "none", progress=False)
+
+
+def _token_batches(n=5, rows=2, seq=8, vocab=99, seed=4):
+    """Dict batches as a tokenized ``transformers`` dataset yields them, the model called as ``model(**batch)``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        mask = torch.ones(rows, seq, dtype=torch.int64)
+        mask[0, -2:] = 0
+        out.append({"input_ids": torch.randint(0, vocab, (rows, seq), generator=g), "attention_mask": mask})
+    return out
+
+
+def test_dict_batches_are_keyword_arguments_with_kwargs_of(tmp_path):
+    pytest.importorskip("transformers")
+    import real_models
+
+    model, _, _ = real_models.bert()
+    model.eval()
+    data = _token_batches()
+    layers = ["bert.encoder.layer.0", "classifier"]
+    with pytest.raises(KeyboardInterrupt):  # one shard committed, then a resume reads the boundary batch's keywords
+        tl.extract(model, interrupted(data, 3), layers, tmp_path / "x", kwargs_of=dict, shard_bytes=1, progress=False)
+    tl.extract(model, data, layers, tmp_path / "x", kwargs_of=dict, shard_bytes=1, progress=False)
+    got = tl.load_extracted(tmp_path / "x", as_torch=True)
+    with torch.no_grad():
+        expected = [tl.trace(model, (), batch, save=layers) for batch in data]
+        assert torch.equal(got["classifier"], torch.cat([log["classifier"].activation for log in expected]))
+        assert torch.equal(got["bert.encoder.layer.0"],
+                           torch.cat([log["bert.encoder.layer.0"].activation for log in expected]))
+    # The resume compares the keyword tensors too: other token ids at the boundary are refused.
+    other = _token_batches(seed=5)
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 3), layers, tmp_path / "y", kwargs_of=dict, shard_bytes=1, progress=False)
+    with pytest.raises(ValueError, match="differs from the one the interrupted run committed"):
+        tl.extract(model, other, layers, tmp_path / "y", kwargs_of=dict, shard_bytes=1, progress=False)
+
+
+def test_kwargs_of_must_give_a_mapping_that_kwargs_does_not_repeat(tmp_path):
+    model, data = TwoLayer().eval(), batches(2)
+    with pytest.raises(TypeError, match=r"batch 0: kwargs_of returned Tensor; it returns a dict"):
+        tl.extract(model, data, ["fc"], tmp_path / "a", kwargs_of=lambda b: b, progress=False)
+    with pytest.raises(ValueError, match="batch 0: kwargs_of and kwargs both give x"):
+        tl.extract(model, data, ["fc"], tmp_path / "b", kwargs_of=lambda b: {"x": b}, kwargs={"x": data[0]},
+                   progress=False)
+    tl.extract(model, data, ["fc"], tmp_path / "c", kwargs_of=lambda b: {"x": b}, progress=False)
+    with torch.no_grad():
+        assert torch.equal(tl.load_extracted(tmp_path / "c", as_torch=True)["fc"], torch.cat([model.fc(x) for x in data]))

@@ -27,7 +27,6 @@ from datetime import timedelta
 import torch
 
 from ..io.extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, _batch_rows, extract_folder
-from ..tree import as_args
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..errors import RankFailedError
@@ -36,7 +35,7 @@ RANK_FOLDER = "rank-{}"
 _JOIN_CHUNK_BYTES = 64 << 20
 
 
-def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, barrier_timeout,
+def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, barrier_timeout,
                   stop_after=None, grads=False, loss_fn=None) -> str:
     import torch.distributed as dist
 
@@ -49,10 +48,10 @@ def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, p
             _remove_rank_folders(out, world)  # a kill after the join, before its cleanup, leaves them
         return out
     folder = os.path.join(out, RANK_FOLDER.format(rank))
-    batches, indices_of, settings = _share(inputs, rank, world, args_of, barrier_group)
+    batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group)
     # A rank that raises here never reaches the barrier, and the others name it there.
-    extract_folder(model, batches, layers, folder, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
-                   progress=progress and rank == 0, indices_of=indices_of,
+    extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
+                   shard_bytes=shard_bytes, progress=progress and rank == 0, indices_of=indices_of,
                    arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
                    loss_fn=loss_fn)
     _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
@@ -62,7 +61,7 @@ def extract_ranks(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, p
     return out
 
 
-def _share(inputs, rank, world, args_of, group):
+def _share(inputs, rank, world, arguments_of, group):
     """``(batches for this rank, position -> sample indices, settings a resume must match)``."""
     sampler = getattr(inputs, "sampler", None)
     batch_sampler = getattr(inputs, "batch_sampler", None)
@@ -74,12 +73,12 @@ def _share(inputs, rank, world, args_of, group):
         settings = {"sharding": "DistributedSampler", "shuffle": sampler.shuffle, "seed": sampler.seed,
                     "epoch": sampler.epoch, "dataset_rows": len(sampler.dataset)}
         return inputs, plan.__getitem__, settings
-    inputs = _same_stream_everywhere(inputs, args_of, group)
-    share = _RoundRobin(inputs, rank, world, args_of)
+    inputs = _same_stream_everywhere(inputs, arguments_of, group)
+    share = _RoundRobin(inputs, rank, world, arguments_of)
     return share, share.indices.__getitem__, {"sharding": "round-robin batches"}
 
 
-def _same_stream_everywhere(inputs, args_of, group):
+def _same_stream_everywhere(inputs, arguments_of, group):
     """Refuse to shard batch by batch a stream that differs between ranks (each rank's own share already):
     taking every ``world``-th batch of it would silently drop rows.  Returns an iterable of all batches."""
     import itertools
@@ -90,7 +89,7 @@ def _same_stream_everywhere(inputs, args_of, group):
 
     iterator = iter(inputs)
     first = next(iterator, None)
-    mine = None if first is None else _fingerprint(as_args(args_of(first) if args_of is not None else first))
+    mine = None if first is None else _fingerprint(*arguments_of(first, 0))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=group)
     if len(set(everyone)) > 1:
@@ -104,14 +103,14 @@ def _same_stream_everywhere(inputs, args_of, group):
 class _RoundRobin:
     """Batches ``rank, rank + world, ...`` of a stream every rank iterates; ``indices`` fills as it goes."""
 
-    def __init__(self, inputs, rank, world, args_of):
-        self.inputs, self.rank, self.world, self.args_of = inputs, rank, world, args_of
+    def __init__(self, inputs, rank, world, arguments_of):
+        self.inputs, self.rank, self.world, self.arguments_of = inputs, rank, world, arguments_of
         self.indices: dict = {}  # this rank's batch position -> sample index of each row
 
     def __iter__(self):
         offset, mine = 0, 0
         for position, batch in enumerate(self.inputs):
-            rows = _batch_rows(as_args(self.args_of(batch) if self.args_of is not None else batch))
+            rows = _batch_rows(*self.arguments_of(batch, position))
             if rows is None:
                 raise ValueError(f"batch {position} holds no tensor with a batch dimension; sharding a stream "
                                  "across ranks needs each batch's row count (use a DataLoader with a "

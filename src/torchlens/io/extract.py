@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Mapping
 
 import torch
 
@@ -41,9 +42,9 @@ PROGRESS = "progress.json"
 SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, where the rows carry one
 
 
-def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_bytes: int = 64 << 20,
-            progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None, grads: bool = False,
-            loss_fn=None) -> str:
+def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=None,
+            shard_bytes: int = 64 << 20, progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None,
+            grads: bool = False, loss_fn=None) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -57,6 +58,9 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
             (``encoder.layers.0:1``).  Activations are stacked along dim 0, which must be the batch dim.
         out: the folder to write; calling again with the same folder resumes or, when complete, returns.
         kwargs: keyword arguments passed to every forward.
+        kwargs_of: a function giving a batch's own keyword arguments, as a dict (``kwargs_of=dict`` for the
+            dict batches of a tokenized ``transformers`` dataset, which the model takes as ``model(**batch)``).
+            With ``kwargs_of`` and no ``args_of``, the forward gets no positional arguments.
         shard_bytes: buffer size before a shard is written: the bound on extra memory used.
         progress: show a progress bar on stderr (needs tqdm).
         barrier_timeout: under ``torch.distributed``, how long (seconds) a rank that finished waits for the
@@ -76,17 +80,19 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, shard_byte
     out = os.fspath(out)
     layers = _check_layers(layers)
     check_request(grads, loss_fn)
+    arguments_of = batch_reader(args_of, kwargs_of, kwargs)
     if process_rank()[0] is not None:
         from ..distributed.extraction import extract_ranks
 
-        return extract_ranks(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
-                             progress=progress, barrier_timeout=barrier_timeout, stop_after=stop_after, grads=grads,
-                             loss_fn=loss_fn)
-    return extract_folder(model, inputs, layers, out, args_of=args_of, kwargs=kwargs, shard_bytes=shard_bytes,
-                          progress=progress, stop_after=stop_after, grads=grads, loss_fn=loss_fn)
+        return extract_ranks(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
+                             shard_bytes=shard_bytes, progress=progress, barrier_timeout=barrier_timeout,
+                             stop_after=stop_after, grads=grads, loss_fn=loss_fn)
+    return extract_folder(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
+                          shard_bytes=shard_bytes, progress=progress, stop_after=stop_after, grads=grads,
+                          loss_fn=loss_fn)
 
 
-def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, progress, indices_of=None,
+def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, indices_of=None,
                    arguments=None, stop_after=None, grads=False, loss_fn=None) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
@@ -97,23 +103,25 @@ def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, 
         return out
     resumed_from = run.batches_done
     bar = _progress_bar(inputs, resumed_from, progress)
-    seen, args = 0, None
+    seen, last = 0, None
     try:
         for position, batch in enumerate(inputs):
             seen = position + 1
-            args = as_args(args_of(batch) if args_of is not None else batch)
+            args, named = arguments_of(batch, position)
             if position < resumed_from:
                 if position in (0, resumed_from - 1):
-                    run.check_boundary(_fingerprint(args), position)
+                    run.check_boundary(_fingerprint(args, named), position)
                 continue
+            last = _fingerprint(args, named)
             if position == 0:
-                run.first_fingerprint = _fingerprint(args)
+                run.first_fingerprint = last
             with torch.enable_grad() if grads else torch.no_grad():
                 request = (loss_fn, batch) if grads else None
-                run.add(_extract_batch(model, args, kwargs, layers, run, position, stop_after, request),
-                        _batch_rows(args), position, None if indices_of is None else indices_of(position))
+                run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
+                                       request),
+                        _batch_rows(args, named), position, None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
-                run.flush(_fingerprint(args))
+                run.flush(last)
             bar.update(1)
         if seen < resumed_from:
             raise ValueError(f"inputs yielded {seen} batches, but {out} already holds {resumed_from}: resuming needs "
@@ -121,7 +129,7 @@ def extract_folder(model, inputs, layers, out, *, args_of, kwargs, shard_bytes, 
         if seen == 0:
             raise ValueError("inputs yielded no batches; nothing was extracted")
         if run.pending_batches:
-            run.flush(_fingerprint(args))
+            run.flush(last)
         run.consolidate()
     finally:
         bar.close()
@@ -149,22 +157,50 @@ def _arguments(layers, kwargs, inputs) -> dict:
             "batch_size": getattr(inputs, "batch_size", None), "drop_last": getattr(inputs, "drop_last", None)}
 
 
-def _fingerprint(args) -> str:
-    """A hash of a batch's tensors, used to check a resumed run sees the same inputs as before."""
+def batch_reader(args_of, kwargs_of, kwargs):
+    """The function giving batch ``position``'s forward arguments as ``(args, its own kwargs)``.
+
+    ``args_of(batch)`` (the batch itself by default, or nothing when only ``kwargs_of`` is given) follows
+    ``tl.trace``'s input rule; ``kwargs_of(batch)`` must be a mapping, naming no argument ``kwargs`` (the
+    keyword arguments of every forward) names too."""
+    def arguments_of(batch, position):
+        if args_of is not None:
+            args = as_args(args_of(batch))
+        else:
+            args = () if kwargs_of is not None else as_args(batch)
+        if kwargs_of is None:
+            return args, {}
+        named = kwargs_of(batch)
+        if not isinstance(named, Mapping):
+            raise TypeError(f"batch {position}: kwargs_of returned {type(named).__name__}; it returns a dict of "
+                            "keyword arguments for the forward (kwargs_of=dict for dict batches)")
+        twice = sorted(set(named) & set(kwargs or ()))
+        if twice:
+            raise ValueError(f"batch {position}: kwargs_of and kwargs both give {', '.join(twice)}; give each "
+                             "keyword argument one way")
+        return args, dict(named)
+    return arguments_of
+
+
+def _fingerprint(args, named=None) -> str:
+    """A hash of a batch's tensors (its positional arguments, then its own keyword arguments), used to
+    check a resumed run sees the same inputs as before."""
     try:
         import numpy  # noqa: F401  (Tensor.numpy below needs it)
     except ImportError as exc:  # pragma: no cover - exercised only where numpy is absent
         raise ImportError("tl.extract needs numpy: pip install numpy") from exc
     digest = hashlib.sha256()
-    for path, t in tensor_leaves(args):
-        t = t.detach().to("cpu").contiguous()
-        digest.update(f"{path_text('args', path)}{tuple(t.shape)}{t.dtype}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    for root, value in (("args", args), ("kwargs", named)):
+        for path, t in tensor_leaves(value) if value else ():
+            t = t.detach().to("cpu").contiguous()
+            digest.update(f"{path_text(root, path)}{tuple(t.shape)}{t.dtype}".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
-def _batch_rows(args):
-    leaves = tensor_leaves(args)
+def _batch_rows(args, named=None):
+    """The batch's row count: the first dimension of its first tensor, positional or keyword."""
+    leaves = tensor_leaves(args) or (tensor_leaves(named) if named else [])
     return leaves[0][1].shape[0] if leaves and leaves[0][1].dim() else None
 
 
