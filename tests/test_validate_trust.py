@@ -479,3 +479,46 @@ def test_parameters_replay_with_the_requires_grad_flag_they_had_in_the_forward()
     log = tl.trace(model, torch.randn(2, 2, 6, 8))
     model.requires_grad_(False)  # frozen after the trace: replay still runs the kernel the forward ran
     assert_trusted(log.validate())
+
+
+class HostRandomMask(nn.Module):
+    """Masks time steps chosen by NumPy's and Python's global generators in training mode, as transformers'
+    wav2vec2 family does for SpecAugment (``_compute_mask_indices`` draws from ``numpy.random``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import random
+
+        keep = torch.ones(x.shape[0], 1)
+        if self.training:
+            keep[numpy.random.randint(0, x.shape[0])] = 0.0
+            keep[random.randrange(x.shape[0])] = 0.0
+        return self.fc(x * keep)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_generators_are_restored_around_every_extra_run(seed):
+    """The untraced reference of tl.validate and the label pass of an intervention draw from NumPy and
+    Python too: the traced forward must draw what one untraced forward draws, and leave the generators
+    where that forward leaves them."""
+    import random
+
+    model, x = HostRandomMask().train(), torch.randn(16, 4)
+
+    def seeded():
+        numpy.random.seed(seed), random.seed(seed), torch.manual_seed(seed)
+
+    seeded()
+    expected = model(x)
+    after = numpy.random.get_state()[1].copy(), random.getstate()
+    seeded()
+    result = tl.validate(model, x)
+    assert result.passed and result.outputs_match, result
+    assert numpy.array_equal(numpy.random.get_state()[1], after[0]) and random.getstate() == after[1]
+    seeded()
+    log = tl.trace(model, x, intervene={"mul_1_4:1": tl.scale(1.0)})  # a label site: a reference pass first
+    assert torch.equal(log.output, expected)
+    assert numpy.array_equal(numpy.random.get_state()[1], after[0]) and random.getstate() == after[1]

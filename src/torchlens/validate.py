@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture.collectives import is_collective
+from .capture.rng import RngState
 from .tree import as_args, clone_call, fill, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
@@ -102,30 +103,6 @@ def outputs_equal(a, b) -> bool:
 
 
 # ----- state a forward can change ----------------------------------------------------------------------
-class RngState:
-    """The global random number generators (CPU and every initialized CUDA device), restorable."""
-
-    def __init__(self):
-        self.cpu_rng = torch.get_rng_state()
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-    def moved(self) -> bool:
-        """Whether any generator drew numbers since this state was taken."""
-        if not torch.equal(torch.get_rng_state(), self.cpu_rng):
-            return True
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            if self.cuda_rng is None:
-                return True  # CUDA started since: its generators may have been used
-            return any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), self.cuda_rng))
-        return False
-
-
 class ModelState:
     """Everything a forward can change on a module tree, restorable: parameter and buffer values
     (non-persistent buffers too), tensors held in plain attributes, and every Python attribute
@@ -167,7 +144,6 @@ class RunState:
     def __init__(self, model):
         self.model = model
         self.rng = RngState()
-        self.cpu_rng, self.cuda_rng = self.rng.cpu_rng, self.rng.cuda_rng
         self.is_module = isinstance(model, torch.nn.Module)
         if self.is_module:
             self.state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
@@ -209,9 +185,10 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     """Trace ``model`` and check the trace against an untraced run and against replay of every op.
 
     ``args`` follows ``tl.trace``'s rule: a tuple is the positional arguments, any other value the one
-    positional argument.  The untraced run uses a copy of the model; the model and the global RNG end
-    exactly as after one untraced forward.  ``progress``: bars for tracing and replay once either takes
-    about a second (None: on an interactive terminal or notebook only; True: anywhere; False: never).
+    positional argument.  The untraced run uses a copy of the model; the model and the global random number
+    generators (``capture.rng``) end exactly as after one untraced forward.  ``progress``: bars for tracing
+    and replay once either takes about a second (None: on an interactive terminal or notebook only; True:
+    anywhere; False: never).
     """
     from .capture.session import _unwrap, trace
 

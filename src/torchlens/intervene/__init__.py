@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..capture.rng import RngState
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
 from .sites import resolve_labels, split_sites
@@ -38,15 +39,12 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
 def _reference_pass(run_reference, index):
     """A metadata-only trace of the same inputs that leaves the RNG and the buffers as it found them, so the
     intervened run sees the same random numbers and running statistics a plain trace would."""
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    rng = RngState()
     buffers = [(b, b.detach().clone()) for b, _ in index.buffers.values()]
     try:
         return run_reference()
     finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        rng.restore()
         with torch.no_grad():
             for buffer, value in buffers:
                 if not torch.equal(buffer, value):

@@ -102,7 +102,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     try:
         log = trace(model, *clone_call(call_args, kwargs), save="none")
         traced_output = _detached(log.output)
-        drew = _drew_random_numbers(saved)
+        drew = saved.rng.moved()
         if drew:
             randoms = [op.label for op in log.ops if op.kind == "op" and _is_random(op.func_name)]
             raise WitnessFailed(
@@ -207,7 +207,7 @@ def _native_family(overload: str) -> str:
 
 def _is_random(func_name: str) -> bool:
     """Whether torch tags an aten op of this name as drawing random numbers (used to name suspects;
-    that the forward drew at all is decided by the generator state, ``_drew_random_numbers``)."""
+    that the forward drew at all is decided by the generator state, ``RngState.moved``)."""
     return func_name in _seeded_aten_names()
 
 
@@ -221,14 +221,6 @@ def _seeded_aten_names() -> frozenset:
                                          for o in overloads()):
             names.add(name)
     return frozenset(names)
-
-
-def _drew_random_numbers(saved) -> bool:
-    if not torch.equal(torch.get_rng_state(), saved.cpu_rng):
-        return True
-    if saved.cuda_rng is not None:
-        return any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), saved.cuda_rng))
-    return False
 
 
 def _detached(output):

@@ -1,0 +1,57 @@
+"""``RngState``: the global random number generators a forward may draw from, taken and restorable.
+
+Every run torchlens makes besides the traced one (``tl.validate``'s untraced reference, the metadata
+pass that resolves intervention labels, the patching tables' runs, ``flops_vs_dispatch``) must leave the
+generators as it found them, so that the traced forward draws what one untraced forward would.  Besides
+torch's CPU and CUDA generators that means Python's ``random`` and NumPy's global ``numpy.random``:
+transformers' speech models (wav2vec2, HuBERT, WavLM) draw their training-time time masks from NumPy.
+NumPy is read only when something already imported it.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+
+
+class RngState:
+    """The global generators (torch's CPU and every initialized CUDA device, Python's ``random``, NumPy's
+    global ``numpy.random`` when imported), restorable."""
+
+    def __init__(self):
+        self.cpu_rng = torch.get_rng_state()
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+        self.python_rng = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy_rng = numpy.random.get_state() if numpy is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        random.setstate(self.python_rng)
+        if self.numpy_rng is not None:
+            sys.modules["numpy"].random.set_state(self.numpy_rng)
+
+    def moved(self) -> bool:
+        """Whether any generator drew numbers since this state was taken."""
+        if not torch.equal(torch.get_rng_state(), self.cpu_rng):
+            return True
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if self.cuda_rng is None:
+                return True  # CUDA started since: its generators may have been used
+            if any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), self.cuda_rng)):
+                return True
+        if random.getstate() != self.python_rng:
+            return True
+        numpy = sys.modules.get("numpy")
+        return numpy is not None and self.numpy_rng is not None and _numpy_moved(numpy, self.numpy_rng)
+
+
+def _numpy_moved(numpy, before) -> bool:
+    # ('MT19937', key array, position, has_gauss, cached_gaussian): the key array compares element-wise.
+    now = numpy.random.get_state()
+    return now[0] != before[0] or not numpy.array_equal(now[1], before[1]) or now[2:] != before[2:]
