@@ -44,13 +44,13 @@ PLANTS = 3  # wrong activations planted per model and mode, one trace each
 
 def untraced(model, args, kwargs):
     """The output of a plain run and the RNG state it leaves, from ``SEED``."""
-    torch.manual_seed(SEED)
+    real_models.seed(SEED)
     out = model(*args, **kwargs)
     return out, torch.get_rng_state()
 
 
 def traced(model, args, kwargs, **trace_kwargs):
-    torch.manual_seed(SEED)
+    real_models.seed(SEED)
     log = tl.trace(model, args, kwargs, **trace_kwargs)
     return log, torch.get_rng_state()
 
@@ -58,7 +58,7 @@ def traced(model, args, kwargs, **trace_kwargs):
 def faithful(model, args, kwargs) -> tuple:
     """``(same, why, draws)``: traced output and RNG consumption equal an untraced run's; whether the
     forward draws from the RNG at all."""
-    torch.manual_seed(SEED)
+    real_models.seed(SEED)
     start = torch.get_rng_state()
     expected, rng_expected = untraced(model, args, kwargs)
     log, rng_traced = traced(model, args, kwargs)
@@ -145,7 +145,7 @@ class TracedRunDiffers(torch.nn.Module):
 
 
 def wrong_output_missed(model, args, kwargs) -> int:
-    torch.manual_seed(SEED)
+    real_models.seed(SEED)
     result = tl.validate(TracedRunDiffers(model), args, kwargs)
     return int(result.outputs_match is not False)
 
@@ -154,7 +154,7 @@ def row(name, mode, plants):
     model, args, kwargs = real_models.build(name)
     with real_models.in_mode(model, mode):
         same, why, draws = faithful(model, args, kwargs)
-        torch.manual_seed(SEED)
+        real_models.seed(SEED)
         result = tl.validate(model, args, kwargs)
         rng_kept = torch.equal(torch.get_rng_state(), untraced(model, args, kwargs)[1])
         random = sum(is_random(reason) for _, reason in result.not_replayed)

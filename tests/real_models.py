@@ -9,6 +9,8 @@ entries work without it.
 Dropout is left at each config's default except where noted, so train mode covers both active dropout
 (GPT-2, BERT, T5, BART, DETR, Llama's attention, Swin's stochastic depth, the ``torch.nn`` entries) and
 dropout with ``p=0`` (Whisper, ViT, Mistral, Qwen2), which draws nothing and is deterministic.
+wav2vec2 in train mode also draws its SpecAugment masks from NumPy's global generator: ``seed(n)`` seeds
+torch's, NumPy's and Python's generators, and every run the tests compare starts from it.
 
 ``build(name)`` is cached, so tests and ``scripts/validate_corpus.py`` share one model per entry;
 ``in_mode(model, mode)`` sets one of ``MODES`` up around a run, and callers seed the RNG before each run.
@@ -19,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 
+import numpy
 import torch
 import torch.nn as nn
 
@@ -147,6 +151,19 @@ def whisper():
                                                          "decoder_input_ids": _tokens(seq=5)}
 
 
+def wav2vec2():
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    # In train mode its SpecAugment masks time steps drawn from NumPy's global generator (and from torch's
+    # for feature masks): the entry that checks every extra run restores the host generators too.
+    config = Wav2Vec2Config(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                            vocab_size=VOCAB, conv_dim=(8, 8), conv_kernel=(10, 3), conv_stride=(5, 2),
+                            num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, mask_time_prob=0.5,
+                            mask_time_length=2, mask_feature_prob=0.5, mask_feature_length=2)
+    audio = torch.randn(2, 400, generator=torch.Generator().manual_seed(5))  # 400 samples -> 39 frames
+    return Wav2Vec2ForCTC(config), (), {"input_values": audio}
+
+
 def vit():
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -251,8 +268,8 @@ def transformer_encoder_padded():
     return _encoder(), (_sequence(width=HIDDEN),), {"src_key_padding_mask": padding}
 
 
-TRANSFORMERS = {f.__name__: f for f in (gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, vit, swin,
-                                        convnext, resnet, detr, clip, mamba)}
+TRANSFORMERS = {f.__name__: f for f in (gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit,
+                                        swin, convnext, resnet, detr, clip, mamba)}
 TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
 CORPUS = {**TRANSFORMERS, **TORCH_NN}
 
@@ -270,6 +287,13 @@ def build(name):
 # eval with gradients on (the LSTM/GRU and attention paths that pick kernels by requires_grad), eval under
 # no_grad (the standard inference path: the fast MHA path and nested tensors), and train (dropout active).
 MODES = ("eval", "eval_no_grad", "train")
+
+
+def seed(value: int) -> None:
+    """Seed every generator a corpus forward draws from: torch's, and NumPy's and Python's (wav2vec2)."""
+    numpy.random.seed(value)
+    random.seed(value)
+    torch.manual_seed(value)
 
 
 @contextlib.contextmanager

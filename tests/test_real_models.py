@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import torchlens as tl
-from real_models import CORPUS, MODES, TRANSFORMERS, build, in_mode
+from real_models import CORPUS, MODES, TRANSFORMERS, build, in_mode, seed
 from torchlens.tree import structures_equal, tensor_leaves
 from untouched import assert_untouched, snapshot
 
@@ -41,7 +41,7 @@ def entry(name):
 
 def untraced(model, args, kwargs):
     """The output of a plain run from ``SEED``, and whether it drew from the RNG."""
-    torch.manual_seed(SEED)
+    seed(SEED)
     start = torch.get_rng_state()
     out = model(*args, **kwargs)
     return out, not torch.equal(torch.get_rng_state(), start)
@@ -71,7 +71,7 @@ def test_traces_bit_identically(name, mode):
         after_untraced = torch.get_rng_state()
         rewind(model, start)
         before = snapshot(model, input_tensors(args, kwargs))
-        torch.manual_seed(SEED)
+        seed(SEED)
         log = tl.trace(model, args, kwargs)
         after_traced = torch.get_rng_state()
         assert_untouched(before, snapshot(model, input_tensors(args, kwargs)))
@@ -94,7 +94,7 @@ def test_validates_without_false_alarms(name, mode):
         _, draws = untraced(model, args, kwargs)
         after_one_forward = torch.get_rng_state(), state_of(model)
         rewind(model, start)
-        torch.manual_seed(SEED)
+        seed(SEED)
         result = tl.validate(model, args, kwargs)
         after_validate = torch.get_rng_state(), state_of(model)
     assert result.outputs_match is True, str(result)
@@ -152,7 +152,7 @@ def _replayed_op(log, result, model):
 def test_a_wrong_saved_activation_is_named(name):
     model, args, kwargs = entry(name)
     with in_mode(model, "eval"):
-        torch.manual_seed(SEED)
+        seed(SEED)
         log = tl.trace(model, args, kwargs)
         planted = _replayed_op(log, log.validate(), model)
         with torch.no_grad():

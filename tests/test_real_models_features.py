@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 import torchlens as tl
 from grad_oracle import Oracle, _assert_bit_identical, _flat, _loss, _op_grads
-from real_models import CORPUS, TRANSFORMERS
+from real_models import CORPUS, TRANSFORMERS, seed
 from torchlens.capture.mode import _NOT_OPS
 from torchlens.tree import structures_equal
 
@@ -48,14 +48,14 @@ def param_grads(model) -> dict:
 def test_every_gradient_equals_the_untraced_one(name, mode):
     model, args, kwargs = fresh(name, mode)
     oracle = Oracle("hook")
-    torch.manual_seed(1)
+    seed(1)
     with oracle:
         out = model(*args, **kwargs)
     _loss(out).backward()
     expected = param_grads(model)
 
     model, args, kwargs = fresh(name, mode)
-    torch.manual_seed(1)
+    seed(1)
     log = tl.trace(model, args, kwargs, grads=True)
     log.backward(_loss(log.output))
     ops, got = _op_grads(log)
@@ -100,10 +100,10 @@ def same_output(a, b) -> bool:
 @pytest.mark.parametrize("name, mode", CASES)
 def test_interventions_equal_the_untraced_edit(name, mode):
     model, args, kwargs = fresh(name, mode)
-    torch.manual_seed(1)
+    seed(1)
     plain = tl.trace(model, args, kwargs)
     copies = {(lambda op: True): lambda t, op: None if t._base is not None else t.clone()}
-    torch.manual_seed(1)
+    seed(1)
     copied = tl.trace(model, args, kwargs, intervene=copies, reference=plain)
     assert same_output(copied.output, plain.output)
 
@@ -114,13 +114,13 @@ def test_interventions_equal_the_untraced_edit(name, mode):
                     and op.func_name != "__setitem__"]
     checked = 0
     for k in dict.fromkeys(plain_values[len(plain_values) * i // 4] for i in (1, 2, 3)):
-        torch.manual_seed(1)
+        seed(1)
         try:
             with ZeroAt(k):
                 expected = model(*args, **kwargs)
         except LookupError:  # an LSTM's output among its states: the label site covers it, ZeroAt does not
             continue
-        torch.manual_seed(1)
+        seed(1)
         zeroed = tl.trace(model, args, kwargs, intervene={ops[k].label: tl.zero_ablate()})
         assert [a.label for a in zeroed.interventions] == [ops[k].label]
         assert same_output(zeroed.output, expected), ops[k].label
