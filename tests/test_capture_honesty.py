@@ -219,3 +219,19 @@ def test_a_modules_own_hooks_run_inside_its_module_call():
     assert relu.input_ops == ["mul_1_2:1"]  # before its pre-hook subtracted one
     assert [log[label].type for label in relu.op_labels] == ["sub", "relu"]
     assert vars(nn.Module)["_call_impl"] is original
+
+
+def test_a_torchscript_submodule_is_named_as_unseen():
+    """TorchScript runs a scripted module's ops in its own interpreter: the trace records the call with no
+    ops, says so in a caveat, and names where its output entered."""
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh())), nn.ReLU())
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"TorchScript modules \(0\) run their ops where capture cannot see them"):
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    assert log.unattributed == 1 and [c.label for c in log.module_calls] == ["0:1", "1:1"]
+    assert len(log.caveats) == 1 and "TorchScript" in log.caveats[0]
+    assert "read by relu_1_1:1; returned by 0:1 (RecursiveScriptModule)" in str(log)
+    plain = tl.trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), x)
+    assert plain.caveats == () and "outside the trace" not in str(plain)

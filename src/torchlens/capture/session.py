@@ -151,7 +151,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
             shown.close()
     result._autocast = autocast
     caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
-        (submodules.caveats() if submodules is not None else ())
+        (submodules.caveats() if submodules is not None else ()) + \
+        (_script_caveat(index.script_modules) if index.script_modules else ())
     if caveats:  # else the class default: none
         result.caveats = caveats
     rank = process_rank()
@@ -320,6 +321,14 @@ def _run_observed(packing, model, args, kwargs):
 
 # Frame verdicts are process-wide (capture/source.py): one classifier serves every trace.
 _FRAMES = FrameClassifier(stop_codes=(_run_forward.__code__,))
+
+
+def _script_caveat(addresses) -> tuple:
+    text = (f"TorchScript modules ({', '.join(addresses)}) run their ops where capture cannot see them: each call "
+            "is a module call with no ops, and its outputs enter the trace with no parent op (Trace.unattributed); "
+            "trace the module before torch.jit.script to record its interior")
+    warn_user(text)
+    return (text,)
 
 
 def _unwrap(model):

@@ -107,6 +107,17 @@ class ModelIndex:
         params = [p for _, p in self.params]
         return params, [id(p) for p in params]
 
+    @functools.cached_property
+    def script_modules(self) -> tuple:
+        """The addresses of the TorchScript modules (``torch.jit.script``) not inside another one: their
+        ops run in TorchScript's interpreter, out of capture's sight."""
+        found = []
+        for address, module in self.modules.items():
+            if isinstance(module, torch.jit.ScriptModule) and \
+                    not any(address.startswith(f"{outer}.") or not outer for outer in found):
+                found.append(address or "self")
+        return tuple(found)
+
     def unwalked(self, modules) -> set:
         """The ids of those of ``modules`` whose parameter names the walk did not keep (the root's, or a
         module outside the model): a trace reads theirs when it ends."""

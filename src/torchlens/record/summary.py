@@ -69,6 +69,19 @@ def short_path(file: str) -> str:
     return file
 
 
+def _unattributed_where(trace) -> str:
+    """Where the tensors of unknown origin were read, and which module calls returned them (a TorchScript
+    module, a C++ extension, work done on another thread)."""
+    readers = [op.label for op in trace.ops if op.kind == "op" and op.unattributed_args]
+    calls = [f"{c.label} ({c.module.class_name})" for c in trace.module_calls if -1 in c._row.outputs]
+    where = f": read by {_first_few(readers)}" if readers else ""
+    return where + (f"; returned by {_first_few(calls)}" if calls else "")
+
+
+def _first_few(names: list, n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
 def summary_text(trace) -> str:
     ops = trace.ops
     n_compute = sum(1 for op in ops if op.kind == "op")
@@ -84,7 +97,8 @@ def summary_text(trace) -> str:
         f"  captured in {trace.capture_duration * 1e3:.1f} ms (host times below are instrumented)",
     ]
     if trace.unattributed:
-        lines.append(f"  {trace.unattributed} tensor arguments came from outside the trace (no parent op)")
+        lines.append(f"  {trace.unattributed} tensor arguments came from outside the trace (no parent op)"
+                     + _unattributed_where(trace))
     if trace._dropped:
         lines.append(f"  {len(trace._dropped)} saved activations were dropped (mutated behind capture)")
     if trace.budget_exhausted_at is not None:
@@ -93,6 +107,7 @@ def summary_text(trace) -> str:
         lines.append(f"  the forward was stopped after {trace.stopped_after} (stop_after=): no output")
     if trace.interventions:
         lines.append(f"  {len(trace.interventions)} ops changed by interventions (log.interventions)")
+    lines += [f"  caveat: {text}" for text in trace.caveats]
     lines.append("Ops:")
     shown = list(range(len(ops))) if len(ops) <= _HEAD + _TAIL else \
         list(range(_HEAD)) + [None] + list(range(len(ops) - _TAIL, len(ops)))
