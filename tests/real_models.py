@@ -228,6 +228,43 @@ def mamba():
     return MambaForCausalLM(config), (), {"input_ids": _tokens()}
 
 
+def mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # A mixture of experts: each token is routed to 2 of 4 experts (topk, one_hot, index_add_ in the forward).
+    config = MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    return MixtralForCausalLM(config), (), {"input_ids": _tokens()}
+
+
+def deberta_v2():
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    # Disentangled relative-position attention (content-to-position and position-to-content terms).
+    config = DebertaV2Config(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                             vocab_size=VOCAB, max_position_embeddings=64, relative_attention=True,
+                             pos_att_type=["p2c", "c2p"], max_relative_positions=16)
+    return DebertaV2ForSequenceClassification(config), (), {"input_ids": _tokens(),
+                                                            "attention_mask": _attention_mask()}
+
+
+def albert():
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    # One layer's weights shared by both layers: each shared module is called twice (recurrence).
+    config = AlbertConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                          vocab_size=VOCAB, embedding_size=16, max_position_embeddings=64)
+    return AlbertForMaskedLM(config), (), {"input_ids": _tokens()}
+
+
+def rwkv():
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    # A linear-attention recurrence written as a Python loop over time steps (the CPU path).
+    config = RwkvConfig(hidden_size=HIDDEN, num_hidden_layers=2, vocab_size=VOCAB, attention_hidden_size=HIDDEN,
+                        intermediate_size=64, context_length=16)
+    return RwkvForCausalLM(config), (), {"input_ids": _tokens()}
+
+
 class Recurrent(nn.Module):
     """Two-layer LSTM and GRU, with dropout between layers (active in train mode)."""
 
@@ -269,7 +306,7 @@ def transformer_encoder_padded():
 
 
 TRANSFORMERS = {f.__name__: f for f in (gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit,
-                                        swin, convnext, resnet, detr, clip, mamba)}
+                                        swin, convnext, resnet, detr, clip, mamba, mixtral, deberta_v2, albert, rwkv)}
 TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
 CORPUS = {**TRANSFORMERS, **TORCH_NN}
 

@@ -3,6 +3,7 @@ hand-written forward hooks doing the same edit."""
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -579,3 +580,57 @@ def test_an_action_changing_dtype_at_a_predicate_site_names_the_op_and_the_way_o
         tl.trace(Positions(), x, intervene={(lambda op: True): tl.scale(2.0)})
     floats = tl.trace(Positions(), x, intervene={(lambda op: op.dtype.is_floating_point): tl.scale(2.0)})
     assert torch.equal(floats.output, 2 * (x + torch.arange(4)))
+
+
+class _FirstCallState(nn.Module):
+    """State set by the first forward: a cache built on first use (as rotary embeddings do) and a flag, and,
+    with ``rescale``, a weight written in place once (as RWKV rescales its weights in eval mode)."""
+
+    def __init__(self, rescale=False):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.rescale = rescale
+        self.cache = None
+
+    def forward(self, x):
+        if self.rescale:
+            with torch.no_grad():
+                self.fc.weight.div_(2)
+            self.rescale = False
+        if self.cache is None:
+            self.cache = torch.arange(4.0).exp()
+        return torch.tanh(self.fc(x) * self.cache)
+
+
+def test_a_label_site_on_a_model_whose_first_forward_builds_a_cache():
+    """The metadata pass that resolves a label is a forward too: it must leave the cache (and any flag) as
+    it found them, or the intervened forward takes another path than the one its label was resolved on."""
+    torch.manual_seed(0)
+    model, x = _FirstCallState().eval(), torch.randn(2, 4)
+    first = tl.trace(copy.deepcopy(model), x)
+    site = next(op.label for op in first.ops if op.type == "mul")
+    log = tl.trace(model, x, intervene={site: tl.zero_ablate()})
+    assert [a.label for a in log.interventions] == [site]
+    assert torch.equal(log.output, torch.zeros(2, 4))  # tanh(0): the product zeroed
+    assert log.labels == first.labels  # the first forward's path, cache building included
+    assert torch.equal(model.cache, torch.arange(4.0).exp())  # built once, by the intervened run
+
+
+def test_a_label_site_on_a_model_writing_its_parameters_is_refused_once():
+    torch.manual_seed(0)
+    model, x = _FirstCallState(rescale=True).eval(), torch.randn(2, 4)
+    weight = model.fc.weight.detach().clone()
+    with pytest.raises(tl.InterventionError, match=r"writes parameters in place \(fc.weight"):
+        tl.trace(model, x, intervene={"tanh_1_6:1": tl.zero_ablate()})
+    assert torch.equal(model.fc.weight, weight / 2) and not model.rescale  # as after one forward
+    settled = tl.trace(model, x, intervene={"tanh_1_3:1": tl.zero_ablate()})  # no write now: resolved and run
+    assert torch.equal(settled.output, torch.zeros(2, 4))
+    assert torch.equal(model.fc.weight, weight / 2)
+
+
+def test_a_reference_whose_forward_wrote_parameters_says_so():
+    torch.manual_seed(0)
+    model, x = _FirstCallState(rescale=True).eval(), torch.randn(2, 4)
+    reference = tl.trace(model, x)  # the first forward: it rescales fc.weight, the next one does not
+    with pytest.raises(tl.InterventionError, match="never reached.*wrote parameters in place"):
+        tl.trace(model, x, intervene={"tanh_1_6:1": tl.zero_ablate()}, reference=reference)

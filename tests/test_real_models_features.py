@@ -37,6 +37,9 @@ def fresh(name, mode):
     if hasattr(model, "config"):
         model.config.use_cache = False
     model.train(mode == "train")
+    if name == "rwkv":  # its first forward in a mode rescales its weights in place: settle it, as later uses find it
+        with torch.no_grad():
+            model(*args, **kwargs)
     return model, args, kwargs
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture.collectives import is_collective
-from .capture.rng import RngState
+from .capture.restore import ModuleAttributes, RngState
 from .tree import as_args, clone_call, fill, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
@@ -110,7 +110,7 @@ class ModelState:
 
     def __init__(self, model):
         modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
-        self.attributes = [(m, {k: _copy_attribute(v) for k, v in vars(m).items()}) for m in modules]
+        self.attributes = ModuleAttributes(modules)
         tensors: dict = {}
         for m in modules:
             for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
@@ -119,22 +119,13 @@ class ModelState:
         self.tensors = list(tensors.values())
 
     def restore(self) -> None:
-        for m, attributes in self.attributes:
-            state = vars(m)
-            state.clear()
-            state.update({k: _copy_attribute(v) for k, v in attributes.items()})
+        self.attributes.restore()
         with torch.no_grad():
             for t, value in self.tensors:
                 if t.shape == value.shape and t.dtype == value.dtype:
                     t.copy_(value)
                 else:
                     t.data = value.clone()
-
-
-def _copy_attribute(value):
-    if isinstance(value, (list, dict, set)):
-        return copy.copy(value)  # parameter/buffer/module tables and user caches: membership restored
-    return value
 
 
 class RunState:
@@ -186,7 +177,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
 
     ``args`` follows ``tl.trace``'s rule: a tuple is the positional arguments, any other value the one
     positional argument.  The untraced run uses a copy of the model; the model and the global random number
-    generators (``capture.rng``) end exactly as after one untraced forward.  ``progress``: bars for tracing
+    generators (``capture.restore``) end exactly as after one untraced forward.  ``progress``: bars for tracing
     and replay once either takes about a second (None: on an interactive terminal or notebook only; True:
     anywhere; False: never).
     """

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.rng import RngState
+from ..capture.restore import ModuleAttributes, RngState
+from ..errors import InterventionError
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
 from .sites import resolve_labels, split_sites
@@ -37,15 +38,38 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
 
 
 def _reference_pass(run_reference, index):
-    """A metadata-only trace of the same inputs that leaves the RNG and the buffers as it found them, so the
-    intervened run sees the same random numbers and running statistics a plain trace would."""
+    """A metadata-only trace of the same inputs that leaves the model as it found it, so that the intervened
+    run takes the path a plain trace would: the RNG, the buffers (running statistics) and the modules'
+    Python attributes (a flag or a cache set by the first forward).  A forward that writes a parameter in
+    place cannot be undone without a copy of every parameter, so that is refused, after the pass."""
     rng = RngState()
     buffers = [(b, b.detach().clone()) for b, _ in index.buffers.values()]
+    attributes = ModuleAttributes(index.all_modules())
+    params = index.params
+    versions = [p._version for _, p in params]
     try:
-        return run_reference()
-    finally:
+        reference = run_reference()
+    except BaseException:
         rng.restore()
-        with torch.no_grad():
-            for buffer, value in buffers:
-                if not torch.equal(buffer, value):
-                    buffer.copy_(value)
+        _restore(attributes, buffers)
+        raise
+    rng.restore()
+    written = [address for (address, p), version in zip(params, versions) if p._version != version]
+    if written:
+        # Left as after the forward: its parameter writes and the state that goes with them stay consistent.
+        raise InterventionError(
+            f"the forward writes parameters in place ({', '.join(written[:3])}{' ...' if len(written) > 3 else ''}: a "
+            "one-time rescale, or an update), so the extra forward that resolves label sites changed the model the "
+            "intervened run would start from; the model has now run that forward once. Run the intervention again "
+            "once such writes are done (a model that rescales itself once is then settled), pass reference= a trace "
+            "of the model as it will run, or use module sites, which need no extra forward")
+    _restore(attributes, buffers)
+    return reference
+
+
+def _restore(attributes, buffers) -> None:
+    attributes.restore()
+    with torch.no_grad():
+        for buffer, value in buffers:
+            if not torch.equal(buffer, value):
+                buffer.copy_(value)

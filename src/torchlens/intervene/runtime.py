@@ -109,8 +109,16 @@ class Interventions:
                 raise InterventionError(
                     f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
                     f"reference trace: at that position it called {name!r} in {where}, where the reference "
-                    f"called {site.func_name!r} in {expected}. Pass reference= a trace of inputs that take the "
-                    "same path, or use a module site")
+                    f"called {site.func_name!r} in {expected}.{self._written_note()} Pass reference= a trace of "
+                    "inputs that take the same path, or use a module site")
+
+    def _written_note(self) -> str:
+        """Why a reference of the same inputs can still take another path: its forward wrote parameters."""
+        replay = getattr(self.reference, "_replay", None)
+        if replay is None or not replay.param_writes:
+            return ""
+        return (" The reference's forward wrote parameters in place (a one-time rescale, an update), so the model "
+                "has changed since it ran.")
 
     def _same_chain(self, st, expected) -> bool:
         """Whether the module calls open now are the reference's, call for call."""
@@ -433,7 +441,7 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         names = ", ".join(dict.fromkeys(repr(s.key) if isinstance(s.key, str) else "<predicate>" for s in unmet))
         raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
                                 "module call (a module call number past its last call, or control flow that skipped "
-                                "it); nothing was changed there")
+                                f"it); nothing was changed there.{runtime._written_note()}")
 
 
 def _labels_from(reference, trace) -> None:

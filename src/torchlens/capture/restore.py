@@ -1,4 +1,5 @@
-"""``RngState``: the global random number generators a forward may draw from, taken and restorable.
+"""What every extra run must leave as it found it: the global random number generators (``RngState``)
+and the Python attributes of a module tree (``ModuleAttributes``).
 
 Every run torchlens makes besides the traced one (``tl.validate``'s untraced reference, the metadata
 pass that resolves intervention labels, the patching tables' runs, ``flops_vs_dispatch``) must leave the
@@ -6,10 +7,15 @@ generators as it found them, so that the traced forward draws what one untraced 
 torch's CPU and CUDA generators that means Python's ``random`` and NumPy's global ``numpy.random``:
 transformers' speech models (wav2vec2, HuBERT, WavLM) draw their training-time time masks from NumPy.
 NumPy is read only when something already imported it.
+
+A forward may also change its modules' Python attributes: a flag set by the first call (RWKV rescales
+its weights once in eval mode and notes it), a cache built on first use.  A run made only to look at
+the forward must put them back, or the run after it would take another path.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 
@@ -55,3 +61,24 @@ def _numpy_moved(numpy, before) -> bool:
     # ('MT19937', key array, position, has_gauss, cached_gaussian): the key array compares element-wise.
     now = numpy.random.get_state()
     return now[0] != before[0] or not numpy.array_equal(now[1], before[1]) or now[2:] != before[2:]
+
+
+class ModuleAttributes:
+    """Every module's Python attributes (``vars(module)``: flags, counters, caches, and the parameter,
+    buffer and submodule tables), restorable; containers are copied one level deep, so membership is
+    restored, not the values inside them.  Tensor values are restored as objects, not as contents."""
+
+    def __init__(self, modules):
+        self.saved = [(m, {k: _copy_attribute(v) for k, v in vars(m).items()}) for m in modules]
+
+    def restore(self) -> None:
+        for m, attributes in self.saved:
+            state = vars(m)
+            state.clear()
+            state.update({k: _copy_attribute(v) for k, v in attributes.items()})
+
+
+def _copy_attribute(value):
+    if isinstance(value, (list, dict, set)):
+        return copy.copy(value)  # parameter/buffer/module tables and user caches: membership restored
+    return value
