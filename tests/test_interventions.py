@@ -634,3 +634,51 @@ def test_a_reference_whose_forward_wrote_parameters_says_so():
     reference = tl.trace(model, x)  # the first forward: it rescales fc.weight, the next one does not
     with pytest.raises(tl.InterventionError, match="never reached.*wrote parameters in place"):
         tl.trace(model, x, intervene={"tanh_1_6:1": tl.zero_ablate()}, reference=reference)
+
+
+class _TrainModeNet(nn.Module):
+    """BatchNorm and dropout in train mode, and a call counter: every forward draws, updates running
+    statistics and changes an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.head = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.head(F.dropout(torch.relu(self.bn(self.fc(x))), 0.3, training=self.training)).sum()
+
+
+def test_patching_runs_each_start_from_the_model_as_the_call_found_it():
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model = _TrainModeNet().train()
+    clean, corrupt = torch.randn(5, 6), torch.randn(5, 6)
+    torch.manual_seed(3)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def run(x, intervene=None):
+        """One forward from the call's start: the same seed, statistics and counter."""
+        model.load_state_dict(start)
+        model.calls = 0
+        torch.manual_seed(3)
+        return tl.trace(model, x, intervene=intervene)
+
+    clean_log = run(clean)
+    expected = {site: run(corrupt, {site: tl.patch_from(clean_log)}).output.item() for site in ("fc:1", "bn:1")}
+    corrupt_value = run(corrupt).output.item()
+    model.load_state_dict(start)
+    model.calls = 0
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    table = tl.report.activation_patching(model, clean, corrupt, lambda out: out, sites=["fc:1", "bn:1"],
+                                          progress=False)
+    assert table.attrs["clean"] == clean_log.output.item() and table.attrs["corrupt"] == corrupt_value
+    assert dict(zip(table.site, table.metric)) == expected
+    # The model, its counter and the generator end as the call found them.
+    assert torch.equal(torch.get_rng_state(), rng) and model.calls == 0
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    tl.report.attribution_patching(model, clean, corrupt, lambda out: out)
+    assert torch.equal(torch.get_rng_state(), rng) and model.calls == 0
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())

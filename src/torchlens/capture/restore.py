@@ -1,5 +1,6 @@
-"""What every extra run must leave as it found it: the global random number generators (``RngState``)
-and the Python attributes of a module tree (``ModuleAttributes``).
+"""What every extra run must leave as it found it: the global random number generators (``RngState``),
+the Python attributes of a module tree (``ModuleAttributes``), and both with the buffers' values and the
+parameters' versions (``ForwardState``).
 
 Every run torchlens makes besides the traced one (``tl.validate``'s untraced reference, the metadata
 pass that resolves intervention labels, the patching tables' runs, ``flops_vs_dispatch``) must leave the
@@ -82,3 +83,37 @@ def _copy_attribute(value):
     if isinstance(value, (list, dict, set)):
         return copy.copy(value)  # parameter/buffer/module tables and user caches: membership restored
     return value
+
+
+class ForwardState:
+    """What a forward may change on a model that a run made besides the user's must put back: the global
+    generators, the buffers' values (running statistics) and the modules' Python attributes.  Parameters
+    are not copied (that would double a large model's memory): their version counters tell whether a
+    forward wrote one in place, which cannot be put back."""
+
+    def __init__(self, modules, params, buffers):
+        self.rng = RngState()
+        self.attributes = ModuleAttributes(modules)
+        self.buffers = [(b, b.detach().clone()) for b in buffers]
+        self.params = params  # [(address, Parameter)]
+        self.versions = [p._version for _, p in params]
+
+    @classmethod
+    def of(cls, model) -> "ForwardState":
+        """The state of ``model`` (a module, or a bound method of one; anything else has only the RNG)."""
+        owner = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+        if not isinstance(owner, torch.nn.Module):
+            return cls([], [], [])
+        return cls(list(owner.modules()), list(owner.named_parameters()), list(owner.buffers()))
+
+    def written_params(self) -> list:
+        """The addresses of the parameters written in place since this state was taken."""
+        return [address for (address, p), version in zip(self.params, self.versions) if p._version != version]
+
+    def restore(self) -> None:
+        self.rng.restore()
+        self.attributes.restore()
+        with torch.no_grad():
+            for buffer, value in self.buffers:
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)

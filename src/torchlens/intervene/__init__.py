@@ -7,9 +7,7 @@ runs during the forward in ``runtime``.
 
 from __future__ import annotations
 
-import torch
-
-from ..capture.restore import ModuleAttributes, RngState
+from ..capture.restore import ForwardState
 from ..errors import InterventionError
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
@@ -38,38 +36,28 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
 
 
 def _reference_pass(run_reference, index):
-    """A metadata-only trace of the same inputs that leaves the model as it found it, so that the intervened
-    run takes the path a plain trace would: the RNG, the buffers (running statistics) and the modules'
-    Python attributes (a flag or a cache set by the first forward).  A forward that writes a parameter in
-    place cannot be undone without a copy of every parameter, so that is refused, after the pass."""
-    rng = RngState()
-    buffers = [(b, b.detach().clone()) for b, _ in index.buffers.values()]
-    attributes = ModuleAttributes(index.all_modules())
-    params = index.params
-    versions = [p._version for _, p in params]
+    """A metadata-only trace of the same inputs that leaves the model as it found it (``ForwardState``), so
+    that the intervened run takes the path a plain trace would: the same random numbers, running statistics
+    updated once, a cache or flag set by the first forward set by the intervened one.  A forward that writes
+    a parameter in place cannot be undone that way, so that is refused, after the pass."""
+    state = ForwardState(index.all_modules(), index.params, [b for b, _ in index.buffers.values()])
     try:
         reference = run_reference()
     except BaseException:
-        rng.restore()
-        _restore(attributes, buffers)
+        state.restore()
         raise
-    rng.restore()
-    written = [address for (address, p), version in zip(params, versions) if p._version != version]
+    written = state.written_params()
     if written:
-        # Left as after the forward: its parameter writes and the state that goes with them stay consistent.
+        state.rng.restore()  # the rest is left as after the forward: its parameter writes and their state agree
         raise InterventionError(
-            f"the forward writes parameters in place ({', '.join(written[:3])}{' ...' if len(written) > 3 else ''}: a "
-            "one-time rescale, or an update), so the extra forward that resolves label sites changed the model the "
-            "intervened run would start from; the model has now run that forward once. Run the intervention again "
-            "once such writes are done (a model that rescales itself once is then settled), pass reference= a trace "
-            "of the model as it will run, or use module sites, which need no extra forward")
-    _restore(attributes, buffers)
+            f"the forward writes parameters in place ({_first_few(written)}: a one-time rescale, or an update), so "
+            "the extra forward that resolves label sites changed the model the intervened run would start from; the "
+            "model has now run that forward once. Run the intervention again once such writes are done (a model "
+            "that rescales itself once is then settled), pass reference= a trace of the model as it will run, or "
+            "use module sites, which need no extra forward")
+    state.restore()
     return reference
 
 
-def _restore(attributes, buffers) -> None:
-    attributes.restore()
-    with torch.no_grad():
-        for buffer, value in buffers:
-            if not torch.equal(buffer, value):
-                buffer.copy_(value)
+def _first_few(names: list) -> str:
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")

@@ -2,7 +2,9 @@
 
 ``activation_patching`` runs the corrupted input once per site with the clean run's value patched in
 there (``tl.patch_from``) and reports the metric, normalised so that 0 is the corrupted baseline and 1
-the clean one.  ``attribution_patching`` estimates the same numbers for every op and module call from
+the clean one.  Every run of an experiment starts from the model and inputs as the call found them (the
+generators, buffers and modules' Python attributes are put back after each, ``capture.restore``), so the
+runs differ only by their inputs and the patch, and the model ends as it was.  ``attribution_patching`` estimates the same numbers for every op and module call from
 one forward on each input and one backward: ``(clean - corrupt activation) . d metric / d activation``
 on the corrupted run.
 """
@@ -13,6 +15,7 @@ import math
 
 import torch
 
+from ..capture.restore import ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
 from ..errors import TorchlensError
@@ -36,21 +39,22 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
     """
     pd = _pandas()
-    clean_log = _trace_copy(model, clean, kwargs, save="all", deep=deep)
+    runs = _Runs(model)
+    clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
-    corrupt_value = _scalar(metric(_trace_copy(model, corrupt, kwargs, save="none", deep=deep).output))
+    corrupt_value = _scalar(metric(runs.trace(corrupt, kwargs, save="none", deep=deep).output))
     names = _sites(clean_log, sites)
     for site in names:
         if isinstance(site, str) and site not in clean_log:
             clean_log[site]  # raises KeyError with the closest names, before any patched run
-    runs = [(site, None) for site in names] if positions is None else \
+    patches = [(site, None) for site in names] if positions is None else \
         [(site, p) for site in names for p in range(_extent(clean_log, site, positions))]
     rows = []
-    for site, position in _progress(runs, progress, "activation patching"):
+    for site, position in _progress(patches, progress, "activation patching"):
         at = None if position is None else (slice(None),) * positions + (position,)
         try:
-            patched = _trace_copy(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
-                                  intervene={site: patch_from(clean_log, at=at)})
+            patched = runs.trace(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+                                 intervene={site: patch_from(clean_log, at=at)})
             value, error = _scalar(metric(patched.output)), ""
         except (TorchlensError, ValueError, IndexError) as exc:  # cannot be patched faithfully: say why
             value, error = math.nan, str(exc)
@@ -73,8 +77,9 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     gradient cannot reach (integer tensors, a value written in place later) have NaN and a ``note``.
     """
     pd = _pandas()
+    runs = _Runs(model)
     with torch.no_grad():
-        clean_log = _trace_copy(model, clean, kwargs, save="all", deep=deep)
+        clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
     live: dict = {}  # label -> (differentiable tensor, its version when captured)
     notes: dict = {}
@@ -93,16 +98,21 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         live[op.label] = (leaf, leaf._version)
         return leaf
 
-    with torch.enable_grad():
-        corrupt_log = _trace_copy(model, corrupt, kwargs, save="none", deep=deep, reference=clean_log,
-                                  intervene={(lambda op: True): grab})
-        value = metric(corrupt_log.output)
-        corrupt_value = _scalar(value)
-        labels = [k for k, (t, v) in live.items() if t._version == v]
-        for k, (t, v) in live.items():
-            if t._version != v:
-                notes[k] = "written in place later in the forward: its gradient is not that of this value"
-        grads = torch.autograd.grad(value, [live[k][0] for k in labels], allow_unused=True) if labels else ()
+    try:
+        with torch.enable_grad():
+            corrupt_log = runs.start(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+                                     intervene={(lambda op: True): grab})
+            value = metric(corrupt_log.output)
+            labels = [k for k, (t, v) in live.items() if t._version == v]
+            for k, (t, v) in live.items():
+                if t._version != v:
+                    notes[k] = "written in place later in the forward: its gradient is not that of this value"
+            grads = torch.autograd.grad(value, [live[k][0] for k in labels], allow_unused=True) if labels else ()
+    except BaseException:
+        runs.state.restore()
+        raise
+    runs.finish()  # after the backward, which may read the buffers the forward saved for it
+    corrupt_value = _scalar(value)
     estimate = {}
     for k, g in zip(labels, grads):
         delta = clean_log[k].activation.to(live[k][0].dtype) - live[k][0].detach()
@@ -126,10 +136,39 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     return frame
 
 
-def _trace_copy(model, args, kwargs, **options):
-    """``trace`` on copies of the inputs: every run of an experiment starts from the inputs as the caller
-    gave them, even when the forward writes them in place or extends a key/value cache among them."""
-    return trace(model, *clone_call(args, kwargs), **options)
+class _Runs:
+    """The runs of one experiment, each from the same start: on copies of the inputs (a forward may write
+    them in place or extend a key/value cache among them), with the model's generators, buffers and Python
+    attributes put back after it.  A forward that writes a parameter in place would make each run start
+    from another model, so that is refused."""
+
+    def __init__(self, model):
+        self.model = model
+        self.state = ForwardState.of(model)
+
+    def trace(self, args, kwargs, **options):
+        """One run, and the model put back."""
+        try:
+            log = self.start(args, kwargs, **options)
+        except BaseException:
+            self.state.restore()
+            raise
+        self.finish()
+        return log
+
+    def start(self, args, kwargs, **options):
+        """One run, left as it ended until ``finish``: a backward through it may need the buffers it read
+        (train-mode batch norm saves its running statistics for the backward)."""
+        return trace(self.model, *clone_call(args, kwargs), **options)
+
+    def finish(self) -> None:
+        """Put the model back as the experiment found it."""
+        self.state.restore()
+        written = self.state.written_params()
+        if written:
+            raise TorchlensError(f"the forward writes parameters in place ({', '.join(written[:3])}), so each run of "
+                                 "the experiment would start from another model; patch a model whose forward leaves "
+                                 "its parameters alone (run it once first if the write happens once)")
 
 
 def _extent(log, site, dim: int) -> int:
