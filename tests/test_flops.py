@@ -220,16 +220,14 @@ def test_dropout_in_train_mode_is_refused_and_nothing_is_left_changed():
 
 
 def test_diverging_outputs_fail_the_witness():
+    calls = []  # state outside the model, which no restoring reaches
+
     class Counter(nn.Module):
         """Returns a different value on each call: the two executions cannot be shown equivalent."""
 
-        def __init__(self):
-            super().__init__()
-            self.calls = 0
-
         def forward(self, x):
-            self.calls += 1
-            return x * self.calls
+            calls.append(None)
+            return x * len(calls)
 
     with pytest.raises(tl.TorchlensError, match="different outputs"):
         tl.report.flops_vs_dispatch(Counter(), torch.randn(3))
@@ -250,3 +248,28 @@ def test_unknown_ops_are_reported_on_the_torchlens_side_only():
     result = tl.report.flops_vs_dispatch(model, torch.randn(4, 4))
     assert len(result.torchlens_unknown) == 1
     assert any("no torchlens formula (sort)" in note for note in result.notes)
+
+
+class _LazyCache(nn.Module):
+    """Builds a matrix on its first forward and keeps it in an attribute, as lazily built caches do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.cache = None
+
+    def forward(self, x):
+        if self.cache is None:
+            g = torch.Generator().manual_seed(0)
+            self.cache = torch.randn(16, 16, generator=g) @ torch.randn(16, 16, generator=g)
+        return self.fc(x) @ self.cache
+
+
+def test_both_executions_start_from_the_model_as_given():
+    """The traced run builds the cache; the FlopCounterMode run must build it too, or its count lacks the
+    building matmul while the witness (equal outputs) still passes; and the model ends as it was."""
+    model = _LazyCache().eval()
+    result = tl.report.flops_vs_dispatch(model, torch.randn(4, 16))
+    assert result.difference == result.native_total - int(result.torchlens_total)
+    assert result.native_total == 2 * 16 ** 3 + 2 * 4 * 16 * 16 + 2 * 4 * 16 * 16  # the cache, fc, x @ cache
+    assert model.cache is None

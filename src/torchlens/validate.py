@@ -129,8 +129,8 @@ class ModelState:
 
 
 class RunState:
-    """RNG state, parameter/buffer values and training flags, restorable after a run (what two runs
-    must share to be comparable; ``ModelState`` also restores Python attributes)."""
+    """RNG state, parameter and buffer values and the modules' Python attributes (training flags, a cache
+    built on first use), restorable after a run: what two runs must share to be comparable."""
 
     def __init__(self, model):
         self.model = model
@@ -138,16 +138,15 @@ class RunState:
         self.is_module = isinstance(model, torch.nn.Module)
         if self.is_module:
             self.state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-            self.training = {m: m.training for m in model.modules()}
+            self.attributes = ModuleAttributes(list(model.modules()))
 
     def restore(self) -> None:
         self.rng.restore()
         if self.is_module:
+            self.attributes.restore()
             with torch.no_grad():
                 for k, v in self.model.state_dict(keep_vars=True).items():
                     v.copy_(self.state[k])
-            for m, flag in self.training.items():
-                m.training = flag
 
 
 def _reference_output(model, args: tuple, kwargs: dict):
