@@ -2,7 +2,8 @@
 
 Nothing here imports the rest of torchlens, so every layer can raise these.  The modules that raise an
 error also re-export it under its former home (``torchlens.io.format.TraceFileError`` and so on).
-``warn_user`` is the one way torchlens warns: at the user's line, not at a line of torchlens.
+``warn_user`` is the one way torchlens warns: at the user's line, not at a line of torchlens; ``first_few``
+lists names in a message.
 """
 
 import os
@@ -19,6 +20,12 @@ def warn_user(message: str, category=UserWarning) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+def first_few(names, n: int = 3) -> str:
+    """``names`` for a message: the first ``n``, and how many more."""
+    names = list(names)
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 class TorchlensError(Exception):

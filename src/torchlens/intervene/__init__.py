@@ -8,7 +8,7 @@ runs during the forward in ``runtime``.
 from __future__ import annotations
 
 from ..capture.restore import ForwardState
-from ..errors import InterventionError
+from ..errors import InterventionError, first_few
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
 from .sites import resolve_labels, split_sites
@@ -50,14 +50,10 @@ def _reference_pass(run_reference, index):
     if written:
         state.rng.restore()  # the rest is left as after the forward: its parameter writes and their state agree
         raise InterventionError(
-            f"the forward writes parameters in place ({_first_few(written)}: a one-time rescale, or an update), so "
+            f"the forward writes parameters in place ({first_few(written)}: a one-time rescale, or an update), so "
             "the extra forward that resolves label sites changed the model the intervened run would start from; the "
             "model has now run that forward once. Run the intervention again once such writes are done (a model "
             "that rescales itself once is then settled), pass reference= a trace of the model as it will run, or "
             "use module sites, which need no extra forward")
     state.restore()
     return reference
-
-
-def _first_few(names: list) -> str:
-    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")

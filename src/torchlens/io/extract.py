@@ -112,16 +112,16 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                 if position in (0, resumed_from - 1):
                     run.check_boundary(_fingerprint(args, named), position)
                 continue
-            last = _fingerprint(args, named)
+            last = args, named  # hashed only where a shard is committed
             if position == 0:
-                run.first_fingerprint = last
+                run.first_fingerprint = _fingerprint(args, named)
             with torch.enable_grad() if grads else torch.no_grad():
                 request = (loss_fn, batch) if grads else None
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
                                        request),
                         _batch_rows(args, named), position, None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
-                run.flush(last)
+                run.flush(_fingerprint(*last))
             bar.update(1)
         if seen < resumed_from:
             raise ValueError(f"inputs yielded {seen} batches, but {out} already holds {resumed_from}: resuming needs "
@@ -129,7 +129,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
         if seen == 0:
             raise ValueError("inputs yielded no batches; nothing was extracted")
         if run.pending_batches:
-            run.flush(last)
+            run.flush(_fingerprint(*last))
         run.consolidate()
     finally:
         bar.close()

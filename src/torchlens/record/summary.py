@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import first_few
+
 _HEAD, _TAIL = 30, 5
 
 
@@ -74,12 +76,8 @@ def _unattributed_where(trace) -> str:
     module, a C++ extension, work done on another thread)."""
     readers = [op.label for op in trace.ops if op.kind == "op" and op.unattributed_args]
     calls = [f"{c.label} ({c.module.class_name})" for c in trace.module_calls if -1 in c._row.outputs]
-    where = f": read by {_first_few(readers)}" if readers else ""
-    return where + (f"; returned by {_first_few(calls)}" if calls else "")
-
-
-def _first_few(names: list, n: int = 3) -> str:
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+    where = f": read by {first_few(readers)}" if readers else ""
+    return where + (f"; returned by {first_few(calls)}" if calls else "")
 
 
 def summary_text(trace) -> str:

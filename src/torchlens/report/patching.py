@@ -2,11 +2,13 @@
 
 ``activation_patching`` runs the corrupted input once per site with the clean run's value patched in
 there (``tl.patch_from``) and reports the metric, normalised so that 0 is the corrupted baseline and 1
-the clean one.  Every run of an experiment starts from the model and inputs as the call found them (the
-generators, buffers and modules' Python attributes are put back after each, ``capture.restore``), so the
-runs differ only by their inputs and the patch, and the model ends as it was.  ``attribution_patching`` estimates the same numbers for every op and module call from
+the clean one.  ``attribution_patching`` estimates the same numbers for every op and module call from
 one forward on each input and one backward: ``(clean - corrupt activation) . d metric / d activation``
 on the corrupted run.
+
+Every run of an experiment starts from the model and inputs as the call found them (the generators,
+buffers and modules' Python attributes are put back after each, ``capture.restore``), so the runs differ
+only by their inputs and the patch, and the model ends as it was.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from ..capture.restore import ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
-from ..errors import TorchlensError
+from ..errors import TorchlensError, first_few
 from ..tree import clone_call
 
 
@@ -166,7 +168,7 @@ class _Runs:
         self.state.restore()
         written = self.state.written_params()
         if written:
-            raise TorchlensError(f"the forward writes parameters in place ({', '.join(written[:3])}), so each run of "
+            raise TorchlensError(f"the forward writes parameters in place ({first_few(written)}), so each run of "
                                  "the experiment would start from another model; patch a model whose forward leaves "
                                  "its parameters alone (run it once first if the write happens once)")
 
