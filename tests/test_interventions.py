@@ -682,3 +682,16 @@ def test_patching_runs_each_start_from_the_model_as_the_call_found_it():
     tl.report.attribution_patching(model, clean, corrupt, lambda out: out)
     assert torch.equal(torch.get_rng_state(), rng) and model.calls == 0
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
+def test_interventions_inside_inference_mode():
+    """Inference tensors have no version counter: an intervened trace inside torch.inference_mode() used to
+    raise reading one."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval(), torch.randn(2, 4)
+    with torch.inference_mode():
+        zeroed = tl.trace(model, x, intervene={"relu_1_2:1": tl.zero_ablate()})
+        scaled = tl.trace(model, x, intervene={"1": tl.scale(2.0)})
+        assert torch.equal(zeroed.output, model[2](torch.zeros(2, 4)))
+        assert torch.equal(scaled.output, model[2](2 * torch.relu(model[0](x))))
+    assert torch.equal(zeroed["relu_1_2:1"].original, torch.relu(model[0](x)))

@@ -522,3 +522,14 @@ def test_host_generators_are_restored_around_every_extra_run(seed):
     log = tl.trace(model, x, intervene={"mul_1_4:1": tl.scale(1.0)})  # a label site: a reference pass first
     assert torch.equal(log.output, expected)
     assert numpy.array_equal(numpy.random.get_state()[1], after[0]) and random.getstate() == after[1]
+
+
+def test_validating_inside_inference_mode_replays_with_the_kinds_of_tensors_the_ops_had():
+    """A GRU on CPU rounds differently when its weights are inference tensors: copies made for replay inside
+    torch.inference_mode() were, so a faithful trace reported a mismatch."""
+    torch.manual_seed(0)
+    model, x = nn.GRU(12, 32, num_layers=2, batch_first=True).eval(), torch.randn(2, 8, 12)
+    with torch.inference_mode():
+        log = tl.trace(model, x)
+        result = log.validate()
+    assert result.passed and not result.mismatched and result.replayed >= 1, result

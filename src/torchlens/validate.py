@@ -392,11 +392,14 @@ def _as_traced(log, context):
 
 
 def _copy_with_layout(t):
-    """A private copy with ``t``'s strides: a reduction over a strided view (``z.real``) sums in a
-    different order, and so to different bits, than over a contiguous copy."""
-    if t.layout != torch.strided or t.is_nested or t.is_contiguous():  # in that order: CSR has no strides
-        return t.clone()
-    try:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
-        return t.clone()
+    """A private copy with ``t``'s strides and, whatever mode validation runs in, ``t``'s kind (an inference
+    tensor or not): a reduction over a strided view (``z.real``) sums in a different order, and so to
+    different bits, than over a contiguous copy, and some kernels choose their path by the kind of tensor
+    (a GRU on CPU given inference-tensor weights rounds differently from one given parameters)."""
+    with torch.inference_mode(t.is_inference()):
+        if t.layout != torch.strided or t.is_nested or t.is_contiguous():  # in that order: CSR has no strides
+            return t.clone()
+        try:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+        except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
+            return t.clone()

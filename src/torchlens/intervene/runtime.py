@@ -18,7 +18,7 @@ from weakref import ref as weakref
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..capture.state import StopForward, is_bound, storage_key
+from ..capture.state import StopForward, is_bound, storage_key, version_of
 from ..capture.teardown import remove_handles
 from ..labels.naming import func_name_of
 from ..errors import InterventionError
@@ -145,11 +145,11 @@ class Interventions:
         return names[0] if names else type(module).__name__
 
     def _run_action(self, action, value, op, key):
-        version = value._version
+        version = version_of(value)  # None under torch.inference_mode(): a write there cannot be told
         with torch._C.DisableTorchFunction():  # the action's own torch calls are not ops of the model
             new = action(value, op)
         where = f"{key!r}" if key == op.label else f"{key!r} ({op.label})"
-        if value._version != version:
+        if version is not None and value._version != version:
             raise InterventionError(
                 f"the action at {where} wrote the tensor it was given in place, which would also change the "
                 "values saved for the ops before it; return a new tensor instead (t = t.clone(); t[...] = v; "
@@ -180,7 +180,7 @@ class Interventions:
             new = old
             key = storage_key(old)
             if key in st.writers:
-                st.writers[key] = (record, old._version)
+                st.writers[key] = (record, version_of(old))
         else:
             passed = _argument_position(old, args, kwargs)  # an op returning an argument (x.contiguous() -> x)
             original = st.saved.get(record)
@@ -197,7 +197,7 @@ class Interventions:
         if passed is not None:
             for pos, parent in st.calls[call_position][CALL_PARENTS]:
                 if pos == passed and parent >= 0:
-                    st.producers[id(old)] = (weakref(old), parent, old._version)
+                    st.producers[id(old)] = (weakref(old), parent, version_of(old))
                     return
         st.producers.pop(id(old), None)
 
@@ -206,7 +206,7 @@ class Interventions:
         requires_grad = new.requires_grad
         st.records[record] = rec[:2] + (new.shape, new.dtype, new.device, requires_grad,
                                         type(new.grad_fn) if requires_grad else None)
-        st.producers[id(new)] = (weakref(new), record, new._version)
+        st.producers[id(new)] = (weakref(new), record, version_of(new))
         if st.grads is not None:  # grads=True: the op's gradient is that of the value downstream saw
             st.grads.rewatch(record, new)
         if record in st.saved:
