@@ -340,7 +340,10 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
     if value is param and replay is not None and replay.param_versions.get(id(param), param._version) != param._version:
         return None, (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "
                       "validate right after tracing")
-    copied = _copy_with_layout(value.detach())
+    # A parameter's copy is a parameter's kind of tensor even when validating inside torch.inference_mode():
+    # some kernels choose their path by it (a CPU GRU given inference-tensor weights rounds differently).
+    with torch.inference_mode(value.is_inference()):
+        copied = _copy_with_layout(value.detach())
     if copied.is_floating_point() or copied.is_complex():
         flags = replay.param_requires_grad if replay is not None else {}
         copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
@@ -392,14 +395,11 @@ def _as_traced(log, context):
 
 
 def _copy_with_layout(t):
-    """A private copy with ``t``'s strides and, whatever mode validation runs in, ``t``'s kind (an inference
-    tensor or not): a reduction over a strided view (``z.real``) sums in a different order, and so to
-    different bits, than over a contiguous copy, and some kernels choose their path by the kind of tensor
-    (a GRU on CPU given inference-tensor weights rounds differently from one given parameters)."""
-    with torch.inference_mode(t.is_inference()):
-        if t.layout != torch.strided or t.is_nested or t.is_contiguous():  # in that order: CSR has no strides
-            return t.clone()
-        try:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-        except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
-            return t.clone()
+    """A private copy with ``t``'s strides: a reduction over a strided view (``z.real``) sums in a
+    different order, and so to different bits, than over a contiguous copy."""
+    if t.layout != torch.strided or t.is_nested or t.is_contiguous():  # in that order: CSR has no strides
+        return t.clone()
+    try:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
+        return t.clone()
