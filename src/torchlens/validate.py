@@ -129,24 +129,16 @@ class ModelState:
 
 
 class RunState:
-    """RNG state, parameter and buffer values and the modules' Python attributes (training flags, a cache
-    built on first use), restorable after a run: what two runs must share to be comparable."""
+    """The global generators and everything ``ModelState`` restores (training flags and a cache built on
+    first use among the Python attributes): what two runs must share to be comparable."""
 
     def __init__(self, model):
-        self.model = model
         self.rng = RngState()
-        self.is_module = isinstance(model, torch.nn.Module)
-        if self.is_module:
-            self.state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-            self.attributes = ModuleAttributes(list(model.modules()))
+        self.model = ModelState(model)
 
     def restore(self) -> None:
         self.rng.restore()
-        if self.is_module:
-            self.attributes.restore()
-            with torch.no_grad():
-                for k, v in self.model.state_dict(keep_vars=True).items():
-                    v.copy_(self.state[k])
+        self.model.restore()
 
 
 def _reference_output(model, args: tuple, kwargs: dict):

@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from .state import version_of
+
 
 class RngState:
     """The global generators (torch's CPU and every initialized CUDA device, Python's ``random``, NumPy's
@@ -79,11 +81,6 @@ class ModuleAttributes:
             state.update({k: _copy_attribute(v) for k, v in attributes.items()})
 
 
-def _version(t):
-    # A parameter made under torch.inference_mode() has no version counter: its writes cannot be seen.
-    return None if t.is_inference() else t._version
-
-
 def _copy_attribute(value):
     if isinstance(value, (list, dict, set)):
         return copy.copy(value)  # parameter/buffer/module tables and user caches: membership restored
@@ -101,7 +98,7 @@ class ForwardState:
         self.attributes = ModuleAttributes(modules)
         self.buffers = [(b, b.detach().clone()) for b in buffers]
         self.params = params  # [(address, Parameter)]
-        self.versions = [_version(p) for _, p in params]
+        self.versions = [version_of(p) for _, p in params]  # None: an inference tensor
 
     @classmethod
     def of(cls, model) -> "ForwardState":
@@ -113,7 +110,7 @@ class ForwardState:
 
     def written_params(self) -> list:
         """The addresses of the parameters written in place since this state was taken."""
-        return [address for (address, p), version in zip(self.params, self.versions) if _version(p) != version]
+        return [address for (address, p), version in zip(self.params, self.versions) if version_of(p) != version]
 
     def restore(self) -> None:
         self.rng.restore()

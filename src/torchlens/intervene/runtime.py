@@ -148,23 +148,22 @@ class Interventions:
         version = version_of(value)  # None under torch.inference_mode(): a write there cannot be told
         with torch._C.DisableTorchFunction():  # the action's own torch calls are not ops of the model
             new = action(value, op)
-        where = f"{key!r}" if key == op.label else f"{key!r} ({op.label})"
         if version is not None and value._version != version:
             raise InterventionError(
-                f"the action at {where} wrote the tensor it was given in place, which would also change the "
-                "values saved for the ops before it; return a new tensor instead (t = t.clone(); t[...] = v; "
+                f"the action at {_where(key, op)} wrote the tensor it was given in place, which would also change "
+                "the values saved for the ops before it; return a new tensor instead (t = t.clone(); t[...] = v; "
                 "return t)")
         if new is None:
             return None
         if not isinstance(new, torch.Tensor):
-            raise InterventionError(f"intervention at {where} returned {type(new).__name__}; an action returns a "
-                                    "tensor (the new value) or None (keep the value)")
+            raise InterventionError(f"intervention at {_where(key, op)} returned {type(new).__name__}; an action "
+                                    "returns a tensor (the new value) or None (keep the value)")
         if new.shape != value.shape or new.dtype != value.dtype:
             hint = " (a predicate site can keep to float values: lambda op: op.dtype.is_floating_point and ...)" \
                 if callable(key) and not value.dtype.is_floating_point else ""
-            raise InterventionError(f"intervention at {where} returned a {tuple(new.shape)} {new.dtype} tensor for a "
-                                    f"{tuple(value.shape)} {value.dtype} value; an action must keep shape and dtype"
-                                    + hint)
+            raise InterventionError(f"intervention at {_where(key, op)} returned a {tuple(new.shape)} {new.dtype} "
+                                    f"tensor for a {tuple(value.shape)} {value.dtype} value; an action must keep shape "
+                                    "and dtype" + hint)
         return new
 
     # ----- record fix-ups ------------------------------------------------------------------------
@@ -426,6 +425,11 @@ class _ModuleHooks:
     def __exit__(self, *exc):
         remove_handles(self._handles)
         return False
+
+
+def _where(key, op) -> str:
+    """A site for a message: its key, and the op or module call it resolved to when that says more."""
+    return f"{key!r}" if key == op.label else f"{key!r} ({op.label})"
 
 
 def finish_interventions(runtime: Interventions, trace) -> None:
