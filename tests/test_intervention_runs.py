@@ -1,0 +1,177 @@
+"""Interventions across runs: the reference pass that resolves label sites and the runs of a patching
+table each start from the model as the call found it (a cache or flag set by a first forward, train-mode
+statistics and dropout), label sites match a module the forward makes anew, and interventions work inside
+``torch.inference_mode()``."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+
+
+class _ActivationMadePerCall(nn.Module):
+    """Builds its activation module inside forward, as T5 builds its loss and Mamba its activation: a
+    module of the call but not of the model, a new object each forward."""
+
+    def __init__(self, act=nn.GELU):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = act
+
+    def forward(self, x):
+        return self.act()(self.fc(x)) * 2
+
+
+def test_label_sites_inside_a_module_made_per_forward():
+    model, x = _ActivationMadePerCall().eval(), torch.randn(2, 4)
+    plain = tl.trace(model, x)
+    op = plain["gelu_1_2:1"]
+    assert op.module == "<unregistered GELU #1>:1"
+    expected = torch.zeros(2, 4) * 2
+    # Against the default metadata pass, the plain trace, its cleaned-up copy and a loaded copy: each run
+    # makes a new GELU, so the intervened call's module is another object of the same class at the same call.
+    for reference in (None, plain):
+        log = tl.trace(model, x, intervene={op.label: tl.zero_ablate()}, reference=reference)
+        assert torch.equal(log.output, expected)
+        assert [a.label for a in log.interventions] == [op.label]
+    every = tl.trace(model, x, intervene={(lambda o: True): tl.scale(1.0)}, reference=plain)
+    assert torch.equal(every.output, plain.output)
+    plain.cleanup()
+    assert torch.equal(tl.trace(model, x, intervene={op.label: tl.zero_ablate()}, reference=plain).output, expected)
+
+
+def test_a_module_made_per_forward_of_another_class_is_another_path():
+    model, x = _ActivationMadePerCall().eval(), torch.randn(2, 4)
+    reference = tl.trace(model, x, save="none")
+    model.act = _OtherGelu  # the same op at the same position, in a module of another class
+    with pytest.raises(tl.InterventionError, match="another path"):
+        tl.trace(model, x, intervene={"gelu_1_2:1": tl.zero_ablate()}, reference=reference)
+
+
+class _OtherGelu(nn.GELU):
+    """A GELU of another class."""
+
+
+class _FirstCallState(nn.Module):
+    """State set by the first forward: a cache built on first use (as rotary embeddings do) and a flag, and,
+    with ``rescale``, a weight written in place once (as RWKV rescales its weights in eval mode)."""
+
+    def __init__(self, rescale=False):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.rescale = rescale
+        self.cache = None
+
+    def forward(self, x):
+        if self.rescale:
+            with torch.no_grad():
+                self.fc.weight.div_(2)
+            self.rescale = False
+        if self.cache is None:
+            self.cache = torch.arange(4.0).exp()
+        return torch.tanh(self.fc(x) * self.cache)
+
+
+def test_a_label_site_on_a_model_whose_first_forward_builds_a_cache():
+    """The metadata pass that resolves a label is a forward too: it must leave the cache (and any flag) as
+    it found them, or the intervened forward takes another path than the one its label was resolved on."""
+    torch.manual_seed(0)
+    model, x = _FirstCallState().eval(), torch.randn(2, 4)
+    first = tl.trace(copy.deepcopy(model), x)
+    site = next(op.label for op in first.ops if op.type == "mul")
+    log = tl.trace(model, x, intervene={site: tl.zero_ablate()})
+    assert [a.label for a in log.interventions] == [site]
+    assert torch.equal(log.output, torch.zeros(2, 4))  # tanh(0): the product zeroed
+    assert log.labels == first.labels  # the first forward's path, cache building included
+    assert torch.equal(model.cache, torch.arange(4.0).exp())  # built once, by the intervened run
+
+
+def test_a_label_site_on_a_model_writing_its_parameters_is_refused_once():
+    torch.manual_seed(0)
+    model, x = _FirstCallState(rescale=True).eval(), torch.randn(2, 4)
+    weight = model.fc.weight.detach().clone()
+    with pytest.raises(tl.InterventionError, match=r"writes parameters in place \(fc.weight"):
+        tl.trace(model, x, intervene={"tanh_1_6:1": tl.zero_ablate()})
+    assert torch.equal(model.fc.weight, weight / 2) and not model.rescale  # as after one forward
+    settled = tl.trace(model, x, intervene={"tanh_1_3:1": tl.zero_ablate()})  # no write now: resolved and run
+    assert torch.equal(settled.output, torch.zeros(2, 4))
+    assert torch.equal(model.fc.weight, weight / 2)
+
+
+def test_a_reference_whose_forward_wrote_parameters_says_so():
+    torch.manual_seed(0)
+    model, x = _FirstCallState(rescale=True).eval(), torch.randn(2, 4)
+    reference = tl.trace(model, x)  # the first forward: it rescales fc.weight, the next one does not
+    with pytest.raises(tl.InterventionError, match="never reached.*wrote parameters in place"):
+        tl.trace(model, x, intervene={"tanh_1_6:1": tl.zero_ablate()}, reference=reference)
+
+
+class _TrainModeNet(nn.Module):
+    """BatchNorm and dropout in train mode, and a call counter: every forward draws, updates running
+    statistics and changes an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.head = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.head(F.dropout(torch.relu(self.bn(self.fc(x))), 0.3, training=self.training)).sum()
+
+
+def test_patching_runs_each_start_from_the_model_as_the_call_found_it():
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model = _TrainModeNet().train()
+    clean, corrupt = torch.randn(5, 6), torch.randn(5, 6)
+    torch.manual_seed(3)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def run(x, intervene=None):
+        """One forward from the call's start: the same seed, statistics and counter."""
+        model.load_state_dict(start)
+        model.calls = 0
+        torch.manual_seed(3)
+        return tl.trace(model, x, intervene=intervene)
+
+    clean_log = run(clean)
+    expected = {site: run(corrupt, {site: tl.patch_from(clean_log)}).output.item() for site in ("fc:1", "bn:1")}
+    corrupt_value = run(corrupt).output.item()
+    model.load_state_dict(start)
+    model.calls = 0
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    table = tl.report.activation_patching(model, clean, corrupt, lambda out: out, sites=["fc:1", "bn:1"],
+                                          progress=False)
+    assert table.attrs["clean"] == clean_log.output.item() and table.attrs["corrupt"] == corrupt_value
+    assert dict(zip(table.site, table.metric)) == expected
+    # The model, its counter and the generator end as the call found them.
+    assert torch.equal(torch.get_rng_state(), rng) and model.calls == 0
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    tl.report.attribution_patching(model, clean, corrupt, lambda out: out)
+    assert torch.equal(torch.get_rng_state(), rng) and model.calls == 0
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
+def test_interventions_inside_inference_mode():
+    """Inference tensors have no version counter: an intervened trace inside torch.inference_mode() used to
+    raise reading one."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval(), torch.randn(2, 4)
+    with torch.inference_mode():
+        zeroed = tl.trace(model, x, intervene={"relu_1_2:1": tl.zero_ablate()})
+        scaled = tl.trace(model, x, intervene={"1": tl.scale(2.0)})
+        assert torch.equal(zeroed.output, model[2](torch.zeros(2, 4)))
+        assert torch.equal(scaled.output, model[2](2 * torch.relu(model[0](x))))
+    assert torch.equal(zeroed["relu_1_2:1"].original, torch.relu(model[0](x)))
