@@ -43,6 +43,9 @@ class Oracle(TorchFunctionMode):
                 if self.how == "retain_grad":
                     t.retain_grad()
                 else:
+                    # Held across the call: registering on a view written in place (Longformer's masked
+                    # chunks) regenerates its grad_fn, which torch frees too early unless it is referenced.
+                    node = t.grad_fn  # noqa: F841
                     t.register_hook(lambda g, k=k: self._keep(k, g))
         return out
 

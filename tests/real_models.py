@@ -265,6 +265,169 @@ def rwkv():
     return RwkvForCausalLM(config), (), {"input_ids": _tokens()}
 
 
+def gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    # Attention and MLP in parallel off one residual, rotary embeddings on part of each head.
+    config = GPTNeoXConfig(**_DECODER, rotary_pct=0.5, attention_dropout=0.1, hidden_dropout=0.1)
+    return GPTNeoXForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    # Learned positions offset by two, computed from the attention mask's cumulative sum.
+    config = OPTConfig(hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+                       max_position_embeddings=64, word_embed_proj_dim=HIDDEN)
+    return OPTForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    # ALiBi: a bias per head added to the scores with baddbmm, no position embeddings.
+    config = BloomConfig(hidden_size=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB, attention_dropout=0.1)
+    return BloomForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def falcon():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    # Multi-query attention (one key/value head) run in parallel with the MLP.
+    config = FalconConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+                          multi_query=True, parallel_attn=True)
+    return FalconForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def phi():
+    from transformers import PhiConfig, PhiForCausalLM
+
+    return PhiForCausalLM(PhiConfig(**_DECODER, partial_rotary_factor=0.5)), (), {"input_ids": _tokens()}
+
+
+def gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    # GeGLU feed-forward, RMSNorm scaled by (1 + weight), embeddings scaled by sqrt(hidden).
+    return GemmaForCausalLM(GemmaConfig(**_DECODER, head_dim=8)), (), {"input_ids": _tokens(),
+                                                                         "attention_mask": _attention_mask()}
+
+
+def gptj():
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    # Rotary embeddings applied to interleaved pairs of channels.
+    config = GPTJConfig(n_embd=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, rotary_dim=4,
+                        bos_token_id=0, eos_token_id=0)
+    return GPTJForCausalLM(config), (), {"input_ids": _tokens()}
+
+
+def roberta():
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    # Position ids from the padding: a cumulative sum over the non-padding tokens.
+    config = RobertaConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           vocab_size=VOCAB, max_position_embeddings=64)
+    return RobertaForMaskedLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def mobilebert():
+    from transformers import MobileBertConfig, MobileBertForSequenceClassification
+
+    # Bottlenecks around each layer, stacked feed-forwards, and its elementwise NoNorm.
+    config = MobileBertConfig(hidden_size=HIDDEN, embedding_size=16, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, vocab_size=VOCAB, true_hidden_size=16, intra_bottleneck_size=16,
+                              num_feedforward_networks=2)
+    return MobileBertForSequenceClassification(config), (), {"input_ids": _tokens(),
+                                                             "attention_mask": _attention_mask()}
+
+
+def xlnet():
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    # Relative attention written with einsum, and relative-position shifts by reshaping.
+    config = XLNetConfig(d_model=HIDDEN, n_layer=2, n_head=4, d_inner=64, vocab_size=VOCAB)
+    return XLNetLMHeadModel(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def funnel():
+    from transformers import FunnelConfig, FunnelForSequenceClassification
+
+    # The sequence is pooled to half its length between blocks, then upsampled back by repetition.
+    config = FunnelConfig(d_model=HIDDEN, n_head=4, d_head=8, d_inner=64, block_sizes=[1, 1], vocab_size=VOCAB)
+    return FunnelForSequenceClassification(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def convbert():
+    from transformers import ConvBertConfig, ConvBertForSequenceClassification
+
+    # Span-based dynamic convolution beside self-attention (unfold over the sequence).
+    config = ConvBertConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                            vocab_size=VOCAB, embedding_size=HIDDEN, max_position_embeddings=64)
+    return ConvBertForSequenceClassification(config), (), {"input_ids": _tokens(),
+                                                           "attention_mask": _attention_mask()}
+
+
+def longformer():
+    from transformers import LongformerConfig, LongformerForSequenceClassification
+
+    # Sliding-window attention computed on overlapping chunks (as_strided views), global attention on one token.
+    config = LongformerConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                              vocab_size=VOCAB, max_position_embeddings=64, attention_window=4)
+    mask = torch.ones(2, 2 * SEQ, dtype=torch.long)
+    mask[1, -3:] = 0
+    return LongformerForSequenceClassification(config), (), {"input_ids": _tokens(seq=2 * SEQ), "attention_mask": mask}
+
+
+def pegasus():
+    from transformers import PegasusConfig, PegasusForConditionalGeneration
+
+    # Sinusoidal positions, pre-norm encoder and decoder.
+    config = PegasusConfig(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                           max_position_embeddings=64)
+    kwargs = {"input_ids": _tokens(), "attention_mask": _attention_mask(), "decoder_input_ids": _tokens(seq=5)}
+    return PegasusForConditionalGeneration(config), (), kwargs
+
+
+def segformer():
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    # Overlapping patch embeddings, attention over spatially reduced keys, depthwise convolutions in the MLP.
+    config = SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                             num_attention_heads=[1, 2], decoder_hidden_size=32, patch_sizes=[7, 3], strides=[4, 2],
+                             mlp_ratios=[2, 2], num_labels=3)
+    return SegformerForSemanticSegmentation(config), (), {"pixel_values": _image()}
+
+
+def beit():
+    from transformers import BeitConfig, BeitForImageClassification
+
+    # A relative position bias table indexed per window, layer scale on each residual branch.  Not in the corpus:
+    # the index is memoized for the whole process, so a forward after the first reads it from outside the
+    # trace and runs fewer ops (tests/test_capture_honesty.py checks that the trace says so).
+    config = BeitConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        image_size=IMAGE, patch_size=8, use_relative_position_bias=True, num_labels=3)
+    return BeitForImageClassification(config), (_image(),), {}
+
+
+def mobilevit():
+    from transformers import MobileViTConfig, MobileViTForImageClassification
+
+    # Convolutions, then feature maps unfolded into patches for a transformer and folded back.
+    config = MobileViTConfig(image_size=IMAGE, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32],
+                             num_labels=3)
+    return MobileViTForImageClassification(config), (), {"pixel_values": _image()}
+
+
+def regnet():
+    from transformers import RegNetConfig, RegNetForImageClassification
+
+    # Grouped convolutions with squeeze-and-excitation.
+    config = RegNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8, num_labels=3)
+    return RegNetForImageClassification(config), (_image(),), {}
+
+
 class Recurrent(nn.Module):
     """Two-layer LSTM and GRU, with dropout between layers (active in train mode)."""
 
@@ -305,8 +468,10 @@ def transformer_encoder_padded():
     return _encoder(), (_sequence(width=HIDDEN),), {"src_key_padding_mask": padding}
 
 
-TRANSFORMERS = {f.__name__: f for f in (gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit,
-                                        swin, convnext, resnet, detr, clip, mamba, mixtral, deberta_v2, albert, rwkv)}
+TRANSFORMERS = {f.__name__: f for f in (
+    gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit, swin, convnext, resnet, detr, clip, mamba,
+    mixtral, deberta_v2, albert, rwkv, gpt_neox, opt, bloom, falcon, phi, gemma, gptj, roberta, mobilebert, xlnet,
+    funnel, convbert, longformer, pegasus, segformer, mobilevit, regnet)}
 TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
 CORPUS = {**TRANSFORMERS, **TORCH_NN}
 

@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
+from torchlens.tree import structures_equal
 
 
 class FunctionLevelCalls(TorchFunctionMode):
@@ -219,6 +220,28 @@ def test_a_modules_own_hooks_run_inside_its_module_call():
     assert relu.input_ops == ["mul_1_2:1"]  # before its pre-hook subtracted one
     assert [log[label].type for label in relu.op_labels] == ["sub", "relu"]
     assert vars(nn.Module)["_call_impl"] is original
+
+
+def test_a_tensor_cached_by_an_earlier_forward_is_named_as_from_outside():
+    """A tensor made before the forward (BEiT memoizes its relative position index per window size, for
+    the whole process) enters the trace with no parent op: counted, its readers named, their replay skipped
+    with the reason, never shown as a complete read."""
+    pytest.importorskip("transformers")
+    from real_models import beit
+
+    torch.manual_seed(0)
+    model, args, kwargs = beit()
+    model.eval()
+    expected = model(*args, **kwargs)
+    log = tl.trace(model, args, kwargs)
+    assert structures_equal(log.output, expected)[0]
+    readers = [op.label for op in log.ops if op.kind == "op" and op.unattributed_args]
+    assert readers and log.unattributed == sum(log[label].unattributed_args for label in readers)
+    assert f"read by {', '.join(readers)}" in str(log)
+    result = log.validate()
+    assert result.passed and not result.mismatched
+    assert {label for label, _ in result.not_replayed} == set(readers)
+    assert all("from outside the trace" in why for _, why in result.not_replayed)
 
 
 def test_a_torchscript_submodule_is_named_as_unseen():
