@@ -244,6 +244,45 @@ def test_a_tensor_cached_by_an_earlier_forward_is_named_as_from_outside():
     assert all("from outside the trace" in why for _, why in result.not_replayed)
 
 
+class PlainAttributes(nn.Module):
+    """Tensors held as plain attributes (not buffers), the way a positional table or a mask often is."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Module()
+        self.pos.table = torch.randn(5, 8)
+        self.linear = nn.Linear(8, 8)
+        self.mask = torch.ones(8)
+
+    def forward(self, x):
+        return self.linear(x + self.pos.table[: x.shape[0]]) * self.mask * _GLOBAL_SCALE
+
+
+_GLOBAL_SCALE = torch.full((8,), 0.5)  # held by no module: from outside the trace, and not named
+
+
+def test_a_plain_tensor_attribute_is_named_with_the_way_to_record_it():
+    """A tensor a module holds as a plain attribute is no buffer: its reads come from outside the trace.
+    The printed trace names the attributes and how to have them recorded; registered as non-persistent
+    buffers, they are recorded as buffers, and the state dict is as before."""
+    torch.manual_seed(0)
+    model = PlainAttributes()
+    x = torch.randn(3, 8)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x)) and log.unattributed == 3
+    assert ("; mask, pos.table are plain tensor attributes of the model, not registered buffers "
+            "(register_buffer(name, tensor, persistent=False) would record each as a buffer") in str(log)
+    keys = set(model.state_dict())
+    table, mask = model.pos.table, model.mask
+    del model.pos.table, model.mask
+    model.pos.register_buffer("table", table, persistent=False)
+    model.register_buffer("mask", mask, persistent=False)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x)) and log.unattributed == 1  # the global alone
+    assert {b.address for b in log.buffers} == {"pos.table", "mask"} and set(model.state_dict()) == keys
+    assert "plain tensor attribute" not in str(log)
+
+
 def test_a_torchscript_submodule_is_named_as_unseen():
     """TorchScript runs a scripted module's ops in its own interpreter: the trace records the call with no
     ops, says so in a caveat, and names where its output entered."""

@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 8
+#define TORCHLENS_ACCEL_ABI 9
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -87,9 +87,9 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
     *s_note_failure, *s_note_context, *s_note_writes, *s_wants, *s_watch, *s_is_compiling, *s_out,
-    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_unattributed, *s_save_sources, *s_context, *s_contexts;
+    *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_save_sources, *s_context, *s_contexts;
 
-static PyObject *empty_tuple, *one;
+static PyObject *empty_tuple;
 
 /* An exact torch.Tensor or Parameter (a subclass may answer its attributes itself). */
 static int is_plain_tensor(Handler *h, PyObject *t) {
@@ -654,14 +654,9 @@ static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key) {
     if (buffers == NULL) return NULL;
     PyObject *buffer = PyDict_CheckExact(buffers) ? PyDict_GetItemWithError(buffers, key) : Py_None;
     if (buffer == NULL && PyErr_Occurred()) return NULL;
-    if (buffer == NULL || (PyTuple_CheckExact(buffer) && PyTuple_GET_SIZE(buffer) == 2 && PyTuple_GET_ITEM(buffer, 0) != t)) {
-        PyObject *count = PyObject_GetAttr(h->state, s_unattributed);
-        PyObject *more = count ? PyNumber_Add(count, one) : NULL;
-        Py_XDECREF(count);
-        int failed = more == NULL || PyObject_SetAttr(h->state, s_unattributed, more) < 0;
-        Py_XDECREF(more);
-        return failed ? NULL : PyLong_FromLong(-1);
-    }
+    /* Not a buffer: a tensor from outside the trace, which Python counts and notes (rare). */
+    if (buffer == NULL || (PyTuple_CheckExact(buffer) && PyTuple_GET_SIZE(buffer) == 2 && PyTuple_GET_ITEM(buffer, 0) != t))
+        return PyObject_CallMethodOneArg(h->state, s_producer_of, t);
     PyObject *records = held(h, H_RECORDS);
     PyObject *producers = records ? held(h, H_PRODUCERS) : NULL;
     PyObject *save_mode = producers ? state_get(h, s_save_mode) : NULL;
@@ -2056,8 +2051,8 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
     INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
-    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_unattributed, "unattributed") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
-    if ((empty_tuple = PyTuple_New(0)) == NULL || (one = PyLong_FromLong(1)) == NULL) return NULL;
+    INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
+    if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     getter_names[G_VERSION] = s_version;
     getter_names[G_SHAPE] = s_shape;
     getter_names[G_DTYPE] = s_dtype;

@@ -114,6 +114,7 @@ class CaptureState:
     # Set on the instance only when they change (the op handler reads none of them; a source or a
     # failure reads a few): a trace that meets none of these cases does not pay for setting them.
     unattributed = 0  # tensor arguments whose producer capture never saw
+    outside: dict | None = None  # id -> weak reference, per tensor of those
     save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
     keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
     saved_bytes = 0
@@ -208,6 +209,12 @@ class CaptureState:
             # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
             return self._add(t, BUFFER, buffer[1], held=True)
         self.unattributed += 1
+        # Kept to say later where it lives, if a module holds it (record/finalize.py): once per tensor.
+        if self.outside is None:
+            self.outside = {}
+        known = self.outside.get(id(t))
+        if known is None or known() is not t:
+            self.outside[id(t)] = weakref(t)
         return -1
 
     def _add(self, t: torch.Tensor, kind: int, slot, held: bool = False) -> int:

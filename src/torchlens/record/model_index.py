@@ -84,6 +84,18 @@ class ModelIndex:
         root = self._root() if self._root is not None else None
         return {"": root, **self._addressed} if root is not None else dict(self._addressed)
 
+    def attributes_holding(self, tensors) -> list:
+        """``address.name`` of each tensor of ``tensors`` that a module of the model holds as a plain
+        attribute, not as a parameter or buffer (so a trace does not know it as either).  Walks every
+        module's attributes: called only for a trace that read tensors from outside it."""
+        wanted = {id(t): t for t in tensors}
+        found = []
+        for address, module in self.modules.items():
+            for name, value in vars(module).items():
+                if value is not None and wanted.get(id(value)) is value:
+                    found.append(f"{address}.{name}" if address else name)
+        return found
+
     def of_type(self, cls) -> list:
         """The submodules whose class is exactly ``cls`` (the root excluded), found once per index: an
         index lives only while the model's structure is unchanged (``Structure``)."""

@@ -77,7 +77,15 @@ def _unattributed_where(trace) -> str:
     readers = [op.label for op in trace.ops if op.kind == "op" and op.unattributed_args]
     calls = [f"{c.label} ({c.module.class_name})" for c in trace.module_calls if -1 in c._row.outputs]
     where = f": read by {first_few(readers)}" if readers else ""
-    return where + (f"; returned by {first_few(calls)}" if calls else "")
+    where += f"; returned by {first_few(calls)}" if calls else ""
+    held = trace._outside_attributes
+    if held:  # a plain tensor attribute is no buffer: named, with how to have it recorded as one
+        one = len(held) == 1
+        where += (f"; {first_few(held)} {'is a plain tensor attribute' if one else 'are plain tensor attributes'} of "
+                  f"the model, not {'a registered buffer' if one else 'registered buffers'} (register_buffer(name, "
+                  f"tensor, persistent=False) would record {'it' if one else 'each'} as a buffer, leaving the "
+                  "state dict as it is)")
+    return where
 
 
 def summary_text(trace) -> str:

@@ -46,6 +46,7 @@ class Trace:
     _autocast: dict = {}  # capture.session: device type -> autocast state around the forward, for replay
     _root_class = None  # capture.session: the root module's class name (the module table's first row)
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
+    _outside_attributes: tuple = ()  # record.finalize: module attributes (not buffers) read from outside the trace
     _replay = None  # record.finalize: a capture.state.ReplayContext (contexts, parameter values) for validate
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
