@@ -80,10 +80,10 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     # output, model, unattributed, timings, budget_exhausted_at, alias_reads, index, raw.
     trace = Trace(model_name, calls, activations, dict(state.clobbered), finite, param_addresses, output, model,
                   state.unattributed, timings, state.budget_exhausted_at, state.alias_reads, index, raw)
-    # Replay checks that no parameter changed since: their versions now, by C-level passes.
     if state.outside:  # tensors read from outside the trace: those a module holds as plain attributes, named
         alive = [t for t in (ref() for ref in state.outside.values()) if t is not None]
         trace._outside_attributes = tuple(index.attributes_holding(alive))
+    # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
     replay_context, by_param, none = _replay_types()
     trace._replay = _made(replay_context, (state.context, state.contexts, state.param_writes,
