@@ -108,6 +108,41 @@ def test_a_label_site_on_a_model_writing_its_parameters_is_refused_once():
     assert torch.equal(model.fc.weight, weight / 2)
 
 
+class _RenormalizedEmbedding(nn.Module):
+    """``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up in place, in every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).sum()
+
+
+def test_a_model_writing_its_parameters_in_every_forward_is_put_back_once_known():
+    """Refused the first time (the write is found only after the extra forward), then the parameter is
+    known: the label pass and every run of a patching table put it back, so retrying works."""
+    torch.manual_seed(0)
+    model, ids, other = _RenormalizedEmbedding(), torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])
+    once = copy.deepcopy(model)
+    once(ids)  # what one plain forward leaves: the looked-up rows renormalized
+    with pytest.raises(tl.InterventionError, match=r"writes parameters in place \(embed.weight.*Run the intervention again"):
+        tl.trace(model, ids, intervene={"embedding_1_1:1": tl.zero_ablate()})
+    log = tl.trace(model, ids, intervene={"embedding_1_1:1": tl.zero_ablate()})
+    assert [a.label for a in log.interventions] == ["embedding_1_1:1"]
+    assert torch.equal(log.output, 3 * model.head.bias.sum())  # the head of zeros
+    assert torch.equal(model.embed.weight, once.embed.weight)
+
+    fresh = _RenormalizedEmbedding()
+    fresh.load_state_dict(once.state_dict())
+    with pytest.raises(tl.TorchlensError, match=r"embed.weight.*run the experiment again"):
+        tl.report.activation_patching(fresh, ids, other, lambda out: out, sites=["embed:1"], progress=False)
+    start = copy.deepcopy(fresh.state_dict())
+    table = tl.report.activation_patching(fresh, ids, other, lambda out: out, sites=["embed:1"], progress=False)
+    assert table.metric[0] == table.attrs["clean"]  # the clean embedding patched in: the clean output
+    assert all(torch.equal(v, start[k]) for k, v in fresh.state_dict().items())  # each run put back
+
+
 def test_a_reference_whose_forward_wrote_parameters_says_so():
     torch.manual_seed(0)
     model, x = _FirstCallState(rescale=True).eval(), torch.randn(2, 4)

@@ -12,6 +12,12 @@ NumPy is read only when something already imported it.
 A forward may also change its modules' Python attributes: a flag set by the first call (RWKV rescales
 its weights once in eval mode and notes it), a cache built on first use.  A run made only to look at
 the forward must put them back, or the run after it would take another path.
+
+Parameters are not copied before a run (that would double a large model's memory), so a parameter a
+forward writes in place is found only after the run, by its version counter.  Once found, it is
+remembered for that model (weakly), and every later ``ForwardState`` of the model copies those
+parameters and puts them back: an ``nn.Embedding`` with ``max_norm`` renormalizes its weight in every
+forward, and the first extra run on it can only be refused.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import copy
 import random
 import sys
+import weakref
 
 import torch
 
@@ -89,16 +96,20 @@ def _copy_attribute(value):
 
 class ForwardState:
     """What a forward may change on a model that a run made besides the user's must put back: the global
-    generators, the buffers' values (running statistics) and the modules' Python attributes.  Parameters
-    are not copied (that would double a large model's memory): their version counters tell whether a
-    forward wrote one in place, which cannot be put back."""
+    generators, the buffers' values (running statistics), the modules' Python attributes, and the values of
+    the parameters the model's forward is known to write in place (``owner``: the model).  Other
+    parameters are not copied: their version counters tell whether a forward wrote one in place, which
+    cannot be put back (``written_params``), and which the next state of the model then copies."""
 
-    def __init__(self, modules, params, buffers):
+    def __init__(self, modules, params, buffers, owner=None):
         self.rng = RngState()
         self.attributes = ModuleAttributes(modules)
         self.buffers = [(b, b.detach().clone()) for b in buffers]
         self.params = params  # [(address, Parameter)]
         self.versions = [version_of(p) for _, p in params]  # None: an inference tensor
+        self.owner = owner
+        known = _known_written(owner)
+        self.kept = [(p, p.detach().clone()) for address, p in params if address in known] if known else []
 
     @classmethod
     def of(cls, model) -> "ForwardState":
@@ -106,16 +117,36 @@ class ForwardState:
         owner = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
         if not isinstance(owner, torch.nn.Module):
             return cls([], [], [])
-        return cls(list(owner.modules()), list(owner.named_parameters()), list(owner.buffers()))
+        return cls(list(owner.modules()), list(owner.named_parameters()), list(owner.buffers()), owner)
 
     def written_params(self) -> list:
-        """The addresses of the parameters written in place since this state was taken."""
-        return [address for (address, p), version in zip(self.params, self.versions) if version_of(p) != version]
+        """The addresses of the parameters written in place since this state was taken that it cannot put
+        back; the model's next state copies them."""
+        kept = {id(p) for p, _ in self.kept}
+        written = [address for (address, p), version in zip(self.params, self.versions)
+                   if version_of(p) != version and id(p) not in kept]
+        if written and self.owner is not None:
+            try:
+                _written[self.owner] = _known_written(self.owner) | frozenset(written)
+            except TypeError:  # a module class that is not hashable: nothing is remembered
+                pass
+        return written
 
     def restore(self) -> None:
         self.rng.restore()
         self.attributes.restore()
         with torch.no_grad():
-            for buffer, value in self.buffers:
-                if not torch.equal(buffer, value):
-                    buffer.copy_(value)
+            for tensor, value in self.buffers + self.kept:
+                if not torch.equal(tensor, value):
+                    tensor.copy_(value)
+
+
+# model -> the addresses of the parameters its forward was seen writing in place (see the module docstring)
+_written: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _known_written(owner) -> frozenset:
+    try:
+        return _written.get(owner, frozenset()) if owner is not None else frozenset()
+    except TypeError:  # a module class that is not hashable
+        return frozenset()

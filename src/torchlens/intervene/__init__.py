@@ -39,8 +39,10 @@ def _reference_pass(run_reference, index):
     """A metadata-only trace of the same inputs that leaves the model as it found it (``ForwardState``), so
     that the intervened run takes the path a plain trace would: the same random numbers, running statistics
     updated once, a cache or flag set by the first forward set by the intervened one.  A forward that writes
-    a parameter in place cannot be undone that way, so that is refused, after the pass."""
-    state = ForwardState(index.all_modules(), index.params, [b for b, _ in index.buffers.values()])
+    a parameter in place is undone only once that parameter is known: the first time, it is refused, after the
+    pass, and a later call keeps its value (``ForwardState``)."""
+    modules = index.all_modules()
+    state = ForwardState(modules, index.params, [b for b, _ in index.buffers.values()], modules[0] if modules else None)
     try:
         reference = run_reference()
     except BaseException:
@@ -50,10 +52,10 @@ def _reference_pass(run_reference, index):
     if written:
         state.rng.restore()  # the rest is left as after the forward: its parameter writes and their state agree
         raise InterventionError(
-            f"the forward writes parameters in place ({first_few(written)}: a one-time rescale, or an update), so "
-            "the extra forward that resolves label sites changed the model the intervened run would start from; the "
-            "model has now run that forward once. Run the intervention again once such writes are done (a model "
-            "that rescales itself once is then settled), pass reference= a trace of the model as it will run, or "
-            "use module sites, which need no extra forward")
+            f"the forward writes parameters in place ({first_few(written)}: a one-time rescale, a renormalization, "
+            "an update), so the extra forward that resolves label sites changed the model the intervened run would "
+            "start from; the model has now run that forward once. Run the intervention again: those parameters are "
+            "now known, and the extra forward puts them back. Or pass reference= a trace of the model as it will "
+            "run, or use module sites, which need no extra forward")
     state.restore()
     return reference

@@ -142,7 +142,7 @@ class _Runs:
     """The runs of one experiment, each from the same start: on copies of the inputs (a forward may write
     them in place or extend a key/value cache among them), with the model's generators, buffers and Python
     attributes put back after it.  A forward that writes a parameter in place would make each run start
-    from another model, so that is refused."""
+    from another model: refused the first time, put back once known (``ForwardState``)."""
 
     def __init__(self, model):
         self.model = model
@@ -169,8 +169,8 @@ class _Runs:
         written = self.state.written_params()
         if written:
             raise TorchlensError(f"the forward writes parameters in place ({first_few(written)}), so each run of "
-                                 "the experiment would start from another model; patch a model whose forward leaves "
-                                 "its parameters alone (run it once first if the write happens once)")
+                                 "the experiment would start from another model; run the experiment again: those "
+                                 "parameters are now known, and every run puts them back")
 
 
 def _extent(log, site, dim: int) -> int:
