@@ -108,39 +108,53 @@ def test_a_label_site_on_a_model_writing_its_parameters_is_refused_once():
     assert torch.equal(model.fc.weight, weight / 2)
 
 
-class _RenormalizedEmbedding(nn.Module):
-    """``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up in place, in every forward."""
+class _Renormalizing(nn.Module):
+    """Renormalizes its weight in place in every forward (as ``nn.Embedding(max_norm=...)`` does the rows
+    it reads)."""
 
     def __init__(self):
         super().__init__()
-        self.embed, self.head = nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 1)
+        self.weight, self.head = nn.Parameter(torch.randn(4, 4)), nn.Linear(4, 1)
 
-    def forward(self, ids):
-        return self.head(self.embed(ids)).sum()
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.div_(self.weight.norm(dim=1, keepdim=True))
+        return self.head(torch.tanh(x @ self.weight)).sum()
 
 
 def test_a_model_writing_its_parameters_in_every_forward_is_put_back_once_known():
     """Refused the first time (the write is found only after the extra forward), then the parameter is
     known: the label pass and every run of a patching table put it back, so retrying works."""
     torch.manual_seed(0)
-    model, ids, other = _RenormalizedEmbedding(), torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])
-    once = copy.deepcopy(model)
-    once(ids)  # what one plain forward leaves: the looked-up rows renormalized
-    with pytest.raises(tl.InterventionError, match=r"writes parameters in place \(embed.weight.*Run the intervention again"):
-        tl.trace(model, ids, intervene={"embedding_1_1:1": tl.zero_ablate()})
-    log = tl.trace(model, ids, intervene={"embedding_1_1:1": tl.zero_ablate()})
-    assert [a.label for a in log.interventions] == ["embedding_1_1:1"]
-    assert torch.equal(log.output, 3 * model.head.bias.sum())  # the head of zeros
-    assert torch.equal(model.embed.weight, once.embed.weight)
+    model, x, other = _Renormalizing(), torch.randn(2, 4), torch.randn(2, 4)
+    with pytest.raises(tl.InterventionError, match=r"writes parameters in place \(weight.*Run the intervention again"):
+        tl.trace(model, x, intervene={"tanh_1_4:1": tl.zero_ablate()})
+    once = copy.deepcopy(model)  # as one plain forward leaves it
+    log = tl.trace(model, x, intervene={"tanh_1_4:1": tl.zero_ablate()})
+    assert [a.label for a in log.interventions] == ["tanh_1_4:1"]
+    assert torch.equal(log.output, 2 * model.head.bias.sum())  # the head of zeros
+    assert torch.allclose(model.weight, once.weight)  # renormalized once more by the intervened run
 
-    fresh = _RenormalizedEmbedding()
-    fresh.load_state_dict(once.state_dict())
-    with pytest.raises(tl.TorchlensError, match=r"embed.weight.*run the experiment again"):
-        tl.report.activation_patching(fresh, ids, other, lambda out: out, sites=["embed:1"], progress=False)
+    fresh = _Renormalizing()
+    with pytest.raises(tl.TorchlensError, match=r"weight.*run the experiment again"):
+        tl.report.activation_patching(fresh, x, other, lambda out: out, sites=["head:1"], progress=False)
     start = copy.deepcopy(fresh.state_dict())
-    table = tl.report.activation_patching(fresh, ids, other, lambda out: out, sites=["embed:1"], progress=False)
-    assert table.metric[0] == table.attrs["clean"]  # the clean embedding patched in: the clean output
+    table = tl.report.activation_patching(fresh, x, other, lambda out: out, sites=["head:1"], progress=False)
+    assert table.metric[0] == table.attrs["clean"]  # the clean head output patched in: the clean output
     assert all(torch.equal(v, start[k]) for k, v in fresh.state_dict().items())  # each run put back
+
+
+def test_an_embedding_with_max_norm_is_put_back_from_the_first_call():
+    """nn.Embedding(max_norm=...) is known to renormalize its weight in every forward: kept and put back
+    without a first refusal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 1))
+    ids = torch.tensor([[1, 2, 3]])
+    once = copy.deepcopy(model)
+    once(ids)
+    log = tl.trace(model, ids, intervene={"embedding_1_1:1": tl.zero_ablate()})
+    assert torch.equal(log.output, model[1].bias.expand(1, 3, 1))
+    assert torch.equal(model[0].weight, once[0].weight)  # the rows renormalized as by one plain forward
 
 
 def test_a_reference_whose_forward_wrote_parameters_says_so():

@@ -109,7 +109,9 @@ class ForwardState:
         self.versions = [version_of(p) for _, p in params]  # None: an inference tensor
         self.owner = owner
         known = _known_written(owner)
-        self.kept = [(p, p.detach().clone()) for address, p in params if address in known] if known else []
+        renormalized = _renormalized(modules)
+        self.kept = [(p, p.detach().clone()) for address, p in params if address in known or id(p) in renormalized] \
+            if known or renormalized else []
 
     @classmethod
     def of(cls, model) -> "ForwardState":
@@ -150,3 +152,10 @@ def _known_written(owner) -> frozenset:
         return _written.get(owner, frozenset()) if owner is not None else frozenset()
     except TypeError:  # a module class that is not hashable
         return frozenset()
+
+
+def _renormalized(modules) -> set:
+    """The ids of the weights that ``nn.Embedding``/``nn.EmbeddingBag`` modules with ``max_norm`` renormalize
+    in place in every forward: known writes, kept from the first run on."""
+    return {id(m.weight) for m in modules
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None}
