@@ -53,6 +53,15 @@ _DECODER = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, n
                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
 
 
+# One encoder and one decoder layer, for the BART-style encoder-decoders.
+_SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64)
+
+
+def _seq2seq_inputs():
+    return {"input_ids": _tokens(), "attention_mask": _attention_mask(), "decoder_input_ids": _tokens(seq=5)}
+
+
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -132,11 +141,7 @@ def t5():
 def bart():
     from transformers import BartConfig, BartForConditionalGeneration
 
-    config = BartConfig(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
-                        max_position_embeddings=64)
-    kwargs = {"input_ids": _tokens(), "attention_mask": _attention_mask(), "decoder_input_ids": _tokens(seq=5)}
-    return BartForConditionalGeneration(config), (), kwargs
+    return BartForConditionalGeneration(BartConfig(**_SEQ2SEQ)), (), _seq2seq_inputs()
 
 
 def whisper():
@@ -383,11 +388,7 @@ def pegasus():
     from transformers import PegasusConfig, PegasusForConditionalGeneration
 
     # Sinusoidal positions, pre-norm encoder and decoder.
-    config = PegasusConfig(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
-                           max_position_embeddings=64)
-    kwargs = {"input_ids": _tokens(), "attention_mask": _attention_mask(), "decoder_input_ids": _tokens(seq=5)}
-    return PegasusForConditionalGeneration(config), (), kwargs
+    return PegasusForConditionalGeneration(PegasusConfig(**_SEQ2SEQ)), (), _seq2seq_inputs()
 
 
 def segformer():
