@@ -533,3 +533,34 @@ def test_validating_inside_inference_mode_replays_with_the_kinds_of_tensors_the_
         log = tl.trace(model, x)
         result = log.validate()
     assert result.passed and not result.mismatched and result.replayed >= 1, result
+
+
+def test_a_model_built_inside_inference_mode_traces_and_validates():
+    """Parameters made inside torch.inference_mode() are inference tensors, with no version counter: reading
+    theirs crashed every trace at its end, and validate's replay and flops_vs_dispatch's restore after it."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.BatchNorm1d(4)).eval(), torch.randn(2, 4)
+        inside = tl.trace(model, x)
+        assert torch.equal(inside.output, model(x)) and inside.validate().passed
+    with torch.no_grad():  # outside the mode, inference parameters cannot enter autograd
+        log = tl.trace(model, x)
+        assert torch.equal(log.output, model(x))
+        assert log.validate().passed and tl.validate(model, x).passed
+        tl.report.flops_vs_dispatch(model, x)
+        zeroed = tl.trace(model, x, intervene={"relu_1_2:1": tl.zero_ablate()})
+        assert torch.equal(zeroed.output, model[2](torch.zeros(2, 4)))
+
+
+def test_extra_runs_leave_the_parameters_version_counters_alone():
+    """tl.validate and flops_vs_dispatch put the model back after their runs by copying only what changed:
+    a copy bumps a version counter, which an earlier trace's validate reads as a parameter changed since."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.BatchNorm1d(4)).eval(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    versions = [p._version for p in model.parameters()]
+    assert tl.validate(model, x).passed
+    tl.report.flops_vs_dispatch(model, x)
+    assert [p._version for p in model.parameters()] == versions
+    result = log.validate()
+    assert result.passed and not result.not_replayed, result

@@ -22,6 +22,7 @@ import torch
 
 from .capture.collectives import is_collective
 from .capture.restore import ModuleAttributes, RngState
+from .capture.state import version_of
 from .tree import as_args, clone_call, fill, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
@@ -122,10 +123,12 @@ class ModelState:
         self.attributes.restore()
         with torch.no_grad():
             for t, value in self.tensors:
-                if t.shape == value.shape and t.dtype == value.dtype:
-                    t.copy_(value)
-                else:
+                if t.shape != value.shape or t.dtype != value.dtype:
                     t.data = value.clone()
+                elif not torch.equal(t, value):  # only what changed: a copy bumps the version counter, which
+                    # an earlier trace's validate reads as "changed since the trace"
+                    with torch.inference_mode(t.is_inference()):  # an inference tensor is written only there
+                        t.copy_(value)
 
 
 class RunState:
@@ -329,16 +332,17 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
                               "a call capture could not predict, so its value when this op ran is unknown")
             value = before
             break
-    if value is param and replay is not None and replay.param_versions.get(id(param), param._version) != param._version:
+    now = version_of(param)  # None for an inference tensor: no counter, so no change can be seen
+    if value is param and replay is not None and replay.param_versions.get(id(param), now) != now:
         return None, (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "
                       "validate right after tracing")
     # A parameter's copy is a parameter's kind of tensor even when validating inside torch.inference_mode():
     # some kernels choose their path by it (a CPU GRU given inference-tensor weights rounds differently).
     with torch.inference_mode(value.is_inference()):
         copied = _copy_with_layout(value.detach())
-    if copied.is_floating_point() or copied.is_complex():
-        flags = replay.param_requires_grad if replay is not None else {}
-        copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
+        if copied.is_floating_point() or copied.is_complex():
+            flags = replay.param_requires_grad if replay is not None else {}
+            copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
     return copied, None
 
 

@@ -140,7 +140,8 @@ class ForwardState:
         with torch.no_grad():
             for tensor, value in self.buffers + self.kept:
                 if not torch.equal(tensor, value):
-                    tensor.copy_(value)
+                    with torch.inference_mode(tensor.is_inference()):  # an inference tensor is written only there
+                        tensor.copy_(value)
 
 
 # model -> the addresses of the parameters its forward was seen writing in place (see the module docstring)

@@ -87,7 +87,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     params, ids = index.param_objects
     replay_context, by_param, none = _replay_types()
     trace._replay = _made(replay_context, (state.context, state.contexts, state.param_writes,
-                                           by_param(ids, list(map(_VERSION, params))) if params else none,
+                                           by_param(ids, _versions(params)) if params else none,
                                            by_param(ids, list(map(_REQUIRES_GRAD, params))) if params else none))
     return trace
 
@@ -103,6 +103,15 @@ def _outputs(state: CaptureState, output) -> tuple:
         if producer in activations:  # an output shows its producer's tensor
             activations[first_output + k] = activations[producer]
     return outputs, activations
+
+
+def _versions(params) -> list:
+    """Each parameter's version counter; None for an inference tensor (a model built under
+    ``torch.inference_mode()``), which has none."""
+    try:
+        return list(map(_VERSION, params))
+    except RuntimeError:
+        return [None if p.is_inference() else p._version for p in params]
 
 
 @functools.cache
