@@ -283,6 +283,20 @@ def test_a_plain_tensor_attribute_is_named_with_the_way_to_record_it():
     assert "plain tensor attribute" not in str(log)
 
 
+def test_a_torchscript_model_is_refused_naming_the_way_out():
+    """A scripted or jit-traced model runs all its ops where capture cannot see them: a trace of it would
+    hold none (a ScriptFunction gave such an empty trace; a ScriptModule crashed on its module table)."""
+    x = torch.randn(2, 4)
+
+    def double(t):
+        return t * 2
+
+    eager = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    for scripted in (torch.jit.trace(eager, x), torch.jit.script(eager), torch.jit.script(double)):
+        with pytest.raises(TypeError, match=r"TorchScript .* trace the eager module or function it was made from"):
+            tl.trace(scripted, x)
+
+
 def test_a_torchscript_submodule_is_named_as_unseen():
     """TorchScript runs a scripted module's ops in its own interpreter: the trace records the call with no
     ops, says so in a caveat, and names where its output entered."""

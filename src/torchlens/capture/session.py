@@ -39,6 +39,7 @@ _local = threading.local()
 # What a forward returns in the common case, and never a generator or coroutine (checked by type first).
 _PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
 _PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+_SCRIPTED = (torch.jit.ScriptModule, torch.jit.ScriptFunction)
 # save="all" and save="none" name nothing of a model, and a trace never changes them: one policy each.
 _PLAIN_POLICIES = {"all": SavePolicy("all", None), "none": SavePolicy("none", None)}
 
@@ -332,6 +333,10 @@ def _script_caveat(addresses) -> tuple:
 
 
 def _unwrap(model):
+    if isinstance(model, _SCRIPTED):
+        raise TypeError(f"tl.trace got a TorchScript {type(model).__name__} (made by torch.jit.script or torch.jit.trace): "
+                        "it runs in TorchScript's interpreter, where capture sees none of its ops; trace the eager "
+                        "module or function it was made from")
     # A module's missing attribute raises through nn.Module.__getattr__, which formats a message:
     # look torch.compile's attributes up where they live instead.
     is_module = isinstance(model, torch.nn.Module)
