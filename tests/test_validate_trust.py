@@ -564,3 +564,27 @@ def test_extra_runs_leave_the_parameters_version_counters_alone():
     assert [p._version for p in model.parameters()] == versions
     result = log.validate()
     assert result.passed and not result.not_replayed, result
+
+
+class _GradientPenalty(nn.Module):
+    """Differentiates through its own graph inside forward, as a gradient penalty or a physics-informed loss does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        y = torch.tanh(self.fc(x)).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        return (g ** 2).sum() + y
+
+
+def test_a_gradient_taken_inside_forward_is_skipped_with_its_reason():
+    torch.manual_seed(0)
+    model, x = _GradientPenalty(), torch.randn(3, 4, requires_grad=True)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    result = log.validate()
+    assert result.passed and not result.mismatched
+    assert [(label, why.split(",")[0]) for label, why in result.not_replayed] == \
+        [("grad_1_4:1", "it differentiates through the forward's autograd graph")]

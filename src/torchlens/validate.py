@@ -26,6 +26,8 @@ from .capture.state import version_of
 from .tree import as_args, clone_call, fill, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
+# Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
+_GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
 
 PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
 RANDOM = "random: consumed the RNG (replay would draw other numbers)"
@@ -255,6 +257,9 @@ def _replay_problem(log, op, rng: RngState):
         return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
     if is_collective(func):
         return _skip("a collective: replayed on one rank alone it would block on, or pair with, other ranks' calls")
+    if func in _GRAPH_FUNCS:
+        return _skip("it differentiates through the forward's autograd graph, which replayed copies of its "
+                     "arguments are not part of")
     if not op.has_activation:
         dropped = log.dropped_activations.get(op.index)
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")
