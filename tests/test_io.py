@@ -126,6 +126,25 @@ def test_a_loaded_trace_rebuilds_a_nested_output(tmp_path):
         light.output
 
 
+def test_tensors_inside_keyword_containers_load_back(tmp_path):
+    """A tensor inside a keyword argument's container sits at a position (keyword, index): saved, it was
+    refused on load (Longformer passes such sizes), as only (index, index) paths were read back."""
+    class Containers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            joined = torch.cat(tensors=[x, x * 2], dim=0)  # ("tensors", 0), ("tensors", 1)
+            return torch.stack([joined[:2], joined[2:] * self.scale])  # (0, 0), (0, 1)
+
+    log = tl.trace(Containers(), torch.randn(2, 3))
+    loaded = tl.load(log.save(tmp_path / "c"))
+    assert loaded.labels == log.labels and torch.equal(loaded.output, log.output)
+    assert [c.parents for c in loaded.calls] == [c.parents for c in log.calls]
+    assert ("tensors", 1) in dict(log.calls[1].parents)
+
+
 def test_a_loaded_trace_holds_no_model_and_refuses_replay(tmp_path):
     model, args, kwargs = zoo()["mlp"]
     loaded = tl.load(tl.trace(model, args).save(tmp_path / "t"))

@@ -182,15 +182,15 @@ def _optional_index(v, n):
 
 
 def _edges(pairs, n, what) -> tuple:
-    """``((argument position, op index), ...)``; a position is an int, an ``(int, int)`` or a name."""
+    """``((argument position, op index), ...)``; a position is an argument's index or keyword name, or, for a
+    tensor inside a container argument, that followed by the path into it (``(1, 0)``, ``("tensors", 1)``)."""
     out = []
     for position, index in pairs:
         position = decode_value(position)
         if isinstance(position, list):
             position = tuple(position)
-        if isinstance(position, tuple) and not (len(position) == 2 and all(_is_int(p) for p in position)):
-            raise TraceFileError(f"{TRACE_JSON}: {what}: bad argument position {position!r}")
-        if not isinstance(position, (int, str, tuple)) or isinstance(position, bool):
+        parts = position if isinstance(position, tuple) and len(position) >= 2 else (position,)
+        if not all(_is_int(p) or isinstance(p, str) for p in parts):
             raise TraceFileError(f"{TRACE_JSON}: {what}: bad argument position {position!r}")
         out.append((position, check_index(index, -1, n, what)))
     return tuple(out)
