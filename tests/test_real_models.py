@@ -10,7 +10,8 @@ Every entry of tests/real_models.py (``transformers`` models from small configs 
 - ``tl.validate`` finds no mismatch on these faithful traces, lists an op as random exactly when the
   forward draws from the RNG, and leaves the RNG and the model's parameters and buffers as one untraced
   forward would;
-- a wrong saved activation, and a trace with nothing saved, are never reported as a pass.
+- a wrong saved activation, and a trace with nothing saved, are never reported as a pass;
+- a saved trace loads back with the same labels, module calls, argument positions and activations.
 
 The ``transformers`` entries skip when ``transformers`` is not installed.
 """
@@ -174,6 +175,22 @@ def test_nothing_saved_is_not_a_pass(name):
         result = log.validate()
         assert result.replayed == 0
         assert not result.passed, f"nothing was checked, yet: {result}"
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_a_saved_trace_loads_back_equal(name, tmp_path):
+    model, args, kwargs = entry(name)
+    with in_mode(model, "eval"):
+        log = tl.trace(model, args, kwargs)
+    loaded = tl.load(log.save(tmp_path / name))
+    assert loaded.labels == log.labels
+    assert [c.label for c in loaded.module_calls] == [c.label for c in log.module_calls]
+    assert [c.parents for c in loaded.calls] == [c.parents for c in log.calls]
+    for label in log.labels:
+        op = log[label]
+        if op.has_activation and isinstance(op.activation, torch.Tensor) and op.activation.layout == torch.strided:
+            assert torch.equal(loaded[label].activation, op.activation), label
+    assert str(loaded).splitlines()[1:3] == str(log).splitlines()[1:3]
 
 
 def test_corpus_script_counts_every_run(capsys):
