@@ -129,7 +129,9 @@ class ModelState:
                     t.data = value.clone()
                 elif not torch.equal(t, value):  # only what changed: a copy bumps the version counter, which
                     # an earlier trace's validate reads as "changed since the trace"
-                    with torch.inference_mode(t.is_inference()):  # an inference tensor is written only there
+                    # An inference tensor is written only inside inference mode; leaving it (mode False) turns
+                    # gradients back on, hence no_grad inside.
+                    with torch.inference_mode(t.is_inference()), torch.no_grad():
                         t.copy_(value)
 
 

@@ -140,7 +140,9 @@ class ForwardState:
         with torch.no_grad():
             for tensor, value in self.buffers + self.kept:
                 if not torch.equal(tensor, value):
-                    with torch.inference_mode(tensor.is_inference()):  # an inference tensor is written only there
+                    # An inference tensor is written only inside inference mode; leaving it (mode False) turns
+                    # gradients back on, hence no_grad inside.
+                    with torch.inference_mode(tensor.is_inference()), torch.no_grad():
                         tensor.copy_(value)
 
 
