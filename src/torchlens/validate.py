@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture.collectives import is_collective
-from .capture.restore import ModuleAttributes, RngState
+from .capture.restore import ModuleAttributes, RngState, put_back
 from .capture.state import version_of
 from .tree import as_args, clone_call, fill, structures_equal, tensor_leaves
 
@@ -123,16 +123,12 @@ class ModelState:
 
     def restore(self) -> None:
         self.attributes.restore()
-        with torch.no_grad():
-            for t, value in self.tensors:
-                if t.shape != value.shape or t.dtype != value.dtype:
+        for t, value in self.tensors:
+            if t.shape != value.shape or t.dtype != value.dtype:
+                with torch.no_grad():
                     t.data = value.clone()
-                elif not torch.equal(t, value):  # only what changed: a copy bumps the version counter, which
-                    # an earlier trace's validate reads as "changed since the trace"
-                    # An inference tensor is written only inside inference mode; leaving it (mode False) turns
-                    # gradients back on, hence no_grad inside.
-                    with torch.inference_mode(t.is_inference()), torch.no_grad():
-                        t.copy_(value)
+            else:
+                put_back(t, value)
 
 
 class RunState:

@@ -137,13 +137,19 @@ class ForwardState:
     def restore(self) -> None:
         self.rng.restore()
         self.attributes.restore()
-        with torch.no_grad():
-            for tensor, value in self.buffers + self.kept:
-                if not torch.equal(tensor, value):
-                    # An inference tensor is written only inside inference mode; leaving it (mode False) turns
-                    # gradients back on, hence no_grad inside.
-                    with torch.inference_mode(tensor.is_inference()), torch.no_grad():
-                        tensor.copy_(value)
+        for tensor, value in self.buffers + self.kept:
+            put_back(tensor, value)
+
+
+def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` back into ``tensor`` if it differs: only then, since a copy bumps the version counter,
+    which a trace's replay reads as a parameter changed since the trace.  (``torch.equal`` takes strided
+    tensors only: a sparse or other layout is written back whatever it holds.)"""
+    if tensor.layout != torch.strided or not torch.equal(tensor, value):
+        # An inference tensor is written only inside inference mode; leaving it (mode False) turns gradients
+        # back on, hence no_grad inside.
+        with torch.inference_mode(tensor.is_inference()), torch.no_grad():
+            tensor.copy_(value)
 
 
 # model -> the addresses of the parameters its forward was seen writing in place (see the module docstring)
