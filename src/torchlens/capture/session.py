@@ -333,13 +333,15 @@ def _script_caveat(addresses) -> tuple:
 
 
 def _unwrap(model):
-    if isinstance(model, _SCRIPTED):
+    is_module = isinstance(model, torch.nn.Module)
+    # A scripted module keeps its submodules in TorchScript's own mapping, a plain one in a dict: the exact
+    # check (slow: TorchScript's classes have their own metaclasses) runs only when that one does not settle it.
+    if (not is_module or type(model._modules) is not dict) and isinstance(model, _SCRIPTED):
         raise TypeError(f"tl.trace got a TorchScript {type(model).__name__} (made by torch.jit.script or torch.jit.trace): "
                         "it runs in TorchScript's interpreter, where capture sees none of its ops; trace the eager "
                         "module or function it was made from")
     # A module's missing attribute raises through nn.Module.__getattr__, which formats a message:
     # look torch.compile's attributes up where they live instead.
-    is_module = isinstance(model, torch.nn.Module)
     inner = model._modules.get("_orig_mod") if is_module else getattr(model, "_orig_mod", None)
     if isinstance(inner, torch.nn.Module):  # torch.compile'd module
         model = inner
