@@ -106,12 +106,14 @@ def _outputs(state: CaptureState, output) -> tuple:
 
 
 def _versions(params) -> list:
-    """Each parameter's version counter; None for an inference tensor (a model built under
+    """Each parameter's version counter, by a C-level pass; None for an inference tensor (a model built under
     ``torch.inference_mode()``), which has none."""
     try:
         return list(map(_VERSION, params))
     except RuntimeError:
-        return [None if p.is_inference() else p._version for p in params]
+        from ..capture.state import version_of  # the capture driver's reader; imported late, one way
+
+        return list(map(version_of, params))
 
 
 @functools.cache
