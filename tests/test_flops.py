@@ -196,6 +196,29 @@ def test_zoo_linear_and_conv_modules_differ_from_native_by_exactly_their_bias_ad
     assert checked or not any(m.class_name in ("Linear", "Conv2d") for m in log.modules)
 
 
+class SlicedTable(nn.Module):
+    """Hands its child a view of a parameter, as DeBERTa hands its projections the relative embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8, 4))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(self.table[:4]) + x
+
+
+def test_flop_counter_modes_failure_under_no_grad_is_named_with_the_way_round_it():
+    model, x = SlicedTable().eval(), torch.randn(4, 4)
+    with torch.no_grad():
+        with pytest.raises(AssertionError):  # torch's own tracker, untraced: the failure being named
+            with FlopCounterMode(display=False):
+                model(x)
+        with pytest.raises(tl.errors.NativeToolFailed, match="outside torch.no_grad"):
+            tl.report.flops_vs_dispatch(model, x)
+    assert tl.report.flops_vs_dispatch(model, x).native_total == native_total(model, x)
+
+
 def test_sdpa_on_cpu_is_noted_and_counted_only_by_torchlens():
     class Attention(nn.Module):
         def forward(self, q, k, v):

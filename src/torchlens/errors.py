@@ -90,6 +90,10 @@ class WitnessFailed(TorchlensError):
     """The traced and the FlopCounterMode executions could not be shown to run the same program."""
 
 
+class NativeToolFailed(TorchlensError, RuntimeError):
+    """A PyTorch tool torchlens hands a measurement to failed on this model, for a reason of its own."""
+
+
 class LayoutEngineMissing(TorchlensError, RuntimeError):
     """Neither Graphviz's ``dot`` nor the ``graphviz-pure`` executable could be found."""
 

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from ..errors import WitnessFailed
+from ..errors import NativeToolFailed, WitnessFailed
 from .flops import CONVENTION, FAMILIES, family_totals, flops_column, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
@@ -112,9 +112,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
                 "order, which restoring the global generators cannot guarantee. Call model.eval() (or remove "
                 "the randomness) and compare again.")
         saved.restore()
-        with FlopCounterMode(display=False) as counter:
-            copied_args, copied_kwargs = clone_call(call_args, kwargs)
-            native_output = _detached(model(*copied_args, **copied_kwargs))
+        counter, native_output = _count_natively(FlopCounterMode, model, *clone_call(call_args, kwargs))
     finally:
         saved.restore()
     if not _outputs_close(traced_output, native_output, rtol, atol):
@@ -123,6 +121,26 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             "different outputs, so they did not run the same program and their FLOPs are not comparable. "
             "Make the forward deterministic (eval mode, no data-dependent randomness) and compare again.")
     return _compare(log, model, counter.get_flop_counts())
+
+
+def _count_natively(counter_type, model, args, kwargs):
+    """``(counter, output)`` of one untraced run under ``FlopCounterMode``.
+
+    Its module tracker hooks, for backward attribution, every module input that requires gradients. With
+    gradients off, a view of a parameter handed to a submodule (DeBERTa's relative embeddings) has no
+    gradient node to hook, and torch 2.13's tracker fails on it with a bare assertion: named here, with
+    the way round it."""
+    try:
+        with counter_type(display=False) as counter:
+            return counter, _detached(model(*args, **kwargs))
+    except AssertionError as error:
+        if torch.is_grad_enabled() or str(error) != "Expected gradient function to be set":
+            raise
+        raise NativeToolFailed(
+            "flops_vs_dispatch: FlopCounterMode's module tracker failed on this model under torch.no_grad(): "
+            "a module was handed a view of a parameter made with gradients off, which has no gradient node "
+            "for the tracker's backward hook (a limitation of torch.utils.module_tracker). Call "
+            "flops_vs_dispatch outside torch.no_grad().") from error
 
 
 def _compare(log, model, native_counts) -> FlopsComparison:
