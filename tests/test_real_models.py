@@ -11,7 +11,8 @@ Every entry of tests/real_models.py (``transformers`` models from small configs 
   forward draws from the RNG, and leaves the RNG and the model's parameters and buffers as one untraced
   forward would;
 - a wrong saved activation, and a trace with nothing saved, are never reported as a pass;
-- a saved trace loads back with the same labels, module calls, argument positions and activations.
+- a saved trace loads back with the same labels, module calls, argument positions and activations;
+- every reading of the record (NaN/Inf flags, the module table, the NaN search, the hot path) runs on it.
 
 The ``transformers`` entries skip when ``transformers`` is not installed.
 """
@@ -191,6 +192,25 @@ def test_a_saved_trace_loads_back_equal(name, tmp_path):
         if op.has_activation and isinstance(op.activation, torch.Tensor) and op.activation.layout == torch.strided:
             assert torch.equal(loaded[label].activation, op.activation), label
     assert str(loaded).splitlines()[1:3] == str(log).splitlines()[1:3]
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_every_reading_of_the_record_runs_on_it(name):
+    # Under no_grad, the standard inference path (nested tensors in the padded encoder): NaN/Inf flags taken
+    # during capture, the module table, the NaN search and the hot path all read every op's record.
+    model, args, kwargs = entry(name)
+    with in_mode(model, "eval_no_grad"):
+        log = tl.trace(model, args, kwargs, record_finite=True)
+    floats = [op for op in log.ops if op.kind == "op" and op.has_activation
+              and isinstance(op.activation, torch.Tensor) and op.activation.is_floating_point()]
+    for op in floats:  # the flags taken during capture, against the saved values read here
+        parts = op.activation.unbind() if op.activation.is_nested else (op.activation,)
+        assert op.finite == (any(bool(p.isnan().any()) for p in parts),
+                             any(bool(p.isinf().any()) for p in parts)), op.label
+    assert bool(tl.debug.nonfinite_origin(log)) == any(any(op.finite) for op in floats)  # masks hold -inf
+    produced = sum(op.nbytes for op in log.ops if op.kind == "op" and not op.is_inplace)
+    assert log.summary().rows[0]["activation_bytes"] == produced
+    assert len(tl.debug.hot_path(log, by="memory", group="module").rows) > 0
 
 
 def test_corpus_script_counts_every_run(capsys):

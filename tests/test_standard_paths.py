@@ -150,6 +150,24 @@ def test_nested_tensor_input_and_ops(tmp_path):
     assert [(op.shape, op.numel) for op in back.ops] == [(op.shape, op.numel) for op in log.ops]
 
 
+def test_nested_activations_are_summarised_checked_and_drawn(tmp_path):
+    # Nested tensors lack the reductions (any, all, sum) a check of values runs: every check reads their
+    # components, and a NaN in one component is found where it was born.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nt = torch.nested.nested_tensor([torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, -1.0], [4.0, 5.0]])])
+    log = tl.trace(lambda t: (t * 2).sqrt().relu(), nt, record_finite=True)
+    assert [op.finite for op in log.ops if op.kind == "op"] == [(False, False), (True, False), (True, False)]
+    assert tl.debug.nonfinite_origin(log).origin_label == log.ops[2].label  # the sqrt, not the relu after it
+    assert log.summary().rows[0]["activation_bytes"] == 3 * 6 * 4  # three ops of six float elements
+    log.render(str(tmp_path / "nested.html"))
+    from torchlens.viz.records import activation_stats
+
+    stats = activation_stats(log.ops[2].activation)
+    assert stats["nan"] == 1 and stats["numel"] == 6
+    assert tl.trace(lambda t: (t * 2).sqrt().relu(), nt).ops[2].finite is None  # not asked for: not examined
+
+
 @CASE
 def sparse_outputs():
     """Sparse COO and CSR outputs, and ops reading them."""

@@ -23,7 +23,7 @@ from weakref import ref as weakref
 import torch
 
 from ..errors import warn_user
-from ..record.layouts import shape_of
+from ..record.layouts import dense_values, shape_of
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
@@ -378,6 +378,7 @@ class CaptureState:
         if t.device.type == "meta":
             return  # no values: the op stays unexamined
         with torch.no_grad():
+            t = dense_values(t)
             if t.device.type != "cpu":
                 # Kept on the device and read once after the forward: no host sync per op.
                 self.finite_flags[index] = torch.stack((torch.isnan(t).any(), torch.isinf(t).any()))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..record.columns import Kind
+from ..record.layouts import dense_values
 from ..errors import TraceCleanedUp
 
 DETECT_ANOMALY_CODE = """\
@@ -183,6 +184,7 @@ def _status(log, i):
     if not (t.is_floating_point() or t.is_complex()):
         return (False, False)
     with torch.no_grad():
+        t = dense_values(t)
         return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
 
 

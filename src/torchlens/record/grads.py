@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
+from .layouts import dense_values
 from ..errors import GradientUnavailable, TraceCleanedUp
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
@@ -127,6 +128,7 @@ def grad_stats(g) -> dict:
     import torch
 
     with torch.no_grad():
+        g = dense_values(g)
         if g.is_complex():
             g = g.abs()
         values = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g

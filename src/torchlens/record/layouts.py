@@ -2,7 +2,8 @@
 
 A nested tensor (``torch.nested``, and the padding-mask path of eval ``nn.TransformerEncoder``) raises on
 ``.shape``.  Capture records it as a tuple with ``None`` for each irregular dimension, so a trace never
-shows a plausible but wrong size; ``Op.numel`` and ``Op.nbytes`` then come from the components' sizes.
+shows a plausible but wrong size; ``Op.numel`` and ``Op.nbytes`` then come from the components' sizes,
+and every check of its values (NaN/Inf flags, the viewer's statistics) reads ``dense_values``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,24 @@ def shape_of(t: torch.Tensor) -> tuple:
         if not t.is_nested:
             raise
         return ragged_shape(t)
+
+
+def numel_of(shape) -> int:
+    """Elements of a tensor of recorded ``shape``; for a nested tensor's, its components' count."""
+    if None in shape:
+        return shape.numel
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def dense_values(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a nested tensor its components' elements in one flat tensor: the reductions a check
+    of values needs (``any``, ``all``, ``min``, ``sum``) have no nested kernels."""
+    if not t.is_nested:
+        return t
+    return torch.cat([component.reshape(-1) for component in t.unbind()])
 
 
 def ragged_shape(t: torch.Tensor) -> "RaggedShape":

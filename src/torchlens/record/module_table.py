@@ -11,6 +11,7 @@ appears; otherwise it is left out rather than shown as zeros.
 from __future__ import annotations
 
 from .columns import Kind
+from .layouts import numel_of
 from .grads import saved_for_backward_bytes
 from .summary import human_bytes
 
@@ -165,11 +166,7 @@ def _produced_bytes(trace, i: int) -> int:
     """Bytes a compute op's output occupies; an in-place op wrote into memory another op produced."""
     if trace._kind[i] != Kind.OP or trace._inplace[i]:
         return 0
-    shape, dtype = trace._meta[i].shape, trace._meta[i].dtype
-    n = 1
-    for d in shape:
-        n *= d
-    return n * getattr(dtype, "itemsize", 0)
+    return numel_of(trace._meta[i].shape) * getattr(trace._meta[i].dtype, "itemsize", 0)
 
 
 # ----- text ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ and every field is read from (or derived from) the trace's columns on demand.
 from __future__ import annotations
 
 from .columns import Kind
+from .layouts import numel_of
 from .view import View
 from ..errors import ActivationUnavailable
 
@@ -159,13 +160,7 @@ class Op(View):
 
     @property
     def numel(self) -> int:
-        shape = self._trace._meta[self.index][0]
-        if None in shape:  # a nested tensor (record/layouts.py): its components' count
-            return shape.numel
-        n = 1
-        for d in shape:
-            n *= d
-        return n
+        return numel_of(self._trace._meta[self.index].shape)
 
     @property
     def nbytes(self) -> int:

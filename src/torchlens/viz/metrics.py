@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from ..record.layouts import dense_values
 from ..record.summary import human_bytes
 
 METRICS = ("duration", "flops", "memory", "nonfinite", "device_time", "grad_norm")
@@ -111,7 +112,7 @@ def nonfinite_flags(trace) -> list:
         for i, tensor in trace.saved_activations.items():
             if flags[i] is None and isinstance(tensor, torch.Tensor):
                 if tensor.is_floating_point() or tensor.is_complex():
-                    flags[i] = not bool(torch.isfinite(tensor).all())
+                    flags[i] = not bool(torch.isfinite(dense_values(tensor)).all())
                 else:
                     flags[i] = False
     return flags

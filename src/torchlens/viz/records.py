@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from .metrics import format_count, format_seconds
+from ..record.layouts import dense_values
 from ..record.summary import human_bytes
 
 
@@ -30,7 +31,7 @@ def activation_stats(tensor) -> dict:
         stats = {"numel": tensor.numel()}
         if tensor.numel() == 0:
             return stats
-        t = tensor.detach()
+        t = dense_values(tensor.detach())
         if t.is_complex():
             t = t.abs()
         if t.dtype == torch.bool:
