@@ -193,6 +193,26 @@ def test_dtypes_numpy_lacks_load_as_torch(tmp_path):
                            torch.cat([model(x) for x in data]))
 
 
+def test_channels_last_and_permuted_activations_are_written_in_row_order(tmp_path):
+    # A channels-last conv output, and a permute (ConvNeXt's NHWC layer norm path): concatenating a shard's
+    # batches keeps their memory format, which the file cannot hold as it is.
+    class NHWC(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+
+        def forward(self, x):
+            return self.conv(x).relu().permute(0, 2, 3, 1)
+
+    model = NHWC()
+    data = [torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last) for _ in range(3)]
+    tl.extract(model, data, ["conv", "permute_1_3"], tmp_path / "x", progress=False)
+    got = tl.load_extracted(tmp_path / "x", as_torch=True)
+    with torch.no_grad():
+        assert torch.equal(got["conv"], torch.cat([model.conv(x) for x in data]))
+        assert torch.equal(got["permute_1_3"], torch.cat([model(x) for x in data]))
+
+
 def test_a_damaged_layer_file_is_refused(tmp_path):
     tl.extract(TwoLayer().eval(), batches(3), ["fc"], tmp_path / "x", progress=False)
     path = tmp_path / "x" / "layer_000.safetensors"

@@ -418,7 +418,8 @@ class _Run:
         index = len(self.state["shards"])
         name = f"shard_{index:06d}.safetensors"
         path = safe_member(self.out, name)
-        tensors = {str(i): torch.cat(parts) for i, parts in enumerate(self.buffer)}
+        # cat keeps its parts' memory format (a channels-last or permuted activation); the file wants rows in order
+        tensors = {str(i): torch.cat(parts).contiguous() for i, parts in enumerate(self.buffer)}
         if self.index_buffer:
             tensors["index"] = torch.cat(self.index_buffer)
         tmp = path + ".tmp"
