@@ -323,3 +323,38 @@ def test_loaded_trace_gives_parameters_and_their_gradients_back(tmp_path):
     assert [p.op_labels for p in cleaned.params] == [p.op_labels for p in log.params]
     with pytest.raises(GradientUnavailable, match="cleanup"):
         cleaned.params[0].grad
+
+
+def test_gradients_no_file_can_hold_are_named_on_the_loaded_trace(tmp_path):
+    # A sparse embedding's .grad (sparse COO) and a complex128 op's gradient have no safetensors encoding:
+    # the save goes through, and the loaded trace says why those two are missing instead of giving None.
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(20, 4, sparse=True)
+            self.head = nn.Linear(12, 2)
+
+        def forward(self, x):
+            h = self.embed(x).flatten(1)
+            wide = h.to(torch.complex128) * 1j
+            return self.head(h) + wide.imag.sum(1, keepdim=True).float()
+
+    model, x = Mixed(), torch.randint(0, 20, (2, 3))
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    assert model.embed.weight.grad.is_sparse
+    loaded = tl.load(log.save(tmp_path / "t"))
+    with pytest.raises(GradientUnavailable, match="embed.weight: its gradient was not saved .*sparse_coo"):
+        loaded.params[0].grad
+    assert torch.equal(loaded.params[1].grad, model.head.weight.grad)
+    wide = next(op for op in log.ops if op.dtype == torch.complex128 and op.grad is not None)
+    with pytest.raises(GradientUnavailable, match="not saved .*complex128"):
+        loaded[wide.label].grad
+    assert torch.equal(loaded["flatten_1_2"].grad, log["flatten_1_2"].grad)
+    # Saved again from the loaded trace: the gradients it read, and the reasons for the missing ones, stay.
+    again = tl.load(loaded.save(tmp_path / "again"))
+    assert torch.equal(again.params[1].grad, model.head.weight.grad)
+    with pytest.raises(GradientUnavailable, match="sparse_coo"):
+        again.params[0].grad
+    with pytest.raises(GradientUnavailable, match="complex128"):
+        again[wide.label].grad

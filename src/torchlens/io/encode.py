@@ -4,6 +4,7 @@ Only plain data round-trips: numbers, strings, containers, slices, and the torch
 named constants (dtype, device, Size, layout, memory_format).  Anything else (a custom object passed to
 an op, a tensor nested where capture did not replace it) is stored as its type name and repr and comes
 back as a ``NotSaved`` marker: visible, never mistaken for the original, and never executed.
+``unsavable`` says which tensors a safetensors file cannot hold, and ``plain_copy`` makes the one it writes.
 """
 
 from __future__ import annotations
@@ -37,6 +38,33 @@ class NotSaved:
 
 def torch_constant_name(value) -> str:
     return str(value).replace("torch.", "")
+
+
+def unsavable(t) -> str | None:
+    """Why safetensors cannot hold tensor ``t`` (a sentence starting "not saved"), or None when it can."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        try:
+            t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses hold no storage of their own
+            return f"not saved: a {type(t).__name__} tensor subclass has no plain storage to save"
+    if t.layout != torch.strided:
+        return f"not saved: {t.layout} tensors have no safetensors encoding"
+    if t.is_quantized or t.device.type == "meta" or t.is_nested:
+        return "not saved: quantized, nested and meta tensors have no safetensors encoding"
+    if t.dtype not in _SAFETENSORS_DTYPES:
+        return f"not saved: safetensors cannot store {torch_constant_name(t.dtype)}"
+    return None
+
+
+_SAFETENSORS_DTYPES = frozenset(getattr(torch, n) for n in (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n))
+
+
+def plain_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a file holds it: detached, on the CPU, conjugation and negation resolved, contiguous, and
+    a storage of its own (safetensors refuses two tensors sharing one)."""
+    return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous().clone()
 
 
 def torch_constant(kind: str, name: str):

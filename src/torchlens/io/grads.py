@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 
+from .encode import plain_copy, unsavable
 from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
 
 GRAD_TENSORS = "gradients.safetensors"
@@ -48,24 +49,33 @@ def write_grads(trace, folder: str, with_tensors: bool):
         "stats": [[i, {k: _float(v) for k, v in s.items()}] for i, s in sorted(grad_stats_column(trace).items())],
         "tensors": [],
         "param_tensors": [],
+        # [op index or parameter address, why]: a gradient no safetensors file can hold (a loaded trace's too)
+        "not_saved": [[owner, why] for owner, why in trace._unsaved_grads.items()],
         "param_grads": _param_grads_missing(trace, with_tensors),  # None: saved; else why they were not
     }
     tensors = {}
     if with_tensors and not trace.is_cleaned_up:
         for i, g in sorted(capture.grads.items()):
-            tensors[f"g{i}"] = _plain(g)
-            record["tensors"].append([i, f"g{i}"])
-        for n, (address, p) in enumerate(trace._model_params or ()):
-            if p.grad is not None:
-                tensors[f"p{n}"] = _plain(p.grad)
-                record["param_tensors"].append([address, f"p{n}"])
+            _add(tensors, record, i, f"g{i}", g, "tensors")
+        for n, (address, g) in enumerate(_param_grads(trace)):
+            if g is not None:
+                _add(tensors, record, address, f"p{n}", g, "param_tensors")
     if not tensors:
         return [], record
     require_safetensors().save_file(tensors, os.path.join(folder, GRAD_TENSORS), metadata={"format": "torchlens-grads"})
     return [GRAD_TENSORS], record
 
 
+def _param_grads(trace) -> list:
+    """``[(address, .grad)]`` of the traced model's parameters, or those a loaded trace read back."""
+    if trace.loaded_from is not None:
+        return list((trace._param_grads or {}).items())
+    return [(address, p.grad) for address, p in trace._model_params or ()]
+
+
 def _param_grads_missing(trace, with_tensors: bool):
+    if trace.loaded_from is not None and trace._param_grads is None:  # the reason it was read with stays
+        return getattr(trace, "_param_grads_missing", None) or "it was saved without gradient tensors"
     if trace.is_cleaned_up:
         return "it was saved after cleanup(), which releases the model and so its parameters' .grad"
     if not with_tensors:
@@ -73,8 +83,14 @@ def _param_grads_missing(trace, with_tensors: bool):
     return None
 
 
-def _plain(t):
-    return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous().clone()
+def _add(tensors: dict, record: dict, owner, key: str, grad, column: str) -> None:
+    """Write ``grad`` under ``key``, or name in ``not_saved`` why it cannot be (a sparse ``.grad``)."""
+    why = unsavable(grad)
+    if why is None:
+        tensors[key] = plain_copy(grad)
+        record[column].append([owner, key])
+    else:
+        record["not_saved"].append([owner, f"its gradient was not saved ({why.removeprefix('not saved: ')})"])
 
 
 def read_grads(trace, record, folder: str, files) -> None:
@@ -123,6 +139,8 @@ def _read_grads(trace, record, folder: str, files) -> None:
             raise TraceFileError(f"{folder}/{GRAD_TENSORS}: gradient {key!r} is missing or does not match op #{i}")
         capture.grads[i] = g
     trace._gradcap = capture
+    trace._unsaved_grads = {(_index(owner, n) if isinstance(owner, int) else str(owner)): str(why)
+                            for owner, why in grads.get("not_saved", ())}  # absent in files written before it
     missing = grads.get("param_grads", None if GRAD_TENSORS in files or grads["param_tensors"] else
                         "it was saved without gradient tensors")  # files written before the field existed
     if missing is None:

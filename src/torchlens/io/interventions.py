@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from .encode import plain_copy, unsavable
 from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
 
 ORIGINAL_TENSORS = "originals.safetensors"
@@ -50,11 +51,10 @@ def write_interventions(trace, folder: str, with_tensors: bool):
               "originals": []}
     tensors = {}
     if with_tensors and not trace.is_cleaned_up:
-        from .grads import _plain
-
         for i, t in sorted(trace._originals.items()):
-            tensors[f"o{i}"] = _plain(t)
-            record["originals"].append([int(i), f"o{i}"])
+            if unsavable(t) is None:  # an original no file can hold (sparse, nested) is left out, as activations are
+                tensors[f"o{i}"] = plain_copy(t)
+                record["originals"].append([int(i), f"o{i}"])
     if not tensors:
         return [], record
     require_safetensors().save_file(tensors, os.path.join(folder, ORIGINAL_TENSORS),

@@ -24,7 +24,7 @@ import uuid
 import torch
 
 from ..errors import warn_user
-from .encode import encode_value, torch_constant_name
+from .encode import encode_value, torch_constant_name, unsavable
 from .grads import write_grads
 from .interventions import write_interventions
 from .params import write_params
@@ -154,7 +154,7 @@ def _activation_tensors(trace):
     for index, t in sorted(trace.saved_activations.items()):
         key = key_of_tensor.get(id(t))
         if key is None:
-            problem = _unsavable(t)
+            problem = unsavable(t)
             if problem:
                 unsaved[index] = problem
                 continue
@@ -166,26 +166,6 @@ def _activation_tensors(trace):
             tensors[key] = data
         keys[index] = key
     return tensors, keys, unsaved
-
-
-def _unsavable(t) -> str | None:
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        try:
-            t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses hold no storage of their own
-            return f"not saved: a {type(t).__name__} tensor subclass has no plain storage to save"
-    if t.layout != torch.strided:
-        return f"not saved: {t.layout} tensors have no safetensors encoding"
-    if t.is_quantized or t.device.type == "meta" or t.is_nested:
-        return "not saved: quantized, nested and meta tensors have no safetensors encoding"
-    if t.dtype not in _SAFETENSORS_DTYPES:
-        return f"not saved: safetensors cannot store {torch_constant_name(t.dtype)}"
-    return None
-
-
-_SAFETENSORS_DTYPES = frozenset(getattr(torch, n) for n in (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-    "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n))
 
 
 def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> dict:

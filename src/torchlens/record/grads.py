@@ -51,6 +51,8 @@ def grad_of(trace, index: int):
             f"{label}: its output does not require grad (made under torch.no_grad(), from tensors that do not "
             "require grad, or of an integer dtype), so autograd computes no gradient for it")
     grad = capture.grads.get(index)
+    if grad is None and index in trace._unsaved_grads:
+        raise GradientUnavailable(f"{label}: {trace._unsaved_grads[index]}")
     if grad is None and index in capture.incomplete:
         raise GradientUnavailable(
             f"{label}: its gradient hook was removed by torch before a later backward (torch resets a leaf "
@@ -100,6 +102,8 @@ def _saved_param_grad(trace, address: str):
             "tl.trace(model, x, grads=True))")
         raise GradientUnavailable(f"{address}: the trace loaded from {trace.loaded_from} holds no parameter "
                                   f"gradients: {why}")
+    if address in trace._unsaved_grads:
+        raise GradientUnavailable(f"{address}: {trace._unsaved_grads[address]}")
     return saved.get(address)
 
 

@@ -49,6 +49,7 @@ class Trace:
     _outside_attributes: tuple = ()  # record.finalize: module attributes (not buffers) read from outside the trace
     _replay = None  # record.finalize: a capture.state.ReplayContext (contexts, parameter values) for validate
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
+    _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
     _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
     _raw = None  # record.finalize.RawRecord: what the columns below are derived from, until all of them are
