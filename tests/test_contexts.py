@@ -302,6 +302,38 @@ def write_through_data():
             "mul_1_3:1 and every op replays")
 
 
+class ClampedRow(nn.Module):
+    """Clamps one row of its weight in place under no_grad, through a view, then uses the weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight[0].clamp_(-0.1, 0.1)  # torch refuses this view's grad_fn from here on
+        return (x @ self.weight).tanh()
+
+
+@CASE
+def view_written_under_no_grad():
+    """A view of a parameter made and written in place under no_grad (torch refuses its grad_fn)."""
+    x = torch.randn(2, 3)
+    plain, traced = ClampedRow(), ClampedRow()
+    plain(x).sum().backward()
+    log = tl.trace(traced, x, grads=True)
+    log.backward(log.output.sum())
+    assert torch.equal(log.output, plain(x)) and torch.equal(traced.weight, plain.weight)
+    assert torch.equal(traced.weight.grad, plain.weight.grad)
+    clamp = log["clamp_1_2"]
+    assert clamp.requires_grad and clamp.grad_fn is None and clamp.grad is None  # no backward passes it
+    result = tl.validate(traced, x)
+    assert result.passed and result.outputs_match, str(result)
+    return (f"faithful, gradients included; the view is recorded as requiring grad with no backward node; "
+            f"{result.replayed} ops replayed exactly")
+
+
 @pytest.mark.parametrize("title", titles("Contexts and wrappers"))
 def test_case(title):
     assert outcome("Contexts and wrappers", title)

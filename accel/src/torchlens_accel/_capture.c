@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 9
+#define TORCHLENS_ACCEL_ABI 10
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -549,7 +549,12 @@ static int truth_of(PyObject *v) {
 /* Appends the tensor record of ``out`` (at ``slot`` of the call's result) to ``records``; ``*rg`` is
  * whether it requires grad.  0 or -1. */
 /* ``*node_out`` gets the output's grad_fn (a new reference, or NULL when it needs no grad): the caller keeps
- * it until the gradient watch has read it again, so that torch makes one node object per op, not two. */
+ * it until the gradient watch has read it again, so that torch makes one node object per op, not two.
+ * ``*rg_out`` is RG_REFUSED for a tensor that requires grad but whose node torch refuses to give (a view
+ * made under no_grad whose base was then written in place): recorded without a node, never watched, as
+ * ``outputs.grad_node`` does. */
+enum { RG_REFUSED = 2 };  /* ``*rg_out`` of append_record: requires grad, no node to watch */
+
 static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject *call_index, PyObject *slot,
                          int *rg_out, PyObject **node_out) {
     PyObject *requires_grad, *shape = NULL, *dtype = NULL, *device = NULL, *grad_fn = NULL;
@@ -577,7 +582,11 @@ static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject 
     if (device != NULL) {
         if (rg) {
             if (grad_fn == NULL) grad_fn = tensor_get(h, out, G_GRAD_FN);  /* read by the getters above */
-            if (grad_fn != NULL) {
+            if (grad_fn == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  /* the node is refused */
+                PyErr_Clear();
+                rg = RG_REFUSED;
+                grad_type = Py_NewRef(Py_None);
+            } else if (grad_fn != NULL) {
                 grad_type = (PyObject *)Py_TYPE(grad_fn);
                 Py_INCREF(grad_type);
                 *node_out = grad_fn;
@@ -755,7 +764,7 @@ static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *
     if ((ref = PyWeakref_NewRef(t, NULL)) == NULL || (entry = PyTuple_Pack(3, ref, index, version)) == NULL
             || (key = PyLong_FromVoidPtr(t)) == NULL || PyDict_SetItem(producers, key, entry) < 0)
         goto done;
-    if (rg && watch(h, index, t, func, module_call) < 0) goto done;
+    if (rg == 1 && watch(h, index, t, func, module_call) < 0) goto done;
     int saving = wanted(h, func, module_call);
     if (saving < 0) goto done;
     if (saving && (saving = save_inline(h, index, t, rg, version)) < 0) goto done;
@@ -794,7 +803,7 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
         Py_XDECREF(node);
         return -1;
     }
-    failed = rg && watch(h, first_op, out, func, module_call) < 0;
+    failed = rg == 1 && watch(h, first_op, out, func, module_call) < 0;
     Py_XDECREF(node);
     if (failed) goto fail;
     int saving = wanted(h, func, module_call);

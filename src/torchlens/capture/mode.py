@@ -35,7 +35,7 @@ from ..record.layouts import shape_of
 from . import accel
 from .arguments import PLAIN_VALUES, TUPLE_VALUES, bound_parent, scan_arguments, scan_linear
 from .fused_writes import RUNNING_STATS_FLAGS
-from .outputs import made_since, output_leaves, record_output
+from .outputs import grad_node, made_since, output_leaves, record_output
 from .source import CALL_IMPL as _CALL_IMPL
 from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
 from .source import DISPATCH as _DISPATCH_FRAME
@@ -241,14 +241,13 @@ class CaptureMode(TorchFunctionMode):
             shape = out.shape
         except RuntimeError:  # a nested tensor has no single shape
             shape = shape_of(out)
-        grad_fn = out.grad_fn if requires_grad else None  # kept to the watch below: one node object, not two
-        records.append((call_index, None, shape, out.dtype, out.device, requires_grad,
-                        type(grad_fn) if requires_grad else None))
+        grad_fn, node_type = grad_node(out) if requires_grad else (None, None)  # kept to the watch below
+        records.append((call_index, None, shape, out.dtype, out.device, requires_grad, node_type))
         try:
             version = out._version
         except RuntimeError:  # made under torch.inference_mode(): no version counter
             version = st.version(out)
-        if requires_grad and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
+        if node_type is not None and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
             st.grads.watch(first_op, out, func, module_call)
         save_mode = st.save_mode
         if save_mode and (save_mode == 1 or st.wants(func, module_call)):

@@ -40,21 +40,32 @@ def record_output(st, call_index: int, slot, t, func, module_call: int) -> None:
         shape = t.shape
     except RuntimeError:  # a nested tensor has no single shape
         shape = shape_of(t)
-    grad_fn = t.grad_fn if requires_grad else None  # kept to the watch below: one node object, not two
-    records.append((call_index, slot, shape, t.dtype, t.device, requires_grad,
-                    type(grad_fn) if requires_grad else None))
+    grad_fn, node_type = grad_node(t) if requires_grad else (None, None)  # the node kept to the watch below
+    records.append((call_index, slot, shape, t.dtype, t.device, requires_grad, node_type))
     try:
         version = t._version
     except RuntimeError:  # made under torch.inference_mode(): no version counter
         version = st.version(t)
     st.producers[id(t)] = (weakref(t), index, version)
-    if requires_grad and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
+    if node_type is not None and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
         st.grads.watch(index, t, func, module_call)
     save_mode = st.save_mode
     if save_mode and (save_mode == 1 or st.wants(func, module_call)):
         st.save(index, t, requires_grad)
     if st.finite_flags is not None:
         st.record_finite(index, t)
+
+
+def grad_node(t) -> tuple:
+    """``(t.grad_fn, its type)`` for a tensor that requires grad, read once: torch makes a new node object
+    per read.  ``(None, None)`` where torch refuses the node: a view made under ``no_grad`` whose base was
+    then written in place (``w[0].clamp_()`` in a ``no_grad`` block) raises on ``grad_fn``, and no backward
+    can pass through it, so it is recorded without a node and not watched for gradients."""
+    try:
+        grad_fn = t.grad_fn
+    except RuntimeError:
+        return None, None
+    return grad_fn, type(grad_fn)
 
 
 def made_since(producers, t, first_record: int) -> bool:
