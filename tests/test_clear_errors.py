@@ -85,3 +85,14 @@ def test_warnings_name_the_users_line_not_a_line_of_torchlens(tmp_path):
     assert budget and kept, [str(w.message) for w in caught]
     assert (budget[0].filename, budget[0].lineno) == (__file__, line)
     assert kept[0].filename == __file__
+
+
+@pytest.mark.parametrize("call", [tl.trace, tl.validate, tl.report.flops_vs_dispatch, tl.report.kernel_profile])
+def test_a_second_positional_argument_in_place_of_the_keywords_says_to_use_a_tuple(call):
+    class Add(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    with pytest.raises(TypeError, match=r"got a Tensor; .* give them as one tuple: tl\.(report\.)?\w+\(model, \(x, y\)\)"):
+        call(Add(), torch.randn(2), torch.randn(2))
+

@@ -268,3 +268,15 @@ def as_args(value) -> tuple:
     calls ``model([a, b])``; to pass one tuple as the only argument, wrap it: ``((a, b),)``.
     """
     return value if isinstance(value, tuple) else (value,)
+
+
+def as_kwargs(value, who: str = "tl.trace") -> dict:
+    """The keyword arguments a forward is called with: a dict, or None for none.  Anything else is the
+    common slip of giving a second positional argument where the keywords go, and is refused saying so."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    raise TypeError(f"{who}: kwargs must be a dict of keyword arguments for forward, got a "
+                    f"{type(value).__name__}; to call forward with several positional arguments, give them "
+                    f"as one tuple: {who}(model, (x, y))")

@@ -23,7 +23,7 @@ import torch
 from .capture.collectives import is_collective
 from .capture.restore import ModuleAttributes, RngState, put_back
 from .capture.state import version_of
-from .tree import as_args, clone_call, fill, structures_equal, tensor_leaves
+from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves
 
 _UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
@@ -184,7 +184,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
                         "which " + ("is not an instance: pass a module instance" if isinstance(model, type)
                                     else "is not callable"))
     call_args = as_args(args)
-    kwargs = dict(kwargs or {})
+    kwargs = dict(as_kwargs(kwargs, "tl.validate"))
     before = RngState()
     try:
         expected = _reference_output(model, call_args, kwargs)

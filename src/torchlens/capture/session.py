@@ -21,7 +21,7 @@ from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import index_of
 from ..record.trace import Trace
-from ..tree import as_args, clone_call
+from ..tree import as_args, as_kwargs, clone_call
 from .collectives import process_rank
 from .compiled import (CompiledSubmodules, Suspension, check_compiled_option, compiled_in_place,
                        optimized_module_type)
@@ -58,7 +58,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
     root = _root_of(model, root)
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise TypeError(f"kwargs must be a dict of keyword arguments for forward, got {type(kwargs).__name__}")
+        as_kwargs(kwargs)  # raises, saying how to pass several positional arguments
     if compiled != "run":
         check_compiled_option(compiled)
     if deep and redispatch_function is None:

@@ -92,12 +92,12 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..capture.session import _unwrap, trace
-    from ..tree import as_args, clone_call
+    from ..tree import as_args, as_kwargs, clone_call
     from ..validate import RunState
 
     model = _unwrap(model)
     call_args = as_args(args)
-    kwargs = dict(kwargs or {})
+    kwargs = dict(as_kwargs(kwargs, "tl.report.flops_vs_dispatch"))
     saved = RunState(model)
     try:
         log = trace(model, *clone_call(call_args, kwargs), save="none")

@@ -20,6 +20,7 @@ import os
 import torch
 
 from ..errors import ProfilerBusyError
+from ..tree import as_kwargs
 from .markers import ProfilerMarkers
 from .profile_coverage import Coverage, find_problems
 from .profile_events import events_from_profiler
@@ -56,6 +57,7 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
         from .backward_profile import profile_backward_of
 
         return profile_backward_of(model, backward, chrome_trace, profiler, activities, profiler_kwargs)
+    kwargs = as_kwargs(kwargs, "tl.report.kernel_profile")
     markers = ProfilerMarkers()
     if profiler is not None:
         _check_borrowed(profiler, chrome_trace)
