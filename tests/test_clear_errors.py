@@ -96,3 +96,14 @@ def test_a_second_positional_argument_in_place_of_the_keywords_says_to_use_a_tup
     with pytest.raises(TypeError, match=r"got a Tensor; .* give them as one tuple: tl\.(report\.)?\w+\(model, \(x, y\)\)"):
         call(Add(), torch.randn(2), torch.randn(2))
 
+
+
+def test_a_list_meant_as_several_positional_arguments_gets_a_note_saying_so():
+    class Add(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    with pytest.raises(TypeError, match="missing 1 required positional argument") as raised:
+        tl.trace(Add(), [torch.randn(2), torch.randn(2)])
+    assert any("give tl.trace(model, (a, b))" in note for note in raised.value.__notes__)
+    assert torch.equal(tl.trace(Add(), (torch.ones(2), torch.ones(2))).output, torch.full((2,), 2.0))

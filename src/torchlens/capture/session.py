@@ -126,7 +126,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         capture.tear_down()
         if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
             shown.close()
-            _annotate(exc, state, root, leftovers(mode, parts))
+            _annotate(exc, state, root, leftovers(mode, parts), args)
             raise
         output = None  # stop_after= reached: the trace holds everything up to that site
     forward_done = perf_counter_ns()
@@ -462,7 +462,7 @@ def _add_inputs(state, model, args, kwargs) -> None:
                 state.add_source(t, INPUT, path)
 
 
-def _annotate(exc: BaseException, state, model, left=()) -> None:
+def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
     if not hasattr(exc, "add_note"):  # Python 3.10
         return
     torn_down = ("capture was torn down, nothing is left installed" if not left else
@@ -481,6 +481,9 @@ def _annotate(exc: BaseException, state, model, left=()) -> None:
         if module_call < 0 and state.module_calls:  # e.g. raised by a forward hook, after the call ended
             where += f" (the last module call before it: {_where(state, len(state.module_calls) - 1, model)})"
         exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; {torn_down}")
+    if isinstance(exc, TypeError) and len(args) == 1 and type(args[0]) is list and "positional argument" in str(exc):
+        exc.add_note("torchlens: the list was passed as one positional argument (only a tuple's items are "
+                     "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
 
 
 def _where(state, index: int, model) -> str:
