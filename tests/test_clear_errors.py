@@ -107,3 +107,15 @@ def test_a_list_meant_as_several_positional_arguments_gets_a_note_saying_so():
         tl.trace(Add(), [torch.randn(2), torch.randn(2)])
     assert any("give tl.trace(model, (a, b))" in note for note in raised.value.__notes__)
     assert torch.equal(tl.trace(Add(), (torch.ones(2), torch.ones(2))).output, torch.full((2,), 2.0))
+
+
+def test_a_trace_refuses_pickle_and_copy_and_points_at_save(tmp_path):
+    import copy
+    import pickle
+
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    for attempt in (lambda: pickle.dumps(log), lambda: torch.save(log, tmp_path / "t.pt"), lambda: copy.copy(log),
+                    lambda: copy.deepcopy(log), lambda: pickle.dumps(log.ops[1])):
+        with pytest.raises(TypeError, match=r"log\.save\(path\) .* tl\.load\(path\)"):
+            attempt()
+    assert log.ops[1].activation is not None and len(tl.load(log.save(tmp_path / "kept"))) == len(log)

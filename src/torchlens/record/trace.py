@@ -22,6 +22,10 @@ from .params import Buffer, Param
 from .view import RecordList
 
 
+_NOT_COPIED = ("a Trace cannot be {} (it holds the model, torch's callables and a record read on demand): "
+               "keep one with log.save(path) and read it back, as a separate trace, with tl.load(path)")
+
+
 class Trace:
     """Everything one forward pass computed, addressable by label, module call or position.
 
@@ -489,6 +493,17 @@ class Trace:
 
     def __iter__(self):
         return iter(self.ops)
+
+    # A trace holds the live model, torch callables and code objects, and derives its columns from one
+    # raw record on first read: a pickle cannot hold it, and a copy would share that record half-derived.
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPIED.format("pickled"))
+
+    def __copy__(self):
+        raise TypeError(_NOT_COPIED.format("copied"))
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPIED.format("copied"))
 
     # ----- views and tools -----------------------------------------------------------------------
     def to_pandas(self):
