@@ -12,7 +12,9 @@ threads (``blas_thread_server``, which spin for as long as they like) are left o
 its count less the untraced forward's.
 
 ``--pure`` adds the two ``tl.trace`` arms (and the baseline's) on the pure-Python path (``capture.accel.use(False)``),
-``all-pure`` and ``none-pure``.
+``all-pure`` and ``none-pure``.  ``--cache`` also simulates the caches (``--cache-sim=yes``, the host's L1
+sizes) and adds a table of the first-level instruction- and data-cache misses each arm adds: work that an
+instruction count does not show, since a miss costs cycles without costing instructions.
 
 Models: a row of ``models.py`` (``mlp3``, ``resnet``, ``gpt2``, ...), ``one-op`` (``x + 1``: a trace's
 fixed cost), ``linears:N`` (N ``Linear(64, 64)`` calls in a row), or a prefix of a transformers model of ``transformers_overhead.py`` (``GPT-2``, ``BERT``),
@@ -111,35 +113,41 @@ def _worker(name: str, arm: str, baseline: str | None, count: int) -> None:
         operator.call(lambda: [run() for _ in range(count)])
 
 
-def instructions(arguments: list, out: str) -> int:
-    """The instructions callgrind counts inside ``operator.call`` while ``python *arguments`` runs (a worker
-    that warms up first, then makes its counted calls inside one ``operator.call``), less the idle BLAS
-    threads'; ``out`` is where callgrind writes."""
+def instructions(arguments: list, out: str, cache: bool = False) -> dict:
+    """The events callgrind counts inside ``operator.call`` while ``python *arguments`` runs (a worker that
+    warms up first, then makes its counted calls inside one ``operator.call``), less the idle BLAS threads':
+    ``{"Ir": instructions}``, and with ``cache`` the simulated cache misses too (``I1mr``, ``D1mr``,
+    ``D1mw``, ...).  ``out`` is where callgrind writes."""
     command = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=_operator_call",
-               f"--callgrind-out-file={out}", sys.executable, *arguments]
+               *(["--cache-sim=yes"] if cache else []), f"--callgrind-out-file={out}", sys.executable, *arguments]
     subprocess.run(command, check=True, capture_output=True)
     listing = subprocess.run(["callgrind_annotate", "--threshold=100", out], check=True, capture_output=True,
                              text=True).stdout
-    total, idle = None, 0
+    events, total, idle = None, None, None
     for line in listing.splitlines():
+        if line.startswith("Events shown:"):
+            events = line.split(":", 1)[1].split()
+            idle = [0] * len(events)
         if line.startswith("-- Auto"):
             break
-        found = re.match(r"\s*([\d,]+) \([^)]*\)\s+(\S.*)$", line)
-        if found is None:
+        found = re.match(r"\s*((?:(?:[\d,]+ \([^)]*\)|\.)\s+)+)(\S.*)$", line)
+        if found is None or events is None:
             continue
-        n = int(found.group(1).replace(",", ""))
+        counts = [0 if c == "." else int(c.replace(",", ""))
+                  for c in re.findall(r"([\d,]+|\.)(?: \([^)]*\))?\s+", found.group(1))]
         if "PROGRAM TOTALS" in found.group(2):
-            total = n
+            total = counts
         elif any(idle_name in found.group(2) for idle_name in _IDLE):
-            idle += n
-    return total - idle
+            idle = [a + b for a, b in zip(idle, counts)]
+    return {event: t - i for event, t, i in zip(events, total, idle)}
 
 
-def _counted(name: str, arm: str, baseline: str | None, count: int, folder: str) -> float:
-    """Instructions per call of one arm."""
+def _counted(name: str, arm: str, baseline: str | None, count: int, folder: str, cache: bool = False) -> dict:
+    """Events per call of one arm (see ``instructions``)."""
     out = os.path.join(folder, f"callgrind.{abs(hash((name, arm, baseline)))}.out")
     arguments = [__file__, "--worker", name, "--arm", arm, "--traces", str(count)]
-    return instructions(arguments + (["--baseline", baseline] if baseline else []), out) / count
+    counted = instructions(arguments + (["--baseline", baseline] if baseline else []), out, cache)
+    return {event: n / count for event, n in counted.items()}
 
 
 _ARM_NAMES = {"all": 'tl.trace(save="all")', "none": 'tl.trace(save="none")',
@@ -157,6 +165,7 @@ def main() -> None:
     parser.add_argument("--traces", type=int, default=10, help="calls counted per arm")
     parser.add_argument("--jobs", type=int, default=2, help="workers under valgrind at once")
     parser.add_argument("--pure", action="store_true", help="also count the tl.trace arms on the pure-Python path")
+    parser.add_argument("--cache", action="store_true", help="also simulate the caches and count first-level misses")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -169,9 +178,10 @@ def main() -> None:
     if options.baseline:
         arms += [(arm, options.baseline) for arm in traced]
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(options.jobs) as pool:
-        jobs = {(name, arm, path): pool.submit(_counted, name, arm, path, options.traces, folder)
+        jobs = {(name, arm, path): pool.submit(_counted, name, arm, path, options.traces, folder, options.cache)
                 for name in names for arm, path in arms}
-        counts = {key: job.result() for key, job in jobs.items()}
+        events = {key: job.result() for key, job in jobs.items()}
+    counts = {key: counted["Ir"] for key, counted in events.items()}
     header = ["model", "untraced forward", "bare mode added"] + [f"{_ARM_NAMES[arm]} added" for arm in traced]
     if options.baseline:
         header += [f"baseline {_ARM_NAMES[arm]} added" for arm in traced]
@@ -187,6 +197,30 @@ def main() -> None:
             cells += [f"{added[(arm, None)] / added[(arm, options.baseline)]:.3f}" for arm in traced]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     print(f"\nInstructions per call, {options.traces} calls counted per arm after {_WARM_UP} warm-up calls.")
+    if options.cache:
+        _print_misses(names, arms, events)
+
+
+def _print_misses(names: list, arms: list, events: dict) -> None:
+    """First-level cache misses per call that each arm adds over the untraced forward (simulated)."""
+    def misses(key):
+        counted = events[key]
+        return counted["I1mr"], counted["D1mr"] + counted["D1mw"]
+
+    shown = [(arm, path) for arm, path in arms if arm != "native"]
+    header = ["model", "untraced forward I1 / D1 misses"] + [
+        f"{'baseline ' if path else ''}{'bare mode' if arm == 'bare' else _ARM_NAMES[arm]} added I1 / D1" for arm, path in shown]
+    print("\n| " + " | ".join(header) + " |")
+    print("|---" * len(header) + "|")
+    for name in names:
+        i1, d1 = misses((name, "native", None))
+        cells = [f"{_k(i1)} / {_k(d1)}"]
+        for arm, path in shown:
+            a1, b1 = misses((name, arm, path))
+            cells.append(f"{_k(a1 - i1)} / {_k(b1 - d1)}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nFirst-level instruction (I1) and data (D1, reads and writes) cache misses per call, simulated by "
+          "callgrind with the host's cache sizes.")
 
 
 if __name__ == "__main__":
