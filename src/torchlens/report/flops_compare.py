@@ -89,8 +89,6 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     Raises ``WitnessFailed`` when the two executions cannot be shown to have run the same program: the
     forward drew random numbers (e.g. dropout in training mode), or the outputs differ.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     from ..capture.session import _unwrap, trace
     from ..tree import as_args, as_kwargs, clone_call
     from ..validate import RunState
@@ -112,7 +110,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
                 "order, which restoring the global generators cannot guarantee. Call model.eval() (or remove "
                 "the randomness) and compare again.")
         saved.restore()
-        counter, native_output = _count_natively(FlopCounterMode, model, *clone_call(call_args, kwargs))
+        counter, native_output = _count_natively(model, *clone_call(call_args, kwargs))
     finally:
         saved.restore()
     if not _outputs_close(traced_output, native_output, rtol, atol):
@@ -123,15 +121,17 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     return _compare(log, model, counter.get_flop_counts())
 
 
-def _count_natively(counter_type, model, args, kwargs):
+def _count_natively(model, args, kwargs):
     """``(counter, output)`` of one untraced run under ``FlopCounterMode``.
 
     Its module tracker hooks, for backward attribution, every module input that requires gradients. With
     gradients off, a view of a parameter handed to a submodule (DeBERTa's relative embeddings) has no
     gradient node to hook, and torch 2.13's tracker fails on it with a bare assertion: named here, with
     the way round it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     try:
-        with counter_type(display=False) as counter:
+        with FlopCounterMode(display=False) as counter:
             return counter, _detached(model(*args, **kwargs))
     except AssertionError as error:
         if torch.is_grad_enabled() or str(error) != "Expected gradient function to be set":
