@@ -136,6 +136,30 @@ def test_a_cleaned_up_trace_without_flags_is_refused_clearly():
         tl.debug.nonfinite_origin(tl.trace(Deep().eval(), torch.randn(3, 4), save="none"))
 
 
+def test_a_meta_device_forward_is_named_as_the_reason_nothing_was_examined():
+    # Asking for flags on a meta model must not read as "you forgot record_finite=True".
+    with torch.device("meta"):
+        model, x = Deep().eval(), torch.randn(3, 4)
+    log = tl.trace(model, x, record_finite=True)
+    with pytest.raises(ValueError, match="meta device"):
+        tl.debug.nonfinite_origin(log)
+
+
+def test_every_reader_gives_the_same_flags_for_the_same_values():
+    # record_finite during capture, nonfinite_origin over saved activations, and the viewer's marks
+    # all answer from one check: the same ops are marked whichever is asked.
+    log = tl.trace(lambda x: (torch.log(x - 10).relu(), (x > 0).long(), torch.sqrt(x)), torch.rand(4),
+                   save="none", record_finite=True)
+    from torchlens.viz.metrics import nonfinite_marks
+    flagged = {log.labels[i] for i, (nan, inf) in log.finite_flags.items() if nan or inf}
+    saved_only = tl.trace(lambda x: (torch.log(x - 10).relu(), (x > 0).long(), torch.sqrt(x)), torch.rand(4))
+    marked = {saved_only.labels[i] for i, bad in enumerate(nonfinite_marks(saved_only)) if bad}
+    assert {log[label].func_name for label in flagged} == {"log", "relu"}
+    # The viewer also marks the output node that repeats relu's tensor, from flags or from values.
+    assert marked == flagged | {"output_1:1"}
+    assert {log.labels[i] for i, bad in enumerate(nonfinite_marks(log)) if bad} == marked
+
+
 def test_two_independent_births_are_both_reported():
     log = tl.trace(lambda x: (torch.log(x - 10), torch.sqrt(x - 10)), torch.rand(4))
     report = tl.debug.nonfinite_origin(log)

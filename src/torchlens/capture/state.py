@@ -23,7 +23,8 @@ from weakref import ref as weakref
 import torch
 
 from ..errors import warn_user
-from ..record.layouts import dense_values, shape_of
+from ..record.finite import nonfinite_flags
+from ..record.layouts import shape_of
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
@@ -372,20 +373,11 @@ class CaptureState:
         self.clobbered[index] = reason
 
     def record_finite(self, index: int, t: torch.Tensor) -> None:
-        if not (t.is_floating_point() or t.is_complex()):
-            self.finite_flags[index] = (False, False)
-            return
-        if t.device.type == "meta":
-            return  # no values: the op stays unexamined
-        with torch.no_grad():
-            t = dense_values(t)
-            if t.device.type != "cpu":
-                # Kept on the device and read once after the forward: no host sync per op.
-                self.finite_flags[index] = torch.stack((torch.isnan(t).any(), torch.isinf(t).any()))
-            elif bool(torch.isfinite(t).all()):  # one pass in the common, finite case
-                self.finite_flags[index] = (False, False)
-            else:
-                self.finite_flags[index] = (bool(torch.isnan(t).any()), bool(torch.isinf(t).any()))
+        # On an accelerator the flags stay on the device and are read once after the forward: no host
+        # sync per op.  A meta tensor has no values: its op stays unexamined.
+        flags = nonfinite_flags(t, sync=False)
+        if flags is not None:
+            self.finite_flags[index] = flags
 
     def drained_finite_flags(self) -> dict:
         """The finite flags as ``{record: (has_nan, has_inf)}``, device flags read with one copy per device."""

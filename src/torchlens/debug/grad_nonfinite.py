@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..record.columns import Kind
+from ..record.finite import nonfinite_flags
 from ..record.grads import grad_capture_of
 from .nonfinite import DETECT_ANOMALY_RECIPE
 
@@ -85,9 +86,9 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
     status = {}
     with torch.no_grad():
         for i in capture.order:
-            g = capture.grads[i]
-            if g.is_floating_point() or g.is_complex():
-                status[i] = (bool(torch.isnan(g).any()), bool(torch.isinf(g).any()))
+            flags = nonfinite_flags(capture.grads[i])
+            if flags is not None:
+                status[i] = flags
     bad = [i for i in capture.order if status.get(i, (False, False)) != (False, False)]
     if not bad:
         return GradNonfiniteReport(origin=None, kind=None, born_in=(), nonfinite=(), examined=len(status),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..record.columns import Kind
-from ..record.layouts import dense_values
+from ..record.finite import nonfinite_flags
 from ..errors import TraceCleanedUp
 
 DETECT_ANOMALY_CODE = """\
@@ -136,6 +136,9 @@ def nonfinite_origin(log, grads: bool = False):
     status = [_status(log, i) if k != Kind.OUTPUT else None for i, k in enumerate(log.kinds)]
     examined = sum(1 for s in status if s is not None)
     if examined == 0 and any(k != Kind.OUTPUT for k in log.kinds):
+        if _all_on_meta(log):
+            raise ValueError("nonfinite_origin has nothing to examine: this forward ran on the meta device, "
+                             "whose tensors have shapes but no values; trace the model on a real device")
         raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
                          "recorded; trace with save='all' or record_finite=True")
     bad_params, params_checked = _nonfinite_parameters(log)
@@ -179,13 +182,12 @@ def _status(log, i):
     t = log.saved_activations.get(i)
     if t is None:
         return None
-    if t.device.type == "meta":
-        return None  # shape only, no values to examine
-    if not (t.is_floating_point() or t.is_complex()):
-        return (False, False)
-    with torch.no_grad():
-        t = dense_values(t)
-        return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+    return nonfinite_flags(t)
+
+
+def _all_on_meta(log) -> bool:
+    saved = [] if log.is_cleaned_up else list(log.saved_activations.values())
+    return bool(saved) and all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in saved)
 
 
 def _birth_kind(log, i, bad_params):
@@ -234,6 +236,6 @@ def _nonfinite_parameters(log):
     bad = []
     with torch.no_grad():
         for name, p in log.model.named_parameters():
-            if (p.is_floating_point() or p.is_complex()) and not bool(torch.isfinite(p).all()):
+            if any(nonfinite_flags(p) or ()):
                 bad.append(name)
     return bad, True

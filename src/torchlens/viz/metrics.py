@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ..record.layouts import dense_values
+from ..record.columns import Kind
+from ..record.finite import nonfinite_flags
 from ..record.summary import human_bytes
 
 METRICS = ("duration", "flops", "memory", "nonfinite", "device_time", "grad_norm")
@@ -89,7 +90,7 @@ def op_values(trace, metric, device_times=None) -> list:
             values[index] = float(seconds)
         return values
     if metric == "nonfinite":
-        return nonfinite_flags(trace)
+        return nonfinite_marks(trace)
     if metric == "grad_norm":
         from ..record.grads import grad_stats_column
 
@@ -101,7 +102,7 @@ def op_values(trace, metric, device_times=None) -> list:
     raise ValueError(metric)
 
 
-def nonfinite_flags(trace) -> list:
+def nonfinite_marks(trace) -> list:
     """True where an op's output held NaN/Inf, False where checked finite, None where not checked."""
     import torch
 
@@ -111,10 +112,11 @@ def nonfinite_flags(trace) -> list:
     if not trace.is_cleaned_up:
         for i, tensor in trace.saved_activations.items():
             if flags[i] is None and isinstance(tensor, torch.Tensor):
-                if tensor.is_floating_point() or tensor.is_complex():
-                    flags[i] = not bool(torch.isfinite(dense_values(tensor)).all())
-                else:
-                    flags[i] = False
+                finite = nonfinite_flags(tensor)
+                flags[i] = None if finite is None else any(finite)
+    for i, kind in enumerate(trace.kinds):  # an output node shows its producer's tensor
+        if kind == Kind.OUTPUT and flags[i] is None and trace.op_parents[i]:
+            flags[i] = flags[trace.op_parents[i][0][1]]
     return flags
 
 

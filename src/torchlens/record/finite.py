@@ -1,0 +1,32 @@
+"""Whether a tensor's values hold NaN or Inf.
+
+One check serves every reader that asks: ``record_finite`` during capture, ``nonfinite_origin`` over saved
+activations, parameters and gradients, and the viewer's non-finite marks.  Having one keeps their answers
+the same for the same tensor: dtypes that cannot hold NaN (integers, bool) are finite, a meta tensor has
+no values to examine, and a nested tensor is read through its components.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layouts import dense_values
+
+
+def nonfinite_flags(t: torch.Tensor, sync: bool = True):
+    """``(has_nan, has_inf)`` for ``t``'s values, or None for a meta tensor.
+
+    With ``sync=False`` the flags of a tensor on an accelerator come back as one 2-element bool tensor left
+    on its device, so that checking every op of a forward queues work instead of waiting on each op;
+    the caller reads them all at once after the forward."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return (False, False)
+    if t.device.type == "meta":
+        return None
+    with torch.no_grad():
+        t = dense_values(t)
+        if not sync and t.device.type != "cpu":
+            return torch.stack((torch.isnan(t).any(), torch.isinf(t).any()))
+        if bool(torch.isfinite(t).all()):  # one pass in the common, finite case
+            return (False, False)
+        return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
