@@ -218,6 +218,27 @@ def test_unknown_grads_selector_raises_with_closest_labels():
         tl.trace(model, args, grads=["reluu"])
 
 
+def test_a_grads_selector_is_checked_like_a_save_selector():
+    # grads= and save= read one selection: a module call that never happened selects nothing, and
+    # says so, rather than leaving the user with no gradient and no reason.
+    model, args, _ = zoo()["mlp"]
+    called = [mc.label for mc in tl.trace(model, args).module_calls]
+    with pytest.raises(KeyError, match=r"grads= matched nothing.*closest: .*layers\.0:1"):
+        tl.trace(model, args, grads=[called[0][:-1] + "3"])
+
+
+def test_a_module_class_in_a_selection_is_answered_with_its_modules_addresses():
+    class RMSNorm(nn.Module):  # a hand-written norm, as in T5 and LLaMA: no layer_norm op to select
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    model = nn.Sequential(nn.Linear(4, 4), RMSNorm(), nn.Linear(4, 4), RMSNorm())
+    for option in ("save", "grads"):
+        with pytest.raises(KeyError, match=rf"{option}= matched nothing.*not module classes: RMSNorm modules "
+                                           r"are at 1, 3"):
+            tl.trace(model, torch.randn(2, 4), **{option: ["rmsnorm"]})
+
+
 class Sentinel(torch.autograd.Function):
     """Its ctx lives exactly as long as the autograd graph does: a weakref to ctx.token says when."""
 

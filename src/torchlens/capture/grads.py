@@ -296,7 +296,7 @@ def attach_grads(trace, capture) -> None:
     if policy is None:
         return
     try:
-        _check_selectors(trace, policy)
+        policy.check_matched(trace, option="grads")
     except KeyError:
         capture.remove_hooks()  # the trace is not returned: nothing it registered may stay
         raise
@@ -311,18 +311,3 @@ def _next_sequence_number():
     with torch.enable_grad():  # torch without the counter's reader: number a probe node
         probe = torch.zeros((), requires_grad=True) * 1
     return probe.grad_fn._sequence_nr() if probe.grad_fn is not None else None
-
-
-def _check_selectors(trace, policy) -> None:
-    """Unknown labels and op types in ``grads=[...]`` raise, naming the closest labels."""
-    import difflib
-
-    for label in policy.labels:
-        trace[label]  # raises KeyError with the closest labels
-    known_types = set(trace.op_types)
-    for wanted in policy.types:
-        if wanted not in known_types:
-            names = sorted(known_types | set(trace.labels))
-            close = difflib.get_close_matches(wanted, names, n=5, cutoff=0.5)
-            hint = f"; closest: {', '.join(close)}" if close else ""
-            raise KeyError(f"grads= selector {wanted!r} names no op type, label or module in this trace{hint}")

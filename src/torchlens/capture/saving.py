@@ -106,7 +106,7 @@ class SavePolicy:
                                  or mc.label in self.call_labels]
         return self._calls_cache
 
-    def check_matched(self, trace) -> None:
+    def check_matched(self, trace, option: str = "save") -> None:
         """Refuse a selection entry that picked nothing: a typo must not silently save less."""
         if not (self.labels or self.types or self.addresses or self.call_labels):
             return  # "all", "none" or a predicate: nothing to match
@@ -122,11 +122,11 @@ class SavePolicy:
             entry = missing[0]
             names = sorted(known | types | called | calls)
             close = difflib.get_close_matches(entry, names, n=5, cutoff=0.5)
-            hint = f"; closest: {', '.join(close)}" if close else ""
+            hint = (f"; closest: {', '.join(close)}" if close else "") + _module_class_hint(trace, entry)
             ran = " (that module exists but never ran in this forward)" if entry in self.addresses else ""
             more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""
             raise UnmatchedSelection(f"no op, layer, module call or module named {entry!r} in this trace, and no "
-                                     f"op of that type: save= matched nothing for it{ran}{hint}{more}")
+                                     f"op of that type: {option}= matched nothing for it{ran}{hint}{more}")
 
     def apply(self, trace) -> None:
         """Release the activations the selection did not ask for."""
@@ -138,3 +138,18 @@ class SavePolicy:
             if trace.kinds[i] == Kind.OUTPUT and (trace.op_parents[i][0][1] in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
         trace.keep_activations(kept)
+
+
+def _module_class_hint(trace, entry: str) -> str:
+    """Where ``entry`` names a module class (``T5LayerNorm``, or part of one: ``layernorm``), the addresses
+    that select its modules: a selection takes addresses, not classes."""
+    wanted = entry.lower().replace("_", "")
+    addresses: dict = {}
+    for module in trace.modules:
+        if module.num_calls and wanted in module.class_name.lower().replace("_", ""):
+            addresses.setdefault(module.class_name, []).append(module.address)
+    if not addresses:
+        return ""
+    shown = "; ".join(f"{name} modules are at {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
+                      for name, found in sorted(addresses.items()))
+    return f"; a selection takes module addresses, not module classes: {shown}"
