@@ -279,6 +279,34 @@ def test_control_flow_diverging_from_the_reference_names_the_site():
         tl.trace(model, -positive, intervene={site: tl.zero_ablate()}, reference=reference)
 
 
+def grow_until_large(x):
+    h = x * 1.0
+    while h.norm() < 10:
+        h = h * 1.5
+    return h * 2
+
+
+def test_a_loop_that_ran_fewer_times_is_divergence_not_a_later_op():
+    # An earlier edit makes the loop stop after two passes: at the position of the loop's third pass the
+    # forward calls the same function in the same module call, but from the return line.  The site must
+    # not land there.
+    x = torch.full((4,), 0.5)
+    reference = tl.trace(grow_until_large, (x,))
+    loop = reference["mul_2_4"]
+    assert len(loop.ops) == 6
+    with pytest.raises(tl.InterventionError, match=r"mul_2_4:3.*another path.*:\d+\), where the reference"):
+        tl.trace(grow_until_large, (x,), reference=reference,
+                 intervene={"mul_1_1:1": tl.scale(5.0), "mul_2_4:3": tl.zero_ablate()})
+    # The same site, reached: the edit is the hand-made one.
+    log = tl.trace(grow_until_large, (x,), reference=reference, intervene={"mul_2_4:3": tl.scale(2.0)})
+    h = x * 1.0
+    for k in range(3):
+        h = h * 1.5 * (2.0 if k == 2 else 1.0)
+    while h.norm() < 10:
+        h = h * 1.5
+    assert torch.equal(log.output, h * 2)
+
+
 def test_a_module_passing_its_input_through_is_refused():
     model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.ReLU())
     with pytest.raises(tl.InterventionError, match="did not compute"):

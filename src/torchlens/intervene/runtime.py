@@ -18,14 +18,16 @@ from weakref import ref as weakref
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ..capture.state import StopForward, is_bound, storage_key, version_of
-from ..capture.teardown import remove_handles
-from ..labels.naming import func_name_of
 from ..errors import InterventionError
+from ..record.columns import CALL_CODE, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..record.modules import is_unregistered, shown_class
+from ..labels.naming import func_name_of
+from ..capture.source import source_of
+from ..capture.state import StopForward, is_bound, storage_key, version_of
+from ..capture.teardown import remove_handles
 from ..tree import tensor_leaves
 from .sites import ModuleCallInfo
 
@@ -78,7 +80,7 @@ class Interventions:
         """Apply the actions positioned at this call; return what the call returns to the model."""
         sites = self.by_call.get(call_position)
         if sites is not None:
-            self._check_path(st, sites, func)
+            self._check_path(st, sites, call_position, func)
             values = [t for _, t in leaves]
             slots = [slot for slot, _ in leaves]
             changed = []
@@ -100,17 +102,20 @@ class Interventions:
             raise StopForward
         return out
 
-    def _check_path(self, st, sites, func) -> None:
+    def _check_path(self, st, sites, call_position, func) -> None:
         name = func_name_of(func)
+        call = st.calls[call_position]
+        place = source_of(call[CALL_CODE], call[CALL_LINE])
         for site in sites:
-            if name != site.func_name or not self._same_chain(st, site.chain):
+            if name != site.func_name or not self._same_chain(st, site.chain) or not site.same_place(place):
                 where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) or "the root forward"
                 expected = " > ".join(link.address for link in site.chain) or "the root forward"
                 raise InterventionError(
                     f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
-                    f"reference trace: at that position it called {name!r} in {where}, where the reference "
-                    f"called {site.func_name!r} in {expected}.{self._written_note()} Pass reference= a trace of "
-                    "inputs that take the same path, or use a module site")
+                    f"reference trace: at that position it called {name!r} in {where}{_at(place)}, where "
+                    f"the reference called {site.func_name!r} in {expected}{_at(site.place)}."
+                    f"{self._written_note()} Pass reference= a trace of inputs that take the same path, or use a "
+                    "module site")
 
     def _written_note(self) -> str:
         """Why a reference of the same inputs can still take another path: its forward wrote parameters."""
@@ -425,6 +430,11 @@ class _ModuleHooks:
     def __exit__(self, *exc):
         remove_handles(self._handles)
         return False
+
+
+def _at(place) -> str:
+    """`` (file:line)`` of a recorded call, or nothing when no user frame was found."""
+    return f" ({place.file}:{place.line})" if place is not None else ""
 
 
 def _where(key, op) -> str:

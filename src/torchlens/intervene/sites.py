@@ -5,7 +5,7 @@ and call number while the model runs, so they need nothing beforehand.  Op and l
 predicates over op metadata, only mean something against a whole forward: they are resolved against a
 reference trace of the same inputs (a first metadata-only pass, or one the caller passes) into the
 position of each op in execution order (tensor-producing call number and output slot).  The
-intervened run checks that the op met at each position has the same function and module call stack,
+intervened run checks that the op met at each position has the same function, module call stack and line,
 so a forward that took another path fails loudly instead of editing the wrong op.
 """
 
@@ -19,6 +19,7 @@ import torch
 
 from ..record.columns import Kind
 from ..record.op import Layer, Op
+from ..capture.source import source_of
 from .actions import as_action
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
@@ -27,7 +28,7 @@ _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 class LabelSite:
     """One op of the reference trace an action applies to."""
 
-    __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "stop")
+    __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "place", "stop")
 
     def __init__(self, key, action, op, stop: bool):
         trace = op._trace
@@ -36,6 +37,17 @@ class LabelSite:
         self.slot = trace.slots[op.index]
         self.func_name = op.func_name
         self.chain = module_chain(trace, trace.module_call_indices[op.index])
+        # The line that made the call: a loop that ran fewer times reaches the same position with the same
+        # function in the same module call from another line.  Kept as file and line, which a loaded
+        # trace also holds (None where no user frame was found: not compared).
+        call = trace.calls[self.call]
+        self.place = source_of(call.code, call.line)
+
+    def same_place(self, place) -> bool:
+        """Whether a call made at ``place`` (a ``SourceLocation``) can be this site's call in the reference."""
+        if self.place is None or place is None:
+            return True
+        return (place.file, place.line) == (self.place.file, self.place.line)
 
 
 class ModuleSite:
