@@ -173,6 +173,27 @@ def test_write_through_a_view_protects_the_saved_base_and_rebinds_readers():
     assert log.output.item() == 24.0
 
 
+@pytest.mark.parametrize("write", ["transpose", "diagonal"])
+@pytest.mark.parametrize("path", ["one tensor", "in a tuple"])
+def test_an_output_last_written_through_a_view_shows_the_returned_tensor(write, path):
+    # The output's producer is the in-place op on the view, whose own output is the view: the output node
+    # must still show the tensor the model returned, not that view (another shape, or the same shape with
+    # the values in another order).
+    def f(x):
+        y = x * 2
+        view = y.t() if write == "transpose" else y.diagonal()
+        view.sub_(3)
+        return y if path == "one tensor" else (y, x)
+
+    for save_device in (None, "cpu"):
+        log = tl.trace(f, torch.randn(3, 3), save_device=save_device)
+        returned = log.output if path == "one tensor" else log.output[0]
+        node = log.outputs[0]
+        assert node.parents == ["sub_1_3:1"]
+        assert node.activation.shape == (3, 3) and torch.equal(node.activation, returned)
+        assert log["sub_1_3:1"].activation.shape == ((3, 3) if write == "transpose" else (3,))
+
+
 def test_setitem_is_an_inplace_op_on_its_receiver():
     def f(x):
         c = x.clone()

@@ -197,6 +197,12 @@ class CaptureState:
             return index
         return self._source_of(t)
 
+    def written_through_alias(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` was written through a view or its base since it was bound: the op ``producer_of``
+        names for it then made that alias, not ``t``."""
+        entry = self.producers.get(id(t))
+        return entry is not None and is_bound(entry, t) and entry[2] != version_of(t)
+
     def bound_producer(self, t: torch.Tensor) -> int:
         """The op a tensor was last bound to, without touching its properties (module hooks run with
         the capture mode active, where every tensor property read would re-enter it)."""

@@ -67,8 +67,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         outputs = [("output", producer, _made(OpMeta, (shape_of(output), output.dtype, output.device,
                                                         output.requires_grad, None)))]
         activations = dict(state.saved)
-        if producer in activations:  # the output shows its producer's tensor
-            activations[len(state.records)] = activations[producer]
+        _show_output(state, len(state.records), producer, output, activations)
     else:
         outputs, activations = _outputs(state, output)
     raw = RawRecord(calls, state.records, outputs, state.module_calls, index)
@@ -100,9 +99,22 @@ def _outputs(state: CaptureState, output) -> tuple:
     activations = dict(state.saved)
     for k, (path, producer, t) in enumerate(returned):
         outputs.append((path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None)))
-        if producer in activations:  # an output shows its producer's tensor
-            activations[first_output + k] = activations[producer]
+        _show_output(state, first_output + k, producer, t, activations)
     return outputs, activations
+
+
+def _show_output(state: CaptureState, index: int, producer: int, t, activations: dict) -> None:
+    """Give output node ``index`` the tensor it shows when its producer's is saved: the producer's, or ``t``
+    itself when ``t`` was last written through a view or its base (``a.t().sub_(3); return a``): its
+    producer, the writer, then made that alias, a tensor of another shape or layout."""
+    if producer not in activations:
+        return
+    if state.written_through_alias(t):
+        state.save(index, t, t.requires_grad)
+        if index in state.saved:  # not over a max_saved_bytes budget
+            activations[index] = state.saved[index]
+    else:
+        activations[index] = activations[producer]
 
 
 def _versions(params) -> list:
