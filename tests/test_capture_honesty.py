@@ -311,3 +311,22 @@ def test_a_torchscript_submodule_is_named_as_unseen():
     assert "read by relu_1_1:1; returned by 0:1 (RecursiveScriptModule)" in str(log)
     plain = tl.trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), x)
     assert plain.caveats == () and "outside the trace" not in str(plain)
+
+
+def test_a_torchscript_module_outside_the_model_or_beside_a_compiled_one_is_named_as_unseen():
+    """A scripted module called by a traced callable (``root=``), or held next to a ``torch.compile``d
+    submodule, is a module call with no ops, like one inside the model."""
+    torch.manual_seed(0)
+    scripted, x = torch.jit.script(nn.Linear(8, 8)), torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"TorchScript modules \(<unregistered RecursiveScriptModule #1>\)"):
+        log = tl.trace(lambda t: scripted(t) * 2, x, root=nn.Linear(1, 1))
+    assert torch.equal(log.output, scripted(x) * 2) and log.unattributed == 1
+    assert [(c.label, len(c.ops)) for c in log.module_calls] == \
+        [("<unregistered RecursiveScriptModule #1>:1", 0)]
+
+    model = nn.Sequential(torch.jit.script(nn.Linear(8, 8)), torch.compile(nn.Linear(8, 8), backend="eager"))
+    with pytest.warns(UserWarning, match=r"TorchScript modules \(0\)"):
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    assert [(c.label, c.module.class_name) for c in log.module_calls] == \
+        [("0:1", "RecursiveScriptModule"), ("1:1", "Linear")]

@@ -20,6 +20,7 @@ from ..progress import QUIET, bar, shows_bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
 from ..record.model_index import index_of
+from ..record.modules import is_unregistered
 from ..record.trace import Trace
 from ..tree import as_args, as_kwargs, clone_call
 from .collectives import process_rank
@@ -153,7 +154,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     result._autocast = autocast
     caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
         (submodules.caveats() if submodules is not None else ()) + \
-        (_script_caveat(index.script_modules) if index.script_modules else ())
+        _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ()))
     if caveats:  # else the class default: none
         result.caveats = caveats
     rank = process_rank()
@@ -324,7 +325,16 @@ def _run_observed(packing, model, args, kwargs):
 _FRAMES = FrameClassifier(stop_codes=(_run_forward.__code__,))
 
 
+def _unregistered_scripts(trace) -> tuple:
+    """The TorchScript modules the forward called from outside the model (a callable traced with
+    ``root=``): their outputs are among the unattributed tensors, which gate this look."""
+    return tuple(m.address for m in trace.modules
+                 if is_unregistered(m.address) and isinstance(m._ref, torch.jit.ScriptModule))
+
+
 def _script_caveat(addresses) -> tuple:
+    if not addresses:
+        return ()
     text = (f"TorchScript modules ({', '.join(addresses)}) run their ops where capture cannot see them: each call "
             "is a module call with no ops, and its outputs enter the trace with no parent op (Trace.unattributed); "
             "trace the module before torch.jit.script to record its interior")

@@ -29,7 +29,9 @@ def is_unregistered(address: str) -> bool:
 
 def shown_class(module) -> type:
     """The class a trace shows for ``module``: for a ``torch.compile`` wrapper, the class it wraps."""
-    return type(module._modules.get("_orig_mod", module))
+    # ``in`` and indexing, not ``.get``: a TorchScript module's ``_modules`` is a mapping without it.
+    children = module._modules
+    return type(children["_orig_mod"] if "_orig_mod" in children else module)
 
 
 class CallRow(NamedTuple):
