@@ -194,6 +194,20 @@ def test_an_output_last_written_through_a_view_shows_the_returned_tensor(write, 
         assert log["sub_1_3:1"].activation.shape == ((3, 3) if write == "transpose" else (3,))
 
 
+def test_a_parameter_passed_as_an_input_is_an_input_its_readers_read():
+    # The argument scan files Parameters as the model's parameters; one handed in as an input is data.
+    torch.manual_seed(0)
+    weight_like = nn.Parameter(torch.randn(3, 4))
+    linear = nn.Linear(4, 4)
+    log = tl.trace(linear, weight_like)
+    assert log["linear_1_1:1"].parents == ["input_1:1"] and log["linear_1_1:1"].params == ("weight", "bias")
+    assert log["input_1:1"].children == ["linear_1_1:1"]
+    log = tl.trace(lambda a, b: torch.cat([a, b], 1) * torch.cat([b, a], 1), (weight_like, torch.randn(3, 4)))
+    assert log["cat_1_1:1"].parents == ["input_1:1", "input_2:1"]
+    assert log["cat_2_2:1"].parents == ["input_2:1", "input_1:1"]
+    assert log.validate().passed
+
+
 def test_setitem_is_an_inplace_op_on_its_receiver():
     def f(x):
         c = x.clone()

@@ -116,6 +116,9 @@ class CaptureState:
     # failure reads a few): a trace that meets none of these cases does not pay for setting them.
     unattributed = 0  # tensor arguments whose producer capture never saw
     outside: dict | None = None  # id -> weak reference, per tensor of those
+    # id(Parameter) -> input record, for Parameters passed to the model as inputs: the argument scan files
+    # every Parameter as parameter metadata, and finalize turns these back into parent edges.
+    parameter_inputs: dict | None = None
     save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
     keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
     saved_bytes = 0
@@ -243,6 +246,10 @@ class CaptureState:
 
     def add_source(self, t: torch.Tensor, kind: int, slot) -> int:
         index = self._add(t, kind, slot)
+        if kind == INPUT and type(t) is torch.nn.Parameter:
+            if self.parameter_inputs is None:
+                self.parameter_inputs = {}
+            self.parameter_inputs[id(t)] = index
         if self.finite_flags is not None:
             self.record_finite(index, t)
         if self.grads is not None and t.requires_grad:

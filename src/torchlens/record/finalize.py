@@ -70,6 +70,8 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         _show_output(state, len(state.records), producer, output, activations)
     else:
         outputs, activations = _outputs(state, output)
+    if state.parameter_inputs:
+        _link_parameter_inputs(calls, state.parameter_inputs)
     raw = RawRecord(calls, state.records, outputs, state.module_calls, index)
     # Derived on first read (from the index the record keeps) unless a parameter outside the index is
     # named by its shape, read now (a later ``.data`` assignment could change it).
@@ -101,6 +103,25 @@ def _outputs(state: CaptureState, output) -> tuple:
         outputs.append((path, producer, OpMeta(shape_of(t), t.dtype, t.device, t.requires_grad, None)))
         _show_output(state, first_output + k, producer, t, activations)
     return outputs, activations
+
+
+def _link_parameter_inputs(calls: list, inputs: dict) -> None:
+    """Make a Parameter passed to the model as an input a parent of the calls that read it: the argument
+    scan files every Parameter as parameter metadata, which would leave the input with no reader."""
+    for c, call in enumerate(calls):
+        params = call[CALL_PARAMS]
+        if not params or not any(id(p) in inputs for _, p in params):
+            continue
+        read = tuple((position, inputs[id(p)]) for position, p in params if id(p) in inputs)
+        kept = tuple((position, p) for position, p in params if id(p) not in inputs)
+        parents = tuple(sorted(tuple(call[CALL_PARENTS]) + read, key=_argument_order))
+        calls[c] = (*call[:CALL_PARENTS], parents, kept, *call[CALL_PARAMS + 1:])
+
+
+def _argument_order(edge) -> tuple:
+    """Sort key of a ``(argument position, record)`` edge: positional arguments in order, then keywords."""
+    position = edge[0]
+    return (0, position, "") if isinstance(position, int) else (1, 0, str(position))
 
 
 def _show_output(state: CaptureState, index: int, producer: int, t, activations: dict) -> None:
