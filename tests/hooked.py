@@ -23,14 +23,22 @@ def keep(t, op):
     return None
 
 
+def held_activations(trace) -> dict:
+    """Each op's activation by label, cloned: a later forward that writes a buffer the trace holds by
+    reference would make the trace drop that value (``Trace.drop_written``); the snapshot keeps it."""
+    return {op.label: None if op.activation is None else op.activation.clone() for op in trace.ops}
+
+
 def differing_activations(a, b, skip=()):
-    """Labels whose activations differ between two traces of the same ops."""
-    assert a.labels == b.labels
+    """Labels whose activations differ between two traces of the same ops (``a`` may be a
+    ``held_activations`` snapshot)."""
+    held = a if isinstance(a, dict) else held_activations(a)
+    assert list(held) == b.labels
     differ = []
-    for op_a, op_b in zip(a.ops, b.ops):
-        if op_a.label in skip:
+    for label, op_b in zip(held, b.ops):
+        if label in skip:
             continue
-        x, y = op_a.activation, op_b.activation
+        x, y = held[label], op_b.activation
         if (x is None) != (y is None) or (x is not None and not structures_equal(x, y)[0]):
-            differ.append(op_a.label)
+            differ.append(label)
     return differ

@@ -208,6 +208,32 @@ def test_a_parameter_passed_as_an_input_is_an_input_its_readers_read():
     assert log.validate().passed
 
 
+def test_a_saved_tensor_written_after_the_trace_reads_as_dropped_not_as_a_value_the_op_never_made():
+    # Activations are kept by reference: a later forward updating a buffer the trace holds (here through
+    # an in-place op whose output is the buffer itself), or code writing the input, must not show up as
+    # what the ops made.
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(2))
+
+        def forward(self, x):
+            self.seen.add_(x)
+            return x * 2
+
+    model, x = Counts(), torch.ones(2)
+    log = tl.trace(model, x)
+    assert torch.equal(log["add_1_1:1"].activation, torch.ones(2))
+    model(torch.ones(2))  # the buffer is now [2, 2]; the trace's add_ made [1, 1]
+    with pytest.raises(tl.ActivationUnavailable, match="written in place after the trace ended"):
+        log["add_1_1:1"].activation
+    assert not log["add_1_1:1"].has_activation
+    result = log.validate()
+    assert not result.passed and [label for label, _ in result.mismatched] == ["add_1_1:1"]
+    x.mul_(3)  # the model's input, after the trace
+    assert not log["input_1:1"].has_activation and torch.equal(log["mul_1_2:1"].activation, torch.full((2,), 2.0))
+
+
 def test_setitem_is_an_inplace_op_on_its_receiver():
     def f(x):
         c = x.clone()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import ModuleAttributes, RngState, put_back
 from .capture.state import version_of
@@ -208,6 +209,7 @@ def validate_trace(log, progress=None) -> ValidationResult:
     if log.is_cleaned_up:
         result.nothing_reason = "the trace was cleaned up (cleanup() released its activations)"
         return result
+    log.drop_written()  # replayed against what each op made, not a value written since
     if not log.saved_activations:
         result.nothing_reason = "the trace saved no activations; trace with save='all' to validate"
         return result
@@ -260,6 +262,8 @@ def _replay_problem(log, op, rng: RngState):
                      "arguments are not part of")
     if not op.has_activation:
         dropped = log.dropped_activations.get(op.index)
+        if dropped == WRITTEN_AFTER_TRACE:  # the trace no longer holds what the op made
+            return _mismatch(f"its saved output was {dropped}")
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")
     replay = getattr(log, "_replay", None)
     context = replay.contexts.get(call_position, replay.context) if replay is not None else None

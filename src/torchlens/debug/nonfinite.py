@@ -132,6 +132,8 @@ def nonfinite_origin(log, grads: bool = False):
         raise TraceCleanedUp("nonfinite_origin needs saved activations or finite flags, and this trace was "
                              "cleaned up without flags: call it before cleanup(), or trace with "
                              "record_finite=True (the flags survive cleanup)")
+    if not log.is_cleaned_up:
+        log.drop_written()  # a tensor written since the trace is not what its op made
     # Outputs repeat their producer's tensor: not examined twice.
     status = [_status(log, i) if k != Kind.OUTPUT else None for i, k in enumerate(log.kinds)]
     examined = sum(1 for s in status if s is not None)

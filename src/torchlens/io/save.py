@@ -151,6 +151,7 @@ def _activation_tensors(trace):
     storages: set = set()
     if trace.is_cleaned_up:
         return tensors, keys, unsaved
+    trace.drop_written()  # a tensor written since the trace is not what its op made
     for index, t in sorted(trace.saved_activations.items()):
         key = key_of_tensor.get(id(t))
         if key is None:

@@ -81,6 +81,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     # output, model, unattributed, timings, budget_exhausted_at, alias_reads, index, raw.
     trace = Trace(model_name, calls, activations, dict(state.clobbered), finite, param_addresses, output, model,
                   state.unattributed, timings, state.budget_exhausted_at, state.alias_reads, index, raw)
+    trace._saved_versions = state.saved_versions  # Trace.drop_written: a later write shows as a dropped value
     if state.outside:  # tensors read from outside the trace: those a module holds as plain attributes, named
         alive = [t for t in (ref() for ref in state.outside.values()) if t is not None]
         trace._outside_attributes = tuple(index.attributes_holding(alive))
@@ -136,6 +137,7 @@ def _show_output(state: CaptureState, index: int, producer: int, t, activations:
             activations[index] = state.saved[index]
     else:
         activations[index] = activations[producer]
+        state.saved_versions[index] = state.saved_versions.get(producer)
 
 
 def _versions(params) -> list:

@@ -170,7 +170,9 @@ class Op(View):
 
     @property
     def has_activation(self) -> bool:
-        return self.index in self._trace._activations
+        trace = self._trace
+        trace.drop_written((self.index,))
+        return self.index in trace._activations
 
     @property
     def activation(self):
@@ -178,6 +180,7 @@ class Op(View):
         trace = self._trace
         if trace._cleaned:
             raise ActivationUnavailable(f"{self.label}: the trace was cleaned up; its activations are gone")
+        trace.drop_written((self.index,))
         reason = trace._dropped.get(self.index)
         if reason is not None:
             raise ActivationUnavailable(f"{self.label}: the saved activation was dropped: {reason}")

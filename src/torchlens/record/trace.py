@@ -26,6 +26,11 @@ _NOT_COPIED = ("a Trace cannot be {} (it holds the model, torch's callables and 
                "keep one with log.save(path) and read it back, as a separate trace, with tl.load(path)")
 
 
+# Why ``drop_written`` dropped a saved tensor (validate reads it as a mismatch: the record no longer holds it).
+WRITTEN_AFTER_TRACE = ("written in place after the trace ended (a later forward updating a buffer the trace holds "
+                       "by reference, or code changing an input or the output); read activations, or .clone() "
+                       "them, before running the model again")
+
 class Trace:
     """Everything one forward pass computed, addressable by label, module call or position.
 
@@ -52,6 +57,7 @@ class Trace:
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
     _outside_attributes: tuple = ()  # record.finalize: module attributes (not buffers) read from outside the trace
     _replay = None  # record.finalize: a capture.state.ReplayContext (contexts, parameter values) for validate
+    _saved_versions = None  # record.finalize: each saved tensor's version at the end (None: capture's own copy)
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
     _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
@@ -329,6 +335,22 @@ class Trace:
     def alias_reads(self) -> frozenset:
         """``(call index, parent op index)`` pairs where a call read a storage written through a view."""
         return self._alias_reads
+
+    def drop_written(self, indices=None) -> None:
+        """Drop the saved tensors (of ``indices``, or all) written in place since the trace ended.
+
+        Activations are kept by reference, so a later forward that updates a buffer the trace holds, or
+        code that changes an input or the output, would otherwise show a value the op never made: each
+        reads as dropped, with the reason, instead.  Readers of the activations call this first."""
+        versions = self._saved_versions
+        if not versions:
+            return
+        activations = self._activations
+        for i in list(versions) if indices is None else indices:
+            version, t = versions.get(i), activations.get(i)
+            if version is not None and t is not None and t._version != version:
+                del activations[i]
+                self._dropped[i] = WRITTEN_AFTER_TRACE
 
     def keep_activations(self, kept) -> None:
         """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward)."""

@@ -110,6 +110,7 @@ def nonfinite_marks(trace) -> list:
     for i, finite in trace.finite_flags.items():
         flags[i] = bool(finite[0] or finite[1])
     if not trace.is_cleaned_up:
+        trace.drop_written()
         for i, tensor in trace.saved_activations.items():
             if flags[i] is None and isinstance(tensor, torch.Tensor):
                 finite = nonfinite_flags(tensor)

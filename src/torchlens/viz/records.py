@@ -134,7 +134,7 @@ class RecordBuilder:
         rec["children"] = op.children
         if op.finite is not None:
             rec["finite"] = {"nan": bool(op.finite[0]), "inf": bool(op.finite[1])}
-        if not trace.is_cleaned_up and op.index in trace.saved_activations:
+        if not trace.is_cleaned_up and op.has_activation:
             rec["activation"] = activation_stats(trace.saved_activations[op.index])
         elif op.index in trace.dropped_activations:
             rec["activation"] = {"dropped": trace.dropped_activations[op.index]}
