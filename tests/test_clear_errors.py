@@ -119,3 +119,28 @@ def test_a_trace_refuses_pickle_and_copy_and_points_at_save(tmp_path):
         with pytest.raises(TypeError, match=r"log\.save\(path\) .* tl\.load\(path\)"):
             attempt()
     assert log.ops[1].activation is not None and len(tl.load(log.save(tmp_path / "kept"))) == len(log)
+
+
+def test_saving_to_an_unusable_path_says_what_is_wrong(tmp_path):
+    from torchlens.io import TraceFileError
+
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    with pytest.raises(TraceFileError, match="the save path is empty"):
+        log.save("")
+    (tmp_path / "notes.txt").write_text("not a folder")
+    with pytest.raises(TraceFileError, match=r"notes\.txt is a file, not a folder"):
+        log.save(tmp_path / "notes.txt" / "run" / "t")
+    with pytest.raises(TraceFileError, match=r"notes\.txt exists and is a file, not a saved trace"):
+        log.save(tmp_path / "notes.txt", overwrite=True)
+    log.save(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(TraceFileError, match="is a symbolic link; torchlens does not save through links"):
+        log.save(tmp_path / "link", overwrite=True)
+
+
+def test_a_bool_is_not_an_op_index():
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    for flag in (True, False):
+        with pytest.raises(TypeError, match="not a bool"):
+            log[flag]
+    assert log[1].index == 1

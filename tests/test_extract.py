@@ -182,6 +182,16 @@ def test_layer_names_must_pick_one_op_per_batch(tmp_path):
                                       torch.cat([torch.relu(x) for x in data]).numpy())
 
 
+def test_a_nested_tensor_layer_is_refused_with_its_ragged_shape(tmp_path):
+    """Eval ``nn.TransformerEncoder`` with a padding mask runs its layers on nested tensors, which have no
+    single shape: refused by name, as other layouts safetensors cannot hold are, not with torch's error."""
+    from real_models import build
+
+    model, args, kwargs = build("transformer_encoder_padded")
+    with pytest.raises(TypeError, match=r"layers\.0 \(\w+:1\) is a nested tensor of shape 2x\?x\d+"):
+        tl.extract(model.eval(), [args, args], ["layers.0"], tmp_path / "x", kwargs=kwargs, progress=False)
+
+
 def test_dtypes_numpy_lacks_load_as_torch(tmp_path):
     model = nn.Linear(8, 4).to(torch.bfloat16)
     data = [x.to(torch.bfloat16) for x in batches(3)]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import torchlens as tl
 from torchlens.io import TraceFileError
 from torchlens.io.format import sha256_of
+from real_models import build
 from zoo import zoo
 
 OP_FIELDS = ["label", "layer_label", "pass_index", "num_passes", "type", "kind", "func_name", "parents",
@@ -124,6 +125,190 @@ def test_a_loaded_trace_rebuilds_a_nested_output(tmp_path):
     light = tl.load(tl.trace(Nested(), x).save(tmp_path / "meta", activations=False))
     with pytest.raises(tl.ActivationUnavailable, match="log.output is rebuilt from the saved output.*activations=False"):
         light.output
+
+
+def plain_containers(value):
+    """``value`` as a saved trace can hold it: a mapping (a ``ModelOutput``) as a dict, a named tuple as a tuple."""
+    from collections.abc import Mapping
+
+    if isinstance(value, Mapping):
+        return {key: plain_containers(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(plain_containers, value)) if type(value) in (list, tuple) else \
+            tuple(map(plain_containers, value))
+    return value
+
+
+def test_a_loaded_output_keeps_lists_none_slots_and_dotted_keys(tmp_path):
+    class Mixed(nn.Module):
+        def forward(self, x):
+            return [x + 1, None, {"a.b": x * 2, "0": x - 1}, (3, "text")]
+
+    live = tl.trace(Mixed(), torch.randn(2, 2))
+    loaded = tl.load(live.save(tmp_path / "t"))
+    assert same_value(live.output, loaded.output)
+    again = tl.load(loaded.save(tmp_path / "copy"))  # a copy of a copy keeps the structure too
+    assert same_value(live.output, again.output)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "lstm", "detr"])
+def test_a_loaded_corpus_output_matches_the_live_one(name, tmp_path):
+    model, args, kwargs = build(name)
+    live = tl.trace(model.eval(), args, kwargs)
+    loaded = tl.load(live.save(tmp_path / "t"))
+    expected = plain_containers(live.output)
+    got = loaded.output
+    if name == "t5":  # a cache object is code, not data: it comes back as the dict of its fields
+        assert isinstance(got.pop("past_key_values"), dict)
+        expected.pop("past_key_values")
+    assert same_value(expected, got)
+
+
+def test_an_output_saved_without_its_structure_is_refused_unless_a_lone_tensor(tmp_path):
+    class Pair(nn.Module):
+        def forward(self, x):
+            return [x + 1, {"a.b": x * 2}]
+
+    x = torch.randn(2, 2)
+    pair = _without_key(tl.trace(Pair(), x).save(tmp_path / "pair"), "output_structure")
+    with pytest.raises(tl.TorchlensError, match="cannot be rebuilt faithfully.*output.0, output.1.a.b"):
+        tl.load(pair).output
+    lone = _without_key(tl.trace(nn.Linear(2, 2), x).save(tmp_path / "lone"), "output_structure")
+    assert tl.load(lone).output.shape == (2, 2)
+
+
+def _without_key(folder, key):
+    """``folder``'s saved trace as an older torchlens wrote it: ``trace.json`` without ``key``, re-hashed."""
+    path = os.path.join(folder, "trace.json")
+    record = json.load(open(path))
+    del record[key]
+    json.dump(record, open(path, "w"))
+    manifest = json.load(open(os.path.join(folder, "manifest.json")))
+    manifest["files"]["trace.json"] = {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+    json.dump(manifest, open(os.path.join(folder, "manifest.json"), "w"))
+    return folder
+
+
+SUMMARY_CORPUS = ["xlnet", "deberta_v2", "resnet", "gpt2", "lstm", "t5"]
+
+
+def assert_prints_the_same(live, loaded) -> None:
+    assert str(loaded) == str(live)
+    assert loaded.summary().rows == live.summary().rows
+    assert str(loaded.summary()) == str(live.summary())
+
+
+@pytest.mark.parametrize("name", SUMMARY_CORPUS)
+def test_a_loaded_corpus_trace_prints_what_the_live_one_printed(name, tmp_path):
+    model, args, kwargs = build(name)
+    live = tl.trace(model.eval(), args, kwargs)
+    loaded = tl.load(live.save(tmp_path / "t"))
+    assert_prints_the_same(live, loaded)
+    assert_prints_the_same(live, tl.load(loaded.save(tmp_path / "copy")))
+    light = tl.load(live.save(tmp_path / "light", activations=False))
+    assert light.summary().rows == live.summary().rows  # parameter counts do not depend on activations
+    assert "counts the parameters its ops used" not in str(light.summary())
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt2"])
+def test_a_stopped_corpus_trace_loads_stopped(name, tmp_path):
+    model, args, kwargs = build(name)
+    full = tl.trace(model.eval(), args, kwargs)
+    site = full.module_calls[len(full.module_calls) // 2].label
+    live = tl.trace(model, args, kwargs, stop_after=site)
+    loaded = tl.load(live.save(tmp_path / "t"))
+    assert live.stopped_after == loaded.stopped_after == site
+    assert live.output is None and loaded.output is None
+    assert "stopped after" in str(loaded)
+    assert_prints_the_same(live, loaded)
+
+
+def test_caveats_and_the_root_class_are_saved(tmp_path):
+    model, args, kwargs = build("gpt2")
+    with torch.inference_mode():
+        live = tl.trace(model.eval(), args, kwargs, name="experiment-7")
+    loaded = tl.load(live.save(tmp_path / "t"))
+    assert live.caveats and loaded.caveats == live.caveats
+    assert loaded.summary()[0]["class_name"] == live.summary()[0]["class_name"] == type(model).__name__
+    assert_prints_the_same(live, loaded)
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+class _ReusedFromTwoLines(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Double()
+
+    def forward(self, x):
+        x = self.block(x)
+        return self.block(x + 1)
+
+
+class _Looped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Double()
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.block(x)
+        return x
+
+
+@pytest.mark.parametrize("model, wording", [(_ReusedFromTwoLines(), "reused modules"), (_Looped(), "recurrent")])
+def test_loop_or_reuse_wording_survives_a_save(model, wording, tmp_path):
+    live = tl.trace(model, torch.randn(2, 4))
+    loaded = tl.load(live.save(tmp_path / "t"))
+    assert wording in str(live).splitlines()[2]
+    assert str(loaded) == str(live)
+
+
+def test_dropped_activations_print_their_reasons_grouped(tmp_path):
+    class Mixed(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            with torch._C.DisableTorchFunction():  # a write capture cannot see: y's saved value is dropped
+                y.add_(1)
+            return y.double().to(torch.complex128) + 1  # safetensors cannot store complex128
+
+    with pytest.warns(UserWarning, match="dropped saved activations"):
+        live = tl.trace(Mixed(), torch.ones(2))
+    assert "mutated after capture saved it" in str(live)
+    loaded = tl.load(live.save(tmp_path / "t"))
+    text = str(loaded)
+    assert "mutated after capture saved it" in text and "safetensors cannot store complex128" in text
+    light = str(tl.load(live.save(tmp_path / "light", activations=False)))
+    assert "the trace was saved with activations=False" in light
+    assert "mutated after capture saved it" in light  # each op keeps its own reason
+    assert "mutated behind capture" not in light
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_a_model_without_parameters_counts_zero(save, tmp_path):
+    log = tl.trace(nn.ReLU(), torch.randn(2, 4))
+    if save:
+        log = tl.load(log.save(tmp_path / "t"))
+    table = log.summary()
+    assert table[0]["params"] == 0
+    assert "Parameters: 0 " in str(table)
+
+
+def test_saving_a_loaded_trace_again_keeps_arguments_it_could_not_save(tmp_path):
+    import numpy as np
+
+    class FromNumpy(nn.Module):
+        def forward(self, x):
+            return x + torch.tensor(np.arange(3.0), dtype=torch.float32)
+
+    live = tl.trace(FromNumpy(), torch.randn(2, 3))
+    once = tl.load(live.save(tmp_path / "once"))
+    twice = tl.load(once.save(tmp_path / "twice"))
+    label = next(op.label for op in live if op.func_name == "tensor")
+    assert repr(once[label].args) == repr(twice[label].args) == "(<not saved: ndarray array([0., 1., 2.])>,)"
 
 
 def test_tensors_inside_keyword_containers_load_back(tmp_path):

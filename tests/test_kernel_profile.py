@@ -56,6 +56,16 @@ def test_cpu_join_lands_aten_ops_on_their_ops():
     assert "linear_1_1:1" in text and "n/a" in text and "join complete" in text
 
 
+def test_an_unknown_label_names_the_closest_ones():
+    model, x = mlp()
+    kp = tl.report.kernel_profile(model, x)
+    with pytest.raises(KeyError, match=r"'linear_1_1:2' in this profile; closest: linear_1_1:1"):
+        kp["linear_1_1:2"]
+    with pytest.raises(KeyError, match=r"'0' in this profile; closest: 0:1"):
+        kp["0"]
+    assert kp["0:1"]["module_call"] == "0:1"
+
+
 def test_cpu_times_equal_torch_own_parent_walk():
     """Second route over the same profiler data: torch's FunctionEvent parents up to our op markers."""
     model, x = mlp()

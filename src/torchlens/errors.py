@@ -3,9 +3,10 @@
 Nothing here imports the rest of torchlens, so every layer can raise these.  The modules that raise an
 error also re-export it under its former home (``torchlens.io.format.TraceFileError`` and so on).
 ``warn_user`` is the one way torchlens warns: at the user's line, not at a line of torchlens; ``first_few``
-lists names in a message.
+lists names in a message, and ``closest_hint`` suggests the known names nearest a misspelt one.
 """
 
+import difflib
 import os
 import sys
 import warnings
@@ -26,6 +27,13 @@ def first_few(names, n: int = 3) -> str:
     """``names`` for a message: the first ``n``, and how many more."""
     names = list(names)
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def closest_hint(name: str, known) -> str:
+    """``"; closest: a, b"`` naming up to five of ``known`` that resemble ``name`` (empty when none do): the
+    tail of every "no such label" message, so a typo is answered with what was meant."""
+    close = difflib.get_close_matches(name, list(known), n=5, cutoff=0.5)
+    return f"; closest: {', '.join(close)}" if close else ""
 
 
 class TorchlensError(Exception):

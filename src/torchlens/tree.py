@@ -32,7 +32,7 @@ def _is_namedtuple(obj) -> bool:
 _DATACLASS_FIELDS = "__dataclass_fields__"  # what dataclasses.is_dataclass looks for on the class
 
 
-def _children(obj, attrs: bool):
+def container_items(obj, attrs: bool):
     """``(key, child)`` pairs of a container, or None when ``obj`` is not one we walk."""
     if isinstance(obj, (tuple, list)):
         return enumerate(obj)
@@ -67,7 +67,7 @@ def _walk(obj, path, out, attrs, depth, seen) -> None:
     if kind is Tensor or kind in TENSOR_TYPES:  # a lone tensor, the commonest value, by identity first
         out.append((path, obj))
         return
-    if kind in _CONTAINER_TYPES:  # _children's answer for them, without its checks
+    if kind in _CONTAINER_TYPES:  # container_items's answer for them, without its checks
         if depth >= MAX_DEPTH:
             return
         children = obj.items() if kind is dict else enumerate(obj)
@@ -79,7 +79,7 @@ def _walk(obj, path, out, attrs, depth, seen) -> None:
     elif depth >= MAX_DEPTH or isinstance(obj, _SCALARS):
         return
     else:
-        children = _children(obj, attrs)
+        children = container_items(obj, attrs)
         if children is None:
             return
     if id(obj) in seen:
@@ -212,7 +212,7 @@ def _equal(a, b, path, exact, rtol, atol, depth) -> tuple:
         return False, f"{where}: {type(a).__name__} vs {type(b).__name__}"
     if depth >= MAX_DEPTH:
         return True, ""
-    ca, cb = _children(a, True), _children(b, True)
+    ca, cb = container_items(a, True), container_items(b, True)
     if ca is None or cb is None:
         try:
             same = bool(a == b)

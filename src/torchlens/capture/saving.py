@@ -14,8 +14,8 @@ import re
 
 import torch
 
+from ..errors import UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
-from ..errors import UnmatchedSelection
 from ..record.columns import Kind
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
@@ -117,12 +117,9 @@ class SavePolicy:
         missing = sorted(self.labels - known) + sorted(self.type_entries[t] for t in self.types if t not in types)
         missing += sorted(self.addresses - called) + sorted(self.call_labels - calls)
         if missing:
-            import difflib
-
             entry = missing[0]
             names = sorted(known | types | called | calls)
-            close = difflib.get_close_matches(entry, names, n=5, cutoff=0.5)
-            hint = (f"; closest: {', '.join(close)}" if close else "") + _module_class_hint(trace, entry)
+            hint = closest_hint(entry, names) + _module_class_hint(trace, entry)
             ran = " (that module exists but never ran in this forward)" if entry in self.addresses else ""
             more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""
             raise UnmatchedSelection(f"no op, layer, module call or module named {entry!r} in this trace, and no "

@@ -11,12 +11,12 @@ so a forward that took another path fails loudly instead of editing the wrong op
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import NamedTuple
 
 import torch
 
+from ..errors import closest_hint
 from ..record.columns import Kind
 from ..record.op import Layer, Op
 from ..capture.source import source_of
@@ -133,10 +133,8 @@ def split_sites(model, intervene: dict, stop_after):
             pending.append((key, action, stop))
         else:
             names = list(modules) + [f"{name}:1" for name in modules]
-            close = difflib.get_close_matches(key, names, n=5, cutoff=0.5)
-            hint = f"; closest: {', '.join(close)}" if close else ""
             raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address or "
-                           f"module call of {type(model).__name__}{hint}")
+                           f"module call of {type(model).__name__}{closest_hint(key, names)}")
     return module_sites, pending
 
 

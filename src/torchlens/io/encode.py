@@ -4,6 +4,9 @@ Only plain data round-trips: numbers, strings, containers, slices, and the torch
 named constants (dtype, device, Size, layout, memory_format).  Anything else (a custom object passed to
 an op, a tensor nested where capture did not replace it) is stored as its type name and repr and comes
 back as a ``NotSaved`` marker: visible, never mistaken for the original, and never executed.
+A ``NotSaved`` marker (from a loaded trace being saved again) is written back as the record it was read
+from, so a copy of a copy shows the original type and repr, not a marker wrapped in another.  An
+``OutputSlot`` (record/saved_output.py) marks where an output tensor sat in the output's structure.
 ``unsavable`` says which tensors a safetensors file cannot hold, and ``plain_copy`` makes the one it writes.
 """
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from ..record.saved_output import OutputSlot
 
 _MAX_DEPTH = 32
 _TORCH_CONSTANT_TYPES = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
@@ -97,6 +102,10 @@ def encode_value(obj, depth: int = 0):
     if isinstance(obj, slice):
         return {"$": "slice", "v": [encode_value(obj.start, depth + 1), encode_value(obj.stop, depth + 1),
                                      encode_value(obj.step, depth + 1)]}
+    if isinstance(obj, NotSaved):
+        return {"$": "repr", "type": obj.type_name, "v": obj.text}
+    if isinstance(obj, OutputSlot):
+        return {"$": "output", "v": obj.index}
     if isinstance(obj, torch.Tensor):
         return {"$": "tensor", "type": "Tensor", "v": f"shape {list(obj.shape)} {torch_constant_name(obj.dtype)}"}
     if depth < _MAX_DEPTH:
@@ -148,6 +157,10 @@ def decode_value(obj, depth: int = 0):
         return tuple(decode_value(o, depth + 1) for o in v)
     if tag == "dict":
         return {_hashable(decode_value(k, depth + 1)): decode_value(x, depth + 1) for k, x in v}
+    if tag == "output":
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"bad output slot {v!r}")
+        return OutputSlot(v)
     if tag in ("repr", "tensor"):
         return NotSaved(_string(obj.get("type")), _string(v))
     raise ValueError(f"unknown value tag {tag!r}")

@@ -28,8 +28,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..capture.collectives import process_rank
 from ..errors import ResumeMismatchError
+from ..record.layouts import shape_of
+from ..capture.collectives import process_rank
 from ..tree import as_args, path_text, strip, tensor_leaves
 from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_safetensors, safe_member,
                      write_atomic, write_manifest)
@@ -298,6 +299,16 @@ class _NoBar:
         pass
 
 
+
+def refuse_nested(name: str, label: str, t: torch.Tensor) -> None:
+    """Refuse a nested (ragged) activation: it has no single shape, so it can neither be stacked along dim 0
+    nor held by safetensors (asked for its shape, torch raises an internal error instead)."""
+    if t.is_nested:
+        shape = "x".join("?" if d is None else str(d) for d in shape_of(t))
+        raise TypeError(f"{name} ({label}) is a nested tensor of shape {shape} ('?': sizes differ between "
+                        "its components), which cannot be stored in safetensors or stacked along dim 0; choose a "
+                        "layer after it is converted back to a padded tensor (to_padded_tensor)")
+
 class _Run:
     """The extraction folder's state: committed shards, the buffer, and what each layer looks like."""
 
@@ -385,6 +396,7 @@ class _Run:
                                       f"cannot resume). Delete {self.out} to start over")
 
     def check_layer(self, i, name, label, t, position):
+        refuse_nested(name, label, t)
         info = {"name": name, "label": label, "dtype": NAME_OF.get(t.dtype), "row_shape": list(t.shape[1:])}
         if info["dtype"] is None or t.layout != torch.strided:
             raise TypeError(f"{name}: {t.dtype} {t.layout} activations cannot be stored in safetensors")

@@ -24,7 +24,8 @@ from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, Trac
                      read_json, require_safetensors, verify_manifest)
 from .grads import read_grads
 from .interventions import read_interventions
-from .params import read_params
+from .params import read_module_param_counts, read_params
+from .trace_state import read_trace_state
 
 
 
@@ -166,9 +167,30 @@ def _build(record, tensors: dict) -> Trace:
         if value is not None:
             setattr(trace, name, check_index(value, 0, 1 << 31, name))
     read_params(trace, record.get("params"))  # io/params.py
+    read_module_param_counts(trace, record.get("module_param_counts"))
+    read_trace_state(trace, record)  # io/trace_state.py
+    if "output_structure" in record:
+        trace._output_structure = (_output_structure(record["output_structure"], len(trace.outputs)),)
     if cols.get("cleaned_up") is True:
         trace.cleanup()
     return trace
+
+
+def _output_structure(encoded, n_outputs: int):
+    """The saved output structure, each ``OutputSlot`` checked to name one of the ``n_outputs`` outputs."""
+    from ..record.saved_output import OutputSlot
+
+    structure = decode_value(encoded)
+    pending = [structure]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, OutputSlot):
+            check_index(value.index, 0, n_outputs, "output_structure")
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    return structure
 
 
 def _string(v, what) -> str:

@@ -27,7 +27,8 @@ from ..errors import warn_user
 from .encode import encode_value, torch_constant_name, unsavable
 from .grads import write_grads
 from .interventions import write_interventions
-from .params import write_params
+from .params import write_module_param_counts, write_params
+from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
                      read_json, require_safetensors, safe_member, write_atomic, write_manifest)
 
@@ -42,9 +43,11 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
             Any other existing folder is refused.
     """
     path = os.fspath(path)
+    if not path:
+        raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")
     old_files = _check_target(path, overwrite)
     parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    _make_folder(parent, path)
     staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
     os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
     try:
@@ -70,12 +73,34 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
     return path
 
 
+def _make_folder(folder: str, path: str) -> None:
+    """Create ``folder`` (the parent of the save ``path``) and its parents, naming the part of it that is
+    a file when one is in the way (``os.makedirs`` says only "File exists")."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise TraceFileError(f"cannot save to {path}: {_first_file_on(folder)} is a file, not a folder; choose "
+                             "another path") from None
+
+
+def _first_file_on(folder: str) -> str:
+    """The outermost part of the absolute path ``folder`` that exists but is not a folder."""
+    parts = []
+    while os.path.dirname(folder) != folder:
+        parts.append(folder)
+        folder = os.path.dirname(folder)
+    return next((p for p in reversed(parts) if os.path.lexists(p) and not os.path.isdir(p)), parts[0])
+
+
 def _check_target(path: str, overwrite: bool):
     """The files of the saved trace at ``path`` that saving over it will remove; None when nothing is there."""
     if not os.path.lexists(path):
         return None
-    if os.path.islink(path) or not os.path.isdir(path):
-        raise TraceFileError(f"{path} exists and is not a saved trace; choose another path")
+    if os.path.islink(path):
+        raise TraceFileError(f"{path} is a symbolic link; torchlens does not save through links (a link may "
+                             "point anywhere): save to the folder it points to, or choose another path")
+    if not os.path.isdir(path):
+        raise TraceFileError(f"{path} exists and is a file, not a saved trace; choose another path")
     if not os.listdir(path):
         os.rmdir(path)
         return None
@@ -225,6 +250,7 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
         "finite": [[i, bool(f[0]), bool(f[1])] for i, f in sorted(trace.finite_flags.items())],
         "param_addresses": [[i, list(a)] for i, a in sorted(trace.param_addresses.items())],
         "params": write_params(trace),  # io/params.py
+        "module_param_counts": write_module_param_counts(trace),
         "funcs": funcs,
         "codes": codes,
         "calls": calls,
@@ -236,7 +262,22 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
         "alias_reads": sorted([int(c), int(p)] for c, p in trace.alias_reads),
         "activations": [[i, k] for i, k in sorted(keys.items()) if i not in dropped],
         "flops": getattr(trace, "_flops_col", None),  # derived before cleanup(), when arguments were held
+        **_output_structure(trace),
+        **write_trace_state(trace),  # io/trace_state.py
     }
+
+
+def _output_structure(trace) -> dict:
+    """``{"output_structure": ...}`` when the output's containers are known: a live trace's output, or
+    the structure a loaded trace was read with; nothing after ``cleanup()`` released the output."""
+    from ..record.saved_output import output_structure
+
+    if trace.loaded_from is not None:
+        known = trace._output_structure
+        return {} if known is None else {"output_structure": encode_value(known[0])}
+    if trace.is_cleaned_up or trace.stopped_after is not None:
+        return {}
+    return {"output_structure": encode_value(output_structure(trace._output))}
 
 
 def _line(code, offset):

@@ -161,10 +161,13 @@ def _split_self_chains(group: list, site_ops: list, parents_col: list, next_id: 
 def repetition(trace):
     """``"loop"`` when some layer's passes re-ran the same code (a loop, ``generate`` steps),
     ``"reused"`` when every repeated layer ran from different call sites (a shared module called
-    from several lines), None when nothing repeated.  A loaded trace keeps each op's source line but not
-    the lines that made each module call, so it tells them apart by the ops' own lines only."""
+    from several lines), None when nothing repeated.  A loaded trace answers with the verdict its live
+    trace gave (saved with it: it holds no module call frames); one saved before the verdict was, with the
+    ops' own lines only."""
     if not trace.is_recurrent:
         return None
+    if trace._saved_repetition is not None:
+        return trace._saved_repetition
     frames = trace._module_call_frames
     seen: dict = {}
     calls, groups, group_sizes = trace.calls, trace.groups, trace.group_sizes

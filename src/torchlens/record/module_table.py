@@ -21,8 +21,9 @@ SAVED_FOR_BACKWARD = "saved_for_backward_bytes"
 
 
 def module_param_counts(trace) -> dict:
-    """``{module address: unique parameter count under it}``, from the live modules (kept after cleanup);
-    a loaded trace, which holds no modules, counts the parameters its ops used instead."""
+    """``{module address: unique parameter count under it}``, from the live modules (kept after cleanup, and
+    saved with the trace); a loaded trace from a file without those counts (an older torchlens) counts the
+    parameters its ops used instead (``counts_from_used_params`` then says so)."""
     counts = getattr(trace, "_module_param_counts", None)
     if counts is None:
         live = [m for m in trace.modules if m._ref is not None]
@@ -31,8 +32,16 @@ def module_param_counts(trace) -> dict:
             counts = {m.address: sum(p.numel() for p in m._ref.parameters()) for m in live}
         else:
             counts = _used_param_counts(trace)
+            trace._param_counts_from_ops = True
         trace._module_param_counts = counts
     return counts
+
+
+def counts_from_used_params(trace) -> bool:
+    """Whether the summary's parameter counts were rebuilt from the parameters the ops used (a trace saved
+    by an older torchlens, which kept neither the per-module counts nor the full parameter table)."""
+    module_param_counts(trace)
+    return trace._param_counts_from_ops or not trace._params_listed
 
 
 def _used_numels(trace) -> dict:
@@ -60,12 +69,10 @@ def _used_param_counts(trace) -> dict:
 
 
 def root_param_count(trace):
-    """Unique parameters of the whole model (for a loaded trace: those its ops used)."""
-    params = trace.params
-    if params:
-        return sum(p.numel for p in params)
-    if trace.loaded_from is None:
-        return None
+    """Unique parameters of the whole model: 0 for a model without any (for a loaded trace from a file
+    without the parameter table: those its ops used, None when even their shapes were not kept)."""
+    if trace._params_listed:  # a live trace, or a file with the parameter table (io/params.py)
+        return sum(p.numel for p in trace.params)
     numels = _used_numels(trace)
     used = {a for addresses in trace._param_addresses.values() for a in addresses}
     return sum(numels.values()) if used <= set(numels) else None
@@ -211,8 +218,9 @@ def summary_table_text(summary: ModuleSummary) -> str:
     lines.append("-" * len(lines[0]))
     params = "unknown" if root["params"] is None else f"{root['params']:,} (each parameter counted once, tied " \
                                                       "weights included)"
-    if summary.trace.loaded_from is not None and root["params"] is not None:
-        params += "; a loaded trace counts the parameters its ops used"
+    trace = summary.trace
+    if root["params"] is not None and trace.loaded_from is not None and counts_from_used_params(trace):
+        params += "; this trace was saved without its parameter counts, so they count the parameters its ops used"
     lines.append(f"Parameters: {params}")
     if root["flops"] is not None:
         incomplete = "" if root["flops_complete"] else " (a '+' marks rows with ops no formula covers)"

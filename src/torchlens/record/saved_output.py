@@ -1,43 +1,105 @@
-"""The output of a loaded trace, rebuilt from its saved output tensors and their paths.
+"""The output of a loaded trace, rebuilt from its saved output tensors and the output's saved structure.
 
-A saved trace holds each returned tensor with the path it sat at (``output``, ``output.0``,
-``output.logits``) but not the Python objects around them.  The rebuild nests plain containers along
-those paths: a tuple where every key is a position, a dict otherwise (a ``ModelOutput`` comes back as
-a dict of its tensor fields).  Non-tensor parts of the original output were never saved.
+A saved trace holds each returned tensor as an output op, and the structure around them: lists, tuples
+and dicts as they were (a ``None`` slot, a key with a dot in it, a list that is not a tuple), with an
+``OutputSlot`` where each tensor sat and the plain values (numbers, strings, ``None``) in their places.
+What cannot be saved as data comes back in its plainest form: a ``ModelOutput``, a dataclass or another
+object holding tensors as a dict of its fields, a named tuple as a tuple, and any other value as the
+``NotSaved`` marker the file holds for it.
+
+A trace saved before the structure was kept holds the output paths only (``output.0``,
+``output.a.b``), which do not say whether a level was a list or a tuple, or where a key's dots were, so
+its output is rebuilt only when it is a single tensor; otherwise reading it raises, naming the tensors
+to read instead.
 """
 
 from __future__ import annotations
 
-from ..errors import ActivationUnavailable
+from ..errors import ActivationUnavailable, TorchlensError
+from ..tree import MAX_DEPTH, container_items, tensor_leaves
+
+
+class OutputSlot:
+    """Where the ``index``-th output tensor sat in the value the forward returned."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __eq__(self, other):
+        return isinstance(other, OutputSlot) and other.index == self.index
+
+    def __hash__(self):
+        return hash(("OutputSlot", self.index))
+
+    def __repr__(self) -> str:
+        return f"OutputSlot({self.index})"
+
+
+def output_structure(output):
+    """``output`` with each tensor replaced by its ``OutputSlot`` (numbered as ``log.outputs`` are: in the
+    order capture walked the output), and every container made a list, tuple or dict."""
+    slots = {path: OutputSlot(k) for k, (path, _) in enumerate(tensor_leaves(output, attrs=True))}
+    return _structure(output, (), slots, 0)
+
+
+def _structure(value, path: tuple, slots: dict, depth: int):
+    if path in slots:
+        return slots[path]
+    if depth >= MAX_DEPTH:
+        return value  # not walked by capture either; saved as its repr
+    if type(value) is list:
+        return [_structure(v, path + (i,), slots, depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, tuple):  # a named tuple too: its class is code, not data
+        return tuple(_structure(v, path + (i,), slots, depth + 1) for i, v in enumerate(value))
+    holds_tensor = any(p[:len(path)] == path and len(p) > len(path) for p in slots)
+    children = container_items(value, attrs=holds_tensor)
+    if children is None:
+        return value
+    return {key: _structure(v, path + (key,), slots, depth + 1) for key, v in children}
 
 
 def rebuild_output(trace):
-    leaves = []
-    for op in trace.outputs:
-        try:
-            tensor = op.activation
-        except ActivationUnavailable as exc:
-            raise ActivationUnavailable(f"log.output is rebuilt from the saved output tensors, and {exc}") from None
-        if tensor is None:
-            raise ActivationUnavailable(f"this trace was loaded from {trace.loaded_from} and its output "
-                                        f"{op.io_path} was saved without its activation: save with "
-                                        "save='all' (or list the output) to read log.output")
-        leaves.append((op.io_path.split(".")[1:], tensor))
-    if len(leaves) == 1 and not leaves[0][0]:
-        return leaves[0][1]
-    root: dict = {}
-    for keys, tensor in leaves:
-        node = root
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = tensor
-    return _containers(root)
+    """The loaded trace's output: its saved structure with each output tensor put back in its slot."""
+    if trace.stopped_after is not None:
+        return None  # the forward was stopped by stop_after= and returned nothing, as the live trace says
+    tensors = [_output_tensor(trace, op) for op in trace.outputs]
+    if trace._output_structure is None:
+        return _rebuild_from_paths(trace, tensors)
+    return _fill(trace._output_structure[0], tensors)
 
 
-def _containers(node):
-    if not isinstance(node, dict):
-        return node
-    items = {key: _containers(value) for key, value in node.items()}
-    if items and all(key.isdigit() for key in items) and sorted(map(int, items)) == list(range(len(items))):
-        return tuple(items[str(i)] for i in range(len(items)))
-    return items
+def _output_tensor(trace, op):
+    try:
+        tensor = op.activation
+    except ActivationUnavailable as exc:
+        raise ActivationUnavailable(f"log.output is rebuilt from the saved output tensors, and {exc}") from None
+    if tensor is None:
+        raise ActivationUnavailable(f"this trace was loaded from {trace.loaded_from} and its output "
+                                    f"{op.io_path} was saved without its activation: save with "
+                                    "save='all' (or list the output) to read log.output")
+    return tensor
+
+
+def _fill(structure, tensors: list):
+    if isinstance(structure, OutputSlot):
+        return tensors[structure.index]
+    if type(structure) is list:
+        return [_fill(v, tensors) for v in structure]
+    if type(structure) is tuple:
+        return tuple(_fill(v, tensors) for v in structure)
+    if type(structure) is dict:
+        return {key: _fill(v, tensors) for key, v in structure.items()}
+    return structure
+
+
+def _rebuild_from_paths(trace, tensors: list):
+    """A file without the output's structure: only a lone tensor is known for sure."""
+    outputs = trace.outputs
+    if len(outputs) == 1 and outputs[0].io_path == "output":
+        return tensors[0]
+    paths = ", ".join(op.io_path for op in outputs[:6]) + (" ..." if len(outputs) > 6 else "")
+    raise TorchlensError(f"this trace was loaded from {trace.loaded_from}, saved by a torchlens that kept the "
+                         "output's tensors but not the containers around them, so log.output cannot be rebuilt "
+                         f"faithfully; read each tensor as log.outputs[k].activation (paths: {paths})")

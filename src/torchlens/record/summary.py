@@ -88,6 +88,21 @@ def _unattributed_where(trace) -> str:
     return where
 
 
+def _dropped_lines(trace) -> list:
+    """How many saved activations were dropped, and why: one line per reason (``dropped_activations``
+    holds each op's), with how many ops it covers and the first few of them."""
+    dropped = trace._dropped
+    if not dropped:
+        return []
+    by_reason: dict = {}
+    for index in sorted(dropped):
+        by_reason.setdefault(dropped[index], []).append(trace._labels[index])
+    one = len(dropped) == 1
+    lines = [f"  {len(dropped)} saved activation{'' if one else 's'} {'was' if one else 'were'} dropped:"]
+    lines += [f"    {len(labels)} ({first_few(labels)}): {reason}" for reason, labels in by_reason.items()]
+    return lines
+
+
 def summary_text(trace) -> str:
     ops = trace.ops
     n_compute = sum(1 for op in ops if op.kind == "op")
@@ -105,8 +120,7 @@ def summary_text(trace) -> str:
     if trace.unattributed:
         lines.append(f"  {trace.unattributed} tensor arguments came from outside the trace (no parent op)"
                      + _unattributed_where(trace))
-    if trace._dropped:
-        lines.append(f"  {len(trace._dropped)} saved activations were dropped (mutated behind capture)")
+    lines += _dropped_lines(trace)
     if trace.budget_exhausted_at is not None:
         lines.append(f"  saving stopped at {trace._labels[trace.budget_exhausted_at]} (max_saved_bytes)")
     if trace.stopped_after is not None:

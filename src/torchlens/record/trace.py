@@ -8,10 +8,9 @@ the autograd graph its output holds, as soon as nothing refers to it or to one o
 
 from __future__ import annotations
 
-import difflib
 import gc
 
-from ..errors import TorchlensError, TraceCleanedUp
+from ..errors import TorchlensError, TraceCleanedUp, closest_hint
 from .columns import Call, Kind
 from . import grads as _grads
 from . import tables
@@ -55,6 +54,8 @@ class Trace:
     _autocast: dict = {}  # capture.session: device type -> autocast state around the forward, for replay
     _root_class = None  # capture.session: the root module's class name (the module table's first row)
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
+    _output_structure = None  # io.load: (the output with an OutputSlot per tensor,), from record.saved_output
+    _saved_repetition = None  # io.trace_state: in a loaded trace, the live trace's "loop" or "reused" verdict
     _outside_attributes: tuple = ()  # record.finalize: module attributes (not buffers) read from outside the trace
     _replay = None  # record.finalize: a capture.state.ReplayContext (contexts, parameter values) for validate
     _saved_versions = None  # record.finalize: each saved tensor's version at the end (None: capture's own copy)
@@ -62,6 +63,8 @@ class Trace:
     _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
     _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
+    _params_listed = True  # io.params: False in a loaded trace whose file predates the parameter table
+    _param_counts_from_ops = False  # record.module_table: those counts came from the ops (an older saved file)
     _raw = None  # record.finalize.RawRecord: what the columns below are derived from, until all of them are
     # Built on first read (a trace nobody reads sets none of them), or set by ``cleanup``.
     _calls_named = False  # whether ``calls`` has named the raw call tuples
@@ -389,9 +392,9 @@ class Trace:
 
     @property
     def output(self):
-        """The model's return value, exactly as forward returned it (for a loaded trace: its saved
-        tensors, in tuples and dicts along their paths; None when ``stopped_after`` is set: the forward
-        was stopped there by ``stop_after=``)."""
+        """The model's return value, exactly as forward returned it (for a loaded trace: rebuilt from its
+        saved tensors and structure, see ``record/saved_output.py``; None when ``stopped_after`` is set:
+        the forward was stopped there by ``stop_after=``)."""
         if self._cleaned:
             raise TraceCleanedUp("the trace was cleaned up; its output was released")
         if self.loaded_from is not None:
@@ -486,6 +489,8 @@ class Trace:
         return lookup
 
     def __getitem__(self, key):
+        if isinstance(key, bool):  # an int to Python, but never meant as op 0 or op 1
+            raise TypeError(f"index a trace with a label string, an int or a slice, not a bool ({key!r})")
         if isinstance(key, int) and not -len(self) <= key < len(self):
             raise IndexError(f"op index {key} is out of range: this trace has {len(self)} ops "
                              f"(0..{len(self) - 1}, or -1..-{len(self)} from the end)")
@@ -497,9 +502,8 @@ class Trace:
             self._lookup = self._build_lookup()
         found = self._lookup.get(key)
         if found is None:
-            close = difflib.get_close_matches(key, list(self._lookup), n=5, cutoff=0.5)
-            hint = f"; closest: {', '.join(close)}" if close else ""
-            raise KeyError(f"no op, layer, module call or module named {key!r} in this trace{hint}")
+            raise KeyError(f"no op, layer, module call or module named {key!r} in this trace"
+                           f"{closest_hint(key, self._lookup)}")
         view, view_key = found
         return view(self, view_key)
 

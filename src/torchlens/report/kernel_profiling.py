@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ..errors import ProfilerBusyError
+from ..errors import ProfilerBusyError, closest_hint
 from ..tree import as_kwargs
 from .markers import ProfilerMarkers
 from .profile_coverage import Coverage, find_problems
@@ -210,7 +210,8 @@ class KernelProfile:
             self._index = index
         row = self._index.get(label)
         if row is None:
-            raise KeyError(f"no op, layer or module call {label!r} in this profile")
+            raise KeyError(f"no op, layer or module call {label!r} in this profile"
+                           f"{closest_hint(label, self._index)}")
         return dict(row)
 
     def device_time(self, label: str):
