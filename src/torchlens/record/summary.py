@@ -104,6 +104,7 @@ def _dropped_lines(trace) -> list:
 
 
 def summary_text(trace) -> str:
+    trace.drop_written()  # a saved tensor written since the trace is counted as dropped, not as saved
     ops = trace.ops
     n_compute = sum(1 for op in ops if op.kind == "op")
     recurrence = _recurrence(trace)
