@@ -365,6 +365,18 @@ def test_exception_note_names_the_op_and_module():
     assert "'linear'" in notes and "inner:1" in notes
 
 
+def test_an_exception_note_calls_the_root_module_self():
+    linear = nn.Linear(4, 4)
+
+    def forward_then_raise(x):
+        linear(x)
+        raise ValueError("after the module call")
+
+    with pytest.raises(ValueError) as info:
+        tl.trace(forward_then_raise, torch.randn(2, 4), root=linear)
+    assert "the last module call before it: module call self:1" in " ".join(info.value.__notes__)
+
+
 def test_nested_trace_is_refused_clearly():
     def outer(x):
         return tl.trace(torch.relu, x)

@@ -503,5 +503,6 @@ def _where(state, index: int, model) -> str:
     call_number = sum(1 for c in state.module_calls[: index + 1] if c[0] is module)
     address = type(module).__name__
     if isinstance(model, torch.nn.Module):
-        address = next((n for n, m in model.named_modules() if m is module), address).replace("._orig_mod", "")
+        # The root module's own address is "" in named_modules; a trace calls it "self".
+        address = next((n or "self" for n, m in model.named_modules() if m is module), address).replace("._orig_mod", "")
     return f"module call {address}:{call_number}"
