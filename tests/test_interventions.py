@@ -106,6 +106,38 @@ def test_module_call_site_hits_only_that_call_of_a_reused_module():
     assert torch.equal(log["fc:1"].activation, plain["fc:1"].activation)
 
 
+def test_a_module_site_edits_after_the_modules_own_forward_hooks():
+    """Callers of the module get the edited value, as from a hook the user registered last: the module's own
+    hooks run first (here one adding 1), and the site edits what they made."""
+    model, x = SharedModule().eval(), torch.randn(2, 8)
+    own = model.fc.register_forward_hook(lambda module, inputs, output: output + 1.0)
+    try:
+        calls = []
+
+        def second_call_zeroed(module, inputs, output):
+            calls.append(1)
+            return torch.zeros_like(output) if len(calls) == 2 else None
+
+        expected = with_hook(model.fc, model, (x,), second_call_zeroed)
+        plain = tl.trace(model, x)
+        log = tl.trace(model, x, intervene={"fc:2": tl.zero_ablate()})
+        assert torch.equal(log.output, expected)
+        assert torch.equal(log["fc:2"].activation, torch.zeros(2, 8))
+        assert torch.equal(log["fc:2"].original, plain["fc:2"].activation)  # the own hook's value
+        assert log["fc:2"].type == "add"  # the op the own hook ran, inside the call
+        stopped = tl.trace(model, x, stop_after="fc:2")
+        assert torch.equal(stopped["fc:2"].activation, plain["fc:2"].activation)
+
+        def fails(t, op):
+            raise ValueError("bad action")
+
+        with pytest.raises(ValueError, match="bad action"):
+            tl.trace(model, x, intervene={"fc": fails})
+        assert list(model.fc._forward_hooks) == [own.id] and not model.fc._forward_pre_hooks
+    finally:
+        own.remove()
+
+
 def test_label_sites_in_a_python_loop_hit_one_pass_or_every_pass():
     model, x = LoopRNN(steps=4).eval(), torch.randn(2, 8)
     plain = tl.trace(model, x)

@@ -50,6 +50,18 @@ def test_gpt2_module_site_equals_a_forward_hook(gpt2):
     assert torch.equal(log.output.logits, expected)
 
 
+
+def test_gpt2_module_site_edits_after_the_modules_own_hook(gpt2):
+    model, clean, _ = gpt2
+    mlp = model.transformer.h[0].mlp
+    own = mlp.register_forward_hook(lambda m, i, o: o + 1.0)
+    try:
+        expected = with_hook(mlp, model, (clean,), lambda m, i, o: o * 0.25).logits  # registered after own
+        log = tl.trace(model, clean, intervene={"transformer.h.0.mlp": tl.scale(0.25)})
+    finally:
+        own.remove()
+    assert torch.equal(log.output.logits, expected)
+
 def test_gpt2_one_attention_head_ablated_at_the_sdpa_output(gpt2):
     model, clean, _ = gpt2
     plain = tl.trace(model, clean)

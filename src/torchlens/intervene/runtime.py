@@ -4,8 +4,9 @@ Label sites are applied by ``Interventions.at_call``, which the capture handler 
 tensor-producing call when a trace has interventions (one attribute check otherwise).  It runs after
 the call's outputs were recorded and fixes the record up: the op's record, saved activation and
 producer binding then describe the value downstream ops see, and the value the op made is kept as
-``op.original``.  Module sites are applied by a global forward hook that replaces the call's output
-the same way.  Action code runs with torch function handling off, so it never adds ops to the trace.
+``op.original``.  Module sites are applied by a forward hook on each site module, registered after the
+module's own hooks, that replaces the call's output the same way.  Action code runs with torch function
+handling off, so it never adds ops to the trace.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Mapping
 from weakref import ref as weakref
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..errors import InterventionError
 from ..record.columns import CALL_CODE, CALL_LINE
@@ -239,7 +239,7 @@ class Interventions:
         if original is not None and self.keep_originals and record not in self.originals:
             self.originals[record] = original
 
-    # ----- module sites: global forward hooks ----------------------------------------------------
+    # ----- module sites: forward hooks on the sites' modules -------------------------------------------
     def module_hooks(self, st, root):
         return _ModuleHooks(self, st, root)
 
@@ -379,9 +379,13 @@ def _replace_at(obj, path: tuple, value, key):
 
 
 class _ModuleHooks:
-    """Global hooks for module sites.  Torch runs them inside the module call ``ModuleCallTracker``
-    records, so the call is on ``state.module_stack`` in both; the call's outputs are recorded when it
-    returns, after the post hook replaced them (or by the post hook itself when it stops the forward)."""
+    """Forward hooks on the module sites' modules, for the trace.  The edit hook is registered on each
+    site module after the module's own hooks (torch runs them in registration order), so it sees what the
+    module's hooks made and callers receive the edited value, as from a hook the user added last.  Torch
+    runs a module's hooks inside the call ``ModuleCallTracker`` records, so the call is on
+    ``state.module_stack`` in both; the call's outputs are recorded when it returns, after the edit hook
+    replaced them (or by the edit hook itself when it stops the forward).  Only the site modules get hooks:
+    every other module call runs as in a plain trace."""
 
     def __init__(self, runtime: Interventions, st, root):
         self.runtime, self.st, self.root = runtime, st, root
@@ -391,17 +395,15 @@ class _ModuleHooks:
         runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
         by_module = runtime.by_module
         counts: dict = {}
-        open_calls: list = []  # (module call index, call number) of site modules now running
+        open_calls: list = []  # (module, module call index, call number) of site modules now running
 
         def pre_hook(module, args):
-            if id(module) in by_module and module is not root and threading.get_ident() == owner:
+            if threading.get_ident() == owner:
                 counts[id(module)] = number = counts.get(id(module), 0) + 1
                 open_calls.append((module, st.module_stack[-1], number))
 
         def post_hook(module, args, output):
-            if id(module) not in by_module or module is root or threading.get_ident() != owner:
-                return None
-            if not open_calls or open_calls[-1][0] is not module:
+            if threading.get_ident() != owner or not open_calls or open_calls[-1][0] is not module:
                 return None
             _, module_call, number = open_calls.pop()
             if output is None:
@@ -420,8 +422,11 @@ class _ModuleHooks:
             return new
 
         try:
-            self._handles.append(register_module_forward_pre_hook(pre_hook))
-            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+            for module in _site_modules(runtime.module_sites, root):
+                # The count first, before the module's own pre-hooks, so it numbers every call the tracker
+                # records; the edit last, after its own forward hooks (always_call: an exception pops the count).
+                self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
+                self._handles.append(module.register_forward_hook(post_hook, always_call=True))
             return self
         except BaseException:
             self.__exit__(None, None, None)
@@ -430,6 +435,13 @@ class _ModuleHooks:
     def __exit__(self, *exc):
         remove_handles(self._handles)
         return False
+
+
+def _site_modules(module_sites, root) -> list:
+    """Each module object named by a module site, once (an alias names the same object), the root aside:
+    its output is the trace's output."""
+    modules = {id(site.module): site.module for site in module_sites if site.module is not root}
+    return list(modules.values())
 
 
 def _at(place) -> str:
