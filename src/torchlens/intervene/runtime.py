@@ -252,18 +252,23 @@ class Interventions:
         if not sites:
             return None
         address = self._address(module)  # the call's label uses the module's first address, not an alias
-        # The tensors returned in containers.  Those in plain objects' attributes (a key/value cache, a state
+        # Every tensor the call returns, numbered as the call's record numbers its outputs (capture/modules.py's
+        # bound_output: objects' attributes included), so that ``output_index`` names the same tensor in
+        # every trace of the call (tl.patch_from reads the source trace's output number ``output_index``).
+        leaves = tensor_leaves(output, attrs=True)
+        # Only those in containers are edited.  Those in plain objects' attributes (a key/value cache, a state
         # object) are listed in the call's record but not edited here: a cache's tensors were read inside
         # the call, and an object cannot be rebuilt reliably.
-        leaves = tensor_leaves(output)
-        if not leaves and tensor_leaves(output, attrs=True):
+        editable = {path for path, _ in tensor_leaves(output)}
+        if leaves and not editable:
             raise InterventionError(
                 f"module site {sites[0].key!r}: {address}:{call_number} returns its tensors inside a "
                 f"{type(output).__name__} object's attributes, which a module site does not edit; intervene at "
                 "the op label of the tensor instead (the call's output_ops in a plain trace)")
+        leaves = [(k, path, t) for k, (path, t) in enumerate(leaves) if path in editable]
         replaced: dict = {}  # id(returned tensor) -> the tensor downstream gets
         done: set = set()
-        for k, (path, t) in enumerate(leaves):
+        for k, path, t in leaves:
             if id(t) in done:  # the same tensor returned twice is one value
                 continue
             done.add(id(t))
@@ -286,7 +291,7 @@ class Interventions:
         if not replaced:
             return None
         new_output = output
-        for path, t in leaves:
+        for _, path, t in leaves:
             if id(t) in replaced:
                 new_output = _replace_at(new_output, path, replaced[id(t)], sites[0].key)
         return new_output
