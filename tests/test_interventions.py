@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -136,6 +137,45 @@ def test_a_module_site_edits_after_the_modules_own_forward_hooks():
         assert list(model.fc._forward_hooks) == [own.id] and not model.fc._forward_pre_hooks
     finally:
         own.remove()
+
+
+class _Checkpointed(nn.Module):
+    """A block run through torch.utils.checkpoint: its backward recomputes the block's forward."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("site,hooked", [("block.0", 0), ("tanh_1_2:1", 1)])
+def test_an_edit_inside_a_checkpoint_region_with_grad_is_refused(reentrant, site, hooked):
+    """The backward would recompute the region without the edit: gradients of another forward than the
+    one traced.  Without gradients nothing is recomputed, and the edit is the hand-written hook's."""
+    torch.manual_seed(0)
+    model, x = _Checkpointed(reentrant), torch.randn(3, 4, requires_grad=True)
+    kind = "reentrant" if reentrant else "non-reentrant"
+    tl.trace(model, x)  # plain: allowed (a first trace may also import torch's lazy submodules)
+    before = snapshot(model, (x,))
+    with pytest.raises(tl.InterventionError, match=f"inside a {kind} torch.utils.checkpoint region"):
+        tl.trace(model, x, intervene={site: tl.scale(3.0)})
+    assert_untouched(before, snapshot(model, (x,)))
+    assert_clean_process()
+    probed = tl.trace(model, x, intervene={site: keep})  # a probe changes nothing: allowed
+    assert probed.interventions
+    expected = with_hook(model.block[hooked], model, (x,), lambda module, inputs, output: output * 3.0)
+    with torch.no_grad():
+        log = tl.trace(model, x, intervene={site: tl.scale(3.0)})
+    assert torch.equal(log.output, expected)
+    if reentrant:  # inputs that need no grad: autograd records no checkpoint node, nothing is recomputed
+        log = tl.trace(model, x.detach(), intervene={site: tl.scale(3.0)})
+        assert torch.equal(log.output, expected)
 
 
 def test_label_sites_in_a_python_loop_hit_one_pass_or_every_pass():

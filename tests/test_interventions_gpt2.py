@@ -118,3 +118,22 @@ def test_gpt2_identity_at_every_op_and_module_is_bit_identical(gpt2):
     assert torch.equal(plain.output.logits, touched.output.logits)
     assert not differing_activations(plain, touched)
     assert len(touched.interventions) == sum(1 for op in plain.ops if op.kind == "op")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gpt2_with_gradient_checkpointing_refuses_an_edit_inside_a_block(reentrant):
+    """transformers runs each block through torch.utils.checkpoint in train mode: the backward would
+    recompute the block without the edit.  Refused, saying what to do; with checkpointing off it runs."""
+    pytest.importorskip("transformers")
+    model = small_gpt2_lm()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ids = torch.tensor([[5, 9, 13, 21]])
+    with pytest.raises(tl.InterventionError, match="checkpoint region.*gradient_checkpointing_disable"):
+        tl.trace(model, ids, intervene={"transformer.h.0.mlp": tl.scale(0.5)})
+    model.gradient_checkpointing_disable()
+    model.eval()
+    expected = with_hook(model.transformer.h[0].mlp, model, (ids,), lambda m, i, o: o * 0.5).logits
+    log = tl.trace(model, ids, intervene={"transformer.h.0.mlp": tl.scale(0.5)})
+    assert torch.equal(log.output.logits, expected)

@@ -12,6 +12,7 @@ handling off, so it never adds ops to the trace.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from collections.abc import Mapping
 from weakref import ref as weakref
@@ -169,6 +170,14 @@ class Interventions:
             raise InterventionError(f"intervention at {_where(key, op)} returned a {tuple(new.shape)} {new.dtype} "
                                     f"tensor for a {tuple(value.shape)} {value.dtype} value; an action must keep shape "
                                     "and dtype" + hint)
+        region = _checkpoint_region()
+        if region is not None:
+            raise InterventionError(
+                f"intervention at {_where(key, op)}: the site is inside a {region} torch.utils.checkpoint region "
+                "with gradients enabled, whose backward runs the region again without the edit, so gradients "
+                "through it would be those of the unedited forward. Trace with gradient checkpointing off (for a "
+                "transformers model, model.gradient_checkpointing_disable()), or under torch.no_grad() when no "
+                "gradient is needed")
         return new
 
     # ----- record fix-ups ------------------------------------------------------------------------
@@ -447,6 +456,43 @@ def _site_modules(module_sites, root) -> list:
     its output is the trace's output."""
     modules = {id(site.module): site.module for site in module_sites if site.module is not root}
     return list(modules.values())
+
+
+def _checkpoint_region():
+    """``"non-reentrant"`` or ``"reentrant"`` when the forward is now inside a ``torch.utils.checkpoint``
+    region whose backward will recompute it (an edit made here would be missing from the recomputation),
+    else None.  Looked at only when an action changes a value, never per op.
+
+    A non-reentrant region is open while its pack hook is the innermost saved-tensors hook, with grad on
+    (a saved-tensors hook the model pushes inside the region hides it: not detected).  A reentrant region
+    runs its forward inside ``CheckpointFunction.forward`` (found on the stack), under no_grad; its
+    backward happens only when autograd recorded the call, which gave the node its next functions."""
+    checkpointing = sys.modules.get("torch.utils.checkpoint")
+    if checkpointing is None:
+        return None
+    innermost = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if innermost is not None and torch.is_grad_enabled():
+        hooks = innermost(False)
+        code = getattr(hooks[0], "__code__", None) if hooks is not None else None
+        if code is not None and any(code is pack for pack in _checkpoint_pack_codes(checkpointing)):
+            return "non-reentrant"
+    function = getattr(checkpointing, "CheckpointFunction", None)
+    code = getattr(getattr(function, "forward", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    if frame is not None:
+        ctx = frame.f_locals.get("ctx")
+        if any(fn is not None for fn, _ in getattr(ctx, "next_functions", ())):
+            return "reentrant"
+    return None
+
+
+def _checkpoint_pack_codes(checkpointing) -> tuple:
+    """The code of the pack hook a non-reentrant checkpoint region pushes (``_checkpoint_hook``'s)."""
+    init = getattr(getattr(checkpointing, "_checkpoint_hook", None), "__init__", None)
+    consts = getattr(getattr(init, "__code__", None), "co_consts", ())
+    return tuple(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
 
 
 def _at(place) -> str:
