@@ -17,10 +17,10 @@ import math
 
 import torch
 
+from ..errors import TorchlensError, first_few
 from ..capture.restore import ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
-from ..errors import TorchlensError, first_few
 from ..tree import clone_call
 
 
@@ -76,29 +76,35 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
 
     ``estimate`` is ``sum((clean - corrupt) * grad)`` with the gradient of ``metric(output)`` taken on the
     corrupted run, ``normalized`` divides it by ``clean - corrupt`` of the metric.  Ops whose value the
-    gradient cannot reach (integer tensors, a value written in place later) have NaN and a ``note``.
+    gradient cannot reach (integer tensors, a value written in place later, a value the forward computes
+    with no gradient) have NaN and a ``note``.
+
+    Both runs are made with gradients on, so that they take the same path through the model (torch's fused
+    inference kernels run only without them) and the clean baseline is computed as the corrupted run is.
+    The forward is the model's own: values are attributed where autograd already follows them, never made
+    to require a gradient they would not have (which could change what the forward does: an in-place write
+    into such a value, an integer op on it).
     """
     pd = _pandas()
     runs = _Runs(model)
-    with torch.no_grad():
+    with torch.enable_grad():
         clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
     live: dict = {}  # label -> (differentiable tensor, its version when captured)
     notes: dict = {}
 
     def grab(t, op):
+        """A probe: keep the value the gradient reaches, or say why it reaches none."""
         if not t.is_floating_point():
             notes[op.label] = "not a floating-point value"
-            return None
-        if op.is_inplace:
+        elif op.is_inplace:
             notes[op.label] = "written in place: no gradient of its own value"
-            return None
-        if t.requires_grad:
+        elif not t.requires_grad:
+            notes[op.label] = ("computed with no gradient (from no parameter or input that requires grad); pass "
+                               "inputs that require grad to attribute the ops computed from them")
+        else:
             live[op.label] = (t, t._version)
-            return None
-        leaf = t.detach().requires_grad_()  # same values; a leaf so the metric's gradient reaches it
-        live[op.label] = (leaf, leaf._version)
-        return leaf
+        return None
 
     try:
         with torch.enable_grad():
@@ -117,8 +123,9 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     corrupt_value = _scalar(value)
     estimate = {}
     for k, g in zip(labels, grads):
-        delta = clean_log[k].activation.to(live[k][0].dtype) - live[k][0].detach()
-        estimate[k] = 0.0 if g is None else float((delta * g).sum())
+        estimate[k] = 0.0 if g is None else float((_change(clean_log[k].activation, live[k][0].detach()) * g).sum())
+        if not math.isfinite(estimate[k]):
+            notes[k] = "the value or its gradient is not finite: no first-order estimate"
     rows = []
     for op in clean_log.ops:
         if op.kind != "op":
@@ -171,6 +178,14 @@ class _Runs:
             raise TorchlensError(f"the forward writes parameters in place ({first_few(written)}), so each run of "
                                  "the experiment would start from another model; run the experiment again: those "
                                  "parameters are now known, and every run puts them back")
+
+
+def _change(clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
+    """``clean - corrupt``, 0 where the two are equal: an attention mask's ``-inf`` is the same in both runs,
+    which is no change, not the NaN of ``inf - inf``."""
+    clean = clean.to(corrupt.dtype)
+    return torch.where(clean == corrupt, torch.zeros((), dtype=corrupt.dtype, device=corrupt.device),
+                       clean - corrupt)
 
 
 def _extent(log, site, dim: int) -> int:
