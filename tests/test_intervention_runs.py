@@ -320,3 +320,95 @@ def test_attribution_patching_attributes_inputs_only_when_they_require_grad():
     expected = float(((2 * clean - 2 * corrupt) * grad).sum())
     assert wanting.set_index("site").estimate["mul_1_1:1"] == pytest.approx(expected, rel=1e-5)
 
+
+# ----- activation patching tables over every module call, and by position ---------------------------------
+def _patched_by_hook(model, module, clean, corrupt, metric, at=None):
+    """``metric`` of ``model(corrupt)`` with each call of ``module`` returning the value of the same call on
+    ``clean`` (only ``[at]`` when given), from untraced forwards and forward hooks."""
+    clean_outputs, calls = [], []
+    handle = module.register_forward_hook(lambda m, inputs, output: clean_outputs.append(output.detach()))
+    try:
+        model(clean)
+    finally:
+        handle.remove()
+
+    def patch(m, inputs, output):
+        source = clean_outputs[len(calls)]
+        calls.append(1)
+        if at is None:
+            return source.clone()
+        patched = output.clone()
+        patched[at] = source[at]
+        return patched
+
+    handle = module.register_forward_hook(patch)
+    try:
+        return float(metric(model(corrupt)))
+    finally:
+        handle.remove()
+
+
+def test_activation_patching_over_modules_reports_a_module_made_in_the_forward_in_its_row():
+    """A module made inside the forward is no module of the model: its row says so and which op to patch,
+    and the table goes on (it used to abort with a KeyError)."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _ActivationMadePerCall().eval(), torch.randn(2, 4), torch.randn(2, 4)
+    metric = lambda out: out[0, 0]  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites="modules", progress=False)
+    assert list(table.site) == ["fc:1", "<unregistered GELU #1>:1"]
+    rows = table.set_index("site")
+    assert rows.metric["fc:1"] == pytest.approx(_patched_by_hook(model, model.fc, clean, corrupt, metric))
+    assert rows.error["fc:1"] == ""
+    made = "<unregistered GELU #1>:1"
+    assert math.isnan(rows.metric[made]) and "made itself" in rows.error[made] and "gelu_1_2:1" in rows.error[made]
+
+
+def test_activation_patching_t5s_loss_made_in_the_forward():
+    """T5 makes its CrossEntropyLoss inside forward: that row says so, the others are patched."""
+    pytest.importorskip("pandas")
+    pytest.importorskip("transformers")
+    model, _, kwargs = real_models.build("t5")
+    model.eval()
+    kwargs = dict(kwargs)
+    clean = kwargs.pop("input_ids")
+    corrupt = clean.clone()
+    corrupt[..., 1] = (corrupt[..., 1] + 5) % 60
+    metric = lambda out: out.logits[0, -1, 3] - out.logits[0, -1, 4]  # noqa: E731
+    site, loss = "encoder.block.1.layer.1.DenseReluDense.wo", "<unregistered CrossEntropyLoss #1>:1"
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites=[f"{site}:1", loss], kwargs=kwargs,
+                                          progress=False)
+    rows = table.set_index("site")
+    assert math.isnan(rows.metric[loss]) and "made itself" in rows.error[loss] and "crossentropy" in rows.error[loss]
+    model_call = lambda ids: model(ids, **kwargs)  # noqa: E731
+    with torch.no_grad():
+        expected = _patched_by_hook(model_call, model.get_submodule(site), clean, corrupt, metric)
+    assert rows.metric[f"{site}:1"] == pytest.approx(expected, rel=1e-5)
+
+
+class _Loop(nn.Module):
+    """One cell called three times."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.zeros_like(x)
+        for _ in range(3):
+            h = torch.tanh(self.cell(x) + h)
+        return h
+
+
+def test_activation_patching_by_position_at_a_module_called_several_times():
+    """``positions=`` at a module address that ran three times patches that position in every call (it
+    raised 'has shape None': a module called several times is no single op)."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _Loop().eval(), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    metric = lambda out: out[0, -1, 0]  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites=["cell"], positions=1, progress=False)
+    assert list(table.position) == list(range(5)) and not table.error.any()
+    with torch.no_grad():
+        expected = [_patched_by_hook(model, model.cell, clean, corrupt, metric, at=(slice(None), p)) for p in range(5)]
+    assert table.metric.tolist() == pytest.approx(expected)

@@ -18,6 +18,8 @@ import math
 import torch
 
 from ..errors import TorchlensError, first_few
+from ..record.modules import Module, is_unregistered
+from ..record.op import Layer
 from ..capture.restore import ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
@@ -46,15 +48,19 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     clean_value = _scalar(metric(clean_log.output))
     corrupt_value = _scalar(metric(runs.trace(corrupt, kwargs, save="none", deep=deep).output))
     names = _sites(clean_log, sites)
-    for site in names:
-        if isinstance(site, str) and site not in clean_log:
-            clean_log[site]  # raises KeyError with the closest names, before any patched run
+    # Why a site cannot be patched at all (reported in its rows); a name the trace lacks raises KeyError with
+    # the closest names, before any patched run.
+    unpatchable = _unpatchable_sites(clean_log, names)
+    # By position, a module call returning no tensor has no positions, so no row.
     patches = [(site, None) for site in names] if positions is None else \
-        [(site, p) for site in names for p in range(_extent(clean_log, site, positions))]
+        [(site, p) for site in names if not isinstance(site, str) or site in clean_log
+         for p in range(_extent(clean_log, site, positions))]
     rows = []
     for site, position in _progress(patches, progress, "activation patching"):
         at = None if position is None else (slice(None),) * positions + (position,)
         try:
+            if site in unpatchable:
+                raise TorchlensError(unpatchable[site])
             patched = runs.trace(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
                                  intervene={site: patch_from(clean_log, at=at)})
             value, error = _scalar(metric(patched.output)), ""
@@ -188,13 +194,49 @@ def _change(clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
                        clean - corrupt)
 
 
+def _unpatchable_sites(log, names) -> dict:
+    """``site -> why it cannot be patched`` for the sites of ``names`` no patched run could take: a module
+    call that returns no tensor, and a module the forward made itself (T5's loss, ``nn.Tanh()(x)``), which
+    is no module of the model, so no module site.  A name ``log`` does not know raises ``KeyError``."""
+    calls = {call.label: call for call in log.module_calls}
+    reasons = {}
+    for site in names:
+        if not isinstance(site, str):
+            continue
+        call = calls.get(site)
+        if call is not None and not call.output_ops:
+            reasons[site] = f"module call {site} returns no tensor: there is nothing to patch"
+            continue
+        log[site]  # raises KeyError with the closest names
+        address = site.rpartition(":")[0] if call is not None else site
+        if is_unregistered(address):
+            outputs = call.output_ops if call is not None else []
+            instead = f" (here {', '.join(outputs)})" if outputs else ""
+            reasons[site] = (f"{site} is a module the forward made itself, not a module of the model, so it is no "
+                             f"module site; patch the op it returns instead{instead}")
+    return reasons
+
+
 def _extent(log, site, dim: int) -> int:
-    """Size of dimension ``dim`` of the value at ``site`` in ``log``."""
-    found = log[site] if isinstance(site, str) else next(op for op in log.ops if op.kind == "op" and site(op))
-    shape = found.ops[0].shape if hasattr(found, "ops") and hasattr(found, "first") else getattr(found, "shape", None)
+    """Size of dimension ``dim`` of the value at ``site`` in ``log`` (its first op's, for a layer or a
+    module called several times: each pass is patched along the same dimension)."""
+    shape = _first_op(log, site).shape
     if shape is None or len(shape) <= dim:
         raise ValueError(f"positions={dim}: the value at {site!r} has shape {shape}, with no dimension {dim}")
     return shape[dim]
+
+
+def _first_op(log, site):
+    """The first op whose value ``site`` changes: the op itself, a layer's first pass, a module's first call's
+    output, or the first op a predicate accepts."""
+    if not isinstance(site, str):
+        return next(op for op in log.ops if op.kind == "op" and site(op))
+    found = log[site]
+    if isinstance(found, Layer):
+        return found.first
+    if isinstance(found, Module):
+        return log[found.call_labels[0]]
+    return found
 
 
 def _sites(log, sites) -> list:
