@@ -420,6 +420,13 @@ def test_helpers_compute_what_they_say():
         at(lambda t, op: t[:2])
 
 
+def test_an_action_moving_the_value_to_another_device_is_refused():
+    model, args, _ = CASES["mlp"]
+    with pytest.raises(tl.InterventionError, match="on meta for a value on cpu.*keep the device"):
+        tl.trace(model, args, intervene={"layers.1": lambda t, op: torch.zeros(t.shape, device="meta")})
+    assert_clean_process()
+
+
 def test_patch_from_needs_the_source_activation():
     model, args, _ = CASES["mlp"]
     empty = tl.trace(model, args, save="none")

@@ -137,3 +137,32 @@ def test_gpt2_with_gradient_checkpointing_refuses_an_edit_inside_a_block(reentra
     expected = with_hook(model.transformer.h[0].mlp, model, (ids,), lambda m, i, o: o * 0.5).logits
     log = tl.trace(model, ids, intervene={"transformer.h.0.mlp": tl.scale(0.5)})
     assert torch.equal(log.output.logits, expected)
+
+
+def test_gpt2_mean_ablate_and_steer_at_one_position_read_dimensions_of_the_whole_value(gpt2):
+    """``dims`` and ``dim`` name dimensions of the whole (batch, seq, d) value; ``at=`` only picks the part
+    changed: the mean over the positions put at position 2, a direction added along d at position 3."""
+    model, clean, corrupt = gpt2
+    batch = torch.cat([clean, corrupt])
+    mlp = model.transformer.h[0].mlp
+
+    def mean_at_2(module, inputs, output):
+        hidden = output.clone()
+        hidden[:, 2] = output.mean(1)
+        return hidden
+
+    expected = with_hook(mlp, model, (batch,), mean_at_2).logits
+    log = tl.trace(model, batch, intervene={"transformer.h.0.mlp": tl.mean_ablate(dims=1, at=(slice(None), 2))})
+    assert torch.allclose(log.output.logits, expected, atol=1e-6)
+
+    direction = torch.linspace(-1, 1, 32)
+
+    def steer_at_3(module, inputs, output):
+        hidden = output.clone()
+        hidden[:, 3] += 2.0 * direction
+        return hidden
+
+    expected = with_hook(mlp, model, (batch,), steer_at_3).logits
+    steered = tl.steer(direction, 2.0, dim=2, at=(slice(None), 3))
+    log = tl.trace(model, batch, intervene={"transformer.h.0.mlp": steered})
+    assert torch.allclose(log.output.logits, expected, atol=1e-6)

@@ -170,6 +170,10 @@ class Interventions:
             raise InterventionError(f"intervention at {_where(key, op)} returned a {tuple(new.shape)} {new.dtype} "
                                     f"tensor for a {tuple(value.shape)} {value.dtype} value; an action must keep shape "
                                     "and dtype" + hint)
+        if new.device != value.device:
+            raise InterventionError(f"intervention at {_where(key, op)} returned a tensor on {new.device} for a value "
+                                    f"on {value.device}; an action must keep the device (move the new value there "
+                                    "with .to(tensor.device))")
         region = _checkpoint_region()
         if region is not None:
             raise InterventionError(
