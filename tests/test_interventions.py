@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -105,6 +106,77 @@ def test_module_call_site_hits_only_that_call_of_a_reused_module():
     assert [a.label for a in log.interventions] == [log["fc:2"].label]
     plain = tl.trace(model, x)
     assert torch.equal(log["fc:1"].activation, plain["fc:1"].activation)
+
+
+def test_a_module_site_edits_after_the_modules_own_forward_hooks():
+    """Callers of the module get the edited value, as from a hook the user registered last: the module's own
+    hooks run first (here one adding 1), and the site edits what they made."""
+    model, x = SharedModule().eval(), torch.randn(2, 8)
+    own = model.fc.register_forward_hook(lambda module, inputs, output: output + 1.0)
+    try:
+        calls = []
+
+        def second_call_zeroed(module, inputs, output):
+            calls.append(1)
+            return torch.zeros_like(output) if len(calls) == 2 else None
+
+        expected = with_hook(model.fc, model, (x,), second_call_zeroed)
+        plain = tl.trace(model, x)
+        log = tl.trace(model, x, intervene={"fc:2": tl.zero_ablate()})
+        assert torch.equal(log.output, expected)
+        assert torch.equal(log["fc:2"].activation, torch.zeros(2, 8))
+        assert torch.equal(log["fc:2"].original, plain["fc:2"].activation)  # the own hook's value
+        assert log["fc:2"].type == "add"  # the op the own hook ran, inside the call
+        stopped = tl.trace(model, x, stop_after="fc:2")
+        assert torch.equal(stopped["fc:2"].activation, plain["fc:2"].activation)
+
+        def fails(t, op):
+            raise ValueError("bad action")
+
+        with pytest.raises(ValueError, match="bad action"):
+            tl.trace(model, x, intervene={"fc": fails})
+        assert list(model.fc._forward_hooks) == [own.id] and not model.fc._forward_pre_hooks
+    finally:
+        own.remove()
+
+
+class _Checkpointed(nn.Module):
+    """A block run through torch.utils.checkpoint: its backward recomputes the block's forward."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("site,hooked", [("block.0", 0), ("tanh_1_2:1", 1)])
+def test_an_edit_inside_a_checkpoint_region_with_grad_is_refused(reentrant, site, hooked):
+    """The backward would recompute the region without the edit: gradients of another forward than the
+    one traced.  Without gradients nothing is recomputed, and the edit is the hand-written hook's."""
+    torch.manual_seed(0)
+    model, x = _Checkpointed(reentrant), torch.randn(3, 4, requires_grad=True)
+    kind = "reentrant" if reentrant else "non-reentrant"
+    tl.trace(model, x)  # plain: allowed (a first trace may also import torch's lazy submodules)
+    before = snapshot(model, (x,))
+    with pytest.raises(tl.InterventionError, match=f"inside a {kind} torch.utils.checkpoint region"):
+        tl.trace(model, x, intervene={site: tl.scale(3.0)})
+    assert_untouched(before, snapshot(model, (x,)))
+    assert_clean_process()
+    probed = tl.trace(model, x, intervene={site: keep})  # a probe changes nothing: allowed
+    assert probed.interventions
+    expected = with_hook(model.block[hooked], model, (x,), lambda module, inputs, output: output * 3.0)
+    with torch.no_grad():
+        log = tl.trace(model, x, intervene={site: tl.scale(3.0)})
+    assert torch.equal(log.output, expected)
+    if reentrant:  # inputs that need no grad: autograd records no checkpoint node, nothing is recomputed
+        log = tl.trace(model, x.detach(), intervene={site: tl.scale(3.0)})
+        assert torch.equal(log.output, expected)
 
 
 def test_label_sites_in_a_python_loop_hit_one_pass_or_every_pass():
@@ -347,6 +419,13 @@ def test_helpers_compute_what_they_say():
     assert torch.equal(at(tl.mean_ablate(trace=other)), other_mean)
     with pytest.raises(tl.InterventionError, match="keep shape"):
         at(lambda t, op: t[:2])
+
+
+def test_an_action_moving_the_value_to_another_device_is_refused():
+    model, args, _ = CASES["mlp"]
+    with pytest.raises(tl.InterventionError, match="on meta for a value on cpu.*keep the device"):
+        tl.trace(model, args, intervene={"layers.1": lambda t, op: torch.zeros(t.shape, device="meta")})
+    assert_clean_process()
 
 
 def test_patch_from_needs_the_source_activation():

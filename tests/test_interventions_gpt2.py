@@ -50,6 +50,18 @@ def test_gpt2_module_site_equals_a_forward_hook(gpt2):
     assert torch.equal(log.output.logits, expected)
 
 
+
+def test_gpt2_module_site_edits_after_the_modules_own_hook(gpt2):
+    model, clean, _ = gpt2
+    mlp = model.transformer.h[0].mlp
+    own = mlp.register_forward_hook(lambda m, i, o: o + 1.0)
+    try:
+        expected = with_hook(mlp, model, (clean,), lambda m, i, o: o * 0.25).logits  # registered after own
+        log = tl.trace(model, clean, intervene={"transformer.h.0.mlp": tl.scale(0.25)})
+    finally:
+        own.remove()
+    assert torch.equal(log.output.logits, expected)
+
 def test_gpt2_one_attention_head_ablated_at_the_sdpa_output(gpt2):
     model, clean, _ = gpt2
     plain = tl.trace(model, clean)
@@ -106,3 +118,51 @@ def test_gpt2_identity_at_every_op_and_module_is_bit_identical(gpt2):
     assert torch.equal(plain.output.logits, touched.output.logits)
     assert not differing_activations(plain, touched)
     assert len(touched.interventions) == sum(1 for op in plain.ops if op.kind == "op")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gpt2_with_gradient_checkpointing_refuses_an_edit_inside_a_block(reentrant):
+    """transformers runs each block through torch.utils.checkpoint in train mode: the backward would
+    recompute the block without the edit.  Refused, saying what to do; with checkpointing off it runs."""
+    pytest.importorskip("transformers")
+    model = small_gpt2_lm()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ids = torch.tensor([[5, 9, 13, 21]])
+    with pytest.raises(tl.InterventionError, match="checkpoint region.*gradient_checkpointing_disable"):
+        tl.trace(model, ids, intervene={"transformer.h.0.mlp": tl.scale(0.5)})
+    model.gradient_checkpointing_disable()
+    model.eval()
+    expected = with_hook(model.transformer.h[0].mlp, model, (ids,), lambda m, i, o: o * 0.5).logits
+    log = tl.trace(model, ids, intervene={"transformer.h.0.mlp": tl.scale(0.5)})
+    assert torch.equal(log.output.logits, expected)
+
+
+def test_gpt2_mean_ablate_and_steer_at_one_position_read_dimensions_of_the_whole_value(gpt2):
+    """``dims`` and ``dim`` name dimensions of the whole (batch, seq, d) value; ``at=`` only picks the part
+    changed: the mean over the positions put at position 2, a direction added along d at position 3."""
+    model, clean, corrupt = gpt2
+    batch = torch.cat([clean, corrupt])
+    mlp = model.transformer.h[0].mlp
+
+    def mean_at_2(module, inputs, output):
+        hidden = output.clone()
+        hidden[:, 2] = output.mean(1)
+        return hidden
+
+    expected = with_hook(mlp, model, (batch,), mean_at_2).logits
+    log = tl.trace(model, batch, intervene={"transformer.h.0.mlp": tl.mean_ablate(dims=1, at=(slice(None), 2))})
+    assert torch.allclose(log.output.logits, expected, atol=1e-6)
+
+    direction = torch.linspace(-1, 1, 32)
+
+    def steer_at_3(module, inputs, output):
+        hidden = output.clone()
+        hidden[:, 3] += 2.0 * direction
+        return hidden
+
+    expected = with_hook(mlp, model, (batch,), steer_at_3).logits
+    steered = tl.steer(direction, 2.0, dim=2, at=(slice(None), 3))
+    log = tl.trace(model, batch, intervene={"transformer.h.0.mlp": steered})
+    assert torch.allclose(log.output.logits, expected, atol=1e-6)

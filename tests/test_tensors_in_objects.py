@@ -19,6 +19,7 @@ import torchlens as tl
 
 sys.path.insert(0, os.path.dirname(__file__))  # the real-model corpus lives beside this file
 import real_models  # noqa: E402 - imports transformers lazily, per entry
+from hooked import with_hook  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +233,51 @@ def test_a_module_site_refuses_a_result_whose_tensors_are_all_in_an_object():
     # The op labels reach the same tensors.
     log = tl.trace(model, x, intervene={"linear_1_1": tl.scale(0.0), "add_1_2": tl.scale(0.0)})
     assert torch.equal(log.output, torch.zeros(2, 4))
+
+
+class _StateThenHidden(nn.Module):
+    """Returns a state object before the hidden value, as a block may return its cache first."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _State(self.a(x), None), self.b(x)
+
+
+class _UsesStateThenHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _StateThenHidden()
+
+    def forward(self, x):
+        state, h = self.block(x)
+        return h * 2 + state.h
+
+
+def test_a_module_site_takes_its_source_value_from_the_same_output_of_the_other_trace():
+    """The tensors in the object's attributes count among the call's outputs: the site's output number
+    must count them too, or patch_from and mean_ablate(trace=) read another output of the source call."""
+    torch.manual_seed(0)
+    model, clean, corrupt = _UsesStateThenHidden().eval(), torch.randn(2, 4), torch.randn(2, 4)
+    clean_log = tl.trace(model, clean)
+    (call,) = [c for c in clean_log.module_calls if c.label == "block:1"]
+    assert call.output_ops == ["linear_1_1:1", "linear_2_2:1"]  # state.h, then h
+    seen = []
+    tl.trace(model, corrupt, intervene={"block": lambda t, op: seen.append(op.output_index)})
+    assert seen == [1]
+    with torch.no_grad():
+        clean_h = model.block.b(clean)
+
+    def hidden_replaced(value):
+        return lambda module, inputs, output: (output[0], value.expand_as(output[1]))
+
+    patched = tl.trace(model, corrupt, intervene={"block": tl.patch_from(clean_log)})
+    assert torch.equal(patched.output, with_hook(model.block, model, (corrupt,), hidden_replaced(clean_h)))
+    mean = tl.trace(model, corrupt, intervene={"block": tl.mean_ablate(trace=clean_log)})
+    expected = with_hook(model.block, model, (corrupt,), hidden_replaced(clean_h.mean(0, keepdim=True)))
+    assert torch.allclose(mean.output, expected)
 
 
 def test_a_module_site_on_a_model_returning_a_cache_edits_its_hidden_states(gpt2):

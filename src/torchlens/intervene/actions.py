@@ -21,11 +21,16 @@ class Action:
         if self.at is None:
             return self.value(tensor, op, None)
         new = tensor.clone()
-        new[self.at] = self.value(tensor[self.at], op, self.at)
+        new[self.at] = self.value_at(tensor, op)
         return new
 
     def value(self, tensor: torch.Tensor, op, at):
         raise NotImplementedError
+
+    def value_at(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        """The new value of ``tensor[at]``: the helper's value of that part alone, which for an elementwise
+        helper is the part of its value of the whole."""
+        return self.value(tensor[self.at], op, self.at)
 
     def _describe(self) -> str:
         return ""
@@ -73,7 +78,8 @@ class clamp(Action):  # noqa: N801
 
 
 class steer(Action):  # noqa: N801
-    """Add ``scale * vector`` along dimension ``dim`` (the last by default), broadcast over the others."""
+    """Add ``scale * vector`` along dimension ``dim`` (the last by default), broadcast over the others.
+    ``dim`` is a dimension of the whole value, also with ``at=``, which only picks the part changed."""
 
     def __init__(self, vector, scale=1.0, dim: int = -1, at=None):
         super().__init__(at)
@@ -90,6 +96,9 @@ class steer(Action):  # noqa: N801
         shape[dim] = -1
         vector = self.vector.to(device=tensor.device, dtype=tensor.dtype).reshape(shape)
         return tensor + self.scale * vector
+
+    def value_at(self, tensor, op):
+        return self.value(tensor, op, None)[self.at]  # ``dim`` names a dimension of the whole value
 
     def _describe(self):
         return f"vector[{self.vector.numel()}], scale={self.scale!r}" + (f", dim={self.dim}" if self.dim != -1 else "")
@@ -131,21 +140,22 @@ class patch_from(Action):  # noqa: N801
 
 class mean_ablate(Action):  # noqa: N801
     """Replace the value with its mean over ``dims`` (the batch, dim 0, by default), broadcast back to its
-    shape; with ``trace=``, the mean of the value at the same site in that trace instead."""
+    shape; with ``trace=``, the mean of the value at the same site in that trace instead.  ``dims`` are
+    dimensions of the whole value, also with ``at=``, which only picks the part replaced: ``at=1`` puts the
+    batch mean in row 1."""
 
     def __init__(self, dims=0, trace=None, at=None):
         super().__init__(at)
         self.dims, self.trace = dims, trace
 
     def value(self, tensor, op, at):
-        source = tensor
-        if self.trace is not None:
-            source = source_value(self.trace, op, "tl.mean_ablate")
-            if at is not None:
-                source = source[at]
+        source = tensor if self.trace is None else source_value(self.trace, op, "tl.mean_ablate")
         mean = source.float().mean(dim=self.dims, keepdim=True) if not source.is_floating_point() \
             else source.mean(dim=self.dims, keepdim=True)
         return _like(mean, tensor, op, "tl.mean_ablate's mean")
+
+    def value_at(self, tensor, op):
+        return self.value(tensor, op, None)[self.at]  # ``dims`` are dimensions of the whole value
 
     def _describe(self):
         return f"dims={self.dims!r}" + (", trace=<trace>" if self.trace is not None else "")

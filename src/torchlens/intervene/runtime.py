@@ -4,19 +4,20 @@ Label sites are applied by ``Interventions.at_call``, which the capture handler 
 tensor-producing call when a trace has interventions (one attribute check otherwise).  It runs after
 the call's outputs were recorded and fixes the record up: the op's record, saved activation and
 producer binding then describe the value downstream ops see, and the value the op made is kept as
-``op.original``.  Module sites are applied by a global forward hook that replaces the call's output
-the same way.  Action code runs with torch function handling off, so it never adds ops to the trace.
+``op.original``.  Module sites are applied by a forward hook on each site module, registered after the
+module's own hooks, that replaces the call's output the same way.  Action code runs with torch function
+handling off, so it never adds ops to the trace.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from collections.abc import Mapping
 from weakref import ref as weakref
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..errors import InterventionError
 from ..record.columns import CALL_CODE, CALL_LINE
@@ -169,6 +170,18 @@ class Interventions:
             raise InterventionError(f"intervention at {_where(key, op)} returned a {tuple(new.shape)} {new.dtype} "
                                     f"tensor for a {tuple(value.shape)} {value.dtype} value; an action must keep shape "
                                     "and dtype" + hint)
+        if new.device != value.device:
+            raise InterventionError(f"intervention at {_where(key, op)} returned a tensor on {new.device} for a value "
+                                    f"on {value.device}; an action must keep the device (move the new value there "
+                                    "with .to(tensor.device))")
+        region = _checkpoint_region()
+        if region is not None:
+            raise InterventionError(
+                f"intervention at {_where(key, op)}: the site is inside a {region} torch.utils.checkpoint region "
+                "with gradients enabled, whose backward runs the region again without the edit, so gradients "
+                "through it would be those of the unedited forward. Trace with gradient checkpointing off (for a "
+                "transformers model, model.gradient_checkpointing_disable()), or under torch.no_grad() when no "
+                "gradient is needed")
         return new
 
     # ----- record fix-ups ------------------------------------------------------------------------
@@ -239,7 +252,7 @@ class Interventions:
         if original is not None and self.keep_originals and record not in self.originals:
             self.originals[record] = original
 
-    # ----- module sites: global forward hooks ----------------------------------------------------
+    # ----- module sites: forward hooks on the sites' modules -------------------------------------------
     def module_hooks(self, st, root):
         return _ModuleHooks(self, st, root)
 
@@ -252,18 +265,23 @@ class Interventions:
         if not sites:
             return None
         address = self._address(module)  # the call's label uses the module's first address, not an alias
-        # The tensors returned in containers.  Those in plain objects' attributes (a key/value cache, a state
+        # Every tensor the call returns, numbered as the call's record numbers its outputs (capture/modules.py's
+        # bound_output: objects' attributes included), so that ``output_index`` names the same tensor in
+        # every trace of the call (tl.patch_from reads the source trace's output number ``output_index``).
+        leaves = tensor_leaves(output, attrs=True)
+        # Only those in containers are edited.  Those in plain objects' attributes (a key/value cache, a state
         # object) are listed in the call's record but not edited here: a cache's tensors were read inside
         # the call, and an object cannot be rebuilt reliably.
-        leaves = tensor_leaves(output)
-        if not leaves and tensor_leaves(output, attrs=True):
+        editable = {path for path, _ in tensor_leaves(output)}
+        if leaves and not editable:
             raise InterventionError(
                 f"module site {sites[0].key!r}: {address}:{call_number} returns its tensors inside a "
                 f"{type(output).__name__} object's attributes, which a module site does not edit; intervene at "
                 "the op label of the tensor instead (the call's output_ops in a plain trace)")
+        leaves = [(k, path, t) for k, (path, t) in enumerate(leaves) if path in editable]
         replaced: dict = {}  # id(returned tensor) -> the tensor downstream gets
         done: set = set()
-        for k, (path, t) in enumerate(leaves):
+        for k, path, t in leaves:
             if id(t) in done:  # the same tensor returned twice is one value
                 continue
             done.add(id(t))
@@ -286,7 +304,7 @@ class Interventions:
         if not replaced:
             return None
         new_output = output
-        for path, t in leaves:
+        for _, path, t in leaves:
             if id(t) in replaced:
                 new_output = _replace_at(new_output, path, replaced[id(t)], sites[0].key)
         return new_output
@@ -379,9 +397,13 @@ def _replace_at(obj, path: tuple, value, key):
 
 
 class _ModuleHooks:
-    """Global hooks for module sites.  Torch runs them inside the module call ``ModuleCallTracker``
-    records, so the call is on ``state.module_stack`` in both; the call's outputs are recorded when it
-    returns, after the post hook replaced them (or by the post hook itself when it stops the forward)."""
+    """Forward hooks on the module sites' modules, for the trace.  The edit hook is registered on each
+    site module after the module's own hooks (torch runs them in registration order), so it sees what the
+    module's hooks made and callers receive the edited value, as from a hook the user added last.  Torch
+    runs a module's hooks inside the call ``ModuleCallTracker`` records, so the call is on
+    ``state.module_stack`` in both; the call's outputs are recorded when it returns, after the edit hook
+    replaced them (or by the edit hook itself when it stops the forward).  Only the site modules get hooks:
+    every other module call runs as in a plain trace."""
 
     def __init__(self, runtime: Interventions, st, root):
         self.runtime, self.st, self.root = runtime, st, root
@@ -391,17 +413,15 @@ class _ModuleHooks:
         runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
         by_module = runtime.by_module
         counts: dict = {}
-        open_calls: list = []  # (module call index, call number) of site modules now running
+        open_calls: list = []  # (module, module call index, call number) of site modules now running
 
         def pre_hook(module, args):
-            if id(module) in by_module and module is not root and threading.get_ident() == owner:
+            if threading.get_ident() == owner:
                 counts[id(module)] = number = counts.get(id(module), 0) + 1
                 open_calls.append((module, st.module_stack[-1], number))
 
         def post_hook(module, args, output):
-            if id(module) not in by_module or module is root or threading.get_ident() != owner:
-                return None
-            if not open_calls or open_calls[-1][0] is not module:
+            if threading.get_ident() != owner or not open_calls or open_calls[-1][0] is not module:
                 return None
             _, module_call, number = open_calls.pop()
             if output is None:
@@ -420,8 +440,11 @@ class _ModuleHooks:
             return new
 
         try:
-            self._handles.append(register_module_forward_pre_hook(pre_hook))
-            self._handles.append(register_module_forward_hook(post_hook, always_call=True))
+            for module in _site_modules(runtime.module_sites, root):
+                # The count first, before the module's own pre-hooks, so it numbers every call the tracker
+                # records; the edit last, after its own forward hooks (always_call: an exception pops the count).
+                self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
+                self._handles.append(module.register_forward_hook(post_hook, always_call=True))
             return self
         except BaseException:
             self.__exit__(None, None, None)
@@ -430,6 +453,50 @@ class _ModuleHooks:
     def __exit__(self, *exc):
         remove_handles(self._handles)
         return False
+
+
+def _site_modules(module_sites, root) -> list:
+    """Each module object named by a module site, once (an alias names the same object), the root aside:
+    its output is the trace's output."""
+    modules = {id(site.module): site.module for site in module_sites if site.module is not root}
+    return list(modules.values())
+
+
+def _checkpoint_region():
+    """``"non-reentrant"`` or ``"reentrant"`` when the forward is now inside a ``torch.utils.checkpoint``
+    region whose backward will recompute it (an edit made here would be missing from the recomputation),
+    else None.  Looked at only when an action changes a value, never per op.
+
+    A non-reentrant region is open while its pack hook is the innermost saved-tensors hook, with grad on
+    (a saved-tensors hook the model pushes inside the region hides it: not detected).  A reentrant region
+    runs its forward inside ``CheckpointFunction.forward`` (found on the stack), under no_grad; its
+    backward happens only when autograd recorded the call, which gave the node its next functions."""
+    checkpointing = sys.modules.get("torch.utils.checkpoint")
+    if checkpointing is None:
+        return None
+    innermost = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if innermost is not None and torch.is_grad_enabled():
+        hooks = innermost(False)
+        code = getattr(hooks[0], "__code__", None) if hooks is not None else None
+        if code is not None and any(code is pack for pack in _checkpoint_pack_codes(checkpointing)):
+            return "non-reentrant"
+    function = getattr(checkpointing, "CheckpointFunction", None)
+    code = getattr(getattr(function, "forward", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    if frame is not None:
+        ctx = frame.f_locals.get("ctx")
+        if any(fn is not None for fn, _ in getattr(ctx, "next_functions", ())):
+            return "reentrant"
+    return None
+
+
+def _checkpoint_pack_codes(checkpointing) -> tuple:
+    """The code of the pack hook a non-reentrant checkpoint region pushes (``_checkpoint_hook``'s)."""
+    init = getattr(getattr(checkpointing, "_checkpoint_hook", None), "__init__", None)
+    consts = getattr(getattr(init, "__code__", None), "co_consts", ())
+    return tuple(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
 
 
 def _at(place) -> str:

@@ -69,7 +69,7 @@ class ModuleCallInfo:
         self.address = address
         self.call_index = call_index
         self.module_object = module
-        self.output_index = output_index  # position among the call's output tensors
+        self.output_index = output_index  # position among the call's output tensors, objects' attributes included
         self.output_path = output_path  # where that tensor sits in the returned value
 
     @property

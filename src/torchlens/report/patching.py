@@ -17,10 +17,12 @@ import math
 
 import torch
 
+from ..errors import TorchlensError, first_few
+from ..record.modules import Module, is_unregistered
+from ..record.op import Layer
 from ..capture.restore import ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
-from ..errors import TorchlensError, first_few
 from ..tree import clone_call
 
 
@@ -46,15 +48,19 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     clean_value = _scalar(metric(clean_log.output))
     corrupt_value = _scalar(metric(runs.trace(corrupt, kwargs, save="none", deep=deep).output))
     names = _sites(clean_log, sites)
-    for site in names:
-        if isinstance(site, str) and site not in clean_log:
-            clean_log[site]  # raises KeyError with the closest names, before any patched run
+    # Why a site cannot be patched at all (reported in its rows); a name the trace lacks raises KeyError with
+    # the closest names, before any patched run.
+    unpatchable = _unpatchable_sites(clean_log, names)
+    # By position, a module call returning no tensor has no positions, so no row.
     patches = [(site, None) for site in names] if positions is None else \
-        [(site, p) for site in names for p in range(_extent(clean_log, site, positions))]
+        [(site, p) for site in names if not isinstance(site, str) or site in clean_log
+         for p in range(_extent(clean_log, site, positions))]
     rows = []
     for site, position in _progress(patches, progress, "activation patching"):
         at = None if position is None else (slice(None),) * positions + (position,)
         try:
+            if site in unpatchable:
+                raise TorchlensError(unpatchable[site])
             patched = runs.trace(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
                                  intervene={site: patch_from(clean_log, at=at)})
             value, error = _scalar(metric(patched.output)), ""
@@ -76,29 +82,35 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
 
     ``estimate`` is ``sum((clean - corrupt) * grad)`` with the gradient of ``metric(output)`` taken on the
     corrupted run, ``normalized`` divides it by ``clean - corrupt`` of the metric.  Ops whose value the
-    gradient cannot reach (integer tensors, a value written in place later) have NaN and a ``note``.
+    gradient cannot reach (integer tensors, a value written in place later, a value the forward computes
+    with no gradient) have NaN and a ``note``.
+
+    Both runs are made with gradients on, so that they take the same path through the model (torch's fused
+    inference kernels run only without them) and the clean baseline is computed as the corrupted run is.
+    The forward is the model's own: values are attributed where autograd already follows them, never made
+    to require a gradient they would not have (which could change what the forward does: an in-place write
+    into such a value, an integer op on it).
     """
     pd = _pandas()
     runs = _Runs(model)
-    with torch.no_grad():
+    with torch.enable_grad():
         clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
     live: dict = {}  # label -> (differentiable tensor, its version when captured)
     notes: dict = {}
 
     def grab(t, op):
+        """A probe: keep the value the gradient reaches, or say why it reaches none."""
         if not t.is_floating_point():
             notes[op.label] = "not a floating-point value"
-            return None
-        if op.is_inplace:
+        elif op.is_inplace:
             notes[op.label] = "written in place: no gradient of its own value"
-            return None
-        if t.requires_grad:
+        elif not t.requires_grad:
+            notes[op.label] = ("computed with no gradient (from no parameter or input that requires grad); pass "
+                               "inputs that require grad to attribute the ops computed from them")
+        else:
             live[op.label] = (t, t._version)
-            return None
-        leaf = t.detach().requires_grad_()  # same values; a leaf so the metric's gradient reaches it
-        live[op.label] = (leaf, leaf._version)
-        return leaf
+        return None
 
     try:
         with torch.enable_grad():
@@ -117,8 +129,9 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     corrupt_value = _scalar(value)
     estimate = {}
     for k, g in zip(labels, grads):
-        delta = clean_log[k].activation.to(live[k][0].dtype) - live[k][0].detach()
-        estimate[k] = 0.0 if g is None else float((delta * g).sum())
+        estimate[k] = 0.0 if g is None else float((_change(clean_log[k].activation, live[k][0].detach()) * g).sum())
+        if not math.isfinite(estimate[k]):
+            notes[k] = "the value or its gradient is not finite: no first-order estimate"
     rows = []
     for op in clean_log.ops:
         if op.kind != "op":
@@ -173,13 +186,57 @@ class _Runs:
                                  "parameters are now known, and every run puts them back")
 
 
+def _change(clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
+    """``clean - corrupt``, 0 where the two are equal: an attention mask's ``-inf`` is the same in both runs,
+    which is no change, not the NaN of ``inf - inf``."""
+    clean = clean.to(corrupt.dtype)
+    return torch.where(clean == corrupt, torch.zeros((), dtype=corrupt.dtype, device=corrupt.device),
+                       clean - corrupt)
+
+
+def _unpatchable_sites(log, names) -> dict:
+    """``site -> why it cannot be patched`` for the sites of ``names`` no patched run could take: a module
+    call that returns no tensor, and a module the forward made itself (T5's loss, ``nn.Tanh()(x)``), which
+    is no module of the model, so no module site.  A name ``log`` does not know raises ``KeyError``."""
+    calls = {call.label: call for call in log.module_calls}
+    reasons = {}
+    for site in names:
+        if not isinstance(site, str):
+            continue
+        call = calls.get(site)
+        if call is not None and not call.output_ops:
+            reasons[site] = f"module call {site} returns no tensor: there is nothing to patch"
+            continue
+        log[site]  # raises KeyError with the closest names
+        address = site.rpartition(":")[0] if call is not None else site
+        if is_unregistered(address):
+            outputs = call.output_ops if call is not None else []
+            instead = f" (here {', '.join(outputs)})" if outputs else ""
+            reasons[site] = (f"{site} is a module the forward made itself, not a module of the model, so it is no "
+                             f"module site; patch the op it returns instead{instead}")
+    return reasons
+
+
 def _extent(log, site, dim: int) -> int:
-    """Size of dimension ``dim`` of the value at ``site`` in ``log``."""
-    found = log[site] if isinstance(site, str) else next(op for op in log.ops if op.kind == "op" and site(op))
-    shape = found.ops[0].shape if hasattr(found, "ops") and hasattr(found, "first") else getattr(found, "shape", None)
+    """Size of dimension ``dim`` of the value at ``site`` in ``log`` (its first op's, for a layer or a
+    module called several times: each pass is patched along the same dimension)."""
+    shape = _first_op(log, site).shape
     if shape is None or len(shape) <= dim:
         raise ValueError(f"positions={dim}: the value at {site!r} has shape {shape}, with no dimension {dim}")
     return shape[dim]
+
+
+def _first_op(log, site):
+    """The first op whose value ``site`` changes: the op itself, a layer's first pass, a module's first call's
+    output, or the first op a predicate accepts."""
+    if not isinstance(site, str):
+        return next(op for op in log.ops if op.kind == "op" and site(op))
+    found = log[site]
+    if isinstance(found, Layer):
+        return found.first
+    if isinstance(found, Module):
+        return log[found.call_labels[0]]
+    return found
 
 
 def _sites(log, sites) -> list:
