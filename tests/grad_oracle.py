@@ -40,14 +40,26 @@ class Oracle(TorchFunctionMode):
             k = len(self.outputs)
             self.outputs.append((t, t.requires_grad))
             if t.requires_grad:
-                if self.how == "retain_grad":
-                    t.retain_grad()
-                else:
-                    # Held across the call: registering on a view written in place (Longformer's masked
-                    # chunks) regenerates its grad_fn, which torch frees too early unless it is referenced.
-                    node = t.grad_fn  # noqa: F841
-                    t.register_hook(lambda g, k=k: self._keep(k, g))
+                self._retain(k, t)
         return out
+
+    def _retain(self, k, t):
+        if self.how == "retain_grad":
+            t.retain_grad()
+        else:
+            # Held across the call: registering on a view written in place (Longformer's masked
+            # chunks) regenerates its grad_fn, which torch frees too early unless it is referenced.
+            node = t.grad_fn  # noqa: F841
+            t.register_hook(lambda g, k=k: self._keep(k, g))
+
+    def __exit__(self, *exc):
+        # A custom autograd Function's output is made under no_grad inside its forward and given the
+        # Function's backward node when it returns: it requires grad from then on.
+        for k, (t, requires_grad) in enumerate(self.outputs):
+            if not requires_grad and isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction):
+                self.outputs[k] = (t, True)
+                self._retain(k, t)
+        return super().__exit__(*exc)
 
     def _keep(self, k, g):
         self.hooked[k] = g.clone() if k not in self.hooked else self.hooked[k] + g

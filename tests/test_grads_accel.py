@@ -25,7 +25,7 @@ import torchlens as tl
 from accel_paths import compiled_or_skip, on_path
 from torchlens.capture.grads import _Sink, _store
 from grad_oracle import Oracle, _assert_bit_identical, _case, _loss, _op_grads, _reference
-from test_grads import WithSentinel
+from test_grads import PassThrough, Square, WithSentinel
 from zoo import zoo
 
 
@@ -486,7 +486,7 @@ class _UserHooks(nn.Module):
 
     def forward(self, x):
         h = self.a(x)
-        h.register_hook(lambda g: (self.seen.append("h"), g * 3)[1])  # after capture's own hook on h
+        h.register_hook(lambda g: (self.seen.append("h"), g * 3)[1])  # before capture's own hook on h
         return self.b(torch.tanh(h))
 
 
@@ -506,9 +506,46 @@ def test_the_users_own_hooks_still_run_and_change_what_they_change_on_every_path
         log.backward(log.output.sum())
         assert seen == expected[2] == ["h", "x"]  # each ran once
         assert torch.equal(x.grad, expected[0]) and torch.equal(model.a.weight.grad, expected[1])
-        # capture's hook on h ran before the user's: it holds the gradient the user's hook was handed
+        # capture's hook on h runs after the user's, as retain_grad()'s would: it holds what that hook returned
         (linear,) = [op for op in log.ops if op.func_name == "linear" and op.module_address == "a"]
-        assert torch.allclose(model.a.bias.grad, 3 * linear.grad.sum(0))
+        assert torch.allclose(model.a.bias.grad, linear.grad.sum(0))
         records.append(_record(log, model))
     for other in records[1:]:
         _assert_same(records[0], other)
+
+
+class _FunctionOutputs(nn.Module):
+    """Outputs whose backward node a custom Function sets when it returns, one with a hook of the user's."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.b.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+        self.kept = {}
+
+    def forward(self, x):
+        squared = Square.apply(self.a(x))
+        passed = PassThrough.apply(squared)
+        passed.register_hook(lambda g: g * 10)
+        self.kept = {"squared": squared, "passed": passed}
+        return self.b(passed.tanh())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_function_outputs_get_the_gradient_retain_grad_gives_on_every_path(path):
+    torch.manual_seed(0)
+    model, x = _FunctionOutputs(), torch.randn(3, 4)
+    out = model(x)
+    for t in model.kept.values():
+        t.retain_grad()
+    out.retain_grad()
+    out.sum().backward()
+    expected = {k: t.grad for k, t in model.kept.items()}
+    expected_out, expected_params = out.grad, [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    log = _trace(path, model, (x,))
+    log.backward(log.output.sum())
+    assert torch.equal(log["mul_1_2:1"].grad, expected["squared"])
+    assert torch.equal(log["viewas_1_3:1"].grad, expected["passed"])  # after the user's hook, as retain_grad
+    assert torch.equal(log["b"].grad, expected_out)  # the full backward hook's Function output
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected_params))

@@ -190,6 +190,13 @@ def test_extract_streams_gradients_beside_activations(tmp_path):
     tl.extract(model, batches, ["2"], tmp_path / "f", args_of=lambda b: b[0], grads=True, loss_fn=loss_fn,
                progress=False)
     assert all(p.grad is None for p in model.parameters())  # extraction leaves the model as it was
+    held = [torch.full_like(p, 7.0) for p in model.parameters()]
+    for p, g in zip(model.parameters(), held):
+        p.grad = g
+    tl.extract(model, batches, ["2"], tmp_path / "g", args_of=lambda b: b[0], grads=True, loss_fn=loss_fn,
+               progress=False)
+    for p, g in zip(model.parameters(), held):  # the same tensors, their values untouched
+        assert p.grad is g and bool((g == 7.0).all())
 
 
 def test_kernel_profile_reuses_a_grads_trace_and_reports_backward_per_module_call():
@@ -259,6 +266,9 @@ def test_a_forward_that_raises_leaves_no_hook_behind():
     (h,) = model.kept
     assert not h._backward_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no saved-tensor hooks left
+    from torchlens.capture.grads import _ORIGINAL_APPLY
+
+    assert vars(torch.autograd.Function)["apply"] is _ORIGINAL_APPLY  # torch's own Function.apply is back
     h.sum().backward()  # an untraced backward afterwards runs as usual
     assert model.fc.weight.grad is not None
 
@@ -358,3 +368,41 @@ def test_gradients_no_file_can_hold_are_named_on_the_loaded_trace(tmp_path):
         again.params[0].grad
     with pytest.raises(GradientUnavailable, match="complex128"):
         again[wide.label].grad
+
+
+class SparseEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids):
+        return F.embedding(ids, self.w * 2, sparse=True).sum()
+
+
+def test_sparse_gradients_have_statistics_and_a_documented_save(tmp_path):
+    # mul's gradient (d loss / d (w * 2)) is a sparse COO tensor with a repeated row: its statistics are
+    # those of the dense gradient it stands for, implicit zeros included.
+    torch.manual_seed(0)
+    log = tl.trace(SparseEmbedding(), torch.tensor([[1, 2, 2]]), grads=True)
+    log.backward(log.output)
+    grad = log["mul_1_1:1"].grad
+    assert grad.is_sparse
+    dense = grad.to_dense()
+    row = log.to_pandas().set_index("label").loc["mul_1_1:1"]
+    assert row["grad_norm"] == pytest.approx(float(dense.norm()))
+    assert (row["grad_min"], row["grad_max"]) == (float(dense.min()), float(dense.max())) == (0.0, 2.0)
+    assert row["grad_nonfinite"] == 0
+    assert tl.debug.hot_path(log, by="grad_norm").rows
+    assert tl.debug.nonfinite_origin(log, grads=True).origin_label is None
+    loaded = tl.load(log.save(tmp_path / "t"))
+    with pytest.raises(GradientUnavailable, match="not saved .*sparse"):
+        loaded["mul_1_1:1"].grad
+
+
+def test_a_value_replaced_by_an_intervention_says_so_when_it_has_no_gradient():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    log = tl.trace(model, torch.randn(3, 4), grads=True, intervene={"relu_1_2:1": tl.zero_ablate()})
+    log.backward(log.output.sum())
+    with pytest.raises(GradientUnavailable, match="an intervention .*zero_ablate") as raised:
+        log["relu_1_2:1"].grad
+    assert "no_grad" not in str(raised.value)

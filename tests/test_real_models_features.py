@@ -129,3 +129,37 @@ def test_interventions_equal_the_untraced_edit(name, mode):
         assert same_output(zeroed.output, expected), ops[k].label
         checked += 1
     assert checked
+
+
+def test_llama_reentrant_gradient_checkpointing_gives_each_layer_its_gradient():
+    # Each decoder layer runs inside torch.utils.checkpoint(use_reentrant=True), whose Function gives the
+    # layer's output its backward node when it returns: that output's gradient is what retain_grad() gives.
+    pytest.importorskip("transformers")
+    from real_models import llama
+
+    def build():
+        seed(0)
+        model, args, kwargs = llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        return model.train(), args, kwargs
+
+    model, args, kwargs = build()
+    kept = {}
+
+    def keep_layer_input(module, args, kwargs):  # the next layer's input is layer 0's returned tensor
+        kept["h"] = kwargs.get("hidden_states", args[0] if args else None)
+        kept["h"].retain_grad()
+
+    model.model.layers[1].register_forward_pre_hook(keep_layer_input, with_kwargs=True)
+    seed(1)
+    model(*args, **kwargs).logits.sum().backward()
+    expected_params = param_grads(model)
+
+    model, args, kwargs = build()
+    seed(1)
+    log = tl.trace(model, args, kwargs, grads=True)
+    log.backward(log.output["logits"].sum())
+    assert torch.equal(log["model.layers.0"].grad, kept["h"].grad)
+    params = param_grads(model)
+    assert params.keys() == expected_params.keys()
+    assert all(torch.equal(params[n], expected_params[n]) for n in params)

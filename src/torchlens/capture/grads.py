@@ -24,13 +24,17 @@ What autograd keeps for backward is recorded separately, on request (capture/pac
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections import OrderedDict
 from functools import partial
 
 import torch
 
+from ..record.finalize import tensor_leaves
+from ..record.grads import output_nodes, outputs_without_producer
 from . import accel
+from .teardown import until_done
 
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
@@ -223,15 +227,48 @@ class GradCapture:
     def rewatch(self, index: int, t: torch.Tensor) -> None:
         """An intervention replaced record ``index``'s value: its gradient is now that of ``t``, the value
         downstream ops saw (the hook moves from the op's own output to it)."""
-        handle = self.handles.pop(index, None)
-        if handle is None:  # not selected, or its output did not require grad
+        if not self._unwatch(index):  # not selected, or its output did not require grad
             return
+        if t.requires_grad:
+            self.add_hook(index, t)  # already selected when first watched
+
+    def _unwatch(self, index: int) -> bool:
+        """Remove record ``index``'s hook; whether it had one."""
+        handle = self.handles.pop(index, None)
+        if handle is None:
+            return False
         _remove_all({index: handle}, self._keys, self._base)
         if self._cpp is not None:
             self.add_hook.remove((index,))
         self._keys.pop(index, None)
-        if t.requires_grad:
-            self.add_hook(index, t)  # already selected when first watched
+        return True
+
+    def follow_new_node(self, index: int, t: torch.Tensor, grad_fn, func, module_call: int) -> None:
+        """``Function.apply`` gave record ``index``'s tensor ``t`` a new backward node ``grad_fn`` after
+        the record was made (inside ``Function.forward``, under ``no_grad``, or as a view ``_wrap_outputs``
+        made): the hook goes to that node, the only one a backward runs for ``t``.
+
+        A hook dict already on ``t`` (the pure-Python path's, or the user's) was registered on the old
+        node; torch does not move it, so it is registered on the new one here, or a hook the user adds
+        to ``t`` later would land in a dict no backward reads."""
+        number = grad_fn._sequence_nr()
+        if self.sequence_numbers.get(index) == number:
+            return  # already followed (a Function returning another Function's output unchanged)
+        self._unwatch(index)
+        if _INLINE_HOOKS and t._backward_hooks is not None:
+            grad_fn._register_hook_dict(t)
+        self.watch(index, t, func, module_call)
+        self.sequence_numbers[index] = number
+
+    def run_after_user_hook(self, index: int, t: torch.Tensor) -> None:
+        """The user registered a hook on record ``index``'s tensor ``t`` during the forward: move the
+        trace's hook behind it, so that the gradient kept is the one the user's hooks hand on, as
+        ``retain_grad()``'s (which torch runs after every tensor hook) would be.  A leaf's C++ hook is
+        left in place: torch just emptied that list (see ``incomplete``)."""
+        if index not in self.handles or (self._cpp is not None and t.grad_fn is None):
+            return
+        self._unwatch(index)
+        self.add_hook(index, t)  # appended: after the user's hook dict on the node, or in that dict
 
     def watch_source(self, index: int, t: torch.Tensor) -> None:
         """An input that requires grad: its gradient is d loss / d input."""
@@ -286,11 +323,14 @@ def grad_capture(grads, model, state):
     return capture
 
 
-def attach_grads(trace, capture) -> None:
-    """Give the finished trace its gradient capture, and apply a ``grads=[...]`` selection."""
+def attach_grads(trace, capture, outside: bool = False) -> None:
+    """Give the finished trace its gradient capture, and apply a ``grads=[...]`` selection.  ``outside``:
+    the forward read tensors no op made (so an output may be one: ``_watch_unproduced_outputs``)."""
     if capture is None:
         return
     trace._gradcap = capture
+    if outside:
+        _watch_unproduced_outputs(trace, capture)
     capture.selected = set(capture.handles)
     policy = capture.policy
     if policy is None:
@@ -302,6 +342,101 @@ def attach_grads(trace, capture) -> None:
         raise
     if policy.filters_after:
         capture.keep_only({i for i in capture.selected if policy.keep(trace, trace.ops[i])})
+
+
+# ----- custom autograd Functions: their outputs' backward node is set after their forward ---------
+# ``Function.apply`` runs ``forward`` under ``no_grad`` (its ops are recorded there, needing no gradient)
+# and only then gives each output the Function's backward node; an output that is one of the inputs is
+# first made a view of it (``_wrap_outputs``), recorded with that view's node.  No op follows that the
+# capture sees, so while a trace with gradients runs, ``Function.apply`` is wrapped to report its outputs
+# (``FunctionOutputs``).  torch.utils.checkpoint's reentrant regions and nn.Module's full backward hooks
+# are such Functions.
+_Function = torch.autograd.Function
+_ORIGINAL_APPLY = vars(_Function)["apply"]  # a classmethod
+_receivers: dict = {}  # thread id -> what receives that thread's Function outputs while it traces
+_receivers_lock = threading.Lock()
+
+
+def _apply(cls, *args, **kwargs):
+    out = _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    receiver = _receivers.get(threading.get_ident())
+    if receiver is not None:
+        receiver(out)
+    return out
+
+
+_apply.__name__ = _apply.__qualname__ = "apply"
+_WRAPPED_APPLY = classmethod(_apply)
+
+
+class FunctionOutputs:
+    """Capture part (capture/teardown.py): while entered, this thread's ``Function.apply`` outputs reach
+    ``receiver``.  ``Function.apply`` is wrapped while any thread's trace needs it, and torch's is back
+    once none does."""
+
+    def __init__(self, receiver):
+        self.receiver = receiver
+        self.installed = False
+
+    def __enter__(self):
+        try:
+            with _receivers_lock:
+                _receivers[threading.get_ident()] = self.receiver
+                self.installed = True
+                if vars(_Function)["apply"] is not _WRAPPED_APPLY:
+                    _Function.apply = _WRAPPED_APPLY
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        until_done(self.release)
+        return False
+
+    def release(self) -> None:
+        if not self.installed:
+            return
+        with _receivers_lock:
+            if _receivers.get(threading.get_ident()) is self.receiver:
+                del _receivers[threading.get_ident()]
+            if not _receivers and vars(_Function).get("apply") is _WRAPPED_APPLY:
+                _Function.apply = _ORIGINAL_APPLY
+            self.installed = False
+
+
+def function_outputs(state, capture) -> FunctionOutputs:
+    """The ``FunctionOutputs`` part of a trace with gradients: each output of a ``Function.apply`` that
+    is a record's tensor has its record and hook moved to the Function's backward node."""
+    producers, records, calls = state.producers, state.records, state.calls
+
+    def receive(out) -> None:
+        for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                continue  # not differentiable (mark_non_differentiable, an integer result)
+            entry = producers.get(id(t))
+            if entry is None or not (entry[0] is t or entry[0]() is t) or entry[2] != t._version:
+                continue  # made where the capture did not see it, or written since: no record holds this value
+            grad_fn = t.grad_fn
+            if grad_fn is None:
+                continue
+            index = entry[1]
+            record = records[index]
+            records[index] = record[:5] + (True, type(grad_fn))  # it requires grad now, through this node
+            call = calls[record[0]] if 0 <= record[0] < len(calls) else None
+            func, module_call = (call[0], call[5]) if call is not None else (None, -1)
+            capture.follow_new_node(index, t, grad_fn, func, module_call)
+
+    return FunctionOutputs(receive)
+
+
+def _watch_unproduced_outputs(trace, capture) -> None:
+    """An output no op of the trace made (a parameter returned as it is) shows no producer's gradient:
+    its output node gets a hook of its own, under its own index."""
+    unproduced = set(outputs_without_producer(trace))
+    for index, (_, t) in zip(output_nodes(trace), tensor_leaves(trace.output, "output", [])):
+        if index in unproduced and t.requires_grad:
+            capture.watch_source(index, t)
 
 
 def _next_sequence_number():

@@ -79,6 +79,10 @@ def _not_ops() -> frozenset:
 _NOT_OPS = _not_ops()
 _OFF_HOT_PATH = _NOT_OPS | _DATA_GET  # one lookup per call keeps both out of the hot path
 _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
+_REGISTER_HOOK = Tensor.register_hook
+# Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, and a
+# user's tensor hook, which the gradient capture's hook must run after (GradCapture.run_after_user_hook).
+_NOT_OPS_SEEN = _NUMPY_VIEWS | {_REGISTER_HOOK}
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 
@@ -382,7 +386,7 @@ def _handler_template(compiled):
     any_autocast, fast_reads = _compiled_reads()
     return compiled.Handler(
         mode=None, method=CaptureMode.__torch_function__, state=None, off_hot_path=_OFF_HOT_PATH,
-        not_ops=_NOT_OPS, numpy_views=_NUMPY_VIEWS,
+        not_ops=_NOT_OPS, numpy_views=_NOT_OPS_SEEN,
         compiler_dict=vars(_compiler), tensor_type=Tensor, parameter_type=Parameter, function_type=FunctionType,
         plain_values=PLAIN_VALUES, tuple_values=TUPLE_VALUES, inplace_cache=inplace_cache,
         running_stats=RUNNING_STATS_FLAGS, buffer_kind=BUFFER, no_kwargs=_NO_KWARGS, protect=protect_before_write, output_leaves=output_leaves,
@@ -418,10 +422,26 @@ _GETTER_DESCRIPTORS = _tensor_getters()
 
 def _not_an_op(st, func, args, kwargs):
     """A call that never produces a tensor (``x.shape``, ``x.size()``): run it unrecorded."""
-    if func in _NUMPY_VIEWS and st.saved:
-        # NumPy shares the memory and writes through it bump no version counter: what is saved
-        # must not change with it.
-        st.protect_saved(args[0])
+    if func in _NOT_OPS_SEEN:
+        if func is _REGISTER_HOOK:
+            return _user_hook(st, args, kwargs)
+        if st.saved:
+            # NumPy shares the memory and writes through it bump no version counter: what is saved
+            # must not change with it.
+            st.protect_saved(args[0])
     return func(*args, **(kwargs or _NO_KWARGS))
+
+
+def _user_hook(st, args, kwargs):
+    """``t.register_hook(hook)`` in the forward: registered, then, when ``t`` is a record's current value
+    with a gradient hook, that hook is moved behind the user's (what it keeps is what ``retain_grad()``
+    would: the gradient after the user's hooks)."""
+    handle = _REGISTER_HOOK(*args, **(kwargs or _NO_KWARGS))
+    t = args[0] if args else None
+    if st.grads is not None and isinstance(t, Tensor):
+        entry = st.producers.get(id(t))
+        if entry is not None and (entry[0] is t or entry[0]() is t) and entry[2] == t._version:
+            st.grads.run_after_user_hook(entry[1], t)
+    return handle
 
 

@@ -27,7 +27,7 @@ from .collectives import process_rank
 from .compiled import (CompiledSubmodules, Suspension, check_compiled_option, compiled_in_place,
                        optimized_module_type)
 from .fastpath import FastPathShim
-from .grads import attach_grads, grad_capture
+from .grads import attach_grads, function_outputs, grad_capture
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
 from .packing import PackLog, packing_observed
@@ -113,6 +113,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if runtime is not None and runtime.module_sites:
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
+    if state.grads is not None:  # a custom autograd Function's outputs get their backward node late
+        parts = (function_outputs(state, state.grads), *parts)
     if submodules is not None:
         submodules.suspend = lambda: Suspension(tracker, shim)
         parts = (submodules, *parts)
@@ -171,7 +173,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if policy.filters_after:
         policy.apply(result)
     if state.grads is not None:
-        attach_grads(result, state.grads)
+        attach_grads(result, state.grads, bool(state.outside))
     if packing is not None:
         packing.calls = None  # the forward is over: nothing more is attributed
         result._packlog = packing

@@ -147,6 +147,8 @@ def leftovers(mode, parts) -> list:
             left.append("the fast-path shim")
         if getattr(part, "swapped", None):
             left.append("a compiled submodule's forward")
+        if getattr(part, "installed", False):
+            left.append("torch.autograd.Function.apply wrapped")
     return left
 
 

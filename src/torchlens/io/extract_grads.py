@@ -34,6 +34,10 @@ def backward_through(log, loss_fn, batch, position) -> None:
     params = list(log.model.parameters()) if isinstance(log.model, torch.nn.Module) else []
     kept = [p.grad for p in params]
     try:
+        # Taken off the parameters first: autograd adds into an existing ``.grad`` in place, so a kept
+        # reference alone would be put back holding this batch's gradient too.
+        for p in params:
+            p.grad = None
         log.backward(loss)
     finally:
         for p, g in zip(params, kept):

@@ -30,9 +30,11 @@ def grad_capture_of(trace):
 
 
 def _producer(trace, index: int) -> int:
-    """An output node shows its producer's tensor, and so its producer's gradient."""
+    """An output node shows its producer's tensor, and so its producer's gradient; one no op produced (a
+    parameter returned as it is) has its own (capture/grads.py ``_watch_unproduced_outputs``)."""
     if trace._kind[index] == Kind.OUTPUT:
-        return trace._parents[index][0][1]
+        producer = trace._parents[index][0][1]
+        return producer if producer >= 0 else index
     return index
 
 
@@ -44,12 +46,8 @@ def grad_of(trace, index: int):
         raise TraceCleanedUp(f"{label}: the trace was cleaned up; its gradients were released (their norms, "
                              "min, max and non-finite counts stay in to_pandas())")
     index = _producer(trace, index)
-    if index < 0:
-        return None
     if not trace._meta[index][3]:
-        raise GradientUnavailable(
-            f"{label}: its output does not require grad (made under torch.no_grad(), from tensors that do not "
-            "require grad, or of an integer dtype), so autograd computes no gradient for it")
+        raise GradientUnavailable(f"{label}: {_why_no_grad(trace, index)}")
     grad = capture.grads.get(index)
     if grad is None and index in trace._unsaved_grads:
         raise GradientUnavailable(f"{label}: {trace._unsaved_grads[index]}")
@@ -60,6 +58,26 @@ def grad_of(trace, index: int):
             "would miss that backward's share; register hooks on the inputs before tracing, or trace with "
             "TORCHLENS_ACCEL=0")
     return grad
+
+
+def output_nodes(trace) -> list:
+    """The indices of the trace's output nodes, in the order of the tensors in its output."""
+    return [i for i, kind in enumerate(trace._kind) if kind == Kind.OUTPUT]
+
+
+def outputs_without_producer(trace) -> list:
+    """The output nodes whose tensor no op of the trace made (a parameter returned as it is)."""
+    return [i for i in output_nodes(trace) if trace._parents[i][0][1] < 0]
+
+
+def _why_no_grad(trace, index: int) -> str:
+    """Why op ``index``'s output needs no gradient: an intervention's value, or how it was made."""
+    applied = trace._interventions.get(index)
+    if applied is not None:
+        return (f"an intervention ({applied.action!r}) replaced its output with a tensor that does not require "
+                "grad, so autograd computes no gradient for it")
+    return ("its output does not require grad (made under torch.no_grad(), from tensors that do not require grad, "
+            "or of an integer dtype), so autograd computes no gradient for it")
 
 
 def has_grad(trace, index: int) -> bool:

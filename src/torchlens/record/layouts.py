@@ -1,4 +1,5 @@
-"""Shapes of tensors that have no single shape: nested (ragged) tensors.
+"""Shapes of tensors that have no single shape: nested (ragged) tensors; and the values of those and of
+sparse tensors, read for checks of values.
 
 A nested tensor (``torch.nested``, and the padding-mask path of eval ``nn.TransformerEncoder``) raises on
 ``.shape``.  Capture records it as a tuple with ``None`` for each irregular dimension, so a trace never
@@ -31,12 +32,29 @@ def numel_of(shape) -> int:
     return n
 
 
+_SPARSE_LAYOUTS = frozenset([torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                             torch.sparse_bsc])
+
+
 def dense_values(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or for a nested tensor its components' elements in one flat tensor: the reductions a check
-    of values needs (``any``, ``all``, ``min``, ``sum``) have no nested kernels."""
-    if not t.is_nested:
-        return t
-    return torch.cat([component.reshape(-1) for component in t.unbind()])
+    """``t``, or the elements of a tensor whose layout the reductions a check of values needs (``any``,
+    ``all``, ``min``, ``sum``, ``isfinite``) have no kernels for, in one flat tensor: a nested tensor's
+    components' elements; a sparse tensor's stored values (summed where an index repeats), with one zero
+    more when some elements are implicit zeros, so that its min, max, norm and NaN/Inf count are those of
+    the dense tensor it stands for, without making that tensor."""
+    if t.is_nested:
+        return torch.cat([component.reshape(-1) for component in t.unbind()])
+    if t.layout in _SPARSE_LAYOUTS:
+        return _sparse_values(t)
+    return t
+
+
+def _sparse_values(t: torch.Tensor) -> torch.Tensor:
+    """A sparse tensor's values, flat, and a zero for its implicit elements if it has any."""
+    values = (t.coalesce().values() if t.layout == torch.sparse_coo else t.values()).reshape(-1)
+    if values.numel() < t.numel():
+        values = torch.cat([values, values.new_zeros(1)])
+    return values
 
 
 def ragged_shape(t: torch.Tensor) -> "RaggedShape":
