@@ -31,6 +31,7 @@ from functools import partial
 
 import torch
 
+from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.finalize import tensor_leaves
 from ..record.grads import output_nodes, outputs_without_producer
 from . import accel
@@ -421,10 +422,11 @@ def function_outputs(state, capture) -> FunctionOutputs:
             if grad_fn is None:
                 continue
             index = entry[1]
-            record = records[index]
-            records[index] = record[:5] + (True, type(grad_fn))  # it requires grad now, through this node
-            call = calls[record[0]] if 0 <= record[0] < len(calls) else None
-            func, module_call = (call[0], call[5]) if call is not None else (None, -1)
+            record = Record._make(records[index])
+            # It requires grad now, through this node.
+            records[index] = tuple(record._replace(requires_grad=True, grad_fn_class=type(grad_fn)))
+            call = calls[record.call] if 0 <= record.call < len(calls) else None
+            func, module_call = (call[CALL_FUNC], call[CALL_MODULE_CALL]) if call is not None else (None, -1)
             capture.follow_new_node(index, t, grad_fn, func, module_call)
 
     return FunctionOutputs(receive)
