@@ -239,6 +239,23 @@ def test_a_module_class_in_a_selection_is_answered_with_its_modules_addresses():
             tl.trace(model, torch.randn(2, 4), **{option: ["rmsnorm"]})
 
 
+def test_an_output_last_written_through_a_view_has_its_own_gradient(tmp_path):
+    # Its producer, the in-place op on the view, made the view; the returned tensor's gradient is d loss /
+    # d (what the model returned), as retain_grad() on it gives, live and once loaded.
+    def scaled_then_shifted(x):
+        y = x * 2
+        y.t().sub_(3)
+        return y
+
+    x, weights = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    log = tl.trace(scaled_then_shifted, (x,), grads=True)
+    log.backward((log.output * weights).sum())
+    assert torch.equal(log["output_1:1"].grad, weights)
+    assert torch.equal(log["input_1:1"].grad, 2 * weights)
+    loaded = tl.load(log.save(tmp_path / "aliased"))
+    assert torch.equal(loaded["output_1:1"].grad, weights)
+
+
 class Sentinel(torch.autograd.Function):
     """Its ctx lives exactly as long as the autograd graph does: a weakref to ctx.token says when."""
 

@@ -33,7 +33,7 @@ import torch
 
 from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.finalize import tensor_leaves
-from ..record.grads import output_nodes, outputs_without_producer
+from ..record.grads import output_nodes, outputs_with_own_tensor
 from . import accel
 from .teardown import until_done
 
@@ -324,14 +324,15 @@ def grad_capture(grads, model, state):
     return capture
 
 
-def attach_grads(trace, capture, outside: bool = False) -> None:
-    """Give the finished trace its gradient capture, and apply a ``grads=[...]`` selection.  ``outside``:
-    the forward read tensors no op made (so an output may be one: ``_watch_unproduced_outputs``)."""
+def attach_grads(trace, capture, own_outputs: bool = False) -> None:
+    """Give the finished trace its gradient capture, and apply a ``grads=[...]`` selection.  ``own_outputs``:
+    an output node may show a tensor of its own (the forward read tensors no op made, or returned one
+    written through a view): ``_watch_own_outputs`` looks."""
     if capture is None:
         return
     trace._gradcap = capture
-    if outside:
-        _watch_unproduced_outputs(trace, capture)
+    if own_outputs:
+        _watch_own_outputs(trace, capture)
     capture.selected = set(capture.handles)
     policy = capture.policy
     if policy is None:
@@ -432,12 +433,12 @@ def function_outputs(state, capture) -> FunctionOutputs:
     return FunctionOutputs(receive)
 
 
-def _watch_unproduced_outputs(trace, capture) -> None:
-    """An output no op of the trace made (a parameter returned as it is) shows no producer's gradient:
-    its output node gets a hook of its own, under its own index."""
-    unproduced = set(outputs_without_producer(trace))
+def _watch_own_outputs(trace, capture) -> None:
+    """An output node showing a tensor of its own (a parameter returned as it is, a tensor last written
+    through a view) shows no producer's gradient: it gets a hook of its own, under its own index."""
+    own = set(outputs_with_own_tensor(trace))
     for index, (_, t) in zip(output_nodes(trace), tensor_leaves(trace.output, "output", [])):
-        if index in unproduced and t.requires_grad:
+        if index in own and t.requires_grad:
             capture.watch_source(index, t)
 
 

@@ -173,7 +173,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if policy.filters_after:
         policy.apply(result)
     if state.grads is not None:
-        attach_grads(result, state.grads, bool(state.outside))
+        attach_grads(result, state.grads, bool(state.outside or state.own_outputs))
     if packing is not None:
         packing.calls = None  # the forward is over: nothing more is attributed
         result._packlog = packing

@@ -119,6 +119,8 @@ class CaptureState:
     # id(Parameter) -> input record, for Parameters passed to the model as inputs: the argument scan files
     # every Parameter as parameter metadata, and finalize turns these back into parent edges.
     parameter_inputs: dict | None = None
+    # Output nodes showing the returned tensor itself rather than their producer's (record/finalize.py).
+    own_outputs: set | None = None
     save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
     keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
     saved_bytes = 0

@@ -156,7 +156,8 @@ def _build(record, tensors: dict) -> Trace:
         unattributed=cols.count("unattributed"),
         timings={_string(k, "timings"): float(v) for k, v in cols.get("timings").items()},
         budget_exhausted_at=_optional_index(cols.get("budget_exhausted_at"), n),
-        alias_reads=frozenset((check_index(c, 0, len(calls), "alias_reads"), check_index(p, -1, n, "alias_reads"))
+        # A read by the returned output is numbered after the last call (capture/state.py ``producer_of``).
+        alias_reads=frozenset((check_index(c, 0, len(calls) + 1, "alias_reads"), check_index(p, -1, n, "alias_reads"))
                               for c, p in cols.column("alias_reads")),
     )
     flops = _flops(record.get("flops"), n)

@@ -1,6 +1,7 @@
 """Trace-level facts a saved trace keeps beside its columns, so that a loaded trace prints what the live
 one printed: where ``stop_after=`` stopped the forward, the caveats, the root module's class, the module
-attributes read from outside the trace, and whether repeated layers came from a loop or a reused module.
+attributes read from outside the trace, whether repeated layers came from a loop or a reused module, and
+which output nodes show a tensor of their own.
 
 Each is one optional key of ``trace.json``: a file written before the key existed loads as it always did
 (nothing stopped, no caveats, the class shown as the model's name, repetition told apart from the ops'
@@ -9,6 +10,7 @@ own lines), so the schema version is unchanged.
 
 from __future__ import annotations
 
+from ..record.columns import Kind
 from .format import TRACE_JSON, TraceFileError
 
 _REPETITIONS = ("loop", "reused")
@@ -24,6 +26,7 @@ def write_trace_state(trace) -> dict:
         "root_class": trace._root_class,
         "outside_attributes": list(trace._outside_attributes),
         "repetition": repetition(trace),  # the live verdict: a loaded trace lacks the module call frames
+        "own_outputs": sorted(trace._own_outputs),  # output nodes with their own tensor and gradient
     }
 
 
@@ -41,6 +44,9 @@ def read_trace_state(trace, record: dict) -> None:
     outside = _strings(record, "outside_attributes")
     if outside:
         trace._outside_attributes = outside
+    own = _output_nodes(trace, record, "own_outputs")
+    if own:
+        trace._own_outputs = own
     verdict = _optional_string(record, "repetition")
     if verdict is not None:
         if verdict not in _REPETITIONS:
@@ -60,3 +66,12 @@ def _strings(record: dict, key: str) -> tuple:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TraceFileError(f"{TRACE_JSON}: {key!r} must be a list of strings")
     return tuple(value)
+
+
+def _output_nodes(trace, record: dict, key: str) -> frozenset:
+    value = record.get(key, [])
+    kinds = trace._kind
+    if not isinstance(value, list) or not all(type(i) is int and 0 <= i < len(kinds) and kinds[i] == Kind.OUTPUT
+                                              for i in value):
+        raise TraceFileError(f"{TRACE_JSON}: {key!r} must list output nodes by index")
+    return frozenset(value)

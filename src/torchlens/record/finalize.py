@@ -82,6 +82,8 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     trace = Trace(model_name, calls, activations, dict(state.clobbered), finite, param_addresses, output, model,
                   state.unattributed, timings, state.budget_exhausted_at, state.alias_reads, index, raw)
     trace._saved_versions = state.saved_versions  # Trace.drop_written: a later write shows as a dropped value
+    if state.own_outputs:
+        trace._own_outputs = frozenset(state.own_outputs)
     if state.outside:  # tensors read from outside the trace: those a module holds as plain attributes, named
         alive = [t for t in (ref() for ref in state.outside.values()) if t is not None]
         trace._outside_attributes = tuple(index.attributes_holding(alive))
@@ -129,9 +131,14 @@ def _show_output(state: CaptureState, index: int, producer: int, t, activations:
     """Give output node ``index`` the tensor it shows when its producer's is saved: the producer's, or ``t``
     itself when ``t`` was last written through a view or its base (``a.t().sub_(3); return a``): its
     producer, the writer, then made that alias, a tensor of another shape or layout."""
+    aliased = producer >= 0 and state.written_through_alias(t)
+    if aliased:  # its gradient, too, is its own (record/grads.py)
+        if state.own_outputs is None:
+            state.own_outputs = set()
+        state.own_outputs.add(index)
     if producer not in activations:
         return
-    if state.written_through_alias(t):
+    if aliased:
         state.save(index, t, t.requires_grad)
         if index in state.saved:  # not over a max_saved_bytes budget
             activations[index] = state.saved[index]

@@ -30,11 +30,11 @@ def grad_capture_of(trace):
 
 
 def _producer(trace, index: int) -> int:
-    """An output node shows its producer's tensor, and so its producer's gradient; one no op produced (a
-    parameter returned as it is) has its own (capture/grads.py ``_watch_unproduced_outputs``)."""
+    """An output node shows its producer's tensor, and so its producer's gradient; one showing a tensor of
+    its own (see ``outputs_with_own_tensor``) has its own gradient (capture/grads.py ``_watch_own_outputs``)."""
     if trace._kind[index] == Kind.OUTPUT:
         producer = trace._parents[index][0][1]
-        return producer if producer >= 0 else index
+        return producer if producer >= 0 and index not in trace._own_outputs else index
     return index
 
 
@@ -65,9 +65,11 @@ def output_nodes(trace) -> list:
     return [i for i, kind in enumerate(trace._kind) if kind == Kind.OUTPUT]
 
 
-def outputs_without_producer(trace) -> list:
-    """The output nodes whose tensor no op of the trace made (a parameter returned as it is)."""
-    return [i for i in output_nodes(trace) if trace._parents[i][0][1] < 0]
+def outputs_with_own_tensor(trace) -> list:
+    """The output nodes that show a tensor of their own: one no op of the trace made (a parameter returned
+    as it is), or one last written through a view, whose producer made that view (``Trace._own_outputs``)."""
+    own = trace._own_outputs
+    return [i for i in output_nodes(trace) if trace._parents[i][0][1] < 0 or i in own]
 
 
 def _why_no_grad(trace, index: int) -> str:

@@ -59,6 +59,7 @@ class Trace:
     _outside_attributes: tuple = ()  # record.finalize: module attributes (not buffers) read from outside the trace
     _replay = None  # record.finalize: a capture.state.ReplayContext (contexts, parameter values) for validate
     _saved_versions = None  # record.finalize: each saved tensor's version at the end (None: capture's own copy)
+    _own_outputs: frozenset = frozenset()  # record.finalize: output nodes showing their own tensor, not the producer's
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
     _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
