@@ -410,19 +410,18 @@ class FunctionOutputs:
 def function_outputs(state, capture) -> FunctionOutputs:
     """The ``FunctionOutputs`` part of a trace with gradients: each output of a ``Function.apply`` that
     is a record's tensor has its record and hook moved to the Function's backward node."""
-    producers, records, calls = state.producers, state.records, state.calls
+    records, calls = state.records, state.calls
 
     def receive(out) -> None:
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
                 continue  # not differentiable (mark_non_differentiable, an integer result)
-            entry = producers.get(id(t))
-            if entry is None or not (entry[0] is t or entry[0]() is t) or entry[2] != t._version:
+            index = state.record_holding(t)
+            if index is None:
                 continue  # made where the capture did not see it, or written since: no record holds this value
             grad_fn = t.grad_fn
             if grad_fn is None:
                 continue
-            index = entry[1]
             record = Record._make(records[index])
             # It requires grad now, through this node.
             records[index] = tuple(record._replace(requires_grad=True, grad_fn_class=type(grad_fn)))

@@ -439,9 +439,9 @@ def _user_hook(st, args, kwargs):
     handle = _REGISTER_HOOK(*args, **(kwargs or _NO_KWARGS))
     t = args[0] if args else None
     if st.grads is not None and isinstance(t, Tensor):
-        entry = st.producers.get(id(t))
-        if entry is not None and (entry[0] is t or entry[0]() is t) and entry[2] == t._version:
-            st.grads.run_after_user_hook(entry[1], t)
+        index = st.record_holding(t)
+        if index is not None:
+            st.grads.run_after_user_hook(index, t)
     return handle
 
 

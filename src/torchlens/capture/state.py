@@ -202,6 +202,14 @@ class CaptureState:
             return index
         return self._source_of(t)
 
+    def record_holding(self, t: torch.Tensor):
+        """The record whose value ``t`` still is (bound to it, and not written since), or None: off the hot
+        path, where the handler reads ``producers`` inline."""
+        entry = self.producers.get(id(t))
+        if entry is not None and is_bound(entry, t) and entry[2] == version_of(t):
+            return entry[1]
+        return None
+
     def written_through_alias(self, t: torch.Tensor) -> bool:
         """Whether ``t`` was written through a view or its base since it was bound: the op ``producer_of``
         names for it then made that alias, not ``t``."""
