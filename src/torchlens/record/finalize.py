@@ -131,6 +131,8 @@ def _show_output(state: CaptureState, index: int, producer: int, t, activations:
     """Give output node ``index`` the tensor it shows when its producer's is saved: the producer's, or ``t``
     itself when ``t`` was last written through a view or its base (``a.t().sub_(3); return a``): its
     producer, the writer, then made that alias, a tensor of another shape or layout."""
+    if producer not in activations and state.grads is None:
+        return  # nothing shown, no gradient: whether it was written through a view does not matter
     aliased = producer >= 0 and state.written_through_alias(t)
     if aliased:  # its gradient, too, is its own (record/grads.py)
         if state.own_outputs is None:
