@@ -425,11 +425,37 @@ def function_outputs(state, capture) -> FunctionOutputs:
             record = Record._make(records[index])
             # It requires grad now, through this node.
             records[index] = tuple(record._replace(requires_grad=True, grad_fn_class=type(grad_fn)))
-            call = calls[record.call] if 0 <= record.call < len(calls) else None
-            func, module_call = (call[CALL_FUNC], call[CALL_MODULE_CALL]) if call is not None else (None, -1)
-            capture.follow_new_node(index, t, grad_fn, func, module_call)
+            capture.follow_new_node(index, t, grad_fn, *_made_by(calls, record))
 
     return FunctionOutputs(receive)
+
+
+def _made_by(calls: list, record) -> tuple:
+    """``(func, module call)`` of the call that made ``record``; ``(None, -1)`` for a source (an input)."""
+    call = calls[record.call] if 0 <= record.call < len(calls) else None
+    return (call[CALL_FUNC], call[CALL_MODULE_CALL]) if call is not None else (None, -1)
+
+
+def requires_grad_changed(state, t) -> None:
+    """``t.requires_grad_()`` or ``t.requires_grad = flag`` ran in the forward: ``t`` is a leaf (torch
+    allows no other), so the record whose value it still is now says what ``t`` needs, and with
+    gradients on, a leaf that now requires grad gets the hook of that record (``zeros(n).requires_grad_()``,
+    an input made differentiable inside the forward)."""
+    index = state.record_holding(t) if isinstance(t, torch.Tensor) else None
+    if index is None:
+        return  # made where the capture did not see it, or written since
+    record = Record._make(state.records[index])
+    flag = t.requires_grad
+    if record.requires_grad == flag:
+        return
+    state.records[index] = tuple(record._replace(requires_grad=flag))
+    capture = state.grads
+    if capture is None:
+        return
+    if flag:
+        capture.watch(index, t, *_made_by(state.calls, record))
+    else:
+        capture._unwatch(index)
 
 
 def _watch_own_outputs(trace, capture) -> None:

@@ -45,6 +45,7 @@ from .source import STOP as _STOP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
 from .source import FrameClassifier, called_by_module_call, dispatched_site
+from .grads import requires_grad_changed
 from .state import CaptureState
 from .writes import inplace_cache, protect_before_write, written_arguments
 
@@ -75,14 +76,17 @@ def _not_ops() -> frozenset:
     return frozenset(f for f in found if f is not None)
 
 
+# ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf made in the forward starts or stops needing a gradient.
+_REQUIRES_GRAD_SETTERS = frozenset([Tensor.requires_grad_, torch._C.TensorBase.__dict__["requires_grad"].__set__])
 # Calls that never produce a tensor; skipping them early keeps the commonest calls nearly free.
-_NOT_OPS = _not_ops()
+_NOT_OPS = _not_ops() | _REQUIRES_GRAD_SETTERS
 _OFF_HOT_PATH = _NOT_OPS | _DATA_GET  # one lookup per call keeps both out of the hot path
 _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
 _REGISTER_HOOK = Tensor.register_hook
-# Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, and a
-# user's tensor hook, which the gradient capture's hook must run after (GradCapture.run_after_user_hook).
-_NOT_OPS_SEEN = _NUMPY_VIEWS | {_REGISTER_HOOK}
+# Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, a user's
+# tensor hook, which the gradient capture's hook must run after (GradCapture.run_after_user_hook), and the
+# requires_grad setters, after which the record of the tensor set says what it now is.
+_NOT_OPS_SEEN = _NUMPY_VIEWS | {_REGISTER_HOOK} | _REQUIRES_GRAD_SETTERS
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 
@@ -425,6 +429,10 @@ def _not_an_op(st, func, args, kwargs):
     if func in _NOT_OPS_SEEN:
         if func is _REGISTER_HOOK:
             return _user_hook(st, args, kwargs)
+        if func in _REQUIRES_GRAD_SETTERS:
+            result = func(*args, **(kwargs or _NO_KWARGS))
+            requires_grad_changed(st, args[0])
+            return result
         if st.saved:
             # NumPy shares the memory and writes through it bump no version counter: what is saved
             # must not change with it.
