@@ -166,3 +166,17 @@ def test_gpt2_mean_ablate_and_steer_at_one_position_read_dimensions_of_the_whole
     steered = tl.steer(direction, 2.0, dim=2, at=(slice(None), 3))
     log = tl.trace(model, batch, intervene={"transformer.h.0.mlp": steered})
     assert torch.allclose(log.output.logits, expected, atol=1e-6)
+
+
+def test_gpt2_sites_past_stop_after_are_named_not_dropped_silently(gpt2):
+    model, clean, _ = gpt2
+    before, after = "transformer.h.0.attn", "transformer.h.1.mlp"
+    every_tanh = lambda op: op.func_name == "tanh"  # noqa: E731  GELU's tanh: ops on both sides of the stop
+    with pytest.warns(UserWarning, match=r"'transformer\.h\.1\.mlp' come after transformer\.h\.0:1") as seen:
+        log = tl.trace(model, clean, intervene={before: tl.zero_ablate(), after: tl.zero_ablate(),
+                                                every_tanh: tl.scale(2.0)}, stop_after="transformer.h.0")
+    message = str(seen[0].message)
+    assert before not in message and "<predicate>" not in message  # both changed something before the stop
+    applied = [applied.site for applied in log.interventions]
+    assert before in applied and every_tanh in applied and after not in applied
+    assert not log["transformer.h.0.attn"].activation.any()  # the edit did land before the stop

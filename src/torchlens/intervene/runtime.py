@@ -19,7 +19,7 @@ from weakref import ref as weakref
 
 import torch
 
-from ..errors import InterventionError
+from ..errors import InterventionError, warn_user
 from ..record.columns import CALL_CODE, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
@@ -516,13 +516,28 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         trace.stopped_after = runtime.stopped_at
         if runtime.reference is not None:
             _labels_from(runtime.reference, trace)
+        _warn_past_the_stop(runtime)
         return
     unmet = runtime.unmet()
     if unmet:
-        names = ", ".join(dict.fromkeys(repr(s.key) if isinstance(s.key, str) else "<predicate>" for s in unmet))
+        names = _site_names(unmet)
         raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
                                 "module call (a module call number past its last call, or control flow that skipped "
                                 f"it); nothing was changed there.{runtime._written_note()}")
+
+
+def _site_names(sites) -> str:
+    return ", ".join(dict.fromkeys(repr(s.key) if isinstance(s.key, str) else "<predicate>" for s in sites))
+
+
+def _warn_past_the_stop(runtime: Interventions) -> None:
+    """A stopped forward never reaches the sites after its stop: those that changed nothing at all are
+    named (a predicate that edited some ops before the stop did its part), rather than dropped silently."""
+    hit_keys = {id(s.key) for s in (*runtime.label_sites, *runtime.module_sites) if id(s) in runtime.hit}
+    unmet = [s for s in runtime.unmet() if s is not runtime.stop_site and id(s.key) not in hit_keys]
+    if unmet:
+        warn_user(f"intervention site(s) {_site_names(unmet)} come after {runtime.stopped_at}, where the forward "
+                  "stopped (stop_after=): they changed nothing (trace.interventions lists what was applied)")
 
 
 def _labels_from(reference, trace) -> None:
