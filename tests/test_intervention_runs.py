@@ -215,6 +215,35 @@ def test_patching_runs_each_start_from_the_model_as_the_call_found_it():
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
 
 
+def test_a_callable_naming_no_model_is_put_back_after_the_extra_runs_too():
+    """A lambda traced without ``root=`` names no model: the modules it calls are put back all the same (the
+    reference pass of a label site, the runs of a patching table), as a forward hook would find them."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model = _TrainModeNet().train()
+    clean, corrupt = torch.randn(5, 6), torch.randn(5, 6)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    untraced = copy.deepcopy(model)
+    torch.manual_seed(3)
+    expected = untraced(corrupt)
+    rng = torch.get_rng_state()
+    torch.manual_seed(3)
+    log = tl.trace(lambda x: model(x), corrupt, intervene={"relu_1_4": tl.scale(1.0)})
+    assert [a.label for a in log.interventions] == ["relu_1_4:1"]
+    assert torch.equal(log.output, expected)
+    # One forward's worth of change, as untraced: the statistics, the counter, the generator.
+    assert model.calls == untraced.calls == 1
+    assert all(torch.equal(v, untraced.state_dict()[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    model.load_state_dict(start)
+    model.calls = 0
+    tl.report.activation_patching(lambda x: model(x), clean, corrupt, lambda out: out, sites=["relu_1_4"],
+                                  progress=False)
+    assert model.calls == 0
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
 def test_interventions_inside_inference_mode():
     """Inference tensors have no version counter: an intervened trace inside torch.inference_mode() used to
     raise reading one."""

@@ -105,13 +105,24 @@ class ForwardState:
         self.rng = RngState()
         self.attributes = ModuleAttributes(modules)
         self.buffers = [(b, b.detach().clone()) for b in buffers]
-        self.params = params  # [(address, Parameter)]
-        self.versions = [version_of(p) for _, p in params]  # None: an inference tensor
+        self.params = list(params)  # [(address, Parameter)]
+        self.versions = [version_of(p) for _, p in self.params]  # None: an inference tensor
         self.owner = owner
         known = _known_written(owner)
         renormalized = _renormalized(modules)
         self.kept = [(p, p.detach().clone()) for address, p in params if address in known or id(p) in renormalized] \
             if known or renormalized else []
+
+    def add(self, module) -> None:
+        """Also keep ``module``'s own state (its attributes, buffers and parameters, not its children's): a
+        module met while a run goes on (``FirstCalls``), before anything of it runs."""
+        self.attributes.saved.append((module, {k: _copy_attribute(v) for k, v in vars(module).items()}))
+        self.buffers.extend((b, b.detach().clone()) for b in module.buffers(recurse=False))
+        params = [(f"{type(module).__name__}.{name}", p) for name, p in module.named_parameters(recurse=False)]
+        self.params.extend(params)
+        self.versions.extend(version_of(p) for _, p in params)
+        renormalized = _renormalized([module])
+        self.kept.extend((p, p.detach().clone()) for _, p in params if id(p) in renormalized)
 
     @classmethod
     def of(cls, model) -> "ForwardState":
@@ -139,6 +150,35 @@ class ForwardState:
         self.attributes.restore()
         for tensor, value in self.buffers + self.kept:
             put_back(tensor, value)
+
+
+class FirstCalls:
+    """Adds each module a run calls to ``state`` just before its first call, for as long as the block lasts:
+    a callable traced without ``root=`` (``lambda x: model(x).logits``) names no model, so the modules whose
+    state an extra run must put back (BatchNorm's running statistics in training, a cache, a flag) are
+    known only by running it.  A global forward pre-hook, removed on exit; it runs before the module's own
+    pre-hooks, and with torch function handling off, so that a capture running meanwhile records nothing of
+    it."""
+
+    def __init__(self, state: ForwardState):
+        self.state = state
+        self.seen: set = set()
+        self.handle = None
+
+    def __enter__(self) -> "FirstCalls":
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.handle.remove()
+        return False
+
+    def _called(self, module, args) -> None:
+        if id(module) in self.seen:
+            return
+        self.seen.add(id(module))
+        with torch._C.DisableTorchFunction():
+            self.state.add(module)
 
 
 def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:

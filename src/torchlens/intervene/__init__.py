@@ -7,7 +7,7 @@ runs during the forward in ``runtime``.
 
 from __future__ import annotations
 
-from ..capture.restore import ForwardState
+from ..capture.restore import FirstCalls, ForwardState
 from ..errors import InterventionError, first_few
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
@@ -44,7 +44,11 @@ def _reference_pass(run_reference, index):
     modules = index.all_modules()
     state = ForwardState(modules, index.params, [b for b, _ in index.buffers.values()], modules[0] if modules else None)
     try:
-        reference = run_reference()
+        if modules:
+            reference = run_reference()
+        else:  # a callable traced without root=: its modules are met as it runs
+            with FirstCalls(state):
+                reference = run_reference()
     except BaseException:
         state.restore()
         raise

@@ -13,6 +13,7 @@ only by their inputs and the patch, and the model ends as it was.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from ..errors import TorchlensError, first_few
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
-from ..capture.restore import ForwardState
+from ..capture.restore import FirstCalls, ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
 from ..tree import clone_call
@@ -160,6 +161,8 @@ class _Runs:
     def __init__(self, model):
         self.model = model
         self.state = ForwardState.of(model)
+        # A callable that names no model (a lambda): its modules join the state as the runs first call them.
+        self.first_calls = FirstCalls(self.state) if self.state.owner is None else contextlib.nullcontext()
 
     def trace(self, args, kwargs, **options):
         """One run, and the model put back."""
@@ -174,7 +177,8 @@ class _Runs:
     def start(self, args, kwargs, **options):
         """One run, left as it ended until ``finish``: a backward through it may need the buffers it read
         (train-mode batch norm saves its running statistics for the backward)."""
-        return trace(self.model, *clone_call(args, kwargs), **options)
+        with self.first_calls:
+            return trace(self.model, *clone_call(args, kwargs), **options)
 
     def finish(self) -> None:
         """Put the model back as the experiment found it."""
