@@ -433,6 +433,23 @@ def test_a_bound_method_is_validated_on_a_copy_of_its_module():
     assert result.outputs_match is True and model.calls == 1
 
 
+@pytest.mark.parametrize("root", [False, True], ids=["no-root", "root"])
+def test_a_callable_is_validated_with_the_modules_it_runs_put_back(root):
+    """A lambda cannot be copied with its model: the reference run is made on the model itself, and the
+    modules it runs (those of ``root=``, or each one met as it runs) are put back before the traced run."""
+    torch.manual_seed(0)
+    model, x = Stateful(), torch.randn(2, 3)
+    model.bn = nn.BatchNorm1d(3).train()
+    once = copy.deepcopy(model)
+    once.bn(once(x))
+    result = tl.validate(lambda t: model.bn(model(t)), x, **({"root": model} if root else {}))
+    assert_trusted(result)
+    assert result.outputs_match is True
+    assert model.calls == once.calls == 1  # the output depends on the counter: one forward's worth
+    assert all(torch.equal(v, once.state_dict()[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model.seen, once.seen)
+
+
 class SelfAttention(nn.Module):
     def __init__(self):
         super().__init__()

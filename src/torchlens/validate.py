@@ -22,7 +22,7 @@ import torch
 
 from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
-from .capture.restore import ModuleAttributes, RngState, put_back
+from .capture.restore import FirstCalls, ModuleAttributes, RngState, put_back
 from .capture.state import version_of
 from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves
 
@@ -115,16 +115,23 @@ class ModelState:
     def __init__(self, model):
         modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
         self.attributes = ModuleAttributes(modules)
-        tensors: dict = {}
+        self._kept: dict = {}  # id(tensor) -> (tensor, its value now)
         for m in modules:
-            for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
-                if isinstance(t, torch.Tensor) and id(t) not in tensors:
-                    tensors[id(t)] = (t, t.detach().clone())
-        self.tensors = list(tensors.values())
+            self._keep_tensors(m)
+
+    def add(self, module) -> None:
+        """Also keep ``module``'s own state: a module met while a run goes on (``capture.restore.FirstCalls``)."""
+        self.attributes.add(module)
+        self._keep_tensors(module)
+
+    def _keep_tensors(self, m) -> None:
+        for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
+            if isinstance(t, torch.Tensor) and id(t) not in self._kept:
+                self._kept[id(t)] = (t, t.detach().clone())
 
     def restore(self) -> None:
         self.attributes.restore()
-        for t, value in self.tensors:
+        for t, value in self._kept.values():
             if t.shape != value.shape or t.dtype != value.dtype:
                 with torch.no_grad():
                     t.data = value.clone()
@@ -145,23 +152,30 @@ class RunState:
         self.model.restore()
 
 
-def _reference_output(model, args: tuple, kwargs: dict):
+def _reference_output(model, args: tuple, kwargs: dict, root=None):
     """The untraced output, from a copy of the model (so its counters, caches and in-place updates
     stay out of the user's model); when the model cannot be copied, from the model itself with
-    everything a forward can change restored afterwards."""
+    everything a forward can change restored afterwards: the modules of ``root=``, or, for a callable that
+    names no model, each module the run calls (met as it runs)."""
     args, kwargs = clone_call(args, kwargs)
-    owner = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    reference = None
-    if isinstance(owner, torch.nn.Module):  # a module, or a bound method of one (copied with it)
-        try:
+    bound = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+    if isinstance(bound, torch.nn.Module) and (root is None or root is bound):
+        try:  # a module, or a bound method of one (copied with it); a lambda would not be copied
             reference = copy.deepcopy(model)
         except Exception:  # noqa: BLE001 - locks, open files, C++ handles: fall back to restoring
             reference = None
-    if reference is not None:
-        return reference(*args, **kwargs)
-    state = ModelState(owner if isinstance(owner, torch.nn.Module) else model)
+        if reference is not None:
+            return reference(*args, **kwargs)
+    owner = root if root is not None else bound
+    if isinstance(owner, torch.nn.Module):
+        state = ModelState(owner)
+        run = contextlib.nullcontext()
+    else:
+        state = ModelState(None)
+        run = FirstCalls(state.add)
     try:
-        return model(*args, **kwargs)
+        with run:
+            return model(*args, **kwargs)
     finally:
         state.restore()
 
@@ -171,7 +185,8 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     """Trace ``model`` and check the trace against an untraced run and against replay of every op.
 
     ``args`` follows ``tl.trace``'s rule: a tuple is the positional arguments, any other value the one
-    positional argument.  The untraced run uses a copy of the model; the model and the global random number
+    positional argument.  The untraced run uses a copy of the model (a callable such as a lambda runs on the
+    model itself, which is then put back: ``_reference_output``); the model and the global random number
     generators (``capture.restore``) end exactly as after one untraced forward.  ``progress``: bars for tracing
     and replay once either takes about a second (None: on an interactive terminal or notebook only; True:
     anywhere; False: never).
@@ -188,7 +203,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     kwargs = dict(as_kwargs(kwargs, "tl.validate"))
     before = RngState()
     try:
-        expected = _reference_output(model, call_args, kwargs)
+        expected = _reference_output(model, call_args, kwargs, trace_kwargs.get("root"))
         after = RngState()
     finally:
         before.restore()  # the traced forward draws what the untraced one drew

@@ -79,7 +79,12 @@ class ModuleAttributes:
     restored, not the values inside them.  Tensor values are restored as objects, not as contents."""
 
     def __init__(self, modules):
-        self.saved = [(m, {k: _copy_attribute(v) for k, v in vars(m).items()}) for m in modules]
+        self.saved: list = []
+        for m in modules:
+            self.add(m)
+
+    def add(self, module) -> None:
+        self.saved.append((module, {k: _copy_attribute(v) for k, v in vars(module).items()}))
 
     def restore(self) -> None:
         for m, attributes in self.saved:
@@ -116,7 +121,7 @@ class ForwardState:
     def add(self, module) -> None:
         """Also keep ``module``'s own state (its attributes, buffers and parameters, not its children's): a
         module met while a run goes on (``FirstCalls``), before anything of it runs."""
-        self.attributes.saved.append((module, {k: _copy_attribute(v) for k, v in vars(module).items()}))
+        self.attributes.add(module)
         self.buffers.extend((b, b.detach().clone()) for b in module.buffers(recurse=False))
         params = [(f"{type(module).__name__}.{name}", p) for name, p in module.named_parameters(recurse=False)]
         self.params.extend(params)
@@ -153,15 +158,15 @@ class ForwardState:
 
 
 class FirstCalls:
-    """Adds each module a run calls to ``state`` just before its first call, for as long as the block lasts:
-    a callable traced without ``root=`` (``lambda x: model(x).logits``) names no model, so the modules whose
-    state an extra run must put back (BatchNorm's running statistics in training, a cache, a flag) are
-    known only by running it.  A global forward pre-hook, removed on exit; it runs before the module's own
-    pre-hooks, and with torch function handling off, so that a capture running meanwhile records nothing of
-    it."""
+    """Calls ``add(module)`` for each module a run calls, just before its first call, for as long as the block
+    lasts: a callable traced without ``root=`` (``lambda x: model(x).logits``) names no model, so the modules
+    whose state an extra run must put back (BatchNorm's running statistics in training, a cache, a flag) are
+    known only by running it (``ForwardState.add``; validation's ``ModelState.add``).  A global forward
+    pre-hook, removed on exit; it runs before the module's own pre-hooks, and with torch function handling
+    off, so that a capture running meanwhile records nothing of it."""
 
-    def __init__(self, state: ForwardState):
-        self.state = state
+    def __init__(self, add):
+        self.add = add
         self.seen: set = set()
         self.handle = None
 
@@ -178,7 +183,7 @@ class FirstCalls:
             return
         self.seen.add(id(module))
         with torch._C.DisableTorchFunction():
-            self.state.add(module)
+            self.add(module)
 
 
 def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:

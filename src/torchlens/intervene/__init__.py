@@ -47,7 +47,7 @@ def _reference_pass(run_reference, index):
         if modules:
             reference = run_reference()
         else:  # a callable traced without root=: its modules are met as it runs
-            with FirstCalls(state):
+            with FirstCalls(state.add):
                 reference = run_reference()
     except BaseException:
         state.restore()

@@ -162,7 +162,7 @@ class _Runs:
         self.model = model
         self.state = ForwardState.of(model)
         # A callable that names no model (a lambda): its modules join the state as the runs first call them.
-        self.first_calls = FirstCalls(self.state) if self.state.owner is None else contextlib.nullcontext()
+        self.first_calls = FirstCalls(self.state.add) if self.state.owner is None else contextlib.nullcontext()
 
     def trace(self, args, kwargs, **options):
         """One run, and the model put back."""
