@@ -450,6 +450,19 @@ def test_a_callable_is_validated_with_the_modules_it_runs_put_back(root):
     assert torch.equal(model.seen, once.seen)
 
 
+@pytest.mark.parametrize("how", ["lambda", "bound method"])
+def test_flops_vs_dispatch_of_a_callable_compares_runs_from_the_same_model(how):
+    """Its two runs each start from the model as the call found it, and it ends so, whatever callable runs
+    it: a lambda or a bound method was refused as running two different programs (the counter moved)."""
+    torch.manual_seed(0)
+    model, x = Stateful(), torch.randn(2, 3)
+    start = copy.deepcopy(model.state_dict())
+    run = (lambda t: model(t)) if how == "lambda" else model.forward
+    result = tl.report.flops_vs_dispatch(run, x)
+    assert result.native_total == 2 * 2 * 3 * 3  # FlopCounterMode's count of the Linear's product
+    assert model.calls == 0 and all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
 class SelfAttention(nn.Module):
     def __init__(self):
         super().__init__()

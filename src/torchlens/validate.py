@@ -141,15 +141,28 @@ class ModelState:
 
 class RunState:
     """The global generators and everything ``ModelState`` restores (training flags and a cache built on
-    first use among the Python attributes): what two runs must share to be comparable."""
+    first use among the Python attributes): what two runs must share to be comparable.  Runs go inside
+    ``watching`` (a callable naming no model has its modules noted there as they are first called)."""
 
-    def __init__(self, model):
+    def __init__(self, model, root=None):
         self.rng = RngState()
-        self.model = ModelState(model)
+        self.model, self.watching = model_state(model, root)
 
     def restore(self) -> None:
         self.rng.restore()
         self.model.restore()
+
+
+def model_state(model, root=None) -> tuple:
+    """``(ModelState, context)`` for runs of ``model`` that must be put back: the modules of ``root=``, of the
+    module itself or of a bound method's module; for a callable naming no model (a lambda), each module the
+    runs call, noted inside the context just before its first call."""
+    owner = root if root is not None else model if isinstance(model, torch.nn.Module) else \
+        getattr(model, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return ModelState(owner), contextlib.nullcontext()
+    state = ModelState(None)
+    return state, FirstCalls(state.add)
 
 
 def _reference_output(model, args: tuple, kwargs: dict, root=None):
@@ -166,15 +179,9 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None):
             reference = None
         if reference is not None:
             return reference(*args, **kwargs)
-    owner = root if root is not None else bound
-    if isinstance(owner, torch.nn.Module):
-        state = ModelState(owner)
-        run = contextlib.nullcontext()
-    else:
-        state = ModelState(None)
-        run = FirstCalls(state.add)
+    state, watching = model_state(model, root)
     try:
-        with run:
+        with watching:
             return model(*args, **kwargs)
     finally:
         state.restore()

@@ -98,7 +98,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     kwargs = dict(as_kwargs(kwargs, "tl.report.flops_vs_dispatch"))
     saved = RunState(model)
     try:
-        log = trace(model, *clone_call(call_args, kwargs), save="none")
+        with saved.watching:
+            log = trace(model, *clone_call(call_args, kwargs), save="none")
         traced_output = _detached(log.output)
         drew = saved.rng.moved()
         if drew:
@@ -110,7 +111,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
                 "order, which restoring the global generators cannot guarantee. Call model.eval() (or remove "
                 "the randomness) and compare again.")
         saved.restore()
-        counter, native_output = _count_natively(model, *clone_call(call_args, kwargs))
+        with saved.watching:
+            counter, native_output = _count_natively(model, *clone_call(call_args, kwargs))
     finally:
         saved.restore()
     if not _outputs_close(traced_output, native_output, rtol, atol):
