@@ -94,6 +94,29 @@ def test_gpt2_activation_and_attribution_patching_tables(gpt2):
     assert (estimate.kind == "op").sum() == sum(1 for op in tl.trace(model, clean, save="none").ops if op.kind == "op")
 
 
+def test_gpt2_patching_tables_of_a_callable_with_root_match_the_models(gpt2):
+    """``lambda ids: model(ids)`` with ``root=model``: its modules are the model's module sites, and the table is
+    the model's own; without ``root=`` each module row says to pass it."""
+    model, clean, corrupt = gpt2
+    sites = ["transformer.h.0:1", "transformer.h.1.mlp:1", "transformer.ln_f:1"]
+    direct = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=sites, progress=False)
+    through = tl.report.activation_patching(lambda ids: model(ids), clean, corrupt, _logit_diff, sites=sites,
+                                            progress=False, root=model)
+    assert not through.error.any() and list(through.metric) == list(direct.metric)
+    every = tl.report.activation_patching(lambda ids: model(ids), clean, corrupt, _logit_diff, progress=False,
+                                          root=model)
+    assert "root module itself" in every.set_index("site").error["self:1"]
+    estimate = tl.report.attribution_patching(lambda ids: model(ids), clean, corrupt, _logit_diff, root=model)
+    assert estimate.set_index("site").normalized["lm_head:1"] == pytest.approx(1.0, abs=1e-4)
+    norm = next(op.layer_label for op in tl.trace(lambda ids: model(ids), clean, save="none").ops
+                if op.func_name == "layer_norm")
+    unnamed = tl.report.activation_patching(lambda ids: model(ids), clean, corrupt, _logit_diff, progress=False,
+                                            sites=[norm])
+    assert not unnamed.error.any() and unnamed.metric.notna().all()  # op labels need no model
+    rows = tl.report.activation_patching(lambda ids: model(ids), clean, corrupt, _logit_diff, progress=False)
+    assert rows.metric.isna().all() and rows.error.str.contains("pass root=").all()
+
+
 def test_activation_patching_by_position_and_its_heatmap(gpt2, tmp_path):
     model, clean, corrupt = gpt2
     table = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer.h.1"],

@@ -28,7 +28,7 @@ from ..tree import clone_call
 
 
 def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,
-                        kwargs=None, deep: bool = False, progress: bool = True):
+                        kwargs=None, deep: bool = False, progress: bool = True, root=None):
     """Patch each site from the clean into the corrupted run; one row per site.
 
     Args:
@@ -40,18 +40,20 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
         positions: patch one index at a time along this dimension of each site's value (``1``: the
             sequence positions of a ``(batch, seq, ...)`` value), adding a ``position`` column; draw the
             table with ``tl.viz.heatmap(df)``.
+        root: for a callable that is not a module (``lambda x: m(x).logits``), the module it runs, as for
+            ``tl.trace``: its modules are then module sites, and it is what each run puts back.
     Returns a pandas DataFrame with columns ``site``, ``metric``, ``normalized`` and ``error`` (why a site
     could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
     """
     pd = _pandas()
-    runs = _Runs(model)
+    runs = _Runs(model, root)
     clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
     corrupt_value = _scalar(metric(runs.trace(corrupt, kwargs, save="none", deep=deep).output))
     names = _sites(clean_log, sites)
     # Why a site cannot be patched at all (reported in its rows); a name the trace lacks raises KeyError with
     # the closest names, before any patched run.
-    unpatchable = _unpatchable_sites(clean_log, names)
+    unpatchable = _unpatchable_sites(clean_log, names, runs.names_no_model)
     # By position, a module call returning no tensor has no positions, so no row.
     patches = [(site, None) for site in names] if positions is None else \
         [(site, p) for site in names if not isinstance(site, str) or site in clean_log
@@ -78,7 +80,7 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     return frame
 
 
-def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bool = False):
+def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bool = False, root=None):
     """First-order estimate of activation patching for every op and module call (``kind`` column).
 
     ``estimate`` is ``sum((clean - corrupt) * grad)`` with the gradient of ``metric(output)`` taken on the
@@ -90,10 +92,10 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     inference kernels run only without them) and the clean baseline is computed as the corrupted run is.
     The forward is the model's own: values are attributed where autograd already follows them, never made
     to require a gradient they would not have (which could change what the forward does: an in-place write
-    into such a value, an integer op on it).
+    into such a value, an integer op on it).  ``root``: as for ``activation_patching``.
     """
     pd = _pandas()
-    runs = _Runs(model)
+    runs = _Runs(model, root)
     with torch.enable_grad():
         clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
@@ -158,11 +160,12 @@ class _Runs:
     attributes put back after it.  A forward that writes a parameter in place would make each run start
     from another model: refused the first time, put back once known (``ForwardState``)."""
 
-    def __init__(self, model):
-        self.model = model
-        self.state = ForwardState.of(model)
+    def __init__(self, model, root=None):
+        self.model, self.root = model, root
+        self.state = ForwardState.of(root if root is not None else model)
         # A callable that names no model (a lambda): its modules join the state as the runs first call them.
-        self.first_calls = FirstCalls(self.state.add) if self.state.owner is None else contextlib.nullcontext()
+        self.names_no_model = self.state.owner is None
+        self.first_calls = FirstCalls(self.state.add) if self.names_no_model else contextlib.nullcontext()
 
     def trace(self, args, kwargs, **options):
         """One run, and the model put back."""
@@ -178,7 +181,7 @@ class _Runs:
         """One run, left as it ended until ``finish``: a backward through it may need the buffers it read
         (train-mode batch norm saves its running statistics for the backward)."""
         with self.first_calls:
-            return trace(self.model, *clone_call(args, kwargs), **options)
+            return trace(self.model, *clone_call(args, kwargs), root=self.root, **options)
 
     def finish(self) -> None:
         """Put the model back as the experiment found it."""
@@ -198,10 +201,11 @@ def _change(clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
                        clean - corrupt)
 
 
-def _unpatchable_sites(log, names) -> dict:
+def _unpatchable_sites(log, names, names_no_model: bool = False) -> dict:
     """``site -> why it cannot be patched`` for the sites of ``names`` no patched run could take: a module
     call that returns no tensor, and a module the forward made itself (T5's loss, ``nn.Tanh()(x)``), which
-    is no module of the model, so no module site.  A name ``log`` does not know raises ``KeyError``."""
+    is no module of the model, so no module site; when the traced callable names no model
+    (``names_no_model``), none of its modules is.  A name ``log`` does not know raises ``KeyError``."""
     calls = {call.label: call for call in log.module_calls}
     reasons = {}
     for site in names:
@@ -213,11 +217,18 @@ def _unpatchable_sites(log, names) -> dict:
             continue
         log[site]  # raises KeyError with the closest names
         address = site.rpartition(":")[0] if call is not None else site
-        if is_unregistered(address):
-            outputs = call.output_ops if call is not None else []
-            instead = f" (here {', '.join(outputs)})" if outputs else ""
+        outputs = call.output_ops if call is not None else []
+        instead = f"patch the op it returns instead (here {', '.join(outputs)})" if outputs else \
+            "patch the op it returns instead"
+        if address == "self":  # a callable's call of its root= (generate()'s steps): no module site names it
+            reasons[site] = (f"{site} is a call of the root module itself, which no intervention site names; patch a "
+                             f"module inside it, or {instead}")
+        elif is_unregistered(address) and names_no_model:
+            reasons[site] = (f"{site} is a module of no model (the traced callable names none), so it is no module "
+                             f"site; pass root= the model it runs, or {instead}")
+        elif is_unregistered(address):
             reasons[site] = (f"{site} is a module the forward made itself, not a module of the model, so it is no "
-                             f"module site; patch the op it returns instead{instead}")
+                             f"module site; {instead}")
     return reasons
 
 
