@@ -35,6 +35,7 @@ from ..record.layouts import shape_of
 from . import accel
 from .arguments import PLAIN_VALUES, TUPLE_VALUES, bound_parent, scan_arguments, scan_linear
 from .fused_writes import RUNNING_STATS_FLAGS
+from .grads import requires_grad_changed
 from .outputs import grad_node, made_since, output_leaves, record_output
 from .source import CALL_IMPL as _CALL_IMPL
 from .source import CALL_IMPL_INNER as _CALL_IMPL_INNER
@@ -45,7 +46,6 @@ from .source import STOP as _STOP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
 from .source import FrameClassifier, called_by_module_call, dispatched_site
-from .grads import requires_grad_changed
 from .state import CaptureState
 from .writes import inplace_cache, protect_before_write, written_arguments
 
