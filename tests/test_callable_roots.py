@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -67,6 +68,20 @@ def test_root_names_the_module_behind_a_lambda():
     assert log.outputs[0].shape == (1, 5, 100)
     kept = tl.trace(lambda x: model(x).logits, ids, root=model, save=["lm_head"])
     assert kept["lm_head"].has_activation
+
+
+def test_a_partial_of_a_module_or_of_its_method_names_modules_from_that_module():
+    """``functools.partial`` is how a fixed keyword (an attention mask, ``use_cache=False``) is bound to a
+    model: the module behind it names the modules, as for the bound method itself."""
+    model, ids = _gpt2()
+    mask = torch.ones_like(ids)
+    plain = tl.trace(model, (ids,), {"attention_mask": mask})
+    for fn, calls in ((functools.partial(model, attention_mask=mask), ["self:1"] + [c.label for c in plain.module_calls]),
+                      (functools.partial(model.forward, attention_mask=mask), [c.label for c in plain.module_calls])):
+        log = tl.trace(fn, ids)
+        assert [c.label for c in log.module_calls] == calls
+        assert torch.equal(log.output.logits, plain.output.logits)
+        assert tl.validate(fn, ids).passed
 
 
 def test_root_must_be_a_module_and_agree_with_a_module_model():

@@ -22,7 +22,7 @@ import torch
 
 from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
-from .capture.restore import FirstCalls, ModuleAttributes, RngState, put_back
+from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
 from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves
 
@@ -154,11 +154,10 @@ class RunState:
 
 
 def model_state(model, root=None) -> tuple:
-    """``(ModelState, context)`` for runs of ``model`` that must be put back: the modules of ``root=``, of the
-    module itself or of a bound method's module; for a callable naming no model (a lambda), each module the
+    """``(ModelState, context)`` for runs of ``model`` that must be put back: the modules of ``root=``, or of the
+    module the callable runs (``module_run_by``); for a callable naming no model (a lambda), each module the
     runs call, noted inside the context just before its first call."""
-    owner = root if root is not None else model if isinstance(model, torch.nn.Module) else \
-        getattr(model, "__self__", None)
+    owner = root if root is not None else module_run_by(model)
     if isinstance(owner, torch.nn.Module):
         return ModelState(owner), contextlib.nullcontext()
     state = ModelState(None)
@@ -171,9 +170,9 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None):
     everything a forward can change restored afterwards: the modules of ``root=``, or, for a callable that
     names no model, each module the run calls (met as it runs)."""
     args, kwargs = clone_call(args, kwargs)
-    bound = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-    if isinstance(bound, torch.nn.Module) and (root is None or root is bound):
-        try:  # a module, or a bound method of one (copied with it); a lambda would not be copied
+    bound = module_run_by(model)
+    if bound is not None and (root is None or root is bound):
+        try:  # a module, or a bound method of one, or a partial of either (copied with it); not a lambda
             reference = copy.deepcopy(model)
         except Exception:  # noqa: BLE001 - locks, open files, C++ handles: fall back to restoring
             reference = None

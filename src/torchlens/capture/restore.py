@@ -23,6 +23,7 @@ forward, and the first extra run on it can only be refused.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import sys
 import weakref
@@ -30,6 +31,17 @@ import weakref
 import torch
 
 from .state import version_of
+
+
+def module_run_by(fn):
+    """The module a callable runs: the callable itself when it is one, a bound method's module
+    (``m.generate``), either behind ``functools.partial``; None for any other callable (a lambda)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
 
 
 class RngState:
@@ -132,8 +144,8 @@ class ForwardState:
     @classmethod
     def of(cls, model) -> "ForwardState":
         """The state of ``model`` (a module, or a bound method of one; anything else has only the RNG)."""
-        owner = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-        if not isinstance(owner, torch.nn.Module):
+        owner = module_run_by(model)
+        if owner is None:
             return cls([], [], [])
         return cls(list(owner.modules()), list(owner.named_parameters()), list(owner.buffers()), owner)
 

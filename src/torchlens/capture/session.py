@@ -31,6 +31,7 @@ from .grads import attach_grads, function_outputs, grad_capture
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
 from .packing import PackLog, packing_observed
+from .restore import module_run_by
 from .saving import SavePolicy
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, INPUT, CaptureState, StopForward, warn_mutated
@@ -195,7 +196,8 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
     Args:
         model: an ``nn.Module`` or any callable.  DataParallel/DDP wrappers and ``torch.compile``
             results are unwrapped to the eager module underneath.  A bound method of a module
-            (``m.generate``, ``m.embed``) names modules from that module.
+            (``m.generate``, ``m.embed``), or a ``functools.partial`` of a module or of its method, names
+            modules from that module.
         args: the positional arguments.  A tuple is the positional arguments; any other value (a
             tensor, a list, a dict) is the single positional argument: ``trace(model, [a, b])`` calls
             ``model([a, b])``.  To pass one tuple as the only argument, wrap it: ``((a, b),)``.
@@ -276,8 +278,7 @@ def _root_of(model, root):
                              "(drop root=, or trace the callable you meant)")
         return model
     if root is None:
-        owner = getattr(model, "__self__", None)  # a bound method: m.generate, m.embed
-        return owner if isinstance(owner, torch.nn.Module) else None
+        return module_run_by(model)  # a bound method (m.generate, m.embed), or a partial of one or of a module
     if not isinstance(root, torch.nn.Module):
         raise TypeError(f"root= must be an nn.Module (the model the callable runs), not {type(root).__name__}")
     return root
