@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import runpy
@@ -149,6 +150,35 @@ def test_resuming_with_other_inputs_or_layers_is_refused(tmp_path):
         tl.extract(model, batches(seed=3), ["fc"], tmp_path / "x", shard_bytes=100, progress=False)
     with pytest.raises(TraceFileError, match="incomplete"):
         tl.load_extracted(tmp_path / "x")
+
+
+@pytest.mark.parametrize("how", ["bound method", "partial", "lambda with root"])
+def test_resuming_a_callable_checks_the_weights_of_the_model_it_runs(tmp_path, how):
+    """A resume checks the model's weights; through a bound method or a partial it checked only their type,
+    so an extraction restarted after the weights changed mixed rows of two models."""
+    model, data = TwoLayer().eval(), batches()
+    run = {"bound method": model.forward, "partial": functools.partial(model),
+           "lambda with root": lambda x: model(x)}[how]
+    root = {"root": model} if how == "lambda with root" else {}
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(run, interrupted(data, 6), ["fc"], tmp_path / "x", shard_bytes=100, progress=False, **root)
+    with torch.no_grad():
+        model.fc.weight.mul_(2)
+    with pytest.raises(ValueError, match="extracted with another TwoLayer"):
+        tl.extract(run, data, ["fc"], tmp_path / "x", shard_bytes=100, progress=False, **root)
+    with torch.no_grad():
+        model.fc.weight.div_(2)
+    tl.extract(run, data, ["fc"], tmp_path / "x", shard_bytes=100, progress=False, **root)
+    with torch.no_grad():
+        np.testing.assert_array_equal(tl.load_extracted(tmp_path / "x")["fc"],
+                                      torch.cat([model.fc(x) for x in data]).numpy())
+
+
+def test_a_callable_naming_no_model_warns_that_a_resume_cannot_be_checked(tmp_path):
+    model, data = TwoLayer().eval(), batches(3)
+    done = tl.extract(lambda x: model(x), data, ["linear_1_1"], tmp_path / "x", progress=False)
+    with pytest.warns(UserWarning, match="names no model.*pass root="):
+        assert tl.extract(lambda x: model(x), data, ["linear_1_1"], tmp_path / "x", progress=False) == done
 
 
 def test_dataloader_batches_with_labels_and_a_partial_last_batch(tmp_path):

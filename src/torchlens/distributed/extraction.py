@@ -36,7 +36,7 @@ _JOIN_CHUNK_BYTES = 64 << 20
 
 
 def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, barrier_timeout,
-                  stop_after=None, grads=False, loss_fn=None) -> str:
+                  stop_after=None, grads=False, loss_fn=None, root=None) -> str:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -53,7 +53,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
     extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
                    shard_bytes=shard_bytes, progress=progress and rank == 0, indices_of=indices_of,
                    arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
-                   loss_fn=loss_fn)
+                   loss_fn=loss_fn, root=root)
     _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
     if rank == 0:
         join_ranks(out, world)

@@ -28,9 +28,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import ResumeMismatchError
+from ..errors import ResumeMismatchError, warn_user
 from ..record.layouts import shape_of
 from ..capture.collectives import process_rank
+from ..capture.restore import module_run_by
 from ..tree import as_args, path_text, strip, tensor_leaves
 from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_safetensors, safe_member,
                      write_atomic, write_manifest)
@@ -45,7 +46,7 @@ SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, whe
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=None,
             shard_bytes: int = 64 << 20, progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None,
-            grads: bool = False, loss_fn=None) -> str:
+            grads: bool = False, loss_fn=None, root=None) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -70,6 +71,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
             as ``tl.trace(stop_after=...)``: the cheap way to extract early layers.
         grads: also write each layer's gradient, d loss / d activation, as ``grad:<layer>``; needs
             ``loss_fn(output, batch)`` returning the loss to backpropagate (see io/extract_grads.py).
+        root: for a callable that is not a module, a bound method or a partial of one (a lambda), the module it
+            runs, as for ``tl.trace``: its modules are named by address, and its weights are what a resume checks.
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
@@ -87,19 +90,25 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
 
         return extract_ranks(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                              shard_bytes=shard_bytes, progress=progress, barrier_timeout=barrier_timeout,
-                             stop_after=stop_after, grads=grads, loss_fn=loss_fn)
+                             stop_after=stop_after, grads=grads, loss_fn=loss_fn, root=root)
     return extract_folder(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                           shard_bytes=shard_bytes, progress=progress, stop_after=stop_after, grads=grads,
-                          loss_fn=loss_fn)
+                          loss_fn=loss_fn, root=root)
 
 
 def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, indices_of=None,
-                   arguments=None, stop_after=None, grads=False, loss_fn=None) -> str:
+                   arguments=None, stop_after=None, grads=False, loss_fn=None, root=None) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
-    job = {"model_sha256": model_checksum(model), "arguments": dict(_arguments(layers, kwargs, inputs),
-                                                                    grads=bool(grads), **(arguments or {}))}
-    run = _Run(out, grad_columns(layers) if grads else layers, type(model).__name__, shard_bytes, job)
+    # What a resume checks is the module the callable runs (a bound method's, a partial's, root='s).
+    owner = root if root is not None else module_run_by(model)
+    checked = owner if owner is not None else model
+    job = {"model_sha256": model_checksum(checked), "arguments": dict(_arguments(layers, kwargs, inputs),
+                                                                      grads=bool(grads), **(arguments or {}))}
+    run = _Run(out, grad_columns(layers) if grads else layers, type(checked).__name__, shard_bytes, job)
+    if owner is None and (run.complete or run.batches_done):
+        warn_user(f"{out} was extracted with a callable that names no model, so whether its weights have changed "
+                  "since cannot be checked; pass root= the model it runs")
     if run.complete:
         return out
     resumed_from = run.batches_done
@@ -119,7 +128,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
             with torch.enable_grad() if grads else torch.no_grad():
                 request = (loss_fn, batch) if grads else None
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
-                                       request),
+                                       request, root),
                         _batch_rows(args, named), position, None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(_fingerprint(*last))
@@ -214,15 +223,16 @@ def _save_targets(model, layers) -> list:
     return targets
 
 
-def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None) -> list:
+def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None, root=None) -> list:
     from ..capture.session import trace
 
     from ..errors import UnmatchedSelection
 
-    targets = _save_targets(model, layers)
+    owner = root if root is not None else module_run_by(model)
+    targets = _save_targets(owner if owner is not None else model, layers)
     try:
         log = trace(model, args, kwargs, save=targets, stop_after=stop_after,
-                    grads=targets if grads is not None else False)
+                    grads=targets if grads is not None else False, root=root)
     except UnmatchedSelection as exc:
         raise UnmatchedSelection(f"batch {position}: {exc}") from None
     try:
