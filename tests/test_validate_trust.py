@@ -450,6 +450,35 @@ def test_a_callable_is_validated_with_the_modules_it_runs_put_back(root):
     assert torch.equal(model.seen, once.seen)
 
 
+
+def test_the_modules_another_thread_runs_meanwhile_are_not_put_back():
+    """The modules of a lambda are noted as it calls them; a model another thread runs at the same time is
+    not the lambda's, and its update must stay."""
+    other, inside, done = Stateful(), threading.Event(), threading.Event()
+
+    class WaitsForTheOtherThread(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            if not done.is_set():  # the reference run: let the other thread run its model now
+                inside.set()
+                done.wait(10)
+            return self.fc(x)
+
+    def run_other():
+        inside.wait(10)
+        other(torch.randn(2, 3))
+        done.set()
+
+    model, thread = WaitsForTheOtherThread(), threading.Thread(target=run_other)
+    thread.start()
+    result = tl.validate(lambda x: model(x), torch.randn(2, 3))
+    thread.join()
+    assert done.is_set() and result.passed
+    assert other.calls == 1  # its forward happened, and stays
+
 @pytest.mark.parametrize("how", ["lambda", "bound method"])
 def test_flops_vs_dispatch_of_a_callable_compares_runs_from_the_same_model(how):
     """Its two runs each start from the model as the call found it, and it ends so, whatever callable runs

@@ -26,6 +26,7 @@ import copy
 import functools
 import random
 import sys
+import threading
 import weakref
 
 import torch
@@ -175,14 +176,17 @@ class FirstCalls:
     whose state an extra run must put back (BatchNorm's running statistics in training, a cache, a flag) are
     known only by running it (``ForwardState.add``; validation's ``ModelState.add``).  A global forward
     pre-hook, removed on exit; it runs before the module's own pre-hooks, and with torch function handling
-    off, so that a capture running meanwhile records nothing of it."""
+    off, so that a capture running meanwhile records nothing of it.  It notes the calls of the thread that
+    entered it only: another thread's model is not this run's to put back."""
 
     def __init__(self, add):
         self.add = add
         self.seen: set = set()
         self.handle = None
+        self.thread = None
 
     def __enter__(self) -> "FirstCalls":
+        self.thread = threading.get_ident()
         self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
         return self
 
@@ -191,7 +195,7 @@ class FirstCalls:
         return False
 
     def _called(self, module, args) -> None:
-        if id(module) in self.seen:
+        if id(module) in self.seen or threading.get_ident() != self.thread:
             return
         self.seen.add(id(module))
         with torch._C.DisableTorchFunction():
