@@ -100,13 +100,13 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                    arguments=None, stop_after=None, grads=False, loss_fn=None, root=None) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
-    # What a resume checks is the module the callable runs (a bound method's, a partial's, root='s).
-    owner = root if root is not None else module_run_by(model)
-    checked = owner if owner is not None else model
+    # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
+    root = root if root is not None else module_run_by(model)
+    checked = root if root is not None else model
     job = {"model_sha256": model_checksum(checked), "arguments": dict(_arguments(layers, kwargs, inputs),
                                                                       grads=bool(grads), **(arguments or {}))}
     run = _Run(out, grad_columns(layers) if grads else layers, type(checked).__name__, shard_bytes, job)
-    if owner is None and (run.complete or run.batches_done):
+    if root is None and (run.complete or run.batches_done):
         warn_user(f"{out} was extracted with a callable that names no model, so whether its weights have changed "
                   "since cannot be checked; pass root= the model it runs")
     if run.complete:
@@ -228,8 +228,7 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
 
     from ..errors import UnmatchedSelection
 
-    owner = root if root is not None else module_run_by(model)
-    targets = _save_targets(owner if owner is not None else model, layers)
+    targets = _save_targets(root if root is not None else model, layers)
     try:
         log = trace(model, args, kwargs, save=targets, stop_after=stop_after,
                     grads=targets if grads is not None else False, root=root)
