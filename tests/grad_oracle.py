@@ -54,9 +54,12 @@ class Oracle(TorchFunctionMode):
 
     def __exit__(self, *exc):
         # A custom autograd Function's output is made under no_grad inside its forward and given the
-        # Function's backward node when it returns: it requires grad from then on.
+        # Function's backward node when it returns: it requires grad from then on.  So does a leaf the
+        # forward sets to require grad (``h.requires_grad = True``: wav2vec2's feature encoder in training).
         for k, (t, requires_grad) in enumerate(self.outputs):
-            if not requires_grad and isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction):
+            if requires_grad or not t.requires_grad:
+                continue
+            if t.grad_fn is None or isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction):
                 self.outputs[k] = (t, True)
                 self._retain(k, t)
         return super().__exit__(*exc)
