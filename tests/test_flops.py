@@ -231,6 +231,90 @@ def test_sdpa_on_cpu_is_noted_and_counted_only_by_torchlens():
     assert any("scaled_dot_product_attention on CPU" in note for note in result.notes)
 
 
+def native_by_overload(model, *args, **kwargs) -> dict:
+    """FlopCounterMode's own per-overload counts for one untraced forward."""
+    with FlopCounterMode(display=False) as counter:
+        model(*args, **kwargs)
+    return {str(k).split(".", 1)[-1]: int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()}
+
+
+class BiasedAttention(nn.Module):
+    """Attention with a learned additive mask, as T5's position bias: a mask that requires grad sends
+    scaled_dot_product_attention down its math path, which FlopCounterMode counts as ``aten.bmm``."""
+
+    def __init__(self, heads=2, length=4):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(heads, length, length))
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+class WeightedAttention(nn.Module):
+    """nn.MultiheadAttention returning its weights: torch computes attention with explicit bmm's."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=True)[0]
+
+
+def test_attention_counted_natively_as_batched_products_is_in_the_native_attention_family():
+    """FlopCounterMode's bmm's inside an attention call are the attention products: compared under
+    attention, not matmul, and not called 'counted 0'."""
+    q = k = v = torch.randn(1, 2, 4, 8)
+    direct = native_by_overload(BiasedAttention(), q, k, v)
+    assert direct == {"bmm": 2 * 2 * 4 * 4 * (8 + 8)}  # the math path, counted by torch as bmm
+    result = tl.report.flops_vs_dispatch(BiasedAttention(), (q, k, v))
+    rows = {row["family"]: row for row in result.families}
+    assert rows["attention"]["native"] == direct["bmm"] == rows["attention"]["torchlens"]
+    assert rows["matmul"]["native"] == 0
+    assert not any("counts 0" in note for note in result.notes)
+    assert any("batched matrix products" in note for note in result.notes)
+
+    x = torch.randn(2, 5, 16)
+    model = WeightedAttention().eval()
+    direct = native_by_overload(model, x)
+    result = tl.report.flops_vs_dispatch(model, x)
+    rows = {row["family"]: row for row in result.families}
+    assert rows["attention"]["native"] == direct["bmm"] == 2 * 2 * 2 * 5 * 5 * 16 == rows["attention"]["torchlens"]
+    assert rows["matmul"]["native"] == direct["mm"] + direct["addmm"]
+
+
+def test_corpus_attention_families_agree_where_torch_counts_the_math_path():
+    """Swin's and Falcon's attention masks require grad, so torch counts their attention as bmm's; both
+    registries then count the same attention products, and the native matmul family keeps the rest."""
+    import real_models
+
+    for name in ("swin", "falcon"):
+        model, args, kwargs = real_models.build(name)
+        model.eval()
+        real_models.seed(0)
+        direct = native_by_overload(model, *args, **kwargs)
+        real_models.seed(0)
+        rows = {row["family"]: row for row in tl.report.flops_vs_dispatch(model, args, kwargs).families}
+        assert rows["attention"]["native"] == rows["attention"]["torchlens"] == direct["bmm"] > 0, name
+        assert rows["matmul"]["native"] == direct.get("mm", 0) + direct.get("addmm", 0), name
+
+
+@pytest.mark.parametrize("name", ["transformer_encoder", "transformer_encoder_padded"])
+def test_the_counted_run_keeps_torchs_fused_encoder_path(name):
+    """Under no_grad nn.TransformerEncoder runs its fused kernel (nested tensors with a padding mask). The
+    counted run must take that same path: FlopCounterMode's counts equal its counts of the model run
+    alone, and the witness holds with a padding mask (the decomposed path fills padded rows otherwise)."""
+    import real_models
+
+    model, args, kwargs = real_models.build(name)
+    model.eval()
+    with torch.no_grad():
+        direct = native_by_overload(model, *args, **kwargs)
+        result = tl.report.flops_vs_dispatch(model, args, kwargs)
+    assert {k.split(".", 1)[-1]: v for k, v in result.native_by_overload.items()} == direct
+    assert result.witness["outputs_match"]
+
+
 def test_dropout_in_train_mode_is_refused_and_nothing_is_left_changed():
     model, args, kwargs = zoo()["dropout_train"]
     rng = torch.get_rng_state()
