@@ -5,6 +5,8 @@ load and extraction, the kernel profile, the viewer, and interventions.
 from __future__ import annotations
 
 import gc
+import re
+import warnings
 
 import pytest
 import torch
@@ -124,6 +126,53 @@ def test_nonfinite_origin_of_gradients_names_the_first_op_in_backward_order():
     clean = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=["b"])
     clean.backward(clean.output.sum())
     assert not tl.debug.nonfinite_origin(clean, grads=True)
+
+
+class SqrtBesideOthers(nn.Module):
+    """``a`` feeds ``sqrt`` (whose backward at 0, times a zero gradient, is NaN), a comparison (no
+    backward edge) and, with ``scale``, a multiplication whose backward is finite."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        a = torch.relu(self.fc(x))
+        out = torch.sqrt(a) * 0.0 + (a > 0).float()
+        return out + a * 3.0 if self.scale else out
+
+
+def anomaly_node(model, x) -> str:
+    """The backward node autograd's anomaly mode names for the first NaN of ``model(x).sum()``'s backward."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError) as error:
+            model(x).sum().backward()
+    return re.search(r"Function '(\w+)' returned nan", str(error.value)).group(1)
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_born_in_names_only_ops_whose_backward_can_have_produced_it(scale):
+    """Anomaly mode names SqrtBackward0. The comparison has no backward edge, so it is never named; the
+    finite multiplication can be told apart from sqrt only by anomaly mode, so it leaves born_in a list of
+    candidates, not a claim."""
+    torch.manual_seed(0)
+    model, x = SqrtBesideOthers(scale), torch.randn(8, 4)
+    node = anomaly_node(model, x)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    assert report.origin.func_name == "relu" and report.kind == "nan"
+    born = {log[label].func_name: log[label].grad_fn for label in report.born_in}
+    assert born.get("sqrt") == node == "SqrtBackward0"
+    assert "gt" not in born
+    if scale:
+        assert set(born) == {"sqrt", "mul"} and not report.born_in_certain
+        assert "one or more of" in str(report)
+    else:
+        assert set(born) == {"sqrt"} and report.born_in_certain
+        assert f"born in the backward of {report.born_in[0]} (" in str(report)
 
 
 def test_save_and_load_keep_gradients(tmp_path):
