@@ -270,6 +270,28 @@ def test_kernel_profile_reuses_a_grads_trace_and_reports_backward_per_module_cal
         tl.report.kernel_profile(tl.trace(model, x), backward=True)
 
 
+@pytest.mark.parametrize("name", ["bert", "transformer_encoder"])
+def test_backward_only_profile_of_a_corpus_model_matches_the_full_profile(name):
+    """Dropout in eval mode and ``contiguous`` on a contiguous tensor hand on their input: they make no
+    backward node, so their backward is a measured zero, as the forward-and-backward profile (which links
+    nodes through the profiler's own sequence numbers) finds it; the backward-only profile is complete."""
+    import real_models
+
+    model, args, kwargs = real_models.build(name)
+    model.eval()
+    loss = lambda out: (out.logits if hasattr(out, "logits") else out).sum().backward()
+    fresh = tl.report.kernel_profile(model, args, kwargs, backward=loss)
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, args, kwargs, grads=True, save="none")
+    reused = tl.report.kernel_profile(log, backward=loss)
+    model.zero_grad(set_to_none=True)
+    handed_on = [op.label for op in log.ops if op.kind == "op" and op.func_name in ("dropout", "contiguous")
+                 and op.grad_fn == log[op.parents[0]].grad_fn]
+    assert handed_on  # the case at issue is present
+    assert reused.complete and not reused.coverage.problems
+    assert [(r["op"], r["bwd_aten_ops"]) for r in reused.ops] == [(r["op"], r["bwd_aten_ops"]) for r in fresh.ops]
+
+
 def test_viewer_colours_by_gradient_norm_and_shows_gradient_stats():
     from torchlens.viz.metrics import Coloring, op_values
 
