@@ -121,6 +121,16 @@ def test_pooling_formulas_follow_torch_windows():
     assert tl.report.op_flops(adaptive) == expected
 
 
+def test_lp_pooling_reads_its_kernel_size_not_its_norm_type():
+    """``lp_pool2d(input, norm_type, kernel_size)``: each output element reads one kernel window, counted
+    here by torch's own ``unfold`` (one column entry per element read)."""
+    x = torch.randn(2, 3, 9, 9)
+    log = tl.trace(nn.LPPool2d(2, kernel_size=3), x)
+    (pool,) = [op for op in log.ops if op.kind == "op"]
+    assert tl.report.op_flops(pool) == F.unfold(x, 3, stride=3).numel()
+    assert log.flops.complete
+
+
 def test_module_call_totals_are_inclusive_and_sum_their_ops():
     model, args, kwargs = zoo()["small_cnn"]
     log = tl.trace(model, args, kwargs)
