@@ -325,6 +325,27 @@ def test_the_counted_run_keeps_torchs_fused_encoder_path(name):
     assert result.witness["outputs_match"]
 
 
+def test_root_row_of_a_function_or_bound_method_is_flop_counter_modes_whole_call():
+    """A function or a bound ``forward`` is no module call FlopCounterMode's tracker can name: the root row
+    is its whole-call total, and module rows it cannot name for certain (it names a module it meets first
+    by bare class, merging instances) have no native figure rather than a false 0."""
+    torch.manual_seed(0)
+    lin, head = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def function(x):
+        return head(lin(x).relu())
+
+    x = torch.randn(3, 4)
+    for model in (function, nn.Sequential(lin, nn.ReLU(), head).forward):
+        result = tl.report.flops_vs_dispatch(model, x)
+        root, *others = result.modules
+        assert root["module"].startswith("(root")
+        assert root["native"] == native_total(model, x) == result.native_total > 0
+        assert root["difference"] == root["native"] - root["torchlens"]
+        assert others and all(row["native"] is None and row["difference"] is None for row in others)
+        assert any("n/a" in note for note in result.notes) and "n/a" in str(result)
+
+
 def test_dropout_in_train_mode_is_refused_and_nothing_is_left_changed():
     model, args, kwargs = zoo()["dropout_train"]
     rng = torch.get_rng_state()

@@ -19,6 +19,7 @@ import functools
 import torch
 
 from ..errors import NativeToolFailed, WitnessFailed
+from ..record.modules import is_unregistered
 from .flops import CONVENTION, FAMILIES, family_totals, flops_column, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
@@ -31,6 +32,11 @@ BATCHED_ATTENTION_NOTE = ("FlopCounterMode counted these attention calls through
                           "(aten.bmm/baddbmm: the math fallback of scaled_dot_product_attention, taken for "
                           "example when the mask requires grad, or multi_head_attention_forward with "
                           "need_weights): those FLOPs are in the native attention family, not matmul.")
+UNNAMED_MODULES_NOTE = ("module rows shown n/a on the native side: FlopCounterMode's module tracker names a module "
+                        "by its class alone when it meets it outside the root module's own call (the root is a "
+                        "function or a bound method, or the module is not the root's submodule), merging every "
+                        "instance of that class, so those rows have no native figure of their own; the root row "
+                        "is FlopCounterMode's whole-call total.")
 # The attention functions whose batched matrix products (bmm, baddbmm) are the attention products; their
 # projections, if any, are unbatched (mm, addmm) and stay matmul, as torchlens's formulas split them.
 _ATTENTION_FUNCTIONS = ("scaled_dot_product_attention", "multi_head_attention_forward")
@@ -82,12 +88,17 @@ class FlopsComparison:
             lines.append(f"  {row['family']:<24}{row['torchlens']:>14,}{row['native']:>14,}{row['difference']:>14,}")
         lines.append("  by module (inclusive; calls of one module merged, as FlopCounterMode does):")
         for row in self.modules:
-            lines.append(f"  {row['module'][:24]:<24}{row['torchlens']:>14,}{row['native']:>14,}"
-                         f"{row['difference']:>14,}")
+            lines.append(f"  {row['module'][:24]:<24}{row['torchlens']:>14,}{_shown(row['native']):>14}"
+                         f"{_shown(row['difference']):>14}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _shown(value) -> str:
+    """A count with thousands separators, or ``n/a`` where the side has no figure."""
+    return "n/a" if value is None else f"{value:,}"
 
 
 def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: float = 1e-6) -> FlopsComparison:
@@ -226,6 +237,8 @@ def _compare(log, model, native_counts, attention_calls) -> FlopsComparison:
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)
     notes = _notes(log, tl_total, tl_families, native_families, attention_calls)
+    if any(row["native"] is None for row in modules):
+        notes.append(UNNAMED_MODULES_NOTE)
     witness = {"outputs_match": True, "random_draws": False, "rng_restored": True,
                "training_flags_restored": True, "buffers_restored": True}
     return FlopsComparison(log.model_name, tl_total, sum(native_global.values()), families, modules,
@@ -256,17 +269,39 @@ def _module_rows(log, native_counts, root_name) -> list:
                 unknown[address] += 1
             else:
                 tl[address] += sum(parts.values())
-    by_alias = {alias: module.address for module in log.modules for alias in module.all_addresses}
-    native = dict.fromkeys(tl, 0)
-    for name, counts in native_counts.items():
-        if name == "Global":
-            continue
-        address = "" if name == root_name else by_alias.get(name.split(".", 1)[1] if "." in name else name)
-        if address is not None:
-            native[address] = native.get(address, 0) + sum(int(v) for v in counts.values())
+    native = _native_by_address(log, native_counts, root_name)
     return [{"module": address or f"(root {log.model_name})", "torchlens": tl[address],
-             "native": native.get(address, 0), "difference": native.get(address, 0) - tl[address],
+             "native": native[address], "difference": _signed_difference(native[address], tl[address]),
              "torchlens_unknown_ops": unknown[address]} for address in tl]
+
+
+def _native_by_address(log, native_counts, root_name) -> dict:
+    """FlopCounterMode's inclusive FLOPs per torchlens module address, ``""`` for the root.
+
+    The root is the whole call, so its figure is FlopCounterMode's ``Global`` row (a plain function or a
+    bound method has no module call of its own for the tracker to name).  The tracker names each module
+    it meets first by bare class name, and its children from there: only when it entered the root
+    module itself are its names the root's paths.  Otherwise (a function, a bound method), and for a
+    module outside the root's tree (``<unregistered ...>``, whose instances of one class it merges), a
+    row has None: no native figure is that module's own."""
+    by_alias = {alias: module.address for module in log.modules for alias in module.all_addresses}
+    total = sum(int(v) for v in native_counts.get("Global", {}).values())
+    named_from_root = root_name in native_counts or total == 0
+    native = {module.address: None if is_unregistered(module.address) or not named_from_root else 0
+              for module in log.modules}
+    native[""] = total
+    for name, counts in native_counts.items():
+        if name in ("Global", root_name) or "." not in name:
+            continue  # the root (Global above), or a module the tracker named by bare class
+        address = by_alias.get(name.split(".", 1)[1])
+        if address is not None and native.get(address) is not None:
+            native[address] += sum(int(v) for v in counts.values())
+    return native
+
+
+def _signed_difference(native, torchlens):
+    """``native - torchlens``, None when the native side has no figure."""
+    return None if native is None else native - torchlens
 
 
 def _attention_notes(log, attention_calls) -> list:
