@@ -123,7 +123,13 @@ def test_nonfinite_origin_of_gradients_names_the_first_op_in_backward_order():
     assert report.born_in == ("sqrt_1_4:1",)
     assert set(report.nonfinite) == {"mul_1_3:1", "norm_1_2:1", "linear_1_1:1"}
     assert "detect_anomaly" in str(report) and "sqrt_1_4:1" in str(report)
-    clean = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=["b"])
+    selected = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=["b"])
+    selected.backward(selected.output.sum())
+    # Only b's gradients are watched, and they are finite; a's parameters' own .grad still hold Inf.
+    report = tl.debug.nonfinite_origin(selected, grads=True)
+    assert report.origin is None and report.parameters == ("a.weight", "a.bias") and not report.born_in
+    assert "grads=[...]" in str(report)
+    clean = tl.trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(3, 4), grads=True)
     clean.backward(clean.output.sum())
     assert not tl.debug.nonfinite_origin(clean, grads=True)
 
@@ -173,6 +179,34 @@ def test_born_in_names_only_ops_whose_backward_can_have_produced_it(scale):
     else:
         assert set(born) == {"sqrt"} and report.born_in_certain
         assert f"born in the backward of {report.born_in[0]} (" in str(report)
+
+
+class SqrtOfParameter(nn.Module):
+    """The NaN is born where the gradient enters a parameter: ``sqrt``'s backward at 0, times 0, lands
+    on ``scale.grad`` and on no op's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + torch.sqrt(self.scale) * 0.0
+
+
+def test_a_gradient_non_finite_only_on_a_parameter_is_reported_with_the_op_that_read_it():
+    torch.manual_seed(0)
+    model, x = SqrtOfParameter(), torch.randn(3, 4)
+    node = anomaly_node(model, x)
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    assert torch.isnan(model.scale.grad).all()  # the parameter's own gradient, read from torch
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    assert report and report.found and report.origin is None
+    assert report.parameters == ("scale",) and report.kind == "nan"
+    assert report.born_in_certain and log[report.born_in[0]].grad_fn == node == "SqrtBackward0"
+    assert "scale" in str(report) and "every gradient the trace received is finite" not in str(report)
 
 
 def test_save_and_load_keep_gradients(tmp_path):

@@ -11,6 +11,10 @@ torchlens sees it, so with several children the report names them as candidates
 (``born_in_certain`` is False) and anomaly mode names the node.  When the loss itself was non-finite,
 the forward is the culprit and ``nonfinite_origin(log)`` (without ``grads``) names its origin.
 
+Parameters are not ops, so a gradient that goes non-finite only on its way into a parameter (``sqrt`` of
+a parameter at 0) shows on no op: the parameters' own ``.grad`` are examined too, and such a parameter is
+reported with the ops that read it, in whose backward it was born.
+
 A backward step torchlens did not see as an op (the internals of a custom ``autograd.Function``, a
 fused kernel's backward) shows only as its outcome; the report always carries the anomaly-mode recipe
 that names the exact backward node.
@@ -22,6 +26,7 @@ import torch
 
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
+from ..record.errors import GradientUnavailable
 from ..record.grads import grad_capture_of
 from .nonfinite import DETECT_ANOMALY_RECIPE
 
@@ -29,7 +34,8 @@ from .nonfinite import DETECT_ANOMALY_RECIPE
 class GradNonfiniteReport:
     """The first op (in backward order) whose gradient is non-finite, and what produced it."""
 
-    def __init__(self, *, origin, kind, born_in, nonfinite, examined, num_backwards, loss_nonfinite):
+    def __init__(self, *, origin, kind, born_in, nonfinite, examined, num_backwards, loss_nonfinite,
+                 parameters=(), parameters_checked=True):
         self.origin = origin  # Op, or None
         self.kind = kind  # "nan", "inf", "both" or None
         self.born_in = tuple(born_in)  # labels of the ops whose backward produced it: one, or candidates
@@ -37,11 +43,14 @@ class GradNonfiniteReport:
         self.examined = examined
         self.num_backwards = num_backwards
         self.loss_nonfinite = loss_nonfinite  # the very first gradient (nearest the loss) was non-finite
+        self.parameters = tuple(parameters)  # addresses of parameters whose .grad holds NaN/Inf
+        self.parameters_checked = parameters_checked  # every parameter's .grad could be read
         self.recipe = DETECT_ANOMALY_RECIPE
 
     @property
     def found(self) -> bool:
-        return self.origin is not None
+        """A non-finite gradient was found: on an op (``origin``), or only on parameters (``parameters``)."""
+        return self.origin is not None or bool(self.parameters)
 
     @property
     def born_in_certain(self) -> bool:
@@ -62,7 +71,10 @@ class GradNonfiniteReport:
         lines = [f"non-finite gradient origin ({self.examined} gradients examined, in backward order, over "
                  f"{self.num_backwards} backward(s)):"]
         if not self.found:
-            lines.append("  every gradient the trace received is finite")
+            lines.append("  every gradient the trace received is finite, and so is every parameter's .grad"
+                         + ("" if self.parameters_checked else " it could read (a loaded trace without them)"))
+        elif self.origin is None:
+            lines += self._parameter_lines()
         else:
             op = self.origin
             where = f" in {op.module}" if op.module else ""
@@ -82,10 +94,29 @@ class GradNonfiniteReport:
             if len(self.nonfinite) > 1:
                 shown = ", ".join(self.nonfinite[1:9]) + (" ..." if len(self.nonfinite) > 9 else "")
                 lines.append(f"  then propagated to {len(self.nonfinite) - 1} op(s): {shown}")
+        if self.origin is not None and self.parameters:
+            lines.append(f"  parameters with a non-finite .grad: {', '.join(self.parameters[:8])}"
+                         + (" ..." if len(self.parameters) > 8 else ""))
         lines += ["", self.recipe]
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _parameter_lines(self) -> list:
+        """Every op gradient is finite; the non-finite values are in parameters' ``.grad`` only."""
+        lines = [f"  every op gradient is finite, but the .grad of {len(self.parameters)} parameter(s) holds "
+                 f"{self.kind.upper()}: {', '.join(self.parameters[:8])}" + (" ..." if len(self.parameters) > 8 else "")]
+        if self.born_in_certain:
+            lines.append(f"  born in the backward of {self.born_in[0]}, the op that read it (its output gradient "
+                         "was finite)")
+        elif self.born_in:
+            lines.append(f"  born in the backward of one or more of {', '.join(self.born_in)}, the ops that read "
+                         "them (their output gradients were finite)")
+        else:
+            lines.append("  the trace watched only some ops' gradients (grads=[...]), so where it was born is "
+                         "not known from the trace: anomaly mode names the node")
+        lines.append("  (a parameter's .grad accumulates over every backward since it was last cleared)")
+        return lines
 
 
 def grad_nonfinite_origin(log) -> GradNonfiniteReport:
@@ -105,16 +136,50 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
             if flags is not None:
                 status[i] = flags
     bad = [i for i in capture.order if status.get(i, (False, False)) != (False, False)]
+    found = _nonfinite_parameter_grads(log)
+    params = [entry for entry in found if entry[1] is not None]
+    checked = len(params) == len(found)
     if not bad:
-        return GradNonfiniteReport(origin=None, kind=None, born_in=(), nonfinite=(), examined=len(status),
-                                   num_backwards=log.num_backwards, loss_nonfinite=False)
+        return _parameter_report(log, params, examined=len(status), selected=capture.policy is not None,
+                                 checked=checked)
     first = bad[0]
-    kinds = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
     children = _backward_children(log, first)
     return GradNonfiniteReport(
-        origin=log.ops[first], kind=kinds[status[first]], born_in=[log.labels[c] for c in children],
+        origin=log.ops[first], kind=_KINDS[status[first]], born_in=[log.labels[c] for c in children],
         nonfinite=[log.labels[i] for i in bad], examined=len(status), num_backwards=log.num_backwards,
-        loss_nonfinite=first == capture.order[0])
+        loss_nonfinite=first == capture.order[0], parameters=[address for address, _, _ in params],
+        parameters_checked=checked)
+
+
+_KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
+
+
+def _nonfinite_parameter_grads(log) -> list:
+    """``[(address, (has_nan, has_inf), user op indices)]`` for parameters whose ``.grad`` holds NaN/Inf;
+    flags None for a parameter whose ``.grad`` could not be read."""
+    found = []
+    for param in log.params:
+        try:
+            grad = param.grad
+        except GradientUnavailable:  # a loaded trace saved without its parameters' gradients
+            found.append((param.address, None, []))
+            continue
+        flags = nonfinite_flags(grad) if grad is not None else None
+        if flags is not None and flags != (False, False):
+            found.append((param.address, flags, [op.index for op in param.ops]))
+    return found
+
+
+def _parameter_report(log, params, examined, selected, checked) -> GradNonfiniteReport:
+    """No op gradient is non-finite: the report names the parameters whose ``.grad`` is, if any, and the ops
+    that read them (whose backward wrote their gradient).  With ``grads=[...]`` (``selected``) most ops'
+    gradients were not watched, so a finite watched gradient says nothing of the others: no op is named."""
+    flags = (any(f[0] for _, f, _ in params), any(f[1] for _, f, _ in params))
+    users = [] if selected else sorted({i for _, _, indices in params for i in indices})
+    return GradNonfiniteReport(
+        origin=None, kind=_KINDS.get(flags), born_in=[log.labels[i] for i in users], nonfinite=(),
+        examined=examined, num_backwards=log.num_backwards, loss_nonfinite=False,
+        parameters=[address for address, _, _ in params], parameters_checked=checked)
 
 
 def _backward_children(log, index) -> list:
