@@ -209,6 +209,37 @@ def test_a_gradient_non_finite_only_on_a_parameter_is_reported_with_the_op_that_
     assert "scale" in str(report) and "every gradient the trace received is finite" not in str(report)
 
 
+class InfOfParameter(nn.Module):
+    """``sqrt``'s backward at 0 sends Inf into ``scale.grad``; nothing turns it into a NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + torch.sqrt(self.scale)
+
+
+def test_an_inf_only_backward_is_reported_with_anomaly_modes_nan_only_check_said():
+    """Anomaly mode checks backward outputs for NaN alone: on an Inf-only backward it raises nothing, so
+    the report must not send the user to it as if it would name the node."""
+    torch.manual_seed(0)
+    model, x = InfOfParameter(), torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.set_detect_anomaly(True):
+            model(x).sum().backward()  # raises nothing
+    assert torch.isinf(model.scale.grad).all()
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    assert report.kind == "inf" and report.parameters == ("scale",)
+    assert "anomaly mode checks for NaN alone" in str(report)
+    assert "NaN only" in tl.debug.DETECT_ANOMALY_RECIPE
+
+
 def test_save_and_load_keep_gradients(tmp_path):
     model, args, _ = zoo()["mlp"]
     log = tl.trace(model, args, grads=True, saved_for_backward=True)

@@ -8,7 +8,8 @@ their own gradients were finite, so the non-finite value was born inside the bac
 more of them (``sqrt`` at 0, ``log`` of 0, a division by a zero norm...).  Which one, the trace can say
 only when there is one such child: autograd sums the children's contributions into one gradient before
 torchlens sees it, so with several children the report names them as candidates
-(``born_in_certain`` is False) and anomaly mode names the node.  When the loss itself was non-finite,
+(``born_in_certain`` is False); anomaly mode names the first node that returns NaN (it does not check
+for Inf).  When the loss itself was non-finite,
 the forward is the culprit and ``nonfinite_origin(log)`` (without ``grads``) names its origin.
 
 Parameters are not ops, so a gradient that goes non-finite only on its way into a parameter (``sqrt`` of
@@ -16,8 +17,8 @@ a parameter at 0) shows on no op: the parameters' own ``.grad`` are examined too
 reported with the ops that read it, in whose backward it was born.
 
 A backward step torchlens did not see as an op (the internals of a custom ``autograd.Function``, a
-fused kernel's backward) shows only as its outcome; the report always carries the anomaly-mode recipe
-that names the exact backward node.
+fused kernel's backward) shows only as its outcome; the report always carries the anomaly-mode recipe,
+which names the first backward node that returns NaN (anomaly mode does not check for Inf).
 """
 
 from __future__ import annotations
@@ -89,11 +90,14 @@ class GradNonfiniteReport:
             elif self.born_in:
                 lines.append(f"  born in the backward of one or more of {', '.join(self.born_in)} (their output "
                              "gradients were finite; autograd summed their contributions before the trace saw "
-                             "them, so which one produced it the trace cannot tell: anomaly mode names the "
-                             "node)")
+                             "them, so which one produced it the trace cannot tell; anomaly mode names the "
+                             "first node that returns NaN)")
             if len(self.nonfinite) > 1:
                 shown = ", ".join(self.nonfinite[1:9]) + (" ..." if len(self.nonfinite) > 9 else "")
                 lines.append(f"  then propagated to {len(self.nonfinite) - 1} op(s): {shown}")
+        if self.kind == "inf":
+            lines.append("  only Inf, no NaN: anomaly mode checks for NaN alone, so it raises nothing here until "
+                         "an Inf turns into a NaN")
         if self.origin is not None and self.parameters:
             lines.append(f"  parameters with a non-finite .grad: {', '.join(self.parameters[:8])}"
                          + (" ..." if len(self.parameters) > 8 else ""))
@@ -114,7 +118,7 @@ class GradNonfiniteReport:
                          "them (their output gradients were finite)")
         else:
             lines.append("  the trace watched only some ops' gradients (grads=[...]), so where it was born is "
-                         "not known from the trace: anomaly mode names the node")
+                         "not known from the trace; anomaly mode names the first node that returns NaN")
         lines.append("  (a parameter's .grad accumulates over every backward since it was last cleared)")
         return lines
 
