@@ -121,6 +121,16 @@ def test_pooling_formulas_follow_torch_windows():
     assert tl.report.op_flops(adaptive) == expected
 
 
+def test_lp_pooling_reads_its_kernel_size_not_its_norm_type():
+    """``lp_pool2d(input, norm_type, kernel_size)``: each output element reads one kernel window, counted
+    here by torch's own ``unfold`` (one column entry per element read)."""
+    x = torch.randn(2, 3, 9, 9)
+    log = tl.trace(nn.LPPool2d(2, kernel_size=3), x)
+    (pool,) = [op for op in log.ops if op.kind == "op"]
+    assert tl.report.op_flops(pool) == F.unfold(x, 3, stride=3).numel()
+    assert log.flops.complete
+
+
 def test_module_call_totals_are_inclusive_and_sum_their_ops():
     model, args, kwargs = zoo()["small_cnn"]
     log = tl.trace(model, args, kwargs)
@@ -229,6 +239,111 @@ def test_sdpa_on_cpu_is_noted_and_counted_only_by_torchlens():
     attention = next(row for row in result.families if row["family"] == "attention")
     assert attention["native"] == 0 and attention["torchlens"] == 2 * 2 * 4 * 4 * (8 + 8)
     assert any("scaled_dot_product_attention on CPU" in note for note in result.notes)
+
+
+def native_by_overload(model, *args, **kwargs) -> dict:
+    """FlopCounterMode's own per-overload counts for one untraced forward."""
+    with FlopCounterMode(display=False) as counter:
+        model(*args, **kwargs)
+    return {str(k).split(".", 1)[-1]: int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()}
+
+
+class BiasedAttention(nn.Module):
+    """Attention with a learned additive mask, as T5's position bias: a mask that requires grad sends
+    scaled_dot_product_attention down its math path, which FlopCounterMode counts as ``aten.bmm``."""
+
+    def __init__(self, heads=2, length=4):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(heads, length, length))
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+class WeightedAttention(nn.Module):
+    """nn.MultiheadAttention returning its weights: torch computes attention with explicit bmm's."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=True)[0]
+
+
+def test_attention_counted_natively_as_batched_products_is_in_the_native_attention_family():
+    """FlopCounterMode's bmm's inside an attention call are the attention products: compared under
+    attention, not matmul, and not called 'counted 0'."""
+    q = k = v = torch.randn(1, 2, 4, 8)
+    direct = native_by_overload(BiasedAttention(), q, k, v)
+    assert direct == {"bmm": 2 * 2 * 4 * 4 * (8 + 8)}  # the math path, counted by torch as bmm
+    result = tl.report.flops_vs_dispatch(BiasedAttention(), (q, k, v))
+    rows = {row["family"]: row for row in result.families}
+    assert rows["attention"]["native"] == direct["bmm"] == rows["attention"]["torchlens"]
+    assert rows["matmul"]["native"] == 0
+    assert not any("counts 0" in note for note in result.notes)
+    assert any("batched matrix products" in note for note in result.notes)
+
+    x = torch.randn(2, 5, 16)
+    model = WeightedAttention().eval()
+    direct = native_by_overload(model, x)
+    result = tl.report.flops_vs_dispatch(model, x)
+    rows = {row["family"]: row for row in result.families}
+    assert rows["attention"]["native"] == direct["bmm"] == 2 * 2 * 2 * 5 * 5 * 16 == rows["attention"]["torchlens"]
+    assert rows["matmul"]["native"] == direct["mm"] + direct["addmm"]
+
+
+def test_corpus_attention_families_agree_where_torch_counts_the_math_path():
+    """Swin's and Falcon's attention masks require grad, so torch counts their attention as bmm's; both
+    registries then count the same attention products, and the native matmul family keeps the rest."""
+    import real_models
+
+    for name in ("swin", "falcon"):
+        model, args, kwargs = real_models.build(name)
+        model.eval()
+        real_models.seed(0)
+        direct = native_by_overload(model, *args, **kwargs)
+        real_models.seed(0)
+        rows = {row["family"]: row for row in tl.report.flops_vs_dispatch(model, args, kwargs).families}
+        assert rows["attention"]["native"] == rows["attention"]["torchlens"] == direct["bmm"] > 0, name
+        assert rows["matmul"]["native"] == direct.get("mm", 0) + direct.get("addmm", 0), name
+
+
+@pytest.mark.parametrize("name", ["transformer_encoder", "transformer_encoder_padded"])
+def test_the_counted_run_keeps_torchs_fused_encoder_path(name):
+    """Under no_grad nn.TransformerEncoder runs its fused kernel (nested tensors with a padding mask). The
+    counted run must take that same path: FlopCounterMode's counts equal its counts of the model run
+    alone, and the witness holds with a padding mask (the decomposed path fills padded rows otherwise)."""
+    import real_models
+
+    model, args, kwargs = real_models.build(name)
+    model.eval()
+    with torch.no_grad():
+        direct = native_by_overload(model, *args, **kwargs)
+        result = tl.report.flops_vs_dispatch(model, args, kwargs)
+    assert {k.split(".", 1)[-1]: v for k, v in result.native_by_overload.items()} == direct
+    assert result.witness["outputs_match"]
+
+
+def test_root_row_of_a_function_or_bound_method_is_flop_counter_modes_whole_call():
+    """A function or a bound ``forward`` is no module call FlopCounterMode's tracker can name: the root row
+    is its whole-call total, and module rows it cannot name for certain (it names a module it meets first
+    by bare class, merging instances) have no native figure rather than a false 0."""
+    torch.manual_seed(0)
+    lin, head = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def function(x):
+        return head(lin(x).relu())
+
+    x = torch.randn(3, 4)
+    for model in (function, nn.Sequential(lin, nn.ReLU(), head).forward):
+        result = tl.report.flops_vs_dispatch(model, x)
+        root, *others = result.modules
+        assert root["module"].startswith("(root")
+        assert root["native"] == native_total(model, x) == result.native_total > 0
+        assert root["difference"] == root["native"] - root["torchlens"]
+        assert others and all(row["native"] is None and row["difference"] is None for row in others)
+        assert any("n/a" in note for note in result.notes) and "n/a" in str(result)
 
 
 def test_dropout_in_train_mode_is_refused_and_nothing_is_left_changed():

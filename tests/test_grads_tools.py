@@ -5,6 +5,8 @@ load and extraction, the kernel profile, the viewer, and interventions.
 from __future__ import annotations
 
 import gc
+import re
+import warnings
 
 import pytest
 import torch
@@ -121,9 +123,121 @@ def test_nonfinite_origin_of_gradients_names_the_first_op_in_backward_order():
     assert report.born_in == ("sqrt_1_4:1",)
     assert set(report.nonfinite) == {"mul_1_3:1", "norm_1_2:1", "linear_1_1:1"}
     assert "detect_anomaly" in str(report) and "sqrt_1_4:1" in str(report)
-    clean = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=["b"])
+    selected = tl.trace(SqrtOfZero(), torch.randn(3, 4), grads=["b"])
+    selected.backward(selected.output.sum())
+    # Only b's gradients are watched, and they are finite; a's parameters' own .grad still hold Inf.
+    report = tl.debug.nonfinite_origin(selected, grads=True)
+    assert report.origin is None and report.parameters == ("a.weight", "a.bias") and not report.born_in
+    assert "grads=[...]" in str(report)
+    clean = tl.trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(3, 4), grads=True)
     clean.backward(clean.output.sum())
     assert not tl.debug.nonfinite_origin(clean, grads=True)
+
+
+class SqrtBesideOthers(nn.Module):
+    """``a`` feeds ``sqrt`` (whose backward at 0, times a zero gradient, is NaN), a comparison (no
+    backward edge) and, with ``scale``, a multiplication whose backward is finite."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        a = torch.relu(self.fc(x))
+        out = torch.sqrt(a) * 0.0 + (a > 0).float()
+        return out + a * 3.0 if self.scale else out
+
+
+def anomaly_node(model, x) -> str:
+    """The backward node autograd's anomaly mode names for the first NaN of ``model(x).sum()``'s backward."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.set_detect_anomaly(True), pytest.raises(RuntimeError) as error:
+            model(x).sum().backward()
+    return re.search(r"Function '(\w+)' returned nan", str(error.value)).group(1)
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_born_in_names_only_ops_whose_backward_can_have_produced_it(scale):
+    """Anomaly mode names SqrtBackward0. The comparison has no backward edge, so it is never named; the
+    finite multiplication can be told apart from sqrt only by anomaly mode, so it leaves born_in a list of
+    candidates, not a claim."""
+    torch.manual_seed(0)
+    model, x = SqrtBesideOthers(scale), torch.randn(8, 4)
+    node = anomaly_node(model, x)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    assert report.origin.func_name == "relu" and report.kind == "nan"
+    born = {log[label].func_name: log[label].grad_fn for label in report.born_in}
+    assert born.get("sqrt") == node == "SqrtBackward0"
+    assert "gt" not in born
+    if scale:
+        assert set(born) == {"sqrt", "mul"} and not report.born_in_certain
+        assert "one or more of" in str(report)
+    else:
+        assert set(born) == {"sqrt"} and report.born_in_certain
+        assert f"born in the backward of {report.born_in[0]} (" in str(report)
+
+
+class SqrtOfParameter(nn.Module):
+    """The NaN is born where the gradient enters a parameter: ``sqrt``'s backward at 0, times 0, lands
+    on ``scale.grad`` and on no op's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + torch.sqrt(self.scale) * 0.0
+
+
+def test_a_gradient_non_finite_only_on_a_parameter_is_reported_with_the_op_that_read_it():
+    torch.manual_seed(0)
+    model, x = SqrtOfParameter(), torch.randn(3, 4)
+    node = anomaly_node(model, x)
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    assert torch.isnan(model.scale.grad).all()  # the parameter's own gradient, read from torch
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    assert report and report.found and report.origin is None
+    assert report.parameters == ("scale",) and report.kind == "nan"
+    assert report.born_in_certain and log[report.born_in[0]].grad_fn == node == "SqrtBackward0"
+    assert "scale" in str(report) and "every gradient the trace received is finite" not in str(report)
+
+
+class InfOfParameter(nn.Module):
+    """``sqrt``'s backward at 0 sends Inf into ``scale.grad``; nothing turns it into a NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + torch.sqrt(self.scale)
+
+
+def test_an_inf_only_backward_is_reported_with_anomaly_modes_nan_only_check_said():
+    """Anomaly mode checks backward outputs for NaN alone: on an Inf-only backward it raises nothing, so
+    the report must not send the user to it as if it would name the node."""
+    torch.manual_seed(0)
+    model, x = InfOfParameter(), torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.set_detect_anomaly(True):
+            model(x).sum().backward()  # raises nothing
+    assert torch.isinf(model.scale.grad).all()
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    assert report.kind == "inf" and report.parameters == ("scale",)
+    assert "anomaly mode checks for NaN alone" in str(report)
+    assert "NaN only" in tl.debug.DETECT_ANOMALY_RECIPE
 
 
 def test_save_and_load_keep_gradients(tmp_path):
@@ -219,6 +333,28 @@ def test_kernel_profile_reuses_a_grads_trace_and_reports_backward_per_module_cal
         tl.report.kernel_profile(tl.trace(model, x, grads=True), backward=False)
     with pytest.raises(GradientUnavailable, match="grads=True"):
         tl.report.kernel_profile(tl.trace(model, x), backward=True)
+
+
+@pytest.mark.parametrize("name", ["bert", "transformer_encoder"])
+def test_backward_only_profile_of_a_corpus_model_matches_the_full_profile(name):
+    """Dropout in eval mode and ``contiguous`` on a contiguous tensor hand on their input: they make no
+    backward node, so their backward is a measured zero, as the forward-and-backward profile (which links
+    nodes through the profiler's own sequence numbers) finds it; the backward-only profile is complete."""
+    import real_models
+
+    model, args, kwargs = real_models.build(name)
+    model.eval()
+    loss = lambda out: (out.logits if hasattr(out, "logits") else out).sum().backward()
+    fresh = tl.report.kernel_profile(model, args, kwargs, backward=loss)
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, args, kwargs, grads=True, save="none")
+    reused = tl.report.kernel_profile(log, backward=loss)
+    model.zero_grad(set_to_none=True)
+    handed_on = [op.label for op in log.ops if op.kind == "op" and op.func_name in ("dropout", "contiguous")
+                 and op.grad_fn == log[op.parents[0]].grad_fn]
+    assert handed_on  # the case at issue is present
+    assert reused.complete and not reused.coverage.problems
+    assert [(r["op"], r["bwd_aten_ops"]) for r in reused.ops] == [(r["op"], r["bwd_aten_ops"]) for r in fresh.ops]
 
 
 def test_viewer_colours_by_gradient_norm_and_shows_gradient_stats():

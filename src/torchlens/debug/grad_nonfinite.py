@@ -3,14 +3,22 @@
 A trace taken with ``grads=True`` holds, after a backward, each op's gradient and the order in which the
 gradients arrived (the backward's execution order, from the loss towards the inputs).  The first op in
 that order whose gradient holds a NaN or Inf is where the backward went non-finite; the ops that read
-its output in the forward (its children) ran the backward step that produced it: their own gradients
-were finite, so the non-finite value was born inside their backward formula (``sqrt`` at 0, ``log`` of 0,
-a division by a zero norm...).  When the loss itself was non-finite, the forward is the culprit and
-``nonfinite_origin(log)`` (without ``grads``) names its origin.
+its output in the forward (its children) and carry gradients ran the backward steps that produced it:
+their own gradients were finite, so the non-finite value was born inside the backward formula of one or
+more of them (``sqrt`` at 0, ``log`` of 0, a division by a zero norm...).  Which one, the trace can say
+only when there is one such child: autograd sums the children's contributions into one gradient before
+torchlens sees it, so with several children the report names them as candidates
+(``born_in_certain`` is False); anomaly mode names the first node that returns NaN (it does not check
+for Inf).  When the loss itself was non-finite,
+the forward is the culprit and ``nonfinite_origin(log)`` (without ``grads``) names its origin.
+
+Parameters are not ops, so a gradient that goes non-finite only on its way into a parameter (``sqrt`` of
+a parameter at 0) shows on no op: the parameters' own ``.grad`` are examined too, and such a parameter is
+reported with the ops that read it, in whose backward it was born.
 
 A backward step torchlens did not see as an op (the internals of a custom ``autograd.Function``, a
-fused kernel's backward) shows only as its outcome; the report always carries the anomaly-mode recipe
-that names the exact backward node.
+fused kernel's backward) shows only as its outcome; the report always carries the anomaly-mode recipe,
+which names the first backward node that returns NaN (anomaly mode does not check for Inf).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch
 
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
+from ..record.errors import GradientUnavailable
 from ..record.grads import grad_capture_of
 from .nonfinite import DETECT_ANOMALY_RECIPE
 
@@ -26,19 +35,31 @@ from .nonfinite import DETECT_ANOMALY_RECIPE
 class GradNonfiniteReport:
     """The first op (in backward order) whose gradient is non-finite, and what produced it."""
 
-    def __init__(self, *, origin, kind, born_in, nonfinite, examined, num_backwards, loss_nonfinite):
+    def __init__(self, *, origin, kind, born_in, nonfinite, examined, num_backwards, loss_nonfinite,
+                 parameters=(), parameters_checked=True):
         self.origin = origin  # Op, or None
         self.kind = kind  # "nan", "inf", "both" or None
-        self.born_in = tuple(born_in)  # labels of the ops whose backward produced it
+        self.born_in = tuple(born_in)  # labels of the ops whose backward produced it: one, or candidates
         self.nonfinite = tuple(nonfinite)  # every op with a non-finite gradient, in backward order
         self.examined = examined
         self.num_backwards = num_backwards
         self.loss_nonfinite = loss_nonfinite  # the very first gradient (nearest the loss) was non-finite
+        self.parameters = tuple(parameters)  # addresses of parameters whose .grad holds NaN/Inf
+        self.parameters_checked = parameters_checked  # every parameter's .grad could be read
         self.recipe = DETECT_ANOMALY_RECIPE
 
     @property
     def found(self) -> bool:
-        return self.origin is not None
+        """A non-finite gradient was found: on an op (``origin``), or only on parameters (``parameters``)."""
+        return self.origin is not None or bool(self.parameters)
+
+    @property
+    def born_in_certain(self) -> bool:
+        """Whether ``born_in`` names the one op whose backward produced the first non-finite gradient.
+
+        With several candidates, their contributions reached the gradient already summed, so the trace
+        cannot tell which produced it (anomaly mode can)."""
+        return len(self.born_in) == 1
 
     @property
     def origin_label(self):
@@ -51,7 +72,10 @@ class GradNonfiniteReport:
         lines = [f"non-finite gradient origin ({self.examined} gradients examined, in backward order, over "
                  f"{self.num_backwards} backward(s)):"]
         if not self.found:
-            lines.append("  every gradient the trace received is finite")
+            lines.append("  every gradient the trace received is finite, and so is every parameter's .grad"
+                         + ("" if self.parameters_checked else " it could read (a loaded trace without them)"))
+        elif self.origin is None:
+            lines += self._parameter_lines()
         else:
             op = self.origin
             where = f" in {op.module}" if op.module else ""
@@ -61,16 +85,42 @@ class GradNonfiniteReport:
             if self.loss_nonfinite:
                 lines.append("  it is the first gradient of the backward: the loss side was already non-finite; "
                              "check the forward with tl.debug.nonfinite_origin(log)")
+            elif self.born_in_certain:
+                lines.append(f"  born in the backward of {self.born_in[0]} (its output gradient was finite)")
             elif self.born_in:
-                lines.append(f"  born in the backward of {', '.join(self.born_in)} (their output gradients were "
-                             "finite)")
+                lines.append(f"  born in the backward of one or more of {', '.join(self.born_in)} (their output "
+                             "gradients were finite; autograd summed their contributions before the trace saw "
+                             "them, so which one produced it the trace cannot tell; anomaly mode names the "
+                             "first node that returns NaN)")
             if len(self.nonfinite) > 1:
                 shown = ", ".join(self.nonfinite[1:9]) + (" ..." if len(self.nonfinite) > 9 else "")
                 lines.append(f"  then propagated to {len(self.nonfinite) - 1} op(s): {shown}")
+        if self.kind == "inf":
+            lines.append("  only Inf, no NaN: anomaly mode checks for NaN alone, so it raises nothing here until "
+                         "an Inf turns into a NaN")
+        if self.origin is not None and self.parameters:
+            lines.append(f"  parameters with a non-finite .grad: {', '.join(self.parameters[:8])}"
+                         + (" ..." if len(self.parameters) > 8 else ""))
         lines += ["", self.recipe]
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _parameter_lines(self) -> list:
+        """Every op gradient is finite; the non-finite values are in parameters' ``.grad`` only."""
+        lines = [f"  every op gradient is finite, but the .grad of {len(self.parameters)} parameter(s) holds "
+                 f"{self.kind.upper()}: {', '.join(self.parameters[:8])}" + (" ..." if len(self.parameters) > 8 else "")]
+        if self.born_in_certain:
+            lines.append(f"  born in the backward of {self.born_in[0]}, the op that read it (its output gradient "
+                         "was finite)")
+        elif self.born_in:
+            lines.append(f"  born in the backward of one or more of {', '.join(self.born_in)}, the ops that read "
+                         "them (their output gradients were finite)")
+        else:
+            lines.append("  the trace watched only some ops' gradients (grads=[...]), so where it was born is "
+                         "not known from the trace; anomaly mode names the first node that returns NaN")
+        lines.append("  (a parameter's .grad accumulates over every backward since it was last cleared)")
+        return lines
 
 
 def grad_nonfinite_origin(log) -> GradNonfiniteReport:
@@ -90,13 +140,54 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
             if flags is not None:
                 status[i] = flags
     bad = [i for i in capture.order if status.get(i, (False, False)) != (False, False)]
+    found = _nonfinite_parameter_grads(log)
+    params = [entry for entry in found if entry[1] is not None]
+    checked = len(params) == len(found)
     if not bad:
-        return GradNonfiniteReport(origin=None, kind=None, born_in=(), nonfinite=(), examined=len(status),
-                                   num_backwards=log.num_backwards, loss_nonfinite=False)
+        return _parameter_report(log, params, examined=len(status), selected=capture.policy is not None,
+                                 checked=checked)
     first = bad[0]
-    kinds = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
-    children = [c for c in log.op_children[first] if log.kinds[c] != Kind.OUTPUT]  # output nodes run no backward
+    children = _backward_children(log, first)
     return GradNonfiniteReport(
-        origin=log.ops[first], kind=kinds[status[first]], born_in=[log.labels[c] for c in children],
+        origin=log.ops[first], kind=_KINDS[status[first]], born_in=[log.labels[c] for c in children],
         nonfinite=[log.labels[i] for i in bad], examined=len(status), num_backwards=log.num_backwards,
-        loss_nonfinite=first == capture.order[0])
+        loss_nonfinite=first == capture.order[0], parameters=[address for address, _, _ in params],
+        parameters_checked=checked)
+
+
+_KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
+
+
+def _nonfinite_parameter_grads(log) -> list:
+    """``[(address, (has_nan, has_inf), user op indices)]`` for parameters whose ``.grad`` holds NaN/Inf;
+    flags None for a parameter whose ``.grad`` could not be read."""
+    found = []
+    for param in log.params:
+        try:
+            grad = param.grad
+        except GradientUnavailable:  # a loaded trace saved without its parameters' gradients
+            found.append((param.address, None, []))
+            continue
+        flags = nonfinite_flags(grad) if grad is not None else None
+        if flags is not None and flags != (False, False):
+            found.append((param.address, flags, [op.index for op in param.ops]))
+    return found
+
+
+def _parameter_report(log, params, examined, selected, checked) -> GradNonfiniteReport:
+    """No op gradient is non-finite: the report names the parameters whose ``.grad`` is, if any, and the ops
+    that read them (whose backward wrote their gradient).  With ``grads=[...]`` (``selected``) most ops'
+    gradients were not watched, so a finite watched gradient says nothing of the others: no op is named."""
+    flags = (any(f[0] for _, f, _ in params), any(f[1] for _, f, _ in params))
+    users = [] if selected else sorted({i for _, _, indices in params for i in indices})
+    return GradNonfiniteReport(
+        origin=None, kind=_KINDS.get(flags), born_in=[log.labels[i] for i in users], nonfinite=(),
+        examined=examined, num_backwards=log.num_backwards, loss_nonfinite=False,
+        parameters=[address for address, _, _ in params], parameters_checked=checked)
+
+
+def _backward_children(log, index) -> list:
+    """The ops that read op ``index``'s output in the forward and whose own output requires grad: only
+    their backward can have sent a gradient to it (an output node runs no backward, and a child made
+    without grad, such as a comparison or a detach, has no backward edge to it)."""
+    return [c for c in log.op_children[index] if log.kinds[c] != Kind.OUTPUT and log.ops[c].requires_grad]

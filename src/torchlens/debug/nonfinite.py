@@ -31,7 +31,9 @@ DETECT_ANOMALY_RECIPE = (
     "failing step once under anomaly mode (slower; leave it off otherwise):\n\n"
     + "".join(f"    {line}\n" if line else "\n" for line in DETECT_ANOMALY_CODE.splitlines())
     + "\nThe RuntimeError names the backward node (e.g. 'SqrtBackward0') and the warning above it shows the "
-      "forward line that created it.")
+      "forward line that created it. Anomaly mode checks backward outputs for NaN only: an Inf raises nothing "
+      "until it turns into a NaN further on, so it names that later node; the gradients of a trace taken with "
+      "grads=True show where the Inf itself appeared (tl.debug.nonfinite_origin(log, grads=True)).")
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
 

@@ -74,6 +74,16 @@ def _node_owners(trace, capture) -> dict:
     return owners
 
 
+def _numbered_calls(trace) -> set:
+    """The calls whose output's backward-node number capture read.  Besides the nodes' owners this holds
+    the calls that handed on a tensor another call made (dropout in eval mode, ``contiguous`` on a
+    contiguous tensor, ``.to`` its own dtype): their output's node is the earlier call's, so they made
+    none, and their backward is a measured zero, not an unknown."""
+    from ..record.grads import grad_capture_of
+
+    return {trace.call_indices[index] for index in grad_capture_of(trace).sequence_numbers}
+
+
 def _needs_grad(trace, call) -> bool:
     meta, first = trace.op_meta, call.first_record
     return any(meta[i].requires_grad for i in range(first, first + call.num_outputs))
@@ -84,10 +94,10 @@ def join_backward(profile, events):
     trace = profile.trace
     serial_of_call = {c: c for c in range(len(trace.calls))}
     joined = join(events, profile.markers.run, None, seq_owner=profile.backward_nodes)
-    with_node = set(profile.backward_nodes.values())
+    known = set(profile.backward_nodes.values()) | _numbered_calls(trace)
     # No backward node at all (the output needs no grad) is a measured zero; an unseen node is unknown.
     joined.backward_measured = {c for c, call in enumerate(trace.calls)
-                                if c in with_node or not _needs_grad(trace, call)}
+                                if c in known or not _needs_grad(trace, call)}
     problems = []
     unknown = len(trace.calls) - len(joined.backward_measured)
     if unknown:

@@ -225,9 +225,11 @@ def _reduction(cost):
     return formula
 
 
-def _pool(dims):
+def _pool(dims, kernel_position=1):
+    """Output elements x window; ``kernel_position``: where ``kernel_size`` sits positionally (2 for
+    ``lp_pool``, whose second argument is ``norm_type``)."""
     def formula(a):
-        kernel = a.value(1, "kernel_size")
+        kernel = a.value(kernel_position, "kernel_size")
         if kernel is None:
             return None
         window = kernel ** dims if isinstance(kernel, int) else math.prod(kernel)
@@ -311,8 +313,8 @@ register("""view view_as reshape reshape_as permute transpose swapaxes swapdims 
 
 
 for _d in (1, 2, 3):
-    register([f"max_pool{_d}d", f"max_pool{_d}d_with_indices", f"avg_pool{_d}d", f"lp_pool{_d}d"], "other",
-             _pool(_d))
+    register([f"max_pool{_d}d", f"max_pool{_d}d_with_indices", f"avg_pool{_d}d"], "other", _pool(_d))
+    register([f"lp_pool{_d}d"], "other", _pool(_d, kernel_position=2))
     register([f"adaptive_avg_pool{_d}d", f"adaptive_max_pool{_d}d", f"adaptive_max_pool{_d}d_with_indices"],
              "other", _adaptive_pool(_d))
 

@@ -19,6 +19,7 @@ import functools
 import torch
 
 from ..errors import NativeToolFailed, WitnessFailed
+from ..record.modules import is_unregistered
 from .flops import CONVENTION, FAMILIES, family_totals, flops_column, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
@@ -27,6 +28,19 @@ NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_
 SDPA_CPU_NOTE = ("FlopCounterMode counts 0 for scaled_dot_product_attention on CPU in torch 2.13: the CPU "
                  "kernel (aten._scaled_dot_product_flash_attention_for_cpu) has no entry in its flop "
                  "registry. The native attention family is missing that work, not free.")
+BATCHED_ATTENTION_NOTE = ("FlopCounterMode counted these attention calls through their batched matrix products "
+                          "(aten.bmm/baddbmm: the math fallback of scaled_dot_product_attention, taken for "
+                          "example when the mask requires grad, or multi_head_attention_forward with "
+                          "need_weights): those FLOPs are in the native attention family, not matmul.")
+UNNAMED_MODULES_NOTE = ("module rows shown n/a on the native side: FlopCounterMode's module tracker names a module "
+                        "by its class alone when it meets it outside the root module's own call (the root is a "
+                        "function or a bound method, or the module is not the root's submodule), merging every "
+                        "instance of that class, so those rows have no native figure of their own; the root row "
+                        "is FlopCounterMode's whole-call total.")
+# The attention functions whose batched matrix products (bmm, baddbmm) are the attention products; their
+# projections, if any, are unbatched (mm, addmm) and stay matmul, as torchlens's formulas split them.
+_ATTENTION_FUNCTIONS = ("scaled_dot_product_attention", "multi_head_attention_forward")
+_BATCHED_PRODUCTS = ("bmm", "baddbmm")
 _NATIVE_FAMILY = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "baddbmm": "matmul", "_scaled_mm": "matmul",
                   "convolution": "conv", "_convolution": "conv", "cudnn_convolution": "conv",
                   "convolution_overrideable": "conv", "_slow_conv2d_forward": "conv",
@@ -74,12 +88,17 @@ class FlopsComparison:
             lines.append(f"  {row['family']:<24}{row['torchlens']:>14,}{row['native']:>14,}{row['difference']:>14,}")
         lines.append("  by module (inclusive; calls of one module merged, as FlopCounterMode does):")
         for row in self.modules:
-            lines.append(f"  {row['module'][:24]:<24}{row['torchlens']:>14,}{row['native']:>14,}"
-                         f"{row['difference']:>14,}")
+            lines.append(f"  {row['module'][:24]:<24}{row['torchlens']:>14,}{_shown(row['native']):>14}"
+                         f"{_shown(row['difference']):>14}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _shown(value) -> str:
+    """A count with thousands separators, or ``n/a`` where the side has no figure."""
+    return "n/a" if value is None else f"{value:,}"
 
 
 def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: float = 1e-6) -> FlopsComparison:
@@ -112,7 +131,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
                 "the randomness) and compare again.")
         saved.restore()
         with saved.watching:
-            counter, native_output = _count_natively(model, *clone_call(call_args, kwargs))
+            counter, native_output, attention_calls = _count_natively(model, *clone_call(call_args, kwargs))
     finally:
         saved.restore()
     if not _outputs_close(traced_output, native_output, rtol, atol):
@@ -120,11 +139,12 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             "flops_vs_dispatch refused: the traced execution and the FlopCounterMode execution returned "
             "different outputs, so they did not run the same program and their FLOPs are not comparable. "
             "Make the forward deterministic (eval mode, no data-dependent randomness) and compare again.")
-    return _compare(log, model, counter.get_flop_counts())
+    return _compare(log, model, counter.get_flop_counts(), attention_calls)
 
 
 def _count_natively(model, args, kwargs):
-    """``(counter, output)`` of one untraced run under ``FlopCounterMode``.
+    """``(counter, output, attention calls)`` of one untraced run under ``FlopCounterMode``; the
+    attention calls are ``_AttentionWatch.calls``.
 
     Its module tracker hooks, for backward attribution, every module input that requires gradients. With
     gradients off, a view of a parameter handed to a submodule (DeBERTa's relative embeddings) has no
@@ -132,9 +152,11 @@ def _count_natively(model, args, kwargs):
     the way round it."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from ..capture.fastpath import FastPathShim
+
     try:
-        with FlopCounterMode(display=False) as counter:
-            return counter, _detached(model(*args, **kwargs))
+        with FlopCounterMode(display=False) as counter, _AttentionWatch(counter) as watch, FastPathShim(watch):
+            return counter, _detached(model(*args, **kwargs)), watch.calls
     except AssertionError as error:
         if torch.is_grad_enabled() or str(error) != "Expected gradient function to be set":
             raise
@@ -145,18 +167,80 @@ def _count_natively(model, args, kwargs):
             "flops_vs_dispatch outside torch.no_grad().") from error
 
 
-def _compare(log, model, native_counts) -> FlopsComparison:
+class _AttentionWatch(torch.overrides.TorchFunctionMode):
+    """Per outermost call of an attention function (``_ATTENTION_FUNCTIONS``), the FLOPs per overload
+    that ``FlopCounterMode`` counted inside it.
+
+    FlopCounterMode names only the overload, and an attention call that falls back to batched matrix
+    products (the math path of scaled_dot_product_attention, or multi_head_attention_forward with
+    ``need_weights``) is counted as ``aten.bmm``, the same overload as any other batched product. Which
+    call those FLOPs came from is the only way to put them in the attention family, where torchlens's
+    formulas put the same work.
+
+    Like capture's own mode, it runs under ``FastPathShim``: an active mode would otherwise turn off the
+    fused fast paths of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` (``has_torch_function``)
+    and make the counted run another program than the traced one."""
+
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+        self.calls: list = []  # [(function name, {overload: FLOPs counted inside the call})]
+        self._depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name not in _ATTENTION_FUNCTIONS or self._depth:
+            return func(*args, **(kwargs or {}))
+        before = _global_counts(self.counter)
+        self._depth += 1
+        try:
+            result = func(*args, **(kwargs or {}))
+        finally:
+            self._depth -= 1
+        after = _global_counts(self.counter)
+        self.calls.append((name, {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}))
+        return result
+
+
+def _global_counts(counter) -> dict:
+    """``{overload name: FLOPs}`` FlopCounterMode has counted so far, over the whole forward."""
+    return {str(k): int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()}
+
+
+def _attention_products(attention_calls) -> dict:
+    """``{overload name: FLOPs}`` of the batched matrix products counted inside attention calls."""
+    moved: dict = {}
+    for _, counts in attention_calls:
+        for overload, count in counts.items():
+            if overload.split(".", 1)[-1] in _BATCHED_PRODUCTS:
+                moved[overload] = moved.get(overload, 0) + count
+    return moved
+
+
+def _native_families(native_global, attention_calls) -> dict:
+    """``{family: FlopCounterMode FLOPs}``: by overload name, except that batched matrix products counted
+    inside an attention call are attention, as torchlens's attention formulas count them."""
+    families = dict.fromkeys(FAMILIES, 0)
+    for overload, count in native_global.items():
+        families[_native_family(overload)] += count
+    for overload, count in _attention_products(attention_calls).items():
+        families[_native_family(overload)] -= count
+        families["attention"] += count
+    return families
+
+
+def _compare(log, model, native_counts, attention_calls) -> FlopsComparison:
     tl_total = total_flops(log)
     root_name = type(model).__name__
     native_global = {str(k): int(v) for k, v in native_counts.get("Global", {}).items()}
-    native_families = dict.fromkeys(FAMILIES, 0)
-    for overload, count in native_global.items():
-        native_families[_native_family(overload)] += count
+    native_families = _native_families(native_global, attention_calls)
     tl_families = family_totals(log)
     families = [{"family": f, "torchlens": tl_families[f], "native": native_families[f],
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)
-    notes = _notes(log, tl_total, tl_families, native_families)
+    notes = _notes(log, tl_total, tl_families, native_families, attention_calls)
+    if any(row["native"] is None for row in modules):
+        notes.append(UNNAMED_MODULES_NOTE)
     witness = {"outputs_match": True, "random_draws": False, "rng_restored": True,
                "training_flags_restored": True, "buffers_restored": True}
     return FlopsComparison(log.model_name, tl_total, sum(native_global.values()), families, modules,
@@ -187,25 +271,75 @@ def _module_rows(log, native_counts, root_name) -> list:
                 unknown[address] += 1
             else:
                 tl[address] += sum(parts.values())
-    by_alias = {alias: module.address for module in log.modules for alias in module.all_addresses}
-    native = dict.fromkeys(tl, 0)
-    for name, counts in native_counts.items():
-        if name == "Global":
-            continue
-        address = "" if name == root_name else by_alias.get(name.split(".", 1)[1] if "." in name else name)
-        if address is not None:
-            native[address] = native.get(address, 0) + sum(int(v) for v in counts.values())
+    native = _native_by_address(log, native_counts, root_name)
     return [{"module": address or f"(root {log.model_name})", "torchlens": tl[address],
-             "native": native.get(address, 0), "difference": native.get(address, 0) - tl[address],
+             "native": native[address], "difference": _signed_difference(native[address], tl[address]),
              "torchlens_unknown_ops": unknown[address]} for address in tl]
 
 
-def _notes(log, tl_total, tl_families, native_families) -> list:
+def _native_by_address(log, native_counts, root_name) -> dict:
+    """FlopCounterMode's inclusive FLOPs per torchlens module address, ``""`` for the root.
+
+    The root is the whole call, so its figure is FlopCounterMode's ``Global`` row (a plain function or a
+    bound method has no module call of its own for the tracker to name).  The tracker names each module
+    it meets first by bare class name, and its children from there: only when it entered the root
+    module itself are its names the root's paths.  Otherwise (a function, a bound method), and for a
+    module outside the root's tree (``<unregistered ...>``, whose instances of one class it merges), a
+    row has None: no native figure is that module's own."""
+    by_alias = {alias: module.address for module in log.modules for alias in module.all_addresses}
+    total = sum(int(v) for v in native_counts.get("Global", {}).values())
+    named_from_root = root_name in native_counts or total == 0
+    native = {module.address: None if is_unregistered(module.address) or not named_from_root else 0
+              for module in log.modules}
+    native[""] = total
+    for name, counts in native_counts.items():
+        if name in ("Global", root_name) or "." not in name:
+            continue  # the root (Global above), or a module the tracker named by bare class
+        address = by_alias.get(name.split(".", 1)[1])
+        if address is not None and native.get(address) is not None:
+            native[address] += sum(int(v) for v in counts.values())
+    return native
+
+
+def _signed_difference(native, torchlens):
+    """``native - torchlens``, None when the native side has no figure."""
+    return None if native is None else native - torchlens
+
+
+def _attention_notes(log, attention_calls) -> list:
+    """Which attention calls FlopCounterMode counted nothing for, and which it counted as batched products.
+
+    Captured attention ops and watched calls are paired in order when their numbers agree (both runs ran
+    the same program); otherwise the notes give counts without labels."""
+    ops = [op for op in log.ops if op.kind == "op" and op.func_name in _ATTENTION_FUNCTIONS]
+    paired = len(ops) == len(attention_calls)
+    zero, batched = [], []
+    for k, (_, counts) in enumerate(attention_calls):
+        label = ops[k].label if paired else None
+        if not any(counts.values()):
+            zero.append((label, ops[k].device.type if paired else None))
+        elif _attention_products([(None, counts)]):
+            batched.append(label)
     notes = []
-    cpu_attention = [op.label for op in log.ops if op.kind == "op" and op.device.type == "cpu"
-                     and op.func_name in ("scaled_dot_product_attention", "multi_head_attention_forward")]
-    if cpu_attention:
-        notes.append(SDPA_CPU_NOTE + f" (here: {', '.join(cpu_attention[:3])})")
+    if zero and all(device in ("cpu", None) for _, device in zero):
+        notes.append(SDPA_CPU_NOTE + _which([label for label, _ in zero], len(attention_calls)))
+    elif zero:
+        notes.append("FlopCounterMode counted no FLOPs for these attention calls: the native attention family "
+                     "is missing that work, not free." + _which([label for label, _ in zero], len(attention_calls)))
+    if batched:
+        notes.append(BATCHED_ATTENTION_NOTE + _which(batched, len(attention_calls)))
+    return notes
+
+
+def _which(labels, total) -> str:
+    """`` (here: a, b, c; 2 of 5 attention calls)``, labels left out when they could not be paired."""
+    named = [label for label in labels if label is not None]
+    shown = f"here: {', '.join(named[:3])}{' ...' if len(named) > 3 else ''}; " if named else ""
+    return f" ({shown}{len(labels)} of {total} attention calls)"
+
+
+def _notes(log, tl_total, tl_families, native_families, attention_calls) -> list:
+    notes = _attention_notes(log, attention_calls)
     for family in FAMILIES:
         if tl_families[family] and not native_families[family]:
             notes.append(f"{family}: counted by torchlens only (FlopCounterMode counted none of these ops)")
