@@ -159,3 +159,42 @@ def test_importing_torchlens_does_not_import_its_distributed_package():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120).stdout.strip() == "False"
+
+
+class FillsEmpty(torch.nn.Module):
+    """Writes into a ``torch.empty_like`` buffer, as Mixtral's router does with its sort inverse."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        buffer = torch.empty_like(y)
+        buffer[:] = y * 2
+        return self.head(buffer + 1)
+
+
+def test_compare_does_not_read_uninitialized_memory_as_a_divergence():
+    model, x = FillsEmpty(), torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    first, second = tl.trace(model, x), tl.trace(model, x)
+    (empty,) = [op.label for op in first.ops if op.func_name == "empty_like"]
+    # What torch.empty_like returns is whatever the allocator left there: two agreeing ranks see different
+    # garbage.  Make sure they do here.
+    second[empty].activation.copy_(first[empty].activation + 1)
+    assert not torch.equal(first[empty].activation, second[empty].activation)
+    (row,) = tl.distributed.compare([first, second]).to_dict("records")
+    assert not row["diverges"]
+    assert row["ops_compared"] == len(first.ops) - 1  # every op but the uninitialized one, by value
+
+    with torch.no_grad():
+        model.head.bias[1] += 1e-3  # a real difference, after the uninitialized buffer
+    third = tl.trace(model, x)
+    third[empty].activation.copy_(first[empty].activation - 1)
+    differing = [op.label for op in first.ops if op.label != empty and op.has_activation
+                 and not torch.equal(op.activation, third[op.label].activation)]
+    (row,) = tl.distributed.compare([first, third]).to_dict("records")
+    assert (row["first_op"], row["module"], row["reason"]) == (differing[0], "head:1", "values differ")
+    assert row["origin"] == "here"  # its parent, buffer + 1, was compared and agreed
