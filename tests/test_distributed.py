@@ -198,3 +198,29 @@ def test_compare_does_not_read_uninitialized_memory_as_a_divergence():
     (row,) = tl.distributed.compare([first, third]).to_dict("records")
     assert (row["first_op"], row["module"], row["reason"]) == (differing[0], "head:1", "values differ")
     assert row["origin"] == "here"  # its parent, buffer + 1, was compared and agreed
+
+
+class MaybeSkips(torch.nn.Module):
+    """Rank-dependent control flow that keeps every op's label: ``fc2`` reads ``fc1``'s output or the input."""
+
+    def __init__(self, through: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.through = through
+
+    def forward(self, x):
+        y = self.fc1(x)
+        return self.fc2(y if self.through else x) + y
+
+
+def test_compare_finds_ops_that_read_different_inputs_under_the_same_labels():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+    reference, rewired = tl.trace(MaybeSkips(True), x), tl.trace(MaybeSkips(False), x)
+    assert [op.label for op in reference.ops] == [op.label for op in rewired.ops]
+    rewired_at = [a.label for a, b in zip(reference.ops, rewired.ops) if a.parents != b.parents]
+    for activations in (False, True):  # metadata alone must show it too
+        traces = [tl.distributed.RankTrace.of(t, activations=activations) for t in (reference, rewired)]
+        (row,) = tl.distributed.compare(traces).to_dict("records")
+        assert (row["diverges"], row["first_op"], row["module"]) == (True, rewired_at[0], "fc2:1")
+        assert row["reason"].startswith("the graph differs") and "input_1:1 here" in row["reason"]

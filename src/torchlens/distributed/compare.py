@@ -1,7 +1,7 @@
 """``compare``: the first op, in execution order, where ranks that should agree (DDP replicas) diverge.
 
 Each rank is compared with a reference rank op by op: first the graph (same label at the same
-position), then shape and dtype, then the saved activations, bit for bit or within ``rtol`` / ``atol``.
+position, reading the same ops), then shape and dtype, then the saved activations, bit for bit or within ``rtol`` / ``atol``.
 The first op that differs is where the drift shows; ``origin`` is ``"here"`` when every parent of that op
 was compared and agreed (the drift starts at this op: a parameter or a buffer that differs, a
 nondeterministic kernel), and ``"unknown"`` when a parent's activation was not saved on both ranks.
@@ -67,6 +67,9 @@ def _op_difference(a, b, base, other, rtol, atol):
         return f"the graph ends earlier on one rank ({present['label']} has no counterpart)", None
     if a["label"] != b["label"]:
         return f"the graph differs: {a['label']} on the reference, {b['label']} here", None
+    if a["parents"] != b["parents"]:
+        return (f"the graph differs: {a['label']} reads {', '.join(a['parents']) or 'no op'} on the reference, "
+                f"{', '.join(b['parents']) or 'no op'} here"), None
     if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
         return f"{a['shape']} {a['dtype']} on the reference, {b['shape']} {b['dtype']} here", None
     if not (_values_comparable(a, base) and _values_comparable(b, other)):
