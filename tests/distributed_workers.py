@@ -176,6 +176,43 @@ def _all_reduced(model, x):
     return y
 
 
+class ReducesAView(nn.Module):
+    """``dist.all_reduce`` on rows of ``fc``'s output, then the whole output read (a bucketed flat buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        y = self.fc(x)
+        dist.all_reduce(y[:2])
+        return y * 2
+
+
+def collective_on_a_view(rank, world):
+    """The op reading a tensor a collective wrote through a view of it, and what it really read."""
+    import torch.distributed as dist
+
+    import torchlens as tl
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))  # each rank its own rows
+    model = ReducesAView()
+    log = tl.trace(model, x)
+    with torch.no_grad():  # the same, by hand: reduce a copy of the rows, put them back
+        y = model.fc(x)
+        rows = y[:2].clone()
+        dist.all_reduce(rows)
+        reduced = torch.cat([rows, y[2:]])
+    (mul,) = [op for op in log.ops if op.func_name == "mul"]
+    return {"collective": list(tl.distributed.collectives(log)["label"]), "mul_parents": mul.parents,
+            "mul_read_reduced": torch.equal(mul.activation, reduced * 2),
+            "fc_saved_before_the_write": torch.equal(log["linear_1_1:1"].activation, y),
+            "mismatched": log.validate().mismatched}
+
+
 class KilledAfter(nn.Module):
     """MLP that SIGKILLs its own process at forward number ``kill_at`` (0: never)."""
 

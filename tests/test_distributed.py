@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import torchlens as tl
-from distributed_workers import LAYERS, KilledAfter, dataset, extract_share, launch, traces
+from distributed_workers import LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share, launch, traces
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -71,6 +71,13 @@ def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
         assert c["loaded_names"] == c["names"]  # a saved trace keeps which collectives ran (not their groups)
         assert c["validate_mismatched"] == []
         assert set(c["labels"]) <= set(c["validate_not_replayed"])  # replay never re-issues a collective
+
+
+def test_a_collective_written_through_a_view_is_the_parent_of_a_later_read_of_its_base(tmp_path):
+    for got in values(launch(collective_on_a_view, 2, str(tmp_path))):
+        assert got["mul_read_reduced"] and got["fc_saved_before_the_write"]  # the values: y * 2 read reduced rows
+        assert got["mul_parents"] == got["collective"]  # so the graph says y * 2 read the all_reduce, not fc
+        assert got["mismatched"] == []  # and validate does not replay y * 2 from fc's unreduced output
 
 
 def test_compare_finds_a_divergence_planted_on_one_rank(traced):
