@@ -122,9 +122,21 @@ def make_inputs(shapes, dtype_name, seed, high, device):
         elif dtype == torch.bool:
             t = torch.randint(0, 2, shape, generator=g).bool()
         else:
-            t = torch.randint(0, high, shape, generator=g).to(dtype)
+            t = torch.randint(0, checked_high(dtype, dtype_name, high), shape, generator=g).to(dtype)
         args.append(t.to(device))
     return tuple(args)
+
+
+def checked_high(dtype, dtype_name: str, high: int) -> int:
+    """``--high`` for integer inputs, drawn from ``[0, high)``: at least 1, and no more than the dtype holds
+    (a value past it would wrap, ``.to(int8)`` making 300 a negative token id)."""
+    import torch
+
+    top = torch.iinfo(dtype).max + 1
+    if not 1 <= high <= top:
+        raise UsageError(f"--high {high}: integer inputs are drawn from [0, HIGH), so HIGH must be between 1 and "
+                         f"{top} for {dtype_name}")
+    return high
 
 
 def check_device(name: str) -> None:
