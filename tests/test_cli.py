@@ -255,3 +255,10 @@ def test_integer_inputs_may_reach_the_top_of_their_dtype():
 
     (x,) = make_inputs(["4096"], "int8", 0, 128, "cpu")  # [0, 128): every int8 from 0 up
     assert x.dtype == torch.int8 and int(x.min()) == 0 and int(x.max()) == 127
+
+
+@pytest.mark.parametrize("flag", ["-n", "--depth"])
+def test_a_negative_count_names_the_flag_the_user_typed(tmp_path, capsys, flag):
+    assert main(["hot-path" if flag == "-n" else "show", str(_saved(tmp_path)), flag, "-1"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} must be >= 0" in err and "--n " not in err

@@ -462,11 +462,15 @@ def _silence_stdout() -> None:
         pass
 
 
+# The options that count something, by argparse name, with the flag a user types (``-n`` has no long form).
+_COUNT_FLAGS = {"n": "-n", "hot_path": "--hot-path", "depth": "--depth"}
+
+
 def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("n", "hot_path", "depth"):
+    for name, flag in _COUNT_FLAGS.items():
         if getattr(args, name, None) is not None and getattr(args, name) < 0:
-            print(f"torchlens: error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
+            print(f"torchlens: error: {flag} must be >= 0", file=sys.stderr)
             return USAGE
     try:
         return args.run(args)
