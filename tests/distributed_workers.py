@@ -125,6 +125,13 @@ def traces(rank, world, workdir):
     out["fsdp"] = {"equal": torch.equal(log.output, expected), "addresses": [m.address for m in log.modules],
                    "collectives": list(table["collective"]), "modules": list(table["module"]),
                    "linear_inputs": [op.parents for op in log.ops if op.func_name == "linear"]}
+    first = MLP()
+    fully_shard(first.fc1)
+    fully_shard(first.fc2)
+    fully_shard(first)
+    log = tl.trace(first, x)  # its first forward makes the unsharded parameters (as_strided views), then frees them
+    out["fsdp"]["freed"] = [op.func_name for op in log.ops if not op.has_activation
+                            and "memory was freed" in log.dropped_activations.get(op.index, "")]
 
     model = WithCollectives()
     expected = model(x)

@@ -58,6 +58,8 @@ def test_fsdp2_all_gathers_from_its_forward_hooks_are_recorded_in_their_module(t
     fsdp = traced[0]["fsdp"]
     assert fsdp["collectives"] == ["all_gather_single", "all_gather_single"]  # one per sharded Linear
     assert fsdp["modules"] == ["fc1:1", "fc2:1"]  # issued by the pre-forward hook, inside the module call
+    assert fsdp["freed"] == ["as_strided"] * 4  # the unsharded weight and bias of each Linear, freed after it
+    # (a read of them would read freed memory: torch does not check, and a collective over it crashed)
 
 
 def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
