@@ -102,6 +102,13 @@ def test_compare_reads_per_rank_saves_too(traced, workdir):
                                                                  for k in ("rank", "first_op", "origin"))
 
 
+def test_compare_names_the_reference_by_its_rank_not_its_position(traced, workdir):
+    loaded = [tl.load(os.path.join(workdir, f"saved-{rank}")) for rank in (1, 0)]  # listed in another order
+    (row,) = tl.distributed.compare(loaded).to_dict("records")
+    assert (row["rank"], row["reference"]) == (loaded[1].rank, loaded[0].rank) == (0, 1)
+    assert row["first_op"] == traced[0]["planted"][0]["first_op"]  # the same op differs, whichever is the reference
+
+
 def test_distributed_extraction_equals_a_single_process_one(tmp_path):
     out, rr = str(tmp_path / "dist"), str(tmp_path / "round-robin")
     forwards = values(launch(extract_share, 2, str(tmp_path), out, 24, 4, -1, 0, 30.0, rr))

@@ -26,6 +26,9 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
         traces: one trace per rank, in rank order: ``Trace`` objects (a rank's own, or ``tl.load``'ed
             per-rank saves) or the ``RankTrace`` list ``gather`` returns.
         rtol, atol: tolerances; both 0 (the default) compares bit for bit (NaN equals NaN).
+        reference: the position in ``traces`` of the trace the others are compared with.  The table's
+            ``rank`` and ``reference`` columns give the ranks the traces recorded (positions for traces made
+            outside a process group).
     """
     from .collectives import _frame
 
@@ -39,7 +42,9 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
 
 
 def _first_divergence(base, other, reference, rank, rtol, atol) -> dict:
-    row = {"rank": other.rank if other.rank is not None else rank, "reference": reference, "diverges": False,
+    # Ranks as the traces recorded them (a subgroup's, or saves listed in any order); positions otherwise.
+    row = {"rank": other.rank if other.rank is not None else rank,
+           "reference": base.rank if base.rank is not None else reference, "diverges": False,
            "first_op": None, "module": None, "func": None, "reason": None, "max_abs_diff": None, "origin": None,
            "ops_compared": 0}
     uncompared: set = set()  # ops whose activations were not saved on both ranks
