@@ -39,6 +39,9 @@ MODELS = textwrap.dedent('''
     def needs_args(width):
         return nn.Linear(width, width)
 
+    def as_function():
+        return lambda x, y: torch.relu(x + y)
+
     INSTANCE = Pair()
 ''')
 
@@ -262,3 +265,12 @@ def test_a_negative_count_names_the_flag_the_user_typed(tmp_path, capsys, flag):
     assert main(["hot-path" if flag == "-n" else "show", str(_saved(tmp_path)), flag, "-1"]) == 2
     err = capsys.readouterr().err
     assert f"error: {flag} must be >= 0" in err and "--n " not in err
+
+
+def test_eval_on_a_function_target_is_a_usage_error_and_without_it_the_function_traces(models, monkeypatch, capsys):
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    argv = ["trace", "clitargets:as_function", "--input", "2x8", "--input", "2x8"]
+    assert main(argv + ["--eval"]) == 2
+    assert "--eval: clitargets:as_function gave a function, not a module" in capsys.readouterr().err
+    assert main(argv) == 0  # the function itself traces

@@ -178,6 +178,9 @@ def _prepare(args):
     check_device(args.device)
     model = load_target(args.target)
     if args.eval:
+        if not isinstance(model, torch.nn.Module):  # a plain function: no train/eval mode to switch
+            raise UsageError(f"--eval: {args.target} gave a {type(model).__name__}, not a module, so it has no "
+                             "eval mode to switch to; drop --eval, or return the module itself")
         model.eval()
     inputs = make_inputs(args.input, args.dtype, args.seed, args.high, args.device)
     dtype = inputs[0].dtype
