@@ -220,6 +220,35 @@ def collective_on_a_view(rank, world):
             "mismatched": log.validate().mismatched}
 
 
+class ReluOnRankZero(MLP):
+    """The MLP, its ReLU applied on rank 0 only: rank 0's graph has an op (``relu_1_2:1``) rank 1's lacks."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.relu = rank == 0
+
+    def forward(self, x):
+        y = self.fc1(x)
+        return self.fc2(torch.relu(y) if self.relu else y)
+
+
+def gather_labels_some_ranks_lack(rank, world):
+    """``gather`` asked for an op only rank 0 has, then for one no rank has: what each rank gets."""
+    import torchlens as tl
+
+    log = tl.trace(ReluOnRankZero(rank), torch.randn(3, 8, generator=torch.Generator().manual_seed(0)))
+    got = tl.distributed.gather(log, dst=0, activations=["relu_1_2:1", "linear_1_1:1"])
+    result = {"labels": [op.label for op in log.ops]}
+    if got is not None:
+        result["gathered"] = [sorted(t.activations) for t in got]
+        result["compare"] = tl.distributed.compare(got).to_dict("records")
+    try:
+        result["mistyped"] = tl.distributed.gather(log, dst=0, activations=["relu_9_9:1"])
+    except KeyError as exc:
+        result["mistyped"] = str(exc)
+    return result
+
+
 class KilledAfter(nn.Module):
     """MLP that SIGKILLs its own process at forward number ``kill_at`` (0: never)."""
 

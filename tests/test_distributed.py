@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import torchlens as tl
-from distributed_workers import LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share, launch, traces
+from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
+                                 gather_labels_some_ranks_lack, launch, traces)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -80,6 +81,16 @@ def test_a_collective_written_through_a_view_is_the_parent_of_a_later_read_of_it
         assert got["mul_read_reduced"] and got["fc_saved_before_the_write"]  # the values: y * 2 read reduced rows
         assert got["mul_parents"] == got["collective"]  # so the graph says y * 2 read the all_reduce, not fc
         assert got["mismatched"] == []  # and validate does not replay y * 2 from fc's unreduced output
+
+
+def test_gather_of_a_label_one_rank_lacks_leaves_no_rank_waiting(tmp_path):
+    zero, one = values(launch(gather_labels_some_ranks_lack, 2, str(tmp_path), timeout=45))
+    assert "relu_1_2:1" in zero["labels"] and "relu_1_2:1" not in one["labels"]  # the graphs differ
+    assert zero["gathered"] == [["linear_1_1:1", "relu_1_2:1"], ["linear_1_1:1"]]  # each rank what it has
+    (row,) = zero["compare"]
+    assert (row["first_op"], row["reason"]) == ("relu_1_2:1", f"the graph differs: relu_1_2:1 on the reference, "
+                                                             f"{one['labels'][2]} here")
+    assert "no rank has an op labelled 'relu_9_9:1'" in zero["mistyped"] and one["mistyped"] is None
 
 
 def test_compare_finds_a_divergence_planted_on_one_rank(traced):
