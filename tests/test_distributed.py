@@ -251,3 +251,17 @@ def test_compare_finds_ops_that_read_different_inputs_under_the_same_labels():
         (row,) = tl.distributed.compare(traces).to_dict("records")
         assert (row["diverges"], row["first_op"], row["module"]) == (True, rewired_at[0], "fc2:1")
         assert row["reason"].startswith("the graph differs") and "input_1:1 here" in row["reason"]
+
+
+def test_a_loaded_trace_does_not_take_torch_gather_or_scatter_for_collectives(tmp_path):
+    def picks(x):  # indexing ops that share their names with torch.distributed.gather and scatter
+        index = torch.zeros(2, 1, dtype=torch.long)
+        return torch.gather(x, 1, index) + x.scatter(1, index, 1.0).sum()
+
+    log = tl.trace(picks, torch.randn(2, 3))
+    assert {"gather", "scatter"} <= {op.func_name for op in log.ops}
+    loaded = tl.load(log.save(tmp_path / "picks"))
+    assert list(tl.distributed.collectives(loaded)["label"]) == list(tl.distributed.collectives(log)["label"]) == []
+    again = tl.load(loaded.save(tmp_path / "picks-again"))  # saved again, it keeps what each call was
+    assert again.saved_func_paths == loaded.saved_func_paths
+    assert [p.rsplit(".", 1)[-1] for p in again.saved_func_paths] == [c.func.__name__ for c in log.calls]

@@ -56,6 +56,9 @@ class Trace:
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
     rank = None  # this process's rank and the world size when traced under torch.distributed
     world_size = None
+    # A loaded trace's function of each call, by qualified name (``torch.distributed.distributed_c10d.gather``):
+    # ``tl.load`` sets it, since such a trace holds no functions and names alone are ambiguous (torch.gather).
+    saved_func_paths = None
     # Interventions (torchlens.intervene): what was applied where, and the values before.
     interventions = ()
     _interventions: dict = {}
