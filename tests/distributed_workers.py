@@ -125,6 +125,13 @@ def traces(rank, world, workdir):
     out["fsdp"] = {"equal": torch.equal(log.output, expected), "addresses": [m.address for m in log.modules],
                    "collectives": list(table["collective"]), "modules": list(table["module"]),
                    "linear_inputs": [op.parents for op in log.ops if op.func_name == "linear"]}
+    first = MLP()
+    fully_shard(first.fc1)
+    fully_shard(first.fc2)
+    fully_shard(first)
+    log = tl.trace(first, x)  # its first forward makes the unsharded parameters (as_strided views), then frees them
+    out["fsdp"]["freed"] = [op.func_name for op in log.ops if not op.has_activation
+                            and "memory was freed" in log.dropped_activations.get(op.index, "")]
 
     model = WithCollectives()
     expected = model(x)
@@ -174,6 +181,72 @@ def _all_reduced(model, x):
         y = model.fc(x)
         dist.all_reduce(y)
     return y
+
+
+class ReducesAView(nn.Module):
+    """``dist.all_reduce`` on rows of ``fc``'s output, then the whole output read (a bucketed flat buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        y = self.fc(x)
+        dist.all_reduce(y[:2])
+        return y * 2
+
+
+def collective_on_a_view(rank, world):
+    """The op reading a tensor a collective wrote through a view of it, and what it really read."""
+    import torch.distributed as dist
+
+    import torchlens as tl
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))  # each rank its own rows
+    model = ReducesAView()
+    log = tl.trace(model, x)
+    with torch.no_grad():  # the same, by hand: reduce a copy of the rows, put them back
+        y = model.fc(x)
+        rows = y[:2].clone()
+        dist.all_reduce(rows)
+        reduced = torch.cat([rows, y[2:]])
+    (mul,) = [op for op in log.ops if op.func_name == "mul"]
+    return {"collective": list(tl.distributed.collectives(log)["label"]), "mul_parents": mul.parents,
+            "mul_read_reduced": torch.equal(mul.activation, reduced * 2),
+            "fc_saved_before_the_write": torch.equal(log["linear_1_1:1"].activation, y),
+            "mismatched": log.validate().mismatched}
+
+
+class ReluOnRankZero(MLP):
+    """The MLP, its ReLU applied on rank 0 only: rank 0's graph has an op (``relu_1_2:1``) rank 1's lacks."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.relu = rank == 0
+
+    def forward(self, x):
+        y = self.fc1(x)
+        return self.fc2(torch.relu(y) if self.relu else y)
+
+
+def gather_labels_some_ranks_lack(rank, world):
+    """``gather`` asked for an op only rank 0 has, then for one no rank has: what each rank gets."""
+    import torchlens as tl
+
+    log = tl.trace(ReluOnRankZero(rank), torch.randn(3, 8, generator=torch.Generator().manual_seed(0)))
+    got = tl.distributed.gather(log, dst=0, activations=["relu_1_2:1", "linear_1_1:1"])
+    result = {"labels": [op.label for op in log.ops]}
+    if got is not None:
+        result["gathered"] = [sorted(t.activations) for t in got]
+        result["compare"] = tl.distributed.compare(got).to_dict("records")
+    try:
+        result["mistyped"] = tl.distributed.gather(log, dst=0, activations=["relu_9_9:1"])
+    except KeyError as exc:
+        result["mistyped"] = str(exc)
+    return result
 
 
 class KilledAfter(nn.Module):

@@ -234,6 +234,41 @@ def test_a_saved_tensor_written_after_the_trace_reads_as_dropped_not_as_a_value_
     assert not log["input_1:1"].has_activation and torch.equal(log["mul_1_2:1"].activation, torch.full((2,), 2.0))
 
 
+class GathersThenFrees(nn.Module):
+    """Fills a temporary buffer with its weight, multiplies by it, then frees the buffer's memory, as FSDP2
+    does with each module's unsharded parameters after its forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        flat = torch.empty(16)
+        with torch.no_grad():
+            flat.copy_(self.weight.reshape(-1))
+        y = x @ flat.view(4, 4)
+        flat.untyped_storage().resize_(0)
+        self.freed = flat
+        return y
+
+
+def test_a_saved_tensor_whose_memory_the_model_freed_reads_as_dropped_not_as_freed_memory():
+    model, x = GathersThenFrees(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    assert model.freed.untyped_storage().nbytes() == 0  # the model did free it
+    in_freed = [op.label for op in log.ops if op.func_name in ("copy_", "view")]
+    assert len(in_freed) == 2
+    for label in in_freed:
+        assert not log[label].has_activation  # torch does not bounds-check: reading it could crash
+        with pytest.raises(tl.ActivationUnavailable, match="its memory was freed"):
+            log[label].activation
+    (matmul,) = [op for op in log.ops if op.func_name == "matmul"]
+    assert torch.equal(matmul.activation, x @ model.weight.detach())  # what does not live there is kept
+    result = log.validate()
+    assert result.mismatched == [] and {label for label, _ in result.not_replayed} >= set(in_freed)
+
+
 def test_setitem_is_an_inplace_op_on_its_receiver():
     def f(x):
         c = x.clone()

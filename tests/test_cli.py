@@ -39,6 +39,9 @@ MODELS = textwrap.dedent('''
     def needs_args(width):
         return nn.Linear(width, width)
 
+    def as_function():
+        return lambda x, y: torch.relu(x + y)
+
     INSTANCE = Pair()
 ''')
 
@@ -238,3 +241,36 @@ def test_show_prints_the_module_summary(tmp_path, capsys):
     assert main(["show", str(_saved(tmp_path)), "--summary", "--depth", "1"]) == 0
     out = capsys.readouterr().out
     assert "Module call" in out and "FLOPs" in out and "0:1" in out and "Parameters: unknown" not in out
+
+
+@pytest.mark.parametrize("dtype, high", [("int64", 0), ("int64", -3), ("int8", 300), ("uint8", 257)])
+def test_integer_inputs_outside_the_dtype_or_an_empty_range_are_usage_errors(models, monkeypatch, capsys,
+                                                                              dtype, high):
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--dtype", dtype,
+                 "--high", str(high)]) == 2
+    assert f"--high {high}: integer inputs are drawn from [0, HIGH)" in capsys.readouterr().err
+
+
+def test_integer_inputs_may_reach_the_top_of_their_dtype():
+    from torchlens.cli import make_inputs
+
+    (x,) = make_inputs(["4096"], "int8", 0, 128, "cpu")  # [0, 128): every int8 from 0 up
+    assert x.dtype == torch.int8 and int(x.min()) == 0 and int(x.max()) == 127
+
+
+@pytest.mark.parametrize("flag", ["-n", "--depth"])
+def test_a_negative_count_names_the_flag_the_user_typed(tmp_path, capsys, flag):
+    assert main(["hot-path" if flag == "-n" else "show", str(_saved(tmp_path)), flag, "-1"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} must be >= 0" in err and "--n " not in err
+
+
+def test_eval_on_a_function_target_is_a_usage_error_and_without_it_the_function_traces(models, monkeypatch, capsys):
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    argv = ["trace", "clitargets:as_function", "--input", "2x8", "--input", "2x8"]
+    assert main(argv + ["--eval"]) == 2
+    assert "--eval: clitargets:as_function gave a function, not a module" in capsys.readouterr().err
+    assert main(argv) == 0  # the function itself traces

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import torchlens as tl
-from distributed_workers import LAYERS, KilledAfter, dataset, extract_share, launch, traces
+from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
+                                 gather_labels_some_ranks_lack, launch, traces)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -58,6 +59,8 @@ def test_fsdp2_all_gathers_from_its_forward_hooks_are_recorded_in_their_module(t
     fsdp = traced[0]["fsdp"]
     assert fsdp["collectives"] == ["all_gather_single", "all_gather_single"]  # one per sharded Linear
     assert fsdp["modules"] == ["fc1:1", "fc2:1"]  # issued by the pre-forward hook, inside the module call
+    assert fsdp["freed"] == ["as_strided"] * 4  # the unsharded weight and bias of each Linear, freed after it
+    # (a read of them would read freed memory: torch does not check, and a collective over it crashed)
 
 
 def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
@@ -71,6 +74,23 @@ def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
         assert c["loaded_names"] == c["names"]  # a saved trace keeps which collectives ran (not their groups)
         assert c["validate_mismatched"] == []
         assert set(c["labels"]) <= set(c["validate_not_replayed"])  # replay never re-issues a collective
+
+
+def test_a_collective_written_through_a_view_is_the_parent_of_a_later_read_of_its_base(tmp_path):
+    for got in values(launch(collective_on_a_view, 2, str(tmp_path))):
+        assert got["mul_read_reduced"] and got["fc_saved_before_the_write"]  # the values: y * 2 read reduced rows
+        assert got["mul_parents"] == got["collective"]  # so the graph says y * 2 read the all_reduce, not fc
+        assert got["mismatched"] == []  # and validate does not replay y * 2 from fc's unreduced output
+
+
+def test_gather_of_a_label_one_rank_lacks_leaves_no_rank_waiting(tmp_path):
+    zero, one = values(launch(gather_labels_some_ranks_lack, 2, str(tmp_path), timeout=45))
+    assert "relu_1_2:1" in zero["labels"] and "relu_1_2:1" not in one["labels"]  # the graphs differ
+    assert zero["gathered"] == [["linear_1_1:1", "relu_1_2:1"], ["linear_1_1:1"]]  # each rank what it has
+    (row,) = zero["compare"]
+    assert (row["first_op"], row["reason"]) == ("relu_1_2:1", f"the graph differs: relu_1_2:1 on the reference, "
+                                                             f"{one['labels'][2]} here")
+    assert "no rank has an op labelled 'relu_9_9:1'" in zero["mistyped"] and one["mistyped"] is None
 
 
 def test_compare_finds_a_divergence_planted_on_one_rank(traced):
@@ -91,6 +111,13 @@ def test_compare_reads_per_rank_saves_too(traced, workdir):
     (row,) = tl.distributed.compare(loaded).to_dict("records")
     assert (row["rank"], row["first_op"], row["origin"]) == tuple(traced[0]["planted"][0][k]
                                                                  for k in ("rank", "first_op", "origin"))
+
+
+def test_compare_names_the_reference_by_its_rank_not_its_position(traced, workdir):
+    loaded = [tl.load(os.path.join(workdir, f"saved-{rank}")) for rank in (1, 0)]  # listed in another order
+    (row,) = tl.distributed.compare(loaded).to_dict("records")
+    assert (row["rank"], row["reference"]) == (loaded[1].rank, loaded[0].rank) == (0, 1)
+    assert row["first_op"] == traced[0]["planted"][0]["first_op"]  # the same op differs, whichever is the reference
 
 
 def test_distributed_extraction_equals_a_single_process_one(tmp_path):
@@ -159,3 +186,82 @@ def test_importing_torchlens_does_not_import_its_distributed_package():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120).stdout.strip() == "False"
+
+
+class FillsEmpty(torch.nn.Module):
+    """Writes into a ``torch.empty_like`` buffer, as Mixtral's router does with its sort inverse."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        buffer = torch.empty_like(y)
+        buffer[:] = y * 2
+        return self.head(buffer + 1)
+
+
+def test_compare_does_not_read_uninitialized_memory_as_a_divergence():
+    model, x = FillsEmpty(), torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    first, second = tl.trace(model, x), tl.trace(model, x)
+    (empty,) = [op.label for op in first.ops if op.func_name == "empty_like"]
+    # What torch.empty_like returns is whatever the allocator left there: two agreeing ranks see different
+    # garbage.  Make sure they do here.
+    second[empty].activation.copy_(first[empty].activation + 1)
+    assert not torch.equal(first[empty].activation, second[empty].activation)
+    (row,) = tl.distributed.compare([first, second]).to_dict("records")
+    assert not row["diverges"]
+    assert row["ops_compared"] == len(first.ops) - 1  # every op but the uninitialized one, by value
+
+    with torch.no_grad():
+        model.head.bias[1] += 1e-3  # a real difference, after the uninitialized buffer
+    third = tl.trace(model, x)
+    third[empty].activation.copy_(first[empty].activation - 1)
+    differing = [op.label for op in first.ops if op.label != empty and op.has_activation
+                 and not torch.equal(op.activation, third[op.label].activation)]
+    (row,) = tl.distributed.compare([first, third]).to_dict("records")
+    assert (row["first_op"], row["module"], row["reason"]) == (differing[0], "head:1", "values differ")
+    assert row["origin"] == "here"  # its parent, buffer + 1, was compared and agreed
+
+
+class MaybeSkips(torch.nn.Module):
+    """Rank-dependent control flow that keeps every op's label: ``fc2`` reads ``fc1``'s output or the input."""
+
+    def __init__(self, through: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.through = through
+
+    def forward(self, x):
+        y = self.fc1(x)
+        return self.fc2(y if self.through else x) + y
+
+
+def test_compare_finds_ops_that_read_different_inputs_under_the_same_labels():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+    reference, rewired = tl.trace(MaybeSkips(True), x), tl.trace(MaybeSkips(False), x)
+    assert [op.label for op in reference.ops] == [op.label for op in rewired.ops]
+    rewired_at = [a.label for a, b in zip(reference.ops, rewired.ops) if a.parents != b.parents]
+    for activations in (False, True):  # metadata alone must show it too
+        traces = [tl.distributed.RankTrace.of(t, activations=activations) for t in (reference, rewired)]
+        (row,) = tl.distributed.compare(traces).to_dict("records")
+        assert (row["diverges"], row["first_op"], row["module"]) == (True, rewired_at[0], "fc2:1")
+        assert row["reason"].startswith("the graph differs") and "input_1:1 here" in row["reason"]
+
+
+def test_a_loaded_trace_does_not_take_torch_gather_or_scatter_for_collectives(tmp_path):
+    def picks(x):  # indexing ops that share their names with torch.distributed.gather and scatter
+        index = torch.zeros(2, 1, dtype=torch.long)
+        return torch.gather(x, 1, index) + x.scatter(1, index, 1.0).sum()
+
+    log = tl.trace(picks, torch.randn(2, 3))
+    assert {"gather", "scatter"} <= {op.func_name for op in log.ops}
+    loaded = tl.load(log.save(tmp_path / "picks"))
+    assert list(tl.distributed.collectives(loaded)["label"]) == list(tl.distributed.collectives(log)["label"]) == []
+    again = tl.load(loaded.save(tmp_path / "picks-again"))  # saved again, it keeps what each call was
+    assert again.saved_func_paths == loaded.saved_func_paths
+    assert [p.rsplit(".", 1)[-1] for p in again.saved_func_paths] == [c.func.__name__ for c in log.calls]

@@ -122,9 +122,21 @@ def make_inputs(shapes, dtype_name, seed, high, device):
         elif dtype == torch.bool:
             t = torch.randint(0, 2, shape, generator=g).bool()
         else:
-            t = torch.randint(0, high, shape, generator=g).to(dtype)
+            t = torch.randint(0, checked_high(dtype, dtype_name, high), shape, generator=g).to(dtype)
         args.append(t.to(device))
     return tuple(args)
+
+
+def checked_high(dtype, dtype_name: str, high: int) -> int:
+    """``--high`` for integer inputs, drawn from ``[0, high)``: at least 1, and no more than the dtype holds
+    (a value past it would wrap, ``.to(int8)`` making 300 a negative token id)."""
+    import torch
+
+    top = torch.iinfo(dtype).max + 1
+    if not 1 <= high <= top:
+        raise UsageError(f"--high {high}: integer inputs are drawn from [0, HIGH), so HIGH must be between 1 and "
+                         f"{top} for {dtype_name}")
+    return high
 
 
 def check_device(name: str) -> None:
@@ -166,6 +178,9 @@ def _prepare(args):
     check_device(args.device)
     model = load_target(args.target)
     if args.eval:
+        if not isinstance(model, torch.nn.Module):  # a plain function: no train/eval mode to switch
+            raise UsageError(f"--eval: {args.target} gave a {type(model).__name__}, not a module, so it has no "
+                             "eval mode to switch to; drop --eval, or return the module itself")
         model.eval()
     inputs = make_inputs(args.input, args.dtype, args.seed, args.high, args.device)
     dtype = inputs[0].dtype
@@ -450,11 +465,15 @@ def _silence_stdout() -> None:
         pass
 
 
+# The options that count something, by argparse name, with the flag a user types (``-n`` has no long form).
+_COUNT_FLAGS = {"n": "-n", "hot_path": "--hot-path", "depth": "--depth"}
+
+
 def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("n", "hot_path", "depth"):
+    for name, flag in _COUNT_FLAGS.items():
         if getattr(args, name, None) is not None and getattr(args, name) < 0:
-            print(f"torchlens: error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
+            print(f"torchlens: error: {flag} must be >= 0", file=sys.stderr)
             return USAGE
     try:
         return args.run(args)

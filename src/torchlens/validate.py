@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .record.columns import UNINITIALIZED_FUNCS
 from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
 from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves
 
-_UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
 
@@ -274,7 +274,7 @@ def _replay_problem(log, op, rng: RngState):
         return _skip("the trace was cleaned up")
     if op.device.type == "meta":
         return _skip("meta tensors hold no values to compare")
-    if op.func_name in _UNINITIALIZED_FUNCS:
+    if op.func_name in UNINITIALIZED_FUNCS:
         return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
     if is_collective(func):
         return _skip("a collective: replayed on one rank alone it would block on, or pair with, other ranks' calls")

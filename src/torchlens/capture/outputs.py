@@ -47,6 +47,8 @@ def record_output(st, call_index: int, slot, t, func, module_call: int) -> None:
     except RuntimeError:  # made under torch.inference_mode(): no version counter
         version = st.version(t)
     st.producers[id(t)] = (weakref(t), index, version)
+    if func in WRITTEN_ARGUMENT:  # a collective's write moves no version counter: the base of a view must learn
+        st.note_unversioned_write(t, index)
     if node_type is not None and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
         st.grads.watch(index, t, func, module_call)
     save_mode = st.save_mode

@@ -101,6 +101,11 @@ def is_bound(entry: tuple, t: torch.Tensor) -> bool:
     return ref is t or (type(ref) is weakref and ref() is t)
 
 
+# A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
+# moving (a collective through a view of it), so a read asks ``writers`` who wrote it last.
+STALE_VERSION = -1
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory a tensor lives in; views share it with their base."""
     try:
@@ -294,6 +299,19 @@ class CaptureState:
         if writes and writes[-1][0] == call_index:
             return  # the predicted write of this call was kept already
         writes.append((call_index, None if before is None else param.detach().clone()))
+
+    def note_unversioned_write(self, t: torch.Tensor, record_index: int) -> None:
+        """A ``torch.distributed`` collective wrote ``t``, whose output record is ``record_index``.
+
+        c10d's in-place kernels (``all_reduce``, ``broadcast`` ...) move no version counter, so when ``t``
+        is a view, its base would still look like the output of the op that made it.  The write is noted
+        in ``writers`` and the base's binding made stale, so a later read of the base names the collective,
+        as for an in-place op written through a view (``producer_of``)."""
+        self.writers[storage_key(t)] = (record_index, version_of(t))
+        base = t._base
+        entry = self.producers.get(id(base)) if base is not None else None
+        if entry is not None and is_bound(entry, base):
+            self.producers[id(base)] = (entry[0], entry[1], STALE_VERSION)
 
     def note_writes(self, written: list, record_index: int) -> None:
         """Tensors an op wrote (in place, through ``out=``, or inside a fused kernel)."""

@@ -42,8 +42,8 @@ def _describe(op):
     from ..capture.collectives import WRITTEN_ARGUMENT
 
     func = op.func
-    if func is None:  # a loaded trace keeps function names only: the group was not saved
-        if op.kind != "op" or op.func_name not in _COLLECTIVE_NAMES:
+    if func is None:  # a loaded trace keeps the functions' names only: the group was not saved
+        if op.kind != "op" or op.func_name not in _COLLECTIVE_NAMES or not _saved_as_collective(op):
             return None
         return {"label": op.label, "collective": op.func_name, "group": None, "group_ranks": None, "async": None,
                 "module": op.module, "shape": op.shape}
@@ -61,6 +61,16 @@ def _describe(op):
         return {"label": op.label, "collective": qualified[len(_FUNCTIONAL):], "group": names[-1],
                 "group_ranks": _group_ranks(names[-1]), "async": True, "module": op.module, "shape": op.shape}
     return None
+
+
+def _saved_as_collective(op) -> bool:
+    """Whether a loaded op's function was saved as a ``torch.distributed`` or functional collective, not a
+    namesake (``torch.gather``, ``Tensor.scatter``).  Traces saved without the paths are taken by name."""
+    paths = op._trace.saved_func_paths
+    call = op._trace.call_indices[op.index]
+    if paths is None or not 0 <= call < len(paths):
+        return True
+    return paths[call].startswith(("torch.distributed.", "torch._ops._c10d_functional."))
 
 
 def _bind(func, args, kwargs) -> dict:

@@ -1,15 +1,18 @@
 """``compare``: the first op, in execution order, where ranks that should agree (DDP replicas) diverge.
 
 Each rank is compared with a reference rank op by op: first the graph (same label at the same
-position), then shape and dtype, then the saved activations, bit for bit or within ``rtol`` / ``atol``.
+position, reading the same ops), then shape and dtype, then the saved activations, bit for bit or within ``rtol`` / ``atol``.
 The first op that differs is where the drift shows; ``origin`` is ``"here"`` when every parent of that op
 was compared and agreed (the drift starts at this op: a parameter or a buffer that differs, a
 nondeterministic kernel), and ``"unknown"`` when a parent's activation was not saved on both ranks.
+The values of ops that return uninitialized memory (``torch.empty`` and kin) are never compared: they
+hold whatever the allocator left there, which differs between ranks that agree.
 """
 
 from __future__ import annotations
 
 from ..tree import structures_equal
+from ..record.columns import UNINITIALIZED_FUNCS
 from .gather import RankTrace
 
 COLUMNS = ["rank", "reference", "diverges", "first_op", "module", "func", "reason", "max_abs_diff", "origin",
@@ -23,6 +26,9 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
         traces: one trace per rank, in rank order: ``Trace`` objects (a rank's own, or ``tl.load``'ed
             per-rank saves) or the ``RankTrace`` list ``gather`` returns.
         rtol, atol: tolerances; both 0 (the default) compares bit for bit (NaN equals NaN).
+        reference: the position in ``traces`` of the trace the others are compared with.  The table's
+            ``rank`` and ``reference`` columns give the ranks the traces recorded (positions for traces made
+            outside a process group).
     """
     from .collectives import _frame
 
@@ -36,7 +42,9 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
 
 
 def _first_divergence(base, other, reference, rank, rtol, atol) -> dict:
-    row = {"rank": other.rank if other.rank is not None else rank, "reference": reference, "diverges": False,
+    # Ranks as the traces recorded them (a subgroup's, or saves listed in any order); positions otherwise.
+    row = {"rank": other.rank if other.rank is not None else rank,
+           "reference": base.rank if base.rank is not None else reference, "diverges": False,
            "first_op": None, "module": None, "func": None, "reason": None, "max_abs_diff": None, "origin": None,
            "ops_compared": 0}
     uncompared: set = set()  # ops whose activations were not saved on both ranks
@@ -45,7 +53,7 @@ def _first_divergence(base, other, reference, rank, rtol, atol) -> dict:
         b = other.ops[i] if i < len(other.ops) else None
         reason, diff = _op_difference(a, b, base, other, rtol, atol)
         if reason is None:
-            if a["label"] in base.activations and b["label"] in other.activations:
+            if _values_comparable(a, base) and _values_comparable(b, other):
                 row["ops_compared"] += 1
             else:
                 uncompared.add(a["label"])
@@ -64,11 +72,14 @@ def _op_difference(a, b, base, other, rtol, atol):
         return f"the graph ends earlier on one rank ({present['label']} has no counterpart)", None
     if a["label"] != b["label"]:
         return f"the graph differs: {a['label']} on the reference, {b['label']} here", None
+    if a["parents"] != b["parents"]:
+        return (f"the graph differs: {a['label']} reads {', '.join(a['parents']) or 'no op'} on the reference, "
+                f"{', '.join(b['parents']) or 'no op'} here"), None
     if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
         return f"{a['shape']} {a['dtype']} on the reference, {b['shape']} {b['dtype']} here", None
-    x, y = base.activations.get(a["label"]), other.activations.get(b["label"])
-    if x is None or y is None:
-        return None, None  # not saved on one side: nothing to compare
+    if not (_values_comparable(a, base) and _values_comparable(b, other)):
+        return None, None  # not saved on one side, or uninitialized memory: nothing to compare
+    x, y = base.activations[a["label"]], other.activations[b["label"]]
     equal, _ = structures_equal(x, y, exact=rtol == 0 and atol == 0, rtol=rtol, atol=atol)
     if equal:
         return None, None
@@ -76,3 +87,9 @@ def _op_difference(a, b, base, other, rtol, atol):
     if x.is_floating_point() or x.is_complex():
         diff = float((x - y).abs().double().nan_to_num(nan=float("inf")).max()) if x.numel() else 0.0
     return "values differ" if rtol == 0 and atol == 0 else f"values differ beyond rtol={rtol}, atol={atol}", diff
+
+
+def _values_comparable(op, trace) -> bool:
+    """Whether ``op``'s saved value can be compared: it was saved, and it is not uninitialized memory
+    (``torch.empty`` and kin hold whatever the allocator left there, different on ranks that agree)."""
+    return op["label"] in trace.activations and op["func"] not in UNINITIALIZED_FUNCS

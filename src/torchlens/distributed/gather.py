@@ -25,8 +25,10 @@ class RankTrace:
     activations: dict = field(default_factory=dict)  # label -> CPU tensor, for the labels asked for
 
     @classmethod
-    def of(cls, trace, activations=False) -> "RankTrace":
-        wanted = _wanted(trace, activations)
+    def of(cls, trace, activations=False, strict: bool = True) -> "RankTrace":
+        """This trace's metadata, with the activations asked for; ``strict``: a label the trace lacks raises
+        KeyError (``gather`` passes False: a label one rank lacks is a graph difference, not a mistake)."""
+        wanted = _wanted(trace, activations, strict)
         ops, acts = [], {}
         for op in trace.ops:
             ops.append({"label": op.label, "func": op.func_name, "module": op.module, "shape": tuple(op.shape),
@@ -42,18 +44,24 @@ class RankTrace:
         return len(self.ops)
 
 
-def _wanted(trace, activations) -> set:
-    if activations is False or activations is None:
-        return set()
-    if activations is True or activations == "all":
+def _wanted(trace, activations, strict: bool = True) -> set:
+    asked = _asked_labels(activations)
+    if asked is None:
         return {op.label for op in trace.ops if op.has_activation}
-    if isinstance(activations, str):
-        activations = [activations]
     labels = {op.label for op in trace.ops}
-    missing = [a for a in activations if a not in labels]
-    if missing:
+    missing = [a for a in asked if a not in labels]
+    if missing and strict:
         raise KeyError(f"gather: no op labelled {missing[0]!r} in this trace")
-    return set(activations)
+    return set(asked) & labels
+
+
+def _asked_labels(activations):
+    """The op labels ``activations`` names: a list (empty for False or None), or None for all of them."""
+    if activations is False or activations is None:
+        return []
+    if activations is True or activations == "all":
+        return None
+    return [activations] if isinstance(activations, str) else list(activations)
 
 
 def gather(trace, dst: int = 0, *, activations=False, group=None):
@@ -63,15 +71,27 @@ def gather(trace, dst: int = 0, *, activations=False, group=None):
         activations: False (metadata only), True (every saved activation), or a list of op labels.
         group: the process group to gather over (default: the world).
 
-    Every rank of ``group`` must call it, like any collective.
+    Every rank of ``group`` must call it, like any collective.  A label some ranks lack (their graphs
+    differ) is gathered from the ranks that have it; one that no rank has raises KeyError on ``dst``,
+    after the gather, so that no rank is left waiting for another that raised.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
                            "(run under torchrun, or call torch.distributed.init_process_group first)")
-    mine = RankTrace.of(trace, activations)
+    mine = RankTrace.of(trace, activations, strict=False)
     everyone = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     with torch.no_grad():
         dist.gather_object(mine, everyone, dst=dst, group=group)
+    if everyone is not None:
+        _check_known(everyone, _asked_labels(activations) or [])
     return everyone
+
+
+def _check_known(traces, asked) -> None:
+    """Raise KeyError for an asked label that no rank's trace has (a mistyped label)."""
+    known = {row["label"] for t in traces for row in t.ops}
+    unknown = [a for a in asked if a not in known]
+    if unknown:
+        raise KeyError(f"gather: no rank has an op labelled {unknown[0]!r}")

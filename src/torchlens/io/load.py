@@ -163,6 +163,7 @@ def _build(record, tensors: dict) -> Trace:
     flops = _flops(record.get("flops"), n)
     if flops is not None:
         trace._flops_col = flops
+    trace.saved_func_paths = _func_paths(cols, calls)
     for name in ("rank", "world_size"):  # absent from traces saved before distributed support
         value = record.get(name)
         if value is not None:
@@ -285,6 +286,12 @@ def _code_stub(codes, i, line, cache):
         filename, qualname = codes[i]
         stub = cache[key] = _SavedCode(_string(filename, "codes"), _string(qualname, "codes"), line)
     return stub
+
+
+def _func_paths(cols, calls) -> tuple:
+    """Each call's function as saved, by qualified name (``_calls`` has checked the indices)."""
+    funcs = cols.column("funcs")
+    return tuple(_string(funcs[row[0]], "funcs") for row in cols.column("calls"))
 
 
 def _calls(cols, n) -> list:

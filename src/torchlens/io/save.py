@@ -198,12 +198,14 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
     """Every column of ``trace`` as JSON-ready data (see load.py for the reverse)."""
     funcs, func_index = [], {}
     codes, code_index = [], {}
+    saved_paths = trace.saved_func_paths  # a loaded trace holds no functions: their paths as first saved
 
-    def func_id(func) -> int:
-        i = func_index.get(id(func))
+    def func_id(func, position: int) -> int:
+        key = id(func) if func is not None or saved_paths is None else saved_paths[position]
+        i = func_index.get(key)
         if i is None:
-            i = func_index[id(func)] = len(funcs)
-            funcs.append(_qualified_name(func))
+            i = func_index[key] = len(funcs)
+            funcs.append(_qualified_name(func) if func is not None or saved_paths is None else key)
         return i
 
     def code_id(code) -> int:
@@ -215,11 +217,11 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
             codes.append([code.co_filename, getattr(code, "co_qualname", code.co_name)])
         return i
 
-    calls = [[func_id(c.func), encode_value(c.args), encode_value(c.kwargs),
+    calls = [[func_id(c.func, position), encode_value(c.args), encode_value(c.kwargs),
               [[encode_value(pos), p] for pos, p in c.parents], c.module_call, code_id(c.code), _line(c.code, c.line),
               c.t0_ns, c.t1_ns, c.first_record, c.num_outputs, bool(c.wrote_arguments),
               [[encode_value(pos), [int(d) for d in p.shape]] for pos, p in c.params]]
-             for c in trace.calls]
+             for position, c in enumerate(trace.calls)]
     dropped = dict(trace.dropped_activations)
     if not with_activations and not trace.is_cleaned_up:
         dropped.update({i: "not saved: the trace was saved with activations=False"

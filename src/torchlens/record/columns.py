@@ -106,6 +106,11 @@ _INPLACE_DUNDERS = frozenset(
 )
 
 
+# Ops whose output is uninitialized memory: its contents are undefined, so neither replay (validate.py) nor
+# a comparison across ranks (distributed/compare.py) may read anything into them.
+UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
+
+
 def writes_first_argument(func) -> bool:
     """Whether ``func`` writes its first argument by name (``add_``, ``__iadd__``, ``__setitem__``)."""
     name = getattr(func, "__name__", "")

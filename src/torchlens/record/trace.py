@@ -29,6 +29,21 @@ _NOT_COPIED = ("a Trace cannot be {} (it holds the model, torch's callables and 
 WRITTEN_AFTER_TRACE = ("written in place after the trace ended (a later forward updating a buffer the trace holds "
                        "by reference, or code changing an input or the output); read activations, or .clone() "
                        "them, before running the model again")
+# Why ``drop_written`` dropped a saved tensor whose memory is gone: reading it would read freed memory.
+MEMORY_FREED = ("its memory was freed after the op made it (its storage resized down: FSDP2 frees each module's "
+                "unsharded parameters after its forward, fully_shard(..., reshard_after_forward=False) keeps them)")
+
+
+def memory_freed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage no longer covers ``t`` (``untyped_storage().resize_(0)``, as FSDP2 frees its
+    unsharded parameters): torch does not check, so a read would touch freed memory and may crash."""
+    try:
+        if t.numel() == 0:
+            return False
+        extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        return t.untyped_storage().nbytes() < extent * t.element_size()
+    except (RuntimeError, NotImplementedError):  # nested, sparse and other layouts without one strided storage
+        return False
 
 class Trace:
     """Everything one forward pass computed, addressable by label, module call or position.
@@ -41,6 +56,9 @@ class Trace:
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
     rank = None  # this process's rank and the world size when traced under torch.distributed
     world_size = None
+    # A loaded trace's function of each call, by qualified name (``torch.distributed.distributed_c10d.gather``):
+    # ``tl.load`` sets it, since such a trace holds no functions and names alone are ambiguous (torch.gather).
+    saved_func_paths = None
     # Interventions (torchlens.intervene): what was applied where, and the values before.
     interventions = ()
     _interventions: dict = {}
@@ -341,20 +359,24 @@ class Trace:
         return self._alias_reads
 
     def drop_written(self, indices=None) -> None:
-        """Drop the saved tensors (of ``indices``, or all) written in place since the trace ended.
+        """Drop the saved tensors (of ``indices``, or all) written in place, or freed, since their op ran.
 
         Activations are kept by reference, so a later forward that updates a buffer the trace holds, or
-        code that changes an input or the output, would otherwise show a value the op never made: each
-        reads as dropped, with the reason, instead.  Readers of the activations call this first."""
+        code that changes an input or the output, would otherwise show a value the op never made, and
+        memory the model freed (FSDP2's unsharded parameters) would be read after it is gone: each reads
+        as dropped, with the reason, instead.  Readers of the activations call this first."""
         versions = self._saved_versions
         if not versions:
             return
         activations = self._activations
         for i in list(versions) if indices is None else indices:
             version, t = versions.get(i), activations.get(i)
-            if version is not None and t is not None and t._version != version:
+            if version is None or t is None:
+                continue  # not held by reference (a private copy), or not saved
+            reason = WRITTEN_AFTER_TRACE if t._version != version else MEMORY_FREED if memory_freed(t) else None
+            if reason is not None:
                 del activations[i]
-                self._dropped[i] = WRITTEN_AFTER_TRACE
+                self._dropped[i] = reason
 
     def keep_activations(self, kept) -> None:
         """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward)."""
