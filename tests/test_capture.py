@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import pytest
 
 import torchlens as tl
+from torchlens.record.trace import WRITTEN_AFTER_TRACE
 from zoo import LoopRNN, SharedModule, zoo
 
 
@@ -232,6 +233,14 @@ def test_a_saved_tensor_written_after_the_trace_reads_as_dropped_not_as_a_value_
     assert not result.passed and [label for label, _ in result.mismatched] == ["add_1_1:1"]
     x.mul_(3)  # the model's input, after the trace
     assert not log["input_1:1"].has_activation and torch.equal(log["mul_1_2:1"].activation, torch.full((2,), 2.0))
+
+
+def test_the_dropped_activations_table_is_current_before_any_activation_is_read():
+    model, x = nn.Linear(2, 2), torch.ones(1, 2)
+    log = tl.trace(model, x)
+    assert log.dropped_activations == {}
+    x.add_(1)  # the input, written after the trace: the table says so without an activation read first
+    assert log.dropped_activations == {0: WRITTEN_AFTER_TRACE}
 
 
 class GathersThenFrees(nn.Module):

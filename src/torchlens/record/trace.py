@@ -340,7 +340,9 @@ class Trace:
 
     @property
     def dropped_activations(self) -> dict:
-        """Op index -> why its saved value was dropped (it changed behind capture's back)."""
+        """Op index -> why its saved value was dropped (it changed behind capture's back, during the trace or
+        since: ``drop_written`` looks first)."""
+        self.drop_written()
         return self._dropped
 
     @property
