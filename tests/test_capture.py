@@ -75,6 +75,50 @@ def test_shared_module_gives_one_layer_with_a_pass_per_call():
         layer.activation
 
 
+class _Diverging(nn.Module):
+    """A module whose calls take different branches and loop a different number of times."""
+
+    def forward(self, x, flag, steps):
+        if flag:
+            x = torch.relu(x)  # then-arm
+        else:
+            x = torch.relu(x)  # else-arm
+        for _ in range(steps):
+            x = torch.tanh(x)  # loop body
+        return torch.sigmoid(x)  # return line
+
+
+def test_a_shared_module_whose_calls_diverge_groups_by_line_not_by_position():
+    import inspect
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = _Diverging()
+
+        def forward(self, x):
+            return self.block(x, True, 2) + self.block(x, False, 1) + self.block(x, True, 0)
+
+    source, first = inspect.getsourcelines(_Diverging.forward)
+    line_of = {tag: first + i for i, text in enumerate(source) for tag in ("then-arm", "else-arm", "return line")
+               if text.rstrip().endswith("# " + tag)}
+    log = tl.trace(Net(), torch.randn(2, 3))
+    by_line: dict = {}
+    for op in log:
+        if op.module_address == "block" and op.func_name != "tanh":
+            by_line.setdefault(op.source.line, []).append(op)
+    assert sorted(by_line) == sorted(line_of.values())
+    # Each line of the shared module is one layer with a pass per call that ran it, in call order.
+    for line, ops in by_line.items():
+        assert len({op.layer_label for op in ops}) == 1, (line, [op.label for op in ops])
+        assert [op.pass_index for op in ops] == list(range(1, len(ops) + 1))
+        assert [op.module for op in ops] == sorted(op.module for op in ops)
+    assert [op.module for op in by_line[line_of["return line"]]] == ["block:1", "block:2", "block:3"]
+    # Lines never merge, whatever position their ops had within the call.
+    layers = [by_line[line][0].layer_label for line in line_of.values()]
+    assert len(set(layers)) == 3
+
+
 def test_python_loop_groups_module_and_param_free_body():
     model = LoopRNN(steps=4).eval()
     log = tl.trace(model, torch.randn(2, 8))
