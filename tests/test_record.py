@@ -39,6 +39,35 @@ def test_indexing_by_every_kind_of_key(cnn_log):
     assert "conv2d_1_1:1" in log and "nope" not in log
 
 
+def test_module_names_win_over_io_paths_and_every_module_call_is_found():
+    class Stat(nn.Module):
+        def forward(self, x):
+            self.last = x.mean()  # returns no tensor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stat, self.output, self.scale = Stat(), nn.Linear(4, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.stat(x)
+            return self.scale(self.output(x)).tanh()
+
+    model = Net()
+    seen: dict = {}  # address -> every output its forward returned, by plain forward hooks
+    for address, module in model.named_modules():
+        module.register_forward_hook(lambda m, a, out, address=address: seen.setdefault(address, []).append(out))
+    log = tl.trace(model, torch.randn(2, 4))
+    # The module named "output" is found by its name, not confused with the model's output.
+    assert torch.equal(log["output"].activation, seen["output"][0])
+    assert torch.equal(log["output:1"].activation, seen["output"][0])
+    assert torch.equal(log.outputs[0].activation, seen[""][0])
+    # A module call that returned no tensor is still found by its label.
+    assert seen["stat"] == [None]
+    call = log["stat:1"]
+    assert isinstance(call, tl.ModuleCall) and call.label == "stat:1" and call.address == "stat"
+
+
 def test_unknown_key_suggests_close_labels(cnn_log):
     with pytest.raises(KeyError, match="conv2d_1_1"):
         cnn_log["conv2d_1_11"]
