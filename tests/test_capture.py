@@ -119,6 +119,27 @@ def test_a_shared_module_whose_calls_diverge_groups_by_line_not_by_position():
     assert len(set(layers)) == 3
 
 
+def _write_two_of_three_pieces(x):
+    a, b, c = (x * 1).chunk(3)  # three views sharing one storage and one version counter
+    a.mul_(2)
+    c.add_(1)
+    return torch.stack([a, b, c]), b
+
+
+def test_a_write_to_one_view_is_not_the_parent_of_a_view_it_did_not_reach():
+    x = torch.randn(6, 2)
+    stacked, piece = _write_two_of_three_pieces(x)
+    log = tl.trace(_write_two_of_three_pieces, x)
+    stack = next(op for op in log if op.func_name == "stack")
+    # Each piece stack read comes from the op whose value it holds: b from chunk, not from c's write.
+    assert len(stack.parents) == 3
+    for parent, value in zip(stack.parents, stacked):
+        assert torch.equal(log[parent].activation, value), parent
+    assert log[stack.parents[1]].func_name == "chunk"
+    # The returned untouched piece shows its own value, not the value of a write to another piece.
+    assert torch.equal(log.outputs[1].activation, piece)
+
+
 def test_python_loop_groups_module_and_param_free_body():
     model = LoopRNN(steps=4).eval()
     log = tl.trace(model, torch.randn(2, 8))
