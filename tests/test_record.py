@@ -68,6 +68,14 @@ def test_module_names_win_over_io_paths_and_every_module_call_is_found():
     assert isinstance(call, tl.ModuleCall) and call.label == "stat:1" and call.address == "stat"
 
 
+@pytest.mark.parametrize("records", ["ops", "layers", "module_calls", "modules", "params", "buffers"])
+def test_a_record_list_indexed_by_name_says_how_to_find_it(cnn_log, records):
+    listed = getattr(cnn_log, records)
+    assert listed[0] == list(listed)[0]
+    with pytest.raises(TypeError, match=r"by position .* log\['features'\] finds"):
+        listed["features"]
+
+
 def test_unknown_key_suggests_close_labels(cnn_log):
     with pytest.raises(KeyError, match="conv2d_1_1"):
         cnn_log["conv2d_1_11"]
