@@ -140,6 +140,36 @@ def test_a_write_to_one_view_is_not_the_parent_of_a_view_it_did_not_reach():
     assert torch.equal(log.outputs[1].activation, piece)
 
 
+class _SharedBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        a = self.bn(x)
+        b = self.bn(x * 2)
+        return a + b + self.bn.running_mean
+
+
+def test_a_running_statistic_read_after_a_training_batchnorm_comes_from_the_call_that_wrote_it():
+    x = torch.randn(3, 4)
+    model = _SharedBatchNorm().train()
+    first_read = model.bn.running_mean.clone()
+    log = tl.trace(model, x)
+    norms = [op for op in log if op.func_name == "batch_norm"]
+    assert [op.module for op in norms] == ["bn:1", "bn:2"]
+    # The running mean as first read is the model's value before the forward.
+    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
+    assert torch.equal(mean_node.activation, first_read)
+    # Each later read names the call whose kernel last wrote it.
+    assert norms[1].parents[1] == norms[0].label
+    last = log.outputs[0].parents[0]  # the add that read the running mean
+    assert log[last].parents[-1] == norms[1].label
+    # Replay never compares the sum against the statistic's stale value.
+    result = tl.validate(_SharedBatchNorm().train(), x)
+    assert result.outputs_match and not result.mismatched, result.mismatched
+
+
 def test_python_loop_groups_module_and_param_free_body():
     model = LoopRNN(steps=4).eval()
     log = tl.trace(model, torch.randn(2, 8))

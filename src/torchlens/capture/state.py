@@ -173,7 +173,8 @@ class CaptureState:
         self.unwritten: dict = {}
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
-        self.alias_reads: set = set()  # (call index, parent record) read after a write through a view
+        # (call index, parent record) read after a write through a view, or of a statistic a kernel wrote
+        self.alias_reads: set = set()
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
         if selector is not None:
