@@ -26,6 +26,20 @@ def test_type_names_follow_the_label_grammar(raw, expected):
     assert type_of_name(raw) == expected
 
 
+def test_an_operator_overload_called_directly_has_its_operators_type():
+    overloads = [torch.ops.aten.add.Tensor, torch.ops.aten.relu.default]
+
+    def forward(x):
+        return overloads[1](overloads[0](x, x))
+
+    log = tl.trace(forward, torch.randn(3), save=["add", "relu"])
+    ops = [op for op in log if op.kind == "op"]
+    assert [op.func_name for op in ops] == [f.__name__ for f in overloads]
+    assert [op.type for op in ops] == [f.overloadpacket.__name__ for f in overloads]
+    assert all("." not in op.label for op in log)  # a dot would read as a module address
+    assert all(op.has_activation for op in ops)  # found by their operator's name
+
+
 def test_indexing_by_every_kind_of_key(cnn_log):
     log = cnn_log
     assert log[0].label == "input_1:1" and log[-1].label == "output_1:1"
