@@ -40,6 +40,22 @@ def test_an_operator_overload_called_directly_has_its_operators_type():
     assert all(op.has_activation for op in ops)  # found by their operator's name
 
 
+def test_an_in_place_operator_overload_called_directly_keeps_what_it_overwrites():
+    def forward(x):
+        y = x * 2
+        torch.ops.aten.add_.Tensor(y, x)  # writes y
+        return y + 1
+
+    x = torch.randn(3)
+    y = x * 2
+    before = y._version
+    torch.ops.aten.add_.Tensor(y, x)
+    assert y._version != before  # it writes its first argument
+    log = tl.trace(forward, x)
+    assert torch.equal(log["mul_1_1:1"].activation, x * 2)  # copied before the write, not dropped
+    assert log["add_1_2:1"].is_inplace
+
+
 def test_indexing_by_every_kind_of_key(cnn_log):
     log = cnn_log
     assert log[0].label == "input_1:1" and log[-1].label == "output_1:1"
