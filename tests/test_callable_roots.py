@@ -57,6 +57,22 @@ def test_generate_names_every_module_and_numbers_the_steps():
     assert log.summary()[0]["class_name"] == "GPT2LMHeadModel"
 
 
+def test_every_repeated_op_of_a_generate_step_has_that_steps_pass():
+    model, ids = _gpt2()
+    attention_calls = []  # the steps each attention layer ran in, seen by plain forward hooks
+    for block in model.transformer.h:
+        block.attn.register_forward_pre_hook(lambda m, a: attention_calls.append(m))
+    log = tl.trace(model.generate, (ids,), {"max_new_tokens": 3, "do_sample": False})
+    assert len(attention_calls) == 2 * 3
+    for op in log.ops:
+        if op.modules and op.modules[0].startswith("self:") and op.num_passes > 1:
+            assert op.pass_index == int(op.modules[0][len("self:"):]), (op.label, op.modules[0])
+    # The prefill step's attention (a longer query, an empty cache) is still the first pass of each site.
+    attention = [op for op in log.ops if op.func_name == "scaled_dot_product_attention"]
+    assert len(attention) == len(attention_calls)
+    assert sorted({op.num_passes for op in attention}) == [3]
+
+
 def test_root_names_the_module_behind_a_lambda():
     model, ids = _gpt2()
     plain = tl.trace(lambda x: model(x).logits, ids)

@@ -76,6 +76,101 @@ def test_shared_module_gives_one_layer_with_a_pass_per_call():
         layer.activation
 
 
+class _Diverging(nn.Module):
+    """A module whose calls take different branches and loop a different number of times."""
+
+    def forward(self, x, flag, steps):
+        if flag:
+            x = torch.relu(x)  # then-arm
+        else:
+            x = torch.relu(x)  # else-arm
+        for _ in range(steps):
+            x = torch.tanh(x)  # loop body
+        return torch.sigmoid(x)  # return line
+
+
+def test_a_shared_module_whose_calls_diverge_groups_by_line_not_by_position():
+    import inspect
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = _Diverging()
+
+        def forward(self, x):
+            return self.block(x, True, 2) + self.block(x, False, 1) + self.block(x, True, 0)
+
+    source, first = inspect.getsourcelines(_Diverging.forward)
+    line_of = {tag: first + i for i, text in enumerate(source) for tag in ("then-arm", "else-arm", "return line")
+               if text.rstrip().endswith("# " + tag)}
+    log = tl.trace(Net(), torch.randn(2, 3))
+    by_line: dict = {}
+    for op in log:
+        if op.module_address == "block" and op.func_name != "tanh":
+            by_line.setdefault(op.source.line, []).append(op)
+    assert sorted(by_line) == sorted(line_of.values())
+    # Each line of the shared module is one layer with a pass per call that ran it, in call order.
+    for line, ops in by_line.items():
+        assert len({op.layer_label for op in ops}) == 1, (line, [op.label for op in ops])
+        assert [op.pass_index for op in ops] == list(range(1, len(ops) + 1))
+        assert [op.module for op in ops] == sorted(op.module for op in ops)
+    assert [op.module for op in by_line[line_of["return line"]]] == ["block:1", "block:2", "block:3"]
+    # Lines never merge, whatever position their ops had within the call.
+    layers = [by_line[line][0].layer_label for line in line_of.values()]
+    assert len(set(layers)) == 3
+
+
+def _write_two_of_three_pieces(x):
+    a, b, c = (x * 1).chunk(3)  # three views sharing one storage and one version counter
+    a.mul_(2)
+    c.add_(1)
+    return torch.stack([a, b, c]), b
+
+
+def test_a_write_to_one_view_is_not_the_parent_of_a_view_it_did_not_reach():
+    x = torch.randn(6, 2)
+    stacked, piece = _write_two_of_three_pieces(x)
+    log = tl.trace(_write_two_of_three_pieces, x)
+    stack = next(op for op in log if op.func_name == "stack")
+    # Each piece stack read comes from the op whose value it holds: b from chunk, not from c's write.
+    assert len(stack.parents) == 3
+    for parent, value in zip(stack.parents, stacked):
+        assert torch.equal(log[parent].activation, value), parent
+    assert log[stack.parents[1]].func_name == "chunk"
+    # The returned untouched piece shows its own value, not the value of a write to another piece.
+    assert torch.equal(log.outputs[1].activation, piece)
+
+
+class _SharedBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        a = self.bn(x)
+        b = self.bn(x * 2)
+        return a + b + self.bn.running_mean
+
+
+def test_a_running_statistic_read_after_a_training_batchnorm_comes_from_the_call_that_wrote_it():
+    x = torch.randn(3, 4)
+    model = _SharedBatchNorm().train()
+    first_read = model.bn.running_mean.clone()
+    log = tl.trace(model, x)
+    norms = [op for op in log if op.func_name == "batch_norm"]
+    assert [op.module for op in norms] == ["bn:1", "bn:2"]
+    # The running mean as first read is the model's value before the forward.
+    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
+    assert torch.equal(mean_node.activation, first_read)
+    # Each later read names the call whose kernel last wrote it.
+    assert norms[1].parents[1] == norms[0].label
+    last = log.outputs[0].parents[0]  # the add that read the running mean
+    assert log[last].parents[-1] == norms[1].label
+    # Replay never compares the sum against the statistic's stale value.
+    result = tl.validate(_SharedBatchNorm().train(), x)
+    assert result.outputs_match and not result.mismatched, result.mismatched
+
+
 def test_python_loop_groups_module_and_param_free_body():
     model = LoopRNN(steps=4).eval()
     log = tl.trace(model, torch.randn(2, 8))

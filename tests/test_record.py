@@ -26,6 +26,36 @@ def test_type_names_follow_the_label_grammar(raw, expected):
     assert type_of_name(raw) == expected
 
 
+def test_an_operator_overload_called_directly_has_its_operators_type():
+    overloads = [torch.ops.aten.add.Tensor, torch.ops.aten.relu.default]
+
+    def forward(x):
+        return overloads[1](overloads[0](x, x))
+
+    log = tl.trace(forward, torch.randn(3), save=["add", "relu"])
+    ops = [op for op in log if op.kind == "op"]
+    assert [op.func_name for op in ops] == [f.__name__ for f in overloads]
+    assert [op.type for op in ops] == [f.overloadpacket.__name__ for f in overloads]
+    assert all("." not in op.label for op in log)  # a dot would read as a module address
+    assert all(op.has_activation for op in ops)  # found by their operator's name
+
+
+def test_an_in_place_operator_overload_called_directly_keeps_what_it_overwrites():
+    def forward(x):
+        y = x * 2
+        torch.ops.aten.add_.Tensor(y, x)  # writes y
+        return y + 1
+
+    x = torch.randn(3)
+    y = x * 2
+    before = y._version
+    torch.ops.aten.add_.Tensor(y, x)
+    assert y._version != before  # it writes its first argument
+    log = tl.trace(forward, x)
+    assert torch.equal(log["mul_1_1:1"].activation, x * 2)  # copied before the write, not dropped
+    assert log["add_1_2:1"].is_inplace
+
+
 def test_indexing_by_every_kind_of_key(cnn_log):
     log = cnn_log
     assert log[0].label == "input_1:1" and log[-1].label == "output_1:1"
@@ -37,6 +67,43 @@ def test_indexing_by_every_kind_of_key(cnn_log):
     assert log["input.x"].label == "input_1:1"
     assert len(log) == len(log.ops) and list(log)[1] == log.ops[1]
     assert "conv2d_1_1:1" in log and "nope" not in log
+
+
+def test_module_names_win_over_io_paths_and_every_module_call_is_found():
+    class Stat(nn.Module):
+        def forward(self, x):
+            self.last = x.mean()  # returns no tensor
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stat, self.output, self.scale = Stat(), nn.Linear(4, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.stat(x)
+            return self.scale(self.output(x)).tanh()
+
+    model = Net()
+    seen: dict = {}  # address -> every output its forward returned, by plain forward hooks
+    for address, module in model.named_modules():
+        module.register_forward_hook(lambda m, a, out, address=address: seen.setdefault(address, []).append(out))
+    log = tl.trace(model, torch.randn(2, 4))
+    # The module named "output" is found by its name, not confused with the model's output.
+    assert torch.equal(log["output"].activation, seen["output"][0])
+    assert torch.equal(log["output:1"].activation, seen["output"][0])
+    assert torch.equal(log.outputs[0].activation, seen[""][0])
+    # A module call that returned no tensor is still found by its label.
+    assert seen["stat"] == [None]
+    call = log["stat:1"]
+    assert isinstance(call, tl.ModuleCall) and call.label == "stat:1" and call.address == "stat"
+
+
+@pytest.mark.parametrize("records", ["ops", "layers", "module_calls", "modules", "params", "buffers"])
+def test_a_record_list_indexed_by_name_says_how_to_find_it(cnn_log, records):
+    listed = getattr(cnn_log, records)
+    assert listed[0] == list(listed)[0]
+    with pytest.raises(TypeError, match=r"by position .* log\['features'\] finds"):
+        listed["features"]
 
 
 def test_unknown_key_suggests_close_labels(cnn_log):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..record.columns import CALL_ARGS, CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_PARENTS
+
 # func -> (flag name, flag position, ((name, position) of each running statistic)): the statistics
 # are written when the flag is true.
 _NORMS = {
@@ -30,6 +32,36 @@ def _argument(args, kwargs, name: str, position: int):
     if name in kwargs:
         return kwargs[name]
     return args[position] if len(args) > position else None
+
+
+def _written_stat_slots(func, args, kwargs) -> tuple:
+    """The argument slots (a position, or a keyword's name, as a call's parents name them) of the running
+    statistics a recorded call wrote in its kernel: none in eval mode.  ``args`` and ``kwargs`` are the
+    call as recorded, its tensors blanked: the flag is not a tensor, so it is still there."""
+    flag_name, flag_position, stats = _NORMS[func]
+    if not _argument(args, kwargs, flag_name, flag_position):
+        return ()
+    return tuple(name if name in kwargs else position for name, position in stats)
+
+
+def link_running_stats_readers(calls: list, alias_reads: set) -> None:
+    """After the forward: make the op that last wrote a running statistic in its kernel the parent of
+    each later read of it (the next BatchNorm call, code reading ``bn.running_mean``), as for any other
+    write.  Such a write moves no version counter, so capture bound each later read to the statistic's
+    record as first read, whose saved value predates the write.  Each rewritten edge is an alias read:
+    the value read is not that op's output (replay skips it, saying so)."""
+    writer: dict = {}  # record as read -> first output record of the call that last wrote it
+    for c, call in enumerate(calls):
+        parents = call[CALL_PARENTS]
+        if writer and any(record in writer for _, record in parents):
+            parents = tuple((slot, writer.get(record, record)) for slot, record in parents)
+            alias_reads.update((c, writer[record]) for _, record in call[CALL_PARENTS] if record in writer)
+            calls[c] = (*call[:CALL_PARENTS], parents, *call[CALL_PARENTS + 1:])
+        if call[CALL_FUNC] in _NORMS:
+            slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
+            for slot, record in call[CALL_PARENTS]:  # the records as read, which later reads still name
+                if slot in slots and record >= 0:
+                    writer[record] = call[CALL_FIRST_RECORD]
 
 
 def running_stats_written(func, args, kwargs) -> list:

@@ -27,6 +27,7 @@ from .collectives import process_rank
 from .compiled import (CompiledSubmodules, Suspension, check_compiled_option, compiled_in_place,
                        optimized_module_type)
 from .fastpath import FastPathShim
+from .fused_writes import link_running_stats_readers
 from .grads import attach_grads, function_outputs, grad_capture
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
@@ -145,6 +146,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
                         "(e.g. wrap it: lambda x: list(model(x)))")
 
     mutated = state.check_saved_versions()
+    link_running_stats_readers(state.calls, state.alias_reads)
     model_name = name or _display_name(model, root)
     timings = {"forward": (forward_done - started) / 1e9}
     if shown is not QUIET:

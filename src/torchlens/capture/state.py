@@ -114,6 +114,26 @@ def storage_key(t: torch.Tensor) -> int:
         return -id(t)
 
 
+def memory_span(t: torch.Tensor):
+    """``(start, end)``: the bytes of its storage a tensor can reach (end excluded), or None when unknown
+    (a layout without strides).  Two views of one storage whose spans do not meet cannot see each
+    other's writes, although they share a version counter (``torch.chunk``'s pieces, a tensor's halves)."""
+    try:
+        if t.numel() == 0:
+            return 0, 0
+        size = t.element_size()
+        start = t.storage_offset() * size
+        reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+        return start, start + (reach + 1) * size
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def spans_meet(a, b) -> bool:
+    """Whether two ``memory_span``s may share a byte (an unknown span may share any)."""
+    return a is None or b is None or (a[0] < b[1] and b[0] < a[1])
+
+
 class CaptureState:
     """Everything one trace accumulates while the model runs."""
 
@@ -152,10 +172,14 @@ class CaptureState:
         self.module_stack: list = []
         self.call_frames: list = []  # per module call: (code, offset) of the user frame that made it
         self.producers: dict = {}  # id(tensor) -> (tensor or weakref, record index, version when bound)
-        self.writers: dict = {}  # storage key -> (record index, version after the write)
+        # storage key -> [(record index, version after the write, memory_span of what it wrote), ...]
+        self.writers: dict = {}
+        # id(tensor) -> (its binding's reference, how many writes of its storage were found to miss it)
+        self.unwritten: dict = {}
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
-        self.alias_reads: set = set()  # (call index, parent record) read after a write through a view
+        # (call index, parent record) read after a write through a view, or of a statistic a kernel wrote
+        self.alias_reads: set = set()
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
         if selector is not None:
@@ -199,13 +223,34 @@ class CaptureState:
             version = version_of(t)
             if entry[2] == version:
                 return entry[1]
-            # Written since it was bound (through a view or base): the latest writer of its storage.
-            writer = self.writers.get(storage_key(t))
-            index = writer[0] if writer is not None and writer[1] == version else entry[1]
+            # Its version counter moved since it was bound: a view or base sharing it was written.
+            index = self._last_writer_of(t, entry, version)
+            if index is None:  # every such write missed its bytes: still the value that op made
+                self.producers[id(t)] = (entry[0], entry[1], version)
+                return entry[1]
             # The value read is not that op's output as saved (it was written through an alias).
             self.alias_reads.add((len(self.calls), index))
             return index
         return self._source_of(t)
+
+    def _last_writer_of(self, t: torch.Tensor, entry: tuple, version):
+        """The record of the latest write since ``t`` was bound (``entry``) that reached ``t``'s bytes, None
+        when no write reached them, or ``entry``'s own record when capture did not see the last write of
+        its storage (what it holds then is unknown).  Writes checked once are not checked again."""
+        writes = self.writers.get(storage_key(t))
+        if not writes or writes[-1][1] != version:
+            return entry[1]
+        span = memory_span(t)
+        checked = self.unwritten.get(id(t)) if self.unwritten else None
+        checked = checked[1] if checked is not None and checked[0] is entry[0] else 0  # the same binding's
+        for k in range(len(writes) - 1, checked - 1, -1):
+            record, _, written = writes[k]
+            if record <= entry[1]:
+                break
+            if spans_meet(span, written):
+                return record
+        self.unwritten[id(t)] = (entry[0], len(writes))
+        return None
 
     def record_holding(self, t: torch.Tensor):
         """The record whose value ``t`` still is (bound to it, and not written since), or None: off the hot
@@ -320,7 +365,7 @@ class CaptureState:
             if self.param_storages:
                 self.keep_param(key, len(self.calls) - 1, None)
             version = version_of(t)
-            self.writers[key] = (record_index, version)
+            self.writers.setdefault(key, []).append((record_index, version, memory_span(t)))
             self.producers[id(t)] = (weakref(t), record_index, version)
             alias = self.data_bases.get(id(t))
             if alias is not None and alias[0]() is t and alias[1]() is not None:

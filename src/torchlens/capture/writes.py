@@ -15,6 +15,7 @@ import torch
 from ..record.columns import writes_first_argument
 from .collectives import WRITTEN_ARGUMENT
 from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
+from .state import memory_span, spans_meet, storage_key
 
 Tensor = torch.Tensor
 inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write their output argument
@@ -58,7 +59,27 @@ def written_arguments(func, args, kwargs, versions):
             if written is None:
                 written = []
             written.append(v)
+    if written is not None and len(written) > 1:
+        written = _without_views_only_read(func, args, kwargs, written)
     return written
+
+
+def _without_views_only_read(func, args, kwargs, written: list) -> list:
+    """``written`` less the arguments that only share a version counter with the one the call writes by
+    name: views of one base share its counter, so ``b += a`` for two halves of one tensor moves ``a``'s
+    version too, though no byte of ``a`` changed.  An argument is kept when the write may reach its bytes,
+    or when no argument written by name shares its storage (its counter moved for a reason of its own)."""
+    targets = [t for t in written if _predicted_write(func, args, kwargs, t)]
+    if not targets:
+        return written
+    reached = [(storage_key(t), memory_span(t)) for t in targets]
+    kept = []
+    for t in written:
+        key = storage_key(t)
+        sharing = [span for k, span in reached if k == key]
+        if any(t is u for u in targets) or not sharing or any(spans_meet(span, memory_span(t)) for span in sharing):
+            kept.append(t)
+    return kept
 
 
 def _predicted_write(func, args, kwargs, t) -> bool:

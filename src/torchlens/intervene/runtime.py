@@ -195,9 +195,9 @@ class Interventions:
             with torch._C.DisableTorchFunction():
                 old.copy_(new)
             new = old
-            key = storage_key(old)
-            if key in st.writers:
-                st.writers[key] = (record, version_of(old))
+            writes = st.writers.get(storage_key(old))
+            if writes:  # the write just made is now this record's
+                writes[-1] = (record, version_of(old), writes[-1][2])
         else:
             passed = _argument_position(old, args, kwargs)  # an op returning an argument (x.contiguous() -> x)
             original = st.saved.get(record)

@@ -2,7 +2,8 @@
 
 The grammar follows the reference library so that its users can switch without relearning addresses:
 an op's type is the torch function's name, lowercased, with dunder marks and every underscore removed
-(``max_pool2d`` -> ``maxpool2d``, ``__getitem__`` -> ``getitem``, ``relu_`` -> ``relu``).  Only the
+(``max_pool2d`` -> ``maxpool2d``, ``__getitem__`` -> ``getitem``, ``relu_`` -> ``relu``), and without the
+overload of an operator called directly (``torch.ops.aten.add.Tensor`` -> ``add``).  Only the
 commutative reflected operators map back to their forward name (``__radd__`` -> ``add``).
 """
 
@@ -34,7 +35,10 @@ def func_name_of(func) -> str:
 
 @functools.lru_cache(maxsize=None)
 def type_of_name(name: str) -> str:
-    """Normalise a raw function name into the op type used in labels."""
+    """Normalise a raw function name into the op type used in labels.  An operator overload called
+    directly (``torch.ops.aten.add.Tensor``, named ``add.Tensor``) is its operator's type (``add``): a
+    label holds no dot, which would read as a module address, and ``save=["add"]`` finds it."""
+    name = name.partition(".")[0] or name
     if name in _REFLECTED_TO_FORWARD:
         return _REFLECTED_TO_FORWARD[name]
     return name.lower().replace("_", "")

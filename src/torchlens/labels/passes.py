@@ -3,8 +3,10 @@
 Rules, applied in one pass over the ops in execution order (linear time):
 
 1. An op run inside a module object that was called more than once is keyed by that module object,
-   its position within the module call, its function and output slot: every call of a shared module
-   contributes one pass to each of its op sites.
+   its call site, its function, its output slot and how many times that site had already called that
+   function within the module call: every call of a shared module contributes one pass to each of its
+   op sites, also when its calls take different branches or run a loop a different number of times
+   (a position within the call would pair ops of different lines once the calls diverge).
 2. An op that uses parameters is keyed by its function, the parameter objects, its output slot, its
    module object and its non-tensor arguments: the same weights applied again (a Python loop over
    ``x @ self.W``) are passes of one layer; distinct modules never merge, even with tied weights.
@@ -72,7 +74,7 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
     """Return a group id per node (nodes with ``call_col[i] < 0`` are sources and outputs)."""
     group: list = [-1] * len(call_col)
     keys: dict = {}
-    position_in_call: dict = {}
+    seen_in_call: dict = {}  # (module call, site, func) -> how many times it ran before, in that call
     site_ops = []
     # Each op's output shape: a parent of unknown origin (-1) reads the None at the end.
     shapes = list(map(_SHAPE, meta))
@@ -87,10 +89,8 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
         module = None
         if module_call >= 0:
             module = module_objects[module_call]
-            if slot is None or slot == 0 or slot == (0,):
-                position_in_call[module_call] = position_in_call.get(module_call, -1) + 1
             if module_counts[id(module)] > 1:
-                group[i] = keys.setdefault(("module", id(module), position_in_call[module_call], func, slot),
+                group[i] = keys.setdefault(_shared_module_key(call, func, slot, module_call, module, seen_in_call),
                                            len(keys))
                 continue
         # The non-tensor arguments as they are (hashed once, by the dict), or by signature when unhashable.
@@ -108,9 +108,7 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
                 input_shapes = (shapes[parents[0][1]],)
             else:
                 input_shapes = tuple([shapes[p] for _, p in parents])
-            site = call[CALL_SITE]
-            # The site's code object by id: hashing a code object hashes its bytecode.
-            site = (id(site[0]), site[1]) if site is not None else None
+            site = _site_of(call)
             try:
                 group[i] = keys.setdefault(("site", site, func, slot, arguments, input_shapes, id(module)), len(keys))
             except TypeError:
@@ -120,6 +118,23 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
 
     _split_self_chains(group, site_ops, parents_col, len(keys))
     return group
+
+
+def _site_of(call):
+    """The call site of a raw call as a hashable key: its code object by id (hashing a code object hashes
+    its bytecode) and instruction offset, or None when no frame was found."""
+    site = call[CALL_SITE]
+    return (id(site[0]), site[1]) if site is not None else None
+
+
+def _shared_module_key(call, func, slot, module_call, module, seen_in_call) -> tuple:
+    """Rule 1's key: the module object, the op's site and function, its output slot, and the occurrence of
+    that site and function within this module call (counted once per call, at its first output)."""
+    site = _site_of(call)
+    counted = (module_call, site, func)
+    if slot is None or slot == 0 or slot == (0,):
+        seen_in_call[counted] = seen_in_call.get(counted, -1) + 1
+    return ("module", id(module), site, func, slot, seen_in_call.get(counted, 0))
 
 
 def _split_self_chains(group: list, site_ops: list, parents_col: list, next_id: int) -> None:

@@ -112,6 +112,7 @@ UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_em
 
 
 def writes_first_argument(func) -> bool:
-    """Whether ``func`` writes its first argument by name (``add_``, ``__iadd__``, ``__setitem__``)."""
-    name = getattr(func, "__name__", "")
+    """Whether ``func`` writes its first argument by name (``add_``, ``__iadd__``, ``__setitem__``, and the
+    overloads of such an operator called directly: ``torch.ops.aten.add_.Tensor`` is named ``add_.Tensor``)."""
+    name = getattr(func, "__name__", "").partition(".")[0]
     return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))

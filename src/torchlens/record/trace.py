@@ -491,19 +491,20 @@ class Trace:
 
     # ----- indexing ------------------------------------------------------------------------------
     def _build_lookup(self) -> dict:
-        """Key -> (view class, key of the view): plain data, so that the lookup holds no view."""
+        """Key -> (view class, key of the view): plain data, so that the lookup holds no view.
+
+        Keys are claimed in order of precedence: op and layer labels, then module call labels and module
+        addresses (a module named ``output`` or ``input`` is found by its name), then the inputs' and
+        outputs' paths (``input.x``, ``output``).  A module call that returned no tensor is the
+        ``ModuleCall`` itself, as a module none of whose calls did is the ``Module``."""
         lookup: dict = {label: (Layer, label) for label in self._layer_index()}
         for i, label in enumerate(self._labels):
             lookup[label] = (Op, i)
-        kind = self._kind
-        for i, path in self._io.items():
-            if kind[i] != Kind.BUFFER:
-                lookup.setdefault(path, (Op, i))
         rows, modules = self._call_rows, self._module_rows
         for k, row in enumerate(rows):
             outs = [i for i in row.outputs if i >= 0]
-            if outs:
-                lookup.setdefault(f"{modules[row.module].address}:{row.number}", (Op, outs[-1]))
+            target = (Op, outs[-1]) if outs else (ModuleCall, k)
+            lookup.setdefault(f"{modules[row.module].address}:{row.number}", target)
         for m, module in enumerate(modules):
             target = (Module, m)
             if len(module.calls) == 1:
@@ -511,6 +512,10 @@ class Trace:
                 target = (Op, outs[-1]) if outs else target
             for address in module.all_addresses:
                 lookup.setdefault(address, target)
+        kind = self._kind
+        for i, path in self._io.items():
+            if kind[i] != Kind.BUFFER:
+                lookup.setdefault(path, (Op, i))
         return lookup
 
     def __getitem__(self, key):

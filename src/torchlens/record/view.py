@@ -54,6 +54,10 @@ class RecordList(Sequence):
         if isinstance(i, slice):
             trace, view = self._trace, self._view
             return [view(trace, k) for k in self._keys[i]]
+        if isinstance(i, str):  # a name: the list would answer with the error of its internal key list
+            raise TypeError(f"the {self._view.__name__} records of a trace are a list, indexed by position (an int "
+                            f"or a slice), not by name: log[{i!r}] finds an op, layer, module call or module by "
+                            "its label or address")
         return self._view(self._trace, self._keys[i])
 
     def __iter__(self):
