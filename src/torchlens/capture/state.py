@@ -24,7 +24,7 @@ import torch
 
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
-from ..record.layouts import shape_of
+from ..record.layouts import memory_span, shape_of, spans_meet
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
@@ -112,26 +112,6 @@ def storage_key(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
         return -id(t)
-
-
-def memory_span(t: torch.Tensor):
-    """``(start, end)``: the bytes of its storage a tensor can reach (end excluded), or None when unknown
-    (a layout without strides).  Two views of one storage whose spans do not meet cannot see each
-    other's writes, although they share a version counter (``torch.chunk``'s pieces, a tensor's halves)."""
-    try:
-        if t.numel() == 0:
-            return 0, 0
-        size = t.element_size()
-        start = t.storage_offset() * size
-        reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
-        return start, start + (reach + 1) * size
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-def spans_meet(a, b) -> bool:
-    """Whether two ``memory_span``s may share a byte (an unknown span may share any)."""
-    return a is None or b is None or (a[0] < b[1] and b[0] < a[1])
 
 
 class CaptureState:
@@ -352,7 +332,7 @@ class CaptureState:
         is a view, its base would still look like the output of the op that made it.  The write is noted
         in ``writers`` and the base's binding made stale, so a later read of the base names the collective,
         as for an in-place op written through a view (``producer_of``)."""
-        self.writers[storage_key(t)] = (record_index, version_of(t))
+        self.writers.setdefault(storage_key(t), []).append((record_index, version_of(t), memory_span(t)))
         base = t._base
         entry = self.producers.get(id(base)) if base is not None else None
         if entry is not None and is_bound(entry, base):

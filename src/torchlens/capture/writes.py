@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..record.columns import writes_first_argument
+from ..record.layouts import memory_span, spans_meet
 from .collectives import WRITTEN_ARGUMENT
 from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
-from .state import memory_span, spans_meet, storage_key
+from .state import storage_key
 
 Tensor = torch.Tensor
 inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write their output argument

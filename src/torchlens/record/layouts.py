@@ -1,5 +1,5 @@
-"""Shapes of tensors that have no single shape: nested (ragged) tensors; and the values of those and of
-sparse tensors, read for checks of values.
+"""Shapes of tensors that have no single shape: nested (ragged) tensors; the values of those and of
+sparse tensors, read for checks of values; and the bytes of its storage a strided tensor reaches.
 
 A nested tensor (``torch.nested``, and the padding-mask path of eval ``nn.TransformerEncoder``) raises on
 ``.shape``.  Capture records it as a tuple with ``None`` for each irregular dimension, so a trace never
@@ -85,3 +85,24 @@ class RaggedShape(tuple):
 
     def __getnewargs__(self):
         return tuple(self), self.numel
+
+
+def memory_span(t: torch.Tensor):
+    """``(start, end)``: the bytes of its storage a tensor can reach (end excluded), or None when unknown
+    (a layout without strides).  Two views of one storage whose spans do not meet cannot see each
+    other's writes, although they share a version counter (``torch.chunk``'s pieces, a tensor's halves);
+    a storage smaller than ``end`` no longer holds the tensor (its memory was freed)."""
+    try:
+        if t.numel() == 0:
+            return 0, 0
+        size = t.element_size()
+        start = t.storage_offset() * size
+        reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+        return start, start + (reach + 1) * size
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def spans_meet(a, b) -> bool:
+    """Whether two ``memory_span``s may share a byte (an unknown span may share any)."""
+    return a is None or b is None or (a[0] < b[1] and b[0] < a[1])

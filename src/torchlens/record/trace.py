@@ -15,6 +15,7 @@ from .columns import Call, Kind
 from . import grads as _grads
 from . import tables
 from .derived import Derived as _Derived
+from .layouts import memory_span
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
@@ -37,13 +38,11 @@ MEMORY_FREED = ("its memory was freed after the op made it (its storage resized 
 def memory_freed(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage no longer covers ``t`` (``untyped_storage().resize_(0)``, as FSDP2 frees its
     unsharded parameters): torch does not check, so a read would touch freed memory and may crash."""
-    try:
-        if t.numel() == 0:
-            return False
-        extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-        return t.untyped_storage().nbytes() < extent * t.element_size()
-    except (RuntimeError, NotImplementedError):  # nested, sparse and other layouts without one strided storage
-        return False
+    span = memory_span(t)
+    if span is None or span[1] == 0:
+        return False  # nested, sparse and other layouts without one strided storage; an empty tensor
+    return t.untyped_storage().nbytes() < span[1]
+
 
 class Trace:
     """Everything one forward pass computed, addressable by label, module call or position.
