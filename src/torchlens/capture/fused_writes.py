@@ -10,10 +10,14 @@ version counter moved) still drops what was saved of the written tensor, with th
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 
 from ..record.columns import CALL_ARGS, CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_PARENTS
+
+_FUNC_OF = operator.itemgetter(CALL_FUNC)
 
 # func -> (flag name, flag position, ((name, position) of each running statistic)): the statistics
 # are written when the flag is true.
@@ -50,6 +54,8 @@ def link_running_stats_readers(calls: list, alias_reads: set) -> None:
     write.  Such a write moves no version counter, so capture bound each later read to the statistic's
     record as first read, whose saved value predates the write.  Each rewritten edge is an alias read:
     the value read is not that op's output (replay skips it, saying so)."""
+    if WRITES_RUNNING_STATS.isdisjoint(map(_FUNC_OF, calls)):
+        return  # no normalisation with running statistics ran: every trace pays only this C-level scan
     writer: dict = {}  # record as read -> first output record of the call that last wrote it
     for c, call in enumerate(calls):
         parents = call[CALL_PARENTS]
