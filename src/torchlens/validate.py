@@ -282,7 +282,7 @@ def _replay_problem(log, op, rng: RngState):
         return _skip("it differentiates through the forward's autograd graph, which replayed copies of its "
                      "arguments are not part of")
     if not op.has_activation:
-        dropped = log._dropped.get(op.index)  # drop_written ran first (validate_trace)
+        dropped = op.dropped_reason
         if dropped == WRITTEN_AFTER_TRACE:  # the trace no longer holds what the op made
             return _mismatch(f"its saved output was {dropped}")
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")

@@ -181,7 +181,7 @@ def _status(log, i):
     flag = log.finite_flags.get(i)
     if flag is not None:
         return tuple(flag)
-    if log.is_cleaned_up or i in log._dropped:  # drop_written ran first (nonfinite_origin)
+    if log.is_cleaned_up or log.ops[i].dropped_reason is not None:
         return None
     t = log.saved_activations.get(i)
     if t is None:
@@ -210,7 +210,7 @@ def _birth_kind(log, i, bad_params):
 
 
 def _status_unknown(log, p) -> bool:
-    return log.finite_flags.get(p) is None and (log.is_cleaned_up or p in log._dropped
+    return log.finite_flags.get(p) is None and (log.is_cleaned_up or log.ops[p].dropped_reason is not None
                                                 or p not in log.saved_activations)
 
 

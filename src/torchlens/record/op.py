@@ -175,13 +175,20 @@ class Op(View):
         return self.index in trace._activations
 
     @property
+    def dropped_reason(self):
+        """Why the value saved for this op was dropped (changed or freed behind capture's back, during the
+        trace or since), or None."""
+        trace = self._trace
+        trace.drop_written((self.index,))
+        return trace._dropped.get(self.index)
+
+    @property
     def activation(self):
         """The saved output tensor (detached), or None when it was not selected for saving."""
         trace = self._trace
         if trace._cleaned:
             raise ActivationUnavailable(f"{self.label}: the trace was cleaned up; its activations are gone")
-        trace.drop_written((self.index,))
-        reason = trace._dropped.get(self.index)
+        reason = self.dropped_reason
         if reason is not None:
             raise ActivationUnavailable(f"{self.label}: the saved activation was dropped: {reason}")
         return trace._activations.get(self.index)
@@ -285,7 +292,7 @@ class Op(View):
 
 
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
-                       "has_activation", "parent_arg_positions", "module_call", "module_address", "module", "modules",
+                       "has_activation", "dropped_reason", "parent_arg_positions", "module_call", "module_address", "module", "modules",
                        "start_ns", "finite", "args", "kwargs", "grad", "has_grad",
                        "saved_for_backward_bytes"])
 

@@ -136,8 +136,8 @@ class RecordBuilder:
             rec["finite"] = {"nan": bool(op.finite[0]), "inf": bool(op.finite[1])}
         if not trace.is_cleaned_up and op.has_activation:
             rec["activation"] = activation_stats(trace.saved_activations[op.index])
-        elif op.index in trace._dropped:  # op.has_activation just asked drop_written about this op
-            rec["activation"] = {"dropped": trace._dropped[op.index]}
+        elif op.dropped_reason is not None:
+            rec["activation"] = {"dropped": op.dropped_reason}
         gradient = gradient_record(trace, op)
         if gradient is not None:
             rec["gradient"] = gradient
