@@ -7,6 +7,8 @@ runs during the forward in ``runtime``.
 
 from __future__ import annotations
 
+import contextlib
+
 from ..capture.restore import FirstCalls, ForwardState
 from ..errors import InterventionError, first_few
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
@@ -43,12 +45,11 @@ def _reference_pass(run_reference, index):
     pass, and a later call keeps its value (``ForwardState``)."""
     modules = index.all_modules()
     state = ForwardState(modules, index.params, [b for b, _ in index.buffers.values()], modules[0] if modules else None)
+    # A callable traced without root= names no modules: they are met as it runs.
+    meeting = contextlib.nullcontext() if modules else FirstCalls(state.add)
     try:
-        if modules:
+        with meeting:
             reference = run_reference()
-        else:  # a callable traced without root=: its modules are met as it runs
-            with FirstCalls(state.add):
-                reference = run_reference()
     except BaseException:
         state.restore()
         raise
