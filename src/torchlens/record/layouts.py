@@ -108,3 +108,12 @@ def memory_span(t: torch.Tensor):
 def spans_meet(a, b) -> bool:
     """Whether two ``memory_span``s may share a byte (an unknown span may share any)."""
     return a is None or b is None or (a[0] < b[1] and b[0] < a[1])
+
+
+def memory_freed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage no longer covers ``t`` (``untyped_storage().resize_(0)``, as FSDP2 frees its
+    unsharded parameters): torch does not check, so a read would touch freed memory and may crash."""
+    span = memory_span(t)
+    if span is None or span[1] == 0:
+        return False  # nested, sparse and other layouts without one strided storage; an empty tensor
+    return t.untyped_storage().nbytes() < span[1]

@@ -15,7 +15,7 @@ from .columns import Call, Kind
 from . import grads as _grads
 from . import tables
 from .derived import Derived as _Derived
-from .layouts import memory_span
+from .layouts import memory_freed
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
@@ -33,15 +33,6 @@ WRITTEN_AFTER_TRACE = ("written in place after the trace ended (a later forward 
 # Why ``drop_written`` dropped a saved tensor whose memory is gone: reading it would read freed memory.
 MEMORY_FREED = ("its memory was freed after the op made it (its storage resized down: FSDP2 frees each module's "
                 "unsharded parameters after its forward, fully_shard(..., reshard_after_forward=False) keeps them)")
-
-
-def memory_freed(t: torch.Tensor) -> bool:
-    """Whether ``t``'s storage no longer covers ``t`` (``untyped_storage().resize_(0)``, as FSDP2 frees its
-    unsharded parameters): torch does not check, so a read would touch freed memory and may crash."""
-    span = memory_span(t)
-    if span is None or span[1] == 0:
-        return False  # nested, sparse and other layouts without one strided storage; an empty tensor
-    return t.untyped_storage().nbytes() < span[1]
 
 
 class Trace:
