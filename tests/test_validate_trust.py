@@ -433,65 +433,6 @@ def test_a_bound_method_is_validated_on_a_copy_of_its_module():
     assert result.outputs_match is True and model.calls == 1
 
 
-@pytest.mark.parametrize("root", [False, True], ids=["no-root", "root"])
-def test_a_callable_is_validated_with_the_modules_it_runs_put_back(root):
-    """A lambda cannot be copied with its model: the reference run is made on the model itself, and the
-    modules it runs (those of ``root=``, or each one met as it runs) are put back before the traced run."""
-    torch.manual_seed(0)
-    model, x = Stateful(), torch.randn(2, 3)
-    model.bn = nn.BatchNorm1d(3).train()
-    once = copy.deepcopy(model)
-    once.bn(once(x))
-    result = tl.validate(lambda t: model.bn(model(t)), x, **({"root": model} if root else {}))
-    assert_trusted(result)
-    assert result.outputs_match is True
-    assert model.calls == once.calls == 1  # the output depends on the counter: one forward's worth
-    assert all(torch.equal(v, once.state_dict()[k]) for k, v in model.state_dict().items())
-    assert torch.equal(model.seen, once.seen)
-
-
-
-def test_the_modules_another_thread_runs_meanwhile_are_not_put_back():
-    """The modules of a lambda are noted as it calls them; a model another thread runs at the same time is
-    not the lambda's, and its update must stay."""
-    other, inside, done = Stateful(), threading.Event(), threading.Event()
-
-    class WaitsForTheOtherThread(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(3, 3)
-
-        def forward(self, x):
-            if not done.is_set():  # the reference run: let the other thread run its model now
-                inside.set()
-                done.wait(10)
-            return self.fc(x)
-
-    def run_other():
-        inside.wait(10)
-        other(torch.randn(2, 3))
-        done.set()
-
-    model, thread = WaitsForTheOtherThread(), threading.Thread(target=run_other)
-    thread.start()
-    result = tl.validate(lambda x: model(x), torch.randn(2, 3))
-    thread.join()
-    assert done.is_set() and result.passed
-    assert other.calls == 1  # its forward happened, and stays
-
-@pytest.mark.parametrize("how", ["lambda", "bound method"])
-def test_flops_vs_dispatch_of_a_callable_compares_runs_from_the_same_model(how):
-    """Its two runs each start from the model as the call found it, and it ends so, whatever callable runs
-    it: a lambda or a bound method was refused as running two different programs (the counter moved)."""
-    torch.manual_seed(0)
-    model, x = Stateful(), torch.randn(2, 3)
-    start = copy.deepcopy(model.state_dict())
-    run = (lambda t: model(t)) if how == "lambda" else model.forward
-    result = tl.report.flops_vs_dispatch(run, x)
-    assert result.native_total == 2 * 2 * 3 * 3  # FlopCounterMode's count of the Linear's product
-    assert model.calls == 0 and all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
-
-
 class SelfAttention(nn.Module):
     def __init__(self):
         super().__init__()
