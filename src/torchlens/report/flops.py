@@ -121,6 +121,49 @@ def _addmm(a):
     return 2 * a.out_numel * left[-1] + a.out_numel if left else None
 
 
+def _addbmm(a):
+    """``input + sum_b batch1[b] @ batch2[b]``: a multiply-add per batch and output element, then the sums."""
+    left = a.shape(1, "batch1")
+    return (2 * left[0] * left[-1] + 1) * a.out_numel if left else None
+
+
+def _grouped_mm(a):
+    """One matmul per group.  With two 2-D operands the groups split the shared dimension, and the output
+    stacks one (M, N) block per group; otherwise each output row meets the full shared dimension once."""
+    left, right = a.shape(0, "mat_a"), a.shape(1, "mat_b")
+    if not left or not right:
+        return None
+    if len(left) == 2 and len(right) == 2:
+        return 2 * (a.out_numel // a.out_shape[0]) * left[-1] if len(a.out_shape) == 3 else None
+    return 2 * a.out_numel * left[-1]
+
+
+def _multi_dot(a):
+    """The chain's products in the order torch picks (the cheapest); each counted as a matmul."""
+    shapes = a.nested_shapes()
+    if len(shapes) < 2 or None in shapes:
+        return None
+    dims = [shapes[0][0] if len(shapes[0]) == 2 else 1] + [s[-1] if len(s) == 2 else 1 for s in shapes]
+    return 2 * _cheapest_chain(dims)
+
+
+def _cheapest_chain(dims) -> int:
+    """Multiply-adds of the cheapest order to multiply matrices of sizes dims[i] x dims[i + 1]."""
+    n = len(dims) - 1
+    cost = [[0] * n for _ in range(n)]
+    for length in range(1, n):
+        for i in range(n - length):
+            j = i + length
+            cost[i][j] = min(cost[i][k] + cost[k + 1][j] + dims[i] * dims[k + 1] * dims[j + 1]
+                             for k in range(i, j))
+    return cost[0][n - 1]
+
+
+def _diff(a):
+    """One subtraction per output element for a first difference; higher orders are not modelled."""
+    return a.out_numel if a.value(1, "n", 1) == 1 else None
+
+
 def _einsum(a):
     equation = a.value(0, "equation")
     shapes = [s for s in a.nested_shapes()] or [a.shape(i) for i in range(1, 8) if a.has_tensor(i)]
@@ -271,6 +314,10 @@ register("matmul mm bmm mv dot vdot inner", "matmul", _matmul)
 register("rmatmul", "matmul", _rmatmul)
 register("addmm addmv baddbmm", "matmul", _addmm)
 register("addr", "matmul", _per_element(2))
+register("addbmm", "matmul", _addbmm)
+register("_grouped_mm", "matmul", _grouped_mm)
+register("linalg_multi_dot", "matmul", _multi_dot)
+register("diff", "elementwise", _diff)
 register("einsum", "matmul", _einsum)
 register("lstm gru rnn_tanh rnn_relu", "matmul", _recurrent)
 register("lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell", "matmul", _recurrent_cell)
@@ -278,8 +325,8 @@ register("conv1d conv2d conv3d", "conv", _conv)
 register("conv_transpose1d conv_transpose2d conv_transpose3d", "conv", _conv_transpose)
 register("scaled_dot_product_attention", "attention", _sdpa)
 register("multi_head_attention_forward", "attention", _multi_head_attention)
-register("add sub rsub", "elementwise", _add_like)
-register("""mul div truediv true_divide floordiv floor_divide mod remainder fmod pow neg negative abs absolute
+register("add sub rsub subtract", "elementwise", _add_like)
+register("""mul multiply div divide truediv true_divide floordiv floor_divide mod remainder fmod pow neg negative abs absolute
     exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal square sin cos tan asin acos atan atan2 sinh cosh
     tanh sigmoid relu relu6 leaky_relu gelu silu mish elu selu celu softplus softsign hardtanh hardsigmoid
     hardswish hardshrink softshrink tanhshrink threshold prelu logsigmoid clamp clip clamp_min clamp_max
@@ -309,7 +356,7 @@ register("""view view_as reshape reshape_as permute transpose swapaxes swapdims 
     half bfloat16 int long bool type type_as cpu cuda zeros ones empty full zeros_like ones_like empty_like
     full_like arange linspace eye tensor as_tensor rand randn randint rand_like randn_like randint_like
     randperm new_zeros new_ones new_empty new_full new_tensor fill zero tril triu diag diagonal
-    unfold""".split(), "other", _per_element(0))
+    unfold as_strided nonzero argwhere repeat_interleave""".split(), "other", _per_element(0))
 
 
 for _d in (1, 2, 3):
@@ -320,6 +367,12 @@ for _d in (1, 2, 3):
 
 
 # ----- per-op evaluation -------------------------------------------------------------------------------
+def registry_family(func_name: str):
+    """The family a function's formula credits (one of FAMILIES), or None when no formula covers it."""
+    entry = _REGISTRY.get(canonical_name(func_name))
+    return entry[0] if entry else None
+
+
 def _evaluate(trace, index):
     """``{family: flops}`` for op ``index``; ``{}`` for pseudo-ops and secondary outputs; None if unknown."""
     c = trace.call_indices[index]
