@@ -88,6 +88,40 @@ def test_sdpa_formula_counts_both_matrix_products():
     assert registry.op_flops_by_family(op) == {"attention": tl.report.op_flops(op)}
 
 
+def test_chained_batched_and_grouped_products_count_every_multiply_add():
+    a, b, c = torch.randn(3, 3, 5), torch.randn(3, 5, 7), torch.randn(7, 2)
+    x = torch.randn(3, 7)
+    chain = tl.trace(lambda p, q, r: torch.linalg.multi_dot([p, q, r]), (a[0], b[0], c))
+    (op,) = [op for op in chain.ops if op.kind == "op"]
+    # torch multiplies the chain in its cheapest order, as two mm calls that FlopCounterMode counts.
+    assert tl.report.op_flops(op) == native_total(lambda p, q, r: torch.linalg.multi_dot([p, q, r]), a[0], b[0], c)
+    summed = tl.trace(lambda x, a, b: torch.addbmm(x, a, b), (x, a, b))
+    (op,) = [op for op in summed.ops if op.kind == "op"]
+    as_bmm = native_total(lambda a, b: torch.bmm(a, b), a, b)
+    assert tl.report.op_flops(op) == as_bmm + x.numel()  # the products, then one add of the input per element
+    left, right = torch.ones(24, 8, dtype=torch.bfloat16), torch.ones(3, 8, 16, dtype=torch.bfloat16)
+    offsets = torch.tensor([8, 16, 24], dtype=torch.int32)
+    grouped = tl.trace(lambda p, q, o: torch._grouped_mm(p, q, offs=o), (left, right, offsets))
+    (op,) = [op for op in grouped.ops if op.kind == "op"]
+    assert tl.report.op_flops(op) == native_total(lambda p, q: p.float() @ q[0].float(), left, right)
+
+
+def test_data_movement_and_selection_count_zero_and_named_aliases_count_as_their_op():
+    class Moves(nn.Module):
+        def forward(self, x):
+            return (x.as_strided((2, 2), (1, 1)), torch.nonzero(x > 0), torch.repeat_interleave(x, 2, dim=0),
+                    torch.multiply(x, 2), torch.subtract(x, 1), torch.diff(x, dim=1))
+
+    x = torch.randn(3, 7)
+    log = tl.trace(Moves(), x)
+    counts = {op.func_name: tl.report.op_flops(op) for op in log.ops if op.kind == "op"}
+    assert counts == {"as_strided": 0, "gt": 21, "nonzero": 0, "repeat_interleave": 0, "multiply": 21,
+                      "subtract": 21, "diff": 18}
+    assert log.flops.complete
+    second = tl.trace(lambda x: torch.diff(x, n=2, dim=1), x)
+    assert not second.flops.complete  # higher differences are not modelled: unknown, not a guess
+
+
 def test_unknown_ops_are_listed_never_counted_as_zero():
     class Sorts(nn.Module):
         def forward(self, x):
@@ -411,3 +445,15 @@ def test_both_executions_start_from_the_model_as_given():
     assert result.difference == result.native_total - int(result.torchlens_total)
     assert result.native_total == 2 * 16 ** 3 + 2 * 4 * 16 * 16 + 2 * 4 * 16 * 16  # the cache, fc, x @ cache
     assert model.cache is None
+
+
+def test_products_flop_counter_mode_has_no_formula_for_are_named_in_a_note():
+    class Products(nn.Module):
+        def forward(self, x, a, b, w, v):
+            return torch.addbmm(x, a, b), w @ v, torch.mm(w, w)  # a matrix times a vector reaches aten.mv
+
+    args = (torch.randn(3, 7), torch.randn(3, 3, 5), torch.randn(3, 5, 7), torch.randn(4, 4), torch.randn(4))
+    result = tl.report.flops_vs_dispatch(Products(), args)
+    assert result.native_total == native_total(Products(), *args) == 2 * 4 * 4 * 4  # the mm alone
+    (note,) = [n for n in result.notes if n.startswith("FlopCounterMode counted 0 inside")]
+    assert "addbmm, matmul calls" in note and "(here: addbmm_1_1:1, matmul_1_2:1; 2 of 3 products)" in note

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import NativeToolFailed, WitnessFailed
 from ..record.modules import is_unregistered
-from .flops import CONVENTION, FAMILIES, family_totals, flops_column, total_flops
+from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
@@ -131,7 +131,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
                 "the randomness) and compare again.")
         saved.restore()
         with saved.watching:
-            counter, native_output, attention_calls = _count_natively(model, *clone_call(call_args, kwargs))
+            counter, native_output, product_calls = _count_natively(model, *clone_call(call_args, kwargs))
     finally:
         saved.restore()
     if not _outputs_close(traced_output, native_output, rtol, atol):
@@ -139,12 +139,12 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             "flops_vs_dispatch refused: the traced execution and the FlopCounterMode execution returned "
             "different outputs, so they did not run the same program and their FLOPs are not comparable. "
             "Make the forward deterministic (eval mode, no data-dependent randomness) and compare again.")
-    return _compare(log, model, counter.get_flop_counts(), attention_calls)
+    return _compare(log, model, counter.get_flop_counts(), product_calls)
 
 
 def _count_natively(model, args, kwargs):
-    """``(counter, output, attention calls)`` of one untraced run under ``FlopCounterMode``; the
-    attention calls are ``_AttentionWatch.calls``.
+    """``(counter, output, product calls)`` of one untraced run under ``FlopCounterMode``; the
+    product calls are ``_ProductWatch.calls``.
 
     Its module tracker hooks, for backward attribution, every module input that requires gradients. With
     gradients off, a view of a parameter handed to a submodule (DeBERTa's relative embeddings) has no
@@ -155,7 +155,7 @@ def _count_natively(model, args, kwargs):
     from ..capture.fastpath import FastPathShim
 
     try:
-        with FlopCounterMode(display=False) as counter, _AttentionWatch(counter) as watch, FastPathShim(watch):
+        with FlopCounterMode(display=False) as counter, _ProductWatch(counter) as watch, FastPathShim(watch):
             return counter, _detached(model(*args, **kwargs)), watch.calls
     except AssertionError as error:
         if torch.is_grad_enabled() or str(error) != "Expected gradient function to be set":
@@ -167,15 +167,16 @@ def _count_natively(model, args, kwargs):
             "flops_vs_dispatch outside torch.no_grad().") from error
 
 
-class _AttentionWatch(torch.overrides.TorchFunctionMode):
-    """Per outermost call of an attention function (``_ATTENTION_FUNCTIONS``), the FLOPs per overload
-    that ``FlopCounterMode`` counted inside it.
+class _ProductWatch(torch.overrides.TorchFunctionMode):
+    """Per outermost call of a function torchlens counts as a product (its matmul, conv and attention
+    families), the FLOPs per overload that ``FlopCounterMode`` counted inside it.
 
-    FlopCounterMode names only the overload, and an attention call that falls back to batched matrix
+    FlopCounterMode names only the overload.  An attention call that falls back to batched matrix
     products (the math path of scaled_dot_product_attention, or multi_head_attention_forward with
-    ``need_weights``) is counted as ``aten.bmm``, the same overload as any other batched product. Which
+    ``need_weights``) is counted as ``aten.bmm``, the same overload as any other batched product: which
     call those FLOPs came from is the only way to put them in the attention family, where torchlens's
-    formulas put the same work.
+    formulas put the same work.  And a product whose kernel has no entry in FlopCounterMode's registry
+    (``addbmm``, a matrix times a vector) shows as a call it counted nothing for.
 
     Like capture's own mode, it runs under ``FastPathShim``: an active mode would otherwise turn off the
     fused fast paths of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` (``has_torch_function``)
@@ -189,7 +190,7 @@ class _AttentionWatch(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name not in _ATTENTION_FUNCTIONS or self._depth:
+        if self._depth or not _is_product(name):
             return func(*args, **(kwargs or {}))
         before = _global_counts(self.counter)
         self._depth += 1
@@ -200,6 +201,10 @@ class _AttentionWatch(torch.overrides.TorchFunctionMode):
         after = _global_counts(self.counter)
         self.calls.append((name, {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}))
         return result
+
+
+def _is_product(func_name: str) -> bool:
+    return registry_family(func_name) in ("matmul", "conv", "attention")
 
 
 def _global_counts(counter) -> dict:
@@ -229,7 +234,8 @@ def _native_families(native_global, attention_calls) -> dict:
     return families
 
 
-def _compare(log, model, native_counts, attention_calls) -> FlopsComparison:
+def _compare(log, model, native_counts, product_calls) -> FlopsComparison:
+    attention_calls = [call for call in product_calls if call[0] in _ATTENTION_FUNCTIONS]
     tl_total = total_flops(log)
     root_name = type(model).__name__
     native_global = {str(k): int(v) for k, v in native_counts.get("Global", {}).items()}
@@ -239,6 +245,7 @@ def _compare(log, model, native_counts, attention_calls) -> FlopsComparison:
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)
     notes = _notes(log, tl_total, tl_families, native_families, attention_calls)
+    notes += _uncounted_product_notes(log, product_calls)
     if any(row["native"] is None for row in modules):
         notes.append(UNNAMED_MODULES_NOTE)
     witness = {"outputs_match": True, "random_draws": False, "rng_restored": True,
@@ -329,6 +336,25 @@ def _attention_notes(log, attention_calls) -> list:
     if batched:
         notes.append(BATCHED_ATTENTION_NOTE + _which(batched, len(attention_calls)))
     return notes
+
+
+def _uncounted_product_notes(log, product_calls) -> list:
+    """The products other than attention (whose own notes name them) that torchlens counts and inside
+    which FlopCounterMode counted nothing.  Captured products and watched calls are paired in order when
+    their numbers agree (both runs ran the same program); otherwise nothing is claimed."""
+    column = flops_column(log)
+    ops = [(op, column[i]) for i, op in enumerate(log.ops) if op.kind == "op" and _is_product(op.func_name)]
+    if len(ops) != len(product_calls):
+        return []
+    missed = [op.label for (op, counted), (name, native) in zip(ops, product_calls)
+              if name not in _ATTENTION_FUNCTIONS and counted and any(counted.values()) and not any(native.values())]
+    if not missed:
+        return []
+    names = sorted({log[label].func_name for label in missed})
+    shown = ", ".join(missed[:3]) + (" ..." if len(missed) > 3 else "")
+    return [f"FlopCounterMode counted 0 inside these {', '.join(names)} calls: the ATen kernels they reach "
+            "(such as aten.addbmm or aten.mv) have no entry in its flop registry. The native side is missing "
+            f"that work, not free (here: {shown}; {len(missed)} of {len(ops)} products)."]
 
 
 def _which(labels, total) -> str:
