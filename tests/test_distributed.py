@@ -215,6 +215,8 @@ def test_compare_does_not_read_uninitialized_memory_as_a_divergence():
     (row,) = tl.distributed.compare([first, second]).to_dict("records")
     assert not row["diverges"]
     assert row["ops_compared"] == len(first.ops) - 1  # every op but the uninitialized one, by value
+    assert row["reason"].endswith(f"{len(first.ops) - 1} ops agree by value and 1 were not compared "
+                                  "(not saved on both ranks, or uninitialized memory)")
 
     with torch.no_grad():
         model.head.bias[1] += 1e-3  # a real difference, after the uninitialized buffer
@@ -251,6 +253,17 @@ def test_compare_finds_ops_that_read_different_inputs_under_the_same_labels():
         (row,) = tl.distributed.compare(traces).to_dict("records")
         assert (row["diverges"], row["first_op"], row["module"]) == (True, rewired_at[0], "fc2:1")
         assert row["reason"].startswith("the graph differs") and "input_1:1 here" in row["reason"]
+
+
+def test_an_agreement_without_values_says_no_values_were_compared():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    traces = [tl.distributed.RankTrace.of(tl.trace(MaybeSkips(True), x), activations=False) for _ in range(2)]
+    (row,) = tl.distributed.compare(traces).to_dict("records")
+    assert (row["diverges"], row["ops_compared"]) == (False, 0)
+    assert row["reason"].startswith("no values compared: the graph, shapes and dtypes agree")
+    full = [tl.trace(MaybeSkips(True), x) for _ in range(2)]
+    (row,) = tl.distributed.compare(full).to_dict("records")
+    assert (row["diverges"], row["reason"], row["ops_compared"]) == (False, None, len(full[0].ops))
 
 
 def test_a_loaded_trace_does_not_take_torch_gather_or_scatter_for_collectives(tmp_path):

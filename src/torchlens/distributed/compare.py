@@ -62,7 +62,19 @@ def _first_divergence(base, other, reference, rank, rtol, atol) -> dict:
         row.update(diverges=True, first_op=op["label"], module=op["module"], func=op["func"], reason=reason,
                    max_abs_diff=diff, origin="unknown" if uncompared & set(op["parents"]) else "here")
         return row
+    row["reason"] = _agreement_reason(len(uncompared), row["ops_compared"])
     return row
+
+
+def _agreement_reason(uncompared: int, compared: int):
+    """What an agreement covers when some values could not be compared (None when every value was)."""
+    if not uncompared:
+        return None
+    if not compared:
+        return ("no values compared: the graph, shapes and dtypes agree, but no activation was saved on both "
+                "ranks (gather with activations=True, from traces that saved them)")
+    return (f"the graph, shapes and dtypes agree; {compared} ops agree by value and {uncompared} were not "
+            "compared (not saved on both ranks, or uninitialized memory)")
 
 
 def _op_difference(a, b, base, other, rtol, atol):
