@@ -317,7 +317,6 @@ register("addr", "matmul", _per_element(2))
 register("addbmm", "matmul", _addbmm)
 register("_grouped_mm", "matmul", _grouped_mm)
 register("linalg_multi_dot", "matmul", _multi_dot)
-register("diff", "elementwise", _diff)
 register("einsum", "matmul", _einsum)
 register("lstm gru rnn_tanh rnn_relu", "matmul", _recurrent)
 register("lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell", "matmul", _recurrent_cell)
@@ -326,8 +325,8 @@ register("conv_transpose1d conv_transpose2d conv_transpose3d", "conv", _conv_tra
 register("scaled_dot_product_attention", "attention", _sdpa)
 register("multi_head_attention_forward", "attention", _multi_head_attention)
 register("add sub rsub subtract", "elementwise", _add_like)
-register("""mul multiply div divide truediv true_divide floordiv floor_divide mod remainder fmod pow neg negative abs absolute
-    exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal square sin cos tan asin acos atan atan2 sinh cosh
+register("""mul multiply div divide truediv true_divide floordiv floor_divide mod remainder fmod pow neg
+    negative abs absolute exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal square sin cos tan asin acos atan atan2 sinh cosh
     tanh sigmoid relu relu6 leaky_relu gelu silu mish elu selu celu softplus softsign hardtanh hardsigmoid
     hardswish hardshrink softshrink tanhshrink threshold prelu logsigmoid clamp clip clamp_min clamp_max
     maximum minimum fmax fmin sign sgn floor ceil round trunc frac erf erfc erfinv hypot lt le gt ge eq ne
@@ -335,6 +334,7 @@ register("""mul multiply div divide truediv true_divide floordiv floor_divide mo
     and or xor invert bitwise_and bitwise_or bitwise_xor bitwise_not isnan isinf isfinite isposinf
     isneginf nan_to_num lerp""".split(), "elementwise", _per_element(1))
 register("addcmul addcdiv", "elementwise", _per_element(2))
+register("diff", "elementwise", _diff)
 register("dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d", "elementwise",
          _dropout)
 register("batch_norm", "other", _norm(_batch_norm_stats, [(3, "weight"), (4, "bias")]))
