@@ -91,3 +91,30 @@ def test_ops_inside_torch_modules_report_the_line_that_called_the_module():
     (line,) = calling_line
     assert "self.fc(x)" in trace.ops[next(i for i, op in enumerate(trace.ops) if op.module == "inner.fc:1")].source.code
     assert line > 0
+
+
+class BuildsLayers(nn.Module):
+    """Builds its layers inside the forward: torch's ``nn.Linear.__init__`` calls ``torch.empty`` from one
+    line of torch's own code, reached from two lines here, then from one line run twice."""
+
+    def forward(self, x):
+        first = nn.Linear(4, 4)
+        second = nn.Linear(4, 4)
+        x = second(first(x))
+        for _ in range(2):
+            x = nn.Linear(4, 4)(x)
+        return x
+
+
+def test_torch_code_reached_from_two_user_lines_is_two_layers_and_from_a_loop_two_passes():
+    trace = tl.trace(BuildsLayers(), torch.randn(2, 4))
+    empties = [op for op in trace.ops if op.func_name == "empty"]
+    lines = [op.source.line for op in empties]
+    assert len(empties) == 8 and len(set(lines)) == 3  # two per Linear: weight and bias
+    by_line = {}
+    for op in empties:
+        by_line.setdefault(op.source.line, set()).add(op.layer_label)
+    built_once, built_twice, in_the_loop = (by_line[line] for line in sorted(by_line))
+    assert len(built_once) == len(built_twice) == 2 and not built_once & built_twice
+    assert len(in_the_loop) == 2  # the loop's two Linears: passes of the same two layers
+    assert sorted(op.pass_index for op in empties if op.layer_label in in_the_loop) == [1, 1, 2, 2]

@@ -10,8 +10,8 @@ Rules, applied in one pass over the ops in execution order (linear time):
 2. An op that uses parameters is keyed by its function, the parameter objects, its output slot, its
    module object and its non-tensor arguments: the same weights applied again (a Python loop over
    ``x @ self.W``) are passes of one layer; distinct modules never merge, even with tied weights.
-3. Any other op is keyed by its call site (the calling frame's code object and instruction offset),
-   function, output slot, non-tensor arguments, input shapes and module object: the same line run
+3. Any other op is keyed by its call site (the calling frame's code object and instruction offset, and
+   the user frame's too when the calling frame is torch's own code), function, output slot, non-tensor arguments, input shapes and module object: the same line run
    again by a Python loop is another pass.  A class whose every later member consumes an earlier
    member (``x = x + 1`` in a loop: a single-op self-chain) is not recurrence and is split back into
    separate layers, unless the chain also feeds or is fed by another repeated layer: then it is one
@@ -53,7 +53,7 @@ def arg_signature(obj, depth: int = 0):
 
 # Fields of a raw call tuple read here: the ``record.columns.Call`` layout, named here because labels
 # sits below record (tests/test_columns.py checks they agree).
-CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARAMS, CALL_SITE = 0, 1, 2, 4, 13
+CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARAMS, CALL_CODE, CALL_LINE, CALL_SITE = 0, 1, 2, 4, 6, 7, 13
 META_SHAPE = 0  # ``record.columns.OpMeta.shape``
 _SHAPE = itemgetter(META_SHAPE)
 _SECOND = itemgetter(1)  # of a (position, parent) or (position, Parameter) pair
@@ -108,7 +108,7 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
                 input_shapes = (shapes[parents[0][1]],)
             else:
                 input_shapes = tuple([shapes[p] for _, p in parents])
-            site = _site_of(call)
+            site = _reached_site(call)
             try:
                 group[i] = keys.setdefault(("site", site, func, slot, arguments, input_shapes, id(module)), len(keys))
             except TypeError:
@@ -125,6 +125,17 @@ def _site_of(call):
     its bytecode) and instruction offset, or None when no frame was found."""
     site = call[CALL_SITE]
     return (id(site[0]), site[1]) if site is not None else None
+
+
+def _reached_site(call):
+    """Rule 3's site: the call site and, when that is a line of torch's own Python code (a ``torch.empty``
+    inside ``nn.Linear.__init__``, run by the forward), the user line that reached it too.  The same torch
+    line reached from two user lines is two layers; from one user line run again, two passes."""
+    site = _site_of(call)
+    code, offset = call[CALL_CODE], call[CALL_LINE]
+    if site is None or code is None or site == (id(code), offset):
+        return site
+    return site + (id(code), offset)
 
 
 def _shared_module_key(call, func, slot, module_call, module, seen_in_call) -> tuple:
