@@ -131,11 +131,13 @@ def _reached_site(call):
     """Rule 3's site: the call site and, when that is a line of torch's own Python code (a ``torch.empty``
     inside ``nn.Linear.__init__``, run by the forward), the user line that reached it too.  The same torch
     line reached from two user lines is two layers; from one user line run again, two passes."""
-    site = _site_of(call)
+    site = call[CALL_SITE]
+    if site is None:
+        return None
     code, offset = call[CALL_CODE], call[CALL_LINE]
-    if site is None or code is None or site == (id(code), offset):
-        return site
-    return site + (id(code), offset)
+    if code is None or (site[0] is code and site[1] == offset):
+        return (id(site[0]), site[1])  # called from user code: one frame is the whole site
+    return (id(site[0]), site[1], id(code), offset)
 
 
 def _shared_module_key(call, func, slot, module_call, module, seen_in_call) -> tuple:
