@@ -132,6 +132,11 @@ def traces(rank, world, workdir):
     log = tl.trace(first, x)  # its first forward makes the unsharded parameters (as_strided views), then frees them
     out["fsdp"]["freed"] = [op.func_name for op in log.ops if not op.has_activation
                             and "memory was freed" in log.dropped_activations.get(op.index, "")]
+    log = tl.trace(first, x)  # a later forward: the unsharded parameters exist, and are freed again after it
+    result = log.validate()  # it reads the parameters each linear ran with: freed, so not read
+    out["fsdp"]["splits"] = [op.label for op in log.ops if op.func_name == "split_with_sizes_copy"]
+    out["fsdp"]["validate"] = (result.passed, result.mismatched, [why for label, why in result.not_replayed
+                                                                  if label.startswith("linear")])
 
     model = WithCollectives()
     expected = model(x)

@@ -59,8 +59,18 @@ def test_fsdp2_all_gathers_from_its_forward_hooks_are_recorded_in_their_module(t
     fsdp = traced[0]["fsdp"]
     assert fsdp["collectives"] == ["all_gather_single", "all_gather_single"]  # one per sharded Linear
     assert fsdp["modules"] == ["fc1:1", "fc2:1"]  # issued by the pre-forward hook, inside the module call
-    assert fsdp["freed"] == ["as_strided"] * 4  # the unsharded weight and bias of each Linear, freed after it
+    # The unsharded weight and bias of each Linear (their split-copy outputs and the parameter views made of
+    # them), freed after it.
+    assert sorted(fsdp["freed"]) == ["as_strided"] * 4 + ["split_with_sizes_copy"] * 4
     # (a read of them would read freed memory: torch does not check, and a collective over it crashed)
+
+
+def test_fsdp2_split_copy_is_recorded_and_validate_does_not_read_the_freed_parameters(traced):
+    fsdp = traced[0]["fsdp"]
+    assert len(fsdp["splits"]) == 4  # split_with_sizes_copy returns None and writes its out= tensors
+    passed, mismatched, linears = fsdp["validate"]
+    assert passed and mismatched == []
+    assert len(linears) == 2 and all("memory was freed after the forward" in why for why in linears)
 
 
 def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .record.columns import UNINITIALIZED_FUNCS
+from .record.layouts import memory_freed
 from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
@@ -317,8 +318,8 @@ def _replay_problem(log, op, rng: RngState):
     if rng.moved() or any(g.get_state().ne(state).any() for g, state in generators):
         rng.restore()
         return _skip(RANDOM)
-    if out is None or op.is_inplace:
-        out = args[0] if out is None else out
+    if out is None:  # it wrote its out= tensors (``split_with_sizes_copy``), or its receiver (``__setitem__``)
+        out = kwargs["out"] if "out" in kwargs else args[0]
     if isinstance(out, (tuple, list)):
         count = call.num_outputs
         wanted = [log.saved_activations.get(i) for i in range(op.index, op.index + count)]
@@ -360,6 +361,10 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
                               "a call capture could not predict, so its value when this op ran is unknown")
             value = before
             break
+    if value is param and memory_freed(param):  # FSDP2's unsharded parameters, freed after each forward
+        return None, (f"parameter {_param_name(log, param)}'s memory was freed after the forward (FSDP2 reshards "
+                      "after forward; fully_shard(..., reshard_after_forward=False) keeps it), so the value this "
+                      "op read is gone")
     now = version_of(param)  # None for an inference tensor: no counter, so no change can be seen
     if value is param and replay is not None and replay.param_versions.get(id(param), now) != now:
         return None, (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "

@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 10
+#define TORCHLENS_ACCEL_ABI 11
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -1164,11 +1164,14 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
     if (single < 0) goto done;
     if (!single && !is_walked_output(out)) {
         /* A plain value (``x.is_nested``, ``x.dim()`` of a subclass): not an op, as ``_output_leaves`` finds
-         * for any call but ``__setitem__`` and the collectives, whose in-place verdict is never False. */
+         * for any call but ``__setitem__`` and the collectives, whose in-place verdict is never False, and a
+         * call given ``out=`` that returns None (``split_with_sizes_copy``): its out= tensors are its outputs. */
         int plain = PySet_Contains(h->plain_values, (PyObject *)Py_TYPE(out));
         PyObject *verdict = plain > 0 ? PyDict_GetItemWithError(h->inplace_cache, func) : NULL;
         if (plain < 0 || (verdict == NULL && PyErr_Occurred())) goto done;
-        if (verdict == Py_False) {
+        int wrote_out = out == Py_None && kwargs != NULL ? PyDict_Contains(kwargs, s_out) : 0;
+        if (wrote_out < 0) goto done;
+        if (verdict == Py_False && !wrote_out) {
             result = Py_NewRef(out);
             goto done;
         }

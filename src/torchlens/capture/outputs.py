@@ -1,7 +1,7 @@
 """What a call produced, as records: the output tensors of a call and the record of each.
 
 ``output_leaves`` finds the tensors of a result that is not one tensor (a tuple, a structseq, a list, a
-write into the receiver, a collective's output argument); ``record_output`` appends one output's record
+write into the receiver, a collective's output argument, the ``out=`` tensors of a call that returns None); ``record_output`` appends one output's record
 with every feature that may observe it (gradients, saving, finite flags).  The hot path inlines the
 common case, one tensor out.
 """
@@ -28,6 +28,19 @@ def output_leaves(func, out, args, kwargs):
         return _tensor_leaves(out)
     if func in WRITTEN_ARGUMENT:  # a torch.distributed collective: its output is the tensor it wrote
         return written_tensors(func, args, kwargs)
+    if out is None:
+        return _written_without_result(func, args, kwargs)
+    return None
+
+
+def _written_without_result(func, args, kwargs):
+    """The ``out=`` tensors of a call that returns None (``split_with_sizes_copy`` writes a list of them):
+    what it produced.  None for any other call."""
+    written = kwargs.get("out") if kwargs else None
+    if isinstance(written, Tensor):
+        return ((None, written),)
+    if isinstance(written, (tuple, list)):
+        return _tensor_leaves(written) or None
     return None
 
 

@@ -24,7 +24,8 @@ import torch
 
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
-from ..record.layouts import memory_span, shape_of, spans_meet
+from ..record.layouts import memory_freed, memory_span, shape_of, spans_meet
+from ..record.trace import MEMORY_FREED
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
@@ -467,8 +468,9 @@ class CaptureState:
         if mutated is None:  # the compiled check cannot answer (or is not built): the same check here
             mutated = self._stale_in_python()
         for i in mutated:
-            self._drop(i, "mutated after capture saved it, by a write capture could not see "
-                          "(for example through .data or a NumPy view)")
+            freed = memory_freed(self.saved[i])  # FSDP2's resharding: the write that matters is the free
+            self._drop(i, MEMORY_FREED if freed else "mutated after capture saved it, by a write capture could not "
+                                                     "see (for example through .data or a NumPy view)")
         return mutated
 
     def _stale_in_python(self) -> list:

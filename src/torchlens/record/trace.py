@@ -365,7 +365,7 @@ class Trace:
             version, t = versions.get(i), activations.get(i)
             if version is None or t is None:
                 continue  # not held by reference (a private copy), or not saved
-            reason = WRITTEN_AFTER_TRACE if t._version != version else MEMORY_FREED if memory_freed(t) else None
+            reason = MEMORY_FREED if memory_freed(t) else WRITTEN_AFTER_TRACE if t._version != version else None
             if reason is not None:
                 del activations[i]
                 self._dropped[i] = reason
