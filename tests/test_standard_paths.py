@@ -393,3 +393,57 @@ def test_a_call_that_returns_nothing_but_writes_its_out_tensors_is_the_op_its_re
     assert all(torch.equal(a, b) for a, b in zip(log.output, model(x)))
     result = tl.validate(model, x)
     assert result.passed and result.replayed == 4, str(result)  # mul, the split (one call), add and sum
+
+
+# ----- writes through views of inference tensors ----------------------------------------------------------
+def _view_then_base(x):
+    y = x * 1
+    v = y.view(-1)
+    v.add_(1)
+    return y * 2
+
+
+def _base_then_view(x):
+    y = x * 1
+    v = y.view(-1)
+    y.add_(1)
+    return v * 2
+
+
+def _one_row_of_two(x):
+    y = x * 1
+    a, b = y[0], y[1]
+    a.mul_(3)
+    return b + 1, a + 1, y.sum()
+
+
+def _transposed_row(x):
+    y = x * 1
+    t = y.t()
+    t[0].zero_()
+    return y - 1, t + 1
+
+
+def _out_into_a_view(x):
+    y = x.clone()
+    z = y.view(2, -1)
+    torch.add(z, 1, out=z)
+    return y * 1
+
+
+@pytest.mark.parametrize("forward", [_view_then_base, _base_then_view, _one_row_of_two, _transposed_row,
+                                     _out_into_a_view], ids=lambda f: f.__name__.strip("_"))
+def test_a_write_through_a_view_of_an_inference_tensor_is_the_parent_of_what_reads_it_after(forward):
+    """Inference tensors have no version counter: the writes noted on their storage say who wrote what a
+    later read reads, as the counter does for the same forward under torch.no_grad()."""
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        counted = tl.trace(forward, x)
+
+    def in_inference_mode(x):
+        with torch.inference_mode():
+            return forward(x)
+
+    uncounted = tl.trace(in_inference_mode, x)
+    assert [(op.label, op.parents) for op in uncounted.ops] == [(op.label, op.parents) for op in counted.ops]
+    assert tl.validate(in_inference_mode, x).passed

@@ -62,7 +62,7 @@ def scan_arguments(st, args, kwargs):
                 params.append((pos, a))
                 continue
             entry = producers.get(id(a))
-            if entry is not None and entry[2] == version and (entry[0] is a or entry[0]() is a):
+            if entry is not None and entry[2] == version and version is not None and (entry[0] is a or entry[0]() is a):
                 parents.append((pos, entry[1]))
             else:
                 parents.append((pos, st.producer_of(a)))
@@ -111,7 +111,7 @@ def bound_parent(st, t):
     except RuntimeError:  # an inference tensor: no version counter
         version = st.version(t)
     entry = st.producers.get(id(t))
-    if entry is not None and entry[2] == version and (entry[0] is t or entry[0]() is t):
+    if entry is not None and entry[2] == version and version is not None and (entry[0] is t or entry[0]() is t):
         return entry[1], (t, version)
     return st.producer_of(t), (t, version)
 

@@ -159,7 +159,7 @@ class CaptureMode(TorchFunctionMode):
             except RuntimeError:  # an inference tensor: no version counter
                 version = st.version(a)
             entry = st.producers.get(id(a))
-            if entry is not None and entry[2] == version and (entry[0] is a or entry[0]() is a):
+            if entry is not None and entry[2] == version and version is not None and (entry[0] is a or entry[0]() is a):
                 parents = ((0, entry[1]),)
             else:
                 parents = ((0, st.producer_of(a)),)

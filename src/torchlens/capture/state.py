@@ -202,7 +202,8 @@ class CaptureState:
         entry = self.producers.get(id(t))
         if entry is not None and is_bound(entry, t):
             version = version_of(t)
-            if entry[2] == version:
+            # An inference tensor has no version counter (None): only the writes noted on its storage tell.
+            if entry[2] == version and (version is not None or storage_key(t) not in self.writers):
                 return entry[1]
             # Its version counter moved since it was bound: a view or base sharing it was written.
             index = self._last_writer_of(t, entry, version)
