@@ -46,3 +46,15 @@ def test_log_forward_pass_is_trace_under_the_reference_names():
     assert log["head"].has_activation and not log["linear_1_1"].has_activation
     with pytest.raises(TypeError, match="vis_opt= is a reference-library option.*log.render"):
         tl.log_forward_pass(model, x, vis_opt="rolled")
+
+
+def test_log_forward_pass_saves_the_gradients_of_the_saved_layers_when_asked():
+    model, x = MLP(), torch.randn(2, 16)
+    log = tl.log_forward_pass(model, x, layers_to_save=["head"], save_gradients=True)
+    log.output.sum().backward()
+    expected = torch.ones_like(log.output)  # d(sum)/d(head's output)
+    assert torch.equal(log["head"].grad, expected)
+    assert log["linear_1_1"].grad is None  # not among the layers saved
+    everything = tl.log_forward_pass(model, x, save_gradients=True)
+    everything.output.sum().backward()
+    assert all(op.grad is not None for op in everything.ops if op.kind == "op")

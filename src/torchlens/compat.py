@@ -14,15 +14,17 @@ _INSTEAD = {
     "vis_outpath": "call log.render(path) on the returned trace",
     "output_device": "pass save_device= to tl.trace",
     "random_seed": "seed torch yourself before tracing (torchlens never touches the RNG)",
-    "save_gradients": "not captured by tl.trace",
     "keep_unsaved_layers": "every op's metadata is always kept; save= chooses activations",
     "activation_postfunc": "transform log[label].activation after the trace",
     "detach_saved_tensors": "saved activations are always detached",
 }
 
 
-def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all", **reference_options):
-    """``tl.trace(model, input_args, input_kwargs, save=layers_to_save)`` under the reference's names."""
+def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all", save_gradients=False,
+                     **reference_options):
+    """``tl.trace(model, input_args, input_kwargs, save=layers_to_save)`` under the reference's names;
+    ``save_gradients=True`` also keeps, from a later backward, the gradients of the layers saved
+    (``grads=`` with the same selection)."""
     for option, value in reference_options.items():
         if option == "vis_opt" and value == "none":
             continue  # the reference's default: no picture
@@ -30,4 +32,7 @@ def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all",
         raise TypeError(f"log_forward_pass: {option}= is a reference-library option torchlens does not take; "
                         f"{instead}")
     save = "none" if layers_to_save is None else layers_to_save
-    return trace(model, input_args, input_kwargs, save=save)
+    grads = False
+    if save_gradients and save != "none":
+        grads = True if save == "all" else save
+    return trace(model, input_args, input_kwargs, save=save, grads=grads)
