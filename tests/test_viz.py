@@ -396,3 +396,12 @@ def _has_engine() -> bool:
     except layout.LayoutEngineMissing:
         return False
     return True
+
+
+@pytest.mark.skipif(not _has_engine(), reason="needs Graphviz's dot or the graphviz-pure wheel")
+def test_pictures_laid_out_in_batches_are_those_laid_out_one_by_one_and_a_bad_one_is_named():
+    texts = [f'digraph g{i} {{ a{i} -> b; b -> "c {i}"; }}\n' for i in range(7)]
+    engine = layout.find_engine()
+    assert layout.layout(texts, "svg") == [layout._run(engine, text, "svg") for text in texts]
+    with pytest.raises(layout.LayoutFailed, match="syntax error"):
+        layout.layout(texts[:3] + ["digraph broken { a -> ; }\n"] + texts[3:], "svg")
