@@ -405,6 +405,24 @@ def test_diverging_outputs_fail_the_witness():
         tl.report.flops_vs_dispatch(Counter(), torch.randn(3))
 
 
+def test_the_same_outputs_from_different_products_fail_the_witness():
+    calls = []  # state outside the model, which no restoring reaches
+
+    class Alternates(nn.Module):
+        """The same product, written as a matmul on one call and as an einsum on the next."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            calls.append(None)
+            return x @ self.weight if len(calls) % 2 else torch.einsum("ij,jk->ik", x, self.weight)
+
+    with pytest.raises(tl.TorchlensError, match="same outputs but called different matrix products"):
+        tl.report.flops_vs_dispatch(Alternates(), torch.randn(3, 4))
+
+
 def test_training_flags_buffers_and_rng_are_restored():
     model, args, kwargs = zoo()["batchnorm_train"]
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -106,7 +106,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     ``FlopCounterMode``, in two separate executions, and report both side by side.
 
     Raises ``WitnessFailed`` when the two executions cannot be shown to have run the same program: the
-    forward drew random numbers (e.g. dropout in training mode), or the outputs differ.
+    forward drew random numbers (e.g. dropout in training mode), the outputs differ, or they called
+    different products (matrix products, convolutions, attention).
     """
     from ..capture.session import _unwrap, trace
     from ..tree import as_args, as_kwargs, clone_call
@@ -139,6 +140,13 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             "flops_vs_dispatch refused: the traced execution and the FlopCounterMode execution returned "
             "different outputs, so they did not run the same program and their FLOPs are not comparable. "
             "Make the forward deterministic (eval mode, no data-dependent randomness) and compare again.")
+    traced_products, counted_products = _traced_products(log), [name for name, _ in product_calls]
+    if [op.func_name for op, _ in traced_products] != counted_products:
+        raise WitnessFailed(
+            "flops_vs_dispatch refused: the traced execution and the FlopCounterMode execution returned the same "
+            f"outputs but called different matrix products, convolutions or attention ({len(traced_products)} "
+            f"against {len(counted_products)}), so they did not run the same program. Make the forward's control "
+            "flow depend on its inputs alone and compare again.")
     return _compare(log, model, counter.get_flop_counts(), product_calls)
 
 
@@ -248,7 +256,7 @@ def _compare(log, model, native_counts, product_calls) -> FlopsComparison:
     notes += _uncounted_product_notes(log, product_calls)
     if any(row["native"] is None for row in modules):
         notes.append(UNNAMED_MODULES_NOTE)
-    witness = {"outputs_match": True, "random_draws": False, "rng_restored": True,
+    witness = {"outputs_match": True, "products_match": True, "random_draws": False, "rng_restored": True,
                "training_flags_restored": True, "buffers_restored": True}
     return FlopsComparison(log.model_name, tl_total, sum(native_global.values()), families, modules,
                            native_global, notes, witness)
@@ -340,12 +348,9 @@ def _attention_notes(log, attention_calls) -> list:
 
 def _uncounted_product_notes(log, product_calls) -> list:
     """The products other than attention (whose own notes name them) that torchlens counts and inside
-    which FlopCounterMode counted nothing.  Captured products and watched calls are paired in order when
-    their numbers agree (both runs ran the same program); otherwise nothing is claimed."""
-    column = flops_column(log)
-    ops = [(op, column[i]) for i, op in enumerate(log.ops) if op.kind == "op" and _is_product(op.func_name)]
-    if len(ops) != len(product_calls):
-        return []
+    which FlopCounterMode counted nothing; captured products and watched calls pair in order (the witness
+    checked that both runs called the same ones)."""
+    ops = _traced_products(log)
     missed = [op.label for (op, counted), (name, native) in zip(ops, product_calls)
               if name not in _ATTENTION_FUNCTIONS and counted and any(counted.values()) and not any(native.values())]
     if not missed:
@@ -355,6 +360,14 @@ def _uncounted_product_notes(log, product_calls) -> list:
     return [f"FlopCounterMode counted 0 inside these {', '.join(names)} calls: the ATen kernels they reach "
             "(such as aten.addbmm or aten.mv) have no entry in its flop registry. The native side is missing "
             f"that work, not free (here: {shown}; {len(missed)} of {len(ops)} products)."]
+
+
+def _traced_products(log) -> list:
+    """``(op, {family: flops})`` for each product call the trace holds (its first output), in order: what
+    ``_ProductWatch`` saw in the counted run."""
+    column = flops_column(log)
+    return [(op, column[i]) for i, op in enumerate(log.ops)
+            if op.kind == "op" and op.multi_output_index in (None, 0, (0,)) and _is_product(op.func_name)]
 
 
 def _which(labels, total) -> str:
