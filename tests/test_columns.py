@@ -83,7 +83,8 @@ def test_the_indexes_named_below_record_match_the_call_layout():
     from torchlens.labels import passes
     from torchlens.record import columns
 
-    for name in ("CALL_FUNC", "CALL_ARGS", "CALL_KWARGS", "CALL_PARAMS", "CALL_CODE", "CALL_LINE", "CALL_SITE"):
+    names = ("CALL_FUNC", "CALL_ARGS", "CALL_KWARGS", "CALL_PARAMS", "CALL_CODE", "CALL_LINE", "CALL_SITE")
+    for name in names:
         assert getattr(passes, name) == getattr(columns, name), name
     assert columns.Call._fields[columns.CALL_SITE] == "site" and len(columns.Call._fields) == 14
 

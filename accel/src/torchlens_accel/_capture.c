@@ -169,7 +169,8 @@ static PyObject *parent_of(Handler *h, PyObject *producers, PyObject *t, PyObjec
         PyObject *ref = PyTuple_GET_ITEM(entry, 0);
         bound = ref == t || (PyWeakref_CheckRefExact(ref) && PyWeakref_GetObject(ref) == t);  /* ``is_bound`` */
         /* An inference tensor has no version (None): Python checks the writes noted on its storage. */
-        int same = bound && version != Py_None ? PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), version, Py_EQ) : 0;
+        int same = bound && version != Py_None
+            ? PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 2), version, Py_EQ) : 0;
         if (same > 0) index = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
     } else if (entry == NULL && !PyErr_Occurred()) {
         index = unbound_source(h, t, key);

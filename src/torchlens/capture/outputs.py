@@ -1,8 +1,9 @@
 """What a call produced, as records: the output tensors of a call and the record of each.
 
 ``output_leaves`` finds the tensors of a result that is not one tensor (a tuple, a structseq, a list, a
-write into the receiver, a collective's output argument, the ``out=`` tensors of a call that returns None); ``record_output`` appends one output's record
-with every feature that may observe it (gradients, saving, finite flags).  The hot path inlines the
+write into the receiver, a collective's output argument, the ``out=`` tensors of a call that returns
+None); ``record_output`` appends one output's record with every feature that may observe it (gradients,
+saving, finite flags).  The hot path inlines the
 common case, one tensor out.
 """
 

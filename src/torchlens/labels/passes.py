@@ -11,12 +11,13 @@ Rules, applied in one pass over the ops in execution order (linear time):
    module object and its non-tensor arguments: the same weights applied again (a Python loop over
    ``x @ self.W``) are passes of one layer; distinct modules never merge, even with tied weights.
 3. Any other op is keyed by its call site (the calling frame's code object and instruction offset, and
-   the user frame's too when the calling frame is torch's own code), function, output slot, non-tensor arguments, input shapes and module object: the same line run
-   again by a Python loop is another pass.  A class whose every later member consumes an earlier
-   member (``x = x + 1`` in a loop: a single-op self-chain) is not recurrence and is split back into
-   separate layers, unless the chain also feeds or is fed by another repeated layer: then it is one
-   step of a longer loop body (``while x.mean() > 0: x = x * 2``: ``mean``, ``gt`` and ``mul`` are
-   all layers with one pass per iteration).
+   the user frame's too when the calling frame is torch's own code), function, output slot, non-tensor
+   arguments, input shapes and module object: the same line run again by a Python loop is another pass.
+   A class whose every later member consumes an earlier member (``x = x + 1`` in a loop: a single-op
+   self-chain) is not recurrence and is split back into separate layers, unless the chain also feeds or
+   is fed by another repeated layer: then it is one step of a longer loop body
+   (``while x.mean() > 0: x = x * 2``: ``mean``, ``gt`` and ``mul`` are all layers with one pass per
+   iteration).
 
 Whether the repeated layers came from a loop or from a module reused at several call sites is told
 apart afterwards, for display only (``repetition``).
