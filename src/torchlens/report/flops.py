@@ -325,14 +325,14 @@ register("conv_transpose1d conv_transpose2d conv_transpose3d", "conv", _conv_tra
 register("scaled_dot_product_attention", "attention", _sdpa)
 register("multi_head_attention_forward", "attention", _multi_head_attention)
 register("add sub rsub subtract", "elementwise", _add_like)
-register("""mul multiply div divide truediv true_divide floordiv floor_divide mod remainder fmod pow neg
-    negative abs absolute exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal square sin cos tan asin
-    acos atan atan2 sinh cosh tanh sigmoid relu relu6 leaky_relu gelu silu mish elu selu celu softplus softsign
+register("""mul multiply div divide truediv true_divide floordiv floor_divide mod remainder fmod pow neg negative
+    abs absolute exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal square sin cos tan asin acos atan
+    atan2 sinh cosh tanh sigmoid relu relu6 leaky_relu gelu silu mish elu selu celu softplus softsign
     hardtanh hardsigmoid hardswish hardshrink softshrink tanhshrink threshold prelu logsigmoid clamp clip
     clamp_min clamp_max maximum minimum fmax fmin sign sgn floor ceil round trunc frac erf erfc erfinv hypot
-    lt le gt ge eq ne less less_equal greater greater_equal equal not_equal logical_and logical_or logical_not logical_xor
-    and or xor invert bitwise_and bitwise_or bitwise_xor bitwise_not isnan isinf isfinite isposinf
-    isneginf nan_to_num lerp""".split(), "elementwise", _per_element(1))
+    lt le gt ge eq ne less less_equal greater greater_equal equal not_equal logical_and logical_or
+    logical_not logical_xor and or xor invert bitwise_and bitwise_or bitwise_xor bitwise_not isnan isinf
+    isfinite isposinf isneginf nan_to_num lerp""".split(), "elementwise", _per_element(1))
 register("addcmul addcdiv", "elementwise", _per_element(2))
 register("diff", "elementwise", _diff)
 register("dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d", "elementwise",
