@@ -86,7 +86,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     ``estimate`` is ``sum((clean - corrupt) * grad)`` with the gradient of ``metric(output)`` taken on the
     corrupted run, ``normalized`` divides it by ``clean - corrupt`` of the metric.  Ops whose value the
     gradient cannot reach (integer tensors, a value written in place later, a value the forward computes
-    with no gradient) have NaN and a ``note``.
+    with no gradient), or whose value has another shape in each run, have NaN and a ``note``.
 
     Both runs are made with gradients on, so that they take the same path through the model (torch's fused
     inference kernels run only without them) and the clean baseline is computed as the corrupted run is.
@@ -132,7 +132,12 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     corrupt_value = _scalar(value)
     estimate = {}
     for k, g in zip(labels, grads):
-        estimate[k] = 0.0 if g is None else float((_change(clean_log[k].activation, live[k][0].detach()) * g).sum())
+        clean_act, corrupt_act = clean_log[k].activation, live[k][0].detach()
+        if clean_act.shape != corrupt_act.shape:
+            notes[k] = (f"the clean run's value has shape {tuple(clean_act.shape)} but the corrupted run's "
+                        f"{tuple(corrupt_act.shape)}: no difference to attribute")
+            continue
+        estimate[k] = 0.0 if g is None else float((_change(clean_act, corrupt_act) * g).sum())
         if not math.isfinite(estimate[k]):
             notes[k] = "the value or its gradient is not finite: no first-order estimate"
     rows = []
