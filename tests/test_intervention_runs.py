@@ -477,3 +477,20 @@ def test_a_label_site_shifted_onto_another_pass_of_its_line_is_divergence(saved,
     with torch.no_grad():
         expected = model.fc(torch.tanh(3.0 * torch.tanh(torch.tanh(positive * 0.5))))
     assert torch.equal(log.output, expected)
+
+
+def test_a_stop_after_label_on_another_path_is_divergence_not_an_early_stop():
+    # At the position of the reference's second tanh the other run makes its first: stopping there would
+    # return a trace cut one op early under the site's name.
+    model = _AbsThenSquash().eval()
+    positive = torch.rand(2, 4)
+    reference = tl.trace(model, positive)
+    second = [op.label for op in reference.ops if op.type == "tanh"][1]
+    with pytest.raises(tl.InterventionError, match=r"stop_after site 'tanh_2_4:1'.*another path"):
+        tl.trace(model, -positive, stop_after=second, reference=reference)
+    linear = [op.label for op in reference.ops if op.type == "linear"][0]
+    with pytest.raises(tl.InterventionError, match=r"called 'tanh'.*where the reference called 'linear'"):
+        tl.trace(model, -positive, stop_after=linear, reference=reference)
+    early = tl.trace(model, positive * 0.5, stop_after=second, reference=reference)
+    assert early.stopped_after == second and [op.type for op in early.ops][-1] == "tanh"
+    assert torch.equal(early[second].activation, torch.tanh(torch.tanh(positive * 0.5)))

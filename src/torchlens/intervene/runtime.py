@@ -101,6 +101,7 @@ class Interventions:
             if changed:
                 out = _rebuild_output(out, [(slots[k], values[k]) for k in dict.fromkeys(changed)])
         if call_position == self.stop_call:
+            self._check_path(st, [self.stop_site], call_position, func)
             self.stopped_at = self.stop_key
             raise StopForward
         return out
@@ -122,8 +123,9 @@ class Interventions:
 
     def _diverged(self, site, what: str):
         """Refuse a label site whose position holds another op in this run than in the reference."""
+        kind = "stop_after site" if site.stop else "intervention site"
         raise InterventionError(
-            f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the reference "
+            f"{kind} {site.key!r} ({site.op.label}): the forward took another path than the reference "
             f"trace: at that position it {what}.{self._written_note()} Pass reference= a trace of inputs that take "
             "the same path, or use a module site")
 
