@@ -223,3 +223,14 @@ def test_patching_between_runs_of_other_shapes_is_refused_not_broadcast(gpt2):
         calls = estimate[estimate.kind == "module call"].set_index("site")
         assert math.isnan(calls.estimate["transformer.h.1:1"])
         assert "but the corrupted run's" in calls.note["transformer.h.1:1"]
+
+
+def test_patching_by_position_between_prompts_of_other_lengths_is_refused_in_every_row(gpt2):
+    """Index 2 of a 6-token run and of a 5-token run are not the same place: each row says why, instead of
+    patching the indices both runs have and failing with an index error past the shorter one."""
+    model, clean, _ = gpt2
+    shorter = torch.tensor([[5, 40, 13, 21, 7]])
+    table = tl.report.activation_patching(model, clean, shorter, _logit_diff, positions=1, progress=False,
+                                          sites=["transformer.h.0"])
+    assert list(table.position) == list(range(6)) and table.metric.isna().all()
+    assert table.error.str.contains(r"\(1, 6, 32\) but this run's has \(1, 5, 32\)").all()

@@ -129,10 +129,14 @@ class patch_from(Action):  # noqa: N801
         self.trace = trace
 
     def value(self, tensor, op, at):
-        source = source_value(self.trace, op, "tl.patch_from")
-        if at is not None:
-            source = source[at]
-        return _like(_same_shape(source, tensor, op), tensor, op, "tl.patch_from")
+        return _like(_same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op), tensor, op,
+                     "tl.patch_from")
+
+    def value_at(self, tensor, op):
+        """``source[at]``, from a source of the whole value's shape: index ``at`` of a run of another length
+        is not the same place in it."""
+        source = _same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op)
+        return _like(source[self.at], tensor[self.at], op, "tl.patch_from")
 
     def _describe(self):
         return f"<trace of {self.trace.model_name}>"
