@@ -494,3 +494,12 @@ def test_a_stop_after_label_on_another_path_is_divergence_not_an_early_stop():
     early = tl.trace(model, positive * 0.5, stop_after=second, reference=reference)
     assert early.stopped_after == second and [op.type for op in early.ops][-1] == "tanh"
     assert torch.equal(early[second].activation, torch.tanh(torch.tanh(positive * 0.5)))
+
+
+def test_attribution_patching_between_inputs_on_other_paths_says_so_in_its_own_terms():
+    pytest.importorskip("pandas")
+    model = _AbsThenSquash().eval()
+    positive = torch.rand(2, 4)
+    with pytest.raises(tl.InterventionError, match=r"attribution_patching: the corrupted input takes another path.*"
+                                                   r"intervention site <predicate> \(tanh_1_3:1\)"):
+        tl.report.attribution_patching(model, positive, -positive, lambda out: out.sum())

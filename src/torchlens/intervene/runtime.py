@@ -125,7 +125,7 @@ class Interventions:
         """Refuse a label site whose position holds another op in this run than in the reference."""
         kind = "stop_after site" if site.stop else "intervention site"
         raise InterventionError(
-            f"{kind} {site.key!r} ({site.op.label}): the forward took another path than the reference "
+            f"{kind} {_where(site.key, site.op)}: the forward took another path than the reference "
             f"trace: at that position it {what}.{self._written_note()} Pass reference= a trace of inputs that take "
             "the same path, or use a module site")
 
@@ -527,8 +527,10 @@ def _at(place) -> str:
 
 
 def _where(key, op) -> str:
-    """A site for a message: its key, and the op or module call it resolved to when that says more."""
-    return f"{key!r}" if key == op.label else f"{key!r} ({op.label})"
+    """A site for a message: its key (``<predicate>`` for a function), and the op or module call it resolved
+    to when that says more."""
+    name = repr(key) if isinstance(key, str) else "<predicate>"
+    return name if key == op.label else f"{name} ({op.label})"
 
 
 def finish_interventions(runtime: Interventions, trace) -> None:

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..errors import TorchlensError, first_few
+from ..errors import InterventionError, TorchlensError, first_few
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
 from ..capture.restore import FirstCalls, ForwardState
@@ -117,8 +117,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
 
     try:
         with torch.enable_grad():
-            corrupt_log = runs.start(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
-                                     intervene={(lambda op: True): grab})
+            corrupt_log = _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab)
             value = metric(corrupt_log.output)
             labels = [k for k, (t, v) in live.items() if t._version == v]
             for k, (t, v) in live.items():
@@ -157,6 +156,17 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
+
+
+def _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab):
+    """The corrupted run of attribution patching, with ``grab`` at every op of the clean run; a run that takes
+    another path has no op to match each clean op with, which the error says in the experiment's terms."""
+    try:
+        return runs.start(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+                          intervene={(lambda op: True): grab})
+    except InterventionError as exc:
+        raise InterventionError(f"attribution_patching: the corrupted input takes another path through the model "
+                                f"than the clean one, so their ops cannot be paired ({exc})") from None
 
 
 class _Runs:
