@@ -234,3 +234,16 @@ def test_patching_by_position_between_prompts_of_other_lengths_is_refused_in_eve
                                           sites=["transformer.h.0"])
     assert list(table.position) == list(range(6)) and table.metric.isna().all()
     assert table.error.str.contains(r"\(1, 6, 32\) but this run's has \(1, 5, 32\)").all()
+
+
+def test_patching_by_position_gives_a_site_without_that_dimension_a_row_saying_so(gpt2, tmp_path):
+    """``sites="ops"`` holds 1-d values (the position ids' ``arange``): each has one row with the reason,
+    and the other sites their rows by position, instead of no table at all."""
+    model, clean, corrupt = gpt2
+    flat = next(op.label for op in tl.trace(model, clean).ops if op.kind == "op" and len(op.shape) == 1)
+    table = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=[flat, "transformer.h.1"],
+                                          positions=1, progress=False)
+    row = table[table.site == flat]
+    assert len(row) == 1 and row.metric.isna().all() and "with no dimension 1" in row.error.iloc[0]
+    assert list(table[table.site == "transformer.h.1"].position) == list(range(clean.shape[1]))
+    tl.viz.heatmap(table, tmp_path / "h.svg")

@@ -54,10 +54,8 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     # Why a site cannot be patched at all (reported in its rows); a name the trace lacks raises KeyError with
     # the closest names, before any patched run.
     unpatchable = _unpatchable_sites(clean_log, names, runs.names_no_model)
-    # By position, a module call returning no tensor has no positions, so no row.
     patches = [(site, None) for site in names] if positions is None else \
-        [(site, p) for site in names if not isinstance(site, str) or site in clean_log
-         for p in range(_extent(clean_log, site, positions))]
+        _position_patches(clean_log, names, positions, unpatchable)
     rows = []
     for site, position in _progress(patches, progress, "activation patching"):
         at = None if position is None else (slice(None),) * positions + (position,)
@@ -76,6 +74,8 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
         rows.append(row)
     columns = ["site"] + (["position"] if positions is not None else []) + ["metric", "normalized", "error"]
     frame = pd.DataFrame(rows, columns=columns)
+    if positions is not None:  # integers, with <NA> in the row of a site that has no such dimension
+        frame["position"] = frame["position"].astype("Int64")
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
 
@@ -245,6 +245,22 @@ def _unpatchable_sites(log, names, names_no_model: bool = False) -> dict:
             reasons[site] = (f"{site} is a module the forward made itself, not a module of the model, so it is no "
                              f"module site; {instead}")
     return reasons
+
+
+def _position_patches(log, names, dim: int, unpatchable: dict) -> list:
+    """``(site, position)`` for each index along ``dim`` of each site's value.  A module call returning no
+    tensor has no positions, so no row; a value with no dimension ``dim`` (an ``arange`` among
+    ``sites="ops"``) has one row, whose ``error`` says so (added to ``unpatchable``)."""
+    patches = []
+    for site in names:
+        if isinstance(site, str) and site not in log:
+            continue
+        try:
+            patches += [(site, p) for p in range(_extent(log, site, dim))]
+        except ValueError as exc:
+            unpatchable[site] = str(exc)
+            patches.append((site, None))
+    return patches
 
 
 def _extent(log, site, dim: int) -> int:
