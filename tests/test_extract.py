@@ -212,6 +212,11 @@ def test_layer_names_must_pick_one_op_per_batch(tmp_path):
                                       torch.cat([torch.relu(x) for x in data]).numpy())
 
 
+def test_a_layer_after_the_stop_site_is_refused_naming_the_stop(tmp_path):
+    with pytest.raises(KeyError, match=r"named 'head'.*the forward stopped after fc:1, as stop_after= asked"):
+        tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "a", stop_after="fc", progress=False)
+
+
 def test_a_nested_tensor_layer_is_refused_with_its_ragged_shape(tmp_path):
     """Eval ``nn.TransformerEncoder`` with a padding mask runs its layers on nested tensors, which have no
     single shape: refused by name, as other layouts safetensors cannot hold are, not with torch's error."""

@@ -542,3 +542,14 @@ def test_a_value_replaced_by_an_intervention_says_so_when_it_has_no_gradient():
     with pytest.raises(GradientUnavailable, match="an intervention .*zero_ablate") as raised:
         log["relu_1_2:1"].grad
     assert "no_grad" not in str(raised.value)
+
+
+def test_extract_refuses_gradients_of_a_forward_stopped_early(tmp_path):
+    # stop_after ends each forward at its site, so there is no output for loss_fn: refused before any batch
+    # runs, instead of loss_fn failing on None in the first batch.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
+    with pytest.raises(ValueError, match=r"stop_after='0' stops each forward before it"):
+        tl.extract(model, batches, ["0"], tmp_path / "y", args_of=lambda b: b[0], grads=True, stop_after="0",
+                   loss_fn=lambda output, batch: F.cross_entropy(output, batch[1]), progress=False)
+    assert not (tmp_path / "y").exists()

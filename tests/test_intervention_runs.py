@@ -441,3 +441,65 @@ def test_activation_patching_by_position_at_a_module_called_several_times():
     with torch.no_grad():
         expected = [_patched_by_hook(model, model.cell, clean, corrupt, metric, at=(slice(None), p)) for p in range(5)]
     assert table.metric.tolist() == pytest.approx(expected)
+
+
+class _AbsThenSquash(nn.Module):
+    """Takes the absolute value only when the input has a negative entry, then squashes it three times from
+    one line: one op more or less before the loop moves each pass of ``tanh`` to another position."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if (x < 0).any():
+            x = x.abs()
+        for _ in range(3):
+            x = torch.tanh(x)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_label_site_shifted_onto_another_pass_of_its_line_is_divergence(saved, tmp_path):
+    # The reference (no negative entry) has no abs: at the position of its second tanh, a run with a negative
+    # entry makes its first tanh, the same function from the same line in the same module call.
+    model = _AbsThenSquash().eval()
+    positive = torch.rand(2, 4)
+    reference = tl.trace(model, positive)
+    if saved:  # a loaded reference counts the calls of each line the same way
+        reference.save(tmp_path / "reference")
+        reference = tl.load(tmp_path / "reference")
+    second = [op.label for op in reference.ops if op.type == "tanh"][1]
+    with pytest.raises(tl.InterventionError, match=r"made call 1 of 'tanh'.*where the reference made call 2"):
+        tl.trace(model, -positive, intervene={second: tl.scale(3.0)}, reference=reference)
+    # Inputs that take the reference's path: the second pass, as a hand-made edit.
+    log = tl.trace(model, positive * 0.5, intervene={second: tl.scale(3.0)}, reference=reference)
+    with torch.no_grad():
+        expected = model.fc(torch.tanh(3.0 * torch.tanh(torch.tanh(positive * 0.5))))
+    assert torch.equal(log.output, expected)
+
+
+def test_a_stop_after_label_on_another_path_is_divergence_not_an_early_stop():
+    # At the position of the reference's second tanh the other run makes its first: stopping there would
+    # return a trace cut one op early under the site's name.
+    model = _AbsThenSquash().eval()
+    positive = torch.rand(2, 4)
+    reference = tl.trace(model, positive)
+    second = [op.label for op in reference.ops if op.type == "tanh"][1]
+    with pytest.raises(tl.InterventionError, match=r"stop_after site 'tanh_2_4:1'.*another path"):
+        tl.trace(model, -positive, stop_after=second, reference=reference)
+    linear = [op.label for op in reference.ops if op.type == "linear"][0]
+    with pytest.raises(tl.InterventionError, match=r"called 'tanh'.*where the reference called 'linear'"):
+        tl.trace(model, -positive, stop_after=linear, reference=reference)
+    early = tl.trace(model, positive * 0.5, stop_after=second, reference=reference)
+    assert early.stopped_after == second and [op.type for op in early.ops][-1] == "tanh"
+    assert torch.equal(early[second].activation, torch.tanh(torch.tanh(positive * 0.5)))
+
+
+def test_attribution_patching_between_inputs_on_other_paths_says_so_in_its_own_terms():
+    pytest.importorskip("pandas")
+    model = _AbsThenSquash().eval()
+    positive = torch.rand(2, 4)
+    with pytest.raises(tl.InterventionError, match=r"attribution_patching: the corrupted input takes another path.*"
+                                                   r"intervention site <predicate> \(tanh_1_3:1\)"):
+        tl.report.attribution_patching(model, positive, -positive, lambda out: out.sum())

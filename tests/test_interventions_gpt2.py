@@ -3,6 +3,7 @@ sites against forward hooks, one attention head, activation and attribution patc
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -203,3 +204,46 @@ def test_gpt2_sites_past_stop_after_are_named_not_dropped_silently(gpt2):
     applied = [applied.site for applied in log.interventions]
     assert before in applied and every_tanh in applied and after not in applied
     assert not log["transformer.h.0.attn"].activation.any()  # the edit did land before the stop
+
+
+def test_patching_between_runs_of_other_shapes_is_refused_not_broadcast(gpt2):
+    """A clean prompt of another length or batch has no value at a site that stands for the corrupted run's:
+    ``tl.patch_from`` refuses it (broadcast, one clean row would be written into every corrupted row), and
+    attribution patching gives NaN with the reason instead of an error or a broadcast product."""
+    model, clean, _ = gpt2
+    shorter = torch.tensor([[5, 40, 13, 21, 7]])
+    clean_log = tl.trace(model, clean)
+    with pytest.raises(ValueError, match=r"shape \(1, 6, 32\) but this run's has \(1, 5, 32\)"):
+        tl.trace(model, shorter, intervene={"transformer.h.0:1": tl.patch_from(clean_log)})
+    batch = torch.cat([clean, shorter[:, :1].expand(1, 6)])
+    exact = tl.report.activation_patching(model, clean, batch, _logit_diff, sites=["transformer.h.1:1"], progress=False)
+    assert exact.metric.isna().all() and "patch between runs of the same shape" in exact.error[0]
+    for corrupt in (shorter, batch):
+        estimate = tl.report.attribution_patching(model, clean, corrupt, _logit_diff)
+        calls = estimate[estimate.kind == "module call"].set_index("site")
+        assert math.isnan(calls.estimate["transformer.h.1:1"])
+        assert "but the corrupted run's" in calls.note["transformer.h.1:1"]
+
+
+def test_patching_by_position_between_prompts_of_other_lengths_is_refused_in_every_row(gpt2):
+    """Index 2 of a 6-token run and of a 5-token run are not the same place: each row says why, instead of
+    patching the indices both runs have and failing with an index error past the shorter one."""
+    model, clean, _ = gpt2
+    shorter = torch.tensor([[5, 40, 13, 21, 7]])
+    table = tl.report.activation_patching(model, clean, shorter, _logit_diff, positions=1, progress=False,
+                                          sites=["transformer.h.0"])
+    assert list(table.position) == list(range(6)) and table.metric.isna().all()
+    assert table.error.str.contains(r"\(1, 6, 32\) but this run's has \(1, 5, 32\)").all()
+
+
+def test_patching_by_position_gives_a_site_without_that_dimension_a_row_saying_so(gpt2, tmp_path):
+    """``sites="ops"`` holds 1-d values (the position ids' ``arange``): each has one row with the reason,
+    and the other sites their rows by position, instead of no table at all."""
+    model, clean, corrupt = gpt2
+    flat = next(op.label for op in tl.trace(model, clean).ops if op.kind == "op" and len(op.shape) == 1)
+    table = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=[flat, "transformer.h.1"],
+                                          positions=1, progress=False)
+    row = table[table.site == flat]
+    assert len(row) == 1 and row.metric.isna().all() and "with no dimension 1" in row.error.iloc[0]
+    assert list(table[table.site == "transformer.h.1"].position) == list(range(clean.shape[1]))
+    tl.viz.heatmap(table, tmp_path / "h.svg")

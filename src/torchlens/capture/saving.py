@@ -106,8 +106,9 @@ class SavePolicy:
                                  or mc.label in self.call_labels]
         return self._calls_cache
 
-    def check_matched(self, trace, option: str = "save") -> None:
-        """Refuse a selection entry that picked nothing: a typo must not silently save less."""
+    def check_matched(self, trace, option: str = "save", stopped_after=None) -> None:
+        """Refuse a selection entry that picked nothing: a typo must not silently save less.  A forward
+        stopped early (``stopped_after``, the stop site) is named: what comes after the stop never ran."""
         if not (self.labels or self.types or self.addresses or self.call_labels):
             return  # "all", "none" or a predicate: nothing to match
         known = {op.label for op in trace.ops} | {op.layer_label for op in trace.ops}
@@ -121,6 +122,8 @@ class SavePolicy:
             names = sorted(known | types | called | calls)
             hint = closest_hint(entry, names) + _module_class_hint(trace, entry)
             ran = " (that module exists but never ran in this forward)" if entry in self.addresses else ""
+            if stopped_after is not None:
+                ran += f" (the forward stopped after {stopped_after}, as stop_after= asked: what follows never ran)"
             more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""
             raise UnmatchedSelection(f"no op, layer, module call or module named {entry!r} in this trace, and no "
                                      f"op of that type: {option}= matched nothing for it{ran}{hint}{more}")

@@ -166,7 +166,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if rank[0] is not None:  # else the class defaults: not under torch.distributed
         result.rank, result.world_size = rank
     if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
-        policy.check_matched(result)
+        policy.check_matched(result, stopped_after=runtime.stopped_at if runtime is not None else None)
     result._root_class = type(root).__name__ if root is not None else model_name
     result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
     if runtime is not None:

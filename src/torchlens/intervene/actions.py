@@ -122,17 +122,21 @@ class noise(Action):  # noqa: N801
 class patch_from(Action):  # noqa: N801
     """The value at the same site in another trace (activation patching: run on a corrupted input,
     patch in the clean run's value).  That trace must hold the activation (``save="all"`` or a ``save=``
-    list naming the site)."""
+    list naming the site), of the shape of the value it replaces."""
 
     def __init__(self, trace, at=None):
         super().__init__(at)
         self.trace = trace
 
     def value(self, tensor, op, at):
-        source = source_value(self.trace, op, "tl.patch_from")
-        if at is not None:
-            source = source[at]
-        return _like(source, tensor, op, "tl.patch_from")
+        return _like(_same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op), tensor, op,
+                     "tl.patch_from")
+
+    def value_at(self, tensor, op):
+        """``source[at]``, from a source of the whole value's shape: index ``at`` of a run of another length
+        is not the same place in it."""
+        source = _same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op)
+        return _like(source[self.at], tensor[self.at], op, "tl.patch_from")
 
     def _describe(self):
         return f"<trace of {self.trace.model_name}>"
@@ -214,6 +218,17 @@ def _like(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Ten
                          f"shape {tuple(tensor.shape)}") from exc
     # A copy: downstream in-place ops must not write into the other trace's activation or the user's tensor.
     return value.to(device=tensor.device, dtype=tensor.dtype).clone()
+
+
+def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
+    """``source`` when it has the shape of the value it replaces.  The value at the same site of another run
+    stands for this one only when the two runs made it alike; broadcast, a batch of one clean prompt (or a
+    clean sequence of length one) would be written into every row of the corrupted run unnoticed."""
+    if source.shape != tensor.shape:
+        raise ValueError(f"tl.patch_from at {_where(op)}: the source trace's value has shape {tuple(source.shape)} "
+                         f"but this run's has {tuple(tensor.shape)}; patch between runs of the same shape (batch "
+                         "size, sequence length), or pass the tensor itself as the action to broadcast it")
+    return source
 
 
 def _where(op) -> str:

@@ -20,7 +20,7 @@ from weakref import ref as weakref
 import torch
 
 from ..errors import InterventionError, warn_user
-from ..record.columns import CALL_CODE, CALL_LINE
+from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
@@ -30,7 +30,7 @@ from ..capture.source import source_of
 from ..capture.state import StopForward, is_bound, storage_key, version_of
 from ..capture.teardown import remove_handles
 from ..tree import tensor_leaves
-from .sites import ModuleCallInfo
+from .sites import ModuleCallInfo, occurrence_key
 
 
 class Applied:
@@ -70,6 +70,8 @@ class Interventions:
         self.hit: set = set()  # ids of sites applied at least once
         self.stopped_at = None  # the site key the forward stopped after
         self.reference = None  # the trace label sites were resolved against, if any
+        self.seen_keys: dict = {}  # occurrence_key -> calls of this run with it, before position ``counted``
+        self.counted = 0
 
     @property
     def watches_calls(self) -> bool:
@@ -99,6 +101,7 @@ class Interventions:
             if changed:
                 out = _rebuild_output(out, [(slots[k], values[k]) for k in dict.fromkeys(changed)])
         if call_position == self.stop_call:
+            self._check_path(st, [self.stop_site], call_position, func)
             self.stopped_at = self.stop_key
             raise StopForward
         return out
@@ -107,16 +110,35 @@ class Interventions:
         name = func_name_of(func)
         call = st.calls[call_position]
         place = source_of(call[CALL_CODE], call[CALL_LINE])
+        occurrence = self._occurrence(st, call_position, name)
         for site in sites:
             if name != site.func_name or not self._same_chain(st, site.chain) or not site.same_place(place):
                 where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) or "the root forward"
                 expected = " > ".join(link.address for link in site.chain) or "the root forward"
-                raise InterventionError(
-                    f"intervention site {site.key!r} ({site.op.label}): the forward took another path than the "
-                    f"reference trace: at that position it called {name!r} in {where}{_at(place)}, where "
-                    f"the reference called {site.func_name!r} in {expected}{_at(site.place)}."
-                    f"{self._written_note()} Pass reference= a trace of inputs that take the same path, or use a "
-                    "module site")
+                self._diverged(site, f"called {name!r} in {where}{_at(place)}, where the reference called "
+                                     f"{site.func_name!r} in {expected}{_at(site.place)}")
+            if site.occurrence is not None and occurrence != site.occurrence:
+                self._diverged(site, f"made call {occurrence + 1} of {name!r} from that line{_at(place)} in its "
+                                     f"module call, where the reference made call {site.occurrence + 1}")
+
+    def _diverged(self, site, what: str):
+        """Refuse a label site whose position holds another op in this run than in the reference."""
+        kind = "stop_after site" if site.stop else "intervention site"
+        raise InterventionError(
+            f"{kind} {_where(site.key, site.op)}: the forward took another path than the reference "
+            f"trace: at that position it {what}.{self._written_note()} Pass reference= a trace of inputs that take "
+            "the same path, or use a module site")
+
+    def _occurrence(self, st, call_position: int, name: str) -> int:
+        """How many calls with the ``occurrence_key`` of the call at ``call_position`` this run made before it.
+        Counted up to each site only when the forward reaches it, so the ops between sites cost nothing."""
+        seen = self.seen_keys
+        for position in range(self.counted, call_position):
+            call = st.calls[position]
+            key = occurrence_key(call, func_name_of(call[CALL_FUNC]))
+            seen[key] = seen.get(key, 0) + 1
+        self.counted = max(self.counted, call_position)
+        return seen.get(occurrence_key(st.calls[call_position], name), 0)
 
     def _written_note(self) -> str:
         """Why a reference of the same inputs can still take another path: its forward wrote parameters."""
@@ -505,8 +527,10 @@ def _at(place) -> str:
 
 
 def _where(key, op) -> str:
-    """A site for a message: its key, and the op or module call it resolved to when that says more."""
-    return f"{key!r}" if key == op.label else f"{key!r} ({op.label})"
+    """A site for a message: its key (``<predicate>`` for a function), and the op or module call it resolved
+    to when that says more."""
+    name = repr(key) if isinstance(key, str) else "<predicate>"
+    return name if key == op.label else f"{name} ({op.label})"
 
 
 def finish_interventions(runtime: Interventions, trace) -> None:

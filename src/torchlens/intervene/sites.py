@@ -6,7 +6,8 @@ predicates over op metadata, only mean something against a whole forward: they a
 reference trace of the same inputs (a first metadata-only pass, or one the caller passes) into the
 position of each op in execution order (tensor-producing call number and output slot).  The
 intervened run checks that the op met at each position has the same function, module call stack and line,
-so a forward that took another path fails loudly instead of editing the wrong op.
+and is the same call of that function from that line in its module call (``number_occurrences``), so a
+forward that took another path fails loudly instead of editing the wrong op.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import NamedTuple
 import torch
 
 from ..errors import closest_hint
-from ..record.columns import Kind
+from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.op import Layer, Op
-from ..capture.source import source_of
+from ..capture.source import line_of, source_of
+from ..labels.naming import func_name_of
 from .actions import as_action
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
@@ -28,7 +30,7 @@ _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 class LabelSite:
     """One op of the reference trace an action applies to."""
 
-    __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "place", "stop")
+    __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "place", "stop", "occurrence")
 
     def __init__(self, key, action, op, stop: bool):
         trace = op._trace
@@ -42,6 +44,7 @@ class LabelSite:
         # trace also holds (None where no user frame was found: not compared).
         call = trace.calls[self.call]
         self.place = source_of(call.code, call.line)
+        self.occurrence = None  # which call of its function from its line in its module call (number_occurrences)
 
     def same_place(self, place) -> bool:
         """Whether a call made at ``place`` (a ``SourceLocation``) can be this site's call in the reference."""
@@ -164,4 +167,33 @@ def resolve_labels(reference, pending) -> list:
             sites.append(LabelSite(key, action, op, stop))
             if stop:
                 break  # stop after the first op the site names
+    number_occurrences(reference, sites)
     return sites
+
+
+def occurrence_key(call, name) -> tuple:
+    """What a call is counted by to tell the passes of one line apart: its module call, the function's name
+    (``name``) and the source line that made it (None where no user frame was found)."""
+    code = call[CALL_CODE]
+    return call[CALL_MODULE_CALL], name, None if code is None else line_of(code, call[CALL_LINE])
+
+
+def number_occurrences(trace, sites) -> None:
+    """Set each site's ``occurrence``: how many calls with its ``occurrence_key`` the reference made before it.
+    A forward that made one call more or less from that line before the site meets, at the site's position,
+    the same function from the same line in the same module call: only this count tells the two apart."""
+    wanted: dict = {}
+    for site in sites:
+        wanted.setdefault(site.call, []).append(site)
+    if not wanted:
+        return
+    calls, names, seen = trace.calls, trace._func_names, {}
+    for position in range(max(wanted) + 1):
+        call = calls[position]
+        # A loaded trace keeps no function objects, only the names its ops were given.
+        name = func_name_of(call.func) if call.func is not None else names[call.first_record]
+        key = occurrence_key(call, name)
+        count = seen.get(key, 0)
+        seen[key] = count + 1
+        for site in wanted.get(position, ()):
+            site.occurrence = count

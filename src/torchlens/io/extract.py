@@ -83,7 +83,7 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     """
     out = os.fspath(out)
     layers = _check_layers(layers)
-    check_request(grads, loss_fn)
+    check_request(grads, loss_fn, stop_after)
     arguments_of = batch_reader(args_of, kwargs_of, kwargs)
     if process_rank()[0] is not None:
         from ..distributed.extraction import extract_ranks

@@ -18,10 +18,15 @@ def grad_columns(layers: list) -> list:
     return list(layers) + [GRAD_PREFIX + name for name in layers]
 
 
-def check_request(grads: bool, loss_fn) -> None:
+def check_request(grads: bool, loss_fn, stop_after=None) -> None:
+    """Refuse, before any batch runs, a gradient request no batch could meet: no loss function, or a forward
+    stopped early (``stop_after``), which never produces the output the loss is computed from."""
     if grads and not callable(loss_fn):
         raise ValueError("tl.extract(..., grads=True) needs loss_fn=f(output, batch) -> scalar loss, whose backward "
                          "gives each layer's gradient")
+    if grads and stop_after is not None:
+        raise ValueError(f"tl.extract(..., grads=True) needs the model's output for loss_fn, but stop_after="
+                         f"{stop_after!r} stops each forward before it; extract the gradients without stop_after")
 
 
 def backward_through(log, loss_fn, batch, position) -> None:

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..errors import TorchlensError, first_few
+from ..errors import InterventionError, TorchlensError, first_few
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
 from ..capture.restore import FirstCalls, ForwardState
@@ -54,10 +54,8 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     # Why a site cannot be patched at all (reported in its rows); a name the trace lacks raises KeyError with
     # the closest names, before any patched run.
     unpatchable = _unpatchable_sites(clean_log, names, runs.names_no_model)
-    # By position, a module call returning no tensor has no positions, so no row.
     patches = [(site, None) for site in names] if positions is None else \
-        [(site, p) for site in names if not isinstance(site, str) or site in clean_log
-         for p in range(_extent(clean_log, site, positions))]
+        _position_patches(clean_log, names, positions, unpatchable)
     rows = []
     for site, position in _progress(patches, progress, "activation patching"):
         at = None if position is None else (slice(None),) * positions + (position,)
@@ -76,6 +74,8 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
         rows.append(row)
     columns = ["site"] + (["position"] if positions is not None else []) + ["metric", "normalized", "error"]
     frame = pd.DataFrame(rows, columns=columns)
+    if positions is not None:  # integers, with <NA> in the row of a site that has no such dimension
+        frame["position"] = frame["position"].astype("Int64")
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
 
@@ -86,7 +86,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     ``estimate`` is ``sum((clean - corrupt) * grad)`` with the gradient of ``metric(output)`` taken on the
     corrupted run, ``normalized`` divides it by ``clean - corrupt`` of the metric.  Ops whose value the
     gradient cannot reach (integer tensors, a value written in place later, a value the forward computes
-    with no gradient) have NaN and a ``note``.
+    with no gradient), or whose value has another shape in each run, have NaN and a ``note``.
 
     Both runs are made with gradients on, so that they take the same path through the model (torch's fused
     inference kernels run only without them) and the clean baseline is computed as the corrupted run is.
@@ -117,8 +117,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
 
     try:
         with torch.enable_grad():
-            corrupt_log = runs.start(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
-                                     intervene={(lambda op: True): grab})
+            corrupt_log = _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab)
             value = metric(corrupt_log.output)
             labels = [k for k, (t, v) in live.items() if t._version == v]
             for k, (t, v) in live.items():
@@ -132,7 +131,12 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     corrupt_value = _scalar(value)
     estimate = {}
     for k, g in zip(labels, grads):
-        estimate[k] = 0.0 if g is None else float((_change(clean_log[k].activation, live[k][0].detach()) * g).sum())
+        clean_act, corrupt_act = clean_log[k].activation, live[k][0].detach()
+        if clean_act.shape != corrupt_act.shape:
+            notes[k] = (f"the clean run's value has shape {tuple(clean_act.shape)} but the corrupted run's "
+                        f"{tuple(corrupt_act.shape)}: no difference to attribute")
+            continue
+        estimate[k] = 0.0 if g is None else float((_change(clean_act, corrupt_act) * g).sum())
         if not math.isfinite(estimate[k]):
             notes[k] = "the value or its gradient is not finite: no first-order estimate"
     rows = []
@@ -152,6 +156,17 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
+
+
+def _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab):
+    """The corrupted run of attribution patching, with ``grab`` at every op of the clean run; a run that takes
+    another path has no op to match each clean op with, which the error says in the experiment's terms."""
+    try:
+        return runs.start(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+                          intervene={(lambda op: True): grab})
+    except InterventionError as exc:
+        raise InterventionError(f"attribution_patching: the corrupted input takes another path through the model "
+                                f"than the clean one, so their ops cannot be paired ({exc})") from None
 
 
 class _Runs:
@@ -230,6 +245,22 @@ def _unpatchable_sites(log, names, names_no_model: bool = False) -> dict:
             reasons[site] = (f"{site} is a module the forward made itself, not a module of the model, so it is no "
                              f"module site; {instead}")
     return reasons
+
+
+def _position_patches(log, names, dim: int, unpatchable: dict) -> list:
+    """``(site, position)`` for each index along ``dim`` of each site's value.  A module call returning no
+    tensor has no positions, so no row; a value with no dimension ``dim`` (an ``arange`` among
+    ``sites="ops"``) has one row, whose ``error`` says so (added to ``unpatchable``)."""
+    patches = []
+    for site in names:
+        if isinstance(site, str) and site not in log:
+            continue
+        try:
+            patches += [(site, p) for p in range(_extent(log, site, dim))]
+        except ValueError as exc:
+            unpatchable[site] = str(exc)
+            patches.append((site, None))
+    return patches
 
 
 def _extent(log, site, dim: int) -> int:

@@ -8,6 +8,7 @@ missing value (NaN: a site that could not be patched) is grey and says so in its
 from __future__ import annotations
 
 import math
+import numbers
 from html import escape
 
 _CELL, _ROW_LABEL_CHARS, _FONT = 22, 7, 11
@@ -19,7 +20,9 @@ def heatmap(frame, path=None, value: str = "normalized", title: str | None = Non
     its ``site`` values in order, columns its ``position`` values (one column without that column), cells
     ``frame[value]``.  Written to ``path`` when given (and the path returned)."""
     sites = list(dict.fromkeys(frame["site"]))
-    positions = list(dict.fromkeys(frame["position"])) if "position" in frame else [None]
+    # A site with no positions (no such dimension in its value) has one row at <NA>: a row of grey cells.
+    positions = [p for p in dict.fromkeys(frame["position"]) if isinstance(p, numbers.Integral)] \
+        if "position" in frame else [None]
     cells = {}
     for row in frame.itertuples(index=False):
         position = getattr(row, "position", None) if positions != [None] else None
