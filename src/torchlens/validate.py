@@ -25,7 +25,7 @@ from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
-from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves
+from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves, without_values
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
@@ -96,8 +96,8 @@ def tensors_equal(a, b) -> bool:
         return a.layout == b.layout and tensors_equal(a.to_dense(), b.to_dense())
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare
-        return a.is_meta and b.is_meta and a.shape == b.shape and a.dtype == b.dtype
+    if without_values(a) or without_values(b):  # meta or fake: shape and dtype are all there is to compare
+        return without_values(a) and without_values(b)
     return structures_equal(a, b)[0]
 
 
@@ -171,7 +171,7 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None):
     names no model, each module the run calls (met as it runs)."""
     args, kwargs = clone_call(args, kwargs)
     bound = module_run_by(model)
-    if bound is not None and (root is None or root is bound):
+    if bound is not None and (root is None or root is bound) and not _holds_fake_tensors(bound):
         try:  # a module, or a bound method of one, or a partial of either (copied with it); not a lambda
             reference = copy.deepcopy(model)
         except Exception:  # noqa: BLE001 - locks, open files, C++ handles: fall back to restoring
@@ -184,6 +184,13 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None):
             return model(*args, **kwargs)
     finally:
         state.restore()
+
+
+def _holds_fake_tensors(module) -> bool:
+    """Whether ``module`` holds ``FakeTensor`` parameters or buffers: a deep copy of them belongs to a new
+    ``FakeTensorMode``, which refuses the caller's fake inputs, so the reference runs on the model itself."""
+    tensors = (*module.parameters(), *module.buffers())
+    return any(without_values(t) and not t.is_meta for t in tensors)
 
 
 # ----- entry points ------------------------------------------------------------------------------------
@@ -274,6 +281,8 @@ def _replay_problem(log, op, rng: RngState):
         return _skip("the trace was cleaned up")
     if op.device.type == "meta":
         return _skip("meta tensors hold no values to compare")
+    if op.has_activation and without_values(log.saved_activations[op.index]):
+        return _skip("fake tensors (FakeTensorMode) hold no values to compare")
     if op.func_name in UNINITIALIZED_FUNCS:
         return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
     if is_collective(func):
