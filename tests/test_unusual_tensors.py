@@ -3,6 +3,7 @@ what it cannot vouch for, and validation answers instead of failing inside torch
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -34,3 +35,42 @@ def test_validate_under_fake_tensor_mode_replays_nothing_and_says_why():
     assert result.passed and result.replayed == 0 and result.outputs_match, str(result)
     assert {why for _, why in result.not_replayed} == {reason}
     assert replayed.status == "nothing to replay" and {why for _, why in replayed.not_replayed} == {reason}
+
+
+class Doubling(torch.Tensor):
+    """A subclass whose ``__torch_function__`` changes arithmetic: ``a + b`` adds ``b`` twice."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.Tensor.add, torch.Tensor.__add__, torch.add):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = (out + args[1]).as_subclass(cls)
+        return out
+
+
+class AddAfter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + 1
+
+
+@pytest.mark.parametrize("site", ["fc", "linear_1_1:1"])
+@pytest.mark.parametrize("action", [tl.zero_ablate(), tl.steer(torch.ones(4))], ids=["zero_ablate", "steer"])
+def test_an_action_on_a_tensor_subclass_computes_as_a_forward_hook_does(site, action):
+    """The action's value is made and typed by the subclass's own ``__torch_function__``, as in a forward
+    hook: downstream ops see the subclass (its arithmetic), and the action adds no op to the trace."""
+    torch.manual_seed(0)
+    model, x = AddAfter(), torch.randn(2, 4).as_subclass(Doubling)
+    handle = model.fc.register_forward_hook(lambda module, args, out: action(out, None))
+    with torch.no_grad():
+        expected = model(x)
+    handle.remove()
+    with torch.no_grad():
+        log = tl.trace(model, x, intervene={site: action})
+        plain = tl.trace(model, x)
+    assert type(log.output) is Doubling and torch.equal(log.output, expected)
+    assert log.labels == plain.labels
