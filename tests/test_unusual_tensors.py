@@ -74,3 +74,44 @@ def test_an_action_on_a_tensor_subclass_computes_as_a_forward_hook_does(site, ac
         plain = tl.trace(model, x)
     assert type(log.output) is Doubling and torch.equal(log.output, expected)
     assert log.labels == plain.labels
+
+
+class GradInside(nn.Module):
+    """A forward that takes a gradient with torch.func.grad (an input-gradient feature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        g = torch.func.grad(lambda t: self.fc(t).tanh().sum())(x[0])
+        return self.fc(x) * g
+
+
+@pytest.mark.parametrize("save", ["all", "none"])
+def test_ops_inside_a_torch_func_transform_have_no_gradient_to_claim(save):
+    """Inside ``torch.func.grad`` the hooks sit on the transform's wrapped tensors and receive only its own
+    inner backward (where torch refuses ``retain_grad()``): those ops say so instead of returning that value
+    as d loss / d output; the ops outside keep the gradient ``retain_grad()`` gives, and the inner backward
+    is not counted."""
+    torch.manual_seed(0)
+    model, x = GradInside(), torch.randn(3, 4)
+    weights = torch.randn(3, 4)
+    g = torch.func.grad(lambda t: model.fc(t).tanh().sum())(x[0])
+    y = model.fc(x)
+    y.retain_grad()
+    out = y * g
+    out.retain_grad()
+    (out * weights).sum().backward()
+
+    log = tl.trace(model, x, grads=True, save=save)
+    log.backward((log.output * weights).sum())
+    inside = [op for op in log.ops if op.type in ("tanh", "sum")] + [log["linear_1_2:1"]]
+    for op in inside:
+        with pytest.raises(tl.GradientUnavailable, match="inside a torch.func transform"):
+            op.grad
+        assert not op.has_grad
+    assert torch.equal(log["linear_1_2:2"].grad, y.grad)
+    assert torch.equal(log[log.ops[-2].label].grad, out.grad)
+    assert log.num_backwards == 1
+    assert log.to_pandas().set_index("label")["grad_norm"].isna()["tanh_1_3:1"]
