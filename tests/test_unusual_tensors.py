@@ -115,3 +115,70 @@ def test_ops_inside_a_torch_func_transform_have_no_gradient_to_claim(save):
     assert torch.equal(log[log.ops[-2].label].grad, out.grad)
     assert log.num_backwards == 1
     assert log.to_pandas().set_index("label")["grad_norm"].isna()["tanh_1_3:1"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu() * 2
+
+
+class WithCompiled(nn.Module):
+    def __init__(self, in_place: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.block = Block()
+        if in_place:
+            self.block.compile(backend="eager")
+        else:
+            self.block = torch.compile(self.block, backend="eager")
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.block(self.a(x)) + 1)
+
+
+def _zeroed_block_output(model, x, inside: bool):
+    """The untraced output with the block's Linear (``inside``) or the whole block returning zeros."""
+    with torch.no_grad():
+        block_out = torch.zeros(3, 4).relu() * 2 if inside else torch.zeros(3, 4)
+        return model.b(block_out + 1)
+
+
+@pytest.mark.parametrize("site", ["block.fc", "linear_2_2:1"])
+def test_compiled_eager_interior_is_a_site_by_the_addresses_its_trace_shows(site):
+    """With ``compiled="eager"`` the interior of a torch.compile'd submodule is traced as ``block.fc``: that
+    address is a module site (not only ``block._orig_mod.fc``), and the op labels of that trace are label
+    sites (the reference pass runs the submodule as the intervened run will)."""
+    model, x = WithCompiled(in_place=False), torch.randn(3, 4)
+    with torch.no_grad():
+        log = tl.trace(model, x, intervene={site: tl.zero_ablate()}, compiled="eager")
+    assert log["linear_2_2:1"].module == "block.fc:1"
+    assert torch.equal(log.output, _zeroed_block_output(model, x, inside=True))
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile", "module.compile"])
+@pytest.mark.parametrize("site", ["block.fc", "block.fc:1", "block"])
+def test_a_module_site_that_runs_compiled_is_refused_naming_the_way_out(in_place, site):
+    """Under ``compiled="run"`` nothing inside a compiled submodule runs where a module hook could change it
+    (and a module compiled in place would run the edit's hook a second time, inside its compiled code): such
+    a site is refused before the forward runs, naming what to do, instead of an error about passed-through
+    tensors or unreached sites after it."""
+    model, x = WithCompiled(in_place), torch.randn(3, 4)
+    if site == "block" and not in_place:  # the wrapper's own output is a site
+        with torch.no_grad():
+            log = tl.trace(model, x, intervene={site: tl.zero_ablate()})
+        assert torch.equal(log.output, _zeroed_block_output(model, x, inside=False))
+        return
+    with pytest.raises(tl.InterventionError, match="runs compiled as one op.*compiled='eager'"):
+        tl.trace(model, x, intervene={site: tl.zero_ablate()})
+    with torch.no_grad():  # the ways out it names
+        label = tl.trace(model, x)["block:1"].label
+        at_op = tl.trace(model, x, intervene={label: tl.zero_ablate()})
+        eager = tl.trace(model, x, intervene={site: tl.zero_ablate()}, compiled="eager")
+    assert torch.equal(at_op.output, _zeroed_block_output(model, x, inside=False))
+    assert torch.equal(eager.output, _zeroed_block_output(model, x, inside=site != "block"))
