@@ -182,3 +182,16 @@ def test_a_module_site_that_runs_compiled_is_refused_naming_the_way_out(in_place
         eager = tl.trace(model, x, intervene={site: tl.zero_ablate()}, compiled="eager")
     assert torch.equal(at_op.output, _zeroed_block_output(model, x, inside=False))
     assert torch.equal(eager.output, _zeroed_block_output(model, x, inside=site != "block"))
+
+
+@pytest.mark.parametrize("site", ["block", "block:1", "block.fc"])
+def test_a_torchscript_module_site_is_refused_naming_why(site):
+    """A TorchScript submodule's ops run where capture cannot see them: its output has no op to change and
+    its interior is unseen, so such a site is refused before the forward, saying so (not as a module
+    returning its input, or as a site the forward never reached)."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(4, 4))
+    model.add_module("block", torch.jit.script(Block()))
+    with pytest.raises(tl.InterventionError, match="TorchScript module .*before scripting"):
+        tl.trace(model, torch.randn(3, 4), intervene={site: tl.zero_ablate()})

@@ -109,8 +109,8 @@ def module_chain(trace, module_call: int) -> tuple:
 
 def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
     """``(module sites, pending label sites)``: what needs no reference, and ``(key, action, stop)`` to
-    resolve against one.  Unknown module-like names, and modules inside a torch.compile'd submodule that
-    runs compiled, raise here, before anything runs."""
+    resolve against one.  Unknown module-like names, TorchScript modules and modules inside a
+    torch.compile'd submodule that runs compiled raise here, before anything runs."""
     modules, compiled_in = _site_modules(model)
     modules.pop("", None)  # the root's output is the trace's output: change it after the trace
     module_sites, pending = [], []
@@ -125,8 +125,10 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             raise TypeError(f"an intervention site must be a label, a module address or a predicate over ops, "
                             f"got {key!r}")
         address, _, number = key.rpartition(":")
+        named = address if address in modules else key
+        _refuse_scripted(key, named, modules)
         if compiled == "run":
-            _refuse_inside_compiled(key, address if address in modules else key, compiled_in)
+            _refuse_inside_compiled(key, named, compiled_in)
         if key in modules:
             module_sites.append(ModuleSite(key, action, key, modules[key], None, stop))
         elif address in modules and number.isdigit():
@@ -171,6 +173,20 @@ def _site_modules(model) -> tuple:
             if in_place_here or traced != address:
                 compiled.setdefault(traced, holder)
     return modules, compiled
+
+
+def _refuse_scripted(key: str, address: str, modules: dict) -> None:
+    """A TorchScript module, or one inside it, is no site: its ops run in TorchScript's interpreter, so no
+    op of the trace made its output (it enters with no parent), and nothing inside it is seen."""
+    parts = address.split(".")
+    for n in range(1, len(parts) + 1):
+        outer = ".".join(parts[:n])
+        if isinstance(modules.get(outer), torch.jit.ScriptModule):
+            where = "is a TorchScript module" if outer == address else f"is inside {outer!r}, a TorchScript module"
+            raise InterventionError(
+                f"intervention site {key!r} {where} (torch.jit.script or torch.jit.trace), whose ops run in "
+                "TorchScript's interpreter where capture cannot see them: no op of the trace holds its output "
+                "to change. Trace the module as it was before scripting to intervene there")
 
 
 def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:
