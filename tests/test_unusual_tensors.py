@@ -195,3 +195,29 @@ def test_a_torchscript_module_site_is_refused_naming_why(site):
     model.add_module("block", torch.jit.script(Block()))
     with pytest.raises(tl.InterventionError, match="TorchScript module .*before scripting"):
         tl.trace(model, torch.randn(3, 4), intervene={site: tl.zero_ablate()})
+
+
+class UnseenWrite(nn.Module):
+    """Writes its result where capture cannot see it (torch function handling off), then returns it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        with torch._C.DisableTorchFunction():
+            y.mul_(2)
+        return y
+
+
+def test_an_output_whose_producer_was_dropped_says_so_instead_of_none():
+    """An output node shows its producer's value: when that value was dropped (changed by a write capture
+    could not see, made inside a torch.func transform), the output reads as dropped with the same reason,
+    not as ``None``, which means "not selected for saving"."""
+    log = tl.trace(UnseenWrite(), torch.randn(2, 4))
+    producer = log["linear_1_1:1"]
+    assert producer.dropped_reason is not None
+    assert log["output_1:1"].dropped_reason == producer.dropped_reason
+    with pytest.raises(tl.ActivationUnavailable, match="dropped"):
+        log["output_1:1"].activation
