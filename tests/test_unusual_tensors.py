@@ -221,3 +221,26 @@ def test_an_output_whose_producer_was_dropped_says_so_instead_of_none():
     assert log["output_1:1"].dropped_reason == producer.dropped_reason
     with pytest.raises(tl.ActivationUnavailable, match="dropped"):
         log["output_1:1"].activation
+
+
+class MaskedArithmetic(nn.Module):
+    def forward(self, x):
+        return (x * 2 + 1).sum(), x.exp()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # MaskedTensor is a prototype and says so
+def test_validation_of_tensors_torch_cannot_compare_says_so():
+    """``torch.equal`` has no kernel for a ``MaskedTensor``: the trace is right (each op's value and parents),
+    and validation lists its ops as not replayed and the outputs as not compared, instead of raising."""
+    from torch.masked import masked_tensor
+
+    x = masked_tensor(torch.randn(2, 3), torch.tensor([[True, False, True], [False, True, True]]))
+    expected = MaskedArithmetic()(x)
+    log = tl.trace(MaskedArithmetic(), x)
+    for got, want in zip(log.output, expected):
+        assert torch.equal(got.get_data(), want.get_data()) and torch.equal(got.get_mask(), want.get_mask())
+    result = tl.validate(MaskedArithmetic(), x)
+    assert result.status == "nothing to replay" and result.outputs_match is None
+    assert len(result.not_replayed) == 4
+    assert all("MaskedTensor output cannot be compared" in why for _, why in result.not_replayed)
+    assert "outputs not compared" in str(result)

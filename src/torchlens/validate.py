@@ -47,7 +47,7 @@ class ValidationResult:
     replayed: int = 0
     mismatched: list = field(default_factory=list)  # (label, reason)
     not_replayed: list = field(default_factory=list)  # (label, reason)
-    outputs_differ: str = ""  # where the traced and untraced outputs differ, when they do
+    outputs_differ: str = ""  # where the traced and untraced outputs differ, or why they were not compared
     nothing_reason: str = ""  # why nothing could be replayed, when nothing was
 
     @property
@@ -76,6 +76,8 @@ class ValidationResult:
         if self.outputs_match is not None:
             lines.append(f"  outputs equal an untraced run: {self.outputs_match}"
                          + (f" ({self.outputs_differ})" if self.outputs_differ else ""))
+        elif self.outputs_differ:
+            lines.append(f"  outputs {self.outputs_differ}")
         for label, reason in self.mismatched:
             lines.append(f"  MISMATCH {label}: {reason}")
         if self.not_replayed:
@@ -225,7 +227,10 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         result = validate_trace(log, progress=progress)
     finally:
         after.restore()
-    result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
+    try:
+        result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
+    except Exception as exc:  # noqa: BLE001 - a tensor subclass without an equality kernel (MaskedTensor)
+        result.outputs_differ = f"not compared: torch.equal raised {type(exc).__name__} on the outputs"
     return result
 
 
@@ -335,12 +340,23 @@ def _replay_problem(log, op, rng: RngState):
         if len(got) != len(wanted):
             return _mismatch("a different number of outputs on replay")
         for g, want in zip(got, wanted):
-            if want is not None and not tensors_equal(g, want):
-                return _mismatch("a replayed output differs from the saved one")
+            if want is not None:
+                problem = _compared(g, want, "a replayed output differs from the saved one")
+                if problem is not None:
+                    return problem
         return None
-    if not tensors_equal(out, log.saved_activations[op.index]):
-        return _mismatch("the replayed output differs from the saved one")
-    return None
+    return _compared(out, log.saved_activations[op.index], "the replayed output differs from the saved one")
+
+
+def _compared(replayed, saved, differs: str):
+    """None when the replayed tensor equals the saved one, else the problem: ``differs``, or, when torch cannot
+    compare them (a tensor subclass without an equality kernel, such as ``MaskedTensor``), not replayed."""
+    try:
+        same = tensors_equal(replayed, saved)
+    except Exception as exc:  # noqa: BLE001 - whatever the subclass raises: the comparison says nothing
+        return _skip(f"its {type(saved).__name__} output cannot be compared (torch.equal raised "
+                     f"{type(exc).__name__})")
+    return None if same else _mismatch(differs)
 
 
 def _put(positional: dict, keyword: dict, position, value) -> None:
