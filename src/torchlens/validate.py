@@ -29,6 +29,9 @@ from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+# Forward-mode AD's calls (torch.autograd.forward_ad.make_dual, unpack_dual): they name a dual level, which
+# ended with the forward.
+_DUAL_FUNCS = tuple(f for f in (getattr(torch, "_make_dual", None), getattr(torch, "_unpack_dual", None)) if f)
 
 PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
 RANDOM = "random: consumed the RNG (replay would draw other numbers)"
@@ -292,6 +295,9 @@ def _replay_problem(log, op, rng: RngState):
         return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
     if is_collective(func):
         return _skip("a collective: replayed on one rank alone it would block on, or pair with, other ranks' calls")
+    if func in _DUAL_FUNCS:
+        return _skip("forward-mode AD (torch.autograd.forward_ad): the dual level it ran in ended with the forward, "
+                     "so replay can neither make nor unpack its dual tensors")
     if func in _GRAPH_FUNCS:
         return _skip("it differentiates through the forward's autograd graph, which replayed copies of its "
                      "arguments are not part of")
