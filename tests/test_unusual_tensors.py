@@ -1,4 +1,6 @@
-"""Tensors without values, tensor subclasses and torch.func transforms: a trace of them is right or says
+"""Unusual tensors and execution contexts: tensors without values (FakeTensorMode), tensor subclasses
+(their own ``__torch_function__``, ``MaskedTensor``), torch.func transforms and forward-mode AD inside a
+forward, compiled and TorchScript submodules as intervention sites.  A trace of each is right or says
 what it cannot vouch for, and validation answers instead of failing inside torch."""
 
 from __future__ import annotations
