@@ -100,8 +100,8 @@ LIMITS = """\
   interrupt per trace, as the tests inject. When an interrupt leaves torch's push-back of the mode
   suspended inside `contextlib`, teardown resumes it (so it cannot reinstall the mode later) and removes
   the mode by identity, never popping an empty stack.
-- Autocast is replayed as it was around the traced call. An autocast region opened inside the model's
-  own forward is not recorded per op, so validation reports its ops as mismatches, never as passes.
+- Autocast is replayed as each op ran: around the traced call, or opened inside the model's own
+  forward (each op records the autocast state it ran under).
 - `torch.inference_mode()` is traced, around the trace or inside forward, with weaker write detection:
   inference tensors have no version counter, so in-place writes to them are known by name only
   (`add_`, `__setitem__`, `out=`, `inplace=True`); `Trace.caveats` says so. Use `torch.no_grad()` (same

@@ -186,6 +186,26 @@ def test_from_numpy_and_set_never_reach_capture():
     assert "from_numpy" not in plain_mode.names and "set_" not in plain_mode.names
 
 
+def test_as_subclass_never_reaches_capture():
+    """Wrapping a tensor as a subclass (or unwrapping one) is no op: the result enters as a tensor of
+    unknown origin, and the op reading it is named as such."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    def f(x):
+        wrapped = (x * 2).as_subclass(Tagged)
+        return torch.Tensor._make_subclass(Tagged, wrapped.as_subclass(torch.Tensor)) + wrapped
+
+    log = tl.trace(f, torch.randn(3))
+    assert op_types(log) == ["mul", "add"]
+    assert log["add_1_2:1"].parents == [] and log.unattributed == 2
+    assert "read by add_1_2:1" in str(log)
+    with FunctionLevelCalls() as plain_mode:
+        f(torch.randn(3))
+    assert not {"as_subclass", "_make_subclass"} & set(plain_mode.names)
+
+
 # ----- timing ------------------------------------------------------------------------------------------
 def test_op_durations_are_host_brackets_inside_the_forward():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -23,6 +24,15 @@ from .errors import warn_user
 
 Tensor = torch.Tensor
 MAX_DEPTH = 32  # deeper nesting is not walked: a guard against self-referencing containers
+
+
+def without_values(t: Tensor) -> bool:
+    """Whether ``t`` has a shape and dtype but no values: a meta tensor, or a ``FakeTensor`` (made under
+    ``FakeTensorMode``, which reports a real device).  Comparing such tensors compares shapes and dtypes."""
+    if t.is_meta:
+        return True
+    fake = sys.modules.get("torch._subclasses.fake_tensor")  # none exists before that module is loaded
+    return fake is not None and isinstance(t, fake.FakeTensor)
 
 
 def _is_namedtuple(obj) -> bool:
@@ -240,8 +250,10 @@ def _tensors_equal(a, b, where, exact, rtol, atol) -> tuple:
         return True, ""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False, f"{where}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
-    if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare
-        return (True, "") if a.is_meta and b.is_meta else (False, f"{where}: a meta tensor on one side only")
+    if without_values(a) or without_values(b):  # meta or fake: shape and dtype are all there is to compare
+        if without_values(a) and without_values(b):
+            return True, ""
+        return False, f"{where}: a tensor without values (meta or fake) on one side only"
     if a.layout != torch.strided or b.layout != torch.strided:
         a, b = _dense(a), _dense(b)
     a, b = a.detach(), b.detach()

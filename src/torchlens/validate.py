@@ -26,10 +26,13 @@ from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
-from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves
+from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves, without_values
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+# Forward-mode AD's calls (torch.autograd.forward_ad.make_dual, unpack_dual): they name a dual level, which
+# ended with the forward.
+_DUAL_FUNCS = tuple(f for f in (getattr(torch, "_make_dual", None), getattr(torch, "_unpack_dual", None)) if f)
 
 PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
 RANDOM = "random: consumed the RNG (replay would draw other numbers)"
@@ -48,7 +51,7 @@ class ValidationResult:
     replayed: int = 0
     mismatched: list = field(default_factory=list)  # (label, reason)
     not_replayed: list = field(default_factory=list)  # (label, reason)
-    outputs_differ: str = ""  # where the traced and untraced outputs differ, when they do
+    outputs_differ: str = ""  # where the traced and untraced outputs differ, or why they were not compared
     nothing_reason: str = ""  # why nothing could be replayed, when nothing was
 
     @property
@@ -77,6 +80,8 @@ class ValidationResult:
         if self.outputs_match is not None:
             lines.append(f"  outputs equal an untraced run: {self.outputs_match}"
                          + (f" ({self.outputs_differ})" if self.outputs_differ else ""))
+        elif self.outputs_differ:
+            lines.append(f"  outputs {self.outputs_differ}")
         for label, reason in self.mismatched:
             lines.append(f"  MISMATCH {label}: {reason}")
         if self.not_replayed:
@@ -97,8 +102,8 @@ def tensors_equal(a, b) -> bool:
         return a.layout == b.layout and tensors_equal(a.to_dense(), b.to_dense())
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.is_meta or b.is_meta:  # no values: shape and dtype are all there is to compare
-        return a.is_meta and b.is_meta and a.shape == b.shape and a.dtype == b.dtype
+    if without_values(a) or without_values(b):  # meta or fake: shape and dtype are all there is to compare
+        return without_values(a) and without_values(b)
     return structures_equal(a, b)[0]
 
 
@@ -172,7 +177,7 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None):
     names no model, each module the run calls (met as it runs)."""
     args, kwargs = clone_call(args, kwargs)
     bound = module_run_by(model)
-    if bound is not None and (root is None or root is bound):
+    if bound is not None and (root is None or root is bound) and not _holds_fake_tensors(bound):
         try:  # a module, or a bound method of one, or a partial of either (copied with it); not a lambda
             reference = copy.deepcopy(model)
         except Exception:  # noqa: BLE001 - locks, open files, C++ handles: fall back to restoring
@@ -185,6 +190,13 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None):
             return model(*args, **kwargs)
     finally:
         state.restore()
+
+
+def _holds_fake_tensors(module) -> bool:
+    """Whether ``module`` holds ``FakeTensor`` parameters or buffers: a deep copy of them belongs to a new
+    ``FakeTensorMode``, which refuses the caller's fake inputs, so the reference runs on the model itself."""
+    tensors = (*module.parameters(), *module.buffers())
+    return any(without_values(t) and not t.is_meta for t in tensors)
 
 
 # ----- entry points ------------------------------------------------------------------------------------
@@ -219,7 +231,10 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         result = validate_trace(log, progress=progress)
     finally:
         after.restore()
-    result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
+    try:
+        result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
+    except Exception as exc:  # noqa: BLE001 - a tensor subclass without an equality kernel (MaskedTensor)
+        result.outputs_differ = f"not compared: torch.equal raised {type(exc).__name__} on the outputs"
     return result
 
 
@@ -275,10 +290,15 @@ def _replay_problem(log, op, rng: RngState):
         return _skip("the trace was cleaned up")
     if op.device.type == "meta":
         return _skip("meta tensors hold no values to compare")
+    if op.has_activation and without_values(log.saved_activations[op.index]):
+        return _skip("fake tensors (FakeTensorMode) hold no values to compare")
     if op.func_name in UNINITIALIZED_FUNCS:
         return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
     if is_collective(func):
         return _skip("a collective: replayed on one rank alone it would block on, or pair with, other ranks' calls")
+    if func in _DUAL_FUNCS:
+        return _skip("forward-mode AD (torch.autograd.forward_ad): the dual level it ran in ended with the forward, "
+                     "so replay can neither make nor unpack its dual tensors")
     if func in _GRAPH_FUNCS:
         return _skip("it differentiates through the forward's autograd graph, which replayed copies of its "
                      "arguments are not part of")
@@ -327,12 +347,23 @@ def _replay_problem(log, op, rng: RngState):
         if len(got) != len(wanted):
             return _mismatch("a different number of outputs on replay")
         for g, want in zip(got, wanted):
-            if want is not None and not tensors_equal(g, want):
-                return _mismatch("a replayed output differs from the saved one")
+            if want is not None:
+                problem = _compared(g, want, "a replayed output differs from the saved one")
+                if problem is not None:
+                    return problem
         return None
-    if not tensors_equal(out, log.saved_activations[op.index]):
-        return _mismatch("the replayed output differs from the saved one")
-    return None
+    return _compared(out, log.saved_activations[op.index], "the replayed output differs from the saved one")
+
+
+def _compared(replayed, saved, differs: str):
+    """None when the replayed tensor equals the saved one, else the problem: ``differs``, or, when torch cannot
+    compare them (a tensor subclass without an equality kernel, such as ``MaskedTensor``), not replayed."""
+    try:
+        same = tensors_equal(replayed, saved)
+    except Exception as exc:  # noqa: BLE001 - whatever the subclass raises: the comparison says nothing
+        return _skip(f"its {type(saved).__name__} output cannot be compared (torch.equal raised "
+                     f"{type(exc).__name__})")
+    return None if same else _mismatch(differs)
 
 
 def _put(positional: dict, keyword: dict, position, value) -> None:

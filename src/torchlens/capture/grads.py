@@ -51,6 +51,10 @@ _sequence_nr = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr",
 _KEY_SPAN = 1 << 40
 _bases = itertools.count(1)
 _NO_TASK = object()
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+TRANSFORMED = ("made inside a torch.func transform (grad, vjp, jacrev, ...): its hook saw only the transform's "
+               "own backward (d of the transformed function, not of your loss), and torch refuses retain_grad() "
+               "there; read the gradients of the ops outside the transform")
 
 
 def _held_in_cpp():
@@ -164,6 +168,7 @@ class GradCapture:
         self.selected: set = set()  # record indices whose gradient the trace keeps (set after the forward)
         self.sequence_numbers: dict = {}  # record index -> sequence number of its backward node
         self.first_sequence_number = first_sequence_number
+        self.hidden: frozenset = frozenset()  # records whose gradients came from a torch.func transform
         # Not ``__del__``: the collector clears the weakrefs in ``handles`` with the trace's other garbage
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.  (The
         # compiled adders remove the hooks themselves when they die, with the capture: see _grads.c.)
@@ -175,11 +180,15 @@ class GradCapture:
 
     @property
     def grads(self) -> dict:
-        return self._sink.grads
+        grads = self._sink.grads
+        if self.hidden:
+            return {i: g for i, g in grads.items() if i not in self.hidden}
+        return grads
 
     @property
     def order(self) -> list:
-        return self._sink.order
+        order = self._sink.order
+        return [i for i in order if i not in self.hidden] if self.hidden else order
 
     @order.setter
     def order(self, indices) -> None:
@@ -284,6 +293,24 @@ class GradCapture:
             self.add_hook.remove(dropped)
         self.selected.intersection_update(indices)
 
+    def hide_transformed(self) -> frozenset:
+        """Hide, and stop watching, the records whose gradient arrived during the forward from inside a
+        torch.func transform (``grad``, ``vjp``, ``jacrev``): their hooks were registered on the transform's
+        wrapped tensors, so what they received is the transform's own inner backward, functorch-wrapped,
+        never d loss / d output.  The backwards that delivered only those are not counted.  Returns them."""
+        if _functorch_wrapped is None:
+            return frozenset()
+        received = self._sink.grads  # what arrived during the forward: usually nothing
+        hidden = frozenset(i for i, g in received.items() if _functorch_wrapped(g))
+        if not hidden:
+            return hidden
+        for index in hidden:
+            self._unwatch(index)
+        if hidden == set(received):
+            self.backwards = 0
+        self.hidden = hidden
+        return hidden
+
     def remove_hooks(self) -> None:
         if self._cpp is not None:
             self.add_hook.remove()
@@ -331,6 +358,9 @@ def attach_grads(trace, capture, own_outputs: bool = False) -> None:
     if capture is None:
         return
     trace._gradcap = capture
+    hidden = capture.hide_transformed()
+    if hidden:
+        trace._unsaved_grads = {**trace._unsaved_grads, **dict.fromkeys(hidden, TRANSFORMED)}
     if own_outputs:
         _watch_own_outputs(trace, capture)
     capture.selected = set(capture.handles)

@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from .state import version_of
+from ..tree import without_values
 
 
 def module_run_by(fn):
@@ -205,7 +206,10 @@ class FirstCalls:
 def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Write ``value`` back into ``tensor`` if it differs: only then, since a copy bumps the version counter,
     which a trace's replay reads as a parameter changed since the trace.  (``torch.equal`` takes strided
-    tensors only: a sparse or other layout is written back whatever it holds.)"""
+    tensors only: a sparse or other layout is written back whatever it holds.  A meta or fake tensor holds
+    no values to put back.)"""
+    if without_values(tensor):
+        return
     if tensor.layout != torch.strided or not torch.equal(tensor, value):
         # An inference tensor is written only inside inference mode; leaving it (mode False) turns gradients
         # back on, hence no_grad inside.

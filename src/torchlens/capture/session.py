@@ -86,7 +86,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if markers is not None:  # profiler ranges per op and module call (torchlens.report.kernel_profile)
         state.markers = markers
     runtime = None if not intervene and stop_after is None else \
-        _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy)
+        _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy,
+                              compiled)
     if runtime is not None and runtime.watches_calls:
         state.intervention = runtime
     state.grads = grad_capture(grads, root, state) if grads is not False else None
@@ -296,7 +297,8 @@ def _display_name(model, root) -> str:
     return getattr(model, "__qualname__", None) or type(model).__name__
 
 
-def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy):
+def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy,
+                          compiled):
     """The runtime applying ``intervene=`` / ``stop_after=``, or None (the hot path then costs one check)."""
     if not intervene and stop_after is None:
         return None
@@ -304,15 +306,16 @@ def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, refe
 
     return prepare(root if root is not None else model, intervene=intervene, stop_after=stop_after,
                    reference=reference, index=index,
-                   keep_originals=policy.mode != 0,
-                   run_reference=lambda: _reference_trace(model, args, kwargs, deep, root))
+                   keep_originals=policy.mode != 0, compiled=compiled,
+                   run_reference=lambda: _reference_trace(model, args, kwargs, deep, root, compiled))
 
 
-def _reference_trace(model, args, kwargs, deep, root):
+def _reference_trace(model, args, kwargs, deep, root, compiled):
     """The metadata-only trace label sites are resolved against, on copies of the inputs: a forward that
     writes its inputs in place (``x.mul_(2)``, a key/value cache it extends) must meet them unchanged in
-    the intervened run, and leave them as one forward would."""
-    return _trace(model, *clone_call(args, kwargs), save="none", deep=deep, root=root)
+    the intervened run, and leave them as one forward would.  Compiled submodules run as they will in the
+    intervened run (``compiled=``), so that the ops inside one traced eagerly have their labels there."""
+    return _trace(model, *clone_call(args, kwargs), save="none", deep=deep, root=root, compiled=compiled)
 
 
 def _run_forward(model, args, kwargs):

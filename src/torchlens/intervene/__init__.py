@@ -19,14 +19,17 @@ __all__ = ["Action", "Applied", "Interventions", "StopForward", "clamp", "mean_a
            "prepare", "scale", "steer", "zero_ablate"]
 
 
-def prepare(model, *, intervene, stop_after, reference, index, keep_originals: bool, run_reference):
+def prepare(model, *, intervene, stop_after, reference, index, keep_originals: bool, run_reference,
+            compiled: str = "run"):
     """The runtime for one intervened trace, or None when nothing is asked.  Label sites are resolved
-    against ``reference`` or, when None, a metadata-only trace made here by ``run_reference()``."""
+    against ``reference`` or, when None, a metadata-only trace made here by ``run_reference()``.
+    ``compiled``: how torch.compile'd submodules run (``tl.trace``'s option), which decides whether a module
+    inside one can be a site."""
     if not intervene and stop_after is None:
         return None
     if intervene is not None and not isinstance(intervene, dict):
         raise TypeError(f"intervene= takes a dict {{site: action}}, got {type(intervene).__name__}")
-    module_sites, pending = split_sites(model, intervene or {}, stop_after)
+    module_sites, pending = split_sites(model, intervene or {}, stop_after, compiled)
     label_sites = []
     if pending or (stop_after is not None and reference is not None):
         if reference is None:

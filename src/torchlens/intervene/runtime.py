@@ -5,8 +5,10 @@ tensor-producing call when a trace has interventions (one attribute check otherw
 the call's outputs were recorded and fixes the record up: the op's record, saved activation and
 producer binding then describe the value downstream ops see, and the value the op made is kept as
 ``op.original``.  Module sites are applied by a forward hook on each site module, registered after the
-module's own hooks, that replaces the call's output the same way.  Action code runs with torch function
-handling off, so it never adds ops to the trace.
+module's own hooks, that replaces the call's output the same way.  Action code never adds ops to the
+trace: it runs with torch function handling off, or, on a tensor subclass with a ``__torch_function__`` of
+its own, with that handling on and every mode (the capture's among them) off the stack meanwhile, so that
+the subclass computes the new value and types it, as in a forward hook.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from ..capture.state import StopForward, is_bound, storage_key, version_of
 from ..capture.teardown import remove_handles
 from ..tree import tensor_leaves
 from .sites import ModuleCallInfo, occurrence_key
+
+
+_DISABLED = torch._C._disabled_torch_function_impl  # a __torch_function__ that hands every call on unchanged
+_modes_on_stack, _pop_mode = torch._C._len_torch_function_stack, torch._C._pop_torch_function_stack
+_push_mode = torch._C._push_on_torch_function_stack
 
 
 class Applied:
@@ -174,8 +181,7 @@ class Interventions:
 
     def _run_action(self, action, value, op, key):
         version = version_of(value)  # None under torch.inference_mode(): a write there cannot be told
-        with torch._C.DisableTorchFunction():  # the action's own torch calls are not ops of the model
-            new = action(value, op)
+        new = self._call_action(action, value, op)
         if version is not None and value._version != version:
             raise InterventionError(
                 f"the action at {_where(key, op)} wrote the tensor it was given in place, which would also change "
@@ -205,6 +211,22 @@ class Interventions:
                 "transformers model, model.gradient_checkpointing_disable()), or under torch.no_grad() when no "
                 "gradient is needed")
         return new
+
+    def _call_action(self, action, value, op):
+        """``action(value, op)``; its own torch calls are not ops of the model.  A tensor subclass whose
+        ``__torch_function__`` is its own (not disabled, as a Parameter's or a dispatch-level wrapper's) keeps
+        it meanwhile, as in a forward hook: its arithmetic makes the new value, which downstream ops then
+        see as that subclass."""
+        if type(value) is torch.Tensor or type(value).__torch_function__ is _DISABLED:
+            with torch._C.DisableTorchFunction():
+                return action(value, op)
+        modes = [_pop_mode() for _ in range(_modes_on_stack())]
+        try:
+            with torch._C._EnableTorchFunction():
+                return action(value, op)
+        finally:
+            for mode in reversed(modes):
+                _push_mode(mode)
 
     # ----- record fix-ups ------------------------------------------------------------------------
     def _replace(self, st, call_position, record, old, new, args, kwargs):

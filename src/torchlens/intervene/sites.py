@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import closest_hint
+from ..errors import InterventionError, closest_hint
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.op import Layer, Op
 from ..capture.source import line_of, source_of
@@ -25,6 +25,8 @@ from ..labels.naming import func_name_of
 from .actions import as_action
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
+_WRAPPED = "_orig_mod"  # where a torch.compile'd submodule (an OptimizedModule) holds the module it compiles
+_IN_PLACE = "_compiled_call_impl"  # the instance attribute module.compile() sets
 
 
 class LabelSite:
@@ -108,11 +110,11 @@ def module_chain(trace, module_call: int) -> tuple:
     return tuple(reversed(chain))
 
 
-def split_sites(model, intervene: dict, stop_after):
+def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
     """``(module sites, pending label sites)``: what needs no reference, and ``(key, action, stop)`` to
-    resolve against one.  Unknown module-like names raise ``KeyError`` here, before anything runs."""
-    # Every address, aliases included (one module registered under two names answers to both).
-    modules = dict(model.named_modules(remove_duplicate=False)) if isinstance(model, torch.nn.Module) else {}
+    resolve against one.  Unknown module-like names, TorchScript modules and modules inside a
+    torch.compile'd submodule that runs compiled raise here, before anything runs."""
+    modules, compiled_in = _site_modules(model)
     modules.pop("", None)  # the root's output is the trace's output: change it after the trace
     module_sites, pending = [], []
     items = [(key, as_action(action), False) for key, action in intervene.items()]
@@ -126,6 +128,10 @@ def split_sites(model, intervene: dict, stop_after):
             raise TypeError(f"an intervention site must be a label, a module address or a predicate over ops, "
                             f"got {key!r}")
         address, _, number = key.rpartition(":")
+        named = address if address in modules else key
+        _refuse_scripted(key, named, modules)
+        if compiled == "run":
+            _refuse_inside_compiled(key, named, compiled_in)
         if key in modules:
             module_sites.append(ModuleSite(key, action, key, modules[key], None, stop))
         elif address in modules and number.isdigit():
@@ -139,6 +145,68 @@ def split_sites(model, intervene: dict, stop_after):
             raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address or "
                            f"module call of {type(model).__name__}{closest_hint(key, names)}")
     return module_sites, pending
+
+
+def _site_modules(model) -> tuple:
+    """``({address: module}, {address: (compiled module's address, compiled in place)})``: every address,
+    aliases included (one module registered under two names answers to both), and for a module inside a
+    torch.compile'd submodule also the address a trace gives it (``block.fc``, not ``block._orig_mod.fc``).
+    The second map names, for each module that runs inside compiled code, the compiled module holding it:
+    an ``OptimizedModule`` wrapper (``torch.compile(module)``: the wrapper itself is outside), or a module
+    compiled in place (``module.compile()``: itself inside, its compiled code running its hooks)."""
+    if not isinstance(model, torch.nn.Module):
+        return {}, {}
+    modules, compiled = {}, {}
+    in_place = []  # (address prefix, address) of the modules compiled in place, outermost first
+    for name, module in model.named_modules(remove_duplicate=False):
+        modules[name] = module
+        parts = name.split(".")
+        holder = next(((address, True) for prefix, address in in_place if name.startswith(prefix)), None)
+        if holder is None and _WRAPPED in parts:
+            holder = (".".join(parts[:parts.index(_WRAPPED)]), False)
+        if holder is None and vars(module).get(_IN_PLACE) is not None:
+            holder = (name, True)
+            in_place.append((f"{name}." if name else "", name))
+        traced = ".".join(part for part in parts if part != _WRAPPED)
+        modules.setdefault(traced, module)  # a wrapper keeps its own address
+        if holder is not None:
+            address, in_place_here = holder
+            if in_place_here or name != address:  # a wrapper itself is outside what it compiles
+                compiled[name] = holder
+            if in_place_here or traced != address:
+                compiled.setdefault(traced, holder)
+    return modules, compiled
+
+
+def _refuse_scripted(key: str, address: str, modules: dict) -> None:
+    """A TorchScript module, or one inside it, is no site: its ops run in TorchScript's interpreter, so no
+    op of the trace made its output (it enters with no parent), and nothing inside it is seen."""
+    parts = address.split(".")
+    for n in range(1, len(parts) + 1):
+        outer = ".".join(parts[:n])
+        if isinstance(modules.get(outer), torch.jit.ScriptModule):
+            where = "is a TorchScript module" if outer == address else f"is inside {outer!r}, a TorchScript module"
+            raise InterventionError(
+                f"intervention site {key!r} {where} (torch.jit.script or torch.jit.trace), whose ops run in "
+                "TorchScript's interpreter where capture cannot see them: no op of the trace holds its output "
+                "to change. Trace the module as it was before scripting to intervene there")
+
+
+def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:
+    """Under ``compiled="run"`` a module that runs inside compiled code is no site: its interior is never
+    called where a hook could change it, and a module compiled in place would run the hook a second time."""
+    holder = compiled.get(address)
+    if holder is None:
+        return
+    wrapper, in_place = holder
+    kind = "a module compiled in place (module.compile())" if in_place else "a torch.compile'd submodule"
+    instead = f"the label of its compiled op (the output op of {wrapper}:1 in a plain trace)" if in_place \
+        else repr(wrapper)
+    subject = f"is {kind}, which" if address == wrapper else f"is inside {wrapper!r}, {kind}, which"
+    raise InterventionError(
+        f"intervention site {key!r} {subject} runs compiled as one op, so no module hook can change it or anything "
+        f"inside it: intervene at {instead}, or trace with compiled='eager' to run it eagerly (op by op) and "
+        "intervene there")
 
 
 def resolve_labels(reference, pending) -> list:

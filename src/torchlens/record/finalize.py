@@ -130,7 +130,11 @@ def _argument_order(edge) -> tuple:
 def _show_output(state: CaptureState, index: int, producer: int, t, activations: dict) -> None:
     """Give output node ``index`` the tensor it shows when its producer's is saved: the producer's, or ``t``
     itself when ``t`` was last written through a view or its base (``a.t().sub_(3); return a``): its
-    producer, the writer, then made that alias, a tensor of another shape or layout."""
+    producer, the writer, then made that alias, a tensor of another shape or layout.  When the producer's
+    saved value was dropped, the output node reads as dropped, for the same reason."""
+    dropped = state.clobbered.get(producer)
+    if dropped is not None:
+        state.clobbered[index] = dropped
     if producer not in activations and state.grads is None:
         return  # nothing shown, no gradient: whether it was written through a view does not matter
     aliased = producer >= 0 and state.written_through_alias(t)

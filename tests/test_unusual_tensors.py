@@ -1,0 +1,276 @@
+"""Unusual tensors and execution contexts: tensors without values (FakeTensorMode), tensor subclasses
+(their own ``__torch_function__``, ``MaskedTensor``), torch.func transforms and forward-mode AD inside a
+forward, compiled and TorchScript submodules as intervention sites.  A trace of each is right or says
+what it cannot vouch for, and validation answers instead of failing inside torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torchlens as tl
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.fc(x).relu())
+
+
+def test_validate_under_fake_tensor_mode_replays_nothing_and_says_why():
+    """A FakeTensor reports a real device but holds no values: validation treats it as a meta tensor
+    (shapes and dtypes compared, no op replayed, the reason given) instead of failing inside torch (a deep
+    copy of the model lands in another FakeTensorMode; ``torch.equal`` on fake tensors is data-dependent)."""
+    with FakeTensorMode():
+        model, x = Small(), torch.randn(2, 4)
+        log = tl.trace(model, x)
+        assert log["head"].shape == (2, 2)
+        result = tl.validate(model, x)
+        replayed = log.validate()
+    reason = "fake tensors (FakeTensorMode) hold no values to compare"
+    assert result.passed and result.replayed == 0 and result.outputs_match, str(result)
+    assert {why for _, why in result.not_replayed} == {reason}
+    assert replayed.status == "nothing to replay" and {why for _, why in replayed.not_replayed} == {reason}
+
+
+class Doubling(torch.Tensor):
+    """A subclass whose ``__torch_function__`` changes arithmetic: ``a + b`` adds ``b`` twice."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.Tensor.add, torch.Tensor.__add__, torch.add):
+            with torch._C.DisableTorchFunctionSubclass():
+                out = (out + args[1]).as_subclass(cls)
+        return out
+
+
+class AddAfter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + 1
+
+
+@pytest.mark.parametrize("site", ["fc", "linear_1_1:1"])
+@pytest.mark.parametrize("action", [tl.zero_ablate(), tl.steer(torch.ones(4))], ids=["zero_ablate", "steer"])
+def test_an_action_on_a_tensor_subclass_computes_as_a_forward_hook_does(site, action):
+    """The action's value is made and typed by the subclass's own ``__torch_function__``, as in a forward
+    hook: downstream ops see the subclass (its arithmetic), and the action adds no op to the trace."""
+    torch.manual_seed(0)
+    model, x = AddAfter(), torch.randn(2, 4).as_subclass(Doubling)
+    handle = model.fc.register_forward_hook(lambda module, args, out: action(out, None))
+    with torch.no_grad():
+        expected = model(x)
+    handle.remove()
+    with torch.no_grad():
+        log = tl.trace(model, x, intervene={site: action})
+        plain = tl.trace(model, x)
+    assert type(log.output) is Doubling and torch.equal(log.output, expected)
+    assert log.labels == plain.labels
+
+
+class GradInside(nn.Module):
+    """A forward that takes a gradient with torch.func.grad (an input-gradient feature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        g = torch.func.grad(lambda t: self.fc(t).tanh().sum())(x[0])
+        return self.fc(x) * g
+
+
+@pytest.mark.parametrize("save", ["all", "none"])
+def test_ops_inside_a_torch_func_transform_have_no_gradient_to_claim(save):
+    """Inside ``torch.func.grad`` the hooks sit on the transform's wrapped tensors and receive only its own
+    inner backward (where torch refuses ``retain_grad()``): those ops say so instead of returning that value
+    as d loss / d output; the ops outside keep the gradient ``retain_grad()`` gives, and the inner backward
+    is not counted."""
+    torch.manual_seed(0)
+    model, x = GradInside(), torch.randn(3, 4)
+    weights = torch.randn(3, 4)
+    g = torch.func.grad(lambda t: model.fc(t).tanh().sum())(x[0])
+    y = model.fc(x)
+    y.retain_grad()
+    out = y * g
+    out.retain_grad()
+    (out * weights).sum().backward()
+
+    log = tl.trace(model, x, grads=True, save=save)
+    log.backward((log.output * weights).sum())
+    inside = [op for op in log.ops if op.type in ("tanh", "sum")] + [log["linear_1_2:1"]]
+    for op in inside:
+        with pytest.raises(tl.GradientUnavailable, match="inside a torch.func transform"):
+            op.grad
+        assert not op.has_grad
+    assert torch.equal(log["linear_1_2:2"].grad, y.grad)
+    assert torch.equal(log[log.ops[-2].label].grad, out.grad)
+    assert log.num_backwards == 1
+    assert log.to_pandas().set_index("label")["grad_norm"].isna()["tanh_1_3:1"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu() * 2
+
+
+class WithCompiled(nn.Module):
+    def __init__(self, in_place: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.block = Block()
+        if in_place:
+            self.block.compile(backend="eager")
+        else:
+            self.block = torch.compile(self.block, backend="eager")
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.block(self.a(x)) + 1)
+
+
+def _zeroed_block_output(model, x, inside: bool):
+    """The untraced output with the block's Linear (``inside``) or the whole block returning zeros."""
+    with torch.no_grad():
+        block_out = torch.zeros(3, 4).relu() * 2 if inside else torch.zeros(3, 4)
+        return model.b(block_out + 1)
+
+
+@pytest.mark.parametrize("site", ["block.fc", "linear_2_2:1"])
+def test_compiled_eager_interior_is_a_site_by_the_addresses_its_trace_shows(site):
+    """With ``compiled="eager"`` the interior of a torch.compile'd submodule is traced as ``block.fc``: that
+    address is a module site (not only ``block._orig_mod.fc``), and the op labels of that trace are label
+    sites (the reference pass runs the submodule as the intervened run will)."""
+    model, x = WithCompiled(in_place=False), torch.randn(3, 4)
+    with torch.no_grad():
+        log = tl.trace(model, x, intervene={site: tl.zero_ablate()}, compiled="eager")
+    assert log["linear_2_2:1"].module == "block.fc:1"
+    assert torch.equal(log.output, _zeroed_block_output(model, x, inside=True))
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile", "module.compile"])
+@pytest.mark.parametrize("site", ["block.fc", "block.fc:1", "block"])
+def test_a_module_site_that_runs_compiled_is_refused_naming_the_way_out(in_place, site):
+    """Under ``compiled="run"`` nothing inside a compiled submodule runs where a module hook could change it
+    (and a module compiled in place would run the edit's hook a second time, inside its compiled code): such
+    a site is refused before the forward runs, naming what to do, instead of an error about passed-through
+    tensors or unreached sites after it."""
+    model, x = WithCompiled(in_place), torch.randn(3, 4)
+    if site == "block" and not in_place:  # the wrapper's own output is a site
+        with torch.no_grad():
+            log = tl.trace(model, x, intervene={site: tl.zero_ablate()})
+        assert torch.equal(log.output, _zeroed_block_output(model, x, inside=False))
+        return
+    with pytest.raises(tl.InterventionError, match="runs compiled as one op.*compiled='eager'"):
+        tl.trace(model, x, intervene={site: tl.zero_ablate()})
+    with torch.no_grad():  # the ways out it names
+        label = tl.trace(model, x)["block:1"].label
+        at_op = tl.trace(model, x, intervene={label: tl.zero_ablate()})
+        eager = tl.trace(model, x, intervene={site: tl.zero_ablate()}, compiled="eager")
+    assert torch.equal(at_op.output, _zeroed_block_output(model, x, inside=False))
+    assert torch.equal(eager.output, _zeroed_block_output(model, x, inside=site != "block"))
+
+
+@pytest.mark.parametrize("site", ["block", "block:1", "block.fc"])
+def test_a_torchscript_module_site_is_refused_naming_why(site):
+    """A TorchScript submodule's ops run where capture cannot see them: its output has no op to change and
+    its interior is unseen, so such a site is refused before the forward, saying so (not as a module
+    returning its input, or as a site the forward never reached)."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(4, 4))
+    model.add_module("block", torch.jit.script(Block()))
+    with pytest.raises(tl.InterventionError, match="TorchScript module .*before scripting"):
+        tl.trace(model, torch.randn(3, 4), intervene={site: tl.zero_ablate()})
+
+
+class UnseenWrite(nn.Module):
+    """Writes its result where capture cannot see it (torch function handling off), then returns it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        with torch._C.DisableTorchFunction():
+            y.mul_(2)
+        return y
+
+
+def test_an_output_whose_producer_was_dropped_says_so_instead_of_none():
+    """An output node shows its producer's value: when that value was dropped (changed by a write capture
+    could not see, made inside a torch.func transform), the output reads as dropped with the same reason,
+    not as ``None``, which means "not selected for saving"."""
+    log = tl.trace(UnseenWrite(), torch.randn(2, 4))
+    producer = log["linear_1_1:1"]
+    assert producer.dropped_reason is not None
+    assert log["output_1:1"].dropped_reason == producer.dropped_reason
+    with pytest.raises(tl.ActivationUnavailable, match="dropped"):
+        log["output_1:1"].activation
+
+
+class MaskedArithmetic(nn.Module):
+    def forward(self, x):
+        return (x * 2 + 1).sum(), x.exp()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # MaskedTensor is a prototype and says so
+def test_validation_of_tensors_torch_cannot_compare_says_so():
+    """``torch.equal`` has no kernel for a ``MaskedTensor``: the trace is right (each op's value and parents),
+    and validation lists its ops as not replayed and the outputs as not compared, instead of raising."""
+    from torch.masked import masked_tensor
+
+    x = masked_tensor(torch.randn(2, 3), torch.tensor([[True, False, True], [False, True, True]]))
+    expected = MaskedArithmetic()(x)
+    log = tl.trace(MaskedArithmetic(), x)
+    for got, want in zip(log.output, expected):
+        assert torch.equal(got.get_data(), want.get_data()) and torch.equal(got.get_mask(), want.get_mask())
+    result = tl.validate(MaskedArithmetic(), x)
+    assert result.status == "nothing to replay" and result.outputs_match is None
+    assert len(result.not_replayed) == 4
+    assert all("MaskedTensor output cannot be compared" in why for _, why in result.not_replayed)
+    assert "outputs not compared" in str(result)
+
+
+class ForwardAD(nn.Module):
+    """A Jacobian-vector product by forward-mode AD inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import torch.autograd.forward_ad as fwAD
+
+        with fwAD.dual_level():
+            primal, tangent = fwAD.unpack_dual(self.fc(fwAD.make_dual(x, torch.ones_like(x))).tanh())
+        return primal, tangent
+
+
+def test_forward_mode_ad_calls_are_not_replayed_rather_than_reported_as_mismatches():
+    """``make_dual`` and ``unpack_dual`` name a dual level that ended with the forward: replayed after it they
+    fail or return fewer outputs, which says nothing about the trace, so they are listed as not replayed (a
+    false mismatch would fail a faithful trace)."""
+    torch.manual_seed(0)
+    model, x = ForwardAD(), torch.randn(2, 4)
+    result = tl.validate(model, x)
+    assert result.passed and result.outputs_match and not result.mismatched, str(result)
+    skipped = {label: why for label, why in result.not_replayed}
+    assert set(skipped) == {"makedual_1_2:1", "unpackdual_1_5:1"}
+    assert all("forward-mode AD" in why for why in skipped.values())
