@@ -235,7 +235,16 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
     except Exception as exc:  # noqa: BLE001 - a tensor subclass without an equality kernel (MaskedTensor)
         result.outputs_differ = f"not compared: torch.equal raised {type(exc).__name__} on the outputs"
+    if result.outputs_match and _without_any_values(log.output):  # meta or fake: only shapes agreed
+        result.outputs_match = None
+        result.outputs_differ = "not compared by value: meta or fake tensors hold none (their shapes and dtypes agree)"
     return result
+
+
+def _without_any_values(output) -> bool:
+    """Whether every tensor of ``output`` is a meta or fake one (and there is one): nothing to compare values of."""
+    leaves = [t for _, t in tensor_leaves(output)]
+    return bool(leaves) and all(without_values(t) for t in leaves)
 
 
 def validate_trace(log, progress=None) -> ValidationResult:
