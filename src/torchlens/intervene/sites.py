@@ -255,7 +255,7 @@ def number_occurrences(trace, sites) -> None:
         wanted.setdefault(site.call, []).append(site)
     if not wanted:
         return
-    calls, names, seen = trace.calls, trace._func_names, {}
+    calls, names, seen = trace.calls, trace.func_names, {}
     for position in range(max(wanted) + 1):
         call = calls[position]
         # A loaded trace keeps no function objects, only the names its ops were given.
