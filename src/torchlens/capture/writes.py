@@ -43,10 +43,11 @@ def protect_before_write(st, func, args, kwargs) -> None:
             st.protect_saved(t)
         return
     if inplace or kwargs.get("inplace"):
-        if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
-            st.protect_saved(args[0])
-        elif args and type(args[0]) in (list, tuple):  # a list written whole (_foreach_add_, dist.all_gather)
-            st.protect_saved_all(args[0])
+        target = _first_argument(args, kwargs)
+        if isinstance(target, Tensor):
+            st.protect_saved(target)
+        elif type(target) in (list, tuple):  # a list written whole (_foreach_add_, dist.all_gather)
+            st.protect_saved_all(target)
     elif "out" in kwargs:
         st.protect_saved_all(kwargs["out"])
 
@@ -83,9 +84,18 @@ def _without_views_only_read(func, args, kwargs, written: list) -> list:
     return kept
 
 
+def _first_argument(args, kwargs):
+    """The argument an in-place function writes: its first, by position, or by keyword when none is
+    positional, as torch's Python-level in-place functions hand it on (``nn.init.constant_`` passes
+    ``tensor=``)."""
+    if args:
+        return args[0]
+    return next(iter(kwargs.values()), None)
+
+
 def _predicted_write(func, args, kwargs, t) -> bool:
     """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter) are known."""
-    if args and args[0] is t and (predicts_inplace(func) or kwargs.get("inplace")):
+    if _first_argument(args, kwargs) is t and (predicts_inplace(func) or kwargs.get("inplace")):
         return True
     out = kwargs.get("out")
     return out is t or (isinstance(out, (tuple, list)) and any(o is t for o in out))
