@@ -26,3 +26,38 @@ def test_a_write_whose_tensor_is_passed_by_keyword_keeps_the_value_before_it(com
     assert log["constant_1_2:1"].is_inplace and log["add_1_3:1"].parents == ["constant_1_2:1"]
     result = log.validate()
     assert result.passed and result.replayed == 3
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_base_written_through_its_view_as_an_out_tensor_is_not_taken_for_the_output(compiled):
+    # max writes its values into a view of its own input: a then holds a value no op returned, so neither
+    # the model's output nor mul's replay may take max's (2, 1) values for a.
+    def forward(x):
+        a = x.tanh()
+        torch.max(a, 1, keepdim=True, out=(a[:, :1], torch.empty(0, dtype=torch.long)))
+        return a * 1, a
+
+    x = torch.randn(2, 3)
+    with on_path(compiled):
+        log = tl.trace(forward, x)
+    expected = forward(x)
+    assert [o.parents for o in log.outputs] == [["mul_1_6:1"], ["max_1_4:1"]]  # what last wrote each
+    assert torch.equal(log.outputs[1].activation, expected[1])
+    assert torch.equal(log["mul_1_6:1"].activation, expected[0])
+    result = log.validate()
+    assert result.status == "passed", result
+    assert "mul_1_6:1: it read max_1_4:1's storage after a write through a view" in str(result)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_each_tensor_a_foreach_call_writes_is_the_output_that_wrote_it(compiled):
+    def forward(x):
+        a = x * 1.0
+        torch._foreach_mul_([a[0], a[1]], 2.0)  # two views of a, written by the call's two outputs
+        return a * 3
+
+    with on_path(compiled):
+        log = tl.trace(forward, torch.randn(2, 3))
+    assert log["foreachmul_2_5:1"].multi_output_index == 1
+    assert log["mul_2_6:1"].parents == ["foreachmul_2_5:1"]  # the last write, as for two separate mul_ calls
+    assert log.validate().status == "passed"

@@ -339,19 +339,28 @@ class CaptureState:
             self.producers[id(base)] = (entry[0], entry[1], STALE_VERSION)
 
     def note_writes(self, written: list, record_index: int) -> None:
-        """Tensors an op wrote (in place, through ``out=``, or inside a fused kernel)."""
-        for t in written:
+        """Tensors an op wrote (in place, through ``out=``, or inside a fused kernel), from its first output
+        record ``record_index``.  Each is bound to the output it is (``Written.outputs``); one written only
+        through another argument stays bound as it was, so that its next read finds the write through the
+        alias (``producer_of``) instead of taking an output it is not for its value."""
+        outputs = getattr(written, "outputs", None)
+        count = self.calls[-1][CALL_NUM_OUTPUTS]
+        for k, t in enumerate(written):
             key = storage_key(t)
             if self.param_storages:
                 self.keep_param(key, len(self.calls) - 1, None)
+            position = outputs[k] if outputs is not None else 0
+            if position is None:
+                continue  # the argument it was written through is noted, with the bytes written
+            index = record_index + (position if position < count else 0)
             version = version_of(t)
-            self.writers.setdefault(key, []).append((record_index, version, memory_span(t)))
-            self.producers[id(t)] = (weakref(t), record_index, version)
+            self.writers.setdefault(key, []).append((index, version, memory_span(t)))
+            self.producers[id(t)] = (weakref(t), index, version)
             alias = self.data_bases.get(id(t))
             if alias is not None and alias[0]() is t and alias[1]() is not None:
                 # A write through ``x.data`` changes x without touching x's version counter: rebind x.
                 base = alias[1]()
-                self.producers[id(base)] = (weakref(base), record_index, version_of(base))
+                self.producers[id(base)] = (weakref(base), index, version_of(base))
             stale = self.saved_by_storage.pop(key, None)
             if stale:
                 for i in stale:
