@@ -425,5 +425,12 @@ def _copy_with_layout(t):
         return t.clone()
     try:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
-        return t.clone()
+    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written element by element
+        return _copy_of_span(t)
+
+
+def _copy_of_span(t):
+    """A copy of the memory an overlapping view spans (``x.expand(3, 4)``: ``x``'s four elements), viewed with
+    the view's strides: a reduction over it then sums in the order it did in the forward."""
+    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
+    return t.as_strided((reach,), (1,)).clone().as_strided(t.shape, t.stride())
