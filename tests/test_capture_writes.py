@@ -61,3 +61,16 @@ def test_each_tensor_a_foreach_call_writes_is_the_output_that_wrote_it(compiled)
     assert log["foreachmul_2_5:1"].multi_output_index == 1
     assert log["mul_2_6:1"].parents == ["foreachmul_2_5:1"]  # the last write, as for two separate mul_ calls
     assert log.validate().status == "passed"
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_tensor_a_foreach_call_writes_twice_was_last_written_by_its_last_place(compiled):
+    def forward(x):
+        a = x * 1.0
+        b = a.detach()  # another tensor of a's storage, read after the writes
+        torch._foreach_add_([a, a], 1.0)
+        return b * 3
+
+    with on_path(compiled):
+        log = tl.trace(forward, torch.randn(2, 3))
+    assert log["mul_2_5:1"].parents == ["foreachadd_2_4:1"]

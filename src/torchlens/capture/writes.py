@@ -85,11 +85,8 @@ def _output_positions(func, args, kwargs, written: list) -> list:
     targets = _named_targets(func, args, kwargs)
     if not targets:
         return [0] * len(written)
-    positions = []
-    for t in written:
-        position = next((k for k, u in enumerate(targets) if u is t), None)
-        positions.append(position)
-    return positions
+    # A tensor listed twice (``_foreach_add_([a, a], 1)``) was last written by its last place.
+    return [max((k for k, u in enumerate(targets) if u is t), default=None) for t in written]
 
 
 def _named_targets(func, args, kwargs) -> list:
