@@ -74,3 +74,20 @@ def test_a_tensor_a_foreach_call_writes_twice_was_last_written_by_its_last_place
     with on_path(compiled):
         log = tl.trace(forward, torch.randn(2, 3))
     assert log["mul_2_5:1"].parents == ["foreachadd_2_4:1"]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_view_given_as_the_value_of_a_write_to_its_base_is_not_taken_for_the_written_base(compiled):
+    # v's counter moves with a's: v is an argument the call wrote through a, not the setitem's output
+    # (all of a), so mul's replay must not be handed a in place of v.
+    def forward(x):
+        a = x * 1.0
+        v = a[:1]
+        a[1:2] = v
+        return v * 1, a
+
+    with on_path(compiled):
+        log = tl.trace(forward, torch.randn(3, 2))
+    assert log["mul_2_4:1"].parents == ["setitem_1_3:1"]
+    result = log.validate()
+    assert result.status == "passed", result
