@@ -30,3 +30,23 @@ def test_a_reduction_over_an_expanded_tensor_replays_exactly():
     for _ in range(5):
         result = tl.validate(forward, torch.randn(4).requires_grad_())
         assert result.passed and result.replayed == 6, result
+
+
+def test_an_op_that_wrote_memory_another_of_its_arguments_reads_is_not_replayed():
+    # What such a call makes depends on the order its kernel read and wrote: replay, on separate copies of
+    # its arguments, would report a mismatch the forward never had.
+    def out_into_its_input(x):
+        a = x.sigmoid()
+        torch.addmm(x, a, torch.eye(4), out=torch.as_strided(a, (3, 4), (4, 1)))
+        return a * 1
+
+    def two_names_for_one_tensor(x):
+        a = x * 1.0
+        torch._foreach_add_([a, torch.as_strided(a, (3, 4), (4, 1))], 1.0)
+        return a * 2
+
+    for forward, writer, reader in ((out_into_its_input, "addmm_1_4:1", "sigmoid_1_1:1"),
+                                    (two_names_for_one_tensor, "foreachadd_1_3:1", "mul_1_1:1")):
+        result = tl.validate(forward, torch.randn(3, 4))
+        assert result.status == "passed", result
+        assert f"{writer}: it read {reader}'s storage after a write through a view (or while writing it" in str(result)

@@ -296,8 +296,9 @@ def _replay_problem(log, op, rng: RngState):
         if parent not in log.saved_activations:
             return _skip(f"parent {log.labels[parent]} was not saved")
         if (call_position, parent) in log.alias_reads:
-            return _skip(f"it read {log.labels[parent]}'s storage after a write through a view (or a "
-                         "running statistic it wrote in its kernel), a value that no op output holds")
+            return _skip(f"it read {log.labels[parent]}'s storage after a write through a view (or while "
+                         "writing it through another argument, or a running statistic it wrote in its kernel), "
+                         "a value that no op output holds")
         if parent not in copies:
             copies[parent] = _private_copy(log.saved_activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])

@@ -106,6 +106,14 @@ def is_bound(entry: tuple, t: torch.Tensor) -> bool:
 STALE_VERSION = -1
 
 
+def _written_through_each_other(written: list) -> list:
+    """The distinct tensors a call wrote that may share a byte with another of them."""
+    reached = [(storage_key(t), memory_span(t), t) for t in written]
+    return [t for key, span, t in reached
+            if any(key == other_key and t is not other and spans_meet(span, other_span)
+                   for other_key, other_span, other in reached)]
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory a tensor lives in; views share it with their base."""
     try:
@@ -158,7 +166,8 @@ class CaptureState:
         self.unwritten: dict = {}
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
-        # (call index, parent record) read after a write through a view, or of a statistic a kernel wrote
+        # (call index, parent record) read after a write through a view, while the call wrote it through
+        # another argument, or of a statistic a kernel wrote
         self.alias_reads: set = set()
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
@@ -345,6 +354,15 @@ class CaptureState:
         alias (``producer_of``) instead of taking an output it is not for its value."""
         outputs = getattr(written, "outputs", None)
         count = self.calls[-1][CALL_NUM_OUTPUTS]
+        if len(written) > 1:
+            # Arguments it wrote that share memory (addmm with out= a view of its input, _foreach_add_ of
+            # two views of one tensor): what it made depends on the order its kernel read and wrote, which
+            # replay on separate copies of them cannot repeat.
+            call_index = len(self.calls) - 1
+            for t in _written_through_each_other(written):
+                entry = self.producers.get(id(t))
+                if entry is not None and is_bound(entry, t):
+                    self.alias_reads.add((call_index, entry[1]))
         for k, t in enumerate(written):
             key = storage_key(t)
             if self.param_storages:
