@@ -50,3 +50,25 @@ def test_an_op_that_wrote_memory_another_of_its_arguments_reads_is_not_replayed(
         result = tl.validate(forward, torch.randn(3, 4))
         assert result.status == "passed", result
         assert f"{writer}: it read {reader}'s storage after a write through a view (or while writing it" in str(result)
+
+
+class _WritesOneElementOfAnExpandedBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.randn(4) * 0.1)
+
+    def forward(self, x):
+        grid = self.scale.expand(3, 4)
+        grid[0, 0] = 3.0  # one element of scale: every row shows it
+        return x * grid
+
+
+def test_a_saved_expanded_tensor_copied_before_a_write_keeps_its_layout():
+    # Copy-on-write keeps the expanded layout, so the write's replay reaches every row as it did.
+    torch.manual_seed(0)
+    model, x = _WritesOneElementOfAnExpandedBuffer(), torch.randn(3, 4)
+    log = tl.trace(model, x)
+    assert log["expand_1_1:1"].activation.stride() == (0, 1)  # still four values, shown in every row
+    assert torch.equal(log["setitem_1_2:1"].activation[:, 0], torch.full((3,), 3.0))
+    result = log.validate()
+    assert result.passed and result.replayed == 3, result

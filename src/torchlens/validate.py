@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .record.columns import UNINITIALIZED_FUNCS
+from .record.layouts import copy_with_layout
 from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
@@ -346,8 +347,8 @@ def _private_copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     differentiable copy, so an in-place op accepts it as it accepted the op output it stands for)."""
     if requires_grad and (t.is_floating_point() or t.is_complex()):
         with torch.enable_grad():
-            return _copy_with_layout(t.detach().requires_grad_(True))
-    return _copy_with_layout(t)
+            return copy_with_layout(t.detach().requires_grad_(True))
+    return copy_with_layout(t)
 
 
 def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
@@ -368,7 +369,7 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
     # A parameter's copy is a parameter's kind of tensor even when validating inside torch.inference_mode():
     # some kernels choose their path by it (a CPU GRU given inference-tensor weights rounds differently).
     with torch.inference_mode(value.is_inference()):
-        copied = _copy_with_layout(value.detach())
+        copied = copy_with_layout(value.detach())
         if copied.is_floating_point() or copied.is_complex():
             flags = replay.param_requires_grad if replay is not None else {}
             copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
@@ -417,21 +418,3 @@ def _as_traced(log, context):
         elif torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
     return stack
-
-
-def _copy_with_layout(t):
-    """A private copy with ``t``'s strides: a reduction over a strided view (``z.real``) sums in a
-    different order, and so to different bits, than over a contiguous copy."""
-    if t.layout != torch.strided or t.is_nested or t.is_contiguous():  # in that order: CSR has no strides
-        return t.clone()
-    try:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written element by element
-        return _copy_of_span(t)
-
-
-def _copy_of_span(t):
-    """A copy of the memory an overlapping view spans (``x.expand(3, 4)``: ``x``'s four elements), viewed with
-    the view's strides: a reduction over it then sums in the order it did in the forward."""
-    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
-    return t.as_strided((reach,), (1,)).clone().as_strided(t.shape, t.stride())

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
-from ..record.layouts import memory_span, shape_of, spans_meet
+from ..record.layouts import copy_with_layout, memory_span, shape_of, spans_meet
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
@@ -452,7 +452,7 @@ class CaptureState:
         if stale:
             for i in stale:
                 if i in self.saved:
-                    self.saved[i] = self.saved[i].clone()
+                    self.saved[i] = copy_with_layout(self.saved[i])  # as the later readers saw it
                     self.saved_versions[i] = None
 
     def protect_saved_all(self, out) -> None:
