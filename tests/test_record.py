@@ -358,3 +358,21 @@ def test_output_keeps_its_tensor_when_its_producer_is_saved():
     assert [op.label for op in log if op.has_activation] == ["linear_4_5:1", "output_1:1"]
     assert torch.equal(log["output_1:1"].activation, log.output.detach())
     assert not tl.trace(model, args, save=["relu"])["output_1:1"].has_activation
+
+
+class _ReturnsItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc.weight, -x
+
+
+def test_an_output_no_op_made_shows_its_tensor_when_everything_is_saved():
+    model, x = _ReturnsItsWeight(), torch.randn(3, 4)
+    log = tl.trace(model, x)
+    weight = log["output_1:1"]
+    assert weight.parents == [] and weight.has_activation
+    assert torch.equal(weight.activation, model.fc.weight.detach())
+    assert not tl.trace(model, x, save=["neg"])["output_1:1"].has_activation  # no op of it was chosen

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .record.columns import UNINITIALIZED_FUNCS
-from .record.layouts import memory_freed
+from .record.layouts import copy_with_layout, memory_freed
 from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
@@ -326,8 +326,9 @@ def _replay_problem(log, op, rng: RngState):
         if parent not in log.saved_activations:
             return _skip(f"parent {log.labels[parent]} was not saved")
         if (call_position, parent) in log.alias_reads:
-            return _skip(f"it read {log.labels[parent]}'s storage after a write through a view (or a "
-                         "running statistic it wrote in its kernel), a value that no op output holds")
+            return _skip(f"it read {log.labels[parent]}'s storage after a write through a view (or while "
+                         "writing it through another argument, or a running statistic it wrote in its kernel), "
+                         "a value that no op output holds")
         if parent not in copies:
             copies[parent] = _private_copy(log.saved_activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])
@@ -386,8 +387,8 @@ def _private_copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     differentiable copy, so an in-place op accepts it as it accepted the op output it stands for)."""
     if requires_grad and (t.is_floating_point() or t.is_complex()):
         with torch.enable_grad():
-            return _copy_with_layout(t.detach().requires_grad_(True))
-    return _copy_with_layout(t)
+            return copy_with_layout(t.detach().requires_grad_(True))
+    return copy_with_layout(t)
 
 
 def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
@@ -412,7 +413,7 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
     # A parameter's copy is a parameter's kind of tensor even when validating inside torch.inference_mode():
     # some kernels choose their path by it (a CPU GRU given inference-tensor weights rounds differently).
     with torch.inference_mode(value.is_inference()):
-        copied = _copy_with_layout(value.detach())
+        copied = copy_with_layout(value.detach())
         if copied.is_floating_point() or copied.is_complex():
             flags = replay.param_requires_grad if replay is not None else {}
             copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
@@ -461,14 +462,3 @@ def _as_traced(log, context):
         elif torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
     return stack
-
-
-def _copy_with_layout(t):
-    """A private copy with ``t``'s strides: a reduction over a strided view (``z.real``) sums in a
-    different order, and so to different bits, than over a contiguous copy."""
-    if t.layout != torch.strided or t.is_nested or t.is_contiguous():  # in that order: CSR has no strides
-        return t.clone()
-    try:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written
-        return t.clone()

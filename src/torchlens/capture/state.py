@@ -24,7 +24,7 @@ import torch
 
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
-from ..record.layouts import memory_freed, memory_span, shape_of, spans_meet
+from ..record.layouts import copy_with_layout, memory_freed, memory_span, shape_of, spans_meet
 from ..record.trace import MEMORY_FREED
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
@@ -107,6 +107,14 @@ def is_bound(entry: tuple, t: torch.Tensor) -> bool:
 STALE_VERSION = -1
 
 
+def _written_through_each_other(written: list) -> list:
+    """The distinct tensors a call wrote that may share a byte with another of them."""
+    reached = [(storage_key(t), memory_span(t), t) for t in written]
+    return [t for key, span, t in reached
+            if any(key == other_key and t is not other and spans_meet(span, other_span)
+                   for other_key, other_span, other in reached)]
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory a tensor lives in; views share it with their base."""
     try:
@@ -159,7 +167,8 @@ class CaptureState:
         self.unwritten: dict = {}
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
-        # (call index, parent record) read after a write through a view, or of a statistic a kernel wrote
+        # (call index, parent record) read after a write through a view, while the call wrote it through
+        # another argument, or of a statistic a kernel wrote
         self.alias_reads: set = set()
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
@@ -341,19 +350,37 @@ class CaptureState:
             self.producers[id(base)] = (entry[0], entry[1], STALE_VERSION)
 
     def note_writes(self, written: list, record_index: int) -> None:
-        """Tensors an op wrote (in place, through ``out=``, or inside a fused kernel)."""
-        for t in written:
+        """Tensors an op wrote (in place, through ``out=``, or inside a fused kernel), from its first output
+        record ``record_index``.  Each is bound to the output it is (``Written.outputs``); one written only
+        through another argument stays bound as it was, so that its next read finds the write through the
+        alias (``producer_of``) instead of taking an output it is not for its value."""
+        outputs = getattr(written, "outputs", None)
+        count = self.calls[-1][CALL_NUM_OUTPUTS]
+        if len(written) > 1:
+            # Arguments it wrote that share memory (addmm with out= a view of its input, _foreach_add_ of
+            # two views of one tensor): what it made depends on the order its kernel read and wrote, which
+            # replay on separate copies of them cannot repeat.
+            call_index = len(self.calls) - 1
+            for t in _written_through_each_other(written):
+                entry = self.producers.get(id(t))
+                if entry is not None and is_bound(entry, t):
+                    self.alias_reads.add((call_index, entry[1]))
+        for k, t in enumerate(written):
             key = storage_key(t)
             if self.param_storages:
                 self.keep_param(key, len(self.calls) - 1, None)
+            position = outputs[k] if outputs is not None else 0
+            if position is None:
+                continue  # the argument it was written through is noted, with the bytes written
+            index = record_index + (position if position < count else 0)
             version = version_of(t)
-            self.writers.setdefault(key, []).append((record_index, version, memory_span(t)))
-            self.producers[id(t)] = (weakref(t), record_index, version)
+            self.writers.setdefault(key, []).append((index, version, memory_span(t)))
+            self.producers[id(t)] = (weakref(t), index, version)
             alias = self.data_bases.get(id(t))
             if alias is not None and alias[0]() is t and alias[1]() is not None:
                 # A write through ``x.data`` changes x without touching x's version counter: rebind x.
                 base = alias[1]()
-                self.producers[id(base)] = (weakref(base), record_index, version_of(base))
+                self.producers[id(base)] = (weakref(base), index, version_of(base))
             stale = self.saved_by_storage.pop(key, None)
             if stale:
                 for i in stale:
@@ -427,7 +454,7 @@ class CaptureState:
         if stale:
             for i in stale:
                 if i in self.saved:
-                    self.saved[i] = self.saved[i].clone()
+                    self.saved[i] = copy_with_layout(self.saved[i])  # as the later readers saw it
                     self.saved_versions[i] = None
 
     def protect_saved_all(self, out) -> None:

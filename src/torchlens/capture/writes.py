@@ -43,26 +43,64 @@ def protect_before_write(st, func, args, kwargs) -> None:
             st.protect_saved(t)
         return
     if inplace or kwargs.get("inplace"):
-        if args and isinstance(args[0], Tensor):  # in-place fns may take the tensor by keyword
-            st.protect_saved(args[0])
-        elif args and type(args[0]) in (list, tuple):  # a list written whole (_foreach_add_, dist.all_gather)
-            st.protect_saved_all(args[0])
+        target = _first_argument(args, kwargs)
+        if isinstance(target, Tensor):
+            st.protect_saved(target)
+        elif type(target) in (list, tuple):  # a list written whole (_foreach_add_, dist.all_gather)
+            st.protect_saved_all(target)
     elif "out" in kwargs:
         st.protect_saved_all(kwargs["out"])
 
 
+class Written(list):
+    """The tensor arguments a call wrote, with ``outputs``: for each, its position among the call's outputs
+    (a call returns what it writes by name, in order: ``add_`` its first argument, ``_foreach_add_`` each
+    tensor of its list, ``out=(values, indices)`` those two), or None for an argument written only through
+    another one the call writes by name (``a`` in ``torch.max(a, 1, out=(a[:, :1], i))``): what it holds
+    then is no output of the call."""
+
+    __slots__ = ("outputs",)
+
+
 def written_arguments(func, args, kwargs, versions):
     """The tensor arguments the call wrote (version counter moved, or by name for inference tensors),
-    or None."""
+    as a ``Written``, or None."""
     written = None
     for v, before in versions:
         if v._version != before if before is not None else _predicted_write(func, args, kwargs, v):
             if written is None:
-                written = []
+                written = Written()
             written.append(v)
-    if written is not None and len(written) > 1:
-        written = _without_views_only_read(func, args, kwargs, written)
+    if written is None:
+        return None
+    if len(written) > 1:
+        written = Written(_without_views_only_read(func, args, kwargs, written))
+    written.outputs = _output_positions(func, args, kwargs, written)
     return written
+
+
+def _output_positions(func, args, kwargs, written: list) -> list:
+    """``Written.outputs``: where each written tensor is among the call's outputs.  A write not made by name
+    (a fused kernel's, a collective's) keeps position 0, the call's first output, which is what wrote it."""
+    targets = _named_targets(func, args, kwargs)
+    if not targets:
+        return [0] * len(written)
+    # A tensor listed twice (``_foreach_add_([a, a], 1)``) was last written by its last place.
+    return [max((k for k, u in enumerate(targets) if u is t), default=None) for t in written]
+
+
+def _named_targets(func, args, kwargs) -> list:
+    """The tensors ``func`` writes by name, in the order it returns them: its first argument (each tensor
+    of it, for a list) when it writes in place, else its ``out=`` tensors."""
+    if predicts_inplace(func) or kwargs.get("inplace"):
+        first = _first_argument(args, kwargs)
+    else:
+        first = kwargs.get("out")
+    if isinstance(first, Tensor):
+        return [first]
+    if type(first) in (list, tuple):
+        return [t for t in first if isinstance(t, Tensor)]
+    return []
 
 
 def _without_views_only_read(func, args, kwargs, written: list) -> list:
@@ -83,9 +121,18 @@ def _without_views_only_read(func, args, kwargs, written: list) -> list:
     return kept
 
 
+def _first_argument(args, kwargs):
+    """The argument an in-place function writes: its first, by position, or by keyword when none is
+    positional, as torch's Python-level in-place functions hand it on (``nn.init.constant_`` passes
+    ``tensor=``)."""
+    if args:
+        return args[0]
+    return next(iter(kwargs.values()), None)
+
+
 def _predicted_write(func, args, kwargs, t) -> bool:
     """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter) are known."""
-    if args and args[0] is t and (predicts_inplace(func) or kwargs.get("inplace")):
+    if _first_argument(args, kwargs) is t and (predicts_inplace(func) or kwargs.get("inplace")):
         return True
     out = kwargs.get("out")
     return out is t or (isinstance(out, (tuple, list)) and any(o is t for o in out))

@@ -130,8 +130,13 @@ def _argument_order(edge) -> tuple:
 def _show_output(state: CaptureState, index: int, producer: int, t, activations: dict) -> None:
     """Give output node ``index`` the tensor it shows when its producer's is saved: the producer's, or ``t``
     itself when ``t`` was last written through a view or its base (``a.t().sub_(3); return a``): its
-    producer, the writer, then made that alias, a tensor of another shape or layout.  When the producer's
-    saved value was dropped, the output node reads as dropped, for the same reason."""
+    producer, the writer, then made that alias, a tensor of another shape or layout.  A tensor no op made
+    (a parameter returned as it is) shows itself when every tensor is saved.  When the producer's saved
+    value was dropped, the output node reads as dropped, for the same reason."""
+    if producer < 0:
+        if state.save_mode == 1:
+            _save_shown(state, index, t, activations)
+        return
     dropped = state.clobbered.get(producer)
     if dropped is not None:
         state.clobbered[index] = dropped
@@ -145,12 +150,17 @@ def _show_output(state: CaptureState, index: int, producer: int, t, activations:
     if producer not in activations:
         return
     if aliased:
-        state.save(index, t, t.requires_grad)
-        if index in state.saved:  # not over a max_saved_bytes budget
-            activations[index] = state.saved[index]
+        _save_shown(state, index, t, activations)
     else:
         activations[index] = activations[producer]
         state.saved_versions[index] = state.saved_versions.get(producer)
+
+
+def _save_shown(state: CaptureState, index: int, t, activations: dict) -> None:
+    """Save ``t`` itself as what output node ``index`` shows."""
+    state.save(index, t, t.requires_grad)
+    if index in state.saved:  # not over a max_saved_bytes budget
+        activations[index] = state.saved[index]
 
 
 def _versions(params) -> list:

@@ -117,3 +117,22 @@ def memory_freed(t: torch.Tensor) -> bool:
     if span is None or span[1] == 0:
         return False  # nested, sparse and other layouts without one strided storage; an empty tensor
     return t.untyped_storage().nbytes() < span[1]
+
+
+def copy_with_layout(t):
+    """A private copy with ``t``'s strides: a reduction over a strided view (``z.real``) sums in a
+    different order, and so to different bits, than over a contiguous copy, and a write to one element of
+    an expanded tensor reaches every place it shows in."""
+    if t.layout != torch.strided or t.is_nested or t.is_contiguous():  # in that order: CSR has no strides
+        return t.clone()
+    try:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written element by element
+        return _copy_of_span(t)
+
+
+def _copy_of_span(t):
+    """A copy of the memory an overlapping view spans (``x.expand(3, 4)``: ``x``'s four elements), viewed with
+    the view's strides: a reduction over it then sums in the order it did in the forward."""
+    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
+    return t.as_strided((reach,), (1,)).clone().as_strided(t.shape, t.stride())

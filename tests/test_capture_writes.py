@@ -1,0 +1,93 @@
+"""In-place writes capture must see coming, on both capture paths: the value each op made stays saved, and
+the ops after a write read the write."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+from accel_paths import PATHS, on_path
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_write_whose_tensor_is_passed_by_keyword_keeps_the_value_before_it(compiled):
+    # nn.init.constant_ hands its tensor on to capture as tensor=, with no positional argument.
+    def forward(x):
+        y = x * 2
+        nn.init.constant_(y, 0.5)
+        return y + 1
+
+    x = torch.randn(2, 3)
+    with on_path(compiled):
+        log = tl.trace(forward, x)
+    assert log["mul_1_1:1"].dropped_reason is None
+    assert torch.equal(log["mul_1_1:1"].activation, x * 2)
+    assert log["constant_1_2:1"].is_inplace and log["add_1_3:1"].parents == ["constant_1_2:1"]
+    result = log.validate()
+    assert result.passed and result.replayed == 3
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_base_written_through_its_view_as_an_out_tensor_is_not_taken_for_the_output(compiled):
+    # max writes its values into a view of its own input: a then holds a value no op returned, so neither
+    # the model's output nor mul's replay may take max's (2, 1) values for a.
+    def forward(x):
+        a = x.tanh()
+        torch.max(a, 1, keepdim=True, out=(a[:, :1], torch.empty(0, dtype=torch.long)))
+        return a * 1, a
+
+    x = torch.randn(2, 3)
+    with on_path(compiled):
+        log = tl.trace(forward, x)
+    expected = forward(x)
+    assert [o.parents for o in log.outputs] == [["mul_1_6:1"], ["max_1_4:1"]]  # what last wrote each
+    assert torch.equal(log.outputs[1].activation, expected[1])
+    assert torch.equal(log["mul_1_6:1"].activation, expected[0])
+    result = log.validate()
+    assert result.status == "passed", result
+    assert "mul_1_6:1: it read max_1_4:1's storage after a write through a view" in str(result)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_each_tensor_a_foreach_call_writes_is_the_output_that_wrote_it(compiled):
+    def forward(x):
+        a = x * 1.0
+        torch._foreach_mul_([a[0], a[1]], 2.0)  # two views of a, written by the call's two outputs
+        return a * 3
+
+    with on_path(compiled):
+        log = tl.trace(forward, torch.randn(2, 3))
+    assert log["foreachmul_2_5:1"].multi_output_index == 1
+    assert log["mul_2_6:1"].parents == ["foreachmul_2_5:1"]  # the last write, as for two separate mul_ calls
+    assert log.validate().status == "passed"
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_tensor_a_foreach_call_writes_twice_was_last_written_by_its_last_place(compiled):
+    def forward(x):
+        a = x * 1.0
+        b = a.detach()  # another tensor of a's storage, read after the writes
+        torch._foreach_add_([a, a], 1.0)
+        return b * 3
+
+    with on_path(compiled):
+        log = tl.trace(forward, torch.randn(2, 3))
+    assert log["mul_2_5:1"].parents == ["foreachadd_2_4:1"]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_view_given_as_the_value_of_a_write_to_its_base_is_not_taken_for_the_written_base(compiled):
+    # v's counter moves with a's: v is an argument the call wrote through a, not the setitem's output
+    # (all of a), so mul's replay must not be handed a in place of v.
+    def forward(x):
+        a = x * 1.0
+        v = a[:1]
+        a[1:2] = v
+        return v * 1, a
+
+    with on_path(compiled):
+        log = tl.trace(forward, torch.randn(3, 2))
+    assert log["mul_2_4:1"].parents == ["setitem_1_3:1"]
+    result = log.validate()
+    assert result.status == "passed", result
