@@ -350,3 +350,25 @@ def test_a_torchscript_module_outside_the_model_or_beside_a_compiled_one_is_name
     assert torch.equal(log.output, model(x))
     assert [(c.label, c.module.class_name) for c in log.module_calls] == \
         [("0:1", "RecursiveScriptModule"), ("1:1", "Linear")]
+
+
+def test_a_users_mode_entered_inside_the_forward_sees_the_models_calls_and_nothing_of_captures():
+    """docs/capture_honesty.md: a mode entered before ``tl.trace`` also sees capture's own reads; entered
+    inside the forward, above capture's mode, it sees what it sees untraced."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 4)
+    untraced, inside, outside = FunctionLevelCalls(), FunctionLevelCalls(), FunctionLevelCalls()
+    with untraced:
+        expected = model(x)
+
+    def forward(x):
+        with inside:
+            return model(x)
+
+    log = tl.trace(forward, x)
+    assert inside.names == untraced.names == ["linear", "relu", "linear"]
+    assert [op.func_name for op in log.ops if op.kind == "op"] == untraced.names
+    assert torch.equal(log.output, expected)
+    with outside:
+        tl.trace(model, x)
+    assert "detach" in outside.names and len(outside.names) > len(untraced.names)  # as documented

@@ -339,34 +339,3 @@ def view_written_under_no_grad():
 def test_case(title):
     assert outcome("Contexts and wrappers", title)
 
-
-class _Calls(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
-
-
-def test_a_users_mode_entered_inside_the_forward_sees_the_models_calls_and_nothing_of_captures():
-    """docs/capture_honesty.md: a mode entered before ``tl.trace`` also sees capture's own reads; entered
-    inside the forward, above capture's mode, it sees what it sees untraced."""
-    torch.manual_seed(0)
-    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 4)
-    untraced, inside, outside = _Calls(), _Calls(), _Calls()
-    with untraced:
-        expected = model(x)
-
-    def forward(x):
-        with inside:
-            return model(x)
-
-    log = tl.trace(forward, x)
-    assert inside.names == untraced.names == ["linear", "relu", "linear"]
-    assert [op.func_name for op in log.ops if op.kind == "op"] == untraced.names
-    assert torch.equal(log.output, expected)
-    with outside:
-        tl.trace(model, x)
-    assert "detach" in outside.names and len(outside.names) > len(untraced.names)  # as documented
