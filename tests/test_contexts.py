@@ -338,4 +338,3 @@ def view_written_under_no_grad():
 @pytest.mark.parametrize("title", titles("Contexts and wrappers"))
 def test_case(title):
     assert outcome("Contexts and wrappers", title)
-
