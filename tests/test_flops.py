@@ -95,6 +95,10 @@ def test_chained_batched_and_grouped_products_count_every_multiply_add():
     (op,) = [op for op in chain.ops if op.kind == "op"]
     # torch multiplies the chain in its cheapest order, as two mm calls that FlopCounterMode counts.
     assert tl.report.op_flops(op) == native_total(lambda p, q, r: torch.linalg.multi_dot([p, q, r]), a[0], b[0], c)
+    for ends in ((torch.randn(5), b[0], c), (a[0], b[0], c[:, 0].clone())):  # a vector at either end
+        vector = tl.trace(lambda p, q, r: torch.linalg.multi_dot([p, q, r]), ends)
+        (op,) = [op for op in vector.ops if op.kind == "op"]
+        assert tl.report.op_flops(op) == native_total(lambda p, q, r: torch.linalg.multi_dot([p, q, r]), *ends)
     summed = tl.trace(lambda x, a, b: torch.addbmm(x, a, b), (x, a, b))
     (op,) = [op for op in summed.ops if op.kind == "op"]
     as_bmm = native_total(lambda a, b: torch.bmm(a, b), a, b)

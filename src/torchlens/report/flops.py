@@ -143,7 +143,8 @@ def _multi_dot(a):
     shapes = a.nested_shapes()
     if len(shapes) < 2 or None in shapes:
         return None
-    dims = [shapes[0][0] if len(shapes[0]) == 2 else 1] + [s[-1] if len(s) == 2 else 1 for s in shapes]
+    first, last = shapes[0], shapes[-1]  # a 1-D first operand is a row (1, k), a 1-D last one a column (k, 1)
+    dims = [first[0] if len(first) == 2 else 1] + [s[-1] for s in shapes[:-1]] + [last[-1] if len(last) == 2 else 1]
     return 2 * _cheapest_chain(dims)
 
 
