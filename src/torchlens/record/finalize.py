@@ -142,7 +142,7 @@ def _show_output(state: CaptureState, index: int, producer: int, t, activations:
         state.clobbered[index] = dropped
     if producer not in activations and state.grads is None:
         return  # nothing shown, no gradient: whether it was written through a view does not matter
-    aliased = producer >= 0 and state.written_through_alias(t)
+    aliased = state.written_through_alias(t)
     if aliased:  # its gradient, too, is its own (record/grads.py)
         if state.own_outputs is None:
             state.own_outputs = set()
