@@ -147,7 +147,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             f"outputs but called different matrix products, convolutions or attention ({len(traced_products)} "
             f"against {len(counted_products)}), so they did not run the same program. Make the forward's control "
             "flow depend on its inputs alone and compare again.")
-    return _compare(log, model, counter.get_flop_counts(), product_calls)
+    return _compare(log, model, counter.get_flop_counts(), product_calls, traced_products)
 
 
 def _count_natively(model, args, kwargs):
@@ -242,7 +242,7 @@ def _native_families(native_global, attention_calls) -> dict:
     return families
 
 
-def _compare(log, model, native_counts, product_calls) -> FlopsComparison:
+def _compare(log, model, native_counts, product_calls, traced_products) -> FlopsComparison:
     attention_calls = [call for call in product_calls if call[0] in _ATTENTION_FUNCTIONS]
     tl_total = total_flops(log)
     root_name = type(model).__name__
@@ -253,7 +253,7 @@ def _compare(log, model, native_counts, product_calls) -> FlopsComparison:
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)
     notes = _notes(log, tl_total, tl_families, native_families, attention_calls)
-    notes += _uncounted_product_notes(log, product_calls)
+    notes += _uncounted_product_notes(log, traced_products, product_calls)
     if any(row["native"] is None for row in modules):
         notes.append(UNNAMED_MODULES_NOTE)
     witness = {"outputs_match": True, "products_match": True, "random_draws": False, "rng_restored": True,
@@ -346,11 +346,10 @@ def _attention_notes(log, attention_calls) -> list:
     return notes
 
 
-def _uncounted_product_notes(log, product_calls) -> list:
+def _uncounted_product_notes(log, ops, product_calls) -> list:
     """The products other than attention (whose own notes name them) that torchlens counts and inside
-    which FlopCounterMode counted nothing; captured products and watched calls pair in order (the witness
-    checked that both runs called the same ones)."""
-    ops = _traced_products(log)
+    which FlopCounterMode counted nothing.  ``ops`` are the captured products (``_traced_products``); they
+    and the watched calls pair in order (the witness checked that both runs called the same ones)."""
     missed = [op.label for (op, counted), (name, native) in zip(ops, product_calls)
               if name not in _ATTENTION_FUNCTIONS and counted and any(counted.values()) and not any(native.values())]
     if not missed:
