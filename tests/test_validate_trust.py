@@ -588,3 +588,34 @@ def test_a_gradient_taken_inside_forward_is_skipped_with_its_reason():
     assert result.passed and not result.mismatched
     assert [(label, why.split(",")[0]) for label, why in result.not_replayed] == \
         [("grad_1_4:1", "it differentiates through the forward's autograd graph")]
+
+
+# ----- the default dtype: factories and Python scalars read it ------------------------------------------
+class _DefaultDtypeReaders(nn.Module):
+    """Reads the default dtype three ways: a factory, an integer tensor times a float, and a factory
+    inside a stretch of the forward that changes the default and puts it back."""
+
+    def forward(self, x):
+        steps = torch.arange(x.shape[-1]) * 0.5  # int64 * float: the result takes the default dtype
+        ones = torch.ones(x.shape[-1])
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            fine = torch.linspace(0, 1, x.shape[-1]) / 3  # float64 only in this stretch
+        finally:
+            torch.set_default_dtype(previous)
+        return x * ones + steps + fine.float()
+
+
+def test_replay_runs_under_the_default_dtype_the_forward_ran_under():
+    model, x = _DefaultDtypeReaders(), torch.randn(2, 5)
+    log = tl.trace(model, x)
+    assert log["linspace_1_4"].dtype == torch.float64 and log["mul_1_2"].dtype == torch.float32
+    assert_trusted(log.validate())  # the default changed and was put back inside the forward
+    torch.set_default_dtype(torch.float64)  # as a notebook might between tracing and validating
+    try:
+        assert_trusted(log.validate())
+        assert_trusted(tl.validate(_DefaultDtypeReaders(), x.double()))  # a whole run under float64
+        assert torch.get_default_dtype() == torch.float64  # replay put the user's default back
+    finally:
+        torch.set_default_dtype(torch.float32)

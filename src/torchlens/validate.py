@@ -266,7 +266,9 @@ def validate_trace(log, progress=None) -> ValidationResult:
             shown.update()
             if op.kind != "op" or op.multi_output_index not in (None, 0, (0,)):
                 continue
-            problem = _replay_problem(log, op, rng)
+            problem = _replay_problem(log, op, rng, log._default_dtypes[:1])
+            if problem is not None and problem[0] == "mismatch":
+                problem = _under_another_default_dtype(log, op, rng, problem)
             if problem is None:
                 result.replayed += 1
             elif problem[0] == "mismatch":
@@ -290,8 +292,23 @@ def _mismatch(reason: str) -> tuple:
     return ("mismatch", reason)
 
 
-def _replay_problem(log, op, rng: RngState):
-    """None when ``op`` replays to its saved output; else ``(kind, reason)``."""
+def _under_another_default_dtype(log, op, rng: RngState, problem: tuple):
+    """None when ``op``, which mismatched under the default dtype its forward began with, replays to its
+    saved output under another one it may have run under: the one the forward ended with, or its output's
+    own (``torch.set_default_dtype`` called and undone inside the forward); else ``problem``."""
+    saved = log.saved_activations.get(op.index)
+    candidates = list(log._default_dtypes[1:])
+    if isinstance(saved, torch.Tensor) and saved.dtype.is_floating_point:
+        candidates.append(saved.dtype)
+    for dtype in dict.fromkeys(candidates):
+        if dtype not in log._default_dtypes[:1] and _replay_problem(log, op, rng, (dtype,)) is None:
+            return None
+    return problem
+
+
+def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
+    """None when ``op`` replays to its saved output; else ``(kind, reason)``.  ``default_dtype``: ``()`` or
+    the default dtype to replay under (the one the forward began with, by default the current one)."""
     call_position = log.call_indices[op.index]
     call = log.calls[call_position]
     func, skeleton, kw_skeleton = call.func, call.args, call.kwargs
@@ -341,7 +358,7 @@ def _replay_problem(log, op, rng: RngState):
     kwargs = fill(dict(kw_skeleton), keyword)
     generators = _private_generators(kwargs)
     try:
-        with _as_traced(log, context):
+        with _as_traced(log, context, default_dtype):
             out = func(*args, **kwargs)
     except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
         return _skip(f"replay raised {type(exc).__name__}: {exc}")
@@ -447,10 +464,15 @@ def _private_generators(kwargs: dict) -> list:
     return swapped
 
 
-def _as_traced(log, context):
-    """Grad mode and autocast exactly as the op ran under (``context``); a trace without a recorded
-    context replays under no grad, with the autocast state around its forward."""
+def _as_traced(log, context, default_dtype: tuple = ()):
+    """Grad mode and autocast exactly as the op ran under (``context``), and the default dtype in
+    ``default_dtype`` if any; a trace without a recorded context replays under no grad, with the autocast
+    state around its forward."""
     stack = contextlib.ExitStack()
+    current = torch.get_default_dtype()
+    if default_dtype and default_dtype[0] is not current:
+        torch.set_default_dtype(default_dtype[0])
+        stack.callback(torch.set_default_dtype, current)
     if context is None:
         grad, autocast = False, getattr(log, "_autocast", {})
     else:

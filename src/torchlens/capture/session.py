@@ -94,6 +94,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     packing = PackLog(state.calls) if saved_for_backward else None
     _add_inputs(state, model, args, kwargs)
     autocast = state.context[1]  # the autocast state around the forward, for replay
+    default_dtype = torch.get_default_dtype()  # and the default dtype, which factories and scalars read
     frames = _FRAMES
     mode = CaptureMode(state, frames, deep=deep)
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls") \
@@ -158,6 +159,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         if shown is not QUIET:
             shown.close()
     result._autocast = autocast
+    ended_with = torch.get_default_dtype()  # a forward may change it: replay then tries both
+    result._default_dtypes = (default_dtype,) if ended_with is default_dtype else (default_dtype, ended_with)
     caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
         (submodules.caveats() if submodules is not None else ()) + \
         _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ()))

@@ -60,6 +60,7 @@ class Trace:
     # Set after finalize by the layers named; declared here so this class lists all a Trace holds.
     _flops_col = None  # report.flops.flops_column: each op's FLOPs, derived once (kept by cleanup and save)
     _autocast: dict = {}  # capture.session: device type -> autocast state around the forward, for replay
+    _default_dtypes: tuple = ()  # capture.session: the default dtype as the forward began (and ended), for replay
     _root_class = None  # capture.session: the root module's class name (the module table's first row)
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
     _output_structure = None  # io.load: (the output with an OutputSlot per tensor,), from record.saved_output
