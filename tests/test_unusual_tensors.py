@@ -119,6 +119,37 @@ def test_ops_inside_a_torch_func_transform_have_no_gradient_to_claim(save):
     assert log.to_pandas().set_index("label")["grad_norm"].isna()["tanh_1_3:1"]
 
 
+class VmapInside(nn.Module):
+    """A forward that maps a function over its rows with torch.vmap, then a Linear over the result."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(torch.vmap(lambda row: row.tanh() * 2)(x))
+
+
+@pytest.mark.parametrize("save", ["all", "none"])
+def test_ops_inside_vmap_say_they_ran_in_the_transform_not_under_no_grad(save):
+    """Ops inside ``torch.vmap`` run on batched wrappers that need no gradient: their ``.grad`` says why in
+    terms of the transform (never only "made under torch.no_grad()", which the forward did not use), and the
+    op after the transform keeps the gradient ``retain_grad()`` gives."""
+    torch.manual_seed(0)
+    model, x = VmapInside(), torch.randn(4, 3, requires_grad=True)
+    y = model.fc(torch.vmap(lambda row: row.tanh() * 2)(x))
+    y.retain_grad()
+    y.sum().backward()
+
+    log = tl.trace(model, x, grads=True, save=save)
+    log.backward(log.output.sum())
+    for label in ("tanh_1_1:1", "mul_1_2:1"):
+        with pytest.raises(tl.GradientUnavailable, match="vmap") as raised:
+            log[label].grad
+        assert "no_grad" not in str(raised.value) if save == "all" else "inside torch.vmap" in str(raised.value)
+    assert torch.equal(log["linear_1_3:1"].grad, y.grad)
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -25,7 +25,7 @@ import torch
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
 from ..record.layouts import copy_with_layout, memory_freed, memory_span, shape_of, spans_meet
-from ..record.trace import MEMORY_FREED
+from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
@@ -509,8 +509,7 @@ class CaptureState:
         wrapped, saved = _functorch_wrapped, self.saved
         if wrapped is not None and any(map(wrapped, saved.values())):
             for i in [i for i, t in saved.items() if wrapped(t)]:
-                self._drop(i, "made inside a torch.func transform (vmap, grad, ...): what was saved is the "
-                              "transform's internal wrapper, which cannot be read outside it")
+                self._drop(i, MADE_IN_TRANSFORM)
         mutated = []
         for i, v in self.saved_versions.items():
             if v is not None and saved[i]._version != v:

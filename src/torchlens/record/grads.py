@@ -78,8 +78,14 @@ def _why_no_grad(trace, index: int) -> str:
     if applied is not None:
         return (f"an intervention ({applied.action!r}) replaced its output with a tensor that does not require "
                 "grad, so autograd computes no gradient for it")
-    return ("its output does not require grad (made under torch.no_grad(), from tensors that do not require grad, "
-            "or of an integer dtype), so autograd computes no gradient for it")
+    from .trace import MADE_IN_TRANSFORM  # trace.py imports this module
+
+    if trace._dropped.get(index) == MADE_IN_TRANSFORM:
+        return ("it ran inside a torch.func transform (vmap, ...) on the transform's wrapped tensors, which do not "
+                "require grad as autograd outside the transform sees them; the ops after the transform carry "
+                "the gradient")
+    return ("its output does not require grad (made under torch.no_grad(), inside torch.vmap, from tensors that "
+            "do not require grad, or of an integer dtype), so autograd computes no gradient for it")
 
 
 def has_grad(trace, index: int) -> bool:

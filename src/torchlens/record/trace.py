@@ -34,6 +34,10 @@ WRITTEN_AFTER_TRACE = ("written in place after the trace ended (a later forward 
 MEMORY_FREED = ("its memory was freed after the op made it (its storage resized down: FSDP2 frees each module's "
                 "unsharded parameters after its forward, fully_shard(..., reshard_after_forward=False) keeps them)")
 
+# Why capture dropped a saved tensor made inside a torch.func transform.
+MADE_IN_TRANSFORM = ("made inside a torch.func transform (vmap, grad, ...): what was saved is the transform's "
+                     "internal wrapper, which cannot be read outside it")
+
 
 class Trace:
     """Everything one forward pass computed, addressable by label, module call or position.
