@@ -372,3 +372,45 @@ def test_a_users_mode_entered_inside_the_forward_sees_the_models_calls_and_nothi
     with outside:
         tl.trace(model, x)
     assert "detach" in outside.names and len(outside.names) > len(untraced.names)  # as documented
+
+
+class _DoubleInPlace(torch.autograd.Function):
+    """Doubles its input in place and marks it dirty, as in-place custom activations do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _MarksDirty(nn.Module):
+    def forward(self, x):
+        return _DoubleInPlace.apply(x + 1) * 3
+
+
+def test_a_saved_value_dropped_for_an_unseen_version_bump_names_the_causes_that_make_one():
+    """``ctx.mark_dirty`` moves the marked tensor's version when ``apply`` returns, with no call capture sees:
+    the saved value is dropped (capture cannot tell it from a real write), and the reason says what moves a
+    version unseen. A write through ``.data`` is an op capture sees, and one through a NumPy view moves no
+    version: the reason and the warning name neither."""
+    x = torch.randn(3)
+    with pytest.warns(UserWarning, match="mul_1_2:1") as warned:
+        log = tl.trace(_MarksDirty(), x)
+    assert torch.equal(log.output, _MarksDirty()(x))
+    reason = log["mul_1_2:1"].dropped_reason
+    assert "ctx.mark_dirty" in reason and "torch function handling disabled" in reason
+    assert ".data" not in reason + str(warned[0].message) and "NumPy" not in reason
+
+    def through_data(t):
+        y = t * 2
+        y.data.mul_(10)  # recorded as a `data` op and an in-place `mul_`: the saved `y` was copied first
+        return y + 1
+
+    written = tl.trace(through_data, torch.ones(2))
+    assert not written.dropped_activations and written.validate().passed
+    assert torch.equal(written["mul_1_1:1"].activation, torch.full((2,), 2.0))

@@ -71,12 +71,17 @@ class ReplayContext(NamedTuple):
     param_versions: ByParam  # id(Parameter) -> version when the forward ended
     param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
 
+# Why ``check_saved_versions`` dropped a saved tensor: its version moved with no write capture saw.  Writes
+# through ``.data`` are ops capture sees, and NumPy views do not move a version: neither is a cause here.
+WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (code running with torch "
+                  "function handling disabled, TorchScript, or a custom autograd.Function's ctx.mark_dirty, which "
+                  "counts as a write of the tensor it marks)")
 
 INFERENCE_CAVEAT = (
     "inference tensors (made under torch.inference_mode()) carry no version counter: in-place writes to "
     "them were recognised by name only (add_, __setitem__, out=, inplace=True), so a write capture could "
-    "not predict (a fused kernel writing an argument, a write through .data or a NumPy view) is neither "
-    "attributed nor detected in their saved activations"
+    "not predict (a fused kernel writing an argument, code running with torch function handling disabled) is "
+    "neither attributed nor detected in their saved activations"
 )
 
 
@@ -497,8 +502,7 @@ class CaptureState:
             mutated = self._stale_in_python()
         for i in mutated:
             freed = memory_freed(self.saved[i])  # FSDP2's resharding: the write that matters is the free
-            self._drop(i, MEMORY_FREED if freed else "mutated after capture saved it, by a write capture could not "
-                                                     "see (for example through .data or a NumPy view)")
+            self._drop(i, MEMORY_FREED if freed else WRITTEN_UNSEEN)
         return mutated
 
     def _stale_in_python(self) -> list:
@@ -528,7 +532,7 @@ def warn_mutated(labels: list) -> None:
             "torchlens dropped saved activations that were changed after being saved, by writes that "
             f"torch did not route through capture: {', '.join(labels[:10])}"
             + (" ..." if len(labels) > 10 else "")
-            + ". Their metadata is intact; re-run with save=[...] excluding them or avoid .data writes.")
+            + ". Their metadata is intact; their reasons are listed by print(log).")
 
 
 class StopForward(BaseException):
