@@ -243,6 +243,24 @@ def test_markers_outside_the_recorded_window_make_an_incomplete_join():
     assert "INCOMPLETE" in str(kp)
 
 
+@pytest.mark.filterwarnings("ignore:.*(warmup|cycle).*:UserWarning")
+def test_a_schedule_that_skips_the_only_step_is_refused_before_the_model_runs():
+    model, x = mlp()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    schedule = torch.profiler.schedule
+    for skipping in (schedule(wait=1, warmup=0, active=1), schedule(wait=0, warmup=1, active=1)):
+        with pytest.raises(ValueError, match="does not record the profiler's first step"):
+            tl.report.kernel_profile(model, x, profiler_kwargs={"schedule": skipping})
+        log = tl.trace(model, x, grads=True)
+        with pytest.raises(ValueError, match="profiler=prof"):
+            tl.report.kernel_profile(log, backward=True, profiler_kwargs={"schedule": skipping})
+        _no_capture_left()
+    assert len(forwards) == 2  # the two traces taken above; the refused profiles ran nothing
+    recording = tl.report.kernel_profile(model, x, profiler_kwargs={"schedule": schedule(wait=0, warmup=0, active=1)})
+    assert recording.complete and all(r["cpu_ns"] > 0 for r in recording.ops)
+
+
 def test_a_running_profiler_is_refused_unless_borrowed():
     model, x = mlp()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

@@ -19,7 +19,7 @@ from .profile_join import join
 
 def profile_backward_of(trace, backward, chrome_trace, profiler, activities, profiler_kwargs):
     from ..record.grads import grad_capture_of
-    from .kernel_profiling import KernelProfile, ProfilerBusyError, _check_borrowed, _default_activities, _run_backward
+    from .kernel_profiling import KernelProfile, ProfilerBusyError, _check_borrowed, _own_profiler, _run_backward
 
     capture = grad_capture_of(trace)
     if backward is False:
@@ -47,7 +47,7 @@ def profile_backward_of(trace, backward, chrome_trace, profiler, activities, pro
     if torch._C._autograd._profiler_enabled():
         raise ProfilerBusyError("a torch profiler is already running in this process. Pass it as "
                                 "kernel_profile(..., profiler=prof), or close it first.")
-    prof = torch.profiler.profile(activities=activities or _default_activities(), **(profiler_kwargs or {}))
+    prof = _own_profiler(activities, profiler_kwargs)
     with prof:
         run()
     result = KernelProfile(trace, prof, markers, borrowed=False, backward=True, backward_nodes=nodes)

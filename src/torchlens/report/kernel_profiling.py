@@ -67,13 +67,27 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
         raise ProfilerBusyError(
             "a torch profiler is already running in this process. Pass it as kernel_profile(..., "
             "profiler=prof) to add torchlens ranges to your profile (borrowed mode), or close it first.")
-    prof = torch.profiler.profile(activities=activities or _default_activities(), **(profiler_kwargs or {}))
+    prof = _own_profiler(activities, profiler_kwargs)
     with prof:
         trace = _run(model, args, kwargs, markers, backward, name)
     result = KernelProfile(trace, prof, markers, borrowed=False, backward=backward is not False)
     if chrome_trace is not None:
         result.export_chrome_trace(chrome_trace)
     return result
+
+
+def _own_profiler(activities, profiler_kwargs):
+    """The profiler torchlens owns: it runs one step, its first, and is never stepped.  A schedule that
+    leaves that step unrecorded would measure nothing, so it is refused before the model runs."""
+    prof = torch.profiler.profile(activities=activities or _default_activities(), **(profiler_kwargs or {}))
+    recording = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
+    if prof.current_action not in recording:
+        raise ValueError(
+            f"the schedule in profiler_kwargs does not record the profiler's first step ({prof.current_action.name}"
+            "), and that step is the only one kernel_profile runs (it never calls step()): nothing would be "
+            "measured. Drop the schedule, or run your own scheduled profiler and pass it as "
+            "kernel_profile(..., profiler=prof) in a step it records.")
+    return prof
 
 
 def _default_activities() -> list:
