@@ -471,6 +471,40 @@ def test_loaded_trace_gives_parameters_and_their_gradients_back(tmp_path):
         cleaned.params[0].grad
 
 
+class _NaNInBackward(nn.Module):
+    """Finite forward; the backward of sqrt at 0 times 0 is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h + torch.sqrt(h * 0) * 0).sum()
+
+
+def test_a_trace_saved_without_tensors_says_its_gradients_are_missing(tmp_path):
+    torch.manual_seed(0)
+    log = tl.trace(_NaNInBackward(), torch.randn(2, 4), grads=True)
+    log.backward(log.output)
+    live = tl.debug.nonfinite_origin(log, grads=True)
+    assert live.found and live.kind == "nan"
+    log.save(tmp_path / "full")
+    full = tl.load(tmp_path / "full")
+    assert tl.debug.nonfinite_origin(full, grads=True).origin_label == live.origin_label
+    log.save(tmp_path / "meta", activations=False)
+    meta = tl.load(tmp_path / "meta")
+    # The statistics are kept; the tensors are not, and reading one says so rather than reading None
+    # (which means no backward reached the op).
+    assert meta.to_pandas()["grad_norm"].equals(log.to_pandas()["grad_norm"])
+    for op in log.ops:
+        if op.kind == "op" and op.grad is not None:
+            with pytest.raises(GradientUnavailable, match="activations=False"):
+                meta[op.label].grad
+    with pytest.raises(GradientUnavailable, match="save the trace with its tensors"):
+        tl.debug.nonfinite_origin(meta, grads=True)
+
+
 def test_gradients_no_file_can_hold_are_named_on_the_loaded_trace(tmp_path):
     # A sparse embedding's .grad (sparse COO) and a complex128 op's gradient have no safetensors encoding:
     # the save goes through, and the loaded trace says why those two are missing instead of giving None.

@@ -133,6 +133,7 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
     if not capture.order:
         raise ValueError("nonfinite_origin(grads=True) needs gradients: run a backward through log.output first "
                          "(or log.backward(loss))")
+    _require_grad_tensors(log, capture)
     status = {}
     with torch.no_grad():
         for i in capture.order:
@@ -156,6 +157,19 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
 
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
+
+
+def _require_grad_tensors(log, capture) -> None:
+    """A loaded trace can hold a gradient's statistics without the gradient itself (saved with
+    activations=False, or a gradient no file format encodes); which op went non-finite first needs them all."""
+    missing = [i for i in capture.order if i not in capture.grads]
+    if missing:
+        first = missing[0]
+        why = log._unsaved_grads.get(first, "its gradient is not in the trace")
+        raise GradientUnavailable(f"nonfinite_origin(grads=True) reads every gradient, and {len(missing)} of "
+                                  f"{len(capture.order)} are not held by the trace loaded from {log.loaded_from} "
+                                  f"({log.labels[first]}: {why}); save the trace with its tensors, or call it "
+                                  "on the live trace")
 
 
 def _nonfinite_parameter_grads(log) -> list:

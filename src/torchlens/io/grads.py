@@ -147,8 +147,18 @@ def _read_grads(trace, record, folder: str, files) -> None:
         trace._param_grads = {address: tensors[key] for address, key in grads["param_tensors"] if key in tensors}
     else:
         trace._param_grads_missing = str(missing)
+        _name_grads_without_tensors(trace, capture, str(missing))
     if not capture.grads and stats:  # saved after cleanup(), or without tensors: statistics only
         trace._grad_stats = stats
+
+
+def _name_grads_without_tensors(trace, capture, why: str) -> None:
+    """Ops a backward reached whose gradient the folder holds no tensor for (saved with activations=False):
+    reading one raises saying so, where None would claim that no backward reached it."""
+    for i in capture.order:
+        if i not in capture.grads:
+            trace._unsaved_grads.setdefault(i, f"its gradient was not saved (the trace {why.removeprefix('it ')}); "
+                                               "its norm, min, max and non-finite count are in to_pandas()")
 
 
 def _stat_name(k) -> str:
