@@ -5,6 +5,7 @@ load and extraction, the kernel profile, the viewer, and interventions.
 from __future__ import annotations
 
 import gc
+import math
 import re
 import warnings
 
@@ -100,6 +101,37 @@ def test_hot_path_by_grad_norm_and_saved_for_backward():
         mc.label: mc.saved_for_backward_bytes for mc in log.module_calls}
     with pytest.raises(GradientUnavailable, match="grads=True"):
         tl.debug.hot_path(tl.trace(model, args), by="grad_norm")
+
+
+class _NaNSideBranch(nn.Module):
+    """A side branch whose backward is NaN (sqrt at 0, times 0) between two finite ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        small = self.b(h) * 0.01
+        bad = torch.sqrt(h * 0) * 0
+        big = self.c(h) * 10.0
+        return small.sum() + bad.sum() + big.sum()
+
+
+def test_hot_path_ranks_nan_gradients_first_and_the_rest_in_order():
+    torch.manual_seed(0)
+    log = tl.trace(_NaNSideBranch(), torch.randn(4, 8), grads=True)
+    log.backward(log.output)
+    norms = {op.label: float(torch.linalg.vector_norm(op.grad)) for op in log if op.kind == "op"}
+    assert any(math.isnan(v) for v in norms.values())
+    for group in ("op", "layer", "module", "source"):
+        totals = [r["total"] for r in tl.debug.hot_path(log, by="grad_norm", group=group)]
+        nan_rows = sum(1 for t in totals if math.isnan(t))
+        assert nan_rows and all(math.isnan(t) for t in totals[:nan_rows]), group
+        assert totals[nan_rows:] == sorted(totals[nan_rows:], reverse=True), group
+    by_op = tl.debug.hot_path(log, by="grad_norm").rows
+    first_finite = next(r for r in by_op if not math.isnan(r["total"]))
+    assert first_finite["total"] == pytest.approx(max(v for v in norms.values() if not math.isnan(v)))
 
 
 class SqrtOfZero(nn.Module):

@@ -123,7 +123,7 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
         shares = {key: 100.0 * total / grand if grand else 0.0 for key, total in totals.items()}
     rows = [{"address": key, "count": counts[key], "total": total, "percent": shares[key]}
             for key, total in totals.items()]
-    rows.sort(key=lambda r: r["total"], reverse=True)
+    rows.sort(key=_hottest_first, reverse=True)
     ranked = HotPath(rows, by=by, group=group, total=grand, excluded=excluded, considered=len(values),
                      model_name=log.model_name)
     from ..record.summary import torch_call_count
@@ -131,6 +131,14 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     ranked.calls = len({log.call_indices[i] for i, _ in values})  # counted as print(log) counts them
     ranked.trace_calls = torch_call_count(log)
     return ranked
+
+
+def _hottest_first(row) -> tuple:
+    """Sort key, largest first.  A NaN total (a gradient holding NaN) cannot be compared, and left in
+    the sort it leaves the other rows out of order: it ranks first, where a NaN needs looking at."""
+    total = row["total"]
+    is_nan = total != total
+    return (is_nan, 0 if is_nan else total)
 
 
 def _metric_values(log, by):
