@@ -389,6 +389,24 @@ def test_backward_only_profile_of_a_corpus_model_matches_the_full_profile(name):
     assert [(r["op"], r["bwd_aten_ops"]) for r in reused.ops] == [(r["op"], r["bwd_aten_ops"]) for r in fresh.ops]
 
 
+def test_backward_only_profile_prints_its_costliest_backward_ops():
+    import real_models
+
+    model, args, kwargs = real_models.build("bert")
+    model.eval()
+    log = tl.trace(model, args, kwargs, grads=True, save="none")
+    kp = tl.report.kernel_profile(log, backward=lambda out: out.logits.sum().backward())
+    model.zero_grad(set_to_none=True)
+    text = str(kp)
+    # No forward ran under this profiler: ranking by forward time would list ops in execution order.
+    assert "backward only" in text and "forward + backward" not in text
+    title = "top 15 ops by backward self CPU time:"
+    assert title in text
+    listed = [line.split()[0] for line in text.split(title)[1].splitlines()[2:17]]
+    costliest = sorted(kp.ops, key=lambda r: -r["bwd_cpu_ns"])[:15]
+    assert listed == [r["op"] for r in costliest]
+
+
 def test_viewer_colours_by_gradient_norm_and_shows_gradient_stats():
     from torchlens.viz.metrics import Coloring, op_values
 

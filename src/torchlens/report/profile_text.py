@@ -19,12 +19,16 @@ def profile_text(profile, top: int = 15) -> str:
     coverage = profile.coverage
     rows = profile.ops
     mode = "borrowed profiler" if profile.borrowed else "own profiler"
-    phases = "forward + backward" if profile.backward else "forward"
+    # A backward-only profile of an earlier trace measured no forward: rank by what it measured.
+    backward_only = profile.backward_nodes is not None
+    phases = "backward only (no forward profiled)" if backward_only else \
+        "forward + backward" if profile.backward else "forward"
     lines = [f"KernelProfile of {profile.trace.model_name}: {len(rows)} ops, {phases}, {mode}; "
              "all times are profiler (Kineto) measurements", str(coverage)]
     device = coverage.has_device
     key = "device_ns" if device else "cpu_ns"
-    ranked = sorted(rows, key=lambda r: -(r[key] or 0))[:top]
+    rank_key = "bwd_" + key if backward_only else key
+    ranked = sorted(rows, key=lambda r: -(r[rank_key] or 0))[:top]
     header = ["op", "module", "device" if device else "self CPU", "kernels" if device else "aten ops"]
     if profile.backward:
         header.append("bwd device" if device else "bwd self CPU")
@@ -35,7 +39,8 @@ def profile_text(profile, top: int = 15) -> str:
             line.append(_fmt_ns(r["bwd_" + key]))
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines.append(f"top {len(ranked)} ops by {'device time' if device else 'self CPU time'}:")
+    lines.append(f"top {len(ranked)} ops by {'backward ' if backward_only else ''}"
+                 f"{'device time' if device else 'self CPU time'}:")
     for row in table:
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     if profile.backward:
