@@ -136,6 +136,23 @@ def test_a_cleaned_up_trace_without_flags_is_refused_clearly():
         tl.debug.nonfinite_origin(tl.trace(Deep().eval(), torch.randn(3, 4), save="none"))
 
 
+def test_a_trace_loaded_without_its_activations_is_described_as_such(tmp_path):
+    x = torch.randn(3, 4)
+    model = Deep().eval()
+    full = tl.debug.nonfinite_origin(tl.trace(model, x))
+    # Saved with activations=False: tracing with save='all' again would not help, saving them would.
+    tl.trace(model, x).save(tmp_path / "meta", activations=False)
+    with pytest.raises(ValueError, match="saved with activations=False"):
+        tl.debug.nonfinite_origin(tl.load(tmp_path / "meta"))
+    # With flags, the origin is found from them alone, and the report says so.
+    tl.trace(model, x, record_finite=True).save(tmp_path / "flags", activations=False)
+    from_flags = tl.debug.nonfinite_origin(tl.load(tmp_path / "flags"))
+    assert from_flags.origin_label == full.origin_label and from_flags.propagators == full.propagators
+    assert from_flags.basis == "recorded finite flags"
+    unsaved = tl.debug.nonfinite_origin(tl.trace(model, x, save="none", record_finite=True))
+    assert unsaved.basis == "recorded finite flags"
+
+
 def test_a_meta_device_forward_is_named_as_the_reason_nothing_was_examined():
     # Asking for flags on a meta model must not read as "you forgot record_finite=True".
     with torch.device("meta"):

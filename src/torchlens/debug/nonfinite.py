@@ -143,6 +143,11 @@ def nonfinite_origin(log, grads: bool = False):
         if _all_on_meta(log):
             raise ValueError("nonfinite_origin has nothing to examine: this forward ran on the meta device, "
                              "whose tensors have shapes but no values; trace the model on a real device")
+        gone = _why_activations_gone(log)
+        if gone is not None:
+            raise ValueError(f"nonfinite_origin has nothing to examine: the trace loaded from {log.loaded_from} "
+                             f"holds no activations ({gone}) and no finite flags; save it with its activations, "
+                             "or trace with record_finite=True (the flags are saved with the metadata)")
         raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
                          "recorded; trace with save='all' or record_finite=True")
     bad_params, params_checked = _nonfinite_parameters(log)
@@ -165,7 +170,7 @@ def nonfinite_origin(log, grads: bool = False):
             undetermined.append(log.labels[i])
         else:
             others.append(log.labels[i])
-    basis = ("recorded finite flags" if has_flags and log.is_cleaned_up else
+    basis = ("recorded finite flags" if has_flags and (log.is_cleaned_up or not log.saved_activations) else
              "saved activations and recorded finite flags" if has_flags else "saved activations")
     return NonfiniteReport(
         found=origin is not None, origin=log.ops[origin] if origin is not None else None,
@@ -187,6 +192,14 @@ def _status(log, i):
     if t is None:
         return None
     return nonfinite_flags(t)
+
+
+def _why_activations_gone(log):
+    """Why a loaded trace holds no activation it saved (written with activations=False), or None."""
+    if log.loaded_from is None:
+        return None
+    return next((log.ops[i].dropped_reason for i, kind in enumerate(log.kinds)
+                 if kind != Kind.OUTPUT and log.ops[i].dropped_reason is not None), None)
 
 
 def _all_on_meta(log) -> bool:
