@@ -87,6 +87,18 @@ def test_saved_for_backward_column_appears_when_the_trace_recorded_it():
     assert "Saved for bwd" in str(table)
 
 
+def test_param_records_keep_the_shape_and_requires_grad_the_forward_used():
+    model, ids = _tied_gpt2()
+    before = {name: (tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()}
+    log = tl.trace(model, ids)
+    model.transformer.h[0].requires_grad_(False)  # frozen after the trace
+    with torch.no_grad():
+        model.transformer.ln_f.weight.data = torch.ones(7)  # resized after the trace
+    recorded = {p.address: (tuple(p.shape), p.requires_grad) for p in log.params}
+    assert recorded == before
+    assert log.summary()[0]["params"] == sum(p.numel() for p in model.parameters()) + 32 - 7
+
+
 def test_a_loaded_trace_shows_the_live_parameter_counts(tmp_path):
     model, ids = _tied_gpt2()
     live = tl.trace(model, ids).summary()

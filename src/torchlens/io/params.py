@@ -12,18 +12,8 @@ which the table lists once, at its first address, so the counts cannot be rebuil
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from .encode import torch_constant, torch_constant_name
 from .format import TRACE_JSON, TraceFileError
-
-
-class _SavedParam(NamedTuple):
-    """What ``Param`` records read from a parameter, as saved."""
-
-    shape: tuple
-    dtype: object
-    requires_grad: bool
 
 
 def write_params(trace) -> list:
@@ -37,7 +27,7 @@ def read_params(trace, rows) -> None:
     trace._params_listed = rows is not None
     if rows is None:
         return
-    from ..record.params import build_params
+    from ..record.params import ParamState, build_params
 
     if not isinstance(rows, list):
         raise TraceFileError(f"{TRACE_JSON}: 'params' must be a list")
@@ -48,7 +38,7 @@ def read_params(trace, rows) -> None:
                 and isinstance(row[3], bool)):
             raise TraceFileError(f"{TRACE_JSON}: params: {row!r} is not [address, shape, dtype, requires_grad]")
         address, shape, dtype, requires_grad = row
-        saved.append((address, _SavedParam(tuple(shape), torch_constant("dtype", dtype), requires_grad)))
+        saved.append((address, ParamState(tuple(shape), torch_constant("dtype", dtype), requires_grad)))
     trace._param_rows = build_params(trace, saved)
 
 

@@ -4,6 +4,8 @@ Like every record, each is a view made on demand over a row the trace holds (see
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .columns import Kind
 from .view import View, row_field
 
@@ -19,6 +21,20 @@ class ParamRow:
         self.dtype = dtype
         self.requires_grad = requires_grad
         self.users: list = []  # indices of the ops that used it, in execution order
+
+
+class ParamState(NamedTuple):
+    """What a ``Param`` record reads from a parameter: as the forward saw it, or as a file saved it."""
+
+    shape: tuple
+    dtype: object
+    requires_grad: bool
+
+
+def param_states(model_params) -> list:
+    """``[(address, ParamState)]`` read now, at the end of the forward: a parameter frozen, resized or
+    replaced afterwards keeps in the trace the shape and ``requires_grad`` the forward used."""
+    return [(address, ParamState(tuple(p.shape), p.dtype, p.requires_grad)) for address, p in model_params]
 
 
 class BufferRow:
@@ -114,11 +130,11 @@ class Buffer(View):
         return f"<Buffer {self.address}, read by {len(self.readers)} ops>"
 
 
-def build_params(trace, model_params) -> list:
-    """Param rows from the model's ``(address, parameter)`` list (None for a loaded trace)."""
-    if model_params is None:
+def build_params(trace, states) -> list:
+    """Param rows from ``[(address, ParamState)]`` (None for a loaded trace without the table)."""
+    if states is None:
         return []
-    rows = {address: ParamRow(address, p.shape, p.dtype, p.requires_grad) for address, p in model_params}
+    rows = {address: ParamRow(address, p.shape, p.dtype, p.requires_grad) for address, p in states}
     for op_index, addresses in trace._param_addresses.items():
         for address in addresses:
             if address in rows:

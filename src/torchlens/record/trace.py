@@ -18,7 +18,7 @@ from .derived import Derived as _Derived
 from .layouts import memory_freed
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
-from .params import Buffer, Param
+from .params import Buffer, Param, param_states
 from .view import RecordList
 
 
@@ -149,8 +149,10 @@ class Trace:
         self.timings = timings
         self.budget_exhausted_at = budget_exhausted_at
         self._alias_reads = alias_reads
-        # Only the (address, parameter) list is kept for the lazy Param records, not the whole index.
+        # Only the (address, parameter) list is kept (gradients read it), not the whole index; the Param
+        # records read the parameters' state as the forward left it, not as a later freeze or resize does.
         self._model_params = index.params if index is not None else None
+        self._param_states = param_states(index.params) if index is not None else None
 
     def _derive_all(self) -> None:
         """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
@@ -168,7 +170,7 @@ class Trace:
         if self._param_rows is None:
             from .params import build_params
 
-            self._param_rows = build_params(self, self._model_params)
+            self._param_rows = build_params(self, self._param_states)
         return RecordList(self, Param, range(len(self._param_rows)), tables.params_frame)
 
     @property
