@@ -87,6 +87,26 @@ def test_saved_for_backward_column_appears_when_the_trace_recorded_it():
     assert "Saved for bwd" in str(table)
 
 
+def _per_module_counts(model) -> dict:
+    return {address: sum(p.numel() for p in module.parameters()) for address, module in model.named_modules()}
+
+
+def test_parameter_counts_are_the_forwards_even_when_the_model_grows_afterwards():
+    model, ids = _tied_gpt2()
+    expected = _per_module_counts(model)  # plain PyTorch, before anything changes
+    log = tl.trace(model, ids)
+    # After the trace, an adapter is added inside an attention layer and the tied head is replaced.
+    attn = model.transformer.h[0].attn
+    attn.register_parameter("adapter", torch.nn.Parameter(torch.zeros(1000)))
+    model.lm_head = torch.nn.Linear(32, 100, bias=True)
+    table = log.summary()
+    for row in table.rows[1:]:
+        address = row["call"].rsplit(":", 1)[0]
+        assert row["params"] == expected[address], row["call"]
+    assert table[0]["params"] == expected[""]
+    assert table["transformer:1"]["params"] <= table[0]["params"]
+
+
 def test_param_records_keep_the_shape_and_requires_grad_the_forward_used():
     model, ids = _tied_gpt2()
     before = {name: (tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()}

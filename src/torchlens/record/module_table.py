@@ -26,15 +26,47 @@ def module_param_counts(trace) -> dict:
     parameters its ops used instead (``counts_from_used_params`` then says so)."""
     counts = getattr(trace, "_module_param_counts", None)
     if counts is None:
-        live = [m for m in trace.modules if m._ref is not None]
-        if live or not trace.modules:
-            # parameters() yields each parameter object once, so tied weights count once per module.
-            counts = {m.address: sum(p.numel() for p in m._ref.parameters()) for m in live}
+        rows = trace._module_rows
+        live = [row for row in rows if row.ref is not None]
+        if live or not rows:
+            at_forward, memo = trace._forward_param_counts or {}, {}
+            counts = {row.address: _count_under(row.ref, at_forward, memo) for row in live}
+            trace._forward_param_counts = None  # the counts are kept: the modules need not be
         else:
             counts = _used_param_counts(trace)
             trace._param_counts_from_ops = True
         trace._module_param_counts = counts
     return counts
+
+
+def forward_param_counts(index) -> dict:
+    """``{id(module): (module, parameter count)}`` for every module of the model, read as the forward ends
+    (read from the columns only later, when a summary asks)."""
+    memo: dict = {}  # shared by nested modules: the model is walked once
+    return {id(m): (m, sum(_params_under(m, memo).values())) for m in index.all_modules()}
+
+
+def _count_under(module, at_forward: dict, memo: dict) -> int:
+    known = at_forward.get(id(module))
+    if known is not None and known[0] is module:
+        return known[1]
+    return sum(_params_under(module, memo).values())  # a module outside the model (made in the forward)
+
+
+def _params_under(module, memo: dict) -> dict:
+    """``{id(parameter): numel}`` for the parameters reachable from ``module``: each parameter object once, so
+    tied weights count once, as ``module.parameters()`` counts them."""
+    found = memo.get(id(module))
+    if found is None:
+        own, children = module._parameters, module._modules
+        if type(own) is not dict or type(children) is not dict:  # a TorchScript module's wrappers: torch walks it
+            found = memo[id(module)] = {id(p): p.numel() for p in module.parameters()}
+            return found
+        found = memo[id(module)] = {id(p): p.numel() for p in own.values() if p is not None}
+        for child in children.values():
+            if child is not None:
+                found.update(_params_under(child, memo))
+    return found
 
 
 def counts_from_used_params(trace) -> bool:

@@ -77,6 +77,7 @@ class Trace:
     _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
     _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
+    _forward_param_counts = None  # record.finalize: id(module) -> (module, parameter count) as the forward ended
     _params_listed = True  # io.params: False in a loaded trace whose file predates the parameter table
     _param_counts_from_ops = False  # record.module_table: those counts came from the ops (an older saved file)
     _raw = None  # record.finalize.RawRecord: what the columns below are derived from, until all of them are
