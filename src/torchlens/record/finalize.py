@@ -30,7 +30,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
 from .layouts import shape_of
 from .model_index import ModelIndex
-from .module_table import forward_param_counts
+from .module_table import params_by_module
 from .modules import CallRow, ModuleRow, shown_class, unregistered_address
 from .trace import Trace
 
@@ -83,9 +83,11 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     trace = Trace(model_name, calls, activations, dict(state.clobbered), finite, param_addresses, output, model,
                   state.unattributed, timings, state.budget_exhausted_at, state.alias_reads, index, raw)
     trace._saved_versions = state.saved_versions  # Trace.drop_written: a later write shows as a dropped value
-    # Counted now, from the model as the forward ran it: a module given parameters after the trace (an
-    # adapter, a new head) must not count them in a table whose total is the forward's.
-    trace._forward_param_counts = forward_param_counts(index)
+    # Each module's parameters as the forward ran it (a module given parameters after the trace must not
+    # count them in a table whose total is the forward's), listed once per model structure.
+    if index.params_by_module is None:
+        index.params_by_module = params_by_module(index)
+    trace._params_by_module = index.params_by_module
     if state.own_outputs:
         trace._own_outputs = frozenset(state.own_outputs)
     if state.outside:  # tensors read from outside the trace: those a module holds as plain attributes, named

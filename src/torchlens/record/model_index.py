@@ -31,6 +31,7 @@ class ModelIndex:
         self._root = None  # a weak reference: a cached index must not keep its model alive
         self._module_types = None  # every distinct module class, the root's included (on first use)
         self.wrappers = False  # whether a module holds an ``_orig_mod`` (a torch.compile wrapper does)
+        self.params_by_module = None  # record.finalize: id(module) -> (module, [its parameters]), on first trace
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
             self._walk(model)
@@ -73,9 +74,14 @@ class ModelIndex:
             self._module_types = tuple(dict.fromkeys(map(type, modules)))
         return self._module_types
 
+    @property
+    def root(self):
+        """The model, while it is alive (None for a callable's index)."""
+        return self._root() if self._root is not None else None
+
     def all_modules(self) -> list:
         """Every module object of the model once, the root first (wrappers included)."""
-        root = self._root() if self._root is not None else None
+        root = self.root
         return ([root] if root is not None else []) + list(self.submodules.values())
 
     @property

@@ -29,9 +29,9 @@ def module_param_counts(trace) -> dict:
         rows = trace._module_rows
         live = [row for row in rows if row.ref is not None]
         if live or not rows:
-            at_forward, memo = trace._forward_param_counts or {}, {}
+            at_forward, memo = trace._params_by_module or {}, {}
             counts = {row.address: _count_under(row.ref, at_forward, memo) for row in live}
-            trace._forward_param_counts = None  # the counts are kept: the modules need not be
+            trace._params_by_module = None  # the counts are kept: the modules need not be
         else:
             counts = _used_param_counts(trace)
             trace._param_counts_from_ops = True
@@ -39,30 +39,33 @@ def module_param_counts(trace) -> dict:
     return counts
 
 
-def forward_param_counts(index) -> dict:
-    """``{id(module): (module, parameter count)}`` for every module of the model, read as the forward ends
-    (read from the columns only later, when a summary asks)."""
+def params_by_module(index) -> dict:
+    """``{id(module): (module, its parameters)}`` for every module of the model as the index walked it: each
+    parameter object once per module, so tied weights count once, as ``module.parameters()`` counts them.
+    Made once per model structure (the index is shared by the traces of an unchanged model), so a module
+    given parameters after a trace (an adapter, a new head) does not count them in that trace's table."""
     memo: dict = {}  # shared by nested modules: the model is walked once
-    return {id(m): (m, sum(_params_under(m, memo).values())) for m in index.all_modules()}
+    root = index.root
+    # The root is held as None: a cached index must not keep its model alive (its submodules it holds already).
+    return {id(m): (None if m is root else m, list(_params_under(m, memo).values())) for m in index.all_modules()}
 
 
 def _count_under(module, at_forward: dict, memo: dict) -> int:
     known = at_forward.get(id(module))
-    if known is not None and known[0] is module:
-        return known[1]
-    return sum(_params_under(module, memo).values())  # a module outside the model (made in the forward)
+    if known is not None and (known[0] is module or known[0] is None):  # None: the root, alive with the trace
+        return sum(p.numel() for p in known[1])
+    return sum(p.numel() for p in _params_under(module, memo).values())  # a module made in the forward
 
 
 def _params_under(module, memo: dict) -> dict:
-    """``{id(parameter): numel}`` for the parameters reachable from ``module``: each parameter object once, so
-    tied weights count once, as ``module.parameters()`` counts them."""
+    """``{id(parameter): parameter}`` for the parameters reachable from ``module``, each object once."""
     found = memo.get(id(module))
     if found is None:
         own, children = module._parameters, module._modules
         if type(own) is not dict or type(children) is not dict:  # a TorchScript module's wrappers: torch walks it
-            found = memo[id(module)] = {id(p): p.numel() for p in module.parameters()}
+            found = memo[id(module)] = {id(p): p for p in module.parameters()}
             return found
-        found = memo[id(module)] = {id(p): p.numel() for p in own.values() if p is not None}
+        found = memo[id(module)] = {id(p): p for p in own.values() if p is not None}
         for child in children.values():
             if child is not None:
                 found.update(_params_under(child, memo))

@@ -31,10 +31,13 @@ class ParamState(NamedTuple):
     requires_grad: bool
 
 
-def param_states(model_params) -> list:
-    """``[(address, ParamState)]`` read now, at the end of the forward: a parameter frozen, resized or
-    replaced afterwards keeps in the trace the shape and ``requires_grad`` the forward used."""
-    return [(address, ParamState(tuple(p.shape), p.dtype, p.requires_grad)) for address, p in model_params]
+def param_states(model_params, requires_grad) -> list:
+    """``[(address, ParamState)]`` for a trace's ``(address, Parameter)`` list: each one's ``requires_grad`` as
+    the forward ran (``requires_grad``: the flags read when it ended, a ``ByParam``), so a parameter frozen
+    since keeps the flag its ops saw; shape and dtype are read now (reading them per trace would cost every
+    trace a pass over the parameters)."""
+    flags = requires_grad.get if requires_grad is not None else (lambda _, now: now)
+    return [(address, ParamState(tuple(p.shape), p.dtype, flags(id(p), p.requires_grad))) for address, p in model_params]
 
 
 class BufferRow:

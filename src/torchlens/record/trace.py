@@ -18,7 +18,7 @@ from .derived import Derived as _Derived
 from .layouts import memory_freed
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
-from .params import Buffer, Param, param_states
+from .params import Buffer, Param
 from .view import RecordList
 
 
@@ -77,7 +77,7 @@ class Trace:
     _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
     _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
-    _forward_param_counts = None  # record.finalize: id(module) -> (module, parameter count) as the forward ended
+    _params_by_module = None  # record.finalize: id(module) -> (module, [its parameters]) as the forward ran
     _params_listed = True  # io.params: False in a loaded trace whose file predates the parameter table
     _param_counts_from_ops = False  # record.module_table: those counts came from the ops (an older saved file)
     _raw = None  # record.finalize.RawRecord: what the columns below are derived from, until all of them are
@@ -150,10 +150,8 @@ class Trace:
         self.timings = timings
         self.budget_exhausted_at = budget_exhausted_at
         self._alias_reads = alias_reads
-        # Only the (address, parameter) list is kept (gradients read it), not the whole index; the Param
-        # records read the parameters' state as the forward left it, not as a later freeze or resize does.
+        # Only the (address, parameter) list is kept for the lazy Param records, not the whole index.
         self._model_params = index.params if index is not None else None
-        self._param_states = param_states(index.params) if index is not None else None
 
     def _derive_all(self) -> None:
         """Every derived column, now (before ``cleanup`` releases what they are derived from)."""
@@ -169,9 +167,11 @@ class Trace:
     def params(self) -> RecordList:
         """The model's parameters and the ops that used each (built on first use)."""
         if self._param_rows is None:
-            from .params import build_params
+            from .params import build_params, param_states
 
-            self._param_rows = build_params(self, self._param_states)
+            flags = self._replay.param_requires_grad if self._replay is not None else None
+            states = param_states(self._model_params, flags) if self._model_params is not None else None
+            self._param_rows = build_params(self, states)
         return RecordList(self, Param, range(len(self._param_rows)), tables.params_frame)
 
     @property
