@@ -345,6 +345,31 @@ def test_extract_streams_gradients_beside_activations(tmp_path):
         assert p.grad is g and bool((g == 7.0).all())
 
 
+
+@pytest.mark.parametrize("how", ["bound method", "partial", "lambda with root", "lambda"])
+def test_extract_gradients_leave_the_grad_of_a_callable_s_model_untouched(tmp_path, how):
+    import functools
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    batches = [torch.randn(5, 4) for _ in range(2)]
+    run, extra = {"bound method": (model.forward, {}), "partial": (functools.partial(model), {}),
+                  "lambda with root": (lambda x: model(x), {"root": model}),
+                  "lambda": (lambda x: model(x), {})}[how]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a lambda without root= names no model to checksum
+        out = tl.extract(run, batches, ["linear_1_1", "linear_2_3"], tmp_path / "e", grads=True,
+                         loss_fn=lambda output, batch: output.pow(2).sum(), progress=False, **extra)
+    assert all(p.grad is None for p in model.parameters())  # each batch's backward was set aside
+    hidden_grads = []
+    for x in batches:  # the same gradients, by hand
+        hidden = model[0](x)
+        hidden.retain_grad()
+        model[2](model[1](hidden)).pow(2).sum().backward()
+        hidden_grads.append(hidden.grad)
+    assert torch.equal(tl.load_extracted(out, as_torch=True)["grad:linear_1_1"], torch.cat(hidden_grads))
+
+
 def test_kernel_profile_reuses_a_grads_trace_and_reports_backward_per_module_call():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))

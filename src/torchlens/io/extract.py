@@ -236,7 +236,7 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
         raise UnmatchedSelection(f"batch {position}: {exc}") from None
     try:
         if grads is not None:
-            backward_through(log, *grads, position)
+            backward_through(log, *grads, position, root if root is not None else model)
         acts = []
         ops = [_resolve(log, name, position) for name in layers]
         tensors = [op.activation for op in ops]

@@ -29,14 +29,15 @@ def check_request(grads: bool, loss_fn, stop_after=None) -> None:
                          f"{stop_after!r} stops each forward before it; extract the gradients without stop_after")
 
 
-def backward_through(log, loss_fn, batch, position) -> None:
-    """Run ``loss_fn(log.output, batch)``'s backward, leaving the model's parameter ``.grad`` untouched."""
+def backward_through(log, loss_fn, batch, position, module=None) -> None:
+    """Run ``loss_fn(log.output, batch)``'s backward, leaving the parameter ``.grad`` of ``module`` (the model
+    the traced callable runs) and of every parameter the forward read untouched."""
     loss = loss_fn(log.output, batch)
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
         raise ValueError(f"batch {position}: loss_fn returned {type(loss).__name__}"
                          f"{' that does not require grad' if isinstance(loss, torch.Tensor) else ''}; it must "
                          "return a tensor computed from the model's output")
-    params = list(log.model.parameters()) if isinstance(log.model, torch.nn.Module) else []
+    params = _parameters(log, module)
     kept = [p.grad for p in params]
     try:
         # Taken off the parameters first: autograd adds into an existing ``.grad`` in place, so a kept
@@ -47,6 +48,18 @@ def backward_through(log, loss_fn, batch, position) -> None:
     finally:
         for p, g in zip(params, kept):
             p.grad = g
+
+
+def _parameters(log, module) -> list:
+    """The parameters a backward may write ``.grad`` into, each once: ``module``'s (for a bound method, a
+    partial or a lambda the traced callable is no module), and those the recorded calls read (a lambda given
+    without ``root=`` names no model, but its forward still reads the model's weights)."""
+    found = {}
+    if isinstance(module, torch.nn.Module):
+        found.update((id(p), p) for p in module.parameters())
+    for call in log.calls:
+        found.update((id(p), p) for _, p in call.params)
+    return list(found.values())
 
 
 def layer_grad(op, name, position):
