@@ -212,6 +212,27 @@ def test_layer_names_must_pick_one_op_per_batch(tmp_path):
                                       torch.cat([torch.relu(x) for x in data]).numpy())
 
 
+
+def test_a_module_registered_under_two_names_is_extracted_by_either(tmp_path):
+    class Aliased(nn.Module):  # one Linear at two addresses, as a model sharing a block registers it
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(8, 8)
+            self.shared = self.encoder
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.shared(x)))
+
+    model, data = Aliased().eval(), batches(3)
+    assert tl.trace(model, data[0])["shared"].label == tl.trace(model, data[0])["encoder"].label
+    for name in ("shared", "encoder"):
+        tl.extract(model, data, [name], tmp_path / name, progress=False)
+        with torch.no_grad():
+            assert torch.equal(tl.load_extracted(tmp_path / name, as_torch=True)[name],
+                               torch.cat([model.encoder(x) for x in data]))
+
+
 def test_a_layer_after_the_stop_site_is_refused_naming_the_stop(tmp_path):
     with pytest.raises(KeyError, match=r"named 'head'.*the forward stopped after fc:1, as stop_after= asked"):
         tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "a", stop_after="fc", progress=False)

@@ -43,12 +43,7 @@ class SavePolicy:
             )
 
     def _parse_selection(self, items, model, index=None):
-        # The model's cached index knows every module's address (no walk per trace); with a torch.compile
-        # wrapper the walk's own names are read, since they also name the wrapped module ("x._orig_mod").
-        if index is not None and not index.wrappers:
-            modules = index.modules
-        else:
-            modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
+        modules = _modules_by_address(model, index)
         self.labels, self.types, self.module_ids, self.addresses, self.call_labels = set(), set(), set(), set(), set()
         for item in items:
             if not isinstance(item, str):
@@ -138,6 +133,20 @@ class SavePolicy:
             if trace.kinds[i] == Kind.OUTPUT and (trace.op_parents[i][0][1] in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
         trace.keep_activations(kept)
+
+
+def _modules_by_address(model, index) -> dict:
+    """Address -> module for every address a trace answers to, a module's aliases included (one module
+    registered under two names is ``log['a']`` and ``log['b']``, so either selects it).  The model's cached
+    index knows them (no walk per trace); with a torch.compile wrapper the walk's own names are read, since
+    they also name the wrapped module ("x._orig_mod")."""
+    if index is None or index.wrappers:
+        return dict(model.named_modules(remove_duplicate=False)) if isinstance(model, torch.nn.Module) else {}
+    modules = dict(index.modules)
+    for module in list(modules.values()):
+        for alias in index.module_addresses.get(id(module), ())[1:]:
+            modules.setdefault(alias, module)
+    return modules
 
 
 def _module_class_hint(trace, entry: str) -> str:
