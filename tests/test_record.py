@@ -360,6 +360,17 @@ def test_output_keeps_its_tensor_when_its_producer_is_saved():
     assert not tl.trace(model, args, save=["relu"])["output_1:1"].has_activation
 
 
+
+def test_saving_the_output_type_keeps_the_output():
+    # An output node shows its producer's tensor, which a selection by type decided during the forward
+    # would never hold: save=["output"] must still keep the output, as save=["input"] keeps the input.
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, save=["output"])
+    assert [op.label for op in log if op.has_activation] == ["output_1:1"]
+    with torch.no_grad():
+        assert torch.equal(log["output_1:1"].activation, model(*args))
+
+
 class _ReturnsItsWeight(nn.Module):
     def __init__(self):
         super().__init__()

@@ -60,8 +60,9 @@ class SavePolicy:
             else:
                 self.types.add(item.lower().replace("_", ""))
                 self.type_entries[item.lower().replace("_", "")] = item
-        # Labels are only known after the forward: hold everything until then.
-        self.mode = 1 if self.labels else 2
+        # Labels are only known after the forward: hold everything until then.  So for the output type: an
+        # output node shows its producer's tensor, which a test of each op's own type would never hold.
+        self.mode = 1 if self.labels or "output" in self.types else 2
 
     @property
     def filters_after(self) -> bool:
