@@ -306,6 +306,33 @@ def test_save_and_load_keep_gradients(tmp_path):
     assert reread._gradcap is None and reread.saved_for_backward_bytes == packed_only.saved_for_backward_bytes
 
 
+
+def test_gradient_statistics_do_not_depend_on_the_gradient_s_memory_layout(tmp_path):
+    # fc's output gradient arrives through the transpose, transposed back: a non-contiguous tensor, which a
+    # saved trace stores (and reloads) contiguous.  The statistics must be those of the values alone.
+    class Transposes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(37, 53)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return (h.transpose(0, 1) * torch.linspace(0.1, 3.0, h.shape[0])).sum()
+
+    torch.manual_seed(0)
+    log = tl.trace(Transposes(), torch.randn(61, 37), grads=True)
+    log.backward(log.output)
+    grad = log["fc"].grad
+    assert not grad.is_contiguous()
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    assert torch.equal(loaded["fc"].grad, grad)
+    columns = ["grad_norm", "grad_min", "grad_max", "grad_nonfinite"]
+    assert loaded.to_pandas()[columns].equals(log.to_pandas()[columns])
+    row = log.to_pandas().set_index("label").loc[log["fc"].label]
+    assert row.grad_norm == float(torch.linalg.vector_norm(grad.contiguous()))
+
+
 def test_extract_streams_gradients_beside_activations(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))

@@ -162,9 +162,11 @@ def grad_stats(g) -> dict:
         if g.is_complex():
             g = g.abs()
         values = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-        finite = torch.isfinite(values)
-        nonfinite = int(values.numel() - finite.sum())
-        return {"grad_norm": float(torch.linalg.vector_norm(values)),
+        nonfinite = int(values.numel() - torch.isfinite(values).sum())
+        # Contiguous: a reduction's rounding follows the memory order, and a saved trace reloads the gradient
+        # contiguous, so the norm must not depend on the layout the backward happened to give.  (Copied only
+        # now, once the finite test's temporaries are freed; min and max are exact in any order.)
+        return {"grad_norm": float(torch.linalg.vector_norm(values.contiguous())),
                 "grad_min": float(values.min()) if values.numel() else None,
                 "grad_max": float(values.max()) if values.numel() else None,
                 "grad_nonfinite": nonfinite}
