@@ -387,6 +387,25 @@ def test_saving_never_clobbers_other_folders(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+
+def test_a_failed_save_into_an_empty_folder_leaves_the_folder(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    log = tl.trace(*zoo()["mlp"][:2])
+    (tmp_path / "mine").mkdir()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        log.save(tmp_path / "mine")
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not any((tmp_path / "mine").iterdir())
+    monkeypatch.undo()
+    log.save(tmp_path / "mine")  # the empty folder is replaced once the trace is written
+    assert tl.load(tmp_path / "mine")[-1].label == log[-1].label
+
+
 # ----- damaged and hostile folders -----------------------------------------------------------------------
 @pytest.fixture()
 def saved(tmp_path):

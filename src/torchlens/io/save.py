@@ -65,12 +65,20 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         write_atomic(os.path.join(staging, TRACE_JSON), dump_json(record))
         write_manifest(staging, TRACE_FORMAT, TRACE_SCHEMA, names)
         if old_files is None:
-            os.replace(staging, path)
+            _move_in(staging, path)
         else:
             _replace_saved(path, staging, old_files)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _move_in(staging: str, path: str) -> None:
+    """Rename the written trace to ``path``, replacing the empty folder ``_check_target`` found there, if any:
+    removed only now, so that a save that failed earlier leaves the user's folder where it was."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)  # refuses a folder something was written into since the check
+    os.replace(staging, path)
 
 
 def _make_folder(folder: str, path: str) -> None:
@@ -93,7 +101,8 @@ def _first_file_on(folder: str) -> str:
 
 
 def _check_target(path: str, overwrite: bool):
-    """The files of the saved trace at ``path`` that saving over it will remove; None when nothing is there."""
+    """The files of the saved trace at ``path`` that saving over it will remove; None when nothing (or an empty
+    folder) is there."""
     if not os.path.lexists(path):
         return None
     if os.path.islink(path):
@@ -102,8 +111,7 @@ def _check_target(path: str, overwrite: bool):
     if not os.path.isdir(path):
         raise TraceFileError(f"{path} exists and is a file, not a saved trace; choose another path")
     if not os.listdir(path):
-        os.rmdir(path)
-        return None
+        return None  # an empty folder: replaced only once the new trace is written (``_move_in``)
     if not os.path.lexists(os.path.join(path, MANIFEST)):
         raise TraceFileError(f"{path} exists and is not a saved trace; choose another path")
     try:
