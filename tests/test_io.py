@@ -406,6 +406,20 @@ def test_a_failed_save_into_an_empty_folder_leaves_the_folder(tmp_path, monkeypa
     assert tl.load(tmp_path / "mine")[-1].label == log[-1].label
 
 
+
+def test_saving_to_the_empty_current_directory_is_refused_and_leaves_it(tmp_path, monkeypatch):
+    log = tl.trace(*zoo()["mlp"][:2])
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for path in (".", os.getcwd()):
+        with pytest.raises(TraceFileError, match="is the current working directory; save the trace to a folder inside"):
+            log.save(path)
+        assert os.getcwd() == str(tmp_path / "here") and os.path.samefile(".", tmp_path / "here")
+    assert [p.name for p in tmp_path.iterdir()] == ["here"]
+    log.save("run1")
+    assert tl.load(tmp_path / "here" / "run1")[-1].label == log[-1].label
+
+
 # ----- damaged and hostile folders -----------------------------------------------------------------------
 @pytest.fixture()
 def saved(tmp_path):
