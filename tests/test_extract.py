@@ -233,6 +233,44 @@ def test_a_module_registered_under_two_names_is_extracted_by_either(tmp_path):
                                torch.cat([model.encoder(x) for x in data]))
 
 
+
+SHARD_MEMORY = textwrap.dedent('''
+    import resource, sys
+    import torch, torch.nn as nn
+    import torchlens as tl
+
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    def batches():  # made on demand: only the extraction holds rows
+        for _ in range(8):
+            yield torch.ones(250, 25000)  # 25 MB in, 25 MB out
+
+    tl.extract(Double(), [torch.ones(2, 25000)], ["mul_1_1"], sys.argv[1] + "/warm", progress=False)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tl.extract(Double(), batches(), ["mul_1_1"], sys.argv[1] + "/big", shard_bytes=200 << 20, progress=False)
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)  # MiB (Linux counts KiB)
+''')
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux only")
+def test_a_shard_is_written_without_a_second_copy_in_memory(tmp_path):
+    # The docs bound memory by one shard plus one batch: the 200 MiB of buffered rows are written as they
+    # are, never first joined into a second 200 MiB tensor.
+    script = tmp_path / "shard_memory.py"
+    script.write_text(SHARD_MEMORY)
+    # Large blocks mapped, not carved from the heap: freed ones are returned, so the peak counts live memory only.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    growth = float(done.stdout.split()[-1])
+    assert growth < 300, f"peak memory grew {growth:.0f} MiB for a 200 MiB shard of 25 MiB batches"
+    rows = tl.load_extracted(tmp_path / "big")["mul_1_1"]
+    assert rows.shape == (2000, 25000) and bool((rows == 2).all())
+
+
 def test_a_layer_after_the_stop_site_is_refused_naming_the_stop(tmp_path):
     with pytest.raises(KeyError, match=r"named 'head'.*the forward stopped after fc:1, as stop_after= asked"):
         tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "a", stop_after="fc", progress=False)
@@ -277,6 +315,17 @@ def test_channels_last_and_permuted_activations_are_written_in_row_order(tmp_pat
     with torch.no_grad():
         assert torch.equal(got["conv"], torch.cat([model.conv(x) for x in data]))
         assert torch.equal(got["permute_1_3"], torch.cat([model(x) for x in data]))
+
+
+
+def test_conjugate_and_negative_views_are_written_as_their_values(tmp_path):
+    # x.conj() and torch._neg_view return views whose bytes are not their values: a shard holds the values.
+    data = [torch.randn(2, 3, dtype=torch.complex64) for _ in range(3)]
+    tl.extract(lambda z: torch._neg_view(z.conj().imag), data, ["conj_1_1", "negview_1_3"], tmp_path / "x",
+               progress=False)
+    got = tl.load_extracted(tmp_path / "x", as_torch=True)
+    assert torch.equal(got["conj_1_1"], torch.cat([torch.complex(z.real, -z.imag) for z in data]))
+    assert torch.equal(got["negview_1_3"], torch.cat([z.imag for z in data]))
 
 
 def test_a_damaged_layer_file_is_refused(tmp_path):

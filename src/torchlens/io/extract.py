@@ -33,11 +33,11 @@ from ..record.layouts import shape_of
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
 from ..tree import as_args, path_text, strip, tensor_leaves
-from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_safetensors, safe_member,
+from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, safe_member,
                      write_atomic, write_manifest)
 from .identity import model_checksum
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
-from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header
+from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header, write_stacked
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
 PROGRESS = "progress.json"
@@ -439,16 +439,13 @@ class _Run:
         index = len(self.state["shards"])
         name = f"shard_{index:06d}.safetensors"
         path = safe_member(self.out, name)
-        # cat keeps its parts' memory format (a channels-last or permuted activation); the file wants rows in order
-        tensors = {str(i): torch.cat(parts).contiguous() for i, parts in enumerate(self.buffer)}
+        columns = {str(i): parts for i, parts in enumerate(self.buffer)}
         if self.index_buffer:
-            tensors["index"] = torch.cat(self.index_buffer)
+            columns["index"] = self.index_buffer
         tmp = path + ".tmp"
-        require_safetensors().save_file(tensors, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        write_stacked(tmp, columns)  # part by part: memory stays bounded by the one shard buffered
         os.replace(tmp, path)
-        rows = tensors["0"].shape[0]
+        rows = sum(part.shape[0] for part in self.buffer[0])
         start = self.batches_done
         self.state["shards"].append({"file": name, "bytes": os.path.getsize(path), "rows": rows,
                                      "batches": [start, start + self.pending_batches],

@@ -84,6 +84,23 @@ def header_bytes(tensors: dict, metadata: dict | None = None) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def write_stacked(path: str, columns: dict) -> None:
+    """Write ``{name: [tensor, ...]}`` as a safetensors file holding each list joined along dim 0, one part
+    after another: the joined tensors are never made, so the parts are not held twice while being written.
+    Each part is written as its values in row order: a conjugate or negative view resolved, a channels-last
+    or permuted part made contiguous, each on its own."""
+    layout = {name: (parts[0].dtype, [sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
+              for name, parts in columns.items()}
+    with open(path, "wb") as f:
+        f.write(header_bytes(layout))
+        for parts in columns.values():
+            for part in parts:
+                values = part.resolve_conj().resolve_neg().contiguous()
+                f.write(values.reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def copy_range(src: str, start: int, end: int, out) -> None:
     """Append bytes ``[start, end)`` of file ``src`` to the open file ``out`` in bounded chunks."""
     with open(src, "rb") as f:
