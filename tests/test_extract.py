@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchlens as tl
-from torchlens.io import TraceFileError
+from torchlens.io import ResumeMismatchError, TraceFileError
 from streams import batches, interrupted
 
 SCRIPT = textwrap.dedent('''
@@ -326,6 +326,24 @@ def test_conjugate_and_negative_views_are_written_as_their_values(tmp_path):
     got = tl.load_extracted(tmp_path / "x", as_torch=True)
     assert torch.equal(got["conj_1_1"], torch.cat([torch.complex(z.real, -z.imag) for z in data]))
     assert torch.equal(got["negview_1_3"], torch.cat([z.imag for z in data]))
+
+
+
+def test_conjugate_view_inputs_are_extracted_and_resumed(tmp_path):
+    # A batch that is a conjugate view is hashed by its values (for the resume check), as any other batch.
+    data = [torch.randn(2, 3, dtype=torch.complex64).conj() for _ in range(4)]
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(lambda z: z * 2, interrupted(data, 3), ["mul_1_1"], tmp_path / "x", shard_bytes=1,
+                   progress=False)
+    tl.extract(lambda z: z * 2, data, ["mul_1_1"], tmp_path / "x", shard_bytes=1, progress=False)
+    assert torch.equal(tl.load_extracted(tmp_path / "x", as_torch=True)["mul_1_1"], torch.cat(data) * 2)
+    changed = [z.resolve_conj() for z in data]
+    changed[2] = changed[2].conj()  # the batch at the resume boundary now holds other values
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(lambda z: z * 2, interrupted(data, 3), ["mul_1_1"], tmp_path / "y", shard_bytes=1,
+                   progress=False)
+    with pytest.raises(ResumeMismatchError, match="input batch 2 differs"):
+        tl.extract(lambda z: z * 2, changed, ["mul_1_1"], tmp_path / "y", shard_bytes=1, progress=False)
 
 
 def test_a_damaged_layer_file_is_refused(tmp_path):

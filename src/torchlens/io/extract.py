@@ -202,9 +202,9 @@ def _fingerprint(args, named=None) -> str:
     digest = hashlib.sha256()
     for root, value in (("args", args), ("kwargs", named)):
         for path, t in tensor_leaves(value) if value else ():
-            t = t.detach().to("cpu").contiguous()
+            t = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()  # the values, not a view's bytes
             digest.update(f"{path_text(root, path)}{tuple(t.shape)}{t.dtype}".encode())
-            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            digest.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # hashed in place, no copy
     return digest.hexdigest()
 
 
