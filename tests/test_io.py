@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pickle
+import sys
 
 import pytest
 import torch
@@ -389,7 +390,7 @@ def test_saving_never_clobbers_other_folders(tmp_path):
 
 
 def test_a_failed_save_into_an_empty_folder_leaves_the_folder(tmp_path, monkeypatch):
-    import safetensors.torch
+    import importlib
 
     log = tl.trace(*zoo()["mlp"][:2])
     (tmp_path / "mine").mkdir()
@@ -397,7 +398,7 @@ def test_a_failed_save_into_an_empty_folder_leaves_the_folder(tmp_path, monkeypa
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(importlib.import_module("torchlens.io.save"), "write_tensors", disk_full)
     with pytest.raises(OSError, match="No space left"):
         log.save(tmp_path / "mine")
     assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not any((tmp_path / "mine").iterdir())
@@ -418,6 +419,42 @@ def test_saving_to_the_empty_current_directory_is_refused_and_leaves_it(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["here"]
     log.save("run1")
     assert tl.load(tmp_path / "here" / "run1")[-1].label == log[-1].label
+
+
+
+SAVE_MEMORY = """
+import resource, sys
+import torch, torch.nn as nn
+import torchlens as tl
+
+class Transposes(nn.Module):
+    def forward(self, x):
+        return (x * 1).T * 2  # t_1_2: a 183 MiB view with another layout
+
+site = {"mul_1_1": tl.zero_ablate()}  # its 183 MiB original is saved beside the activations
+log = tl.trace(Transposes(), torch.ones(4000, 12000), intervene=site)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+log.save(sys.argv[1] + "/t")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)  # MiB (Linux counts KiB)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux only")
+def test_saving_streams_tensors_instead_of_copying_them_whole(tmp_path):
+    import subprocess
+
+    script = tmp_path / "save_memory.py"
+    script.write_text(SAVE_MEMORY)
+    # Large blocks mapped, not carved from the heap: freed ones are returned, so the peak counts live memory only.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    growth = float(done.stdout.split()[-1])
+    assert growth < 64, f"saving grew peak memory by {growth:.0f} MiB (a 183 MiB view and a 183 MiB original)"
+    loaded = tl.load(tmp_path / "t")
+    assert torch.equal(loaded["t_1_2"].activation, torch.zeros(12000, 4000))
+    assert torch.equal(loaded["mul_1_1"].original, torch.ones(4000, 12000))
 
 
 # ----- damaged and hostile folders -----------------------------------------------------------------------

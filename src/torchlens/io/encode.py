@@ -7,7 +7,7 @@ back as a ``NotSaved`` marker: visible, never mistaken for the original, and nev
 A ``NotSaved`` marker (from a loaded trace being saved again) is written back as the record it was read
 from, so a copy of a copy shows the original type and repr, not a marker wrapped in another.  An
 ``OutputSlot`` (record/saved_output.py) marks where an output tensor sat in the output's structure.
-``unsavable`` says which tensors a safetensors file cannot hold, and ``plain_copy`` makes the one it writes.
+``unsavable`` says which tensors a safetensors file cannot hold (``tensorfile.write_tensors`` writes the rest).
 """
 
 from __future__ import annotations
@@ -64,12 +64,6 @@ def unsavable(t) -> str | None:
 _SAFETENSORS_DTYPES = frozenset(getattr(torch, n) for n in (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
     "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n))
-
-
-def plain_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a file holds it: detached, on the CPU, conjugation and negation resolved, contiguous, and
-    a storage of its own (safetensors refuses two tensors sharing one)."""
-    return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous().clone()
 
 
 def torch_constant(kind: str, name: str):

@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import os
 
-from .encode import plain_copy, unsavable
+from .encode import unsavable
 from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
+from .tensorfile import write_tensors
 
 GRAD_TENSORS = "gradients.safetensors"
 
@@ -62,7 +63,7 @@ def write_grads(trace, folder: str, with_tensors: bool):
                 _add(tensors, record, address, f"p{n}", g, "param_tensors")
     if not tensors:
         return [], record
-    require_safetensors().save_file(tensors, os.path.join(folder, GRAD_TENSORS), metadata={"format": "torchlens-grads"})
+    write_tensors(os.path.join(folder, GRAD_TENSORS), tensors, metadata={"format": "torchlens-grads"})
     return [GRAD_TENSORS], record
 
 
@@ -87,7 +88,7 @@ def _add(tensors: dict, record: dict, owner, key: str, grad, column: str) -> Non
     """Write ``grad`` under ``key``, or name in ``not_saved`` why it cannot be (a sparse ``.grad``)."""
     why = unsavable(grad)
     if why is None:
-        tensors[key] = plain_copy(grad)
+        tensors[key] = grad  # streamed by write_tensors, never copied whole
         record[column].append([owner, key])
     else:
         record["not_saved"].append([owner, f"its gradient was not saved ({why.removeprefix('not saved: ')})"])

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 
-from .encode import plain_copy, unsavable
+from .encode import unsavable
 from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
+from .tensorfile import write_tensors
 
 ORIGINAL_TENSORS = "originals.safetensors"
 
@@ -53,12 +54,11 @@ def write_interventions(trace, folder: str, with_tensors: bool):
     if with_tensors and not trace.is_cleaned_up:
         for i, t in sorted(trace._originals.items()):
             if unsavable(t) is None:  # an original no file can hold (sparse, nested) is left out, as activations are
-                tensors[f"o{i}"] = plain_copy(t)
+                tensors[f"o{i}"] = t  # streamed by write_tensors, never copied whole
                 record["originals"].append([int(i), f"o{i}"])
     if not tensors:
         return [], record
-    require_safetensors().save_file(tensors, os.path.join(folder, ORIGINAL_TENSORS),
-                                    metadata={"format": "torchlens-originals"})
+    write_tensors(os.path.join(folder, ORIGINAL_TENSORS), tensors, metadata={"format": "torchlens-originals"})
     return [ORIGINAL_TENSORS], record
 
 

@@ -21,16 +21,15 @@ import shutil
 import stat
 import uuid
 
-import torch
-
 from ..errors import warn_user
 from .encode import encode_value, torch_constant_name, unsavable
 from .grads import write_grads
 from .interventions import write_interventions
 from .params import write_module_param_counts, write_params
+from .tensorfile import write_tensors
 from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
-                     read_json, require_safetensors, safe_member, write_atomic, write_manifest)
+                     read_json, safe_member, write_atomic, write_manifest)
 
 
 def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> str:
@@ -54,8 +53,7 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         tensors, keys, unsaved = _activation_tensors(trace) if activations else ({}, {}, {})
         names = [TRACE_JSON]
         if activations:
-            require_safetensors().save_file(tensors, os.path.join(staging, TRACE_TENSORS),
-                                            metadata={"format": TRACE_FORMAT})
+            write_tensors(os.path.join(staging, TRACE_TENSORS), tensors, metadata={"format": TRACE_FORMAT})
             names.append(TRACE_TENSORS)
         record = trace_columns(trace, keys, unsaved, activations)
         grad_files, record["grads"] = write_grads(trace, staging, activations)  # io/grads.py
@@ -181,10 +179,10 @@ def _remove_files(folder: str, names: list) -> None:
 
 
 def _activation_tensors(trace):
-    """Distinct saved tensors as CPU, contiguous, unaliased tensors; ``index -> key``; unsavable reasons."""
+    """Distinct saved tensors (as held: ``write_tensors`` streams their values); ``index -> key``; unsavable
+    reasons."""
     tensors, keys, unsaved = {}, {}, {}
     key_of_tensor: dict = {}
-    storages: set = set()
     if trace.is_cleaned_up:
         return tensors, keys, unsaved
     trace.drop_written()  # a tensor written since the trace is not what its op made
@@ -195,12 +193,8 @@ def _activation_tensors(trace):
             if problem:
                 unsaved[index] = problem
                 continue
-            data = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-            if data.untyped_storage().data_ptr() in storages:
-                data = data.clone()  # safetensors refuses two tensors viewing one buffer
-            storages.add(data.untyped_storage().data_ptr())
             key = key_of_tensor[id(t)] = f"a{index}"
-            tensors[key] = data
+            tensors[key] = t
         keys[index] = key
     return tensors, keys, unsaved
 

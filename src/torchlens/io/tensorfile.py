@@ -19,6 +19,7 @@ import torch
 from .format import TraceFileError
 
 _MAX_HEADER = 100 << 20
+_BLOCK_BYTES = 8 << 20  # what a streamed write copies at once, at most (beyond one row)
 _ALIGN = 8
 # safetensors dtype name -> torch dtype (where this torch has it)
 DTYPES = {name: getattr(torch, attr) for name, attr in (
@@ -84,21 +85,47 @@ def header_bytes(tensors: dict, metadata: dict | None = None) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def write_tensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
+    """Write ``{name: tensor}`` as a safetensors file, each tensor a block of rows at a time (``row_blocks``):
+    none is copied whole, so a save never holds a second copy of what it writes."""
+    _write(path, {name: (t.dtype, list(t.shape)) for name, t in tensors.items()},
+           {name: [t] for name, t in tensors.items()}, metadata)
+
+
 def write_stacked(path: str, columns: dict) -> None:
     """Write ``{name: [tensor, ...]}`` as a safetensors file holding each list joined along dim 0, one part
-    after another: the joined tensors are never made, so the parts are not held twice while being written.
-    Each part is written as its values in row order: a conjugate or negative view resolved, a channels-last
-    or permuted part made contiguous, each on its own."""
-    layout = {name: (parts[0].dtype, [sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
-              for name, parts in columns.items()}
+    after another: the joined tensors are never made, so the parts are not held twice while being written."""
+    _write(path, {name: (parts[0].dtype, [sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
+                  for name, parts in columns.items()}, columns)
+
+
+def _write(path: str, layout: dict, columns: dict, metadata: dict | None = None) -> None:
     with open(path, "wb") as f:
-        f.write(header_bytes(layout))
+        f.write(header_bytes(layout, metadata))
         for parts in columns.values():
             for part in parts:
-                values = part.resolve_conj().resolve_neg().contiguous()
-                f.write(values.reshape(-1).view(torch.uint8).numpy().data)
+                for block in row_blocks(part):
+                    f.write(block.reshape(-1).view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def row_blocks(t: torch.Tensor):
+    """``t``'s values in row order, as CPU tensors of about ``_BLOCK_BYTES`` (at least one row of dim 0):
+    views of ``t`` where it already lies so on the CPU, else copies of one block at a time (a view with
+    another layout, a conjugate or negative view, a tensor on an accelerator)."""
+    t = t.detach()
+    if t.dim() == 0:
+        yield _values(t)
+        return
+    row_bytes = max(t[0].numel() * t.element_size(), 1) if t.shape[0] else 1
+    step = max(_BLOCK_BYTES // row_bytes, 1)
+    for start in range(0, t.shape[0], step):
+        yield _values(t[start:start + step])
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu").resolve_conj().resolve_neg().contiguous()
 
 
 def copy_range(src: str, start: int, end: int, out) -> None:
