@@ -210,6 +210,17 @@ def test_save_none_and_selected_grads():
     assert [op.label for op in log if op.kind == "op" and op.grad is not None] == ["linear_2_3:1"]
 
 
+
+@pytest.mark.parametrize("selector", ["output_1", "output_1:1", "output"])
+def test_selecting_the_output_keeps_its_gradient(selector):
+    # An output node shows its producer's gradient: selecting the output must keep that one.
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=[selector])
+    log.backward(log.output.pow(2).sum())
+    assert torch.equal(log["output_1:1"].grad, 2 * log.output.detach())  # d sum(y^2) / dy
+    assert {op.label for op in log if op.kind == "op" and op.has_grad} == {log["output_1:1"].parents[0]}
+
+
 def test_unknown_grads_selector_raises_with_closest_labels():
     model, args, _ = zoo()["mlp"]
     with pytest.raises(KeyError, match="closest: linear_2_3:1"):

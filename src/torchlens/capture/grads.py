@@ -33,7 +33,7 @@ import torch
 
 from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.finalize import tensor_leaves
-from ..record.grads import output_nodes, outputs_with_own_tensor
+from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
 from . import accel
 from .teardown import until_done
 
@@ -373,7 +373,10 @@ def attach_grads(trace, capture, own_outputs: bool = False) -> None:
         capture.remove_hooks()  # the trace is not returned: nothing it registered may stay
         raise
     if policy.filters_after:
-        capture.keep_only({i for i in capture.selected if policy.keep(trace, trace.ops[i])})
+        kept = {i for i in capture.selected if policy.keep(trace, trace.ops[i])}
+        # An output node shows its producer's gradient (record/grads.py ``gradient_holder``): selecting it keeps that.
+        kept.update(gradient_holder(trace, i) for i in output_nodes(trace) if policy.keep(trace, trace.ops[i]))
+        capture.keep_only(kept)
 
 
 # ----- custom autograd Functions: their outputs' backward node is set after their forward ---------

@@ -29,7 +29,7 @@ def grad_capture_of(trace):
     return capture
 
 
-def _producer(trace, index: int) -> int:
+def gradient_holder(trace, index: int) -> int:
     """An output node shows its producer's tensor, and so its producer's gradient; one showing a tensor of
     its own (see ``outputs_with_own_tensor``) has its own gradient (capture/grads.py ``_watch_own_outputs``)."""
     if trace._kind[index] == Kind.OUTPUT:
@@ -45,7 +45,7 @@ def grad_of(trace, index: int):
     if trace._cleaned:
         raise TraceCleanedUp(f"{label}: the trace was cleaned up; its gradients were released (their norms, "
                              "min, max and non-finite counts stay in to_pandas())")
-    index = _producer(trace, index)
+    index = gradient_holder(trace, index)
     if not trace._meta[index][3]:
         raise GradientUnavailable(f"{label}: {_why_no_grad(trace, index)}")
     grad = capture.grads.get(index)
@@ -92,7 +92,7 @@ def has_grad(trace, index: int) -> bool:
     capture = trace._gradcap
     if capture is None or trace._cleaned:
         return False
-    index = _producer(trace, index)
+    index = gradient_holder(trace, index)
     return index in capture.grads
 
 
@@ -182,8 +182,8 @@ def grad_stats_column(trace) -> dict:
         return {}
     stats = {i: grad_stats(g) for i, g in capture.grads.items()}
     for i, kind in enumerate(trace._kind):
-        if kind == Kind.OUTPUT and _producer(trace, i) in stats:
-            stats[i] = stats[_producer(trace, i)]
+        if kind == Kind.OUTPUT and gradient_holder(trace, i) in stats:
+            stats[i] = stats[gradient_holder(trace, i)]
     return stats
 
 
