@@ -443,6 +443,71 @@ def test_activation_patching_by_position_at_a_module_called_several_times():
     assert table.metric.tolist() == pytest.approx(expected)
 
 
+class _CheckedTwice(nn.Module):
+    """Runs one layer twice and refuses to go on when the two results disagree, as a model checking its own
+    hidden states does: a patch of the first call alone makes it raise."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        first, second = self.fc(x), self.fc(x)
+        if not torch.equal(first, second):
+            raise ValueError("the two calls of fc disagree")
+        return first.tanh()
+
+
+def test_activation_patching_lets_the_models_own_error_through():
+    """A ValueError the model raises in a patched run reaches the caller: it used to become a NaN row whose
+    error read as if the site could not be patched."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _CheckedTwice().eval(), torch.randn(2, 8), torch.randn(2, 8)
+    clean_first = F.linear(clean, model.fc.weight, model.fc.bias).detach()
+    calls = []
+
+    def first_call_from_clean(module, inputs, output):
+        calls.append(1)
+        return clean_first if len(calls) == 1 else None
+
+    handle = model.fc.register_forward_hook(first_call_from_clean)
+    try:  # untraced, the same patch by a forward hook: the model's own refusal
+        with pytest.raises(ValueError, match="the two calls of fc disagree"):
+            model(corrupt)
+    finally:
+        handle.remove()
+    metric = lambda out: out[0, 0]  # noqa: E731
+    with pytest.raises(ValueError, match="the two calls of fc disagree") as info:
+        tl.report.activation_patching(model, clean, corrupt, metric, sites=["fc:1"], progress=False)
+    assert not isinstance(info.value, tl.TorchlensError)
+
+
+class _Shrinking(nn.Module):
+    """One layer called on 4, then 3 positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x).sum() + self.fc(x[:, :3]).sum()
+
+
+def test_activation_patching_by_position_past_a_shorter_pass_says_so_in_its_row():
+    """Positions are counted on a layer's first pass; one a later, shorter pass lacks is that row's error."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _Shrinking().eval(), torch.randn(1, 4, 3), torch.randn(1, 4, 3)
+    metric = lambda out: out  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites=["fc"], positions=1, progress=False)
+    assert list(table.position) == [0, 1, 2, 3] and not table.error[:3].any()
+    with torch.no_grad():
+        expected = [_patched_by_hook(model, model.fc, clean, corrupt, metric, at=(slice(None), p)) for p in range(3)]
+    assert table.metric[:3].tolist() == pytest.approx(expected)
+    assert math.isnan(table.metric[3]) and "outside this value of shape (1, 3, 3)" in table.error[3]
+
+
 class _AbsThenSquash(nn.Module):
     """Takes the absolute value only when the input has a negative entry, then squashes it three times from
     one line: one op more or less before the loop moves each pass of ``tanh`` to another position."""

@@ -71,6 +71,11 @@ class InterventionError(TorchlensError):
     another path than the reference trace, or an action returned an unusable value)."""
 
 
+class ReplacementMismatch(InterventionError, ValueError):
+    """A helper's new value does not fit its site (another shape), or its source trace did not save one.  A
+    ValueError, and an InterventionError so that patching tables report it in the site's row."""
+
+
 # ----- files (torchlens.io) -----------------------------------------------------------------------
 class TraceFileError(TorchlensError, ValueError):
     """A saved trace or extraction folder is missing, damaged, tampered with, or from another schema."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ReplacementMismatch
+
 
 class Action:
     """Base class of the helpers: ``value`` computes the new value of ``tensor[at]`` (or the whole)."""
@@ -136,7 +138,12 @@ class patch_from(Action):  # noqa: N801
         """``source[at]``, from a source of the whole value's shape: index ``at`` of a run of another length
         is not the same place in it."""
         source = _same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op)
-        return _like(source[self.at], tensor[self.at], op, "tl.patch_from")
+        try:
+            part = tensor[self.at]
+        except IndexError as exc:  # a pass of a layer shorter than the one its positions were counted on
+            raise ReplacementMismatch(f"tl.patch_from at {_where(op)}: at={self.at!r} is outside this value of shape "
+                                      f"{tuple(tensor.shape)} ({exc})") from exc
+        return _like(source[self.at], part, op, "tl.patch_from")
 
     def _describe(self):
         return f"<trace of {self.trace.model_name}>"
@@ -205,8 +212,8 @@ def source_value(trace, op, who: str) -> torch.Tensor:
                        "run on inputs taking the same path")
     value = found.activation
     if value is None:
-        raise ValueError(f"{who}: the source trace did not save {found.label} (the value at {label!r}); trace "
-                         "it with save='all' or a save= list naming the site")
+        raise ReplacementMismatch(f"{who}: the source trace did not save {found.label} (the value at {label!r}); "
+                                  "trace it with save='all' or a save= list naming the site")
     return value
 
 
@@ -214,8 +221,8 @@ def _like(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Ten
     try:
         value = torch.broadcast_to(source, tensor.shape)
     except RuntimeError as exc:
-        raise ValueError(f"{who} at {_where(op)}: a value of shape {tuple(source.shape)} cannot replace one of "
-                         f"shape {tuple(tensor.shape)}") from exc
+        raise ReplacementMismatch(f"{who} at {_where(op)}: a value of shape {tuple(source.shape)} cannot replace "
+                                  f"one of shape {tuple(tensor.shape)}") from exc
     # A copy: downstream in-place ops must not write into the other trace's activation or the user's tensor.
     return value.to(device=tensor.device, dtype=tensor.dtype).clone()
 
@@ -225,9 +232,10 @@ def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
     stands for this one only when the two runs made it alike; broadcast, a batch of one clean prompt (or a
     clean sequence of length one) would be written into every row of the corrupted run unnoticed."""
     if source.shape != tensor.shape:
-        raise ValueError(f"tl.patch_from at {_where(op)}: the source trace's value has shape {tuple(source.shape)} "
-                         f"but this run's has {tuple(tensor.shape)}; patch between runs of the same shape (batch "
-                         "size, sequence length), or pass the tensor itself as the action to broadcast it")
+        raise ReplacementMismatch(f"tl.patch_from at {_where(op)}: the source trace's value has shape "
+                                  f"{tuple(source.shape)} but this run's has {tuple(tensor.shape)}; patch between runs "
+                                  "of the same shape (batch size, sequence length), or pass the tensor itself as the "
+                                  "action to broadcast it")
     return source
 
 

@@ -65,7 +65,7 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
             patched = runs.trace(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
                                  intervene={site: patch_from(clean_log, at=at)})
             value, error = _scalar(metric(patched.output)), ""
-        except (TorchlensError, ValueError, IndexError) as exc:  # cannot be patched faithfully: say why
+        except TorchlensError as exc:  # cannot be patched faithfully: say why
             value, error = math.nan, str(exc)
         row = {"site": site, "metric": value, "normalized": _normalized(value, clean_value, corrupt_value),
                "error": error}
