@@ -362,6 +362,26 @@ def keyboard_interrupt_in_torch_mode_push_pop():
             "capture's own dispatcher")
 
 
+# ----- interrupts in the intervention hooks ---------------------------------------------------------
+def _in_files(*modules):
+    files = {m.__file__ for m in modules}
+    return lambda code: code.co_filename in files
+
+
+def test_keyboard_interrupt_in_intervention_hooks_leaves_torch_functions_on():
+    """An interrupt on the exit line of ``with DisableTorchFunction():`` in an intervention hook skipped its
+    exit: torch functions stayed off in the thread, and every later trace recorded no op."""
+    import torchlens.intervene as intervene
+    from torchlens.intervene import actions, runtime, sites
+
+    model, x = Normalized(), torch.randn(2, 4)
+    for site in ("fc", "linear_1_1:1"):  # a module site (a forward hook), a label site (the per-op handler)
+        landed = _interrupt_every_line(lambda: tl.trace(model, x, intervene={site: tl.scale(2.0)}),
+                                       _in_files(intervene, runtime, sites, actions))
+        assert landed > 100, (site, landed)
+    assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+
+
 @CASE
 def generator_forward():
     """A forward written as a generator (its body would run after tracing ended)."""

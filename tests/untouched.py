@@ -1,6 +1,7 @@
 """What tracing must leave exactly as it found it, as a comparable snapshot.
 
-``snapshot(model, tensors)`` records the torch-function mode stack depth, the global module hook
+``snapshot(model, tensors)`` records the torch-function mode stack depth and whether torch functions are
+enabled, the global module hook
 dictionaries, the identity of ``torch.overrides.has_torch_function``, of the ``handle_torch_function`` torch's
 Python-level functions call, and of every public attribute of
 the torch namespaces capture could patch, and, per module and per tensor, its attribute dictionary and
@@ -57,6 +58,7 @@ def snapshot(model=None, tensors=()) -> dict:
         "global module hooks": _global_hook_dicts(),
         "torch namespaces": _namespace_ids(),
         "nn.Module._call_impl's code is torch's own": CALL_IMPL.__code__ is CALL_IMPL_CODE,
+        "torch functions enabled": torch._C._is_torch_function_enabled(),
     }
     if isinstance(model, torch.nn.Module):
         for name, m in model.named_modules(remove_duplicate=False):
@@ -77,6 +79,7 @@ def assert_untouched(before: dict, after: dict) -> None:
 def assert_clean_process() -> None:
     """The parts of a snapshot that do not depend on a model: nothing installed at all."""
     assert torch._C._len_torch_function_stack() == 0, "a torch function mode is still on the stack"
+    assert torch._C._is_torch_function_enabled(), "torch functions are left disabled in this thread"
     assert torch.overrides.has_torch_function is ORIGINAL, "has_torch_function is patched"
     assert _handle_is_torchs_own(), "handle_torch_function is replaced in a torch module"
     assert vars(torch.nn.Module)["_call_impl"] is CALL_IMPL, "nn.Module._call_impl is replaced"

@@ -36,7 +36,7 @@ from .restore import module_run_by
 from .saving import SavePolicy
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, INPUT, CaptureState, StopForward, warn_mutated
-from .teardown import Capture, ModeOnStack, leftovers
+from .teardown import Capture, ModeOnStack, leftovers, restore_torch_function_state, torch_function_state
 
 _local = threading.local()
 # What a forward returns in the common case, and never a generator or coroutine (checked by type first).
@@ -258,7 +258,7 @@ def _paused_collector(run, arguments: tuple) -> Trace:
     if getattr(_local, "active", False):
         raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
                                "trace the outer model once instead")
-    collecting = gc.isenabled()
+    collecting, torch_functions = gc.isenabled(), torch_function_state()
     try:
         try:
             _local.active = True
@@ -266,11 +266,13 @@ def _paused_collector(run, arguments: tuple) -> Trace:
             return run(*arguments)
         finally:
             _local.active = False
+            restore_torch_function_state(torch_functions)
             if collecting:
                 gc.enable()
     except BaseException:
         # Once more: an interrupt landing on a line of the ``finally`` above cuts it short, and raises.
         _local.active = False
+        restore_torch_function_state(torch_functions)
         if collecting and not gc.isenabled():
             gc.enable()
         raise
