@@ -362,7 +362,24 @@ def keyboard_interrupt_in_torch_mode_push_pop():
             "capture's own dispatcher")
 
 
-# ----- interrupts in the intervention hooks ---------------------------------------------------------
+# ----- interrupts in the intervention hooks and the gradient capture --------------------------------
+class _Doubled(torch.autograd.Function):
+    """A custom Function: a trace with gradients wraps Function.apply to follow its outputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class WithFunction(Normalized):
+    def forward(self, x):
+        return _Doubled.apply(super().forward(x))
+
+
 def _in_files(*modules):
     files = {m.__file__ for m in modules}
     return lambda code: code.co_filename in files
@@ -380,6 +397,37 @@ def test_keyboard_interrupt_in_intervention_hooks_leaves_torch_functions_on():
                                        _in_files(intervene, runtime, sites, actions))
         assert landed > 100, (site, landed)
     assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+
+
+def test_keyboard_interrupt_in_gradient_capture_never_strands_its_lock():
+    """An interrupt on the exit line of ``with _receivers_lock:`` left that lock held, and the teardown
+    waiting for it hung the process; every interrupt now ends with the lock free."""
+    from torchlens.capture import grads
+
+    model, x = WithFunction(), torch.randn(2, 4, requires_grad=True)
+    done, outcome_of_run = threading.Event(), []
+
+    def interrupt_everywhere():  # in a thread, so that a hang fails the test instead of stopping it
+        try:
+            outcome_of_run.append(_interrupt_every_line(lambda: tl.trace(model, x, grads=True), _in_files(grads)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome_of_run.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=interrupt_everywhere, daemon=True).start()
+    assert done.wait(120), "a trace hung after an interrupt in the gradient capture"
+    if isinstance(outcome_of_run[0], BaseException):
+        raise outcome_of_run[0]
+    assert outcome_of_run[0] > 50, outcome_of_run
+    assert grads._receivers_lock.acquire(blocking=False)
+    grads._receivers_lock.release()
+
+    log = tl.trace(model, x, grads=True)  # and gradients still arrive, equal to an untraced backward's
+    log.backward(log.output.sum())
+    twin, twin_x = WithFunction(), x.detach().clone().requires_grad_()
+    twin(twin_x).sum().backward()
+    assert torch.equal(x.grad, twin_x.grad) and all(op.has_grad for op in log.ops if op.kind == "op")
 
 
 @CASE

@@ -35,7 +35,7 @@ from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.finalize import tensor_leaves
 from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
 from . import accel
-from .teardown import until_done
+from .teardown import release_stranded, until_done
 
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
@@ -389,7 +389,7 @@ def attach_grads(trace, capture, own_outputs: bool = False) -> None:
 _Function = torch.autograd.Function
 _ORIGINAL_APPLY = vars(_Function)["apply"]  # a classmethod
 _receivers: dict = {}  # thread id -> what receives that thread's Function outputs while it traces
-_receivers_lock = threading.Lock()
+_receivers_lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
 
 
 def _apply(cls, *args, **kwargs):
@@ -430,6 +430,7 @@ class FunctionOutputs:
         return False
 
     def release(self) -> None:
+        release_stranded(_receivers_lock)
         if not self.installed:
             return
         with _receivers_lock:
