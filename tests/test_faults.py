@@ -430,6 +430,28 @@ def test_keyboard_interrupt_in_gradient_capture_never_strands_its_lock():
     assert torch.equal(x.grad, twin_x.grad) and all(op.has_grad for op in log.ops if op.kind == "op")
 
 
+def test_keyboard_interrupt_while_a_model_is_put_back_never_empties_it():
+    """A label site's reference pass puts the modules' attributes back; an interrupt between clearing a
+    module's attribute dictionary and refilling it left the module with none (no parameters, no submodules)."""
+    from torchlens.capture import restore
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train(), torch.randn(3, 4)
+    before = snapshot(model, (x,))
+
+    def run():
+        try:
+            tl.trace(model, x, intervene={"linear_1_1:1": tl.scale(2.0)})
+        finally:  # every module keeps exactly its attributes, interrupted or not
+            assert_untouched(before, snapshot(model, (x,)))
+
+    landed = _interrupt_every_line(run, _in_files(restore))
+    assert landed > 100, landed
+    expected = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    expected.load_state_dict(model.state_dict())
+    assert outputs_equal(tl.trace(model, x).output, expected(x))
+
+
 @CASE
 def generator_forward():
     """A forward written as a generator (its body would run after tracing ended)."""

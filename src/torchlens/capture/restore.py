@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from .state import version_of
+from .teardown import until_done
 from ..tree import without_values
 
 
@@ -101,10 +102,16 @@ class ModuleAttributes:
         self.saved.append((module, {k: _copy_attribute(v) for k, v in vars(module).items()}))
 
     def restore(self) -> None:
+        until_done(self._restore_all)  # an interrupt landing meanwhile is re-raised once every module is back
+
+    def _restore_all(self) -> None:
+        """Idempotent.  Each module gets its saved attributes first and loses the others after: an interrupt
+        between the two steps leaves no module without its parameter, buffer and submodule tables."""
         for m, attributes in self.saved:
             state = vars(m)
-            state.clear()
             state.update({k: _copy_attribute(v) for k, v in attributes.items()})
+            for added in [k for k in state if k not in attributes]:
+                del state[added]
 
 
 def _copy_attribute(value):
