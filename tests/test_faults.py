@@ -452,6 +452,23 @@ def test_keyboard_interrupt_while_a_model_is_put_back_never_empties_it():
     assert outputs_equal(tl.trace(model, x).output, expected(x))
 
 
+def test_keyboard_interrupt_while_modules_are_met_leaves_no_hook_and_torch_functions_on():
+    """A callable naming no model has its modules noted by a global pre-hook as they are first called
+    (``FirstCalls``).  An interrupt between registering it and entering the block left the hook installed
+    for good, and one on the exit line of its ``with DisableTorchFunction():`` left torch functions off."""
+    from torchlens.capture import restore
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train(), torch.randn(3, 4)
+
+    def in_first_calls(code):
+        return code.co_filename == restore.__file__ and code.co_name in ("__enter__", "_called")
+
+    landed = _interrupt_every_line(lambda: tl.validate(lambda t: model(t), x), in_first_calls)
+    assert landed > 5, landed
+    assert tl.validate(lambda t: model(t), x).passed
+
+
 @CASE
 def generator_forward():
     """A forward written as a generator (its body would run after tracing ended)."""

@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from .state import version_of
-from .teardown import until_done
+from .teardown import restore_torch_function_state, torch_function_state, until_done
 from ..tree import without_values
 
 
@@ -194,13 +194,24 @@ class FirstCalls:
         self.thread = None
 
     def __enter__(self) -> "FirstCalls":
-        self.thread = threading.get_ident()
-        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
-        return self
+        self.thread, self.torch_functions = threading.get_ident(), torch_function_state()
+        try:
+            self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
+            return self
+        except BaseException:  # interrupted before the block began, whose exit would then never run
+            self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc) -> bool:
-        self.handle.remove()
+        until_done(self._release)
         return False
+
+    def _release(self) -> None:
+        """Idempotent.  Also puts back the thread's torch-function state: an interrupt on the exit line of the
+        ``with`` in ``_called`` skips its exit, leaving torch functions off."""
+        if self.handle is not None:
+            self.handle.remove()
+        restore_torch_function_state(self.torch_functions)
 
     def _called(self, module, args) -> None:
         if id(module) in self.seen or threading.get_ident() != self.thread:
