@@ -261,6 +261,26 @@ def test_a_schedule_that_skips_the_only_step_is_refused_before_the_model_runs():
     assert recording.complete and all(r["cpu_ns"] > 0 for r in recording.ops)
 
 
+def test_a_chrome_trace_path_that_cannot_be_written_is_refused_before_the_model_runs(tmp_path):
+    """The chrome trace is written after profiling: a path under a file, in a missing folder or naming a
+    folder would raise only then, losing the profile just taken."""
+    model, x = mlp()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    (tmp_path / "a_file").write_text("")
+    for bad in (tmp_path / "a_file" / "run.json", tmp_path / "missing" / "run.json", tmp_path):
+        with pytest.raises(ValueError, match="chrome_trace="):
+            tl.report.kernel_profile(model, x, chrome_trace=bad)
+        log = tl.trace(model, x, grads=True)
+        with pytest.raises(ValueError, match="chrome_trace="):
+            tl.report.kernel_profile(log, backward=True, chrome_trace=bad)
+        _no_capture_left()
+    assert len(forwards) == 3  # the traces taken above; the refused profiles ran nothing
+    path, sidecar = tl.report.kernel_profile(model, x, chrome_trace=tmp_path / "run.json").export_chrome_trace(
+        tmp_path / "again.json")
+    assert os.path.exists(tmp_path / "run.json") and os.path.exists(sidecar)
+
+
 def test_a_running_profiler_is_refused_unless_borrowed():
     model, x = mlp()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

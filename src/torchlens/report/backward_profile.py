@@ -19,7 +19,8 @@ from .profile_join import join
 
 def profile_backward_of(trace, backward, chrome_trace, profiler, activities, profiler_kwargs):
     from ..record.grads import grad_capture_of
-    from .kernel_profiling import KernelProfile, ProfilerBusyError, _check_borrowed, _own_profiler, _run_backward
+    from .kernel_profiling import (KernelProfile, ProfilerBusyError, _check_borrowed, _own_profiler, _run_backward,
+                                   check_chrome_path)
 
     capture = grad_capture_of(trace)
     if backward is False:
@@ -47,6 +48,7 @@ def profile_backward_of(trace, backward, chrome_trace, profiler, activities, pro
     if torch._C._autograd._profiler_enabled():
         raise ProfilerBusyError("a torch profiler is already running in this process. Pass it as "
                                 "kernel_profile(..., profiler=prof), or close it first.")
+    check_chrome_path(chrome_trace)
     prof = _own_profiler(activities, profiler_kwargs)
     with prof:
         run()

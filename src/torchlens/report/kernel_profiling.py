@@ -67,6 +67,7 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
         raise ProfilerBusyError(
             "a torch profiler is already running in this process. Pass it as kernel_profile(..., "
             "profiler=prof) to add torchlens ranges to your profile (borrowed mode), or close it first.")
+    check_chrome_path(chrome_trace)
     prof = _own_profiler(activities, profiler_kwargs)
     with prof:
         trace = _run(model, args, kwargs, markers, backward, name)
@@ -74,6 +75,21 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
     if chrome_trace is not None:
         result.export_chrome_trace(chrome_trace)
     return result
+
+
+def check_chrome_path(path) -> None:
+    """Refuse a ``chrome_trace=`` path that cannot be written before anything runs: the file is written after
+    profiling, and a failure then would lose the profile."""
+    if path is None:
+        return
+    path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(path)
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        what = "is a folder" if os.path.isdir(path) else \
+            f"is in {folder}, which is not a writable folder" if os.path.lexists(folder) else \
+            f"is in {folder}, which does not exist"
+        raise ValueError(f"chrome_trace={path!r} {what}; name a file in an existing folder (it is written after "
+                         "the profile is taken)")
 
 
 def _own_profiler(activities, profiler_kwargs):
