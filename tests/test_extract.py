@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchlens as tl
 from torchlens.io import ResumeMismatchError, TraceFileError
+from peak_memory import peak_growth_mib
 from streams import batches, interrupted
 
 SCRIPT = textwrap.dedent('''
@@ -258,14 +259,7 @@ SHARD_MEMORY = textwrap.dedent('''
 def test_a_shard_is_written_without_a_second_copy_in_memory(tmp_path):
     # The docs bound memory by one shard plus one batch: the 200 MiB of buffered rows are written as they
     # are, never first joined into a second 200 MiB tensor.
-    script = tmp_path / "shard_memory.py"
-    script.write_text(SHARD_MEMORY)
-    # Large blocks mapped, not carved from the heap: freed ones are returned, so the peak counts live memory only.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr
-    growth = float(done.stdout.split()[-1])
+    growth = peak_growth_mib(SHARD_MEMORY, tmp_path)
     assert growth < 300, f"peak memory grew {growth:.0f} MiB for a 200 MiB shard of 25 MiB batches"
     rows = tl.load_extracted(tmp_path / "big")["mul_1_1"]
     assert rows.shape == (2000, 25000) and bool((rows == 2).all())

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import torchlens as tl
 from torchlens.io import TraceFileError
 from torchlens.io.format import sha256_of
+from peak_memory import peak_growth_mib
 from real_models import build
 from zoo import zoo
 
@@ -441,16 +442,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)  # M
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux only")
 def test_saving_streams_tensors_instead_of_copying_them_whole(tmp_path):
-    import subprocess
-
-    script = tmp_path / "save_memory.py"
-    script.write_text(SAVE_MEMORY)
-    # Large blocks mapped, not carved from the heap: freed ones are returned, so the peak counts live memory only.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr
-    growth = float(done.stdout.split()[-1])
+    growth = peak_growth_mib(SAVE_MEMORY, tmp_path)
     assert growth < 64, f"saving grew peak memory by {growth:.0f} MiB (a 183 MiB view and a 183 MiB original)"
     loaded = tl.load(tmp_path / "t")
     assert torch.equal(loaded["t_1_2"].activation, torch.zeros(12000, 4000))
