@@ -153,6 +153,31 @@ def test_backward_lands_on_the_op_that_created_the_grad_node():
     assert "backward_without_op" not in kp.coverage.host_unattributed
 
 
+class _ReluMatmul(torch.autograd.Function):
+    """relu(a @ b) with its own backward: the grad node is made by ``apply``, after the ops inside."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return (a @ b).relu()
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad = grad * ((a @ b) > 0)
+        return grad @ b.T, a.T @ grad
+
+
+def test_a_custom_function_backward_is_listed_off_the_ops_with_the_reason_naming_it():
+    """Its backward's aten calls belong to no captured op's grad node: they are listed as such, under a
+    reason that names custom Functions, not only AccumulateGrad and the loss."""
+    w = nn.Parameter(torch.randn(16, 16))
+    kp = tl.report.kernel_profile(lambda x: _ReluMatmul.apply(x, w).sum(), (torch.randn(8, 16),), backward=True)
+    events, ns = kp.coverage.host_unattributed["backward_without_op"]
+    assert events > 0 and ns > 0
+    assert "custom autograd.Function" in str(kp.coverage)
+
+
 def test_in_memory_and_chrome_readers_agree(tmp_path):
     model, x = mlp()
     kp = tl.report.kernel_profile(model, x, backward=True, chrome_trace=tmp_path / "run.json")

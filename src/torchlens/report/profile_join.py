@@ -28,7 +28,8 @@ REASONS = {
     "forward_outside_ops": "inside the traced forward but outside any captured op or module call",
     "backward_outside_nodes": "in the backward phase outside any grad node (the loss, the backward seed, "
                               "AccumulateGrad, engine bookkeeping)",
-    "backward_without_op": "backward of a grad node no captured op created (AccumulateGrad, the loss)",
+    "backward_without_op": "backward of a grad node no captured op created (AccumulateGrad, the loss, a custom "
+                           "autograd.Function's backward, whose node its apply makes after the ops inside it)",
     "call_without_op": "inside a torch call that returned no tensor, so is not an op (torch.equal, ...)",
     "outside_profile": "before or after the profiled forward/backward on the model's thread",
     "other_thread": "on a thread that ran no torchlens marker (other threads' work)",
