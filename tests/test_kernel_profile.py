@@ -178,6 +178,16 @@ def test_a_custom_function_backward_is_listed_off_the_ops_with_the_reason_naming
     assert "custom autograd.Function" in str(kp.coverage)
 
 
+def test_a_loaded_trace_is_refused_for_a_backward_profile_as_loaded(tmp_path):
+    """A trace read from disk has no live output to run a backward from: the refusal says so, whether or not
+    it was taken with gradients (not that it was "captured without gradients")."""
+    model, x = mlp()
+    for grads in (False, True):
+        loaded = tl.load(tl.trace(model, x, grads=grads).save(tmp_path / f"t{grads}"))
+        with pytest.raises(ValueError, match="loaded from disk"):
+            tl.report.kernel_profile(loaded, backward=True)
+
+
 def test_in_memory_and_chrome_readers_agree(tmp_path):
     model, x = mlp()
     kp = tl.report.kernel_profile(model, x, backward=True, chrome_trace=tmp_path / "run.json")

@@ -22,13 +22,13 @@ def profile_backward_of(trace, backward, chrome_trace, profiler, activities, pro
     from .kernel_profiling import (KernelProfile, ProfilerBusyError, _check_borrowed, _own_profiler, _run_backward,
                                    check_chrome_path)
 
-    capture = grad_capture_of(trace)
     if backward is False:
         raise ValueError("kernel_profile(trace) profiles the trace's backward: pass backward=True (all-ones "
                          "gradients on every output that requires grad) or backward=f(output)")
-    if trace.is_cleaned_up or trace.loaded_from is not None:
+    if trace.is_cleaned_up or trace.loaded_from is not None:  # before asking for gradients it cannot have
         raise ValueError("kernel_profile(trace) needs the live trace's output to run its backward; this one was "
                          "cleaned up or loaded from disk")
+    capture = grad_capture_of(trace)
     nodes = _node_owners(trace, capture)
     markers = ProfilerMarkers()
 
