@@ -568,3 +568,20 @@ def test_attribution_patching_between_inputs_on_other_paths_says_so_in_its_own_t
     with pytest.raises(tl.InterventionError, match=r"attribution_patching: the corrupted input takes another path.*"
                                                    r"intervention site <predicate> \(tanh_1_3:1\)"):
         tl.report.attribution_patching(model, positive, -positive, lambda out: out.sum())
+
+
+def test_patching_reports_given_a_trace_for_an_input_say_they_take_inputs(tmp_path):
+    """A saved clean trace passed where the clean input goes would run the model on the trace object (torch's
+    TypeError from deep inside it); both reports name what they take and the way to patch from a saved trace,
+    before the model runs."""
+    pytest.importorskip("pandas")
+    model, x = _AbsThenSquash().eval(), torch.rand(2, 4)
+    loaded = tl.load(tl.trace(model, x).save(tmp_path / "clean"))
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    for report in (tl.report.activation_patching, tl.report.attribution_patching):
+        with pytest.raises(TypeError, match=r"takes the clean and corrupted inputs.*tl.patch_from\(loaded\)"):
+            report(model, loaded, -x, lambda out: out.sum())
+    assert not calls
+    patched = tl.trace(model, x, intervene={"fc:1": tl.patch_from(loaded)})  # the way the message names
+    assert torch.equal(patched.output, model(x))

@@ -21,6 +21,7 @@ import torch
 from ..errors import InterventionError, TorchlensError, first_few
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
+from ..record.trace import Trace
 from ..capture.restore import FirstCalls, ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
@@ -46,6 +47,7 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
     """
     pd = _pandas()
+    _inputs_not_traces("activation_patching", clean, corrupt)
     runs = _Runs(model, root)
     clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
@@ -80,6 +82,14 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     return frame
 
 
+def _inputs_not_traces(who: str, clean, corrupt) -> None:
+    """Both reports run the model on the inputs themselves: a trace passed instead would reach the model."""
+    if isinstance(clean, Trace) or isinstance(corrupt, Trace):
+        raise TypeError(f"{who} takes the clean and corrupted inputs (a tensor or a tuple of arguments), not traces: "
+                        "pass the inputs the traces were taken on; to patch one run from a saved trace, use "
+                        "tl.trace(model, corrupt, intervene={site: tl.patch_from(loaded)})")
+
+
 def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bool = False, root=None):
     """First-order estimate of activation patching for every op and module call (``kind`` column).
 
@@ -95,6 +105,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     into such a value, an integer op on it).  ``root``: as for ``activation_patching``.
     """
     pd = _pandas()
+    _inputs_not_traces("attribution_patching", clean, corrupt)
     runs = _Runs(model, root)
     with torch.enable_grad():
         clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
