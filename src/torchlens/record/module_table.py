@@ -21,9 +21,10 @@ SAVED_FOR_BACKWARD = "saved_for_backward_bytes"
 
 
 def module_param_counts(trace) -> dict:
-    """``{module address: unique parameter count under it}``, from the live modules (kept after cleanup, and
-    saved with the trace); a loaded trace from a file without those counts (an older torchlens) counts the
-    parameters its ops used instead (``counts_from_used_params`` then says so)."""
+    """``{module address: unique parameter count under it}``, over the parameters each module had when its
+    model was traced (``params_by_module``), kept after cleanup and saved with the trace; a loaded trace from
+    a file without those counts (an older torchlens) counts the parameters its ops used instead
+    (``counts_from_used_params`` then says so)."""
     counts = getattr(trace, "_module_param_counts", None)
     if counts is None:
         rows = trace._module_rows

@@ -37,7 +37,8 @@ def param_states(model_params, requires_grad) -> list:
     since keeps the flag its ops saw; shape and dtype are read now (reading them per trace would cost every
     trace a pass over the parameters)."""
     flags = requires_grad.get if requires_grad is not None else (lambda _, now: now)
-    return [(address, ParamState(tuple(p.shape), p.dtype, flags(id(p), p.requires_grad))) for address, p in model_params]
+    return [(address, ParamState(tuple(p.shape), p.dtype, flags(id(p), p.requires_grad)))
+            for address, p in model_params]
 
 
 class BufferRow:

@@ -638,7 +638,7 @@ class Trace:
         self.params  # parameter records keep shapes, not tensors: build them before the index goes
         from .module_table import module_param_counts
 
-        module_param_counts(self)  # counted from the live modules, which cleanup releases
+        module_param_counts(self)  # counted from the module objects, which cleanup releases
 
         from .grads import release
 
