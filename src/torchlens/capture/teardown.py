@@ -173,19 +173,25 @@ def release_stranded(lock) -> None:
 # Whether torch functions are enabled, disabled for subclasses or disabled outright, per thread (torch >= 2.5).
 _get_torch_function_state = getattr(torch._C, "_get_torch_function_state", None)
 _set_torch_function_state = getattr(torch._C, "_set_torch_function_state", None)
+_torch_functions_on = torch._C._is_torch_function_enabled  # one C call, no state object made
+_ON = torch._C._TorchFunctionState.ENABLED if _get_torch_function_state is not None else None
 
 
 def torch_function_state():
     """This thread's torch-function state, to put back with ``restore_torch_function_state`` (None where
-    torch has no accessor for it)."""
-    return _get_torch_function_state() if _get_torch_function_state is not None else None
+    torch has no accessor for it).  Read by every trace: the usual answer, on, costs one C call."""
+    if _ON is None or _torch_functions_on():
+        return _ON
+    return _get_torch_function_state()
 
 
 def restore_torch_function_state(saved) -> None:
     """Put back the state ``torch_function_state`` returned.  An interrupt landing on the exit line of a
     ``with torch._C.DisableTorchFunction():`` in a hook skips its ``__exit__``, which would leave every
     later tensor subclass and mode in this thread ignored, and every later trace empty."""
-    if saved is not None and _get_torch_function_state() != saved:
+    if saved is None or (saved is _ON and _torch_functions_on()):
+        return
+    if _get_torch_function_state() != saved:
         _set_torch_function_state(saved)
 
 
