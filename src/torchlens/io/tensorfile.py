@@ -116,15 +116,17 @@ def row_blocks(t: torch.Tensor):
     another layout, a conjugate or negative view, a tensor on an accelerator)."""
     t = t.detach()
     if t.dim() == 0:
-        yield _values(t)
+        yield cpu_values(t)
         return
     row_bytes = max(t[0].numel() * t.element_size(), 1) if t.shape[0] else 1
     step = max(_BLOCK_BYTES // row_bytes, 1)
     for start in range(0, t.shape[0], step):
-        yield _values(t[start:start + step])
+        yield cpu_values(t[start:start + step])
 
 
-def _values(t: torch.Tensor) -> torch.Tensor:
+def cpu_values(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a contiguous CPU tensor in row order: conjugate and negative views resolved, so that
+    its bytes are its values (``t`` itself where it already is one)."""
     return t.to("cpu").resolve_conj().resolve_neg().contiguous()
 
 
