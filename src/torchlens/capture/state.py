@@ -25,7 +25,7 @@ import torch
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
 from ..record.layouts import copy_with_layout, memory_freed, memory_span, shape_of, spans_meet
-from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED
+from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
@@ -71,11 +71,6 @@ class ReplayContext(NamedTuple):
     param_versions: ByParam  # id(Parameter) -> version when the forward ended
     param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
 
-# Why ``check_saved_versions`` dropped a saved tensor: its version moved with no write capture saw.  Writes
-# through ``.data`` are ops capture sees, and NumPy views do not move a version: neither is a cause here.
-WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (code running with torch "
-                  "function handling disabled, TorchScript, or a custom autograd.Function's ctx.mark_dirty, which "
-                  "counts as a write of the tensor it marks)")
 
 INFERENCE_CAVEAT = (
     "inference tensors (made under torch.inference_mode()) carry no version counter: in-place writes to "

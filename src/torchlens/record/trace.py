@@ -34,6 +34,11 @@ WRITTEN_AFTER_TRACE = ("written in place after the trace ended (a later forward 
 MEMORY_FREED = ("its memory was freed after the op made it (its storage resized down: FSDP2 frees each module's "
                 "unsharded parameters after its forward, fully_shard(..., reshard_after_forward=False) keeps them)")
 
+# Why capture dropped a saved tensor whose version moved with no write it saw.  Writes through ``.data`` are
+# ops capture sees, and NumPy views do not move a version: neither is a cause here.
+WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (code running with torch "
+                  "function handling disabled, TorchScript, or a custom autograd.Function's ctx.mark_dirty, which "
+                  "counts as a write of the tensor it marks)")
 # Why capture dropped a saved tensor made inside a torch.func transform.
 MADE_IN_TRANSFORM = ("made inside a torch.func transform (vmap, grad, ...): what was saved is the transform's "
                      "internal wrapper, which cannot be read outside it")
