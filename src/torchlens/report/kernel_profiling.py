@@ -24,7 +24,7 @@ from ..tree import as_kwargs
 from .markers import ProfilerMarkers
 from .profile_coverage import Coverage, find_problems
 from .profile_events import events_from_profiler
-from .profile_join import join
+from .profile_join import Target, join
 from .profile_tables import layer_rows, module_rows, op_rows
 
 SIDECAR_SUFFIX = ".torchlens.json"
@@ -278,20 +278,20 @@ class KernelProfile:
         row_of_call = {c: rows[c] for c in range(len(rows))}
         module_calls = self.trace.module_calls
 
-        def describe(target):
-            if target[0] == "op":
-                row = row_of_call[call_of_serial[target[1]]] if target[1] in call_of_serial else None
+        def describe(target: Target):
+            if target.kind == "op":
+                row = row_of_call[call_of_serial[target.key]] if target.key in call_of_serial else None
                 if row is None:
                     return {"op": None, "note": "a torch call that produced no op"}
                 return {"op": row["op"], "layer": row["layer"], "module_call": row["module"],
-                        "phase": target[2]}
-            return {"module_call": module_calls[target[1]].label}
+                        "phase": target.phase}
+            return {"module_call": module_calls[target.key].label}
 
         markers = {}
         for serial in range(len(self.markers.op_calls)):
             name = self.markers.op_name(serial)
             if name in joined.marker_ids:
-                markers[name] = {"kind": "op", **describe(("op", serial, "forward"))}
+                markers[name] = {"kind": "op", **describe(Target("op", serial, "forward"))}
         for index in range(len(module_calls)):
             name = self.markers.module_name(index)
             if name in joined.marker_ids:

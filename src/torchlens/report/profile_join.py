@@ -19,6 +19,8 @@ is counted under a reason, never dropped and never guessed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .markers import PREFIX, parse_marker
 from .profile_events import DEVICE, HOST, OVERHEAD, RUNTIME
 
@@ -38,7 +40,27 @@ REASONS = {
                        "launch before the profiler started)",
 }
 
-CPU_NS, ATEN_OPS, DEVICE_NS, KERNELS, MEMOPS = range(5)
+CPU_NS, ATEN_OPS, DEVICE_NS, KERNELS, MEMOPS = range(5)  # the slots of a tally
+
+
+class Target(NamedTuple):
+    """Where an event's work is credited: an op (in its forward or its backward), a module call's own work
+    outside its ops, or a reason it reaches neither."""
+    kind: str  # "op", "module" or "unattributed"
+    key: object  # the op marker serial, the module call index, or a key of REASONS
+    phase: str | None = None  # an op's: "forward" or "backward"
+
+
+class Owner:
+    """What encloses one aten op or runtime call on its thread: the innermost op marker, module marker, phase
+    and grad node (sequence number), the thread (None when no marker of the run ran on it), and the event's
+    own time, its children's excluded."""
+
+    __slots__ = ("op", "module", "phase", "seq", "thread", "self_ns")
+
+    def __init__(self, op, module, phase, seq, thread):
+        self.op, self.module, self.phase, self.seq, self.thread = op, module, phase, seq, thread
+        self.self_ns = 0
 
 
 def _tally() -> list:
@@ -78,8 +100,8 @@ class JoinResult:
         self.device_intervals: dict = {}  # device -> [(start, end)] of every device event
         self.attributed_intervals: dict = {}  # device -> [(start, end)] landed on an op or module call
         self.device_events = 0
-        self.external_ids: dict = {}  # host External id -> owner
-        self.correlations: dict = {}  # CUPTI correlation id -> owner
+        self.external_ids: dict = {}  # host External id -> Target
+        self.correlations: dict = {}  # CUPTI correlation id -> Target
         self.nesting_violations = 0
         self.profiler_overhead = [0, 0]  # [events, ns] the profiler spent on itself
         self.device_via_external_id = 0  # device events linked by External id, lacking a runtime event
@@ -107,13 +129,12 @@ def join(events: list, run: int, op_serials=None, seq_owner=None) -> JoinResult:
     for i, owner in owners.items():
         e = events[i]
         target = _resolve(owner, seq_owner)
-        if target[0] == "op" and op_serials is not None and target[1] not in op_serials:
-            target = ("unattributed", "call_without_op")
+        if target.kind == "op" and op_serials is not None and target.key not in op_serials:
+            target = Target("unattributed", "call_without_op")
         resolved[i] = target
-        self_ns = owner[5]
         result.host_total[0] += 1
-        result.host_total[1] += self_ns
-        _credit_host(result, e, target, self_ns)
+        result.host_total[1] += owner.self_ns
+        _credit_host(result, e, target, owner.self_ns)
     _join_device(events, resolved, result)
     return result
 
@@ -121,8 +142,7 @@ def join(events: list, run: int, op_serials=None, seq_owner=None) -> JoinResult:
 def _sweep_threads(events, run, result) -> dict:
     """Per thread, the innermost op marker / module marker / phase / grad node around each event.
 
-    Returns ``{event index: [op, module, phase, seq, top_level_in_op, self_ns]}`` for aten ops and
-    runtime calls (markers themselves are recorded in ``result``)."""
+    Returns ``{event index: Owner}`` for aten ops and runtime calls (markers themselves are recorded in ``result``)."""
     by_thread: dict = {}
     for i, e in enumerate(events):
         if e.kind == HOST or e.kind == RUNTIME:
@@ -164,12 +184,12 @@ def _sweep_threads(events, run, result) -> dict:
                 result.op_aten.setdefault(op, []).append(e.name)
             if e.kind == HOST and e.backward and e.seq >= 0:
                 seq, op = e.seq, None
-            owners[i] = [op, module, phase, seq, thread, 0]
+            owners[i] = Owner(op, module, phase, seq, thread)
             stack.append((e.end, i, op, module, phase, seq, False))
     for i, owner in owners.items():
-        owner[5] = events[i].end - events[i].start - children_ns[i]
-        if owner[4] not in marked_threads:
-            owner[4] = None  # thread without any marker of this run
+        owner.self_ns = events[i].end - events[i].start - children_ns[i]
+        if owner.thread not in marked_threads:
+            owner.thread = None  # a thread without any marker of this run
     return owners
 
 
@@ -184,56 +204,54 @@ def _forward_sequence_owners(events, owners) -> dict:
     latest: dict = {}
     for i, owner in owners.items():
         e = events[i]
-        if owner[4] is not None and owner[3] is None and e.kind == HOST and not e.backward and e.seq >= 0:
+        if owner.thread is not None and owner.seq is None and e.kind == HOST and not e.backward and e.seq >= 0:
             seen = latest.get(e.seq)
             if seen is None or e.start >= seen[0]:
-                latest[e.seq] = (e.start, owner[0])
+                latest[e.seq] = (e.start, owner.op)
     return {seq: serial for seq, (_, serial) in latest.items()}
 
 
-def _resolve(owner, seq_owner):
-    """``("op", serial, phase)``, ``("module", index)`` or ``("unattributed", reason)``."""
-    op, module, phase, seq, thread = owner[0], owner[1], owner[2], owner[3], owner[4]
-    if op is not None:
-        return ("op", op, "forward")
-    if seq is not None:
-        serial = seq_owner.get(seq)
+def _resolve(owner: Owner, seq_owner) -> Target:
+    if owner.op is not None:
+        return Target("op", owner.op, "forward")
+    if owner.seq is not None:
+        serial = seq_owner.get(owner.seq)
         if serial is None:
-            return ("unattributed", "backward_without_op")
-        return ("op", serial, "backward")
-    if module is not None:
-        return ("module", module)
-    if thread is None:
-        return ("unattributed", "other_thread")
-    if phase == "forward":
-        return ("unattributed", "forward_outside_ops")
-    if phase == "backward":
-        return ("unattributed", "backward_outside_nodes")
-    return ("unattributed", "outside_profile")
+            return Target("unattributed", "backward_without_op")
+        return Target("op", serial, "backward")
+    if owner.module is not None:
+        return Target("module", owner.module)
+    if owner.thread is None:
+        return Target("unattributed", "other_thread")
+    if owner.phase == "forward":
+        return Target("unattributed", "forward_outside_ops")
+    if owner.phase == "backward":
+        return Target("unattributed", "backward_outside_nodes")
+    return Target("unattributed", "outside_profile")
 
 
-def _credit_host(result, e, target, self_ns) -> None:
-    kind = target[0]
+def _credit_host(result, e, target: Target, self_ns) -> None:
+    kind = target.kind
     if kind == "op":
-        table = result.op_forward if target[2] == "forward" else result.op_backward
-        tally = table.get(target[1])
+        table = result.op_forward if target.phase == "forward" else result.op_backward
+        tally = table.get(target.key)
         if tally is None:
-            tally = table[target[1]] = _tally()
+            tally = table[target.key] = _tally()
         tally[CPU_NS] += self_ns
         tally[ATEN_OPS] += e.kind == HOST
         result.host_attributed[0] += 1
         result.host_attributed[1] += self_ns
     elif kind == "module":
-        tally = result.module_direct.get(target[1])
+        tally = result.module_direct.get(target.key)
         if tally is None:
-            tally = result.module_direct[target[1]] = _tally()
+            tally = result.module_direct[target.key] = _tally()
         tally[CPU_NS] += self_ns
         tally[ATEN_OPS] += e.kind == HOST
         reason = result.host_unattributed.setdefault("module_outside_ops", [0, 0])
         reason[0] += 1
         reason[1] += self_ns
     else:
-        reason = result.host_unattributed.setdefault(target[1], [0, 0])
+        reason = result.host_unattributed.setdefault(target.key, [0, 0])
         reason[0] += 1
         reason[1] += self_ns
     if kind != "unattributed":
@@ -244,8 +262,8 @@ def _credit_host(result, e, target, self_ns) -> None:
 
 
 def _join_device(events, resolved, result) -> None:
-    launches: dict = {}  # CUPTI correlation -> owner of the runtime call that launched it
-    host_ops: dict = {}  # External id -> owner of that host op (the fallback link)
+    launches: dict = {}  # CUPTI correlation -> target of the runtime call that launched it
+    host_ops: dict = {}  # External id -> target of that host op (the fallback link)
     for i, target in resolved.items():
         e = events[i]
         if e.kind == RUNTIME and e.correlation is not None:
@@ -268,22 +286,22 @@ def _join_device(events, resolved, result) -> None:
             target = host_ops[e.external_id]
             result.device_via_external_id += 1
         if target is None:
-            target = ("unattributed", "no_correlation" if e.correlation is None else "no_launch_event")
-        if target[0] == "unattributed":
-            reason = result.device_unattributed.setdefault(target[1], [0, 0])
+            target = Target("unattributed", "no_correlation" if e.correlation is None else "no_launch_event")
+        if target.kind == "unattributed":
+            reason = result.device_unattributed.setdefault(target.key, [0, 0])
             reason[0] += 1
             reason[1] += e.end - e.start
             continue
-        if target[0] == "op":
-            table = result.op_forward if target[2] == "forward" else result.op_backward
+        if target.kind == "op":
+            table = result.op_forward if target.phase == "forward" else result.op_backward
         else:
             table = result.module_direct
             reason = result.device_unattributed.setdefault("module_outside_ops", [0, 0])
             reason[0] += 1
             reason[1] += e.end - e.start
-        tally = table.get(target[1])
+        tally = table.get(target.key)
         if tally is None:
-            tally = table[target[1]] = _tally()
+            tally = table[target.key] = _tally()
         tally[DEVICE_NS] += e.end - e.start
         if e.device_kind == "kernel":
             tally[KERNELS] += 1
