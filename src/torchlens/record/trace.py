@@ -447,6 +447,8 @@ class Trace:
 
     @property
     def saved_bytes(self) -> int:
+        """The saved activations' sizes summed, each at its own size: a view counts again on top of its base,
+        as ``max_saved_bytes`` counts it, so this bounds the memory the activations hold from above."""
         seen, total = set(), 0
         for t in self._activations.values():
             if id(t) not in seen:
