@@ -447,8 +447,9 @@ class Trace:
 
     @property
     def saved_bytes(self) -> int:
-        """The saved activations' sizes summed, each at its own size: a view counts again on top of its base,
-        as ``max_saved_bytes`` counts it, so this bounds the memory the activations hold from above."""
+        """The saved activations' sizes summed, each at its own size, as ``max_saved_bytes`` counts them: not the
+        memory they hold, since a view saved with its base counts again, and one saved without it counts its
+        own elements while keeping the base's whole storage alive."""
         seen, total = set(), 0
         for t in self._activations.values():
             if id(t) not in seen:
