@@ -1,0 +1,35 @@
+"""What ``pip install torchlens`` installs: a wheel built from this tree holds every file of the package,
+the viewer's assets and the ``py.typed`` marker (PEP 561: type checkers read the package's annotations)
+included.  An editable install reads the source tree, so only a built wheel shows a file left out."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "torchlens"
+
+
+def _package_files() -> set:
+    return {str(p.relative_to(PACKAGE.parent)).replace("\\", "/") for p in PACKAGE.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".so")}
+
+
+def test_the_wheel_holds_every_file_of_the_package(tmp_path):
+    tree = tmp_path / "tree"  # built from a copy: setuptools writes build/ and egg-info beside the source
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    shutil.copytree(PACKAGE, tree / "src" / "torchlens", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist"), str(tree)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("torchlens-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = _package_files()
+    assert {"torchlens/py.typed", "torchlens/viz/assets/viewer.js", "torchlens/viz/assets/viewer.css"} <= expected
+    assert expected - names == set()
