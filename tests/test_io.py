@@ -422,6 +422,20 @@ def test_saving_to_the_empty_current_directory_is_refused_and_leaves_it(tmp_path
     assert tl.load(tmp_path / "here" / "run1")[-1].label == log[-1].label
 
 
+def test_saving_over_a_trace_that_is_the_current_directory_is_refused_and_leaves_it(tmp_path, monkeypatch):
+    # Swapping the folder would leave this process in a deleted one (os.getcwd() then fails).
+    log = tl.trace(*zoo()["mlp"][:2])
+    here = log.save(tmp_path / "here")
+    before = {p.name: p.read_bytes() for p in tmp_path.joinpath("here").iterdir()}
+    monkeypatch.chdir(here)
+    for path in (".", os.getcwd(), os.path.join("..", "here")):
+        with pytest.raises(TraceFileError, match="is the current working directory; save the trace to a folder inside"):
+            log.save(path, overwrite=True)
+        assert os.getcwd() == str(here) and os.path.samefile(".", here)
+    assert {p.name: p.read_bytes() for p in tmp_path.joinpath("here").iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["here"]  # no staging folder left beside it
+
+
 
 SAVE_MEMORY = """
 import resource, sys

@@ -108,10 +108,10 @@ def _check_target(path: str, overwrite: bool):
                              "point anywhere): save to the folder it points to, or choose another path")
     if not os.path.isdir(path):
         raise TraceFileError(f"{path} exists and is a file, not a saved trace; choose another path")
+    if os.path.samefile(path, os.curdir):  # a save swaps folders: this process would be left in a deleted one
+        raise TraceFileError(f"{path} is the current working directory; save the trace to a folder inside it "
+                             "(log.save('run1'))")
     if not os.listdir(path):
-        if os.path.samefile(path, os.curdir):  # replacing it would leave this process in a deleted folder
-            raise TraceFileError(f"{path} is the current working directory; save the trace to a folder inside it "
-                                 "(log.save('run1'))")
         return None  # an empty folder: replaced only once the new trace is written (``_move_in``)
     if not os.path.lexists(os.path.join(path, MANIFEST)):
         raise TraceFileError(f"{path} exists and is not a saved trace; choose another path")
