@@ -153,6 +153,23 @@ def test_backward_lands_on_the_op_that_created_the_grad_node():
     assert "backward_without_op" not in kp.coverage.host_unattributed
 
 
+@pytest.mark.parametrize("how", ["model", "lambda", "own loss"])
+def test_a_profiled_backward_leaves_the_parameters_grads_as_they_were(how):
+    """A profile taken between training steps must not add its all-ones (or its own loss's) gradient into
+    the ``.grad`` the next optimizer step reads: each parameter keeps the same tensor with the same values."""
+    model, x = mlp()
+    nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3])).backward()  # a training step's gradients
+    model[2].bias.grad = None  # and one parameter without any
+    before = [p.grad for p in model.parameters()]
+    values = [None if g is None else g.clone() for g in before]
+    target, backward = {"model": (model, True), "lambda": (lambda t: model(t) * 1, True),
+                        "own loss": (model, lambda out: out.pow(2).mean().backward())}[how]
+    kp = tl.report.kernel_profile(target, x, backward=backward)
+    assert all(r["bwd_cpu_ns"] > 0 for r in kp.ops if r["type"] == "linear")  # the backward did run
+    for p, g, v in zip(model.parameters(), before, values):
+        assert p.grad is g and (v is None or torch.equal(p.grad, v))
+
+
 class _ReluMatmul(torch.autograd.Function):
     """relu(a @ b) with its own backward: the grad node is made by ``apply``, after the ops inside."""
 

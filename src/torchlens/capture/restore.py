@@ -22,6 +22,7 @@ forward, and the first extra run on it can only be refused.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import random
@@ -233,6 +234,34 @@ def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
         # back on, hence no_grad inside.
         with torch.inference_mode(tensor.is_inference()), torch.no_grad():
             tensor.copy_(value)
+
+
+def parameters_read(trace, module=None) -> list:
+    """The parameters a backward through ``trace`` may write ``.grad`` into, each once: ``module``'s (the
+    model the traced callable runs, if any) and those the recorded calls read (a lambda traced without
+    ``root=`` names no model, but its forward still reads the model's weights)."""
+    found = {}
+    if isinstance(module, torch.nn.Module):
+        found.update((id(p), p) for p in module.parameters())
+    for call in trace.calls:
+        found.update((id(p), p) for _, p in call.params)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def grads_set_aside(params):
+    """Run a backward torchlens makes for a report or an extraction so that ``params`` end with the ``.grad``
+    they had: the same tensors, with the same values (an optimizer step after it reads the user's own)."""
+    kept = [p.grad for p in params]
+    try:
+        # Taken off first: autograd adds into an existing ``.grad`` in place, so a kept reference alone
+        # would be put back holding this backward's share too.
+        for p in params:
+            p.grad = None
+        yield
+    finally:
+        for p, g in zip(params, kept):
+            p.grad = g
 
 
 # model -> the addresses of the parameters its forward was seen writing in place (see the module docstring)

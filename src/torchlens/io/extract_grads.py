@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..capture.restore import grads_set_aside, parameters_read
+
 GRAD_PREFIX = "grad:"
 
 
@@ -37,29 +39,8 @@ def backward_through(log, loss_fn, batch, position, module=None) -> None:
         raise ValueError(f"batch {position}: loss_fn returned {type(loss).__name__}"
                          f"{' that does not require grad' if isinstance(loss, torch.Tensor) else ''}; it must "
                          "return a tensor computed from the model's output")
-    params = _parameters(log, module)
-    kept = [p.grad for p in params]
-    try:
-        # Taken off the parameters first: autograd adds into an existing ``.grad`` in place, so a kept
-        # reference alone would be put back holding this batch's gradient too.
-        for p in params:
-            p.grad = None
+    with grads_set_aside(parameters_read(log, module)):
         log.backward(loss)
-    finally:
-        for p, g in zip(params, kept):
-            p.grad = g
-
-
-def _parameters(log, module) -> list:
-    """The parameters a backward may write ``.grad`` into, each once: ``module``'s (for a bound method, a
-    partial or a lambda the traced callable is no module), and those the recorded calls read (a lambda given
-    without ``root=`` names no model, but its forward still reads the model's weights)."""
-    found = {}
-    if isinstance(module, torch.nn.Module):
-        found.update((id(p), p) for p in module.parameters())
-    for call in log.calls:
-        found.update((id(p), p) for _, p in call.params)
-    return list(found.values())
 
 
 def layer_grad(op, name, position):

@@ -40,7 +40,8 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
             ``model`` may instead be a trace taken with ``grads=True`` whose backward has not run yet:
             only that backward is profiled (no second forward), see report/backward_profile.py.
         backward: ``True`` runs ``torch.autograd.backward`` on every output that requires grad with
-            all-ones gradients; a callable ``f(output)`` runs your own loss and backward instead.
+            all-ones gradients; a callable ``f(output)`` runs your own loss and backward instead.  Either
+            way the parameters' ``.grad`` end as they were (the backward runs with them set aside).
         chrome_trace: a path: write torch's own chrome export of this profile there, untouched, plus
             ``<path>.torchlens.json`` naming its events by op, layer and module call.
         profiler: an entered ``torch.profiler.profile`` you run (borrowed mode): torchlens adds its
@@ -125,6 +126,7 @@ def _check_borrowed(profiler, chrome_trace) -> None:
 
 
 def _run(model, args, kwargs, markers, backward, name):
+    from ..capture.restore import grads_set_aside, module_run_by, parameters_read
     from ..capture.session import _trace_with_markers
 
     try:
@@ -132,7 +134,8 @@ def _run(model, args, kwargs, markers, backward, name):
         trace = _trace_with_markers(model, args, kwargs, markers, save="none", name=name)
         if backward is not False:
             markers.phase_enter("backward")
-            _run_backward(trace.output, backward)
+            with grads_set_aside(parameters_read(trace, module_run_by(model))):
+                _run_backward(trace.output, backward)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # every launched kernel finishes inside the profile
     finally:
