@@ -80,6 +80,16 @@ def test_each_accessor_is_its_column_and_agrees_with_the_records():
     assert log.param_addresses[log.labels.index("linear_1_2:1")] == ("cell.weight", "cell.bias")
 
 
+def test_every_record_with_ops_names_their_labels_in_op_labels():
+    # A layer of three passes answered op_labels from its first op, which has none (AttributeError).
+    log = _traced()
+    records = [*log.layers, *log.module_calls, *log.params]
+    assert any(layer.num_passes == 3 for layer in log.layers)
+    for record in records:
+        assert record.op_labels == [op.label for op in record.ops], record
+    assert log["linear_1_2"].op_labels == ["linear_1_2:1", "linear_1_2:2", "linear_1_2:3"]
+
+
 def test_keep_activations_releases_the_rest():
     log = _traced()
     log.keep_activations({0, 1})

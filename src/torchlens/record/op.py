@@ -313,6 +313,12 @@ class Layer:
         return [Op(trace, i) for i in self._indices]
 
     @property
+    def op_labels(self) -> list:
+        """The label of every pass, in pass order (as on every record that has ``.ops``)."""
+        labels = self._trace._labels
+        return [labels[i] for i in self._indices]
+
+    @property
     def num_passes(self) -> int:
         return len(self._indices)
 
