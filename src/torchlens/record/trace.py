@@ -611,21 +611,29 @@ class Trace:
         return total_flops(self)
 
     def render(self, path=None, **kwargs):
+        """Draw the trace (``.html``, ``.svg``, ``.png`` or ``.dot``, by the suffix); with no path, return the
+        content.  Options (``view``, ``depth``, ``color_by``, ``format``, ...): ``help(torchlens.viz.render)``."""
         from ..viz import render
 
         return render(self, path, **kwargs)
 
     def show(self, **kwargs):
+        """Open the interactive viewer: inline in Jupyter (returns None), else in a browser (returns the
+        file's path).  The options are ``render``'s."""
         from ..viz import show
 
         return show(self, **kwargs)
 
     def save(self, path, **kwargs):
+        """Write the trace to the folder ``path`` (read it back with ``tl.load``) and return the path;
+        ``activations=False`` keeps metadata only, ``overwrite=True`` replaces a saved trace there."""
         from ..io import save
 
         return save(self, path, **kwargs)
 
     def to_chrome_trace(self, path, **kwargs):
+        """Write a host-clock chrome trace JSON of the ops and module calls (instrumented times, not the
+        profiler's clock) to ``path`` and return it; ``module_calls=False`` leaves the module calls out."""
         from ..report.chrome import to_chrome_trace
 
         return to_chrome_trace(self, path, **kwargs)

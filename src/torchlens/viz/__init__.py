@@ -128,7 +128,7 @@ def _in_notebook() -> bool:
 
 def show(trace, **kwargs):
     """Open the interactive view: inline in Jupyter, else in the default web browser (a temp HTML file);
-    where no browser can open (no display), say where the file is.  Returns the file's path."""
+    where no browser can open (no display), say where the file is.  Returns the file's path (None inline)."""
     if _in_notebook():
         from IPython.display import HTML, display
 
