@@ -409,6 +409,57 @@ def test_a_failed_save_into_an_empty_folder_leaves_the_folder(tmp_path, monkeypa
 
 
 
+def test_without_safetensors_a_trace_saves_and_loading_names_the_package_it_needs(tmp_path, monkeypatch):
+    # Saving streams the format itself; the error once said saving needed safetensors too.
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    log = tl.trace(*zoo()["mlp"][:2])
+    folder = log.save(tmp_path / "run")
+    with pytest.raises(ImportError, match="reading a saved trace's tensors needs safetensors: pip install") as error:
+        tl.load(folder)
+    assert "saving does not" in str(error.value)
+    monkeypatch.undo()
+    assert torch.equal(tl.load(folder)[-1].activation, log[-1].activation)
+
+
+WITHOUT_NUMPY = """
+import os, sys
+sys.modules["numpy"] = None  # as if it were not installed: torch then says only "Numpy is not available"
+import warnings
+warnings.simplefilter("ignore")
+import torch, torch.nn as nn
+import torchlens as tl
+
+model, x, out = nn.Linear(4, 2), torch.randn(3, 4), sys.argv[1]
+log = tl.trace(model, x)
+for name, run in (("save", lambda: log.save(os.path.join(out, "run"))),
+                  ("extract", lambda: tl.extract(model, [x], ["output_1"], os.path.join(out, "features"), progress=False))):
+    try:
+        run()
+        print(name, "no error")
+    except Exception as exc:
+        print(name, type(exc).__name__, exc)
+print("left", sorted(os.listdir(out)))
+print("metadata", tl.load(log.save(os.path.join(out, "meta"), activations=False))[-1].label)
+"""
+
+
+def test_without_numpy_saving_tensors_and_extracting_name_the_package_and_leave_nothing(tmp_path):
+    import subprocess
+
+    script = tmp_path / "without_numpy.py"
+    script.write_text(WITHOUT_NUMPY)
+    (tmp_path / "out").mkdir()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[:3] == ["save ImportError saving a trace's tensors needs numpy: pip install numpy",
+                         "extract ImportError tl.extract needs numpy: pip install numpy",
+                         "left []"]
+    assert lines[3] == "metadata output_1:1"  # a metadata-only save needs no numpy
+
+
 def test_saving_to_the_empty_current_directory_is_refused_and_leaves_it(tmp_path, monkeypatch):
     log = tl.trace(*zoo()["mlp"][:2])
     (tmp_path / "here").mkdir()

@@ -33,7 +33,7 @@ from ..record.layouts import shape_of
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
 from ..tree import as_args, path_text, strip, tensor_leaves
-from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, safe_member,
+from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_numpy, safe_member,
                      write_atomic, write_manifest)
 from .identity import model_checksum
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
@@ -100,6 +100,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                    arguments=None, stop_after=None, grads=False, loss_fn=None, root=None) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
+    require_numpy("tl.extract")  # the model checksum and the written shards read tensors' bytes through it
     # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
     root = root if root is not None else module_run_by(model)
     checked = root if root is not None else model
@@ -195,10 +196,7 @@ def batch_reader(args_of, kwargs_of, kwargs):
 def _fingerprint(args, named=None) -> str:
     """A hash of a batch's tensors (its positional arguments, then its own keyword arguments), used to
     check a resumed run sees the same inputs as before."""
-    try:
-        import numpy  # noqa: F401  (Tensor.numpy below needs it)
-    except ImportError as exc:  # pragma: no cover - exercised only where numpy is absent
-        raise ImportError("tl.extract needs numpy: pip install numpy") from exc
+    require_numpy("tl.extract")  # Tensor.numpy below
     digest = hashlib.sha256()
     for root, value in (("args", args), ("kwargs", named)):
         for path, t in tensor_leaves(value) if value else ():

@@ -217,9 +217,22 @@ TRACE_FORMAT, TRACE_SCHEMA = "torchlens-trace", 1
 TRACE_JSON, TRACE_TENSORS = "trace.json", "activations.safetensors"
 
 
+def require_numpy(what: str):
+    """numpy, through which ``what`` reads a tensor's bytes (``Tensor.numpy()``): without it torch says only
+    "Numpy is not available", so the message names the package and the task needing it."""
+    try:
+        import numpy
+    except ImportError as exc:
+        raise ImportError(f"{what} needs numpy: pip install numpy") from exc
+    return numpy
+
+
 def require_safetensors():
+    """The safetensors library, which reading a saved trace's tensors needs (writing streams the format itself,
+    io/tensorfile.py, so a trace saved where it is missing says so only when loaded)."""
     try:
         import safetensors.torch
-    except ImportError as exc:  # pragma: no cover - exercised only where safetensors is absent
-        raise ImportError("saving and loading activations needs safetensors: pip install safetensors") from exc
+    except ImportError as exc:
+        raise ImportError("reading a saved trace's tensors needs safetensors: pip install safetensors (saving "
+                          "does not, so save where it is missing, load where it is installed)") from exc
     return safetensors.torch

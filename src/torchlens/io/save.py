@@ -29,7 +29,7 @@ from .params import write_module_param_counts, write_params
 from .tensorfile import write_tensors
 from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
-                     read_json, safe_member, write_atomic, write_manifest)
+                     read_json, require_numpy, safe_member, write_atomic, write_manifest)
 
 
 def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> str:
@@ -44,6 +44,8 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
     path = os.fspath(path)
     if not path:
         raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")
+    if activations:
+        require_numpy("saving a trace's tensors")  # they are written through Tensor.numpy() (io/tensorfile.py)
     old_files = _check_target(path, overwrite)
     parent = os.path.dirname(os.path.abspath(path))
     _make_folder(parent, path)
