@@ -1,6 +1,7 @@
 """What every extra run must leave as it found it: the global random number generators (``RngState``),
 the Python attributes of a module tree (``ModuleAttributes``), and both with the buffers' values and the
-parameters' versions (``ForwardState``).
+parameters' versions (``ForwardState``); and what a backward torchlens runs itself (``kernel_profile``'s,
+``tl.extract``'s) must leave: the parameters' ``.grad`` (``grads_set_aside``).
 
 Every run torchlens makes besides the traced one (``tl.validate``'s untraced reference, the metadata
 pass that resolves intervention labels, the patching tables' runs, ``flops_vs_dispatch``) must leave the
