@@ -109,7 +109,8 @@ def summary_text(trace) -> str:
     n_compute = sum(1 for op in ops if op.kind == "op")
     recurrence = _recurrence(trace)
     saved = "released by cleanup()" if trace.is_cleaned_up else \
-        f"{len(trace._activations)} activations saved, {human_bytes(trace.saved_bytes)}"
+        f"{len(trace._activations)} activations saved, {human_bytes(trace.saved_bytes)} as tensor sizes summed " \
+        "(a view counts in full; log.saved_bytes)"
     lines = [
         f"Trace of {trace.model_name}",
         f"  {len(ops)} ops ({_tensors_and_calls(trace, n_compute)}, {len(trace.inputs)} inputs, "
