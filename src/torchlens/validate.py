@@ -235,10 +235,26 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
     except Exception as exc:  # noqa: BLE001 - a tensor subclass without an equality kernel (MaskedTensor)
         result.outputs_differ = f"not compared: torch.equal raised {type(exc).__name__} on the outputs"
+    drawing = _op_drawing_from_own_generator(log) if result.outputs_match is False else None
+    if drawing is not None:
+        result.outputs_match = None
+        result.outputs_differ = (
+            f"not compared: {drawing} draws from a torch.Generator passed as generator=, which validation cannot "
+            "put back between its untraced and traced runs (it knows only the global generators), so the two "
+            "drew other numbers; that generator has now advanced by both runs. Seed it again before each run and "
+            "compare the outputs yourself")
     if result.outputs_match and _without_any_values(log.output):  # meta or fake: only shapes agreed
         result.outputs_match = None
         result.outputs_differ = "not compared by value: meta or fake tensors hold none (their shapes and dtypes agree)"
     return result
+
+
+def _op_drawing_from_own_generator(log):
+    """The label of the first op called with a ``torch.Generator`` of its own (``generator=``), if any."""
+    for call in log.calls:
+        if call.kwargs and any(isinstance(v, torch.Generator) for v in call.kwargs.values()):
+            return log.labels[call.first_record]
+    return None
 
 
 def _without_any_values(output) -> bool:
