@@ -293,6 +293,10 @@ def test_a_callable_drawing_from_its_own_generator_is_not_compared_rather_than_f
     assert result.outputs_match is None and result.status != "failed"
     assert "randn_1_1:1 draws from a torch.Generator passed as generator=" in result.outputs_differ
     assert "outputs not compared: randn_1_1:1" in str(result)
+    # The global generator passed by name is one validation puts back: compared, and equal.
+    lin = nn.Linear(4, 4)
+    result = tl.validate(lambda x: lin(x) + torch.randn(x.shape, generator=torch.default_generator), torch.zeros(4))
+    assert result.outputs_match is True
 
 
 # ----- no vacuous verdicts -----------------------------------------------------------------------------

@@ -170,11 +170,11 @@ def model_state(model, root=None) -> tuple:
     return state, FirstCalls(state.add)
 
 
-def _reference_output(model, args: tuple, kwargs: dict, root=None):
+def _reference_output(model, args: tuple, kwargs: dict, root=None) -> tuple:
     """The untraced output, from a copy of the model (so its counters, caches and in-place updates
     stay out of the user's model); when the model cannot be copied, from the model itself with
     everything a forward can change restored afterwards: the modules of ``root=``, or, for a callable that
-    names no model, each module the run calls (met as it runs)."""
+    names no model, each module the run calls (met as it runs).  Returns it with whether it was a copy."""
     args, kwargs = clone_call(args, kwargs)
     bound = module_run_by(model)
     if bound is not None and (root is None or root is bound) and not _holds_fake_tensors(bound):
@@ -183,11 +183,11 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None):
         except Exception:  # noqa: BLE001 - locks, open files, C++ handles: fall back to restoring
             reference = None
         if reference is not None:
-            return reference(*args, **kwargs)
+            return reference(*args, **kwargs), True
     state, watching = model_state(model, root)
     try:
         with watching:
-            return model(*args, **kwargs)
+            return model(*args, **kwargs), False
     finally:
         state.restore()
 
@@ -222,7 +222,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     kwargs = dict(as_kwargs(kwargs, "tl.validate"))
     before = RngState()
     try:
-        expected = _reference_output(model, call_args, kwargs, trace_kwargs.get("root"))
+        expected, on_a_copy = _reference_output(model, call_args, kwargs, trace_kwargs.get("root"))
         after = RngState()
     finally:
         before.restore()  # the traced forward draws what the untraced one drew
@@ -235,7 +235,8 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
     except Exception as exc:  # noqa: BLE001 - a tensor subclass without an equality kernel (MaskedTensor)
         result.outputs_differ = f"not compared: torch.equal raised {type(exc).__name__} on the outputs"
-    drawing = _op_drawing_from_own_generator(log) if result.outputs_match is False else None
+    # (A copy of the model has its own copy of a generator it holds: both runs then drew the same numbers.)
+    drawing = _op_drawing_from_own_generator(log) if result.outputs_match is False and not on_a_copy else None
     if drawing is not None:
         result.outputs_match = None
         result.outputs_differ = (
@@ -250,9 +251,12 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
 
 
 def _op_drawing_from_own_generator(log):
-    """The label of the first op called with a ``torch.Generator`` of its own (``generator=``), if any."""
+    """The label of the first op called with a ``torch.Generator`` other than a global one (``generator=``),
+    if any: ``RngState`` puts back only the global ones."""
+    globals_ = (torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_initialized() else ()))
     for call in log.calls:
-        if call.kwargs and any(isinstance(v, torch.Generator) for v in call.kwargs.values()):
+        if call.kwargs and any(isinstance(v, torch.Generator) and all(v is not g for g in globals_)
+                               for v in call.kwargs.values()):
             return log.labels[call.first_record]
     return None
 
