@@ -168,6 +168,24 @@ def test_nested_activations_are_summarised_checked_and_drawn(tmp_path):
     assert tl.trace(lambda t: (t * 2).sqrt().relu(), nt).ops[2].finite is None  # not asked for: not examined
 
 
+def test_jagged_nested_tensors_have_ragged_shapes_not_symbolic_sizes(tmp_path):
+    # The jagged layout answers .shape with a symbolic size (j1) that is no number: recorded as it was,
+    # every count built on it (summary, FLOPs, save, hot_path) was symbolic or raised.
+    parts = [torch.randn(3, 8), torch.randn(5, 8)]
+    nt = torch.nested.nested_tensor(parts, layout=torch.jagged)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    log = tl.trace(model, nt)
+    assert [(op.shape, op.numel, op.nbytes) for op in log.ops] == [((2, None, 8), 64, 256)] * 4
+    for got, want in zip(log.output.unbind(), parts):
+        assert torch.equal(got, model(want))
+    assert log.summary().rows[0]["activation_bytes"] == 2 * 256  # the linear and the relu
+    assert "2x?x8" in str(log) and "2x?x8" in str(log.summary())
+    assert tl.debug.hot_path(log, by="memory").to_pandas()["total"].tolist() == [256, 256]
+    assert log.validate().passed
+    back = tl.load(log.save(tmp_path / "jagged", activations=False))
+    assert [(op.shape, op.numel) for op in back.ops] == [(op.shape, op.numel) for op in log.ops]
+
+
 @CASE
 def sparse_outputs():
     """Sparse COO and CSR outputs, and ops reading them."""

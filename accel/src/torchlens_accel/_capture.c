@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 11
+#define TORCHLENS_ACCEL_ABI 12
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -572,7 +572,8 @@ static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject 
             Py_DECREF(requires_grad);
             return -1;
         }
-        shape = tensor_get(h, out, G_SHAPE);
+        /* A subclass (a jagged nested tensor answers .shape with symbolic sizes) has its shape read by shape_of. */
+        shape = is_plain_tensor(h, out) ? tensor_get(h, out, G_SHAPE) : PyObject_CallOneArg(h->shape_of, out);
         if (shape == NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {  /* a nested tensor */
             PyErr_Clear();
             shape = PyObject_CallOneArg(h->shape_of, out);

@@ -245,8 +245,8 @@ class CaptureMode(TorchFunctionMode):
 
         # One tensor out, the common case, inlined.
         requires_grad = out.requires_grad
-        try:
-            shape = out.shape
+        try:  # (a subclass, such as a jagged nested tensor, has its shape read by shape_of)
+            shape = out.shape if type(out) is Tensor else shape_of(out)
         except RuntimeError:  # a nested tensor has no single shape
             shape = shape_of(out)
         grad_fn, node_type = grad_node(out) if requires_grad else (None, None)  # kept to the watch below

@@ -50,8 +50,8 @@ def record_output(st, call_index: int, slot, t, func, module_call: int) -> None:
     records = st.records
     index = len(records)
     requires_grad = t.requires_grad
-    try:
-        shape = t.shape
+    try:  # (a subclass, such as a jagged nested tensor, has its shape read by shape_of)
+        shape = t.shape if type(t) is Tensor else shape_of(t)
     except RuntimeError:  # a nested tensor has no single shape
         shape = shape_of(t)
     grad_fn, node_type = grad_node(t) if requires_grad else (None, None)  # the node kept to the watch below

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import ResumeMismatchError, warn_user
-from ..record.layouts import shape_of
+from ..record.layouts import shape_of, shape_text
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
 from ..tree import as_args, path_text, strip, tensor_leaves
@@ -311,7 +311,7 @@ def refuse_nested(name: str, label: str, t: torch.Tensor) -> None:
     """Refuse a nested (ragged) activation: it has no single shape, so it can neither be stacked along dim 0
     nor held by safetensors (asked for its shape, torch raises an internal error instead)."""
     if t.is_nested:
-        shape = "x".join("?" if d is None else str(d) for d in shape_of(t))
+        shape = shape_text(shape_of(t))
         raise TypeError(f"{name} ({label}) is a nested tensor of shape {shape} ('?': sizes differ between "
                         "its components), which cannot be stored in safetensors or stacked along dim 0; choose a "
                         "layer after it is converted back to a padded tensor (to_padded_tensor)")

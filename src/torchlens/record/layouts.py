@@ -2,7 +2,7 @@
 sparse tensors, read for checks of values; and the bytes of its storage a strided tensor reaches.
 
 A nested tensor (``torch.nested``, and the padding-mask path of eval ``nn.TransformerEncoder``) raises on
-``.shape``.  Capture records it as a tuple with ``None`` for each irregular dimension, so a trace never
+``.shape``, or, in the jagged layout, answers with symbolic sizes.  Capture records it as a tuple with ``None`` for each irregular dimension, so a trace never
 shows a plausible but wrong size; ``Op.numel`` and ``Op.nbytes`` then come from the components' sizes,
 and every check of its values (NaN/Inf flags, the viewer's statistics) reads ``dense_values``.
 """
@@ -13,13 +13,24 @@ import torch
 
 
 def shape_of(t: torch.Tensor) -> tuple:
-    """``t.shape``, or for a nested tensor the shape with ``None`` for each irregular dimension."""
+    """``t.shape``, or for a nested tensor a ``RaggedShape``, ``None`` for each irregular dimension: a strided
+    one raises on ``.shape``, and a jagged one (``layout=torch.jagged``) answers with symbolic sizes (``j1``)
+    that are no numbers, so its elements are counted from its values."""
     try:
-        return t.shape
+        shape = t.shape
     except RuntimeError:
         if not t.is_nested:
             raise
         return ragged_shape(t)
+    if t.is_nested:
+        return RaggedShape([d if type(d) is int else None for d in shape], t.values().numel())
+    return shape
+
+
+def shape_text(shape) -> str:
+    """A recorded shape as text, ``4x16``: ``scalar`` for no dimensions, ``?`` for a nested tensor's
+    irregular one (``shape_of``'s ``None``)."""
+    return "x".join("?" if d is None else str(d) for d in shape) or "scalar"
 
 
 def numel_of(shape) -> int:

@@ -11,7 +11,7 @@ appears; otherwise it is left out rather than shown as zeros.
 from __future__ import annotations
 
 from .columns import Kind
-from .layouts import numel_of
+from .layouts import numel_of, shape_text
 from .grads import saved_for_backward_bytes
 from .summary import human_bytes
 
@@ -223,7 +223,7 @@ def human_count(n) -> str:
 
 
 def _shapes(shapes) -> str:
-    text = ", ".join("x".join(str(d) for d in s) or "scalar" for s in shapes) or "-"
+    text = ", ".join(shape_text(s) for s in shapes) or "-"
     return text if len(text) <= 22 else text[:21] + "~"
 
 

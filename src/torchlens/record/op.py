@@ -7,7 +7,7 @@ and every field is read from (or derived from) the trace's columns on demand.
 from __future__ import annotations
 
 from .columns import Kind
-from .layouts import numel_of
+from .layouts import numel_of, shape_text
 from .view import View
 from ..errors import ActivationUnavailable
 
@@ -285,7 +285,7 @@ class Op(View):
         return call.t0_ns if call is not None else None
 
     def __repr__(self) -> str:
-        shape = "x".join(str(d) for d in self.shape)
+        shape = shape_text(self.shape)
         call = self.module_call
         where = f" in {call.label}" if call is not None else ""
         return f"<Op {self.label} {self.func_name}({shape}, {str(self.dtype).replace('torch.', '')}){where}>"

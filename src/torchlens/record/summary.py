@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import first_few
+from .layouts import shape_text
 
 _HEAD, _TAIL = 30, 5
 
@@ -16,7 +17,7 @@ def human_bytes(n: float) -> str:
 
 
 def _shape(op) -> str:
-    return "x".join(str(d) for d in op.shape) or "scalar"
+    return shape_text(op.shape)
 
 
 def _what(op) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .graph import edge_pass_label
 from .metrics import aggregate, format_value
-from .records import shape_text
+from ..record.layouts import shape_text
 
 FONT = "Helvetica"
 DIRECTIONS = ("TB", "LR")  # data flows down the page, or across it (wide screens, deep models)

@@ -13,6 +13,8 @@ import gzip
 import html
 import itertools
 
+from ..record.layouts import shape_text
+
 BUDGET_BYTES = 240_000  # the compressed viewer; with the tables a display stays under 300 KB
 _HEAD, _TAIL = 12, 4
 _ids = itertools.count()
@@ -66,7 +68,7 @@ def _op_table(trace) -> str:
         if op is None:
             rows.append(("...", f"{len(ops) - _HEAD - _TAIL} more ops: log.ops or log.to_pandas()", "", ""))
         else:
-            shape = "x".join(str(d) for d in op.shape) or "scalar"
+            shape = shape_text(op.shape)
             rows.append((op.label, op.func_name if op.kind == "op" else op.kind, shape, op.module or ""))
     return _table(["op", "function", "shape", "module call"], rows)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from .metrics import format_count, format_seconds
-from ..record.layouts import dense_values
+from ..record.layouts import dense_values, shape_text
 from ..record.summary import human_bytes
 
 
@@ -18,10 +18,6 @@ def flops_function():
     from ..report.flops import op_flops
 
     return op_flops
-
-
-def shape_text(shape) -> str:
-    return "x".join(str(d) for d in shape) if len(shape) else "scalar"
 
 
 def activation_stats(tensor) -> dict:
