@@ -2,6 +2,7 @@
 
 import json
 import os
+import warnings
 import sys
 
 import pytest
@@ -331,6 +332,26 @@ def test_a_chrome_trace_path_that_cannot_be_written_is_refused_before_the_model_
     path, sidecar = tl.report.kernel_profile(model, x, chrome_trace=tmp_path / "run.json").export_chrome_trace(
         tmp_path / "again.json")
     assert os.path.exists(tmp_path / "run.json") and os.path.exists(sidecar)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of CUDA where it is not available")
+def test_cuda_only_activities_without_cuda_are_refused_before_the_model_runs():
+    """torch drops CUDA where it is not available, then fails on the empty list with a bare assertion."""
+    model, x = mlp()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    cuda = [torch.profiler.ProfilerActivity.CUDA]
+    with pytest.raises(ValueError, match="asks for CUDA only.*activities=\\[torch.profiler.ProfilerActivity.CPU\\]"):
+        tl.report.kernel_profile(model, x, activities=cuda)
+    log = tl.trace(model, x, grads=True)
+    with pytest.raises(ValueError, match="asks for CUDA only"):
+        tl.report.kernel_profile(log, backward=True, activities=cuda)
+    _no_capture_left()
+    assert len(forwards) == 1  # the trace taken above
+    both = [torch.profiler.ProfilerActivity.CPU, *cuda]  # CUDA dropped with torch's warning, the CPU kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert tl.report.kernel_profile(model, x, activities=both).ops
 
 
 def test_a_running_profiler_is_refused_unless_borrowed():

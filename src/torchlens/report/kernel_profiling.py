@@ -96,7 +96,9 @@ def check_chrome_path(path) -> None:
 def _own_profiler(activities, profiler_kwargs):
     """The profiler torchlens owns: it runs one step, its first, and is never stepped.  A schedule that
     leaves that step unrecorded would measure nothing, so it is refused before the model runs."""
-    prof = torch.profiler.profile(activities=activities or _default_activities(), **(profiler_kwargs or {}))
+    activities = list(activities) if activities else _default_activities()
+    _check_activities(activities)
+    prof = torch.profiler.profile(activities=activities, **(profiler_kwargs or {}))
     recording = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
     if prof.current_action not in recording:
         raise ValueError(
@@ -105,6 +107,17 @@ def _own_profiler(activities, profiler_kwargs):
             "measured. Drop the schedule, or run your own scheduled profiler and pass it as "
             "kernel_profile(..., profiler=prof) in a step it records.")
     return prof
+
+
+def _check_activities(activities) -> None:
+    """Refuse activities that leave nothing to record: torch drops CUDA where it is not available (with a
+    warning) and then fails on the empty list with a bare assertion."""
+    cuda = torch.profiler.ProfilerActivity.CUDA
+    if activities and all(a == cuda for a in activities) and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"activities={activities} asks for CUDA only, and {why}, so the profiler would record "
+                         "nothing; profile the host with activities=[torch.profiler.ProfilerActivity.CPU], or leave "
+                         "activities out (the CPU, and CUDA where it is available)")
 
 
 def _default_activities() -> list:
