@@ -247,3 +247,34 @@ def test_patching_by_position_gives_a_site_without_that_dimension_a_row_saying_s
     assert len(row) == 1 and row.metric.isna().all() and "with no dimension 1" in row.error.iloc[0]
     assert list(table[table.site == "transformer.h.1"].position) == list(range(clean.shape[1]))
     tl.viz.heatmap(table, tmp_path / "h.svg")
+
+
+@pytest.mark.parametrize("site", ["transformer.h.0", "add_6_54:1"])
+def test_a_steering_vector_learnt_on_a_frozen_gpt2_gives_the_site_its_gradient(site):
+    """Frozen weights: the site's own value needs no gradient, the steered one does (through the vector).
+    The site's gradient is the steered value's, as retain_grad() on the value a forward hook returns gives,
+    not None as if no backward had reached it."""
+    pytest.importorskip("transformers")
+    model = small_gpt2_lm().requires_grad_(False)
+    tokens = torch.tensor([[5, 9, 13, 21, 7, 30]])
+    vector = torch.randn(32, requires_grad=True)
+    steered = {}
+
+    def steer_and_keep(module, args, output):
+        steered["value"] = output + vector
+        steered["value"].retain_grad()
+        return steered["value"]
+
+    handle = model.transformer.h[0].register_forward_hook(steer_and_keep)
+    try:
+        model(tokens).logits[0, -1, 3].backward()
+    finally:
+        handle.remove()
+    expected_vector_grad, vector.grad = vector.grad, None
+
+    log = tl.trace(model, tokens, grads=True, intervene={site: tl.steer(vector)})
+    assert log[site].label == "add_6_54:1"  # the block's output op
+    log.backward(log.output.logits[0, -1, 3])
+    assert log[site].requires_grad and log[site].has_grad
+    assert torch.equal(log[site].grad, steered["value"].grad)
+    assert torch.equal(vector.grad, expected_vector_grad)

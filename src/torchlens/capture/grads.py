@@ -234,13 +234,18 @@ class GradCapture:
             return native.HookAdder(sink, handles, numbers, keys, base, _PLAIN, OrderedDict, add_hook)
         return add_hook
 
-    def rewatch(self, index: int, t: torch.Tensor) -> None:
-        """An intervention replaced record ``index``'s value: its gradient is now that of ``t``, the value
-        downstream ops saw (the hook moves from the op's own output to it)."""
-        if not self._unwatch(index):  # not selected, or its output did not require grad
+    def rewatch(self, index: int, t: torch.Tensor, calls: list, record) -> None:
+        """An intervention replaced record ``index`` (the tuple ``record``): its gradient is now that of ``t``,
+        the value downstream ops saw (the hook moves from the op's own output to it).  A value that needed
+        no gradient replaced by one that does (a steering vector being learnt on a frozen model) is watched
+        as the op would have been had it made that value."""
+        watched = self._unwatch(index)
+        if not t.requires_grad:
             return
-        if t.requires_grad:
+        if watched:
             self.add_hook(index, t)  # already selected when first watched
+        else:
+            self.watch(index, t, *_made_by(calls, Record._make(record)))
 
     def _unwatch(self, index: int) -> bool:
         """Remove record ``index``'s hook; whether it had one."""

@@ -269,7 +269,7 @@ class Interventions:
                                         type(new.grad_fn) if requires_grad else None)
         st.producers[id(new)] = (weakref(new), record, version_of(new))
         if st.grads is not None:  # grads=True: the op's gradient is that of the value downstream saw
-            st.grads.rewatch(record, new)
+            st.grads.rewatch(record, new, st.calls, rec)
         if record in st.saved:
             saved = st.saved.pop(record)
             st.saved_versions.pop(record, None)
