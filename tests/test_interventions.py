@@ -308,6 +308,24 @@ def test_interventions_compose_with_save_selections():
     assert none["layers.0"].intervention is not None and none["layers.0"].original is None
 
 
+
+@pytest.mark.parametrize("save", [["cell:2"], ["linear_1_2:2"], ["tanh_1_4:2"]])
+def test_a_selection_of_one_pass_keeps_the_original_only_where_it_keeps_the_value(save, tmp_path):
+    """A selection naming one pass is applied after the forward: the values an edit replaced at the other
+    passes go with their activations, in the trace and in its saved copy, instead of staying behind as
+    originals of ops that hold no value."""
+    model = LoopRNN(steps=4).eval()
+    x = torch.randn(2, 8)
+    sites = {"cell": tl.scale(2.0), "tanh_1_4": tl.scale(1.0)}
+    full = tl.trace(model, x, intervene=sites)
+    picked = tl.trace(model, x, intervene=sites, save=save)
+    kept = [op.label for op in picked.ops if op.activation is not None]
+    assert len(kept) == 1 and torch.equal(picked[kept[0]].original, full[kept[0]].original)
+    assert [op.label for op in picked.ops if op.original is not None] == kept
+    assert len(picked.interventions) == len(full.interventions) == 8
+    loaded = tl.load(picked.save(tmp_path / "t"))
+    assert [op.label for op in loaded.ops if op.original is not None] == kept
+
 # ----- sites ----------------------------------------------------------------------------------------------
 class _Counting(nn.Module):
     def __init__(self):

@@ -384,8 +384,11 @@ class Trace:
                 self._dropped[i] = reason
 
     def keep_activations(self, kept) -> None:
-        """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward)."""
+        """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward),
+        and the value an intervention replaced there: ``op.original`` is kept where the op's value is."""
         self._activations = {i: t for i, t in self._activations.items() if i in kept}
+        if self._originals:
+            self._originals = {i: t for i, t in self._originals.items() if i in kept}
 
     def relabel(self, labels, layer_labels, pass_numbers, groups) -> None:
         """Replace the label columns (a stopped trace takes those of the whole forward); group sizes are recounted."""
