@@ -278,3 +278,23 @@ def test_a_steering_vector_learnt_on_a_frozen_gpt2_gives_the_site_its_gradient(s
     assert log[site].requires_grad and log[site].has_grad
     assert torch.equal(log[site].grad, steered["value"].grad)
     assert torch.equal(vector.grad, expected_vector_grad)
+
+
+@pytest.mark.parametrize("option", ["intervene", "stop_after"])
+def test_a_module_list_as_a_site_is_refused_before_the_forward_naming_its_modules(gpt2, option):
+    """``transformer.h`` holds the blocks but is never called: refused before the model runs, naming the
+    blocks, instead of after a whole forward as a call that control flow skipped."""
+    model, clean, _ = gpt2
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    options = {"intervene": {"transformer.h": tl.zero_ablate()}} if option == "intervene" else \
+        {"stop_after": "transformer.h"}
+    try:
+        with pytest.raises(tl.InterventionError, match=r"'transformer.h' is a ModuleList, a container .* never "
+                                                        r"called.* \(transformer.h.0, transformer.h.1\)"):
+            tl.trace(model, clean, **options)
+    finally:
+        handle.remove()
+    assert forwards == []
+    assert torch.equal(tl.trace(model, clean, intervene={"transformer.h.0": tl.zero_ablate()})["transformer.h.0"]
+                       .activation, torch.zeros(1, 6, 32))

@@ -130,6 +130,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
         address, _, number = key.rpartition(":")
         named = address if address in modules else key
         _refuse_scripted(key, named, modules)
+        _refuse_container(key, named, modules, stop)
         if compiled == "run":
             _refuse_inside_compiled(key, named, compiled_in)
         if key in modules:
@@ -190,6 +191,21 @@ def _refuse_scripted(key: str, address: str, modules: dict) -> None:
                 f"intervention site {key!r} {where} (torch.jit.script or torch.jit.trace), whose ops run in "
                 "TorchScript's interpreter where capture cannot see them: no op of the trace holds its output "
                 "to change. Trace the module as it was before scripting to intervene there")
+
+
+def _refuse_container(key: str, address: str, modules: dict, stop: bool) -> None:
+    """A module with no forward of its own (``nn.ModuleList``, ``nn.ModuleDict``) is never called: its output
+    is no value, so the site would only be found unmet after a whole forward, for a reason that error cannot
+    name.  Refused before anything runs, naming the modules it holds."""
+    module = modules.get(address)
+    if module is None or type(module).forward is not torch.nn.Module.forward or "forward" in vars(module):
+        return
+    held = [f"{address}.{name}" for name, _ in module.named_children()]
+    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    kind = "stop_after site" if stop else "intervention site"
+    raise InterventionError(
+        f"{kind} {key!r} is a {type(module).__name__}, a container with no forward of its own: it is never "
+        f"called, so it has no output to change. Intervene at the modules it holds ({shown or 'none'})")
 
 
 def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:
