@@ -231,3 +231,38 @@ def test_finite_flags_on_cuda_find_the_origin():
     log = tl.trace(Deep().eval().cuda(), torch.randn(3, 4, device="cuda"), save="none", record_finite=True)
     assert all(isinstance(flag, tuple) for flag in log._finite.values())
     assert tl.debug.nonfinite_origin(log).origin.func_name == "log"
+
+
+def _nan_in_unit_3(t, op):
+    return t.masked_fill(torch.arange(t.shape[-1]) == 3, float("nan"))
+
+
+@pytest.mark.parametrize("site", ["transformer.h.0.mlp", "dropout_3_53:1"])
+def test_a_nan_an_intervention_put_in_is_the_actions_not_the_ops(site):
+    """GPT-2's MLP makes finite values; the action writes NaN into them.  The report names the intervention,
+    not the op as having produced NaN from finite inputs, and a probe (an action keeping the value) at the same
+    site on a finite forward leaves nothing to report."""
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    model, tokens = small_gpt2_lm(), torch.tensor([[5, 9, 13, 21, 7, 30]])
+    plain = tl.trace(model, tokens)
+    assert bool(plain["transformer.h.0.mlp"].activation.isfinite().all())
+    log = tl.trace(model, tokens, intervene={site: _nan_in_unit_3})
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin_kind == "intervention" and report.certain and report.origin_label == "dropout_3_53:1"
+    assert torch.equal(report.origin.original, plain["transformer.h.0.mlp"].activation)
+    assert report.origin.activation.isnan().any() and "the op's own value was finite" in str(report)
+    assert "produced NAN from finite inputs" not in str(report)
+    assert report.propagators and report.propagators[0] == "add_6_54:1"
+    probed = tl.trace(model, tokens, intervene={site: lambda t, op: None})
+    assert not tl.debug.nonfinite_origin(probed).found
+
+
+def test_with_flags_only_a_nan_where_an_intervention_ran_is_not_pinned_on_either():
+    """Without the op's own value (save="none"), the flags say the value downstream saw held NaN, not who made it."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).eval()
+    log = tl.trace(model, torch.randn(4, 8), save="none", record_finite=True, intervene={"0": _nan_in_unit_3})
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin_kind == "intervention" and not report.certain
+    assert "either the op or the action may have made it" in str(report)

@@ -44,7 +44,7 @@ class NonfiniteReport:
     def __init__(self, **fields):
         self.found = fields["found"]
         self.origin = fields["origin"]  # Op, or None
-        self.origin_kind = fields["origin_kind"]  # "op", "input", "buffer", "parameter" or None
+        self.origin_kind = fields["origin_kind"]  # "op", "intervention", "input", "buffer", "parameter" or None
         self.kind = fields["kind"]  # "nan", "inf", "both" or None
         self.certain = fields["certain"]
         self.possible_origins = tuple(fields["possible_origins"])
@@ -100,6 +100,11 @@ class NonfiniteReport:
             read = [a for a in self.parameters if a in op.params]
             lines = [f"  {self.kind.upper()} already present in parameter(s) {', '.join(read)}, first "
                      f"read by {op.label} ({op.func_name}){where}{source}"]
+        elif self.origin_kind == "intervention":
+            made = "was finite" if self.certain else \
+                "was not kept, so either the op or the action may have made it"
+            lines = [f"  origin: {op.intervention!r} left a value holding {self.kind.upper()} at {op.label} "
+                     f"({op.func_name}){where}{source}; the op's own value {made}"]
         elif self.certain:
             lines = [f"  origin: {op.label} ({op.func_name}){where}{source} produced {self.kind.upper()} from "
                      "finite inputs"]
@@ -219,7 +224,21 @@ def _birth_kind(log, i, bad_params):
     if any(p in bad_params for p in params):
         return "parameter", False
     unsure = any(p < 0 or _status_unknown(log, p) for _, p in log.op_parents[i])
+    if i in log._interventions:
+        by_action = _action_made_it(log, i)
+        if by_action is not False:
+            return "intervention", by_action is None
     return "op", unsure
+
+
+def _action_made_it(log, i):
+    """Whether the non-finite value of op ``i``, where an intervention ran, is the action's: True when the op's
+    own value (``original``, kept where the action replaced a saved value) was finite, False when it was not or
+    when the action kept the op's value (a saved activation with no original), None when nothing tells."""
+    original = log._originals.get(i)
+    if original is not None:
+        return not any(nonfinite_flags(original) or ())
+    return None if log.is_cleaned_up or i not in log.saved_activations else False
 
 
 def _status_unknown(log, p) -> bool:
