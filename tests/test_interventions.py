@@ -254,6 +254,49 @@ def test_an_in_place_op_as_the_site_writes_its_receiver():
     assert torch.equal(log["fc"].activation, plain["fc"].activation), "the op before the site changed"
 
 
+
+class _ViewThenWrite(nn.Module):
+    """A view of a value (its transpose, its first columns) taken before the value is scaled in place, the
+    transpose made in the root, the columns inside ``head``, which keeps the value it viewed."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = _FirstColumns()
+
+    def forward(self, x):
+        y = self.fc(x)
+        flipped = y.t()
+        first = self.head(y)
+        y.mul_(10)
+        return flipped.sum() + first.sum() + y.sum()
+
+
+class _FirstColumns(nn.Module):
+    def forward(self, y):
+        self.viewed = y
+        return y[:, :2]
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("site", ["t_1_2:1", "head"])
+def test_the_original_of_a_view_site_is_its_value_before_a_later_write_to_what_it_views(site, frozen):
+    """``op.original`` is the value the op made; a view's value changes when its base is written later, so it
+    is kept as it was then, also when the view requires grad (its saved copy is detached, no longer a view)."""
+    model = _ViewThenWrite().requires_grad_(not frozen)
+    x = torch.randn(3, 4)
+    with torch.no_grad():  # the forward by hand, the site's view replaced by its double
+        y = model.fc(x)
+        flipped, first = y.t(), y[:, :2]
+        made = (flipped if site.startswith("t_") else first).clone()
+        flipped, first = (made * 2, first) if site.startswith("t_") else (flipped, made * 2)
+        y.mul_(10)
+        expected = flipped.sum() + first.sum() + y.sum()
+    log = tl.trace(model, x, intervene={site: tl.scale(2.0)})
+    assert torch.equal(log[site].original, made)
+    assert torch.equal(log[site].activation, made * 2)
+    assert torch.equal(log.output.detach(), expected)
+
 # ----- nothing left behind ----------------------------------------------------------------------------
 def test_model_and_parameters_unchanged_and_nothing_installed():
     model, args, _ = CASES["batchnorm_train"]

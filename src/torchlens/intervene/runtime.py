@@ -245,8 +245,10 @@ class Interventions:
         else:
             passed = _argument_position(old, args, kwargs)  # an op returning an argument (x.contiguous() -> x)
             original = st.saved.get(record)
-            if original is not None and (passed is not None or original._base is not None):
-                original = original.clone()  # a view, or a tensor the model still holds: may change later
+            if original is not None and (passed is not None or old._base is not None):
+                # A view (its saved copy is detached, with no _base, when it requires grad: ask the output), or
+                # a tensor the model still holds: a later write to what it shares would change it.
+                original = original.clone()
             self._unbind(st, call_position, old, passed)
         self._rebind(st, record, new)
         self._keep_original(record, original)
@@ -339,8 +341,8 @@ class Interventions:
                 if new is not None:
                     current = new
             if current is not t:
-                if original is not None and original._base is not None:
-                    original = original.clone()  # a view of a value later ops may write
+                if original is not None and t._base is not None:
+                    original = original.clone()  # a view of a value later ops may write (the output knows)
                 st.producers.pop(id(t), None)
                 self._rebind(st, record, current)
                 self._keep_original(record, original)
