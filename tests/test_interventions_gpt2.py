@@ -298,3 +298,40 @@ def test_a_module_list_as_a_site_is_refused_before_the_forward_naming_its_module
     assert forwards == []
     assert torch.equal(tl.trace(model, clean, intervene={"transformer.h.0": tl.zero_ablate()})["transformer.h.0"]
                        .activation, torch.zeros(1, 6, 32))
+
+
+@pytest.mark.parametrize("site", ["transformer.h.0.mlp", "dropout_3_53:1", "transformer.h.1.ln_1"])
+def test_what_an_action_makes_autograd_keep_is_counted_at_its_site_not_the_next_op(gpt2, site):
+    """``tl.clamp`` keeps its input for backward.  saved_for_backward=True counts it at the op the action ran
+    at: the next op (an ``add`` that keeps nothing) keeps what it kept in a plain trace.  The bytes are those
+    the same clamp keeps in an untraced forward hook, seen by a saved-tensors hook of the test's own."""
+    model, clean, _ = gpt2
+    module = model.get_submodule(site if site.startswith("transformer.") else "transformer.h.0.mlp")
+    clamping, packed = [], {}
+
+    def pack(t):
+        if clamping:
+            packed[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def clamp_hook(m, args, output):
+        clamping.append(True)
+        try:
+            return output.clamp(-0.1, 0.1)
+        finally:
+            clamping.pop()
+
+    handle = module.register_forward_hook(clamp_hook)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(clean)
+    finally:
+        handle.remove()
+
+    plain = tl.trace(model, clean, saved_for_backward=True)
+    log = tl.trace(model, clean, saved_for_backward=True, intervene={site: tl.clamp(-0.1, 0.1)})
+    site_op = log[site]
+    changed = {op.label: op.saved_for_backward_bytes - before.saved_for_backward_bytes
+               for op, before in zip(log.ops, plain.ops)
+               if op.saved_for_backward_bytes != before.saved_for_backward_bytes}
+    assert packed and changed == {site_op.label: sum(packed.values())}

@@ -55,14 +55,18 @@ class PackLog:
         self.packed: dict = {}
         self.calls = calls  # the capture state's call list while the forward runs; None after it
         self.note_text = None  # why packing was not observed, when it was not
+        # The call an intervention's action is run for (after that call was listed), while it runs: what
+        # the action makes autograd keep is kept at its site, not by the call after it.
+        self.action_at = None
 
     def note(self, t: torch.Tensor) -> None:
         calls = self.calls
         if calls is None:
             return
-        sizes = self.packed.get(len(calls))
+        call = len(calls) if self.action_at is None else self.action_at
+        sizes = self.packed.get(call)
         if sizes is None:
-            sizes = self.packed[len(calls)] = {}
+            sizes = self.packed[call] = {}
         try:
             sizes[storage_key(t)] = t.untyped_storage().nbytes()
         except (RuntimeError, NotImplementedError):  # storage-less layouts: their own size

@@ -92,6 +92,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         state.intervention = runtime
     state.grads = grad_capture(grads, root, state) if grads is not False else None
     packing = PackLog(state.calls) if saved_for_backward else None
+    if runtime is not None:
+        runtime.packing = packing
     _add_inputs(state, model, args, kwargs)
     autocast = state.context[1]  # the autocast state around the forward, for replay
     default_dtype = torch.get_default_dtype()  # and the default dtype, which factories and scalars read

@@ -79,6 +79,7 @@ class Interventions:
         self.reference = None  # the trace label sites were resolved against, if any
         self.seen_keys: dict = {}  # occurrence_key -> calls of this run with it, before position ``counted``
         self.counted = 0
+        self.packing = None  # the PackLog of saved_for_backward=True, which learns where each action runs
 
     @property
     def watches_calls(self) -> bool:
@@ -99,7 +100,7 @@ class Interventions:
                 if k < 0:
                     raise InterventionError(f"intervention site {site.key!r}: the op at this position returned no "
                                             f"output {site.slot!r}; the forward took another path than the reference")
-                new = self._run_action(site.action, values[k], site.op, site.key)
+                new = self._run_action(site.action, values[k], site.op, site.key, call_position)
                 self.hit.add(id(site))
                 self._note(first_op + k, site.key, site.action)
                 if new is not None:
@@ -179,9 +180,17 @@ class Interventions:
         names = self.addresses.get(id(module))
         return names[0] if names else type(module).__name__
 
-    def _run_action(self, action, value, op, key):
+    def _run_action(self, action, value, op, key, call: int):
+        """``action(value, op)`` at the site made by ``call``, checked: the new value, or None to keep it."""
         version = version_of(value)  # None under torch.inference_mode(): a write there cannot be told
-        new = self._call_action(action, value, op)
+        packing = self.packing
+        if packing is not None:  # what the action makes autograd keep is counted at its site
+            packing.action_at = call
+        try:
+            new = self._call_action(action, value, op)
+        finally:
+            if packing is not None:
+                packing.action_at = None
         if version is not None and value._version != version:
             raise InterventionError(
                 f"the action at {_where(key, op)} wrote the tensor it was given in place, which would also change "
@@ -336,7 +345,7 @@ class Interventions:
             original = st.saved.get(record)
             current = t
             for site in sites:
-                new = self._run_action(site.action, current, info, site.key)
+                new = self._run_action(site.action, current, info, site.key, st.records[record][RECORD_CALL])
                 self._note(record, site.key, site.action)
                 if new is not None:
                     current = new
