@@ -192,6 +192,25 @@ def test_gpt2_mean_ablate_and_steer_at_one_position_read_dimensions_of_the_whole
     assert torch.allclose(log.output.logits, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("helper, wrong", [
+    (lambda: tl.steer(torch.linspace(-1, 1, 32), dim=5), r"5 is not a dimension of this value of shape \(1, 6, 32\)"),
+    (lambda: tl.steer(torch.linspace(-1, 1, 32), dim=-4), r"-4 is not a dimension .* \(dimensions -3 to 2\)"),
+    (lambda: tl.mean_ablate(dims=(1, 3)), r"3 is not a dimension of this value of shape \(1, 6, 32\)"),
+    (lambda: tl.zero_ablate(at=(slice(None), 10)), r"at=\(slice\(None, None, None\), 10\) is outside this value"),
+    (lambda: tl.scale(2.0, at=(0, 0, 40)), r"scale\(2.0, at=\(0, 0, 40\)\) at transformer.h.0.mlp:1: at=.* is outside"),
+], ids=["steer-dim-5", "steer-dim-minus-4", "mean-dims-3", "zero-at-10", "scale-at-40"])
+def test_a_helper_given_a_dimension_or_index_the_value_lacks_is_refused_naming_the_site(gpt2, helper, wrong):
+    """A dimension past the value's rank is refused, not taken modulo it (``dim=5`` of a (batch, seq, d) value
+    was quietly d), and an index past its shape names the helper, the site and the shape."""
+    model, clean, _ = gpt2
+    with pytest.raises(tl.InterventionError, match=wrong):
+        tl.trace(model, clean, intervene={"transformer.h.0.mlp": helper()})
+    direction = torch.linspace(-1, 1, 32)
+    expected = with_hook(model.transformer.h[0].mlp, model, (clean,), lambda m, i, o: o + direction).logits
+    log = tl.trace(model, clean, intervene={"transformer.h.0.mlp": tl.steer(direction, dim=2)})
+    assert torch.equal(log.output.logits, expected)
+
+
 def test_gpt2_sites_past_stop_after_are_named_not_dropped_silently(gpt2):
     model, clean, _ = gpt2
     before, after = "transformer.h.0.attn", "transformer.h.1.mlp"

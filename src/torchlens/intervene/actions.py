@@ -23,7 +23,11 @@ class Action:
         if self.at is None:
             return self.value(tensor, op, None)
         new = tensor.clone()
-        new[self.at] = self.value_at(tensor, op)
+        try:
+            new[self.at] = self.value_at(tensor, op)
+        except IndexError as exc:  # named with the site, not left to torch (after value_at's own checks)
+            raise ReplacementMismatch(f"{self!r} at {_where(op)}: at={self.at!r} is outside this value of shape "
+                                      f"{tuple(tensor.shape)} ({exc})") from exc
         return new
 
     def value(self, tensor: torch.Tensor, op, at):
@@ -90,6 +94,7 @@ class steer(Action):  # noqa: N801
         self.vector, self.scale, self.dim = vector, scale, dim
 
     def value(self, tensor, op, at):
+        _check_dims(self, (self.dim,), tensor, op)
         dim = self.dim % tensor.dim()
         if tensor.shape[dim] != self.vector.numel():
             raise ValueError(f"tl.steer at {_where(op)}: the vector has {self.vector.numel()} entries but "
@@ -138,12 +143,7 @@ class patch_from(Action):  # noqa: N801
         """``source[at]``, from a source of the whole value's shape: index ``at`` of a run of another length
         is not the same place in it."""
         source = _same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op)
-        try:
-            part = tensor[self.at]
-        except IndexError as exc:  # a pass of a layer shorter than the one its positions were counted on
-            raise ReplacementMismatch(f"tl.patch_from at {_where(op)}: at={self.at!r} is outside this value of shape "
-                                      f"{tuple(tensor.shape)} ({exc})") from exc
-        return _like(source[self.at], part, op, "tl.patch_from")
+        return _like(source[self.at], tensor[self.at], op, "tl.patch_from")
 
     def _describe(self):
         return f"<trace of {self.trace.model_name}>"
@@ -160,6 +160,7 @@ class mean_ablate(Action):  # noqa: N801
         self.dims, self.trace = dims, trace
 
     def value(self, tensor, op, at):
+        _check_dims(self, _as_tuple(self.dims), tensor, op)
         source = tensor if self.trace is None else source_value(self.trace, op, "tl.mean_ablate")
         mean = source.float().mean(dim=self.dims, keepdim=True) if not source.is_floating_point() \
             else source.mean(dim=self.dims, keepdim=True)
@@ -237,6 +238,21 @@ def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
                                   "of the same shape (batch size, sequence length), or pass the tensor itself as the "
                                   "action to broadcast it")
     return source
+
+
+def _as_tuple(dims) -> tuple:
+    """``mean``'s ``dim`` as a tuple: None (every dimension) names none to check."""
+    return () if dims is None else tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
+
+
+def _check_dims(action, dims, tensor: torch.Tensor, op) -> None:
+    """Each of ``dims`` must be a dimension of the value: taken modulo its rank, dim=5 of a 3-d value would
+    quietly be dimension 2."""
+    rank = tensor.dim()
+    wrong = [d for d in dims if not -rank <= d < rank]
+    if wrong:
+        raise ReplacementMismatch(f"{action!r} at {_where(op)}: {wrong[0]} is not a dimension of this value of "
+                                  f"shape {tuple(tensor.shape)} (dimensions {-rank} to {rank - 1})")
 
 
 def _where(op) -> str:
