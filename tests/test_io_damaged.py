@@ -8,7 +8,6 @@ import os
 import pickle
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
