@@ -1,0 +1,248 @@
+"""Gradient capture through autograd's own extension points: checkpointed regions, custom
+``autograd.Function``s, the user's tensor and module hooks, and what autograd refuses.  The reference for
+every gradient is ``retain_grad()`` on an untraced run (``grad_oracle.Oracle``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.record.errors import GradientUnavailable
+from grad_oracle import Oracle, _assert_bit_identical, _op_grads
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+def test_checkpoint_regions():
+    x = torch.randn(3, 4, requires_grad=True)
+    model = Checkpointed(reentrant=False)
+    oracle = Oracle()
+    with oracle:
+        out = model(x)
+    out.sum().backward()
+    expected, ref_params = oracle.grads(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    log = tl.trace(model, x.detach().requires_grad_(), grads=True)
+    log.backward(log.output.sum())
+    ops, got = _op_grads(log)
+    _assert_bit_identical(ops, got, expected)  # non-reentrant: the original graph carries every gradient
+    assert all(torch.equal(p.grad, ref_params[n]) for n, p in model.named_parameters())
+
+    model = Checkpointed(reentrant=True)
+    log = tl.trace(model, x.detach().requires_grad_(), grads=True)
+    log.backward(log.output.sum())
+    assert log["head"].grad is not None
+    inner = [op for op in log if op.module and op.module.startswith("block")
+             and not op.module.startswith("block.2")]  # (the region's output has its gradient: below)
+    assert inner
+    for op in inner:  # a reentrant region runs its forward under no_grad: said clearly
+        with pytest.raises(GradientUnavailable, match="does not require grad"):
+            op.grad
+
+
+def test_reentrant_checkpoint_region_output_has_the_gradient_retain_grad_gives():
+    # The region's output gets its backward node only when the checkpoint's Function returns: its
+    # gradient is that of the returned tensor, as retain_grad() on it gives.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    region = checkpoint(model.block, x, use_reentrant=True)
+    region.retain_grad()
+    model.head(region).sum().backward()
+    expected_params = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    log = tl.trace(model, x.detach().requires_grad_(), grads=True)
+    log.backward(log.output.sum())
+    assert torch.equal(log["block.2"].grad, region.grad)  # the region's last op: the tensor it returned
+    assert torch.equal(log["input_1"].grad, x.grad)
+    assert all(torch.equal(p.grad, expected_params[n]) for n, p in model.named_parameters())
+
+    # A region that is the whole forward: the trace's output is that tensor.
+    block = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid())
+    y = checkpoint(block, x, use_reentrant=True)
+    y.retain_grad()
+    y.pow(2).sum().backward()
+    log = tl.trace(lambda v: checkpoint(block, v, use_reentrant=True), x.detach().requires_grad_(), grads=True)
+    log.backward(log.output.pow(2).sum())
+    assert torch.equal(log["output_1"].grad, y.grad)
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class UsesCustomFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Square.apply(self.fc(x)).sum(-1)
+
+
+def test_custom_autograd_function_output_gets_its_gradient():
+    model = UsesCustomFunction()
+    x = torch.randn(3, 4)
+    oracle = Oracle()
+    with oracle:
+        out = model(x)
+    out.sum().backward()
+    expected = oracle.grads()
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    ops, got = _op_grads(log)
+    _assert_bit_identical(ops, got, expected)
+    assert log["fc"].grad is not None
+
+
+class PassThrough(torch.autograd.Function):
+    """Returns its input: autograd makes the output a view of it, then gives that view this node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+def test_a_custom_function_output_has_the_gradient_retain_grad_gives():
+    # Made under no_grad inside Function.forward (Square) or a view made after it (PassThrough), its
+    # backward node is set once the Function returns.
+    torch.manual_seed(0)
+    fc = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    kept = {}
+
+    def f(v):
+        squared = Square.apply(fc(v))
+        passed = PassThrough.apply(squared * 2)
+        kept["squared"], kept["passed"] = squared, passed
+        return passed.tanh().sum(-1)
+
+    out = f(x)
+    for t in kept.values():
+        t.retain_grad()
+    out.sum().backward()
+    expected = {k: t.grad for k, t in kept.items()}
+    expected_weight = fc.weight.grad.clone()
+    fc.zero_grad(set_to_none=True)
+
+    log = tl.trace(f, x, grads=True)
+    log.backward(log.output.sum())
+    assert torch.equal(log["mul_1_2:1"].grad, expected["squared"])  # x * x inside Square.forward
+    assert torch.equal(log["viewas_1_4:1"].grad, expected["passed"])  # the view PassThrough returned
+    assert torch.equal(fc.weight.grad, expected_weight)
+
+
+def test_full_backward_hooks_keep_module_call_gradients():
+    # nn.Module.register_full_backward_hook (Captum, Opacus) wraps each call's output in a Function.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    seen = []
+    for sub in model:
+        sub.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(grad_out[0]))
+    x = torch.randn(3, 4, requires_grad=True)
+    outputs, h = [], x
+    for sub in model:
+        h = sub(h)
+        h.retain_grad()
+        outputs.append(h)
+    h.sum().backward()
+    expected_params = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    seen.clear()
+
+    log = tl.trace(model, x.detach().requires_grad_(), grads=True)
+    log.backward(log.output.sum())
+    for call, expected in zip(log.module_calls, outputs, strict=True):
+        assert torch.equal(call.grad, expected.grad), call.label
+    assert torch.equal(log["output_1"].grad, outputs[-1].grad)
+    assert len(seen) == 3  # the user's hooks still ran
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected_params))
+
+
+class HookedFunctionOutput(nn.Module):
+    """The user's own hook, registered in forward on a Function's output, scales its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = PassThrough.apply(self.fc(x))
+        h.register_hook(lambda g: g * 10)
+        return h * 3
+
+
+def test_a_user_hook_on_a_function_output_still_runs():
+    # The trace must not change what autograd computes: parameter gradients bit-identical.
+    torch.manual_seed(0)
+    model, x = HookedFunctionOutput(), torch.randn(2, 4)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+
+
+def test_a_user_hook_changing_the_gradient_is_seen_as_retain_grad_sees_it():
+    # retain_grad() keeps the gradient after every tensor hook; a hook the forward registers runs first.
+    torch.manual_seed(0)
+    fc, fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    kept = {}
+
+    def f(v):
+        y = fc(v)
+        y.register_hook(lambda g: g * 10)
+        kept["y"] = y
+        return fc2(y)
+
+    x = torch.randn(3, 4)
+    out = f(x)
+    kept["y"].retain_grad()
+    out.sum().backward()
+    expected = kept["y"].grad
+    log = tl.trace(f, x, grads=True)
+    log.backward(log.output.sum())
+    assert torch.equal(log["linear_1_1:1"].grad, expected)
+
+
+def test_inplace_after_save_still_refused_as_autograd_refuses_it():
+    def f(x):
+        y = x.exp()
+        y.add_(1)  # exp saved y for backward: autograd refuses the backward
+        return y
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        f(x).sum().backward()
+    log = tl.trace(f, x, grads=True, saved_for_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        log.backward(log.output.sum())
