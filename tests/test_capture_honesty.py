@@ -414,3 +414,15 @@ def test_a_saved_value_dropped_for_an_unseen_version_bump_names_the_causes_that_
     written = tl.trace(through_data, torch.ones(2))
     assert not written.dropped_activations and written.validate().passed
     assert torch.equal(written["mul_1_1:1"].activation, torch.full((2,), 2.0))
+
+
+def test_a_tensor_slice_bound_is_no_parent_and_is_not_replayed():
+    def window(x, start):
+        return x[:, start:start + 2] * 1
+
+    x, start = torch.arange(12.0).reshape(2, 6), torch.tensor(3)
+    log = tl.trace(window, (x, start))
+    sliced = next(op for op in log.ops if op.func_name == "__getitem__")
+    assert torch.equal(sliced.activation, x[:, 3:5])
+    assert sliced.parents == ["input_1:1"]  # the slice's tensor bounds are held with the slice, not as parents
+    assert "a slice bound is a tensor" in dict(log.validate().not_replayed)[sliced.label]

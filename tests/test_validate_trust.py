@@ -635,3 +635,37 @@ def test_replay_runs_under_the_default_dtype_the_forward_ran_under():
         assert torch.get_default_dtype() == torch.float64  # replay put the user's default back
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+# ----- a slice whose bound is a tensor: held by value, so its bound may have moved since the call -------------
+def _read_then_advance(x, position):
+    start = position[0]  # a view of position: the write below moves it
+    window = x[:, start:start + 2]
+    position[0] += 2
+    return window * 1
+
+
+def test_a_slice_bounded_by_a_tensor_written_later_is_listed_as_not_replayed():
+    x, position = torch.arange(12.0).reshape(2, 6), torch.tensor([1])
+    log = tl.trace(_read_then_advance, (x, position.clone()))
+    window = next(op for op in log.ops if op.func_name == "__getitem__" and op.shape == (2, 2))
+    assert torch.equal(window.activation, x[:, 1:3])  # the record holds what the op read
+    result = log.validate()
+    assert_trusted(result)
+    assert "a slice bound is a tensor" in dict(result.not_replayed)[window.label]
+
+
+def test_whisper_generate_validates_though_it_slices_its_features_by_a_counter_it_advances():
+    pytest.importorskip("transformers")
+    import real_models
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.CORPUS["whisper"]()
+    features = kwargs["input_features"][:1]  # one sequence: the path that slices by the `seek` counter
+    call = {"input_features": features, "max_new_tokens": 2, "do_sample": False, "pad_token_id": 0}
+    result = tl.validate(model.eval().generate, (), call)
+    assert_trusted(result)
+    log = tl.trace(model.generate, (), call)
+    window = next(op for op in log.ops if op.parents == ["input_1:1"] and op.func_name == "__getitem__")
+    assert torch.equal(window.activation, features[:, :, 0:features.shape[-1]])
+    assert "a slice bound is a tensor" in dict(log.validate().not_replayed)[window.label]

@@ -129,6 +129,21 @@ def strip(obj, depth: int = 0):
 _PLAIN = (int, float, bool, str, bytes, type(None), slice, type(Ellipsis), torch.dtype, torch.device)
 
 
+def slice_with_tensor(obj, depth: int = 0) -> bool:
+    """Whether a recorded argument holds a slice with a tensor bound (``x[s:e]`` with ``s`` a 0-d tensor).
+    Capture holds slices by value, as plain values, so such a bound is no parent and the slice keeps the live
+    tensor, whose value may have changed since the call (Whisper's ``generate`` advances ``seek`` in place)."""
+    if type(obj) is slice:
+        return any(isinstance(bound, Tensor) for bound in (obj.start, obj.stop, obj.step))
+    if depth >= MAX_DEPTH:
+        return False
+    if isinstance(obj, (list, tuple)):
+        return any(slice_with_tensor(x, depth + 1) for x in obj)
+    if type(obj) is dict:
+        return any(slice_with_tensor(x, depth + 1) for x in obj.values())
+    return False
+
+
 def split(obj, path: tuple = ()) -> tuple:
     """``(tensor_leaves(obj, path), strip(obj))`` in one pass; flat lists and tuples of tensors and
     plain values (``torch.cat([a, b])``, ``x[..., idx]``), the common case on the capture hot path,

@@ -26,7 +26,8 @@ from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
-from .tree import as_args, as_kwargs, clone_call, fill, structures_equal, tensor_leaves, without_values
+from .tree import (as_args, as_kwargs, clone_call, fill, slice_with_tensor, structures_equal, tensor_leaves,
+                   without_values)
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
@@ -36,6 +37,8 @@ _DUAL_FUNCS = tuple(f for f in (getattr(torch, "_make_dual", None), getattr(torc
 
 PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
 RANDOM = "random: consumed the RNG (replay would draw other numbers)"
+TENSOR_SLICE = ("a slice bound is a tensor (x[s:e] with s or e a tensor): the record holds the slice as a value, "
+                "not the bound's producer or its value at the call, which a later write may have changed")
 
 
 @dataclass
@@ -336,6 +339,8 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
         return _skip("the trace was cleaned up")
     if op.device.type == "meta":
         return _skip("meta tensors hold no values to compare")
+    if slice_with_tensor(skeleton) or slice_with_tensor(kw_skeleton):
+        return _skip(TENSOR_SLICE)
     if op.has_activation and without_values(log.saved_activations[op.index]):
         return _skip("fake tensors (FakeTensorMode) hold no values to compare")
     if op.func_name in UNINITIALIZED_FUNCS:
