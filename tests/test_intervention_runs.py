@@ -585,3 +585,57 @@ def test_patching_reports_given_a_trace_for_an_input_say_they_take_inputs(tmp_pa
     assert not calls
     patched = tl.trace(model, x, intervene={"fc:1": tl.patch_from(loaded)})  # the way the message names
     assert torch.equal(patched.output, model(x))
+
+
+# ----- a forward that runs longer than its reference: generate() decoding more steps after an edit ----------
+def _generate_longer_once_edited():
+    """A Llama whose generate() stops at once on an end token unless its second block's MLP output is scaled:
+    ``(model, prompt, generate keywords, the module, the scale)``.  The end token is one the plain run makes
+    first and the edited run never makes, so the edited run decodes more steps than the reference."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.CORPUS["llama"]()
+    model.eval()
+    ids, module, factor = kwargs["input_ids"][:1], model.model.layers[1].mlp.down_proj, 50.0
+    free = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    plain = model.generate(ids, **free)[0, ids.shape[1]:].tolist()
+    with _scaling(module, factor):
+        edited = model.generate(ids, **free)[0, ids.shape[1]:].tolist()
+    end = next(token for token in plain if token not in edited)
+    return model, ids, {**free, "eos_token_id": end}, module, factor
+
+
+class _scaling:
+    """A forward hook scaling a module's output on every call: what a module site does, written by hand."""
+
+    def __init__(self, module, factor):
+        self.module, self.factor = module, factor
+
+    def __enter__(self):
+        self.handle = self.module.register_forward_hook(lambda m, args, out: out * self.factor)
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def test_a_layer_or_predicate_site_of_a_forward_longer_than_its_reference_is_refused():
+    model, ids, generate, module, factor = _generate_longer_once_edited()
+    with _scaling(module, factor):
+        expected = model.generate(ids, **generate)
+    reference = tl.trace(model.generate, (ids,), generate)
+    assert expected.shape[1] > reference.output.shape[1]  # the edit makes generate() decode more steps
+    layer = next(op for op in reference.ops if op.module_address == "model.layers.1.mlp.down_proj").layer_label
+    for site in (layer, lambda op: op.module_address == "model.layers.1.mlp.down_proj"):
+        with pytest.raises(tl.InterventionError, match="this forward ran longer") as caught:
+            tl.trace(model.generate, (ids,), generate, intervene={site: tl.scale(factor)})
+        assert f"{layer}:2" in str(caught.value)  # the pass of the first step past the reference's end
+        assert torch._C._len_torch_function_stack() == 0 and not module._forward_hooks
+    # A site naming one op of the reference has nothing past its end, and is not named.
+    first = next(op for op in reference.ops if op.type == "linear").label  # the first step's first projection
+    with pytest.raises(tl.InterventionError, match="this forward ran longer") as caught:
+        tl.trace(model.generate, (ids,), generate, intervene={layer: tl.scale(factor), first: tl.scale(1.0)})
+    assert repr(layer) in str(caught.value) and first not in str(caught.value)
+    # The module site edits every call as the model runs: the same run as the hand-written hook.
+    log = tl.trace(model.generate, (ids,), generate, intervene={"model.layers.1.mlp.down_proj": tl.scale(factor)})
+    assert torch.equal(log.output, expected)
+    assert len(log.interventions) == expected.shape[1] - ids.shape[1]  # one edit per decoding step

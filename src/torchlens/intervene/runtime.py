@@ -21,12 +21,14 @@ from weakref import ref as weakref
 
 import torch
 
-from ..errors import InterventionError, warn_user
+from ..errors import InterventionError, first_few, warn_user
 from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
+from ..record.columns import Kind
 from ..record.modules import is_unregistered, shown_class
+from ..record.op import Layer
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
 from ..capture.state import StopForward, is_bound, storage_key, version_of
@@ -581,6 +583,40 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
                                 "module call (a module call number past its last call, or control flow that skipped "
                                 f"it); nothing was changed there.{runtime._written_note()}")
+    _refuse_ops_past_the_reference(runtime, trace)
+
+
+def _refuse_ops_past_the_reference(runtime: Interventions, trace) -> None:
+    """A layer label or a predicate stands for every op it names, but was resolved against the reference run.
+    A forward that ran longer than the reference (``generate()`` decoding more steps once an edit changed a
+    token) made ops past the reference's last call, where no site was positioned: those the key names were
+    not edited, which the trace must not pass off as an edit of every pass.  Only a longer run is looked at."""
+    reference = runtime.reference
+    if reference is None or len(trace.calls) <= len(reference.calls):
+        return
+    end = len(reference.calls)
+    sites = {id(site.key): site for site in runtime.label_sites if not site.stop}
+    missed = {key: [op.label for op in _ops_named(trace, site.key) if trace.call_indices[op.index] >= end]
+              for key, site in sites.items()}
+    if any(missed.values()):
+        names = _site_names(site for key, site in sites.items() if missed[key])
+        raise InterventionError(
+            f"intervention site(s) {names} also name {first_few(sum(missed.values(), []))}, made after the "
+            f"last call of the reference run the sites were resolved against: this forward ran longer (a generate() "
+            f"that decoded more steps once the edit changed a token), so those ops were not edited."
+            f"{runtime._written_note()} A module site (a module's address) is matched while the model runs and "
+            "changes every call of it")
+
+
+def _ops_named(trace, key) -> list:
+    """The ops of ``trace`` a layer label or a predicate names (none for an op label: it names one op)."""
+    if callable(key):
+        return [op for op in trace.ops if trace.kinds[op.index] == Kind.OP and key(op)]
+    try:
+        found = trace[key]
+    except KeyError:
+        return []
+    return found.ops if isinstance(found, Layer) else []
 
 
 def _site_names(sites) -> str:
