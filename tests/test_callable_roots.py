@@ -170,3 +170,28 @@ def test_flops_vs_dispatch_of_a_callable_compares_runs_from_the_same_model(how):
     result = tl.report.flops_vs_dispatch(run, x)
     assert result.native_total == 2 * 2 * 3 * 3  # FlopCounterMode's count of the Linear's product
     assert model.calls == 0 and all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
+def test_a_module_site_on_a_callable_without_root_says_to_pass_root():
+    """A lambda running ``generate()`` names no modules until ``root=`` says which module it runs: a module
+    site is refused naming ``root=``, and with it the site edits the call of that decoding step, as a hook."""
+    model, ids = _gpt2()
+    generate = lambda x: model.generate(x, max_new_tokens=3, do_sample=False)  # noqa: E731
+    with pytest.raises(KeyError, match="pass root= the module it runs") as caught:
+        tl.trace(generate, ids, intervene={"lm_head:2": tl.scale(-1.0)})
+    assert "'<lambda>'" in str(caught.value)
+    calls = []
+
+    def negate_the_second_call(module, args, output):
+        calls.append(module)
+        return -output if len(calls) == 2 else None
+
+    handle = model.lm_head.register_forward_hook(negate_the_second_call)
+    try:
+        expected = generate(ids)
+    finally:
+        handle.remove()
+    assert not torch.equal(expected, generate(ids))  # the edit changes the token decoded at step 2
+    log = tl.trace(generate, ids, root=model, intervene={"lm_head:2": tl.scale(-1.0)})
+    assert torch.equal(log.output, expected)
+    assert [applied.label for applied in log.interventions] == [log["lm_head:2"].label]

@@ -141,6 +141,11 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             module_sites.append(ModuleSite(key, action, address, modules[address], int(number), stop))
         elif _LABEL.match(key):
             pending.append((key, action, stop))
+        elif not isinstance(model, torch.nn.Module):
+            raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address: the "
+                           f"traced callable {getattr(model, '__name__', type(model).__name__)!r} is no module and "
+                           "was given no root=, so it has no module addresses; pass root= the module it runs to "
+                           "intervene at that module's addresses and calls")
         else:
             names = list(modules) + [f"{name}:1" for name in modules]
             raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address or "
