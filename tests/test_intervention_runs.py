@@ -588,10 +588,9 @@ def test_patching_reports_given_a_trace_for_an_input_say_they_take_inputs(tmp_pa
 
 
 # ----- a forward that runs longer than its reference: generate() decoding more steps after an edit ----------
-def _generate_longer_once_edited():
-    """A Llama whose generate() stops at once on an end token unless its second block's MLP output is scaled:
-    ``(model, prompt, generate keywords, the module, the scale)``.  The end token is one the plain run makes
-    first and the edited run never makes, so the edited run decodes more steps than the reference."""
+def _generate_with_and_without_an_edit():
+    """A Llama, a prompt, greedy generate() keywords without an end token, its second block's MLP projection, a
+    scale for that module's output, and the tokens decoded without and with that scaling on every call."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
     model, _, kwargs = real_models.CORPUS["llama"]()
@@ -601,6 +600,14 @@ def _generate_longer_once_edited():
     plain = model.generate(ids, **free)[0, ids.shape[1]:].tolist()
     with _scaling(module, factor):
         edited = model.generate(ids, **free)[0, ids.shape[1]:].tolist()
+    return model, ids, free, module, factor, plain, edited
+
+
+def _generate_longer_once_edited():
+    """generate() stopping at once on an end token unless the module's output is scaled: the end token is one the
+    plain run makes first and the edited run never makes, so the edited run decodes more steps than the
+    reference.  ``(model, prompt, generate keywords, the module, the scale)``."""
+    model, ids, free, module, factor, plain, edited = _generate_with_and_without_an_edit()
     end = next(token for token in plain if token not in edited)
     return model, ids, {**free, "eos_token_id": end}, module, factor
 
@@ -639,3 +646,25 @@ def test_a_layer_or_predicate_site_of_a_forward_longer_than_its_reference_is_ref
     log = tl.trace(model.generate, (ids,), generate, intervene={"model.layers.1.mlp.down_proj": tl.scale(factor)})
     assert torch.equal(log.output, expected)
     assert len(log.interventions) == expected.shape[1] - ids.shape[1]  # one edit per decoding step
+
+
+def test_a_layer_or_predicate_site_of_a_forward_shorter_than_its_reference_says_it_ended_sooner():
+    """The converse: the edit makes generate() decode the end token at its second step, which the plain run
+    never decodes.  The site changed the passes the run made; the error names the later ones the run never
+    reached, instead of saying that the site was never reached."""
+    model, ids, free, module, factor, plain, edited = _generate_with_and_without_an_edit()
+    end = next(token for token in edited[1:] if token not in plain)
+    generate = {**free, "eos_token_id": end}
+    reference = tl.trace(model.generate, (ids,), generate)
+    with _scaling(module, factor):
+        expected = model.generate(ids, **generate)
+    assert expected.shape[1] < reference.output.shape[1]  # the edit makes generate() stop sooner
+    layer = next(op for op in reference.ops if op.module_address == "model.layers.1.mlp.down_proj").layer_label
+    unreached = f"{layer}:{expected.shape[1] - ids.shape[1] + 1}"  # the pass of the first step it never ran
+    for site in (layer, lambda op: op.module_address == "model.layers.1.mlp.down_proj"):
+        with pytest.raises(tl.InterventionError, match="changed some of the ops they name") as caught:
+            tl.trace(model.generate, (ids,), generate, intervene={site: tl.scale(factor)})
+        assert f"ended before {unreached}" in str(caught.value) and "never reached" not in str(caught.value)
+        assert torch._C._len_torch_function_stack() == 0 and not module._forward_hooks
+    log = tl.trace(model.generate, (ids,), generate, intervene={"model.layers.1.mlp.down_proj": tl.scale(factor)})
+    assert torch.equal(log.output, expected)

@@ -578,12 +578,27 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         _warn_past_the_stop(runtime)
         return
     unmet = runtime.unmet()
+    _refuse_a_run_that_ended_before_some_ops(runtime, unmet)
     if unmet:
         names = _site_names(unmet)
         raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
                                 "module call (a module call number past its last call, or control flow that skipped "
                                 f"it); nothing was changed there.{runtime._written_note()}")
     _refuse_ops_past_the_reference(runtime, trace)
+
+
+def _refuse_a_run_that_ended_before_some_ops(runtime: Interventions, unmet: list) -> None:
+    """A layer label or a predicate applied to some of its ops and not to later ones: every position up to
+    the end of the run was checked on the way, so the run ended before those (``generate()`` stopping sooner
+    once the edit changed a token).  Said so, rather than that the site was never reached."""
+    hit_keys = {id(site.key) for site in runtime.label_sites if id(site) in runtime.hit}
+    partly = [site for site in runtime.label_sites if id(site) not in runtime.hit and id(site.key) in hit_keys]
+    if partly:
+        raise InterventionError(
+            f"intervention site(s) {_site_names(partly)} changed some of the ops they name, but the forward ended "
+            f"before {first_few(site.op.label for site in partly)}, which the reference run the sites were resolved "
+            f"against made (a generate() that stopped sooner once the edit changed a token).{runtime._written_note()} "
+            "A module site (a module's address) is matched while the model runs and changes every call of it")
 
 
 def _refuse_ops_past_the_reference(runtime: Interventions, trace) -> None:
