@@ -668,3 +668,20 @@ def test_a_layer_or_predicate_site_of_a_forward_shorter_than_its_reference_says_
         assert torch._C._len_torch_function_stack() == 0 and not module._forward_hooks
     log = tl.trace(model.generate, (ids,), generate, intervene={"model.layers.1.mlp.down_proj": tl.scale(factor)})
     assert torch.equal(log.output, expected)
+
+
+def test_attribution_patching_gives_a_reason_shared_by_a_calls_outputs_once():
+    """Llama's rotary embedding returns cos and sin, both computed with no gradient: its row says why once."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.CORPUS["llama"]()
+    model.eval()
+    clean = kwargs["input_ids"][:1]
+    corrupt = (clean + 5) % model.config.vocab_size
+    table = tl.report.attribution_patching(model, clean, corrupt, lambda out: out.logits[0, -1, 3])
+    rows = table.set_index("site")
+    call = next(mc for mc in tl.trace(model, clean, save="none").module_calls if mc.label == "model.rotary_emb:1")
+    assert len(call.output_ops) == 2
+    reasons = [rows.note[label] for label in call.output_ops]
+    assert reasons[0] and reasons[0] == reasons[1]
+    assert rows.note["model.rotary_emb:1"] == reasons[0]

@@ -163,7 +163,8 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         e = sum(estimate.get(k, math.nan) for k in outs) if outs else math.nan
         rows.append({"site": mc.label, "kind": "module call", "estimate": e,
                      "normalized": _normalized(e, clean_value, corrupt_value, baseline=0.0),
-                     "note": "; ".join(notes[k] for k in outs if k in notes)})
+                     # once each: the outputs of one call often share a reason (rotary embeddings' cos and sin)
+                     "note": "; ".join(dict.fromkeys(notes[k] for k in outs if k in notes))})
     frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
