@@ -38,24 +38,35 @@ def _argument(args, kwargs, name: str, position: int):
     return args[position] if len(args) > position else None
 
 
+def _stat_slots(func, kwargs) -> tuple:
+    """The argument slots (a position, or a keyword's name, as a call's parents name them) of a recorded
+    norm call's running statistics."""
+    return tuple(name if name in kwargs else position for name, position in _NORMS[func][2])
+
+
 def _written_stat_slots(func, args, kwargs) -> tuple:
-    """The argument slots (a position, or a keyword's name, as a call's parents name them) of the running
-    statistics a recorded call wrote in its kernel: none in eval mode.  ``args`` and ``kwargs`` are the
-    call as recorded, its tensors blanked: the flag is not a tensor, so it is still there."""
-    flag_name, flag_position, stats = _NORMS[func]
+    """The slots of the running statistics a recorded call wrote in its kernel: none in eval mode.
+    ``args`` and ``kwargs`` are the call as recorded, its tensors blanked: the flag is not a tensor, so it
+    is still there."""
+    flag_name, flag_position, _ = _NORMS[func]
     if not _argument(args, kwargs, flag_name, flag_position):
         return ()
-    return tuple(name if name in kwargs else position for name, position in stats)
+    return _stat_slots(func, kwargs)
 
 
-def link_running_stats_readers(calls: list, alias_reads: set) -> None:
+def link_running_stats_readers(calls: list, alias_reads: set) -> set:
     """After the forward: make the op that last wrote a running statistic in its kernel the parent of
     each later read of it (the next BatchNorm call, code reading ``bn.running_mean``), as for any other
     write.  Such a write moves no version counter, so capture bound each later read to the statistic's
     record as first read, whose saved value predates the write.  Each rewritten edge is an alias read:
-    the value read is not that op's output (replay skips it, saying so)."""
+    the value read is not that op's output (replay skips it, saying so).
+
+    Returns the records read as running statistics, in any mode: a later training-mode forward writes
+    them without moving their version counters either, so a saved reference to one would silently show
+    the new statistics (``CaptureState.keep_own_copies``)."""
     if WRITES_RUNNING_STATS.isdisjoint(map(_FUNC_OF, calls)):
-        return  # no normalisation with running statistics ran: every trace pays only this C-level scan
+        return set()  # no normalisation with running statistics ran: every trace pays only this C-level scan
+    read: set = set()
     writer: dict = {}  # record as read -> first output record of the call that last wrote it
     for c, call in enumerate(calls):
         parents = call[CALL_PARENTS]
@@ -64,10 +75,15 @@ def link_running_stats_readers(calls: list, alias_reads: set) -> None:
             alias_reads.update((c, writer[record]) for _, record in call[CALL_PARENTS] if record in writer)
             calls[c] = (*call[:CALL_PARENTS], parents, *call[CALL_PARENTS + 1:])
         if call[CALL_FUNC] in _NORMS:
-            slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
+            kwargs = call[CALL_KWARGS] or {}
+            slots, stats = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], kwargs), \
+                _stat_slots(call[CALL_FUNC], kwargs)
             for slot, record in call[CALL_PARENTS]:  # the records as read, which later reads still name
+                if slot in stats and record >= 0:
+                    read.add(record)
                 if slot in slots and record >= 0:
                     writer[record] = call[CALL_FIRST_RECORD]
+    return read
 
 
 def running_stats_written(func, args, kwargs) -> list:

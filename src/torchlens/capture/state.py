@@ -457,6 +457,14 @@ class CaptureState:
                     self.saved[i] = copy_with_layout(self.saved[i])  # as the later readers saw it
                     self.saved_versions[i] = None
 
+    def keep_own_copies(self, indices) -> None:
+        """Replace the saved references of ``indices`` by copies: for tensors a later write cannot be seen
+        on (a version counter it does not move), which the trace must keep as the forward read them."""
+        for i in indices:
+            if self.saved_versions.get(i) is not None and i in self.saved:
+                self.saved[i] = copy_with_layout(self.saved[i])
+                self.saved_versions[i] = None
+
     def protect_saved_all(self, out) -> None:
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
