@@ -8,6 +8,7 @@ disturbed.  Each ``@CASE`` returns its row of docs/reliability.md.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -162,3 +163,60 @@ def many_threads_trace_concurrently():
 @pytest.mark.parametrize("title", titles("Concurrency"))
 def test_case(title):
     assert outcome("Concurrency", title)
+
+
+@pytest.fixture
+def collect_compile_garbage():
+    yield
+    gc.collect()  # compiled code leaves cycles (dead weak proxies among them) a later collection would meet
+
+
+def test_a_compiled_model_called_in_another_thread_during_a_trace_runs_as_untraced(collect_compile_garbage):
+    # The swapped _call_impl is process-wide: Dynamo, compiling or re-entering a torch.compile'd model in a
+    # thread that is not tracing, must find torch's code there, not the trace's relay.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from real_models import bert
+
+    torch.manual_seed(0)
+    (first, _, inputs), (second, _, _) = bert(), bert()
+    models = [first.eval(), second.eval()]
+    with torch.no_grad():
+        expected = [m(**inputs).logits for m in models]
+    compiled = [torch.compile(m, backend="eager") for m in models]
+    with torch.no_grad():
+        assert torch.equal(compiled[0](**inputs).logits, expected[0])  # compiled before the trace; the other during it
+    started, finished = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            started.set()
+            finished.wait(60)  # the other thread's compiled calls run while this trace is on
+            return self.fc(x)
+
+    def compiled_calls():
+        started.wait(60)
+        try:
+            graphs = counters["stats"]["unique_graphs"]
+            with torch.no_grad():
+                reused = compiled[0](**inputs).logits
+            recompiled = counters["stats"]["unique_graphs"] - graphs
+            with torch.no_grad():
+                return reused, compiled[1](**inputs).logits, recompiled
+        finally:
+            finished.set()
+
+    model, x = Waits(), torch.randn(2, 4)
+    alone = tl.trace(model, x)
+    started.clear(), finished.clear()
+    results = _run_together({"trace": lambda: tl.trace(model, x), "compiled": compiled_calls})
+    assert not isinstance(results["compiled"], BaseException), repr(results["compiled"])
+    reused, fresh, recompiled = results["compiled"]
+    assert torch.equal(reused, expected[0]) and torch.equal(fresh, expected[1])
+    assert recompiled == 0, "the model compiled before the trace was compiled again during it"
+    assert _signature(results["trace"]) == _signature(alone), "the other thread's work leaked into the trace"
+    assert_clean_process()

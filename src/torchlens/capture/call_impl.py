@@ -120,6 +120,7 @@ class Site:
         self.impl = impl
         self.dispatcher = _dispatcher(impl, self.recorders)
         self.relays = (DISPATCHER_CODE, self.relay)  # in the order a recorder meets them (None: no relay)
+        self.unseen_by_dynamo = False  # whether Dynamo runs the frames of this site's relays uncompiled
 
     def changed(self) -> bool:
         """Whether the class now holds another ``_call_impl`` (or the function other code) than this site
@@ -218,6 +219,8 @@ class Replacement:
                 self.held.append(id(owner))  # first: whatever happens next, __exit__ undoes it
                 site.threads.add(tid)
                 recorder = self._recorders[id(owner)] = self.make_recorder(site.impl, site.relays)
+                if not site.unseen_by_dynamo and _EVAL_FRAME in sys.modules:
+                    site.unseen_by_dynamo = _unseen_by_dynamo((*site.relays, getattr(recorder, "__code__", None)))
                 if site.slot is None:  # a replaced class attribute: Dynamo may keep it (_unsee_in_dynamo)
                     setattr(recorder, MARK, site.original)
                 recorders = site.recorders
@@ -279,6 +282,24 @@ class Replacement:
                 if site is not None and tid in site.threads:
                     site.recorders[tid] = self._recorders[key]
                     site.update()
+
+
+_EVAL_FRAME = "torch._dynamo.eval_frame"  # imported by the first torch.compile; never imported here
+
+
+def _unseen_by_dynamo(codes) -> bool:
+    """Have Dynamo run frames of ``codes`` (a relay, the dispatcher, a Python recorder) without compiling
+    them, and compile the frames they call as usual.  The swapped ``_call_impl`` is process-wide: a
+    thread that is not tracing may call a ``torch.compile``'d module meanwhile, whose compiled frame
+    would otherwise be the relay (Dynamo cannot trace its slot and raises); skipped, the frame it calls
+    has torch's own code, so that thread compiles, and reuses, exactly what it would untraced."""
+    skip = getattr(sys.modules.get(_EVAL_FRAME), "skip_code", None)
+    if skip is None:
+        return False
+    for code in codes:
+        if code is not None:
+            skip(code)
+    return True
 
 
 def held_by(tid: int) -> bool:
