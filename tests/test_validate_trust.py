@@ -19,21 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchlens as tl
-from torchlens.validate import RANDOM, outputs_equal
+from torchlens.validate import outputs_equal
+from trusted import assert_trusted  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def assert_trusted(result):
-    """A faithful trace: outputs equal, every op replayed or skipped with a reason, nothing mismatched."""
-    assert result.outputs_match is not False, result.outputs_differ
-    assert not result.mismatched, result.mismatched
-    assert result.passed and bool(result) and result.status == "passed", str(result)
-    assert all(reason for _, reason in result.not_replayed)
-
-
-def random_labels(result) -> set:
-    return {label for label, reason in result.not_replayed if reason == RANDOM}
 
 
 # ----- replay exactly as captured: grad mode, requires_grad, parameter values ---------------------------
@@ -194,109 +183,6 @@ def test_a_parameter_changed_after_the_trace_is_not_replayed():
     result = log.validate()
     assert not result.mismatched
     assert any("changed since the trace" in reason for _, reason in result.not_replayed)
-
-
-# ----- randomness by behaviour -------------------------------------------------------------------------
-class Gumbel(nn.Module):
-    def forward(self, x):
-        return F.gumbel_softmax(x, tau=0.5) * 2
-
-
-class SdpaDropout(nn.Module):
-    def forward(self, q):
-        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.3) + 1
-
-
-class Binomial(nn.Module):
-    def forward(self, p):
-        return torch.binomial(torch.full_like(p, 10.0), p) - 1
-
-
-class DirichletSample(nn.Module):
-    def forward(self, concentration):
-        return torch.distributions.Dirichlet(concentration).sample() * 3
-
-
-RANDOM_CASES = {
-    "transformer-layer-train": (lambda: nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).train(),
-                                lambda: torch.randn(2, 5, 16)),
-    "gumbel-softmax": (Gumbel, lambda: torch.randn(3, 6)),
-    "sdpa-dropout": (SdpaDropout, lambda: torch.randn(1, 2, 5, 8)),
-    "binomial": (Binomial, lambda: torch.rand(6)),
-    "dirichlet-sample": (DirichletSample, lambda: torch.rand(4) + 0.5),
-}
-
-
-@pytest.mark.parametrize("name", sorted(RANDOM_CASES))
-def test_random_ops_are_reported_not_replayed_never_mismatched(name):
-    make, data = RANDOM_CASES[name]
-    torch.manual_seed(0)
-    model, x = make(), data()
-    result = tl.validate(model, x)
-    assert_trusted(result)
-    assert random_labels(result), result.not_replayed
-    assert result.replayed >= 1  # the deterministic ops around them still replay
-
-
-def test_validate_leaves_the_rng_as_one_untraced_forward_does():
-    make, data = RANDOM_CASES["transformer-layer-train"]
-    torch.manual_seed(0)
-    model, x = make(), data()
-    untraced = copy.deepcopy(model)
-    torch.manual_seed(5)
-    untraced(x)
-    expected = torch.get_rng_state()
-    torch.manual_seed(5)
-    tl.validate(model, x)
-    assert torch.equal(torch.get_rng_state(), expected)
-    torch.manual_seed(5)
-    tl.trace(model, x).validate()
-    assert torch.equal(torch.get_rng_state(), expected)  # replay drew numbers, and put them back
-
-
-class EvalishDropout(nn.Module):
-    def forward(self, x):
-        return F.dropout(x, 0.5, training=False) + F.dropout(x, 0.0, training=True)
-
-
-def test_deterministic_dropout_is_replayed():
-    result = tl.validate(EvalishDropout(), torch.randn(3, 3))
-    assert_trusted(result)
-    assert not result.not_replayed and result.replayed == 3
-
-
-class DrawsFromAGenerator(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.g = torch.Generator().manual_seed(3)
-
-    def forward(self, x):
-        return x + torch.randn(x.shape, generator=self.g)
-
-
-def test_replay_never_advances_a_generator_passed_to_an_op():
-    model = DrawsFromAGenerator()
-    log = tl.trace(model, torch.zeros(4))
-    state = model.g.get_state()
-    result = log.validate()
-    assert torch.equal(model.g.get_state(), state)
-    assert random_labels(result) == {"randn_1_1:1"} and not result.mismatched
-
-
-def test_a_callable_drawing_from_its_own_generator_is_not_compared_rather_than_failed():
-    # The module is deep-copied for the untraced run, its generator with it: both runs draw the same numbers.
-    assert tl.validate(DrawsFromAGenerator(), torch.zeros(4)).outputs_match is True
-    # A lambda runs on the objects it closes over: validation cannot put a generator it does not know back,
-    # so the untraced and traced runs drew other numbers, and the outputs differ through no fault of the trace.
-    model = DrawsFromAGenerator()
-    result = tl.validate(lambda x: model(x), torch.zeros(4))
-    assert result.outputs_match is None and result.status != "failed"
-    assert "randn_1_1:1 draws from a torch.Generator passed as generator=" in result.outputs_differ
-    assert "outputs not compared: randn_1_1:1" in str(result)
-    # The global generator passed by name is one validation puts back: compared, and equal.
-    lin = nn.Linear(4, 4)
-    result = tl.validate(lambda x: lin(x) + torch.randn(x.shape, generator=torch.default_generator), torch.zeros(4))
-    assert result.outputs_match is True
 
 
 # ----- no vacuous verdicts -----------------------------------------------------------------------------
@@ -495,49 +381,6 @@ def test_parameters_replay_with_the_requires_grad_flag_they_had_in_the_forward()
     log = tl.trace(model, torch.randn(2, 2, 6, 8))
     model.requires_grad_(False)  # frozen after the trace: replay still runs the kernel the forward ran
     assert_trusted(log.validate())
-
-
-class HostRandomMask(nn.Module):
-    """Masks time steps chosen by NumPy's and Python's global generators in training mode, as transformers'
-    wav2vec2 family does for SpecAugment (``_compute_mask_indices`` draws from ``numpy.random``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        import random
-
-        keep = torch.ones(x.shape[0], 1)
-        if self.training:
-            keep[numpy.random.randint(0, x.shape[0])] = 0.0
-            keep[random.randrange(x.shape[0])] = 0.0
-        return self.fc(x * keep)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_host_generators_are_restored_around_every_extra_run(seed):
-    """The untraced reference of tl.validate and the label pass of an intervention draw from NumPy and
-    Python too: the traced forward must draw what one untraced forward draws, and leave the generators
-    where that forward leaves them."""
-    import random
-
-    model, x = HostRandomMask().train(), torch.randn(16, 4)
-
-    def seeded():
-        numpy.random.seed(seed), random.seed(seed), torch.manual_seed(seed)
-
-    seeded()
-    expected = model(x)
-    after = numpy.random.get_state()[1].copy(), random.getstate()
-    seeded()
-    result = tl.validate(model, x)
-    assert result.passed and result.outputs_match, result
-    assert numpy.array_equal(numpy.random.get_state()[1], after[0]) and random.getstate() == after[1]
-    seeded()
-    log = tl.trace(model, x, intervene={"mul_1_4:1": tl.scale(1.0)})  # a label site: a reference pass first
-    assert torch.equal(log.output, expected)
-    assert numpy.array_equal(numpy.random.get_state()[1], after[0]) and random.getstate() == after[1]
 
 
 def test_validating_inside_inference_mode_replays_with_the_kinds_of_tensors_the_ops_had():
