@@ -182,6 +182,19 @@ def _g(seed):
     return lambda *shape: torch.randn(*shape, generator=g)
 
 
+class ActivationMadePerCall(nn.Module):
+    """Builds its activation module inside forward, as T5 builds its loss and Mamba its activation: a
+    module of the call but not of the model, a new object each forward."""
+
+    def __init__(self, act=nn.GELU):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = act
+
+    def forward(self, x):
+        return self.act()(self.fc(x)) * 2
+
+
 def zoo(seed: int = 0) -> dict:
     """name -> (model, args, kwargs); models in eval mode unless the case is about training."""
     torch.manual_seed(seed)

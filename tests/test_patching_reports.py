@@ -1,0 +1,286 @@
+"""Patching reports (``tl.report.activation_patching``, ``attribution_patching``) against the same patch made
+by a hand-written forward hook: their estimates are the model's own forward's, every module call and position
+has its row, and a model's own error is let through."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+import real_models  # noqa: E402 - imports transformers lazily, per entry
+from zoo import ActivationMadePerCall  # noqa: E402
+
+
+def _corpus_pair(name):
+    """``(model, clean args, corrupt args, kwargs, metric)`` for a corpus entry in eval mode: a token changed
+    for a language model, noise added to a float input otherwise."""
+    model, args, kwargs = real_models.build(name)
+    model.eval()
+    if "input_ids" in kwargs:
+        kwargs = dict(kwargs)
+        ids = kwargs.pop("input_ids")
+        corrupt = ids.clone()
+        corrupt[..., 1] = (corrupt[..., 1] + 5) % 60
+        return model, (ids,), (corrupt,), kwargs, lambda out: out.logits.flatten()[-1] - out.logits.flatten()[-2]
+    (x,) = args
+    noise = 0.5 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    return model, (x,), (x + noise,), kwargs, lambda out: out[0, 0, 0] - out[1, 0, 1]
+
+
+def _hooked_estimate(model, module, clean, corrupt, kwargs, metric):
+    """``((clean - corrupt) * d metric / d output).sum()`` at ``module``'s output, and the two metrics, from
+    untraced forwards with gradients on and a forward hook keeping the module's output."""
+    outputs = []
+    handle = module.register_forward_hook(lambda m, inputs, output: outputs.append(output))
+    try:
+        with torch.enable_grad():
+            clean_value = metric(model(*clean, **kwargs))
+            corrupt_value = metric(model(*corrupt, **kwargs))
+            (grad,) = torch.autograd.grad(corrupt_value, outputs[1])
+    finally:
+        handle.remove()
+    return float(((outputs[0] - outputs[1]) * grad).sum()), float(clean_value), float(corrupt_value)
+
+
+@pytest.mark.parametrize("name,site", [
+    ("longformer", "longformer.encoder.layer.0.output.dense"),  # writes a mask that needs no grad in place
+    ("mixtral", "model.layers.0.self_attn.o_proj"),  # an integer cumsum, which autograd does not support
+    ("rwkv", "rwkv.blocks.0.feed_forward.value"),  # rescales its weights on its first forward in eval mode
+    ("transformer_encoder_padded", "layers.0.linear2"),  # a padding mask filled in place
+    ("transformer_encoder", "layers.0.linear2"),  # torch's fused kernel runs only with gradients off
+])
+def test_attribution_patching_on_models_it_must_not_change(name, site):
+    """The estimate is the model's own forward's: its baselines and its estimate at a module call equal
+    those of untraced forwards with a hook, and no value is made to require a gradient it would not have
+    (which made these models raise: an in-place write into a leaf, an integer op on a tensor requiring grad,
+    another path than the clean run's)."""
+    pytest.importorskip("pandas")
+    if name in real_models.TRANSFORMERS:
+        pytest.importorskip("transformers")
+    model, clean, corrupt, kwargs, metric = _corpus_pair(name)
+    with torch.no_grad():
+        model(*clean, **kwargs)  # a first forward: RWKV rescales its weights once, here
+    expected, clean_value, corrupt_value = _hooked_estimate(model, model.get_submodule(site), clean, corrupt,
+                                                            kwargs, metric)
+    table = tl.report.attribution_patching(model, clean, corrupt, metric, kwargs=kwargs)
+    assert table.attrs["clean"] == pytest.approx(clean_value, rel=1e-5, abs=1e-7)
+    assert table.attrs["corrupt"] == pytest.approx(corrupt_value, rel=1e-5, abs=1e-7)
+    calls = table[table.kind == "module call"].set_index("site")
+    assert calls.estimate[f"{site}:1"] == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    unreached = table[(table.kind == "op") & table.estimate.isna()]
+    assert unreached.note.str.len().gt(0).all()  # every op without an estimate says why
+
+
+class _MaskFilledInPlace(nn.Module):
+    """Builds a bias that needs no grad and fills it in place, as attention masks are built."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scaled = x * 2
+        bias = torch.zeros(x.shape[0], 4)
+        bias.masked_fill_(x < 0, -1.0)
+        return self.lin(scaled) + bias
+
+
+def test_attribution_patching_attributes_inputs_only_when_they_require_grad():
+    """A value computed with no gradient is not made to require one: NaN and a note, unless the inputs
+    given require grad, and then the estimate is that of a hand-taken gradient."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _MaskFilledInPlace().eval(), torch.randn(2, 4), torch.randn(2, 4)
+    metric = lambda out: out.sum()  # noqa: E731
+    table = tl.report.attribution_patching(model, clean, corrupt, metric).set_index("site")
+    assert math.isnan(table.estimate["mul_1_1:1"]) and "computed with no gradient" in table.note["mul_1_1:1"]
+    assert "written in place" in table.note["maskedfill_1_4:1"]
+    assert table.attrs["clean"] == pytest.approx(float(metric(model(clean))))
+    wanting = tl.report.attribution_patching(model, clean.requires_grad_(), corrupt.requires_grad_(), metric)
+    scaled = 2 * corrupt.detach().requires_grad_()
+    (grad,) = torch.autograd.grad(metric(model.lin(scaled)), scaled)
+    expected = float(((2 * clean - 2 * corrupt) * grad).sum())
+    assert wanting.set_index("site").estimate["mul_1_1:1"] == pytest.approx(expected, rel=1e-5)
+
+
+def _patched_by_hook(model, module, clean, corrupt, metric, at=None):
+    """``metric`` of ``model(corrupt)`` with each call of ``module`` returning the value of the same call on
+    ``clean`` (only ``[at]`` when given), from untraced forwards and forward hooks."""
+    clean_outputs, calls = [], []
+    handle = module.register_forward_hook(lambda m, inputs, output: clean_outputs.append(output.detach()))
+    try:
+        model(clean)
+    finally:
+        handle.remove()
+
+    def patch(m, inputs, output):
+        source = clean_outputs[len(calls)]
+        calls.append(1)
+        if at is None:
+            return source.clone()
+        patched = output.clone()
+        patched[at] = source[at]
+        return patched
+
+    handle = module.register_forward_hook(patch)
+    try:
+        return float(metric(model(corrupt)))
+    finally:
+        handle.remove()
+
+
+def test_activation_patching_t5s_loss_made_in_the_forward():
+    """T5 makes its CrossEntropyLoss inside forward: that row says so, the others are patched."""
+    pytest.importorskip("pandas")
+    pytest.importorskip("transformers")
+    model, _, kwargs = real_models.build("t5")
+    model.eval()
+    kwargs = dict(kwargs)
+    clean = kwargs.pop("input_ids")
+    corrupt = clean.clone()
+    corrupt[..., 1] = (corrupt[..., 1] + 5) % 60
+    metric = lambda out: out.logits[0, -1, 3] - out.logits[0, -1, 4]  # noqa: E731
+    site, loss = "encoder.block.1.layer.1.DenseReluDense.wo", "<unregistered CrossEntropyLoss #1>:1"
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites=[f"{site}:1", loss], kwargs=kwargs,
+                                          progress=False)
+    rows = table.set_index("site")
+    assert math.isnan(rows.metric[loss]) and "made itself" in rows.error[loss] and "crossentropy" in rows.error[loss]
+    model_call = lambda ids: model(ids, **kwargs)  # noqa: E731
+    with torch.no_grad():
+        expected = _patched_by_hook(model_call, model.get_submodule(site), clean, corrupt, metric)
+    assert rows.metric[f"{site}:1"] == pytest.approx(expected, rel=1e-5)
+
+
+class _Loop(nn.Module):
+    """One cell called three times."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.zeros_like(x)
+        for _ in range(3):
+            h = torch.tanh(self.cell(x) + h)
+        return h
+
+
+def test_activation_patching_by_position_at_a_module_called_several_times():
+    """``positions=`` at a module address that ran three times patches that position in every call (it
+    raised 'has shape None': a module called several times is no single op)."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _Loop().eval(), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    metric = lambda out: out[0, -1, 0]  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites=["cell"], positions=1, progress=False)
+    assert list(table.position) == list(range(5)) and not table.error.any()
+    with torch.no_grad():
+        expected = [_patched_by_hook(model, model.cell, clean, corrupt, metric, at=(slice(None), p)) for p in range(5)]
+    assert table.metric.tolist() == pytest.approx(expected)
+
+
+class _CheckedTwice(nn.Module):
+    """Runs one layer twice and refuses to go on when the two results disagree, as a model checking its own
+    hidden states does: a patch of the first call alone makes it raise."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        first, second = self.fc(x), self.fc(x)
+        if not torch.equal(first, second):
+            raise ValueError("the two calls of fc disagree")
+        return first.tanh()
+
+
+def test_activation_patching_lets_the_models_own_error_through():
+    """A ValueError the model raises in a patched run reaches the caller: it used to become a NaN row whose
+    error read as if the site could not be patched."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _CheckedTwice().eval(), torch.randn(2, 8), torch.randn(2, 8)
+    clean_first = F.linear(clean, model.fc.weight, model.fc.bias).detach()
+    calls = []
+
+    def first_call_from_clean(module, inputs, output):
+        calls.append(1)
+        return clean_first if len(calls) == 1 else None
+
+    handle = model.fc.register_forward_hook(first_call_from_clean)
+    try:  # untraced, the same patch by a forward hook: the model's own refusal
+        with pytest.raises(ValueError, match="the two calls of fc disagree"):
+            model(corrupt)
+    finally:
+        handle.remove()
+    metric = lambda out: out[0, 0]  # noqa: E731
+    with pytest.raises(ValueError, match="the two calls of fc disagree") as info:
+        tl.report.activation_patching(model, clean, corrupt, metric, sites=["fc:1"], progress=False)
+    assert not isinstance(info.value, tl.TorchlensError)
+
+
+class _Shrinking(nn.Module):
+    """One layer called on 4, then 3 positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x).sum() + self.fc(x[:, :3]).sum()
+
+
+def test_activation_patching_by_position_past_a_shorter_pass_says_so_in_its_row():
+    """Positions are counted on a layer's first pass; one a later, shorter pass lacks is that row's error."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _Shrinking().eval(), torch.randn(1, 4, 3), torch.randn(1, 4, 3)
+    metric = lambda out: out  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites=["fc"], positions=1, progress=False)
+    assert list(table.position) == [0, 1, 2, 3] and not table.error[:3].any()
+    with torch.no_grad():
+        expected = [_patched_by_hook(model, model.fc, clean, corrupt, metric, at=(slice(None), p)) for p in range(3)]
+    assert table.metric[:3].tolist() == pytest.approx(expected)
+    assert math.isnan(table.metric[3]) and "outside this value of shape (1, 3, 3)" in table.error[3]
+
+
+def test_attribution_patching_gives_a_reason_shared_by_a_calls_outputs_once():
+    """Llama's rotary embedding returns cos and sin, both computed with no gradient: its row says why once."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.CORPUS["llama"]()
+    model.eval()
+    clean = kwargs["input_ids"][:1]
+    corrupt = (clean + 5) % model.config.vocab_size
+    table = tl.report.attribution_patching(model, clean, corrupt, lambda out: out.logits[0, -1, 3])
+    rows = table.set_index("site")
+    call = next(mc for mc in tl.trace(model, clean, save="none").module_calls if mc.label == "model.rotary_emb:1")
+    assert len(call.output_ops) == 2
+    reasons = [rows.note[label] for label in call.output_ops]
+    assert reasons[0] and reasons[0] == reasons[1]
+    assert rows.note["model.rotary_emb:1"] == reasons[0]
+
+
+def test_activation_patching_over_modules_reports_a_module_made_in_the_forward_in_its_row():
+    """A module made inside the forward is no module of the model: its row says so and which op to patch,
+    and the table goes on (it used to abort with a KeyError)."""
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = ActivationMadePerCall().eval(), torch.randn(2, 4), torch.randn(2, 4)
+    metric = lambda out: out[0, 0]  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites="modules", progress=False)
+    assert list(table.site) == ["fc:1", "<unregistered GELU #1>:1"]
+    rows = table.set_index("site")
+    assert rows.metric["fc:1"] == pytest.approx(_patched_by_hook(model, model.fc, clean, corrupt, metric))
+    assert rows.error["fc:1"] == ""
+    made = "<unregistered GELU #1>:1"
+    assert math.isnan(rows.metric[made]) and "made itself" in rows.error[made] and "gelu_1_2:1" in rows.error[made]
