@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
-from test_validate_trust import Stateful, assert_trusted
+from test_validate_trust import Stateful
+from trusted import assert_trusted
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
