@@ -541,6 +541,9 @@ def test_nested_trace_is_refused_clearly():
 
     with pytest.raises(tl.NestedTraceError, match="already being traced"):
         tl.trace(outer, torch.randn(2))
+    # A tool that traces is named as one: the user called tl.validate, not tl.trace.
+    with pytest.raises(tl.NestedTraceError, match="a tool that traces \\(tl.validate"):
+        tl.trace(lambda x: tl.validate(torch.relu, x), torch.randn(2))
 
 
 def test_non_tensor_inputs_reach_forward_untouched():

@@ -119,6 +119,9 @@ def test_a_trace_refuses_pickle_and_copy_and_points_at_save(tmp_path):
         with pytest.raises(TypeError, match=r"log\.save\(path\) .* tl\.load\(path\)"):
             attempt()
     assert log.ops[1].activation is not None and len(tl.load(log.save(tmp_path / "kept"))) == len(log)
+    # A loaded trace holds no model, and is refused without saying it does.
+    with pytest.raises(TypeError, match=r"a live one holds the model.*tl\.load\(path\)"):
+        pickle.dumps(tl.load(tmp_path / "kept"))
 
 
 def test_saving_to_an_unusable_path_says_what_is_wrong(tmp_path):

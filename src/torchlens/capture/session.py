@@ -258,7 +258,8 @@ def _paused_collector(run, arguments: tuple) -> Trace:
     are restored whatever is raised and wherever (an interrupt can land on any line of the restore,
     which then runs again as the interrupt passes)."""
     if getattr(_local, "active", False):
-        raise NestedTraceError("tl.trace was called inside a forward that is already being traced; "
+        raise NestedTraceError("tl.trace, or a tool that traces (tl.validate, tl.extract, the patching and "
+                               "profiling reports), was called inside a forward that is already being traced; "
                                "trace the outer model once instead")
     collecting, torch_functions = gc.isenabled(), torch_function_state()
     try:

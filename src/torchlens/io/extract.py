@@ -231,7 +231,9 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
         log = trace(model, args, kwargs, save=targets, stop_after=stop_after,
                     grads=targets if grads is not None else False, root=root)
     except UnmatchedSelection as exc:
-        raise UnmatchedSelection(f"batch {position}: {exc}") from None
+        # (the trace names its save= selection, which is this call's layers=)
+        raise UnmatchedSelection(f"batch {position}: " + str(exc).replace("save= matched", "layers= matched", 1)) \
+            from None
     try:
         if grads is not None:
             backward_through(log, *grads, position, root if root is not None else model)
