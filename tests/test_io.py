@@ -430,7 +430,8 @@ import torchlens as tl
 model, x, out = nn.Linear(4, 2), torch.randn(3, 4), sys.argv[1]
 log = tl.trace(model, x)
 for name, run in (("save", lambda: log.save(os.path.join(out, "run"))),
-                  ("extract", lambda: tl.extract(model, [x], ["output_1"], os.path.join(out, "features"), progress=False))):
+                  ("extract", lambda: tl.extract(model, [x], ["output_1"], os.path.join(out, "features"),
+                                                 progress=False))):
     try:
         run()
         print(name, "no error")

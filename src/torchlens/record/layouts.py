@@ -2,9 +2,10 @@
 sparse tensors, read for checks of values; and the bytes of its storage a strided tensor reaches.
 
 A nested tensor (``torch.nested``, and the padding-mask path of eval ``nn.TransformerEncoder``) raises on
-``.shape``, or, in the jagged layout, answers with symbolic sizes.  Capture records it as a tuple with ``None`` for each irregular dimension, so a trace never
-shows a plausible but wrong size; ``Op.numel`` and ``Op.nbytes`` then come from the components' sizes,
-and every check of its values (NaN/Inf flags, the viewer's statistics) reads ``dense_values``.
+``.shape``, or, in the jagged layout, answers with symbolic sizes.  Capture records it as a tuple with
+``None`` for each irregular dimension, so a trace never shows a plausible but wrong size; ``Op.numel`` and
+``Op.nbytes`` then come from the components' sizes, and every check of its values (NaN/Inf flags, the
+viewer's statistics) reads ``dense_values``.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from .params import Buffer, Param
 from .view import RecordList
 
 
-_NOT_COPIED = ("a Trace cannot be {} (a live one holds the model and torch's callables, and any one a record read on "
-               "demand): "
+_NOT_COPIED = ("a Trace cannot be {} (a live one holds the model and torch's callables; every one holds a record "
+               "read on demand): "
                "keep one with log.save(path) and read it back, as a separate trace, with tl.load(path)")
 
 
