@@ -176,7 +176,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     result._root_class = type(root).__name__ if root is not None else model_name
     result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
     if runtime is not None:
-        from ..intervene.runtime import finish_interventions
+        from ..intervene.finish import finish_interventions
 
         finish_interventions(runtime, result)
     if policy.filters_after:

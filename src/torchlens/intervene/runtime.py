@@ -21,14 +21,12 @@ from weakref import ref as weakref
 
 import torch
 
-from ..errors import InterventionError, first_few, warn_user
+from ..errors import InterventionError
 from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
-from ..record.columns import Kind
 from ..record.modules import is_unregistered, shown_class
-from ..record.op import Layer
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
 from ..capture.state import StopForward, is_bound, storage_key, version_of
@@ -566,96 +564,3 @@ def _where(key, op) -> str:
     to when that says more."""
     name = repr(key) if isinstance(key, str) else "<predicate>"
     return name if key == op.label else f"{name} ({op.label})"
-
-
-def finish_interventions(runtime: Interventions, trace) -> None:
-    """Attach what was applied to the finished trace; a site the forward never reached is an error."""
-    runtime.attach(trace)
-    if runtime.stopped_at is not None:
-        trace.stopped_after = runtime.stopped_at
-        if runtime.reference is not None:
-            _labels_from(runtime.reference, trace)
-        _warn_past_the_stop(runtime)
-        return
-    unmet = runtime.unmet()
-    _refuse_a_run_that_ended_before_some_ops(runtime, unmet)
-    if unmet:
-        names = _site_names(unmet)
-        raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
-                                "module call (a module call number past its last call, or control flow that skipped "
-                                f"it); nothing was changed there.{runtime._written_note()}")
-    _refuse_ops_past_the_reference(runtime, trace)
-
-
-def _refuse_a_run_that_ended_before_some_ops(runtime: Interventions, unmet: list) -> None:
-    """A layer label or a predicate applied to some of its ops and not to later ones: every position up to
-    the end of the run was checked on the way, so the run ended before those (``generate()`` stopping sooner
-    once the edit changed a token).  Said so, rather than that the site was never reached."""
-    hit_keys = {id(site.key) for site in runtime.label_sites if id(site) in runtime.hit}
-    partly = [site for site in runtime.label_sites if id(site) not in runtime.hit and id(site.key) in hit_keys]
-    if partly:
-        raise InterventionError(
-            f"intervention site(s) {_site_names(partly)} changed some of the ops they name, but the forward ended "
-            f"before {first_few(site.op.label for site in partly)}, which the reference run the sites were resolved "
-            f"against made (a generate() that stopped sooner once the edit changed a token).{runtime._written_note()} "
-            "A module site (a module's address) is matched while the model runs and changes every call of it")
-
-
-def _refuse_ops_past_the_reference(runtime: Interventions, trace) -> None:
-    """A layer label or a predicate stands for every op it names, but was resolved against the reference run.
-    A forward that ran longer than the reference (``generate()`` decoding more steps once an edit changed a
-    token) made ops past the reference's last call, where no site was positioned: those the key names were
-    not edited, which the trace must not pass off as an edit of every pass.  Only a longer run is looked at."""
-    reference = runtime.reference
-    if reference is None or len(trace.calls) <= len(reference.calls):
-        return
-    end = len(reference.calls)
-    sites = {id(site.key): site for site in runtime.label_sites if not site.stop}
-    missed = {key: [op.label for op in _ops_named(trace, site.key) if trace.call_indices[op.index] >= end]
-              for key, site in sites.items()}
-    if any(missed.values()):
-        names = _site_names(site for key, site in sites.items() if missed[key])
-        raise InterventionError(
-            f"intervention site(s) {names} also name {first_few(sum(missed.values(), []))}, made after the "
-            f"last call of the reference run the sites were resolved against: this forward ran longer (a generate() "
-            f"that decoded more steps once the edit changed a token), so those ops were not edited."
-            f"{runtime._written_note()} A module site (a module's address) is matched while the model runs and "
-            "changes every call of it")
-
-
-def _ops_named(trace, key) -> list:
-    """The ops of ``trace`` a layer label or a predicate names (none for an op label: it names one op)."""
-    if callable(key):
-        return [op for op in trace.ops if trace.kinds[op.index] == Kind.OP and key(op)]
-    try:
-        found = trace[key]
-    except KeyError:
-        return []
-    return found.ops if isinstance(found, Layer) else []
-
-
-def _site_names(sites) -> str:
-    return ", ".join(dict.fromkeys(repr(s.key) if isinstance(s.key, str) else "<predicate>" for s in sites))
-
-
-def _warn_past_the_stop(runtime: Interventions) -> None:
-    """A stopped forward never reaches the sites after its stop: those that changed nothing at all are
-    named (a predicate that edited some ops before the stop did its part), rather than dropped silently."""
-    hit_keys = {id(s.key) for s in (*runtime.label_sites, *runtime.module_sites) if id(s) in runtime.hit}
-    unmet = [s for s in runtime.unmet() if s is not runtime.stop_site and id(s.key) not in hit_keys]
-    if unmet:
-        warn_user(f"intervention site(s) {_site_names(unmet)} come after {runtime.stopped_at}, where the forward "
-                  "stopped (stop_after=): they changed nothing (trace.interventions lists what was applied)")
-
-
-def _labels_from(reference, trace) -> None:
-    """Give a stopped trace the labels its ops have in the whole forward (``reference``), which labels
-    derived from the ops before the stop can differ from (pass counts, layers a later call would join).
-    Done only when the stopped trace is, op for op, a prefix of the reference."""
-    n = len(trace.kinds)
-    if n > len(reference.kinds) or trace.kinds != reference.kinds[:n] or trace.func_names != reference.func_names[:n]:
-        return
-    trace.relabel(reference.labels[:n], reference.op_layer_labels[:n], reference.pass_numbers[:n],
-                  reference.groups[:n])
-    for record, applied in trace._interventions.items():
-        applied.label = trace.labels[record]
