@@ -314,21 +314,28 @@ def test_a_schedule_that_skips_the_only_step_is_refused_before_the_model_runs():
     assert recording.complete and all(r["cpu_ns"] > 0 for r in recording.ops)
 
 
-def test_a_chrome_trace_path_that_cannot_be_written_is_refused_before_the_model_runs(tmp_path):
-    """The chrome trace is written after profiling: a path under a file, in a missing folder or naming a
-    folder would raise only then, losing the profile just taken."""
+def _refused_before_the_model_runs(match: str, **options) -> None:
+    """``kernel_profile(**options)`` is refused (``match``) for a model and for a trace's own backward, and
+    runs nothing either time."""
     model, x = mlp()
     forwards = []
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(ValueError, match=match):
+        tl.report.kernel_profile(model, x, **options)
+    log = tl.trace(model, x, grads=True)
+    with pytest.raises(ValueError, match=match):
+        tl.report.kernel_profile(log, backward=True, **options)
+    _no_capture_left()
+    assert len(forwards) == 1  # the trace taken above; the refused profiles ran nothing
+
+
+def test_a_chrome_trace_path_that_cannot_be_written_is_refused_before_the_model_runs(tmp_path):
+    """The chrome trace is written after profiling: a path under a file, in a missing folder or naming a
+    folder would raise only then, losing the profile just taken."""
     (tmp_path / "a_file").write_text("")
     for bad in (tmp_path / "a_file" / "run.json", tmp_path / "missing" / "run.json", tmp_path):
-        with pytest.raises(ValueError, match="chrome_trace="):
-            tl.report.kernel_profile(model, x, chrome_trace=bad)
-        log = tl.trace(model, x, grads=True)
-        with pytest.raises(ValueError, match="chrome_trace="):
-            tl.report.kernel_profile(log, backward=True, chrome_trace=bad)
-        _no_capture_left()
-    assert len(forwards) == 3  # the traces taken above; the refused profiles ran nothing
+        _refused_before_the_model_runs("chrome_trace=", chrome_trace=bad)
+    model, x = mlp()
     path, sidecar = tl.report.kernel_profile(model, x, chrome_trace=tmp_path / "run.json").export_chrome_trace(
         tmp_path / "again.json")
     assert os.path.exists(tmp_path / "run.json") and os.path.exists(sidecar)
@@ -337,17 +344,10 @@ def test_a_chrome_trace_path_that_cannot_be_written_is_refused_before_the_model_
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of CUDA where it is not available")
 def test_cuda_only_activities_without_cuda_are_refused_before_the_model_runs():
     """torch drops CUDA where it is not available, then fails on the empty list with a bare assertion."""
-    model, x = mlp()
-    forwards = []
-    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     cuda = [torch.profiler.ProfilerActivity.CUDA]
-    with pytest.raises(ValueError, match="asks for CUDA only.*activities=\\[torch.profiler.ProfilerActivity.CPU\\]"):
-        tl.report.kernel_profile(model, x, activities=cuda)
-    log = tl.trace(model, x, grads=True)
-    with pytest.raises(ValueError, match="asks for CUDA only"):
-        tl.report.kernel_profile(log, backward=True, activities=cuda)
-    _no_capture_left()
-    assert len(forwards) == 1  # the trace taken above
+    _refused_before_the_model_runs("asks for CUDA only.*activities=\\[torch.profiler.ProfilerActivity.CPU\\]",
+                                   activities=cuda)
+    model, x = mlp()
     both = [torch.profiler.ProfilerActivity.CPU, *cuda]  # CUDA dropped with torch's warning, the CPU kept
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
