@@ -1,5 +1,6 @@
 """The capture handler's hot path and its cold paths: same records, exact copy-on-write, buffers by reference."""
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -56,15 +57,44 @@ def _buffer_op(trace, address):
     return next(op for op in trace.ops if op.is_buffer and op.io_path == address)
 
 
-def test_eval_mode_running_statistics_are_copied_once_the_forward_ends():
-    # Saved by reference while the forward runs (no copy per op), then copied: a later training-mode
-    # forward writes them in its kernel, where no version counter would show the write.
+def test_eval_mode_running_statistics_are_held_by_reference_and_watched_through_the_batch_counter():
+    # No copy: a later training-mode forward writes them in its kernel, where their own version counters
+    # do not move, but it counts the batch (num_batches_tracked.add_), which does.
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
     model[1].running_mean.add_(0.5)
     trace = tl.trace(model, torch.randn(3, 4))
-    saved = _buffer_op(trace, "1.running_mean").activation
-    assert torch.equal(saved, model[1].running_mean)
-    assert saved.untyped_storage().data_ptr() != model[1].running_mean.untyped_storage().data_ptr()
+    op = _buffer_op(trace, "1.running_mean")
+    assert torch.equal(op.activation, model[1].running_mean)
+    assert op.activation.untyped_storage().data_ptr() == model[1].running_mean.untyped_storage().data_ptr()
+    model.eval()(torch.randn(3, 4))  # an eval forward writes nothing: the value stays
+    assert torch.equal(op.activation, model[1].running_mean)
+    model.train()(torch.randn(3, 4))
+    with pytest.raises(tl.ActivationUnavailable, match="written in place after the trace ended"):
+        op.activation
+
+
+class _OwnStatistics(nn.Module):
+    """Keeps running statistics of its own and normalises with them, as BatchNorm does, but counts no batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+
+    def forward(self, x):
+        return F.batch_norm(x, self.mean, self.var, training=self.training, momentum=0.5)
+
+
+def test_running_statistics_of_a_module_without_a_batch_counter_are_copied_once_the_forward_ends():
+    # No counter tells of a later training-mode call, so the values as the forward read them are copied
+    # when it ends (not per op).
+    model = _OwnStatistics().eval()
+    trace = tl.trace(model, torch.randn(3, 4))
+    op = _buffer_op(trace, "mean")
+    before = model.mean.clone()
+    model.train()(torch.randn(3, 4) * 5 + 2)
+    assert not torch.equal(model.mean, before)
+    assert torch.equal(op.activation, before)
 
 
 class _Functional(nn.Module):

@@ -63,7 +63,7 @@ def link_running_stats_readers(calls: list, alias_reads: set) -> set:
 
     Returns the records read as running statistics, in any mode: a later training-mode forward writes
     them without moving their version counters either, so a saved reference to one would silently show
-    the new statistics (``CaptureState.keep_own_copies``)."""
+    the new statistics (``CaptureState.guard_running_stats``)."""
     if WRITES_RUNNING_STATS.isdisjoint(map(_FUNC_OF, calls)):
         return set()  # no normalisation with running statistics ran: every trace pays only this C-level scan
     read: set = set()

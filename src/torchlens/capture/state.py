@@ -178,6 +178,7 @@ class CaptureState:
             self.save_device = save_device
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
+        self.batch_counted: dict = {}  # record index -> (its BatchNorm's batch counter, that counter's version)
         self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
         self.unkeyed: list = []  # record indices below ``keyed_to`` saved again since (see ``save``)
         if max_saved_bytes is not None:
@@ -457,13 +458,21 @@ class CaptureState:
                     self.saved[i] = copy_with_layout(self.saved[i])  # as the later readers saw it
                     self.saved_versions[i] = None
 
-    def keep_own_copies(self, indices) -> None:
-        """Replace the saved references of ``indices`` by copies: for tensors a later write cannot be seen
-        on (a version counter it does not move), which the trace must keep as the forward read them."""
+    def guard_running_stats(self, indices, counters: dict) -> None:
+        """Keep the running statistics ``indices`` saved by reference true to the forward: a later training
+        forward writes them in its kernel, moving no version counter.  A BatchNorm's own statistic is
+        watched through its batch counter (``counters``, ``ModelIndex.batch_counters``), which that forward
+        moves: ``Trace.drop_written`` then drops it.  Any other is copied."""
+        saved, versions = self.saved, self.saved_versions
         for i in indices:
-            if self.saved_versions.get(i) is not None and i in self.saved:
-                self.saved[i] = copy_with_layout(self.saved[i])
-                self.saved_versions[i] = None
+            if versions.get(i) is None or i not in saved:
+                continue  # not saved, or already capture's own copy
+            counter = counters.get(id(saved[i]))
+            if counter is not None:
+                self.batch_counted[i] = (counter, counter._version)
+            else:
+                saved[i] = copy_with_layout(saved[i])
+                versions[i] = None
 
     def protect_saved_all(self, out) -> None:
         for t in out if isinstance(out, (tuple, list)) else (out,):
