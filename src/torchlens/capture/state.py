@@ -468,8 +468,9 @@ class CaptureState:
             if versions.get(i) is None or i not in saved:
                 continue  # not saved, or already capture's own copy
             counter = counters.get(id(saved[i]))
-            if counter is not None:
-                self.batch_counted[i] = (counter, counter._version)
+            counted = version_of(counter) if counter is not None else None  # (None: an inference tensor)
+            if counted is not None:
+                self.batch_counted[i] = (counter, counted)
             else:
                 saved[i] = copy_with_layout(saved[i])
                 versions[i] = None
