@@ -30,6 +30,8 @@ _NORMS = {
 WRITES_RUNNING_STATS = frozenset(_NORMS)
 # func -> (flag name, flag position): the compiled hot path skips the check when the flag is off.
 RUNNING_STATS_FLAGS = {func: (name, position) for func, (name, position, _) in _NORMS.items()}
+# func -> the positions of its running statistics: their slots in a call given no keywords (the usual one).
+_POSITIONAL_STATS = {func: tuple(position for _, position in stats) for func, (_, _, stats) in _NORMS.items()}
 
 
 def _argument(args, kwargs, name: str, position: int):
@@ -41,6 +43,8 @@ def _argument(args, kwargs, name: str, position: int):
 def _stat_slots(func, kwargs) -> tuple:
     """The argument slots (a position, or a keyword's name, as a call's parents name them) of a recorded
     norm call's running statistics."""
+    if not kwargs:
+        return _POSITIONAL_STATS[func]
     return tuple(name if name in kwargs else position for name, position in _NORMS[func][2])
 
 
@@ -54,16 +58,16 @@ def _written_stat_slots(func, args, kwargs) -> tuple:
     return _stat_slots(func, kwargs)
 
 
-def link_running_stats_readers(calls: list, alias_reads: set) -> set:
+def link_running_stats_readers(calls: list, alias_reads: set, saved: dict) -> set:
     """After the forward: make the op that last wrote a running statistic in its kernel the parent of
     each later read of it (the next BatchNorm call, code reading ``bn.running_mean``), as for any other
     write.  Such a write moves no version counter, so capture bound each later read to the statistic's
     record as first read, whose saved value predates the write.  Each rewritten edge is an alias read:
     the value read is not that op's output (replay skips it, saying so).
 
-    Returns the records read as running statistics, in any mode: a later training-mode forward writes
-    them without moving their version counters either, so a saved reference to one would silently show
-    the new statistics (``CaptureState.guard_running_stats``)."""
+    Returns the records read as running statistics that ``saved`` holds, in any mode: a later
+    training-mode forward writes them without moving their version counters either, so a saved reference
+    to one would silently show the new statistics (``CaptureState.guard_running_stats``)."""
     if WRITES_RUNNING_STATS.isdisjoint(map(_FUNC_OF, calls)):
         return set()  # no normalisation with running statistics ran: every trace pays only this C-level scan
     read: set = set()
@@ -79,7 +83,7 @@ def link_running_stats_readers(calls: list, alias_reads: set) -> set:
             slots, stats = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], kwargs), \
                 _stat_slots(call[CALL_FUNC], kwargs)
             for slot, record in call[CALL_PARENTS]:  # the records as read, which later reads still name
-                if slot in stats and record >= 0:
+                if slot in stats and record in saved:
                     read.add(record)
                 if slot in slots and record >= 0:
                     writer[record] = call[CALL_FIRST_RECORD]

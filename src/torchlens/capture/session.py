@@ -150,7 +150,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
                         "(e.g. wrap it: lambda x: list(model(x)))")
 
     mutated = state.check_saved_versions()
-    read_stats = link_running_stats_readers(state.calls, state.alias_reads)
+    read_stats = link_running_stats_readers(state.calls, state.alias_reads, state.saved)
     if read_stats:
         state.guard_running_stats(read_stats, index.batch_counters())
     model_name = name or _display_name(model, root)

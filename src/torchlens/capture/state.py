@@ -468,7 +468,10 @@ class CaptureState:
             if versions.get(i) is None or i not in saved:
                 continue  # not saved, or already capture's own copy
             counter = counters.get(id(saved[i]))
-            counted = version_of(counter) if counter is not None else None  # (None: an inference tensor)
+            try:
+                counted = counter._version if counter is not None else None
+            except RuntimeError:  # an inference tensor has no version counter
+                counted = None
             if counted is not None:
                 self.batch_counted[i] = (counter, counted)
             else:

@@ -23,9 +23,14 @@ def shape_of(t: torch.Tensor) -> tuple:
         if not t.is_nested:
             raise
         return ragged_shape(t)
-    if t.is_nested:
+    # A jagged nested tensor is a subclass: a plain tensor is not asked (under a capture mode, reading a
+    # property of a tensor is a call the mode handles).
+    if type(t) not in _PLAIN and t.is_nested:
         return RaggedShape([d if type(d) is int else None for d in shape], t.values().numel())
     return shape
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def shape_text(shape) -> str:
