@@ -468,10 +468,7 @@ class CaptureState:
             if versions.get(i) is None or i not in saved:
                 continue  # not saved, or already capture's own copy
             counter = counters.get(id(saved[i]))
-            try:
-                counted = counter._version if counter is not None else None
-            except RuntimeError:  # an inference tensor has no version counter
-                counted = None
+            counted = version_of(counter) if counter is not None else None  # (None: an inference tensor)
             if counted is not None:
                 self.batch_counted[i] = (counter, counted)
             else:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tree import TENSOR_TYPES
+
 
 def shape_of(t: torch.Tensor) -> tuple:
     """``t.shape``, or for a nested tensor a ``RaggedShape``, ``None`` for each irregular dimension: a strided
@@ -25,12 +27,9 @@ def shape_of(t: torch.Tensor) -> tuple:
         return ragged_shape(t)
     # A jagged nested tensor is a subclass: a plain tensor is not asked (under a capture mode, reading a
     # property of a tensor is a call the mode handles).
-    if type(t) not in _PLAIN and t.is_nested:
+    if type(t) not in TENSOR_TYPES and t.is_nested:
         return RaggedShape([d if type(d) is int else None for d in shape], t.values().numel())
     return shape
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def shape_text(shape) -> str:
