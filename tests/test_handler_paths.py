@@ -73,6 +73,28 @@ def test_eval_mode_running_statistics_are_held_by_reference_and_watched_through_
         op.activation
 
 
+def test_running_statistics_read_in_eval_mode_never_show_a_later_training_forwards_values():
+    # BatchNorm's kernel updates its running statistics without moving their version counters, so a
+    # saved reference would silently show the statistics of a later training-mode forward: each is
+    # dropped with the reason instead (its batch counter moved), and replay does not read it.
+    from real_models import resnet
+
+    model, (images,), _ = resnet()
+    model.eval()
+    as_traced = {name: b.clone() for name, b in model.named_buffers()}
+    log = tl.trace(model, images)
+    stats = [op for op in log if op.is_buffer and op.io_path.endswith(("running_mean", "running_var"))]
+    assert stats and all(torch.equal(op.activation, as_traced[op.io_path]) for op in stats)
+    model.train()
+    model(images * 3 + 1)  # updates every running statistic in place, in the kernel
+    assert not torch.equal(model.get_buffer(stats[0].io_path), as_traced[stats[0].io_path])
+    for op in stats:
+        with pytest.raises(tl.ActivationUnavailable, match="written in place after the trace ended"):
+            op.activation
+    result = log.validate()
+    assert result.passed and not result.mismatched, str(result)
+
+
 class _OwnStatistics(nn.Module):
     """Keeps running statistics of its own and normalises with them, as BatchNorm does, but counts no batch."""
 
