@@ -119,6 +119,38 @@ def test_running_statistics_of_a_module_without_a_batch_counter_are_copied_once_
     assert torch.equal(op.activation, before)
 
 
+class _MixedStatistics(nn.Module):
+    """A stock BatchNorm's statistics passed to F.batch_norm with keywords beside them, then a module that
+    keeps statistics of its own and counts no batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.own = _OwnStatistics()
+
+    def forward(self, x):
+        bn = self.bn
+        x = F.batch_norm(x, bn.running_mean, bn.running_var, weight=bn.weight, bias=bn.bias,
+                         training=bn.training, momentum=0.5, eps=bn.eps)
+        if bn.training:
+            bn.num_batches_tracked.add_(1)  # as BatchNorm's own forward counts a batch
+        return self.own(x)
+
+
+def test_one_trace_watches_a_batchnorms_statistics_and_copies_those_of_a_module_without_a_counter():
+    model = _MixedStatistics().eval()
+    model.bn.running_mean.add_(0.5)
+    trace = tl.trace(model, torch.randn(3, 4))
+    watched, copied = _buffer_op(trace, "bn.running_mean"), _buffer_op(trace, "own.mean")
+    assert watched.activation.data_ptr() == model.bn.running_mean.data_ptr()  # held, not copied
+    assert copied.activation.data_ptr() != model.own.mean.data_ptr()
+    before = model.own.mean.clone()
+    model.train()(torch.randn(3, 4) * 5 + 2)
+    with pytest.raises(tl.ActivationUnavailable, match="written in place after the trace ended"):
+        watched.activation
+    assert torch.equal(copied.activation, before)
+
+
 class _Functional(nn.Module):
     """Running statistics passed to the functions directly, positionally and by keyword."""
 

@@ -11,6 +11,7 @@ version counter moved) still drops what was saved of the written tensor, with th
 from __future__ import annotations
 
 import operator
+from itertools import compress
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,10 @@ _NORMS = {
 WRITES_RUNNING_STATS = frozenset(_NORMS)
 # func -> (flag name, flag position): the compiled hot path skips the check when the flag is off.
 RUNNING_STATS_FLAGS = {func: (name, position) for func, (name, position, _) in _NORMS.items()}
-# func -> the positions of its running statistics: their slots in a call given no keywords (the usual one).
+# func -> the positions of its running statistics: their slots in a call that passed neither by keyword
+# (the usual one), and their names.
 _POSITIONAL_STATS = {func: tuple(position for _, position in stats) for func, (_, _, stats) in _NORMS.items()}
+_STAT_NAMES = {func: tuple(name for name, _ in stats) for func, (_, _, stats) in _NORMS.items()}
 
 
 def _argument(args, kwargs, name: str, position: int):
@@ -40,10 +43,10 @@ def _argument(args, kwargs, name: str, position: int):
     return args[position] if len(args) > position else None
 
 
-def _stat_slots(func, kwargs) -> tuple:
+def stat_slots(func, kwargs) -> tuple:
     """The argument slots (a position, or a keyword's name, as a call's parents name them) of a recorded
     norm call's running statistics."""
-    if not kwargs:
+    if not kwargs or kwargs.keys().isdisjoint(_STAT_NAMES[func]):
         return _POSITIONAL_STATS[func]
     return tuple(name if name in kwargs else position for name, position in _NORMS[func][2])
 
@@ -55,22 +58,34 @@ def _written_stat_slots(func, args, kwargs) -> tuple:
     flag_name, flag_position, _ = _NORMS[func]
     if not _argument(args, kwargs, flag_name, flag_position):
         return ()
-    return _stat_slots(func, kwargs)
+    return stat_slots(func, kwargs)
 
 
-def link_running_stats_readers(calls: list, alias_reads: set, saved: dict) -> set:
+def norm_calls(calls: list) -> list:
+    """The positions in ``calls`` of the normalisation calls that read running statistics (a C-level scan:
+    all that a trace without one pays)."""
+    return list(compress(range(len(calls)), map(WRITES_RUNNING_STATS.__contains__, map(_FUNC_OF, calls))))
+
+
+def link_running_stats_readers(calls: list, norms: list, alias_reads: set) -> None:
     """After the forward: make the op that last wrote a running statistic in its kernel the parent of
     each later read of it (the next BatchNorm call, code reading ``bn.running_mean``), as for any other
     write.  Such a write moves no version counter, so capture bound each later read to the statistic's
     record as first read, whose saved value predates the write.  Each rewritten edge is an alias read:
-    the value read is not that op's output (replay skips it, saying so).
+    the value read is not that op's output (replay skips it, saying so).  ``norms``: ``norm_calls(calls)``."""
+    writes = {}
+    for c in norms:
+        call = calls[c]
+        slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
+        if slots:
+            writes[c] = slots
+    if writes:  # training mode (an eval-mode trace skips this walk over every call)
+        _rebind_reads_to_writers(calls, alias_reads, writes)
 
-    Returns the records read as running statistics that ``saved`` holds, in any mode: a later
-    training-mode forward writes them without moving their version counters either, so a saved reference
-    to one would silently show the new statistics (``CaptureState.guard_running_stats``)."""
-    if WRITES_RUNNING_STATS.isdisjoint(map(_FUNC_OF, calls)):
-        return set()  # no normalisation with running statistics ran: every trace pays only this C-level scan
-    read: set = set()
+
+def _rebind_reads_to_writers(calls: list, alias_reads: set, writes: dict) -> None:
+    """Make each read of a running statistic after a call that wrote it (``writes``: call -> its written
+    slots) name that call's first output as its parent, and note the edge as an alias read."""
     writer: dict = {}  # record as read -> first output record of the call that last wrote it
     for c, call in enumerate(calls):
         parents = call[CALL_PARENTS]
@@ -78,16 +93,11 @@ def link_running_stats_readers(calls: list, alias_reads: set, saved: dict) -> se
             parents = tuple((slot, writer.get(record, record)) for slot, record in parents)
             alias_reads.update((c, writer[record]) for _, record in call[CALL_PARENTS] if record in writer)
             calls[c] = (*call[:CALL_PARENTS], parents, *call[CALL_PARENTS + 1:])
-        if call[CALL_FUNC] in _NORMS:
-            kwargs = call[CALL_KWARGS] or {}
-            slots, stats = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], kwargs), \
-                _stat_slots(call[CALL_FUNC], kwargs)
+        slots = writes.get(c)
+        if slots:
             for slot, record in call[CALL_PARENTS]:  # the records as read, which later reads still name
-                if slot in stats and record in saved:
-                    read.add(record)
                 if slot in slots and record >= 0:
                     writer[record] = call[CALL_FIRST_RECORD]
-    return read
 
 
 def running_stats_written(func, args, kwargs) -> list:

@@ -27,7 +27,7 @@ from .collectives import process_rank
 from .compiled import (CompiledSubmodules, Suspension, check_compiled_option, compiled_in_place,
                        optimized_module_type)
 from .fastpath import FastPathShim
-from .fused_writes import link_running_stats_readers
+from .fused_writes import link_running_stats_readers, norm_calls
 from .grads import attach_grads, function_outputs, grad_capture
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
@@ -150,9 +150,11 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
                         "(e.g. wrap it: lambda x: list(model(x)))")
 
     mutated = state.check_saved_versions()
-    read_stats = link_running_stats_readers(state.calls, state.alias_reads, state.saved)
-    if read_stats:
-        state.guard_running_stats(read_stats, index.batch_counters())
+    norms = norm_calls(state.calls)
+    if norms:
+        if state.saved:  # before the links below rename what each norm call read
+            state.guard_running_stats(norms, index.batch_counters())
+        link_running_stats_readers(state.calls, norms, state.alias_reads)
     model_name = name or _display_name(model, root)
     timings = {"forward": (forward_done - started) / 1e9}
     if shown is not QUIET:

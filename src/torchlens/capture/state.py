@@ -17,6 +17,7 @@ the forward made to it (``param_writes``).
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 from weakref import ref as weakref
 
@@ -31,6 +32,7 @@ from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
                               CALL_PARAMS, CALL_PARENTS, INPUT)
 from . import accel
+from .fused_writes import stat_slots
 
 
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -81,6 +83,9 @@ INFERENCE_CAVEAT = (
 
 
 _functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def version_of(t: torch.Tensor):
@@ -178,7 +183,7 @@ class CaptureState:
             self.save_device = save_device
         self.saved: dict = {}  # record index -> detached tensor
         self.saved_versions: dict = {}  # record index -> version when saved (None: our private copy)
-        self.batch_counted: dict = {}  # record index -> (its BatchNorm's batch counter, that counter's version)
+        self.batch_counted = None  # (id(statistic) -> slot, batch counters, their versions) at the trace's end
         self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
         self.unkeyed: list = []  # record indices below ``keyed_to`` saved again since (see ``save``)
         if max_saved_bytes is not None:
@@ -458,22 +463,30 @@ class CaptureState:
                     self.saved[i] = copy_with_layout(self.saved[i])  # as the later readers saw it
                     self.saved_versions[i] = None
 
-    def guard_running_stats(self, indices, counters: dict) -> None:
-        """Keep the running statistics ``indices`` saved by reference true to the forward: a later training
-        forward writes them in its kernel, moving no version counter.  A BatchNorm's own statistic is
-        watched through its batch counter (``counters``, ``ModelIndex.batch_counters``), which that forward
-        moves: ``Trace.drop_written`` then drops it.  Any other is copied."""
-        saved, versions = self.saved, self.saved_versions
-        for i in indices:
-            if versions.get(i) is None or i not in saved:
-                continue  # not saved, or already capture's own copy
-            counter = counters.get(id(saved[i]))
-            counted = version_of(counter) if counter is not None else None  # (None: an inference tensor)
-            if counted is not None:
-                self.batch_counted[i] = (counter, counted)
-            else:
-                saved[i] = copy_with_layout(saved[i])
-                versions[i] = None
+    def guard_running_stats(self, norms: list, batch) -> None:
+        """Keep the running statistics that the norm calls ``norms`` read, saved by reference, true to the
+        forward: a later training forward writes them in its kernel, moving no version counter.  A
+        BatchNorm's own statistic is watched through its batch counter (``batch``,
+        ``ModelIndex.batch_counters``), which that forward moves: the counters' versions are noted once per
+        trace, and ``Trace.drop_written`` drops a statistic whose counter has moved since.  Any other is
+        copied."""
+        calls, saved, versions, watched = self.calls, self.saved, self.saved_versions, batch.slot_of
+        held, unwatched = [], []
+        for c in norms:
+            call = calls[c]
+            stats = stat_slots(call[CALL_FUNC], call[CALL_KWARGS])
+            for slot, record in call[CALL_PARENTS]:
+                if slot in stats and versions.get(record) is not None:  # saved by reference, not copied
+                    (held if id(saved[record]) in watched else unwatched).append(record)
+        if held:
+            try:
+                self.batch_counted = (watched, batch.counters, tuple(map(_VERSION, batch.counters)))
+            except RuntimeError:  # a counter that is an inference tensor has no version counter
+                unwatched += held
+        for record in unwatched:
+            if versions.get(record) is not None:  # (a statistic read twice is copied once)
+                saved[record] = copy_with_layout(saved[record])
+                versions[record] = None
 
     def protect_saved_all(self, out) -> None:
         for t in out if isinstance(out, (tuple, list)) else (out,):

@@ -83,8 +83,8 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     trace = Trace(model_name, calls, activations, dict(state.clobbered), finite, param_addresses, output, model,
                   state.unattributed, timings, state.budget_exhausted_at, state.alias_reads, index, raw)
     trace._saved_versions = state.saved_versions  # Trace.drop_written: a later write shows as a dropped value
-    if state.batch_counted:  # and a later training forward, for BatchNorm statistics (its kernel moves no version)
-        trace._batch_counted = state.batch_counted
+    # and a later training forward, for BatchNorm statistics (its kernel moves no version)
+    trace._batch_counted = state.batch_counted
     # Each module's parameters as the forward ran it (a module given parameters after the trace must not
     # count them in a table whose total is the forward's), listed once per model structure.
     if index.params_by_module is None:

@@ -12,10 +12,18 @@ import functools
 import gc
 from collections import OrderedDict
 from itertools import chain
+from typing import NamedTuple
 from operator import is_, itemgetter
 from weakref import ref as weakref
 
 import torch
+
+
+class BatchCounters(NamedTuple):
+    """The batch counters of a model's ``nn.BatchNorm*`` layers (``ModelIndex.batch_counters``)."""
+
+    slot_of: dict  # id(running statistic) -> the position of its layer's counter in ``counters``
+    counters: tuple  # each layer's num_batches_tracked
 
 
 class ModelIndex:
@@ -32,7 +40,7 @@ class ModelIndex:
         self._module_types = None  # every distinct module class, the root's included (on first use)
         self.wrappers = False  # whether a module holds an ``_orig_mod`` (a torch.compile wrapper does)
         self.params_by_module = None  # record.finalize: id(module) -> (module, [its parameters]), on first trace
-        self._batch_counters = None  # id(running statistic) -> its BatchNorm's num_batches_tracked (on first use)
+        self._batch_counters = None  # BatchCounters, on first use
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)
             self._walk(model)
@@ -103,20 +111,23 @@ class ModelIndex:
                     found.append(f"{address}.{name}" if address else name)
         return found
 
-    def batch_counters(self) -> dict:
-        """``id(running statistic) -> num_batches_tracked`` for each ``nn.BatchNorm*`` of the model that keeps
-        them: its forward adds one to the counter whenever its kernel updates the statistics (training mode),
-        a write that moves the statistics' own version counters no more than the kernel's does.  Modules
-        that count otherwise (a subclass with its own forward, ``InstanceNorm``) are left out."""
+    def batch_counters(self) -> BatchCounters:
+        """The batch counter (``num_batches_tracked``) of each ``nn.BatchNorm*`` of the model that keeps
+        running statistics, and which of them counts for each statistic: its forward adds one to the counter
+        whenever its kernel updates the statistics (training mode), a write that moves the statistics' own
+        version counters no more than the kernel's does.  Modules that count otherwise (a subclass with its
+        own forward, ``InstanceNorm``) are left out."""
         if self._batch_counters is None:
             from torch.nn.modules.batchnorm import SyncBatchNorm, _BatchNorm
 
             counting = (_BatchNorm.forward, SyncBatchNorm.forward)
-            self._batch_counters = {
-                id(stat): m.num_batches_tracked for m in self.submodules.values()
-                if isinstance(m, _BatchNorm) and type(m).forward in counting and m.track_running_stats
-                and m.num_batches_tracked is not None
-                for stat in (m.running_mean, m.running_var) if stat is not None}
+            norms = [m for m in self.submodules.values()
+                     if isinstance(m, _BatchNorm) and type(m).forward in counting and m.track_running_stats
+                     and m.num_batches_tracked is not None]
+            self._batch_counters = BatchCounters(
+                {id(stat): k for k, m in enumerate(norms) for stat in (m.running_mean, m.running_var)
+                 if stat is not None},
+                tuple(m.num_batches_tracked for m in norms))
         return self._batch_counters
 
     def of_type(self, cls) -> list:

@@ -79,7 +79,7 @@ class Trace(TraceColumns):
     _outside_attributes: tuple = ()  # record.finalize: module attributes (not buffers) read from outside the trace
     _replay = None  # record.finalize: a capture.state.ReplayContext (contexts, parameter values) for validate
     _saved_versions = None  # record.finalize: each saved tensor's version at the end (None: capture's own copy)
-    _batch_counted = None  # record.finalize: running statistic -> (its BatchNorm's batch counter, its version)
+    _batch_counted = None  # record.finalize: (id(running statistic) -> slot, batch counters, their versions)
     _own_outputs: frozenset = frozenset()  # record.finalize: output nodes showing their own tensor, not the producer's
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
     _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
@@ -280,16 +280,20 @@ class Trace(TraceColumns):
             if version is None or t is None:
                 continue  # not held by reference (a private copy), or not saved
             reason = MEMORY_FREED if memory_freed(t) else WRITTEN_AFTER_TRACE if t._version != version \
-                else self._counted_since(i)
+                else self._counted_since(t)
             if reason is not None:
                 del activations[i]
                 self._dropped[i] = reason
 
-    def _counted_since(self, i: int):
-        """Why the running statistic ``i`` is stale: its BatchNorm counted a batch since the trace (a training
-        forward, whose kernel updated the statistic without moving its version counter); None if not."""
-        counted = self._batch_counted.get(i) if self._batch_counted else None
-        return WRITTEN_AFTER_TRACE if counted is not None and counted[0]._version != counted[1] else None
+    def _counted_since(self, t):
+        """Why ``t``, if it is a BatchNorm's running statistic, is stale: its layer counted a batch since the
+        trace (a training forward, whose kernel updated the statistic without moving its version counter);
+        None if not."""
+        if self._batch_counted is None:
+            return None
+        slot_of, counters, versions = self._batch_counted
+        k = slot_of.get(id(t))  # t is held, so its id is its own
+        return WRITTEN_AFTER_TRACE if k is not None and counters[k]._version != versions[k] else None
 
     def keep_activations(self, kept) -> None:
         """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward),
