@@ -16,7 +16,6 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torchlens as tl  # noqa: E402
 from random_models import FAULTS, Program, build, programs  # noqa: E402
 from torchlens.validate import outputs_equal  # noqa: E402
+from interrupts import Normalized, interrupt_every_line, signature  # noqa: E402
 from reliability_cases import case, outcome, titles  # noqa: E402
 from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: E402
 from zoo import Pair  # noqa: E402
@@ -38,10 +38,6 @@ def _collect_compile_garbage():
     another module's tests (a gc callback there would meet dead proxies)."""
     yield
     gc.collect()
-
-
-def _signature(log) -> list:
-    return [(op.label, op.func_name, tuple(op.parents), op.module, op.shape) for op in log.ops]
 
 
 def traced_failure(model, args, expected: BaseException | None = None) -> BaseException:
@@ -100,7 +96,7 @@ def check_injected_fault(program: Program) -> str | None:
     # Afterwards the same model, fault switched off, runs and traces exactly like its twin.
     _set_inject(model, False)
     assert outputs_equal(model(x.clone()), twin(x.clone()))
-    assert _signature(tl.trace(model, x.clone())) == _signature(reference)
+    assert signature(tl.trace(model, x.clone())) == signature(reference)
     return exc.__notes__[0]
 
 
@@ -204,64 +200,8 @@ def keyboard_interrupt_inside_capture():
         if seen[0] < target:
             break
     assert interrupted > 50, f"only {interrupted} interrupts landed in capture code"
-    assert _signature(tl.trace(model, x)) == _signature(tl.trace(Pair(), x))
+    assert signature(tl.trace(model, x)) == signature(tl.trace(Pair(), x))
     return "every interrupt re-raised KeyboardInterrupt unchanged and left nothing installed"
-
-
-def _interrupt_every_line(run, traced, collect=None) -> int:
-    """Run ``run()`` once per line event of the code ``traced(code)`` selects, raising KeyboardInterrupt
-    at that event; after each, nothing may be left installed and the interrupt must reach the caller
-    unchanged.  Returns how many interrupts landed."""
-    from torchlens.capture import session
-
-    interrupted = 0
-    for target in range(1, 100_000):
-        seen, landed_in = [0], [None]
-
-        def local(frame, event, arg):
-            if event == "line":
-                seen[0] += 1
-                if seen[0] == target:
-                    landed_in[0] = frame.f_code
-                    raise KeyboardInterrupt(f"interrupt at line event {target}")
-            return local
-
-        def tracer(frame, event, arg):
-            return local if traced(frame.f_code) else None
-
-        collecting = gc.isenabled()
-        sys.settrace(tracer)
-        try:
-            run()
-        except KeyboardInterrupt as exc:
-            assert str(exc) == f"interrupt at line event {target}", repr(exc)  # not "pop from empty stack"
-            notes = getattr(exc, "__notes__", [])
-            assert all("nothing is left installed" in n for n in notes), notes  # and every note is true
-            interrupted += 1
-        finally:
-            sys.settrace(None)
-        assert gc.isenabled() == collecting, f"the collector was left off (line event {target})"
-        assert not getattr(session._local, "active", False), f"the thread is left marked as tracing ({target})"
-        assert not tl.capture.compiled._installed, f"a compiled submodule is left routed ({target})"
-        assert_clean_process()
-        if collect and landed_in[0] is not None and collect(landed_in[0]):
-            gc.collect()  # a suspended push-back inside torch would put the mode back when collected
-            assert_clean_process()
-        if seen[0] < target:
-            return interrupted
-    raise AssertionError("the run never ended")
-
-
-class Normalized(nn.Module):
-    """Python-level torch functions: each call goes through torch's handle_torch_function."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return F.normalize(self.fc(x)).tanh()
 
 
 class OwnCallImpl(nn.Linear):
@@ -289,13 +229,13 @@ def keyboard_interrupt_in_the_trace_driver():
     def traced(code):
         return code.co_filename in driver or (code.co_filename in parts and code.co_name in setup_and_teardown)
 
-    landed = _interrupt_every_line(lambda: tl.trace(model, x), traced)
+    landed = interrupt_every_line(lambda: tl.trace(model, x), traced)
     assert landed > 100, f"only {landed} interrupts landed in the trace driver"
-    assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+    assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
 
     # A class with its own _call_impl: a second replaced attribute, set up and restored beside nn.Module's.
     overriding = nn.Sequential(Normalized(), OwnCallImpl(4, 4))
-    with_override = _interrupt_every_line(lambda: tl.trace(overriding, x), traced)
+    with_override = interrupt_every_line(lambda: tl.trace(overriding, x), traced)
     assert with_override > landed, (with_override, landed)
     assert vars(OwnCallImpl)["_call_impl"] is OwnCallImpl.own
     assert [mc.label for mc in tl.trace(overriding, x).module_calls] == ["0:1", "0.fc:1", "1:1"]
@@ -307,7 +247,7 @@ def keyboard_interrupt_in_the_trace_driver():
     expected = with_compiled(x)  # compiled before the interrupts start
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch: global module hooks exist while a compiled module runs
-        in_compiled = _interrupt_every_line(lambda: tl.trace(with_compiled, x), traced)
+        in_compiled = interrupt_every_line(lambda: tl.trace(with_compiled, x), traced)
         log = tl.trace(with_compiled, x)
     assert in_compiled > landed, (in_compiled, landed)  # the routing and suspension lines were hit too
     assert torch.equal(log.output, expected) and "compiled" in [op.type for op in log.ops]
@@ -340,133 +280,26 @@ def keyboard_interrupt_in_torch_mode_push_pop():
     teardown.close_pending_pushes = counting
     dispatch.install = lambda: None  # every Python-level torch function through torch's own
     try:
-        landed = _interrupt_every_line(lambda: tl.trace(model, x), lambda code: code.co_filename in files,
+        landed = interrupt_every_line(lambda: tl.trace(model, x), lambda code: code.co_filename in files,
                                        collect=in_contextlib)
     finally:
         teardown.close_pending_pushes, dispatch.install = close, install
     assert landed > 20, f"only {landed} interrupts landed in torch's mode handling"
     assert any(closed), "no interrupt ever left torch's push-back suspended: the repair went untested"
-    assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+    assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
 
     from accel_paths import on_path
 
     for compiled, least in ((False, 10), (True, 1)):  # its Python body, and the frame of the compiled one
         with on_path(compiled):
-            in_dispatcher = _interrupt_every_line(
+            in_dispatcher = interrupt_every_line(
                 lambda: tl.trace(model, x), lambda code: code.co_filename == dispatch.__file__
                 and code.co_name in ("handle_torch_function", "handle_torch_function_compiled", "_overloads"))
             assert in_dispatcher >= least, f"only {in_dispatcher} interrupts landed in capture's dispatcher"
-            assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
+            assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
     return ("every interrupt re-raised unchanged (never 'pop from empty mode stack'); the mode stack "
             "repaired, including when torch's push-back was left suspended inside contextlib; the same for "
             "capture's own dispatcher")
-
-
-# ----- interrupts in the intervention hooks and the gradient capture --------------------------------
-class _Doubled(torch.autograd.Function):
-    """A custom Function: a trace with gradients wraps Function.apply to follow its outputs."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
-class WithFunction(Normalized):
-    def forward(self, x):
-        return _Doubled.apply(super().forward(x))
-
-
-def _in_files(*modules):
-    files = {m.__file__ for m in modules}
-    return lambda code: code.co_filename in files
-
-
-def test_keyboard_interrupt_in_intervention_hooks_leaves_torch_functions_on():
-    """An interrupt on the exit line of ``with DisableTorchFunction():`` in an intervention hook skipped its
-    exit: torch functions stayed off in the thread, and every later trace recorded no op."""
-    import torchlens.intervene as intervene
-    from torchlens.intervene import actions, runtime, sites
-
-    model, x = Normalized(), torch.randn(2, 4)
-    for site in ("fc", "linear_1_1:1"):  # a module site (a forward hook), a label site (the per-op handler)
-        landed = _interrupt_every_line(lambda: tl.trace(model, x, intervene={site: tl.scale(2.0)}),
-                                       _in_files(intervene, runtime, sites, actions))
-        assert landed > 100, (site, landed)
-    assert _signature(tl.trace(model, x)) == _signature(tl.trace(Normalized(), x))
-
-
-def test_keyboard_interrupt_in_gradient_capture_never_strands_its_lock():
-    """An interrupt on the exit line of ``with _receivers_lock:`` left that lock held, and the teardown
-    waiting for it hung the process; every interrupt now ends with the lock free."""
-    from torchlens.capture import grads
-
-    model, x = WithFunction(), torch.randn(2, 4, requires_grad=True)
-    done, outcome_of_run = threading.Event(), []
-
-    def interrupt_everywhere():  # in a thread, so that a hang fails the test instead of stopping it
-        try:
-            outcome_of_run.append(_interrupt_every_line(lambda: tl.trace(model, x, grads=True), _in_files(grads)))
-        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
-            outcome_of_run.append(exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=interrupt_everywhere, daemon=True).start()
-    assert done.wait(120), "a trace hung after an interrupt in the gradient capture"
-    if isinstance(outcome_of_run[0], BaseException):
-        raise outcome_of_run[0]
-    assert outcome_of_run[0] > 50, outcome_of_run
-    assert grads._receivers_lock.acquire(blocking=False)
-    grads._receivers_lock.release()
-
-    log = tl.trace(model, x, grads=True)  # and gradients still arrive, equal to an untraced backward's
-    log.backward(log.output.sum())
-    twin, twin_x = WithFunction(), x.detach().clone().requires_grad_()
-    twin(twin_x).sum().backward()
-    assert torch.equal(x.grad, twin_x.grad) and all(op.has_grad for op in log.ops if op.kind == "op")
-
-
-def test_keyboard_interrupt_while_a_model_is_put_back_never_empties_it():
-    """A label site's reference pass puts the modules' attributes back; an interrupt between clearing a
-    module's attribute dictionary and refilling it left the module with none (no parameters, no submodules)."""
-    from torchlens.capture import restore
-
-    torch.manual_seed(0)
-    model, x = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train(), torch.randn(3, 4)
-    before = snapshot(model, (x,))
-
-    def run():
-        try:
-            tl.trace(model, x, intervene={"linear_1_1:1": tl.scale(2.0)})
-        finally:  # every module keeps exactly its attributes, interrupted or not
-            assert_untouched(before, snapshot(model, (x,)))
-
-    landed = _interrupt_every_line(run, _in_files(restore))
-    assert landed > 100, landed
-    expected = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
-    expected.load_state_dict(model.state_dict())
-    assert outputs_equal(tl.trace(model, x).output, expected(x))
-
-
-def test_keyboard_interrupt_while_modules_are_met_leaves_no_hook_and_torch_functions_on():
-    """A callable naming no model has its modules noted by a global pre-hook as they are first called
-    (``FirstCalls``).  An interrupt between registering it and entering the block left the hook installed
-    for good, and one on the exit line of its ``with DisableTorchFunction():`` left torch functions off."""
-    from torchlens.capture import restore
-
-    torch.manual_seed(0)
-    model, x = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train(), torch.randn(3, 4)
-
-    def in_first_calls(code):
-        return code.co_filename == restore.__file__ and code.co_name in ("__enter__", "_called")
-
-    landed = _interrupt_every_line(lambda: tl.validate(lambda t: model(t), x), in_first_calls)
-    assert landed > 5, landed
-    assert tl.validate(lambda t: model(t), x).passed
 
 
 @CASE

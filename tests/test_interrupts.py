@@ -1,0 +1,124 @@
+"""Interrupts in the intervention hooks, the gradient capture and the model put back: whatever line a
+KeyboardInterrupt lands on, it reaches the caller unchanged and nothing is left installed or emptied."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from interrupts import Normalized, interrupt_every_line, signature  # noqa: E402
+from torchlens.validate import outputs_equal  # noqa: E402
+from untouched import assert_untouched, snapshot  # noqa: E402
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom Function: a trace with gradients wraps Function.apply to follow its outputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class WithFunction(Normalized):
+    def forward(self, x):
+        return _Doubled.apply(super().forward(x))
+
+
+def _in_files(*modules):
+    files = {m.__file__ for m in modules}
+    return lambda code: code.co_filename in files
+
+
+def test_keyboard_interrupt_in_intervention_hooks_leaves_torch_functions_on():
+    """An interrupt on the exit line of ``with DisableTorchFunction():`` in an intervention hook skipped its
+    exit: torch functions stayed off in the thread, and every later trace recorded no op."""
+    import torchlens.intervene as intervene
+    from torchlens.intervene import actions, runtime, sites
+
+    model, x = Normalized(), torch.randn(2, 4)
+    for site in ("fc", "linear_1_1:1"):  # a module site (a forward hook), a label site (the per-op handler)
+        landed = interrupt_every_line(lambda: tl.trace(model, x, intervene={site: tl.scale(2.0)}),
+                                       _in_files(intervene, runtime, sites, actions))
+        assert landed > 100, (site, landed)
+    assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
+
+
+def test_keyboard_interrupt_in_gradient_capture_never_strands_its_lock():
+    """An interrupt on the exit line of ``with _receivers_lock:`` left that lock held, and the teardown
+    waiting for it hung the process; every interrupt now ends with the lock free."""
+    from torchlens.capture import grads
+
+    model, x = WithFunction(), torch.randn(2, 4, requires_grad=True)
+    done, outcome_of_run = threading.Event(), []
+
+    def interrupt_everywhere():  # in a thread, so that a hang fails the test instead of stopping it
+        try:
+            outcome_of_run.append(interrupt_every_line(lambda: tl.trace(model, x, grads=True), _in_files(grads)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome_of_run.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=interrupt_everywhere, daemon=True).start()
+    assert done.wait(120), "a trace hung after an interrupt in the gradient capture"
+    if isinstance(outcome_of_run[0], BaseException):
+        raise outcome_of_run[0]
+    assert outcome_of_run[0] > 50, outcome_of_run
+    assert grads._receivers_lock.acquire(blocking=False)
+    grads._receivers_lock.release()
+
+    log = tl.trace(model, x, grads=True)  # and gradients still arrive, equal to an untraced backward's
+    log.backward(log.output.sum())
+    twin, twin_x = WithFunction(), x.detach().clone().requires_grad_()
+    twin(twin_x).sum().backward()
+    assert torch.equal(x.grad, twin_x.grad) and all(op.has_grad for op in log.ops if op.kind == "op")
+
+
+def test_keyboard_interrupt_while_a_model_is_put_back_never_empties_it():
+    """A label site's reference pass puts the modules' attributes back; an interrupt between clearing a
+    module's attribute dictionary and refilling it left the module with none (no parameters, no submodules)."""
+    from torchlens.capture import restore
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train(), torch.randn(3, 4)
+    before = snapshot(model, (x,))
+
+    def run():
+        try:
+            tl.trace(model, x, intervene={"linear_1_1:1": tl.scale(2.0)})
+        finally:  # every module keeps exactly its attributes, interrupted or not
+            assert_untouched(before, snapshot(model, (x,)))
+
+    landed = interrupt_every_line(run, _in_files(restore))
+    assert landed > 100, landed
+    expected = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    expected.load_state_dict(model.state_dict())
+    assert outputs_equal(tl.trace(model, x).output, expected(x))
+
+
+def test_keyboard_interrupt_while_modules_are_met_leaves_no_hook_and_torch_functions_on():
+    """A callable naming no model has its modules noted by a global pre-hook as they are first called
+    (``FirstCalls``).  An interrupt between registering it and entering the block left the hook installed
+    for good, and one on the exit line of its ``with DisableTorchFunction():`` left torch functions off."""
+    from torchlens.capture import restore
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train(), torch.randn(3, 4)
+
+    def in_first_calls(code):
+        return code.co_filename == restore.__file__ and code.co_name in ("__enter__", "_called")
+
+    landed = interrupt_every_line(lambda: tl.validate(lambda t: model(t), x), in_first_calls)
+    assert landed > 5, landed
+    assert tl.validate(lambda t: model(t), x).passed
