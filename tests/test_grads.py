@@ -414,3 +414,15 @@ def test_an_output_the_backward_never_reaches_has_no_gradient():
     _assert_bit_identical(ops, got, oracle.grads())
     assert [op.grad is None for op in ops if op.func_name == "unbind"] == [False, True, False]
     assert log.num_backwards == 1
+
+
+def test_grads_with_stop_after_are_refused_before_the_model_runs():
+    # A stopped forward has no output to backpropagate from, and its saved activations are detached: a
+    # trace would hold gradients no backward could ever fill (backward then failed in torch's words).
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 4)
+    calls = []
+    model[0].register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(ValueError, match=r"stop_after='1' stops the forward before it makes one"):
+        tl.trace(model, x, stop_after="1", grads=True)
+    assert not calls
+    assert tl.trace(model, x, stop_after="1").stopped_after and tl.trace(model, x, grads=True).output is not None

@@ -85,6 +85,10 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     if markers is not None:  # profiler ranges per op and module call (torchlens.report.kernel_profile)
         state.markers = markers
+    if stop_after is not None and grads:
+        raise ValueError(f"tl.trace(..., grads=True) gives gradients from a backward through the output, but "
+                         f"stop_after={stop_after!r} stops the forward before it makes one (and the saved "
+                         "activations are detached); trace the whole forward (no stop_after) for gradients")
     runtime = None if not intervene and stop_after is None else \
         _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy,
                               compiled)
