@@ -354,3 +354,51 @@ def test_what_an_action_makes_autograd_keep_is_counted_at_its_site_not_the_next_
                for op, before in zip(log.ops, plain.ops)
                if op.saved_for_backward_bytes != before.saved_for_backward_bytes}
     assert packed and changed == {site_op.label: sum(packed.values())}
+
+
+def test_an_intervened_gpt2_trace_validates_its_sites_against_the_values_they_made(gpt2):
+    # Each site's replay is compared with op.original (the value the op made), later ops with what they
+    # read; before, every site read as a MISMATCH, so an intervened trace could never pass.
+    model, clean, corrupt = gpt2
+    clean_log = tl.trace(model, clean)
+    for intervene in ({"transformer.h.0.mlp": tl.patch_from(clean_log)},
+                      {(lambda op: op.type in ("tanh", "scaleddotproductattention")): tl.scale(0.5)}):
+        log = tl.trace(model, corrupt, intervene=intervene)
+        sites = [op for op in log.ops if op.intervention is not None]
+        assert sites and all(op.original is not None for op in sites)
+        result = log.validate()
+        assert result.passed and not result.mismatched, str(result)
+        replayed = {label for label, _ in result.not_replayed}
+        assert not replayed & {op.label for op in sites}, str(result)
+    # A value written over after the trace still shows: the site's saved original is compared.
+    log = tl.trace(model, corrupt, intervene={"transformer.h.0.mlp": tl.zero_ablate()})
+    site = next(op for op in log.ops if op.intervention is not None)
+    log._originals[site.index] = site.original + 1
+    result = log.validate()
+    assert [label for label, _ in result.mismatched] == [site.label], str(result)
+    assert "value it made" in result.mismatched[0][1]
+
+
+def test_an_action_returning_a_tensor_the_forward_holds_is_refused(gpt2):
+    # An action at the attention returning the layer norm's output (which the forward holds) made the value
+    # two ops' output at once: the record named the attention site as the parent of the norm's other
+    # readers too, a plausible wrong graph.  It is refused, with the way out; a copy is fine.
+    model, clean, _ = gpt2
+    held = {}
+
+    def keep_normed(tensor, op):
+        held["normed"] = tensor
+        return None
+
+    sites = {"transformer.h.0.ln_1": keep_normed, "transformer.h.0.attn": lambda t, op: held["normed"]}
+    with pytest.raises(tl.InterventionError, match=r"returned a tensor the forward already holds.*clone\(\)"):
+        tl.trace(model, clean, intervene=sites)
+    copied = tl.trace(model, clean, intervene={**sites, "transformer.h.0.attn": lambda t, op: held["normed"].clone()})
+    site = next(op for op in copied.ops if op.intervention is not None
+                and op.intervention.site == "transformer.h.0.attn")
+    assert torch.equal(site.activation, held["normed"])
+    # A parameter returned as the value, at a label site: its readers would read as reading the parameter.
+    linear = torch.nn.Linear(4, 4)
+    with pytest.raises(tl.InterventionError, match="already holds"):
+        tl.trace(torch.nn.Sequential(linear, torch.nn.ReLU()), torch.randn(4, 4),
+                 intervene={"relu_1_2": lambda t, op: linear.weight})

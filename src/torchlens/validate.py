@@ -394,7 +394,7 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
         out = kwargs["out"] if "out" in kwargs else args[0]
     if isinstance(out, (tuple, list)):
         count = call.num_outputs
-        wanted = [log.saved_activations.get(i) for i in range(op.index, op.index + count)]
+        wanted = [_as_made(log, i) for i in range(op.index, op.index + count)]
         got = [t for _, t in tensor_leaves(out)]
         if len(got) != len(wanted):
             return _mismatch("a different number of outputs on replay")
@@ -404,7 +404,20 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
                 if problem is not None:
                     return problem
         return None
+    if op.index in log._interventions:  # its saved value is the action's: compare with the value it made
+        made = _as_made(log, op.index)
+        if made is None:
+            return _skip("an intervention replaced its output, and the value it made was not kept (op.original)")
+        return _compared(out, made, "the replayed output differs from the value it made (op.original)")
     return _compared(out, log.saved_activations[op.index], "the replayed output differs from the saved one")
+
+
+def _as_made(log, index: int):
+    """The value op ``index`` made: its saved output or, where an intervention replaced it, the value it had
+    before (``op.original``; None when not kept).  Later ops are replayed from the values they read."""
+    if index in log._interventions:
+        return log._originals.get(index)
+    return log.saved_activations.get(index)
 
 
 def _compared(replayed, saved, differs: str):

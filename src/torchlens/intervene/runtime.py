@@ -100,7 +100,7 @@ class Interventions:
                 if k < 0:
                     raise InterventionError(f"intervention site {site.key!r}: the op at this position returned no "
                                             f"output {site.slot!r}; the forward took another path than the reference")
-                new = self._run_action(site.action, values[k], site.op, site.key, call_position)
+                new = self._run_action(st, site.action, values[k], site.op, site.key, call_position)
                 self.hit.add(id(site))
                 self._note(first_op + k, site.key, site.action)
                 if new is not None:
@@ -180,7 +180,7 @@ class Interventions:
         names = self.addresses.get(id(module))
         return names[0] if names else type(module).__name__
 
-    def _run_action(self, action, value, op, key, call: int):
+    def _run_action(self, st, action, value, op, key, call: int):
         """``action(value, op)`` at the site made by ``call``, checked: the new value, or None to keep it."""
         version = version_of(value)  # None under torch.inference_mode(): a write there cannot be told
         packing = self.packing
@@ -211,6 +211,12 @@ class Interventions:
             raise InterventionError(f"intervention at {_where(key, op)} returned a tensor on {new.device} for a value "
                                     f"on {value.device}; an action must keep the device (move the new value there "
                                     "with .to(tensor.device))")
+        if new is not value and _held_by_the_forward(st, new):
+            raise InterventionError(
+                f"the action at {_where(key, op)} returned a tensor the forward already holds (an earlier op's "
+                "output, an input, a parameter or a buffer); downstream readers of it could not be told from "
+                "readers of the site, so the record would name the wrong parents. Return a copy instead "
+                "(return held.clone())")
         region = _checkpoint_region()
         if region is not None:
             raise InterventionError(
@@ -345,7 +351,7 @@ class Interventions:
             original = st.saved.get(record)
             current = t
             for site in sites:
-                new = self._run_action(site.action, current, info, site.key, st.records[record][RECORD_CALL])
+                new = self._run_action(st, site.action, current, info, site.key, st.records[record][RECORD_CALL])
                 self._note(record, site.key, site.action)
                 if new is not None:
                     current = new
@@ -426,6 +432,13 @@ def _rebuild_output(out, changed):
     for slot, value in changed:
         out = _replace_at(out, slot if isinstance(slot, tuple) else (slot,), value, None)
     return out
+
+
+def _held_by_the_forward(st, t) -> bool:
+    """Whether ``t`` is already a value of the traced forward: an op's output or an input (bound in
+    ``producers``), a parameter or a buffer."""
+    entry = st.producers.get(id(t))
+    return (entry is not None and is_bound(entry, t)) or isinstance(t, torch.nn.Parameter) or id(t) in st.buffers
 
 
 def _replace_at(obj, path: tuple, value, key):
