@@ -387,3 +387,31 @@ def test_an_output_no_op_made_shows_its_tensor_when_everything_is_saved():
     assert weight.parents == [] and weight.has_activation
     assert torch.equal(weight.activation, model.fc.weight.detach())
     assert not tl.trace(model, x, save=["neg"])["output_1:1"].has_activation  # no op of it was chosen
+
+
+class _PassesThrough(nn.Module):
+    """Modules whose output an op outside them made: an ``nn.Identity``, and one returning a tensor it kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ident, self.head = nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.ident(self.fc(x))
+        return self.head(h).relu()
+
+
+@pytest.mark.parametrize("entry", ["ident", "ident:1"])
+def test_saving_a_module_whose_output_an_op_outside_it_made_keeps_that_output(entry):
+    model, x = _PassesThrough().eval(), torch.randn(2, 4)
+    seen = []
+    handle = model.ident.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    try:
+        log = tl.trace(model, x, save=[entry])
+    finally:
+        handle.remove()
+    call = next(c for c in log.module_calls if c.address == "ident")
+    (produced,) = call.output_ops  # nn.Identity mints no op: the output is fc's
+    assert produced == "linear_1_1:1"
+    assert [op.label for op in log if op.has_activation] == [produced]
+    assert torch.equal(log[entry].activation, seen[0])

@@ -11,12 +11,16 @@ reference until the forward ends and the rest are released then.
 from __future__ import annotations
 
 import re
+import threading
 
 import torch
 
 from ..errors import UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
+from ..tree import tensor_leaves
+from .state import is_bound, version_of
+from .teardown import remove_handles
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 _SAVE_ALL, _SAVE_NONE = ("all", True), ("none", None, False)
@@ -28,6 +32,7 @@ class SavePolicy:
         self.predicate = None
         self.labels = self.types = self.module_ids = self.addresses = self.call_labels = _NOTHING
         self.type_entries: dict = {}  # normalized op type -> the entry as written
+        self.selected_modules: dict = {}  # id(module) -> module, for each module a selection names
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
@@ -52,9 +57,11 @@ class SavePolicy:
             if item in modules:
                 self.addresses.add(item)
                 self.module_ids.add(id(modules[item]))
+                self.selected_modules[id(modules[item])] = modules[item]
             elif address in modules and call.isdigit():  # a module call label: that call's output op
                 self.call_labels.add(item)
                 self.module_ids.add(id(modules[address]))
+                self.selected_modules[id(modules[address])] = modules[address]
             elif _LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")):
                 self.labels.add(item)
             else:
@@ -134,6 +141,45 @@ class SavePolicy:
             if trace.kinds[i] == Kind.OUTPUT and (trace.op_parents[i][0][1] in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
         trace.keep_activations(kept)
+
+
+class SelectedModuleOutputs:
+    """Forward hooks on the modules a ``save=`` selection names, for one trace: a module's output op is saved
+    for that module, but the op may have run outside it (``nn.Identity`` returns its input, a module may
+    return a tensor it was given or one it kept), where the during-forward selector never holds it.  Each
+    hook saves, as the call returns, the output tensors whose producer was not saved yet; only the selected
+    modules get one, so a trace without a module selection costs nothing."""
+
+    def __init__(self, state, policy, root):
+        self.state, self._handles = state, []
+        self.modules = [m for m in policy.selected_modules.values() if m is not root]
+
+    def __enter__(self):
+        st, owner = self.state, threading.get_ident()
+
+        def post_hook(module, args, output):
+            if output is None or threading.get_ident() != owner:
+                return None
+            with torch._C.DisableTorchFunction():  # reading tensors' properties must not re-enter capture
+                for _, t in tensor_leaves(output, attrs=True):
+                    entry = st.producers.get(id(t))
+                    # Bound to an op and not written since (through a view): still the value that op made.
+                    if entry is not None and entry[1] not in st.saved and is_bound(entry, t) and \
+                            entry[2] == version_of(t):
+                        st.save(entry[1], t, t.requires_grad)
+            return None
+
+        try:
+            for module in self.modules:
+                self._handles.append(module.register_forward_hook(post_hook))
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        remove_handles(self._handles)
+        return False
 
 
 def _modules_by_address(model, index) -> dict:

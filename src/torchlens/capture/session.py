@@ -33,7 +33,7 @@ from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
 from .packing import PackLog, packing_observed
 from .restore import module_run_by
-from .saving import SavePolicy
+from .saving import SavePolicy, SelectedModuleOutputs
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, INPUT, CaptureState, StopForward, warn_mutated
 from .teardown import Capture, ModeOnStack, leftovers, restore_torch_function_state, torch_function_state
@@ -123,6 +123,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if runtime is not None and runtime.module_sites:
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
+    if policy.mode == 2 and policy.selected_modules:  # module outputs an op outside them made (nn.Identity)
+        parts = (*parts[:-1], SelectedModuleOutputs(state, policy, model if root is model else None), parts[-1])
     if state.grads is not None:  # a custom autograd Function's outputs get their backward node late
         parts = (function_outputs(state, state.grads), *parts)
     if submodules is not None:
