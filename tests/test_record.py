@@ -347,6 +347,26 @@ def test_params_and_buffers_records():
     assert weight.op_labels == ["linear_1_1:1", "linear_1_1:2", "linear_1_1:3"]
 
 
+class _SquaresItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return torch.addmm(x @ self.w, self.w, self.w)  # one op passing the parameter twice
+
+
+def test_a_parameter_passed_twice_to_one_op_lists_that_op_once(tmp_path):
+    log = tl.trace(_SquaresItsWeight(), torch.randn(4, 4))
+    addmm = next(op for op in log if op.type == "addmm")
+    assert addmm.params == ("w", "w")  # each argument position that holds it
+    (weight,) = log.params
+    users = [op.label for op in log if "w" in op.params]
+    assert weight.op_labels == users == ["matmul_1_1:1", "addmm_1_2:1"] and "used by 2 ops" in repr(weight)
+    log.save(tmp_path / "t.tl")
+    assert tl.load(tmp_path / "t.tl").params[0].op_labels == users
+
+
 def test_save_a_module_call_label_keeps_that_calls_output():
     log = tl.trace(SharedModule().eval(), torch.randn(2, 8), save=["fc:2"])
     assert [op.label for op in log if op.has_activation] == ["linear_1_1:2"]

@@ -140,7 +140,7 @@ def build_params(trace, states) -> list:
         return []
     rows = {address: ParamRow(address, p.shape, p.dtype, p.requires_grad) for address, p in states}
     for op_index, addresses in trace._param_addresses.items():
-        for address in addresses:
+        for address in dict.fromkeys(addresses):  # an op passing one parameter twice uses it once
             if address in rows:
                 rows[address].users.append(op_index)
     return list(rows.values())
