@@ -323,3 +323,24 @@ def test_an_action_changing_dtype_at_a_predicate_site_names_the_op_and_the_way_o
         tl.trace(Positions(), x, intervene={(lambda op: True): tl.scale(2.0)})
     floats = tl.trace(Positions(), x, intervene={(lambda op: op.dtype.is_floating_point): tl.scale(2.0)})
     assert torch.equal(floats.output, 2 * (x + torch.arange(4)))
+
+
+class _LinearNamedLikeALabel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.linear_1_1 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear_1_1(self.first(x).relu())
+
+
+def test_a_module_site_whose_address_is_a_label_of_other_ops_is_refused(tmp_path):
+    # linear_1_1 is both the module and the label of first's linear: which one the user meant is unknowable.
+    model, x = _LinearNamedLikeALabel(), torch.randn(2, 4)
+    with pytest.raises(tl.errors.AmbiguousKey, match="intervention site 'linear_1_1' names two things"):
+        tl.trace(model, x, intervene={"linear_1_1": tl.zero_ablate()})
+    with pytest.raises(tl.errors.AmbiguousKey, match="layers= entry 'linear_1_1' names two things"):
+        tl.extract(model, [x], ["linear_1_1"], str(tmp_path / "out"), progress=False)
+    # A site naming only one of them still edits it, as forward hooks would.
+    log = tl.trace(model, x, intervene={lambda op: op.module_address == "linear_1_1": tl.zero_ablate()})
+    assert not log.output.any()

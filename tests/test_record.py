@@ -435,3 +435,42 @@ def test_saving_a_module_whose_output_an_op_outside_it_made_keeps_that_output(en
     assert produced == "linear_1_1:1"
     assert [op.label for op in log if op.has_activation] == [produced]
     assert torch.equal(log[entry].activation, seen[0])
+
+
+class _NamedLikeLabels(nn.Module):
+    """Modules named like labels: ``linear_1_1`` is not the first linear to run, ``relu_1_2`` is the op it names."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleDict({"first": nn.Linear(4, 4), "relu_1_2": nn.ReLU()})
+        self.linear_1_1 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear_1_1(self.heads["relu_1_2"](self.heads["first"](x)))
+
+
+def test_a_module_named_like_a_label_of_other_ops_is_refused_not_confused(tmp_path):
+    model, x = _NamedLikeLabels(), torch.randn(2, 4)
+    seen = {}  # what each module returned, by plain forward hooks on an untraced forward
+    handles = [model.get_submodule(address).register_forward_hook(
+        lambda m, a, out, address=address: seen.update({address: out.detach()}))
+        for address in ("heads.first", "linear_1_1")]
+    with torch.no_grad():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    log = tl.trace(model, x)
+    assert torch.equal(log.layers_by_label["linear_1_1"].ops[0].activation, seen["heads.first"])
+    (made,) = next(c for c in log.module_calls if c.address == "linear_1_1").output_ops
+    for key in ("linear_1_1", "linear_1_1:1"):  # the layer and op of heads.first, and the module linear_1_1
+        assert key in log
+        with pytest.raises(tl.errors.AmbiguousKey, match=rf"names two things .* log\['{made}'\]"):
+            log[key]
+        with pytest.raises(tl.errors.AmbiguousKey, match=f"save= entry '{key}' names two things"):
+            tl.trace(model, x, save=[key])
+    assert torch.equal(log[made].activation, seen["linear_1_1"])
+    # Where both readings name the same op, the key answers: the ReLU module relu_1_2 made the op relu_1_2:1.
+    assert log["heads.relu_1_2"].label == log["relu_1_2:1"].label == "relu_1_2:1"
+    log.save(tmp_path / "t.tl")
+    with pytest.raises(tl.errors.AmbiguousKey):
+        tl.load(tmp_path / "t.tl")["linear_1_1"]

@@ -61,6 +61,13 @@ class UnmatchedSelection(TorchlensError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class AmbiguousKey(TorchlensError, KeyError):
+    """A key names two different things in a trace (a module named like a label: ``linear_1_1``)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 # ----- gradients and interventions ----------------------------------------------------------------
 class GradientUnavailable(TorchlensError):
     """A gradient was asked for that autograd never computes or the trace was not set up to receive."""

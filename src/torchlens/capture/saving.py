@@ -18,6 +18,7 @@ import torch
 from ..errors import UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
+from ..record.lookup import refuse_ambiguous
 from ..tree import tensor_leaves
 from .state import is_bound, version_of
 from .teardown import remove_handles
@@ -114,6 +115,9 @@ class SavePolicy:
         stopped early (``stopped_after``, the stop site) is named: what comes after the stop never ran."""
         if not (self.labels or self.types or self.addresses or self.call_labels):
             return  # "all", "none" or a predicate: nothing to match
+        for entry in sorted(self.addresses | self.call_labels):
+            if _LABEL.match(entry):  # a module named like a label: refused where the label names other ops
+                refuse_ambiguous(trace, entry, f"{option}= entry ")
         known = {op.label for op in trace.ops} | {op.layer_label for op in trace.ops}
         types = {op.type for op in trace.ops}
         called = {a for mc in trace.module_calls for a in mc.module.all_addresses}

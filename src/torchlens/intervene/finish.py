@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from ..errors import InterventionError, first_few, warn_user
 from ..record.columns import Kind
+from ..record.lookup import refuse_ambiguous
 from ..record.op import Layer
+from .sites import _LABEL
 from .runtime import Interventions
 
 
 def finish_interventions(runtime: Interventions, trace) -> None:
     """Attach what was applied to the finished trace; a site the forward never reached is an error."""
     runtime.attach(trace)
+    for site in runtime.module_sites:
+        if _LABEL.match(site.key):  # a module named like a label: refused where the label names other ops
+            refuse_ambiguous(trace, site.key, "intervention site ")
     if runtime.stopped_at is not None:
         trace.stopped_after = runtime.stopped_at
         if runtime.reference is not None:

@@ -224,16 +224,16 @@ def _save_targets(model, layers) -> list:
 def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None, root=None) -> list:
     from ..capture.session import trace
 
-    from ..errors import UnmatchedSelection
+    from ..errors import AmbiguousKey, UnmatchedSelection
 
     targets = _save_targets(root if root is not None else model, layers)
     try:
         log = trace(model, args, kwargs, save=targets, stop_after=stop_after,
                     grads=targets if grads is not None else False, root=root)
-    except UnmatchedSelection as exc:
+    except (UnmatchedSelection, AmbiguousKey) as exc:
         # (the trace names its save= selection, which is this call's layers=)
-        raise UnmatchedSelection(f"batch {position}: " + str(exc).replace("save= matched", "layers= matched", 1)) \
-            from None
+        said = str(exc).replace("save= matched", "layers= matched", 1).replace("save= entry", "layers= entry", 1)
+        raise type(exc)(f"batch {position}: {said}") from None
     try:
         if grads is not None:
             backward_through(log, *grads, position, root if root is not None else model)

@@ -16,6 +16,7 @@ from . import grads as _grads
 from . import tables
 from .derived import Derived as _Derived
 from .layouts import memory_freed
+from .lookup import Ambiguous, build_lookup, raise_ambiguous
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
@@ -411,34 +412,6 @@ class Trace(TraceColumns):
         return self._children_col
 
     # ----- indexing ------------------------------------------------------------------------------
-    def _build_lookup(self) -> dict:
-        """Key -> (view class, key of the view): plain data, so that the lookup holds no view.
-
-        Keys are claimed in order of precedence: op and layer labels, then module call labels and module
-        addresses (a module named ``output`` or ``input`` is found by its name), then the inputs' and
-        outputs' paths (``input.x``, ``output``).  A module call that returned no tensor is the
-        ``ModuleCall`` itself, as a module none of whose calls did is the ``Module``."""
-        lookup: dict = {label: (Layer, label) for label in self._layer_index()}
-        for i, label in enumerate(self._labels):
-            lookup[label] = (Op, i)
-        rows, modules = self._call_rows, self._module_rows
-        for k, row in enumerate(rows):
-            outs = [i for i in row.outputs if i >= 0]
-            target = (Op, outs[-1]) if outs else (ModuleCall, k)
-            lookup.setdefault(f"{modules[row.module].address}:{row.number}", target)
-        for m, module in enumerate(modules):
-            target = (Module, m)
-            if len(module.calls) == 1:
-                outs = [i for i in rows[module.calls[0]].outputs if i >= 0]
-                target = (Op, outs[-1]) if outs else target
-            for address in module.all_addresses:
-                lookup.setdefault(address, target)
-        kind = self._kind
-        for i, path in self._io.items():
-            if kind[i] != Kind.BUFFER:
-                lookup.setdefault(path, (Op, i))
-        return lookup
-
     def __getitem__(self, key):
         if isinstance(key, bool):  # an int to Python, but never meant as op 0 or op 1
             raise TypeError(f"index a trace with a label string, an int or a slice, not a bool ({key!r})")
@@ -449,16 +422,24 @@ class Trace(TraceColumns):
             return self.ops[key]
         if not isinstance(key, str):
             raise TypeError(f"index a trace with a label string, an int or a slice, not {type(key).__name__}")
-        if self._lookup is None:
-            self._lookup = self._build_lookup()
-        found = self._lookup.get(key)
+        found = self._keys().get(key)
         if found is None:
             raise KeyError(f"no op, layer, module call or module named {key!r} in this trace"
                            f"{closest_hint(key, self._lookup)}")
+        if type(found) is Ambiguous:
+            raise_ambiguous(self, key, found)
         view, view_key = found
         return view(self, view_key)
 
+    def _keys(self) -> dict:
+        """Every string key -> what it names (record/lookup.py), built on first use."""
+        if self._lookup is None:
+            self._lookup = build_lookup(self)
+        return self._lookup
+
     def __contains__(self, key) -> bool:
+        if type(key) is str:  # a key naming two things is in the trace too, though log[key] refuses it
+            return key in self._keys()
         try:
             self[key]
         except (KeyError, IndexError, TypeError):

@@ -1,0 +1,111 @@
+"""Which record each string key of a trace names (``log[key]``), and the keys that name two things.
+
+Keys are claimed in order of precedence: op and layer labels, then module call labels and module addresses
+(a module named ``output`` or ``input`` is found by its name), then the inputs' and outputs' paths
+(``input.x``, ``output``).  A module call that returned no tensor is the ``ModuleCall`` itself, as a module
+none of whose calls did is the ``Module``.
+
+A module may be named like a label (``self.linear_1_1 = nn.Linear(...)``, or a ``ModuleDict`` key): its
+address or call label is then also an op or layer label.  When both readings name the same ops (the
+module's output is that layer) the label's record answers; when they name different ops the key is
+ambiguous and answers with ``AmbiguousKey``, naming both and where each is found, never one of them
+quietly.
+"""
+
+from __future__ import annotations
+
+from ..errors import AmbiguousKey
+from .columns import Kind
+from .modules import Module, ModuleCall
+from .op import Layer, Op
+
+
+class Ambiguous:
+    """A key two different records claim: ``(view class, key)`` of each, the label's first."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+def build_lookup(trace) -> dict:
+    """Key -> ``(view class, key of the view)`` or ``Ambiguous``: plain data, so that the lookup holds no view."""
+    layers = trace._layer_index()
+    lookup: dict = {label: (Layer, label) for label in layers}
+    for i, label in enumerate(trace._labels):
+        lookup[label] = (Op, i)
+    rows, modules = trace._call_rows, trace._module_rows
+    last_output = [next((i for i in reversed(row.outputs) if i >= 0), -1) for row in rows]
+    for k, row in enumerate(rows):
+        out = last_output[k]
+        target = (Op, out) if out >= 0 else (ModuleCall, k)
+        _claim(lookup, f"{modules[row.module].address}:{row.number}", target, {out} - {-1}, layers)
+    for m, module in enumerate(modules):
+        target = (Module, m)
+        if len(module.calls) == 1:
+            out = last_output[module.calls[0]]
+            target = (Op, out) if out >= 0 else target
+        outputs = {last_output[c] for c in module.calls} - {-1}
+        for address in module.all_addresses:
+            _claim(lookup, address, target, outputs, layers)
+    kind = trace._kind
+    for i, path in trace._io.items():
+        if kind[i] != Kind.BUFFER:
+            lookup.setdefault(path, (Op, i))
+    return lookup
+
+
+def _claim(lookup: dict, key: str, target: tuple, ops: set, layers: dict) -> None:
+    """Give ``key`` to a module call's or module's ``target`` (whose output ops are ``ops``), unless a label
+    holds it: both reading the same ops, the label keeps it; reading different ops, it is ambiguous."""
+    held = lookup.get(key)
+    if held is None:
+        lookup[key] = target
+    elif type(held) is not Ambiguous and held != target and _ops_of(held, layers) != ops:
+        lookup[key] = Ambiguous(held, target)
+
+
+def _ops_of(target: tuple, layers: dict) -> set:
+    view, key = target
+    if view is Op:
+        return {key}
+    if view is Layer:
+        return set(layers[key])
+    return set()  # a ModuleCall or Module that returned no tensor (a Module claiming first: never here)
+
+
+def ambiguity(trace, key: str, found: Ambiguous) -> str:
+    """What ``key`` names twice, and how to read each."""
+    first, second = (_described(trace, key, target) for target in (found.first, found.second))
+    return (f"{key!r} names two things in this trace: {first[0]} and {second[0]} (a module named like a label); "
+            f"read them as {first[1]} and {second[1]}, or rename the module")
+
+
+def refuse_ambiguous(trace, key: str, role: str = "", instead: str = "") -> None:
+    """Raise ``AmbiguousKey`` when ``key`` (a ``save=`` entry, an intervention site: ``role``) names two
+    different things in ``trace``; ``instead`` says what to pass in its place."""
+    found = trace._keys().get(key)
+    if type(found) is Ambiguous:
+        raise AmbiguousKey(f"{role}{ambiguity(trace, key, found)}{instead or _PREDICATE}")
+
+
+_PREDICATE = "; to select by something else, pass a predicate over ops (lambda op: ...)"
+
+
+def _described(trace, key: str, target: tuple) -> tuple:
+    view, index = target
+    if view is Layer:
+        return f"the layer {index}", f"log.layers_by_label[{index!r}]"
+    if view is ModuleCall:
+        return f"the module call {key} (no tensor returned)", f"log.module_calls[{index}]"
+    if view is Module:
+        return f"the module {trace._module_rows[index].address}", f"log.modules[{index}]"
+    label = trace._labels[index]
+    if label == key:
+        return f"the op {label}", f"log.ops[{index}]"
+    return f"the output op of {key} ({label})", f"log[{label!r}]"
+
+
+def raise_ambiguous(trace, key: str, found: Ambiguous):
+    raise AmbiguousKey(ambiguity(trace, key, found))
