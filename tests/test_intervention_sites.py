@@ -344,3 +344,35 @@ def test_a_module_site_whose_address_is_a_label_of_other_ops_is_refused(tmp_path
     # A site naming only one of them still edits it, as forward hooks would.
     log = tl.trace(model, x, intervene={lambda op: op.module_address == "linear_1_1": tl.zero_ablate()})
     assert not log.output.any()
+
+
+class _SharedByTwoParents(nn.Module):
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(4, 4)
+        self.p1, self.p2 = nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared, nn.Tanh())
+
+    def forward(self, x):
+        return self.p2(self.p1(x))
+
+
+def test_a_call_number_after_a_modules_name_under_another_parent_is_refused():
+    # p2.0 is p1.0, whose calls are numbered per object: "p2.0:1" would edit the call made from p1.
+    model, x = _SharedByTwoParents(), torch.randn(2, 4)
+    with pytest.raises(tl.InterventionError, match=r"'p2.0:1': p2.0 is another name of the module p1.0, .* p1.0:N"):
+        tl.trace(model, x, intervene={"p2.0:1": tl.zero_ablate()})
+    log = tl.trace(model, x)
+    with pytest.raises(KeyError, match=r"p2.0 is another name of the module p1.0.*the calls made from p2: p1.0:2"):
+        log["p2.0:1"]
+    with pytest.raises(KeyError, match=r"p2.0 is another name of the module p1.0"):
+        tl.trace(model, x, save=["p2.0:1"])
+    # The call made from p2 by its label, as a forward hook sees it; the alias alone still names every call.
+    seen = []
+    handle = model.p2[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    try:
+        edited = tl.trace(model, x, intervene={"p1.0:2": tl.zero_ablate()})
+    finally:
+        handle.remove()
+    assert not seen[-1].any() and torch.equal(edited.output, torch.zeros(2, 4))
+    both = tl.trace(model, x, intervene={"p2.0": tl.zero_ablate()})
+    assert [op.activation.any().item() for op in both if op.type == "linear"] == [False, False]

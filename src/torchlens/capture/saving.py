@@ -18,7 +18,7 @@ import torch
 from ..errors import UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
-from ..record.lookup import refuse_ambiguous
+from ..record.lookup import alias_note, refuse_ambiguous
 from ..tree import tensor_leaves
 from .state import is_bound, version_of
 from .teardown import remove_handles
@@ -127,7 +127,7 @@ class SavePolicy:
         if missing:
             entry = missing[0]
             names = sorted(known | types | called | calls)
-            hint = closest_hint(entry, names) + _module_class_hint(trace, entry)
+            hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry)
             ran = " (that module exists but never ran in this forward)" if entry in self.addresses else ""
             if stopped_after is not None:
                 ran += f" (the forward stopped after {stopped_after}, as stop_after= asked: what follows never ran)"

@@ -138,6 +138,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
         elif address in modules and number.isdigit():
             if int(number) < 1:
                 raise KeyError(f"module call {key!r}: calls are numbered from 1")
+            _refuse_alias_call(key, address, modules)
             module_sites.append(ModuleSite(key, action, address, modules[address], int(number), stop))
         elif _LABEL.match(key):
             pending.append((key, action, stop))
@@ -182,6 +183,23 @@ def _site_modules(model) -> tuple:
             if in_place_here or traced != address:
                 compiled.setdefault(traced, holder)
     return modules, compiled
+
+
+def _refuse_alias_call(key: str, address: str, modules: dict) -> None:
+    """A call number after a module's second name under another parent (one module object shared by two
+    parents) would count the object's calls from wherever they were made, not those made under that name:
+    ``p2.shared:1`` would edit the call made from ``p1``.  Refused, saying how calls are named."""
+    module = modules[address]
+    first = next(name for name, m in modules.items() if m is module)
+    first = ".".join(part for part in first.split(".") if part != _WRAPPED)
+    named = ".".join(part for part in address.split(".") if part != _WRAPPED)
+    # Two names under one parent (self.b = self.a) count the same calls: only another parent is refused.
+    if first.rpartition(".")[0] != named.rpartition(".")[0]:
+        raise InterventionError(
+            f"intervention site {key!r}: {address} is another name of the module {first}, whose calls are numbered "
+            f"per module object, wherever they were made from, and labelled {first}:1, {first}:2, ...; name the "
+            f"call as {first}:N (a trace's module_calls show which call ran where), or give the address "
+            f"{address!r} alone to change every call")
 
 
 def _refuse_scripted(key: str, address: str, modules: dict) -> None:

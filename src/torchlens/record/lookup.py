@@ -107,5 +107,25 @@ def _described(trace, key: str, target: tuple) -> tuple:
     return f"the output op of {key} ({label})", f"log[{label!r}]"
 
 
+def alias_note(trace, key: str) -> str:
+    """For a missing ``address:n`` whose address is a module's second name (one module object registered
+    under two names, or shared by two parents): how its calls are numbered and labelled instead."""
+    address, _, number = key.rpartition(":")
+    if not number.isdigit():
+        return ""
+    rows, calls = trace._module_rows, trace._call_rows
+    for row in rows:
+        if address in row.all_addresses[1:]:
+            labels = [f"{row.address}:{calls[c].number}" for c in row.calls]
+            parent = address.rpartition(".")[0]
+            under = [f"{row.address}:{calls[c].number}" for c in row.calls
+                     if calls[c].parent >= 0 and parent in rows[calls[calls[c].parent].module].all_addresses]
+            where = f"; the calls made from {parent}: {', '.join(under)}" if under and parent else ""
+            return (f"; {address} is another name of the module {row.address}, whose calls are numbered per module "
+                    f"object and labelled by its first name: {', '.join(labels[:6])}"
+                    f"{', ...' if len(labels) > 6 else ''}{where}")
+    return ""
+
+
 def raise_ambiguous(trace, key: str, found: Ambiguous):
     raise AmbiguousKey(ambiguity(trace, key, found))
