@@ -474,3 +474,35 @@ def test_a_module_named_like_a_label_of_other_ops_is_refused_not_confused(tmp_pa
     log.save(tmp_path / "t.tl")
     with pytest.raises(tl.errors.AmbiguousKey):
         tl.load(tmp_path / "t.tl")["linear_1_1"]
+
+
+class _RootReLU(nn.Module):
+    """A root-level ``self.relu`` beside relu ops of other modules (as in torchvision's ResNet)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.relu, self.block = nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, x):
+        return torch.relu(self.block(self.relu(self.stem(x))))
+
+
+def test_a_module_named_like_an_op_type_is_refused_where_that_type_has_other_ops(tmp_path):
+    model, x = _RootReLU(), torch.randn(2, 4)
+    relus = [op.label for op in tl.trace(model, x) if op.type == "relu"]
+    assert len(relus) == 3
+    with pytest.raises(tl.errors.AmbiguousKey, match=r"save= entry 'relu' names two things .* \(3 ops"):
+        tl.trace(model, x, save=["relu"])
+    by_type = tl.trace(model, x, save=lambda op: op.type == "relu")
+    assert [op.label for op in by_type if op.has_activation] == relus + ["output_1:1"]  # it shows the last relu
+    # The module alone, by its call label; and in tl.extract, whose layers= take no op types, by its address.
+    assert [op.label for op in tl.trace(model, x, save=["relu:1"]) if op.has_activation] == relus[:1]
+    tl.extract(model, [x], ["relu"], str(tmp_path / "out"), progress=False)
+    with torch.no_grad():
+        expected = model.relu(model.stem(x))
+    assert torch.equal(torch.as_tensor(tl.load_extracted(str(tmp_path / "out"))["relu"]), expected)
+    # A module that makes every op of its type's name is no second reading: nn.Sequential(..., nn.ReLU()) named relu.
+    only = nn.Sequential()
+    only.add_module("fc", nn.Linear(4, 4))
+    only.add_module("relu", nn.ReLU())
+    assert [op.label for op in tl.trace(only, x, save=["relu"]) if op.has_activation] == ["relu_1_2:1", "output_1:1"]

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from ..errors import UnmatchedSelection, closest_hint
+from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
@@ -34,6 +34,7 @@ class SavePolicy:
         self.labels = self.types = self.module_ids = self.addresses = self.call_labels = _NOTHING
         self.type_entries: dict = {}  # normalized op type -> the entry as written
         self.selected_modules: dict = {}  # id(module) -> module, for each module a selection names
+        self.shadowed_types: dict = {}  # module address entry -> the op type it also reads as (save=["relu"])
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
@@ -41,7 +42,7 @@ class SavePolicy:
         elif callable(save):
             self.mode, self.predicate = 1, save
         elif isinstance(save, (list, tuple, set, frozenset)):
-            self._parse_selection(list(save), model, index)
+            self._parse_selection(save if isinstance(save, LayerSelection) else list(save), model, index)
         else:
             raise ValueError(
                 f"save={save!r} is not understood: use 'all', 'none', a list of labels / module "
@@ -50,6 +51,7 @@ class SavePolicy:
 
     def _parse_selection(self, items, model, index=None):
         modules = _modules_by_address(model, index)
+        types_too = not isinstance(items, LayerSelection)  # tl.extract's layers= name no op types
         self.labels, self.types, self.module_ids, self.addresses, self.call_labels = set(), set(), set(), set(), set()
         for item in items:
             if not isinstance(item, str):
@@ -59,6 +61,8 @@ class SavePolicy:
                 self.addresses.add(item)
                 self.module_ids.add(id(modules[item]))
                 self.selected_modules[id(modules[item])] = modules[item]
+                if types_too and "." not in item:
+                    self.shadowed_types[item] = item.lower().replace("_", "")
             elif address in modules and call.isdigit():  # a module call label: that call's output op
                 self.call_labels.add(item)
                 self.module_ids.add(id(modules[address]))
@@ -118,6 +122,8 @@ class SavePolicy:
         for entry in sorted(self.addresses | self.call_labels):
             if _LABEL.match(entry):  # a module named like a label: refused where the label names other ops
                 refuse_ambiguous(trace, entry, f"{option}= entry ")
+        for entry, op_type in self.shadowed_types.items():
+            _refuse_a_module_read_as_a_type(trace, entry, op_type, option)
         known = {op.label for op in trace.ops} | {op.layer_label for op in trace.ops}
         types = {op.type for op in trace.ops}
         called = {a for mc in trace.module_calls for a in mc.module.all_addresses}
@@ -184,6 +190,29 @@ class SelectedModuleOutputs:
     def __exit__(self, *exc):
         remove_handles(self._handles)
         return False
+
+
+class LayerSelection(list):
+    """A ``save=`` list whose entries are labels and module addresses only, never op types (``tl.extract``'s
+    ``layers=``): a module named like an op type (``relu``) is the module, with no second reading."""
+
+
+def _refuse_a_module_read_as_a_type(trace, entry: str, op_type: str, option: str) -> None:
+    """An entry naming a module and an op type (``self.relu = nn.ReLU()`` beside other ``relu`` ops) is selected
+    as the module; refused when the type's ops are not exactly the module's outputs, which would be kept alone."""
+    kinds = trace.kinds
+    typed = [i for i, t in enumerate(trace.op_types) if t == op_type and kinds[i] == Kind.OP]
+    if not typed:
+        return
+    outputs = {i for mc in trace.module_calls if entry in mc.module.all_addresses for i in mc._output_nodes if i >= 0}
+    if set(typed) == outputs:
+        return
+    labels = trace.labels
+    shown = ", ".join(labels[i] for i in typed[:4]) + (", ..." if len(typed) > 4 else "")
+    raise AmbiguousKey(f"{option}= entry {entry!r} names two things in this trace: the module {entry} (its output "
+                       f"ops) and the op type {op_type} ({len(typed)} ops: {shown}); select the module by its call "
+                       f"labels ({entry}:1, ...) or the type with a predicate ({option}=lambda op: op.type == "
+                       f"{op_type!r})")
 
 
 def _modules_by_address(model, index) -> dict:

@@ -214,7 +214,9 @@ def _batch_rows(args, named=None):
 
 def _save_targets(model, layers) -> list:
     modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
-    targets = []
+    from ..capture.saving import LayerSelection
+
+    targets = LayerSelection()  # labels and modules: a module named relu is no op type here
     for name in layers:
         prefix = name.rsplit(":", 1)[0]
         targets.append(prefix if ":" in name and prefix in modules else name)
