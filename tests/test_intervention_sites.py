@@ -295,7 +295,11 @@ def test_a_module_site_may_use_an_alias_address():
     by_name = tl.trace(model, x, intervene={"0": tl.zero_ablate()})
     assert torch.equal(by_alias.output, by_name.output) and torch.equal(by_alias.output, torch.zeros(2, 4))
     clean = tl.trace(model, x * 2)
-    patched = tl.trace(model, x, intervene={"alias:1": tl.patch_from(clean)})
+    # nn.Sequential runs the Linear twice, as "0" and as "alias": calls are numbered per object, so "alias:1"
+    # would be the call made as "0".  Refused; the call made as "alias" is the object's second, "0:2".
+    with pytest.raises(tl.InterventionError, match=r"'alias:1': alias is another name of the module 0, which ran 2"):
+        tl.trace(model, x, intervene={"alias:1": tl.patch_from(clean)})
+    patched = tl.trace(model, x, intervene={"0:2": tl.patch_from(clean)})
     assert torch.equal(patched.output, clean.output)
 
 
@@ -358,6 +362,7 @@ class _SharedByTwoParents(nn.Module):
 
 def test_a_call_number_after_a_modules_name_under_another_parent_is_refused():
     # p2.0 is p1.0, whose calls are numbered per object: "p2.0:1" would edit the call made from p1.
+    # Refused before the run (under another parent); one parent's second name is refused after it (see above).
     model, x = _SharedByTwoParents(), torch.randn(2, 4)
     with pytest.raises(tl.InterventionError, match=r"'p2.0:1': p2.0 is another name of the module p1.0, .* p1.0:N"):
         tl.trace(model, x, intervene={"p2.0:1": tl.zero_ablate()})
@@ -376,3 +381,25 @@ def test_a_call_number_after_a_modules_name_under_another_parent_is_refused():
     assert not seen[-1].any() and torch.equal(edited.output, torch.zeros(2, 4))
     both = tl.trace(model, x, intervene={"p2.0": tl.zero_ablate()})
     assert [op.activation.any().item() for op in both if op.type == "linear"] == [False, False]
+
+
+class _OneBlockThreeTimes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4)] * 3)  # one block under three names, as weight-tied layers
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x
+
+
+def test_a_call_number_after_a_second_name_of_a_module_run_several_times_is_refused():
+    model, x = _OneBlockThreeTimes(), torch.randn(2, 4)
+    with pytest.raises(tl.InterventionError, match=r"'layers.2:1': layers.2 is another name of the module layers.0, "
+                                                   r"which ran 3 times; .* layers.0:1, layers.0:2, layers.0:3"):
+        tl.trace(model, x, intervene={"layers.2:1": tl.zero_ablate()})
+    # The third call by its label: what a hook on that call sees after the edit, and the forward's output.
+    edited = tl.trace(model, x, intervene={"layers.0:3": tl.zero_ablate()})
+    assert [op.activation.any().item() for op in edited if op.type == "linear"] == [True, True, False]
+    assert not edited.output.any()

@@ -20,6 +20,8 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     for site in runtime.module_sites:
         if _LABEL.match(site.key):  # a module named like a label: refused where the label names other ops
             refuse_ambiguous(trace, site.key, "intervention site ")
+        if site.call_number is not None:
+            _refuse_a_call_of_a_second_name(trace, site)
     if runtime.stopped_at is not None:
         trace.stopped_after = runtime.stopped_at
         if runtime.reference is not None:
@@ -34,6 +36,21 @@ def finish_interventions(runtime: Interventions, trace) -> None:
                                 "module call (a module call number past its last call, or control flow that skipped "
                                 f"it); nothing was changed there.{runtime._written_note()}")
     _refuse_ops_past_the_reference(runtime, trace)
+
+
+def _refuse_a_call_of_a_second_name(trace, site) -> None:
+    """``layers.3:1`` where ``layers.3`` is a second name of a module called several times (``nn.ModuleList([block]
+    * 4)``): calls are numbered per module object, so the number counted every call, through whichever name it
+    was made; which of them the name meant is unknowable.  (A second name under another parent is refused
+    before the run: intervene/sites.py.)"""
+    module = next((m for m in trace.modules if site.address in m.all_addresses), None)
+    if module is None or module.address == site.address or module.num_calls < 2:
+        return
+    raise InterventionError(
+        f"intervention site {site.key!r}: {site.address} is another name of the module {module.address}, which ran "
+        f"{module.num_calls} times; its calls are numbered per module object, whichever name made them, and labelled "
+        f"{', '.join(module.call_labels[:4])}{', ...' if module.num_calls > 4 else ''}: name the call by one of "
+        f"those labels, or give the address {site.address!r} alone to change every call")
 
 
 def _refuse_a_run_that_ended_before_some_ops(runtime: Interventions, unmet: list) -> None:
