@@ -506,3 +506,12 @@ def test_a_module_named_like_an_op_type_is_refused_where_that_type_has_other_ops
     only.add_module("fc", nn.Linear(4, 4))
     only.add_module("relu", nn.ReLU())
     assert [op.label for op in tl.trace(only, x, save=["relu"]) if op.has_activation] == ["relu_1_2:1", "output_1:1"]
+
+
+def test_a_module_named_like_a_label_that_never_ran_is_not_said_to_be_missing():
+    model, x = _NamedLikeLabels(), torch.randn(2, 4)
+    model.forward = lambda x: model.heads["first"](x)  # linear_1_1, the module, never runs; the layer is there
+    assert "linear_1_1" in tl.trace(model, x)
+    for entry, field in (("linear_1_1", "layer_label"), ("linear_1_1:1", "label")):
+        with pytest.raises(tl.errors.AmbiguousKey, match=rf"module linear_1_1 .* never ran .* op.{field} =="):
+            tl.trace(model, x, save=[entry])

@@ -132,6 +132,12 @@ class SavePolicy:
         missing += sorted(self.addresses - called) + sorted(self.call_labels - calls)
         if missing:
             entry = missing[0]
+            if entry in known:  # a module named like a label that never ran: the label is in the trace
+                raise AmbiguousKey(f"{option}= entry {entry!r} names the module {entry.rpartition(':')[0] or entry} "
+                                   f"(or one of its calls), which never ran in this forward, and the "
+                                   f"{'op' if ':' in entry else 'layer'} {entry} of this trace; {option}= took the "
+                                   f"module: select the label with a predicate ({option}=lambda op: "
+                                   f"op.{'label' if ':' in entry else 'layer_label'} == {entry!r})")
             names = sorted(known | types | called | calls)
             hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry)
             ran = " (that module exists but never ran in this forward)" if entry in self.addresses else ""
