@@ -469,6 +469,8 @@ def test_a_module_named_like_a_label_of_other_ops_is_refused_not_confused(tmp_pa
         with pytest.raises(tl.errors.AmbiguousKey, match=f"save= entry '{key}' names two things"):
             tl.trace(model, x, save=[key])
     assert torch.equal(log[made].activation, seen["linear_1_1"])
+    # The labels the trace hands out still read where it reads them itself (the notebook view's module calls).
+    assert made in log._repr_html_()
     # Where both readings name the same op, the key answers: the ReLU module relu_1_2 made the op relu_1_2:1.
     assert log["heads.relu_1_2"].label == log["relu_1_2:1"].label == "relu_1_2:1"
     log.save(tmp_path / "t.tl")

@@ -207,7 +207,7 @@ def source_value(trace, op, who: str) -> torch.Tensor:
         if call is not None and output_index < len(call._output_nodes) and call._output_nodes[output_index] >= 0:
             found = trace.ops[call._output_nodes[output_index]]
     elif label in trace:
-        found = trace[label]
+        found = trace._by_label(label)
     if found is None or not hasattr(found, "activation"):
         raise KeyError(f"{who}: the source trace has no op at {label!r}; it must come from the same model "
                        "run on inputs taking the same path")

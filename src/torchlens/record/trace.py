@@ -431,6 +431,17 @@ class Trace(TraceColumns):
         view, view_key = found
         return view(self, view_key)
 
+    def _by_label(self, label: str):
+        """The ``Op`` or ``Layer`` of a label this trace handed out (``parents``, ``output_ops``): what
+        ``log[label]`` reads, also where a module named like that label makes the key ambiguous."""
+        found = self._keys().get(label)
+        if type(found) is Ambiguous:
+            found = found.first  # the label's: labels claim their keys first
+        if found is None:
+            return self[label]  # raises, naming the closest keys
+        view, view_key = found
+        return view(self, view_key)
+
     def _keys(self) -> dict:
         """Every string key -> what it names (record/lookup.py), built on first use."""
         if self._lookup is None:

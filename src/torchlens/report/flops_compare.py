@@ -354,7 +354,7 @@ def _uncounted_product_notes(log, ops, product_calls) -> list:
               if name not in _ATTENTION_FUNCTIONS and counted and any(counted.values()) and not any(native.values())]
     if not missed:
         return []
-    names = sorted({log[label].func_name for label in missed})
+    names = sorted({log._by_label(label).func_name for label in missed})
     shown = ", ".join(missed[:3]) + (" ..." if len(missed) > 3 else "")
     return [f"FlopCounterMode counted 0 inside these {', '.join(names)} calls: the ATen kernels they reach "
             "(such as aten.addbmm or aten.mv) have no entry in its flop registry. The native side is missing "
@@ -384,7 +384,7 @@ def _notes(log, tl_total, tl_families, native_families, attention_calls) -> list
         elif native_families[family] and not tl_families[family]:
             notes.append(f"{family}: counted by FlopCounterMode only (torchlens counted none of these ops)")
     if tl_total.unknown:
-        names = sorted({log[label].func_name for label in tl_total.unknown})
+        names = sorted({log._by_label(label).func_name for label in tl_total.unknown})
         notes.append(f"{len(tl_total.unknown)} captured ops have no torchlens formula ({', '.join(names)}): their "
                      "FLOPs are missing from the torchlens side, not zero")
     return notes

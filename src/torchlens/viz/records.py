@@ -162,7 +162,7 @@ class RecordBuilder:
 
     def _in_order(self, labels) -> list:
         """Distinct labels in execution order."""
-        return sorted(set(labels), key=lambda label: self.trace[label].index)
+        return sorted(set(labels), key=lambda label: self.trace._by_label(label).index)
 
     def group_record(self, group) -> dict:
         trace = self.trace
@@ -170,8 +170,8 @@ class RecordBuilder:
         first = calls[0]
         rec = {"label": group.label, "kind": "module", "class": group.class_name, "depth": group.depth,
                "calls": [c.label for c in calls], "ops": len(first.ops)}
-        rec["inputs"] = [f"{label} ({shape_text(trace[label].shape)})" for label in first.input_ops]
-        rec["outputs"] = [f"{label} ({shape_text(trace[label].shape)})" for label in first.output_ops]
+        rec["inputs"] = [f"{label} ({shape_text(trace._by_label(label).shape)})" for label in first.input_ops]
+        rec["outputs"] = [f"{label} ({shape_text(trace._by_label(label).shape)})" for label in first.output_ops]
         durations = [c.duration for c in calls if c.duration is not None]
         if durations:
             rec["duration"] = format_seconds(sum(durations)) + " (host, instrumented)"
