@@ -437,6 +437,13 @@ def test_saving_a_module_whose_output_an_op_outside_it_made_keeps_that_output(en
     assert torch.equal(log[entry].activation, seen[0])
 
 
+def test_a_selection_naming_a_torchscript_module_still_traces():
+    model, x = _PassesThrough().eval(), torch.randn(2, 4)
+    model.head = torch.jit.script(nn.Linear(4, 4))  # takes no forward hooks
+    log = tl.trace(model, x, save=["head", "ident"])
+    assert [op.label for op in log if op.has_activation] == ["linear_1_1:1"]
+
+
 class _NamedLikeLabels(nn.Module):
     """Modules named like labels: ``linear_1_1`` is not the first linear to run, ``relu_1_2`` is the op it names."""
 

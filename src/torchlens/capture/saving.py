@@ -168,7 +168,9 @@ class SelectedModuleOutputs:
 
     def __init__(self, state, policy, root):
         self.state, self._handles = state, []
-        self.modules = [m for m in policy.selected_modules.values() if m is not root]
+        # A TorchScript module takes no hooks, and no op of the trace makes its outputs (its ops run unseen).
+        self.modules = [m for m in policy.selected_modules.values()
+                        if m is not root and not isinstance(m, torch.jit.ScriptModule)]
 
     def __enter__(self):
         st, owner = self.state, threading.get_ident()
