@@ -524,3 +524,14 @@ def test_a_module_named_like_a_label_that_never_ran_is_not_said_to_be_missing():
     for entry, field in (("linear_1_1", "layer_label"), ("linear_1_1:1", "label")):
         with pytest.raises(tl.errors.AmbiguousKey, match=rf"module linear_1_1 .* never ran .* op.{field} =="):
             tl.trace(model, x, save=[entry])
+
+
+def test_a_module_inside_a_compiled_submodule_is_selected_by_the_address_the_trace_gives_it():
+    model, x = _PassesThrough().eval(), torch.randn(2, 4)
+    model.head = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.GELU()), backend="eager")
+    with pytest.warns(UserWarning):
+        log = tl.trace(model, x, save=["head.0"], compiled="eager")
+    (call,) = [c for c in log.module_calls if c.address == "head.0"]  # not head._orig_mod.0
+    assert [op.label for op in log if op.has_activation] == call.output_ops
+    with torch.no_grad():
+        assert torch.equal(log[call.label].activation, model.head._orig_mod[0](model.fc(x)))

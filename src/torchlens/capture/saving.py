@@ -227,9 +227,16 @@ def _modules_by_address(model, index) -> dict:
     """Address -> module for every address a trace answers to, a module's aliases included (one module
     registered under two names is ``log['a']`` and ``log['b']``, so either selects it).  The model's cached
     index knows them (no walk per trace); with a torch.compile wrapper the walk's own names are read, since
-    they also name the wrapped module ("x._orig_mod")."""
+    they also name the wrapped module ("x._orig_mod"), and so is the address a trace gives a module inside
+    it ("x.fc" for "x._orig_mod.fc"; the wrapper keeps "x")."""
     if index is None or index.wrappers:
-        return dict(model.named_modules(remove_duplicate=False)) if isinstance(model, torch.nn.Module) else {}
+        if not isinstance(model, torch.nn.Module):
+            return {}
+        modules = dict(model.named_modules(remove_duplicate=False))
+        for name, module in list(modules.items()):
+            if "_orig_mod" in name.split("."):
+                modules.setdefault(".".join(part for part in name.split(".") if part != "_orig_mod"), module)
+        return modules
     modules = dict(index.modules)
     for module in list(modules.values()):
         for alias in index.module_addresses.get(id(module), ())[1:]:
