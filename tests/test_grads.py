@@ -210,6 +210,28 @@ def test_save_none_and_selected_grads():
     assert [op.label for op in log if op.kind == "op" and op.grad is not None] == ["linear_2_3:1"]
 
 
+class _ThroughIdentity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ident, self.head = nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.ident(self.fc(x))).tanh()
+
+
+@pytest.mark.parametrize("selector", ["ident", "ident:1"])
+def test_selecting_a_module_whose_output_an_op_outside_it_made_keeps_that_gradient(selector):
+    # nn.Identity makes no op: its output's gradient is that of fc's op, which grads=["ident"] must keep.
+    model, x = _ThroughIdentity(), torch.randn(3, 4)
+    full = tl.trace(model, x, grads=True)
+    full.backward(full.output.sum())
+    log = tl.trace(model, x, grads=[selector])
+    log.backward(log.output.sum())
+    call = next(c for c in log.module_calls if c.address == "ident")
+    assert {op.label for op in log if op.kind == "op" and op.has_grad} == set(call.output_ops) == {"linear_1_1:1"}
+    assert torch.equal(call.grad, full["linear_1_1:1"].grad)
+
+
 @pytest.mark.parametrize("selector", ["output_1", "output_1:1", "output"])
 def test_selecting_the_output_keeps_its_gradient(selector):
     # An output node shows its producer's gradient: selecting the output must keep that one.

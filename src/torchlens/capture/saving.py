@@ -160,31 +160,41 @@ class SavePolicy:
 
 
 class SelectedModuleOutputs:
-    """Forward hooks on the modules a ``save=`` selection names, for one trace: a module's output op is saved
-    for that module, but the op may have run outside it (``nn.Identity`` returns its input, a module may
-    return a tensor it was given or one it kept), where the during-forward selector never holds it.  Each
-    hook saves, as the call returns, the output tensors whose producer was not saved yet; only the selected
-    modules get one, so a trace without a module selection costs nothing."""
+    """Forward hooks on the modules a ``save=`` or ``grads=`` selection names, for one trace: a module's output
+    op is kept for that module, but the op may have run outside it (``nn.Identity`` returns its input, a module
+    may return a tensor it was given or one it kept), where the during-forward selector never holds it nor
+    watches its gradient.  Each hook saves (``save=``), or watches the gradient of (``grads=``), as the call
+    returns, the output tensors whose producer it did not yet; only the selected modules get one, so a trace
+    without a module selection costs nothing."""
 
-    def __init__(self, state, policy, root):
-        self.state, self._handles = state, []
+    def __init__(self, state, policy, grads, root):
+        self.state, self.grads, self._handles = state, grads, []
+        saved = policy.selected_modules if policy.mode == 2 else {}
+        watched = grads.policy.selected_modules if grads is not None and grads.policy is not None and \
+            grads.policy.mode == 2 else {}
+        self.saved_ids, self.watched_ids = set(saved), set(watched)
         # A TorchScript module takes no hooks, and no op of the trace makes its outputs (its ops run unseen).
-        self.modules = [m for m in policy.selected_modules.values()
+        self.modules = [m for m in {**saved, **watched}.values()
                         if m is not root and not isinstance(m, torch.jit.ScriptModule)]
 
     def __enter__(self):
-        st, owner = self.state, threading.get_ident()
+        st, owner, grads = self.state, threading.get_ident(), self.grads
+        saved_ids, watched_ids = self.saved_ids, self.watched_ids
 
         def post_hook(module, args, output):
             if output is None or threading.get_ident() != owner:
                 return None
+            saving, watching = id(module) in saved_ids, id(module) in watched_ids
             with torch._C.DisableTorchFunction():  # reading tensors' properties must not re-enter capture
                 for _, t in tensor_leaves(output, attrs=True):
                     entry = st.producers.get(id(t))
                     # Bound to an op and not written since (through a view): still the value that op made.
-                    if entry is not None and entry[1] not in st.saved and is_bound(entry, t) and \
-                            entry[2] == version_of(t):
+                    if entry is None or not is_bound(entry, t) or entry[2] != version_of(t):
+                        continue
+                    if saving and entry[1] not in st.saved:
                         st.save(entry[1], t, t.requires_grad)
+                    if watching and entry[1] not in grads.handles and t.requires_grad:
+                        grads.add_hook(entry[1], t)
             return None
 
         try:

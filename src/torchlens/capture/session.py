@@ -123,8 +123,12 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if runtime is not None and runtime.module_sites:
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
-    if policy.mode == 2 and policy.selected_modules:  # module outputs an op outside them made (nn.Identity)
-        parts = (*parts[:-1], SelectedModuleOutputs(state, policy, model if root is model else None), parts[-1])
+    grads_policy = state.grads.policy if state.grads is not None else None
+    if policy.mode == 2 and policy.selected_modules or \
+            grads_policy is not None and grads_policy.mode == 2 and grads_policy.selected_modules:
+        # Module outputs an op outside them made (nn.Identity): kept, or watched, as the call returns.
+        parts = (*parts[:-1], SelectedModuleOutputs(state, policy, state.grads, model if root is model else None),
+                 parts[-1])
     if state.grads is not None:  # a custom autograd Function's outputs get their backward node late
         parts = (function_outputs(state, state.grads), *parts)
     if submodules is not None:
