@@ -266,3 +266,41 @@ def test_with_flags_only_a_nan_where_an_intervention_ran_is_not_pinned_on_either
     report = tl.debug.nonfinite_origin(log)
     assert report.origin_kind == "intervention" and not report.certain
     assert "either the op or the action may have made it" in str(report)
+
+
+
+class Float8Cast(nn.Module):
+    """Simulated float8 storage of an activation: e5m2 overflows to Inf past 57344; e4m3fn saturates."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.fc, self.dtype = nn.Linear(4, 4), dtype
+
+    def forward(self, x):
+        stored = (self.fc(x) * 1e5).to(self.dtype)
+        return stored.float().abs().sum()
+
+
+@pytest.mark.parametrize("dtype, flags", [(torch.float8_e5m2, (False, True)), (torch.float8_e4m3fn, (False, False))])
+def test_float8_values_are_examined_as_the_float32_values_they_are(tmp_path, dtype, flags):
+    # torch has no CPU isfinite, min or norm for some float8 dtypes: readers of values raised
+    # NotImplementedError (record_finite=True during the trace, nonfinite_origin, the html viewer, the
+    # gradient statistics of to_pandas and of log.save).
+    torch.manual_seed(0)
+    model, x = Float8Cast(dtype), torch.randn(3, 4)
+    flagged = tl.trace(model, x, record_finite=True)
+    cast = next(op for op in flagged if op.dtype == dtype)
+    assert cast.finite == flags and flagged["mul_1_2:1"].finite == (False, False)
+    for log in (flagged, tl.trace(model, x)):  # from the flags, and from the saved activations
+        origin = tl.debug.nonfinite_origin(log).origin
+        assert (origin.label if origin is not None else None) == (cast.label if any(flags) else None)
+    from torchlens.viz.metrics import nonfinite_marks
+    assert nonfinite_marks(tl.trace(model, x))[cast.index] is any(flags)
+    assert str(dtype).split(".")[1] in tl.trace(model, x).render(format="html")
+    grads = tl.trace(model, x, grads=True)
+    grads.output.backward()
+    row = grads.to_pandas().set_index("label").loc[cast.label]
+    expected = grads[cast.label].grad.float()
+    assert (row.grad_min, row.grad_max, row.grad_nonfinite) == (float(expected.min()), float(expected.max()), 0)
+    loaded = tl.load(grads.save(tmp_path / "run"))
+    assert torch.equal(loaded[cast.label].grad.float(), expected)

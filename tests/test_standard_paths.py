@@ -168,6 +168,26 @@ def test_nested_activations_are_summarised_checked_and_drawn(tmp_path):
     assert tl.trace(lambda t: (t * 2).sqrt().relu(), nt).ops[2].finite is None  # not asked for: not examined
 
 
+
+def test_quantized_activations_are_summarised_by_their_dequantized_values(tmp_path):
+    # A quantized tensor has no float values of its own to reduce: the viewer's statistics raised
+    # (Creation of quantized tensor requires quantized dtype), so no html could be drawn for the trace.
+    def fake_quant(x):
+        return torch.quantize_per_tensor(x, 0.1, 10, torch.quint8).relu().dequantize() * 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        log = tl.trace(fake_quant, torch.randn(3, 8), record_finite=True)
+    relu = log["relu_1_2:1"]
+    assert relu.dtype == torch.quint8 and relu.finite == (False, False)
+    from torchlens.viz.records import activation_stats
+
+    values = relu.activation.dequantize().double()
+    stats = activation_stats(relu.activation)
+    assert (stats["min"], stats["max"], stats["numel"]) == pytest.approx((float(values.min()), float(values.max()), 24))
+    assert "quint8" in log.render(format="html")
+
+
 def test_jagged_nested_tensors_have_ragged_shapes_not_symbolic_sizes(tmp_path):
     # The jagged layout answers .shape with a symbolic size (j1) that is no number: recorded as it was,
     # every count built on it (summary, FLOPs, save, hot_path) was symbolic or raised.

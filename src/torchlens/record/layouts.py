@@ -52,16 +52,27 @@ _SPARSE_LAYOUTS = frozenset([torch.sparse_coo, torch.sparse_csr, torch.sparse_cs
                              torch.sparse_bsc])
 
 
+# Float8 dtypes have no CPU kernels for ``isfinite``, ``min``, ``max`` or norms; each value is a float32
+# exactly (NaN and Inf included), so they are read as float32.
+_FLOAT8 = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                                                       "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
+
+
 def dense_values(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or the elements of a tensor whose layout the reductions a check of values needs (``any``,
-    ``all``, ``min``, ``sum``, ``isfinite``) have no kernels for, in one flat tensor: a nested tensor's
-    components' elements; a sparse tensor's stored values (summed where an index repeats), with one zero
-    more when some elements are implicit zeros, so that its min, max, norm and NaN/Inf count are those of
-    the dense tensor it stands for, without making that tensor."""
+    """``t``, or the elements of a tensor whose layout or dtype the reductions a check of values needs
+    (``any``, ``all``, ``min``, ``sum``, ``isfinite``) have no kernels for: a nested tensor's components'
+    elements, in one flat tensor; a sparse tensor's stored values (summed where an index repeats), with one
+    zero more when some elements are implicit zeros, so that its min, max, norm and NaN/Inf count are those
+    of the dense tensor it stands for, without making that tensor; a float8 tensor's values as float32,
+    which holds each of them exactly; a quantized tensor's dequantized values."""
     if t.is_nested:
-        return torch.cat([component.reshape(-1) for component in t.unbind()])
-    if t.layout in _SPARSE_LAYOUTS:
-        return _sparse_values(t)
+        t = torch.cat([component.reshape(-1) for component in t.unbind()])
+    elif t.layout in _SPARSE_LAYOUTS:
+        t = _sparse_values(t)
+    if t.dtype in _FLOAT8:
+        return t.float()
+    if t.is_quantized:
+        return t.dequantize()
     return t
 
 
