@@ -132,6 +132,18 @@ def meta_device():
     return f"traced with shapes; validation answers nothing to replay and says why ({reasons.pop()})"
 
 
+
+def test_a_meta_forward_traces_with_save_device_as_without_it():
+    # save_device="cpu" copied each saved tensor there, and a meta tensor has no data to copy: the trace
+    # raised torch's "Cannot copy out of meta tensor; no data!" with no word of where it came from.
+    model, x = Net().to("meta"), torch.randn(4, 6, device="meta")
+    plain = tl.trace(model, x)
+    moved = tl.trace(model, x, save_device="cpu")
+    assert [(op.label, op.shape, op.device) for op in moved] == [(op.label, op.shape, op.device) for op in plain]
+    assert all(op.activation.is_meta for op in moved if op.has_activation)
+    assert moved.validate().status == "nothing to replay"
+
+
 class Mixed(nn.Module):
     def forward(self, z, counts):
         spectrum = torch.fft.fft(z)

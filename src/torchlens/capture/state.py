@@ -427,8 +427,8 @@ class CaptureState:
     def save(self, index: int, t: torch.Tensor, requires_grad: bool) -> None:
         if requires_grad:
             t = t.detach()
-        if self.save_device is not None and t.device != self.save_device:
-            self._keep(index, t.to(self.save_device), None)
+        if self.save_device is not None and t.device != self.save_device and t.device.type != "meta":
+            self._keep(index, t.to(self.save_device), None)  # a meta tensor has no data to move: kept as it is
             return
         if self.max_saved_bytes is None:  # the common case, inlined
             self.saved[index] = t
