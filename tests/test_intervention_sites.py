@@ -4,6 +4,7 @@ hand-written forward hooks doing the same edit."""
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -403,3 +404,45 @@ def test_a_call_number_after_a_second_name_of_a_module_run_several_times_is_refu
     edited = tl.trace(model, x, intervene={"layers.0:3": tl.zero_ablate()})
     assert [op.activation.any().item() for op in edited if op.type == "linear"] == [True, True, False]
     assert not edited.output.any()
+
+
+class Retrieve(nn.Module):
+    """Token ids chosen by argmax and looked up again: an integer value between float ones."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 10)
+
+    def forward(self, ids):
+        chosen = self.head(self.embed(ids)).argmax(-1)
+        return self.embed(chosen).sum(-1)
+
+
+@pytest.mark.parametrize("action, named", [
+    (tl.mean_ablate(), "mean_ablate"), (tl.noise(1.0), "noise"),
+    (tl.steer(torch.tensor([0.6, 0.6, 0.6])), "steer's vector"), (torch.tensor([[1.7, 2.2, 3.9]]), "replacement")])
+def test_a_helper_that_would_round_into_an_integer_value_is_refused(action, named):
+    # The mean (2.5), the noise, a float steering vector or a float tensor were cast into the int64 ids
+    # (a mean 2.5 read 2, 1.7 read 1) and the trace showed a value nobody asked for; noise raised torch's
+    # "normal_kernel_cpu not implemented for 'Long'" naming no site.
+    model, ids = Retrieve(), torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(tl.InterventionError, match=f"{named}.*argmax_1_3:1.*torch.int64"):
+        tl.trace(model, ids, intervene={"argmax_1_3:1": action})
+    assert_clean_process()
+    kept = tl.trace(model, ids, intervene={"argmax_1_3:1": torch.tensor([[1, 2, 3]])})
+    assert torch.equal(kept["argmax_1_3:1"].activation, torch.tensor([[1, 2, 3], [1, 2, 3]]))
+
+
+def test_a_float_value_patched_from_a_wider_float_run_is_rounded_as_a_hook_rounds_it():
+    # Within a kind the cast stays: a float32 run's value patched into a bfloat16 run reads as the
+    # bfloat16 number a forward hook copying it there would make.
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(3, 4)
+    clean = tl.trace(model, x)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    patched = tl.trace(half, x.bfloat16(), intervene={"0": tl.patch_from(clean)})
+    handle = half[0].register_forward_hook(lambda m, a, out: clean["0"].activation.to(out.dtype))
+    try:
+        assert torch.equal(patched.output, half(x.bfloat16()))
+    finally:
+        handle.remove()

@@ -99,6 +99,7 @@ class steer(Action):  # noqa: N801
         if tensor.shape[dim] != self.vector.numel():
             raise ValueError(f"tl.steer at {_where(op)}: the vector has {self.vector.numel()} entries but "
                              f"dimension {self.dim} of the value has {tensor.shape[dim]}")
+        _castable(self.vector, tensor, op, "tl.steer's vector")
         shape = [1] * tensor.dim()
         shape[dim] = -1
         vector = self.vector.to(device=tensor.device, dtype=tensor.dtype).reshape(shape)
@@ -119,6 +120,7 @@ class noise(Action):  # noqa: N801
         self.std, self.generator = std, generator
 
     def value(self, tensor, op, at):
+        _needs_float(self, tensor, op)
         drawn = torch.randn(tensor.shape, generator=self.generator, dtype=tensor.dtype, device=tensor.device)
         return tensor + self.std * drawn
 
@@ -161,8 +163,10 @@ class mean_ablate(Action):  # noqa: N801
 
     def value(self, tensor, op, at):
         _check_dims(self, _as_tuple(self.dims), tensor, op)
+        _needs_float(self, tensor, op)
         source = tensor if self.trace is None else source_value(self.trace, op, "tl.mean_ablate")
-        mean = source.float().mean(dim=self.dims, keepdim=True) if not source.is_floating_point() \
+        mean = source.float().mean(dim=self.dims, keepdim=True) if not (source.is_floating_point() or
+                                                                         source.is_complex()) \
             else source.mean(dim=self.dims, keepdim=True)
         return _like(mean, tensor, op, "tl.mean_ablate's mean")
 
@@ -219,6 +223,7 @@ def source_value(trace, op, who: str) -> torch.Tensor:
 
 
 def _like(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Tensor:
+    _castable(source, tensor, op, who)
     try:
         value = torch.broadcast_to(source, tensor.shape)
     except RuntimeError as exc:
@@ -238,6 +243,27 @@ def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
                                   "of the same shape (batch size, sequence length), or pass the tensor itself as the "
                                   "action to broadcast it")
     return source
+
+
+def _castable(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> None:
+    """``source`` may be cast to ``tensor``'s dtype: within its kind (float32 into bfloat16, an integer into
+    a float), never across to a lower one, where the cast would quietly change the values (1.7 into an integer
+    value reads 1, a complex one loses its imaginary part, 2 into a mask reads True)."""
+    if not torch.can_cast(source.dtype, tensor.dtype):
+        raise ReplacementMismatch(f"{who} at {_where(op)}: its {source.dtype} values cannot stand for this "
+                                  f"{tensor.dtype} value without changing (a cast would truncate or drop "
+                                  f"them); give a {tensor.dtype} tensor")
+
+
+def _needs_float(action, tensor: torch.Tensor, op) -> None:
+    """Noise, a steering vector and a mean are no values of an integer or bool dtype (indices, counts,
+    masks): the helper refuses such a value rather than rounding what it computed into it."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ReplacementMismatch(f"{action!r} at {_where(op)}: the value is {tensor.dtype} (indices, counts or a "
+                                  f"mask), which {type(action).__name__} cannot change without rounding; "
+                                  "tl.zero_ablate, tl.clamp, tl.patch_from or a tensor of that dtype can, and a "
+                                  "predicate site can keep to float values (lambda op: op.dtype.is_floating_point "
+                                  "and ...)")
 
 
 def _as_tuple(dims) -> tuple:
