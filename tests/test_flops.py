@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -223,6 +224,35 @@ def test_linear_only_model_agrees_with_flop_counter_mode_up_to_bias_terms():
     assert any("elementwise" in note and "torchlens only" in note for note in result.notes)
     assert set(result.to_pandas().columns) == {"family", "torchlens", "native", "difference"}
     assert "never measured" in str(result)
+
+
+
+def test_a_meta_device_model_is_compared_as_its_real_twin_is_and_says_what_vouches():
+    # Counting a model on the meta device costs no memory; comparing its outputs' values raised torch's
+    # "Tensor.item() cannot be called on meta tensors" instead of a comparison.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    real = tl.report.flops_vs_dispatch(model, x)
+    meta = tl.report.flops_vs_dispatch(copy.deepcopy(model).to("meta"), x.to("meta"))
+    assert (meta.families, meta.modules) == (real.families, real.modules)
+    assert meta.witness["outputs_match"] is None and real.witness["outputs_match"] is True
+    assert any("no values" in note and "same order" in note for note in meta.notes)
+    assert not any("no values" in note for note in real.notes)
+
+    calls = []  # the product sequence is still checked when no value can be
+
+    class Alternates(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            calls.append(None)
+            return x @ self.weight if len(calls) % 2 else torch.einsum("ij,jk->ik", x, self.weight)
+
+    with pytest.raises(tl.TorchlensError, match="called different matrix products"):
+        tl.report.flops_vs_dispatch(Alternates().to("meta"), torch.randn(3, 4, device="meta"))
 
 
 @pytest.mark.parametrize("name", [n for n in sorted(zoo()) if n != "dropout_train"])

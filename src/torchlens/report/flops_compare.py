@@ -37,6 +37,9 @@ UNNAMED_MODULES_NOTE = ("module rows shown n/a on the native side: FlopCounterMo
                         "function or a bound method, or the module is not the root's submodule), merging every "
                         "instance of that class, so those rows have no native figure of their own; the root row "
                         "is FlopCounterMode's whole-call total.")
+NO_VALUES_NOTE = ("the outputs hold no values (meta or fake tensors): the two executions' outputs were compared by "
+                  "shape and dtype only, so the witness that they ran the same program is their calling the same "
+                  "matrix products, convolutions and attention in the same order.")
 # The attention functions whose batched matrix products (bmm, baddbmm) are the attention products; their
 # projections, if any, are unbatched (mm, addmm) and stay matmul, as torchlens's formulas split them.
 _ATTENTION_FUNCTIONS = ("scaled_dot_product_attention", "multi_head_attention_forward")
@@ -135,7 +138,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             counter, native_output, product_calls = _count_natively(model, *clone_call(call_args, kwargs))
     finally:
         saved.restore()
-    if not _outputs_close(traced_output, native_output, rtol, atol):
+    outputs_match = _outputs_close(traced_output, native_output, rtol, atol)
+    if outputs_match is False:
         raise WitnessFailed(
             "flops_vs_dispatch refused: the traced execution and the FlopCounterMode execution returned "
             "different outputs, so they did not run the same program and their FLOPs are not comparable. "
@@ -147,7 +151,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             f"outputs but called different matrix products, convolutions or attention ({len(traced_products)} "
             f"against {len(counted_products)}), so they did not run the same program. Make the forward's control "
             "flow depend on its inputs alone and compare again.")
-    return _compare(log, model, counter.get_flop_counts(), product_calls, traced_products)
+    return _compare(log, model, counter.get_flop_counts(), product_calls, traced_products, outputs_match)
 
 
 def _count_natively(model, args, kwargs):
@@ -242,7 +246,7 @@ def _native_families(native_global, attention_calls) -> dict:
     return families
 
 
-def _compare(log, model, native_counts, product_calls, traced_products) -> FlopsComparison:
+def _compare(log, model, native_counts, product_calls, traced_products, outputs_match=True) -> FlopsComparison:
     attention_calls = [call for call in product_calls if call[0] in _ATTENTION_FUNCTIONS]
     tl_total = total_flops(log)
     root_name = type(model).__name__
@@ -256,7 +260,9 @@ def _compare(log, model, native_counts, product_calls, traced_products) -> Flops
     notes += _uncounted_product_notes(log, traced_products, product_calls)
     if any(row["native"] is None for row in modules):
         notes.append(UNNAMED_MODULES_NOTE)
-    witness = {"outputs_match": True, "products_match": True, "random_draws": False, "rng_restored": True,
+    if outputs_match is None:
+        notes.append(NO_VALUES_NOTE)
+    witness = {"outputs_match": outputs_match, "products_match": True, "random_draws": False, "rng_restored": True,
                "training_flags_restored": True, "buffers_restored": True}
     return FlopsComparison(log.model_name, tl_total, sum(native_global.values()), families, modules,
                            native_global, notes, witness)
@@ -421,15 +427,25 @@ def _detached(output):
     return [t.detach().clone() for _, t in tensor_leaves(output)]
 
 
-def _outputs_close(a: list, b: list, rtol: float, atol: float) -> bool:
+def _outputs_close(a: list, b: list, rtol: float, atol: float):
+    """Whether the two runs returned the same outputs; None when they agree in shapes and dtypes and hold no
+    values to compare (a forward on the meta device, or under FakeTensorMode)."""
+    from ..tree import without_values
+
     if len(a) != len(b):
         return False
+    compared = False
     for x, y in zip(a, b):
         if x.shape != y.shape or x.dtype != y.dtype:
             return False
+        if without_values(x) or without_values(y):
+            if not (without_values(x) and without_values(y)):
+                return False
+            continue
+        compared = True
         if x.is_floating_point() or x.is_complex():
             if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
                 return False
         elif not torch.equal(x, y):
             return False
-    return True
+    return True if compared or not a else None
