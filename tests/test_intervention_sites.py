@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -446,3 +447,56 @@ def test_a_float_value_patched_from_a_wider_float_run_is_rounded_as_a_hook_round
         assert torch.equal(patched.output, half(x.bfloat16()))
     finally:
         handle.remove()
+
+
+class SparseGraph(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, adj, x):
+        return self.fc(torch.sparse.mm(adj * 2, x))
+
+
+def test_a_sparse_value_is_patched_and_replaced_in_its_layout_or_refused_by_name():
+    # patch_from at a sparse site raised "a value of shape (3, 3) cannot replace one of shape (3, 3)" (no
+    # broadcast for sparse tensors); a dense replacement made the value strided unnoticed; clamp raised
+    # torch's "Could not run 'aten::clamp' with arguments from the 'SparseCPU' backend".
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adj = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [1, 2, 0]]), torch.ones(3), (3, 3)).coalesce()
+    model, x = SparseGraph(), torch.randn(3, 4)
+    patched = tl.trace(model, (adj, x), intervene={"mul_1_1:1": tl.patch_from(tl.trace(model, (adj * 3, x)))})
+    assert patched["mul_1_1:1"].activation.layout == torch.sparse_coo
+    assert torch.equal(patched.output, model(adj * 3, x))
+    ones = torch.ones(3, 3)
+    replaced = tl.trace(model, (adj, x), intervene={"mul_1_1:1": ones})
+    assert replaced["mul_1_1:1"].activation.layout == torch.sparse_coo
+    assert torch.equal(replaced.output, model.fc(torch.sparse.mm(ones.to_sparse(), x)))
+    with pytest.raises(tl.InterventionError, match="strided tensor for a sparse_coo value.*keep the layout"):
+        tl.trace(model, (adj, x), intervene={"mul_1_1:1": lambda t, op: t.to_dense()})
+    with pytest.raises(tl.InterventionError, match=r"clamp\(min=0, max=1\) at mul_1_1:1: .*sparse_coo value"):
+        tl.trace(model, (adj, x), intervene={"mul_1_1:1": tl.clamp(0, 1)})
+    assert_clean_process()
+
+
+def test_a_nested_value_is_ablated_and_patched_component_by_component():
+    # Every action at a strided nested value raised torch's "NestedTensorImpl doesn't support sizes" (the
+    # checks of the new value read .shape), and patching between two jagged runs was refused for ragged
+    # sizes (j1, j2) that differ by name only.
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    parts = [torch.randn(3, 8), torch.randn(5, 8)]
+    for layout in (torch.strided, torch.jagged):
+        nt = torch.nested.nested_tensor(parts, layout=layout)
+        zeroed = tl.trace(model, nt, intervene={"0": tl.zero_ablate()})
+        for got, part in zip(zeroed.output.unbind(), parts):
+            assert torch.equal(got, model[2](model[1](torch.zeros(part.shape[0], 8))))
+        assert zeroed["0"].shape == (2, None, 8)
+        other = tl.trace(model, torch.nested.nested_tensor([p * 2 for p in parts], layout=layout))
+        patched = tl.trace(model, nt, intervene={"0": tl.patch_from(other)})
+        for got, part in zip(patched.output.unbind(), parts):
+            assert torch.equal(got, model(part * 2))
+        with pytest.raises(tl.InterventionError, match=r"noise\(std=0.1\) at 0:1: .*nested"):
+            tl.trace(model, nt, intervene={"0": tl.noise(0.1)})
+    assert_clean_process()

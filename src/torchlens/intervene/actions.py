@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ReplacementMismatch
+from ..record.layouts import shape_of
 
 
 class Action:
@@ -20,15 +21,25 @@ class Action:
         self.at = at
 
     def __call__(self, tensor: torch.Tensor, op):
-        if self.at is None:
-            return self.value(tensor, op, None)
-        new = tensor.clone()
         try:
-            new[self.at] = self.value_at(tensor, op)
-        except IndexError as exc:  # named with the site, not left to torch (after value_at's own checks)
-            raise ReplacementMismatch(f"{self!r} at {_where(op)}: at={self.at!r} is outside this value of shape "
-                                      f"{tuple(tensor.shape)} ({exc})") from exc
-        return new
+            if self.at is None:
+                return self.value(tensor, op, None)
+            new = tensor.clone()
+            try:
+                new[self.at] = self.value_at(tensor, op)
+            except IndexError as exc:  # named with the site, not left to torch (after value_at's own checks)
+                raise ReplacementMismatch(f"{self!r} at {_where(op)}: at={self.at!r} is outside this value of shape "
+                                          f"{tuple(tensor.shape)} ({exc})") from exc
+            return new
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            if tensor.layout == torch.strided and not tensor.is_nested:
+                raise
+            # torch has no kernel for much of what a helper computes on sparse and nested values: named with the
+            # helper and the site rather than left as torch's own message.
+            raise ReplacementMismatch(f"{self!r} at {_where(op)}: torch cannot compute it on this {layout_name(tensor)} "
+                                      f"value ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); write the "
+                                      "action as a function of the tensor (lambda t, op: ...), or intervene at a "
+                                      "strided value") from exc
 
     def value(self, tensor: torch.Tensor, op, at):
         raise NotImplementedError
@@ -224,6 +235,8 @@ def source_value(trace, op, who: str) -> torch.Tensor:
 
 def _like(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Tensor:
     _castable(source, tensor, op, who)
+    if source.layout != torch.strided or tensor.layout != torch.strided or source.is_nested or tensor.is_nested:
+        return _like_unstrided(source, tensor, op, who)
     try:
         value = torch.broadcast_to(source, tensor.shape)
     except RuntimeError as exc:
@@ -233,13 +246,51 @@ def _like(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Ten
     return value.to(device=tensor.device, dtype=tensor.dtype).clone()
 
 
+def _like_unstrided(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Tensor:
+    """A copy of ``source`` for a sparse or nested value, or one replaced by a sparse or nested tensor: no
+    broadcast (torch has none for these layouts), so the shapes must be the same; a strided source is
+    converted to a sparse value's layout, which keeps every value."""
+    if not same_shape(source, tensor):
+        raise ReplacementMismatch(f"{who} at {_where(op)}: a {layout_name(source)} value of shape "
+                                  f"{tuple(shape_of(source))} cannot replace a {layout_name(tensor)} one of shape "
+                                  f"{tuple(shape_of(tensor))} (no broadcast for these layouts: give the same shape)")
+    value = source.to(device=tensor.device, dtype=tensor.dtype)
+    if tensor.is_nested and value.is_nested and tensor.layout == torch.jagged == value.layout:
+        # The same components under this value's own ragged size, which the ops after it compare by identity.
+        value = torch.nested.nested_tensor_from_jagged(value.values(), tensor.offsets(), lengths=tensor.lengths())
+    elif not tensor.is_nested and value.layout != tensor.layout and not value.is_nested:
+        try:
+            value = value.to_dense() if tensor.layout == torch.strided else value.to_sparse(layout=tensor.layout)
+        except (RuntimeError, TypeError) as exc:
+            raise ReplacementMismatch(f"{who} at {_where(op)}: a {layout_name(source)} value cannot be made a "
+                                      f"{layout_name(tensor)} one ({exc}); give a tensor of that layout") from exc
+    if value.layout != tensor.layout or value.is_nested != tensor.is_nested:
+        raise ReplacementMismatch(f"{who} at {_where(op)}: a {layout_name(source)} value cannot replace a "
+                                  f"{layout_name(tensor)} one; give a tensor of that layout")
+    return value.clone()
+
+
+def layout_name(t: torch.Tensor) -> str:
+    """``strided``, ``sparse_coo``, ..., or ``nested`` (``nested jagged``) for a nested tensor."""
+    name = str(t.layout).replace("torch.", "")
+    return ("nested" if name == "strided" else f"nested {name}") if t.is_nested else name
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two values have one shape; nested ones component by component (a strided nested tensor has
+    no ``.shape``, and two jagged ones made apart have different symbolic ragged sizes)."""
+    if a.is_nested or b.is_nested:
+        return a.is_nested and b.is_nested and [c.shape for c in a.unbind()] == [c.shape for c in b.unbind()]
+    return a.shape == b.shape
+
+
 def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
     """``source`` when it has the shape of the value it replaces.  The value at the same site of another run
     stands for this one only when the two runs made it alike; broadcast, a batch of one clean prompt (or a
     clean sequence of length one) would be written into every row of the corrupted run unnoticed."""
-    if source.shape != tensor.shape:
+    if not same_shape(source, tensor):
         raise ReplacementMismatch(f"tl.patch_from at {_where(op)}: the source trace's value has shape "
-                                  f"{tuple(source.shape)} but this run's has {tuple(tensor.shape)}; patch between runs "
+                                  f"{tuple(shape_of(source))} but this run's has {tuple(shape_of(tensor))}; patch between runs "
                                   "of the same shape (batch size, sequence length), or pass the tensor itself as the "
                                   "action to broadcast it")
     return source

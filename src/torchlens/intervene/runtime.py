@@ -26,12 +26,14 @@ from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
+from ..record.layouts import shape_of
 from ..record.modules import is_unregistered, shown_class
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
 from ..capture.state import StopForward, is_bound, storage_key, version_of
 from ..capture.teardown import remove_handles
 from ..tree import tensor_leaves
+from .actions import layout_name, same_shape
 from .sites import ModuleCallInfo, occurrence_key
 
 
@@ -201,12 +203,16 @@ class Interventions:
         if not isinstance(new, torch.Tensor):
             raise InterventionError(f"intervention at {_where(key, op)} returned {type(new).__name__}; an action "
                                     "returns a tensor (the new value) or None (keep the value)")
-        if new.shape != value.shape or new.dtype != value.dtype:
+        if not same_shape(new, value) or new.dtype != value.dtype:
             hint = " (a predicate site can keep to float values: lambda op: op.dtype.is_floating_point and ...)" \
                 if callable(key) and not value.dtype.is_floating_point else ""
-            raise InterventionError(f"intervention at {_where(key, op)} returned a {tuple(new.shape)} {new.dtype} "
-                                    f"tensor for a {tuple(value.shape)} {value.dtype} value; an action must keep shape "
-                                    "and dtype" + hint)
+            raise InterventionError(f"intervention at {_where(key, op)} returned a {tuple(shape_of(new))} {new.dtype} "
+                                    f"tensor for a {tuple(shape_of(value))} {value.dtype} value; an action must keep "
+                                    "shape and dtype" + hint)
+        if new.layout != value.layout or new.is_nested != value.is_nested:
+            raise InterventionError(f"intervention at {_where(key, op)} returned a {layout_name(new)} tensor for a "
+                                    f"{layout_name(value)} value; an action must keep the layout, which decides the "
+                                    "kernels the ops after it run")
         if new.device != value.device:
             raise InterventionError(f"intervention at {_where(key, op)} returned a tensor on {new.device} for a value "
                                     f"on {value.device}; an action must keep the device (move the new value there "
@@ -282,7 +288,7 @@ class Interventions:
     def _rebind(self, st, record, new) -> None:
         rec = st.records[record]
         requires_grad = new.requires_grad
-        st.records[record] = rec[:2] + (new.shape, new.dtype, new.device, requires_grad,
+        st.records[record] = rec[:2] + (shape_of(new), new.dtype, new.device, requires_grad,
                                         type(new.grad_fn) if requires_grad else None)
         st.producers[id(new)] = (weakref(new), record, version_of(new))
         if st.grads is not None:  # grads=True: the op's gradient is that of the value downstream saw
