@@ -423,3 +423,22 @@ def test_a_value_replaced_by_an_intervention_says_so_when_it_has_no_gradient():
     with pytest.raises(GradientUnavailable, match="an intervention .*zero_ablate") as raised:
         log["relu_1_2:1"].grad
     assert "no_grad" not in str(raised.value)
+
+
+def test_a_meta_device_backward_is_read_as_shapes_without_values(tmp_path):
+    # A meta forward and backward have shapes and no values: the gradient statistics (to_pandas, the html
+    # viewer, log.save) raised torch's "Tensor.item() cannot be called on meta tensors", the viewer raised
+    # it for the activations too, and nonfinite_origin(grads=True) said every gradient was finite.
+    with torch.device("meta"):
+        model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(3, 4)
+    assert "<html" in tl.trace(model, x).render(format="html").lower()
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    assert log["linear_1_1:1"].grad.is_meta and log["linear_1_1:1"].grad.shape == (3, 8)
+    frame = log.to_pandas()
+    assert frame["grad_norm"].isna().all() and frame["grad_nonfinite"].isna().all()
+    assert "no values: a meta tensor" in log.render(format="html")
+    with pytest.raises(ValueError, match="meta device"):
+        tl.debug.nonfinite_origin(log, grads=True)
+    loaded = tl.load(log.save(tmp_path / "meta"))
+    assert [op.shape for op in loaded] == [op.shape for op in log]

@@ -180,7 +180,8 @@ def grad_stats_column(trace) -> dict:
     capture = trace._gradcap
     if capture is None or trace._cleaned:
         return {}
-    stats = {i: grad_stats(g) for i, g in capture.grads.items()}
+    # A meta gradient (a backward through a meta-device forward) has a shape and no values: no statistics.
+    stats = {i: grad_stats(g) for i, g in capture.grads.items() if not g.is_meta}
     for i, kind in enumerate(trace._kind):
         if kind == Kind.OUTPUT and gradient_holder(trace, i) in stats:
             stats[i] = stats[gradient_holder(trace, i)]

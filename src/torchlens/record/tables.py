@@ -16,7 +16,7 @@ def require_pandas():
 def ops_frame(ops) -> "pandas.DataFrame":
     pd = require_pandas()
     rows = []
-    grad_stats = _grad_stats(ops)
+    grad_stats, with_grads = _grad_stats(ops)
     for op in ops:
         source = op.source
         rows.append({
@@ -44,13 +44,19 @@ def ops_frame(ops) -> "pandas.DataFrame":
             "multi_output_index": op.multi_output_index,
             "has_activation": op.index in op._trace._activations,
         })
-        if grad_stats:  # columns appear once a backward delivered gradients
+        if with_grads:  # columns appear once a backward delivered gradients
             rows[-1].update(grad_stats.get(op.index, _NO_GRAD))
     return pd.DataFrame(rows)
 
 
-def _grad_stats(ops) -> dict:
-    return grad_stats_column(ops[0]._trace) if ops else {}
+def _grad_stats(ops) -> tuple:
+    """The gradients' statistics, and whether a backward delivered gradients (meta ones have none)."""
+    if not ops:
+        return {}, False
+    trace = ops[0]._trace
+    stats = grad_stats_column(trace)
+    held = getattr(trace._gradcap, "grads", None) if not trace._cleaned else None
+    return stats, bool(stats) or bool(held)
 
 
 _NO_GRAD = dict.fromkeys(GRAD_COLUMNS)
