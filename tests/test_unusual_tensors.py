@@ -39,6 +39,30 @@ def test_validate_under_fake_tensor_mode_replays_nothing_and_says_why():
     assert replayed.status == "nothing to replay" and {why for _, why in replayed.not_replayed} == {reason}
 
 
+
+def test_the_readers_of_values_read_fake_tensors_as_shapes_without_values(tmp_path):
+    """record_finite=True raised torch's DataDependentOutputException mid-trace, as did nonfinite_origin, the
+    html viewer and the gradient statistics; log.save raised ".numpy() is not supported for tensor
+    subclasses". Each now treats a FakeTensor as the meta tensor it stands for."""
+    with FakeTensorMode():
+        model, x = Small(), torch.randn(2, 4)
+    flagged = tl.trace(model, x, record_finite=True)
+    assert all(op.finite is None for op in flagged)  # no values: not examined
+    with pytest.raises(ValueError, match="FakeTensorMode"):
+        tl.debug.nonfinite_origin(tl.trace(model, x))
+    assert "head" in tl.trace(model, x).render(format="html")
+    grads = tl.trace(model, x, grads=True)
+    grads.backward(grads.output.sum())
+    assert grads.to_pandas()["grad_norm"].isna().all()
+    assert "no values" in grads.render(format="html")
+    with pytest.raises(ValueError, match="FakeTensorMode"):
+        tl.debug.nonfinite_origin(grads, grads=True)
+    loaded = tl.load(grads.save(tmp_path / "fake"))
+    assert [op.shape for op in loaded] == [op.shape for op in grads]
+    with pytest.raises(tl.ActivationUnavailable, match="fake tensor"):
+        loaded["head"].activation
+
+
 class Doubling(torch.Tensor):
     """A subclass whose ``__torch_function__`` changes arithmetic: ``a + b`` adds ``b`` twice."""
 

@@ -29,6 +29,7 @@ from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
 from ..record.errors import GradientUnavailable
 from ..record.grads import grad_capture_of
+from ..tree import without_values
 from .nonfinite import DETECT_ANOMALY_RECIPE
 
 
@@ -140,9 +141,10 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
             flags = nonfinite_flags(capture.grads[i])
             if flags is not None:
                 status[i] = flags
-    if not status and capture.grads and all(capture.grads[i].is_meta for i in capture.order):
+    if not status and capture.grads and all(without_values(capture.grads[i]) for i in capture.order):
         raise ValueError("nonfinite_origin(grads=True) has nothing to examine: the backward ran on the meta "
-                         "device, whose gradients have shapes but no values; trace the model on a real device")
+                         "device (or under FakeTensorMode), whose gradients have shapes but no values; trace the "
+                         "model on a real device")
     bad = [i for i in capture.order if status.get(i, (False, False)) != (False, False)]
     found = _nonfinite_parameter_grads(log)
     params = [entry for entry in found if entry[1] is not None]

@@ -18,6 +18,7 @@ import torch
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
 from ..errors import TraceCleanedUp
+from ..tree import without_values
 
 DETECT_ANOMALY_CODE = """\
 import torch
@@ -146,8 +147,9 @@ def nonfinite_origin(log, grads: bool = False):
     examined = sum(1 for s in status if s is not None)
     if examined == 0 and any(k != Kind.OUTPUT for k in log.kinds):
         if _all_on_meta(log):
-            raise ValueError("nonfinite_origin has nothing to examine: this forward ran on the meta device, "
-                             "whose tensors have shapes but no values; trace the model on a real device")
+            raise ValueError("nonfinite_origin has nothing to examine: this forward ran on the meta device (or "
+                             "under FakeTensorMode), whose tensors have shapes but no values; trace the model on "
+                             "a real device")
         gone = _why_activations_gone(log)
         if gone is not None:
             raise ValueError(f"nonfinite_origin has nothing to examine: the trace loaded from {log.loaded_from} "
@@ -209,7 +211,7 @@ def _why_activations_gone(log):
 
 def _all_on_meta(log) -> bool:
     saved = [] if log.is_cleaned_up else list(log.saved_activations.values())
-    return bool(saved) and all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in saved)
+    return bool(saved) and all(isinstance(t, torch.Tensor) and without_values(t) for t in saved)
 
 
 def _birth_kind(log, i, bad_params):

@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..record.saved_output import OutputSlot
+from ..tree import without_values
 
 _MAX_DEPTH = 32
 _TORCH_CONSTANT_TYPES = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
@@ -47,6 +48,9 @@ def torch_constant_name(value) -> str:
 
 def unsavable(t) -> str | None:
     """Why safetensors cannot hold tensor ``t`` (a sentence starting "not saved"), or None when it can."""
+    if without_values(t):
+        return ("not saved: a meta tensor has a shape and no values" if t.is_meta else
+                "not saved: a fake tensor (FakeTensorMode) has a shape and no values")
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         try:
             t.untyped_storage().data_ptr()
@@ -54,8 +58,8 @@ def unsavable(t) -> str | None:
             return f"not saved: a {type(t).__name__} tensor subclass has no plain storage to save"
     if t.layout != torch.strided:
         return f"not saved: {t.layout} tensors have no safetensors encoding"
-    if t.is_quantized or t.device.type == "meta" or t.is_nested:
-        return "not saved: quantized, nested and meta tensors have no safetensors encoding"
+    if t.is_quantized or t.is_nested:
+        return "not saved: quantized and nested tensors have no safetensors encoding"
     if t.dtype not in _SAFETENSORS_DTYPES:
         return f"not saved: safetensors cannot store {torch_constant_name(t.dtype)}"
     return None

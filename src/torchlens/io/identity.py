@@ -14,6 +14,8 @@ import hashlib
 
 import torch
 
+from ..tree import without_values
+
 FULL_HASH_ELEMENTS = 1 << 16  # tensors up to this many elements are hashed in full
 SAMPLES_PER_TENSOR = 1024
 
@@ -35,7 +37,7 @@ def _class_name(model) -> str:
 
 
 def _value_bytes(t: torch.Tensor) -> bytes:
-    if t.is_meta or t.is_quantized or t.layout != torch.strided or t.numel() == 0:
+    if without_values(t) or t.is_quantized or t.layout != torch.strided or t.numel() == 0:
         return b""  # no values to read (meta), or no plain byte view of them: shapes and dtypes still count
     flat = t.detach().reshape(-1)
     if flat.numel() > FULL_HASH_ELEMENTS:

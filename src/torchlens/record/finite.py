@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..tree import without_values
 from .layouts import dense_values
 
 
@@ -21,7 +22,7 @@ def nonfinite_flags(t: torch.Tensor, sync: bool = True):
     the caller reads them all at once after the forward."""
     if not (t.is_floating_point() or t.is_complex()):
         return (False, False)
-    if t.device.type == "meta":
+    if without_values(t):  # a meta or fake tensor
         return None
     with torch.no_grad():
         t = dense_values(t)

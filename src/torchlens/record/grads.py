@@ -13,6 +13,7 @@ import torch
 
 from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
 from .layouts import dense_values
+from ..tree import without_values
 from ..errors import GradientUnavailable, TraceCleanedUp
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
@@ -180,8 +181,9 @@ def grad_stats_column(trace) -> dict:
     capture = trace._gradcap
     if capture is None or trace._cleaned:
         return {}
-    # A meta gradient (a backward through a meta-device forward) has a shape and no values: no statistics.
-    stats = {i: grad_stats(g) for i, g in capture.grads.items() if not g.is_meta}
+    # A meta or fake gradient (a backward on the meta device, or under FakeTensorMode) has a shape and no
+    # values: no statistics.
+    stats = {i: grad_stats(g) for i, g in capture.grads.items() if not without_values(g)}
     for i, kind in enumerate(trace._kind):
         if kind == Kind.OUTPUT and gradient_holder(trace, i) in stats:
             stats[i] = stats[gradient_holder(trace, i)]

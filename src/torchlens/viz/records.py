@@ -10,6 +10,7 @@ import math
 
 from .metrics import format_count, format_seconds
 from ..record.layouts import dense_values, shape_text
+from ..tree import without_values
 from ..record.summary import human_bytes
 
 
@@ -25,7 +26,7 @@ def activation_stats(tensor) -> dict:
 
     with torch.no_grad():
         stats = {"numel": tensor.numel()}
-        if tensor.numel() == 0 or tensor.is_meta:  # a meta tensor has a shape and no values
+        if tensor.numel() == 0 or without_values(tensor):  # a meta or fake tensor has a shape and no values
             return stats
         t = dense_values(tensor.detach())
         if t.is_complex():
@@ -61,8 +62,8 @@ def gradient_record(trace, op):
         if not trace.is_cleaned_up and op.has_grad:
             shown = dict(activation_stats(op.grad), **shown)
         return {k: (_num(v) if math.isfinite(v) else str(v)) if isinstance(v, float) else v for k, v in shown.items()}
-    if not trace.is_cleaned_up and op.has_grad and op.grad.is_meta:
-        return "no values: a meta tensor (the backward ran on the meta device)"
+    if not trace.is_cleaned_up and op.has_grad and without_values(op.grad):
+        return "no values: a meta tensor (the backward ran on the meta device or under FakeTensorMode)"
     if not op.requires_grad:
         return "none: the output does not require grad"
     return "none yet: no backward reached it (or grads=[...] left it out)"
