@@ -280,6 +280,22 @@ def test_a_nested_tensor_layer_is_refused_with_its_ragged_shape(tmp_path):
         tl.extract(model.eval(), [args, args], ["layers.0"], tmp_path / "x", kwargs=kwargs, progress=False)
 
 
+
+def test_tensors_without_values_are_refused_by_name(tmp_path):
+    """A meta or fake input, or a layer whose activation is a meta tensor, has no values to store: refused
+    saying so, not with torch's "Cannot copy out of meta tensor" or ".numpy() is not supported"."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake_model, fake_x = nn.Linear(4, 2), torch.randn(3, 4)
+    for model, x, kind in ((nn.Linear(4, 2).to("meta"), torch.randn(3, 4, device="meta"), "meta"),
+                           (fake_model, fake_x, "fake")):
+        with pytest.raises(TypeError, match=f"input args.0 is a {kind}.*no values"):
+            tl.extract(model, [x], ["linear_1_1"], tmp_path / kind, progress=False)
+    with pytest.raises(TypeError, match=r"to_1_2 \(to_1_2:1\) is a meta tensor.*no values"):
+        tl.extract(lambda x: (x * 2).to("meta"), [torch.randn(3, 4)], ["to_1_2"], tmp_path / "out", progress=False)
+
+
 def test_dtypes_numpy_lacks_load_as_torch(tmp_path):
     model = nn.Linear(8, 4).to(torch.bfloat16)
     data = [x.to(torch.bfloat16) for x in batches(3)]

@@ -32,7 +32,7 @@ from ..errors import ResumeMismatchError, warn_user
 from ..record.layouts import shape_of, shape_text
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
-from ..tree import as_args, path_text, strip, tensor_leaves
+from ..tree import as_args, path_text, strip, tensor_leaves, without_values
 from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_numpy, safe_member,
                      write_atomic, write_manifest)
 from .identity import model_checksum
@@ -200,6 +200,10 @@ def _fingerprint(args, named=None) -> str:
     digest = hashlib.sha256()
     for root, value in (("args", args), ("kwargs", named)):
         for path, t in tensor_leaves(value) if value else ():
+            if without_values(t):
+                raise TypeError(f"tl.extract stores activations' values, and the input {path_text(root, path)} is a "
+                                f"{'meta' if t.is_meta else 'fake (FakeTensorMode)'} tensor, with a shape and no "
+                                "values; run the model on a real device")
             t = cpu_values(t.detach())  # the values, not a view's bytes
             digest.update(f"{path_text(root, path)}{tuple(t.shape)}{t.dtype}".encode())
             digest.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # hashed in place, no copy
@@ -408,6 +412,9 @@ class _Run:
 
     def check_layer(self, i, name, label, t, position):
         refuse_nested(name, label, t)
+        if without_values(t):
+            raise TypeError(f"{name} ({label}) is a {'meta' if t.is_meta else 'fake (FakeTensorMode)'} tensor, with a "
+                            "shape and no values to store; run the model on a real device")
         info = {"name": name, "label": label, "dtype": NAME_OF.get(t.dtype), "row_shape": list(t.shape[1:])}
         if info["dtype"] is None or t.layout != torch.strided:
             raise TypeError(f"{name}: {t.dtype} {t.layout} activations cannot be stored in safetensors")
