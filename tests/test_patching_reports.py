@@ -284,3 +284,14 @@ def test_activation_patching_over_modules_reports_a_module_made_in_the_forward_i
     assert rows.error["fc:1"] == ""
     made = "<unregistered GELU #1>:1"
     assert math.isnan(rows.metric[made]) and "made itself" in rows.error[made] and "gelu_1_2:1" in rows.error[made]
+
+
+@pytest.mark.parametrize("report", ["activation_patching", "attribution_patching"])
+def test_a_model_without_values_is_refused_saying_so(report):
+    # On the meta device the metric is a meta scalar: float() of it raised torch's "Tensor.item() cannot be
+    # called on meta tensors", which names neither the metric nor the way out.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to("meta")
+    clean, corrupt = torch.randn(2, 4, device="meta"), torch.randn(2, 4, device="meta")
+    options = {"progress": False} if report == "activation_patching" else {}
+    with pytest.raises(tl.TorchlensError, match="metric returned a meta tensor.*real device"):
+        getattr(tl.report, report)(model, clean, corrupt, lambda out: out.sum(), **options)

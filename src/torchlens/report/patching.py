@@ -25,7 +25,7 @@ from ..record.trace import Trace
 from ..capture.restore import FirstCalls, ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
-from ..tree import clone_call
+from ..tree import clone_call, without_values
 
 
 def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,
@@ -320,6 +320,10 @@ def _scalar(value) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"the metric must return one number, got a tensor of shape {tuple(value.shape)}")
+        if without_values(value):
+            raise TorchlensError(f"the metric returned a {'meta' if value.is_meta else 'fake (FakeTensorMode)'} "
+                                 "tensor, which has no value: patching compares the metric's values, so run the "
+                                 "model on a real device")
         return float(value.detach())
     return float(value)
 
