@@ -500,3 +500,33 @@ def test_a_nested_value_is_ablated_and_patched_component_by_component():
         with pytest.raises(tl.InterventionError, match=r"noise\(std=0.1\) at 0:1: .*nested"):
             tl.trace(model, nt, intervene={"0": tl.noise(0.1)})
     assert_clean_process()
+
+
+def test_a_quantized_value_is_patched_or_refused_naming_the_helper():
+    # zero_ablate and scale at a quantized Linear's output raised torch's "Could not run 'aten::zero_' with
+    # arguments from the 'QuantizedCPU' backend" and "promoteTypes with quantized numbers is not handled yet".
+    import torch.ao.quantization as tq
+
+    class Quantized(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.fc, self.dequant = tq.QuantStub(), nn.Linear(8, 4), tq.DeQuantStub()
+
+        def forward(self, x):
+            return self.dequant(self.fc(self.quant(x)))
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Quantized().eval()
+        model.qconfig = tq.get_default_qconfig("fbgemm")
+        prepared = tq.prepare(model)
+        prepared(torch.randn(16, 8))
+        quantized = tq.convert(prepared)
+        x, other = torch.randn(3, 8), tl.trace(quantized, torch.randn(3, 8))
+        patched = tl.trace(quantized, x, intervene={"fc": tl.patch_from(other)})
+        assert torch.equal(patched.output, quantized.dequant(other["fc"].activation))
+        for action, named in ((tl.zero_ablate(), r"zero_ablate\(\)"), (tl.scale(2.0), r"scale\(2.0\)")):
+            with pytest.raises(tl.InterventionError, match=named + r" at fc:1: .*quantized \(quint8\) value"):
+                tl.trace(quantized, x, intervene={"fc": action})
+    assert_clean_process()

@@ -32,14 +32,14 @@ class Action:
                                           f"{tuple(tensor.shape)} ({exc})") from exc
             return new
         except (RuntimeError, NotImplementedError, TypeError) as exc:
-            if tensor.layout == torch.strided and not tensor.is_nested:
+            if tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized:
                 raise
-            # torch has no kernel for much of what a helper computes on sparse and nested values: named with the
-            # helper and the site rather than left as torch's own message.
+            # torch has no kernel for much of what a helper computes on sparse, nested and quantized values: named
+            # with the helper and the site rather than left as torch's own message.
             raise ReplacementMismatch(f"{self!r} at {_where(op)}: torch cannot compute it on this {layout_name(tensor)} "
                                       f"value ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); write the "
-                                      "action as a function of the tensor (lambda t, op: ...), or intervene at a "
-                                      "strided value") from exc
+                                      "action as a function of the tensor (lambda t, op: ...), or intervene where "
+                                      "the value is a plain dense tensor") from exc
 
     def value(self, tensor: torch.Tensor, op, at):
         raise NotImplementedError
@@ -271,7 +271,9 @@ def _like_unstrided(source: torch.Tensor, tensor: torch.Tensor, op, who: str) ->
 
 
 def layout_name(t: torch.Tensor) -> str:
-    """``strided``, ``sparse_coo``, ..., or ``nested`` (``nested jagged``) for a nested tensor."""
+    """``strided``, ``sparse_coo``, ..., ``nested`` (``nested jagged``) for a nested tensor, or ``quantized``."""
+    if t.is_quantized:
+        return f"quantized ({str(t.dtype).replace('torch.', '')})"
     name = str(t.layout).replace("torch.", "")
     return ("nested" if name == "strided" else f"nested {name}") if t.is_nested else name
 
