@@ -36,8 +36,9 @@ class Action:
                 raise
             # torch has no kernel for much of what a helper computes on sparse, nested and quantized values: named
             # with the helper and the site rather than left as torch's own message.
-            raise ReplacementMismatch(f"{self!r} at {_where(op)}: torch cannot compute it on this {layout_name(tensor)} "
-                                      f"value ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); write the "
+            raise ReplacementMismatch(f"{self!r} at {_where(op)}: torch cannot compute it on this "
+                                      f"{layout_name(tensor)} value ({type(exc).__name__}: "
+                                      f"{str(exc).splitlines()[0][:200]}); write the "
                                       "action as a function of the tensor (lambda t, op: ...), or intervene where "
                                       "the value is a plain dense tensor") from exc
 
@@ -292,9 +293,9 @@ def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
     clean sequence of length one) would be written into every row of the corrupted run unnoticed."""
     if not same_shape(source, tensor):
         raise ReplacementMismatch(f"tl.patch_from at {_where(op)}: the source trace's value has shape "
-                                  f"{tuple(shape_of(source))} but this run's has {tuple(shape_of(tensor))}; patch between runs "
-                                  "of the same shape (batch size, sequence length), or pass the tensor itself as the "
-                                  "action to broadcast it")
+                                  f"{tuple(shape_of(source))} but this run's has {tuple(shape_of(tensor))}; patch "
+                                  "between runs of the same shape (batch size, sequence length), or pass the tensor "
+                                  "itself as the action to broadcast it")
     return source
 
 
