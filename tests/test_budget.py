@@ -114,3 +114,18 @@ def budget_bounds_a_large_trace():
 @pytest.mark.parametrize("title", titles("Memory budget"))
 def test_case(title):
     assert outcome("Memory budget", title)
+
+
+def test_a_sparse_tensor_counts_the_indices_and_values_it_stores():
+    # A 1000 x 1000 adjacency of three entries was counted as its dense four megabytes: a 100 kB budget
+    # refused to save it (and everything after it), and log.saved_bytes reported bytes nobody held.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adj = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [1, 2, 0]]), torch.ones(3), (1000, 1000)).coalesce()
+        log = tl.trace(lambda a: (a * 2, a.to_sparse_csr()), adj, max_saved_bytes=100_000)
+    assert all(op.has_activation for op in log)
+    coo, csr = log["mul_1_1:1"].activation, log["tosparsecsr_1_2:1"].activation
+    stored = sum(p.numel() * p.element_size() for t in (adj, coo) for p in (t.indices(), t.values()))
+    stored += sum(p.numel() * p.element_size() for p in (csr.crow_indices(), csr.col_indices(), csr.values()))
+    assert log.saved_bytes == stored < 100_000
+    assert log["mul_1_1:1"].nbytes == 4_000_000  # the op's own size stays that of its dense shape

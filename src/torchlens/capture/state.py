@@ -25,7 +25,7 @@ import torch
 
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
-from ..record.layouts import copy_with_layout, memory_freed, memory_span, shape_of, spans_meet
+from ..record.layouts import copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet
 from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
@@ -440,7 +440,7 @@ class CaptureState:
 
     def _keep(self, index: int, t: torch.Tensor, version) -> None:
         if self.max_saved_bytes is not None:
-            size = t.numel() * t.element_size()
+            size = t.numel() * t.element_size() if t.layout is torch.strided else held_bytes(t)
             if self.saved_bytes + size > self.max_saved_bytes:
                 if self.budget_exhausted_at is None:
                     self.budget_exhausted_at = index

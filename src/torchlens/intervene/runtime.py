@@ -26,7 +26,7 @@ from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
-from ..record.layouts import shape_of
+from ..record.layouts import held_bytes, shape_of
 from ..record.modules import is_unregistered, shown_class
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
@@ -297,7 +297,7 @@ class Interventions:
             saved = st.saved.pop(record)
             st.saved_versions.pop(record, None)
             if st.max_saved_bytes is not None:  # the replacement is counted against the budget instead
-                st.saved_bytes -= saved.numel() * saved.element_size()
+                st.saved_bytes -= held_bytes(saved)
             same_storage = st.saved_by_storage.get(storage_key(saved))
             if same_storage and record in same_storage:
                 same_storage.remove(record)

@@ -76,6 +76,22 @@ def dense_values(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def held_bytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s own elements, as ``max_saved_bytes`` and ``Trace.saved_bytes`` count a saved tensor:
+    its elements times their size, or for a sparse tensor the indices and values it stores (a 1000 x 1000
+    matrix of three entries holds three values, not a million)."""
+    layout = t.layout
+    if layout not in _SPARSE_LAYOUTS:
+        return t.numel() * t.element_size()
+    if layout == torch.sparse_coo:
+        parts = (t._indices(), t._values())
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    else:
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    return sum(part.numel() * part.element_size() for part in parts)
+
+
 def _sparse_values(t: torch.Tensor) -> torch.Tensor:
     """A sparse tensor's values, flat, and a zero for its implicit elements if it has any."""
     values = (t.coalesce().values() if t.layout == torch.sparse_coo else t.values()).reshape(-1)

@@ -15,7 +15,7 @@ from .columns import Call, Kind
 from . import grads as _grads
 from . import tables
 from .derived import Derived as _Derived
-from .layouts import memory_freed
+from .layouts import held_bytes, memory_freed
 from .lookup import Ambiguous, alias_note, build_lookup, raise_ambiguous
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
@@ -370,7 +370,7 @@ class Trace(TraceColumns):
         for t in self._activations.values():
             if id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel() * t.element_size()
+                total += held_bytes(t)
         return total
 
     @property
