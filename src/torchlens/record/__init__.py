@@ -1,11 +1,11 @@
 """The record model: ``Trace`` holds columns; ``Op``, ``Layer``, ``ModuleCall`` and ``Module`` are views."""
 
-from ..errors import (ActivationUnavailable, GradientUnavailable, InterventionError, NestedTraceError, TorchlensError,
-                      TraceCleanedUp)
+from ..errors import (ActivationUnavailable, AmbiguousKey, GradientUnavailable, InterventionError, NestedTraceError,
+                      TorchlensError, TraceCleanedUp)
 from .modules import Module, ModuleCall
 from .op import Layer, Op
 from .params import Buffer, Param
 from .trace import Trace
 
 __all__ = ["Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError", "ActivationUnavailable",
-           "TraceCleanedUp", "NestedTraceError", "InterventionError", "GradientUnavailable"]
+           "TraceCleanedUp", "NestedTraceError", "InterventionError", "GradientUnavailable", "AmbiguousKey"]
