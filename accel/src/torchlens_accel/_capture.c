@@ -86,7 +86,7 @@ static PyObject *getter_names[N_GETTERS];
 static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_grad_fn, *s_detach,
     *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
-    *s_note_failure, *s_note_context, *s_note_writes, *s_wants, *s_watch, *s_is_compiling, *s_out,
+    *s_note_failure, *s_note_context, *s_note_writes, *s_note_pass_through, *s_wants, *s_watch, *s_is_compiling, *s_out,
     *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_save_sources, *s_context, *s_contexts;
 
 static PyObject *empty_tuple;
@@ -1298,8 +1298,15 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         }
         Py_DECREF(iter);
         if (PyErr_Occurred()) goto done;
-    } else if (record_single(h, out, call_index, first_op, func, module_call) < 0) {
-        goto done;
+    } else {
+        if (written == NULL && module_index >= 0 && n > 0 && out == PyTuple_GET_ITEM(args, 0)) {
+            /* It returned its first argument itself: ``st.note_pass_through``, as the Python method does. */
+            PyObject *r = PyObject_CallMethodObjArgs(h->state, s_note_pass_through, out, first_op, module_call,
+                                                     func, NULL);
+            if (r == NULL) goto done;
+            Py_DECREF(r);
+        }
+        if (record_single(h, out, call_index, first_op, func, module_call) < 0) goto done;
     }
     result = Py_NewRef(out);
 done:
@@ -1614,7 +1621,7 @@ typedef struct {
     X(bound_all) X(outside) X(call_frame) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type) \
     X(tuple_values) X(bound_output)
 
-static PyObject *s_raised_in;
+static PyObject *s_raised_in, *s_pass_through, *s_end_pass_through;
 
 /* The record index a tensor was last bound to, or -1 (``bound`` in capture/modules.py).  New reference. */
 static PyObject *bound_index(Recorder *r, PyObject *t) {
@@ -1923,6 +1930,24 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
             goto done;
         }
     }
+    {  /* An op in it returned its argument itself: ``st.end_pass_through``, as the Python recorder does. */
+        PyObject *pending = PyObject_GetAttr(r->state, s_pass_through);
+        if (pending == NULL) {
+            Py_DECREF(output);
+            goto done;
+        }
+        if (pending != Py_None) {
+            PyObject *ended = PyObject_CallMethodObjArgs(r->state, s_end_pass_through, index, parent,
+                                                         PyList_GET_ITEM(call, 5), NULL);
+            Py_XDECREF(ended);
+            if (ended == NULL) {
+                Py_DECREF(pending);
+                Py_DECREF(output);
+                goto done;
+            }
+        }
+        Py_DECREF(pending);
+    }
     result = output;
 done:
     Py_DECREF(parent);
@@ -2064,7 +2089,7 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_call_frames, "call_frames") INTERN(s_save_mode, "save_mode") INTERN(s_grad_enabled, "grad_enabled")
     INTERN(s_any_autocast, "any_autocast") INTERN(s_grads, "grads") INTERN(s_producer_of, "producer_of")
     INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
-    INTERN(s_note_writes, "note_writes") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
+    INTERN(s_note_writes, "note_writes") INTERN(s_note_pass_through, "note_pass_through") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
     INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
@@ -2083,7 +2108,7 @@ PyMODINIT_FUNC PyInit__capture(void) {
     held_names[H_CALL_FRAMES] = s_call_frames;
     if (PyType_Ready(&HandlerType) < 0 || PyType_Ready(&RecorderType) < 0 || PyType_Ready(&SlotType) < 0)
         return NULL;
-    INTERN(s_raised_in, "raised_in")
+    INTERN(s_raised_in, "raised_in") INTERN(s_pass_through, "pass_through") INTERN(s_end_pass_through, "end_pass_through")
     PyObject *m = PyModule_Create(&capture_module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0

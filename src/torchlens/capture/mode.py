@@ -244,6 +244,8 @@ class CaptureMode(TorchFunctionMode):
             return out
 
         # One tensor out, the common case, inlined.
+        if n and out is args[0] and written is None and module_call >= 0:
+            st.note_pass_through(out, first_op, module_call, func)
         requires_grad = out.requires_grad
         try:  # (a subclass, such as a jagged nested tensor, has its shape read by shape_of)
             shape = out.shape if type(out) is Tensor else shape_of(out)
@@ -328,6 +330,8 @@ class CaptureMode(TorchFunctionMode):
             st.note_writes(written, first_op)
         if func in _DATA_GET:  # ``x.data`` shares x's storage but not its version counter
             st.data_bases[id(out)] = (weakref(out), weakref(args[0]))
+        if len(leaves) == 1 and args and leaves[0][1] is args[0] and written is None and module_call >= 0:
+            st.note_pass_through(args[0], first_op, module_call, func)
         for slot, t in leaves:
             record_output(st, call_index, slot, t, func, module_call)
         if st.intervention is not None:  # intervene/runtime.py: may change what the model gets back

@@ -319,6 +319,8 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             call[5] = (entry[1] if entry is not None and (entry[0] is output or entry[0]() is output) else -1,)
         elif output is not None:
             call[5] = bound_output(output)
+        if st.pass_through is not None:  # an op in it returned its argument itself: CaptureState.note_pass_through
+            st.end_pass_through(index, parent, call[5])
         return output
 
     return record_call, verdicts, bound_all, bound_output, call_frame, rebind

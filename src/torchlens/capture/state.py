@@ -33,6 +33,7 @@ from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NU
                               CALL_PARAMS, CALL_PARENTS, INPUT)
 from . import accel
 from .fused_writes import stat_slots
+from .pass_through import end_pass_through, note_pass_through
 
 
 _any_autocast = torch._C._is_any_autocast_enabled
@@ -147,6 +148,9 @@ class CaptureState:
     failure = None  # (func, module call, exception) of the first torch call that raised
     versionless = False  # an inference tensor was seen: in-place writes known by name only
     raised_in = None  # (exception, module call index) where an exception left a module call
+    # [module call, id, previous entry, record] per op that returned its first argument itself
+    # (capture/pass_through.py); None until one does.
+    pass_through: list | None = None
     _watched = ()  # (address, Parameter) of the model: see ``param_storages``
     _param_storages = None
     # Off unless set (the constructor or the trace driver sets them only when on).
@@ -248,6 +252,9 @@ class CaptureState:
                 return record
         self.unwritten[id(t)] = (entry[0], len(writes))
         return None
+
+    note_pass_through = note_pass_through
+    end_pass_through = end_pass_through
 
     def record_holding(self, t: torch.Tensor):
         """The record whose value ``t`` still is (bound to it, and not written since), or None: off the hot

@@ -1,0 +1,134 @@
+"""Models that wrap or modify their modules: adapters around a layer, norms that cast their input, and
+ops that hand back the tensor they were given (``x.to()`` of the dtype it has, eval-mode dropout).
+
+Such an op returns its argument itself, so the tensor the module's caller still holds is the very object
+the op returned.  The record must keep the caller's reads on the value's own producer: only the code after
+the op inside that module call reads it as the op's result, unless the call returns it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+from accel_paths import PATHS, on_path
+from trusted import assert_trusted
+
+
+class CastingNorm(nn.Module):
+    """An RMS norm written as Llama's: the input cast to float32 first, which returns it itself."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class Residual(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.norm = CastingNorm(d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        residual = self.embed(x)
+        return residual + self.mlp(self.norm(residual))
+
+
+class Adapter(nn.Module):
+    """A LoRA adapter written by hand: the frozen layer plus a low-rank update of a dropped-out input."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.dropout = nn.Dropout(0.1)
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(self.dropout(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q, self.k, self.v = Adapter(nn.Linear(d, d)), Adapter(nn.Linear(d, d)), Adapter(nn.Linear(d, d))
+
+    def forward(self, x):
+        weights = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1)
+        return weights @ self.v(x)
+
+
+def _op(log, type_, address):
+    return next(op for op in log.ops if op.type == type_ and op.module_address == address)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_value_returned_unchanged_inside_a_module_stays_its_producers_for_the_caller(compiled):
+    torch.manual_seed(0)
+    model, x = Residual(8), torch.randn(2, 8)
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    cast, embed = _op(log, "to", "norm"), log["embed"]
+    assert cast.parents == [embed.label]
+    # Inside the norm, its code reads the cast's result ...
+    assert _op(log, "pow", "norm").parents == [cast.label]
+    # ... while the caller's residual is still the embedding's output, and the norm's call says so.
+    add = next(op for op in log.ops if op.type == "add" and op.module_address is None)
+    assert add.parents[0] == embed.label
+    assert log.module_calls[1].label == "norm:1" and log.module_calls[1].input_ops == [embed.label]
+    assert torch.equal(log.output, model(x))
+    assert_trusted(tl.validate(model, x))
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_adapters_reading_one_input_read_it_from_its_producer_not_from_another_adapters_dropout(compiled):
+    torch.manual_seed(0)
+    model, x = Attention(8).eval(), torch.randn(1, 3, 8)  # eval: each adapter's dropout returns x itself
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    calls = {call.label: call for call in log.module_calls}
+    for name in "qkv":
+        assert calls[f"{name}:1"].input_ops == ["input_1:1"]
+        assert calls[f"{name}.base:1"].input_ops == ["input_1:1"]
+        dropout = _op(log, "dropout", f"{name}.dropout")
+        # The dropout module returned it: the adapter reads the dropout's output, and nothing else does.
+        assert calls[f"{name}.dropout:1"].output_ops == [dropout.label]
+        assert calls[f"{name}.down:1"].input_ops == [dropout.label]
+        assert dropout.children == [log[f"{name}.down"].label]
+    assert torch.equal(log.output, model(x))
+    assert_trusted(log.validate())
+    # Ablating one adapter's dropout output changes that adapter alone, and its record says so.
+    edited = tl.trace(model, x, intervene={"q.dropout": tl.zero_ablate()})
+    assert edited["k.base:1"].parents == ["input_1:1"]
+    assert torch.equal(edited["k"].activation, log["k"].activation)
+    assert torch.equal(edited["q"].activation, model.q.base(x))
+
+
+def test_llamas_residuals_read_the_layer_input_not_the_norms_cast():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    log = tl.trace(model, ids)
+    for layer in range(2):
+        block = f"model.layers.{layer}"
+        into = next(call for call in log.module_calls if call.label == f"{block}:1").input_ops[0]
+        adds = [op for op in log.ops if op.type == "add" and op.module_address == block]
+        # hidden_states = residual + attention output, then + MLP output: residual is what entered the block
+        assert adds[0].parents[0] == into
+        assert adds[1].parents[0] == adds[0].label
+        cast = _op(log, "to", f"{block}.input_layernorm")
+        assert cast.parents == [into] and _op(log, "pow", f"{block}.input_layernorm").label in cast.children
+        assert all(log[child].module_address == f"{block}.input_layernorm" for child in cast.children)
+    assert torch.equal(log.output.logits, model(ids).logits)
