@@ -132,3 +132,19 @@ def test_llamas_residuals_read_the_layer_input_not_the_norms_cast():
         assert cast.parents == [into] and _op(log, "pow", f"{block}.input_layernorm").label in cast.children
         assert all(log[child].module_address == f"{block}.input_layernorm" for child in cast.children)
     assert torch.equal(log.output.logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("wrap", ["DataParallel", "compile"])
+def test_a_wrapper_traced_as_its_module_is_refused_when_it_has_hooks_of_its_own(wrap):
+    torch.manual_seed(0)
+    inner, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    model = nn.DataParallel(inner) if wrap == "DataParallel" else torch.compile(inner, backend="eager")
+    handle = model.register_forward_hook(lambda module, args, output: output * 10)
+    untraced = model(x)
+    assert torch.equal(untraced, inner(x) * 10)
+    for run in (lambda: tl.trace(model, x), lambda: tl.validate(model, x)):
+        with pytest.raises(TypeError, match=r"wrapper itself has forward hooks.*register them on \."):
+            run()
+    handle.remove()  # without them, the wrapper is traced as the module it wraps
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x)) and [call.label for call in log.module_calls] == ["0:1", "1:1"]

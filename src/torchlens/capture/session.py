@@ -384,6 +384,7 @@ def _unwrap(model):
     # look torch.compile's attributes up where they live instead.
     inner = model._modules.get("_orig_mod") if is_module else getattr(model, "_orig_mod", None)
     if isinstance(inner, torch.nn.Module):  # torch.compile'd module
+        _refuse_wrapper_hooks(model, "torch.compile wrapper", "_orig_mod")
         model = inner
         is_module = True
     orig = vars(model).get("_torchdynamo_orig_callable") if is_module else \
@@ -391,8 +392,23 @@ def _unwrap(model):
     if orig is not None:  # torch.compile'd function
         model = orig
     if isinstance(model, _PARALLEL):
+        _refuse_wrapper_hooks(model, type(model).__name__, "module")
         model = model.module
     return model
+
+
+_WRAPPER_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _refuse_wrapper_hooks(wrapper, kind: str, inner: str) -> None:
+    """A wrapper traced as the module it wraps must have no hooks of its own: they would not run, and the
+    trace (and ``tl.validate``, which unwraps both of its runs) would show another output than the model's."""
+    hooks = [name.strip("_").replace("_hooks", " hooks").replace("_", " ") for name in _WRAPPER_HOOKS
+             if getattr(wrapper, name, None)]
+    if hooks:
+        raise TypeError(f"tl.trace runs a {kind} as the module it wraps (.{inner}), but the wrapper itself has "
+                        f"{' and '.join(hooks)}, which would then not run and the traced output would not be the "
+                        f"model's; register them on .{inner} instead, or trace .{inner} and apply them yourself")
 
 
 def _forward_signature(model):
