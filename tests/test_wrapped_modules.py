@@ -148,3 +148,25 @@ def test_a_wrapper_traced_as_its_module_is_refused_when_it_has_hooks_of_its_own(
     handle.remove()  # without them, the wrapper is traced as the module it wraps
     log = tl.trace(model, x)
     assert torch.equal(log.output, model(x)) and [call.label for call in log.module_calls] == ["0:1", "1:1"]
+
+
+class CallsForwardDirectly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.inner.forward(x))  # bypasses inner's __call__: no module call, no hooks
+
+
+def test_a_module_run_only_through_its_forward_is_named_with_the_ops_that_used_its_parameters():
+    model, x = CallsForwardDirectly(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    users = [op.label for op in log.ops if "inner.weight" in op.params]
+    assert users and [call.label for call in log.module_calls] == ["head:1"]
+    for run in (lambda: tl.trace(model, x, save=["inner"]), lambda: tl.trace(model, x, grads=["inner"]),
+                lambda: tl.trace(model, x, intervene={"inner": tl.zero_ablate()})):
+        with pytest.raises((tl.InterventionError, KeyError), match=rf"made no module call.*{users[0]}.*forward\("):
+            run()
+    edited = tl.trace(model, x, intervene={users[0]: tl.zero_ablate()})  # the way the message names
+    assert torch.equal(edited.output, model.head(torch.zeros(2, 4)))

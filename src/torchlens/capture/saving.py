@@ -19,6 +19,7 @@ from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
+from ..record.params import bypassed_call_hint
 from ..tree import tensor_leaves
 from .state import is_bound, version_of
 from .teardown import remove_handles
@@ -140,7 +141,9 @@ class SavePolicy:
                                    f"op.{'label' if ':' in entry else 'layer_label'} == {entry!r})")
             names = sorted(known | types | called | calls)
             hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry)
-            ran = " (that module exists but never ran in this forward)" if entry in self.addresses else ""
+            ran = ""
+            if entry in self.addresses:
+                ran = bypassed_call_hint(trace, entry) or " (that module exists but never ran in this forward)"
             if stopped_after is not None:
                 ran += f" (the forward stopped after {stopped_after}, as stop_after= asked: what follows never ran)"
             more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""

@@ -10,8 +10,10 @@ from ..errors import InterventionError, first_few, warn_user
 from ..record.columns import Kind
 from ..record.lookup import refuse_ambiguous
 from ..record.op import Layer
+from ..record.params import bypassed_call_hint
 from .sites import _LABEL
 from .runtime import Interventions
+from .sites import ModuleSite
 
 
 def finish_interventions(runtime: Interventions, trace) -> None:
@@ -32,9 +34,11 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     _refuse_a_run_that_ended_before_some_ops(runtime, unmet)
     if unmet:
         names = _site_names(unmet)
+        whole = [site.address for site in unmet if isinstance(site, ModuleSite) and site.call_number is None]
+        bypassed = next((hint for hint in (bypassed_call_hint(trace, a) for a in whole) if hint), "")
         raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
                                 "module call (a module call number past its last call, or control flow that skipped "
-                                f"it); nothing was changed there.{runtime._written_note()}")
+                                f"it){bypassed}; nothing was changed there.{runtime._written_note()}")
     _refuse_ops_past_the_reference(runtime, trace)
 
 

@@ -153,3 +153,16 @@ def build_buffers(trace) -> list:
             address = trace._io[i]
             rows.setdefault(address, BufferRow(address)).nodes.append(i)
     return list(rows.values())
+
+
+def bypassed_call_hint(trace, address: str) -> str:
+    """For a module address that made no module call: the ops that used its parameters, when there are any
+    (its forward was called as ``module.forward(...)``, which bypasses ``__call__``), or ''."""
+    prefix = address + "."
+    users = [op.label for op in trace.ops if any(p.startswith(prefix) for p in op.params)]
+    if not users:
+        return ""
+    shown = ", ".join(users[:4]) + (f" and {len(users) - 4} more" if len(users) > 4 else "")
+    return (f" (module {address!r} made no module call, but ops used its parameters: {shown}; a forward called "
+            "as module.forward(...) directly bypasses the module's __call__, so it has no module call, hooks or "
+            "module site: name those ops by their labels)")
