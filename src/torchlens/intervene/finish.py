@@ -11,9 +11,8 @@ from ..record.columns import Kind
 from ..record.lookup import refuse_ambiguous
 from ..record.op import Layer
 from ..record.params import bypassed_call_hint
-from .sites import _LABEL
 from .runtime import Interventions
-from .sites import ModuleSite
+from .sites import _LABEL, ModuleSite
 
 
 def finish_interventions(runtime: Interventions, trace) -> None:
