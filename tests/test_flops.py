@@ -240,19 +240,9 @@ def test_a_meta_device_model_is_compared_as_its_real_twin_is_and_says_what_vouch
     assert any("no values" in note and "same order" in note for note in meta.notes)
     assert not any("no values" in note for note in real.notes)
 
-    calls = []  # the product sequence is still checked when no value can be
-
-    class Alternates(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(4, 4))
-
-        def forward(self, x):
-            calls.append(None)
-            return x @ self.weight if len(calls) % 2 else torch.einsum("ij,jk->ik", x, self.weight)
-
+    # The product sequence is still checked when no value can be.
     with pytest.raises(tl.TorchlensError, match="called different matrix products"):
-        tl.report.flops_vs_dispatch(Alternates().to("meta"), torch.randn(3, 4, device="meta"))
+        tl.report.flops_vs_dispatch(_alternating_products().to("meta"), torch.randn(3, 4, device="meta"))
 
 
 @pytest.mark.parametrize("name", [n for n in sorted(zoo()) if n != "dropout_train"])
@@ -440,11 +430,16 @@ def test_diverging_outputs_fail_the_witness():
 
 
 def test_the_same_outputs_from_different_products_fail_the_witness():
-    calls = []  # state outside the model, which no restoring reaches
+    with pytest.raises(tl.TorchlensError, match="same outputs but called different matrix products"):
+        tl.report.flops_vs_dispatch(_alternating_products(), torch.randn(3, 4))
+
+
+def _alternating_products() -> nn.Module:
+    """The same product, written as a matmul on one call and as an einsum on the next; the calls are counted
+    outside the model, where no restoring reaches."""
+    calls = []
 
     class Alternates(nn.Module):
-        """The same product, written as a matmul on one call and as an einsum on the next."""
-
         def __init__(self):
             super().__init__()
             self.weight = nn.Parameter(torch.randn(4, 4))
@@ -453,8 +448,7 @@ def test_the_same_outputs_from_different_products_fail_the_witness():
             calls.append(None)
             return x @ self.weight if len(calls) % 2 else torch.einsum("ij,jk->ik", x, self.weight)
 
-    with pytest.raises(tl.TorchlensError, match="same outputs but called different matrix products"):
-        tl.report.flops_vs_dispatch(Alternates(), torch.randn(3, 4))
+    return Alternates()
 
 
 def test_training_flags_buffers_and_rng_are_restored():
