@@ -22,7 +22,7 @@ from ..record.lookup import alias_note, refuse_ambiguous
 from ..record.params import bypassed_call_hint
 from ..tree import tensor_leaves
 from .state import is_bound, version_of
-from .teardown import remove_handles
+from .teardown import HookHandles
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 _SAVE_ALL, _SAVE_NONE = ("all", True), ("none", None, False)
@@ -162,7 +162,7 @@ class SavePolicy:
         trace.keep_activations(kept)
 
 
-class SelectedModuleOutputs:
+class SelectedModuleOutputs(HookHandles):
     """Forward hooks on the modules a ``save=`` or ``grads=`` selection names, for one trace: a module's output
     op is kept for that module, but the op may have run outside it (``nn.Identity`` returns its input, a module
     may return a tensor it was given or one it kept), where the during-forward selector never holds it nor
@@ -171,7 +171,8 @@ class SelectedModuleOutputs:
     without a module selection costs nothing."""
 
     def __init__(self, state, policy, grads, root):
-        self.state, self.grads, self._handles = state, grads, []
+        super().__init__()
+        self.state, self.grads = state, grads
         saved = policy.selected_modules if policy.mode == 2 else {}
         watched = grads.policy.selected_modules if grads is not None and grads.policy is not None and \
             grads.policy.mode == 2 else {}
@@ -180,7 +181,7 @@ class SelectedModuleOutputs:
         self.modules = [m for m in {**saved, **watched}.values()
                         if m is not root and not isinstance(m, torch.jit.ScriptModule)]
 
-    def __enter__(self):
+    def install(self) -> None:
         st, owner, grads = self.state, threading.get_ident(), self.grads
         saved_ids, watched_ids = self.saved_ids, self.watched_ids
 
@@ -200,17 +201,8 @@ class SelectedModuleOutputs:
                         grads.add_hook(entry[1], t)
             return None
 
-        try:
-            for module in self.modules:
-                self._handles.append(module.register_forward_hook(post_hook))
-            return self
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc):
-        remove_handles(self._handles)
-        return False
+        for module in self.modules:
+            self._handles.append(module.register_forward_hook(post_hook))
 
 
 class LayerSelection(list):

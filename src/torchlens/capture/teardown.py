@@ -163,6 +163,29 @@ def remove_handles(handles: list) -> None:
     until_done(remove_all)
 
 
+class HookHandles:
+    """A capture part (``Capture``) owning the hook handles its ``install`` adds to ``self._handles``: all are
+    removed on exit, and at once when installing raises part-way."""
+
+    def __init__(self):
+        self._handles = []
+
+    def install(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.install()
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        remove_handles(self._handles)
+        return False
+
+
 def release_stranded(lock) -> None:
     """Drop the holds this thread still has on the reentrant ``lock``: an interrupt landing on the exit
     line of a ``with lock:`` block leaves it held."""

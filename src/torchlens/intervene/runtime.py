@@ -31,7 +31,7 @@ from ..record.modules import is_unregistered, shown_class
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
 from ..capture.state import StopForward, is_bound, storage_key, version_of
-from ..capture.teardown import remove_handles
+from ..capture.teardown import HookHandles
 from ..tree import tensor_leaves
 from .actions import layout_name, same_shape
 from .sites import ModuleCallInfo, occurrence_key
@@ -470,7 +470,7 @@ def _replace_at(obj, path: tuple, value, key):
                             "tensor; intervene at the op label of that tensor instead")
 
 
-class _ModuleHooks:
+class _ModuleHooks(HookHandles):
     """Forward hooks on the module sites' modules, for the trace.  The edit hook is registered on each
     site module after the module's own hooks (torch runs them in registration order), so it sees what the
     module's hooks made and callers receive the edited value, as from a hook the user added last.  Torch
@@ -480,10 +480,10 @@ class _ModuleHooks:
     every other module call runs as in a plain trace."""
 
     def __init__(self, runtime: Interventions, st, root):
+        super().__init__()
         self.runtime, self.st, self.root = runtime, st, root
-        self._handles = []
 
-    def __enter__(self):
+    def install(self) -> None:
         runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
         by_module = runtime.by_module
         counts: dict = {}
@@ -513,20 +513,11 @@ class _ModuleHooks:
                 raise StopForward
             return new
 
-        try:
-            for module in _site_modules(runtime.module_sites, root):
-                # The count first, before the module's own pre-hooks, so it numbers every call the tracker
-                # records; the edit last, after its own forward hooks (always_call: an exception pops the count).
-                self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
-                self._handles.append(module.register_forward_hook(post_hook, always_call=True))
-            return self
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc):
-        remove_handles(self._handles)
-        return False
+        for module in _site_modules(runtime.module_sites, root):
+            # The count first, before the module's own pre-hooks, so it numbers every call the tracker
+            # records; the edit last, after its own forward hooks (always_call: an exception pops the count).
+            self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
+            self._handles.append(module.register_forward_hook(post_hook, always_call=True))
 
 
 def _site_modules(module_sites, root) -> list:
