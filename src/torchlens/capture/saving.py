@@ -19,6 +19,7 @@ from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
+from ..record.model_index import traced_address
 from ..record.params import bypassed_call_hint
 from ..tree import tensor_leaves
 from .state import is_bound, version_of
@@ -239,8 +240,7 @@ def _modules_by_address(model, index) -> dict:
             return {}
         modules = dict(model.named_modules(remove_duplicate=False))
         for name, module in list(modules.items()):
-            if "_orig_mod" in name.split("."):
-                modules.setdefault(".".join(part for part in name.split(".") if part != "_orig_mod"), module)
+            modules.setdefault(traced_address(name), module)
         return modules
     modules = dict(index.modules)
     for module in list(modules.values()):

@@ -19,13 +19,13 @@ import torch
 
 from ..errors import InterventionError, closest_hint
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
+from ..record.model_index import WRAPPED, traced_address
 from ..record.op import Layer, Op
 from ..capture.source import line_of, source_of
 from ..labels.naming import func_name_of
 from .actions import as_action
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
-_WRAPPED = "_orig_mod"  # where a torch.compile'd submodule (an OptimizedModule) holds the module it compiles
 _IN_PLACE = "_compiled_call_impl"  # the instance attribute module.compile() sets
 
 
@@ -169,12 +169,12 @@ def _site_modules(model) -> tuple:
         modules[name] = module
         parts = name.split(".")
         holder = next(((address, True) for prefix, address in in_place if name.startswith(prefix)), None)
-        if holder is None and _WRAPPED in parts:
-            holder = (".".join(parts[:parts.index(_WRAPPED)]), False)
+        if holder is None and WRAPPED in parts:
+            holder = (".".join(parts[:parts.index(WRAPPED)]), False)
         if holder is None and vars(module).get(_IN_PLACE) is not None:
             holder = (name, True)
             in_place.append((f"{name}." if name else "", name))
-        traced = ".".join(part for part in parts if part != _WRAPPED)
+        traced = traced_address(name)
         modules.setdefault(traced, module)  # a wrapper keeps its own address
         if holder is not None:
             address, in_place_here = holder
@@ -191,8 +191,7 @@ def _refuse_alias_call(key: str, address: str, modules: dict) -> None:
     ``p2.shared:1`` would edit the call made from ``p1``.  Refused, saying how calls are named."""
     module = modules[address]
     first = next(name for name, m in modules.items() if m is module)
-    first = ".".join(part for part in first.split(".") if part != _WRAPPED)
-    named = ".".join(part for part in address.split(".") if part != _WRAPPED)
+    first, named = traced_address(first), traced_address(address)
     # Two names under one parent (self.b = self.a) count the same calls: only another parent is refused.
     if first.rpartition(".")[0] != named.rpartition(".")[0]:
         raise InterventionError(

@@ -19,6 +19,15 @@ from weakref import ref as weakref
 import torch
 
 
+WRAPPED = "_orig_mod"  # where a torch.compile wrapper (an OptimizedModule) holds the module it compiles
+
+
+def traced_address(name: str) -> str:
+    """A module's address as a trace gives it: without the step a torch.compile wrapper adds inside it
+    (``head._orig_mod.0`` is ``head.0``; the wrapper keeps ``head``)."""
+    return ".".join(part for part in name.split(".") if part != WRAPPED) if WRAPPED in name else name
+
+
 class BatchCounters(NamedTuple):
     """The batch counters of a model's ``nn.BatchNorm*`` layers (``ModelIndex.batch_counters``)."""
 
@@ -47,15 +56,13 @@ class ModelIndex:
 
     def _walk(self, model) -> None:
         for raw, module in model.named_modules(remove_duplicate=False):
-            name = raw
-            if "_orig_mod" in name:  # inside a torch.compile'd submodule: the address it was given
-                name = ".".join(part for part in name.split(".") if part != "_orig_mod")
+            name = traced_address(raw)  # inside a torch.compile'd submodule: the address it was given
             seen = self.module_addresses.get(id(module))
             if seen is not None:  # an alias: same object, another address
                 seen.append(name or "self")
                 continue
             self.module_addresses[id(module)] = [name or "self"]
-            if "_orig_mod" in module._modules:
+            if WRAPPED in module._modules:
                 self.wrappers = True
             if raw:
                 self.submodules[raw] = module  # every module object, wrappers too: the structure check
