@@ -16,13 +16,9 @@ from weakref import ref as weakref
 import torch
 
 from ..record.columns import writes_first_argument
+from .bindings import is_bound
 
 _writes_in_place: dict = {}  # func -> whether it writes its first argument by name
-
-
-def _is_bound(entry: tuple, t) -> bool:  # state.is_bound (state.py imports this module)
-    ref = entry[0]
-    return ref is t or (type(ref) is weakref and ref() is t)
 
 
 def note_pass_through(self, t: torch.Tensor, record: int, module_call: int, func) -> None:
@@ -35,7 +31,7 @@ def note_pass_through(self, t: torch.Tensor, record: int, module_call: int, func
     whose adapter's dropout returned it), and can only get the op's result by the call returning it.  So
     when the call returns something else, ``t`` is bound back to what it was (``end_pass_through``)."""
     entry = self.producers.get(id(t))
-    if entry is None or not _is_bound(entry, t):
+    if entry is None or not is_bound(entry, t):
         return  # no producer to go back to (a tensor from outside the trace): the op is its first
     inplace = _writes_in_place.get(func)
     if inplace is None:
@@ -67,7 +63,7 @@ def end_pass_through(self, index: int, parent: int, returned: tuple) -> None:
         if t is None:
             continue
         entry = producers.get(key)
-        if entry is not None and (entry[1] != record or not _is_bound(entry, t)):
+        if entry is not None and (entry[1] != record or not is_bound(entry, t)):
             continue  # written or rebound since: that binding stands
         if entry is not None and module_call == index and record in returned:
             if parent >= 0:

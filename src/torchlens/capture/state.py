@@ -32,6 +32,7 @@ from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
                               CALL_PARAMS, CALL_PARENTS, INPUT)
 from . import accel
+from .bindings import is_bound
 from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
 
@@ -95,17 +96,6 @@ def version_of(t: torch.Tensor):
         return t._version
     except RuntimeError:
         return None
-
-
-def is_bound(entry: tuple, t: torch.Tensor) -> bool:
-    """Whether a ``CaptureState.producers`` entry found under ``id(t)`` is about ``t`` itself, not about a
-    dead tensor whose id ``t`` now reuses.
-
-    An op output whose memory is saved by reference anyway is bound by the tensor itself (the capture hot
-    path makes no weak reference for it): while the entry holds it, its id cannot be reused, so
-    ``entry[0] is t`` decides.  Every other entry is weak, and goes stale when its tensor dies."""
-    ref = entry[0]
-    return ref is t or (type(ref) is weakref and ref() is t)
 
 
 # A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
