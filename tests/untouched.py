@@ -47,7 +47,11 @@ def _module_state(module: torch.nn.Module) -> tuple:
 
 
 def _tensor_state(t: torch.Tensor) -> tuple:
-    return tuple(sorted(getattr(t, "__dict__", {}))), t._backward_hooks is None or len(t._backward_hooks)
+    """A tensor's own attributes and the hooks on it.  ``None`` and an emptied dict differ on purpose: a
+    trace that leaves an empty hook dict behind has still changed the tensor."""
+    hook_counts = tuple(None if hooks is None else len(hooks)
+                        for hooks in (t._backward_hooks, t._post_accumulate_grad_hooks))
+    return tuple(sorted(getattr(t, "__dict__", {}))), hook_counts
 
 
 def snapshot(model=None, tensors=()) -> dict:
