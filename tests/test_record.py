@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 import torch.nn as nn
@@ -437,11 +439,21 @@ def test_saving_a_module_whose_output_an_op_outside_it_made_keeps_that_output(en
     assert torch.equal(log[entry].activation, seen[0])
 
 
-def test_a_selection_naming_a_torchscript_module_still_traces():
-    model, x = _PassesThrough().eval(), torch.randn(2, 4)
-    model.head = torch.jit.script(nn.Linear(4, 4))  # takes no forward hooks
-    log = tl.trace(model, x, save=["head", "ident"])
-    assert [op.label for op in log if op.has_activation] == ["linear_1_1:1"]
+@pytest.mark.parametrize("option", ["save", "grads"])
+@pytest.mark.parametrize("entry", ["head", "head:1", "head.inner"])
+def test_a_selection_naming_a_torchscript_module_is_refused_naming_why(option, entry):
+    """A TorchScript module's ops run unseen, so no op makes its output: selecting it would keep nothing."""
+    model, x = _PassesThrough().eval(), torch.randn(2, 4, requires_grad=True)
+    model.head = torch.jit.script(nn.Sequential(OrderedDict(inner=nn.Linear(4, 4))))
+    with pytest.raises(ValueError, match=f"{option}= entry '{entry}' is (a|inside 'head', a) TorchScript module.*"
+                                         "before scripting"):
+        tl.trace(model, x, **{option: [entry, "ident"]})
+    log = tl.trace(model, x, **{option: ["ident"]})  # the rest of the model is still selectable
+    if option == "save":
+        assert [op.label for op in log if op.has_activation] == ["linear_1_1:1"]
+    else:
+        log.output.sum().backward()
+        assert log["linear_1_1:1"].grad is not None
 
 
 class _NamedLikeLabels(nn.Module):

@@ -19,7 +19,7 @@ from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
-from ..record.model_index import traced_address
+from ..record.model_index import scripted_outer, traced_address
 from ..record.params import bypassed_call_hint
 from ..tree import tensor_leaves
 from .state import is_bound, version_of
@@ -31,8 +31,8 @@ _NOTHING = frozenset()  # the selection of "all", "none" and predicates: shared,
 
 
 class SavePolicy:
-    def __init__(self, save, model, index=None):
-        self.predicate = None
+    def __init__(self, save, model, index=None, option: str = "save"):
+        self.predicate, self.option = None, option
         self.labels = self.types = self.module_ids = self.addresses = self.call_labels = _NOTHING
         self.type_entries: dict = {}  # normalized op type -> the entry as written
         self.selected_modules: dict = {}  # id(module) -> module, for each module a selection names
@@ -57,15 +57,17 @@ class SavePolicy:
         self.labels, self.types, self.module_ids, self.addresses, self.call_labels = set(), set(), set(), set(), set()
         for item in items:
             if not isinstance(item, str):
-                raise ValueError(f"save= entries must be strings, got {item!r}")
+                raise ValueError(f"{self.option}= entries must be strings, got {item!r}")
             address, _, call = item.rpartition(":")
             if item in modules:
+                _refuse_scripted(item, item, modules, self.option)
                 self.addresses.add(item)
                 self.module_ids.add(id(modules[item]))
                 self.selected_modules[id(modules[item])] = modules[item]
                 if types_too and "." not in item:
                     self.shadowed_types[item] = item.lower().replace("_", "")
             elif address in modules and call.isdigit():  # a module call label: that call's output op
+                _refuse_scripted(item, address, modules, self.option)
                 self.call_labels.add(item)
                 self.module_ids.add(id(modules[address]))
                 self.selected_modules[id(modules[address])] = modules[address]
@@ -227,6 +229,19 @@ def _refuse_a_module_read_as_a_type(trace, entry: str, op_type: str, option: str
                        f"ops) and the op type {op_type} ({len(typed)} ops: {shown}); select the module by its call "
                        f"labels ({entry}:1, ...) or the type with a predicate ({option}=lambda op: op.type == "
                        f"{op_type!r})")
+
+
+def _refuse_scripted(entry: str, address: str, modules: dict, option: str) -> None:
+    """A TorchScript module, or one inside it, makes its outputs where capture cannot see them: no op of the
+    trace holds them, so a selection naming it would keep nothing.  Refused before the forward runs."""
+    outer = scripted_outer(address, modules)
+    if outer is None:
+        return
+    where = "is a TorchScript module" if outer == address else f"is inside {outer!r}, a TorchScript module"
+    raise ValueError(f"{option}= entry {entry!r} {where} (torch.jit.script or torch.jit.trace), whose ops run in "
+                     "TorchScript's interpreter where capture cannot see them: no op of the trace makes its output, "
+                     f"so nothing would be {'kept' if option == 'save' else 'watched'}. Trace the module as it was "
+                     "before scripting, or select the op that reads its output")
 
 
 def _modules_by_address(model, index) -> dict:

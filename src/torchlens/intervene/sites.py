@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InterventionError, closest_hint
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
-from ..record.model_index import WRAPPED, traced_address
+from ..record.model_index import WRAPPED, scripted_outer, traced_address
 from ..record.op import Layer, Op
 from ..capture.source import line_of, source_of
 from ..labels.naming import func_name_of
@@ -204,15 +204,13 @@ def _refuse_alias_call(key: str, address: str, modules: dict) -> None:
 def _refuse_scripted(key: str, address: str, modules: dict) -> None:
     """A TorchScript module, or one inside it, is no site: its ops run in TorchScript's interpreter, so no
     op of the trace made its output (it enters with no parent), and nothing inside it is seen."""
-    parts = address.split(".")
-    for n in range(1, len(parts) + 1):
-        outer = ".".join(parts[:n])
-        if isinstance(modules.get(outer), torch.jit.ScriptModule):
-            where = "is a TorchScript module" if outer == address else f"is inside {outer!r}, a TorchScript module"
-            raise InterventionError(
-                f"intervention site {key!r} {where} (torch.jit.script or torch.jit.trace), whose ops run in "
-                "TorchScript's interpreter where capture cannot see them: no op of the trace holds its output "
-                "to change. Trace the module as it was before scripting to intervene there")
+    outer = scripted_outer(address, modules)
+    if outer is not None:
+        where = "is a TorchScript module" if outer == address else f"is inside {outer!r}, a TorchScript module"
+        raise InterventionError(
+            f"intervention site {key!r} {where} (torch.jit.script or torch.jit.trace), whose ops run in "
+            "TorchScript's interpreter where capture cannot see them: no op of the trace holds its output "
+            "to change. Trace the module as it was before scripting to intervene there")
 
 
 def _refuse_container(key: str, address: str, modules: dict, stop: bool) -> None:

@@ -177,6 +177,17 @@ class ModelIndex:
         return set(map(id, modules)).difference(self._param_names)
 
 
+def scripted_outer(address: str, modules: dict) -> str | None:
+    """The address of the TorchScript module that is ``address`` or holds it, or None: such a module's
+    ops run in TorchScript's interpreter, so no op of a trace makes its output or anything inside it."""
+    parts = address.split(".")
+    for n in range(1, len(parts) + 1):
+        outer = ".".join(parts[:n])
+        if isinstance(modules.get(outer), torch.jit.ScriptModule):
+            return outer
+    return None
+
+
 # ----- one index per model, while its structure is unchanged ------------------------------------
 # Each module keeps its submodules, parameters and buffers in three dicts of its ``__dict__``; every
 # change to the module tree (assigning, replacing or deleting a submodule, parameter or buffer,
