@@ -93,6 +93,26 @@ def test_compiled_eager_traces_the_interior_of_a_module_compiled_in_place():
     assert_clean_process()
 
 
+@pytest.mark.parametrize("option", ["save", "grads"])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_selecting_a_module_inside_compiled_code_names_the_compiled_op_not_a_module_that_never_ran(option, in_place):
+    """Under compiled="run" a module inside compiled code makes no module call: its whole interior is one
+    compiled op, and the selection is told so, with the ways out (not that the module never ran)."""
+    if in_place:
+        model, x = compiled_net()
+    else:
+        model, x = Net().eval(), torch.randn(2, 4)
+        model.block = torch.compile(model.block, backend="eager")
+    with pytest.raises(tl.UnmatchedSelection, match=r"it ran inside 'block', a torch.compile'd module whose calls "
+                                                    r"are each one compiled op, compiled_1_2:1: select 'block', or "
+                                                    r"trace with compiled='eager'"):
+        tl.trace(model, x, **{option: ["block.fc"]})
+    with pytest.warns(UserWarning, match="may differ from the compiled run"):
+        eager = tl.trace(model, x, save=["block.fc"], compiled="eager")
+    assert eager["block.fc"].has_activation  # the way out it names
+    assert_clean_process()
+
+
 def test_hooks_on_a_module_compiled_in_place_are_refused_with_what_to_do():
     model, x = compiled_net()
     handle = model.block.register_forward_hook(lambda m, a, o: None)

@@ -146,7 +146,8 @@ class SavePolicy:
             hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry)
             ran = ""
             if entry in self.addresses:
-                ran = bypassed_call_hint(trace, entry) or " (that module exists but never ran in this forward)"
+                ran = bypassed_call_hint(trace, entry) or _compiled_holder_hint(trace, entry) or \
+                    " (that module exists but never ran in this forward)"
             if stopped_after is not None:
                 ran += f" (the forward stopped after {stopped_after}, as stop_after= asked: what follows never ran)"
             more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""
@@ -242,6 +243,17 @@ def _refuse_scripted(entry: str, address: str, modules: dict, option: str) -> No
                      "TorchScript's interpreter where capture cannot see them: no op of the trace makes its output, "
                      f"so nothing would be {'kept' if option == 'save' else 'watched'}. Trace the module as it was "
                      "before scripting, or select the op that reads its output")
+
+
+def _compiled_holder_hint(trace, address: str) -> str:
+    """For a module that made no module call: the compiled op of a torch.compile'd module holding it, which
+    ran its interior as one op (``compiled="run"``), or ''."""
+    for op in trace.ops:
+        if op.type == "compiled" and op.module_address and address.startswith(f"{op.module_address}."):
+            return (f" (it ran inside {op.module_address!r}, a torch.compile'd module whose calls are each one "
+                    f"compiled op, {op.label}: select {op.module_address!r}, or trace with compiled='eager' to "
+                    "record its interior op by op)")
+    return ""
 
 
 def _modules_by_address(model, index) -> dict:
