@@ -405,3 +405,44 @@ def test_pictures_laid_out_in_batches_are_those_laid_out_one_by_one_and_a_bad_on
     assert layout.layout(texts, "svg") == [layout._run(engine, text, "svg") for text in texts]
     with pytest.raises(layout.LayoutFailed, match="syntax error"):
         layout.layout(texts[:3] + ["digraph broken { a -> ; }\n"] + texts[3:], "svg")
+
+
+CHANGED_NODE = re.compile(r'^\s*(\w+) \[id="\w+", class="tl-node [^\n]*color="#c62828", penwidth=2.5', re.M)
+
+
+def test_an_intervened_op_is_marked_in_every_picture_and_in_its_record(tmp_path):
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    model = small_gpt2_lm()
+    ids = torch.tensor([[5, 9, 13, 21, 7, 30]])
+    assert not CHANGED_NODE.findall(tl.trace(model, ids).render())
+    log = tl.trace(model, ids, intervene={"transformer.h.0": tl.zero_ablate()})
+    (applied,) = log.interventions
+    op = next(op for op in log.ops if op.label == applied.label)
+    node = f"o{op.index}"
+    dot = log.render()
+    assert CHANGED_NODE.findall(dot) == [node]
+    assert "changed: zero_ablate()" in next(line for line in dot.splitlines() if line.strip().startswith(node + " "))
+    # Collapsed, the module holding it carries the mark; rolled, the layer does.
+    outer = next(mc for mc in log.module_calls if mc.label == "transformer:1")
+    assert CHANGED_NODE.findall(log.render(depth=0)) == [f"m{outer.index}"]
+    assert len(CHANGED_NODE.findall(log.render(view="rolled"))) == 1
+    records = _page_data(log.render(format="html"))["items"]
+    assert [key for key, rec in records.items() if "intervention" in rec] == [node]
+    assert records[node]["intervention"].startswith("zero_ablate() at transformer.h.0")
+    assert records[node]["activation"]["max"] == 0.0
+    assert records[node]["original"]["max"] == pytest.approx(float(op.original.max()), rel=1e-5)
+    log.save(tmp_path / "run")
+    assert CHANGED_NODE.findall(tl.load(tmp_path / "run").render()) == [node]
+
+
+def test_an_intervened_second_output_marks_the_node_it_is_a_port_of():
+    from real_models import build
+
+    model, args, kwargs = build("lstm")
+    reference = tl.trace(model, args, kwargs)
+    lstm = [op for op in reference.ops if op.func_name == "lstm"]
+    assert len(lstm) > 1
+    log = tl.trace(model, args, kwargs, intervene={lstm[1].label: tl.zero_ablate()}, reference=reference)
+    assert CHANGED_NODE.findall(log.render()) == [f"o{lstm[0].index}"]

@@ -50,10 +50,14 @@ class Applied:
     def __init__(self, site, action, label=None):
         self.site, self.action, self.label = site, action, label
 
-    def __repr__(self) -> str:
+    @property
+    def site_text(self) -> str:
+        """The site(s) as given, a predicate written ``<predicate>``."""
         sites = self.site if isinstance(self.site, tuple) else (self.site,)
-        site = ", ".join(s if isinstance(s, str) else "<predicate>" for s in sites)
-        return f"<Intervention {self.action!r} at {site} -> {self.label}>"
+        return ", ".join(s if isinstance(s, str) else "<predicate>" for s in sites)
+
+    def __repr__(self) -> str:
+        return f"<Intervention {self.action!r} at {self.site_text} -> {self.label}>"
 
 
 class Interventions:

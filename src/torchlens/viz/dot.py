@@ -14,7 +14,9 @@ other outputs' keys resolve to that node (``port_aliases``).
 
 from __future__ import annotations
 
-from .graph import edge_pass_label
+import re
+
+from .graph import edge_pass_label, pass_ranges
 from .metrics import aggregate, format_value
 from ..record.layouts import shape_text
 
@@ -31,6 +33,10 @@ _KIND_STYLE = {
 }
 KIND_FILL = {"input": "#c8ecc8", "output": "#cfe0fa", "buffer": "#fff2c2", "op": "#ffffff", "param_op": "#e6e6e6",
              "module": "#e8e0f5", "ref": "#fafafa"}
+# An op whose output an intervention replaced, and a collapsed module holding one: a thick red border over
+# whatever the kind or the colouring says, since its value is no longer the one the op made.
+CHANGED = "#c62828"
+_BORDER = re.compile(r'(?<!font)color="[^"]*"')
 
 
 def esc(text) -> str:
@@ -41,6 +47,20 @@ def esc(text) -> str:
 
 def quote(text) -> str:
     return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def changed_ops(trace) -> dict:
+    """``{op index: what the intervention did}`` for the ops whose output an intervention replaced."""
+    if not trace.interventions:
+        return {}
+    index = {label: i for i, label in enumerate(trace.labels)}
+    return {index[applied.label]: describe_action(applied.action) for applied in trace.interventions}
+
+
+def describe_action(action) -> str:
+    """``zero_ablate()``; several actions applied in turn are joined in their order."""
+    actions = action if isinstance(action, tuple) else (action,)
+    return ", then ".join(repr(a) for a in actions)
 
 
 class DotWriter:
@@ -54,9 +74,11 @@ class DotWriter:
         self.structure = structure
         self.coloring = coloring
         self.rolled = structure.view == "rolled"
+        self.changed = changed_ops(trace)
 
     # ----- labels -------------------------------------------------------------------------------
-    def item_label(self, index) -> str:
+    def item_label(self, index, port_ops=()) -> str:
+        """The node's rows; ``port_ops``: the ops of the other outputs drawn as its ports."""
         item = self.structure.items[index]
         trace = self.trace
         first = item.ops[0]
@@ -81,6 +103,9 @@ class DotWriter:
         value = self._value_row(item.ops) if item.kind == "op" else None
         if value:
             rows.append(value)
+        changed = self._changed_row(item.ops + list(port_ops))
+        if changed:
+            rows.append(changed)
         return "<" + "<br/>".join(rows) + ">"
 
     def _module_of(self, op_index):
@@ -95,6 +120,24 @@ class DotWriter:
             return None
         value = aggregate(self.coloring.values, ops)
         return f'<font point-size="8">{esc(format_value(self.coloring.metric, value))}</font>'
+
+    def _changed_row(self, ops):
+        """What interventions did to these ops (their pass numbers in the rolled view), or None."""
+        hits = [i for i in ops if i in self.changed]
+        if not hits:
+            return None
+        actions = sorted({self.changed[i] for i in hits})
+        text = "changed: " + "; ".join(actions)
+        if self.rolled and len(ops) > 1:
+            text += f" (pass {pass_ranges(self.trace.pass_numbers[i] for i in hits)})"
+        return f'<font point-size="8" color="{CHANGED}">{esc(text)}</font>'
+
+    def _style(self, kind, ops) -> str:
+        """The kind's shape and border; the changed border when an intervention replaced one of ``ops``."""
+        style = _KIND_STYLE[kind]
+        if any(i in self.changed for i in ops):
+            style = _BORDER.sub(f'color="{CHANGED}", penwidth=2.5', style, count=1)
+        return style
 
     def group_title(self, g) -> str:
         group = self.structure.groups[g]
@@ -111,9 +154,13 @@ class DotWriter:
         rows = [f"<b>{esc(self.group_title(g))}</b>",
                 f"{esc(', '.join(ins) or '-')} \u2192 {esc(', '.join(outs) or '-')}",
                 f'<font point-size="8">{len(first._op_nodes)} ops</font>']
-        value = self._value_row(self._group_ops(g))
+        ops = self._group_ops(g)
+        value = self._value_row(ops)
         if value:
             rows.append(value)
+        changed = sum(i in self.changed for i in ops)
+        if changed:
+            rows.append(f'<font point-size="8" color="{CHANGED}">{changed} ops changed by interventions</font>')
         return "<" + "<br/>".join(rows) + ">"
 
     def _group_ops(self, g):
@@ -134,11 +181,12 @@ class DotWriter:
         kind = item.kind
         if kind == "op" and self.trace.param_addresses.get(item.ops[0]):
             kind = "param_op"
-        label = self.item_label(index)
+        port_ops = [op for _, i in ports for op in self.structure.items[i].ops if op not in item.ops]
+        label = self.item_label(index, port_ops)
         if ports:
             label = self._with_ports(label, ports)
-        return (f'{item.key} [id="{item.key}", class="tl-node tl-{item.kind}", {_KIND_STYLE[kind]}, '
-                f"{self._fill(kind, item.ops)}, label={label}];")
+        return (f'{item.key} [id="{item.key}", class="tl-node tl-{item.kind}", '
+                f"{self._style(kind, item.ops + port_ops)}, {self._fill(kind, item.ops)}, label={label}];")
 
     def _with_ports(self, label, ports) -> str:
         """The node's rows above one cell per output: the port its edges leave from."""
@@ -174,8 +222,9 @@ class DotWriter:
 
     def module_node(self, g) -> str:
         key = self.structure.groups[g].key
-        return (f'{key} [id="{key}", class="tl-node tl-module", {_KIND_STYLE["module"]}, '
-                f"{self._fill('module', self._group_ops(g))}, label={self.module_label(g)}];")
+        ops = self._group_ops(g)
+        return (f'{key} [id="{key}", class="tl-node tl-module", {self._style("module", ops)}, '
+                f"{self._fill('module', ops)}, label={self.module_label(g)}];")
 
     def ref_node(self, index, incoming) -> str:
         item = self.structure.items[index]
@@ -255,6 +304,9 @@ class DotWriter:
         rows = []
         if title:
             rows.append(f'<tr><td align="left" colspan="2"><b>{esc(title)}</b></td></tr>')
+        if self.changed:
+            rows.append(f'<tr><td align="left" colspan="2"><font color="{CHANGED}">{len(self.changed)} ops changed by '
+                        "interventions (red border): their values are the actions', not the ops'</font></td></tr>")
         if legend:
             rows.append(f'<tr><td align="left" colspan="2">{esc(legend["title"])}: {esc(legend["note"])}</td></tr>')
             for colour, text in legend["entries"]:

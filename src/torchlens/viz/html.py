@@ -15,7 +15,7 @@ import json
 import re
 from importlib import resources
 
-from .dot import KIND_FILL, DotWriter
+from .dot import CHANGED, KIND_FILL, DotWriter
 from .graph import auto_depth, project
 from .layout import layout
 
@@ -83,12 +83,15 @@ def page_data(trace, structure, pictures, records, coloring) -> dict:
             "legend": coloring.legend() if coloring is not None else None}
 
 
-def legend_html(coloring) -> str:
+def legend_html(coloring, changed=False) -> str:
     kinds = [("input", "input"), ("output", "output"), ("buffer", "buffer"), ("op", "op"),
              ("param_op", "op using parameters (bold border)"), ("module", "collapsed module: double-click to open"),
              ("ref", "node drawn in another picture: click to go there")]
     rows = [f'<div class="tl-key"><span class="tl-swatch" style="background:{KIND_FILL[k]}"></span>'
             f"{html.escape(t)}</div>" for k, t in kinds]
+    if changed:
+        rows.append(f'<div class="tl-key"><span class="tl-swatch" style="border:2px solid {CHANGED}"></span>'
+                    "changed by an intervention (red border)</div>")
     out = '<div class="tl-legend-kinds">' + "".join(rows) + "</div>"
     if coloring is not None:
         legend = coloring.legend()
@@ -132,7 +135,7 @@ def html_page(trace, structure, coloring, records, depth=None, title=None, direc
 <main id="tl-canvas" tabindex="0"></main>
 <aside id="tl-panel"><div id="tl-panel-body"><p class="tl-hint">Click a node for its record.
 Double-click a module box to open it.</p><pre class="tl-summary">{html.escape(summary)}</pre></div></aside>
-<section id="tl-legend">{legend_html(coloring)}</section>
+<section id="tl-legend">{legend_html(coloring, bool(writer.changed))}</section>
 </div>
 <script type="application/json" id="tl-data">{payload}</script>
 {view_blocks}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from .dot import describe_action
 from .metrics import format_count, format_seconds
 from ..record.layouts import dense_values, shape_text
 from ..tree import without_values
@@ -137,10 +138,22 @@ class RecordBuilder:
             rec["activation"] = activation_stats(trace.saved_activations[op.index])
         elif op.dropped_reason is not None:
             rec["activation"] = {"dropped": op.dropped_reason}
+        self._add_intervention(rec, op)
         gradient = gradient_record(trace, op)
         if gradient is not None:
             rec["gradient"] = gradient
         return rec
+
+    def _add_intervention(self, rec, op) -> None:
+        """An intervened op says so: its activation is the action's value, ``original`` the op's own."""
+        applied = op.intervention
+        if applied is None:
+            return
+        action = describe_action(applied.action)
+        rec["intervention"] = f"{action} at {applied.site_text}: the activation below is the changed value"
+        original = None if self.trace.is_cleaned_up else op.original
+        if original is not None:
+            rec["original"] = activation_stats(original)
 
     def layer_record(self, item) -> dict:
         ops = [self.trace.ops[i] for i in item.ops]

@@ -211,7 +211,8 @@
     ["pass", "pass"], ["passes", "passes"], ["path", "path"], ["shape", "shape"], ["dtype", "dtype"],
     ["device", "device"], ["memory", "output bytes"], ["modules", "module stack"], ["source", "source"],
     ["code", "code"], ["params", "params"], ["duration", "duration"], ["device_time", "device time"], ["flops", "FLOPs"],
-    ["grad_fn", "grad_fn"], ["inplace", "in place"], ["activation", "activation"], ["gradient", "gradient"],
+    ["grad_fn", "grad_fn"], ["inplace", "in place"], ["intervention", "changed by"], ["activation", "activation"],
+    ["original", "original"], ["gradient", "gradient"],
     ["finite", "non-finite"],
     ["calls", "calls"], ["depth", "depth"], ["ops", "ops inside"], ["inputs", "inputs"], ["outputs", "outputs"],
     ["parents", "parents"], ["children", "children"]];
