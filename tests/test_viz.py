@@ -446,3 +446,23 @@ def test_an_intervened_second_output_marks_the_node_it_is_a_port_of():
     assert len(lstm) > 1
     log = tl.trace(model, args, kwargs, intervene={lstm[1].label: tl.zero_ablate()}, reference=reference)
     assert CHANGED_NODE.findall(log.render()) == [f"o{lstm[0].index}"]
+
+
+def test_a_collapsed_module_called_in_a_loop_keeps_its_back_edge_in_the_rolled_view():
+    """ALBERT runs one shared layer group once per layer: collapsed in the rolled view, the group's box still
+    shows the loop (call 1's output feeding call 2); one call of a module is never drawn feeding itself."""
+    pytest.importorskip("transformers")
+    from real_models import build
+
+    model, args, kwargs = build("albert")
+    log = tl.trace(model, args, kwargs)
+    shared = next(mc for mc in log.module_calls if mc.address == "albert.encoder.albert_layer_groups.0")
+    depth = shared.depth  # collapses the group
+    rolled = log.render(view="rolled", depth=depth)
+    (node,) = re.findall(r'^\s*(m\d+) \[[^\n]*albert\.encoder\.albert_layer_groups\.0 \(AlbertLayerGroup\) '
+                         r'\u00d72 calls', rolled, re.M)
+    loops = [(a, b, label) for a, b, label in EDGE.findall(rolled) if a == b]
+    assert loops == [(node, node, "1\u21922")]
+    assert not [edge for edge in EDGE.findall(log.render(depth=depth)) if edge[0] == edge[1]]
+    # Modules called once (the encoder around the loop) swallow the loop: it runs inside their one call.
+    assert not [edge for edge in EDGE.findall(log.render(view="rolled", depth=depth - 1)) if edge[0] == edge[1]]

@@ -54,6 +54,9 @@ class Structure:
     out_edges: list  # item -> list of dst items
     in_edges: list  # item -> list of src items
     op_item: list  # op index -> item index
+    # Rolled view: (src item, dst item, group) for edges from one call of a module position to another call
+    # of it (a loop through the module), which stay drawn, as a back edge, when the group is collapsed.
+    between_calls: set = field(default_factory=set)
 
 
 def build_structure(trace, view: str = "unrolled") -> Structure:
@@ -86,7 +89,34 @@ def build_structure(trace, view: str = "unrolled") -> Structure:
     for src, dst in edges:
         out_edges[src].append(dst)
         in_edges[dst].append(src)
-    return Structure(view, items, groups, edges, out_edges, in_edges, op_item)
+    between = _edges_between_calls(trace, op_call, call_group, op_item) if view == "rolled" else set()
+    return Structure(view, items, groups, edges, out_edges, in_edges, op_item, between)
+
+
+def _edges_between_calls(trace, op_call, call_group, op_item) -> set:
+    """``(src item, dst item, group)`` where an op in one call of a rolled group feeds an op in another call of
+    it: the recurrence that collapsing the group must not swallow as if it were inside one call."""
+    calls = trace.module_calls
+
+    def chain(op):  # module position group -> the call of it the op ran in, innermost first
+        found, c = {}, op_call[op]
+        while c >= 0:
+            found.setdefault(call_group[c], c)
+            parent = calls[c].parent
+            c = parent.index if parent is not None else -1
+        return found
+
+    between = set()
+    for child, parents in enumerate(trace.op_parents):
+        child_calls = None
+        for _, parent in parents:
+            if parent < 0:
+                continue
+            child_calls = chain(child) if child_calls is None else child_calls
+            for group, call in chain(parent).items():
+                if child_calls.get(group, call) != call:
+                    between.add((op_item[parent], op_item[child], group))
+    return between
 
 
 def _op_module_calls(trace) -> list:
@@ -257,6 +287,7 @@ def project(structure, focus: int = -1, depth=None) -> Picture:
     rel = _relative_depth(structure, focus)
     inside = groups[focus].items if focus >= 0 else range(len(items))
     node_of: dict = {}
+    collapsed_as: dict = {}  # item -> the collapsed group it is drawn as
     visible, collapsed, clusters = [], [], set()
     placement: dict = {}
     for i in inside:
@@ -272,6 +303,7 @@ def project(structure, focus: int = -1, depth=None) -> Picture:
         else:
             key = groups[rep].key
             node_of[i] = key
+            collapsed_as[i] = rep
             if key not in placement:
                 collapsed.append(rep)
                 parent = groups[rep].parent
@@ -291,8 +323,8 @@ def project(structure, focus: int = -1, depth=None) -> Picture:
                 if src not in placement:
                     placement[src] = -1
                     refs_in.append(src_item)
-            if src == dst and src not in (items[i].key,):
-                continue  # an edge swallowed inside one collapsed module
+            if src == dst and src != items[i].key and (src_item, i, collapsed_as[i]) not in structure.between_calls:
+                continue  # an edge swallowed inside one call of a collapsed module
             edges.setdefault((src, dst), []).extend(structure.edges[(src_item, i)])
         for dst_item in structure.out_edges[i]:
             if dst_item in node_of:
