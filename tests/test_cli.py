@@ -274,3 +274,19 @@ def test_eval_on_a_function_target_is_a_usage_error_and_without_it_the_function_
     assert main(argv + ["--eval"]) == 2
     assert "--eval: clitargets:as_function gave a function, not a module" in capsys.readouterr().err
     assert main(argv) == 0  # the function itself traces
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trace", "clitargets:build", "--input", "2x8", "--html", "."], "--html .: that is a folder"),
+    (["trace", "clitargets:build", "--input", "2x8", "--chrome", "no_such_dir/run.json"], "does not exist"),
+    (["render", "no_such_trace", "-o", "no_such_dir/view.dot"], "does not exist"),
+    (["demo", "--out", "clitargets.py"], "--out clitargets.py: that is a file"),
+])
+def test_an_output_that_cannot_be_written_is_a_usage_error_before_any_work(models, monkeypatch, capsys, argv,
+                                                                            message):
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert "tracing" not in err and "loading" not in err  # refused before the model or the trace was touched

@@ -156,6 +156,18 @@ def check_device(name: str) -> None:
         raise UsageError(f"--device {name}: MPS is not available on this machine; use --device cpu")
 
 
+def check_output_file(flag: str, path) -> None:
+    """Refuse, before any work, a file the command could not write (a folder's name, or a file in a folder
+    that does not exist), rather than after a trace that may have taken minutes."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: that is a folder; give the name of a file to write")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
+
+
 def parse_kwargs(text):
     if text is None:
         return {}
@@ -248,6 +260,9 @@ def cmd_demo(args) -> int:
     import torchlens as tl
     from torchlens.demo import demo_model
 
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out}: that is a file; give a folder to write the demo's outputs into")
+    os.makedirs(args.out, exist_ok=True)
     model, x = demo_model()
     _note(f"tracing the built-in demo model ({type(model).__name__}) on a {'x'.join(map(str, x.shape))} input")
     log = tl.trace(model, x, name="DemoNet")
@@ -256,7 +271,6 @@ def cmd_demo(args) -> int:
     print(module_tree(log, 2))
     print()
     print(hot_path_text(log, 10))
-    os.makedirs(args.out, exist_ok=True)
     written = _write_exports(log, save=os.path.join(args.out, "trace"), html=os.path.join(args.out, "demo.html"),
                              chrome=os.path.join(args.out, "demo.chrome.json"))
     print()
@@ -270,6 +284,8 @@ def cmd_demo(args) -> int:
 def cmd_trace(args) -> int:
     import torchlens as tl
 
+    check_output_file("--html", args.html)
+    check_output_file("--chrome", args.chrome)
     model, inputs, kwargs = _prepare(args)
     _note(f"tracing {type(model).__name__} on {', '.join(args.input)} ({args.dtype})")
     started = time.perf_counter()
@@ -317,6 +333,7 @@ def cmd_hot_path(args) -> int:
 def cmd_render(args) -> int:
     from .viz import LayoutEngineMissing, LayoutFailed
 
+    check_output_file("-o", args.output)
     log = _load(args.dir)
     try:
         written = log.render(args.output, view=args.view, depth=args.depth, direction=args.direction)
