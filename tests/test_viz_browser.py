@@ -212,3 +212,15 @@ def test_notebook_button_opens_the_viewer(browser, tmp_path):
         assert errors == []
     finally:
         context.close()
+
+
+def test_an_intervened_op_shows_what_changed_it(open_page, tmp_path):
+    model, args, kwargs = zoo(0)["small_cnn"]
+    log = tl.trace(model, args, kwargs, intervene={"features.0": tl.zero_ablate()})
+    (applied,) = log.interventions
+    page, errors = open_page(log.render(tmp_path / "ablated.html", depth=None))
+    page.fill("#tl-search", applied.label.split(":")[0])
+    page.press("#tl-search", "Enter")
+    panel = page.inner_text("#tl-panel")
+    assert "changed by" in panel and "zero_ablate() at features.0" in panel and "original" in panel
+    assert errors == []
