@@ -466,3 +466,36 @@ def test_a_collapsed_module_called_in_a_loop_keeps_its_back_edge_in_the_rolled_v
     assert not [edge for edge in EDGE.findall(log.render(depth=depth)) if edge[0] == edge[1]]
     # Modules called once (the encoder around the loop) swallow the loop: it runs inside their one call.
     assert not [edge for edge in EDGE.findall(log.render(view="rolled", depth=depth - 1)) if edge[0] == edge[1]]
+
+
+def test_a_stopped_forward_says_so_in_the_picture():
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    model = small_gpt2_lm()
+    ids = torch.tensor([[5, 9, 13, 21, 7, 30]])
+    log = tl.trace(model, ids, stop_after="transformer.h.0")
+    assert "stopped after transformer.h.0:1 (stop_after=)" in log.render()
+    assert "stopped after" not in tl.trace(model, ids).render()
+
+
+def test_a_tensor_from_outside_the_trace_is_named_on_the_op_that_read_it():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = torch.full((4,), 2.0)  # a plain attribute, not a buffer: no op makes it
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    log = tl.trace(Scaled(), torch.randn(2, 4))
+    mul = next(op for op in log.ops if op.func_name == "mul")
+    assert mul.unattributed_args == 1 and len(mul.parents) == 1
+    dot = log.render()
+    marked = [line.split()[0] for line in dot.splitlines() if "tl-node" in line and "from outside the trace" in line]
+    assert marked == [f"o{mul.index}"]
+    assert "+1 tensor argument from outside the trace" in dot
+    assert "1 tensor arguments came from outside the trace" in dot  # the heading
+    records = _page_data(log.render(format="html"))["items"]
+    assert [key for key, rec in records.items() if "outside" in rec] == [f"o{mul.index}"]

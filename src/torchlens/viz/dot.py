@@ -57,6 +57,19 @@ def changed_ops(trace) -> dict:
     return {index[applied.label]: describe_action(applied.action) for applied in trace.interventions}
 
 
+def reading_notes(trace) -> list:
+    """What a reader of the picture must know that no node or edge shows: a forward cut short, tensors that
+    entered from outside the trace."""
+    notes = []
+    if trace.stopped_after is not None:
+        notes.append(f"stopped after {trace.stopped_after} (stop_after=): the forward ran no further and has no "
+                     "output")
+    if trace.unattributed:
+        notes.append(f"{trace.unattributed} tensor arguments came from outside the trace (no op made them): no edge "
+                     "shows them, the ops that read them say so")
+    return notes
+
+
 def describe_action(action) -> str:
     """``zero_ablate()``; several actions applied in turn are joined in their order."""
     actions = action if isinstance(action, tuple) else (action,)
@@ -103,6 +116,10 @@ class DotWriter:
         value = self._value_row(item.ops) if item.kind == "op" else None
         if value:
             rows.append(value)
+        outside = sum(1 for _, parent in trace.op_parents[first] if parent < 0)
+        if outside:  # no edge can show it: say that the op had more inputs than the edges into it
+            rows.append(f'<font point-size="8" color="#555555">+{outside} tensor argument{"s" if outside > 1 else ""} '
+                        "from outside the trace</font>")
         changed = self._changed_row(item.ops + list(port_ops))
         if changed:
             rows.append(changed)
@@ -304,6 +321,7 @@ class DotWriter:
         rows = []
         if title:
             rows.append(f'<tr><td align="left" colspan="2"><b>{esc(title)}</b></td></tr>')
+        rows += [f'<tr><td align="left" colspan="2">{esc(note)}</td></tr>' for note in reading_notes(self.trace)]
         if self.changed:
             rows.append(f'<tr><td align="left" colspan="2"><font color="{CHANGED}">{len(self.changed)} ops changed by '
                         "interventions (red border): their values are the actions', not the ops'</font></td></tr>")

@@ -131,6 +131,8 @@ class RecordBuilder:
             if op.is_inplace:
                 rec["inplace"] = True
         rec["parents"] = op.parents
+        if op.unattributed_args:
+            rec["outside"] = f"{op.unattributed_args} tensor argument(s) made outside the trace (no parent op)"
         rec["children"] = op.children
         if op.finite is not None:
             rec["finite"] = {"nan": bool(op.finite[0]), "inf": bool(op.finite[1])}

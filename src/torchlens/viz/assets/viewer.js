@@ -215,7 +215,7 @@
     ["original", "original"], ["gradient", "gradient"],
     ["finite", "non-finite"],
     ["calls", "calls"], ["depth", "depth"], ["ops", "ops inside"], ["inputs", "inputs"], ["outputs", "outputs"],
-    ["parents", "parents"], ["children", "children"]];
+    ["parents", "parents"], ["outside", "from outside"], ["children", "children"]];
 
   function showRecord(key) {
     var rec = data.items[key] || data.groups[key];
