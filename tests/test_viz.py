@@ -313,7 +313,7 @@ def test_cleaned_up_trace_still_renders_from_metadata():
     page = log.render(format="html")
     data = _page_data(page)
     assert len(data["items"]) == len(log)
-    assert not any("activation" in rec for rec in data["items"].values())
+    assert all(rec["activation"].startswith("not saved: the trace was cleaned up") for rec in data["items"].values())
 
 
 def test_notebook_html_and_show(traces, monkeypatch):
@@ -499,3 +499,26 @@ def test_a_tensor_from_outside_the_trace_is_named_on_the_op_that_read_it():
     assert "1 tensor arguments came from outside the trace" in dot  # the heading
     records = _page_data(log.render(format="html"))["items"]
     assert [key for key, rec in records.items() if "outside" in rec] == [f"o{mul.index}"]
+
+
+def test_an_op_without_a_saved_value_says_why_in_its_record():
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    model = small_gpt2_lm()
+    ids = torch.tensor([[5, 9, 13, 21, 7, 30]])
+    with pytest.warns(UserWarning, match="max_saved_bytes"):
+        log = tl.trace(model, ids, max_saved_bytes=20_000)
+    stop = log.budget_exhausted_at
+    records = _page_data(log.render(format="html"))["items"]
+    unsaved = [op for op in log.ops if not op.has_activation]
+    assert unsaved and all(op.index >= stop for op in unsaved)
+    assert {records[f"o{op.index}"]["activation"] for op in unsaved} == {
+        f"not saved: max_saved_bytes was reached at {log.labels[stop]}; nothing from there on was saved"}
+    chosen = tl.trace(model, ids, save=["transformer.h.0"])
+    records = _page_data(chosen.render(format="html"))["items"]
+    skipped = next(op for op in chosen.ops if not op.has_activation)
+    assert records[f"o{skipped.index}"]["activation"] == "not saved: save= did not select this op"
+    chosen.cleanup()
+    records = _page_data(chosen.render(format="html"))["items"]
+    assert all(rec["activation"].startswith("not saved: the trace was cleaned up") for rec in records.values())

@@ -140,11 +140,23 @@ class RecordBuilder:
             rec["activation"] = activation_stats(trace.saved_activations[op.index])
         elif op.dropped_reason is not None:
             rec["activation"] = {"dropped": op.dropped_reason}
+        else:
+            rec["activation"] = f"not saved: {self._unsaved_reason(op)}"
         self._add_intervention(rec, op)
         gradient = gradient_record(trace, op)
         if gradient is not None:
             rec["gradient"] = gradient
         return rec
+
+    def _unsaved_reason(self, op) -> str:
+        """Why an op has no saved value to give statistics of (a record without one would not say)."""
+        trace = self.trace
+        if trace.is_cleaned_up:
+            return "the trace was cleaned up (cleanup() released every activation)"
+        stop = trace.budget_exhausted_at
+        if stop is not None and op.index >= stop:
+            return f"max_saved_bytes was reached at {trace.labels[stop]}; nothing from there on was saved"
+        return "save= did not select this op"
 
     def _add_intervention(self, rec, op) -> None:
         """An intervened op says so: its activation is the action's value, ``original`` the op's own."""
