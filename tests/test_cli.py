@@ -290,3 +290,17 @@ def test_an_output_that_cannot_be_written_is_a_usage_error_before_any_work(model
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert "tracing" not in err and "loading" not in err  # refused before the model or the trace was touched
+
+
+def test_a_device_of_a_backend_this_torch_lacks_is_a_usage_error(models, monkeypatch, capsys):
+    try:
+        torch.empty(0, device="xla")
+        pytest.skip("this torch has an XLA backend")
+    except Exception:
+        pass
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--device", "xla"]) == 2
+    err = capsys.readouterr().err
+    assert "--device xla: this torch cannot make tensors there" in err and "use --device cpu" in err
+    assert "tracing" not in err

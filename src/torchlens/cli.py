@@ -168,6 +168,22 @@ def check_output_file(flag: str, path) -> None:
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
 
 
+def check_backend(name: str) -> None:
+    """A device of another backend (``xla``, ``xpu``, ``hpu``) this torch cannot make tensors on: one line, not
+    the backend's own exception.  Asked after the target's import, which may be what registers the backend."""
+    import torch
+
+    device = torch.device(name)
+    if device.type in ("cpu", "meta", "cuda", "mps"):
+        return  # cpu and meta always work; cuda and mps were checked before the import
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0].split(". ")[0].rstrip(".")
+        raise UsageError(f"--device {name}: this torch cannot make tensors there ({reason}); "
+                         "use --device cpu, or install and import the backend") from None
+
+
 def parse_kwargs(text):
     if text is None:
         return {}
@@ -189,6 +205,7 @@ def _prepare(args):
     kwargs = parse_kwargs(args.kwargs_json)
     check_device(args.device)
     model = load_target(args.target)
+    check_backend(args.device)
     if args.eval:
         if not isinstance(model, torch.nn.Module):  # a plain function: no train/eval mode to switch
             raise UsageError(f"--eval: {args.target} gave a {type(model).__name__}, not a module, so it has no "
