@@ -193,8 +193,14 @@ def test_render_a_saved_trace(tmp_path, capsys, suffix, magic):
         assert b"linear_1_1" in content
 
 
-def test_render_with_an_unknown_suffix_is_a_one_line_usage_error(tmp_path, capsys):
-    assert main(["render", str(_saved(tmp_path)), "-o", str(tmp_path / "view.jpg")]) == 2
+@pytest.mark.parametrize("saved", [True, False])
+def test_render_with_an_unknown_suffix_is_a_one_line_usage_error(tmp_path, capsys, monkeypatch, saved):
+    """Told before the trace is loaded (so a damaged or missing one is not read for nothing)."""
+    from torchlens import cli
+
+    folder = _saved(tmp_path) if saved else tmp_path / "not_written_yet"
+    monkeypatch.setattr(cli, "_load", lambda folder: pytest.fail("the trace was loaded before the suffix check"))
+    assert main(["render", str(folder), "-o", str(tmp_path / "view.jpg")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "end the file name in .html, .svg, .png or .dot" in err[0]
 

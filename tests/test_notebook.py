@@ -63,6 +63,19 @@ def test_a_viewer_over_budget_points_at_show(monkeypatch):
     assert "too large to keep in a notebook cell: call .show()" in snippet and "tlOpenViewer" not in snippet
 
 
+def test_a_layout_engine_that_fails_leaves_the_tables_and_says_why(monkeypatch):
+    """A notebook cell never raises for a drawing it cannot make: the summary and tables stay, with the reason."""
+    from torchlens.viz import LayoutFailed, html
+
+    def failing_layout(*args, **kwargs):
+        raise LayoutFailed("dot failed (exit 1): syntax error in line 3")
+
+    monkeypatch.setattr(html, "layout", failing_layout)
+    snippet = tl.trace(LoopRNN(), torch.randn(2, 8))._repr_html_()
+    assert "dot failed (exit 1): syntax error in line 3" in snippet and "tlOpenViewer" not in snippet
+    assert "input_1:1" in snippet  # the op table is still there
+
+
 def test_show_without_a_display_says_where_it_wrote(monkeypatch, capsys):
     _engine_or_skip()
     monkeypatch.setattr("sys.platform", "linux")

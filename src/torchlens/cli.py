@@ -348,15 +348,19 @@ def cmd_hot_path(args) -> int:
 
 
 def cmd_render(args) -> int:
-    from .viz import LayoutEngineMissing, LayoutFailed
+    from .viz import LayoutEngineMissing, LayoutFailed, format_of
 
     check_output_file("-o", args.output)
+    try:
+        format_of(args.output)
+    except ValueError:
+        raise UsageError(f"-o {args.output}: the suffix picks the format: end the file name in .html, .svg, .png "
+                         "or .dot") from None
     log = _load(args.dir)
     try:
         written = log.render(args.output, view=args.view, depth=args.depth, direction=args.direction)
-    except ValueError:  # a suffix render cannot tell the format from
-        raise UsageError(f"-o {args.output}: the suffix picks the format: end the file name in .html, .svg, .png "
-                         "or .dot") from None
+    except ValueError as exc:  # an option render refused, for this trace
+        raise UsageError(str(exc)) from None
     except LayoutEngineMissing as exc:
         raise UsageError(f"{exc} (or write a .dot or .html file, which need no layout engine)") from None
     except LayoutFailed as exc:

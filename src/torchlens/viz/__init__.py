@@ -17,7 +17,8 @@ from .layout import LayoutEngineMissing, LayoutFailed, find_engine
 FORMATS = ("dot", "svg", "png", "html")
 
 
-def _format_of(path, fmt) -> str:
+def format_of(path, fmt=None) -> str:
+    """The picture format ``render`` writes: ``fmt`` when given, else the one ``path``'s suffix names."""
     if fmt is not None:
         fmt = fmt.lower().lstrip(".")
         if fmt == "gv":
@@ -76,7 +77,7 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     """
     from ..progress import bar
 
-    fmt = _format_of(path, format)
+    fmt = format_of(path, format)
     _check(trace, depth)
     with bar(progress, f"rendering {trace.model_name}", total=3, unit=" steps") as shown:
         return _render(trace, path, view, depth, color_by, fmt, device_times, title, shown, direction)
@@ -166,5 +167,5 @@ def heatmap(frame, path=None, **kwargs):
     return draw(frame, path, **kwargs)
 
 
-__all__ = ["render", "show", "notebook_html", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS",
+__all__ = ["render", "show", "notebook_html", "format_of", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS",
            "heatmap"]

@@ -75,7 +75,7 @@ def _op_table(trace) -> str:
 
 def notebook_html(trace, max_ops=None, **render_kwargs) -> str:
     from . import render
-    from .layout import LayoutEngineMissing
+    from .layout import LayoutEngineMissing, LayoutFailed
 
     parts = [f'<pre style="font-size:12px;margin:0">{html.escape(_header_text(trace))}</pre>',
              _module_table(trace), _op_table(trace)]
@@ -85,8 +85,8 @@ def notebook_html(trace, max_ops=None, **render_kwargs) -> str:
         return "<div>" + "".join(parts) + "</div>"
     try:
         page = render(trace, None, format="html", **render_kwargs)
-    except LayoutEngineMissing as missing:
-        parts.append(f"<p><i>{html.escape(str(missing))}</i></p>")
+    except (LayoutEngineMissing, LayoutFailed) as unavailable:  # a notebook cell shows the tables and says why
+        parts.append(f"<p><i>{html.escape(str(unavailable))}</i></p>")
         return "<div>" + "".join(parts) + "</div>"
     packed = base64.b64encode(gzip.compress(page.encode("utf-8"), 9)).decode("ascii")
     if len(packed) > BUDGET_BYTES:
