@@ -279,6 +279,19 @@ def dataset(n: int):
 LAYERS = ["inner.fc1", "inner.act", "inner"]
 
 
+def extract_through_ddp(rank, world, out, n, batch_size):
+    """This rank's part of a distributed extraction of a DDP-wrapped model, its layers named as in the plain one."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import torchlens as tl
+
+    ds, model = dataset(n), KilledAfter(0).eval()
+    loader = DataLoader(ds, batch_size=batch_size, sampler=DistributedSampler(ds, shuffle=False))
+    tl.extract(DDP(model), loader, LAYERS, out, args_of=lambda b: b[0], progress=False)
+    return model.forwards
+
+
 def extract_share(rank, world, out, n, batch_size, kill_rank=-1, kill_at=0, barrier_timeout=30.0,
                   round_robin=None):
     """This rank's part of one distributed extraction; returns how many forwards it ran."""

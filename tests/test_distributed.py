@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
-                                 gather_labels_some_ranks_lack, launch, traces)
+                                 extract_through_ddp, gather_labels_some_ranks_lack, launch, traces)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -144,6 +144,15 @@ def test_distributed_extraction_equals_a_single_process_one(tmp_path):
             np.testing.assert_array_equal(got[name], expected[name])
         np.testing.assert_array_equal(tl.distributed.sample_index(folder), np.arange(24))
         assert sorted(os.listdir(folder)) == JOINED  # rank folders removed once joined
+
+
+def test_a_ddp_wrapped_model_is_extracted_as_the_model_it_wraps(tmp_path):
+    out = str(tmp_path / "ddp")
+    assert values(launch(extract_through_ddp, 2, str(tmp_path), out, 16, 4)) == [2, 2]  # each rank its share
+    expected = single_process(16, 4, tmp_path)
+    got = tl.load_extracted(out)
+    for name in LAYERS:  # the layers named as in the plain model, not module.inner.fc1
+        np.testing.assert_array_equal(got[name], expected[name])
 
 
 def test_uneven_shares_lose_and_duplicate_nothing(tmp_path):

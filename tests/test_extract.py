@@ -175,6 +175,17 @@ def test_resuming_a_callable_checks_the_weights_of_the_model_it_runs(tmp_path, h
                                       torch.cat([model.fc(x) for x in data]).numpy())
 
 
+@pytest.mark.parametrize("wrap", [nn.DataParallel, torch.compile])
+def test_a_wrapped_model_is_extracted_by_the_layer_names_of_the_model_it_wraps(tmp_path, wrap):
+    """tl.trace traces the module a DataParallel/DDP/torch.compile wrapper holds; extraction named the wrapper
+    as that module's root and was refused with an error about a root= it had not been given."""
+    model, data = TwoLayer().eval(), batches(3)
+    tl.extract(wrap(model), data, ["fc", "head"], tmp_path / "x", progress=False)
+    again = tl.extract(wrap(model), data, ["fc", "head"], tmp_path / "x", progress=False)  # a resume checks it too
+    with torch.no_grad():
+        np.testing.assert_array_equal(tl.load_extracted(again)["fc"], torch.cat([model.fc(x) for x in data]).numpy())
+
+
 def test_a_callable_naming_no_model_warns_that_a_resume_cannot_be_checked(tmp_path):
     model, data = TwoLayer().eval(), batches(3)
     done = tl.extract(lambda x: model(x), data, ["linear_1_1"], tmp_path / "x", progress=False)

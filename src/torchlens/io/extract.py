@@ -102,7 +102,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
     require_numpy("tl.extract")  # the model checksum and the written shards read tensors' bytes through it
     # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
-    root = root if root is not None else module_run_by(model)
+    root = _traced_module(root if root is not None else model)
     checked = root if root is not None else model
     job = {"model_sha256": model_checksum(checked), "arguments": dict(_arguments(layers, kwargs, inputs),
                                                                       grads=bool(grads), **(arguments or {}))}
@@ -214,6 +214,15 @@ def _batch_rows(args, named=None):
     """The batch's row count: the first dimension of its first tensor, positional or keyword."""
     leaves = tensor_leaves(args) or (tensor_leaves(named) if named else [])
     return leaves[0][1].shape[0] if leaves and leaves[0][1].dim() else None
+
+
+def _traced_module(model):
+    """The module a callable runs, as ``tl.trace`` traces it: behind a DDP, DataParallel or ``torch.compile``
+    wrapper, the module it wraps, whose addresses the layers name (``fc1``, not ``module.fc1``)."""
+    from ..capture.session import _unwrap
+
+    module = module_run_by(model)
+    return None if module is None else _unwrap(module)
 
 
 def _save_targets(model, layers) -> list:
