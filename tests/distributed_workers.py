@@ -225,6 +225,26 @@ def collective_on_a_view(rank, world):
             "mismatched": log.validate().mismatched}
 
 
+def save_to_one_path(rank, world, path):
+    """Every rank saves its trace to the same folder at once, then again with overwrite=True: what each gets."""
+    import torch.distributed as dist
+
+    import torchlens as tl
+
+    log = tl.trace(MLP(), torch.full((2, 8), float(rank)))
+    got = {}
+    for attempt, overwrite in (("first", False), ("overwrite", True)):
+        dist.barrier()  # the ranks save at the same moment
+        try:
+            log.save(path, overwrite=overwrite)
+            got[attempt] = "saved"
+        except tl.io.TraceFileError as exc:
+            got[attempt] = str(exc)
+        dist.barrier()
+        got[f"{attempt} holds"] = tl.load(path).rank
+    return got
+
+
 class ReluOnRankZero(MLP):
     """The MLP, its ReLU applied on rank 0 only: rank 0's graph has an op (``relu_1_2:1``) rank 1's lacks."""
 

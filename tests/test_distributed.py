@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 
 import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
-                                 extract_through_ddp, gather_labels_some_ranks_lack, launch, traces)
+                                 extract_through_ddp, gather_labels_some_ranks_lack, launch, save_to_one_path,
+                                 traces)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -121,6 +122,21 @@ def test_compare_reads_per_rank_saves_too(traced, workdir):
     (row,) = tl.distributed.compare(loaded).to_dict("records")
     assert (row["rank"], row["first_op"], row["origin"]) == tuple(traced[0]["planted"][0][k]
                                                                  for k in ("rank", "first_op", "origin"))
+
+
+def test_ranks_saving_to_one_path_keep_one_trace_and_the_others_are_told_to_use_their_own(tmp_path):
+    path = str(tmp_path / "run")
+    zero, one = values(launch(save_to_one_path, 2, str(tmp_path), path))
+    saved = [rank for rank, got in enumerate((zero, one)) if got["first"] == "saved"]
+    assert len(saved) == 1  # one rank's trace is there, whole
+    assert zero["first holds"] == one["first holds"] == saved[0]
+    refused = (zero, one)[1 - saved[0]]
+    # (a rank that arrived second got "Directory not empty", or was told to pass overwrite=True)
+    assert "every rank needs its own folder" in refused["first"]
+    # overwrite=True replaces this rank's own trace, never another rank's
+    assert (zero, one)[saved[0]]["overwrite"] == "saved"
+    assert "holds the trace rank" in refused["overwrite"] and "every rank needs its own folder" in refused["overwrite"]
+    assert zero["overwrite holds"] == one["overwrite holds"] == saved[0]
 
 
 def test_compare_names_the_reference_by_its_rank_not_its_position(traced, workdir):

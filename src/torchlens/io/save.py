@@ -16,6 +16,7 @@ files that manifest lists: anything else found there is left in place, with a wa
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -46,7 +47,7 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")
     if activations:
         require_numpy("saving a trace's tensors")  # they are written through Tensor.numpy() (io/tensorfile.py)
-    old_files = _check_target(path, overwrite)
+    old_files = _check_target(path, overwrite, trace.rank)
     parent = os.path.dirname(os.path.abspath(path))
     _make_folder(parent, path)
     staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
@@ -63,9 +64,9 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         original_files, record["interventions"] = write_interventions(trace, staging, activations)
         names += original_files
         write_atomic(os.path.join(staging, TRACE_JSON), dump_json(record))
-        write_manifest(staging, TRACE_FORMAT, TRACE_SCHEMA, names)
+        write_manifest(staging, TRACE_FORMAT, TRACE_SCHEMA, names, _saved_by(trace))
         if old_files is None:
-            _move_in(staging, path)
+            _move_in(staging, path, trace.rank)
         else:
             _replace_saved(path, staging, old_files)
     finally:
@@ -73,12 +74,28 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
     return path
 
 
-def _move_in(staging: str, path: str) -> None:
+def _saved_by(trace) -> dict:
+    """The rank that saves, in the manifest, so that another rank saving to the same path is refused."""
+    return {} if trace.rank is None else {"rank": trace.rank, "world_size": trace.world_size}
+
+
+def _one_folder_per_rank(path: str, rank) -> str:
+    return "" if rank is None else (f"; under torch.distributed every rank needs its own folder, e.g. "
+                                    f"log.save(f\"{path}-rank{{log.rank}}\")")
+
+
+def _move_in(staging: str, path: str, rank=None) -> None:
     """Rename the written trace to ``path``, replacing the empty folder ``_check_target`` found there, if any:
     removed only now, so that a save that failed earlier leaves the user's folder where it was."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        os.rmdir(path)  # refuses a folder something was written into since the check
-    os.replace(staging, path)
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)  # refuses a folder something was written into since the check
+        os.replace(staging, path)
+    except OSError as exc:  # another process (another rank, saving to the same path) got there first
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise TraceFileError(f"{path} was written by another process while this trace was being saved, so this "
+                             f"trace was not saved{_one_folder_per_rank(path, rank)}") from None
 
 
 def _make_folder(folder: str, path: str) -> None:
@@ -100,9 +117,9 @@ def _first_file_on(folder: str) -> str:
     return next((p for p in reversed(parts) if os.path.lexists(p) and not os.path.isdir(p)), parts[0])
 
 
-def _check_target(path: str, overwrite: bool):
+def _check_target(path: str, overwrite: bool, rank=None):
     """The files of the saved trace at ``path`` that saving over it will remove; None when nothing (or an empty
-    folder) is there."""
+    folder) is there.  ``rank``: the saving trace's, refused over another rank's trace even with ``overwrite``."""
     if not os.path.lexists(path):
         return None
     if os.path.islink(path):
@@ -126,6 +143,10 @@ def _check_target(path: str, overwrite: bool):
             or not isinstance(manifest.get("schema_version"), int) or not isinstance(manifest.get("files"), dict):
         raise TraceFileError(f"{path} exists and is not a saved trace (its manifest.json does not name the "
                              f"{TRACE_FORMAT!r} format and a schema version); choose another path")
+    saved_rank = manifest.get("rank")
+    if rank is not None and saved_rank is not None and saved_rank != rank:
+        raise TraceFileError(f"{path} holds the trace rank {saved_rank} saved, and this is rank {rank}'s: saving "
+                             f"it there would replace that rank's trace{_one_folder_per_rank(path, rank)}")
     if not overwrite:
         raise TraceFileError(f"{path} already holds a saved trace; pass overwrite=True to replace it")
     for name in manifest["files"]:
