@@ -12,6 +12,7 @@ import pickle
 import signal
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -113,6 +114,16 @@ def traces(rank, world, workdir):
     log = tl.trace(ddp, x)
     out["ddp"] = {"equal": torch.equal(log.output, expected), "addresses": [m.address for m in log.modules],
                   "rank": log.rank, "world_size": log.world_size}
+    with warnings.catch_warnings(record=True) as caught:  # a backward through the trace: no all-reduce
+        warnings.simplefilter("always")
+        log = tl.trace(ddp, x, grads=True)
+        log.backward(log.output.sum())
+    local = MLP()  # this rank's own gradient, without DDP
+    local(x).sum().backward()
+    out["ddp"]["grads_warned"] = [str(w.message) for w in caught if "all-reduce" in str(w.message)]
+    out["ddp"]["grads_are_local"] = all(torch.equal(p.grad, q.grad) for p, q in zip(ddp.module.parameters(),
+                                                                                 local.parameters()))
+    ddp.zero_grad(set_to_none=True)
 
     fsdp = MLP()
     fully_shard(fsdp.fc1)

@@ -56,6 +56,13 @@ def test_ddp_and_fsdp2_traces_are_bit_identical_with_plain_addresses(traced):
         assert (got["ddp"]["rank"], got["ddp"]["world_size"]) == (rank, 2)
 
 
+def test_a_backward_through_a_traced_ddp_forward_warns_that_nothing_is_all_reduced(traced):
+    for got in traced:  # DDP's forward does not run in a trace, so its reducer all-reduces nothing
+        assert got["ddp"]["grads_are_local"]  # each rank's parameters hold its own gradient
+        (message,) = got["ddp"]["grads_warned"]  # and the trace said so, with what to do
+        assert "not the average over the ranks" in message and "model.zero_grad()" in message
+
+
 def test_fsdp2_all_gathers_from_its_forward_hooks_are_recorded_in_their_module(traced):
     fsdp = traced[0]["fsdp"]
     assert fsdp["collectives"] == ["all_gather_single", "all_gather_single"]  # one per sharded Linear

@@ -53,6 +53,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
           saved_for_backward: bool = False, compiled: str = "run") -> Trace:
     """One trace, with the collector already paused and the thread marked as tracing by ``trace``.
     ``trace`` passes every option by position (a keyword costs about 0.1 us per hop); others name them."""
+    if grads and isinstance(model, _PARALLEL[1]):
+        _warn_unreduced_grads(model)
     model = _unwrap(model)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
         raise TypeError(f"tl.trace got the class {model.__name__}, not a module: pass a module instance, "
@@ -395,6 +397,17 @@ def _unwrap(model):
         _refuse_wrapper_hooks(model, type(model).__name__, "module")
         model = model.module
     return model
+
+
+def _warn_unreduced_grads(ddp) -> None:
+    """A backward through a traced DDP forward all-reduces nothing: DDP's forward, which readies its reducer for
+    the backward, does not run in a trace.  Say so, since the parameters' ``.grad`` then differ between ranks."""
+    if ddp.require_backward_grad_sync:  # else inside ddp.no_sync(): local gradients are what was asked for
+        warn_user("tl.trace(DDP(model), grads=...) traces the wrapped model without DDP's forward, so DDP does not "
+                  "all-reduce the gradients of a backward through this trace: each parameter's .grad (and "
+                  "log.params' grad) receives this rank's own gradient, not the average over the ranks (op "
+                  "gradients are this rank's, as under DDP). Clear them (model.zero_grad()) before an optimizer "
+                  "step, or step after a backward through an untraced DDP forward")
 
 
 _WRAPPER_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

@@ -103,6 +103,8 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     require_numpy("tl.extract")  # the model checksum and the written shards read tensors' bytes through it
     # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
     root = _traced_module(root if root is not None else model)
+    if isinstance(model, torch.nn.Module) and _traced_module(model) is root:
+        model = root  # not its DDP wrapper: the backward of grads= leaves the parameters' .grad as they were
     checked = root if root is not None else model
     job = {"model_sha256": model_checksum(checked), "arguments": dict(_arguments(layers, kwargs, inputs),
                                                                       grads=bool(grads), **(arguments or {}))}
