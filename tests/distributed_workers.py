@@ -135,7 +135,9 @@ def traces(rank, world, workdir):
     table = tl.distributed.collectives(log)
     out["fsdp"] = {"equal": torch.equal(log.output, expected), "addresses": [m.address for m in log.modules],
                    "collectives": list(table["collective"]), "modules": list(table["module"]),
-                   "linear_inputs": [op.parents for op in log.ops if op.func_name == "linear"]}
+                   "linear_inputs": [op.parents for op in log.ops if op.func_name == "linear"],
+                   "linear_params": [op.params for op in log.ops if op.func_name == "linear"],
+                   "param_users": [(p.address, [log[label].func_name for label in p.op_labels]) for p in log.params]}
     first = MLP()
     fully_shard(first.fc1)
     fully_shard(first.fc2)

@@ -73,6 +73,13 @@ def test_fsdp2_all_gathers_from_its_forward_hooks_are_recorded_in_their_module(t
     # (a read of them would read freed memory: torch does not check, and a collective over it crashed)
 
 
+def test_fsdp2_ops_name_the_parameters_their_unsharded_copies_stand_for(traced):
+    for got in traced:  # the linears read FSDP2's unsharded parameters, registered only during their forward
+        assert got["fsdp"]["linear_params"] == [("fc1.weight", "fc1.bias"), ("fc2.weight", "fc2.bias")]
+        assert got["fsdp"]["param_users"] == [("fc1.weight", ["linear"]), ("fc1.bias", ["linear"]),
+                                              ("fc2.weight", ["linear"]), ("fc2.bias", ["linear"])]
+
+
 def test_fsdp2_split_copy_is_recorded_and_validate_does_not_read_the_freed_parameters(traced):
     fsdp = traced[0]["fsdp"]
     assert len(fsdp["splits"]) == 4  # split_with_sizes_copy returns None and writes its out= tensors

@@ -13,6 +13,7 @@ reads are final once the forward returned: calls and records are tuples, argumen
 from __future__ import annotations
 
 import functools
+import sys
 from collections import Counter
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
@@ -388,9 +389,10 @@ def _param_addresses(calls, index: ModelIndex) -> dict:
     """Op index -> the addresses of the parameters its call used (read now: a parameter outside the
     index is named by its shape, which a later ``.data`` assignment could change)."""
     address_of = index.param_addresses.get
+    unindexed = _UnindexedParams(index)
     out = {}
     for call in compress(calls, map(_CALL_PARAMS, calls)):  # the calls that used parameters
-        addresses = tuple([address_of(id(p)) or _unregistered(p) for _, p in call[CALL_PARAMS]])
+        addresses = tuple([address_of(id(p)) or unindexed.address(p) for _, p in call[CALL_PARAMS]])
         first, count = call[CALL_FIRST_RECORD], call[CALL_NUM_OUTPUTS]
         out[first] = addresses
         if count > 1:  # the outputs of one call share them
@@ -406,5 +408,35 @@ def _all_indexed(calls, index: ModelIndex) -> bool:
     return all(map(index.param_addresses.__contains__, map(id, used)))
 
 
-def _unregistered(p) -> str:
-    return f"<unregistered parameter {tuple(p.shape)}>"
+class _UnindexedParams:
+    """Addresses of the parameters a forward used that the model index does not hold: FSDP2's unsharded
+    parameters (``fully_shard``), which a module holds only during its forward, are named as the sharded
+    parameter each stands for; any other is named by its shape."""
+
+    def __init__(self, index: ModelIndex):
+        self.index = index
+        self.unsharded = None  # id(unsharded parameter) -> address, found when first needed
+
+    def address(self, p) -> str:
+        if self.unsharded is None:
+            self.unsharded = _unsharded_addresses(self.index)
+        return self.unsharded.get(id(p)) or f"<unregistered parameter {tuple(p.shape)}>"
+
+
+def _unsharded_addresses(index: ModelIndex) -> dict:
+    """``id(unsharded parameter) -> address`` for the modules ``fully_shard`` sharded.  Between forwards such a
+    module holds its sharded parameter (a DTensor, what the index walked); during its forward FSDP2 registers
+    the unsharded parameter it gathered in its place, the one the module's ops read."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not hasattr(fsdp, "FSDPModule"):
+        return {}
+    found = {}
+    for module in index.all_modules():
+        if isinstance(module, fsdp.FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    unsharded = getattr(param, "_unsharded_param", None)  # made by its first all-gather
+                    address = index.param_addresses.get(id(param.sharded_param))
+                    if unsharded is not None and address is not None:
+                        found[id(unsharded)] = address
+    return found
