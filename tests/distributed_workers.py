@@ -238,6 +238,24 @@ def collective_on_a_view(rank, world):
             "mismatched": log.validate().mismatched}
 
 
+def extract_fsdp2(rank, world, out, n, batch_size):
+    """This rank's part of a distributed extraction of an FSDP2-sharded model (its parameters DTensors), run twice:
+    the second returns at once."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import torchlens as tl
+
+    ds, model = dataset(n), KilledAfter(0).eval()
+    fully_shard(model.inner.fc1)
+    fully_shard(model.inner.fc2)
+    fully_shard(model)
+    loader = DataLoader(ds, batch_size=batch_size, sampler=DistributedSampler(ds, shuffle=False))
+    for _ in range(2):
+        tl.extract(model, loader, LAYERS, out, args_of=lambda b: b[0], progress=False)
+    return model.forwards
+
+
 def save_to_one_path(rank, world, path):
     """Every rank saves its trace to the same folder at once, then again with overwrite=True: what each gets."""
     import torch.distributed as dist

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
-                                 extract_through_ddp, gather_labels_some_ranks_lack, launch, save_to_one_path,
-                                 traces)
+                                 extract_fsdp2, extract_through_ddp, gather_labels_some_ranks_lack, launch,
+                                 save_to_one_path, traces)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -182,6 +182,17 @@ def test_a_ddp_wrapped_model_is_extracted_as_the_model_it_wraps(tmp_path):
     expected = single_process(16, 4, tmp_path)
     got = tl.load_extracted(out)
     for name in LAYERS:  # the layers named as in the plain model, not module.inner.fc1
+        np.testing.assert_array_equal(got[name], expected[name])
+
+
+def test_an_fsdp2_model_is_extracted_as_the_plain_one(tmp_path):
+    """Its sharded parameters (DTensors) are checksummed by this rank's shard, and its first forward, which makes
+    the unsharded parameters and so runs more ops, gives the same layers as the later ones."""
+    out = str(tmp_path / "fsdp2")
+    assert values(launch(extract_fsdp2, 2, str(tmp_path), out, 16, 4)) == [2, 2]  # the rerun redid nothing
+    expected = single_process(16, 4, tmp_path)
+    got = tl.load_extracted(out)
+    for name in LAYERS:
         np.testing.assert_array_equal(got[name], expected[name])
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 from collections.abc import Mapping
 
@@ -216,6 +217,21 @@ def _batch_rows(args, named=None):
     """The batch's row count: the first dimension of its first tensor, positional or keyword."""
     leaves = tensor_leaves(args) or (tensor_leaves(named) if named else [])
     return leaves[0][1].shape[0] if leaves and leaves[0][1].dim() else None
+
+
+def _same_layer(known: dict, info: dict) -> bool:
+    """Whether a batch's op for a layer is the one earlier batches gave: the same name, dtype and row shape, and
+    the same op up to its layer number (``linear_1_14:1`` and ``linear_1_9:1`` are both the first linear), which
+    moves when a forward runs ops before it that another did not (FSDP2's first forward makes the unsharded
+    parameters that later forwards reuse)."""
+    return {**known, "label": _without_layer_number(known["label"])} == \
+        {**info, "label": _without_layer_number(info["label"])}
+
+
+def _without_layer_number(label: str) -> str:
+    """``linear_1_14:1`` -> ``linear_1:1``; a label without a layer number (``input_1:1``) as it is."""
+    found = re.fullmatch(r"(.+_\d+)_\d+(:\d+)", label)
+    return found.group(1) + found.group(2) if found else label
 
 
 def _traced_module(model):
@@ -434,7 +450,7 @@ class _Run:
         known = self.state["layer_info"][i]
         if known is None:
             self.state["layer_info"][i] = info
-        elif known != info:
+        elif not _same_layer(known, info):
             raise ValueError(f"batch {position}: {name} is {label} {info['dtype']} rows of {info['row_shape']}, but "
                              f"earlier batches gave {known['label']} {known['dtype']} rows of {known['row_shape']}")
 

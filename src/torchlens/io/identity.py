@@ -11,6 +11,7 @@ practically every element, so a sample is enough to tell them apart.
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import torch
 
@@ -31,13 +32,27 @@ def model_checksum(model) -> str:
     return digest.hexdigest()
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass's bytes may not be its values
+
+
+def _own_values(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's (FSDP2's sharded parameters, tensor parallelism's) shard on this rank, read without any
+    collective (reshaping the DTensor itself could gather it from the other ranks); ``t`` for any other."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t.to_local()
+    return t
+
+
 def _class_name(model) -> str:
     cls = type(model)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _value_bytes(t: torch.Tensor) -> bytes:
-    if without_values(t) or t.is_quantized or t.layout != torch.strided or t.numel() == 0:
+    t = _own_values(t)
+    if without_values(t) or t.is_quantized or t.layout != torch.strided or t.numel() == 0 \
+            or type(t) not in _PLAIN:
         return b""  # no values to read (meta), or no plain byte view of them: shapes and dtypes still count
     flat = t.detach().reshape(-1)
     if flat.numel() > FULL_HASH_ELEMENTS:
