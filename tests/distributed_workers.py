@@ -256,6 +256,23 @@ def extract_fsdp2(rank, world, out, n, batch_size):
     return model.forwards
 
 
+def extract_tensor_parallel(rank, world, out):
+    """A distributed extraction of a tensor-parallel model (whose ranks must see the same batch): the error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import torchlens as tl
+
+    model = MLP()
+    parallelize_module(model, init_device_mesh("cpu", (world,)), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    batches = [x for (x,) in dataset(8)]
+    try:
+        tl.extract(model, [b[None] for b in batches], ["fc2"], out, progress=False)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def save_to_one_path(rank, world, path):
     """Every rank saves its trace to the same folder at once, then again with overwrite=True: what each gets."""
     import torch.distributed as dist

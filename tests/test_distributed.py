@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
-                                 extract_fsdp2, extract_through_ddp, gather_labels_some_ranks_lack, launch,
-                                 save_to_one_path, traces)
+                                 extract_fsdp2, extract_tensor_parallel, extract_through_ddp,
+                                 gather_labels_some_ranks_lack, launch, save_to_one_path, traces)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -194,6 +194,14 @@ def test_an_fsdp2_model_is_extracted_as_the_plain_one(tmp_path):
     got = tl.load_extracted(out)
     for name in LAYERS:
         np.testing.assert_array_equal(got[name], expected[name])
+
+
+def test_a_tensor_parallel_model_is_refused_since_its_ranks_need_the_same_batches(tmp_path):
+    out = str(tmp_path / "tp")
+    for error in values(launch(extract_tensor_parallel, 2, str(tmp_path), out)):  # each rank would get other rows
+        assert error is not None and "fc1.weight is a tensor-parallel DTensor parameter" in error
+        assert "Extract the model before parallelize_module" in error
+    assert not os.path.exists(os.path.join(out, "rank-0"))
 
 
 def test_uneven_shares_lose_and_duplicate_nothing(tmp_path):

@@ -22,11 +22,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from datetime import timedelta
 
 import torch
 
-from ..io.extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, _batch_rows, extract_folder
+from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, _batch_rows, _traced_module,
+                          extract_folder)
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..errors import RankFailedError
@@ -39,6 +41,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
                   stop_after=None, grads=False, loss_fn=None, root=None) -> str:
     import torch.distributed as dist
 
+    _refuse_tensor_parallel(_traced_module(root if root is not None else model))  # on every rank alike
     rank, world = dist.get_rank(), dist.get_world_size()
     barrier_group = _barrier_group(dist)
     os.makedirs(out, exist_ok=True)
@@ -59,6 +62,35 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         join_ranks(out, world)
     _barrier(dist, barrier_group, barrier_timeout, "the joined result")
     return out
+
+
+def _refuse_tensor_parallel(module) -> None:
+    """Refuse a model with tensor-parallel parameters: its ranks compute each batch together, from one input,
+    whereas a distributed extraction gives each rank its own batches (their rows would be wrong, silently).
+    FSDP2's sharded parameters are DTensors too, but each rank computes its own batch with them."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if module is None or dtensor is None:
+        return
+    data_parallel = _fsdp_sharded_params(module)
+    for address, p in module.named_parameters():
+        if isinstance(p, dtensor.DTensor) and id(p) not in data_parallel:
+            raise ValueError(
+                f"tl.extract under torch.distributed gives each rank its own batches, but {address} is a tensor-"
+                f"parallel DTensor parameter ({', '.join(map(repr, p.placements))} over a {tuple(p.device_mesh.shape)} "
+                "mesh): its ranks compute each batch together from the same input, so they would be given different "
+                "samples and store wrong rows. Extract the model before parallelize_module, or trace each batch "
+                "with tl.trace on every rank")
+
+
+def _fsdp_sharded_params(module) -> set:
+    """ids of the parameters ``fully_shard`` sharded over data-parallel ranks alone (not ones it sharded further
+    on top of tensor parallelism)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not hasattr(fsdp, "FSDPModule"):
+        return set()
+    return {id(param.sharded_param) for m in module.modules() if isinstance(m, fsdp.FSDPModule)
+            for group in m._get_fsdp_state()._fsdp_param_groups for param in group.fsdp_params
+            if not param.is_dtensor}
 
 
 def _share(inputs, rank, world, arguments_of, group):
