@@ -31,6 +31,7 @@ from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX
                           extract_folder)
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
+from ..record.model_index import fsdp_params
 from ..errors import RankFailedError
 
 RANK_FOLDER = "rank-{}"
@@ -85,12 +86,7 @@ def _refuse_tensor_parallel(module) -> None:
 def _fsdp_sharded_params(module) -> set:
     """ids of the parameters ``fully_shard`` sharded over data-parallel ranks alone (not ones it sharded further
     on top of tensor parallelism)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None or not hasattr(fsdp, "FSDPModule"):
-        return set()
-    return {id(param.sharded_param) for m in module.modules() if isinstance(m, fsdp.FSDPModule)
-            for group in m._get_fsdp_state()._fsdp_param_groups for param in group.fsdp_params
-            if not param.is_dtensor}
+    return {id(param.sharded_param) for param in fsdp_params(module.modules()) if not param.is_dtensor}
 
 
 def _share(inputs, rank, world, arguments_of, group):

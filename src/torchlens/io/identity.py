@@ -32,9 +32,6 @@ def model_checksum(model) -> str:
     return digest.hexdigest()
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these: a subclass's bytes may not be its values
-
-
 def _own_values(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's (FSDP2's sharded parameters, tensor parallelism's) shard on this rank, read without any
     collective (reshaping the DTensor itself could gather it from the other ranks); ``t`` for any other."""
@@ -51,8 +48,7 @@ def _class_name(model) -> str:
 
 def _value_bytes(t: torch.Tensor) -> bytes:
     t = _own_values(t)
-    if without_values(t) or t.is_quantized or t.layout != torch.strided or t.numel() == 0 \
-            or type(t) not in _PLAIN:
+    if without_values(t) or t.is_quantized or t.layout != torch.strided or t.numel() == 0:
         return b""  # no values to read (meta), or no plain byte view of them: shapes and dtypes still count
     flat = t.detach().reshape(-1)
     if flat.numel() > FULL_HASH_ELEMENTS:

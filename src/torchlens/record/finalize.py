@@ -13,7 +13,6 @@ reads are final once the forward returned: calls and records are tuples, argumen
 from __future__ import annotations
 
 import functools
-import sys
 from collections import Counter
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
@@ -30,7 +29,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
 from .layouts import shape_of
-from .model_index import ModelIndex
+from .model_index import ModelIndex, fsdp_params
 from .module_table import params_by_module
 from .modules import CallRow, ModuleRow, shown_class, unregistered_address
 from .trace import Trace
@@ -427,16 +426,10 @@ def _unsharded_addresses(index: ModelIndex) -> dict:
     """``id(unsharded parameter) -> address`` for the modules ``fully_shard`` sharded.  Between forwards such a
     module holds its sharded parameter (a DTensor, what the index walked); during its forward FSDP2 registers
     the unsharded parameter it gathered in its place, the one the module's ops read."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None or not hasattr(fsdp, "FSDPModule"):
-        return {}
     found = {}
-    for module in index.all_modules():
-        if isinstance(module, fsdp.FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    unsharded = getattr(param, "_unsharded_param", None)  # made by its first all-gather
-                    address = index.param_addresses.get(id(param.sharded_param))
-                    if unsharded is not None and address is not None:
-                        found[id(unsharded)] = address
+    for param in fsdp_params(index.all_modules()):
+        unsharded = getattr(param, "_unsharded_param", None)  # made by its first all-gather
+        address = index.param_addresses.get(id(param.sharded_param))
+        if unsharded is not None and address is not None:
+            found[id(unsharded)] = address
     return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
 from collections import OrderedDict
 from itertools import chain
 from typing import NamedTuple
@@ -248,6 +249,18 @@ class Structure:
 
 
 _cache: dict = {}  # id(model) -> (weak reference to the model, Structure, ModelIndex)
+
+
+def fsdp_params(modules) -> list:
+    """FSDP2's record of each parameter ``fully_shard`` sharded in ``modules`` (an ``FSDPParam``: its
+    ``sharded_param``, the DTensor the module holds between forwards; its ``_unsharded_param``, made by the first
+    all-gather and registered in its place during the module's forward; ``is_dtensor``, whether it was a DTensor
+    before, as tensor parallelism makes).  Empty where FSDP2 was never imported."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not hasattr(fsdp, "FSDPModule"):
+        return []
+    return [param for module in modules if isinstance(module, fsdp.FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups for param in group.fsdp_params]
 
 
 def index_of(model) -> ModelIndex:
