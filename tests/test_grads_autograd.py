@@ -160,6 +160,50 @@ def test_a_custom_function_output_has_the_gradient_retain_grad_gives():
     assert torch.equal(fc.weight.grad, expected_weight)
 
 
+class InplaceLeakyRelu(torch.autograd.Function):
+    """An in-place activation (as InPlace-ABN's): writes its input, marks it dirty and returns it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(torch.where(x > 0, 1.0, 0.1))
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * torch.where(y > 0, 1.0, 0.1)
+
+
+class InplaceActivationMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(InplaceLeakyRelu.apply(self.fc1(x)).tanh())
+
+
+def test_a_function_that_writes_its_input_in_place_has_the_gradient_of_what_it_returned(recwarn):
+    # torch moves a dirty input's version counter once more as apply returns: the in-place op inside the
+    # Function still holds the value (its parent link, activation and hook follow it to the new node).
+    torch.manual_seed(0)
+    model, x = InplaceActivationMLP(), torch.randn(3, 4)
+    activated = InplaceLeakyRelu.apply(model.fc1(x))
+    activated.retain_grad()
+    model.fc2(activated.tanh()).sum().backward()
+
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    written = log["mul_1_4:1"]
+    assert written.is_inplace and log["tanh_1_5:1"].parents == [written.label]
+    assert torch.equal(written.grad, activated.grad)
+    assert not torch.equal(log["linear_1_1:1"].grad, activated.grad)  # the Function's backward between them
+    assert torch.equal(written.activation, activated.detach())
+    assert not [w for w in recwarn if "dropped saved activations" in str(w.message)]
+
+
 def test_full_backward_hooks_keep_module_call_gradients():
     # nn.Module.register_full_backward_hook (Captum, Opacus) wraps each call's output in a Function.
     torch.manual_seed(0)

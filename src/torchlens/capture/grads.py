@@ -401,7 +401,7 @@ def _apply(cls, *args, **kwargs):
     out = _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
     receiver = _receivers.get(threading.get_ident())
     if receiver is not None:
-        receiver(out)
+        receiver(out, args)
     return out
 
 
@@ -451,9 +451,15 @@ def function_outputs(state, capture) -> FunctionOutputs:
     is a record's tensor has its record and hook moved to the Function's backward node."""
     records, calls = state.records, state.calls
 
-    def receive(out) -> None:
+    def receive(out, args) -> None:
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
-            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if any(t is a for a in args):
+                # torch hands an argument back as itself only when the forward marked it dirty, and then
+                # moves its version counter once more, after the forward's in-place op was recorded.
+                state.note_version_bump(t)
+            if not t.requires_grad:
                 continue  # not differentiable (mark_non_differentiable, an integer result)
             index = state.record_holding(t)
             if index is None:

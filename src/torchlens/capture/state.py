@@ -254,6 +254,25 @@ class CaptureState:
             return entry[1]
         return None
 
+    def note_version_bump(self, t: torch.Tensor) -> None:
+        """torch moved ``t``'s version counter by one without writing it: ``Function.apply`` does so for a
+        tensor its forward marked dirty (``ctx.mark_dirty``), after the forward's own in-place op, which
+        capture saw, wrote it.  The record that op made still holds the value: its binding, the last write
+        of its memory and its saved activation move to the new version with it, so that later reads name
+        that op (and not its input, or a write capture missed) and its activation is kept."""
+        version = version_of(t)
+        entry = self.producers.get(id(t))
+        if version is None or entry is None or not is_bound(entry, t):
+            return
+        before = version - 1
+        writes = self.writers.get(storage_key(t))
+        if writes and writes[-1][1] == before:
+            writes[-1] = (writes[-1][0], version, writes[-1][2])
+        if entry[2] == before:
+            self.producers[id(t)] = (entry[0], entry[1], version)
+            if self.saved_versions.get(entry[1]) == before:
+                self.saved_versions[entry[1]] = version
+
     def written_through_alias(self, t: torch.Tensor) -> bool:
         """Whether ``t`` was written through a view or its base since it was bound: the op ``producer_of``
         names for it then made that alias, not ``t``."""
