@@ -160,6 +160,31 @@ def test_a_custom_function_output_has_the_gradient_retain_grad_gives():
     assert torch.equal(fc.weight.grad, expected_weight)
 
 
+square = Square.apply  # bound once, before any trace, as libraries export their fused ops
+
+
+class UsesBoundApply(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc2(square(self.fc1(x)))
+
+
+def test_a_function_applied_through_an_apply_bound_before_the_trace_has_its_gradient():
+    torch.manual_seed(0)
+    model, x = UsesBoundApply(), torch.randn(3, 4)
+    squared = square(model.fc1(x))
+    squared.retain_grad()
+    model.fc2(squared).sum().backward()
+
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    assert log["mul_1_2:1"].requires_grad
+    assert torch.equal(log["mul_1_2:1"].grad, squared.grad)
+
+
 class InplaceLeakyRelu(torch.autograd.Function):
     """An in-place activation (as InPlace-ABN's): writes its input, marks it dirty and returns it."""
 

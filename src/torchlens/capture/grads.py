@@ -391,14 +391,28 @@ def attach_grads(trace, capture, own_outputs: bool = False) -> None:
 # capture sees, so while a trace with gradients runs, ``Function.apply`` is wrapped to report its outputs
 # (``FunctionOutputs``).  torch.utils.checkpoint's reentrant regions and nn.Module's full backward hooks
 # are such Functions.
+# ``Function.apply`` reaches torch's C ``apply`` through ``super().apply``, looked up from the class above it
+# at each call: the wrapper goes on that class, so it also sees the calls of an ``apply`` bound before the
+# trace (``square = Square.apply``, a common idiom), which a wrapper replacing ``Function.apply`` would miss.
+# Where torch's ``Function.apply`` does not call ``super().apply``, ``Function.apply`` itself is wrapped.
 _Function = torch.autograd.Function
-_ORIGINAL_APPLY = vars(_Function)["apply"]  # a classmethod
+_ABOVE = _Function.__mro__[1]
+_HOST = _ABOVE if "super" in _Function.apply.__func__.__code__.co_names and "apply" not in vars(_ABOVE) \
+    else _Function
+_ORIGINAL_APPLY = vars(_HOST).get("apply")  # None: the host inherits torch's C ``apply``
 _receivers: dict = {}  # thread id -> what receives that thread's Function outputs while it traces
 _receivers_lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
 
 
+if _ORIGINAL_APPLY is None:
+    def _torch_apply(cls, *args, **kwargs):
+        return super(_HOST, cls).apply(*args, **kwargs)
+else:
+    _torch_apply = _ORIGINAL_APPLY.__func__
+
+
 def _apply(cls, *args, **kwargs):
-    out = _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    out = _torch_apply(cls, *args, **kwargs)
     receiver = _receivers.get(threading.get_ident())
     if receiver is not None:
         receiver(out, args)
@@ -423,8 +437,8 @@ class FunctionOutputs:
             with _receivers_lock:
                 _receivers[threading.get_ident()] = self.receiver
                 self.installed = True
-                if vars(_Function)["apply"] is not _WRAPPED_APPLY:
-                    _Function.apply = _WRAPPED_APPLY
+                if vars(_HOST).get("apply") is not _WRAPPED_APPLY:
+                    _HOST.apply = _WRAPPED_APPLY
             return self
         except BaseException:
             self.__exit__(None, None, None)
@@ -441,8 +455,11 @@ class FunctionOutputs:
         with _receivers_lock:
             if _receivers.get(threading.get_ident()) is self.receiver:
                 del _receivers[threading.get_ident()]
-            if not _receivers and vars(_Function).get("apply") is _WRAPPED_APPLY:
-                _Function.apply = _ORIGINAL_APPLY
+            if not _receivers and vars(_HOST).get("apply") is _WRAPPED_APPLY:
+                if _ORIGINAL_APPLY is None:
+                    del _HOST.apply
+                else:
+                    _HOST.apply = _ORIGINAL_APPLY
             self.installed = False
 
 
