@@ -399,6 +399,33 @@ def test_autograd_grad_fills_gradients_like_retain_grad():
     assert torch.equal(log["input_1"].grad, gx)
 
 
+def test_a_batched_backward_leaves_gradients_that_say_why_they_cannot_be_read(tmp_path):
+    # torch.autograd.grad(..., is_grads_batched=True) runs the backward under vmap: tensor hooks (and
+    # retain_grad()) receive a batched gradient that no reader can use once the backward has returned.
+    model, (x,), _ = zoo()["mlp"]
+    x = x.clone().requires_grad_()
+    log = tl.trace(model, x, grads=True)
+    outputs = log.output.shape[-1]
+    rows = torch.eye(outputs).reshape(outputs, 1, outputs).expand(outputs, *log.output.shape)
+    (jacobian,) = torch.autograd.grad(log.output, x, grad_outputs=rows, is_grads_batched=True, retain_graph=True)
+    assert jacobian.shape == (outputs, *x.shape)  # what the user asked for is unaffected
+    op = log.ops[-2]
+    assert op.has_grad
+    with pytest.raises(GradientUnavailable, match="is_grads_batched=True"):
+        op.grad
+    log.backward(log.output.sum())  # a later backward adds to the batched gradient: still unreadable
+    with pytest.raises(GradientUnavailable, match="is_grads_batched=True"):
+        op.grad
+    assert log.to_pandas()["grad_norm"].isna().all()
+    with pytest.raises(GradientUnavailable, match="is_grads_batched=True"):
+        tl.debug.hot_path(log, by="grad_norm")
+    with pytest.raises(GradientUnavailable, match="is_grads_batched=True"):
+        tl.debug.nonfinite_origin(log, grads=True)
+    loaded = tl.load(log.save(tmp_path / "trace"))
+    with pytest.raises(GradientUnavailable, match="is_grads_batched=True"):
+        loaded[op.label].grad
+
+
 def test_a_parameter_returned_as_an_output_has_its_gradient():
     class ReturnsWeight(nn.Module):
         def __init__(self):

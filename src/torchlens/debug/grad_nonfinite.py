@@ -28,7 +28,7 @@ import torch
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
 from ..record.errors import GradientUnavailable
-from ..record.grads import grad_capture_of
+from ..record.grads import FROM_BATCHED_BACKWARD, grad_capture_of, unreadable
 from ..tree import without_values
 from .nonfinite import DETECT_ANOMALY_RECIPE
 
@@ -167,6 +167,10 @@ _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
 def _require_grad_tensors(log, capture) -> None:
     """A loaded trace can hold a gradient's statistics without the gradient itself (saved with
     activations=False, or a gradient no file format encodes); which op went non-finite first needs them all."""
+    batched = next((i for i in capture.order if i in capture.grads and unreadable(capture.grads[i])), None)
+    if batched is not None:
+        raise GradientUnavailable(f"nonfinite_origin(grads=True) reads every gradient, and that of "
+                                  f"{log.labels[batched]} cannot be read: {FROM_BATCHED_BACKWARD}")
     missing = [i for i in capture.order if i not in capture.grads]
     if missing:
         first = missing[0]

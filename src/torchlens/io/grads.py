@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 
+from ..record.grads import FROM_BATCHED_BACKWARD, unreadable
 from .encode import unsavable
 from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
 from .tensorfile import write_tensors
@@ -85,8 +86,9 @@ def _param_grads_missing(trace, with_tensors: bool):
 
 
 def _add(tensors: dict, record: dict, owner, key: str, grad, column: str) -> None:
-    """Write ``grad`` under ``key``, or name in ``not_saved`` why it cannot be (a sparse ``.grad``)."""
-    why = unsavable(grad)
+    """Write ``grad`` under ``key``, or name in ``not_saved`` why it cannot be (a sparse ``.grad``, a batched
+    backward's gradient)."""
+    why = f"not saved: {FROM_BATCHED_BACKWARD}" if unreadable(grad) else unsavable(grad)
     if why is None:
         tensors[key] = grad  # streamed by write_tensors, never copied whole
         record[column].append([owner, key])

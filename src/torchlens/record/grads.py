@@ -17,6 +17,19 @@ from ..tree import without_values
 from ..errors import GradientUnavailable, TraceCleanedUp
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
+_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None) or (lambda t: False)
+FROM_BATCHED_BACKWARD = (
+    "a backward run with is_grads_batched=True reached it (torch.autograd.grad(..., is_grads_batched=True), "
+    "torch.autograd.functional.jacobian(..., vectorize=True)): autograd hands tensor hooks that backward's "
+    "vmap-batched gradient, which cannot be read once the backward has returned (retain_grad() keeps the same "
+    "unreadable tensor), and later backwards add to it; use the gradients that call returns, or trace again "
+    "for a backward per output")
+
+
+def unreadable(grad) -> bool:
+    """Whether a gradient kept by the trace is a batched backward's, which no reader can use (see
+    ``FROM_BATCHED_BACKWARD``)."""
+    return _legacy_batched(grad)
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
              "backward through log.output (or call log.backward(loss))")
 
@@ -50,6 +63,8 @@ def grad_of(trace, index: int):
     if not trace._meta[index][3]:
         raise GradientUnavailable(f"{label}: {_why_no_grad(trace, index)}")
     grad = capture.grads.get(index)
+    if grad is not None and unreadable(grad):
+        raise GradientUnavailable(f"{label}: {FROM_BATCHED_BACKWARD}")
     if grad is None and index in trace._unsaved_grads:
         raise GradientUnavailable(f"{label}: {trace._unsaved_grads[index]}")
     if grad is None and index in capture.incomplete:
@@ -183,7 +198,8 @@ def grad_stats_column(trace) -> dict:
         return {}
     # A meta or fake gradient (a backward on the meta device, or under FakeTensorMode) has a shape and no
     # values: no statistics.
-    stats = {i: grad_stats(g) for i, g in capture.grads.items() if not without_values(g)}
+    # A batched backward's gradient cannot be read at all (``unreadable``): no statistics either.
+    stats = {i: grad_stats(g) for i, g in capture.grads.items() if not without_values(g) and not unreadable(g)}
     for i, kind in enumerate(trace._kind):
         if kind == Kind.OUTPUT and gradient_holder(trace, i) in stats:
             stats[i] = stats[gradient_holder(trace, i)]
