@@ -426,6 +426,22 @@ def test_a_batched_backward_leaves_gradients_that_say_why_they_cannot_be_read(tm
         loaded[op.label].grad
 
 
+def test_a_trace_taken_inside_jacrev_says_its_batched_gradients_cannot_be_read():
+    model, (x,), _ = zoo()["mlp"]
+    kept = {}
+
+    def traced(v):
+        kept["log"] = tl.trace(model, v, grads=True)
+        return kept["log"].output
+
+    jacobian = torch.func.jacrev(traced)(x[0])
+    assert torch.equal(jacobian, torch.func.jacrev(model)(x[0]))
+    log = kept["log"]
+    with pytest.raises(GradientUnavailable, match="under vmap"):
+        log.ops[-2].grad
+    assert log.to_pandas()["grad_norm"].isna().all()
+
+
 def test_a_parameter_returned_as_an_output_has_its_gradient():
     class ReturnsWeight(nn.Module):
         def __init__(self):
