@@ -143,6 +143,20 @@ def test_ops_inside_a_torch_func_transform_have_no_gradient_to_claim(save):
     assert log.to_pandas().set_index("label")["grad_norm"].isna()["tanh_1_3:1"]
 
 
+def test_the_value_a_torch_func_transform_hands_back_is_not_claimed_to_have_no_gradient():
+    """The last op inside ``torch.func.grad`` (its inner ``autograd.grad``) made the value the transform unwraps
+    and returns: its hook sits on the wrapped tensor, which no backward reaches, while the loss does depend on
+    that value.  With its activation saved, capture knows it was a wrapped tensor and says so, instead of a
+    ``None`` that would read as "the loss does not depend on it"."""
+    torch.manual_seed(0)
+    model, x = GradInside(), torch.randn(3, 4)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    (inner_grad,) = [op for op in log.ops if op.type == "grad"]
+    with pytest.raises(tl.GradientUnavailable, match="no backward outside the transform reaches"):
+        inner_grad.grad
+
+
 class VmapInside(nn.Module):
     """A forward that maps a function over its rows with torch.vmap, then a Linear over the result."""
 

@@ -68,6 +68,8 @@ def grad_of(trace, index: int):
         raise GradientUnavailable(f"{label}: {FROM_BATCHED_BACKWARD}")
     if grad is None and index in trace._unsaved_grads:
         raise GradientUnavailable(f"{label}: {trace._unsaved_grads[index]}")
+    if grad is None and _made_in_transform(trace, index):
+        raise GradientUnavailable(f"{label}: {_NOT_REACHED_IN_TRANSFORM}")
     if grad is None and index in capture.incomplete:
         raise GradientUnavailable(
             f"{label}: its gradient hook was removed by torch before a later backward (torch resets a leaf "
@@ -75,6 +77,20 @@ def grad_of(trace, index: int):
             "would miss that backward's share; register hooks on the inputs before tracing, or trace with "
             "TORCHLENS_ACCEL=0")
     return grad
+
+
+_NOT_REACHED_IN_TRANSFORM = (
+    "made inside a torch.func transform (grad, vjp, jacrev, ...): its hook sits on the transform's wrapped "
+    "tensor, which no backward outside the transform reaches (what the transform returns is a tensor of its "
+    "own, which later ops read as of unknown origin); read the gradients of the ops outside the transform")
+
+
+def _made_in_transform(trace, index: int) -> bool:
+    """Whether capture found op ``index``'s saved output to be a torch.func transform's wrapped tensor (known
+    only where the activation was saved)."""
+    from .trace import MADE_IN_TRANSFORM  # trace.py imports this module
+
+    return trace._dropped.get(index) == MADE_IN_TRANSFORM
 
 
 def output_nodes(trace) -> list:
@@ -95,9 +111,7 @@ def _why_no_grad(trace, index: int) -> str:
     if applied is not None:
         return (f"an intervention ({applied.action!r}) replaced its output with a tensor that does not require "
                 "grad, so autograd computes no gradient for it")
-    from .trace import MADE_IN_TRANSFORM  # trace.py imports this module
-
-    if trace._dropped.get(index) == MADE_IN_TRANSFORM:
+    if _made_in_transform(trace, index):
         return ("it ran inside a torch.func transform (vmap, ...) on the transform's wrapped tensors, which do not "
                 "require grad as autograd outside the transform sees them; the ops after the transform carry "
                 "the gradient")
