@@ -187,7 +187,8 @@ def _grad_norms(log) -> dict:
     capture = grad_capture_of(log)  # a trace taken without grads=True says how to get them
     stats = grad_stats_column(log)
     if not stats and not log.is_cleaned_up and any(map(unreadable, capture.grads.values())):
-        raise GradientUnavailable(f"hot_path(by='grad_norm') can read none of the trace's gradients: for each, {FROM_BATCHED_BACKWARD}")
+        raise GradientUnavailable("hot_path(by='grad_norm') can read none of the trace's gradients: for each, "
+                                  + FROM_BATCHED_BACKWARD)
     if not stats:
         raise ValueError("hot_path(by='grad_norm') needs gradients: run a backward through log.output first "
                          "(or log.backward(loss))")

@@ -17,6 +17,8 @@ from ..tree import without_values
 from ..errors import GradientUnavailable, TraceCleanedUp
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
+_NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
+             "backward through log.output (or call log.backward(loss))")
 _legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None) or (lambda t: False)
 _batched = getattr(torch._C._functorch, "is_batchedtensor", None) or (lambda t: False)
 FROM_BATCHED_BACKWARD = (
@@ -31,8 +33,6 @@ def unreadable(grad) -> bool:
     """Whether a gradient kept by the trace is a batched backward's, which no reader can use (see
     ``FROM_BATCHED_BACKWARD``): autograd's own batching (``is_grads_batched``) or torch.func's."""
     return _legacy_batched(grad) or _batched(grad)
-_NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
-             "backward through log.output (or call log.backward(loss))")
 
 
 def grad_capture_of(trace):
