@@ -550,3 +550,46 @@ def test_function_outputs_get_the_gradient_retain_grad_gives_on_every_path(path)
     assert torch.equal(log["viewas_1_3:1"].grad, expected["passed"])  # after the user's hook, as retain_grad
     assert torch.equal(log["b"].grad, expected_out)  # the full backward hook's Function output
     assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected_params))
+
+
+
+class _ViewsOfLeaves(nn.Module):
+    """Ops whose backward hands a view of the trace's gradient to a leaf's ``.grad``: a parameter's view, a
+    transpose of a view of one, a ``cat`` of parameters (its backward slices), and the input's transpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.gamma = nn.Parameter(torch.ones(4))
+        self.w = nn.Parameter(torch.randn(4, 6))
+        self.u, self.v = nn.Parameter(torch.randn(2)), nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        h = self.conv(x) * self.gamma.view(1, -1, 1, 1)  # (2, 4, 6, 6)
+        h = h.mean(dim=2) @ self.w.view(4, 6).t()  # (2, 4, 4)
+        return h.sum(dim=1) * torch.cat([self.u, self.v]) + x.mean(dim=(2, 3)).T.sum()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_in_place_changes_to_a_leafs_grad_leave_the_traced_gradients_as_they_were(path):
+    """autograd stores a view of a gradient the trace keeps as a leaf's ``.grad`` without copying it: the trace
+    copies such a gradient when the backward ends, so ``clip_grad_norm_``, ``zero_grad(set_to_none=False)`` or
+    ``x.grad.zero_()`` afterwards change the leaf's ``.grad``, never the record (as with ``retain_grad()``)."""
+    torch.manual_seed(0)
+    model, x = _ViewsOfLeaves(), torch.randn(2, 3, 8, 8, requires_grad=True)
+    oracle = Oracle()
+    with oracle:
+        out = model(x)
+    _loss(out).backward()
+    expected = oracle.grads()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    log = _trace(path, model, (x,))
+    ops = [op for op in log if op.kind == "op"]
+    assert {"view", "t", "cat"} <= {op.type for op in ops}
+    for backward in (1, 2):  # the second accumulates into what the first kept
+        log.backward(_loss(log.output), retain_graph=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        x.grad.zero_()
+        model.zero_grad(set_to_none=False)
+        _assert_bit_identical(ops, _op_grads(log)[1], [None if e is None else backward * e for e in expected])

@@ -35,6 +35,7 @@
 #include <Python.h>
 
 #include <ATen/ops/add.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -46,11 +47,12 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 2
+#define TORCHLENS_ACCEL_ABI 3
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -59,7 +61,7 @@
 namespace {
 
 /* ----- the store the hooks write into ------------------------------------------------------------ */
-struct Store {
+struct Store : std::enable_shared_from_this<Store> {
     std::mutex mutex;
     std::unordered_map<int64_t, at::Tensor> grads; /* record index -> accumulated gradient (detached) */
     std::vector<int64_t> order; /* record indices in the order their first gradient arrived */
@@ -106,13 +108,16 @@ struct Store {
         if (grad.requires_grad()) grad = grad.detach(); /* create_graph=True: keep the value, not a graph */
         at::Tensor replaced;
         std::vector<at::Tensor> dropped;
+        std::optional<size_t> first_of_backward;
         std::lock_guard<std::mutex> lock(mutex);
         if (!has_task || current != task) {
             has_task = true;
             task = current;
             backwards++;
             if (!lost.empty()) drop_lost(dropped);
+            first_of_backward = order.size();
         }
+        if (first_of_backward) unshare_when_done(*first_of_backward);
         auto kept = grads.find(index);
         if (kept == grads.end()) {
             /* Kept by reference, not copied, as the Python path keeps it. */
@@ -125,6 +130,47 @@ struct Store {
         }
         version++;
     }  /* the lock goes first, then ``replaced`` and ``dropped`` (declared before it) */
+
+    /* grads.py's ``_unshare_when_done``: once this backward is over, copy each gradient it kept first whose
+     * memory another tensor shares.  A view op's backward hands on a view of the gradient the trace keeps,
+     * and autograd stores such a view as a leaf's ``.grad`` without copying it: ``clip_grad_norm_`` or
+     * ``zero_()`` on that ``.grad`` would then rewrite the trace's record.  The callback holds the store
+     * weakly: a store whose capture is gone has nothing to protect. */
+    void unshare_when_done(size_t first) {
+        std::weak_ptr<Store> weak = weak_from_this();
+        try {
+            torch::autograd::Engine::get_default_engine().queue_callback([weak, first]() {
+                if (auto store = weak.lock()) store->unshare(first);
+            });
+        } catch (const c10::Error &) {
+            /* no backward is running (a hook called by hand): nothing to wait for */
+        }
+    }
+
+    /* Copy the gradients kept first at ``order[first:]`` whose storage another tensor holds.  The copies are
+     * made without the lock (a subclass's clone may take the GIL, which a reader may hold while it waits for
+     * the lock), and a gradient a hook replaced meanwhile is left alone. */
+    void unshare(size_t first) {
+        std::vector<std::pair<int64_t, at::Tensor>> shared, copies;
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            for (size_t k = first; k < order.size(); k++) {
+                auto kept = grads.find(order[k]);
+                if (kept != grads.end() && kept->second.has_storage() && kept->second.storage().use_count() > 1)
+                    shared.emplace_back(kept->first, kept->second);
+            }
+        }
+        for (auto &[index, grad] : shared) copies.emplace_back(index, grad.clone());
+        std::vector<at::Tensor> replaced;
+        std::lock_guard<std::mutex> lock(mutex);
+        for (size_t k = 0; k < copies.size(); k++) {
+            auto kept = grads.find(copies[k].first);
+            if (kept == grads.end() || !kept->second.is_same(shared[k].second)) continue;
+            replaced.push_back(std::move(kept->second));
+            kept->second = std::move(copies[k].second);
+            version++;
+        }
+    }  /* the lock goes first, then ``replaced``, ``copies`` and ``shared`` */
 };
 
 using StorePtr = std::shared_ptr<Store>;

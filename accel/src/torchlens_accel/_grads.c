@@ -17,7 +17,7 @@
 #include <structmember.h>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 1
+#define TORCHLENS_ACCEL_ABI 2
 
 static PyObject *str_requires_grad, *str_detach, *str_grad_fn, *str_backward_hooks, *str_register_hook_dict,
     *str_sequence_nr;
@@ -30,12 +30,13 @@ typedef struct {
     Py_ssize_t backwards;
     PyObject *task;    /* the graph task that last delivered a gradient; NULL before the first */
     PyObject *task_id; /* torch._C._current_graph_task_id, or a stand-in returning None */
+    PyObject *on_backward; /* called with the sink when a backward delivers its first gradient, or None */
 } Sink;
 
 static PyObject *sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *task_id;
-    static char *kwlist[] = {"task_id", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Sink", kwlist, &task_id)) return NULL;
+    PyObject *task_id, *on_backward = Py_None;
+    static char *kwlist[] = {"task_id", "on_backward", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O:Sink", kwlist, &task_id, &on_backward)) return NULL;
     Sink *self = (Sink *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->grads = PyDict_New();
@@ -46,6 +47,8 @@ static PyObject *sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     }
     Py_INCREF(task_id);
     self->task_id = task_id;
+    Py_INCREF(on_backward);
+    self->on_backward = on_backward;
     return (PyObject *)self;
 }
 
@@ -54,6 +57,7 @@ static int sink_traverse(Sink *self, visitproc visit, void *arg) {
     Py_VISIT(self->order);
     Py_VISIT(self->task);
     Py_VISIT(self->task_id);
+    Py_VISIT(self->on_backward);
     return 0;
 }
 
@@ -62,6 +66,7 @@ static int sink_clear(Sink *self) {
     Py_CLEAR(self->order);
     Py_CLEAR(self->task);
     Py_CLEAR(self->task_id);
+    Py_CLEAR(self->on_backward);
     return 0;
 }
 
@@ -100,7 +105,7 @@ static PyGetSetDef sink_getset[] = {
 static PyTypeObject SinkType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "torchlens_accel._grads.Sink",
-    .tp_doc = "What the gradient hooks write into: Sink(task_id).",
+    .tp_doc = "What the gradient hooks write into: Sink(task_id, on_backward=None).",
     .tp_basicsize = sizeof(Sink),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = sink_new,
@@ -134,6 +139,11 @@ static int store(Sink *sink, PyObject *index, PyObject *grad) {
     if (differs) {
         Py_XSETREF(sink->task, task);
         sink->backwards++;
+        if (sink->on_backward != Py_None) { /* grads.py's _unshare_when_done */
+            PyObject *done = PyObject_CallOneArg(sink->on_backward, (PyObject *)sink);
+            if (done == NULL) return -1;
+            Py_DECREF(done);
+        }
     } else {
         Py_DECREF(task);
     }

@@ -88,17 +88,55 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
     if task != sink.task:
         sink.task = task
         sink.backwards += 1
+        _unshare_when_done(sink)
     if grad.requires_grad:  # a backward with create_graph=True: keep the value, not a graph
         grad = grad.detach()
     grads = sink.grads
     kept = grads.get(index)
     if kept is None:
         # Kept by reference, not copied: autograd accumulates into a gradient buffer in place only while
-        # nothing else holds it (it checks the reference count), so holding it is enough.
+        # nothing else holds it (it checks the reference count); one it handed on as a view is copied when
+        # the backward ends (``_unshare_when_done``).
         grads[index] = grad
         sink.order.append(index)
     else:
         grads[index] = kept + grad
+
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unshare_when_done(sink) -> None:
+    """A backward began delivering gradients to ``sink``: once it is over, copy each gradient it kept first
+    whose memory another tensor shares.  A view op's backward (``w.t()``, ``gamma.view(...)``, ``torch.cat``'s
+    slices) hands on a view of the gradient the trace keeps, and autograd stores such a view as a leaf's
+    ``.grad`` without copying it: ``clip_grad_norm_``, ``GradScaler.unscale_`` or ``zero_()`` on that ``.grad``
+    would then rewrite the trace's record.  (The C++ store does the same, ``_autograd.cpp``.)"""
+    if _storage_use_count is None:
+        return
+    try:
+        _queue_callback(partial(_unshare, sink, len(sink.order)))
+    except RuntimeError:  # no backward is running (a hook called by hand): nothing to wait for
+        pass
+
+
+def _unshare(sink, first: int) -> None:
+    grads = sink.grads
+    for index in sink.order[first:]:
+        grad = grads.get(index)
+        if grad is not None and grad.layout == torch.strided and _shares_storage(grad):
+            grads[index] = grad.clone()
+
+
+def _shares_storage(t: torch.Tensor) -> bool:
+    """Whether another tensor holds ``t``'s storage: a tensor alone has two owners of it, its own and the
+    storage object Python keeps for it.  A tensor without storage of its own (a batched gradient) shares none."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return _storage_use_count(storage._cdata) > 2
 
 
 def _python_add_hook(sink, handles: dict, numbers: dict, keys: dict, base: int, make_hook):
@@ -161,7 +199,7 @@ class GradCapture:
             self._sink = cpp.Sink()
         else:
             self._native = accel.compiled("_grads") if _INLINE_HOOKS else None
-            self._sink = _Sink() if self._native is None else self._native.Sink(_graph_task_id)
+            self._sink = _Sink() if self._native is None else self._native.Sink(_graph_task_id, _unshare_when_done)
         self.handles: dict = {}  # record index -> weakref to the hook dict holding its hook
         self._base = -_KEY_SPAN * next(_bases)
         self._keys: dict = {}  # record index -> key, where a subclass's register_hook chose it
