@@ -182,6 +182,53 @@ def test_python_loop_groups_module_and_param_free_body():
     assert log.is_recurrent
 
 
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate_deep(x, depth):
+    return x if depth == 0 else _rotate_deep(_rotate_half(x) * 2, depth - 1)
+
+
+class _Helpers(nn.Module):
+    """A helper called from two lines of one forward (rotary embeddings: ``rotate_half(q)``,
+    ``rotate_half(k)``), from a loop, and by itself (a recursion)."""
+
+    def forward(self, q, k):
+        q = _rotate_half(q)
+        k = _rotate_half(k)
+        for _ in range(3):
+            q = torch.sigmoid(_rotate_half(q))
+        return q + _rotate_deep(k, 3)
+
+
+def test_a_helper_called_from_two_lines_is_two_layers_and_from_a_loop_passes():
+    log = tl.trace(_Helpers(), (torch.randn(2, 4), torch.randn(2, 4)))
+    negs = [op for op in log if op.func_name == "neg"]
+    assert len(negs) == 8
+    from_q, from_k, *in_the_loop = negs[:5]
+    in_the_recursion = negs[5:]
+    assert from_q.layer_label != from_k.layer_label and from_q.num_passes == from_k.num_passes == 1
+    assert len({op.layer_label for op in in_the_loop}) == 1 and [op.pass_index for op in in_the_loop] == [1, 2, 3]
+    assert from_q.layer_label not in {op.layer_label for op in in_the_loop + in_the_recursion}
+    assert len({op.layer_label for op in in_the_recursion}) == 1
+    assert [op.pass_index for op in in_the_recursion] == [1, 2, 3]
+
+
+def test_a_model_without_loops_or_reused_modules_is_not_recurrent():
+    """Llama's attention rotates the queries and the keys with one helper, called from two lines."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    log = tl.trace(LlamaModel(config).eval(), torch.randint(0, 32, (1, 5)))
+    assert not log.is_recurrent, [layer for layer in log.layers if layer.num_passes > 1]
+    assert "feed-forward" in str(log)
+
+
 def test_single_op_self_chain_is_not_recurrence():
     def chain(x):
         for _ in range(3):

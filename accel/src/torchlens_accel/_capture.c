@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 13
+#define TORCHLENS_ACCEL_ABI 14
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -352,10 +352,47 @@ static PyObject *site_of(Handler *h, PyObject *code, PyFrameObject *frame) {
     return site_at(h, code, PyFrame_GetLasti(frame));
 }
 
-/* ``answer`` for the user frame ``frame`` running ``code``: its site, and its code and line. */
-static int user_answer(Handler *h, PyObject *code, PyFrameObject *frame, PyObject **out) {
+/* ``capture/source.py``'s ``user_site``: the site of the user frame ``frame`` running ``code``, followed by
+ * its caller's site when that is a user frame too (a helper called from two lines is two sites), skipping
+ * the frames of a function calling itself.  A new reference; NULL with ``*unknown`` set at a caller without
+ * a verdict yet (Python's walk classifies it), NULL with an exception set on error. */
+static PyObject *user_site(Handler *h, PyObject *code, PyFrameObject *frame, int *unknown) {
     PyObject *site = site_of(h, code, frame);
-    return site != NULL ? answer(site, code, PyTuple_GET_ITEM(site, 1), out) : -1;
+    if (site == NULL) return NULL;
+    PyFrameObject *back = PyFrame_GetBack(frame);
+    PyObject *caller = NULL;
+    while (back != NULL) {
+        caller = (PyObject *)PyFrame_GetCode(back);
+        if (caller != code) break;
+        Py_CLEAR(caller);
+        PyFrameObject *next = PyFrame_GetBack(back);
+        Py_DECREF(back);
+        back = next;
+    }
+    if (back == NULL) return site;
+    long verdict = verdict_of(h, caller);
+    if (verdict == h->user) {
+        PyObject *outer = user_site(h, caller, back, unknown);
+        PyObject *nested = outer != NULL ? PyTuple_Pack(3, PyTuple_GET_ITEM(site, 0), PyTuple_GET_ITEM(site, 1), outer)
+                                         : NULL;
+        Py_XDECREF(outer);
+        Py_SETREF(site, nested);
+    } else if (verdict == -1 || verdict == -2) {
+        *unknown = verdict == -1;
+        Py_CLEAR(site);
+    }
+    Py_DECREF(caller);
+    Py_DECREF(back);
+    return site;
+}
+
+/* ``answer`` for the user frame ``frame`` running ``code``: its site (``user_site``), and its code and
+ * line; 0 when a caller has no verdict yet. */
+static int user_answer(Handler *h, PyObject *code, PyFrameObject *frame, PyObject **out) {
+    int unknown = 0;
+    PyObject *site = user_site(h, code, frame, &unknown);
+    if (site == NULL) return unknown ? 0 : -1;
+    return answer(site, code, PyTuple_GET_ITEM(site, 1), out);
 }
 
 /* ``FrameClassifier.locate``'s walk up from ``frame``, for frames whose verdicts are known: 1 with

@@ -45,7 +45,7 @@ from .source import SKIP as _SKIP_FRAME
 from .source import STOP as _STOP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
-from .source import FrameClassifier, called_by_module_call, dispatched_site
+from .source import FrameClassifier, called_by_module_call, dispatched_site, user_site
 from .state import CaptureState
 from .writes import inplace_cache, protect_before_write, written_arguments
 
@@ -208,7 +208,7 @@ class CaptureMode(TorchFunctionMode):
         verdict = _verdicts.get(id(code))
         if verdict == _USER_FRAME:
             line = frame.f_lasti
-            site = (code, line)
+            site = user_site(frame, code, line)
         elif verdict == _SKIP_FRAME and module_call >= 0 and type(func) is not FunctionType \
                 and called_by_module_call(frame.f_back):
             # A builtin called straight from a torch module's forward (F.linear in nn.Linear): the site is
@@ -315,7 +315,7 @@ class CaptureMode(TorchFunctionMode):
         code = frame.f_code
         if self.frames.is_user(code):
             line = frame.f_lasti
-            site = (code, line)
+            site = user_site(frame, code, line)
         else:
             site, code, line = self.frames.locate(frame, func, st.call_frames, module_call)
         call_index = len(st.calls)

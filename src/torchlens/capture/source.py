@@ -38,6 +38,24 @@ STOP, BOUNDARY = _STOP, _BOUNDARY  # and the rest of the walk, for the compiled 
 CALL_IMPL_INNER = next((c for c in _CALL_IMPL.co_consts if getattr(c, "co_name", None) == "inner"), None)
 
 
+def _classify(code) -> int:
+    name = code.co_filename
+    if name.startswith(_CAPTURE_DIR) or name.startswith(_DISPATCHERS):
+        verdict = _DISPATCH
+    elif name.startswith(_TORCH_DIR):
+        verdict = _SKIP
+    else:
+        verdict = _USER
+    _KEPT.append(code)
+    _VERDICTS[id(code)] = verdict
+    return verdict
+
+
+def verdict_of(code) -> int:
+    verdict = _VERDICTS.get(id(code))
+    return _classify(code) if verdict is None else verdict
+
+
 class FrameClassifier:
     def __init__(self, stop_codes=()):
         self._verdicts = _VERDICTS
@@ -47,20 +65,10 @@ class FrameClassifier:
             _VERDICTS[id(code)] = _STOP
 
     def _classify(self, code) -> int:
-        name = code.co_filename
-        if name.startswith(_CAPTURE_DIR) or name.startswith(_DISPATCHERS):
-            verdict = _DISPATCH
-        elif name.startswith(_TORCH_DIR):
-            verdict = _SKIP
-        else:
-            verdict = _USER
-        _KEPT.append(code)
-        self._verdicts[id(code)] = verdict
-        return verdict
+        return _classify(code)
 
     def verdict_of(self, code) -> int:
-        verdict = self._verdicts.get(id(code))
-        return self._classify(code) if verdict is None else verdict
+        return verdict_of(code)
 
     def is_user(self, code) -> bool:
         return self.verdict_of(code) == _USER
@@ -85,7 +93,7 @@ class FrameClassifier:
             if verdict is None:
                 verdict = self._classify(code)
             if verdict == _USER:
-                return site or (code, frame.f_lasti), code, frame.f_lasti
+                return site or user_site(frame, code, frame.f_lasti), code, frame.f_lasti
             if verdict == _STOP:
                 return site, None, None
             if verdict == _BOUNDARY and module_call >= 0:
@@ -162,6 +170,21 @@ def called_by_module_call(frame) -> bool:
     return code is _CALL_IMPL
 
 
+def user_site(frame, code, offset):
+    """The site of an op called from the user frame ``frame`` (running ``code`` at ``offset``):
+    ``(code, offset)``, followed by the site of its caller when that is a user frame too, and so on up to
+    the module call (or the trace).  A helper function called from two lines (``rotate_half(q)`` and
+    ``rotate_half(k)``) then makes two sites, while a helper called again by a loop repeats one.  An op
+    called straight from a module's forward costs one frame read more (its caller is the module call).
+    A function calling itself is one frame here, so each depth of a recursion is the same site."""
+    back = frame.f_back
+    while back is not None and back.f_code is code:
+        back = back.f_back
+    if back is None or verdict_of(back.f_code) != _USER:
+        return (code, offset)
+    return (code, offset, user_site(back, back.f_code, back.f_lasti))
+
+
 def dispatched_site(frame, func, call_frames, module_call: int, locate):
     """``locate``'s answer (``FrameClassifier.locate``) for a call that torch's dispatcher (``frame``)
     handed over.  For a Python-level torch function (``F.relu``) whose own frame is next, neither frame
@@ -176,7 +199,7 @@ def dispatched_site(frame, func, call_frames, module_call: int, locate):
         verdict = _VERDICTS.get(id(code))
         if verdict == _USER:
             line = caller.f_lasti
-            return (code, line), code, line
+            return user_site(caller, code, line), code, line
         if verdict == _SKIP and module_call >= 0 and called_by_module_call(caller.f_back):
             user_code, user_line = call_frames[module_call]
             return (code, caller.f_lasti), user_code, user_line

@@ -10,8 +10,9 @@ Rules, applied in one pass over the ops in execution order (linear time):
 2. An op that uses parameters is keyed by its function, the parameter objects, its output slot, its
    module object and its non-tensor arguments: the same weights applied again (a Python loop over
    ``x @ self.W``) are passes of one layer; distinct modules never merge, even with tied weights.
-3. Any other op is keyed by its call site (the calling frame's code object and instruction offset, and
-   the user frame's too when the calling frame is torch's own code), function, output slot, non-tensor
+3. Any other op is keyed by its call site (the calling frame's code object and instruction offset, with
+   those of the user lines that called its function, and the user frame's too when the calling frame is
+   torch's own code), function, output slot, non-tensor
    arguments, input shapes and module object: the same line run again by a Python loop is another pass.
    A class whose every later member consumes an earlier member (``x = x + 1`` in a loop: a single-op
    self-chain) is not recurrence and is split back into separate layers, unless the chain also feeds or
@@ -123,9 +124,18 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
 
 def _site_of(call):
     """The call site of a raw call as a hashable key: its code object by id (hashing a code object hashes
-    its bytecode) and instruction offset, or None when no frame was found."""
+    its bytecode) and instruction offset, and those of the user lines that called it, or None when no
+    frame was found."""
     site = call[CALL_SITE]
-    return (id(site[0]), site[1]) if site is not None else None
+    return _site_key(site) if site is not None else None
+
+
+def _site_key(site) -> tuple:
+    """``site`` (``(code, offset)``, or ``(code, offset, caller's site)`` for a function called by user
+    code: ``capture/source.py``'s ``user_site``) with each code object by id."""
+    if len(site) == 2:
+        return (id(site[0]), site[1])
+    return (id(site[0]), site[1], _site_key(site[2]))
 
 
 def _reached_site(call):
@@ -137,7 +147,7 @@ def _reached_site(call):
         return None
     code, offset = call[CALL_CODE], call[CALL_LINE]
     if code is None or (site[0] is code and site[1] == offset):
-        return (id(site[0]), site[1])  # called from user code: one frame is the whole site
+        return _site_key(site)  # called from user code: its frame and its callers' are the whole site
     return (id(site[0]), site[1], id(code), offset)
 
 
