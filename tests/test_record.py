@@ -127,6 +127,32 @@ def test_module_records(cnn_log):
     assert module.param_names == ["weight", "bias"] and module.call_labels == ["fc:1"]
 
 
+def test_a_layer_answers_a_field_of_its_passes_only_when_they_agree():
+    """A field a layer reads from its passes is never the first pass's answer standing for the others."""
+    model = SharedModule().eval()
+    log = tl.trace(model, torch.randn(2, 8), intervene={"fc:2": tl.zero_ablate()})
+    fc = log["fc:1"].layer
+    assert fc.num_passes == 3 and fc.shape == (2, 8) and fc.dtype == torch.float32
+    with pytest.raises(AttributeError, match="use log"):
+        fc.intervention  # one pass was edited: the first pass's None would say none was
+    with pytest.raises(AttributeError, match="use log"):
+        fc.call
+    assert log["fc:2"].intervention is not None and log["fc:1"].intervention is None
+
+    # A shared module given inputs of two lengths: its layer has no one shape.
+    def two_lengths(x):
+        return model.fc(x).sum() + model.fc(x[:1]).sum()
+
+    log = tl.trace(two_lengths, torch.randn(2, 8), root=model)
+    fc = log["fc:1"].layer
+    assert [op.shape for op in fc.ops] == [(2, 8), (1, 8)]
+    with pytest.raises(AttributeError, match=r"'shape' differs between its passes .*fc|linear"):
+        fc.shape
+    with pytest.raises(AttributeError, match="numel"):
+        fc.numel
+    assert fc.dtype == torch.float32 and fc.func_name == "linear"
+
+
 def test_aliased_module_keeps_first_address_and_counts_calls_per_object():
     class Alias(nn.Module):
         def __init__(self):

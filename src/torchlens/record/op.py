@@ -294,7 +294,12 @@ class Op(View):
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
                        "has_activation", "dropped_reason", "parent_arg_positions", "module_call", "module_address", "module", "modules",
                        "start_ns", "finite", "args", "kwargs", "grad", "has_grad",
-                       "saved_for_backward_bytes"])
+                       "saved_for_backward_bytes", "call", "intervention", "original"])
+# Fields the passes of a layer usually share (they ran one line of code on tensors of one kind): a layer
+# answers them when every pass agrees, and raises naming two passes that differ otherwise (a key/value
+# cache that grows with each decoding step, a weight used on two lines).
+_SHARED_WHEN_EQUAL = frozenset(["shape", "dtype", "device", "requires_grad", "grad_fn", "numel", "nbytes",
+                                "source"])
 
 
 class Layer:
@@ -338,12 +343,28 @@ class Layer:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        if len(self._indices) > 1 and name in _PER_PASS:
-            raise AttributeError(
-                f"layer {self.layer_label} has {len(self._indices)} passes, so {name!r} differs per pass: "
-                f"use log['{self.layer_label}:1'].{name} or layer.ops[k].{name}"
-            )
+        if len(self._indices) > 1:
+            if name in _PER_PASS:
+                raise AttributeError(
+                    f"layer {self.layer_label} has {len(self._indices)} passes, so {name!r} differs per pass: "
+                    f"use log['{self.layer_label}:1'].{name} or layer.ops[k].{name}"
+                )
+            if name in _SHARED_WHEN_EQUAL:
+                return self._shared(name)
         return getattr(self.first, name)
+
+    def _shared(self, name):
+        """``name`` of every pass when they all agree; an ``AttributeError`` naming two that differ."""
+        ops = self.ops
+        first = getattr(ops[0], name)
+        for op in ops[1:]:
+            value = getattr(op, name)
+            if value != first:
+                raise AttributeError(
+                    f"layer {self.layer_label}: {name!r} differs between its passes ({ops[0].label}: {first}, "
+                    f"{op.label}: {value}): use log['{op.label}'].{name} or layer.ops[k].{name}"
+                )
+        return first
 
     def __eq__(self, other):
         return type(other) is Layer and other._trace is self._trace and other.layer_label == self.layer_label
