@@ -5,6 +5,7 @@ hand-written forward hooks doing the same edit."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 import os
 import sys
 import warnings
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torchlens as tl  # noqa: E402
 from untouched import assert_clean_process, assert_untouched, snapshot  # noqa: E402
-from zoo import InplaceViews, SharedModule, zoo  # noqa: E402
+from zoo import InplaceViews, LoopRNN, SharedModule, zoo  # noqa: E402
 
 CASES = {k: v for k, v in zoo().items() if k != "transformer_fastpath"}
 
@@ -204,6 +205,30 @@ def test_a_stopped_trace_keeps_the_labels_of_the_whole_forward_when_it_has_a_ref
         assert log.output is None and log[-1].label == site
         assert log._labels == plain._labels[:len(log)]
         assert all(torch.equal(op.activation, plain[op.label].activation) for op in log.ops)
+
+
+def test_a_stopped_trace_recounts_its_passes_in_one_pass_over_its_ops():
+    """Taking the whole forward's labels counts each layer's passes in one pass over the ops, not one pass per
+    layer (which a stop late in a long forward, with thousands of layers, would take minutes over)."""
+    model, x = LoopRNN(steps=16).eval(), torch.randn(2, 8)
+    plain = tl.trace(model, x)
+    log = tl.trace(model, x, stop_after="cell:16", reference=plain)
+    n = len(log)
+    assert log["linear_1_2:1"].num_passes == 16 and log.group_sizes == Counter(plain.groups[:n])
+    comparisons = 0
+
+    class Group(int):  # a group id that counts how often it is compared
+        __hash__ = int.__hash__
+
+        def __eq__(self, other):
+            nonlocal comparisons
+            comparisons += 1
+            return int.__eq__(self, other)
+
+    groups = [Group(g) for g in plain.groups[:n]]
+    log.relabel(plain.labels[:n], plain.op_layer_labels[:n], plain.pass_numbers[:n], groups)
+    assert log.group_sizes == Counter(plain.groups[:n])
+    assert comparisons <= 2 * n, (comparisons, n)
 
 
 def test_setitem_and_in_place_view_sites():

@@ -9,6 +9,7 @@ the autograd graph its output holds, as soon as nothing refers to it or to one o
 from __future__ import annotations
 
 import gc
+from collections import Counter
 
 from ..errors import TorchlensError, TraceCleanedUp, closest_hint
 from .columns import Call, Kind
@@ -307,7 +308,7 @@ class Trace(TraceColumns):
         """Replace the label columns (a stopped trace takes those of the whole forward); group sizes are recounted."""
         self._types  # the rest of the label group is derived first, so that it never overwrites these
         self._labels, self._layer_labels, self._pass, self._group = labels, layer_labels, pass_numbers, groups
-        self._group_size = {g: sum(1 for x in groups if x == g) for g in set(groups)}
+        self._group_size = dict(Counter(groups))  # one pass: a stop late in a long forward has many layers
         self._lookup = self._layer_index_col = None  # derived from the labels: rebuilt on use
 
     # ----- the reference library's names (see docs/labels.md) -----------------------------------
