@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -214,6 +217,24 @@ def test_a_helper_called_from_two_lines_is_two_layers_and_from_a_loop_passes():
     assert from_q.layer_label not in {op.layer_label for op in in_the_loop + in_the_recursion}
     assert len({op.layer_label for op in in_the_recursion}) == 1
     assert [op.pass_index for op in in_the_recursion] == [1, 2, 3]
+
+
+def _down(x, depth):
+    return x if depth == 0 else _across(torch.tanh(x), depth)
+
+
+def _across(x, depth):
+    return _down(x * 0.5, depth - 1)
+
+
+def test_ops_deep_in_a_mutual_recursion_are_recorded():
+    """The user lines that called an op are walked, not recursed over: a model whose own stack takes half
+    of Python's recursion limit traces as it runs."""
+    depth = (sys.getrecursionlimit() - len(inspect.stack())) // 4
+    log = tl.trace(lambda x: _down(x, depth), torch.randn(3))
+    tanh = [op for op in log if op.func_name == "tanh"]
+    assert len(tanh) == depth
+    assert torch.equal(log.output, _down(log["input_1:1"].activation, depth))
 
 
 def test_a_model_without_loops_or_reused_modules_is_not_recurrent():

@@ -181,8 +181,17 @@ def user_site(frame, code, offset):
     while back is not None and back.f_code is code:
         back = back.f_back
     if back is None or verdict_of(back.f_code) != _USER:
-        return (code, offset)
-    return (code, offset, user_site(back, back.f_code, back.f_lasti))
+        return (code, offset)  # the common case: called from a module's forward, or from the trace
+    callers = []  # walked, not recursed: the model's own stack may be deep
+    while back is not None and verdict_of(back.f_code) == _USER:
+        callers.append((back.f_code, back.f_lasti))
+        inner = back.f_code
+        while back is not None and back.f_code is inner:
+            back = back.f_back
+    site = callers.pop()
+    while callers:
+        site = callers.pop() + (site,)
+    return (code, offset, site)
 
 
 def dispatched_site(frame, func, call_frames, module_call: int, locate):
