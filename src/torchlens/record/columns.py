@@ -48,7 +48,8 @@ class Call(NamedTuple):
     first_record: int  # index of the first record (op) it produced; its outputs are consecutive
     num_outputs: int  # how many tensors it produced
     wrote_arguments: bool  # whether it wrote a tensor argument (in place, ``out=``, a fused kernel)
-    site: Any  # the nearest calling frame (``capture/source.py``), used to tell op sites apart
+    site: Any  # the nearest calling frame, with the user lines that called it (``capture/source.py``'s
+    # ``user_site``), used to tell op sites apart
 
 
 # Index of each ``Call`` field, for code that still reads the raw tuple before finalize.
