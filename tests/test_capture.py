@@ -237,6 +237,46 @@ def test_ops_deep_in_a_mutual_recursion_are_recorded():
     assert torch.equal(log.output, _down(log["input_1:1"].activation, depth))
 
 
+class _Clip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clamp(-1, 1) * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@torch.no_grad()
+def _scaled(x):
+    return torch.sigmoid(x) * 3
+
+
+class _ThroughTorch(nn.Module):
+    """Functions of the user's that torch's own code calls: an ``autograd.Function``, a checkpointed function
+    and a ``torch.no_grad()``-decorated one, each from two lines and from a loop."""
+
+    def forward(self, q, k):
+        a = _Clip.apply(q)
+        b = _Clip.apply(k)
+        c = torch.utils.checkpoint.checkpoint(_rotate_half, a, use_reentrant=False)
+        d = torch.utils.checkpoint.checkpoint(_rotate_half, b, use_reentrant=False)
+        e, f = _scaled(c), _scaled(d)
+        for _ in range(2):
+            e = _Clip.apply(e)
+        return e + f
+
+
+def test_a_function_torch_calls_for_two_lines_is_two_layers_and_for_a_loop_passes():
+    log = tl.trace(_ThroughTorch(), (torch.randn(2, 4), torch.randn(2, 4)))
+    for func, lines, in_the_loop in (("clamp", 2, 2), ("neg", 2, 0), ("sigmoid", 2, 0)):
+        ops = [op for op in log if op.func_name == func]
+        assert len(ops) == lines + in_the_loop
+        assert len({op.layer_label for op in ops[:lines]}) == lines, func
+        assert all(op.num_passes == 1 for op in ops[:lines]), func
+        assert [op.pass_index for op in ops[lines:]] == list(range(1, in_the_loop + 1)), func
+
+
 def test_a_model_without_loops_or_reused_modules_is_not_recurrent():
     """Llama's attention rotates the queries and the keys with one helper, called from two lines."""
     pytest.importorskip("transformers")

@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 14
+#define TORCHLENS_ACCEL_ABI 15
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -353,36 +353,38 @@ static PyObject *site_of(Handler *h, PyObject *code, PyFrameObject *frame) {
 }
 
 /* ``capture/source.py``'s ``user_site``: the site of the user frame ``frame`` running ``code``, followed by
- * its caller's site when that is a user frame too (a helper called from two lines is two sites), skipping
- * the frames of a function calling itself.  A new reference; NULL with ``*unknown`` set at a caller without
- * a verdict yet (Python's walk classifies it), NULL with an exception set on error. */
+ * the site of the user line that called its function (a helper called from two lines is two sites), found
+ * through torch's own frames and ``code``'s own (a recursion), up to a module call, the trace or torchlens.
+ * A new reference; NULL with ``*unknown`` set at a frame without a verdict yet (Python's walk classifies
+ * it), NULL with an exception set on error. */
 static PyObject *user_site(Handler *h, PyObject *code, PyFrameObject *frame, int *unknown) {
     PyObject *site = site_of(h, code, frame);
     if (site == NULL) return NULL;
     PyFrameObject *back = PyFrame_GetBack(frame);
-    PyObject *caller = NULL;
     while (back != NULL) {
-        caller = (PyObject *)PyFrame_GetCode(back);
-        if (caller != code) break;
-        Py_CLEAR(caller);
+        PyObject *caller = (PyObject *)PyFrame_GetCode(back);
+        long verdict = caller == code ? h->skip : verdict_of(h, caller);
+        if (verdict == h->user) {
+            PyObject *outer = user_site(h, caller, back, unknown);
+            PyObject *nested = outer != NULL
+                ? PyTuple_Pack(3, PyTuple_GET_ITEM(site, 0), PyTuple_GET_ITEM(site, 1), outer) : NULL;
+            Py_XDECREF(outer);
+            Py_SETREF(site, nested);
+            Py_DECREF(caller);
+            break;
+        }
+        Py_DECREF(caller);
+        if (verdict == -1 || verdict == -2) {
+            *unknown = verdict == -1;
+            Py_CLEAR(site);
+            break;
+        }
+        if (verdict != h->skip) break;
         PyFrameObject *next = PyFrame_GetBack(back);
         Py_DECREF(back);
         back = next;
     }
-    if (back == NULL) return site;
-    long verdict = verdict_of(h, caller);
-    if (verdict == h->user) {
-        PyObject *outer = user_site(h, caller, back, unknown);
-        PyObject *nested = outer != NULL ? PyTuple_Pack(3, PyTuple_GET_ITEM(site, 0), PyTuple_GET_ITEM(site, 1), outer)
-                                         : NULL;
-        Py_XDECREF(outer);
-        Py_SETREF(site, nested);
-    } else if (verdict == -1 || verdict == -2) {
-        *unknown = verdict == -1;
-        Py_CLEAR(site);
-    }
-    Py_DECREF(caller);
-    Py_DECREF(back);
+    Py_XDECREF(back);
     return site;
 }
 

@@ -172,26 +172,39 @@ def called_by_module_call(frame) -> bool:
 
 def user_site(frame, code, offset):
     """The site of an op called from the user frame ``frame`` (running ``code`` at ``offset``):
-    ``(code, offset)``, followed by the site of its caller when that is a user frame too, and so on up to
-    the module call (or the trace).  A helper function called from two lines (``rotate_half(q)`` and
-    ``rotate_half(k)``) then makes two sites, while a helper called again by a loop repeats one.  An op
-    called straight from a module's forward costs one frame read more (its caller is the module call).
-    A function calling itself is one frame here, so each depth of a recursion is the same site."""
-    back = frame.f_back
-    while back is not None and back.f_code is code:
-        back = back.f_back
-    if back is None or verdict_of(back.f_code) != _USER:
+    ``(code, offset)``, followed by the site of the user line that called its function, and so on up to the
+    module call (or the trace).  A helper function called from two lines (``rotate_half(q)`` and
+    ``rotate_half(k)``; a custom ``autograd.Function``, a checkpointed function) then makes two sites, while
+    one called again by a loop repeats one.  An op called straight from a module's forward costs one frame
+    read more (its caller is the module call).  Each depth of a function calling itself is the same site."""
+    back = _user_caller(frame, code)
+    if back is None:
         return (code, offset)  # the common case: called from a module's forward, or from the trace
     callers = []  # walked, not recursed: the model's own stack may be deep
-    while back is not None and verdict_of(back.f_code) == _USER:
+    while back is not None:
         callers.append((back.f_code, back.f_lasti))
-        inner = back.f_code
-        while back is not None and back.f_code is inner:
-            back = back.f_back
+        back = _user_caller(back, back.f_code)
     site = callers.pop()
     while callers:
         site = callers.pop() + (site,)
     return (code, offset, site)
+
+
+def _user_caller(frame, code):
+    """The user frame that called ``frame``'s function (running ``code``), through torch's own frames (the
+    ``apply`` of an ``autograd.Function``, ``checkpoint``, a ``torch.no_grad()`` decorator) and ``code``'s
+    own (a recursion); None when the function was called by a module call, the trace or torchlens."""
+    back = frame.f_back
+    while back is not None:
+        caller = back.f_code
+        if caller is not code:
+            verdict = verdict_of(caller)
+            if verdict == _USER:
+                return back
+            if verdict != _SKIP:
+                return None
+        back = back.f_back
+    return None
 
 
 def dispatched_site(frame, func, call_frames, module_call: int, locate):
