@@ -277,6 +277,30 @@ def test_a_function_torch_calls_for_two_lines_is_two_layers_and_for_a_loop_passe
         assert [op.pass_index for op in ops[lines:]] == list(range(1, in_the_loop + 1)), func
 
 
+def _log_density(mu):
+    return torch.distributions.Normal(mu, torch.ones_like(mu)).log_prob(mu * 0.5)
+
+
+class _Densities(nn.Module):
+    """A helper whose ops run in torch's own Python code (``torch.distributions``), from two lines and a loop."""
+
+    def forward(self, a, b):
+        x, y = _log_density(a), _log_density(b)
+        for _ in range(2):
+            x = _log_density(x)
+        return x + y
+
+
+def test_torch_code_a_helper_runs_for_two_lines_is_two_layers_and_for_a_loop_passes():
+    log = tl.trace(_Densities(), (torch.randn(3), torch.randn(3)))
+    for func in ("log", "div", "neg"):
+        ops = [op for op in log if op.func_name == func]
+        assert len(ops) == 4 and "distributions" in ops[0].call.site[0].co_filename, func
+        from_a, from_b, *in_the_loop = ops
+        assert from_a.layer_label != from_b.layer_label and from_a.num_passes == from_b.num_passes == 1, func
+        assert [op.pass_index for op in in_the_loop] == [1, 2] and in_the_loop[0].layer_label != from_a.layer_label
+
+
 def test_a_model_without_loops_or_reused_modules_is_not_recurrent():
     """Llama's attention rotates the queries and the keys with one helper, called from two lines."""
     pytest.importorskip("transformers")

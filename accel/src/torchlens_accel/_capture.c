@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 15
+#define TORCHLENS_ACCEL_ABI 16
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -416,10 +416,16 @@ static int walk(Handler *h, PyFrameObject *frame, PyObject *own_code, PyObject *
         if (verdict == h->user) {
             if (site == NULL) {
                 result = user_answer(h, code, frame, out);
-            } else {
-                PyObject *line = PyLong_FromLong(PyFrame_GetLasti(frame));
-                result = line != NULL ? answer(Py_NewRef(site), code, line, out) : -1;
-                Py_XDECREF(line);
+            } else {  /* torch's line, with the user lines that reached it */
+                int unknown = 0;
+                PyObject *reached = user_site(h, code, frame, &unknown);
+                if (reached == NULL) {
+                    result = unknown ? 0 : -1;
+                } else {
+                    PyObject *nested = PyTuple_Pack(3, PyTuple_GET_ITEM(site, 0), PyTuple_GET_ITEM(site, 1), reached);
+                    result = nested != NULL ? answer(nested, code, PyTuple_GET_ITEM(reached, 1), out) : -1;
+                    Py_DECREF(reached);
+                }
             }
             Py_DECREF(code);
             goto done;

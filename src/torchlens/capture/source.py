@@ -93,7 +93,9 @@ class FrameClassifier:
             if verdict is None:
                 verdict = self._classify(code)
             if verdict == _USER:
-                return site or user_site(frame, code, frame.f_lasti), code, frame.f_lasti
+                offset = frame.f_lasti
+                reached = user_site(frame, code, offset)  # torch's line keeps the user lines that reached it
+                return (reached if site is None else (site[0], site[1], reached)), code, offset
             if verdict == _STOP:
                 return site, None, None
             if verdict == _BOUNDARY and module_call >= 0:

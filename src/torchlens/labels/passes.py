@@ -140,14 +140,14 @@ def _site_key(site) -> tuple:
 
 def _reached_site(call):
     """Rule 3's site: the call site and, when that is a line of torch's own Python code (a ``torch.empty``
-    inside ``nn.Linear.__init__``, run by the forward), the user line that reached it too.  The same torch
+    inside ``nn.Linear.__init__``, run by the forward), the user lines that reached it too.  The same torch
     line reached from two user lines is two layers; from one user line run again, two passes."""
     site = call[CALL_SITE]
     if site is None:
         return None
     code, offset = call[CALL_CODE], call[CALL_LINE]
-    if code is None or (site[0] is code and site[1] == offset):
-        return _site_key(site)  # called from user code: its frame and its callers' are the whole site
+    if code is None or len(site) == 3 or (site[0] is code and site[1] == offset):
+        return _site_key(site)  # the user lines are in the site: its own, or those that reached torch's line
     return (id(site[0]), site[1], id(code), offset)
 
 
