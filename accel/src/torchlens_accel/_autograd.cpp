@@ -49,6 +49,7 @@
 #include <optional>
 #include <utility>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
@@ -147,18 +148,32 @@ struct Store : std::enable_shared_from_this<Store> {
         }
     }
 
-    /* Copy the gradients kept first at ``order[first:]`` whose storage another tensor holds.  The copies are
-     * made without the lock (a subclass's clone may take the GIL, which a reader may hold while it waits for
-     * the lock), and a gradient a hook replaced meanwhile is left alone. */
+    /* Copy the gradients kept first at ``order[first:]`` whose storage a tensor outside the trace holds.
+     * Gradients of one backward may share a storage among themselves (a view op's gradient is a view of its
+     * output's): those owners are counted out, since nothing writes the trace's gradients in place.  The
+     * copies are made without the lock (a subclass's clone may take the GIL, which a reader may hold while
+     * it waits for the lock), and a gradient a hook replaced meanwhile is left alone. */
     void unshare(size_t first) {
-        std::vector<std::pair<int64_t, at::Tensor>> shared, copies;
+        std::vector<std::pair<int64_t, at::Tensor>> fresh, shared, copies;
         {
             std::lock_guard<std::mutex> lock(mutex);
+            std::unordered_map<const c10::StorageImpl *, long> held; /* storage -> this backward's owners */
+            std::unordered_set<const c10::TensorImpl *> ours, bases;
             for (size_t k = first; k < order.size(); k++) {
                 auto kept = grads.find(order[k]);
-                if (kept != grads.end() && kept->second.has_storage() && kept->second.storage().use_count() > 1)
-                    shared.emplace_back(kept->first, kept->second);
+                if (kept == grads.end() || !kept->second.has_storage()) continue;
+                held[kept->second.storage().unsafeGetStorageImpl()]++;
+                ours.insert(kept->second.unsafeGetTensorImpl());
+                fresh.emplace_back(kept->first, kept->second);
             }
+            for (auto &[index, grad] : fresh) { /* a view keeps its base alive: one owner more, ours too */
+                if (!grad.is_view()) continue;
+                const c10::TensorImpl *base = grad._base().unsafeGetTensorImpl();
+                if (!ours.count(base) && bases.insert(base).second) held[grad.storage().unsafeGetStorageImpl()]++;
+            }
+            for (auto &[index, grad] : fresh)
+                if (grad.storage().use_count() > held[grad.storage().unsafeGetStorageImpl()])
+                    shared.emplace_back(index, grad);
         }
         for (auto &[index, grad] : shared) copies.emplace_back(index, grad.clone());
         std::vector<at::Tensor> replaced;
@@ -170,7 +185,7 @@ struct Store : std::enable_shared_from_this<Store> {
             kept->second = std::move(copies[k].second);
             version++;
         }
-    }  /* the lock goes first, then ``replaced``, ``copies`` and ``shared`` */
+    }  /* the lock goes first, then ``replaced``, ``copies``, ``shared`` and ``fresh`` */
 };
 
 using StorePtr = std::shared_ptr<Store>;

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from functools import partial
 
 import torch
@@ -122,21 +122,31 @@ def _unshare_when_done(sink) -> None:
 
 
 def _unshare(sink, first: int) -> None:
+    """Copy each gradient kept first at ``sink.order[first:]`` whose storage a tensor outside the trace holds.
+    Gradients of this backward may share one storage among themselves (a view op's gradient is a view of
+    its output's, and a view keeps its base alive): those owners are counted out, since nothing writes the
+    trace's gradients in place."""
     grads = sink.grads
-    for index in sink.order[first:]:
-        grad = grads.get(index)
-        if grad is not None and grad.layout == torch.strided and _shares_storage(grad):
+    fresh = [(index, grads.get(index)) for index in sink.order[first:]]
+    fresh = [(index, grad, _storage_of(grad)) for index, grad in fresh
+             if grad is not None and grad.layout == torch.strided]
+    owners = Counter(storage for _, _, storage in fresh if storage is not None)
+    ours = {grad._cdata for _, grad, _ in fresh}
+    bases = {base._cdata: storage for _, grad, storage in fresh
+             if storage is not None and (base := grad._base) is not None and base._cdata not in ours}
+    owners.update(bases.values())
+    for index, grad, storage in fresh:
+        # Its owners when no other tensor holds it: those counted, and the storage object Python keeps for it.
+        if storage is not None and _storage_use_count(storage) > owners[storage] + 1:
             grads[index] = grad.clone()
 
 
-def _shares_storage(t: torch.Tensor) -> bool:
-    """Whether another tensor holds ``t``'s storage: a tensor alone has two owners of it, its own and the
-    storage object Python keeps for it.  A tensor without storage of its own (a batched gradient) shares none."""
+def _storage_of(t: torch.Tensor):
+    """The address of ``t``'s storage, or None for a tensor without storage of its own (a batched gradient)."""
     try:
-        storage = t.untyped_storage()
+        return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
-        return False
-    return _storage_use_count(storage._cdata) > 2
+        return None
 
 
 def _python_add_hook(sink, handles: dict, numbers: dict, keys: dict, base: int, make_hook):
