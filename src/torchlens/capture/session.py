@@ -52,23 +52,11 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
           markers=None, progress=None, intervene=None, reference=None, stop_after=None, grads=False,
           saved_for_backward: bool = False, compiled: str = "run") -> Trace:
     """One trace, with the collector already paused and the thread marked as tracing by ``trace``.
-    ``trace`` passes every option by position (a keyword costs about 0.1 us per hop); others name them."""
-    if grads and isinstance(model, _PARALLEL[1]):
-        _warn_unreduced_grads(model)
-    model = _unwrap(model)
-    if isinstance(model, type) and issubclass(model, torch.nn.Module):
-        raise TypeError(f"tl.trace got the class {model.__name__}, not a module: pass a module instance, "
-                        f"e.g. tl.trace({model.__name__}(...), x)")
-    if not callable(model):
-        raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
-    root = _root_of(model, root)
-    if kwargs is not None and not isinstance(kwargs, dict):
-        as_kwargs(kwargs)  # raises, saying how to pass several positional arguments
-    if compiled != "run":
-        check_compiled_option(compiled)
-    if deep and redispatch_function is None:
-        raise RuntimeError(f"deep=True needs torch.overrides.redispatch_function, which torch {torch.__version__} "
-                           "lacks; upgrade torch or trace with deep=False")
+    ``trace`` passes every option by position (a keyword costs about 0.1 us per hop); others name them.
+
+    The steps: check the call, prepare the capture state, run the forward inside every capture part,
+    then finalize the record and add what the run leaves beside it (caveats, interventions, gradients)."""
+    model, root = _checked_call(model, root, kwargs, compiled, deep, grads, stop_after)
     kwargs = dict(kwargs) if kwargs else {}
     args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
@@ -87,10 +75,6 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     if markers is not None:  # profiler ranges per op and module call (torchlens.report.kernel_profile)
         state.markers = markers
-    if stop_after is not None and grads:
-        raise ValueError(f"tl.trace(..., grads=True) gives gradients from a backward through the output, but "
-                         f"stop_after={stop_after!r} stops the forward before it makes one (and the saved "
-                         "activations are detached); trace the whole forward (no stop_after) for gradients")
     runtime = None if not intervene and stop_after is None else \
         _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy,
                               compiled)
@@ -103,63 +87,14 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     _add_inputs(state, model, args, kwargs)
     autocast = state.context[1]  # the autocast state around the forward, for replay
     default_dtype = torch.get_default_dtype()  # and the default dtype, which factories and scalars read
-    frames = _FRAMES
-    mode = CaptureMode(state, frames, deep=deep)
+    mode = CaptureMode(state, _FRAMES, deep=deep)
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls") \
         if shows_bar(progress) else QUIET
-    shim, installed = FastPathShim(mode), ModeOnStack(mode)
-    # The index keeps the model's compiled submodules (cached with it): no walk of the model per trace.
-    optimized = optimized_module_type()
-    compiled_modules = index.of_type(optimized) if optimized is not None else ()
-    # Modules compiled in place (module.compile()) can exist only once Dynamo is imported, as can wrappers.
-    in_place = compiled_in_place(index.all_modules()) if optimized is not None else ()
-    # Without compiled submodules there is nothing to route: the part is not made (nor entered, nor exited).
-    submodules = CompiledSubmodules(root, compiled, None, compiled_modules, in_place) \
-        if compiled_modules or in_place else None
-    # The root's own call is the trace itself; a callable's calls into its root are module calls.
-    # By position (skip, module types, progress bar): keywords cost per trace.
-    tracker = ModuleCallTracker(state, model if root is model else None, frames,
-                                submodules.eager_modules if submodules is not None else (), index.module_types(),
-                                shown if shown is not QUIET else None)
-    parts = (shim, tracker, installed)
-    if runtime is not None and runtime.module_sites:
-        # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
-        parts = (shim, tracker, runtime.module_hooks(state, model if root is model else None), installed)
-    grads_policy = state.grads.policy if state.grads is not None else None
-    if policy.mode == 2 and policy.selected_modules or \
-            grads_policy is not None and grads_policy.mode == 2 and grads_policy.selected_modules:
-        # Module outputs an op outside them made (nn.Identity): kept, or watched, as the call returns.
-        parts = (*parts[:-1], SelectedModuleOutputs(state, policy, state.grads, model if root is model else None),
-                 parts[-1])
-    if state.grads is not None:  # a custom autograd Function's outputs get their backward node late
-        parts = (function_outputs(state, state.grads), *parts)
-    if submodules is not None:
-        submodules.suspend = lambda: Suspension(tracker, shim)
-        parts = (submodules, *parts)
-    capture = Capture(parts)
-    try:
-        # Torn down once by the ``with`` exit; whenever that exit is skipped or cut short, an exception
-        # is on its way to the ``except`` below, which tears down again (see capture/teardown.py).
-        with capture:
-            output = _run_forward(model, args, kwargs) if packing is None else \
-                _run_observed(packing, model, args, kwargs)
-    except BaseException as exc:
-        capture.tear_down()
-        if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
-            shown.close()
-            _annotate(exc, state, root, leftovers(mode, parts), args)
-            raise
-        output = None  # stop_after= reached: the trace holds everything up to that site
+    parts, submodules = _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown)
+    output = _run_captured(Capture(parts), parts, mode, state, runtime, packing, model, root, args, kwargs, shown)
     forward_done = perf_counter_ns()
-    if type(output) in _PLAIN_OUTPUTS:
-        pass  # the common case: a tensor, a tuple, a dict (never a generator)
-    elif inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
-        # Its body would run later, untraced: refuse rather than return an empty, plausible trace.
-        getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
-        shown.close()
-        raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, whose body runs "
-                        "only when iterated, after tracing ended; trace a forward that returns its results "
-                        "(e.g. wrap it: lambda x: list(model(x)))")
+    if type(output) not in _PLAIN_OUTPUTS:  # the common case: a tensor, a tuple, a dict (never a generator)
+        _refuse_lazy_output(output, model, shown)
 
     mutated = state.check_saved_versions()
     norms = norm_calls(state.calls)
@@ -179,18 +114,123 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     result._autocast = autocast
     ended_with = torch.get_default_dtype()  # a forward may change it: replay then tries both
     result._default_dtypes = (default_dtype,) if ended_with is default_dtype else (default_dtype, ended_with)
+    _complete(result, state, index, policy, runtime, packing, submodules, root, model_name)
+    timings["total"] = (perf_counter_ns() - started) / 1e9
+    if mutated:
+        warn_mutated([result.labels[i] for i in mutated])
+    if state.budget_exhausted_at is not None:
+        warn_user(f"max_saved_bytes reached: activations from {result.labels[state.budget_exhausted_at]} "
+                  "on were not saved")
+    return result
+
+
+def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tuple:
+    """The module to run and the root that names modules, once the call's arguments are known to make a
+    trace; a bad argument raises here, before anything is set up."""
+    if grads and isinstance(model, _PARALLEL[1]):
+        _warn_unreduced_grads(model)
+    model = _unwrap(model)
+    if isinstance(model, type) and issubclass(model, torch.nn.Module):
+        raise TypeError(f"tl.trace got the class {model.__name__}, not a module: pass a module instance, "
+                        f"e.g. tl.trace({model.__name__}(...), x)")
+    if not callable(model):
+        raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
+    root = _root_of(model, root)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        as_kwargs(kwargs)  # raises, saying how to pass several positional arguments
+    if compiled != "run":
+        check_compiled_option(compiled)
+    if deep and redispatch_function is None:
+        raise RuntimeError(f"deep=True needs torch.overrides.redispatch_function, which torch {torch.__version__} "
+                           "lacks; upgrade torch or trace with deep=False")
+    if stop_after is not None and grads:
+        raise ValueError(f"tl.trace(..., grads=True) gives gradients from a backward through the output, but "
+                         f"stop_after={stop_after!r} stops the forward before it makes one (and the saved "
+                         "activations are detached); trace the whole forward (no stop_after) for gradients")
+    return model, root
+
+
+def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown) -> tuple:
+    """The context managers a forward runs inside, in the order they are entered, and the compiled-submodule
+    part among them (None when the model has no compiled submodules)."""
+    shim, installed = FastPathShim(mode), ModeOnStack(mode)
+    # The index keeps the model's compiled submodules (cached with it): no walk of the model per trace.
+    optimized = optimized_module_type()
+    compiled_modules = index.of_type(optimized) if optimized is not None else ()
+    # Modules compiled in place (module.compile()) can exist only once Dynamo is imported, as can wrappers.
+    in_place = compiled_in_place(index.all_modules()) if optimized is not None else ()
+    # Without compiled submodules there is nothing to route: the part is not made (nor entered, nor exited).
+    submodules = CompiledSubmodules(root, compiled, None, compiled_modules, in_place) \
+        if compiled_modules or in_place else None
+    # The root's own call is the trace itself; a callable's calls into its root are module calls.
+    # By position (skip, module types, progress bar): keywords cost per trace.
+    skip = model if root is model else None
+    tracker = ModuleCallTracker(state, skip, _FRAMES,
+                                submodules.eager_modules if submodules is not None else (), index.module_types(),
+                                shown if shown is not QUIET else None)
+    parts = (shim, tracker, installed)
+    if runtime is not None and runtime.module_sites:
+        # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
+        parts = (shim, tracker, runtime.module_hooks(state, skip), installed)
+    grads_policy = state.grads.policy if state.grads is not None else None
+    if policy.mode == 2 and policy.selected_modules or \
+            grads_policy is not None and grads_policy.mode == 2 and grads_policy.selected_modules:
+        # Module outputs an op outside them made (nn.Identity): kept, or watched, as the call returns.
+        parts = (*parts[:-1], SelectedModuleOutputs(state, policy, state.grads, skip), parts[-1])
+    if state.grads is not None:  # a custom autograd Function's outputs get their backward node late
+        parts = (function_outputs(state, state.grads), *parts)
+    if submodules is not None:
+        submodules.suspend = lambda: Suspension(tracker, shim)
+        parts = (submodules, *parts)
+    return parts, submodules
+
+
+def _run_captured(capture, parts, mode, state, runtime, packing, model, root, args, kwargs, shown):
+    """Run the forward inside ``capture`` and return its output (None when ``stop_after=`` ended it).  An
+    exception from the model goes on, noted with the op and module it came from, once all is torn down."""
+    try:
+        # Torn down once by the ``with`` exit; whenever that exit is skipped or cut short, an exception
+        # is on its way to the ``except`` below, which tears down again (see capture/teardown.py).
+        with capture:
+            return _run_forward(model, args, kwargs) if packing is None else \
+                _run_observed(packing, model, args, kwargs)
+    except BaseException as exc:
+        capture.tear_down()
+        if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
+            shown.close()
+            _annotate(exc, state, root, leftovers(mode, parts), args)
+            raise
+        return None  # stop_after= reached: the trace holds everything up to that site
+
+
+def _refuse_lazy_output(output, model, shown) -> None:
+    """A forward that returned a generator or coroutine: its body would run later, untraced.  Refuse
+    rather than return an empty, plausible trace."""
+    if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
+        getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
+        shown.close()
+        raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, whose body runs "
+                        "only when iterated, after tracing ended; trace a forward that returns its results "
+                        "(e.g. wrap it: lambda x: list(model(x)))")
+
+
+def _complete(result, state, index, policy, runtime, packing, submodules, root, model_name) -> None:
+    """What the run and the options add to a finalized record: its caveats, the process rank, the root's
+    class, each module call's calling line (loop or reuse, for display); then the check that each ``save=``
+    entry matched, the interventions' outcome, the ``save=`` filter applied after the fact, the gradient
+    hooks' sink and what autograd kept for backward.  Class defaults stand where none apply."""
     caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
         (submodules.caveats() if submodules is not None else ()) + \
         _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ()))
-    if caveats:  # else the class default: none
+    if caveats:
         result.caveats = caveats
     rank = process_rank()
-    if rank[0] is not None:  # else the class defaults: not under torch.distributed
+    if rank[0] is not None:  # else not under torch.distributed
         result.rank, result.world_size = rank
+    result._root_class = type(root).__name__ if root is not None else model_name
+    result._module_call_frames = state.call_frames
     if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
         policy.check_matched(result, stopped_after=runtime.stopped_at if runtime is not None else None)
-    result._root_class = type(root).__name__ if root is not None else model_name
-    result._module_call_frames = state.call_frames  # (code, offset) per module call: loop or reuse, for display
     if runtime is not None:
         from ..intervene.finish import finish_interventions
 
@@ -202,13 +242,6 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if packing is not None:
         packing.calls = None  # the forward is over: nothing more is attributed
         result._packlog = packing
-    timings["total"] = (perf_counter_ns() - started) / 1e9
-    if mutated:
-        warn_mutated([result.labels[i] for i in mutated])
-    if state.budget_exhausted_at is not None:
-        warn_user(f"max_saved_bytes reached: activations from {result.labels[state.budget_exhausted_at]} "
-                  "on were not saved")
-    return result
 
 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
