@@ -593,3 +593,55 @@ def test_in_place_changes_to_a_leafs_grad_leave_the_traced_gradients_as_they_wer
         x.grad.zero_()
         model.zero_grad(set_to_none=False)
         _assert_bit_identical(ops, _op_grads(log)[1], [None if e is None else backward * e for e in expected])
+
+
+class _FlattenedWeight(nn.Module):
+    """A layer reading its weight through ``flatten(1)``, which returns a 2-D weight itself: the op's output
+    is the parameter, a leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.flatten(1).T)
+
+
+def _flattened_weight():
+    torch.manual_seed(0)
+    model = _FlattenedWeight()
+    return model, (torch.randn(3, 4, requires_grad=True),), {}
+
+
+def _gpt2_embeddings():
+    """GPT-2 run on input embeddings that require grad, as a saliency method runs it."""
+    model, _, kwargs = _gpt2()
+    embeds = model.transformer.wte(kwargs["input_ids"]).detach().requires_grad_()
+    return model, (), {"inputs_embeds": embeds}
+
+
+def _summed(output):
+    return (output.logits if hasattr(output, "logits") else output).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("build", [_flattened_weight, _gpt2_embeddings], ids=["flattened-weight", "gpt2-embeds"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_later_forwards_backward_through_the_same_leaves_leaves_the_traced_gradients_alone(path, build):
+    """An input that requires grad, and a parameter an op returns as it is, belong to every later graph too:
+    the untraced backward of a saliency loop's next step, or of a training step, reaches the trace's hooks
+    on them.  It adds nothing to the trace; a backward through the traced graph still adds to every op."""
+    model, args, kwargs = build()
+    log = _trace(path, model, args, kwargs)
+    leaves = [op for op in log if op.requires_grad and op.grad_fn is None]
+    assert leaves, "the model has no leaf op to test"
+    log.backward(_summed(log.output), retain_graph=True)
+    ops, first = _op_grads(log)
+    ops, first = ops + leaves, first + [op.grad for op in leaves]
+    grads = lambda: [op.grad if op.requires_grad else None for op in ops]  # noqa: E731
+    for _ in range(2):  # later forwards on the same leaves, untraced
+        _summed(model(*args, **kwargs)).backward()
+    assert log.num_backwards == 1
+    _assert_bit_identical(ops, grads(), first)
+    log.backward(_summed(log.output))  # the traced graph again: every gradient accumulates
+    assert log.num_backwards == 2
+    _assert_bit_identical(ops, grads(), [None if g is None else g + g for g in first])

@@ -53,7 +53,7 @@
 #include <vector>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 3
+#define TORCHLENS_ACCEL_ABI 4
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -73,6 +73,7 @@ struct Store : std::enable_shared_from_this<Store> {
     uint64_t order_version = 1; /* bumped by every change of ``order`` */
     std::unordered_map<int64_t, Py_ssize_t> lost; /* record -> backwards seen when torch removed its hook */
     std::vector<int64_t> incomplete; /* lost records a later backward may have reached: gradient dropped */
+    std::unordered_set<int64_t> guarded; /* leaves counted only in a backward that reached another record first */
 
     /* A leaf's hook was removed by torch, not by the capture (see the top of the file). */
     void lose(int64_t index) {
@@ -111,6 +112,9 @@ struct Store : std::enable_shared_from_this<Store> {
         std::vector<at::Tensor> dropped;
         std::optional<size_t> first_of_backward;
         std::lock_guard<std::mutex> lock(mutex);
+        if ((!has_task || current != task) && guarded.count(index)) {
+            return; /* a leaf reached by a backward that reached nothing else here: a later forward's */
+        }
         if (!has_task || current != task) {
             has_task = true;
             task = current;
@@ -338,6 +342,25 @@ PyObject *sink_clear(Sink *self, PyObject *) {
     Py_RETURN_NONE; /* ``released`` frees the tensors here, outside the lock */
 }
 
+/* grads.py's ``_Sink.guard``: the records whose gradients count only in a backward that has already
+ * delivered a gradient here. */
+PyObject *sink_guard(Sink *self, PyObject *indices) {
+    PyObject *iterator = PyObject_GetIter(indices);
+    if (iterator == nullptr) return nullptr;
+    std::unordered_set<int64_t> guarded;
+    while (PyObject *index = PyIter_Next(iterator)) {
+        long long i = PyLong_AsLongLong(index);
+        Py_DECREF(index);
+        if (i == -1 && PyErr_Occurred()) break;
+        guarded.insert(i);
+    }
+    Py_DECREF(iterator);
+    if (PyErr_Occurred()) return nullptr;
+    std::lock_guard<std::mutex> lock(self->store->mutex);
+    self->store->guarded = std::move(guarded);
+    Py_RETURN_NONE;
+}
+
 PyObject *make_py_hook(Sink *sink, long long index);
 
 PyObject *sink_hook(Sink *self, PyObject *index) {
@@ -359,6 +382,8 @@ PyGetSetDef sink_getset[] = {
 PyMethodDef sink_methods[] = {
     {"clear", (PyCFunction)sink_clear, METH_NOARGS, "Release every gradient (the order and the count stay)."},
     {"hook", (PyCFunction)sink_hook, METH_O, "hook(index): a Python tensor hook writing into this sink."},
+    {"guard", (PyCFunction)sink_guard, METH_O,
+     "guard(indices): leaves counted only in a backward that reached another record first."},
     {nullptr},
 };
 

@@ -17,7 +17,7 @@
 #include <structmember.h>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 2
+#define TORCHLENS_ACCEL_ABI 3
 
 static PyObject *str_requires_grad, *str_detach, *str_grad_fn, *str_backward_hooks, *str_register_hook_dict,
     *str_sequence_nr;
@@ -31,6 +31,7 @@ typedef struct {
     PyObject *task;    /* the graph task that last delivered a gradient; NULL before the first */
     PyObject *task_id; /* torch._C._current_graph_task_id, or a stand-in returning None */
     PyObject *on_backward; /* called with the sink when a backward delivers its first gradient, or None */
+    PyObject *guarded; /* a frozenset of leaves counted only in a backward that reached another record first */
 } Sink;
 
 static PyObject *sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -58,6 +59,7 @@ static int sink_traverse(Sink *self, visitproc visit, void *arg) {
     Py_VISIT(self->task);
     Py_VISIT(self->task_id);
     Py_VISIT(self->on_backward);
+    Py_VISIT(self->guarded);
     return 0;
 }
 
@@ -67,6 +69,7 @@ static int sink_clear(Sink *self) {
     Py_CLEAR(self->task);
     Py_CLEAR(self->task_id);
     Py_CLEAR(self->on_backward);
+    Py_CLEAR(self->guarded);
     return 0;
 }
 
@@ -91,6 +94,21 @@ static int sink_set_order(Sink *self, PyObject *value, void *closure) {
     return 0;
 }
 
+/* grads.py's ``_Sink.guard``: the records whose gradients count only in a backward that has already
+ * delivered a gradient here. */
+static PyObject *sink_guard(Sink *self, PyObject *indices) {
+    PyObject *guarded = PyFrozenSet_New(indices);
+    if (guarded == NULL) return NULL;
+    Py_XSETREF(self->guarded, guarded);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef sink_methods[] = {
+    {"guard", (PyCFunction)sink_guard, METH_O, "guard(indices): leaves counted only in a backward that reached "
+     "another record first."},
+    {NULL},
+};
+
 static PyMemberDef sink_members[] = {
     {"grads", T_OBJECT_EX, offsetof(Sink, grads), READONLY, "record index -> accumulated gradient"},
     {"backwards", T_PYSSIZET, offsetof(Sink, backwards), 0, "how many backwards delivered a gradient"},
@@ -112,6 +130,7 @@ static PyTypeObject SinkType = {
     .tp_traverse = (traverseproc)sink_traverse,
     .tp_clear = (inquiry)sink_clear,
     .tp_dealloc = (destructor)sink_dealloc,
+    .tp_methods = sink_methods,
     .tp_members = sink_members,
     .tp_getset = sink_getset,
 };
@@ -135,6 +154,13 @@ static int store(Sink *sink, PyObject *index, PyObject *grad) {
     if (differs < 0) {
         Py_DECREF(task);
         return -1;
+    }
+    if (differs && sink->guarded != NULL) {
+        int leaf = PySet_Contains(sink->guarded, index);
+        if (leaf != 0) { /* a leaf reached by a backward that reached nothing else here: a later forward's */
+            Py_DECREF(task);
+            return leaf < 0 ? -1 : 0;
+        }
     }
     if (differs) {
         Py_XSETREF(sink->task, task);

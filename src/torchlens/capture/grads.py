@@ -68,13 +68,19 @@ class _Sink:
     The hooks hold the sink, not the capture: the autograd graph may outlive the trace, and the
     capture's death is what removes the hooks (its finalizer)."""
 
-    __slots__ = ("grads", "order", "backwards", "task")
+    __slots__ = ("grads", "order", "backwards", "task", "guarded")
 
     def __init__(self):
         self.grads: dict = {}  # record index -> accumulated gradient (detached; never written in place)
         self.order: list = []  # record indices in the order their first gradient arrived (backward order)
         self.backwards = 0
         self.task = _NO_TASK  # the graph task (one backward) that last delivered a gradient
+        self.guarded = frozenset()  # leaves counted only in a backward that reached another record first
+
+    def guard(self, indices) -> None:
+        """Count the gradients of the records ``indices`` (leaves) only in a backward that has already
+        delivered a gradient here (see ``GradCapture.guard_leaves``)."""
+        self.guarded = frozenset(indices)
 
 
 def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
@@ -85,6 +91,8 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
     if grad is None:  # an output this backward did not reach (another output of a multi-output op was used)
         return
     task = _task_id()
+    if task != sink.task and index in sink.guarded:
+        return  # a leaf reached by a backward that reached nothing else here: a forward after the trace
     if task != sink.task:
         sink.task = task
         sink.backwards += 1
@@ -159,6 +167,8 @@ def _python_add_hook(sink, handles: dict, numbers: dict, keys: dict, base: int, 
             handle = t.register_hook(hook)
             handles[index] = handle.hooks_dict_ref
             keys[index] = handle.id
+            if t.grad_fn is not None:
+                numbers[index] = t.grad_fn._sequence_nr()
             return
         grad_fn = t.grad_fn
         hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
@@ -364,6 +374,24 @@ class GradCapture:
         self.hidden = hidden
         return hidden
 
+    def guard_leaves(self, trace) -> None:
+        """Count a leaf's gradient only in a backward that reached another of this trace's records first.
+
+        A leaf (an input that requires grad, a parameter an op returns as it is: ``w.flatten(1)`` of a 2-D
+        weight) belongs to every graph built from it, so a backward of a forward run after the trace reaches
+        its hook too.  With every op watched (``grads=True``), a backward through the traced ops reaches an
+        op that read the leaf before the leaf itself (autograd accumulates into a leaf once all its
+        consumers are done), so a leaf reached first belongs to another forward.  Not guarded: the leaves
+        the forward returned (their gradient may come straight from the loss), and every leaf when a
+        selection watches only some ops or no op has a backward node."""
+        numbers, handles = self.sequence_numbers, self.handles
+        if self.selector is not None or self.policy is not None or not numbers or len(handles) <= len(numbers):
+            return  # a hook without a sequence number is a leaf's: usually there is none
+        returned = _returned(trace)
+        leaves = [i for i in handles if i not in numbers and i not in returned]
+        if leaves:
+            self._sink.guard(leaves)
+
     def remove_hooks(self) -> None:
         if self._cpp is not None:
             self.add_hook.remove()
@@ -419,6 +447,7 @@ def attach_grads(trace, capture, own_outputs: bool = False) -> None:
     capture.selected = set(capture.handles)
     policy = capture.policy
     if policy is None:
+        capture.guard_leaves(trace)
         return
     try:
         policy.check_matched(trace, option="grads")
@@ -566,6 +595,17 @@ def requires_grad_changed(state, t) -> None:
         capture.watch(index, t, *_made_by(state.calls, record))
     else:
         capture._unwatch(index)
+
+
+def _returned(trace) -> set:
+    """The records the forward returned: its output nodes and the records whose tensors they show.  Read
+    from the raw record while the trace has it (the columns are derived on first read, not for this)."""
+    raw = trace._raw
+    if raw is not None and raw.records is not None and raw.outputs is not None:  # (each let go once derived)
+        first = len(raw.records)  # the output nodes follow the records
+        return {*range(first, first + len(raw.outputs)), *(producer for _, producer, _ in raw.outputs)}
+    outputs = output_nodes(trace)
+    return {*outputs, *(gradient_holder(trace, i) for i in outputs)}
 
 
 def _watch_own_outputs(trace, capture) -> None:
