@@ -405,3 +405,32 @@ def test_a_layer_or_predicate_site_of_a_forward_shorter_than_its_reference_says_
         assert torch._C._len_torch_function_stack() == 0 and not module._forward_hooks
     log = tl.trace(model.generate, (ids,), generate, intervene={"model.layers.1.mlp.down_proj": tl.scale(factor)})
     assert torch.equal(log.output, expected)
+
+
+@pytest.mark.parametrize("run", ["label site", "activation patching", "flops_vs_dispatch"])
+def test_a_hook_registered_before_an_extra_run_can_still_be_removed(run):
+    """The runs made besides the traced one put the modules' attributes back.  They put back copies of the
+    parameter, submodule and hook tables, so a ``RemovableHandle`` taken before removed its hook from a dict
+    the module no longer used: the hook kept changing every later output (and each such call made the next
+    trace of the model walk it anew)."""
+    model, _, kwargs = real_models.gpt2()
+    model.eval()
+    ids = kwargs["input_ids"]
+    before = model(ids).logits
+    attention = model.transformer.h[0].attn
+    tables = {name: getattr(attention, name) for name in ("_forward_hooks", "_parameters", "_modules", "_buffers")}
+    handle = attention.register_forward_hook(lambda module, args, output: (output[0] * 2, *output[1:]))
+    hooked = model(ids).logits
+    assert not torch.equal(hooked, before)
+    if run == "label site":  # resolved by a reference pass
+        site = next(label for label in tl.trace(model, (ids,), save="none").labels if label.startswith("tanh_"))
+        tl.trace(model, (ids,), intervene={site: tl.scale(1.0)})
+    elif run == "activation patching":
+        tl.report.activation_patching(model, (ids,), (ids.flip(1),), lambda out: out.logits.sum(),
+                                      sites=["transformer.h.1"], progress=False)
+    else:
+        tl.report.flops_vs_dispatch(model, (ids,))
+    assert torch.equal(model(ids).logits, hooked)
+    handle.remove()
+    assert torch.equal(model(ids).logits, before), "the removed hook still ran"
+    assert all(getattr(attention, name) is table for name, table in tables.items())

@@ -26,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import operator
 import random
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -92,8 +94,15 @@ def _numpy_moved(numpy, before) -> bool:
 
 class ModuleAttributes:
     """Every module's Python attributes (``vars(module)``: flags, counters, caches, and the parameter,
-    buffer and submodule tables), restorable; containers are copied one level deep, so membership is
-    restored, not the values inside them.  Tensor values are restored as objects, not as contents."""
+    buffer, submodule and hook tables), restorable; a container's members are noted one level deep, so
+    membership is restored, not the values inside them.  Tensor values are restored as objects, not as
+    contents.
+
+    The containers themselves are put back, not copies of them: a hook's ``RemovableHandle`` removes the
+    hook from the very dict it was registered in, and the model index's structure check holds the very
+    tables it saw.  A plain container whose members changed gets them back in place; one left as it was
+    is not written (a dict keeps its version).  Another kind (a subclass with its own rules for changing
+    it) is put back as a copy, as a run cannot be trusted to leave it alone."""
 
     def __init__(self, modules):
         self.saved: list = []
@@ -101,7 +110,7 @@ class ModuleAttributes:
             self.add(m)
 
     def add(self, module) -> None:
-        self.saved.append((module, {k: _copy_attribute(v) for k, v in vars(module).items()}))
+        self.saved.append((module, {k: _noted(v) for k, v in vars(module).items()}))
 
     def restore(self) -> None:
         until_done(self._restore_all)  # an interrupt landing meanwhile is re-raised once every module is back
@@ -111,15 +120,58 @@ class ModuleAttributes:
         between the two steps leaves no module without its parameter, buffer and submodule tables."""
         for m, attributes in self.saved:
             state = vars(m)
-            state.update({k: _copy_attribute(v) for k, v in attributes.items()})
+            for k, (value, members, copied) in attributes.items():
+                if members is not None:
+                    _put_members_back(value, members)
+                elif copied is not None:  # another kind of container: a copy of it as it was
+                    value = copy.copy(copied)
+                if state.get(k, _ABSENT) is not value:
+                    state[k] = value
             for added in [k for k in state if k not in attributes]:
                 del state[added]
 
 
-def _copy_attribute(value):
+_ABSENT = object()
+_PLAIN_CONTAINERS = (dict, OrderedDict, list, set)
+
+
+def _noted(value) -> tuple:
+    """``(value, members, copy)``: a plain container's members (``_members``), or a copy of any other
+    container, or neither."""
+    if type(value) in _PLAIN_CONTAINERS:
+        return value, _members(value), None
     if isinstance(value, (list, dict, set)):
-        return copy.copy(value)  # parameter/buffer/module tables and user caches: membership restored
-    return value
+        return value, None, copy.copy(value)
+    return value, None, None
+
+
+def _members(container) -> list:
+    """A plain container's members, in its order: a dict's ``(key, value)`` entries, a list's or set's items."""
+    return list(container.items()) if isinstance(container, dict) else list(container)
+
+
+def _put_members_back(container, members: list) -> None:
+    """Give ``container`` back ``members`` (from ``_members``), in place, only where they differ."""
+    if not _same_members(container, members):
+        container.clear()
+        if isinstance(container, list):
+            container.extend(members)
+        else:  # a dict from its entries, a set from its items
+            container.update(members)
+
+
+def _same_members(container, members: list) -> bool:
+    """Whether ``container`` holds exactly ``members``: values by identity (they may be tensors), a dict's
+    keys by equality, in order."""
+    now = _members(container)
+    if len(now) != len(members):
+        return False
+    if not isinstance(container, dict):
+        return all(map(operator.is_, now, members))
+    try:
+        return all(a[1] is b[1] and (a[0] is b[0] or bool(a[0] == b[0])) for a, b in zip(now, members))
+    except Exception:  # noqa: BLE001 - a key that cannot be compared: taken as changed
+        return False
 
 
 class ForwardState:
