@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import os
+import sys
 import weakref
 
 import pytest
@@ -14,6 +17,8 @@ from torchlens.capture import accel
 from torchlens.errors import UnmatchedSelection
 from torchlens.record import model_index
 from torchlens.record.model_index import index_of
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 class Net(nn.Module):
@@ -176,6 +181,54 @@ def test_the_cache_does_not_keep_a_model_alive():
     gc.collect()
     assert alive() is None
     assert key not in model_index._cache
+
+
+class _Probe(nn.Module):
+    """An interpretability wrapper: keeps a transformer block's output through a hook of its own (``way``:
+    a bound method, a closure, a ``partial``, a parent attribute, a gradient hook on a weight)."""
+
+    def __init__(self, way):
+        super().__init__()
+        import real_models  # transformers, imported here: the other tests of this file do without it
+
+        self.lm, _, kwargs = real_models.gpt2()
+        self.ids, self.kept = kwargs["input_ids"], []
+        block = self.lm.transformer.h[0]
+        if way == "bound method":
+            block.register_forward_hook(self._keep)
+        elif way == "closure":
+            block.register_forward_hook(_keeping_into(self))
+        elif way == "partial":
+            block.register_forward_hook(functools.partial(_Probe._keep, self))
+        elif way == "parent attribute":
+            block.__dict__["probe"] = self  # a plain attribute, as object.__setattr__ leaves it
+        else:
+            block.mlp.c_fc.weight.register_hook(lambda grad: self.kept.append(grad))
+
+    def _keep(self, module, args, output):
+        self.kept.append(output[0])
+
+    def forward(self, ids):
+        return self.lm(ids).logits
+
+
+def _keeping_into(probe):
+    return lambda module, args, output: probe.kept.append(output[0])
+
+
+@pytest.mark.parametrize("way", ["bound method", "closure", "partial", "parent attribute", "gradient hook"])
+def test_a_model_its_modules_refer_back_to_is_freed_once_dropped(way):
+    """The cache holds every module of a model it indexed.  A module leading back to the model (a hook that is
+    the model's bound method) made the model reachable from the cache for good: dropped, it was never freed."""
+    model = _Probe(way).eval()
+    x = model.ids
+    first = _trace(model, x)
+    assert torch.equal(_trace(model, x).output, first.output)  # walked again, and the same trace
+    assert _module_addresses(_trace(model, x)) == _module_addresses(first)
+    alive = weakref.ref(model)
+    del model, first
+    gc.collect()
+    assert alive() is None
 
 
 def test_a_parameter_made_an_inference_tensor_by_data_assignment_is_still_seen():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import sys
+import types
 from collections import OrderedDict
 from itertools import chain
 from typing import NamedTuple
@@ -264,21 +265,68 @@ def fsdp_params(modules) -> list:
 
 
 def index_of(model) -> ModelIndex:
-    """The model's index: the cached one while its structure is unchanged, else a fresh walk."""
+    """The model's index: the cached one while its structure is unchanged, else a fresh walk.  A model that
+    one of its modules leads back to is walked every time (``refers_back``)."""
     if not isinstance(model, torch.nn.Module):
         return ModelIndex(model)
     entry = _cache.get(id(model))
-    if entry is not None and entry[0]() is model and entry[1].unchanged(model):
-        return entry[2]
+    if entry is not None and entry[0]() is model:
+        if entry[1] is None:  # one of its modules leads back to it: never cached
+            return ModelIndex(model)
+        if entry[1].unchanged(model):
+            return entry[2]
     index = ModelIndex(model)
+    modules = list(index.submodules.values())
+    if refers_back(model, modules):
+        _remember(model, None, None)  # noted, so that its next trace does not search again
+        return index
     try:
-        structure = _snapshot(model, list(index.submodules.values()))
+        structure = _snapshot(model, modules)
     except (KeyError, TypeError):
         return index
+    _remember(model, structure, index)
+    return index
+
+
+def _remember(model, structure, index) -> None:
     key = id(model)
     # The callback holds the cache itself: at interpreter exit this module's globals may already be gone.
     _cache[key] = (weakref(model, lambda _, key=key, cache=_cache: _forget(cache, key)), structure, index)
-    return index
+
+
+# Not searched: a class or a Python module (what leads back to the model from there, a class attribute or a
+# global, is the program's own reference, which it drops or keeps whether or not a trace ran), code.
+_NOT_SEARCHED = (type, types.ModuleType, types.CodeType)
+_SEARCH_LIMIT = 200_000  # objects; a search this long is given up, and the model taken to refer back
+
+
+def refers_back(model, modules) -> bool:
+    """Whether anything ``modules`` hold leads back to ``model``: a hook that is a bound method of the model, a
+    closure or ``partial`` holding it, a module keeping its parent as a plain attribute.  The cache holds every
+    module of a cached index (the structure check needs them alive), so it would hold such a model too, in a
+    reference cycle reached from this module's globals, which the collector never frees: the model would stay
+    alive for good once traced.  Functions are searched through their closures and defaults, not their globals."""
+    seen = set(map(id, modules))
+    seen.add(id(model))
+    # What the cache holds: the modules, and the root's own parameters and buffers (the others are found
+    # through their modules).
+    pending = [*modules, *(t for t in chain(model._parameters.values(), model._buffers.values()) if t is not None)]
+    while pending:
+        held = pending.pop()
+        if type(held) is types.FunctionType:
+            referents = (*(held.__closure__ or ()), *(held.__defaults__ or ()), held.__kwdefaults__)
+        else:
+            referents = gc.get_referents(held)
+        for referent in referents:
+            if referent is model:
+                return True
+            if id(referent) in seen or not gc.is_tracked(referent) or isinstance(referent, _NOT_SEARCHED):
+                continue
+            seen.add(id(referent))
+            pending.append(referent)
+        if len(seen) > _SEARCH_LIMIT:
+            return True
+    return False
 
 
 def _snapshot(model, modules: list):
