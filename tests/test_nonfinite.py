@@ -82,6 +82,34 @@ def test_nan_in_a_parameter_is_reported_as_already_present():
     assert "parameter(s) 2.weight" in str(report)
 
 
+def test_a_parameter_an_optimizer_step_made_non_finite_since_the_trace_is_not_blamed():
+    """The training step after a forward whose loss overflowed: the backward's Inf gradients leave the weights
+    Inf after ``optimizer.step()``.  The report read the parameters as they are now and blamed them for the
+    forward's Inf ("already present in parameter(s)"), though the forward read them finite."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from zoo import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.layers[0].weight.fill_(1e38)  # finite, but their sum overflows
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tl.trace(model, torch.ones(4, 16))
+    before = tl.debug.nonfinite_origin(log)
+    assert before.origin_kind == "op" and before.certain and before.origin_label == "linear_1_1:1"
+    (log.output ** 2).sum().backward()
+    optimizer.step()
+    assert not torch.isfinite(model.layers[0].weight).all()
+    after = tl.debug.nonfinite_origin(log)
+    assert after.origin_kind == "op" and after.origin_label == "linear_1_1:1" and not after.certain
+    assert "(parameter layers.0.weight, changed since the trace)" in after.possible_origins
+    assert after.parameters == () and "layers.0.weight" in after.parameters_changed
+    assert "changed since the trace (an optimizer step?) were not checked" in str(after)
+
+
 class Healed(nn.Module):
     def forward(self, x):
         y = torch.log(x)  # x < 0: NaN

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..record.columns import Kind
+from ..capture.state import version_of
 from ..record.finite import nonfinite_flags
 from ..errors import TraceCleanedUp
 from ..tree import without_values
@@ -54,6 +55,7 @@ class NonfiniteReport:
         self.undetermined = tuple(fields["undetermined"])  # later non-finite ops fed by unexamined ones
         self.parameters = tuple(fields["parameters"])
         self.parameters_checked = fields["parameters_checked"]
+        self.parameters_changed = tuple(fields.get("parameters_changed", ()))  # since the trace: not checked
         self.basis = fields["basis"]
         self.examined = fields["examined"]
         self.unexamined = tuple(fields["unexamined"])
@@ -87,6 +89,10 @@ class NonfiniteReport:
             lines.append(f"  parameters holding NaN/Inf: {', '.join(self.parameters)}")
         if not self.parameters_checked:
             lines.append("  parameters were not checked (the trace no longer holds the model)")
+        if self.parameters_changed:
+            shown = ", ".join(self.parameters_changed[:5]) + (" ..." if len(self.parameters_changed) > 5 else "")
+            lines.append(f"  {len(self.parameters_changed)} parameters changed since the trace (an optimizer step?) "
+                         f"were not checked: {shown}; run nonfinite_origin before the step to check them")
         lines += ["", self.recipe]
         return "\n".join(lines)
 
@@ -157,7 +163,7 @@ def nonfinite_origin(log, grads: bool = False):
                              "or trace with record_finite=True (the flags are saved with the metadata)")
         raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
                          "recorded; trace with save='all' or record_finite=True")
-    bad_params, params_checked = _nonfinite_parameters(log)
+    bad_params, params_checked, params_changed = _nonfinite_parameters(log)
     unexamined = [log.labels[i] for i, s in enumerate(status) if s is None and log.kinds[i] != Kind.OUTPUT]
     origin = origin_kind = None
     certain, possible, propagators, others, undetermined = True, [], [], [], []
@@ -168,11 +174,13 @@ def nonfinite_origin(log, grads: bool = False):
         if any(p >= 0 and status[p] not in (None, (False, False)) for p in parents):
             propagators.append(log.labels[i])
             continue
-        kind_here, unsure = _birth_kind(log, i, bad_params)
+        kind_here, unsure = _birth_kind(log, i, bad_params, params_changed)
         if origin is None:
             origin, origin_kind = i, kind_here
             if unsure:
-                certain, possible = False, _unexamined_ancestors(log, status, i)
+                certain, possible = False, _unexamined_ancestors(log, status, i) + \
+                    [f"(parameter {a}, changed since the trace)" for a in log.param_addresses.get(i, ())
+                     if a in params_changed]
         elif unsure:
             undetermined.append(log.labels[i])
         else:
@@ -185,7 +193,7 @@ def nonfinite_origin(log, grads: bool = False):
         possible_origins=possible, propagators=propagators, other_origins=others,
         undetermined=undetermined,
         parameters=bad_params,
-        parameters_checked=params_checked, basis=basis, examined=examined, unexamined=unexamined)
+        parameters_checked=params_checked, parameters_changed=params_changed, basis=basis, examined=examined, unexamined=unexamined)
 
 
 def _status(log, i):
@@ -214,9 +222,10 @@ def _all_on_meta(log) -> bool:
     return bool(saved) and all(isinstance(t, torch.Tensor) and without_values(t) for t in saved)
 
 
-def _birth_kind(log, i, bad_params):
+def _birth_kind(log, i, bad_params, changed_params=()):
     """What a non-finite op with no non-finite examined parent is: ("op" / "input" / "buffer" /
-    "parameter", unsure) where unsure means an unexamined or untracked tensor fed it."""
+    "parameter", unsure) where unsure means an unexamined or untracked tensor fed it, or a parameter changed
+    since the trace (``changed_params``), whose value then is unknown."""
     kind = log.kinds[i]
     if kind == Kind.INPUT:
         return "input", False
@@ -225,7 +234,8 @@ def _birth_kind(log, i, bad_params):
     params = log.param_addresses.get(i, ())
     if any(p in bad_params for p in params):
         return "parameter", False
-    unsure = any(p < 0 or _status_unknown(log, p) for _, p in log.op_parents[i])
+    unsure = any(p < 0 or _status_unknown(log, p) for _, p in log.op_parents[i]) or \
+        any(p in changed_params for p in params)
     if i in log._interventions:
         by_action = _action_made_it(log, i)
         if by_action is not False:
@@ -266,14 +276,20 @@ def _unexamined_ancestors(log, status, i) -> list:
 
 
 def _nonfinite_parameters(log):
-    """Addresses of parameters holding NaN/Inf, and whether parameters could be checked at all."""
+    """``(addresses of the traced model's parameters holding NaN/Inf, whether parameters could be checked at all,
+    addresses of those changed since the trace)``.  A parameter is read as it is now, which is what the forward
+    read only while its version is the one the forward ended with: one changed since (an optimizer step, which
+    a NaN or Inf gradient leaves non-finite) is not checked, and not blamed."""
     if log.is_cleaned_up or log.loaded_from is not None:  # no live model to look at
-        return [], False
-    if not isinstance(log.model, torch.nn.Module):
-        return [], True  # a plain function has no parameters of its own
-    bad = []
+        return [], False, []
+    replay = getattr(log, "_replay", None)
+    versions = replay.param_versions if replay is not None else None
+    bad, changed = [], []
     with torch.no_grad():
-        for name, p in log.model.named_parameters():
-            if any(nonfinite_flags(p) or ()):
-                bad.append(name)
-    return bad, True
+        for address, p in log._model_params or ():  # as the trace names them (a plain function has none)
+            now = version_of(p)  # None for an inference tensor: no counter, so no change can be seen
+            if versions is not None and versions.get(id(p), now) != now:
+                changed.append(address)
+            elif any(nonfinite_flags(p) or ()):
+                bad.append(address)
+    return bad, True, changed
