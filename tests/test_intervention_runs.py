@@ -434,3 +434,22 @@ def test_a_hook_registered_before_an_extra_run_can_still_be_removed(run):
     handle.remove()
     assert torch.equal(model(ids).logits, before), "the removed hook still ran"
     assert all(getattr(attention, name) is table for name, table in tables.items())
+
+
+def test_a_reference_traced_before_a_module_was_replaced_says_so():
+    """A module replaced between the reference and the intervened run (a layer re-initialised by assigning a
+    new one): the refusal said the forward "took another path", describing both alike ("called 'view' in
+    transformer > ... > transformer.h.1.mlp.c_proj (...), where the reference called 'view' in" the same)."""
+    from transformers.pytorch_utils import Conv1D
+
+    model, _, kwargs = real_models.gpt2()
+    model.eval()
+    ids = kwargs["input_ids"]
+    reference = tl.trace(model, (ids,), save="none")
+    site = next(op.label for op in reference.ops if op.module == "transformer.h.1.mlp.c_proj:1")
+    model.transformer.h[1].mlp.c_proj = Conv1D(*model.transformer.h[1].mlp.c_proj.weight.shape[::-1])
+    with pytest.raises(tl.InterventionError, match=r"module transformer\.h\.1\.mlp\.c_proj is another object "
+                                                   r"than the one the reference trace ran"):
+        tl.trace(model, (ids,), intervene={site: tl.zero_ablate()}, reference=reference)
+    fresh = tl.trace(model, (ids,), intervene={site: tl.zero_ablate()})  # its own reference pass
+    assert [a.label for a in fresh.interventions] == [site]

@@ -129,11 +129,29 @@ class Interventions:
             if name != site.func_name or not self._same_chain(st, site.chain) or not site.same_place(place):
                 where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) or "the root forward"
                 expected = " > ".join(link.address for link in site.chain) or "the root forward"
+                self._refuse_replaced(st, site)
                 self._diverged(site, f"called {name!r} in {where}{_at(place)}, where the reference called "
                                      f"{site.func_name!r} in {expected}{_at(site.place)}")
             if site.occurrence is not None and occurrence != site.occurrence:
                 self._diverged(site, f"made call {occurrence + 1} of {name!r} from that line{_at(place)} in its "
                                      f"module call, where the reference made call {site.occurrence + 1}")
+
+    def _refuse_replaced(self, st, site) -> None:
+        """Refuse, saying so, a site whose open module calls are the reference's by address but not by object:
+        modules replaced since the reference was traced (``model.fc = nn.Linear(...)``), which an account of
+        the two paths would describe alike."""
+        if len(st.module_stack) != len(site.chain):
+            return
+        replaced = [link.address for k, link in zip(st.module_stack, site.chain)
+                    if link.module is not None and st.module_calls[k][MODULE_CALL_MODULE] is not link.module
+                    and self._address(st.module_calls[k][MODULE_CALL_MODULE]) == link.address]
+        if replaced:
+            kind = "stop_after site" if site.stop else "intervention site"
+            raise InterventionError(
+                f"{kind} {_where(site.key, site.op)}: module {', '.join(replaced)} is another object than the one "
+                "the reference trace ran (replaced since the reference was traced?), so the reference does not "
+                "describe this model; pass reference= a trace of the model as it is now, or none (a reference pass "
+                "is then made first)")
 
     def _diverged(self, site, what: str):
         """Refuse a label site whose position holds another op in this run than in the reference."""
