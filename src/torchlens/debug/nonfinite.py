@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..record.columns import Kind
 from ..capture.state import version_of
+from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
 from ..errors import TraceCleanedUp
 from ..tree import without_values
@@ -193,7 +193,8 @@ def nonfinite_origin(log, grads: bool = False):
         possible_origins=possible, propagators=propagators, other_origins=others,
         undetermined=undetermined,
         parameters=bad_params,
-        parameters_checked=params_checked, parameters_changed=params_changed, basis=basis, examined=examined, unexamined=unexamined)
+        parameters_checked=params_checked, parameters_changed=params_changed, basis=basis, examined=examined,
+        unexamined=unexamined)
 
 
 def _status(log, i):
