@@ -185,7 +185,7 @@ def test_the_cache_does_not_keep_a_model_alive():
 
 class _Probe(nn.Module):
     """An interpretability wrapper: keeps a transformer block's output through a hook of its own (``way``:
-    a bound method, a closure, a ``partial``, a parent attribute, a gradient hook on a weight)."""
+    a bound method, a closure, a ``partial``, a parent attribute, a gradient hook on a weight, or none)."""
 
     def __init__(self, way):
         super().__init__()
@@ -202,7 +202,7 @@ class _Probe(nn.Module):
             block.register_forward_hook(functools.partial(_Probe._keep, self))
         elif way == "parent attribute":
             block.__dict__["probe"] = self  # a plain attribute, as object.__setattr__ leaves it
-        else:
+        elif way == "gradient hook":
             block.mlp.c_fc.weight.register_hook(lambda grad: self.kept.append(grad))
 
     def _keep(self, module, args, output):
@@ -216,17 +216,22 @@ def _keeping_into(probe):
     return lambda module, args, output: probe.kept.append(output[0])
 
 
-@pytest.mark.parametrize("way", ["bound method", "closure", "partial", "parent attribute", "gradient hook"])
+@pytest.mark.parametrize("way", ["bound method", "closure", "partial", "parent attribute", "gradient hook",
+                                 "hook added after a trace"])
 def test_a_model_its_modules_refer_back_to_is_freed_once_dropped(way):
     """The cache holds every module of a model it indexed.  A module leading back to the model (a hook that is
-    the model's bound method) made the model reachable from the cache for good: dropped, it was never freed."""
-    model = _Probe(way).eval()
+    the model's bound method) made the model reachable from the cache for good: dropped, it was never freed,
+    not even by a collection (which frees such a model, a cycle of its own, when it is not traced)."""
+    model = _Probe("none" if way == "hook added after a trace" else way).eval()
     x = model.ids
     first = _trace(model, x)
-    assert torch.equal(_trace(model, x).output, first.output)  # walked again, and the same trace
-    assert _module_addresses(_trace(model, x)) == _module_addresses(first)
+    if way == "hook added after a trace":  # the structure the cache checks is unchanged by a hook
+        model.lm.transformer.h[0].register_forward_hook(model._keep)
+    gc.collect()  # the model is in use: only its next trace walks it again
+    again = _trace(model, x)
+    assert torch.equal(again.output, first.output) and _module_addresses(again) == _module_addresses(first)
     alive = weakref.ref(model)
-    del model, first
+    del model, first, again
     gc.collect()
     assert alive() is None
 

@@ -265,47 +265,37 @@ def fsdp_params(modules) -> list:
 
 
 def index_of(model) -> ModelIndex:
-    """The model's index: the cached one while its structure is unchanged, else a fresh walk.  A model that
-    one of its modules leads back to is walked every time (``refers_back``)."""
+    """The model's index: the cached one while its structure is unchanged, else a fresh walk."""
     if not isinstance(model, torch.nn.Module):
         return ModelIndex(model)
     entry = _cache.get(id(model))
-    if entry is not None and entry[0]() is model:
-        if entry[1] is None:  # one of its modules leads back to it: never cached
-            return ModelIndex(model)
-        if entry[1].unchanged(model):
-            return entry[2]
+    if entry is not None and entry[0]() is model and entry[1].unchanged(model):
+        return entry[2]
     index = ModelIndex(model)
-    modules = list(index.submodules.values())
-    if refers_back(model, modules):
-        _remember(model, None, None)  # noted, so that its next trace does not search again
-        return index
     try:
-        structure = _snapshot(model, modules)
+        structure = _snapshot(model, list(index.submodules.values()))
     except (KeyError, TypeError):
         return index
-    _remember(model, structure, index)
-    return index
-
-
-def _remember(model, structure, index) -> None:
     key = id(model)
     # The callback holds the cache itself: at interpreter exit this module's globals may already be gone.
     _cache[key] = (weakref(model, lambda _, key=key, cache=_cache: _forget(cache, key)), structure, index)
+    return index
 
 
-# Not searched: a class or a Python module (what leads back to the model from there, a class attribute or a
-# global, is the program's own reference, which it drops or keeps whether or not a trace ran), code.
-_NOT_SEARCHED = (type, types.ModuleType, types.CodeType)
+# ----- a model its own modules lead back to --------------------------------------------------------
+# The cache holds every module of an index (the structure check needs them alive).  A module leading back to
+# its model (a hook that is a bound method of the model, a closure or ``partial`` holding it, a parent kept as
+# a plain attribute) puts the model in a cycle that the cache, a global, reaches: the collector would never
+# free it.  Such a model is a cycle of its own, which only a collection frees even untraced: so before each
+# full collection the cache lets go of the entries whose modules lead back to their model, and the collection
+# frees those no one else holds (a model still in use is walked again by its next trace).
+_NOT_SEARCHED = (type, types.ModuleType, types.CodeType)  # what leads back from there is the program's own
 _SEARCH_LIMIT = 200_000  # objects; a search this long is given up, and the model taken to refer back
 
 
 def refers_back(model, modules) -> bool:
-    """Whether anything ``modules`` hold leads back to ``model``: a hook that is a bound method of the model, a
-    closure or ``partial`` holding it, a module keeping its parent as a plain attribute.  The cache holds every
-    module of a cached index (the structure check needs them alive), so it would hold such a model too, in a
-    reference cycle reached from this module's globals, which the collector never frees: the model would stay
-    alive for good once traced.  Functions are searched through their closures and defaults, not their globals."""
+    """Whether anything ``modules`` hold (searched through containers, objects, closures and defaults, not
+    functions' globals, classes or Python modules) leads back to ``model``."""
     seen = set(map(id, modules))
     seen.add(id(model))
     # What the cache holds: the modules, and the root's own parameters and buffers (the others are found
@@ -327,6 +317,24 @@ def refers_back(model, modules) -> bool:
         if len(seen) > _SEARCH_LIMIT:
             return True
     return False
+
+
+def _release_cycles(phase: str, info: dict, cache: dict = _cache) -> None:
+    """``gc.callbacks`` entry: before a full collection, drop the cache entries of models their modules lead
+    back to (see above)."""
+    if phase != "start" or info.get("generation") != 2 or not cache:
+        return
+    try:
+        for key, (model_ref, _, index) in list(cache.items()):
+            model = model_ref()
+            if model is not None and refers_back(model, list(index.submodules.values())):
+                cache.pop(key, None)
+            model = None  # this frame must not hold it through the collection
+    except Exception:  # noqa: BLE001 - at interpreter exit the names it reads may be gone: nothing to release
+        return
+
+
+gc.callbacks.append(_release_cycles)
 
 
 def _snapshot(model, modules: list):
