@@ -310,7 +310,8 @@ def refers_back(model, modules) -> bool:
         for referent in referents:
             if referent is model:
                 return True
-            if id(referent) in seen or not gc.is_tracked(referent) or isinstance(referent, _NOT_SEARCHED):
+            # By its type, not ``isinstance``, which reads an object's own ``__class__``: a proxy's can raise.
+            if id(referent) in seen or not gc.is_tracked(referent) or issubclass(type(referent), _NOT_SEARCHED):
                 continue
             seen.add(id(referent))
             pending.append(referent)
