@@ -49,7 +49,13 @@ class Oracle(TorchFunctionMode):
         else:
             # Held across the call: registering on a view written in place (Longformer's masked
             # chunks) regenerates its grad_fn, which torch frees too early unless it is referenced.
-            node = t.grad_fn  # noqa: F841
+            node = t.grad_fn
+            if node is not None and t._backward_hooks is not None:
+                # torch keeps a tensor's hook dict across the in-place ops that only change its shape
+                # (BigBird's ``unsqueeze_``), registered on the node before them: a hook on the current
+                # node receives this version's gradient.
+                node.register_prehook(lambda grads, k=k, n=t.output_nr: self._keep(k, grads[n]))
+                return
             t.register_hook(lambda g, k=k: self._keep(k, g))
 
     def __exit__(self, *exc):
@@ -65,6 +71,8 @@ class Oracle(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def _keep(self, k, g):
+        if g is None:  # (a node's hook sees every output's gradient: this backward did not reach this one)
+            return
         self.hooked[k] = g.clone() if k not in self.hooked else self.hooked[k] + g
 
     def grads(self):

@@ -429,6 +429,17 @@ def regnet():
     return RegNetForImageClassification(config), (_image(),), {}
 
 
+
+def bigbird():
+    from transformers import BigBirdConfig, BigBirdForSequenceClassification
+
+    # Block-sparse attention (sequence 32 in blocks of 2): gathers of random key blocks, and an in-place
+    # ``unsqueeze_`` on a matmul's output, whose gradient has the unsqueezed shape.
+    config = BigBirdConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           vocab_size=VOCAB, max_position_embeddings=64, attention_type="block_sparse", block_size=2,
+                           num_random_blocks=2)
+    return BigBirdForSequenceClassification(config), (), {"input_ids": _tokens(seq=32)}
+
 class Recurrent(nn.Module):
     """Two-layer LSTM and GRU, with dropout between layers (active in train mode)."""
 

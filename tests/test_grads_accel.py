@@ -645,3 +645,30 @@ def test_a_later_forwards_backward_through_the_same_leaves_leaves_the_traced_gra
     log.backward(_summed(log.output))  # the traced graph again: every gradient accumulates
     assert log.num_backwards == 2
     _assert_bit_identical(ops, grads(), [None if g is None else g + g for g in first])
+
+
+def test_an_in_place_shape_change_gets_its_own_gradient_on_every_path():
+    # BigBird's block-sparse attention calls ``unsqueeze_`` on a matmul's output.  torch keeps the tensor's
+    # hook dict, registered on the matmul's node, across that op: a hook added to it got the matmul's
+    # gradient, of the shape before the op.  Each path now gives the op the gradient of its own output.
+    pytest.importorskip("transformers")
+    from real_models import bigbird
+
+    def build():
+        torch.manual_seed(0)
+        model, args, kwargs = bigbird()
+        return model.eval(), args, kwargs
+
+    model, args, kwargs = build()
+    oracle = Oracle("hook")
+    torch.manual_seed(1)
+    with oracle:
+        out = model(*args, **kwargs)
+    _loss(out).backward()
+    for path in PATH_NAMES:
+        log = _trace(path, *build())
+        log.backward(_loss(log.output))
+        ops, got = _op_grads(log)
+        op = next(op for op in ops if op.func_name == "unsqueeze_" and op.requires_grad)
+        assert op.grad.shape == op.shape, path
+        _assert_bit_identical(ops, got, oracle.grads())

@@ -387,7 +387,7 @@ static int add_plain_hook(HookAdder *self, PyObject *index, PyObject *t) {
     if (grad_fn == NULL) return -1;
     hooks = PyObject_GetAttr(t, str_backward_hooks);
     if (hooks == NULL) goto done;
-    if (hooks == Py_None) {
+    if (hooks == Py_None || grad_fn != Py_None) { /* a dict on a node may be an older node's: see capture/grads.py */
         Py_SETREF(hooks, PyObject_CallNoArgs(self->ordered_dict));
         if (hooks == NULL || PyObject_SetAttr(t, str_backward_hooks, hooks) < 0) goto done;
         if (grad_fn != Py_None) {

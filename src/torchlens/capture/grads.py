@@ -172,7 +172,11 @@ def _python_add_hook(sink, handles: dict, numbers: dict, keys: dict, base: int, 
             return
         grad_fn = t.grad_fn
         hooks = t._backward_hooks  # Tensor.register_hook's own steps, without a handle object per call
-        if hooks is None:
+        # A dict already on a tensor that has a backward node may be registered on an older node: torch keeps
+        # it across the in-place ops that only change a tensor's shape (unsqueeze_, t_, transpose_,
+        # as_strided_), where a hook added to it would get the gradient of the value before the op.  So a
+        # tensor with a node gets a dict on its current node (hooks already registered keep firing).
+        if hooks is None or grad_fn is not None:
             hooks = t._backward_hooks = OrderedDict()
             if grad_fn is not None:
                 grad_fn._register_hook_dict(t)
