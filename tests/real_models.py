@@ -7,8 +7,9 @@ whole corpus traces and validates in seconds.  Builders import ``transformers`` 
 entries work without it.
 
 Dropout is left at each config's default except where noted, so train mode covers both active dropout
-(GPT-2, BERT, T5, BART, DETR, Llama's attention, Swin's stochastic depth, the ``torch.nn`` entries) and
-dropout with ``p=0`` (Whisper, ViT, Mistral, Qwen2), which draws nothing and is deterministic.
+(GPT-2, BERT, T5, BART, DETR, Llama's attention, Swin's and DINOv2's stochastic depth, BigBird, the
+``torch.nn`` entries) and dropout with ``p=0`` (Whisper, ViT, Mistral, Qwen2), which draws nothing and is
+deterministic.
 wav2vec2 in train mode also draws its SpecAugment masks from NumPy's global generator: ``seed(n)`` seeds
 torch's, NumPy's and Python's generators, and every run the tests compare starts from it.
 
@@ -440,6 +441,88 @@ def bigbird():
                            num_random_blocks=2)
     return BigBirdForSequenceClassification(config), (), {"input_ids": _tokens(seq=32)}
 
+
+def mamba2():
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    # The state-space duality scan in chunks of 4 (the PyTorch path: segment sums, cumsum, exp, einsum).
+    config = Mamba2Config(hidden_size=HIDDEN, state_size=8, num_hidden_layers=2, vocab_size=VOCAB, expand=2,
+                          conv_kernel=4, num_heads=8, head_dim=8, n_groups=1, chunk_size=4)
+    return Mamba2ForCausalLM(config), (), {"input_ids": _tokens()}
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # Experts stored as one 3-D weight and run with torch._grouped_mm over the tokens sorted by expert.
+    config = Qwen3MoeConfig(**_DECODER, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    return Qwen3MoeForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # Multi-head latent attention (low-rank query and key/value projections, a rotary part split off each head),
+    # a dense first layer, then routed experts chosen within groups beside a shared expert.
+    config = DeepseekV3Config(**{**_DECODER, "num_key_value_heads": 4}, n_routed_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
+                              q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=2,
+                              topk_group=1)
+    return DeepseekV3ForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # Sliding-window and global layers with their own rotary bases, query/key norms, tied embeddings.
+    config = Gemma3TextConfig(**_DECODER, head_dim=8, sliding_window=4)
+    return Gemma3ForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def modernbert():
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    # Local (window 4) and global attention layers alternating, GLU feed-forwards, no biases.
+    config = ModernBertConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              vocab_size=VOCAB, max_position_embeddings=64, global_attn_every_n_layers=2,
+                              local_attention=4, pad_token_id=0)
+    return ModernBertForMaskedLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def dinov2():
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    # Layer scale on each residual branch, and stochastic depth (drop path) drawn in train mode.
+    config = Dinov2Config(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=IMAGE,
+                          patch_size=8, num_labels=3, layerscale_value=0.5, drop_path_rate=0.1)
+    return Dinov2ForImageClassification(config), (_image(),), {}
+
+
+def siglip():
+    from transformers import SiglipConfig, SiglipModel
+
+    # Text and vision towers scored by a sigmoid (a learnt scale and bias), the vision side pooled by attention.
+    text = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                vocab_size=VOCAB, max_position_embeddings=SEQ)
+    vision = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  image_size=IMAGE, patch_size=8)
+    config = SiglipConfig(text_config=text, vision_config=vision)
+    return SiglipModel(config), (), {"input_ids": _tokens(), "pixel_values": _image()}
+
+
+def llava():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    # A vision-language model: CLIP patch features projected and scattered into the token embeddings at the
+    # 16 image-token positions (masked_scatter), then a Llama decoder.
+    vision = CLIPVisionConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=IMAGE, patch_size=8)
+    config = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**_DECODER), image_token_index=VOCAB - 1,
+                         vision_feature_layer=-1, projector_hidden_act="gelu", image_seq_length=16)
+    ids = _tokens(seq=20) % (VOCAB - 1)
+    ids[:, 2:18] = VOCAB - 1
+    return LlavaForConditionalGeneration(config), (), {"input_ids": ids, "pixel_values": _image()}
+
 class Recurrent(nn.Module):
     """Two-layer LSTM and GRU, with dropout between layers (active in train mode)."""
 
@@ -483,7 +566,8 @@ def transformer_encoder_padded():
 TRANSFORMERS = {f.__name__: f for f in (
     gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit, swin, convnext, resnet, detr, clip, mamba,
     mixtral, deberta_v2, albert, rwkv, gpt_neox, opt, bloom, falcon, phi, gemma, gptj, roberta, mobilebert, xlnet,
-    funnel, convbert, longformer, pegasus, segformer, mobilevit, regnet)}
+    funnel, convbert, longformer, pegasus, segformer, mobilevit, regnet, bigbird, mamba2, qwen3_moe, deepseek_v3, gemma3,
+    modernbert, dinov2, siglip, llava)}
 TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
 CORPUS = {**TRANSFORMERS, **TORCH_NN}
 

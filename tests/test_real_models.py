@@ -190,7 +190,8 @@ def test_a_saved_trace_loads_back_equal(name, tmp_path):
     for label in log.labels:
         op = log[label]
         if op.has_activation and isinstance(op.activation, torch.Tensor) and op.activation.layout == torch.strided:
-            assert torch.equal(loaded[label].activation, op.activation), label
+            # NaN-aware: DeepSeek-V3's new_empty is uninitialized memory, whose bits may read as NaN.
+            assert structures_equal(loaded[label].activation, op.activation)[0], label
     assert str(loaded).splitlines()[1:3] == str(log).splitlines()[1:3]
 
 
