@@ -332,3 +332,31 @@ def test_float8_values_are_examined_as_the_float32_values_they_are(tmp_path, dty
     assert (row.grad_min, row.grad_max, row.grad_nonfinite) == (float(expected.min()), float(expected.max()), 0)
     loaded = tl.load(grads.save(tmp_path / "run"))
     assert torch.equal(loaded[cast.label].grad.float(), expected)
+
+
+@pytest.mark.parametrize("flags", [False, True])
+def test_uninitialized_memory_holding_nan_is_no_origin(flags):
+    """DeepSeek-V3 builds its key states in a ``new_empty`` and writes them into two slices of it.  With
+    ``torch.use_deterministic_algorithms(True)`` torch fills such memory with NaN, and before, the report
+    named the ``new_empty`` as the origin of a NaN "from finite inputs" (its slices as further origins),
+    although every value the model computed with was written first.  Those values are set aside by name,
+    and the real origin, the router's -inf mask, is named."""
+    pytest.importorskip("transformers")
+    from real_models import build
+
+    model, args, kwargs = build("deepseek_v3")
+    model.eval()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.no_grad():
+            log = tl.trace(model, args, kwargs, record_finite=flags)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    empties = [op for op in log.ops if op.func_name == "new_empty"]
+    assert empties and all(op.activation.isnan().all() for op in empties)  # what the model overwrote
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin.func_name == "masked_fill" and report.kind == "inf" and report.certain
+    assert {op.label for op in empties} <= set(report.uninitialized)
+    assert not {op.label for op in empties} & set(report.other_origins + report.propagators)
+    assert "not evidence: " in str(report)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..capture.state import version_of
-from ..record.columns import Kind
+from ..record.columns import UNINITIALIZED_FUNCS, Kind
 from ..record.finite import nonfinite_flags
 from ..errors import TraceCleanedUp
 from ..tree import without_values
@@ -59,6 +59,7 @@ class NonfiniteReport:
         self.basis = fields["basis"]
         self.examined = fields["examined"]
         self.unexamined = tuple(fields["unexamined"])
+        self.uninitialized = tuple(fields["uninitialized"])  # non-finite values that are undefined memory
         self.recipe = DETECT_ANOMALY_RECIPE
 
     @property
@@ -85,6 +86,10 @@ class NonfiniteReport:
         if self.unexamined:
             shown = ", ".join(self.unexamined[:5]) + (" ..." if len(self.unexamined) > 5 else "")
             lines.append(f"  {len(self.unexamined)} ops were not examined (not saved, no finite flag): {shown}")
+        if self.uninitialized:
+            shown = ", ".join(self.uninitialized[:5]) + (" ..." if len(self.uninitialized) > 5 else "")
+            lines.append(f"  not evidence: {shown} held NaN/Inf in uninitialized memory (torch.empty and kin, a view "
+                         "of it, or a write into part of it), whose contents are undefined")
         if self.parameters and self.origin_kind != "parameter":
             lines.append(f"  parameters holding NaN/Inf: {', '.join(self.parameters)}")
         if not self.parameters_checked:
@@ -165,6 +170,7 @@ def nonfinite_origin(log, grads: bool = False):
                          "recorded; trace with save='all' or record_finite=True")
     bad_params, params_checked, params_changed = _nonfinite_parameters(log)
     unexamined = [log.labels[i] for i, s in enumerate(status) if s is None and log.kinds[i] != Kind.OUTPUT]
+    uninitialized = _set_aside_uninitialized(log, status)
     origin = origin_kind = None
     certain, possible, propagators, others, undetermined = True, [], [], [], []
     for i, s in enumerate(status):
@@ -174,7 +180,7 @@ def nonfinite_origin(log, grads: bool = False):
         if any(p >= 0 and status[p] not in (None, (False, False)) for p in parents):
             propagators.append(log.labels[i])
             continue
-        kind_here, unsure = _birth_kind(log, i, bad_params, params_changed)
+        kind_here, unsure = _birth_kind(log, i, bad_params, status, params_changed)
         if origin is None:
             origin, origin_kind = i, kind_here
             if unsure:
@@ -194,7 +200,7 @@ def nonfinite_origin(log, grads: bool = False):
         undetermined=undetermined,
         parameters=bad_params,
         parameters_checked=params_checked, parameters_changed=params_changed, basis=basis, examined=examined,
-        unexamined=unexamined)
+        unexamined=unexamined, uninitialized=uninitialized)
 
 
 def _status(log, i):
@@ -223,7 +229,36 @@ def _all_on_meta(log) -> bool:
     return bool(saved) and all(isinstance(t, torch.Tensor) and without_values(t) for t in saved)
 
 
-def _birth_kind(log, i, bad_params, changed_params=()):
+# Ops that only select, reshape or copy values: what they read from uninitialized memory stays undefined.
+_MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "unsqueeze",
+                    "squeeze", "flatten", "unflatten", "movedim", "narrow", "select", "split", "chunk", "unbind",
+                    "expand", "expand_as", "as_strided", "contiguous", "clone", "detach"])
+
+
+def _set_aside_uninitialized(log, status) -> list:
+    """Labels of the non-finite values that are uninitialized memory, their status set to unknown (None).
+
+    ``torch.empty`` and kin return whatever bits the memory held (NaN under
+    ``torch.use_deterministic_algorithms(True)``, which fills it so), and a model fills the tensor afterwards
+    (DeepSeek-V3 writes its key states into two slices of a ``new_empty``).  Such a value, a view of it, or a
+    write into part of it says nothing about where a NaN was born.  A later op that computes with one is
+    then not certain to be an origin: its undefined input is named among the possible ones."""
+    undefined, found = set(), []
+    for i, label in enumerate(log.labels):
+        if log.kinds[i] != Kind.OP:
+            continue
+        op = log.ops[i]
+        if op.func_name not in UNINITIALIZED_FUNCS and not (
+                (op.is_inplace or op.func_name in _MOVES) and any(p in undefined for _, p in log.op_parents[i])):
+            continue
+        undefined.add(i)
+        if status[i] not in (None, (False, False)):
+            status[i] = None
+            found.append(label)
+    return found
+
+
+def _birth_kind(log, i, bad_params, status, changed_params=()):
     """What a non-finite op with no non-finite examined parent is: ("op" / "input" / "buffer" /
     "parameter", unsure) where unsure means an unexamined or untracked tensor fed it, or a parameter changed
     since the trace (``changed_params``), whose value then is unknown."""
@@ -235,7 +270,7 @@ def _birth_kind(log, i, bad_params, changed_params=()):
     params = log.param_addresses.get(i, ())
     if any(p in bad_params for p in params):
         return "parameter", False
-    unsure = any(p < 0 or _status_unknown(log, p) for _, p in log.op_parents[i]) or \
+    unsure = any(p < 0 or status[p] is None for _, p in log.op_parents[i]) or \
         any(p in changed_params for p in params)
     if i in log._interventions:
         by_action = _action_made_it(log, i)
@@ -252,11 +287,6 @@ def _action_made_it(log, i):
     if original is not None:
         return not any(nonfinite_flags(original) or ())
     return None if log.is_cleaned_up or i not in log.saved_activations else False
-
-
-def _status_unknown(log, p) -> bool:
-    return log.finite_flags.get(p) is None and (log.is_cleaned_up or log.ops[p].dropped_reason is not None
-                                                or p not in log.saved_activations)
 
 
 def _unexamined_ancestors(log, status, i) -> list:
