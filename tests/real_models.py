@@ -485,7 +485,8 @@ def modernbert():
     # Local (window 4) and global attention layers alternating, GLU feed-forwards, no biases.
     config = ModernBertConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               vocab_size=VOCAB, max_position_embeddings=64, global_attn_every_n_layers=2,
-                              local_attention=4, pad_token_id=0)
+                              local_attention=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                              sep_token_id=2)
     return ModernBertForMaskedLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
 
 
