@@ -503,7 +503,8 @@ def _private_generators(kwargs: dict) -> list:
 
 
 def _as_traced(log, context, default_dtype: tuple = ()):
-    """Grad mode and autocast exactly as the op ran under (``context``), and the default dtype in
+    """Grad mode and autocast exactly as the op ran under (``context``, with the attention backends a
+    ``scaled_dot_product_attention`` call could choose from), and the default dtype in
     ``default_dtype`` if any; a trace without a recorded context replays under no grad, with the autocast
     state around its forward."""
     stack = contextlib.ExitStack()
@@ -512,10 +513,14 @@ def _as_traced(log, context, default_dtype: tuple = ()):
         torch.set_default_dtype(default_dtype[0])
         stack.callback(torch.set_default_dtype, current)
     if context is None:
-        grad, autocast = False, getattr(log, "_autocast", {})
+        grad, autocast, attention = False, getattr(log, "_autocast", {}), ()
     else:
-        grad, autocast = context
+        grad, autocast, *attention = context
     stack.enter_context(torch.set_grad_enabled(grad))
+    if attention:  # scaled_dot_product_attention: the backends it chose its kernel from
+        from torch.nn.attention import sdpa_kernel
+
+        stack.enter_context(sdpa_kernel(list(attention[0]), set_priority=True))
     for device_type in ("cpu", "cuda"):
         if device_type in autocast:
             stack.enter_context(torch.autocast(device_type, dtype=autocast[device_type]))

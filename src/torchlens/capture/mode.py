@@ -80,7 +80,10 @@ def _not_ops() -> frozenset:
 _REQUIRES_GRAD_SETTERS = frozenset([Tensor.requires_grad_, torch._C.TensorBase.__dict__["requires_grad"].__set__])
 # Calls that never produce a tensor; skipping them early keeps the commonest calls nearly free.
 _NOT_OPS = _not_ops() | _REQUIRES_GRAD_SETTERS
-_OFF_HOT_PATH = _NOT_OPS | _DATA_GET  # one lookup per call keeps both out of the hot path
+# scaled_dot_product_attention picks its kernel from the backends enabled at the call (sdpa_kernel), which
+# replay must restore: it takes the general path, where they are noted.
+_SDPA = torch._C._nn.scaled_dot_product_attention
+_OFF_HOT_PATH = _NOT_OPS | _DATA_GET | {_SDPA}  # one lookup per call keeps these out of the hot path
 _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
 _REGISTER_HOOK = Tensor.register_hook
 # Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, a user's
@@ -129,7 +132,7 @@ class CaptureMode(TorchFunctionMode):
         if func in _OFF_HOT_PATH:
             if func in _NOT_OPS:
                 return _not_an_op(self.state, func, args, kwargs)
-            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # ``x.data``
+            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # ``x.data``, attention
         if not self.plain or _compiler._is_compiling_flag:
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
@@ -323,6 +326,8 @@ class CaptureMode(TorchFunctionMode):
         written = written_arguments(func, args, kwargs, versions)
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)
+        if func is _SDPA and st.save_mode:
+            st.note_attention_backends(call_index)
         st.calls.append((func, skeleton, kw_skeleton or _NO_KWARGS, parents, params or (), module_call, code, line,
                          t0, t1, first_op, len(leaves),
                          written is not None, site))

@@ -11,7 +11,8 @@ first element is one of those followed by the path inside that argument (``tree.
 in ``(1, 1)`` for ``idx`` in ``x[..., idx]``.  Non-tensor arguments are held by value (``tree.strip``).
 
 What replay needs beyond that is kept small: the grad mode and autocast state of a call only where
-they differ from the trace-wide state (``contexts``), and the value of a parameter before each write
+they differ from the trace-wide state (``contexts``; for ``scaled_dot_product_attention`` also the attention
+backends it could choose from), and the value of a parameter before each write
 the forward made to it (``param_writes``).
 """
 
@@ -48,6 +49,14 @@ def grad_and_autocast() -> tuple:
     return torch.is_grad_enabled(), autocast
 
 
+def attention_backends() -> tuple:
+    """The ``scaled_dot_product_attention`` backends enabled now, in the order torch tries them: what
+    ``torch.nn.attention.sdpa_kernel`` sets, and which kernel (and so which low bits) a call gets."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    return tuple(_cur_sdpa_kernel_backends(with_priority=True))
+
+
 class ByParam:
     """``id(Parameter) -> value`` for a model's parameters: read when the forward ends as one list in
     parameter order (a C-level pass), made a dict only when replay first asks (most traces never do)."""
@@ -70,7 +79,7 @@ class ReplayContext(NamedTuple):
     """What replay needs to run each op as it ran (kept on the trace as ``_replay``)."""
 
     context: tuple  # grad_and_autocast() around the forward
-    contexts: dict  # call index -> grad_and_autocast() where a call ran under another state
+    contexts: dict  # call index -> grad_and_autocast() where a call ran under another state (+ attention backends)
     param_writes: dict  # id(Parameter) -> [(call index, value before the write or None)]
     param_versions: ByParam  # id(Parameter) -> version when the forward ended
     param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
@@ -192,7 +201,8 @@ class CaptureState:
         any_autocast = self.any_autocast = _any_autocast()
         self.context = grad_and_autocast() if any_autocast else (torch.is_grad_enabled(), {})
         self.grad_enabled = self.context[0]
-        self.contexts: dict = {}  # call index -> grad_and_autocast() where it differs from ``context``
+        # call index -> grad_and_autocast() where it differs from ``context`` (+ attention backends)
+        self.contexts: dict = {}
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         if params:  # (address, Parameter) pairs: their storages are read on the first write (param_storages)
             self._watched = params
@@ -334,6 +344,12 @@ class CaptureState:
         context = grad_and_autocast()
         if context != self.context:
             self.contexts[call_index] = context
+
+    def note_attention_backends(self, call_index: int) -> None:
+        """The ``scaled_dot_product_attention`` call about to be recorded: the backends it chose its kernel
+        from (an ``sdpa_kernel`` block, inside the forward or around it), kept for replay beside its grad mode
+        and autocast state, since another backend computes other low bits."""
+        self.contexts[call_index] = self.contexts.get(call_index, self.context)[:2] + (attention_backends(),)
 
     @property
     def param_storages(self) -> dict:
