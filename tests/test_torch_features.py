@@ -43,3 +43,72 @@ def test_attention_replays_with_the_backends_it_chose_from():
         log = tl.trace(model, ids)
     result = log.validate()
     assert result.passed and not result.not_replayed, str(result)
+
+
+# ----- custom operators --------------------------------------------------------------------------
+@torch.library.custom_op("torchlens_features::write_rows", mutates_args=("cache",))
+def write_rows(cache: torch.Tensor, rows: torch.Tensor) -> None:
+    """A key/value cache update written as a custom op: it fills the cache in place and returns nothing."""
+    cache[: rows.shape[0]].copy_(rows)
+
+
+@torch.library.custom_op("torchlens_features::write_rows_scaled", mutates_args=("cache",))
+def write_rows_scaled(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The same update, returning a tensor of its own besides: what it wrote is no output of it."""
+    cache[: rows.shape[0]].copy_(rows)
+    return rows * 3
+
+
+class CachedAttention(torch.nn.Module):
+    """Keys written into a cache by a custom op, then attended over."""
+
+    def __init__(self, returns: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.key = torch.nn.Linear(8, 8)
+        self.query = torch.nn.Linear(8, 8)
+        self.returns = returns
+
+    def forward(self, x):
+        cache = torch.zeros(6, 8)
+        keys = self.key(x)
+        extra = write_rows_scaled(cache, keys) if self.returns else write_rows(cache, keys)
+        scores = self.query(x) @ cache.t()
+        return scores.softmax(-1) @ cache + (extra.sum() if self.returns else 0)
+
+
+def test_a_custom_op_that_writes_its_argument_is_recorded_with_what_it_wrote():
+    # A custom op declaring mutates_args and returning None was no op in the trace: the cache's readers
+    # named torch.zeros as their parent (the keys did not lead to the output), and the zeros' saved value
+    # was dropped as "mutated by a write capture could not see".
+    model, x = CachedAttention(), torch.randn(4, 8)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    (write,) = [op for op in log.ops if op.type == "writerows"]
+    assert write.parents == ["zeros_1_1:1", "linear_1_2:1"]
+    assert write.children == ["t_1_5:1", "matmul_2_8:1"]  # the cache's readers
+    assert log["zeros_1_1:1"].has_activation and not log["zeros_1_1:1"].activation.any()
+    assert torch.equal(write.activation[:4], log["linear_1_2:1"].activation)
+    result = log.validate()
+    assert result.passed and not result.not_replayed, str(result)
+    # Zeroing it by its label zeroes the cache the model goes on to read.
+    ablated = tl.trace(model, x, intervene={write.label: tl.zero_ablate()})
+    scores = model.query(x) @ torch.zeros(6, 8).t()
+    assert torch.equal(ablated.output, scores.softmax(-1) @ torch.zeros(6, 8))
+
+
+def test_what_a_custom_op_writes_besides_its_result_is_not_passed_off_as_its_result():
+    # A custom op that writes an argument and returns a tensor: the written cache was bound to the op's
+    # result, so its readers' parent showed (and replayed from) a value the cache never held.
+    model, x = CachedAttention(returns=True), torch.randn(4, 8)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    (write,) = [op for op in log.ops if op.type == "writerowsscaled"]
+    assert torch.equal(write.activation, 3 * log["linear_1_2:1"].activation)
+    # The cache's readers name the op that wrote it, and replay does not vouch for the value they read,
+    # which no op output holds.
+    readers = [op for op in log.ops if write.label in op.parents and op.type != "sum"]
+    assert [op.label for op in readers] == ["t_1_5:1", "matmul_2_8:1"]
+    assert log["zeros_1_1:1"].has_activation and not log["zeros_1_1:1"].activation.any()
+    result = log.validate()
+    assert result.passed and {label for label, _ in result.not_replayed} == {op.label for op in readers}, str(result)

@@ -26,6 +26,7 @@ from .record.trace import WRITTEN_AFTER_TRACE
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
+from .capture.writes import schema_written, write_verdict
 from .tree import (as_args, as_kwargs, clone_call, fill, slice_with_tensor, structures_equal, tensor_leaves,
                    without_values)
 
@@ -390,8 +391,8 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
     if rng.moved() or any(g.get_state().ne(state).any() for g, state in generators):
         rng.restore()
         return _skip(RANDOM)
-    if out is None:  # it wrote its out= tensors (``split_with_sizes_copy``), or its receiver (``__setitem__``)
-        out = kwargs["out"] if "out" in kwargs else args[0]
+    if out is None:
+        out = _written_by(func, args, kwargs)
     if isinstance(out, (tuple, list)):
         count = call.num_outputs
         wanted = [_as_made(log, i) for i in range(op.index, op.index + count)]
@@ -410,6 +411,18 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
             return _skip("an intervention replaced its output, and the value it made was not kept (op.original)")
         return _compared(out, made, "the replayed output differs from the value it made (op.original)")
     return _compared(out, log.saved_activations[op.index], "the replayed output differs from the saved one")
+
+
+def _written_by(func, args, kwargs):
+    """What a call that returned None produced: its out= tensors (``split_with_sizes_copy``), the arguments
+    its schema says it writes (a custom op with ``mutates_args``), or its receiver (``__setitem__``)."""
+    if "out" in kwargs:
+        return kwargs["out"]
+    verdict = write_verdict(func)
+    if type(verdict) is tuple:
+        written = schema_written(verdict, args, kwargs)
+        return written[0] if len(written) == 1 else written
+    return args[0]
 
 
 def _as_made(log, index: int):

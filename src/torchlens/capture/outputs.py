@@ -2,9 +2,9 @@
 
 ``output_leaves`` finds the tensors of a result that is not one tensor (a tuple, a structseq, a list, a
 write into the receiver, a collective's output argument, the ``out=`` tensors of a call that returns
-None); ``record_output`` appends one output's record with every feature that may observe it (gradients,
-saving, finite flags).  The hot path inlines the
-common case, one tensor out.
+None, the arguments a ``torch.ops`` call that returns None declares it writes); ``record_output``
+appends one output's record with every feature that may observe it (gradients, saving, finite flags).
+The hot path inlines the common case, one tensor out.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from ..record.layouts import shape_of
 from .collectives import WRITTEN_ARGUMENT, written_tensors
+from .writes import schema_written, write_verdict
 
 Tensor = torch.Tensor
 _setitem = Tensor.__setitem__
@@ -35,9 +36,14 @@ def output_leaves(func, out, args, kwargs):
 
 
 def _written_without_result(func, args, kwargs):
-    """The ``out=`` tensors of a call that returns None (``split_with_sizes_copy`` writes a list of them):
-    what it produced.  None for any other call."""
+    """The ``out=`` tensors of a call that returns None (``split_with_sizes_copy`` writes a list of them), or
+    the arguments its schema says it writes (a custom op with ``mutates_args`` that returns nothing): what
+    it produced.  None for any other call."""
     written = kwargs.get("out") if kwargs else None
+    if written is None:
+        verdict = write_verdict(func)
+        if type(verdict) is tuple:
+            written = schema_written(verdict, args, kwargs)
     if isinstance(written, Tensor):
         return ((None, written),)
     if isinstance(written, (tuple, list)):

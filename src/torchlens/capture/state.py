@@ -393,6 +393,10 @@ class CaptureState:
         through another argument stays bound as it was, so that its next read finds the write through the
         alias (``producer_of``) instead of taking an output it is not for its value."""
         outputs = getattr(written, "outputs", None)
+        # What a custom op writes by its schema is no output of it when it returns tensors: the write is
+        # noted on the storage (a later read finds it there, as a read through an alias), the tensor stays
+        # bound as it was; when it returns None, the written tensors are its outputs, bound as recorded.
+        by_schema = getattr(written, "by_schema", False)
         count = self.calls[-1][CALL_NUM_OUTPUTS]
         if len(written) > 1:
             # Arguments it wrote that share memory (addmm with out= a view of its input, _foreach_add_ of
@@ -413,9 +417,10 @@ class CaptureState:
             index = record_index + (position if position < count else 0)
             version = version_of(t)
             self.writers.setdefault(key, []).append((index, version, memory_span(t)))
-            self.producers[id(t)] = (weakref(t), index, version)
+            if not by_schema:
+                self.producers[id(t)] = (weakref(t), index, version)
             alias = self.data_bases.get(id(t))
-            if alias is not None and alias[0]() is t and alias[1]() is not None:
+            if not by_schema and alias is not None and alias[0]() is t and alias[1]() is not None:
                 # A write through ``x.data`` changes x without touching x's version counter: rebind x.
                 base = alias[1]()
                 self.producers[id(base)] = (weakref(base), index, version_of(base))

@@ -2,6 +2,7 @@
 
 Copy-on-write needs to know before a call whether it will write an activation already saved
 (``protect_before_write``: by name, ``add_`` and ``x[i] = v``; by keyword, ``out=`` and ``inplace=True``;
+by schema, the ``Tensor(a!)`` arguments of an operator called through ``torch.ops``, as custom ops are;
 and the normalisations whose kernels update their running statistics).  After the call, a moved version
 counter says which tensor arguments it wrote (``written_arguments``); an inference tensor has no counter,
 so for it the prediction by name decides.  ``inplace_cache`` keeps each function's verdict, and the
@@ -11,6 +12,7 @@ compiled handler reads the same dict.
 from __future__ import annotations
 
 import torch
+from torch._ops import OpOverload, OpOverloadPacket
 
 from ..record.columns import writes_first_argument
 from ..record.layouts import memory_span, spans_meet
@@ -27,20 +29,60 @@ inplace_cache.update(dict.fromkeys(WRITES_RUNNING_STATS, _RUNNING_STATS))
 
 def predicts_inplace(func) -> bool:
     """Whether ``func`` writes its first argument by name (``add_``, ``__iadd__``, ``__setitem__``)."""
+    return write_verdict(func) is True
+
+
+def write_verdict(func):
+    """``func``'s entry in ``inplace_cache``, made on first ask: True when it writes its first argument by
+    name, the ``(position, name)`` pairs of the arguments its schema declares written for an operator
+    called through ``torch.ops``, False when it writes none."""
     verdict = inplace_cache.get(func)
     if verdict is None:
-        verdict = inplace_cache[func] = writes_first_argument(func)
-    return verdict is True
+        verdict = inplace_cache[func] = writes_first_argument(func) or _schema_writes(func)
+    return verdict
+
+
+def _schema_writes(func):
+    """The arguments an operator called through ``torch.ops`` declares it writes (``Tensor(a!)``: a
+    ``torch.library.custom_op`` with ``mutates_args``, a ``torch.library.define`` schema), whatever its
+    name, as ``(position, name)`` pairs (position None for a keyword-only one), or False.  ``out`` is left
+    to the keyword rule every call follows."""
+    if isinstance(func, OpOverloadPacket):
+        schemas = [getattr(func, overload)._schema for overload in func.overloads()]
+    elif isinstance(func, OpOverload):
+        schemas = [func._schema]
+    else:
+        return False
+    written = {}
+    for schema in schemas:
+        for k, argument in enumerate(schema.arguments):
+            alias = argument.alias_info
+            if alias is not None and alias.is_write and argument.name != "out":
+                written[(None if argument.kwarg_only else k, argument.name)] = None
+    return tuple(written) or False
+
+
+def schema_written(verdict: tuple, args, kwargs) -> list:
+    """The tensors a ``torch.ops`` call writes by its schema (``verdict``, from ``_schema_writes``), in order."""
+    found = []
+    for position, name in verdict:
+        value = args[position] if position is not None and position < len(args) else kwargs.get(name)
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif type(value) in (list, tuple):  # Tensor(a!)[]
+            found.extend(t for t in value if isinstance(t, Tensor))
+    return found
 
 
 def protect_before_write(st, func, args, kwargs) -> None:
     """Copy-on-write: a predicted in-place write must not alter an activation saved earlier."""
-    inplace = inplace_cache.get(func)
-    if inplace is None:
-        inplace = predicts_inplace(func)
-    elif inplace is _RUNNING_STATS:
+    inplace = write_verdict(func)
+    if inplace is _RUNNING_STATS:
         for t in running_stats_written(func, args, kwargs):
             st.protect_saved(t)
+        return
+    if type(inplace) is tuple:  # an operator whose schema names what it writes
+        st.protect_saved_all(schema_written(inplace, args, kwargs))
         return
     if inplace or kwargs.get("inplace"):
         target = _first_argument(args, kwargs)
@@ -57,9 +99,10 @@ class Written(list):
     (a call returns what it writes by name, in order: ``add_`` its first argument, ``_foreach_add_`` each
     tensor of its list, ``out=(values, indices)`` those two), or None for an argument written only through
     another one the call writes by name (``a`` in ``torch.max(a, 1, out=(a[:, :1], i))``): what it holds
-    then is no output of the call."""
+    then is no output of the call; and ``by_schema``: whether the call is an operator whose schema names the
+    arguments it writes (a custom op's ``mutates_args``), which are its outputs only when it returns None."""
 
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "by_schema")
 
 
 def written_arguments(func, args, kwargs, versions):
@@ -76,23 +119,28 @@ def written_arguments(func, args, kwargs, versions):
     if len(written) > 1:
         written = Written(_without_views_only_read(func, args, kwargs, written))
     written.outputs = _output_positions(func, args, kwargs, written)
+    written.by_schema = type(write_verdict(func)) is tuple and "out" not in kwargs
     return written
 
 
 def _output_positions(func, args, kwargs, written: list) -> list:
     """``Written.outputs``: where each written tensor is among the call's outputs.  A write not made by name
     (a fused kernel's, a collective's) keeps position 0, the call's first output, which is what wrote it."""
-    targets = _named_targets(func, args, kwargs)
+    targets = named_targets(func, args, kwargs)
     if not targets:
         return [0] * len(written)
     # A tensor listed twice (``_foreach_add_([a, a], 1)``) was last written by its last place.
     return [max((k for k, u in enumerate(targets) if u is t), default=None) for t in written]
 
 
-def _named_targets(func, args, kwargs) -> list:
+def named_targets(func, args, kwargs) -> list:
     """The tensors ``func`` writes by name, in the order it returns them: its first argument (each tensor
-    of it, for a list) when it writes in place, else its ``out=`` tensors."""
-    if predicts_inplace(func) or kwargs.get("inplace"):
+    of it, for a list) when it writes in place, else its ``out=`` tensors, else the arguments its schema
+    says it writes."""
+    verdict = write_verdict(func)
+    if type(verdict) is tuple and "out" not in kwargs:
+        return schema_written(verdict, args, kwargs)
+    if verdict is True or kwargs.get("inplace"):
         first = _first_argument(args, kwargs)
     else:
         first = kwargs.get("out")
@@ -133,6 +181,9 @@ def _first_argument(args, kwargs):
 def _predicted_write(func, args, kwargs, t) -> bool:
     """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter) are known."""
     if _first_argument(args, kwargs) is t and (predicts_inplace(func) or kwargs.get("inplace")):
+        return True
+    verdict = write_verdict(func)
+    if type(verdict) is tuple and any(u is t for u in schema_written(verdict, args, kwargs)):
         return True
     out = kwargs.get("out")
     return out is t or (isinstance(out, (tuple, list)) and any(o is t for o in out))

@@ -32,6 +32,7 @@ from ..labels.naming import func_name_of
 from ..capture.source import source_of
 from ..capture.state import StopForward, is_bound, storage_key, version_of
 from ..capture.teardown import HookHandles
+from ..capture.writes import named_targets
 from ..tree import tensor_leaves
 from .actions import layout_name, same_shape
 from .sites import ModuleCallInfo, occurrence_key
@@ -274,9 +275,10 @@ class Interventions:
     # ----- record fix-ups ------------------------------------------------------------------------
     def _replace(self, st, call_position, record, old, new, args, kwargs):
         """Make ``record`` describe ``new``; return the tensor the model gets."""
-        receiver = st.calls[call_position][CALL_WROTE] and (
-            (args and args[0] is old) or (kwargs and kwargs.get("out") is old))
-        if receiver:  # an in-place op: its receiver is what the model holds, so write the value into it
+        call = st.calls[call_position]
+        receiver = call[CALL_WROTE] and ((args and args[0] is old) or (kwargs and kwargs.get("out") is old)
+                                         or any(t is old for t in named_targets(call[CALL_FUNC], args, kwargs)))
+        if receiver:  # an in-place op (or a custom op's mutated argument): the model holds it, so write into it
             st.protect_saved(old)  # copy-on-write: the saved value of this op becomes the original
             original = st.saved.get(record)
             with torch._C.DisableTorchFunction():
