@@ -109,8 +109,9 @@ LIMITS = """\
 - Nested tensors are recorded with `None` for each ragged dimension; `op.numel` counts every component.
   Sparse COO, CSR, CSC, BSR and BSC results are recorded with their layout and logical (dense) shape,
   and validation compares them densely. `op.nbytes` of a sparse op is that of its dense shape.
-- `torch.cond` and `flex_attention` in eager mode record the ops that ran (the branch taken, the eager
-  math path); capture stays transparent while Dynamo compiles their bodies.
+- `torch.cond` (and `torch.while_loop`, `map`, `scan`) in eager mode is one op, its branches unseen;
+  `flex_attention` records the ops of its eager math path. Capture stays transparent while Dynamo
+  compiles their bodies.
 - A `torch.compile`d submodule runs compiled and is one `compiled` op; Dynamo compiles it with none of
   torchlens's hooks, mode or shim in sight. Its parameters are not listed on that op (they are used
   inside the compiled code). `compiled="eager"` records its interior instead, with a warning. Torch

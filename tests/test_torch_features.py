@@ -112,3 +112,57 @@ def test_what_a_custom_op_writes_besides_its_result_is_not_passed_off_as_its_res
     assert log["zeros_1_1:1"].has_activation and not log["zeros_1_1:1"].activation.any()
     result = log.validate()
     assert result.passed and {label for label, _ in result.not_replayed} == {op.label for op in readers}, str(result)
+
+
+# ----- higher-order ops --------------------------------------------------------------------------
+class Branching(torch.nn.Module):
+    """A block whose nonlinearity torch.cond picks, and a map and a while_loop over its features."""
+
+    def __init__(self, control: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+        self.control = control
+
+    def forward(self, x, keep=None):
+        h = self.fc(x)
+        if self.control == "cond":
+            y = torch.cond(h.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (h,))
+        elif self.control == "map":
+            from torch._higher_order_ops.map import map as map_rows
+
+            y = map_rows(lambda row: row.sin(), h)
+        else:
+            _, y = torch.while_loop(lambda i, t: i < 3, lambda i, t: (i + 1, t * 2), (torch.tensor(0), h))
+        if keep is not None:
+            y.retain_grad()
+            keep["y"] = y
+        return self.head(y * 2)
+
+
+@pytest.mark.parametrize("control", ["cond", "map", "while_loop"])
+def test_a_higher_order_op_is_one_op_not_the_fake_tracing_of_its_bodies(control):
+    # With gradients on, torch.cond builds its schema by tracing both branches on fake tensors: those calls,
+    # the branch that never ran among them, were recorded as the model's ops, beside the one that ran.
+    model, x = Branching(control), torch.randn(3, 4)
+    keep: dict = {}
+    expected = model(x, keep)
+    expected.sum().backward()
+    oracle = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    log = tl.trace(model, x, grads=True)
+    assert torch.equal(log.output, expected)
+    ops = [op for op in log.ops if op.kind == "op"]
+    assert all(type(op.activation) is torch.Tensor and op.device.type == "cpu" for op in ops)
+    whole = [op for op in ops if op.type in ("cond", "mapimpl", "whileloop")]
+    assert whole and all(op.module_call is None and op.source.function == "Branching.forward" for op in whole)
+    assert not any(call.op_labels for call in log.module_calls if call.address not in ("fc", "head"))
+    result = log.validate()
+    assert result.passed and not result.not_replayed, str(result)
+    log.backward(log.output.sum())
+    assert torch.equal(whole[-1].grad, keep["y"].grad)
+    assert all(torch.equal(p.grad, oracle[name]) for name, p in model.named_parameters())
+    ablated = tl.trace(model, x, intervene={whole[-1].label: tl.zero_ablate()})
+    assert torch.equal(ablated.output, model.head(torch.zeros(3, 4)))
+

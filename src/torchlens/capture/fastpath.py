@@ -15,6 +15,7 @@ place (``dispatch.py``), which likewise answers only the tracing thread's calls.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -39,9 +40,26 @@ def _has_torch_function_ignoring_capture(args) -> bool:
     try:
         if top is not mode:
             return True  # another mode is active above ours: torch would say True
+        if sys._getframe(1).f_code is _OPERATOR_CALL and sys._getframe(1).f_locals.get("self") in OPERATORS_WHOLE:
+            return True  # a higher-order op recorded whole: handed to capture as one op
         return _original(args)
     finally:
         torch._C._push_on_torch_function_stack(top)
+
+
+def _operators_whole() -> frozenset:
+    """Higher-order ops (``torch.cond``, ``torch.while_loop``, ``map``, ``scan``) that build a schema of their
+    bodies before they run: in a forward with gradients on, torch traces every body, a branch that will not
+    run included, with fake tensors.  Capture records each call of one as one op, its interior unseen, rather
+    than record those calls as the model's.  They ask ``has_torch_function`` before they dispatch."""
+    from torch._higher_order_ops.utils import _has_gen_schema
+
+    return frozenset(op for op in torch._ops._higher_order_ops.values()
+                     if _has_gen_schema(op) and not op._supports_training_input_mutation)
+
+
+OPERATORS_WHOLE = _operators_whole()
+_OPERATOR_CALL = torch._ops.HigherOrderOperator.__call__.__code__
 
 
 class FastPathShim:

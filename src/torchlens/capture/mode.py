@@ -15,6 +15,7 @@ docs/capture_honesty.md.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from time import perf_counter_ns
@@ -34,6 +35,7 @@ from ..record.columns import BUFFER
 from ..record.layouts import shape_of
 from . import accel
 from .arguments import PLAIN_VALUES, TUPLE_VALUES, bound_parent, scan_arguments, scan_linear
+from .fastpath import OPERATORS_WHOLE
 from .fused_writes import RUNNING_STATS_FLAGS
 from .grads import requires_grad_changed
 from .outputs import grad_node, made_since, output_leaves, record_output
@@ -83,7 +85,10 @@ _NOT_OPS = _not_ops() | _REQUIRES_GRAD_SETTERS
 # scaled_dot_product_attention picks its kernel from the backends enabled at the call (sdpa_kernel), which
 # replay must restore: it takes the general path, where they are noted.
 _SDPA = torch._C._nn.scaled_dot_product_attention
-_OFF_HOT_PATH = _NOT_OPS | _DATA_GET | {_SDPA}  # one lookup per call keeps these out of the hot path
+# Calls run with module-call recording paused: a higher-order op recorded whole.
+_UNRECORDED_INSIDE = OPERATORS_WHOLE
+# One lookup per call keeps these off the hot path.
+_OFF_HOT_PATH = _NOT_OPS | _DATA_GET | {_SDPA} | _UNRECORDED_INSIDE
 _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
 _REGISTER_HOOK = Tensor.register_hook
 # Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, a user's
@@ -129,11 +134,13 @@ class CaptureMode(TorchFunctionMode):
             setattr(self, _HANDLER_KEY, _compiled_handler(compiled, self))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _compiler._is_compiling_flag:  # first: Dynamo reads no further (it cannot hold torch.cond in a set)
+            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         if func in _OFF_HOT_PATH:
             if func in _NOT_OPS:
                 return _not_an_op(self.state, func, args, kwargs)
-            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # ``x.data``, attention
-        if not self.plain or _compiler._is_compiling_flag:
+            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # x.data, attention, cond
+        if not self.plain:
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
         n = len(args)
@@ -298,6 +305,9 @@ class CaptureMode(TorchFunctionMode):
         try:
             if deep:
                 out = self._enter_python_function(func, types, args, kwargs)
+            elif func in _UNRECORDED_INSIDE and st.suspend is not None:
+                with st.suspend():  # the module calls and the shim out of its way, as for a compiled region
+                    out = func(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)
         except BaseException as exc:
@@ -315,6 +325,8 @@ class CaptureMode(TorchFunctionMode):
             return out  # the inner ops produced every output: they are the record
 
         frame = sys._getframe(2)  # the caller of __torch_function__
+        if func in OPERATORS_WHOLE:
+            frame = _outside_torch(frame)  # torch.cond's caller, not the graph Dynamo made of the call
         code = frame.f_code
         if self.frames.is_user(code):
             line = frame.f_lasti
@@ -431,6 +443,19 @@ def _tensor_getters():
 
 
 _GETTER_DESCRIPTORS = _tensor_getters()
+
+
+def _outside_torch(frame):
+    """The first frame from ``frame`` up that is neither torch's nor code made by ``torch.fx`` (the graph Dynamo
+    compiled a higher-order op's call into), or ``frame`` when there is none."""
+    start = frame
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename.startswith("<eval_with_key>")):
+        frame = frame.f_back
+    return frame if frame is not None else start
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def _not_an_op(st, func, args, kwargs):

@@ -179,8 +179,9 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
         parts = (*parts[:-1], SelectedModuleOutputs(state, policy, state.grads, skip), parts[-1])
     if state.grads is not None:  # a custom autograd Function's outputs get their backward node late
         parts = (function_outputs(state, state.grads), *parts)
+    state.suspend = lambda: Suspension(tracker, shim)  # around a compiled region or a higher-order op
     if submodules is not None:
-        submodules.suspend = lambda: Suspension(tracker, shim)
+        submodules.suspend = state.suspend
         parts = (submodules, *parts)
     return parts, submodules
 

@@ -207,6 +207,7 @@ class CaptureState:
         if params:  # (address, Parameter) pairs: their storages are read on the first write (param_storages)
             self._watched = params
         self.grads = None  # a capture.grads.GradCapture when tracing with grads=...
+        self.suspend = None  # () -> a context manager pausing module-call recording and the shim (session)
 
     def version(self, t: torch.Tensor):
         """``version_of(t)``, noting when a tensor has no version counter (see ``INFERENCE_CAVEAT``)."""
