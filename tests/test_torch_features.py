@@ -166,3 +166,30 @@ def test_a_higher_order_op_is_one_op_not_the_fake_tracing_of_its_bodies(control)
     ablated = tl.trace(model, x, intervene={whole[-1].label: tl.zero_ablate()})
     assert torch.equal(ablated.output, model.head(torch.zeros(3, 4)))
 
+
+# ----- a backward inside the traced function -----------------------------------------------------
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_backward_in_the_traced_function_adds_no_module_calls(reentrant):
+    # A training step traced whole: with gradient checkpointing, the backward runs each checkpointed layer
+    # again, and those calls were recorded as second calls of the layers (transformer.h.0:2), calls the
+    # forward never made, with no ops.
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    model = small_gpt2_lm().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def forward(ids):
+        return model(ids).logits
+
+    def step(ids):
+        logits = forward(ids)
+        logits.sum().backward()
+        return logits
+
+    expected = [call.label for call in tl.trace(forward, ids, root=model).module_calls]
+    log = tl.trace(step, ids, root=model)
+    model.zero_grad()
+    assert [call.label for call in log.module_calls] == expected
+    assert "transformer.h.0:1" in expected and "transformer.h.0:2" not in expected

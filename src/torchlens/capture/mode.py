@@ -85,8 +85,11 @@ _NOT_OPS = _not_ops() | _REQUIRES_GRAD_SETTERS
 # scaled_dot_product_attention picks its kernel from the backends enabled at the call (sdpa_kernel), which
 # replay must restore: it takes the general path, where they are noted.
 _SDPA = torch._C._nn.scaled_dot_product_attention
-# Calls run with module-call recording paused: a higher-order op recorded whole.
-_UNRECORDED_INSIDE = OPERATORS_WHOLE
+# Calls run with module-call recording paused: a higher-order op recorded whole, and a backward run inside
+# the traced forward, which runs no op of the forward but may call its modules again (the recomputation of
+# torch.utils.checkpoint).
+_BACKWARDS = frozenset([Tensor.backward, torch.autograd.backward, torch.autograd.grad])
+_UNRECORDED_INSIDE = OPERATORS_WHOLE | _BACKWARDS
 # One lookup per call keeps these off the hot path.
 _OFF_HOT_PATH = _NOT_OPS | _DATA_GET | {_SDPA} | _UNRECORDED_INSIDE
 _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
@@ -139,7 +142,7 @@ class CaptureMode(TorchFunctionMode):
         if func in _OFF_HOT_PATH:
             if func in _NOT_OPS:
                 return _not_an_op(self.state, func, args, kwargs)
-            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # x.data, attention, cond
+            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # x.data, cond, backward
         if not self.plain:
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
