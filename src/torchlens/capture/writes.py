@@ -76,7 +76,9 @@ def schema_written(verdict: tuple, args, kwargs) -> list:
 
 def protect_before_write(st, func, args, kwargs) -> None:
     """Copy-on-write: a predicted in-place write must not alter an activation saved earlier."""
-    inplace = write_verdict(func)
+    inplace = inplace_cache.get(func)
+    if inplace is None:
+        inplace = write_verdict(func)
     if inplace is _RUNNING_STATS:
         for t in running_stats_written(func, args, kwargs):
             st.protect_saved(t)
