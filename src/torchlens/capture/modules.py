@@ -21,6 +21,7 @@ from time import perf_counter_ns
 from types import CodeType
 
 import torch
+import torch.compiler as _compiler
 
 from ..errors import warn_user
 from ..tree import TENSOR_TYPES, tensor_leaves
@@ -187,12 +188,13 @@ class Recorders:
         # Python one whole.  Positional, in the order of its keyword names (impl, fallback, state, owner, skip,
         # stack, calls, call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
         # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict, stop, boundary,
-        # tuple_values, bound_output).
+        # tuple_values, bound_output, compiler_dict).
         # ``dispatcher_code``: the relays' codes.
         recorder = self._compiled = compiled.ModuleRecorder(
             self.impl, python, st, self.owner, skip, stack, calls, call_frames, producers, verdicts, bound_all,
             self.outside, call_frame, self.relays, _WRAPPED_CALL, _CALL_IMPL, _INNER,
-            torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY, TUPLE_VALUES, bound_output)
+            torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY, TUPLE_VALUES, bound_output,
+            vars(_compiler))
         return recorder
 
     def unbind(self) -> None:
@@ -249,7 +251,8 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
     # Runs once per module call inside every trace: the common cases (one tensor argument, a call
     # made straight from user code or by nn.Sequential) take no loop and no method call.
     def record_call(module, *args, **kwargs):
-        if get_ident() != owner or id(module) in skip:
+        # Modules Dynamo runs while it compiles (torch.cond's branches, on fake tensors) are no module calls.
+        if get_ident() != owner or id(module) in skip or _compiler._is_compiling_flag:
             return impl(module, *args, **kwargs)
         parent = stack[-1] if stack else -1
         # record_call <- (the dispatcher, while several threads trace) <- (the relay, when the code of
