@@ -346,3 +346,24 @@ def test_a_loaded_trace_does_not_take_torch_gather_or_scatter_for_collectives(tm
     again = tl.load(loaded.save(tmp_path / "picks-again"))  # saved again, it keeps what each call was
     assert again.saved_func_paths == loaded.saved_func_paths
     assert [p.rsplit(".", 1)[-1] for p in again.saved_func_paths] == [c.func.__name__ for c in log.calls]
+
+
+def test_root_naming_the_traced_wrapper_traces_the_module_it_wraps():
+    from distributed_workers import MLP
+
+    model, x = MLP(), torch.randn(3, 8)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        named = tl.trace(ddp, x, root=ddp)  # root= the wrapper itself: the same trace as without root=
+        plain = tl.trace(ddp, x)
+    finally:
+        dist.destroy_process_group()
+    assert named.model is model and [c.label for c in named.module_calls] == ["fc1:1", "act:1", "fc2:1"]
+    assert [op.label for op in named.ops] == [op.label for op in plain.ops]
+    assert torch.equal(named.output, model(x))
+    wrapper = torch.nn.DataParallel(model)
+    assert tl.trace(wrapper, x, root=wrapper).model is model
+    with pytest.raises(ValueError, match=r"traced model is a module itself \(MLP\) and root= is another "
+                                         r"\(Linear\): drop root="):
+        tl.trace(model, x, root=torch.nn.Linear(2, 2))

@@ -334,9 +334,11 @@ def _paused_collector(run, arguments: tuple) -> Trace:
 def _root_of(model, root):
     """The module whose addresses name the modules a trace sees (None: a plain function)."""
     if isinstance(model, torch.nn.Module):
-        if root is not None and root is not model:
-            raise ValueError("root= names the module behind a callable; the traced model is already a module "
-                             "(drop root=, or trace the callable you meant)")
+        # root= the wrapper that was traced (DDP, DataParallel, torch.compile) names the module traced too.
+        if root is not None and root is not model and _unwrap(root) is not model:
+            raise ValueError(f"root= names the module a callable runs (tl.trace(m.generate, x, root=m)), but the "
+                             f"traced model is a module itself ({type(model).__name__}) and root= is another "
+                             f"({type(root).__name__}): drop root=, or trace the callable you meant")
         return model
     if root is None:
         return module_run_by(model)  # a bound method (m.generate, m.embed), or a partial of one or of a module
