@@ -385,3 +385,18 @@ def extract_share(rank, world, out, n, batch_size, kill_rank=-1, kill_at=0, barr
         except ValueError as exc:
             result["per_rank_error"] = str(exc)
     return result
+
+
+def gather_skipped_by_one_rank(rank, world, absent, timeout):
+    """Every rank but ``absent`` calls ``gather``: what each of them gets (``absent`` waits it out, then returns)."""
+    import torchlens as tl
+
+    if rank == absent:
+        time.sleep(timeout + 2)
+        return None
+    log = tl.trace(MLP(), torch.randn(3, 8))
+    try:
+        tl.distributed.gather(log, dst=0, timeout=timeout)
+    except tl.distributed.RankFailedError as exc:
+        return str(exc)
+    return "gathered"

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
                                  extract_fsdp2, extract_tensor_parallel, extract_through_ddp,
-                                 gather_labels_some_ranks_lack, launch, save_to_one_path, traces)
+                                 gather_labels_some_ranks_lack, gather_skipped_by_one_rank, launch, save_to_one_path,
+                                 traces)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -238,6 +239,15 @@ def test_a_killed_rank_is_named_and_the_rerun_redoes_only_its_uncommitted_batche
 
     rerun = values(launch(extract_share, 2, str(tmp_path), out, 48, 4))  # a finished extraction returns at once
     assert [r["forwards"] for r in rerun] == [0, 0]
+
+
+@pytest.mark.parametrize("absent", [1, 0])
+def test_a_rank_that_does_not_call_gather_is_named_on_the_ranks_that_do(tmp_path, absent):
+    # The group's timeout is 60 s and each rank is killed at 30: only gather's own wait can answer in time.
+    results = values(launch(gather_skipped_by_one_rank, 2, str(tmp_path), absent, 3.0, timeout=30))
+    (message,) = [got for rank, got in enumerate(results) if rank != absent]
+    assert message.startswith(f"rank {absent} did not call tl.distributed.gather within 3s of this rank")
+    assert "every rank of the process group must call it" in message
 
 
 def test_outside_a_process_group_a_trace_has_no_rank():

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ActivationUnavailable
+from ..errors import ActivationUnavailable, RankFailedError
+
+# How long the ranks of a gather wait for each other to call it: ranks that traced the same forward arrive
+# within moments, and a rank that never calls it (``if rank == 0: gather(log)``) should be named soon, not
+# after the process group's timeout (30 minutes by default).
+ARRIVAL_TIMEOUT_S = 120.0
+_calls_per_group: dict = {}  # process group name -> gathers this process has called on it
 
 
 @dataclass
@@ -64,12 +70,14 @@ def _asked_labels(activations):
     return [activations] if isinstance(activations, str) else list(activations)
 
 
-def gather(trace, dst: int = 0, *, activations=False, group=None):
+def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float = ARRIVAL_TIMEOUT_S):
     """Collect every rank's ``RankTrace`` on rank ``dst`` (a list indexed by rank there, None elsewhere).
 
     Args:
         activations: False (metadata only), True (every saved activation), or a list of op labels.
         group: the process group to gather over (default: the world).
+        timeout: seconds every rank of ``group`` has to call ``gather`` once one has; past it, each rank
+            that did raises ``RankFailedError`` naming those that did not.
 
     Every rank of ``group`` must call it, like any collective.  A label some ranks lack (their graphs
     differ) is gathered from the ranks that have it; one that no rank has raises KeyError on ``dst``,
@@ -80,6 +88,7 @@ def gather(trace, dst: int = 0, *, activations=False, group=None):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
                            "(run under torchrun, or call torch.distributed.init_process_group first)")
+    _wait_for_every_rank(dist, group, timeout)
     mine = RankTrace.of(trace, activations, strict=False)
     everyone = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     with torch.no_grad():
@@ -95,3 +104,30 @@ def _check_known(traces, asked) -> None:
     unknown = [a for a in asked if a not in known]
     if unknown:
         raise KeyError(f"gather: no rank has an op labelled {unknown[0]!r}")
+
+
+def _wait_for_every_rank(dist, group, timeout) -> None:
+    """Raise ``RankFailedError`` on every rank that called this gather when another rank of ``group`` does not
+    call it within ``timeout`` seconds.  Each rank marks its arrival in the process group's store and waits for
+    the others' marks: unlike a collective, whose wait lasts the group's timeout and names no one (and unlike
+    gloo's ``monitored_barrier``, whose ranks other than 0 cannot tell who is missing), this names the absent
+    ranks on each rank that came, with any backend."""
+    from datetime import timedelta
+
+    group = group if group is not None else dist.group.WORLD
+    name = str(getattr(group, "group_name", ""))
+    call = _calls_per_group[name] = _calls_per_group.get(name, 0) + 1  # the n-th gather meets the others' n-th
+    key = f"torchlens/gather/{name}/{call}/rank-{{}}".format
+    store = dist.distributed_c10d._get_default_store()
+    store.set(key(dist.get_rank()), "1")
+    ranks = dist.get_process_group_ranks(group)
+    try:
+        store.wait([key(r) for r in ranks], timedelta(seconds=timeout))
+    except RuntimeError:  # a wait timeout (the TCP store raises DistStoreError, the file store RuntimeError)
+        absent = [r for r in ranks if not store.check([key(r)])]
+        if not absent:  # they all came just as the wait ended
+            return
+        raise RankFailedError(
+            f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} did not call tl.distributed.gather within {timeout:g}s of this "
+            "rank: every rank of the process group must call it, like any collective (not only the rank that "
+            "reads the result, dst). If a rank is only slower to get there, pass a longer timeout=") from None
