@@ -127,7 +127,7 @@ def _wait_for_every_rank(dist, group, timeout) -> None:
         absent = [r for r in ranks if not store.check([key(r)])]
         if not absent:  # they all came just as the wait ended
             return
+        who = f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}"
         raise RankFailedError(
-            f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} did not call tl.distributed.gather within {timeout:g}s of this "
-            "rank: every rank of the process group must call it, like any collective (not only the rank that "
-            "reads the result, dst). If a rank is only slower to get there, pass a longer timeout=") from None
+            f"{who} did not call tl.distributed.gather within {timeout:g}s of this rank: every rank of the process "
+            "group must call it, like any collective (not only the rank that reads the result, dst). If a rank is only slower to get there, pass a longer timeout=") from None
