@@ -400,3 +400,21 @@ def gather_skipped_by_one_rank(rank, world, absent, timeout):
     except tl.distributed.RankFailedError as exc:
         return str(exc)
     return "gathered"
+
+
+def extract_fsdp2_uneven(rank, world, out, n_batches):
+    """A distributed extraction of an FSDP2 model from a stream of ``n_batches``, shared batch by batch: with a
+    count that is not a multiple of the world size, one rank has a forward more than another."""
+    from torch.distributed.fsdp import fully_shard
+
+    import torchlens as tl
+
+    model = KilledAfter(0).eval()
+    for module in (model.inner.fc1, model.inner.fc2, model):
+        fully_shard(module)
+    batches = [rows for (rows,) in torch.utils.data.DataLoader(dataset(4 * n_batches), batch_size=4)]
+    try:
+        tl.extract(model, batches, LAYERS, out, progress=False)
+    except ValueError as exc:
+        return {"error": str(exc), "forwards": model.forwards}
+    return {"error": None, "forwards": model.forwards}

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
-                                 extract_fsdp2, extract_tensor_parallel, extract_through_ddp,
+                                 extract_fsdp2, extract_fsdp2_uneven, extract_tensor_parallel, extract_through_ddp,
                                  gather_labels_some_ranks_lack, gather_skipped_by_one_rank, launch, save_to_one_path,
                                  traces)
 
@@ -195,6 +195,14 @@ def test_an_fsdp2_model_is_extracted_as_the_plain_one(tmp_path):
     got = tl.load_extracted(out)
     for name in LAYERS:
         np.testing.assert_array_equal(got[name], expected[name])
+
+
+def test_an_fsdp2_model_given_uneven_shares_is_refused_on_every_rank_instead_of_waiting(tmp_path):
+    out = str(tmp_path / "fsdp2-uneven")  # 5 batches, two ranks: rank 0 has a third forward, rank 1 none
+    for got in values(launch(extract_fsdp2_uneven, 2, str(tmp_path), out, 5, timeout=45)):
+        assert got["forwards"] == 2  # both ran two forwards together and stopped before the third
+        assert "but rank 0 has forward number 3 to run and rank 1 has none" in got["error"]
+        assert "a DistributedSampler" in got["error"] and "a multiple of the world size (2)" in got["error"]
 
 
 def test_a_tensor_parallel_model_is_refused_since_its_ranks_need_the_same_batches(tmp_path):

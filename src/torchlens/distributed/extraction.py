@@ -42,7 +42,8 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
                   stop_after=None, grads=False, loss_fn=None, root=None) -> str:
     import torch.distributed as dist
 
-    _refuse_tensor_parallel(_traced_module(root if root is not None else model))  # on every rank alike
+    module = _traced_module(root if root is not None else model)
+    _refuse_tensor_parallel(module)  # on every rank alike
     rank, world = dist.get_rank(), dist.get_world_size()
     barrier_group = _barrier_group(dist)
     os.makedirs(out, exist_ok=True)
@@ -53,11 +54,15 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         return out
     folder = os.path.join(out, RANK_FOLDER.format(rank))
     batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group)
+    # An FSDP2 model's forwards are collectives: its ranks check, forward by forward, that they all run one.
+    in_step = _InStep(dist, barrier_group, out) if module is not None and _fsdp_sharded_params(module) else None
     # A rank that raises here never reaches the barrier, and the others name it there.
     extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
                    shard_bytes=shard_bytes, progress=progress and rank == 0, indices_of=indices_of,
                    arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
-                   loss_fn=loss_fn, root=root)
+                   loss_fn=loss_fn, root=root, before_forward=in_step)
+    if in_step is not None:
+        in_step.finish()
     _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
     if rank == 0:
         join_ranks(out, world)
@@ -81,6 +86,42 @@ def _refuse_tensor_parallel(module) -> None:
                 "mesh): its ranks compute each batch together from the same input, so they would be given different "
                 "samples and store wrong rows. Extract the model before parallelize_module, or trace each batch "
                 "with tl.trace on every rank")
+
+
+class _InStep:
+    """Before each forward of an FSDP2 model, every rank says whether it has one to run (one all-reduce of a
+    flag per rank); when some have and some have not, every rank raises.  Without it a rank with a batch more
+    waits at that forward's all-gather, and the others at the join's barrier, until their timeouts."""
+
+    def __init__(self, dist, group, out):
+        self.dist, self.group, self.out = dist, group, out
+        self.steps = 0  # forwards agreed on so far, plus this one
+
+    def __call__(self) -> None:
+        self._agree(more=True)
+
+    def finish(self) -> None:
+        self._agree(more=False)
+
+    def _agree(self, more: bool) -> None:
+        self.steps += 1
+        flags = torch.zeros(self.dist.get_world_size(), dtype=torch.int32)
+        flags[self.dist.get_rank()] = int(more)
+        self.dist.all_reduce(flags, group=self.group)
+        if 0 < int(flags.sum()) < len(flags):
+            flags = flags.tolist()
+            have, lack = [r for r, f in enumerate(flags) if f], [r for r, f in enumerate(flags) if not f]
+            raise ValueError(
+                "tl.extract of an FSDP2 model needs every rank to run the same number of forwards (each one "
+                f"all-gathers its parameters with the other ranks), but {_ranks_have(have)} forward number "
+                f"{self.steps} to run and {_ranks_have(lack)} none. Give a DataLoader with a DistributedSampler (it "
+                "pads the shares to one length), or a stream whose batch count is a multiple of the world size "
+                f"({len(flags)}). A resume whose ranks had committed different numbers of batches meets this too: "
+                f"delete {self.out} and extract again")
+
+
+def _ranks_have(ranks) -> str:
+    return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
 
 
 def _fsdp_sharded_params(module) -> set:

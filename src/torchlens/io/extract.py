@@ -98,9 +98,10 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
 
 
 def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, indices_of=None,
-                   arguments=None, stop_after=None, grads=False, loss_fn=None, root=None) -> str:
+                   arguments=None, stop_after=None, grads=False, loss_fn=None, root=None, before_forward=None) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
-    batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match."""
+    batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match;
+    ``before_forward()``, when given, is called before each forward (ranks that must run forwards in step)."""
     require_numpy("tl.extract")  # the model checksum and the written shards read tensors' bytes through it
     # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
     root = _traced_module(root if root is not None else model)
@@ -129,6 +130,8 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
             last = args, named  # hashed only where a shard is committed
             if position == 0:
                 run.first_fingerprint = _fingerprint(args, named)
+            if before_forward is not None:
+                before_forward()
             with torch.enable_grad() if grads else torch.no_grad():
                 request = (loss_fn, batch) if grads else None
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
