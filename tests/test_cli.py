@@ -287,6 +287,7 @@ def test_eval_on_a_function_target_is_a_usage_error_and_without_it_the_function_
     (["trace", "clitargets:build", "--input", "2x8", "--chrome", "no_such_dir/run.json"], "does not exist"),
     (["render", "no_such_trace", "-o", "no_such_dir/view.dot"], "does not exist"),
     (["demo", "--out", "clitargets.py"], "--out clitargets.py: that is a file"),
+    (["demo", "--out", "clitargets.py/demo"], "--out clitargets.py/demo: cannot create that folder (Not a directory)"),
 ])
 def test_an_output_that_cannot_be_written_is_a_usage_error_before_any_work(models, monkeypatch, capsys, argv,
                                                                             message):
@@ -296,6 +297,17 @@ def test_an_output_that_cannot_be_written_is_a_usage_error_before_any_work(model
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert "tracing" not in err and "loading" not in err  # refused before the model or the trace was touched
+
+
+def test_a_demo_folder_that_cannot_be_created_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    def denied(path, *args, **kwargs):  # what a folder under one the user may not write into gives
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "makedirs", denied)
+    assert main(["demo", "--out", str(tmp_path / "locked" / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"torchlens: error: --out {tmp_path / 'locked' / 'demo'}: cannot create that folder (Permission "
+                   "denied); give a folder you can write to\n")
 
 
 def test_a_device_of_a_backend_this_torch_lacks_is_a_usage_error(models, monkeypatch, capsys):

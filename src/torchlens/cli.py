@@ -168,6 +168,21 @@ def check_output_file(flag: str, path) -> None:
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
 
 
+def make_output_folder(flag: str, path) -> None:
+    """Create the folder the command writes into, or refuse in one line one it could not create or write
+    into (a file's name, a path under a file, no permission), before any work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: that is a file; give a folder to write the outputs into")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create that folder ({exc.strerror or exc}); give a folder "
+                         "you can write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write into that folder (permission denied); give a folder you "
+                         "can write to")
+
+
 def check_backend(name: str) -> None:
     """A device of another backend (``xla``, ``xpu``, ``hpu``) this torch cannot make tensors on: one line, not
     the backend's own exception.  Asked after the target's import, which may be what registers the backend."""
@@ -277,9 +292,7 @@ def cmd_demo(args) -> int:
     import torchlens as tl
     from torchlens.demo import demo_model
 
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out}: that is a file; give a folder to write the demo's outputs into")
-    os.makedirs(args.out, exist_ok=True)
+    make_output_folder("--out", args.out)
     model, x = demo_model()
     _note(f"tracing the built-in demo model ({type(model).__name__}) on a {'x'.join(map(str, x.shape))} input")
     log = tl.trace(model, x, name="DemoNet")
