@@ -522,3 +522,29 @@ def test_an_op_without_a_saved_value_says_why_in_its_record():
     chosen.cleanup()
     records = _page_data(chosen.render(format="html"))["items"]
     assert all(rec["activation"].startswith("not saved: the trace was cleaned up") for rec in records.values())
+
+
+class SharedByTwoParents(nn.Module):
+    """One Linear held by two Sequentials (``p1[0] is p2[0]``): called once from each."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        shared = nn.Linear(4, 4)
+        self.p1, self.p2 = nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared, nn.Tanh())
+
+    def forward(self, x):
+        return self.p2(self.p1(x))
+
+
+def test_a_rolled_module_shared_by_two_parents_counts_both_calls_as_its_layer_does():
+    from torchlens.viz.records import RecordBuilder
+
+    log = tl.trace(SharedByTwoParents(), torch.randn(2, 4))
+    assert [c.label for c in log.module_calls if c.address == "p1.0"] == ["p1.0:1", "p1.0:2"]
+    rolled = log.render(view="rolled")
+    # Its layer is drawn once, with both passes, inside the box of its first call: the box stands for both calls.
+    assert "linear_1_1 \u00d72" in rolled and 'label="p1.0 (Linear) \u00d72 calls"' in rolled
+    structure = graph.build_structure(log, "rolled")
+    (box,) = [g for g in structure.groups if g.label == "p1.0" and g.items]
+    assert RecordBuilder(log).group_record(box)["calls"] == ["p1.0:1", "p1.0:2"]  # the viewer's panel too

@@ -74,6 +74,8 @@ def build_structure(trace, view: str = "unrolled") -> Structure:
         while g >= 0:
             groups[g].items.append(index)
             g = groups[g].parent
+    if view == "rolled":
+        _count_calls_drawn_from_other_positions(trace, groups, items, op_call, call_group)
     edges: dict = {}
     passes = trace.pass_numbers
     for child, parents in enumerate(trace.op_parents):
@@ -162,6 +164,31 @@ def _position_groups(trace):
         groups[g].calls.append(mc.index)
         call_group.append(g)
     return groups, call_group
+
+
+def _count_calls_drawn_from_other_positions(trace, groups, items, op_call, call_group) -> None:
+    """Add to each rolled group the calls of its module made from another position whose ops it draws.
+
+    A module shared by two parents (``p1.a is p2.a``) has a position under each, but its layers are drawn
+    once, in the position of their first pass: that box draws the passes of both calls, so it stands for
+    both (``p1.a (Linear) x2 calls``, as a module called twice from one parent reads), not for one."""
+    calls = trace.module_calls
+    drawn: dict = {}  # group -> the calls of its module whose ops it draws, from other positions
+    for item in items:
+        for op in item.ops:
+            chain, c = {}, op_call[op]  # module address -> the call of it the op ran in, innermost first
+            while c >= 0:
+                chain.setdefault(calls[c].address, c)
+                parent = calls[c].parent
+                c = parent.index if parent is not None else -1
+            g = item.group
+            while g >= 0:
+                c = chain.get(groups[g].label, -1)
+                if c >= 0 and call_group[c] != g:
+                    drawn.setdefault(g, set()).add(c)
+                g = groups[g].parent
+    for g, more in drawn.items():
+        groups[g].calls = sorted(set(groups[g].calls) | more)
 
 
 def _op_items(trace, op_call, call_group):
