@@ -426,3 +426,29 @@ def test_a_tensor_slice_bound_is_no_parent_and_is_not_replayed():
     assert torch.equal(sliced.activation, x[:, 3:5])
     assert sliced.parents == ["input_1:1"]  # the slice's tensor bounds are held with the slice, not as parents
     assert "a slice bound is a tensor" in dict(log.validate().not_replayed)[sliced.label]
+
+
+def test_a_dynamically_quantized_model_names_its_packed_weights_instead_of_no_params(tmp_path):
+    """quantize_dynamic packs each Linear's weight and bias into one object that is not a tensor: the ops that read
+    it say which packed weight they read, and the trace says why they list no params."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    from real_models import build
+
+    model, args, kwargs = build("bert")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation notices for its quantized modules
+        quantized = torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
+        expected = quantized(*args, **kwargs).logits
+        log = tl.trace(quantized, args, kwargs)
+    assert torch.equal(log.output.logits, expected)  # what runs is unchanged
+    linears = [op for op in log.ops if op.func_name == "linear_dynamic"]
+    query = "bert.encoder.layer.0.attention.self.query"
+    assert linears[0].params == () and linears[0].packed_params == (f"{query}._packed_params._packed_params",)
+    assert all(len(op.packed_params) == 1 for op in linears)
+    assert len({op.packed_params for op in linears}) == len(linears)  # each Linear's own
+    (caveat,) = log.caveats
+    assert caveat.startswith("quantized modules hold packed weights") and f"{query}._packed_params." in caveat
+    assert "packed weights of quantized modules are not parameters" in str(log.summary())
+    assert tl.load(log.save(tmp_path / "q")).caveats == log.caveats  # kept by a save

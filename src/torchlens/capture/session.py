@@ -19,7 +19,7 @@ from ..errors import warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
-from ..record.model_index import index_of
+from ..record.model_index import PACKED_WEIGHTS_CAVEAT, index_of
 from ..record.modules import is_unregistered
 from ..record.trace import Trace
 from ..tree import as_args, as_kwargs, clone_call
@@ -222,7 +222,8 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     hooks' sink and what autograd kept for backward.  Class defaults stand where none apply."""
     caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
         (submodules.caveats() if submodules is not None else ()) + \
-        _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ()))
+        _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ())) + \
+        _packed_weights_caveat(index.packed_weights)
     if caveats:
         result.caveats = caveats
     rank = process_rank()
@@ -398,6 +399,14 @@ def _unregistered_scripts(trace) -> tuple:
     ``root=``): their outputs are among the unattributed tensors, which gate this look."""
     return tuple(m.address for m in trace.modules
                  if is_unregistered(m.address) and isinstance(m._ref, torch.jit.ScriptModule))
+
+
+def _packed_weights_caveat(paths) -> tuple:
+    if not paths:
+        return ()
+    return (f"{PACKED_WEIGHTS_CAVEAT} ({', '.join(paths)}), which are not tensors: the ops that read them name "
+            "them in Op.packed_params, not Op.params, and parameter counts leave them out (a quantized module's "
+            "weight() and bias() unpack them)",)
 
 
 def _script_caveat(addresses) -> tuple:

@@ -30,6 +30,24 @@ def traced_address(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != WRAPPED) if WRAPPED in name else name
 
 
+QUANTIZED_MODULES = "torch.ao.nn.quantized"  # where torch's quantized module classes live
+_PACKED_PREFIX, _PACKED_SUFFIX = "__torch__.torch.classes.quantized.", "PackedParamsBase"
+
+
+# How the caveat of a trace whose model holds packed weights begins (capture/session.py writes it, the module
+# table reads it, also from a loaded trace).
+PACKED_WEIGHTS_CAVEAT = "quantized modules hold packed weights"
+
+
+def is_packed_weight(value) -> bool:
+    """Whether ``value`` is a quantized kernel's packed weight (``LinearPackedParamsBase``,
+    ``Conv2dPackedParamsBase`` ...): a TorchScript object holding the weight and bias, not a tensor."""
+    if not isinstance(value, torch.ScriptObject):
+        return False
+    name = value._type().qualified_name()
+    return name.startswith(_PACKED_PREFIX) and name.endswith(_PACKED_SUFFIX)
+
+
 class BatchCounters(NamedTuple):
     """The batch counters of a model's ``nn.BatchNorm*`` layers (``ModelIndex.batch_counters``)."""
 
@@ -172,6 +190,16 @@ class ModelIndex:
                     not any(address.startswith(f"{outer}.") or not outer for outer in found):
                 found.append(address or "self")
         return tuple(found)
+
+    @functools.cached_property
+    def packed_weights(self) -> tuple:
+        """``address.attribute`` of each packed weight the model's modules hold (a quantized module's
+        ``_packed_params``): not tensors, so no op lists them among its ``params``.  Looked for only in a model
+        with quantized module classes."""
+        if not any(t.__module__.startswith(QUANTIZED_MODULES) for t in self.module_types()):
+            return ()
+        return tuple(f"{address}.{name}" if address else name for address, module in self.modules.items()
+                     for name, value in vars(module).items() if is_packed_weight(value))
 
     def unwalked(self, modules) -> set:
         """The ids of those of ``modules`` whose parameter names the walk did not keep (the root's, or a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .columns import Kind
 from .layouts import numel_of, shape_text
+from .model_index import PACKED_WEIGHTS_CAVEAT
 from .grads import saved_for_backward_bytes
 from .summary import human_bytes
 
@@ -257,6 +258,8 @@ def summary_table_text(summary: ModuleSummary) -> str:
     trace = summary.trace
     if root["params"] is not None and trace.loaded_from is not None and counts_from_used_params(trace):
         params += "; this trace was saved without its parameter counts, so they count the parameters its ops used"
+    if any(caveat.startswith(PACKED_WEIGHTS_CAVEAT) for caveat in trace.caveats):
+        params += "; the packed weights of quantized modules are not parameters and are not counted (log.caveats)"
     lines.append(f"Parameters: {params}")
     if root["flops"] is not None:
         incomplete = "" if root["flops_complete"] else " (a '+' marks rows with ops no formula covers)"

@@ -6,8 +6,11 @@ and every field is read from (or derived from) the trace's columns on demand.
 
 from __future__ import annotations
 
+import torch
+
 from .columns import Kind
 from .layouts import numel_of, shape_text
+from .model_index import is_packed_weight
 from .view import View
 from ..errors import ActivationUnavailable
 
@@ -120,6 +123,22 @@ class Op(View):
     def params(self) -> tuple:
         """Addresses of the parameters this op used (``fc.weight``)."""
         return self._trace._param_addresses.get(self.index, ())
+
+    @property
+    def packed_params(self) -> tuple:
+        """Addresses of the packed weights this op read (``0._packed_params._packed_params``): a quantized
+        module's weight and bias, packed into one object that is not a tensor, so ``params`` cannot list them
+        (``model.get_submodule("0").weight()`` unpacks one).  Found in the module call the op ran in, so
+        empty on a trace read by ``tl.load``, which holds no modules."""
+        packed = {id(a) for a in (*(self.args or ()), *(self.kwargs or {}).values()) if is_packed_weight(a)}
+        call = self.module_call
+        module = call.module._ref if call is not None else self._trace.model
+        if not packed or not isinstance(module, torch.nn.Module):
+            return ()
+        prefix = f"{call.address}." if call is not None and call.address != "self" else ""
+        return tuple(f"{prefix}{name}.{attr}" if name else f"{prefix}{attr}"
+                     for name, sub in module.named_modules() for attr, value in vars(sub).items()
+                     if id(value) in packed)
 
     @property
     def multi_output_index(self):
