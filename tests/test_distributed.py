@@ -382,6 +382,6 @@ def test_root_naming_the_traced_wrapper_traces_the_module_it_wraps():
     assert torch.equal(named.output, model(x))
     wrapper = torch.nn.DataParallel(model)
     assert tl.trace(wrapper, x, root=wrapper).model is model
-    with pytest.raises(ValueError, match=r"traced model is a module itself \(MLP\) and root= is another "
+    with pytest.raises(ValueError, match=r"traced model is already a module \(MLP\) and root= is another "
                                          r"\(Linear\): drop root="):
         tl.trace(model, x, root=torch.nn.Linear(2, 2))

@@ -338,7 +338,7 @@ def _root_of(model, root):
         # root= the wrapper that was traced (DDP, DataParallel, torch.compile) names the module traced too.
         if root is not None and root is not model and _unwrap(root) is not model:
             raise ValueError(f"root= names the module a callable runs (tl.trace(m.generate, x, root=m)), but the "
-                             f"traced model is a module itself ({type(model).__name__}) and root= is another "
+                             f"traced model is already a module ({type(model).__name__}) and root= is another "
                              f"({type(root).__name__}): drop root=, or trace the callable you meant")
         return model
     if root is None:
