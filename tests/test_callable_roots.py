@@ -196,3 +196,39 @@ def test_a_module_site_on_a_callable_without_root_says_to_pass_root():
     log = tl.trace(generate, ids, root=model, intervene={"lm_head:2": tl.scale(-1.0)})
     assert torch.equal(log.output, expected)
     assert [applied.label for applied in log.interventions] == [log["lm_head:2"].label]
+
+
+class Countdown(nn.Module):
+    """Calls itself ``n`` times before its Linear: a recursion through the module's own call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, n):
+        return self.fc(x) if n == 0 else self(x + 1, n - 1)
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Countdown()
+
+    def forward(self, x, n):
+        return self.inner(x, n)
+
+
+def test_a_root_calling_itself_records_those_calls_as_a_child_calling_itself_does():
+    x = torch.randn(2, 4)
+    nested = tl.trace(Holder(), (x, 2))
+    assert [c.label for c in nested.module_calls] == ["inner:1", "inner:2", "inner:3", "inner.fc:1"]
+    model = Countdown()
+    log = tl.trace(model, (x, 2))
+    # Call 1 of the root is the trace itself (no module call); the calls it makes of itself are calls 2 and 3.
+    assert [c.label for c in log.module_calls] == ["self:2", "self:3", "fc:1"]
+    assert [c.parent.label if c.parent else None for c in log.module_calls] == [None, "self:2", "self:3"]
+    assert log["linear_1_3:1"].modules == ("self:2", "self:3", "fc:1")
+    assert [op.modules for op in log.ops if op.func_name == "add"] == [(), ("self:2",)]
+    assert torch.equal(log.output, model(x, 2)) and tl.validate(model, (x, 2)).passed
+    assert [c.label for c in tl.trace(model, (x, 0)).module_calls] == ["fc:1"]  # no recursion: as before

@@ -18,7 +18,7 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape, with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 16
+#define TORCHLENS_ACCEL_ABI 17
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -1667,7 +1667,7 @@ typedef struct {
     X(bound_all) X(outside) X(call_frame) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type) \
     X(tuple_values) X(bound_output) X(compiler_dict)
 
-static PyObject *s_raised_in, *s_pass_through, *s_end_pass_through;
+static PyObject *s_raised_in, *s_pass_through, *s_end_pass_through, *s_root, *s_root_running;
 
 /* The record index a tensor was last bound to, or -1 (``bound`` in capture/modules.py).  New reference. */
 static PyObject *bound_index(Recorder *r, PyObject *t) {
@@ -1862,6 +1862,36 @@ static int call_site(Recorder *r, PyObject *parent, long parent_index, PyObject 
     return result;
 }
 
+/* A call of a module the recorder skips (``record_call``'s first branch in capture/modules.py): the traced root's
+   own call, which is the trace itself, runs with ``state.root_running`` set; the root's calls of itself inside
+   it (recursion, rare) are module calls, handed to the Python recorder; a compiled submodule's run as they are. */
+static PyObject *skipped_call(Recorder *r, PyObject *module, PyObject *const *argv, size_t nargsf,
+                              PyObject *kwnames) {
+    PyObject *root = PyObject_GetAttr(r->state, s_root);
+    if (root == NULL) return NULL;
+    Py_DECREF(root);  /* compared by identity alone; the state holds it */
+    if (root != module) return PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
+    PyObject *running = PyObject_GetAttr(r->state, s_root_running);
+    if (running == NULL) return NULL;
+    int inside = PyObject_IsTrue(running);
+    Py_DECREF(running);
+    if (inside < 0) return NULL;
+    if (inside) return PyObject_Vectorcall(r->fallback, argv, nargsf, kwnames);
+    if (PyObject_SetAttr(r->state, s_root_running, Py_True) < 0) return NULL;
+    PyObject *output = PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
+    PyObject *type, *value, *tb;  /* ``finally``: reset, keeping the call's exception */
+    PyErr_Fetch(&type, &value, &tb);
+    if (PyObject_SetAttr(r->state, s_root_running, Py_False) < 0) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        Py_XDECREF(output);
+        return NULL;
+    }
+    PyErr_Restore(type, value, tb);
+    return output;
+}
+
 static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     Recorder *r = (Recorder *)self;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
@@ -1884,7 +1914,7 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
     int skipped = PySet_Contains(r->skip, key);
     Py_DECREF(key);
     if (skipped < 0) return NULL;
-    if (skipped) return PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
+    if (skipped) return skipped_call(r, module, argv, nargsf, kwnames);
     Py_ssize_t depth = PyList_GET_SIZE(r->stack);
     PyObject *parent = depth ? Py_NewRef(PyList_GET_ITEM(r->stack, depth - 1)) : PyLong_FromLong(-1);
     if (parent == NULL) return NULL;
@@ -2166,6 +2196,7 @@ PyMODINIT_FUNC PyInit__capture(void) {
     if (PyType_Ready(&HandlerType) < 0 || PyType_Ready(&RecorderType) < 0 || PyType_Ready(&SlotType) < 0)
         return NULL;
     INTERN(s_raised_in, "raised_in") INTERN(s_pass_through, "pass_through") INTERN(s_end_pass_through, "end_pass_through")
+    INTERN(s_root, "root") INTERN(s_root_running, "root_running")
     PyObject *m = PyModule_Create(&capture_module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "ABI", TORCHLENS_ACCEL_ABI) < 0

@@ -248,12 +248,27 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             return None, None
         return frames.module_call_frame(wrapped, call_frames, parent)
 
+    def _run_root(module, args, kwargs):
+        """The trace's call of its root module: not recorded, but marked as running, so that the root's calls
+        of itself inside it (recursion) are recorded as module calls (``self:2``, ``self:3``, ...)."""
+        st.root_running = True
+        try:
+            return impl(module, *args, **kwargs)
+        finally:
+            st.root_running = False
+
     # Runs once per module call inside every trace: the common cases (one tensor argument, a call
     # made straight from user code or by nn.Sequential) take no loop and no method call.
     def record_call(module, *args, **kwargs):
         # Modules Dynamo runs while it compiles (torch.cond's branches, on fake tensors) are no module calls.
-        if get_ident() != owner or id(module) in skip or _compiler._is_compiling_flag:
+        if get_ident() != owner or _compiler._is_compiling_flag:
             return impl(module, *args, **kwargs)
+        if id(module) in skip:
+            if st is None or module is not st.root:
+                return impl(module, *args, **kwargs)
+            if not st.root_running:  # the trace's own call of its root, which is not a module call
+                return _run_root(module, args, kwargs)
+            # else the root called again inside its own call (recursion): a module call like any other
         parent = stack[-1] if stack else -1
         # record_call <- (the dispatcher, while several threads trace) <- (the relay, when the code of
         # _call_impl is swapped) <- _wrapped_call_impl <- the caller: a user frame is the answer
@@ -285,8 +300,9 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
                     outside[:] = caller, frame
             else:
                 frame = call_frame(caller, parent)
-        elif parent >= 0 and calls[parent][0] is module:
-            # A class's own _call_impl calling nn.Module's (super()): the same call, recorded once.
+        elif parent >= 0 and calls[parent][0] is module or parent < 0 and module is st.root:
+            # A class's own _call_impl calling nn.Module's (super()): the same call, recorded once (the root's
+            # own call, never).
             return impl(module, *args, **kwargs)
         else:
             frame = call_frame(wrapped, parent)

@@ -162,9 +162,11 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
     # Without compiled submodules there is nothing to route: the part is not made (nor entered, nor exited).
     submodules = CompiledSubmodules(root, compiled, None, compiled_modules, in_place) \
         if compiled_modules or in_place else None
-    # The root's own call is the trace itself; a callable's calls into its root are module calls.
-    # By position (skip, module types, progress bar): keywords cost per trace.
+    # The root's own call is the trace itself (its calls of itself inside it are module calls); a callable's
+    # calls into its root are module calls.  By position (skip, module types, progress bar): keywords cost per trace.
     skip = model if root is model else None
+    if skip is not None:
+        state.root = model
     tracker = ModuleCallTracker(state, skip, _FRAMES,
                                 submodules.eager_modules if submodules is not None else (), index.module_types(),
                                 shown if shown is not QUIET else None)

@@ -147,6 +147,10 @@ class CaptureState:
     failure = None  # (func, module call, exception) of the first torch call that raised
     versionless = False  # an inference tensor was seen: in-place writes known by name only
     raised_in = None  # (exception, module call index) where an exception left a module call
+    # The module traced (not a callable's root=): its own call is the trace, not a module call, while its calls
+    # of itself inside that one (recursion) are; ``root_running`` says whether that call is running.
+    root = None
+    root_running = False
     # [module call, id, previous entry, record] per op that returned its first argument itself
     # (capture/pass_through.py); None until one does.
     pass_through: list | None = None

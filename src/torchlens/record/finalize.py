@@ -73,7 +73,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         outputs, activations = _outputs(state, output)
     if state.parameter_inputs:
         _link_parameter_inputs(calls, state.parameter_inputs)
-    raw = RawRecord(calls, state.records, outputs, state.module_calls, index)
+    raw = RawRecord(calls, state.records, outputs, state.module_calls, index, state.root)
     # Derived on first read (from the index the record keeps) unless a parameter outside the index is
     # named by its shape, read now (a later ``.data`` assignment could change it).
     param_addresses = None if _all_indexed(calls, index) else _param_addresses(calls, index)
@@ -195,13 +195,15 @@ class RawRecord:
     its columns from them on first read, one group at a time (``columns``, ``modules``, ``labels``:
     each returns ``{attribute: value}``)."""
 
-    __slots__ = ("calls", "records", "outputs", "module_calls", "module_classes", "module_params", "index")
+    __slots__ = ("calls", "records", "outputs", "module_calls", "module_classes", "module_params", "index", "root")
 
-    def __init__(self, calls: list, records: list, outputs: list, module_calls: list, index: ModelIndex):
+    def __init__(self, calls: list, records: list, outputs: list, module_calls: list, index: ModelIndex,
+                 root=None):
         self.calls = calls
         self.records = records
         self.outputs = outputs  # (path, producer record, OpMeta) per returned tensor
         self.module_calls = module_calls
+        self.root = root  # the module traced: its call 1 is the trace itself, so its module calls count from 2
         # Each call's module class, as shown (a torch.compile wrapper: the class it wraps), read now: a
         # parametrization (torch.nn.utils.parametrize) swaps a module's class after the trace.
         if not module_calls:  # a model whose root calls no module: nothing to read
@@ -294,7 +296,8 @@ class RawRecord:
                 module_rows.append(ModuleRow(names[0], list(names), shown[k].__name__, params, module))
             calls = module_rows[m].calls
             calls.append(k)
-            call_rows.append(CallRow(m, len(calls), raw[MODULE_CALL_PARENT], raw[MODULE_CALL_T0_NS],
+            number = len(calls) + 1 if module is self.root else len(calls)
+            call_rows.append(CallRow(m, number, raw[MODULE_CALL_PARENT], raw[MODULE_CALL_T0_NS],
                                      raw[MODULE_CALL_T1_NS], tuple(raw[MODULE_CALL_INPUTS]),
                                      tuple(raw[MODULE_CALL_OUTPUTS])))
         return {"_call_rows": call_rows, "_module_rows": module_rows}
