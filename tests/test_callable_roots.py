@@ -228,7 +228,10 @@ def test_a_root_calling_itself_records_those_calls_as_a_child_calling_itself_doe
     # Call 1 of the root is the trace itself (no module call); the calls it makes of itself are calls 2 and 3.
     assert [c.label for c in log.module_calls] == ["self:2", "self:3", "fc:1"]
     assert [c.parent.label if c.parent else None for c in log.module_calls] == [None, "self:2", "self:3"]
-    assert log["linear_1_3:1"].modules == ("self:2", "self:3", "fc:1")
+    assert log["linear_1_2:1"].modules == ("self:2", "self:3", "fc:1")
     assert [op.modules for op in log.ops if op.func_name == "add"] == [(), ("self:2",)]
+    # and the op its calls repeat is one layer with a pass per call, as in the nested model
+    assert [op.label for op in log.ops] == [op.label for op in nested.ops] == \
+        ["input_1:1", "add_1_1:1", "add_1_1:2", "linear_1_2:1", "output_1:1"]
     assert torch.equal(log.output, model(x, 2)) and tl.validate(model, (x, 2)).passed
     assert [c.label for c in tl.trace(model, (x, 0)).module_calls] == ["fc:1"]  # no recursion: as before

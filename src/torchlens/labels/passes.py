@@ -72,8 +72,11 @@ def args_key(call) -> tuple:
     return key
 
 
-def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_objects, module_counts):
-    """Return a group id per node (nodes with ``call_col[i] < 0`` are sources and outputs)."""
+def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_objects, module_counts,
+              recursed_root=None):
+    """Return a group id per node (nodes with ``call_col[i] < 0`` are sources and outputs).  ``recursed_root``:
+    the traced root module when it called itself, so that the ops of its first call (the trace, outside every
+    module call) are grouped with those of its later calls, as a shared module's are (rule 1)."""
     group: list = [-1] * len(call_col)
     keys: dict = {}
     seen_in_call: dict = {}  # (module call, site, func) -> how many times it ran before, in that call
@@ -95,6 +98,10 @@ def group_ops(call_col, slot_col, module_col, parents_col, meta, calls, module_o
                 group[i] = keys.setdefault(_shared_module_key(call, func, slot, module_call, module, seen_in_call),
                                            len(keys))
                 continue
+        elif recursed_root is not None:  # in the root's call 1, which its later calls repeat
+            group[i] = keys.setdefault(_shared_module_key(call, func, slot, -1, recursed_root, seen_in_call),
+                                       len(keys))
+            continue
         # The non-tensor arguments as they are (hashed once, by the dict), or by signature when unhashable.
         kwargs, params = call[CALL_KWARGS], call[CALL_PARAMS]
         arguments = (call[CALL_ARGS], tuple(kwargs.items()) if kwargs else None)

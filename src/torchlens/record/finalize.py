@@ -307,8 +307,10 @@ class RawRecord:
         modules = list(map(_MODULE, self.module_calls))
         kind, call_col = trace._kind, trace._call
         counts = Counter(map(id, modules)) if modules else {}
+        # A root that called itself: the ops of its call 1 (the trace, no module call) pair with its later calls'.
+        recursed = self.root if self.root is not None and id(self.root) in counts else None
         group = group_ops(call_col, trace._slot, trace._module_call, trace._parents, trace._meta, self.calls,
-                          modules, counts)
+                          modules, counts, recursed)
         func_names, types = _names(kind, call_col, self.calls, trace._io)
         labels, layer_labels, pass_col, group_size = _label(kind, types, group)
         return {"_labels": labels, "_layer_labels": layer_labels, "_pass": pass_col, "_group": group,
