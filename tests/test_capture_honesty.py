@@ -452,3 +452,20 @@ def test_a_dynamically_quantized_model_names_its_packed_weights_instead_of_no_pa
     assert caveat.startswith("quantized modules hold packed weights") and f"{query}._packed_params." in caveat
     assert "packed weights of quantized modules are not parameters" in str(log.summary())
     assert tl.load(log.save(tmp_path / "q")).caveats == log.caveats  # kept by a save
+
+
+def test_a_dynamically_quantized_lstm_names_the_packed_weights_of_its_layers():
+    import warnings
+
+    from real_models import build
+
+    model, args, kwargs = build("lstm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(model.eval(), {nn.LSTM}, dtype=torch.qint8)
+        log = tl.trace(quantized, args, kwargs)
+    (lstm,) = [op for op in log.ops if op.func_name == "quantized_lstm" and op.multi_output_index == 0]
+    # one packed weight per layer (two layers), passed to the kernel in a list
+    packed = ("rnn._all_weight_values.0.param", "rnn._all_weight_values.1.param")
+    assert lstm.params == () and lstm.packed_params == packed
+    assert all(path in log.caveats[0] for path in packed)

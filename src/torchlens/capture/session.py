@@ -407,8 +407,8 @@ def _packed_weights_caveat(paths) -> tuple:
     if not paths:
         return ()
     return (f"{PACKED_WEIGHTS_CAVEAT} ({', '.join(paths)}), which are not tensors: the ops that read them name "
-            "them in Op.packed_params, not Op.params, and parameter counts leave them out (a quantized module's "
-            "weight() and bias() unpack them)",)
+            "them in Op.packed_params, not Op.params, and parameter counts leave them out (a quantized Linear's or "
+            "conv's weight() and bias() unpack them)",)
 
 
 def _script_caveat(addresses) -> tuple:

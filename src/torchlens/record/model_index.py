@@ -32,6 +32,7 @@ def traced_address(name: str) -> str:
 
 QUANTIZED_MODULES = "torch.ao.nn.quantized"  # where torch's quantized module classes live
 _PACKED_PREFIX, _PACKED_SUFFIX = "__torch__.torch.classes.quantized.", "PackedParamsBase"
+_PACKED_CELL = "__torch__.torch.classes.rnn.CellParamsBase"  # a quantized LSTM's or GRU's, one per layer
 
 
 # How the caveat of a trace whose model holds packed weights begins (capture/session.py writes it, the module
@@ -41,11 +42,12 @@ PACKED_WEIGHTS_CAVEAT = "quantized modules hold packed weights"
 
 def is_packed_weight(value) -> bool:
     """Whether ``value`` is a quantized kernel's packed weight (``LinearPackedParamsBase``,
-    ``Conv2dPackedParamsBase`` ...): a TorchScript object holding the weight and bias, not a tensor."""
+    ``Conv2dPackedParamsBase`` ..., a quantized RNN's ``CellParamsBase``): a TorchScript object holding the
+    weights and biases, not tensors."""
     if not isinstance(value, torch.ScriptObject):
         return False
     name = value._type().qualified_name()
-    return name.startswith(_PACKED_PREFIX) and name.endswith(_PACKED_SUFFIX)
+    return name.startswith(_PACKED_PREFIX) and name.endswith(_PACKED_SUFFIX) or name == _PACKED_CELL
 
 
 class BatchCounters(NamedTuple):

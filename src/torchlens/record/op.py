@@ -11,11 +11,21 @@ import torch
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import is_packed_weight
+from ..tree import container_items
 from .view import View
 from ..errors import ActivationUnavailable
 
 # The kinds under their former names (record/columns.py declares them).
 KIND_OP, KIND_INPUT, KIND_BUFFER, KIND_OUTPUT = Kind.OP, Kind.INPUT, Kind.BUFFER, Kind.OUTPUT
+
+
+def _packed_arguments(values) -> set:
+    """ids of the packed weights among ``values`` and the lists in them (a quantized LSTM takes a list)."""
+    found = set()
+    for value in values:
+        items = () if is_packed_weight(value) else container_items(value, False) or ()
+        found.update(id(v) for v in (value, *(v for _, v in items)) if is_packed_weight(v))
+    return found
 
 
 class Op(View):
@@ -130,7 +140,7 @@ class Op(View):
         module's weight and bias, packed into one object that is not a tensor, so ``params`` cannot list them
         (``model.get_submodule("0").weight()`` unpacks one).  Found in the module call the op ran in, so
         empty on a trace read by ``tl.load``, which holds no modules."""
-        packed = {id(a) for a in (*(self.args or ()), *(self.kwargs or {}).values()) if is_packed_weight(a)}
+        packed = _packed_arguments((*(self.args or ()), *(self.kwargs or {}).values()))
         call = self.module_call
         module = call.module._ref if call is not None else self._trace.model
         if not packed or not isinstance(module, torch.nn.Module):
