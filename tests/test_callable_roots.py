@@ -235,3 +235,16 @@ def test_a_root_calling_itself_records_those_calls_as_a_child_calling_itself_doe
         ["input_1:1", "add_1_1:1", "add_1_1:2", "linear_1_2:1", "output_1:1"]
     assert torch.equal(log.output, model(x, 2)) and tl.validate(model, (x, 2)).passed
     assert [c.label for c in tl.trace(model, (x, 0)).module_calls] == ["fc:1"]  # no recursion: as before
+
+
+@pytest.mark.parametrize("how", ["recursion", "callable"])
+def test_a_call_of_the_root_itself_as_an_intervention_site_is_refused_saying_what_to_do(how):
+    model, x = Countdown(), torch.randn(2, 4)
+    if how == "recursion":
+        fn, args, site, kwargs = model, (x, 2), "self:2", {}
+    else:
+        fn, args, site, kwargs = (lambda t: model(t, 1)), (x,), "self:1", {"root": model}
+    assert site in [c.label for c in tl.trace(fn, args, **kwargs).module_calls]  # a module call of the trace
+    with pytest.raises(KeyError, match=f"'{site}' is a call of the root module itself .* intervene on the op "
+                                       "labels inside them or on the root's submodules"):
+        tl.trace(fn, args, intervene={site: tl.zero_ablate()}, **kwargs)

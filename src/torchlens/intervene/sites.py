@@ -142,6 +142,10 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             module_sites.append(ModuleSite(key, action, address, modules[address], int(number), stop))
         elif _LABEL.match(key):
             pending.append((key, action, stop))
+        elif address == "self" and number.isdigit() and isinstance(model, torch.nn.Module):
+            raise KeyError(f"intervention site {key!r} is a call of the root module itself (a callable's call of "
+                           "its root=, or a root's call of itself in a recursion): those calls are not intervention "
+                           "sites; intervene on the op labels inside them or on the root's submodules")
         elif not isinstance(model, torch.nn.Module):
             raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address: the "
                            f"traced callable {getattr(model, '__name__', type(model).__name__)!r} is no module and "
