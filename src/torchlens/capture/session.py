@@ -204,6 +204,8 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
             _annotate(exc, state, root, leftovers(mode, parts), args)
             raise
         return None  # stop_after= reached: the trace holds everything up to that site
+    finally:
+        state.suspend = None  # it holds the tracker, which holds the state: no cycle may outlive the forward
 
 
 def _refuse_lazy_output(output, model, shown) -> None:
