@@ -130,4 +130,5 @@ def _wait_for_every_rank(dist, group, timeout) -> None:
         who = f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}"
         raise RankFailedError(
             f"{who} did not call tl.distributed.gather within {timeout:g}s of this rank: every rank of the process "
-            "group must call it, like any collective (not only the rank that reads the result, dst). If a rank is only slower to get there, pass a longer timeout=") from None
+            "group must call it, like any collective (not only the rank that reads the result, dst). If a rank "
+            "is only slower to get there, pass a longer timeout=") from None
