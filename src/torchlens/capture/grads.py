@@ -91,9 +91,9 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
     if grad is None:  # an output this backward did not reach (another output of a multi-output op was used)
         return
     task = _task_id()
-    if task != sink.task and index in sink.guarded:
-        return  # a leaf reached by a backward that reached nothing else here: a forward after the trace
     if task != sink.task:
+        if index in sink.guarded:
+            return  # a leaf reached by a backward that reached nothing else here: a forward after the trace
         sink.task = task
         sink.backwards += 1
         _unshare_when_done(sink)
