@@ -15,7 +15,6 @@ docs/capture_honesty.md.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from time import perf_counter_ns
@@ -47,7 +46,7 @@ from .source import SKIP as _SKIP_FRAME
 from .source import STOP as _STOP_FRAME
 from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
-from .source import FrameClassifier, called_by_module_call, dispatched_site, user_site
+from .source import FrameClassifier, called_by_module_call, dispatched_site, outside_torch, user_site
 from .state import CaptureState
 from .writes import inplace_cache, protect_before_write, written_arguments
 
@@ -329,7 +328,7 @@ class CaptureMode(TorchFunctionMode):
 
         frame = sys._getframe(2)  # the caller of __torch_function__
         if func in OPERATORS_WHOLE:
-            frame = _outside_torch(frame)  # torch.cond's caller, not the graph Dynamo made of the call
+            frame = outside_torch(frame)  # torch.cond's caller, not the graph Dynamo made of the call
         code = frame.f_code
         if self.frames.is_user(code):
             line = frame.f_lasti
@@ -446,19 +445,6 @@ def _tensor_getters():
 
 
 _GETTER_DESCRIPTORS = _tensor_getters()
-
-
-def _outside_torch(frame):
-    """The first frame from ``frame`` up that is neither torch's nor code made by ``torch.fx`` (the graph Dynamo
-    compiled a higher-order op's call into), or ``frame`` when there is none."""
-    start = frame
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                 or frame.f_code.co_filename.startswith("<eval_with_key>")):
-        frame = frame.f_back
-    return frame if frame is not None else start
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def _not_an_op(st, func, args, kwargs):

@@ -51,6 +51,16 @@ def _classify(code) -> int:
     return verdict
 
 
+def outside_torch(frame):
+    """The first frame from ``frame`` up that is neither torch's nor code made by ``torch.fx`` (the graph Dynamo
+    compiled a higher-order op's call into), or ``frame`` when there is none."""
+    start = frame
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename.startswith("<eval_with_key>")):
+        frame = frame.f_back
+    return frame if frame is not None else start
+
+
 def verdict_of(code) -> int:
     verdict = _VERDICTS.get(id(code))
     return _classify(code) if verdict is None else verdict
