@@ -211,6 +211,7 @@ def test_a_compiled_model_called_in_another_thread_during_a_trace_runs_as_untrac
             finished.set()
 
     model, x = Waits(), torch.randn(2, 4)
+    finished.set()  # the trace alone has no other thread to wait for
     alone = tl.trace(model, x)
     started.clear(), finished.clear()
     results = _run_together({"trace": lambda: tl.trace(model, x), "compiled": compiled_calls})
