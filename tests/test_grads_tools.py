@@ -378,7 +378,7 @@ def test_a_forward_that_raises_leaves_no_hook_behind():
     (h,) = model.kept
     assert not h._backward_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no saved-tensor hooks left
-    from torchlens.capture.grads import _HOST, _ORIGINAL_APPLY
+    from torchlens.capture.function_outputs import _HOST, _ORIGINAL_APPLY
 
     assert vars(_HOST).get("apply") is _ORIGINAL_APPLY  # torch's own Function.apply is back
     h.sum().backward()  # an untraced backward afterwards runs as usual

@@ -57,14 +57,14 @@ def test_keyboard_interrupt_in_intervention_hooks_leaves_torch_functions_on():
 def test_keyboard_interrupt_in_gradient_capture_never_strands_its_lock():
     """An interrupt on the exit line of ``with _receivers_lock:`` left that lock held, and the teardown
     waiting for it hung the process; every interrupt now ends with the lock free."""
-    from torchlens.capture import grads
+    from torchlens.capture import function_outputs, grads
 
     model, x = WithFunction(), torch.randn(2, 4, requires_grad=True)
     done, outcome_of_run = threading.Event(), []
 
     def interrupt_everywhere():  # in a thread, so that a hang fails the test instead of stopping it
         try:
-            outcome_of_run.append(interrupt_every_line(lambda: tl.trace(model, x, grads=True), _in_files(grads)))
+            outcome_of_run.append(interrupt_every_line(lambda: tl.trace(model, x, grads=True), _in_files(grads, function_outputs)))
         except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
             outcome_of_run.append(exc)
         finally:
@@ -75,8 +75,8 @@ def test_keyboard_interrupt_in_gradient_capture_never_strands_its_lock():
     if isinstance(outcome_of_run[0], BaseException):
         raise outcome_of_run[0]
     assert outcome_of_run[0] > 50, outcome_of_run
-    assert grads._receivers_lock.acquire(blocking=False)
-    grads._receivers_lock.release()
+    assert function_outputs._receivers_lock.acquire(blocking=False)
+    function_outputs._receivers_lock.release()
 
     log = tl.trace(model, x, grads=True)  # and gradients still arrive, equal to an untraced backward's
     log.backward(log.output.sum())

@@ -28,7 +28,8 @@ from .compiled import (CompiledSubmodules, Suspension, check_compiled_option, co
                        optimized_module_type)
 from .fastpath import FastPathShim
 from .fused_writes import link_running_stats_readers, norm_calls
-from .grads import attach_grads, function_outputs, grad_capture
+from .function_outputs import function_outputs
+from .grads import attach_grads, grad_capture
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
 from .packing import PackLog, packing_observed

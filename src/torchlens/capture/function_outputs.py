@@ -1,0 +1,120 @@
+"""Custom autograd Functions under a trace with gradients: where their outputs' gradients arrive.
+
+``Function.apply`` runs ``forward`` under ``no_grad`` (its ops are recorded there, needing no gradient)
+and only then gives each output the Function's backward node; an output that is one of the inputs is
+first made a view of it (``_wrap_outputs``), recorded with that view's node.  No op follows that the
+capture sees, so while a trace with gradients runs, ``Function.apply`` is wrapped to report its outputs
+(``FunctionOutputs``), and each output that is a record's tensor has its record and gradient hook moved
+to the Function's node.  torch.utils.checkpoint's reentrant regions and nn.Module's full backward hooks
+are such Functions.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..record.columns import Record
+from .grads import made_by
+from .teardown import release_stranded, until_done
+
+# ``Function.apply`` reaches torch's C ``apply`` through ``super().apply``, looked up from the class above it
+# at each call: the wrapper goes on that class, so it also sees the calls of an ``apply`` bound before the
+# trace (``square = Square.apply``, a common idiom), which a wrapper replacing ``Function.apply`` would miss.
+# Where torch's ``Function.apply`` does not call ``super().apply``, ``Function.apply`` itself is wrapped.
+_Function = torch.autograd.Function
+_ABOVE = _Function.__mro__[1]
+_HOST = _ABOVE if "super" in _Function.apply.__func__.__code__.co_names and "apply" not in vars(_ABOVE) \
+    else _Function
+_ORIGINAL_APPLY = vars(_HOST).get("apply")  # None: the host inherits torch's C ``apply``
+_receivers: dict = {}  # thread id -> what receives that thread's Function outputs while it traces
+_receivers_lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
+
+
+if _ORIGINAL_APPLY is None:
+    def _torch_apply(cls, *args, **kwargs):
+        return super(_HOST, cls).apply(*args, **kwargs)
+else:
+    _torch_apply = _ORIGINAL_APPLY.__func__
+
+
+def _apply(cls, *args, **kwargs):
+    out = _torch_apply(cls, *args, **kwargs)
+    receiver = _receivers.get(threading.get_ident())
+    if receiver is not None:
+        receiver(out, args)
+    return out
+
+
+_apply.__name__ = _apply.__qualname__ = "apply"
+_WRAPPED_APPLY = classmethod(_apply)
+
+
+class FunctionOutputs:
+    """Capture part (capture/teardown.py): while entered, this thread's ``Function.apply`` outputs reach
+    ``receiver``.  ``Function.apply`` is wrapped while any thread's trace needs it, and torch's is back
+    once none does."""
+
+    def __init__(self, receiver):
+        self.receiver = receiver
+        self.installed = False
+
+    def __enter__(self):
+        try:
+            with _receivers_lock:
+                _receivers[threading.get_ident()] = self.receiver
+                self.installed = True
+                if vars(_HOST).get("apply") is not _WRAPPED_APPLY:
+                    _HOST.apply = _WRAPPED_APPLY
+            return self
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        until_done(self.release)
+        return False
+
+    def release(self) -> None:
+        release_stranded(_receivers_lock)
+        if not self.installed:
+            return
+        with _receivers_lock:
+            if _receivers.get(threading.get_ident()) is self.receiver:
+                del _receivers[threading.get_ident()]
+            if not _receivers and vars(_HOST).get("apply") is _WRAPPED_APPLY:
+                if _ORIGINAL_APPLY is None:
+                    del _HOST.apply
+                else:
+                    _HOST.apply = _ORIGINAL_APPLY
+            self.installed = False
+
+
+def function_outputs(state, capture) -> FunctionOutputs:
+    """The ``FunctionOutputs`` part of a trace with gradients: each output of a ``Function.apply`` that
+    is a record's tensor has its record and hook moved to the Function's backward node."""
+    records, calls = state.records, state.calls
+
+    def receive(out, args) -> None:
+        for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if any(t is a for a in args):
+                # torch hands an argument back as itself only when the forward marked it dirty, and then
+                # moves its version counter once more, after the forward's in-place op was recorded.
+                state.note_version_bump(t)
+            if not t.requires_grad:
+                continue  # not differentiable (mark_non_differentiable, an integer result)
+            index = state.record_holding(t)
+            if index is None:
+                continue  # made where the capture did not see it, or written since: no record holds this value
+            grad_fn = t.grad_fn
+            if grad_fn is None:
+                continue
+            record = Record._make(records[index])
+            # It requires grad now, through this node.
+            records[index] = tuple(record._replace(requires_grad=True, grad_fn_class=type(grad_fn)))
+            capture.follow_new_node(index, t, grad_fn, *made_by(calls, record))
+
+    return FunctionOutputs(receive)
