@@ -105,6 +105,26 @@ def test_a_partial_of_a_module_or_of_its_method_names_modules_from_that_module()
         assert tl.validate(fn, ids).passed
 
 
+def test_the_tensors_a_partial_binds_are_inputs_named_by_the_forward():
+    """A mask bound in the partial is read by the forward as much as one passed: it is an input, named by the
+    forward's parameter, so the ops that read it have it as a parent (not a tensor of unknown origin) and
+    replay; the passed ids are named by the forward's parameter too, not the partial's ``*args``."""
+    model, ids = _gpt2()
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    plain = tl.trace(model, (ids,), {"attention_mask": mask})
+    expected = [(op.io_path, op.shape) for op in plain.inputs]
+    assert expected == [("input.input_ids", (1, 5)), ("input.attention_mask", (1, 5))]
+    for fn in (functools.partial(model, attention_mask=mask), functools.partial(model.forward, attention_mask=mask),
+               functools.partial(functools.partial(model.forward), attention_mask=mask)):
+        log = tl.trace(fn, ids)
+        assert [(op.io_path, op.shape) for op in log.inputs] == expected
+        assert log.unattributed == 0
+        assert log["input_2"].children == plain["input_2"].children
+        result = tl.validate(fn, ids)
+        assert_trusted(result)
+        assert not result.not_replayed, result.not_replayed
+
+
 def test_root_must_be_a_module_and_agree_with_a_module_model():
     model = Embedder()
     with pytest.raises(TypeError, match="root= must be an nn.Module"):

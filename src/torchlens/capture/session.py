@@ -556,7 +556,18 @@ def _call_layout(func):
     return tuple(slots), required, keywords, frozenset(required_keywords)
 
 
+def _whole_call(model, args, kwargs) -> tuple:
+    """``(callable, args, kwargs)`` of the call a ``functools.partial`` makes: the arguments bound in it
+    are the forward's inputs as much as those passed (``partial(model, attention_mask=mask)`` reads the
+    mask), and they bind to the parameters of the callable it wraps, not to the partial's ``*args``."""
+    while isinstance(model, functools.partial):
+        args, kwargs, model = (*model.args, *args), {**model.keywords, **kwargs}, model.func
+    return model, args, kwargs
+
+
 def _add_inputs(state, model, args, kwargs) -> None:
+    if isinstance(model, functools.partial):
+        model, args, kwargs = _whole_call(model, args, kwargs)
     inputs = _call_slots(model, args, kwargs)
     if inputs is None:
         sig = _forward_signature(model)
