@@ -109,6 +109,35 @@ def test_a_list_meant_as_several_positional_arguments_gets_a_note_saying_so():
     assert torch.equal(tl.trace(Add(), (torch.ones(2), torch.ones(2))).output, torch.full((2,), 2.0))
 
 
+def test_a_named_tuple_batch_passed_field_by_field_gets_a_note_saying_so(tmp_path):
+    """A named tuple is a tuple, so its fields are the positional arguments; a forward taking the batch as one
+    value fails in its own code, and the note says why and how to pass it whole (a DataLoader collates a
+    dataset's named tuples into one, so tl.extract meets this as often as tl.trace)."""
+    import collections
+
+    from torch.utils.data import DataLoader
+
+    Batch = collections.namedtuple("Batch", "x y")
+
+    class Reads(nn.Module):
+        def forward(self, batch):
+            return batch.x * batch.y
+
+    samples = [Batch(torch.randn(3), torch.randn(3)) for _ in range(4)]
+    batch = next(iter(DataLoader(samples, batch_size=2)))
+    assert type(batch) is Batch
+    with pytest.raises(TypeError, match="takes 2 positional arguments but 3 were given") as raised:
+        tl.trace(Reads(), batch)
+    assert any("the Batch was passed as the positional arguments" in note and "(batch,)" in note
+               for note in raised.value.__notes__)
+    with pytest.raises(TypeError) as raised:
+        tl.extract(Reads(), DataLoader(samples, batch_size=2), ["output_1"], tmp_path / "out", progress=False)
+    assert any("args_of=lambda batch: (batch,)" in note for note in raised.value.__notes__)
+    out = tl.extract(Reads(), DataLoader(samples, batch_size=2), ["output_1"], tmp_path / "whole",
+                     args_of=lambda b: (b,), progress=False)
+    assert torch.equal(tl.load_extracted(out, as_torch=True)["output_1"], torch.stack([s.x * s.y for s in samples]))
+
+
 def test_a_trace_refuses_pickle_and_copy_and_points_at_save(tmp_path):
     import copy
     import pickle

@@ -614,6 +614,11 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
     if isinstance(exc, TypeError) and len(args) == 1 and type(args[0]) is list and "positional argument" in str(exc):
         exc.add_note("torchlens: the list was passed as one positional argument (only a tuple's items are "
                      "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
+    elif isinstance(exc, (TypeError, AttributeError)) and type(args) is not tuple and isinstance(args, tuple):
+        # a named tuple (a batch) given as the arguments is a tuple: its fields were passed one by one
+        exc.add_note(f"torchlens: the {type(args).__name__} was passed as the positional arguments, one per field "
+                     "(a tuple's items are passed as several); to pass it as one argument, wrap it: "
+                     "tl.trace(model, (batch,)), or args_of=lambda batch: (batch,) in tl.extract")
 
 
 def _where(state, index: int, model) -> str:
