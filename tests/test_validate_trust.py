@@ -512,3 +512,33 @@ def test_whisper_generate_validates_though_it_slices_its_features_by_a_counter_i
     window = next(op for op in log.ops if op.parents == ["input_1:1"] and op.func_name == "__getitem__")
     assert torch.equal(window.activation, features[:, :, 0:features.shape[-1]])
     assert "a slice bound is a tensor" in dict(log.validate().not_replayed)[window.label]
+
+
+class PreallocatedCacheStep(nn.Module):
+    """One decoding step over a key cache allocated once by the caller: the step writes its key into the
+    cache and attends over the filled part, which the caller passes as a view of that cache."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.key, self.query = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, cache, filled, position: int):
+        cache[:, position] = self.key(x)
+        scores = torch.einsum("bd,bsd->bs", self.query(x), filled)
+        return torch.einsum("bs,bsd->bd", scores.softmax(-1), filled)
+
+
+def test_inputs_that_view_one_storage_stay_views_of_one_copy_in_the_reference_run():
+    """The reference forward runs on copies of the inputs; a view of another input must stay a view of that
+    input's copy, or a write through one would not show in the other and the untraced run the trace is
+    compared with would compute what no forward did (a false 'outputs differ')."""
+    model, x = PreallocatedCacheStep(), torch.randn(2, 8)
+    cache = torch.zeros(2, 4, 8)
+    cache[:, :2] = torch.randn(2, 2, 8)
+    written_once = cache.clone()
+    written_once[:, 2] = model.key(x).detach()
+    result = tl.validate(model, (x, cache, cache[:, :3], 2))
+    assert_trusted(result)
+    assert result.outputs_match is True
+    assert torch.equal(cache, written_once)  # the caller's cache is written once, by the traced run

@@ -208,9 +208,41 @@ def clone_inputs(obj, memo=None):
 
 def clone_call(args, kwargs) -> tuple:
     """``(args, kwargs)`` of a call, each copied by ``clone_inputs`` with one memo, so that a tensor
-    passed both positionally and by keyword stays one tensor."""
-    memo: dict = {}
+    passed both positionally and by keyword stays one tensor, and tensors that view one storage (an input
+    and a view of it, ``model(x, x[1:])``) stay views of one copy of it."""
+    memo = _views_of_copied_storages(tensor_leaves((args, kwargs), attrs=True))
     return clone_inputs(args, memo), clone_inputs(kwargs, memo)
+
+
+def _views_of_copied_storages(leaves) -> dict:
+    """``{id(tensor): copy}`` for the tensors that share their storage with another one: each copy views one
+    copy of that storage with the tensor's own size, stride and offset, so that a write the forward makes
+    through one shows in the others, as it does in the caller's tensors.  Cloned one by one, the copies
+    would each hold their own values, and a reference run would compute what the traced run never did."""
+    by_storage: dict = {}
+    for _, t in leaves:
+        if type(t) is Tensor and t.layout == torch.strided and not (t.is_quantized or t.is_conj() or t.is_neg()) \
+                and not without_values(t) and t.untyped_storage().data_ptr():
+            by_storage.setdefault(t.untyped_storage().data_ptr(), {})[id(t)] = t
+    memo: dict = {}
+    for shared in by_storage.values():
+        views = list(shared.values())
+        if len(views) > 1 and len({t.dtype for t in views}) == 1:  # (a view read as another dtype: cloned alone)
+            memo.update(_views_of_one_copy(views))
+    return memo
+
+
+def _views_of_one_copy(views: list) -> dict:
+    first = views[0]
+    storage = first.untyped_storage()
+    if storage.nbytes() % first.element_size():
+        return {}
+    whole = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        storage.clone(), 0, (storage.nbytes() // first.element_size(),), (1,))
+    if any(t.requires_grad for t in views):  # a non-leaf, as ``clone()`` gives, which a forward may write
+        whole = whole.requires_grad_().clone()
+    return {id(t): (whole if t.requires_grad else whole.detach()).as_strided(t.size(), t.stride(), t.storage_offset())
+            for t in views}
 
 
 def path_text(prefix: str, path: tuple) -> str:
