@@ -178,3 +178,21 @@ def test_clone_inputs_copies_objects_holding_tensors_and_warns_when_it_cannot():
     locked.lock = threading.Lock()  # cannot be deep-copied
     with pytest.warns(UserWarning, match="could not copy a Holder input"):
         assert clone_inputs(locked) is locked
+
+
+def test_clone_call_keeps_overlapping_inputs_views_of_one_copy_of_what_they_span():
+    """Inputs whose memory overlaps stay views of one copy (a write through one shows in the other), a copy
+    of the span they cover only: features and targets sliced from one batch of a dataset tensor do not copy
+    the dataset; an input that overlaps none is cloned alone."""
+    from torchlens.tree import clone_call
+
+    data = torch.randn(1000, 20)
+    batch = data[100:132]
+    features, targets, far = batch[:, :10], batch[:, 10:], data[500:510]
+    (f, t, other), kwargs = clone_call((features, targets, far), {"again": batch})
+    assert [torch.equal(a, b) for a, b in ((f, features), (t, targets), (other, far), (kwargs["again"], batch))] \
+        == [True] * 4
+    assert f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() == kwargs["again"].untyped_storage().data_ptr()
+    assert f.untyped_storage().nbytes() == batch.numel() * 4 and other.untyped_storage().nbytes() == far.numel() * 4
+    kwargs["again"][0, 0] = 7.0
+    assert f[0, 0] == 7.0 and batch[0, 0] != 7.0  # the copies alias each other, never the caller's tensors

@@ -215,33 +215,53 @@ def clone_call(args, kwargs) -> tuple:
 
 
 def _views_of_copied_storages(leaves) -> dict:
-    """``{id(tensor): copy}`` for the tensors that share their storage with another one: each copy views one
-    copy of that storage with the tensor's own size, stride and offset, so that a write the forward makes
-    through one shows in the others, as it does in the caller's tensors.  Cloned one by one, the copies
-    would each hold their own values, and a reference run would compute what the traced run never did."""
+    """``{id(tensor): copy}`` for the tensors whose memory overlaps another one's: each copy views one copy
+    of the memory they span, with the tensor's own size and stride, so that a write the forward makes through
+    one shows in the others, as it does in the caller's tensors.  Cloned one by one, the copies would each
+    hold their own values, and a reference run would compute what the traced run never did.  Only the span
+    the overlapping tensors cover is copied, not their whole storage (two slices of a dataset tensor)."""
     by_storage: dict = {}
     for _, t in leaves:
-        if type(t) is Tensor and t.layout == torch.strided and not (t.is_quantized or t.is_conj() or t.is_neg()) \
-                and not without_values(t) and t.untyped_storage().data_ptr():
-            by_storage.setdefault(t.untyped_storage().data_ptr(), {})[id(t)] = t
+        if type(t) is Tensor and t.layout == torch.strided and t.numel() and \
+                not (t.is_quantized or t.is_conj() or t.is_neg() or without_values(t)):
+            by_storage.setdefault((t.untyped_storage().data_ptr(), t.dtype), {})[id(t)] = t
     memo: dict = {}
     for shared in by_storage.values():
-        views = list(shared.values())
-        if len(views) > 1 and len({t.dtype for t in views}) == 1:  # (a view read as another dtype: cloned alone)
-            memo.update(_views_of_one_copy(views))
+        if len(shared) > 1:
+            for overlapping in _overlapping(shared.values()):
+                memo.update(_views_of_one_copy(overlapping))
     return memo
 
 
+def _span(t: Tensor) -> tuple:
+    """The elements of its storage a tensor can reach: ``[first, last + 1)``."""
+    return t.storage_offset(), t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+
+
+def _overlapping(tensors) -> list:
+    """The groups of two or more tensors (of one storage) whose spans overlap, each a list."""
+    groups, end = [], -1
+    for t in sorted(tensors, key=lambda v: _span(v)[0]):
+        start, stop = _span(t)
+        if start < end:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+        end = max(end, stop)
+    return [group for group in groups if len(group) > 1]
+
+
 def _views_of_one_copy(views: list) -> dict:
+    start = min(_span(t)[0] for t in views)
+    stop = max(_span(t)[1] for t in views)
     first = views[0]
-    storage = first.untyped_storage()
-    if storage.nbytes() % first.element_size():
-        return {}
-    whole = torch.empty(0, dtype=first.dtype, device=first.device).set_(
-        storage.clone(), 0, (storage.nbytes() // first.element_size(),), (1,))
+    span = torch.empty(0, dtype=first.dtype, device=first.device).set_(first.untyped_storage(), start,
+                                                                      (stop - start,), (1,))
+    copy = span.detach().clone()
     if any(t.requires_grad for t in views):  # a non-leaf, as ``clone()`` gives, which a forward may write
-        whole = whole.requires_grad_().clone()
-    return {id(t): (whole if t.requires_grad else whole.detach()).as_strided(t.size(), t.stride(), t.storage_offset())
+        copy = copy.requires_grad_().clone()
+    return {id(t): (copy if t.requires_grad else copy.detach()).as_strided(t.size(), t.stride(),
+                                                                           t.storage_offset() - start)
             for t in views}
 
 
