@@ -542,3 +542,33 @@ def test_inputs_that_view_one_storage_stay_views_of_one_copy_in_the_reference_ru
     assert_trusted(result)
     assert result.outputs_match is True
     assert torch.equal(cache, written_once)  # the caller's cache is written once, by the traced run
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+
+    def forward(self, packed):
+        out, (h, _) = self.rnn(packed)
+        return out, h
+
+
+def test_a_packed_sequence_input_is_copied_for_the_reference_runs():
+    """``PackedSequence`` is a named tuple whose constructor refuses the skeleton the inputs' copy is built
+    from (a ``None`` where its data goes): validation and a label site's reference pass raised an internal
+    AssertionError instead of running."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    model = PackedLSTM().eval()
+    packed = pack_padded_sequence(torch.randn(3, 5, 3), torch.tensor([3, 5, 2]), batch_first=True, enforce_sorted=False)
+    log = tl.trace(model, (packed,))
+    assert [op.io_path for op in log.inputs] == [f"input.packed.{i}" for i in range(4)]
+    assert type(log.output[0]) is type(packed)
+    result = tl.validate(model, (packed,))
+    assert_trusted(result)
+    assert result.outputs_match is True
+    edited = tl.trace(model, (packed,), intervene={"lstm_1_4": tl.zero_ablate()})  # the packed output's data
+    assert [a.label for a in edited.interventions] == ["lstm_1_4:1"]
+    assert torch.equal(edited.output[0].data, torch.zeros(10, 4))

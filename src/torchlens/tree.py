@@ -118,7 +118,7 @@ def strip(obj, depth: int = 0):
     if isinstance(obj, list):
         return [strip(x, depth + 1) for x in obj]
     if _is_namedtuple(obj):
-        return type(obj)(*(strip(x, depth + 1) for x in obj))
+        return _named_tuple_of(obj, [strip(x, depth + 1) for x in obj])
     if isinstance(obj, tuple):
         return tuple(strip(x, depth + 1) for x in obj)
     if type(obj) is dict:
@@ -127,6 +127,13 @@ def strip(obj, depth: int = 0):
 
 
 _PLAIN = (int, float, bool, str, bytes, type(None), slice, type(Ellipsis), torch.dtype, torch.device)
+
+
+def _named_tuple_of(like, fields: list):
+    """A named tuple of ``like``'s class holding ``fields``, made as ``tuple`` makes it: a class whose own
+    ``__new__`` checks or converts its fields (``PackedSequence`` refuses a ``None`` where its data goes) would
+    refuse the skeleton ``strip`` makes, or convert fields it was given already converted."""
+    return tuple.__new__(type(like), fields)
 
 
 def slice_with_tensor(obj, depth: int = 0) -> bool:
@@ -172,7 +179,7 @@ def fill(skeleton, tensors: dict, path: tuple = ()):
     if isinstance(skeleton, list):
         return [fill(x, tensors, path + (i,)) for i, x in enumerate(skeleton)]
     if _is_namedtuple(skeleton):
-        return type(skeleton)(*(fill(x, tensors, path + (i,)) for i, x in enumerate(skeleton)))
+        return _named_tuple_of(skeleton, [fill(x, tensors, path + (i,)) for i, x in enumerate(skeleton)])
     if isinstance(skeleton, tuple):
         return tuple(fill(x, tensors, path + (i,)) for i, x in enumerate(skeleton))
     if type(skeleton) is dict:
