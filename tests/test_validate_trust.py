@@ -210,6 +210,33 @@ def test_output_comparison_walks_dataclasses_instead_of_comparing_types():
     assert not outputs_equal(a, Out(torch.ones(2), (torch.ones(1),)))
 
 
+class Detector(nn.Module):
+    """Returns its scores as a tensor and, post-processed for the caller, as a NumPy array of labels and a
+    Python float that is NaN when no box passes the threshold."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, threshold: float):
+        scores = self.head(x).softmax(-1)
+        kept = scores.max(-1).values > threshold
+        labels = scores.argmax(-1)[kept].numpy()
+        return {"scores": scores, "labels": labels, "mean_kept_score": float(scores.max(-1).values[kept].mean())}
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.0], ids=["boxes kept", "none kept: a NaN mean"])
+def test_output_comparison_reads_numpy_arrays_and_nan_floats_by_value(threshold):
+    """A NumPy array's == is elementwise (no truth value) and NaN != NaN: two runs returning the same array or
+    both a NaN were reported as 'outputs differ'."""
+    result = tl.validate(Detector().eval(), (torch.randn(5, 4), threshold))
+    assert_trusted(result)
+    assert result.outputs_match is True
+    assert not outputs_equal({"labels": numpy.array([1, 2])}, {"labels": numpy.array([1, 0])})
+    assert not outputs_equal(float("nan"), 1.0)
+
+
 # ----- the untraced reference runs on a copy -----------------------------------------------------------
 class Stateful(nn.Module):
     def __init__(self, lock: bool = False):

@@ -298,11 +298,7 @@ def _equal(a, b, path, exact, rtol, atol, depth) -> tuple:
         return True, ""
     ca, cb = container_items(a, True), container_items(b, True)
     if ca is None or cb is None:
-        try:
-            same = bool(a == b)
-        except Exception:  # noqa: BLE001 - values without a usable == (arrays): compare identity
-            same = a is b
-        return (True, "") if same else (False, f"{where}: {a!r} vs {b!r}")
+        return (True, "") if _leaves_equal(a, b, exact, rtol, atol) else (False, f"{where}: {a!r} vs {b!r}")
     da, db = dict(ca), dict(cb)
     if list(da) != list(db):
         return False, f"{where}: keys {list(da)} vs {list(db)}"
@@ -311,6 +307,23 @@ def _equal(a, b, path, exact, rtol, atol, depth) -> tuple:
         if not ok:
             return ok, why
     return True, ""
+
+
+def _leaves_equal(a, b, exact, rtol, atol) -> bool:
+    """Two non-tensor leaves of one type: by ``==``, with NaN equal to NaN as for tensors (two runs that
+    both made a NaN agree), and NumPy arrays by value (their ``==`` is elementwise, with no truth value)."""
+    numpy = sys.modules.get("numpy")  # an array can only exist once numpy is imported
+    if numpy is not None and isinstance(a, numpy.ndarray):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.dtype.kind not in "fc":
+            return bool(numpy.array_equal(a, b))
+        return bool(numpy.array_equal(a, b, equal_nan=True) if exact else
+                    numpy.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+    try:
+        return bool(a == b) or bool(a != a and b != b)  # NaN is the one value unequal to itself
+    except Exception:  # noqa: BLE001 - values without a usable ==: compare identity
+        return a is b
 
 
 def _tensors_equal(a, b, where, exact, rtol, atol) -> tuple:
