@@ -92,3 +92,21 @@ def test_a_transformers_style_call_takes_the_shortcut_and_traces_its_slots():
     assert session._call_slots(model, (ids,), {"extra": extra}) is None
     log = tl.trace(model, (ids,), {"extra": extra})
     assert [op.io_path for op in log.ops if op.is_input] == ["input.input_ids", "input.kwargs.extra"]
+
+
+def test_a_tensor_passed_under_two_names_is_one_input_that_both_names_find(tmp_path):
+    """``labels=input_ids`` (how a causal LM is given its loss) passes one tensor twice: it is one input, named
+    by its first slot, and the second slot finds it too, live and after save/load, instead of a KeyError that
+    offers other inputs as if the labels had never been passed."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model, ids = transformers.GPT2LMHeadModel(config).eval(), torch.randint(0, 50, (2, 5))
+    log = tl.trace(model, (), {"input_ids": ids, "labels": ids})
+    assert [op.io_path for op in log.inputs] == ["input.input_ids"]
+    loaded = tl.load(log.save(tmp_path / "run"))
+    for trace in (log, loaded):
+        assert trace["input.labels"] == trace["input.input_ids"] == trace["input_1:1"]
+    with pytest.raises(KeyError, match="input.mask"):
+        log["input.mask"]

@@ -85,7 +85,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     packing = PackLog(state.calls) if saved_for_backward else None
     if runtime is not None:
         runtime.packing = packing
-    _add_inputs(state, model, args, kwargs)
+    input_aliases = _add_inputs(state, model, args, kwargs)
     autocast = state.context[1]  # the autocast state around the forward, for replay
     default_dtype = torch.get_default_dtype()  # and the default dtype, which factories and scalars read
     mode = CaptureMode(state, _FRAMES, deep=deep)
@@ -113,6 +113,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         if shown is not QUIET:
             shown.close()
     result._autocast = autocast
+    if input_aliases:
+        result._input_aliases = input_aliases
     ended_with = torch.get_default_dtype()  # a forward may change it: replay then tries both
     result._default_dtypes = (default_dtype,) if ended_with is default_dtype else (default_dtype, ended_with)
     _complete(result, state, index, policy, runtime, packing, submodules, root, model_name)
@@ -565,7 +567,10 @@ def _whole_call(model, args, kwargs) -> tuple:
     return model, args, kwargs
 
 
-def _add_inputs(state, model, args, kwargs) -> None:
+def _add_inputs(state, model, args, kwargs) -> dict:
+    """Register each tensor of the call's arguments as an input, named by its slot; return
+    ``{slot: input record}`` for the slots holding a tensor another slot already named (``labels=input_ids``:
+    one tensor, one input, which ``log["input.labels"]`` finds too)."""
     if isinstance(model, functools.partial):
         model, args, kwargs = _whole_call(model, args, kwargs)
     inputs = _call_slots(model, args, kwargs)
@@ -581,15 +586,15 @@ def _add_inputs(state, model, args, kwargs) -> None:
         if names is None:
             names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
         inputs = [(f"input.{name}", value) for name, value in names]
-    producers = state.producers
+    producers, aliases = state.producers, {}
     for slot, value in inputs:
-        if type(value) is torch.Tensor:  # the common case: the leaf is the argument itself
-            if id(value) not in producers:
-                state.add_source(value, INPUT, slot)
-            continue
-        for path, t in tensor_leaves(value, slot, []):
-            if id(t) not in producers:  # the same tensor passed twice is one input
+        leaves = ((slot, value),) if type(value) is torch.Tensor else tensor_leaves(value, slot, [])
+        for path, t in leaves:
+            if id(t) not in producers:
                 state.add_source(t, INPUT, path)
+            else:  # the same tensor passed twice is one input
+                aliases[path] = producers[id(t)][1]
+    return aliases
 
 
 def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:

@@ -1,7 +1,7 @@
 """Trace-level facts a saved trace keeps beside its columns, so that a loaded trace prints what the live
 one printed: where ``stop_after=`` stopped the forward, the caveats, the root module's class, the module
-attributes read from outside the trace, whether repeated layers came from a loop or a reused module, and
-which output nodes show a tensor of their own.
+attributes read from outside the trace, whether repeated layers came from a loop or a reused module,
+which output nodes show a tensor of their own, and the input slots that named a tensor an earlier slot named.
 
 Each is one optional key of ``trace.json``: a file written before the key existed loads as it always did
 (nothing stopped, no caveats, the class shown as the model's name, repetition told apart from the ops'
@@ -27,6 +27,7 @@ def write_trace_state(trace) -> dict:
         "outside_attributes": list(trace._outside_attributes),
         "repetition": repetition(trace),  # the live verdict: a loaded trace lacks the module call frames
         "own_outputs": sorted(trace._own_outputs),  # output nodes with their own tensor and gradient
+        "input_aliases": trace._input_aliases,  # slots naming a tensor an earlier slot named
     }
 
 
@@ -47,6 +48,9 @@ def read_trace_state(trace, record: dict) -> None:
     own = _output_nodes(trace, record, "own_outputs")
     if own:
         trace._own_outputs = own
+    aliases = _input_aliases(trace, record)
+    if aliases:
+        trace._input_aliases = aliases
     verdict = _optional_string(record, "repetition")
     if verdict is not None:
         if verdict not in _REPETITIONS:
@@ -75,3 +79,12 @@ def _output_nodes(trace, record: dict, key: str) -> frozenset:
                                               for i in value):
         raise TraceFileError(f"{TRACE_JSON}: {key!r} must list output nodes by index")
     return frozenset(value)
+
+
+def _input_aliases(trace, record: dict) -> dict:
+    value = record.get("input_aliases", {})
+    kinds = trace._kind
+    if not isinstance(value, dict) or not all(isinstance(k, str) and type(i) is int and 0 <= i < len(kinds)
+                                              and kinds[i] == Kind.INPUT for k, i in value.items()):
+        raise TraceFileError(f"{TRACE_JSON}: 'input_aliases' must map input slots to input nodes by index")
+    return value

@@ -53,6 +53,8 @@ def build_lookup(trace) -> dict:
     for i, path in trace._io.items():
         if kind[i] != Kind.BUFFER:
             lookup.setdefault(path, (Op, i))
+    for path, i in trace._input_aliases.items():  # a tensor passed twice: one input, both names
+        lookup.setdefault(path, (Op, i))
     return lookup
 
 

@@ -75,6 +75,7 @@ class Trace(TraceColumns):
     _autocast: dict = {}  # capture.session: device type -> autocast state around the forward, for replay
     _default_dtypes: tuple = ()  # capture.session: the default dtype as the forward began (and ended), for replay
     _root_class = None  # capture.session: the root module's class name (the module table's first row)
+    _input_aliases: dict = {}  # capture.session: input slot -> the input op of the tensor an earlier slot named
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
     _output_structure = None  # io.load: (the output with an OutputSlot per tensor,), from record.saved_output
     _saved_repetition = None  # io.trace_state: in a loaded trace, the live trace's "loop" or "reused" verdict
