@@ -7,6 +7,7 @@ unpacked by guesswork.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import os
@@ -599,3 +600,40 @@ def test_a_packed_sequence_input_is_copied_for_the_reference_runs():
     edited = tl.trace(model, (packed,), intervene={"lstm_1_4": tl.zero_ablate()})  # the packed output's data
     assert [a.label for a in edited.interventions] == ["lstm_1_4:1"]
     assert torch.equal(edited.output[0].data, torch.zeros(10, 4))
+
+
+@dataclasses.dataclass
+class ImageBatch:
+    pixels: torch.Tensor
+
+
+class NormalizesInPlace(nn.Module):
+    """Scales its batch's pixels in place before the convolution, as a preprocessing step folded into forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, batch):
+        pixels = batch.pixels if isinstance(batch, ImageBatch) else batch["pixels"]
+        pixels.div_(255.0)
+        return self.conv(pixels).relu()
+
+
+@pytest.mark.parametrize("container", [ImageBatch, lambda pixels: collections.OrderedDict(pixels=pixels)],
+                         ids=["dataclass", "OrderedDict"])
+def test_inputs_in_dataclasses_and_dict_subclasses_are_copied_for_the_extra_runs(container):
+    """A dataclass or a dict subclass holding the inputs was handed to the reference runs as it was, the
+    caller's tensors in it: the reference forward wrote them, the traced one wrote them again, validation
+    reported 'outputs differ' and an intervened run computed from inputs written twice."""
+    pixels = torch.full((1, 3, 5, 5), 255.0)
+    once = pixels / 255.0
+    result = tl.validate(NormalizesInPlace(), (container(pixels),))
+    assert_trusted(result)
+    assert result.outputs_match is True and torch.equal(pixels, once)  # the caller's pixels written once
+    pixels = torch.full((1, 3, 5, 5), 255.0)
+    expected = NormalizesInPlace()(container(pixels.clone()))
+    edited = tl.trace(NormalizesInPlace(), (container(pixels),), intervene={"relu_1_3": tl.scale(1.0)})
+    assert [a.label for a in edited.interventions] == ["relu_1_3:1"]
+    assert torch.equal(edited.output, expected) and torch.equal(pixels, once)

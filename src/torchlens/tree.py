@@ -191,8 +191,10 @@ def clone_inputs(obj, memo=None):
     """A copy of a model's inputs for a run that must leave the caller's inputs as they were (a
     reference forward): every tensor cloned, keeping aliasing (a tensor passed twice stays one tensor:
     ``nn.MultiheadAttention`` takes a different path when ``query is key``), containers rebuilt, and
-    plain objects holding tensors (a key/value cache the forward extends) deep-copied.  ``memo``
-    (``id -> copy``) shares the aliasing across several values, such as args and kwargs."""
+    plain objects holding tensors (a key/value cache the forward extends) deep-copied, as are the
+    containers ``strip`` keeps as they are (a dataclass, an ``OrderedDict``, a ``ModelOutput``), whose
+    tensors would otherwise be the caller's.  ``memo`` (``id -> copy``) shares the aliasing across several
+    values, such as args and kwargs."""
     memo = {} if memo is None else memo
     clones = {}
     for path, t in tensor_leaves(obj):
@@ -200,16 +202,20 @@ def clone_inputs(obj, memo=None):
             memo[id(t)] = t.clone()
         clones[path] = memo[id(t)]
     held = tensor_leaves(obj, attrs=True)
-    if len(held) > len(clones):  # tensors in plain objects' attributes (a key/value cache), which a
-        # forward may update in place: the object is copied too, each tensor as its clone
-        for _, t in held:
-            if id(t) not in memo:
-                memo[id(t)] = t.clone()
-        try:
-            return copy.deepcopy(obj, memo)
-        except Exception as exc:  # noqa: BLE001 - an object that cannot be copied is passed as it is
-            warn_user(f"torchlens could not copy a {type(obj).__name__} input ({type(exc).__name__}: {exc}): "
-                      "the extra run uses it as given, so a forward that changes it in place changes it again")
+    if len(held) == len(clones):
+        rebuilt = fill(strip(obj), clones)
+        if all(t is clones[path] for path, t in tensor_leaves(rebuilt)):
+            return rebuilt
+    # Tensors in plain objects' attributes (a key/value cache), or in a container strip keeps: a forward may
+    # update them in place, so the object is copied too, each tensor as its clone.
+    for _, t in held:
+        if id(t) not in memo:
+            memo[id(t)] = t.clone()
+    try:
+        return copy.deepcopy(obj, memo)
+    except Exception as exc:  # noqa: BLE001 - an object that cannot be copied is passed as it is
+        warn_user(f"torchlens could not copy a {type(obj).__name__} input ({type(exc).__name__}: {exc}): "
+                  "the extra run uses it as given, so a forward that changes it in place changes it again")
     return fill(strip(obj), clones)
 
 
