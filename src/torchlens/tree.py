@@ -237,7 +237,7 @@ def _views_of_copied_storages(leaves) -> dict:
     for _, t in leaves:
         if type(t) is Tensor and t.layout == torch.strided and t.numel() and \
                 not (t.is_quantized or t.is_conj() or t.is_neg() or without_values(t)):
-            by_storage.setdefault((t.untyped_storage().data_ptr(), t.dtype), {})[id(t)] = t
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr(), t.dtype), {})[id(t)] = t
     memo: dict = {}
     for shared in by_storage.values():
         if len(shared) > 1:
