@@ -176,3 +176,35 @@ def test_a_bool_is_not_an_op_index():
         with pytest.raises(TypeError, match="not a bool"):
             log[flag]
     assert log[1].index == 1
+
+
+def test_a_module_class_as_a_selection_or_site_is_refused_not_called_on_every_op():
+    # A class is callable: taken as a predicate over ops, nn.ReLU(op) built a module of every op, which is
+    # true, so every op was selected (every activation saved, every op ablated).
+    from untouched import assert_untouched, snapshot
+
+    model, x = MLP().eval(), torch.randn(2, 16)
+    before = snapshot(model, (x,))
+    for misuse in ({"intervene": {nn.ReLU: tl.zero_ablate()}}, {"save": nn.ReLU}, {"grads": nn.ReLU},
+                   {"stop_after": nn.ReLU}):
+        with pytest.raises(TypeError, match=r"got the class ReLU, which names no op and no module.*predicate"):
+            tl.trace(model, x, **misuse)
+    with pytest.raises(TypeError, match=r"its modules' addresses \('layers\.0', 'layers\.1', 'layers\.2' and 1 more\)"):
+        tl.trace(model, x, save=nn.Linear)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert torch.equal(tl.trace(model, x).output, model(x))
+
+
+def test_a_module_object_as_a_selection_or_site_is_answered_with_its_address():
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    gpt2, ids = small_gpt2_lm(), torch.randint(0, 64, (1, 6))
+    block = gpt2.transformer.h[0]
+    for misuse in ({"intervene": {block: tl.zero_ablate()}}, {"stop_after": block}, {"save": block},
+                   {"save": [block]}, {"grads": [block]}):
+        with pytest.raises(TypeError, match=r"module object \(GPT2Block\).*give its address instead: 'transformer\.h\.0'"):
+            tl.trace(gpt2, ids, **misuse)
+    with pytest.raises(TypeError, match="no submodule of the traced model"):
+        tl.trace(gpt2, ids, save=nn.Linear(2, 2))
+    assert tl.trace(gpt2, ids, save=["transformer.h.0"])["transformer.h.0"].has_activation

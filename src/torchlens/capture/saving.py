@@ -19,7 +19,7 @@ from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
-from ..record.model_index import scripted_outer, traced_address
+from ..record.model_index import refuse_module_object, scripted_outer, traced_address
 from ..record.params import bypassed_call_hint
 from ..tree import tensor_leaves
 from .state import is_bound, version_of
@@ -42,12 +42,14 @@ class SavePolicy:
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
             self.mode = 0
         elif callable(save):
+            if isinstance(save, (type, torch.nn.Module)):  # callable, but no predicate: refused, naming addresses
+                refuse_module_object(save, _modules_by_address(model, index), f"{option}=")
             self.mode, self.predicate = 1, save
         elif isinstance(save, (list, tuple, set, frozenset)):
             self._parse_selection(save if isinstance(save, LayerSelection) else list(save), model, index)
         else:
             raise ValueError(
-                f"save={save!r} is not understood: use 'all', 'none', a list of labels / module "
+                f"{option}={save!r} is not understood: use 'all', 'none', a list of labels / module "
                 "addresses / op types, or a predicate taking an Op"
             )
 
@@ -57,6 +59,7 @@ class SavePolicy:
         self.labels, self.types, self.module_ids, self.addresses, self.call_labels = set(), set(), set(), set(), set()
         for item in items:
             if not isinstance(item, str):
+                refuse_module_object(item, modules, f"a {self.option}= entry")
                 raise ValueError(f"{self.option}= entries must be strings, got {item!r}")
             address, _, call = item.rpartition(":")
             if item in modules:

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InterventionError, closest_hint
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
-from ..record.model_index import WRAPPED, scripted_outer, traced_address
+from ..record.model_index import WRAPPED, refuse_module_object, scripted_outer, traced_address
 from ..record.op import Layer, Op
 from ..capture.source import line_of, source_of
 from ..labels.naming import func_name_of
@@ -121,6 +121,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
     if stop_after is not None:
         items.append((stop_after, None, True))
     for key, action, stop in items:
+        refuse_module_object(key, modules, "stop_after=" if stop else "an intervention site")
         if callable(key) and not isinstance(key, str):
             pending.append((key, action, stop))
             continue

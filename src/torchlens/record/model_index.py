@@ -20,6 +20,7 @@ from weakref import ref as weakref
 
 import torch
 
+from ..errors import first_few
 
 WRAPPED = "_orig_mod"  # where a torch.compile wrapper (an OptimizedModule) holds the module it compiles
 
@@ -218,6 +219,24 @@ def scripted_outer(address: str, modules: dict) -> str | None:
         if isinstance(modules.get(outer), torch.jit.ScriptModule):
             return outer
     return None
+
+
+def refuse_module_object(value, modules: dict, where: str) -> None:
+    """Refuse a class or a module object given ``where`` a name or a predicate over ops is taken (``save=``,
+    ``grads=``, an intervention site).  Both are callable, so either would be called on each op as a predicate:
+    a class builds an object of every op (``nn.ReLU(op)``: all selected, every op ablated), a module runs its
+    forward on an op.  ``modules`` (address -> module) names the addresses to give instead."""
+    if isinstance(value, type):
+        found = [name for name, m in modules.items() if name and isinstance(m, value)]
+        instead = f"give its modules' addresses ({first_few(map(repr, found))}) or " if found else "give module addresses or "
+        raise TypeError(f"{where} got the class {value.__name__}, which names no op and no module: {instead}a "
+                        "predicate over ops (lambda op: op.type == 'relu')")
+    if isinstance(value, torch.nn.Module):
+        found = [name for name, m in modules.items() if name and m is value]
+        instead = f"give its address instead: {first_few(map(repr, found))}" if found else \
+            "and this one is no submodule of the traced model, so it has no address in it"
+        raise TypeError(f"{where} got a module object ({type(value).__name__}), where a module is named by its "
+                        f"address; {instead}")
 
 
 # ----- one index per model, while its structure is unchanged ------------------------------------
