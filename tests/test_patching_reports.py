@@ -295,3 +295,22 @@ def test_a_model_without_values_is_refused_saying_so(report):
     options = {"progress": False} if report == "activation_patching" else {}
     with pytest.raises(tl.TorchlensError, match="metric returned a meta tensor.*real device"):
         getattr(tl.report, report)(model, clean, corrupt, lambda out: out.sum(), **options)
+
+
+def test_activation_patching_refuses_a_dimension_counted_from_the_end():
+    """``positions=-1`` counted its rows along the last dimension (GPT-2's hidden size) but patched along dimension
+    0, the batch: the first rows were batch rows presented as positions of the last dimension."""
+    pytest.importorskip("pandas")
+    pytest.importorskip("transformers")
+    gpt2 = real_models.small_gpt2_lm()
+    clean, corrupt = torch.randint(0, 64, (2, 6)), torch.randint(0, 64, (2, 6))
+    metric = lambda out: out.logits[:, -1, 0].sum()  # noqa: E731
+    with pytest.raises(ValueError, match=r"positions=-1: count the dimension from the front"):
+        tl.report.activation_patching(gpt2, clean, corrupt, metric, sites=["transformer.h.0"], positions=-1,
+                                      progress=False)
+    with pytest.raises(TypeError, match=r"positions=1\.0: give the index of the dimension"):
+        tl.report.activation_patching(gpt2, clean, corrupt, metric, sites=["transformer.h.0"], positions=1.0,
+                                      progress=False)
+    table = tl.report.activation_patching(gpt2, clean, corrupt, metric, sites=["transformer.h.0"], positions=1,
+                                          progress=False)
+    assert list(table.position) == list(range(6)) and not table.error.any()

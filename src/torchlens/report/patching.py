@@ -48,6 +48,7 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     """
     pd = _pandas()
     _inputs_not_traces("activation_patching", clean, corrupt)
+    _check_positions(positions)
     runs = _Runs(model, root)
     clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
@@ -88,6 +89,21 @@ def _inputs_not_traces(who: str, clean, corrupt) -> None:
         raise TypeError(f"{who} takes the clean and corrupted inputs (a tensor or a tuple of arguments), not traces: "
                         "pass the inputs the traces were taken on; to patch one run from a saved trace, use "
                         "tl.trace(model, corrupt, intervene={site: tl.patch_from(loaded)})")
+
+
+def _check_positions(dim) -> None:
+    """``positions`` is the index of one dimension, counted from the front: each patch indexes the value with
+    ``dim`` full slices before the position, so a negative ``dim`` would patch along dimension 0 (the batch)
+    while the rows counted the positions of dimension ``dim``."""
+    if dim is None:
+        return
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"positions={dim!r}: give the index of the dimension to patch along, an int (1: the "
+                        "sequence of a (batch, seq, hidden) value), or None to patch whole values")
+    if dim < 0:
+        raise ValueError(f"positions={dim}: count the dimension from the front (1: the sequence of a (batch, seq, "
+                         "hidden) value); a site's values may differ in rank, so a dimension counted from the end "
+                         "would be a different one at each")
 
 
 def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bool = False, root=None):
