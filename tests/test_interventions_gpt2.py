@@ -402,3 +402,24 @@ def test_an_action_returning_a_tensor_the_forward_holds_is_refused(gpt2):
     with pytest.raises(tl.InterventionError, match="already holds"):
         tl.trace(torch.nn.Sequential(linear, torch.nn.ReLU()), torch.randn(4, 4),
                  intervene={"relu_1_2": lambda t, op: linear.weight})
+
+
+@pytest.mark.parametrize("helper", [tl.zero_ablate, tl.mean_ablate, tl.steer, tl.noise])
+def test_gpt2_a_helper_given_uncalled_is_refused_saying_to_call_it(gpt2, helper):
+    """``tl.zero_ablate`` without ``()`` was run as ``zero_ablate(tensor, op)``: an error from the helper's
+    constructor (``Action.__init__() takes ...``), or, for ``mean_ablate``, an action 'returning' a helper."""
+    model, clean, _ = gpt2
+    from untouched import assert_untouched, snapshot
+
+    before = snapshot(model, (clean,))
+    with pytest.raises(TypeError, match=rf"got the helper {helper.__name__} uncalled: call it, tl\.{helper.__name__}\("):
+        tl.trace(model, clean, intervene={"transformer.h.0": helper})
+    assert_untouched(before, snapshot(model, (clean,)))
+
+
+def test_gpt2_a_reference_that_is_no_trace_is_refused(gpt2):
+    model, clean, corrupt = gpt2
+    with pytest.raises(TypeError, match="reference= takes a Trace .* got str"):
+        tl.trace(model, corrupt, intervene={"layernorm_1_10": tl.zero_ablate()}, reference="clean_log")
+    reference = tl.trace(model, clean, save="none")
+    assert len(tl.trace(model, corrupt, intervene={"layernorm_1_10": tl.zero_ablate()}, reference=reference).interventions)

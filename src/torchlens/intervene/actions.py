@@ -207,6 +207,12 @@ def as_action(action):
     """The callable a site runs: helpers and callables as they are, a tensor as a replacement."""
     if isinstance(action, torch.Tensor):
         return replace_with(action)
+    if isinstance(action, type):  # callable too, but called as action(tensor, op) it would build an object
+        helper = issubclass(action, Action)
+        raise TypeError(f"an intervention action got the {'helper' if helper else 'class'} {action.__name__} "
+                        + (f"uncalled: call it, tl.{action.__name__}(...), to make the action" if helper else
+                           "itself: an action is a callable f(tensor, op), a tensor or a helper such as "
+                           "tl.zero_ablate()"))
     if callable(action):
         return action
     raise TypeError(f"an intervention action must be a callable f(tensor, op), a tensor or a helper such as "
