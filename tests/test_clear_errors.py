@@ -208,3 +208,22 @@ def test_a_module_object_as_a_selection_or_site_is_answered_with_its_address():
     with pytest.raises(TypeError, match="no submodule of the traced model"):
         tl.trace(gpt2, ids, save=nn.Linear(2, 2))
     assert tl.trace(gpt2, ids, save=["transformer.h.0"])["transformer.h.0"].has_activation
+
+
+def test_a_budget_or_save_device_that_cannot_work_is_refused_before_the_forward():
+    # max_saved_bytes='1GB' failed at the first saved tensor ("'>' not supported"); -1, meant as no limit, saved
+    # nothing; save_device='cuda' on a machine without CUDA failed mid-forward with an AssertionError.
+    from untouched import assert_untouched, snapshot
+
+    model, x = MLP().eval(), torch.randn(2, 16)
+    before = snapshot(model, (x,))
+    with pytest.raises(TypeError, match=r"max_saved_bytes='1GB': give a number of bytes"):
+        tl.trace(model, x, max_saved_bytes="1GB")
+    with pytest.raises(ValueError, match="max_saved_bytes=-1: a budget cannot be negative; give None for no limit"):
+        tl.trace(model, x, max_saved_bytes=-1)
+    unusable = ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in unusable:
+        with pytest.raises(ValueError, match=rf"save_device='{device}': saved tensors cannot be moved there"):
+            tl.trace(model, x, save_device=device)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert tl.trace(model, x, max_saved_bytes=2**20, save_device="cpu")["head"].has_activation

@@ -65,7 +65,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if policy is None:
         policy = SavePolicy(save, root, index)
     if save_device is not None:
-        save_device = torch.device(save_device)
+        save_device = _checked_save_device(save_device)
+    if max_saved_bytes is not None:
+        _check_budget(max_saved_bytes)
     started = perf_counter_ns()
 
     state = CaptureState(save_mode=policy.mode, save_device=save_device, record_finite=record_finite,
@@ -151,6 +153,28 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
                          f"stop_after={stop_after!r} stops the forward before it makes one (and the saved "
                          "activations are detached); trace the whole forward (no stop_after) for gradients")
     return model, root
+
+
+def _checked_save_device(save_device) -> torch.device:
+    """``save_device`` as a device this process can hold tensors on, refused before the forward: otherwise the
+    first saved tensor would fail mid-forward (``Torch not compiled with CUDA enabled``)."""
+    try:
+        device = torch.device(save_device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, TypeError) as exc:
+        raise ValueError(f"save_device={save_device!r}: saved tensors cannot be moved there "
+                         f"({str(exc).splitlines()[0]}); give a device this machine has, such as 'cpu'") from None
+    return device
+
+
+def _check_budget(max_saved_bytes) -> None:
+    """``max_saved_bytes`` is a number of bytes; a string ('1GB') would fail at the first saved tensor, and a
+    negative number (meant as 'no limit') would save nothing."""
+    if isinstance(max_saved_bytes, bool) or not isinstance(max_saved_bytes, (int, float)):
+        raise TypeError(f"max_saved_bytes={max_saved_bytes!r}: give a number of bytes (2**30 for 1 GiB), or None "
+                        "for no limit")
+    if max_saved_bytes < 0:
+        raise ValueError(f"max_saved_bytes={max_saved_bytes}: a budget cannot be negative; give None for no limit")
 
 
 def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown) -> tuple:
