@@ -203,7 +203,7 @@ def test_a_module_object_as_a_selection_or_site_is_answered_with_its_address():
     block = gpt2.transformer.h[0]
     for misuse in ({"intervene": {block: tl.zero_ablate()}}, {"stop_after": block}, {"save": block},
                    {"save": [block]}, {"grads": [block]}):
-        with pytest.raises(TypeError, match=r"module object \(GPT2Block\).*give its address instead: 'transformer\.h\.0'"):
+        with pytest.raises(TypeError, match=r"module object \(GPT2Block\).*its address instead: 'transformer\.h\.0'"):
             tl.trace(gpt2, ids, **misuse)
     with pytest.raises(TypeError, match="no submodule of the traced model"):
         tl.trace(gpt2, ids, save=nn.Linear(2, 2))
@@ -227,3 +227,21 @@ def test_a_budget_or_save_device_that_cannot_work_is_refused_before_the_forward(
             tl.trace(model, x, save_device=device)
     assert_untouched(before, snapshot(model, (x,)))
     assert tl.trace(model, x, max_saved_bytes=2**20, save_device="cpu")["head"].has_activation
+
+
+def test_the_readers_of_a_trace_given_the_model_say_to_trace_it_first():
+    # nonfinite_origin(model, x) failed with "Boolean value of Tensor with more than one value is ambiguous" (x
+    # read as grads=), hot_path(model) with "'GPT2LMHeadModel' object has no attribute 'ops'".
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    gpt2, ids = small_gpt2_lm(), torch.randint(0, 64, (1, 6))
+    with pytest.raises(TypeError, match=r"nonfinite_origin reads a Trace \(log = tl\.trace\(model, x\)\), and was "
+                                        r"given a GPT2LMHeadModel"):
+        tl.debug.nonfinite_origin(gpt2, ids)
+    with pytest.raises(TypeError, match=r"hot_path reads a Trace .*, and was given a GPT2LMHeadModel"):
+        tl.debug.hot_path(gpt2)
+    log = tl.trace(gpt2, ids)
+    with pytest.raises(TypeError, match=r"grads=\.\.\.\) takes True or False, not a Tensor"):
+        tl.debug.nonfinite_origin(log, ids)
+    assert not tl.debug.nonfinite_origin(log).found and tl.debug.hot_path(log).rows

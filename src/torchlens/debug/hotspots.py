@@ -9,6 +9,7 @@ ranked as if they cost nothing.  Inputs, buffers and outputs are not torch calls
 
 from __future__ import annotations
 
+from ..record.trace import checked_trace
 
 METRICS = {
     "duration": "s",
@@ -101,6 +102,7 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     ``grads=True``, after a backward), "saved_for_backward" (``saved_for_backward=True``)), grouped by ``group``
     ("op": pass-qualified ops, "layer", "module": module calls, inclusive of nested calls, "source": the
     user's file:line, or the module for ops no user line called)."""
+    checked_trace(log, "hot_path")
     if by not in METRICS:
         raise ValueError(f"by={by!r} is not a metric hot_path knows; use one of: {', '.join(METRICS)}")
     if group not in GROUPS:

@@ -18,6 +18,7 @@ import torch
 from ..capture.state import version_of
 from ..record.columns import UNINITIALIZED_FUNCS, Kind
 from ..record.finite import nonfinite_flags
+from ..record.trace import checked_trace
 from ..errors import TraceCleanedUp
 from ..tree import without_values
 
@@ -142,6 +143,10 @@ def nonfinite_origin(log, grads: bool = False):
 
     With ``grads=True``, name instead the first op, in backward order, whose gradient became NaN/Inf
     (a trace taken with ``grads=True``, after a backward): see ``debug/grad_nonfinite.py``."""
+    checked_trace(log, "nonfinite_origin")
+    if not isinstance(grads, bool):
+        raise TypeError(f"nonfinite_origin(log, grads=...) takes True or False, not a {type(grads).__name__}: it "
+                        "reads the trace alone and runs nothing, so it takes no inputs")
     if grads:
         from .grad_nonfinite import grad_nonfinite_origin
 

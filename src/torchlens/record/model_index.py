@@ -228,7 +228,8 @@ def refuse_module_object(value, modules: dict, where: str) -> None:
     forward on an op.  ``modules`` (address -> module) names the addresses to give instead."""
     if isinstance(value, type):
         found = [name for name, m in modules.items() if name and isinstance(m, value)]
-        instead = f"give its modules' addresses ({first_few(map(repr, found))}) or " if found else "give module addresses or "
+        instead = f"give its modules' addresses ({first_few(map(repr, found))}) or " if found else \
+            "give module addresses or "
         raise TypeError(f"{where} got the class {value.__name__}, which names no op and no module: {instead}a "
                         "predicate over ops (lambda op: op.type == 'relu')")
     if isinstance(value, torch.nn.Module):

@@ -584,4 +584,13 @@ class Trace(TraceColumns):
         return self._cleaned
 
 
-__all__ = ["Trace", "RecordList"]
+def checked_trace(value, who: str) -> Trace:
+    """``value``, which a function reading a trace was given: a model (``nonfinite_origin(model, x)``) or
+    anything else is refused saying to trace first, instead of failing on a missing attribute of it."""
+    if not isinstance(value, Trace):
+        raise TypeError(f"{who} reads a Trace (log = tl.trace(model, x)), and was given a {type(value).__name__}: "
+                        f"trace the model first and pass the trace, {who}(log)")
+    return value
+
+
+__all__ = ["Trace", "RecordList", "checked_trace"]
