@@ -433,3 +433,18 @@ def test_kwargs_of_must_give_a_mapping_that_kwargs_does_not_repeat(tmp_path):
     tl.extract(model, data, ["fc"], tmp_path / "c", kwargs_of=lambda b: {"x": b}, progress=False)
     with torch.no_grad():
         assert torch.equal(tl.load_extracted(tmp_path / "c", as_torch=True)["fc"], torch.cat([model.fc(x) for x in data]))
+
+
+def test_one_tensor_or_one_dict_as_inputs_is_refused_not_iterated(tmp_path):
+    """A tensor of images passed as ``inputs`` was iterated image by image: a convolution runs an unbatched image,
+    and the 10 feature maps of shape (3, 8, 8) were stacked as 30 rows of (8, 8), with no error."""
+    torch.manual_seed(0)
+    model, images = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()).eval(), torch.randn(10, 3, 8, 8)
+    with pytest.raises(TypeError, match=r"one tensor of shape \(10, 3, 8, 8\).*pass \[x\] for one batch"):
+        tl.extract(model, images, ["1"], tmp_path / "x", progress=False)
+    with pytest.raises(TypeError, match=r"given a dict, whose iteration gives its keys: pass \[batch\]"):
+        tl.extract(model, {"x": images}, ["1"], tmp_path / "y", kwargs_of=dict, progress=False)
+    assert not (tmp_path / "x").exists()
+    tl.extract(model, images.split(4), ["1"], tmp_path / "z", progress=False)
+    with torch.no_grad():
+        assert torch.equal(torch.from_numpy(tl.load_extracted(tmp_path / "z")["1"][:]), model(images))

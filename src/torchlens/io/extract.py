@@ -84,6 +84,7 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     """
     out = os.fspath(out)
     layers = _check_layers(layers)
+    _check_inputs(inputs)
     check_request(grads, loss_fn, stop_after)
     arguments_of = batch_reader(args_of, kwargs_of, kwargs)
     if process_rank()[0] is not None:
@@ -163,6 +164,21 @@ def _check_layers(layers) -> list:
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers lists a name twice: {layers}")
     return layers
+
+
+def _check_inputs(inputs) -> None:
+    """``inputs`` is an iterable of batches.  A tensor iterates over its rows, each a sample without the batch
+    dimension, which many models accept (a convolution runs an unbatched image): the rows' activations would be
+    stacked as if each were a batch, a (10, 3, 8, 8) feature map read as 30 rows of (8, 8).  A dict iterates
+    over its keys."""
+    if isinstance(inputs, torch.Tensor):
+        raise TypeError(f"inputs is an iterable of batches, and was given one tensor of shape {tuple(inputs.shape)}, "
+                        "whose iteration gives its rows without their batch dimension: pass [x] for one batch, "
+                        "x.split(n) for batches of n, a DataLoader, or x.unbind() if dimension 0 counts batches")
+    if isinstance(inputs, Mapping):
+        raise TypeError("inputs is an iterable of batches, and was given a dict, whose iteration gives its keys: "
+                        "pass [batch] for one dict batch (with kwargs_of=dict for keyword arguments), or a list "
+                        "or DataLoader of them")
 
 
 def _arguments(layers, kwargs, inputs) -> dict:
