@@ -491,3 +491,25 @@ def test_grads_with_stop_after_are_refused_before_the_model_runs():
         tl.trace(model, x, stop_after="1", grads=True)
     assert not calls
     assert tl.trace(model, x, stop_after="1").stopped_after and tl.trace(model, x, grads=True).output is not None
+
+
+def test_a_backward_that_reaches_no_op_of_the_trace_says_so():
+    """``log.backward(loss)`` with a loss from another forward of the model (run untraced, or another trace's
+    output) ran, reached none of this trace's ops, and left every ``.grad`` None with no word."""
+    import warnings
+
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    gpt2, ids = small_gpt2_lm(), torch.randint(0, 64, (1, 6))
+    log = tl.trace(gpt2, ids, grads=True)
+    with pytest.warns(UserWarning, match=r"reached no op of this trace .* from this trace's output \(log\.output\)"):
+        log.backward(gpt2(ids).logits.sum())
+    assert log.num_backwards == 0
+    with pytest.warns(UserWarning, match="reached no op of this trace"):
+        log.backward(tl.trace(gpt2, ids, grads=True).output.logits.sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log.backward(log.output.logits.sum())
+    assert log.num_backwards == 1 and log["transformer.h.0"].grad is not None
+    gpt2.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ import torch
 from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
 from .layouts import dense_values
 from ..tree import without_values
-from ..errors import GradientUnavailable, TraceCleanedUp
+from ..errors import GradientUnavailable, TraceCleanedUp, warn_user
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
@@ -168,8 +168,19 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
     """``torch.autograd.backward`` through ``loss``; the trace's hooks receive every gradient."""
     if trace._gradcap is None or trace.loaded_from is not None or trace._cleaned:
         _refuse_backward(trace)
+    backwards = trace._gradcap.backwards
     # Positional, as ``Tensor.backward`` passes them: this wrapper is a fixed cost of every traced backward.
     torch.autograd.backward(loss, gradient, retain_graph, create_graph, inputs=inputs)
+    if trace._gradcap.backwards == backwards:
+        _warn_unreached()
+
+
+def _warn_unreached() -> None:
+    """A backward through ``trace.backward`` that delivered no gradient to the trace: its loss was computed from
+    another forward (``model(x)`` run again, another trace's output), so every ``.grad`` stays as it was."""
+    warn_user("log.backward(loss) reached no op of this trace whose gradient it keeps, so no op's .grad changed: "
+              "compute the loss from this trace's output (log.output), not from another forward of the model; "
+              "with grads=[...], from the ops it selects")
 
 
 def _refuse_backward(trace) -> None:
