@@ -425,3 +425,34 @@ def test_gpt2_a_reference_that_is_no_trace_is_refused(gpt2):
     reference = tl.trace(model, clean, save="none")
     edited = tl.trace(model, corrupt, intervene={"layernorm_1_10": tl.zero_ablate()}, reference=reference)
     assert len(edited.interventions) == 1
+
+
+def test_gpt2_an_action_of_one_argument_is_refused_before_any_run_saying_it_takes_tensor_and_op(gpt2):
+    """``lambda t: t * 0`` failed mid-forward with "takes 1 positional argument but 2 were given", raised
+    inside the intervention runtime."""
+    model, clean, _ = gpt2
+    with pytest.raises(TypeError, match=r"called as action\(tensor, op\).*<lambda>\(t\) cannot take"):
+        tl.trace(model, clean, intervene={"transformer.h.0": lambda t: t * 0})
+    edited = tl.trace(model, clean, intervene={"transformer.h.0": lambda t, op=None: t * 0,
+                                               "transformer.h.1": lambda *values: None})
+    assert torch.equal(edited["transformer.h.0"].activation, torch.zeros(1, 6, 32))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: tl.scale("2"), r"tl\.scale: k= takes a number or a tensor, got str '2'"),
+    (lambda: tl.clamp(max="1"), r"tl\.clamp: max= takes a number or a tensor, got str"),
+    (lambda: tl.noise("0.1"), r"tl\.noise: std= takes a number or a tensor"),
+    (lambda: tl.noise(0.1, generator=0), r"tl\.noise: generator= takes a torch\.Generator or None, got int"),
+    (lambda: tl.steer(torch.ones(32), scale=None), r"tl\.steer: scale= takes a number or a tensor, got NoneType"),
+    (lambda: tl.steer(torch.ones(32), dim=1.0), r"tl\.steer: dim= takes a dimension"),
+    (lambda: tl.mean_ablate(dims="0"), r"tl\.mean_ablate: dims= takes a dimension"),
+    (lambda: tl.mean_ablate(trace="clean_log"), r"tl\.mean_ablate: trace= takes a Trace .* got str"),
+    (lambda: tl.patch_from("x"), r"tl\.patch_from: trace= takes a Trace .* got str"),
+])
+def test_gpt2_a_helper_given_a_wrong_argument_is_refused_when_made_not_mid_forward(gpt2, make, message):
+    """``tl.scale("2")`` failed only in the forward ("only integer tensors of a single element can be converted
+    to an index"), ``tl.patch_from("x")`` with "the source trace has no op at ..." or an AttributeError."""
+    with pytest.raises(TypeError, match=message):
+        make()
+    model, clean, _ = gpt2
+    assert len(tl.trace(model, clean, intervene={"transformer.h.0": tl.scale(torch.tensor(2.0))}).interventions) == 1

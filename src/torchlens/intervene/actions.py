@@ -8,10 +8,14 @@ position) and leaves the rest of the tensor as it was.
 
 from __future__ import annotations
 
+import inspect
+import numbers
+
 import torch
 
 from ..errors import ReplacementMismatch
 from ..record.layouts import shape_of
+from ..record.trace import Trace
 
 
 class Action:
@@ -70,7 +74,7 @@ class scale(Action):  # noqa: N801
 
     def __init__(self, k, at=None):
         super().__init__(at)
-        self.k = k
+        self.k = _number("tl.scale", "k", k)
 
     def value(self, tensor, op, at):
         return tensor * self.k
@@ -86,7 +90,8 @@ class clamp(Action):  # noqa: N801
         super().__init__(at)
         if min is None and max is None:
             raise ValueError("tl.clamp needs min, max or both")
-        self.min, self.max = min, max
+        self.min = None if min is None else _number("tl.clamp", "min", min)
+        self.max = None if max is None else _number("tl.clamp", "max", max)
 
     def value(self, tensor, op, at):
         return tensor.clamp(self.min, self.max)
@@ -103,7 +108,8 @@ class steer(Action):  # noqa: N801
         super().__init__(at)
         if not isinstance(vector, torch.Tensor) or vector.dim() != 1:
             raise ValueError("tl.steer needs a 1-d tensor: the direction to add along one dimension")
-        self.vector, self.scale, self.dim = vector, scale, dim
+        _int("tl.steer", "dim", dim)
+        self.vector, self.scale, self.dim = vector, _number("tl.steer", "scale", scale), dim
 
     def value(self, tensor, op, at):
         _check_dims(self, (self.dim,), tensor, op)
@@ -129,7 +135,9 @@ class noise(Action):  # noqa: N801
 
     def __init__(self, std, generator=None, at=None):
         super().__init__(at)
-        self.std, self.generator = std, generator
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"tl.noise: generator= takes a torch.Generator or None, got {type(generator).__name__}")
+        self.std, self.generator = _number("tl.noise", "std", std), generator
 
     def value(self, tensor, op, at):
         _needs_float(self, tensor, op)
@@ -147,7 +155,7 @@ class patch_from(Action):  # noqa: N801
 
     def __init__(self, trace, at=None):
         super().__init__(at)
-        self.trace = trace
+        self.trace = _trace("tl.patch_from", "trace", trace)
 
     def value(self, tensor, op, at):
         return _like(_same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op), tensor, op,
@@ -171,7 +179,9 @@ class mean_ablate(Action):  # noqa: N801
 
     def __init__(self, dims=0, trace=None, at=None):
         super().__init__(at)
-        self.dims, self.trace = dims, trace
+        for dim in _as_tuple(dims):
+            _int("tl.mean_ablate", "dims", dim)
+        self.dims, self.trace = dims, None if trace is None else _trace("tl.mean_ablate", "trace", trace)
 
     def value(self, tensor, op, at):
         _check_dims(self, _as_tuple(self.dims), tensor, op)
@@ -214,9 +224,48 @@ def as_action(action):
                            "itself: an action is a callable f(tensor, op), a tensor or a helper such as "
                            "tl.zero_ablate()"))
     if callable(action):
+        if not isinstance(action, Action):
+            _check_takes_tensor_and_op(action)
         return action
     raise TypeError(f"an intervention action must be a callable f(tensor, op), a tensor or a helper such as "
                     f"tl.zero_ablate(); got {type(action).__name__}")
+
+
+def _check_takes_tensor_and_op(action) -> None:
+    """An action is called as ``action(tensor, op)``: one that cannot take those two arguments
+    (``lambda t: t * 0``) is refused before any run rather than failing inside the forward."""
+    try:
+        signature = inspect.signature(action)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: it is called and answers
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        name = getattr(action, "__qualname__", None) or type(action).__name__
+        raise TypeError(f"an intervention action is called as action(tensor, op), with the site's value and its op, "
+                        f"but {name}{signature} cannot take those two arguments ({exc}); write it as "
+                        "lambda tensor, op: ... (ignore op when not needed)") from None
+
+
+def _number(who: str, name: str, value):
+    """``value`` when it is a number or a tensor (what torch's arithmetic takes); otherwise refused when the
+    helper is made, not at its first site, mid-forward."""
+    if isinstance(value, torch.Tensor) or isinstance(value, numbers.Number) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"{who}: {name}= takes a number or a tensor, got {type(value).__name__} {value!r}")
+
+
+def _int(who: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{who}: {name}= takes a dimension (an int, or for dims= a tuple of ints), got "
+                        f"{type(value).__name__} {value!r}")
+
+
+def _trace(who: str, name: str, value) -> Trace:
+    if not isinstance(value, Trace):
+        raise TypeError(f"{who}: {name}= takes a Trace (tl.trace(model, x) of a run taking the same path, with the "
+                        f"site's activation saved), got {type(value).__name__}")
+    return value
 
 
 def source_value(trace, op, who: str) -> torch.Tensor:
