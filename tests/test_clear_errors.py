@@ -245,3 +245,22 @@ def test_the_readers_of_a_trace_given_the_model_say_to_trace_it_first():
     with pytest.raises(TypeError, match=r"grads=\.\.\.\) takes True or False, not a Tensor"):
         tl.debug.nonfinite_origin(log, ids)
     assert not tl.debug.nonfinite_origin(log).found and tl.debug.hot_path(log).rows
+
+
+def test_options_that_would_be_misread_or_ignored_are_refused_before_the_forward():
+    # deep="yes" was taken as True, name=3 as a display name, and reference= without intervene= or stop_after=
+    # was silently ignored.
+    from untouched import assert_untouched, snapshot
+
+    model, x = MLP().eval(), torch.randn(2, 16)
+    before = snapshot(model, (x,))
+    with pytest.raises(TypeError, match="deep= takes True or False, got str 'yes'"):
+        tl.trace(model, x, deep="yes")
+    with pytest.raises(TypeError, match=r"name= takes a string .*got int 3"):
+        tl.trace(model, x, name=3)
+    reference = tl.trace(model, x, save="none")
+    with pytest.raises(ValueError, match=r"reference= .* this call gives neither, so it would be ignored"):
+        tl.trace(model, x, reference=reference)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert repr(tl.trace(model, x, deep=True, name="mlp")).startswith("<Trace of mlp")
+    assert tl.trace(model, x, reference=reference, intervene={"relu_1_2": tl.scale(2.0)}).interventions

@@ -58,6 +58,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     The steps: check the call, prepare the capture state, run the forward inside every capture part,
     then finalize the record and add what the run leaves beside it (caveats, interventions, gradients)."""
     model, root = _checked_call(model, root, kwargs, compiled, deep, grads, stop_after)
+    if deep is not False or name is not None or reference is not None:  # three identity checks in the common call
+        _check_options(deep, name, reference, intervene, stop_after)
     kwargs = dict(kwargs) if kwargs else {}
     args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
@@ -153,6 +155,19 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
                          f"stop_after={stop_after!r} stops the forward before it makes one (and the saved "
                          "activations are detached); trace the whole forward (no stop_after) for gradients")
     return model, root
+
+
+def _check_options(deep, name, reference, intervene, stop_after) -> None:
+    """Options that would otherwise be taken as something else, or quietly ignored: ``deep="yes"`` read as
+    true, ``name=3`` as a display name, ``reference=`` with nothing to resolve against it."""
+    if deep is not True and deep is not False:
+        raise TypeError(f"deep= takes True or False, got {type(deep).__name__} {deep!r}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name= takes a string (the trace's display name), got {type(name).__name__} {name!r}")
+    if reference is not None and not intervene and stop_after is None:
+        raise ValueError("reference= is the trace the label sites of intervene= and stop_after= are resolved "
+                         "against, and this call gives neither, so it would be ignored: drop reference=, or give "
+                         "intervene={site: action} or stop_after=site with it")
 
 
 def _checked_save_device(save_device) -> torch.device:
