@@ -264,3 +264,14 @@ def test_options_that_would_be_misread_or_ignored_are_refused_before_the_forward
     assert_untouched(before, snapshot(model, (x,)))
     assert repr(tl.trace(model, x, deep=True, name="mlp")).startswith("<Trace of mlp")
     assert tl.trace(model, x, reference=reference, intervene={"relu_1_2": tl.scale(2.0)}).interventions
+
+
+def test_validate_names_its_own_unknown_keyword_and_the_trace_option_meant():
+    # tl.validate(m, x, grad=True) reported "trace() got an unexpected keyword argument 'grad'", naming a function
+    # the user did not call; save= clashed with the save="all" validate passes ("multiple values").
+    model, x = MLP().eval(), torch.randn(2, 16)
+    with pytest.raises(TypeError, match=r"tl\.validate\(\) got an unexpected keyword argument 'grad'.*closest: grads"):
+        tl.validate(model, x, grad=True)
+    with pytest.raises(TypeError, match=r"tl\.validate\(\) saves every activation .* takes no save="):
+        tl.validate(model, x, save="none")
+    assert tl.validate(model, x, record_finite=True).passed

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 
+from .errors import closest_hint
 from .record.columns import UNINITIALIZED_FUNCS
 from .record.layouts import copy_with_layout, memory_freed
 from .record.trace import WRITTEN_AFTER_TRACE
@@ -203,6 +205,20 @@ def _holds_fake_tensors(module) -> bool:
     return any(without_values(t) and not t.is_meta for t in tensors)
 
 
+def _check_trace_options(trace, options: dict) -> None:
+    """``validate``'s extra keywords are ``tl.trace``'s options: a misspelt one is named as validate's, with the
+    option meant, not left to ``trace()`` to call an unexpected keyword of its own."""
+    known = [name for name, p in inspect.signature(trace).parameters.items() if p.kind == p.KEYWORD_ONLY]
+    for name in options:
+        if name == "save":
+            raise TypeError("tl.validate() saves every activation to replay it: it takes no save= (trace with "
+                            "save= and call log.validate() to replay what a selection kept)")
+        if name not in known:
+            raise TypeError(f"tl.validate() got an unexpected keyword argument {name!r}: besides progress=, it takes "
+                            f"tl.trace's options ({', '.join(n for n in known if n not in ('save', 'progress'))})"
+                            f"{closest_hint(name, known)}")
+
+
 # ----- entry points ------------------------------------------------------------------------------------
 def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> ValidationResult:
     """Trace ``model`` and check the trace against an untraced run and against replay of every op.
@@ -222,6 +238,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         raise TypeError(f"tl.validate needs the model to run (a module instance or a callable), got {what}, "
                         "which " + ("is not an instance: pass a module instance" if isinstance(model, type)
                                     else "is not callable"))
+    _check_trace_options(trace, trace_kwargs)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.validate"))
     before = RngState()
