@@ -503,3 +503,15 @@ def test_products_flop_counter_mode_has_no_formula_for_are_named_in_a_note():
     assert result.native_total == native_total(Products(), *args) == 2 * 4 * 4 * 4  # the mm alone
     (note,) = [n for n in result.notes if n.startswith("FlopCounterMode counted 0 inside")]
     assert "addbmm, matmul calls" in note and "(here: addbmm_1_1:1, matmul_1_2:1; 2 of 3 products)" in note
+
+
+def test_a_tolerance_that_is_no_number_is_refused_before_either_run():
+    # rtol="x" failed inside torch.allclose ("argument 'rtol' must be float, not str"), after both forwards.
+    model, args, kwargs = zoo()["mlp"]
+    rng = torch.get_rng_state()
+    with pytest.raises(TypeError, match=r"flops_vs_dispatch: rtol= takes a number .* got str 'x'"):
+        tl.report.flops_vs_dispatch(model, args, kwargs, rtol="x")
+    with pytest.raises(ValueError, match=r"flops_vs_dispatch: atol=-1 is negative"):
+        tl.report.flops_vs_dispatch(model, args, kwargs, atol=-1)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert tl.report.flops_vs_dispatch(model, args, kwargs, rtol=0, atol=1e-5).witness["outputs_match"]

@@ -104,6 +104,17 @@ def _shown(value) -> str:
     return "n/a" if value is None else f"{value:,}"
 
 
+def _check_tolerances(rtol, atol) -> None:
+    """The tolerances the two runs' outputs are compared with, checked before either run: a string would fail
+    only inside ``torch.allclose``, after both forwards, and a negative one would refuse every output."""
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"flops_vs_dispatch: {name}= takes a number (a tolerance such as 1e-5), got "
+                            f"{type(value).__name__} {value!r}")
+        if value < 0:
+            raise ValueError(f"flops_vs_dispatch: {name}={value} is negative; a tolerance is 0 or more")
+
+
 def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: float = 1e-6) -> FlopsComparison:
     """Count ``model(*args, **kwargs)``'s forward FLOPs with torchlens's registry and with
     ``FlopCounterMode``, in two separate executions, and report both side by side.
@@ -116,6 +127,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     from ..tree import as_args, as_kwargs, clone_call
     from ..validate import RunState
 
+    _check_tolerances(rtol, atol)
     model = _unwrap(model)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.report.flops_vs_dispatch"))
