@@ -448,3 +448,24 @@ def test_one_tensor_or_one_dict_as_inputs_is_refused_not_iterated(tmp_path):
     tl.extract(model, images.split(4), ["1"], tmp_path / "z", progress=False)
     with torch.no_grad():
         assert torch.equal(torch.from_numpy(tl.load_extracted(tmp_path / "z")["1"][:]), model(images))
+
+
+def test_an_input_of_one_row_broadcast_over_the_batch_does_not_set_the_batch_size(tmp_path):
+    # position_ids of shape (1, S) listed before input_ids of shape (B, S) gave "ln_f has 3 rows along dim 0, but
+    # the batch has 1": the batch size was dim 0 of the first input tensor, whatever it was.
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    gpt2 = small_gpt2_lm()
+    ids = [torch.randint(0, 64, (3, 5)), torch.randint(0, 64, (2, 5))]
+    data = [{"position_ids": torch.arange(5)[None], "input_ids": batch} for batch in ids]
+    tl.extract(gpt2, data, ["transformer.ln_f"], tmp_path / "gpt2", kwargs_of=dict, progress=False)
+    got = tl.load_extracted(tmp_path / "gpt2", as_torch=True)["transformer.ln_f"]
+    with torch.no_grad():
+        expected = torch.cat([gpt2.transformer(**batch).last_hidden_state for batch in data])
+    assert torch.equal(got, expected)
+    # A layer that is not batch-first is still refused, naming the input the batch size was read from.
+    with pytest.raises(ValueError, match=r"has 5 rows along dim 0, but the batch has 3 \(dim 0 of the input "
+                                         r"kwargs\.input_ids, the first input whose dim 0 is not 1\)"):
+        tl.extract(lambda position_ids, input_ids: input_ids.t() + position_ids.t(), data, ["t_2_2"],
+                   tmp_path / "t", kwargs_of=dict, progress=False)

@@ -137,7 +137,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                 request = (loss_fn, batch) if grads else None
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
                                        request, root),
-                        _batch_rows(args, named), position, None if indices_of is None else indices_of(position))
+                        *_batch_dimension(args, named), position, None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(_fingerprint(*last))
             bar.update(1)
@@ -233,9 +233,20 @@ def _fingerprint(args, named=None) -> str:
 
 
 def _batch_rows(args, named=None):
-    """The batch's row count: the first dimension of its first tensor, positional or keyword."""
-    leaves = tensor_leaves(args) or (tensor_leaves(named) if named else [])
-    return leaves[0][1].shape[0] if leaves and leaves[0][1].dim() else None
+    """The batch's row count (see ``_batch_dimension``), or None when it has no tensor of a dimension or more."""
+    return _batch_dimension(args, named)[0]
+
+
+def _batch_dimension(args, named=None) -> tuple:
+    """``(rows, the input they were read from)``: dim 0 of the first input tensor, positional then keyword, whose
+    dim 0 is not 1.  An input of one row is taken to broadcast over the batch (an attention mask of shape (1, S),
+    transformers' ``position_ids``), so it decides the count only when every input has one row."""
+    leaves = [(root, path, t) for root, value in (("args", args), ("kwargs", named)) if value
+              for path, t in tensor_leaves(value) if t.dim()]
+    if not leaves:
+        return None, None
+    root, path, t = next((leaf for leaf in leaves if leaf[2].shape[0] != 1), leaves[0])
+    return t.shape[0], path_text(root, path)
 
 
 def _same_layer(known: dict, info: dict) -> bool:
@@ -473,8 +484,9 @@ class _Run:
             raise ValueError(f"batch {position}: {name} is {label} {info['dtype']} rows of {info['row_shape']}, but "
                              f"earlier batches gave {known['label']} {known['dtype']} rows of {known['row_shape']}")
 
-    def add(self, acts, rows, position, sample_index=None):
-        """Buffer one batch; ``rows`` is its first input's dim 0 (None when it has no tensor)."""
+    def add(self, acts, rows, rows_from, position, sample_index=None):
+        """Buffer one batch; ``rows`` is its batch size, dim 0 of the input ``rows_from`` (``_batch_dimension``;
+        None when it has no tensor)."""
         n = acts[0].shape[0] if rows is None else rows
         if sample_index is not None:
             if sample_index.shape != (n,):
@@ -483,7 +495,8 @@ class _Run:
         for i, t in enumerate(acts):
             if t.shape[0] != n:
                 raise ValueError(f"batch {position}: {self.layers[i]} has {t.shape[0]} rows along dim 0, but the batch "
-                                 f"has {n}: extraction stacks along dim 0, which must be every layer's batch dimension")
+                                 f"has {n} (dim 0 of the input {rows_from}, the first input whose dim 0 is not 1): "
+                                 "extraction stacks along dim 0, which must be every layer's batch dimension")
             self.buffer[i].append(t)
             self.buffered_bytes += t.numel() * t.element_size()
         self.pending_batches += 1
