@@ -275,3 +275,22 @@ def test_validate_names_its_own_unknown_keyword_and_the_trace_option_meant():
     with pytest.raises(TypeError, match=r"tl\.validate\(\) saves every activation .* takes no save="):
         tl.validate(model, x, save="none")
     assert tl.validate(model, x, record_finite=True).passed
+
+
+def test_an_input_or_output_path_is_a_selection_as_it_is_a_key():
+    # save=["input.attention_mask"] raised UnmatchedSelection (read as an op type), though log["input.attention_mask"]
+    # finds the input.
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    gpt2, ids = small_gpt2_lm(), torch.randint(0, 64, (2, 5))
+    mask = torch.ones(2, 5)
+    log = tl.trace(gpt2, ids, {"attention_mask": mask}, save=["input.attention_mask", "output.logits"])
+    kept = [op for op in log if op.has_activation]
+    assert [op.io_path for op in kept] == ["input.attention_mask", "output.logits"]
+    assert torch.equal(log["input.attention_mask"].activation, mask)
+    # A tensor passed twice is one input, which either path selects.
+    twice = tl.trace(gpt2, ids, {"labels": ids}, save=["input.labels"])
+    assert [op.label for op in twice if op.has_activation] == [twice["input.input_ids"].label]
+    with pytest.raises(tl.UnmatchedSelection, match=r"'input.atention_mask'.*closest: input\.attention_mask"):
+        tl.trace(gpt2, ids, {"attention_mask": mask}, save=["input.atention_mask"])

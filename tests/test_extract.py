@@ -469,3 +469,17 @@ def test_an_input_of_one_row_broadcast_over_the_batch_does_not_set_the_batch_siz
                                          r"kwargs\.input_ids, the first input whose dim 0 is not 1\)"):
         tl.extract(lambda position_ids, input_ids: input_ids.t() + position_ids.t(), data, ["t_2_2"],
                    tmp_path / "t", kwargs_of=dict, progress=False)
+
+
+def test_an_input_path_is_a_layer_to_extract(tmp_path):
+    # layers=["input.attention_mask"] raised UnmatchedSelection, though log["input.attention_mask"] finds it.
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    data = [{"input_ids": torch.randint(0, 64, (2, 5)), "attention_mask": torch.randint(0, 2, (2, 5))}
+            for _ in range(2)]
+    tl.extract(small_gpt2_lm(), data, ["input.attention_mask", "transformer.ln_f"], tmp_path / "io", kwargs_of=dict,
+               progress=False)
+    got = tl.load_extracted(tmp_path / "io", as_torch=True)
+    assert torch.equal(got["input.attention_mask"], torch.cat([batch["attention_mask"] for batch in data]))
+    assert got["transformer.ln_f"].shape == (4, 5, 32)

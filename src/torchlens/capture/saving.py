@@ -26,6 +26,7 @@ from .state import is_bound, version_of
 from .teardown import HookHandles
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
+_IO_PATH = ("input.", "output.")  # an input's or output's path (input.attention_mask), as log[path] finds it
 _SAVE_ALL, _SAVE_NONE = ("all", True), ("none", None, False)
 _NOTHING = frozenset()  # the selection of "all", "none" and predicates: shared, never added to
 
@@ -74,7 +75,7 @@ class SavePolicy:
                 self.call_labels.add(item)
                 self.module_ids.add(id(modules[address]))
                 self.selected_modules[id(modules[address])] = modules[address]
-            elif _LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")):
+            elif _LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")) or item.startswith(_IO_PATH):
                 self.labels.add(item)
             else:
                 self.types.add(item.lower().replace("_", ""))
@@ -112,7 +113,17 @@ class SavePolicy:
             return bool(self.predicate(op))
         if op.label in self.labels or op.layer_label in self.labels or op.type in self.types:
             return True
+        if op.index in self._io_ops(trace):
+            return True
         return any(op.index in mc._output_nodes for mc in self._selected_calls(trace))
+
+    def _io_ops(self, trace) -> set:
+        """The indices of the input and output ops the entries name by path (``input.mask``; a tensor passed twice
+        is one input, which either of its paths names), looked up as ``log[path]`` does."""
+        if not hasattr(self, "_io_cache"):
+            paths = [entry for entry in self.labels if entry.startswith(_IO_PATH)]
+            self._io_cache = {trace[path].index for path in paths if path in trace}
+        return self._io_cache
 
     def _selected_calls(self, trace):
         if not hasattr(self, "_calls_cache"):
@@ -132,6 +143,7 @@ class SavePolicy:
         for entry, op_type in self.shadowed_types.items():
             _refuse_a_module_read_as_a_type(trace, entry, op_type, option)
         known = {op.label for op in trace.ops} | {op.layer_label for op in trace.ops}
+        known |= {entry for entry in self.labels if entry.startswith(_IO_PATH) and entry in trace}
         types = {op.type for op in trace.ops}
         called = {a for mc in trace.module_calls for a in mc.module.all_addresses}
         calls = {mc.label for mc in trace.module_calls}
@@ -145,7 +157,8 @@ class SavePolicy:
                                    f"{'op' if ':' in entry else 'layer'} {entry} of this trace; {option}= took the "
                                    f"module: select the label with a predicate ({option}=lambda op: "
                                    f"op.{'label' if ':' in entry else 'layer_label'} == {entry!r})")
-            names = sorted(known | types | called | calls)
+            paths = {path for path in trace.io_paths.values() if path.startswith(_IO_PATH)}
+            names = sorted(known | types | called | calls | paths)
             hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry)
             ran = ""
             if entry in self.addresses:
