@@ -483,3 +483,21 @@ def test_an_input_path_is_a_layer_to_extract(tmp_path):
     got = tl.load_extracted(tmp_path / "io", as_torch=True)
     assert torch.equal(got["input.attention_mask"], torch.cat([batch["attention_mask"] for batch in data]))
     assert got["transformer.ln_f"].shape == (4, 5, 32)
+
+
+def test_an_op_type_as_a_layer_and_a_batch_reader_that_is_no_function_say_what_to_give(tmp_path):
+    # layers=["layernorm"] gave a KeyError that did not say layers= takes no op types; args_of=torch.ones(1)
+    # failed on the first batch with "'Tensor' object is not callable".
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    gpt2, data = small_gpt2_lm(), [torch.randint(0, 64, (2, 5))]
+    with pytest.raises(KeyError, match=r"layers= takes no op types: 'layernorm' is the type of 5 op\(s\) "
+                                       r"\(layernorm_1_\d+:1, .* and 2 more\)"):
+        tl.extract(gpt2, data, ["layernorm"], tmp_path / "a", progress=False)
+    for option in ("args_of", "kwargs_of"):
+        with pytest.raises(TypeError, match=rf"{option}= takes a function of a batch .* got Tensor"):
+            tl.extract(gpt2, data, ["transformer.ln_f"], tmp_path / "b", progress=False, **{option: torch.ones(1)})
+    assert not (tmp_path / "b").exists()
+    tl.extract(gpt2, data, ["transformer.ln_f"], tmp_path / "b", progress=False, args_of=lambda batch: batch)
+    assert tl.load_extracted(tmp_path / "b")["transformer.ln_f"].shape == (2, 5, 32)

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import ResumeMismatchError, warn_user
+from ..errors import ResumeMismatchError, first_few, warn_user
 from ..record.layouts import shape_of, shape_text
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
@@ -196,6 +196,11 @@ def batch_reader(args_of, kwargs_of, kwargs):
     ``args_of(batch)`` (the batch itself by default, or nothing when only ``kwargs_of`` is given) follows
     ``tl.trace``'s input rule; ``kwargs_of(batch)`` must be a mapping, naming no argument ``kwargs`` (the
     keyword arguments of every forward) names too."""
+    for option, given in (("args_of", args_of), ("kwargs_of", kwargs_of)):
+        if given is not None and not callable(given):
+            raise TypeError(f"{option}= takes a function of a batch (args_of=lambda batch: batch[0], kwargs_of=dict), "
+                            f"got {type(given).__name__}; arguments that are the same for every batch go in kwargs=")
+
     def arguments_of(batch, position):
         if args_of is not None:
             args = as_args(args_of(batch))
@@ -325,7 +330,7 @@ def _resolve(log, name, position):
     try:
         found = log[name]
     except KeyError as exc:
-        raise KeyError(f"batch {position}: {exc.args[0]}") from None
+        raise KeyError(f"batch {position}: {exc.args[0]}{_op_type_note(log, name)}") from None
     if isinstance(found, Layer):
         if found.num_passes > 1:
             raise ValueError(f"{name} ran {found.num_passes} times per forward; name one pass: "
@@ -341,6 +346,17 @@ def _resolve(log, name, position):
         raise ValueError(f"module call {name} returns {len(outputs)} tensors ({', '.join(outputs)}); name the one "
                          "to extract by its op label")
     return found
+
+
+def _op_type_note(log, name) -> str:
+    """What to give instead when a layers= entry is an op type (``relu``): a type names every op of it, and a
+    layer must be one op per forward."""
+    op_type = name.lower().replace("_", "")
+    typed = [op.label for op in log.ops if op.type == op_type and op.kind == "op"]
+    if not typed:
+        return ""
+    return (f". layers= takes no op types: {name!r} is the type of {len(typed)} op(s) ({first_few(typed)}), and each "
+            "layer must be one op per forward; give one op's label, or the address of the module that makes it")
 
 
 def _module_outputs(log, name) -> list:
