@@ -133,6 +133,20 @@ def test_root_must_be_a_module_and_agree_with_a_module_model():
         tl.trace(model, torch.tensor([[1]]), root=nn.Linear(1, 1))
 
 
+def test_a_root_the_callable_never_runs_is_refused_not_shown_as_its_trace():
+    # tl.trace(lambda x: gpt2(x).logits, ids, root=other) gave "Trace of Linear" with every module unregistered.
+    model, ids = _gpt2()
+    with pytest.raises(ValueError, match=r"ran none of root=Linear and none of its submodules \(it ran GPT2LMHeadModel, "
+                                         r"GPT2Model, Embedding and \d+ more"):
+        tl.trace(lambda x: model(x).logits, ids, root=nn.Linear(2, 2))
+    # A root whose submodule alone runs, or whose parameter alone is read, is the model the callable runs.
+    head = tl.trace(lambda x: model.lm_head(model.transformer(x).last_hidden_state), ids, root=model)
+    assert head.module_calls[-1].label == "lm_head:1"
+    weight = tl.trace(lambda x: nn.functional.linear(model.transformer(x).last_hidden_state, model.lm_head.weight), ids,
+                      root=model.lm_head)
+    assert weight.ops[-2].params == ("weight",)
+
+
 # ----- the extra runs of validate and flops_vs_dispatch put back the modules a callable runs ---------------
 @pytest.mark.parametrize("root", [False, True], ids=["no-root", "root"])
 def test_a_callable_is_validated_with_the_modules_it_runs_put_back(root):

@@ -15,7 +15,7 @@ from time import perf_counter_ns
 
 import torch
 
-from ..errors import warn_user
+from ..errors import first_few, warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize, tensor_leaves
@@ -57,6 +57,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
 
     The steps: check the call, prepare the capture state, run the forward inside every capture part,
     then finalize the record and add what the run leaves beside it (caveats, interventions, gradients)."""
+    given_root = root
     model, root = _checked_call(model, root, kwargs, compiled, deep, grads, stop_after)
     if deep is not False or name is not None or reference is not None:  # three identity checks in the common call
         _check_options(deep, name, reference, intervene, stop_after)
@@ -121,6 +122,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         result._input_aliases = input_aliases
     ended_with = torch.get_default_dtype()  # a forward may change it: replay then tries both
     result._default_dtypes = (default_dtype,) if ended_with is default_dtype else (default_dtype, ended_with)
+    if given_root is not None and root is not model and state.module_calls:
+        _refuse_root_never_run(result, root)
     _complete(result, state, index, policy, runtime, packing, submodules, root, model_name)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     if mutated:
@@ -168,6 +171,20 @@ def _check_options(deep, name, reference, intervene, stop_after) -> None:
         raise ValueError("reference= is the trace the label sites of intervene= and stop_after= are resolved "
                          "against, and this call gives neither, so it would be ignored: drop reference=, or give "
                          "intervene={site: action} or stop_after=site with it")
+
+
+def _refuse_root_never_run(result, root) -> None:
+    """``root=`` names the modules a callable runs by their addresses in it.  A callable that ran modules, none of
+    them ``root`` or inside it, and read none of its parameters, was given another module than the one it runs:
+    every module would read ``<unregistered ...>`` under a trace titled with ``root``'s class."""
+    if not all(is_unregistered(m.address) for m in result.modules):
+        return
+    if any(not is_unregistered(address) for addresses in result.param_addresses.values() for address in addresses):
+        return
+    ran = first_few(dict.fromkeys(m.class_name for m in result.modules))
+    raise ValueError(f"root= is the module the callable runs, but the callable ran none of root={type(root).__name__} "
+                     f"and none of its submodules (it ran {ran}, which are not inside it), so no module of the trace "
+                     "could be named by its address; pass root= the model the callable runs")
 
 
 def _checked_save_device(save_device) -> torch.device:
