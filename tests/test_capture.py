@@ -201,6 +201,32 @@ def test_a_parameter_passed_as_an_input_is_an_input_its_readers_read():
     assert log.validate().passed
 
 
+def test_a_parameter_of_the_model_passed_as_an_input_is_still_named_among_its_readers_params():
+    # tl.trace(m, (x, m.fc.weight)) gave the ops reading the weight params == ('fc.bias',): the weight, made a
+    # parent (the input), was dropped from the parameters the op read, though it is the model's own.
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    gpt2, ids = small_gpt2_lm(), torch.randint(0, 64, (1, 5))
+
+    class Scored(nn.Module):  # scores the hidden states against a table given as an input
+        def __init__(self):
+            super().__init__()
+            self.gpt2 = gpt2
+
+        def forward(self, ids, table):
+            return self.gpt2.transformer(ids).last_hidden_state @ table.t()
+
+    model = Scored().eval()
+    log = tl.trace(model, (ids, gpt2.transformer.wte.weight))
+    table = log["input.table"]
+    lookup = next(op for op in log.ops if op.type == "embedding")
+    assert lookup.params == ("gpt2.transformer.wte.weight",) and table.label in lookup.parents
+    transposed = next(op for op in log.ops if op.type == "t")
+    assert transposed.parents == [table.label] and transposed.params == ("gpt2.transformer.wte.weight",)
+    assert log.validate().passed
+
+
 def test_a_saved_tensor_written_after_the_trace_reads_as_dropped_not_as_a_value_the_op_never_made():
     # Activations are kept by reference: a later forward updating a buffer the trace holds (here through
     # an in-place op whose output is the buffer itself), or code writing the input, must not show up as

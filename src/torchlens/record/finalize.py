@@ -72,7 +72,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     else:
         outputs, activations = _outputs(state, output)
     if state.parameter_inputs:
-        _link_parameter_inputs(calls, state.parameter_inputs)
+        _link_parameter_inputs(calls, state.parameter_inputs, index.param_addresses)
     raw = RawRecord(calls, state.records, outputs, state.module_calls, index, state.root)
     # Derived on first read (from the index the record keeps) unless a parameter outside the index is
     # named by its shape, read now (a later ``.data`` assignment could change it).
@@ -116,15 +116,17 @@ def _outputs(state: CaptureState, output) -> tuple:
     return outputs, activations
 
 
-def _link_parameter_inputs(calls: list, inputs: dict) -> None:
+def _link_parameter_inputs(calls: list, inputs: dict, model_params: dict) -> None:
     """Make a Parameter passed to the model as an input a parent of the calls that read it: the argument
-    scan files every Parameter as parameter metadata, which would leave the input with no reader."""
+    scan files every Parameter as parameter metadata, which would leave the input with no reader.  One that is
+    also a parameter of the model (``model(x, model.fc.weight)``) stays among the call's parameters too, so that
+    ``op.params`` still names every parameter of the model the op read (``fc.weight``)."""
     for c, call in enumerate(calls):
         params = call[CALL_PARAMS]
         if not params or not any(id(p) in inputs for _, p in params):
             continue
         read = tuple((position, inputs[id(p)]) for position, p in params if id(p) in inputs)
-        kept = tuple((position, p) for position, p in params if id(p) not in inputs)
+        kept = tuple((position, p) for position, p in params if id(p) not in inputs or id(p) in model_params)
         parents = tuple(sorted(tuple(call[CALL_PARENTS]) + read, key=_argument_order))
         calls[c] = (*call[:CALL_PARENTS], parents, kept, *call[CALL_PARAMS + 1:])
 
