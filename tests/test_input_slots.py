@@ -110,3 +110,34 @@ def test_a_tensor_passed_under_two_names_is_one_input_that_both_names_find(tmp_p
         assert trace["input.labels"] == trace["input.input_ids"] == trace["input_1:1"]
     with pytest.raises(KeyError, match="input.mask"):
         log["input.mask"]
+
+
+def test_a_tensor_default_of_the_forward_is_an_input_of_the_trace():
+    # ``def forward(self, ids, temperature=torch.tensor(0.7))`` called without it: the op reading the default had
+    # a parent of unknown origin (log.unattributed), no input named it.
+    pytest.importorskip("transformers")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from real_models import small_gpt2_lm
+
+    class Tempered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt2 = small_gpt2_lm()
+
+        def forward(self, ids, temperature=torch.tensor(0.7), *, bias=torch.zeros(64)):
+            return self.gpt2(ids).logits / temperature + bias
+
+    model, ids = Tempered().eval(), torch.randint(0, 64, (1, 5))
+    log = tl.trace(model, ids)
+    assert [op.io_path for op in log.ops if op.is_input] == ["input.ids", "input.temperature", "input.bias"]
+    assert not log.unattributed
+    divide = next(op for op in log.ops if op.type == "div")
+    assert divide.parents[1] == log["input.temperature"].label
+    assert log["input.temperature"].activation is Tempered.forward.__defaults__[0]
+    given = tl.trace(model, (ids, torch.tensor(2.0)), {"bias": torch.ones(64)})
+    assert [op.io_path for op in given.ops if op.is_input] == ["input.ids", "input.temperature", "input.bias"]
+    assert torch.equal(given["input.temperature"].activation, torch.tensor(2.0))
+    assert tl.validate(model, ids).passed

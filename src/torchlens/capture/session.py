@@ -570,7 +570,9 @@ def _call_slots(model, args, kwargs):
     layout = _call_layout(func)
     if layout is None:
         return None
-    slots, required, keywords, required_keywords = layout
+    slots, required, keywords, required_keywords, tensor_defaults = layout
+    if tensor_defaults:
+        return None  # a parameter whose default is a tensor: bind says which were not given (``_add_inputs``)
     given = len(args)
     if given > len(slots):
         return None  # *args, or too many: let bind decide
@@ -597,7 +599,7 @@ _first = operator.itemgetter(0)
 def _call_layout(func):
     """How a forward's parameters bind: (input slots of the leading positional parameters, how many are
     required, {name: (position, input slot)} of those a keyword can name, the required keyword-only
-    names), or None."""
+    names, whether a parameter's default is a tensor), or None."""
     sig = _bound_signature(func)
     if sig is None:
         return None
@@ -611,7 +613,25 @@ def _call_layout(func):
             keywords[p.name] = position, f"input.{p.name}"
         if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
             required_keywords.add(p.name)
-    return tuple(slots), required, keywords, frozenset(required_keywords)
+    return tuple(slots), required, keywords, frozenset(required_keywords), bool(_tensor_defaults(sig))
+
+
+def _tensor_defaults(sig) -> tuple:
+    """``(name, tensor)`` per parameter whose default is a tensor (``def forward(self, x, scale=torch.tensor(2.))``):
+    a call that leaves it out reads that tensor, an input of the trace as much as one passed."""
+    return tuple((p.name, p.default) for p in sig.parameters.values() if isinstance(p.default, torch.Tensor))
+
+
+def _defaults_left_out(model, sig, given) -> list:
+    """``(name, tensor)`` per tensor default of ``model``'s forward that the call did not give: found once per
+    forward function (``_call_layout``) for a module, by a walk of the signature for any other callable."""
+    forward = getattr(model, "forward", None) if isinstance(model, torch.nn.Module) else None
+    func = getattr(forward, "__func__", None)
+    if func is not None and getattr(forward, "__self__", None) is model:
+        layout = _call_layout(func)
+        if layout is None or not layout[4]:
+            return []
+    return [(name, value) for name, value in _tensor_defaults(sig) if name not in given]
 
 
 def _whole_call(model, args, kwargs) -> tuple:
@@ -637,6 +657,7 @@ def _add_inputs(state, model, args, kwargs) -> dict:
             try:
                 bound = sig.bind(*args, **kwargs)
                 names = list(bound.arguments.items())
+                names += _defaults_left_out(model, sig, bound.arguments)
             except TypeError:
                 pass
         if names is None:
