@@ -448,6 +448,8 @@ def test_gpt2_an_action_of_one_argument_is_refused_before_any_run_saying_it_take
     (lambda: tl.mean_ablate(dims="0"), r"tl\.mean_ablate: dims= takes a dimension"),
     (lambda: tl.mean_ablate(trace="clean_log"), r"tl\.mean_ablate: trace= takes a Trace .* got str"),
     (lambda: tl.patch_from("x"), r"tl\.patch_from: trace= takes a Trace .* got str"),
+    (lambda: tl.zero_ablate(at="0"), r"tl\.zero_ablate: at= takes an index of the value .* got str '0'"),
+    (lambda: tl.scale(2.0, at=1.5), r"tl\.scale: at= takes an index of the value .* got float 1\.5"),
 ])
 def test_gpt2_a_helper_given_a_wrong_argument_is_refused_when_made_not_mid_forward(gpt2, make, message):
     """``tl.scale("2")`` failed only in the forward ("only integer tensors of a single element can be converted

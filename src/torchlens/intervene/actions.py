@@ -18,10 +18,17 @@ from ..record.layouts import shape_of
 from ..record.trace import Trace
 
 
+_INDEX_TYPES = (numbers.Integral, slice, type(Ellipsis), tuple, list, torch.Tensor)  # what tensor[at] takes
+
+
 class Action:
     """Base class of the helpers: ``value`` computes the new value of ``tensor[at]`` (or the whole)."""
 
     def __init__(self, at=None):
+        if at is not None and not isinstance(at, _INDEX_TYPES) or isinstance(at, bool):
+            raise TypeError(f"tl.{type(self).__name__}: at= takes an index of the value (an int, a slice, a tuple of "
+                            f"them such as (slice(None), 3), or a list or tensor of indices), got "
+                            f"{type(at).__name__} {at!r}")
         self.at = at
 
     def __call__(self, tensor: torch.Tensor, op):
