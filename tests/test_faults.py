@@ -217,7 +217,8 @@ class OwnCallImpl(nn.Linear):
 def keyboard_interrupt_in_the_trace_driver():
     """KeyboardInterrupt at every line of tl.trace's setup and teardown (driver, mode stack, _call_impl, shim)."""
     capture = tl.capture
-    driver = {capture.session.__file__, capture.teardown.__file__, capture.compiled.__file__}
+    driver = {capture.session.__file__, capture.inputs.__file__, capture.teardown.__file__,
+              capture.compiled.__file__}
     parts = {capture.fastpath.__file__, capture.modules.__file__, capture.call_impl.__file__,
              capture.dispatch.__file__}
     setup_and_teardown = {"__enter__", "__exit__", "_release", "pause", "resume", "_acquire", "_release_all",

@@ -1,5 +1,5 @@
 """The input slots of a traced call (``input.x``) are named as ``inspect.Signature.bind`` names them,
-whether the driver's shortcut (``session._call_slots``) or ``bind`` itself names them."""
+whether the driver's shortcut (``inputs.call_slots``) or ``bind`` itself names them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
-from torchlens.capture import session
+from torchlens.capture import inputs
 
 
 class _Plain(nn.Module):
@@ -69,7 +69,7 @@ def _bound(model, args, kwargs):
 def test_the_shortcut_names_every_call_as_bind_does(cls):
     model, taken = cls(), 0
     for args, kwargs in _calls():
-        slots = session._call_slots(model, args, kwargs)
+        slots = inputs.call_slots(model, args, kwargs)
         if slots is None:
             continue  # bind decides
         slots, taken = list(slots), taken + 1
@@ -84,12 +84,12 @@ def test_a_transformers_style_call_takes_the_shortcut_and_traces_its_slots():
     model = _VarKeywords()
     ids, mask = torch.ones(2, dtype=torch.long), torch.full((2,), 2.0)
     kwargs = {"attention_mask": mask, "input_ids": ids}  # keywords out of the signature's order
-    assert [s for s, _ in session._call_slots(model, (), kwargs)] == ["input.input_ids", "input.attention_mask"]
+    assert [s for s, _ in inputs.call_slots(model, (), kwargs)] == ["input.input_ids", "input.attention_mask"]
     log = tl.trace(model, (), kwargs)
     assert [op.io_path for op in log.ops if op.is_input] == ["input.input_ids", "input.attention_mask"]
     # A keyword only **kwargs takes is left to bind, which gathers it under the name of **kwargs.
     extra = torch.full((2,), 3.0)
-    assert session._call_slots(model, (ids,), {"extra": extra}) is None
+    assert inputs.call_slots(model, (ids,), {"extra": extra}) is None
     log = tl.trace(model, (ids,), {"extra": extra})
     assert [op.io_path for op in log.ops if op.is_input] == ["input.input_ids", "input.kwargs.extra"]
 
