@@ -548,3 +548,35 @@ def test_a_rolled_module_shared_by_two_parents_counts_both_calls_as_its_layer_do
     structure = graph.build_structure(log, "rolled")
     (box,) = [g for g in structure.groups if g.label == "p1.0" and g.items]
     assert RecordBuilder(log).group_record(box)["calls"] == ["p1.0:1", "p1.0:2"]  # the viewer's panel too
+
+
+class _CountedIndex(int):
+    """A group index that counts the equality tests made against it."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        _CountedIndex.compared += 1
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+
+def test_nesting_the_module_boxes_compares_each_box_a_bounded_number_of_times(tmp_path, monkeypatch):
+    # Placing each drawn module box inside its parent's box tested the parent against the list of every box,
+    # n * n / 2 comparisons for n boxes (a model of 4,000 blocks spent seconds there); now a set answers.
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(150)])
+    log = tl.trace(model, torch.randn(2, 4), save="none")
+    real_project = graph.project
+
+    def counted_project(*args, **kwargs):
+        picture = real_project(*args, **kwargs)
+        picture.clusters = [_CountedIndex(g) for g in picture.clusters]
+        return picture
+
+    monkeypatch.setattr(graph, "project", counted_project)
+    _CountedIndex.compared = 0
+    dot = log.render(tmp_path / "model.dot")
+    boxes = len(CLUSTER.findall(open(dot).read()))
+    assert boxes == len(log.module_calls) == 450
+    assert _CountedIndex.compared <= 4 * boxes

@@ -271,9 +271,10 @@ class DotWriter:
         for node_id, lines_ in self._node_lines(picture, aliases):
             contents.setdefault(picture.placement[node_id], []).append(lines_)
         children: dict = {}
+        drawn_boxes = set(picture.clusters)  # a set: one membership test per box, against every box drawn
         for g in picture.clusters:
             parent = self.structure.groups[g].parent
-            children.setdefault(parent if parent in picture.clusters else -1, []).append(g)
+            children.setdefault(parent if parent in drawn_boxes else -1, []).append(g)
         self._emit(-1, contents, children, lines, 1)
         drawn = set()
         for (src, dst), pairs in picture.edges.items():
