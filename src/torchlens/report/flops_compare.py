@@ -232,8 +232,14 @@ def _is_product(func_name: str) -> bool:
 
 
 def _global_counts(counter) -> dict:
-    """``{overload name: FLOPs}`` FlopCounterMode has counted so far, over the whole forward."""
-    return {str(k): int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    """``{overload name: FLOPs}`` FlopCounterMode has counted so far, over the whole forward.
+
+    Read twice per product call, so it reads the global table alone: ``get_flop_counts()`` copies the table
+    of every module counted so far, which made a forward of n products and modules n * n work."""
+    tables = getattr(counter, "flop_counts", None)
+    if not isinstance(tables, dict):  # a FlopCounterMode without the attribute: its public copy
+        tables = counter.get_flop_counts()
+    return {str(k): int(v) for k, v in tables.get("Global", {}).items()}
 
 
 def _attention_products(attention_calls) -> dict:
