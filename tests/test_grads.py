@@ -513,3 +513,31 @@ def test_a_backward_that_reaches_no_op_of_the_trace_says_so():
         log.backward(log.output.logits.sum())
     assert log.num_backwards == 1 and log["transformer.h.0"].grad is not None
     gpt2.zero_grad(set_to_none=True)
+
+
+class _ScannedParams(list):
+    """The trace's (address, parameter) list, counting the entries searched through."""
+
+    searched = 0
+
+    def __iter__(self):
+        for entry in super().__iter__():
+            _ScannedParams.searched += 1
+            yield entry
+
+
+def test_reading_every_parameters_gradient_does_not_search_the_parameter_list_per_parameter():
+    # Param.grad searched the model's parameter list for its address: reading all P gradients (as
+    # nonfinite_origin(grads=True) does) was P * P / 2 comparisons.  Each record now knows its place.
+    from real_models import build
+
+    model, args, kwargs = build("gpt2")
+    log = tl.trace(model, args, kwargs, save="none", grads=True)
+    log.output.logits.sum().backward()
+    log._model_params = _ScannedParams(log._model_params)
+    _ScannedParams.searched = 0
+    grads = [param.grad for param in log.params]
+    assert len(grads) > 20 and all(g is dict(model.named_parameters())[p.address].grad
+                                   for p, g in zip(log.params, grads))
+    str(tl.debug.nonfinite_origin(log, grads=True))
+    assert _ScannedParams.searched <= len(grads)

@@ -137,14 +137,19 @@ def module_call_grad(call):
     return grads[0] if len(grads) == 1 else tuple(grads)
 
 
-def param_grad(trace, address: str):
-    """The parameter's own ``.grad`` (what autograd accumulated into it), found by address."""
+def param_grad(trace, address: str, place: int = -1):
+    """The parameter's own ``.grad`` (what autograd accumulated into it), found by address; ``place``: where it
+    is likely to be in the model's parameter list (a ``Param`` record's index, since the records are made in
+    that order), so that reading every parameter's gradient is not a search of the list per parameter."""
     if trace.loaded_from is not None:
         return _saved_param_grad(trace, address)
-    if trace._model_params is None:
+    params = trace._model_params
+    if params is None:
         raise TraceCleanedUp(f"{address}: the trace no longer holds the model, so its parameters' .grad "
                              "cannot be read")
-    for name, p in trace._model_params:
+    if 0 <= place < len(params) and params[place][0] == address:
+        return params[place][1].grad
+    for name, p in params:
         if name == address:
             return p.grad
     return None

@@ -81,7 +81,7 @@ class Param(View):
         """The parameter's own ``.grad`` after a backward (what the optimizer would read)."""
         from .grads import param_grad
 
-        return param_grad(self._trace, self._row.address)
+        return param_grad(self._trace, self._row.address, self.index)
 
     @property
     def ops(self) -> list:
