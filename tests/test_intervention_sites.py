@@ -555,3 +555,42 @@ def test_a_quantized_value_is_patched_or_refused_naming_the_helper():
             with pytest.raises(tl.InterventionError, match=named + r" at fc:1: .*quantized \(quint8\) value"):
                 tl.trace(quantized, x, intervene={"fc": action})
     assert_clean_process()
+
+
+class _CountedCallNumber(int):
+    """A module site's call number that counts the equality tests made against it."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        _CountedCallNumber.compared += 1
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+
+def test_a_site_per_call_of_a_module_run_many_times_is_found_without_reading_the_other_calls_sites(monkeypatch):
+    # Each call of a site module read every site of that module to find its own: a site per call of a cell
+    # run n times was n * n comparisons (a 400-round loop with a site per call: 13x the 100-round one).
+    from torchlens.intervene.runtime import Interventions
+
+    steps = 120
+    model, x = LoopRNN(steps=steps), torch.randn(2, 8)
+    real_init = Interventions.__init__
+
+    def counted_init(self, label_sites, module_sites, *rest):
+        for site in module_sites:
+            if site.call_number is not None:
+                site.call_number = _CountedCallNumber(site.call_number)
+        real_init(self, label_sites, module_sites, *rest)
+
+    monkeypatch.setattr(Interventions, "__init__", counted_init)
+    _CountedCallNumber.compared = 0
+    per_call = tl.trace(model, x, intervene={f"cell:{k}": tl.scale(2.0) for k in range(1, steps + 1)})
+    assert _CountedCallNumber.compared <= 4 * steps
+    every_call = tl.trace(model, x, intervene={"cell": tl.scale(2.0)})
+    assert torch.equal(per_call.output, every_call.output) and not torch.equal(per_call.output, model(x))
+    # A site for every call and one for a single call both act there, in the order given.
+    both = tl.trace(model, x, intervene={"cell:3": tl.scale(2.0), "cell": tl.clamp(-0.1, 0.1)})
+    op = both["cell:3"]
+    assert op.intervention.site == ("cell:3", "cell")

@@ -17,6 +17,7 @@ import dataclasses
 import sys
 import threading
 from collections.abc import Mapping
+from operator import itemgetter
 from weakref import ref as weakref
 
 import torch
@@ -36,6 +37,8 @@ from ..capture.writes import named_targets
 from ..tree import tensor_leaves
 from .actions import layout_name, same_shape
 from .sites import ModuleCallInfo, occurrence_key
+
+_POSITION = itemgetter(0)  # of a (position among the sites, site) pair
 
 
 _DISABLED = torch._C._disabled_torch_function_impl  # a __torch_function__ that hands every call on unchanged
@@ -74,9 +77,12 @@ class Interventions:
                 self.by_call.setdefault(site.call, []).append(site)
         self.label_sites = [s for s in label_sites if s.action is not None]
         self.module_sites = module_sites
+        # id(module) -> call number (None: every call) -> [(position among the sites, site)], so that each call
+        # finds its own sites without reading those of the module's other calls (a site per call of a module
+        # run n times would otherwise be n * n reads).
         self.by_module: dict = {}
-        for site in module_sites:
-            self.by_module.setdefault(id(site.module), []).append(site)
+        for position, site in enumerate(module_sites):
+            self.by_module.setdefault(id(site.module), {}).setdefault(site.call_number, []).append((position, site))
         self.addresses = index.module_addresses
         self.keep_originals = keep_originals
         self.applied: dict = {}  # record index -> Applied
@@ -347,9 +353,17 @@ class Interventions:
     def module_hooks(self, st, root):
         return _ModuleHooks(self, st, root)
 
+    def sites_of_call(self, module, call_number: int) -> list:
+        """The module sites naming this call of ``module`` or every call of it, in the order they were given."""
+        by_number = self.by_module[id(module)]
+        every, this = by_number.get(None, ()), by_number.get(call_number, ())
+        if every and this:
+            return [site for _, site in sorted((*every, *this), key=_POSITION)]
+        return [site for _, site in (this or every)]
+
     def at_module_output(self, st, module, module_call: int, call_number: int, output):
         """Apply the module sites matching this call to each tensor it returns; the new output or None."""
-        sites = [s for s in self.by_module[id(module)] if s.call_number is None or s.call_number == call_number]
+        sites = self.sites_of_call(module, call_number)
         for site in sites:
             self.hit.add(id(site))
         sites = [s for s in sites if s.action is not None]
@@ -509,7 +523,6 @@ class _ModuleHooks(HookHandles):
 
     def install(self) -> None:
         runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
-        by_module = runtime.by_module
         counts: dict = {}
         open_calls: list = []  # (module, module call index, call number) of site modules now running
 
@@ -526,7 +539,7 @@ class _ModuleHooks(HookHandles):
                 return None  # unwinding from an exception, or a module returning nothing
             with torch._C.DisableTorchFunction():
                 new = runtime.at_module_output(st, module, module_call, number, output)
-            stop = next((s for s in by_module[id(module)] if s.stop and s.call_number in (None, number)), None)
+            stop = next((s for s in runtime.sites_of_call(module, number) if s.stop), None)
             if stop is not None:
                 runtime.stopped_at = f"{stop.address}:{number}"
                 # The call ends here, inside it: record what it returned, as its end would have (objects'
