@@ -306,7 +306,8 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
         if grads is not None:
             backward_through(log, *grads, position, root if root is not None else model)
         acts = []
-        ops = [_resolve(log, name, position) for name in layers]
+        calls = _module_calls_by_name(log)
+        ops = [_resolve(log, name, position, calls) for name in layers]
         tensors = [op.activation for op in ops]
         if grads is not None:
             ops, tensors = ops + ops, tensors + [layer_grad(op, name, position) for op, name in zip(ops, layers)]
@@ -323,7 +324,7 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
         log.cleanup()
 
 
-def _resolve(log, name, position):
+def _resolve(log, name, position, calls: dict):
     from ..record.modules import Module
     from ..record.op import Layer, Op
 
@@ -341,7 +342,8 @@ def _resolve(log, name, position):
                          f"{', '.join(found.call_labels[:3])} ...")
     if not isinstance(found, Op):
         raise ValueError(f"{name} does not name one op")
-    outputs = _module_outputs(log, name)
+    call = calls.get(name)
+    outputs = list(dict.fromkeys(call.output_ops)) if call is not None else []
     if len(outputs) > 1:
         raise ValueError(f"module call {name} returns {len(outputs)} tensors ({', '.join(outputs)}); name the one "
                          "to extract by its op label")
@@ -359,12 +361,15 @@ def _op_type_note(log, name) -> str:
             "layer must be one op per forward; give one op's label, or the address of the module that makes it")
 
 
-def _module_outputs(log, name) -> list:
-    """Distinct output op labels of the module call ``name`` names (an address or ``address:call``)."""
+def _module_calls_by_name(log) -> dict:
+    """Each name of a module call (its label, its address, its module's other addresses) -> the first call it
+    names, in one pass over the calls: looking each layer up by scanning the calls made extracting n layers
+    of an n-module model n * n work per batch."""
+    named: dict = {}
     for call in log.module_calls:
-        if name in (call.label, call.address) or name in call.module.all_addresses:
-            return list(dict.fromkeys(call.output_ops))
-    return []
+        for name in (call.label, call.address, *call.module.all_addresses):
+            named.setdefault(name, call)
+    return named
 
 
 def _progress_bar(inputs, done, enabled):
