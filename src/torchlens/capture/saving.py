@@ -115,7 +115,7 @@ class SavePolicy:
             return True
         if op.index in self._io_ops(trace):
             return True
-        return any(op.index in mc._output_nodes for mc in self._selected_calls(trace))
+        return op.index in self._selected_outputs(trace)
 
     def _io_ops(self, trace) -> set:
         """The indices of the input and output ops the entries name by path (``input.mask``; a tensor passed twice
@@ -125,12 +125,14 @@ class SavePolicy:
             self._io_cache = {trace[path].index for path in paths if path in trace}
         return self._io_cache
 
-    def _selected_calls(self, trace):
-        if not hasattr(self, "_calls_cache"):
-            self._calls_cache = [mc for mc in trace.module_calls
-                                 if self.addresses.intersection(mc.module.all_addresses)
-                                 or mc.label in self.call_labels]
-        return self._calls_cache
+    def _selected_outputs(self, trace) -> set:
+        """The output ops of the selected module calls, found once: ``keep`` asks for every op, and a search of
+        the selected calls per op made a selection of n modules n * n work."""
+        if not hasattr(self, "_outputs_cache"):
+            self._outputs_cache = {i for mc in trace.module_calls
+                                   if self.addresses.intersection(mc.module.all_addresses)
+                                   or mc.label in self.call_labels for i in mc._output_nodes}
+        return self._outputs_cache
 
     def check_matched(self, trace, option: str = "save", stopped_after=None) -> None:
         """Refuse a selection entry that picked nothing: a typo must not silently save less.  A forward
