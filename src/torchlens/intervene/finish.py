@@ -18,11 +18,13 @@ from .sites import _LABEL, ModuleSite
 def finish_interventions(runtime: Interventions, trace) -> None:
     """Attach what was applied to the finished trace; a site the forward never reached is an error."""
     runtime.attach(trace)
+    module_of = None  # address -> the Module record it names, made once for every numbered module site
     for site in runtime.module_sites:
         if _LABEL.match(site.key):  # a module named like a label: refused where the label names other ops
             refuse_ambiguous(trace, site.key, "intervention site ")
         if site.call_number is not None:
-            _refuse_a_call_of_a_second_name(trace, site)
+            module_of = _modules_by_address(trace) if module_of is None else module_of
+            _refuse_a_call_of_a_second_name(site, module_of)
     if runtime.stopped_at is not None:
         trace.stopped_after = runtime.stopped_at
         if runtime.reference is not None:
@@ -41,12 +43,22 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     _refuse_ops_past_the_reference(runtime, trace)
 
 
-def _refuse_a_call_of_a_second_name(trace, site) -> None:
+def _modules_by_address(trace) -> dict:
+    """Every address of every module record -> that record (the first to have it), found in one pass rather than
+    one search of the modules per site: a site per call of n modules would be n * n reads."""
+    module_of: dict = {}
+    for module in trace.modules:
+        for address in module.all_addresses:
+            module_of.setdefault(address, module)
+    return module_of
+
+
+def _refuse_a_call_of_a_second_name(site, module_of: dict) -> None:
     """``layers.3:1`` where ``layers.3`` is a second name of a module called several times (``nn.ModuleList([block]
     * 4)``): calls are numbered per module object, so the number counted every call, through whichever name it
     was made; which of them the name meant is unknowable.  (A second name under another parent is refused
     before the run: intervene/sites.py.)"""
-    module = next((m for m in trace.modules if site.address in m.all_addresses), None)
+    module = module_of.get(site.address)
     if module is None or module.address == site.address or module.num_calls < 2:
         return
     raise InterventionError(

@@ -117,6 +117,9 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
     modules, compiled_in = _site_modules(model)
     modules.pop("", None)  # the root's output is the trace's output: change it after the trace
     module_sites, pending = [], []
+    first_names: dict = {}  # id(module) -> its first address, for the numbered sites' alias check
+    for name, module in modules.items():
+        first_names.setdefault(id(module), name)
     items = [(key, as_action(action), False) for key, action in intervene.items()]
     if stop_after is not None:
         items.append((stop_after, None, True))
@@ -139,7 +142,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
         elif address in modules and number.isdigit():
             if int(number) < 1:
                 raise KeyError(f"module call {key!r}: calls are numbered from 1")
-            _refuse_alias_call(key, address, modules)
+            _refuse_alias_call(key, address, modules, first_names)
             module_sites.append(ModuleSite(key, action, address, modules[address], int(number), stop))
         elif _LABEL.match(key):
             pending.append((key, action, stop))
@@ -190,13 +193,12 @@ def _site_modules(model) -> tuple:
     return modules, compiled
 
 
-def _refuse_alias_call(key: str, address: str, modules: dict) -> None:
+def _refuse_alias_call(key: str, address: str, modules: dict, first_names: dict) -> None:
     """A call number after a module's second name under another parent (one module object shared by two
     parents) would count the object's calls from wherever they were made, not those made under that name:
     ``p2.shared:1`` would edit the call made from ``p1``.  Refused, saying how calls are named."""
     module = modules[address]
-    first = next(name for name, m in modules.items() if m is module)
-    first, named = traced_address(first), traced_address(address)
+    first, named = traced_address(first_names[id(module)]), traced_address(address)
     # Two names under one parent (self.b = self.a) count the same calls: only another parent is refused.
     if first.rpartition(".")[0] != named.rpartition(".")[0]:
         raise InterventionError(
