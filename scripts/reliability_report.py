@@ -127,6 +127,11 @@ heap the finished trace keeps (`tracemalloc`). Measured on CPU with Python 3.11 
 
 Run it with `.venv/bin/python benchmarks/scale_memory.py --breakdown 12` to see which source lines keep
 the bytes.
+
+`benchmarks/scale_steps.py` times every user-facing step (tracing, the first reads, printing, tables,
+pictures, files, validation, gradients, selections, intervention sites, extraction, `flops_vs_dispatch`)
+on a model of n blocks and of 4n, and flags a step whose time grows more than 6x: linear work grows about
+4x, so a faster growth is a quadratic part to find with cProfile on the two sizes.
 """
 
 # Figures from the last run of benchmarks/scale_memory.py (machine-independent to within a few bytes:
