@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import json
 import re
+from collections import deque
 from importlib import resources
 
 from .dot import CHANGED, KIND_FILL, DotWriter
@@ -26,10 +27,10 @@ _SVG_START = re.compile(rb"<svg\b")
 def build_pictures(structure, depth=None, budget: int = BUDGET) -> list:
     """``[(picture, parent picture index)]``: the first is the whole model, then one per collapsed module."""
     first_depth = depth if depth is not None else auto_depth(structure, -1, budget)
-    pending = [(-1, first_depth, None)]
+    pending = deque([(-1, first_depth, None)])  # breadth first: a parent's picture precedes its children's
     pictures = []
     while pending:
-        focus, level, parent = pending.pop(0)
+        focus, level, parent = pending.popleft()
         picture = project(structure, focus, level)
         index = len(pictures)
         pictures.append((picture, parent))
