@@ -337,12 +337,12 @@ def test_a_torchscript_module_outside_the_model_or_beside_a_compiled_one_is_name
     """A scripted module called by a traced callable (``root=``), or held next to a ``torch.compile``d
     submodule, is a module call with no ops, like one inside the model."""
     torch.manual_seed(0)
-    scripted, x = torch.jit.script(nn.Linear(8, 8)), torch.randn(2, 8)
+    scripted, root, x = torch.jit.script(nn.Linear(8, 8)), nn.Linear(8, 8), torch.randn(2, 8)
     with pytest.warns(UserWarning, match=r"TorchScript modules \(<unregistered RecursiveScriptModule #1>\)"):
-        log = tl.trace(lambda t: scripted(t) * 2, x, root=nn.Linear(1, 1))
-    assert torch.equal(log.output, scripted(x) * 2) and log.unattributed == 1
+        log = tl.trace(lambda t: root(scripted(t)) * 2, x, root=root)
+    assert torch.equal(log.output, root(scripted(x)) * 2) and log.unattributed == 1
     assert [(c.label, len(c.ops)) for c in log.module_calls] == \
-        [("<unregistered RecursiveScriptModule #1>:1", 0)]
+        [("<unregistered RecursiveScriptModule #1>:1", 0), ("self:1", 1)]
 
     model = nn.Sequential(torch.jit.script(nn.Linear(8, 8)), torch.compile(nn.Linear(8, 8), backend="eager"))
     with pytest.warns(UserWarning, match=r"TorchScript modules \(0\)"):
