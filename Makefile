@@ -31,12 +31,10 @@ browser:
 	@test -x /usr/bin/chromium || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 
 # The suite runs twice: with the compiled hot path (whose tests fail rather than skip if it is not built),
-# then on the pure-Python path alone.  Each run spreads its test files over JOBS processes (pytest-xdist):
-# most tests spend their time in single-threaded Python, so a second process uses the second core.
-JOBS ?= 2
+# then on the pure-Python path alone.
 test: $(ACCEL) browser
-	TORCHLENS_REQUIRE_ACCEL=1 $(BIN)/python -m pytest -n $(JOBS) --dist loadfile tests
-	TORCHLENS_ACCEL=0 $(BIN)/python -m pytest -n $(JOBS) --dist loadfile tests
+	TORCHLENS_REQUIRE_ACCEL=1 $(BIN)/python -m pytest tests
+	TORCHLENS_ACCEL=0 $(BIN)/python -m pytest tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/trace_overhead.py
