@@ -236,10 +236,10 @@ def test_the_readers_of_a_trace_given_the_model_say_to_trace_it_first():
     from real_models import small_gpt2_lm
 
     gpt2, ids = small_gpt2_lm(), torch.randint(0, 64, (1, 6))
-    with pytest.raises(TypeError, match=r"nonfinite_origin reads a Trace \(log = tl\.trace\(model, x\)\), and was "
-                                        r"given a GPT2LMHeadModel"):
+    with pytest.raises(TypeError, match=r"nonfinite_origin takes a Trace \(log = tl\.trace\(model, x\)\), got "
+                                        r"GPT2LMHeadModel: trace the model first"):
         tl.debug.nonfinite_origin(gpt2, ids)
-    with pytest.raises(TypeError, match=r"hot_path reads a Trace .*, and was given a GPT2LMHeadModel"):
+    with pytest.raises(TypeError, match=r"hot_path takes a Trace .*, got GPT2LMHeadModel"):
         tl.debug.hot_path(gpt2)
     log = tl.trace(gpt2, ids)
     with pytest.raises(TypeError, match=r"grads=\.\.\.\) takes True or False, not a Tensor"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+from typing import NamedTuple
 
 import torch
 
@@ -82,11 +83,18 @@ _UNNAMED = (-1, None)  # a keyword no parameter of the forward takes by name
 _first = operator.itemgetter(0)
 
 
+class CallLayout(NamedTuple):
+    """How a forward's parameters bind, found once per forward function."""
+    slots: tuple  # the input slot (``input.<name>``) of each leading positional parameter
+    required: int  # how many of those have no default
+    keywords: dict  # {name: (position, input slot)} of the parameters a keyword can name
+    required_keywords: frozenset  # the keyword-only parameters without a default
+    tensor_defaults: bool  # whether a parameter's default is a tensor
+
+
 @functools.lru_cache(maxsize=256)
 def _call_layout(func):
-    """How a forward's parameters bind: (input slots of the leading positional parameters, how many are
-    required, {name: (position, input slot)} of those a keyword can name, the required keyword-only
-    names, whether a parameter's default is a tensor), or None."""
+    """The forward's ``CallLayout``, or None when it has no signature."""
     sig = _bound_signature(func)
     if sig is None:
         return None
@@ -100,7 +108,7 @@ def _call_layout(func):
             keywords[p.name] = position, f"input.{p.name}"
         if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
             required_keywords.add(p.name)
-    return tuple(slots), required, keywords, frozenset(required_keywords), bool(_tensor_defaults(sig))
+    return CallLayout(tuple(slots), required, keywords, frozenset(required_keywords), bool(_tensor_defaults(sig)))
 
 
 def _tensor_defaults(sig) -> tuple:
@@ -116,7 +124,7 @@ def _defaults_left_out(model, sig, given) -> list:
     func = getattr(forward, "__func__", None)
     if func is not None and getattr(forward, "__self__", None) is model:
         layout = _call_layout(func)
-        if layout is None or not layout[4]:
+        if layout is None or not layout.tensor_defaults:
             return []
     return [(name, value) for name, value in _tensor_defaults(sig) if name not in given]
 

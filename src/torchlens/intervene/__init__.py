@@ -11,7 +11,7 @@ import contextlib
 
 from ..capture.restore import FirstCalls, ForwardState
 from ..errors import InterventionError, first_few
-from ..record.trace import Trace
+from ..record.trace import checked_trace
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
 from .sites import resolve_labels, split_sites
@@ -30,9 +30,8 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
         return None
     if intervene is not None and not isinstance(intervene, dict):
         raise TypeError(f"intervene= takes a dict {{site: action}}, got {type(intervene).__name__}")
-    if reference is not None and not isinstance(reference, Trace):
-        raise TypeError(f"reference= takes a Trace (tl.trace(model, x) of a run taking the same path), got "
-                        f"{type(reference).__name__}")
+    if reference is not None:
+        checked_trace(reference, "reference=", "tl.trace(model, x) of a run taking the same path")
     module_sites, pending = split_sites(model, intervene or {}, stop_after, compiled)
     label_sites = []
     if pending or (stop_after is not None and reference is not None):

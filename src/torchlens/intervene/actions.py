@@ -15,8 +15,10 @@ import torch
 
 from ..errors import ReplacementMismatch
 from ..record.layouts import shape_of
-from ..record.trace import Trace
+from ..record.trace import checked_trace
 
+# What a helper reading another run takes: a trace of a run taking the same path, with its site saved.
+_SOURCE_TRACE = "tl.trace(model, x) of a run taking the same path, with the site's activation saved"
 
 _INDEX_TYPES = (numbers.Integral, slice, type(Ellipsis), tuple, list, torch.Tensor)  # what tensor[at] takes
 
@@ -162,7 +164,7 @@ class patch_from(Action):  # noqa: N801
 
     def __init__(self, trace, at=None):
         super().__init__(at)
-        self.trace = _trace("tl.patch_from", "trace", trace)
+        self.trace = checked_trace(trace, "tl.patch_from: trace=", _SOURCE_TRACE)
 
     def value(self, tensor, op, at):
         return _like(_same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op), tensor, op,
@@ -188,7 +190,9 @@ class mean_ablate(Action):  # noqa: N801
         super().__init__(at)
         for dim in _as_tuple(dims):
             _int("tl.mean_ablate", "dims", dim)
-        self.dims, self.trace = dims, None if trace is None else _trace("tl.mean_ablate", "trace", trace)
+        if trace is not None:
+            checked_trace(trace, "tl.mean_ablate: trace=", _SOURCE_TRACE)
+        self.dims, self.trace = dims, trace
 
     def value(self, tensor, op, at):
         _check_dims(self, _as_tuple(self.dims), tensor, op)
@@ -266,13 +270,6 @@ def _int(who: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{who}: {name}= takes a dimension (an int, or for dims= a tuple of ints), got "
                         f"{type(value).__name__} {value!r}")
-
-
-def _trace(who: str, name: str, value) -> Trace:
-    if not isinstance(value, Trace):
-        raise TypeError(f"{who}: {name}= takes a Trace (tl.trace(model, x) of a run taking the same path, with the "
-                        f"site's activation saved), got {type(value).__name__}")
-    return value
 
 
 def source_value(trace, op, who: str) -> torch.Tensor:

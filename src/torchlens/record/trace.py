@@ -584,12 +584,13 @@ class Trace(TraceColumns):
         return self._cleaned
 
 
-def checked_trace(value, who: str) -> Trace:
-    """``value``, which a function reading a trace was given: a model (``nonfinite_origin(model, x)``) or
-    anything else is refused saying to trace first, instead of failing on a missing attribute of it."""
+def checked_trace(value, who: str, wanted: str = "log = tl.trace(model, x)") -> Trace:
+    """``value``, which ``who`` (a reader such as ``nonfinite_origin``, or an argument such as ``reference=``)
+    takes as a Trace: a model (``nonfinite_origin(model, x)``) or anything else is refused saying what to
+    give, instead of failing later on a missing attribute of it."""
     if not isinstance(value, Trace):
-        raise TypeError(f"{who} reads a Trace (log = tl.trace(model, x)), and was given a {type(value).__name__}: "
-                        f"trace the model first and pass the trace, {who}(log)")
+        raise TypeError(f"{who} takes a Trace ({wanted}), got {type(value).__name__}: trace the model first and "
+                        "pass the trace")
     return value
 
 
