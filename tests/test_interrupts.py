@@ -122,3 +122,19 @@ def test_keyboard_interrupt_while_modules_are_met_leaves_no_hook_and_torch_funct
     landed = interrupt_every_line(lambda: tl.validate(lambda t: model(t), x), in_first_calls)
     assert landed > 5, landed
     assert tl.validate(lambda t: model(t), x).passed
+
+
+def test_an_interrupt_in_the_setup_or_teardown_searches_the_heap_only_when_torch_lifted_the_mode(monkeypatch):
+    """Removing the mode searches the whole heap (``gc.get_referrers``) for a push-back torch left suspended,
+    which only an interrupt inside torch's temporary pop can leave.  It ran as well for every interrupt
+    landing before the mode was pushed, at about 60 ms each in a process holding a few models."""
+    from torchlens.capture import inputs, session, teardown
+
+    searches = []
+    monkeypatch.setattr(teardown, "close_pending_pushes", lambda mode: searches.append(mode) or 0)
+    model, x = Normalized(), torch.randn(2, 4)
+    driver = {session.__file__, inputs.__file__}
+    landed = interrupt_every_line(lambda: tl.trace(model, x), lambda code: code.co_filename in driver)
+    assert landed > 100, landed
+    assert searches == []  # the driver's lines run with the mode on the stack, or not yet or no longer on it
+    assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))

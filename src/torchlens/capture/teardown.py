@@ -64,11 +64,15 @@ class ModeOnStack:
 
     def __init__(self, mode):
         self.mode = mode
+        self.pushed = False  # whether the mode may be on the stack: only then can removing it need a repair
         self.removed = False  # teardown runs twice (see capture/session.py): the second is a no-op
 
     def __enter__(self):
         try:
             self.removed = False
+            # Marked before the push: an interrupt between the two costs the heap search below, never a
+            # mode left on the stack.
+            self.pushed = True
             _push(self.mode)
             return self
         except BaseException:
@@ -84,8 +88,8 @@ class ModeOnStack:
         return False
 
     def remove(self) -> None:
-        if self.removed:
-            return
+        if self.removed or not self.pushed:
+            return  # removed already, or never pushed (an interrupt in the setup before it): nothing to repair
         if _depth() == 1 and _at(0) is self.mode:
             _pop()  # the common case: capture's mode alone on the stack, as pushed
             self.removed = True
