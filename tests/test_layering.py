@@ -1,14 +1,15 @@
 """Imports run one way: errors <- record <- capture <- bridges <- cli (docs/architecture.md).
 
-Each package of torchlens is imported, with every module in it, in a fresh interpreter where the
-``torchlens`` package itself is a bare namespace (its ``__init__`` imports everything, which would hide
-the edges).  The torchlens packages that got imported are the package's top-level dependencies; each
+Each package of torchlens is imported, with every module in it, in a fresh process (forked from one
+that imported torch alone) where the ``torchlens`` package itself is a bare namespace (its ``__init__``
+imports everything, which would hide the edges).  The torchlens packages that got imported are the package's top-level dependencies; each
 must be one the layering allows.  Imports inside functions (the ``Trace`` facade's ``render``,
 ``validate``, ``save``) are lazy on purpose and are not edges.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -35,23 +36,53 @@ ALLOWED = {
     "compat": CAPTURE | {"intervene"},  # the reference library's names over both
 }
 
+# One interpreter imports torch once, then forks a child per package: each child starts with no torchlens
+# module imported (torch's import is the slow part, and it adds no torchlens edge).
 _PROBE = r"""
-import importlib, json, pkgutil, sys, types
-src, name = sys.argv[1], sys.argv[2]
-root = types.ModuleType("torchlens")
-root.__path__ = [src]
-sys.modules["torchlens"] = root
-module = importlib.import_module("torchlens." + name)
-for info in pkgutil.walk_packages(getattr(module, "__path__", []), "torchlens." + name + "."):
-    importlib.import_module(info.name)
-print(json.dumps(sorted({m.split(".")[1] for m in sys.modules if m.startswith("torchlens.")} - {name})))
+import importlib, json, os, pkgutil, sys, types
+import torch
+src, names = sys.argv[1], sys.argv[2:]
+
+def edges(name):
+    root = types.ModuleType("torchlens")
+    root.__path__ = [src]
+    sys.modules["torchlens"] = root
+    module = importlib.import_module("torchlens." + name)
+    for info in pkgutil.walk_packages(getattr(module, "__path__", []), "torchlens." + name + "."):
+        importlib.import_module(info.name)
+    return sorted({m.split(".")[1] for m in sys.modules if m.startswith("torchlens.")} - {name})
+
+for name in names:
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: report, and never return into this loop
+        code = 1
+        try:
+            print(json.dumps([name, edges(name)]), flush=True)
+            code = 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        sys.exit(f"importing torchlens.{name} failed")
 """
 
 
-def imported_by(name: str) -> set:
-    out = subprocess.run([sys.executable, "-c", _PROBE, SRC, name], capture_output=True, text=True, timeout=300)
+@functools.lru_cache(maxsize=None)
+def _imports() -> dict:
+    """{package: the torchlens packages its import pulls in}, for every package in ALLOWED."""
+    out = subprocess.run([sys.executable, "-c", _PROBE, SRC, *sorted(ALLOWED)], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
-    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+    found = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('["')]
+    return {name: set(packages) for name, packages in found}
+
+
+def imported_by(name: str) -> set:
+    return _imports()[name]
 
 
 @pytest.mark.parametrize("name", sorted(ALLOWED))
