@@ -81,6 +81,35 @@ def test_a_write_to_one_view_is_not_the_parent_of_a_view_it_did_not_reach():
     assert torch.equal(log.outputs[1].activation, piece)
 
 
+class _GatedUnitWithInPlaceActivation(nn.Module):
+    """A gated MLP that slices its projection along the features and activates one half in place: the
+    halves are column blocks of one matrix, whose memory ranges interleave."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(4, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        gate, value = h[:, :4], h[:, 4:]
+        F.silu(gate, inplace=True)
+        return gate * value, value
+
+
+def test_an_in_place_write_to_one_column_half_is_not_the_parent_of_the_other():
+    model, x = _GatedUnitWithInPlaceActivation(), torch.randn(3, 4)
+    product, value = model(x)
+    log = tl.trace(model, x)
+    mul = next(op for op in log if op.func_name == "mul")
+    assert [log[p].func_name for p in mul.parents] == ["silu", "__getitem__"], mul.parents
+    for parent, expected in zip(mul.parents, (product / value, value)):
+        assert torch.allclose(log[parent].activation, expected), parent
+    # The half returned untouched is the slice's output, not the activation's.
+    assert log.outputs[1].parents == [mul.parents[1]]
+    assert torch.equal(log.outputs[1].activation, value)
+
+
 class _SharedBatchNorm(nn.Module):
     def __init__(self):
         super().__init__()

@@ -131,26 +131,65 @@ class RaggedShape(tuple):
 
 
 def memory_span(t: torch.Tensor):
-    """``(start, end)``: the bytes of its storage a tensor can reach (end excluded), or None when unknown
-    (a layout without strides).  Two views of one storage whose spans do not meet cannot see each
+    """``(start, end, element size, shape, strides)``: the bytes of its storage a tensor can reach (``start``
+    to ``end``, end excluded) and the layout that says which of them it holds, or None when unknown (a
+    layout without strides).  Two views of one storage whose spans do not meet cannot see each
     other's writes, although they share a version counter (``torch.chunk``'s pieces, a tensor's halves);
     a storage smaller than ``end`` no longer holds the tensor (its memory was freed)."""
     try:
         if t.layout is not torch.strided:  # sparse layouts answer some of the reads below, wrongly for this
             return None
         if t.numel() == 0:
-            return 0, 0
+            return 0, 0, 0, (), ()
         size = t.element_size()
         start = t.storage_offset() * size
-        reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
-        return start, start + (reach + 1) * size
+        shape, strides = tuple(t.shape), t.stride()
+        reach = sum((n - 1) * stride for n, stride in zip(shape, strides))
+        return start, start + (reach + 1) * size, size, shape, strides
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
 
 def spans_meet(a, b) -> bool:
-    """Whether two ``memory_span``s may share a byte (an unknown span may share any)."""
-    return a is None or b is None or (a[0] < b[1] and b[0] < a[1])
+    """Whether two ``memory_span``s may share a byte (an unknown span may share any).  Spans that overlap
+    may still hold no common byte: the column halves of a matrix (``x.chunk(2, dim=-1)``) interleave."""
+    if a is None or b is None:
+        return True
+    if not (a[0] < b[1] and b[0] < a[1]):
+        return False
+    return not _interleaved_apart(a, b)
+
+
+def _interleaved_apart(a, b) -> bool:
+    """Whether two overlapping spans with the same element size and strides provably share no element.
+
+    Both are placed in one box of the strides' layout: ``b``'s first element is ``a``'s plus a whole step
+    along some dimensions (found from the largest stride down).  When that box's layout reaches each byte
+    at most once, elements are the same only where their coordinates are, so the two are apart when their
+    ranges along one dimension do not meet.  Any other case answers False (they may meet)."""
+    if a[2] != b[2] or a[4] != b[4] or len(a[3]) != len(b[3]):
+        return False
+    if b[0] < a[0]:
+        a, b = b, a
+    delta, rest = divmod(b[0] - a[0], a[2])
+    if rest:
+        return False
+    dims = sorted(range(len(a[4])), key=a[4].__getitem__, reverse=True)
+    steps = [0] * len(dims)
+    for d in dims:
+        stride = a[4][d]
+        if stride > 0:
+            steps[d], delta = divmod(delta, stride)
+    if delta:
+        return False
+    box = [max(n, q + m) for n, q, m in zip(a[3], steps, b[3])]
+    inner = 0  # the furthest a box's inner dimensions reach, in elements
+    for d in reversed(dims):
+        if box[d] > 1:
+            if a[4][d] <= inner:
+                return False  # the box reaches some element twice: coordinates do not tell elements apart
+            inner += (box[d] - 1) * a[4][d]
+    return any(q >= n for n, q in zip(a[3], steps))
 
 
 def memory_freed(t: torch.Tensor) -> bool:
