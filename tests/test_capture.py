@@ -110,6 +110,34 @@ def test_an_in_place_write_to_one_column_half_is_not_the_parent_of_the_other():
     assert torch.equal(log.outputs[1].activation, value)
 
 
+class _ClassTokenScaledInPlace(nn.Module):
+    """A ViT-style head that reads the class token and the patch tokens as two views of one sequence and
+    scales the class token in place: views of different shapes whose memory ranges interleave."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        tokens = self.proj(x)
+        cls_token, patches = tokens[:, 0], tokens[:, 1:]
+        cls_token.mul_(2)
+        return cls_token + patches.mean(1)
+
+
+def test_an_in_place_write_to_the_class_token_is_not_the_parent_of_the_patch_tokens():
+    model, x = _ClassTokenScaledInPlace(), torch.randn(2, 3, 4)
+    log = tl.trace(model, x)
+    mean = next(op for op in log if op.func_name == "mean")
+    assert [log[p].func_name for p in mean.parents] == ["__getitem__"], mean.parents
+    with torch.no_grad():
+        patches = model.proj(x)[:, 1:]
+    assert torch.allclose(log[mean.parents[0]].activation, patches)
+    add = next(op for op in log if op.func_name == "add")
+    assert [log[p].func_name for p in add.parents] == ["mul_", "mean"], add.parents
+
+
 class _SharedBatchNorm(nn.Module):
     def __init__(self):
         super().__init__()

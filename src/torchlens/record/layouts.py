@@ -161,35 +161,49 @@ def spans_meet(a, b) -> bool:
 
 
 def _interleaved_apart(a, b) -> bool:
-    """Whether two overlapping spans with the same element size and strides provably share no element.
+    """Whether two overlapping spans with the same element size provably share no element.
 
-    Both are placed in one box of the strides' layout: ``b``'s first element is ``a``'s plus a whole step
-    along some dimensions (found from the largest stride down).  When that box's layout reaches each byte
-    at most once, elements are the same only where their coordinates are, so the two are apart when their
-    ranges along one dimension do not meet.  Any other case answers False (they may meet)."""
-    if a[2] != b[2] or a[4] != b[4] or len(a[3]) != len(b[3]):
+    Each span's elements are its first one plus whole steps along its strides (a dimension of one element,
+    or of stride 0, adds none).  Both are placed in one box over the strides of either, and of 1:
+    ``b``'s first element is ``a``'s plus a whole number of steps of each (found from the largest stride
+    down).  When that box reaches each element at most once, elements are the same only where their
+    coordinates are, so the two are apart when their ranges along one stride do not meet.  Any other case
+    (a stride that two dimensions of one tensor share, a box that reaches an element twice) answers False:
+    they may meet."""
+    if a[2] != b[2]:
+        return False
+    extents_a, extents_b = _extents_by_stride(a), _extents_by_stride(b)
+    if extents_a is None or extents_b is None:
         return False
     if b[0] < a[0]:
-        a, b = b, a
+        (a, extents_a), (b, extents_b) = (b, extents_b), (a, extents_a)
     delta, rest = divmod(b[0] - a[0], a[2])
     if rest:
         return False
-    dims = sorted(range(len(a[4])), key=a[4].__getitem__, reverse=True)
-    steps = [0] * len(dims)
-    for d in dims:
-        stride = a[4][d]
-        if stride > 0:
-            steps[d], delta = divmod(delta, stride)
-    if delta:
-        return False
-    box = [max(n, q + m) for n, q, m in zip(a[3], steps, b[3])]
-    inner = 0  # the furthest a box's inner dimensions reach, in elements
-    for d in reversed(dims):
-        if box[d] > 1:
-            if a[4][d] <= inner:
+    strides = sorted(set(extents_a) | set(extents_b) | {1}, reverse=True)
+    steps = {}
+    for stride in strides:
+        steps[stride], delta = divmod(delta, stride)
+    inner = 0  # the furthest the box's smaller strides reach, in elements
+    for stride in reversed(strides):
+        size = max(extents_a.get(stride, 1), steps[stride] + extents_b.get(stride, 1))
+        if size > 1:
+            if stride <= inner:
                 return False  # the box reaches some element twice: coordinates do not tell elements apart
-            inner += (box[d] - 1) * a[4][d]
-    return any(q >= n for n, q in zip(a[3], steps))
+            inner += (size - 1) * stride
+    return any(steps[stride] >= extents_a.get(stride, 1) for stride in strides)
+
+
+def _extents_by_stride(span):
+    """``{stride: number of elements}`` along each dimension of a span's tensor that has more than one distinct
+    element, or None when two of them share a stride."""
+    extents = {}
+    for size, stride in zip(span[3], span[4]):
+        if size > 1 and stride > 0:
+            if stride in extents:
+                return None
+            extents[stride] = size
+    return extents
 
 
 def memory_freed(t: torch.Tensor) -> bool:
