@@ -36,6 +36,40 @@ def test_two_layer_rnn_with_grad_replays_exactly(rnn):
     assert result.replayed >= 1 and not result.not_replayed
 
 
+class CellOverTime(nn.Module):
+    """An RNN cell stepped over the time axis: each step reads ``x[:, t]``, a view whose memory starts at an
+    unaligned address, which vectorized kernels round differently from an aligned copy."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell(6, 8)
+
+    def forward(self, x):
+        h = torch.zeros(x.shape[0], 8)
+        state = (h, h) if isinstance(self.cell, nn.LSTMCell) else h
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+        return state[0] if isinstance(self.cell, nn.LSTMCell) else state
+
+
+@pytest.mark.parametrize("cell", [nn.RNNCell, nn.LSTMCell, nn.GRUCell])
+def test_a_cell_stepped_over_time_slices_replays_exactly(cell):
+    torch.manual_seed(0)
+    result = tl.validate(CellOverTime(cell).eval(), torch.randn(2, 4, 6))
+    assert_trusted(result)
+    assert not result.not_replayed
+
+
+def test_a_replay_copy_of_a_view_starts_as_far_from_an_aligned_address_as_the_view():
+    from torchlens.record.layouts import copy_with_layout
+
+    x = torch.randn(2, 4, 6)
+    for view in (x[:, 1], x[1], x[0, 0, 1:], x[:, :, 1:]):
+        copy = copy_with_layout(view)
+        assert copy.data_ptr() % 64 == view.data_ptr() % 64 and copy.stride() == view.stride()
+        assert torch.equal(copy, view) and copy._base is None
+
+
 class ParamMaskAttention(nn.Module):
     def __init__(self):
         super().__init__()
