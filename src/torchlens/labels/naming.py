@@ -2,8 +2,10 @@
 
 The grammar follows the reference library so that its users can switch without relearning addresses:
 an op's type is the torch function's name, lowercased, with dunder marks and every underscore removed
-(``max_pool2d`` -> ``maxpool2d``, ``__getitem__`` -> ``getitem``, ``relu_`` -> ``relu``), and without the
-overload of an operator called directly (``torch.ops.aten.add.Tensor`` -> ``add``).  Only the
+(``max_pool2d`` -> ``maxpool2d``, ``__getitem__`` -> ``getitem``, ``relu_`` -> ``relu``), without the
+overload of an operator called directly (``torch.ops.aten.add.Tensor`` -> ``add``), and without the namespace
+of a ``torch.linalg``, ``torch.special`` or ``torch.fft`` function (``torch.linalg.vector_norm`` ->
+``vectornorm``).  Only the
 commutative reflected operators map back to their forward name (``__radd__`` -> ``add``).
 """
 
@@ -30,6 +32,21 @@ def func_name_of(func) -> str:
     if name == "__get__":
         owner = getattr(func, "__self__", None)
         name = getattr(owner, "__name__", "get")
+    return _without_namespace(func, name)
+
+
+_BUILTIN_NAMESPACE = "torch._C._"
+
+
+def _without_namespace(func, name: str) -> str:
+    """The functions of ``torch.linalg``, ``torch.special`` and ``torch.fft`` are C builtins of
+    ``torch._C._linalg`` (and so on) named with their namespace (``linalg_vector_norm``, ``special_erf``), but
+    the user writes ``torch.linalg.vector_norm``, ``torch.special.erf``: the namespace is not part of the name."""
+    module = getattr(func, "__module__", None)
+    if type(module) is str and module.startswith(_BUILTIN_NAMESPACE):
+        prefix = module[len(_BUILTIN_NAMESPACE):] + "_"
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix):]
     return name
 
 
