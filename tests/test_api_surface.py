@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 
 import torchlens as tl
 from zoo import MLP
@@ -46,6 +47,27 @@ def test_log_forward_pass_is_trace_under_the_reference_names():
     assert log["head"].has_activation and not log["linear_1_1"].has_activation
     with pytest.raises(TypeError, match="vis_opt= is a reference-library option.*log.render"):
         tl.log_forward_pass(model, x, vis_opt="rolled")
+
+
+class _Pair(nn.Module):
+    """One parameter that takes a pair."""
+
+    def forward(self, pair):
+        return pair[0] * pair[1]
+
+
+def test_log_forward_pass_reads_a_list_of_inputs_as_the_reference_does():
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4), torch.randn(3, 5)
+    bilinear = nn.Bilinear(4, 5, 2)  # forward(input1, input2): the list holds the positional arguments
+    for inputs in ([a, b], (a, b)):
+        log = tl.log_forward_pass(bilinear, inputs)
+        assert [op.io_path for op in log if op.is_input] == ["input.input1", "input.input2"]
+        assert torch.equal(log.output, bilinear(a, b))
+    c = torch.randn(3, 4)
+    log = tl.log_forward_pass(_Pair(), [a, c])  # forward(pair): the list is that one argument
+    assert [op.io_path for op in log if op.is_input] == ["input.pair.0", "input.pair.1"]
+    assert torch.equal(log.output, a * c)
 
 
 def test_log_forward_pass_saves_the_gradients_of_the_saved_layers_when_asked():

@@ -7,6 +7,8 @@ refused with the torchlens way to get it, never silently dropped.
 
 from __future__ import annotations
 
+import inspect
+
 from .capture.session import trace
 
 _INSTEAD = {
@@ -35,4 +37,29 @@ def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all",
     grads = False
     if save_gradients and save != "none":
         grads = True if save == "all" else save
-    return trace(model, input_args, input_kwargs, save=save, grads=grads)
+    return trace(model, _positional_arguments(model, input_args), input_kwargs, save=save, grads=grads)
+
+
+def _positional_arguments(model, input_args) -> tuple:
+    """The reference's reading of ``input_args``: a list or tuple holds the positional arguments
+    (``log_forward_pass(model, [x, y])`` calls ``model(x, y)``), unless forward takes exactly one positional
+    parameter and several items were given, which are then that one argument; any other value is the one
+    argument."""
+    if not isinstance(input_args, (list, tuple)):
+        return (input_args,)
+    if len(input_args) > 1 and _number_of_positional_parameters(model) == 1:
+        return (input_args,)
+    return tuple(input_args)
+
+
+def _number_of_positional_parameters(model):
+    """How many positional parameters the model's forward (or the callable) takes; None for ``*args`` or an
+    unreadable signature."""
+    forward = getattr(model, "forward", model)
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
