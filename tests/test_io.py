@@ -510,3 +510,18 @@ def test_saving_streams_tensors_instead_of_copying_them_whole(tmp_path):
     loaded = tl.load(tmp_path / "t")
     assert torch.equal(loaded["t_1_2"].activation, torch.zeros(12000, 2000))
     assert torch.equal(loaded["mul_1_1"].original, torch.ones(2000, 12000))
+
+
+def test_one_element_outputs_with_a_stride_save_and_extract(tmp_path):
+    # A class score at batch size 1 (``logits[:, 0]``) is one element with stride 4: torch calls it contiguous,
+    # and its bytes were read through reshape(-1), which keeps that stride and which view(uint8) refused.
+    model = zoo()["mlp"][0]
+    x = torch.randn(1, 16)
+    live = tl.trace(lambda t: model(t)[:, 0], x, root=model)
+    assert live.output.stride() == (4,)
+    loaded = tl.load(live.save(tmp_path / "t"))
+    assert torch.equal(loaded.output, live.output)
+    score = live.outputs[0].parents[0]  # the getitem op
+    folder = tl.extract(lambda t: model(t)[:, 0], [x, x * 2], layers=[score], out=tmp_path / "feats",
+                        root=model, progress=False)
+    assert tl.load_extracted(folder, as_torch=True)[score].shape == (2,)

@@ -38,7 +38,7 @@ from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_j
                      write_atomic, write_manifest)
 from .identity import model_checksum
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
-from .tensorfile import DTYPES, NAME_OF, copy_range, cpu_values, header_bytes, read_header, write_stacked
+from .tensorfile import DTYPES, NAME_OF, byte_view, copy_range, cpu_values, header_bytes, read_header, write_stacked
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
 PROGRESS = "progress.json"
@@ -233,7 +233,7 @@ def _fingerprint(args, named=None) -> str:
                                 "values; run the model on a real device")
             t = cpu_values(t.detach())  # the values, not a view's bytes
             digest.update(f"{path_text(root, path)}{tuple(t.shape)}{t.dtype}".encode())
-            digest.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # hashed in place, no copy
+            digest.update(byte_view(t).numpy() if t.numel() else b"")  # hashed in place, no copy
     return digest.hexdigest()
 
 

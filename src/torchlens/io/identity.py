@@ -16,6 +16,7 @@ import sys
 import torch
 
 from ..tree import without_values
+from .tensorfile import byte_view
 
 FULL_HASH_ELEMENTS = 1 << 16  # tensors up to this many elements are hashed in full
 SAMPLES_PER_TENSOR = 1024
@@ -58,4 +59,4 @@ def _value_bytes(t: torch.Tensor) -> bytes:
     flat = flat.to("cpu").contiguous()
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
-    return flat.view(torch.uint8).numpy().tobytes()
+    return byte_view(flat).numpy().tobytes()

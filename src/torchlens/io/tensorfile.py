@@ -105,7 +105,7 @@ def _write(path: str, layout: dict, columns: dict, metadata: dict | None = None)
         for parts in columns.values():
             for part in parts:
                 for block in row_blocks(part):
-                    f.write(block.reshape(-1).view(torch.uint8).numpy().data)
+                    f.write(byte_view(block).numpy().data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -122,6 +122,14 @@ def row_blocks(t: torch.Tensor):
     step = max(_BLOCK_BYTES // row_bytes, 1)
     for start in range(0, t.shape[0], step):
         yield cpu_values(t[start:start + step])
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``, a contiguous CPU tensor, as a flat ``uint8`` tensor sharing its memory.  Read with
+    unit stride: torch calls a tensor contiguous whatever the strides of its dims of size 1, so one element
+    (``logits[:, 0]`` at batch size 1, shape (1,), stride (C,)) can keep a stride that ``reshape(-1)`` keeps
+    too and ``view(torch.uint8)`` refuses."""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def cpu_values(t: torch.Tensor) -> torch.Tensor:
