@@ -416,6 +416,56 @@ def test_a_saved_value_dropped_for_an_unseen_version_bump_names_the_causes_that_
     assert torch.equal(written["mul_1_1:1"].activation, torch.full((2,), 2.0))
 
 
+def _binarize(tensor):
+    return tensor.sign()
+
+
+class BinarizeLinear(nn.Linear):
+    """BinaryNet's binarized layer (Courbariaux et al.; the widely copied BinaryNet.pytorch code): it rebinds
+    its input's and its weight's data to their signs, ``t.data = ...``, moving no version counter."""
+
+    def forward(self, input):
+        if input.size(1) != 784:
+            input.data = _binarize(input.data)
+        if not hasattr(self.weight, "org"):
+            self.weight.org = self.weight.data.clone()
+        self.weight.data = _binarize(self.weight.org)
+        out = nn.functional.linear(input, self.weight)
+        if self.bias is not None:
+            self.bias.org = self.bias.data.clone()
+            out += self.bias.view(1, -1).expand_as(out)
+        return out
+
+
+class BinaryMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = BinarizeLinear(784, 16)
+        self.bn1 = nn.BatchNorm1d(16)
+        self.htanh1 = nn.Hardtanh()
+        self.fc2 = BinarizeLinear(16, 10)
+
+    def forward(self, x):
+        return self.fc2(self.htanh1(self.bn1(self.fc1(x.view(-1, 784)))))
+
+
+@pytest.mark.parametrize("grads", [False, True])
+def test_rebinding_a_tensors_data_makes_its_readers_name_the_new_value(grads):
+    """``input.data = sign(input.data)`` changes what ``input`` holds with no write: fc2's linear reads the
+    signs, so its parent is the ``sign`` op, and the Hardtanh's saved output keeps the values it made."""
+    torch.manual_seed(0)
+    model, x = BinaryMLP().eval(), torch.randn(4, 784)
+    with torch.no_grad():
+        hardtanh_out = model.htanh1(model.bn1(model.fc1(x)))
+    log = tl.trace(model, x, grads=grads)
+    (linear,) = [op for op in log.ops if op.func_name == "linear" and op.module_address == "fc2"]
+    (sign,) = [log[p] for p in linear.parents]
+    assert sign.func_name == "sign" and sign.module_address == "fc2"
+    assert torch.equal(linear.call.func(sign.activation, model.fc2.weight), linear.activation)
+    assert torch.equal(log["htanh1"].activation, hardtanh_out)
+    assert tl.validate(model, x).passed
+
+
 def test_a_tensor_slice_bound_is_no_parent_and_is_not_replayed():
     def window(x, start):
         return x[:, start:start + 2] * 1

@@ -79,8 +79,10 @@ def _not_ops() -> frozenset:
 
 # ``t.requires_grad_()`` and ``t.requires_grad = ...``: a leaf made in the forward starts or stops needing a gradient.
 _REQUIRES_GRAD_SETTERS = frozenset([Tensor.requires_grad_, torch._C.TensorBase.__dict__["requires_grad"].__set__])
+# ``t.data = value``: ``t`` now holds ``value``'s memory, with no write and no version counter moved.
+_DATA_SET = frozenset([torch._C.TensorBase.__dict__["data"].__set__])
 # Calls that never produce a tensor; skipping them early keeps the commonest calls nearly free.
-_NOT_OPS = _not_ops() | _REQUIRES_GRAD_SETTERS
+_NOT_OPS = _not_ops() | _REQUIRES_GRAD_SETTERS | _DATA_SET
 # scaled_dot_product_attention picks its kernel from the backends enabled at the call (sdpa_kernel), which
 # replay must restore: it takes the general path, where they are noted.
 _SDPA = torch._C._nn.scaled_dot_product_attention
@@ -95,8 +97,8 @@ _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
 _REGISTER_HOOK = Tensor.register_hook
 # Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, a user's
 # tensor hook, which the gradient capture's hook must run after (GradCapture.run_after_user_hook), and the
-# requires_grad setters, after which the record of the tensor set says what it now is.
-_NOT_OPS_SEEN = _NUMPY_VIEWS | {_REGISTER_HOOK} | _REQUIRES_GRAD_SETTERS
+# requires_grad setters, after which the record of the tensor set says what it now is, and the data setter.
+_NOT_OPS_SEEN = _NUMPY_VIEWS | {_REGISTER_HOOK} | _REQUIRES_GRAD_SETTERS | _DATA_SET
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 
@@ -456,11 +458,25 @@ def _not_an_op(st, func, args, kwargs):
             result = func(*args, **(kwargs or _NO_KWARGS))
             requires_grad_changed(st, args[0])
             return result
+        if func in _DATA_SET:
+            return _set_data(st, func, args, kwargs)
         if st.saved:
             # NumPy shares the memory and writes through it bump no version counter: what is saved
             # must not change with it.
             st.protect_saved(args[0])
     return func(*args, **(kwargs or _NO_KWARGS))
+
+
+def _set_data(st, func, args, kwargs):
+    """``t.data = value`` in the forward (BinaryNet's ``input.data = Binarize(input.data)``): ``t`` keeps its
+    identity and takes ``value``'s memory, moving no version counter.  What was saved in ``t``'s memory is
+    copied first (an activation saved by reference is ``t`` itself), and a later read of ``t`` names the
+    record whose value ``value`` is, not the op that made ``t``'s old value."""
+    if st.saved:
+        st.protect_saved(args[0])
+    result = func(*args, **(kwargs or _NO_KWARGS))
+    st.data_replaced(args[0], args[1])
+    return result
 
 
 def _user_hook(st, args, kwargs):

@@ -269,6 +269,16 @@ class CaptureState:
             return entry[1]
         return None
 
+    def data_replaced(self, t: torch.Tensor, value) -> None:
+        """``t.data = value`` ran: ``t`` now holds ``value``'s memory.  It is bound to the record whose value
+        ``value`` still is, or to none (a value capture did not make), so that its next read is of unknown
+        origin rather than the op that made its old value."""
+        index = self.record_holding(value) if isinstance(value, torch.Tensor) else None
+        if index is None:
+            self.producers.pop(id(t), None)
+        else:
+            self.producers[id(t)] = (weakref(t), index, version_of(t))
+
     def note_version_bump(self, t: torch.Tensor) -> None:
         """torch moved ``t``'s version counter by one without writing it: ``Function.apply`` does so for a
         tensor its forward marked dirty (``ctx.mark_dirty``), after the forward's own in-place op, which
