@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
 from torchlens.tree import structures_equal
+from zoo import zoo
 
 
 class FunctionLevelCalls(TorchFunctionMode):
@@ -463,6 +464,35 @@ def test_rebinding_a_tensors_data_makes_its_readers_name_the_new_value(grads):
     assert sign.func_name == "sign" and sign.module_address == "fc2"
     assert torch.equal(linear.call.func(sign.activation, model.fc2.weight), linear.activation)
     assert torch.equal(log["htanh1"].activation, hardtanh_out)
+    assert tl.validate(model, x).passed
+
+
+class ClampedThroughData(nn.Module):
+    """Clamps an encoder's output through ``.data`` after taking a view of it: the view reads the clamped
+    values, though neither its version counter nor its base's moved."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = zoo()["mlp"][0]
+
+    def forward(self, x):
+        h = self.encoder(x)
+        first = h[:, :2]
+        h.data.clamp_(-0.1, 0.1)
+        return first * 2, h.t()
+
+
+def test_a_write_through_data_reaches_the_views_of_the_tensor_written():
+    model, x = ClampedThroughData(), torch.randn(4, 16)
+    with torch.no_grad():
+        unclamped = model.encoder(x)
+    log = tl.trace(model, x)
+    clamp = next(op for op in log.ops if op.func_name == "clamp_")
+    view_read, base_read = (next(op for op in log.ops if op.func_name == name) for name in ("mul", "t"))
+    assert view_read.parents == [clamp.label] and base_read.parents == [clamp.label]
+    sliced = next(op for op in log.ops if op.func_name == "__getitem__")
+    assert torch.equal(sliced.activation, unclamped[:, :2])  # what the slice held when it was made
+    assert torch.equal(log["output_1"].activation, log.output[0])
     assert tl.validate(model, x).passed
 
 

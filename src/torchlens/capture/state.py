@@ -112,6 +112,20 @@ def version_of(t: torch.Tensor):
 STALE_VERSION = -1
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# What holds a tensor's memory at a write through ``x.data`` when nothing else does: ``x``, ``x.data``, and
+# the storage object the count is read through.
+_DATA_WRITE_HOLDERS = 3
+
+
+def _storage_holders(t: torch.Tensor) -> int:
+    """How many references hold ``t``'s memory (more than ``_DATA_WRITE_HOLDERS`` where torch cannot say)."""
+    try:
+        return _storage_use_count(t.untyped_storage()._cdata)
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        return _DATA_WRITE_HOLDERS + 1
+
+
 def _written_through_each_other(written: list) -> list:
     """The distinct tensors a call wrote that may share a byte with another of them."""
     reached = [(storage_key(t), memory_span(t), t) for t in written]
@@ -268,6 +282,25 @@ class CaptureState:
         if entry is not None and is_bound(entry, t) and entry[2] == version_of(t):
             return entry[1]
         return None
+
+    def _note_data_write(self, t: torch.Tensor, base: torch.Tensor, index: int, key: int) -> None:
+        """Record ``index`` wrote ``t``, which is ``base.data``: ``t`` has a version counter of its own, so the
+        write moved neither ``base``'s nor that of the views sharing it (``base``'s own base, its views),
+        though it changed their bytes.  ``base`` is bound to the write; the others that are bound are made
+        stale, and the write is noted at their version, so that their next read asks ``writers`` who wrote
+        them last (``producer_of``), as after a write through a view.  Writes through ``.data`` are rare in
+        a forward: finding those tensors is one pass over the bound ones, skipped when no other tensor
+        holds the memory."""
+        version = version_of(base)
+        self.producers[id(base)] = (weakref(base), index, version)
+        if version is None or _storage_holders(t) <= _DATA_WRITE_HOLDERS:
+            return
+        self.writers[key].append((index, version, memory_span(t)))
+        for tid, entry in list(self.producers.items()):
+            held = entry[0]() if type(entry[0]) is weakref else entry[0]
+            if isinstance(held, torch.Tensor) and id(held) == tid and held is not base and held is not t \
+                    and storage_key(held) == key and entry[2] == version_of(held):
+                self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
 
     def data_replaced(self, t: torch.Tensor, value) -> None:
         """``t.data = value`` ran: ``t`` now holds ``value``'s memory.  It is bound to the record whose value
@@ -436,9 +469,7 @@ class CaptureState:
                 self.producers[id(t)] = (weakref(t), index, version)
             alias = self.data_bases.get(id(t))
             if not by_schema and alias is not None and alias[0]() is t and alias[1]() is not None:
-                # A write through ``x.data`` changes x without touching x's version counter: rebind x.
-                base = alias[1]()
-                self.producers[id(base)] = (weakref(base), index, version_of(base))
+                self._note_data_write(t, alias[1](), index, key)
             stale = self.saved_by_storage.pop(key, None)
             if stale:
                 for i in stale:
