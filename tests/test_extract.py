@@ -527,3 +527,34 @@ def test_many_layers_are_resolved_without_scanning_the_module_calls_per_layer(tm
 
 def log_output(model, x, name):
     return tl.trace(model, x)[name].activation
+
+
+class CachedAttention(nn.Module):
+    """The key/value cache of Meta's reference LLaMA attention: preallocated tensors, plain attributes, that
+    each forward fills in place (``self.cache_k[:bsz, start_pos:start_pos + seqlen] = xk``) and reads back."""
+
+    def __init__(self, dim=8, max_batch=2, max_seq=3):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.cache_k = torch.zeros(max_batch, max_seq, dim)
+        self.cache_v = torch.zeros(max_batch, max_seq, dim)
+
+    def forward(self, x, start_pos=0):
+        bsz, seqlen, dim = x.shape
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        self.cache_k[:bsz, start_pos:start_pos + seqlen] = xk
+        self.cache_v[:bsz, start_pos:start_pos + seqlen] = xv
+        keys, values = self.cache_k[:bsz, :start_pos + seqlen], self.cache_v[:bsz, :start_pos + seqlen]
+        scores = torch.softmax(xq @ keys.transpose(1, 2) / dim ** 0.5, dim=-1)
+        return scores @ values
+
+
+def test_an_activation_held_by_the_model_keeps_its_own_batchs_rows(tmp_path):
+    # The cache write's output is the cache itself, which the next batch's forward writes again before the
+    # shard holding the first batch's rows is written: those rows must be the first batch's keys.
+    torch.manual_seed(0)
+    model, batches = CachedAttention(), [torch.randn(2, 3, 8), torch.randn(2, 3, 8)]
+    write = next(op.label for op in tl.trace(model, batches[0]).ops if op.func_name == "__setitem__")
+    expected = [tl.trace(model, b)[write].activation.clone() for b in batches]
+    folder = tl.extract(model, batches, layers=[write], out=tmp_path / "feats", progress=False)
+    assert torch.equal(tl.load_extracted(folder, as_torch=True)[write], torch.cat(expected))

@@ -26,7 +26,8 @@ import torch
 
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
-from ..record.layouts import copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet
+from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet,
+                              storage_holders)
 from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
@@ -112,18 +113,9 @@ def version_of(t: torch.Tensor):
 STALE_VERSION = -1
 
 
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 # What holds a tensor's memory at a write through ``x.data`` when nothing else does: ``x``, ``x.data``, and
 # the storage object the count is read through.
 _DATA_WRITE_HOLDERS = 3
-
-
-def _storage_holders(t: torch.Tensor) -> int:
-    """How many references hold ``t``'s memory (more than ``_DATA_WRITE_HOLDERS`` where torch cannot say)."""
-    try:
-        return _storage_use_count(t.untyped_storage()._cdata)
-    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
-        return _DATA_WRITE_HOLDERS + 1
 
 
 def _written_through_each_other(written: list) -> list:
@@ -293,7 +285,7 @@ class CaptureState:
         holds the memory."""
         version = version_of(base)
         self.producers[id(base)] = (weakref(base), index, version)
-        if version is None or _storage_holders(t) <= _DATA_WRITE_HOLDERS:
+        if version is None or storage_holders(t) <= _DATA_WRITE_HOLDERS:
             return
         self.writers[key].append((index, version, memory_span(t)))
         for tid, entry in list(self.producers.items()):

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import ResumeMismatchError, first_few, warn_user
-from ..record.layouts import shape_of, shape_text
+from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
 from ..tree import as_args, path_text, strip, tensor_leaves, without_values
@@ -305,23 +305,37 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
     try:
         if grads is not None:
             backward_through(log, *grads, position, root if root is not None else model)
-        acts = []
-        calls = _module_calls_by_name(log)
-        ops = [_resolve(log, name, position, calls) for name in layers]
-        tensors = [op.activation for op in ops]
-        if grads is not None:
-            ops, tensors = ops + ops, tensors + [layer_grad(op, name, position) for op, name in zip(ops, layers)]
-        for i, (name, op, t) in enumerate(zip(run.layers, ops, tensors)):
-            if t is None:
-                raise RuntimeError(f"batch {position}: {name} ({op.label}) was not saved")
-            run.check_layer(i, name, op.label, t, position)
-            t = t.detach().to("cpu")
-            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-                t = t.clone()  # a view would keep its whole base alive in the buffer, past the shard bound
-            acts.append(t)
-        return acts
+        acts = _layer_values(log, layers, run, position, grads is not None)
     finally:
         log.cleanup()
+    del log  # the trace is released: what still holds an activation's memory now is not this batch's trace
+    return [_buffered(t) for t in acts]
+
+
+def _layer_values(log, layers, run, position, with_grads: bool) -> list:
+    """Each layer's activation (then, ``with_grads``, its gradient) in this batch, detached, on the CPU."""
+    calls = _module_calls_by_name(log)
+    ops = [_resolve(log, name, position, calls) for name in layers]
+    tensors = [op.activation for op in ops]
+    if with_grads:
+        ops, tensors = ops + ops, tensors + [layer_grad(op, name, position) for op, name in zip(ops, layers)]
+    acts = []
+    for i, (name, op, t) in enumerate(zip(run.layers, ops, tensors)):
+        if t is None:
+            raise RuntimeError(f"batch {position}: {name} ({op.label}) was not saved")
+        run.check_layer(i, name, op.label, t, position)
+        acts.append(t.detach().to("cpu"))
+    return acts
+
+
+def _buffered(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the shard buffer keeps it until the shard is written, batches later: ``t`` itself when only it
+    holds its memory, else a copy.  A view would keep its whole base alive in the buffer, past the shard
+    bound; and memory the model keeps (a buffer updated in place, a key/value cache, a view of either) is
+    written again by the next batches' forwards, which would leave this batch's rows holding their values."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size() or storage_holders(t) > 2:
+        return t.clone()
+    return t
 
 
 def _resolve(log, name, position, calls: dict):

@@ -150,6 +150,18 @@ def memory_span(t: torch.Tensor):
         return None
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_holders(t: torch.Tensor) -> int:
+    """How many references hold ``t``'s memory, counting the storage object the count is read through (so
+    at least 2); a large number where torch cannot say."""
+    try:
+        return _storage_use_count(t.untyped_storage()._cdata)
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        return 1 << 30
+
+
 def spans_meet(a, b) -> bool:
     """Whether two ``memory_span``s may share a byte (an unknown span may share any).  Spans that overlap
     may still hold no common byte: the column halves of a matrix (``x.chunk(2, dim=-1)``) interleave."""
