@@ -24,7 +24,7 @@ import torch
 from .errors import closest_hint
 from .record.columns import UNINITIALIZED_FUNCS
 from .record.layouts import copy_with_layout, memory_freed
-from .record.trace import WRITTEN_AFTER_TRACE
+from .record.trace import WRITTEN_AFTER_TRACE, is_param_written
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
@@ -375,6 +375,8 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
         dropped = op.dropped_reason
         if dropped == WRITTEN_AFTER_TRACE:  # the trace no longer holds what the op made
             return _mismatch(f"its saved output was {dropped}")
+        if is_param_written(dropped):  # a parameter updated since, as for the ops reading it: not a mismatch
+            return _skip(f"parameter changed since the trace: {dropped}")
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")
     replay = getattr(log, "_replay", None)
     context = replay.contexts.get(call_position, replay.context) if replay is not None else None

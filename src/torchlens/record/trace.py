@@ -34,6 +34,19 @@ _NOT_COPIED = ("a Trace cannot be {} (a live one holds the model and torch's cal
 WRITTEN_AFTER_TRACE = ("written in place after the trace ended (a later forward updating a buffer the trace holds "
                        "by reference, or code changing an input or the output); read activations, or .clone() "
                        "them, before running the model again")
+# Why ``drop_written`` dropped a saved tensor whose memory is a parameter's (the op returned the parameter or a
+# view of it: ``w.t()``, ``w[:k]``) written since: an optimizer step, not a wrong value, so validate skips it.
+PARAM_WRITTEN_AFTER_TRACE = ("its memory is parameter {}'s (the op returned the parameter or a view of it), which "
+                             "was written in place after the trace ended (an optimizer step?); read activations, "
+                             "or .clone() them, before updating the parameters")
+
+
+def is_param_written(reason) -> bool:
+    """Whether a dropped activation's reason is ``PARAM_WRITTEN_AFTER_TRACE``."""
+    head, _, tail = PARAM_WRITTEN_AFTER_TRACE.partition("{}")
+    return isinstance(reason, str) and reason.startswith(head) and reason.endswith(tail)
+
+
 # Why ``drop_written`` dropped a saved tensor whose memory is gone: reading it would read freed memory.
 MEMORY_FREED = ("its memory was freed after the op made it (its storage resized down: FSDP2 frees each module's "
                 "unsharded parameters after its forward, fully_shard(..., reshard_after_forward=False) keeps them)")
@@ -282,11 +295,22 @@ class Trace(TraceColumns):
             version, t = versions.get(i), activations.get(i)
             if version is None or t is None:
                 continue  # not held by reference (a private copy), or not saved
-            reason = MEMORY_FREED if memory_freed(t) else WRITTEN_AFTER_TRACE if t._version != version \
+            reason = MEMORY_FREED if memory_freed(t) else self._written_reason(t) if t._version != version \
                 else self._counted_since(t)
             if reason is not None:
                 del activations[i]
                 self._dropped[i] = reason
+
+    def _written_reason(self, t) -> str:
+        """Why ``t``, whose version moved since its op ran, is dropped: a parameter's memory written (named, so
+        that an optimizer step reads as one), else any other write after the trace."""
+        nbytes = t.untyped_storage().nbytes()
+        if nbytes and t.device.type != "meta":  # a meta tensor, or an empty one, has no memory to tell apart
+            where = t.untyped_storage().data_ptr()
+            for address, p in self._model_params or ():
+                if p.device == t.device and p.untyped_storage().data_ptr() == where:
+                    return PARAM_WRITTEN_AFTER_TRACE.format(address)
+        return WRITTEN_AFTER_TRACE
 
     def _counted_since(self, t):
         """Why ``t``, if it is a BatchNorm's running statistic, is stale: its layer counted a batch since the

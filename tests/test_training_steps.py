@@ -1,0 +1,42 @@
+"""Traces taken inside a training loop: what an optimizer step, taken after the trace, does to what it reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchlens as tl
+from torchlens.errors import ActivationUnavailable
+
+from real_models import vit
+
+pytest.importorskip("transformers")
+
+
+def _trained_after_trace():
+    """A ViT traced in train mode, then one optimizer step: its [CLS] token expanded over the batch is an op
+    whose output is a view of the ``cls_token`` parameter."""
+    torch.manual_seed(0)
+    model, (images,), _ = vit()
+    model.train()
+    log = tl.trace(model, images, kwargs={"labels": torch.tensor([0, 2])}, grads=True)
+    log.backward(log.output.loss)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return log
+
+
+def test_a_parameter_view_updated_by_an_optimizer_step_is_not_replayed_rather_than_a_mismatch():
+    log = _trained_after_trace()
+    result = log.validate()
+    assert result.passed and not result.mismatched, result
+    expand = next(op for op in log if op.func_name == "expand" and op.params)
+    assert expand.params == ("vit.embeddings.cls_token",)
+    why = dict(result.not_replayed)[expand.label]
+    assert why.startswith("parameter changed since the trace") and "optimizer step" in why
+
+
+def test_reading_a_parameter_view_after_an_optimizer_step_names_the_parameter():
+    log = _trained_after_trace()
+    expand = next(op for op in log if op.func_name == "expand" and op.params)
+    with pytest.raises(ActivationUnavailable, match=r"parameter vit\.embeddings\.cls_token's .*optimizer step"):
+        expand.activation
