@@ -8,7 +8,7 @@ import torch
 import torchlens as tl
 from torchlens.errors import ActivationUnavailable
 
-from real_models import vit
+from real_models import gpt2, vit
 
 pytest.importorskip("transformers")
 
@@ -40,3 +40,23 @@ def test_reading_a_parameter_view_after_an_optimizer_step_names_the_parameter():
     expand = next(op for op in log if op.func_name == "expand" and op.params)
     with pytest.raises(ActivationUnavailable, match=r"parameter vit\.embeddings\.cls_token's .*optimizer step"):
         expand.activation
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes need Python 3.11")
+def test_a_backward_after_an_optimizer_step_names_the_parameters_it_changed():
+    """A trace's loss kept while another micro-batch's backward and an optimizer step ran: autograd refuses
+    the late backward naming only a shape and a version; the note says which parameters changed, and why."""
+    torch.manual_seed(0)
+    model, _, inputs = gpt2()
+    ids = inputs["input_ids"]
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tl.trace(model, (), {"input_ids": ids, "labels": ids}, save="none", grads=True)
+    late_loss = log.output.loss
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        log.backward(late_loss)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "parameters changed since this trace's forward (an optimizer step?): transformer.wte.weight" in notes
+    assert "before optimizer.step()" in notes

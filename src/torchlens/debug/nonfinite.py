@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.state import version_of
 from ..record.columns import UNINITIALIZED_FUNCS, Kind
 from ..record.finite import nonfinite_flags
+from ..record.params import changed_since_trace
 from ..record.trace import checked_trace
 from ..errors import TraceCleanedUp
 from ..tree import without_values
@@ -318,14 +318,9 @@ def _nonfinite_parameters(log):
     a NaN or Inf gradient leaves non-finite) is not checked, and not blamed."""
     if log.is_cleaned_up or log.loaded_from is not None:  # no live model to look at
         return [], False, []
-    replay = getattr(log, "_replay", None)
-    versions = replay.param_versions if replay is not None else None
-    bad, changed = [], []
-    with torch.no_grad():
-        for address, p in log._model_params or ():  # as the trace names them (a plain function has none)
-            now = version_of(p)  # None for an inference tensor: no counter, so no change can be seen
-            if versions is not None and versions.get(id(p), now) != now:
-                changed.append(address)
-            elif any(nonfinite_flags(p) or ()):
-                bad.append(address)
+    changed = changed_since_trace(log)
+    skipped = set(changed)
+    with torch.no_grad():  # as the trace names them (a plain function has none)
+        bad = [address for address, p in log._model_params or ()
+               if address not in skipped and any(nonfinite_flags(p) or ())]
     return bad, True, changed

@@ -175,9 +175,28 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
         _refuse_backward(trace)
     backwards = trace._gradcap.backwards
     # Positional, as ``Tensor.backward`` passes them: this wrapper is a fixed cost of every traced backward.
-    torch.autograd.backward(loss, gradient, retain_graph, create_graph, inputs=inputs)
+    try:
+        torch.autograd.backward(loss, gradient, retain_graph, create_graph, inputs=inputs)
+    except RuntimeError as exc:
+        _note_changed_params(trace, exc)
+        raise
     if trace._gradcap.backwards == backwards:
         _warn_unreached()
+
+
+def _note_changed_params(trace, exc: RuntimeError) -> None:
+    """Autograd's refusal of a tensor written since the forward names only a shape and a version: when the
+    trace's parameters were written since (an optimizer step before this backward), say which, and what to do."""
+    if "modified by an inplace operation" not in str(exc) or not hasattr(exc, "add_note"):  # add_note: 3.11+
+        return
+    from .params import changed_since_trace
+
+    changed = changed_since_trace(trace)
+    if changed:
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        exc.add_note(f"torchlens: parameters changed since this trace's forward (an optimizer step?): {shown}; "
+                     "autograd needs the values the forward read, so run log.backward(loss) before "
+                     "optimizer.step(), or trace again after it")
 
 
 def _warn_unreached() -> None:

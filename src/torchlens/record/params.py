@@ -41,6 +41,23 @@ def param_states(model_params, requires_grad) -> list:
             for address, p in model_params]
 
 
+def changed_since_trace(trace) -> list:
+    """Addresses of the traced model's parameters written in place since the forward ended (an optimizer step):
+    their version counters moved.  Empty for a trace that holds no live model, or no versions."""
+    from ..capture.state import version_of  # the capture driver's reader; imported late, one way
+
+    replay = getattr(trace, "_replay", None)
+    if replay is None or trace._model_params is None:
+        return []
+    versions = replay.param_versions
+    changed = []
+    for address, p in trace._model_params:
+        now = version_of(p)  # None for an inference tensor: no counter, so no change can be seen
+        if versions.get(id(p), now) != now:
+            changed.append(address)
+    return changed
+
+
 class BufferRow:
     """One buffer's data, as the trace holds it."""
 
