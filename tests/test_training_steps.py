@@ -8,7 +8,7 @@ import torch
 import torchlens as tl
 from torchlens.errors import ActivationUnavailable
 
-from real_models import gpt2, vit
+from real_models import bert, gpt2, vit
 
 pytest.importorskip("transformers")
 
@@ -60,3 +60,30 @@ def test_a_backward_after_an_optimizer_step_names_the_parameters_it_changed():
     notes = "\n".join(getattr(raised.value, "__notes__", []))
     assert "parameters changed since this trace's forward (an optimizer step?): transformer.wte.weight" in notes
     assert "before optimizer.step()" in notes
+
+
+def test_grads_asked_of_a_forward_without_gradients_warns_once_saying_why():
+    """An evaluation step decorated with torch.no_grad() traced with grads=True: no op can get a gradient."""
+    torch.manual_seed(0)
+    model, _, inputs = bert()
+    model.train()
+
+    @torch.no_grad()
+    def evaluate(batch):
+        return tl.trace(model, (), batch, grads=True)
+
+    with pytest.warns(UserWarning, match=r"grads=True, but no tensor of this forward requires grad.*no_grad") as seen:
+        log = evaluate(inputs)
+    assert len([w for w in seen if "grads=True" in str(w.message)]) == 1
+    first_linear = next(op for op in log if op.type == "linear")
+    with pytest.raises(tl.GradientUnavailable, match="does not require grad"):
+        first_linear.grad
+
+
+def test_grads_of_a_forward_with_gradients_do_not_warn(recwarn):
+    torch.manual_seed(0)
+    model, _, inputs = bert()
+    log = tl.trace(model.train(), (), inputs, grads=True)
+    assert not [w for w in recwarn if "grads=True" in str(w.message)]
+    log.backward(log.output.logits.sum())
+    assert next(op for op in log if op.type == "linear").grad is not None

@@ -34,6 +34,7 @@ from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.finalize import tensor_leaves
 from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
 from . import accel
+from ..errors import warn_user
 
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
@@ -412,6 +413,14 @@ class GradCapture:
 
 
 # ----- set-up and hand-over, called by capture/session.py ---------------------------------------
+# grads=True on a forward none of whose tensors required grad: every op's .grad would say so one by one, and a
+# backward through log.output fails in autograd ("does not require grad"); said once, when the trace is made.
+NOTHING_REQUIRES_GRAD = ("grads=True, but no tensor of this forward requires grad, so no backward can give any op "
+                         "a gradient: it ran under torch.no_grad() or torch.inference_mode() (an evaluation "
+                         "function decorated with one), or nothing it read requires grad (frozen parameters, "
+                         "inputs without requires_grad); trace outside them, or drop grads=")
+
+
 def grad_capture(grads, model, state):
     """The ``GradCapture`` for ``tl.trace(..., grads=...)``, or None when gradients are off."""
     if grads is True:  # the common case, first: set-up is a fixed cost of every trace
@@ -449,6 +458,8 @@ def attach_grads(trace, capture, own_outputs: bool = False) -> None:
     capture.selected = set(capture.handles)
     policy = capture.policy
     if policy is None:
+        if not capture.handles:  # grads=True hooks every output that requires grad: there was none
+            warn_user(NOTHING_REQUIRES_GRAD)
         capture.guard_leaves(trace)
         return
     try:
