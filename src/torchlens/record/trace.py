@@ -291,26 +291,28 @@ class Trace(TraceColumns):
         if not versions:
             return
         activations = self._activations
+        owners: dict = {}  # the parameters' memory, read only when a saved tensor was written
         for i in list(versions) if indices is None else indices:
             version, t = versions.get(i), activations.get(i)
             if version is None or t is None:
                 continue  # not held by reference (a private copy), or not saved
-            reason = MEMORY_FREED if memory_freed(t) else self._written_reason(t) if t._version != version \
+            reason = MEMORY_FREED if memory_freed(t) else self._written_reason(t, owners) if t._version != version \
                 else self._counted_since(t)
             if reason is not None:
                 del activations[i]
                 self._dropped[i] = reason
 
-    def _written_reason(self, t) -> str:
+    def _written_reason(self, t, owners: dict) -> str:
         """Why ``t``, whose version moved since its op ran, is dropped: a parameter's memory written (named, so
-        that an optimizer step reads as one), else any other write after the trace."""
-        nbytes = t.untyped_storage().nbytes()
-        if nbytes and t.device.type != "meta":  # a meta tensor, or an empty one, has no memory to tell apart
-            where = t.untyped_storage().data_ptr()
-            for address, p in self._model_params or ():
-                if p.device == t.device and p.untyped_storage().data_ptr() == where:
-                    return PARAM_WRITTEN_AFTER_TRACE.format(address)
-        return WRITTEN_AFTER_TRACE
+        that an optimizer step reads as one), else any other write after the trace.  ``owners``: filled on
+        first use with each parameter's ``(device, storage address) -> address``, once per ``drop_written``."""
+        if not t.untyped_storage().nbytes() or t.device.type == "meta":  # no memory to tell apart
+            return WRITTEN_AFTER_TRACE
+        if not owners:
+            owners.update(((p.device, p.untyped_storage().data_ptr()), address)
+                          for address, p in reversed(self._model_params or ()))  # reversed: the first name wins
+        address = owners.get((t.device, t.untyped_storage().data_ptr()))
+        return WRITTEN_AFTER_TRACE if address is None else PARAM_WRITTEN_AFTER_TRACE.format(address)
 
     def _counted_since(self, t):
         """Why ``t``, if it is a BatchNorm's running statistic, is stale: its layer counted a batch since the
