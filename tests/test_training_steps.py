@@ -9,6 +9,7 @@ import torchlens as tl
 from torchlens.errors import ActivationUnavailable
 
 from real_models import bert, gpt2, vit
+from zoo import zoo
 
 pytest.importorskip("transformers")
 
@@ -87,3 +88,17 @@ def test_grads_of_a_forward_with_gradients_do_not_warn(recwarn):
     assert not [w for w in recwarn if "grads=True" in str(w.message)]
     log.backward(log.output.logits.sum())
     assert next(op for op in log if op.type == "linear").grad is not None
+
+
+def test_a_compiled_model_traced_at_some_steps_says_the_trace_ran_it_eagerly():
+    """``model = torch.compile(model)`` before the loop: the traced steps run the eager model underneath, which
+    may round differently from the compiled steps around them; the trace says so instead of passing silently."""
+    torch.manual_seed(0)
+    model, (x,), _ = zoo()["mlp"]
+    compiled = torch.compile(model.train(), backend="eager")
+    with pytest.warns(UserWarning, match="torch.compile'd: the trace ran the eager model it wraps"):
+        log = tl.trace(compiled, x, grads=True)
+    assert any("torch.compile'd" in caveat for caveat in log.caveats)
+    assert log.model is model
+    uncompiled = tl.trace(model, x)
+    assert not any("torch.compile'd" in caveat for caveat in uncompiled.caveats)

@@ -57,6 +57,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     The steps: check the call, prepare the capture state, run the forward inside every capture part,
     then finalize the record and add what the run leaves beside it (caveats, interventions, gradients)."""
     given_root = root
+    compiled_root = _is_compile_wrapper(model)
     model, root = _checked_call(model, root, kwargs, compiled, deep, grads, stop_after)
     if deep is not False or name is not None or reference is not None:  # three identity checks in the common call
         _check_options(deep, name, reference, intervene, stop_after)
@@ -124,6 +125,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if given_root is not None and root is not model and state.module_calls:
         _refuse_root_never_run(result, root)
     _complete(result, state, index, policy, runtime, packing, submodules, root, model_name)
+    if compiled_root:
+        warn_user(COMPILED_ROOT_CAVEAT)
+        result.caveats = result.caveats + (COMPILED_ROOT_CAVEAT,)
     timings["total"] = (perf_counter_ns() - started) / 1e9
     if mutated:
         warn_mutated([result.labels[i] for i in mutated])
@@ -479,6 +483,22 @@ def _script_caveat(addresses) -> tuple:
             "trace the module before torch.jit.script to record its interior")
     warn_user(text)
     return (text,)
+
+
+# A torch.compile'd model given to tl.trace runs as the eager model it wraps: capture cannot see inside compiled
+# code.  Said, since a training loop that traces some of its compiled steps computes those steps differently.
+COMPILED_ROOT_CAVEAT = ("the model is torch.compile'd: the trace ran the eager model it wraps (capture cannot see "
+                        "inside compiled code), so its outputs, and the gradients of a backward through them, may "
+                        "differ in their low bits from those of the compiled model's own untraced run")
+
+
+def _is_compile_wrapper(model) -> bool:
+    """Whether ``model`` is what ``torch.compile`` returns for a module or a function (``_unwrap`` unwraps it).
+    Looked up where the attributes live: a module's missing attribute would format an error message."""
+    if isinstance(model, torch.nn.Module):  # (a TorchScript module's mapping is no dict: no wrapper, refused later)
+        modules = model._modules
+        return type(modules) is dict and isinstance(modules.get("_orig_mod"), torch.nn.Module)
+    return getattr(model, "_torchdynamo_orig_callable", None) is not None
 
 
 def _unwrap(model):
