@@ -1,4 +1,5 @@
-"""Traces taken inside a training loop: what an optimizer step, taken after the trace, does to what it reads."""
+"""Traces taken inside a training loop: an optimizer step after the trace, a backward run late, an evaluation
+step under no_grad asked for gradients, a compiled model traced at some steps."""
 
 from __future__ import annotations
 
