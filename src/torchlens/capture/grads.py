@@ -30,11 +30,11 @@ from functools import partial
 
 import torch
 
+from ..errors import warn_user
 from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.finalize import tensor_leaves
 from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
 from . import accel
-from ..errors import warn_user
 
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
