@@ -27,7 +27,7 @@ import torch
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
 from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet,
-                              storage_holders)
+                              storage_holders, version_of)
 from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
@@ -98,14 +98,6 @@ _functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
 
 
 _VERSION = operator.attrgetter("_version")
-
-
-def version_of(t: torch.Tensor):
-    """``t._version``, or None for an inference tensor, which has no version counter."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 # A ``producers`` entry's version that no tensor has: the tensor was written without its version counter

@@ -28,7 +28,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       CALL_PARENTS, CALL_WROTE_ARGUMENTS, INPUT, MODULE_CALL_INPUTS, MODULE_CALL_MODULE,
                       MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
-from .layouts import shape_of
+from .layouts import shape_of, version_of
 from .model_index import ModelIndex, fsdp_params
 from .module_table import params_by_module
 from .modules import CallRow, ModuleRow, shown_class, unregistered_address
@@ -179,8 +179,6 @@ def _versions(params) -> list:
     try:
         return list(map(_VERSION, params))
     except RuntimeError:
-        from ..capture.state import version_of  # the capture driver's reader; imported late, one way
-
         return list(map(version_of, params))
 
 

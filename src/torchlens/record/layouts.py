@@ -130,6 +130,14 @@ class RaggedShape(tuple):
         return tuple(self), self.numel
 
 
+def version_of(t: torch.Tensor):
+    """``t._version``, or None for an inference tensor, which has no version counter."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def memory_span(t: torch.Tensor):
     """``(start, end, element size, shape, strides)``: the bytes of its storage a tensor can reach (``start``
     to ``end``, end excluded) and the layout that says which of them it holds, or None when unknown (a

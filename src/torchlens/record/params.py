@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .columns import Kind
+from .layouts import version_of
 from .view import View, row_field
 
 
@@ -44,8 +45,6 @@ def param_states(model_params, requires_grad) -> list:
 def changed_since_trace(trace) -> list:
     """Addresses of the traced model's parameters written in place since the forward ended (an optimizer step):
     their version counters moved.  Empty for a trace that holds no live model, or no versions."""
-    from ..capture.state import version_of  # the capture driver's reader; imported late, one way
-
     replay = getattr(trace, "_replay", None)
     if replay is None or trace._model_params is None:
         return []
