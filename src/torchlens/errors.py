@@ -31,8 +31,13 @@ def first_few(names, n: int = 3) -> str:
 
 def closest_hint(name: str, known) -> str:
     """``"; closest: a, b"`` naming up to five of ``known`` that resemble ``name`` (empty when none do): the
-    tail of every "no such label" message, so a typo is answered with what was meant."""
-    close = difflib.get_close_matches(name, list(known), n=5, cutoff=0.5)
+    tail of every "no such label" message, so a typo is answered with what was meant.  The names ``name`` is
+    the end of come first: a module address written from inside the model (``layers.1`` for
+    ``model.layers.1``, as the module's own code or another library's names call it) is no typo, and too
+    short beside the full address for a spelling match to find it."""
+    known = list(known)
+    ends = sorted((k for k in known if k.endswith("." + name)), key=len)
+    close = list(dict.fromkeys(ends + difflib.get_close_matches(name, known, n=5, cutoff=0.5)))[:5]
     return f"; closest: {', '.join(close)}" if close else ""
 
 

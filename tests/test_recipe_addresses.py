@@ -1,0 +1,44 @@
+"""The addresses an interpretability recipe types, on transformers models from small configs: a wrong guess is
+answered with the address meant.  A module address written from inside the model (``h.1``, as the
+block's own code and other libraries name it, for ``transformer.h.1`` of a ``GPT2LMHeadModel``) is the usual
+first guess, and every lookup that takes addresses names the full one."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from real_models import build  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models():
+    pytest.importorskip("transformers")
+    built = {}
+    for name in ("gpt2", "llama"):
+        model, args, kwargs = build(name)
+        built[name] = model.eval(), (args[0] if args else kwargs["input_ids"])
+    return built
+
+
+@pytest.mark.parametrize("name, guess, meant", [
+    ("gpt2", "h.1", "transformer.h.1"), ("gpt2", "h.1:1", "transformer.h.1:1"), ("gpt2", "mlp", "transformer.h.0.mlp"),
+    ("llama", "mlp", "model.layers.0.mlp"), ("llama", "o_proj", "model.layers.0.self_attn.o_proj")])
+def test_an_address_written_from_inside_the_model_is_answered_with_the_full_address(models, name, guess, meant):
+    model, ids = models[name]
+    log = tl.trace(model, ids)
+    hint = rf"closest: [^;]*\b{meant}\b"
+    with pytest.raises(KeyError, match=hint):
+        log[guess]
+    with pytest.raises(KeyError, match=hint):
+        tl.trace(model, ids, intervene={guess: tl.zero_ablate()})
+    with pytest.raises(KeyError, match=hint):
+        tl.trace(model, ids, save=[guess])
+    with pytest.raises(KeyError, match=hint):
+        tl.trace(model, ids, grads=[guess])
