@@ -42,3 +42,16 @@ def test_an_address_written_from_inside_the_model_is_answered_with_the_full_addr
         tl.trace(model, ids, save=[guess])
     with pytest.raises(KeyError, match=hint):
         tl.trace(model, ids, grads=[guess])
+
+
+def test_a_container_selected_for_gradients_or_extraction_is_named_as_a_container(models, tmp_path):
+    """``model.layers`` (an ``nn.ModuleList``) is never called, so it has no output; the refusal says so and names
+    the blocks, rather than blaming a forward called as ``module.forward(...)``, which its blocks' ops suggest."""
+    model, ids = models["llama"]
+    container = r"'model.layers' is a ModuleList, a container .* never called.*\(model.layers.0, model.layers.1\)"
+    for option in ("save", "grads"):
+        with pytest.raises(tl.UnmatchedSelection, match=container) as refused:
+            tl.trace(model, ids, **{option: ["model.layers"]})
+        assert "module.forward" not in str(refused.value)
+    with pytest.raises(tl.UnmatchedSelection, match=container):
+        tl.extract(model, [ids], ["model.layers"], tmp_path / "features", progress=False)

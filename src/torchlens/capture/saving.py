@@ -19,7 +19,7 @@ from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
-from ..record.model_index import refuse_module_object, scripted_outer, traced_address
+from ..record.model_index import container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.params import bypassed_call_hint
 from ..tree import tensor_leaves
 from .state import is_bound, version_of
@@ -38,6 +38,7 @@ class SavePolicy:
         self.type_entries: dict = {}  # normalized op type -> the entry as written
         self.selected_modules: dict = {}  # id(module) -> module, for each module a selection names
         self.shadowed_types: dict = {}  # module address entry -> the op type it also reads as (save=["relu"])
+        self.containers: dict = {}  # module address entry -> why it never runs (a ModuleList has no forward)
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
@@ -68,6 +69,8 @@ class SavePolicy:
                 self.addresses.add(item)
                 self.module_ids.add(id(modules[item]))
                 self.selected_modules[id(modules[item])] = modules[item]
+                if container_note(item, modules[item]):
+                    self.containers[item] = container_note(item, modules[item])
                 if types_too and "." not in item:
                     self.shadowed_types[item] = item.lower().replace("_", "")
             elif address in modules and call.isdigit():  # a module call label: that call's output op
@@ -164,7 +167,8 @@ class SavePolicy:
             hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry)
             ran = ""
             if entry in self.addresses:
-                ran = bypassed_call_hint(trace, entry) or _compiled_holder_hint(trace, entry) or \
+                ran = (f" ({entry!r} {self.containers[entry]})" if entry in self.containers else "") or \
+                    bypassed_call_hint(trace, entry) or _compiled_holder_hint(trace, entry) or \
                     " (that module exists but never ran in this forward)"
             if stopped_after is not None:
                 ran += f" (the forward stopped after {stopped_after}, as stop_after= asked: what follows never ran)"

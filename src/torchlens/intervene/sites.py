@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InterventionError, closest_hint
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
-from ..record.model_index import WRAPPED, refuse_module_object, scripted_outer, traced_address
+from ..record.model_index import WRAPPED, container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.op import Layer, Op
 from ..capture.source import line_of, source_of
 from ..labels.naming import func_name_of
@@ -224,15 +224,9 @@ def _refuse_container(key: str, address: str, modules: dict, stop: bool) -> None
     """A module with no forward of its own (``nn.ModuleList``, ``nn.ModuleDict``) is never called: its output
     is no value, so the site would only be found unmet after a whole forward, for a reason that error cannot
     name.  Refused before anything runs, naming the modules it holds."""
-    module = modules.get(address)
-    if module is None or type(module).forward is not torch.nn.Module.forward or "forward" in vars(module):
-        return
-    held = [f"{address}.{name}" for name, _ in module.named_children()]
-    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
-    kind = "stop_after site" if stop else "intervention site"
-    raise InterventionError(
-        f"{kind} {key!r} is a {type(module).__name__}, a container with no forward of its own: it is never "
-        f"called, so it has no output to change. Intervene at the modules it holds ({shown or 'none'})")
+    note = container_note(address, modules.get(address))
+    if note:
+        raise InterventionError(f"{'stop_after site' if stop else 'intervention site'} {key!r} {note}")
 
 
 def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:

@@ -221,6 +221,18 @@ def scripted_outer(address: str, modules: dict) -> str | None:
     return None
 
 
+def container_note(address: str, module) -> str:
+    """For a module with no forward of its own (``nn.ModuleList``, ``nn.ModuleDict``), which is never called and
+    so has no output: ``"is a ModuleList, a container ... (a.0, a.1, a.2, ...)"``, naming the modules it holds;
+    '' for any other module."""
+    if module is None or type(module).forward is not torch.nn.Module.forward or "forward" in vars(module):
+        return ""
+    held = [f"{address}.{name}" for name, _ in module.named_children()]
+    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    return (f"is a {type(module).__name__}, a container with no forward of its own: it is never called, so it has "
+            f"no output; name the modules it holds ({shown or 'none'})")
+
+
 def refuse_module_object(value, modules: dict, where: str) -> None:
     """Refuse a class or a module object given ``where`` a name or a predicate over ops is taken (``save=``,
     ``grads=``, an intervention site).  Both are callable, so either would be called on each op as a predicate:
