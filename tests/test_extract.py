@@ -292,6 +292,19 @@ def test_a_nested_tensor_layer_is_refused_with_its_ragged_shape(tmp_path):
 
 
 
+def test_inputs_of_another_length_are_refused_saying_to_pad_them(tmp_path):
+    """Probe features over short prompts of varying length: a block's rows have another shape in each batch, which
+    one array cannot hold; the refusal says what to do (pad, a pooled layer, one run per length)."""
+    pytest.importorskip("transformers")
+    from real_models import build
+
+    model, _, kwargs = build("bert")
+    ids = kwargs["input_ids"]
+    with pytest.raises(ValueError, match=r"batch 1: bert.encoder.layer.0 .* rows of \[6, 32\], but earlier batches "
+                                         r"gave .* rows of \[8, 32\].*pad every input to one length"):
+        tl.extract(model.eval(), [ids, ids[:, :6]], ["bert.encoder.layer.0"], tmp_path / "x", progress=False)
+
+
 def test_tensors_without_values_are_refused_by_name(tmp_path):
     """A meta or fake input, or a layer whose activation is a meta tensor, has no values to store: refused
     saying so, not with torch's "Cannot copy out of meta tensor" or ".numpy() is not supported"."""

@@ -263,6 +263,18 @@ def _same_layer(known: dict, info: dict) -> bool:
         {**info, "label": _without_layer_number(info["label"])}
 
 
+def _ragged_rows_hint(known: dict, info: dict) -> str:
+    """What to do when only the rows' shape changed between batches (inputs of another sequence length): a
+    layer is one array, so every row needs one shape."""
+    same_op = known["dtype"] == info["dtype"] and \
+        _without_layer_number(known["label"]) == _without_layer_number(info["label"])
+    if not same_op or len(known["row_shape"]) != len(info["row_shape"]):
+        return ""
+    return ("; a layer is stored as one array, so its rows need one shape in every batch: pad every input to one "
+            "length (a tokenizer's padding='max_length', with the attention mask), extract a layer whose shape does "
+            "not depend on the length (a pooled output), or run tl.extract once per length")
+
+
 def _without_layer_number(label: str) -> str:
     """``linear_1_14:1`` -> ``linear_1:1``; a label without a layer number (``input_1:1``) as it is."""
     found = re.fullmatch(r"(.+_\d+)_\d+(:\d+)", label)
@@ -517,7 +529,8 @@ class _Run:
             self.state["layer_info"][i] = info
         elif not _same_layer(known, info):
             raise ValueError(f"batch {position}: {name} is {label} {info['dtype']} rows of {info['row_shape']}, but "
-                             f"earlier batches gave {known['label']} {known['dtype']} rows of {known['row_shape']}")
+                             f"earlier batches gave {known['label']} {known['dtype']} rows of {known['row_shape']}"
+                             f"{_ragged_rows_hint(known, info)}")
 
     def add(self, acts, rows, rows_from, position, sample_index=None):
         """Buffer one batch; ``rows`` is its batch size, dim 0 of the input ``rows_from`` (``_batch_dimension``;
