@@ -55,3 +55,31 @@ def test_a_container_selected_for_gradients_or_extraction_is_named_as_a_containe
         assert "module.forward" not in str(refused.value)
     with pytest.raises(tl.UnmatchedSelection, match=container):
         tl.extract(model, [ids], ["model.layers"], tmp_path / "features", progress=False)
+
+
+def test_an_attention_module_returning_its_weights_is_refused_naming_them_and_the_outputs_to_use():
+    """Eager attention returns ``(output, weights)`` and its own matmul read the weights, so the module is no site
+    (the record could not say which value that read saw).  The refusal names the tensor read inside and where
+    the call's outputs are listed; the first of them, used as the site, is what a forward hook editing
+    ``output[0]`` gives."""
+    pytest.importorskip("transformers")
+    import real_models
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.gpt2()
+    model.eval().config._attn_implementation = "eager"
+    ids = kwargs["input_ids"]
+    with pytest.raises(tl.InterventionError, match=r"transformer.h.1.attn:1 read the tensor it returns at output\.1 "
+                                                   r"\(of shape \(2, 4, 8, 8\).*module_calls entry labelled "
+                                                   r"'transformer.h.1.attn:1' lists them in return order"):
+        tl.trace(model, ids, intervene={"transformer.h.1.attn": tl.scale(0.5)})
+    plain = tl.trace(model, ids)
+    call = next(call for call in plain.module_calls if call.label == "transformer.h.1.attn:1")
+    handle = model.transformer.h[1].attn.register_forward_hook(lambda m, i, o: (o[0] * 0.5,) + tuple(o[1:]))
+    try:
+        with torch.no_grad():
+            expected = model(ids).logits
+    finally:
+        handle.remove()
+    edited = tl.trace(model, ids, intervene={call.output_ops[0]: tl.scale(0.5)})
+    assert torch.equal(edited.output.logits, expected)

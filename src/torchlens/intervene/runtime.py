@@ -34,7 +34,7 @@ from ..capture.source import source_of
 from ..capture.state import StopForward, is_bound, storage_key, version_of
 from ..capture.teardown import HookHandles
 from ..capture.writes import named_targets
-from ..tree import tensor_leaves
+from ..tree import path_text, tensor_leaves
 from .actions import layout_name, same_shape
 from .sites import ModuleCallInfo, occurrence_key
 
@@ -390,7 +390,7 @@ class Interventions:
             if id(t) in done:  # the same tensor returned twice is one value
                 continue
             done.add(id(t))
-            record = self._made_here(st, t, module_call, sites[0], call_number)
+            record = self._made_here(st, t, module_call, sites[0], call_number, path)
             info = ModuleCallInfo(address, call_number, module, k, path)
             original = st.saved.get(record)
             current = t
@@ -414,8 +414,9 @@ class Interventions:
                 new_output = _replace_at(new_output, path, replaced[id(t)], sites[0].key)
         return new_output
 
-    def _made_here(self, st, t, module_call, site, call_number) -> int:
-        """The record of an output tensor made inside this module call and read nowhere inside it."""
+    def _made_here(self, st, t, module_call, site, call_number, path=()) -> int:
+        """The record of an output tensor made inside this module call and read nowhere inside it; ``path`` is
+        where the call's return value holds it, for the refusals."""
         label = f"{site.address}:{call_number}"
         entry = st.producers.get(id(t))
         record = entry[1] if entry is not None and is_bound(entry, t) else -1
@@ -433,9 +434,13 @@ class Interventions:
         for later in st.calls[producing_call + 1:]:
             if any(parent == record for _, parent in later[CALL_PARENTS]):
                 raise InterventionError(
-                    f"module site {site.key!r}: {label} read its output tensor inside the call before returning "
-                    "it, so the trace could not say which value those reads saw; intervene at the op label of "
-                    "the tensor instead")
+                    f"module site {site.key!r}: {label} read the tensor it returns at {path_text('output', path)} (of "
+                    f"shape {tuple(t.shape)}, made by {func_name_of(st.calls[producing_call][CALL_FUNC])}) inside the "
+                    "call before returning it (an attention module returning the attention weights its own matmul "
+                    "read), so the trace could not say which value those reads saw. Intervene at the op labels "
+                    f"of the outputs to change instead: a plain trace's module_calls entry labelled {label!r} "
+                    "lists them in return order (output_ops); for an attention module, attention that returns no "
+                    "weights (transformers' attn_implementation='sdpa') makes its output a module site again")
         return record
 
     # ----- after the forward ---------------------------------------------------------------------
