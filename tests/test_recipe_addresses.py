@@ -83,3 +83,27 @@ def test_an_attention_module_returning_its_weights_is_refused_naming_them_and_th
         handle.remove()
     edited = tl.trace(model, ids, intervene={call.output_ops[0]: tl.scale(0.5)})
     assert torch.equal(edited.output.logits, expected)
+
+
+@pytest.mark.parametrize("name, attention", [("gpt2", "transformer.h.1.attn"), ("llama", "model.layers.1.self_attn")])
+def test_an_attention_module_address_names_its_output_not_the_weights_it_also_returns(name, attention):
+    """Eager attention returns ``(output, weights)``: ``log[address]`` is the output, what a forward hook reads as
+    ``output[0]`` (the attention output of every reading recipe), never the attention weights returned after it."""
+    pytest.importorskip("transformers")
+    import real_models
+
+    torch.manual_seed(0)
+    model, _, kwargs = getattr(real_models, name)()
+    model.eval().config._attn_implementation = "eager"
+    ids = kwargs["input_ids"]
+    module = model.get_submodule(attention)
+    seen = []
+    handle = module.register_forward_hook(lambda m, i, o: seen.append(o[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    log = tl.trace(model, ids)
+    assert torch.equal(log[attention].activation, seen[0])
+    assert torch.equal(log[f"{attention}:1"].activation, seen[0])

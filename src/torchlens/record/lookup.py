@@ -36,17 +36,19 @@ def build_lookup(trace) -> dict:
     for i, label in enumerate(trace._labels):
         lookup[label] = (Op, i)
     rows, modules = trace._call_rows, trace._module_rows
-    last_output = [next((i for i in reversed(row.outputs) if i >= 0), -1) for row in rows]
+    # A call returning several tensors is named by its first, as a forward hook's ``output[0]``: an attention
+    # module's output before its weights, a decoder layer's hidden states before its attentions, nn.LSTM's output.
+    first_output = [next((i for i in row.outputs if i >= 0), -1) for row in rows]
     for k, row in enumerate(rows):
-        out = last_output[k]
+        out = first_output[k]
         target = (Op, out) if out >= 0 else (ModuleCall, k)
         _claim(lookup, f"{modules[row.module].address}:{row.number}", target, {out} - {-1}, layers)
     for m, module in enumerate(modules):
         target = (Module, m)
         if len(module.calls) == 1:
-            out = last_output[module.calls[0]]
+            out = first_output[module.calls[0]]
             target = (Op, out) if out >= 0 else target
-        outputs = {last_output[c] for c in module.calls} - {-1}
+        outputs = {first_output[c] for c in module.calls} - {-1}
         for address in module.all_addresses:
             _claim(lookup, address, target, outputs, layers)
     kind = trace._kind
