@@ -107,3 +107,12 @@ def test_an_attention_module_address_names_its_output_not_the_weights_it_also_re
     log = tl.trace(model, ids)
     assert torch.equal(log[attention].activation, seen[0])
     assert torch.equal(log[f"{attention}:1"].activation, seen[0])
+
+
+def test_an_unknown_site_is_never_answered_with_a_call_of_a_container(models):
+    """``transformer.h[1]`` is answered with the blocks and their calls, not with ``transformer.h:1``, a call of
+    the ``ModuleList`` that never happens (following that suggestion is refused in turn)."""
+    model, ids = models["gpt2"]
+    with pytest.raises(KeyError, match=r"closest: .*transformer\.h\.1") as refused:
+        tl.trace(model, ids, intervene={"transformer.h[1]": tl.zero_ablate()})
+    assert "transformer.h:1" not in str(refused.value)
