@@ -157,7 +157,8 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
                            "intervene at that module's addresses and calls")
         else:
             # A container is never called: its first call is no name to suggest.
-            names = list(modules) + [f"{name}:1" for name, module in modules.items() if not container_note(name, module)]
+            called = [name for name, module in modules.items() if not container_note(name, module)]
+            names = list(modules) + [f"{name}:1" for name in called]
             raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address or "
                            f"module call of {type(model).__name__}{closest_hint(key, names)}")
     return module_sites, pending
