@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import pytest
 
 import torchlens as tl
-from torchlens.record.trace import WRITTEN_AFTER_TRACE
+from torchlens.record.dropped import WRITTEN_AFTER_TRACE
 from zoo import zoo
 
 

@@ -24,7 +24,7 @@ import torch
 from .errors import closest_hint
 from .record.columns import UNINITIALIZED_FUNCS
 from .record.layouts import copy_with_layout, memory_freed
-from .record.trace import WRITTEN_AFTER_TRACE, is_param_written
+from .record.dropped import WRITTEN_AFTER_TRACE, is_param_written
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of

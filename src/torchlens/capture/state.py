@@ -28,7 +28,7 @@ from ..errors import warn_user
 from ..record.finite import nonfinite_flags
 from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet,
                               storage_holders, version_of)
-from ..record.trace import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
+from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401

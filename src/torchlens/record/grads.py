@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
+from .dropped import MADE_IN_TRANSFORM
 from .layouts import dense_values
 from ..tree import without_values
 from ..errors import GradientUnavailable, TraceCleanedUp, warn_user
@@ -88,8 +89,6 @@ _NOT_REACHED_IN_TRANSFORM = (
 def _made_in_transform(trace, index: int) -> bool:
     """Whether capture found op ``index``'s saved output to be a torch.func transform's wrapped tensor (known
     only where the activation was saved)."""
-    from .trace import MADE_IN_TRANSFORM  # trace.py imports this module
-
     return trace._dropped.get(index) == MADE_IN_TRANSFORM
 
 

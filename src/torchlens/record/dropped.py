@@ -1,0 +1,36 @@
+"""Why a record holds no activation where its op made one: the reasons a trace gives, in ``op.dropped_reason``
+and ``log.dropped_activations``, for a saved tensor it let go, so that every reader (validate, the debug
+readers, the gradient readers) can tell the causes apart.
+"""
+
+from __future__ import annotations
+
+# Why ``drop_written`` dropped a saved tensor (validate reads it as a mismatch: the record no longer holds it).
+WRITTEN_AFTER_TRACE = ("written in place after the trace ended (a later forward updating a buffer the trace holds "
+                       "by reference, or code changing an input or the output); read activations, or .clone() "
+                       "them, before running the model again")
+# Why ``drop_written`` dropped a saved tensor whose memory is a parameter's (the op returned the parameter or a
+# view of it: ``w.t()``, ``w[:k]``) written since: an optimizer step, not a wrong value, so validate skips it.
+PARAM_WRITTEN_AFTER_TRACE = ("its memory is parameter {}'s (the op returned the parameter or a view of it), which "
+                             "was written in place after the trace ended (an optimizer step?); read activations, "
+                             "or .clone() them, before updating the parameters")
+
+
+def is_param_written(reason) -> bool:
+    """Whether a dropped activation's reason is ``PARAM_WRITTEN_AFTER_TRACE``."""
+    head, _, tail = PARAM_WRITTEN_AFTER_TRACE.partition("{}")
+    return isinstance(reason, str) and reason.startswith(head) and reason.endswith(tail)
+
+
+# Why ``drop_written`` dropped a saved tensor whose memory is gone: reading it would read freed memory.
+MEMORY_FREED = ("its memory was freed after the op made it (its storage resized down: FSDP2 frees each module's "
+                "unsharded parameters after its forward, fully_shard(..., reshard_after_forward=False) keeps them)")
+
+# Why capture dropped a saved tensor whose version moved with no write it saw.  Writes through ``.data`` are
+# ops capture sees, and NumPy views do not move a version: neither is a cause here.
+WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (code running with torch "
+                  "function handling disabled, TorchScript, or a custom autograd.Function's ctx.mark_dirty, which "
+                  "counts as a write of the tensor it marks)")
+# Why capture dropped a saved tensor made inside a torch.func transform.
+MADE_IN_TRANSFORM = ("made inside a torch.func transform (vmap, grad, ...): what was saved is the transform's "
+                     "internal wrapper, which cannot be read outside it")
