@@ -493,12 +493,25 @@ COMPILED_ROOT_CAVEAT = ("the model is torch.compile'd: the trace ran the eager m
 
 
 def _is_compile_wrapper(model) -> bool:
-    """Whether ``model`` is what ``torch.compile`` returns for a module or a function (``_unwrap`` unwraps it).
-    Looked up where the attributes live: a module's missing attribute would format an error message."""
-    if isinstance(model, torch.nn.Module):  # (a TorchScript module's mapping is no dict: no wrapper, refused later)
-        modules = model._modules
-        return type(modules) is dict and isinstance(modules.get("_orig_mod"), torch.nn.Module)
-    return getattr(model, "_torchdynamo_orig_callable", None) is not None
+    """Whether ``model`` is what ``torch.compile`` returns for a module or a function, which ``_unwrap`` unwraps."""
+    is_module = isinstance(model, torch.nn.Module)
+    if is_module and type(model._modules) is not dict:
+        return False  # a TorchScript module (its own mapping): no wrapper, and refused by _unwrap
+    return _compiled_module(model, is_module) is not None or _compiled_function(model, is_module) is not None
+
+
+# A module's missing attribute raises through nn.Module.__getattr__, which formats a message: torch.compile's
+# attributes are looked up where they live instead.
+def _compiled_module(model, is_module: bool):
+    """The module a torch.compile'd module (an ``OptimizedModule``) wraps, or None."""
+    inner = model._modules.get("_orig_mod") if is_module else getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def _compiled_function(model, is_module: bool):
+    """The callable a torch.compile'd function wraps, or None."""
+    return vars(model).get("_torchdynamo_orig_callable") if is_module else \
+        getattr(model, "_torchdynamo_orig_callable", None)
 
 
 def _unwrap(model):
@@ -509,16 +522,13 @@ def _unwrap(model):
         raise TypeError(f"tl.trace got a TorchScript {type(model).__name__} (made by torch.jit.script or torch.jit.trace): "
                         "it runs in TorchScript's interpreter, where capture sees none of its ops; trace the eager "
                         "module or function it was made from")
-    # A module's missing attribute raises through nn.Module.__getattr__, which formats a message:
-    # look torch.compile's attributes up where they live instead.
-    inner = model._modules.get("_orig_mod") if is_module else getattr(model, "_orig_mod", None)
-    if isinstance(inner, torch.nn.Module):  # torch.compile'd module
+    inner = _compiled_module(model, is_module)
+    if inner is not None:
         _refuse_wrapper_hooks(model, "torch.compile wrapper", "_orig_mod")
         model = inner
         is_module = True
-    orig = vars(model).get("_torchdynamo_orig_callable") if is_module else \
-        getattr(model, "_torchdynamo_orig_callable", None)
-    if orig is not None:  # torch.compile'd function
+    orig = _compiled_function(model, is_module)
+    if orig is not None:
         model = orig
     if isinstance(model, _PARALLEL):
         _refuse_wrapper_hooks(model, type(model).__name__, "module")
