@@ -1,4 +1,5 @@
-"""Whether a ``CaptureState.producers`` entry is about a given tensor (``is_bound``).
+"""Whether a ``CaptureState.producers`` entry is about a given tensor (``is_bound``), and which tensor it is
+about (``bound_tensor``).
 
 A module of its own because ``state.py`` and ``pass_through.py``, whose functions are methods of
 ``CaptureState``, both read it.
@@ -20,3 +21,10 @@ def is_bound(entry: tuple, t: torch.Tensor) -> bool:
     ``entry[0] is t`` decides.  Every other entry is weak, and goes stale when its tensor dies."""
     ref = entry[0]
     return ref is t or (type(ref) is weakref and ref() is t)
+
+
+def bound_tensor(entry: tuple):
+    """The tensor a ``CaptureState.producers`` entry holds (itself or through a weak reference), or None when
+    it died.  ``is_bound(entry, t)`` is ``bound_tensor(entry) is t``, written out there for the hot path."""
+    ref = entry[0]
+    return ref() if type(ref) is weakref else ref

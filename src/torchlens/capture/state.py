@@ -34,7 +34,7 @@ from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
                               CALL_PARAMS, CALL_PARENTS, INPUT)
 from . import accel
-from .bindings import is_bound
+from .bindings import bound_tensor, is_bound
 from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
 
@@ -281,7 +281,7 @@ class CaptureState:
             return
         self.writers[key].append((index, version, memory_span(t)))
         for tid, entry in list(self.producers.items()):
-            held = entry[0]() if type(entry[0]) is weakref else entry[0]
+            held = bound_tensor(entry)
             if isinstance(held, torch.Tensor) and id(held) == tid and held is not base and held is not t \
                     and storage_key(held) == key and entry[2] == version_of(held):
                 self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
