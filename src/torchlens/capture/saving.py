@@ -69,8 +69,9 @@ class SavePolicy:
                 self.addresses.add(item)
                 self.module_ids.add(id(modules[item]))
                 self.selected_modules[id(modules[item])] = modules[item]
-                if container_note(item, modules[item]):
-                    self.containers[item] = container_note(item, modules[item])
+                note = container_note(item, modules[item])
+                if note:
+                    self.containers[item] = note
                 if types_too and "." not in item:
                     self.shadowed_types[item] = item.lower().replace("_", "")
             elif address in modules and call.isdigit():  # a module call label: that call's output op
