@@ -89,8 +89,12 @@ def step_arms(model, x, package, wide, deep) -> dict:
     def state():
         return state_mod.CaptureState(save_mode=1, buffers=index.buffers)
 
+    # The input records: capture/inputs.py's add_inputs, or (an older revision) the driver's _add_inputs.
+    inputs_mod = sys.modules.get(f"{package.__name__}.capture.inputs")
+    add_inputs = getattr(inputs_mod, "add_inputs", None) or session._add_inputs
+
     def inputs():
-        session._add_inputs(state(), model, (x,), {})
+        add_inputs(state(), model, (x,), {})
 
     probe = state()
     frames = session.FrameClassifier(stop_codes=(session._run_forward.__code__,))
@@ -173,7 +177,7 @@ def step_arms(model, x, package, wide, deep) -> dict:
         def watched_state():
             state_mod.CaptureState(save_mode=1).watch_params(wide_index.params)
     checked = state()
-    session._add_inputs(checked, model, (x,), {})
+    add_inputs(checked, model, (x,), {})
     steps = {
         "trace() down to _trace (stubbed)": keyword_hop,
         "CaptureState() watching 20 parameters": watched_state,
@@ -182,7 +186,7 @@ def step_arms(model, x, package, wide, deep) -> dict:
         "index_of (cached)": lambda: model_index.index_of(model),
         "index_of (cached), ResNet-like, 43 modules": lambda: model_index.index_of(deep),
         "CaptureState()": state,
-        "CaptureState() + _add_inputs": inputs,
+        "CaptureState() + add_inputs": inputs,
         "FrameClassifier()": lambda: session.FrameClassifier(stop_codes=(session._run_forward.__code__,)),
         "mode push + pop (ModeOnStack)": mode_stack,
         "fast-path shim enter + exit": shim,

@@ -13,7 +13,7 @@ module's output by 0.5:
     plain trace      ``tl.trace(model, x)`` against the untraced forward without a hook, for context
 
 and the added cost per intervened op: ``tl.trace(save="none", reference=ref)`` with an identity action at
-every op (a predicate site) against the same trace without interventions, paired median difference / ops.
+every op (a predicate site) against ``tl.trace(save="none")`` without interventions, paired median difference / ops.
 Every arm returns the edited output, so the harness's output witness checks each did the edit.
 
 Run:  .venv/bin/python benchmarks/intervene_overhead.py [--quick] [--no-docs]
@@ -56,7 +56,8 @@ def hooked_arm(model, args, address, times: int = 1):
     return hooked
 
 
-def measure_row(name: str, cfg: dict) -> dict:
+def row_arms(name: str) -> tuple:
+    """The row's arms (name -> zero-argument callable), the label of its site, and its op count."""
     model, args = build(name)
     address = SITES[name]
     ref = tl.trace(model, args, save="none")
@@ -72,10 +73,16 @@ def measure_row(name: str, cfg: dict) -> dict:
         "label site": lambda: tl.trace(model, args, intervene={label: tl.scale(0.5)}).output,
         "native": native_arm(model, args),
         "plain trace": lambda: tl.trace(model, args).output,
-        "trace none": lambda: tl.trace(model, args, save="none", reference=ref).output,
+        # No reference= here: with nothing to resolve, tl.trace refuses it as ignored.
+        "trace none": lambda: tl.trace(model, args, save="none").output,
         "every op": lambda: tl.trace(model, args, save="none", reference=ref,
                                      intervene={(lambda op: True): lambda t, op: None}).output,
     }
+    return arms, label, ops
+
+
+def measure_row(name: str, cfg: dict) -> dict:
+    arms, label, ops = row_arms(name)
     plan = [("hooked", "module site"), ("hooked", "label site, ref"), ("hooked x2", "label site"),
             ("native", "plain trace"), ("trace none", "every op")]
     results = {}
@@ -83,7 +90,7 @@ def measure_row(name: str, cfg: dict) -> dict:
         results[(a, b)] = measure_overhead((a, arms[a]), (b, arms[b]), pairs=cfg["pairs"], repeats=cfg["repeats"],
                                            predicate=cfg["predicate"])
         print(f"  {name}: {results[(a, b)]}", flush=True)
-    return {"name": name, "address": address, "label": label, "ops": ops, "results": results}
+    return {"name": name, "address": SITES[name], "label": label, "ops": ops, "results": results}
 
 
 def _ratio(result) -> str:

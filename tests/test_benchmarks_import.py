@@ -1,5 +1,6 @@
 """Every benchmark script imports: a moved module or renamed helper breaks them loudly here, not the day
-someone needs the figures.  Nothing is measured (each script runs only under ``__main__``)."""
+someone needs the figures.  Nothing is measured (each script runs only under ``__main__``); the scripts whose
+arms reach into the package's internals or its refusals also have each arm run once."""
 
 from __future__ import annotations
 
@@ -8,15 +9,52 @@ import pathlib
 import sys
 
 import pytest
+import torch
+
+import torchlens
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.parametrize("script", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
-def test_benchmark_script_imports(script, monkeypatch):
+def _load(script: pathlib.Path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_script_imports(script, monkeypatch):
+    module = _load(script, monkeypatch)
     assert callable(getattr(module, "main", None)) or script.name == "models.py", f"{script.name} has no main()"
+
+
+def test_each_step_the_fixed_cost_benchmark_times_runs(monkeypatch):
+    """``fixed_cost.py --steps`` calls the driver's helpers by name: a helper moved to another module must
+    break this, not the next measurement."""
+    fixed_cost = _load(BENCHMARKS / "fixed_cost.py", monkeypatch)
+    torch.manual_seed(0)
+    model, wide = fixed_cost.OneOp().eval(), fixed_cost.MLP(10, 8)
+    deep = fixed_cost.SmallResNet((8, 16, 32)).eval()
+    with torch.no_grad():
+        steps = fixed_cost.step_arms(model, torch.randn(4), torchlens, wide, deep)
+        assert len(steps) > 20
+        for step in steps.values():
+            step()
+
+
+@pytest.mark.parametrize("row", ["mlp20", "loop_rnn"])
+def test_each_arm_of_the_intervention_benchmark_runs_and_edits(row, monkeypatch):
+    """Every arm runs (an arm that tl.trace now refuses breaks this), and each intervened arm returns the
+    edited output its hooked baseline returns."""
+    bench = _load(BENCHMARKS / "intervene_overhead.py", monkeypatch)
+    with torch.no_grad():
+        arms, _, ops = bench.row_arms(row)
+        outputs = {name: arm() for name, arm in arms.items()}
+    assert ops > 10
+    assert torch.equal(outputs["module site"], outputs["hooked"])
+    assert torch.equal(outputs["label site, ref"], outputs["hooked"])
+    assert torch.equal(outputs["trace none"], outputs["native"])
+    assert not torch.equal(outputs["hooked"], outputs["native"])
