@@ -196,8 +196,12 @@ def test_jagged_nested_tensors_have_ragged_shapes_not_symbolic_sizes(tmp_path):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     log = tl.trace(model, nt)
     assert [(op.shape, op.numel, op.nbytes) for op in log.ops] == [((2, None, 8), 64, 256)] * 4
-    for got, want in zip(log.output.unbind(), parts):
-        assert torch.equal(got, model(want))
+    # Against the untraced nested forward: a nested Linear may round differently from the same Linear on
+    # each component alone, depending on the CPU's kernels.
+    with torch.no_grad():
+        untraced = model(nt)
+    for got, want in zip(log.output.unbind(), untraced.unbind(), strict=True):
+        assert torch.equal(got, want)
     assert log.summary().rows[0]["activation_bytes"] == 2 * 256  # the linear and the relu
     assert "2x?x8" in str(log) and "2x?x8" in str(log.summary())
     assert tl.debug.hot_path(log, by="memory").to_pandas()["total"].tolist() == [256, 256]
