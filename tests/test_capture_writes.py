@@ -91,3 +91,29 @@ def test_a_view_given_as_the_value_of_a_write_to_its_base_is_not_taken_for_the_w
     assert log["mul_2_4:1"].parents == ["setitem_1_3:1"]
     result = log.validate()
     assert result.status == "passed", result
+
+
+def _qat_linear():
+    """A Linear prepared for quantization-aware training: its weight and its output pass through fused
+    observe-and-fake-quantize kernels, which update the observers' buffers (resizing the per-channel ones)."""
+    import torch.ao.quantization as quantization
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8)).train()
+    model.qconfig = quantization.get_default_qat_qconfig("fbgemm")
+    return quantization.prepare_qat(model)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_buffers_a_fused_fake_quantize_kernel_updates_keep_the_values_it_read(compiled, tmp_path):
+    model, x = _qat_linear(), torch.randn(2, 4)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    buffers = [op for op in log.ops if op.is_buffer]
+    assert {op.io_path for op in buffers} >= {"0.weight_fake_quant.activation_post_process.min_val", "0.weight_fake_quant.scale"}
+    for op in buffers:
+        assert op.activation.shape == op.shape  # the per-channel min and max were empty when read
+        assert torch.equal(op.activation, before[op.io_path]), op.io_path
+    log.save(tmp_path / "qat")
+    assert torch.equal(tl.load(tmp_path / "qat")["buffer_3:1"].activation, before[buffers[2].io_path])

@@ -1,4 +1,5 @@
-"""Writes that torch makes inside a kernel, predicted from the call: normalisation running statistics.
+"""Writes that torch makes inside a kernel, predicted from the call: normalisation running statistics, and
+the observer statistics and quantization parameters of QAT's fused fake-quantize kernel.
 
 ``F.batch_norm`` in training mode and ``F.instance_norm`` with input statistics update their running
 mean and variance inside the kernel, without an in-place name that would announce it.  Buffers read
@@ -19,6 +20,12 @@ import torch.nn.functional as F
 from ..record.columns import CALL_ARGS, CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_PARENTS
 
 _FUNC_OF = operator.itemgetter(CALL_FUNC)
+
+# Torch-level functions whose kernel writes arguments that only their aten schema marks ``Tensor(a!)``:
+# QAT's FusedMovingAvgObsFakeQuantize updates its observer's running min and max, the scale and the zero
+# point (resizing them on its first call), moving no version counter.  ``capture/writes.py`` gives each
+# its schema's verdict, so copy-on-write keeps what was saved of those buffers as they were read.
+WRITES_BY_ATEN_SCHEMA = ("fused_moving_avg_obs_fake_quant", "_fused_moving_avg_obs_fq_helper")
 
 # func -> (flag name, flag position, ((name, position) of each running statistic)): the statistics
 # are written when the flag is true.

@@ -2,11 +2,11 @@
 
 Copy-on-write needs to know before a call whether it will write an activation already saved
 (``protect_before_write``: by name, ``add_`` and ``x[i] = v``; by keyword, ``out=`` and ``inplace=True``;
-by schema, the ``Tensor(a!)`` arguments of an operator called through ``torch.ops``, as custom ops are;
-and the normalisations whose kernels update their running statistics).  After the call, a moved version
-counter says which tensor arguments it wrote (``written_arguments``); an inference tensor has no counter,
-so for it the prediction by name decides.  ``inplace_cache`` keeps each function's verdict, and the
-compiled handler reads the same dict.
+by schema, the ``Tensor(a!)`` arguments of an operator called through ``torch.ops``, as custom ops are,
+or of QAT's fused fake-quantize kernel; and the normalisations whose kernels update their running
+statistics).  After the call, a moved version counter says which tensor arguments it wrote
+(``written_arguments``); an inference tensor has no counter, so for it the prediction by name decides.
+``inplace_cache`` keeps each function's verdict, and the compiled handler reads the same dict.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from ..record.columns import writes_first_argument
 from ..record.layouts import memory_span, spans_meet
 from .collectives import WRITTEN_ARGUMENT
-from .fused_writes import WRITES_RUNNING_STATS, running_stats_written
+from .fused_writes import WRITES_BY_ATEN_SCHEMA, WRITES_RUNNING_STATS, running_stats_written
 from .state import storage_key
 
 Tensor = torch.Tensor
@@ -60,6 +60,18 @@ def _schema_writes(func):
             if alias is not None and alias.is_write and argument.name != "out":
                 written[(None if argument.kwarg_only else k, argument.name)] = None
     return tuple(written) or False
+
+
+def _note_kernel_writes_by_schema() -> None:
+    """Give each torch-level function of ``WRITES_BY_ATEN_SCHEMA`` the verdict of its aten schema, whose
+    ``Tensor(a!)`` arguments the function's own signature hides."""
+    for name in WRITES_BY_ATEN_SCHEMA:
+        func, packet = getattr(torch, name, None), getattr(torch.ops.aten, name, None)
+        if func is not None and packet is not None:
+            inplace_cache[func] = _schema_writes(packet)
+
+
+_note_kernel_writes_by_schema()
 
 
 def schema_written(verdict: tuple, args, kwargs) -> list:
