@@ -37,6 +37,8 @@ _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backw
 # Forward-mode AD's calls (torch.autograd.forward_ad.make_dual, unpack_dual): they name a dual level, which
 # ended with the forward.
 _DUAL_FUNCS = tuple(f for f in (getattr(torch, "_make_dual", None), getattr(torch, "_unpack_dual", None)) if f)
+# Calls that change a tensor's size in place, leaving what they add uninitialized.
+_RESIZES = frozenset(["resize_", "resize_as_"])
 
 PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
 RANDOM = "random: consumed the RNG (replay would draw other numbers)"
@@ -347,6 +349,15 @@ def _under_another_default_dtype(log, op, rng: RngState, problem: tuple):
     return problem
 
 
+def _grew_uninitialized(log, op) -> bool:
+    """Whether ``op`` is a ``resize_`` (or ``resize_as_``) that made its tensor larger: the elements it added
+    hold whatever the memory held (QAT's FakeQuantize resizes its scale so on its first forward)."""
+    if op.func_name not in _RESIZES:
+        return False
+    resized = op.parent_arg_positions.get(0)
+    return resized is None or log[resized].numel < op.numel
+
+
 def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
     """None when ``op`` replays to its saved output; else ``(kind, reason)``.  ``default_dtype``: ``()`` or
     the default dtype to replay under (the one the forward began with, by default the current one)."""
@@ -363,6 +374,9 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
         return _skip("fake tensors (FakeTensorMode) hold no values to compare")
     if op.func_name in UNINITIALIZED_FUNCS:
         return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
+    if _grew_uninitialized(log, op):
+        return _skip("uninitialized memory: resize_ grew the tensor, and the contents of its new elements are "
+                     "not defined")
     if is_collective(func):
         return _skip("a collective: replayed on one rank alone it would block on, or pair with, other ranks' calls")
     if func in _DUAL_FUNCS:
