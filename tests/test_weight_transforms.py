@@ -50,3 +50,55 @@ def test_a_resize_that_shrinks_or_keeps_the_size_is_replayed():
     result = tl.trace(resized, torch.randn(4)).validate()
     assert_trusted(result)
     assert [label for label, _ in result.not_replayed] == ["resize_2_8:1"]
+
+
+class Fallback(nn.Module):
+    """A model that catches its submodule's exception and carries on without it, as an untraced run does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        try:
+            h = self.a(x)
+        except ValueError:
+            h = x
+        return self.b(h)
+
+
+def _rejecting_hook(module, args, output):
+    raise ValueError("output rejected")
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("option", ["intervene", "stop_after"])
+def test_a_module_call_its_own_hook_aborted_is_no_site_reached(compiled, option):
+    torch.manual_seed(0)
+    model, x = Fallback(), torch.randn(2, 4)
+    model.a.register_forward_hook(_rejecting_hook)
+    kwargs = {"intervene": {"a": tl.scale(2.0)}} if option == "intervene" else {"stop_after": "a"}
+    with on_path(compiled), pytest.raises(tl.InterventionError, match=r"never reached.*'a' was called \(a:1\)"):
+        tl.trace(model, x, **kwargs)
+    assert list(model.a._forward_hooks.values()) == [_rejecting_hook]
+    assert not model.a._forward_pre_hooks and not model.a._forward_hooks_always_called
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_stop_after_a_module_whose_hook_raises_lets_the_exception_through(compiled):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    model[1].register_forward_hook(_rejecting_hook)
+    with on_path(compiled), pytest.raises(ValueError, match="output rejected"):
+        tl.trace(model, torch.randn(2, 4), stop_after="1")
+    assert list(model[1]._forward_hooks.values()) == [_rejecting_hook]
+
+
+def test_a_module_site_is_edited_in_a_trace_run_inside_an_except_block():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    try:
+        raise KeyError("handled before the trace")
+    except KeyError:
+        log = tl.trace(model, x, intervene={"0": tl.zero_ablate()}, stop_after="1")
+    assert [i.label for i in log.interventions] == ["linear_1_1:1"] and log.stopped_after == "1:1"

@@ -36,11 +36,24 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     if unmet:
         names = _site_names(unmet)
         whole = [site.address for site in unmet if isinstance(site, ModuleSite) and site.call_number is None]
-        bypassed = next((hint for hint in (bypassed_call_hint(trace, a) for a in whole) if hint), "")
         raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
                                 "module call (a module call number past its last call, or control flow that skipped "
-                                f"it){bypassed}; nothing was changed there.{runtime._written_note()}")
+                                f"it){_unmet_module_hint(trace, whole)}; nothing was changed there."
+                                f"{runtime._written_note()}")
     _refuse_ops_past_the_reference(runtime, trace)
+
+
+def _unmet_module_hint(trace, addresses: list) -> str:
+    """Why a module site (an address alone) was never reached although the module ran: every call of it ended
+    with no output its caller received; or else ``bypassed_call_hint``, for a forward called directly."""
+    module_of = _modules_by_address(trace)
+    for address in addresses:
+        module = module_of.get(address)
+        if module is not None and module.num_calls:
+            return (f" (module {address!r} was called ({first_few(module.call_labels)}), but no call of it returned an "
+                    "output to change: it returned None, or raised an exception, in its forward or one of its hooks, "
+                    "that the model caught)")
+    return next((hint for hint in (bypassed_call_hint(trace, a) for a in addresses) if hint), "")
 
 
 def _modules_by_address(trace) -> dict:

@@ -534,14 +534,19 @@ class _ModuleHooks(HookHandles):
         def pre_hook(module, args):
             if threading.get_ident() == owner:
                 counts[id(module)] = number = counts.get(id(module), 0) + 1
-                open_calls.append((module, st.module_stack[-1], number))
+                # With the exception being handled where the call began (None, but for a model called
+                # inside an except block): another one at its end is an exception raised in the call.
+                open_calls.append((module, st.module_stack[-1], number, sys.exc_info()[1]))
 
         def post_hook(module, args, output):
             if threading.get_ident() != owner or not open_calls or open_calls[-1][0] is not module:
                 return None
-            _, module_call, number = open_calls.pop()
-            if output is None:
-                return None  # unwinding from an exception, or a module returning nothing
+            _, module_call, number, handled = open_calls.pop()
+            if output is None or sys.exc_info()[1] is not handled:
+                # A module returning nothing, or torch running this always_call hook while unwinding from
+                # an exception the forward or one of the module's hooks raised: the call produced no output
+                # its caller receives, so there is nothing to edit and no stop_after site reached.
+                return None
             with torch._C.DisableTorchFunction():
                 new = runtime.at_module_output(st, module, module_call, number, output)
             stop = next((s for s in runtime.sites_of_call(module, number) if s.stop), None)
