@@ -4,6 +4,8 @@ registered.  Their traces must leave the model's output and state as an untraced
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -12,6 +14,63 @@ import torchlens as tl
 
 from accel_paths import PATHS, on_path
 from trusted import assert_trusted
+
+
+class Symmetric(nn.Module):
+    """A parametrization of a square weight: its upper triangle mirrored."""
+
+    def forward(self, weight):
+        return weight.triu() + weight.triu(1).transpose(0, 1)
+
+
+def _transformed(kind):
+    """A small MLP whose first Linear computes its weight outside its forward, in training mode (spectral norm
+    then updates its power-iteration vectors in place), and the module address of the ops computing it."""
+    import torch.nn.utils.parametrize as parametrize
+    import torch.nn.utils.prune as prune
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3)).train()
+    transforms = {
+        "custom": lambda m: parametrize.register_parametrization(m, "weight", Symmetric()),
+        "orthogonal": parametrizations.orthogonal,
+        "weight_norm": parametrizations.weight_norm,
+        "spectral_norm": parametrizations.spectral_norm,
+        "hooked_weight_norm": torch.nn.utils.weight_norm,
+        "hooked_spectral_norm": torch.nn.utils.spectral_norm,
+        "pruned": lambda m: prune.l1_unstructured(m, "weight", amount=0.5),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the hook-based weight_norm is deprecated
+        transforms[kind](model[0])
+    return model, "0.parametrizations.weight.0" if parametrize.is_parametrized(model[0]) else "0"
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("kind", ["custom", "orthogonal", "weight_norm", "spectral_norm", "hooked_weight_norm",
+                                  "hooked_spectral_norm", "pruned"])
+def test_a_weight_computed_outside_forward_is_traced_as_an_untraced_forward_computes_it(compiled, kind):
+    (traced, weight_module), (untraced, _) = _transformed(kind), _transformed(kind)
+    x, computed = torch.randn(2, 4), []
+    if weight_module != "0":  # a parametrization recomputes the weight at each read: kept as the forward read it
+        untraced[0].parametrizations.weight.register_forward_hook(lambda module, args, out: computed.append(out))
+    with on_path(compiled):
+        log = tl.trace(traced, x, grads=True)
+    expected = untraced(x)
+    if weight_module == "0":  # the hook-based transforms leave the weight they set as an attribute
+        computed.append(untraced[0].weight)
+    assert torch.equal(log.output, expected)
+    assert all(torch.equal(a, b) for a, b in zip(traced.state_dict().values(), untraced.state_dict().values()))
+    linear = next(op for op in log.ops if op.type == "linear")
+    weight = log[linear.parent_arg_positions[1]]  # the weight the first linear read: computed, not a parameter
+    assert weight.module_address == weight_module and weight.modules[0] == "0:1"
+    assert torch.equal(weight.activation, computed[0])
+    assert_trusted(log.validate())
+    log.backward(log.output.square().sum())
+    expected.square().sum().backward()
+    for (name, got), want in zip(traced.named_parameters(), untraced.parameters()):
+        assert torch.equal(got.grad, want.grad), name
 
 
 def _qat_model():
