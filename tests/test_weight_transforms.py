@@ -161,3 +161,19 @@ def test_a_module_site_is_edited_in_a_trace_run_inside_an_except_block():
     except KeyError:
         log = tl.trace(model, x, intervene={"0": tl.zero_ablate()}, stop_after="1")
     assert [i.label for i in log.interventions] == ["linear_1_1:1"] and log.stopped_after == "1:1"
+
+
+def test_a_pruning_mask_as_a_site_is_refused_naming_the_ops_that_read_it():
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    mask = tl.trace(model, x)["buffer_1:1"]
+    assert mask.io_path == "0.weight_mask"
+    with pytest.raises(KeyError, match=rf"buffer buffer_1:1, which no op .*read it \({mask.children[0]}\)"):
+        tl.trace(model, x, intervene={"buffer_1:1": tl.zero_ablate()})
+    masked = tl.trace(model, x, intervene={"mul_1_2:1": tl.zero_ablate()})  # the pruned weight, masked
+    assert torch.equal(masked.output, model[1](model[0].bias.expand(2, 4)))
+    with pytest.raises(KeyError, match=r"output output_1:1: intervene at the op that produces it \(relu_1_4:1\)"):
+        tl.trace(model, x, intervene={"output_1:1": tl.zero_ablate()})

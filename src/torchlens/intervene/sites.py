@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import InterventionError, closest_hint
+from ..errors import InterventionError, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import WRAPPED, container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.op import Layer, Op
@@ -269,13 +269,23 @@ def resolve_labels(reference, pending) -> list:
                 raise KeyError("an intervention predicate matched no op of the reference trace")
         for op in ops:
             if reference.kinds[op.index] != Kind.OP:
-                raise KeyError(f"intervention site {key!r} is the model's {op.kind} {op.label}: intervene at the op "
-                               "that produces it, or pass a different input")
+                raise KeyError(_not_an_op(key, op))
             sites.append(LabelSite(key, action, op, stop))
             if stop:
                 break  # stop after the first op the site names
     number_occurrences(reference, sites)
     return sites
+
+
+def _not_an_op(key, op: Op) -> str:
+    """The refusal of a label site naming an input, a buffer or an output record, with what to name instead:
+    an input or a buffer (a pruning mask, an observer's statistic) is made by no op of the forward."""
+    if op.kind == "output":
+        return (f"intervention site {key!r} is the model's output {op.label}: intervene at the op that produces it "
+                f"({first_few(op.parents)})")
+    remedy = "pass a different input" if op.kind == "input" else "change the buffer before the trace"
+    return (f"intervention site {key!r} is the model's {op.kind} {op.label}, which no op of the forward produces: "
+            f"intervene at the ops that read it ({first_few(op.children) or 'none'}), or {remedy}")
 
 
 def occurrence_key(call, name) -> tuple:
