@@ -177,3 +177,43 @@ def test_a_pruning_mask_as_a_site_is_refused_naming_the_ops_that_read_it():
     assert torch.equal(masked.output, model[1](model[0].bias.expand(2, 4)))
     with pytest.raises(KeyError, match=r"output output_1:1: intervene at the op that produces it \(relu_1_4:1\)"):
         tl.trace(model, x, intervene={"output_1:1": tl.zero_ablate()})
+
+
+class Halved(nn.Module):
+    """A parametrization with a right inverse: assigning the weight stores half of it in the original."""
+
+    def forward(self, weight):
+        return weight * 2
+
+    def right_inverse(self, weight):
+        return weight / 2
+
+
+class ClippedInForward(nn.Module):
+    """Clips its parametrized weight at each forward by assigning it, which ``set_``s the original, a call
+    that reaches no ``__torch_function__``."""
+
+    def __init__(self):
+        super().__init__()
+        import torch.nn.utils.parametrize as parametrize
+
+        self.fc = nn.Linear(4, 4)
+        parametrize.register_parametrization(self.fc, "weight", Halved())
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc.weight = self.fc.weight.clamp(-0.3, 0.3)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_ops_reading_a_parameter_set_during_the_forward_are_not_replayed_saying_why(compiled):
+    torch.manual_seed(0)
+    model, x = ClippedInForward(), torch.randn(2, 4)
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    result = log.validate()
+    assert_trusted(result)
+    unseen = [label for label, reason in result.not_replayed if "capture cannot see (Tensor.set_" in reason]
+    assert unseen == ["mul_1_1:1", "mul_1_1:2"]  # the weight computed from the original, before and after
+    assert result.replayed >= 3  # the clamp, the right inverse and the linear still replay

@@ -27,7 +27,7 @@ from .record.layouts import copy_with_layout, memory_freed
 from .record.dropped import WRITTEN_AFTER_TRACE, is_param_written
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
-from .capture.state import version_of
+from .capture.state import UNSEEN_WRITE, version_of
 from .capture.writes import schema_written, write_verdict
 from .tree import (as_args, as_kwargs, clone_call, fill, slice_with_tensor, structures_equal, tensor_leaves,
                    without_values)
@@ -497,6 +497,10 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
     value = param
     writes = replay.param_writes.get(id(param)) if replay is not None else None
     for write_call, before in writes or ():
+        if write_call == UNSEEN_WRITE:
+            return None, (f"parameter changed by the forward: parameter {_param_name(log, param)} was written by "
+                          "a call capture cannot see (Tensor.set_, as assigning a parametrized tensor makes), so "
+                          "its value when this op ran is unknown")
         if write_call >= call_position:  # the first write at or after this call: the value before it
             if before is None:
                 return None, (f"parameter changed by the forward: parameter {_param_name(log, param)} was written by "

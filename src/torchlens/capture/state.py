@@ -26,8 +26,8 @@ import torch
 
 from ..errors import warn_user
 from ..record.finite import nonfinite_flags
-from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet,
-                              storage_holders, version_of)
+from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, param_versions, shape_of,
+                              spans_meet, storage_holders, version_of)
 from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
@@ -76,12 +76,17 @@ class ByParam:
         return by_id.get(key, default)
 
 
+# The call index of a parameter write no call showed (``Tensor.set_``): replay cannot place it before or after
+# any op (record/finalize.py, note_unseen_param_writes).
+UNSEEN_WRITE = -1
+
+
 class ReplayContext(NamedTuple):
     """What replay needs to run each op as it ran (kept on the trace as ``_replay``)."""
 
     context: tuple  # grad_and_autocast() around the forward
     contexts: dict  # call index -> grad_and_autocast() where a call ran under another state (+ attention backends)
-    param_writes: dict  # id(Parameter) -> [(call index, value before the write or None)]
+    param_writes: dict  # id(Parameter) -> [(call index or UNSEEN_WRITE, value before the write or None)]
     param_versions: ByParam  # id(Parameter) -> version when the forward ended
     param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
 
@@ -98,6 +103,7 @@ _functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
 
 
 _VERSION = operator.attrgetter("_version")
+_PAIRED = operator.itemgetter(1)  # the tensor of an (address, tensor) pair
 
 
 # A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
@@ -153,6 +159,7 @@ class CaptureState:
     # (capture/pass_through.py); None until one does.
     pass_through: list | None = None
     _watched = ()  # (address, Parameter) of the model: see ``param_storages``
+    param_versions_at_start = None
     _param_storages = None
     # Off unless set (the constructor or the trace driver sets them only when on).
     selector = None  # save_mode 2: (func, module call) -> whether to save
@@ -208,6 +215,9 @@ class CaptureState:
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         if params:  # (address, Parameter) pairs: their storages are read on the first write (param_storages)
             self._watched = params
+            # Their versions as the forward begins: one that moved by the end with no write seen was written
+            # by a call capture cannot see (record/finalize.py, note_unseen_param_writes).
+            self.param_versions_at_start = param_versions(list(map(_PAIRED, params)))
         self.grads = None  # a capture.grads.GradCapture when tracing with grads=...
         self.suspend = None  # () -> a context manager pausing module-call recording and the shim (session)
 

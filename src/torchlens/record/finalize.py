@@ -28,7 +28,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       CALL_PARENTS, CALL_WROTE_ARGUMENTS, INPUT, MODULE_CALL_INPUTS, MODULE_CALL_MODULE,
                       MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
-from .layouts import shape_of, version_of
+from .layouts import param_versions, shape_of
 from .model_index import ModelIndex, fsdp_params
 from .module_table import params_by_module
 from .modules import CallRow, ModuleRow, shown_class, unregistered_address
@@ -45,7 +45,7 @@ _CALL_MODULE_CALL = itemgetter(CALL_MODULE_CALL)
 _CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUMENTS)
 _MODULE = itemgetter(MODULE_CALL_MODULE)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
-_VERSION, _REQUIRES_GRAD = attrgetter("_version"), attrgetter("requires_grad")
+_REQUIRES_GRAD = attrgetter("requires_grad")
 # A named tuple made from its fields in C (``_made(OpMeta, fields)``): its own ``__new__`` is a Python call.
 _made = tuple.__new__
 
@@ -98,8 +98,11 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
     replay_context, by_param, none = _replay_types()
+    versions = param_versions(params) if params else None
+    if params:
+        note_unseen_param_writes(state, params, versions)
     trace._replay = _made(replay_context, (state.context, state.contexts, state.param_writes,
-                                           by_param(ids, _versions(params)) if params else none,
+                                           by_param(ids, versions) if params else none,
                                            by_param(ids, list(map(_REQUIRES_GRAD, params))) if params else none))
     return trace
 
@@ -173,13 +176,18 @@ def _save_shown(state: CaptureState, index: int, t, activations: dict) -> None:
         activations[index] = state.saved[index]
 
 
-def _versions(params) -> list:
-    """Each parameter's version counter, by a C-level pass; None for an inference tensor (a model built under
-    ``torch.inference_mode()``), which has none."""
-    try:
-        return list(map(_VERSION, params))
-    except RuntimeError:
-        return list(map(version_of, params))
+def note_unseen_param_writes(state: "CaptureState", params: list, versions: list) -> None:
+    """A parameter whose version moved during the forward with no write capture saw was written by a call
+    torch hands no ``__torch_function__`` (``Tensor.set_``, which assigning a parametrized tensor makes on its
+    original): its value at each op that read it is unknown, which replay must say rather than compare the
+    value it holds now.  ``versions``: the parameters' versions as the forward ended."""
+    before = state.param_versions_at_start
+    if before is None or before == versions:  # (a C-level comparison: the common case)
+        return
+    from ..capture.state import UNSEEN_WRITE  # the capture driver's marker; imported late, one way
+    for p, start, end in zip(params, before, versions):
+        if start != end and id(p) not in state.param_writes:
+            state.param_writes[id(p)] = [(UNSEEN_WRITE, None)]
 
 
 @functools.cache

@@ -10,9 +10,13 @@ viewer's statistics) reads ``dense_values``.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from ..tree import TENSOR_TYPES
+
+_VERSION = attrgetter("_version")
 
 
 def shape_of(t: torch.Tensor) -> tuple:
@@ -136,6 +140,15 @@ def version_of(t: torch.Tensor):
         return t._version
     except RuntimeError:
         return None
+
+
+def param_versions(params: list) -> list:
+    """Each parameter's version counter, by a C-level pass; None for an inference tensor (a model built under
+    ``torch.inference_mode()``), which has none."""
+    try:
+        return list(map(_VERSION, params))
+    except RuntimeError:
+        return list(map(version_of, params))
 
 
 def memory_span(t: torch.Tensor):
