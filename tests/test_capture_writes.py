@@ -117,3 +117,30 @@ def test_buffers_a_fused_fake_quantize_kernel_updates_keep_the_values_it_read(co
         assert torch.equal(op.activation, before[op.io_path]), op.io_path
     log.save(tmp_path / "qat")
     assert torch.equal(tl.load(tmp_path / "qat")["buffer_3:1"].activation, before[buffers[2].io_path])
+
+
+class ReadsTheScaleItUpdates(nn.Module):
+    """A fused fake-quantize module whose output is then scaled by the scale its kernel has just written."""
+
+    def __init__(self):
+        super().__init__()
+        import torch.ao.quantization as quantization
+
+        self.fq = quantization.FusedMovingAvgObsFakeQuantize(observer=quantization.MovingAverageMinMaxObserver)
+
+    def forward(self, x):
+        return self.fq(x) * self.fq.scale
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_read_of_a_buffer_the_fused_fake_quantize_kernel_wrote_names_that_call(compiled):
+    model, x = ReadsTheScaleItUpdates(), torch.randn(2, 4)
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    fake_quant, product = log.ops[-3], log.ops[-2]
+    assert fake_quant.type == "fusedmovingavgobsfakequant" and product.type == "mul"
+    assert product.parents == [fake_quant.label, fake_quant.label]  # not the scale as first read (1.0)
+    assert torch.equal(log["buffer_5:1"].activation, torch.ones(1)) and log["buffer_5:1"].io_path == "fq.scale"
+    result = log.validate()
+    assert not result.mismatched and result.passed
+    assert [label for label, _ in result.not_replayed] == [product.label]

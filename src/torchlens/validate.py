@@ -403,8 +403,8 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
             return _skip(f"parent {log.labels[parent]} was not saved")
         if (call_position, parent) in log.alias_reads:
             return _skip(f"it read {log.labels[parent]}'s storage after a write through a view (or while "
-                         "writing it through another argument, or a running statistic it wrote in its kernel), "
-                         "a value that no op output holds")
+                         "writing it through another argument, or a running statistic or observer buffer it wrote "
+                         "in its kernel), a value that no op output holds")
         if parent not in copies:
             copies[parent] = _private_copy(log.saved_activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])

@@ -27,6 +27,19 @@ _FUNC_OF = operator.itemgetter(CALL_FUNC)
 # its schema's verdict, so copy-on-write keeps what was saved of those buffers as they were read.
 WRITES_BY_ATEN_SCHEMA = ("fused_moving_avg_obs_fake_quant", "_fused_moving_avg_obs_fq_helper")
 
+
+def _schema_written_positions(name: str) -> tuple:
+    """The positions of the arguments ``torch.ops.aten.<name>``'s default schema writes."""
+    schema = getattr(torch.ops.aten, name).default._schema
+    return tuple(k for k, argument in enumerate(schema.arguments)
+                 if argument.alias_info is not None and argument.alias_info.is_write)
+
+
+# func -> the positions of the buffers it writes.  Its flags (observer and fake quantization on) are tensors,
+# which a recorded call no longer holds: the buffers are taken as written at every call.
+_OBSERVERS = {getattr(torch, name): _schema_written_positions(name)
+              for name in WRITES_BY_ATEN_SCHEMA if hasattr(torch, name) and hasattr(torch.ops.aten, name)}
+
 # func -> (flag name, flag position, ((name, position) of each running statistic)): the statistics
 # are written when the flag is true.
 _NORMS = {
@@ -36,6 +49,7 @@ _NORMS = {
     torch.instance_norm: ("use_input_stats", 5, (("running_mean", 3), ("running_var", 4))),
 }
 WRITES_RUNNING_STATS = frozenset(_NORMS)
+_KERNEL_WRITERS = WRITES_RUNNING_STATS | frozenset(_OBSERVERS)
 # func -> (flag name, flag position): the compiled hot path skips the check when the flag is off.
 RUNNING_STATS_FLAGS = {func: (name, position) for func, (name, position, _) in _NORMS.items()}
 # func -> the positions of its running statistics: their slots in a call that passed neither by keyword
@@ -52,16 +66,21 @@ def _argument(args, kwargs, name: str, position: int):
 
 def stat_slots(func, kwargs) -> tuple:
     """The argument slots (a position, or a keyword's name, as a call's parents name them) of a recorded
-    norm call's running statistics."""
+    norm call's running statistics, or of the buffers a fused observer call writes."""
+    if func in _OBSERVERS:
+        return _OBSERVERS[func]
     if not kwargs or kwargs.keys().isdisjoint(_STAT_NAMES[func]):
         return _POSITIONAL_STATS[func]
     return tuple(name if name in kwargs else position for name, position in _NORMS[func][2])
 
 
 def _written_stat_slots(func, args, kwargs) -> tuple:
-    """The slots of the running statistics a recorded call wrote in its kernel: none in eval mode.
+    """The slots of the running statistics a recorded call wrote in its kernel: none in eval mode (a fused
+    observer call: its buffers' always).
     ``args`` and ``kwargs`` are the call as recorded, its tensors blanked: the flag is not a tensor, so it
     is still there."""
+    if func in _OBSERVERS:
+        return _OBSERVERS[func]
     flag_name, flag_position, _ = _NORMS[func]
     if not _argument(args, kwargs, flag_name, flag_position):
         return ()
@@ -69,15 +88,15 @@ def _written_stat_slots(func, args, kwargs) -> tuple:
 
 
 def norm_calls(calls: list) -> list:
-    """The positions in ``calls`` of the normalisation calls that read running statistics (a C-level scan:
-    all that a trace without one pays)."""
-    return list(compress(range(len(calls)), map(WRITES_RUNNING_STATS.__contains__, map(_FUNC_OF, calls))))
+    """The positions in ``calls`` of the normalisation calls that read running statistics, and of the fused
+    observer calls (a C-level scan: all that a trace without one pays)."""
+    return list(compress(range(len(calls)), map(_KERNEL_WRITERS.__contains__, map(_FUNC_OF, calls))))
 
 
 def link_running_stats_readers(calls: list, norms: list, alias_reads: set) -> None:
     """After the forward: make the op that last wrote a running statistic in its kernel the parent of
-    each later read of it (the next BatchNorm call, code reading ``bn.running_mean``), as for any other
-    write.  Such a write moves no version counter, so capture bound each later read to the statistic's
+    each later read of it (the next BatchNorm call, code reading ``bn.running_mean`` or a fake-quantize
+    module's ``scale``), as for any other write.  Such a write moves no version counter, so capture bound each later read to the statistic's
     record as first read, whose saved value predates the write.  Each rewritten edge is an alias read:
     the value read is not that op's output (replay skips it, saying so).  ``norms``: ``norm_calls(calls)``."""
     writes = {}
