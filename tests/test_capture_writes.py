@@ -111,7 +111,8 @@ def test_buffers_a_fused_fake_quantize_kernel_updates_keep_the_values_it_read(co
     with on_path(compiled):
         log = tl.trace(model, x)
     buffers = [op for op in log.ops if op.is_buffer]
-    assert {op.io_path for op in buffers} >= {"0.weight_fake_quant.activation_post_process.min_val", "0.weight_fake_quant.scale"}
+    assert {op.io_path for op in buffers} >= {"0.weight_fake_quant.activation_post_process.min_val",
+                                              "0.weight_fake_quant.scale"}
     for op in buffers:
         assert op.activation.shape == op.shape  # the per-channel min and max were empty when read
         assert torch.equal(op.activation, before[op.io_path]), op.io_path

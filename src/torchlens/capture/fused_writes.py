@@ -96,9 +96,10 @@ def norm_calls(calls: list) -> list:
 def link_running_stats_readers(calls: list, norms: list, alias_reads: set) -> None:
     """After the forward: make the op that last wrote a running statistic in its kernel the parent of
     each later read of it (the next BatchNorm call, code reading ``bn.running_mean`` or a fake-quantize
-    module's ``scale``), as for any other write.  Such a write moves no version counter, so capture bound each later read to the statistic's
-    record as first read, whose saved value predates the write.  Each rewritten edge is an alias read:
-    the value read is not that op's output (replay skips it, saying so).  ``norms``: ``norm_calls(calls)``."""
+    module's ``scale``), as for any other write.  Such a write moves no version counter, so capture bound
+    each later read to the statistic's record as first read, whose saved value predates the write.  Each
+    rewritten edge is an alias read: the value read is not that op's output (replay skips it, saying so).
+    ``norms``: ``norm_calls(calls)``."""
     writes = {}
     for c in norms:
         call = calls[c]
