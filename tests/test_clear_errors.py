@@ -217,10 +217,13 @@ def test_a_budget_or_save_device_that_cannot_work_is_refused_before_the_forward(
 
     model, x = MLP().eval(), torch.randn(2, 16)
     before = snapshot(model, (x,))
-    with pytest.raises(TypeError, match=r"max_saved_bytes='1GB': give a number of bytes"):
+    with pytest.raises(TypeError, match=r"max_saved_bytes='1GB' is a str; give a number of bytes \(2\*\*30 for 1 GiB\)"):
         tl.trace(model, x, max_saved_bytes="1GB")
-    with pytest.raises(ValueError, match="max_saved_bytes=-1: a budget cannot be negative; give None for no limit"):
+    with pytest.raises(ValueError, match="max_saved_bytes=-1 is negative; give a number of bytes .* or None for no limit"):
         tl.trace(model, x, max_saved_bytes=-1)
+    # NaN compares false with every size, so a NaN budget saved everything: no limit, without a word.
+    with pytest.raises(ValueError, match=r"max_saved_bytes=nan is not a number \(NaN\); give a number of bytes"):
+        tl.trace(model, x, max_saved_bytes=float("nan"))
     unusable = ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"])
     for device in unusable:
         with pytest.raises(ValueError, match=rf"save_device='{device}': saved tensors cannot be moved there"):
@@ -254,7 +257,7 @@ def test_options_that_would_be_misread_or_ignored_are_refused_before_the_forward
 
     model, x = MLP().eval(), torch.randn(2, 16)
     before = snapshot(model, (x,))
-    with pytest.raises(TypeError, match="deep= takes True or False, got str 'yes'"):
+    with pytest.raises(TypeError, match="deep='yes' is a str, not True or False; give True"):
         tl.trace(model, x, deep="yes")
     with pytest.raises(TypeError, match=r"name= takes a string .*got int 3"):
         tl.trace(model, x, name=3)

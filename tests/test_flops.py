@@ -509,10 +509,13 @@ def test_a_tolerance_that_is_no_number_is_refused_before_either_run():
     # rtol="x" failed inside torch.allclose ("argument 'rtol' must be float, not str"), after both forwards.
     model, args, kwargs = zoo()["mlp"]
     rng = torch.get_rng_state()
-    with pytest.raises(TypeError, match=r"flops_vs_dispatch: rtol= takes a number .* got str 'x'"):
+    with pytest.raises(TypeError, match=r"flops_vs_dispatch: rtol='x' is a str; a tolerance is a number, 0 or more"):
         tl.report.flops_vs_dispatch(model, args, kwargs, rtol="x")
-    with pytest.raises(ValueError, match=r"flops_vs_dispatch: atol=-1 is negative"):
+    with pytest.raises(ValueError, match=r"flops_vs_dispatch: atol=-1 is negative; a tolerance is a number, 0 or more"):
         tl.report.flops_vs_dispatch(model, args, kwargs, atol=-1)
+    # rtol=nan failed inside torch.allclose ("rtol must be greater than or equal to zero"), after both forwards.
+    with pytest.raises(ValueError, match=r"flops_vs_dispatch: rtol=nan is not a number \(NaN\)"):
+        tl.report.flops_vs_dispatch(model, args, kwargs, rtol=float("nan"))
     assert torch.equal(torch.get_rng_state(), rng)
     assert tl.report.flops_vs_dispatch(model, args, kwargs, rtol=0, atol=1e-5).witness["outputs_match"]
 

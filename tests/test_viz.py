@@ -279,8 +279,10 @@ def test_bad_arguments_say_what_to_do(traces, tmp_path):
     log = traces["mlp"]
     with pytest.raises(ValueError, match="view must be one of"):
         log.render(view="sideways")
-    with pytest.raises(ValueError, match="depth must be"):
+    with pytest.raises(ValueError, match=r"render: depth=-1 is negative; give a module depth, 0 or more"):
         log.render(depth=-1)
+    with pytest.raises(TypeError, match=r"render: depth=1\.0 is a float, not an int"):
+        log.render(depth=1.0)
     with pytest.raises(ValueError, match="cannot tell the format"):
         log.render(tmp_path / "graph.pdf")
     with pytest.raises(ValueError, match="color_by must be one of"):

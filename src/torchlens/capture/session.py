@@ -13,6 +13,7 @@ from time import perf_counter_ns
 
 import torch
 
+from ..checks import check_flag, check_number
 from ..errors import first_few, warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.errors import NestedTraceError
@@ -166,8 +167,8 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
 def _check_options(deep, name, reference, intervene, stop_after) -> None:
     """Options that would otherwise be taken as something else, or quietly ignored: ``deep="yes"`` read as
     true, ``name=3`` as a display name, ``reference=`` with nothing to resolve against it."""
-    if deep is not True and deep is not False:
-        raise TypeError(f"deep= takes True or False, got {type(deep).__name__} {deep!r}")
+    check_flag(deep, "deep", "give True to record the torch calls inside torch functions written in Python, "
+               "False for one op each")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name= takes a string (the trace's display name), got {type(name).__name__} {name!r}")
     if reference is not None and not intervene and stop_after is None:
@@ -203,13 +204,10 @@ def _checked_save_device(save_device) -> torch.device:
 
 
 def _check_budget(max_saved_bytes) -> None:
-    """``max_saved_bytes`` is a number of bytes; a string ('1GB') would fail at the first saved tensor, and a
-    negative number (meant as 'no limit') would save nothing."""
-    if isinstance(max_saved_bytes, bool) or not isinstance(max_saved_bytes, (int, float)):
-        raise TypeError(f"max_saved_bytes={max_saved_bytes!r}: give a number of bytes (2**30 for 1 GiB), or None "
-                        "for no limit")
-    if max_saved_bytes < 0:
-        raise ValueError(f"max_saved_bytes={max_saved_bytes}: a budget cannot be negative; give None for no limit")
+    """``max_saved_bytes`` is a number of bytes; a string ('1GB') would fail at the first saved tensor, a
+    negative number (meant as 'no limit') would save nothing, and NaN, larger than nothing, would be no limit."""
+    check_number(max_saved_bytes, "max_saved_bytes", "give a number of bytes (2**30 for 1 GiB), or None for no limit",
+                 at_least=0)
 
 
 def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown) -> tuple:

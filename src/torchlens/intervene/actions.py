@@ -13,6 +13,7 @@ import numbers
 
 import torch
 
+from ..checks import check_int, check_number
 from ..errors import ReplacementMismatch
 from ..record.layouts import shape_of
 from ..record.trace import checked_trace
@@ -259,17 +260,15 @@ def _check_takes_tensor_and_op(action) -> None:
 
 
 def _number(who: str, name: str, value):
-    """``value`` when it is a number or a tensor (what torch's arithmetic takes); otherwise refused when the
-    helper is made, not at its first site, mid-forward."""
-    if isinstance(value, torch.Tensor) or isinstance(value, numbers.Number) and not isinstance(value, bool):
+    """``value`` when it is a tensor (what torch's arithmetic takes) or a number other than NaN; otherwise refused
+    when the helper is made, not at its first site, mid-forward."""
+    if isinstance(value, torch.Tensor):
         return value
-    raise TypeError(f"{who}: {name}= takes a number or a tensor, got {type(value).__name__} {value!r}")
+    return check_number(value, name, "give a number or a tensor", who=who)
 
 
 def _int(who: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{who}: {name}= takes a dimension (an int, or for dims= a tuple of ints), got "
-                        f"{type(value).__name__} {value!r}")
+    check_int(value, name, "give a dimension (an int, or for dims= a tuple of ints)", who=who)
 
 
 def source_value(trace, op, who: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ appears; otherwise it is left out rather than shown as zeros.
 
 from __future__ import annotations
 
+from ..checks import check_int
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
@@ -155,8 +156,9 @@ class ModuleSummary:
 
 
 def module_summary(trace, depth=None) -> ModuleSummary:
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise ValueError(f"depth must be None or a non-negative int (0: the whole model only), not {depth!r}")
+    if depth is not None:
+        check_int(depth, "depth", "give a module depth, 0 or more (0: the whole model only), or None for every "
+                  "module", who="summary", at_least=0)
     from ..report.flops import FlopCount, module_call_flops, total_flops
 
     ops = trace.ops

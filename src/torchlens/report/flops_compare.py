@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from ..checks import check_number
 from ..errors import NativeToolFailed, WitnessFailed
 from ..record.modules import is_unregistered
 from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, total_flops
@@ -105,14 +106,11 @@ def _shown(value) -> str:
 
 
 def _check_tolerances(rtol, atol) -> None:
-    """The tolerances the two runs' outputs are compared with, checked before either run: a string would fail
-    only inside ``torch.allclose``, after both forwards, and a negative one would refuse every output."""
+    """The tolerances the two runs' outputs are compared with, checked before either run: a string or NaN would
+    fail only inside ``torch.allclose``, after both forwards, and a negative one would refuse every output."""
     for name, value in (("rtol", rtol), ("atol", atol)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"flops_vs_dispatch: {name}= takes a number (a tolerance such as 1e-5), got "
-                            f"{type(value).__name__} {value!r}")
-        if value < 0:
-            raise ValueError(f"flops_vs_dispatch: {name}={value} is negative; a tolerance is 0 or more")
+        check_number(value, name, "a tolerance is a number, 0 or more (such as 1e-5)", who="flops_vs_dispatch",
+                     at_least=0)
 
 
 def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: float = 1e-6) -> FlopsComparison:

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from ..checks import check_int
 from ..errors import InterventionError, TorchlensError, first_few
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
@@ -94,16 +95,11 @@ def _inputs_not_traces(who: str, clean, corrupt) -> None:
 def _check_positions(dim) -> None:
     """``positions`` is the index of one dimension, counted from the front: each patch indexes the value with
     ``dim`` full slices before the position, so a negative ``dim`` would patch along dimension 0 (the batch)
-    while the rows counted the positions of dimension ``dim``."""
-    if dim is None:
-        return
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"positions={dim!r}: give the index of the dimension to patch along, an int (1: the "
-                        "sequence of a (batch, seq, hidden) value), or None to patch whole values")
-    if dim < 0:
-        raise ValueError(f"positions={dim}: count the dimension from the front (1: the sequence of a (batch, seq, "
-                         "hidden) value); a site's values may differ in rank, so a dimension counted from the end "
-                         "would be a different one at each")
+    while the rows counted the positions of dimension ``dim``; and a site's values may differ in rank, so a
+    dimension counted from the end would be a different one at each."""
+    if dim is not None:
+        check_int(dim, "positions", "give the index of the dimension to patch along, counted from the front (1: the "
+                  "sequence of a (batch, seq, hidden) value), or None to patch whole values", at_least=0)
 
 
 def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bool = False, root=None):

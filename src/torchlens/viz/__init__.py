@@ -12,6 +12,7 @@ import pathlib
 import sys
 import tempfile
 
+from ..checks import check_int
 from .layout import LayoutEngineMissing, LayoutFailed, find_engine
 
 FORMATS = ("dot", "svg", "png", "html")
@@ -44,9 +45,9 @@ def _check(trace, depth):
 
     if not isinstance(trace, Trace):
         raise TypeError(f"render needs a Trace from tl.trace(...), not {type(trace).__name__}")
-    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 0):
-        raise ValueError(f"depth must be None or a non-negative int (0 collapses every top-level module), "
-                         f"not {depth!r}")
+    if depth is not None:
+        check_int(depth, "depth", "give a module depth, 0 or more (0 collapses every top-level module), or None to "
+                  "draw every module", who="render", at_least=0)
 
 
 def _coloring(trace, color_by, device_times):

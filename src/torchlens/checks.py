@@ -1,0 +1,61 @@
+"""The one way a public function checks a number, a count or a flag it was given, before any forward runs.
+
+Each check names the parameter, says what was wrong with the value, and ends with the caller's own advice on
+what to give (``"give a number of bytes (2**30 for 1 GiB), or None for no limit"``), so every message reads
+``who: name=value <what is wrong>; <advice>``.  A bool is never taken for a number (``True`` is an int to Python,
+but ``positions=True`` is a slip, not dimension 1), and NaN never passes: every comparison with it is false, so
+a NaN budget or tolerance would quietly mean "no limit" or "refuse everything".
+"""
+
+import math
+import numbers
+
+
+def check_number(value, name: str, advice: str, *, who: str = "", at_least=None, finite: bool = False):
+    """``value`` when it is a number (not a bool, not NaN), ``>= at_least`` when that is given, and not infinite
+    when ``finite``; otherwise a TypeError or ValueError naming ``name`` and ending with ``advice``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Number):
+        _refuse(TypeError, who, name, value, f"is a {type(value).__name__}", advice)
+    if value != value:  # NaN, real or complex
+        _refuse(ValueError, who, name, value, "is not a number (NaN)", advice)
+    if finite and _is_infinite(value):
+        _refuse(ValueError, who, name, value, "is infinite", advice)
+    if at_least is not None:
+        _check_at_least(value, name, advice, who, at_least)
+    return value
+
+
+def check_int(value, name: str, advice: str, *, who: str = "", at_least=None) -> int:
+    """``value`` when it is an int (not a bool, not a float such as 2.0) and ``>= at_least`` when that is given;
+    otherwise a TypeError or ValueError naming ``name`` and ending with ``advice``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _refuse(TypeError, who, name, value, f"is a {type(value).__name__}, not an int", advice)
+    if at_least is not None:
+        _check_at_least(value, name, advice, who, at_least)
+    return value
+
+
+def check_flag(value, name: str, advice: str = "give True or False", *, who: str = "") -> bool:
+    """``value`` when it is True or False: a string such as ``"no"`` is true to Python, and would be read as
+    the opposite of what it says."""
+    if value is not True and value is not False:
+        _refuse(TypeError, who, name, value, f"is a {type(value).__name__}, not True or False", advice)
+    return value
+
+
+def _check_at_least(value, name, advice, who, at_least) -> None:
+    if not isinstance(value, numbers.Real):  # complex: no order
+        _refuse(TypeError, who, name, value, f"is a {type(value).__name__}, not a real number", advice)
+    if value < at_least:
+        _refuse(ValueError, who, name, value, "is negative" if at_least == 0 else f"is below {at_least}", advice)
+
+
+def _is_infinite(value) -> bool:
+    try:
+        return math.isinf(abs(value))
+    except OverflowError:  # an int too large for a float is finite
+        return False
+
+
+def _refuse(error, who: str, name: str, value, problem: str, advice: str):
+    raise error(f"{who + ': ' if who else ''}{name}={value!r} {problem}; {advice}")
