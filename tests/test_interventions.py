@@ -403,3 +403,30 @@ def test_a_selection_of_one_pass_keeps_the_original_only_where_it_keeps_the_valu
     assert len(picked.interventions) == len(full.interventions) == 8
     loaded = tl.load(picked.save(tmp_path / "t"))
     assert [op.label for op in loaded.ops if op.original is not None] == kept
+
+
+# ----- helper arguments no run could use: refused when the helper is made ----------------------------
+@pytest.mark.parametrize("make, message", [
+    # tl.scale(nan) and tl.clamp(min=nan) made every value NaN, without a word.
+    (lambda: tl.scale(float("nan")), r"tl\.scale: k=nan is not a number \(NaN\); give a number or a tensor"),
+    (lambda: tl.clamp(min=float("nan")), r"tl\.clamp: min=nan is not a number \(NaN\)"),
+    # torch.clamp with min above max sets every value to max: no clamp into a range.
+    (lambda: tl.clamp(5, 1), r"tl\.clamp: min=5 is above max=1, so every value would become 1; give min <= max"),
+    (lambda: tl.noise(-0.1), r"tl\.noise: std=-0\.1 is negative; give a standard deviation"),
+    (lambda: tl.noise(float("inf")), r"tl\.noise: std=inf is infinite; give a standard deviation"),
+    # torch refused a dimension named twice only at the site, mid-forward, in its own words.
+    (lambda: tl.mean_ablate(dims=(0, 0)), r"tl\.mean_ablate: dims=\(0, 0\) names a dimension twice"),
+])
+def test_a_helper_value_no_run_could_use_is_refused_when_made(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_mean_ablate_naming_one_dimension_twice_from_both_ends_is_named_at_its_site():
+    # dims=(0, -2) of a 2-d value is dimension 0 twice: torch's "dim 0 appears multiple times" came mid-forward.
+    model, args, _ = CASES["mlp"]
+    with pytest.raises(tl.InterventionError, match=r"mean_ablate\(dims=\(0, -2\)\) at head:1: dims=\(0, -2\) name "
+                                                    r"one dimension of this value of shape \(4, 4\) twice"):
+        tl.trace(model, args, intervene={"head": tl.mean_ablate(dims=(0, -2))})
+    clamped = tl.trace(model, args, intervene={"head": tl.clamp(-0.1, 0.1)}).output
+    assert torch.equal(clamped, model(*args).clamp(-0.1, 0.1))

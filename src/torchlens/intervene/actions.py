@@ -102,6 +102,7 @@ class clamp(Action):  # noqa: N801
             raise ValueError("tl.clamp needs min, max or both")
         self.min = None if min is None else _number("tl.clamp", "min", min)
         self.max = None if max is None else _number("tl.clamp", "max", max)
+        _check_bounds_ordered(self.min, self.max)
 
     def value(self, tensor, op, at):
         return tensor.clamp(self.min, self.max)
@@ -147,7 +148,11 @@ class noise(Action):  # noqa: N801
         super().__init__(at)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"tl.noise: generator= takes a torch.Generator or None, got {type(generator).__name__}")
-        self.std, self.generator = _number("tl.noise", "std", std), generator
+        # A negative or infinite spread is a slip (-0.1 for 0.1; inf would make every value infinite).
+        self.std = std if isinstance(std, torch.Tensor) else \
+            check_number(std, "std", "give a standard deviation, a finite number 0 or more, or a tensor of them",
+                         who="tl.noise", at_least=0, finite=True)
+        self.generator = generator
 
     def value(self, tensor, op, at):
         _needs_float(self, tensor, op)
@@ -191,6 +196,8 @@ class mean_ablate(Action):  # noqa: N801
         super().__init__(at)
         for dim in _as_tuple(dims):
             _int("tl.mean_ablate", "dims", dim)
+        if len(set(_as_tuple(dims))) != len(_as_tuple(dims)):  # torch refuses it mid-forward
+            raise ValueError(f"tl.mean_ablate: dims={dims!r} names a dimension twice; name each once")
         if trace is not None:
             checked_trace(trace, "tl.mean_ablate: trace=", _SOURCE_TRACE)
         self.dims, self.trace = dims, trace
@@ -269,6 +276,13 @@ def _number(who: str, name: str, value):
 
 def _int(who: str, name: str, value) -> None:
     check_int(value, name, "give a dimension (an int, or for dims= a tuple of ints)", who=who)
+
+
+def _check_bounds_ordered(low, high) -> None:
+    """torch.clamp with min above max sets every value to max, which is no clamp into a range."""
+    if isinstance(low, numbers.Real) and isinstance(high, numbers.Real) and low > high:
+        raise ValueError(f"tl.clamp: min={low!r} is above max={high!r}, so every value would become {high!r}; give "
+                         "min <= max (or tl.clamp(max=...) alone to cap values)")
 
 
 def source_value(trace, op, who: str) -> torch.Tensor:
@@ -391,6 +405,9 @@ def _check_dims(action, dims, tensor: torch.Tensor, op) -> None:
     if wrong:
         raise ReplacementMismatch(f"{action!r} at {_where(op)}: {wrong[0]} is not a dimension of this value of "
                                   f"shape {tuple(tensor.shape)} (dimensions {-rank} to {rank - 1})")
+    if len({d % rank for d in dims}) != len(dims):  # dims=(1, -1) of a 2-d value: one dimension twice
+        raise ReplacementMismatch(f"{action!r} at {_where(op)}: dims={tuple(dims)} name one dimension of this value "
+                                  f"of shape {tuple(tensor.shape)} twice; name each once")
 
 
 def _where(op) -> str:
