@@ -224,6 +224,26 @@ def test_layer_names_must_pick_one_op_per_batch(tmp_path):
                                       torch.cat([torch.relu(x) for x in data]).numpy())
 
 
+@pytest.mark.parametrize("option, value, error, message", [
+    # "64MB" failed inside int(), "1000" and -5 were taken (-5 as a shard per batch), True as one byte.
+    ("shard_bytes", "64MB", TypeError, r"tl\.extract: shard_bytes='64MB' is a str; give the number of bytes"),
+    ("shard_bytes", "1000", TypeError, r"shard_bytes='1000' is a str"),
+    ("shard_bytes", -5, ValueError, r"shard_bytes=-5 is negative"),
+    ("shard_bytes", True, TypeError, r"shard_bytes=True is a bool"),
+    ("barrier_timeout", "30", TypeError, r"tl\.extract: barrier_timeout='30' is a str; give the seconds"),
+    ("barrier_timeout", -1, ValueError, r"barrier_timeout=-1 is below 1"),
+    ("progress", "no", TypeError, r"tl\.extract: progress='no' is a str, not True or False"),
+    ("kwargs", [1], TypeError, r"tl\.extract: kwargs= is a dict of the keyword arguments every forward gets, got a list"),
+])
+def test_a_setting_that_cannot_work_is_refused_before_the_first_batch(tmp_path, option, value, error, message):
+    model = TwoLayer().eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    options = {"progress": False, option: value}
+    with pytest.raises(error, match=message):
+        tl.extract(model, batches(2), ["head"], tmp_path / "out", **options)
+    assert not forwards and not (tmp_path / "out").exists()
+
 
 def test_a_module_registered_under_two_names_is_extracted_by_either(tmp_path):
     class Aliased(nn.Module):  # one Linear at two addresses, as a model sharing a block registers it

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..checks import check_flag, check_number
 from ..errors import ResumeMismatchError, first_few, warn_user
 from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
@@ -84,6 +85,7 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     """
     out = os.fspath(out)
     layers = _check_layers(layers)
+    _check_options(kwargs, shard_bytes, progress, barrier_timeout)
     _check_inputs(inputs)
     check_request(grads, loss_fn, stop_after)
     arguments_of = batch_reader(args_of, kwargs_of, kwargs)
@@ -164,6 +166,21 @@ def _check_layers(layers) -> list:
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers lists a name twice: {layers}")
     return layers
+
+
+def _check_options(kwargs, shard_bytes, progress, barrier_timeout) -> None:
+    """The settings of every batch, checked before the first forward: ``shard_bytes="64MB"`` failed in ``int()``,
+    ``"1000"`` and a negative size were taken, and a bad ``barrier_timeout`` failed only at the first barrier,
+    after a rank's whole share."""
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"tl.extract: kwargs= is a dict of the keyword arguments every forward gets, got a "
+                        f"{type(kwargs).__name__}; the batches' own arguments come from inputs (with args_of= or "
+                        "kwargs_of=)")
+    check_number(shard_bytes, "shard_bytes", "give the number of bytes to buffer before a shard is written (2**26 "
+                 "for 64 MiB; 0 writes every batch)", who="tl.extract", at_least=0, finite=True)
+    check_flag(progress, "progress", "give True to show a progress bar, False for none", who="tl.extract")
+    check_number(barrier_timeout, "barrier_timeout", "give the seconds a finished rank waits for the others (1800 "
+                 "by default)", who="tl.extract", at_least=1, finite=True)
 
 
 def _check_inputs(inputs) -> None:
