@@ -259,6 +259,11 @@ def test_options_that_would_be_misread_or_ignored_are_refused_before_the_forward
     before = snapshot(model, (x,))
     with pytest.raises(TypeError, match="deep='yes' is a str, not True or False; give True"):
         tl.trace(model, x, deep="yes")
+    # record_finite="no" and saved_for_backward="no" were true to Python, so each did what it said not to.
+    with pytest.raises(TypeError, match="record_finite='no' is a str, not True or False; give True to record"):
+        tl.trace(model, x, record_finite="no")
+    with pytest.raises(TypeError, match="saved_for_backward=0 is an int, not True or False"):
+        tl.trace(model, x, saved_for_backward=0)
     with pytest.raises(TypeError, match=r"name= takes a string .*got int 3"):
         tl.trace(model, x, name=3)
     reference = tl.trace(model, x, save="none")

@@ -60,8 +60,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     given_root = root
     compiled_root = _is_compile_wrapper(model)
     model, root = _checked_call(model, root, kwargs, compiled, deep, grads, stop_after)
-    if deep is not False or name is not None or reference is not None:  # three identity checks in the common call
-        _check_options(deep, name, reference, intervene, stop_after)
+    if deep is not False or name is not None or reference is not None or record_finite is not False \
+            or saved_for_backward is not False:  # identity checks alone in the common call
+        _check_options(deep, name, reference, intervene, stop_after, record_finite, saved_for_backward)
     kwargs = dict(kwargs) if kwargs else {}
     args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
@@ -164,9 +165,13 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
     return model, root
 
 
-def _check_options(deep, name, reference, intervene, stop_after) -> None:
+def _check_options(deep, name, reference, intervene, stop_after, record_finite, saved_for_backward) -> None:
     """Options that would otherwise be taken as something else, or quietly ignored: ``deep="yes"`` read as
-    true, ``name=3`` as a display name, ``reference=`` with nothing to resolve against it."""
+    true (and ``record_finite="no"`` too), ``name=3`` as a display name, ``reference=`` with nothing to resolve
+    against it."""
+    check_flag(record_finite, "record_finite", "give True to record a (has_nan, has_inf) flag per op, False not to")
+    check_flag(saved_for_backward, "saved_for_backward", "give True to record what autograd keeps for backward, "
+               "False not to")
     check_flag(deep, "deep", "give True to record the torch calls inside torch functions written in Python, "
                "False for one op each")
     if name is not None and not isinstance(name, str):
