@@ -72,3 +72,11 @@ def test_both_chrome_files_load_in_holistic_trace_analysis(tmp_path):
             assert set(names) == {op.label for op in kp.trace.ops if op.kind == "op"
                                   and op.multi_output_index in (None, 0)} | {
                 mc.label for mc in kp.trace.module_calls}
+
+
+def test_a_model_given_for_the_trace_is_refused_saying_what_to_give(tmp_path):
+    # to_chrome_trace(model, path) failed on a missing attribute: "'Sequential' object has no attribute 'calls'".
+    model, args, _ = zoo()["mlp"]
+    with pytest.raises(TypeError, match=r"to_chrome_trace takes a Trace \(log = tl\.trace\(model, x\)\), got"):
+        tl.report.to_chrome_trace(model, tmp_path / "t.json")
+    assert not list(tmp_path.iterdir())

@@ -538,3 +538,15 @@ def test_flops_vs_dispatch_reads_flop_counter_modes_module_tables_once(monkeypat
     result = tl.report.flops_vs_dispatch(model.eval(), args, kwargs)
     assert result.native_total > 0 and len(result.modules) > 10
     assert sum(copied) <= 2 * len(result.modules)
+
+
+def test_op_flops_refuses_a_module_call_whose_index_counts_calls_not_ops():
+    # op_flops(log.module_calls[1]) read op 1's FLOPs: the ReLU call answered with the Linear's 42.
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    log = tl.trace(model, torch.randn(2, 3))
+    with pytest.raises(TypeError, match=r"op_flops takes an op of a trace .* got ModuleCall; for a module call's "
+                                        r"FLOPs read log\.summary\(\)"):
+        tl.report.op_flops(log.module_calls[1])
+    with pytest.raises(TypeError, match="total_flops takes a Trace .* got Sequential"):
+        tl.report.total_flops(model)
+    assert tl.report.op_flops(log["linear_1_1"]) == 42 and log.summary()["1:1"]["flops"] == 2 * 3

@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from ..record.trace import checked_trace
+
 SCHEMA = "torchlens.host_clock_view.v1"
 CLOCK_NOTE = ("Host-clock semantic view made by torchlens: ops and module calls timed with "
               "time.perf_counter around each call while the model ran under capture. Instrumented host "
@@ -29,6 +31,7 @@ def _us(ns: int) -> float:
 
 def to_chrome_trace(trace, path, *, module_calls: bool = True) -> str:
     """Write ``trace`` as a chrome trace JSON to ``path`` (open it in Perfetto or chrome://tracing)."""
+    checked_trace(trace, "to_chrome_trace")
     path = os.fspath(path)
     calls = trace.calls
     starts = [c.t0_ns for c in calls]

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import math
 
+from ..record.op import Layer, Op
+from ..record.trace import checked_trace
+
 CONVENTION = ("analytic forward FLOPs: a multiply-add counts 2, any other arithmetic operation 1, "
               "an elementwise function 1 per output element")
 FAMILIES = ("matmul", "conv", "attention", "elementwise", "other")
@@ -412,8 +415,17 @@ def op_flops(op):
     Inputs, buffers and outputs compute nothing (0); further outputs of a multi-output call are 0 because
     the call is counted on its first output.
     """
+    _check_op(op)
     parts = flops_column(op._trace)[op.index]
     return None if parts is None else sum(parts.values())
+
+
+def _check_op(op) -> None:
+    """An op (or a layer, its op) of a trace: a module call's ``index`` counts module calls, not ops, so it
+    would read another op's FLOPs (or fail on an index past the ops)."""
+    if not isinstance(op, (Op, Layer)):
+        raise TypeError(f"op_flops takes an op of a trace (log['linear_1_1'], or a layer), got {type(op).__name__}; "
+                        "for a module call's FLOPs read log.summary()['encoder.layers.0:1']['flops']")
 
 
 def op_flops_by_family(op):
@@ -446,7 +458,7 @@ class FlopCount(int):
 
 def total_flops(trace) -> FlopCount:
     """Sum of analytic forward FLOPs over every op; ``.unknown`` lists ops with no formula."""
-    column = flops_column(trace)
+    column = flops_column(checked_trace(trace, "total_flops"))
     total, counted, unknown = 0, 0, []
     for i, parts in enumerate(column):
         if parts is None:
