@@ -314,3 +314,24 @@ def test_activation_patching_refuses_a_dimension_counted_from_the_end():
     table = tl.report.activation_patching(gpt2, clean, corrupt, metric, sites=["transformer.h.0"], positions=1,
                                           progress=False)
     assert list(table.position) == list(range(6)) and not table.error.any()
+
+
+@pytest.mark.parametrize("report", ["activation_patching", "attribution_patching"])
+def test_a_metric_that_cannot_be_called_is_refused_before_the_clean_run(report):
+    # metric=3 (or a metric's value passed for the metric) failed after the clean run: "'int' object is not callable".
+    pytest.importorskip("pandas")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(TypeError, match=rf"{report}: metric= is a function of the model's output returning a scalar "
+                                        r".* got int"):
+        getattr(tl.report, report)(model, torch.randn(2, 4), torch.randn(2, 4), 3)
+    assert not forwards
+
+
+def test_activation_patching_refuses_a_progress_that_is_no_flag():
+    # progress="no" was true, and showed a bar.
+    pytest.importorskip("pandas")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(TypeError, match=r"activation_patching: progress='no' is a str, not True or False"):
+        tl.report.activation_patching(model, torch.randn(2, 4), torch.randn(2, 4), lambda out: out.sum(), progress="no")

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_flag, check_int
 from ..errors import InterventionError, TorchlensError, first_few
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
@@ -48,8 +48,9 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
     """
     pd = _pandas()
-    _inputs_not_traces("activation_patching", clean, corrupt)
+    _check_call("activation_patching", clean, corrupt, metric)
     _check_positions(positions)
+    check_flag(progress, "progress", "give True to show a progress bar, False for none", who="activation_patching")
     runs = _Runs(model, root)
     clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
@@ -84,8 +85,13 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     return frame
 
 
-def _inputs_not_traces(who: str, clean, corrupt) -> None:
-    """Both reports run the model on the inputs themselves: a trace passed instead would reach the model."""
+def _check_call(who: str, clean, corrupt, metric) -> None:
+    """Both reports run the model on the inputs themselves: a trace passed instead would reach the model.  The
+    metric is called first after the clean run: one that cannot be called would fail only then, in Python's
+    words."""
+    if not callable(metric):
+        raise TypeError(f"{who}: metric= is a function of the model's output returning a scalar (metric=lambda out: "
+                        f"out[:, -1, 0] - out[:, -1, 1]), got {type(metric).__name__}")
     if isinstance(clean, Trace) or isinstance(corrupt, Trace):
         raise TypeError(f"{who} takes the clean and corrupted inputs (a tensor or a tuple of arguments), not traces: "
                         "pass the inputs the traces were taken on; to patch one run from a saved trace, use "
@@ -117,7 +123,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     into such a value, an integer op on it).  ``root``: as for ``activation_patching``.
     """
     pd = _pandas()
-    _inputs_not_traces("attribution_patching", clean, corrupt)
+    _check_call("attribution_patching", clean, corrupt, metric)
     runs = _Runs(model, root)
     with torch.enable_grad():
         clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
