@@ -179,3 +179,27 @@ def test_predicate_rejects_meaningless_settings():
         RefusalPredicate(confidence=1.5)
     with pytest.raises(ValueError, match="min_pairs"):
         RefusalPredicate(min_pairs=0)
+
+
+@pytest.mark.parametrize("option, value, error, message", [
+    # pairs=2.5 failed in range(), pairs=True made one pair, pairs="3" failed on "'<' not supported".
+    ("pairs", 2.5, TypeError, r"measure_overhead: pairs=2\.5 is a float, not an int; give a count of 1 or more"),
+    ("pairs", True, TypeError, r"pairs=True is a bool"),
+    ("pairs", "3", TypeError, r"pairs='3' is a str"),
+    # max_calls_per_sample=0 was taken as 1, min_sample_s=nan failed in math.ceil.
+    ("max_calls_per_sample", 0, ValueError, r"max_calls_per_sample=0 is below 1"),
+    ("min_sample_s", float("nan"), ValueError, r"min_sample_s=nan is not a number \(NaN\)"),
+])
+def test_a_count_or_duration_that_cannot_work_is_refused_before_any_call(option, value, error, message):
+    calls = []
+    with pytest.raises(error, match=message):
+        measure_overhead(lambda: calls.append(1), lambda: calls.append(1), **{option: value})
+    assert not calls
+
+
+def test_a_nan_bound_of_the_predicate_is_refused():
+    # max_relative_iqr=nan compared false with every spread, so no measurement was ever refused for its spread.
+    with pytest.raises(ValueError, match=r"RefusalPredicate: max_relative_iqr=nan is not a number \(NaN\)"):
+        RefusalPredicate(max_relative_iqr=float("nan"))
+    with pytest.raises(TypeError, match=r"RefusalPredicate: min_pairs=2\.5 is a float, not an int"):
+        RefusalPredicate(min_pairs=2.5)

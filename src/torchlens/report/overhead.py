@@ -33,6 +33,8 @@ from time import perf_counter_ns
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from ..checks import check_int, check_number
+
 __all__ = ["measure_overhead", "RefusalPredicate", "OverheadResult", "same_output", "machine_fingerprint"]
 
 
@@ -54,11 +56,19 @@ class RefusalPredicate:
     confidence: float = 0.95
 
     def __post_init__(self):
+        check_number(self.confidence, "confidence", "give a level between 0.5 and 1 (0.95)", who="RefusalPredicate")
         if not 0.5 < self.confidence < 1.0:
             raise ValueError(f"confidence must lie in (0.5, 1), got {self.confidence}")
-        if self.min_pairs < 1 or self.max_relative_iqr <= 0:
-            raise ValueError("min_pairs must be >= 1 and max_relative_iqr > 0, "
-                             f"got {self.min_pairs} and {self.max_relative_iqr}")
+        check_int(self.min_pairs, "min_pairs", "give the fewest pairs a point estimate needs, 1 or more (10)",
+                  who="RefusalPredicate", at_least=1)
+        # NaN compares false with every spread: a NaN bound would refuse nothing.
+        check_number(self.max_relative_iqr, "max_relative_iqr", "give the largest spread of the ratios, above 0 "
+                     "(0.25)", who="RefusalPredicate")
+        if self.max_relative_iqr <= 0:
+            raise ValueError(f"max_relative_iqr must be > 0, got {self.max_relative_iqr}")
+        if self.min_ratio is not None:
+            check_number(self.min_ratio, "min_ratio", "give the ratio no measurement can fall below, or None",
+                         who="RefusalPredicate")
 
     def describe(self) -> str:
         parts = [f"pairs>={self.min_pairs}", f"relIQR<={self.max_relative_iqr:g}"]
@@ -155,8 +165,9 @@ def measure_overhead(arm_a, arm_b, *, pairs: int = 21, warmup: int = 3,
     label_a, fn_a = _arm(arm_a, "a")
     label_b, fn_b = _arm(arm_b, "b")
     predicate = predicate if predicate is not None else RefusalPredicate()
-    if pairs < 1 or warmup < 1 or repeats < 1:
-        raise ValueError(f"need pairs, warmup and repeats >= 1, got {pairs}, {warmup}, {repeats}")
+    _check_counts(pairs=pairs, warmup=warmup, repeats=repeats, max_calls_per_sample=max_calls_per_sample)
+    check_number(min_sample_s, "min_sample_s", "give the seconds a block of calls lasts at least, 0 or more (0.001)",
+                 who="measure_overhead", at_least=0, finite=True)
     if order not in ("abba", "random"):
         raise ValueError(f"order must be 'abba' or 'random', got {order!r}")
     compare = compare or same_output
@@ -226,6 +237,12 @@ def _judge(label_a, label_b, predicate, times_a, times_b, equal, pairs, counts_a
         b_ns=statistics.median(times_b) if times_b else math.nan, calls_per_sample=numbers,
         module_calls=(counts_a[0], counts_b[0]), outputs_equal=equal, predicate=predicate, order=order,
         warmup=warmup, repeats=repeats, fingerprint=machine_fingerprint(cuda=sync))
+
+
+def _check_counts(**counts) -> None:
+    """Each count is an int, 1 or more: pairs=2.5 failed in range(), pairs=True made one pair."""
+    for name, value in counts.items():
+        check_int(value, name, "give a count of 1 or more", who="measure_overhead", at_least=1)
 
 
 def _arm(arm, default: str):
