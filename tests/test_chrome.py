@@ -79,4 +79,7 @@ def test_a_model_given_for_the_trace_is_refused_saying_what_to_give(tmp_path):
     model, args, _ = zoo()["mlp"]
     with pytest.raises(TypeError, match=r"to_chrome_trace takes a Trace \(log = tl\.trace\(model, x\)\), got"):
         tl.report.to_chrome_trace(model, tmp_path / "t.json")
+    # module_calls="no" is true to Python: the module calls were drawn.
+    with pytest.raises(TypeError, match=r"to_chrome_trace: module_calls='no' is a str, not True or False"):
+        tl.trace(model, args).to_chrome_trace(tmp_path / "t.json", module_calls="no")
     assert not list(tmp_path.iterdir())

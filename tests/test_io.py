@@ -525,3 +525,17 @@ def test_one_element_outputs_with_a_stride_save_and_extract(tmp_path):
     folder = tl.extract(lambda t: model(t)[:, 0], [x, x * 2], layers=[score], out=tmp_path / "feats",
                         root=model, progress=False)
     assert tl.load_extracted(folder, as_torch=True)[score].shape == (2,)
+
+
+def test_save_refuses_flags_that_are_not_true_or_false(tmp_path):
+    # overwrite="no" is true to Python: it replaced the trace saved there; activations="no" wrote them.
+    model, args, _ = zoo()["mlp"]
+    first, second = tl.trace(model, args), tl.trace(model, args, name="second")
+    folder = first.save(tmp_path / "run")
+    with pytest.raises(TypeError, match=r"save: overwrite='no' is a str, not True or False; give True to replace"):
+        second.save(folder, overwrite="no")
+    with pytest.raises(TypeError, match=r"save: activations='no' is a str, not True or False"):
+        second.save(tmp_path / "other", activations="no")
+    with pytest.raises(TypeError, match=r"save takes a Trace \(log = tl\.trace\(model, x\)\), got"):
+        tl.io.save(model, tmp_path / "model")
+    assert tl.load(folder).model_name == first.model_name and sorted(os.listdir(tmp_path)) == ["run"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from ..checks import check_flag
 from .extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS
 from .format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest
 from .tensorfile import mapped
@@ -23,6 +24,9 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
         verify: check each file's sha256 against the manifest first (reads every byte once; pass False
             to skip on very large extractions, sizes are still checked).
     """
+    check_flag(as_torch, "as_torch", "give True for torch tensors, False for numpy arrays", who="load_extracted")
+    check_flag(verify, "verify", "give True to check every file's sha256 first, False to check sizes alone",
+               who="load_extracted")
     folder = os.fspath(path)
     if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.lexists(os.path.join(folder, PROGRESS)):
         progress = read_json(folder, PROGRESS, "an extraction")

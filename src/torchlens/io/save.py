@@ -22,7 +22,9 @@ import shutil
 import stat
 import uuid
 
+from ..checks import check_flag
 from ..errors import warn_user
+from ..record.trace import checked_trace
 from .encode import encode_value, torch_constant_name, unsavable
 from .grads import write_grads
 from .interventions import write_interventions
@@ -42,6 +44,11 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
             trace format, and only the files that manifest lists (other files are kept, with a warning).
             Any other existing folder is refused.
     """
+    checked_trace(trace, "save")
+    # A string such as "no" is true: activations="no" would write them, overwrite="no" replace a saved trace.
+    check_flag(activations, "activations", "give True to write the saved activations, False for metadata alone",
+               who="save")
+    check_flag(overwrite, "overwrite", "give True to replace a trace saved at the path, False to refuse", who="save")
     path = os.fspath(path)
     if not path:
         raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")

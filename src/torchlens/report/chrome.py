@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ..checks import check_flag
 from ..record.trace import checked_trace
 
 SCHEMA = "torchlens.host_clock_view.v1"
@@ -32,6 +33,8 @@ def _us(ns: int) -> float:
 def to_chrome_trace(trace, path, *, module_calls: bool = True) -> str:
     """Write ``trace`` as a chrome trace JSON to ``path`` (open it in Perfetto or chrome://tracing)."""
     checked_trace(trace, "to_chrome_trace")
+    check_flag(module_calls, "module_calls", "give True to draw module calls around their ops, False for ops alone",
+               who="to_chrome_trace")
     path = os.fspath(path)
     calls = trace.calls
     starts = [c.t0_ns for c in calls]
