@@ -131,6 +131,35 @@ def test_compare_finds_a_divergence_planted_on_one_rank(traced):
     assert got["metadata_only"] == 0
 
 
+
+@pytest.mark.parametrize("option, value, error, message", [
+    # rtol="x" and rtol=nan failed inside torch.allclose; reference=True compared with rank 1, 1.0 failed on a list index.
+    ("rtol", "x", TypeError, r"compare: rtol='x' is a str; a tolerance is a number, 0 or more"),
+    ("atol", float("nan"), ValueError, r"compare: atol=nan is not a number \(NaN\)"),
+    ("reference", True, TypeError, r"compare: reference=True is a bool, not an int"),
+    ("reference", 1.0, TypeError, r"compare: reference=1\.0 is a float, not an int"),
+])
+def test_compare_refuses_a_tolerance_or_reference_that_cannot_work(option, value, error, message):
+    pytest.importorskip("pandas")
+    log = tl.trace(torch.nn.Linear(3, 3), torch.randn(2, 3))
+    with pytest.raises(error, match=message):
+        tl.distributed.compare([log, log], **{option: value})
+    assert not tl.distributed.compare([log, log]).diverges.any()
+
+
+def test_distributed_readers_refuse_what_is_not_a_list_of_traces_or_a_trace():
+    # compare(log) iterated the trace's ops ("'Op' object has no attribute 'ops'"); collectives(tensor) likewise.
+    log = tl.trace(torch.nn.Linear(3, 3), torch.randn(2, 3))
+    with pytest.raises(TypeError, match=r"compare takes one trace per rank, in rank order .* got a single Trace"):
+        tl.distributed.compare(log)
+    with pytest.raises(TypeError, match=r"compare: traces\[1\] takes a Trace .* got Tensor"):
+        tl.distributed.compare([log, torch.ones(1)])
+    with pytest.raises(TypeError, match=r"collectives takes a Trace .* got Tensor"):
+        tl.distributed.collectives(torch.ones(1))
+    with pytest.raises(TypeError, match=r"gather: dst='0' is a str, not an int"):
+        tl.distributed.gather(log, dst="0")
+
+
 def test_compare_reads_per_rank_saves_too(traced, workdir):
     loaded = [tl.load(os.path.join(workdir, f"saved-{rank}")) for rank in range(2)]
     assert [(t.rank, t.world_size) for t in loaded] == [(0, 2), (1, 2)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 
 from ..capture.collectives import NAMES as _DISTRIBUTED_NAMES
+from ..record.trace import checked_trace
 
 _FUNCTIONAL = "_c10d_functional::"
 # what a loaded trace's function names can say: the torch.distributed ones and the functional ops
@@ -25,6 +26,7 @@ _COLLECTIVE_NAMES = _DISTRIBUTED_NAMES | {
 def collectives(trace):
     """A pandas table, one row per collective call (its first output op): label, collective, group,
     group_ranks, async, module, shape."""
+    checked_trace(trace, "collectives")
     rows = [row for row in (_describe(op) for op in trace.ops if op.multi_output_index in (None, 0))
             if row is not None]
     return _frame(rows, ["label", "collective", "group", "group_ranks", "async", "module", "shape"])

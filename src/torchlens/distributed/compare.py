@@ -11,6 +11,8 @@ hold whatever the allocator left there, which differs between ranks that agree.
 
 from __future__ import annotations
 
+from ..checks import check_int, check_number
+from ..record.trace import Trace, checked_trace
 from ..tree import structures_equal
 from ..record.columns import UNINITIALIZED_FUNCS
 from .gather import RankTrace
@@ -32,7 +34,18 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
     """
     from .collectives import _frame
 
-    ranks = [t if isinstance(t, RankTrace) else RankTrace.of(t, activations=True) for t in traces]
+    if isinstance(traces, Trace):  # iterating it would give its ops
+        raise TypeError("compare takes one trace per rank, in rank order ([log_rank0, log_rank1] or what gather "
+                        "returns), got a single Trace")
+    # A NaN or negative tolerance fails inside torch.allclose, a string too; reference=True is no rank.
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        check_number(value, name, "a tolerance is a number, 0 or more (0 compares bit for bit)", who="compare",
+                     at_least=0)
+    check_int(reference, "reference", "give the position in traces of the trace the others are compared with",
+              who="compare", at_least=0)
+    ranks = [t if isinstance(t, RankTrace) else
+             RankTrace.of(checked_trace(t, f"compare: traces[{i}]", "a rank's tl.trace, or tl.load of its save"),
+                          activations=True) for i, t in enumerate(traces)]
     if not 0 <= reference < len(ranks):
         raise ValueError(f"reference rank {reference} is not among the {len(ranks)} traces")
     base = ranks[reference]

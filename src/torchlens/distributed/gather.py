@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import check_int, check_number
 from ..errors import ActivationUnavailable, RankFailedError
+from ..record.trace import checked_trace
 
 # How long the ranks of a gather wait for each other to call it: ranks that traced the same forward arrive
 # within moments, and a rank that never calls it (``if rank == 0: gather(log)``) should be named soon, not
@@ -85,6 +87,11 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
     """
     import torch.distributed as dist
 
+    checked_trace(trace, "gather")
+    check_int(dst, "dst", "give the rank that receives every trace, 0 or more", who="gather", at_least=0)
+    # NaN or a negative wait would time out at once (or never, for inf) on every rank.
+    check_number(timeout, "timeout", "give the seconds every rank has to arrive, a finite number above 0 (120)",
+                 who="gather", at_least=0, finite=True)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
                            "(run under torchrun, or call torch.distributed.init_process_group first)")
