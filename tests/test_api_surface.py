@@ -80,3 +80,6 @@ def test_log_forward_pass_saves_the_gradients_of_the_saved_layers_when_asked():
     everything = tl.log_forward_pass(model, x, save_gradients=True)
     everything.output.sum().backward()
     assert all(op.grad is not None for op in everything.ops if op.kind == "op")
+    # save_gradients="no" is true to Python: it kept the gradients it said not to.
+    with pytest.raises(TypeError, match=r"log_forward_pass: save_gradients='no' is a str, not True or False"):
+        tl.log_forward_pass(model, x, save_gradients="no")

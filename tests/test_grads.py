@@ -541,3 +541,14 @@ def test_reading_every_parameters_gradient_does_not_search_the_parameter_list_pe
                                    for p, g in zip(log.params, grads))
     str(tl.debug.nonfinite_origin(log, grads=True))
     assert _ScannedParams.searched <= len(grads)
+
+
+def test_a_loss_that_is_no_tensor_is_refused_naming_what_to_give():
+    # log.backward(output.sum().item()) failed in torch with a bare AssertionError ("Expected output to be a
+    # torch.Tensor").
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True)
+    with pytest.raises(TypeError, match=r"log\.backward\(loss\): loss is the tensor to backpropagate from .* got float"):
+        log.backward(log.output.sum().item())
+    log.backward([log.output.sum()])  # a list of tensors, as torch.autograd.backward takes
+    assert torch.equal(log[-1].grad, torch.ones_like(log.output))

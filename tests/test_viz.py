@@ -289,6 +289,14 @@ def test_bad_arguments_say_what_to_do(traces, tmp_path):
         log.render(color_by="loudness")
     with pytest.raises(TypeError, match="needs a Trace"):
         viz.render(object())
+    # format=3 failed on "'int' object has no attribute 'lower'"; max_ops="10" on a comparison, -1 drew no graph.
+    with pytest.raises(TypeError, match=r"format= takes the name of a picture format, one of dot, svg, png, html, "
+                                        r"got int 3"):
+        log.render(tmp_path / "graph", format=3)
+    with pytest.raises(TypeError, match=r"notebook_html: max_ops='10' is a str, not an int"):
+        viz.notebook_html(log, max_ops="10")
+    with pytest.raises(ValueError, match=r"notebook_html: max_ops=-1 is negative"):
+        viz.notebook_html(log, max_ops=-1)
     assert not list(tmp_path.iterdir())
 
 

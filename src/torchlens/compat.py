@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 
 from .capture.session import trace
+from .checks import check_flag
 
 _INSTEAD = {
     "vis_opt": "call log.render('graph.html', view='rolled' or 'unrolled') on the returned trace",
@@ -33,6 +34,9 @@ def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all",
         instead = _INSTEAD.get(option, "see tl.trace's arguments")
         raise TypeError(f"log_forward_pass: {option}= is a reference-library option torchlens does not take; "
                         f"{instead}")
+    # save_gradients="no" is true to Python: it would keep gradients.
+    check_flag(save_gradients, "save_gradients", "give True to keep the saved layers' gradients, False not to",
+               who="log_forward_pass")
     save = "none" if layers_to_save is None else layers_to_save
     grads = False
     if save_gradients and save != "none":

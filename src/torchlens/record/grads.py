@@ -172,6 +172,8 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
     """``torch.autograd.backward`` through ``loss``; the trace's hooks receive every gradient."""
     if trace._gradcap is None or trace.loaded_from is not None or trace._cleaned:
         _refuse_backward(trace)
+    if type(loss) is not torch.Tensor and not isinstance(loss, torch.Tensor):  # the common call: one exact type check
+        _refuse_loss(loss)
     backwards = trace._gradcap.backwards
     # Positional, as ``Tensor.backward`` passes them: this wrapper is a fixed cost of every traced backward.
     try:
@@ -181,6 +183,15 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
         raise
     if trace._gradcap.backwards == backwards:
         _warn_unreached()
+
+
+def _refuse_loss(loss) -> None:
+    """torch's own refusal of a loss that is no tensor is an AssertionError ("Expected output to be a
+    torch.Tensor"); a sequence of tensors is what torch.autograd.backward also takes."""
+    if isinstance(loss, (list, tuple)) and loss and all(isinstance(t, torch.Tensor) for t in loss):
+        return
+    raise TypeError(f"log.backward(loss): loss is the tensor to backpropagate from (log.backward(log.output.sum()), "
+                    f"or a list of tensors), got {type(loss).__name__}")
 
 
 def _note_changed_params(trace, exc: RuntimeError) -> None:

@@ -21,6 +21,9 @@ FORMATS = ("dot", "svg", "png", "html")
 def format_of(path, fmt=None) -> str:
     """The picture format ``render`` writes: ``fmt`` when given, else the one ``path``'s suffix names."""
     if fmt is not None:
+        if not isinstance(fmt, str):
+            raise TypeError(f"format= takes the name of a picture format, one of {', '.join(FORMATS)}, got "
+                            f"{type(fmt).__name__} {fmt!r}")
         fmt = fmt.lower().lstrip(".")
         if fmt == "gv":
             fmt = "dot"

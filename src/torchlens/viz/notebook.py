@@ -13,6 +13,7 @@ import gzip
 import html
 import itertools
 
+from ..checks import check_int
 from ..record.layouts import shape_text
 
 BUDGET_BYTES = 240_000  # the compressed viewer; with the tables a display stays under 300 KB
@@ -77,6 +78,9 @@ def notebook_html(trace, max_ops=None, **render_kwargs) -> str:
     from . import render
     from .layout import LayoutEngineMissing, LayoutFailed
 
+    if max_ops is not None:
+        check_int(max_ops, "max_ops", "give the most ops drawn inline, 0 or more, or None for no limit",
+                  who="notebook_html", at_least=0)
     parts = [f'<pre style="font-size:12px;margin:0">{html.escape(_header_text(trace))}</pre>',
              _module_table(trace), _op_table(trace)]
     if max_ops is not None and len(trace) > max_ops:
