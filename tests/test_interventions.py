@@ -408,7 +408,7 @@ def test_a_selection_of_one_pass_keeps_the_original_only_where_it_keeps_the_valu
 # ----- helper arguments no run could use: refused when the helper is made ----------------------------
 @pytest.mark.parametrize("make, message", [
     # tl.scale(nan) and tl.clamp(min=nan) made every value NaN, without a word.
-    (lambda: tl.scale(float("nan")), r"tl\.scale: k=nan is not a number \(NaN\); give a number or a tensor"),
+    (lambda: tl.scale(float("nan")), r"tl\.scale: k=nan is not a number \(NaN\); give a float, an int or a tensor"),
     (lambda: tl.clamp(min=float("nan")), r"tl\.clamp: min=nan is not a number \(NaN\)"),
     # torch.clamp with min above max sets every value to max: no clamp into a range.
     (lambda: tl.clamp(5, 1), r"tl\.clamp: min=5 is above max=1, so every value would become 1; give min <= max"),
@@ -420,6 +420,22 @@ def test_a_selection_of_one_pass_keeps_the_original_only_where_it_keeps_the_valu
 def test_a_helper_value_no_run_could_use_is_refused_when_made(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_a_number_torch_cannot_compute_with_is_refused_when_the_helper_is_made():
+    # tl.scale(Fraction(1, 2)) and tl.clamp(max=Decimal("1")) were taken, then failed at the site, mid-forward:
+    # "unsupported operand type(s) for *: 'Tensor' and 'Fraction'".
+    from decimal import Decimal
+    from fractions import Fraction
+
+    with pytest.raises(TypeError, match=r"tl\.scale: k=Fraction\(1, 2\) is a Fraction, which torch cannot compute "
+                                        r"with; give a float, an int or a tensor \(float\(k\)\)"):
+        tl.scale(Fraction(1, 2))
+    with pytest.raises(TypeError, match=r"tl\.clamp: max=Decimal\('1'\) is a Decimal; give a float, an int"):
+        tl.clamp(max=Decimal("1"))
+    model, args, _ = CASES["mlp"]
+    scaled = tl.trace(model, args, intervene={"head": tl.scale(0.5)}).output
+    assert torch.equal(scaled, model(*args) * 0.5)
 
 
 def test_mean_ablate_naming_one_dimension_twice_from_both_ends_is_named_at_its_site():

@@ -439,11 +439,11 @@ def test_gpt2_an_action_of_one_argument_is_refused_before_any_run_saying_it_take
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: tl.scale("2"), r"tl\.scale: k='2' is a str; give a number or a tensor"),
-    (lambda: tl.clamp(max="1"), r"tl\.clamp: max='1' is a str; give a number or a tensor"),
+    (lambda: tl.scale("2"), r"tl\.scale: k='2' is a str; give a float, an int or a tensor"),
+    (lambda: tl.clamp(max="1"), r"tl\.clamp: max='1' is a str; give a float, an int or a tensor"),
     (lambda: tl.noise("0.1"), r"tl\.noise: std='0\.1' is a str; give a standard deviation"),
     (lambda: tl.noise(0.1, generator=0), r"tl\.noise: generator= takes a torch\.Generator or None, got int"),
-    (lambda: tl.steer(torch.ones(32), scale=None), r"tl\.steer: scale=None is a NoneType; give a number or a tensor"),
+    (lambda: tl.steer(torch.ones(32), scale=None), r"tl\.steer: scale=None is a NoneType; give a float, an int or a tensor"),
     (lambda: tl.steer(torch.ones(32), dim=1.0), r"tl\.steer: dim=1\.0 is a float, not an int; give a dimension"),
     (lambda: tl.mean_ablate(dims="0"), r"tl\.mean_ablate: dims='0' is a str, not an int; give a dimension"),
     (lambda: tl.mean_ablate(trace="clean_log"), r"tl\.mean_ablate: trace= takes a Trace .* got str"),

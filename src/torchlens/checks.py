@@ -11,10 +11,13 @@ import math
 import numbers
 
 
-def check_number(value, name: str, advice: str, *, who: str = "", at_least=None, finite: bool = False):
-    """``value`` when it is a number (not a bool, not NaN), ``>= at_least`` when that is given, and not infinite
-    when ``finite``; otherwise a TypeError or ValueError naming ``name`` and ending with ``advice``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Number):
+def check_number(value, name: str, advice: str, *, who: str = "", at_least=None, finite: bool = False,
+                 complex_ok: bool = False):
+    """``value`` when it is a real number (or, with ``complex_ok``, a complex one; never a bool, never NaN),
+    ``>= at_least`` when that is given, and not infinite when ``finite``; otherwise a TypeError or ValueError
+    naming ``name`` and ending with ``advice``."""
+    kind = numbers.Complex if complex_ok else numbers.Real  # a Decimal is neither: it mixes with no float
+    if isinstance(value, bool) or not isinstance(value, kind):
         _refuse(TypeError, who, name, value, _is_a(value), advice)
     if value != value:  # NaN, real or complex
         _refuse(ValueError, who, name, value, "is not a number (NaN)", advice)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import warnings
 
 import torch
 
@@ -21,6 +22,7 @@ from ..record.trace import checked_trace
 # What a helper reading another run takes: a trace of a run taking the same path, with its site saved.
 _SOURCE_TRACE = "tl.trace(model, x) of a run taking the same path, with the site's activation saved"
 
+_SCALAR_PROBE = torch.zeros(())  # multiplied by a helper's number once, when the helper is made
 _INDEX_TYPES = (numbers.Integral, slice, type(Ellipsis), tuple, list, torch.Tensor)  # what tensor[at] takes
 
 
@@ -271,7 +273,15 @@ def _number(who: str, name: str, value):
     when the helper is made, not at its first site, mid-forward."""
     if isinstance(value, torch.Tensor):
         return value
-    return check_number(value, name, "give a number or a tensor", who=who)
+    check_number(value, name, "give a float, an int or a tensor", who=who, complex_ok=True)
+    try:  # a Fraction is a number torch's arithmetic refuses: it would fail at the first site, mid-forward
+        with warnings.catch_warnings():  # a numpy complex scalar warns of its cast here, as it will at the site
+            warnings.simplefilter("ignore")
+            _SCALAR_PROBE * value
+    except TypeError:
+        raise TypeError(f"{who}: {name}={value!r} is a {type(value).__name__}, which torch cannot compute with; give "
+                        f"a float, an int or a tensor (float({name}))") from None
+    return value
 
 
 def _int(who: str, name: str, value) -> None:
