@@ -565,3 +565,19 @@ def test_join_backward_follows_the_sequence_number_across_threads():
     assert 0 not in joined.op_backward
     assert joined.host_unattributed["backward_without_op"] == [2, 50 + 10]
     assert 2 not in joined.op_backward
+
+
+@pytest.mark.parametrize("options, message", [
+    # activities=["cpu"] failed in torch with a bare AssertionError ("No valid profiler activities found"),
+    # activities=3 in list(), profiler_kwargs=3 on "argument after ** must be a mapping".
+    ({"activities": ["cpu"]}, r"activities= is a list of torch\.profiler\.ProfilerActivity values .* got \['cpu'\]"),
+    ({"activities": 3}, r"activities= is a list of torch\.profiler\.ProfilerActivity values .* got 3"),
+    ({"profiler_kwargs": 3}, r"profiler_kwargs= is a dict of torch\.profiler\.profile's keyword arguments .* got int"),
+])
+def test_profiler_settings_of_the_wrong_kind_are_refused_before_the_model_runs(options, message):
+    model = nn.Linear(2, 2)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(TypeError, match=message):
+        tl.report.kernel_profile(model, torch.ones(1, 2), **options)
+    assert not forwards and not torch.autograd.profiler._is_profiler_enabled

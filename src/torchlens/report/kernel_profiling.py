@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -96,7 +97,10 @@ def check_chrome_path(path) -> None:
 def _own_profiler(activities, profiler_kwargs):
     """The profiler torchlens owns: it runs one step, its first, and is never stepped.  A schedule that
     leaves that step unrecorded would measure nothing, so it is refused before the model runs."""
-    activities = list(activities) if activities else _default_activities()
+    if profiler_kwargs is not None and not isinstance(profiler_kwargs, Mapping):
+        raise TypeError(f"profiler_kwargs= is a dict of torch.profiler.profile's keyword arguments "
+                        f"(profiler_kwargs={{'record_shapes': True}}), got {type(profiler_kwargs).__name__}")
+    activities = _listed_activities(activities) if activities else _default_activities()
     _check_activities(activities)
     prof = torch.profiler.profile(activities=activities, **(profiler_kwargs or {}))
     recording = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
@@ -107,6 +111,17 @@ def _own_profiler(activities, profiler_kwargs):
             "measured. Drop the schedule, or run your own scheduled profiler and pass it as "
             "kernel_profile(..., profiler=prof) in a step it records.")
     return prof
+
+
+def _listed_activities(activities) -> list:
+    """``activities`` as a list of ProfilerActivity values: ``activities=3`` failed in ``list()``, and
+    ``["cpu"]`` inside torch's profiler."""
+    activity = torch.profiler.ProfilerActivity
+    listed = list(activities) if isinstance(activities, (list, tuple, set, frozenset)) else None
+    if listed is None or not all(isinstance(a, activity) for a in listed):
+        raise TypeError(f"activities= is a list of torch.profiler.ProfilerActivity values "
+                        f"([torch.profiler.ProfilerActivity.CPU]), got {activities!r}")
+    return listed
 
 
 def _check_activities(activities) -> None:
