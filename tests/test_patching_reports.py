@@ -335,3 +335,21 @@ def test_activation_patching_refuses_a_progress_that_is_no_flag():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.raises(TypeError, match=r"activation_patching: progress='no' is a str, not True or False"):
         tl.report.activation_patching(model, torch.randn(2, 4), torch.randn(2, 4), lambda out: out.sum(), progress="no")
+
+
+def test_heatmap_refuses_what_is_not_a_patching_table_or_a_column_of_numbers():
+    # heatmap(df, value="error") failed on a float conversion of its first cell, heatmap(log) with a KeyError
+    # for a label 'site', heatmap(df, title=3) on 'int' has no attribute 'replace'.
+    pytest.importorskip("pandas")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    table = tl.report.activation_patching(model, x, x + 1, lambda out: out.sum(), progress=False)
+    with pytest.raises(ValueError, match=r"heatmap: value='error' is not a column of numbers in this table; give one "
+                                         r"of 'metric', 'normalized'"):
+        tl.viz.heatmap(table, value="error")
+    with pytest.raises(TypeError, match=r"heatmap takes the table tl\.report\.activation_patching .* got Trace"):
+        tl.viz.heatmap(tl.trace(model, x))
+    with pytest.raises(TypeError, match=r"heatmap: title= takes a string, got int 3"):
+        tl.viz.heatmap(table, title=3)
+    attribution = tl.report.attribution_patching(model, x, x + 1, lambda out: out.sum())
+    assert tl.viz.heatmap(table).startswith("<svg") and tl.viz.heatmap(attribution, value="estimate").startswith("<svg")

@@ -19,6 +19,7 @@ def heatmap(frame, path=None, value: str = "normalized", title: str | None = Non
     """SVG text of ``frame`` (from ``tl.report.activation_patching`` or ``attribution_patching``): rows are
     its ``site`` values in order, columns its ``position`` values (one column without that column), cells
     ``frame[value]``.  Written to ``path`` when given (and the path returned)."""
+    _check_table(frame, value, title)
     sites = list(dict.fromkeys(frame["site"]))
     # A site with no positions (no such dimension in its value) has one row at <NA>: a row of grey cells.
     positions = [p for p in dict.fromkeys(frame["position"]) if isinstance(p, numbers.Integral)] \
@@ -59,6 +60,27 @@ def heatmap(frame, path=None, value: str = "normalized", title: str | None = Non
     path = pathlib.Path(path)
     path.write_text(svg, encoding="utf-8")
     return path
+
+
+def _check_table(frame, value, title) -> None:
+    """What the picture reads, checked first: another object failed on a missing attribute, and a column
+    that is no number (``value="error"``) on a float conversion of its first cell."""
+    columns = list(getattr(frame, "columns", ()))
+    if not hasattr(frame, "itertuples") or "site" not in columns:
+        raise TypeError(f"heatmap takes the table tl.report.activation_patching or attribution_patching returns (a "
+                        f"DataFrame with a site column), got {type(frame).__name__}")
+    numeric = [c for c in columns if c not in ("site", "position") and _is_numeric(frame[c])]
+    if value not in numeric:
+        raise ValueError(f"heatmap: value={value!r} is not a column of numbers in this table; give one of "
+                         f"{', '.join(map(repr, numeric))}")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"heatmap: title= takes a string, got {type(title).__name__} {title!r}")
+
+
+def _is_numeric(column) -> bool:
+    import pandas as pd  # the table is a DataFrame: pandas is there
+
+    return pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
 
 
 def _color(x: float) -> str:
