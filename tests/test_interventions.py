@@ -416,6 +416,9 @@ def test_a_selection_of_one_pass_keeps_the_original_only_where_it_keeps_the_valu
     (lambda: tl.noise(float("inf")), r"tl\.noise: std=inf is infinite; give a standard deviation"),
     # torch refused a dimension named twice only at the site, mid-forward, in its own words.
     (lambda: tl.mean_ablate(dims=(0, 0)), r"tl\.mean_ablate: dims=\(0, 0\) names a dimension twice"),
+    # dims=() gave the mean of the whole value (torch's mean reads no dimension as every one), not "no averaging".
+    (lambda: tl.mean_ablate(dims=()), r"tl\.mean_ablate: dims=\(\) names no dimension, which torch's mean reads as "
+                                      r"every dimension; .* dims=None for the mean of the whole value"),
 ])
 def test_a_helper_value_no_run_could_use_is_refused_when_made(make, message):
     with pytest.raises(ValueError, match=message):

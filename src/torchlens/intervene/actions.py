@@ -200,6 +200,10 @@ class mean_ablate(Action):  # noqa: N801
             _int("tl.mean_ablate", "dims", dim)
         if len(set(_as_tuple(dims))) != len(_as_tuple(dims)):  # torch refuses it mid-forward
             raise ValueError(f"tl.mean_ablate: dims={dims!r} names a dimension twice; name each once")
+        if isinstance(dims, (tuple, list)) and not dims:  # torch reads no dimension as every dimension
+            raise ValueError(f"tl.mean_ablate: dims={dims!r} names no dimension, which torch's mean reads as every "
+                             "dimension; name the dimensions to average over, or give dims=None for the mean of "
+                             "the whole value")
         if trace is not None:
             checked_trace(trace, "tl.mean_ablate: trace=", _SOURCE_TRACE)
         self.dims, self.trace = dims, trace
