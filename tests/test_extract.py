@@ -593,11 +593,15 @@ def test_an_activation_held_by_the_model_keeps_its_own_batchs_rows(tmp_path):
     assert torch.equal(tl.load_extracted(folder, as_torch=True)[write], torch.cat(expected))
 
 
-def test_load_extracted_refuses_flags_that_are_not_true_or_false(tmp_path):
+def test_extraction_folders_refuse_flags_and_paths_of_the_wrong_kind(tmp_path):
     # as_torch="no" is true to Python: it gave torch tensors.
     out = tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "out", progress=False)
     with pytest.raises(TypeError, match=r"load_extracted: as_torch='no' is a str, not True or False"):
         tl.load_extracted(out, as_torch="no")
     with pytest.raises(TypeError, match=r"load_extracted: verify=0 is an int, not True or False"):
         tl.load_extracted(out, verify=0)
+    with pytest.raises(TypeError, match=r"load_extracted: path=None is a NoneType; give the folder tl\.extract wrote"):
+        tl.load_extracted(None)
+    with pytest.raises(TypeError, match=r"tl\.extract: out=None is a NoneType; give the folder to write"):
+        tl.extract(TwoLayer().eval(), batches(2), ["head"], None, progress=False)
     assert isinstance(tl.load_extracted(out)["head"], np.ndarray)

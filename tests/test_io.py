@@ -527,7 +527,7 @@ def test_one_element_outputs_with_a_stride_save_and_extract(tmp_path):
     assert tl.load_extracted(folder, as_torch=True)[score].shape == (2,)
 
 
-def test_save_refuses_flags_that_are_not_true_or_false(tmp_path):
+def test_save_and_load_refuse_flags_and_paths_of_the_wrong_kind(tmp_path):
     # overwrite="no" is true to Python: it replaced the trace saved there; activations="no" wrote them.
     model, args, _ = zoo()["mlp"]
     first, second = tl.trace(model, args), tl.trace(model, args, name="second")
@@ -538,4 +538,9 @@ def test_save_refuses_flags_that_are_not_true_or_false(tmp_path):
         second.save(tmp_path / "other", activations="no")
     with pytest.raises(TypeError, match=r"save takes a Trace \(log = tl\.trace\(model, x\)\), got"):
         tl.io.save(model, tmp_path / "model")
+    # A path that is no path failed in os.fspath, naming no parameter ("expected str, bytes or os.PathLike object").
+    with pytest.raises(TypeError, match=r"save: path=3 is an int; give the folder to write the trace to"):
+        second.save(3)
+    with pytest.raises(TypeError, match=r"tl\.load: path=None is a NoneType; give the folder log\.save wrote"):
+        tl.load(None)
     assert tl.load(folder).model_name == first.model_name and sorted(os.listdir(tmp_path)) == ["run"]

@@ -9,6 +9,7 @@ a NaN budget or tolerance would quietly mean "no limit" or "refuse everything".
 
 import math
 import numbers
+import os
 
 
 def check_number(value, name: str, advice: str, *, who: str = "", at_least=None, finite: bool = False,
@@ -44,6 +45,15 @@ def check_flag(value, name: str, advice: str = "give True or False", *, who: str
     if value is not True and value is not False:
         _refuse(TypeError, who, name, value, f"{_is_a(value)}, not True or False", advice)
     return value
+
+
+def check_path(value, name: str, advice: str, *, who: str = ""):
+    """``value`` as a path (``os.fspath``: a str, bytes or ``pathlib.Path``); otherwise a TypeError naming ``name``,
+    where Python's own ("expected str, bytes or os.PathLike object, not int") names no parameter."""
+    try:
+        return os.fspath(value)
+    except TypeError:
+        _refuse(TypeError, who, name, value, _is_a(value), advice)
 
 
 def _check_at_least(value, name, advice, who, at_least) -> None:

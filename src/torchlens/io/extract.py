@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checks import check_flag, check_number
+from ..checks import check_flag, check_number, check_path
 from ..errors import ResumeMismatchError, first_few, warn_user
 from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
@@ -83,7 +83,7 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     into ``out/rank-{r}/`` and the shares are joined in dataset order when all ranks are done; see
     docs/distributed.md.
     """
-    out = os.fspath(out)
+    out = check_path(out, "out", "give the folder to write (a str or a pathlib.Path)", who="tl.extract")
     layers = _check_layers(layers)
     _check_options(kwargs, shard_bytes, progress, barrier_timeout)
     _check_inputs(inputs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from ..checks import check_flag
+from ..checks import check_flag, check_path
 from .extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS
 from .format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest
 from .tensorfile import mapped
@@ -27,7 +27,7 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
     check_flag(as_torch, "as_torch", "give True for torch tensors, False for numpy arrays", who="load_extracted")
     check_flag(verify, "verify", "give True to check every file's sha256 first, False to check sizes alone",
                who="load_extracted")
-    folder = os.fspath(path)
+    folder = check_path(path, "path", "give the folder tl.extract wrote (a str or a pathlib.Path)", who="load_extracted")
     if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.lexists(os.path.join(folder, PROGRESS)):
         progress = read_json(folder, PROGRESS, "an extraction")
         done = progress.get("batches_done") if isinstance(progress, dict) else "?"

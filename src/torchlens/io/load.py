@@ -10,11 +10,11 @@ locations are file names and line numbers only.
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
 
+from ..checks import check_path
 from ..record.columns import Call, OpMeta
 from ..record.layouts import RaggedShape
 from ..record.modules import CallRow, ModuleRow
@@ -33,7 +33,7 @@ def load(path) -> Trace:
     """Load a saved trace.  It supports everything that does not need the live model (indexing, summary,
     tables, reports, rendering); ``log.model`` is None, ``log.validate()`` raises, and ``log.output`` is
     rebuilt from the saved output tensors."""
-    folder = os.fspath(path)
+    folder = check_path(path, "path", "give the folder log.save wrote (a str or a pathlib.Path)", who="tl.load")
     manifest = verify_manifest(folder, TRACE_FORMAT, TRACE_SCHEMA, required=(TRACE_JSON,))
     record = read_json(folder, TRACE_JSON, "a saved trace", max_bytes=manifest["files"][TRACE_JSON]["bytes"])
     tensors = _read_tensors(folder) if TRACE_TENSORS in manifest["files"] else {}

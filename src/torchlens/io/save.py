@@ -22,7 +22,7 @@ import shutil
 import stat
 import uuid
 
-from ..checks import check_flag
+from ..checks import check_flag, check_path
 from ..errors import warn_user
 from ..record.trace import checked_trace
 from .encode import encode_value, torch_constant_name, unsavable
@@ -49,7 +49,7 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
     check_flag(activations, "activations", "give True to write the saved activations, False for metadata alone",
                who="save")
     check_flag(overwrite, "overwrite", "give True to replace a trace saved at the path, False to refuse", who="save")
-    path = os.fspath(path)
+    path = check_path(path, "path", "give the folder to write the trace to (a str or a pathlib.Path)", who="save")
     if not path:
         raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")
     if activations:

@@ -11,11 +11,10 @@ so in ``otherData``, which trace viewers show as metadata.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-from ..checks import check_flag
+from ..checks import check_flag, check_path
 from ..record.trace import checked_trace
 
 SCHEMA = "torchlens.host_clock_view.v1"
@@ -35,7 +34,7 @@ def to_chrome_trace(trace, path, *, module_calls: bool = True) -> str:
     checked_trace(trace, "to_chrome_trace")
     check_flag(module_calls, "module_calls", "give True to draw module calls around their ops, False for ops alone",
                who="to_chrome_trace")
-    path = os.fspath(path)
+    path = check_path(path, "path", "give the file to write (a str or a pathlib.Path)", who="to_chrome_trace")
     calls = trace.calls
     starts = [c.t0_ns for c in calls]
     if module_calls:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..checks import check_path
 from ..errors import ProfilerBusyError, closest_hint
 from ..tree import as_kwargs
 from .markers import ProfilerMarkers
@@ -84,7 +85,8 @@ def check_chrome_path(path) -> None:
     profiling, and a failure then would lose the profile."""
     if path is None:
         return
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(check_path(path, "chrome_trace", "give the file to write the profile to (a str or a pathlib.Path)",
+                                      who="kernel_profile"))
     folder = os.path.dirname(path)
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         what = "is a folder" if os.path.isdir(path) else \
@@ -292,7 +294,7 @@ class KernelProfile:
     # ----- chrome trace + sidecar -----------------------------------------------------------------
     def export_chrome_trace(self, path) -> tuple:
         """Write torch's own chrome export to ``path`` and the id map beside it; returns both paths."""
-        path = os.fspath(path)
+        path = check_path(path, "path", "give the file to write (a str or a pathlib.Path)", who="export_chrome_trace")
         if self.profiler is None:
             raise ValueError("this profile was built from events, not a live profiler: nothing to export")
         self._join()  # also checks the profiler is closed
