@@ -234,8 +234,14 @@ def test_layer_names_must_pick_one_op_per_batch(tmp_path):
     ("barrier_timeout", -1, ValueError, r"barrier_timeout=-1 is below 1"),
     ("progress", "no", TypeError, r"tl\.extract: progress='no' is a str, not True or False"),
     ("kwargs", [1], TypeError, r"tl\.extract: kwargs= is a dict of the keyword arguments every forward gets, got a list"),
+    # grads="no" is true to Python, and extracted gradients; root="model" was dropped, naming no model to check.
+    ("grads", "no", TypeError, r"tl\.extract: grads='no' is a str, not True or False"),
+    ("root", "model", TypeError, r"tl\.extract: root= is the nn\.Module the callable runs, as for tl\.trace, not str"),
+    # a loss_fn without grads=True was ignored without a word.
+    ("loss_fn", lambda output, batch: output.sum(), ValueError, r"tl\.extract: loss_fn= is read only with grads=True"),
 ])
 def test_a_setting_that_cannot_work_is_refused_before_the_first_batch(tmp_path, option, value, error, message):
+    # (inputs=3 and layers=3 failed on "'int' object is not iterable": checked below)
     model = TwoLayer().eval()
     forwards = []
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
@@ -243,6 +249,10 @@ def test_a_setting_that_cannot_work_is_refused_before_the_first_batch(tmp_path, 
     with pytest.raises(error, match=message):
         tl.extract(model, batches(2), ["head"], tmp_path / "out", **options)
     assert not forwards and not (tmp_path / "out").exists()
+    with pytest.raises(TypeError, match=r"inputs is an iterable of batches \(a list, a generator, a DataLoader\), got int"):
+        tl.extract(model, 3, ["head"], tmp_path / "out", progress=False)
+    with pytest.raises(TypeError, match=r"layers is a list of op labels or module addresses, .* got int"):
+        tl.extract(model, batches(2), 3, tmp_path / "out", progress=False)
 
 
 def test_a_module_registered_under_two_names_is_extracted_by_either(tmp_path):

@@ -85,7 +85,7 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     """
     out = check_path(out, "out", "give the folder to write (a str or a pathlib.Path)", who="tl.extract")
     layers = _check_layers(layers)
-    _check_options(kwargs, shard_bytes, progress, barrier_timeout)
+    _check_options(kwargs, shard_bytes, progress, barrier_timeout, root)
     _check_inputs(inputs)
     check_request(grads, loss_fn, stop_after)
     arguments_of = batch_reader(args_of, kwargs_of, kwargs)
@@ -159,6 +159,9 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
 def _check_layers(layers) -> list:
     if isinstance(layers, str):
         layers = [layers]
+    if not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers is a list of op labels or module addresses, e.g. ['fc', 'relu_1_2'], got "
+                        f"{type(layers).__name__}")
     layers = list(layers)
     if not layers or not all(isinstance(name, str) and name for name in layers):
         raise ValueError("layers must be a non-empty list of op labels or module addresses, e.g. ['fc', "
@@ -168,7 +171,7 @@ def _check_layers(layers) -> list:
     return layers
 
 
-def _check_options(kwargs, shard_bytes, progress, barrier_timeout) -> None:
+def _check_options(kwargs, shard_bytes, progress, barrier_timeout, root) -> None:
     """The settings of every batch, checked before the first forward: ``shard_bytes="64MB"`` failed in ``int()``,
     ``"1000"`` and a negative size were taken, and a bad ``barrier_timeout`` failed only at the first barrier,
     after a rank's whole share."""
@@ -179,6 +182,9 @@ def _check_options(kwargs, shard_bytes, progress, barrier_timeout) -> None:
     check_number(shard_bytes, "shard_bytes", "give the number of bytes to buffer before a shard is written (2**26 "
                  "for 64 MiB; 0 writes every batch)", who="tl.extract", at_least=0, finite=True)
     check_flag(progress, "progress", "give True to show a progress bar, False for none", who="tl.extract")
+    if root is not None and not isinstance(root, torch.nn.Module):  # it would be dropped: no module runs as it
+        raise TypeError(f"tl.extract: root= is the nn.Module the callable runs, as for tl.trace, not "
+                        f"{type(root).__name__}")
     check_number(barrier_timeout, "barrier_timeout", "give the seconds a finished rank waits for the others (1800 "
                  "by default)", who="tl.extract", at_least=1, finite=True)
 
@@ -192,6 +198,9 @@ def _check_inputs(inputs) -> None:
         raise TypeError(f"inputs is an iterable of batches, and was given one tensor of shape {tuple(inputs.shape)}, "
                         "whose iteration gives its rows without their batch dimension: pass [x] for one batch, "
                         "x.split(n) for batches of n, a DataLoader, or x.unbind() if dimension 0 counts batches")
+    if not hasattr(inputs, "__iter__"):
+        raise TypeError(f"inputs is an iterable of batches (a list, a generator, a DataLoader), got "
+                        f"{type(inputs).__name__}: pass [x] for one batch")
     if isinstance(inputs, Mapping):
         raise TypeError("inputs is an iterable of batches, and was given a dict, whose iteration gives its keys: "
                         "pass [batch] for one dict batch (with kwargs_of=dict for keyword arguments), or a list "

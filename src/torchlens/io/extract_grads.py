@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..capture.restore import grads_set_aside, parameters_read
+from ..checks import check_flag
 
 GRAD_PREFIX = "grad:"
 
@@ -22,7 +23,13 @@ def grad_columns(layers: list) -> list:
 
 def check_request(grads: bool, loss_fn, stop_after=None) -> None:
     """Refuse, before any batch runs, a gradient request no batch could meet: no loss function, or a forward
-    stopped early (``stop_after``), which never produces the output the loss is computed from."""
+    stopped early (``stop_after``), which never produces the output the loss is computed from.  ``grads="no"``
+    is true to Python, and a ``loss_fn`` without ``grads=True`` would be ignored."""
+    check_flag(grads, "grads", "give True to also write each layer's gradient (with loss_fn=), False not to",
+               who="tl.extract")
+    if not grads and loss_fn is not None:
+        raise ValueError("tl.extract: loss_fn= is read only with grads=True (it gives the loss whose backward makes "
+                         "each layer's gradient); pass grads=True to extract gradients too, or drop loss_fn=")
     if grads and not callable(loss_fn):
         raise ValueError("tl.extract(..., grads=True) needs loss_fn=f(output, batch) -> scalar loss, whose backward "
                          "gives each layer's gradient")
