@@ -175,7 +175,14 @@ def test_a_bool_is_not_an_op_index():
     for flag in (True, False):
         with pytest.raises(TypeError, match="not a bool"):
             log[flag]
-    assert log[1].index == 1
+        # log.ops[True] gave op 1 and log.modules[False] module 0, where log[True] is refused.
+        for records in (log.ops, log.modules, log.module_calls):
+            with pytest.raises(TypeError, match=r"index the \w+ records with an int or a slice, not a bool"):
+                records[flag]
+    assert log[1].index == 1 and log.ops[1].index == 1
+    # log.ops[100] said only "range object index out of range".
+    with pytest.raises(IndexError, match=rf"Op index 100 is out of range: this trace has {len(log)} Op records"):
+        log.ops[100]
 
 
 def test_a_module_class_as_a_selection_or_site_is_refused_not_called_on_every_op():

@@ -58,7 +58,14 @@ class RecordList(Sequence):
             raise TypeError(f"the {self._view.__name__} records of a trace are a list, indexed by position (an int "
                             f"or a slice), not by name: log[{i!r}] finds an op, layer, module call or module by "
                             "its label or address")
-        return self._view(self._trace, self._keys[i])
+        if i.__class__ is bool:  # an int to Python, but never meant as record 0 or record 1 (as log[True] is refused)
+            raise TypeError(f"index the {self._view.__name__} records with an int or a slice, not a bool ({i!r})")
+        try:
+            key = self._keys[i]
+        except IndexError:
+            raise IndexError(f"{self._view.__name__} index {i} is out of range: this trace has {len(self)} "
+                             f"{self._view.__name__} records") from None
+        return self._view(self._trace, key)
 
     def __iter__(self):
         trace, view = self._trace, self._view
