@@ -50,6 +50,11 @@ def test_rows_follow_module_calls_and_depth_limits_them():
     assert len(log.summary(depth=0)) == 1
     with pytest.raises(ValueError, match="depth"):
         log.summary(depth=-1)
+    # summary[True] gave row 1, and summary[100] said only "list index out of range".
+    with pytest.raises(TypeError, match=r"index a summary with a row number or a module call .* not a bool"):
+        full[True]
+    with pytest.raises(IndexError, match=rf"summary row 100 is out of range: this summary has {len(full)} rows"):
+        full[100]
     layer = full["layers.0:1"]
     assert layer["class_name"] == "Linear" and layer["params"] == 16 * 16 + 16
     assert layer["activation_bytes"] == 2 * 16 * 4

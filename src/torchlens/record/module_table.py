@@ -133,7 +133,11 @@ class ModuleSummary:
         return len(self.rows)
 
     def __getitem__(self, key):
+        if isinstance(key, bool):  # an int to Python, but never meant as row 0 or row 1
+            raise TypeError(f"index a summary with a row number or a module call ('fc1:1'), not a bool ({key!r})")
         if isinstance(key, int):
+            if not -len(self.rows) <= key < len(self.rows):
+                raise IndexError(f"summary row {key} is out of range: this summary has {len(self.rows)} rows")
             return self.rows[key]
         for row in self.rows:
             if row["call"] == key:
