@@ -224,37 +224,6 @@ def test_layer_names_must_pick_one_op_per_batch(tmp_path):
                                       torch.cat([torch.relu(x) for x in data]).numpy())
 
 
-@pytest.mark.parametrize("option, value, error, message", [
-    # "64MB" failed inside int(), "1000" and -5 were taken (-5 as a shard per batch), True as one byte.
-    ("shard_bytes", "64MB", TypeError, r"tl\.extract: shard_bytes='64MB' is a str; give the number of bytes"),
-    ("shard_bytes", "1000", TypeError, r"shard_bytes='1000' is a str"),
-    ("shard_bytes", -5, ValueError, r"shard_bytes=-5 is negative"),
-    ("shard_bytes", True, TypeError, r"shard_bytes=True is a bool"),
-    ("barrier_timeout", "30", TypeError, r"tl\.extract: barrier_timeout='30' is a str; give the seconds"),
-    ("barrier_timeout", -1, ValueError, r"barrier_timeout=-1 is below 1"),
-    ("progress", "no", TypeError, r"tl\.extract: progress='no' is a str, not True or False"),
-    ("kwargs", [1], TypeError, r"tl\.extract: kwargs= is a dict of the keyword arguments every forward gets, got a list"),
-    # grads="no" is true to Python, and extracted gradients; root="model" was dropped, naming no model to check.
-    ("grads", "no", TypeError, r"tl\.extract: grads='no' is a str, not True or False"),
-    ("root", "model", TypeError, r"tl\.extract: root= is the nn\.Module the callable runs, as for tl\.trace, not str"),
-    # a loss_fn without grads=True was ignored without a word.
-    ("loss_fn", lambda output, batch: output.sum(), ValueError, r"tl\.extract: loss_fn= is read only with grads=True"),
-])
-def test_a_setting_that_cannot_work_is_refused_before_the_first_batch(tmp_path, option, value, error, message):
-    # (inputs=3 and layers=3 failed on "'int' object is not iterable": checked below)
-    model = TwoLayer().eval()
-    forwards = []
-    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    options = {"progress": False, option: value}
-    with pytest.raises(error, match=message):
-        tl.extract(model, batches(2), ["head"], tmp_path / "out", **options)
-    assert not forwards and not (tmp_path / "out").exists()
-    with pytest.raises(TypeError, match=r"inputs is an iterable of batches \(a list, a generator, a DataLoader\), got int"):
-        tl.extract(model, 3, ["head"], tmp_path / "out", progress=False)
-    with pytest.raises(TypeError, match=r"layers is a list of op labels or module addresses, .* got int"):
-        tl.extract(model, batches(2), 3, tmp_path / "out", progress=False)
-
-
 def test_a_module_registered_under_two_names_is_extracted_by_either(tmp_path):
     class Aliased(nn.Module):  # one Linear at two addresses, as a model sharing a block registers it
         def __init__(self):
@@ -601,17 +570,3 @@ def test_an_activation_held_by_the_model_keeps_its_own_batchs_rows(tmp_path):
     expected = [tl.trace(model, b)[write].activation.clone() for b in batches]
     folder = tl.extract(model, batches, layers=[write], out=tmp_path / "feats", progress=False)
     assert torch.equal(tl.load_extracted(folder, as_torch=True)[write], torch.cat(expected))
-
-
-def test_extraction_folders_refuse_flags_and_paths_of_the_wrong_kind(tmp_path):
-    # as_torch="no" is true to Python: it gave torch tensors.
-    out = tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "out", progress=False)
-    with pytest.raises(TypeError, match=r"load_extracted: as_torch='no' is a str, not True or False"):
-        tl.load_extracted(out, as_torch="no")
-    with pytest.raises(TypeError, match=r"load_extracted: verify=0 is an int, not True or False"):
-        tl.load_extracted(out, verify=0)
-    with pytest.raises(TypeError, match=r"load_extracted: path=None is a NoneType; give the folder tl\.extract wrote"):
-        tl.load_extracted(None)
-    with pytest.raises(TypeError, match=r"tl\.extract: out=None is a NoneType; give the folder to write"):
-        tl.extract(TwoLayer().eval(), batches(2), ["head"], None, progress=False)
-    assert isinstance(tl.load_extracted(out)["head"], np.ndarray)

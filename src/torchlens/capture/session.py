@@ -71,8 +71,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         policy = SavePolicy(save, root, index)
     if save_device is not None:
         save_device = _checked_save_device(save_device)
-    if max_saved_bytes is not None:
-        _check_budget(max_saved_bytes)
+    if max_saved_bytes is not None:  # "1GB" would fail at the first saved tensor, -1 save nothing, NaN not limit
+        check_number(max_saved_bytes, "max_saved_bytes", "give a number of bytes (2**30 for 1 GiB), or None for no "
+                     "limit", at_least=0)
     started = perf_counter_ns()
 
     state = CaptureState(save_mode=policy.mode, save_device=save_device, record_finite=record_finite,
@@ -206,13 +207,6 @@ def _checked_save_device(save_device) -> torch.device:
         raise ValueError(f"save_device={save_device!r}: saved tensors cannot be moved there "
                          f"({str(exc).splitlines()[0]}); give a device this machine has, such as 'cpu'") from None
     return device
-
-
-def _check_budget(max_saved_bytes) -> None:
-    """``max_saved_bytes`` is a number of bytes; a string ('1GB') would fail at the first saved tensor, a
-    negative number (meant as 'no limit') would save nothing, and NaN, larger than nothing, would be no limit."""
-    check_number(max_saved_bytes, "max_saved_bytes", "give a number of bytes (2**30 for 1 GiB), or None for no limit",
-                 at_least=0)
 
 
 def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown) -> tuple:

@@ -1,0 +1,91 @@
+"""What ``tl.extract`` is given, checked before the first batch runs, and how it reads a batch's arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..checks import check_flag, check_number
+from ..tree import as_args
+
+
+def check_layers(layers) -> list:
+    if isinstance(layers, str):
+        layers = [layers]
+    if not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers is a list of op labels or module addresses, e.g. ['fc', 'relu_1_2'], got "
+                        f"{type(layers).__name__}")
+    layers = list(layers)
+    if not layers or not all(isinstance(name, str) and name for name in layers):
+        raise ValueError("layers must be a non-empty list of op labels or module addresses, e.g. ['fc', "
+                         "'relu_1_2']")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers lists a name twice: {layers}")
+    return layers
+
+
+def check_options(kwargs, shard_bytes, progress, barrier_timeout, root) -> None:
+    """The settings of every batch, checked before the first forward: ``shard_bytes="64MB"`` failed in ``int()``,
+    ``"1000"`` and a negative size were taken, and a bad ``barrier_timeout`` failed only at the first barrier,
+    after a rank's whole share."""
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"tl.extract: kwargs= is a dict of the keyword arguments every forward gets, got a "
+                        f"{type(kwargs).__name__}; the batches' own arguments come from inputs (with args_of= or "
+                        "kwargs_of=)")
+    check_number(shard_bytes, "shard_bytes", "give the number of bytes to buffer before a shard is written (2**26 "
+                 "for 64 MiB; 0 writes every batch)", who="tl.extract", at_least=0, finite=True)
+    check_flag(progress, "progress", "give True to show a progress bar, False for none", who="tl.extract")
+    if root is not None and not isinstance(root, torch.nn.Module):  # it would be dropped: no module runs as it
+        raise TypeError(f"tl.extract: root= is the nn.Module the callable runs, as for tl.trace, not "
+                        f"{type(root).__name__}")
+    check_number(barrier_timeout, "barrier_timeout", "give the seconds a finished rank waits for the others (1800 "
+                 "by default)", who="tl.extract", at_least=1, finite=True)
+
+
+def check_inputs(inputs) -> None:
+    """``inputs`` is an iterable of batches.  A tensor iterates over its rows, each a sample without the batch
+    dimension, which many models accept (a convolution runs an unbatched image): the rows' activations would be
+    stacked as if each were a batch, a (10, 3, 8, 8) feature map read as 30 rows of (8, 8).  A dict iterates
+    over its keys."""
+    if isinstance(inputs, torch.Tensor):
+        raise TypeError(f"inputs is an iterable of batches, and was given one tensor of shape {tuple(inputs.shape)}, "
+                        "whose iteration gives its rows without their batch dimension: pass [x] for one batch, "
+                        "x.split(n) for batches of n, a DataLoader, or x.unbind() if dimension 0 counts batches")
+    if not hasattr(inputs, "__iter__"):
+        raise TypeError(f"inputs is an iterable of batches (a list, a generator, a DataLoader), got "
+                        f"{type(inputs).__name__}: pass [x] for one batch")
+    if isinstance(inputs, Mapping):
+        raise TypeError("inputs is an iterable of batches, and was given a dict, whose iteration gives its keys: "
+                        "pass [batch] for one dict batch (with kwargs_of=dict for keyword arguments), or a list "
+                        "or DataLoader of them")
+
+
+def batch_reader(args_of, kwargs_of, kwargs):
+    """The function giving batch ``position``'s forward arguments as ``(args, its own kwargs)``.
+
+    ``args_of(batch)`` (the batch itself by default, or nothing when only ``kwargs_of`` is given) follows
+    ``tl.trace``'s input rule; ``kwargs_of(batch)`` must be a mapping, naming no argument ``kwargs`` (the
+    keyword arguments of every forward) names too."""
+    for option, given in (("args_of", args_of), ("kwargs_of", kwargs_of)):
+        if given is not None and not callable(given):
+            raise TypeError(f"{option}= takes a function of a batch (args_of=lambda batch: batch[0], kwargs_of=dict), "
+                            f"got {type(given).__name__}; arguments that are the same for every batch go in kwargs=")
+
+    def arguments_of(batch, position):
+        if args_of is not None:
+            args = as_args(args_of(batch))
+        else:
+            args = () if kwargs_of is not None else as_args(batch)
+        if kwargs_of is None:
+            return args, {}
+        named = kwargs_of(batch)
+        if not isinstance(named, Mapping):
+            raise TypeError(f"batch {position}: kwargs_of returned {type(named).__name__}; it returns a dict of "
+                            "keyword arguments for the forward (kwargs_of=dict for dict batches)")
+        twice = sorted(set(named) & set(kwargs or ()))
+        if twice:
+            raise ValueError(f"batch {position}: kwargs_of and kwargs both give {', '.join(twice)}; give each "
+                             "keyword argument one way")
+        return args, dict(named)
+    return arguments_of

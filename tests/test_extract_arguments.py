@@ -1,0 +1,68 @@
+"""What tl.extract and tl.load_extracted are given, refused before the first batch when it cannot work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from streams import batches
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.act(self.fc(x)))
+
+
+@pytest.mark.parametrize("option, value, error, message", [
+    # "64MB" failed inside int(), "1000" and -5 were taken (-5 as a shard per batch), True as one byte.
+    ("shard_bytes", "64MB", TypeError, r"tl\.extract: shard_bytes='64MB' is a str; give the number of bytes"),
+    ("shard_bytes", "1000", TypeError, r"shard_bytes='1000' is a str"),
+    ("shard_bytes", -5, ValueError, r"shard_bytes=-5 is negative"),
+    ("shard_bytes", True, TypeError, r"shard_bytes=True is a bool"),
+    ("barrier_timeout", "30", TypeError, r"tl\.extract: barrier_timeout='30' is a str; give the seconds"),
+    ("barrier_timeout", -1, ValueError, r"barrier_timeout=-1 is below 1"),
+    ("progress", "no", TypeError, r"tl\.extract: progress='no' is a str, not True or False"),
+    ("kwargs", [1], TypeError, r"tl\.extract: kwargs= is a dict of the keyword arguments every forward gets, got a list"),
+    # grads="no" is true to Python, and extracted gradients; root="model" was dropped, naming no model to check.
+    ("grads", "no", TypeError, r"tl\.extract: grads='no' is a str, not True or False"),
+    ("root", "model", TypeError, r"tl\.extract: root= is the nn\.Module the callable runs, as for tl\.trace, not str"),
+    # a loss_fn without grads=True was ignored without a word.
+    ("loss_fn", lambda output, batch: output.sum(), ValueError, r"tl\.extract: loss_fn= is read only with grads=True"),
+])
+def test_a_setting_that_cannot_work_is_refused_before_the_first_batch(tmp_path, option, value, error, message):
+    # (inputs=3 and layers=3 failed on "'int' object is not iterable": checked below)
+    model = TwoLayer().eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    options = {"progress": False, option: value}
+    with pytest.raises(error, match=message):
+        tl.extract(model, batches(2), ["head"], tmp_path / "out", **options)
+    assert not forwards and not (tmp_path / "out").exists()
+    with pytest.raises(TypeError, match=r"inputs is an iterable of batches \(a list, a generator, a DataLoader\), got int"):
+        tl.extract(model, 3, ["head"], tmp_path / "out", progress=False)
+    with pytest.raises(TypeError, match=r"layers is a list of op labels or module addresses, .* got int"):
+        tl.extract(model, batches(2), 3, tmp_path / "out", progress=False)
+
+
+def test_extraction_folders_refuse_flags_and_paths_of_the_wrong_kind(tmp_path):
+    # as_torch="no" is true to Python: it gave torch tensors.
+    out = tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "out", progress=False)
+    with pytest.raises(TypeError, match=r"load_extracted: as_torch='no' is a str, not True or False"):
+        tl.load_extracted(out, as_torch="no")
+    with pytest.raises(TypeError, match=r"load_extracted: verify=0 is an int, not True or False"):
+        tl.load_extracted(out, verify=0)
+    with pytest.raises(TypeError, match=r"load_extracted: path=None is a NoneType; give the folder tl\.extract wrote"):
+        tl.load_extracted(None)
+    with pytest.raises(TypeError, match=r"tl\.extract: out=None is a NoneType; give the folder to write"):
+        tl.extract(TwoLayer().eval(), batches(2), ["head"], None, progress=False)
+    assert isinstance(tl.load_extracted(out)["head"], np.ndarray)
