@@ -266,6 +266,14 @@ def test_color_by_device_time_mapping(traces):
         log.render(color_by={"nope_9_9:1": 1.0})
     with pytest.raises(ValueError, match="device_times="):
         log.render(color_by="device_time")
+    # device_times= without color_by= colored nothing, without a word; a NaN or "2ms" time failed or drew nonsense.
+    with pytest.raises(ValueError, match=r"device_times= colors the graph only with color_by='device_time'"):
+        log.render(device_times=times)
+    with pytest.raises(ValueError, match=r"render: device_times\['linear_1_2:3'\]=nan is not a number \(NaN\); give "
+                                         r"the op's device time in seconds"):
+        log.render(color_by={"linear_1_2:3": float("nan")})
+    with pytest.raises(TypeError, match=r"render: device_times\['linear_1_2:3'\]='2ms' is a str"):
+        log.render(color_by={"linear_1_2:3": "2ms"})
 
 
 def test_color_by_flops_when_the_registry_is_installed(traces):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from ..checks import check_number
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
 from ..record.summary import human_bytes
@@ -37,6 +38,9 @@ _NOTES = {
 
 def resolve_metric(color_by, device_times=None):
     """Normalise ``color_by`` to ``(name, device_times)``; a mapping alone means device times."""
+    if color_by is None and device_times is not None:  # it would color nothing, without a word
+        raise ValueError("device_times= colors the graph only with color_by='device_time': pass it too, or give the "
+                         "times as color_by=device_times")
     if color_by is None:
         return None, None
     if isinstance(color_by, Mapping):
@@ -87,7 +91,8 @@ def op_values(trace, metric, device_times=None) -> list:
                 raise ValueError(f"device_times key {label!r} names a layer with {len(ops)} passes: "
                                  f"key each pass ({label}:1, {label}:2, ...)")
             index = target.first.index if hasattr(target, "first") else target.index
-            values[index] = float(seconds)
+            values[index] = float(check_number(seconds, f"device_times[{label!r}]", "give the op's device time in "
+                                         "seconds, a finite number 0 or more", who="render", at_least=0, finite=True))
         return values
     if metric == "nonfinite":
         return nonfinite_marks(trace)
