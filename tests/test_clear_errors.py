@@ -289,6 +289,13 @@ def test_validate_names_its_own_unknown_keyword_and_the_trace_option_meant():
         tl.validate(model, x, grad=True)
     with pytest.raises(TypeError, match=r"tl\.validate\(\) saves every activation .* takes no save="):
         tl.validate(model, x, save="none")
+    # intervene= and stop_after= made another run than the untraced one it is compared with: "validation FAILED"
+    # for a faithful trace.
+    for option, value in (("intervene", {"layers.0": tl.zero_ablate()}), ("stop_after", "layers.0")):
+        with pytest.raises(ValueError, match=rf"tl\.validate\(\) compares the trace with an untraced run of the model, "
+                                             rf"which {option}= would not change.* call log\.validate\(\)"):
+            tl.validate(model, x, **{option: value})
+    assert tl.trace(model, x, intervene={"layers.0": tl.zero_ablate()}).validate().passed
     assert tl.validate(model, x, record_finite=True).passed
 
 

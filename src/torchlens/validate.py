@@ -215,6 +215,11 @@ def _check_trace_options(trace, options: dict) -> None:
         if name == "save":
             raise TypeError("tl.validate() saves every activation to replay it: it takes no save= (trace with "
                             "save= and call log.validate() to replay what a selection kept)")
+        if name in ("intervene", "stop_after") and options[name] not in (None, {}):
+            # the traced run is then another run than the untraced one it is compared with: always "FAILED"
+            raise ValueError(f"tl.validate() compares the trace with an untraced run of the model, which {name}= "
+                             "would not change, so it would fail however faithful the trace: trace with "
+                             f"tl.trace(..., {name}=...) and call log.validate() to replay each op of that run")
         if name not in known:
             raise TypeError(f"tl.validate() got an unexpected keyword argument {name!r}: besides progress=, it takes "
                             f"tl.trace's options ({', '.join(n for n in known if n not in ('save', 'progress'))})"
