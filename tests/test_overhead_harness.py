@@ -203,3 +203,14 @@ def test_a_nan_bound_of_the_predicate_is_refused():
         RefusalPredicate(max_relative_iqr=float("nan"))
     with pytest.raises(TypeError, match=r"RefusalPredicate: min_pairs=2\.5 is a float, not an int"):
         RefusalPredicate(min_pairs=2.5)
+
+
+def test_a_predicate_or_compare_of_the_wrong_kind_is_refused_before_any_call():
+    # predicate=3 failed on "'int' object has no attribute 'min_pairs'" after every pair was timed; compare=3 on
+    # "'int' object is not callable" at the first pair.
+    calls = []
+    with pytest.raises(TypeError, match=r"measure_overhead: predicate= takes a RefusalPredicate .* got int"):
+        measure_overhead(lambda: calls.append(1), lambda: calls.append(1), predicate=3)
+    with pytest.raises(TypeError, match=r"measure_overhead: compare= takes a function f\(output_a, output_b\) -> bool"):
+        measure_overhead(lambda: calls.append(1), lambda: calls.append(1), compare=3)
+    assert not calls

@@ -329,6 +329,22 @@ def test_a_metric_that_cannot_be_called_is_refused_before_the_clean_run(report):
     assert not forwards
 
 
+@pytest.mark.parametrize("sites, error, message", [
+    # sites=3 failed on "'int' object is not iterable" and sites="module" was refused, both after the clean run.
+    (3, TypeError, r"sites= is 'modules', 'layers', 'ops' or a list of sites .* got int 3"),
+    ("module", ValueError, r"sites='module': use 'modules', 'layers', 'ops' or a list of sites"),
+])
+def test_sites_that_name_nothing_are_refused_before_the_clean_run(sites, error, message):
+    pytest.importorskip("pandas")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(error, match=message):
+        tl.report.activation_patching(model, torch.randn(2, 4), torch.randn(2, 4), lambda out: out.sum(), sites=sites,
+                                      progress=False)
+    assert not forwards
+
+
 def test_activation_patching_refuses_a_progress_that_is_no_flag():
     # progress="no" was true, and showed a bar.
     pytest.importorskip("pandas")

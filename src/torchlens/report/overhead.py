@@ -165,6 +165,12 @@ def measure_overhead(arm_a, arm_b, *, pairs: int = 21, warmup: int = 3,
     label_a, fn_a = _arm(arm_a, "a")
     label_b, fn_b = _arm(arm_b, "b")
     predicate = predicate if predicate is not None else RefusalPredicate()
+    if not isinstance(predicate, RefusalPredicate):  # read only after every pair is timed
+        raise TypeError(f"measure_overhead: predicate= takes a RefusalPredicate (RefusalPredicate(min_pairs=10)), got "
+                        f"{type(predicate).__name__}")
+    if compare is not None and not callable(compare):
+        raise TypeError(f"measure_overhead: compare= takes a function f(output_a, output_b) -> bool, got "
+                        f"{type(compare).__name__}")
     _check_counts(pairs=pairs, warmup=warmup, repeats=repeats, max_calls_per_sample=max_calls_per_sample)
     check_number(min_sample_s, "min_sample_s", "give the seconds a block of calls lasts at least, 0 or more (0.001)",
                  who="measure_overhead", at_least=0, finite=True)

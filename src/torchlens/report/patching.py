@@ -50,6 +50,7 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     pd = _pandas()
     _check_call("activation_patching", clean, corrupt, metric)
     _check_positions(positions)
+    _check_sites(sites)
     check_flag(progress, "progress", "give True to show a progress bar, False for none", who="activation_patching")
     runs = _Runs(model, root)
     clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
@@ -322,9 +323,17 @@ def _sites(log, sites) -> list:
         return list(dict.fromkeys(op.layer_label for op in log.ops if op.kind == "op"))
     if sites == "ops":
         return [op.label for op in log.ops if op.kind == "op"]
-    if isinstance(sites, str):
-        raise ValueError(f"sites={sites!r}: use 'modules', 'layers', 'ops' or a list of sites")
     return list(sites)
+
+
+def _check_sites(sites) -> None:
+    """``sites`` is read after the clean run: a word it does not know, or a value that lists nothing, is refused
+    before it."""
+    if isinstance(sites, str) and sites not in ("modules", "layers", "ops"):
+        raise ValueError(f"sites={sites!r}: use 'modules', 'layers', 'ops' or a list of sites")
+    if not isinstance(sites, str) and not hasattr(sites, "__iter__"):
+        raise TypeError(f"sites= is 'modules', 'layers', 'ops' or a list of sites (['encoder.layers.0', "
+                        f"'linear_1_1']), got {type(sites).__name__} {sites!r}")
 
 
 def _normalized(value, clean, corrupt, baseline=None):
