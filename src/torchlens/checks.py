@@ -76,4 +76,7 @@ def _is_a(value) -> str:
 
 
 def _refuse(error, who: str, name: str, value, problem: str, advice: str):
-    raise error(f"{who + ': ' if who else ''}{name}={value!r} {problem}; {advice}")
+    shown = repr(value)
+    if len(shown) > 60:  # a tensor given by mistake would print every value
+        shown = shown[:57] + "..."
+    raise error(f"{who + ': ' if who else ''}{name}={shown} {problem}; {advice}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_flag
 from ..record.columns import UNINITIALIZED_FUNCS, Kind
 from ..record.finite import nonfinite_flags
 from ..record.params import changed_since_trace
@@ -144,9 +145,8 @@ def nonfinite_origin(log, grads: bool = False):
     With ``grads=True``, name instead the first op, in backward order, whose gradient became NaN/Inf
     (a trace taken with ``grads=True``, after a backward): see ``debug/grad_nonfinite.py``."""
     checked_trace(log, "nonfinite_origin")
-    if not isinstance(grads, bool):
-        raise TypeError(f"nonfinite_origin(log, grads=...) takes True or False, not a {type(grads).__name__}: it "
-                        "reads the trace alone and runs nothing, so it takes no inputs")
+    check_flag(grads, "grads", "give True or False: nonfinite_origin reads the trace alone and runs nothing, so it "
+               "takes no inputs", who="nonfinite_origin")
     if grads:
         from .grad_nonfinite import grad_nonfinite_origin
 
