@@ -581,3 +581,11 @@ def test_profiler_settings_of_the_wrong_kind_are_refused_before_the_model_runs(o
     with pytest.raises(TypeError, match=message):
         tl.report.kernel_profile(model, torch.ones(1, 2), **options)
     assert not forwards and not torch.autograd.profiler._is_profiler_enabled
+
+
+def test_a_profile_row_asked_for_by_number_is_refused_naming_what_finds_it():
+    # profile.device_time(3) failed inside the spelling hint: "can only concatenate str (not "int") to str".
+    profile = tl.report.kernel_profile(nn.Linear(2, 2), torch.ones(1, 2))
+    with pytest.raises(TypeError, match=r"a profile's rows are found by label, an op \('linear_1_1:1'\).* not int 3"):
+        profile.device_time(3)
+    assert profile["linear_1_1:1"]["op"] == "linear_1_1:1"

@@ -272,6 +272,9 @@ class KernelProfile:
                         index.setdefault(extra, row)
             self._index = index
         row = self._index.get(label)
+        if row is None and not isinstance(label, str):  # the spelling hint below compares strings
+            raise TypeError(f"a profile's rows are found by label, an op ('linear_1_1:1'), a layer or a module call "
+                            f"('fc1:1'), not {type(label).__name__} {label!r}")
         if row is None:
             raise KeyError(f"no op, layer or module call {label!r} in this profile"
                            f"{closest_hint(label, self._index)}")
