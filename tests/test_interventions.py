@@ -441,6 +441,22 @@ def test_a_number_torch_cannot_compute_with_is_refused_when_the_helper_is_made()
     assert torch.equal(scaled, model(*args) * 0.5)
 
 
+def test_a_helper_made_inside_a_traced_forward_records_no_op_of_its_own():
+    # Checking the number a helper was given multiplies it by a tensor once; inside a traced forward that
+    # product was recorded as one of the model's ops (a mul before the Linear).
+    class MakesAHelper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.made = tl.scale(0.5)
+            return self.fc(x)
+
+    log = tl.trace(MakesAHelper(), torch.randn(2, 4))
+    assert [op.label for op in log.ops] == ["input_1:1", "linear_1_1:1", "output_1:1"]
+
+
 def test_mean_ablate_naming_one_dimension_twice_from_both_ends_is_named_at_its_site():
     # dims=(0, -2) of a 2-d value is dimension 0 twice: torch's "dim 0 appears multiple times" came mid-forward.
     model, args, _ = CASES["mlp"]

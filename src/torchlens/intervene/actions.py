@@ -279,8 +279,9 @@ def _number(who: str, name: str, value):
         return value
     check_number(value, name, "give a float, an int or a tensor", who=who, complex_ok=True)
     try:  # a Fraction is a number torch's arithmetic refuses: it would fail at the first site, mid-forward
-        with warnings.catch_warnings():  # a numpy complex scalar warns of its cast here, as it will at the site
-            warnings.simplefilter("ignore")
+        # Not an op of the user's: a helper made inside a traced forward must not record this product.
+        with warnings.catch_warnings(), torch._C.DisableTorchFunction():
+            warnings.simplefilter("ignore")  # a numpy complex scalar warns of its cast here, as it will at the site
             _SCALAR_PROBE * value
     except TypeError:
         raise TypeError(f"{who}: {name}={value!r} is a {type(value).__name__}, which torch cannot compute with; give "
