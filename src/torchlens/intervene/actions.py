@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import numbers
-import warnings
 
 import torch
 
@@ -18,11 +17,13 @@ from ..checks import check_int, check_number
 from ..errors import ReplacementMismatch
 from ..record.layouts import shape_of
 from ..record.trace import checked_trace
+from ..capture.teardown import restore_torch_function_state, torch_function_state
 
 # What a helper reading another run takes: a trace of a run taking the same path, with its site saved.
 _SOURCE_TRACE = "tl.trace(model, x) of a run taking the same path, with the site's activation saved"
 
 _SCALAR_PROBE = torch.zeros(())  # multiplied by a helper's number once, when the helper is made
+_PLAIN_NUMBERS = frozenset([int, float, complex])
 _INDEX_TYPES = (numbers.Integral, slice, type(Ellipsis), tuple, list, torch.Tensor)  # what tensor[at] takes
 
 
@@ -278,15 +279,27 @@ def _number(who: str, name: str, value):
     if isinstance(value, torch.Tensor):
         return value
     check_number(value, name, "give a float, an int or a tensor", who=who, complex_ok=True)
-    try:  # a Fraction is a number torch's arithmetic refuses: it would fail at the first site, mid-forward
-        # Not an op of the user's: a helper made inside a traced forward must not record this product.
-        with warnings.catch_warnings(), torch._C.DisableTorchFunction():
-            warnings.simplefilter("ignore")  # a numpy complex scalar warns of its cast here, as it will at the site
-            _SCALAR_PROBE * value
-    except TypeError:
+    if not _torch_computes_with(value):  # a Fraction: it would fail at the helper's first site, mid-forward
         raise TypeError(f"{who}: {name}={value!r} is a {type(value).__name__}, which torch cannot compute with; give "
-                        f"a float, an int or a tensor (float({name}))") from None
+                        f"a float, an int or a tensor (float({name}))")
     return value
+
+
+def _torch_computes_with(value) -> bool:
+    """Whether torch's arithmetic takes the number ``value``.  The plain types need no check; any other (a numpy
+    scalar, a Fraction) is multiplied by a tensor once, with torch functions off: a helper made inside a traced
+    forward must record no op of its own."""
+    if type(value) in _PLAIN_NUMBERS:
+        return True
+    torch_functions = torch_function_state()
+    try:
+        with torch._C.DisableTorchFunction():
+            _SCALAR_PROBE * value
+        return True
+    except TypeError:
+        return False
+    finally:  # put back by hand as well: an interrupt as the block exits would skip the context's own exit
+        restore_torch_function_state(torch_functions)
 
 
 def _int(who: str, name: str, value) -> None:
