@@ -19,6 +19,7 @@ import sys
 from collections.abc import Mapping
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from .errors import warn_user
 
@@ -33,6 +34,18 @@ def without_values(t: Tensor) -> bool:
         return True
     fake = sys.modules.get("torch._subclasses.fake_tensor")  # none exists before that module is loaded
     return fake is not None and isinstance(t, fake.FakeTensor)
+
+
+def is_uninitialized(t) -> bool:
+    """Whether ``t`` is a lazy module's parameter or buffer not yet materialized (no shape, no memory, and it
+    refuses every torch call): the module's first forward gives it memory by ``t.data = ...``, in place."""
+    return isinstance(t, UninitializedTensorMixin)
+
+
+def unmaterialized(module) -> list:
+    """The names of ``module``'s parameters and buffers that are not yet materialized (``is_uninitialized``)."""
+    named = (*module.named_parameters(), *module.named_buffers()) if isinstance(module, torch.nn.Module) else ()
+    return [name for name, t in named if is_uninitialized(t)]
 
 
 def _is_namedtuple(obj) -> bool:

@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from ..record.columns import BUFFER
 from ..record.layouts import shape_of
+from ..tree import is_uninitialized
 from . import accel
 from .arguments import PLAIN_VALUES, TUPLE_VALUES, bound_parent, scan_arguments, scan_linear
 from .fastpath import OPERATORS_WHOLE
@@ -143,6 +144,8 @@ class CaptureMode(TorchFunctionMode):
         if func in _OFF_HOT_PATH:
             if func in _NOT_OPS:
                 return _not_an_op(self.state, func, args, kwargs)
+            if func in _DATA_GET and is_uninitialized(args[0]):  # a lazy module reading it to materialize it
+                return func(*args)  # no value yet, nothing to record
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # x.data, cond, backward
         if not self.plain:
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)

@@ -25,6 +25,7 @@ from weakref import ref as weakref
 import torch
 
 from ..errors import warn_user
+from ..tree import is_uninitialized
 from ..record.finite import nonfinite_flags
 from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, param_versions, shape_of,
                               spans_meet, storage_holders, version_of)
@@ -128,7 +129,9 @@ def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory a tensor lives in; views share it with their base."""
     try:
         return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+    # Sparse and other storage-less layouts; a lazy module's UninitializedParameter refuses with ValueError
+    # (it has no memory until its first forward materializes it).
+    except (RuntimeError, NotImplementedError, ValueError):
         return -id(t)
 
 
@@ -300,6 +303,9 @@ class CaptureState:
         """``t.data = value`` ran: ``t`` now holds ``value``'s memory.  It is bound to the record whose value
         ``value`` still is, or to none (a value capture did not make), so that its next read is of unknown
         origin rather than the op that made its old value."""
+        if self._param_storages is not None and isinstance(t, torch.nn.Parameter) and \
+                any(p is t for _, p in self._watched):
+            self._param_storages = None  # a watched parameter moved to new memory: its key is read again
         index = self.record_holding(value) if isinstance(value, torch.Tensor) else None
         if index is None:
             self.producers.pop(id(t), None)
@@ -409,7 +415,7 @@ class CaptureState:
         """Note a write to a parameter by the call ``call_index``: ``before`` is its value before the
         write (None: the write was not predicted, so the old value is lost)."""
         param = self.param_storages.get(key)
-        if param is None:
+        if param is None or is_uninitialized(param):  # a lazy parameter being materialized: no value before
             return
         writes = self.param_writes.setdefault(id(param), [])
         if writes and writes[-1][0] == call_index:

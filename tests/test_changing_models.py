@@ -1,0 +1,66 @@
+"""Models whose structure or parameters change during or between forwards: lazy modules materialized by the
+traced forward, modules and tensors registered inside forward, and models changed between two traces.  Each
+trace must compute what an untraced forward computes, leave the model as that forward leaves it, and name the
+modules and parameters the model has when the trace runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+from accel_paths import PATHS, on_path
+from trusted import assert_trusted
+
+
+def _lazy_model():
+    """Lazy layers of three kinds: a Linear's and a Conv's parameters and a BatchNorm's parameters and running
+    statistics have no shape until the first forward materializes them, in place, inside the forward."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.LazyConv2d(4, 3), nn.LazyBatchNorm2d(), nn.ReLU(), nn.Flatten(), nn.LazyLinear(3))
+
+
+def _state(model) -> dict:
+    return {name: (t.detach().clone(), t.requires_grad) for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name][0], b[name][0]) and a[name][1] == b[name][1], name
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_lazy_model_traced_on_its_first_forward_is_materialized_as_untraced(compiled):
+    traced, untraced, x = _lazy_model(), _lazy_model(), torch.randn(2, 3, 6, 6)
+    torch.manual_seed(1)
+    expected = untraced(x)
+    torch.manual_seed(1)
+    with on_path(compiled):
+        log = tl.trace(traced, x, grads=True)
+    assert torch.equal(log.output, expected)
+    _assert_same_state(_state(traced), _state(untraced))
+    assert type(traced[0].weight) is nn.Parameter and type(traced[1].running_mean) is torch.Tensor
+    assert [(p.address, tuple(p.shape)) for p in log.params] == [
+        ("0.weight", (4, 3, 3, 3)), ("0.bias", (4,)), ("1.weight", (4,)), ("1.bias", (4,)),
+        ("4.weight", (3, 64)), ("4.bias", (3,))]
+    assert log["4"].params == ("4.weight", "4.bias")
+    log.backward(log.output.sum())
+    expected.sum().backward()
+    for (name, mine), theirs in zip(traced.named_parameters(), untraced.parameters()):
+        assert torch.equal(mine.grad, theirs.grad), name
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_lazy_model_validates_on_its_first_forward_and_after(compiled):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.LazyConv2d(4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(3)), torch.randn(2, 3, 6, 6)
+    with on_path(compiled):
+        first = tl.validate(model, x)  # on a copy, whose first forward materializes it as the traced one does
+        assert_trusted(first)
+        reasons = set(dict(first.not_replayed).values())
+        assert "uninitialized memory (torch.empty and kin): its contents are not defined" in reasons
+        assert_trusted(tl.validate(model, x))  # materialized now: the usual model
+
