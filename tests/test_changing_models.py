@@ -64,3 +64,21 @@ def test_a_lazy_model_validates_on_its_first_forward_and_after(compiled):
         assert "uninitialized memory (torch.empty and kin): its contents are not defined" in reasons
         assert_trusted(tl.validate(model, x))  # materialized now: the usual model
 
+
+def test_validate_refuses_a_lazy_model_it_can_neither_copy_nor_put_back():
+    model, x = _lazy_model(), torch.randn(2, 3, 6, 6)  # torch cannot deepcopy a LazyBatchNorm's running statistics
+    with pytest.raises(ValueError, match=r"not yet materialized \(0.weight, 0.bias, 1.weight and 5 more\).*run one "
+                                         r"forward first"):
+        tl.validate(model, x)
+    assert type(model[0]) is nn.LazyConv2d and model[0].has_uninitialized_params()  # left as it was
+    model(x)
+    assert_trusted(tl.validate(model, x))
+
+
+def test_extract_refuses_a_lazy_model_not_yet_materialized(tmp_path):
+    model, x = _lazy_model(), torch.randn(2, 3, 6, 6)
+    with pytest.raises(ValueError, match=r"lazy modules are not yet materialized \(0.weight, .*run one forward first"):
+        tl.extract(model, [x], layers=["4"], out=str(tmp_path / "feats"))
+    model(x)
+    folder = tl.extract(model, [x], layers=["4"], out=str(tmp_path / "feats"))
+    assert torch.equal(torch.as_tensor(tl.load_extracted(folder)["4"][:]), model(x).detach())

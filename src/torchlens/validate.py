@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import closest_hint
+from .errors import closest_hint, first_few
 from .record.columns import UNINITIALIZED_FUNCS
 from .record.layouts import copy_with_layout, memory_freed
 from .record.dropped import WRITTEN_AFTER_TRACE, is_param_written
@@ -29,8 +29,8 @@ from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import UNSEEN_WRITE, version_of
 from .capture.writes import schema_written, write_verdict
-from .tree import (as_args, as_kwargs, clone_call, fill, slice_with_tensor, structures_equal, tensor_leaves,
-                   without_values)
+from .tree import (as_args, as_kwargs, clone_call, fill, slice_with_tensor, structures_equal,
+                   tensor_leaves, unmaterialized, without_values)
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
@@ -192,12 +192,23 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None) -> tuple:
             reference = None
         if reference is not None:
             return reference(*args, **kwargs), True
+    _refuse_unmaterialized(root if root is not None else bound)
     state, watching = model_state(model, root)
     try:
         with watching:
             return model(*args, **kwargs), False
     finally:
         state.restore()
+
+
+def _refuse_unmaterialized(module) -> None:
+    """A model run for reference on itself must be put back afterwards, which a lazy module's first forward
+    prevents: it materializes its parameters and changes its class, in place."""
+    lazy = unmaterialized(module)
+    if lazy:
+        raise ValueError(f"tl.validate cannot run the model untraced for reference: its lazy modules are not yet "
+                         f"materialized ({first_few(lazy)}) and torch cannot copy them, while their first forward "
+                         "changes them for good; run one forward first (model(x)), then validate")
 
 
 def _holds_fake_tensors(module) -> bool:

@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from ..tree import without_values
+from ..errors import first_few
+from ..tree import unmaterialized, without_values
 from .tensorfile import byte_view
 
 FULL_HASH_ELEMENTS = 1 << 16  # tensors up to this many elements are hashed in full
@@ -24,6 +25,11 @@ SAMPLES_PER_TENSOR = 1024
 
 def model_checksum(model) -> str:
     """A sha256 over ``model``'s class, its tensors' names, shapes, dtypes and (sampled) values."""
+    lazy = unmaterialized(model)
+    if lazy:  # no weights yet: the first forward makes them
+        raise ValueError(f"tl.extract checks the model's weights to tell that a resumed extraction runs the same "
+                         f"model, and its lazy modules are not yet materialized ({first_few(lazy)}): run one "
+                         "forward first (model(x)) so that they have weights, then extract")
     digest = hashlib.sha256(_class_name(model).encode())
     if isinstance(model, torch.nn.Module):
         for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
