@@ -82,3 +82,29 @@ def test_extract_refuses_a_lazy_model_not_yet_materialized(tmp_path):
     model(x)
     folder = tl.extract(model, [x], layers=["4"], out=str(tmp_path / "feats"))
     assert torch.equal(torch.as_tensor(tl.load_extracted(folder)["4"][:]), model(x).detach())
+
+
+class _BuildsItsHead(nn.Module):
+    """A forward that makes a module of its own on every call: the trace names it ``<unregistered Linear #1>``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return nn.Linear(8, 4)(self.body(x))
+
+
+@pytest.mark.parametrize("option", ["save", "grads"])
+@pytest.mark.parametrize("entry", ["<unregistered Linear #1>", "<unregistered Linear #1>:1"])
+def test_a_selection_naming_a_module_made_in_forward_says_how_to_select_it(option, entry):
+    model, x = _BuildsItsHead(), torch.randn(2, 8)
+    with pytest.raises(tl.UnmatchedSelection, match=rf"{option}= entry .* names a module the forward made itself.*"
+                                                    rf"{option}=lambda op: '<unregistered Linear #1>:1' in op.modules"):
+        tl.trace(model, x, **{option: [entry]})
+    log = tl.trace(model, x, **{option: lambda op: "<unregistered Linear #1>:1" in op.modules})
+    if option == "save":
+        assert [log.ops[i].label for i in log.saved_activations] == ["linear_2_6:1", "output_1:1"]
+    else:
+        log.backward(log.output.sum())
+        assert log["linear_2_6:1"].grad is not None and log["linear_1_5:1"].grad is None

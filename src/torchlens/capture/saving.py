@@ -19,6 +19,7 @@ from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
+from ..record.modules import is_unregistered
 from ..record.model_index import container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.params import bypassed_call_hint
 from ..tree import tensor_leaves
@@ -165,6 +166,7 @@ class SavePolicy:
                                    f"op.{'label' if ':' in entry else 'layer_label'} == {entry!r})")
             paths = {path for path in trace.io_paths.values() if path.startswith(_IO_PATH)}
             names = sorted(known | types | called | calls | paths)
+            _refuse_made_in_forward(entry, calls, option)
             hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry)
             ran = ""
             if entry in self.addresses:
@@ -297,6 +299,17 @@ def _modules_by_address(model, index) -> dict:
         for alias in index.module_addresses.get(id(module), ())[1:]:
             modules.setdefault(alias, module)
     return modules
+
+
+def _refuse_made_in_forward(entry: str, calls: set, option: str) -> None:
+    """Refuse an entry naming a module the forward made itself (``<unregistered Linear #1>``, or one of its calls),
+    which the trace names but a selection cannot: it is resolved against the model before the forward runs,
+    when that module does not exist yet.  A predicate over the calls the trace names selects its ops."""
+    made = sorted(c for c in calls if c == entry or c.rpartition(":")[0] == entry) if is_unregistered(entry) else []
+    if made:
+        raise UnmatchedSelection(f"{option}= entry {entry!r} names a module the forward made itself, which does not "
+                                 f"exist yet when {option}= is read, before the forward runs, so it matched nothing; "
+                                 f"select its ops with a predicate: {option}=lambda op: {made[0]!r} in op.modules")
 
 
 def _module_class_hint(trace, entry: str) -> str:
