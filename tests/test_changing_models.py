@@ -68,11 +68,20 @@ def test_a_lazy_model_validates_on_its_first_forward_and_after(compiled):
 def test_validate_refuses_a_lazy_model_it_can_neither_copy_nor_put_back():
     model, x = _lazy_model(), torch.randn(2, 3, 6, 6)  # torch cannot deepcopy a LazyBatchNorm's running statistics
     with pytest.raises(ValueError, match=r"not yet materialized \(0.weight, 0.bias, 1.weight and 5 more\).*run one "
-                                         r"forward first"):
+                                         r"forward first \(model\(x\)\), then call tl.validate again"):
         tl.validate(model, x)
     assert type(model[0]) is nn.LazyConv2d and model[0].has_uninitialized_params()  # left as it was
     model(x)
     assert_trusted(tl.validate(model, x))
+
+
+def test_flops_vs_dispatch_refuses_a_lazy_model_it_could_not_put_back():
+    model, x = _lazy_model(), torch.randn(2, 3, 6, 6)
+    with pytest.raises(ValueError, match=r"flops_vs_dispatch runs the model and puts it back.*not yet materialized"):
+        tl.report.flops_vs_dispatch(model.eval(), x)
+    assert model[4].has_uninitialized_params()  # left as it was
+    model(x)
+    assert tl.report.flops_vs_dispatch(model, x).native_total > 0
 
 
 def test_extract_refuses_a_lazy_model_not_yet_materialized(tmp_path):

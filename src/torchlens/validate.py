@@ -192,7 +192,7 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None) -> tuple:
             reference = None
         if reference is not None:
             return reference(*args, **kwargs), True
-    _refuse_unmaterialized(root if root is not None else bound)
+    refuse_unmaterialized(root if root is not None else bound, "tl.validate")  # torch could not copy it
     state, watching = model_state(model, root)
     try:
         with watching:
@@ -201,14 +201,14 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None) -> tuple:
         state.restore()
 
 
-def _refuse_unmaterialized(module) -> None:
-    """A model run for reference on itself must be put back afterwards, which a lazy module's first forward
-    prevents: it materializes its parameters and changes its class, in place."""
+def refuse_unmaterialized(module, tool: str) -> None:
+    """Refuse to run ``module`` for ``tool`` and put it back afterwards while it has lazy modules not yet
+    materialized: their first forward gives them weights and changes their class, in place, for good."""
     lazy = unmaterialized(module)
     if lazy:
-        raise ValueError(f"tl.validate cannot run the model untraced for reference: its lazy modules are not yet "
-                         f"materialized ({first_few(lazy)}) and torch cannot copy them, while their first forward "
-                         "changes them for good; run one forward first (model(x)), then validate")
+        raise ValueError(f"{tool} runs the model and puts it back afterwards, which its lazy modules prevent: they "
+                         f"are not yet materialized ({first_few(lazy)}), and their first forward changes them for "
+                         f"good; run one forward first (model(x)), then call {tool} again")
 
 
 def _holds_fake_tensors(module) -> bool:

@@ -123,12 +123,14 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     """
     from ..capture.session import _unwrap, trace
     from ..tree import as_args, as_kwargs, clone_call
-    from ..validate import RunState
+    from ..capture.restore import module_run_by
+    from ..validate import RunState, refuse_unmaterialized
 
     _check_tolerances(rtol, atol)
     model = _unwrap(model)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.report.flops_vs_dispatch"))
+    refuse_unmaterialized(module_run_by(model), "tl.report.flops_vs_dispatch")
     saved = RunState(model)
     try:
         with saved.watching:
