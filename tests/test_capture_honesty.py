@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchlens as tl
 from torchlens.tree import structures_equal
+from accel_paths import PATHS, on_path
 from zoo import zoo
 
 
@@ -465,6 +466,37 @@ def test_rebinding_a_tensors_data_makes_its_readers_name_the_new_value(grads):
     assert torch.equal(linear.call.func(sign.activation, model.fc2.weight), linear.activation)
     assert torch.equal(log["htanh1"].activation, hardtanh_out)
     assert tl.validate(model, x).passed
+
+
+class RescaledAfterRebinding(nn.Linear):
+    """Rebinds its weight's data to the signs of a kept copy, then scales the weight in place, with an in-place
+    write before both: replay of each op that read or wrote the weight needs the value it had at that point."""
+
+    def forward(self, x):
+        before = nn.functional.linear(x, self.weight)
+        with torch.no_grad():
+            self.weight.mul_(1.0)
+        if not hasattr(self.weight, "org"):
+            self.weight.org = self.weight.data.clone()
+        self.weight.data = self.weight.org.sign()
+        with torch.no_grad():
+            self.weight.mul_(0.5)
+        return nn.functional.linear(x, self.weight, self.bias) + before
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_parameter_written_in_place_after_its_data_was_rebound_replays_with_the_value_it_had(compiled):
+    torch.manual_seed(0)
+    traced, untraced = RescaledAfterRebinding(4, 4), RescaledAfterRebinding(4, 4)
+    untraced.load_state_dict(traced.state_dict())
+    x = torch.randn(3, 4)
+    with on_path(compiled):
+        for _ in range(2):  # the first forward keeps the original weight, the second reads it back
+            expected = untraced(x)
+            log = tl.trace(traced, x)
+            assert torch.equal(log.output, expected) and torch.equal(traced.weight, untraced.weight)
+            result = log.validate()
+            assert not result.mismatched and result.passed, str(result)
 
 
 class ClampedThroughData(nn.Module):

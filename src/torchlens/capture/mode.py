@@ -476,7 +476,7 @@ def _set_data(st, func, args, kwargs):
     copied first (an activation saved by reference is ``t`` itself), and a later read of ``t`` names the
     record whose value ``value`` is, not the op that made ``t``'s old value."""
     if st.saved:
-        st.protect_saved(args[0])
+        st.protect_saved(args[0], between_calls=True)
     result = func(*args, **(kwargs or _NO_KWARGS))
     st.data_replaced(args[0], args[1])
     return result

@@ -411,7 +411,7 @@ class CaptureState:
             storages = self._param_storages = {storage_key(p): p for _, p in self._watched}
         return storages
 
-    def keep_param(self, key: int, call_index: int, before) -> None:
+    def keep_param(self, key: int, call_index: float, before) -> None:
         """Note a write to a parameter by the call ``call_index``: ``before`` is its value before the
         write (None: the write was not predicted, so the old value is lost)."""
         param = self.param_storages.get(key)
@@ -534,11 +534,13 @@ class CaptureState:
         self.saved[index] = t
         self.saved_versions[index] = version
 
-    def protect_saved(self, t) -> None:
-        """Copy every saved activation sharing ``t``'s storage before an in-place write to ``t``."""
+    def protect_saved(self, t, between_calls: bool = False) -> None:
+        """Copy every saved activation sharing ``t``'s storage before an in-place write to ``t``: the next call's,
+        or (``between_calls``) one made by no call (``t.data = value``), between the last call and the next."""
         key = storage_key(t)
         if self.param_storages:  # replay needs the parameter as the ops before this write saw it
-            self.keep_param(key, len(self.calls), True)
+            # A write between calls is kept half a call early, so that the next call's own write is kept too.
+            self.keep_param(key, len(self.calls) - 0.5 if between_calls else len(self.calls), True)
         stale = self.saved_by_storage.pop(key, None)
         if stale:
             for i in stale:
