@@ -27,7 +27,8 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
     check_flag(as_torch, "as_torch", "give True for torch tensors, False for numpy arrays", who="load_extracted")
     check_flag(verify, "verify", "give True to check every file's sha256 first, False to check sizes alone",
                who="load_extracted")
-    folder = check_path(path, "path", "give the folder tl.extract wrote (a str or a pathlib.Path)", who="load_extracted")
+    folder = check_path(path, "path", "give the folder tl.extract wrote (a str or a pathlib.Path)",
+                        who="load_extracted")
     if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.lexists(os.path.join(folder, PROGRESS)):
         progress = read_json(folder, PROGRESS, "an extraction")
         done = progress.get("batches_done") if isinstance(progress, dict) else "?"

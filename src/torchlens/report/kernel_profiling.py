@@ -85,8 +85,8 @@ def check_chrome_path(path) -> None:
     profiling, and a failure then would lose the profile."""
     if path is None:
         return
-    path = os.path.abspath(check_path(path, "chrome_trace", "give the file to write the profile to (a str or a pathlib.Path)",
-                                      who="kernel_profile"))
+    path = os.path.abspath(check_path(path, "chrome_trace", "give the file to write the profile to (a str or a "
+                                      "pathlib.Path)", who="kernel_profile"))
     folder = os.path.dirname(path)
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         what = "is a folder" if os.path.isdir(path) else \
