@@ -13,13 +13,12 @@ in ``(1, 1)`` for ``idx`` in ``x[..., idx]``.  Non-tensor arguments are held by 
 What replay needs beyond that is kept small: the grad mode and autocast state of a call only where
 they differ from the trace-wide state (``contexts``; for ``scaled_dot_product_attention`` also the attention
 backends it could choose from), and the value of a parameter before each write
-the forward made to it (``param_writes``).
+the forward made to it (``param_writes``); ``record/replay_context.py`` describes both.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
 from weakref import ref as weakref
 
 import torch
@@ -30,6 +29,7 @@ from ..record.finite import nonfinite_flags
 from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, param_versions, shape_of,
                               spans_meet, storage_holders, version_of)
 from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
+from ..record.replay_context import attention_backends, grad_and_autocast
 
 # The raw layout is declared in record/columns.py; these names stay importable from here.
 from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
@@ -39,57 +39,7 @@ from .bindings import bound_tensor, is_bound
 from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
 
-
 _any_autocast = torch._C._is_any_autocast_enabled
-
-
-def grad_and_autocast() -> tuple:
-    """``(grad enabled, {device type: autocast dtype})``: the state replay must run an op under."""
-    # One C call answers the common case (no autocast anywhere) without a query per device type.
-    autocast = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)} \
-        if _any_autocast() else {}
-    return torch.is_grad_enabled(), autocast
-
-
-def attention_backends() -> tuple:
-    """The ``scaled_dot_product_attention`` backends enabled now, in the order torch tries them: what
-    ``torch.nn.attention.sdpa_kernel`` sets, and which kernel (and so which low bits) a call gets."""
-    from torch.nn.attention import _cur_sdpa_kernel_backends
-
-    return tuple(_cur_sdpa_kernel_backends(with_priority=True))
-
-
-class ByParam:
-    """``id(Parameter) -> value`` for a model's parameters: read when the forward ends as one list in
-    parameter order (a C-level pass), made a dict only when replay first asks (most traces never do)."""
-
-    __slots__ = ("_ids", "_values", "_by_id")
-
-    def __init__(self, ids: list, values: list):
-        self._ids = ids  # the model index's, shared by its traces: never changed
-        self._values = values
-        self._by_id = None
-
-    def get(self, key: int, default=None):
-        by_id = self._by_id
-        if by_id is None:  # two threads asking first build the same dict
-            by_id = self._by_id = dict(zip(self._ids, self._values))
-        return by_id.get(key, default)
-
-
-# The call index of a parameter write no call showed (``Tensor.set_``): replay cannot place it before or after
-# any op (record/finalize.py, note_unseen_param_writes).
-UNSEEN_WRITE = -1
-
-
-class ReplayContext(NamedTuple):
-    """What replay needs to run each op as it ran (kept on the trace as ``_replay``)."""
-
-    context: tuple  # grad_and_autocast() around the forward
-    contexts: dict  # call index -> grad_and_autocast() where a call ran under another state (+ attention backends)
-    param_writes: dict  # id(Parameter) -> [(call index or UNSEEN_WRITE, value before the write or None)]
-    param_versions: ByParam  # id(Parameter) -> version when the forward ended
-    param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
 
 
 INFERENCE_CAVEAT = (

@@ -12,7 +12,6 @@ reads are final once the forward returned: calls and records are tuples, argumen
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
@@ -32,6 +31,7 @@ from .layouts import param_versions, shape_of
 from .model_index import ModelIndex, fsdp_params
 from .module_table import params_by_module
 from .modules import CallRow, ModuleRow, shown_class, unregistered_address
+from .replay_context import UNSEEN_WRITE, ByParam, ReplayContext
 from .trace import Trace
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ _CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUM
 _MODULE = itemgetter(MODULE_CALL_MODULE)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _REQUIRES_GRAD = attrgetter("requires_grad")
+_NO_PARAMS = ByParam([], [])  # the versions and flags of a model without parameters (never changed)
 # A named tuple made from its fields in C (``_made(OpMeta, fields)``): its own ``__new__`` is a Python call.
 _made = tuple.__new__
 
@@ -97,13 +98,12 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         trace._outside_attributes = tuple(index.attributes_holding(alive))
     # Replay checks that no parameter changed since: their versions now, by C-level passes.
     params, ids = index.param_objects
-    replay_context, by_param, none = _replay_types()
     versions = param_versions(params) if params else None
     if params:
         note_unseen_param_writes(state, params, versions)
-    trace._replay = _made(replay_context, (state.context, state.contexts, state.param_writes,
-                                           by_param(ids, versions) if params else none,
-                                           by_param(ids, list(map(_REQUIRES_GRAD, params))) if params else none))
+    trace._replay = _made(ReplayContext, (state.context, state.contexts, state.param_writes,
+                                          ByParam(ids, versions) if params else _NO_PARAMS,
+                                          ByParam(ids, list(map(_REQUIRES_GRAD, params))) if params else _NO_PARAMS))
     return trace
 
 
@@ -184,18 +184,9 @@ def note_unseen_param_writes(state: "CaptureState", params: list, versions: list
     before = state.param_versions_at_start
     if before is None or before == versions:  # (a C-level comparison: the common case)
         return
-    from ..capture.state import UNSEEN_WRITE  # the capture driver's marker; imported late, one way
     for p, start, end in zip(params, before, versions):
         if start != end and id(p) not in state.param_writes:
             state.param_writes[id(p)] = [(UNSEEN_WRITE, None)]
-
-
-@functools.cache
-def _replay_types():
-    """The replay record's types, and the (immutable) ``ByParam`` of a model without parameters."""
-    from ..capture.state import ByParam, ReplayContext  # the capture driver's types; imported late, one way
-
-    return ReplayContext, ByParam, ByParam([], [])
 
 
 class RawRecord:

@@ -63,7 +63,7 @@ class Trace(TraceColumns):
     _output_structure = None  # io.load: (the output with an OutputSlot per tensor,), from record.saved_output
     _saved_repetition = None  # io.trace_state: in a loaded trace, the live trace's "loop" or "reused" verdict
     _outside_attributes: tuple = ()  # record.finalize: module attributes (not buffers) read from outside the trace
-    _replay = None  # record.finalize: a capture.state.ReplayContext (contexts, parameter values) for validate
+    _replay = None  # record.finalize: a record.replay_context.ReplayContext (contexts, parameter values) for validate
     _saved_versions = None  # record.finalize: each saved tensor's version at the end (None: capture's own copy)
     _batch_counted = None  # record.finalize: (id(running statistic) -> slot, batch counters, their versions)
     _own_outputs: frozenset = frozenset()  # record.finalize: output nodes showing their own tensor, not the producer's

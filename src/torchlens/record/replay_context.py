@@ -1,0 +1,65 @@
+"""What replay needs beyond an op's recorded call: the state the call ran under and the parameters' history.
+
+Capture notes the grad mode and autocast state of a call only where they differ from the trace-wide state
+(``grad_and_autocast``; for ``scaled_dot_product_attention`` also the attention backends it could choose
+from, ``attention_backends``), and the value of a parameter before each write the forward made to it.
+``record.finalize`` packs them, with the parameters' versions and requires_grad flags as the forward ended,
+into the trace's ``ReplayContext``, which ``validate`` reads.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def grad_and_autocast() -> tuple:
+    """``(grad enabled, {device type: autocast dtype})``: the state replay must run an op under."""
+    # One C call answers the common case (no autocast anywhere) without a query per device type.
+    autocast = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)} \
+        if _any_autocast() else {}
+    return torch.is_grad_enabled(), autocast
+
+
+def attention_backends() -> tuple:
+    """The ``scaled_dot_product_attention`` backends enabled now, in the order torch tries them: what
+    ``torch.nn.attention.sdpa_kernel`` sets, and which kernel (and so which low bits) a call gets."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    return tuple(_cur_sdpa_kernel_backends(with_priority=True))
+
+
+class ByParam:
+    """``id(Parameter) -> value`` for a model's parameters: read when the forward ends as one list in
+    parameter order (a C-level pass), made a dict only when replay first asks (most traces never do)."""
+
+    __slots__ = ("_ids", "_values", "_by_id")
+
+    def __init__(self, ids: list, values: list):
+        self._ids = ids  # the model index's, shared by its traces: never changed
+        self._values = values
+        self._by_id = None
+
+    def get(self, key: int, default=None):
+        by_id = self._by_id
+        if by_id is None:  # two threads asking first build the same dict
+            by_id = self._by_id = dict(zip(self._ids, self._values))
+        return by_id.get(key, default)
+
+
+# The call index of a parameter write no call showed (``Tensor.set_``): replay cannot place it before or after
+# any op (record/finalize.py, note_unseen_param_writes).
+UNSEEN_WRITE = -1
+
+
+class ReplayContext(NamedTuple):
+    """What replay needs to run each op as it ran (kept on the trace as ``_replay``)."""
+
+    context: tuple  # grad_and_autocast() around the forward
+    contexts: dict  # call index -> grad_and_autocast() where a call ran under another state (+ attention backends)
+    param_writes: dict  # id(Parameter) -> [(call index or UNSEEN_WRITE, value before the write or None)]
+    param_versions: ByParam  # id(Parameter) -> version when the forward ended
+    param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
