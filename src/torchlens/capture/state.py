@@ -40,7 +40,9 @@ from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
 
 _any_autocast = torch._C._is_any_autocast_enabled
-
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_VERSION = operator.attrgetter("_version")
+_PAIRED = operator.itemgetter(1)  # the tensor of an (address, tensor) pair
 
 INFERENCE_CAVEAT = (
     "inference tensors (made under torch.inference_mode()) carry no version counter: in-place writes to "
@@ -48,13 +50,6 @@ INFERENCE_CAVEAT = (
     "not predict (a fused kernel writing an argument, code running with torch function handling disabled) is "
     "neither attributed nor detected in their saved activations"
 )
-
-
-_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-
-
-_VERSION = operator.attrgetter("_version")
-_PAIRED = operator.itemgetter(1)  # the tensor of an (address, tensor) pair
 
 
 # A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
