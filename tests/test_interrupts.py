@@ -44,12 +44,12 @@ def test_keyboard_interrupt_in_intervention_hooks_leaves_torch_functions_on():
     """An interrupt on the exit line of ``with DisableTorchFunction():`` in an intervention hook skipped its
     exit: torch functions stayed off in the thread, and every later trace recorded no op."""
     import torchlens.intervene as intervene
-    from torchlens.intervene import actions, runtime, sites
+    from torchlens.intervene import actions, checkpointing, runtime, sites
 
     model, x = Normalized(), torch.randn(2, 4)
     for site in ("fc", "linear_1_1:1"):  # a module site (a forward hook), a label site (the per-op handler)
         landed = interrupt_every_line(lambda: tl.trace(model, x, intervene={site: tl.scale(2.0)}),
-                                       _in_files(intervene, runtime, sites, actions))
+                                       _in_files(intervene, runtime, sites, actions, checkpointing))
         assert landed > 100, (site, landed)
     assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
 

@@ -36,6 +36,7 @@ from ..capture.teardown import HookHandles
 from ..capture.writes import named_targets
 from ..tree import path_text, tensor_leaves
 from .actions import layout_name, same_shape
+from .checkpointing import checkpoint_region
 from .sites import ModuleCallInfo, occurrence_key
 
 _POSITION = itemgetter(0)  # of a (position among the sites, site) pair
@@ -252,7 +253,7 @@ class Interventions:
                 "output, an input, a parameter or a buffer); downstream readers of it could not be told from "
                 "readers of the site, so the record would name the wrong parents. Return a copy instead "
                 "(return held.clone())")
-        region = _checkpoint_region()
+        region = checkpoint_region()
         if region is not None:
             raise InterventionError(
                 f"intervention at {_where(key, op)}: the site is inside a {region} torch.utils.checkpoint region "
@@ -572,43 +573,6 @@ def _site_modules(module_sites, root) -> list:
     its output is the trace's output."""
     modules = {id(site.module): site.module for site in module_sites if site.module is not root}
     return list(modules.values())
-
-
-def _checkpoint_region():
-    """``"non-reentrant"`` or ``"reentrant"`` when the forward is now inside a ``torch.utils.checkpoint``
-    region whose backward will recompute it (an edit made here would be missing from the recomputation),
-    else None.  Looked at only when an action changes a value, never per op.
-
-    A non-reentrant region is open while its pack hook is the innermost saved-tensors hook, with grad on
-    (a saved-tensors hook the model pushes inside the region hides it: not detected).  A reentrant region
-    runs its forward inside ``CheckpointFunction.forward`` (found on the stack), under no_grad; its
-    backward happens only when autograd recorded the call, which gave the node its next functions."""
-    checkpointing = sys.modules.get("torch.utils.checkpoint")
-    if checkpointing is None:
-        return None
-    innermost = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if innermost is not None and torch.is_grad_enabled():
-        hooks = innermost(False)
-        code = getattr(hooks[0], "__code__", None) if hooks is not None else None
-        if code is not None and any(code is pack for pack in _checkpoint_pack_codes(checkpointing)):
-            return "non-reentrant"
-    function = getattr(checkpointing, "CheckpointFunction", None)
-    code = getattr(getattr(function, "forward", None), "__code__", None)
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not code:
-        frame = frame.f_back
-    if frame is not None:
-        ctx = frame.f_locals.get("ctx")
-        if any(fn is not None for fn, _ in getattr(ctx, "next_functions", ())):
-            return "reentrant"
-    return None
-
-
-def _checkpoint_pack_codes(checkpointing) -> tuple:
-    """The code of the pack hook a non-reentrant checkpoint region pushes (``_checkpoint_hook``'s)."""
-    init = getattr(getattr(checkpointing, "_checkpoint_hook", None), "__init__", None)
-    consts = getattr(getattr(init, "__code__", None), "co_consts", ())
-    return tuple(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
 
 
 def _at(place) -> str:
