@@ -542,6 +542,39 @@ def test_replay_runs_under_the_default_dtype_the_forward_ran_under():
         torch.set_default_dtype(torch.float32)
 
 
+# ----- subnormals flushed inside the forward: torch has no getter, so no record can say so ------------------
+class _FlushesSubnormals(nn.Module):
+    """Multiplies into the subnormal range with ``torch.set_flush_denormal(True)`` on, then off again."""
+
+    def forward(self, x):
+        torch.set_flush_denormal(True)
+        try:
+            tiny = x * 1e-30  # subnormal float32: zero while flushing
+        finally:
+            torch.set_flush_denormal(False)
+        return tiny * 1e10 + x * 1e-30
+
+
+def _flushes_now() -> bool:
+    return bool((torch.tensor([1e-40]) * 1.0).eq(0).item())
+
+
+@pytest.mark.skipif(not torch.set_flush_denormal(False), reason="this CPU cannot flush subnormals")
+def test_replay_runs_under_the_subnormal_flushing_the_forward_ran_under():
+    model, x = _FlushesSubnormals(), torch.full((4,), 1e-8)
+    log = tl.trace(model, x)
+    assert torch.equal(log["mul_1_1"].activation, torch.zeros(4))  # flushed as it ran
+    assert not torch.equal(log["mul_3_3"].activation, torch.zeros(4))  # kept as it ran
+    assert_trusted(log.validate())
+    assert not _flushes_now()  # replay put the setting back
+    torch.set_flush_denormal(True)  # validating with the setting on: the kept op is tried the other way
+    try:
+        assert_trusted(log.validate())
+        assert _flushes_now()
+    finally:
+        torch.set_flush_denormal(False)
+
+
 # ----- a slice whose bound is a tensor: held by value, so its bound may have moved since the call -------------
 def _read_then_advance(x, position):
     start = position[0]  # a view of position: the write below moves it

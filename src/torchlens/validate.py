@@ -25,7 +25,7 @@ from .errors import closest_hint, first_few
 from .record.columns import UNINITIALIZED_FUNCS
 from .record.layouts import copy_with_layout, memory_freed
 from .record.dropped import WRITTEN_AFTER_TRACE, is_param_written
-from .record.replay_context import UNSEEN_WRITE
+from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
@@ -328,7 +328,7 @@ def validate_trace(log, progress=None) -> ValidationResult:
                 continue
             problem = _replay_problem(log, op, rng, log._default_dtypes[:1])
             if problem is not None and problem[0] == "mismatch":
-                problem = _under_another_default_dtype(log, op, rng, problem)
+                problem = _under_another_setting(log, op, rng, problem)
             if problem is None:
                 result.replayed += 1
             elif problem[0] == "mismatch":
@@ -352,10 +352,12 @@ def _mismatch(reason: str) -> tuple:
     return ("mismatch", reason)
 
 
-def _under_another_default_dtype(log, op, rng: RngState, problem: tuple):
+def _under_another_setting(log, op, rng: RngState, problem: tuple):
     """None when ``op``, which mismatched under the default dtype its forward began with, replays to its
     saved output under another one it may have run under: the one the forward ended with, or its output's
-    own (``torch.set_default_dtype`` called and undone inside the forward); else ``problem``."""
+    own (``torch.set_default_dtype`` called and undone inside the forward), or with subnormals flushed the
+    other way (``torch.set_flush_denormal`` inside the forward, which torch gives no getter to record); else
+    ``problem``."""
     saved = log.saved_activations.get(op.index)
     candidates = list(log._default_dtypes[1:])
     if isinstance(saved, torch.Tensor) and saved.dtype.is_floating_point:
@@ -363,7 +365,8 @@ def _under_another_default_dtype(log, op, rng: RngState, problem: tuple):
     for dtype in dict.fromkeys(candidates):
         if dtype not in log._default_dtypes[:1] and _replay_problem(log, op, rng, (dtype,)) is None:
             return None
-    return problem
+    flipped = not denormals_flushed()
+    return None if _replay_problem(log, op, rng, log._default_dtypes[:1], flipped) is None else problem
 
 
 def _grew_uninitialized(log, op) -> bool:
@@ -375,9 +378,10 @@ def _grew_uninitialized(log, op) -> bool:
     return resized is None or log[resized].numel < op.numel
 
 
-def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
+def _replay_problem(log, op, rng: RngState, default_dtype: tuple = (), flush_denormal: bool | None = None):
     """None when ``op`` replays to its saved output; else ``(kind, reason)``.  ``default_dtype``: ``()`` or
-    the default dtype to replay under (the one the forward began with, by default the current one)."""
+    the default dtype to replay under (the one the forward began with, by default the current one);
+    ``flush_denormal``: whether to flush subnormals (None: as they are now)."""
     call_position = log.call_indices[op.index]
     call = log.calls[call_position]
     func, skeleton, kw_skeleton = call.func, call.args, call.kwargs
@@ -434,7 +438,7 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = ()):
     kwargs = fill(dict(kw_skeleton), keyword)
     generators = _private_generators(kwargs)
     try:
-        with _as_traced(log, context, default_dtype):
+        with as_traced(log, context, default_dtype, flush_denormal):
             out = func(*args, **kwargs)
     except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
         return _skip(f"replay raised {type(exc).__name__}: {exc}")
@@ -567,30 +571,3 @@ def _private_generators(kwargs: dict) -> list:
         if isinstance(value, torch.Generator):
             kwargs[key] = private(value)
     return swapped
-
-
-def _as_traced(log, context, default_dtype: tuple = ()):
-    """Grad mode and autocast exactly as the op ran under (``context``, with the attention backends a
-    ``scaled_dot_product_attention`` call could choose from), and the default dtype in
-    ``default_dtype`` if any; a trace without a recorded context replays under no grad, with the autocast
-    state around its forward."""
-    stack = contextlib.ExitStack()
-    current = torch.get_default_dtype()
-    if default_dtype and default_dtype[0] is not current:
-        torch.set_default_dtype(default_dtype[0])
-        stack.callback(torch.set_default_dtype, current)
-    if context is None:
-        grad, autocast, attention = False, getattr(log, "_autocast", {}), ()
-    else:
-        grad, autocast, *attention = context
-    stack.enter_context(torch.set_grad_enabled(grad))
-    if attention:  # scaled_dot_product_attention: the backends it chose its kernel from
-        from torch.nn.attention import sdpa_kernel
-
-        stack.enter_context(sdpa_kernel(list(attention[0]), set_priority=True))
-    for device_type in ("cpu", "cuda"):
-        if device_type in autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=autocast[device_type]))
-        elif torch.is_autocast_enabled(device_type):
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-    return stack

@@ -9,6 +9,7 @@ into the trace's ``ReplayContext``, which ``validate`` reads.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -63,3 +64,38 @@ class ReplayContext(NamedTuple):
     param_writes: dict  # id(Parameter) -> [(call index or UNSEEN_WRITE, value before the write or None)]
     param_versions: ByParam  # id(Parameter) -> version when the forward ended
     param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
+
+
+def denormals_flushed() -> bool:
+    """Whether ``torch.set_flush_denormal(True)`` is in effect on this thread, which torch has no getter for:
+    a subnormal float32 times one reads zero when it is."""
+    return bool((torch.tensor([1e-40]) * 1.0).eq(0).item())
+
+
+def as_traced(log, context, default_dtype: tuple = (), flush_denormal: bool | None = None):
+    """Grad mode and autocast exactly as the op ran under (``context``, with the attention backends a
+    ``scaled_dot_product_attention`` call could choose from), and the default dtype in
+    ``default_dtype`` if any, with subnormals flushed or kept as ``flush_denormal`` says (None: as they are now);
+    a trace without a recorded context replays under no grad, with the autocast state around its forward."""
+    stack = contextlib.ExitStack()
+    current = torch.get_default_dtype()
+    if default_dtype and default_dtype[0] is not current:
+        torch.set_default_dtype(default_dtype[0])
+        stack.callback(torch.set_default_dtype, current)
+    if flush_denormal is not None and torch.set_flush_denormal(flush_denormal):  # False: this CPU cannot
+        stack.callback(torch.set_flush_denormal, not flush_denormal)
+    if context is None:
+        grad, autocast, attention = False, getattr(log, "_autocast", {}), ()
+    else:
+        grad, autocast, *attention = context
+    stack.enter_context(torch.set_grad_enabled(grad))
+    if attention:  # scaled_dot_product_attention: the backends it chose its kernel from
+        from torch.nn.attention import sdpa_kernel
+
+        stack.enter_context(sdpa_kernel(list(attention[0]), set_priority=True))
+    for device_type in ("cpu", "cuda"):
+        if device_type in autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=autocast[device_type]))
+        elif torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
