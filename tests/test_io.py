@@ -544,3 +544,33 @@ def test_save_and_load_refuse_flags_and_paths_of_the_wrong_kind(tmp_path):
     with pytest.raises(TypeError, match=r"tl\.load: path=None is a NoneType; give the folder log\.save wrote"):
         tl.load(None)
     assert tl.load(folder).model_name == first.model_name and sorted(os.listdir(tmp_path)) == ["run"]
+
+
+class _ChannelsLastNet(nn.Module):
+    """A conv net run in channels_last: its activations are laid out NHWC, and one output is a transpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.conv(x)))
+        return self.fc(h.mean((2, 3))).t(), h
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_saved_activations_load_with_the_memory_layout_they_had(autocast, tmp_path):
+    model = _ChannelsLastNet().eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        log = tl.trace(model, x)
+    assert log["relu_1_3"].activation.is_contiguous(memory_format=torch.channels_last)
+    loaded = tl.load(log.save(tmp_path / "a"))
+    again = tl.load(loaded.save(tmp_path / "b"))  # saving a loaded trace keeps the layouts too
+    for op in log.ops:
+        live = op.activation
+        for trace in (loaded, again):
+            kept = trace[op.label].activation
+            assert kept.dtype == live.dtype and kept.stride() == live.stride() and torch.equal(kept, live), op.label
+    assert again.output[0].stride() == log.output[0].stride() == (1, 5)  # the transposed output
+

@@ -92,6 +92,10 @@ def test_symlinked_member_is_refused(saved, tmp_path):
     (lambda r: r.pop("kind"), "column 'kind' is missing"),
     (lambda r: r["activations"].append([0, "missing_key"]), "not in activations.safetensors"),
     (lambda r: r["meta"][0].__setitem__(0, [9, 9]), "recorded"),
+    (lambda r: r.__setitem__("activation_strides", {"a0": [1, 1, 1, 1]}), "not a gapless layout"),
+    (lambda r: r.__setitem__("activation_strides", {"a0": [10 ** 15, 1, 1, 1]}), "not a gapless layout"),
+    (lambda r: r.__setitem__("activation_strides", {"missing_key": [1]}), "not a gapless layout"),
+    (lambda r: r.__setitem__("activation_strides", [[0, 1]]), "must map tensor names to strides"),
 ])
 def test_edited_trace_json_is_refused_even_when_rehashed(saved, edit, message):
     edit_json(saved, "trace.json", edit)

@@ -270,6 +270,20 @@ def copy_with_layout(t):
         return _copy_of_span(t)
 
 
+def permuted_strides(t) -> list | None:
+    """``t``'s strides when its elements fill their memory without gaps in an order other than row-major
+    (channels_last, a transpose): what a copy written in row order needs to be laid out as ``t`` is; None
+    for a row-major tensor, and for one with gaps or overlaps, whose layout a copy of its values cannot keep."""
+    if t.layout != torch.strided or t.is_nested or t.is_contiguous():
+        return None
+    expected = 1  # the stride the next dimension, innermost first, must have to leave no gap
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return list(t.stride())
+
+
 def _misalignment(t) -> int:
     """How many elements ``t``'s first element lies past an aligned address (0 when unknown or aligned)."""
     try:
