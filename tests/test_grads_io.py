@@ -51,7 +51,8 @@ def test_save_and_load_keep_gradients(tmp_path):
 
 def test_gradient_statistics_do_not_depend_on_the_gradient_s_memory_layout(tmp_path):
     # fc's output gradient arrives through the transpose, transposed back: a non-contiguous tensor, which a
-    # saved trace stores (and reloads) contiguous.  The statistics must be those of the values alone.
+    # saved trace stores in row order and reloads laid out as it was.  The statistics must be those of the
+    # values alone.
     class Transposes(nn.Module):
         def __init__(self):
             super().__init__()
@@ -68,11 +69,34 @@ def test_gradient_statistics_do_not_depend_on_the_gradient_s_memory_layout(tmp_p
     assert not grad.is_contiguous()
     log.save(tmp_path / "t")
     loaded = tl.load(tmp_path / "t")
-    assert torch.equal(loaded["fc"].grad, grad)
+    assert torch.equal(loaded["fc"].grad, grad) and loaded["fc"].grad.stride() == grad.stride()
     columns = ["grad_norm", "grad_min", "grad_max", "grad_nonfinite"]
     assert loaded.to_pandas()[columns].equals(log.to_pandas()[columns])
     row = log.to_pandas().set_index("label").loc[log["fc"].label]
     assert row.grad_norm == float(torch.linalg.vector_norm(grad.contiguous()))
+
+
+def _layout(t) -> tuple:
+    """The strides that place ``t``'s elements (a dimension of one element has any stride)."""
+    return tuple(stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+
+
+def test_channels_last_gradients_load_laid_out_as_they_were(tmp_path):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 2, 1))
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log = tl.trace(model, x, grads=True)
+    log.backward(log.output.float().square().sum())
+    assert log["0"].grad.is_contiguous(memory_format=torch.channels_last) and model[0].weight.grad.dtype == \
+        torch.float32
+    loaded = tl.load(log.save(tmp_path / "t"))
+    for op in log:
+        if op.has_grad:
+            kept, live = loaded[op.label].grad, op.grad
+            assert kept.dtype == live.dtype and _layout(kept) == _layout(live) and torch.equal(kept, live), op.label
+    for name, p in model.named_parameters():
+        assert _layout(loaded._param_grads[name]) == _layout(p.grad), name
 
 
 def test_extract_streams_gradients_beside_activations(tmp_path):

@@ -15,7 +15,7 @@ import os
 from ..record.grads import FROM_BATCHED_BACKWARD, unreadable
 from .encode import unsavable
 from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
-from .tensorfile import write_tensors
+from .tensorfile import laid_out, layouts_of, write_tensors
 
 GRAD_TENSORS = "gradients.safetensors"
 
@@ -65,6 +65,7 @@ def write_grads(trace, folder: str, with_tensors: bool):
     if not tensors:
         return [], record
     write_tensors(os.path.join(folder, GRAD_TENSORS), tensors, metadata={"format": "torchlens-grads"})
+    record["strides"] = layouts_of(tensors)  # channels_last and transposed gradients load laid out as they were
     return [GRAD_TENSORS], record
 
 
@@ -131,6 +132,7 @@ def _read_grads(trace, record, folder: str, files) -> None:
             tensors = require_safetensors().load_file(safe_member(folder, GRAD_TENSORS), device="cpu")
         except Exception as exc:  # the library raises its own error types for malformed headers
             raise TraceFileError(f"{folder}/{GRAD_TENSORS}: not a readable safetensors file ({exc})") from None
+        tensors = laid_out(tensors, grads.get("strides"), "grads: 'strides'")
     capture = GradCapture()
     capture.selected = {_index(i, n) for i in grads["selected"]}
     capture.backwards = int(grads["num_backwards"])

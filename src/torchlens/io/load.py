@@ -16,7 +16,7 @@ import torch
 
 from ..checks import check_path
 from ..record.columns import Call, OpMeta
-from ..record.layouts import RaggedShape, permuted_strides
+from ..record.layouts import RaggedShape
 from ..record.modules import CallRow, ModuleRow
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
@@ -25,6 +25,7 @@ from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, Trac
 from .grads import read_grads
 from .interventions import read_interventions
 from .params import read_module_param_counts, read_params
+from .tensorfile import laid_out
 from .trace_state import read_trace_state
 
 
@@ -123,7 +124,7 @@ def _build(record, tensors: dict) -> Trace:
     if any(g not in group_size for g in group):
         raise TraceFileError(f"{TRACE_JSON}: 'group' names a group missing from 'group_size'")
     meta = [_meta(m) for m in cols.column("meta", n)]
-    activations = _activations(cols, _laid_out(tensors, record.get("activation_strides") or {}), meta)
+    activations = _activations(cols, laid_out(tensors, record.get("activation_strides"), "'activation_strides'"), meta)
     finite = {check_index(i, 0, n, "finite"): (bool(a), bool(b)) for i, a, b in cols.column("finite")}
     trace = Trace(
         model_name=_string(cols.get("model_name"), "model_name"),
@@ -241,24 +242,6 @@ def _meta(m) -> OpMeta:
         raise TraceFileError(f"{TRACE_JSON}: meta: bad element count {ragged!r}")
     return OpMeta(RaggedShape(shape, ragged[0]) if ragged else torch.Size(shape), torch_constant("dtype", dtype),
                   torch.device(_string(device, "meta device")), bool(requires_grad), _grad_fn_stub(grad_fn))
-
-
-def _laid_out(tensors: dict, layouts) -> dict:
-    """The saved tensors, each laid out in memory as the trace held it: the file holds values in row order,
-    and ``activation_strides`` (absent from files written before it) names the tensors laid out otherwise
-    (channels_last, a transpose), whose strides ``op.activation.stride()`` then reads as the live trace did."""
-    if not isinstance(layouts, dict):
-        raise TraceFileError(f"{TRACE_JSON}: 'activation_strides' must map tensor names to strides")
-    out = dict(tensors)
-    for key, strides in layouts.items():
-        t = tensors.get(key)
-        if t is None or not isinstance(strides, list) or len(strides) != t.dim() or \
-                not all(_is_int(s) and s >= 0 for s in strides) or \
-                permuted_strides(torch.empty_strided(t.shape, strides, device="meta")) != strides:
-            raise TraceFileError(f"{TRACE_JSON}: 'activation_strides': {strides!r} for tensor {key!r} is not a "
-                                 f"gapless layout of a saved tensor")
-        out[key] = torch.empty_strided(t.shape, strides, dtype=t.dtype).copy_(t)
-    return out
 
 
 def _activations(cols, tensors: dict, meta: list) -> dict:

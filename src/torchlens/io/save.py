@@ -24,13 +24,12 @@ import uuid
 
 from ..checks import check_flag, check_path
 from ..errors import warn_user
-from ..record.layouts import permuted_strides
 from ..record.trace import checked_trace
 from .encode import encode_value, torch_constant_name, unsavable
 from .grads import write_grads
 from .interventions import write_interventions
 from .params import write_module_param_counts, write_params
-from .tensorfile import write_tensors
+from .tensorfile import layouts_of, write_tensors
 from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
                      read_json, require_numpy, safe_member, write_atomic, write_manifest)
@@ -67,7 +66,7 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
             write_tensors(os.path.join(staging, TRACE_TENSORS), tensors, metadata={"format": TRACE_FORMAT})
             names.append(TRACE_TENSORS)
         record = trace_columns(trace, keys, unsaved, activations)
-        record["activation_strides"] = _layouts(tensors)
+        record["activation_strides"] = layouts_of(tensors)
         grad_files, record["grads"] = write_grads(trace, staging, activations)  # io/grads.py
         names += grad_files
         original_files, record["interventions"] = write_interventions(trace, staging, activations)
@@ -229,13 +228,6 @@ def _activation_tensors(trace):
             tensors[key] = t
         keys[index] = key
     return tensors, keys, unsaved
-
-
-def _layouts(tensors: dict) -> dict:
-    """``key -> strides`` of the saved tensors laid out other than row-major (channels_last, a transpose): the
-    file holds values in row order, and loading lays each out again as the trace held it."""
-    layouts = {key: permuted_strides(t) for key, t in tensors.items()}
-    return {key: strides for key, strides in layouts.items() if strides is not None}
 
 
 def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> dict:

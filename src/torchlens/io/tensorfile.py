@@ -16,7 +16,8 @@ import struct
 
 import torch
 
-from .format import TraceFileError
+from ..record.layouts import permuted_strides
+from .format import TRACE_JSON, TraceFileError
 
 _MAX_HEADER = 100 << 20
 _BLOCK_BYTES = 8 << 20  # what a streamed write copies at once, at most (beyond one row)
@@ -180,3 +181,31 @@ def _torch_map(path, dtype, shape, offset, nbytes):
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     count = nbytes // torch.empty((), dtype=dtype).element_size()
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+def layouts_of(tensors: dict) -> dict:
+    """``key -> strides`` of the tensors laid out other than row-major (channels_last, a transpose): a file
+    holds values in row order, and ``laid_out`` lays each out again as the trace held it."""
+    layouts = {key: permuted_strides(t) for key, t in tensors.items()}
+    return {key: strides for key, strides in layouts.items() if strides is not None}
+
+
+def laid_out(tensors: dict, layouts, where: str) -> dict:
+    """``tensors`` read from a file, each laid out as ``layouts`` (what ``layouts_of`` wrote, at ``where`` in
+    trace.json; None in files written before it) says; a layout that is not a gapless one of its tensor is
+    refused, since it could reach memory the tensor does not own."""
+    if layouts is None:
+        return tensors
+    if not isinstance(layouts, dict):
+        raise TraceFileError(f"{TRACE_JSON}: {where} must map tensor names to strides")
+    out = dict(tensors)
+    for key, strides in layouts.items():
+        t = tensors.get(key)
+        if t is None or not isinstance(strides, list) or len(strides) != t.dim() or \
+                not all(type(s) is int and s >= 0 for s in strides) or \
+                permuted_strides(torch.empty_strided(t.shape, strides, device="meta")) != strides:
+            raise TraceFileError(f"{TRACE_JSON}: {where}: {strides!r} for tensor {key!r} is not a gapless layout "
+                                 "of a saved tensor")
+        out[key] = torch.empty_strided(t.shape, strides, dtype=t.dtype).copy_(t)
+    return out
+
