@@ -575,6 +575,35 @@ def test_replay_runs_under_the_subnormal_flushing_the_forward_ran_under():
         torch.set_flush_denormal(False)
 
 
+# ----- the intra-op thread count: a parallel reduction splits its sum by it ---------------------------------
+class _SumsOnOneThread(nn.Module):
+    """Sums on one thread, as a forward pinning its reductions does, then again on the threads it began with."""
+
+    def forward(self, x):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            pinned = x.sum()
+        finally:
+            torch.set_num_threads(threads)
+        return pinned + x.sum()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: every sum splits the same way")
+def test_replay_runs_under_the_thread_count_the_forward_ran_under():
+    model, x = _SumsOnOneThread(), torch.randn(4_000_000, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    log = tl.trace(model, x)
+    assert not torch.equal(log["sum_1_1"].activation, log["sum_2_2"].activation)  # the split shows in the bits
+    assert_trusted(log.validate())
+    torch.set_num_threads(1)  # as a user might between tracing and validating
+    try:
+        assert_trusted(log.validate())
+        assert torch.get_num_threads() == 1  # replay put the user's count back
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ----- a slice whose bound is a tensor: held by value, so its bound may have moved since the call -------------
 def _read_then_advance(x, position):
     start = position[0]  # a view of position: the write below moves it

@@ -320,15 +320,16 @@ def validate_trace(log, progress=None) -> ValidationResult:
         result.nothing_reason = "the trace saved no activations; trace with save='all' to validate"
         return result
     rng = RngState()
+    began = _began_with(log)
     shown = bar(progress, f"validating {log.model_name}", total=len(log), unit=" ops")
     try:
         for op in log.ops:
             shown.update()
             if op.kind != "op" or op.multi_output_index not in (None, 0, (0,)):
                 continue
-            problem = _replay_problem(log, op, rng, log._default_dtypes[:1])
+            problem = _replay_problem(log, op, rng, began)
             if problem is not None and problem[0] == "mismatch":
-                problem = _under_another_setting(log, op, rng, problem)
+                problem = _under_another_setting(log, op, rng, began, problem)
             if problem is None:
                 result.replayed += 1
             elif problem[0] == "mismatch":
@@ -352,21 +353,39 @@ def _mismatch(reason: str) -> tuple:
     return ("mismatch", reason)
 
 
-def _under_another_setting(log, op, rng: RngState, problem: tuple):
-    """None when ``op``, which mismatched under the default dtype its forward began with, replays to its
-    saved output under another one it may have run under: the one the forward ended with, or its output's
-    own (``torch.set_default_dtype`` called and undone inside the forward), or with subnormals flushed the
-    other way (``torch.set_flush_denormal`` inside the forward, which torch gives no getter to record); else
-    ``problem``."""
-    saved = log.saved_activations.get(op.index)
-    candidates = list(log._default_dtypes[1:])
-    if isinstance(saved, torch.Tensor) and saved.dtype.is_floating_point:
-        candidates.append(saved.dtype)
-    for dtype in dict.fromkeys(candidates):
-        if dtype not in log._default_dtypes[:1] and _replay_problem(log, op, rng, (dtype,)) is None:
+def _began_with(log) -> dict:
+    """The global settings the forward began with that change an op's bits, which replay runs each op under:
+    the default dtype (factories and Python scalars read it) and the intra-op thread count (a parallel
+    reduction splits its sum by it)."""
+    return {"default_dtype": log._default_dtypes[0] if log._default_dtypes else None,
+            "num_threads": log._num_threads[0] if log._num_threads else None}
+
+
+def _under_another_setting(log, op, rng: RngState, began: dict, problem: tuple):
+    """None when ``op``, which mismatched under the settings its forward began with, replays to its saved
+    output under another one it may have run under (a forward that changes one itself); else ``problem``."""
+    for change in _other_settings(log, op, began):
+        if _replay_problem(log, op, rng, {**began, **change}) is None:
             return None
-    flipped = not denormals_flushed()
-    return None if _replay_problem(log, op, rng, log._default_dtypes[:1], flipped) is None else problem
+    return problem
+
+
+def _other_settings(log, op, began: dict):
+    """The default dtype the forward ended with, and the op's output's own (``torch.set_default_dtype``
+    called and undone inside the forward); subnormals flushed the other way (``torch.set_flush_denormal``,
+    which torch gives no getter to record); the thread count the forward ended with, and one thread (what a
+    forward pins with ``torch.set_num_threads`` for reproducible sums)."""
+    saved = log.saved_activations.get(op.index)
+    dtypes = list(log._default_dtypes[1:])
+    if isinstance(saved, torch.Tensor) and saved.dtype.is_floating_point:
+        dtypes.append(saved.dtype)
+    for dtype in dict.fromkeys(dtypes):
+        if dtype is not began["default_dtype"]:
+            yield {"default_dtype": dtype}
+    yield {"flush_denormal": not denormals_flushed()}
+    for threads in dict.fromkeys((*log._num_threads[1:], 1)):
+        if threads != began["num_threads"]:
+            yield {"num_threads": threads}
 
 
 def _grew_uninitialized(log, op) -> bool:
@@ -378,10 +397,9 @@ def _grew_uninitialized(log, op) -> bool:
     return resized is None or log[resized].numel < op.numel
 
 
-def _replay_problem(log, op, rng: RngState, default_dtype: tuple = (), flush_denormal: bool | None = None):
-    """None when ``op`` replays to its saved output; else ``(kind, reason)``.  ``default_dtype``: ``()`` or
-    the default dtype to replay under (the one the forward began with, by default the current one);
-    ``flush_denormal``: whether to flush subnormals (None: as they are now)."""
+def _replay_problem(log, op, rng: RngState, setting: dict):
+    """None when ``op`` replays to its saved output; else ``(kind, reason)``.  ``setting``: the global settings
+    to replay under (``as_traced``; one that is None or absent stays as it is now)."""
     call_position = log.call_indices[op.index]
     call = log.calls[call_position]
     func, skeleton, kw_skeleton = call.func, call.args, call.kwargs
@@ -438,7 +456,7 @@ def _replay_problem(log, op, rng: RngState, default_dtype: tuple = (), flush_den
     kwargs = fill(dict(kw_skeleton), keyword)
     generators = _private_generators(kwargs)
     try:
-        with as_traced(log, context, default_dtype, flush_denormal):
+        with as_traced(log, context, setting):
             out = func(*args, **kwargs)
     except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
         return _skip(f"replay raised {type(exc).__name__}: {exc}")

@@ -94,8 +94,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if runtime is not None:
         runtime.packing = packing
     input_aliases = add_inputs(state, model, args, kwargs)
-    autocast = state.context[1]  # the autocast state around the forward, for replay
-    default_dtype = torch.get_default_dtype()  # and the default dtype, which factories and scalars read
+    # For replay: the default dtype (factories and scalars read it) and thread count (parallel sums split by it)
+    default_dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
     mode = CaptureMode(state, _FRAMES, deep=deep)
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls") \
         if shows_bar(progress) else QUIET
@@ -120,11 +120,12 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     finally:
         if shown is not QUIET:
             shown.close()
-    result._autocast = autocast
+    result._autocast = state.context[1]  # the autocast state around the forward, for replay
     if input_aliases:
         result._input_aliases = input_aliases
-    ended_with = torch.get_default_dtype()  # a forward may change it: replay then tries both
-    result._default_dtypes = (default_dtype,) if ended_with is default_dtype else (default_dtype, ended_with)
+    # A forward may change either: replay then tries the one it ended with too.
+    result._default_dtypes = tuple(dict.fromkeys((default_dtype, torch.get_default_dtype())))
+    result._num_threads = tuple(dict.fromkeys((threads, torch.get_num_threads())))
     if given_root is not None and root is not model and state.module_calls:
         _refuse_root_never_run(result, root)
     _complete(result, state, index, policy, runtime, packing, submodules, root, model_name)

@@ -72,18 +72,22 @@ def denormals_flushed() -> bool:
     return bool((torch.tensor([1e-40]) * 1.0).eq(0).item())
 
 
-def as_traced(log, context, default_dtype: tuple = (), flush_denormal: bool | None = None):
+def as_traced(log, context, setting: dict):
     """Grad mode and autocast exactly as the op ran under (``context``, with the attention backends a
-    ``scaled_dot_product_attention`` call could choose from), and the default dtype in
-    ``default_dtype`` if any, with subnormals flushed or kept as ``flush_denormal`` says (None: as they are now);
-    a trace without a recorded context replays under no grad, with the autocast state around its forward."""
+    ``scaled_dot_product_attention`` call could choose from), and the global settings in ``setting`` that are
+    not None (``default_dtype``, ``flush_denormal``, ``num_threads``); a trace without a recorded context
+    replays under no grad, with the autocast state around its forward."""
     stack = contextlib.ExitStack()
-    current = torch.get_default_dtype()
-    if default_dtype and default_dtype[0] is not current:
-        torch.set_default_dtype(default_dtype[0])
-        stack.callback(torch.set_default_dtype, current)
-    if flush_denormal is not None and torch.set_flush_denormal(flush_denormal):  # False: this CPU cannot
-        stack.callback(torch.set_flush_denormal, not flush_denormal)
+    dtype, threads = setting.get("default_dtype"), setting.get("num_threads")
+    if dtype is not None and dtype is not torch.get_default_dtype():
+        stack.callback(torch.set_default_dtype, torch.get_default_dtype())
+        torch.set_default_dtype(dtype)
+    flush = setting.get("flush_denormal")
+    if flush is not None and torch.set_flush_denormal(flush):  # False: this CPU cannot
+        stack.callback(torch.set_flush_denormal, not flush)
+    if threads is not None and threads != torch.get_num_threads():
+        stack.callback(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(threads)
     if context is None:
         grad, autocast, attention = False, getattr(log, "_autocast", {}), ()
     else:
