@@ -465,3 +465,18 @@ def test_mean_ablate_naming_one_dimension_twice_from_both_ends_is_named_at_its_s
         tl.trace(model, args, intervene={"head": tl.mean_ablate(dims=(0, -2))})
     clamped = tl.trace(model, args, intervene={"head": tl.clamp(-0.1, 0.1)}).output
     assert torch.equal(clamped, model(*args).clamp(-0.1, 0.1))
+
+
+@pytest.mark.parametrize("make", [lambda source: tl.mean_ablate(), lambda source: tl.patch_from(source)],
+                         ids=["mean_ablate", "patch_from a row-major trace"])
+def test_a_value_an_action_computes_keeps_the_memory_format_of_the_value_it_replaces(make):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    source = tl.trace(model, torch.randn(2, 3, 6, 6))  # row-major activations
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log = tl.trace(model, x, intervene={"1": make(source)})
+        clean = log["1"].original
+    replaced = log["1"].activation
+    assert clean.is_contiguous(memory_format=torch.channels_last)
+    assert replaced.stride() == clean.stride() and replaced.dtype == clean.dtype == torch.bfloat16

@@ -343,8 +343,10 @@ def _like(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Ten
     except RuntimeError as exc:
         raise ReplacementMismatch(f"{who} at {_where(op)}: a value of shape {tuple(source.shape)} cannot replace "
                                   f"one of shape {tuple(tensor.shape)}") from exc
-    # A copy: downstream in-place ops must not write into the other trace's activation or the user's tensor.
-    return value.to(device=tensor.device, dtype=tensor.dtype).clone()
+    # A copy (downstream in-place ops must not write into the other trace's activation or the user's tensor),
+    # laid out as the value it replaces (channels_last stays so), which a broadcast mean or a source traced in
+    # another memory format is not.
+    return torch.empty_like(tensor).copy_(value.to(device=tensor.device, dtype=tensor.dtype))
 
 
 def _like_unstrided(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> torch.Tensor:
