@@ -604,6 +604,32 @@ def test_replay_runs_under_the_thread_count_the_forward_ran_under():
         torch.set_num_threads(threads)
 
 
+# ----- oneDNN kernels on or off: a convolution computes other low bits without them -------------------------
+class _ConvWithoutOneDNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 32, 3)
+
+    def forward(self, x):
+        with torch.backends.mkldnn.flags(enabled=False):
+            plain = self.conv(x)
+        return plain + self.conv(x)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN kernels in this build")
+def test_replay_runs_under_the_onednn_setting_the_op_ran_under():
+    torch.manual_seed(0)
+    model, x = _ConvWithoutOneDNN(), torch.randn(4, 16, 32, 32)
+    log = tl.trace(model, x)
+    assert not torch.equal(log["conv2d_1_1:1"].activation, log["conv2d_1_1:2"].activation)  # the kernels differ
+    assert_trusted(log.validate())
+    with torch.backends.mkldnn.flags(enabled=False):  # a whole trace without them, validated with them
+        whole = tl.trace(model.conv, x)
+    assert torch.backends.mkldnn.enabled
+    assert_trusted(whole.validate())
+    assert torch.backends.mkldnn.enabled  # replay put the setting back
+
+
 # ----- a slice whose bound is a tensor: held by value, so its bound may have moved since the call -------------
 def _read_then_advance(x, position):
     start = position[0]  # a view of position: the write below moves it

@@ -354,11 +354,9 @@ def _mismatch(reason: str) -> tuple:
 
 
 def _began_with(log) -> dict:
-    """The global settings the forward began with that change an op's bits, which replay runs each op under:
-    the default dtype (factories and Python scalars read it) and the intra-op thread count (a parallel
-    reduction splits its sum by it)."""
-    return {"default_dtype": log._default_dtypes[0] if log._default_dtypes else None,
-            "num_threads": log._num_threads[0] if log._num_threads else None}
+    """The global settings that change an op's bits as the forward began (``global_settings()``), which
+    replay runs each op under whatever they are when you validate."""
+    return dict(log._settings[0]) if log._settings else {}
 
 
 def _under_another_setting(log, op, rng: RngState, began: dict, problem: tuple):
@@ -374,18 +372,22 @@ def _other_settings(log, op, began: dict):
     """The default dtype the forward ended with, and the op's output's own (``torch.set_default_dtype``
     called and undone inside the forward); subnormals flushed the other way (``torch.set_flush_denormal``,
     which torch gives no getter to record); the thread count the forward ended with, and one thread (what a
-    forward pins with ``torch.set_num_threads`` for reproducible sums)."""
+    forward pins with ``torch.set_num_threads`` for reproducible sums); oneDNN kernels the other way (a
+    ``torch.backends.mkldnn.flags`` block inside the forward)."""
+    ended = log._settings[1] if log._settings else {}
     saved = log.saved_activations.get(op.index)
-    dtypes = list(log._default_dtypes[1:])
+    dtypes = [ended.get("default_dtype")]
     if isinstance(saved, torch.Tensor) and saved.dtype.is_floating_point:
         dtypes.append(saved.dtype)
     for dtype in dict.fromkeys(dtypes):
-        if dtype is not began["default_dtype"]:
+        if dtype is not None and dtype is not began.get("default_dtype"):
             yield {"default_dtype": dtype}
     yield {"flush_denormal": not denormals_flushed()}
-    for threads in dict.fromkeys((*log._num_threads[1:], 1)):
-        if threads != began["num_threads"]:
+    for threads in dict.fromkeys((ended.get("num_threads"), 1)):
+        if threads is not None and threads != began.get("num_threads"):
             yield {"num_threads": threads}
+    if "mkldnn" in began:
+        yield {"mkldnn": not began["mkldnn"]}
 
 
 def _grew_uninitialized(log, op) -> bool:

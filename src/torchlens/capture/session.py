@@ -19,6 +19,7 @@ from ..progress import QUIET, bar, shows_bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize
 from ..record.model_index import PACKED_WEIGHTS_CAVEAT, index_of
+from ..record.replay_context import global_settings
 from ..record.modules import is_unregistered
 from ..record.trace import Trace
 from ..tree import as_args, as_kwargs, clone_call
@@ -94,8 +95,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if runtime is not None:
         runtime.packing = packing
     input_aliases = add_inputs(state, model, args, kwargs)
-    # For replay: the default dtype (factories and scalars read it) and thread count (parallel sums split by it)
-    default_dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    began = global_settings()  # for replay: the global settings that change an op's bits
     mode = CaptureMode(state, _FRAMES, deep=deep)
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls") \
         if shows_bar(progress) else QUIET
@@ -123,9 +123,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     result._autocast = state.context[1]  # the autocast state around the forward, for replay
     if input_aliases:
         result._input_aliases = input_aliases
-    # A forward may change either: replay then tries the one it ended with too.
-    result._default_dtypes = tuple(dict.fromkeys((default_dtype, torch.get_default_dtype())))
-    result._num_threads = tuple(dict.fromkeys((threads, torch.get_num_threads())))
+    result._settings = (began, global_settings())  # a forward may change them: replay tries those it ended with
     if given_root is not None and root is not model and state.module_calls:
         _refuse_root_never_run(result, root)
     _complete(result, state, index, policy, runtime, packing, submodules, root, model_name)

@@ -72,22 +72,35 @@ def denormals_flushed() -> bool:
     return bool((torch.tensor([1e-40]) * 1.0).eq(0).item())
 
 
+def global_settings() -> dict:
+    """The global settings that change an op's bits, which replay runs it under: the default dtype (factories
+    and Python scalars read it), the intra-op thread count (a parallel reduction splits its sum by it) and
+    whether oneDNN (mkldnn) kernels may run (a convolution computes other low bits without them)."""
+    return {name: get() for name, (get, _) in _SETTINGS.items()}
+
+
+_SETTINGS = {  # name -> (read it, set it)
+    "default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "num_threads": (torch.get_num_threads, torch.set_num_threads),
+    "mkldnn": (torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled),
+}
+
+
 def as_traced(log, context, setting: dict):
     """Grad mode and autocast exactly as the op ran under (``context``, with the attention backends a
-    ``scaled_dot_product_attention`` call could choose from), and the global settings in ``setting`` that are
-    not None (``default_dtype``, ``flush_denormal``, ``num_threads``); a trace without a recorded context
-    replays under no grad, with the autocast state around its forward."""
+    ``scaled_dot_product_attention`` call could choose from), and each global setting in ``setting`` that is
+    not None (``global_settings()``'s, and ``flush_denormal``); a trace without a recorded context replays
+    under no grad, with the autocast state around its forward."""
     stack = contextlib.ExitStack()
-    dtype, threads = setting.get("default_dtype"), setting.get("num_threads")
-    if dtype is not None and dtype is not torch.get_default_dtype():
-        stack.callback(torch.set_default_dtype, torch.get_default_dtype())
-        torch.set_default_dtype(dtype)
-    flush = setting.get("flush_denormal")
-    if flush is not None and torch.set_flush_denormal(flush):  # False: this CPU cannot
-        stack.callback(torch.set_flush_denormal, not flush)
-    if threads is not None and threads != torch.get_num_threads():
-        stack.callback(torch.set_num_threads, torch.get_num_threads())
-        torch.set_num_threads(threads)
+    for name, value in setting.items():
+        if name == "flush_denormal":  # torch has no getter: the setting replay puts back is the other one
+            if value is not None and torch.set_flush_denormal(value):  # False: this CPU cannot flush
+                stack.callback(torch.set_flush_denormal, not value)
+            continue
+        get, put = _SETTINGS[name]
+        if value is not None and value != get():
+            stack.callback(put, get())
+            put(value)
     if context is None:
         grad, autocast, attention = False, getattr(log, "_autocast", {}), ()
     else:

@@ -56,8 +56,7 @@ class Trace(TraceColumns):
     # Set after finalize by the layers named; declared here so this class lists all a Trace holds.
     _flops_col = None  # report.flops.flops_column: each op's FLOPs, derived once (kept by cleanup and save)
     _autocast: dict = {}  # capture.session: device type -> autocast state around the forward, for replay
-    _default_dtypes: tuple = ()  # capture.session: the default dtype as the forward began (and ended), for replay
-    _num_threads: tuple = ()  # capture.session: torch's intra-op thread count as the forward began (and ended)
+    _settings: tuple = ()  # capture.session: global_settings() as the forward began and as it ended, for replay
     _root_class = None  # capture.session: the root module's class name (the module table's first row)
     _input_aliases: dict = {}  # capture.session: input slot -> the input op of the tensor an earlier slot named
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
