@@ -4,7 +4,9 @@ Capture notes the grad mode and autocast state of a call only where they differ 
 (``grad_and_autocast``; for ``scaled_dot_product_attention`` also the attention backends it could choose
 from, ``attention_backends``), and the value of a parameter before each write the forward made to it.
 ``record.finalize`` packs them, with the parameters' versions and requires_grad flags as the forward ended,
-into the trace's ``ReplayContext``, which ``validate`` reads.
+into the trace's ``ReplayContext``, which ``validate`` reads. ``global_settings`` are the process-wide
+settings that change an op's bits, which capture reads as the forward begins and ends; ``as_traced`` puts
+an op's recorded state and those settings in place while replay runs it, and back afterwards.
 """
 
 from __future__ import annotations
