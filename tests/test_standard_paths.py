@@ -258,6 +258,50 @@ def torch_cond_in_eager_mode():
     return "bit-identical; one cond op (its branches unseen), with or without gradients, replayed exactly"
 
 
+class HookedInCond(nn.Module):
+    """A module with a forward hook, called in a body of torch.cond: Dynamo, compiling the body, traces that
+    module's ``_call_impl`` (the hook path) rather than its forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.b.register_forward_hook(lambda module, args, out: out * 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.head(torch.cond(h.sum() < 0, lambda t: self.b(t).relu(), lambda t: t - 1, (h,)))
+
+
+def test_a_hooked_module_in_a_cond_body_runs_as_untraced():
+    model, x = HookedInCond(), torch.ones(2, 8)
+    expected = model(x)
+    assert model.a(x).sum() < 0  # the branch calling the hooked module runs
+    before = snapshot(model, (x,))
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, expected)  # the hook's doubling included, as untraced
+    assert [op.type for op in log.ops if op.kind == "op"] == ["linear", "sum", "lt", "cond", "linear"]
+    assert [c.label for c in log.module_calls] == ["a:1", "head:1"]  # b runs inside the one cond op
+    result = log.validate()
+    assert result.passed and not result.not_replayed, str(result)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert_clean_process()
+
+
+@pytest.mark.parametrize("option", ["intervene", "save", "grads"])
+def test_a_module_called_in_a_cond_body_is_no_site_and_the_refusal_names_the_op(option):
+    model, x = HookedInCond(), torch.ones(2, 8)
+    expected = model(x)
+    selection = {"b": tl.zero_ablate()} if option == "intervene" else ["b"]
+    with pytest.raises((tl.InterventionError, tl.UnmatchedSelection)) as raised:
+        tl.trace(model, x, **{option: selection})
+    assert "cond_1_4:1" in str(raised.value) and "torch.cond" in str(raised.value)
+    # (Dynamo marks the parameters of a body it compiles, traced or not: the module hooks are compared here.)
+    assert [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()] == [0, 0, 1, 0]
+    assert torch.equal(model(x), expected)
+    assert_clean_process()
+
+
 @CASE
 def flex_attention_in_eager_mode():
     """flex_attention (torch.nn.attention.flex_attention) in eager mode, with a score_mod."""

@@ -263,6 +263,11 @@ class Replacement:
         finally:
             _lock.release()
 
+    def recording(self) -> bool:
+        """Whether this thread's calls are recorded now: not paused, not released."""
+        tid = threading.get_ident()
+        return any(tid in site.recorders for site in (_sites.get(key) for key in self.held) if site is not None)
+
     def pause(self) -> None:
         """Stop recording this thread's calls, and take the recorder out of place (a compiled region
         runs meanwhile: Dynamo would trace it); torch's own is back unless another trace records."""

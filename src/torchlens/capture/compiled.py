@@ -162,23 +162,76 @@ _installed: dict = {}  # id(OptimizedModule) -> (module, its own forward, Compil
 
 
 class Suspension:
-    """Context manager: take the module hooks and the fast-path shim out of Dynamo's sight, then back."""
+    """Context manager: take the module hooks and the fast-path shim out of Dynamo's sight, then back.
+    One entered inside another (Dynamo compiling a compiled region) leaves both to the outer one."""
 
     def __init__(self, tracker, shim):
         self.tracker = tracker
         self.shim = shim
+        self.paused = False
 
     def __enter__(self):
-        self.tracker.pause()
-        self.shim.pause()
+        self.paused = self.tracker.recording
+        if self.paused:
+            self.tracker.pause()
+            self.shim.pause()
         return self
 
     def __exit__(self, *exc):
+        if not self.paused:
+            return False
         try:
             self.shim.resume()
         finally:
             self.tracker.resume()
         return False
+
+
+class DynamoCompiles:
+    """Context manager: while Dynamo compiles on the tracing thread, module calls and the shim are suspended
+    as around a compiled region.  ``torch.cond``, ``while_loop``, ``map`` and ``scan`` compile their bodies
+    even in eager mode, before capture sees the call; Dynamo inlines the ``_call_impl`` of a module with hooks
+    called in a body, which while a trace records is capture's relay, whose slot it cannot trace.  Torch's
+    compile callbacks say when a compile starts and ends (none exist until Dynamo is imported)."""
+
+    def __init__(self, state):
+        self.state = state
+        self.thread = threading.get_ident()
+        self.handler = None
+        self.active = None  # the Suspension entered for the compile in progress
+
+    def __enter__(self):
+        handler = getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
+        if handler is not None:
+            self.handler = handler  # first: whatever happens next, __exit__ removes what was registered
+            handler.register_start_callback(self._started)
+            handler.register_end_callback(self._ended)
+        return self
+
+    def _started(self, _args) -> None:
+        suspend = self.state.suspend
+        if suspend is not None and self.active is None and threading.get_ident() == self.thread:
+            active = suspend()
+            active.__enter__()
+            self.active = active
+
+    def _ended(self, _args) -> None:
+        active, self.active = self.active, None
+        if active is not None:
+            active.__exit__(None, None, None)
+
+    def __exit__(self, *exc):
+        until_done(self._release)
+        return False
+
+    def _release(self) -> None:
+        handler = self.handler
+        if handler is not None:
+            for callbacks, callback in ((handler.start_callbacks, self._started), (handler.end_callbacks, self._ended)):
+                if callback in callbacks:
+                    callbacks.remove(callback)
+            self.handler = None
+        self._ended(None)
 
 
 class CompiledSubmodules:

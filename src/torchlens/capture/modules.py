@@ -92,6 +92,11 @@ class ModuleCallTracker:
         return recorders.bind(self.state, {id(self.root), *self.skip} if self.skip else {id(self.root)},
                               self.progress)
 
+    @property
+    def recording(self) -> bool:
+        """Whether this thread's module calls are recorded now (not paused, not torn down)."""
+        return self._replacement is not None and self._replacement.recording()
+
     def resume(self) -> None:
         """Record this thread's module calls again, after ``pause``."""
         if self._replacement is not None:

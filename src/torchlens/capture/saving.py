@@ -14,6 +14,7 @@ import re
 import threading
 
 import torch
+import torch.compiler as _compiler
 
 from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
 from ..labels.naming import func_name_of, type_of_name
@@ -215,7 +216,8 @@ class SelectedModuleOutputs(HookHandles):
         saved_ids, watched_ids = self.saved_ids, self.watched_ids
 
         def post_hook(module, args, output):
-            if output is None or threading.get_ident() != owner:
+            # Aside while Dynamo compiles a torch.cond body calling the module: that call is unseen, in one op.
+            if output is None or _compiler._is_compiling_flag or threading.get_ident() != owner:
                 return None
             saving, watching = id(module) in saved_ids, id(module) in watched_ids
             with torch._C.DisableTorchFunction():  # reading tensors' properties must not re-enter capture

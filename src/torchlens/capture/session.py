@@ -24,8 +24,8 @@ from ..record.modules import is_unregistered
 from ..record.trace import Trace
 from ..tree import as_args, as_kwargs, clone_call
 from .collectives import process_rank
-from .compiled import (CompiledSubmodules, Suspension, check_compiled_option, compiled_in_place,
-                       optimized_module_type)
+from .compiled import (CompiledSubmodules, DynamoCompiles, Suspension, check_compiled_option,
+                       compiled_in_place, optimized_module_type)
 from .fastpath import FastPathShim
 from .fused_writes import link_running_stats_readers, norm_calls
 from .function_outputs import function_outputs
@@ -239,7 +239,8 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
         parts = (*parts[:-1], SelectedModuleOutputs(state, policy, state.grads, skip), parts[-1])
     if state.grads is not None:  # a custom autograd Function's outputs get their backward node late
         parts = (function_outputs(state, state.grads), *parts)
-    state.suspend = lambda: Suspension(tracker, shim)  # around a compiled region or a higher-order op
+    state.suspend = lambda: Suspension(tracker, shim)  # around a compiled region, a higher-order op, a compile
+    parts = (DynamoCompiles(state), *parts)
     if submodules is not None:
         submodules.suspend = state.suspend
         parts = (submodules, *parts)

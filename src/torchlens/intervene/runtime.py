@@ -21,6 +21,7 @@ from operator import itemgetter
 from weakref import ref as weakref
 
 import torch
+import torch.compiler as _compiler
 
 from ..errors import InterventionError
 from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
@@ -532,15 +533,18 @@ class _ModuleHooks(HookHandles):
         counts: dict = {}
         open_calls: list = []  # (module, module call index, call number) of site modules now running
 
+        # Both step aside while Dynamo compiles a body of torch.cond (or while_loop, map, scan) calling a site
+        # module: that call is inside one op, unseen, and Dynamo cannot trace the thread check.
         def pre_hook(module, args):
-            if threading.get_ident() == owner:
+            if not _compiler._is_compiling_flag and threading.get_ident() == owner:
                 counts[id(module)] = number = counts.get(id(module), 0) + 1
                 # With the exception being handled where the call began (None, but for a model called
                 # inside an except block): another one at its end is an exception raised in the call.
                 open_calls.append((module, st.module_stack[-1], number, sys.exc_info()[1]))
 
         def post_hook(module, args, output):
-            if threading.get_ident() != owner or not open_calls or open_calls[-1][0] is not module:
+            if _compiler._is_compiling_flag or threading.get_ident() != owner or not open_calls \
+                    or open_calls[-1][0] is not module:
                 return None
             _, module_call, number, handled = open_calls.pop()
             if output is None or sys.exc_info()[1] is not handled:

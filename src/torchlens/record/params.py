@@ -179,6 +179,17 @@ def bypassed_call_hint(trace, address: str) -> str:
     if not users:
         return ""
     shown = ", ".join(users[:4]) + (f" and {len(users) - 4} more" if len(users) > 4 else "")
+    if any(trace[label].func_name in _whole_operator_names() for label in users):
+        return (f" (module {address!r} made no module call, but ops used its parameters: {shown}; a module called "
+                "inside a body of torch.cond, while_loop, map or scan runs inside that one op, whose interior is "
+                "unseen, so it has no module call or module site: name that op by its label)")
     return (f" (module {address!r} made no module call, but ops used its parameters: {shown}; a forward called "
             "as module.forward(...) directly bypasses the module's __call__, so it has no module call, hooks or "
             "module site: name those ops by their labels)")
+
+
+def _whole_operator_names() -> frozenset:
+    """The function names of the higher-order ops recorded as one op each (``cond``, ``while_loop``, ...)."""
+    from ..capture.fastpath import OPERATORS_WHOLE
+
+    return frozenset(operator.name() for operator in OPERATORS_WHOLE)
