@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 import warnings
 
@@ -286,6 +287,24 @@ def test_a_hooked_module_in_a_cond_body_runs_as_untraced():
     assert result.passed and not result.not_replayed, str(result)
     assert_untouched(before, snapshot(model, (x,)))
     assert_clean_process()
+
+
+def test_a_hooked_module_in_a_cond_body_traces_where_dynamo_is_first_imported_by_the_trace():
+    # torch.cond imports Dynamo mid-forward, before any compile callback can be registered.
+    code = ("import sys, torch, torchlens as tl\n"
+            f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+            "from test_standard_paths import HookedInCond\n"
+            "assert 'torch._dynamo' not in sys.modules\n"
+            "model, x = HookedInCond(), torch.ones(2, 8)\n"
+            "log = tl.trace(model, x)\n"
+            "assert 'torch._dynamo' in sys.modules\n"
+            "import torch._higher_order_ops.utils as utils, torch._dynamo.callback as callback\n"
+            "assert utils._hop_compile_and_call.__module__ == 'torch._higher_order_ops.utils'\n"
+            "assert not callback.callback_handler.start_callbacks and not callback.callback_handler.end_callbacks\n"
+            "print(torch.equal(log.output, model(x)), [c.label for c in log.module_calls])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "True ['a:1', 'head:1']"
 
 
 @pytest.mark.parametrize("option", ["intervene", "save", "grads"])

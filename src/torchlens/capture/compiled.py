@@ -192,7 +192,8 @@ class DynamoCompiles:
     as around a compiled region.  ``torch.cond``, ``while_loop``, ``map`` and ``scan`` compile their bodies
     even in eager mode, before capture sees the call; Dynamo inlines the ``_call_impl`` of a module with hooks
     called in a body, which while a trace records is capture's relay, whose slot it cannot trace.  Torch's
-    compile callbacks say when a compile starts and ends (none exist until Dynamo is imported)."""
+    compile callbacks say when a compile starts and ends.  They exist once Dynamo is imported; until then
+    the one entry through which those ops compile (``_hop_compile_and_call``) registers them first."""
 
     def __init__(self, state):
         self.state = state
@@ -201,12 +202,19 @@ class DynamoCompiles:
         self.active = None  # the Suspension entered for the compile in progress
 
     def __enter__(self):
-        handler = getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
-        if handler is not None:
-            self.handler = handler  # first: whatever happens next, __exit__ removes what was registered
-            handler.register_start_callback(self._started)
-            handler.register_end_callback(self._ended)
+        with _lock:
+            _live[self.thread] = self  # first: whatever happens next, __exit__ takes it out
+            handler = _callback_handler()
+            if handler is not None:
+                self.register(handler)
+            else:
+                _route_hop_compiles()
         return self
+
+    def register(self, handler) -> None:
+        self.handler = handler  # first: whatever happens next, __exit__ removes what was registered
+        handler.register_start_callback(self._started)
+        handler.register_end_callback(self._ended)
 
     def _started(self, _args) -> None:
         suspend = self.state.suspend
@@ -225,6 +233,12 @@ class DynamoCompiles:
         return False
 
     def _release(self) -> None:
+        release_stranded(_lock)
+        with _lock:
+            if _live.get(self.thread) is self:
+                del _live[self.thread]
+            if not _live:
+                _unroute_hop_compiles()
         handler = self.handler
         if handler is not None:
             for callbacks, callback in ((handler.start_callbacks, self._started), (handler.end_callbacks, self._ended)):
@@ -232,6 +246,46 @@ class DynamoCompiles:
                     callbacks.remove(callback)
             self.handler = None
         self._ended(None)
+
+
+_live: dict = {}  # thread id -> its trace's DynamoCompiles
+_HOP_UTILS = "torch._higher_order_ops.utils"
+_ENTRY = "_hop_compile_and_call"
+_routed: list = []  # [torch's _hop_compile_and_call] while ours stands in for it
+
+
+def _callback_handler():
+    """Torch's compile callback handler, or None while Dynamo is not imported (importing it costs a second)."""
+    return getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
+
+
+def _route_hop_compiles() -> None:
+    utils = sys.modules.get(_HOP_UTILS)
+    original = getattr(utils, _ENTRY, None)
+    if original is not None and not _routed:
+        _routed.append(original)
+        setattr(utils, _ENTRY, _hop_compile_and_call)
+
+
+def _unroute_hop_compiles() -> None:
+    if _routed:
+        original = _routed.pop()
+        setattr(sys.modules[_HOP_UTILS], _ENTRY, original)
+
+
+def _hop_compile_and_call(fn, args, kwargs=None):
+    """Torch's, after registering every tracing thread's compile callbacks (importing Dynamo, as torch's does),
+    and putting torch's back: from now on each trace registers its own as it starts."""
+    import torch._dynamo.callback  # noqa: F401  (torch's own imports Dynamo first thing too)
+
+    with _lock:
+        original = _routed[0] if _routed else getattr(sys.modules[_HOP_UTILS], _ENTRY)
+        handler = _callback_handler()
+        for live in _live.values():
+            if live.handler is None:
+                live.register(handler)
+        _unroute_hop_compiles()
+    return original(fn, args, kwargs)
 
 
 class CompiledSubmodules:
