@@ -636,3 +636,32 @@ def test_a_call_site_of_each_of_many_modules_is_checked_without_a_search_of_the_
     monkeypatch.undo()
     every_call = tl.trace(model, x, intervene={f"layers.{i}": tl.scale(0.5) for i in range(80)})
     assert torch.equal(log.output, every_call.output) and not torch.equal(log.output, model(x))
+
+
+class _Exportable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("option", ["intervene", "save", "grads"])
+def test_a_parameter_holder_of_an_exported_module_is_refused_naming_its_ops(option):
+    # torch.export's unlifted module inlines the submodules' forwards: "block.0" holds their parameters only.
+    x = torch.randn(3, 4)
+    exported = torch.export.export(_Exportable(), (x,)).module()
+    assert dict(exported.named_children())["block"] is not None
+    selection = {"block.0": tl.zero_ablate()} if option == "intervene" else ["block.0"]
+    with pytest.raises((tl.InterventionError, tl.UnmatchedSelection)) as raised:
+        tl.trace(exported, x, **{option: selection})
+    message = str(raised.value)
+    assert "no submodules" in message and "ops that read its parameters" in message
+    assert "holds (none)" not in message
+    log = tl.trace(exported, x)
+    assert list(log["linear_1_1:1"].params) == ["block.0.weight", "block.0.bias"]
+    assert torch.equal(log.output, exported(x))
+    assert_clean_process()

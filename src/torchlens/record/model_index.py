@@ -228,9 +228,13 @@ def container_note(address: str, module) -> str:
     if module is None or type(module).forward is not torch.nn.Module.forward or "forward" in vars(module):
         return ""
     held = [f"{address}.{name}" for name, _ in module.named_children()]
+    if not held:  # a holder of parameters only: torch.export's unlifted module keeps the inlined modules' so
+        return (f"is a {type(module).__name__} with no forward and no submodules (as torch.export's unlifted "
+                "modules keep the parameters of the modules they inlined): it is never called, so it has no output; "
+                "name the ops that read its parameters (each op's params lists them) by their labels")
     shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
     return (f"is a {type(module).__name__}, a container with no forward of its own: it is never called, so it has "
-            f"no output; name the modules it holds ({shown or 'none'})")
+            f"no output; name the modules it holds ({shown})")
 
 
 def refuse_module_object(value, modules: dict, where: str) -> None:
