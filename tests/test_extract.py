@@ -570,3 +570,12 @@ def test_an_activation_held_by_the_model_keeps_its_own_batchs_rows(tmp_path):
     expected = [tl.trace(model, b)[write].activation.clone() for b in batches]
     folder = tl.extract(model, batches, layers=[write], out=tmp_path / "feats", progress=False)
     assert torch.equal(tl.load_extracted(folder, as_torch=True)[write], torch.cat(expected))
+
+
+def test_a_torchscript_layer_is_refused_naming_the_layers_option(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh())))
+    for layer, where in (("1", "is a TorchScript module"), ("1.0", "is inside '1', a TorchScript module")):
+        with pytest.raises(ValueError) as raised:
+            tl.extract(model, [torch.randn(2, 4)], layers=[layer], out=str(tmp_path / layer), progress=False)
+        message = str(raised.value)
+        assert message.startswith(f"layers= entry {layer!r} {where}") and "nothing would be kept" in message

@@ -35,6 +35,8 @@ _NOTHING = frozenset()  # the selection of "all", "none" and predicates: shared,
 
 class SavePolicy:
     def __init__(self, save, model, index=None, option: str = "save"):
+        if isinstance(save, LayerSelection):
+            option = "layers"  # tl.extract's layers=: its refusals name the option the caller wrote
         self.predicate, self.option = None, option
         self.labels = self.types = self.module_ids = self.addresses = self.call_labels = _NOTHING
         self.type_entries: dict = {}  # normalized op type -> the entry as written
@@ -268,7 +270,7 @@ def _refuse_scripted(entry: str, address: str, modules: dict, option: str) -> No
     where = "is a TorchScript module" if outer == address else f"is inside {outer!r}, a TorchScript module"
     raise ValueError(f"{option}= entry {entry!r} {where} (torch.jit.script or torch.jit.trace), whose ops run in "
                      "TorchScript's interpreter where capture cannot see them: no op of the trace makes its output, "
-                     f"so nothing would be {'kept' if option == 'save' else 'watched'}. Trace the module as it was "
+                     f"so nothing would be {'watched' if option == 'grads' else 'kept'}. Trace the module as it was "
                      "before scripting, or select the op that reads its output")
 
 
