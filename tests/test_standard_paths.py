@@ -341,6 +341,46 @@ def flex_attention_in_eager_mode():
     return "bit-identical; the eager ops of its math path recorded"
 
 
+# ----- transformed models ------------------------------------------------------------------------
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.embed(x)) + 1)
+
+
+def test_an_fx_graph_module_calls_the_original_modules_at_their_addresses():
+    model, x = _Blocks(), torch.randn(3, 4)
+    graph_module = torch.fx.symbolic_trace(model)
+    eager, traced = tl.trace(model, x), tl.trace(graph_module, x)
+    assert torch.equal(traced.output, model(x))
+    # FX inlines the Sequential (it is no leaf): its call is gone, its children are called at their addresses.
+    assert [c.label for c in traced.module_calls] == ["embed:1", "blocks.0:1", "blocks.1:1", "head:1"]
+    assert [c.label for c in eager.module_calls] == ["embed:1", "blocks:1", "blocks.0:1", "blocks.1:1", "head:1"]
+    assert [(op.type, op.module_address, tuple(op.params)) for op in traced.ops] == \
+        [(op.type, op.module_address if op.module_address != "blocks" else None, tuple(op.params)) for op in eager.ops]
+    assert traced.validate().passed
+    assert torch.equal(tl.trace(graph_module, x, intervene={"blocks.1": tl.zero_ablate()}).output,
+                       model.head(torch.ones(3, 8)))
+
+
+def test_an_exported_module_runs_its_graph_with_the_parameters_under_their_names():
+    model, x = _Blocks(), torch.randn(3, 4)
+    exported = torch.export.export(model, (x,)).module()
+    log = tl.trace(exported, x)
+    assert torch.equal(log.output, model(x))
+    linears = [op for op in log.ops if op.type == "linear"]
+    assert [tuple(op.params) for op in linears] == [("embed.weight", "embed.bias"), ("blocks.0.weight", "blocks.0.bias"),
+                                                    ("head.weight", "head.bias")]
+    assert all(op.module_address is None for op in log.ops)  # the submodules' forwards were inlined by export
+    assert log.validate().passed
+
+
 # ----- compiled submodules -----------------------------------------------------------------------
 class WithCompiled(nn.Module):
     def __init__(self):
