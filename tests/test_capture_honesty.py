@@ -335,6 +335,18 @@ def test_a_torchscript_submodule_is_named_as_unseen():
     assert plain.caveats == () and "outside the trace" not in str(plain)
 
 
+def test_a_jit_traced_submodule_is_named_as_unseen_with_both_ways_it_was_made():
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.jit.trace(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), torch.randn(2, 8)), nn.ReLU())
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"TorchScript modules \(0\) run their ops where capture cannot see them"):
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    assert log.caveats[0].endswith("trace the module as it was before torch.jit.script or torch.jit.trace to record "
+                                   "its interior")
+    assert "read by relu_1_1:1; returned by 0:1 (TopLevelTracedModule)" in str(log)
+
+
 def test_a_torchscript_module_outside_the_model_or_beside_a_compiled_one_is_named_as_unseen():
     """A scripted module called by a traced callable (``root=``), or held next to a ``torch.compile``d
     submodule, is a module call with no ops, like one inside the model."""

@@ -477,7 +477,7 @@ def _script_caveat(addresses) -> tuple:
         return ()
     text = (f"TorchScript modules ({', '.join(addresses)}) run their ops where capture cannot see them: each call "
             "is a module call with no ops, and its outputs enter the trace with no parent op (Trace.unattributed); "
-            "trace the module before torch.jit.script to record its interior")
+            "trace the module as it was before torch.jit.script or torch.jit.trace to record its interior")
     warn_user(text)
     return (text,)
 
