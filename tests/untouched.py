@@ -80,6 +80,25 @@ def assert_untouched(before: dict, after: dict) -> None:
     assert not changed, f"tracing left state behind: {sorted(changed)}"
 
 
+def _hop_compiles_are_torchs_own() -> bool:
+    """Torch's ``_hop_compile_and_call``, through which torch.cond and its kin compile their bodies: a trace
+    in a process without Dynamo stands in for it until the first such compile (capture/compiled.py)."""
+    import sys
+
+    utils = sys.modules.get("torch._higher_order_ops.utils")
+    entry = getattr(utils, "_hop_compile_and_call", None)
+    return entry is None or entry.__module__ == "torch._higher_order_ops.utils"
+
+
+def _compile_callbacks_of_torchlens() -> list:
+    """Dynamo's compile start and end callbacks that a trace registered (``DynamoCompiles``)."""
+    import sys
+
+    handler = getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
+    callbacks = [*handler.start_callbacks, *handler.end_callbacks] if handler is not None else []
+    return [c for c in callbacks if getattr(c, "__module__", "").startswith("torchlens")]
+
+
 def assert_clean_process() -> None:
     """The parts of a snapshot that do not depend on a model: nothing installed at all."""
     assert torch._C._len_torch_function_stack() == 0, "a torch function mode is still on the stack"
@@ -90,3 +109,5 @@ def assert_clean_process() -> None:
     assert CALL_IMPL.__code__ is CALL_IMPL_CODE, "nn.Module._call_impl runs other code"
     leftover = {k: v for k, v in _global_hook_dicts().items() if v}
     assert not leftover, f"global module hooks left installed: {leftover}"
+    assert _hop_compiles_are_torchs_own(), "torch._higher_order_ops.utils._hop_compile_and_call is replaced"
+    assert not _compile_callbacks_of_torchlens(), "Dynamo compile callbacks are left registered"

@@ -211,6 +211,12 @@ class DynamoCompiles:
                 _route_hop_compiles()
         return self
 
+    @property
+    def registered(self) -> bool:
+        """Whether anything of this trace's is still in place: its compile callbacks, or its stand-in for
+        torch's ``_hop_compile_and_call`` (for the note on an exception, which must be true)."""
+        return self.handler is not None or _live.get(self.thread) is self
+
     def register(self, handler) -> None:
         self.handler = handler  # first: whatever happens next, __exit__ removes what was registered
         handler.register_start_callback(self._started)

@@ -153,6 +153,8 @@ def leftovers(mode, parts) -> list:
             left.append("a compiled submodule's forward")
         if getattr(part, "installed", False):
             left.append("torch.autograd.Function.apply wrapped")
+        if getattr(part, "registered", False):
+            left.append("Dynamo compile callbacks")
     return left
 
 
