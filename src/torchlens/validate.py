@@ -25,7 +25,7 @@ from .errors import closest_hint, first_few
 from .record.columns import UNINITIALIZED_FUNCS
 from .record.layouts import copy_with_layout, memory_freed
 from .record.dropped import WRITTEN_AFTER_TRACE, is_param_written
-from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed
+from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, settings_by_name
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
 from .capture.state import version_of
@@ -356,7 +356,7 @@ def _mismatch(reason: str) -> tuple:
 def _began_with(log) -> dict:
     """The global settings that change an op's bits as the forward began (``global_settings()``), which
     replay runs each op under whatever they are when you validate."""
-    return dict(log._settings[0]) if log._settings else {}
+    return settings_by_name(log._settings[0]) if log._settings else {}
 
 
 def _under_another_setting(log, op, rng: RngState, began: dict, problem: tuple):
@@ -374,7 +374,7 @@ def _other_settings(log, op, began: dict):
     which torch gives no getter to record); the thread count the forward ended with, and one thread (what a
     forward pins with ``torch.set_num_threads`` for reproducible sums); oneDNN kernels the other way (a
     ``torch.backends.mkldnn.flags`` block inside the forward)."""
-    ended = log._settings[1] if log._settings else {}
+    ended = settings_by_name(log._settings[1]) if log._settings else {}
     saved = log.saved_activations.get(op.index)
     dtypes = [ended.get("default_dtype")]
     if isinstance(saved, torch.Tensor) and saved.dtype.is_floating_point:

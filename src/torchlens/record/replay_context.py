@@ -74,18 +74,26 @@ def denormals_flushed() -> bool:
     return bool((torch.tensor([1e-40]) * 1.0).eq(0).item())
 
 
-def global_settings() -> dict:
-    """The global settings that change an op's bits, which replay runs it under: the default dtype (factories
-    and Python scalars read it), the intra-op thread count (a parallel reduction splits its sum by it) and
-    whether oneDNN (mkldnn) kernels may run (a convolution computes other low bits without them)."""
-    return {name: get() for name, (get, _) in _SETTINGS.items()}
-
-
 _SETTINGS = {  # name -> (read it, set it)
     "default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
     "num_threads": (torch.get_num_threads, torch.set_num_threads),
     "mkldnn": (torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled),
 }
+_default_dtype, _num_threads, _mkldnn = (get for get, _ in _SETTINGS.values())
+
+
+def global_settings() -> tuple:
+    """The global settings that change an op's bits, which replay runs it under, in ``_SETTINGS``'s order: the
+    default dtype (factories and Python scalars read it), the intra-op thread count (a parallel reduction
+    splits its sum by it) and whether oneDNN (mkldnn) kernels may run (a convolution computes other low bits
+    without them).  Read as every forward begins and ends, so three calls and a tuple; ``settings_by_name``
+    names them for replay."""
+    return _default_dtype(), _num_threads(), _mkldnn()
+
+
+def settings_by_name(values: tuple) -> dict:
+    """``global_settings()``'s values by name, as ``as_traced`` takes them."""
+    return dict(zip(_SETTINGS, values))
 
 
 def as_traced(log, context, setting: dict):
