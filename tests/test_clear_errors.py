@@ -224,7 +224,8 @@ def test_a_budget_or_save_device_that_cannot_work_is_refused_before_the_forward(
 
     model, x = MLP().eval(), torch.randn(2, 16)
     before = snapshot(model, (x,))
-    with pytest.raises(TypeError, match=r"max_saved_bytes='1GB' is a str; give a number of bytes \(2\*\*30 for 1 GiB\)"):
+    with pytest.raises(TypeError, match=r"max_saved_bytes='1GB' is a str; give a number of bytes "
+                                        r"\(2\*\*30 for 1 GiB\)"):
         tl.trace(model, x, max_saved_bytes="1GB")
     with pytest.raises(ValueError, match="max_saved_bytes=-1 is negative; give a number of bytes .* or None for no limit"):
         tl.trace(model, x, max_saved_bytes=-1)
