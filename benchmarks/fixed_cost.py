@@ -202,6 +202,13 @@ def step_arms(model, x, package, wide, deep) -> dict:
         "forward alone, ResNet-like (7 module classes)": deep_forward,
         "capture block, ResNet-like": lambda: capture_block(deep, deep_x, deep_index),
     }
+    if hasattr(compiled, "DynamoCompiles"):  # a revision that watches Dynamo's compiles during a trace
+        def compile_watch():
+            """The part that steps module-call recording aside while Dynamo compiles (a torch.cond body)."""
+            part = compiled.DynamoCompiles(probe)
+            part.__enter__()
+            part.__exit__(None, None, None)
+        steps["Dynamo compile watch enter + exit"] = compile_watch
     accel = sys.modules.get(f"{package.__name__}.capture.accel")
     if accel is not None and accel.compiled("_index") is not None:  # the compiled check is in use: time both
         deep_python, previous = copy.deepcopy(deep), accel.use(False)
