@@ -4,6 +4,7 @@ Like every record, each is a view made on demand over a row the trace holds (see
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from .columns import Kind
@@ -175,11 +176,12 @@ def bypassed_call_hint(trace, address: str) -> str:
     """For a module address that made no module call: the ops that used its parameters, when there are any
     (its forward was called as ``module.forward(...)``, which bypasses ``__call__``), or ''."""
     prefix = address + "."
-    users = [op.label for op in trace.ops if any(p.startswith(prefix) for p in op.params)]
+    users = [op for op in trace.ops if any(p.startswith(prefix) for p in op.params)]
     if not users:
         return ""
-    shown = ", ".join(users[:4]) + (f" and {len(users) - 4} more" if len(users) > 4 else "")
-    if any(trace[label].func_name in _whole_operator_names() for label in users):
+    shown = ", ".join(op.label for op in users[:4]) + (f" and {len(users) - 4} more" if len(users) > 4 else "")
+    whole_operators = _whole_operator_names()
+    if any(op.func_name in whole_operators for op in users):
         return (f" (module {address!r} made no module call, but ops used its parameters: {shown}; a module called "
                 "inside a body of torch.cond, while_loop, map or scan runs inside that one op, whose interior is "
                 "unseen, so it has no module call or module site: name that op by its label)")
@@ -188,6 +190,7 @@ def bypassed_call_hint(trace, address: str) -> str:
             "module site: name those ops by their labels)")
 
 
+@functools.cache
 def _whole_operator_names() -> frozenset:
     """The function names of the higher-order ops recorded as one op each (``cond``, ``while_loop``, ...)."""
     from ..capture.fastpath import OPERATORS_WHOLE
