@@ -18,6 +18,7 @@ from ..errors import first_few, warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.errors import NestedTraceError
 from ..record.finalize import finalize
+from ..record.layouts import param_versions
 from ..record.model_index import PACKED_WEIGHTS_CAVEAT, index_of
 from ..record.replay_context import global_settings
 from ..record.modules import is_unregistered
@@ -76,9 +77,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         check_number(max_saved_bytes, "max_saved_bytes", "give a number of bytes (2**30 for 1 GiB), or None for no "
                      "limit", at_least=0)
     started = perf_counter_ns()
-
     state = CaptureState(save_mode=policy.mode, save_device=save_device, record_finite=record_finite,
                          buffers=index.buffers, max_saved_bytes=max_saved_bytes, params=index.params)
+    state.param_versions_at_start = param_versions(index.param_objects[0]) if index.params else None
     if policy.mode == 2:
         state.selector = policy.capture_selector(state)
         # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.

@@ -26,8 +26,8 @@ import torch
 from ..errors import warn_user
 from ..tree import is_uninitialized
 from ..record.finite import nonfinite_flags
-from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, param_versions, shape_of,
-                              spans_meet, storage_holders, version_of)
+from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet,
+                              storage_holders, version_of)
 from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.replay_context import attention_backends, grad_and_autocast
 
@@ -42,7 +42,6 @@ from .pass_through import end_pass_through, note_pass_through
 _any_autocast = torch._C._is_any_autocast_enabled
 _functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 _VERSION = operator.attrgetter("_version")
-_PAIRED = operator.itemgetter(1)  # the tensor of an (address, tensor) pair
 
 INFERENCE_CAVEAT = (
     "inference tensors (made under torch.inference_mode()) carry no version counter: in-place writes to "
@@ -107,6 +106,9 @@ class CaptureState:
     # (capture/pass_through.py); None until one does.
     pass_through: list | None = None
     _watched = ()  # (address, Parameter) of the model: see ``param_storages``
+    # The parameters' versions as the forward begins, in the model index's order (set by the trace driver): one
+    # that moved by the end with no write seen was written by a call capture cannot see (record/finalize.py,
+    # note_unseen_param_writes).
     param_versions_at_start = None
     _param_storages = None
     # Off unless set (the constructor or the trace driver sets them only when on).
@@ -163,9 +165,6 @@ class CaptureState:
         self.param_writes: dict = {}  # id(Parameter) -> [(call index, value before the write or None)]
         if params:  # (address, Parameter) pairs: their storages are read on the first write (param_storages)
             self._watched = params
-            # Their versions as the forward begins: one that moved by the end with no write seen was written
-            # by a call capture cannot see (record/finalize.py, note_unseen_param_writes).
-            self.param_versions_at_start = param_versions(list(map(_PAIRED, params)))
         self.grads = None  # a capture.grads.GradCapture when tracing with grads=...
         self.suspend = None  # () -> a context manager pausing module-call recording and the shim (session)
 
