@@ -23,12 +23,11 @@ import torch
 
 from .errors import closest_hint, first_few
 from .record.columns import UNINITIALIZED_FUNCS
-from .record.layouts import copy_with_layout, memory_freed
+from .record.layouts import copy_with_layout, memory_freed, version_of
 from .record.dropped import WRITTEN_AFTER_TRACE, is_param_written
 from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, settings_by_name
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
-from .capture.state import version_of
 from .capture.writes import schema_written, write_verdict
 from .tree import (as_args, as_kwargs, clone_call, fill, slice_with_tensor, structures_equal,
                    tensor_leaves, unmaterialized, without_values)

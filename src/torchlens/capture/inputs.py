@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..record.columns import INPUT
 from ..record.finalize import tensor_leaves
-from .state import INPUT
 
 
 def _forward_signature(model):

@@ -35,7 +35,7 @@ from collections import OrderedDict
 
 import torch
 
-from .state import version_of
+from ..record.layouts import version_of
 from .teardown import restore_torch_function_state, torch_function_state, until_done
 from ..tree import without_values
 

@@ -23,8 +23,9 @@ from ..record.lookup import alias_note, refuse_ambiguous
 from ..record.modules import is_unregistered
 from ..record.model_index import container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.params import bypassed_call_hint
+from ..record.layouts import version_of
 from ..tree import tensor_leaves
-from .state import is_bound, version_of
+from .bindings import is_bound
 from .teardown import HookHandles
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")

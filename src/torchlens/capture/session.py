@@ -14,9 +14,8 @@ from time import perf_counter_ns
 import torch
 
 from ..checks import check_flag, check_number
-from ..errors import first_few, warn_user
+from ..errors import NestedTraceError, first_few, warn_user
 from ..progress import QUIET, bar, shows_bar
-from ..record.errors import NestedTraceError
 from ..record.finalize import finalize
 from ..record.layouts import param_versions
 from ..record.model_index import PACKED_WEIGHTS_CAVEAT, index_of

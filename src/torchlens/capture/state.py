@@ -31,9 +31,7 @@ from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory
 from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.replay_context import attention_backends, grad_and_autocast
 
-# The raw layout is declared in record/columns.py; these names stay importable from here.
-from ..record.columns import (BUFFER, CALL_ARGS, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,  # noqa: F401
-                              CALL_PARAMS, CALL_PARENTS, INPUT)
+from ..record.columns import BUFFER, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS, CALL_PARENTS, INPUT
 from . import accel
 from .bindings import bound_tensor, is_bound
 from .fused_writes import stat_slots

@@ -27,7 +27,7 @@ import torch
 
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
-from ..record.errors import GradientUnavailable
+from ..errors import GradientUnavailable
 from ..record.grads import FROM_BATCHED_BACKWARD, grad_capture_of, unreadable
 from ..tree import without_values
 from .nonfinite import DETECT_ANOMALY_RECIPE

@@ -28,11 +28,12 @@ from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
-from ..record.layouts import held_bytes, shape_of
+from ..record.layouts import held_bytes, shape_of, version_of
 from ..record.modules import is_unregistered, shown_class
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
-from ..capture.state import StopForward, is_bound, storage_key, version_of
+from ..capture.bindings import is_bound
+from ..capture.state import StopForward, storage_key
 from ..capture.teardown import HookHandles
 from ..capture.writes import named_targets
 from ..tree import path_text, tensor_leaves

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .columns import CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, Kind  # noqa: F401 (the indexes: former home)
+from .columns import Kind
 from .dropped import MADE_IN_TRANSFORM
 from .layouts import dense_values
 from ..tree import without_values
