@@ -32,8 +32,8 @@ import torch
 
 from ..errors import warn_user
 from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
-from ..record.finalize import tensor_leaves
 from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
+from ..tree import tensor_leaves
 from . import accel
 
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
@@ -517,7 +517,7 @@ def _watch_own_outputs(trace, capture) -> None:
     """An output node showing a tensor of its own (a parameter returned as it is, a tensor last written
     through a view) shows no producer's gradient: it gets a hook of its own, under its own index."""
     own = set(outputs_with_own_tensor(trace))
-    for index, (_, t) in zip(output_nodes(trace), tensor_leaves(trace.output, "output", [])):
+    for index, (_, t) in zip(output_nodes(trace), tensor_leaves(trace.output, attrs=True)):
         if index in own and t.requires_grad:
             capture.watch_source(index, t)
 

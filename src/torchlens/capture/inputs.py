@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..record.columns import INPUT
-from ..record.finalize import tensor_leaves
+from ..record.finalize import io_tensor_leaves
 
 
 def _forward_signature(model):
@@ -160,7 +160,7 @@ def add_inputs(state, model, args, kwargs) -> dict:
         inputs = [(f"input.{name}", value) for name, value in names]
     producers, aliases = state.producers, {}
     for slot, value in inputs:
-        leaves = ((slot, value),) if type(value) is torch.Tensor else tensor_leaves(value, slot, [])
+        leaves = ((slot, value),) if type(value) is torch.Tensor else io_tensor_leaves(value, slot)
         for path, t in leaves:
             if id(t) not in producers:
                 state.add_source(t, INPUT, path)

@@ -65,10 +65,6 @@ def op_label(op_type: str, type_index: int, layer_index: int) -> str:
     return f"{op_type}_{type_index}_{layer_index}"
 
 
-def with_pass(layer_label: str, pass_index: int) -> str:
-    return f"{layer_label}:{pass_index}"
-
-
 def with_passes(layer_labels: list, pass_indices: list) -> list:
-    """``with_pass`` over two columns."""
+    """Each op's label: its layer's label and its pass (``linear_1_1:2``), over two columns."""
     return [f"{layer}:{p}" for layer, p in zip(layer_labels, pass_indices)]

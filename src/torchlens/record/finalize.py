@@ -22,7 +22,7 @@ import torch
 from ..labels.naming import func_name_of, op_label, type_of_name, with_passes
 from ..labels.passes import group_ops
 from ..tree import path_text
-from ..tree import tensor_leaves as leaves_with_paths
+from ..tree import tensor_leaves
 from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CALL, CALL_NUM_OUTPUTS, CALL_PARAMS,
                       CALL_PARENTS, CALL_WROTE_ARGUMENTS, INPUT, MODULE_CALL_INPUTS, MODULE_CALL_MODULE,
                       MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
@@ -51,13 +51,12 @@ _NO_PARAMS = ByParam([], [])  # the versions and flags of a model without parame
 _made = tuple.__new__
 
 
-def tensor_leaves(obj, path: str, out: list) -> list:
+def io_tensor_leaves(obj, path: str) -> list:
     """``(path text, tensor)`` for each tensor in a model input or output: ``tree.tensor_leaves`` with its
     paths written under ``path`` (``output.0.logits``), plain objects' attributes included (a key/value
     cache passed in or returned holds its tensors in attributes: ``output.past_key_values.layers.0.keys``).
     A module call's arguments are walked without attributes, on the hot path (capture/modules.py)."""
-    out.extend((path_text(path, p), t) for p, t in leaves_with_paths(obj, attrs=True))
-    return out
+    return [(path_text(path, p), t) for p, t in tensor_leaves(obj, attrs=True)]
 
 
 def finalize(state: CaptureState, model, output, model_name: str, timings: dict, index=None) -> Trace:
@@ -109,7 +108,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
 
 def _outputs(state: CaptureState, output) -> tuple:
     """``(path, producer record, OpMeta)`` per tensor in ``output``, and the activations with theirs."""
-    returned = [(path, state.producer_of(t), t) for path, t in tensor_leaves(output, "output", [])]
+    returned = [(path, state.producer_of(t), t) for path, t in io_tensor_leaves(output, "output")]
     first_output = len(state.records)  # the output pseudo ops follow the records
     outputs = []
     activations = dict(state.saved)

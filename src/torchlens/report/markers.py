@@ -54,7 +54,6 @@ class ProfilerMarkers:
         self._op_prefix = f"torchlens::op::{self.run}."
         self._module_prefix = f"torchlens::module::{self.run}."
         self.op_calls: list = []  # serial -> call index the capture was about to use
-        self.module_entered = 0
         self.phases: list = []
         self._open_modules: dict = {}  # module call index -> open range
         self._open_phase = None
@@ -74,7 +73,6 @@ class ProfilerMarkers:
         record = _RecordFunctionFast(self._module_prefix + str(module_call_index))
         record.__enter__()
         self._open_modules[module_call_index] = record
-        self.module_entered += 1
 
     def module_exit(self, module_call_index: int) -> None:
         record = self._open_modules.pop(module_call_index, None)

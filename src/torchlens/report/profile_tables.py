@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from .profile_join import ATEN_OPS, CPU_NS, DEVICE_NS, KERNELS, MEMOPS
 
-PHASES = {"forward": "", "backward": "bwd_"}
 SUMMED = ("cpu_ns", "aten_ops", "device_ns", "kernels", "memops")
 
 
