@@ -472,11 +472,11 @@ static int own_code_of(PyObject *func, PyObject **code) {
     return PyCFunction_Check(func) || Py_IS_TYPE(func, &PyMethodDescr_Type) || Py_IS_TYPE(func, &PyWrapperDescr_Type);
 }
 
-/* ``_dispatched_site``: a call that torch's dispatcher (``frame``, in torch/overrides.py) handed over.
- * For a Python-level torch function whose own frame is next, the answer is its caller's.  Same returns
- * as ``walk``. */
-static int dispatched(Handler *h, PyFrameObject *frame, PyObject *func, PyObject *own_code, PyObject *module_call,
-                      long module_index, PyObject **out) {
+/* ``dispatched_site`` (capture/source.py): a call that torch's dispatcher (``frame``, in torch/overrides.py)
+ * handed over.  For a Python-level torch function whose own frame is next, the answer is its caller's.  Same
+ * returns as ``walk``. */
+static int dispatched(Handler *h, PyFrameObject *frame, PyObject *own_code, PyObject *module_call, long module_index,
+                      PyObject **out) {
     PyFrameObject *own = PyFrame_GetBack(frame);
     if (own == NULL) return walk(h, frame, own_code, module_call, module_index, out);
     PyObject *code = (PyObject *)PyFrame_GetCode(own);
@@ -544,7 +544,7 @@ static int find_site(Handler *h, PyObject *func, PyObject *module_call, long mod
          * frame on it has a verdict already. */
         PyObject *own_code;
         if (own_code_of(func, &own_code)) {
-            known = verdict == h->dispatch ? dispatched(h, frame, func, own_code, module_call, module_index, found)
+            known = verdict == h->dispatch ? dispatched(h, frame, own_code, module_call, module_index, found)
                                            : walk(h, frame, own_code, module_call, module_index, found);
         }
     }
