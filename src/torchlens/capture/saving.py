@@ -17,7 +17,7 @@ import torch
 import torch.compiler as _compiler
 
 from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
-from ..labels.naming import func_name_of, type_of_name
+from ..labels.naming import folded, func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
 from ..record.modules import is_unregistered
@@ -78,7 +78,7 @@ class SavePolicy:
                 if note:
                     self.containers[item] = note
                 if types_too and "." not in item:
-                    self.shadowed_types[item] = item.lower().replace("_", "")
+                    self.shadowed_types[item] = folded(item)
             elif address in modules and call.isdigit():  # a module call label: that call's output op
                 _refuse_scripted(item, address, modules, self.option)
                 self.call_labels.add(item)
@@ -87,8 +87,8 @@ class SavePolicy:
             elif _LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")) or item.startswith(_IO_PATH):
                 self.labels.add(item)
             else:
-                self.types.add(item.lower().replace("_", ""))
-                self.type_entries[item.lower().replace("_", "")] = item
+                self.types.add(folded(item))
+                self.type_entries[folded(item)] = item
         # Labels are only known after the forward: hold everything until then.  So for the output type: an
         # output node shows its producer's tensor, which a test of each op's own type would never hold.
         self.mode = 1 if self.labels or "output" in self.types else 2
@@ -320,10 +320,10 @@ def _refuse_made_in_forward(entry: str, calls: set, option: str) -> None:
 def _module_class_hint(trace, entry: str) -> str:
     """Where ``entry`` names a module class (``T5LayerNorm``, or part of one: ``layernorm``), the addresses
     that select its modules: a selection takes addresses, not classes."""
-    wanted = entry.lower().replace("_", "")
+    wanted = folded(entry)
     addresses: dict = {}
     for module in trace.modules:
-        if module.num_calls and wanted in module.class_name.lower().replace("_", ""):
+        if module.num_calls and wanted in folded(module.class_name):
             addresses.setdefault(module.class_name, []).append(module.address)
     if not addresses:
         return ""

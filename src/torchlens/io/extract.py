@@ -30,6 +30,7 @@ import torch
 
 from ..checks import check_path
 from ..errors import ResumeMismatchError, first_few, warn_user
+from ..labels.naming import folded
 from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
@@ -324,7 +325,7 @@ def _resolve(log, name, position, calls: dict):
 def _op_type_note(log, name) -> str:
     """What to give instead when a layers= entry is an op type (``relu``): a type names every op of it, and a
     layer must be one op per forward."""
-    op_type = name.lower().replace("_", "")
+    op_type = folded(name)
     typed = [op.label for op in log.ops if op.type == op_type and op.kind == "op"]
     if not typed:
         return ""

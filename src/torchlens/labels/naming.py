@@ -50,6 +50,12 @@ def _without_namespace(func, name: str) -> str:
     return name
 
 
+def folded(name: str) -> str:
+    """The spelling op types are compared in, so that ``layer_norm``, ``LayerNorm`` and ``layernorm`` name one
+    type: lower case, without underscores."""
+    return name.lower().replace("_", "")
+
+
 @functools.lru_cache(maxsize=None)
 def type_of_name(name: str) -> str:
     """Normalise a raw function name into the op type used in labels.  An operator overload called
@@ -58,7 +64,7 @@ def type_of_name(name: str) -> str:
     name = name.partition(".")[0] or name
     if name in _REFLECTED_TO_FORWARD:
         return _REFLECTED_TO_FORWARD[name]
-    return name.lower().replace("_", "")
+    return folded(name)
 
 
 def op_label(op_type: str, type_index: int, layer_index: int) -> str:
