@@ -29,6 +29,12 @@ def first_few(names, n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
+def listed(names, n: int, more: str = " ...") -> str:
+    """The first ``n`` of ``names`` for a message, ``more`` marking that some were left out."""
+    names = list(names)
+    return ", ".join(names[:n]) + (more if len(names) > n else "")
+
+
 def closest_hint(name: str, known) -> str:
     """``"; closest: a, b"`` naming up to five of ``known`` that resemble ``name`` (empty when none do): the
     tail of every "no such label" message, so a typo is answered with what was meant.  The names ``name`` is

@@ -16,7 +16,7 @@ import threading
 import torch
 import torch.compiler as _compiler
 
-from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint
+from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint, listed
 from ..labels.naming import folded, func_name_of, type_of_name
 from ..record.columns import Kind
 from ..record.lookup import alias_note, refuse_ambiguous
@@ -327,6 +327,6 @@ def _module_class_hint(trace, entry: str) -> str:
             addresses.setdefault(module.class_name, []).append(module.address)
     if not addresses:
         return ""
-    shown = "; ".join(f"{name} modules are at {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
+    shown = "; ".join(f"{name} modules are at {listed(found, 3, ', ...')}"
                       for name, found in sorted(addresses.items()))
     return f"; a selection takes module addresses, not module classes: {shown}"

@@ -27,7 +27,7 @@ import torch
 
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
-from ..errors import GradientUnavailable
+from ..errors import GradientUnavailable, listed
 from ..record.grads import FROM_BATCHED_BACKWARD, grad_capture_of, unreadable
 from ..tree import without_values
 from .nonfinite import DETECT_ANOMALY_RECIPE
@@ -100,8 +100,7 @@ class GradNonfiniteReport:
             lines.append("  only Inf, no NaN: anomaly mode checks for NaN alone, so it raises nothing here until "
                          "an Inf turns into a NaN")
         if self.origin is not None and self.parameters:
-            lines.append(f"  parameters with a non-finite .grad: {', '.join(self.parameters[:8])}"
-                         + (" ..." if len(self.parameters) > 8 else ""))
+            lines.append(f"  parameters with a non-finite .grad: {listed(self.parameters, 8)}")
         lines += ["", self.recipe]
         return "\n".join(lines)
 
@@ -110,7 +109,7 @@ class GradNonfiniteReport:
     def _parameter_lines(self) -> list:
         """Every op gradient is finite; the non-finite values are in parameters' ``.grad`` only."""
         lines = [f"  every op gradient is finite, but the .grad of {len(self.parameters)} parameter(s) holds "
-                 f"{self.kind.upper()}: {', '.join(self.parameters[:8])}" + (" ..." if len(self.parameters) > 8 else "")]
+                 f"{self.kind.upper()}: {listed(self.parameters, 8)}"]
         if self.born_in_certain:
             lines.append(f"  born in the backward of {self.born_in[0]}, the op that read it (its output gradient "
                          "was finite)")

@@ -20,7 +20,7 @@ from ..record.columns import UNINITIALIZED_FUNCS, Kind
 from ..record.finite import nonfinite_flags
 from ..record.params import changed_since_trace
 from ..record.trace import checked_trace
-from ..errors import TraceCleanedUp
+from ..errors import TraceCleanedUp, listed
 from ..tree import without_values
 
 DETECT_ANOMALY_CODE = """\
@@ -86,10 +86,10 @@ class NonfiniteReport:
         else:
             lines += self._origin_lines()
         if self.unexamined:
-            shown = ", ".join(self.unexamined[:5]) + (" ..." if len(self.unexamined) > 5 else "")
+            shown = listed(self.unexamined, 5)
             lines.append(f"  {len(self.unexamined)} ops were not examined (not saved, no finite flag): {shown}")
         if self.uninitialized:
-            shown = ", ".join(self.uninitialized[:5]) + (" ..." if len(self.uninitialized) > 5 else "")
+            shown = listed(self.uninitialized, 5)
             lines.append(f"  not evidence: {shown} held NaN/Inf in uninitialized memory (torch.empty and kin, a view "
                          "of it, or a write into part of it), whose contents are undefined")
         if self.parameters and self.origin_kind != "parameter":
@@ -97,7 +97,7 @@ class NonfiniteReport:
         if not self.parameters_checked:
             lines.append("  parameters were not checked (the trace no longer holds the model)")
         if self.parameters_changed:
-            shown = ", ".join(self.parameters_changed[:5]) + (" ..." if len(self.parameters_changed) > 5 else "")
+            shown = listed(self.parameters_changed, 5)
             lines.append(f"  {len(self.parameters_changed)} parameters changed since the trace (an optimizer step?) "
                          f"were not checked: {shown}; run nonfinite_origin before the step to check them")
         lines += ["", self.recipe]

@@ -6,7 +6,7 @@ takes the labels of the whole forward and names the sites past its stop."""
 
 from __future__ import annotations
 
-from ..errors import InterventionError, first_few, warn_user
+from ..errors import InterventionError, first_few, listed, warn_user
 from ..record.columns import Kind
 from ..record.lookup import refuse_ambiguous
 from ..record.op import Layer
@@ -77,7 +77,7 @@ def _refuse_a_call_of_a_second_name(site, module_of: dict) -> None:
     raise InterventionError(
         f"intervention site {site.key!r}: {site.address} is another name of the module {module.address}, which ran "
         f"{module.num_calls} times; its calls are numbered per module object, whichever name made them, and labelled "
-        f"{', '.join(module.call_labels[:4])}{', ...' if module.num_calls > 4 else ''}: name the call by one of "
+        f"{listed(module.call_labels, 4, ', ...')}: name the call by one of "
         f"those labels, or give the address {site.address!r} alone to change every call")
 
 

@@ -23,7 +23,7 @@ import stat
 import uuid
 
 from ..checks import check_flag, check_path
-from ..errors import warn_user
+from ..errors import listed, warn_user
 from ..record.trace import checked_trace
 from .encode import encode_value, torch_constant_name, unsavable
 from .grads import write_grads
@@ -190,7 +190,7 @@ def _replace_saved(path: str, staging: str, old_files: list) -> None:
     os.replace(os.path.join(staging, MANIFEST), os.path.join(path, MANIFEST))
     kept = [n for n in others if os.path.lexists(os.path.join(path, n))]
     warn_user(f"{path}: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the old trace's manifest did not "
-              f"list ({', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''}); saving over a trace removes only "
+              f"list ({listed(kept, 5)}); saving over a trace removes only "
               "the files its manifest names")
 
 

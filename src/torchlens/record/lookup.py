@@ -14,7 +14,7 @@ quietly.
 
 from __future__ import annotations
 
-from ..errors import AmbiguousKey
+from ..errors import AmbiguousKey, listed
 from .columns import Kind
 from .modules import Module, ModuleCall
 from .op import Layer, Op
@@ -126,8 +126,7 @@ def alias_note(trace, key: str) -> str:
                      if calls[c].parent >= 0 and parent in rows[calls[calls[c].parent].module].all_addresses]
             where = f"; the calls made from {parent}: {', '.join(under)}" if under and parent else ""
             return (f"; {address} is another name of the module {row.address}, whose calls are numbered per module "
-                    f"object and labelled by its first name: {', '.join(labels[:6])}"
-                    f"{', ...' if len(labels) > 6 else ''}{where}")
+                    f"object and labelled by its first name: {listed(labels, 6, ', ...')}{where}")
     return ""
 
 

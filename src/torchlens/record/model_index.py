@@ -20,7 +20,7 @@ from weakref import ref as weakref
 
 import torch
 
-from ..errors import first_few
+from ..errors import first_few, listed
 
 WRAPPED = "_orig_mod"  # where a torch.compile wrapper (an OptimizedModule) holds the module it compiles
 
@@ -232,7 +232,7 @@ def container_note(address: str, module) -> str:
         return (f"is a {type(module).__name__} with no forward and no submodules (as torch.export's unlifted "
                 "modules keep the parameters of the modules they inlined): it is never called, so it has no output; "
                 "name the ops that read its parameters (each op's params lists them) by their labels")
-    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    shown = listed(held, 3, ", ...")
     return (f"is a {type(module).__name__}, a container with no forward of its own: it is never called, so it has "
             f"no output; name the modules it holds ({shown})")
 

@@ -15,7 +15,7 @@ to read instead.
 
 from __future__ import annotations
 
-from ..errors import ActivationUnavailable, TorchlensError
+from ..errors import ActivationUnavailable, TorchlensError, listed
 from ..tree import MAX_DEPTH, container_items, tensor_leaves
 
 
@@ -99,7 +99,7 @@ def _rebuild_from_paths(trace, tensors: list):
     outputs = trace.outputs
     if len(outputs) == 1 and outputs[0].io_path == "output":
         return tensors[0]
-    paths = ", ".join(op.io_path for op in outputs[:6]) + (" ..." if len(outputs) > 6 else "")
+    paths = listed([op.io_path for op in outputs], 6)
     raise TorchlensError(f"this trace was loaded from {trace.loaded_from}, saved by a torchlens that kept the "
                          "output's tensors but not the containers around them, so log.output cannot be rebuilt "
                          f"faithfully; read each tensor as log.outputs[k].activation (paths: {paths})")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from ..errors import listed
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
 
@@ -450,7 +451,7 @@ class FlopCount(int):
     def __repr__(self) -> str:
         if not self.unknown:
             return f"{int(self):,} FLOPs"
-        shown = ", ".join(self.unknown[:5]) + (" ..." if len(self.unknown) > 5 else "")
+        shown = listed(self.unknown, 5)
         return f"{int(self):,} FLOPs over {self.counted} counted ops; {len(self.unknown)} ops unknown: {shown}"
 
     __str__ = __repr__

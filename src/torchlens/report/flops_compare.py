@@ -19,7 +19,7 @@ import functools
 import torch
 
 from ..checks import check_number
-from ..errors import NativeToolFailed, WitnessFailed
+from ..errors import NativeToolFailed, WitnessFailed, listed
 from ..record.modules import is_unregistered
 from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, total_flops
 
@@ -379,7 +379,7 @@ def _uncounted_product_notes(log, ops, product_calls) -> list:
     if not missed:
         return []
     names = sorted({log._by_label(label).func_name for label in missed})
-    shown = ", ".join(missed[:3]) + (" ..." if len(missed) > 3 else "")
+    shown = listed(missed, 3)
     return [f"FlopCounterMode counted 0 inside these {', '.join(names)} calls: the ATen kernels they reach "
             "(such as aten.addbmm or aten.mv) have no entry in its flop registry. The native side is missing "
             f"that work, not free (here: {shown}; {len(missed)} of {len(ops)} products)."]
@@ -396,7 +396,7 @@ def _traced_products(log) -> list:
 def _which(labels, total) -> str:
     """`` (here: a, b, c; 2 of 5 attention calls)``, labels left out when they could not be paired."""
     named = [label for label in labels if label is not None]
-    shown = f"here: {', '.join(named[:3])}{' ...' if len(named) > 3 else ''}; " if named else ""
+    shown = f"here: {listed(named, 3)}; " if named else ""
     return f" ({shown}{len(labels)} of {total} attention calls)"
 
 
