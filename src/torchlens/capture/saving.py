@@ -190,7 +190,7 @@ class SavePolicy:
         kept = {i for i in trace.saved_activations if trace.kinds[i] != Kind.OUTPUT and self.keep(trace, trace.ops[i])}
         # An output node shows its producer's tensor: kept when the producer is (or when asked for).
         for i in trace.saved_activations:
-            if trace.kinds[i] == Kind.OUTPUT and (trace.op_parents[i][0][1] in kept or self.keep(trace, trace.ops[i])):
+            if trace.kinds[i] == Kind.OUTPUT and (trace.output_producer(i) in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
         trace.keep_activations(kept)
 

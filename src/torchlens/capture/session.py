@@ -16,6 +16,7 @@ import torch
 from ..checks import check_flag, check_number
 from ..errors import NestedTraceError, first_few, warn_user
 from ..progress import QUIET, bar, shows_bar
+from ..record.columns import MODULE_CALL_MODULE
 from ..record.finalize import finalize
 from ..record.layouts import param_versions
 from ..record.model_index import PACKED_WEIGHTS_CAVEAT, index_of
@@ -590,8 +591,8 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
 def _where(state, index: int, model) -> str:
     if index < 0:
         return "the root forward"
-    module = state.module_calls[index][0]
-    call_number = sum(1 for c in state.module_calls[: index + 1] if c[0] is module)
+    module = state.module_calls[index][MODULE_CALL_MODULE]
+    call_number = sum(1 for c in state.module_calls[: index + 1] if c[MODULE_CALL_MODULE] is module)
     address = type(module).__name__
     if isinstance(model, torch.nn.Module):
         # The root module's own address is "" in named_modules; a trace calls it "self".

@@ -49,7 +49,7 @@ def gradient_holder(trace, index: int) -> int:
     """An output node shows its producer's tensor, and so its producer's gradient; one showing a tensor of
     its own (see ``outputs_with_own_tensor``) has its own gradient (capture/grads.py ``_watch_own_outputs``)."""
     if trace._kind[index] == Kind.OUTPUT:
-        producer = trace._parents[index][0][1]
+        producer = trace.output_producer(index)
         return producer if producer >= 0 and index not in trace._own_outputs else index
     return index
 
@@ -62,7 +62,7 @@ def grad_of(trace, index: int):
         raise TraceCleanedUp(f"{label}: the trace was cleaned up; its gradients were released (their norms, "
                              "min, max and non-finite counts stay in to_pandas())")
     index = gradient_holder(trace, index)
-    if not trace._meta[index][3]:
+    if not trace._meta[index].requires_grad:
         raise GradientUnavailable(f"{label}: {_why_no_grad(trace, index)}")
     grad = capture.grads.get(index)
     if grad is not None and unreadable(grad):
@@ -101,7 +101,7 @@ def outputs_with_own_tensor(trace) -> list:
     """The output nodes that show a tensor of their own: one no op of the trace made (a parameter returned
     as it is), or one last written through a view, whose producer made that view (``Trace._own_outputs``)."""
     own = trace._own_outputs
-    return [i for i in output_nodes(trace) if trace._parents[i][0][1] < 0 or i in own]
+    return [i for i in output_nodes(trace) if trace.output_producer(i) < 0 or i in own]
 
 
 def _why_no_grad(trace, index: int) -> str:
@@ -130,7 +130,7 @@ def module_call_grad(call):
     """The gradient of a module call's output: one tensor, or a tuple for several outputs."""
     trace = call._trace
     outputs = [i for i in call._output_nodes if i >= 0]
-    grads = [grad_of(trace, i) if trace._meta[i][3] else None for i in outputs]
+    grads = [grad_of(trace, i) if trace._meta[i].requires_grad else None for i in outputs]
     if not grads:
         return None
     return grads[0] if len(grads) == 1 else tuple(grads)

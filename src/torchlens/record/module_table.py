@@ -192,8 +192,8 @@ def module_summary(trace, depth=None) -> ModuleSummary:
 
     forward = trace.timings.get("forward")
     rows = [row(trace.model_name, -1, _root_class(trace), root_param_count(trace),
-                [op.index for op in trace.inputs], [op._trace._parents[op.index][0][1] for op in trace.outputs
-                                                    if op._trace._parents[op.index][0][1] >= 0],
+                [op.index for op in trace.inputs], [trace.output_producer(op.index) for op in trace.outputs
+                                                    if trace.output_producer(op.index) >= 0],
                 compute, whole_flops, forward)]
     for mc in trace.module_calls:
         if depth is not None and mc.depth >= depth:

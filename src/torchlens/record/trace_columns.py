@@ -49,6 +49,11 @@ class TraceColumns:
         """Each op's ``((argument position, parent op index), ...)`` (-1: a tensor of unknown origin), by op index."""
         return self._parents
 
+    def output_producer(self, index: int) -> int:
+        """The op an output node shows (its one parent: an op, or the input returned as it is), or -1 for a
+        tensor the trace has no op for (a parameter returned as it is)."""
+        return self._parents[index][0][1]
+
     @property
     def pass_numbers(self) -> list:
         """Each op's pass number within its layer (1-based), by op index."""
