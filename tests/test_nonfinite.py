@@ -360,3 +360,22 @@ def test_uninitialized_memory_holding_nan_is_no_origin(flags):
     assert {op.label for op in empties} <= set(report.uninitialized)
     assert not {op.label for op in empties} & set(report.other_origins + report.propagators)
     assert "not evidence: " in str(report)
+
+
+def test_a_returned_parameter_is_not_marked_by_the_last_op():
+    """An output node showing a tensor no op made (producer -1) has no producer flag to copy: reading flags[-1]
+    marked a returned parameter non-finite whenever the model's last output held a NaN."""
+    from torchlens.viz.metrics import nonfinite_marks
+
+    class ReturnsWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return self.w, torch.log(x - 5)  # the second output is NaN
+
+    log = tl.trace(ReturnsWeight(), torch.ones(3), save=["log"])
+    weight_out, nan_out = log.outputs
+    marks = nonfinite_marks(log)
+    assert marks[nan_out.index] is True and marks[weight_out.index] is None

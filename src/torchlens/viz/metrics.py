@@ -120,9 +120,9 @@ def nonfinite_marks(trace) -> list:
             if flags[i] is None and isinstance(tensor, torch.Tensor):
                 finite = nonfinite_flags(tensor)
                 flags[i] = None if finite is None else any(finite)
-    for i, kind in enumerate(trace.kinds):  # an output node shows its producer's tensor
-        if kind == Kind.OUTPUT and flags[i] is None and trace.op_parents[i]:
-            flags[i] = flags[trace.op_parents[i][0][1]]
+    for i, kind in enumerate(trace.kinds):  # an output node shows its producer's tensor, where an op made it
+        if kind == Kind.OUTPUT and flags[i] is None and trace.output_producer(i) >= 0:
+            flags[i] = flags[trace.output_producer(i)]
     return flags
 
 
