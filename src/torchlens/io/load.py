@@ -88,8 +88,8 @@ class _Columns:
                                  f" entries")
         return value
 
-    def ints(self, name, lo, hi, n=None) -> list:
-        values = self.column(name, self.n if n is None else n)
+    def ints(self, name, lo, hi) -> list:
+        values = self.column(name, self.n)
         for v in values:
             check_index(v, lo, hi, name)
         return values
