@@ -166,6 +166,26 @@ def test_order_statistic_bounds_match_the_binomial():
     assert tail <= 0.05
 
 
+def test_a_cuda_output_in_a_dataclass_is_synchronized(monkeypatch):
+    """The sync decision walks the output as the trace does: a dataclass output on CUDA (found by no walk of
+    tuples, lists and dicts) was timed without synchronizing, measuring kernel launches only."""
+    import dataclasses
+
+    from torchlens.report.overhead import _needs_sync
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+
+    class OnCuda(torch.Tensor):
+        is_cuda = True  # stands in for a CUDA tensor on a machine without one
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_cuda = torch.ones(2).as_subclass(OnCuda)
+    assert _needs_sync(None, Output(on_cuda)) and _needs_sync(None, {"out": [on_cuda]})
+    assert not _needs_sync(None, Output(torch.ones(2)))
+
+
 def test_same_output_is_exact():
     a = torch.tensor([1.0, float("nan")])
     assert same_output((a, {"k": 2}), (a.clone(), {"k": 2}))

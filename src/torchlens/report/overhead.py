@@ -34,6 +34,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..checks import check_int, check_number
+from ..tree import tensor_leaves
 
 __all__ = ["measure_overhead", "RefusalPredicate", "OverheadResult", "same_output", "machine_fingerprint"]
 
@@ -321,18 +322,7 @@ def _needs_sync(device, out) -> bool:
         return False
     if device is not None:
         return torch.device(device).type == "cuda"
-    return any(t.is_cuda for t in _tensors(out))
-
-
-def _tensors(obj, depth: int = 0):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 6 and isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif depth < 6 and isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item, depth + 1)
+    return any(t.is_cuda for _, t in tensor_leaves(out))
 
 
 def same_output(a, b) -> bool:
