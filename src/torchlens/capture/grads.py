@@ -156,8 +156,8 @@ def _storage_of(t: torch.Tensor):
         return None
 
 
-def _python_add_hook(sink, handles: dict, numbers: dict, keys: dict, base: int, make_hook):
-    """The Python ``add_hook(index, t)``: a tensor hook ``make_hook(index)`` writing into ``sink``."""
+def _python_add_hook(handles: dict, numbers: dict, keys: dict, base: int, make_hook):
+    """The Python ``add_hook(index, t)``: a tensor hook ``make_hook(index)``, which writes into the sink."""
     ref = weakref.ref
 
     def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
@@ -189,7 +189,7 @@ def _python_add_hook(sink, handles: dict, numbers: dict, keys: dict, base: int, 
 def _cpp_fallback(sink, handles: dict, numbers: dict, keys: dict, base: int):
     """The C++ ``HookAdder``'s fallback (tensor subclasses, tensors that need no grad): Python hooks
     writing into the C++ store."""
-    return _python_add_hook(sink, handles, numbers, keys, base, sink.hook)
+    return _python_add_hook(handles, numbers, keys, base, sink.hook)
 
 
 def _remove_all(handles: dict, keys: dict, base: int) -> None:
@@ -290,7 +290,7 @@ class GradCapture:
                                        _remove_all)
         native = self._native
         make_hook = partial(partial, _store, sink) if native is None else partial(native.Hook, sink)
-        add_hook = _python_add_hook(sink, handles, numbers, keys, base, make_hook)
+        add_hook = _python_add_hook(handles, numbers, keys, base, make_hook)
         if native is not None:  # the same steps in C for plain tensors; add_hook takes every other call
             return native.HookAdder(sink, handles, numbers, keys, base, _PLAIN, OrderedDict, add_hook)
         return add_hook

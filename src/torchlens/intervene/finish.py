@@ -32,7 +32,7 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         _warn_past_the_stop(runtime)
         return
     unmet = runtime.unmet()
-    _refuse_a_run_that_ended_before_some_ops(runtime, unmet)
+    _refuse_a_run_that_ended_before_some_ops(runtime)
     if unmet:
         names = _site_names(unmet)
         whole = [site.address for site in unmet if isinstance(site, ModuleSite) and site.call_number is None]
@@ -81,7 +81,7 @@ def _refuse_a_call_of_a_second_name(site, module_of: dict) -> None:
         f"those labels, or give the address {site.address!r} alone to change every call")
 
 
-def _refuse_a_run_that_ended_before_some_ops(runtime: Interventions, unmet: list) -> None:
+def _refuse_a_run_that_ended_before_some_ops(runtime: Interventions) -> None:
     """A layer label or a predicate applied to some of its ops and not to later ones: every position up to
     the end of the run was checked on the way, so the run ended before those (``generate()`` stopping sooner
     once the edit changed a token).  Said so, rather than that the site was never reached."""

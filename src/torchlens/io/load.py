@@ -164,7 +164,7 @@ def _build(record, tensors: dict) -> Trace:
     flops = _flops(record.get("flops"), n)
     if flops is not None:
         trace._flops_col = flops
-    trace.saved_func_paths = _func_paths(cols, calls)
+    trace.saved_func_paths = _func_paths(cols)
     for name in ("rank", "world_size"):  # absent from traces saved before distributed support
         value = record.get(name)
         if value is not None:
@@ -289,7 +289,7 @@ def _code_stub(codes, i, line, cache):
     return stub
 
 
-def _func_paths(cols, calls) -> tuple:
+def _func_paths(cols) -> tuple:
     """Each call's function as saved, by qualified name (``_calls`` has checked the indices)."""
     funcs = cols.column("funcs")
     return tuple(_string(funcs[row[0]], "funcs") for row in cols.column("calls"))
