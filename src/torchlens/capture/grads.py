@@ -33,6 +33,7 @@ import torch
 from ..errors import warn_user
 from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
+from ..record.layouts import storage_use_count
 from ..tree import tensor_leaves
 from . import accel
 
@@ -111,7 +112,6 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
 
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _unshare_when_done(sink) -> None:
@@ -120,7 +120,7 @@ def _unshare_when_done(sink) -> None:
     slices) hands on a view of the gradient the trace keeps, and autograd stores such a view as a leaf's
     ``.grad`` without copying it: ``clip_grad_norm_``, ``GradScaler.unscale_`` or ``zero_()`` on that ``.grad``
     would then rewrite the trace's record.  (The C++ store does the same, ``_autograd.cpp``.)"""
-    if _storage_use_count is None:
+    if storage_use_count is None:
         return
     try:
         _queue_callback(partial(_unshare, sink, len(sink.order)))
@@ -144,7 +144,7 @@ def _unshare(sink, first: int) -> None:
     owners.update(bases.values())
     for index, grad, storage in fresh:
         # Its owners when no other tensor holds it: those counted, and the storage object Python keeps for it.
-        if storage is not None and _storage_use_count(storage) > owners[storage] + 1:
+        if storage is not None and storage_use_count(storage) > owners[storage] + 1:
             grads[index] = grad.clone()
 
 

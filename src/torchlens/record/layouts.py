@@ -171,14 +171,15 @@ def memory_span(t: torch.Tensor):
         return None
 
 
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# References to a storage, by its ``_cdata`` (None where torch has no such call).
+storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def storage_holders(t: torch.Tensor) -> int:
     """How many references hold ``t``'s memory, counting the storage object the count is read through (so
     at least 2); a large number where torch cannot say."""
     try:
-        return _storage_use_count(t.untyped_storage()._cdata)
+        return storage_use_count(t.untyped_storage()._cdata)
     except (AttributeError, TypeError, RuntimeError, NotImplementedError):
         return 1 << 30
 
