@@ -200,7 +200,8 @@ def test_html_pictures_drill_down_and_cover_each_op_once(traces):
 def test_auto_depth_is_the_deepest_level_within_budget(traces):
     log = traces["small_cnn"]
     structure = graph.build_structure(log)
-    sizes = {k: graph.count_nodes(structure, -1, k) for k in range(4)}
+    pictures = {k: graph.project(structure, -1, k) for k in range(4)}
+    sizes = {k: len(p.items) + len(p.collapsed) for k, p in pictures.items()}  # the nodes drawn, references aside
     assert sizes[0] < sizes[1] < sizes[2] <= sizes[3] == len(log)
     for budget in range(sizes[0], len(log) + 1):
         chosen = graph.auto_depth(structure, -1, budget)

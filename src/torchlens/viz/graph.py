@@ -232,22 +232,6 @@ def _relative_depth(structure, focus):
     return lambda g: structure.groups[g].depth - base
 
 
-def count_nodes(structure, focus: int, depth) -> int:
-    """How many nodes ``project(structure, focus, depth)`` draws, references aside."""
-    rel = _relative_depth(structure, focus)
-    inside = structure.groups[focus].items if focus >= 0 else range(len(structure.items))
-    seen_groups = set()
-    count = 0
-    for i in inside:
-        g = _representative(structure, structure.items[i].group, focus, depth, rel)
-        if g is None:
-            count += 1
-        elif g not in seen_groups:
-            seen_groups.add(g)
-            count += 1
-    return count
-
-
 def auto_depth(structure, focus: int, budget: int) -> int:
     """The deepest level whose picture still has at most ``budget`` nodes (at least level 0)."""
     groups = structure.groups
