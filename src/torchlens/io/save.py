@@ -333,9 +333,10 @@ def _qualified_name(func) -> str:
 
 
 def _meta(m) -> list:
-    shape, dtype, device, requires_grad, grad_fn = m
-    row = [[None if d is None else int(d) for d in shape], torch_constant_name(dtype), str(device),
-           bool(requires_grad), grad_fn.__name__ if grad_fn is not None else None]
+    """One ``OpMeta`` as the file's meta row: [shape, dtype, device, requires_grad, grad_fn class name]."""
+    shape, grad_fn = m.shape, m.grad_fn_class
+    row = [[None if d is None else int(d) for d in shape], torch_constant_name(m.dtype), str(m.device),
+           bool(m.requires_grad), grad_fn.__name__ if grad_fn is not None else None]
     return row + [int(shape.numel)] if None in shape else row  # a nested tensor: None where ragged
 
 

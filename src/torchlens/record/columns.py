@@ -81,7 +81,7 @@ class OpMeta(NamedTuple):
     dtype: Any  # torch.dtype
     device: Any  # torch.device
     requires_grad: bool
-    grad_fn_class: Any  # type(t.grad_fn) or None (a name string in a trace read by ``tl.load``)
+    grad_fn_class: Any  # type(t.grad_fn) or None (read by ``tl.load``: a stand-in holding only its ``__name__``)
 
 
 class ModuleCallRaw(NamedTuple):
