@@ -114,8 +114,10 @@ def test_every_attribute_set_on_a_trace_from_outside_record_is_declared_on_the_c
     log.save(tmp_path / "t")
     loaded = tl.load(tmp_path / "t")
     log.cleanup()
+    log.save(tmp_path / "cleaned")  # saved without its parameters' gradients: the loaded trace says why
+    cleaned = tl.load(tmp_path / "cleaned")
     owned = _record_owned_attributes()
-    for trace in (log, loaded):
+    for trace in (log, loaded, cleaned):
         undeclared = sorted(name for name in vars(trace) if name not in owned and not hasattr(Trace, name))
         assert not undeclared, f"set on a Trace from outside record/ but not declared on the class: {undeclared}"
     assert log._flops_col is not None and loaded.loaded_from is not None and log._root_class == "LoopRNN"

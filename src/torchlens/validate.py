@@ -432,7 +432,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
         if is_param_written(dropped):  # a parameter updated since, as for the ops reading it: not a mismatch
             return _skip(f"parameter changed since the trace: {dropped}")
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")
-    replay = getattr(log, "_replay", None)
+    replay = log._replay
     context = replay.contexts.get(call_position, replay.context) if replay is not None else None
     positional, keyword = {}, {}
     copies: dict = {}  # one copy per parent: a tensor passed twice stays one tensor (``query is key``)

@@ -78,7 +78,7 @@ def _param_grads(trace) -> list:
 
 def _param_grads_missing(trace, with_tensors: bool):
     if trace.loaded_from is not None and trace._param_grads is None:  # the reason it was read with stays
-        return getattr(trace, "_param_grads_missing", None) or "it was saved without gradient tensors"
+        return trace._param_grads_missing or "it was saved without gradient tensors"
     if trace.is_cleaned_up:
         return "it was saved after cleanup(), which releases the model and so its parameters' .grad"
     if not with_tensors:

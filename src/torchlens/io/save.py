@@ -299,7 +299,7 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
         "budget_exhausted_at": trace.budget_exhausted_at,
         "alias_reads": sorted([int(c), int(p)] for c, p in trace.alias_reads),
         "activations": [[i, k] for i, k in sorted(keys.items()) if i not in dropped],
-        "flops": getattr(trace, "_flops_col", None),  # derived before cleanup(), when arguments were held
+        "flops": trace._flops_col,  # derived before cleanup(), when arguments were held
         **_output_structure(trace),
         **write_trace_state(trace),  # io/trace_state.py
     }

@@ -158,7 +158,7 @@ def _saved_param_grad(trace, address: str):
     """A loaded trace: the parameter's ``.grad`` as it was when the trace was saved (None if it had none)."""
     saved = trace._param_grads
     if saved is None:
-        why = getattr(trace, "_param_grads_missing", None) or (
+        why = trace._param_grads_missing or (
             "it was traced without grads= (parameters' gradients are saved with a trace taken with "
             "tl.trace(model, x, grads=True))")
         raise GradientUnavailable(f"{address}: the trace loaded from {trace.loaded_from} holds no parameter "
@@ -250,7 +250,7 @@ def grad_stats(g) -> dict:
 
 def grad_stats_column(trace) -> dict:
     """``{op index: stats}`` for every op holding a gradient (output nodes repeat their producer's)."""
-    kept = getattr(trace, "_grad_stats", None)
+    kept = trace._grad_stats
     if kept is not None:  # computed before cleanup() released the tensors
         return kept
     capture = trace._gradcap

@@ -27,7 +27,7 @@ def module_param_counts(trace) -> dict:
     model was traced (``params_by_module``), kept after cleanup and saved with the trace; a loaded trace from
     a file without those counts (an older torchlens) counts the parameters its ops used instead
     (``counts_from_used_params`` then says so)."""
-    counts = getattr(trace, "_module_param_counts", None)
+    counts = trace._module_param_counts
     if counts is None:
         rows = trace._module_rows
         live = [row for row in rows if row.ref is not None]
@@ -206,7 +206,7 @@ def module_summary(trace, depth=None) -> ModuleSummary:
 
 
 def _root_class(trace) -> str:
-    known = getattr(trace, "_root_class", None)  # set by tl.trace: the root module's class
+    known = trace._root_class  # set by tl.trace: the root module's class
     if known is not None:
         return known
     return type(trace._model).__name__ if trace._model is not None else trace.model_name

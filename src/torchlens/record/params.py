@@ -46,7 +46,7 @@ def param_states(model_params, requires_grad) -> list:
 def changed_since_trace(trace) -> list:
     """Addresses of the traced model's parameters written in place since the forward ended (an optimizer step):
     their version counters moved.  Empty for a trace that holds no live model, or no versions."""
-    replay = getattr(trace, "_replay", None)
+    replay = trace._replay
     if replay is None or trace._model_params is None:
         return []
     versions = replay.param_versions

@@ -112,7 +112,7 @@ def as_traced(log, context, setting: dict):
             stack.callback(put, get())
             put(value)
     if context is None:
-        grad, autocast, attention = False, getattr(log, "_autocast", {}), ()
+        grad, autocast, attention = False, log._autocast, ()
     else:
         grad, autocast, *attention = context
     stack.enter_context(torch.set_grad_enabled(grad))

@@ -69,6 +69,7 @@ class Trace(TraceColumns):
     _own_outputs: frozenset = frozenset()  # record.finalize: output nodes showing their own tensor, not the producer's
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
     _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
+    _param_grads_missing = None  # io.grads: in a trace read by ``tl.load``, why its parameter gradients were not saved
     _grad_stats = None  # record.grads / io.grads: each op's gradient statistics, kept once derived
     _module_param_counts = None  # record.module_table: parameters per module, counted before cleanup
     _params_by_module = None  # record.finalize: id(module) -> (module, [its parameters]) as the forward ran

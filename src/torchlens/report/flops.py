@@ -401,7 +401,7 @@ def _evaluate(trace, index):
 
 def flops_column(trace) -> list:
     """Per op index: ``{family: flops}`` or None (unknown).  Computed once per trace and kept."""
-    column = getattr(trace, "_flops_col", None)
+    column = trace._flops_col
     if column is None:
         if trace.is_cleaned_up:
             raise RuntimeError("this trace was cleaned up before its FLOPs were derived")
