@@ -46,7 +46,8 @@ class HotPath:
         self.total = total
         self.excluded = tuple(excluded)
         self.considered = considered
-        self.calls = considered  # distinct torch calls ranked (hot_path sets it when some returned several ops)
+        self.calls = considered  # distinct torch calls ranked (hot_path sets it: a call may return several ops)
+        self.trace_calls = considered  # every torch call of the trace, as print(log) counts them (set by hot_path)
         self.model_name = model_name
         self.note = _METRIC_NOTES[by]
 
@@ -88,7 +89,7 @@ class HotPath:
 
     def _calls_text(self) -> str:
         # Counted as print(log) counts them; the others are listed under "excluded" below.
-        total = getattr(self, "trace_calls", self.calls)
+        total = self.trace_calls
         return f"{self.calls} torch calls" if total == self.calls else f"{self.calls} of {total} torch calls"
 
 
