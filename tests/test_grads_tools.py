@@ -280,6 +280,11 @@ def test_kernel_profile_reuses_a_grads_trace_and_reports_backward_per_module_cal
     log = tl.trace(model, x, grads=True)
     reused = tl.report.kernel_profile(log, backward=True)
     assert log.num_backwards == 1 and log["linear_1_1:1"].grad is not None  # the profiled backward filled them
+    # It is the trace's own backward: the parameters' .grad are a plain backward's, not set aside.
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.autograd.backward(model(x), grad_tensors=torch.ones(3, 2))
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
     # The same backward nodes land on the same ops and module calls, with no second forward.
     assert [(r["op"], r["bwd_aten_ops"]) for r in reused.ops] == [(r["op"], r["bwd_aten_ops"]) for r in fresh.ops]
     assert all(r["cpu_ns"] is None and r["bwd_cpu_ns"] > 0 for r in reused.ops)

@@ -42,8 +42,10 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
             ``model`` may instead be a trace taken with ``grads=True`` whose backward has not run yet:
             only that backward is profiled (no second forward), see report/backward_profile.py.
         backward: ``True`` runs ``torch.autograd.backward`` on every output that requires grad with
-            all-ones gradients; a callable ``f(output)`` runs your own loss and backward instead.  Either
-            way the parameters' ``.grad`` end as they were (the backward runs with them set aside).
+            all-ones gradients; a callable ``f(output)`` runs your own loss and backward instead.  For a
+            model, either way the parameters' ``.grad`` end as they were (the backward runs with them set
+            aside).  For a trace, the backward is the trace's own, as ``log.backward`` runs it: it fills the
+            parameters' ``.grad`` as any backward does, so it can be a training step's backward.
         chrome_trace: a path: write torch's own chrome export of this profile there, untouched, plus
             ``<path>.torchlens.json`` naming its events by op, layer and module call.
         profiler: an entered ``torch.profiler.profile`` you run (borrowed mode): torchlens adds its
