@@ -335,6 +335,32 @@ def test_a_torchscript_submodule_is_named_as_unseen():
     assert plain.caveats == () and "outside the trace" not in str(plain)
 
 
+@torch.jit.script
+def _scripted_double_relu(x):
+    return torch.relu(x) * 2
+
+
+class _CallsAScriptedFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(_scripted_double_relu(self.linear(x)))
+
+
+def test_a_torchscript_function_called_by_the_forward_is_named_among_the_places_a_trace_cannot_see():
+    """A scripted function is no module: nothing marks its call, so the printed trace says where a tensor no op
+    made can come from, this among them, rather than leave the reader to guess."""
+    torch.manual_seed(0)
+    model, x = _CallsAScriptedFunction(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x)) and log.unattributed == 1
+    assert [op.label for op in log.ops if op.kind == "op"] == ["linear_1_1:1", "linear_1_1:2"]
+    assert ("read by linear_1_1:2; made where the trace cannot see: before the forward, on another thread, or "
+            "inside a TorchScript or torch.compile'd function the forward called") in str(log)
+
+
 def test_a_jit_traced_submodule_is_named_as_unseen_with_both_ways_it_was_made():
     torch.manual_seed(0)
     model = nn.Sequential(torch.jit.trace(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), torch.randn(2, 8)), nn.ReLU())
