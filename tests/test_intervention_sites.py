@@ -4,11 +4,9 @@ hand-written forward hooks doing the same edit."""
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 import os
 import sys
-import warnings
 
 import pytest
 import torch
@@ -430,138 +428,6 @@ def test_a_call_number_after_a_second_name_of_a_module_run_several_times_is_refu
     edited = tl.trace(model, x, intervene={"layers.0:3": tl.zero_ablate()})
     assert [op.activation.any().item() for op in edited if op.type == "linear"] == [True, True, False]
     assert not edited.output.any()
-
-
-class Retrieve(nn.Module):
-    """Token ids chosen by argmax and looked up again: an integer value between float ones."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 10)
-
-    def forward(self, ids):
-        chosen = self.head(self.embed(ids)).argmax(-1)
-        return self.embed(chosen).sum(-1)
-
-
-@pytest.mark.parametrize("action, named", [
-    (tl.mean_ablate(), "mean_ablate"), (tl.noise(1.0), "noise"),
-    (tl.steer(torch.tensor([0.6, 0.6, 0.6])), "steer's vector"), (torch.tensor([[1.7, 2.2, 3.9]]), "replacement")])
-def test_a_helper_that_would_round_into_an_integer_value_is_refused(action, named):
-    # The mean (2.5), the noise, a float steering vector or a float tensor were cast into the int64 ids
-    # (a mean 2.5 read 2, 1.7 read 1) and the trace showed a value nobody asked for; noise raised torch's
-    # "normal_kernel_cpu not implemented for 'Long'" naming no site.
-    model, ids = Retrieve(), torch.tensor([[1, 2, 3], [4, 5, 6]])
-    with pytest.raises(tl.InterventionError, match=f"{named}.*argmax_1_3:1.*torch.int64"):
-        tl.trace(model, ids, intervene={"argmax_1_3:1": action})
-    assert_clean_process()
-    kept = tl.trace(model, ids, intervene={"argmax_1_3:1": torch.tensor([[1, 2, 3]])})
-    assert torch.equal(kept["argmax_1_3:1"].activation, torch.tensor([[1, 2, 3], [1, 2, 3]]))
-
-
-def test_a_float_value_patched_from_a_wider_float_run_is_rounded_as_a_hook_rounds_it():
-    # Within a kind the cast stays: a float32 run's value patched into a bfloat16 run reads as the
-    # bfloat16 number a forward hook copying it there would make.
-    model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(3, 4)
-    clean = tl.trace(model, x)
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    patched = tl.trace(half, x.bfloat16(), intervene={"0": tl.patch_from(clean)})
-    handle = half[0].register_forward_hook(lambda m, a, out: clean["0"].activation.to(out.dtype))
-    try:
-        assert torch.equal(patched.output, half(x.bfloat16()))
-    finally:
-        handle.remove()
-
-
-class SparseGraph(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, adj, x):
-        return self.fc(torch.sparse.mm(adj * 2, x))
-
-
-def test_a_sparse_value_is_patched_and_replaced_in_its_layout_or_refused_by_name():
-    # patch_from at a sparse site raised "a value of shape (3, 3) cannot replace one of shape (3, 3)" (no
-    # broadcast for sparse tensors); a dense replacement made the value strided unnoticed; clamp raised
-    # torch's "Could not run 'aten::clamp' with arguments from the 'SparseCPU' backend".
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        adj = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [1, 2, 0]]), torch.ones(3), (3, 3)).coalesce()
-    model, x = SparseGraph(), torch.randn(3, 4)
-    patched = tl.trace(model, (adj, x), intervene={"mul_1_1:1": tl.patch_from(tl.trace(model, (adj * 3, x)))})
-    assert patched["mul_1_1:1"].activation.layout == torch.sparse_coo
-    assert torch.equal(patched.output, model(adj * 3, x))
-    ones = torch.ones(3, 3)
-    replaced = tl.trace(model, (adj, x), intervene={"mul_1_1:1": ones})
-    assert replaced["mul_1_1:1"].activation.layout == torch.sparse_coo
-    assert torch.equal(replaced.output, model.fc(torch.sparse.mm(ones.to_sparse(), x)))
-    with pytest.raises(tl.InterventionError, match="strided tensor for a sparse_coo value.*keep the layout"):
-        tl.trace(model, (adj, x), intervene={"mul_1_1:1": lambda t, op: t.to_dense()})
-    with pytest.raises(tl.InterventionError, match=r"clamp\(min=0, max=1\) at mul_1_1:1: .*sparse_coo value"):
-        tl.trace(model, (adj, x), intervene={"mul_1_1:1": tl.clamp(0, 1)})
-    assert_clean_process()
-
-
-def test_a_nested_value_is_ablated_and_patched_component_by_component():
-    # Every action at a strided nested value raised torch's "NestedTensorImpl doesn't support sizes" (the
-    # checks of the new value read .shape), and patching between two jagged runs was refused for ragged
-    # sizes (j1, j2) that differ by name only.
-    # Each result is compared with the untraced nested forward it stands for: a nested Linear may round
-    # differently from the same Linear on each component alone, depending on the CPU's kernels.
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    parts = [torch.randn(3, 8), torch.randn(5, 8)]
-    for layout in (torch.strided, torch.jagged):
-        nt = torch.nested.nested_tensor(parts, layout=layout)
-        doubled = torch.nested.nested_tensor([p * 2 for p in parts], layout=layout)
-        with torch.no_grad():
-            zeroed_untraced = model[2](model[1](torch.zeros_like(model[0](nt))))
-            doubled_untraced = model(doubled)
-        zeroed = tl.trace(model, nt, intervene={"0": tl.zero_ablate()})
-        for got, expected in zip(zeroed.output.unbind(), zeroed_untraced.unbind(), strict=True):
-            assert torch.equal(got, expected)
-        assert zeroed["0"].shape == (2, None, 8)
-        other = tl.trace(model, doubled)
-        patched = tl.trace(model, nt, intervene={"0": tl.patch_from(other)})
-        for got, expected in zip(patched.output.unbind(), doubled_untraced.unbind(), strict=True):
-            assert torch.equal(got, expected)
-        assert not torch.equal(patched.output.unbind()[0], tl.trace(model, nt).output.unbind()[0])
-        with pytest.raises(tl.InterventionError, match=r"noise\(std=0.1\) at 0:1: .*nested"):
-            tl.trace(model, nt, intervene={"0": tl.noise(0.1)})
-    assert_clean_process()
-
-
-def test_a_quantized_value_is_patched_or_refused_naming_the_helper():
-    # zero_ablate and scale at a quantized Linear's output raised torch's "Could not run 'aten::zero_' with
-    # arguments from the 'QuantizedCPU' backend" and "promoteTypes with quantized numbers is not handled yet".
-    import torch.ao.quantization as tq
-
-    class Quantized(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.quant, self.fc, self.dequant = tq.QuantStub(), nn.Linear(8, 4), tq.DeQuantStub()
-
-        def forward(self, x):
-            return self.dequant(self.fc(self.quant(x)))
-
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = Quantized().eval()
-        model.qconfig = tq.get_default_qconfig("fbgemm")
-        prepared = tq.prepare(model)
-        prepared(torch.randn(16, 8))
-        quantized = tq.convert(prepared)
-        x, other = torch.randn(3, 8), tl.trace(quantized, torch.randn(3, 8))
-        patched = tl.trace(quantized, x, intervene={"fc": tl.patch_from(other)})
-        assert torch.equal(patched.output, quantized.dequant(other["fc"].activation))
-        for action, named in ((tl.zero_ablate(), r"zero_ablate\(\)"), (tl.scale(2.0), r"scale\(2.0\)")):
-            with pytest.raises(tl.InterventionError, match=named + r" at fc:1: .*quantized \(quint8\) value"):
-                tl.trace(quantized, x, intervene={"fc": action})
-    assert_clean_process()
 
 
 class _CountedCallNumber(int):
