@@ -144,6 +144,30 @@ def test_a_meta_forward_traces_with_save_device_as_without_it():
     assert moved.validate().status == "nothing to replay"
 
 
+
+class WithFactories(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.fc(x) + torch.ones(6) * torch.arange(6)
+
+
+def test_validation_inside_a_device_block_replays_each_factory_on_the_device_it_ran_on():
+    # Inside `with torch.device("meta")` validation raised "Tensor.item() cannot be called on meta tensors"
+    # from its own probe of the denormal setting; past that, torch.ones and torch.arange replayed onto the
+    # meta device and were reported as differing from what they had made.
+    log = tl.trace(WithFactories(), torch.randn(2, 6))
+    outside = log.validate()
+    with torch.device("meta"):
+        inside = log.validate()
+    assert outside.passed and not outside.not_replayed
+    assert inside.passed and (inside.replayed, inside.mismatched) == (outside.replayed, []), str(inside)
+    assert_clean_process()
+
+
 class Mixed(nn.Module):
     def forward(self, z, counts):
         spectrum = torch.fft.fft(z)

@@ -457,7 +457,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
     kwargs = fill(dict(kw_skeleton), keyword)
     generators = _private_generators(kwargs)
     try:
-        with as_traced(log, context, setting):
+        with as_traced(log, context, setting, func, op.device):
             out = func(*args, **kwargs)
     except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
         return _skip(f"replay raised {type(exc).__name__}: {exc}")

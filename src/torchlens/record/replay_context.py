@@ -12,6 +12,7 @@ an op's recorded state and those settings in place while replay runs it, and bac
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
@@ -71,7 +72,8 @@ class ReplayContext(NamedTuple):
 def denormals_flushed() -> bool:
     """Whether ``torch.set_flush_denormal(True)`` is in effect on this thread, which torch has no getter for:
     a subnormal float32 times one reads zero when it is."""
-    return bool((torch.tensor([1e-40]) * 1.0).eq(0).item())
+    return bool((torch.tensor([1e-40], device="cpu") * 1.0).eq(0).item())  # on the CPU, whatever device a
+    # `with torch.device(...)` around the call makes the default
 
 
 _SETTINGS = {  # name -> (read it, set it)
@@ -96,12 +98,24 @@ def settings_by_name(values: tuple) -> dict:
     return dict(zip(_SETTINGS, values))
 
 
-def as_traced(log, context, setting: dict):
+@functools.lru_cache(maxsize=1)
+def _factories() -> frozenset:
+    """The calls a ``with torch.device(...)`` block gives its device to when they are given none."""
+    from torch.utils._device import _device_constructors
+
+    return frozenset(_device_constructors())
+
+
+def as_traced(log, context, setting: dict, func=None, device=None):
     """Grad mode and autocast exactly as the op ran under (``context``, with the attention backends a
     ``scaled_dot_product_attention`` call could choose from), and each global setting in ``setting`` that is
     not None (``global_settings()``'s, and ``flush_denormal``); a trace without a recorded context replays
-    under no grad, with the autocast state around its forward."""
+    under no grad, with the autocast state around its forward.  A factory ``func`` (``torch.ones``,
+    ``torch.arange``) makes its output on ``device``, the one it made it on, whatever ``with torch.device(...)``
+    block is open around replay."""
     stack = contextlib.ExitStack()
+    if device is not None and func in _factories():
+        stack.enter_context(torch.device(device))
     for name, value in setting.items():
         if name == "flush_denormal":  # torch has no getter: the setting replay puts back is the other one
             if value is not None and torch.set_flush_denormal(value):  # False: this CPU cannot flush
