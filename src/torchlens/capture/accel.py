@@ -88,4 +88,18 @@ def use(enabled: bool) -> bool:
     """Turn the compiled hot path on or off for traces started from now on; returns the previous setting."""
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
+    _load_all()
     return previous
+
+
+def _load_all() -> None:
+    """Import every compiled module now, not during a trace: an extension module imported inside the user's
+    ``torch.profiler.profile(with_stack=True)`` block leaves the profiler's Python tracer holding names that
+    are freed before it reads them (a torch bug), and reading that block's events then raises
+    ``UnicodeDecodeError``."""
+    if _enabled:
+        for name in ABI:
+            _load(name)
+
+
+_load_all()
