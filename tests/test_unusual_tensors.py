@@ -188,6 +188,28 @@ def test_ops_inside_vmap_say_they_ran_in_the_transform_not_under_no_grad(save):
     assert torch.equal(log["linear_1_3:1"].grad, y.grad)
 
 
+
+def test_an_intervention_traced_inside_vmap_computes_as_the_edited_model_does_under_vmap(tmp_path):
+    """``torch.vmap`` around ``tl.trace(..., intervene=...)``: the run that finds the sites copied the
+    transform's batched inputs by their storage, which they have none of (``NotImplementedError``), and the
+    value an action replaced is the transform's wrapper, which no file can hold once vmap has returned."""
+    torch.manual_seed(0)
+    model, x = Small(), torch.randn(3, 4)
+    logs = []
+
+    def edited(row):
+        logs.append(tl.trace(model, row, intervene={"relu_1_2": tl.scale(2.0)}))
+        return logs[-1].output
+
+    expected = torch.vmap(lambda row: model.head(model.fc(row).relu() * 2.0))(x)
+    assert torch.equal(torch.vmap(edited)(x), expected)
+    log = logs[0]
+    assert [applied.label for applied in log.interventions] == ["relu_1_2:1"]
+    assert log["relu_1_2"].original is None  # the value it replaced was vmap's wrapper: not kept
+    log.save(tmp_path / "edited")
+    assert [applied.label for applied in tl.load(tmp_path / "edited").interventions] == ["relu_1_2:1"]
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

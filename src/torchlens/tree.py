@@ -24,6 +24,9 @@ from torch.nn.parameter import UninitializedTensorMixin
 from .errors import warn_user
 
 Tensor = torch.Tensor
+# Whether a tensor is a torch.func transform's wrapper (vmap's batched tensor, grad's): it has no storage of
+# its own, and it cannot be read once its transform has returned.
+made_in_transform = torch._C._functorch.is_functorch_wrapped_tensor
 MAX_DEPTH = 32  # deeper nesting is not walked: a guard against self-referencing containers
 
 
@@ -249,7 +252,7 @@ def _views_of_copied_storages(leaves) -> dict:
     by_storage: dict = {}
     for _, t in leaves:
         if type(t) is Tensor and t.layout == torch.strided and t.numel() and \
-                not (t.is_quantized or t.is_conj() or t.is_neg() or without_values(t)):
+                not (t.is_quantized or t.is_conj() or t.is_neg() or without_values(t) or made_in_transform(t)):
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr(), t.dtype), {})[id(t)] = t
     memo: dict = {}
     for shared in by_storage.values():

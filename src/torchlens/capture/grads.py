@@ -34,7 +34,7 @@ from ..errors import warn_user
 from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
 from ..record.layouts import storage_use_count
-from ..tree import tensor_leaves
+from ..tree import made_in_transform, tensor_leaves
 from . import accel
 
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
@@ -51,7 +51,6 @@ _sequence_nr = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr",
 _KEY_SPAN = 1 << 40
 _bases = itertools.count(1)
 _NO_TASK = object()
-_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 TRANSFORMED = ("made inside a torch.func transform (grad, vjp, jacrev, ...): its hook saw only the transform's "
                "own backward (d of the transformed function, not of your loss), and torch refuses retain_grad() "
                "there; read the gradients of the ops outside the transform")
@@ -364,10 +363,8 @@ class GradCapture:
         torch.func transform (``grad``, ``vjp``, ``jacrev``): their hooks were registered on the transform's
         wrapped tensors, so what they received is the transform's own inner backward, functorch-wrapped,
         never d loss / d output.  The backwards that delivered only those are not counted.  Returns them."""
-        if _functorch_wrapped is None:
-            return frozenset()
         received = self._sink.grads  # what arrived during the forward: usually nothing
-        hidden = frozenset(i for i, g in received.items() if _functorch_wrapped(g))
+        hidden = frozenset(i for i, g in received.items() if made_in_transform(g))
         if not hidden:
             return hidden
         for index in hidden:

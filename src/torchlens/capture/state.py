@@ -24,7 +24,7 @@ from weakref import ref as weakref
 import torch
 
 from ..errors import warn_user
-from ..tree import is_uninitialized
+from ..tree import is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
 from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet,
                               storage_holders, version_of)
@@ -38,7 +38,6 @@ from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
 
 _any_autocast = torch._C._is_any_autocast_enabled
-_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 _VERSION = operator.attrgetter("_version")
 
 INFERENCE_CAVEAT = (
@@ -563,8 +562,8 @@ class CaptureState:
         whose tensor's version changed since it was saved."""
         # A C-level pass and a plain loop: a comprehension is a call of its own (Python 3.11), and most
         # traces drop nothing.
-        wrapped, saved = _functorch_wrapped, self.saved
-        if wrapped is not None and any(map(wrapped, saved.values())):
+        wrapped, saved = made_in_transform, self.saved
+        if any(map(wrapped, saved.values())):
             for i in [i for i, t in saved.items() if wrapped(t)]:
                 self._drop(i, MADE_IN_TRANSFORM)
         mutated = []

@@ -36,7 +36,7 @@ from ..capture.bindings import is_bound
 from ..capture.state import StopForward, storage_key
 from ..capture.teardown import HookHandles
 from ..capture.writes import named_targets
-from ..tree import path_text, tensor_leaves
+from ..tree import made_in_transform, path_text, tensor_leaves
 from .actions import layout_name, same_shape
 from .checkpointing import checkpoint_region
 from .sites import ModuleCallInfo, occurrence_key
@@ -460,7 +460,9 @@ class Interventions:
         for record, applied in self.applied.items():
             applied.label = labels[record]
         trace._interventions = dict(self.applied)
-        trace._originals = dict(self.originals)
+        # A value a torch.func transform made is its wrapper, unreadable once the transform returns: not kept,
+        # as the trace's own activations are not (MADE_IN_TRANSFORM)
+        trace._originals = {r: t for r, t in self.originals.items() if not made_in_transform(t)}
         trace.interventions = [self.applied[r] for r in sorted(self.applied)]
 
 
