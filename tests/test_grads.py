@@ -442,6 +442,32 @@ def test_a_trace_taken_inside_jacrev_says_its_batched_gradients_cannot_be_read()
     assert log.to_pandas()["grad_norm"].isna().all()
 
 
+
+def test_a_trace_taken_inside_torch_func_grad_says_its_wrapped_gradients_cannot_be_read():
+    # torch.func.grad runs its backward on its own wrapped tensors: the hooks received its grad-tracking
+    # wrappers, and op.grad handed one back as if it were d loss / d output.
+    model, (x,), _ = zoo()["mlp"]
+    kept = {}
+
+    def traced(v):
+        kept["log"] = tl.trace(model, v, grads=True)
+        return kept["log"].output.sum()
+
+    assert torch.equal(torch.func.grad(traced)(x[0]), torch.func.grad(lambda v: model(v).sum())(x[0]))
+    log = kept["log"]
+    for op in log.ops[1:]:
+        with pytest.raises(GradientUnavailable, match="torch.func.grad around the trace"):
+            op.grad
+    assert log.to_pandas()["grad_norm"].isna().all()
+
+
+def test_grads_inside_vmap_warn_of_the_transform_rather_than_of_no_grad():
+    model, (x,), _ = zoo()["mlp"]
+    with pytest.warns(UserWarning, match="inside a torch.func transform") as caught:
+        torch.vmap(lambda row: tl.trace(model, row, grads=True).output)(x)
+    assert not any("no_grad" in str(w.message) for w in caught)
+
+
 def test_a_parameter_returned_as_an_output_has_its_gradient():
     class ReturnsWeight(nn.Module):
         def __init__(self):

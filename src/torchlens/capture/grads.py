@@ -416,6 +416,10 @@ NOTHING_REQUIRES_GRAD = ("grads=True, but no tensor of this forward requires gra
                          "a gradient: it ran under torch.no_grad() or torch.inference_mode() (an evaluation "
                          "function decorated with one), or nothing it read requires grad (frozen parameters, "
                          "inputs without requires_grad); trace outside them, or drop grads=")
+# The same inside a torch.func transform (vmap): its wrapped tensors require no grad as autograd sees them.
+TRANSFORM_REQUIRES_NO_GRAD = ("grads=True, but this trace ran inside a torch.func transform (vmap, ...), whose "
+                              "wrapped tensors do not require grad as autograd sees them, so no backward can give "
+                              "any op a gradient; trace outside the transform, or use the gradients it computes")
 
 
 def grad_capture(grads, model, state):
@@ -456,7 +460,8 @@ def attach_grads(trace, capture, own_outputs: bool = False) -> None:
     policy = capture.policy
     if policy is None:
         if not capture.handles:  # grads=True hooks every output that requires grad: there was none
-            warn_user(NOTHING_REQUIRES_GRAD)
+            in_transform = torch._C._functorch.peek_interpreter_stack() is not None
+            warn_user(TRANSFORM_REQUIRES_NO_GRAD if in_transform else NOTHING_REQUIRES_GRAD)
         capture.guard_leaves(trace)
         return
     try:

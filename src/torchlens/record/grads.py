@@ -14,26 +14,26 @@ import torch
 from .columns import Kind
 from .dropped import MADE_IN_TRANSFORM
 from .layouts import dense_values
-from ..tree import without_values
+from ..tree import made_in_transform, without_values
 from ..errors import GradientUnavailable, TraceCleanedUp, warn_user
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
              "backward through log.output (or call log.backward(loss))")
 _legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None) or (lambda t: False)
-_batched = getattr(torch._C._functorch, "is_batchedtensor", None) or (lambda t: False)
 FROM_BATCHED_BACKWARD = (
-    "a backward run under vmap reached it (torch.autograd.grad(..., is_grads_batched=True), "
-    "torch.autograd.functional.jacobian(..., vectorize=True), torch.func.jacrev around the trace): autograd hands "
-    "tensor hooks that backward's batched gradient, which cannot be read once the backward has returned "
-    "(retain_grad() keeps the same unreadable tensor), and later backwards add to it; use the gradients that "
-    "call returns, or trace again for a backward per output")
+    "a backward run under vmap or inside a torch.func transform reached it (torch.autograd.grad(..., "
+    "is_grads_batched=True), torch.autograd.functional.jacobian(..., vectorize=True), torch.func.jacrev or "
+    "torch.func.grad around the trace): autograd hands tensor hooks that backward's batched or wrapped gradient, "
+    "which cannot be read once the backward has returned (retain_grad() keeps the same unreadable tensor), and "
+    "later backwards add to it; use the gradients that call returns, or trace again for a backward per output")
 
 
 def unreadable(grad) -> bool:
-    """Whether a gradient kept by the trace is a batched backward's, which no reader can use (see
-    ``FROM_BATCHED_BACKWARD``): autograd's own batching (``is_grads_batched``) or torch.func's."""
-    return _legacy_batched(grad) or _batched(grad)
+    """Whether a gradient kept by the trace is a batched or transformed backward's, which no reader can use (see
+    ``FROM_BATCHED_BACKWARD``): autograd's own batching (``is_grads_batched``), or any torch.func transform's
+    wrapper (vmap's batched tensor, ``torch.func.grad``'s grad-tracking one)."""
+    return _legacy_batched(grad) or made_in_transform(grad)
 
 
 def grad_capture_of(trace):
