@@ -365,3 +365,34 @@ def test_forward_mode_ad_calls_are_not_replayed_rather_than_reported_as_mismatch
     skipped = {label: why for label, why in result.not_replayed}
     assert set(skipped) == {"makedual_1_2:1", "unpackdual_1_5:1"}
     assert all("forward-mode AD" in why for why in skipped.values())
+
+
+class Wrapped(torch.Tensor):
+    """A wrapper subclass (``_make_wrapper_subclass``): no storage of its own, its values in ``inner``."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda a: a.inner if isinstance(a, Wrapped) else a  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return torch.utils._pytree.tree_map(lambda a: Wrapped(a) if isinstance(a, torch.Tensor) else a, out)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def test_extract_refuses_a_wrapper_subclass_by_name_rather_than_failing_in_numpy(tmp_path):
+    # Its input hash and its activation writer read values through .numpy(), which torch refuses for a
+    # wrapper subclass (".numpy() is not supported for tensor subclasses"), naming neither tensor.
+    torch.manual_seed(0)
+    model, x = Small(), torch.randn(3, 4)
+    assert torch.equal(tl.trace(model, Wrapped(x)).output.inner, model(x))  # traced as any input
+    with pytest.raises(TypeError, match="input args.0 is a Wrapped tensor subclass with no storage"):
+        tl.extract(model, [Wrapped(x)], ["fc"], tmp_path / "input", progress=False)
+    with pytest.raises(TypeError, match=r"linear_1_1 \(linear_1_1:1\) is a Wrapped tensor subclass with no storage"):
+        tl.extract(lambda v: model(Wrapped(v)).inner, [x], ["linear_1_1"], tmp_path / "layer", progress=False)

@@ -46,16 +46,25 @@ def torch_constant_name(value) -> str:
     return str(value).replace("torch.", "")
 
 
+def has_no_storage(t) -> bool:
+    """Whether ``t`` is a tensor subclass with no storage of its own (a wrapper subclass, made with
+    ``torch.Tensor._make_wrapper_subclass``): its values live in the tensors it wraps, out of a file's reach."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+    return False
+
+
 def unsavable(t) -> str | None:
     """Why safetensors cannot hold tensor ``t`` (a sentence starting "not saved"), or None when it can."""
     if without_values(t):
         return ("not saved: a meta tensor has a shape and no values" if t.is_meta else
                 "not saved: a fake tensor (FakeTensorMode) has a shape and no values")
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        try:
-            t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses hold no storage of their own
-            return f"not saved: a {type(t).__name__} tensor subclass has no plain storage to save"
+    if has_no_storage(t):
+        return f"not saved: a {type(t).__name__} tensor subclass has no plain storage to save"
     if t.layout != torch.strided:
         return f"not saved: {t.layout} tensors have no safetensors encoding"
     if t.is_quantized or t.is_nested:

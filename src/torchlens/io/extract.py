@@ -37,6 +37,7 @@ from ..capture.restore import module_run_by
 from ..tree import path_text, strip, tensor_leaves, without_values
 from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_numpy, safe_member,
                      write_atomic, write_manifest)
+from .encode import has_no_storage
 from .identity import model_checksum
 from .extract_args import batch_reader, check_inputs, check_layers, check_options
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
@@ -177,6 +178,10 @@ def _fingerprint(args, named=None) -> str:
                 raise TypeError(f"tl.extract stores activations' values, and the input {path_text(root, path)} is a "
                                 f"{'meta' if t.is_meta else 'fake (FakeTensorMode)'} tensor, with a shape and no "
                                 "values; run the model on a real device")
+            if has_no_storage(t):
+                raise TypeError(f"tl.extract hashes its inputs' values to check a resumed run, and the input "
+                                f"{path_text(root, path)} is a {type(t).__name__} tensor subclass with no storage "
+                                "of its own; pass the plain tensor it wraps")
             t = cpu_values(t.detach())  # the values, not a view's bytes
             digest.update(f"{path_text(root, path)}{tuple(t.shape)}{t.dtype}".encode())
             digest.update(byte_view(t).numpy() if t.numel() else b"")  # hashed in place, no copy
@@ -465,6 +470,9 @@ class _Run:
         if without_values(t):
             raise TypeError(f"{name} ({label}) is a {'meta' if t.is_meta else 'fake (FakeTensorMode)'} tensor, with a "
                             "shape and no values to store; run the model on a real device")
+        if has_no_storage(t):
+            raise TypeError(f"{name} ({label}) is a {type(t).__name__} tensor subclass with no storage of its own, "
+                            "whose values tl.extract cannot store; select a layer that makes a plain tensor")
         info = {"name": name, "label": label, "dtype": NAME_OF.get(t.dtype), "row_shape": list(t.shape[1:])}
         if info["dtype"] is None or t.layout != torch.strided:
             raise TypeError(f"{name}: {t.dtype} {t.layout} activations cannot be stored in safetensors")
