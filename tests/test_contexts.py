@@ -168,6 +168,39 @@ def test_validation_inside_a_device_block_replays_each_factory_on_the_device_it_
     assert_clean_process()
 
 
+
+class WritesThroughViews(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        a, b = self.fc(x), x * 3
+        a[0:2].mul_(2)  # a written through a view
+        b[1].add_(1)  # b likewise
+        ones = torch.ones_like(x[0])
+        ones.clamp_(0, 1)
+        return a + b + ones
+
+
+def test_a_meta_or_fake_forward_names_the_parents_a_real_one_does_after_writes_through_views():
+    # A storage with no memory has address 0, which every meta and fake storage shares: capture took them
+    # for one storage, and `a + b` was recorded as reading `clamp_` twice instead of `mul_` and `add_`.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def parents(log):
+        return [(op.label, op.parents) for op in log.ops]
+
+    real = tl.trace(WritesThroughViews(), torch.randn(4, 6))
+    assert real["add_2_10"].parents == ["mul_2_4:1", "add_1_6:1"]
+    meta = tl.trace(WritesThroughViews().to("meta"), torch.randn(4, 6, device="meta"))
+    with FakeTensorMode():
+        fake = tl.trace(WritesThroughViews(), torch.randn(4, 6))
+    assert parents(meta) == parents(real) and parents(fake) == parents(real)
+    assert sorted(meta.alias_reads) == sorted(fake.alias_reads) == sorted(real.alias_reads)
+
+
 class Mixed(nn.Module):
     def forward(self, z, counts):
         spectrum = torch.fft.fft(z)
