@@ -39,6 +39,28 @@ def test_validate_under_fake_tensor_mode_replays_nothing_and_says_why():
     assert replayed.status == "nothing to replay" and {why for _, why in replayed.not_replayed} == {reason}
 
 
+def test_a_parameter_of_a_tensor_subclass_is_named_as_a_parameter():
+    """``nn.Parameter`` of a subclass's tensor is that subclass (a FakeTensor under ``FakeTensorMode``, a tensor
+    subclass of the user's): capture knew Parameters by their exact type, so these were recorded as tensors
+    of unknown origin, each op with no parameters and two unattributed arguments."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    torch.manual_seed(0)
+    plain = tl.trace(Small(), torch.randn(2, 4))
+    with FakeTensorMode():
+        fake = tl.trace(Small(), torch.randn(2, 4))
+    marked_model = Small()
+    marked_model.fc.weight = nn.Parameter(marked_model.fc.weight.detach().as_subclass(Marked))
+    marked = tl.trace(marked_model, torch.randn(2, 4))
+    for log in (fake, marked):
+        assert [(op.label, op.params, op.parents) for op in log.ops] == \
+               [(op.label, op.params, op.parents) for op in plain.ops]
+        assert log.unattributed == 0 and log["linear_1_1"].params == ("fc.weight", "fc.bias")
+    assert marked.validate().passed
+
+
 
 def test_the_readers_of_values_read_fake_tensors_as_shapes_without_values(tmp_path):
     """record_finite=True raised torch's DataDependentOutputException mid-trace, as did nonfinite_origin, the

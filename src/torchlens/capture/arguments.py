@@ -30,6 +30,13 @@ PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsi
 TUPLE_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device])
 
 
+def is_subclass_param(t) -> bool:
+    """Whether ``t``, a tensor of a subclass, is a parameter: ``nn.Parameter`` of a subclass's tensor (a fake
+    tensor's under ``FakeTensorMode``, a tensor subclass of the user's) is that subclass, marked ``_is_param``,
+    which ``isinstance(t, Parameter)`` reads."""
+    return isinstance(t, Parameter)
+
+
 def scan_arguments(st, args, kwargs):
     """Parents (by producing op), parameters and version counters of a call's tensor arguments.
 
@@ -56,7 +63,7 @@ def scan_arguments(st, args, kwargs):
             except RuntimeError:  # an inference tensor: no version counter
                 version = st.version(a)
             versions.append((a, version))
-            if kind is Parameter:
+            if kind is Parameter or (kind is not Tensor and is_subclass_param(a)):
                 if params is None:
                     params = []
                 params.append((pos, a))
@@ -158,7 +165,8 @@ def _scan_tensor(st, t, where, parents, versions, params):
         versions.append((t, t._version))
     except RuntimeError:  # an inference tensor: no version counter
         versions.append((t, st.version(t)))
-    if type(t) is Parameter:
+    kind = type(t)
+    if kind is Parameter or (kind is not Tensor and is_subclass_param(t)):
         if params is None:
             params = []
         params.append((where, t))
