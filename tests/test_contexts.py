@@ -169,6 +169,14 @@ def test_validation_inside_a_device_block_replays_each_factory_on_the_device_it_
 
 
 
+
+def test_a_meta_trace_says_in_print_that_its_activations_hold_no_values():
+    # The summary read "8 activations saved, 576 B" for a shape-only trace, as if it held 576 bytes of values.
+    meta = str(tl.trace(Net().to("meta"), torch.randn(4, 6, device="meta")))
+    assert "8 activations saved" in meta and "8 of them meta or fake tensors: shapes and dtypes, no values" in meta
+    assert "no values" not in str(tl.trace(Net(), torch.randn(4, 6)))
+
+
 class WritesThroughViews(nn.Module):
     def __init__(self):
         super().__init__()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import first_few
+from ..tree import without_values
 from .layouts import shape_text
 
 _HEAD, _TAIL = 30, 5
@@ -107,6 +108,12 @@ def _dropped_lines(trace) -> list:
     return lines
 
 
+def _without_values(trace) -> str:
+    """Said of saved activations that are meta or fake tensors (a shape-only trace): they hold no values."""
+    count = sum(map(without_values, trace._activations.values()))
+    return f"; {count} of them meta or fake tensors: shapes and dtypes, no values" if count else ""
+
+
 def summary_text(trace) -> str:
     trace.drop_written()  # a saved tensor written since the trace is counted as dropped, not as saved
     ops = trace.ops
@@ -114,7 +121,7 @@ def summary_text(trace) -> str:
     recurrence = _recurrence(trace)
     saved = "released by cleanup()" if trace.is_cleaned_up else \
         f"{len(trace._activations)} activations saved, {human_bytes(trace.saved_bytes)} as tensor sizes summed " \
-        "(a view counts in full; log.saved_bytes)"
+        "(a view counts in full; log.saved_bytes)" + _without_values(trace)
     lines = [
         f"Trace of {trace.model_name}",
         f"  {len(ops)} ops ({_tensors_and_calls(trace, n_compute)}, {len(trace.inputs)} inputs, "
