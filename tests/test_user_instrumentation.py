@@ -10,6 +10,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils.flop_counter import FlopCounterMode
+
+import torchlens as tl
 
 PROFILED_FIRST_TRACE = """
 import importlib.machinery, sys
@@ -37,3 +46,61 @@ def test_the_first_trace_inside_a_users_stack_profiler_leaves_its_events_readabl
     run = subprocess.run([sys.executable, "-c", PROFILED_FIRST_TRACE], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[:2] == ["[]", "True"], run.stdout
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.norm, self.head = nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.norm(F.gelu(self.fc(x)) + x)).softmax(-1)
+
+
+class DispatchLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class Logged(torch.Tensor):
+    calls: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_users_dispatch_mode_and_flop_counter_see_the_models_kernels_plus_one_detach_per_saved_output():
+    model, x = Net(), torch.randn(4, 6)
+    with DispatchLog() as untraced:
+        expected = model(x)
+    with DispatchLog() as traced:
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, expected) and not _get_current_dispatch_mode_stack()
+    extra = Counter(traced.calls) - Counter(untraced.calls)
+    assert not Counter(untraced.calls) - Counter(traced.calls)
+    assert extra == Counter({"aten.detach.default": sum(op.kind == "op" for op in log.ops)})
+    with FlopCounterMode(display=False) as plain:
+        model(x)
+    with FlopCounterMode(display=False) as counted:
+        tl.trace(model, x)
+    assert counted.get_total_flops() == plain.get_total_flops() > 0
+
+
+def test_a_subclass_with_its_own_torch_function_sees_the_models_calls_plus_captures_reads():
+    model, x = Net(), torch.randn(4, 6).as_subclass(Logged)
+    Logged.calls = []
+    expected = model(x)
+    untraced, Logged.calls = Logged.calls, []
+    log = tl.trace(model, x)
+    assert not Counter(untraced) - Counter(Logged.calls)
+    assert set(Counter(Logged.calls) - Counter(untraced)) == {"__get__", "detach"}
+    assert torch.equal(log.output, expected) and type(log.output) is Logged
+    assert log.validate().passed
