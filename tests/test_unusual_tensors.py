@@ -232,6 +232,23 @@ def test_an_intervention_traced_inside_vmap_computes_as_the_edited_model_does_un
     assert [applied.label for applied in tl.load(tmp_path / "edited").interventions] == ["relu_1_2:1"]
 
 
+
+def test_the_readers_of_values_inside_vmap_say_what_they_cannot_read(tmp_path):
+    """Inside ``torch.vmap``, ``record_finite=True`` failed the trace with torch's "data-dependent control flow"
+    error and ``tl.extract`` failed with "Cannot access data pointer"; ``nonfinite_origin`` then asked for the
+    options the trace was given.  The flags are left unexamined, and the others name the transform."""
+    torch.manual_seed(0)
+    model, x = Small(), torch.randn(3, 4)
+    logs = []
+    out = torch.vmap(lambda row: logs.append(tl.trace(model, row, record_finite=True)) or logs[-1].output)(x)
+    assert torch.equal(out, torch.vmap(model)(x))
+    assert all(op.finite is None for op in logs[0].ops)
+    with pytest.raises(ValueError, match="ran inside a torch.func transform"):
+        tl.debug.nonfinite_origin(logs[0])
+    with pytest.raises(RuntimeError, match="tl.extract was called inside a torch.func transform"):
+        torch.vmap(lambda row: tl.extract(model, [row], ["fc"], tmp_path / "x", progress=False) and row)(x)
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -41,6 +41,10 @@ def check_options(kwargs, shard_bytes, progress, barrier_timeout, root) -> None:
                         f"{type(root).__name__}")
     check_number(barrier_timeout, "barrier_timeout", "give the seconds a finished rank waits for the others (1800 "
                  "by default)", who="tl.extract", at_least=1, finite=True)
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # its tensors would be the transform's wrappers
+        raise RuntimeError("tl.extract was called inside a torch.func transform (vmap, grad, ...), whose tensors are "
+                           "the transform's wrappers, with no values a file can hold; call tl.extract outside the "
+                           "transform")
 
 
 def check_inputs(inputs) -> None:

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import without_values
+from ..tree import made_in_transform, without_values
 from .layouts import dense_values
 
 
 def nonfinite_flags(t: torch.Tensor, sync: bool = True):
-    """``(has_nan, has_inf)`` for ``t``'s values, or None for a meta tensor.
+    """``(has_nan, has_inf)`` for ``t``'s values, or None for a meta or fake tensor and for a torch.func transform's
+    wrapper (inside ``vmap`` its values cannot decide a Python ``bool``): not examined.
 
     With ``sync=False`` the flags of a tensor on an accelerator come back as one 2-element bool tensor left
     on its device, so that checking every op of a forward queues work instead of waiting on each op;
     the caller reads them all at once after the forward."""
     if not (t.is_floating_point() or t.is_complex()):
         return (False, False)
-    if without_values(t):  # a meta or fake tensor
+    if without_values(t) or made_in_transform(t):
         return None
     with torch.no_grad():
         t = dense_values(t)
