@@ -245,6 +245,8 @@ def test_the_readers_of_values_inside_vmap_say_what_they_cannot_read(tmp_path):
     assert all(op.finite is None for op in logs[0].ops)
     with pytest.raises(ValueError, match="ran inside a torch.func transform"):
         tl.debug.nonfinite_origin(logs[0])
+    result = logs[0].validate()  # it said "the trace saved no activations; trace with save='all'"
+    assert result.status == "nothing to replay" and "inside a torch.func transform" in result.nothing_reason
     with pytest.raises(RuntimeError, match="tl.extract was called inside a torch.func transform"):
         torch.vmap(lambda row: tl.extract(model, [row], ["fc"], tmp_path / "x", progress=False) and row)(x)
 

@@ -24,7 +24,7 @@ import torch
 from .errors import closest_hint, first_few
 from .record.columns import UNINITIALIZED_FUNCS
 from .record.layouts import copy_with_layout, memory_freed, version_of
-from .record.dropped import WRITTEN_AFTER_TRACE, is_param_written
+from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
 from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, settings_by_name
 from .capture.collectives import is_collective
 from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
@@ -316,7 +316,9 @@ def validate_trace(log, progress=None) -> ValidationResult:
         return result
     log.drop_written()  # replayed against what each op made, not a value written since
     if not log.saved_activations:
-        result.nothing_reason = "the trace saved no activations; trace with save='all' to validate"
+        result.nothing_reason = "its activations were made inside a torch.func transform, unreadable outside it; " \
+            "validate outside the transform" if all_made_in_transform(log) else \
+            "the trace saved no activations; trace with save='all' to validate"
         return result
     rng = RngState()
     began = _began_with(log)

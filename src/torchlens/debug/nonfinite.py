@@ -17,7 +17,7 @@ import torch
 
 from ..checks import check_flag
 from ..record.columns import UNINITIALIZED_FUNCS, Kind
-from ..record.dropped import MADE_IN_TRANSFORM
+from ..record.dropped import all_made_in_transform
 from ..record.finite import nonfinite_flags
 from ..record.params import changed_since_trace
 from ..record.trace import checked_trace
@@ -167,7 +167,7 @@ def nonfinite_origin(log, grads: bool = False):
             raise ValueError("nonfinite_origin has nothing to examine: this forward ran on the meta device (or "
                              "under FakeTensorMode), whose tensors have shapes but no values; trace the model on "
                              "a real device")
-        if log._dropped and set(log._dropped.values()) == {MADE_IN_TRANSFORM}:
+        if all_made_in_transform(log):
             raise ValueError("nonfinite_origin has nothing to examine: this forward ran inside a torch.func transform "
                              "(vmap, grad, ...), whose values cannot be read once it has returned (and which "
                              "record_finite=True cannot examine); trace the model outside the transform")

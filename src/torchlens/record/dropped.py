@@ -34,3 +34,9 @@ WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not 
 # Why capture dropped a saved tensor made inside a torch.func transform.
 MADE_IN_TRANSFORM = ("made inside a torch.func transform (vmap, grad, ...): what was saved is the transform's "
                      "internal wrapper, which cannot be read outside it")
+
+
+def all_made_in_transform(trace) -> bool:
+    """Whether every activation the trace dropped was a torch.func transform's wrapper, and it dropped some: a
+    trace taken inside ``vmap`` or ``grad``, whose values no reader can have."""
+    return bool(trace._dropped) and all(reason == MADE_IN_TRANSFORM for reason in trace._dropped.values())
