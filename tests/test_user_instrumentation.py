@@ -104,3 +104,13 @@ def test_a_subclass_with_its_own_torch_function_sees_the_models_calls_plus_captu
     assert set(Counter(Logged.calls) - Counter(untraced)) == {"__get__", "detach"}
     assert torch.equal(log.output, expected) and type(log.output) is Logged
     assert log.validate().passed
+
+
+def test_a_flop_counters_module_hooks_run_in_the_forward_and_are_recorded_as_ops():
+    # Documented: for a leaf input that requires grad, ModuleTracker's hooks (FlopCounterMode's) call view_as.
+    model, x = Net(), torch.randn(4, 6, requires_grad=True)
+    with FlopCounterMode(display=False):
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    assert [op.label for op in log.ops[:4]] == ["input_1:1", "viewas_1_1:1", "viewas_2_2:1", "linear_1_3:1"]
+    assert [op.label for op in tl.trace(model, x).ops[:2]] == ["input_1:1", "linear_1_1:1"]
