@@ -209,6 +209,20 @@ def test_a_meta_or_fake_forward_names_the_parents_a_real_one_does_after_writes_t
     assert sorted(meta.alias_reads) == sorted(fake.alias_reads) == sorted(real.alias_reads)
 
 
+
+def test_a_trace_loaded_inside_a_device_block_keeps_the_values_of_every_layout(tmp_path):
+    # A channels_last activation is laid out again after reading, in memory torch.empty_strided made: inside
+    # `with torch.device("meta")` that memory was a meta tensor, and the loaded activation had no values.
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    log = tl.trace(conv, torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last))
+    log.save(tmp_path / "trace")
+    with torch.device("meta"):
+        loaded = tl.load(tmp_path / "trace")
+    activation = loaded["conv2d_1_1"].activation
+    assert activation.device.type == "cpu" and torch.equal(activation, log["conv2d_1_1"].activation)
+    assert activation.is_contiguous(memory_format=torch.channels_last)
+
+
 class Mixed(nn.Module):
     def forward(self, z, counts):
         spectrum = torch.fft.fft(z)
