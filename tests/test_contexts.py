@@ -223,6 +223,21 @@ def test_a_trace_loaded_inside_a_device_block_keeps_the_values_of_every_layout(t
     assert activation.is_contiguous(memory_format=torch.channels_last)
 
 
+
+def test_a_trace_inside_disabled_torch_functions_is_refused_rather_than_empty():
+    # Inside torch._C.DisableTorchFunction() no call reaches capture: the trace came back with only its input
+    # and output nodes, as if the model ran no op.
+    model, x = Net(), torch.randn(4, 6)
+    with torch._C.DisableTorchFunction():
+        for run in (lambda: tl.trace(model, x), lambda: tl.validate(model, x)):
+            with pytest.raises(RuntimeError, match=r"inside torch._C.DisableTorchFunction\(\)"):
+                run()
+        assert not torch._C._is_torch_function_enabled()  # the caller's block is left as it was
+    with torch._C.DisableTorchFunctionSubclass():  # subclasses off, modes on: capture sees every call
+        assert len(tl.trace(model, x).ops) == 8
+    assert_clean_process()
+
+
 class Mixed(nn.Module):
     def forward(self, z, counts):
         spectrum = torch.fft.fft(z)

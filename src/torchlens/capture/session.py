@@ -376,7 +376,7 @@ def _paused_collector(run, arguments: tuple) -> Trace:
         raise NestedTraceError("tl.trace, or a tool that traces (tl.validate, tl.extract, the patching and "
                                "profiling reports), was called inside a forward that is already being traced; "
                                "trace the outer model once instead")
-    collecting, torch_functions = gc.isenabled(), torch_function_state()
+    collecting, torch_functions = gc.isenabled(), torch_function_state(for_trace=True)
     try:
         try:
             _local.active = True

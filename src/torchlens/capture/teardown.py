@@ -204,14 +204,22 @@ _get_torch_function_state = getattr(torch._C, "_get_torch_function_state", None)
 _set_torch_function_state = getattr(torch._C, "_set_torch_function_state", None)
 _torch_functions_on = torch._C._is_torch_function_enabled  # one C call, no state object made
 _ON = torch._C._TorchFunctionState.ENABLED if _get_torch_function_state is not None else None
+_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED if _get_torch_function_state is not None else None
 
 
-def torch_function_state():
+def torch_function_state(for_trace: bool = False):
     """This thread's torch-function state, to put back with ``restore_torch_function_state`` (None where
-    torch has no accessor for it).  Read by every trace: the usual answer, on, costs one C call."""
+    torch has no accessor for it).  Read by every trace: the usual answer, on, costs one C call.  ``for_trace``:
+    refuse the state a trace cannot see a call in (inside ``torch._C.DisableTorchFunction()``), where the trace
+    would hold no op."""
     if _ON is None or _torch_functions_on():
         return _ON
-    return _get_torch_function_state()
+    state = _get_torch_function_state()
+    if for_trace and state == _ALL_DISABLED:
+        raise RuntimeError("tl.trace, or a tool that traces, was called with torch function handling disabled "
+                           "(inside torch._C.DisableTorchFunction()), which hands capture no torch call: the trace "
+                           "would hold no op; call it outside that block")
+    return state
 
 
 def restore_torch_function_state(saved) -> None:
