@@ -9,7 +9,7 @@ hooks as autograd's C++ hooks) and ``_reads`` (reads of torch's state that its P
 slowly: saved tensors' versions at the end of a trace, the autocast state and an output's record fields
 per op).  Each is used only
 with the torch it was built for; without them gradient capture takes the ``_grads`` hooks and the reads
-go through torch's bindings.
+go through torch's bindings.  All of them are imported with this module, never during a trace (``_load_all``).
 """
 
 from __future__ import annotations
