@@ -61,6 +61,15 @@ def test_a_parameter_of_a_tensor_subclass_is_named_as_a_parameter():
     assert marked.validate().passed
 
 
+def test_a_fake_activation_written_after_the_trace_is_not_named_a_parameters_memory():
+    """Every fake storage is at address 0, as the parameters' are: an activation written after the trace was
+    said to be "parameter fc.weight's" memory, updated "by an optimizer step"."""
+    with FakeTensorMode():
+        log = tl.trace(Small(), torch.randn(2, 4))
+        log["relu_1_2"].activation.add_(1)
+    assert log["relu_1_2"].dropped_reason.startswith("written in place after the trace ended")
+
+
 
 def test_the_readers_of_values_read_fake_tensors_as_shapes_without_values(tmp_path):
     """record_finite=True raised torch's DataDependentOutputException mid-trace, as did nonfinite_origin, the

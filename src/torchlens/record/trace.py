@@ -12,6 +12,7 @@ import gc
 from collections import Counter
 
 from ..errors import TorchlensError, TraceCleanedUp, closest_hint
+from ..tree import without_values
 from .columns import Call, Kind
 from . import grads as _grads
 from . import tables
@@ -277,7 +278,7 @@ class Trace(TraceColumns):
         """Why ``t``, whose version moved since its op ran, is dropped: a parameter's memory written (named, so
         that an optimizer step reads as one), else any other write after the trace.  ``owners``: filled on
         first use with each parameter's ``(device, storage address) -> address``, once per ``drop_written``."""
-        if not t.untyped_storage().nbytes() or t.device.type == "meta":  # no memory to tell apart
+        if not t.untyped_storage().nbytes() or without_values(t):  # no memory to tell apart (a fake one's is at 0)
             return WRITTEN_AFTER_TRACE
         if not owners:
             owners.update(((p.device, p.untyped_storage().data_ptr()), address)
