@@ -174,9 +174,8 @@ def mapped(path: str, key: str, as_torch: bool):
 def _torch_map(path, dtype, shape, offset, nbytes):
     import mmap
 
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device="cpu")  # where the file's bytes are read, whatever `with
-        # torch.device(...)` block the caller is in
+    if nbytes == 0:  # on the CPU, where a file's tensors are read, whatever `with torch.device(...)` block is open
+        return torch.empty(shape, dtype=dtype, device="cpu")
     with open(path, "rb") as f:
         # ACCESS_COPY: writes land in private pages, never in the file.
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -207,7 +206,7 @@ def laid_out(tensors: dict, layouts, where: str) -> dict:
                 permuted_strides(torch.empty_strided(t.shape, strides, device="meta")) != strides:
             raise TraceFileError(f"{TRACE_JSON}: {where}: {strides!r} for tensor {key!r} is not a gapless layout "
                                  "of a saved tensor")
-        out[key] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)  # not the device
-        # a `with torch.device(...)` block around tl.load names
+        # On the tensor's device (the CPU), not the one a `with torch.device(...)` block around tl.load names.
+        out[key] = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
     return out
 

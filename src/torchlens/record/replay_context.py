@@ -72,8 +72,8 @@ class ReplayContext(NamedTuple):
 def denormals_flushed() -> bool:
     """Whether ``torch.set_flush_denormal(True)`` is in effect on this thread, which torch has no getter for:
     a subnormal float32 times one reads zero when it is."""
-    return bool((torch.tensor([1e-40], device="cpu") * 1.0).eq(0).item())  # on the CPU, whatever device a
-    # `with torch.device(...)` around the call makes the default
+    # On the CPU, whatever device a `with torch.device(...)` block around validation makes the default.
+    return bool((torch.tensor([1e-40], device="cpu") * 1.0).eq(0).item())
 
 
 _SETTINGS = {  # name -> (read it, set it)
