@@ -66,3 +66,22 @@ def test_extraction_folders_refuse_flags_and_paths_of_the_wrong_kind(tmp_path):
     with pytest.raises(TypeError, match=r"tl\.extract: out=None is a NoneType; give the folder to write"):
         tl.extract(TwoLayer().eval(), batches(2), ["head"], None, progress=False)
     assert isinstance(tl.load_extracted(out)["head"], np.ndarray)
+
+
+def test_extraction_inside_a_transform_or_of_gradients_under_inference_mode_is_refused_first(tmp_path):
+    # Inside torch.func.vmap it failed on "Cannot access data pointer"; under inference_mode, grads=True blamed
+    # loss_fn for returning a loss that does not require grad, after the first forward.
+    model = TwoLayer().eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    loss = lambda output, batch: output.sum()  # noqa: E731
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"grads=True\) was called inside torch\.inference"):
+        tl.extract(model, batches(2), ["head"], tmp_path / "a", grads=True, loss_fn=loss, progress=False)
+    with torch.no_grad():  # lifted for the backward: extracted as outside it
+        tl.extract(model, batches(2), ["head"], tmp_path / "b", grads=True, loss_fn=loss, progress=False)
+    assert sorted(tl.load_extracted(tmp_path / "b")) == ["grad:head", "head"]
+    forwards.clear()
+    with pytest.raises(RuntimeError, match="tl.extract was called inside a torch.func transform"):
+        torch.vmap(lambda row: tl.extract(model, [row], ["head"], tmp_path / "c", progress=False) and row)(
+            torch.randn(3, 8))
+    assert not forwards and not (tmp_path / "a").exists() and not (tmp_path / "c").exists()

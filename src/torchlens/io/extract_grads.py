@@ -36,6 +36,9 @@ def check_request(grads: bool, loss_fn, stop_after=None) -> None:
     if grads and stop_after is not None:
         raise ValueError(f"tl.extract(..., grads=True) needs the model's output for loss_fn, but stop_after="
                          f"{stop_after!r} stops each forward before it; extract the gradients without stop_after")
+    if grads and torch.is_inference_mode_enabled():  # torch.no_grad() is lifted for the backward; this cannot be
+        raise RuntimeError("tl.extract(..., grads=True) was called inside torch.inference_mode(), where no tensor can "
+                           "require grad, so no loss has a backward; call it outside inference mode")
 
 
 def backward_through(log, loss_fn, batch, position, module=None) -> None:
