@@ -75,7 +75,7 @@ def test_extraction_inside_a_transform_or_of_gradients_under_inference_mode_is_r
     forwards = []
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     loss = lambda output, batch: output.sum()  # noqa: E731
-    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"grads=True\) was called inside torch\.inference"):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"grads=True\) needs gradients .* inference"):
         tl.extract(model, batches(2), ["head"], tmp_path / "a", grads=True, loss_fn=loss, progress=False)
     with torch.no_grad():  # lifted for the backward: extracted as outside it
         tl.extract(model, batches(2), ["head"], tmp_path / "b", grads=True, loss_fn=loss, progress=False)

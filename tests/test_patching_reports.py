@@ -329,6 +329,20 @@ def test_a_metric_that_cannot_be_called_is_refused_before_the_clean_run(report):
     assert not forwards
 
 
+def test_attribution_patching_inside_inference_mode_is_refused_naming_it():
+    # Every row came back NaN, noted "computed with no gradient ... pass inputs that require grad": the inputs were
+    # not the cause, and torch.no_grad() (which the report lifts for its runs) gives the real estimates.
+    pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    clean, corrupt, metric = torch.randn(2, 4), torch.randn(2, 4), lambda out: out[:, 0].sum()
+    expected = tl.report.attribution_patching(model, clean, corrupt, metric)
+    with torch.no_grad():
+        assert expected.estimate.equals(tl.report.attribution_patching(model, clean, corrupt, metric).estimate)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="attribution_patching needs gradients .* inference"):
+        tl.report.attribution_patching(model, clean, corrupt, metric)
+
+
 @pytest.mark.parametrize("sites, error, message", [
     # sites=3 failed on "'int' object is not iterable" and sites="module" was refused, both after the clean run.
     (3, TypeError, r"sites= is 'modules', 'layers', 'ops' or a list of sites .* got int 3"),

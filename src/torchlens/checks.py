@@ -2,9 +2,10 @@
 
 Each check names the parameter, says what was wrong with the value, and ends with the caller's own advice on
 what to give (``"give a number of bytes (2**30 for 1 GiB), or None for no limit"``), so every message reads
-``who: name=value <what is wrong>; <advice>``.  A bool is never taken for a number (``True`` is an int to Python,
-but ``positions=True`` is a slip, not dimension 1), and NaN never passes: every comparison with it is false, so
-a NaN budget or tolerance would quietly mean "no limit" or "refuse everything".
+``who: name=value <what is wrong>; <advice>``; a call that needs gradients is refused inside inference mode.
+A bool is never taken for a number (``True`` is an int to Python, but ``positions=True`` is a slip, not
+dimension 1), and NaN never passes: every comparison with it is false, so a NaN budget or tolerance would
+quietly mean "no limit" or "refuse everything".
 """
 
 import math
@@ -54,6 +55,16 @@ def check_path(value, name: str, advice: str, *, who: str = ""):
         return os.fspath(value)
     except TypeError:
         _refuse(TypeError, who, name, value, _is_a(value), advice)
+
+
+def check_grad_possible(who: str) -> None:
+    """Refuse, before any run, a call that needs gradients made inside ``torch.inference_mode()``: no tensor can
+    require grad there (``torch.no_grad()`` can be lifted for the runs; inference mode cannot)."""
+    import torch
+
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{who} needs gradients and was called inside torch.inference_mode(), where no tensor can "
+                           "require grad; call it outside inference mode")
 
 
 def _check_at_least(value, name, advice, who, at_least) -> None:

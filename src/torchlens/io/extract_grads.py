@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..capture.restore import grads_set_aside, parameters_read
-from ..checks import check_flag
+from ..checks import check_flag, check_grad_possible
 
 GRAD_PREFIX = "grad:"
 
@@ -36,9 +36,8 @@ def check_request(grads: bool, loss_fn, stop_after=None) -> None:
     if grads and stop_after is not None:
         raise ValueError(f"tl.extract(..., grads=True) needs the model's output for loss_fn, but stop_after="
                          f"{stop_after!r} stops each forward before it; extract the gradients without stop_after")
-    if grads and torch.is_inference_mode_enabled():  # torch.no_grad() is lifted for the backward; this cannot be
-        raise RuntimeError("tl.extract(..., grads=True) was called inside torch.inference_mode(), where no tensor can "
-                           "require grad, so no loss has a backward; call it outside inference mode")
+    if grads:
+        check_grad_possible("tl.extract(..., grads=True)")
 
 
 def backward_through(log, loss_fn, batch, position, module=None) -> None:

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..checks import check_flag, check_int
+from ..checks import check_flag, check_grad_possible, check_int
 from ..errors import InterventionError, TorchlensError, first_few
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
@@ -125,6 +125,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     """
     pd = _pandas()
     _check_call("attribution_patching", clean, corrupt, metric)
+    check_grad_possible("attribution_patching")
     runs = _Runs(model, root)
     with torch.enable_grad():
         clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
