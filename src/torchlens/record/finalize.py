@@ -28,7 +28,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
 from .layouts import param_versions, shape_of
-from .model_index import ModelIndex, fsdp_params
+from .model_index import ModelIndex, fsdp_params, offloaded_address
 from .module_table import params_by_module
 from .modules import CallRow, ModuleRow, shown_class, unregistered_address
 from .replay_context import UNSEEN_WRITE, ByParam, ReplayContext
@@ -76,7 +76,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     raw = RawRecord(calls, state.records, outputs, state.module_calls, index, state.root)
     # Derived on first read (from the index the record keeps) unless a parameter outside the index is
     # named by its shape, read now (a later ``.data`` assignment could change it).
-    param_addresses = None if _all_indexed(calls, index) else _param_addresses(calls, index)
+    param_addresses = None if _all_indexed(calls, index) else _param_addresses(calls, index, state.module_calls)
     finite = state.drained_finite_flags() if state.finite_flags else {}
     # By position, in Trace's order: model_name, calls, activations, dropped, finite, param_addresses,
     # output, model, unattributed, timings, budget_exhausted_at, alias_reads, index, raw.
@@ -270,7 +270,7 @@ class RawRecord:
 
     def params(self, trace) -> dict:
         """Each op's parameter addresses, from the index (``finalize`` found every parameter used in it)."""
-        return {"_param_addresses": _param_addresses(self.calls, self.index)}
+        return {"_param_addresses": _param_addresses(self.calls, self.index, self.module_calls)}
 
     def modules(self, trace) -> dict:
         """The module call and module rows (``record.modules``), from the module calls and the model index."""
@@ -387,14 +387,15 @@ def _label(kind, types, group):
     return with_passes(layer_labels, pass_col), layer_labels, pass_col, passes_of_group
 
 
-def _param_addresses(calls, index: ModelIndex) -> dict:
+def _param_addresses(calls, index: ModelIndex, module_calls: list) -> dict:
     """Op index -> the addresses of the parameters its call used (read now: a parameter outside the
     index is named by its shape, which a later ``.data`` assignment could change)."""
     address_of = index.param_addresses.get
-    unindexed = _UnindexedParams(index)
+    unindexed = _UnindexedParams(index, module_calls)
     out = {}
     for call in compress(calls, map(_CALL_PARAMS, calls)):  # the calls that used parameters
-        addresses = tuple([address_of(id(p)) or unindexed.address(p) for _, p in call[CALL_PARAMS]])
+        module_call = call[CALL_MODULE_CALL]
+        addresses = tuple([address_of(id(p)) or unindexed.address(p, module_call) for _, p in call[CALL_PARAMS]])
         first, count = call[CALL_FIRST_RECORD], call[CALL_NUM_OUTPUTS]
         out[first] = addresses
         if count > 1:  # the outputs of one call share them
@@ -412,17 +413,26 @@ def _all_indexed(calls, index: ModelIndex) -> bool:
 
 class _UnindexedParams:
     """Addresses of the parameters a forward used that the model index does not hold: FSDP2's unsharded
-    parameters (``fully_shard``), which a module holds only during its forward, are named as the sharded
-    parameter each stands for; any other is named by its shape."""
+    parameters (``fully_shard``) and offloaded weights loaded for one call, which a module holds only during
+    its forward, are named as the parameter each stands for; any other is named by its shape."""
 
-    def __init__(self, index: ModelIndex):
+    def __init__(self, index: ModelIndex, module_calls: list):
         self.index = index
+        self.module_calls = module_calls
         self.unsharded = None  # id(unsharded parameter) -> address, found when first needed
 
-    def address(self, p) -> str:
+    def address(self, p, module_call: int) -> str:
         if self.unsharded is None:
             self.unsharded = _unsharded_addresses(self.index)
-        return self.unsharded.get(id(p)) or f"<unregistered parameter {tuple(p.shape)}>"
+        return (self.unsharded.get(id(p)) or self._loaded_for(p, module_call)
+                or f"<unregistered parameter {tuple(p.shape)}>")
+
+    def _loaded_for(self, p, module_call: int) -> str | None:
+        """The address of the meta parameter ``p`` was loaded in place of, when the op ran in a module call
+        (-1: in the root's forward, outside any)."""
+        if module_call < 0:
+            return None
+        return offloaded_address(self.index, self.module_calls[module_call][MODULE_CALL_MODULE], p)
 
 
 def _unsharded_addresses(index: ModelIndex) -> dict:

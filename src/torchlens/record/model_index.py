@@ -177,6 +177,11 @@ class ModelIndex:
         return list(names[1])
 
     @functools.cached_property
+    def param_at(self) -> dict:
+        """``address -> Parameter``, as the walk saw them."""
+        return dict(self.params)
+
+    @functools.cached_property
     def param_objects(self) -> tuple:
         """``(parameters, their ids)``, in ``params`` order: listed once per index, read per trace (the
         versions replay checks are read when each trace ends)."""
@@ -328,6 +333,27 @@ def fsdp_params(modules) -> list:
         return []
     return [param for module in modules if isinstance(module, fsdp.FSDPModule)
             for group in module._get_fsdp_state()._fsdp_param_groups for param in group.fsdp_params]
+
+
+def offloaded_address(index: ModelIndex, module, p) -> str | None:
+    """The address of ``module``'s own parameter that ``p``, a parameter outside the index read in the
+    module's call, was loaded in place of; None when that cannot be told.  A hook that offloads weights
+    (accelerate's ``cpu_offload``, ``disk_offload``, ``dispatch_model`` to "cpu" or "disk") keeps the
+    module's parameters on the meta device, which holds no values, and registers a loaded copy in place of
+    each only while the module runs.  Named only when exactly one meta parameter of the module has ``p``'s
+    shape and dtype: two alike (a module's query and key weights) cannot be told apart."""
+    addresses = index.module_addresses.get(id(module))
+    if addresses is None:  # a module the walk never saw
+        return None
+    prefix = "" if addresses[0] == "self" else f"{addresses[0]}."
+    found = [address for address in (prefix + name for name in index.param_names_of(module))
+             if _stands_for(index.param_at.get(address), p)]
+    return found[0] if len(found) == 1 else None
+
+
+def _stands_for(offloaded, loaded) -> bool:
+    return (offloaded is not None and offloaded.is_meta and offloaded.shape == loaded.shape
+            and offloaded.dtype == loaded.dtype)
 
 
 def index_of(model) -> ModelIndex:
