@@ -105,6 +105,28 @@ def test_a_partial_of_a_module_or_of_its_method_names_modules_from_that_module()
         assert tl.validate(fn, ids).passed
 
 
+def _forward_replaced_by_a_wrapper(model):
+    """Replaces ``model.forward`` as accelerate's ``add_hook_to_module`` does: a partial of a function taking
+    the module, marked by ``functools.update_wrapper`` as wrapping the bound forward it calls."""
+    original = model.forward
+
+    def hooked_forward(module, *args, **kwargs):
+        return original(*args, **kwargs) * 2
+
+    model.forward = functools.update_wrapper(functools.partial(hooked_forward, model), original)
+    return model
+
+
+def test_a_forward_replaced_by_a_wrapper_of_the_bound_forward_names_modules_from_its_module():
+    torch.manual_seed(0)
+    model, x = _forward_replaced_by_a_wrapper(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), torch.randn(2, 4)
+    log = tl.trace(model.forward, x)
+    assert torch.equal(log.output, model[1](model[0](x)) * 2)
+    assert [c.label for c in log.module_calls] == ["0:1", "1:1"]
+    assert log["linear_1_1"].params == ("0.weight", "0.bias")
+    assert_trusted(tl.validate(model.forward, x))
+
+
 def test_the_tensors_a_partial_binds_are_inputs_named_by_the_forward():
     """A mask bound in the partial is read by the forward as much as one passed: it is an input, named by the
     forward's parameter, so the ops that read it have it as a parent (not a tensor of unknown origin) and

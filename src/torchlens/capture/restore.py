@@ -42,13 +42,23 @@ from ..tree import without_values
 
 def module_run_by(fn):
     """The module a callable runs: the callable itself when it is one, a bound method's module
-    (``m.generate``), either behind ``functools.partial``; None for any other callable (a lambda)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if isinstance(fn, torch.nn.Module):
-        return fn
-    owner = getattr(fn, "__self__", None)
-    return owner if isinstance(owner, torch.nn.Module) else None
+    (``m.generate``), either behind ``functools.partial`` or behind a wrapper that says what it wraps
+    (``__wrapped__``, set by ``functools.wraps``: accelerate replaces a module's ``forward`` with such a
+    wrapper of the bound method); None for any other callable (a lambda)."""
+    for _ in range(100):  # a chain of wrappers is short; a cycle of them must not hang the trace
+        if isinstance(fn, torch.nn.Module):
+            return fn
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return owner
+        wrapped = getattr(fn, "__wrapped__", None)
+        if wrapped is not None:
+            fn = wrapped
+        elif isinstance(fn, functools.partial):
+            fn = fn.func
+        else:
+            return None
+    return None
 
 
 class RngState:
