@@ -95,6 +95,39 @@ class Square(torch.autograd.Function):
         return 2 * x * g
 
 
+def test_function_apply_is_wrapped_whether_torch_writes_it_in_python_or_c():
+    # torch 2.14 made Function.apply torch's C apply itself: reading its Python code failed at import.
+    from torchlens.capture.function_outputs import _calls_super_apply, _unbound
+
+    c_apply = torch._C._FunctionBase.__dict__["apply"]
+    assert not _calls_super_apply(c_apply)
+    python_apply = vars(torch.autograd.Function)["apply"]
+    assert _calls_super_apply(python_apply) == ("super" in python_apply.__func__.__code__.co_names)
+    x = torch.randn(3, requires_grad=True)
+    via_c = _unbound(c_apply)(Square, x)  # what the wrapper calls when it wraps torch's C apply
+    assert torch.equal(via_c, x * x) and type(via_c.grad_fn).__name__ == "SquareBackward"
+    via_c.sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_a_torch_that_runs_function_apply_in_c_is_named_at_a_trace_with_gradients(monkeypatch):
+    # There an apply bound before the trace runs unseen: a trace with gradients says so, once per trace.
+    import warnings
+
+    from torchlens.capture import function_outputs
+
+    assert (function_outputs.BOUND_APPLY_UNSEEN is None) == function_outputs._calls_super_apply(
+        torch.autograd.Function.apply)
+    monkeypatch.setattr(function_outputs, "BOUND_APPLY_UNSEEN", "runs autograd.Function.apply in C")
+    model = nn.Linear(4, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tl.trace(model, torch.randn(3, 4), grads=True)
+        tl.trace(model, torch.randn(3, 4))  # no gradients: Function.apply is not wrapped, nothing to say
+    assert [str(w.message) for w in caught if "Function.apply" in str(w.message)] == [
+        "runs autograd.Function.apply in C"]
+
+
 class UsesCustomFunction(nn.Module):
     def __init__(self):
         super().__init__()

@@ -12,6 +12,7 @@ are such Functions.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 
@@ -25,8 +26,28 @@ from .teardown import release_stranded, until_done
 # Where torch's ``Function.apply`` does not call ``super().apply``, ``Function.apply`` itself is wrapped.
 _Function = torch.autograd.Function
 _ABOVE = _Function.__mro__[1]
-_HOST = _ABOVE if "super" in _Function.apply.__func__.__code__.co_names and "apply" not in vars(_ABOVE) \
-    else _Function
+
+
+def _calls_super_apply(apply) -> bool:
+    # Since torch 2.14 ``Function.apply`` is torch's C ``apply`` itself: no Python code, no ``super`` call.
+    code = getattr(getattr(apply, "__func__", None), "__code__", None)
+    return code is not None and "super" in code.co_names
+
+
+def _unbound(apply):
+    """What to call as ``apply(cls, *args)``: a classmethod's function, or torch's C ``apply`` descriptor,
+    which takes the class as its first argument."""
+    return getattr(apply, "__func__", apply)
+
+
+_HOST = _ABOVE if _calls_super_apply(_Function.apply) and "apply" not in vars(_ABOVE) else _Function
+# Where ``Function.apply`` is torch's C ``apply`` (torch 2.14 on), an ``apply`` bound before the trace is C
+# bound to its class: nothing of it reaches the wrapper, and its outputs' records would say they need no
+# gradient.  Said once, at the first trace with gradients, as this torch is outside the verified range.
+BOUND_APPLY_UNSEEN = None if _calls_super_apply(_Function.apply) else (
+    f"torch {torch.__version__} (newer than this torchlens supports: torch<2.14) runs autograd.Function.apply "
+    "in C: a Function's apply bound before the trace (square = Square.apply) runs unseen, and the records of "
+    "its outputs say they need no gradient; call Square.apply(...) itself, or use torch<2.14")
 _ORIGINAL_APPLY = vars(_HOST).get("apply")  # None: the host inherits torch's C ``apply``
 _receivers: dict = {}  # thread id -> what receives that thread's Function outputs while it traces
 _receivers_lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
@@ -36,7 +57,7 @@ if _ORIGINAL_APPLY is None:
     def _torch_apply(cls, *args, **kwargs):
         return super(_HOST, cls).apply(*args, **kwargs)
 else:
-    _torch_apply = _ORIGINAL_APPLY.__func__
+    _torch_apply = _unbound(_ORIGINAL_APPLY)
 
 
 def _apply(cls, *args, **kwargs):
@@ -61,6 +82,8 @@ class FunctionOutputs:
         self.installed = False
 
     def __enter__(self):
+        if BOUND_APPLY_UNSEEN is not None:
+            warnings.warn(BOUND_APPLY_UNSEEN, RuntimeWarning, stacklevel=2)
         try:
             with _receivers_lock:
                 _receivers[threading.get_ident()] = self.receiver
