@@ -167,6 +167,22 @@ def test_a_higher_order_op_is_one_op_not_the_fake_tracing_of_its_bodies(control)
     assert torch.equal(ablated.output, model.head(torch.zeros(3, 4)))
 
 
+def test_the_higher_order_ops_recorded_whole_are_found_on_older_torch_too(monkeypatch):
+    # Importing torchlens failed on torch 2.10, whose higher-order ops have no
+    # _supports_training_input_mutation (none is exempt from building its schema), and on torch 2.6, which
+    # has no _has_gen_schema (no op builds one before it runs).
+    import torch._higher_order_ops.utils as hop_utils
+    from torchlens.capture import fastpath
+
+    assert fastpath._operators_whole() == fastpath.OPERATORS_WHOLE and fastpath.OPERATORS_WHOLE
+    with_schema = {op for op in torch._ops._higher_order_ops.values() if hop_utils._has_gen_schema(op)}
+    for op in with_schema:
+        monkeypatch.delattr(op, "_supports_training_input_mutation", raising=False)
+    assert fastpath._operators_whole() == with_schema
+    monkeypatch.delattr(hop_utils, "_has_gen_schema")
+    assert fastpath._operators_whole() == frozenset()
+
+
 # ----- a backward inside the traced function -----------------------------------------------------
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_backward_in_the_traced_function_adds_no_module_calls(reentrant):

@@ -52,10 +52,13 @@ def _operators_whole() -> frozenset:
     bodies before they run: in a forward with gradients on, torch traces every body, a branch that will not
     run included, with fake tensors.  Capture records each call of one as one op, its interior unseen, rather
     than record those calls as the model's.  They ask ``has_torch_function`` before they dispatch."""
-    from torch._higher_order_ops.utils import _has_gen_schema
-
+    try:
+        from torch._higher_order_ops.utils import _has_gen_schema
+    except ImportError:  # an older torch (2.6): its higher-order ops build no schema, so trace no body early
+        return frozenset()
+    # torch 2.10 has no _supports_training_input_mutation: no op was exempt, each with a schema built it.
     return frozenset(op for op in torch._ops._higher_order_ops.values()
-                     if _has_gen_schema(op) and not op._supports_training_input_mutation)
+                     if _has_gen_schema(op) and not getattr(op, "_supports_training_input_mutation", False))
 
 
 OPERATORS_WHOLE = _operators_whole()
