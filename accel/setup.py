@@ -22,7 +22,10 @@ except ImportError:  # an isolated build, or no torch: the C++ hooks are left ou
     pass
 else:
     built_for = ["-O2", f'-DTORCHLENS_TORCH_VERSION="{torch.__version__}"']
-    modules += [CppExtension(f"torchlens_accel.{name}", [f"src/torchlens_accel/{name}.cpp"], extra_compile_args=built_for)
+    # optional: they use torch's C++ internals, which change between releases; against a torch where they do
+    # not compile, the build says so and leaves them out (torchlens then reads through torch's bindings).
+    modules += [CppExtension(f"torchlens_accel.{name}", [f"src/torchlens_accel/{name}.cpp"], extra_compile_args=built_for,
+                             optional=True)
                 for name in ("_autograd", "_reads")]
     commands["build_ext"] = BuildExtension.with_options(use_ninja=False)
 

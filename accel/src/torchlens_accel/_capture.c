@@ -13,6 +13,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#if PY_VERSION_HEX < 0x030B0000
+#error "torchlens-accel needs CPython 3.11 or newer (it reads frames through PyFrame_GetLasti); torchlens itself needs 3.11 too"
+#endif
 #include "fast_reads.h"
 #include <structmember.h>
 #include <time.h>
