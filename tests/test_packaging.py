@@ -33,3 +33,25 @@ def test_the_wheel_holds_every_file_of_the_package(tmp_path):
     expected = _package_files()
     assert {"torchlens/py.typed", "torchlens/viz/assets/viewer.js", "torchlens/viz/assets/viewer.css"} <= expected
     assert expected - names == set()
+
+
+def test_the_declared_torch_range_is_the_verified_release_and_another_is_named_at_import(monkeypatch):
+    import importlib
+    import tomllib
+    import warnings
+
+    import pytest
+    import torch
+
+    import torchlens.capture as capture
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    major, minor = map(int, capture.TORCH_VERIFIED.split("."))
+    assert f"torch>={major}.{minor},<{major}.{minor + 1}" in declared
+    monkeypatch.setattr(torch, "__version__", f"{major}.{minor}.2+cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        importlib.reload(capture)  # a release of the verified torch: nothing said
+    monkeypatch.setattr(torch, "__version__", f"{major}.{minor + 1}.1")
+    with pytest.warns(RuntimeWarning, match=rf"verified with torch {major}\.{minor}\.x, not {major}\.{minor + 1}\.1"):
+        importlib.reload(capture)
