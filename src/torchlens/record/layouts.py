@@ -14,7 +14,7 @@ from operator import attrgetter
 
 import torch
 
-from ..tree import TENSOR_TYPES
+from ..tree import TENSOR_TYPES, without_values
 
 _VERSION = attrgetter("_version")
 
@@ -287,6 +287,8 @@ def permuted_strides(t) -> list | None:
 
 def _misalignment(t) -> int:
     """How many elements ``t``'s first element lies past an aligned address (0 when unknown or aligned)."""
+    if without_values(t):  # a meta or fake tensor: no memory, and torch warns when a fake one is asked for it
+        return 0
     try:
         size, address = t.element_size(), t.data_ptr()
     except (RuntimeError, NotImplementedError):
