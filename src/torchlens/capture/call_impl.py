@@ -110,9 +110,8 @@ class Site:
             impl.__qualname__ = original.__qualname__
             self.slot = Slot(impl)
             consts = tuple(self.slot if type(c) is int and c == _SLOT_MARK else c for c in _relay.__code__.co_consts)
-            names = {"co_name": self.code.co_name}
-            if hasattr(self.code, "co_qualname"):  # Python 3.11 on: tracebacks name the function as torch does
-                names["co_qualname"] = self.code.co_qualname
+            # co_qualname too: tracebacks name the function as torch does
+            names = {"co_name": self.code.co_name, "co_qualname": self.code.co_qualname}
             self.relay = _relay.__code__.replace(co_consts=consts, **names)
         else:  # the class attribute is replaced instead
             self.code = self.slot = self.relay = None

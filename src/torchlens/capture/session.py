@@ -560,8 +560,6 @@ def _refuse_wrapper_hooks(wrapper, kind: str, inner: str) -> None:
 
 
 def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
-    if not hasattr(exc, "add_note"):  # Python 3.10
-        return
     torn_down = ("capture was torn down, nothing is left installed" if not left else
                  "capture could not remove " + ", ".join(left) + "; restart the process before tracing again")
     if state.failure is not None and state.failure[2] is exc:

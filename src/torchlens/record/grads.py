@@ -197,7 +197,7 @@ def _refuse_loss(loss) -> None:
 def _note_changed_params(trace, exc: RuntimeError) -> None:
     """Autograd's refusal of a tensor written since the forward names only a shape and a version: when the
     trace's parameters were written since (an optimizer step before this backward), say which, and what to do."""
-    if "modified by an inplace operation" not in str(exc) or not hasattr(exc, "add_note"):  # add_note: 3.11+
+    if "modified by an inplace operation" not in str(exc):
         return
     from .params import changed_since_trace
 
