@@ -5,22 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
 import torchlens as tl
 from streams import batches
-
-
-class TwoLayer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(8, 8)
-        self.act = nn.ReLU()
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x):
-        return self.head(self.act(self.fc(x)))
+from test_extract import TwoLayer
 
 
 @pytest.mark.parametrize("option, value, error, message", [
