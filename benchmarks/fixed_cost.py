@@ -178,11 +178,14 @@ def step_arms(model, x, package, wide, deep) -> dict:
             state_mod.CaptureState(save_mode=1).watch_params(wide_index.params)
     checked = state()
     add_inputs(checked, model, (x,), {})
+    # What the driver looks through (torch.compile, DDP): capture/wrappers.py, or (an older revision) the driver's.
+    wrappers = sys.modules.get(f"{package.__name__}.capture.wrappers")
+    unwrap = wrappers.unwrap if wrappers is not None else session._unwrap
     steps = {
         "trace() down to _trace (stubbed)": keyword_hop,
         "CaptureState() watching 20 parameters": watched_state,
         "capture block: enter, forward, teardown": capture_block,
-        "_unwrap": lambda: session._unwrap(model),
+        "unwrap": lambda: unwrap(model),
         "index_of (cached)": lambda: model_index.index_of(model),
         "index_of (cached), ResNet-like, 43 modules": lambda: model_index.index_of(deep),
         "CaptureState()": state,

@@ -248,9 +248,10 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     and replay once either takes about a second (None: on an interactive terminal or notebook only; True:
     anywhere; False: never).
     """
-    from .capture.session import _unwrap, trace
+    from .capture.session import trace
+    from .capture.wrappers import unwrap
 
-    model = _unwrap(model)
+    model = unwrap(model)
     if isinstance(model, type) or not callable(model):
         what = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
         raise TypeError(f"tl.validate needs the model to run (a module instance or a callable), got {what}, "

@@ -202,13 +202,18 @@ class DynamoCompiles:
         self.active = None  # the Suspension entered for the compile in progress
 
     def __enter__(self):
-        with _lock:
+        # acquire/release rather than ``with``: half the cost; a hold an interrupt strands between them is
+        # dropped by ``_release`` (as one stranded on a ``with`` exit line would be).
+        _lock.acquire()
+        try:
             _live[self.thread] = self  # first: whatever happens next, __exit__ takes it out
             handler = _callback_handler()
             if handler is not None:
                 self.register(handler)
-            else:
+            elif not _routed:  # another thread's trace may have routed them already
                 _route_hop_compiles()
+        finally:
+            _lock.release()
         return self
 
     @property
@@ -235,23 +240,31 @@ class DynamoCompiles:
             active.__exit__(None, None, None)
 
     def __exit__(self, *exc):
-        until_done(self._release)
+        try:
+            self._release()
+        except BaseException:  # interrupted: finish (until_done), then let the interrupt through
+            until_done(self._release)
+            raise
         return False
 
     def _release(self) -> None:
         release_stranded(_lock)
-        with _lock:
+        _lock.acquire()
+        try:
             if _live.get(self.thread) is self:
                 del _live[self.thread]
-            if not _live:
+            if not _live and _routed:
                 _unroute_hop_compiles()
+        finally:
+            _lock.release()
         handler = self.handler
         if handler is not None:
             for callbacks, callback in ((handler.start_callbacks, self._started), (handler.end_callbacks, self._ended)):
                 if callback in callbacks:
                     callbacks.remove(callback)
             self.handler = None
-        self._ended(None)
+        if self.active is not None:  # a compile was in progress: its suspension ends with the trace
+            self._ended(None)
 
 
 _live: dict = {}  # thread id -> its trace's DynamoCompiles

@@ -59,6 +59,9 @@ class SavePolicy:
                 f"{option}={save!r} is not understood: use 'all', 'none', a list of labels / module "
                 "addresses / op types, or a predicate taking an Op"
             )
+        # Whether what is kept is only settled after the forward (see ``apply``); read once per trace.
+        self.filters_after = self.predicate is not None or bool(self.labels or self.types or self.addresses
+                                                                 or self.call_labels)
 
     def _parse_selection(self, items, model, index=None):
         modules = _modules_by_address(model, index)
@@ -92,10 +95,6 @@ class SavePolicy:
         # Labels are only known after the forward: hold everything until then.  So for the output type: an
         # output node shows its producer's tensor, which a test of each op's own type would never hold.
         self.mode = 1 if self.labels or "output" in self.types else 2
-
-    @property
-    def filters_after(self) -> bool:
-        return self.predicate is not None or bool(self.labels or self.types or self.addresses or self.call_labels)
 
     def capture_selector(self, state):
         """The during-forward test for mode 2: op type selected, or inside a selected module."""

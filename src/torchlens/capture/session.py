@@ -40,12 +40,12 @@ from .saving import SavePolicy, SelectedModuleOutputs
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, CaptureState, StopForward, warn_mutated
 from .teardown import Capture, ModeOnStack, leftovers, restore_torch_function_state, torch_function_state
+from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_compile_wrapper, unwrap,
+                       warn_unreduced_grads)
 
 _local = threading.local()
 # What a forward returns in the common case, and never a generator or coroutine (checked by type first).
 _PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
-_PARALLEL = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
-_SCRIPTED = (torch.jit.ScriptModule, torch.jit.ScriptFunction)
 # save="all" and save="none" name nothing of a model, and a trace never changes them: one policy each.
 _PLAIN_POLICIES = {"all": SavePolicy("all", None), "none": SavePolicy("none", None)}
 
@@ -60,8 +60,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     The steps: check the call, prepare the capture state, run the forward inside every capture part,
     then finalize the record and add what the run leaves beside it (caveats, interventions, gradients)."""
     given_root = root
-    compiled_root = _is_compile_wrapper(model)
-    model, root = _checked_call(model, root, kwargs, compiled, deep, grads, stop_after)
+    model, root, compiled_root = _checked_call(model, root, kwargs, compiled, deep, grads, stop_after)
     if deep is not False or name is not None or reference is not None or record_finite is not False \
             or saved_for_backward is not False:  # identity checks alone in the common call
         _check_options(deep, name, reference, intervene, stop_after, record_finite, saved_for_backward)
@@ -141,11 +140,19 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
 
 
 def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tuple:
-    """The module to run and the root that names modules, once the call's arguments are known to make a
-    trace; a bad argument raises here, before anything is set up."""
-    if grads and isinstance(model, _PARALLEL[1]):
-        _warn_unreduced_grads(model)
-    model = _unwrap(model)
+    """The module to run, the root that names modules, and whether ``model`` was a ``torch.compile`` wrapper,
+    once the call's arguments are known to make a trace; a bad argument raises here, before anything is set up."""
+    if root is None and isinstance(model, torch.nn.Module) and type(model._modules) is dict \
+            and "_orig_mod" not in model._modules and "_torchdynamo_orig_callable" not in model.__dict__ \
+            and PARALLEL_CLASSES.isdisjoint(type(model).__mro__) and (kwargs is None or type(kwargs) is dict) \
+            and compiled == "run" and deep is False and stop_after is None:
+        # The common call, settled by C-level checks: an eager module that wraps nothing (no TorchScript
+        # mapping, no compiled or parallel wrapper), default options.  Every other call takes the checks below.
+        return model, model, False
+    compiled_root = is_compile_wrapper(model)
+    if grads and isinstance(model, PARALLEL[1]):
+        warn_unreduced_grads(model)
+    model = unwrap(model)
     if isinstance(model, type) and issubclass(model, torch.nn.Module):
         raise TypeError(f"tl.trace got the class {model.__name__}, not a module: pass a module instance, "
                         f"e.g. tl.trace({model.__name__}(...), x)")
@@ -163,7 +170,7 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
         raise ValueError(f"tl.trace(..., grads=True) gives gradients from a backward through the output, but "
                          f"stop_after={stop_after!r} stops the forward before it makes one (and the saved "
                          "activations are detached); trace the whole forward (no stop_after) for gradients")
-    return model, root
+    return model, root, compiled_root
 
 
 def _check_options(deep, name, reference, intervene, stop_after, record_finite, saved_for_backward) -> None:
@@ -284,12 +291,14 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     class, each module call's calling line (loop or reuse, for display); then the check that each ``save=``
     entry matched, the interventions' outcome, the ``save=`` filter applied after the fact, the gradient
     hooks' sink and what autograd kept for backward.  Class defaults stand where none apply."""
-    caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
-        (submodules.caveats() if submodules is not None else ()) + \
-        _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ())) + \
-        _packed_weights_caveat(index.packed_weights)
-    if caveats:
-        result.caveats = caveats
+    if state.versionless or submodules is not None or index.script_modules or state.unattributed \
+            or index.packed_weights:  # else the class default: no caveat
+        caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
+            (submodules.caveats() if submodules is not None else ()) + \
+            _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ())) + \
+            _packed_weights_caveat(index.packed_weights)
+        if caveats:
+            result.caveats = caveats
     rank = process_rank()
     if rank[0] is not None:  # else not under torch.distributed
         result.rank, result.world_size = rank
@@ -400,7 +409,7 @@ def _root_of(model, root):
     """The module whose addresses name the modules a trace sees (None: a plain function)."""
     if isinstance(model, torch.nn.Module):
         # root= the wrapper that was traced (DDP, DataParallel, torch.compile) names the module traced too.
-        if root is not None and root is not model and _unwrap(root) is not model:
+        if root is not None and root is not model and unwrap(root) is not model:
             raise ValueError(f"root= names the module a callable runs (tl.trace(m.generate, x, root=m)), but the "
                              f"traced model is already a module ({type(model).__name__}) and root= is another "
                              f"({type(root).__name__}): drop root=, or trace the callable you meant")
@@ -481,82 +490,6 @@ def _script_caveat(addresses) -> tuple:
             "trace the module as it was before torch.jit.script or torch.jit.trace to record its interior")
     warn_user(text)
     return (text,)
-
-
-# A torch.compile'd model given to tl.trace runs as the eager model it wraps: capture cannot see inside compiled
-# code.  Said, since a training loop that traces some of its compiled steps computes those steps differently.
-COMPILED_ROOT_CAVEAT = ("the model is torch.compile'd: the trace ran the eager model it wraps (capture cannot see "
-                        "inside compiled code), so its outputs, and the gradients of a backward through them, may "
-                        "differ in their low bits from those of the compiled model's own untraced run")
-
-
-def _is_compile_wrapper(model) -> bool:
-    """Whether ``model`` is what ``torch.compile`` returns for a module or a function, which ``_unwrap`` unwraps."""
-    is_module = isinstance(model, torch.nn.Module)
-    if is_module and type(model._modules) is not dict:
-        return False  # a TorchScript module (its own mapping): no wrapper, and refused by _unwrap
-    return _compiled_module(model, is_module) is not None or _compiled_function(model, is_module) is not None
-
-
-# A module's missing attribute raises through nn.Module.__getattr__, which formats a message: torch.compile's
-# attributes are looked up where they live instead.
-def _compiled_module(model, is_module: bool):
-    """The module a torch.compile'd module (an ``OptimizedModule``) wraps, or None."""
-    inner = model._modules.get("_orig_mod") if is_module else getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, torch.nn.Module) else None
-
-
-def _compiled_function(model, is_module: bool):
-    """The callable a torch.compile'd function wraps, or None."""
-    return vars(model).get("_torchdynamo_orig_callable") if is_module else \
-        getattr(model, "_torchdynamo_orig_callable", None)
-
-
-def _unwrap(model):
-    is_module = isinstance(model, torch.nn.Module)
-    # A scripted module keeps its submodules in TorchScript's own mapping, a plain one in a dict: the exact
-    # check (slow: TorchScript's classes have their own metaclasses) runs only when that one does not settle it.
-    if (not is_module or type(model._modules) is not dict) and isinstance(model, _SCRIPTED):
-        raise TypeError(f"tl.trace got a TorchScript {type(model).__name__} (made by torch.jit.script or torch.jit.trace): "
-                        "it runs in TorchScript's interpreter, where capture sees none of its ops; trace the eager "
-                        "module or function it was made from")
-    inner = _compiled_module(model, is_module)
-    if inner is not None:
-        _refuse_wrapper_hooks(model, "torch.compile wrapper", "_orig_mod")
-        model = inner
-        is_module = True
-    orig = _compiled_function(model, is_module)
-    if orig is not None:
-        model = orig
-    if isinstance(model, _PARALLEL):
-        _refuse_wrapper_hooks(model, type(model).__name__, "module")
-        model = model.module
-    return model
-
-
-def _warn_unreduced_grads(ddp) -> None:
-    """A backward through a traced DDP forward all-reduces nothing: DDP's forward, which readies its reducer for
-    the backward, does not run in a trace.  Say so, since the parameters' ``.grad`` then differ between ranks."""
-    if ddp.require_backward_grad_sync:  # else inside ddp.no_sync(): local gradients are what was asked for
-        warn_user("tl.trace(DDP(model), grads=...) traces the wrapped model without DDP's forward, so DDP does not "
-                  "all-reduce the gradients of a backward through this trace: each parameter's .grad (and "
-                  "log.params' grad) receives this rank's own gradient, not the average over the ranks (op "
-                  "gradients are this rank's, as under DDP). Clear them (model.zero_grad()) before an optimizer "
-                  "step, or step after a backward through an untraced DDP forward")
-
-
-_WRAPPER_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-def _refuse_wrapper_hooks(wrapper, kind: str, inner: str) -> None:
-    """A wrapper traced as the module it wraps must have no hooks of its own: they would not run, and the
-    trace (and ``tl.validate``, which unwraps both of its runs) would show another output than the model's."""
-    hooks = [name.strip("_").replace("_hooks", " hooks").replace("_", " ") for name in _WRAPPER_HOOKS
-             if getattr(wrapper, name, None)]
-    if hooks:
-        raise TypeError(f"tl.trace runs a {kind} as the module it wraps (.{inner}), but the wrapper itself has "
-                        f"{' and '.join(hooks)}, which would then not run and the traced output would not be the "
-                        f"model's; register them on .{inner} instead, or trace .{inner} and apply them yourself")
 
 
 def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:

@@ -235,10 +235,10 @@ def _without_layer_number(label: str) -> str:
 def _traced_module(model):
     """The module a callable runs, as ``tl.trace`` traces it: behind a DDP, DataParallel or ``torch.compile``
     wrapper, the module it wraps, whose addresses the layers name (``fc1``, not ``module.fc1``)."""
-    from ..capture.session import _unwrap
+    from ..capture.wrappers import unwrap
 
     module = module_run_by(model)
-    return None if module is None else _unwrap(module)
+    return None if module is None else unwrap(module)
 
 
 def _save_targets(model, layers) -> list:

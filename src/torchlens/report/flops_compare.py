@@ -121,13 +121,14 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     forward drew random numbers (e.g. dropout in training mode), the outputs differ, or they called
     different products (matrix products, convolutions, attention).
     """
-    from ..capture.session import _unwrap, trace
+    from ..capture.session import trace
+    from ..capture.wrappers import unwrap
     from ..tree import as_args, as_kwargs, clone_call
     from ..capture.restore import module_run_by
     from ..validate import RunState, refuse_unmaterialized
 
     _check_tolerances(rtol, atol)
-    model = _unwrap(model)
+    model = unwrap(model)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.report.flops_vs_dispatch"))
     refuse_unmaterialized(module_run_by(model), "tl.report.flops_vs_dispatch")
