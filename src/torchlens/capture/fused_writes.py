@@ -89,7 +89,9 @@ def _written_stat_slots(func, args, kwargs) -> tuple:
 
 def norm_calls(calls: list) -> list:
     """The positions in ``calls`` of the normalisation calls that read running statistics, and of the fused
-    observer calls (a C-level scan: all that a trace without one pays)."""
+    observer calls (C-level scans: a trace without one pays for the first alone)."""
+    if _KERNEL_WRITERS.isdisjoint(map(_FUNC_OF, calls)):
+        return []
     return list(compress(range(len(calls)), map(_KERNEL_WRITERS.__contains__, map(_FUNC_OF, calls))))
 
 
