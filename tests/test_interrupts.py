@@ -138,3 +138,16 @@ def test_an_interrupt_in_the_setup_or_teardown_searches_the_heap_only_when_torch
     assert landed > 100, landed
     assert searches == []  # the driver's lines run with the mode on the stack, or not yet or no longer on it
     assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
+
+
+def test_keyboard_interrupt_in_the_compile_watch_puts_torchs_hop_entry_back(monkeypatch):
+    """In a process where Dynamo is not imported, a trace stands in for torch's ``_hop_compile_and_call``
+    until it ends.  An interrupt landing between forgetting torch's function and putting it back left the
+    stand-in in place for good.  (The no-Dynamo path is forced here: an earlier test may have imported it.)"""
+    from torchlens.capture import compiled
+
+    monkeypatch.setattr(compiled, "_callback_handler", lambda: None)
+    model, x = Normalized(), torch.randn(2, 4)
+    landed = interrupt_every_line(lambda: tl.trace(model, x), _in_files(compiled))
+    assert landed > 10, landed
+    assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))

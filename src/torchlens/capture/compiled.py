@@ -288,8 +288,10 @@ def _route_hop_compiles() -> None:
 
 def _unroute_hop_compiles() -> None:
     if _routed:
-        original = _routed.pop()
-        setattr(sys.modules[_HOP_UTILS], _ENTRY, original)
+        # Put torch's back before forgetting it: an interrupt landing between the two leaves it listed, and the
+        # retry (``until_done``) puts it back again.  Forgotten first, it would stay ours for good.
+        setattr(sys.modules[_HOP_UTILS], _ENTRY, _routed[-1])
+        _routed.pop()
 
 
 def _hop_compile_and_call(fn, args, kwargs=None):
