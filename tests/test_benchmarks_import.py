@@ -58,3 +58,25 @@ def test_each_arm_of_the_intervention_benchmark_runs_and_edits(row, monkeypatch)
     assert torch.equal(outputs["label site, ref"], outputs["hooked"])
     assert torch.equal(outputs["trace none"], outputs["native"])
     assert not torch.equal(outputs["hooked"], outputs["native"])
+
+
+def test_each_part_the_fixed_cost_parts_benchmark_replaces_exists_and_a_one_op_trace_runs_without_it(monkeypatch):
+    """``fixed_cost_parts.py`` replaces driver parts by name (a renamed part must break this, not be skipped
+    in silence), and counts a one-op trace with each gone: that trace must still run and record its op."""
+    parts = _load(BENCHMARKS / "fixed_cost_parts.py", monkeypatch)
+    from torchlens.capture import session
+
+    class OneOp(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    x = torch.randn(4)
+    with torch.no_grad():
+        labels = [op.label for op in torchlens.trace(OneOp(), x).ops]  # the input, add_1_1 and the output
+    for name, stand_in in parts.PARTS.values():
+        assert hasattr(session, name), f"the driver has no {name}: update fixed_cost_parts.PARTS"
+        with monkeypatch.context() as patched, torch.no_grad():
+            patched.setattr(session, name, stand_in)
+            log = torchlens.trace(OneOp(), x)
+        assert torch.equal(log.output, x + 1)
+        assert [op.label for op in log.ops] == labels
