@@ -1881,11 +1881,18 @@ static PyObject *skipped_call(Recorder *r, PyObject *module, PyObject *const *ar
     Py_DECREF(running);
     if (inside < 0) return NULL;
     if (inside) return PyObject_Vectorcall(r->fallback, argv, nargsf, kwnames);
-    if (PyObject_SetAttr(r->state, s_root_running, Py_True) < 0) return NULL;
+    /* The trace this call began in, held: a forked child tears capture down inside it (capture/forks.py). */
+    PyObject *state = Py_NewRef(r->state);
+    if (PyObject_SetAttr(state, s_root_running, Py_True) < 0) {
+        Py_DECREF(state);
+        return NULL;
+    }
     PyObject *output = PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
     PyObject *type, *value, *tb;  /* ``finally``: reset, keeping the call's exception */
     PyErr_Fetch(&type, &value, &tb);
-    if (PyObject_SetAttr(r->state, s_root_running, Py_False) < 0) {
+    int reset = PyObject_SetAttr(state, s_root_running, Py_False);
+    Py_DECREF(state);
+    if (reset < 0) {
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(tb);

@@ -256,11 +256,12 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
     def _run_root(module, args, kwargs):
         """The trace's call of its root module: not recorded, but marked as running, so that the root's calls
         of itself inside it (recursion) are recorded as module calls (``self:2``, ``self:3``, ...)."""
-        st.root_running = True
+        running = st  # the trace this call began in: a forked child tears capture down inside it
+        running.root_running = True
         try:
             return impl(module, *args, **kwargs)
         finally:
-            st.root_running = False
+            running.root_running = False
 
     # Runs once per module call inside every trace: the common cases (one tensor argument, a call
     # made straight from user code or by nn.Sequential) take no loop and no method call.

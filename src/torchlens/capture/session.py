@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import threading
 from time import perf_counter_ns
 
@@ -28,6 +29,7 @@ from .collectives import process_rank
 from .compiled import (CompiledSubmodules, DynamoCompiles, Suspension, check_compiled_option,
                        compiled_in_place, optimized_module_type)
 from .fastpath import FastPathShim
+from .forks import leave_copied_trace, refuse_forked_trace
 from .fused_writes import link_running_stats_readers, norm_calls
 from .function_outputs import function_outputs
 from .grads import attach_grads, grad_capture
@@ -43,7 +45,8 @@ from .teardown import Capture, ModeOnStack, leftovers, restore_torch_function_st
 from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_compile_wrapper, unwrap,
                        warn_unreduced_grads)
 
-_local = threading.local()
+_local = threading.local()  # .active: this thread is tracing; .collecting: the collector ran before it
+os.register_at_fork(after_in_child=lambda: leave_copied_trace(_local))  # see capture/forks.py
 # What a forward returns in the common case, and never a generator or coroutine (checked by type first).
 _PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
 # save="all" and save="none" name nothing of a model, and a trace never changes them: one policy each.
@@ -100,7 +103,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls") \
         if shows_bar(progress) else QUIET
     parts, submodules = _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown)
-    output = _run_captured(Capture(parts), parts, mode, state, runtime, packing, model, root, args, kwargs, shown)
+    capture = Capture(parts)
+    output = _run_captured(capture, parts, mode, state, runtime, packing, model, root, args, kwargs, shown)
+    refuse_forked_trace(capture)
     forward_done = perf_counter_ns()
     if type(output) not in _PLAIN_OUTPUTS:  # the common case: a tensor, a tuple, a dict (never a generator)
         _refuse_lazy_output(output, model, shown)
@@ -388,7 +393,7 @@ def _paused_collector(run, arguments: tuple) -> Trace:
     collecting, torch_functions = gc.isenabled(), torch_function_state(for_trace=True)
     try:
         try:
-            _local.active = True
+            _local.active, _local.collecting = True, collecting
             gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
             return run(*arguments)
         finally:

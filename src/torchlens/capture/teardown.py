@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import threading
 
 import torch
 import torch.overrides
@@ -102,6 +103,14 @@ class ModeOnStack:
         self.removed = True
 
 
+_running = threading.local()  # .capture: the Capture this thread's trace runs inside, while it runs
+
+
+def running_capture():
+    """The ``Capture`` this thread's trace runs inside, or None."""
+    return getattr(_running, "capture", None)
+
+
 class Capture:
     """Context manager: enter one trace's capture parts in order; on exit tear them all down, innermost
     first.
@@ -117,8 +126,10 @@ class Capture:
 
     def __init__(self, parts: tuple):
         self.parts = parts
+        self.forked_into = None  # the pid of a child forked inside the forward, in that child (capture/forks.py)
 
     def __enter__(self):
+        _running.capture = self
         for part in self.parts:
             part.__enter__()
         return self
@@ -129,6 +140,8 @@ class Capture:
 
     def tear_down(self) -> None:
         """Exit every part, innermost first; an interrupt landing meanwhile is re-raised after."""
+        if getattr(_running, "capture", None) is self:
+            _running.capture = None
         interrupted = None
         for part in reversed(self.parts):
             try:

@@ -1,0 +1,131 @@
+"""Traces and other processes: a child forked inside a traced forward, and what crosses a process.
+
+``os.fork`` copies the forking thread with its thread-local capture state.  A child forked inside a
+traced forward (a fork-started worker, a ``DataLoader`` worker) must compute untraced, run with the
+collector on, and trace on its own; one that goes on with the parent's forward must get an error, not
+a trace missing the ops after the fork.  Each scenario runs in a fresh interpreter with one intra-op
+thread: a process forked after torch's thread pool has run can hang in torch itself, traced or not.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+
+_PRELUDE = """
+import gc, json, os, torch, torch.nn as nn
+import torchlens as tl
+torch.set_num_threads(1)
+
+def in_child(body):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            found = body()
+        except BaseException as exc:
+            found = {"raised": f"{type(exc).__name__}: {exc}"}
+        os.write(write, json.dumps(found).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        found = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    return found
+"""
+
+_WORKER_INSIDE_FORWARD = _PRELUDE + """
+other = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+y = torch.randn(2, 4)
+untraced = other(y).tolist()
+
+def child_work():
+    out = other(y).tolist()
+    intervened = model.b(z).tolist()  # a module the parent's trace zero-ablates: not in the child
+    log = tl.trace(other, y)
+    return {"same": out == untraced, "modes": torch._C._len_torch_function_stack(), "collecting": gc.isenabled(),
+            "intervened": intervened == untraced_b, "own": [op.label for op in log],
+            "own_output": log.output.tolist() == untraced}
+
+class ForksAWorker(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        self.child = in_child(child_work)
+        return self.b(h)
+
+model = ForksAWorker()
+x, z = torch.randn(2, 4), torch.randn(3, 4)
+untraced_b = model.b(z).tolist()
+log = tl.trace(model, x, intervene={"b": tl.zero_ablate()})
+print(json.dumps({"child": model.child, "parent": [op.label for op in log],
+                  "parent_output": not log.output.any().item()}))
+"""
+
+
+def _run(script: str) -> str:
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_a_child_forked_inside_a_traced_forward_runs_untraced_and_traces_on_its_own():
+    import json
+
+    found = json.loads(_run(_WORKER_INSIDE_FORWARD))
+    child = found["child"]
+    assert "raised" not in child, child["raised"]
+    assert child["same"] and child["modes"] == 0, "the child computed under the parent's capture mode"
+    assert child["collecting"], "the child inherited the collector paused for the parent's trace"
+    assert child["intervened"], "the parent's intervention changed what the child computed"
+    assert child["own"] == ["input_1:1", "linear_1_1:1", "relu_1_2:1", "linear_2_3:1", "output_1:1"]
+    assert child["own_output"]
+    assert found["parent"] == ["input_1:1", "linear_1_1:1", "linear_2_2:1", "output_1:1"]
+    assert found["parent_output"]
+
+
+_FORWARD_GOES_ON_IN_CHILD = _PRELUDE + """
+class ForksAndGoesOn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        self.pid = os.fork()
+        return self.b(h).relu()
+
+model = ForksAndGoesOn()
+try:
+    result = [op.label for op in tl.trace(model, torch.randn(2, 4))]
+except Exception as exc:
+    result = f"{type(exc).__name__}: {exc}"
+if model.pid == 0:  # the child: report through a file the parent reads
+    with open(os.environ["CHILD_OUT"], "w") as out:
+        json.dump({"result": result, "own": len(tl.trace(model.b, torch.randn(2, 4)))}, out)
+    os._exit(0)
+os.waitpid(model.pid, 0)
+with open(os.environ["CHILD_OUT"]) as child:
+    print(json.dumps({"parent": result, "child": json.load(child)}))
+"""
+
+
+def test_a_traced_forward_going_on_in_a_forked_child_ends_in_an_error_there(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("CHILD_OUT", str(tmp_path / "child.json"))
+    found = json.loads(_run(_FORWARD_GOES_ON_IN_CHILD))
+    assert found["parent"] == ["input_1:1", "linear_1_1:1", "linear_2_2:1", "relu_1_3:1", "output_1:1"]
+    child = found["child"]
+    assert isinstance(child["result"], str) and child["result"].startswith("TorchlensError: this process"), \
+        child["result"]
+    assert "forked inside a traced forward" in child["result"]
+    assert child["own"] == 3  # and the child's own trace works afterwards
