@@ -129,3 +129,28 @@ def test_a_traced_forward_going_on_in_a_forked_child_ends_in_an_error_there(tmp_
         child["result"]
     assert "forked inside a traced forward" in child["result"]
     assert child["own"] == 3  # and the child's own trace works afterwards
+
+
+def test_a_trace_and_each_kind_of_record_are_refused_by_pickle_and_deepcopy_naming_themselves():
+    import copy
+    import io
+    import pickle
+
+    import torch
+    import torch.nn as nn
+
+    import torchlens as tl
+
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    log = tl.trace(model, torch.randn(2, 5, 16))
+    records = {"Trace": log, "Op": log["linear_1_7:1"], "ModuleCall": log.module_calls[3], "Module": log.modules[1],
+               "Layer": log.layers[2], "RecordList": log.ops}
+    for name, record in records.items():
+        for how, copies in [("pickled", pickle.dumps), ("pickled", lambda r: torch.save(r, io.BytesIO())),
+                            ("copied", copy.deepcopy)]:
+            with pytest.raises(TypeError, match=rf"^an? {name} cannot be (deep-)?{how}") as refused:
+                copies(record)
+            assert "log.save(path)" in str(refused.value) and "tl.load(path)" in str(refused.value)
+        if name != "Trace":  # a shallow copy of a record is the same record of the same trace
+            assert copy.copy(record) == record
+    assert copy.copy(records["Op"]).activation is records["Op"].activation

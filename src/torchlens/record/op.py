@@ -12,7 +12,7 @@ from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import is_packed_weight
 from ..tree import container_items
-from .view import View
+from .view import OfATrace, View
 from ..errors import ActivationUnavailable
 
 # The kinds under their former names (record/columns.py declares them).
@@ -331,7 +331,7 @@ _SHARED_WHEN_EQUAL = frozenset(["shape", "dtype", "device", "requires_grad", "gr
                                 "source"])
 
 
-class Layer:
+class Layer(OfATrace):
     """Every pass of one op site; a single-pass layer answers any ``Op`` field itself."""
 
     __slots__ = ("_trace", "layer_label", "_indices")

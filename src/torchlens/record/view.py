@@ -12,7 +12,31 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 
-class View:
+class OfATrace:
+    """What every record a trace hands out is: read through its trace, so never pickled nor deep-copied
+    apart from it (pickling it would pickle the trace, and refuse in the trace's words, not the record's).
+    A shallow copy is the record itself: it addresses the same record of the same trace."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_not_kept_apart(self, "pickled"))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_not_kept_apart(self, "deep-copied"))
+
+
+def _not_kept_apart(record, how: str) -> str:
+    name = type(record).__name__
+    return (f"a{'n' if name[0] in 'AEIOU' else ''} {name} cannot be {how}: it is part of a Trace, read through it, "
+            "and a trace holds the model and torch's callables. Keep the trace with log.save(path) and read it "
+            "back, as a separate trace, with tl.load(path) (one tensor alone: torch.save(op.activation, path))")
+
+
+class View(OfATrace):
     """One record of one trace: record ``index`` of its kind."""
 
     __slots__ = ("_trace", "index")
@@ -34,7 +58,7 @@ def row_field(name: str) -> property:
     return property(attrgetter(f"_row.{name}"))
 
 
-class RecordList(Sequence):
+class RecordList(OfATrace, Sequence):
     """The records of one kind (ops, layers, module calls, modules, parameters, buffers) as a sequence
     that also converts to a DataFrame.  Each item is a view made when it is read, ``view(trace, key)``
     for one of ``keys``: a slice gives a list of them."""
