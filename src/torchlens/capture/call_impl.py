@@ -189,10 +189,11 @@ class Replacement:
     ``owners`` go through ``make_recorder(impl, relays)`` (one recorder per redirected function; see
     ``Site`` for its two arguments)."""
 
-    __slots__ = ("make_recorder", "owners", "held", "_recorders")
+    __slots__ = ("make_recorder", "owners", "held", "_recorders", "thread")
 
     def __init__(self, make_recorder, owners=()):
         self.make_recorder = make_recorder
+        self.thread = threading.get_ident()  # the tracing thread (a forked child releases it from its own)
         self.owners = (torch.nn.Module, *owners) if owners else _MODULE_ONLY
         self.held: list = []  # ids of the sites this trace holds
         self._recorders: dict = {}  # id(owner) -> this trace's recorder there
@@ -206,7 +207,7 @@ class Replacement:
             raise
 
     def acquire(self) -> None:
-        tid = threading.get_ident()
+        tid = self.thread
         # acquire/release rather than ``with``: half the cost; a hold an interrupt strands between them is
         # dropped by ``release_all`` (as one stranded on a ``with`` exit line would be).
         _lock.acquire()
@@ -240,7 +241,7 @@ class Replacement:
 
     def release_all(self) -> None:
         release_stranded(_lock)
-        tid = threading.get_ident()
+        tid = self.thread
         _lock.acquire()
         try:
             while self.held:

@@ -321,6 +321,7 @@ class CompiledSubmodules:
         self.suspend = suspend
         self.swapped: list = []  # ids of the OptimizedModules this trace routes
         self.eager_modules: set = set()  # ids of OptimizedModules the module tracker must not record
+        self.thread = threading.get_ident()  # the tracing thread (a forked child releases it from its own)
 
     def __enter__(self):
         optimized = optimized_module_type()
@@ -339,7 +340,7 @@ class CompiledSubmodules:
             raise
 
     def _route(self, module, slot: str = "forward", router=None) -> None:
-        tid = threading.get_ident()
+        tid = self.thread
         self.swapped.append(id(module))  # first: whatever happens next, __exit__ will undo it
         with _lock:
             entry = _installed.get(id(module))
@@ -370,7 +371,7 @@ class CompiledSubmodules:
             entry = _installed.get(key)
             if entry is not None:
                 module, own, call, slot = entry
-                call.threads.pop(threading.get_ident(), None)
+                call.threads.pop(self.thread, None)
                 # The process-wide cache must not keep the model alive.
                 inplace_cache.pop(getattr(call, "op", call), None)
                 if not call.threads:  # the last trace using it: the module gets its own forward back

@@ -1,38 +1,47 @@
-"""A process forked while its forking thread traces: the child holds a copy of that trace, which it can
-neither finish nor should record into.
+"""A process forked while a trace runs: the child holds a copy of that trace, which it can neither finish
+nor should record into.
 
 ``os.fork`` copies the forking thread alone, with its thread-local state: the capture mode on torch's
-function-mode stack, the thread's module-call recorders and module hooks, its "tracing" mark and the
-collector paused for the trace.  A worker forked inside a traced forward (``torch.multiprocessing`` or a
-``DataLoader`` with the fork start method, a ``ProcessPoolExecutor``) would then record all its own work
-into that copy, holding every activation, apply the trace's interventions to its own calls of the
-intervened modules, refuse its own ``tl.trace`` as nested, and run with the collector off.
+function-mode stack, its "tracing" mark and the collector paused for the trace.  A worker forked inside
+a traced forward (``torch.multiprocessing`` or a ``DataLoader`` with the fork start method, a
+``ProcessPoolExecutor``) would then record all its own work into that copy, holding every activation,
+apply the trace's interventions to its own calls of the intervened modules, refuse its own ``tl.trace``
+as nested, and run with the collector off.
 
-``leave_copied_trace`` runs in every child after a fork (registered once, at import): when the forking
-thread was not tracing it reads two thread-locals and returns.  Otherwise it tears the copied trace's
-capture down in the child, as the end of the forward would, so ops and module calls run untraced and a
-trace of the child's own works, and marks it, so that a forward going on in the child after ``os.fork``
-returns there ends in an error rather than a trace missing every op after the fork.  What other threads'
-traces left installed (``_call_impl``, the fast-path shim) answers per thread: the child's calls reach
-torch's own code through it.
+Traces other threads were running are copied too, their threads not: what they put in place process-wide
+(``_call_impl``'s recorders, module hooks, ``Function.apply``) answers by thread id, and a thread the child
+starts may get the id of one of those threads, and then be recorded into that trace and have its
+interventions applied to what it computes.
+
+``leave_copied_trace`` runs in every child after a fork (registered once, at import): when no trace runs
+it checks one dict and one thread-local and returns.  Otherwise it tears every copied trace's capture
+down in the child, as the end of its forward would, so ops and module calls run untraced and a trace of
+the child's own works, and marks each, so that a forward going on in the child after ``os.fork`` returns
+there ends in an error rather than a trace missing every op after the fork.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import threading
 
 from ..errors import TorchlensError
-from .teardown import running_capture
+from .teardown import running_captures
 
 
 def leave_copied_trace(thread_mark) -> None:
-    """In a forked child: tear down the capture of the trace the forking thread was running, if any.
+    """In a forked child: tear down the capture of every trace the parent's threads were running.
     ``thread_mark`` is the thread-local ``tl.trace`` marks a tracing thread on (``active``, ``collecting``)."""
-    capture = running_capture()
-    if capture is not None:
-        capture.forked_into = os.getpid()
-        capture.tear_down()
+    captures = running_captures()
+    if captures:
+        forking = threading.get_ident()
+        for thread, capture in list(captures.items()):
+            capture.forked_into = os.getpid()
+            if thread == forking:
+                capture.tear_down()
+            else:
+                capture.abandon()
     if getattr(thread_mark, "active", False):
         thread_mark.active = False
         if getattr(thread_mark, "collecting", False):

@@ -80,13 +80,14 @@ class FunctionOutputs:
     def __init__(self, receiver):
         self.receiver = receiver
         self.installed = False
+        self.thread = threading.get_ident()  # the tracing thread (a forked child releases it from its own)
 
     def __enter__(self):
         if BOUND_APPLY_UNSEEN is not None:
             warnings.warn(BOUND_APPLY_UNSEEN, RuntimeWarning, stacklevel=2)
         try:
             with _receivers_lock:
-                _receivers[threading.get_ident()] = self.receiver
+                _receivers[self.thread] = self.receiver
                 self.installed = True
                 if vars(_HOST).get("apply") is not _WRAPPED_APPLY:
                     _HOST.apply = _WRAPPED_APPLY
@@ -104,8 +105,8 @@ class FunctionOutputs:
         if not self.installed:
             return
         with _receivers_lock:
-            if _receivers.get(threading.get_ident()) is self.receiver:
-                del _receivers[threading.get_ident()]
+            if _receivers.get(self.thread) is self.receiver:
+                del _receivers[self.thread]
             if not _receivers and vars(_HOST).get("apply") is _WRAPPED_APPLY:
                 if _ORIGINAL_APPLY is None:
                     del _HOST.apply

@@ -103,12 +103,12 @@ class ModeOnStack:
         self.removed = True
 
 
-_running = threading.local()  # .capture: the Capture this thread's trace runs inside, while it runs
+_running: dict = {}  # thread id -> the Capture that thread's trace runs inside, while it runs (capture/forks.py)
 
 
-def running_capture():
-    """The ``Capture`` this thread's trace runs inside, or None."""
-    return getattr(_running, "capture", None)
+def running_captures() -> dict:
+    """Each tracing thread's id -> the ``Capture`` its trace runs inside."""
+    return _running
 
 
 class Capture:
@@ -127,9 +127,10 @@ class Capture:
     def __init__(self, parts: tuple):
         self.parts = parts
         self.forked_into = None  # the pid of a child forked inside the forward, in that child (capture/forks.py)
+        self.thread = threading.get_ident()
 
     def __enter__(self):
-        _running.capture = self
+        _running[self.thread] = self
         for part in self.parts:
             part.__enter__()
         return self
@@ -140,10 +141,21 @@ class Capture:
 
     def tear_down(self) -> None:
         """Exit every part, innermost first; an interrupt landing meanwhile is re-raised after."""
-        if getattr(_running, "capture", None) is self:
-            _running.capture = None
+        if _running.get(self.thread) is self:
+            del _running[self.thread]
+        self._exit_parts(self.parts)
+
+    def abandon(self) -> None:
+        """In a forked child, where the thread that ran this trace is gone: tear down what the trace put in
+        place process-wide, from the child's thread.  The parts on that thread's own mode stack went with it."""
+        if _running.get(self.thread) is self:
+            del _running[self.thread]
+        self._exit_parts([part for part in self.parts if not isinstance(part, ModeOnStack)])
+
+    @staticmethod
+    def _exit_parts(parts) -> None:
         interrupted = None
-        for part in reversed(self.parts):
+        for part in reversed(parts):
             try:
                 part.__exit__(None, None, None)
             except BaseException as e:  # noqa: BLE001
