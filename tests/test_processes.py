@@ -180,7 +180,7 @@ tracer.start()
 model.inside.wait(60)
 
 def in_a_new_thread():  # a thread the child starts takes the id of the parent's tracing thread, here
-    found = {}
+    found = {"collecting": gc.isenabled()}
 
     def work():
         found["same_id"] = threading.get_ident() == tracer.ident
@@ -208,6 +208,7 @@ def test_a_thread_started_in_a_child_forked_while_another_thread_traces_runs_unt
     found = json.loads(_run(_THREAD_TRACING_AT_FORK))
     child = found["child"]
     assert "raised" not in child, child["raised"]
+    assert child["collecting"], "the child inherited the collector paused for the parent thread's trace"
     if not child.get("same_id"):
         pytest.skip("this platform gave the child's thread a new id: the case does not arise")
     assert child["b"], "the parent thread's intervention changed what the child's thread computed"

@@ -14,7 +14,7 @@ starts may get the id of one of those threads, and then be recorded into that tr
 interventions applied to what it computes.
 
 ``leave_copied_trace`` runs in every child after a fork (registered once, at import): when no trace runs
-it checks one dict and one thread-local and returns.  Otherwise it tears every copied trace's capture
+it checks two dicts, sets one thread-local and returns.  Otherwise it tears every copied trace's capture
 down in the child, as the end of its forward would, so ops and module calls run untraced and a trace of
 the child's own works, and marks each, so that a forward going on in the child after ``os.fork`` returns
 there ends in an error rather than a trace missing every op after the fork.
@@ -30,9 +30,10 @@ from ..errors import TorchlensError
 from .teardown import running_captures
 
 
-def leave_copied_trace(thread_mark) -> None:
+def leave_copied_trace(thread_mark, collector_was_on: dict) -> None:
     """In a forked child: tear down the capture of every trace the parent's threads were running.
-    ``thread_mark`` is the thread-local ``tl.trace`` marks a tracing thread on (``active``, ``collecting``)."""
+    ``thread_mark`` is the thread-local ``tl.trace`` marks a tracing thread on (``active``);
+    ``collector_was_on``: each tracing thread's id -> whether the collector ran when its trace began."""
     captures = running_captures()
     if captures:
         forking = threading.get_ident()
@@ -42,10 +43,11 @@ def leave_copied_trace(thread_mark) -> None:
                 capture.tear_down()
             else:
                 capture.abandon()
-    if getattr(thread_mark, "active", False):
-        thread_mark.active = False
-        if getattr(thread_mark, "collecting", False):
-            gc.enable()  # paused for the parent's trace, which this process will not finish
+    thread_mark.active = False
+    if collector_was_on:  # the collector is paused for the parent's traces, which this process will not finish
+        if any(collector_was_on.values()):  # (the first trace to begin saw it as the user left it)
+            gc.enable()
+        collector_was_on.clear()
 
 
 def refuse_forked_trace(capture) -> None:

@@ -45,8 +45,9 @@ from .teardown import Capture, ModeOnStack, leftovers, restore_torch_function_st
 from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_compile_wrapper, unwrap,
                        warn_unreduced_grads)
 
-_local = threading.local()  # .active: this thread is tracing; .collecting: the collector ran before it
-os.register_at_fork(after_in_child=lambda: leave_copied_trace(_local))  # see capture/forks.py
+_local = threading.local()  # .active: this thread is tracing
+_collector_was_on: dict = {}  # tracing thread id -> whether the collector ran when its trace began
+os.register_at_fork(after_in_child=lambda: leave_copied_trace(_local, _collector_was_on))  # see capture/forks.py
 # What a forward returns in the common case, and never a generator or coroutine (checked by type first).
 _PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
 # save="all" and save="none" name nothing of a model, and a trace never changes them: one policy each.
@@ -391,19 +392,23 @@ def _paused_collector(run, arguments: tuple) -> Trace:
                                "profiling reports), was called inside a forward that is already being traced; "
                                "trace the outer model once instead")
     collecting, torch_functions = gc.isenabled(), torch_function_state(for_trace=True)
+    thread = threading.get_ident()
     try:
         try:
-            _local.active, _local.collecting = True, collecting
+            _local.active = True
+            _collector_was_on[thread] = collecting
             gc.disable()  # a trace allocates many small records: no collector passes over them meanwhile
             return run(*arguments)
         finally:
             _local.active = False
+            _collector_was_on.pop(thread, None)
             restore_torch_function_state(torch_functions)
             if collecting:
                 gc.enable()
     except BaseException:
         # Once more: an interrupt landing on a line of the ``finally`` above cuts it short, and raises.
         _local.active = False
+        _collector_was_on.pop(thread, None)
         restore_torch_function_state(torch_functions)
         if collecting and not gc.isenabled():
             gc.enable()
