@@ -214,3 +214,56 @@ def test_a_thread_started_in_a_child_forked_while_another_thread_traces_runs_unt
     assert child["b"], "the parent thread's intervention changed what the child's thread computed"
     assert child["own"] == ["input_1:1", "linear_1_1:1", "output_1:1"]
     assert found["parent_zeroed"]
+
+
+_LOCK_HELD_AT_FORK = _PRELUDE + """
+import signal, threading, time
+from torchlens.capture import call_impl
+
+inside, release, held, free = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+class Waits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        inside.set()
+        release.wait(60)
+        return self.a(x)
+
+tracer = threading.Thread(target=lambda: tl.trace(Waits(), torch.randn(2, 4)))
+tracer.start()
+inside.wait(60)
+
+def hold():  # a trace beginning or ending in another thread holds this lock for a moment
+    with call_impl._lock:
+        held.set()
+        free.wait(60)
+
+holder = threading.Thread(target=hold)
+holder.start()
+held.wait(60)
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if len(tl.trace(nn.Linear(4, 4), torch.randn(1, 4))) == 3 else 1)
+deadline, status = time.monotonic() + 30, None
+while status is None and time.monotonic() < deadline:
+    done, code = os.waitpid(pid, os.WNOHANG)
+    status = code if done else None
+    time.sleep(0.02)
+if status is None:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+free.set()
+release.set()
+tracer.join()
+holder.join()
+print(json.dumps("hung" if status is None else os.waitstatus_to_exitcode(status)))
+"""
+
+
+def test_a_child_forked_while_a_thread_holds_captures_lock_is_not_stuck_on_it():
+    import json
+
+    assert json.loads(_run(_LOCK_HELD_AT_FORK)) == 0

@@ -14,7 +14,8 @@ starts may get the id of one of those threads, and then be recorded into that tr
 interventions applied to what it computes.
 
 ``leave_copied_trace`` runs in every child after a fork (registered once, at import): when no trace runs
-it checks two dicts, sets one thread-local and returns.  Otherwise it tears every copied trace's capture
+it checks two dicts, sets one thread-local and returns.  Otherwise it gives the locks of capture's
+process-wide state new ones (a thread holding one is gone) and tears every copied trace's capture
 down in the child, as the end of its forward would, so ops and module calls run untraced and a trace of
 the child's own works, and marks each, so that a forward going on in the child after ``os.fork`` returns
 there ends in an error rather than a trace missing every op after the fork.
@@ -27,6 +28,7 @@ import os
 import threading
 
 from ..errors import TorchlensError
+from . import call_impl, compiled, fastpath, function_outputs
 from .teardown import running_captures
 
 
@@ -35,6 +37,8 @@ def leave_copied_trace(thread_mark, collector_was_on: dict) -> None:
     ``thread_mark`` is the thread-local ``tl.trace`` marks a tracing thread on (``active``);
     ``collector_was_on``: each tracing thread's id -> whether the collector ran when its trace began."""
     captures = running_captures()
+    if captures or collector_was_on:
+        _unlock_capture()
     if captures:
         forking = threading.get_ident()
         for thread, capture in list(captures.items()):
@@ -48,6 +52,15 @@ def leave_copied_trace(thread_mark, collector_was_on: dict) -> None:
         if any(collector_was_on.values()):  # (the first trace to begin saw it as the user left it)
             gc.enable()
         collector_was_on.clear()
+
+
+def _unlock_capture() -> None:
+    """New locks for what traces set up process-wide: a parent's thread that held one as the process forked
+    (a trace beginning or ending) is not in the child, and would hold it there for ever."""
+    call_impl._lock = threading.RLock()
+    fastpath._lock = threading.RLock()
+    compiled._lock = threading.RLock()
+    function_outputs._receivers_lock = threading.RLock()
 
 
 def refuse_forked_trace(capture) -> None:
