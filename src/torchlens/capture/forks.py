@@ -64,8 +64,9 @@ def _unlock_capture() -> None:
 
 
 def refuse_forked_trace(capture) -> None:
-    """After the forward: a trace whose process forked inside it, and which goes on in the child, ends here."""
-    if capture.forked_into is not None:  # set in the child only: the parent's own trace never has it
+    """After the forward: a trace whose process forked inside it, and which goes on in the child, ends here
+    (the driver asks only when ``capture.forked_into`` is set: in the child, never in the parent)."""
+    if capture.forked_into is not None:
         raise TorchlensError(f"this process (pid {capture.forked_into}) was forked inside a traced forward, and "
                              "the trace went on in it: its ops after the fork were not recorded, so it returns "
                              "no trace. Trace in the parent process, or start a trace of its own in the child")

@@ -106,7 +106,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     parts, submodules = _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown)
     capture = Capture(parts)
     output = _run_captured(capture, parts, mode, state, runtime, packing, model, root, args, kwargs, shown)
-    refuse_forked_trace(capture)
+    if capture.forked_into is not None:  # set in a child forked inside the forward, never in the parent
+        refuse_forked_trace(capture)
     forward_done = perf_counter_ns()
     if type(output) not in _PLAIN_OUTPUTS:  # the common case: a tensor, a tuple, a dict (never a generator)
         _refuse_lazy_output(output, model, shown)

@@ -49,9 +49,9 @@ def unwrap(model):
     # A scripted module keeps its submodules in TorchScript's own mapping, a plain one in a dict: the exact
     # check (slow: TorchScript's classes have their own metaclasses) runs only when that one does not settle it.
     if (not is_module or type(model._modules) is not dict) and isinstance(model, _SCRIPTED):
-        raise TypeError(f"tl.trace got a TorchScript {type(model).__name__} (made by torch.jit.script or torch.jit.trace): "
-                        "it runs in TorchScript's interpreter, where capture sees none of its ops; trace the eager "
-                        "module or function it was made from")
+        raise TypeError(f"tl.trace got a TorchScript {type(model).__name__} (made by torch.jit.script or "
+                        "torch.jit.trace): it runs in TorchScript's interpreter, where capture sees none of its ops; "
+                        "trace the eager module or function it was made from")
     inner = _compiled_module(model, is_module)
     if inner is not None:
         _refuse_wrapper_hooks(model, "torch.compile wrapper", "_orig_mod")
