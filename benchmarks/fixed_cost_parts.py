@@ -14,8 +14,6 @@ Needs valgrind; each count runs a worker under callgrind (about a minute).  Run:
 from __future__ import annotations
 
 import argparse
-import gc
-import operator
 import os
 import sys
 import tempfile
@@ -52,30 +50,17 @@ PARTS = {
 
 
 def _worker(part: str, count: int) -> None:
-    """Warm up, then run ``count`` one-op traces inside ``operator.call`` (``part``: the part replaced, or "")."""
-    import torch
-
+    """``trace_instructions``' worker for the one-op model's ``tl.trace``, with ``part`` (or nothing: "")
+    replaced by its no-op first."""
     sys.path.insert(0, os.path.join(_HERE, "..", "src"))
-    import torchlens as tl
+    sys.path.insert(0, _HERE)
     from torchlens.capture import session
+    from trace_instructions import _worker as counted_worker
 
     if part:
         name, stand_in = PARTS[part]
         setattr(session, name, stand_in)
-
-    class OneOp(torch.nn.Module):
-        def forward(self, x):
-            return x + 1
-
-    torch.set_num_threads(1)
-    model, x = OneOp().eval(), torch.randn(4)
-    with torch.no_grad():
-        for _ in range(40):
-            tl.trace(model, x)
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-        operator.call(lambda: [tl.trace(model, x) for _ in range(count)])
+    counted_worker("one-op", "all", None, count)
 
 
 def main() -> None:

@@ -210,7 +210,7 @@ class DynamoCompiles:
             handler = _callback_handler()
             if handler is not None:
                 self.register(handler)
-            elif not _routed:  # another thread's trace may have routed them already
+            else:
                 _route_hop_compiles()
         finally:
             _lock.release()
@@ -253,7 +253,7 @@ class DynamoCompiles:
         try:
             if _live.get(self.thread) is self:
                 del _live[self.thread]
-            if not _live and _routed:
+            if not _live:
                 _unroute_hop_compiles()
         finally:
             _lock.release()

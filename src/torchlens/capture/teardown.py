@@ -143,25 +143,20 @@ class Capture:
         """Exit every part, innermost first; an interrupt landing meanwhile is re-raised after."""
         if _running.get(self.thread) is self:
             del _running[self.thread]
-        self._exit_parts(self.parts)
-
-    def abandon(self) -> None:
-        """In a forked child, where the thread that ran this trace is gone: tear down what the trace put in
-        place process-wide, from the child's thread.  The parts on that thread's own mode stack went with it."""
-        if _running.get(self.thread) is self:
-            del _running[self.thread]
-        self._exit_parts([part for part in self.parts if not isinstance(part, ModeOnStack)])
-
-    @staticmethod
-    def _exit_parts(parts) -> None:
         interrupted = None
-        for part in reversed(parts):
+        for part in reversed(self.parts):
             try:
                 part.__exit__(None, None, None)
             except BaseException as e:  # noqa: BLE001
                 interrupted = interrupted or e
         if interrupted is not None:
             raise interrupted
+
+    def abandon(self) -> None:
+        """In a forked child, where the thread that ran this trace is gone: tear down what the trace put in
+        place process-wide, from the child's thread.  The parts on that thread's own mode stack went with it."""
+        self.parts = tuple(part for part in self.parts if not isinstance(part, ModeOnStack))
+        self.tear_down()
 
 
 def leftovers(mode, parts) -> list:
