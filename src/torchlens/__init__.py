@@ -8,8 +8,8 @@ to the native PyTorch tools that own each measurement.
 
 from .capture.session import trace
 from .intervene import clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
-from .record import (ActivationUnavailable, AmbiguousKey, Buffer, GradientUnavailable, InterventionError, Layer, Module, ModuleCall, NestedTraceError,
-                     Op, Param, TorchlensError, Trace, TraceCleanedUp, UnmatchedSelection)
+from .record import (ActivationUnavailable, AmbiguousKey, Buffer, GradientUnavailable, InterventionError, Layer, Module,
+                     ModuleCall, NestedTraceError, Op, Param, TorchlensError, Trace, TraceCleanedUp, UnmatchedSelection)
 from .validate import validate
 
 __version__ = "0.1.0"
@@ -39,4 +39,5 @@ def __dir__():
 __all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
            "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "GradientUnavailable", "debug", "report",
            "viz", "io", "distributed", "load", "extract", "load_extracted", "log_forward_pass", "InterventionError",
-           "AmbiguousKey", "UnmatchedSelection", "zero_ablate", "mean_ablate", "patch_from", "steer", "scale", "clamp", "noise"]
+           "AmbiguousKey", "UnmatchedSelection", "zero_ablate", "mean_ablate", "patch_from", "steer", "scale", "clamp",
+           "noise"]

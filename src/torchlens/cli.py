@@ -402,7 +402,8 @@ _EXAMPLES = {
              "  torchlens trace mymodels.py:build --input 2x16 --input 2x16 --save run1 --html run1.html\n"
              "  torchlens trace mypkg.nets:Encoder --input 4x128 --dtype int64 --high 1000 "
              "--kwargs-json '{\"causal\": true}'",
-    "show": "examples:\n  torchlens show run1\n  torchlens show run1 --depth 2\n  torchlens show run1 --summary --depth 2",
+    "show": "examples:\n  torchlens show run1\n  torchlens show run1 --depth 2\n"
+            "  torchlens show run1 --summary --depth 2",
     "hot-path": "examples:\n  torchlens hot-path run1\n  torchlens hot-path run1 -n 5 --by flops --group module",
     "render": "examples:\n  torchlens render run1 -o view.html\n  torchlens render run1 -o graph.svg --view rolled "
               "--depth 2",

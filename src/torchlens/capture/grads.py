@@ -15,8 +15,8 @@ With torchlens-accel installed (capture/accel.py), the hooks run compiled, the s
 code here, which stays the reference and is tested against it (tests/test_grads_accel.py): where its
 ``_autograd`` module is built for this torch, a plain tensor's hook is a C++ hook of autograd's own kind
 (the kind ``retain_grad()`` adds, or for a leaf one in the tensor's own hook list: no Python call per op
-in the backward, ``accel/src/torchlens_accel/_autograd.cpp``); otherwise the hook, the hook adder and the removal are the
-C callables of ``_grads.c``.
+in the backward, ``accel/src/torchlens_accel/_autograd.cpp``); otherwise the hook, the hook adder and the removal
+are the C callables of ``_grads.c``.
 
 What autograd keeps for backward is recorded separately, on request (capture/packing.py).
 """

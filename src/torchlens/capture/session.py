@@ -538,5 +538,6 @@ def _where(state, index: int, model) -> str:
     address = type(module).__name__
     if isinstance(model, torch.nn.Module):
         # The root module's own address is "" in named_modules; a trace calls it "self".
-        address = next((n or "self" for n, m in model.named_modules() if m is module), address).replace("._orig_mod", "")
+        address = next((n or "self" for n, m in model.named_modules() if m is module), address)
+        address = address.replace("._orig_mod", "")
     return f"module call {address}:{call_number}"

@@ -1,7 +1,8 @@
 """``compare``: the first op, in execution order, where ranks that should agree (DDP replicas) diverge.
 
 Each rank is compared with a reference rank op by op: first the graph (same label at the same
-position, reading the same ops), then shape and dtype, then the saved activations, bit for bit or within ``rtol`` / ``atol``.
+position, reading the same ops), then shape and dtype, then the saved activations, bit for bit or within
+``rtol`` / ``atol``.
 The first op that differs is where the drift shows; ``origin`` is ``"here"`` when every parent of that op
 was compared and agreed (the drift starts at this op: a parameter or a buffer that differs, a
 nondeterministic kernel), and ``"unknown"`` when a parent's activation was not saved on both ranks.

@@ -137,7 +137,8 @@ class Interventions:
         occurrence = self._occurrence(st, call_position, name)
         for site in sites:
             if name != site.func_name or not self._same_chain(st, site.chain) or not site.same_place(place):
-                where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) or "the root forward"
+                where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) \
+                    or "the root forward"
                 expected = " > ".join(link.address for link in site.chain) or "the root forward"
                 self._refuse_replaced(st, site)
                 self._diverged(site, f"called {name!r} in {where}{_at(place)}, where the reference called "

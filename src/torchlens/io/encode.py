@@ -121,7 +121,8 @@ def encode_value(obj, depth: int = 0):
         if type(obj) is tuple:
             return {"$": "tuple", "v": [encode_value(o, depth + 1) for o in obj]}
         if type(obj) is dict:
-            return {"$": "dict", "v": [[encode_value(k, depth + 1), encode_value(v, depth + 1)] for k, v in obj.items()]}
+            return {"$": "dict",
+                    "v": [[encode_value(k, depth + 1), encode_value(v, depth + 1)] for k, v in obj.items()]}
     return {"$": "repr", "type": type(obj).__name__, "v": _short_repr(obj)}
 
 

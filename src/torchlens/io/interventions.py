@@ -73,7 +73,8 @@ def read_interventions(trace, record, folder: str, files) -> None:
         raise exc if str(exc).startswith(folder) else TraceFileError(f"{folder}/{exc}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
         raise TraceFileError(f"{folder}/{TRACE_JSON}: its 'interventions' record is malformed "
-                             f"({type(exc).__name__}: {exc}); the file was edited or written by other software") from None
+                             f"({type(exc).__name__}: {exc}); the file was edited or written by other "
+                             "software") from None
 
 
 def _read(trace, saved, folder: str, files) -> None:

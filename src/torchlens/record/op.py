@@ -321,7 +321,8 @@ class Op(View):
 
 
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
-                       "has_activation", "dropped_reason", "parent_arg_positions", "module_call", "module_address", "module", "modules",
+                       "has_activation", "dropped_reason", "parent_arg_positions", "module_call", "module_address",
+                       "module", "modules",
                        "start_ns", "finite", "args", "kwargs", "grad", "has_grad",
                        "saved_for_backward_bytes", "call", "intervention", "original"])
 # Fields the passes of a layer usually share (they ran one line of code on tensors of one kind): a layer

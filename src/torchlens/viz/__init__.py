@@ -171,5 +171,5 @@ def heatmap(frame, path=None, **kwargs):
     return draw(frame, path, **kwargs)
 
 
-__all__ = ["render", "show", "notebook_html", "format_of", "find_engine", "LayoutEngineMissing", "LayoutFailed", "FORMATS",
-           "heatmap"]
+__all__ = ["render", "show", "notebook_html", "format_of", "find_engine", "LayoutEngineMissing", "LayoutFailed",
+           "FORMATS", "heatmap"]
