@@ -267,3 +267,49 @@ def test_a_child_forked_while_a_thread_holds_captures_lock_is_not_stuck_on_it():
     import json
 
     assert json.loads(_run(_LOCK_HELD_AT_FORK)) == 0
+
+
+_DERIVING_AT_FORK = _PRELUDE + """
+import signal, threading, time
+from torchlens.record import finalize
+
+inside, release = threading.Event(), threading.Event()
+groups = {name: getattr(finalize.RawRecord, name) for name in ("columns", "modules", "labels")}
+
+def slow(derive):
+    def derive_slowly(self, trace):  # another thread reads a trace for the first time as the process forks
+        inside.set()
+        release.wait(60)
+        return derive(self, trace)
+    return derive_slowly
+
+for name, derive in groups.items():
+    setattr(finalize.RawRecord, name, slow(derive))
+log = tl.trace(nn.Linear(4, 4), torch.randn(1, 4))
+reader = threading.Thread(target=lambda: [op.shape for op in log])
+reader.start()
+inside.wait(60)
+for name, derive in groups.items():
+    setattr(finalize.RawRecord, name, derive)
+pid = os.fork()
+if pid == 0:
+    own = tl.trace(nn.Linear(4, 4), torch.randn(1, 4))
+    os._exit(0 if own.labels == ["input_1:1", "linear_1_1:1", "output_1:1"] and gc.isenabled() else 1)
+deadline, status = time.monotonic() + 30, None
+while status is None and time.monotonic() < deadline:
+    done, code = os.waitpid(pid, os.WNOHANG)
+    status = code if done else None
+    time.sleep(0.02)
+if status is None:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+release.set()
+reader.join()
+print(json.dumps("hung" if status is None else os.waitstatus_to_exitcode(status)))
+"""
+
+
+def test_a_child_forked_while_another_thread_reads_a_trace_first_reads_its_own():
+    import json
+
+    assert json.loads(_run(_DERIVING_AT_FORK)) == 0

@@ -9,9 +9,11 @@ attributes.  A trace read by ``tl.load`` is given every column and never reaches
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 _DERIVING = threading.RLock()  # reentrant: the labels read the columns they are derived from
+_paused_collector = False  # whether a derive running now turned the collector off (read after a fork)
 
 
 class Derived:
@@ -39,6 +41,7 @@ def derive(trace, group: str, name: str) -> None:
     """Set the columns of ``group`` (``name`` among them) on ``trace`` from its raw lists, once even when
     several threads read it first, with the collector paused as during the trace: building them
     allocates many small objects, which no collector pass need walk."""
+    global _paused_collector
     with _DERIVING:
         held = vars(trace)
         if name in held:
@@ -48,10 +51,26 @@ def derive(trace, group: str, name: str) -> None:
             raise AttributeError(f"this trace holds no raw record to derive {name} from")
         collecting = gc.isenabled()
         gc.disable()
+        if collecting:  # (a derive inside a derive finds it off already)
+            _paused_collector = True
         try:
             held.update(getattr(raw, group)(trace))
             if "_kind" in held and "_call_rows" in held and "_labels" in held and "_param_addresses" in held:
                 trace._raw = None  # every group derived: the raw lists are no longer needed
         finally:
             if collecting:
+                _paused_collector = False
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """A process forked while another thread derived: that thread is not in the child, which gets a new lock
+    (the copied one is held for ever) and the collector back on if that derive turned it off."""
+    global _DERIVING, _paused_collector
+    _DERIVING = threading.RLock()
+    if _paused_collector:
+        _paused_collector = False
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
