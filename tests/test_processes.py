@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 
 _PRELUDE = """
-import gc, json, os, torch, torch.nn as nn
+import gc, json, os, signal, time, torch, torch.nn as nn
 import torchlens as tl
 torch.set_num_threads(1)
 
@@ -37,6 +37,18 @@ def in_child(body):
         found = json.loads(pipe.read())
     os.waitpid(pid, 0)
     return found
+
+def exit_code_or_hung(pid, seconds=30):
+    deadline, status = time.monotonic() + seconds, None
+    while status is None and time.monotonic() < deadline:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        status = code if done else None
+        time.sleep(0.02)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return "hung"
+    return os.waitstatus_to_exitcode(status)
 """
 
 _WORKER_INSIDE_FORWARD = _PRELUDE + """
@@ -217,7 +229,7 @@ def test_a_thread_started_in_a_child_forked_while_another_thread_traces_runs_unt
 
 
 _LOCK_HELD_AT_FORK = _PRELUDE + """
-import signal, threading, time
+import threading
 from torchlens.capture import call_impl
 
 inside, release, held, free = threading.Event(), threading.Event(), threading.Event(), threading.Event()
@@ -247,19 +259,12 @@ held.wait(60)
 pid = os.fork()
 if pid == 0:
     os._exit(0 if len(tl.trace(nn.Linear(4, 4), torch.randn(1, 4))) == 3 else 1)
-deadline, status = time.monotonic() + 30, None
-while status is None and time.monotonic() < deadline:
-    done, code = os.waitpid(pid, os.WNOHANG)
-    status = code if done else None
-    time.sleep(0.02)
-if status is None:
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+status = exit_code_or_hung(pid)
 free.set()
 release.set()
 tracer.join()
 holder.join()
-print(json.dumps("hung" if status is None else os.waitstatus_to_exitcode(status)))
+print(json.dumps(status))
 """
 
 
@@ -270,7 +275,7 @@ def test_a_child_forked_while_a_thread_holds_captures_lock_is_not_stuck_on_it():
 
 
 _DERIVING_AT_FORK = _PRELUDE + """
-import signal, threading, time
+import threading
 from torchlens.record import finalize
 
 inside, release = threading.Event(), threading.Event()
@@ -295,17 +300,10 @@ pid = os.fork()
 if pid == 0:
     own = tl.trace(nn.Linear(4, 4), torch.randn(1, 4))
     os._exit(0 if own.labels == ["input_1:1", "linear_1_1:1", "output_1:1"] and gc.isenabled() else 1)
-deadline, status = time.monotonic() + 30, None
-while status is None and time.monotonic() < deadline:
-    done, code = os.waitpid(pid, os.WNOHANG)
-    status = code if done else None
-    time.sleep(0.02)
-if status is None:
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+status = exit_code_or_hung(pid)
 release.set()
 reader.join()
-print(json.dumps("hung" if status is None else os.waitstatus_to_exitcode(status)))
+print(json.dumps(status))
 """
 
 
