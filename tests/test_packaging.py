@@ -55,3 +55,14 @@ def test_the_declared_torch_range_is_the_verified_release_and_another_is_named_a
     monkeypatch.setattr(torch, "__version__", f"{major}.{minor + 1}.1")
     with pytest.warns(RuntimeWarning, match=rf"verified with torch {major}\.{minor}\.x, not {major}\.{minor + 1}\.1"):
         importlib.reload(capture)
+
+
+def test_the_package_imports_and_traces_where_os_has_no_fork():
+    """Windows has no ``os.fork`` nor ``os.register_at_fork``: the handlers for a forked child are not
+    registered there, and nothing else depends on them."""
+    script = ("import os, torch\ndel os.fork, os.register_at_fork  # as on Windows (torch checks the platform)\n"
+              "import torchlens as tl\n"
+              "print(tl.trace(torch.nn.Linear(2, 2), torch.randn(1, 2)).labels[1])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["linear_1_1:1"]

@@ -47,7 +47,8 @@ from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_comp
 
 _local = threading.local()  # .active: this thread is tracing
 _collector_was_on: dict = {}  # tracing thread id -> whether the collector ran when its trace began
-os.register_at_fork(after_in_child=lambda: leave_copied_trace(_local, _collector_was_on))  # see capture/forks.py
+if hasattr(os, "register_at_fork"):  # a platform without os.fork (Windows) copies no trace into a child
+    os.register_at_fork(after_in_child=lambda: leave_copied_trace(_local, _collector_was_on))  # capture/forks.py
 # What a forward returns in the common case, and never a generator or coroutine (checked by type first).
 _PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
 # save="all" and save="none" name nothing of a model, and a trace never changes them: one policy each.

@@ -73,4 +73,5 @@ def _after_fork_in_child() -> None:
         gc.enable()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # (not on Windows, which has no os.fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
