@@ -145,3 +145,49 @@ def test_a_read_of_a_buffer_the_fused_fake_quantize_kernel_wrote_names_that_call
     result = log.validate()
     assert not result.mismatched and result.passed
     assert [label for label, _ in result.not_replayed] == [product.label]
+
+
+class DoubledInPlace(torch.autograd.Function):
+    """Writes its input in place and marks it dirty: as ``apply`` returns, torch clears the tensor's
+    ``_backward_hooks`` (a torch call that makes no tensor) and moves its version counter once more."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_call_that_makes_no_tensor_passes_no_read_through_an_alias_to_the_op_after_it(compiled):
+    # torch.equal reads a, written through its view v: no op holds that value, but torch.equal makes no
+    # tensor and is no op, so the exp after it, reading v as add_ made it, replays.
+    def forward(x):
+        a = x * 1
+        v = a[0]
+        v.add_(1)
+        torch.equal(a, a)
+        return v.exp(), a.sum()
+
+    with on_path(compiled):
+        log = tl.trace(forward, torch.randn(2, 3))
+    result = log.validate()
+    assert result.passed and [label for label, _ in result.not_replayed] == ["sum_1_5:1"], result
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_the_first_read_of_what_a_dirty_marking_function_returned_replays(compiled):
+    # With grads= the trace knows the version move apply makes is no write: the first op reading the
+    # Function's output reads what its in-place op made, as the second one does.
+    def forward(x):
+        out = DoubledInPlace.apply(x + 1)
+        return out.exp(), out.argmax(-1)
+
+    with on_path(compiled):
+        log = tl.trace(forward, torch.randn(2, 3, requires_grad=True), grads=True)
+    assert log["exp_1_3:1"].parents == log["argmax_1_4:1"].parents == ["mul_1_2:1"]
+    result = log.validate()
+    assert result.status == "passed" and result.replayed == 4 and not result.not_replayed, result

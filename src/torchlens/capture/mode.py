@@ -216,6 +216,8 @@ class CaptureMode(TorchFunctionMode):
         else:
             leaves = output_leaves(func, out, args, kwargs)
             if not leaves:
+                if st.alias_reads:  # no op: a read through an alias its scan noted is no op's
+                    st.forget_unrecorded_reads()
                 return out
 
         # The user's frame: one dict lookup in the common case of an op called from user code.
@@ -327,6 +329,8 @@ class CaptureMode(TorchFunctionMode):
 
         leaves = ((None, out),) if isinstance(out, Tensor) else output_leaves(func, out, args, kwargs)
         if not leaves:
+            if st.alias_reads:  # no op: a read through an alias its scan noted is no op's
+                st.forget_unrecorded_reads()
             return out
         if deep and all(made_since(st.producers, t, records_before) for _, t in leaves):
             return out  # the inner ops produced every output: they are the record

@@ -40,7 +40,7 @@ from .packing import PackLog, packing_observed
 from .restore import module_run_by
 from .saving import SavePolicy, SelectedModuleOutputs
 from .source import FrameClassifier
-from .state import INFERENCE_CAVEAT, CaptureState, StopForward, warn_mutated
+from .state import INFERENCE_CAVEAT, CaptureState, StopForward
 from .teardown import Capture, ModeOnStack, leftovers, restore_torch_function_state, torch_function_state
 from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_compile_wrapper, unwrap,
                        warn_unreduced_grads)
@@ -492,6 +492,15 @@ def _packed_weights_caveat(paths) -> tuple:
     return (f"{PACKED_WEIGHTS_CAVEAT} ({', '.join(paths)}), which are not tensors: the ops that read them name "
             "them in Op.packed_params, not Op.params, and parameter counts leave them out (a quantized Linear's or "
             "conv's weight() and bias() unpack them)",)
+
+
+def warn_mutated(labels: list) -> None:
+    if labels:
+        warn_user(
+            "torchlens dropped saved activations that were changed after being saved, by writes that "
+            f"torch did not route through capture: {', '.join(labels[:10])}"
+            + (" ..." if len(labels) > 10 else "")
+            + ". Their metadata is intact; their reasons are listed by print(log).")
 
 
 def _script_caveat(addresses) -> tuple:

@@ -23,7 +23,6 @@ from weakref import ref as weakref
 
 import torch
 
-from ..errors import warn_user
 from ..tree import is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
 from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet,
@@ -577,19 +576,18 @@ class CaptureState:
                 mutated.append(i)
         return mutated
 
-    # ----- failures ------------------------------------------------------------------------------
+    # ----- calls that record nothing --------------------------------------------------------------
+    def forget_unrecorded_reads(self) -> None:
+        """The call just scanned made no tensor, or raised, and is no op: the reads through an alias its scan
+        noted (``producer_of``) are no op's, and not the next recorded call's, which takes its call index."""
+        call_index = len(self.calls)
+        self.alias_reads.difference_update([read for read in self.alias_reads if read[0] == call_index])
+
     def note_failure(self, func, module_call: int, exc: BaseException) -> None:
+        if self.alias_reads:
+            self.forget_unrecorded_reads()
         if self.failure is None:
             self.failure = (func, module_call, exc)
-
-
-def warn_mutated(labels: list) -> None:
-    if labels:
-        warn_user(
-            "torchlens dropped saved activations that were changed after being saved, by writes that "
-            f"torch did not route through capture: {', '.join(labels[:10])}"
-            + (" ..." if len(labels) > 10 else "")
-            + ". Their metadata is intact; their reasons are listed by print(log).")
 
 
 class StopForward(BaseException):
