@@ -50,10 +50,13 @@ def test_a_base_written_through_its_view_as_an_out_tensor_is_not_taken_for_the_o
 
 
 @pytest.mark.parametrize("compiled", PATHS)
-def test_each_tensor_a_foreach_call_writes_is_the_output_that_wrote_it(compiled):
+@pytest.mark.parametrize("foreach_mul_", [torch._foreach_mul_, torch.ops.aten._foreach_mul_.Scalar],
+                         ids=["torch", "aten overload"])
+def test_each_tensor_a_foreach_call_writes_is_the_output_that_wrote_it(compiled, foreach_mul_):
+    # Called as an aten overload, whose name says in place but which returns nothing, it was no op.
     def forward(x):
         a = x * 1.0
-        torch._foreach_mul_([a[0], a[1]], 2.0)  # two views of a, written by the call's two outputs
+        foreach_mul_([a[0], a[1]], 2.0)  # two views of a, written by the call's two outputs
         return a * 3
 
     with on_path(compiled):

@@ -59,29 +59,47 @@ def write_rows_scaled(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return rows * 3
 
 
+# The same two named as torch names its in-place functions: what they write is read from their schemas
+# all the same, not guessed from the name (which says the first argument is written and returned).
+@torch.library.custom_op("torchlens_features::write_rows_", mutates_args=("cache",))
+def write_rows_(cache: torch.Tensor, rows: torch.Tensor) -> None:
+    cache[: rows.shape[0]].copy_(rows)
+
+
+@torch.library.custom_op("torchlens_features::write_rows_scaled_", mutates_args=("cache",))
+def write_rows_scaled_(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    cache[: rows.shape[0]].copy_(rows)
+    return rows * 3
+
+
+WRITERS = {"plain name": (write_rows, write_rows_scaled), "in-place name": (write_rows_, write_rows_scaled_)}
+
+
 class CachedAttention(torch.nn.Module):
     """Keys written into a cache by a custom op, then attended over."""
 
-    def __init__(self, returns: bool = False):
+    def __init__(self, returns: bool = False, naming: str = "plain name"):
         super().__init__()
         torch.manual_seed(0)
         self.key = torch.nn.Linear(8, 8)
         self.query = torch.nn.Linear(8, 8)
         self.returns = returns
+        self.write, self.write_and_return = WRITERS[naming]
 
     def forward(self, x):
         cache = torch.zeros(6, 8)
         keys = self.key(x)
-        extra = write_rows_scaled(cache, keys) if self.returns else write_rows(cache, keys)
+        extra = self.write_and_return(cache, keys) if self.returns else self.write(cache, keys)
         scores = self.query(x) @ cache.t()
         return scores.softmax(-1) @ cache + (extra.sum() if self.returns else 0)
 
 
-def test_a_custom_op_that_writes_its_argument_is_recorded_with_what_it_wrote():
+@pytest.mark.parametrize("naming", WRITERS)
+def test_a_custom_op_that_writes_its_argument_is_recorded_with_what_it_wrote(naming):
     # A custom op declaring mutates_args and returning None was no op in the trace: the cache's readers
     # named torch.zeros as their parent (the keys did not lead to the output), and the zeros' saved value
-    # was dropped as "mutated by a write capture could not see".
-    model, x = CachedAttention(), torch.randn(4, 8)
+    # was dropped as "mutated by a write capture could not see".  Named write_rows_, it was still no op.
+    model, x = CachedAttention(naming=naming), torch.randn(4, 8)
     log = tl.trace(model, x)
     assert torch.equal(log.output, model(x))
     (write,) = [op for op in log.ops if op.type == "writerows"]
@@ -97,10 +115,12 @@ def test_a_custom_op_that_writes_its_argument_is_recorded_with_what_it_wrote():
     assert torch.equal(ablated.output, scores.softmax(-1) @ torch.zeros(6, 8))
 
 
-def test_what_a_custom_op_writes_besides_its_result_is_not_passed_off_as_its_result():
+@pytest.mark.parametrize("naming", WRITERS)
+def test_what_a_custom_op_writes_besides_its_result_is_not_passed_off_as_its_result(naming):
     # A custom op that writes an argument and returns a tensor: the written cache was bound to the op's
-    # result, so its readers' parent showed (and replayed from) a value the cache never held.
-    model, x = CachedAttention(returns=True), torch.randn(4, 8)
+    # result, so its readers' parent showed (and replayed from) a value the cache never held (also, until
+    # its schema was read, for one named write_rows_scaled_: validation failed on the readers).
+    model, x = CachedAttention(returns=True, naming=naming), torch.randn(4, 8)
     log = tl.trace(model, x)
     assert torch.equal(log.output, model(x))
     (write,) = [op for op in log.ops if op.type == "writerowsscaled"]

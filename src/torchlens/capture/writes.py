@@ -3,7 +3,7 @@
 Copy-on-write needs to know before a call whether it will write an activation already saved
 (``protect_before_write``: by name, ``add_`` and ``x[i] = v``; by keyword, ``out=`` and ``inplace=True``;
 by schema, the ``Tensor(a!)`` arguments of an operator called through ``torch.ops``, as custom ops are,
-or of QAT's fused fake-quantize kernel; and the normalisations whose kernels update their running
+whatever its name, or of QAT's fused fake-quantize kernel; and the normalisations whose kernels update their running
 statistics).  After the call, a moved version counter says which tensor arguments it wrote
 (``written_arguments``); an inference tensor has no counter, so for it the prediction by name decides.
 ``inplace_cache`` keeps each function's verdict, and the compiled handler reads the same dict.
@@ -33,13 +33,32 @@ def predicts_inplace(func) -> bool:
 
 
 def write_verdict(func):
-    """``func``'s entry in ``inplace_cache``, made on first ask: True when it writes its first argument by
-    name, the ``(position, name)`` pairs of the arguments its schema declares written for an operator
-    called through ``torch.ops``, False when it writes none."""
+    """``func``'s entry in ``inplace_cache``, made on first ask: True when it writes its first argument and
+    returns it (by name, or, for an operator called through ``torch.ops``, by schema), the ``(position,
+    name)`` pairs of the arguments an operator's schema declares written otherwise, False when it writes none."""
     verdict = inplace_cache.get(func)
     if verdict is None:
-        verdict = inplace_cache[func] = writes_first_argument(func) or _schema_writes(func)
+        operator = isinstance(func, (OpOverload, OpOverloadPacket))
+        verdict = inplace_cache[func] = _operator_writes(func) if operator else writes_first_argument(func)
     return verdict
+
+
+def _operator_writes(op):
+    """An operator's verdict, read from its schema whatever its name: a custom op named as torch names its
+    in-place functions (``fill_``) that returns nothing, or a tensor of its own, does not return what it
+    wrote, and may write another argument than its first."""
+    written = _schema_writes(op)
+    returned = [r for schema in _schemas(op) for r in schema.returns]  # (of any overload, for a packet)
+    if written and [position for position, _ in written] == [0] and any(
+            r.alias_info is not None and r.alias_info.is_write for r in returned):
+        return True  # it returns the first argument it wrote (aten.add_.Tensor), as add_ by name does
+    return written
+
+
+def _schemas(op) -> list:
+    if isinstance(op, OpOverloadPacket):
+        return [getattr(op, overload)._schema for overload in op.overloads()]
+    return [op._schema]
 
 
 def _schema_writes(func):
@@ -47,14 +66,10 @@ def _schema_writes(func):
     ``torch.library.custom_op`` with ``mutates_args``, a ``torch.library.define`` schema), whatever its
     name, as ``(position, name)`` pairs (position None for a keyword-only one), or False.  ``out`` is left
     to the keyword rule every call follows."""
-    if isinstance(func, OpOverloadPacket):
-        schemas = [getattr(func, overload)._schema for overload in func.overloads()]
-    elif isinstance(func, OpOverload):
-        schemas = [func._schema]
-    else:
+    if not isinstance(func, (OpOverload, OpOverloadPacket)):
         return False
     written = {}
-    for schema in schemas:
+    for schema in _schemas(func):
         for k, argument in enumerate(schema.arguments):
             alias = argument.alias_info
             if alias is not None and alias.is_write and argument.name != "out":
