@@ -73,3 +73,16 @@ def test_extraction_inside_a_transform_or_of_gradients_under_inference_mode_is_r
         torch.vmap(lambda row: tl.extract(model, [row], ["head"], tmp_path / "c", progress=False) and row)(
             torch.randn(3, 8))
     assert not forwards and not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_quantized_layer_is_refused_by_name_saying_which_layer_to_extract_instead(tmp_path):
+    # The refusal named the layer's address alone and said nothing of what to do.
+    def forward(x):
+        return torch.quantize_per_tensor(x, 0.1, 0, torch.quint8).dequantize()
+
+    x = torch.randn(4, 3)
+    with pytest.raises(TypeError, match=r"quantizepertensor_1_1 \(quantizepertensor_1_1:1\): torch.quint8 .*"
+                                        r"extract the layer that dequantizes it"):
+        tl.extract(forward, [x], ["quantizepertensor_1_1"], tmp_path / "quantized", progress=False)
+    out = tl.extract(forward, [x], ["dequantize_1_2"], tmp_path / "dequantized", progress=False)
+    assert torch.equal(torch.as_tensor(tl.load_extracted(out)["dequantize_1_2"][:]), forward(x))

@@ -475,7 +475,10 @@ class _Run:
                             "whose values tl.extract cannot store; select a layer that makes a plain tensor")
         info = {"name": name, "label": label, "dtype": NAME_OF.get(t.dtype), "row_shape": list(t.shape[1:])}
         if info["dtype"] is None or t.layout != torch.strided:
-            raise TypeError(f"{name}: {t.dtype} {t.layout} activations cannot be stored in safetensors")
+            instead = ("extract the layer that dequantizes it" if t.is_quantized
+                       else "select a layer that makes a dense tensor of a dtype safetensors stores")
+            raise TypeError(f"{name} ({label}): {t.dtype} {t.layout} activations cannot be stored in safetensors; "
+                            f"{instead}")
         if t.dim() == 0:
             raise ValueError(f"{name} ({label}) is a scalar; extraction stacks activations along dim 0 (the batch)")
         known = self.state["layer_info"][i]
