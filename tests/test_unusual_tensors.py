@@ -446,3 +446,16 @@ def test_extract_refuses_a_wrapper_subclass_by_name_rather_than_failing_in_numpy
         tl.extract(model, [Wrapped(x)], ["fc"], tmp_path / "input", progress=False)
     with pytest.raises(TypeError, match=r"linear_1_1 \(linear_1_1:1\) is a Wrapped tensor subclass with no storage"):
         tl.extract(lambda v: model(Wrapped(v)).inner, [x], ["linear_1_1"], tmp_path / "layer", progress=False)
+
+
+def test_a_saved_subclass_loads_as_its_values_and_a_wrapper_subclass_says_why_it_was_left_out(tmp_path):
+    torch.manual_seed(0)
+    model, x = Small(), torch.randn(3, 4)
+    doubled = tl.trace(model, x.as_subclass(Doubling))
+    assert type(doubled["linear_1_1"].activation) is Doubling
+    loaded = tl.load(doubled.save(tmp_path / "doubling"))
+    assert type(loaded["linear_1_1"].activation) is torch.Tensor
+    assert torch.equal(loaded["linear_1_1"].activation, doubled["linear_1_1"].activation.as_subclass(torch.Tensor))
+    wrapped = tl.load(tl.trace(model, Wrapped(x)).save(tmp_path / "wrapped"))
+    with pytest.raises(tl.errors.ActivationUnavailable, match="a Wrapped tensor subclass has no plain storage to save"):
+        wrapped["linear_1_1"].activation
