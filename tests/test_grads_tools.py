@@ -41,6 +41,41 @@ def test_saved_for_backward_bytes_count_distinct_storages():
     assert log["0"].saved_for_backward_bytes == (3 * 4 + 8 * 4) * fp  # now the weight is kept for x's gradient
 
 
+class Cube(torch.autograd.Function):
+    """Keeps its input for backward: torch packs it as ``apply`` returns, after the forward's ops ran."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad
+
+
+class CubedThenProjected(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.proj = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.proj(Cube.apply(self.inner(x)))
+
+
+@pytest.mark.parametrize("grads", [False, True])
+def test_what_a_custom_function_keeps_for_backward_is_counted_at_its_output_op(grads):
+    # It was counted at the op after the Function (proj's linear, in another module call), as the
+    # pack hook ran after the Function's forward had recorded its ops.
+    torch.manual_seed(0)
+    log = tl.trace(CubedThenProjected(), torch.randn(3, 4), saved_for_backward=True, grads=grads)
+    fp = 4
+    assert log["mul_2_3:1"].saved_for_backward_bytes == 3 * 8 * fp  # the cube, holding the Function's output
+    assert log["mul_1_2:1"].saved_for_backward_bytes == 0
+    assert log["proj"].saved_for_backward_bytes == (3 * 8 + 2 * 8) * fp  # its own input and weight alone
+
+
 def test_saved_for_backward_left_to_callers_own_hooks():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
     with torch.autograd.graph.save_on_cpu():

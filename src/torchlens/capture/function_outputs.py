@@ -6,7 +6,8 @@ first made a view of it (``_wrap_outputs``), recorded with that view's node.  No
 capture sees, so while a trace with gradients runs, ``Function.apply`` is wrapped to report its outputs
 (``FunctionOutputs``), and each output that is a record's tensor has its record and gradient hook moved
 to the Function's node.  torch.utils.checkpoint's reentrant regions and nn.Module's full backward hooks
-are such Functions.
+are such Functions.  With ``saved_for_backward=True`` the wrapper also tells the pack log when a Function
+runs, since torch packs what it keeps only as ``apply`` returns (capture/packing.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ BOUND_APPLY_UNSEEN = None if _calls_super_apply(_Function.apply) else (
     "in C: a Function's apply bound before the trace (square = Square.apply) runs unseen, and the records of "
     "its outputs say they need no gradient; call Square.apply(...) itself, or use torch<2.14")
 _ORIGINAL_APPLY = vars(_HOST).get("apply")  # None: the host inherits torch's C ``apply``
-_receivers: dict = {}  # thread id -> what receives that thread's Function outputs while it traces
+_receivers: dict = {}  # thread id -> what runs that thread's Function.apply calls while it traces
 _receivers_lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
 
 
@@ -61,11 +62,10 @@ else:
 
 
 def _apply(cls, *args, **kwargs):
-    out = _torch_apply(cls, *args, **kwargs)
     receiver = _receivers.get(threading.get_ident())
-    if receiver is not None:
-        receiver(out, args)
-    return out
+    if receiver is None:
+        return _torch_apply(cls, *args, **kwargs)
+    return receiver(cls, args, kwargs)  # runs the apply, and sees it
 
 
 _apply.__name__ = _apply.__qualname__ = "apply"
@@ -73,17 +73,18 @@ _WRAPPED_APPLY = classmethod(_apply)
 
 
 class FunctionOutputs:
-    """Capture part (capture/teardown.py): while entered, this thread's ``Function.apply`` outputs reach
-    ``receiver``.  ``Function.apply`` is wrapped while any thread's trace needs it, and torch's is back
-    once none does."""
+    """Capture part (capture/teardown.py): while entered, this thread's ``Function.apply`` calls go to
+    ``receiver(cls, args, kwargs)``, which runs them.  ``Function.apply`` is wrapped while any thread's trace
+    needs it, and torch's is back once none does."""
 
-    def __init__(self, receiver):
+    def __init__(self, receiver, grads: bool):
         self.receiver = receiver
+        self.grads = grads
         self.installed = False
         self.thread = threading.get_ident()  # the tracing thread (a forked child releases it from its own)
 
     def __enter__(self):
-        if BOUND_APPLY_UNSEEN is not None:
+        if BOUND_APPLY_UNSEEN is not None and self.grads:
             warnings.warn(BOUND_APPLY_UNSEEN, RuntimeWarning, stacklevel=2)
         try:
             with _receivers_lock:
@@ -115,9 +116,23 @@ class FunctionOutputs:
             self.installed = False
 
 
-def function_outputs(state, capture) -> FunctionOutputs:
-    """The ``FunctionOutputs`` part of a trace with gradients: each output of a ``Function.apply`` that
-    is a record's tensor has its record and hook moved to the Function's backward node."""
+def function_outputs(state, capture, packing) -> FunctionOutputs:
+    """The ``FunctionOutputs`` part of a trace with gradients (``capture``) or noting what backward keeps
+    (``packing``): each output of a ``Function.apply`` that is a record's tensor has its record and hook
+    moved to the Function's backward node, and what torch packs for the Function is kept by its output op."""
+    receive = None if capture is None else _output_receiver(state, capture)
+
+    def run(cls, args, kwargs):
+        out = _torch_apply(cls, *args, **kwargs) if packing is None else packing.within_function(
+            _torch_apply, cls, args, kwargs)
+        if receive is not None:
+            receive(out, args)
+        return out
+
+    return FunctionOutputs(run, grads=capture is not None)
+
+
+def _output_receiver(state, capture):
     records, calls = state.records, state.calls
 
     def receive(out, args) -> None:
@@ -141,4 +156,4 @@ def function_outputs(state, capture) -> FunctionOutputs:
             records[index] = tuple(record._replace(requires_grad=True, grad_fn_class=type(grad_fn)))
             capture.follow_new_node(index, t, grad_fn, *made_by(calls, record))
 
-    return FunctionOutputs(receive)
+    return receive

@@ -58,12 +58,27 @@ class PackLog:
         # The call an intervention's action is run for (after that call was listed), while it runs: what
         # the action makes autograd keep is kept at its site, not by the call after it.
         self.action_at = None
+        self.function_from = None  # while a custom autograd Function runs: the calls listed before it
+
+    def within_function(self, apply, cls, args, kwargs):
+        """``apply(cls, *args, **kwargs)`` of a custom autograd Function.  torch packs what the Function keeps
+        as ``apply`` returns, once the ops of its forward are listed: those tensors are kept by the last of
+        them, the op holding the Function's output, not by the call after it.  (A Function run inside a
+        call, as a custom op's autograd is, lists no op of its own: what it keeps is that call's.)"""
+        outer = self.function_from
+        self.function_from = len(self.calls) if self.calls is not None else None
+        try:
+            return apply(cls, *args, **kwargs)
+        finally:
+            self.function_from = outer
 
     def note(self, t: torch.Tensor) -> None:
         calls = self.calls
         if calls is None:
             return
         call = len(calls) if self.action_at is None else self.action_at
+        if self.action_at is None and self.function_from is not None and call > self.function_from:
+            call -= 1  # a custom Function's, packed after its forward's ops (``within_function``)
         sizes = self.packed.get(call)
         if sizes is None:
             sizes = self.packed[call] = {}

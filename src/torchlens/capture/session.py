@@ -104,7 +104,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     mode = CaptureMode(state, _FRAMES, deep=deep)
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls") \
         if shows_bar(progress) else QUIET
-    parts, submodules = _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown)
+    parts, submodules = _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown,
+                                       packing)
     capture = Capture(parts)
     output = _run_captured(capture, parts, mode, state, runtime, packing, model, root, args, kwargs, shown)
     if capture.forked_into is not None:  # set in a child forked inside the forward, never in the parent
@@ -224,7 +225,7 @@ def _checked_save_device(save_device) -> torch.device:
     return device
 
 
-def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown) -> tuple:
+def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown, packing) -> tuple:
     """The context managers a forward runs inside, in the order they are entered, and the compiled-submodule
     part among them (None when the model has no compiled submodules)."""
     shim, installed = FastPathShim(mode), ModeOnStack(mode)
@@ -253,8 +254,9 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
             grads_policy is not None and grads_policy.mode == 2 and grads_policy.selected_modules:
         # Module outputs an op outside them made (nn.Identity): kept, or watched, as the call returns.
         parts = (*parts[:-1], SelectedModuleOutputs(state, policy, state.grads, skip), parts[-1])
-    if state.grads is not None:  # a custom autograd Function's outputs get their backward node late
-        parts = (function_outputs(state, state.grads), *parts)
+    if state.grads is not None or packing is not None:
+        # A custom autograd Function's outputs get their backward node late, and what it keeps is packed late.
+        parts = (function_outputs(state, state.grads, packing), *parts)
     state.suspend = lambda: Suspension(tracker, shim)  # around a compiled region, a higher-order op, a compile
     parts = (DynamoCompiles(state), *parts)
     if submodules is not None:
