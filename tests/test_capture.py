@@ -198,6 +198,38 @@ def test_a_running_statistic_read_after_a_training_batchnorm_comes_from_the_call
     assert result.outputs_match and not result.mismatched, result.mismatched
 
 
+class _AtenBatchNorm(nn.Module):
+    """Training-mode batch norms called as aten operators, as decomposed code calls them."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        bn, aten = self.bn, torch.ops.aten
+        a = aten.native_batch_norm.default(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5)[0]
+        b = aten.batch_norm(x * 2, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5, False)
+        return a + b + bn.running_mean
+
+
+def test_running_statistics_an_aten_batch_norm_writes_keep_their_value_as_first_read():
+    # Their schemas do not mark the statistics written and the kernel moves no version counter: the running
+    # mean's node held the value the first call had written into it, and its readers named that node.
+    x = torch.randn(3, 4)
+    model = _AtenBatchNorm().train()
+    first_read = model.bn.running_mean.clone()
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, _AtenBatchNorm().train()(x))
+    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
+    assert torch.equal(mean_node.activation, first_read)
+    first = next(op for op in log if op.type == "nativebatchnorm")
+    second = next(op for op in log if op.type == "batchnorm")
+    assert second.parents[1:] == [first.label, first.label]  # the statistics as the first call left them
+    assert log[log.outputs[0].parents[0]].parents[-1] == second.label
+    result = log.validate()
+    assert result.passed and not result.mismatched, result
+
+
 def test_multi_output_calls_give_one_op_per_tensor():
     model, args, _ = zoo()["multi_output"]
     log = tl.trace(model, args)

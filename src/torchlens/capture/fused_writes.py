@@ -1,8 +1,9 @@
 """Writes that torch makes inside a kernel, predicted from the call: normalisation running statistics, and
 the observer statistics and quantization parameters of QAT's fused fake-quantize kernel.
 
-``F.batch_norm`` in training mode and ``F.instance_norm`` with input statistics update their running
-mean and variance inside the kernel, without an in-place name that would announce it.  Buffers read
+``F.batch_norm`` in training mode and ``F.instance_norm`` with input statistics (and the aten operators
+beneath them, called directly) update their running mean and variance inside the kernel, without an
+in-place name or a schema that would announce it.  Buffers read
 by such a call are saved by reference like any other activation, so copy-on-write must know of these
 writes before the call runs, as it knows of ``add_``.  Any other write found only after a call (its
 version counter moved) still drops what was saved of the written tensor, with the reason
@@ -48,6 +49,23 @@ _NORMS = {
     torch.batch_norm: ("training", 5, (("running_mean", 3), ("running_var", 4))),
     torch.instance_norm: ("use_input_stats", 5, (("running_mean", 3), ("running_var", 4))),
 }
+
+
+def _aten_norms() -> dict:
+    """The aten operators with ``torch.batch_norm``'s arguments whose kernel writes the running statistics,
+    which their schemas do not mark written (``_native_batch_norm_legit``'s does: capture/writes.py reads
+    it), called directly or through their default overload."""
+    found = {}
+    for name, flag in (("batch_norm", "training"), ("native_batch_norm", "training"),
+                       ("_batch_norm_impl_index", "training"), ("instance_norm", "use_input_stats")):
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            for op in (packet, packet.default):
+                found[op] = (flag, 5, (("running_mean", 3), ("running_var", 4)))
+    return found
+
+
+_NORMS.update(_aten_norms())
 WRITES_RUNNING_STATS = frozenset(_NORMS)
 _KERNEL_WRITERS = WRITES_RUNNING_STATS | frozenset(_OBSERVERS)
 # func -> (flag name, flag position): the compiled hot path skips the check when the flag is off.
