@@ -92,7 +92,7 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
     *s_note_failure, *s_note_context, *s_note_writes, *s_note_pass_through, *s_wants, *s_watch, *s_is_compiling, *s_out,
     *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_save_sources, *s_context, *s_contexts,
-    *s_alias_reads, *s_forget_unrecorded_reads;
+    *s_recent_alias_reads, *s_forget_unrecorded_reads;
 
 static PyObject *empty_tuple;
 
@@ -151,9 +151,9 @@ static PyObject *now_ns(void) {
 
 /* A call that made no tensor is no op: the reads through an alias its argument scan noted
  * (``st.producer_of``) are no op's, and not the next recorded call's, which takes its call index:
- * ``st.forget_unrecorded_reads()`` when any are noted.  0 or -1. */
+ * ``st.forget_unrecorded_reads()`` when any were noted since a call last recorded nothing.  0 or -1. */
 static int forget_unrecorded_reads(Handler *h) {
-    PyObject *reads = state_get(h, s_alias_reads);
+    PyObject *reads = state_get(h, s_recent_alias_reads);
     if (reads == NULL) return -1;
     if (PyObject_Size(reads) == 0) return 0;
     PyObject *r = PyObject_CallMethodNoArgs(h->state, s_forget_unrecorded_reads);
@@ -2205,7 +2205,7 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_note_writes, "note_writes") INTERN(s_note_pass_through, "note_pass_through") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
     INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
-    INTERN(s_alias_reads, "alias_reads") INTERN(s_forget_unrecorded_reads, "forget_unrecorded_reads")
+    INTERN(s_recent_alias_reads, "recent_alias_reads") INTERN(s_forget_unrecorded_reads, "forget_unrecorded_reads")
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     getter_names[G_VERSION] = s_version;
     getter_names[G_SHAPE] = s_shape;

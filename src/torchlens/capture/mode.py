@@ -216,7 +216,7 @@ class CaptureMode(TorchFunctionMode):
         else:
             leaves = output_leaves(func, out, args, kwargs)
             if not leaves:
-                if st.alias_reads:  # no op: a read through an alias its scan noted is no op's
+                if st.recent_alias_reads:  # no op: a read through an alias its scan noted is no op's
                     st.forget_unrecorded_reads()
                 return out
 
@@ -329,7 +329,7 @@ class CaptureMode(TorchFunctionMode):
 
         leaves = ((None, out),) if isinstance(out, Tensor) else output_leaves(func, out, args, kwargs)
         if not leaves:
-            if st.alias_reads:  # no op: a read through an alias its scan noted is no op's
+            if st.recent_alias_reads:  # no op: a read through an alias its scan noted is no op's
                 st.forget_unrecorded_reads()
             return out
         if deep and all(made_since(st.producers, t, records_before) for _, t in leaves):

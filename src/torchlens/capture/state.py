@@ -138,6 +138,7 @@ class CaptureState:
         # (call index, parent record) read after a write through a view, while the call wrote it through
         # another argument, or of a statistic a kernel wrote
         self.alias_reads: set = set()
+        self.recent_alias_reads: list = []  # those noted since a call last recorded nothing (see below)
         # Saving.  save_mode: 0 nothing, 1 everything, 2 ask ``selector`` per op.
         self.save_mode = save_mode
         if selector is not None:
@@ -191,7 +192,9 @@ class CaptureState:
                 self.producers[id(t)] = (entry[0], entry[1], version)
                 return entry[1]
             # The value read is not that op's output as saved (it was written through an alias).
-            self.alias_reads.add((len(self.calls), index))
+            read = (len(self.calls), index)
+            self.alias_reads.add(read)
+            self.recent_alias_reads.append(read)
             return index
         return self._source_of(t)
 
@@ -580,11 +583,12 @@ class CaptureState:
     def forget_unrecorded_reads(self) -> None:
         """The call just scanned made no tensor, or raised, and is no op: the reads through an alias its scan
         noted (``producer_of``) are no op's, and not the next recorded call's, which takes its call index."""
-        call_index = len(self.calls)
-        self.alias_reads.difference_update([read for read in self.alias_reads if read[0] == call_index])
+        call_index, recent = len(self.calls), self.recent_alias_reads  # each read is looked at once here
+        self.alias_reads.difference_update([read for read in recent if read[0] == call_index])
+        recent.clear()
 
     def note_failure(self, func, module_call: int, exc: BaseException) -> None:
-        if self.alias_reads:
+        if self.recent_alias_reads:
             self.forget_unrecorded_reads()
         if self.failure is None:
             self.failure = (func, module_call, exc)
