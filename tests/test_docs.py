@@ -55,3 +55,47 @@ def _run_with_torchrun(block: str, where: str, folder: pathlib.Path) -> None:
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *options, str(script)],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{where} failed under torchrun:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+_API_NAME = re.compile(r"`((?:tl|Trace|Op|Layer|ModuleCall|Module|Param)(?:\.\w+)+)")
+
+
+def _has(target, name: str) -> bool:
+    try:
+        getattr(target, name)
+    except AttributeError:
+        return False
+    except Exception:  # an attribute that exists and refuses this record (a gradient never captured)
+        return True
+    return True
+
+
+def _resolves(name: str, samples: dict) -> bool:
+    """Whether a dotted name a page writes (`tl.debug.hot_path`, `Op.duration`) is an attribute or module:
+    a record class's names are looked up on a live record too, for the attributes set per instance."""
+    import importlib
+
+    head, *rest = name.split(".")
+    target = samples[head]
+    for part in rest:
+        if _has(target, part) or (target is samples[head] and _has(samples[head + "()"], part)):
+            target = getattr(target, part, None)
+            continue
+        try:  # a submodule not imported yet (tl.report.patching)
+            target = importlib.import_module(f"{target.__name__}.{part}")
+        except (ImportError, AttributeError, TypeError):
+            return False
+    return True
+
+
+def test_every_api_name_the_pages_write_exists():
+    # A page sending the reader to `Op.func_time`, which no record has, sends them to nothing.
+    import torchlens as tl
+
+    log = tl.trace(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.randn(1, 2))
+    samples = {"tl": tl, "Trace": tl.Trace, "Trace()": log, "Op": tl.Op, "Op()": log.ops[1], "Layer": tl.Layer,
+               "Layer()": log.layers[1], "ModuleCall": tl.ModuleCall, "ModuleCall()": log.module_calls[0],
+               "Module": tl.Module, "Module()": log.modules[0], "Param": tl.Param, "Param()": log.params[0]}
+    missing = [f"{page.name}: {name}" for page in PAGES if page.exists()
+               for name in sorted(set(_API_NAME.findall(page.read_text()))) if not _resolves(name, samples)]
+    assert not missing, missing
