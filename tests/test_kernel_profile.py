@@ -583,6 +583,19 @@ def test_profiler_settings_of_the_wrong_kind_are_refused_before_the_model_runs(o
     assert not forwards and not torch.autograd.profiler._is_profiler_enabled
 
 
+def test_activities_given_in_profiler_kwargs_are_the_activities():
+    # profiler_kwargs go to torch.profiler.profile as given, and activities is one of its keywords: given there,
+    # they failed with "got multiple values for keyword argument 'activities'" (kernel_profile passes its own).
+    model, x = nn.Linear(2, 2), torch.ones(1, 2)
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    profile = tl.report.kernel_profile(model, x, profiler_kwargs={"activities": cpu, "record_shapes": True})
+    assert profile["linear_1_1:1"]["cpu_ns"] > 0
+    with pytest.raises(TypeError, match="activities were given twice"):
+        tl.report.kernel_profile(model, x, activities=cpu, profiler_kwargs={"activities": cpu})
+    with pytest.raises(TypeError, match=r"activities= is a list of torch\.profiler\.ProfilerActivity values"):
+        tl.report.kernel_profile(model, x, profiler_kwargs={"activities": ["cpu"]})
+
+
 def test_a_profile_row_asked_for_by_number_is_refused_naming_what_finds_it():
     # profile.device_time(3) failed inside the spelling hint: "can only concatenate str (not "int") to str".
     profile = tl.report.kernel_profile(nn.Linear(2, 2), torch.ones(1, 2))

@@ -51,7 +51,8 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
         profiler: an entered ``torch.profiler.profile`` you run (borrowed mode): torchlens adds its
             ranges inside it, never steps or closes it; read the result after your ``with`` block.
         activities: profiler activities when torchlens owns the profiler (default CPU, plus CUDA when
-            available).  ``profiler_kwargs`` go to ``torch.profiler.profile`` as given.
+            available).  ``profiler_kwargs`` go to ``torch.profiler.profile`` as given (``activities`` there
+            counts as ``activities=``).
         name: display name of the trace.
     """
     if backward is not False and backward is not True and not callable(backward):
@@ -104,9 +105,14 @@ def _own_profiler(activities, profiler_kwargs):
     if profiler_kwargs is not None and not isinstance(profiler_kwargs, Mapping):
         raise TypeError(f"profiler_kwargs= is a dict of torch.profiler.profile's keyword arguments "
                         f"(profiler_kwargs={{'record_shapes': True}}), got {type(profiler_kwargs).__name__}")
+    profiler_kwargs = dict(profiler_kwargs or {})
+    if "activities" in profiler_kwargs:  # torch.profiler.profile's own keyword, so given there too: read as activities=
+        if activities is not None:
+            raise TypeError("activities were given twice, as activities= and in profiler_kwargs; give them once")
+        activities = profiler_kwargs.pop("activities")
     activities = _listed_activities(activities) if activities else _default_activities()
     _check_activities(activities)
-    prof = torch.profiler.profile(activities=activities, **(profiler_kwargs or {}))
+    prof = torch.profiler.profile(activities=activities, **profiler_kwargs)
     recording = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
     if prof.current_action not in recording:
         raise ValueError(
