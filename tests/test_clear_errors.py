@@ -138,6 +138,31 @@ def test_a_named_tuple_batch_passed_field_by_field_gets_a_note_saying_so(tmp_pat
     assert torch.equal(tl.load_extracted(out, as_torch=True)["output_1"], torch.stack([s.x * s.y for s in samples]))
 
 
+def test_validate_says_how_the_arguments_were_passed_when_its_untraced_run_fails_taking_them():
+    """tl.validate reads its arguments by tl.trace's rule, and its untraced run fails first: it ended without
+    the note a trace adds (a named tuple's fields passed one by one, a list passed whole)."""
+    import collections
+
+    Batch = collections.namedtuple("Batch", "x y")
+
+    class Reads(nn.Module):
+        def forward(self, batch):
+            return batch.x * batch.y
+
+    class Add(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    with pytest.raises(TypeError, match="takes 2 positional arguments but 3 were given") as raised:
+        tl.validate(Reads(), Batch(torch.randn(3), torch.randn(3)))
+    assert any("the Batch was passed as the positional arguments" in note and "(batch,)" in note
+               for note in raised.value.__notes__)
+    with pytest.raises(TypeError, match="missing 1 required positional argument") as raised:
+        tl.validate(Add(), [torch.randn(2), torch.randn(2)])
+    assert any("give tl.trace(model, (a, b))" in note for note in raised.value.__notes__)
+    assert tl.validate(Reads(), (Batch(torch.randn(3), torch.randn(3)),)).passed
+
+
 def test_a_trace_refuses_pickle_and_copy_and_points_at_save(tmp_path):
     import copy
     import pickle

@@ -532,6 +532,12 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
         if module_call < 0 and state.module_calls:  # e.g. raised by a forward hook, after the call ended
             where += f" (the last module call before it: {_where(state, len(state.module_calls) - 1, model)})"
         exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; {torn_down}")
+    note_how_arguments_were_passed(exc, args)
+
+
+def note_how_arguments_were_passed(exc: BaseException, args) -> None:
+    """A note on a forward that failed taking ``args`` by tl.trace's rule (a list is one argument, a named
+    tuple's fields are several), saying how to pass them the other way; tl.validate's untraced run adds it too."""
     if isinstance(exc, TypeError) and len(args) == 1 and type(args[0]) is list and "positional argument" in str(exc):
         exc.add_note("torchlens: the list was passed as one positional argument (only a tuple's items are "
                      "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
