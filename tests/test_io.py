@@ -574,3 +574,15 @@ def test_saved_activations_load_with_the_memory_layout_they_had(autocast, tmp_pa
             assert kept.dtype == live.dtype and kept.stride() == live.stride() and torch.equal(kept, live), op.label
     assert again.output[0].stride() == log.output[0].stride() == (1, 5)  # the transposed output
 
+
+
+def test_every_file_a_save_writes_is_listed_on_the_format_page(tmp_path):
+    # The page's folder listing named three files; a trace with gradients or interventions writes two more.
+    page = (os.path.dirname(__file__) + "/../docs/save_load.md")
+    listed = open(page).read().split("## The format", 1)[1].split("```", 2)[1]
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    log = tl.trace(model, torch.randn(2, 4), intervene={"0": tl.scale(2.0)}, grads=True)
+    log.backward(log.output.sum())
+    written = os.listdir(log.save(tmp_path / "run1"))
+    assert {"gradients.safetensors", "originals.safetensors"} <= set(written)
+    assert [name for name in written if name not in listed] == []
