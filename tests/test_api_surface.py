@@ -33,6 +33,18 @@ def test_trace_signature_shows_no_private_parameters():
     assert "root" in params
 
 
+def test_help_on_the_record_classes_describes_their_own_fields():
+    # help(tl.Param) showed operator.attrgetter's documentation for address, shape, dtype and requires_grad
+    # (and for ModuleCall.call_index, Module.address, ...): the fields read straight from a record's row.
+    import pydoc
+
+    for record_class in (tl.Trace, tl.Op, tl.Layer, tl.ModuleCall, tl.Module, tl.Param, tl.Buffer):
+        text = pydoc.render_doc(record_class, renderer=pydoc.plaintext)
+        assert "attrgetter" not in text, record_class.__name__
+    assert "address in the model" in inspect.getdoc(tl.Param.address)
+    assert "Which call of its module" in inspect.getdoc(tl.ModuleCall.call_index)
+
+
 def test_reference_names_for_rosters():
     log = tl.trace(MLP(), torch.randn(2, 16))
     assert log.layer_list == log.ops

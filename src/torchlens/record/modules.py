@@ -73,7 +73,7 @@ class ModuleCall(View):
     def module(self) -> "Module":
         return Module(self._trace, self._row.module)
 
-    call_index = row_field("number")
+    call_index = row_field("number", "Which call of its module this is, from 1 (``fc:2`` has call_index 2).")
 
     @property
     def parent(self):
@@ -86,8 +86,8 @@ class ModuleCall(View):
         """The calls made directly inside this one, in order."""
         return [ModuleCall(self._trace, c) for c in self._trace._call_children()[self.index]]
 
-    start_ns = row_field("start_ns")
-    end_ns = row_field("end_ns")
+    start_ns = row_field("start_ns", "``perf_counter_ns()`` as the call began.")
+    end_ns = row_field("end_ns", "``perf_counter_ns()`` as the call returned.")
     _input_nodes = row_field("inputs")
     _output_nodes = row_field("outputs")
 
@@ -170,10 +170,10 @@ class Module(View):
     def _row(self) -> ModuleRow:
         return self._trace._module_rows[self.index]
 
-    address = row_field("address")
-    all_addresses = row_field("all_addresses")
-    class_name = row_field("class_name")
-    param_names = row_field("param_names")
+    address = row_field("address", "The module's address (``encoder.layers.0``); its first, when it has several.")
+    all_addresses = row_field("all_addresses", "Every address the module is registered under, first name first.")
+    class_name = row_field("class_name", "The module's class name (``Linear``).")
+    param_names = row_field("param_names", "The names of the module's own parameters (``weight``, ``bias``).")
 
     _ref = row_field("ref")  # the live module, while the trace holds it
 

@@ -77,10 +77,10 @@ class Param(View):
     def _row(self) -> ParamRow:
         return self._trace._param_rows[self.index]
 
-    address = row_field("address")
-    shape = row_field("shape")
-    dtype = row_field("dtype")
-    requires_grad = row_field("requires_grad")
+    address = row_field("address", "The parameter's address in the model (``fc.weight``).")
+    shape = row_field("shape", "Its shape, read from the live parameter when the parameters are first read.")
+    dtype = row_field("dtype", "Its dtype, read from the live parameter when the parameters are first read.")
+    requires_grad = row_field("requires_grad", "Whether it required grad when the forward ran.")
 
     @property
     def numel(self) -> int:
@@ -126,7 +126,7 @@ class Buffer(View):
     def _row(self) -> BufferRow:
         return self._trace._buffer_rows[self.index]
 
-    address = row_field("address")
+    address = row_field("address", "The buffer's address in the model (``bn.running_mean``).")
 
     @property
     def ops(self) -> list:

@@ -52,10 +52,11 @@ class View(OfATrace):
         return hash((id(self._trace), type(self).__name__, self.index))
 
 
-def row_field(name: str) -> property:
+def row_field(name: str, doc: str = "") -> property:
     """A view's attribute that is its row's ``name`` as held (``address = row_field("address")``): read
-    through the view's ``_row`` at each access, like the view's other fields."""
-    return property(attrgetter(f"_row.{name}"))
+    through the view's ``_row`` at each access, like the view's other fields.  ``doc`` is what ``help()``
+    shows for it (without one, a property shows the getter's own: ``operator.attrgetter``'s)."""
+    return property(attrgetter(f"_row.{name}"), doc=doc)
 
 
 class RecordList(OfATrace, Sequence):
