@@ -171,6 +171,39 @@ def collect_compile_garbage():
     gc.collect()  # compiled code leaves cycles (dead weak proxies among them) a later collection would meet
 
 
+def test_a_compiled_model_calling_a_hooked_module_fails_in_another_thread_only_while_a_trace_runs(
+        collect_compile_garbage):
+    # README and capture_honesty name this exception to "other threads get torch's own behaviour": Dynamo
+    # inlines the _call_impl of a module with hooks, and while a trace runs that is the trace's relay.  When
+    # this is lifted, say so on both pages.
+    torch.manual_seed(0)
+    inner = nn.Linear(4, 4)
+    inner.register_forward_hook(lambda module, args, output: output * 2)
+    compiled = torch.compile(nn.Sequential(inner, nn.ReLU()), backend="eager")
+    x = torch.randn(2, 4)
+    started, finished = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def forward(self, x):
+            started.set()
+            finished.wait(60)
+            return x + 1
+
+    def compiled_call():
+        started.wait(60)
+        try:
+            return compiled(x)
+        finally:
+            finished.set()
+
+    results = _run_together({"trace": lambda: tl.trace(Waits(), x), "compiled": compiled_call})
+    assert isinstance(results["compiled"], Exception), "the documented exception no longer holds: update the pages"
+    assert isinstance(results["trace"], tl.Trace)
+    torch._dynamo.reset()
+    assert torch.equal(compiled(x), torch.relu(inner(x)))  # after the trace, torch's own behaviour again
+    assert_clean_process()
+
+
 def test_a_compiled_model_called_in_another_thread_during_a_trace_runs_as_untraced(collect_compile_garbage):
     # The swapped _call_impl is process-wide: Dynamo, compiling or re-entering a torch.compile'd model in a
     # thread that is not tracing, must find torch's code there, not the trace's relay.
