@@ -114,9 +114,8 @@ LIMITS = """\
   compiles their bodies.
 - A `torch.compile`d submodule runs compiled and is one `compiled` op; Dynamo compiles it with none of
   torchlens's hooks, mode or shim in sight. Its parameters are not listed on that op (they are used
-  inside the compiled code). `compiled="eager"` records its interior instead, with a warning. Torch
-  warns that global module hooks exist when such a submodule is called during a trace; capture takes
-  its hooks away while the compiled code runs, so no hook fires twice.
+  inside the compiled code). `compiled="eager"` records its interior instead, with a warning. A trace
+  installs no global module hook, so torch gives no warning about them when such a submodule runs.
 
 ## Scale
 
