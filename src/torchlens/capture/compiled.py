@@ -1,8 +1,8 @@
 """``torch.compile``'d submodules inside a traced model: run them compiled, record each call as one op.
 
 A compiled submodule (an ``OptimizedModule`` held by the model) must compute what it computes untraced,
-which means running its compiled code.  Under capture that code would see the capture mode, the global
-module hooks and the fast-path shim, and Dynamo would trace them (and graph-break on them, or
+which means running its compiled code.  Under capture that code would see the capture mode, the module-call
+recorder and the fast-path shim, and Dynamo would trace them (and graph-break on them, or
 recompile).  So, for the duration of a trace, each compiled submodule's ``forward`` (an instance
 attribute ``OptimizedModule`` sets itself) is replaced by a ``CompiledCall``: a torch-function-aware
 callable that the capture mode records as one op, named ``compiled``, inside the submodule's own module
@@ -162,7 +162,7 @@ _installed: dict = {}  # id(OptimizedModule) -> (module, its own forward, Compil
 
 
 class Suspension:
-    """Context manager: take the module hooks and the fast-path shim out of Dynamo's sight, then back.
+    """Context manager: take the module-call recorder and the fast-path shim out of Dynamo's sight, then back.
     One entered inside another (Dynamo compiling a compiled region) leaves both to the outer one."""
 
     def __init__(self, tracker, shim):

@@ -1,7 +1,7 @@
 """``tl.trace``: set capture up, run the forward once, tear everything down, finalize.
 
-Nothing outlives the call: the capture mode is popped, module hooks removed and the fast-path shim
-uninstalled by one context manager (``teardown.Capture``), whether the model returns or raises.
+Nothing outlives the call: the capture mode is popped, ``_call_impl``'s relay, the shims, compiled routing and
+any module hooks removed by one context manager (``teardown.Capture``), whether the model returns or raises.
 """
 
 from __future__ import annotations
