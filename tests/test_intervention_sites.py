@@ -282,6 +282,16 @@ def test_a_saved_or_cleaned_up_trace_serves_as_the_reference(tmp_path):
     assert torch.equal(tl.trace(model, x, intervene={site: tl.scale(2.0)}, reference=plain).output, expected)
 
 
+@pytest.mark.parametrize("site, says", [("linear_2_30", "no op, layer, module call or module named"),
+                                         ("layers.9", "neither an op or layer label nor a module address")])
+def test_a_stop_after_site_that_names_nothing_is_refused_as_a_stop_after_site(site, says):
+    model, args, _ = CASES["mlp"]
+    with pytest.raises(KeyError) as raised:
+        tl.trace(model, args, stop_after=site)
+    assert f"stop_after site {site!r}" in str(raised.value) and says in str(raised.value)
+    assert "intervention" not in str(raised.value)
+
+
 def test_stop_after_with_an_intervention_before_it():
     model, args, _ = CASES["mlp"]
     log = tl.trace(model, args, intervene={"layers.0": tl.zero_ablate()}, stop_after="layers.1")

@@ -175,7 +175,7 @@ def test_a_pruning_mask_as_a_site_is_refused_naming_the_ops_that_read_it():
         tl.trace(model, x, intervene={"buffer_1:1": tl.zero_ablate()})
     masked = tl.trace(model, x, intervene={"mul_1_2:1": tl.zero_ablate()})  # the pruned weight, masked
     assert torch.equal(masked.output, model[1](model[0].bias.expand(2, 4)))
-    with pytest.raises(KeyError, match=r"output output_1:1: intervene at the op that produces it \(relu_1_4:1\)"):
+    with pytest.raises(KeyError, match=r"output output_1:1: name the op that produces it \(relu_1_4:1\)"):
         tl.trace(model, x, intervene={"output_1:1": tl.zero_ablate()})
 
 

@@ -125,6 +125,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
         items.append((stop_after, None, True))
     for key, action, stop in items:
         refuse_module_object(key, modules, "stop_after=" if stop else "an intervention site")
+        kind = _kind(stop)
         if callable(key) and not isinstance(key, str):
             pending.append((key, action, stop))
             continue
@@ -147,11 +148,11 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
         elif _LABEL.match(key):
             pending.append((key, action, stop))
         elif address == "self" and number.isdigit() and isinstance(model, torch.nn.Module):
-            raise KeyError(f"intervention site {key!r} is a call of the root module itself (a callable's call of "
+            raise KeyError(f"{kind} {key!r} is a call of the root module itself (a callable's call of "
                            "its root=, or a root's call of itself in a recursion): those calls are not intervention "
                            "sites; intervene on the op labels inside them or on the root's submodules")
         elif not isinstance(model, torch.nn.Module):
-            raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address: the "
+            raise KeyError(f"{kind} {key!r} is neither an op or layer label nor a module address: the "
                            f"traced callable {getattr(model, '__name__', type(model).__name__)!r} is no module and "
                            "was given no root=, so it has no module addresses; pass root= the module it runs to "
                            "intervene at that module's addresses and calls")
@@ -159,7 +160,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             # A container is never called: its first call is no name to suggest.
             called = [name for name, module in modules.items() if not container_note(name, module)]
             names = list(modules) + [f"{name}:1" for name in called]
-            raise KeyError(f"intervention site {key!r} is neither an op or layer label nor a module address or "
+            raise KeyError(f"{kind} {key!r} is neither an op or layer label nor a module address or "
                            f"module call of {type(model).__name__}{closest_hint(key, names)}")
     return module_sites, pending
 
@@ -228,7 +229,7 @@ def _refuse_container(key: str, address: str, modules: dict, stop: bool) -> None
     name.  Refused before anything runs, naming the modules it holds."""
     note = container_note(address, modules.get(address))
     if note:
-        raise InterventionError(f"{'stop_after site' if stop else 'intervention site'} {key!r} {note}")
+        raise InterventionError(f"{_kind(stop)} {key!r} {note}")
 
 
 def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:
@@ -256,20 +257,21 @@ def resolve_labels(reference, pending) -> list:
             try:
                 found = reference[key]
             except KeyError as exc:
-                raise KeyError(f"intervention site {key!r}: {exc.args[0]}") from None
+                raise KeyError(f"{_kind(stop)} {key!r}: {exc.args[0]}") from None
             if isinstance(found, Layer):
                 ops = found.ops
             elif isinstance(found, Op):
                 ops = [found]
             else:
-                raise KeyError(f"intervention site {key!r} does not name an op in the reference trace")
+                raise KeyError(f"{_kind(stop)} {key!r} does not name an op in the reference trace")
         else:
             ops = [op for op in reference.ops if reference.kinds[op.index] == Kind.OP and key(op)]
             if not ops:
-                raise KeyError("an intervention predicate matched no op of the reference trace")
+                raise KeyError(f"a {'stop_after' if stop else 'intervention'} predicate matched no op of the "
+                               "reference trace")
         for op in ops:
             if reference.kinds[op.index] != Kind.OP:
-                raise KeyError(_not_an_op(key, op))
+                raise KeyError(_not_an_op(key, op, stop))
             sites.append(LabelSite(key, action, op, stop))
             if stop:
                 break  # stop after the first op the site names
@@ -277,15 +279,20 @@ def resolve_labels(reference, pending) -> list:
     return sites
 
 
-def _not_an_op(key, op: Op) -> str:
+def _kind(stop: bool) -> str:
+    """What a site is called in an error: ``stop_after=``'s, or one of ``intervene=``'s."""
+    return "stop_after site" if stop else "intervention site"
+
+
+def _not_an_op(key, op: Op, stop: bool) -> str:
     """The refusal of a label site naming an input, a buffer or an output record, with what to name instead:
     an input or a buffer (a pruning mask, an observer's statistic) is made by no op of the forward."""
     if op.kind == "output":
-        return (f"intervention site {key!r} is the model's output {op.label}: intervene at the op that produces it "
+        return (f"{_kind(stop)} {key!r} is the model's output {op.label}: name the op that produces it "
                 f"({first_few(op.parents)})")
     remedy = "pass a different input" if op.kind == "input" else "change the buffer before the trace"
-    return (f"intervention site {key!r} is the model's {op.kind} {op.label}, which no op of the forward produces: "
-            f"intervene at the ops that read it ({first_few(op.children) or 'none'}), or {remedy}")
+    return (f"{_kind(stop)} {key!r} is the model's {op.kind} {op.label}, which no op of the forward produces: "
+            f"name the ops that read it ({first_few(op.children) or 'none'}), or {remedy}")
 
 
 def occurrence_key(call, name) -> tuple:
