@@ -230,6 +230,35 @@ def test_running_statistics_an_aten_batch_norm_writes_keep_their_value_as_first_
     assert result.passed and not result.mismatched, result
 
 
+class _UpdateStats(nn.Module):
+    """batch_norm_update_stats, which updates the running statistics at every call (it has no training flag)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        bn = self.bn
+        mean = torch.batch_norm_update_stats(x, bn.running_mean, bn.running_var, 0.1)[0]
+        mean2 = torch.ops.aten.batch_norm_update_stats(x * 2, bn.running_mean, bn.running_var, 0.1)[0]
+        return mean + mean2 + bn.running_mean
+
+
+def test_running_statistics_batch_norm_update_stats_writes_keep_their_value_as_first_read():
+    x = torch.randn(3, 4)
+    model = _UpdateStats()
+    first_read = model.bn.running_mean.clone()
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, _UpdateStats()(x))
+    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
+    assert torch.equal(mean_node.activation, first_read)
+    first, second = [op for op in log if op.type == "batchnormupdatestats"][::2]  # (each makes two ops)
+    assert second.parents[1:] == [first.label, first.label]  # the statistics as the first call left them
+    assert log[log.outputs[0].parents[0]].parents[-1] == second.label
+    result = log.validate()
+    assert result.passed and not result.mismatched, result
+
+
 def test_multi_output_calls_give_one_op_per_tensor():
     model, args, _ = zoo()["multi_output"]
     log = tl.trace(model, args)

@@ -2,8 +2,8 @@
 the observer statistics and quantization parameters of QAT's fused fake-quantize kernel.
 
 ``F.batch_norm`` in training mode and ``F.instance_norm`` with input statistics (and the aten operators
-beneath them, called directly) update their running mean and variance inside the kernel, without an
-in-place name or a schema that would announce it.  Buffers read
+beneath them, called directly), and ``batch_norm_update_stats`` at every call, update their running mean
+and variance inside the kernel, without an in-place name or a schema that would announce it.  Buffers read
 by such a call are saved by reference like any other activation, so copy-on-write must know of these
 writes before the call runs, as it knows of ``add_``.  Any other write found only after a call (its
 version counter moved) still drops what was saved of the written tensor, with the reason
@@ -42,7 +42,7 @@ _OBSERVERS = {getattr(torch, name): _schema_written_positions(name)
               for name in WRITES_BY_ATEN_SCHEMA if hasattr(torch, name) and hasattr(torch.ops.aten, name)}
 
 # func -> (flag name, flag position, ((name, position) of each running statistic)): the statistics
-# are written when the flag is true.
+# are written when the flag is true, or at every call when there is no flag (None).
 _NORMS = {
     F.batch_norm: ("training", 5, (("running_mean", 1), ("running_var", 2))),
     F.instance_norm: ("use_input_stats", 5, (("running_mean", 1), ("running_var", 2))),
@@ -62,14 +62,20 @@ def _aten_norms() -> dict:
         if packet is not None:
             for op in (packet, packet.default):
                 found[op] = (flag, 5, (("running_mean", 3), ("running_var", 4)))
+    # batch_norm_update_stats(input, running_mean, running_var, momentum): it updates them at every call.
+    packet = getattr(torch.ops.aten, "batch_norm_update_stats", None)
+    for op in (getattr(torch, "batch_norm_update_stats", None), packet, getattr(packet, "default", None)):
+        if op is not None:
+            found[op] = (None, None, (("running_mean", 1), ("running_var", 2)))
     return found
 
 
 _NORMS.update(_aten_norms())
 WRITES_RUNNING_STATS = frozenset(_NORMS)
 _KERNEL_WRITERS = WRITES_RUNNING_STATS | frozenset(_OBSERVERS)
-# func -> (flag name, flag position): the compiled hot path skips the check when the flag is off.
-RUNNING_STATS_FLAGS = {func: (name, position) for func, (name, position, _) in _NORMS.items()}
+# func -> (flag name, flag position): the compiled hot path skips the check when the flag is off (a call with
+# no flag always writes: the Python check runs).
+RUNNING_STATS_FLAGS = {func: (name, position) for func, (name, position, _) in _NORMS.items() if name is not None}
 # func -> the positions of its running statistics: their slots in a call that passed neither by keyword
 # (the usual one), and their names.
 _POSITIONAL_STATS = {func: tuple(position for _, position in stats) for func, (_, _, stats) in _NORMS.items()}
@@ -100,7 +106,7 @@ def _written_stat_slots(func, args, kwargs) -> tuple:
     if func in _OBSERVERS:
         return _OBSERVERS[func]
     flag_name, flag_position, _ = _NORMS[func]
-    if not _argument(args, kwargs, flag_name, flag_position):
+    if flag_name is not None and not _argument(args, kwargs, flag_name, flag_position):
         return ()
     return stat_slots(func, kwargs)
 
@@ -150,7 +156,7 @@ def _rebind_reads_to_writers(calls: list, alias_reads: set, writes: dict) -> Non
 def running_stats_written(func, args, kwargs) -> list:
     """The running-statistic tensors the call is about to update in its kernel (none in eval mode)."""
     flag_name, flag_position, stats = _NORMS[func]
-    if not _argument(args, kwargs, flag_name, flag_position):
+    if flag_name is not None and not _argument(args, kwargs, flag_name, flag_position):
         return []
     found = (_argument(args, kwargs, name, position) for name, position in stats)
     return [t for t in found if isinstance(t, torch.Tensor)]
