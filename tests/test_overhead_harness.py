@@ -144,6 +144,15 @@ def test_result_prints_one_line_with_predicate_and_fingerprint():
     assert isinstance(result, OverheadResult)
 
 
+def test_a_system_without_load_averages_measures_and_records_the_load_as_unknown(monkeypatch):
+    import os
+
+    monkeypatch.delattr(os, "getloadavg")  # as on Windows, which has no load averages
+    result = measure_overhead(("N", busy(2_000)), ("N again", busy(2_000)), pairs=9, predicate=LOOSE)
+    assert result.fingerprint["load_1_5_15"] is None and result.fingerprint["threads"] == torch.get_num_threads()
+    assert result.pairs == 9
+
+
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(TypeError, match="zero-argument callable"):
         measure_overhead(3, busy(10))

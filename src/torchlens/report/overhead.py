@@ -393,9 +393,14 @@ def machine_fingerprint(cuda: bool = False) -> dict:
         device = f"cuda ({torch.cuda.get_device_name()})"
     else:
         device = f"cpu ({platform.machine()})"
-    try:
-        load = tuple(round(x, 2) for x in os.getloadavg())
-    except OSError:
-        load = None
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": device,
-            "cpus": os.cpu_count(), "python": platform.python_version(), "load_1_5_15": load}
+            "cpus": os.cpu_count(), "python": platform.python_version(), "load_1_5_15": _host_load()}
+
+
+def _host_load() -> tuple | None:
+    """The 1, 5 and 15 minute load averages; None where the system keeps none (Windows has no
+    ``os.getloadavg``) or will not say."""
+    try:
+        return tuple(round(x, 2) for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return None
