@@ -243,6 +243,28 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
         assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
 
 
+def test_names_the_console_encoding_lacks_print_escaped_not_as_an_error(tmp_path):
+    # A Windows console or redirected file in cp1252 has no CJK characters; the trace is still printed.
+    (tmp_path / "named.py").write_text(textwrap.dedent('''
+        import torch.nn as nn
+
+        class Named(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.编码器 = nn.Linear(4, 2)
+
+            def forward(self, x):
+                return self.编码器(x)
+    '''), encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path), PYTHONIOENCODING="cp1252")
+    for argv in (["trace", "named:Named", "--input", "2x4", "--save", "saved"], ["show", "saved", "--summary"]):
+        done = subprocess.run([sys.executable, "-m", "torchlens", *argv], cwd=tmp_path, env=env, capture_output=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stderr.decode("cp1252", "replace")
+        assert b"\\u7f16\\u7801\\u5668:1" in done.stdout  # the module call, its name escaped
+    assert [m.address for m in tl.load(tmp_path / "saved").modules][-1] == "编码器"
+
+
 def test_show_prints_the_module_summary(tmp_path, capsys):
     assert main(["show", str(_saved(tmp_path)), "--summary", "--depth", "1"]) == 0
     out = capsys.readouterr().out

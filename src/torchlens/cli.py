@@ -492,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    restore = _escape_unprintable_output()
     try:
         status = _main(argv)
         sys.stdout.flush()  # here, not at interpreter exit, where a closed pipe could not be handled
@@ -507,6 +508,21 @@ def main(argv=None) -> int:
         # The reader (``| head``) stopped listening: that is the reader's choice, not a failure.
         _silence_stdout()
         return 0
+    finally:
+        restore()
+
+
+def _escape_unprintable_output():
+    """Have stdout write a character its encoding lacks as a backslash escape, as Python's stderr already
+    does, and return what puts its own handling back.  A console or a redirected file in cp1252 (Windows)
+    or ascii cannot hold a module or path named in other scripts: without this the command would end in a
+    UnicodeEncodeError after the trace was made, its output lost."""
+    stream = sys.stdout
+    errors = getattr(stream, "errors", None)
+    if errors is None or not hasattr(stream, "reconfigure"):
+        return lambda: None
+    stream.reconfigure(errors="backslashreplace")
+    return lambda: stream.reconfigure(errors=errors)
 
 
 def _silence_stdout() -> None:
