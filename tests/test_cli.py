@@ -126,6 +126,9 @@ def test_each_command_help_has_examples(capsys):
     (["trace", "clitargets:build", "--input", "2x8", "--kwargs-json", "{oops"], "not valid JSON"),
     (["trace", "no_such_module_xyz:build", "--input", "2x8"], "cannot import 'no_such_module_xyz'"),
     (["trace", "missing.py:build", "--input", "2x8"], "no such file: missing.py"),
+    (["trace", "C:\\models\\clitargets.py", "--input", "2x8"],
+     "names a file but no factory: add the factory's name after a colon (C:\\models\\clitargets.py:build)"),
+    (["trace", "sub\\clitargets.py:build", "--input", "2x8"], "separates folders with '/': sub/clitargets.py)"),
     (["show", "not_a_folder"], "not a folder"),
     (["trace", "clitargets:needs_args", "--input", "2x8"], "cannot be called with no arguments"),
 ])

@@ -38,6 +38,9 @@ def load_target(spec: str):
     module_name, sep, attr_path = spec.rpartition(":")
     if not sep or not module_name or not attr_path:
         raise UsageError(f"target {spec!r} should look like pkg.module:factory or path/to/file.py:factory")
+    if attr_path.endswith(".py") or "/" in attr_path or "\\" in attr_path:  # C:\m\model.py: the drive's colon
+        raise UsageError(f"target {spec!r} names a file but no factory: add the factory's name after a colon "
+                         f"({spec}:build)")
     module = _import(module_name)
     obj = module
     for part in attr_path.split("."):
@@ -51,7 +54,7 @@ def load_target(spec: str):
 def _import(module_name: str):
     if module_name.endswith(".py") or os.sep in module_name:
         if not os.path.isfile(module_name):
-            raise UsageError(f"no such file: {module_name}")
+            raise UsageError(f"no such file: {module_name}{_separator_hint(module_name)}")
         name = "_torchlens_target_" + os.path.splitext(os.path.basename(module_name))[0]
         spec = importlib.util.spec_from_file_location(name, module_name)
         module = importlib.util.module_from_spec(spec)
@@ -72,6 +75,14 @@ def _import(module_name: str):
     except Exception as exc:
         raise ModelError(exc) from exc
     return module if module is not None else result
+
+
+def _separator_hint(path: str) -> str:
+    """Where a path written with Windows's backslashes is read on a system that separates folders by '/'."""
+    if "\\" not in path or os.sep == "\\":
+        return ""
+    forward = path.replace("\\", "/")
+    return f" (this system separates folders with '/': {forward})"
 
 
 def _build_model(obj, spec):
