@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import warnings
 
 import numpy as np
 import pytest
@@ -302,8 +303,9 @@ class Killed(BaseException):
     """Stands in for SIGKILL: nothing after it runs, and no `except Exception` catches it."""
 
 
-def killed_at(monkeypatch, step: int):
-    """Make the ``step``-th file-system commit step (fsync, rename, delete) die before it happens."""
+def killed_at(monkeypatch, step: int, error=Killed):
+    """Make the ``step``-th file-system commit step (fsync, rename, delete) die before it happens, raising
+    ``error``."""
     count = [0]
     real = {name: getattr(os, name) for name in ("fsync", "replace", "remove")}
 
@@ -311,7 +313,7 @@ def killed_at(monkeypatch, step: int):
         def call(*args, **kwargs):
             count[0] += 1
             if count[0] == step:
-                raise Killed(f"{name} #{step}")
+                raise error(f"{name} #{step}")
             return real[name](*args, **kwargs)
         return call
 
@@ -354,3 +356,44 @@ def test_a_kill_while_writing_the_first_progress_file_resumes(tmp_path, monkeypa
     assert os.listdir(folder) == ["progress.json.tmp"]
     tl.extract(TwoLayer().eval(), batches(2), ["fc"], folder, progress=False)
     assert tl.load_extracted(folder)["fc"].shape == (6, 8)
+
+
+# An interrupt, or a file step Windows refuses (a file another program holds open, a read-only file).
+@pytest.mark.parametrize("error", [KeyboardInterrupt, PermissionError])
+@pytest.mark.parametrize("foreign", [False, True])
+def test_saving_over_a_trace_failing_at_any_step_leaves_one_whole_trace_and_the_other_files(tmp_path, monkeypatch,
+                                                                                           error, foreign):
+    old, new = tl.trace(*zoo()["mlp"][:2]), tl.trace(*zoo()["small_cnn"][:2])
+    assert len(old) != len(new)
+    step, finished = 0, False
+    while not finished:
+        step += 1
+        folder = old.save(tmp_path / f"s{step}")
+        if foreign:
+            with open(os.path.join(folder, "notes.txt"), "w") as f:
+                f.write("keep me")
+        with monkeypatch.context() as m, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            count = killed_at(m, step, error)
+            try:
+                new.save(folder, overwrite=True)
+                finished = count[0] < step
+            except error:
+                pass
+        assert len(tl.load(folder)) in (len(old), len(new)), f"failed at step {step}"
+        assert not foreign or open(os.path.join(folder, "notes.txt")).read() == "keep me"
+        assert step < 100, "the save never completed"
+    assert step > 8  # the loop walked through the writes, the swap and the deletion of the old files
+
+
+def test_old_files_that_cannot_be_deleted_after_the_new_trace_is_saved_are_a_warning(saved, tmp_path, monkeypatch):
+    new = tl.trace(*zoo()["small_cnn"][:2])
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)  # as Windows answers for a file held open
+
+    monkeypatch.setattr(os, "remove", refused)
+    with pytest.warns(UserWarning, match=r"the new trace is saved, but .*left in .*torchlens-save-.*-old"):
+        assert new.save(saved, overwrite=True) == saved
+    monkeypatch.undo()
+    assert len(tl.load(saved)) == len(new)

@@ -11,7 +11,9 @@ argument values by type and repr.  The folder is written next to ``path`` and re
 interrupted save never leaves a half-written trace under ``path``.
 
 ``overwrite=True`` replaces only a folder whose manifest says it is a saved trace, and removes only the
-files that manifest lists: anything else found there is left in place, with a warning naming it.
+files that manifest lists: anything else found there is left in place, with a warning naming it.  The old
+trace's files are moved aside, not deleted, until the new trace is in place, so a save over a trace that
+fails or is interrupted part way leaves the old one whole.
 """
 
 from __future__ import annotations
@@ -170,28 +172,69 @@ def _replace_saved(path: str, staging: str, old_files: list) -> None:
     if blocked or not _is_regular(os.path.join(path, MANIFEST)):
         raise TraceFileError(f"{path}: {', '.join(blocked) or MANIFEST} exists but is not a regular file the old "
                              "trace's manifest lists, so saving would overwrite it; remove it or choose another path")
+    retired = f"{staging}-old"
     if not others:  # the usual case: swap whole folders, so the old trace stays whole until the new is in place
-        retired = f"{staging}-old"
         os.replace(path, retired)
         try:
             os.replace(staging, path)
         except BaseException:
             os.replace(retired, path)  # put the old trace back where it was
             raise
-        _remove_files(retired, old_files)
-        os.rmdir(retired)
+        _discard_retired(retired, old_files, path)
         return
-    # Foreign files share the folder: take the old manifest out first (the folder stops claiming to be a
-    # trace), move the new files in, and write the new manifest last.
-    _remove_files(path, old_files)
-    for name in os.listdir(staging):
-        if name != MANIFEST:
-            os.replace(os.path.join(staging, name), os.path.join(path, name))
-    os.replace(os.path.join(staging, MANIFEST), os.path.join(path, MANIFEST))
+    # Foreign files share the folder: the old trace's files are moved aside (its manifest first, so the folder
+    # stops claiming to be a trace), the new ones moved in (their manifest last), and the old ones deleted only
+    # then.  A step that fails (Ctrl-C; on Windows a file another program holds open) moves everything back.
+    os.mkdir(retired)
+    try:
+        _swap_files(path, staging, retired, [n for n in dict.fromkeys([MANIFEST, *old_files])
+                                             if _is_regular(os.path.join(path, n))])
+    except BaseException:
+        os.rmdir(retired)  # empty again: every file went back where it was
+        raise
+    _discard_retired(retired, old_files, path)
     kept = [n for n in others if os.path.lexists(os.path.join(path, n))]
     warn_user(f"{path}: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the old trace's manifest did not "
               f"list ({listed(kept, 5)}); saving over a trace removes only "
               "the files its manifest names")
+
+
+def _swap_files(path: str, staging: str, retired: str, old_names: list) -> None:
+    """Move the old trace's files ``old_names`` (its manifest first) from ``path`` into ``retired``, then the new
+    trace's from ``staging`` into ``path`` (its manifest last); if either fails, every file goes back."""
+    _move_all(path, retired, old_names, undo=True)
+    try:
+        _move_all(staging, path, sorted(os.listdir(staging), key=lambda n: n == MANIFEST), undo=True)
+    except BaseException:
+        _move_all(retired, path, old_names[::-1], undo=False)  # the manifest last: whole before it claims a trace
+        raise
+
+
+def _move_all(source: str, target: str, names: list, undo: bool) -> None:
+    """Move the files ``names`` from ``source`` into ``target`` in order; if a move fails, those already moved
+    go back, in reverse order, when ``undo``."""
+    moved = []
+    try:
+        for name in names:
+            os.replace(os.path.join(source, name), os.path.join(target, name))
+            moved.append(name)
+    except BaseException:
+        if undo:
+            for name in reversed(moved):
+                os.replace(os.path.join(target, name), os.path.join(source, name))
+        raise
+
+
+def _discard_retired(retired: str, old_files: list, path: str) -> None:
+    """Delete the old trace's files, moved aside into ``retired``, once the new trace is in place: a file that
+    cannot be deleted (read-only, or held open, on Windows) leaves the folder behind, with a warning, since the
+    save itself has succeeded."""
+    try:
+        _remove_files(retired, old_files)
+        os.rmdir(retired)
+    except OSError as exc:
+        warn_user(f"{path}: the new trace is saved, but the old trace's files could not all be deleted "
+                  f"({exc.strerror or exc}); they are left in {retired}, which you can delete")
 
 
 def _is_regular(path: str) -> bool:
