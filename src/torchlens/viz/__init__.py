@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -141,13 +142,19 @@ def show(trace, **kwargs):
         return None
     import webbrowser
 
-    handle, name = tempfile.mkstemp(prefix=f"torchlens_{trace.model_name}_", suffix=".html")
+    handle, name = tempfile.mkstemp(prefix=f"torchlens_{_file_name_part(trace.model_name)}_", suffix=".html")
     os.close(handle)
     path = render(trace, name, **kwargs)
     if not _has_display() or not webbrowser.open(path.resolve().as_uri()):
         print(f"torchlens: no browser could be opened here; the viewer is at {path} (open it where a browser "
               "runs)", file=sys.stderr)
     return path
+
+
+def _file_name_part(name: str) -> str:
+    """``name`` (a model name such as ``facebook/opt-125m``) as part of a file name on any system: a separator
+    would name a folder that does not exist, and Windows refuses ``: * ? " < > |`` in file names."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60]
 
 
 def _has_display() -> bool:
