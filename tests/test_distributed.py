@@ -16,6 +16,7 @@ from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, data
                                  extract_fsdp2, extract_fsdp2_uneven, extract_tensor_parallel, extract_through_ddp,
                                  gather_labels_some_ranks_lack, gather_skipped_by_one_rank, launch, save_to_one_path,
                                  traces)
+from held_files import refuse_held_files
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -204,6 +205,28 @@ def test_distributed_extraction_equals_a_single_process_one(tmp_path):
             np.testing.assert_array_equal(got[name], expected[name])
         np.testing.assert_array_equal(tl.distributed.sample_index(folder), np.arange(24))
         assert sorted(os.listdir(folder)) == JOINED  # rank folders removed once joined
+
+
+def test_the_join_lets_go_of_the_rank_files_before_removing_their_folders(tmp_path, monkeypatch):
+    # Windows refuses to delete a file that is mapped: the join's own maps of the rank files must be gone.
+    from torchlens.distributed.extraction import join_ranks
+    from torchlens.io.extract import extract_folder
+    from torchlens.io.extract_args import batch_reader
+
+    out, batches = str(tmp_path / "joined"), list(DataLoader(dataset(8), batch_size=2))
+    for rank in (0, 1):  # each rank's share as extract_ranks writes it, round-robin by batch
+        mine = batches[rank::2]
+        rows = {k: torch.arange(2 * (2 * k + rank), 2 * (2 * k + rank) + 2) for k in range(len(mine))}
+        extract_folder(KilledAfter(0).eval(), mine, LAYERS, os.path.join(out, f"rank-{rank}"),
+                       arguments_of=batch_reader(lambda b: b[0], None, None), kwargs={}, shard_bytes=1 << 20,
+                       progress=False, indices_of=rows.__getitem__)
+    refuse_held_files(monkeypatch)
+    join_ranks(out, 2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(out)) == JOINED
+    got, expected = tl.load_extracted(out), single_process(8, 2, tmp_path)
+    for name in LAYERS:
+        np.testing.assert_array_equal(got[name], expected[name])
 
 
 def test_a_ddp_wrapped_model_is_extracted_as_the_model_it_wraps(tmp_path):

@@ -234,7 +234,14 @@ def _joined(out) -> bool:
 
 
 def join_ranks(out, world) -> None:
-    """Copy every rank's rows into ``out``'s layer files in sample-index order, duplicates dropped."""
+    """Copy every rank's rows into ``out``'s layer files in sample-index order, duplicates dropped, then remove
+    the rank folders: only once ``_join_rows`` has returned, which lets go of its memory maps of their files
+    (Windows refuses to delete a file that is mapped)."""
+    _join_rows(out, world)
+    _remove_rank_folders(out, world)
+
+
+def _join_rows(out, world) -> None:
     import numpy as np
 
     folders = [os.path.join(out, RANK_FOLDER.format(r)) for r in range(world)]
@@ -263,7 +270,6 @@ def join_ranks(out, world) -> None:
                    {"layers": described, "rows": int(len(merged)), "batches": sum(m["batches"] for m in manifests),
                     "model": manifests[0]["model"], "world_size": world, "sample_index": SAMPLE_INDEX,
                     "rank_rows": [len(ix) for ix in indices]})
-    _remove_rank_folders(out, world)
 
 
 def _remove_rank_folders(out, world) -> None:
