@@ -4,6 +4,7 @@ through one member check, and an extraction resumes only the same job, from a ki
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import torchlens as tl
 from torchlens.io import ResumeMismatchError, TraceFileError, UnsafeMemberError
 from torchlens.io.format import sha256_of
+from held_files import refuse_held_files
 import streams
 from streams import interrupted
 from zoo import zoo
@@ -378,7 +380,7 @@ def test_saving_over_a_trace_failing_at_any_step_leaves_one_whole_trace_and_the_
             try:
                 new.save(folder, overwrite=True)
                 finished = count[0] < step
-            except error:
+            except (error, TraceFileError):  # a refused move is said in a TraceFileError
                 pass
         assert len(tl.load(folder)) in (len(old), len(new)), f"failed at step {step}"
         assert not foreign or open(os.path.join(folder, "notes.txt")).read() == "keep me"
@@ -396,4 +398,18 @@ def test_old_files_that_cannot_be_deleted_after_the_new_trace_is_saved_are_a_war
     with pytest.warns(UserWarning, match=r"the new trace is saved, but .*left in .*torchlens-save-.*-old"):
         assert new.save(saved, overwrite=True) == saved
     monkeypatch.undo()
+    assert len(tl.load(saved)) == len(new)
+
+
+def test_saving_over_a_trace_a_loaded_copy_still_holds_is_refused_clearly_and_keeps_it(saved, monkeypatch):
+    # tl.load maps the activations file; Windows will not move a folder holding a file that is in use.
+    loaded, new = tl.load(saved), tl.trace(*zoo()["small_cnn"][:2])
+    refuse_held_files(monkeypatch)
+    with pytest.raises(TraceFileError, match=r"cannot save over .*activations.safetensors could not be moved .*left "
+                                             r"as it was.*a trace tl.load read from it holds its activations file"):
+        new.save(saved, overwrite=True)
+    assert len(tl.load(saved)) == len(loaded) and sorted(os.listdir(os.path.dirname(saved))) == ["t"]
+    del loaded
+    gc.collect()
+    new.save(saved, overwrite=True)  # released: the save goes through
     assert len(tl.load(saved)) == len(new)

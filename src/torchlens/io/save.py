@@ -173,14 +173,33 @@ def _replace_saved(path: str, staging: str, old_files: list) -> None:
         raise TraceFileError(f"{path}: {', '.join(blocked) or MANIFEST} exists but is not a regular file the old "
                              "trace's manifest lists, so saving would overwrite it; remove it or choose another path")
     retired = f"{staging}-old"
-    if not others:  # the usual case: swap whole folders, so the old trace stays whole until the new is in place
+    try:
+        _swap_in(path, staging, retired, old_files, whole_folder=not others)
+    except PermissionError as exc:  # on Windows, most often a file of the old trace held open
+        raise TraceFileError(f"cannot save over {path}: {exc.filename or path} could not be moved ({exc.strerror}); "
+                             "the saved trace there is left as it was. A file in the folder may be in use (a trace "
+                             "tl.load read from it holds its activations file until deleted, e.g. del loaded; or "
+                             "another program holds one), or the folder may not be writable; release it, or save "
+                             "to another path") from None
+    _discard_retired(retired, old_files, path)
+    if not others:
+        return
+    kept = [n for n in others if os.path.lexists(os.path.join(path, n))]
+    warn_user(f"{path}: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the old trace's manifest did not "
+              f"list ({listed(kept, 5)}); saving over a trace removes only "
+              "the files its manifest names")
+
+
+def _swap_in(path: str, staging: str, retired: str, old_files: list, whole_folder: bool) -> None:
+    """Put the new trace in ``staging`` at ``path`` and the old one's files in ``retired``; on failure, the old
+    trace is back at ``path`` as it was."""
+    if whole_folder:  # the usual case: swap whole folders, so the old trace stays whole until the new is in place
         os.replace(path, retired)
         try:
             os.replace(staging, path)
         except BaseException:
             os.replace(retired, path)  # put the old trace back where it was
             raise
-        _discard_retired(retired, old_files, path)
         return
     # Foreign files share the folder: the old trace's files are moved aside (its manifest first, so the folder
     # stops claiming to be a trace), the new ones moved in (their manifest last), and the old ones deleted only
@@ -192,11 +211,6 @@ def _replace_saved(path: str, staging: str, old_files: list) -> None:
     except BaseException:
         os.rmdir(retired)  # empty again: every file went back where it was
         raise
-    _discard_retired(retired, old_files, path)
-    kept = [n for n in others if os.path.lexists(os.path.join(path, n))]
-    warn_user(f"{path}: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the old trace's manifest did not "
-              f"list ({listed(kept, 5)}); saving over a trace removes only "
-              "the files its manifest names")
 
 
 def _swap_files(path: str, staging: str, retired: str, old_names: list) -> None:
