@@ -103,6 +103,23 @@ def test_model_errors_exit_1_naming_where_it_failed(models):
     assert "module call blocks.1:1" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_model_error_names_the_line_in_a_package_whose_folder_name_begins_with_torchs(tmp_path, monkeypatch,
+                                                                                         capsys):
+    # torchvision/, torchaudio/ sit beside torch/ and begin with its name: they are not torch.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torchmodels").mkdir()
+    (tmp_path / "torchmodels" / "net.py").write_text(textwrap.dedent('''
+        import torch.nn as nn
+
+        class Net(nn.Module):
+            def forward(self, x):
+                raise ValueError("bad input")
+    '''))
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    assert main(["trace", str(tmp_path / "torchmodels" / "net.py") + ":Net", "--input", "2x8"]) == 1
+    assert f"at {tmp_path / 'torchmodels' / 'net.py'}:6 in forward" in capsys.readouterr().err
+
+
 def test_console_script_help_lists_every_command(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "torchlens")
     done = subprocess.run([script, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -594,7 +594,8 @@ def _user_frame(exc) -> str | None:
     """The innermost traceback frame outside torch and torchlens: usually the user's failing line."""
     import torch
 
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    # Each folder with its separator: torchvision's and torchaudio's paths begin with torch's folder name.
+    skip = tuple(os.path.join(os.path.dirname(f), "") for f in (torch.__file__, __file__))
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
         if not frame.filename.startswith(skip):
