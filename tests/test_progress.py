@@ -54,3 +54,17 @@ def test_default_traces_in_a_pipe_never_make_a_bar(monkeypatch):
 def test_progress_must_be_a_bool_or_none():
     with pytest.raises(TypeError, match="progress must be True, False or None"):
         tl.trace(MLP(), torch.randn(2, 16), progress="yes")
+
+
+def test_asked_for_bars_where_there_is_no_stderr_the_work_runs_without_them(no_delay, monkeypatch, tmp_path):
+    # pythonw.exe and apps frozen without a console have sys.stderr None; tl.extract asks for bars by default.
+    model, x = MLP(), torch.randn(2, 16)
+    expected = tl.trace(model, x)
+    monkeypatch.setattr("sys.stderr", None)
+    log = tl.trace(model, x, progress=True)
+    assert [op.label for op in log.ops] == [op.label for op in expected.ops]
+    assert torch.equal(log[-1].activation, expected[-1].activation)
+    assert tl.validate(model, x, progress=True).passed
+    folder = tl.extract(model, [x, x], [expected[-2].label], tmp_path / "x")
+    monkeypatch.undo()
+    assert tl.load_extracted(folder)[expected[-2].label].shape[0] == 4

@@ -71,6 +71,8 @@ def bar(progress, desc: str, total=None, unit: str = "it"):
         return QUIET
     if progress is not None and progress is not True:
         raise TypeError(f"progress must be True, False or None (automatic), not {progress!r}")
+    if sys.stderr is None:  # pythonw.exe, or an app frozen without a console: nowhere to draw a bar
+        return QUIET
     try:
         from tqdm.auto import tqdm
     except ImportError as exc:

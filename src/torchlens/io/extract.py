@@ -350,7 +350,7 @@ def _module_calls_by_name(log) -> dict:
 
 
 def _progress_bar(inputs, done, enabled):
-    if not enabled:
+    if not enabled or sys.stderr is None:  # None: pythonw.exe, or an app frozen without a console
         return _NoBar()
     try:
         from tqdm.auto import tqdm
