@@ -145,7 +145,7 @@ def test_each_command_help_has_examples(capsys):
     (["trace", "missing.py:build", "--input", "2x8"], "no such file: missing.py"),
     (["trace", "C:\\models\\clitargets.py", "--input", "2x8"],
      "names a file but no factory: add the factory's name after a colon (C:\\models\\clitargets.py:build)"),
-    (["trace", "sub\\clitargets.py:build", "--input", "2x8"], "separates folders with '/': sub/clitargets.py)"),
+    (["trace", "sub\\clitargets.py:build", "--input", "2x8"], "(folders are separated by '/' here: sub/clitargets.py)"),
     (["show", "not_a_folder"], "not a folder"),
     (["trace", "clitargets:needs_args", "--input", "2x8"], "cannot be called with no arguments"),
 ])

@@ -1,6 +1,6 @@
 """torchlens under macOS's and Windows's defaults, emulated here: processes started by spawn (every module
-re-imported in the child, the model's class found again in the script's ``__main__``), and a trace crossing
-processes only as a saved folder."""
+re-imported in the child, the model's class found again in the script's ``__main__``), a trace crossing
+processes only as a saved folder, and file names Windows refuses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+
+import torch
+import torch.nn as nn
+
+import torchlens as tl
 
 SPAWNED = textwrap.dedent('''
     import json, multiprocessing as mp, os, sys
@@ -72,3 +78,17 @@ def test_traces_made_saved_and_loaded_in_spawned_processes_match_the_untraced_mo
                                                   "output_1:1"]
     assert found["same_output"]
     assert "a Trace cannot be pickled" in found["refusal"] and "tl.load(path)" in found["refusal"]
+
+
+def test_show_writes_its_file_whatever_characters_the_model_name_holds(monkeypatch):
+    # A hub id holds a separator (a folder that does not exist); Windows refuses ':' and '?' in a file name.
+    opened = []
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url) or True)
+    log = tl.trace(nn.Linear(3, 3), torch.randn(2, 3), name="facebook/opt-125m: run?")
+    path = log.show()
+    try:
+        assert path.name.startswith("torchlens_facebook_opt-125m_run_") and str(path.parent) == tempfile.gettempdir()
+        assert "tl-data" in path.read_text() and opened == [path.resolve().as_uri()]
+    finally:
+        path.unlink()

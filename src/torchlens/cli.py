@@ -54,7 +54,9 @@ def load_target(spec: str):
 def _import(module_name: str):
     if module_name.endswith(".py") or os.sep in module_name:
         if not os.path.isfile(module_name):
-            raise UsageError(f"no such file: {module_name}{_separator_hint(module_name)}")
+            forward = module_name.replace("\\", "/")  # a path written for Windows, on a system where '/' separates
+            hint = "" if os.sep != "/" or forward == module_name else f" (folders are separated by '/' here: {forward})"
+            raise UsageError(f"no such file: {module_name}{hint}")
         name = "_torchlens_target_" + os.path.splitext(os.path.basename(module_name))[0]
         spec = importlib.util.spec_from_file_location(name, module_name)
         module = importlib.util.module_from_spec(spec)
@@ -75,14 +77,6 @@ def _import(module_name: str):
     except Exception as exc:
         raise ModelError(exc) from exc
     return module if module is not None else result
-
-
-def _separator_hint(path: str) -> str:
-    """Where a path written with Windows's backslashes is read on a system that separates folders by '/'."""
-    if "\\" not in path or os.sep == "\\":
-        return ""
-    forward = path.replace("\\", "/")
-    return f" (this system separates folders with '/': {forward})"
 
 
 def _build_model(obj, spec):
@@ -524,12 +518,9 @@ def main(argv=None) -> int:
 
 
 def _escape_unprintable_output():
-    """Have stdout write a character its encoding lacks as a backslash escape, as Python's stderr already
-    does, and return what puts its own handling back.  A console or a redirected file in cp1252 (Windows)
-    or ascii cannot hold a module or path named in other scripts: without this the command would end in a
-    UnicodeEncodeError after the trace was made, its output lost."""
-    stream = sys.stdout
-    errors = getattr(stream, "errors", None)
+    """Have stdout write a character its encoding lacks (CJK in cp1252, a Windows file) as a backslash escape,
+    as stderr does, rather than end in UnicodeEncodeError after the work; returns what undoes it."""
+    stream, errors = sys.stdout, getattr(sys.stdout, "errors", None)
     if errors is None or not hasattr(stream, "reconfigure"):
         return lambda: None
     stream.reconfigure(errors="backslashreplace")
@@ -591,10 +582,10 @@ def _report_model_error(exc: BaseException, full: bool) -> None:
 
 
 def _user_frame(exc) -> str | None:
-    """The innermost traceback frame outside torch and torchlens: usually the user's failing line."""
+    """The innermost traceback frame outside torch and torchlens (each folder with its separator: torchvision/
+    is not torch/): usually the user's failing line."""
     import torch
 
-    # Each folder with its separator: torchvision's and torchaudio's paths begin with torch's folder name.
     skip = tuple(os.path.join(os.path.dirname(f), "") for f in (torch.__file__, __file__))
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
