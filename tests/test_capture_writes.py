@@ -194,3 +194,95 @@ def test_the_first_read_of_what_a_dirty_marking_function_returned_replays(compil
     assert log["exp_1_3:1"].parents == log["argmax_1_4:1"].parents == ["mul_1_2:1"]
     result = log.validate()
     assert result.status == "passed" and result.replayed == 4 and not result.not_replayed, result
+
+
+# ----- running statistics written in a kernel ----------------------------------------------------------
+class _SharedBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        a = self.bn(x)
+        b = self.bn(x * 2)
+        return a + b + self.bn.running_mean
+
+
+def test_a_running_statistic_read_after_a_training_batchnorm_comes_from_the_call_that_wrote_it():
+    x = torch.randn(3, 4)
+    model = _SharedBatchNorm().train()
+    first_read = model.bn.running_mean.clone()
+    log = tl.trace(model, x)
+    norms = [op for op in log if op.func_name == "batch_norm"]
+    assert [op.module for op in norms] == ["bn:1", "bn:2"]
+    # The running mean as first read is the model's value before the forward.
+    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
+    assert torch.equal(mean_node.activation, first_read)
+    # Each later read names the call whose kernel last wrote it.
+    assert norms[1].parents[1] == norms[0].label
+    last = log.outputs[0].parents[0]  # the add that read the running mean
+    assert log[last].parents[-1] == norms[1].label
+    # Replay never compares the sum against the statistic's stale value.
+    result = tl.validate(_SharedBatchNorm().train(), x)
+    assert result.outputs_match and not result.mismatched, result.mismatched
+
+
+class _AtenBatchNorm(nn.Module):
+    """Training-mode batch norms called as aten operators, as decomposed code calls them."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        bn, aten = self.bn, torch.ops.aten
+        a = aten.native_batch_norm.default(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5)[0]
+        b = aten.batch_norm(x * 2, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5, False)
+        return a + b + bn.running_mean
+
+
+def test_running_statistics_an_aten_batch_norm_writes_keep_their_value_as_first_read():
+    # Their schemas do not mark the statistics written and the kernel moves no version counter: the running
+    # mean's node held the value the first call had written into it, and its readers named that node.
+    x = torch.randn(3, 4)
+    model = _AtenBatchNorm().train()
+    first_read = model.bn.running_mean.clone()
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, _AtenBatchNorm().train()(x))
+    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
+    assert torch.equal(mean_node.activation, first_read)
+    first = next(op for op in log if op.type == "nativebatchnorm")
+    second = next(op for op in log if op.type == "batchnorm")
+    assert second.parents[1:] == [first.label, first.label]  # the statistics as the first call left them
+    assert log[log.outputs[0].parents[0]].parents[-1] == second.label
+    result = log.validate()
+    assert result.passed and not result.mismatched, result
+
+
+class _UpdateStats(nn.Module):
+    """batch_norm_update_stats, which updates the running statistics at every call (it has no training flag)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        bn = self.bn
+        mean = torch.batch_norm_update_stats(x, bn.running_mean, bn.running_var, 0.1)[0]
+        mean2 = torch.ops.aten.batch_norm_update_stats(x * 2, bn.running_mean, bn.running_var, 0.1)[0]
+        return mean + mean2 + bn.running_mean
+
+
+def test_running_statistics_batch_norm_update_stats_writes_keep_their_value_as_first_read():
+    x = torch.randn(3, 4)
+    model = _UpdateStats()
+    first_read = model.bn.running_mean.clone()
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, _UpdateStats()(x))
+    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
+    assert torch.equal(mean_node.activation, first_read)
+    first, second = [op for op in log if op.type == "batchnormupdatestats"][::2]  # (each makes two ops)
+    assert second.parents[1:] == [first.label, first.label]  # the statistics as the first call left them
+    assert log[log.outputs[0].parents[0]].parents[-1] == second.label
+    result = log.validate()
+    assert result.passed and not result.mismatched, result
