@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from untouched import assert_untouched, snapshot
 from zoo import MLP, SharedModule
 
 
@@ -343,3 +344,52 @@ def test_an_input_or_output_path_is_a_selection_as_it_is_a_key():
     assert [op.label for op in twice if op.has_activation] == [twice["input.input_ids"].label]
     with pytest.raises(tl.UnmatchedSelection, match=r"'input.atention_mask'.*closest: input\.attention_mask"):
         tl.trace(gpt2, ids, {"attention_mask": mask}, save=["input.atention_mask"])
+
+
+class _Nested(nn.Module):
+    """A chain of module calls ``depth`` deep, each forward calling the next."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.inner = _Nested(depth - 1) if depth > 1 else None
+
+    def forward(self, x):
+        return x + 1 if self.inner is None else self.inner(x) * 1.0
+
+
+def _stack_depth() -> int:
+    frame, depth = sys._getframe(), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    return depth
+
+
+def _run_at_least_limit(model, x, limit: int):
+    """``model(x)`` under the lowest recursion limit, from ``limit`` up in steps of 5, that it runs under (how
+    much a call counts against the limit depends on the interpreter's version)."""
+    while True:
+        sys.setrecursionlimit(limit)
+        try:
+            return model(x)
+        except RecursionError:
+            limit += 5
+
+
+def test_a_forward_that_overflows_the_stack_only_traced_is_told_why():
+    """A trace runs each module call in more frames than the model does: near the recursion limit, a forward
+    that runs untraced raises RecursionError traced, and the note says the trace's frames are the cause."""
+    depth, x = 20, torch.randn(2)
+    model = _Nested(depth)
+    limit, before = sys.getrecursionlimit(), snapshot(model, [x])
+    try:
+        untraced = _run_at_least_limit(model, x, _stack_depth() + 2 * depth)
+        sys.setrecursionlimit(sys.getrecursionlimit() + 10)  # a little room more, not capture's frames
+        with pytest.raises(RecursionError) as info:
+            tl.trace(model, x)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert_untouched(before, snapshot(model, [x]))  # torn down, though the stack was full
+    assert torch.equal(untraced, x + 1)
+    notes = " ".join(info.value.__notes__)
+    assert "a trace runs every module call in more frames" in notes and "sys.setrecursionlimit" in notes
+    assert torch.equal(tl.trace(model, x).output, untraced)  # with room again, the same model traces

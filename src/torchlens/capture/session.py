@@ -515,6 +515,14 @@ def _script_caveat(addresses) -> tuple:
     return (text,)
 
 
+# A traced module call runs in more frames than an untraced one (capture's own), so a forward that nests
+# module calls close to the interpreter's recursion limit can run untraced and overflow traced.
+_DEEPER_TRACED = ("torchlens: a trace runs every module call in more frames than the model does, so a forward that "
+                  "runs untraced can exceed the recursion limit traced: raise it with sys.setrecursionlimit; on "
+                  "CPython 3.12 and 3.13 the compiled path also counts module calls against the C-level recursion "
+                  "limit, which that does not raise: TORCHLENS_ACCEL=0 then traces about as deep as the model runs")
+
+
 def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
     torn_down = ("capture was torn down, nothing is left installed" if not left else
                  "capture could not remove " + ", ".join(left) + "; restart the process before tracing again")
@@ -541,6 +549,8 @@ def note_how_arguments_were_passed(exc: BaseException, args) -> None:
     if isinstance(exc, TypeError) and len(args) == 1 and type(args[0]) is list and "positional argument" in str(exc):
         exc.add_note("torchlens: the list was passed as one positional argument (only a tuple's items are "
                      "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
+    elif isinstance(exc, RecursionError):
+        exc.add_note(_DEEPER_TRACED)
     elif isinstance(exc, (TypeError, AttributeError)) and type(args) is not tuple and isinstance(args, tuple):
         # a named tuple (a batch) given as the arguments is a tuple: its fields were passed one by one
         exc.add_note(f"torchlens: the {type(args).__name__} was passed as the positional arguments, one per field "
