@@ -540,6 +540,8 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
         if module_call < 0 and state.module_calls:  # e.g. raised by a forward hook, after the call ended
             where += f" (the last module call before it: {_where(state, len(state.module_calls) - 1, model)})"
         exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; {torn_down}")
+    if isinstance(exc, RecursionError):
+        exc.add_note(_DEEPER_TRACED)
     note_how_arguments_were_passed(exc, args)
 
 
@@ -549,8 +551,6 @@ def note_how_arguments_were_passed(exc: BaseException, args) -> None:
     if isinstance(exc, TypeError) and len(args) == 1 and type(args[0]) is list and "positional argument" in str(exc):
         exc.add_note("torchlens: the list was passed as one positional argument (only a tuple's items are "
                      "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
-    elif isinstance(exc, RecursionError):
-        exc.add_note(_DEEPER_TRACED)
     elif isinstance(exc, (TypeError, AttributeError)) and type(args) is not tuple and isinstance(args, tuple):
         # a named tuple (a batch) given as the arguments is a tuple: its fields were passed one by one
         exc.add_note(f"torchlens: the {type(args).__name__} was passed as the positional arguments, one per field "
