@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import sys
 
 import pytest
@@ -89,7 +90,7 @@ def assert_same_reports(live, loaded, tmp_path) -> None:
     assert live.render(None, format="html") == loaded.render(None, format="html")
     live.to_chrome_trace(tmp_path / "live.json")
     loaded.to_chrome_trace(tmp_path / "loaded.json")
-    assert json.load(open(tmp_path / "live.json")) == json.load(open(tmp_path / "loaded.json"))
+    assert json.loads((tmp_path / "live.json").read_text()) == json.loads((tmp_path / "loaded.json").read_text())
 
 
 def test_nonfinite_origin_on_a_loaded_trace(tmp_path):
@@ -178,13 +179,13 @@ def test_an_output_saved_without_its_structure_is_refused_unless_a_lone_tensor(t
 
 def _without_key(folder, key):
     """``folder``'s saved trace as an older torchlens wrote it: ``trace.json`` without ``key``, re-hashed."""
-    path = os.path.join(folder, "trace.json")
-    record = json.load(open(path))
+    path, manifest_path = pathlib.Path(folder, "trace.json"), pathlib.Path(folder, "manifest.json")
+    record = json.loads(path.read_text(encoding="utf-8"))
     del record[key]
-    json.dump(record, open(path, "w"))
-    manifest = json.load(open(os.path.join(folder, "manifest.json")))
-    manifest["files"]["trace.json"] = {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
-    json.dump(manifest, open(os.path.join(folder, "manifest.json"), "w"))
+    path.write_text(json.dumps(record), encoding="utf-8")
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest["files"]["trace.json"] = {"bytes": os.path.getsize(path), "sha256": sha256_of(str(path))}
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
     return folder
 
 
@@ -575,11 +576,10 @@ def test_saved_activations_load_with_the_memory_layout_they_had(autocast, tmp_pa
     assert again.output[0].stride() == log.output[0].stride() == (1, 5)  # the transposed output
 
 
-
 def test_every_file_a_save_writes_is_listed_on_the_format_page(tmp_path):
     # The page's folder listing named three files; a trace with gradients or interventions writes two more.
-    page = (os.path.dirname(__file__) + "/../docs/save_load.md")
-    listed = open(page).read().split("## The format", 1)[1].split("```", 2)[1]
+    page = pathlib.Path(__file__).parent.parent / "docs" / "save_load.md"
+    listed = page.read_text(encoding="utf-8").split("## The format", 1)[1].split("```", 2)[1]
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     log = tl.trace(model, torch.randn(2, 4), intervene={"0": tl.scale(2.0)}, grads=True)
     log.backward(log.output.sum())
