@@ -292,15 +292,16 @@ def test_bad_arguments_say_what_to_do(traces, tmp_path):
         log.render(depth=-1)
     with pytest.raises(TypeError, match=r"render: depth=1\.0 is a float, not an int"):
         log.render(depth=1.0)
-    with pytest.raises(ValueError, match="cannot tell the format"):
+    with pytest.raises(ValueError, match=r"cannot tell the format.*\.dot \(or \.gv\).*\.html \(or \.htm\)"):
         log.render(tmp_path / "graph.pdf")
+    assert [viz.format_of(None, "htm"), viz.format_of("g.htm"), viz.format_of(None, "gv")] == ["html", "html", "dot"]
     with pytest.raises(ValueError, match="color_by must be one of"):
         log.render(color_by="loudness")
     with pytest.raises(TypeError, match="needs a Trace"):
         viz.render(object())
     # format=3 failed on "'int' object has no attribute 'lower'"; max_ops="10" on a comparison, -1 drew no graph.
-    with pytest.raises(TypeError, match=r"format= takes the name of a picture format, one of dot, svg, png, html, "
-                                        r"got int 3"):
+    with pytest.raises(TypeError, match=r"format= takes the name of a picture format, one of dot \(or gv\), svg, "
+                                        r"png, html \(or htm\), got int 3"):
         log.render(tmp_path / "graph", format=3)
     with pytest.raises(TypeError, match=r"notebook_html: max_ops='10' is a str, not an int"):
         viz.notebook_html(log, max_ops="10")

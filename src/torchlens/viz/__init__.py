@@ -17,30 +17,34 @@ from ..checks import check_int
 from .layout import LayoutEngineMissing, LayoutFailed, find_engine
 
 FORMATS = ("dot", "svg", "png", "html")
+_ALSO = {"dot": "gv", "html": "htm"}  # the other name each of those formats is known by
+_BY_OTHER_NAME = {other: name for name, other in _ALSO.items()}
+
+
+def _named(dotted: bool = False) -> str:
+    """The formats as an error lists them, each with its other suffix (``.dot (or .gv)``)."""
+    dot = "." if dotted else ""
+    return ", ".join(f"{dot}{f}" + (f" (or {dot}{_ALSO[f]})" if f in _ALSO else "") for f in FORMATS)
 
 
 def format_of(path, fmt=None) -> str:
     """The picture format ``render`` writes: ``fmt`` when given, else the one ``path``'s suffix names."""
     if fmt is not None:
         if not isinstance(fmt, str):
-            raise TypeError(f"format= takes the name of a picture format, one of {', '.join(FORMATS)}, got "
+            raise TypeError(f"format= takes the name of a picture format, one of {_named()}, got "
                             f"{type(fmt).__name__} {fmt!r}")
         fmt = fmt.lower().lstrip(".")
-        if fmt == "gv":
-            fmt = "dot"
+        fmt = _BY_OTHER_NAME.get(fmt, fmt)
         if fmt not in FORMATS:
-            raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+            raise ValueError(f"format must be one of {_named()}, not {fmt!r}")
         return fmt
     if path is None:
         return "dot"
     suffix = pathlib.Path(path).suffix.lower().lstrip(".")
-    if suffix in ("htm", "html"):
-        return "html"
-    if suffix == "gv":
-        return "dot"
+    suffix = _BY_OTHER_NAME.get(suffix, suffix)
     if suffix not in FORMATS:
         raise ValueError(f"cannot tell the format from {str(path)!r}: use a path ending in "
-                         f"{', '.join('.' + f for f in FORMATS)}, or pass format=")
+                         f"{_named(dotted=True)}, or pass format=")
     return suffix
 
 
