@@ -161,7 +161,7 @@ struct Store : std::enable_shared_from_this<Store> {
         std::vector<std::pair<int64_t, at::Tensor>> fresh, shared, copies;
         {
             std::lock_guard<std::mutex> lock(mutex);
-            std::unordered_map<const c10::StorageImpl *, long> held; /* storage -> this backward's owners */
+            std::unordered_map<const c10::StorageImpl *, size_t> held; /* storage -> this backward's owners */
             std::unordered_set<const c10::TensorImpl *> ours, bases;
             for (size_t k = first; k < order.size(); k++) {
                 auto kept = grads.find(order[k]);
