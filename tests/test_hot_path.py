@@ -106,7 +106,7 @@ def test_ops_without_a_metric_value_are_excluded_and_named():
     assert result.excluded == (sort.label,)
     assert sort.label not in [row["address"] for row in result.rows]
     assert result.to_pandas().attrs["excluded"] == [sort.label]
-    assert f"excluded, no flops value: 1 ops ({sort.label})" in str(result)
+    assert f"excluded, no flops value: 1 op ({sort.label})" in str(result)
 
 
 def test_a_cleaned_up_trace_still_ranks_by_duration_flops_and_memory():

@@ -180,3 +180,22 @@ def test_a_trace_saved_after_cleanup_keeps_its_parameter_counts_or_says_they_are
     assert old[0]["params"] is None and old["head:1"]["params"] is None
     assert old[0]["flops"] == live[0]["flops"]
     assert "Parameters: unknown" in str(old)
+
+
+def test_counts_of_one_read_in_the_singular():
+    # The texts read "1 torch calls, 1 inputs", "used by 1 ops" and, in the graph, "1 ops" for a module box.
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = torch.nn.Linear(3, 3), torch.nn.ReLU()
+
+        def forward(self, x):
+            return self.act(self.lin(x))
+
+    log = tl.trace(Head(), torch.randn(2, 3))
+    text = str(log)
+    assert "4 ops (2 torch calls, 1 input, 1 output), 4 layers" in text
+    assert "2 modules, 2 module calls" in text and "4 activations saved" in text
+    assert repr(log.params[0]) == "<Param lin.weight (3, 3), used by 1 op>"
+    assert repr(log.layers[1]).endswith("(linear, 1 pass)>")
+    assert "1 op<" in log.render(format="dot", depth=0) and "1 ops" not in log.render(format="dot", depth=0)

@@ -258,6 +258,7 @@ def module_tree(log, depth: int) -> str:
 
 def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
     from .debug.hotspots import hot_path
+    from .errors import counted
 
     ranked = hot_path(log, by=by, group=group)
     lines = [f"Hot path ({by}, by {group}; top {min(n, len(ranked.rows))} of {len(ranked.rows)}):"]
@@ -267,7 +268,7 @@ def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
         shown = f"{total:.3f}" if by == "duration" else f"{int(total):,}"
         lines.append(f"  {row['address']:<36} x{row['count']:<4} {shown:>14} {unit}  {row['percent']:5.1f}%")
     if ranked.excluded:
-        lines.append(f"  excluded (no {by} value): {len(ranked.excluded)} ops")
+        lines.append(f"  excluded (no {by} value): {counted(len(ranked.excluded), 'op')}")
     lines.append(f"  note: {ranked.note}")
     return "\n".join(lines)
 
@@ -318,6 +319,7 @@ def cmd_demo(args) -> int:
 
 def cmd_trace(args) -> int:
     import torchlens as tl
+    from .errors import counted
 
     check_output_file("--html", args.html)
     check_output_file("--chrome", args.chrome)
@@ -328,7 +330,7 @@ def cmd_trace(args) -> int:
         log = tl.trace(model, inputs, kwargs, save="all" if (args.save or args.html) else "none")
     except Exception as exc:
         raise ModelError(exc) from exc
-    _note(f"traced {len(log)} ops in {time.perf_counter() - started:.2f} s")
+    _note(f"traced {counted(len(log), 'op')} in {time.perf_counter() - started:.2f} s")
     print(log)
     if args.depth is not None:
         print()

@@ -29,6 +29,11 @@ def first_few(names, n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and ``noun`` for a message, the noun plural unless ``n`` is 1: "1 op", "3 ops"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
+
+
 def listed(names, n: int, more: str = " ...") -> str:
     """The first ``n`` of ``names`` for a message, ``more`` marking that some were left out."""
     names = list(names)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import closest_hint, first_few
+from .errors import closest_hint, counted, first_few
 from .record.columns import UNINITIALIZED_FUNCS
 from .record.layouts import copy_with_layout, memory_freed, version_of
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
@@ -84,7 +84,7 @@ class ValidationResult:
                      f"{self.nothing_reason or 'no op could be replayed'}"]
         else:
             verdict = "passed" if status == PASSED else "FAILED"
-            lines = [f"validation {verdict}: {self.replayed} ops replayed exactly"]
+            lines = [f"validation {verdict}: {counted(self.replayed, 'op')} replayed exactly"]
         if self.outputs_match is not None:
             lines.append(f"  outputs equal an untraced run: {self.outputs_match}"
                          + (f" ({self.outputs_differ})" if self.outputs_differ else ""))
@@ -93,7 +93,7 @@ class ValidationResult:
         for label, reason in self.mismatched:
             lines.append(f"  MISMATCH {label}: {reason}")
         if self.not_replayed:
-            lines.append(f"  {len(self.not_replayed)} ops not replayed:")
+            lines.append(f"  {counted(len(self.not_replayed), 'op')} not replayed:")
             for label, reason in self.not_replayed[:20]:
                 lines.append(f"    {label}: {reason}")
         return "\n".join(lines)

@@ -9,7 +9,7 @@ ranked as if they cost nothing.  Inputs, buffers and outputs are not torch calls
 
 from __future__ import annotations
 
-from ..errors import listed
+from ..errors import counted, listed
 from ..record.trace import checked_trace
 
 METRICS = {
@@ -81,7 +81,7 @@ class HotPath:
             lines.append(f"  ... {len(self.rows) - _SHOWN} more rows (see .rows or .to_pandas())")
         if self.excluded:
             shown = listed(self.excluded, 5)
-            lines.append(f"  excluded, no {self.by} value: {len(self.excluded)} ops ({shown})")
+            lines.append(f"  excluded, no {self.by} value: {counted(len(self.excluded), 'op')} ({shown})")
         lines.append(f"  note: {self.note}")
         return "\n".join(lines)
 

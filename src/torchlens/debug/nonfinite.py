@@ -21,7 +21,7 @@ from ..record.dropped import all_made_in_transform
 from ..record.finite import nonfinite_flags
 from ..record.params import changed_since_trace
 from ..record.trace import checked_trace
-from ..errors import TraceCleanedUp, listed
+from ..errors import TraceCleanedUp, counted, listed
 from ..tree import without_values
 
 DETECT_ANOMALY_CODE = """\
@@ -81,14 +81,14 @@ class NonfiniteReport:
         return self.found
 
     def __str__(self) -> str:
-        lines = [f"non-finite origin ({self.examined} ops examined from {self.basis}):"]
+        lines = [f"non-finite origin ({counted(self.examined, 'op')} examined from {self.basis}):"]
         if not self.found:
             lines.append("  no NaN or Inf in any examined forward output")
         else:
             lines += self._origin_lines()
         if self.unexamined:
             shown = listed(self.unexamined, 5)
-            lines.append(f"  {len(self.unexamined)} ops were not examined (not saved, no finite flag): {shown}")
+            lines.append(f"  {counted(len(self.unexamined), 'op')} not examined (not saved, no finite flag): {shown}")
         if self.uninitialized:
             shown = listed(self.uninitialized, 5)
             lines.append(f"  not evidence: {shown} held NaN/Inf in uninitialized memory (torch.empty and kin, a view "

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .view import View, row_field
+from ..errors import counted
 
 
 _UNREGISTERED = "<unregistered "
@@ -158,7 +159,7 @@ class ModuleCall(View):
         return [labels[i] for i in self._op_nodes]
 
     def __repr__(self) -> str:
-        return f"<ModuleCall {self.label} ({self.module.class_name}, {len(self._op_nodes)} ops)>"
+        return f"<ModuleCall {self.label} ({self.module.class_name}, {counted(len(self._op_nodes), 'op')})>"
 
 
 class Module(View):
@@ -202,8 +203,7 @@ class Module(View):
         raise AttributeError(f"'Module' object has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        return f"<Module {self.address} ({self.class_name}, {self.num_calls} call" \
-               f"{'s' if self.num_calls != 1 else ''})>"
+        return f"<Module {self.address} ({self.class_name}, {counted(self.num_calls, 'call')})>"
 
 
 def call_children(rows) -> list:

@@ -13,7 +13,7 @@ from .layouts import numel_of, shape_text
 from .model_index import is_packed_weight
 from ..tree import container_items
 from .view import OfATrace, View
-from ..errors import ActivationUnavailable
+from ..errors import ActivationUnavailable, counted
 
 # The kinds under their former names (record/columns.py declares them).
 KIND_OP, KIND_INPUT, KIND_BUFFER, KIND_OUTPUT = Kind.OP, Kind.INPUT, Kind.BUFFER, Kind.OUTPUT
@@ -403,5 +403,4 @@ class Layer(OfATrace):
         return hash((id(self._trace), "layer", self.layer_label))
 
     def __repr__(self) -> str:
-        return f"<Layer {self.layer_label} ({self.first.func_name}, {self.num_passes} pass" \
-               f"{'es' if self.num_passes != 1 else ''})>"
+        return f"<Layer {self.layer_label} ({self.first.func_name}, {counted(self.num_passes, 'pass', 'passes')})>"

@@ -10,6 +10,7 @@ from typing import NamedTuple
 from .columns import Kind
 from .layouts import version_of
 from .view import View, row_field
+from ..errors import counted
 
 
 class ParamRow:
@@ -114,7 +115,7 @@ class Param(View):
         return [labels[i] for i in self._row.users]
 
     def __repr__(self) -> str:
-        return f"<Param {self.address} {tuple(self.shape)}, used by {len(self._row.users)} ops>"
+        return f"<Param {self.address} {tuple(self.shape)}, used by {counted(len(self._row.users), 'op')}>"
 
 
 class Buffer(View):
@@ -148,7 +149,7 @@ class Buffer(View):
         return [labels[c] for i in self._row.nodes for c in children[i]]
 
     def __repr__(self) -> str:
-        return f"<Buffer {self.address}, read by {len(self.readers)} ops>"
+        return f"<Buffer {self.address}, read by {counted(len(self.readers), 'op')}>"
 
 
 def build_params(trace, states) -> list:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import first_few
+from ..errors import counted, first_few
 from ..tree import without_values
 from .layouts import shape_text
 
@@ -34,8 +34,8 @@ def torch_call_count(trace) -> int:
 def _tensors_and_calls(trace, n_compute: int) -> str:
     calls = torch_call_count(trace)
     if calls == n_compute:
-        return f"{calls} torch calls"
-    return f"{n_compute} tensors from {calls} torch calls"
+        return counted(calls, "torch call")
+    return f"{counted(n_compute, 'tensor')} from {counted(calls, 'torch call')}"
 
 
 def _recurrence(trace) -> str:
@@ -120,18 +120,18 @@ def summary_text(trace) -> str:
     n_compute = sum(1 for op in ops if op.kind == "op")
     recurrence = _recurrence(trace)
     saved = "released by cleanup()" if trace.is_cleaned_up else \
-        f"{len(trace._activations)} activations saved, {human_bytes(trace.saved_bytes)} as tensor sizes summed " \
-        "(a view counts in full; log.saved_bytes)" + _without_values(trace)
+        f"{counted(len(trace._activations), 'activation')} saved, {human_bytes(trace.saved_bytes)} as tensor sizes " \
+        "summed (a view counts in full; log.saved_bytes)" + _without_values(trace)
     lines = [
         f"Trace of {trace.model_name}",
-        f"  {len(ops)} ops ({_tensors_and_calls(trace, n_compute)}, {len(trace.inputs)} inputs, "
-        f"{len(trace.outputs)} outputs), {len(trace.layers)} layers",
-        f"  {len(trace.modules)} modules, {len(trace.module_calls)} module calls; {recurrence}",
+        f"  {counted(len(ops), 'op')} ({_tensors_and_calls(trace, n_compute)}, {counted(len(trace.inputs), 'input')}, "
+        f"{counted(len(trace.outputs), 'output')}), {counted(len(trace.layers), 'layer')}",
+        f"  {counted(len(trace.modules), 'module')}, {counted(len(trace.module_calls), 'module call')}; {recurrence}",
         f"  {saved}",
         f"  captured in {trace.capture_duration * 1e3:.1f} ms (host times below are instrumented)",
     ]
     if trace.unattributed:
-        lines.append(f"  {trace.unattributed} tensor arguments came from outside the trace (no parent op)"
+        lines.append(f"  {counted(trace.unattributed, 'tensor argument')} came from outside the trace (no parent op)"
                      + _unattributed_where(trace))
     lines += _dropped_lines(trace)
     if trace.budget_exhausted_at is not None:
@@ -139,7 +139,7 @@ def summary_text(trace) -> str:
     if trace.stopped_after is not None:
         lines.append(f"  the forward was stopped after {trace.stopped_after} (stop_after=): no output")
     if trace.interventions:
-        lines.append(f"  {len(trace.interventions)} ops changed by interventions (log.interventions)")
+        lines.append(f"  {counted(len(trace.interventions), 'op')} changed by interventions (log.interventions)")
     lines += [f"  caveat: {text}" for text in trace.caveats]
     lines.append("Ops:")
     shown = list(range(len(ops))) if len(ops) <= _HEAD + _TAIL else \

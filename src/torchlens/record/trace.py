@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 from collections import Counter
 
-from ..errors import TorchlensError, TraceCleanedUp, closest_hint
+from ..errors import TorchlensError, TraceCleanedUp, closest_hint, counted
 from ..tree import without_values
 from .columns import Call, Kind
 from . import grads as _grads
@@ -486,8 +486,8 @@ class Trace(TraceColumns):
 
     def __repr__(self) -> str:
         stopped = f", stopped after {self.stopped_after}" if self.stopped_after is not None else ""
-        return (f"<Trace of {self.model_name}: {len(self)} ops, {len(self.layers)} layers, "
-                f"{len(self.module_calls)} module calls{stopped}>")
+        return (f"<Trace of {self.model_name}: {counted(len(self), 'op')}, {counted(len(self.layers), 'layer')}, "
+                f"{counted(len(self.module_calls), 'module call')}{stopped}>")
 
     def _repr_html_(self) -> str:
         from ..viz import notebook_html

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import listed
+from ..errors import counted, listed
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
 
@@ -452,7 +452,8 @@ class FlopCount(int):
         if not self.unknown:
             return f"{int(self):,} FLOPs"
         shown = listed(self.unknown, 5)
-        return f"{int(self):,} FLOPs over {self.counted} counted ops; {len(self.unknown)} ops unknown: {shown}"
+        unknown = counted(len(self.unknown), "op")
+        return f"{int(self):,} FLOPs over {counted(self.counted, 'counted op')}; {unknown} unknown: {shown}"
 
     __str__ = __repr__
 

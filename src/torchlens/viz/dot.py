@@ -18,6 +18,7 @@ import re
 
 from .graph import edge_pass_label, pass_ranges
 from .metrics import aggregate, format_value
+from ..errors import counted
 from ..record.layouts import shape_text
 
 FONT = "Helvetica"
@@ -118,7 +119,7 @@ class DotWriter:
             rows.append(value)
         outside = sum(1 for _, parent in trace.op_parents[first] if parent < 0)
         if outside:  # no edge can show it: say that the op had more inputs than the edges into it
-            rows.append(f'<font point-size="8" color="#555555">+{outside} tensor argument{"s" if outside > 1 else ""} '
+            rows.append(f'<font point-size="8" color="#555555">+{counted(outside, "tensor argument")} '
                         "from outside the trace</font>")
         changed = self._changed_row(item.ops + list(port_ops))
         if changed:
@@ -170,14 +171,15 @@ class DotWriter:
         outs = [shape_text(self.trace.op_meta[i].shape) for i in first._output_nodes if i >= 0]
         rows = [f"<b>{esc(self.group_title(g))}</b>",
                 f"{esc(', '.join(ins) or '-')} \u2192 {esc(', '.join(outs) or '-')}",
-                f'<font point-size="8">{len(first._op_nodes)} ops</font>']
+                f'<font point-size="8">{counted(len(first._op_nodes), "op")}</font>']
         ops = self._group_ops(g)
         value = self._value_row(ops)
         if value:
             rows.append(value)
         changed = sum(i in self.changed for i in ops)
         if changed:
-            rows.append(f'<font point-size="8" color="{CHANGED}">{changed} ops changed by interventions</font>')
+            rows.append(f'<font point-size="8" color="{CHANGED}">{counted(changed, "op")} changed by interventions'
+                        '</font>')
         return "<" + "<br/>".join(rows) + ">"
 
     def _group_ops(self, g):
@@ -324,7 +326,8 @@ class DotWriter:
             rows.append(f'<tr><td align="left" colspan="2"><b>{esc(title)}</b></td></tr>')
         rows += [f'<tr><td align="left" colspan="2">{esc(note)}</td></tr>' for note in reading_notes(self.trace)]
         if self.changed:
-            rows.append(f'<tr><td align="left" colspan="2"><font color="{CHANGED}">{len(self.changed)} ops changed by '
+            changed = counted(len(self.changed), "op")
+            rows.append(f'<tr><td align="left" colspan="2"><font color="{CHANGED}">{changed} changed by '
                         "interventions (red border): their values are the actions', not the ops'</font></td></tr>")
         if legend:
             rows.append(f'<tr><td align="left" colspan="2">{esc(legend["title"])}: {esc(legend["note"])}</td></tr>')
