@@ -120,6 +120,19 @@ def test_a_model_error_names_the_line_in_a_package_whose_folder_name_begins_with
     assert f"at {tmp_path / 'torchmodels' / 'net.py'}:6 in forward" in capsys.readouterr().err
 
 
+def test_a_file_target_imports_the_modules_beside_it(tmp_path):
+    # ``python net.py`` finds ``blocks.py`` beside it; the CLI loading net.py by path ended in
+    # "No module named 'blocks'" unless the user's shell stood in that folder.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "blocks.py").write_text("import torch\nBlock = lambda: torch.nn.Linear(8, 8)\n")
+    (project / "net.py").write_text("import torch\nfrom blocks import Block\n\n"
+                                    "def build():\n    return torch.nn.Sequential(Block(), torch.nn.ReLU())\n")
+    done = run(["trace", str(project / "net.py") + ":build", "--input", "2x8"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "linear_1_1:1" in done.stdout and "relu_1_2:1" in done.stdout
+
+
 def test_console_script_help_lists_every_command(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "torchlens")
     done = subprocess.run([script, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

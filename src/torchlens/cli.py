@@ -57,6 +57,9 @@ def _import(module_name: str):
             forward = module_name.replace("\\", "/")  # a path written for Windows, on a system where '/' separates
             hint = "" if os.sep != "/" or forward == module_name else f" (folders are separated by '/' here: {forward})"
             raise UsageError(f"no such file: {module_name}{hint}")
+        folder = os.path.dirname(os.path.abspath(module_name))
+        if folder not in sys.path:  # as ``python file.py`` does: the file imports the modules beside it
+            sys.path.insert(0, folder)
         name = "_torchlens_target_" + os.path.splitext(os.path.basename(module_name))[0]
         spec = importlib.util.spec_from_file_location(name, module_name)
         module = importlib.util.module_from_spec(spec)
