@@ -393,3 +393,18 @@ def test_a_forward_that_overflows_the_stack_only_traced_is_told_why():
     notes = " ".join(info.value.__notes__)
     assert "a trace runs every module call in more frames" in notes and "sys.setrecursionlimit" in notes
     assert torch.equal(tl.trace(model, x).output, untraced)  # with room again, the same model traces
+
+
+def test_a_single_selector_is_taken_by_save_as_by_grads_and_extract():
+    # grads="relu" and tl.extract(layers="fc") took one selector alone; save="relu" was refused as "not understood".
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    for selector in ("relu", "2", "linear_1_1:1"):
+        alone, listed = tl.trace(model, x, save=selector), tl.trace(model, x, save=[selector])
+        assert [op.label for op in alone if op.has_activation] == [op.label for op in listed if op.has_activation]
+        assert any(op.has_activation for op in alone)
+    assert not any(op.has_activation for op in tl.trace(model, x, save="none"))
+    with pytest.raises(tl.UnmatchedSelection, match="'rleu'"):
+        tl.trace(model, x, save="rleu")
+    with pytest.raises(ValueError, match="save=7 is not understood"):
+        tl.trace(model, x, save=7)

@@ -434,7 +434,7 @@ def grad_capture(grads, model, state):
     else:
         from .saving import SavePolicy
 
-        policy = SavePolicy([grads] if isinstance(grads, str) else grads, model, option="grads")
+        policy = SavePolicy(grads, model, option="grads")
         if policy.mode == 2:  # types and modules: decided during the forward
             capture = GradCapture(policy.capture_selector(state), "input" in policy.types or bool(policy.module_ids))
         else:

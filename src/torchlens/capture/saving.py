@@ -52,12 +52,13 @@ class SavePolicy:
             if isinstance(save, (type, torch.nn.Module)):  # callable, but no predicate: refused, naming addresses
                 refuse_module_object(save, _modules_by_address(model, index), f"{option}=")
             self.mode, self.predicate = 1, save
-        elif isinstance(save, (list, tuple, set, frozenset)):
-            self._parse_selection(save if isinstance(save, LayerSelection) else list(save), model, index)
+        elif isinstance(save, (list, tuple, set, frozenset, str)):  # a string: one label, address or op type
+            self._parse_selection(save if isinstance(save, LayerSelection) else
+                                  [save] if isinstance(save, str) else list(save), model, index)
         else:
             raise ValueError(
-                f"{option}={save!r} is not understood: use 'all', 'none', a list of labels / module "
-                "addresses / op types, or a predicate taking an Op"
+                f"{option}={save!r} is not understood: use 'all', 'none', a label / module address / op type "
+                "or a list of them, or a predicate taking an Op"
             )
         # Whether what is kept is only settled after the forward (see ``apply``); read once per trace.
         self.filters_after = self.predicate is not None or bool(self.labels or self.types or self.addresses

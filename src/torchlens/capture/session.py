@@ -344,8 +344,8 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             tensor, a list, a dict) is the single positional argument: ``trace(model, [a, b])`` calls
             ``model([a, b])``.  To pass one tuple as the only argument, wrap it: ``((a, b),)``.
         kwargs: keyword arguments for forward.
-        save: which activations to keep: ``"all"``, ``"none"``, a list of labels / module addresses /
-            op types, or a predicate ``f(op) -> bool``.  Activations are kept by reference and copied
+        save: which activations to keep: ``"all"``, ``"none"``, a label / module address / op type or a
+            list of them, or a predicate ``f(op) -> bool``.  Activations are kept by reference and copied
             only when an in-place op is about to overwrite them.
         save_device: move saved activations to this device as they are captured.
         record_finite: record a (has_nan, has_inf) flag per op even for unsaved ops.
