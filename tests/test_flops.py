@@ -225,6 +225,12 @@ def test_linear_only_model_agrees_with_flop_counter_mode_up_to_bias_terms():
     assert any("elementwise" in note and "torchlens only" in note for note in result.notes)
     assert set(result.to_pandas().columns) == {"family", "torchlens", "native", "difference"}
     assert "never measured" in str(result)
+    # Module addresses were cut to 24 characters: siblings deep in a model (attention.self.query and .key)
+    # read alike.
+    deep = nn.Sequential()
+    deep.add_module("encoder_layer_attention_block", nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    shown = str(tl.report.flops_vs_dispatch(deep.eval(), x))
+    assert "\n  encoder_layer_attention_block.0 " in shown and "\n  encoder_layer_attention_block.1 " in shown
 
 
 

@@ -85,14 +85,17 @@ class FlopsComparison:
         return require_pandas().DataFrame(self.families if table == "family" else self.modules)
 
     def __str__(self) -> str:
+        # The first column as wide as its longest name: module addresses cut short read alike.
+        width = max([24] + [len(row["module"]) + 2 for row in self.modules])
         lines = [f"FLOPs of {self.model_name}: two formula registries, never measured",
-                 f"  {'':<24}{'torchlens':>14}{'native':>14}{'native-tl':>14}",
-                 f"  {'total':<24}{int(self.torchlens_total):>14,}{self.native_total:>14,}{self.difference:>14,}"]
+                 f"  {'':<{width}}{'torchlens':>14}{'native':>14}{'native-tl':>14}",
+                 f"  {'total':<{width}}{int(self.torchlens_total):>14,}{self.native_total:>14,}{self.difference:>14,}"]
         for row in self.families:
-            lines.append(f"  {row['family']:<24}{row['torchlens']:>14,}{row['native']:>14,}{row['difference']:>14,}")
+            lines.append(f"  {row['family']:<{width}}{row['torchlens']:>14,}{row['native']:>14,}"
+                         f"{row['difference']:>14,}")
         lines.append("  by module (inclusive; calls of one module merged, as FlopCounterMode does):")
         for row in self.modules:
-            lines.append(f"  {row['module'][:24]:<24}{row['torchlens']:>14,}{_shown(row['native']):>14}"
+            lines.append(f"  {row['module']:<{width}}{row['torchlens']:>14,}{_shown(row['native']):>14}"
                          f"{_shown(row['difference']):>14}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
