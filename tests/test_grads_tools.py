@@ -36,6 +36,10 @@ def test_saved_for_backward_bytes_count_distinct_storages():
     table = log.saved_for_backward()
     assert [r["module_call"] for r in table.rows] == ["2:1", "1:1", "0:1"]
     assert "saved for backward" in str(table)
+    long_named = torch.nn.Sequential(type("LinearWithAClassNameOverTwenty", (torch.nn.Linear,), {})(4, 2))
+    shown = str(tl.trace(long_named, torch.randn(3, 4, requires_grad=True), saved_for_backward=True)
+                .saved_for_backward())
+    assert "0:1          LinearWithAClassNameOverTwenty " in shown  # the class was cut to 20 characters
     x.requires_grad_()
     log = tl.trace(model, x, saved_for_backward=True)
     assert log["0"].saved_for_backward_bytes == (3 * 4 + 8 * 4) * fp  # now the weight is kept for x's gradient

@@ -335,11 +335,12 @@ class SavedForBackward:
         from .summary import human_bytes
 
         width = max([len("module call")] + [len(r["module_call"]) for r in self.rows[:30]])
+        classes = max([len("class")] + [len(r["class_name"]) for r in self.rows[:30]])
         lines = [f"saved for backward by {self.model_name}: {human_bytes(self.total)} in distinct storages "
                  "(a storage packed by several ops counts once)",
-                 f"  {'module call':<{width}}  {'class':<20} {'ops':>5}  {'saved':>10}"]
+                 f"  {'module call':<{width}}  {'class':<{classes}} {'ops':>5}  {'saved':>10}"]
         for r in self.rows[:30]:
-            lines.append(f"  {r['module_call']:<{width}}  {r['class_name'][:20]:<20} {r['num_ops']:>5}  "
+            lines.append(f"  {r['module_call']:<{width}}  {r['class_name']:<{classes}} {r['num_ops']:>5}  "
                          f"{human_bytes(r['saved_for_backward_bytes']):>10}")
         if len(self.rows) > 30:
             lines.append(f"  ... {len(self.rows) - 30} more module calls (see .rows or .to_pandas())")
