@@ -17,6 +17,8 @@ import sys
 import time
 import traceback
 
+from .errors import counted
+
 USAGE, MODEL = 2, 1
 
 
@@ -261,7 +263,6 @@ def module_tree(log, depth: int) -> str:
 
 def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
     from .debug.hotspots import hot_path
-    from .errors import counted
 
     ranked = hot_path(log, by=by, group=group)
     lines = [f"Hot path ({by}, by {group}; top {min(n, len(ranked.rows))} of {len(ranked.rows)}):"]
@@ -322,7 +323,6 @@ def cmd_demo(args) -> int:
 
 def cmd_trace(args) -> int:
     import torchlens as tl
-    from .errors import counted
 
     check_output_file("--html", args.html)
     check_output_file("--chrome", args.chrome)
