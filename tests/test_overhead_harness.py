@@ -6,6 +6,7 @@ torchlens itself.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -201,6 +202,35 @@ def test_same_output_is_exact():
     assert not same_output(a, a.double())
     assert not same_output(torch.ones(2), torch.ones(2) + 1e-7)
     assert not same_output([torch.ones(1)], (torch.ones(1),))
+
+
+def test_equal_outputs_in_a_dataclass_or_object_are_compared_by_their_tensors():
+    """A traced arm of a model returning a dataclass gives the untraced arm's output: the harness compares the
+    tensors inside (the comparison tl.validate uses), rather than calling every pair different."""
+    import torchlens as tl
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Out(self.fc(x))
+
+    model, x = Model(), torch.randn(2, 3)
+    result = measure_overhead(lambda: model(x), lambda: tl.trace(model, x).output, pairs=3, warmup=1, repeats=1)
+    assert result.outputs_equal == 3, str(result)
+    a = torch.ones(3)
+    assert same_output(Holder(a), Holder(a.clone())) and not same_output(Holder(a), Holder(a + 1))
+    assert not same_output(Out(a), Out(a.double()))
 
 
 def test_predicate_rejects_meaningless_settings():

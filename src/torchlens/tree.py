@@ -363,6 +363,8 @@ def _tensors_equal(a, b, where, exact, rtol, atol) -> tuple:
         if without_values(a) and without_values(b):
             return True, ""
         return False, f"{where}: a tensor without values (meta or fake) on one side only"
+    if a.device != b.device:
+        return False, f"{where}: on {a.device} vs {b.device}"
     if a.layout != torch.strided or b.layout != torch.strided:
         a, b = _dense(a), _dense(b)
     a, b = a.detach(), b.detach()

@@ -34,7 +34,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..checks import check_int, check_number
-from ..tree import tensor_leaves
+from ..tree import structures_equal, tensor_leaves
 
 __all__ = ["measure_overhead", "RefusalPredicate", "OverheadResult", "same_output", "machine_fingerprint"]
 
@@ -326,23 +326,10 @@ def _needs_sync(device, out) -> bool:
 
 
 def same_output(a, b) -> bool:
-    """Exact equality through tuples, lists and dicts; tensors must match in dtype, shape and values
-    (NaN equal to NaN)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-            return False
-        return bool(torch.equal(a, b)) or bool(torch.equal(a.isnan(), b.isnan()) and
-                                               torch.equal(a.nan_to_num(), b.nan_to_num()))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_output(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_output(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except Exception:  # objects without a usable ==: only identity can vouch for them
-        return a is b
+    """Exact equality of two return values: ``tree.structures_equal``, the one comparison of outputs, which walks
+    dataclasses, namedtuples, mappings and objects' tensor fields as well as tuples, lists and dicts (tensors
+    must match in dtype, shape, device and values, NaN equal to NaN)."""
+    return structures_equal(a, b)[0]
 
 
 def _quantile(sorted_values: list, q: float) -> float:
