@@ -108,7 +108,8 @@ LIMITS = """\
   kernels, same values) for the full guarantees.
 - Nested tensors are recorded with `None` for each ragged dimension; `op.numel` counts every component.
   Sparse COO, CSR, CSC, BSR and BSC results are recorded with their layout and logical (dense) shape,
-  and validation compares them densely. `op.nbytes` of a sparse op is that of its dense shape.
+  and validation compares them densely (a result of another layout than the one recorded is a mismatch,
+  whatever its values). `op.nbytes` of a sparse op is that of its dense shape.
 - `torch.cond` (and `torch.while_loop`, `map`, `scan`) in eager mode is one op, its branches unseen;
   `flex_attention` records the ops of its eager math path. Capture stays transparent while Dynamo
   compiles their bodies.

@@ -196,3 +196,14 @@ def test_clone_call_keeps_overlapping_inputs_views_of_one_copy_of_what_they_span
     assert f.untyped_storage().nbytes() == batch.numel() * 4 and other.untyped_storage().nbytes() == far.numel() * 4
     kwargs["again"][0, 0] = 7.0
     assert f[0, 0] == 7.0 and batch[0, 0] != 7.0  # the copies alias each other, never the caller's tensors
+
+
+def test_structures_equal_tells_layouts_apart():
+    """A sparse tensor and a dense one with its values are two results: one comparison (the outputs' in
+    tl.validate, each replayed op's, measure_overhead's) says so, and names the layouts."""
+    dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    same, why = structures_equal(dense.to_sparse(), dense)
+    assert not same and "sparse_coo" in why and "strided" in why
+    assert structures_equal(dense.to_sparse(), dense.clone().to_sparse()) == (True, "")
+    assert structures_equal(dense.to_sparse_csr(), dense.clone().to_sparse_csr()) == (True, "")
+    assert not structures_equal(dense.to_sparse_csr(), (dense + 1).to_sparse_csr())[0]

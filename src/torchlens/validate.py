@@ -99,24 +99,10 @@ class ValidationResult:
         return "\n".join(lines)
 
 
-def tensors_equal(a, b) -> bool:
-    """Bit-for-bit equality that treats NaNs in the same places as equal."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return a == b
-    if a.is_nested or b.is_nested:  # no single shape: compare component by component
-        parts_a, parts_b = (a.unbind(), b.unbind()) if a.is_nested and b.is_nested else ((a,), ())
-        return len(parts_a) == len(parts_b) and all(map(tensors_equal, parts_a, parts_b))
-    if a.layout != torch.strided or b.layout != torch.strided:  # sparse COO / CSR / CSC / BSR / BSC
-        return a.layout == b.layout and tensors_equal(a.to_dense(), b.to_dense())
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if without_values(a) or without_values(b):  # meta or fake: shape and dtype are all there is to compare
-        return without_values(a) and without_values(b)
-    return structures_equal(a, b)[0]
-
-
 def outputs_equal(a, b) -> bool:
-    """Whether two return values match, tensor for tensor and leaf for leaf (``tree.structures_equal``)."""
+    """Whether two return values (or two tensors) match, tensor for tensor and leaf for leaf, NaN equal to NaN
+    (``tree.structures_equal``: nested tensors by component, sparse ones of one layout by value, meta or fake
+    ones by shape and dtype)."""
     return structures_equal(a, b)[0]
 
 
@@ -516,7 +502,7 @@ def _compared(replayed, saved, differs: str):
     """None when the replayed tensor equals the saved one, else the problem: ``differs``, or, when torch cannot
     compare them (a tensor subclass without an equality kernel, such as ``MaskedTensor``), not replayed."""
     try:
-        same = tensors_equal(replayed, saved)
+        same = outputs_equal(replayed, saved)
     except Exception as exc:  # noqa: BLE001 - whatever the subclass raises: the comparison says nothing
         return _skip(f"its {type(saved).__name__} output cannot be compared (torch.equal raised "
                      f"{type(exc).__name__})")
