@@ -94,3 +94,63 @@ def test_the_shape_index_named_below_record_matches_the_meta_layout():
     from torchlens.record import columns
 
     assert columns.OpMeta._fields[passes.META_SHAPE] == "shape"
+
+
+_RAW_LISTS = {"module_calls", "calls", "records"}  # CaptureState's raw lists, and the Trace's named calls
+
+
+def _positional_reads_of_raw_records(path) -> list:
+    """``item[<int>]`` where ``item`` is one entry of a raw list (``st.module_calls[m]``, ``calls[c]`` with
+    ``calls = st.calls``), in one file: reads that would break silently if the layout changed."""
+    import ast
+
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        nodes, aliases, items = list(ast.walk(fn)), set(), set()
+
+        def is_raw(e):
+            return (isinstance(e, ast.Attribute) and e.attr in _RAW_LISTS) or \
+                (isinstance(e, ast.Name) and e.id in aliases)
+
+        for _ in range(2):  # an alias bound after its first use in the walk order
+            for node in nodes:
+                if not isinstance(node, ast.Assign):
+                    continue
+                pairs = [(t, node.value) for t in node.targets]
+                if isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs = list(zip(node.targets[0].elts, node.value.elts))
+                for target, value in pairs:
+                    if isinstance(target, ast.Name) and is_raw(value):
+                        aliases.add(target.id)
+                    elif isinstance(target, ast.Name) and isinstance(value, ast.Subscript) and is_raw(value.value):
+                        items.add(target.id)
+        for node in nodes:
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                    and type(node.slice.value) is int:
+                inner = node.value
+                if (isinstance(inner, ast.Name) and inner.id in items) or \
+                        (isinstance(inner, ast.Subscript) and is_raw(inner.value)):
+                    found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_file_reads_a_raw_record_by_a_bare_position():
+    """Raw calls, records and module calls are read through the names of record/columns.py (``CALL_*``,
+    ``RECORD_*``, ``MODULE_CALL_*``, or the ``Call`` fields), never by a literal index."""
+    import importlib.util
+    import pathlib
+
+    src = pathlib.Path(importlib.util.find_spec("torchlens").submodule_search_locations[0])
+    found = [f"{p.relative_to(src).parent}/{hit}" for p in sorted(src.rglob("*.py"))
+             for hit in _positional_reads_of_raw_records(p)]
+    assert not found, "raw records read by position (name the field):\n" + "\n".join(found)
+
+
+def test_the_positional_read_check_catches_aliases_and_direct_reads(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text("def f(st, m):\n    calls = st.module_calls\n    record = calls[m]\n    return record[1]\n\n"
+                      "def g(st, c):\n    return st.calls[c][0]\n\n"
+                      "def h(st, m):\n    return st.module_calls[m][MODULE_CALL_PARENT], st.shape[0]\n")
+    assert [hit.split(": ")[1] for hit in _positional_reads_of_raw_records(source)] == ["record[1]", "st.calls[c][0]"]

@@ -18,7 +18,7 @@ import torch.compiler as _compiler
 
 from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint, listed
 from ..labels.naming import folded, func_name_of, type_of_name
-from ..record.columns import Kind
+from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
 from ..record.lookup import alias_note, refuse_ambiguous
 from ..record.modules import is_unregistered
 from ..record.model_index import container_note, refuse_module_object, scripted_outer, traced_address
@@ -110,9 +110,9 @@ class SavePolicy:
                 return True
             while module_call >= 0:
                 record = calls[module_call]
-                if id(record[0]) in module_ids:
+                if id(record[MODULE_CALL_MODULE]) in module_ids:
                     return True
-                module_call = record[1]
+                module_call = record[MODULE_CALL_PARENT]
             return False
 
         return wants
