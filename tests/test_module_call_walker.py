@@ -83,3 +83,53 @@ def test_a_transformers_attention_layer_called_by_keyword_lists_its_input():
     assert len(attention.input_ops) >= 3  # the hidden states, cos and sin, and the mask when one is made
     root = log.module_calls[0]
     assert root.input_ops[:2] == ["input_1:1", "input_2:1"]  # input_ids=..., attention_mask=...
+
+
+# The one walk up the module-call tree is record.modules.enclosing_calls.  labels/ sits below record and cannot
+# import it; save='s during-forward selection test stops at the first selected module, per op.
+_OWN_ANCESTRY_WALKS = {"record/modules.py", "labels/passes.py", "capture/saving.py"}
+
+
+def _ancestry_loops(path) -> list:
+    """``while c >= 0:`` loops that step to a module call's parent (``.parent``, ``parents[c]``, ``*PARENT``);
+    not viz's walks up its drawing groups (``groups[g].parent``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.While):
+            continue
+        first = node.test.values[0] if isinstance(node.test, ast.BoolOp) else node.test
+        if not (isinstance(first, ast.Compare) and isinstance(first.ops[0], ast.GtE)):
+            continue
+        steps = [n for stmt in node.body for n in ast.walk(stmt)
+                 if (isinstance(n, ast.Attribute) and n.attr == "parent")
+                 or (isinstance(n, ast.Name) and (n.id == "parents" or n.id.endswith("PARENT")))]
+        drawing_groups = any(isinstance(n, (ast.Name, ast.Attribute)) and "groups" in (getattr(n, "id", None) or
+                                                                                 getattr(n, "attr", ""))
+                             for stmt in node.body for n in ast.walk(stmt))
+        if steps and not drawing_groups:  # viz's boxes form a tree of their own, walked to a focus
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_the_module_call_tree_is_walked_by_one_helper():
+    import importlib.util
+    import pathlib
+
+    src = pathlib.Path(importlib.util.find_spec("torchlens").submodule_search_locations[0])
+    found = [f"{p.relative_to(src).parent}/{hit}" for p in sorted(src.rglob("*.py"))
+             if p.relative_to(src).as_posix() not in _OWN_ANCESTRY_WALKS for hit in _ancestry_loops(p)]
+    assert not found, "module-call ancestry walked by hand (use record.modules.enclosing_calls):\n" + "\n".join(found)
+
+
+def test_enclosing_calls_on_a_real_model_matches_each_op_s_module_calls():
+    from torchlens.record.modules import enclosing_calls
+
+    log = tl.trace(Outer(), torch.randn(2))
+    parent_of = log.module_call_parents.__getitem__
+    for op, m in zip(log.ops, log.module_call_indices):
+        labels = [log.module_calls[k].label for k in reversed(enclosing_calls(m, parent_of))]
+        assert tuple(labels) == op.modules
+    assert enclosing_calls(-1, parent_of) == []
+    assert [c.depth for c in log.module_calls] == [0]

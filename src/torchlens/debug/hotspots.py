@@ -10,6 +10,7 @@ ranked as if they cost nothing.  Inputs, buffers and outputs are not torch calls
 from __future__ import annotations
 
 from ..errors import counted, listed
+from ..record.modules import enclosing_calls
 from ..record.trace import checked_trace
 
 METRICS = {
@@ -114,8 +115,9 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
         values = [(i, v * v) for i, v in values]
     totals: dict = {}
     counts: dict = {}
+    parent_of = log.module_call_parents.__getitem__
     for index, value in values:
-        for key in _keys(log, index, group):
+        for key in _keys(log, index, group, parent_of):
             totals[key] = totals.get(key, 0) + value
             counts[key] = counts.get(key, 0) + 1
     grand = sum(v for _, v in values)
@@ -199,7 +201,7 @@ def _grad_norms(log) -> dict:
     return {i: s["grad_norm"] for i, s in stats.items()}
 
 
-def _keys(log, index, group) -> list:
+def _keys(log, index, group, parent_of) -> list:
     from ..record.summary import short_path
 
     if group == "op":
@@ -209,12 +211,7 @@ def _keys(log, index, group) -> list:
     m = log.module_call_indices[index]
     calls = log.module_calls
     if group == "module":
-        keys = []
-        while m >= 0:
-            keys.append(calls[m].label)
-            parent = calls[m].parent
-            m = parent.index if parent is not None else -1
-        return keys
+        return [calls[k].label for k in enclosing_calls(m, parent_of)]
     source = log.ops[index].source
     if source is not None:
         return [f"{short_path(source.file)}:{source.line}"]

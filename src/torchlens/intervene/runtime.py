@@ -29,7 +29,7 @@ from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..record.layouts import held_bytes, shape_of, version_of
-from ..record.modules import is_unregistered, shown_class
+from ..record.modules import enclosing_calls, is_unregistered, shown_class
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
 from ..capture.bindings import is_bound
@@ -427,9 +427,8 @@ class Interventions:
         made_in = -1
         if record >= 0 and st.records[record][RECORD_CALL] >= 0:
             made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
-        while made_in >= 0 and made_in != module_call:
-            made_in = st.module_calls[made_in][MODULE_CALL_PARENT]
-        if made_in != module_call:
+        calls = st.module_calls
+        if module_call not in enclosing_calls(made_in, lambda k: calls[k][MODULE_CALL_PARENT]):
             raise InterventionError(
                 f"module site {site.key!r}: {label} returns a tensor it did not compute (one of its inputs, "
                 "passed through unchanged), so changing it would also change that value for its other readers; "

@@ -20,6 +20,7 @@ import torch
 from ..errors import InterventionError, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import WRAPPED, container_note, refuse_module_object, scripted_outer, traced_address
+from ..record.modules import enclosing_calls
 from ..record.op import Layer, Op
 from ..capture.source import line_of, source_of
 from ..labels.naming import func_name_of
@@ -101,13 +102,12 @@ class ChainLink(NamedTuple):
 
 def module_chain(trace, module_call: int) -> tuple:
     """The ``ChainLink``s open around one op of ``trace``, outer to inner."""
-    chain = []
-    call = trace.module_calls[module_call] if module_call >= 0 else None
-    while call is not None:
-        module = call.module
-        chain.append(ChainLink(call.index, module._ref, module.address, module.class_name))
-        call = call.parent
-    return tuple(reversed(chain))
+    calls, chain = trace.module_calls, []
+    # one site per op can be made (a predicate site): walk the calls' own parents, not the column each read builds
+    for k in reversed(enclosing_calls(module_call, lambda k: getattr(calls[k].parent, "index", -1))):
+        module = calls[k].module
+        chain.append(ChainLink(k, module._ref, module.address, module.class_name))
+    return tuple(chain)
 
 
 def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):

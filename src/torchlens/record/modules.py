@@ -24,6 +24,17 @@ def unregistered_address(class_name: str, number: int) -> str:
     return f"{_UNREGISTERED}{class_name} #{number}>"
 
 
+def enclosing_calls(m: int, parent_of) -> list:
+    """Module call ``m`` and each call around it, innermost first (empty for -1, the root forward): the one
+    walk up the module-call tree.  ``parent_of(k)`` is call ``k``'s enclosing call (-1 at the root): the
+    ``module_call_parents`` column's ``__getitem__`` (bind the column once: each read builds it), or the rows'."""
+    chain = []
+    while m >= 0:
+        chain.append(m)
+        m = parent_of(m)
+    return chain
+
+
 def is_unregistered(address: str) -> bool:
     return address.startswith(_UNREGISTERED)
 
@@ -108,11 +119,8 @@ class ModuleCall(View):
 
     @property
     def depth(self) -> int:
-        rows, depth = self._trace._call_rows, 0
-        parent = rows[self.index].parent
-        while parent >= 0:
-            depth, parent = depth + 1, rows[parent].parent
-        return depth
+        rows = self._trace._call_rows
+        return len(enclosing_calls(self.index, lambda k: rows[k].parent)) - 1
 
     @property
     def duration(self):
@@ -218,8 +226,8 @@ def call_children(rows) -> list:
 def call_ops(rows, op_module_calls) -> list:
     """Each module call's op indices, nested calls included, in execution order: one pass over the ops."""
     ops: list = [[] for _ in rows]
+    parent_of = [row.parent for row in rows].__getitem__
     for i, m in enumerate(op_module_calls):
-        while m >= 0:
-            ops[m].append(i)
-            m = rows[m].parent
+        for k in enclosing_calls(m, parent_of):
+            ops[k].append(i)
     return ops

@@ -11,6 +11,7 @@ import torch
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import is_packed_weight
+from .modules import enclosing_calls
 from ..tree import container_items
 from .view import OfATrace, View
 from ..errors import ActivationUnavailable, counted
@@ -287,12 +288,8 @@ class Op(View):
         """Module call labels containing this op, outer to inner."""
         trace = self._trace
         rows, modules = trace._call_rows, trace._module_rows
-        stack, m = [], trace._module_call[self.index]
-        while m >= 0:
-            row = rows[m]
-            stack.append(f"{modules[row.module].address}:{row.number}")
-            m = row.parent
-        return tuple(reversed(stack))
+        chain = enclosing_calls(trace._module_call[self.index], lambda k: rows[k].parent)
+        return tuple(f"{modules[rows[k].module].address}:{rows[k].number}" for k in reversed(chain))
 
     @property
     def source(self):

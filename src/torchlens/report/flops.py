@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from ..errors import counted, listed
+from ..record.modules import enclosing_calls
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
 
@@ -480,13 +481,12 @@ def module_call_flops(trace) -> dict:
     unknown = [[] for _ in calls]
     for i, m in enumerate(trace.module_call_indices):
         parts = column[i]
-        while m >= 0:
+        for k in enclosing_calls(m, parents.__getitem__):
             if parts is None:
-                unknown[m].append(trace.labels[i])
+                unknown[k].append(trace.labels[i])
             elif parts:
-                totals[m] += sum(parts.values())
-                counted[m] += 1
-            m = parents[m]
+                totals[k] += sum(parts.values())
+                counted[k] += 1
     return {call.label: FlopCount(totals[k], unknown[k], counted[k]) for k, call in enumerate(calls)}
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ..checks import check_number
 from ..errors import NativeToolFailed, WitnessFailed, listed
-from ..record.modules import is_unregistered
+from ..record.modules import enclosing_calls, is_unregistered
 from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
@@ -299,16 +299,12 @@ def _module_rows(log, native_counts, root_name) -> list:
     for module in log.modules:
         tl[module.address] = 0
         unknown[module.address] = 0
-    calls = log.module_calls
+    calls, parent_of = log.module_calls, log.module_call_parents.__getitem__
     for i, m in enumerate(log.module_call_indices):
         if log.call_indices[i] < 0:
             continue
         parts = column[i]
-        addresses = {""}
-        while m >= 0:
-            addresses.add(calls[m].module.address)
-            parent = calls[m].parent
-            m = parent.index if parent is not None else -1
+        addresses = {"", *(calls[k].module.address for k in enclosing_calls(m, parent_of))}
         for address in addresses:
             if parts is None:
                 unknown[address] += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..record.columns import Kind
+from ..record.modules import enclosing_calls
 
 KIND_NAMES = {kind: kind.label for kind in Kind}
 VIEWS = ("unrolled", "rolled")
@@ -98,14 +99,12 @@ def build_structure(trace, view: str = "unrolled") -> Structure:
 def _edges_between_calls(trace, op_call, call_group, op_item) -> set:
     """``(src item, dst item, group)`` where an op in one call of a rolled group feeds an op in another call of
     it: the recurrence that collapsing the group must not swallow as if it were inside one call."""
-    calls = trace.module_calls
+    parent_of = trace.module_call_parents.__getitem__
 
     def chain(op):  # module position group -> the call of it the op ran in, innermost first
-        found, c = {}, op_call[op]
-        while c >= 0:
+        found = {}
+        for c in enclosing_calls(op_call[op], parent_of):
             found.setdefault(call_group[c], c)
-            parent = calls[c].parent
-            c = parent.index if parent is not None else -1
         return found
 
     between = set()
@@ -172,15 +171,13 @@ def _count_calls_drawn_from_other_positions(trace, groups, items, op_call, call_
     A module shared by two parents (``p1.a is p2.a``) has a position under each, but its layers are drawn
     once, in the position of their first pass: that box draws the passes of both calls, so it stands for
     both (``p1.a (Linear) x2 calls``, as a module called twice from one parent reads), not for one."""
-    calls = trace.module_calls
+    calls, parent_of = trace.module_calls, trace.module_call_parents.__getitem__
     drawn: dict = {}  # group -> the calls of its module whose ops it draws, from other positions
     for item in items:
         for op in item.ops:
-            chain, c = {}, op_call[op]  # module address -> the call of it the op ran in, innermost first
-            while c >= 0:
+            chain = {}  # module address -> the call of it the op ran in, innermost first
+            for c in enclosing_calls(op_call[op], parent_of):
                 chain.setdefault(calls[c].address, c)
-                parent = calls[c].parent
-                c = parent.index if parent is not None else -1
             g = item.group
             while g >= 0:
                 c = chain.get(groups[g].label, -1)
