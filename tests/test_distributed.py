@@ -161,6 +161,25 @@ def test_distributed_readers_refuse_what_is_not_a_list_of_traces_or_a_trace():
         tl.distributed.gather(log, dst="0")
 
 
+def test_a_tolerance_never_lets_integer_values_that_differ_agree():
+    """rtol is for rounding: token ids 100000 and 100001 are within rtol=1e-5 of each other, and differ."""
+    class Ids(torch.nn.Module):
+        def __init__(self, offset):
+            super().__init__()
+            self.offset = offset
+
+        def forward(self, x):
+            return (x + self.offset) * 2
+
+    x = torch.tensor([0, 5])
+    (row,) = tl.distributed.compare([tl.trace(Ids(100_000), x), tl.trace(Ids(100_001), x)],
+                                    rtol=1e-5, atol=1e-6).to_dict("records")
+    assert row["diverges"] and (row["first_op"], row["ops_compared"]) == ("add_1_1:1", 1)
+    (row,) = tl.distributed.compare([tl.trace(Ids(100_000), x), tl.trace(Ids(100_000), x)],
+                                    rtol=1e-5).to_dict("records")
+    assert not row["diverges"]
+
+
 def test_compare_reads_per_rank_saves_too(traced, workdir):
     loaded = [tl.load(os.path.join(workdir, f"saved-{rank}")) for rank in range(2)]
     assert [(t.rank, t.world_size) for t in loaded] == [(0, 2), (1, 2)]

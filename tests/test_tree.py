@@ -207,3 +207,12 @@ def test_structures_equal_tells_layouts_apart():
     assert structures_equal(dense.to_sparse(), dense.clone().to_sparse()) == (True, "")
     assert structures_equal(dense.to_sparse_csr(), dense.clone().to_sparse_csr()) == (True, "")
     assert not structures_equal(dense.to_sparse_csr(), (dense + 1).to_sparse_csr())[0]
+
+
+def test_tolerances_apply_to_floating_values_only():
+    ids = torch.tensor([100_000, 7])
+    assert not structures_equal(ids, ids + 1, exact=False, rtol=1e-5, atol=1e-6)[0]
+    assert structures_equal(ids, ids.clone(), exact=False, rtol=1e-5)[0]
+    assert structures_equal(torch.tensor([1e5]), torch.tensor([1e5 + 0.5]), exact=False, rtol=1e-5)[0]
+    mask = torch.tensor([True, False])
+    assert not structures_equal(mask, ~mask, exact=False, atol=1.0)[0]

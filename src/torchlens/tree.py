@@ -303,7 +303,8 @@ def structures_equal(a, b, *, exact: bool = True, rtol: float = 0.0, atol: float
     """Whether two return values match, tensor for tensor and leaf for leaf: ``(equal, why)``.
 
     Walks every container ``tensor_leaves`` walks, plus plain objects' attributes, and compares
-    non-tensor leaves by ``==``; never falls back to comparing types alone.
+    non-tensor leaves by ``==``; never falls back to comparing types alone.  ``rtol`` / ``atol`` (with
+    ``exact=False``) apply to floating and complex values; integer and boolean tensors match exactly.
     """
     return _equal(a, b, (), exact, rtol, atol, 0)
 
@@ -370,9 +371,10 @@ def _tensors_equal(a, b, where, exact, rtol, atol) -> tuple:
     if a.layout != torch.strided:
         a, b = _dense(a), _dense(b)
     a, b = a.detach(), b.detach()
-    if exact:
+    rounded = a.is_floating_point() or a.is_complex()
+    if exact or not rounded:  # a tolerance is for rounding: indices, counts and masks match exactly
         same = torch.equal(a, b)
-        if not same and (a.is_floating_point() or a.is_complex()):  # NaN == NaN for bit-identical runs
+        if not same and rounded:  # NaN == NaN for bit-identical runs
             same = bool(((a == b) | (a.isnan() & b.isnan())).all())
     else:
         same = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
