@@ -252,6 +252,36 @@ def test_a_meta_device_model_is_compared_as_its_real_twin_is_and_says_what_vouch
         tl.report.flops_vs_dispatch(_alternating_products().to("meta"), torch.randn(3, 4, device="meta"))
 
 
+class _SparseOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu().to_sparse()
+
+
+class _NestedOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.nested.nested_tensor([h[:2], h[:1]], layout=torch.jagged)
+
+
+@pytest.mark.parametrize("model", [_SparseOutput, _NestedOutput])
+def test_sparse_and_nested_outputs_are_compared_by_value(model):
+    # A sparse output raised torch's "Could not run 'aten::eq.Tensor' ... SparseCPU"; two jagged nested outputs
+    # have different ragged sizes by identity, and were called different outputs (the witness refused).
+    torch.manual_seed(0)
+    result = tl.report.flops_vs_dispatch(model().eval(), torch.randn(3, 4))
+    assert result.witness["outputs_match"] is True
+    matmul = next(row for row in result.families if row["family"] == "matmul")
+    assert matmul["native"] == 2 * 3 * 4 * 4 and matmul["torchlens"] == matmul["native"] + 3 * 4  # + the bias adds
+
+
 @pytest.mark.parametrize("name", [n for n in sorted(zoo()) if n != "dropout_train"])
 def test_zoo_linear_and_conv_modules_differ_from_native_by_exactly_their_bias_adds(name):
     model, args, kwargs = zoo()[name]

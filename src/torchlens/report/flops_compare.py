@@ -446,24 +446,11 @@ def _detached(output):
 
 
 def _outputs_close(a: list, b: list, rtol: float, atol: float):
-    """Whether the two runs returned the same outputs; None when they agree in shapes and dtypes and hold no
+    """Whether the two runs returned the same outputs (``tree.structures_equal``, the one comparison of outputs:
+    nested tensors by component, sparse ones by value); None when they agree in shapes and dtypes and hold no
     values to compare (a forward on the meta device, or under FakeTensorMode)."""
-    from ..tree import without_values
+    from ..tree import structures_equal, without_values
 
-    if len(a) != len(b):
+    if not structures_equal(a, b, exact=False, rtol=rtol, atol=atol)[0]:
         return False
-    compared = False
-    for x, y in zip(a, b):
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return False
-        if without_values(x) or without_values(y):
-            if not (without_values(x) and without_values(y)):
-                return False
-            continue
-        compared = True
-        if x.is_floating_point() or x.is_complex():
-            if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
-                return False
-        elif not torch.equal(x, y):
-            return False
-    return True if compared or not a else None
+    return None if a and all(without_values(t) for t in a) else True
