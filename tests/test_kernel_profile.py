@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
-from torchlens.capture.session import _trace_with_markers
+from torchlens.capture.session import trace_with_markers
 from torchlens.report.kernel_profiling import KernelProfile, ProfilerBusyError
 from torchlens.report.markers import ProfilerMarkers, parse_marker
 from torchlens.report.profile_events import Event, events_from_chrome, events_from_profiler, load_chrome
@@ -405,7 +405,7 @@ def _fixture_profile(drop_orphan=False):
     run = next(parse_marker(e.name)[1] for e in events if parse_marker(e.name))
     model, x = fixture_model()
     markers = ProfilerMarkers(run=run)
-    trace = _trace_with_markers(model, x, None, markers, save="none")
+    trace = trace_with_markers(model, x, None, markers, save="none")
     return KernelProfile(trace, None, markers, borrowed=False, backward=True, events=events), data
 
 

@@ -101,3 +101,38 @@ def test_every_package_has_a_layer():
 def test_the_probe_sees_a_real_edge():
     # capture's modules do import record: a probe that saw nothing would pass every test above.
     assert "record" in imported_by("capture")
+
+
+def private_imports_across_packages(src) -> list:
+    """``from ..other import _name``: a private name of another package (or top-level module) imported at any
+    depth; what one package hands another is a public name of it."""
+    import ast
+    import pathlib
+
+    found = []
+    for path in sorted(pathlib.Path(src).rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        here = parts[:-1]  # the package the module is in
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            target = [*here[:len(here) - node.level + 1], *(node.module.split(".") if node.module else [])]
+            if target and target[0] != parts[0]:
+                found += [f"{path.relative_to(src)}:{node.lineno}: {alias.name} from {'.'.join(target)}"
+                          for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_package_imports_another_package_s_private_names():
+    found = private_imports_across_packages(SRC)
+    assert not found, "private names imported across packages (make them public there):\n" + "\n".join(found)
+
+
+def test_the_private_import_check_resolves_relative_imports(tmp_path):
+    (tmp_path / "io").mkdir()
+    (tmp_path / "report").mkdir()
+    (tmp_path / "io" / "extract.py").write_text("from ..capture.session import _hidden\nfrom .format import _own\n")
+    (tmp_path / "report" / "x.py").write_text("from ..report.y import _same\nfrom ..tree import __all__\n")
+    (tmp_path / "validate.py").write_text("from .capture.restore import _other\n")
+    assert private_imports_across_packages(tmp_path) == ["io/extract.py:1: _hidden from capture.session",
+                                                         "validate.py:1: _other from capture.restore"]

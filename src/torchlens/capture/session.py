@@ -382,7 +382,7 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
                                       saved_for_backward, compiled))
 
 
-def _trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
+def trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
     """``trace`` that also drives profiler ``markers`` per op and module call (``report.kernel_profile``)."""
     return _paused_collector(lambda: _trace(model, args, kwargs, markers=markers, **options), ())
 

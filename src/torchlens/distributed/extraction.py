@@ -27,8 +27,8 @@ from datetime import timedelta
 
 import torch
 
-from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, _batch_rows, _traced_module,
-                          extract_folder)
+from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, batch_rows, extract_folder,
+                          traced_module)
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
@@ -43,7 +43,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
                   stop_after=None, grads=False, loss_fn=None, root=None) -> str:
     import torch.distributed as dist
 
-    module = _traced_module(root if root is not None else model)
+    module = traced_module(root if root is not None else model)
     _refuse_tensor_parallel(module)  # on every rank alike
     rank, world = dist.get_rank(), dist.get_world_size()
     barrier_group = _barrier_group(dist)
@@ -155,11 +155,11 @@ def _same_stream_everywhere(inputs, arguments_of, group):
 
     import torch.distributed as dist
 
-    from ..io.extract import _fingerprint
+    from ..io.extract import inputs_fingerprint
 
     iterator = iter(inputs)
     first = next(iterator, None)
-    mine = None if first is None else _fingerprint(*arguments_of(first, 0))
+    mine = None if first is None else inputs_fingerprint(*arguments_of(first, 0))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine, group=group)
     if len(set(everyone)) > 1:
@@ -180,7 +180,7 @@ class _RoundRobin:
     def __iter__(self):
         offset, mine = 0, 0
         for position, batch in enumerate(self.inputs):
-            rows = _batch_rows(*self.arguments_of(batch, position))
+            rows = batch_rows(*self.arguments_of(batch, position))
             if rows is None:
                 raise ValueError(f"batch {position} holds no tensor with a batch dimension; sharding a stream "
                                  "across ranks needs each batch's row count (use a DataLoader with a "

@@ -109,8 +109,8 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     ``before_forward()``, when given, is called before each forward (ranks that must run forwards in step)."""
     require_numpy("tl.extract")  # the model checksum and the written shards read tensors' bytes through it
     # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
-    root = _traced_module(root if root is not None else model)
-    if isinstance(model, torch.nn.Module) and _traced_module(model) is root:
+    root = traced_module(root if root is not None else model)
+    if isinstance(model, torch.nn.Module) and traced_module(model) is root:
         model = root  # not its DDP wrapper: the backward of grads= leaves the parameters' .grad as they were
     checked = root if root is not None else model
     job = {"model_sha256": model_checksum(checked), "arguments": dict(_arguments(layers, kwargs, inputs),
@@ -130,11 +130,11 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
             args, named = arguments_of(batch, position)
             if position < resumed_from:
                 if position in (0, resumed_from - 1):
-                    run.check_boundary(_fingerprint(args, named), position)
+                    run.check_boundary(inputs_fingerprint(args, named), position)
                 continue
             last = args, named  # hashed only where a shard is committed
             if position == 0:
-                run.first_fingerprint = _fingerprint(args, named)
+                run.first_fingerprint = inputs_fingerprint(args, named)
             if before_forward is not None:
                 before_forward()
             with torch.enable_grad() if grads else torch.no_grad():
@@ -143,7 +143,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                                        request, root),
                         *_batch_dimension(args, named), position, None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
-                run.flush(_fingerprint(*last))
+                run.flush(inputs_fingerprint(*last))
             bar.update(1)
         if seen < resumed_from:
             raise ValueError(f"inputs yielded {seen} batches, but {out} already holds {resumed_from}: resuming needs "
@@ -151,7 +151,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
         if seen == 0:
             raise ValueError("inputs yielded no batches; nothing was extracted")
         if run.pending_batches:
-            run.flush(_fingerprint(*last))
+            run.flush(inputs_fingerprint(*last))
         run.consolidate()
     finally:
         bar.close()
@@ -162,12 +162,12 @@ def _arguments(layers, kwargs, inputs) -> dict:
     """What must match for a resume to continue the same job (the model is checked by its checksum)."""
     kwargs_sha256 = None
     if kwargs:  # tensors by value, everything else by its repr
-        kwargs_sha256 = hashlib.sha256(f"{_fingerprint(kwargs)}{strip(kwargs)!r}".encode()).hexdigest()
+        kwargs_sha256 = hashlib.sha256(f"{inputs_fingerprint(kwargs)}{strip(kwargs)!r}".encode()).hexdigest()
     return {"layers": layers, "kwargs_sha256": kwargs_sha256,
             "batch_size": getattr(inputs, "batch_size", None), "drop_last": getattr(inputs, "drop_last", None)}
 
 
-def _fingerprint(args, named=None) -> str:
+def inputs_fingerprint(args, named=None) -> str:
     """A hash of a batch's tensors (its positional arguments, then its own keyword arguments), used to
     check a resumed run sees the same inputs as before."""
     require_numpy("tl.extract")  # Tensor.numpy below
@@ -188,7 +188,7 @@ def _fingerprint(args, named=None) -> str:
     return digest.hexdigest()
 
 
-def _batch_rows(args, named=None):
+def batch_rows(args, named=None):
     """The batch's row count (see ``_batch_dimension``), or None when it has no tensor of a dimension or more."""
     return _batch_dimension(args, named)[0]
 
@@ -232,7 +232,7 @@ def _without_layer_number(label: str) -> str:
     return found.group(1) + found.group(2) if found else label
 
 
-def _traced_module(model):
+def traced_module(model):
     """The module a callable runs, as ``tl.trace`` traces it: behind a DDP, DataParallel or ``torch.compile``
     wrapper, the module it wraps, whose addresses the layers name (``fc1``, not ``module.fc1``)."""
     from ..capture.wrappers import unwrap

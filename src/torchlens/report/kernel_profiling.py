@@ -165,11 +165,11 @@ def _check_borrowed(profiler, chrome_trace) -> None:
 
 def _run(model, args, kwargs, markers, backward, name):
     from ..capture.restore import grads_set_aside, module_run_by, parameters_read
-    from ..capture.session import _trace_with_markers
+    from ..capture.session import trace_with_markers
 
     try:
         markers.phase_enter("forward")
-        trace = _trace_with_markers(model, args, kwargs, markers, save="none", name=name)
+        trace = trace_with_markers(model, args, kwargs, markers, save="none", name=name)
         if backward is not False:
             markers.phase_enter("backward")
             with grads_set_aside(parameters_read(trace, module_run_by(model))):

@@ -1,6 +1,6 @@
 """Profiler ranges that name each captured op and module call by id, for an exact join afterwards.
 
-``capture.session._trace_with_markers(..., ProfilerMarkers())`` calls ``op_enter``/``op_exit`` around each torch call
+``capture.session.trace_with_markers(..., ProfilerMarkers())`` calls ``op_enter``/``op_exit`` around each torch call
 the capture sees and ``module_enter``/``module_exit`` around every module call.  Each opens a profiler
 range whose name is an id, never a label (labels only exist after the forward finishes):
 
