@@ -18,13 +18,14 @@ Run:  .venv/bin/python benchmarks/overhead_matrix.py [--quick] [--ref-python /pa
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+import types
 
 import torch
 
@@ -32,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DOC = os.path.join(ROOT, "docs", "overhead.md")
 HARNESS = os.path.join(ROOT, "src", "torchlens", "report", "overhead.py")
+HARNESS_PACKAGE = "torchlens_checkout_harness"  # this checkout's package folder, in a reference worker
 sys.path.insert(0, HERE)
 from models import MODELS, bare_arm, build, native_arm, trace_arm  # noqa: E402
 
@@ -44,17 +46,21 @@ TIERS = {
 
 
 def harness():
-    """The harness module: from the package normally; by file path in a reference-library worker,
-    where ``import torchlens`` names the other library."""
+    """The harness module: from the package normally; from this checkout's files in a reference-library
+    worker, where ``import torchlens`` names the other library.
+
+    There the package's folder is mounted under a private name, so the harness's relative imports (the
+    package's argument checks and output walker) resolve to this checkout's files, and ``torchlens`` is never
+    imported."""
     if "--ref-worker" not in sys.argv:
         from torchlens.report import overhead
 
         return overhead
-    spec = importlib.util.spec_from_file_location("standalone_overhead_harness", HARNESS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    if HARNESS_PACKAGE not in sys.modules:
+        package = types.ModuleType(HARNESS_PACKAGE)
+        package.__path__ = [os.path.dirname(os.path.dirname(HARNESS))]  # its __init__ (and torch hooks) never run
+        sys.modules[HARNESS_PACKAGE] = package
+    return importlib.import_module(f"{HARNESS_PACKAGE}.report.overhead")
 
 
 def settings(quick: bool, h) -> dict:

@@ -80,3 +80,28 @@ def test_each_part_the_fixed_cost_parts_benchmark_replaces_exists_and_a_one_op_t
             log = torchlens.trace(OneOp(), x)
         assert torch.equal(log.output, x + 1)
         assert [op.label for op in log.ops] == labels
+
+
+def test_the_reference_worker_loads_the_harness_where_torchlens_is_another_library(tmp_path):
+    """``overhead_matrix.py --ref-python`` runs a worker in the reference library's environment, where
+    ``import torchlens`` is that library: the worker must still load this checkout's harness (and everything it
+    imports) and measure with it, without importing ``torchlens`` at all."""
+    import subprocess
+
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import sys\n"
+        "sys.modules['torchlens'] = None  # any import of torchlens now fails, as it would name the other library\n"
+        f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+        "sys.argv = ['overhead_matrix.py', '--ref-worker']\n"
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('overhead_matrix', {str(BENCHMARKS / 'overhead_matrix.py')!r})\n"
+        "matrix = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(matrix)\n"
+        "h = matrix.harness()\n"
+        "result = h.measure_overhead(lambda: 1, lambda: 1, pairs=3, warmup=1, repeats=1,\n"
+        "                            predicate=h.RefusalPredicate(min_pairs=3, max_relative_iqr=10))\n"
+        "print('pairs', result.pairs, 'equal', result.outputs_equal)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pairs 3 equal 3" in done.stdout

@@ -15,8 +15,9 @@ fused fast path, a second forward).  ``measure_overhead`` guards against each:
   ratio (the floor) and the reasons; a witness mismatch voids the floor too.
 
 Confidence bounds are distribution-free order statistics of the paired ratios (the binomial
-sign-test interval for a median), so no normality is assumed.  Only torch and the standard library
-are used: benchmark scripts may load this file by path from another environment.
+sign-test interval for a median), so no normality is assumed.  Besides torch and the standard library it
+imports only package modules that need nothing else (``checks``, ``tree``), so a benchmark worker in another
+environment can load it from a checkout without importing ``torchlens`` (``benchmarks/overhead_matrix.py``).
 """
 
 from __future__ import annotations
