@@ -273,3 +273,24 @@ def test_a_predicate_or_compare_of_the_wrong_kind_is_refused_before_any_call():
     with pytest.raises(TypeError, match=r"measure_overhead: compare= takes a function f\(output_a, output_b\) -> bool"):
         measure_overhead(lambda: calls.append(1), lambda: calls.append(1), compare=3)
     assert not calls
+
+
+def test_outputs_holding_a_cache_object_are_compared_by_their_tensors():
+    # A transformers causal LM returns its key/value cache as an object, which has no == of its own: two
+    # identical forwards must still agree, or no such model could ever be measured.
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        first, second = model(ids), model(ids)
+        other = model(ids.flip(-1))
+    assert first.past_key_values is not None
+    assert same_output(first, second)
+    assert not same_output(first, other)
+    with torch.no_grad():
+        result = measure_overhead(lambda: model(ids), lambda: model(ids), pairs=3, warmup=1, repeats=1,
+                                  min_sample_s=0, predicate=RefusalPredicate(min_pairs=3, max_relative_iqr=10))
+    assert result.outputs_equal == 3 and not any("outputs differ" in r for r in result.reasons)
