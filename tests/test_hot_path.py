@@ -119,7 +119,8 @@ def test_a_cleaned_up_trace_still_ranks_by_duration_flops_and_memory():
 
 
 @pytest.mark.parametrize("kwargs, valid", [({"by": "time"}, "duration, flops, memory"),
-                                           ({"group": "file"}, "op, layer, module, source")])
+                                           ({"group": "file"}, "op, layer, module, source"),
+                                           ({"by": ["duration"]}, "duration, flops, memory")])
 def test_unknown_metric_or_grouping_is_refused_with_the_valid_values(kwargs, valid):
     log = tl.trace(F.relu, torch.randn(3))
     with pytest.raises(ValueError, match=valid):

@@ -106,7 +106,8 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     ("op": pass-qualified ops, "layer", "module": module calls, inclusive of nested calls, "source": the
     user's file:line, or the module for ops no user line called)."""
     checked_trace(log, "hot_path")
-    if by not in METRICS:
+    # A string first: ``["duration"] in METRICS`` (a dict) fails on hashing, before saying what to give.
+    if not isinstance(by, str) or by not in METRICS:
         raise ValueError(f"by={by!r} is not a metric hot_path knows; use one of: {', '.join(METRICS)}")
     if group not in GROUPS:
         raise ValueError(f"group={group!r} is not a grouping hot_path knows; use one of: {', '.join(GROUPS)}")
