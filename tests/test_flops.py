@@ -565,6 +565,14 @@ def test_a_tolerance_that_is_no_number_is_refused_before_either_run():
     assert tl.report.flops_vs_dispatch(model, args, kwargs, rtol=0, atol=1e-5).witness["outputs_match"]
 
 
+def test_a_trace_given_for_the_model_is_refused_saying_what_to_give():
+    # flops_vs_dispatch(log) failed inside tl.trace: "tl.trace needs an nn.Module or a callable, got Trace".
+    model, args, kwargs = zoo()["mlp"]
+    log = tl.trace(model, args, kwargs)
+    with pytest.raises(TypeError, match=r"flops_vs_dispatch takes the model and its inputs, not a Trace.*log\.flops"):
+        tl.report.flops_vs_dispatch(log, args, kwargs)
+
+
 def test_flops_vs_dispatch_reads_flop_counter_modes_module_tables_once(monkeypatch):
     # Before and after each matrix product the global counts were read through get_flop_counts(), which
     # copies the table of every module counted so far: products x modules work (a 4,000-block model spent

@@ -131,6 +131,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     from ..validate import RunState, refuse_unmaterialized
 
     _check_tolerances(rtol, atol)
+    _refuse_a_trace(model)
     model = unwrap(model)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.report.flops_vs_dispatch"))
@@ -168,6 +169,17 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             f"against {len(counted_products)}), so they did not run the same program. Make the forward's control "
             "flow depend on its inputs alone and compare again.")
     return _compare(log, model, counter.get_flop_counts(), product_calls, traced_products, outputs_match)
+
+
+def _refuse_a_trace(model) -> None:
+    """A trace in the model's place: both executions are run here, from the model, so a trace cannot stand in
+    for it (it failed inside tl.trace, naming neither this function nor what to give)."""
+    from ..record.trace import Trace
+
+    if isinstance(model, Trace):
+        raise TypeError("flops_vs_dispatch takes the model and its inputs, not a Trace: it runs the model twice "
+                        "itself, once traced and once under FlopCounterMode (tl.report.flops_vs_dispatch(model, x)); "
+                        "for an existing trace's FLOPs read log.flops")
 
 
 def _count_natively(model, args, kwargs):
