@@ -336,6 +336,18 @@ def test_sdpa_on_cpu_is_noted_and_counted_only_by_torchlens():
     assert any("scaled_dot_product_attention on CPU" in note for note in result.notes)
 
 
+def test_sdpa_inside_multi_head_attention_on_cpu_is_noted_though_its_projections_were_counted():
+    # FlopCounterMode counted the in- and out-projections inside the multi_head_attention_forward call, and 0 for
+    # its attention (the CPU SDPA kernel): the note named only the family ("counted by torchlens only"), not why.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    result = tl.report.flops_vs_dispatch(layer, torch.randn(2, 4, 16))
+    rows = {row["family"]: row for row in result.families}
+    assert rows["attention"]["native"] == 0 and rows["attention"]["torchlens"] == 2 * (2 * 2 * 4 * 4) * (8 + 8)
+    assert rows["matmul"]["native"] > 0  # the projections, counted inside the same call
+    assert any(note.startswith(SDPA_CPU_NOTE) and "multiheadattentionforward" in note for note in result.notes)
+
+
 def native_by_overload(model, *args, **kwargs) -> dict:
     """FlopCounterMode's own per-overload counts for one untraced forward."""
     with FlopCounterMode(display=False) as counter:

@@ -26,7 +26,8 @@ from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_f
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
                      "counts nothing")
-SDPA_CPU_NOTE = ("FlopCounterMode counts 0 for scaled_dot_product_attention on CPU in torch 2.13: the CPU "
+SDPA_CPU_NOTE = ("FlopCounterMode counts 0 for scaled_dot_product_attention on CPU in torch 2.13, called directly or "
+                 "inside multi_head_attention_forward: the CPU "
                  "kernel (aten._scaled_dot_product_flash_attention_for_cpu) has no entry in its flop "
                  "registry. The native attention family is missing that work, not free.")
 BATCHED_ATTENTION_NOTE = ("FlopCounterMode counted these attention calls through their batched matrix products "
@@ -357,6 +358,13 @@ def _signed_difference(native, torchlens):
     return None if native is None else native - torchlens
 
 
+def _native_attention_flops(counts) -> int:
+    """FLOPs FlopCounterMode put in the attention family inside one attention call: an attention overload's, or
+    its batched products'.  The unbatched projections of multi_head_attention_forward (mm, addmm) are matmul."""
+    core = sum(count for overload, count in counts.items() if _native_family(overload) == "attention")
+    return core + sum(_attention_products([(None, counts)]).values())
+
+
 def _attention_notes(log, attention_calls) -> list:
     """Which attention calls FlopCounterMode counted nothing for, and which it counted as batched products.
 
@@ -367,7 +375,7 @@ def _attention_notes(log, attention_calls) -> list:
     zero, batched = [], []
     for k, (_, counts) in enumerate(attention_calls):
         label = ops[k].label if paired else None
-        if not any(counts.values()):
+        if not _native_attention_flops(counts):  # its projections (multi_head_attention_forward) may be counted
             zero.append((label, ops[k].device.type if paired else None))
         elif _attention_products([(None, counts)]):
             batched.append(label)
@@ -375,8 +383,8 @@ def _attention_notes(log, attention_calls) -> list:
     if zero and all(device in ("cpu", None) for _, device in zero):
         notes.append(SDPA_CPU_NOTE + _which([label for label, _ in zero], len(attention_calls)))
     elif zero:
-        notes.append("FlopCounterMode counted no FLOPs for these attention calls: the native attention family "
-                     "is missing that work, not free." + _which([label for label, _ in zero], len(attention_calls)))
+        notes.append("FlopCounterMode counted no attention FLOPs inside these attention calls: the native "
+                     "attention family is missing that work, not free." + _which([label for label, _ in zero], len(attention_calls)))
     if batched:
         notes.append(BATCHED_ATTENTION_NOTE + _which(batched, len(attention_calls)))
     return notes
