@@ -144,3 +144,19 @@ def test_documented_exceptions_agree_through_the_instance_map():
         if op.kind == "op":
             assert tracker_addresses(tracker_set_at(events, op.start_ns), log, "DirectForward") == frozenset()
             assert op.module_call is None
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "whisper", "lstm"])
+def test_real_models_module_sets_equal_the_trackers(name):
+    # The zoo's modules are shallow; transformers models nest blocks in ModuleLists, run an encoder and a decoder
+    # (Whisper) and compute attention outside any submodule; nn.LSTM's ops include its hidden-state zeros.
+    import real_models
+
+    model, args, kwargs = real_models.build(name)
+    model.eval()
+    log, events = trace_under_tracker(model, args, kwargs)
+    root_name = type(model).__name__
+    ops = [op for op in log.ops if op.kind == "op"]
+    assert len(ops) > 5 and any(torchlens_addresses(op) for op in ops)
+    for op in ops:
+        assert tracker_addresses(tracker_set_at(events, op.start_ns), log, root_name) == torchlens_addresses(op), op.label
