@@ -36,7 +36,7 @@ _NOT_OP_PREFIXES = ("is_", "q_", "_dim", "_nnz", "qscheme", "sym_", "_sym_", "__
                     "stride", "item", "tolist", "numpy", "element_size", "data_ptr", "get_device")
 
 
-def _flops_lookup():
+def flops_lookup():
     """func -> "1"/"0", or None when the FLOPs module is not available."""
     try:
         from torchlens.report import flops
@@ -82,18 +82,26 @@ def _caveats(name: str, func, result: dict) -> str:
 
 
 def classify(name: str, func, result: dict, flops) -> dict:
-    row = {"name": name, "flops": flops(func) if flops else "", "caveat": _caveats(name, func, result),
-           "seen_as": result.get("seen_as", "")}
+    row = {"name": name, "caveat": _caveats(name, func, result), "seen_as": result.get("seen_as", "")}
     if result["status"] == "seen":
         row.update(kind=result["kind"], inplace=str(result["inplace"]), multi_output=str(result["multi_output"]),
                    classified_by="probe")
-        return row
-    short = _short(name)
-    not_op = short.startswith(_NOT_OP_PREFIXES)
-    inplace = short.endswith("_") and not short.endswith("__")
-    row.update(kind="not_op" if not_op else "op", inplace=str(int(inplace)), multi_output="0",
-               classified_by="heuristic")
+    else:
+        short = _short(name)
+        not_op = short.startswith(_NOT_OP_PREFIXES)
+        inplace = short.endswith("_") and not short.endswith("__")
+        row.update(kind="not_op" if not_op else "op", inplace=str(int(inplace)), multi_output="0",
+                   classified_by="heuristic")
+    row["flops"] = flops_cell(func, row["kind"], flops)
     return row
+
+
+def flops_cell(func, kind: str, flops) -> str:
+    """The ``flops`` column: a function that makes no op has no formula to apply, whatever its name matches
+    (``Tensor.__nonzero__`` is truthiness, not ``torch.nonzero``)."""
+    if not flops:
+        return ""
+    return "0" if kind == "not_op" else flops(func)
 
 
 def regenerate(path=inventory.INVENTORY_PATH, *, previous=None, results=None) -> tuple:
@@ -103,13 +111,13 @@ def regenerate(path=inventory.INVENTORY_PATH, *, previous=None, results=None) ->
     previous = path if previous is None else previous
     old = inventory.load(previous) if pathlib.Path(previous).exists() else {}
     funcs = inventory.registry()
-    flops = _flops_lookup()
+    flops = flops_lookup()
     results = probe_all() if results is None else results
     rows = []
     for name, func in funcs.items():
         kept = old.get(name)
-        if kept is not None and kept.get("classified_by") == "hand":
-            rows.append(kept)
+        if kept is not None and kept.get("classified_by") == "hand":  # its classification kept; the formula is ours
+            rows.append(dict(kept, flops=flops_cell(func, kept["kind"], flops)))
         else:
             rows.append(classify(name, func, results[name], flops))
     inventory.save(rows, path)

@@ -81,3 +81,15 @@ def test_inventory_agrees_with_capture_on_known_functions():
     assert rows["torch.split"]["multi_output"] == "1"
     assert rows["torch.Tensor.__iadd__"]["seen_as"] == "torch.Tensor.add_"
     assert "python_composite" in rows["torch.nn.functional.normalize"]["caveat"]
+
+
+def test_the_flops_column_agrees_with_the_formula_registry():
+    # A formula added to tl.report.flops (divide, addbmm, torch.special.*) left rows saying it had none: the column
+    # is regenerated from the registry, so it must say what the registry says today.
+    import regen_inventory  # noqa: E402  (scripts/: imports probe_coverage, which needs torchlens)
+
+    lookup, registry = regen_inventory.flops_lookup(), inventory.registry()
+    stale = [f"{name}: {row['flops']!r}, the registry says {regen_inventory.flops_cell(registry[name], row['kind'], lookup)!r}"
+             for name, row in inventory.load().items()
+             if row["flops"] != regen_inventory.flops_cell(registry[name], row["kind"], lookup)]
+    assert not stale, "inventory.csv's flops column is stale; run scripts/regen_inventory.py:\n" + "\n".join(stale)
