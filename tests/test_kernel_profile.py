@@ -206,6 +206,20 @@ def test_a_loaded_trace_is_refused_for_a_backward_profile_as_loaded(tmp_path):
             tl.report.kernel_profile(loaded, backward=True)
 
 
+def test_a_trace_without_a_backward_to_profile_is_refused_saying_what_to_pass():
+    """kernel_profile(trace) runs the trace's backward itself.  A trace taken without gradients was told to "run a
+    backward through log.output" first, which leaves nothing to profile; one whose backward already ran failed
+    with torch's "Trying to backward through the graph a second time"."""
+    model, x = mlp()
+    with pytest.raises(tl.errors.GradientUnavailable, match=r"kernel_profile\(trace\).*grads=True.*before its backward"):
+        tl.report.kernel_profile(tl.trace(model, x), backward=True)
+    log = tl.trace(model, x, grads=True)
+    log.output.sum().backward()
+    with pytest.raises(RuntimeError, match=r"backward already ran.*tl\.trace\(model, x, grads=True\)"):
+        tl.report.kernel_profile(log, backward=True)
+    _no_capture_left()
+
+
 def test_in_memory_and_chrome_readers_agree(tmp_path):
     model, x = mlp()
     kp = tl.report.kernel_profile(model, x, backward=True, chrome_trace=tmp_path / "run.json")

@@ -18,9 +18,7 @@ from .profile_join import join
 
 
 def profile_backward_of(trace, backward, chrome_trace, profiler, activities, profiler_kwargs):
-    from ..record.grads import grad_capture_of
-    from .kernel_profiling import (KernelProfile, ProfilerBusyError, _check_borrowed, _own_profiler, _run_backward,
-                                   check_chrome_path)
+    from .kernel_profiling import KernelProfile, ProfilerBusyError, _check_borrowed, _own_profiler, check_chrome_path
 
     if backward is False:
         raise ValueError("kernel_profile(trace) profiles the trace's backward: pass backward=True (all-ones "
@@ -28,14 +26,14 @@ def profile_backward_of(trace, backward, chrome_trace, profiler, activities, pro
     if trace.is_cleaned_up or trace.loaded_from is not None:  # before asking for gradients it cannot have
         raise ValueError("kernel_profile(trace) needs the live trace's output to run its backward; this one was "
                          "cleaned up or loaded from disk")
-    capture = grad_capture_of(trace)
+    capture = _grad_capture(trace)
     nodes = _node_owners(trace, capture)
     markers = ProfilerMarkers()
 
     def run():
         try:
             markers.phase_enter("backward")
-            _run_backward(trace.output, backward)
+            _backward_once(trace, backward)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
         finally:
@@ -56,6 +54,37 @@ def profile_backward_of(trace, backward, chrome_trace, profiler, activities, pro
     if chrome_trace is not None:
         result.export_chrome_trace(chrome_trace)
     return result
+
+
+_FRESH_TRACE = "take a trace with tl.trace(model, x, grads=True) and pass it here before its backward runs"
+
+
+def _grad_capture(trace):
+    """The trace's gradient capture; without one, the refusal says what kernel_profile needs (the generic advice,
+    "run a backward through log.output", would leave it no backward to profile)."""
+    from ..errors import GradientUnavailable
+    from ..record.grads import grad_capture_of
+
+    try:
+        return grad_capture_of(trace)
+    except GradientUnavailable:
+        raise GradientUnavailable("kernel_profile(trace) profiles the trace's backward, and this trace was taken "
+                                  f"without gradients: {_FRESH_TRACE} (kernel_profile runs it)") from None
+
+
+def _backward_once(trace, backward) -> None:
+    """The trace's backward; autograd's refusal of a second one (the graph freed by an earlier backward) is said
+    in the terms of this call."""
+    from .kernel_profiling import _run_backward
+
+    try:
+        _run_backward(trace.output, backward)
+    except RuntimeError as error:
+        if "backward through the graph a second time" not in str(error):
+            raise
+        raise RuntimeError("kernel_profile(trace) runs the trace's backward, and this trace's backward already ran "
+                           f"and freed its graph: {_FRESH_TRACE} (kernel_profile runs it), or run the earlier "
+                           "backward with retain_graph=True") from error
 
 
 def _node_owners(trace, capture) -> dict:
