@@ -348,6 +348,30 @@ def test_sdpa_inside_multi_head_attention_on_cpu_is_noted_though_its_projections
     assert any(note.startswith(SDPA_CPU_NOTE) and "multiheadattentionforward" in note for note in result.notes)
 
 
+def test_an_op_neither_registry_has_a_formula_for_is_named_so_and_one_torch_counts_is_not():
+    # nn.TransformerEncoder's inference path is one fused call per layer: torchlens has no formula for it and
+    # FlopCounterMode counted nothing inside it, and the native column's 0 read as a figure.  tensordot has no
+    # torchlens formula either, but FlopCounterMode counts the matrix product inside it.
+    import real_models
+
+    model, args, kwargs = real_models.build("transformer_encoder")
+    model.eval()
+    with torch.no_grad():
+        result = tl.report.flops_vs_dispatch(model, args, kwargs)
+    assert result.native_total == 0 and result.torchlens_unknown
+    assert any("FlopCounterMode counted nothing inside _transformer_encoder_layer_fwd either" in note
+               for note in result.notes)
+
+    class Contraction(nn.Module):
+        def forward(self, a, b):
+            return torch.tensordot(a, b, dims=([1, 2], [0, 1])).sort(-1).values
+
+    result = tl.report.flops_vs_dispatch(Contraction(), (torch.randn(3, 4, 5), torch.randn(4, 5, 6)))
+    assert result.native_total == 2 * 3 * 4 * 5 * 6
+    note = next(note for note in result.notes if "no torchlens formula" in note)
+    assert "counted nothing inside sort either" in note and "tensordot either" not in note
+
+
 def native_by_overload(model, *args, **kwargs) -> dict:
     """FlopCounterMode's own per-overload counts for one untraced forward."""
     with FlopCounterMode(display=False) as counter:

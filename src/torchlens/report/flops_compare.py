@@ -153,7 +153,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
                 "the randomness) and compare again.")
         saved.restore()
         with saved.watching:
-            counter, native_output, product_calls = _count_natively(model, *clone_call(call_args, kwargs))
+            counter, native_output, product_calls, unknown_counted = _count_natively(
+                model, *clone_call(call_args, kwargs), _unknown_names(log))
     finally:
         saved.restore()
     outputs_match = _outputs_close(traced_output, native_output, rtol, atol)
@@ -169,7 +170,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             f"outputs but called different matrix products, convolutions or attention ({len(traced_products)} "
             f"against {len(counted_products)}), so they did not run the same program. Make the forward's control "
             "flow depend on its inputs alone and compare again.")
-    return _compare(log, model, counter.get_flop_counts(), product_calls, traced_products, outputs_match)
+    return _compare(log, model, counter.get_flop_counts(), product_calls, traced_products, outputs_match,
+                    unknown_counted)
 
 
 def _refuse_a_trace(model) -> None:
@@ -183,9 +185,14 @@ def _refuse_a_trace(model) -> None:
                         "for an existing trace's FLOPs read log.flops")
 
 
-def _count_natively(model, args, kwargs):
-    """``(counter, output, product calls)`` of one untraced run under ``FlopCounterMode``; the
-    product calls are ``_ProductWatch.calls``.
+def _unknown_names(log) -> frozenset:
+    """Function names of the traced ops torchlens has no formula for."""
+    return frozenset(log._by_label(label).func_name for label in total_flops(log).unknown)
+
+
+def _count_natively(model, args, kwargs, unknown_names=frozenset()):
+    """``(counter, output, product calls, unknown counted)`` of one untraced run under ``FlopCounterMode``;
+    the last two are ``_ProductWatch.calls`` and ``_ProductWatch.unknown_counted``.
 
     Its module tracker hooks, for backward attribution, every module input that requires gradients. With
     gradients off, a view of a parameter handed to a submodule (DeBERTa's relative embeddings) has no
@@ -196,8 +203,9 @@ def _count_natively(model, args, kwargs):
     from ..capture.fastpath import FastPathShim
 
     try:
-        with FlopCounterMode(display=False) as counter, _ProductWatch(counter) as watch, FastPathShim(watch):
-            return counter, _detached(model(*args, **kwargs)), watch.calls
+        with FlopCounterMode(display=False) as counter, _ProductWatch(counter, unknown_names) as watch, \
+                FastPathShim(watch):
+            return counter, _detached(model(*args, **kwargs)), watch.calls, watch.unknown_counted
     except AssertionError as error:
         if torch.is_grad_enabled() or str(error) != "Expected gradient function to be set":
             raise
@@ -217,21 +225,26 @@ class _ProductWatch(torch.overrides.TorchFunctionMode):
     ``need_weights``) is counted as ``aten.bmm``, the same overload as any other batched product: which
     call those FLOPs came from is the only way to put them in the attention family, where torchlens's
     formulas put the same work.  And a product whose kernel has no entry in FlopCounterMode's registry
-    (``addbmm``, a matrix times a vector) shows as a call it counted nothing for.
+    (``addbmm``, a matrix times a vector) shows as a call it counted nothing for.  So do the functions
+    torchlens has no formula for (``unknown_names``), summed per name in ``unknown_counted``: a fused kernel
+    such as ``_transformer_encoder_layer_fwd`` that FlopCounterMode also counts nothing for has no figure on
+    either side, which its 0 in the native column would otherwise hide.
 
     Like capture's own mode, it runs under ``FastPathShim``: an active mode would otherwise turn off the
     fused fast paths of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` (``has_torch_function``)
     and make the counted run another program than the traced one."""
 
-    def __init__(self, counter):
+    def __init__(self, counter, unknown_names=frozenset()):
         super().__init__()
         self.counter = counter
         self.calls: list = []  # [(function name, {overload: FLOPs counted inside the call})]
+        self.unknown_names = unknown_names
+        self.unknown_counted: dict = {}  # {function name: FLOPs counted inside its calls}
         self._depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if self._depth or not _is_product(name):
+        if self._depth or not (_is_product(name) or name in self.unknown_names):
             return func(*args, **(kwargs or {}))
         before = _global_counts(self.counter)
         self._depth += 1
@@ -240,7 +253,11 @@ class _ProductWatch(torch.overrides.TorchFunctionMode):
         finally:
             self._depth -= 1
         after = _global_counts(self.counter)
-        self.calls.append((name, {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}))
+        counted = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        if name in self.unknown_names:
+            self.unknown_counted[name] = self.unknown_counted.get(name, 0) + sum(counted.values())
+        else:
+            self.calls.append((name, counted))
         return result
 
 
@@ -281,7 +298,8 @@ def _native_families(native_global, attention_calls) -> dict:
     return families
 
 
-def _compare(log, model, native_counts, product_calls, traced_products, outputs_match=True) -> FlopsComparison:
+def _compare(log, model, native_counts, product_calls, traced_products, outputs_match=True,
+             unknown_counted=None) -> FlopsComparison:
     attention_calls = [call for call in product_calls if call[0] in _ATTENTION_FUNCTIONS]
     tl_total = total_flops(log)
     root_name = type(model).__name__
@@ -291,7 +309,7 @@ def _compare(log, model, native_counts, product_calls, traced_products, outputs_
     families = [{"family": f, "torchlens": tl_families[f], "native": native_families[f],
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)
-    notes = _notes(log, tl_total, tl_families, native_families, attention_calls)
+    notes = _notes(log, tl_total, tl_families, native_families, attention_calls, unknown_counted or {})
     notes += _uncounted_product_notes(log, traced_products, product_calls)
     if any(row["native"] is None for row in modules):
         notes.append(UNNAMED_MODULES_NOTE)
@@ -420,7 +438,7 @@ def _which(labels, total) -> str:
     return f" ({shown}{len(labels)} of {total} attention calls)"
 
 
-def _notes(log, tl_total, tl_families, native_families, attention_calls) -> list:
+def _notes(log, tl_total, tl_families, native_families, attention_calls, unknown_counted) -> list:
     notes = _attention_notes(log, attention_calls)
     for family in FAMILIES:
         if tl_families[family] and not native_families[family]:
@@ -429,8 +447,11 @@ def _notes(log, tl_total, tl_families, native_families, attention_calls) -> list
             notes.append(f"{family}: counted by FlopCounterMode only (torchlens counted none of these ops)")
     if tl_total.unknown:
         names = sorted({log._by_label(label).func_name for label in tl_total.unknown})
+        neither = [name for name in names if unknown_counted.get(name) == 0]
         notes.append(f"{len(tl_total.unknown)} captured ops have no torchlens formula ({', '.join(names)}): their "
-                     "FLOPs are missing from the torchlens side, not zero")
+                     "FLOPs are missing from the torchlens side, not zero"
+                     + (f"; FlopCounterMode counted nothing inside {', '.join(neither)} either (no entry in its "
+                        "flop registry), so neither side has a figure for that work" if neither else ""))
     return notes
 
 
