@@ -211,7 +211,8 @@ def test_a_trace_without_a_backward_to_profile_is_refused_saying_what_to_pass():
     backward through log.output" first, which leaves nothing to profile; one whose backward already ran failed
     with torch's "Trying to backward through the graph a second time"."""
     model, x = mlp()
-    with pytest.raises(tl.errors.GradientUnavailable, match=r"kernel_profile\(trace\).*grads=True.*before its backward"):
+    refused = r"kernel_profile\(trace\).*grads=True.*before its backward"
+    with pytest.raises(tl.errors.GradientUnavailable, match=refused):
         tl.report.kernel_profile(tl.trace(model, x), backward=True)
     log = tl.trace(model, x, grads=True)
     log.output.sum().backward()

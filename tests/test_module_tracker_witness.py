@@ -159,4 +159,5 @@ def test_real_models_module_sets_equal_the_trackers(name):
     ops = [op for op in log.ops if op.kind == "op"]
     assert len(ops) > 5 and any(torchlens_addresses(op) for op in ops)
     for op in ops:
-        assert tracker_addresses(tracker_set_at(events, op.start_ns), log, root_name) == torchlens_addresses(op), op.label
+        tracked = tracker_addresses(tracker_set_at(events, op.start_ns), log, root_name)
+        assert tracked == torchlens_addresses(op), op.label

@@ -89,7 +89,9 @@ def test_the_flops_column_agrees_with_the_formula_registry():
     import regen_inventory  # noqa: E402  (scripts/: imports probe_coverage, which needs torchlens)
 
     lookup, registry = regen_inventory.flops_lookup(), inventory.registry()
-    stale = [f"{name}: {row['flops']!r}, the registry says {regen_inventory.flops_cell(registry[name], row['kind'], lookup)!r}"
-             for name, row in inventory.load().items()
-             if row["flops"] != regen_inventory.flops_cell(registry[name], row["kind"], lookup)]
+    def today(name, row):
+        return regen_inventory.flops_cell(registry[name], row["kind"], lookup)
+
+    stale = [f"{name}: {row['flops']!r}, the registry says {today(name, row)!r}"
+             for name, row in inventory.load().items() if row["flops"] != today(name, row)]
     assert not stale, "inventory.csv's flops column is stale; run scripts/regen_inventory.py:\n" + "\n".join(stale)

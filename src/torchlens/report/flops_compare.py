@@ -398,11 +398,12 @@ def _attention_notes(log, attention_calls) -> list:
         elif _attention_products([(None, counts)]):
             batched.append(label)
     notes = []
+    uncounted = _which([label for label, _ in zero], len(attention_calls)) if zero else ""
     if zero and all(device in ("cpu", None) for _, device in zero):
-        notes.append(SDPA_CPU_NOTE + _which([label for label, _ in zero], len(attention_calls)))
+        notes.append(SDPA_CPU_NOTE + uncounted)
     elif zero:
         notes.append("FlopCounterMode counted no attention FLOPs inside these attention calls: the native "
-                     "attention family is missing that work, not free." + _which([label for label, _ in zero], len(attention_calls)))
+                     "attention family is missing that work, not free." + uncounted)
     if batched:
         notes.append(BATCHED_ATTENTION_NOTE + _which(batched, len(attention_calls)))
     return notes

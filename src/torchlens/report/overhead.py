@@ -17,7 +17,8 @@ fused fast path, a second forward).  ``measure_overhead`` guards against each:
 Confidence bounds are distribution-free order statistics of the paired ratios (the binomial
 sign-test interval for a median), so no normality is assumed.  Besides torch and the standard library it
 imports only package modules that need nothing else (``checks``, and ``tree`` with its ``errors``), so a
-benchmark worker in another environment can load it from a checkout without importing ``torchlens`` (``benchmarks/overhead_matrix.py``).
+benchmark worker in another environment can load it from a checkout without importing ``torchlens``
+(``benchmarks/overhead_matrix.py``).
 """
 
 from __future__ import annotations
