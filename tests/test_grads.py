@@ -175,6 +175,30 @@ def test_no_grad_region_has_no_gradient_and_says_so():
     assert log.params[0].grad is None and log.params[2].grad is not None  # frozen.weight, head.weight
 
 
+class InferenceModeRegion(nn.Module):
+    """A frozen feature extractor run under ``torch.inference_mode()`` inside the forward, then a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            z = self.frozen(x).relu()
+        return self.head(z.clone())
+
+
+def test_an_inference_mode_region_has_no_gradient_and_the_refusal_names_it():
+    model = InferenceModeRegion()
+    log = tl.trace(model, torch.randn(3, 4), grads=True)
+    log.backward(log.output.sum())
+    assert log["head"].grad is not None and model.head.weight.grad is not None
+    for label in ("frozen", "relu_1_2:1"):
+        with pytest.raises(GradientUnavailable, match=r"torch\.inference_mode\(\)"):
+            log[label].grad
+
+
 def test_without_grads_the_trace_says_how_to_get_them():
     log = tl.trace(nn.Linear(3, 3), torch.randn(2, 3))
     with pytest.raises(GradientUnavailable, match="grads=True"):

@@ -114,8 +114,9 @@ def _why_no_grad(trace, index: int) -> str:
         return ("it ran inside a torch.func transform (vmap, ...) on the transform's wrapped tensors, which do not "
                 "require grad as autograd outside the transform sees them; the ops after the transform carry "
                 "the gradient")
-    return ("its output does not require grad (made under torch.no_grad(), inside torch.vmap, from tensors that "
-            "do not require grad, or of an integer dtype), so autograd computes no gradient for it")
+    return ("its output does not require grad (made under torch.no_grad() or torch.inference_mode(), inside "
+            "torch.vmap, from tensors that do not require grad, or of an integer dtype), so autograd computes no "
+            "gradient for it")
 
 
 def has_grad(trace, index: int) -> bool:
