@@ -20,7 +20,7 @@ import torch
 from ..errors import InterventionError, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import WRAPPED, container_note, refuse_module_object, scripted_outer, traced_address
-from ..record.modules import enclosing_calls
+from ..record.modules import Module
 from ..record.op import Layer, Op
 from ..capture.source import line_of, source_of
 from ..labels.naming import func_name_of
@@ -35,13 +35,13 @@ class LabelSite:
 
     __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "place", "stop", "occurrence")
 
-    def __init__(self, key, action, op, stop: bool):
+    def __init__(self, key, action, op, stop: bool, chains: dict | None = None):
         trace = op._trace
         self.key, self.action, self.op, self.stop = key, action, op, stop
         self.call = trace.call_indices[op.index]
         self.slot = trace.slots[op.index]
         self.func_name = op.func_name
-        self.chain = module_chain(trace, trace.module_call_indices[op.index])
+        self.chain = module_chain(trace, trace.module_call_indices[op.index], chains)
         # The line that made the call: a loop that ran fewer times reaches the same position with the same
         # function in the same module call from another line.  Kept as file and line, which a loaded
         # trace also holds (None where no user frame was found: not compared).
@@ -100,14 +100,21 @@ class ChainLink(NamedTuple):
     class_name: str  # what identifies an unregistered module, which each forward may make anew
 
 
-def module_chain(trace, module_call: int) -> tuple:
-    """The ``ChainLink``s open around one op of ``trace``, outer to inner."""
-    calls, chain = trace.module_calls, []
-    # one site per op can be made (a predicate site): walk the calls' own parents, not the column each read builds
-    for k in reversed(enclosing_calls(module_call, lambda k: getattr(calls[k].parent, "index", -1))):
-        module = calls[k].module
-        chain.append(ChainLink(k, module._ref, module.address, module.class_name))
-    return tuple(chain)
+def module_chain(trace, module_call: int, chains: dict | None = None) -> tuple:
+    """The ``ChainLink``s open around one op of ``trace`` (made in ``module_call``, -1 for the root forward),
+    outer to inner.  ``chains``: those already built for this trace, by module call, so that sites at many ops
+    build each call's link once (the ops of one call, and the calls of one parent, share a chain)."""
+    if module_call < 0:
+        return ()
+    chain = chains.get(module_call) if chains is not None else None
+    if chain is None:
+        row = trace._call_rows[module_call]
+        module = Module(trace, row.module)
+        link = ChainLink(module_call, module._ref, module.address, module.class_name)
+        chain = module_chain(trace, row.parent, chains) + (link,)
+        if chains is not None:
+            chains[module_call] = chain
+    return chain
 
 
 def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
@@ -251,7 +258,7 @@ def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:
 
 def resolve_labels(reference, pending) -> list:
     """``LabelSite`` per op each pending key names in ``reference``."""
-    sites = []
+    sites, chains = [], {}
     for key, action, stop in pending:
         if isinstance(key, str):
             try:
@@ -272,7 +279,7 @@ def resolve_labels(reference, pending) -> list:
         for op in ops:
             if reference.kinds[op.index] != Kind.OP:
                 raise KeyError(_not_an_op(key, op, stop))
-            sites.append(LabelSite(key, action, op, stop))
+            sites.append(LabelSite(key, action, op, stop, chains))
             if stop:
                 break  # stop after the first op the site names
     number_occurrences(reference, sites)
