@@ -542,39 +542,3 @@ def test_a_parameter_holder_of_an_exported_module_is_refused_naming_its_ops(opti
     assert torch.equal(log.output, exported(x))
     assert_clean_process()
 
-
-class _Nested(nn.Module):
-    """``depth`` modules, each calling the next; the innermost runs ``ops`` elementwise ops."""
-
-    def __init__(self, depth: int, ops: int):
-        super().__init__()
-        self.ops = ops
-        self.inner = _Nested(depth - 1, ops) if depth > 1 else None
-
-    def forward(self, x):
-        if self.inner is not None:
-            return self.inner(x)
-        for _ in range(self.ops):
-            x = torch.tanh(x)
-        return x
-
-
-def test_sites_at_every_op_of_a_deep_module_build_each_module_calls_link_once(monkeypatch):
-    # Each label site built the chain of module calls open around its op from the trace, link by link: a
-    # predicate accepting the n ops of a call nested d deep built n * d links (the resolution was the larger
-    # part of what an identity at every op cost).  The ops of one call, and the calls of one parent, now share
-    # what was built once.
-    from torchlens.intervene import sites
-
-    depth, ops = 12, 40
-    model, x = _Nested(depth, ops), torch.randn(2, 3)
-    reference = tl.trace(model, x)
-    built = []
-    real_link = sites.ChainLink
-    monkeypatch.setattr(sites, "ChainLink", lambda *a: built.append(1) or real_link(*a))
-    log = tl.trace(model, x, reference=reference, intervene={(lambda op: op.type == "tanh"): tl.scale(1.0)})
-    assert len(log.interventions) == ops
-    assert len(built) <= depth
-    assert torch.equal(log.output, model(x))
-    deepest = "inner." * (depth - 1)
-    assert log["tanh_1_1:1"].module == deepest[:-1] + ":1"

@@ -94,7 +94,7 @@ class Interventions:
         self.stopped_at = None  # the site key the forward stopped after
         self.reference = None  # the trace label sites were resolved against, if any
         self.seen_keys: dict = {}  # occurrence_key -> calls of this run with it, before position ``counted``
-        self.counted = 0
+        self.counted, self.last_counted = 0, (-1, 0)  # and the last call counted: (its position, occurrence)
         self.packing = None  # the PackLog of saved_for_backward=True, which learns where each action runs
 
     @property
@@ -173,15 +173,19 @@ class Interventions:
             "the same path, or use a module site")
 
     def _occurrence(self, st, call_position: int, name: str) -> int:
-        """How many calls with the ``occurrence_key`` of the call at ``call_position`` this run made before it.
-        Counted up to each site only when the forward reaches it, so the ops between sites cost nothing."""
-        seen = self.seen_keys
-        for position in range(self.counted, call_position):
-            call = st.calls[position]
-            key = occurrence_key(call, func_name_of(call[CALL_FUNC]))
-            seen[key] = seen.get(key, 0) + 1
-        self.counted = max(self.counted, call_position)
-        return seen.get(occurrence_key(st.calls[call_position], name), 0)
+        """How many calls with the ``occurrence_key`` of the call at ``call_position`` this run made before it,
+        counted up to each site only when the forward reaches it (the ops between sites cost nothing), and each
+        call once: the site's own is counted here (a stop site at that call asks again, ``last_counted``)."""
+        if call_position != self.last_counted[0]:
+            seen = self.seen_keys
+            for position in range(self.counted, call_position):
+                key = occurrence_key(st.calls[position], func_name_of(st.calls[position][CALL_FUNC]))
+                seen[key] = seen.get(key, 0) + 1
+            key = occurrence_key(st.calls[call_position], name)
+            self.last_counted = (call_position, seen.get(key, 0))
+            if call_position >= self.counted:
+                seen[key], self.counted = self.last_counted[1] + 1, call_position + 1
+        return self.last_counted[1]
 
     def _written_note(self) -> str:
         """Why a reference of the same inputs can still take another path: its forward wrote parameters."""

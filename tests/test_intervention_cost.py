@@ -1,0 +1,75 @@
+"""What resolving and checking label sites costs grows with the sites, not with the sites times the model.
+
+Each test counts the work a site does (links of the module-call chain built, function names read) on a
+model where a per-site search would multiply it, and checks the intervened run is still the plain one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torchlens as tl  # noqa: E402
+from zoo import LoopRNN  # noqa: E402
+
+
+class _Nested(nn.Module):
+    """``depth`` modules, each calling the next; the innermost runs ``ops`` elementwise ops."""
+
+    def __init__(self, depth: int, ops: int):
+        super().__init__()
+        self.ops = ops
+        self.inner = _Nested(depth - 1, ops) if depth > 1 else None
+
+    def forward(self, x):
+        if self.inner is not None:
+            return self.inner(x)
+        for _ in range(self.ops):
+            x = torch.tanh(x)
+        return x
+
+
+def test_sites_at_every_op_of_a_deep_module_build_each_module_calls_link_once(monkeypatch):
+    # Each label site built the chain of module calls open around its op from the trace, link by link: a
+    # predicate accepting the n ops of a call nested d deep built n * d links (the resolution was the larger
+    # part of what an identity at every op cost).  The ops of one call, and the calls of one parent, now share
+    # what was built once.
+    from torchlens.intervene import sites
+
+    depth, ops = 12, 40
+    model, x = _Nested(depth, ops), torch.randn(2, 3)
+    reference = tl.trace(model, x)
+    built = []
+    real_link = sites.ChainLink
+    monkeypatch.setattr(sites, "ChainLink", lambda *a: built.append(1) or real_link(*a))
+    log = tl.trace(model, x, reference=reference, intervene={(lambda op: op.type == "tanh"): tl.scale(1.0)})
+    assert len(log.interventions) == ops
+    assert len(built) <= depth
+    assert torch.equal(log.output, model(x))
+    deepest = "inner." * (depth - 1)
+    assert log["tanh_1_1:1"].module == deepest[:-1] + ":1"
+
+
+def test_sites_at_consecutive_calls_read_each_calls_function_once_and_a_stop_there_agrees(monkeypatch):
+    # The check that each site's call is the reference's counted the calls of each function from each line:
+    # a site at every call read every call's function name twice (once for its own site, once again when the
+    # next site counted the calls before it).  A stop site at an intervention's call asks for the same count.
+    from torchlens.intervene import runtime
+
+    steps = 30
+    model, x = LoopRNN(steps=steps).eval(), torch.randn(2, 8)
+    reference = tl.trace(model, x)
+    calls = len(reference.calls)
+    named = []
+    real_name = runtime.func_name_of
+    monkeypatch.setattr(runtime, "func_name_of", lambda f: named.append(1) or real_name(f))
+    log = tl.trace(model, x, reference=reference, intervene={(lambda op: True): lambda t, op: None})
+    assert len(log.interventions) == calls and len(named) <= calls + 1
+    assert torch.equal(log.output, reference.output)
+    last_pass = f"tanh_1_4:{steps}"
+    stopped = tl.trace(model, x, reference=reference, stop_after=last_pass, intervene={last_pass: tl.scale(0.0)})
+    assert stopped.stopped_after == last_pass and torch.equal(stopped[last_pass].activation, torch.zeros(2, 8))
