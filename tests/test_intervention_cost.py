@@ -73,3 +73,30 @@ def test_sites_at_consecutive_calls_read_each_calls_function_once_and_a_stop_the
     last_pass = f"tanh_1_4:{steps}"
     stopped = tl.trace(model, x, reference=reference, stop_after=last_pass, intervene={last_pass: tl.scale(0.0)})
     assert stopped.stopped_after == last_pass and torch.equal(stopped[last_pass].activation, torch.zeros(2, 8))
+
+
+def test_a_trace_with_module_sites_only_keeps_the_hot_path_for_every_op(monkeypatch):
+    # Module sites are applied by forward hooks on their modules and need no look at any op, so a trace with
+    # module sites only runs every op on the hot path (the compiled handler, where built), as a plain trace
+    # does; only label sites, looked for at each op, send the ops down the general path.
+    from torchlens.capture.mode import CaptureMode
+    from zoo import MLP
+
+    model, x = MLP(width=8, depth=6).eval(), torch.randn(2, 8)
+    general = []
+    real_general = CaptureMode._call_with_features
+    monkeypatch.setattr(CaptureMode, "_call_with_features", lambda self, *a: general.append(1) or real_general(self, *a))
+    plain = tl.trace(model, x)
+    assert not general
+    hooked = model.layers[2].register_forward_hook(lambda module, args, out: out * 0.5)
+    try:
+        expected = model(x)
+    finally:
+        hooked.remove()
+    edited = tl.trace(model, x, intervene={"layers.2": tl.scale(0.5)})
+    assert not general
+    assert torch.equal(edited.output, expected) and not torch.equal(edited.output, plain.output)
+    assert torch.equal(edited["layers.2"].original, plain["layers.2"].activation)
+    assert [a.label for a in edited.interventions] == [plain["layers.2"].label]
+    tl.trace(model, x, reference=plain, intervene={plain["layers.2"].label: tl.scale(0.5)})
+    assert general  # a label site is looked for at each op
