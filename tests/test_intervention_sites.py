@@ -292,6 +292,16 @@ def test_a_stop_after_site_that_names_nothing_is_refused_as_a_stop_after_site(si
     assert "intervention" not in str(raised.value)
 
 
+@pytest.mark.parametrize("site", [5, ("layers.1",), b"layers.1"])
+def test_a_site_of_another_type_is_refused_naming_the_option_it_was_given_to(site):
+    model, args, _ = CASES["mlp"]
+    with pytest.raises(TypeError, match=r"^stop_after= must be a label") as raised:
+        tl.trace(model, args, stop_after=site)
+    assert "intervention" not in str(raised.value)
+    with pytest.raises(TypeError, match=r"^an intervention site must be a label"):
+        tl.trace(model, args, intervene={site: tl.zero_ablate()})
+
+
 def test_stop_after_with_an_intervention_before_it():
     model, args, _ = CASES["mlp"]
     log = tl.trace(model, args, intervene={"layers.0": tl.zero_ablate()}, stop_after="layers.1")

@@ -137,8 +137,8 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             pending.append((key, action, stop))
             continue
         if not isinstance(key, str):
-            raise TypeError(f"an intervention site must be a label, a module address or a predicate over ops, "
-                            f"got {key!r}")
+            raise TypeError(f"{'stop_after=' if stop else 'an intervention site'} must be a label, a module address "
+                            f"or a predicate over ops, got {key!r}")
         address, _, number = key.rpartition(":")
         named = address if address in modules else key
         _refuse_scripted(key, named, modules)
