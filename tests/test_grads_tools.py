@@ -469,6 +469,30 @@ def test_a_value_replaced_by_an_intervention_says_so_when_it_has_no_gradient():
     assert "no_grad" not in str(raised.value)
 
 
+def test_a_backward_refused_after_an_edit_written_into_an_in_place_op_names_the_site_and_the_way_out():
+    # An intervention at an in-place op (relu_, as nn.ReLU(inplace=True) runs) writes its value into the tensor
+    # the op returned, which the op's backward keeps: autograd refused the backward naming a write the model never
+    # made.  The refusal now says which site wrote; a module site there edits a new tensor, and its backward runs.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    log = tl.trace(model, x, grads=True, intervene={"relu_1_2:1": tl.scale(0.5)})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        log.backward(log.output.sum())
+    note = " ".join(getattr(raised.value, "__notes__", []))
+    assert "relu_1_2:1" in note and "module" in note and "linear_1_1:1" in note
+    by_module = tl.trace(model, x, grads=True, intervene={"1": tl.scale(0.5)})
+    by_module.backward(by_module.output.sum())
+    hooked = model[1].register_forward_hook(lambda module, args, out: out * 0.5)
+    try:
+        h = model[1](model[0](x))
+        h.retain_grad()
+        model[2](h).sum().backward()
+    finally:
+        hooked.remove()
+    assert torch.equal(by_module["1"].grad, h.grad)
+
+
 def test_a_meta_device_backward_is_read_as_shapes_without_values(tmp_path):
     # A meta forward and backward have shapes and no values: the gradient statistics (to_pandas, the html
     # viewer, log.save) raised torch's "Tensor.item() cannot be called on meta tensors", the viewer raised

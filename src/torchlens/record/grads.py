@@ -180,7 +180,9 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
     try:
         torch.autograd.backward(loss, gradient, retain_graph, create_graph, inputs=inputs)
     except RuntimeError as exc:
-        _note_changed_params(trace, exc)
+        if "modified by an inplace operation" in str(exc):  # autograd names only a shape and a version
+            _note_changed_params(trace, exc)
+            _note_written_sites(trace, exc)
         raise
     if trace._gradcap.backwards == backwards:
         _warn_unreached()
@@ -198,8 +200,6 @@ def _refuse_loss(loss) -> None:
 def _note_changed_params(trace, exc: RuntimeError) -> None:
     """Autograd's refusal of a tensor written since the forward names only a shape and a version: when the
     trace's parameters were written since (an optimizer step before this backward), say which, and what to do."""
-    if "modified by an inplace operation" not in str(exc):
-        return
     from .params import changed_since_trace
 
     changed = changed_since_trace(trace)
@@ -208,6 +208,19 @@ def _note_changed_params(trace, exc: RuntimeError) -> None:
         exc.add_note(f"torchlens: parameters changed since this trace's forward (an optimizer step?): {shown}; "
                      "autograd needs the values the forward read, so run log.backward(loss) before "
                      "optimizer.step(), or trace again after it")
+
+
+def _note_written_sites(trace, exc: RuntimeError) -> None:
+    """An intervention at an in-place op writes its new value into the tensor that op returned (the model holds
+    it): where the op's backward needs the value it made (``relu_`` keeps its result), autograd refuses the
+    backward, naming a write the model never made.  Say which sites wrote, and where to intervene instead."""
+    written = [op for op in (trace.ops[i] for i in sorted(trace._interventions)) if op.is_inplace and op.requires_grad]
+    if written:
+        before = ", ".join(dict.fromkeys(p for op in written for p in op.parents[:1]))
+        exc.add_note(f"torchlens: the intervention at {', '.join(op.label for op in written)}, an in-place op, wrote "
+                     "its new value into the tensor that op returned, which its backward may need as it was made; "
+                     "to edit that value with gradients, intervene at a module whose output it is (a module site's "
+                     f"new value is a new tensor), or at the op before it ({before or 'its input'})")
 
 
 def _warn_unreached() -> None:
