@@ -408,3 +408,21 @@ def test_a_single_selector_is_taken_by_save_as_by_grads_and_extract():
         tl.trace(model, x, save="rleu")
     with pytest.raises(ValueError, match="save=7 is not understood"):
         tl.trace(model, x, save=7)
+
+
+def test_a_parameter_asked_for_by_address_is_answered_with_where_its_record_is():
+    # log.params is a list: log.params["0.weight"] was told to use log["0.weight"], which finds ops, layers and
+    # modules only and raised a KeyError with no hint.  Both now say how to find the parameter's record.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    log = tl.trace(model, torch.randn(2, 3), grads=True)
+    log.backward(log.output.sum())
+    recipe = "next(p for p in log.params if p.address == '0.weight')"
+    with pytest.raises(TypeError, match="indexed by position") as raised:
+        log.params["0.weight"]
+    assert recipe in str(raised.value) and "log['0.weight']" not in str(raised.value)
+    with pytest.raises(KeyError, match="0.weight is a parameter") as raised:
+        log["0.weight"]
+    assert recipe in str(raised.value)
+    assert eval(recipe, {"log": log}).grad is model[0].weight.grad
+    with pytest.raises(TypeError, match=r"log\['relu'\] finds an op"):
+        log.ops["relu"]

@@ -111,6 +111,18 @@ def _described(trace, key: str, target: tuple) -> tuple:
     return f"the output op of {key} ({label})", f"log[{label!r}]"
 
 
+def param_note(trace, key: str) -> str:
+    """For a missing key that is a parameter's address: where its ``Param`` record is (parameters are no ops)."""
+    if not any(param.address == key for param in trace.params):
+        return ""
+    return f"; {key} is a parameter, whose record is in log.params: {find_param(key)}"
+
+
+def find_param(address: str) -> str:
+    """How to find a parameter's record by its address (``log.params`` is a list)."""
+    return f"find it by address with next(p for p in log.params if p.address == {address!r})"
+
+
 def alias_note(trace, key: str) -> str:
     """For a missing ``address:n`` whose address is a module's second name (one module object registered
     under two names, or shared by two parents): how its calls are numbered and labelled instead."""

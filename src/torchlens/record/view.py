@@ -80,9 +80,14 @@ class RecordList(OfATrace, Sequence):
             trace, view = self._trace, self._view
             return [view(trace, k) for k in self._keys[i]]
         if isinstance(i, str):  # a name: the list would answer with the error of its internal key list
-            raise TypeError(f"the {self._view.__name__} records of a trace are a list, indexed by position (an int "
-                            f"or a slice), not by name: log[{i!r}] finds an op, layer, module call or module by "
-                            "its label or address")
+            from .lookup import find_param  # (lookup reads the views: imported where a name is refused)
+
+            name = self._view.__name__
+            is_param = name == "Param" and any(self._view(self._trace, k).address == i for k in self._keys)
+            instead = find_param(i) if is_param else \
+                f"log[{i!r}] finds an op, layer, module call or module by its label or address"
+            raise TypeError(f"the {name} records of a trace are a list, indexed by position (an int or a slice), "
+                            f"not by name: {instead}")
         if i.__class__ is bool:  # an int to Python, but never meant as record 0 or record 1 (as log[True] is refused)
             raise TypeError(f"index the {self._view.__name__} records with an int or a slice, not a bool ({i!r})")
         try:
