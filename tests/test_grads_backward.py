@@ -1,0 +1,74 @@
+"""Gradient capture, continued: what ``log.backward`` passes on to autograd, a module call returning several
+tensors, and regions of the forward that autograd does not record.
+
+The reference is an untraced run of the same model: ``retain_grad()`` on its tensors, or ``Oracle``
+(tests/grad_oracle.py), which calls it on every tensor each torch call returns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.record.errors import GradientUnavailable
+from grad_oracle import Oracle, _assert_bit_identical, _op_grads
+from zoo import LoopRNN
+
+
+def test_a_module_call_returning_several_tensors_has_a_gradient_per_tensor():
+    lstm = nn.LSTM(4, 6, batch_first=True)
+    model = nn.ModuleDict({"lstm": lstm})  # the call to read is a submodule's (the root's is the trace's output)
+    x = torch.randn(2, 3, 4)
+    out, (h, c) = lstm(x)
+    for t in (out, h, c):
+        t.retain_grad()
+    (out.pow(2).sum() + 2 * h.sum() + 3 * c.sum()).backward()
+    lstm.zero_grad()
+    log = tl.trace(lambda v: model["lstm"](v), x, root=model, grads=True)
+    traced_out, (traced_h, traced_c) = log.output
+    log.backward(traced_out.pow(2).sum() + 2 * traced_h.sum() + 3 * traced_c.sum())
+    (call,) = [c for c in log.module_calls if c.label == "lstm:1"]  # (log["lstm:1"] names its first output op)
+    assert isinstance(call.grad, tuple) and len(call.grad) == 3
+    assert all(torch.equal(g, t.grad) for g, t in zip(call.grad, (out, h, c)))
+
+
+def test_backward_with_inputs_accumulates_only_into_those_inputs_as_autograd_does():
+    model, x = LoopRNN(steps=4), torch.randn(2, 8)
+    oracle = Oracle()
+    with oracle:
+        out = model(x)
+    torch.autograd.backward(out.pow(2).sum(), inputs=[model.cell.weight])
+    expected, weight_grad = oracle.grads(), model.cell.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.pow(2).sum(), inputs=[model.cell.weight])
+    ops, got = _op_grads(log)
+    _assert_bit_identical(ops, got, expected)
+    assert torch.equal(model.cell.weight.grad, weight_grad) and model.cell.bias.grad is None
+    assert log.num_backwards == 1
+
+
+class InferenceModeRegion(nn.Module):
+    """A frozen feature extractor run under ``torch.inference_mode()`` inside the forward, then a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            z = self.frozen(x).relu()
+        return self.head(z.clone())
+
+
+def test_an_inference_mode_region_has_no_gradient_and_the_refusal_names_it():
+    model = InferenceModeRegion()
+    log = tl.trace(model, torch.randn(3, 4), grads=True)
+    log.backward(log.output.sum())
+    assert log["head"].grad is not None and model.head.weight.grad is not None
+    for label in ("frozen", "relu_1_2:1"):
+        with pytest.raises(GradientUnavailable, match=r"torch\.inference_mode\(\)"):
+            log[label].grad
