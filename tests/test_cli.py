@@ -315,7 +315,7 @@ def test_integer_inputs_outside_the_dtype_or_an_empty_range_are_usage_errors(mod
 
 
 def test_integer_inputs_may_reach_the_top_of_their_dtype():
-    from torchlens.cli import make_inputs
+    from torchlens.cli.targets import make_inputs
 
     (x,) = make_inputs(["4096"], "int8", 0, 128, "cpu")  # [0, 128): every int8 from 0 up
     assert x.dtype == torch.int8 and int(x.min()) == 0 and int(x.max()) == 127
