@@ -259,6 +259,42 @@ def test_running_statistics_an_aten_batch_norm_writes_keep_their_value_as_first_
     assert result.passed and not result.mismatched, result
 
 
+class _TorchLevelBatchNorm(nn.Module):
+    """Training-mode batch norms called through the torch-level names of aten operators, as torch's OpInfo
+    samples call them (``torch.native_batch_norm``, ``torch._native_batch_norm_legit``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        bn = self.bn
+        a = torch.native_batch_norm(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5)[0]
+        b = torch._native_batch_norm_legit(x * 2, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1,
+                                           1e-5)[0]
+        return a + b + bn.running_mean
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_running_statistics_a_torch_level_native_batch_norm_writes_keep_their_value_as_first_read(compiled):
+    # Their Python signatures hide the write and the kernel moves no version counter: the running mean's
+    # node held the value the second call had left in it, and the second call named the node as its parent.
+    x = torch.randn(3, 4)
+    model = _TorchLevelBatchNorm().train()
+    first_read = model.bn.running_mean.clone()
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, _TorchLevelBatchNorm().train()(x))
+    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
+    assert torch.equal(mean_node.activation, first_read)
+    first = next(op for op in log if op.type == "nativebatchnorm")
+    second = next(op for op in log if op.type == "nativebatchnormlegit")
+    assert second.parents[1:] == [first.label, first.label]  # the statistics as the first call left them
+    assert log[log.outputs[0].parents[0]].parents[-1] == second.label
+    result = log.validate()
+    assert result.passed and not result.mismatched, result
+
+
 class _UpdateStats(nn.Module):
     """batch_norm_update_stats, which updates the running statistics at every call (it has no training flag)."""
 

@@ -54,7 +54,8 @@ _NORMS = {
 def _aten_norms() -> dict:
     """The aten operators with ``torch.batch_norm``'s arguments whose kernel writes the running statistics,
     which their schemas do not mark written (``_native_batch_norm_legit``'s does: capture/writes.py reads
-    it), called directly or through their default overload."""
+    it), called directly or through their default overload, and the torch-level functions of the same names
+    (``torch.native_batch_norm``), whose Python signatures hide even a schema's mark."""
     found = {}
     for name, flag in (("batch_norm", "training"), ("native_batch_norm", "training"),
                        ("_batch_norm_impl_index", "training"), ("instance_norm", "use_input_stats")):
@@ -62,6 +63,12 @@ def _aten_norms() -> dict:
         if packet is not None:
             for op in (packet, packet.default):
                 found[op] = (flag, 5, (("running_mean", 3), ("running_var", 4)))
+    # (torch.batch_norm and torch.instance_norm are in _NORMS already.  _native_batch_norm_legit's overload
+    # without statistics has its flag at 3: read at 5, it is eps, and no tensor stands where statistics would.)
+    for name in ("native_batch_norm", "_batch_norm_impl_index", "_native_batch_norm_legit"):
+        func = getattr(torch, name, None)
+        if func is not None:
+            found[func] = ("training", 5, (("running_mean", 3), ("running_var", 4)))
     # batch_norm_update_stats(input, running_mean, running_var, momentum): it updates them at every call.
     packet = getattr(torch.ops.aten, "batch_norm_update_stats", None)
     for op in (getattr(torch, "batch_norm_update_stats", None), packet, getattr(packet, "default", None)):
