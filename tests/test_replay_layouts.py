@@ -72,3 +72,18 @@ def test_a_saved_expanded_tensor_copied_before_a_write_keeps_its_layout():
     assert torch.equal(log["setitem_1_2:1"].activation[:, 0], torch.full((3,), 3.0))
     result = log.validate()
     assert result.passed and result.replayed == 3, result
+
+
+class _AdjointProjection(nn.Module):
+    def forward(self, z, y):
+        return z.mH @ y.mT
+
+
+def test_a_matmul_reading_a_conjugate_view_replays_exactly():
+    # ``z.mH`` is a lazy conjugate (a bit, not conjugated values), and matmul hands it to BLAS as such; a copy
+    # written out holds the conjugated values, whose product rounds differently: replay reported a mismatch.
+    torch.manual_seed(0)
+    z, y = torch.randn(3, 3, dtype=torch.complex64), torch.randn(2, 3, dtype=torch.complex64)
+    assert not torch.equal(z.mH @ y.mT, z.mH.resolve_conj() @ y.mT)  # the two paths differ in their bits here
+    result = tl.validate(_AdjointProjection(), (z, y))
+    assert result.passed and not result.mismatched and result.replayed == 3, result

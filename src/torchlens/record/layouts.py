@@ -259,7 +259,13 @@ def copy_with_layout(t):
     """A private copy with ``t``'s strides and its memory's offset from an aligned address: a reduction over a
     strided view (``z.real``) sums in a different order, and so to different bits, than over a contiguous
     copy, a kernel reading unaligned memory can round differently from one reading aligned memory, and a
-    write to one element of an expanded tensor reaches every place it shows in."""
+    write to one element of an expanded tensor reaches every place it shows in.  A conjugate or negative view
+    (``z.mH``) stays one, over a copy of its memory: a copy written out holds the values conjugated, and a
+    kernel reading them (``matmul``) takes another path, to other bits, than one reading the lazy view."""
+    if t.is_conj():
+        return copy_with_layout(t.conj()).conj()
+    if t.is_neg():
+        return torch._neg_view(copy_with_layout(torch._neg_view(t)))
     if t.layout != torch.strided or t.is_nested:  # in that order: CSR has no strides
         return t.clone()
     shift = _misalignment(t)
