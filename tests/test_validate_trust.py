@@ -231,6 +231,24 @@ def test_nothing_saved_is_nothing_to_replay_not_a_pass():
         assert "NOTHING TO REPLAY" in str(result) and "passed" not in str(result)
 
 
+class PermutedScratch(nn.Module):
+    """Fills part of a scratch buffer made by ``torch.empty_permuted``, whose other elements hold whatever the
+    allocator left there."""
+
+    def forward(self, x):
+        scratch = torch.empty_permuted((4, 6), (1, 0))
+        scratch[:, :3] = x
+        return scratch[:, :3] * 2
+
+
+def test_an_empty_permuted_buffer_is_not_replayed_as_uninitialized_memory():
+    # Replayed, it made other garbage than the forward's, reported as a mismatch of a faithful trace.
+    result = tl.validate(PermutedScratch(), torch.randn(4, 3))
+    assert_trusted(result)
+    assert dict(result.not_replayed) == {"emptypermuted_1_1:1": "uninitialized memory (torch.empty and kin): its "
+                                                                "contents are not defined"}
+
+
 @dataclasses.dataclass
 class Out:
     logits: torch.Tensor

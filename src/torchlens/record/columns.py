@@ -109,7 +109,9 @@ _INPLACE_DUNDERS = frozenset(
 
 # Ops whose output is uninitialized memory: its contents are undefined, so neither replay (validate.py) nor
 # a comparison across ranks (distributed/compare.py) may read anything into them.
-UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"])
+UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                                 "new_empty_strided", "empty_quantized", "_empty_affine_quantized",
+                                 "_empty_per_channel_affine_quantized"])
 
 
 def writes_first_argument(func) -> bool:
