@@ -14,7 +14,6 @@ moved a random number generator is reported as not replayed, and the generators 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from .record.layouts import copy_with_layout, memory_freed, version_of
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
 from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, settings_by_name
 from .capture.collectives import is_collective
-from .capture.restore import FirstCalls, ModuleAttributes, RngState, module_run_by, put_back
+from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
 from .tree import (as_args, as_kwargs, clone_call, fill, slice_with_tensor, structures_equal,
                    tensor_leaves, unmaterialized, without_values)
@@ -104,64 +103,6 @@ def outputs_equal(a, b) -> bool:
     (``tree.structures_equal``: nested tensors by component, sparse ones of one layout by value, meta or fake
     ones by shape and dtype)."""
     return structures_equal(a, b)[0]
-
-
-# ----- state a forward can change ----------------------------------------------------------------------
-class ModelState:
-    """Everything a forward can change on a module tree, restorable: parameter and buffer values
-    (non-persistent buffers too), tensors held in plain attributes, and every Python attribute
-    (counters, caches, flags; containers are copied one level deep)."""
-
-    def __init__(self, model):
-        modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
-        self.attributes = ModuleAttributes(modules)
-        self._kept: dict = {}  # id(tensor) -> (tensor, its value now)
-        for m in modules:
-            self._keep_tensors(m)
-
-    def add(self, module) -> None:
-        """Also keep ``module``'s own state: a module met while a run goes on (``capture.restore.FirstCalls``)."""
-        self.attributes.add(module)
-        self._keep_tensors(module)
-
-    def _keep_tensors(self, m) -> None:
-        for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
-            if isinstance(t, torch.Tensor) and id(t) not in self._kept:
-                self._kept[id(t)] = (t, t.detach().clone())
-
-    def restore(self) -> None:
-        self.attributes.restore()
-        for t, value in self._kept.values():
-            if t.shape != value.shape or t.dtype != value.dtype:
-                with torch.no_grad():
-                    t.data = value.clone()
-            else:
-                put_back(t, value)
-
-
-class RunState:
-    """The global generators and everything ``ModelState`` restores (training flags and a cache built on
-    first use among the Python attributes): what two runs must share to be comparable.  Runs go inside
-    ``watching`` (a callable naming no model has its modules noted there as they are first called)."""
-
-    def __init__(self, model, root=None):
-        self.rng = RngState()
-        self.model, self.watching = model_state(model, root)
-
-    def restore(self) -> None:
-        self.rng.restore()
-        self.model.restore()
-
-
-def model_state(model, root=None) -> tuple:
-    """``(ModelState, context)`` for runs of ``model`` that must be put back: the modules of ``root=``, or of the
-    module the callable runs (``module_run_by``); for a callable naming no model (a lambda), each module the
-    runs call, noted inside the context just before its first call."""
-    owner = root if root is not None else module_run_by(model)
-    if isinstance(owner, torch.nn.Module):
-        return ModelState(owner), contextlib.nullcontext()
-    state = ModelState(None)
-    return state, FirstCalls(state.add)
 
 
 def _reference_output(model, args: tuple, kwargs: dict, root=None) -> tuple:

@@ -1,7 +1,9 @@
 """What every extra run must leave as it found it: the global random number generators (``RngState``),
 the Python attributes of a module tree (``ModuleAttributes``), and both with the buffers' values and the
-parameters' versions (``ForwardState``); and what a backward torchlens runs itself (``kernel_profile``'s,
-``tl.extract``'s) must leave: the parameters' ``.grad`` (``grads_set_aside``).
+parameters' versions (``ForwardState``), or with the values of every tensor a module tree holds, for
+``tl.validate``'s untraced reference run on the model itself (``ModelState``, ``RunState``); and what a
+backward torchlens runs itself (``kernel_profile``'s, ``tl.extract``'s) must leave: the parameters'
+``.grad`` (``grads_set_aside``).
 
 Every run torchlens makes besides the traced one (``tl.validate``'s untraced reference, the metadata
 pass that resolves intervention labels, the patching tables' runs, ``flops_vs_dispatch``) must leave the
@@ -283,6 +285,63 @@ class FirstCalls:
         self.seen.add(id(module))
         with torch._C.DisableTorchFunction():
             self.add(module)
+
+
+class ModelState:
+    """Everything a forward can change on a module tree, restorable: parameter and buffer values
+    (non-persistent buffers too), tensors held in plain attributes, and every Python attribute
+    (counters, caches, flags; containers are copied one level deep)."""
+
+    def __init__(self, model):
+        modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+        self.attributes = ModuleAttributes(modules)
+        self._kept: dict = {}  # id(tensor) -> (tensor, its value now)
+        for m in modules:
+            self._keep_tensors(m)
+
+    def add(self, module) -> None:
+        """Also keep ``module``'s own state: a module met while a run goes on (``capture.restore.FirstCalls``)."""
+        self.attributes.add(module)
+        self._keep_tensors(module)
+
+    def _keep_tensors(self, m) -> None:
+        for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
+            if isinstance(t, torch.Tensor) and id(t) not in self._kept:
+                self._kept[id(t)] = (t, t.detach().clone())
+
+    def restore(self) -> None:
+        self.attributes.restore()
+        for t, value in self._kept.values():
+            if t.shape != value.shape or t.dtype != value.dtype:
+                with torch.no_grad():
+                    t.data = value.clone()
+            else:
+                put_back(t, value)
+
+
+class RunState:
+    """The global generators and everything ``ModelState`` restores (training flags and a cache built on
+    first use among the Python attributes): what two runs must share to be comparable.  Runs go inside
+    ``watching`` (a callable naming no model has its modules noted there as they are first called)."""
+
+    def __init__(self, model, root=None):
+        self.rng = RngState()
+        self.model, self.watching = model_state(model, root)
+
+    def restore(self) -> None:
+        self.rng.restore()
+        self.model.restore()
+
+
+def model_state(model, root=None) -> tuple:
+    """``(ModelState, context)`` for runs of ``model`` that must be put back: the modules of ``root=``, or of the
+    module the callable runs (``module_run_by``); for a callable naming no model (a lambda), each module the
+    runs call, noted inside the context just before its first call."""
+    owner = root if root is not None else module_run_by(model)
+    if isinstance(owner, torch.nn.Module):
+        return ModelState(owner), contextlib.nullcontext()
+    state = ModelState(None)
+    return state, FirstCalls(state.add)
 
 
 def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:

@@ -128,8 +128,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     from ..capture.session import trace
     from ..capture.wrappers import unwrap
     from ..tree import as_args, as_kwargs, clone_call
-    from ..capture.restore import module_run_by
-    from ..validate import RunState, refuse_unmaterialized
+    from ..capture.restore import RunState, module_run_by
+    from ..validate import refuse_unmaterialized
 
     _check_tolerances(rtol, atol)
     _refuse_a_trace(model)
