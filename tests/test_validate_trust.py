@@ -249,6 +249,23 @@ def test_an_empty_permuted_buffer_is_not_replayed_as_uninitialized_memory():
                                                                 "contents are not defined"}
 
 
+class ReturnsScratch(nn.Module):
+    """Returns a buffer of uninitialized memory beside its result, as a kernel wrapper returns its workspace."""
+
+    def forward(self, x):
+        return x * 2, torch.empty_like(x)
+
+
+def test_an_output_of_uninitialized_memory_is_left_out_of_the_output_comparison():
+    # The untraced run's buffer held other bits than the traced one's: "outputs equal: False", on a faithful trace.
+    result = tl.validate(ReturnsScratch(), torch.randn(64, 64))
+    assert result.passed and result.outputs_match, result
+    assert result.outputs_differ.startswith("not compared: output.1, uninitialized memory"), result
+    alone = tl.validate(lambda x: torch.empty_like(x), torch.randn(64, 64))
+    assert alone.status == "nothing to replay" and alone.outputs_match is None, alone
+    assert "outputs not compared: output, uninitialized memory" in str(alone)
+
+
 @dataclasses.dataclass
 class Out:
     logits: torch.Tensor

@@ -28,7 +28,7 @@ from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, s
 from .capture.collectives import is_collective
 from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
-from .tree import (as_args, as_kwargs, clone_call, fill, slice_with_tensor, structures_equal,
+from .tree import (as_args, as_kwargs, clone_call, fill, path_text, slice_with_tensor, structures_equal,
                    tensor_leaves, unmaterialized, without_values)
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
@@ -202,7 +202,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     finally:
         after.restore()
     try:
-        result.outputs_match, result.outputs_differ = structures_equal(log.output, expected)
+        result.outputs_match, result.outputs_differ = _compare_outputs(log, expected)
     except Exception as exc:  # noqa: BLE001 - a tensor subclass without an equality kernel (MaskedTensor)
         result.outputs_differ = f"not compared: torch.equal raised {type(exc).__name__} on the outputs"
     # (A copy of the model has its own copy of a generator it holds: both runs then drew the same numbers.)
@@ -218,6 +218,21 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         result.outputs_match = None
         result.outputs_differ = "not compared by value: meta or fake tensors hold none (their shapes and dtypes agree)"
     return result
+
+
+def _compare_outputs(log, expected) -> tuple:
+    """``structures_equal`` of the traced and untraced outputs, or, where they differ, of those not returned as
+    an op of uninitialized memory made them (``torch.empty`` and kin): each run's holds what its allocator left."""
+    equal, why = structures_equal(log.output, expected)
+    made_by = {o.io_path: log[o.parents[0]].func_name for o in log.outputs if o.parents} if not equal else {}
+    leaves = tensor_leaves(log.output)
+    undefined = {path: None for path, _ in leaves if made_by.get(path_text("output", path)) in UNINITIALIZED_FUNCS}
+    if not undefined:
+        return equal, why
+    equal, why = structures_equal(fill(log.output, undefined), fill(expected, undefined))
+    left_out = f"not compared: {', '.join(path_text('output', p) for p in undefined)}, uninitialized memory " \
+               "(torch.empty and kin), whose contents are not defined"
+    return (None if len(undefined) == len(leaves) else True, left_out) if equal else (equal, why)
 
 
 def _op_drawing_from_own_generator(log):
