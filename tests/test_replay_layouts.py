@@ -87,3 +87,18 @@ def test_a_matmul_reading_a_conjugate_view_replays_exactly():
     assert not torch.equal(z.mH @ y.mT, z.mH.resolve_conj() @ y.mT)  # the two paths differ in their bits here
     result = tl.validate(_AdjointProjection(), (z, y))
     assert result.passed and not result.mismatched and result.replayed == 3, result
+
+
+class _EvenSimilarity(nn.Module):
+    def forward(self, a, b):
+        return torch.dot(a, b)
+
+
+def test_an_input_strided_with_gaps_is_copied_with_its_strides_for_the_untraced_run():
+    # tl.validate's untraced reference ran on a contiguous clone of ``x[::2]``, whose dot product sums in
+    # another order: "outputs equal an untraced run: False" for a faithful trace.
+    torch.manual_seed(0)
+    a, b = torch.randn(2000)[::2], torch.randn(1000)
+    assert not torch.equal(torch.dot(a, b), torch.dot(a.clone(), b))  # the two layouts differ in their bits here
+    result = tl.validate(_EvenSimilarity(), (a, b))
+    assert result.passed and result.outputs_match, result

@@ -9,6 +9,8 @@ objects, for comparing return values of any shape.
 A path is a tuple of keys: list indices, dict keys and field names, outermost first.  ``strip``
 copies a value with every tensor replaced by ``None`` (so a record holds the non-tensor arguments by
 value, not by reference to a list the model may mutate later) and ``fill`` puts tensors back.
+``clone_inputs`` copies a call's inputs for an extra run, each plain tensor with its strides and alignment
+(``copy_with_layout``, which replay's copies share).
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ def clone_inputs(obj, memo=None):
     clones = {}
     for path, t in tensor_leaves(obj):
         if id(t) not in memo:
-            memo[id(t)] = t.clone()
+            memo[id(t)] = _copy_of_input(t)
         clones[path] = memo[id(t)]
     held = tensor_leaves(obj, attrs=True)
     if len(held) == len(clones):
@@ -226,13 +228,20 @@ def clone_inputs(obj, memo=None):
     # update them in place, so the object is copied too, each tensor as its clone.
     for _, t in held:
         if id(t) not in memo:
-            memo[id(t)] = t.clone()
+            memo[id(t)] = _copy_of_input(t)
     try:
         return copy.deepcopy(obj, memo)
     except Exception as exc:  # noqa: BLE001 - an object that cannot be copied is passed as it is
         warn_user(f"torchlens could not copy a {type(obj).__name__} input ({type(exc).__name__}: {exc}): "
                   "the extra run uses it as given, so a forward that changes it in place changes it again")
     return fill(strip(obj), clones)
+
+
+def _copy_of_input(t: Tensor) -> Tensor:
+    """A copy of a plain tensor with its strides and alignment (``copy_with_layout``): a kernel reading a strided
+    input (``torch.dot`` over ``x[::2]``) sums in another order, to other bits, than over a contiguous clone.
+    Any other tensor (a subclass, a fake one) is cloned as its class clones it."""
+    return copy_with_layout(t) if type(t) is Tensor and not without_values(t) else t.clone()
 
 
 def clone_call(args, kwargs) -> tuple:
@@ -385,6 +394,63 @@ def _dense(t: Tensor) -> Tensor:
     if t.is_nested:
         return torch.nested.to_padded_tensor(t, 0.0) if t.is_floating_point() else t.to_padded_tensor(0)
     return t.to_dense()
+
+
+# The alignment torch's allocators give a new tensor's memory (CPU: 64 bytes).  Vectorized kernels take
+# different paths for memory that is not so aligned, and so round differently: a view into a tensor (the
+# step ``x[:, t]`` an RNN cell reads) is copied at the same offset from it.
+_ALIGNMENT = 64
+
+
+def copy_with_layout(t):
+    """A private copy with ``t``'s strides and its memory's offset from an aligned address: a reduction over a
+    strided view (``z.real``) sums in a different order, and so to different bits, than over a contiguous
+    copy, a kernel reading unaligned memory can round differently from one reading aligned memory, and a
+    write to one element of an expanded tensor reaches every place it shows in.  A conjugate or negative view
+    (``z.mH``) stays one, over a copy of its memory: a copy written out holds the values conjugated, and a
+    kernel reading them (``matmul``) takes another path, to other bits, than one reading the lazy view."""
+    if t.is_conj():
+        return copy_with_layout(t.conj()).conj()
+    if t.is_neg():
+        return torch._neg_view(copy_with_layout(torch._neg_view(t)))
+    if t.layout != torch.strided or t.is_nested:  # in that order: CSR has no strides
+        return t.clone()
+    shift = _misalignment(t)
+    if not shift and t.is_contiguous():
+        return t.clone()
+    try:
+        return _empty_at(t, shift).copy_(t)
+    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written element by element
+        return _copy_of_span(t)
+
+
+def _misalignment(t) -> int:
+    """How many elements ``t``'s first element lies past an aligned address (0 when unknown or aligned)."""
+    if without_values(t):  # a meta or fake tensor: no memory, and torch warns when a fake one is asked for it
+        return 0
+    try:
+        size, address = t.element_size(), t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+    offset = address % _ALIGNMENT
+    return offset // size if size and offset % size == 0 else 0
+
+
+def _empty_at(t, shift: int):
+    """An uninitialized tensor with ``t``'s shape and strides whose first element lies ``shift`` elements into
+    freshly allocated (aligned) memory: a tensor of its own, not a view, as ``torch.empty_strided`` makes."""
+    if not shift or t.numel() == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
+    memory = torch.empty((shift + reach,), dtype=t.dtype, device=t.device).untyped_storage()
+    return torch.empty((0,), dtype=t.dtype, device=t.device).set_(memory, shift, t.shape, t.stride())
+
+
+def _copy_of_span(t):
+    """A copy of the memory an overlapping view spans (``x.expand(3, 4)``: ``x``'s four elements), viewed with
+    the view's strides: a reduction over it then sums in the order it did in the forward."""
+    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
+    return t.as_strided((reach,), (1,)).clone().as_strided(t.shape, t.stride())
 
 
 def as_args(value) -> tuple:

@@ -22,14 +22,14 @@ import torch
 
 from .errors import closest_hint, counted, first_few
 from .record.columns import UNINITIALIZED_FUNCS
-from .record.layouts import copy_with_layout, memory_freed, version_of
+from .record.layouts import memory_freed, version_of
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
 from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, settings_by_name
 from .capture.collectives import is_collective
 from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
-from .tree import (as_args, as_kwargs, clone_call, fill, path_text, slice_with_tensor, structures_equal,
-                   tensor_leaves, unmaterialized, without_values)
+from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, path_text, slice_with_tensor,
+                   structures_equal, tensor_leaves, unmaterialized, without_values)
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)

@@ -23,10 +23,9 @@ from weakref import ref as weakref
 
 import torch
 
-from ..tree import is_uninitialized, made_in_transform
+from ..tree import copy_with_layout, is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
-from ..record.layouts import (copy_with_layout, held_bytes, memory_freed, memory_span, shape_of, spans_meet,
-                              storage_holders, version_of)
+from ..record.layouts import held_bytes, memory_freed, memory_span, shape_of, spans_meet, storage_holders, version_of
 from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.replay_context import attention_backends, grad_and_autocast
 

@@ -14,7 +14,7 @@ from operator import attrgetter
 
 import torch
 
-from ..tree import TENSOR_TYPES, without_values
+from ..tree import TENSOR_TYPES
 
 _VERSION = attrgetter("_version")
 
@@ -249,34 +249,6 @@ def memory_freed(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() < span[1]
 
 
-# The alignment torch's allocators give a new tensor's memory (CPU: 64 bytes).  Vectorized kernels take
-# different paths for memory that is not so aligned, and so round differently: a view into a tensor (the
-# step ``x[:, t]`` an RNN cell reads) is copied at the same offset from it.
-_ALIGNMENT = 64
-
-
-def copy_with_layout(t):
-    """A private copy with ``t``'s strides and its memory's offset from an aligned address: a reduction over a
-    strided view (``z.real``) sums in a different order, and so to different bits, than over a contiguous
-    copy, a kernel reading unaligned memory can round differently from one reading aligned memory, and a
-    write to one element of an expanded tensor reaches every place it shows in.  A conjugate or negative view
-    (``z.mH``) stays one, over a copy of its memory: a copy written out holds the values conjugated, and a
-    kernel reading them (``matmul``) takes another path, to other bits, than one reading the lazy view."""
-    if t.is_conj():
-        return copy_with_layout(t.conj()).conj()
-    if t.is_neg():
-        return torch._neg_view(copy_with_layout(torch._neg_view(t)))
-    if t.layout != torch.strided or t.is_nested:  # in that order: CSR has no strides
-        return t.clone()
-    shift = _misalignment(t)
-    if not shift and t.is_contiguous():
-        return t.clone()
-    try:
-        return _empty_at(t, shift).copy_(t)
-    except RuntimeError:  # overlapping strides (an expanded tensor) cannot be written element by element
-        return _copy_of_span(t)
-
-
 def permuted_strides(t) -> list | None:
     """``t``'s strides when its elements fill their memory without gaps in an order other than row-major
     (channels_last, a transpose): what a copy written in row order needs to be laid out as ``t`` is; None
@@ -289,32 +261,3 @@ def permuted_strides(t) -> list | None:
             return None
         expected *= size
     return list(t.stride())
-
-
-def _misalignment(t) -> int:
-    """How many elements ``t``'s first element lies past an aligned address (0 when unknown or aligned)."""
-    if without_values(t):  # a meta or fake tensor: no memory, and torch warns when a fake one is asked for it
-        return 0
-    try:
-        size, address = t.element_size(), t.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
-    offset = address % _ALIGNMENT
-    return offset // size if size and offset % size == 0 else 0
-
-
-def _empty_at(t, shift: int):
-    """An uninitialized tensor with ``t``'s shape and strides whose first element lies ``shift`` elements into
-    freshly allocated (aligned) memory: a tensor of its own, not a view, as ``torch.empty_strided`` makes."""
-    if not shift or t.numel() == 0:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
-    memory = torch.empty((shift + reach,), dtype=t.dtype, device=t.device).untyped_storage()
-    return torch.empty((0,), dtype=t.dtype, device=t.device).set_(memory, shift, t.shape, t.stride())
-
-
-def _copy_of_span(t):
-    """A copy of the memory an overlapping view spans (``x.expand(3, 4)``: ``x``'s four elements), viewed with
-    the view's strides: a reduction over it then sums in the order it did in the forward."""
-    reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
-    return t.as_strided((reach,), (1,)).clone().as_strided(t.shape, t.stride())
