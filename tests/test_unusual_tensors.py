@@ -459,3 +459,18 @@ def test_a_saved_subclass_loads_as_its_values_and_a_wrapper_subclass_says_why_it
     wrapped = tl.load(tl.trace(model, Wrapped(x)).save(tmp_path / "wrapped"))
     with pytest.raises(tl.errors.ActivationUnavailable, match="a Wrapped tensor subclass has no plain storage to save"):
         wrapped["linear_1_1"].activation
+
+
+class _HalfComplexRotation(nn.Module):
+    """Rotates in complex32 (``chalf``), which torch.equal has no kernel for."""
+
+    def forward(self, x):
+        z = torch.view_as_complex(x).chalf()
+        return z * z
+
+
+def test_complex32_outputs_are_compared_by_their_real_and_imaginary_halves():
+    # torch.equal raised NotImplementedError for ComplexHalf: validation compared nothing ("nothing to replay").
+    torch.manual_seed(0)
+    result = tl.validate(_HalfComplexRotation(), torch.randn(4, 2))
+    assert result.passed and result.outputs_match and result.replayed == 3, result
