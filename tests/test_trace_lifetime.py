@@ -142,3 +142,37 @@ def test_records_are_views_equal_by_what_they_address():
     assert log.ops == log.ops and list(log.ops[1:3]) == [log.ops[1], log.ops[2]]
     other = tl.trace(model, args, kwargs)
     assert log.ops[3] != other.ops[3]  # the same address in another trace is another record
+
+
+class _FailsInABlock(torch.nn.Module):
+    """Five layers' activations, then a failure: a torch op of a submodule (``shape``) or the forward's own
+    ``raise`` (``model``)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.layer, self.head, self.how = torch.nn.Linear(16, 16), torch.nn.Linear(3, 3), how
+
+    def forward(self, x):
+        for _ in range(5):
+            x = torch.relu(self.layer(x))
+        if self.how == "model":
+            raise ValueError("the model's own error")
+        return self.head(x)  # 16 features into a Linear of 3: the op raises
+
+
+@pytest.mark.parametrize("how", ["shape", "model"])
+@pytest.mark.parametrize("options", [{}, {"grads": True}, {"saved_for_backward": True}, {"record_finite": True}],
+                         ids=["plain", "grads", "saved_for_backward", "record_finite"])
+def test_a_failed_traces_exception_holds_no_activation_and_no_cycle(how, options, no_collector):
+    """A kept exception (a notebook keeps the last one) keeps what an untraced forward's exception keeps, not
+    every activation the abandoned trace saved; dropping it frees the model by reference counting."""
+    model, x = _FailsInABlock(how), torch.randn(4, 16)
+    made = []
+    model.layer.register_forward_hook(lambda module, inputs, output: made.append(weakref.ref(output)))
+    with pytest.raises((RuntimeError, ValueError)) as raised:
+        tl.trace(model, x, **options)
+    assert len(made) == 5 and "torchlens: raised" in "\n".join(raised.value.__notes__)
+    assert not [r for r in made if r() is not None], "the kept exception holds the failed trace's activations"
+    dropped = weakref.ref(model)
+    del model, raised
+    assert dropped() is None, "the failed trace left a reference cycle: only the collector frees the model"

@@ -41,7 +41,8 @@ from .restore import module_run_by
 from .saving import SavePolicy, SelectedModuleOutputs
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, CaptureState, StopForward
-from .teardown import Capture, ModeOnStack, leftovers, restore_torch_function_state, torch_function_state
+from .teardown import (Capture, ModeOnStack, leftovers, release_failed, restore_torch_function_state,
+                       torch_function_state)
 from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_compile_wrapper, unwrap,
                        warn_unreduced_grads)
 
@@ -279,6 +280,7 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
         if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
             shown.close()
             _annotate(exc, state, root, leftovers(mode, parts), args)
+            release_failed(state)
             raise
         return None  # stop_after= reached: the trace holds everything up to that site
     finally:

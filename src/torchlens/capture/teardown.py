@@ -178,6 +178,19 @@ def leftovers(mode, parts) -> list:
     return left
 
 
+def release_failed(state) -> None:
+    """Let go of what the capture of a forward that raised holds: no trace is made of it, yet the exception's
+    traceback keeps the trace's frames, and with them ``state``, for as long as the exception is kept (a
+    notebook keeps the last one).  Without this, a kept exception would keep every activation saved before the
+    failure, and the exception ``state`` names (``failure``, ``raised_in``) would close a reference cycle through
+    those frames, freeing the model, its inputs and the activations only when the collector runs."""
+    state.failure = state.raised_in = state.grads = state.finite_flags = None
+    for held in (state.calls, state.records, state.module_calls, state.producers, state.writers, state.unwritten,
+                 state.data_bases, state.saved, state.saved_versions, state._by_storage, state.unkeyed,
+                 state.param_writes, state.contexts, state.clobbered):
+        held.clear()
+
+
 def remove_handles(handles: list) -> None:
     """Remove every hook handle in ``handles``, emptying it.  An interrupt landing meanwhile is re-raised
     only once every hook is gone (``RemovableHandle.remove`` is idempotent, so a retry is safe)."""
