@@ -160,18 +160,31 @@ class _FailsInABlock(torch.nn.Module):
         return self.head(x)  # 16 features into a Linear of 3: the op raises
 
 
+def _doubled_noting(given: list):
+    """An intervention action that doubles each value, noting (weakly) the original it is given."""
+    def action(t, op):
+        given.append(weakref.ref(t))
+        return t * 2
+    return action
+
+
 @pytest.mark.parametrize("how", ["shape", "model"])
-@pytest.mark.parametrize("options", [{}, {"grads": True}, {"saved_for_backward": True}, {"record_finite": True}],
-                         ids=["plain", "grads", "saved_for_backward", "record_finite"])
-def test_a_failed_traces_exception_holds_no_activation_and_no_cycle(how, options, no_collector):
+@pytest.mark.parametrize("option", ["plain", "grads", "saved_for_backward", "record_finite", "intervened"])
+def test_a_failed_traces_exception_holds_no_activation_and_no_cycle(how, option, no_collector):
     """A kept exception (a notebook keeps the last one) keeps what an untraced forward's exception keeps, not
-    every activation the abandoned trace saved; dropping it frees the model by reference counting."""
+    every activation (or intervened op's original value) the abandoned trace saved; dropping it frees the model
+    by reference counting."""
     model, x = _FailsInABlock(how), torch.randn(4, 16)
     made = []
     model.layer.register_forward_hook(lambda module, inputs, output: made.append(weakref.ref(output)))
-    with pytest.raises((RuntimeError, ValueError)) as raised:
+    options = {"intervene": {"layer": _doubled_noting(made)}} if option == "intervened" else \
+        {} if option == "plain" else {option: True}
+    # Without gradients an intervened op's kept original is the very tensor the action was given (with them,
+    # a detached alias of it, which a weak reference to that tensor cannot follow).
+    with pytest.raises((RuntimeError, ValueError)) as raised, torch.set_grad_enabled(option != "intervened"):
         tl.trace(model, x, **options)
-    assert len(made) == 5 and "torchlens: raised" in "\n".join(raised.value.__notes__)
+    assert len(made) == (10 if option == "intervened" else 5)
+    assert "torchlens: raised" in "\n".join(raised.value.__notes__)
     assert not [r for r in made if r() is not None], "the kept exception holds the failed trace's activations"
     dropped = weakref.ref(model)
     del model, raised

@@ -280,7 +280,7 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
         if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
             shown.close()
             _annotate(exc, state, root, leftovers(mode, parts), args)
-            release_failed(state)
+            release_failed(state, runtime)
             raise
         return None  # stop_after= reached: the trace holds everything up to that site
     finally:

@@ -178,17 +178,22 @@ def leftovers(mode, parts) -> list:
     return left
 
 
-def release_failed(state) -> None:
+def release_failed(state, runtime) -> None:
     """Let go of what the capture of a forward that raised holds: no trace is made of it, yet the exception's
-    traceback keeps the trace's frames, and with them ``state``, for as long as the exception is kept (a
-    notebook keeps the last one).  Without this, a kept exception would keep every activation saved before the
-    failure, and the exception ``state`` names (``failure``, ``raised_in``) would close a reference cycle through
-    those frames, freeing the model, its inputs and the activations only when the collector runs."""
+    traceback keeps the trace's frames, and with them ``state`` and the interventions' ``runtime``, for as long
+    as the exception is kept (a notebook keeps the last one).  Without this, a kept exception would keep every
+    activation (and every intervened op's original value) saved before the failure, and the exception ``state``
+    names (``failure``, ``raised_in``) would close a reference cycle through those frames, freeing the model,
+    its inputs and the activations only when the collector runs."""
     state.failure = state.raised_in = state.grads = state.finite_flags = None
     for held in (state.calls, state.records, state.module_calls, state.producers, state.writers, state.unwritten,
                  state.data_bases, state.saved, state.saved_versions, state._by_storage, state.unkeyed,
                  state.param_writes, state.contexts, state.clobbered):
         held.clear()
+    if runtime is not None:
+        runtime.applied.clear()
+        runtime.originals.clear()
+        runtime.reference = None  # the metadata-only trace made to resolve label sites holds its own output
 
 
 def remove_handles(handles: list) -> None:
