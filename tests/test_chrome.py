@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import sys
 import warnings
 
@@ -23,7 +24,7 @@ def test_host_view_nests_ops_in_module_calls_with_labels(name, tmp_path):
     model, args, kwargs = zoo(0)[name]
     log = tl.trace(model, args, kwargs)
     path = log.to_chrome_trace(tmp_path / "ops.json")  # Trace delegates to report.chrome
-    data = json.load(open(path))
+    data = json.loads(pathlib.Path(path).read_text())
     assert data["otherData"]["clock"] == CLOCK_NOTE and "not device time" in CLOCK_NOTE
     events = _x_events(data)
     ops = [e for e in events if e["cat"] == "op"]
@@ -53,10 +54,10 @@ def test_both_chrome_files_load_in_holistic_trace_analysis(tmp_path):
     kp = tl.report.kernel_profile(model, args, kwargs, chrome_trace=tmp_path / "native" / "run.json")
     os.replace(tmp_path / "native" / "run.json.torchlens.json", tmp_path / "run.json.torchlens.json")
     kp.trace.to_chrome_trace(tmp_path / "host" / "ops.json")
-    sidecar = json.load(open(tmp_path / "run.json.torchlens.json"))
+    sidecar = json.loads((tmp_path / "run.json.torchlens.json").read_text())
 
     for folder, file in (("native", "run.json"), ("host", "ops.json")):
-        data = json.load(open(tmp_path / folder / file))
+        data = json.loads((tmp_path / folder / file).read_text())
         expected = [e for e in _x_events(data) if e.get("cat") != "Trace"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -299,7 +300,7 @@ def test_a_killed_rank_is_named_and_the_rerun_redoes_only_its_uncommitted_batche
     (code0, result0), (code1, result1) = first
     assert code1 == -9 and result1 is None  # rank 1 was killed in its 4th forward
     assert "rank 1 did not reach the end of its share" in result0["error"]
-    progress = json.load(open(os.path.join(out, "rank-1", "progress.json")))
+    progress = json.loads(pathlib.Path(out, "rank-1", "progress.json").read_text())
     committed = progress["batches_done"]
     assert 1 <= committed < 6 and not progress["complete"]
     assert not os.path.exists(os.path.join(out, "manifest.json"))

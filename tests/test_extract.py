@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import runpy
 import signal
 import subprocess
@@ -67,7 +68,7 @@ def hooked_reference(model, batches):
 
 def progress_of(folder):
     try:
-        return json.load(open(os.path.join(folder, "progress.json")))
+        return json.loads(pathlib.Path(folder, "progress.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 

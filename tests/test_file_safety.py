@@ -7,6 +7,7 @@ import contextlib
 import gc
 import json
 import os
+import pathlib
 import signal
 import warnings
 
@@ -65,7 +66,7 @@ def partial_extraction(folder, model=None, **kw):
     with pytest.raises(KeyboardInterrupt):
         tl.extract(model or TwoLayer().eval(), interrupted(batches(), 4), ["fc", "head"], folder, shard_bytes=60,
                    progress=False, **kw)
-    assert json.load(open(os.path.join(folder, "progress.json")))["batches_done"] >= 2
+    assert json.loads(pathlib.Path(folder, "progress.json").read_text())["batches_done"] >= 2
 
 
 # ----- overwrite -----------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def test_overwrite_removes_only_listed_files_and_says_what_it_kept(saved):
     os.mkdir(os.path.join(saved, "plots"))
     with pytest.warns(UserWarning, match=r"kept 2 entries .*\(notes.txt, plots\)"):
         log.save(saved, overwrite=True)
-    assert open(os.path.join(saved, "notes.txt")).read() == "keep me" and os.path.isdir(os.path.join(saved, "plots"))
+    assert pathlib.Path(saved, "notes.txt").read_text() == "keep me" and os.path.isdir(os.path.join(saved, "plots"))
     assert tl.load(saved)[-1].label == log[-1].label
     assert len(tl.load(saved)) == len(log)
 
@@ -108,9 +109,9 @@ def test_a_manifest_naming_files_outside_is_not_obeyed(saved, tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     path = os.path.join(saved, "manifest.json")
-    manifest = json.load(open(path))
+    manifest = json.loads(pathlib.Path(path).read_text())
     manifest["files"]["../victim.txt"] = {"bytes": 8, "sha256": "0" * 64}
-    json.dump(manifest, open(path, "w"))
+    pathlib.Path(path).write_text(json.dumps(manifest))
     with pytest.raises(TraceFileError, match="refusing file name '../victim.txt'"):
         tl.trace(*zoo()["mlp"][:2]).save(saved, overwrite=True)
     assert victim.read_text() == "precious"
@@ -189,7 +190,7 @@ def test_hostile_files_of_a_finished_extraction(tmp_path, kind):
 def test_a_committed_shard_replaced_by_a_fifo_is_refused_on_resume(tmp_path):
     folder = tmp_path / "x"
     partial_extraction(folder)
-    shard = json.load(open(folder / "progress.json"))["shards"][0]["file"]
+    shard = json.loads((folder / "progress.json").read_text())["shards"][0]["file"]
     replace_with(folder, shard, os.mkfifo)
     with deadline(20), pytest.raises(UnsafeMemberError, match=f"{shard}: is a FIFO"):
         tl.extract(TwoLayer().eval(), batches(), ["fc", "head"], folder, shard_bytes=60, progress=False)
@@ -227,12 +228,12 @@ def test_json_that_would_crash_or_mislead_the_parser_is_refused(saved, tmp_path,
 
 def test_1e400_inside_a_rehashed_trace_json_is_refused(saved):
     path = os.path.join(saved, "trace.json")
-    text = open(path).read().replace('"timings":{', '"timings":{"x":1e400,', 1)
-    open(path, "w").write(text)
+    text = pathlib.Path(path).read_text().replace('"timings":{', '"timings":{"x":1e400,', 1)
+    pathlib.Path(path).write_text(text)
     manifest_path = os.path.join(saved, "manifest.json")
-    manifest = json.load(open(manifest_path))
+    manifest = json.loads(pathlib.Path(manifest_path).read_text())
     manifest["files"]["trace.json"].update(bytes=os.path.getsize(path), sha256=sha256_of(path))
-    json.dump(manifest, open(manifest_path, "w"))
+    pathlib.Path(manifest_path).write_text(json.dumps(manifest))
     with pytest.raises(TraceFileError, match="trace.json: .*1e400 overflows to inf"):
         tl.load(saved)
 
@@ -383,7 +384,7 @@ def test_saving_over_a_trace_failing_at_any_step_leaves_one_whole_trace_and_the_
             except (error, TraceFileError):  # a refused move is said in a TraceFileError
                 pass
         assert len(tl.load(folder)) in (len(old), len(new)), f"failed at step {step}"
-        assert not foreign or open(os.path.join(folder, "notes.txt")).read() == "keep me"
+        assert not foreign or pathlib.Path(folder, "notes.txt").read_text() == "keep me"
         assert step < 100, "the save never completed"
     assert step > 8  # the loop walked through the writes, the swap and the deletion of the old files
 

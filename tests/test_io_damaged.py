@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 
 import pytest
@@ -27,25 +28,25 @@ def saved(tmp_path):
 def rehash(folder) -> None:
     """Make the manifest agree with edited files: a deliberate tamper, not an accident."""
     path = os.path.join(folder, "manifest.json")
-    manifest = json.load(open(path))
+    manifest = json.loads(pathlib.Path(path).read_text())
     for name, entry in manifest["files"].items():
         member = os.path.join(folder, name)
         if os.path.isfile(member):
             entry.update(bytes=os.path.getsize(member), sha256=sha256_of(member))
-    json.dump(manifest, open(path, "w"))
+    pathlib.Path(path).write_text(json.dumps(manifest))
 
 
 def edit_json(folder, name, change) -> None:
     path = os.path.join(folder, name)
-    record = json.load(open(path))
+    record = json.loads(pathlib.Path(path).read_text())
     change(record)
-    json.dump(record, open(path, "w"))
+    pathlib.Path(path).write_text(json.dumps(record))
 
 
 def test_truncated_file_is_refused(saved):
     path = os.path.join(saved, "activations.safetensors")
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[: len(data) // 2])
+    data = pathlib.Path(path).read_bytes()
+    pathlib.Path(path).write_bytes(data[: len(data) // 2])
     with pytest.raises(TraceFileError, match="truncated"):
         tl.load(saved)
 
@@ -53,9 +54,9 @@ def test_truncated_file_is_refused(saved):
 @pytest.mark.parametrize("name", ["trace.json", "activations.safetensors"])
 def test_flipped_byte_is_refused(saved, name):
     path = os.path.join(saved, name)
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(pathlib.Path(path).read_bytes())
     data[len(data) // 2] ^= 0x01
-    open(path, "wb").write(bytes(data))
+    pathlib.Path(path).write_bytes(bytes(data))
     with pytest.raises(TraceFileError, match=f"{name}: content hash does not match"):
         tl.load(saved)
 
@@ -136,8 +137,8 @@ _FUZZ = dict(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.
        resign=st.booleans())
 def test_fuzzed_damage_is_refused_or_harmless(saved, name, position, flip, cut, resign):
     path = os.path.join(saved, name)
-    original = open(path, "rb").read()
-    manifest = open(os.path.join(saved, "manifest.json"), "rb").read()
+    original = pathlib.Path(path).read_bytes()
+    manifest = pathlib.Path(saved, "manifest.json").read_bytes()
     data = bytearray(original)
     at = int(position * len(data))
     if cut:
@@ -145,7 +146,7 @@ def test_fuzzed_damage_is_refused_or_harmless(saved, name, position, flip, cut, 
     else:
         data[at] ^= flip
     try:
-        open(path, "wb").write(bytes(data))
+        pathlib.Path(path).write_bytes(bytes(data))
         if resign and name != "manifest.json":
             rehash(saved)
         try:
@@ -157,8 +158,8 @@ def test_fuzzed_damage_is_refused_or_harmless(saved, name, position, flip, cut, 
             loaded.to_pandas()
             [op.activation for op in loaded.ops]
     finally:
-        open(path, "wb").write(original)
-        open(os.path.join(saved, "manifest.json"), "wb").write(manifest)
+        pathlib.Path(path).write_bytes(original)
+        pathlib.Path(saved, "manifest.json").write_bytes(manifest)
 
 
 def json_paths(obj, path=()):
@@ -179,8 +180,8 @@ _JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.te
 @given(pick=st.floats(0, 1, exclude_max=True), value=_JSON_VALUES)
 def test_fuzzed_json_values_are_refused_or_harmless(saved, pick, value):
     path = os.path.join(saved, "trace.json")
-    original = open(path, "rb").read()
-    manifest = open(os.path.join(saved, "manifest.json"), "rb").read()
+    original = pathlib.Path(path).read_bytes()
+    manifest = pathlib.Path(saved, "manifest.json").read_bytes()
     record = json.loads(original)
     paths = [p for p in json_paths(record) if p]
     target = paths[int(pick * len(paths))]
@@ -189,7 +190,7 @@ def test_fuzzed_json_values_are_refused_or_harmless(saved, pick, value):
         holder = holder[key]
     holder[target[-1]] = value
     try:
-        json.dump(record, open(path, "w"))
+        pathlib.Path(path).write_text(json.dumps(record))
         rehash(saved)
         try:
             loaded = tl.load(saved)
@@ -201,5 +202,5 @@ def test_fuzzed_json_values_are_refused_or_harmless(saved, pick, value):
             loaded.module_calls.to_pandas()
             [(op.activation, op.source, op.parents, op.children, op.modules) for op in loaded.ops]
     finally:
-        open(path, "wb").write(original)
-        open(os.path.join(saved, "manifest.json"), "wb").write(manifest)
+        pathlib.Path(path).write_bytes(original)
+        pathlib.Path(saved, "manifest.json").write_bytes(manifest)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import warnings
 import sys
 
@@ -502,12 +503,12 @@ def test_fixture_coverage_reports_busy_union_and_what_was_not_attributed():
 def test_fixture_loads_in_holistic_trace_analysis(tmp_path):
     hta = pytest.importorskip("hta.trace_analysis")
     os.makedirs(tmp_path / "trace")
-    (tmp_path / "trace" / "kernel_profile_cuda.json").write_bytes(open(FIXTURE, "rb").read())
+    (tmp_path / "trace" / "kernel_profile_cuda.json").write_bytes(pathlib.Path(FIXTURE).read_bytes())
     analysis = hta.TraceAnalysis(trace_dir=str(tmp_path / "trace"))
     frame = analysis.t.get_trace(0)
     symbols = analysis.t.symbol_table.get_sym_table()
     kernels = frame[frame["cat"] == symbols.index("kernel")] if isinstance(symbols, list) else None
-    data = json.load(open(FIXTURE))
+    data = json.loads(pathlib.Path(FIXTURE).read_text())
     assert kernels is not None
     assert len(kernels) == sum(1 for e in data["traceEvents"] if e.get("cat") == "kernel")
     assert set(kernels["correlation"]) == {e["args"]["correlation"] for e in data["traceEvents"]

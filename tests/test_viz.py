@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import sys
 
@@ -597,6 +598,6 @@ def test_nesting_the_module_boxes_compares_each_box_a_bounded_number_of_times(tm
     monkeypatch.setattr(graph, "project", counted_project)
     _CountedIndex.compared = 0
     dot = log.render(tmp_path / "model.dot")
-    boxes = len(CLUSTER.findall(open(dot).read()))
+    boxes = len(CLUSTER.findall(pathlib.Path(dot).read_text()))
     assert boxes == len(log.module_calls) == 450
     assert _CountedIndex.compared <= 4 * boxes
