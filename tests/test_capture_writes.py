@@ -322,3 +322,27 @@ def test_running_statistics_batch_norm_update_stats_writes_keep_their_value_as_f
     assert log[log.outputs[0].parents[0]].parents[-1] == second.label
     result = log.validate()
     assert result.passed and not result.mismatched, result
+
+
+# ----- calls that write out= tensors and return nothing ------------------------------------------------
+class SplitsInto(nn.Module):
+    """FSDP2's split-copy, in miniature: ``split_with_sizes_copy`` returns None and writes its out= list."""
+
+    def forward(self, x):
+        first, second = torch.empty(2, 4), torch.empty(1, 4)
+        torch.split_with_sizes_copy(x * 2, [2, 1], 0, out=[first, second])
+        return first + 1, second.sum()
+
+
+def test_a_call_that_returns_nothing_but_writes_its_out_tensors_is_the_op_its_readers_read():
+    model, x = SplitsInto(), torch.randn(3, 4)
+    log = tl.trace(model, x)
+    ops = {op.func_name: op for op in log.ops if op.kind == "op"}
+    splits = [op for op in log.ops if op.func_name == "split_with_sizes_copy"]
+    assert [tuple(op.shape) for op in splits] == [(2, 4), (1, 4)]
+    assert all(ops["mul"].label in op.parents for op in splits)
+    assert ops["add"].parents == [splits[0].label] and ops["sum"].parents == [splits[1].label]
+    assert torch.equal(splits[0].activation, (x * 2)[:2]) and torch.equal(splits[1].activation, (x * 2)[2:])
+    assert all(torch.equal(a, b) for a, b in zip(log.output, model(x)))
+    result = tl.validate(model, x)
+    assert result.passed and result.replayed == 4, str(result)  # mul, the split (one call), add and sum

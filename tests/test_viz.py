@@ -38,12 +38,8 @@ def first_outputs(log) -> dict:
     return first
 
 
-def call_chain(mc):
-    chain = []
-    while mc is not None:
-        chain.append(mc.address)
-        mc = mc.parent
-    return tuple(reversed(chain))
+def call_chain(mc) -> tuple:
+    return () if mc is None else call_chain(mc.parent) + (mc.address,)
 
 
 @pytest.fixture(scope="module")
