@@ -189,3 +189,40 @@ def test_a_failed_traces_exception_holds_no_activation_and_no_cycle(how, option,
     dropped = weakref.ref(model)
     del model, raised
     assert dropped() is None, "the failed trace left a reference cycle: only the collector frees the model"
+
+
+class _DropsCycles(torch.nn.Module):
+    """Each step drops an object that refers to itself and holds a tensor: garbage only the collector frees."""
+
+    def __init__(self, collect: bool):
+        super().__init__()
+        self.collect, self.seen = collect, []
+
+    def forward(self, x):
+        import gc
+
+        for _ in range(3):
+            node = {"value": x * 2}
+            node["self"] = node
+            self.seen.append(weakref.ref(node["value"]))
+            del node
+            if self.collect:
+                gc.collect()
+        self.seen.append(gc.isenabled())
+        return x + 1
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_the_collector_waits_for_the_trace_to_end_and_an_explicit_collect_still_runs(collect):
+    # docs/capture_honesty.md ("The cycle collector"): paused during the forward, as the user left it after.
+    import gc
+
+    assert gc.isenabled()
+    model = _DropsCycles(collect)
+    tl.trace(model, torch.randn(3), save="none")
+    *values, enabled_inside = model.seen
+    assert enabled_inside is False and gc.isenabled()
+    if collect:  # the forward's own gc.collect() freed each step's cycle
+        assert all(value() is None for value in values)
+    gc.collect()
+    assert all(value() is None for value in values)
