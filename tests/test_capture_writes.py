@@ -241,24 +241,6 @@ class _AtenBatchNorm(nn.Module):
         return a + b + bn.running_mean
 
 
-def test_running_statistics_an_aten_batch_norm_writes_keep_their_value_as_first_read():
-    # Their schemas do not mark the statistics written and the kernel moves no version counter: the running
-    # mean's node held the value the first call had written into it, and its readers named that node.
-    x = torch.randn(3, 4)
-    model = _AtenBatchNorm().train()
-    first_read = model.bn.running_mean.clone()
-    log = tl.trace(model, x)
-    assert torch.equal(log.output, _AtenBatchNorm().train()(x))
-    mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
-    assert torch.equal(mean_node.activation, first_read)
-    first = next(op for op in log if op.type == "nativebatchnorm")
-    second = next(op for op in log if op.type == "batchnorm")
-    assert second.parents[1:] == [first.label, first.label]  # the statistics as the first call left them
-    assert log[log.outputs[0].parents[0]].parents[-1] == second.label
-    result = log.validate()
-    assert result.passed and not result.mismatched, result
-
-
 class _TorchLevelBatchNorm(nn.Module):
     """Training-mode batch norms called through the torch-level names of aten operators, as torch's OpInfo
     samples call them (``torch.native_batch_norm``, ``torch._native_batch_norm_legit``)."""
@@ -276,19 +258,23 @@ class _TorchLevelBatchNorm(nn.Module):
 
 
 @pytest.mark.parametrize("compiled", PATHS)
-def test_running_statistics_a_torch_level_native_batch_norm_writes_keep_their_value_as_first_read(compiled):
-    # Their Python signatures hide the write and the kernel moves no version counter: the running mean's
-    # node held the value the second call had left in it, and the second call named the node as its parent.
+@pytest.mark.parametrize("model_class, second_type", [(_AtenBatchNorm, "batchnorm"),
+                                                      (_TorchLevelBatchNorm, "nativebatchnormlegit")])
+def test_running_statistics_a_batch_norm_kernel_writes_keep_their_value_as_first_read(model_class, second_type,
+                                                                                       compiled):
+    # Neither the aten schemas nor the torch-level Python signatures mark the statistics written, and the kernel
+    # moves no version counter: the running mean's node held the value a later call had left in it, and its
+    # readers named that node.
     x = torch.randn(3, 4)
-    model = _TorchLevelBatchNorm().train()
+    model = model_class().train()
     first_read = model.bn.running_mean.clone()
     with on_path(compiled):
         log = tl.trace(model, x)
-    assert torch.equal(log.output, _TorchLevelBatchNorm().train()(x))
+    assert torch.equal(log.output, model_class().train()(x))
     mean_node = next(op for op in log if op.is_buffer and op.io_path == "bn.running_mean")
     assert torch.equal(mean_node.activation, first_read)
     first = next(op for op in log if op.type == "nativebatchnorm")
-    second = next(op for op in log if op.type == "nativebatchnormlegit")
+    second = next(op for op in log if op.type == second_type)
     assert second.parents[1:] == [first.label, first.label]  # the statistics as the first call left them
     assert log[log.outputs[0].parents[0]].parents[-1] == second.label
     result = log.validate()
