@@ -369,6 +369,3 @@ def _user_frame(exc) -> str | None:
             found = f"{frame.filename}:{frame.lineno} in {frame.name}"
     return found
 
-
-if __name__ == "__main__":
-    sys.exit(main())
