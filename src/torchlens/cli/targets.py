@@ -22,6 +22,7 @@ class ModelError(Exception):
 
 
 def note(message: str) -> None:
+    """A progress note, on stderr: stdout holds the results alone, for a pipe."""
     print(f"torchlens: {message}", file=sys.stderr, flush=True)
 
 
