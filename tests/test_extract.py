@@ -142,6 +142,40 @@ def test_in_process_interruption_resumes_without_duplicates(tmp_path):
     assert tl.extract(model, data, ["fc", "head"], tmp_path / "x", progress=False) == str(tmp_path / "x")
 
 
+class TrainModeNorm(nn.Module):
+    """BatchNorm in train mode: every forward updates its running statistics (buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.bn, self.head = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_a_model_whose_forwards_update_its_buffers_resumes_in_the_same_process(tmp_path):
+    """The extraction's own forwards move a train-mode BatchNorm's running statistics; resuming with that same
+    model was refused as another model, while one rebuilt from its checkpoint (a killed run) resumed."""
+    data = [torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    model = TrainModeNorm().train()
+    with pytest.raises(KeyboardInterrupt):  # a shard per two batches: batch 4 ran, moving the statistics, uncommitted
+        tl.extract(model, interrupted(data, 5), ["bn", "head"], tmp_path / "x", shard_bytes=1500, progress=False)
+    assert progress_of(tmp_path / "x")["batches_done"] == 4
+    tl.extract(model, data, ["bn", "head"], tmp_path / "x", shard_bytes=1500, progress=False)
+    tl.extract(TrainModeNorm().train(), data, ["bn", "head"], tmp_path / "y", shard_bytes=1500, progress=False)
+    resumed, whole = tl.load_extracted(tmp_path / "x"), tl.load_extracted(tmp_path / "y")
+    for name in ("bn", "head"):
+        np.testing.assert_array_equal(resumed[name], whole[name])
+    other = TrainModeNorm().train()
+    with torch.no_grad():
+        other.head.weight.add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 4), ["bn"], tmp_path / "z", shard_bytes=100, progress=False)
+    with pytest.raises(ResumeMismatchError, match="parameters or buffers differ"):
+        tl.extract(other, data, ["bn"], tmp_path / "z", shard_bytes=100, progress=False)
+
+
 def test_resuming_with_other_inputs_or_layers_is_refused(tmp_path):
     model, data = TwoLayer().eval(), batches()
     with pytest.raises(KeyboardInterrupt):

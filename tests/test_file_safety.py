@@ -249,12 +249,12 @@ def test_an_oversized_manifest_is_refused_without_reading_it(saved):
 def test_resume_with_another_model_of_the_same_class_is_refused(tmp_path):
     folder = tmp_path / "x"
     partial_extraction(folder)
-    with pytest.raises(ResumeMismatchError, match="extracted with another TwoLayer .*parameters differ"):
+    with pytest.raises(ResumeMismatchError, match="extracted with another TwoLayer .*parameters or buffers differ"):
         tl.extract(TwoLayer(seed=1).eval(), batches(), ["fc", "head"], folder, shard_bytes=60, progress=False)
     tuned = TwoLayer().eval()
     with torch.no_grad():
         tuned.fc.weight[3, 5] += 1e-3  # one element of a small tensor: hashed in full
-    with pytest.raises(ResumeMismatchError, match="parameters differ"):
+    with pytest.raises(ResumeMismatchError, match="parameters or buffers differ"):
         tl.extract(tuned, batches(), ["fc", "head"], folder, shard_bytes=60, progress=False)
     tl.extract(TwoLayer().eval(), batches(), ["fc", "head"], folder, shard_bytes=60, progress=False)
     with torch.no_grad():

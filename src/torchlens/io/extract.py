@@ -153,6 +153,9 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
         if run.pending_batches:
             run.flush(inputs_fingerprint(*last))
         run.consolidate()
+    except BaseException:
+        run.note_stop(checked)
+        raise
     finally:
         bar.close()
     return out
@@ -369,7 +372,6 @@ class _NoBar:
         pass
 
 
-
 def refuse_nested(name: str, label: str, t: torch.Tensor) -> None:
     """Refuse a nested (ragged) activation: it has no single shape, so it can neither be stacked along dim 0
     nor held by safetensors (asked for its shape, torch raises an internal error instead)."""
@@ -426,9 +428,11 @@ class _Run:
             raise ResumeMismatchError(f"{self.out} holds an extraction of {s.get('model')} layers {s.get('layers')}; "
                                       f"this call asks for {model_name} layers {self.layers}. Use another folder, or "
                                       "delete it to start over")
-        if s.get("model_sha256") != job["model_sha256"]:
+        # The model as the run started (rebuilt after a kill), or as its own forwards left it when the run stopped (a
+        # train-mode BatchNorm updates its running statistics): either is the model that wrote the committed rows.
+        if job["model_sha256"] not in (s.get("model_sha256"), s.get("model_sha256_at_stop")):
             raise ResumeMismatchError(
-                f"{self.out} was extracted with another {model_name} (its parameters differ: checksum "
+                f"{self.out} was extracted with another {model_name} (its parameters or buffers differ: checksum "
                 f"{str(s.get('model_sha256'))[:12]} vs {job['model_sha256'][:12]}); resuming would mix rows of two "
                 f"models. Resume with the model that started it, or use another folder / delete {self.out}")
         before = s.get("arguments") if isinstance(s.get("arguments"), dict) else {}
@@ -444,6 +448,17 @@ class _Run:
             if not os.path.lexists(path) or os.path.getsize(checked_member(self.out, shard["file"])) != shard["bytes"]:
                 raise TraceFileError(f"{path}: committed shard is missing or has the wrong size; delete {self.out} "
                                      "and extract again")
+
+    def note_stop(self, model) -> None:
+        """Record ``model``'s checksum as the stopped run leaves it (its forwards may update buffers), which a resume
+        with the same object then matches.  Best effort: the error that stopped the run is what the caller sees."""
+        if self.batches_done and not self.complete:  # else nothing a resume would check
+            try:
+                state = read_json(self.out, PROGRESS, "a resumed extraction")
+                write_atomic(os.path.join(self.out, PROGRESS), dump_json({**state, "model_sha256_at_stop":
+                                                                          model_checksum(model)}))
+            except Exception:  # noqa: BLE001 - a full disk must not hide why the run stopped
+                pass
 
     def _remove_uncommitted(self):
         # Leftovers of a killed run: temporary files and a shard written but never counted.
