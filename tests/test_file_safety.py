@@ -226,6 +226,24 @@ def test_json_that_would_crash_or_mislead_the_parser_is_refused(saved, tmp_path,
         tl.load_extracted(folder)
 
 
+@pytest.mark.parametrize("version, message", [
+    (2, "schema version 2 was written by a newer torchlens; upgrade torchlens"),
+    (0, "schema version 0 was written by an older, unsupported torchlens"),
+    ("1", "the progress file has no integer schema_version"),
+])
+def test_a_progress_file_of_another_schema_names_the_version_on_resume(tmp_path, version, message):
+    """It was refused as 'not a torchlens extraction', which hid that a newer torchlens wrote it."""
+    folder = tmp_path / "x"
+    partial_extraction(folder)
+    state = json.loads((folder / "progress.json").read_text())
+    (folder / "progress.json").write_text(json.dumps({**state, "schema_version": version}))
+    with pytest.raises(TraceFileError, match=f"progress.json: {message}"):
+        tl.extract(TwoLayer().eval(), batches(), ["fc", "head"], folder, shard_bytes=60, progress=False)
+    (folder / "progress.json").write_text(json.dumps({**state, "format": "something-else"}))
+    with pytest.raises(TraceFileError, match="progress.json: not the progress file of a torchlens extraction"):
+        tl.extract(TwoLayer().eval(), batches(), ["fc", "head"], folder, shard_bytes=60, progress=False)
+
+
 def test_1e400_inside_a_rehashed_trace_json_is_refused(saved):
     path = os.path.join(saved, "trace.json")
     text = pathlib.Path(path).read_text().replace('"timings":{', '"timings":{"x":1e400,', 1)

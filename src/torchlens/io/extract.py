@@ -35,8 +35,8 @@ from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
 from ..tree import path_text, strip, tensor_leaves, without_values
-from .format import (MANIFEST, TraceFileError, checked_member, dump_json, read_json, require_numpy, safe_member,
-                     write_atomic, write_manifest)
+from .format import (MANIFEST, TraceFileError, check_schema, checked_member, dump_json, read_json, require_numpy,
+                     safe_member, write_atomic, write_manifest)
 from .encode import has_no_storage
 from .identity import model_checksum
 from .extract_args import batch_reader, check_inputs, check_layers, check_options
@@ -422,8 +422,9 @@ class _Run:
 
     def _check_resumable(self, model_name, job):
         s = self.state
-        if not isinstance(s, dict) or s.get("format") != EXTRACT_FORMAT or s.get("schema_version") != EXTRACT_SCHEMA:
-            raise TraceFileError(f"{self.out}/{PROGRESS}: not a torchlens extraction of schema {EXTRACT_SCHEMA}")
+        if not isinstance(s, dict) or s.get("format") != EXTRACT_FORMAT:
+            raise TraceFileError(f"{self.out}/{PROGRESS}: not the progress file of a torchlens extraction")
+        check_schema(f"{self.out}/{PROGRESS}", "the progress file", s.get("schema_version"), EXTRACT_SCHEMA)
         if s.get("layers") != self.layers or s.get("model") != model_name:
             raise ResumeMismatchError(f"{self.out} holds an extraction of {s.get('model')} layers {s.get('layers')}; "
                                       f"this call asks for {model_name} layers {self.layers}. Use another folder, or "

@@ -170,6 +170,16 @@ def write_manifest(folder: str, fmt: str, schema: int, names: list, extra: dict 
     write_atomic(os.path.join(folder, MANIFEST), dump_json(manifest))
 
 
+def check_schema(where: str, what: str, version, schema: int) -> None:
+    """Refuse a file whose ``schema_version`` is missing or another than ``schema``, saying which torchlens wrote it."""
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise TraceFileError(f"{where}: {what} has no integer schema_version")
+    if version != schema:
+        newer = "a newer torchlens; upgrade torchlens" if version > schema else "an older, unsupported torchlens"
+        raise TraceFileError(f"{where}: schema version {version} was written by {newer} "
+                             f"(this torchlens reads schema {schema})")
+
+
 def verify_manifest(folder: str, fmt: str, schema: int, required: tuple = (), hashes: bool = True) -> dict:
     """Read and check ``folder``'s manifest: format, schema version, and every file's size and hash."""
     if not os.path.isdir(folder):
@@ -178,13 +188,7 @@ def verify_manifest(folder: str, fmt: str, schema: int, required: tuple = (), ha
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise TraceFileError(f"{folder}: manifest says format {found!r}, expected {fmt!r}")
-    version = manifest.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise TraceFileError(f"{folder}: manifest has no integer schema_version")
-    if version != schema:
-        newer = "a newer torchlens; upgrade torchlens" if version > schema else "an older, unsupported torchlens"
-        raise TraceFileError(f"{folder}: schema version {version} was written by {newer} "
-                             f"(this torchlens reads schema {schema})")
+    check_schema(folder, "manifest", manifest.get("schema_version"), schema)
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise TraceFileError(f"{folder}: manifest has no 'files' table")
