@@ -176,6 +176,31 @@ def test_a_model_whose_forwards_update_its_buffers_resumes_in_the_same_process(t
         tl.extract(other, data, ["bn"], tmp_path / "z", shard_bytes=100, progress=False)
 
 
+class FailsOnFiveRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.shape[0] == 5:
+            raise ValueError("a batch of five rows")
+        return self.fc(x)
+
+
+def test_a_model_error_names_the_batch_and_what_is_kept(tmp_path):
+    """The model's own error said nothing of which batch of the dataset raised, nor that a rerun resumes."""
+    data = [torch.randn(2, 4)] * 4 + [torch.randn(5, 4)] + [torch.randn(2, 4)] * 2
+    with pytest.raises(ValueError, match="a batch of five rows") as raised:
+        tl.extract(FailsOnFiveRows(), data, ["fc"], tmp_path / "x", shard_bytes=10, progress=False)
+    assert f"tl.extract: raised while tracing batch 4 (counting from 0); 4 batches are committed in {tmp_path / 'x'}" \
+        in "\n".join(raised.value.__notes__)
+    assert progress_of(tmp_path / "x")["batches_done"] == 4
+    data[4] = torch.randn(3, 4)
+    tl.extract(FailsOnFiveRows(), data, ["fc"], tmp_path / "x", shard_bytes=10, progress=False)
+    assert tl.load_extracted(tmp_path / "x")["fc"].shape == (15, 2)
+
+
 def test_resuming_with_other_inputs_or_layers_is_refused(tmp_path):
     model, data = TwoLayer().eval(), batches()
     with pytest.raises(KeyboardInterrupt):

@@ -268,6 +268,11 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
         # (the trace names its save= selection, which is this call's layers=)
         said = str(exc).replace("save= matched", "layers= matched", 1).replace("save= entry", "layers= entry", 1)
         raise type(exc)(f"batch {position}: {said}") from None
+    except Exception as exc:  # the model's own error: which of thousands of batches, and what is kept
+        exc.add_note(f"tl.extract: raised while tracing batch {position} (counting from 0); {run.batches_done} "
+                     f"batches are committed in {run.out}, and calling tl.extract again with the same arguments "
+                     "resumes after them")
+        raise
     try:
         if grads is not None:
             backward_through(log, *grads, position, root if root is not None else model)
