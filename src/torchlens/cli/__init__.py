@@ -14,7 +14,8 @@ import time
 import traceback
 
 from ..errors import counted
-from .targets import MODEL, USAGE, ModelError, UsageError, check_output_file, make_output_folder, note, prepare
+from .targets import (MODEL, USAGE, ModelError, UsageError, check_output_file, check_save_folder, make_output_folder,
+                      note, prepare)
 
 
 # ----- printing -----------------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ def cmd_demo(args) -> int:
 def cmd_trace(args) -> int:
     import torchlens as tl
 
+    check_save_folder("--save", args.save)
     check_output_file("--html", args.html)
     check_output_file("--chrome", args.chrome)
     model, inputs, kwargs = prepare(args)

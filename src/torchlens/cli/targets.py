@@ -170,6 +170,20 @@ def check_output_file(flag: str, path) -> None:
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
 
 
+def check_save_folder(flag: str, path) -> None:
+    """Refuse, before any work, a folder ``log.save`` would refuse (a file, a folder holding other files), by
+    the same check it makes; a saved trace there is replaced, as the command does."""
+    if path is None:
+        return
+    from ..io.format import TraceFileError
+    from ..io.save import check_save_target
+
+    try:
+        check_save_target(path, overwrite=True)
+    except TraceFileError as exc:
+        raise UsageError(f"{flag} {exc}") from None
+
+
 def make_output_folder(flag: str, path) -> None:
     """Create the folder the command writes into, or refuse in one line one it could not create or write
     into (a file's name, a path under a file, no permission), before any work."""

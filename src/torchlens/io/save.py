@@ -56,7 +56,7 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")
     if activations:
         require_numpy("saving a trace's tensors")  # they are written through Tensor.numpy() (io/tensorfile.py)
-    old_files = _check_target(path, overwrite, trace.rank)
+    old_files = check_save_target(path, overwrite, trace.rank)
     parent = os.path.dirname(os.path.abspath(path))
     _make_folder(parent, path)
     staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
@@ -95,7 +95,7 @@ def _one_folder_per_rank(path: str, rank) -> str:
 
 
 def _move_in(staging: str, path: str, rank=None) -> None:
-    """Rename the written trace to ``path``, replacing the empty folder ``_check_target`` found there, if any:
+    """Rename the written trace to ``path``, replacing the empty folder ``check_save_target`` found there, if any:
     removed only now, so that a save that failed earlier leaves the user's folder where it was."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
@@ -127,7 +127,7 @@ def _first_file_on(folder: str) -> str:
     return next((p for p in reversed(parts) if os.path.lexists(p) and not os.path.isdir(p)), parts[0])
 
 
-def _check_target(path: str, overwrite: bool, rank=None):
+def check_save_target(path: str, overwrite: bool, rank=None):
     """The files of the saved trace at ``path`` that saving over it will remove; None when nothing (or an empty
     folder) is there.  ``rank``: the saving trace's, refused over another rank's trace even with ``overwrite``."""
     if not os.path.lexists(path):
