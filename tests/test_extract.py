@@ -459,6 +459,17 @@ def test_foreign_folders_and_empty_inputs_are_refused(tmp_path):
         tl.extract(TwoLayer(), [], ["fc"], tmp_path / "none", progress=False)
 
 
+def test_a_trace_and_an_extraction_given_to_each_others_reader_name_the_right_one(tmp_path):
+    tl.extract(TwoLayer().eval(), batches(2), ["fc"], tmp_path / "x", progress=False)
+    tl.trace(TwoLayer().eval(), batches(1)[0]).save(tmp_path / "t")
+    with pytest.raises(TraceFileError, match="expected 'torchlens-trace': a torchlens-extraction folder is read with "
+                                             "tl.load_extracted"):
+        tl.load(tmp_path / "x")
+    with pytest.raises(TraceFileError, match=r"expected 'torchlens-extraction': a torchlens-trace folder is read with "
+                                             r"tl.load \(or torchlens show\)"):
+        tl.load_extracted(tmp_path / "t")
+
+
 def _token_batches(n=5, rows=2, seq=8, vocab=99, seed=4):
     """Dict batches as a tokenized ``transformers`` dataset yields them, the model called as ``model(**batch)``."""
     g = torch.Generator().manual_seed(seed)

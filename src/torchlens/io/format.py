@@ -180,6 +180,10 @@ def check_schema(where: str, what: str, version, schema: int) -> None:
                              f"(this torchlens reads schema {schema})")
 
 
+# What reads each folder torchlens writes, named when a folder of one is given to the other's reader.
+_READERS = {"torchlens-trace": "tl.load (or torchlens show)", "torchlens-extraction": "tl.load_extracted"}
+
+
 def verify_manifest(folder: str, fmt: str, schema: int, required: tuple = (), hashes: bool = True) -> dict:
     """Read and check ``folder``'s manifest: format, schema version, and every file's size and hash."""
     if not os.path.isdir(folder):
@@ -187,7 +191,9 @@ def verify_manifest(folder: str, fmt: str, schema: int, required: tuple = (), ha
     manifest = read_json(folder, MANIFEST, f"a {fmt} folder")
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise TraceFileError(f"{folder}: manifest says format {found!r}, expected {fmt!r}")
+        reader = _READERS.get(found) if isinstance(found, str) else None
+        hint = f": a {found} folder is read with {reader}" if reader else ""
+        raise TraceFileError(f"{folder}: manifest says format {found!r}, expected {fmt!r}{hint}")
     check_schema(folder, "manifest", manifest.get("schema_version"), schema)
     files = manifest.get("files")
     if not isinstance(files, dict):
