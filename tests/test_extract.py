@@ -1,17 +1,10 @@
-"""Streaming extraction: exact activations, bounded shards, and resumption after a kill."""
+"""Streaming extraction: exact activations, bounded shards, and what it refuses (resuming is
+tests/test_extract_resume.py)."""
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import pathlib
-import runpy
-import signal
-import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -23,88 +16,6 @@ import torchlens as tl
 from torchlens.io import ResumeMismatchError, TraceFileError
 from peak_memory import peak_growth_mib
 from streams import batches, interrupted
-
-SCRIPT = textwrap.dedent('''
-    import sys, time
-    import torch, torch.nn as nn
-    import torchlens as tl
-
-    class Slow(nn.Module):
-        def __init__(self, pause=0.0):
-            super().__init__()
-            torch.manual_seed(0)
-            self.pause = pause
-            self.fc = nn.Linear(8, 8)
-            self.out = nn.Linear(8, 3)
-
-        def forward(self, x):
-            time.sleep(self.pause)  # makes the run long enough to be killed in the middle
-            return self.out(torch.relu(self.fc(x)))
-
-    g = torch.Generator().manual_seed(1)
-    BATCHES = [torch.randn(3, 8, generator=g) for _ in range(24)]
-    LAYERS = ["fc", "relu_1_2", "out"]
-
-    if __name__ == "__main__":
-        tl.extract(Slow(float(sys.argv[2])).eval(), BATCHES, LAYERS, sys.argv[1], shard_bytes=400, progress=False)
-''')
-
-
-def hooked_reference(model, batches):
-    """What a hand-written forward-hook extractor gets for the same layers."""
-    got = {"fc": [], "relu_1_2": [], "out": []}
-    handles = [model.fc.register_forward_hook(lambda m, i, o: got["fc"].append(o)),
-               model.out.register_forward_hook(lambda m, i, o: got["out"].append(o))]
-    try:
-        with torch.no_grad():
-            for x in batches:
-                model(x)
-                got["relu_1_2"].append(torch.relu(got["fc"][-1]))
-    finally:
-        for h in handles:
-            h.remove()
-    return {k: torch.cat(v).numpy() for k, v in got.items()}
-
-
-def progress_of(folder):
-    try:
-        return json.loads(pathlib.Path(folder, "progress.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def test_a_killed_extraction_resumes_to_the_uninterrupted_result(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / "killed"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    child = subprocess.Popen([sys.executable, str(script), str(out), "0.05"], env=env)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            state = progress_of(out)
-            if state and state["batches_done"] >= 6:
-                break
-            assert child.poll() is None, "the run ended before it could be interrupted"
-            time.sleep(0.02)
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait()
-    state = progress_of(out)
-    assert not state["complete"] and 6 <= state["batches_done"] < 24
-    assert not os.path.exists(out / "manifest.json")
-
-    subprocess.run([sys.executable, str(script), str(out), "0"], env=env, check=True, timeout=300)
-    job = runpy.run_path(str(script))
-    whole = tl.extract(job["Slow"]().eval(), job["BATCHES"], job["LAYERS"], tmp_path / "whole", shard_bytes=400,
-                       progress=False)
-    resumed, uninterrupted = tl.load_extracted(out), tl.load_extracted(whole)
-    expected = hooked_reference(job["Slow"]().eval(), job["BATCHES"])
-    for name in job["LAYERS"]:
-        assert resumed[name].shape == (72,) + expected[name].shape[1:]
-        np.testing.assert_array_equal(resumed[name], uninterrupted[name])
-        np.testing.assert_array_equal(resumed[name], expected[name])
-    assert sorted(os.listdir(out)) == sorted(os.listdir(whole))  # no shard or temporary file left behind
 
 
 class TwoLayer(nn.Module):
@@ -126,131 +37,6 @@ class LSTMNet(nn.Module):
 
     def forward(self, x):
         return self.lstm(x)[0]
-
-
-def test_in_process_interruption_resumes_without_duplicates(tmp_path):
-    model, data = TwoLayer().eval(), batches()
-    with pytest.raises(KeyboardInterrupt):
-        tl.extract(model, interrupted(data, 7), ["fc", "head"], tmp_path / "x", shard_bytes=300, progress=False)
-    state = progress_of(tmp_path / "x")
-    assert len(state["shards"]) >= 2 and state["batches_done"] < 7  # bounded shards, committed in order
-    tl.extract(model, data, ["fc", "head"], tmp_path / "x", shard_bytes=300, progress=False)
-    got = tl.load_extracted(tmp_path / "x")
-    with torch.no_grad():
-        np.testing.assert_array_equal(got["head"], torch.cat([model(x) for x in data]).numpy())
-        np.testing.assert_array_equal(got["fc"], torch.cat([model.fc(x) for x in data]).numpy())
-    assert tl.extract(model, data, ["fc", "head"], tmp_path / "x", progress=False) == str(tmp_path / "x")
-
-
-class TrainModeNorm(nn.Module):
-    """BatchNorm in train mode: every forward updates its running statistics (buffers)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv, self.bn, self.head = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
-
-
-def test_a_model_whose_forwards_update_its_buffers_resumes_in_the_same_process(tmp_path):
-    """The extraction's own forwards move a train-mode BatchNorm's running statistics; resuming with that same
-    model was refused as another model, while one rebuilt from its checkpoint (a killed run) resumed."""
-    data = [torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    model = TrainModeNorm().train()
-    with pytest.raises(KeyboardInterrupt):  # a shard per two batches: batch 4 ran, moving the statistics, uncommitted
-        tl.extract(model, interrupted(data, 5), ["bn", "head"], tmp_path / "x", shard_bytes=1500, progress=False)
-    assert progress_of(tmp_path / "x")["batches_done"] == 4
-    tl.extract(model, data, ["bn", "head"], tmp_path / "x", shard_bytes=1500, progress=False)
-    tl.extract(TrainModeNorm().train(), data, ["bn", "head"], tmp_path / "y", shard_bytes=1500, progress=False)
-    resumed, whole = tl.load_extracted(tmp_path / "x"), tl.load_extracted(tmp_path / "y")
-    for name in ("bn", "head"):
-        np.testing.assert_array_equal(resumed[name], whole[name])
-    other = TrainModeNorm().train()
-    with torch.no_grad():
-        other.head.weight.add_(1.0)
-    with pytest.raises(KeyboardInterrupt):
-        tl.extract(model, interrupted(data, 4), ["bn"], tmp_path / "z", shard_bytes=100, progress=False)
-    with pytest.raises(ResumeMismatchError, match="parameters or buffers differ"):
-        tl.extract(other, data, ["bn"], tmp_path / "z", shard_bytes=100, progress=False)
-
-
-class FailsOnFiveRows(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 2)
-
-    def forward(self, x):
-        if x.shape[0] == 5:
-            raise ValueError("a batch of five rows")
-        return self.fc(x)
-
-
-def test_a_model_error_names_the_batch_and_what_is_kept(tmp_path):
-    """The model's own error said nothing of which batch of the dataset raised, nor that a rerun resumes."""
-    data = [torch.randn(2, 4)] * 4 + [torch.randn(5, 4)] + [torch.randn(2, 4)] * 2
-    with pytest.raises(ValueError, match="a batch of five rows") as raised:
-        tl.extract(FailsOnFiveRows(), data, ["fc"], tmp_path / "x", shard_bytes=10, progress=False)
-    assert f"tl.extract: raised while tracing batch 4 (counting from 0); 4 batches are committed in {tmp_path / 'x'}" \
-        in "\n".join(raised.value.__notes__)
-    assert progress_of(tmp_path / "x")["batches_done"] == 4
-    data[4] = torch.randn(3, 4)
-    tl.extract(FailsOnFiveRows(), data, ["fc"], tmp_path / "x", shard_bytes=10, progress=False)
-    assert tl.load_extracted(tmp_path / "x")["fc"].shape == (15, 2)
-
-
-def test_resuming_with_other_inputs_or_layers_is_refused(tmp_path):
-    model, data = TwoLayer().eval(), batches()
-    with pytest.raises(KeyboardInterrupt):
-        tl.extract(model, interrupted(data, 6), ["fc"], tmp_path / "x", shard_bytes=100, progress=False)
-    with pytest.raises(ValueError, match="holds an extraction of TwoLayer layers"):
-        tl.extract(model, data, ["head"], tmp_path / "x", progress=False)
-    with pytest.raises(ValueError, match="differs from the one the interrupted run committed"):
-        tl.extract(model, batches(seed=3), ["fc"], tmp_path / "x", shard_bytes=100, progress=False)
-    with pytest.raises(TraceFileError, match="incomplete"):
-        tl.load_extracted(tmp_path / "x")
-
-
-@pytest.mark.parametrize("how", ["bound method", "partial", "lambda with root"])
-def test_resuming_a_callable_checks_the_weights_of_the_model_it_runs(tmp_path, how):
-    """A resume checks the model's weights; through a bound method or a partial it checked only their type,
-    so an extraction restarted after the weights changed mixed rows of two models."""
-    model, data = TwoLayer().eval(), batches()
-    run = {"bound method": model.forward, "partial": functools.partial(model),
-           "lambda with root": lambda x: model(x)}[how]
-    root = {"root": model} if how == "lambda with root" else {}
-    with pytest.raises(KeyboardInterrupt):
-        tl.extract(run, interrupted(data, 6), ["fc"], tmp_path / "x", shard_bytes=100, progress=False, **root)
-    with torch.no_grad():
-        model.fc.weight.mul_(2)
-    with pytest.raises(ValueError, match="extracted with another TwoLayer"):
-        tl.extract(run, data, ["fc"], tmp_path / "x", shard_bytes=100, progress=False, **root)
-    with torch.no_grad():
-        model.fc.weight.div_(2)
-    tl.extract(run, data, ["fc"], tmp_path / "x", shard_bytes=100, progress=False, **root)
-    with torch.no_grad():
-        np.testing.assert_array_equal(tl.load_extracted(tmp_path / "x")["fc"],
-                                      torch.cat([model.fc(x) for x in data]).numpy())
-
-
-@pytest.mark.parametrize("wrap", [nn.DataParallel, torch.compile])
-def test_a_wrapped_model_is_extracted_by_the_layer_names_of_the_model_it_wraps(tmp_path, wrap):
-    """tl.trace traces the module a DataParallel/DDP/torch.compile wrapper holds; extraction named the wrapper
-    as that module's root and was refused with an error about a root= it had not been given."""
-    model, data = TwoLayer().eval(), batches(3)
-    tl.extract(wrap(model), data, ["fc", "head"], tmp_path / "x", progress=False)
-    again = tl.extract(wrap(model), data, ["fc", "head"], tmp_path / "x", progress=False)  # a resume checks it too
-    with torch.no_grad():
-        np.testing.assert_array_equal(tl.load_extracted(again)["fc"], torch.cat([model.fc(x) for x in data]).numpy())
-
-
-def test_a_callable_naming_no_model_warns_that_a_resume_cannot_be_checked(tmp_path):
-    model, data = TwoLayer().eval(), batches(3)
-    done = tl.extract(lambda x: model(x), data, ["linear_1_1"], tmp_path / "x", progress=False)
-    with pytest.warns(UserWarning, match="names no model.*pass root="):
-        assert tl.extract(lambda x: model(x), data, ["linear_1_1"], tmp_path / "x", progress=False) == done
 
 
 def test_dataloader_batches_with_labels_and_a_partial_last_batch(tmp_path):
@@ -515,7 +301,8 @@ def test_kwargs_of_must_give_a_mapping_that_kwargs_does_not_repeat(tmp_path):
                    progress=False)
     tl.extract(model, data, ["fc"], tmp_path / "c", kwargs_of=lambda b: {"x": b}, progress=False)
     with torch.no_grad():
-        assert torch.equal(tl.load_extracted(tmp_path / "c", as_torch=True)["fc"], torch.cat([model.fc(x) for x in data]))
+        expected = torch.cat([model.fc(x) for x in data])
+    assert torch.equal(tl.load_extracted(tmp_path / "c", as_torch=True)["fc"], expected)
 
 
 def test_one_tensor_or_one_dict_as_inputs_is_refused_not_iterated(tmp_path):

@@ -95,7 +95,7 @@ def _build_model(obj, spec):
     except Exception as exc:
         raise ModelError(exc) from exc
     if not isinstance(model, torch.nn.Module) and not callable(model):
-        raise UsageError(f"{spec}() returned a {type(model).__name__}, not a module")
+        raise UsageError(f"{spec}() returned a value of type {type(model).__name__}, not a module")
     return model
 
 
