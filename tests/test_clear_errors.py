@@ -196,6 +196,33 @@ def test_saving_to_an_unusable_path_says_what_is_wrong(tmp_path):
         log.save(tmp_path / "link", overwrite=True)
 
 
+def test_a_picture_or_chrome_trace_path_that_cannot_be_written_is_refused_before_the_layout(tmp_path, monkeypatch):
+    """render wrote its file only after laying the graph out (seconds on a large trace), then failed with a bare
+    FileNotFoundError; to_chrome_trace likewise."""
+    from torchlens.viz import graph
+
+    log = tl.trace(SharedModule(), torch.randn(2, 8))
+    (tmp_path / "notes.txt").write_text("not a folder")
+    bad = {tmp_path / "missing" / "g.html": r"missing, which does not exist",
+           tmp_path / "notes.txt" / "g.svg": r"notes\.txt, which is not a folder",
+           tmp_path: r"is a folder"}
+
+    def no_layout(*args, **kwargs):
+        raise AssertionError("the graph was built before the path was checked")
+
+    monkeypatch.setattr(graph, "build_structure", no_layout)
+    for path, problem in bad.items():
+        with pytest.raises(ValueError, match=rf"render: path=.*{problem}; name a file in an existing folder"):
+            log.render(path, format="html")
+        with pytest.raises(ValueError, match=rf"to_chrome_trace: path=.*{problem}; name a file in an existing"):
+            log.to_chrome_trace(path)
+    with pytest.raises(TypeError, match=r"render: path=3 is an int; name a file"):
+        log.render(3)
+    monkeypatch.undo()
+    assert log.render(tmp_path / "g.dot").read_text().startswith("digraph")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.dot", "notes.txt"]
+
+
 def test_a_bool_is_not_an_op_index():
     log = tl.trace(MLP(), torch.randn(2, 16))
     for flag in (True, False):

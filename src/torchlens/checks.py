@@ -57,6 +57,22 @@ def check_path(value, name: str, advice: str, *, who: str = ""):
         _refuse(TypeError, who, name, value, _is_a(value), advice)
 
 
+def check_file_to_write(value, name: str, advice: str, *, who: str = ""):
+    """``value`` as a path (see ``check_path``) naming a file that can be written: not a folder, in a folder
+    that exists and is writable; otherwise a ValueError naming ``name``.  Called before the work whose result
+    the file receives, so that a slip in the name is not found only after minutes of layout or profiling."""
+    path = check_path(value, name, advice, who=who)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        _refuse(ValueError, who, name, value, "is a folder", advice)
+    if not os.path.isdir(folder):
+        problem = "is in {}, which is not a folder" if os.path.lexists(folder) else "is in {}, which does not exist"
+        _refuse(ValueError, who, name, value, problem.format(folder), advice)
+    if not os.access(folder, os.W_OK):
+        _refuse(ValueError, who, name, value, f"is in {folder}, which is not writable", advice)
+    return path
+
+
 def check_grad_possible(who: str) -> None:
     """Refuse, before any run, a call that needs gradients made inside ``torch.inference_mode()``: no tensor can
     require grad there (``torch.no_grad()`` can be lifted for the runs; inference mode cannot)."""

@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from ..checks import check_flag, check_path
+from ..checks import check_file_to_write, check_flag
 from ..record.trace import checked_trace
 
 SCHEMA = "torchlens.host_clock_view.v1"
@@ -34,7 +34,8 @@ def to_chrome_trace(trace, path, *, module_calls: bool = True) -> str:
     checked_trace(trace, "to_chrome_trace")
     check_flag(module_calls, "module_calls", "give True to draw module calls around their ops, False for ops alone",
                who="to_chrome_trace")
-    path = check_path(path, "path", "give the file to write (a str or a pathlib.Path)", who="to_chrome_trace")
+    path = check_file_to_write(path, "path", "name a file in an existing folder (a str or a pathlib.Path)",
+                               who="to_chrome_trace")
     calls = trace.calls
     starts = [c.t0_ns for c in calls]
     if module_calls:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checks import check_path
+from ..checks import check_file_to_write, check_path
 from ..errors import ProfilerBusyError, closest_hint
 from ..tree import as_kwargs
 from .markers import ProfilerMarkers
@@ -88,15 +88,8 @@ def check_chrome_path(path) -> None:
     profiling, and a failure then would lose the profile."""
     if path is None:
         return
-    path = os.path.abspath(check_path(path, "chrome_trace", "give the file to write the profile to (a str or a "
-                                      "pathlib.Path)", who="kernel_profile"))
-    folder = os.path.dirname(path)
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        what = "is a folder" if os.path.isdir(path) else \
-            f"is in {folder}, which is not a writable folder" if os.path.lexists(folder) else \
-            f"is in {folder}, which does not exist"
-        raise ValueError(f"chrome_trace={path!r} {what}; name a file in an existing folder (it is written after "
-                         "the profile is taken)")
+    check_file_to_write(path, "chrome_trace", "name a file in an existing folder (a str or a pathlib.Path); it is "
+                        "written after the profile is taken", who="kernel_profile")
 
 
 def _own_profiler(activities, profiler_kwargs):

@@ -13,7 +13,7 @@ import re
 import sys
 import tempfile
 
-from ..checks import check_int
+from ..checks import check_file_to_write, check_int
 from .layout import LayoutEngineMissing, LayoutFailed, find_engine
 
 FORMATS = ("dot", "svg", "png", "html")
@@ -86,6 +86,8 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     """
     from ..progress import bar
 
+    if path is not None:  # checked now: the file is written only after the layout, which can take seconds
+        check_file_to_write(path, "path", "name a file in an existing folder (a str or a pathlib.Path)", who="render")
     fmt = format_of(path, format)
     _check(trace, depth)
     with bar(progress, f"rendering {trace.model_name}", total=3, unit=" steps") as shown:
