@@ -114,8 +114,11 @@ def _edges_between_calls(trace, op_call, call_group, op_item) -> set:
             if parent < 0:
                 continue
             child_calls = chain(child) if child_calls is None else child_calls
-            for group, call in chain(parent).items():
-                if child_calls.get(group, call) != call:
+            parent_calls = chain(parent)
+            # A group only one side ran in counts too: a module shared by two positions is drawn in its first,
+            # so its call from the other position sits inside a group none of whose calls it ran in.
+            for group in parent_calls.keys() | child_calls.keys():
+                if parent_calls.get(group) != child_calls.get(group):
                     between.add((op_item[parent], op_item[child], group))
     return between
 
