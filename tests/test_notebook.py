@@ -87,3 +87,20 @@ def test_show_without_a_display_says_where_it_wrote(monkeypatch, capsys):
         assert f"the viewer is at {path}" in capsys.readouterr().err and path.exists()
     finally:
         path.unlink()
+
+
+def test_show_refused_leaves_no_file_and_never_opens_another_format(monkeypatch, tmp_path):
+    """show made its temporary page before rendering: a refused argument left an empty file behind each time,
+    and format='dot' wrote DOT text into the .html page it then opened as the viewer."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr("webbrowser.open", lambda url: pytest.fail("nothing should be opened"))
+    log = tl.trace(LoopRNN(), torch.randn(2, 8))
+    with pytest.raises(ValueError, match="view must be one of"):
+        log.show(view="sideways")
+    with pytest.raises(ValueError, match=r"render: depth=-1 is negative"):
+        log.show(depth=-1)
+    for other in ("dot", "svg"):
+        with pytest.raises(ValueError, match=rf"show opens the interactive HTML viewer, not format='{other}'; write "
+                                             r"that format with render\(path, format=\.\.\.\)"):
+            log.show(format=other)
+    assert list(tmp_path.iterdir()) == []

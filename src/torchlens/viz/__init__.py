@@ -148,9 +148,16 @@ def show(trace, **kwargs):
         return None
     import webbrowser
 
+    if format_of(None, kwargs.get("format", "html")) != "html":  # DOT or SVG text in a .html file is no viewer
+        raise ValueError(f"show opens the interactive HTML viewer, not format={kwargs['format']!r}; write that "
+                         "format with render(path, format=...)")
     handle, name = tempfile.mkstemp(prefix=f"torchlens_{_file_name_part(trace.model_name)}_", suffix=".html")
     os.close(handle)
-    path = render(trace, name, **kwargs)
+    try:
+        path = render(trace, name, **kwargs)
+    except BaseException:  # a refused argument or a missing layout engine leaves no empty file behind
+        os.remove(name)
+        raise
     if not _has_display() or not webbrowser.open(path.resolve().as_uri()):
         print(f"torchlens: no browser could be opened here; the viewer is at {path} (open it where a browser "
               "runs)", file=sys.stderr)
