@@ -65,8 +65,11 @@ def shows_bar(progress) -> bool:
     return progress is not False and (progress is not None or _interactive())
 
 
-def bar(progress, desc: str, total=None, unit: str = "it"):
-    """A tqdm bar on stderr, or ``QUIET``; ``progress`` is the user's ``True``/``False``/``None``."""
+def bar(progress, desc: str, total=None, unit: str = "it", *, initial: int = 0, delay: float | None = None,
+        leave: bool = False):
+    """A tqdm bar on stderr, or ``QUIET``; ``progress`` is the user's ``True``/``False``/``None``.  ``initial``:
+    the units done before (a resumed job); ``delay`` (``DELAY_S`` when None) and ``leave`` as tqdm's (a bar
+    over a long job the user started, such as ``tl.extract``'s, shows at once and stays)."""
     if progress is False or (progress is None and not _interactive()):
         return QUIET
     if progress is not None and progress is not True:
@@ -79,4 +82,5 @@ def bar(progress, desc: str, total=None, unit: str = "it"):
         if progress is None:
             return QUIET  # automatic bars are a nicety: without tqdm there are none
         raise ImportError("progress=True needs tqdm: pip install tqdm (or pass progress=False)") from exc
-    return tqdm(total=total, desc=desc, unit=unit, delay=DELAY_S, leave=False, file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, initial=initial,
+                delay=DELAY_S if delay is None else delay, leave=leave, file=sys.stderr)

@@ -24,12 +24,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import sys
 
 import torch
 
 from ..checks import check_path
 from ..errors import ResumeMismatchError, first_few, warn_user
+from ..progress import bar as progress_bar
 from ..labels.naming import folded
 from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
@@ -122,7 +122,8 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     if run.complete:
         return out
     resumed_from = run.batches_done
-    bar = _progress_bar(inputs, resumed_from, progress)
+    bar = progress_bar(progress, "extracting", len(inputs) if hasattr(inputs, "__len__") else None, "batch",
+                       initial=resumed_from, delay=0, leave=True)
     seen, last = 0, None
     try:
         for position, batch in enumerate(inputs):
@@ -355,26 +356,6 @@ def _module_calls_by_name(log) -> dict:
         for name in (call.label, call.address, *call.module.all_addresses):
             named.setdefault(name, call)
     return named
-
-
-def _progress_bar(inputs, done, enabled):
-    if not enabled or sys.stderr is None:  # None: pythonw.exe, or an app frozen without a console
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError as exc:  # pragma: no cover - exercised only where tqdm is absent
-        raise ImportError("the extraction progress bar needs tqdm: pip install tqdm (or pass progress=False)") \
-            from exc
-    total = len(inputs) if hasattr(inputs, "__len__") else None
-    return tqdm(total=total, initial=done, unit="batch", desc="extracting", file=sys.stderr)
-
-
-class _NoBar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
 
 
 def refuse_nested(name: str, label: str, t: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ import stat
 import uuid
 
 from ..checks import check_flag, check_path
-from ..errors import listed, warn_user
+from ..errors import counted, listed, warn_user
 from ..record.trace import checked_trace
 from .encode import encode_value, torch_constant_name, unsavable
 from .grads import write_grads
@@ -185,7 +185,7 @@ def _replace_saved(path: str, staging: str, old_files: list) -> None:
     if not others:
         return
     kept = [n for n in others if os.path.lexists(os.path.join(path, n))]
-    warn_user(f"{path}: kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} the old trace's manifest did not "
+    warn_user(f"{path}: kept {counted(len(kept), 'entry', 'entries')} the old trace's manifest did not "
               f"list ({listed(kept, 5)}); saving over a trace removes only "
               "the files its manifest names")
 
