@@ -338,7 +338,7 @@ def test_eval_on_a_function_target_is_a_usage_error_and_without_it_the_function_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["trace", "clitargets:build", "--input", "2x8", "--html", "."], "--html .: that is a folder"),
+    (["trace", "clitargets:build", "--input", "2x8", "--html", "."], "--html . is a folder; give the name of a file you can write"),
     (["trace", "clitargets:build", "--input", "2x8", "--chrome", "no_such_dir/run.json"], "does not exist"),
     (["render", "no_such_trace", "-o", "no_such_dir/view.dot"], "does not exist"),
     (["demo", "--out", "clitargets.py"], "--out clitargets.py: that is a file"),
@@ -355,6 +355,18 @@ def test_an_output_that_cannot_be_written_is_a_usage_error_before_any_work(model
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert "tracing" not in err and "loading" not in err  # refused before the model or the trace was touched
+
+
+def test_an_output_file_in_a_folder_the_user_cannot_write_is_a_usage_error(models, monkeypatch, capsys):
+    locked = models / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(locked) and real_access(path, mode))
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--html", "locked/view.html"]) == 2
+    err = capsys.readouterr().err
+    assert f"--html locked/view.html is in {locked}, which is not writable" in err and "tracing" not in err
 
 
 def test_a_demo_folder_that_cannot_be_created_is_a_usage_error(tmp_path, monkeypatch, capsys):

@@ -62,15 +62,23 @@ def check_file_to_write(value, name: str, advice: str, *, who: str = ""):
     that exists and is writable; otherwise a ValueError naming ``name``.  Called before the work whose result
     the file receives, so that a slip in the name is not found only after minutes of layout or profiling."""
     path = check_path(value, name, advice, who=who)
+    problem = unwritable_file(path)
+    if problem:
+        _refuse(ValueError, who, name, value, problem, advice)
+    return path
+
+
+def unwritable_file(path) -> str:
+    """Why ``path`` cannot be written as a file (``"is a folder"``, ``"is in <folder>, which does not exist"``),
+    or ``""`` when it can: the one check behind ``check_file_to_write`` and the command line's output flags."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        _refuse(ValueError, who, name, value, "is a folder", advice)
+        return "is a folder"
     if not os.path.isdir(folder):
-        problem = "is in {}, which is not a folder" if os.path.lexists(folder) else "is in {}, which does not exist"
-        _refuse(ValueError, who, name, value, problem.format(folder), advice)
+        return f"is in {folder}, which {'is not a folder' if os.path.lexists(folder) else 'does not exist'}"
     if not os.access(folder, os.W_OK):
-        _refuse(ValueError, who, name, value, f"is in {folder}, which is not writable", advice)
-    return path
+        return f"is in {folder}, which is not writable"
+    return ""
 
 
 def check_grad_possible(who: str) -> None:

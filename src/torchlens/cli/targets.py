@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+from ..checks import unwritable_file
+
 USAGE, MODEL = 2, 1
 
 
@@ -159,15 +161,11 @@ def check_device(name: str) -> None:
 
 
 def check_output_file(flag: str, path) -> None:
-    """Refuse, before any work, a file the command could not write (a folder's name, or a file in a folder
-    that does not exist), rather than after a trace that may have taken minutes."""
-    if path is None:
-        return
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: that is a folder; give the name of a file to write")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path}: the folder {folder} does not exist; create it or write elsewhere")
+    """Refuse, before any work, a file the command could not write (a folder's name, a file in a folder that
+    does not exist or is not writable), rather than after a trace that may have taken minutes."""
+    problem = None if path is None else unwritable_file(path)
+    if problem:
+        raise UsageError(f"{flag} {path} {problem}; give the name of a file you can write")
 
 
 def check_save_folder(flag: str, path) -> None:
