@@ -20,7 +20,7 @@ import torch
 from ..errors import InterventionError, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import WRAPPED, container_note, refuse_module_object, scripted_outer, traced_address
-from ..record.modules import Module
+from ..record.modules import Module, enclosing_calls
 from ..record.op import Layer, Op
 from ..capture.source import line_of, source_of
 from ..labels.naming import func_name_of
@@ -104,16 +104,17 @@ def module_chain(trace, module_call: int, chains: dict | None = None) -> tuple:
     """The ``ChainLink``s open around one op of ``trace`` (made in ``module_call``, -1 for the root forward),
     outer to inner.  ``chains``: those already built for this trace, by module call, so that sites at many ops
     build each call's link once (the ops of one call, and the calls of one parent, share a chain)."""
-    if module_call < 0:
-        return ()
-    chain = chains.get(module_call) if chains is not None else None
-    if chain is None:
-        row = trace._call_rows[module_call]
-        module = Module(trace, row.module)
-        link = ChainLink(module_call, module._ref, module.address, module.class_name)
-        chain = module_chain(trace, row.parent, chains) + (link,)
-        if chains is not None:
-            chains[module_call] = chain
+    chains = {} if chains is None else chains
+    rows = trace._call_rows
+    unbuilt, chain = [], ()
+    for k in enclosing_calls(module_call, lambda k: rows[k].parent):
+        if k in chains:
+            chain = chains[k]
+            break
+        unbuilt.append(k)
+    for k in reversed(unbuilt):
+        module = Module(trace, rows[k].module)
+        chain = chains[k] = chain + (ChainLink(k, module._ref, module.address, module.class_name),)
     return chain
 
 
