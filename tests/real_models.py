@@ -1,10 +1,10 @@
 """The real-model corpus: standard architectures at tiny sizes, with random weights.
 
 Each entry builds ``(model, args, kwargs)``: ``transformers`` models from small configs (no download,
-no pretrained weights, ``HF_HUB_OFFLINE`` set) and the recurrent and transformer layers of
-``torch.nn``.  Sizes are tiny (hidden 32, one or two layers, sequences of 8, images of 32 pixels) so the
-whole corpus traces and validates in seconds.  Builders import ``transformers`` lazily: the ``torch.nn``
-entries work without it.
+no pretrained weights, ``HF_HUB_OFFLINE`` set) and the recurrent and transformer layers of ``torch.nn``
+(built in ``real_models_nn``).  Sizes are tiny (hidden 32, one or two layers, sequences of 8, images of 32
+pixels) so the whole corpus traces and validates in seconds.  Builders import ``transformers`` lazily:
+the ``torch.nn`` entries work without it.
 
 Dropout is left at each config's default except where noted, so train mode covers both active dropout
 (GPT-2, BERT, T5, BART, DETR, Llama's attention, Swin's and DINOv2's stochastic depth, BigBird, the
@@ -28,11 +28,11 @@ import numpy
 import torch
 import torch.nn as nn
 
+from real_models_nn import HIDDEN, SEQ, gru, lstm, transformer_encoder, transformer_encoder_padded
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing here may reach the network
 
-SEQ = 8
 VOCAB = 99
-HIDDEN = 32
 IMAGE = 32
 
 
@@ -523,46 +523,6 @@ def llava():
     ids = _tokens(seq=20) % (VOCAB - 1)
     ids[:, 2:18] = VOCAB - 1
     return LlavaForConditionalGeneration(config), (), {"input_ids": ids, "pixel_values": _image()}
-
-class Recurrent(nn.Module):
-    """Two-layer LSTM and GRU, with dropout between layers (active in train mode)."""
-
-    def __init__(self, cell):
-        super().__init__()
-        self.rnn = cell(12, HIDDEN, num_layers=2, batch_first=True, dropout=0.1)
-        self.head = nn.Linear(HIDDEN, 3)
-
-    def forward(self, x):
-        out, _ = self.rnn(x)
-        return self.head(out[:, -1])
-
-
-def _sequence(batch=2, seq=SEQ, width=12):
-    return torch.randn(batch, seq, width, generator=torch.Generator().manual_seed(4))
-
-
-def lstm():
-    return Recurrent(nn.LSTM), (_sequence(),), {}
-
-
-def gru():
-    return Recurrent(nn.GRU), (_sequence(),), {}
-
-
-def _encoder():
-    layer = nn.TransformerEncoderLayer(HIDDEN, nhead=4, dim_feedforward=64, batch_first=True)  # dropout 0.1
-    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True)
-
-
-def transformer_encoder():
-    return _encoder(), (_sequence(width=HIDDEN),), {}
-
-
-def transformer_encoder_padded():
-    padding = torch.zeros(2, SEQ, dtype=torch.bool)
-    padding[1, -3:] = True
-    return _encoder(), (_sequence(width=HIDDEN),), {"src_key_padding_mask": padding}
-
 
 TRANSFORMERS = {f.__name__: f for f in (
     gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit, swin, convnext, resnet, detr, clip, mamba,
