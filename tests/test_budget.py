@@ -129,3 +129,65 @@ def test_a_sparse_tensor_counts_the_indices_and_values_it_stores():
     stored += sum(p.numel() * p.element_size() for p in (csr.crow_indices(), csr.col_indices(), csr.values()))
     assert log.saved_bytes == stored < 100_000
     assert log["mul_1_1:1"].nbytes == 4_000_000  # the op's own size stays that of its dense shape
+
+
+def _four_block_gpt2():
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=99, n_positions=16)
+    return GPT2Model(config).eval(), torch.randint(0, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def test_a_selection_of_every_block_holds_one_blocks_inner_ops_at_a_time():
+    # save= every block (tl.extract's usual layers=): each block's inner ops were held until the forward ended,
+    # so the selection held as much as save="all" until then; they are let go as each block returns.
+    model, ids = _four_block_gpt2()
+    blocks = [f"h.{i}" for i in range(4)]
+    everything = tl.trace(model, ids)
+    budget = everything.saved_bytes // 2  # about two blocks' ops: the whole forward's no longer fits
+    log, messages = trace_with_budget(model, ids, budget, save=blocks)
+    assert messages == []
+    kept = sorted(log.saved_activations)
+    assert kept == sorted(i for mc in everything.module_calls if mc.module.address in blocks for i in mc._output_nodes)
+    assert all(torch.equal(log.ops[i].activation, everything.ops[i].activation) for i in kept)
+
+
+def test_a_selected_module_inside_a_selected_module_keeps_its_output_as_the_outer_call_lets_go():
+    model, ids = _four_block_gpt2()
+    log = tl.trace(model, ids, save=["h.1", "h.1.attn", "h.1.mlp.act"])
+    selected = ("h.1", "h.1.attn", "h.1.mlp.act")
+    calls = {mc.module.address: mc for mc in log.module_calls if mc.module.address in selected}
+    outputs = {i for mc in calls.values() for i in mc._output_nodes}
+    assert len(calls) == 3 and len(outputs) >= 3 and sorted(log.saved_activations) == sorted(outputs)
+
+
+def test_an_op_a_selected_call_kept_aside_and_a_later_one_returned_is_saved():
+    class Keeps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            self.kept = h * 2  # not returned: let go as this call returns ...
+            return h + 1
+
+    class Returns(nn.Module):
+        def forward(self, keeper):
+            return keeper.kept  # ... and returned by the next selected call
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Keeps(), Returns()
+
+        def forward(self, x):
+            return self.a(x), self.b(self.a)
+
+    model, x = Model(), torch.randn(2, 4)
+    log = tl.trace(model, x, save=["a", "b"])
+    op = log["mul_1_2:1"]
+    assert op.has_activation and op.dropped_reason is None and torch.equal(op.activation, model.a.kept)
+    assert not log["linear_1_1:1"].has_activation  # a's inner op, which no selected call returned

@@ -3,9 +3,10 @@
 ``save`` accepts ``"all"`` (default), ``"none"``, a predicate ``f(op) -> bool``, or a list mixing op
 labels (``linear_1_1:2``), layer labels (``linear_1_1``), module addresses (``features.0``: that
 module's output op, every call), module call labels (``fc:2``: that call's output op) and op types
-(``relu``).  Types and module addresses are decided during the forward
-(ops outside them are never held); labels and predicates need final labels, so every output is held by
-reference until the forward ends and the rest are released then.
+(``relu``).  Types and module addresses are decided during the forward (ops outside them are never held;
+a selected module's inner ops are held until its call returns, see ``SelectedModuleOutputs``); labels and
+predicates need final labels, so every output is held by reference until the forward ends and the rest
+are released then.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ..record.lookup import alias_note, refuse_ambiguous
 from ..record.modules import is_unregistered
 from ..record.model_index import container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.params import bypassed_call_hint
-from ..record.layouts import version_of
+from ..record.dropped import RELEASED_INSIDE
+from ..record.layouts import held_bytes, version_of
 from ..tree import tensor_leaves
 from .bindings import is_bound
 from .teardown import HookHandles
@@ -44,6 +46,7 @@ class SavePolicy:
         self.selected_modules: dict = {}  # id(module) -> module, for each module a selection names
         self.shadowed_types: dict = {}  # module address entry -> the op type it also reads as (save=["relu"])
         self.containers: dict = {}  # module address entry -> why it never runs (a ModuleList has no forward)
+        self.released: dict = {}  # record -> module call: let go as that call returned (SelectedModuleOutputs)
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
@@ -193,6 +196,9 @@ class SavePolicy:
             if trace.kinds[i] == Kind.OUTPUT and (trace.output_producer(i) in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
         trace.keep_activations(kept)
+        for i in self.released:  # (a selected call that returned one saved it again, as the call returned)
+            if i not in trace.saved_activations and self.keep(trace, trace.ops[i]):
+                trace._dropped[i] = RELEASED_INSIDE.format(trace.module_calls[self.released[i]].label, trace.labels[i])
 
 
 class SelectedModuleOutputs(HookHandles):
@@ -201,11 +207,15 @@ class SelectedModuleOutputs(HookHandles):
     may return a tensor it was given or one it kept), where the during-forward selector never holds it nor
     watches its gradient.  Each hook saves (``save=``), or watches the gradient of (``grads=``), as the call
     returns, the output tensors whose producer it did not yet; only the selected modules get one, so a trace
-    without a module selection costs nothing."""
+    without a module selection costs nothing.
+
+    The selector holds every op inside a selected module's call, since which of them the call returns is
+    known only as it returns.  Then the others are let go (``release_inner``), so that a selection of many
+    layers holds one layer's inner ops at a time, not the whole forward's."""
 
     def __init__(self, state, policy, grads, root):
         super().__init__()
-        self.state, self.grads = state, grads
+        self.state, self.grads, self.policy = state, grads, policy
         saved = policy.selected_modules if policy.mode == 2 else {}
         watched = grads.policy.selected_modules if grads is not None and grads.policy is not None and \
             grads.policy.mode == 2 else {}
@@ -213,30 +223,82 @@ class SelectedModuleOutputs(HookHandles):
         # A TorchScript module takes no hooks, and no op of the trace makes its outputs (its ops run unseen).
         self.modules = [m for m in {**saved, **watched}.values()
                         if m is not root and not isinstance(m, torch.jit.ScriptModule)]
+        # Op types selected beside the modules hold their ops for themselves: nothing is let go early then.
+        self.releases = bool(saved) and not policy.types
+        self.first_record: dict = {}  # module call index -> the first record made inside it
+        self.returned: set = set()  # the records the selected calls returned so far
 
     def install(self) -> None:
         st, owner, grads = self.state, threading.get_ident(), self.grads
         saved_ids, watched_ids = self.saved_ids, self.watched_ids
+
+        def pre_hook(module, args):
+            if not _compiler._is_compiling_flag and threading.get_ident() == owner:
+                call = self._current_call(module)
+                if call is not None:
+                    self.first_record[call] = len(st.records)
+            return None
 
         def post_hook(module, args, output):
             # Aside while Dynamo compiles a torch.cond body calling the module: that call is unseen, in one op.
             if output is None or _compiler._is_compiling_flag or threading.get_ident() != owner:
                 return None
             saving, watching = id(module) in saved_ids, id(module) in watched_ids
+            returned = set()
             with torch._C.DisableTorchFunction():  # reading tensors' properties must not re-enter capture
                 for _, t in tensor_leaves(output, attrs=True):
                     entry = st.producers.get(id(t))
-                    # Bound to an op and not written since (through a view): still the value that op made.
-                    if entry is None or not is_bound(entry, t) or entry[2] != version_of(t):
+                    if entry is None or not is_bound(entry, t):
+                        continue
+                    returned.add(entry[1])
+                    if entry[2] != version_of(t):  # written since (through a view): no longer that op's value
                         continue
                     if saving and entry[1] not in st.saved:
                         st.save(entry[1], t, t.requires_grad)
                     if watching and entry[1] not in grads.handles and t.requires_grad:
                         grads.add_hook(entry[1], t)
+            if saving and self.releases:
+                self.returned |= returned  # a selected call's outputs: kept when a call around it lets go
+                self.release_inner(module)
             return None
 
         for module in self.modules:
+            if self.releases and id(module) in saved_ids:
+                self._handles.append(module.register_forward_pre_hook(pre_hook))
             self._handles.append(module.register_forward_hook(post_hook))
+
+    def _current_call(self, module):
+        """The index of ``module``'s call running now, or None where the tracker records no call of it."""
+        stack, calls = self.state.module_stack, self.state.module_calls
+        return stack[-1] if stack and calls[stack[-1]][MODULE_CALL_MODULE] is module else None
+
+    def release_inner(self, module) -> None:
+        """Let go of the activations made inside ``module``'s call that neither it nor a selected call inside it
+        returned: none can be a selected output now.  Inside another selected call, they are left to it, which
+        may return one.  A later call may still return one kept aside (an attribute, a list it was given): it
+        saves it again as it returns, and ``SavePolicy.apply`` names any it could not (``policy.released``)."""
+        st = self.state
+        call = self._current_call(module)
+        first = self.first_record.pop(call, None)
+        if first is None or self._inside_selected(call):
+            return
+        saved, versions, budget, returned = st.saved, st.saved_versions, st.max_saved_bytes, self.returned
+        for record in range(first, len(st.records)):
+            if record in saved and record not in returned:
+                t = saved.pop(record)
+                versions.pop(record, None)
+                if budget is not None:
+                    st.saved_bytes -= held_bytes(t)
+                self.policy.released[record] = call
+
+    def _inside_selected(self, call: int) -> bool:
+        calls, saved_ids = self.state.module_calls, self.saved_ids
+        parent = calls[call][MODULE_CALL_PARENT]
+        while parent >= 0:
+            if id(calls[parent][MODULE_CALL_MODULE]) in saved_ids:
+                return True
+            parent = calls[parent][MODULE_CALL_PARENT]
+        return False
 
 
 class LayerSelection(list):

@@ -31,6 +31,12 @@ MEMORY_FREED = ("its memory was freed after the op made it (its storage resized 
 WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (code running with torch "
                   "function handling disabled, TorchScript, or a custom autograd.Function's ctx.mark_dirty, which "
                   "counts as a write of the tensor it marks)")
+# Why a module selection's output has no activation: the op ran inside another selected module's call, which
+# did not return it, and was let go as that call returned; a later call returned it all the same (a tensor the
+# first call kept in an attribute or put in a list it was given).
+RELEASED_INSIDE = ("made inside the call {}, which save= selected and which did not return it, so let go as that "
+                   "call returned; a later selected call returned it (kept in an attribute or a list): add its label, "
+                   "{!r}, to save= to keep it")
 # Why capture dropped a saved tensor made inside a torch.func transform.
 MADE_IN_TRANSFORM = ("made inside a torch.func transform (vmap, grad, ...): what was saved is the transform's "
                      "internal wrapper, which cannot be read outside it")
