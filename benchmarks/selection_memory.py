@@ -50,8 +50,8 @@ def peak_held(tl, model, ids, selection) -> dict:
     with torch.no_grad():
         outputs = tl.trace(model, ids, save=selection).saved_bytes
         everything = tl.trace(model, ids).saved_bytes
-        # low fails (the outputs alone need it); high, twice save="all", saves all (checked: a view saved with
-        # its base counts twice, so a held selection can count more than save="all" does).
+        # low fails (the outputs alone need it); high, twice save="all", saves all (checked: an older revision's
+        # budget counted a tensor saved for two ops twice, so its peak could pass what save="all" holds).
         low, high = outputs - 1, 2 * everything
         if not _saves_everything(tl, model, ids, selection, high):
             return {"outputs": outputs, "all": everything, "peak": float("nan")}

@@ -191,3 +191,30 @@ def test_an_op_a_selected_call_kept_aside_and_a_later_one_returned_is_saved():
     op = log["mul_1_2:1"]
     assert op.has_activation and op.dropped_reason is None and torch.equal(op.activation, model.a.kept)
     assert not log["linear_1_1:1"].has_activation  # a's inner op, which no selected call returned
+
+
+def test_a_tensor_saved_for_two_ops_counts_once_as_log_saved_bytes_counts_it():
+    # Dropout in eval mode returns its input itself, so its op saves the tensor its parent saved: the budget
+    # counted it twice, and a budget of the trace's own log.saved_bytes stopped saving partway.
+    model, ids = _four_block_gpt2()
+    with torch.no_grad():
+        everything = tl.trace(model, ids)
+        log, messages = trace_with_budget(model, ids, everything.saved_bytes)
+    assert messages == [] and len(log.saved_activations) == len(everything.saved_activations)
+    assert log.saved_bytes == everything.saved_bytes
+
+
+def test_a_copy_made_before_an_in_place_write_counts_beside_the_written_tensor():
+    def forward(x):
+        y = x * 2
+        y.add_(1)  # y's record now holds a copy of the value before the write; add_'s holds y itself
+        return y
+
+    x = torch.randn(64, 64)
+    with torch.no_grad():
+        everything = tl.trace(forward, x)
+        assert everything.saved_bytes == 3 * x.numel() * 4  # the input, the copy, the written tensor
+        _, messages = trace_with_budget(forward, x, everything.saved_bytes - 1)
+        assert messages == ["max_saved_bytes reached: activations from add_1_2:1 on were not saved"]
+        _, messages = trace_with_budget(forward, x, everything.saved_bytes)
+        assert messages == []

@@ -247,11 +247,10 @@ def test_later_non_finite_ops_fed_by_unexamined_ops_are_not_called_independent_o
 
 
 def test_device_flags_are_read_back_once_after_the_forward():
-    from torchlens.capture.state import CaptureState
+    from torchlens.record.finite import drained_flags
 
-    state = CaptureState(save_mode=0, record_finite=True)
-    state.finite_flags.update({0: torch.tensor([True, False]), 1: (False, False), 2: torch.tensor([False, True])})
-    assert state.drained_finite_flags() == {0: (True, False), 1: (False, False), 2: (False, True)}
+    flags = {0: torch.tensor([True, False]), 1: (False, False), 2: torch.tensor([False, True])}
+    assert drained_flags(flags) == {0: (True, False), 1: (False, False), 2: (False, True)}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -25,7 +25,7 @@ from ..record.modules import is_unregistered
 from ..record.model_index import container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.params import bypassed_call_hint
 from ..record.dropped import RELEASED_INSIDE
-from ..record.layouts import held_bytes, version_of
+from ..record.layouts import version_of
 from ..tree import tensor_leaves
 from .bindings import is_bound
 from .teardown import HookHandles
@@ -282,13 +282,10 @@ class SelectedModuleOutputs(HookHandles):
         first = self.first_record.pop(call, None)
         if first is None or self._inside_selected(call):
             return
-        saved, versions, budget, returned = st.saved, st.saved_versions, st.max_saved_bytes, self.returned
+        saved, returned = st.saved, self.returned
         for record in range(first, len(st.records)):
             if record in saved and record not in returned:
-                t = saved.pop(record)
-                versions.pop(record, None)
-                if budget is not None:
-                    st.saved_bytes -= held_bytes(t)
+                st.release(record)
                 self.policy.released[record] = call
 
     def _inside_selected(self, call: int) -> bool:

@@ -25,13 +25,14 @@ import torch
 
 from ..tree import copy_with_layout, is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
-from ..record.layouts import held_bytes, memory_freed, memory_span, shape_of, spans_meet, storage_holders, version_of
+from ..record.layouts import memory_freed, memory_span, shape_of, spans_meet, storage_holders, version_of
 from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.replay_context import attention_backends, grad_and_autocast
 
 from ..record.columns import BUFFER, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS, CALL_PARENTS, INPUT
 from . import accel
 from .bindings import bound_tensor, is_bound
+from .budget import SaveBudget
 from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
 
@@ -93,7 +94,6 @@ class CaptureState:
     own_outputs: set | None = None
     save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
     keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
-    saved_bytes = 0
     budget_exhausted_at: int | None = None
     failure = None  # (func, module call, exception) of the first torch call that raised
     versionless = False  # an inference tensor was seen: in-place writes known by name only
@@ -114,7 +114,7 @@ class CaptureState:
     # Off unless set (the constructor or the trace driver sets them only when on).
     selector = None  # save_mode 2: (func, module call) -> whether to save
     save_device = None
-    max_saved_bytes: int | None = None
+    budget = None  # a SaveBudget (capture/budget.py) under max_saved_bytes=
     # Optional profiler markers (report/markers.py): an object with op_enter(call index) -> token,
     # op_exit(token), module_enter(module call index) and module_exit(module call index).
     markers = None
@@ -150,7 +150,7 @@ class CaptureState:
         self._by_storage: dict = {}  # storage key -> [record index, ...]: see ``saved_by_storage``
         self.unkeyed: list = []  # record indices below ``keyed_to`` saved again since (see ``save``)
         if max_saved_bytes is not None:
-            self.max_saved_bytes = max_saved_bytes
+            self.budget = SaveBudget(max_saved_bytes)
         # No device move and no budget: the hot path saves inline (capture/mode.py).
         self.plain_save = save_device is None and max_saved_bytes is None
         self.clobbered: dict = {}  # record index -> reason its saved value was dropped
@@ -460,7 +460,7 @@ class CaptureState:
         if self.save_device is not None and t.device != self.save_device and t.device.type != "meta":
             self._keep(index, t.to(self.save_device), None)  # a meta tensor has no data to move: kept as it is
             return
-        if self.max_saved_bytes is None:  # the common case, inlined
+        if self.budget is None:  # the common case, inlined
             self.saved[index] = t
             self.saved_versions[index] = self.version(t)
         else:
@@ -469,17 +469,22 @@ class CaptureState:
             self.unkeyed.append(index)
 
     def _keep(self, index: int, t: torch.Tensor, version) -> None:
-        if self.max_saved_bytes is not None:
-            size = t.numel() * t.element_size() if t.layout is torch.strided else held_bytes(t)
-            if self.saved_bytes + size > self.max_saved_bytes:
-                if self.budget_exhausted_at is None:
-                    self.budget_exhausted_at = index
-                    self.save_mode = 0
-                    self.plain_save = False
-                return
-            self.saved_bytes += size
+        if self.budget is not None and not self.budget.admit(t):
+            if self.budget_exhausted_at is None:
+                self.budget_exhausted_at = index
+                self.save_mode = 0
+                self.plain_save = False
+            return
         self.saved[index] = t
         self.saved_versions[index] = version
+
+    def release(self, index: int) -> torch.Tensor:
+        """Let go of the activation saved for ``index`` during the forward; returns it."""
+        t = self.saved.pop(index)
+        self.saved_versions.pop(index, None)
+        if self.budget is not None:
+            self.budget.release(t)
+        return t
 
     def protect_saved(self, t, between_calls: bool = False) -> None:
         """Copy every saved activation sharing ``t``'s storage before an in-place write to ``t``: the next call's,
@@ -492,8 +497,7 @@ class CaptureState:
         if stale:
             for i in stale:
                 if i in self.saved:
-                    self.saved[i] = copy_with_layout(self.saved[i])  # as the later readers saw it
-                    self.saved_versions[i] = None
+                    self._copy_saved(i)  # as the later readers saw it
 
     def guard_running_stats(self, norms: list, batch) -> None:
         """Keep the running statistics that the norm calls ``norms`` read, saved by reference, true to the
@@ -517,8 +521,15 @@ class CaptureState:
                 unwatched += held
         for record in unwatched:
             if versions.get(record) is not None:  # (a statistic read twice is copied once)
-                saved[record] = copy_with_layout(saved[record])
-                versions[record] = None
+                self._copy_saved(record)
+
+    def _copy_saved(self, index: int) -> None:
+        """Save a private copy in place of ``index``'s saved tensor, which a write is about to change."""
+        t = self.saved[index]
+        copy = self.saved[index] = copy_with_layout(t)
+        self.saved_versions[index] = None
+        if self.budget is not None:
+            self.budget.replaced(t, copy)
 
     def protect_saved_all(self, out) -> None:
         for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -536,21 +547,6 @@ class CaptureState:
         flags = nonfinite_flags(t, sync=False)
         if flags is not None:
             self.finite_flags[index] = flags
-
-    def drained_finite_flags(self) -> dict:
-        """The finite flags as ``{record: (has_nan, has_inf)}``, device flags read with one copy per device."""
-        if not self.finite_flags:  # record_finite=False, the default
-            return {}
-        flags = dict(self.finite_flags)
-        pending: dict = {}
-        for i, v in flags.items():
-            if isinstance(v, torch.Tensor):
-                pending.setdefault(v.device, []).append(i)
-        for indices in pending.values():
-            values = torch.stack([flags[i] for i in indices]).tolist()
-            for i, (nan, inf) in zip(indices, values):
-                flags[i] = (bool(nan), bool(inf))
-        return flags
 
     def check_saved_versions(self) -> list:
         """Drop and report saved activations mutated by means capture could not see."""

@@ -28,7 +28,7 @@ from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
-from ..record.layouts import held_bytes, shape_of, version_of
+from ..record.layouts import shape_of, version_of
 from ..record.modules import enclosing_calls, is_unregistered, shown_class
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
@@ -332,10 +332,7 @@ class Interventions:
         if st.grads is not None:  # grads=True: the op's gradient is that of the value downstream saw
             st.grads.rewatch(record, new, st.calls, rec)
         if record in st.saved:
-            saved = st.saved.pop(record)
-            st.saved_versions.pop(record, None)
-            if st.max_saved_bytes is not None:  # the replacement is counted against the budget instead
-                st.saved_bytes -= held_bytes(saved)
+            saved = st.release(record)  # the replacement is counted against max_saved_bytes instead
             same_storage = st.saved_by_storage.get(storage_key(saved))
             if same_storage and record in same_storage:
                 same_storage.remove(record)

@@ -27,6 +27,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       CALL_PARENTS, CALL_WROTE_ARGUMENTS, INPUT, MODULE_CALL_INPUTS, MODULE_CALL_MODULE,
                       MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
+from .finite import drained_flags
 from .layouts import param_versions, shape_of
 from .model_index import ModelIndex, fsdp_params, offloaded_address
 from .module_table import params_by_module
@@ -77,7 +78,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     # Derived on first read (from the index the record keeps) unless a parameter outside the index is
     # named by its shape, read now (a later ``.data`` assignment could change it).
     param_addresses = None if _all_indexed(calls, index) else _param_addresses(calls, index, state.module_calls)
-    finite = state.drained_finite_flags() if state.finite_flags else {}
+    finite = drained_flags(state.finite_flags) if state.finite_flags else {}
     # By position, in Trace's order: model_name, calls, activations, dropped, finite, param_addresses,
     # output, model, unattributed, timings, budget_exhausted_at, alias_reads, index, raw.
     trace = Trace(model_name, calls, activations, dict(state.clobbered), finite, param_addresses, output, model,

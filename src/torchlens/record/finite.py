@@ -32,3 +32,18 @@ def nonfinite_flags(t: torch.Tensor, sync: bool = True):
         if bool(torch.isfinite(t).all()):  # one pass in the common, finite case
             return (False, False)
         return bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+
+
+def drained_flags(flags: dict) -> dict:
+    """Capture's finite flags (``CaptureState.finite_flags``) as ``{record: (has_nan, has_inf)}``: the flags an
+    accelerator kept on the device, read with one copy per device."""
+    flags = dict(flags)
+    pending: dict = {}
+    for i, v in flags.items():
+        if isinstance(v, torch.Tensor):
+            pending.setdefault(v.device, []).append(i)
+    for indices in pending.values():
+        values = torch.stack([flags[i] for i in indices]).tolist()
+        for i, (nan, inf) in zip(indices, values):
+            flags[i] = (bool(nan), bool(inf))
+    return flags
