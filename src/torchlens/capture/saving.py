@@ -195,10 +195,11 @@ class SavePolicy:
         for i in trace.saved_activations:
             if trace.kinds[i] == Kind.OUTPUT and (trace.output_producer(i) in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
-        trace.keep_activations(kept)
-        for i in self.released:  # (a selected call that returned one saved it again, as the call returned)
-            if i not in trace.saved_activations and self.keep(trace, trace.ops[i]):
-                trace._dropped[i] = RELEASED_INSIDE.format(trace.module_calls[self.released[i]].label, trace.labels[i])
+        # Let go of as a selected call returned, and wanted all the same (a call that returned one saved it again).
+        calls, labels = trace.module_calls, trace.labels
+        lost = {i: RELEASED_INSIDE.format(calls[m].label, labels[i]) for i, m in self.released.items()
+                if i not in trace.saved_activations and self.keep(trace, trace.ops[i])}
+        trace.keep_activations(kept, lost)
 
 
 class SelectedModuleOutputs(HookHandles):

@@ -296,9 +296,11 @@ class Trace(TraceColumns):
         k = slot_of.get(id(t))  # t is held, so its id is its own
         return WRITTEN_AFTER_TRACE if k is not None and counters[k]._version != versions[k] else None
 
-    def keep_activations(self, kept) -> None:
+    def keep_activations(self, kept, dropped=None) -> None:
         """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward),
-        and the value an intervention replaced there: ``op.original`` is kept where the op's value is."""
+        and the value an intervention replaced there: ``op.original`` is kept where the op's value is.
+        ``dropped``: op index -> why an op the filter wanted holds no value (``SavePolicy.apply``)."""
+        self._dropped.update(dropped or ())
         self._activations = {i: t for i, t in self._activations.items() if i in kept}
         if self._originals:
             self._originals = {i: t for i, t in self._originals.items() if i in kept}
