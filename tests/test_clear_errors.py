@@ -238,6 +238,20 @@ def test_a_bool_is_not_an_op_index():
         log.ops[100]
 
 
+def test_a_numpy_integer_indexes_a_trace_as_an_int_does():
+    # log[np.int64(2)] was refused ("not int64") where log.ops[np.int64(2)] answered: the positions a NumPy
+    # ranking or a DataFrame's index hands back are NumPy integers.
+    import numpy as np
+
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    for i in (np.int64(2), np.int32(-1), np.uint8(0)):
+        assert log[i].label == log.ops[i].label == log[int(i)].label
+    with pytest.raises(IndexError, match="op index 100 is out of range"):
+        log[np.int64(100)]
+    with pytest.raises(TypeError, match="not float64"):
+        log[np.float64(2.0)]
+
+
 def test_a_module_class_as_a_selection_or_site_is_refused_not_called_on_every_op():
     # A class is callable: taken as a predicate over ops, nn.ReLU(op) built a module of every op, which is
     # true, so every op was selected (every activation saved, every op ablated).
