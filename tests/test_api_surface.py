@@ -95,3 +95,31 @@ def test_log_forward_pass_saves_the_gradients_of_the_saved_layers_when_asked():
     # save_gradients="no" is true to Python: it kept the gradients it said not to.
     with pytest.raises(TypeError, match=r"log_forward_pass: save_gradients='no' is a str, not True or False"):
         tl.log_forward_pass(model, x, save_gradients="no")
+
+
+WITHOUT_PANDAS = """
+import sys
+import torch, torch.nn as nn
+import torchlens as tl
+
+log = tl.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 4))
+print(str(log).splitlines()[0], log.summary()[0]["call"])
+print("pandas imported:", "pandas" in sys.modules)
+sys.modules["pandas"] = None  # what an environment without pandas gives: importing it raises ImportError
+for name, table in [("ops", log), ("layers", log.layers), ("module_calls", log.module_calls),
+                    ("modules", log.modules), ("params", log.params), ("summary", log.summary())]:
+    try:
+        table.to_pandas()
+    except ImportError as error:
+        print(name, error)
+"""
+
+
+def test_pandas_is_imported_only_by_to_pandas_and_its_absence_names_the_install():
+    # Tracing, printing and the summary table need no pandas; every to_pandas() without it says what to install.
+    done = subprocess.run([sys.executable, "-c", WITHOUT_PANDAS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["Trace of Sequential Sequential", "pandas imported: False"]
+    assert lines[2:] == [f"{name} to_pandas() needs pandas: pip install pandas"
+                         for name in ("ops", "layers", "module_calls", "modules", "params", "summary")]
