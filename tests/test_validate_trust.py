@@ -219,6 +219,19 @@ def test_a_parameter_changed_after_the_trace_is_not_replayed():
     assert any("changed since the trace" in reason for _, reason in result.not_replayed)
 
 
+def test_a_parent_saved_and_then_dropped_is_named_as_dropped_not_as_unsaved():
+    # "parent t_1_1:1 was not saved" pointed at save= for a parent that was saved and then dropped.
+    model = nn.Linear(4, 4)
+    log = tl.trace(lambda x: x @ model.weight.t(), torch.randn(2, 4), root=model)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an optimizer step: t() returned a view of the weight
+    reasons = dict(log.validate().not_replayed)
+    assert reasons["matmul_1_2:1"].startswith("parent t_1_1:1 was saved, then dropped: its memory is parameter "
+                                              "weight's"), reasons
+    unsaved = tl.trace(model, torch.randn(2, 4), save="linear_1_1").validate().not_replayed
+    assert unsaved == [("linear_1_1:1", "parent input_1:1 was not saved")]
+
+
 # ----- no vacuous verdicts -----------------------------------------------------------------------------
 def test_nothing_saved_is_nothing_to_replay_not_a_pass():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

@@ -388,7 +388,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
         if parent < 0:
             return _skip("a tensor argument came from outside the trace")
         if parent not in log.saved_activations:
-            return _skip(f"parent {log.labels[parent]} was not saved")
+            return _skip(_parent_unsaved(log, parent))
         if (call_position, parent) in log.alias_reads:
             return _skip(f"it read {log.labels[parent]}'s storage after a write through a view (or while "
                          "writing it through another argument, or a running statistic or observer buffer it wrote "
@@ -463,6 +463,13 @@ def _compared(replayed, saved, differs: str):
         return _skip(f"its {type(saved).__name__} output cannot be compared (torch.equal raised "
                      f"{type(exc).__name__})")
     return None if same else _mismatch(differs)
+
+
+def _parent_unsaved(log, parent: int) -> str:
+    """Why a parent's value is missing: never saved (``save=``), or saved and then dropped, with the reason (a
+    parent changed behind capture's back, or since the trace, was saved: "not saved" would point at ``save=``)."""
+    dropped = log.dropped_activations.get(parent)
+    return f"parent {log.labels[parent]} was " + (f"saved, then dropped: {dropped}" if dropped else "not saved")
 
 
 def _put(positional: dict, keyword: dict, position, value) -> None:
