@@ -6,6 +6,7 @@ import os
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import torchlens as tl
 from torchlens.record.summary import short_path
@@ -59,6 +60,38 @@ def test_a_module_reused_from_several_lines_is_reused_not_recurrent():
         text = str(tl.trace(model, torch.randn(2, 8)))
         assert "reused modules" in text and "recurrent" not in text
     assert "recurrent (up to 16 passes" in str(tl.trace(LoopRNN(), torch.randn(2, 8)))
+
+
+class TwiceOneWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        x = F.linear(x, self.weight)
+        return F.linear(x, self.weight)  # one parameter on two lines: no module is called twice
+
+
+class Countdown(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, n):
+        return self.fc(x) if n == 0 else self(x + 1, n - 1)
+
+
+def test_a_parameter_used_on_two_lines_is_not_called_a_reused_module():
+    # It read "reused modules (a module called from several places ...)" for a model that calls no module.
+    assert "; reused parameters (a parameter used from several places: up to 2 passes of one layer; no loop)" in \
+        str(tl.trace(TwiceOneWeight(), torch.randn(2, 8)))
+    shared, twice = SharedModule(), TwiceOneWeight()
+    both = tl.trace(lambda x: twice(shared(x)), torch.randn(2, 8))
+    assert "reused modules and parameters (a module called, or a parameter used, from several" in str(both)
+    # The root forward is the root module's first call: a forward calling itself again reuses that module.
+    countdown = tl.trace(Countdown(), (torch.randn(2, 4), 2))
+    assert [op.label for op in countdown if op.func_name == "add"] == ["add_1_1:1", "add_1_1:2"]
+    assert "; reused modules (a module called from several places" in str(countdown)
 
 
 def test_source_paths_are_relative_to_the_working_directory_or_the_import_root():

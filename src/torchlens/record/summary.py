@@ -45,11 +45,38 @@ def _recurrence(trace) -> str:
         return "feed-forward (every layer ran once)"
     kind = repetition(trace)
     if kind == "reused":
-        return f"reused modules (a module called from several places: up to {trace.num_passes_max} passes of " \
-               "one layer; no loop)"
+        what, how = _reused(trace)
+        return f"reused {what} ({how} from several places: up to {trace.num_passes_max} passes of one layer; no loop)"
     if kind == "loop":
         return f"recurrent (up to {trace.num_passes_max} passes of one layer)"
     return f"repeated layers (up to {trace.num_passes_max} passes of one layer)"
+
+
+def _reused(trace) -> tuple:
+    """What a trace that repeated with no loop reused, and how: a module called from several places (the
+    passes of its ops lie in different calls of it; the root module's forward calling itself included), a
+    parameter read on several lines (``F.linear(x, self.w)`` twice: the passes lie in one call, or in calls of
+    different modules), or both."""
+    groups, sizes, calls, rows = trace.groups, trace.group_sizes, trace.module_call_indices, trace._call_rows
+    # The root forward (-1) is the root module's first call, when the root module calls itself (``self:2``).
+    root = next((i for i, row in enumerate(trace._module_rows) if row.address == "self"), -1)
+    first_call: dict = {}  # layer group -> the module call its first pass ran in (-1: the root forward)
+    modules = parameters = False
+    for i, group in enumerate(groups):
+        if sizes[group] < 2:
+            continue
+        if group not in first_call:
+            first_call[group] = calls[i]
+            continue
+        call, first = calls[i], first_call[group]
+        module, first_module = (rows[c].module if c >= 0 else root for c in (call, first))
+        if call != first and module >= 0 and module == first_module:
+            modules = True
+        else:
+            parameters = True
+    if modules and parameters:
+        return "modules and parameters", "a module called, or a parameter used,"
+    return ("modules", "a module called") if modules else ("parameters", "a parameter used")
 
 
 def short_path(file: str) -> str:
