@@ -8,10 +8,12 @@ docs/reliability.md, and the last test here checks that page is current.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -63,6 +65,46 @@ def untraced_failure(model, x) -> BaseException | None:
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is one of the injected faults
         return exc
     return None
+
+
+# ----- an exception that refuses notes ------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FrozenError(Exception):
+    """An exception declared as a frozen dataclass: setting any attribute, ``__notes__`` included, raises."""
+
+    code: int
+
+
+class NotesNotAList(Exception):
+    def __init__(self):
+        super().__init__("notes set by the model's own code")
+        self.__notes__ = ("a tuple, to which add_note cannot append",)
+
+
+class RaisesAfterALayer(nn.Module):
+    def __init__(self, error: BaseException):
+        super().__init__()
+        self.fc, self.error = nn.Linear(4, 4), error
+
+    def forward(self, x):
+        self.fc(x)
+        raise self.error
+
+
+@pytest.mark.parametrize("make", [lambda: FrozenError(7), NotesNotAList])
+def test_an_exception_that_refuses_notes_reaches_the_caller_as_the_model_raised_it(make):
+    # The failure to add the note (FrozenInstanceError; "Cannot add note: __notes__ is not a list") replaced
+    # the model's exception, and the abandoned trace was never released.
+    error, x = make(), torch.randn(2, 4)
+    model, made = RaisesAfterALayer(error), []
+    model.fc.register_forward_hook(lambda module, inputs, output: made.append(weakref.ref(output)))
+    before = snapshot(model, (x,))
+    with pytest.raises(type(error)) as raised:
+        tl.trace(model, x)
+    assert raised.value is error and getattr(error, "__notes__", None) == getattr(make(), "__notes__", None)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert_clean_process()
+    assert made and not [r for r in made if r() is not None], "the abandoned trace's activations are kept"
 
 
 # ----- a fault at a random op, in a random model -------------------------------------------------

@@ -2,8 +2,9 @@
 
 Nothing here imports the rest of torchlens, so every layer can raise these.  The modules that raise an
 error also re-export it under its former home (``torchlens.io.format.TraceFileError`` and so on).
-``warn_user`` is the one way torchlens warns: at the user's line, not at a line of torchlens; ``first_few``
-lists names in a message, and ``closest_hint`` suggests the known names nearest a misspelt one.
+``add_note`` is the one way torchlens notes an exception it passes on (the model's own); ``warn_user`` is the
+one way torchlens warns: at the user's line, not at a line of torchlens; ``first_few`` lists names in a
+message, and ``closest_hint`` suggests the known names nearest a misspelt one.
 """
 
 import difflib
@@ -21,6 +22,16 @@ def warn_user(message: str, category=UserWarning) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, unless the exception refuses notes (a frozen dataclass exception, one whose
+    ``__notes__`` is not a list): the exception a model raised must reach the caller as it was raised, and a
+    note is only a hint, so it is left off rather than replace that exception with the failure to add it."""
+    try:
+        exc.add_note(note)
+    except Exception:  # noqa: BLE001 - any failure to note: the model's exception goes on unnoted
+        pass
 
 
 def first_few(names, n: int = 3) -> str:

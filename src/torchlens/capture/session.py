@@ -15,7 +15,7 @@ from time import perf_counter_ns
 import torch
 
 from ..checks import check_flag, check_number
-from ..errors import NestedTraceError, first_few, warn_user
+from ..errors import NestedTraceError, add_note, first_few, warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.columns import MODULE_CALL_MODULE
 from ..record.finalize import finalize
@@ -532,7 +532,7 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
         from ..labels.naming import func_name_of
 
         func, module_call, _ = state.failure
-        exc.add_note(f"torchlens: raised by torch call {func_name_of(func)!r} (op #{len(state.records) + 1}) "
+        add_note(exc, f"torchlens: raised by torch call {func_name_of(func)!r} (op #{len(state.records) + 1}) "
                      f"in {_where(state, module_call, model)}; {torn_down}")
     else:
         module_call = state.module_stack[-1] if state.module_stack else -1
@@ -541,9 +541,9 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
         where = _where(state, module_call, model)
         if module_call < 0 and state.module_calls:  # e.g. raised by a forward hook, after the call ended
             where += f" (the last module call before it: {_where(state, len(state.module_calls) - 1, model)})"
-        exc.add_note(f"torchlens: raised in {where} after {len(state.records)} captured tensors; {torn_down}")
+        add_note(exc, f"torchlens: raised in {where} after {len(state.records)} captured tensors; {torn_down}")
     if isinstance(exc, RecursionError):
-        exc.add_note(_DEEPER_TRACED)
+        add_note(exc, _DEEPER_TRACED)
     note_how_arguments_were_passed(exc, args)
 
 
@@ -551,11 +551,11 @@ def note_how_arguments_were_passed(exc: BaseException, args) -> None:
     """A note on a forward that failed taking ``args`` by tl.trace's rule (a list is one argument, a named
     tuple's fields are several), saying how to pass them the other way; tl.validate's untraced run adds it too."""
     if isinstance(exc, TypeError) and len(args) == 1 and type(args[0]) is list and "positional argument" in str(exc):
-        exc.add_note("torchlens: the list was passed as one positional argument (only a tuple's items are "
+        add_note(exc, "torchlens: the list was passed as one positional argument (only a tuple's items are "
                      "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
     elif isinstance(exc, (TypeError, AttributeError)) and type(args) is not tuple and isinstance(args, tuple):
         # a named tuple (a batch) given as the arguments is a tuple: its fields were passed one by one
-        exc.add_note(f"torchlens: the {type(args).__name__} was passed as the positional arguments, one per field "
+        add_note(exc, f"torchlens: the {type(args).__name__} was passed as the positional arguments, one per field "
                      "(a tuple's items are passed as several); to pass it as one argument, wrap it: "
                      "tl.trace(model, (batch,)), or args_of=lambda batch: (batch,) in tl.extract")
 

@@ -15,7 +15,7 @@ from .columns import Kind
 from .dropped import MADE_IN_TRANSFORM
 from .layouts import dense_values
 from ..tree import made_in_transform, without_values
-from ..errors import GradientUnavailable, TraceCleanedUp, warn_user
+from ..errors import GradientUnavailable, TraceCleanedUp, add_note, warn_user
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
@@ -205,7 +205,7 @@ def _note_changed_params(trace, exc: RuntimeError) -> None:
     changed = changed_since_trace(trace)
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-        exc.add_note(f"torchlens: parameters changed since this trace's forward (an optimizer step?): {shown}; "
+        add_note(exc, f"torchlens: parameters changed since this trace's forward (an optimizer step?): {shown}; "
                      "autograd needs the values the forward read, so run log.backward(loss) before "
                      "optimizer.step(), or trace again after it")
 
@@ -217,7 +217,7 @@ def _note_written_sites(trace, exc: RuntimeError) -> None:
     written = [op for op in (trace.ops[i] for i in sorted(trace._interventions)) if op.is_inplace and op.requires_grad]
     if written:
         before = ", ".join(dict.fromkeys(p for op in written for p in op.parents[:1]))
-        exc.add_note(f"torchlens: the intervention at {', '.join(op.label for op in written)}, an in-place op, wrote "
+        add_note(exc, f"torchlens: the intervention at {', '.join(op.label for op in written)}, an in-place op, wrote "
                      "its new value into the tensor that op returned, which its backward may need as it was made; "
                      "to edit that value with gradients, intervene at a module whose output it is (a module site's "
                      f"new value is a new tensor), or at the op before it ({before or 'its input'})")
