@@ -392,6 +392,23 @@ def test_root_functional_ops_and_internal_tensors():
     assert len(normalize) == 1  # a Python-level torch function is one op
 
 
+class ReadsWithoutTensors(nn.Module):
+    """Calls that return no tensor: sizes, flags, Python numbers and lists read from tensors."""
+
+    def forward(self, x):
+        n, d, k = x.shape[0], x.dim(), x.size(1)
+        total = x.sum()
+        plain = (total.item(), x.numel(), len(x), x.tolist(), x.is_contiguous(), torch.equal(x, x), x.data_ptr())
+        return x * (n + d + k + len(plain)) if bool(total > 0) else -x
+
+
+def test_calls_that_return_no_tensor_are_not_ops():
+    x = torch.ones(2, 3)
+    log = tl.trace(ReadsWithoutTensors(), x)
+    assert [op.label for op in log] == ["input_1:1", "sum_1_1:1", "gt_1_2:1", "mul_1_3:1", "output_1:1"]
+    assert torch.equal(log.output, x * 14)
+
+
 def test_dict_inputs_kwargs_and_structured_outputs():
     model, args, kwargs = zoo()["dict_io"]
     log = tl.trace(model, args, kwargs)
