@@ -33,6 +33,15 @@ def test_trace_signature_shows_no_private_parameters():
     assert "root" in params
 
 
+def test_log_validate_shows_its_one_option_and_refuses_others_in_its_own_name():
+    # It took **kwargs: help() showed no option, and rtol= was refused by "validate_trace()", a name never called.
+    assert list(inspect.signature(tl.Trace.validate).parameters) == ["self", "progress"]
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    with pytest.raises(TypeError, match=r"Trace\.validate\(\) got an unexpected keyword argument 'rtol'"):
+        log.validate(rtol=1e-3)
+    assert log.validate(progress=False).passed
+
+
 def test_help_on_the_record_classes_describes_their_own_fields():
     # help(tl.Param) showed operator.attrgetter's documentation for address, shape, dtype and requires_grad
     # (and for ModuleCall.call_index, Module.address, ...): the fields read straight from a record's row.

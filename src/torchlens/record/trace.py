@@ -505,15 +505,15 @@ class Trace(TraceColumns):
 
         return module_summary(self, depth)
 
-    def validate(self, **kwargs):
-        """Replay every op from its saved parents and compare (see ``tl.validate``)."""
+    def validate(self, progress=None):
+        """Replay every op from its saved parents and compare (see ``tl.validate``); ``progress`` as there."""
         if self.loaded_from is not None:
             raise TorchlensError(f"this trace was loaded from {self.loaded_from}: replay needs the torch callables "
                                  "and parameters, which saved traces name but do not hold; validate the live "
                                  "model with tl.validate(model, x)")
         from ..validate import validate_trace
 
-        return validate_trace(self, **kwargs)
+        return validate_trace(self, progress=progress)
 
     @property
     def flops(self):
