@@ -238,6 +238,34 @@ def test_a_bool_is_not_an_op_index():
         log.ops[100]
 
 
+class WithIdleModules(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.head, self.spare = nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks[0](x))
+
+
+def test_a_key_naming_a_module_that_made_no_call_says_why():
+    # log["spare"] and log["blocks"] said only "no op, layer, module call or module named ...", where save= with
+    # the same names says the module never ran, or is a container with no forward.
+    log = tl.trace(WithIdleModules(), torch.randn(2, 4))
+    for key in ("spare", "spare:1"):
+        with pytest.raises(KeyError, match=r"named 'spare(:1)?' in this trace \('spare' is a module of the model that "
+                                           r"never ran in this forward\)"):
+            log[key]
+    with pytest.raises(KeyError, match=r"\('blocks' is a ModuleList, a container with no forward of its own: it is "
+                                       r"never called, so it has no output; name the modules it holds \(blocks.0\)\)"):
+        log["blocks"]
+    with pytest.raises(KeyError, match=r"named 'head:2' in this trace; closest: head:1"):
+        log["head:2"]  # head ran, once
+    log.cleanup()
+    with pytest.raises(KeyError, match="named 'spare' in this trace") as released:
+        log["spare"]
+    assert "never ran" not in str(released.value)  # the model is let go: nothing is claimed about it
+
+
 def test_a_numpy_integer_indexes_a_trace_as_an_int_does():
     # log[np.int64(2)] was refused ("not int64") where log.ops[np.int64(2)] answered: the positions a NumPy
     # ranking or a DataFrame's index hands back are NumPy integers.

@@ -14,8 +14,9 @@ quietly.
 
 from __future__ import annotations
 
-from ..errors import AmbiguousKey, listed
+from ..errors import AmbiguousKey, closest_hint, listed
 from .columns import Kind
+from .model_index import container_note
 from .modules import Module, ModuleCall
 from .op import Layer, Op
 
@@ -109,6 +110,28 @@ def _described(trace, key: str, target: tuple) -> tuple:
     if label == key:
         return f"the op {label}", f"log.ops[{index}]"
     return f"the output op of {key} ({label})", f"log[{label!r}]"
+
+
+def missing_key_note(trace, key: str) -> str:
+    """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
+    of a module, a parameter, a module the forward never ran, a container), else the closest keys."""
+    return alias_note(trace, key) or param_note(trace, key) or \
+        unrun_module_note(trace, key) + closest_hint(key, trace._lookup)
+
+
+def unrun_module_note(trace, key: str) -> str:
+    """For a missing module address or call label (``head``, ``head:1``) of one of the model's modules that made
+    no module call: a container, which has no forward to call, or a module this forward never ran."""
+    address, _, number = key.rpartition(":")
+    address = address if number.isdigit() else key
+    model = trace._model  # None once cleaned up, and for a loaded trace: no module to name then
+    if not hasattr(model, "named_modules") or any(address in row.all_addresses for row in trace._module_rows):
+        return ""
+    module = dict(model.named_modules(remove_duplicate=False)).get(address)
+    if module is None:
+        return ""
+    what = container_note(address, module) or "is a module of the model that never ran in this forward"
+    return f" ({address!r} {what})"
 
 
 def param_note(trace, key: str) -> str:

@@ -12,7 +12,7 @@ import gc
 import numbers
 from collections import Counter
 
-from ..errors import TorchlensError, TraceCleanedUp, closest_hint, counted
+from ..errors import TorchlensError, TraceCleanedUp, counted
 from ..tree import without_values
 from .columns import Call, Kind
 from . import grads as _grads
@@ -20,7 +20,7 @@ from . import tables
 from .derived import Derived as _Derived
 from .dropped import MEMORY_FREED, PARAM_WRITTEN_AFTER_TRACE, WRITTEN_AFTER_TRACE
 from .layouts import held_bytes, memory_freed
-from .lookup import Ambiguous, alias_note, build_lookup, param_note, raise_ambiguous
+from .lookup import Ambiguous, build_lookup, missing_key_note, raise_ambiguous
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
@@ -430,7 +430,7 @@ class Trace(TraceColumns):
         found = self._keys().get(key)
         if found is None:
             raise KeyError(f"no op, layer, module call or module named {key!r} in this trace"
-                           f"{alias_note(self, key) or param_note(self, key) or closest_hint(key, self._lookup)}")
+                           f"{missing_key_note(self, key)}")
         if type(found) is Ambiguous:
             raise_ambiguous(self, key, found)
         view, view_key = found
