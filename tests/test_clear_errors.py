@@ -278,6 +278,8 @@ def test_a_numpy_integer_indexes_a_trace_as_an_int_does():
         log[np.int64(100)]
     with pytest.raises(TypeError, match="not float64"):
         log[np.float64(2.0)]
+    table = log.summary()  # its rows by number, as log.summary()[1] reads them
+    assert table[np.int64(1)] is table[1] and table[np.int64(-1)] is table[-1]
 
 
 def test_a_module_class_as_a_selection_or_site_is_refused_not_called_on_every_op():

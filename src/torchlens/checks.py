@@ -40,6 +40,14 @@ def check_int(value, name: str, advice: str, *, who: str = "", at_least=None) ->
     return value
 
 
+def as_position(key):
+    """``key`` as an int when it is an integer other than a bool (a NumPy integer, from ``np.argsort`` or a
+    DataFrame's index, is a position, as a list takes it); any other key unchanged, for its reader to judge."""
+    if isinstance(key, numbers.Integral) and not isinstance(key, (bool, int)):
+        return int(key)
+    return key
+
+
 def check_flag(value, name: str, advice: str = "give True or False", *, who: str = "") -> bool:
     """``value`` when it is True or False: a string such as ``"no"`` is true to Python, and would be read as
     the opposite of what it says."""

@@ -10,7 +10,7 @@ appears; otherwise it is left out rather than shown as zeros.
 
 from __future__ import annotations
 
-from ..checks import check_int
+from ..checks import as_position, check_int
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
@@ -133,6 +133,7 @@ class ModuleSummary:
         return len(self.rows)
 
     def __getitem__(self, key):
+        key = as_position(key)  # a NumPy integer is a row number
         if isinstance(key, bool):  # an int to Python, but never meant as row 0 or row 1
             raise TypeError(f"index a summary with a row number or a module call ('fc1:1'), not a bool ({key!r})")
         if isinstance(key, int):

@@ -9,9 +9,9 @@ the autograd graph its output holds, as soon as nothing refers to it or to one o
 from __future__ import annotations
 
 import gc
-import numbers
 from collections import Counter
 
+from ..checks import as_position
 from ..errors import TorchlensError, TraceCleanedUp, counted
 from ..tree import without_values
 from .columns import Call, Kind
@@ -418,8 +418,7 @@ class Trace(TraceColumns):
     def __getitem__(self, key):
         if isinstance(key, bool):  # an int to Python, but never meant as op 0 or op 1
             raise TypeError(f"index a trace with a label string, an int or a slice, not a bool ({key!r})")
-        if isinstance(key, numbers.Integral) and not isinstance(key, int):
-            key = int(key)  # a NumPy integer (from np.argsort, a DataFrame's index) is an int, as log.ops takes it
+        key = as_position(key)  # a NumPy integer is a position, as log.ops takes it
         if isinstance(key, int) and not -len(self) <= key < len(self):
             raise IndexError(f"op index {key} is out of range: this trace has {len(self)} ops "
                              f"(0..{len(self) - 1}, or -1..-{len(self)} from the end)")
