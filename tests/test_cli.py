@@ -338,7 +338,8 @@ def test_eval_on_a_function_target_is_a_usage_error_and_without_it_the_function_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["trace", "clitargets:build", "--input", "2x8", "--html", "."], "--html . is a folder; give the name of a file you can write"),
+    (["trace", "clitargets:build", "--input", "2x8", "--html", "."],
+     "--html . is a folder; give the name of a file you can write"),
     (["trace", "clitargets:build", "--input", "2x8", "--chrome", "no_such_dir/run.json"], "does not exist"),
     (["render", "no_such_trace", "-o", "no_such_dir/view.dot"], "does not exist"),
     (["demo", "--out", "clitargets.py"], "--out clitargets.py: that is a file"),
