@@ -270,6 +270,37 @@ def test_a_modules_own_hooks_run_inside_its_module_call():
     assert vars(nn.Module)["_call_impl"] is original
 
 
+def test_a_module_whose_own_call_skips_nn_modules_makes_no_module_call():
+    """A class whose ``__call__`` runs ``self.forward`` itself bypasses ``_call_impl``: no call of its own, its ops
+    in the caller's, its submodules' calls the caller's children; one calling ``nn.Module.__call__`` makes one."""
+    class OwnCall(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def __call__(self, x):
+            return self.forward(x)
+
+        def forward(self, x):
+            return self.fc(x) * 2
+
+    class ModuleCall(OwnCall):
+        def __call__(self, x):
+            return nn.Module.__call__(self, x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = OwnCall(), ModuleCall()
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    log = tl.trace(Model(), torch.randn(1, 2))
+    assert [mc.label for mc in log.module_calls] == ["a.fc:1", "b:1", "b.fc:1"]
+    assert log["mul_1_2:1"].module is None and log["mul_2_4:1"].module == "b:1"
+
+
 def test_a_tensor_cached_by_an_earlier_forward_is_named_as_from_outside():
     """A tensor made before the forward (BEiT memoizes its relative position index per window size, for
     the whole process) enters the trace with no parent op: counted, its readers named, their replay skipped
