@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import closest_hint, counted, first_few
-from .record.columns import UNINITIALIZED_FUNCS
+from .record.columns import UNINITIALIZED_FUNCS, uninitialized_ops
 from .record.layouts import memory_freed, version_of
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
 from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, settings_by_name
@@ -221,17 +221,19 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
 
 
 def _compare_outputs(log, expected) -> tuple:
-    """``structures_equal`` of the traced and untraced outputs, or, where they differ, of those not returned as
-    an op of uninitialized memory made them (``torch.empty`` and kin): each run's holds what its allocator left."""
-    equal, why = structures_equal(log.output, expected)
-    made_by = {o.io_path: log[o.parents[0]].func_name for o in log.outputs if o.parents} if not equal else {}
+    """``structures_equal`` of the traced and untraced outputs that are not uninitialized memory (``torch.empty``
+    and kin, or a view of one: ``uninitialized_ops``), whose bits each run's allocator chose.  Those are left out
+    and named whether or not their bits happened to agree, so that the result does not depend on the allocator."""
+    # Not through in-place writes: a fill_ or copy_ makes the whole tensor defined, and it is compared.
+    undefined_ops = uninitialized_ops(log, through_writes=False)
+    made_by = {o.io_path: log[o.parents[0]].index for o in log.outputs if o.parents} if undefined_ops else {}
     leaves = tensor_leaves(log.output)
-    undefined = {path: None for path, _ in leaves if made_by.get(path_text("output", path)) in UNINITIALIZED_FUNCS}
+    undefined = {path: None for path, _ in leaves if made_by.get(path_text("output", path)) in undefined_ops}
     if not undefined:
-        return equal, why
+        return structures_equal(log.output, expected)
     equal, why = structures_equal(fill(log.output, undefined), fill(expected, undefined))
     left_out = f"not compared: {', '.join(path_text('output', p) for p in undefined)}, uninitialized memory " \
-               "(torch.empty and kin), whose contents are not defined"
+               "(torch.empty and kin, or a view of it), whose contents are not defined"
     return (None if len(undefined) == len(leaves) else True, left_out) if equal else (equal, why)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_flag
-from ..record.columns import UNINITIALIZED_FUNCS, Kind
+from ..record.columns import Kind, uninitialized_ops
 from ..record.dropped import all_made_in_transform
 from ..record.finite import nonfinite_flags
 from ..record.params import changed_since_trace
@@ -239,12 +239,6 @@ def _all_on_meta(log) -> bool:
     return bool(saved) and all(isinstance(t, torch.Tensor) and without_values(t) for t in saved)
 
 
-# Ops that only select, reshape or copy values: what they read from uninitialized memory stays undefined.
-_MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "unsqueeze",
-                    "squeeze", "flatten", "unflatten", "movedim", "narrow", "select", "split", "chunk", "unbind",
-                    "expand", "expand_as", "as_strided", "contiguous", "clone", "detach"])
-
-
 def _set_aside_uninitialized(log, status) -> list:
     """Labels of the non-finite values that are uninitialized memory, their status set to unknown (None).
 
@@ -253,18 +247,11 @@ def _set_aside_uninitialized(log, status) -> list:
     (DeepSeek-V3 writes its key states into two slices of a ``new_empty``).  Such a value, a view of it, or a
     write into part of it says nothing about where a NaN was born.  A later op that computes with one is
     then not certain to be an origin: its undefined input is named among the possible ones."""
-    undefined, found = set(), []
-    for i, label in enumerate(log.labels):
-        if log.kinds[i] != Kind.OP:
-            continue
-        op = log.ops[i]
-        if op.func_name not in UNINITIALIZED_FUNCS and not (
-                (op.is_inplace or op.func_name in _MOVES) and any(p in undefined for _, p in log.op_parents[i])):
-            continue
-        undefined.add(i)
+    undefined, found = uninitialized_ops(log, through_writes=True), []
+    for i in sorted(undefined):
         if status[i] not in (None, (False, False)):
             status[i] = None
-            found.append(label)
+            found.append(log.labels[i])
     return found
 
 

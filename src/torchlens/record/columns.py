@@ -112,6 +112,27 @@ _INPLACE_DUNDERS = frozenset(
 UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
                                  "new_empty_strided", "empty_quantized", "_empty_affine_quantized",
                                  "_empty_per_channel_affine_quantized"])
+# Ops that only select, reshape or copy values: what they read from uninitialized memory stays undefined.
+_MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "unsqueeze",
+                    "squeeze", "flatten", "unflatten", "movedim", "narrow", "select", "split", "chunk", "unbind",
+                    "expand", "expand_as", "as_strided", "contiguous", "clone", "detach"])
+
+
+def uninitialized_ops(trace, through_writes: bool) -> set:
+    """Indices of the ops whose values are uninitialized memory: made by ``torch.empty`` and kin, or a view or
+    copy of such a value (``x.new_empty(n, m).t()``).  ``through_writes``: also an in-place op writing into one,
+    which may fill it only in part (DeepSeek-V3 writes two slices of a ``new_empty``); a reader that must not
+    leave out a value a ``fill_`` or ``copy_`` made whole passes False."""
+    undefined = set()
+    kinds, parents = trace.kinds, trace.op_parents
+    for i in range(len(kinds)):
+        if kinds[i] != Kind.OP:
+            continue
+        op = trace.ops[i]
+        if op.func_name in UNINITIALIZED_FUNCS or (op.func_name in _MOVES or through_writes and op.is_inplace) \
+                and any(p in undefined for _, p in parents[i]):
+            undefined.add(i)
+    return undefined
 
 
 def writes_first_argument(func) -> bool:
