@@ -104,3 +104,21 @@ def test_show_refused_leaves_no_file_and_never_opens_another_format(monkeypatch,
                                              r"that format with render\(path, format=\.\.\.\)"):
             log.show(format=other)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_show_takes_format_html_or_none_inline_and_in_a_browser(monkeypatch, tmp_path):
+    """show's format= may only say HTML, on both of its ways: in a notebook it failed with render's "multiple
+    values for keyword argument 'format'" (html as well as dot), and in a browser format=None was refused."""
+    _engine_or_skip()
+    displayed = []
+    monkeypatch.setattr("IPython.display.display", displayed.append)
+    monkeypatch.setattr("torchlens.viz._in_notebook", lambda: True)
+    log = tl.trace(LoopRNN(), torch.randn(2, 8))
+    assert log.show(format="html") is None and "tlOpenViewer" in displayed[-1].data
+    with pytest.raises(ValueError, match="show opens the interactive HTML viewer, not format='dot'"):
+        log.show(format="dot")
+    monkeypatch.setattr("torchlens.viz._in_notebook", lambda: False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr("webbrowser.open", lambda url: True)
+    monkeypatch.setattr("torchlens.viz._has_display", lambda: True)
+    assert log.show(format=None).read_text().startswith("<!DOCTYPE html>")

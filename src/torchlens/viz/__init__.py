@@ -141,6 +141,12 @@ def _in_notebook() -> bool:
 def show(trace, **kwargs):
     """Open the interactive view: inline in Jupyter, else in the default web browser (a temp HTML file);
     where no browser can open (no display), say where the file is.  Returns the file's path (None inline)."""
+    # Either way the viewer is HTML: format= may say so (or be None), and is not passed on, since both ways
+    # name the format themselves.  DOT or SVG text in the viewer's page is no viewer.
+    shown_format = kwargs.pop("format", None)
+    if shown_format is not None and format_of(None, shown_format) != "html":
+        raise ValueError(f"show opens the interactive HTML viewer, not format={shown_format!r}; write that "
+                         "format with render(path, format=...)")
     if _in_notebook():
         from IPython.display import HTML, display
 
@@ -148,9 +154,6 @@ def show(trace, **kwargs):
         return None
     import webbrowser
 
-    if format_of(None, kwargs.get("format", "html")) != "html":  # DOT or SVG text in a .html file is no viewer
-        raise ValueError(f"show opens the interactive HTML viewer, not format={kwargs['format']!r}; write that "
-                         "format with render(path, format=...)")
     handle, name = tempfile.mkstemp(prefix=f"torchlens_{_file_name_part(trace.model_name)}_", suffix=".html")
     os.close(handle)
     try:
