@@ -191,6 +191,36 @@ def test_a_failed_traces_exception_holds_no_activation_and_no_cycle(how, option,
     assert dropped() is None, "the failed trace left a reference cycle: only the collector frees the model"
 
 
+def _fails_on_its_second_run(runs: list) -> torch.nn.Module:
+    """A model that runs once (a label site's reference pass), then raises in the intervened run.  It counts its
+    runs in ``runs``, outside its attributes, which the reference pass puts back as they were."""
+
+    class FailsOnItsSecondRun(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            runs.append(x.shape)
+            if len(runs) == 2:
+                raise ValueError("the model's own error")
+            return torch.relu(self.layer(x))
+
+    return FailsOnItsSecondRun()
+
+
+def test_a_failed_label_site_runs_exception_holds_no_reference_trace(no_collector):
+    """A label site is resolved against a reference trace, which holds its output, and each site's op views it:
+    a kept exception of the intervened run that failed keeps neither."""
+    runs, returned = [], []
+    model = _fails_on_its_second_run(runs)
+    model.register_forward_hook(lambda module, inputs, output: returned.append(weakref.ref(output)))
+    with pytest.raises(ValueError) as raised:
+        tl.trace(model, torch.randn(4, 16), intervene={"relu_1_2": lambda t, op: t * 2})
+    assert len(runs) == 2 and len(returned) == 1 and "torchlens: raised" in "\n".join(raised.value.__notes__)
+    assert returned[0]() is None, "the kept exception holds the reference trace and its output"
+
+
 class _DropsCycles(torch.nn.Module):
     """Each step drops an object that refers to itself and holds a tensor: garbage only the collector frees."""
 

@@ -191,9 +191,11 @@ def release_failed(state, runtime) -> None:
                  state.param_writes, state.contexts, state.clobbered):
         held.clear()
     if runtime is not None:
-        runtime.applied.clear()
-        runtime.originals.clear()
-        runtime.reference = None  # the metadata-only trace made to resolve label sites holds its own output
+        for held in (runtime.applied, runtime.originals, runtime.label_sites, runtime.by_call):
+            held.clear()
+        # The metadata-only trace made to resolve label sites holds its own output; each label site's op, a view
+        # of it, holds it too.
+        runtime.reference = runtime.stop_site = None
 
 
 def remove_handles(handles: list) -> None:
