@@ -221,6 +221,21 @@ def test_a_failed_label_site_runs_exception_holds_no_reference_trace(no_collecto
     assert returned[0]() is None, "the kept exception holds the reference trace and its output"
 
 
+@pytest.mark.parametrize("refusal", ["save", "site"])
+def test_a_trace_refused_after_its_forward_leaves_no_activation_in_the_exception(refusal, no_collector):
+    """A save= entry that matched nothing, or an intervention site the forward never reached, is refused once the
+    forward has run and the trace is made: the kept refusal held that trace, and every activation it saved."""
+    model, made = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()), []
+    model[0].register_forward_hook(lambda module, inputs, output: made.append(weakref.ref(output)))
+    options = {"save": ["linear", "conv2d"]} if refusal == "save" else {"intervene": {"0:2": lambda t, op: t * 2}}
+    with pytest.raises((tl.UnmatchedSelection, tl.InterventionError), match="conv2d|never reached") as raised:
+        tl.trace(model, torch.randn(4, 16), **options)
+    assert len(made) == 1 and made[0]() is None, "the kept refusal holds the trace's activations"
+    dropped = weakref.ref(model)
+    del model, raised
+    assert dropped() is None, "the refused trace left a reference cycle: only the collector frees the model"
+
+
 class _DropsCycles(torch.nn.Module):
     """Each step drops an object that refers to itself and holds a tensor: garbage only the collector frees."""
 

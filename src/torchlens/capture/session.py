@@ -41,8 +41,8 @@ from .restore import module_run_by
 from .saving import SavePolicy, SelectedModuleOutputs
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, CaptureState, StopForward
-from .teardown import (Capture, ModeOnStack, leftovers, release_failed, restore_torch_function_state,
-                       torch_function_state)
+from .teardown import (Capture, ModeOnStack, leftovers, release_failed, release_refused,
+                       restore_torch_function_state, torch_function_state)
 from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_compile_wrapper, unwrap,
                        warn_unreduced_grads)
 
@@ -134,9 +134,13 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if input_aliases:
         result._input_aliases = input_aliases
     result._settings = (began, global_settings())  # a forward may change them: replay tries those it ended with
-    if given_root is not None and root is not model and state.module_calls:
-        _refuse_root_never_run(result, root)
-    _complete(result, state, index, policy, runtime, packing, submodules, root, model_name)
+    try:
+        if given_root is not None and root is not model and state.module_calls:
+            _refuse_root_never_run(result, root)
+        _complete(result, state, index, policy, runtime, packing, submodules, root, model_name)
+    except BaseException:  # a refusal after the forward (a save= entry or a site that matched nothing)
+        release_refused(result, state, runtime)
+        raise
     if compiled_root:
         warn_user(COMPILED_ROOT_CAVEAT)
         result.caveats = result.caveats + (COMPILED_ROOT_CAVEAT,)

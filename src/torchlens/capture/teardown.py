@@ -198,6 +198,18 @@ def release_failed(state, runtime) -> None:
         runtime.reference = runtime.stop_site = None
 
 
+def release_refused(trace, state, runtime) -> None:
+    """Let go of what a trace refused after its forward holds (a ``save=`` entry that matched nothing, an
+    intervention site the forward never reached): the refusal's traceback keeps the finished trace, its
+    ``state`` and ``runtime`` as a failed forward's does, and the trace holds every activation saved.  Its
+    metadata stays, for the message already made."""
+    try:
+        trace.cleanup()  # first: the trace reads the lists ``state`` holds, which release_failed empties
+    except Exception:  # noqa: BLE001 - best effort: the refusal on its way is what the caller must see
+        pass
+    release_failed(state, runtime)
+
+
 def remove_handles(handles: list) -> None:
     """Remove every hook handle in ``handles``, emptying it.  An interrupt landing meanwhile is re-raised
     only once every hook is gone (``RemovableHandle.remove`` is idempotent, so a retry is safe)."""
