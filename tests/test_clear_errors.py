@@ -497,3 +497,18 @@ def test_a_parameter_asked_for_by_address_is_answered_with_where_its_record_is()
     assert eval(recipe, {"log": log}).grad is model[0].weight.grad
     with pytest.raises(TypeError, match=r"log\['relu'\] finds an op"):
         log.ops["relu"]
+
+
+def test_a_buffer_asked_for_by_address_is_answered_with_where_its_record_is():
+    # log.buffers["1.running_mean"] was told to use log["1.running_mean"], a KeyError with no hint, as a
+    # parameter's address was.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).eval()
+    log = tl.trace(model, torch.randn(2, 3))
+    recipe = "next(b for b in log.buffers if b.address == '1.running_mean')"
+    with pytest.raises(TypeError, match="indexed by position") as raised:
+        log.buffers["1.running_mean"]
+    assert recipe in str(raised.value) and "log['1.running_mean']" not in str(raised.value)
+    with pytest.raises(KeyError, match="1.running_mean is a buffer") as raised:
+        log["1.running_mean"]
+    assert recipe in str(raised.value)
+    assert eval(recipe, {"log": log}).address == "1.running_mean"

@@ -114,7 +114,7 @@ def _described(trace, key: str, target: tuple) -> tuple:
 
 def missing_key_note(trace, key: str) -> str:
     """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
-    of a module, a parameter, a module the forward never ran, a container), else the closest keys."""
+    of a module, a parameter or buffer, a module the forward never ran, a container), else the closest keys."""
     return alias_note(trace, key) or param_note(trace, key) or \
         unrun_module_note(trace, key) + closest_hint(key, trace._lookup)
 
@@ -134,16 +134,25 @@ def unrun_module_note(trace, key: str) -> str:
     return f" ({address!r} {what})"
 
 
+# The records kept by address beside the ops: what each is called, and the list that holds them.
+_BY_ADDRESS = {"Param": ("parameter", "params"), "Buffer": ("buffer", "buffers")}
+
+
 def param_note(trace, key: str) -> str:
-    """For a missing key that is a parameter's address: where its ``Param`` record is (parameters are no ops)."""
-    if not any(param.address == key for param in trace.params):
-        return ""
-    return f"; {key} is a parameter, whose record is in log.params: {find_param(key)}"
+    """For a missing key that is a parameter's or a buffer's address: where its ``Param`` or ``Buffer`` record is
+    (parameters and buffers are no ops, and their addresses name none)."""
+    for view, (kind, records) in _BY_ADDRESS.items():
+        if any(record.address == key for record in getattr(trace, records)):
+            return f"; {key} is a {kind}, whose record is in log.{records}: {find_by_address(view, key)}"
+    return ""
 
 
-def find_param(address: str) -> str:
-    """How to find a parameter's record by its address (``log.params`` is a list)."""
-    return f"find it by address with next(p for p in log.params if p.address == {address!r})"
+def find_by_address(view: str, address: str) -> str:
+    """How to find a parameter's or a buffer's record (``view``: ``"Param"`` or ``"Buffer"``) by its address:
+    ``log.params`` and ``log.buffers`` are lists."""
+    records = _BY_ADDRESS[view][1]
+    return f"find it by address with next({records[0]} for {records[0]} in log.{records} if {records[0]}.address == " \
+           f"{address!r})"
 
 
 def alias_note(trace, key: str) -> str:

@@ -80,11 +80,11 @@ class RecordList(OfATrace, Sequence):
             trace, view = self._trace, self._view
             return [view(trace, k) for k in self._keys[i]]
         if isinstance(i, str):  # a name: the list would answer with the error of its internal key list
-            from .lookup import find_param  # (lookup reads the views: imported where a name is refused)
+            from .lookup import find_by_address  # (lookup reads the views: imported where a name is refused)
 
             name = self._view.__name__
-            is_param = name == "Param" and any(self._view(self._trace, k).address == i for k in self._keys)
-            instead = find_param(i) if is_param else \
+            by_address = name in ("Param", "Buffer") and any(self._view(self._trace, k).address == i for k in self._keys)
+            instead = find_by_address(name, i) if by_address else \
                 f"log[{i!r}] finds an op, layer, module call or module by its label or address"
             raise TypeError(f"the {name} records of a trace are a list, indexed by position (an int or a slice), "
                             f"not by name: {instead}")
