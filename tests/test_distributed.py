@@ -362,6 +362,20 @@ class FillsEmpty(torch.nn.Module):
         return self.head(buffer + 1)
 
 
+def test_compare_does_not_read_a_view_of_uninitialized_memory_as_a_divergence():
+    # Its transpose, and the output returning it, hold the allocator's bits as the buffer does: they were
+    # compared, and two agreeing ranks reported diverging.
+    def scratch(x):
+        return x * 2, torch.empty(8, 3).t()
+
+    x = torch.randn(3, 8)
+    first, second = (tl.distributed.RankTrace.of(tl.trace(scratch, x), activations=True) for _ in range(2))
+    for label in ("empty_1_2:1", "t_1_3:1", "output_2:1"):  # other garbage on the other rank
+        second.activations[label] = second.activations[label] + 1
+    (row,) = tl.distributed.compare([first, second]).to_dict("records")
+    assert not row["diverges"] and row["ops_compared"] == 3, row  # the input, mul and the first output
+
+
 def test_compare_does_not_read_uninitialized_memory_as_a_divergence():
     model, x = FillsEmpty(), torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
     first, second = tl.trace(model, x), tl.trace(model, x)

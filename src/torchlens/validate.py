@@ -226,9 +226,9 @@ def _compare_outputs(log, expected) -> tuple:
     and named whether or not their bits happened to agree, so that the result does not depend on the allocator."""
     # Not through in-place writes: a fill_ or copy_ makes the whole tensor defined, and it is compared.
     undefined_ops = uninitialized_ops(log, through_writes=False)
-    made_by = {o.io_path: log[o.parents[0]].index for o in log.outputs if o.parents} if undefined_ops else {}
+    returned = {o.io_path for o in log.outputs if o.index in undefined_ops}
     leaves = tensor_leaves(log.output)
-    undefined = {path: None for path, _ in leaves if made_by.get(path_text("output", path)) in undefined_ops}
+    undefined = {path: None for path, _ in leaves if path_text("output", path) in returned}
     if not undefined:
         return structures_equal(log.output, expected)
     equal, why = structures_equal(fill(log.output, undefined), fill(expected, undefined))

@@ -117,5 +117,6 @@ def _op_difference(a, b, base, other, rtol, atol):
 
 def _values_comparable(op, trace) -> bool:
     """Whether ``op``'s saved value can be compared: it was saved, and it is not uninitialized memory
-    (``torch.empty`` and kin hold whatever the allocator left there, different on ranks that agree)."""
-    return op["label"] in trace.activations and op["func"] not in UNINITIALIZED_FUNCS
+    (``torch.empty`` and kin, or a view of one, hold whatever the allocator left there, different on ranks that
+    agree: ``RankTrace.of`` marks them)."""
+    return op["label"] in trace.activations and not op.get("uninitialized", op["func"] in UNINITIALIZED_FUNCS)

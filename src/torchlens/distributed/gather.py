@@ -14,6 +14,7 @@ import torch
 from ..checks import check_int, check_number
 from ..errors import ActivationUnavailable, RankFailedError
 from ..record.trace import checked_trace
+from ..record.columns import uninitialized_ops
 
 # How long the ranks of a gather wait for each other to call it: ranks that traced the same forward arrive
 # within moments, and a rank that never calls it (``if rank == 0: gather(log)``) should be named soon, not
@@ -38,9 +39,10 @@ class RankTrace:
         KeyError (``gather`` passes False: a label one rank lacks is a graph difference, not a mistake)."""
         wanted = _wanted(trace, activations, strict)
         ops, acts = [], {}
+        undefined = uninitialized_ops(trace, through_writes=False)  # a write into one is compared: it may fill it
         for op in trace.ops:
             ops.append({"label": op.label, "func": op.func_name, "module": op.module, "shape": tuple(op.shape),
-                        "dtype": str(op.dtype), "parents": list(op.parents)})
+                        "dtype": str(op.dtype), "parents": list(op.parents), "uninitialized": op.index in undefined})
             if op.label in wanted:
                 try:
                     acts[op.label] = op.activation.detach().to("cpu")

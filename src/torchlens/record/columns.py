@@ -119,13 +119,17 @@ _MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "
 
 
 def uninitialized_ops(trace, through_writes: bool) -> set:
-    """Indices of the ops whose values are uninitialized memory: made by ``torch.empty`` and kin, or a view or
-    copy of such a value (``x.new_empty(n, m).t()``).  ``through_writes``: also an in-place op writing into one,
-    which may fill it only in part (DeepSeek-V3 writes two slices of a ``new_empty``); a reader that must not
-    leave out a value a ``fill_`` or ``copy_`` made whole passes False."""
+    """Indices of the records whose values are uninitialized memory: an op of ``torch.empty`` and kin, a view or
+    copy of such a value (``x.new_empty(n, m).t()``), and an output record returning one.  ``through_writes``:
+    also an in-place op writing into one, which may fill it only in part (DeepSeek-V3 writes two slices of a
+    ``new_empty``); a reader that must not leave out a value a ``fill_`` or ``copy_`` made whole passes False."""
     undefined = set()
     kinds, parents = trace.kinds, trace.op_parents
     for i in range(len(kinds)):
+        if kinds[i] == Kind.OUTPUT:
+            if any(p in undefined for _, p in parents[i]):
+                undefined.add(i)
+            continue
         if kinds[i] != Kind.OP:
             continue
         op = trace.ops[i]
