@@ -387,7 +387,7 @@ def test_compare_does_not_read_uninitialized_memory_as_a_divergence():
     (row,) = tl.distributed.compare([first, second]).to_dict("records")
     assert not row["diverges"]
     assert row["ops_compared"] == len(first.ops) - 1  # every op but the uninitialized one, by value
-    assert row["reason"].endswith(f"{len(first.ops) - 1} ops agree by value and 1 were not compared "
+    assert row["reason"].endswith(f"{len(first.ops) - 1} ops agree by value and 1 was not compared "
                                   "(not saved on both ranks, or uninitialized memory)")
 
     with torch.no_grad():

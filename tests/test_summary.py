@@ -199,3 +199,12 @@ def test_counts_of_one_read_in_the_singular():
     assert repr(log.params[0]) == "<Param lin.weight (3, 3), used by 1 op>"
     assert repr(log.layers[1]).endswith("(linear, 1 pass)>")
     assert "1 op<" in log.render(format="dot", depth=0) and "1 ops" not in log.render(format="dot", depth=0)
+
+
+def test_counts_of_one_read_in_the_singular_in_the_command_line_module_tree():
+    # The command line's module tree read "1 ops" for an nn.ReLU's call.
+    from torchlens.cli import module_tree
+
+    log = tl.trace(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()), torch.randn(2, 3))
+    tree = module_tree(log, 2)
+    assert "    1 op  " in tree and "1 ops" not in tree, tree

@@ -26,7 +26,7 @@ def module_tree(log, depth: int) -> str:
         if call.depth < depth:
             ms = f"{call.duration * 1e3:.2f} ms" if call.duration is not None else "did not return"
             lines.append(f"  {'  ' * call.depth}{call.label:<30} {call.module.class_name:<20} "
-                         f"{len(call.ops):>5} ops  {ms}")
+                         f"{counted(len(call.ops), 'op'):>9}  {ms}")
     if len(lines) == 1:
         lines.append("  (the model made no module calls)")
     return "\n".join(lines)

@@ -12,6 +12,7 @@ hold whatever the allocator left there, which differs between ranks that agree.
 
 from __future__ import annotations
 
+from ..errors import counted
 from ..checks import check_int, check_number
 from ..record.trace import Trace, checked_trace
 from ..tree import structures_equal
@@ -87,8 +88,8 @@ def _agreement_reason(uncompared: int, compared: int):
     if not compared:
         return ("no values compared: the graph, shapes and dtypes agree, but no activation was saved on both "
                 "ranks (gather with activations=True, from traces that saved them)")
-    return (f"the graph, shapes and dtypes agree; {compared} ops agree by value and {uncompared} were not "
-            "compared (not saved on both ranks, or uninitialized memory)")
+    return (f"the graph, shapes and dtypes agree; {counted(compared, 'op')} agree by value and {uncompared} "
+            f"{'was' if uncompared == 1 else 'were'} not compared (not saved on both ranks, or uninitialized memory)")
 
 
 def _op_difference(a, b, base, other, rtol, atol):

@@ -28,7 +28,7 @@ import re
 import torch
 
 from ..checks import check_path
-from ..errors import ResumeMismatchError, add_note, first_few, warn_user
+from ..errors import ResumeMismatchError, add_note, counted, first_few, warn_user
 from ..progress import bar as progress_bar
 from ..labels.naming import folded
 from ..record.layouts import shape_of, shape_text, storage_holders
@@ -270,9 +270,9 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
         said = str(exc).replace("save= matched", "layers= matched", 1).replace("save= entry", "layers= entry", 1)
         raise type(exc)(f"batch {position}: {said}") from None
     except Exception as exc:  # the model's own error: which of thousands of batches, and what is kept
-        add_note(exc, f"tl.extract: raised while tracing batch {position} (counting from 0); {run.batches_done} "
-                     f"batches are committed in {run.out}, and calling tl.extract again with the same arguments "
-                     "resumes after them")
+        add_note(exc, f"tl.extract: raised while tracing batch {position} (counting from 0); "
+                 f"{counted(run.batches_done, 'batch', 'batches')} {'is' if run.batches_done == 1 else 'are'} "
+                 f"committed in {run.out}, and calling tl.extract again with the same arguments resumes after them")
         raise
     try:
         if grads is not None:

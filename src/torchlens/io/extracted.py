@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from ..checks import check_flag, check_path
+from ..errors import counted
 from .extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS
 from .format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest
 from .tensorfile import mapped
@@ -32,7 +33,7 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
     if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.lexists(os.path.join(folder, PROGRESS)):
         progress = read_json(folder, PROGRESS, "an extraction")
         done = progress.get("batches_done") if isinstance(progress, dict) else "?"
-        raise TraceFileError(f"{folder}: the extraction is incomplete ({done} batches committed); call tl.extract "
+        raise TraceFileError(f"{folder}: the extraction is incomplete ({counted(done, 'batch', 'batches') if isinstance(done, int) else done} committed); call tl.extract "
                              "again with the same arguments to finish it")
     if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.isdir(os.path.join(folder, "rank-0")):
         raise TraceFileError(f"{folder}: the distributed extraction is incomplete (its ranks' shares were not joined "

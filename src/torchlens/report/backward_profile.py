@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import counted
 from .markers import ProfilerMarkers
 from .profile_join import join
 
@@ -132,6 +133,6 @@ def join_backward(profile, events):
     problems = []
     unknown = len(trace.calls) - len(joined.backward_measured)
     if unknown:
-        problems.append(f"{unknown} ops' backward nodes were not numbered during capture (left out by grads=[...] "
+        problems.append(f"the backward nodes of {counted(unknown, 'op')} were not numbered during capture (left out by grads=[...] "
                         "or tensor subclasses): their backward columns are n/a")
     return serial_of_call, joined, problems

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from ..checks import check_file_to_write, check_path
-from ..errors import ProfilerBusyError, closest_hint
+from ..errors import ProfilerBusyError, closest_hint, counted
 from ..tree import as_kwargs
 from .markers import ProfilerMarkers
 from .profile_coverage import Coverage, find_problems
@@ -362,4 +362,4 @@ class KernelProfile:
 
     def __repr__(self) -> str:
         state = "pending (profiler still open)" if self._joined is None and self.borrowed else "joined"
-        return f"<KernelProfile of {self.trace.model_name}: {len(self.trace.calls)} ops, {state}>"
+        return f"<KernelProfile of {self.trace.model_name}: {counted(len(self.trace.calls), 'op')}, {state}>"

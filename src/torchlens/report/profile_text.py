@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import counted
+
 
 def _fmt_ns(ns) -> str:
     if ns is None:
@@ -23,7 +25,7 @@ def profile_text(profile, top: int = 15) -> str:
     backward_only = profile.backward_nodes is not None
     phases = "backward only (no forward profiled)" if backward_only else \
         "forward + backward" if profile.backward else "forward"
-    lines = [f"KernelProfile of {profile.trace.model_name}: {len(rows)} ops, {phases}, {mode}; "
+    lines = [f"KernelProfile of {profile.trace.model_name}: {counted(len(rows), 'op')}, {phases}, {mode}; "
              "all times are profiler (Kineto) measurements", str(coverage)]
     device = coverage.has_device
     key = "device_ns" if device else "cpu_ns"
