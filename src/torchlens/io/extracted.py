@@ -33,7 +33,8 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
     if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.lexists(os.path.join(folder, PROGRESS)):
         progress = read_json(folder, PROGRESS, "an extraction")
         done = progress.get("batches_done") if isinstance(progress, dict) else "?"
-        raise TraceFileError(f"{folder}: the extraction is incomplete ({counted(done, 'batch', 'batches') if isinstance(done, int) else done} committed); call tl.extract "
+        done = counted(done, "batch", "batches") if isinstance(done, int) else done
+        raise TraceFileError(f"{folder}: the extraction is incomplete ({done} committed); call tl.extract "
                              "again with the same arguments to finish it")
     if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.isdir(os.path.join(folder, "rank-0")):
         raise TraceFileError(f"{folder}: the distributed extraction is incomplete (its ranks' shares were not joined "

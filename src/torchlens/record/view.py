@@ -83,7 +83,8 @@ class RecordList(OfATrace, Sequence):
             from .lookup import find_by_address  # (lookup reads the views: imported where a name is refused)
 
             name = self._view.__name__
-            by_address = name in ("Param", "Buffer") and any(self._view(self._trace, k).address == i for k in self._keys)
+            by_address = name in ("Param", "Buffer") and \
+                any(self._view(self._trace, k).address == i for k in self._keys)
             instead = find_by_address(name, i) if by_address else \
                 f"log[{i!r}] finds an op, layer, module call or module by its label or address"
             raise TypeError(f"the {name} records of a trace are a list, indexed by position (an int or a slice), "

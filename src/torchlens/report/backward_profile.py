@@ -133,6 +133,6 @@ def join_backward(profile, events):
     problems = []
     unknown = len(trace.calls) - len(joined.backward_measured)
     if unknown:
-        problems.append(f"the backward nodes of {counted(unknown, 'op')} were not numbered during capture (left out by grads=[...] "
-                        "or tensor subclasses): their backward columns are n/a")
+        problems.append(f"the backward nodes of {counted(unknown, 'op')} were not numbered during capture (left out "
+                        "by grads=[...] or tensor subclasses): their backward columns are n/a")
     return serial_of_call, joined, problems
