@@ -481,6 +481,24 @@ def test_a_single_selector_is_taken_by_save_as_by_grads_and_extract():
         tl.trace(model, x, save=7)
 
 
+def test_an_empty_entry_is_refused_before_the_forward_and_a_capitalised_all_is_answered():
+    # save="" (the root module's address) ran the forward and then said the model "never ran", and grads="" meant
+    # no gradients; save="ALL" and save=["all"] were refused after the forward without naming the options.
+    forwards = []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    x = torch.randn(3, 4)
+    for option in ("save", "grads"):
+        for empty in ("", ["", "0"]):
+            with pytest.raises(ValueError, match=f"{option}= entry '' names the model itself, whose output is "
+                                                 f"log.output, and no op; give op labels.*{option}='none'"):
+                tl.trace(model, x, **{option: empty})
+    assert forwards == []
+    for spelt in ("ALL", ["all"], "None"):
+        with pytest.raises(tl.UnmatchedSelection, match="give save='all' or save='none' itself"):
+            tl.trace(model, x, save=spelt)
+
+
 def test_a_parameter_asked_for_by_address_is_answered_with_where_its_record_is():
     # log.params is a list: log.params["0.weight"] was told to use log["0.weight"], which finds ops, layers and
     # modules only and raised a KeyError with no hint.  Both now say how to find the parameter's record.

@@ -426,7 +426,7 @@ def grad_capture(grads, model, state):
     """The ``GradCapture`` for ``tl.trace(..., grads=...)``, or None when gradients are off."""
     if grads is True:  # the common case, first: set-up is a fixed cost of every trace
         return GradCapture(None, True, _next_sequence_number())
-    if grads is None or grads is False or (isinstance(grads, str) and grads in ("none", "")):
+    if grads is None or grads is False or grads == "none":
         return None
     first = _next_sequence_number()
     if grads == "all":

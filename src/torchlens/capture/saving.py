@@ -75,6 +75,11 @@ class SavePolicy:
             if not isinstance(item, str):
                 refuse_module_object(item, modules, f"a {self.option}= entry")
                 raise ValueError(f"{self.option}= entries must be strings, got {item!r}")
+            if not item:  # the root module's address: the model itself, whose output is the trace's output
+                advice = "op labels or module addresses" if not types_too else \
+                    f"op labels, module addresses or op types, or {self.option}='none' for none"
+                raise ValueError(f"{self.option}= entry '' names the model itself, whose output is log.output, and "
+                                 f"no op; give {advice}")
             address, _, call = item.rpartition(":")
             if item in modules:
                 _refuse_scripted(item, item, modules, self.option)
@@ -174,7 +179,8 @@ class SavePolicy:
             paths = {path for path in trace.io_paths.values() if path.startswith(_IO_PATH)}
             names = sorted(known | types | called | calls | paths)
             _refuse_made_in_forward(entry, calls, option)
-            hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry)
+            hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry) + \
+                _whole_option_hint(entry, option)
             ran = ""
             if entry in self.addresses:
                 ran = (f" ({entry!r} {self.containers[entry]})" if entry in self.containers else "") or \
@@ -375,6 +381,13 @@ def _refuse_made_in_forward(entry: str, calls: set, option: str) -> None:
         raise UnmatchedSelection(f"{option}= entry {entry!r} names a module the forward made itself, which does not "
                                  f"exist yet when {option}= is read, before the forward runs, so it matched nothing; "
                                  f"select its ops with a predicate: {option}=lambda op: {made[0]!r} in op.modules")
+
+
+def _whole_option_hint(entry: str, option: str) -> str:
+    """For an entry spelling ``all`` or ``none`` (``"ALL"``, or ``["all"]``, a list of one): how those are given."""
+    if entry.lower() not in ("all", "none"):
+        return ""
+    return f"; for every op or for none, give {option}='all' or {option}='none' itself (lower case, in no list)"
 
 
 def _module_class_hint(trace, entry: str) -> str:
