@@ -368,6 +368,14 @@ def test_an_output_file_in_a_folder_the_user_cannot_write_is_a_usage_error(model
     assert main(["trace", "clitargets:build", "--input", "2x8", "--html", "locked/view.html"]) == 2
     err = capsys.readouterr().err
     assert f"--html locked/view.html is in {locked}, which is not writable" in err and "tracing" not in err
+    # A file already there is written in place: its own permission decides, not the folder's.
+    (locked / "old.html").write_text("old")
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--html", "locked/old.html"]) == 0
+    assert (locked / "old.html").read_text() != "old"
+    denied = str(locked / "old.html")
+    monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) not in (str(locked), denied))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--html", "locked/old.html"]) == 2
+    assert "--html locked/old.html is a file that is not writable" in capsys.readouterr().err
 
 
 def test_a_demo_folder_that_cannot_be_created_is_a_usage_error(tmp_path, monkeypatch, capsys):

@@ -82,6 +82,8 @@ def unwritable_file(path) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return "is a folder"
+    if os.path.isfile(path):  # written in place: the file's own permission decides, not its folder's
+        return "" if os.access(path, os.W_OK) else "is a file that is not writable"
     if not os.path.isdir(folder):
         return f"is in {folder}, which {'is not a folder' if os.path.lexists(folder) else 'does not exist'}"
     if not os.access(folder, os.W_OK):
