@@ -358,6 +358,17 @@ def test_a_chrome_trace_path_that_cannot_be_written_is_refused_before_the_model_
     assert os.path.exists(tmp_path / "run.json") and os.path.exists(sidecar)
 
 
+def test_an_existing_chrome_trace_in_a_folder_that_takes_no_new_file_is_refused_for_its_id_map(tmp_path,
+                                                                                                  monkeypatch):
+    """The file itself is written in place, but its id map is a new file beside it, which the folder must take."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "run.json").write_text("")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(locked) and real_access(path, mode))
+    _refused_before_the_model_runs("which is not writable; .* with its id map beside it", chrome_trace=locked / "run.json")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of CUDA where it is not available")
 def test_cuda_only_activities_without_cuda_are_refused_before_the_model_runs():
     """torch drops CUDA where it is not available, then fails on the empty list with a bare assertion."""

@@ -88,8 +88,11 @@ def check_chrome_path(path) -> None:
     profiling, and a failure then would lose the profile."""
     if path is None:
         return
-    check_file_to_write(path, "chrome_trace", "name a file in an existing folder (a str or a pathlib.Path); it is "
-                        "written after the profile is taken", who="kernel_profile")
+    advice = "name a file in an existing folder (a str or a pathlib.Path); it is written after the profile is taken"
+    path = check_file_to_write(path, "chrome_trace", advice, who="kernel_profile")
+    # The id map is written beside it: a new file, which its folder must take.
+    check_file_to_write(os.fsdecode(path) + SIDECAR_SUFFIX, "chrome_trace", f"{advice}, with its id map beside it",
+                        who="kernel_profile")
 
 
 def _own_profiler(activities, profiler_kwargs):
