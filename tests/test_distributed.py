@@ -471,3 +471,30 @@ def test_root_naming_the_traced_wrapper_traces_the_module_it_wraps():
     with pytest.raises(ValueError, match=r"traced model is already a module \(MLP\) and root= is another "
                                          r"\(Linear\): drop root="):
         tl.trace(model, x, root=torch.nn.Linear(2, 2))
+
+
+def _coalesced_gather(x):
+    y = x * 2
+    parts = [[torch.empty_like(y), torch.empty_like(x)]]  # one rank: a list of one list, slots (0, 0) and (0, 1)
+    dist.all_gather_coalesced(parts, [y, x])
+    return parts[0][0] + parts[0][1]
+
+
+def test_a_collective_writing_a_list_of_lists_is_listed_once(tmp_path):
+    # all_gather_coalesced's outputs are slots (0, 0), (0, 1): the table took none of them for its first output.
+    import warnings
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # all_gather_coalesced is deprecated in torch
+            log = tl.trace(_coalesced_gather, torch.randn(3))
+        table = tl.distributed.collectives(log)
+    finally:
+        dist.destroy_process_group()
+    (written,) = [op.parents for op in log.ops if op.func_name == "add"]
+    assert list(table["collective"]) == ["all_gather_coalesced"] and list(table["group_ranks"]) == [[0]]
+    assert [log[label].func_name for label in written] == ["all_gather_coalesced"] * 2
+    assert list(table["label"]) == written[:1]  # one row per call, named by its first output
+    loaded = tl.load(log.save(tmp_path / "coalesced"))
+    assert list(tl.distributed.collectives(loaded)["label"]) == list(table["label"])

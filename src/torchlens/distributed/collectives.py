@@ -27,9 +27,15 @@ def collectives(trace):
     """A pandas table, one row per collective call (its first output op): label, collective, group,
     group_ranks, async, module, shape."""
     checked_trace(trace, "collectives")
-    rows = [row for row in (_describe(op) for op in trace.ops if op.multi_output_index in (None, 0))
-            if row is not None]
+    rows = [row for row in (_describe(op) for op in trace.ops if _first_output(op)) if row is not None]
     return _frame(rows, ["label", "collective", "group", "group_ranks", "async", "module", "shape"])
+
+
+def _first_output(op) -> bool:
+    """Whether ``op`` is the first output of its call: one row per call, whatever the outputs' slots (those of
+    ``all_gather_coalesced``, a list of lists, are ``(0, 0)``, ``(0, 1)`` ...)."""
+    call = op.call
+    return call is not None and call.first_record == op.index
 
 
 def _frame(rows, columns):
