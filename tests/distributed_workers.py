@@ -418,3 +418,28 @@ def extract_fsdp2_uneven(rank, world, out, n_batches):
     except ValueError as exc:
         return {"error": str(exc), "forwards": model.forwards}
     return {"error": None, "forwards": model.forwards}
+
+
+def rerun_joined(rank, world, out, round_robin, n, batch_size):
+    """Calls into joined extractions: the same calls (which return at once), then other ones (refused)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import torchlens as tl
+
+    ds = dataset(n)
+    loader = DataLoader(ds, batch_size=batch_size, sampler=DistributedSampler(ds, shuffle=False))
+    batches = [{"x": ds.tensors[0][i:i + batch_size]} for i in range(0, n, batch_size)]
+    got = {}
+    calls = (("same", LAYERS, 0, loader, out), ("other layers", LAYERS[:1], 0, loader, out),
+             ("other weights", LAYERS, 1, loader, out), ("same stream", LAYERS, 0, batches, round_robin))
+    for name, layers, nudge, inputs, folder in calls:
+        model = KilledAfter(0).eval()
+        with torch.no_grad():
+            model.inner.fc1.bias += nudge
+        try:
+            tl.extract(model, inputs, layers, folder, args_of=None if inputs is batches else lambda b: b[0],
+                       kwargs_of=dict if inputs is batches else None, shard_bytes=200, progress=False)
+            got[name] = model.forwards
+        except tl.io.ResumeMismatchError as exc:
+            got[name] = str(exc)
+    return got

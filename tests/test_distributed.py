@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
                                  extract_fsdp2, extract_fsdp2_uneven, extract_tensor_parallel, extract_through_ddp,
-                                 gather_labels_some_ranks_lack, gather_skipped_by_one_rank, launch, save_to_one_path,
-                                 traces)
+                                 gather_labels_some_ranks_lack, gather_skipped_by_one_rank, launch, rerun_joined,
+                                 save_to_one_path, traces)
 from held_files import refuse_held_files
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -225,6 +225,16 @@ def test_distributed_extraction_equals_a_single_process_one(tmp_path):
             np.testing.assert_array_equal(got[name], expected[name])
         np.testing.assert_array_equal(tl.distributed.sample_index(folder), np.arange(24))
         assert sorted(os.listdir(folder)) == JOINED  # rank folders removed once joined
+
+    # Called again, the same call returns the joined result; another one is refused (it returned the old rows).
+    again = values(launch(rerun_joined, 2, str(tmp_path), out, rr, 24, 4))
+    for got in again:
+        assert (got["same"], got["same stream"]) == (0, 0)  # no forward: nothing redone
+        assert "holds an extraction of KilledAfter layers ['inner.fc1', 'inner.act', 'inner']; this call asks " \
+               "for KilledAfter layers ['inner.fc1']" in got["other layers"]
+        assert "was extracted with another KilledAfter (its parameters or buffers differ" in got["other weights"]
+    ((_, alone),) = launch(extract_share, 1, str(tmp_path), out, 24, 4)
+    assert f"{out} was extracted by 2 ranks, and this call runs 1" in alone["error"]
 
 
 def test_the_join_lets_go_of_the_rank_files_before_removing_their_folders(tmp_path, monkeypatch):

@@ -28,12 +28,13 @@ from datetime import timedelta
 import torch
 
 from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, batch_rows, extract_folder,
-                          traced_module)
+                          extraction_job, traced_module)
+from ..io.extract_job import check_same_job, recorded_job
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
 from ..checks import check_path
-from ..errors import RankFailedError
+from ..errors import RankFailedError, ResumeMismatchError
 
 RANK_FOLDER = "rank-{}"
 _JOIN_CHUNK_BYTES = 64 << 20
@@ -52,6 +53,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         _barrier(dist, barrier_group, barrier_timeout, "start")
         if rank == 0:
             _remove_rank_folders(out, world)  # a kill after the join, before its cleanup, leaves them
+        _check_rerun(out, rank, world, _job(model, inputs, layers, kwargs, grads, root, rank, world))
         return out
     folder = os.path.join(out, RANK_FOLDER.format(rank))
     batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group)
@@ -69,6 +71,27 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         join_ranks(out, world)
     _barrier(dist, barrier_group, barrier_timeout, "the joined result")
     return out
+
+
+def _job(model, inputs, layers, kwargs, grads, root, rank, world) -> dict:
+    """The job this rank's extraction records (see ``io/extract_job.py``), as ``extract_folder`` builds it."""
+    arguments = dict(_sharding(inputs), rank=rank, world_size=world)
+    # A stream shared batch by batch reaches extract_folder as a _RoundRobin, which has no batch_size.
+    given = inputs if arguments["sharding"] == "DistributedSampler" else None
+    return extraction_job(model, layers, kwargs, given, grads, arguments, root)[3]
+
+
+def _check_rerun(out, rank, world, job) -> None:
+    """Refuse a call into a joined extraction that is not the call that made it (other layers, model, data or
+    world size), as one process refuses a complete folder: returning it would hand back rows this call did not
+    ask for.  Each rank checks its own job, after the ranks have met, so no rank waits for one that raised."""
+    jobs = read_json(out, MANIFEST, "a distributed extraction").get("rank_jobs")
+    if not isinstance(jobs, list):  # joined by a version that kept no record of its call
+        return
+    if len(jobs) != world:
+        raise ResumeMismatchError(f"{out} was extracted by {len(jobs)} ranks, and this call runs {world}; use "
+                                  f"another folder, or delete {out} to extract again")
+    check_same_job(out, jobs[rank], job)
 
 
 def _refuse_tensor_parallel(module) -> None:
@@ -133,19 +156,26 @@ def _fsdp_sharded_params(module) -> set:
 
 def _share(inputs, rank, world, arguments_of, group):
     """``(batches for this rank, position -> sample indices, settings a resume must match)``."""
-    sampler = getattr(inputs, "sampler", None)
-    batch_sampler = getattr(inputs, "batch_sampler", None)
-    if isinstance(sampler, torch.utils.data.DistributedSampler) and batch_sampler is not None:
+    settings = _sharding(inputs)
+    if settings["sharding"] == "DistributedSampler":
+        sampler = inputs.sampler
         if sampler.num_replicas != world or sampler.rank != rank:
             raise ValueError(f"the DistributedSampler is set for rank {sampler.rank} of {sampler.num_replicas}, but "
                              f"this process is rank {rank} of {world}")
-        plan = [torch.as_tensor(list(b), dtype=torch.int64) for b in batch_sampler]
-        settings = {"sharding": "DistributedSampler", "shuffle": sampler.shuffle, "seed": sampler.seed,
-                    "epoch": sampler.epoch, "dataset_rows": len(sampler.dataset)}
+        plan = [torch.as_tensor(list(b), dtype=torch.int64) for b in inputs.batch_sampler]
         return inputs, plan.__getitem__, settings
     inputs = _same_stream_everywhere(inputs, arguments_of, group)
     share = _RoundRobin(inputs, rank, world, arguments_of)
-    return share, share.indices.__getitem__, {"sharding": "round-robin batches"}
+    return share, share.indices.__getitem__, settings
+
+
+def _sharding(inputs) -> dict:
+    """How the ranks share ``inputs``, as a resume (or a call into the joined result) must find it again."""
+    sampler = getattr(inputs, "sampler", None)
+    if isinstance(sampler, torch.utils.data.DistributedSampler) and getattr(inputs, "batch_sampler", None) is not None:
+        return {"sharding": "DistributedSampler", "shuffle": sampler.shuffle, "seed": sampler.seed,
+                "epoch": sampler.epoch, "dataset_rows": len(sampler.dataset)}
+    return {"sharding": "round-robin batches"}
 
 
 def _same_stream_everywhere(inputs, arguments_of, group):
@@ -246,6 +276,7 @@ def _join_rows(out, world) -> None:
 
     folders = [os.path.join(out, RANK_FOLDER.format(r)) for r in range(world)]
     manifests = [verify_manifest(f, EXTRACT_FORMAT, EXTRACT_SCHEMA) for f in folders]
+    jobs = [recorded_job(read_json(f, PROGRESS, "a rank's extraction")) for f in folders]  # what a rerun must match
     indices = [mapped(checked_member(f, SAMPLE_INDEX), "activations", as_torch=False) for f in folders]
     rank_of = np.concatenate([np.full(len(ix), r, dtype=np.int64) for r, ix in enumerate(indices)])
     row_of = np.concatenate([np.arange(len(ix), dtype=np.int64) for ix in indices])
@@ -269,7 +300,7 @@ def _join_rows(out, world) -> None:
     write_manifest(out, EXTRACT_FORMAT, EXTRACT_SCHEMA, names + [SAMPLE_INDEX],
                    {"layers": described, "rows": int(len(merged)), "batches": sum(m["batches"] for m in manifests),
                     "model": manifests[0]["model"], "world_size": world, "sample_index": SAMPLE_INDEX,
-                    "rank_rows": [len(ix) for ix in indices]})
+                    "rank_rows": [len(ix) for ix in indices], "rank_jobs": jobs})
 
 
 def _remove_rank_folders(out, world) -> None:

@@ -39,6 +39,7 @@ from .format import (MANIFEST, TraceFileError, check_schema, checked_member, dum
                      safe_member, write_atomic, write_manifest)
 from .encode import has_no_storage
 from .identity import model_checksum
+from .extract_job import check_same_job
 from .extract_args import batch_reader, check_inputs, check_layers, check_options
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
 from .tensorfile import DTYPES, NAME_OF, byte_view, copy_range, cpu_values, header_bytes, read_header, write_stacked
@@ -108,14 +109,8 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match;
     ``before_forward()``, when given, is called before each forward (ranks that must run forwards in step)."""
     require_numpy("tl.extract")  # the model checksum and the written shards read tensors' bytes through it
-    # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
-    root = traced_module(root if root is not None else model)
-    if isinstance(model, torch.nn.Module) and traced_module(model) is root:
-        model = root  # not its DDP wrapper: the backward of grads= leaves the parameters' .grad as they were
-    checked = root if root is not None else model
-    job = {"model_sha256": model_checksum(checked), "arguments": dict(_arguments(layers, kwargs, inputs),
-                                                                      grads=bool(grads), **(arguments or {}))}
-    run = _Run(out, grad_columns(layers) if grads else layers, type(checked).__name__, shard_bytes, job)
+    model, root, checked, job = extraction_job(model, layers, kwargs, inputs, grads, arguments, root)
+    run = _Run(out, shard_bytes, job)
     if root is None and (run.complete or run.batches_done):
         warn_user(f"{out} was extracted with a callable that names no model, so whether its weights have changed "
                   "since cannot be checked; pass root= the model it runs")
@@ -160,6 +155,20 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     finally:
         bar.close()
     return out
+
+
+def extraction_job(model, layers, kwargs, inputs, grads, arguments=None, root=None) -> tuple:
+    """``(the callable to run, the module it runs or None, what a rerun's checksum reads, the job)``: the job is
+    what a resume, or a call into a complete folder, must match (see ``extract_job.py``)."""
+    # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
+    root = traced_module(root if root is not None else model)
+    if isinstance(model, torch.nn.Module) and traced_module(model) is root:
+        model = root  # not its DDP wrapper: the backward of grads= leaves the parameters' .grad as they were
+    checked = root if root is not None else model
+    job = {"layers": grad_columns(layers) if grads else layers, "model": type(checked).__name__,
+           "model_sha256": model_checksum(checked),
+           "arguments": dict(_arguments(layers, kwargs, inputs), grads=bool(grads), **(arguments or {}))}
+    return model, root, checked, job
 
 
 def _arguments(layers, kwargs, inputs) -> dict:
@@ -370,9 +379,9 @@ def refuse_nested(name: str, label: str, t: torch.Tensor) -> None:
 class _Run:
     """The extraction folder's state: committed shards, the buffer, and what each layer looks like."""
 
-    def __init__(self, out, layers, model_name, shard_bytes, job):
-        self.out, self.layers, self.shard_bytes = out, layers, max(int(shard_bytes), 1)
-        self.buffer = [[] for _ in layers]
+    def __init__(self, out, shard_bytes, job):
+        self.out, self.layers, self.shard_bytes = out, job["layers"], max(int(shard_bytes), 1)
+        self.buffer = [[] for _ in self.layers]
         self.index_buffer = []
         self.buffered_bytes = 0
         self.pending_batches = 0
@@ -381,14 +390,13 @@ class _Run:
         has_progress = os.path.lexists(os.path.join(out, PROGRESS))
         self.state = read_json(out, PROGRESS, "a resumed extraction") if has_progress else None
         if self.state is not None and not self._nothing_committed():
-            self._check_resumable(model_name, job)
+            self._check_resumable(job)
         else:
             leftovers = [n for n in os.listdir(out) if not _is_leftover(n)]
             if self.state is None and leftovers:
                 raise TraceFileError(f"{out} is not empty and holds no extraction; choose an empty or new folder")
-            self.state = {"format": EXTRACT_FORMAT, "schema_version": EXTRACT_SCHEMA, "layers": layers,
-                          "model": model_name, **job, "complete": False, "batches_done": 0, "rows": 0,
-                          "shards": [], "layer_info": [None] * len(layers)}
+            self.state = {"format": EXTRACT_FORMAT, "schema_version": EXTRACT_SCHEMA, **job, "complete": False,
+                          "batches_done": 0, "rows": 0, "shards": [], "layer_info": [None] * len(self.layers)}
             self._commit()
         self._remove_uncommitted()
 
@@ -406,28 +414,12 @@ class _Run:
         return isinstance(s, dict) and s.get("format") == EXTRACT_FORMAT and s.get("batches_done") == 0 \
             and not s.get("shards") and not s.get("complete")
 
-    def _check_resumable(self, model_name, job):
+    def _check_resumable(self, job):
         s = self.state
         if not isinstance(s, dict) or s.get("format") != EXTRACT_FORMAT:
             raise TraceFileError(f"{self.out}/{PROGRESS}: not the progress file of a torchlens extraction")
         check_schema(f"{self.out}/{PROGRESS}", "the progress file", s.get("schema_version"), EXTRACT_SCHEMA)
-        if s.get("layers") != self.layers or s.get("model") != model_name:
-            raise ResumeMismatchError(f"{self.out} holds an extraction of {s.get('model')} layers {s.get('layers')}; "
-                                      f"this call asks for {model_name} layers {self.layers}. Use another folder, or "
-                                      "delete it to start over")
-        # The model as the run started (rebuilt after a kill), or as its own forwards left it when the run stopped (a
-        # train-mode BatchNorm updates its running statistics): either is the model that wrote the committed rows.
-        if job["model_sha256"] not in (s.get("model_sha256"), s.get("model_sha256_at_stop")):
-            raise ResumeMismatchError(
-                f"{self.out} was extracted with another {model_name} (its parameters or buffers differ: checksum "
-                f"{str(s.get('model_sha256'))[:12]} vs {job['model_sha256'][:12]}); resuming would mix rows of two "
-                f"models. Resume with the model that started it, or use another folder / delete {self.out}")
-        before = s.get("arguments") if isinstance(s.get("arguments"), dict) else {}
-        changed = {k: (before.get(k), v) for k, v in job["arguments"].items() if before.get(k) != v}
-        if changed:
-            what = "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
-            raise ResumeMismatchError(f"{self.out} was started with other arguments ({what}); resume with the same "
-                                      f"call, or use another folder / delete {self.out}")
+        check_same_job(self.out, s, job)
         if not isinstance(s.get("shards"), list) or not all(isinstance(x, dict) for x in s["shards"]):
             raise TraceFileError(f"{self.out}/{PROGRESS}: no 'shards' list; the file was edited")
         for shard in s["shards"]:

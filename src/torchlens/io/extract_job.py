@@ -1,0 +1,41 @@
+"""What an extraction folder was made by, and the check that a later call into it is the same job.
+
+A job is the layers as stored, the model's class name, a checksum of its weights and the call's arguments
+(``io/extract.py`` builds it).  A resume must continue the same job, and a call into a complete folder must
+ask for what the folder holds, or it would be handed rows another call asked for: both are refused with
+``ResumeMismatchError``, in one process (against ``progress.json``) and after a distributed join (against
+each rank's job, kept in the joined manifest).
+"""
+
+from __future__ import annotations
+
+from ..errors import ResumeMismatchError
+
+JOB_KEYS = ("layers", "model", "model_sha256", "model_sha256_at_stop", "arguments")
+
+
+def recorded_job(state: dict) -> dict:
+    """The part of a folder's progress state that says which job made it."""
+    return {k: state.get(k) for k in JOB_KEYS if k in state}
+
+
+def check_same_job(out, recorded: dict, job: dict) -> None:
+    """Raise ``ResumeMismatchError`` when ``job`` (this call's) is not the ``recorded`` one that made ``out``."""
+    model_name = job["model"]
+    if recorded.get("layers") != job["layers"] or recorded.get("model") != model_name:
+        raise ResumeMismatchError(f"{out} holds an extraction of {recorded.get('model')} layers "
+                                  f"{recorded.get('layers')}; this call asks for {model_name} layers {job['layers']}. "
+                                  "Use another folder, or delete it to start over")
+    # The model as the run started (rebuilt after a kill), or as its own forwards left it when the run stopped (a
+    # train-mode BatchNorm updates its running statistics): either is the model that wrote the committed rows.
+    if job["model_sha256"] not in (recorded.get("model_sha256"), recorded.get("model_sha256_at_stop")):
+        raise ResumeMismatchError(
+            f"{out} was extracted with another {model_name} (its parameters or buffers differ: checksum "
+            f"{str(recorded.get('model_sha256'))[:12]} vs {job['model_sha256'][:12]}); resuming would mix rows of two "
+            f"models. Resume with the model that started it, or use another folder / delete {out}")
+    before = recorded.get("arguments") if isinstance(recorded.get("arguments"), dict) else {}
+    changed = {k: (before.get(k), v) for k, v in job["arguments"].items() if before.get(k) != v}
+    if changed:
+        what = "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
+        raise ResumeMismatchError(f"{out} was started with other arguments ({what}); resume with the same "
+                                  f"call, or use another folder / delete {out}")
