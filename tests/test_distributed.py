@@ -162,6 +162,15 @@ def test_distributed_readers_refuse_what_is_not_a_list_of_traces_or_a_trace():
         tl.distributed.gather(log, dst="0")
 
 
+@pytest.mark.parametrize("timeout", [0, 0.0004])
+def test_gather_refuses_a_wait_the_store_would_take_for_no_limit(timeout):
+    # The store waits in whole milliseconds, 0 meaning forever: gather(timeout=0) never named an absent rank.
+    log = tl.trace(torch.nn.Linear(3, 3), torch.randn(2, 3))
+    with pytest.raises(ValueError, match=rf"gather: timeout={timeout} is below 0\.001; give the seconds every rank "
+                                         r"has to arrive, a finite number of 0\.001 or more \(120\)"):
+        tl.distributed.gather(log, timeout=timeout)
+
+
 def test_a_tolerance_never_lets_integer_values_that_differ_agree():
     """rtol is for rounding: token ids 100000 and 100001 are within rtol=1e-5 of each other, and differ."""
     class Ids(torch.nn.Module):

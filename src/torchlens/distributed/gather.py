@@ -20,6 +20,7 @@ from ..record.columns import uninitialized_ops
 # within moments, and a rank that never calls it (``if rank == 0: gather(log)``) should be named soon, not
 # after the process group's timeout (30 minutes by default).
 ARRIVAL_TIMEOUT_S = 120.0
+_SHORTEST_WAIT_S = 0.001  # the process group's store waits in whole milliseconds
 _calls_per_group: dict = {}  # process group name -> gathers this process has called on it
 
 
@@ -91,9 +92,10 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
 
     checked_trace(trace, "gather")
     check_int(dst, "dst", "give the rank that receives every trace, 0 or more", who="gather", at_least=0)
-    # NaN or a negative wait would time out at once (or never, for inf) on every rank.
-    check_number(timeout, "timeout", "give the seconds every rank has to arrive, a finite number above 0 (120)",
-                 who="gather", at_least=0, finite=True)
+    # NaN or a negative wait would time out at once (or never, for inf) on every rank; the store counts whole
+    # milliseconds and waits forever on 0, so a wait shorter than one would never end either.
+    check_number(timeout, "timeout", "give the seconds every rank has to arrive, a finite number of 0.001 or more "
+                 "(120)", who="gather", at_least=_SHORTEST_WAIT_S, finite=True)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
                            "(run under torchrun, or call torch.distributed.init_process_group first)")
