@@ -171,6 +171,20 @@ def test_gather_refuses_a_wait_the_store_would_take_for_no_limit(timeout):
         tl.distributed.gather(log, timeout=timeout)
 
 
+def test_gather_refuses_a_dst_outside_its_process_group():
+    # torch's gloo said only "invalid root rank: 1", after every rank had waited for the others.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        log = tl.trace(torch.nn.Linear(3, 3), torch.randn(2, 3))
+        with pytest.raises(ValueError, match=r"gather: dst=1 is not a rank of the process group gathered over "
+                                             r"\(ranks 0\); give the rank, in the world's numbering, that receives"):
+            tl.distributed.gather(log, dst=1)
+        (alone,) = tl.distributed.gather(log, dst=0)
+    finally:
+        dist.destroy_process_group()
+    assert alone.rank == 0 and len(alone) == len(log.ops)
+
+
 def test_a_tolerance_never_lets_integer_values_that_differ_agree():
     """rtol is for rounding: token ids 100000 and 100001 are within rtol=1e-5 of each other, and differ."""
     class Ids(torch.nn.Module):

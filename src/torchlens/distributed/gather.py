@@ -99,7 +99,12 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
                            "(run under torchrun, or call torch.distributed.init_process_group first)")
-    _wait_for_every_rank(dist, group, timeout)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if dst not in ranks:  # refused on every rank alike, before any waits
+        raise ValueError(f"gather: dst={dst} is not a rank of the process group gathered over (ranks "
+                         f"{', '.join(map(str, ranks))}); give the rank, in the world's numbering, that receives "
+                         "every trace")
+    _wait_for_every_rank(dist, group, ranks, timeout)
     mine = RankTrace.of(trace, activations, strict=False)
     everyone = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     with torch.no_grad():
@@ -117,7 +122,7 @@ def _check_known(traces, asked) -> None:
         raise KeyError(f"gather: no rank has an op labelled {unknown[0]!r}")
 
 
-def _wait_for_every_rank(dist, group, timeout) -> None:
+def _wait_for_every_rank(dist, group, ranks, timeout) -> None:
     """Raise ``RankFailedError`` on every rank that called this gather when another rank of ``group`` does not
     call it within ``timeout`` seconds.  Each rank marks its arrival in the process group's store and waits for
     the others' marks: unlike a collective, whose wait lasts the group's timeout and names no one (and unlike
@@ -131,7 +136,6 @@ def _wait_for_every_rank(dist, group, timeout) -> None:
     key = f"torchlens/gather/{name}/{call}/rank-{{}}".format
     store = dist.distributed_c10d._get_default_store()
     store.set(key(dist.get_rank()), "1")
-    ranks = dist.get_process_group_ranks(group)
     try:
         store.wait([key(r) for r in ranks], timedelta(seconds=timeout))
     except RuntimeError:  # a wait timeout (the TCP store raises DistStoreError, the file store RuntimeError)
