@@ -98,6 +98,40 @@ class WithCollectives(nn.Module):
         return torch.cat(parts) + 1
 
 
+class EveryCollective(nn.Module):
+    """One call of each torch.distributed collective docs/distributed.md lists as recorded, on two ranks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        rank, y = dist.get_rank(), self.fc(x)  # 4 rows: two per rank where a collective splits them
+        dist.broadcast(y, src=0)
+        dist.all_reduce_coalesced([y])
+        dist.reduce(y, dst=0)
+        half, whole, part = torch.empty(2, 4), torch.empty(4, 4), torch.empty(2, 4)
+        dist.reduce_scatter_tensor(half, y)
+        dist.all_gather_into_tensor(whole, half)
+        dist.reduce_scatter(part, list(y.chunk(2)))
+        swapped, pieces = torch.empty_like(whole), [torch.empty(2, 4), torch.empty(2, 4)]
+        dist.all_to_all_single(swapped, whole)
+        dist.all_to_all(pieces, list(swapped.chunk(2)))
+        got = torch.empty(2, 4)
+        dist.scatter(got, list(y.chunk(2)) if rank == 0 else None, src=0)
+        gathered = [torch.empty(2, 4), torch.empty(2, 4)] if rank == 0 else None
+        dist.gather(got, gathered, dst=0)  # written on rank 0 alone
+        dist.all_reduce(part, async_op=True).wait()
+        if rank == 0:
+            dist.send(got, 1)  # writes nothing: no op
+        else:
+            dist.recv(got, 0)
+        return torch.cat([half, part, got, *pieces, *(gathered or [])]) * 2
+
+
 def traces(rank, world, workdir):
     """DDP, FSDP2 and collective-issuing forwards traced on each rank, and replicas compared."""
     import torch.distributed as dist
@@ -124,6 +158,12 @@ def traces(rank, world, workdir):
     out["ddp"]["grads_are_local"] = all(torch.equal(p.grad, q.grad) for p, q in zip(ddp.module.parameters(),
                                                                                  local.parameters()))
     ddp.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as caught, ddp.no_sync():  # local gradients are what was asked for
+        warnings.simplefilter("always")
+        log = tl.trace(ddp, x, grads=True)
+        log.backward(log.output.sum())
+    out["ddp"]["no_sync_warned"] = [str(w.message) for w in caught if "all-reduce" in str(w.message)]
+    ddp.zero_grad(set_to_none=True)
 
     fsdp = MLP()
     fully_shard(fsdp.fc1)
@@ -138,6 +178,30 @@ def traces(rank, world, workdir):
                    "linear_inputs": [op.parents for op in log.ops if op.func_name == "linear"],
                    "linear_params": [op.params for op in log.ops if op.func_name == "linear"],
                    "param_users": [(p.address, [log[label].func_name for label in p.op_labels]) for p in log.params]}
+    untraced = MLP()  # FSDP2's gradient reduce-scatter runs from its autograd hooks, traced forward or not
+    for module in (untraced.fc1, untraced.fc2, untraced):
+        fully_shard(module)
+    untraced(x).sum().backward()
+    log = tl.trace(fsdp, x, grads=True)
+    log.backward(log.output.sum())
+    out["fsdp"]["grads_equal"] = all(torch.equal(p.grad.to_local(), q.grad.to_local())
+                                     for p, q in zip(fsdp.parameters(), untraced.parameters()))
+    out["fsdp"]["grad_types"] = sorted({type(p.grad).__name__ for p in fsdp.parameters()})
+
+    fresh = MLP()  # no forward yet: an op-label site resolves against the first forward, which runs more ops
+    for module in (fresh.fc1, fresh.fc2, fresh):
+        fully_shard(module)
+    (relu,) = [op.label for op in tl.trace(fresh, x).ops if op.func_name == "relu"]
+    fresh = MLP()
+    for module in (fresh.fc1, fresh.fc2, fresh):
+        fully_shard(module)
+    try:
+        tl.trace(fresh, x, intervene={relu: tl.zero_ablate()})
+        out["fsdp"]["first_forward_site"] = None
+    except tl.InterventionError as exc:
+        out["fsdp"]["first_forward_site"] = str(exc)
+    out["fsdp"]["module_site_zeroed"] = torch.equal(tl.trace(fresh, x, intervene={"act": tl.zero_ablate()}).output,
+                                                    fresh.fc2(torch.zeros(3, 16)).detach())
     first = MLP()
     fully_shard(first.fc1)
     fully_shard(first.fc2)
@@ -169,6 +233,14 @@ def traces(rank, world, workdir):
         label for label, reason in result.not_replayed if reason.startswith("a collective"))
     out["collectives"]["validate_mismatched"] = result.mismatched
     out["collectives"]["labels"] = list(table["label"])
+    with torch.no_grad(), warnings.catch_warnings():  # gloo's all_gather_into_tensor fails with grad mode on
+        warnings.simplefilter("ignore", FutureWarning)  # all_reduce_coalesced is deprecated
+        model, rows = EveryCollective(), torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+        expected = model(rows)
+        log = tl.trace(model, rows)
+    table = tl.distributed.collectives(log)
+    out["every"] = {"equal": torch.equal(log.output, expected), "names": list(table["collective"]),
+                    "async": list(table["async"]), "groups": [list(r) for r in table["group_ranks"]]}
 
     # Replicas that should agree: the same batch on every rank, one weight nudged on rank 1.
     same = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
@@ -355,8 +427,10 @@ def extract_through_ddp(rank, world, out, n, batch_size):
     import torchlens as tl
 
     ds, model = dataset(n), KilledAfter(0).eval()
-    loader = DataLoader(ds, batch_size=batch_size, sampler=DistributedSampler(ds, shuffle=False))
-    tl.extract(DDP(model), loader, LAYERS, out, args_of=lambda b: b[0], progress=False)
+    shuffled = DistributedSampler(ds, shuffle=True, seed=5)  # each rank's rows in another order than the dataset's
+    shuffled.set_epoch(1)
+    tl.extract(DDP(model), DataLoader(ds, batch_size=batch_size, sampler=shuffled), LAYERS, out,
+               args_of=lambda b: b[0], progress=False)
     return model.forwards
 
 

@@ -66,6 +66,21 @@ def test_a_backward_through_a_traced_ddp_forward_warns_that_nothing_is_all_reduc
         assert "not the average over the ranks" in message and "model.zero_grad()" in message
 
 
+def test_inside_ddp_no_sync_a_traced_backward_does_not_warn(traced):
+    assert [got["ddp"]["no_sync_warned"] for got in traced] == [[], []]  # local gradients are what was asked for
+
+
+def test_a_backward_through_a_traced_fsdp2_forward_leaves_the_untraced_sharded_gradients(traced):
+    for got in traced:
+        assert got["fsdp"]["grads_equal"] and got["fsdp"]["grad_types"] == ["DTensor"]
+
+
+def test_an_op_label_site_on_a_fresh_fsdp2_model_meets_another_forward(traced):
+    for got in traced:  # resolved against the first forward (more ops), met by a later one
+        assert "the forward took another path than the reference trace" in got["fsdp"]["first_forward_site"]
+        assert got["fsdp"]["module_site_zeroed"]  # a module site holds whichever forward it is
+
+
 def test_fsdp2_all_gathers_from_its_forward_hooks_are_recorded_in_their_module(traced):
     fsdp = traced[0]["fsdp"]
     assert fsdp["collectives"] == ["all_gather_single", "all_gather_single"]  # one per sharded Linear
@@ -102,6 +117,18 @@ def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
         assert c["loaded_names"] == c["names"]  # a saved trace keeps which collectives ran (not their groups)
         assert c["validate_mismatched"] == []
         assert set(c["labels"]) <= set(c["validate_not_replayed"])  # replay never re-issues a collective
+
+
+def test_every_listed_torch_distributed_collective_is_recorded(traced):
+    names = ["broadcast", "all_reduce_coalesced", "reduce", "reduce_scatter_single", "all_gather_single",
+             "reduce_scatter", "all_to_all_single", "all_to_all", "scatter"]
+    for rank, got in enumerate(traced):
+        every = got["every"]
+        assert every["equal"]
+        # gather writes on its dst alone; send writes nothing, and recv writes on the rank that receives
+        assert every["names"] == names + (["gather", "all_reduce"] if rank == 0 else ["all_reduce", "recv"])
+        assert [name for name, is_async in zip(every["names"], every["async"]) if is_async] == ["all_reduce"]
+        assert every["groups"] == [[0, 1]] * len(every["names"])
 
 
 def test_a_collective_written_through_a_view_is_the_parent_of_a_later_read_of_its_base(tmp_path):
@@ -287,8 +314,9 @@ def test_a_ddp_wrapped_model_is_extracted_as_the_model_it_wraps(tmp_path):
     assert values(launch(extract_through_ddp, 2, str(tmp_path), out, 16, 4)) == [2, 2]  # each rank its share
     expected = single_process(16, 4, tmp_path)
     got = tl.load_extracted(out)
-    for name in LAYERS:  # the layers named as in the plain model, not module.inner.fc1
+    for name in LAYERS:  # the layers named as in the plain model, not module.inner.fc1; rows in dataset order
         np.testing.assert_array_equal(got[name], expected[name])
+    np.testing.assert_array_equal(tl.distributed.sample_index(out), np.arange(16))
 
 
 def test_an_fsdp2_model_is_extracted_as_the_plain_one(tmp_path):
