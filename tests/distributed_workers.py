@@ -21,13 +21,15 @@ import torch.nn as nn
 RANK_TIMEOUT_S = 90
 
 
-def launch(fn, world: int, workdir, *args, timeout: float = RANK_TIMEOUT_S) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; ``[(exit code, result or None), ...]``."""
+def launch(fn, world: int, workdir, *args, timeout: float = RANK_TIMEOUT_S, group_timeout: float = 60) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; ``[(exit code, result or None), ...]``.
+    ``group_timeout``: the process group's timeout, in seconds."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     store = os.path.join(workdir, f"store-{time.time_ns()}")
-    procs = [ctx.Process(target=_entry, args=(fn, rank, world, store, workdir, args), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, rank, world, store, workdir, args, group_timeout),
+                         daemon=True)
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -48,12 +50,12 @@ def launch(fn, world: int, workdir, *args, timeout: float = RANK_TIMEOUT_S) -> l
     return results
 
 
-def _entry(fn, rank, world, store, workdir, args):
+def _entry(fn, rank, world, store, workdir, args, group_timeout):
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # two ranks on a shared two-core machine
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=group_timeout))
     try:
         result = {"value": fn(rank, world, *args)}
     except BaseException as exc:  # noqa: BLE001 - reported to the test, which asserts on it
@@ -517,3 +519,28 @@ def rerun_joined(rank, world, out, round_robin, n, batch_size):
         except tl.io.ResumeMismatchError as exc:
             got[name] = str(exc)
     return got
+
+
+def extract_with_a_slow_rank(rank, world, out, slow_rank, delay, barrier_timeout, calls=True):
+    """A distributed extraction whose ``slow_rank`` sleeps ``delay`` seconds in its first forward (or, with
+    ``calls=False``, never calls tl.extract): what each rank gets."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import torchlens as tl
+
+    class Slow(KilledAfter):
+        def forward(self, x):
+            if rank == slow_rank and self.forwards == 0:
+                time.sleep(delay)
+            return super().forward(x)
+
+    if rank == slow_rank and not calls:
+        return None
+    ds = dataset(16)
+    loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, shuffle=False))
+    try:
+        tl.extract(Slow(0).eval(), loader, LAYERS, out, args_of=lambda b: b[0], progress=False,
+                   barrier_timeout=barrier_timeout)
+    except tl.distributed.RankFailedError as exc:
+        return str(exc)
+    return "extracted"

@@ -35,6 +35,7 @@ from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
 from ..checks import check_path
 from ..errors import RankFailedError, ResumeMismatchError
+from .arrival import absent_ranks, ranks_named
 
 RANK_FOLDER = "rank-{}"
 _JOIN_CHUNK_BYTES = 64 << 20
@@ -47,7 +48,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
     module = traced_module(root if root is not None else model)
     _refuse_tensor_parallel(module)  # on every rank alike
     rank, world = dist.get_rank(), dist.get_world_size()
-    barrier_group = _barrier_group(dist)
+    barrier_group = _barrier_group(dist, barrier_timeout)
     os.makedirs(out, exist_ok=True)
     if _joined(out):
         _barrier(dist, barrier_group, barrier_timeout, "start")
@@ -222,9 +223,16 @@ class _RoundRobin:
             offset += rows
 
 
-def _barrier_group(dist):
-    # monitored_barrier (which names the ranks that did not arrive) exists on gloo only.
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+def _barrier_group(dist, timeout):
+    """A gloo group whose collectives wait ``timeout`` seconds, made once every rank has called ``tl.extract``.
+    gloo, since ``monitored_barrier`` (which names the ranks that did not arrive) exists on gloo alone; a group of
+    its own, since ranks other than 0 wait in it for the group's timeout, not the barrier's: on the world's group
+    a rank 0 slower than the process group's timeout failed every rank, however long ``barrier_timeout``."""
+    absent = absent_ranks(dist, None, range(dist.get_world_size()), "extract", timeout)
+    if absent:  # new_group would wait for them, then fail naming no one
+        raise RankFailedError(f"{ranks_named(absent)} did not call tl.extract within {timeout:g}s of this rank: under "
+                              "torch.distributed every rank must call it, like a collective")
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
 
 
 def _barrier(dist, group, timeout, what, missing=None) -> None:
@@ -235,7 +243,7 @@ def _barrier(dist, group, timeout, what, missing=None) -> None:
         # rank folders say who has not finished.
         found = re.search(r"[Rr]anks? ([\d, ]+?) failed", str(exc))
         late = missing() if missing is not None else []
-        who = (f"rank {', '.join(map(str, late))}" if late else f"rank {found.group(1)}" if found
+        who = (ranks_named(late) if late else f"rank {found.group(1)}" if found
                else "a rank (see the torch.distributed message)")
         raise RankFailedError(f"{who} did not reach {what} within {timeout:g}s: it died, hung or raised. Every rank "
                               "keeps its committed shards; rerun the same command to resume. "

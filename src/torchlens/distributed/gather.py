@@ -15,13 +15,13 @@ from ..checks import check_int, check_number
 from ..errors import ActivationUnavailable, RankFailedError
 from ..record.trace import checked_trace
 from ..record.columns import uninitialized_ops
+from .arrival import absent_ranks, ranks_named
 
 # How long the ranks of a gather wait for each other to call it: ranks that traced the same forward arrive
 # within moments, and a rank that never calls it (``if rank == 0: gather(log)``) should be named soon, not
 # after the process group's timeout (30 minutes by default).
 ARRIVAL_TIMEOUT_S = 120.0
 _SHORTEST_WAIT_S = 0.001  # the process group's store waits in whole milliseconds
-_calls_per_group: dict = {}  # process group name -> gathers this process has called on it
 
 
 @dataclass
@@ -104,7 +104,12 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
         raise ValueError(f"gather: dst={dst} is not a rank of the process group gathered over (ranks "
                          f"{', '.join(map(str, ranks))}); give the rank, in the world's numbering, that receives "
                          "every trace")
-    _wait_for_every_rank(dist, group, ranks, timeout)
+    absent = absent_ranks(dist, group, ranks, "gather", timeout)
+    if absent:
+        raise RankFailedError(
+            f"{ranks_named(absent)} did not call tl.distributed.gather within {timeout:g}s of this rank: every rank of "
+            "the process group must call it, like any collective (not only the rank that reads the result, dst). If a "
+            "rank is only slower to get there, pass a longer timeout=")
     mine = RankTrace.of(trace, activations, strict=False)
     everyone = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     with torch.no_grad():
@@ -120,30 +125,3 @@ def _check_known(traces, asked) -> None:
     unknown = [a for a in asked if a not in known]
     if unknown:
         raise KeyError(f"gather: no rank has an op labelled {unknown[0]!r}")
-
-
-def _wait_for_every_rank(dist, group, ranks, timeout) -> None:
-    """Raise ``RankFailedError`` on every rank that called this gather when another rank of ``group`` does not
-    call it within ``timeout`` seconds.  Each rank marks its arrival in the process group's store and waits for
-    the others' marks: unlike a collective, whose wait lasts the group's timeout and names no one (and unlike
-    gloo's ``monitored_barrier``, whose ranks other than 0 cannot tell who is missing), this names the absent
-    ranks on each rank that came, with any backend."""
-    from datetime import timedelta
-
-    group = group if group is not None else dist.group.WORLD
-    name = str(getattr(group, "group_name", ""))
-    call = _calls_per_group[name] = _calls_per_group.get(name, 0) + 1  # the n-th gather meets the others' n-th
-    key = f"torchlens/gather/{name}/{call}/rank-{{}}".format
-    store = dist.distributed_c10d._get_default_store()
-    store.set(key(dist.get_rank()), "1")
-    try:
-        store.wait([key(r) for r in ranks], timedelta(seconds=timeout))
-    except RuntimeError:  # a wait timeout (the TCP store raises DistStoreError, the file store RuntimeError)
-        absent = [r for r in ranks if not store.check([key(r)])]
-        if not absent:  # they all came just as the wait ended
-            return
-        who = f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))}"
-        raise RankFailedError(
-            f"{who} did not call tl.distributed.gather within {timeout:g}s of this rank: every rank of the process "
-            "group must call it, like any collective (not only the rank that reads the result, dst). If a rank "
-            "is only slower to get there, pass a longer timeout=") from None
