@@ -287,6 +287,23 @@ def test_distributed_extraction_equals_a_single_process_one(tmp_path):
     assert f"{out} was extracted by 2 ranks, and this call runs 1" in alone["error"]
 
 
+def test_a_distributed_extraction_refuses_a_folder_holding_a_one_process_one(tmp_path):
+    # The join wrote over the folder's layer files and left its progress.json: a one-process call for the old
+    # layers then returned at once, and load_extracted gave the distributed call's layers instead.
+    single_process(8, 4, tmp_path)
+    folder = tmp_path / "single-8"
+    before = sorted(os.listdir(folder))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(tl.io.TraceFileError, match=r"holds a one-process extraction \(progress\.json\); a "
+                                                       r"distributed tl\.extract writes .* into a folder of its own"):
+            tl.extract(KilledAfter(0).eval(), DataLoader(dataset(8), batch_size=4), LAYERS[:1], folder,
+                       args_of=lambda b: b[0], progress=False)
+    finally:
+        dist.destroy_process_group()
+    assert sorted(os.listdir(folder)) == before and list(tl.load_extracted(folder)) == LAYERS
+
+
 def test_the_join_lets_go_of_the_rank_files_before_removing_their_folders(tmp_path, monkeypatch):
     # Windows refuses to delete a file that is mapped: the join's own maps of the rank files must be gone.
     from torchlens.distributed.extraction import join_ranks

@@ -48,6 +48,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
     module = traced_module(root if root is not None else model)
     _refuse_tensor_parallel(module)  # on every rank alike
     rank, world = dist.get_rank(), dist.get_world_size()
+    _refuse_one_process_folder(out)  # on every rank alike, before they meet
     barrier_group = _barrier_group(dist, barrier_timeout)
     os.makedirs(out, exist_ok=True)
     if _joined(out):
@@ -93,6 +94,16 @@ def _check_rerun(out, rank, world, job) -> None:
         raise ResumeMismatchError(f"{out} was extracted by {len(jobs)} ranks, and this call runs {world}; use "
                                   f"another folder, or delete {out} to extract again")
     check_same_job(out, jobs[rank], job)
+
+
+def _refuse_one_process_folder(out) -> None:
+    """Refuse an ``out`` holding a one-process extraction (its ``progress.json``, which a distributed one keeps in
+    the rank folders alone): the join would write over its layer files and leave its progress behind, and a
+    one-process call into the folder would then return the joined rows as its own."""
+    if os.path.lexists(os.path.join(out, PROGRESS)):
+        raise TraceFileError(f"{out} holds a one-process extraction ({PROGRESS}); a distributed tl.extract writes its "
+                             f"rank folders and the joined result into a folder of its own: use another folder, or "
+                             f"delete {out}")
 
 
 def _refuse_tensor_parallel(module) -> None:
