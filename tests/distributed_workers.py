@@ -262,6 +262,16 @@ def traces(rank, world, workdir):
         out["metadata_only"] = len(tl.distributed.gather(tl.trace(replica, same), dst=0)[1].activations)
     else:
         tl.distributed.gather(tl.trace(replica, same), dst=0)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    sharded = parallelize_module(MLP(), init_device_mesh("cpu", (world,)),
+                                 {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    gathered = tl.distributed.gather(tl.trace(sharded, same), dst=0, activations=True)
+    if rank == 0:  # compared on one rank: a DTensor activation compared as one waited for the others
+        out["tensor_parallel"] = {"types": sorted({type(t).__name__ for g in gathered for t in g.activations.values()}),
+                                  "compare": tl.distributed.compare(gathered).to_dict("records")}
     dist.barrier()
     return out
 

@@ -161,6 +161,13 @@ def test_compare_finds_a_divergence_planted_on_one_rank(traced):
 
 
 
+def test_gather_sends_a_tensor_parallel_activation_as_this_ranks_shard(traced):
+    tp = traced[0]["tensor_parallel"]
+    assert "DTensor" not in tp["types"]  # each rank's shard, a plain tensor, compared without a collective
+    (row,) = tp["compare"]  # fc1's column shards differ between the ranks, as they should
+    assert (row["first_op"], row["module"], row["reason"]) == ("linear_1_2:1", "fc1:1", "values differ")
+
+
 @pytest.mark.parametrize("option, value, error, message", [
     # rtol="x" and rtol=nan failed inside torch.allclose; reference=True compared with rank 1, 1.0 failed on a list index.
     ("rtol", "x", TypeError, r"compare: rtol='x' is a str; a tolerance is a number, 0 or more"),

@@ -13,6 +13,7 @@ import torch
 
 from ..checks import check_int, check_number
 from ..errors import ActivationUnavailable, RankFailedError
+from ..io.identity import own_values
 from ..record.trace import checked_trace
 from ..record.columns import uninitialized_ops
 from .arrival import absent_ranks, ranks_named
@@ -46,7 +47,9 @@ class RankTrace:
                         "dtype": str(op.dtype), "parents": list(op.parents), "uninitialized": op.index in undefined})
             if op.label in wanted:
                 try:
-                    acts[op.label] = op.activation.detach().to("cpu")
+                    # A DTensor travels as this rank's shard: compared as one (compare runs on one rank), it would
+                    # wait at a collective for the other ranks.
+                    acts[op.label] = own_values(op.activation).detach().to("cpu")
                 except ActivationUnavailable:
                     pass  # dropped or never saved: compare reports it as not compared
         return cls(trace.rank, trace.world_size, trace.model_name, ops, acts)

@@ -39,7 +39,7 @@ def model_checksum(model) -> str:
     return digest.hexdigest()
 
 
-def _own_values(t: torch.Tensor) -> torch.Tensor:
+def own_values(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's (FSDP2's sharded parameters, tensor parallelism's) shard on this rank, read without any
     collective (reshaping the DTensor itself could gather it from the other ranks); ``t`` for any other."""
     dtensor = sys.modules.get("torch.distributed.tensor")
@@ -54,7 +54,7 @@ def _class_name(model) -> str:
 
 
 def _value_bytes(t: torch.Tensor) -> bytes:
-    t = _own_values(t)
+    t = own_values(t)
     if without_values(t) or t.is_quantized or t.layout != torch.strided or t.numel() == 0:
         return b""  # no values to read (meta), or no plain byte view of them: shapes and dtypes still count
     flat = t.detach().reshape(-1)
