@@ -531,6 +531,13 @@ def rerun_joined(rank, world, out, round_robin, n, batch_size):
     return got
 
 
+def extract_with_slow_ranks(rank, world, workdir, *runs):
+    """``extract_with_a_slow_rank`` for each ``(slow_rank, delay, barrier_timeout)`` of ``runs`` in turn, each into
+    a folder of its own: what each rank got from each."""
+    return [extract_with_a_slow_rank(rank, world, os.path.join(workdir, f"slow-{i}"), *run)
+            for i, run in enumerate(runs)]
+
+
 def extract_with_a_slow_rank(rank, world, out, slow_rank, delay, barrier_timeout, calls=True):
     """A distributed extraction whose ``slow_rank`` sleeps ``delay`` seconds in its first forward (or, with
     ``calls=False``, never calls tl.extract): what each rank gets."""

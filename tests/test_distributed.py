@@ -16,7 +16,7 @@ import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
                                  extract_fsdp2, extract_fsdp2_uneven, extract_tensor_parallel, extract_through_ddp,
                                  gather_labels_some_ranks_lack, gather_skipped_by_one_rank, launch, rerun_joined,
-                                 extract_with_a_slow_rank, save_to_one_path, traces)
+                                 extract_with_a_slow_rank, extract_with_slow_ranks, save_to_one_path, traces)
 from held_files import refuse_held_files
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -409,12 +409,17 @@ def test_a_killed_rank_is_named_and_the_rerun_redoes_only_its_uncommitted_batche
 def test_every_rank_waits_barrier_timeout_for_a_slower_rank_0_not_the_process_group_timeout(tmp_path):
     # Ranks other than 0 waited at gloo's monitored_barrier for the process group's timeout (3 s here): rank 1
     # gave up on a rank 0 4 s slower, with barrier_timeout=60, and rank 0 then failed too.
-    out = str(tmp_path / "slow")
-    got = values(launch(extract_with_a_slow_rank, 2, str(tmp_path), out, 0, 4.0, 60.0, group_timeout=3))
-    assert got == ["extracted", "extracted"]
+    zero, one = values(launch(extract_with_slow_ranks, 2, str(tmp_path), str(tmp_path), (0, 4.0, 60.0),
+                              (1, 3.0, 1.0), group_timeout=3))
+    assert (zero[0], one[0]) == ("extracted", "extracted")
     expected = single_process(16, 4, tmp_path)
     for name in LAYERS:
-        np.testing.assert_array_equal(tl.load_extracted(out)[name], expected[name])
+        np.testing.assert_array_equal(tl.load_extracted(tmp_path / "slow-0")[name], expected[name])
+    # barrier_timeout=1 and rank 1 3 s slower: rank 0 names it; rank 1, once done, is told it is too late, not
+    # that a rank "did not reach the end of its share" (every share was complete)
+    assert zero[1].startswith("rank 1 did not reach the end of its share within 1s: it died, hung or raised")
+    assert one[1].startswith("every rank has finished its share, but another rank stopped waiting at the end of its "
+                             "share before this one arrived (its 1s passed first, or it died since). Nothing is lost")
 
 
 def test_a_rank_that_does_not_call_extract_is_named_on_the_ranks_that_do(tmp_path):

@@ -254,11 +254,15 @@ def _barrier(dist, group, timeout, what, missing=None) -> None:
         # rank folders say who has not finished.
         found = re.search(r"[Rr]anks? ([\d, ]+?) failed", str(exc))
         late = missing() if missing is not None else []
+        torch_said = f"(torch.distributed: {str(exc).splitlines()[0]})"
+        if missing is not None and not late:  # every share is complete: another rank gave up on this one
+            raise RankFailedError(f"every rank has finished its share, but another rank stopped waiting at {what} "
+                                  f"before this one arrived (its {timeout:g}s passed first, or it died since). Nothing "
+                                  f"is lost: rerun the same command to join the shares. {torch_said}") from None
         who = (ranks_named(late) if late else f"rank {found.group(1)}" if found
                else "a rank (see the torch.distributed message)")
         raise RankFailedError(f"{who} did not reach {what} within {timeout:g}s: it died, hung or raised. Every rank "
-                              "keeps its committed shards; rerun the same command to resume. "
-                              f"(torch.distributed: {str(exc).splitlines()[0]})") from None
+                              f"keeps its committed shards; rerun the same command to resume. {torch_said}") from None
 
 
 def _unfinished(out, world) -> list:
