@@ -30,6 +30,7 @@ import torch
 from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, batch_rows, extract_folder,
                           extraction_job, traced_module)
 from ..io.extract_job import check_same_job, recorded_job
+from ..io.extracted import refuse_unfinished
 from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
@@ -377,6 +378,7 @@ def _write_rows(path, info, n_rows, row_bytes, rows_between) -> None:
 def sample_index(out):
     """The dataset index of every row of a distributed extraction (rows are in this order)."""
     folder = check_path(out, "out", "give the folder tl.extract wrote (a str or a pathlib.Path)", who="sample_index")
+    refuse_unfinished(folder)
     manifest = verify_manifest(folder, EXTRACT_FORMAT, EXTRACT_SCHEMA, hashes=False)
     if manifest.get("sample_index") != SAMPLE_INDEX:
         raise TraceFileError(f"{folder}: this extraction's rows carry no sample index (it was not distributed)")

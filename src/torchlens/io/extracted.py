@@ -30,15 +30,7 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
                who="load_extracted")
     folder = check_path(path, "path", "give the folder tl.extract wrote (a str or a pathlib.Path)",
                         who="load_extracted")
-    if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.lexists(os.path.join(folder, PROGRESS)):
-        progress = read_json(folder, PROGRESS, "an extraction")
-        done = progress.get("batches_done") if isinstance(progress, dict) else "?"
-        done = counted(done, "batch", "batches") if isinstance(done, int) else done
-        raise TraceFileError(f"{folder}: the extraction is incomplete ({done} committed); call tl.extract "
-                             "again with the same arguments to finish it")
-    if not os.path.lexists(os.path.join(folder, MANIFEST)) and os.path.isdir(os.path.join(folder, "rank-0")):
-        raise TraceFileError(f"{folder}: the distributed extraction is incomplete (its ranks' shares were not joined "
-                             "yet); run the same torchrun command again to finish it")
+    refuse_unfinished(folder)
     manifest = verify_manifest(folder, EXTRACT_FORMAT, EXTRACT_SCHEMA, hashes=verify)
     layers = manifest.get("layers")
     if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
@@ -53,3 +45,18 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
             raise TraceFileError(f"{folder}/{file}: holds shape {list(arrays[name].shape)}, the manifest says "
                                  f"{info.get('shape')}")
     return arrays
+
+
+def refuse_unfinished(folder) -> None:
+    """Raise ``TraceFileError`` saying what to do when ``folder`` holds an extraction that has not finished."""
+    if os.path.lexists(os.path.join(folder, MANIFEST)):
+        return
+    if os.path.lexists(os.path.join(folder, PROGRESS)):
+        progress = read_json(folder, PROGRESS, "an extraction")
+        done = progress.get("batches_done") if isinstance(progress, dict) else "?"
+        done = counted(done, "batch", "batches") if isinstance(done, int) else done
+        raise TraceFileError(f"{folder}: the extraction is incomplete ({done} committed); call tl.extract "
+                             "again with the same arguments to finish it")
+    if os.path.isdir(os.path.join(folder, "rank-0")):
+        raise TraceFileError(f"{folder}: the distributed extraction is incomplete (its ranks' shares were not joined "
+                             "yet); run the same torchrun command again to finish it")
