@@ -188,6 +188,9 @@ def test_distributed_readers_refuse_what_is_not_a_list_of_traces_or_a_trace():
     log = tl.trace(torch.nn.Linear(3, 3), torch.randn(2, 3))
     with pytest.raises(TypeError, match=r"compare takes one trace per rank, in rank order .* got a single Trace"):
         tl.distributed.compare(log)
+    with pytest.raises(TypeError, match=r"compare got None, which tl.distributed.gather returns on every rank but "
+                                        r"dst: call compare on dst alone"):  # was "'NoneType' object is not iterable"
+        tl.distributed.compare(None)
     with pytest.raises(TypeError, match=r"compare: traces\[1\] takes a Trace .* got Tensor"):
         tl.distributed.compare([log, torch.ones(1)])
     with pytest.raises(TypeError, match=r"collectives takes a Trace .* got Tensor"):

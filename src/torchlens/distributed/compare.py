@@ -36,6 +36,9 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
     """
     from .collectives import _frame
 
+    if traces is None:  # what gather returns on the ranks other than dst
+        raise TypeError("compare got None, which tl.distributed.gather returns on every rank but dst: call compare on "
+                        "dst alone (if rank == dst: compare(traces))")
     if isinstance(traces, Trace):  # iterating it would give its ops
         raise TypeError("compare takes one trace per rank, in rank order ([log_rank0, log_rank1] or what gather "
                         "returns), got a single Trace")
