@@ -470,6 +470,9 @@ def extract_share(rank, world, out, n, batch_size, kill_rank=-1, kill_at=0, barr
             tl.extract(KilledAfter(0).eval(), mine, LAYERS, round_robin + "-per-rank", progress=False)
         except ValueError as exc:
             result["per_rank_error"] = str(exc)
+    import torch.distributed as dist
+
+    result["process_groups"] = len(dist.distributed_c10d._world.pg_map)  # the world's, and none of tl.extract's
     return result
 
 

@@ -160,7 +160,6 @@ def test_compare_finds_a_divergence_planted_on_one_rank(traced):
     assert got["metadata_only"] == 0
 
 
-
 def test_gather_sends_a_tensor_parallel_activation_as_this_ranks_shard(traced):
     tp = traced[0]["tensor_parallel"]
     assert "DTensor" not in tp["types"]  # each rank's shard, a plain tensor, compared without a collective
@@ -276,6 +275,7 @@ def test_distributed_extraction_equals_a_single_process_one(tmp_path):
     forwards = values(launch(extract_share, 2, str(tmp_path), out, 24, 4, -1, 0, 30.0, rr))
     assert [f["forwards"] for f in forwards] == [3, 3] and [f["round_robin_forwards"] for f in forwards] == [3, 3]
     assert all("the ranks were given different inputs" in f["per_rank_error"] for f in forwards)
+    assert [f["process_groups"] for f in forwards] == [1, 1]  # each call's barrier group is gone with it
     expected = single_process(24, 4, tmp_path)
     for folder in (out, rr):
         got = tl.load_extracted(folder)

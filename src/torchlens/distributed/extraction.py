@@ -19,6 +19,7 @@ result is readable.  Rerunning the same command after a kill resumes each rank f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -50,30 +51,30 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
     _refuse_tensor_parallel(module)  # on every rank alike
     rank, world = dist.get_rank(), dist.get_world_size()
     _refuse_one_process_folder(out)  # on every rank alike, before they meet
-    barrier_group = _barrier_group(dist, barrier_timeout)
-    os.makedirs(out, exist_ok=True)
-    if _joined(out):
-        _barrier(dist, barrier_group, barrier_timeout, "start")
+    with _barrier_group(dist, barrier_timeout) as barrier_group:
+        os.makedirs(out, exist_ok=True)
+        if _joined(out):
+            _barrier(dist, barrier_group, barrier_timeout, "start")
+            if rank == 0:
+                _remove_rank_folders(out, world)  # a kill after the join, before its cleanup, leaves them
+            _check_rerun(out, rank, world, _job(model, inputs, layers, kwargs, grads, root, rank, world))
+            return out
+        folder = os.path.join(out, RANK_FOLDER.format(rank))
+        batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group)
+        # An FSDP2 model's forwards are collectives: its ranks check, forward by forward, that they all run one.
+        in_step = _InStep(dist, barrier_group, out) if module is not None and _fsdp_sharded_params(module) else None
+        # A rank that raises here never reaches the barrier, and the others name it there.
+        extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
+                       shard_bytes=shard_bytes, progress=progress and rank == 0, indices_of=indices_of,
+                       arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
+                       loss_fn=loss_fn, root=root, before_forward=in_step)
+        if in_step is not None:
+            in_step.finish()
+        _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
         if rank == 0:
-            _remove_rank_folders(out, world)  # a kill after the join, before its cleanup, leaves them
-        _check_rerun(out, rank, world, _job(model, inputs, layers, kwargs, grads, root, rank, world))
+            join_ranks(out, world)
+        _barrier(dist, barrier_group, barrier_timeout, "the joined result")
         return out
-    folder = os.path.join(out, RANK_FOLDER.format(rank))
-    batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group)
-    # An FSDP2 model's forwards are collectives: its ranks check, forward by forward, that they all run one.
-    in_step = _InStep(dist, barrier_group, out) if module is not None and _fsdp_sharded_params(module) else None
-    # A rank that raises here never reaches the barrier, and the others name it there.
-    extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
-                   shard_bytes=shard_bytes, progress=progress and rank == 0, indices_of=indices_of,
-                   arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
-                   loss_fn=loss_fn, root=root, before_forward=in_step)
-    if in_step is not None:
-        in_step.finish()
-    _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
-    if rank == 0:
-        join_ranks(out, world)
-    _barrier(dist, barrier_group, barrier_timeout, "the joined result")
-    return out
 
 
 def _job(model, inputs, layers, kwargs, grads, root, rank, world) -> dict:
@@ -235,8 +236,10 @@ class _RoundRobin:
             offset += rows
 
 
+@contextlib.contextmanager
 def _barrier_group(dist, timeout):
-    """A gloo group whose collectives wait ``timeout`` seconds, made once every rank has called ``tl.extract``.
+    """A gloo group whose collectives wait ``timeout`` seconds, made once every rank has called ``tl.extract`` and
+    destroyed when the call ends (calls in a loop must not pile up groups, each holding its connections).
     gloo, since ``monitored_barrier`` (which names the ranks that did not arrive) exists on gloo alone; a group of
     its own, since ranks other than 0 wait in it for the group's timeout, not the barrier's: on the world's group
     a rank 0 slower than the process group's timeout failed every rank, however long ``barrier_timeout``."""
@@ -244,7 +247,11 @@ def _barrier_group(dist, timeout):
     if absent:  # new_group would wait for them, then fail naming no one
         raise RankFailedError(f"{ranks_named(absent)} did not call tl.extract within {timeout:g}s of this rank: under "
                               "torch.distributed every rank must call it, like a collective")
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    try:
+        yield group
+    finally:  # a rank still waiting in it on another rank then fails at once, and names no one wrongly
+        dist.destroy_process_group(group)
 
 
 def _barrier(dist, group, timeout, what, missing=None) -> None:
