@@ -1,0 +1,101 @@
+"""tl.distributed.compare on traces taken in one process: what it compares by value, what it leaves out
+(uninitialized memory), and how it names a divergence in the graph or in the values.  The comparisons of
+traces gathered from real ranks are in test_distributed.py."""
+
+from __future__ import annotations
+
+import torch
+
+import torchlens as tl
+
+
+class FillsEmpty(torch.nn.Module):
+    """Writes into a ``torch.empty_like`` buffer, as Mixtral's router does with its sort inverse."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        buffer = torch.empty_like(y)
+        buffer[:] = y * 2
+        return self.head(buffer + 1)
+
+
+def test_compare_does_not_read_a_view_of_uninitialized_memory_as_a_divergence():
+    # Its transpose, and the output returning it, hold the allocator's bits as the buffer does: they were
+    # compared, and two agreeing ranks reported diverging.
+    def scratch(x):
+        return x * 2, torch.empty(8, 3).t()
+
+    x = torch.randn(3, 8)
+    first, second = (tl.distributed.RankTrace.of(tl.trace(scratch, x), activations=True) for _ in range(2))
+    for label in ("empty_1_2:1", "t_1_3:1", "output_2:1"):  # other garbage on the other rank
+        second.activations[label] = second.activations[label] + 1
+    (row,) = tl.distributed.compare([first, second]).to_dict("records")
+    assert not row["diverges"] and row["ops_compared"] == 3, row  # the input, mul and the first output
+
+
+def test_compare_does_not_read_uninitialized_memory_as_a_divergence():
+    model, x = FillsEmpty(), torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    first, second = tl.trace(model, x), tl.trace(model, x)
+    (empty,) = [op.label for op in first.ops if op.func_name == "empty_like"]
+    # What torch.empty_like returns is whatever the allocator left there: two agreeing ranks see different
+    # garbage.  Make sure they do here.
+    second[empty].activation.copy_(first[empty].activation + 1)
+    assert not torch.equal(first[empty].activation, second[empty].activation)
+    (row,) = tl.distributed.compare([first, second]).to_dict("records")
+    assert not row["diverges"]
+    assert row["ops_compared"] == len(first.ops) - 1  # every op but the uninitialized one, by value
+    assert row["reason"].endswith(f"{len(first.ops) - 1} ops agree by value and 1 was not compared "
+                                  "(not saved on both ranks, or uninitialized memory)")
+
+    with torch.no_grad():
+        model.head.bias[1] += 1e-3  # a real difference, after the uninitialized buffer
+    third = tl.trace(model, x)
+    third[empty].activation.copy_(first[empty].activation - 1)
+    differing = [op.label for op in first.ops if op.label != empty and op.has_activation
+                 and not torch.equal(op.activation, third[op.label].activation)]
+    (row,) = tl.distributed.compare([first, third]).to_dict("records")
+    assert (row["first_op"], row["module"], row["reason"]) == (differing[0], "head:1", "values differ")
+    assert row["origin"] == "here"  # its parent, buffer + 1, was compared and agreed
+
+
+class MaybeSkips(torch.nn.Module):
+    """Rank-dependent control flow that keeps every op's label: ``fc2`` reads ``fc1``'s output or the input."""
+
+    def __init__(self, through: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.through = through
+
+    def forward(self, x):
+        y = self.fc1(x)
+        return self.fc2(y if self.through else x) + y
+
+
+def test_compare_finds_ops_that_read_different_inputs_under_the_same_labels():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+    reference, rewired = tl.trace(MaybeSkips(True), x), tl.trace(MaybeSkips(False), x)
+    assert [op.label for op in reference.ops] == [op.label for op in rewired.ops]
+    rewired_at = [a.label for a, b in zip(reference.ops, rewired.ops) if a.parents != b.parents]
+    for activations in (False, True):  # metadata alone must show it too
+        traces = [tl.distributed.RankTrace.of(t, activations=activations) for t in (reference, rewired)]
+        (row,) = tl.distributed.compare(traces).to_dict("records")
+        assert (row["diverges"], row["first_op"], row["module"]) == (True, rewired_at[0], "fc2:1")
+        assert row["reason"].startswith("the graph differs") and "input_1:1 here" in row["reason"]
+
+
+def test_an_agreement_without_values_says_no_values_were_compared():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    traces = [tl.distributed.RankTrace.of(tl.trace(MaybeSkips(True), x), activations=False) for _ in range(2)]
+    (row,) = tl.distributed.compare(traces).to_dict("records")
+    assert (row["diverges"], row["ops_compared"]) == (False, 0)
+    assert row["reason"].startswith("no values compared: the graph, shapes and dtypes agree")
+    full = [tl.trace(MaybeSkips(True), x) for _ in range(2)]
+    (row,) = tl.distributed.compare(full).to_dict("records")
+    assert (row["diverges"], row["reason"], row["ops_compared"]) == (False, None, len(full[0].ops))
