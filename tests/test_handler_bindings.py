@@ -1,7 +1,7 @@
 """Parent bindings stay exact when tensors die and their ids are reused.
 
-The capture handler binds each output to its record by ``id(tensor)``.  An output saved by reference is
-held by the binding itself; any other binding is weak.  Python reuses a dead object's id for the next
+The capture handler binds each output to its record by ``id(tensor)``.  An output ``save="all"`` saves by
+reference is held by the binding itself; any other binding is weak.  Python reuses a dead object's id for the next
 object of its size, so a binding must never hand a dead op's record to a new tensor that happens to get
 its id: such a tensor, made where capture cannot see it, has no parent (an unattributed argument).
 """

@@ -679,7 +679,8 @@ static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject 
     return failed ? -1 : 0;
 }
 
-/* Whether the output of ``func`` is saved: ``save_mode == 1``, or the selection wants it.  1, 0, -1. */
+/* Whether the output of ``func`` is saved: 1 when ``save_mode == 1`` (every op, held until the trace ends), 2
+ * when the selection wants it (it may be let go before then: ``SelectedModuleOutputs``), 0, or -1. */
 static int wanted(Handler *h, PyObject *func, PyObject *module_call) {
     PyObject *save_mode = state_get(h, s_save_mode);
     if (save_mode == NULL) return -1;
@@ -689,7 +690,8 @@ static int wanted(Handler *h, PyObject *func, PyObject *module_call) {
     if (mode == -1 && PyErr_Occurred()) return -1;
     if (mode == 1) return 1;
     PyObject *argv[] = {h->state, func, module_call};
-    return truth_of(PyObject_VectorcallMethod(s_wants, argv, 3, NULL));
+    saving = truth_of(PyObject_VectorcallMethod(s_wants, argv, 3, NULL));
+    return saving == 1 ? 2 : saving;
 }
 
 /* ``grads.watch(index, t, func, module_call)`` when gradients are captured.  0 or -1. */
@@ -877,7 +879,7 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
     if (producers == NULL) goto fail;
     PyObject *key = PyLong_FromVoidPtr(out);
     if (key == NULL) goto fail;
-    PyObject *entry;
+    PyObject *entry = NULL;
     if (saving) {
         PyObject *saved = held(h, H_SAVED);
         PyObject *saved_versions = saved ? held(h, H_SAVED_VERSIONS) : NULL;
@@ -888,8 +890,11 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
         }
         failed = PyDict_SetItem(saved, first_op, kept) || PyDict_SetItem(saved_versions, first_op, version);
         Py_DECREF(kept);
+    }
+    if (saving == 1) {
+        /* Held until the trace ends anyway: the binding holds the output itself, as Python's hot path does. */
         entry = failed ? NULL : PyTuple_Pack(3, out, first_op, version);
-    } else {
+    } else if (!failed) {
         PyObject *ref = PyWeakref_NewRef(out, NULL);
         entry = ref ? PyTuple_Pack(3, ref, first_op, version) : NULL;
         Py_XDECREF(ref);

@@ -16,9 +16,10 @@ def is_bound(entry: tuple, t: torch.Tensor) -> bool:
     """Whether a ``CaptureState.producers`` entry found under ``id(t)`` is about ``t`` itself, not about a
     dead tensor whose id ``t`` now reuses.
 
-    An op output whose memory is saved by reference anyway is bound by the tensor itself (the capture hot
-    path makes no weak reference for it): while the entry holds it, its id cannot be reused, so
-    ``entry[0] is t`` decides.  Every other entry is weak, and goes stale when its tensor dies."""
+    An op output whose memory ``save="all"`` saves by reference anyway is bound by the tensor itself (the capture
+    hot path makes no weak reference for it): while the entry holds it, its id cannot be reused, so
+    ``entry[0] is t`` decides.  Every other entry is weak (an op a selection saved among them: a selected
+    module's call may let it go before the trace ends), and goes stale when its tensor dies."""
     ref = entry[0]
     return ref is t or (type(ref) is weakref and ref() is t)
 

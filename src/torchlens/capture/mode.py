@@ -283,11 +283,14 @@ class CaptureMode(TorchFunctionMode):
             # Kept by reference; its storage is keyed only when a write may need it (CaptureState.save).
             st.saved[first_op] = out.detach() if requires_grad else out
             st.saved_versions[first_op] = version
-            # What is saved holds the output's memory until the trace ends anyway, so the binding holds
-            # the output itself: no weak reference to make and to clear when it dies (CaptureState.producers).
-            st.producers[id(out)] = (out, first_op, version)
-        else:
-            st.producers[id(out)] = (weakref(out), first_op, version)
+            if save_mode == 1:
+                # Every op saved holds its output's memory until the trace ends, so the binding holds the
+                # output itself: no weak reference to make and to clear when it dies (CaptureState.producers).
+                # A selection's (mode 2) may be let go as a selected call returns (SelectedModuleOutputs):
+                # its binding must not hold it then.
+                st.producers[id(out)] = (out, first_op, version)
+                return out
+        st.producers[id(out)] = (weakref(out), first_op, version)
         return out
 
     def _call_with_features(self, func, types, args, kwargs):
