@@ -4,6 +4,7 @@ freed, and what the selection keeps must be what a ``save="all"`` trace holds fo
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -50,3 +51,63 @@ def test_the_ops_a_selected_call_lets_go_are_freed_as_it_returns_without_a_budge
     kept = sorted(log.saved_activations)
     assert [log.labels[i] for i in kept] == ["add_1_4:1", "add_2_8:1", "add_3_12:1", "output_1:1"]
     assert all(torch.equal(log.ops[i].activation, everything.ops[i].activation) for i in kept)
+
+
+def test_no_selected_output_is_saved_after_the_budget_stopped_saving():
+    # A budget reached inside the first block's call stopped saving there, but the blocks let go of their inner
+    # ops as they returned, which made room again: the later blocks' hooks saved their outputs, so the trace
+    # held activations after the op its warning said saving stopped at ("from ... on were not saved").
+    model, x = _Blocks(4), torch.randn(4, 16)
+    with torch.no_grad():
+        everything = tl.trace(model, x)
+        budget = everything.ops[2].nbytes * 2  # the first block's first two inner ops, not its third
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            log = tl.trace(model, x, save=[f"blocks.{i}" for i in range(4)], max_saved_bytes=budget)
+    stop = log.budget_exhausted_at
+    assert [str(w.message) for w in caught] == [f"max_saved_bytes reached: activations from {log.labels[stop]} on "
+                                                "were not saved"]
+    assert stop < log["blocks.0"].index  # reached inside the first block's call
+    assert not log.saved_activations  # nothing from there on: no block's output either
+    assert torch.equal(log.output, everything.output)
+
+
+class _KeepsAside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.kept = h * 2  # not returned: let go as this call returns, returned by the next call of _Returns
+        return h + 1
+
+
+class _Returns(nn.Module):
+    def forward(self, keeper):
+        return keeper.kept
+
+
+class _AsideThenWide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.wide, self.b = _KeepsAside(), nn.Linear(4, 1000), _Returns()
+
+    def forward(self, x):
+        return self.a(x), self.wide(x), self.b(self.a)
+
+
+def test_an_op_let_go_and_returned_after_the_budget_stopped_saving_is_unsaved_for_the_budget():
+    # "wide" reaches the budget; "b" then returns what "a" kept aside and let go.  It is unsaved because saving
+    # had stopped, not because "a" let it go: dropped_reason must not send the user to add its label to save=.
+    model, x = _AsideThenWide(), torch.randn(2, 4)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        log = tl.trace(model, x, save=["a", "wide", "b"], max_saved_bytes=1000)
+    assert log.labels[log.budget_exhausted_at] == "linear_2_4:1"  # wide's output
+    assert [log.labels[i] for i in sorted(log.saved_activations)] == ["add_1_3:1", "output_1:1"]
+    kept_aside = log["mul_1_2:1"]
+    assert not kept_aside.has_activation and kept_aside.dropped_reason is None
+    unlimited = tl.trace(model, x, save=["a", "wide", "b"])  # with room, it is saved again as b returns
+    assert torch.equal(unlimited["mul_1_2:1"].activation, model.a.kept)
