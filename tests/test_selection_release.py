@@ -111,3 +111,40 @@ def test_an_op_let_go_and_returned_after_the_budget_stopped_saving_is_unsaved_fo
     assert not kept_aside.has_activation and kept_aside.dropped_reason is None
     unlimited = tl.trace(model, x, save=["a", "wide", "b"])  # with room, it is saved again as b returns
     assert torch.equal(unlimited["mul_1_2:1"].activation, model.a.kept)
+
+
+class _Fills(nn.Module):
+    """Writes its result into the list it is given and returns nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.inner = []
+
+    def forward(self, x, into: list):
+        h = self.fc(x)
+        self.inner.append(weakref.ref(h))
+        into.append(torch.relu(h) + 1)
+
+
+class _FillsThenReads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fill, self.after = _Fills(), nn.Linear(16, 16)
+        self.alive_after_fill = None
+
+    def forward(self, x):
+        into: list = []
+        self.fill(x, into)
+        self.alive_after_fill = [r() is not None for r in self.fill.inner]
+        return self.after(into[0])
+
+
+def test_a_selected_call_that_returns_nothing_lets_go_of_its_inner_ops_as_it_returns():
+    # A call returning None was passed over by the hook, so its inner ops were held until the forward ended.
+    model, x = _FillsThenReads(), torch.randn(4, 16)
+    with torch.no_grad():
+        log = tl.trace(model, x, save=["fill", "after"])
+    assert model.alive_after_fill == [False]
+    assert [log.labels[i] for i in sorted(log.saved_activations)] == ["linear_2_4:1", "output_1:1"]

@@ -248,7 +248,8 @@ class SelectedModuleOutputs(HookHandles):
 
         def post_hook(module, args, output):
             # Aside while Dynamo compiles a torch.cond body calling the module: that call is unseen, in one op.
-            if output is None or _compiler._is_compiling_flag or threading.get_ident() != owner:
+            # (A call returning None returns no tensor, and still lets go of its inner ops.)
+            if _compiler._is_compiling_flag or threading.get_ident() != owner:
                 return None
             saving, watching = id(module) in saved_ids, id(module) in watched_ids
             # Past max_saved_bytes nothing more is saved, though the calls' letting go has made room since.
