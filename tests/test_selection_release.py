@@ -148,3 +148,38 @@ def test_a_selected_call_that_returns_nothing_lets_go_of_its_inner_ops_as_it_ret
         log = tl.trace(model, x, save=["fill", "after"])
     assert model.alive_after_fill == [False]
     assert [log.labels[i] for i in sorted(log.saved_activations)] == ["linear_2_4:1", "output_1:1"]
+
+
+class _ScaledInput(nn.Module):
+    """A selected call whose input a forward pre-hook of the model's own makes (as torch.nn.utils.weight_norm
+    makes a weight): the hook's ops run inside the call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.head = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.made = []
+        self.fc.register_forward_pre_hook(self._scale)
+        self.alive_after_fc = None
+
+    def _scale(self, module, args):
+        scaled = args[0] * 2
+        self.made.append(weakref.ref(scaled))
+        return (scaled,)
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.alive_after_fc = [r() is not None for r in self.made]
+        return self.head(h)
+
+
+def test_the_ops_of_a_selected_modules_own_forward_pre_hooks_are_let_go_as_its_call_returns():
+    # The call's first record was noted after the model's own pre-hooks had run, so their ops, inside the call,
+    # were held until the forward ended.
+    model, x = _ScaledInput(), torch.randn(4, 16)
+    with torch.no_grad():
+        log = tl.trace(model, x, save=["fc"])
+        assert model.alive_after_fc == [False]
+        everything = tl.trace(model, x)
+    assert [log.labels[i] for i in sorted(log.saved_activations)] == ["linear_1_2:1"]
+    assert torch.equal(log["fc"].activation, everything["fc"].activation)

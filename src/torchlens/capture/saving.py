@@ -276,7 +276,9 @@ class SelectedModuleOutputs(HookHandles):
 
         for module in self.modules:
             if self.releases and id(module) in saved_ids:
-                self._handles.append(module.register_forward_pre_hook(pre_hook))
+                # First, so that the call's first record precedes the ops of the module's own pre-hooks (a
+                # weight_norm's weight), which run inside the call.
+                self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
             self._handles.append(module.register_forward_hook(post_hook))
 
     def _current_call(self, module):
