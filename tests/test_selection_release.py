@@ -183,3 +183,28 @@ def test_the_ops_of_a_selected_modules_own_forward_pre_hooks_are_let_go_as_its_c
         everything = tl.trace(model, x)
     assert [log.labels[i] for i in sorted(log.saved_activations)] == ["linear_1_2:1"]
     assert torch.equal(log["fc"].activation, everything["fc"].activation)
+
+
+class _ReturnsThenWritesUnseen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = _KeepsAside(), _Returns()
+
+    def forward(self, x):
+        self.a(x)
+        kept = self.b(self.a)  # what a kept aside and let go: saved again as b returns
+        with torch._C.DisableTorchFunction():
+            kept.add_(1)  # then written where capture cannot see
+        return kept
+
+
+def test_an_op_saved_again_and_then_written_unseen_is_named_for_the_write():
+    # The op b saved again stayed listed as let go by a, so the write's reason was replaced by one telling the
+    # user to add its label to save=, which would have kept nothing more.
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        log = tl.trace(_ReturnsThenWritesUnseen(), torch.randn(2, 4), save=["a", "b"])
+    kept_aside = log["mul_1_2:1"]
+    assert not kept_aside.has_activation
+    assert kept_aside.dropped_reason.startswith("mutated after capture saved it, by a write capture could not see")

@@ -254,7 +254,7 @@ class SelectedModuleOutputs(HookHandles):
             saving, watching = id(module) in saved_ids, id(module) in watched_ids
             # Past max_saved_bytes nothing more is saved, though the calls' letting go has made room since.
             saves = saving and st.budget_exhausted_at is None
-            returned = set()
+            returned, released = set(), self.policy.released
             with torch._C.DisableTorchFunction():  # reading tensors' properties must not re-enter capture
                 for _, t in tensor_leaves(output, attrs=True):
                     entry = st.producers.get(id(t))
@@ -263,10 +263,11 @@ class SelectedModuleOutputs(HookHandles):
                     returned.add(entry[1])
                     if entry[2] != version_of(t):  # written since (through a view): no longer that op's value
                         continue
-                    if saves and entry[1] not in st.saved:
-                        st.save(entry[1], t, t.requires_grad)
-                    elif saving and not saves:  # unsaved for the budget, whether or not a call let it go before
-                        self.policy.released.pop(entry[1], None)
+                    if saving:
+                        if saves and entry[1] not in st.saved:
+                            st.save(entry[1], t, t.requires_grad)
+                        # Saved again, or unsaved for the budget: no longer one a call let go (SavePolicy.apply).
+                        released.pop(entry[1], None)
                     if watching and entry[1] not in grads.handles and t.requires_grad:
                         grads.add_hook(entry[1], t)
             if saving and self.releases:
