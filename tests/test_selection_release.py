@@ -208,3 +208,27 @@ def test_an_op_saved_again_and_then_written_unseen_is_named_for_the_write():
     kept_aside = log["mul_1_2:1"]
     assert not kept_aside.has_activation
     assert kept_aside.dropped_reason.startswith("mutated after capture saved it, by a write capture could not see")
+
+
+class _KeepsThenReturns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.ident, self.head = _KeepsAside(), _Returns(), nn.Identity(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.a(x)
+        return self.head(self.ident(self.b(self.a)))
+
+
+def test_a_forward_stopped_after_a_selected_module_keeps_that_calls_output():
+    # The interventions' hooks ran before the selection's, so a stop_after= at a selected module stopped the
+    # forward before the call's outputs were kept: one an op outside the call made (nn.Identity's input, what an
+    # earlier selected call kept aside and let go) was left unsaved.
+    model, x = _KeepsThenReturns(), torch.randn(2, 4)
+    log = tl.trace(model, x, save=["a", "b"], stop_after="b")
+    kept_aside = log["mul_1_2:1"]
+    assert kept_aside.dropped_reason is None and torch.equal(kept_aside.activation, model.a.kept)
+    log = tl.trace(model, x, save=["ident"], stop_after="ident")
+    assert [log.labels[i] for i in sorted(log.saved_activations)] == ["mul_1_2:1"]
+    assert torch.equal(log["ident"].activation, model.a.kept)

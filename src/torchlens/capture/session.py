@@ -250,15 +250,18 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
     tracker = ModuleCallTracker(state, skip, _FRAMES,
                                 submodules.eager_modules if submodules is not None else (), index.module_types(),
                                 shown if shown is not QUIET else None)
-    parts = (shim, tracker, installed)
-    if runtime is not None and runtime.module_sites:
-        # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
-        parts = (shim, tracker, runtime.module_hooks(state, skip), installed)
+    parts = (shim, tracker)
     grads_policy = state.grads.policy if state.grads is not None else None
     if policy.mode == 2 and policy.selected_modules or \
             grads_policy is not None and grads_policy.mode == 2 and grads_policy.selected_modules:
-        # Module outputs an op outside them made (nn.Identity): kept, or watched, as the call returns.
-        parts = (*parts[:-1], SelectedModuleOutputs(state, policy, state.grads, skip), parts[-1])
+        # Module outputs an op outside them made (nn.Identity): kept, or watched, as the call returns.  Installed
+        # before the interventions' hooks, so that its hook runs first: a stop_after= at a selected module stops
+        # the forward in theirs, after the call's outputs are kept.
+        parts = (*parts, SelectedModuleOutputs(state, policy, state.grads, skip))
+    if runtime is not None and runtime.module_sites:
+        # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
+        parts = (*parts, runtime.module_hooks(state, skip))
+    parts = (*parts, installed)
     if state.grads is not None or packing is not None:
         # A custom autograd Function's outputs get their backward node late, and what it keeps is packed late.
         parts = (function_outputs(state, state.grads, packing), *parts)
