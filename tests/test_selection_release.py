@@ -232,3 +232,37 @@ def test_a_forward_stopped_after_a_selected_module_keeps_that_calls_output():
     log = tl.trace(model, x, save=["ident"], stop_after="ident")
     assert [log.labels[i] for i in sorted(log.saved_activations)] == ["mul_1_2:1"]
     assert torch.equal(log["ident"].activation, model.a.kept)
+
+
+class _WritesUnseenThenReturns(nn.Module):
+    def __init__(self, through_view: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.through_view = _KeepsAside(), _Returns(), through_view
+
+    def forward(self, x):
+        self.a(x)
+        if self.through_view:
+            self.a.kept[0].add_(5)  # a write capture sees: save= the label keeps the value the op made
+        else:
+            with torch._C.DisableTorchFunction():
+                self.a.kept.add_(5)  # a write capture cannot see: the value the op made is gone
+        return self.b(self.a)
+
+
+def test_an_op_let_go_and_written_unseen_before_a_later_call_returns_it_is_named_for_the_write():
+    # Its dropped_reason told the user to add its label to save=, which keeps nothing: the unseen write is what
+    # lost the value, as a save="all" trace says.
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log = tl.trace(_WritesUnseenThenReturns(False), x, save=["a", "b"])
+    reason = log["mul_1_2:1"].dropped_reason
+    assert reason.startswith("mutated after capture saved it, by a write capture could not see"), reason
+    assert any("mul_1_2:1" in str(w.message) and "did not route through capture" in str(w.message) for w in caught)
+    everything = tl.trace(_WritesUnseenThenReturns(False), x)
+    assert everything["mul_1_2:1"].dropped_reason == reason
+    # A write capture saw: the label is the way to keep the value, and the reason says so.
+    log = tl.trace(_WritesUnseenThenReturns(True), x, save=["a", "b"])
+    assert "add its label, 'mul_1_2:1', to save=" in log["mul_1_2:1"].dropped_reason
+    assert tl.trace(_WritesUnseenThenReturns(True), x, save=["a", "b", "mul_1_2:1"])["mul_1_2:1"].has_activation

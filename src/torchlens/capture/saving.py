@@ -24,10 +24,11 @@ from ..record.lookup import alias_note, refuse_ambiguous
 from ..record.modules import is_unregistered
 from ..record.model_index import container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.params import bypassed_call_hint
-from ..record.dropped import RELEASED_INSIDE
+from ..record.dropped import RELEASED_INSIDE, WRITTEN_UNSEEN
 from ..record.layouts import version_of
 from ..tree import tensor_leaves
 from .bindings import is_bound
+from .state import storage_key
 from .teardown import HookHandles
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
@@ -47,6 +48,7 @@ class SavePolicy:
         self.shadowed_types: dict = {}  # module address entry -> the op type it also reads as (save=["relu"])
         self.containers: dict = {}  # module address entry -> why it never runs (a ModuleList has no forward)
         self.released: dict = {}  # record -> module call: let go as that call returned (SelectedModuleOutputs)
+        self.written_unseen: list = []  # of those, the ones a later selected call returned written unseen
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
@@ -262,6 +264,8 @@ class SelectedModuleOutputs(HookHandles):
                         continue
                     returned.add(entry[1])
                     if entry[2] != version_of(t):  # written since (through a view): no longer that op's value
+                        if saving and entry[1] in released and _written_unseen(st, t):
+                            self._lost_to_unseen_write(entry[1])
                         continue
                     if saving:
                         if saves and entry[1] not in st.saved:
@@ -281,6 +285,13 @@ class SelectedModuleOutputs(HookHandles):
                 # weight_norm's weight), which run inside the call.
                 self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
             self._handles.append(module.register_forward_hook(post_hook))
+
+    def _lost_to_unseen_write(self, record: int) -> None:
+        """A let-go op a selected call returns, whose value a write capture could not see changed meanwhile: that
+        write, not the letting go, is why it is not saved (as a held one is dropped at the end, and named)."""
+        self.policy.released.pop(record)
+        self.state.clobbered[record] = WRITTEN_UNSEEN
+        self.policy.written_unseen.append(record)
 
     def _current_call(self, module):
         """The index of ``module``'s call running now, or None where the tracker records no call of it."""
@@ -311,6 +322,13 @@ class SelectedModuleOutputs(HookHandles):
                 return True
             parent = calls[parent][MODULE_CALL_PARENT]
         return False
+
+
+def _written_unseen(st, t) -> bool:
+    """Whether ``t``'s memory was last written by a call capture did not see: its version is not the one the
+    last write capture noted there left (``CaptureState.writers``)."""
+    writes = st.writers.get(storage_key(t))
+    return not writes or writes[-1][1] != version_of(t)
 
 
 class LayerSelection(list):

@@ -145,8 +145,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         warn_user(COMPILED_ROOT_CAVEAT)
         result.caveats = result.caveats + (COMPILED_ROOT_CAVEAT,)
     timings["total"] = (perf_counter_ns() - started) / 1e9
+    mutated = [*mutated, *policy.written_unseen]  # (those a selection let go were not saved by then)
     if mutated:
-        warn_mutated([result.labels[i] for i in mutated])
+        warn_mutated([result.labels[i] for i in sorted(mutated)])
     if state.budget_exhausted_at is not None:
         warn_user(f"max_saved_bytes reached: activations from {result.labels[state.budget_exhausted_at]} "
                   "on were not saved")

@@ -33,7 +33,8 @@ WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not 
                   "counts as a write of the tensor it marks)")
 # Why a module selection's output has no activation: the op ran inside another selected module's call, which
 # did not return it, and was let go as that call returned; a later call returned it all the same (a tensor the
-# first call kept in an attribute or put in a list it was given).
+# first call kept in an attribute or put in a list it was given), but written in place since (through a view), so no
+# longer the op's value.  (Written where capture could not see, it is dropped as WRITTEN_UNSEEN instead.)
 RELEASED_INSIDE = ("made inside the call {}, which save= selected and which did not return it, so let go as that "
                    "call returned; a later selected call returned it (kept in an attribute or a list): add its label, "
                    "{!r}, to save= to keep it")
