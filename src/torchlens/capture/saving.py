@@ -203,11 +203,10 @@ class SavePolicy:
         for i in trace.saved_activations:
             if trace.kinds[i] == Kind.OUTPUT and (trace.output_producer(i) in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
-        # Let go of as a selected call returned, and wanted all the same (a call that returned one saved it again).
-        calls, labels = trace.module_calls, trace.labels
-        lost = {i: RELEASED_INSIDE.format(calls[m].label, labels[i]) for i, m in self.released.items()
-                if i not in trace.saved_activations and self.keep(trace, trace.ops[i])}
-        trace.keep_activations(kept, lost)
+        # Ops a selected call let go that a selection still asks for (those saved again are no longer listed).
+        let_go = {i: RELEASED_INSIDE.format(trace.module_calls[call].label, trace.labels[i])
+                  for i, call in self.released.items() if i not in kept and self.keep(trace, trace.ops[i])}
+        trace.keep_activations(kept, let_go)
 
 
 class SelectedModuleOutputs(HookHandles):
