@@ -88,29 +88,29 @@ class _Returns(nn.Module):
         return keeper.kept
 
 
-class _AsideThenWide(nn.Module):
+class _WideThenAside(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.wide, self.b = _KeepsAside(), nn.Linear(4, 1000), _Returns()
+        self.wide, self.a, self.b = nn.Linear(4, 1000), _KeepsAside(), _Returns()
 
     def forward(self, x):
-        return self.a(x), self.wide(x), self.b(self.a)
+        return self.wide(x), self.a(x), self.b(self.a)
 
 
-def test_an_op_let_go_and_returned_after_the_budget_stopped_saving_is_unsaved_for_the_budget():
-    # "wide" reaches the budget; "b" then returns what "a" kept aside and let go.  It is unsaved because saving
-    # had stopped, not because "a" let it go: dropped_reason must not send the user to add its label to save=.
-    model, x = _AsideThenWide(), torch.randn(2, 4)
+def test_no_op_from_the_one_the_budget_stopped_at_on_is_saved_as_a_later_selected_call_returns_it():
+    # "wide" reaches the budget; "a" then makes what it keeps aside, which "b" returns: after the stop, unsaved,
+    # and for the budget, not because "a" let it go (no dropped_reason sending the user to add its label to save=).
+    model, x = _WideThenAside(), torch.randn(2, 4)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        log = tl.trace(model, x, save=["a", "wide", "b"], max_saved_bytes=1000)
-    assert log.labels[log.budget_exhausted_at] == "linear_2_4:1"  # wide's output
-    assert [log.labels[i] for i in sorted(log.saved_activations)] == ["add_1_3:1", "output_1:1"]
-    kept_aside = log["mul_1_2:1"]
+        log = tl.trace(model, x, save=["wide", "a", "b"], max_saved_bytes=1000)
+    assert log.labels[log.budget_exhausted_at] == "linear_1_1:1"  # wide's output
+    assert not log.saved_activations
+    kept_aside = log["mul_1_3:1"]
     assert not kept_aside.has_activation and kept_aside.dropped_reason is None
-    unlimited = tl.trace(model, x, save=["a", "wide", "b"])  # with room, it is saved again as b returns
-    assert torch.equal(unlimited["mul_1_2:1"].activation, model.a.kept)
+    unlimited = tl.trace(model, x, save=["wide", "a", "b"])  # with room, it is saved again as b returns
+    assert torch.equal(unlimited["mul_1_3:1"].activation, model.a.kept)
 
 
 class _Fills(nn.Module):
@@ -266,3 +266,17 @@ def test_an_op_let_go_and_written_unseen_before_a_later_call_returns_it_is_named
     log = tl.trace(_WritesUnseenThenReturns(True), x, save=["a", "b"])
     assert "add its label, 'mul_1_2:1', to save=" in log["mul_1_2:1"].dropped_reason
     assert tl.trace(_WritesUnseenThenReturns(True), x, save=["a", "b", "mul_1_2:1"])["mul_1_2:1"].has_activation
+
+
+def test_an_op_let_go_before_the_budget_stopped_saving_is_saved_again_as_a_later_call_returns_it():
+    # Saving stopped at a's output, after a had made what it kept aside: the warning says the ops before that one
+    # were saved, so b's hook saves what a let go when b returns it, room allowing (save="all"'s budget would hold
+    # it from the start).
+    model, x = _KeepsThenReturns(), torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log = tl.trace(model, x, save=["a", "b"], max_saved_bytes=3 * 32)  # the input, a's linear and its mul
+    assert [str(w.message) for w in caught] == ["max_saved_bytes reached: activations from add_1_3:1 on were not "
+                                                "saved"]
+    assert [log.labels[i] for i in sorted(log.saved_activations)] == ["mul_1_2:1"]
+    assert torch.equal(log["mul_1_2:1"].activation, model.a.kept)

@@ -253,8 +253,6 @@ class SelectedModuleOutputs(HookHandles):
             if _compiler._is_compiling_flag or threading.get_ident() != owner:
                 return None
             saving, watching = id(module) in saved_ids, id(module) in watched_ids
-            # Past max_saved_bytes nothing more is saved, though the calls' letting go has made room since.
-            saves = saving and st.budget_exhausted_at is None
             returned, released = set(), self.policy.released
             with torch._C.DisableTorchFunction():  # reading tensors' properties must not re-enter capture
                 for _, t in tensor_leaves(output, attrs=True):
@@ -267,7 +265,10 @@ class SelectedModuleOutputs(HookHandles):
                             self._lost_to_unseen_write(entry[1])
                         continue
                     if saving:
-                        if saves and entry[1] not in st.saved:
+                        # Past max_saved_bytes no op from the one it stopped at on is saved, though the calls' letting
+                        # go made room since: only one made before it (let go, or made outside), as its warning says.
+                        stop = st.budget_exhausted_at
+                        if (stop is None or entry[1] < stop) and entry[1] not in st.saved:
                             st.save(entry[1], t, t.requires_grad)
                         # Saved again, or unsaved for the budget: no longer one a call let go (SavePolicy.apply).
                         released.pop(entry[1], None)
