@@ -4,7 +4,9 @@ A selection of module addresses (``tl.extract``'s ``layers=``) keeps each module
 that is becomes known only as the call returns, so the ops inside a selected call are held until then.
 The peak is measured as the smallest ``max_saved_bytes`` under which the trace saves every selected output
 (found by bisection: a budget the peak exceeds stops saving with a warning), and reported beside the
-bytes of the selected outputs alone and of ``save="all"``.  With ``--baseline DIR`` (another revision's
+bytes of the selected outputs alone and of ``save="all"``.  The memory really held is measured too: the
+bytes of every live tensor's storage as the model's last module starts (``gc``, each storage once), with
+the selection, with ``save="all"`` and with ``save="none"``.  With ``--baseline DIR`` (another revision's
 ``src/torchlens``) the same is measured there in a worker process, beside this revision.  Deterministic: the
 figures do not move with the host's load.  Needs ``transformers`` (models from small configs, random
 weights, no download).
@@ -26,6 +28,32 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 
+def _live_bytes() -> int:
+    """The bytes of the storages of every tensor alive now, each storage once."""
+    import gc
+
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def live_at_last_module(tl, model, ids, save, last) -> int:
+    """The live tensor bytes as module ``last`` starts, inside ``tl.trace(model, ids, save=save)``."""
+    seen = []
+    handle = model.get_submodule(last).register_forward_pre_hook(lambda module, args: seen.append(_live_bytes()))
+    try:
+        with torch.no_grad():
+            tl.trace(model, ids, save=save)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
 def _models():
     from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
 
@@ -34,8 +62,8 @@ def _models():
     gpt2 = GPT2Model(GPT2Config(n_embd=64, n_layer=6, n_head=4, vocab_size=99, n_positions=64)).eval()
     bert = BertModel(BertConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, intermediate_size=128,
                                 vocab_size=99, max_position_embeddings=64)).eval()
-    return {"GPT-2, 6 blocks, d=64, 2x64 tokens": (gpt2, ids, [f"h.{i}" for i in range(6)]),
-            "BERT, 6 layers, d=64, 2x64 tokens": (bert, ids, [f"encoder.layer.{i}" for i in range(6)])}
+    return {"GPT-2, 6 blocks, d=64, 2x64 tokens": (gpt2, ids, [f"h.{i}" for i in range(6)], "ln_f"),
+            "BERT, 6 layers, d=64, 2x64 tokens": (bert, ids, [f"encoder.layer.{i}" for i in range(6)], "pooler")}
 
 
 def _saves_everything(tl, model, ids, selection, budget: int) -> bool:
@@ -45,7 +73,7 @@ def _saves_everything(tl, model, ids, selection, budget: int) -> bool:
     return not any("max_saved_bytes" in str(w.message) for w in caught)
 
 
-def peak_held(tl, model, ids, selection) -> dict:
+def peak_held(tl, model, ids, selection, last) -> dict:
     """Bytes of the selected outputs, of save="all", and the smallest budget that saves the selection."""
     with torch.no_grad():
         outputs = tl.trace(model, ids, save=selection).saved_bytes
@@ -54,11 +82,16 @@ def peak_held(tl, model, ids, selection) -> dict:
         # budget counted a tensor saved for two ops twice, so its peak could pass what save="all" holds).
         low, high = outputs - 1, 2 * everything
         if not _saves_everything(tl, model, ids, selection, high):
-            return {"outputs": outputs, "all": everything, "peak": float("nan")}
+            return {"outputs": outputs, "all": everything, "peak": float("nan"), **live(tl, model, ids, selection, last)}
         while high - low > max(64, outputs // 1000):
             middle = (low + high) // 2
             low, high = (low, middle) if _saves_everything(tl, model, ids, selection, middle) else (middle, high)
-    return {"outputs": outputs, "all": everything, "peak": high}
+    return {"outputs": outputs, "all": everything, "peak": high, **live(tl, model, ids, selection, last)}
+
+
+def live(tl, model, ids, selection, last) -> dict:
+    return {f"live {name}": live_at_last_module(tl, model, ids, save, last)
+            for name, save in (("selection", selection), ("all", "all"), ("none", "none"))}
 
 
 def measure() -> dict:
@@ -84,16 +117,19 @@ def main() -> None:
     this = _in_worker(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "torchlens"))
     base = _in_worker(options.baseline) if options.baseline else None
     print("| model | selected outputs KiB | save=\"all\" KiB | peak held KiB (x outputs)" +
-          (" | baseline peak KiB (x outputs) |" if base else " |"))
-    print("|---|---|---|---|" + ("---|" if base else ""))
+          (" | baseline peak KiB (x outputs)" if base else "") +
+          " | live MiB at the last module: selection / all / none" + (" | baseline: selection |" if base else " |"))
+    print("|---|---|---|---|---|" + ("---|---|" if base else ""))
     for name, row in this.items():
         cells = [name, f"{row['outputs'] / 1024:.0f}", f"{row['all'] / 1024:.0f}",
                  f"{row['peak'] / 1024:.0f} ({row['peak'] / row['outputs']:.1f}x)"]
         if base:
             old = base[name]
             cells.append(f"{old['peak'] / 1024:.0f} ({old['peak'] / old['outputs']:.1f}x)")
+        cells.append(" / ".join(f"{row['live ' + k] / 2**20:.1f}" for k in ("selection", "all", "none")))
+        if base:
+            cells.append(f"{base[name]['live selection'] / 2**20:.1f}")
         print("| " + " | ".join(cells) + " |")
-
 
 if __name__ == "__main__":
     main()
