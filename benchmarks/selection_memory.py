@@ -82,7 +82,8 @@ def peak_held(tl, model, ids, selection, last) -> dict:
         # budget counted a tensor saved for two ops twice, so its peak could pass what save="all" holds).
         low, high = outputs - 1, 2 * everything
         if not _saves_everything(tl, model, ids, selection, high):
-            return {"outputs": outputs, "all": everything, "peak": float("nan"), **live(tl, model, ids, selection, last)}
+            high = float("nan")
+            return {"outputs": outputs, "all": everything, "peak": high, **live(tl, model, ids, selection, last)}
         while high - low > max(64, outputs // 1000):
             middle = (low + high) // 2
             low, high = (low, middle) if _saves_everything(tl, model, ids, selection, middle) else (middle, high)
