@@ -499,34 +499,23 @@ def test_an_empty_entry_is_refused_before_the_forward_and_a_capitalised_all_is_a
             tl.trace(model, x, save=spelt)
 
 
-def test_a_parameter_asked_for_by_address_is_answered_with_where_its_record_is():
+@pytest.mark.parametrize("kind, records, address", [("parameter", "params", "0.weight"),
+                                                     ("buffer", "buffers", "1.running_mean")])
+def test_a_parameter_or_buffer_asked_for_by_address_is_answered_with_where_its_record_is(kind, records, address):
     # log.params is a list: log.params["0.weight"] was told to use log["0.weight"], which finds ops, layers and
-    # modules only and raised a KeyError with no hint.  Both now say how to find the parameter's record.
-    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    # modules only and raised a KeyError with no hint (and so for a buffer).  Both now say how to find the record.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2)).eval()
     log = tl.trace(model, torch.randn(2, 3), grads=True)
     log.backward(log.output.sum())
-    recipe = "next(p for p in log.params if p.address == '0.weight')"
+    recipe = f"next({records[0]} for {records[0]} in log.{records} if {records[0]}.address == {address!r})"
     with pytest.raises(TypeError, match="indexed by position") as raised:
-        log.params["0.weight"]
-    assert recipe in str(raised.value) and "log['0.weight']" not in str(raised.value)
-    with pytest.raises(KeyError, match="0.weight is a parameter") as raised:
-        log["0.weight"]
+        getattr(log, records)[address]
+    assert recipe in str(raised.value) and f"log[{address!r}]" not in str(raised.value)
+    with pytest.raises(KeyError, match=f"{address} is a {kind}") as raised:
+        log[address]
     assert recipe in str(raised.value)
-    assert eval(recipe, {"log": log}).grad is model[0].weight.grad
-    with pytest.raises(TypeError, match=r"log\['relu'\] finds an op"):
-        log.ops["relu"]
-
-
-def test_a_buffer_asked_for_by_address_is_answered_with_where_its_record_is():
-    # log.buffers["1.running_mean"] was told to use log["1.running_mean"], a KeyError with no hint, as a
-    # parameter's address was.
-    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).eval()
-    log = tl.trace(model, torch.randn(2, 3))
-    recipe = "next(b for b in log.buffers if b.address == '1.running_mean')"
-    with pytest.raises(TypeError, match="indexed by position") as raised:
-        log.buffers["1.running_mean"]
-    assert recipe in str(raised.value) and "log['1.running_mean']" not in str(raised.value)
-    with pytest.raises(KeyError, match="1.running_mean is a buffer") as raised:
-        log["1.running_mean"]
-    assert recipe in str(raised.value)
-    assert eval(recipe, {"log": log}).address == "1.running_mean"
+    assert eval(recipe, {"log": log}).address == address
+    if kind == "parameter":
+        assert eval(recipe, {"log": log}).grad is model[0].weight.grad
+        with pytest.raises(TypeError, match=r"log\['relu'\] finds an op"):
+            log.ops["relu"]

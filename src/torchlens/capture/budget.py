@@ -42,21 +42,23 @@ class SaveBudget:
 
     def release(self, t) -> None:
         """One record lets go of ``t``: its bytes leave the count with the last record holding it."""
-        entry = self._entry(t)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if not entry[1]:
-            del self._held[id(t)]
+        if self._uncount(t):
             self.used -= held_bytes(t)
 
     def replaced(self, old, new) -> None:
         """One record's saved ``old`` became ``new``, a copy of the same size (copy-on-write before a write):
         the count moves to the copy, so that ``old`` saved again later (the write's own record) counts anew."""
-        entry = self._entry(old)
+        if self._entry(old) is not None:
+            self._uncount(old)
+            self._held[id(new)] = [weakref(new), 1]
+
+    def _uncount(self, t) -> bool:
+        """One record fewer holds ``t``; whether that was the last (``t`` is no longer counted)."""
+        entry = self._entry(t)
         if entry is None:
-            return
+            return False
         entry[1] -= 1
-        if not entry[1]:
-            del self._held[id(old)]
-        self._held[id(new)] = [weakref(new), 1]
+        if entry[1]:
+            return False
+        del self._held[id(t)]
+        return True
