@@ -499,6 +499,17 @@ def test_an_empty_entry_is_refused_before_the_forward_and_a_capitalised_all_is_a
             tl.trace(model, x, save=spelt)
 
 
+def test_extract_layers_spelling_all_is_told_layers_takes_no_all(tmp_path):
+    # tl.extract's layers= (which has no 'all') spelt 'all' was told to "give save='all' or save='none' itself":
+    # tl.extract has no save=, and layers='all' is refused too.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    for i, spelt in enumerate(("all", ["ALL"], ["0", "none"])):
+        with pytest.raises(tl.UnmatchedSelection, match="layers= matched nothing") as caught:
+            tl.extract(model, [torch.randn(3, 4)], spelt, tmp_path / str(i), progress=False)
+        assert "save=" not in str(caught.value)
+        assert "layers= takes no 'all' or 'none': list the op labels or module addresses" in str(caught.value)
+
+
 @pytest.mark.parametrize("kind, records, address", [("parameter", "params", "0.weight"),
                                                      ("buffer", "buffers", "1.running_mean")])
 def test_a_parameter_or_buffer_asked_for_by_address_is_answered_with_where_its_record_is(kind, records, address):

@@ -153,9 +153,11 @@ class SavePolicy:
                                    or mc.label in self.call_labels for i in mc._output_nodes}
         return self._outputs_cache
 
-    def check_matched(self, trace, option: str = "save", stopped_after=None) -> None:
+    def check_matched(self, trace, option: str | None = None, stopped_after=None) -> None:
         """Refuse a selection entry that picked nothing: a typo must not silently save less.  A forward
-        stopped early (``stopped_after``, the stop site) is named: what comes after the stop never ran."""
+        stopped early (``stopped_after``, the stop site) is named: what comes after the stop never ran.
+        ``option``: the option named (None: the one this selection was given as, ``save`` or ``layers``)."""
+        option = option or self.option
         if not (self.labels or self.types or self.addresses or self.call_labels):
             return  # "all", "none" or a predicate: nothing to match
         for entry in sorted(self.addresses | self.call_labels):
@@ -410,9 +412,13 @@ def _refuse_made_in_forward(entry: str, calls: set, option: str) -> None:
 
 
 def _whole_option_hint(entry: str, option: str) -> str:
-    """For an entry spelling ``all`` or ``none`` (``"ALL"``, or ``["all"]``, a list of one): how those are given."""
+    """For an entry spelling ``all`` or ``none`` (``"ALL"``, or ``["all"]``, a list of one): how those are given.
+    ``tl.extract``'s ``layers=`` takes neither: it names the layers whose values are stored."""
     if entry.lower() not in ("all", "none"):
         return ""
+    if option == "layers":
+        return "; layers= takes no 'all' or 'none': list the op labels or module addresses to extract (tl.trace the " \
+            "model once and read log.layers and log.modules for them)"
     return f"; for every op or for none, give {option}='all' or {option}='none' itself (lower case, in no list)"
 
 
