@@ -218,3 +218,33 @@ def test_a_copy_made_before_an_in_place_write_counts_beside_the_written_tensor()
         assert messages == ["max_saved_bytes reached: activations from add_1_2:1 on were not saved"]
         _, messages = trace_with_budget(forward, x, everything.saved_bytes)
         assert messages == []
+
+
+class _DropoutThenWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.drop = nn.Linear(64, 64), nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.drop(self.fc(x))  # in eval mode the dropout's op saves the linear's tensor itself
+        h.relu_()  # a write into the tensor both ops saved: each must keep its value from before it
+        return h * 2
+
+
+def test_ops_that_saved_one_tensor_share_one_copy_before_a_write_and_the_budget_counts_it():
+    # The linear's and the dropout's records saved one tensor, counted once; the write made a copy for each, and
+    # the budget moved its one count to the copies: it counted one tensor where two were held, so a budget one byte
+    # under the trace's own log.saved_bytes saved everything, past its limit, with no warning.
+    model, x = _DropoutThenWrite().eval(), torch.randn(16, 64)
+    tensor = x.numel() * 4
+    with torch.no_grad():
+        everything = tl.trace(model, x)
+        linear, dropout = everything["linear_1_1:1"].activation, everything["dropout_1_2:1"].activation
+        assert linear is dropout and torch.equal(linear, model.fc(x))  # one copy, of the value before the write
+        assert everything.saved_bytes == 4 * tensor  # the input, the one copy, the written tensor, the product
+        log, messages = trace_with_budget(model, x, everything.saved_bytes - 1)
+        assert messages == ["max_saved_bytes reached: activations from mul_1_4:1 on were not saved"]
+        assert log.saved_bytes <= everything.saved_bytes - 1
+        _, messages = trace_with_budget(model, x, everything.saved_bytes)
+        assert messages == []

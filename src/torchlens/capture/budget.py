@@ -46,11 +46,19 @@ class SaveBudget:
             self.used -= held_bytes(t)
 
     def replaced(self, old, new) -> None:
-        """One record's saved ``old`` became ``new``, a copy of the same size (copy-on-write before a write):
-        the count moves to the copy, so that ``old`` saved again later (the write's own record) counts anew."""
-        if self._entry(old) is not None:
-            self._uncount(old)
-            self._held[id(new)] = [weakref(new), 1]
+        """One record's saved ``old`` became ``new``, a copy (copy-on-write before a write): the record counts for
+        the copy, once however many records share it, and ``old`` saved again later (the write's own record)
+        counts anew.  A copy is made to keep the trace faithful, so it is counted even past the limit: what is
+        saved after it is refused then."""
+        if self._entry(old) is None:
+            return
+        self.release(old)
+        shared = self._entry(new)
+        if shared is not None:
+            shared[1] += 1
+            return
+        self._held[id(new)] = [weakref(new), 1]
+        self.used += held_bytes(new)
 
     def _uncount(self, t) -> bool:
         """One record fewer holds ``t``; whether that was the last (``t`` is no longer counted)."""

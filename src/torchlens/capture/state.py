@@ -495,9 +495,10 @@ class CaptureState:
             self.keep_param(key, len(self.calls) - 0.5 if between_calls else len(self.calls), True)
         stale = self.saved_by_storage.pop(key, None)
         if stale:
+            copies: dict = {}
             for i in stale:
                 if i in self.saved:
-                    self._copy_saved(i)  # as the later readers saw it
+                    self._copy_saved(i, copies)  # as the later readers saw it
 
     def guard_running_stats(self, norms: list, batch) -> None:
         """Keep the running statistics that the norm calls ``norms`` read, saved by reference, true to the
@@ -519,14 +520,17 @@ class CaptureState:
                 self.batch_counted = (watched, batch.counters, tuple(map(_VERSION, batch.counters)))
             except RuntimeError:  # a counter that is an inference tensor has no version counter
                 unwatched += held
+        copies: dict = {}
         for record in unwatched:
             if versions.get(record) is not None:  # (a statistic read twice is copied once)
-                self._copy_saved(record)
+                self._copy_saved(record, copies)
 
-    def _copy_saved(self, index: int) -> None:
-        """Save a private copy in place of ``index``'s saved tensor, which a write is about to change."""
+    def _copy_saved(self, index: int, copies: dict) -> None:
+        """Save a private copy in place of ``index``'s saved tensor, which a write is about to change.  ``copies``:
+        id of a tensor copied for this write -> its copy, so that the records that saved one tensor object (dropout
+        in eval mode returns its input itself) share one copy, as they shared the tensor."""
         t = self.saved[index]
-        copy = self.saved[index] = copy_with_layout(t)
+        copy = self.saved[index] = copies[id(t)] if id(t) in copies else copies.setdefault(id(t), copy_with_layout(t))
         self.saved_versions[index] = None
         if self.budget is not None:
             self.budget.replaced(t, copy)
