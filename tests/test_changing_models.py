@@ -117,3 +117,16 @@ def test_a_selection_naming_a_module_made_in_forward_says_how_to_select_it(optio
     else:
         log.backward(log.output.sum())
         assert log["linear_2_6:1"].grad is not None and log["linear_1_5:1"].grad is None
+
+
+def test_extract_layers_naming_a_module_made_in_forward_says_to_give_its_output_ops_label(tmp_path):
+    # layers= takes no predicate: the advice to select the module's ops with one (save=lambda op: ...) could not be
+    # followed in tl.extract.  The label of the call's output op, which the message names the way to, can.
+    model, x = _BuildsItsHead(), torch.randn(2, 8)
+    with pytest.raises(tl.UnmatchedSelection, match=r"layers= entry .* made itself.* give its output op's label "
+                                                    r"instead \(log\['<unregistered Linear #1>:1'\]") as caught:
+        tl.extract(model, [x], ["<unregistered Linear #1>"], tmp_path / "refused", progress=False)
+    assert "lambda" not in str(caught.value)
+    label = tl.trace(model, x)["<unregistered Linear #1>:1"].layer_label
+    folder = tl.extract(model, [x], [label], tmp_path / "feats", progress=False)
+    assert tl.load_extracted(folder)[label].shape == (2, 4)

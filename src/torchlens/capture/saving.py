@@ -405,10 +405,13 @@ def _refuse_made_in_forward(entry: str, calls: set, option: str) -> None:
     which the trace names but a selection cannot: it is resolved against the model before the forward runs,
     when that module does not exist yet.  A predicate over the calls the trace names selects its ops."""
     made = sorted(c for c in calls if c == entry or c.rpartition(":")[0] == entry) if is_unregistered(entry) else []
-    if made:
-        raise UnmatchedSelection(f"{option}= entry {entry!r} names a module the forward made itself, which does not "
-                                 f"exist yet when {option}= is read, before the forward runs, so it matched nothing; "
-                                 f"select its ops with a predicate: {option}=lambda op: {made[0]!r} in op.modules")
+    if not made:
+        return
+    # tl.extract's layers= takes no predicate: the call's output op, by its label, is what it can name.
+    instead = f"give its output op's label instead (log[{made[0]!r}] of a tl.trace is that op)" \
+        if option == "layers" else f"select its ops with a predicate: {option}=lambda op: {made[0]!r} in op.modules"
+    raise UnmatchedSelection(f"{option}= entry {entry!r} names a module the forward made itself, which does not exist "
+                             f"yet when {option}= is read, before the forward runs, so it matched nothing; {instead}")
 
 
 def _whole_option_hint(entry: str, option: str) -> str:
