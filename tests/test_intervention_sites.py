@@ -100,6 +100,45 @@ def test_a_module_passing_its_input_through_is_refused():
         tl.trace(model, torch.randn(2, 4), intervene={"1": tl.zero_ablate()})
 
 
+class _BiasPassingBlock(nn.Module):
+    """A block that returns the position bias it was given beside its hidden states, as a T5 block does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, h, bias):
+        return self.fc(h) + bias, bias
+
+
+class _BiasPassingStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_BiasPassingBlock() for _ in range(2))
+
+    def forward(self, h):
+        bias = h.mean(dim=0)
+        for block in self.blocks:
+            h, bias = block(h, bias)
+        return h
+
+
+def test_a_passed_through_output_refusal_names_it_and_where_the_labels_to_use_are():
+    model, x = _BiasPassingStack(), torch.randn(3, 4)
+    with pytest.raises(tl.InterventionError) as refused:
+        tl.trace(model, x, intervene={"blocks.0": tl.zero_ablate()})
+    message = str(refused.value)
+    assert "output.1 (of shape (4,))" in message and "'blocks.0:1' lists them in return order (output_ops)" in message
+    # The site the message points to is the block's hidden states, and the edit is the hand-made one.
+    call = next(c for c in tl.trace(model, x).module_calls if c.label == "blocks.0:1")
+    log = tl.trace(model, x, intervene={call.output_ops[0]: tl.zero_ablate()})
+    handle = model.blocks[0].register_forward_hook(lambda module, args, out: (torch.zeros_like(out[0]), out[1]))
+    try:
+        assert torch.equal(log.output, model(x))
+    finally:
+        handle.remove()
+
+
 def test_a_predicate_site_selects_ops_by_metadata():
     model, args, _ = CASES["mlp"]
     log = tl.trace(model, args, intervene={(lambda op: op.type == "relu"): tl.clamp(max=0.1)})

@@ -41,6 +41,10 @@ from .actions import layout_name, same_shape
 from .checkpointing import checkpoint_region
 from .sites import ModuleCallInfo, occurrence_key
 
+# What a refused module site's message ends with: where the op labels to intervene at instead are found.
+_OUTPUTS_HINT = ("Intervene at the op labels of the outputs to change instead: a plain trace's module_calls entry "
+                 "labelled {!r} lists them in return order (output_ops)")
+
 _POSITION = itemgetter(0)  # of a (position among the sites, site) pair
 
 
@@ -386,8 +390,8 @@ class Interventions:
         if leaves and not editable:
             raise InterventionError(
                 f"module site {sites[0].key!r}: {address}:{call_number} returns its tensors inside a "
-                f"{type(output).__name__} object's attributes, which a module site does not edit; intervene at "
-                "the op label of the tensor instead (the call's output_ops in a plain trace)")
+                f"{type(output).__name__} object's attributes, which a module site does not edit. "
+                + _OUTPUTS_HINT.format(f"{address}:{call_number}"))
         leaves = [(k, path, t) for k, (path, t) in enumerate(leaves) if path in editable]
         replaced: dict = {}  # id(returned tensor) -> the tensor downstream gets
         done: set = set()
@@ -431,9 +435,10 @@ class Interventions:
         calls = st.module_calls
         if module_call not in enclosing_calls(made_in, lambda k: calls[k][MODULE_CALL_PARENT]):
             raise InterventionError(
-                f"module site {site.key!r}: {label} returns a tensor it did not compute (one of its inputs, "
-                "passed through unchanged), so changing it would also change that value for its other readers; "
-                "intervene at the op label of the tensor instead")
+                f"module site {site.key!r}: {label} returns at {path_text('output', path)} (of shape "
+                f"{tuple(t.shape)}) a tensor it did not compute (an input passed through unchanged, as a T5 block "
+                "returns the position bias it was given), so changing it would change it for its other readers. "
+                + _OUTPUTS_HINT.format(label))
         producing_call = st.records[record][RECORD_CALL]
         for later in st.calls[producing_call + 1:]:
             if any(parent == record for _, parent in later[CALL_PARENTS]):
@@ -441,10 +446,9 @@ class Interventions:
                     f"module site {site.key!r}: {label} read the tensor it returns at {path_text('output', path)} (of "
                     f"shape {tuple(t.shape)}, made by {func_name_of(st.calls[producing_call][CALL_FUNC])}) inside the "
                     "call before returning it (an attention module returning the attention weights its own matmul "
-                    "read), so the trace could not say which value those reads saw. Intervene at the op labels "
-                    f"of the outputs to change instead: a plain trace's module_calls entry labelled {label!r} "
-                    "lists them in return order (output_ops); for an attention module, attention that returns no "
-                    "weights (transformers' attn_implementation='sdpa') makes its output a module site again")
+                    "read), so the trace could not say which value those reads saw. " + _OUTPUTS_HINT.format(label)
+                    + "; for an attention module, attention that returns no weights (transformers' "
+                    "attn_implementation='sdpa') makes its output a module site again")
         return record
 
     # ----- after the forward ---------------------------------------------------------------------
