@@ -134,6 +134,10 @@ def test_hot_path_by_grad_norm_and_saved_for_backward():
     by_module = {r["address"]: r["total"] for r in tl.debug.hot_path(log, by="grad_norm", group="module")}
     head = [op for op in log if op.module == "head:1"]
     assert by_module["head:1"] == pytest.approx(sum(norms[op.label] ** 2 for op in head) ** 0.5)
+    # percent is a share of the squared total (squares add up, norms do not), and the printed table says so.
+    grand = sum(value ** 2 for value in norms.values())
+    assert [r["percent"] for r in ranked.rows] == pytest.approx([100 * r["total"] ** 2 / grand for r in ranked.rows])
+    assert "percent is its share of the total's square" in str(ranked)
     saved = tl.debug.hot_path(log, by="saved_for_backward", group="module")
     assert {r["address"]: r["total"] for r in saved} == {
         mc.label: mc.saved_for_backward_bytes for mc in log.module_calls}

@@ -28,7 +28,8 @@ _METRIC_NOTES = {
     "flops": "flops = analytic forward FLOPs (a multiply-add counts 2); see torchlens.report.flops",
     "memory": "memory = bytes of each op's output tensor (activation size, saved or not)",
     "grad_norm": ("grad_norm = 2-norm of d loss / d (op output), accumulated over the backwards seen (grads=True); "
-                  "a group's value is the 2-norm over its ops (square root of the sum of squares)"),
+                  "a group's value is the 2-norm over its ops (square root of the sum of squares); percent is "
+                  "its share of the total's square, the sum of squares, which rows without common ops add up in"),
     "saved_for_backward": ("saved_for_backward = bytes of the distinct storages autograd packed for backward "
                            "while running each call (saved_for_backward=True); a storage several ops keep "
                            "counts for each of them"),
