@@ -139,6 +139,24 @@ def test_a_named_tuple_batch_passed_field_by_field_gets_a_note_saying_so(tmp_pat
     assert torch.equal(tl.load_extracted(out, as_torch=True)["output_1"], torch.stack([s.x * s.y for s in samples]))
 
 
+def test_a_dataloader_inputs_labels_batch_given_whole_gets_a_note_naming_args_of(tmp_path):
+    """A DataLoader over an (inputs, labels) dataset yields a list, which is one positional argument: the
+    forward fails inside torch (conv2d given a list) and the note says to pass the inputs alone."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2)).eval()
+    images = torch.randn(6, 3, 8, 8)
+    model(images[:1])  # materialise the lazy layer
+    loader = DataLoader(TensorDataset(images, torch.randint(0, 2, (6,))), batch_size=3)
+    with pytest.raises(TypeError, match="conv2d") as raised:
+        tl.extract(model, loader, ["2"], tmp_path / "out", progress=False)
+    assert any("a list of 2 items" in note and "args_of=lambda batch: batch[0]" in note
+               for note in raised.value.__notes__)
+    out = tl.extract(model, loader, ["2"], tmp_path / "fixed", args_of=lambda batch: batch[0], progress=False)
+    with torch.no_grad():
+        assert torch.equal(tl.load_extracted(out, as_torch=True)["2"], model(images))
+
+
 def test_validate_says_how_the_arguments_were_passed_when_its_untraced_run_fails_taking_them():
     """tl.validate reads its arguments by tl.trace's rule, and its untraced run fails first: it ended without
     the note a trace adds (a named tuple's fields passed one by one, a list passed whole)."""

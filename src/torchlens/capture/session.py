@@ -558,9 +558,15 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
 def note_how_arguments_were_passed(exc: BaseException, args) -> None:
     """A note on a forward that failed taking ``args`` by tl.trace's rule (a list is one argument, a named
     tuple's fields are several), saying how to pass them the other way; tl.validate's untraced run adds it too."""
-    if isinstance(exc, TypeError) and len(args) == 1 and type(args[0]) is list and "positional argument" in str(exc):
+    one_list = len(args) == 1 and type(args[0]) is list
+    if isinstance(exc, TypeError) and one_list and "positional argument" in str(exc):
         add_note(exc, "torchlens: the list was passed as one positional argument (only a tuple's items are "
                      "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
+    elif isinstance(exc, (TypeError, AttributeError)) and one_list and "list" in str(exc):
+        # a DataLoader collates an (inputs, labels) dataset into a list, which the forward got as its input
+        add_note(exc, f"torchlens: the forward got a list of {len(args[0])} items as its one positional argument "
+                     "(only a tuple's items are passed as several); a DataLoader collates an (inputs, labels) dataset "
+                     "into such a list: give tl.extract args_of=lambda batch: batch[0], or tl.trace the inputs alone")
     elif isinstance(exc, (TypeError, AttributeError)) and type(args) is not tuple and isinstance(args, tuple):
         # a named tuple (a batch) given as the arguments is a tuple: its fields were passed one by one
         add_note(exc, f"torchlens: the {type(args).__name__} was passed as the positional arguments, one per field "
