@@ -141,7 +141,26 @@ def test_unsaved_ancestors_that_could_be_the_origin_are_named():
     assert log_op in report.possible_origins
     first_linear = next(op.label for op in log.ops if op.func_name == "linear")
     assert first_linear not in report.possible_origins  # examined and finite: the walk stops there
-    assert "may be one of these unexamined ancestors" in str(report)
+    assert "may be among" in str(report) and "unexamined ancestor" in str(report)
+
+
+def test_a_long_list_of_possible_origins_is_shortened_in_the_printed_report():
+    """A save= selection of one late module leaves every op before it unexamined: the report named each of
+    them on one line (over a hundred labels for a 2-layer Llama); it shows a few and where the rest are."""
+    class SqrtBelowZero(nn.Module):
+        def forward(self, h):
+            return torch.sqrt(h - 2.0)  # tanh's outputs are below 1: NaN everywhere
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(12)], SqrtBelowZero())
+    x = torch.randn(2, 4)
+    log = tl.trace(model, x, save=["12"])
+    report = tl.debug.nonfinite_origin(log)
+    assert report.found and not report.certain and len(report.possible_origins) > 20
+    line = next(line for line in str(report).splitlines() if "may be among" in line)
+    assert f"{len(report.possible_origins)} unexamined ancestors" in line
+    assert f"(all {len(report.possible_origins)} in report.possible_origins)" in line
+    assert report.possible_origins[-1] not in line and "record_finite=True" in line
+    assert tl.debug.nonfinite_origin(tl.trace(model, x, save="none", record_finite=True)).certain
 
 
 def test_both_evidence_bases_agree_and_flags_survive_cleanup():

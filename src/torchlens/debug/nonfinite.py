@@ -126,18 +126,25 @@ class NonfiniteReport:
         else:
             lines = [f"  first non-finite op examined: {op.label} ({op.func_name}){where}{source} produced "
                      f"{self.kind.upper()}, but not all of its inputs were examined",
-                     f"  the origin may be one of these unexamined ancestors: {', '.join(self.possible_origins)}"]
+                     f"  the origin may be among {counted(len(self.possible_origins), 'unexamined ancestor')}: "
+                     f"{_some(self.possible_origins, 'possible_origins')}; trace with record_finite=True to "
+                     "examine every op"]
         if self.propagators:
             shown = ", ".join(self.propagators[:8]) + (" ..." if len(self.propagators) > 8 else "")
             lines.append(f"  propagated by {len(self.propagators)} op(s): {shown}")
         if self.other_origins:
-            lines.append(f"  further independent origins: {', '.join(self.other_origins)}")
+            lines.append(f"  further independent origins: {_some(self.other_origins, 'other_origins')}")
         if self.undetermined:
             lines.append(f"  also non-finite, fed by unexamined ops (origin or propagator, cannot tell): "
-                         f"{', '.join(self.undetermined)}")
+                         f"{_some(self.undetermined, 'undetermined')}")
         return lines
 
     __repr__ = __str__
+
+
+def _some(labels, attribute: str) -> str:
+    """The first labels of a long list for the printed report, and the attribute that holds them all."""
+    return listed(labels, 8, f" ... (all {len(labels)} in report.{attribute})")
 
 
 def nonfinite_origin(log, grads: bool = False):
