@@ -119,3 +119,15 @@ def test_a_single_op_chain_stays_separate_layers():
 
     log = tl.trace(add_three_times, torch.ones(3))
     assert [layer.num_passes for layer in log.layers if layer.first.kind == "op"] == [1, 1, 1]
+
+
+def test_inputs_buffers_and_outputs_are_shown_by_their_place_not_a_function_they_lack():
+    """An input, buffer or output record was made by no torch function: its repr and its layer's named it
+    ``none(...)``; they name the place it sat in, as ``print(log)`` does."""
+    model = nn.BatchNorm1d(3).eval()
+    log = tl.trace(model, torch.randn(2, 3))
+    assert repr(log["input_1:1"]) == "<Op input_1:1 input.input (2x3, float32)>"
+    assert repr(log["buffer_1:1"]) == "<Op buffer_1:1 running_mean (3, float32)>"
+    assert repr(log["output_1"]) == "<Layer output_1 (output, 1 pass)>"
+    assert repr(log["batchnorm_1_1:1"]) == "<Op batchnorm_1_1:1 batch_norm(2x3, float32)>"
+    assert "none" not in " ".join(repr(op) for op in log.ops)

@@ -314,7 +314,10 @@ class Op(View):
         shape = shape_text(self.shape)
         call = self.module_call
         where = f" in {call.label}" if call is not None else ""
-        return f"<Op {self.label} {self.func_name}({shape}, {str(self.dtype).replace('torch.', '')}){where}>"
+        dtype = str(self.dtype).replace('torch.', '')
+        if self.call is None:  # an input, buffer or output: no function made it here, its place names it
+            return f"<Op {self.label} {self.io_path or self.kind} ({shape}, {dtype}){where}>"
+        return f"<Op {self.label} {self.func_name}({shape}, {dtype}){where}>"
 
 
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
@@ -400,4 +403,6 @@ class Layer(OfATrace):
         return hash((id(self._trace), "layer", self.layer_label))
 
     def __repr__(self) -> str:
-        return f"<Layer {self.layer_label} ({self.first.func_name}, {counted(self.num_passes, 'pass', 'passes')})>"
+        first = self.first
+        made_by = first.func_name if first.call is not None else (first.io_path or first.kind)
+        return f"<Layer {self.layer_label} ({made_by}, {counted(self.num_passes, 'pass', 'passes')})>"
