@@ -480,3 +480,15 @@ def test_a_value_an_action_computes_keeps_the_memory_format_of_the_value_it_repl
     replaced = log["1"].activation
     assert clean.is_contiguous(memory_format=torch.channels_last)
     assert replaced.stride() == clean.stride() and replaced.dtype == clean.dtype == torch.bfloat16
+
+
+def test_the_one_line_form_of_an_intervened_trace_says_it_was_intervened_on():
+    """A clean and a patched trace of one model printed side by side (a list of them, a notebook cell) looked
+    alike: print(log) said an op was changed, repr(log) did not."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    x = torch.randn(3, 4)
+    clean = tl.trace(model, x)
+    ablated = tl.trace(model, x, intervene={"1": tl.zero_ablate()})
+    assert "intervention" not in repr(clean)
+    assert repr(ablated) == "<Trace of Sequential: 5 ops, 5 layers, 3 module calls, 1 op changed by interventions>"
+    assert torch.equal(ablated.output, model[2](torch.zeros(3, 4)))

@@ -141,6 +141,14 @@ def _without_values(trace) -> str:
     return f"; {count} of them meta or fake tensors: shapes and dtypes, no values" if count else ""
 
 
+def repr_text(trace) -> str:
+    """The one-line form of a trace; an intervened run says so, so that it is not read as the clean run."""
+    stopped = f", stopped after {trace.stopped_after}" if trace.stopped_after is not None else ""
+    edited = f", {counted(len(trace.interventions), 'op')} changed by interventions" if trace.interventions else ""
+    return (f"<Trace of {trace.model_name}: {counted(len(trace), 'op')}, {counted(len(trace.layers), 'layer')}, "
+            f"{counted(len(trace.module_calls), 'module call')}{stopped}{edited}>")
+
+
 def summary_text(trace) -> str:
     trace.drop_written()  # a saved tensor written since the trace is counted as dropped, not as saved
     ops = trace.ops

@@ -12,7 +12,7 @@ import gc
 from collections import Counter
 
 from ..checks import as_position
-from ..errors import TorchlensError, TraceCleanedUp, counted
+from ..errors import TorchlensError, TraceCleanedUp
 from ..tree import without_values
 from .columns import Call, Kind
 from . import grads as _grads
@@ -489,9 +489,9 @@ class Trace(TraceColumns):
         return summary_text(self)
 
     def __repr__(self) -> str:
-        stopped = f", stopped after {self.stopped_after}" if self.stopped_after is not None else ""
-        return (f"<Trace of {self.model_name}: {counted(len(self), 'op')}, {counted(len(self.layers), 'layer')}, "
-                f"{counted(len(self.module_calls), 'module call')}{stopped}>")
+        from .summary import repr_text
+
+        return repr_text(self)
 
     def _repr_html_(self) -> str:
         from ..viz import notebook_html
