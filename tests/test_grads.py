@@ -175,6 +175,23 @@ def test_no_grad_region_has_no_gradient_and_says_so():
     assert log.params[0].grad is None and log.params[2].grad is not None  # frozen.weight, head.weight
 
 
+def test_the_reason_an_op_has_no_gradient_is_its_own_not_a_list_of_maybes():
+    """A token input and the integer ops on it have no gradient because of their dtype, and a float input because
+    it was given without requires_grad: the message listed every possible cause (no_grad, vmap, ...) for each."""
+    embed, head = nn.Embedding(10, 4), nn.Linear(4, 2)
+    model = nn.Sequential(embed, head)
+    ids = torch.tensor([[1, 2, 3]])
+    log = tl.trace(model, ids, grads=True)
+    log.backward(log.output.sum())
+    with pytest.raises(GradientUnavailable, match=r"^input_1:1: its output is int64, a dtype autograd computes no"):
+        log["input_1"].grad
+    assert log["0"].grad is not None
+    floats = tl.trace(head, torch.randn(2, 4), grads=True)
+    floats.backward(floats.output.sum())
+    with pytest.raises(GradientUnavailable, match=r"an input that does not require grad.*requires_grad=True"):
+        floats["input_1"].grad
+
+
 def test_without_grads_the_trace_says_how_to_get_them():
     log = tl.trace(nn.Linear(3, 3), torch.randn(2, 3))
     with pytest.raises(GradientUnavailable, match="grads=True"):

@@ -114,9 +114,14 @@ def _why_no_grad(trace, index: int) -> str:
         return ("it ran inside a torch.func transform (vmap, ...) on the transform's wrapped tensors, which do not "
                 "require grad as autograd outside the transform sees them; the ops after the transform carry "
                 "the gradient")
+    dtype = trace._meta[index].dtype
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        return f"its output is {str(dtype).replace('torch.', '')}, a dtype autograd computes no gradient for"
+    if trace._kind[index] == Kind.INPUT:
+        return ("it is an input that does not require grad, so autograd computes no gradient for it: pass it "
+                "with requires_grad=True (x.requires_grad_()) to have its gradient")
     return ("its output does not require grad (made under torch.no_grad() or torch.inference_mode(), inside "
-            "torch.vmap, from tensors that do not require grad, or of an integer dtype), so autograd computes no "
-            "gradient for it")
+            "torch.vmap, or from tensors that do not require grad), so autograd computes no gradient for it")
 
 
 def has_grad(trace, index: int) -> bool:
