@@ -95,6 +95,20 @@ def test_gpt2_activation_and_attribution_patching_tables(gpt2):
     assert (estimate.kind == "op").sum() == sum(1 for op in tl.trace(model, clean, save="none").ops if op.kind == "op")
 
 
+def test_gpt2_attribution_of_a_call_returning_the_cache_its_attention_read_counts_each_change_once(gpt2):
+    """transformer:1 returns the hidden states and the key/value tensors its attention read: summing the estimate
+    of those too counted their effect twice (2.19 for a call whose exact patching restores 1.00)."""
+    model, clean, corrupt = gpt2
+    estimate = tl.report.attribution_patching(model, clean, corrupt, _logit_diff).set_index("site")
+    row = estimate.loc["transformer:1"]
+    # ln_f's output is transformer:1's hidden-state output: the same value, so the same estimate
+    assert row.estimate == pytest.approx(estimate.loc["transformer.ln_f:1"].estimate)
+    assert row.normalized == pytest.approx(1.0, abs=1e-3) and "leaves out the outputs the call itself read" in row.note
+    exact = tl.report.activation_patching(model, clean, corrupt, _logit_diff, sites=["transformer"], progress=False)
+    assert exact.normalized[0] == 1.0
+    assert estimate.loc["transformer.ln_f:1"].note == ""
+
+
 def test_gpt2_patching_tables_of_a_callable_with_root_match_the_models(gpt2):
     """``lambda ids: model(ids)`` with ``root=model``: its modules are the model's module sites, and the table is
     the model's own; without ``root=`` each module row says to pass it."""

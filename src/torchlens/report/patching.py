@@ -179,15 +179,27 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
                      "normalized": _normalized(e, clean_value, corrupt_value, baseline=0.0),
                      "note": notes.get(op.label, "")})
     for mc in clean_log.module_calls:
-        outs = list(dict.fromkeys(mc.output_ops))
+        outs, read_inside = _outputs_not_read_inside(clean_log, mc)
         e = sum(estimate.get(k, math.nan) for k in outs) if outs else math.nan
+        # once each: the outputs of one call often share a reason (rotary embeddings' cos and sin)
+        said = list(dict.fromkeys(notes[k] for k in outs if k in notes))
+        if read_inside:
+            said.append(f"leaves out the outputs the call itself read ({', '.join(read_inside)}): their effect "
+                        "reaches the metric through its other outputs, which would count it twice")
         rows.append({"site": mc.label, "kind": "module call", "estimate": e,
-                     "normalized": _normalized(e, clean_value, corrupt_value, baseline=0.0),
-                     # once each: the outputs of one call often share a reason (rotary embeddings' cos and sin)
-                     "note": "; ".join(dict.fromkeys(notes[k] for k in outs if k in notes))})
+                     "normalized": _normalized(e, clean_value, corrupt_value, baseline=0.0), "note": "; ".join(said)})
     frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
+
+
+def _outputs_not_read_inside(log, call) -> tuple:
+    """A module call's output ops split into those no op of the call read, and those it read before returning
+    them (a key/value cache its attention read, attention weights its own matmul read): a change to one of the
+    latter already reaches the metric through the others, so summing both estimates would count it twice."""
+    outs = list(dict.fromkeys(call.output_ops))
+    inside = [k for k in outs if any(call.label in log[child].modules for child in log[k].children)]
+    return [k for k in outs if k not in inside], inside
 
 
 def _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab):
