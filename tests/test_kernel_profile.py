@@ -366,7 +366,8 @@ def test_an_existing_chrome_trace_in_a_folder_that_takes_no_new_file_is_refused_
     (locked / "run.json").write_text("")
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(locked) and real_access(path, mode))
-    _refused_before_the_model_runs("which is not writable; .* with its id map beside it", chrome_trace=locked / "run.json")
+    _refused_before_the_model_runs("which is not writable; .* with its id map beside it",
+                                   chrome_trace=locked / "run.json")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of CUDA where it is not available")
