@@ -248,3 +248,18 @@ def test_ops_that_saved_one_tensor_share_one_copy_before_a_write_and_the_budget_
         assert log.saved_bytes <= everything.saved_bytes - 1
         _, messages = trace_with_budget(model, x, everything.saved_bytes)
         assert messages == []
+
+
+def test_a_saved_tensor_dropped_for_an_unpredicted_write_leaves_the_budget():
+    # A write capture could not predict drops what was saved in that memory mid-forward; the dropped tensor
+    # stayed counted, so later ops met a budget that memory no longer held.
+    from torchlens.capture.state import CaptureState
+
+    state = CaptureState(save_mode=1, max_saved_bytes=1000)
+    t = torch.zeros(100)  # 400 bytes
+    state.save(0, t, False)
+    assert state.budget.used == 400
+    state._drop(0, "overwritten in place by a write capture could not predict")
+    assert state.budget.used == 0 and 0 not in state.saved and 0 in state.clobbered
+    state.save(1, torch.zeros(200), False)  # 800 bytes: fits now
+    assert 1 in state.saved and state.budget_exhausted_at is None

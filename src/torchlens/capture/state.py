@@ -541,8 +541,8 @@ class CaptureState:
                 self.protect_saved(t)
 
     def _drop(self, index: int, reason: str) -> None:
-        self.saved.pop(index, None)
-        self.saved_versions.pop(index, None)
+        if index in self.saved:
+            self.release(index)  # and out of the max_saved_bytes count: saving may go on
         self.clobbered[index] = reason
 
     def record_finite(self, index: int, t: torch.Tensor) -> None:
