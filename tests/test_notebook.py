@@ -103,6 +103,9 @@ def test_show_refused_leaves_no_file_and_never_opens_another_format(monkeypatch,
         with pytest.raises(ValueError, match=rf"show opens the interactive HTML viewer, not format='{other}'; write "
                                              r"that format with render\(path, format=\.\.\.\)"):
             log.show(format=other)
+    with pytest.raises(TypeError, match=r"show\(\) got an unexpected keyword argument 'dept'; it takes render's "
+                                        r"options \(view, depth, .*\) and max_ops in a notebook; closest: depth"):
+        log.show(dept=2)  # was refused as render's keyword, a function the user did not call
     assert list(tmp_path.iterdir()) == []
 
 
@@ -122,3 +125,4 @@ def test_show_takes_format_html_or_none_inline_and_in_a_browser(monkeypatch, tmp
     monkeypatch.setattr("webbrowser.open", lambda url: True)
     monkeypatch.setattr("torchlens.viz._has_display", lambda: True)
     assert log.show(format=None).read_text().startswith("<!DOCTYPE html>")
+    assert log.show(max_ops=3).read_text().startswith("<!DOCTYPE html>")  # a notebook's limit: the page draws all

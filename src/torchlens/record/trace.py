@@ -530,7 +530,7 @@ class Trace(TraceColumns):
 
     def show(self, **kwargs):
         """Open the interactive viewer: inline in Jupyter (returns None), else in a browser (returns the
-        file's path).  The options are ``render``'s."""
+        file's path).  The options are ``render``'s, and ``max_ops`` for a notebook's inline drawing."""
         from ..viz import show
 
         return show(self, **kwargs)

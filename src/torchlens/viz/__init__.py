@@ -143,6 +143,7 @@ def show(trace, **kwargs):
     where no browser can open (no display), say where the file is.  Returns the file's path (None inline)."""
     # Either way the viewer is HTML: format= may say so (or be None), and is not passed on, since both ways
     # name the format themselves.  DOT or SVG text in the viewer's page is no viewer.
+    _check_show_options(kwargs)
     shown_format = kwargs.pop("format", None)
     if shown_format is not None and format_of(None, shown_format) != "html":
         raise ValueError(f"show opens the interactive HTML viewer, not format={shown_format!r}; write that "
@@ -154,6 +155,7 @@ def show(trace, **kwargs):
         return None
     import webbrowser
 
+    kwargs.pop("max_ops", None)  # how much a notebook cell draws inline: the browser's page draws it all
     handle, name = tempfile.mkstemp(prefix=f"torchlens_{_file_name_part(trace.model_name)}_", suffix=".html")
     os.close(handle)
     try:
@@ -178,6 +180,20 @@ def _has_display() -> bool:
     if not sys.platform.startswith("linux"):
         return True
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def _check_show_options(kwargs) -> None:
+    """Refuse an option ``show`` does not take by its own name (render's would name render, which the user did
+    not call): render's options but ``path``, and ``max_ops`` for a notebook's inline drawing."""
+    import inspect
+
+    from ..errors import closest_hint
+
+    options = [name for name in inspect.signature(render).parameters if name not in ("trace", "path")] + ["max_ops"]
+    for name in kwargs:
+        if name not in options:
+            raise TypeError(f"show() got an unexpected keyword argument {name!r}; it takes render's options "
+                            f"({', '.join(options[:-1])}) and max_ops in a notebook{closest_hint(name, options)}")
 
 
 def notebook_html(trace, max_ops=None, **kwargs) -> str:
