@@ -205,6 +205,9 @@ def test_gather_refuses_a_wait_the_store_would_take_for_no_limit(timeout):
     with pytest.raises(ValueError, match=rf"gather: timeout={timeout} is below 0\.001; give the seconds every rank "
                                          r"has to arrive, a finite number of 0\.001 or more \(120\)"):
         tl.distributed.gather(log, timeout=timeout)
+    # torch takes the wait as a timedelta, which overflowed with a bare OverflowError
+    with pytest.raises(ValueError, match=r"gather: timeout=1000000000000000\.0 is above 1e\+09"):
+        tl.distributed.gather(log, timeout=1e15)
 
 
 def test_gather_refuses_a_dst_outside_its_process_group():

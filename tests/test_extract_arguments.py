@@ -19,6 +19,8 @@ from test_extract import TwoLayer
     ("shard_bytes", True, TypeError, r"shard_bytes=True is a bool"),
     ("barrier_timeout", "30", TypeError, r"tl\.extract: barrier_timeout='30' is a str; give the seconds"),
     ("barrier_timeout", -1, ValueError, r"barrier_timeout=-1 is below 1"),
+    # torch takes the wait as a timedelta, which overflowed at the first barrier with a bare OverflowError.
+    ("barrier_timeout", 1e15, ValueError, r"barrier_timeout=1000000000000000\.0 is above 1e\+09"),
     ("progress", "no", TypeError, r"tl\.extract: progress='no' is a str, not True or False"),
     ("kwargs", [1], TypeError, r"tl\.extract: kwargs= is a dict of the keyword arguments every forward gets, got a list"),
     # grads="no" is true to Python, and extracted gradients; root="model" was dropped, naming no model to check.

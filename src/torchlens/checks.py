@@ -14,10 +14,10 @@ import os
 
 
 def check_number(value, name: str, advice: str, *, who: str = "", at_least=None, finite: bool = False,
-                 complex_ok: bool = False):
+                 complex_ok: bool = False, at_most=None):
     """``value`` when it is a real number (or, with ``complex_ok``, a complex one; never a bool, never NaN),
-    ``>= at_least`` when that is given, and not infinite when ``finite``; otherwise a TypeError or ValueError
-    naming ``name`` and ending with ``advice``."""
+    ``>= at_least`` and ``<= at_most`` when those are given, and not infinite when ``finite``; otherwise a
+    TypeError or ValueError naming ``name`` and ending with ``advice``."""
     kind = numbers.Complex if complex_ok else numbers.Real  # a Decimal is neither: it mixes with no float
     if isinstance(value, bool) or not isinstance(value, kind):
         _refuse(TypeError, who, name, value, _is_a(value), advice)
@@ -27,7 +27,14 @@ def check_number(value, name: str, advice: str, *, who: str = "", at_least=None,
         _refuse(ValueError, who, name, value, "is infinite", advice)
     if at_least is not None:
         _check_at_least(value, name, advice, who, at_least)
+    if at_most is not None and value > at_most:
+        _refuse(ValueError, who, name, value, f"is above {at_most:g}", advice)
     return value
+
+
+# The longest wait a timeout may ask for, in seconds (about 31 years): torch takes timeouts as a timedelta, which
+# overflows past about 2.7 million years, and the process group's store in whole milliseconds.
+LONGEST_WAIT_S = 1e9
 
 
 def check_int(value, name: str, advice: str, *, who: str = "", at_least=None) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_int, check_number
+from ..checks import LONGEST_WAIT_S, check_int, check_number
 from ..errors import ActivationUnavailable, RankFailedError
 from ..io.identity import own_values
 from ..record.trace import checked_trace
@@ -98,7 +98,7 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
     # NaN or a negative wait would time out at once (or never, for inf) on every rank; the store counts whole
     # milliseconds and waits forever on 0, so a wait shorter than one would never end either.
     check_number(timeout, "timeout", "give the seconds every rank has to arrive, a finite number of 0.001 or more "
-                 "(120)", who="gather", at_least=_SHORTEST_WAIT_S, finite=True)
+                 "(120)", who="gather", at_least=_SHORTEST_WAIT_S, finite=True, at_most=LONGEST_WAIT_S)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
                            "(run under torchrun, or call torch.distributed.init_process_group first)")

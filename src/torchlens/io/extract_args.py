@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checks import check_flag, check_number
+from ..checks import LONGEST_WAIT_S, check_flag, check_number
 from ..tree import as_args
 
 
@@ -40,7 +40,7 @@ def check_options(kwargs, shard_bytes, progress, barrier_timeout, root) -> None:
         raise TypeError(f"tl.extract: root= is the nn.Module the callable runs, as for tl.trace, not "
                         f"{type(root).__name__}")
     check_number(barrier_timeout, "barrier_timeout", "give the seconds a finished rank waits for the others (1800 "
-                 "by default)", who="tl.extract", at_least=1, finite=True)
+                 "by default)", who="tl.extract", at_least=1, finite=True, at_most=LONGEST_WAIT_S)
     if torch._C._functorch.peek_interpreter_stack() is not None:  # its tensors would be the transform's wrappers
         raise RuntimeError("tl.extract was called inside a torch.func transform (vmap, grad, ...), whose tensors are "
                            "the transform's wrappers, with no values a file can hold; call tl.extract outside the "
