@@ -159,7 +159,7 @@ class _InStep:
 
 
 def _ranks_have(ranks) -> str:
-    return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
+    return f"{ranks_named(ranks)} {'has' if len(ranks) == 1 else 'have'}"
 
 
 def _fsdp_sharded_params(module) -> set:
