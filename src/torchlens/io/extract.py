@@ -274,10 +274,8 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
     try:
         log = trace(model, args, kwargs, save=targets, stop_after=stop_after,
                     grads=targets if grads is not None else False, root=root)
-    except (UnmatchedSelection, AmbiguousKey) as exc:
-        # (the trace names its save= selection, which is this call's layers=)
-        said = str(exc).replace("save= matched", "layers= matched", 1).replace("save= entry", "layers= entry", 1)
-        raise type(exc)(f"batch {position}: {said}") from None
+    except (UnmatchedSelection, AmbiguousKey) as exc:  # (a LayerSelection's refusals name layers=)
+        raise type(exc)(f"batch {position}: {exc}") from None
     except Exception as exc:  # the model's own error: which of thousands of batches, and what is kept
         add_note(exc, f"tl.extract: raised while tracing batch {position} (counting from 0); "
                  f"{counted(run.batches_done, 'batch', 'batches')} {'is' if run.batches_done == 1 else 'are'} "
