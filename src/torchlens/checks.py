@@ -73,8 +73,9 @@ def check_path(value, name: str, advice: str, *, who: str = ""):
 
 
 def check_file_to_write(value, name: str, advice: str, *, who: str = ""):
-    """``value`` as a path (see ``check_path``) naming a file that can be written: not a folder, in a folder
-    that exists and is writable; otherwise a ValueError naming ``name``.  Called before the work whose result
+    """``value`` as a path (see ``check_path``) naming a file that can be written: not a folder, and either a
+    file it may write or a new file in a folder that exists and is writable; otherwise a ValueError naming
+    ``name``.  Called before the work whose result
     the file receives, so that a slip in the name is not found only after minutes of layout or profiling."""
     path = check_path(value, name, advice, who=who)
     problem = unwritable_file(path)
@@ -86,11 +87,11 @@ def check_file_to_write(value, name: str, advice: str, *, who: str = ""):
 def unwritable_file(path) -> str:
     """Why ``path`` cannot be written as a file (``"is a folder"``, ``"is in <folder>, which does not exist"``),
     or ``""`` when it can: the one check behind ``check_file_to_write`` and the command line's output flags."""
-    folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         return "is a folder"
     if os.path.isfile(path):  # written in place: the file's own permission decides, not its folder's
         return "" if os.access(path, os.W_OK) else "is a file that is not writable"
+    folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         return f"is in {folder}, which {'is not a folder' if os.path.lexists(folder) else 'does not exist'}"
     if not os.access(folder, os.W_OK):

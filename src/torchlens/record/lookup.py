@@ -115,7 +115,7 @@ def _described(trace, key: str, target: tuple) -> tuple:
 def missing_key_note(trace, key: str) -> str:
     """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
     of a module, a parameter or buffer, a module the forward never ran, a container), else the closest keys."""
-    return alias_note(trace, key) or param_note(trace, key) or \
+    return alias_note(trace, key) or record_address_note(trace, key) or \
         unrun_module_note(trace, key) + closest_hint(key, trace._lookup)
 
 
@@ -138,7 +138,7 @@ def unrun_module_note(trace, key: str) -> str:
 _BY_ADDRESS = {"Param": ("parameter", "params"), "Buffer": ("buffer", "buffers")}
 
 
-def param_note(trace, key: str) -> str:
+def record_address_note(trace, key: str) -> str:
     """For a missing key that is a parameter's or a buffer's address: where its ``Param`` or ``Buffer`` record is
     (parameters and buffers are no ops, and their addresses name none)."""
     for view, (kind, records) in _BY_ADDRESS.items():
