@@ -23,6 +23,10 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with gloo")
 
 
+# Tests of how ranks meet, wait, refuse and resume, not of what each rank's capture records: they run in the
+# suite's compiled-path run only (the Makefile leaves them out of the pure-Python run).
+path_independent = pytest.mark.path_independent
+
 JOINED = ["layer_000.safetensors", "layer_001.safetensors", "layer_002.safetensors", "manifest.json",
           "sample_index.safetensors"]
 
@@ -138,6 +142,7 @@ def test_a_collective_written_through_a_view_is_the_parent_of_a_later_read_of_it
         assert got["mismatched"] == []  # and validate does not replay y * 2 from fc's unreduced output
 
 
+@path_independent
 def test_gather_of_a_label_one_rank_lacks_leaves_no_rank_waiting(tmp_path):
     zero, one = values(launch(gather_labels_some_ranks_lack, 2, str(tmp_path), timeout=45))
     assert "relu_1_2:1" in zero["labels"] and "relu_1_2:1" not in one["labels"]  # the graphs differ
@@ -251,6 +256,7 @@ def test_compare_reads_per_rank_saves_too(traced, workdir):
                                                                  for k in ("rank", "first_op", "origin"))
 
 
+@path_independent
 def test_ranks_saving_to_one_path_keep_one_trace_and_the_others_are_told_to_use_their_own(tmp_path):
     path = str(tmp_path / "run")
     zero, one = values(launch(save_to_one_path, 2, str(tmp_path), path))
@@ -300,6 +306,7 @@ def test_distributed_extraction_equals_a_single_process_one(tmp_path):
     assert f"{out} was extracted by 2 ranks, and this call runs 1" in alone["error"]
 
 
+@path_independent
 def test_a_distributed_extraction_refuses_a_folder_holding_a_one_process_one(tmp_path):
     # The join wrote over the folder's layer files and left its progress.json: a one-process call for the old
     # layers then returned at once, and load_extracted gave the distributed call's layers instead.
@@ -360,6 +367,7 @@ def test_an_fsdp2_model_is_extracted_as_the_plain_one(tmp_path):
         np.testing.assert_array_equal(got[name], expected[name])
 
 
+@path_independent
 def test_an_fsdp2_model_given_uneven_shares_is_refused_on_every_rank_instead_of_waiting(tmp_path):
     out = str(tmp_path / "fsdp2-uneven")  # 5 batches, two ranks: rank 0 has a third forward, rank 1 none
     for got in values(launch(extract_fsdp2_uneven, 2, str(tmp_path), out, 5, timeout=45)):
@@ -368,6 +376,7 @@ def test_an_fsdp2_model_given_uneven_shares_is_refused_on_every_rank_instead_of_
         assert "a DistributedSampler" in got["error"] and "a multiple of the world size (2)" in got["error"]
 
 
+@path_independent
 def test_a_tensor_parallel_model_is_refused_since_its_ranks_need_the_same_batches(tmp_path):
     out = str(tmp_path / "tp")
     for error in values(launch(extract_tensor_parallel, 2, str(tmp_path), out)):  # each rank would get other rows
@@ -376,6 +385,7 @@ def test_a_tensor_parallel_model_is_refused_since_its_ranks_need_the_same_batche
     assert not os.path.exists(os.path.join(out, "rank-0"))
 
 
+@path_independent
 def test_uneven_shares_lose_and_duplicate_nothing(tmp_path):
     out = str(tmp_path / "dist")
     values(launch(extract_share, 2, str(tmp_path), out, 21, 4))  # the sampler pads rank 1 with sample 0
@@ -385,6 +395,7 @@ def test_uneven_shares_lose_and_duplicate_nothing(tmp_path):
         np.testing.assert_allclose(tl.load_extracted(out)[name], expected[name], rtol=1e-6, atol=1e-6)
 
 
+@path_independent
 def test_a_killed_rank_is_named_and_the_rerun_redoes_only_its_uncommitted_batches(tmp_path):
     out = str(tmp_path / "dist")
     first = launch(extract_share, 2, str(tmp_path), out, 48, 4, 1, 4, 5.0)
@@ -413,6 +424,7 @@ def test_a_killed_rank_is_named_and_the_rerun_redoes_only_its_uncommitted_batche
     assert [r["forwards"] for r in rerun] == [0, 0]
 
 
+@path_independent
 def test_every_rank_waits_barrier_timeout_for_a_slower_rank_0_not_the_process_group_timeout(tmp_path):
     # Ranks other than 0 waited at gloo's monitored_barrier for the process group's timeout (3 s here): rank 1
     # gave up on a rank 0 4 s slower, with barrier_timeout=60, and rank 0 then failed too.
@@ -429,6 +441,7 @@ def test_every_rank_waits_barrier_timeout_for_a_slower_rank_0_not_the_process_gr
                              "share before this one arrived (its 1s passed first, or it died since). Nothing is lost")
 
 
+@path_independent
 def test_a_rank_that_does_not_call_extract_is_named_on_the_ranks_that_do(tmp_path):
     zero, one = values(launch(extract_with_a_slow_rank, 2, str(tmp_path), str(tmp_path / "absent"), 1, 0, 1.0,
                               False, timeout=30))
@@ -437,6 +450,7 @@ def test_a_rank_that_does_not_call_extract_is_named_on_the_ranks_that_do(tmp_pat
                            "rank must call it, like a collective")
 
 
+@path_independent
 @pytest.mark.parametrize("absent", [1, 0])
 def test_a_rank_that_does_not_call_gather_is_named_on_the_ranks_that_do(tmp_path, absent):
     # The group's timeout is 60 s and each rank is killed at 30: only gather's own wait can answer in time.
@@ -452,6 +466,7 @@ def test_outside_a_process_group_a_trace_has_no_rank():
     assert len(tl.distributed.collectives(log)) == 0
 
 
+@path_independent
 def test_importing_torchlens_does_not_import_its_distributed_package():
     import subprocess
     import sys
