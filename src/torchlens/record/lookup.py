@@ -122,8 +122,8 @@ def missing_key_note(trace, key: str) -> str:
 def unrun_module_note(trace, key: str) -> str:
     """For a missing module address or call label (``head``, ``head:1``) of one of the model's modules that made
     no module call: a container, which has no forward to call, or a module this forward never ran."""
-    address, _, number = key.rpartition(":")
-    address = address if number.isdigit() else key
+    address, colon, number = key.rpartition(":")
+    address = address if colon and number.isdigit() else key  # a bare "7" is an address, not the root's call 7
     model = trace._model  # None once cleaned up, and for a loaded trace: no module to name then
     if not hasattr(model, "named_modules") or any(address in row.all_addresses for row in trace._module_rows):
         return ""
