@@ -99,3 +99,17 @@ def test_every_api_name_the_pages_write_exists():
     missing = [f"{page.name}: {name}" for page in PAGES if page.exists()
                for name in sorted(set(_API_NAME.findall(page.read_text()))) if not _resolves(name, samples)]
     assert not missing, missing
+
+
+def test_every_public_name_is_written_on_some_page():
+    # tl.viz.format_of, tl.report.KernelProfile, log.is_recurrent and Module.class_name were public and named on
+    # no page: a reader could not learn that they exist, or what they answer.
+    import torchlens as tl
+
+    text = "\n".join(page.read_text() for page in PAGES if page.exists())
+    names = set(tl.__all__) | {name for package in ("debug", "report", "viz", "io", "distributed")
+                               for name in getattr(tl, package).__all__}
+    names |= {name for view in (tl.Trace, tl.Op, tl.Layer, tl.ModuleCall, tl.Module, tl.Param, tl.Buffer)
+              for name in dir(view) if not name.startswith("_")}
+    unwritten = sorted(name for name in names if not re.search(rf"\b{re.escape(name)}\b", text))
+    assert not unwritten, unwritten
