@@ -280,3 +280,11 @@ def test_an_op_let_go_before_the_budget_stopped_saving_is_saved_again_as_a_later
                                                 "saved"]
     assert [log.labels[i] for i in sorted(log.saved_activations)] == ["mul_1_2:1"]
     assert torch.equal(log["mul_1_2:1"].activation, model.a.kept)
+
+
+def test_save_true_keeps_every_activation_and_save_false_or_none_keeps_none():
+    # The pages promise these spellings: save=True is save="all", save=False and save=None are save="none".
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    assert all(op.has_activation for op in tl.trace(model, x, save=True))
+    for nothing in (False, None):
+        assert not any(op.has_activation for op in tl.trace(model, x, save=nothing))
