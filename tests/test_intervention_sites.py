@@ -146,6 +146,12 @@ def test_a_predicate_site_selects_ops_by_metadata():
     assert len(log.interventions) == len(relus) == 3
     assert all(bool(op.activation.max() <= torch.tensor(0.1)) for op in relus)
 
+    # A predicate accepting no op was refused as "a intervention predicate matched no op of the reference trace".
+    with pytest.raises(KeyError, match="an intervention predicate matched no op .* so it would change nothing"):
+        tl.trace(model, args, intervene={(lambda op: op.type == "conv2d"): tl.zero_ablate()})
+    with pytest.raises(KeyError, match="a stop_after predicate matched no op .* so it would never stop"):
+        tl.trace(model, args, stop_after=lambda op: op.type == "conv2d")
+
 
 # ----- actions --------------------------------------------------------------------------------------------
 def test_helpers_compute_what_they_say():

@@ -275,8 +275,7 @@ def resolve_labels(reference, pending) -> list:
         else:
             ops = [op for op in reference.ops if reference.kinds[op.index] == Kind.OP and key(op)]
             if not ops:
-                raise KeyError(f"a {'stop_after' if stop else 'intervention'} predicate matched no op of the "
-                               "reference trace")
+                raise KeyError(_matched_nothing(stop))
         for op in ops:
             if reference.kinds[op.index] != Kind.OP:
                 raise KeyError(_not_an_op(key, op, stop))
@@ -285,6 +284,13 @@ def resolve_labels(reference, pending) -> list:
                 break  # stop after the first op the site names
     number_occurrences(reference, sites)
     return sites
+
+
+def _matched_nothing(stop: bool) -> str:
+    """The refusal of a predicate site that accepts no op of the reference trace: it would do nothing."""
+    kind, effect = ("a stop_after", "never stop the forward") if stop else ("an intervention", "change nothing")
+    return (f"{kind} predicate matched no op of the reference trace, so it would {effect}; check what it tests "
+            "against the ops the forward runs (print(tl.trace(model, x)) lists their labels and types)")
 
 
 def _kind(stop: bool) -> str:
