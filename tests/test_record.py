@@ -133,6 +133,7 @@ def test_a_layer_answers_a_field_of_its_passes_only_when_they_agree():
     log = tl.trace(model, torch.randn(2, 8), intervene={"fc:2": tl.zero_ablate()})
     fc = log["fc:1"].layer
     assert fc.num_passes == 3 and fc.shape == (2, 8) and fc.dtype == torch.float32
+    assert fc.module_address == "fc"  # was refused as differing per pass: every pass of a layer ran in one module
     with pytest.raises(AttributeError, match="use log"):
         fc.intervention  # one pass was edited: the first pass's None would say none was
     with pytest.raises(AttributeError, match="use log"):

@@ -321,15 +321,15 @@ class Op(View):
 
 
 _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children", "duration", "index",
-                       "has_activation", "dropped_reason", "parent_arg_positions", "module_call", "module_address",
-                       "module", "modules",
+                       "has_activation", "dropped_reason", "parent_arg_positions", "module_call", "module", "modules",
                        "start_ns", "finite", "args", "kwargs", "grad", "has_grad",
                        "saved_for_backward_bytes", "call", "intervention", "original"])
-# Fields the passes of a layer usually share (they ran one line of code on tensors of one kind): a layer
-# answers them when every pass agrees, and raises naming two passes that differ otherwise (a key/value
-# cache that grows with each decoding step, a weight used on two lines).
+# Fields the passes of a layer usually share (they ran one line of code on tensors of one kind, in one module):
+# a layer answers them when every pass agrees, and raises naming two passes that differ otherwise (a key/value
+# cache that grows with each decoding step, a weight used on two lines, a root module's forward run again by
+# a recursion, whose first pass is in no module call).
 _SHARED_WHEN_EQUAL = frozenset(["shape", "dtype", "device", "requires_grad", "grad_fn", "numel", "nbytes",
-                                "source"])
+                                "source", "module_address"])
 
 
 class Layer(OfATrace):
