@@ -250,3 +250,27 @@ def test_growing_shapes_are_not_grouped_and_distinct_modules_never_merge():
 
     assert labels(tl.trace(Tied(), torch.randn(1, 4))) == ["input_1:1", "linear_1_1:1", "linear_2_2:1",
                                                           "output_1:1"]
+
+
+class _LoopFromAnAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.start = torch.zeros(2, 4)  # a plain attribute: made outside the trace
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = self.start
+        for _ in range(3):
+            h = torch.tanh(h @ self.weight + x)
+        return h
+
+
+def test_a_layer_answers_a_field_of_its_passes_only_when_they_agree_on_it():
+    # log["matmul_1_1"].unattributed_args answered 1, the first pass's count, for passes 2 and 3 that read the
+    # loop's own tanh; and .module_address was refused as "differs per pass" where every pass ran in one module.
+    log = tl.trace(_LoopFromAnAttribute(), torch.randn(2, 4))
+    layer = log["matmul_1_1"]
+    assert [op.unattributed_args for op in layer.ops] == [1, 0, 0]
+    with pytest.raises(AttributeError, match="'unattributed_args' differs between its passes"):
+        layer.unattributed_args
+    assert log["tanh_1_3"].unattributed_args == 0 and log["tanh_1_3"].module_address is None

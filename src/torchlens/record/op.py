@@ -327,9 +327,10 @@ _PER_PASS = frozenset(["label", "pass_index", "activation", "parents", "children
 # Fields the passes of a layer usually share (they ran one line of code on tensors of one kind, in one module):
 # a layer answers them when every pass agrees, and raises naming two passes that differ otherwise (a key/value
 # cache that grows with each decoding step, a weight used on two lines, a root module's forward run again by
-# a recursion, whose first pass is in no module call).
+# a recursion, whose first pass is in no module call; a loop whose first pass reads a tensor from outside the
+# trace and the others what the loop made).
 _SHARED_WHEN_EQUAL = frozenset(["shape", "dtype", "device", "requires_grad", "grad_fn", "numel", "nbytes",
-                                "source", "module_address"])
+                                "source", "module_address", "unattributed_args"])
 
 
 class Layer(OfATrace):
