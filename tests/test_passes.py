@@ -274,3 +274,12 @@ def test_a_layer_answers_a_field_of_its_passes_only_when_they_agree_on_it():
     with pytest.raises(AttributeError, match="'unattributed_args' differs between its passes"):
         layer.unattributed_args
     assert log["tanh_1_3"].unattributed_args == 0 and log["tanh_1_3"].module_address is None
+
+
+def test_the_layers_table_shows_no_pass_s_shape_for_passes_that_differ():
+    # log.layers.to_pandas() showed the first pass's shape, (2, 8), for a layer whose second pass made (1, 8).
+    fc = nn.Linear(8, 8)
+    log = tl.trace(lambda x: fc(x).sum() + fc(x[:1]).sum(), torch.randn(2, 8), root=fc)
+    rows = log.layers.to_pandas().set_index("layer_label")
+    assert rows.loc["linear_1_1", "shape"] is None and rows.loc["linear_1_1", "module"] == "self"
+    assert rows.loc["getitem_1_3", "shape"] == (1, 8)

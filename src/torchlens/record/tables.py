@@ -70,12 +70,21 @@ def layers_frame(layers) -> "pandas.DataFrame":
             "type": layer.first.type,
             "func_name": layer.first.func_name,
             "num_passes": layer.num_passes,
-            "shape": layer.first.shape,
-            "module": layer.first.module_call.address if layer.first.module_call else None,
+            "shape": _agreed(layer, "shape"),
+            "module": _agreed(layer, "module_address"),
             "duration": layer.duration,
         }
         for layer in layers
     ])
+
+
+def _agreed(layer, name: str):
+    """``name`` of a layer whose passes all agree on it; None where they differ, since no pass's value stands for
+    the others' (a shared module given inputs of two lengths: each pass's shape is in the ops' table)."""
+    try:
+        return getattr(layer, name)
+    except AttributeError:  # Layer refuses a field its passes differ in
+        return None
 
 
 def module_calls_frame(calls) -> "pandas.DataFrame":
