@@ -26,9 +26,12 @@ from probe_coverage import probe_all  # noqa: E402
 import inventory  # noqa: E402
 from torchlens.labels.naming import func_name_of  # noqa: E402
 
-_RANDOM = ("bernoulli", "dropout", "rand", "normal", "multinomial", "poisson", "exponential_", "geometric_",
-           "cauchy_", "log_normal_", "random_", "uniform_", "rrelu", "gumbel_softmax", "fractional_max_pool",
-           "binomial", "_standard_gamma", "_sample_dirichlet")
+# Functions that draw random numbers: by exact name (with its in-place spelling), or for a family by prefix
+# ("dropout2d", "fractional_max_pool3d", "randn_like"). Names alone would also take F.normalize for "normal"
+# and poisson_nll_loss for "poisson", which draw nothing.
+_RANDOM = ("bernoulli", "normal", "multinomial", "poisson", "exponential", "geometric", "cauchy", "log_normal",
+           "random", "uniform", "rrelu", "gumbel_softmax", "binomial", "_standard_gamma", "_sample_dirichlet")
+_RANDOM_FAMILIES = ("dropout", "rand", "fractional_max_pool", "alpha_dropout", "feature_alpha_dropout")
 _HOST_ESCAPES = ("numpy", "tolist", "__array__", "__array_wrap__", "__dlpack__", "__dlpack_device__",
                  "__cuda_array_interface__")
 _NOT_OP_PREFIXES = ("is_", "q_", "_dim", "_nnz", "qscheme", "sym_", "_sym_", "__bool__", "__int__",
@@ -70,7 +73,7 @@ def _caveats(name: str, func, result: dict) -> str:
         tags.append("passthrough")
     if result["status"] == "not_seen":
         tags.append("not_dispatched")
-    if any(short.startswith(r) or short == r.rstrip("_") for r in _RANDOM):
+    if short.rstrip("_") in _RANDOM or short.startswith(_RANDOM_FAMILIES):
         tags.append("nondeterministic")
     if short in _HOST_ESCAPES:
         tags.append("host_escape")

@@ -81,6 +81,11 @@ def test_inventory_agrees_with_capture_on_known_functions():
     assert rows["torch.split"]["multi_output"] == "1"
     assert rows["torch.Tensor.__iadd__"]["seen_as"] == "torch.Tensor.add_"
     assert "python_composite" in rows["torch.nn.functional.normalize"]["caveat"]
+    # F.normalize and poisson_nll_loss were tagged as drawing random numbers ("normal", "poisson" prefixes), and
+    # alpha dropout, which draws them, was not.
+    random = {name for name, row in rows.items() if "nondeterministic" in row["caveat"]}
+    assert not random & {"torch.nn.functional.normalize", "torch.nn.functional.poisson_nll_loss"}
+    assert {"torch.nn.functional.alpha_dropout", "torch.poisson", "torch.Tensor.normal_"} <= random
 
 
 def test_the_flops_column_agrees_with_the_formula_registry():
