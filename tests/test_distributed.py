@@ -178,6 +178,8 @@ def test_gather_sends_a_tensor_parallel_activation_as_this_ranks_shard(traced):
     ("atol", float("nan"), ValueError, r"compare: atol=nan is not a number \(NaN\)"),
     ("reference", True, TypeError, r"compare: reference=True is a bool, not an int"),
     ("reference", 1.0, TypeError, r"compare: reference=1\.0 is a float, not an int"),
+    # reference=5 was "reference rank 5 is not among the 2 traces", where reference is a position, not a rank.
+    ("reference", 5, ValueError, r"compare: reference=5 is no position in traces, which holds 2 \(0 to 1\)"),
 ])
 def test_compare_refuses_a_tolerance_or_reference_that_cannot_work(option, value, error, message):
     pytest.importorskip("pandas")

@@ -52,7 +52,9 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
              RankTrace.of(checked_trace(t, f"compare: traces[{i}]", "a rank's tl.trace, or tl.load of its save"),
                           activations=True) for i, t in enumerate(traces)]
     if not 0 <= reference < len(ranks):
-        raise ValueError(f"reference rank {reference} is not among the {len(ranks)} traces")
+        raise ValueError(f"compare: reference={reference} is no position in traces, which holds {len(ranks)} (0 to "
+                         f"{len(ranks) - 1}); reference is the position of the trace the others are compared with, "
+                         "not its rank")
     base = ranks[reference]
     rows = [_first_divergence(base, other, reference, r, rtol, atol)
             for r, other in enumerate(ranks) if r != reference]
