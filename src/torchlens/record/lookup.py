@@ -125,7 +125,8 @@ def unrun_module_note(trace, key: str) -> str:
     address, colon, number = key.rpartition(":")
     address = address if colon and number.isdigit() else key  # a bare "7" is an address, not the root's call 7
     model = trace._model  # None once cleaned up, and for a loaded trace: no module to name then
-    if not hasattr(model, "named_modules") or any(address in row.all_addresses for row in trace._module_rows):
+    if not address or not hasattr(model, "named_modules") or \
+            any(address in row.all_addresses for row in trace._module_rows):  # '': the model itself, which ran
         return ""
     module = dict(model.named_modules(remove_duplicate=False)).get(address)
     if module is None:
