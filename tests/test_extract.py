@@ -58,6 +58,8 @@ def test_layer_names_must_pick_one_op_per_batch(tmp_path):
         tl.extract(model, data, ["act"], tmp_path / "a", progress=False)
     with pytest.raises(KeyError, match="batch 0: no op, layer, module call or module named 'hed'.*: layers= matched"):
         tl.extract(model, data, ["hed"], tmp_path / "b", progress=False)
+    with pytest.raises(KeyError, match="named ':1'"):  # was "layers= entry '' names the model itself"
+        tl.extract(model, data, [":1"], tmp_path / "b", progress=False)
     tl.extract(model, data, ["head"], tmp_path / "b", progress=False)  # a failed first batch left nothing behind
     assert tl.load_extracted(tmp_path / "b")["head"].shape == (8, 2)
     with pytest.raises(ValueError, match=r"module call lstm returns 3 tensors \(lstm_1_3:1, lstm_2_4:1"):

@@ -261,7 +261,8 @@ def _save_targets(model, layers) -> list:
     targets = LayerSelection()  # labels and modules: a module named relu is no op type here
     for name in layers:
         prefix = name.rsplit(":", 1)[0]
-        targets.append(prefix if ":" in name and prefix in modules else name)
+        # "fc:2" is saved as fc's outputs; ":1" names no module (the model's own address, "", would be refused as one)
+        targets.append(prefix if ":" in name and prefix and prefix in modules else name)
     return targets
 
 
