@@ -278,6 +278,10 @@ def test_a_key_naming_a_module_that_made_no_call_says_why():
         log["blocks"]
     with pytest.raises(KeyError, match=r"named 'head:2' in this trace; closest: head:1"):
         log["head:2"]  # head ran, once
+    for option in ("save", "grads"):  # a call label of the idle module said nothing of it, where its address did
+        with pytest.raises(KeyError, match=rf"'spare:1' .*{option}= matched nothing for it \(that module exists but "
+                                           r"never ran in this forward\)"):
+            tl.trace(WithIdleModules(), torch.randn(2, 4), **{option: ["spare:1"]})
     # log["7"] was read as call 7 of the model itself, and said "('' is a module of the model that never ran)".
     for key in ("7", ":1"):  # ":1" said the same of the model's own address
         with pytest.raises(KeyError, match=f"named '{key}' in this trace") as digits:

@@ -96,6 +96,9 @@ class SavePolicy:
             elif address in modules and call.isdigit():  # a module call label: that call's output op
                 _refuse_scripted(item, address, modules, self.option)
                 self.call_labels.add(item)
+                note = container_note(address, modules[address])
+                if note:
+                    self.containers[address] = note
                 self.module_ids.add(id(modules[address]))
                 self.selected_modules[id(modules[address])] = modules[address]
             elif _LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")) or item.startswith(_IO_PATH):
@@ -186,9 +189,12 @@ class SavePolicy:
             hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry) + \
                 _whole_option_hint(entry, option)
             ran = ""
-            if entry in self.addresses:
-                ran = (f" ({entry!r} {self.containers[entry]})" if entry in self.containers else "") or \
-                    bypassed_call_hint(trace, entry) or _compiled_holder_hint(trace, entry) or \
+            # a module of the model that made no call, named by its address or by a call label ("spare:1")
+            address = entry if entry in self.addresses else entry.rpartition(":")[0] if entry in self.call_labels \
+                else None
+            if address is not None and address not in called:
+                ran = (f" ({address!r} {self.containers[address]})" if address in self.containers else "") or \
+                    bypassed_call_hint(trace, address) or _compiled_holder_hint(trace, address) or \
                     " (that module exists but never ran in this forward)"
             if stopped_after is not None:
                 ran += f" (the forward stopped after {stopped_after}, as stop_after= asked: what follows never ran)"
