@@ -401,3 +401,22 @@ def test_a_device_of_a_backend_this_torch_lacks_is_a_usage_error(models, monkeyp
     err = capsys.readouterr().err
     assert "--device xla: this torch cannot make tensors there" in err and "use --device cpu" in err
     assert "tracing" not in err
+
+
+def test_without_a_layout_engine_the_html_view_is_skipped_and_the_rest_written(models, monkeypatch, capsys):
+    # trace --html ended with status 1, "the model failed", and wrote no --chrome file; render's refusal said an
+    # .html file needs no layout engine, which it does.
+    import torchlens.viz.layout as layout
+
+    def no_engine():
+        raise layout.LayoutEngineMissing("no layout engine here")
+
+    monkeypatch.setattr(layout, "find_engine", no_engine)
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--save", "run",
+                 "--html", "view.html", "--chrome", "run.json"]) == 0
+    assert "skipped the HTML view view.html: no layout engine here" in capsys.readouterr().err
+    assert (models / "run.json").is_file() and not (models / "view.html").exists()
+    assert main(["render", "run", "-o", "view.html"]) == 2
+    assert "or write a .dot file, which needs no layout engine" in capsys.readouterr().err

@@ -54,8 +54,13 @@ def _write_exports(log, save=None, html=None, chrome=None, depth=None) -> list:
         log.save(save, overwrite=_is_saved_trace(save))
         written.append(("saved trace", save))
     if html:
-        if log.render(html, format="html", depth=depth) is not None or os.path.exists(html):
-            written.append(("HTML view", html))
+        from ..viz import LayoutEngineMissing
+
+        try:
+            if log.render(html, format="html", depth=depth) is not None or os.path.exists(html):
+                written.append(("HTML view", html))
+        except LayoutEngineMissing as exc:  # the trace is fine: say what was left out, and write the rest
+            note(f"skipped the HTML view {html}: {exc}")
     if chrome:
         if log.to_chrome_trace(chrome) is not None or os.path.exists(chrome):
             written.append(("chrome trace", chrome))
@@ -157,7 +162,7 @@ def cmd_render(args) -> int:
     except ValueError as exc:  # an option render refused, for this trace
         raise UsageError(str(exc)) from None
     except LayoutEngineMissing as exc:
-        raise UsageError(f"{exc} (or write a .dot or .html file, which need no layout engine)") from None
+        raise UsageError(f"{exc} (or write a .dot file, which needs no layout engine)") from None
     except LayoutFailed as exc:
         raise ModelError(exc) from exc
     note(f"wrote {written}")
