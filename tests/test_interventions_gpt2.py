@@ -212,7 +212,9 @@ def test_gpt2_mean_ablate_and_steer_at_one_position_read_dimensions_of_the_whole
     (lambda: tl.mean_ablate(dims=(1, 3)), r"3 is not a dimension of this value of shape \(1, 6, 32\)"),
     (lambda: tl.zero_ablate(at=(slice(None), 10)), r"at=\(slice\(None, None, None\), 10\) is outside this value"),
     (lambda: tl.scale(2.0, at=(0, 0, 40)), r"scale\(2.0, at=\(0, 0, 40\)\) at transformer.h.0.mlp:1: at=.* is outside"),
-], ids=["steer-dim-5", "steer-dim-minus-4", "mean-dims-3", "zero-at-10", "scale-at-40"])
+    # a vector of another length was a plain ValueError, which a patching table does not report in the site's row
+    (lambda: tl.steer(torch.ones(6)), r"the vector has 6 entries but dimension -1 of the value \(of shape \(1, 6, 32"),
+], ids=["steer-dim-5", "steer-dim-minus-4", "mean-dims-3", "zero-at-10", "scale-at-40", "steer-length-6"])
 def test_a_helper_given_a_dimension_or_index_the_value_lacks_is_refused_naming_the_site(gpt2, helper, wrong):
     """A dimension past the value's rank is refused, not taken modulo it (``dim=5`` of a (batch, seq, d) value
     was quietly d), and an index past its shape names the helper, the site and the shape."""
@@ -464,6 +466,7 @@ def test_gpt2_an_action_of_one_argument_is_refused_before_any_run_saying_it_take
     (lambda: tl.patch_from("x"), r"tl\.patch_from: trace= takes a Trace .* got str"),
     (lambda: tl.zero_ablate(at="0"), r"tl\.zero_ablate: at= takes an index of the value .* got str '0'"),
     (lambda: tl.scale(2.0, at=1.5), r"tl\.scale: at= takes an index of the value .* got float 1\.5"),
+    (lambda: tl.steer([1.0] * 32), r"tl\.steer: vector= takes a 1-d tensor, .* got list"),  # was a ValueError
 ])
 def test_gpt2_a_helper_given_a_wrong_argument_is_refused_when_made_not_mid_forward(gpt2, make, message):
     """``tl.scale("2")`` failed only in the forward ("only integer tensors of a single element can be converted

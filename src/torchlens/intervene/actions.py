@@ -120,8 +120,12 @@ class steer(Action):  # noqa: N801
 
     def __init__(self, vector, scale=1.0, dim: int = -1, at=None):
         super().__init__(at)
-        if not isinstance(vector, torch.Tensor) or vector.dim() != 1:
-            raise ValueError("tl.steer needs a 1-d tensor: the direction to add along one dimension")
+        if not isinstance(vector, torch.Tensor):
+            raise TypeError(f"tl.steer: vector= takes a 1-d tensor, the direction to add along one dimension, got "
+                            f"{type(vector).__name__} (torch.tensor(...) makes one)")
+        if vector.dim() != 1:
+            raise ValueError(f"tl.steer needs a 1-d tensor: the direction to add along one dimension, got "
+                             f"{vector.dim()}-d {tuple(vector.shape)}")
         _int("tl.steer", "dim", dim)
         self.vector, self.scale, self.dim = vector, _number("tl.steer", "scale", scale), dim
 
@@ -129,8 +133,10 @@ class steer(Action):  # noqa: N801
         _check_dims(self, (self.dim,), tensor, op)
         dim = self.dim % tensor.dim()
         if tensor.shape[dim] != self.vector.numel():
-            raise ValueError(f"tl.steer at {_where(op)}: the vector has {self.vector.numel()} entries but "
-                             f"dimension {self.dim} of the value has {tensor.shape[dim]}")
+            raise ReplacementMismatch(f"tl.steer at {_where(op)}: the vector has {self.vector.numel()} entries but "
+                                      f"dimension {self.dim} of the value (of shape {tuple(tensor.shape)}) has "
+                                      f"{tensor.shape[dim]}; give a vector of that length, or dim= the dimension to "
+                                      "steer along")
         _castable(self.vector, tensor, op, "tl.steer's vector")
         shape = [1] * tensor.dim()
         shape[dim] = -1
