@@ -214,7 +214,10 @@ def test_gpt2_mean_ablate_and_steer_at_one_position_read_dimensions_of_the_whole
     (lambda: tl.scale(2.0, at=(0, 0, 40)), r"scale\(2.0, at=\(0, 0, 40\)\) at transformer.h.0.mlp:1: at=.* is outside"),
     # a vector of another length was a plain ValueError, which a patching table does not report in the site's row
     (lambda: tl.steer(torch.ones(6)), r"the vector has 6 entries but dimension -1 of the value \(of shape \(1, 6, 32"),
-], ids=["steer-dim-5", "steer-dim-minus-4", "mean-dims-3", "zero-at-10", "scale-at-40", "steer-length-6"])
+    # a source trace of another model was a plain KeyError, raised past a patching table's row
+    (lambda: tl.patch_from(tl.trace(torch.nn.Linear(2, 2), torch.ones(1, 2))), r"the source trace has no op at"),
+], ids=["steer-dim-5", "steer-dim-minus-4", "mean-dims-3", "zero-at-10", "scale-at-40", "steer-length-6",
+        "patch-from-another-model"])
 def test_a_helper_given_a_dimension_or_index_the_value_lacks_is_refused_naming_the_site(gpt2, helper, wrong):
     """A dimension past the value's rank is refused, not taken modulo it (``dim=5`` of a (batch, seq, d) value
     was quietly d), and an index past its shape names the helper, the site and the shape."""

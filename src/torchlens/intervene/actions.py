@@ -331,8 +331,8 @@ def source_value(trace, op, who: str) -> torch.Tensor:
     elif label in trace:
         found = trace._by_label(label)
     if found is None or not hasattr(found, "activation"):
-        raise KeyError(f"{who}: the source trace has no op at {label!r}; it must come from the same model "
-                       "run on inputs taking the same path")
+        raise ReplacementMismatch(f"{who}: the source trace has no op at {label!r}; it must come from the same "
+                                  "model run on inputs taking the same path")
     value = found.activation
     if value is None:
         raise ReplacementMismatch(f"{who}: the source trace did not save {found.label} (the value at {label!r}); "
