@@ -332,6 +332,32 @@ def test_model_and_parameters_unchanged_and_nothing_installed():
     assert len(log.interventions) == 2
 
 
+class _DrawsFromGenerators(nn.Module):
+    """Noise from a generator it holds and from one passed in, neither of them the global generator."""
+
+    def __init__(self, relu_scale=1.0):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.own = torch.Generator().manual_seed(1)
+        self.relu_scale = relu_scale  # the edit, made by hand
+
+    def forward(self, x, passed):
+        noisy = x + torch.randn(x.shape, generator=passed)
+        return self.fc(noisy).relu() * self.relu_scale + torch.rand(4, generator=self.own)
+
+
+def test_a_label_sites_reference_pass_leaves_the_models_own_and_passed_generators_as_it_found_them():
+    x = torch.randn(2, 4)
+    by_hand, traced = _DrawsFromGenerators(relu_scale=-3.0), _DrawsFromGenerators()
+    traced.load_state_dict(by_hand.state_dict())
+    passed_by_hand, passed_traced = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    expected = by_hand(x, passed_by_hand)
+    log = tl.trace(traced, (x, passed_traced), intervene={"relu_1_4:1": tl.scale(-3.0)})  # resolved by an extra pass
+    assert torch.equal(log.output, expected)
+    assert torch.equal(passed_traced.get_state(), passed_by_hand.get_state())
+    assert torch.equal(traced.own.get_state(), by_hand.own.get_state())
+
+
 class _RaisesAfter(nn.Module):
     def __init__(self):
         super().__init__()

@@ -117,6 +117,11 @@ def test_a_callable_drawing_from_its_own_generator_is_not_compared_rather_than_f
     assert result.outputs_match is None and result.status != "failed"
     assert "randn_1_1:1 draws from a torch.Generator passed as generator=" in result.outputs_differ
     assert "outputs not compared: randn_1_1:1" in str(result)
+    # A generator passed among the inputs is copied with them for the untraced run: compared, and moved once.
+    passed, once = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    result = tl.validate(lambda x, g: x + torch.randn(x.shape, generator=g), (torch.zeros(4), passed))
+    torch.randn(4, generator=once)
+    assert result.outputs_match is True and torch.equal(passed.get_state(), once.get_state())
     # The global generator passed by name is one validation puts back: compared, and equal.
     lin = nn.Linear(4, 4)
     result = tl.validate(lambda x: lin(x) + torch.randn(x.shape, generator=torch.default_generator), torch.zeros(4))

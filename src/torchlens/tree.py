@@ -220,7 +220,10 @@ def clone_inputs(obj, memo=None):
             memo[id(t)] = _copy_of_input(t)
         clones[path] = memo[id(t)]
     held = tensor_leaves(obj, attrs=True)
-    if len(held) == len(clones):
+    # A generator the forward draws from (``model(x, g)``) is an input too: the extra run draws from a copy of it,
+    # so that the caller's generator moves once, for the run the caller asked for.
+    twins = _generator_twins(obj, memo)
+    if len(held) == len(clones) and not twins:
         rebuilt = fill(strip(obj), clones)
         if all(t is clones[path] for path, t in tensor_leaves(rebuilt)):
             return rebuilt
@@ -235,6 +238,37 @@ def clone_inputs(obj, memo=None):
         warn_user(f"torchlens could not copy a {type(obj).__name__} input ({type(exc).__name__}: {exc}): "
                   "the extra run uses it as given, so a forward that changes it in place changes it again")
     return fill(strip(obj), clones)
+
+
+def generators_in(obj, depth: int = 0, seen=None) -> list:
+    """Every ``torch.Generator`` inside ``obj``, walked as ``tensor_leaves(attrs=True)`` walks it."""
+    if isinstance(obj, torch.Generator):
+        return [obj]
+    if depth >= MAX_DEPTH or type(obj) in _SCALAR_TYPES or isinstance(obj, (Tensor, *_SCALARS)):
+        return []
+    seen = set() if seen is None else seen
+    children = container_items(obj, attrs=True)
+    if children is None or id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    return [g for _, child in children for g in generators_in(child, depth + 1, seen)]
+
+
+def _generator_twins(obj, memo: dict) -> bool:
+    """Put a copy of each generator inside ``obj`` in ``memo`` (``id -> copy``), at the state it is in now; returns
+    whether ``obj`` holds any."""
+    found = generators_in(obj)
+    for g in found:
+        if id(g) not in memo:
+            memo[id(g)] = generator_twin(g)
+    return bool(found)
+
+
+def generator_twin(g: torch.Generator) -> torch.Generator:
+    """A new generator at ``g``'s state: it draws what ``g`` would, and drawing from it leaves ``g`` as it is."""
+    twin = torch.Generator(device=g.device)
+    twin.set_state(g.get_state())
+    return twin
 
 
 def _copy_of_input(t: Tensor) -> Tensor:

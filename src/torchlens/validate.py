@@ -28,8 +28,8 @@ from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, s
 from .capture.collectives import is_collective
 from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
-from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, path_text, slice_with_tensor,
-                   structures_equal, tensor_leaves, unmaterialized, without_values)
+from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, path_text,
+                   slice_with_tensor, structures_equal, tensor_leaves, unmaterialized, without_values)
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
@@ -538,8 +538,7 @@ def _private_generators(kwargs: dict) -> list:
     swapped = []
 
     def private(g):
-        twin = torch.Generator(device=g.device)
-        twin.set_state(g.get_state())
+        twin = generator_twin(g)
         swapped.append((twin, twin.get_state()))
         return twin
 

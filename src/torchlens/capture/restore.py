@@ -65,9 +65,10 @@ def module_run_by(fn):
 
 class RngState:
     """The global generators (torch's CPU and every initialized CUDA device, Python's ``random``, NumPy's
-    global ``numpy.random`` when imported), restorable."""
+    global ``numpy.random`` when imported), and the ``torch.Generator`` objects given to ``keep``, restorable."""
 
     def __init__(self):
+        self.kept: list = []  # [(generator, its state)]
         self.cpu_rng = torch.get_rng_state()
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
@@ -75,7 +76,13 @@ class RngState:
         numpy = sys.modules.get("numpy")
         self.numpy_rng = numpy.random.get_state() if numpy is not None else None
 
+    def keep(self, generators) -> None:
+        """Also restore these generators (a module's own ``torch.Generator``) to their states now."""
+        self.kept.extend((g, g.get_state()) for g in generators)
+
     def restore(self) -> None:
+        for g, state in self.kept:
+            g.set_state(state)
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -102,6 +109,17 @@ def _numpy_moved(numpy, before) -> bool:
     # ('MT19937', key array, position, has_gauss, cached_gaussian): the key array compares element-wise.
     now = numpy.random.get_state()
     return now[0] != before[0] or not numpy.array_equal(now[1], before[1]) or now[2:] != before[2:]
+
+
+def held_generators(module) -> list:
+    """The ``torch.Generator`` objects a module holds as attributes (``self.g = torch.Generator()``), directly or in
+    a plain container: one level deep, as ``ModuleAttributes`` notes them.  A run a trace makes besides the user's
+    must leave them where they were, as it does the global ones."""
+    found = []
+    for value in vars(module).values():
+        members = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        found.extend(member for member in members if isinstance(member, torch.Generator))
+    return found
 
 
 class ModuleAttributes:
@@ -195,6 +213,7 @@ class ForwardState:
 
     def __init__(self, modules, params, buffers, owner=None):
         self.rng = RngState()
+        self.rng.keep(g for m in modules for g in held_generators(m))
         self.attributes = ModuleAttributes(modules)
         self.buffers = [(b, b.detach().clone()) for b in buffers]
         self.params = list(params)  # [(address, Parameter)]
@@ -209,6 +228,7 @@ class ForwardState:
         """Also keep ``module``'s own state (its attributes, buffers and parameters, not its children's): a
         module met while a run goes on (``FirstCalls``), before anything of it runs."""
         self.attributes.add(module)
+        self.rng.keep(held_generators(module))
         self.buffers.extend((b, b.detach().clone()) for b in module.buffers(recurse=False))
         params = [(f"{type(module).__name__}.{name}", p) for name, p in module.named_parameters(recurse=False)]
         self.params.extend(params)
