@@ -254,3 +254,27 @@ def test_a_compiled_model_called_in_another_thread_during_a_trace_runs_as_untrac
     assert recompiled == 0, "the model compiled before the trace was compiled again during it"
     assert _signature(results["trace"]) == _signature(alone), "the other thread's work leaked into the trace"
     assert_clean_process()
+
+
+class _HandsOneCallToAThread(nn.Module):
+    """Runs ``fc`` once on a thread of its own and once on the calling thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        box = []
+        worker = threading.Thread(target=lambda: box.append(self.fc(x)))
+        worker.start()
+        worker.join()
+        return box[0] + self.fc(x)
+
+
+def test_a_module_site_also_run_on_another_thread_says_that_call_was_not_edited():
+    model, x = _HandsOneCallToAThread(), torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=r"module site\(s\) 'fc' also ran on another thread .* ran unedited"):
+        log = tl.trace(model, x, intervene={"fc": tl.zero_ablate()})
+    assert torch.equal(log.output, model.fc(x))  # the worker's call kept its value, the traced one was zeroed
+    assert [str(applied.label) for applied in log.interventions] == ["linear_1_1:1"]  # the only call recorded
+    assert_clean_process()

@@ -18,6 +18,7 @@ from .sites import _LABEL, ModuleSite
 def finish_interventions(runtime: Interventions, trace) -> None:
     """Attach what was applied to the finished trace; a site the forward never reached is an error."""
     runtime.attach(trace)
+    _warn_calls_on_other_threads(runtime)
     module_of = None  # address -> the Module record it names, made once for every numbered module site
     for site in runtime.module_sites:
         if _LABEL.match(site.key):  # a module named like a label: refused where the label names other ops
@@ -126,6 +127,18 @@ def _ops_named(trace, key) -> list:
     except KeyError:
         return []
     return found.ops if isinstance(found, Layer) else []
+
+
+def _warn_calls_on_other_threads(runtime: Interventions) -> None:
+    """A site module the forward also ran on another thread (or that another thread ran meanwhile): capture records
+    and edits the tracing thread's calls only, so those calls ran as untraced, which a forward hook of the user's
+    would have edited.  Said, rather than leaving an output unlike the hand-made edit unexplained."""
+    elsewhere = [site for site in runtime.module_sites if id(site.module) in runtime.called_elsewhere]
+    if elsewhere:
+        warn_user(f"module site(s) {_site_names(elsewhere)} also ran on another thread while the trace ran: a trace "
+                  "records and edits the calls of its own thread only, so those calls ran unedited, and what they "
+                  "returned enters the trace as tensors of unknown origin (Trace.unattributed); make those calls on "
+                  "the thread that calls tl.trace to edit them")
 
 
 def _site_names(sites) -> str:

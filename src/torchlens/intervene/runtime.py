@@ -14,19 +14,16 @@ the subclass computes the new value and types it, as in a forward hook.
 from __future__ import annotations
 
 import dataclasses
-import sys
-import threading
 from collections.abc import Mapping
 from operator import itemgetter
 from weakref import ref as weakref
 
 import torch
-import torch.compiler as _compiler
 
 from ..errors import InterventionError
 from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
-from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, RECORD_CALL
+from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..record.layouts import shape_of, version_of
 from ..record.modules import enclosing_calls, is_unregistered, shown_class
@@ -34,7 +31,6 @@ from ..labels.naming import func_name_of
 from ..capture.source import source_of
 from ..capture.bindings import is_bound
 from ..capture.state import StopForward, storage_key
-from ..capture.teardown import HookHandles
 from ..capture.writes import named_targets
 from ..tree import made_in_transform, path_text, tensor_leaves
 from .actions import layout_name, same_shape
@@ -95,6 +91,7 @@ class Interventions:
         self.applied: dict = {}  # record index -> Applied
         self.originals: dict = {}  # record index -> the value before the action
         self.hit: set = set()  # ids of sites applied at least once
+        self.called_elsewhere: set = set()  # ids of site modules called on another thread while the trace ran
         self.stopped_at = None  # the site key the forward stopped after
         self.reference = None  # the trace label sites were resolved against, if any
         self.seen_keys: dict = {}  # occurrence_key -> calls of this run with it, before position ``counted``
@@ -360,7 +357,9 @@ class Interventions:
 
     # ----- module sites: forward hooks on the sites' modules -------------------------------------------
     def module_hooks(self, st, root):
-        return _ModuleHooks(self, st, root)
+        from .module_hooks import ModuleHooks
+
+        return ModuleHooks(self, st, root)
 
     def sites_of_call(self, module, call_number: int) -> list:
         """The module sites naming this call of ``module`` or every call of it, in the order they were given."""
@@ -521,70 +520,6 @@ def _replace_at(obj, path: tuple, value, key):
         return copy
     raise InterventionError(f"intervention at {key!r}: cannot rebuild a {type(obj).__name__} output with a changed "
                             "tensor; intervene at the op label of that tensor instead")
-
-
-class _ModuleHooks(HookHandles):
-    """Forward hooks on the module sites' modules, for the trace.  The edit hook is registered on each
-    site module after the module's own hooks (torch runs them in registration order), so it sees what the
-    module's hooks made and callers receive the edited value, as from a hook the user added last.  Torch
-    runs a module's hooks inside the call ``ModuleCallTracker`` records, so the call is on
-    ``state.module_stack`` in both; the call's outputs are recorded when it returns, after the edit hook
-    replaced them (or by the edit hook itself when it stops the forward).  Only the site modules get hooks:
-    every other module call runs as in a plain trace."""
-
-    def __init__(self, runtime: Interventions, st, root):
-        super().__init__()
-        self.runtime, self.st, self.root = runtime, st, root
-
-    def install(self) -> None:
-        runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
-        counts: dict = {}
-        open_calls: list = []  # (module, module call index, call number) of site modules now running
-
-        # Both step aside while Dynamo compiles a body of torch.cond (or while_loop, map, scan) calling a site
-        # module: that call is inside one op, unseen, and Dynamo cannot trace the thread check.
-        def pre_hook(module, args):
-            if not _compiler._is_compiling_flag and threading.get_ident() == owner:
-                counts[id(module)] = number = counts.get(id(module), 0) + 1
-                # With the exception being handled where the call began (None, but for a model called
-                # inside an except block): another one at its end is an exception raised in the call.
-                open_calls.append((module, st.module_stack[-1], number, sys.exc_info()[1]))
-
-        def post_hook(module, args, output):
-            if _compiler._is_compiling_flag or threading.get_ident() != owner or not open_calls \
-                    or open_calls[-1][0] is not module:
-                return None
-            _, module_call, number, handled = open_calls.pop()
-            if output is None or sys.exc_info()[1] is not handled:
-                # A module returning nothing, or torch running this always_call hook while unwinding from
-                # an exception the forward or one of the module's hooks raised: the call produced no output
-                # its caller receives, so there is nothing to edit and no stop_after site reached.
-                return None
-            with torch._C.DisableTorchFunction():
-                new = runtime.at_module_output(st, module, module_call, number, output)
-            stop = next((s for s in runtime.sites_of_call(module, number) if s.stop), None)
-            if stop is not None:
-                runtime.stopped_at = f"{stop.address}:{number}"
-                # The call ends here, inside it: record what it returned, as its end would have (objects'
-                # attributes included, as capture/modules.py's bound_output reads a result).
-                returned = output if new is None else new
-                st.module_calls[module_call][MODULE_CALL_OUTPUTS] = tuple(
-                    st.bound_producer(t) for _, t in tensor_leaves(returned, attrs=True))
-                raise StopForward
-            return new
-
-        for module in _site_modules(runtime.module_sites, root):
-            # The count first, before the module's own pre-hooks, so it numbers every call the tracker
-            # records; the edit last, after its own forward hooks (always_call: an exception pops the count).
-            self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
-            self._handles.append(module.register_forward_hook(post_hook, always_call=True))
-
-
-def _site_modules(module_sites, root) -> list:
-    """Each module object named by a module site, once (an alias names the same object), the root aside:
-    its output is the trace's output."""
-    modules = {id(site.module): site.module for site in module_sites if site.module is not root}
-    return list(modules.values())
 
 
 def _at(place) -> str:

@@ -1,0 +1,84 @@
+"""Module sites: a forward hook on each site module, registered after the module's own hooks, replaces the
+output of the calls the tracing thread makes.  A call made on another thread is neither recorded nor edited (capture
+is thread-local); the runtime notes the module so that the trace can say so."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+import torch.compiler as _compiler
+
+from ..record.columns import MODULE_CALL_OUTPUTS
+from ..capture.state import StopForward
+from ..capture.teardown import HookHandles
+from ..tree import tensor_leaves
+
+
+class ModuleHooks(HookHandles):
+    """Forward hooks on the module sites' modules, for the trace.  The edit hook is registered on each
+    site module after the module's own hooks (torch runs them in registration order), so it sees what the
+    module's hooks made and callers receive the edited value, as from a hook the user added last.  Torch
+    runs a module's hooks inside the call ``ModuleCallTracker`` records, so the call is on
+    ``state.module_stack`` in both; the call's outputs are recorded when it returns, after the edit hook
+    replaced them (or by the edit hook itself when it stops the forward).  Only the site modules get hooks:
+    every other module call runs as in a plain trace."""
+
+    def __init__(self, runtime: Interventions, st, root):
+        super().__init__()
+        self.runtime, self.st, self.root = runtime, st, root
+
+    def install(self) -> None:
+        runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
+        counts: dict = {}
+        open_calls: list = []  # (module, module call index, call number) of site modules now running
+
+        # Both step aside while Dynamo compiles a body of torch.cond (or while_loop, map, scan) calling a site
+        # module: that call is inside one op, unseen, and Dynamo cannot trace the thread check.
+        def pre_hook(module, args):
+            if _compiler._is_compiling_flag:
+                return
+            if threading.get_ident() != owner:  # not recorded, so not edited: said after the trace
+                runtime.called_elsewhere.add(id(module))
+                return
+            counts[id(module)] = number = counts.get(id(module), 0) + 1
+            # With the exception being handled where the call began (None, but for a model called
+            # inside an except block): another one at its end is an exception raised in the call.
+            open_calls.append((module, st.module_stack[-1], number, sys.exc_info()[1]))
+
+        def post_hook(module, args, output):
+            if _compiler._is_compiling_flag or threading.get_ident() != owner or not open_calls \
+                    or open_calls[-1][0] is not module:
+                return None
+            _, module_call, number, handled = open_calls.pop()
+            if output is None or sys.exc_info()[1] is not handled:
+                # A module returning nothing, or torch running this always_call hook while unwinding from
+                # an exception the forward or one of the module's hooks raised: the call produced no output
+                # its caller receives, so there is nothing to edit and no stop_after site reached.
+                return None
+            with torch._C.DisableTorchFunction():
+                new = runtime.at_module_output(st, module, module_call, number, output)
+            stop = next((s for s in runtime.sites_of_call(module, number) if s.stop), None)
+            if stop is not None:
+                runtime.stopped_at = f"{stop.address}:{number}"
+                # The call ends here, inside it: record what it returned, as its end would have (objects'
+                # attributes included, as capture/modules.py's bound_output reads a result).
+                returned = output if new is None else new
+                st.module_calls[module_call][MODULE_CALL_OUTPUTS] = tuple(
+                    st.bound_producer(t) for _, t in tensor_leaves(returned, attrs=True))
+                raise StopForward
+            return new
+
+        for module in _site_modules(runtime.module_sites, root):
+            # The count first, before the module's own pre-hooks, so it numbers every call the tracker
+            # records; the edit last, after its own forward hooks (always_call: an exception pops the count).
+            self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
+            self._handles.append(module.register_forward_hook(post_hook, always_call=True))
+
+
+def _site_modules(module_sites, root) -> list:
+    """Each module object named by a module site, once (an alias names the same object), the root aside:
+    its output is the trace's output."""
+    modules = {id(site.module): site.module for site in module_sites if site.module is not root}
+    return list(modules.values())
