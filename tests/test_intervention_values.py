@@ -93,6 +93,20 @@ def test_a_sparse_value_is_patched_and_replaced_in_its_layout_or_refused_by_name
     assert_clean_process()
 
 
+def test_a_helper_torch_cannot_compute_on_a_complex_value_is_refused_naming_the_site():
+    # tl.clamp at a complex value raised torch's bare "clamp is not supported for complex types" from inside
+    # the forward, naming neither the helper nor the site.
+    def spectral_gain(x):
+        return torch.fft.irfft(torch.fft.rfft(x) * 2, n=8)
+
+    x = torch.randn(3, 8)
+    with pytest.raises(tl.InterventionError, match=r"clamp\(min=0, max=1\) at rfft_1_1:1: .*complex64 value"):
+        tl.trace(spectral_gain, x, intervene={"rfft_1_1:1": tl.clamp(0, 1)})
+    scaled = tl.trace(spectral_gain, x, intervene={"rfft_1_1:1": tl.scale(0.5)})  # helpers with a kernel still apply
+    assert torch.equal(scaled.output, torch.fft.irfft(torch.fft.rfft(x) * 0.5 * 2, n=8))
+    assert_clean_process()
+
+
 def test_a_nested_value_is_ablated_and_patched_component_by_component():
     # Every action at a strided nested value raised torch's "NestedTensorImpl doesn't support sizes" (the
     # checks of the new value read .shape), and patching between two jagged runs was refused for ragged

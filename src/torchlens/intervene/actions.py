@@ -49,15 +49,16 @@ class Action:
                                           f"{tuple(tensor.shape)} ({exc})") from exc
             return new
         except (RuntimeError, NotImplementedError, TypeError) as exc:
-            if tensor.layout == torch.strided and not tensor.is_nested and not tensor.is_quantized:
+            if tensor.layout == torch.strided and not (tensor.is_nested or tensor.is_quantized or tensor.is_complex()):
                 raise
-            # torch has no kernel for much of what a helper computes on sparse, nested and quantized values: named
-            # with the helper and the site rather than left as torch's own message.
-            raise ReplacementMismatch(f"{self!r} at {_where(op)}: torch cannot compute it on this "
-                                      f"{layout_name(tensor)} value ({type(exc).__name__}: "
-                                      f"{str(exc).splitlines()[0][:200]}); write the "
+            # torch has no kernel for much of what a helper computes on sparse, nested, quantized and complex values
+            # (complex numbers have no order to clamp in): named with the helper and the site rather than left as
+            # torch's own message.
+            kind = str(tensor.dtype).replace("torch.", "") if tensor.is_complex() else layout_name(tensor)
+            raise ReplacementMismatch(f"{self!r} at {_where(op)}: torch cannot compute it on this {kind} value "
+                                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); write the "
                                       "action as a function of the tensor (lambda t, op: ...), or intervene where "
-                                      "the value is a plain dense tensor") from exc
+                                      "the value is a real, dense tensor") from exc
 
     def value(self, tensor: torch.Tensor, op, at):
         raise NotImplementedError
