@@ -358,6 +358,34 @@ def test_a_label_sites_reference_pass_leaves_the_models_own_and_passed_generator
     assert torch.equal(traced.own.get_state(), by_hand.own.get_state())
 
 
+class _CountsItsCalls(nn.Module):
+    """Keeps a step counter and a running sum as plain tensor attributes (not buffers), written in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.steps = torch.zeros(())
+        self.sums = [torch.zeros(4)]
+
+    def forward(self, x):
+        self.steps += 1
+        self.sums[0].add_(x.sum(0))
+        return self.fc(x).relu() * self.steps + self.sums[0]
+
+
+def test_a_label_sites_reference_pass_puts_back_tensors_a_module_holds_and_writes_in_place():
+    # The extra pass that resolves label sites put back buffers but not plain tensor attributes: the intervened
+    # run then counted its call twice (steps 2) and added the input twice, unlike the same edit by hand.
+    x = torch.randn(3, 4)
+    by_hand, traced = _CountsItsCalls(), _CountsItsCalls()
+    traced.load_state_dict(by_hand.state_dict())
+    by_hand.fc.register_forward_hook(lambda module, args, out: out * -3.0)
+    expected = by_hand(x)
+    log = tl.trace(traced, x, intervene={"linear_1_4:1": tl.scale(-3.0)})  # resolved by an extra pass
+    assert torch.equal(log.output, expected)
+    assert traced.steps.item() == 1 and torch.equal(traced.sums[0], by_hand.sums[0])
+
+
 class _RaisesAfter(nn.Module):
     def __init__(self):
         super().__init__()

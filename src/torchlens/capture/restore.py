@@ -112,13 +112,31 @@ def _numpy_moved(numpy, before) -> bool:
 
 
 def held_generators(module) -> list:
-    """The ``torch.Generator`` objects a module holds as attributes (``self.g = torch.Generator()``), directly or in
-    a plain container: one level deep, as ``ModuleAttributes`` notes them.  A run a trace makes besides the user's
-    must leave them where they were, as it does the global ones."""
+    """The ``torch.Generator`` objects a module holds as attributes (``self.g = torch.Generator()``): a run a trace
+    makes besides the user's must leave them where they were, as it does the global ones."""
+    return _held(module, torch.Generator)
+
+
+def held_tensors(module) -> list:
+    """The tensors a module holds as plain attributes, neither parameters nor buffers (``self.steps =
+    torch.zeros(())``, a list of cached tensors): a forward that writes one in place (``self.steps += 1``) must
+    find it as it was after a run a trace makes besides the user's."""
+    buffers = {id(b) for b in module._buffers.values()}
+    return [t for t in _held(module, torch.Tensor) if not isinstance(t, torch.nn.Parameter) and id(t) not in buffers]
+
+
+_TABLES = frozenset(("_parameters", "_buffers", "_modules"))  # a module's own tables: kept by their own rules
+
+
+def _held(module, kind) -> list:
+    """The ``kind`` objects among a module's attributes, directly or in a plain container: one level deep, as
+    ``ModuleAttributes`` notes them."""
     found = []
-    for value in vars(module).values():
+    for name, value in vars(module).items():
+        if name in _TABLES:
+            continue
         members = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-        found.extend(member for member in members if isinstance(member, torch.Generator))
+        found.extend(member for member in members if isinstance(member, kind))
     return found
 
 
@@ -206,7 +224,8 @@ def _same_members(container, members: list) -> bool:
 
 class ForwardState:
     """What a forward may change on a model that a run made besides the user's must put back: the global
-    generators, the buffers' values (running statistics), the modules' Python attributes, and the values of
+    generators and those the modules hold, the buffers' values (running statistics), the modules' Python
+    attributes and the values of the tensors among them (a step counter written in place), and the values of
     the parameters the model's forward is known to write in place (``owner``: the model).  Other
     parameters are not copied: their version counters tell whether a forward wrote one in place, which
     cannot be put back (``written_params``), and which the next state of the model then copies."""
@@ -216,6 +235,7 @@ class ForwardState:
         self.rng.keep(g for m in modules for g in held_generators(m))
         self.attributes = ModuleAttributes(modules)
         self.buffers = [(b, b.detach().clone()) for b in buffers]
+        self.held = {id(t): (t, t.detach().clone()) for m in modules for t in held_tensors(m)}
         self.params = list(params)  # [(address, Parameter)]
         self.versions = [version_of(p) for _, p in self.params]  # None: an inference tensor
         self.owner = owner
@@ -230,6 +250,7 @@ class ForwardState:
         self.attributes.add(module)
         self.rng.keep(held_generators(module))
         self.buffers.extend((b, b.detach().clone()) for b in module.buffers(recurse=False))
+        self.held.update((id(t), (t, t.detach().clone())) for t in held_tensors(module) if id(t) not in self.held)
         params = [(f"{type(module).__name__}.{name}", p) for name, p in module.named_parameters(recurse=False)]
         self.params.extend(params)
         self.versions.extend(version_of(p) for _, p in params)
@@ -260,7 +281,7 @@ class ForwardState:
     def restore(self) -> None:
         self.rng.restore()
         self.attributes.restore()
-        for tensor, value in self.buffers + self.kept:
+        for tensor, value in [*self.buffers, *self.kept, *self.held.values()]:
             put_back(tensor, value)
 
 
