@@ -100,6 +100,22 @@ def test_a_fake_quantize_model_replays_skipping_only_the_resizes_that_grew_a_buf
     assert len(grown) == len(result.not_replayed)
 
 
+def test_a_label_site_on_a_fake_quantize_model_leaves_its_grown_buffers_as_one_forward_does():
+    # The extra pass that resolves label sites copied each buffer back into the one its first forward had grown:
+    # a per-channel observer's empty min_val failed the copy with torch's "size of tensor a (8) must match the
+    # size of tensor b (0)", and a scale grown from 1 to 8 entries was broadcast back, keeping the new size.
+    import copy
+
+    model, x = _qat_model(), torch.randn(2, 4)
+    by_hand = copy.deepcopy(model)
+    by_hand[1].register_forward_hook(lambda module, args, out: out * 0.5)
+    expected = by_hand(x)
+    log = tl.trace(model, x, intervene={(lambda op: op.type == "relu"): tl.scale(0.5)})
+    assert torch.equal(log.output, expected)
+    after, by_hand_after = model.state_dict(), by_hand.state_dict()
+    assert all(torch.equal(after[key], by_hand_after[key]) for key in by_hand_after)
+
+
 def test_a_resize_that_shrinks_or_keeps_the_size_is_replayed():
     def resized(x):
         shrunk = (torch.ones(6) * x.sum()).resize_(2)

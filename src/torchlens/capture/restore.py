@@ -122,7 +122,9 @@ def held_tensors(module) -> list:
     torch.zeros(())``, a list of cached tensors): a forward that writes one in place (``self.steps += 1``) must
     find it as it was after a run a trace makes besides the user's."""
     buffers = {id(b) for b in module._buffers.values()}
-    return [t for t in _held(module, torch.Tensor) if not isinstance(t, torch.nn.Parameter) and id(t) not in buffers]
+    # (A nested tensor is left out: torch has no in-place copy into one to put it back with.)
+    return [t for t in _held(module, torch.Tensor)
+            if not (isinstance(t, torch.nn.Parameter) or id(t) in buffers or t.is_nested)]
 
 
 _TABLES = frozenset(("_parameters", "_buffers", "_modules"))  # a module's own tables: kept by their own rules
@@ -353,11 +355,7 @@ class ModelState:
     def restore(self) -> None:
         self.attributes.restore()
         for t, value in self._kept.values():
-            if t.shape != value.shape or t.dtype != value.dtype:
-                with torch.no_grad():
-                    t.data = value.clone()
-            else:
-                put_back(t, value)
+            put_back(t, value)
 
 
 class RunState:
@@ -389,10 +387,15 @@ def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Write ``value`` back into ``tensor`` if it differs: only then, since a copy bumps the version counter,
     which a trace's replay reads as a parameter changed since the trace.  (``torch.equal`` takes strided
     tensors only: a sparse or other layout is written back whatever it holds.  A meta or fake tensor holds
-    no values to put back.)"""
-    if without_values(tensor):
+    no values to put back.)  A tensor the forward resized (an observer's empty ``min_val`` given a value per
+    channel, a buffer grown by ``resize_``) gets its old shape back with its values, where a copy would
+    broadcast into the new shape, or fail."""
+    if not tensor.is_nested and (tensor.shape != value.shape or tensor.dtype != value.dtype):  # (nested: no .shape)
+        with torch.inference_mode(tensor.is_inference()), torch.no_grad():
+            tensor.data = value.clone()
+    elif without_values(tensor):
         return
-    if tensor.layout != torch.strided or not torch.equal(tensor, value):
+    elif tensor.layout != torch.strided or not torch.equal(tensor, value):
         # An inference tensor is written only inside inference mode; leaving it (mode False) turns gradients
         # back on, hence no_grad inside.
         with torch.inference_mode(tensor.is_inference()), torch.no_grad():
