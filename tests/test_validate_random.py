@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import threading
 
 import numpy
 import pytest
@@ -110,10 +111,13 @@ def test_replay_never_advances_a_generator_passed_to_an_op():
 def test_a_callable_drawing_from_its_own_generator_is_not_compared_rather_than_failed():
     # The module is deep-copied for the untraced run, its generator with it: both runs draw the same numbers.
     assert tl.validate(DrawsFromAGenerator(), torch.zeros(4)).outputs_match is True
-    # A lambda runs on the objects it closes over: validation cannot put a generator it does not know back,
-    # so the untraced and traced runs drew other numbers, and the outputs differ through no fault of the trace.
+    # A lambda calling that module: the module's generator is put back between the runs, as the modules it calls are.
     model = DrawsFromAGenerator()
-    result = tl.validate(lambda x: model(x), torch.zeros(4))
+    assert tl.validate(lambda x: model(x), torch.zeros(4)).outputs_match is True
+    # A lambda drawing from a generator it closes over: validation cannot put a generator it does not know back,
+    # so the untraced and traced runs drew other numbers, and the outputs differ through no fault of the trace.
+    closed_over = torch.Generator().manual_seed(3)
+    result = tl.validate(lambda x: x + torch.randn(x.shape, generator=closed_over), torch.zeros(4))
     assert result.outputs_match is None and result.status != "failed"
     assert "randn_1_1:1 draws from a torch.Generator passed as generator=" in result.outputs_differ
     assert "outputs not compared: randn_1_1:1" in str(result)
@@ -170,3 +174,31 @@ def test_host_generators_are_restored_around_every_extra_run(seed):
     log = tl.trace(model, x, intervene={"mul_1_4:1": tl.scale(1.0)})  # a label site: a reference pass first
     assert torch.equal(log.output, expected)
     assert numpy.array_equal(numpy.random.get_state()[1], after[0]) and random.getstate() == after[1]
+
+
+class KeepsStateItCannotCopy(nn.Module):
+    """A lock (no deep copy), a running sum in a list and a generator of its own: validation runs the model
+    itself and must put all three back between its untraced and traced runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.lock = threading.Lock()
+        self.sums = [torch.zeros(4)]
+        self.g = torch.Generator().manual_seed(2)
+
+    def forward(self, x):
+        self.sums[0].add_(x.sum(0))
+        return self.fc(x) + self.sums[0] + torch.randn(4, generator=self.g)
+
+
+def test_a_model_that_cannot_be_copied_gets_its_held_tensors_and_generators_back_between_the_runs():
+    # The running sum in a list kept the untraced run's addition, so the traced run added it again and the
+    # outputs were reported as differing; the generator's draws were reported as not compared.
+    model, x = KeepsStateItCannotCopy(), torch.randn(3, 4)
+    result = tl.validate(model, x)
+    assert result.outputs_match is True, result.outputs_differ
+    assert torch.equal(model.sums[0], x.sum(0))  # as after one forward
+    once = torch.Generator().manual_seed(2)
+    torch.randn(4, generator=once)
+    assert torch.equal(model.g.get_state(), once.get_state())

@@ -332,13 +332,14 @@ class FirstCalls:
 
 class ModelState:
     """Everything a forward can change on a module tree, restorable: parameter and buffer values
-    (non-persistent buffers too), tensors held in plain attributes, and every Python attribute
-    (counters, caches, flags; containers are copied one level deep)."""
+    (non-persistent buffers too), tensors and generators held in plain attributes (or in a plain container
+    among them), and every Python attribute (counters, caches, flags; containers are copied one level deep)."""
 
     def __init__(self, model):
         modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
         self.attributes = ModuleAttributes(modules)
         self._kept: dict = {}  # id(tensor) -> (tensor, its value now)
+        self._generators: dict = {}  # id(generator) -> (generator, its state now)
         for m in modules:
             self._keep_tensors(m)
 
@@ -348,14 +349,18 @@ class ModelState:
         self._keep_tensors(module)
 
     def _keep_tensors(self, m) -> None:
-        for t in [*m._parameters.values(), *m._buffers.values(), *vars(m).values()]:
+        for t in [*m._parameters.values(), *m._buffers.values(), *held_tensors(m)]:
             if isinstance(t, torch.Tensor) and id(t) not in self._kept:
                 self._kept[id(t)] = (t, t.detach().clone())
+        for g in held_generators(m):
+            self._generators.setdefault(id(g), (g, g.get_state()))
 
     def restore(self) -> None:
         self.attributes.restore()
         for t, value in self._kept.values():
             put_back(t, value)
+        for g, state in self._generators.values():
+            g.set_state(state)
 
 
 class RunState:
