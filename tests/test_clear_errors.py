@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
-from untouched import assert_untouched, snapshot
+from untouched import assert_clean_process, assert_untouched, snapshot
 from zoo import MLP, SharedModule
 
 
@@ -557,3 +557,24 @@ def test_a_parameter_or_buffer_asked_for_by_address_is_answered_with_where_its_r
         assert eval(recipe, {"log": log}).grad is model[0].weight.grad
         with pytest.raises(TypeError, match=r"log\['relu'\] finds an op"):
             log.ops["relu"]
+
+
+@pytest.mark.parametrize("lazy", ["map", "filter", "zip", "chain"])
+def test_a_forward_returning_a_lazy_iterator_is_refused_rather_than_traced_with_no_outputs(lazy):
+    # A forward returning map(...) gave a trace with no outputs; the mapped function ran later, untraced.
+    import itertools
+
+    class ReturnsLazily(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            made = {"map": lambda: map(lambda t: t * 2, [h]), "filter": lambda: filter(None, [h]),
+                    "zip": lambda: zip([h], [h]), "chain": lambda: itertools.chain([h], [h])}
+            return made[lazy]()
+
+    with pytest.raises(TypeError, match=f"returned a {lazy}, an iterator whose items .* after tracing ended"):
+        tl.trace(ReturnsLazily(), torch.randn(2, 4))
+    assert_clean_process()

@@ -10,6 +10,7 @@ import gc
 import inspect
 import os
 import threading
+from collections.abc import Iterator
 from time import perf_counter_ns
 
 import torch
@@ -296,14 +297,18 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
 
 
 def _refuse_lazy_output(output, model, shown) -> None:
-    """A forward that returned a generator or coroutine: its body would run later, untraced.  Refuse
-    rather than return an empty, plausible trace."""
-    if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
-        getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
-        shown.close()
-        raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, whose body runs "
-                        "only when iterated, after tracing ended; trace a forward that returns its results "
-                        "(e.g. wrap it: lambda x: list(model(x)))")
+    """A forward that returned a generator or coroutine: its body would run later, untraced; or another
+    iterator (``map``, ``filter``, ``zip``, ``itertools.chain``): its items are made, or found, only as it is
+    iterated.  Refuse rather than return an empty, plausible trace."""
+    lazy_body = inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output)
+    if not (lazy_body or isinstance(output, Iterator)):
+        return
+    getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
+    shown.close()
+    what = "whose body runs" if lazy_body else "an iterator whose items are made or handed out"
+    raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, {what} only when "
+                    "iterated, after tracing ended; trace a forward that returns its results "
+                    "(e.g. wrap it: lambda x: list(model(x)))")
 
 
 def _complete(result, state, index, policy, runtime, packing, submodules, root, model_name) -> None:
