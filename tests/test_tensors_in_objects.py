@@ -7,6 +7,7 @@ patching tables) works on copies, so the caller's inputs end as one forward leav
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import sys
@@ -306,3 +307,35 @@ def test_the_cache_corpus_script_runs():
     import cache_corpus
 
     assert cache_corpus.row("gpt2") == "| gpt2 | DynamicCache | 4 | 4 | 0 | passed | True |"
+
+
+class _Slotted:
+    """A result object with ``__slots__``: no ``__dict__`` to find its tensors in."""
+
+    __slots__ = ("hidden", "scores")
+
+    def __init__(self, hidden, scores):
+        self.hidden, self.scores = hidden, scores
+
+
+class _ReturnsUnusualContainers(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.fc, self.kind = nn.Linear(4, 4), kind
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        if self.kind == "slots":
+            return _Slotted(hidden, hidden.relu())
+        return collections.deque([hidden, hidden.relu()])
+
+
+@pytest.mark.parametrize("kind", ["slots", "deque"])
+def test_tensors_in_a_slotted_object_or_a_deque_are_outputs_and_validate(kind):
+    # Both were walked past: the trace had no outputs, and validation reported the outputs as differing.
+    log = tl.trace(_ReturnsUnusualContainers(kind), torch.randn(2, 4))
+    paths = ["output.hidden", "output.scores"] if kind == "slots" else ["output.0", "output.1"]
+    assert [o.io_path for o in log.outputs] == paths
+    assert [o.parents for o in log.outputs] == [["linear_1_1:1"], ["relu_1_2:1"]]
+    result = tl.validate(_ReturnsUnusualContainers(kind), torch.randn(2, 4))
+    assert result.outputs_match is True, result.outputs_differ

@@ -2,9 +2,10 @@
 
 Capture, module calls, validation, extraction and output comparison all need the same answer to
 "which tensors are in this argument, and where", so they all ask this module.  Containers walked:
-tuples and lists (named tuples included), dicts and other mappings (``ModelOutput``-style ordered
+tuples, lists and deques (named tuples included), dicts and other mappings (``ModelOutput``-style ordered
 dicts included), and dataclasses.  ``attrs=True`` also walks the instance attributes of plain
-objects, for comparing return values of any shape.
+objects (their ``__dict__``, or the attributes their class declares in ``__slots__``), for comparing return
+values of any shape.
 
 A path is a tuple of keys: list indices, dict keys and field names, outermost first.  ``strip``
 copies a value with every tensor replaced by ``None`` (so a record holds the non-tensor arguments by
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import sys
+from collections import deque
 from collections.abc import Mapping
 
 import torch
@@ -62,15 +65,30 @@ _DATACLASS_FIELDS = "__dataclass_fields__"  # what dataclasses.is_dataclass look
 
 def container_items(obj, attrs: bool):
     """``(key, child)`` pairs of a container, or None when ``obj`` is not one we walk."""
-    if isinstance(obj, (tuple, list)):
+    if isinstance(obj, (tuple, list, deque)):
         return enumerate(obj)
     if isinstance(obj, dict) or isinstance(obj, Mapping):  # a dict subclass (ModelOutput) skips the ABC check
         return obj.items()
     if not isinstance(obj, type) and hasattr(type(obj), _DATACLASS_FIELDS):  # dataclasses.is_dataclass, inlined
         return ((f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj))
-    if attrs and hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+    if not attrs or isinstance(obj, (type, torch.nn.Module)):
+        return None
+    if hasattr(obj, "__dict__"):
         return vars(obj).items()
-    return None
+    slots = _slot_names(type(obj))  # an object whose class declares __slots__ has no __dict__ to read them from
+    return ((name, getattr(obj, name, None)) for name in slots) if slots else None
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_names(cls) -> tuple:
+    """The attributes a class and its bases declare in ``__slots__`` (a string names one), in declaration order."""
+    names = []
+    for klass in reversed(cls.__mro__):
+        declared = vars(klass).get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 def tensor_leaves(obj, path: tuple = (), *, attrs: bool = False) -> list:
