@@ -142,6 +142,23 @@ def _held(module, kind) -> list:
     return found
 
 
+class ParametrizationCache:
+    """The weights ``torch.nn.utils.parametrize.cached()`` keeps while its block lasts: a dict global to torch,
+    keyed by module and name, that a forward fills at its first read of each parametrized weight.  A run besides
+    the user's inside such a block must leave it as it found it, or the run after it would read the weights from
+    it without computing them: another path than the forward the user asked for takes."""
+
+    def __init__(self):
+        parametrize = sys.modules.get("torch.nn.utils.parametrize")
+        enabled = getattr(parametrize, "_cache_enabled", 0)
+        self.entries = list(parametrize._cache.items()) if enabled else None
+
+    def restore(self) -> None:
+        cache = getattr(sys.modules.get("torch.nn.utils.parametrize"), "_cache", None)
+        if self.entries is not None and isinstance(cache, dict):
+            _put_members_back(cache, self.entries)
+
+
 class ModuleAttributes:
     """Every module's Python attributes (``vars(module)``: flags, counters, caches, and the parameter,
     buffer, submodule and hook tables), restorable; a container's members are noted one level deep, so
@@ -227,8 +244,9 @@ def _same_members(container, members: list) -> bool:
 class ForwardState:
     """What a forward may change on a model that a run made besides the user's must put back: the global
     generators and those the modules hold, the buffers' values (running statistics), the modules' Python
-    attributes and the values of the tensors among them (a step counter written in place), and the values of
-    the parameters the model's forward is known to write in place (``owner``: the model).  Other
+    attributes and the values of the tensors among them (a step counter written in place), the weights
+    ``parametrize.cached()`` keeps, and the values of the parameters the model's forward is known to write in
+    place (``owner``: the model).  Other
     parameters are not copied: their version counters tell whether a forward wrote one in place, which
     cannot be put back (``written_params``), and which the next state of the model then copies."""
 
@@ -238,6 +256,7 @@ class ForwardState:
         self.attributes = ModuleAttributes(modules)
         self.buffers = [(b, b.detach().clone()) for b in buffers]
         self.held = {id(t): (t, t.detach().clone()) for m in modules for t in held_tensors(m)}
+        self.parametrized = ParametrizationCache()
         self.params = list(params)  # [(address, Parameter)]
         self.versions = [version_of(p) for _, p in self.params]  # None: an inference tensor
         self.owner = owner
@@ -285,6 +304,7 @@ class ForwardState:
         self.attributes.restore()
         for tensor, value in [*self.buffers, *self.kept, *self.held.values()]:
             put_back(tensor, value)
+        self.parametrized.restore()
 
 
 class FirstCalls:
@@ -340,6 +360,7 @@ class ModelState:
         self.attributes = ModuleAttributes(modules)
         self._kept: dict = {}  # id(tensor) -> (tensor, its value now)
         self._generators: dict = {}  # id(generator) -> (generator, its state now)
+        self.parametrized = ParametrizationCache()
         for m in modules:
             self._keep_tensors(m)
 
@@ -361,6 +382,7 @@ class ModelState:
             put_back(t, value)
         for g, state in self._generators.values():
             g.set_state(state)
+        self.parametrized.restore()
 
 
 class RunState:
