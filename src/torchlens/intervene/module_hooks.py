@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 import torch.compiler as _compiler
@@ -14,6 +15,9 @@ from ..record.columns import MODULE_CALL_OUTPUTS
 from ..capture.state import StopForward
 from ..capture.teardown import HookHandles
 from ..tree import tensor_leaves
+
+if TYPE_CHECKING:
+    from .runtime import Interventions
 
 
 class ModuleHooks(HookHandles):
