@@ -126,6 +126,14 @@ def test_a_callable_drawing_from_its_own_generator_is_not_compared_rather_than_f
     result = tl.validate(lambda x, g: x + torch.randn(x.shape, generator=g), (torch.zeros(4), passed))
     torch.randn(4, generator=once)
     assert result.outputs_match is True and torch.equal(passed.get_state(), once.get_state())
+    # The global generator passed among the inputs is no copy's: it ends as one forward leaves it.
+    draw = lambda x, g: x + torch.randn(x.shape, generator=g)  # noqa: E731
+    torch.manual_seed(0)
+    draw(torch.zeros(4), torch.default_generator)
+    after_one = torch.get_rng_state()
+    torch.manual_seed(0)
+    assert tl.validate(draw, (torch.zeros(4), torch.default_generator)).outputs_match is True
+    assert torch.equal(torch.get_rng_state(), after_one)
     # The global generator passed by name is one validation puts back: compared, and equal.
     lin = nn.Linear(4, 4)
     result = tl.validate(lambda x: lin(x) + torch.randn(x.shape, generator=torch.default_generator), torch.zeros(4))

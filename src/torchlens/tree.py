@@ -275,11 +275,18 @@ def generators_in(obj, depth: int = 0, seen=None) -> list:
 def _generator_twins(obj, memo: dict) -> bool:
     """Put a copy of each generator inside ``obj`` in ``memo`` (``id -> copy``), at the state it is in now; returns
     whether ``obj`` holds any."""
-    found = generators_in(obj)
+    # The global generators are put back by the run's own RngState, and the caller's forward advances them.
+    found = [g for g in generators_in(obj) if not is_global_generator(g)]
     for g in found:
         if id(g) not in memo:
             memo[id(g)] = generator_twin(g)
     return bool(found)
+
+
+def is_global_generator(g: torch.Generator) -> bool:
+    """Whether ``g`` is torch's default CPU generator or an initialized CUDA device's."""
+    cuda = torch.cuda.default_generators if torch.cuda.is_available() and torch.cuda.is_initialized() else ()
+    return g is torch.default_generator or any(g is d for d in cuda)
 
 
 def generator_twin(g: torch.Generator) -> torch.Generator:

@@ -28,8 +28,8 @@ from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, s
 from .capture.collectives import is_collective
 from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
-from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, path_text,
-                   slice_with_tensor, structures_equal, tensor_leaves, unmaterialized, without_values)
+from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
+                   path_text, slice_with_tensor, structures_equal, tensor_leaves, unmaterialized, without_values)
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
@@ -240,9 +240,8 @@ def _compare_outputs(log, expected) -> tuple:
 def _op_drawing_from_own_generator(log):
     """The label of the first op called with a ``torch.Generator`` other than a global one (``generator=``),
     if any: ``RngState`` puts back only the global ones."""
-    globals_ = (torch.default_generator, *(torch.cuda.default_generators if torch.cuda.is_initialized() else ()))
     for call in log.calls:
-        if call.kwargs and any(isinstance(v, torch.Generator) and all(v is not g for g in globals_)
+        if call.kwargs and any(isinstance(v, torch.Generator) and not is_global_generator(v)
                                for v in call.kwargs.values()):
             return log.labels[call.first_record]
     return None
