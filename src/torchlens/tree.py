@@ -75,8 +75,20 @@ def container_items(obj, attrs: bool):
         return None
     if hasattr(obj, "__dict__"):
         return vars(obj).items()
-    slots = _slot_names(type(obj))  # an object whose class declares __slots__ has no __dict__ to read them from
-    return ((name, getattr(obj, name, None)) for name in slots) if slots else None
+    return _slot_items(obj)
+
+
+def _slot_items(obj):
+    """The attributes an object's class declares in ``__slots__`` (it has no ``__dict__`` to read them from), or
+    None for a value with an equality of its own and no tensor in them (a ``Decimal``, a ``pathlib.Path``, whose
+    slots may cache what ``==`` does not compare)."""
+    slots = _slot_names(type(obj))
+    if not slots:
+        return None
+    items = [(name, getattr(obj, name, None)) for name in slots]
+    if type(obj).__eq__ is not object.__eq__ and not any(has_tensor(value) for _, value in items):
+        return None
+    return items
 
 
 @functools.lru_cache(maxsize=256)
