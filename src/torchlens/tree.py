@@ -537,12 +537,15 @@ def as_args(value) -> tuple:
 
 
 def as_kwargs(value, who: str = "tl.trace") -> dict:
-    """The keyword arguments a forward is called with: a dict, or None for none.  Anything else is the
-    common slip of giving a second positional argument where the keywords go, and is refused saying so."""
+    """The keyword arguments a forward is called with: a dict, or None for none.  Any other mapping is what
+    ``model(**value)`` would take too (a tokenizer's ``BatchEncoding``), and is read as a dict.  Anything else is
+    the common slip of giving a second positional argument where the keywords go, and is refused saying so."""
     if value is None:
         return {}
     if isinstance(value, dict):
         return value
-    raise TypeError(f"{who}: kwargs must be a dict of keyword arguments for forward, got a "
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{who}: kwargs must be a dict (or another mapping) of keyword arguments for forward, got a "
                     f"{type(value).__name__}; to call forward with several positional arguments, give them "
                     f"as one tuple: {who}(model, (x, y))")

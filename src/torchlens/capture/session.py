@@ -176,7 +176,7 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
         raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
     root = _root_of(model, root)
     if kwargs is not None and not isinstance(kwargs, dict):
-        as_kwargs(kwargs)  # raises, saying how to pass several positional arguments
+        as_kwargs(kwargs)  # raises for anything but a mapping, saying how to pass several positional arguments
     if compiled != "run":
         check_compiled_option(compiled)
     if deep and redispatch_function is None:
