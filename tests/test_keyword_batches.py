@@ -43,3 +43,32 @@ def test_a_tokenizers_mapping_is_taken_as_the_keyword_arguments(gpt2):
 def test_keyword_arguments_that_are_no_mapping_are_still_refused(gpt2):
     with pytest.raises(TypeError, match=r"kwargs must be a dict \(or another mapping\).*got a list"):
         tl.trace(gpt2, (), [torch.tensor([[5, 9]])])
+
+
+def _notes(exc_info) -> str:
+    return "\n".join(getattr(exc_info.value, "__notes__", []))
+
+
+def test_a_mapping_of_keyword_arguments_given_as_the_one_argument_is_named_with_the_way_to_pass_it(gpt2, tmp_path):
+    batch = dict(_encoding())
+    # GPT-2 reads the dict as its input_ids and fails inside ("'dict' object has no attribute 'size'"), no word of why.
+    with pytest.raises((TypeError, AttributeError)) as raised:
+        tl.trace(gpt2, batch)
+    assert "its keys name the forward's parameters (input_ids, attention_mask)" in _notes(raised)
+    assert "tl.trace(model, (), batch)" in _notes(raised)
+    with pytest.raises((TypeError, AttributeError)) as raised:
+        tl.validate(gpt2, batch)
+    assert "as model(**batch) does" in _notes(raised)
+    with pytest.raises((TypeError, AttributeError)) as raised:
+        tl.extract(gpt2, [batch], ["transformer.h.0"], tmp_path / "out", progress=False)
+    assert "kwargs_of=dict in tl.extract" in _notes(raised)
+
+
+def test_a_dict_the_forward_takes_as_one_argument_gets_no_such_note():
+    class Reader(torch.nn.Module):
+        def forward(self, batch):
+            return batch["x"] * batch["missing"]
+
+    with pytest.raises(KeyError) as raised:
+        tl.trace(Reader(), {"x": torch.ones(2)})
+    assert "keyword arguments" not in _notes(raised)

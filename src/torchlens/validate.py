@@ -175,7 +175,8 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     and replay once either takes about a second (None: on an interactive terminal or notebook only; True:
     anywhere; False: never).
     """
-    from .capture.session import note_how_arguments_were_passed, trace
+    from .capture.inputs import note_how_arguments_were_passed
+    from .capture.session import trace
     from .capture.wrappers import unwrap
 
     model = unwrap(model)
@@ -192,7 +193,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         expected, on_a_copy = _reference_output(model, call_args, kwargs, trace_kwargs.get("root"))
         after = RngState()
     except BaseException as exc:  # the untraced run fails first: say how the arguments were passed, as a trace does
-        note_how_arguments_were_passed(exc, call_args)
+        note_how_arguments_were_passed(exc, call_args, model)
         raise
     finally:
         before.restore()  # the traced forward draws what the untraced one drew

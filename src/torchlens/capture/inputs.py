@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 
+from ..errors import add_note
 from ..record.columns import INPUT
 from ..record.finalize import io_tensor_leaves
 
@@ -167,3 +169,44 @@ def add_inputs(state, model, args, kwargs) -> dict:
             else:  # the same tensor passed twice is one input
                 aliases[path] = producers[id(t)][1]
     return aliases
+
+
+def note_how_arguments_were_passed(exc: BaseException, args, model=None) -> None:
+    """A note on a forward that failed taking ``args`` by tl.trace's rule (a list is one argument, a named
+    tuple's fields are several, a dict is one argument), saying how to pass them the other way; tl.validate's
+    untraced run adds it too."""
+    one_list = len(args) == 1 and type(args[0]) is list
+    if isinstance(exc, TypeError) and one_list and "positional argument" in str(exc):
+        add_note(exc, "torchlens: the list was passed as one positional argument (only a tuple's items are "
+                     "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
+    elif isinstance(exc, (TypeError, AttributeError)) and one_list and "list" in str(exc):
+        # a DataLoader collates an (inputs, labels) dataset into a list, which the forward got as its input
+        add_note(exc, f"torchlens: the forward got a list of {len(args[0])} items as its one positional argument "
+                     "(only a tuple's items are passed as several); a DataLoader collates an (inputs, labels) dataset "
+                     "into such a list: give tl.extract args_of=lambda batch: batch[0], or tl.trace the inputs alone")
+    elif isinstance(exc, (TypeError, AttributeError)) and type(args) is not tuple and isinstance(args, tuple):
+        # a named tuple (a batch) given as the arguments is a tuple: its fields were passed one by one
+        add_note(exc, f"torchlens: the {type(args).__name__} was passed as the positional arguments, one per field "
+                     "(a tuple's items are passed as several); to pass it as one argument, wrap it: "
+                     "tl.trace(model, (batch,)), or args_of=lambda batch: (batch,) in tl.extract")
+    else:
+        named = _parameters_named_by(model, args)
+        if named:
+            # a tokenized batch given as the argument: the model read the whole mapping as its first parameter,
+            # and fails wherever that first meets it (transformers' GPT-2: "unhashable type: 'slice'")
+            add_note(exc, f"torchlens: the {type(args[0]).__name__} was passed as the forward's one positional "
+                         f"argument, and its keys name the forward's parameters ({', '.join(named)}): to pass it as "
+                         "keyword arguments, as model(**batch) does, give tl.trace(model, (), batch), or "
+                         "kwargs_of=dict in tl.extract")
+
+
+def _parameters_named_by(model, args) -> list:
+    """The keys of a mapping passed as the one positional argument that name parameters of ``model``'s forward:
+    keyword arguments passed as one value.  [] for any other call."""
+    if model is None or len(args) != 1 or not isinstance(args[0], Mapping):
+        return []
+    sig = _forward_signature(model)
+    if sig is None:
+        return []
+    names = {p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return [key for key in args[0] if isinstance(key, str) and key in names]

@@ -34,7 +34,7 @@ from .forks import leave_copied_trace, refuse_forked_trace
 from .fused_writes import link_running_stats_readers, norm_calls
 from .function_outputs import function_outputs
 from .grads import attach_grads, grad_capture
-from .inputs import add_inputs
+from .inputs import add_inputs, note_how_arguments_were_passed
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
 from .packing import PackLog, packing_observed
@@ -557,26 +557,7 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
         add_note(exc, f"torchlens: raised in {where} after {len(state.records)} captured tensors; {torn_down}")
     if isinstance(exc, RecursionError):
         add_note(exc, _DEEPER_TRACED)
-    note_how_arguments_were_passed(exc, args)
-
-
-def note_how_arguments_were_passed(exc: BaseException, args) -> None:
-    """A note on a forward that failed taking ``args`` by tl.trace's rule (a list is one argument, a named
-    tuple's fields are several), saying how to pass them the other way; tl.validate's untraced run adds it too."""
-    one_list = len(args) == 1 and type(args[0]) is list
-    if isinstance(exc, TypeError) and one_list and "positional argument" in str(exc):
-        add_note(exc, "torchlens: the list was passed as one positional argument (only a tuple's items are "
-                     "passed as several): to call forward(a, b), give tl.trace(model, (a, b))")
-    elif isinstance(exc, (TypeError, AttributeError)) and one_list and "list" in str(exc):
-        # a DataLoader collates an (inputs, labels) dataset into a list, which the forward got as its input
-        add_note(exc, f"torchlens: the forward got a list of {len(args[0])} items as its one positional argument "
-                     "(only a tuple's items are passed as several); a DataLoader collates an (inputs, labels) dataset "
-                     "into such a list: give tl.extract args_of=lambda batch: batch[0], or tl.trace the inputs alone")
-    elif isinstance(exc, (TypeError, AttributeError)) and type(args) is not tuple and isinstance(args, tuple):
-        # a named tuple (a batch) given as the arguments is a tuple: its fields were passed one by one
-        add_note(exc, f"torchlens: the {type(args).__name__} was passed as the positional arguments, one per field "
-                     "(a tuple's items are passed as several); to pass it as one argument, wrap it: "
-                     "tl.trace(model, (batch,)), or args_of=lambda batch: (batch,) in tl.extract")
+    note_how_arguments_were_passed(exc, args, model)
 
 
 def _where(state, index: int, model) -> str:
