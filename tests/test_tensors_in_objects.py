@@ -163,6 +163,27 @@ def test_patching_runs_each_start_from_the_callers_inputs(gpt2):
     assert all(torch.equal(a, b) for a, b in zip(_cache_tensors(cache), _cache_tensors(untouched)))
 
 
+def test_an_empty_cache_is_copied_for_every_extra_run_as_a_filled_one_is(gpt2):
+    """A prefill forward given ``DynamicCache()`` fills it, though it holds no tensor yet: the reference pass of a
+    label site, tl.validate's untraced run and the patching runs each extended the caller's cache, so the traced
+    run met a cache of ten tokens for a five-token prompt (and a label site was refused as another path)."""
+    from transformers import DynamicCache
+
+    prompt = torch.tensor([[5, 9, 13, 21, 7]])
+    with torch.no_grad():
+        expected = gpt2(prompt, past_key_values=DynamicCache()).logits
+    cache = DynamicCache()
+    in_head = lambda op: op.module_address == "lm_head"  # noqa: E731 - resolved by a reference pass, as a label
+    log = tl.trace(gpt2, (prompt,), {"past_key_values": cache}, intervene={in_head: tl.scale(1.0)})
+    assert torch.equal(log.output.logits, expected) and cache.get_seq_length() == 5
+    cache = DynamicCache()
+    assert tl.validate(gpt2, (prompt,), {"past_key_values": cache}).passed and cache.get_seq_length() == 5
+    cache = DynamicCache()
+    tl.report.activation_patching(gpt2, prompt, prompt.flip(1), lambda out: out.logits[0, -1, 3],
+                                  sites=["transformer.h.1"], kwargs={"past_key_values": cache}, progress=False)
+    assert cache.get_seq_length() == 0
+
+
 def test_attribution_patching_leaves_an_input_written_in_place_as_given():
     pytest.importorskip("pandas")
     clean, corrupt = torch.ones(3), torch.full((3,), -1.0)

@@ -239,7 +239,7 @@ def clone_inputs(obj, memo=None):
     """A copy of a model's inputs for a run that must leave the caller's inputs as they were (a
     reference forward): every tensor cloned, keeping aliasing (a tensor passed twice stays one tensor:
     ``nn.MultiheadAttention`` takes a different path when ``query is key``), containers rebuilt, and
-    plain objects holding tensors (a key/value cache the forward extends) deep-copied, as are the
+    plain objects deep-copied (a key/value cache the forward extends, also one still empty), as are the
     containers ``strip`` keeps as they are (a dataclass, an ``OrderedDict``, a ``ModelOutput``), whose
     tensors would otherwise be the caller's.  ``memo`` (``id -> copy``) shares the aliasing across several
     values, such as args and kwargs."""
@@ -253,11 +253,11 @@ def clone_inputs(obj, memo=None):
     # A generator the forward draws from (``model(x, g)``) is an input too: the extra run draws from a copy of it,
     # so that the caller's generator moves once, for the run the caller asked for.
     twins = _generator_twins(obj, memo)
-    if len(held) == len(clones) and not twins:
+    if len(held) == len(clones) and not twins and not _holds_state(obj):
         rebuilt = fill(strip(obj), clones)
         if all(t is clones[path] for path, t in tensor_leaves(rebuilt)):
             return rebuilt
-    # Tensors in plain objects' attributes (a key/value cache), or in a container strip keeps: a forward may
+    # A plain object (a key/value cache, empty or not), or tensors in a container strip keeps: a forward may
     # update them in place, so the object is copied too, each tensor as its clone.
     for _, t in held:
         if id(t) not in memo:
@@ -306,6 +306,18 @@ def generator_twin(g: torch.Generator) -> torch.Generator:
     twin = torch.Generator(device=g.device)
     twin.set_state(g.get_state())
     return twin
+
+
+def _holds_state(obj, depth: int = 0) -> bool:
+    """Whether ``obj`` is, or holds in its containers, a plain object that a forward may fill in place though it
+    holds no tensor yet: an empty key/value cache (``DynamicCache()``), which a prefill forward extends, so that
+    the next run given the same object would find it extended.  Callables (a logits processor, a tokenizer) and
+    modules are taken as they are: they carry behaviour, not the call's state."""
+    if depth >= MAX_DEPTH or type(obj) in _SCALAR_TYPES or isinstance(obj, (Tensor, type, torch.nn.Module)):
+        return False
+    if isinstance(obj, (tuple, list, Mapping)):
+        return any(_holds_state(item, depth + 1) for item in (obj.values() if isinstance(obj, Mapping) else obj))
+    return hasattr(obj, "__dict__") and not callable(obj)
 
 
 def _copy_of_input(t: Tensor) -> Tensor:
