@@ -202,6 +202,37 @@ def test_patching_runs_each_start_from_the_model_as_the_call_found_it():
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
 
 
+class _Noisy(nn.Module):
+    """Adds noise from a generator of its own, or from one passed as ``generator=``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.own = nn.Linear(4, 4), torch.Generator().manual_seed(7)
+
+    def forward(self, x, generator=None):
+        hidden = self.fc(x)
+        return hidden + torch.randn(hidden.shape, generator=self.own if generator is None else generator)
+
+
+@pytest.mark.parametrize("passed", [False, True])
+def test_extra_runs_leave_a_generator_the_forward_draws_from_as_they_found_it(passed):
+    # The reference pass of a label site advanced the module's generator (or the caller's generator=), so the
+    # intervened run drew other noise than one forward: an identity edit changed the output.
+    torch.manual_seed(0)
+    model, x = _Noisy(), torch.randn(2, 4)
+    kwargs = (lambda: {"generator": torch.Generator().manual_seed(3)}) if passed else dict
+    untouched, given, untraced = copy.deepcopy(model), kwargs(), kwargs()
+    expected = untouched(x, **untraced)
+    log = tl.trace(model, (x,), given, intervene={"linear_1_1": tl.scale(1.0)})
+    assert torch.equal(log.output, expected)
+    drawn, drawn_once = (given["generator"], untraced["generator"]) if passed else (model.own, untouched.own)
+    assert torch.equal(drawn.get_state(), drawn_once.get_state())  # advanced once, by the intervened run
+    model, given = copy.deepcopy(untouched), kwargs()
+    table = tl.report.activation_patching(model, x, x + 1, lambda out: out[0, 0], sites=["fc"], kwargs=given,
+                                          progress=False)
+    assert table.attrs["corrupt"] == float(untouched(x + 1, **kwargs())[0, 0])  # the noise one forward draws
+
+
 def test_a_callable_naming_no_model_is_put_back_after_the_extra_runs_too():
     """A lambda traced without ``root=`` names no model: the modules it calls are put back all the same (the
     reference pass of a label site, the runs of a patching table), as a forward hook would find them."""
