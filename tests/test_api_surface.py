@@ -33,6 +33,20 @@ def test_trace_signature_shows_no_private_parameters():
     assert "root" in params
 
 
+def test_a_forwards_keyword_given_to_trace_or_validate_is_refused_saying_where_it_goes():
+    # tl.trace(model, ids, attention_mask=mask) was Python's bare "trace() got an unexpected keyword argument".
+    model, x = MLP(), torch.randn(2, 16)
+    with pytest.raises(TypeError, match=r"tl\.trace\(\) got an unexpected keyword argument 'attention_mask'; if "
+                                        r"'attention_mask' is a keyword argument of the forward, give it in kwargs: "
+                                        r"tl\.trace\(model, args, \{'attention_mask': \.\.\.\}\)"):
+        tl.trace(model, x, attention_mask=None)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'grad'; closest: grads"):
+        tl.trace(model, x, grad=True)
+    with pytest.raises(TypeError, match=r"give it in kwargs: tl\.validate\(model, args, \{'use_cache': \.\.\.\}\)"):
+        tl.validate(model, x, use_cache=True)
+    assert "unknown" not in inspect.signature(tl.trace).parameters  # help() shows the options it takes
+
+
 def test_log_validate_shows_its_one_option_and_refuses_others_in_its_own_name():
     # It took **kwargs: help() showed no option, and rtol= was refused by "validate_trace()", a name never called.
     assert list(inspect.signature(tl.Trace.validate).parameters) == ["self", "progress"]

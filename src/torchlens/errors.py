@@ -63,6 +63,13 @@ def closest_hint(name: str, known) -> str:
     return f"; closest: {', '.join(close)}" if close else ""
 
 
+def forward_keyword_hint(who: str, name: str) -> str:
+    """The tail of an entry point's refusal of a keyword it does not take: the commonest such keyword is one of
+    the forward's own (``attention_mask=``, ``max_new_tokens=``), which goes in ``kwargs``."""
+    return (f"; if {name!r} is a keyword argument of the forward, give it in kwargs: "
+            f"{who}(model, args, {{{name!r}: ...}})")
+
+
 class TorchlensError(Exception):
     """Base class for torchlens's own errors."""
 

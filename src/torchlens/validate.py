@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import closest_hint, counted, first_few
+from .errors import closest_hint, counted, first_few, forward_keyword_hint
 from .record.columns import UNINITIALIZED_FUNCS, uninitialized_ops
 from .record.layouts import memory_freed, version_of
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
@@ -161,7 +161,7 @@ def _check_trace_options(trace, options: dict) -> None:
         if name not in known:
             raise TypeError(f"tl.validate() got an unexpected keyword argument {name!r}: besides progress=, it takes "
                             f"tl.trace's options ({', '.join(n for n in known if n not in ('save', 'progress'))})"
-                            f"{closest_hint(name, known)}")
+                            f"{closest_hint(name, known)}{forward_keyword_hint('tl.validate', name)}")
 
 
 # ----- entry points ------------------------------------------------------------------------------------

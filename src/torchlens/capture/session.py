@@ -16,7 +16,7 @@ from time import perf_counter_ns
 import torch
 
 from ..checks import check_flag, check_number
-from ..errors import NestedTraceError, add_note, first_few, warn_user
+from ..errors import NestedTraceError, add_note, closest_hint, first_few, forward_keyword_hint, warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.columns import MODULE_CALL_MODULE
 from ..record.finalize import finalize
@@ -347,7 +347,7 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
 def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_finite: bool = False,
           max_saved_bytes: int | None = None, name: str | None = None, deep: bool = False, root=None,
           progress=None, intervene: dict | None = None, reference: Trace | None = None, stop_after=None,
-          grads=False, saved_for_backward: bool = False, compiled: str = "run") -> Trace:
+          grads=False, saved_for_backward: bool = False, compiled: str = "run", **unknown) -> Trace:
     """Run ``model(*args, **kwargs)`` once and return the ``Trace`` of every torch op it called.
 
     Args:
@@ -391,10 +391,25 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
             call one ``compiled`` op) or ``"eager"`` (their interior traced op by op; outputs may then
             differ from the compiled run, and ``Trace.caveats`` says so).
     """
+    if unknown:
+        _refuse_unknown_options(unknown)
     # By position, in _trace's order (markers: None), not **options passed on: keywords cost per hop.
     return _paused_collector(_trace, (model, args, kwargs, save, save_device, record_finite, max_saved_bytes,
                                       name, deep, root, None, progress, intervene, reference, stop_after, grads,
                                       saved_for_backward, compiled))
+
+
+# help(tl.trace) shows the options it takes: **unknown is there only to refuse the others in tl.trace's own words.
+trace.__signature__ = inspect.signature(trace).replace(
+    parameters=[p for p in inspect.signature(trace).parameters.values() if p.kind != p.VAR_KEYWORD])
+
+
+def _refuse_unknown_options(unknown: dict) -> None:
+    """A keyword tl.trace does not take, named with the option meant or with where a forward's keyword goes."""
+    name = next(iter(unknown))
+    known = [n for n, p in inspect.signature(trace).parameters.items() if p.kind == p.KEYWORD_ONLY]
+    raise TypeError(f"tl.trace() got an unexpected keyword argument {name!r}{closest_hint(name, known)}"
+                    f"{forward_keyword_hint('tl.trace', name)}")
 
 
 def trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
