@@ -88,3 +88,14 @@ def test_a_quantized_layer_is_refused_by_name_saying_which_layer_to_extract_inst
         tl.extract(forward, [x], ["quantizepertensor_1_1"], tmp_path / "quantized", progress=False)
     out = tl.extract(forward, [x], ["dequantize_1_2"], tmp_path / "dequantized", progress=False)
     assert torch.equal(torch.as_tensor(tl.load_extracted(out)["dequantize_1_2"][:]), forward(x))
+
+
+def test_an_error_of_args_of_or_kwargs_of_names_the_batch_it_was_given(tmp_path):
+    # kwargs_of=dict on tensor batches raised "dictionary update sequence element #0 has length 8; 2 is required".
+    with pytest.raises(ValueError) as raised:
+        tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "out", kwargs_of=dict, progress=False)
+    assert raised.value.__notes__[0] == ("tl.extract: kwargs_of raised on batch 0 (counting from 0), a Tensor: "
+                                         "kwargs_of=dict takes batches that are dicts")
+    with pytest.raises(IndexError) as raised:
+        tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "out", args_of=lambda b: b[9], progress=False)
+    assert raised.value.__notes__[0] == "tl.extract: args_of raised on batch 0 (counting from 0), a Tensor"

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from ..checks import LONGEST_WAIT_S, check_flag, check_number
+from ..errors import add_note
 from ..tree import as_args
 
 
@@ -78,12 +79,12 @@ def batch_reader(args_of, kwargs_of, kwargs):
 
     def arguments_of(batch, position):
         if args_of is not None:
-            args = as_args(args_of(batch))
+            args = as_args(_called("args_of", args_of, batch, position))
         else:
             args = () if kwargs_of is not None else as_args(batch)
         if kwargs_of is None:
             return args, {}
-        named = kwargs_of(batch)
+        named = _called("kwargs_of", kwargs_of, batch, position)
         if not isinstance(named, Mapping):
             raise TypeError(f"batch {position}: kwargs_of returned {type(named).__name__}; it returns a dict of "
                             "keyword arguments for the forward (kwargs_of=dict for dict batches)")
@@ -93,3 +94,14 @@ def batch_reader(args_of, kwargs_of, kwargs):
                              "keyword argument one way")
         return args, dict(named)
     return arguments_of
+
+
+def _called(option: str, function, batch, position: int):
+    """``function(batch)``; an error it raises is noted with the batch it was given (``kwargs_of=dict`` given
+    a tensor batch raised "dictionary update sequence element #0 has length 5; 2 is required", naming neither)."""
+    try:
+        return function(batch)
+    except Exception as exc:
+        add_note(exc, f"tl.extract: {option} raised on batch {position} (counting from 0), a {type(batch).__name__}"
+                      + (": kwargs_of=dict takes batches that are dicts" if function is dict else ""))
+        raise
