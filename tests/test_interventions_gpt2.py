@@ -478,3 +478,17 @@ def test_gpt2_a_helper_given_a_wrong_argument_is_refused_when_made_not_mid_forwa
         make()
     model, clean, _ = gpt2
     assert len(tl.trace(model, clean, intervene={"transformer.h.0": tl.scale(torch.tensor(2.0))}).interventions) == 1
+
+
+def test_gpt2_an_inputs_or_outputs_path_as_a_site_names_what_to_intervene_at_instead(gpt2):
+    # log["output.logits"] finds the output, but as a site the path was "neither an op or layer label nor a module
+    # address", where its label (output_1:1) was answered with the op that makes it.
+    model, clean, _ = gpt2
+    log = tl.trace(model, clean)
+    head = log["output.logits"].parents[0]
+    with pytest.raises(KeyError, match=rf"site 'output\.logits' is the model's output output_1:1: name the op that "
+                                       rf"produces it \({head}\)"):
+        tl.trace(model, clean, intervene={"output.logits": tl.zero_ablate()})
+    with pytest.raises(KeyError, match=r"stop_after site 'input\.input_ids' is the model's input input_1:1, which no "
+                                       r"op of the forward produces: name the ops that read it"):
+        tl.trace(model, clean, stop_after="input.input_ids")

@@ -33,6 +33,12 @@ from .teardown import HookHandles
 
 _LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 _IO_PATH = ("input.", "output.")  # an input's or output's path (input.attention_mask), as log[path] finds it
+
+
+def is_io_path(name: str) -> bool:
+    """Whether ``name`` is an input's or output's path (``input.attention_mask``, ``output.logits``, ``output`` for
+    a lone output), as ``log[path]`` finds it."""
+    return name.startswith(_IO_PATH) or name == "output"
 _SAVE_ALL, _SAVE_NONE = ("all", True), ("none", None, False)
 _NOTHING = frozenset()  # the selection of "all", "none" and predicates: shared, never added to
 

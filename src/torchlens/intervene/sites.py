@@ -22,6 +22,7 @@ from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import WRAPPED, container_note, refuse_module_object, scripted_outer, traced_address
 from ..record.modules import Module, enclosing_calls
 from ..record.op import Layer, Op
+from ..capture.saving import is_io_path
 from ..capture.source import line_of, source_of
 from ..labels.naming import func_name_of
 from .actions import as_action
@@ -153,8 +154,8 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
                 raise KeyError(f"module call {key!r}: calls are numbered from 1")
             _refuse_alias_call(key, address, modules, first_names)
             module_sites.append(ModuleSite(key, action, address, modules[address], int(number), stop))
-        elif _LABEL.match(key):
-            pending.append((key, action, stop))
+        elif _LABEL.match(key) or is_io_path(key):  # an input's or output's path is refused against the reference,
+            pending.append((key, action, stop))   # naming the ops that read it or the op that makes it
         elif address == "self" and number.isdigit() and isinstance(model, torch.nn.Module):
             raise KeyError(f"{kind} {key!r} is a call of the root module itself (a callable's call of "
                            "its root=, or a root's call of itself in a recursion): those calls are not intervention "
