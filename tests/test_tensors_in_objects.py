@@ -184,6 +184,36 @@ def test_an_empty_cache_is_copied_for_every_extra_run_as_a_filled_one_is(gpt2):
     assert cache.get_seq_length() == 0
 
 
+class _Context:
+    """A plain object passed to the forward: a module to call, and a log the forward appends to."""
+
+    def __init__(self, helper):
+        self.helper, self.calls = helper, []
+
+
+class _UsesContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, context):
+        context.calls.append(len(context.calls))
+        return context.helper(self.fc(x))
+
+
+def test_an_input_object_is_copied_for_an_extra_run_but_the_modules_it_refers_to_are_not():
+    # Copying the object copied the module it held too: the reference pass ran a copy of the helper (of a whole
+    # model, held so, a second copy in memory), which the caller's hooks on it never saw.
+    torch.manual_seed(0)
+    helper, model, x = nn.Linear(4, 4), _UsesContext(), torch.randn(2, 4)
+    context, called = _Context(helper), []
+    helper.register_forward_hook(lambda module, args, output: called.append(module))
+    log = tl.trace(model, (x, context), intervene={"linear_1_1": tl.scale(1.0)})
+    assert torch.equal(log.output, helper(model.fc(x)))
+    assert context.calls == [0]  # the reference pass appended to a copy of the object
+    assert len(called) == 3 and all(module is helper for module in called)  # reference pass, traced run, above
+
+
 def test_attribution_patching_leaves_an_input_written_in_place_as_given():
     pytest.importorskip("pandas")
     clean, corrupt = torch.ones(3), torch.full((3,), -1.0)

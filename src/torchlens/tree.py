@@ -262,6 +262,7 @@ def clone_inputs(obj, memo=None):
     for _, t in held:
         if id(t) not in memo:
             memo[id(t)] = _copy_of_input(t)
+    _keep_behaviour(obj, memo)
     try:
         return copy.deepcopy(obj, memo)
     except Exception as exc:  # noqa: BLE001 - an object that cannot be copied is passed as it is
@@ -308,16 +309,42 @@ def generator_twin(g: torch.Generator) -> torch.Generator:
     return twin
 
 
-def _holds_state(obj, depth: int = 0) -> bool:
+def _holds_state(obj, seen=None) -> bool:
     """Whether ``obj`` is, or holds in its containers, a plain object that a forward may fill in place though it
     holds no tensor yet: an empty key/value cache (``DynamicCache()``), which a prefill forward extends, so that
-    the next run given the same object would find it extended.  Callables (a logits processor, a tokenizer) and
-    modules are taken as they are: they carry behaviour, not the call's state."""
-    if depth >= MAX_DEPTH or type(obj) in _SCALAR_TYPES or isinstance(obj, (Tensor, type, torch.nn.Module)):
+    the next run given the same object would find it extended (a generator is copied by ``_generator_twins``).
+    Callables (a logits processor, a tokenizer) and modules are taken as they are: they carry behaviour, not the
+    call's state."""
+    if type(obj) in _SCALAR_TYPES or isinstance(obj, (Tensor, type, torch.nn.Module)):
         return False
     if isinstance(obj, (tuple, list, Mapping)):
-        return any(_holds_state(item, depth + 1) for item in (obj.values() if isinstance(obj, Mapping) else obj))
+        seen = set() if seen is None else seen
+        if id(obj) in seen:  # a container holding itself
+            return False
+        seen.add(id(obj))
+        items = obj.values() if isinstance(obj, Mapping) else obj
+        return any(_holds_state(item, seen) for item in items)
     return hasattr(obj, "__dict__") and not callable(obj)
+
+
+def _keep_behaviour(obj, memo: dict, seen=None) -> None:
+    """Note in ``memo`` (a ``copy.deepcopy`` memo) every module and callable in ``obj``'s containers and plain
+    objects as its own copy, so that the deep copy shares them: a module an input object refers to (a helper, a
+    whole model) runs as itself, hooks and all, rather than as a copy that would double its memory."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or len(seen) > _MOST_WALKED or type(obj) in _SCALAR_TYPES or \
+            isinstance(obj, (Tensor, torch.Generator)):
+        return
+    seen.add(id(obj))  # each object once: a cache's layers may point back at it
+    if isinstance(obj, (torch.nn.Module, type)) or callable(obj):
+        memo.setdefault(id(obj), obj)
+        return
+    children = container_items(obj, attrs=True)
+    for _, child in children if children is not None else ():
+        _keep_behaviour(child, memo, seen)
+
+
+_MOST_WALKED = 100_000  # objects; an input graph larger than this is copied as it is past that point
 
 
 def _copy_of_input(t: Tensor) -> Tensor:
