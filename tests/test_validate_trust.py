@@ -244,48 +244,6 @@ def test_nothing_saved_is_nothing_to_replay_not_a_pass():
         assert "NOTHING TO REPLAY" in str(result) and "passed" not in str(result)
 
 
-class PermutedScratch(nn.Module):
-    """Fills part of a scratch buffer made by ``torch.empty_permuted``, whose other elements hold whatever the
-    allocator left there."""
-
-    def forward(self, x):
-        scratch = torch.empty_permuted((4, 6), (1, 0))
-        scratch[:, :3] = x
-        return scratch[:, :3] * 2
-
-
-def test_an_empty_permuted_buffer_is_not_replayed_as_uninitialized_memory():
-    # Replayed, it made other garbage than the forward's, reported as a mismatch of a faithful trace.
-    result = tl.validate(PermutedScratch(), torch.randn(4, 3))
-    assert_trusted(result)
-    assert dict(result.not_replayed) == {"emptypermuted_1_1:1": "uninitialized memory (torch.empty and kin): its "
-                                                                "contents are not defined"}
-
-
-class ReturnsScratch(nn.Module):
-    """Returns a buffer of uninitialized memory beside its result, as a kernel wrapper returns its workspace."""
-
-    def forward(self, x):
-        return x * 2, torch.empty_like(x)
-
-
-def test_an_output_of_uninitialized_memory_is_left_out_of_the_output_comparison():
-    # The untraced run's buffer held other bits than the traced one's: "outputs equal: False", on a faithful trace.
-    result = tl.validate(ReturnsScratch(), torch.randn(64, 64))
-    assert result.passed and result.outputs_match, result
-    assert result.outputs_differ.startswith("not compared: output.1, uninitialized memory"), result
-    alone = tl.validate(lambda x: torch.empty_like(x), torch.randn(64, 64))
-    assert alone.status == "nothing to replay" and alone.outputs_match is None, alone
-    assert "outputs not compared: output, uninitialized memory" in str(alone)
-
-
-def test_a_view_of_uninitialized_memory_returned_is_left_out_too():
-    # A transpose of the workspace is as undefined as the workspace: its bits differed between the two runs.
-    result = tl.validate(lambda x: (x * 2, torch.empty(32, 64).t()), torch.randn(64, 64))
-    assert result.passed and result.outputs_match, result
-    assert result.outputs_differ.startswith("not compared: output.1, uninitialized memory"), result
-
-
 @dataclasses.dataclass
 class Out:
     logits: torch.Tensor

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import closest_hint, counted, first_few, forward_keyword_hint
-from .record.columns import UNINITIALIZED_FUNCS, uninitialized_ops
+from .record.columns import makes_uninitialized, uninitialized_ops
 from .record.layouts import memory_freed, version_of
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
 from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, settings_by_name
@@ -362,7 +362,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
         return _skip(TENSOR_SLICE)
     if op.has_activation and without_values(log.saved_activations[op.index]):
         return _skip("fake tensors (FakeTensorMode) hold no values to compare")
-    if op.func_name in UNINITIALIZED_FUNCS:
+    if makes_uninitialized(op):
         return _skip("uninitialized memory (torch.empty and kin): its contents are not defined")
     if _grew_uninitialized(log, op):
         return _skip("uninitialized memory: resize_ grew the tensor, and the contents of its new elements are "

@@ -13,6 +13,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any, NamedTuple
 
+import torch
+
 # ``Record.call`` for a tensor no torch call made: a model input or a module buffer.
 INPUT = -1
 BUFFER = -2
@@ -118,6 +120,18 @@ _MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "
                     "expand", "expand_as", "as_strided", "contiguous", "clone", "detach"])
 
 
+def makes_uninitialized(op) -> bool:
+    """Whether ``op`` returns uninitialized memory: ``torch.empty`` and kin, and the legacy ``Tensor.new`` given
+    sizes (``x.new(2, 3)``, ``x.new(torch.Size([2, 3]))``: Reformer's LSH attention), which allocates as
+    ``new_empty`` does; given data (``x.new([1., 2.])``) it copies them, so it is defined."""
+    if op.func_name in UNINITIALIZED_FUNCS:
+        return True
+    if op.func_name != "new" or not op.args or len(op.args) < 2:
+        return False
+    sizes = op.args[1:]
+    return isinstance(sizes[0], torch.Size) or all(type(n) is int for n in sizes)
+
+
 def uninitialized_ops(trace, through_writes: bool) -> set:
     """Indices of the records whose values are uninitialized memory: an op of ``torch.empty`` and kin, a view or
     copy of such a value (``x.new_empty(n, m).t()``), and an output record returning one.  ``through_writes``:
@@ -133,7 +147,7 @@ def uninitialized_ops(trace, through_writes: bool) -> set:
         if kinds[i] != Kind.OP:
             continue
         op = trace.ops[i]
-        if op.func_name in UNINITIALIZED_FUNCS or (op.func_name in _MOVES or through_writes and op.is_inplace) \
+        if makes_uninitialized(op) or (op.func_name in _MOVES or through_writes and op.is_inplace) \
                 and any(p in undefined for _, p in parents[i]):
             undefined.add(i)
     return undefined
