@@ -115,8 +115,10 @@ def _unattributed_where(trace) -> str:
                   f"tensor, persistent=False) would record {'it' if one else 'each'} as a buffer, leaving the "
                   "state dict as it is)")
     elif not calls:  # nothing names where they came from: the places a trace cannot see, for the reader to check
-        where += ("; made where the trace cannot see: before the forward, on another thread, or inside a "
-                  "TorchScript or torch.compile'd function the forward called (docs/capture_honesty.md)")
+        where += ("; made where the trace cannot see: before the forward, on another thread, by a call that "
+                  "never reaches __torch_function__ (torch.from_numpy, a legacy constructor such as "
+                  "torch.IntTensor([n])), or inside a TorchScript or torch.compile'd function the forward called "
+                  "(docs/capture_honesty.md)")
     return where
 
 

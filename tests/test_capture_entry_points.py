@@ -1,0 +1,96 @@
+"""Entry points without the protocol (docs/capture_honesty.md): calls torch never hands to
+``__torch_function__``, so no op made their result.  Each test shows the call reaching no mode, and what the
+trace says about the tensor it made instead of an op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from test_capture_honesty import FunctionLevelCalls, op_types
+
+
+def test_from_numpy_and_set_never_reach_capture():
+    def f():
+        t = torch.from_numpy(np.ones(3, dtype=np.float32))
+        t.set_(torch.zeros(3))
+        return t + 1
+
+    log = tl.trace(f, ())
+    assert op_types(log) == ["zeros", "add"]
+    with FunctionLevelCalls() as plain_mode:
+        f()
+    assert "from_numpy" not in plain_mode.names and "set_" not in plain_mode.names
+
+
+def test_set_on_a_recorded_tensor_keeps_its_producer_and_drops_its_value():
+    """set_ never reaches capture, and its result is the tensor it was called on: the page said its result
+    enters as a tensor of unknown origin, which holds only for a tensor capture did not record."""
+    import io
+
+    def rebinds(x):
+        t = torch.zeros(3)
+        t.set_(x * 2)
+        return t + 1
+
+    with pytest.warns(UserWarning, match="zeros_1_1:1"):
+        log = tl.trace(rebinds, torch.randn(5))
+    assert log["add_1_3:1"].parents == ["zeros_1_1:1"] and log["zeros_1_1:1"].shape == (3,)
+    assert "write capture could not see" in log["zeros_1_1:1"].dropped_reason
+    saved = io.BytesIO()
+    torch.save(torch.arange(4.0), saved)
+
+    def loads(x):  # torch.load rebuilds a tensor as torch.empty((0,)).set_(storage, ...)
+        saved.seek(0)
+        return x + torch.load(saved)
+
+    with pytest.warns(UserWarning, match="empty_1_1:1"):
+        log = tl.trace(loads, torch.randn(4))
+    assert log["add_1_2:1"].parents == ["input_1:1", "empty_1_1:1"] and log["empty_1_1:1"].shape == (0,)
+
+
+def test_as_subclass_never_reaches_capture():
+    """Wrapping a tensor as a subclass (or unwrapping one) is no op: the result enters as a tensor of
+    unknown origin, and the op reading it is named as such."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    def f(x):
+        wrapped = (x * 2).as_subclass(Tagged)
+        return torch.Tensor._make_subclass(Tagged, wrapped.as_subclass(torch.Tensor)) + wrapped
+
+    log = tl.trace(f, torch.randn(3))
+    assert op_types(log) == ["mul", "add"]
+    assert log["add_1_2:1"].parents == [] and log.unattributed == 2
+    assert "read by add_1_2:1" in str(log)
+    with FunctionLevelCalls() as plain_mode:
+        f(torch.randn(3))
+    assert not {"as_subclass", "_make_subclass"} & set(plain_mode.names)
+
+
+class LegacyConstructor(nn.Module):
+    """Builds a tensor with a legacy type constructor inside the forward, as VITS's WaveNet makes its channel
+    count (``torch.IntTensor([self.hidden_size])``, then reads element 0)."""
+
+    def forward(self, x):
+        channels = torch.IntTensor([2])
+        return x[:, :channels[0]] * 2
+
+
+def test_a_legacy_constructor_never_reaches_capture_and_is_named_where_its_tensor_is_read():
+    # The printed trace named only "before the forward, on another thread, or inside a TorchScript or
+    # torch.compile'd function": none of them, for a tensor the forward itself made.
+    model, x = LegacyConstructor(), torch.randn(3, 4)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    assert op_types(log) == ["getitem", "getitem", "mul"]
+    assert log.unattributed == 1 and log["getitem_1_1:1"].unattributed_args == 1
+    assert "a legacy constructor such as torch.IntTensor([n])" in str(log)
+    with FunctionLevelCalls() as plain_mode:
+        model(x)
+    assert plain_mode.names[0] == "__getitem__"  # the constructor itself reached no mode
