@@ -1,9 +1,10 @@
 """The real-model corpus: standard architectures at tiny sizes, with random weights.
 
 Each entry builds ``(model, args, kwargs)``: ``transformers`` models from small configs (no download,
-no pretrained weights, ``HF_HUB_OFFLINE`` set) and the recurrent and transformer layers of ``torch.nn``
-(built in ``real_models_nn``).  Sizes are tiny (hidden 32, one or two layers, sequences of 8, images of 32
-pixels) so the whole corpus traces and validates in seconds.  Builders import ``transformers`` lazily:
+no pretrained weights, ``HF_HUB_OFFLINE`` set; the vision entries are built in ``real_models_vision``) and
+the recurrent and transformer layers of ``torch.nn`` (built in ``real_models_nn``).  Sizes are tiny (hidden
+32, one or two layers, sequences of 8, images of 32 pixels) so the whole corpus traces and validates in
+seconds.  Builders import ``transformers`` lazily:
 the ``torch.nn`` entries work without it.
 
 Dropout is left at each config's default except where noted, so train mode covers both active dropout
@@ -29,11 +30,12 @@ import torch
 import torch.nn as nn
 
 from real_models_nn import HIDDEN, SEQ, gru, lstm, transformer_encoder, transformer_encoder_padded
+from real_models_vision import (IMAGE, _image, beit, convnext, deformable_detr, detr, dinov2, mobilevit, regnet, resnet,
+                                segformer, swin, vit)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing here may reach the network
 
 VOCAB = 99
-IMAGE = 32
 
 
 def _tokens(batch=2, seq=SEQ, vocab=VOCAB):
@@ -44,10 +46,6 @@ def _attention_mask(batch=2, seq=SEQ):
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[1, -3:] = 0  # the second sequence is padded: masking paths run, not just the all-ones shortcut
     return mask
-
-
-def _image(batch=2, size=IMAGE, channels=3):
-    return torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(2))
 
 
 _DECODER = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -168,50 +166,6 @@ def wav2vec2():
                             mask_time_length=2, mask_feature_prob=0.5, mask_feature_length=2)
     audio = torch.randn(2, 400, generator=torch.Generator().manual_seed(5))  # 400 samples -> 39 frames
     return Wav2Vec2ForCTC(config), (), {"input_values": audio}
-
-
-def vit():
-    from transformers import ViTConfig, ViTForImageClassification
-
-    config = ViTConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                       image_size=IMAGE, patch_size=8, num_labels=3)
-    return ViTForImageClassification(config), (_image(),), {}
-
-
-def swin():
-    from transformers import SwinConfig, SwinForImageClassification
-
-    config = SwinConfig(image_size=IMAGE, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
-                        window_size=4, num_labels=3)
-    return SwinForImageClassification(config), (_image(),), {}
-
-
-def convnext():
-    from transformers import ConvNextConfig, ConvNextForImageClassification
-
-    config = ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3)
-    return ConvNextForImageClassification(config), (_image(),), {}
-
-
-def resnet():
-    from transformers import ResNetConfig, ResNetForImageClassification
-
-    config = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
-                          num_labels=3)
-    return ResNetForImageClassification(config), (_image(),), {}
-
-
-def detr():
-    from transformers import DetrConfig, DetrForObjectDetection, ResNetConfig
-
-    # A transformers ResNet backbone from its config: no timm, no pretrained download.
-    backbone = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
-                            out_features=["stage2"])
-    config = DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
-                        d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5,
-                        num_labels=3)
-    return DetrForObjectDetection(config), (), {"pixel_values": _image(size=64)}
 
 
 def clip():
@@ -392,45 +346,6 @@ def pegasus():
     return PegasusForConditionalGeneration(PegasusConfig(**_SEQ2SEQ)), (), _seq2seq_inputs()
 
 
-def segformer():
-    from transformers import SegformerConfig, SegformerForSemanticSegmentation
-
-    # Overlapping patch embeddings, attention over spatially reduced keys, depthwise convolutions in the MLP.
-    config = SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-                             num_attention_heads=[1, 2], decoder_hidden_size=32, patch_sizes=[7, 3], strides=[4, 2],
-                             mlp_ratios=[2, 2], num_labels=3)
-    return SegformerForSemanticSegmentation(config), (), {"pixel_values": _image()}
-
-
-def beit():
-    from transformers import BeitConfig, BeitForImageClassification
-
-    # A relative position bias table indexed per window, layer scale on each residual branch.  Not in the corpus:
-    # the index is memoized for the whole process, so a forward after the first reads it from outside the
-    # trace and runs fewer ops (tests/test_capture_honesty.py checks that the trace says so).
-    config = BeitConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                        image_size=IMAGE, patch_size=8, use_relative_position_bias=True, num_labels=3)
-    return BeitForImageClassification(config), (_image(),), {}
-
-
-def mobilevit():
-    from transformers import MobileViTConfig, MobileViTForImageClassification
-
-    # Convolutions, then feature maps unfolded into patches for a transformer and folded back.
-    config = MobileViTConfig(image_size=IMAGE, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32],
-                             num_labels=3)
-    return MobileViTForImageClassification(config), (), {"pixel_values": _image()}
-
-
-def regnet():
-    from transformers import RegNetConfig, RegNetForImageClassification
-
-    # Grouped convolutions with squeeze-and-excitation.
-    config = RegNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8, num_labels=3)
-    return RegNetForImageClassification(config), (_image(),), {}
-
-
-
 def bigbird():
     from transformers import BigBirdConfig, BigBirdForSequenceClassification
 
@@ -490,15 +405,6 @@ def modernbert():
     return ModernBertForMaskedLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
 
 
-def dinov2():
-    from transformers import Dinov2Config, Dinov2ForImageClassification
-
-    # Layer scale on each residual branch, and stochastic depth (drop path) drawn in train mode.
-    config = Dinov2Config(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=IMAGE,
-                          patch_size=8, num_labels=3, layerscale_value=0.5, drop_path_rate=0.1)
-    return Dinov2ForImageClassification(config), (_image(),), {}
-
-
 def siglip():
     from transformers import SiglipConfig, SiglipModel
 
@@ -524,11 +430,41 @@ def llava():
     ids[:, 2:18] = VOCAB - 1
     return LlavaForConditionalGeneration(config), (), {"input_ids": ids, "pixel_values": _image()}
 
+def gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    # Eager attention with its scores soft-capped by tanh, sliding-window and global layers, capped final logits.
+    config = Gemma2Config(**_DECODER, head_dim=8, sliding_window=4, attn_logit_softcapping=50.0,
+                          final_logit_softcapping=30.0, attention_dropout=0.1)
+    return Gemma2ForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def jamba():
+    from transformers import JambaConfig, JambaForCausalLM
+
+    # A Mamba layer (the selective scan as a Python loop over time) then an attention layer with routed experts.
+    config = JambaConfig(**_DECODER, num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1,
+                         attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                         mamba_dt_rank=4, use_mamba_kernels=False)
+    return JambaForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # Gated delta-rule linear attention in chunks beside gated full attention; experts with a gated shared expert.
+    config = Qwen3NextConfig(**_DECODER, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32, linear_num_value_heads=4, linear_num_key_heads=2,
+                             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                             layer_types=["linear_attention", "full_attention"])
+    return Qwen3NextForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
 TRANSFORMERS = {f.__name__: f for f in (
     gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit, swin, convnext, resnet, detr, clip, mamba,
     mixtral, deberta_v2, albert, rwkv, gpt_neox, opt, bloom, falcon, phi, gemma, gptj, roberta, mobilebert, xlnet,
     funnel, convbert, longformer, pegasus, segformer, mobilevit, regnet, bigbird, mamba2, qwen3_moe, deepseek_v3, gemma3,
-    modernbert, dinov2, siglip, llava)}
+    modernbert, dinov2, siglip, llava, gemma2, jamba, qwen3_next, deformable_detr)}
 TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
 CORPUS = {**TRANSFORMERS, **TORCH_NN}
 

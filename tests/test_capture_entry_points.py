@@ -94,3 +94,24 @@ def test_a_legacy_constructor_never_reaches_capture_and_is_named_where_its_tenso
     with FunctionLevelCalls() as plain_mode:
         model(x)
     assert plain_mode.names[0] == "__getitem__"  # the constructor itself reached no mode
+
+
+def test_vits_wavenet_channel_count_is_read_from_a_legacy_constructor():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.VitsConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32, vocab_size=99, flow_size=8,
+        spectrogram_bins=17, upsample_initial_channel=16, upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4],
+        resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]], prior_encoder_num_flows=1,
+        prior_encoder_num_wavenet_layers=1, posterior_encoder_num_wavenet_layers=1, duration_predictor_num_flows=1,
+        duration_predictor_filter_channels=16, depth_separable_num_layers=1, window_size=2)
+    torch.manual_seed(0)
+    model = transformers.VitsModel(config).eval()
+    ids = torch.randint(0, 99, (1, 8), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(1)
+    expected = model(input_ids=ids).waveform
+    torch.manual_seed(1)
+    log = tl.trace(model, (), {"input_ids": ids})
+    assert torch.equal(log.output["waveform"], expected)
+    readers = [op for op in log.ops if op.kind == "op" and op.unattributed_args]
+    assert [(op.func_name, op.module_address) for op in readers] == [("__getitem__", "flow.flows.0.wavenet")]
+    assert "a legacy constructor such as torch.IntTensor([n])" in str(log)
