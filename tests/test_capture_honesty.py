@@ -303,6 +303,33 @@ def test_a_plain_tensor_attribute_is_named_with_the_way_to_record_it():
     assert "plain tensor attribute" not in str(log)
 
 
+class CachedBias(nn.Module):
+    """Keeps a bias computed from its parameter in a dict per device, in eval mode (as LeViT's attention does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8))
+        self.bias_cache = {}
+
+    def forward(self, x):
+        if str(x.device) not in self.bias_cache:
+            self.bias_cache[str(x.device)] = self.table.detach() * 2
+        return x + self.bias_cache[str(x.device)]
+
+
+def test_a_tensor_cached_in_a_module_dict_is_named_with_its_key():
+    """A trace after the forward that filled a module's cache reads the cached tensor from outside the trace,
+    without the ops that made it: the printed trace names the entry, not only the places a trace cannot see."""
+    model, x = nn.Sequential(CachedBias()), torch.randn(3, 8)
+    first = tl.trace(model, x)
+    assert [op.type for op in first.ops if op.kind == "op"] == ["detach", "mul", "add"] and first.unattributed == 0
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, first.output) and op_types(log) == ["add"] and log.unattributed == 1
+    assert ("read by add_1_1:1; 0.bias_cache['cpu'] is held in a container attribute of the model (a dict, list or "
+            "tuple, where no buffer is registered): made before this forward") in str(log)
+    assert "made where the trace cannot see" not in str(log)
+
+
 def test_a_users_mode_entered_inside_the_forward_sees_the_models_calls_and_nothing_of_captures():
     """docs/capture_honesty.md: a mode entered before ``tl.trace`` also sees capture's own reads; entered
     inside the forward, above capture's mode, it sees what it sees untraced."""

@@ -131,14 +131,20 @@ class ModelIndex:
 
     def attributes_holding(self, tensors) -> list:
         """``address.name`` of each tensor of ``tensors`` that a module of the model holds as a plain
-        attribute, not as a parameter or buffer (so a trace does not know it as either).  Walks every
-        module's attributes: called only for a trace that read tensors from outside it."""
+        attribute, not as a parameter or buffer (so a trace does not know it as either), and
+        ``address.name['key']`` (or ``[i]``) of one held in a dict, list or tuple attribute: the cache an
+        earlier forward filled (LeViT keeps its attention biases per device so).  Walks every module's
+        attributes: called only for a trace that read tensors from outside it."""
         wanted = {id(t): t for t in tensors}
         found = []
         for address, module in self.modules.items():
             for name, value in vars(module).items():
+                where = f"{address}.{name}" if address else name
                 if value is not None and wanted.get(id(value)) is value:
-                    found.append(f"{address}.{name}" if address else name)
+                    found.append(where)
+                elif isinstance(value, (dict, list, tuple)) and value and not name.startswith("_"):
+                    items = value.items() if isinstance(value, dict) else enumerate(value)
+                    found += [f"{where}[{key!r}]" for key, held in items if wanted.get(id(held)) is held]
         return found
 
     def batch_counters(self) -> BatchCounters:

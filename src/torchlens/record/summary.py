@@ -107,14 +107,23 @@ def _unattributed_where(trace) -> str:
     calls = [f"{c.label} ({c.module.class_name})" for c in trace.module_calls if -1 in c._row.outputs]
     where = f": read by {first_few(readers)}" if readers else ""
     where += f"; returned by {first_few(calls)}" if calls else ""
-    held = trace._outside_attributes
+    held = [name for name in trace._outside_attributes if not name.endswith("]")]
+    cached = [name for name in trace._outside_attributes if name.endswith("]")]
     if held:  # a plain tensor attribute is no buffer: named, with how to have it recorded as one
         one = len(held) == 1
         where += (f"; {first_few(held)} {'is a plain tensor attribute' if one else 'are plain tensor attributes'} of "
                   f"the model, not {'a registered buffer' if one else 'registered buffers'} (register_buffer(name, "
                   f"tensor, persistent=False) would record {'it' if one else 'each'} as a buffer, leaving the "
                   "state dict as it is)")
-    elif not calls:  # nothing names where they came from: the places a trace cannot see, for the reader to check
+    if cached:  # made before this forward: when the model was built, or by an earlier forward filling a cache
+        one = len(cached) == 1
+        held_in = "is held in a container attribute" if one else "are held in container attributes"
+        where += (f"; {first_few(cached)} {held_in} of the model (a dict, list or tuple, where no buffer is "
+                  "registered): made before this forward, when the model was built or by an earlier forward filling "
+                  f"a cache, so the ops that made {'it' if one else 'them'} are not in this trace (empty such a cache "
+                  "before tracing to record them)")
+    if not held and not cached and not calls:
+        # nothing names where they came from: the places a trace cannot see, for the reader to check
         where += ("; made where the trace cannot see: before the forward, on another thread, by a call that "
                   "never reaches __torch_function__ (torch.from_numpy, a legacy constructor such as "
                   "torch.IntTensor([n])), or inside a TorchScript or torch.compile'd function the forward called "
