@@ -44,6 +44,23 @@ def test_a_setting_that_cannot_work_is_refused_before_the_first_batch(tmp_path, 
         tl.extract(model, batches(2), 3, tmp_path / "out", progress=False)
 
 
+@pytest.mark.parametrize("options, message", [
+    # loss_fn of the output alone failed after the first forward with Python's bare "<lambda>() takes 1 positional
+    # argument but 2 were given", naming neither loss_fn nor how it is called.
+    ({"grads": True, "loss_fn": lambda output: output.sum()},
+     r"tl\.extract: loss_fn is called as loss_fn\(output, batch\).*cannot take those two arguments"),
+    ({"args_of": lambda: 0}, r"tl\.extract: args_of is called as args_of\(batch\).*cannot take that argument"),
+    ({"kwargs_of": lambda batch, extra: {}}, r"tl\.extract: kwargs_of is called as kwargs_of\(batch\)"),
+])
+def test_a_function_that_cannot_take_its_arguments_is_refused_before_the_first_batch(tmp_path, options, message):
+    model = TwoLayer().eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(TypeError, match=message):
+        tl.extract(model, batches(2), ["head"], tmp_path / "out", progress=False, **options)
+    assert not forwards and not (tmp_path / "out").exists()
+
+
 def test_extraction_folders_refuse_flags_and_paths_of_the_wrong_kind(tmp_path):
     # as_torch="no" is true to Python: it gave torch tensors.
     out = tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "out", progress=False)

@@ -8,6 +8,7 @@ dimension 1), and NaN never passes: every comparison with it is false, so a NaN 
 quietly mean "no limit" or "refuse everything".
 """
 
+import inspect
 import math
 import numbers
 import os
@@ -107,6 +108,27 @@ def check_grad_possible(who: str) -> None:
     if torch.is_inference_mode_enabled():
         raise RuntimeError(f"{who} needs gradients and was called inside torch.inference_mode(), where no tensor can "
                            "require grad; call it outside inference mode")
+
+
+def check_takes(func, count: int, called_as: str, advice: str) -> None:
+    """Refuse, before any run, a callable that cannot take the ``count`` positional arguments it will be called
+    with (``lambda t: t * 0`` where ``f(tensor, op)`` is called): it would fail mid-run with Python's bare
+    ``TypeError``, which names neither the option nor how it is called.  ``called_as`` says how it is called
+    (``"an intervention action is called as action(tensor, op)"``).  A callable without a signature (a builtin
+    or C callable) passes: its call answers."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*[None] * count)
+    except TypeError as exc:
+        name = getattr(func, "__qualname__", None) or type(func).__name__
+        what = "that argument" if count == 1 else f"those {_COUNTS.get(count, count)} arguments"
+        raise TypeError(f"{called_as}, but {name}{signature} cannot take {what} ({exc}); {advice}") from None
+
+
+_COUNTS = {2: "two", 3: "three"}
 
 
 def _check_at_least(value, name, advice, who, at_least) -> None:

@@ -8,12 +8,11 @@ position) and leaves the rest of the tensor as it was.
 
 from __future__ import annotations
 
-import inspect
 import numbers
 
 import torch
 
-from ..checks import check_int, check_number
+from ..checks import check_int, check_number, check_takes
 from ..errors import ReplacementMismatch
 from ..record.layouts import shape_of
 from ..record.trace import checked_trace
@@ -267,17 +266,8 @@ def as_action(action):
 def _check_takes_tensor_and_op(action) -> None:
     """An action is called as ``action(tensor, op)``: one that cannot take those two arguments
     (``lambda t: t * 0``) is refused before any run rather than failing inside the forward."""
-    try:
-        signature = inspect.signature(action)
-    except (TypeError, ValueError):  # a builtin or C callable without a signature: it is called and answers
-        return
-    try:
-        signature.bind(None, None)
-    except TypeError as exc:
-        name = getattr(action, "__qualname__", None) or type(action).__name__
-        raise TypeError(f"an intervention action is called as action(tensor, op), with the site's value and its op, "
-                        f"but {name}{signature} cannot take those two arguments ({exc}); write it as "
-                        "lambda tensor, op: ... (ignore op when not needed)") from None
+    check_takes(action, 2, "an intervention action is called as action(tensor, op), with the site's value and its op",
+                "write it as lambda tensor, op: ... (ignore op when not needed)")
 
 
 def _number(who: str, name: str, value):

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checks import LONGEST_WAIT_S, check_flag, check_number
+from ..checks import LONGEST_WAIT_S, check_flag, check_number, check_takes
 from ..errors import add_note
 from ..tree import as_args
 
@@ -76,6 +76,9 @@ def batch_reader(args_of, kwargs_of, kwargs):
         if given is not None and not callable(given):
             raise TypeError(f"{option}= takes a function of a batch (args_of=lambda batch: batch[0], kwargs_of=dict), "
                             f"got {type(given).__name__}; arguments that are the same for every batch go in kwargs=")
+        if given is not None:
+            check_takes(given, 1, f"tl.extract: {option} is called as {option}(batch), with each batch",
+                        f"write it as {option}=lambda batch: ...")
 
     def arguments_of(batch, position):
         if args_of is not None:

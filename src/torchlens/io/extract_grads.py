@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..capture.restore import grads_set_aside, parameters_read
-from ..checks import check_flag, check_grad_possible
+from ..checks import check_flag, check_grad_possible, check_takes
 
 GRAD_PREFIX = "grad:"
 
@@ -33,6 +33,9 @@ def check_request(grads: bool, loss_fn, stop_after=None) -> None:
     if grads and not callable(loss_fn):
         raise ValueError("tl.extract(..., grads=True) needs loss_fn=f(output, batch) -> scalar loss, whose backward "
                          "gives each layer's gradient")
+    if grads:
+        check_takes(loss_fn, 2, "tl.extract: loss_fn is called as loss_fn(output, batch), with the model's output and "
+                    "the batch", "write it as lambda output, batch: ... (ignore batch when not needed)")
     if grads and stop_after is not None:
         raise ValueError(f"tl.extract(..., grads=True) needs the model's output for loss_fn, but stop_after="
                          f"{stop_after!r} stops each forward before it; extract the gradients without stop_after")
