@@ -140,6 +140,31 @@ def test_a_callable_drawing_from_its_own_generator_is_not_compared_rather_than_f
     assert result.outputs_match is True
 
 
+class Reseeds(nn.Module):
+    """Reseeds torch's generator from the operating system before its dropout, as Reformer's reversible layers
+    do in training mode (``torch.seed()``), so that no two runs draw the same numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        torch.seed()
+        return F.dropout(self.linear(x), 0.5, training=True)
+
+
+def test_a_forward_reseeding_from_the_system_is_not_compared_rather_than_failed():
+    # No traced run can match an untraced one: "outputs equal an untraced run: False", FAILED, on a faithful trace.
+    torch.manual_seed(0)
+    result = tl.validate(Reseeds(), torch.randn(4, 16))
+    assert result.outputs_match is None and result.passed and not result.mismatched, result
+    assert "two untraced runs from the same generator states gave different outputs" in result.outputs_differ
+    assert random_labels(result) == {"dropout_1_2:1"}
+    # A deterministic forward that differs is still a failure: the second untraced run agrees with the first.
+    calls = []
+    result = tl.validate(lambda x: x * 2 if calls.append(1) or len(calls) % 2 else x * 3, torch.ones(3))
+    assert result.outputs_match is False and not result.passed and len(calls) == 3, result
+
 
 class HostRandomMask(nn.Module):
     """Masks time steps chosen by NumPy's and Python's global generators in training mode, as transformers'

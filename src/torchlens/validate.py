@@ -215,27 +215,53 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
             "put back between its untraced and traced runs (it knows only the global generators), so the two "
             "drew other numbers; that generator has now advanced by both runs. Seed it again before each run and "
             "compare the outputs yourself")
+    if result.outputs_match is False and drawing is None and _untraced_runs_differ(
+            model, (call_args, kwargs, trace_kwargs.get("root")), (before, after), log, expected):
+        result.outputs_match = None
+        result.outputs_differ = (
+            "not compared: two untraced runs from the same generator states gave different outputs, so the forward "
+            "draws from a source validation cannot put back (torch.seed(), which reseeds from the operating system, "
+            "or the clock) and no traced run could match them; replay checks each op on its own")
     if result.outputs_match and _without_any_values(log.output):  # meta or fake: only shapes agreed
         result.outputs_match = None
         result.outputs_differ = "not compared by value: meta or fake tensors hold none (their shapes and dtypes agree)"
     return result
 
 
-def _compare_outputs(log, expected) -> tuple:
-    """``structures_equal`` of the traced and untraced outputs that are not uninitialized memory (``torch.empty``
-    and kin, or a view of one: ``uninitialized_ops``), whose bits each run's allocator chose.  Those are left out
-    and named whether or not their bits happened to agree, so that the result does not depend on the allocator."""
+def _compare_outputs(log, expected, output=None) -> tuple:
+    """``structures_equal`` of the traced and untraced outputs (or of ``output``, another untraced run's, in the
+    traced output's structure) that are not uninitialized memory (``torch.empty`` and kin, or a view of one:
+    ``uninitialized_ops``), whose bits each run's allocator chose.  Those are left out and named whether or not
+    their bits happened to agree, so that the result does not depend on the allocator."""
+    output = log.output if output is None else output
     # Not through in-place writes: a fill_ or copy_ makes the whole tensor defined, and it is compared.
     undefined_ops = uninitialized_ops(log, through_writes=False)
     returned = {o.io_path for o in log.outputs if o.index in undefined_ops}
     leaves = tensor_leaves(log.output)
     undefined = {path: None for path, _ in leaves if path_text("output", path) in returned}
     if not undefined:
-        return structures_equal(log.output, expected)
-    equal, why = structures_equal(fill(log.output, undefined), fill(expected, undefined))
+        return structures_equal(output, expected)
+    equal, why = structures_equal(fill(output, undefined), fill(expected, undefined))
     left_out = f"not compared: {', '.join(path_text('output', p) for p in undefined)}, uninitialized memory " \
                "(torch.empty and kin, or a view of it), whose contents are not defined"
     return (None if len(undefined) == len(leaves) else True, left_out) if equal else (equal, why)
+
+
+def _untraced_runs_differ(model, call, states, log, expected) -> bool:
+    """Whether a second untraced run of ``call`` (``(args, kwargs, root)``), from the generator states the first
+    began with, gives another output than the first (``expected``): the forward then draws from a source
+    ``RngState`` cannot put back (Reformer reseeds with ``torch.seed()`` in training mode).  Run only when the
+    traced and untraced outputs differed; the generators end as after the first run (``states``: before, after)."""
+    before, after = states
+    before.restore()
+    try:
+        again, _ = _reference_output(model, *call)
+    finally:
+        after.restore()
+    try:
+        return _compare_outputs(log, expected, output=again)[0] is False
+    except Exception:  # noqa: BLE001 - compared as the traced output was, which raised nothing
+        return False
 
 
 def _op_drawing_from_own_generator(log):
