@@ -171,7 +171,7 @@ class DotWriter:
         outs = [shape_text(self.trace.op_meta[i].shape) for i in first._output_nodes if i >= 0]
         rows = [f"<b>{esc(self.group_title(g))}</b>",
                 f"{esc(', '.join(ins) or '-')} \u2192 {esc(', '.join(outs) or '-')}",
-                f'<font point-size="8">{counted(len(first._op_nodes), "op")}</font>']
+                f'<font point-size="8">{self._hidden_count(g, len(first._op_nodes))}</font>']
         ops = self._group_ops(g)
         value = self._value_row(ops)
         if value:
@@ -181,6 +181,13 @@ class DotWriter:
             rows.append(f'<font point-size="8" color="{CHANGED}">{counted(changed, "op")} changed by interventions'
                         '</font>')
         return "<" + "<br/>".join(rows) + ">"
+
+    def _hidden_count(self, g, ops: int) -> str:
+        """``3 ops``, and ``, 2 buffers`` for the buffer nodes drawn inside the module: a collapsed box hides
+        those too, and they are ops of the trace that the count must not leave out."""
+        items = self.structure.items
+        buffers = sum(items[i].kind == "buffer" for i in self.structure.groups[g].items)
+        return counted(ops, "op") + (f", {counted(buffers, 'buffer')}" if buffers else "")
 
     def _group_ops(self, g):
         items = self.structure.items
