@@ -7,6 +7,8 @@ import re
 import sys
 
 import pytest
+import torch
+import torch.nn as nn
 
 import torchlens as tl
 from torchlens.viz import graph
@@ -34,3 +36,31 @@ def test_a_collapsed_module_counts_every_node_it_hides_buffers_included(traces, 
         hidden = structure.groups[int(key[1:])].items  # the op and buffer nodes the box stands for
         assert int(ops) + int(buffers or 0) == len(hidden), key
     assert any(buffers for _, _, buffers in found)  # batch norm's running statistics are buffers
+
+
+EDGE = re.compile(r"^\s*(\w+)(?::p\d+)? -> (\w+)(?: \[label=\"([^\"]*)\"\])?;", re.M)
+
+
+class LoopOverABlock(nn.Module):
+    """The input feeds only the first of three passes through ``block``; later passes read the last one's."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.block(x) + x
+        return x
+
+
+@pytest.mark.parametrize("depth", [None, 0])
+def test_a_rolled_edge_into_one_pass_of_a_repeated_node_says_which_pass(depth):
+    log = tl.trace(LoopOverABlock(), (torch.randn(2, 4),))
+    edges = EDGE.findall(log.render(view="rolled", depth=depth))
+    from_input = [label for src, _, label in edges if src == "l0"]
+    # into the linear (or the collapsed block) and the add, each only on pass 1 of 3: unlabelled, they would
+    # read as feeding every pass
+    assert from_input == ["1", "1"]
+    assert all(label for _, _, label in edges)  # each edge here has an end of 3 passes
+    assert all(label == "" for _, _, label in EDGE.findall(log.render(depth=depth)))  # unrolled: no passes

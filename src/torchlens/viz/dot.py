@@ -258,11 +258,23 @@ class DotWriter:
         return (f'r{item.key} [id="r{item.key}", class="tl-node tl-ref", {_KIND_STYLE["ref"]}, '
                 f'{self._fill("ref")}, label=<{arrow} <b>{esc(item.label)}</b>>];')
 
-    def edge(self, src, dst, pairs) -> str:
+    def edge(self, src, dst, pairs, repeated=False) -> str:
+        """``repeated``: an end stands for several passes or calls, so even an edge of pass 1 alone must say
+        so, or it would read as feeding every pass (an input into a loop's first pass only)."""
         attrs = ""
-        if self.rolled and any(pair != (1, 1) for pair in pairs):
+        if self.rolled and (repeated or any(pair != (1, 1) for pair in pairs)):
             attrs = f" [label={quote(edge_pass_label(pairs))}]"
         return f"{src} -> {dst}{attrs};"
+
+    def _repeated_nodes(self, picture) -> set:
+        """The node ids of this rolled picture that stand for more than one pass (a layer) or call (a module)."""
+        if not self.rolled:
+            return set()
+        items, groups = self.structure.items, self.structure.groups
+        shown = picture.items + picture.refs_in + picture.refs_out
+        several = {items[i].key for i in shown if len(items[i].ops) > 1}
+        several |= {"r" + key for key in several}
+        return several | {groups[g].key for g in picture.collapsed if len(groups[g].calls) > 1}
 
     # ----- a whole picture ----------------------------------------------------------------------
     def write(self, picture, title=None, legend=None) -> str:
@@ -285,14 +297,15 @@ class DotWriter:
             parent = self.structure.groups[g].parent
             children.setdefault(parent if parent in drawn_boxes else -1, []).append(g)
         self._emit(-1, contents, children, lines, 1)
-        drawn = set()
+        drawn, several = set(), self._repeated_nodes(picture)
         for (src, dst), pairs in picture.edges.items():
+            repeated = src in several or dst in several
             if src in aliases:
                 src = "%s:p%d" % aliases[src]
             dst = aliases[dst][0] if dst in aliases else dst  # every output has the same inputs: one edge
             if (src, dst) not in drawn:
                 drawn.add((src, dst))
-                lines.append("  " + self.edge(src, dst, pairs))
+                lines.append("  " + self.edge(src, dst, pairs, repeated))
         lines.append("}")
         return "\n".join(lines) + "\n"
 
