@@ -48,11 +48,14 @@ def format_of(path, fmt=None) -> str:
     return suffix
 
 
-def _check(trace, depth):
+def _check(trace, depth, title):
     from ..record.trace import Trace
 
     if not isinstance(trace, Trace):
         raise TypeError(f"render needs a Trace from tl.trace(...), not {type(trace).__name__}")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"render: title= takes a string (the picture's heading), or None for the model's name, the "
+                        f"view and the op count; got {type(title).__name__} {title!r}")
     if depth is not None:
         check_int(depth, "depth", "give a module depth, 0 or more (0 collapses every top-level module), or None to "
                   "draw every module", who="render", at_least=0)
@@ -89,7 +92,7 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     if path is not None:  # checked now: the file is written only after the layout, which can take seconds
         check_file_to_write(path, "path", "name a file in an existing folder (a str or a pathlib.Path)", who="render")
     fmt = format_of(path, format)
-    _check(trace, depth)
+    _check(trace, depth, title)
     with bar(progress, f"rendering {trace.model_name}", total=3, unit=" steps") as shown:
         return _render(trace, path, view, depth, color_by, fmt, device_times, title, shown, direction)
 
