@@ -19,3 +19,16 @@ def test_a_title_that_is_no_string_is_refused_by_name(log, fmt):
     with pytest.raises(TypeError, match=r"title= takes a string .* got int 5"):
         log.render(format=fmt, title=5)
     assert "<b>my model</b>" in log.render(title="my model")
+
+
+@pytest.mark.parametrize("max_ops, error", [(-3, ValueError), ("10", TypeError)])
+def test_show_outside_a_notebook_refuses_a_bad_max_ops_as_a_notebook_would(log, monkeypatch, max_ops, error):
+    opened = []
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url) or True)
+    with pytest.raises(error, match=r"^show: max_ops="):
+        log.show(max_ops=max_ops)
+    assert opened == []
+    page = log.show(max_ops=10)  # a good value is taken, and unused outside a notebook: the page draws every op
+    page.unlink()
+    assert len(opened) == 1

@@ -146,7 +146,10 @@ def show(trace, **kwargs):
     where no browser can open (no display), say where the file is.  Returns the file's path (None inline)."""
     # Either way the viewer is HTML: format= may say so (or be None), and is not passed on, since both ways
     # name the format themselves.  DOT or SVG text in the viewer's page is no viewer.
+    from .notebook import check_max_ops
+
     _check_show_options(kwargs)
+    check_max_ops(kwargs.get("max_ops"), "show")
     shown_format = kwargs.pop("format", None)
     if shown_format is not None and format_of(None, shown_format) != "html":
         raise ValueError(f"show opens the interactive HTML viewer, not format={shown_format!r}; write that "

@@ -74,13 +74,19 @@ def _op_table(trace) -> str:
     return _table(["op", "function", "shape", "module call"], rows)
 
 
+def check_max_ops(max_ops, who: str) -> None:
+    """``max_ops`` is checked wherever it is given, even by ``show`` outside a notebook, which has no use for it:
+    a wrong value must not pass there and fail only once the same call runs in a notebook."""
+    if max_ops is not None:
+        check_int(max_ops, "max_ops", "give the most ops drawn inline, 0 or more, or None for no limit", who=who,
+                  at_least=0)
+
+
 def notebook_html(trace, max_ops=None, **render_kwargs) -> str:
     from . import render
     from .layout import LayoutEngineMissing, LayoutFailed
 
-    if max_ops is not None:
-        check_int(max_ops, "max_ops", "give the most ops drawn inline, 0 or more, or None for no limit",
-                  who="notebook_html", at_least=0)
+    check_max_ops(max_ops, "notebook_html")
     parts = [f'<pre style="font-size:12px;margin:0">{html.escape(_header_text(trace))}</pre>',
              _module_table(trace), _op_table(trace)]
     if max_ops is not None and len(trace) > max_ops:
