@@ -64,3 +64,33 @@ def test_a_rolled_edge_into_one_pass_of_a_repeated_node_says_which_pass(depth):
     assert from_input == ["1", "1"]
     assert all(label for _, _, label in edges)  # each edge here has an end of 3 passes
     assert all(label == "" for _, _, label in EDGE.findall(log.render(depth=depth)))  # unrolled: no passes
+
+
+class CalledOnTwoShapes(nn.Module):
+    """``block`` runs on the batch, then on its first row, where it skips its ReLU: calls that differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Gated()
+
+    def forward(self, x):
+        return self.block(x).sum() + self.block(x[:1]).sum()
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.relu(y) if x.shape[0] > 1 else y
+
+
+def test_a_rolled_box_describes_every_call_it_stands_for_not_its_first():
+    log = tl.trace(CalledOnTwoShapes(), (torch.randn(2, 4),))
+    box = re.search(r'<b>block \(Gated\) \u00d72 calls</b><br/>(.*?)<br/><font point-size="8">(.*?)</font>',
+                    log.render(view="rolled", depth=0)).groups()
+    assert box == ("2x4 \u2192 2x4 | 1x4 \u2192 1x4", "1-2 ops")
+    unrolled = log.render(depth=0)  # one call per box: its own shapes and count
+    assert "<b>block:2 (Gated)</b><br/>1x4 \u2192 1x4<br/><font point-size=\"8\">1 op</font>" in unrolled

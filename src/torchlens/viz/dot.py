@@ -165,13 +165,9 @@ class DotWriter:
         return title
 
     def module_label(self, g) -> str:
-        group = self.structure.groups[g]
-        first = self.trace.module_calls[group.calls[0]]
-        ins = [shape_text(self.trace.op_meta[i].shape) for i in first._input_nodes if i >= 0]
-        outs = [shape_text(self.trace.op_meta[i].shape) for i in first._output_nodes if i >= 0]
-        rows = [f"<b>{esc(self.group_title(g))}</b>",
-                f"{esc(', '.join(ins) or '-')} \u2192 {esc(', '.join(outs) or '-')}",
-                f'<font point-size="8">{self._hidden_count(g, len(first._op_nodes))}</font>']
+        calls = [self.trace.module_calls[c] for c in self.structure.groups[g].calls]
+        rows = [f"<b>{esc(self.group_title(g))}</b>", esc(self._calls_shapes(calls)),
+                f'<font point-size="8">{self._hidden_count(g, calls)}</font>']
         ops = self._group_ops(g)
         value = self._value_row(ops)
         if value:
@@ -182,12 +178,26 @@ class DotWriter:
                         '</font>')
         return "<" + "<br/>".join(rows) + ">"
 
-    def _hidden_count(self, g, ops: int) -> str:
-        """``3 ops``, and ``, 2 buffers`` for the buffer nodes drawn inside the module: a collapsed box hides
-        those too, and they are ops of the trace that the count must not leave out."""
+    def _calls_shapes(self, calls) -> str:
+        """``2x8 \u2192 2x8``: the input and output shapes of the calls a box stands for; when the calls of a rolled
+        box differ, each distinct one (``2x8 \u2192 2x8 | 1x8 \u2192 1x8``), never the first call's as if all's."""
+        def shapes(nodes):
+            return ", ".join(shape_text(self.trace.op_meta[i].shape) for i in nodes if i >= 0) or "-"
+
+        seen = list(dict.fromkeys(f"{shapes(c._input_nodes)} \u2192 {shapes(c._output_nodes)}" for c in calls))
+        # a decoding loop's growing length would list every step
+        more = f" | {counted(len(seen) - 3, 'other shape')}" if len(seen) > 3 else ""
+        return " | ".join(seen[:3]) + more
+
+    def _hidden_count(self, g, calls) -> str:
+        """``3 ops`` (per call: ``3-4 ops`` when a rolled box's calls ran different numbers), and ``, 2 buffers``
+        for the buffer nodes drawn inside the module: a collapsed box hides those too, and they are ops of the
+        trace that the count must not leave out."""
         items = self.structure.items
         buffers = sum(items[i].kind == "buffer" for i in self.structure.groups[g].items)
-        return counted(ops, "op") + (f", {counted(buffers, 'buffer')}" if buffers else "")
+        low, high = min(len(c._op_nodes) for c in calls), max(len(c._op_nodes) for c in calls)
+        ops = counted(low, "op") if low == high else f"{low}-{high} ops"
+        return ops + (f", {counted(buffers, 'buffer')}" if buffers else "")
 
     def _group_ops(self, g):
         items = self.structure.items
