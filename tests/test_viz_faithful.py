@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -94,3 +95,16 @@ def test_a_rolled_box_describes_every_call_it_stands_for_not_its_first():
     assert box == ("2x4 \u2192 2x4 | 1x4 \u2192 1x4", "1-2 ops")
     unrolled = log.render(depth=0)  # one call per box: its own shapes and count
     assert "<b>block:2 (Gated)</b><br/>1x4 \u2192 1x4<br/><font point-size=\"8\">1 op</font>" in unrolled
+
+
+def viewer_data(page) -> dict:
+    return json.loads(re.search(r'id="tl-data">(.*?)</script>', page, re.S).group(1).replace("<\\/", "</"))
+
+
+def test_the_viewer_record_of_a_rolled_box_counts_ops_per_call():
+    log = tl.trace(CalledOnTwoShapes(), (torch.randn(2, 4),))
+    rolled = viewer_data(log.render(format="html", view="rolled", depth=0))
+    block = next(rec for rec in rolled["groups"].values() if rec["label"] == "block")
+    assert block["calls"] == ["block:1", "block:2"] and block["ops"] == "1-2 per call"
+    unrolled = viewer_data(log.render(format="html"))
+    assert sorted(rec["ops"] for rec in unrolled["groups"].values() if rec["class"] == "Gated") == [1, 2]
