@@ -108,3 +108,30 @@ def test_the_viewer_record_of_a_rolled_box_counts_ops_per_call():
     assert block["calls"] == ["block:1", "block:2"] and block["ops"] == "1-2 per call"
     unrolled = viewer_data(log.render(format="html"))
     assert sorted(rec["ops"] for rec in unrolled["groups"].values() if rec["class"] == "Gated") == [1, 2]
+
+
+class ThroughAnIdentity(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.skip = nn.Identity()  # runs no torch op: nothing of it can be drawn
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(self.skip(x))
+
+
+@pytest.mark.parametrize("view", ["unrolled", "rolled"])
+def test_a_module_call_that_ran_no_op_is_named_since_no_box_can_show_it(view):
+    log = tl.trace(ThroughAnIdentity(), (torch.randn(2, 4),))
+    name = "skip:1" if view == "unrolled" else "skip"
+    note = f"1 module call ran no torch op and has no box: {name} (Identity)"
+    assert note in log.render(view=view)
+    assert note in log.render(view=view, format="html")
+    assert "no box" not in tl.trace(nn.Sequential(nn.Linear(4, 4)), (torch.randn(2, 4),)).render(view=view)
+
+
+def test_a_shared_module_drawn_in_its_first_position_is_not_called_empty_in_its_second():
+    from test_viz_shared_modules import SharedOutsideItsFirstBox
+
+    log = tl.trace(SharedOutsideItsFirstBox(), (torch.randn(2, 4),))
+    assert "no box" not in log.render(view="rolled") + log.render(view="rolled", format="html")

@@ -18,7 +18,7 @@ import re
 
 from .graph import edge_pass_label, pass_ranges
 from .metrics import aggregate, format_value
-from ..errors import counted
+from ..errors import counted, listed
 from ..record.layouts import shape_text
 
 FONT = "Helvetica"
@@ -156,6 +156,18 @@ class DotWriter:
         if any(i in self.changed for i in ops):
             style = _BORDER.sub(f'color="{CHANGED}", penwidth=2.5', style, count=1)
         return style
+
+    def notes(self) -> list:
+        """``reading_notes``, and the module calls drawn nowhere: a call that ran no torch op (``nn.Identity``)
+        has no node to put a box around, so the picture says it happened rather than leave it out unseen."""
+        notes, calls = reading_notes(self.trace), self.trace.module_calls
+        # A rolled box with no items of its own may be a shared module's second position, drawn in its first.
+        empty = [f"{group.label} ({group.class_name})" for group in self.structure.groups
+                 if not group.items and not any(calls[c]._op_nodes for c in group.calls)]
+        if empty:
+            has = "has" if len(empty) == 1 else "have"
+            notes.append(f"{counted(len(empty), 'module call')} ran no torch op and {has} no box: {listed(empty, 3)}")
+        return notes
 
     def group_title(self, g) -> str:
         group = self.structure.groups[g]
@@ -354,7 +366,7 @@ class DotWriter:
         rows = []
         if title:
             rows.append(f'<tr><td align="left" colspan="2"><b>{esc(title)}</b></td></tr>')
-        rows += [f'<tr><td align="left" colspan="2">{esc(note)}</td></tr>' for note in reading_notes(self.trace)]
+        rows += [f'<tr><td align="left" colspan="2">{esc(note)}</td></tr>' for note in self.notes()]
         if self.changed:
             changed = counted(len(self.changed), "op")
             rows.append(f'<tr><td align="left" colspan="2"><font color="{CHANGED}">{changed} changed by '

@@ -84,7 +84,7 @@ def page_data(trace, structure, pictures, records, coloring) -> dict:
             "legend": coloring.legend() if coloring is not None else None}
 
 
-def legend_html(coloring, changed=False) -> str:
+def legend_html(coloring, changed=False, notes=()) -> str:
     kinds = [("input", "input"), ("output", "output"), ("buffer", "buffer"), ("op", "op"),
              ("param_op", "op using parameters (bold border)"), ("module", "collapsed module: double-click to open"),
              ("ref", "node drawn in another picture: click to go there")]
@@ -94,6 +94,7 @@ def legend_html(coloring, changed=False) -> str:
         rows.append(f'<div class="tl-key"><span class="tl-swatch" style="border:2px solid {CHANGED}"></span>'
                     "changed by an intervention (red border)</div>")
     out = '<div class="tl-legend-kinds">' + "".join(rows) + "</div>"
+    out += "".join(f'<div class="tl-legend-note">{html.escape(note)}</div>' for note in notes)  # what no node shows
     if coloring is not None:
         legend = coloring.legend()
         out += f'<div class="tl-legend-title">{html.escape(legend["title"])}</div>'
@@ -136,7 +137,7 @@ def html_page(trace, structure, coloring, records, depth=None, title=None, direc
 <main id="tl-canvas" tabindex="0"></main>
 <aside id="tl-panel"><div id="tl-panel-body"><p class="tl-hint">Click a node for its record.
 Double-click a module box to open it.</p><pre class="tl-summary">{html.escape(summary)}</pre></div></aside>
-<section id="tl-legend">{legend_html(coloring, bool(writer.changed))}</section>
+<section id="tl-legend">{legend_html(coloring, bool(writer.changed), writer.notes())}</section>
 </div>
 <script type="application/json" id="tl-data">{payload}</script>
 {view_blocks}
