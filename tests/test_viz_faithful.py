@@ -135,3 +135,25 @@ def test_a_shared_module_drawn_in_its_first_position_is_not_called_empty_in_its_
 
     log = tl.trace(SharedOutsideItsFirstBox(), (torch.randn(2, 4),))
     assert "no box" not in log.render(view="rolled") + log.render(view="rolled", format="html")
+
+
+class ShrinkingLoop(nn.Module):
+    """``fc`` runs three passes, on two rows and then on one."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for rows in (2, 1, 1):
+            x = torch.tanh(self.fc(x[:rows]))
+        return x
+
+
+def test_the_viewer_record_of_a_rolled_layer_says_which_numbers_are_totals_and_which_per_pass():
+    log = tl.trace(ShrinkingLoop(), (torch.randn(2, 8),))
+    records = viewer_data(log.render(format="html", view="rolled"))["items"]
+    linear = next(rec for rec in records.values() if rec["label"] == "linear_1_2")
+    assert linear["memory"] == "32 B to 64 B per pass" and linear["shape"] == "1x8, 2x8"
+    assert re.fullmatch(r"\d+ over 3 passes", linear["flops"])
+    assert linear["duration"].endswith("over 3 passes (host, instrumented)")

@@ -181,11 +181,15 @@ class RecordBuilder:
         rec.pop("activation", None)
         shapes = sorted({shape_text(op.shape) for op in ops})
         rec["shape"] = ", ".join(shapes)
+        # Totals say they are totals, and a per-pass figure says so: the first pass's alone would pass for all.
+        low, high = min(op.nbytes for op in ops), max(op.nbytes for op in ops)
+        sizes = human_bytes(low) if low == high else f"{human_bytes(low)} to {human_bytes(high)}"
+        rec["memory"] = f"{sizes} per pass"
         if first.kind == "op":
             total = sum(op.duration or 0.0 for op in ops)
             rec["duration"] = f"{format_seconds(total)} over {len(ops)} passes (host, instrumented)"
             flops = [self.op_flops(op) for op in ops]
-            rec["flops"] = format_count(sum(flops)) if None not in flops else "unknown"
+            rec["flops"] = f"{format_count(sum(flops))} over {len(ops)} passes" if None not in flops else "unknown"
         rec["parents"] = self._in_order(p for op in ops for p in op.parents)
         rec["children"] = self._in_order(c for op in ops for c in op.children)
         return rec
