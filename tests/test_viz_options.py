@@ -32,3 +32,14 @@ def test_show_outside_a_notebook_refuses_a_bad_max_ops_as_a_notebook_would(log, 
     page = log.show(max_ops=10)  # a good value is taken, and unused outside a notebook: the page draws every op
     page.unlink()
     assert len(opened) == 1
+
+
+def test_color_by_grad_norm_without_gradients_says_how_to_get_them():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(tl.errors.GradientUnavailable, match="grads=True"):
+        tl.trace(model, (torch.randn(2, 4),)).render(color_by="grad_norm")
+    log = tl.trace(model, (torch.randn(2, 4),), grads=True)
+    with pytest.raises(ValueError, match="run a backward through log.output first"):
+        log.render(color_by="grad_norm", format="html")
+    log.output.sum().backward()
+    assert "colour: grad norm" in log.render(color_by="grad_norm")

@@ -97,14 +97,25 @@ def op_values(trace, metric, device_times=None) -> list:
     if metric == "nonfinite":
         return nonfinite_marks(trace)
     if metric == "grad_norm":
-        from ..record.grads import grad_stats_column
-
-        values = [None] * n
-        for i, stats in grad_stats_column(trace).items():
-            norm = stats["grad_norm"]
-            values[i] = norm if math.isfinite(norm) else math.inf  # exploded: the top of the scale
-        return values
+        return _grad_norms(trace, n)
     raise ValueError(metric)
+
+
+def _grad_norms(trace, n) -> list:
+    """Each op's gradient norm; a trace with no gradients at all is refused, saying how to get them, rather than
+    drawn all grey as if every op had been left out."""
+    from ..record.grads import grad_capture_of, grad_stats_column
+
+    grad_capture_of(trace)  # a trace taken without grads=True: GradientUnavailable says to trace with it
+    column = grad_stats_column(trace)
+    if not column:
+        raise ValueError("color_by='grad_norm' needs gradients: run a backward through log.output first (or "
+                         "log.backward(loss))")
+    values = [None] * n
+    for i, stats in column.items():
+        norm = stats["grad_norm"]
+        values[i] = norm if math.isfinite(norm) else math.inf  # exploded: the top of the scale
+    return values
 
 
 def nonfinite_marks(trace) -> list:
