@@ -1,12 +1,16 @@
-"""Options of render and show given wrong: each refused by name, in every format, before anything is drawn."""
+"""Options of render and show: each refused by name when wrong, before anything is drawn; grad_norm colours."""
 
 from __future__ import annotations
+
+import math
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 
 import torchlens as tl
+from torchlens.viz.metrics import format_value
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +47,17 @@ def test_color_by_grad_norm_without_gradients_says_how_to_get_them():
         log.render(color_by="grad_norm", format="html")
     log.output.sum().backward()
     assert "colour: grad norm" in log.render(color_by="grad_norm")
+
+
+def test_a_collapsed_module_shows_the_gradient_norm_of_its_ops_together_as_hot_path_does():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 1))
+    log = tl.trace(model, (torch.randn(2, 4),), grads=True)
+    log.output.sum().backward()
+    norms = log.to_pandas().set_index("label")["grad_norm"]
+    together = math.sqrt(norms["linear_1_1:1"] ** 2 + norms["tanh_1_2:1"] ** 2)  # not their sum, 1.56
+    shown = re.search(r"<b>0:1 \(Sequential\)</b>.*?<br/><font point-size=\"8\">([^<]*)</font>>",
+                      log.render(color_by="grad_norm", depth=0)).group(1)
+    assert shown == format_value("grad_norm", together) == "1.1"
+    by_module = {row["address"]: row["total"] for row in tl.debug.hot_path(log, by="grad_norm", group="module").rows}
+    assert math.isclose(by_module["0:1"], together)

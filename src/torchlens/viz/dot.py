@@ -136,7 +136,7 @@ class DotWriter:
     def _value_row(self, ops):
         if self.coloring is None or self.coloring.metric == "nonfinite":
             return None
-        value = aggregate(self.coloring.values, ops)
+        value = aggregate(self.coloring.values, ops, self.coloring.metric)
         return f'<font point-size="8">{esc(format_value(self.coloring.metric, value))}</font>'
 
     def _changed_row(self, ops):
@@ -221,7 +221,7 @@ class DotWriter:
         if self.coloring is None or kind not in ("op", "param_op", "module"):
             return f'fillcolor="{KIND_FILL[kind]}"'
         labels = [self.trace.labels[i] for i in ops]
-        fill = self.coloring.fill(aggregate(self.coloring.values, ops), labels)
+        fill = self.coloring.fill(aggregate(self.coloring.values, ops, self.coloring.metric), labels)
         return f'fillcolor="{fill}", fontcolor="{self.coloring.font(fill)}"'
 
     def item_node(self, index, ports=()) -> str:

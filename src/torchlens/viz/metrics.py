@@ -154,13 +154,17 @@ def nonfinite_origins(trace) -> set:
     return labels
 
 
-def aggregate(values, ops):
-    """Sum of the known values of ``ops`` (any() for flags); None when none is known."""
+def aggregate(values, ops, metric=None):
+    """Sum of the known values of ``ops`` (any() for flags); None when none is known.  Gradient norms combine as
+    the norm of the gradients taken together, as ``hot_path(by="grad_norm")`` groups them: a sum of norms is the
+    norm of nothing."""
     known = [values[i] for i in ops if values[i] is not None]
     if not known:
         return None
     if isinstance(known[0], bool):
         return any(known)
+    if metric == "grad_norm":
+        return math.sqrt(sum(v * v for v in known))
     return sum(known)
 
 
@@ -217,7 +221,10 @@ class Coloring:
                 entries.append((_SCALE[0], format_value(self.metric, self.high)))
             entries.append((UNKNOWN_FILL, "no value for this op"))
         note = _NOTES[self.metric]
-        if self.metric != "nonfinite":
+        if self.metric == "grad_norm":
+            note += ("; a node standing for several ops (a rolled layer, a collapsed module) shows the norm of their "
+                     "gradients taken together")
+        elif self.metric != "nonfinite":
             note += "; a node standing for several ops (a rolled layer, a collapsed module) shows their sum"
         return {"title": f"colour: {self.metric.replace('_', ' ')}", "note": note, "entries": entries}
 
