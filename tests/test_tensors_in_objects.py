@@ -390,3 +390,25 @@ def test_tensors_in_a_slotted_object_or_a_deque_are_outputs_and_validate(kind):
     assert [o.parents for o in log.outputs] == [["linear_1_1:1"], ["relu_1_2:1"]]
     result = tl.validate(_ReturnsUnusualContainers(kind), torch.randn(2, 4))
     assert result.outputs_match is True, result.outputs_differ
+
+
+def test_an_uncopyable_keyword_leaves_the_others_copied_for_the_extra_runs(gpt2):
+    """A streamer holds a lock and cannot be copied: it is shared with tl.validate's untraced run (and says
+    so), while the cache passed beside it is still copied, so the caller's cache is extended once."""
+    import threading
+
+    from transformers import DynamicCache, TextStreamer
+
+    class Tokenizer:
+        def decode(self, ids, **kwargs):
+            return ""
+
+    streamer = TextStreamer(Tokenizer())
+    streamer.lock = threading.Lock()
+    prompt = torch.tensor([[5, 9, 13, 21]])
+    cache = DynamicCache()
+    with pytest.warns(UserWarning, match="could not copy a TextStreamer input"):
+        result = tl.validate(gpt2.generate, (prompt,), {"past_key_values": cache, "streamer": streamer,
+                                                        "max_new_tokens": 2, "do_sample": False})
+    assert result.passed
+    assert cache.get_seq_length() == 5  # the prompt and the first new token, fed once

@@ -263,9 +263,13 @@ def clone_inputs(obj, memo=None):
         if id(t) not in memo:
             memo[id(t)] = _copy_of_input(t)
     _keep_behaviour(obj, memo)
+    before = dict(memo)
     try:
         return copy.deepcopy(obj, memo)
     except Exception as exc:  # noqa: BLE001 - an object that cannot be copied is passed as it is
+        # A failed copy leaves half-built objects in the memo: another argument holding them gets the original.
+        memo.clear()
+        memo.update(before)
         warn_user(f"torchlens could not copy a {type(obj).__name__} input ({type(exc).__name__}: {exc}): "
                   "the extra run uses it as given, so a forward that changes it in place changes it again")
     return fill(strip(obj), clones)
@@ -357,9 +361,14 @@ def _copy_of_input(t: Tensor) -> Tensor:
 def clone_call(args, kwargs) -> tuple:
     """``(args, kwargs)`` of a call, each copied by ``clone_inputs`` with one memo, so that a tensor
     passed both positionally and by keyword stays one tensor, and tensors that view one storage (an input
-    and a view of it, ``model(x, x[1:])``) stay views of one copy of it."""
+    and a view of it, ``model(x, x[1:])``) stay views of one copy of it.  Each argument is copied on its own:
+    one that cannot be (a streamer holding a lock) is shared with the extra run, and a cache beside it is
+    still copied, so that the caller's cache is extended once."""
     memo = _views_of_copied_storages(tensor_leaves((args, kwargs), attrs=True))
-    return clone_inputs(args, memo), clone_inputs(kwargs, memo)
+    args = tuple(clone_inputs(a, memo) for a in args) if type(args) is tuple else clone_inputs(args, memo)
+    if type(kwargs) is dict:
+        return args, {name: clone_inputs(value, memo) for name, value in kwargs.items()}
+    return args, clone_inputs(kwargs, memo)
 
 
 def _views_of_copied_storages(leaves) -> dict:
