@@ -1,0 +1,94 @@
+"""Nothing silently ignored: an option of a trace, of tl.validate or of a reader of a trace that would be misread,
+ignored or fail midway is refused before anything runs, saying what was wrong and what to give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchlens as tl
+from zoo import MLP
+
+
+def test_a_budget_or_save_device_that_cannot_work_is_refused_before_the_forward():
+    # max_saved_bytes='1GB' failed at the first saved tensor ("'>' not supported"); -1, meant as no limit, saved
+    # nothing; save_device='cuda' on a machine without CUDA failed mid-forward with an AssertionError.
+    from untouched import assert_untouched, snapshot
+
+    model, x = MLP().eval(), torch.randn(2, 16)
+    before = snapshot(model, (x,))
+    with pytest.raises(TypeError, match=r"max_saved_bytes='1GB' is a str; give a number of bytes "
+                                        r"\(2\*\*30 for 1 GiB\)"):
+        tl.trace(model, x, max_saved_bytes="1GB")
+    with pytest.raises(ValueError, match="max_saved_bytes=-1 is negative; give a number of bytes .* or None for no limit"):
+        tl.trace(model, x, max_saved_bytes=-1)
+    # NaN compares false with every size, so a NaN budget saved everything: no limit, without a word.
+    with pytest.raises(ValueError, match=r"max_saved_bytes=nan is not a number \(NaN\); give a number of bytes"):
+        tl.trace(model, x, max_saved_bytes=float("nan"))
+    unusable = ["gpu"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in unusable:
+        with pytest.raises(ValueError, match=rf"save_device='{device}': saved tensors cannot be moved there"):
+            tl.trace(model, x, save_device=device)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert tl.trace(model, x, max_saved_bytes=2**20, save_device="cpu")["head"].has_activation
+
+
+def test_the_readers_of_a_trace_given_the_model_say_to_trace_it_first():
+    # nonfinite_origin(model, x) failed with "Boolean value of Tensor with more than one value is ambiguous" (x
+    # read as grads=), hot_path(model) with "'GPT2LMHeadModel' object has no attribute 'ops'".
+    pytest.importorskip("transformers")
+    from real_models import small_gpt2_lm
+
+    gpt2, ids = small_gpt2_lm(), torch.randint(0, 64, (1, 6))
+    with pytest.raises(TypeError, match=r"nonfinite_origin takes a Trace \(log = tl\.trace\(model, x\)\), got "
+                                        r"GPT2LMHeadModel: trace the model first"):
+        tl.debug.nonfinite_origin(gpt2, ids)
+    with pytest.raises(TypeError, match=r"hot_path takes a Trace .*, got GPT2LMHeadModel"):
+        tl.debug.hot_path(gpt2)
+    log = tl.trace(gpt2, ids)
+    with pytest.raises(TypeError, match=r"nonfinite_origin: grads=tensor\(.* is a Tensor, not True or False; give True or "
+                                        r"False: nonfinite_origin reads the trace alone and runs nothing"):
+        tl.debug.nonfinite_origin(log, ids)
+    assert not tl.debug.nonfinite_origin(log).found and tl.debug.hot_path(log).rows
+
+
+def test_options_that_would_be_misread_or_ignored_are_refused_before_the_forward():
+    # deep="yes" was taken as True, name=3 as a display name, and reference= without intervene= or stop_after=
+    # was silently ignored.
+    from untouched import assert_untouched, snapshot
+
+    model, x = MLP().eval(), torch.randn(2, 16)
+    before = snapshot(model, (x,))
+    with pytest.raises(TypeError, match="deep='yes' is a str, not True or False; give True"):
+        tl.trace(model, x, deep="yes")
+    # record_finite="no" and saved_for_backward="no" were true to Python, so each did what it said not to.
+    with pytest.raises(TypeError, match="record_finite='no' is a str, not True or False; give True to record"):
+        tl.trace(model, x, record_finite="no")
+    with pytest.raises(TypeError, match="saved_for_backward=0 is an int, not True or False"):
+        tl.trace(model, x, saved_for_backward=0)
+    with pytest.raises(TypeError, match=r"name= takes a string .*got int 3"):
+        tl.trace(model, x, name=3)
+    reference = tl.trace(model, x, save="none")
+    with pytest.raises(ValueError, match=r"reference= .* this call gives neither, so it would be ignored"):
+        tl.trace(model, x, reference=reference)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert repr(tl.trace(model, x, deep=True, name="mlp")).startswith("<Trace of mlp")
+    assert tl.trace(model, x, reference=reference, intervene={"relu_1_2": tl.scale(2.0)}).interventions
+
+
+def test_validate_names_its_own_unknown_keyword_and_the_trace_option_meant():
+    # tl.validate(m, x, grad=True) reported "trace() got an unexpected keyword argument 'grad'", naming a function
+    # the user did not call; save= clashed with the save="all" validate passes ("multiple values").
+    model, x = MLP().eval(), torch.randn(2, 16)
+    with pytest.raises(TypeError, match=r"tl\.validate\(\) got an unexpected keyword argument 'grad'.*closest: grads"):
+        tl.validate(model, x, grad=True)
+    with pytest.raises(TypeError, match=r"tl\.validate\(\) saves every activation .* takes no save="):
+        tl.validate(model, x, save="none")
+    # intervene= and stop_after= made another run than the untraced one it is compared with: "validation FAILED"
+    # for a faithful trace.
+    for option, value in (("intervene", {"layers.0": tl.zero_ablate()}), ("stop_after", "layers.0")):
+        with pytest.raises(ValueError, match=rf"tl\.validate\(\) compares the trace with an untraced run of the model, "
+                                             rf"which {option}= would not change.* call log\.validate\(\)"):
+            tl.validate(model, x, **{option: value})
+    assert tl.trace(model, x, intervene={"layers.0": tl.zero_ablate()}).validate().passed
+    assert tl.validate(model, x, record_finite=True).passed
