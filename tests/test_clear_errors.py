@@ -494,3 +494,20 @@ def test_a_forward_returning_a_lazy_iterator_is_refused_rather_than_traced_with_
     with pytest.raises(TypeError, match=f"returned a {lazy}, an iterator whose items .* after tracing ended"):
         tl.trace(ReturnsLazily(), torch.randn(2, 4))
     assert_clean_process()
+
+
+@pytest.mark.parametrize("key", ["fc:01", "fc:١"])
+def test_a_call_number_written_otherwise_than_a_trace_writes_it_is_refused_as_a_key_a_selection_and_a_site(key):
+    # intervene={"fc:01": ...} was taken as the call fc:1, while log["fc:01"] and save=["fc:01"] named nothing.
+    model, x = nn.Sequential(), torch.randn(2, 4)
+    model.add_module("fc", nn.Linear(4, 4))
+    says = rf"no op, layer, module call or module named '{key}' in this trace.*closest: fc:1"
+    with pytest.raises(KeyError, match=says):
+        tl.trace(model, x)[key]
+    with pytest.raises(KeyError, match=says):
+        tl.trace(model, x, save=[key])
+    with pytest.raises(KeyError, match=rf"intervention site '{key}': {says}"):
+        tl.trace(model, x, intervene={key: tl.scale(2.0)})
+    with pytest.raises(KeyError, match=rf"stop_after site '{key}': {says}"):
+        tl.trace(model, x, stop_after=key)
+    assert tl.trace(model, x, intervene={"fc:1": tl.zero_ablate()}).output.eq(0).all()

@@ -149,6 +149,10 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             _refuse_inside_compiled(key, named, compiled_in)
         if key in modules:
             module_sites.append(ModuleSite(key, action, key, modules[key], None, stop))
+        elif address in modules and number.isdigit() and number != str(int(number)):
+            # A trace names a call fc:1, never fc:01 (nor with other digits): log["fc:01"] and save= refuse it too.
+            raise KeyError(f"{kind} {key!r}: no op, layer, module call or module named {key!r} in this trace"
+                           f"{closest_hint(key, [address, f'{address}:{int(number)}'])}")
         elif address in modules and number.isdigit():
             if int(number) < 1:
                 raise KeyError(f"module call {key!r}: calls are numbered from 1")
