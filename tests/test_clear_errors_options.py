@@ -29,6 +29,10 @@ def test_a_budget_or_save_device_that_cannot_work_is_refused_before_the_forward(
     for device in unusable:
         with pytest.raises(ValueError, match=rf"save_device='{device}': saved tensors cannot be moved there"):
             tl.trace(model, x, save_device=device)
+    # save_device='meta' was taken, and every saved activation held a shape and no values.
+    with pytest.raises(ValueError, match=r"save_device='meta': a meta tensor holds no values.*such as 'cpu', or "
+                                         r"save='none' to record shapes"):
+        tl.trace(model, x, save_device="meta")
     assert_untouched(before, snapshot(model, (x,)))
     assert tl.trace(model, x, max_saved_bytes=2**20, save_device="cpu")["head"].has_activation
 

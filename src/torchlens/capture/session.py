@@ -229,6 +229,10 @@ def _checked_save_device(save_device) -> torch.device:
     except (RuntimeError, AssertionError, TypeError) as exc:
         raise ValueError(f"save_device={save_device!r}: saved tensors cannot be moved there "
                          f"({str(exc).splitlines()[0]}); give a device this machine has, such as 'cpu'") from None
+    if device.type == "meta":  # moving there keeps shapes and drops every value: a trace that looks saved
+        raise ValueError(f"save_device={save_device!r}: a meta tensor holds no values, so every saved activation "
+                         "would have a shape and no values; give a device this machine has, such as 'cpu', or "
+                         "save='none' to record shapes and dtypes without saving activations")
     return device
 
 
