@@ -544,6 +544,20 @@ def test_profiler_settings_of_the_wrong_kind_are_refused_before_the_model_runs(o
     assert not forwards and not torch.autograd.profiler._is_profiler_enabled
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_backward_callable_that_cannot_take_the_output_is_refused_before_anything_runs(traced):
+    # backward=lambda: loss.backward() failed after the forward with Python's "takes 0 positional arguments".
+    model = nn.Linear(2, 2)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    given = tl.trace(model, torch.ones(1, 2), grads=True) if traced else model
+    forwards.clear()
+    with pytest.raises(TypeError, match=r"backward is called as backward\(output\), with the output of the traced "
+                                        r"forward, but .*\(\) cannot take that argument .* or True"):
+        tl.report.kernel_profile(given, *([] if traced else [torch.ones(1, 2)]), backward=lambda: None)
+    assert not forwards and model.weight.grad is None and not torch.autograd.profiler._is_profiler_enabled
+
+
 def test_activities_given_in_profiler_kwargs_are_the_activities():
     # profiler_kwargs go to torch.profiler.profile as given, and activities is one of its keywords: given there,
     # they failed with "got multiple values for keyword argument 'activities'" (kernel_profile passes its own).

@@ -326,6 +326,10 @@ def test_a_metric_that_cannot_be_called_is_refused_before_the_clean_run(report):
     with pytest.raises(TypeError, match=rf"{report}: metric= is a function of the model's output returning a scalar "
                                         r".* got int"):
         getattr(tl.report, report)(model, torch.randn(2, 4), torch.randn(2, 4), 3)
+    # A metric of two arguments failed after the clean run with Python's "missing 1 required positional argument".
+    with pytest.raises(TypeError, match=rf"{report}: metric is called as metric\(output\), with the model's output, "
+                                        r"but .*\(out, target\) cannot take that argument"):
+        getattr(tl.report, report)(model, torch.randn(2, 4), torch.randn(2, 4), lambda out, target: out.sum())
     assert not forwards
 
 

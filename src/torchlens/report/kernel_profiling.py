@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checks import check_file_to_write, check_path
+from ..checks import check_file_to_write, check_path, check_takes
 from ..errors import ProfilerBusyError, closest_hint, counted
 from ..tree import as_kwargs
 from .markers import ProfilerMarkers
@@ -57,6 +57,10 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
     """
     if backward is not False and backward is not True and not callable(backward):
         raise TypeError("backward must be True, False, or a callable f(output) that runs the backward")
+    if callable(backward):  # refused before the forward, not after it in Python's words
+        check_takes(backward, 1, "tl.report.kernel_profile: backward is called as backward(output), with the output "
+                    "of the traced forward", "give a function that computes a loss from it and runs its backward "
+                    "(backward=lambda out: out.sum().backward()), or True for all-ones gradients")
     from ..record.trace import Trace
 
     if isinstance(model, Trace):  # reuse a trace taken with grads=True: profile its backward only

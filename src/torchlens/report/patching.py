@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..checks import check_flag, check_grad_possible, check_int
+from ..checks import check_flag, check_grad_possible, check_int, check_takes
 from ..errors import InterventionError, TorchlensError, first_few
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
@@ -88,11 +88,14 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
 
 def _check_call(who: str, clean, corrupt, metric) -> None:
     """Both reports run the model on the inputs themselves: a trace passed instead would reach the model.  The
-    metric is called first after the clean run: one that cannot be called would fail only then, in Python's
-    words."""
+    metric is called first after the clean run: one that cannot be called, or cannot take the output alone, would
+    fail only then, in Python's words."""
+    example = "metric=lambda out: out[:, -1, 0] - out[:, -1, 1]"
     if not callable(metric):
-        raise TypeError(f"{who}: metric= is a function of the model's output returning a scalar (metric=lambda out: "
-                        f"out[:, -1, 0] - out[:, -1, 1]), got {type(metric).__name__}")
+        raise TypeError(f"{who}: metric= is a function of the model's output returning a scalar ({example}), "
+                        f"got {type(metric).__name__}")
+    check_takes(metric, 1, f"{who}: metric is called as metric(output), with the model's output",
+                f"give a function of the output returning a scalar ({example})")
     if isinstance(clean, Trace) or isinstance(corrupt, Trace):
         raise TypeError(f"{who} takes the clean and corrupted inputs (a tensor or a tuple of arguments), not traces: "
                         "pass the inputs the traces were taken on; to patch one run from a saved trace, use "
