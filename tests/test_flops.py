@@ -219,3 +219,43 @@ def test_op_flops_refuses_a_module_call_whose_index_counts_calls_not_ops():
     with pytest.raises(TypeError, match="total_flops takes a Trace .* got Sequential"):
         tl.report.total_flops(model)
     assert tl.report.op_flops(log["linear_1_1"]) == 42 and log.summary()["1:1"]["flops"] == 2 * 3
+
+
+def test_fourier_transforms_their_real_part_and_weight_norm_have_formulas_on_real_models():
+    # FNet's token mixing (fftn, then .real) and the weight-normed positional convolution of wav2vec2 (HuBERT's
+    # and Encodec's too) had no formula, so those models' totals read incomplete.
+    pytest.importorskip("transformers")
+    from transformers import FNetConfig, FNetModel
+
+    from real_models import build
+
+    fnet = FNetModel(FNetConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                max_position_embeddings=16)).eval()
+    log = tl.trace(fnet, torch.randint(0, 64, (2, 8)))
+    assert log.flops.complete
+    (fftn,) = [op for op in log.ops if op.func_name == "fftn"]
+    assert tl.report.op_flops(fftn) == 2 * 5 * 256 * 8  # two sequences of 8 x 32 = 256 points: 5 n log2 n each
+    assert {tl.report.op_flops(op) for op in log.ops if op.func_name == "real"} == {0}  # a view
+    model, args, kwargs = build("wav2vec2")
+    log = tl.trace(model.eval(), args, kwargs)
+    (norm,) = [op for op in log.ops if op.func_name == "_weight_norm"]
+    assert log.flops.complete and norm.shape == (32, 16, 8)
+    assert tl.report.op_flops(norm) == 3 * norm.numel + 8  # square, add and multiply per weight; a divide per norm
+
+
+def test_fft_variants_count_their_sizes_their_real_side_and_their_scaling():
+    def transforms(x):
+        y = torch.fft.fft(x, n=16, norm="ortho")  # padded to 16 points, scaled both ways by "ortho"
+        return (y, torch.fft.ifft(y), torch.fft.rfft(x), torch.fft.irfft(torch.fft.rfft(x), n=8),
+                torch.fft.rfftn(x, s=(6, 10)), torch.fft.ihfft2(x), torch.fft.fft2(x, dim=(0, 2)),
+                torch.fft.fftshift(x), torch.imag(y))
+
+    log = tl.trace(transforms, torch.randn(2, 4, 8))
+    counts = {op.label: tl.report.op_flops(op) for op in log.ops if op.kind == "op"}
+    # 5 n log2 n per complex transform, half with a real side, plus a multiply per real output value scaled.
+    assert counts == {"fft_1_1:1": 5 * 8 * 16 * 4 + 2 * 128, "ifft_1_2:1": 5 * 8 * 16 * 4 + 2 * 128,
+                      "rfft_1_3:1": 2.5 * 8 * 8 * 3, "rfft_2_4:1": 2.5 * 8 * 8 * 3,
+                      "irfft_1_5:1": 2.5 * 8 * 8 * 3 + 64, "rfftn_1_6:1": round(2.5 * 2 * 60 * math.log2(60)),
+                      "ihfft2_1_7:1": 2.5 * 2 * 32 * 5 + 2 * 40, "fft2_1_8:1": 5 * 4 * 16 * 4,
+                      "fftshift_1_9:1": 0, "imag_1_10:1": 0}
+    assert log.flops.complete

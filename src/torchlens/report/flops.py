@@ -304,6 +304,50 @@ def _dropout(a):
     return a.out_numel if training and p else 0
 
 
+def _fft(rank, kind, inverse: bool):
+    """A ``torch.fft`` transform of ``rank`` 1, 2 or None (n-dimensional); ``kind`` ``"c2c"``, ``"r2c"`` (real
+    input: ``rfft``, ``ihfft``) or ``"c2r"`` (real output: ``irfft``, ``hfft``); ``inverse`` for the ``i`` ones.
+    The radix-2 count: n points take n/2 log2 n butterflies of a complex multiply (6 operations) and two complex
+    adds (4), so 5 n log2 n over the transformed sizes' product n, half of that with a real side; a size that is
+    no power of two is counted alike.  The 1/n scale of a normalised direction is a multiply per real output
+    value."""
+    def formula(a):
+        given = a.value(1, "n" if rank == 1 else "s")
+        given = (given,) if isinstance(given, int) else given
+        default = -1 if rank == 1 else (-2, -1) if rank == 2 else None
+        dims = _fft_dims(a.value(2, "dim", default), given, len(a.out_shape))
+        n = math.prod(_fft_sizes(a, kind, given, dims))
+        transforms = a.out_numel // math.prod(a.out_shape[d] for d in dims) if n else 0
+        butterflies = (5 if kind == "c2c" else 2.5) * transforms * n * math.log2(n) if n else 0
+        norm = a.value(3, "norm")
+        scaled = norm == "ortho" or (norm in (None, "backward")) == inverse  # "backward": the inverse scales
+        return round(butterflies) + scaled * (1 if kind == "c2r" else 2) * a.out_numel
+    return formula
+
+
+def _fft_dims(dims, given, ndim: int) -> list:
+    """The dimensions a transform runs over, counted from the front: ``dim=``, else the last ``len(s)``, else all."""
+    if dims is None:
+        dims = range(ndim - len(given), ndim) if given else range(ndim)
+    return [d % ndim for d in ((dims,) if isinstance(dims, int) else dims)]
+
+
+def _fft_sizes(a, kind, given, dims) -> list:
+    """The transformed sizes: the output's, except for a real input, whose output keeps n // 2 + 1 of the last
+    dimension's n: then ``n=``/``s=`` where given (-1 in ``s``: the input's size), else the input's."""
+    if kind != "r2c":
+        return [a.out_shape[d] for d in dims]
+    source = a.shape(0, "input")
+    return [g if g not in (None, -1) else source[d] for g, d in zip(given or [None] * len(dims), dims)]
+
+
+def _weight_norm(a):
+    """``v * (g / ||v||)``: a square and an add per element of ``v`` for the norms, a divide per norm, a multiply per
+    element (``torch._weight_norm``, what ``nn.utils.weight_norm`` and its parametrization compute)."""
+    g = a.shape(1, "g")
+    return 3 * a.out_numel + math.prod(g) if g is not None else None
+
+
 _REGISTRY: dict = {}
 
 
@@ -349,6 +393,11 @@ register("instance_norm", "other", _norm(lambda a: 3 if a.value(5, "use_input_st
                                          [(3, "weight"), (4, "bias")]))
 register("rms_norm", "other", lambda a: (3 + a.has_tensor(2, "weight")) * a.out_numel)  # square, add, scale
 register("normalize", "other", _per_element(3))
+register("_weight_norm", "other", _weight_norm)
+for _rank, _suffix in ((1, ""), (2, "2"), (None, "n")):
+    for _kind, _names in (("c2c", "fft ifft"), ("r2c", "rfft ihfft"), ("c2r", "irfft hfft")):
+        for _name in _names.split():
+            register(_name + _suffix, "other", _fft(_rank, _kind, _name.startswith("i")))
 register("softmax log_softmax softmin", "other", _per_element(5))
 register("sum mean nansum nanmean prod amax amin max min argmax argmin all any cumsum cumprod "
          "count_nonzero", "other", _reduction(1))
@@ -362,7 +411,8 @@ register("""view view_as reshape reshape_as permute transpose swapaxes swapdims 
     half bfloat16 int long bool type type_as cpu cuda zeros ones empty full zeros_like ones_like empty_like
     full_like arange linspace eye tensor as_tensor rand randn randint rand_like randn_like randint_like
     randperm new_zeros new_ones new_empty new_full new_tensor fill zero tril triu diag diagonal
-    unfold as_strided nonzero argwhere repeat_interleave""".split(), "other", _per_element(0))
+    unfold as_strided nonzero argwhere repeat_interleave real imag view_as_real view_as_complex conj fftshift
+    ifftshift fftfreq rfftfreq""".split(), "other", _per_element(0))
 
 
 for _d in (1, 2, 3):
