@@ -511,3 +511,29 @@ def test_a_call_number_written_otherwise_than_a_trace_writes_it_is_refused_as_a_
     with pytest.raises(KeyError, match=rf"stop_after site '{key}': {says}"):
         tl.trace(model, x, stop_after=key)
     assert tl.trace(model, x, intervene={"fc:1": tl.zero_ablate()}).output.eq(0).all()
+
+
+@pytest.mark.parametrize("returned, says", [
+    ("set", r"returned a set, whose tensors have no order and no path .*\(return them in a tuple or a list\)"),
+    ("frozenset", r"returned a frozenset, whose tensors have no order"),
+    ("closure", r"returned a function, which computes only when called, after tracing ended.* "
+                r"lambda x: model\(x\)\(\)"),
+])
+def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_than_traced_with_no_outputs(
+        returned, says):
+    # Each was traced with no outputs, and tl.validate passed it comparing the results by identity.
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return {"set": lambda: {h, h * 2}, "frozenset": lambda: frozenset([h]), "closure": lambda: lambda: h * 3}[
+                returned]()
+
+    for run in (tl.trace, tl.validate):
+        with pytest.raises(TypeError, match=says):
+            run(Returns(), torch.randn(2, 4))
+    assert_clean_process()
+    assert tl.trace(lambda x: {"words"}, torch.randn(2)).output == {"words"}  # a set holding no tensor is a value

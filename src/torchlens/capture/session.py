@@ -10,7 +10,6 @@ import gc
 import inspect
 import os
 import threading
-from collections.abc import Iterator
 from time import perf_counter_ns
 
 import torch
@@ -38,6 +37,7 @@ from .inputs import add_inputs, note_how_arguments_were_passed
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
 from .packing import PackLog, packing_observed
+from .returned import refuse_unrecordable_output
 from .restore import module_run_by
 from .saving import SavePolicy, SelectedModuleOutputs
 from .source import FrameClassifier
@@ -113,8 +113,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if capture.forked_into is not None:  # set in a child forked inside the forward, never in the parent
         refuse_forked_trace(capture)
     forward_done = perf_counter_ns()
-    if type(output) not in _PLAIN_OUTPUTS:  # the common case: a tensor, a tuple, a dict (never a generator)
-        _refuse_lazy_output(output, model, shown)
+    if type(output) not in _PLAIN_OUTPUTS:  # the common case: a tensor, a tuple, a dict (never a generator, a set)
+        refuse_unrecordable_output(output, model, shown)
 
     mutated = state.check_saved_versions()
     norms = norm_calls(state.calls)
@@ -298,21 +298,6 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
         return None  # stop_after= reached: the trace holds everything up to that site
     finally:
         state.suspend = None  # it holds the tracker, which holds the state: no cycle may outlive the forward
-
-
-def _refuse_lazy_output(output, model, shown) -> None:
-    """A forward that returned a generator or coroutine: its body would run later, untraced; or another
-    iterator (``map``, ``filter``, ``zip``, ``itertools.chain``): its items are made, or found, only as it is
-    iterated.  Refuse rather than return an empty, plausible trace."""
-    lazy_body = inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output)
-    if not (lazy_body or isinstance(output, Iterator)):
-        return
-    getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
-    shown.close()
-    what = "whose body runs" if lazy_body else "an iterator whose items are made or handed out"
-    raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, {what} only when "
-                    "iterated, after tracing ended; trace a forward that returns its results "
-                    "(e.g. wrap it: lambda x: list(model(x)))")
 
 
 def _complete(result, state, index, policy, runtime, packing, submodules, root, model_name) -> None:
