@@ -97,6 +97,27 @@ def test_a_label_site_on_a_model_writing_its_parameters_is_refused_once():
     assert torch.equal(model.fc.weight, weight / 2)
 
 
+def test_a_label_site_on_a_lazy_modules_first_forward_is_refused_saying_lazy_initialization():
+    # The refusal spoke of parameters written in place ("a one-time rescale, a renormalization"), not of the
+    # lazy module's first forward, nor of running one forward first.
+    pytest.importorskip("pandas")
+    x = torch.randn(2, 3)
+    for run in (lambda m: tl.trace(m, x, intervene={"relu_1_2:1": tl.zero_ablate()}),
+                lambda m: tl.report.activation_patching(m, x, -x, lambda out: out.sum(), progress=False)):
+        model = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+        with pytest.raises(tl.TorchlensError, match=r"initialized the parameters of lazy modules \(0\.weight, "
+                                                    r"0\.bias: a lazy module, such as nn\.LazyLinear.*"
+                                                    r"run one forward, model\(x\)"):
+            run(model)
+        # Left as that forward left it, a whole nn.Linear: the patching runs put back the lazy module's sizes and
+        # its initializing hook beside the made weights, and its next call failed.
+        assert type(model[0]) is nn.Linear and model[0].in_features == 3 and not model[0]._forward_pre_hooks
+        run(model)
+    initialized = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+    initialized(x)
+    assert torch.equal(tl.trace(initialized, x, intervene={"relu_1_2:1": tl.zero_ablate()}).output, torch.zeros(2, 4))
+
+
 class _Renormalizing(nn.Module):
     """Renormalizes its weight in place in every forward (as ``nn.Embedding(max_norm=...)`` does the rows
     it reads)."""

@@ -36,7 +36,9 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from torch.nn.parameter import is_lazy
 
+from ..errors import first_few
 from ..record.layouts import version_of
 from .teardown import restore_torch_function_state, torch_function_state, until_done
 from ..tree import without_values
@@ -258,6 +260,7 @@ class ForwardState:
         self.held = {id(t): (t, t.detach().clone()) for m in modules for t in held_tensors(m)}
         self.parametrized = ParametrizationCache()
         self.params = list(params)  # [(address, Parameter)]
+        self.lazy = {id(p) for _, p in self.params if is_lazy(p)}  # a lazy module's, not yet made
         self.versions = [version_of(p) for _, p in self.params]  # None: an inference tensor
         self.owner = owner
         known = _known_written(owner)
@@ -275,6 +278,7 @@ class ForwardState:
         params = [(f"{type(module).__name__}.{name}", p) for name, p in module.named_parameters(recurse=False)]
         self.params.extend(params)
         self.versions.extend(version_of(p) for _, p in params)
+        self.lazy.update(id(p) for _, p in params if is_lazy(p))
         renormalized = _renormalized([module])
         self.kept.extend((p, p.detach().clone()) for _, p in params if id(p) in renormalized)
 
@@ -298,6 +302,16 @@ class ForwardState:
             except TypeError:  # a module class that is not hashable: nothing is remembered
                 pass
         return written
+
+    def written_cause(self, written: list, examples: str = "") -> tuple:
+        """``(why, lazy)``: why the parameters ``written_params`` named changed, for a refusal, and whether it was
+        lazy modules' first forward (``nn.LazyLinear`` makes and initializes its parameters there, once), which
+        one forward of the model before the run avoids; ``examples`` follows the addresses of other writes."""
+        lazy = [address for address, p in self.params if id(p) in self.lazy and not is_lazy(p)]
+        if lazy:
+            return (f"the forward initialized the parameters of lazy modules ({first_few(lazy)}: a lazy module, "
+                    "such as nn.LazyLinear, makes and initializes them on its first forward)"), True
+        return f"the forward writes parameters in place ({first_few(written)}{examples})", False
 
     def restore(self) -> None:
         self.rng.restore()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from ..capture.restore import FirstCalls, ForwardState
-from ..errors import InterventionError, first_few
+from ..errors import InterventionError
 from ..record.trace import checked_trace
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
@@ -62,11 +62,12 @@ def _reference_pass(run_reference, index):
     written = state.written_params()
     if written:
         state.rng.restore()  # the rest is left as after the forward: its parameter writes and their state agree
+        cause, lazy = state.written_cause(written, ": a one-time rescale, a renormalization, an update")
+        again = "they are made now (run one forward, model(x), before tracing a model with lazy modules)" if lazy \
+            else "those parameters are now known, and the extra forward puts them back"
         raise InterventionError(
-            f"the forward writes parameters in place ({first_few(written)}: a one-time rescale, a renormalization, "
-            "an update), so the extra forward that resolves label sites changed the model the intervened run would "
-            "start from; the model has now run that forward once. Run the intervention again: those parameters are "
-            "now known, and the extra forward puts them back. Or pass reference= a trace of the model as it will "
-            "run, or use module sites, which need no extra forward")
+            f"{cause}, so the extra forward that resolves label sites changed the model the intervened run would "
+            f"start from; the model has now run that forward once. Run the intervention again: {again}. Or pass "
+            "reference= a trace of the model as it will run, or use module sites, which need no extra forward")
     state.restore()
     return reference

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..checks import check_flag, check_grad_possible, check_int, check_takes
-from ..errors import InterventionError, TorchlensError, first_few
+from ..errors import InterventionError, TorchlensError
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
 from ..record.trace import Trace
@@ -246,13 +246,20 @@ class _Runs:
             return trace(self.model, *clone_call(args, kwargs), root=self.root, **options)
 
     def finish(self) -> None:
-        """Put the model back as the experiment found it."""
-        self.state.restore()
+        """Put the model back as the experiment found it; or, when the run wrote parameters that cannot be put
+        back, refuse, leaving the model as that forward left it (the generators aside): its attributes and buffers
+        then agree with the written parameters (a lazy module put back beside its made weights would be neither
+        lazy nor whole, and fail its next call)."""
         written = self.state.written_params()
-        if written:
-            raise TorchlensError(f"the forward writes parameters in place ({first_few(written)}), so each run of "
-                                 "the experiment would start from another model; run the experiment again: those "
-                                 "parameters are now known, and every run puts them back")
+        if not written:
+            self.state.restore()
+            return
+        self.state.rng.restore()
+        cause, lazy = self.state.written_cause(written)
+        again = "they are made now (run one forward, model(x), before an experiment on a model with lazy modules)" \
+            if lazy else "those parameters are now known, and every run puts them back"
+        raise TorchlensError(f"{cause}, so each run of the experiment would start from another model (it is left as "
+                             f"that forward left it); run the experiment again: {again}")
 
 
 def _change(clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
