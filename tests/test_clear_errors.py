@@ -537,3 +537,22 @@ def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_th
             run(Returns(), torch.randn(2, 4))
     assert_clean_process()
     assert tl.trace(lambda x: {"words"}, torch.randn(2)).output == {"words"}  # a set holding no tensor is a value
+
+
+def test_a_predicate_that_cannot_take_an_op_is_refused_before_the_forward():
+    # save=lambda: True failed after the forward (intervene={lambda: True: ...} after the reference forward) with
+    # Python's bare "takes 0 positional arguments but 1 was given".
+    model, x = MLP(), torch.randn(2, 16)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    for option, called in (("save", "save"), ("grads", "grads")):
+        with pytest.raises(TypeError, match=rf"{option}= as a predicate is called as {called}\(op\), with each op .*"
+                                            r"cannot take that argument"):
+            tl.trace(model, x, **{option: lambda: True})
+    with pytest.raises(TypeError, match=r"a predicate intervention site is called as site\(op\).*\(op, log\) "
+                                        r"cannot take that argument"):
+        tl.trace(model, x, intervene={lambda op, log: True: tl.zero_ablate()})
+    with pytest.raises(TypeError, match=r"a predicate stop_after site is called as site\(op\)"):
+        tl.trace(model, x, stop_after=lambda: True)
+    assert not forwards
+    assert tl.trace(model, x, save=lambda op: op.type == "relu")["relu_1_2:1"].has_activation

@@ -17,6 +17,7 @@ import threading
 import torch
 import torch.compiler as _compiler
 
+from ..checks import check_takes
 from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint, listed
 from ..labels.naming import folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
@@ -62,6 +63,9 @@ class SavePolicy:
         elif callable(save):
             if isinstance(save, (type, torch.nn.Module)):  # callable, but no predicate: refused, naming addresses
                 refuse_module_object(save, _modules_by_address(model, index), f"{option}=")
+            # Called with each op only after the forward: one that cannot take an op would fail there.
+            check_takes(save, 1, f"{option}= as a predicate is called as {option}(op), with each op of the trace",
+                        "give a function of an op returning whether to keep it (lambda op: op.type == 'relu')")
             self.mode, self.predicate = 1, save
         elif isinstance(save, (list, tuple, set, frozenset, str)):  # a string: one label, address or op type
             self._parse_selection(save if isinstance(save, LayerSelection) else

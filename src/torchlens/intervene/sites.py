@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..checks import check_takes
 from ..errors import InterventionError, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import WRAPPED, container_note, refuse_module_object, scripted_outer, traced_address
@@ -136,6 +137,9 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
         refuse_module_object(key, modules, "stop_after=" if stop else "an intervention site")
         kind = _kind(stop)
         if callable(key) and not isinstance(key, str):
+            # Called with each op of the reference, after its forward: one that cannot take an op would fail there.
+            check_takes(key, 1, f"a predicate {kind} is called as site(op), with each op of the reference trace",
+                        "give a function of an op returning whether it is a site (lambda op: op.type == 'relu')")
             pending.append((key, action, stop))
             continue
         if not isinstance(key, str):
