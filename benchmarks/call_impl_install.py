@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for name, (model, x, calls) in rows.items():
             best = interleaved(arms(model, x), opts.repeats, calls)
-            print(f"| {name} | " + " | ".join(_cell(best[arm]) for arm in ("native", "class write", "code swap")) + " |")
+            print(f"| {name} | "
+                  + " | ".join(_cell(best[arm]) for arm in ("native", "class write", "code swap")) + " |")
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"\ntorch {torch.__version__}, 1 torch thread, load {tuple(round(v, 2) for v in load) if load else '?'}; "
           f"medians [quartiles] of {opts.repeats} repeats, each the fastest of four interleaved blocks per arm.")

@@ -219,7 +219,8 @@ def step_arms(model, x, package, wide, deep) -> dict:
             model_index.index_of(deep_python)
         finally:
             accel.use(previous)
-        steps["index_of (cached), ResNet-like, 43 modules, pure-Python check"] = lambda: model_index.index_of(deep_python)
+        steps["index_of (cached), ResNet-like, 43 modules, pure-Python check"] = \
+            lambda: model_index.index_of(deep_python)
     if hasattr(progress, "shows_bar"):
         steps["progress bar check"] = lambda: progress.shows_bar(None) and progress.bar(None, "x")
     else:

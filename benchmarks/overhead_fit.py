@@ -5,14 +5,15 @@ that grow in ops and in module calls separately: elementwise chains (ops, no mod
 ``nn.Identity`` (module calls, no ops), and MLPs, Python-loop RNNs, GPT-2-style stacks, a ResNet-like CNN
 and a TransformerEncoder of growing depth (both).  Per repeat, every row is timed in ABBA order in one
 process (three quartets of native block, traced block, traced block, native block; each block a few
-calls), its added time per trace is the traced arm's fastest block minus the native arm's fastest, and the repeat's added times over all rows are
-fitted by least squares, weighted by each row's traced time (relative residuals), as
+calls), its added time per trace is the traced arm's fastest block minus the native arm's fastest, and the
+repeat's added times over all rows are fitted by least squares, weighted by each row's traced time
+(relative residuals), as
 
     added_us = fixed + per_op * ops + per_call * module_calls
 
-The coefficients are reported as medians with quartiles over repeats; each arm keeps its fastest block of a repeat.  The machine is shared and noisy,
-so only those medians (and the per-row medians beside them) mean anything.  The minimal recorder mode of
-``models.py`` is fitted the same way, as the floor of recording.  Run:
+The coefficients are reported as medians with quartiles over repeats; each arm keeps its fastest block of a
+repeat.  The machine is shared and noisy, so only those medians (and the per-row medians beside them) mean
+anything.  The minimal recorder mode of ``models.py`` is fitted the same way, as the floor of recording.  Run:
 
     python benchmarks/overhead_fit.py [--repeats 15] [--arms trace,none,read,recorder] [--no-docs]
 """

@@ -17,9 +17,9 @@ sizes) and adds a table of the first-level instruction- and data-cache misses ea
 instruction count does not show, since a miss costs cycles without costing instructions.
 
 Models: a row of ``models.py`` (``mlp3``, ``resnet``, ``gpt2``, ...), ``one-op`` (``x + 1``: a trace's
-fixed cost), ``linears:N`` (N ``Linear(64, 64)`` calls in a row), or a prefix of a transformers model of ``transformers_overhead.py`` (``GPT-2``, ``BERT``),
-called with its keyword inputs.  Needs valgrind (Debian's ``valgrind``); a worker takes one to four
-minutes.  Run:
+fixed cost), ``linears:N`` (N ``Linear(64, 64)`` calls in a row), or a prefix of a transformers model of
+``transformers_overhead.py`` (``GPT-2``, ``BERT``), called with its keyword inputs.  Needs valgrind
+(Debian's ``valgrind``); a worker takes one to four minutes.  Run:
 
     python benchmarks/trace_instructions.py [--models one-op,mlp3,resnet,GPT-2,BERT]
         [--baseline /path/to/other/src/torchlens] [--traces 10] [--jobs 2] [--pure]
@@ -209,7 +209,8 @@ def _print_misses(names: list, arms: list, events: dict) -> None:
 
     shown = [(arm, path) for arm, path in arms if arm != "native"]
     header = ["model", "untraced forward I1 / D1 misses"] + [
-        f"{'baseline ' if path else ''}{'bare mode' if arm == 'bare' else _ARM_NAMES[arm]} added I1 / D1" for arm, path in shown]
+        f"{'baseline ' if path else ''}{'bare mode' if arm == 'bare' else _ARM_NAMES[arm]} added I1 / D1"
+        for arm, path in shown]
     print("\n| " + " | ".join(header) + " |")
     print("|---" * len(header) + "|")
     for name in names:

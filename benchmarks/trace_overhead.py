@@ -124,7 +124,8 @@ def row_checks(row: dict) -> dict:
     if row["name"] == "chain200":
         checks["chain"] = check(trace, trace_floor, CHAIN_LIMIT_US)
     if ("native", "trace all pure") in res:  # --pure: the same two figures on the pure-Python path
-        checks["pure_trace_us_per_op"], checks["pure_trace_floor_us_per_op"] = per_op(res[("native", "trace all pure")], ops)
+        checks["pure_trace_us_per_op"], checks["pure_trace_floor_us_per_op"] = \
+            per_op(res[("native", "trace all pure")], ops)
         checks["pure_none_over_bare_us_per_op"], checks["pure_none_over_bare_floor_us_per_op"] = \
             per_op(res[("bare", "trace none pure")], ops)
     return checks

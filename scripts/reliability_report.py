@@ -79,8 +79,10 @@ its own. For each model the suite checks:
 
 | property | how it is checked |
 |---|---|
-| faithful | the traced output is bit-identical to an untraced run on the same input, with gradients on or under `torch.no_grad()` |
-| replayable | `tl.validate` finds no mismatch; every op is replayed or listed with a reason, and the only reason accepted is a read through a view after an in-place write |
+| faithful | the traced output is bit-identical to an untraced run on the same input,\
+ with gradients on or under `torch.no_grad()` |
+| replayable | `tl.validate` finds no mismatch; every op is replayed or listed with a reason,\
+ and the only reason accepted is a read through a view after an in-place write |
 | deterministic | two traces agree on every label, parent, module call, shape and source line |
 | consistent passes | the j-th call of a shared module holds pass j of the same layers |
 | clean | nothing is installed or added afterwards (see above) |

@@ -1,7 +1,7 @@
 """The two capture paths, for the tests that run both: torchlens-accel's compiled modules and pure Python.
 
-``compiled_or_skip(name)`` is the compiled module ``name`` (``_capture``, ``_grads``, ``_index``, ``_autograd``) whatever
-``TORCHLENS_ACCEL`` says, or None with the calling test module marked skipped, saying how to build it;
+``compiled_or_skip(name)`` is the compiled module ``name`` (``_capture``, ``_grads``, ``_index``, ``_autograd``)
+whatever ``TORCHLENS_ACCEL`` says, or None with the calling test module marked skipped, saying how to build it;
 with ``TORCHLENS_REQUIRE_ACCEL=1`` (the Makefile's first pass) a missing module fails the run instead, so a
 broken build cannot pass as skipped.  ``on_path(compiled)`` sets the path for the traces inside it.
 """

@@ -53,8 +53,9 @@ _DECODER = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, n
 
 
 # One encoder and one decoder layer, for the BART-style encoder-decoders.
-_SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
-                encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64)
+_SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                max_position_embeddings=64)
 
 
 def _seq2seq_inputs():
@@ -463,8 +464,8 @@ def qwen3_next():
 TRANSFORMERS = {f.__name__: f for f in (
     gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit, swin, convnext, resnet, detr, clip, mamba,
     mixtral, deberta_v2, albert, rwkv, gpt_neox, opt, bloom, falcon, phi, gemma, gptj, roberta, mobilebert, xlnet,
-    funnel, convbert, longformer, pegasus, segformer, mobilevit, regnet, bigbird, mamba2, qwen3_moe, deepseek_v3, gemma3,
-    modernbert, dinov2, siglip, llava, gemma2, jamba, qwen3_next, deformable_detr)}
+    funnel, convbert, longformer, pegasus, segformer, mobilevit, regnet, bigbird, mamba2, qwen3_moe, deepseek_v3,
+    gemma3, modernbert, dinov2, siglip, llava, gemma2, jamba, qwen3_next, deformable_detr)}
 TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
 CORPUS = {**TRANSFORMERS, **TORCH_NN}
 

@@ -409,7 +409,8 @@ def test_refcounts_on_the_container_and_several_output_paths_are_unchanged():
         c = torch.cat(parts + [h], 0)
         s = torch.stack(pair, 0).permute([1, 0, 2]).sum(1)
         top = torch.topk(c, 2, dim=1)
-        return top.values.sum() + s.sum() + torch.cat(tensors=[h, model.stat]).transpose(*dims).sum() + h.split(2, 1)[0].sum()
+        return (top.values.sum() + s.sum() + torch.cat(tensors=[h, model.stat]).transpose(*dims).sum()
+                + h.split(2, 1)[0].sum())
 
     private = [model, model.weight, model.stat, x, parts, pair, dims]
     shared = [torch.cat, torch.stack, torch.topk, torch.Tensor.split]

@@ -97,7 +97,8 @@ def test_a_partial_of_a_module_or_of_its_method_names_modules_from_that_module()
     model, ids = _gpt2()
     mask = torch.ones_like(ids)
     plain = tl.trace(model, (ids,), {"attention_mask": mask})
-    for fn, calls in ((functools.partial(model, attention_mask=mask), ["self:1"] + [c.label for c in plain.module_calls]),
+    for fn, calls in ((functools.partial(model, attention_mask=mask),
+                       ["self:1"] + [c.label for c in plain.module_calls]),
                       (functools.partial(model.forward, attention_mask=mask), [c.label for c in plain.module_calls])):
         log = tl.trace(fn, ids)
         assert [c.label for c in log.module_calls] == calls
@@ -158,7 +159,8 @@ def test_root_must_be_a_module_and_agree_with_a_module_model():
 def test_a_root_the_callable_never_runs_is_refused_not_shown_as_its_trace():
     # tl.trace(lambda x: gpt2(x).logits, ids, root=other) gave "Trace of Linear" with every module unregistered.
     model, ids = _gpt2()
-    with pytest.raises(ValueError, match=r"ran none of root=Linear and none of its submodules \(it ran GPT2LMHeadModel, "
+    with pytest.raises(ValueError, match=r"ran none of root=Linear and none of its submodules "
+                                         r"\(it ran GPT2LMHeadModel, "
                                          r"GPT2Model, Embedding and \d+ more"):
         tl.trace(lambda x: model(x).logits, ids, root=nn.Linear(2, 2))
     # A root whose submodule alone runs, or whose parameter alone is read, is the model the callable runs.

@@ -56,7 +56,8 @@ def op_types(log) -> list:
 @pytest.mark.parametrize("call, expected", [
     (lambda x: F.normalize(x), ["normalize"]),
     (lambda x: F.interpolate(x[None, None], scale_factor=2), ["getitem", "interpolate"]),
-    (lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None]), ["getitem"] * 3 + ["scaleddotproductattention"]),
+    (lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None]),
+     ["getitem"] * 3 + ["scaleddotproductattention"]),
 ])
 def test_python_level_torch_functions_are_one_op(call, expected):
     x = torch.randn(4, 8)

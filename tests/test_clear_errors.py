@@ -94,7 +94,8 @@ def test_a_second_positional_argument_in_place_of_the_keywords_says_to_use_a_tup
         def forward(self, a, b):
             return a + b
 
-    with pytest.raises(TypeError, match=r"got a Tensor; .* give them as one tuple: tl\.(report\.)?\w+\(model, \(x, y\)\)"):
+    with pytest.raises(TypeError, match=r"got a Tensor; .* give them as one tuple: "
+                                        r"tl\.(report\.)?\w+\(model, \(x, y\)\)"):
         call(Add(), torch.randn(2), torch.randn(2))
 
 

@@ -20,7 +20,8 @@ def test_a_budget_or_save_device_that_cannot_work_is_refused_before_the_forward(
     with pytest.raises(TypeError, match=r"max_saved_bytes='1GB' is a str; give a number of bytes "
                                         r"\(2\*\*30 for 1 GiB\)"):
         tl.trace(model, x, max_saved_bytes="1GB")
-    with pytest.raises(ValueError, match="max_saved_bytes=-1 is negative; give a number of bytes .* or None for no limit"):
+    with pytest.raises(ValueError,
+                       match="max_saved_bytes=-1 is negative; give a number of bytes .* or None for no limit"):
         tl.trace(model, x, max_saved_bytes=-1)
     # NaN compares false with every size, so a NaN budget saved everything: no limit, without a word.
     with pytest.raises(ValueError, match=r"max_saved_bytes=nan is not a number \(NaN\); give a number of bytes"):
@@ -50,7 +51,8 @@ def test_the_readers_of_a_trace_given_the_model_say_to_trace_it_first():
     with pytest.raises(TypeError, match=r"hot_path takes a Trace .*, got GPT2LMHeadModel"):
         tl.debug.hot_path(gpt2)
     log = tl.trace(gpt2, ids)
-    with pytest.raises(TypeError, match=r"nonfinite_origin: grads=tensor\(.* is a Tensor, not True or False; give True or "
+    with pytest.raises(TypeError, match=r"nonfinite_origin: grads=tensor\(.* is a Tensor, not True or False; "
+                                        r"give True or "
                                         r"False: nonfinite_origin reads the trace alone and runs nothing"):
         tl.debug.nonfinite_origin(log, ids)
     assert not tl.debug.nonfinite_origin(log).found and tl.debug.hot_path(log).rows

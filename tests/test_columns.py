@@ -54,7 +54,8 @@ def test_ops_are_op_objects_everywhere_and_op_labels_are_the_strings():
     call = log["conv:1"].module_call
     assert all(isinstance(op, tl.Op) for op in call.ops) and [op.label for op in call.ops] == call.op_labels
     param = next(p for p in log.params if p.address == "conv.weight")
-    assert [op.label for op in param.ops] == param.op_labels == [op.label for op in log.ops if "conv.weight" in op.params]
+    assert [op.label for op in param.ops] == param.op_labels == \
+        [op.label for op in log.ops if "conv.weight" in op.params]
     buffer = next(b for b in log.buffers if b.address == "scale")
     assert [op.kind for op in buffer.ops] == ["buffer"] and [op.label for op in buffer.ops] == buffer.op_labels
 

@@ -83,7 +83,8 @@ def test_transformers_record_the_same_through_either_dispatcher(name, compiled, 
 
 
 @pytest.mark.parametrize("compiled", PATHS)
-def test_python_level_functions_skip_torchs_dispatcher_and_keep_their_user_line(compiled, states, monkeypatch):  # noqa: F811
+def test_python_level_functions_skip_torchs_dispatcher_and_keep_their_user_line(  # noqa: F811
+        compiled, states, monkeypatch):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -98,7 +99,8 @@ def test_python_level_functions_skip_torchs_dispatcher_and_keep_their_user_line(
         log = _two_ways(states, monkeypatch, lambda: tl.trace(model, x))
         assert _torch_dispatch_calls(lambda: tl.trace(model, x)) == 0
     assert {"layernorm", "relu", "dropout", "split"} <= {op.type for op in log.ops}
-    assert all(op.source is not None and op.source.function.endswith("Block.forward") for op in log.ops if op.kind == "op")
+    assert all(op.source is not None and op.source.function.endswith("Block.forward")
+               for op in log.ops if op.kind == "op")
     assert _torch_dispatch_calls(lambda: model(x)) == 0  # untraced: no mode, no dispatch at all
 
 

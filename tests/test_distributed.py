@@ -173,7 +173,8 @@ def test_gather_sends_a_tensor_parallel_activation_as_this_ranks_shard(traced):
 
 
 @pytest.mark.parametrize("option, value, error, message", [
-    # rtol="x" and rtol=nan failed inside torch.allclose; reference=True compared with rank 1, 1.0 failed on a list index.
+    # rtol="x" and rtol=nan failed inside torch.allclose; reference=True compared with rank 1,
+    # 1.0 failed on a list index.
     ("rtol", "x", TypeError, r"compare: rtol='x' is a str; a tolerance is a number, 0 or more"),
     ("atol", float("nan"), ValueError, r"compare: atol=nan is not a number \(NaN\)"),
     ("reference", True, TypeError, r"compare: reference=True is a bool, not an int"),

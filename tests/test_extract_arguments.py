@@ -22,7 +22,8 @@ from test_extract import TwoLayer
     # torch takes the wait as a timedelta, which overflowed at the first barrier with a bare OverflowError.
     ("barrier_timeout", 1e15, ValueError, r"barrier_timeout=1000000000000000\.0 is above 1e\+09"),
     ("progress", "no", TypeError, r"tl\.extract: progress='no' is a str, not True or False"),
-    ("kwargs", [1], TypeError, r"tl\.extract: kwargs= is a dict of the keyword arguments every forward gets, got a list"),
+    ("kwargs", [1], TypeError,
+     r"tl\.extract: kwargs= is a dict of the keyword arguments every forward gets, got a list"),
     # grads="no" is true to Python, and extracted gradients; root="model" was dropped, naming no model to check.
     ("grads", "no", TypeError, r"tl\.extract: grads='no' is a str, not True or False"),
     ("root", "model", TypeError, r"tl\.extract: root= is the nn\.Module the callable runs, as for tl\.trace, not str"),
@@ -38,7 +39,8 @@ def test_a_setting_that_cannot_work_is_refused_before_the_first_batch(tmp_path, 
     with pytest.raises(error, match=message):
         tl.extract(model, batches(2), ["head"], tmp_path / "out", **options)
     assert not forwards and not (tmp_path / "out").exists()
-    with pytest.raises(TypeError, match=r"inputs is an iterable of batches \(a list, a generator, a DataLoader\), got int"):
+    with pytest.raises(TypeError,
+                       match=r"inputs is an iterable of batches \(a list, a generator, a DataLoader\), got int"):
         tl.extract(model, 3, ["head"], tmp_path / "out", progress=False)
     with pytest.raises(TypeError, match=r"layers is a list of op labels or module addresses, .* got int"):
         tl.extract(model, batches(2), 3, tmp_path / "out", progress=False)

@@ -591,7 +591,8 @@ def test_a_loss_that_is_no_tensor_is_refused_naming_what_to_give():
     # torch.Tensor").
     model, args, _ = zoo()["mlp"]
     log = tl.trace(model, args, grads=True)
-    with pytest.raises(TypeError, match=r"log\.backward\(loss\): loss is the tensor to backpropagate from .* got float"):
+    with pytest.raises(TypeError,
+                       match=r"log\.backward\(loss\): loss is the tensor to backpropagate from .* got float"):
         log.backward(log.output.sum().item())
     log.backward([log.output.sum()])  # a list of tensors, as torch.autograd.backward takes
     assert torch.equal(log[-1].grad, torch.ones_like(log.output))

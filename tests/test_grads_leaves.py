@@ -1,6 +1,6 @@
 """Leaves that start (or stop) requiring grad inside the forward: ``torch.zeros(n).requires_grad_()``, an
-input made differentiable by the model itself, ``t.requires_grad = False``.  The trace's record of such a tensor says what it is
-once set, and with ``grads=True`` its gradient is what autograd accumulates into its ``.grad``.
+input made differentiable by the model itself, ``t.requires_grad = False``.  The trace's record of such a tensor
+says what it is once set, and with ``grads=True`` its gradient is what autograd accumulates into its ``.grad``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def test_keyboard_interrupt_in_gradient_capture_never_strands_its_lock():
 
     def interrupt_everywhere():  # in a thread, so that a hang fails the test instead of stopping it
         try:
-            outcome_of_run.append(interrupt_every_line(lambda: tl.trace(model, x, grads=True), _in_files(grads, function_outputs)))
+            outcome_of_run.append(interrupt_every_line(lambda: tl.trace(model, x, grads=True),
+                                                       _in_files(grads, function_outputs)))
         except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
             outcome_of_run.append(exc)
         finally:

@@ -50,7 +50,8 @@ def assert_same_trace(live, loaded) -> None:
         if a.has_activation:
             assert same_value(a.activation, b.activation), a.label
     for a, b in zip(live.module_calls, loaded.module_calls, strict=True):
-        assert (a.label, a.address, a.call_index, a.depth, a.start_ns, a.end_ns, a.input_ops, a.output_ops, a.op_labels) == \
+        assert (a.label, a.address, a.call_index, a.depth, a.start_ns, a.end_ns, a.input_ops, a.output_ops,
+                a.op_labels) == \
             (b.label, b.address, b.call_index, b.depth, b.start_ns, b.end_ns, b.input_ops, b.output_ops, b.op_labels)
         assert (a.parent and a.parent.label) == (b.parent and b.parent.label)
         assert [c.label for c in a.children] == [c.label for c in b.children]
@@ -81,7 +82,8 @@ def assert_same_reports(live, loaded, tmp_path) -> None:
     """The tools that only read a record give the same answers on the loaded copy."""
     for group in ("op", "layer", "module", "source"):
         for by in ("duration", "flops", "memory"):
-            assert str(tl.debug.hot_path(live, by=by, group=group)) == str(tl.debug.hot_path(loaded, by=by, group=group))
+            assert str(tl.debug.hot_path(live, by=by, group=group)) == \
+                str(tl.debug.hot_path(loaded, by=by, group=group))
     # Same findings; the loaded copy also says it could not look at the (absent) model's parameters.
     not_checked = "  parameters were not checked (the trace no longer holds the model)\n"
     live_report, loaded_report = str(tl.debug.nonfinite_origin(live)), str(tl.debug.nonfinite_origin(loaded))
@@ -123,7 +125,8 @@ def test_a_loaded_trace_rebuilds_a_nested_output(tmp_path):
     assert set(out) == {"logits", "extra"} and isinstance(out["extra"], tuple)
     assert torch.equal(out["logits"], x * 2) and torch.equal(out["extra"][1], x - 1)
     light = tl.load(tl.trace(Nested(), x).save(tmp_path / "meta", activations=False))
-    with pytest.raises(tl.ActivationUnavailable, match="log.output is rebuilt from the saved output.*activations=False"):
+    with pytest.raises(tl.ActivationUnavailable,
+                       match="log.output is rebuilt from the saved output.*activations=False"):
         light.output
 
 

@@ -3,8 +3,8 @@
 Each package of torchlens is imported, with every module in it, in a fresh process (forked from one
 that imported torch alone) where the ``torchlens`` package itself is a bare namespace (its ``__init__``
 imports everything, which would hide the edges).  The torchlens packages that got imported are the
-package's top-level dependencies; each must be one the layering allows.  Imports inside functions (the ``Trace`` facade's ``render``,
-``validate``, ``save``) are lazy on purpose and are not edges.
+package's top-level dependencies; each must be one the layering allows.  Imports inside functions (the
+``Trace`` facade's ``render``, ``validate``, ``save``) are lazy on purpose and are not edges.
 """
 
 from __future__ import annotations

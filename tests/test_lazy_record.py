@@ -57,7 +57,8 @@ def test_a_trace_nobody_reads_derives_no_column():
     log.labels
     assert _derived(log) == {"_kind", "_labels", "_call_rows"} and log._raw is not None
     log.param_addresses
-    assert _derived(log) == {"_kind", "_labels", "_call_rows", "_param_addresses"} and log._raw is None  # then the raw lists go
+    # then the raw lists go
+    assert _derived(log) == {"_kind", "_labels", "_call_rows", "_param_addresses"} and log._raw is None
 
 
 def test_a_parameter_outside_the_index_is_named_by_its_shape_when_the_forward_ends():

@@ -305,7 +305,8 @@ def test_activation_patching_refuses_a_dimension_counted_from_the_end():
     gpt2 = real_models.small_gpt2_lm()
     clean, corrupt = torch.randint(0, 64, (2, 6)), torch.randint(0, 64, (2, 6))
     metric = lambda out: out.logits[:, -1, 0].sum()  # noqa: E731
-    with pytest.raises(ValueError, match=r"positions=-1 is negative; give the index of the dimension to patch along, counted from the front"):
+    with pytest.raises(ValueError, match=r"positions=-1 is negative; give the index of the dimension to patch along, "
+                                         r"counted from the front"):
         tl.report.activation_patching(gpt2, clean, corrupt, metric, sites=["transformer.h.0"], positions=-1,
                                       progress=False)
     with pytest.raises(TypeError, match=r"positions=1\.0 is a float, not an int; give the index of the dimension"):

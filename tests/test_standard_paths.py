@@ -375,7 +375,8 @@ def test_an_exported_module_runs_its_graph_with_the_parameters_under_their_names
     log = tl.trace(exported, x)
     assert torch.equal(log.output, model(x))
     linears = [op for op in log.ops if op.type == "linear"]
-    assert [tuple(op.params) for op in linears] == [("embed.weight", "embed.bias"), ("blocks.0.weight", "blocks.0.bias"),
+    assert [tuple(op.params) for op in linears] == [("embed.weight", "embed.bias"),
+                                                    ("blocks.0.weight", "blocks.0.bias"),
                                                     ("head.weight", "head.bias")]
     assert all(op.module_address is None for op in log.ops)  # the submodules' forwards were inlined by export
     assert log.validate().passed

@@ -1,8 +1,8 @@
 """Tensors held in plain objects' attributes: a transformers key/value cache passed in as
 ``past_key_values`` and returned extended, a recurrent state object, a module returning its result as an
 object.  Their tensors are the trace's inputs and outputs, and a module call's outputs, like any other;
-a module site's intervention refuses clearly where it cannot edit them; and every run torchlens makes besides the traced one (the
-reference forward of ``tl.validate``, the label-resolving pass of an intervention, the runs of the
+a module site's intervention refuses clearly where it cannot edit them; and every run torchlens makes besides the
+traced one (the reference forward of ``tl.validate``, the label-resolving pass of an intervention, the runs of the
 patching tables) works on copies, so the caller's inputs end as one forward leaves them."""
 
 from __future__ import annotations

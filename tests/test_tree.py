@@ -192,7 +192,8 @@ def test_clone_call_keeps_overlapping_inputs_views_of_one_copy_of_what_they_span
     (f, t, other), kwargs = clone_call((features, targets, far), {"again": batch})
     assert [torch.equal(a, b) for a, b in ((f, features), (t, targets), (other, far), (kwargs["again"], batch))] \
         == [True] * 4
-    assert f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() == kwargs["again"].untyped_storage().data_ptr()
+    assert f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() == \
+        kwargs["again"].untyped_storage().data_ptr()
     assert f.untyped_storage().nbytes() == batch.numel() * 4 and other.untyped_storage().nbytes() == far.numel() * 4
     kwargs["again"][0, 0] = 7.0
     assert f[0, 0] == 7.0 and batch[0, 0] != 7.0  # the copies alias each other, never the caller's tensors
