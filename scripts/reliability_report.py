@@ -134,6 +134,13 @@ the bytes.
 pictures, files, validation, gradients, selections, intervention sites, extraction, `flops_vs_dispatch`)
 on a model of n blocks and of 4n, and flags a step whose time grows more than 6x: linear work grows about
 4x, so a faster growth is a quadratic part to find with cProfile on the two sizes.
+
+`benchmarks/scale_calls.py` counts instead of timing: the Python calls each step makes with a finished
+trace (tables, printing, lookups, validation, files, `hot_path`, gradients, interventions, the chrome
+trace) at n, 4n and 16n blocks, on three shapes: a chain of distinct blocks, one block applied n times
+(one module called n times, layers of n passes) and n branches over one input (an op with n children). The
+counts are the same from run to run, so they read cleanly on a loaded machine; work inside a single C call is
+not counted, which the timings of `scale_steps.py` cover.
 """
 
 # Figures from the last run of benchmarks/scale_memory.py (machine-independent to within a few bytes:

@@ -106,3 +106,13 @@ def test_the_reference_worker_loads_the_harness_where_torchlens_is_another_libra
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "pairs 3 equal 3" in done.stdout
+
+
+@pytest.mark.parametrize("shape", ["chain", "loop", "branches"])
+def test_each_step_the_call_count_benchmark_counts_runs(shape, monkeypatch, tmp_path):
+    """``scale_calls.py`` counts each step on three shapes: a step the trace refuses on one of them (a
+    predicate site on the loop's repeated passes) must fail here, not after minutes of counting."""
+    scale_calls = _load(BENCHMARKS / "scale_calls.py", monkeypatch)
+    torch.manual_seed(0)
+    for name, step in scale_calls.steps(scale_calls.SHAPES[shape](2), torch.randn(2, 8), str(tmp_path)).items():
+        assert scale_calls.counted(step) > 0, name
