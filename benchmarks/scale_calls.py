@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import os
 import pstats
+import sys
 import tempfile
 
 import torch
@@ -31,14 +33,8 @@ import torch.nn as nn
 
 import torchlens as tl
 
-
-class Block(nn.Module):
-    def __init__(self, width: int = 8):
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return torch.tanh(self.fc(x)) + x
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scale_steps import Block  # noqa: E402  (one block for both scale benchmarks)
 
 
 class Chain(nn.Module):
