@@ -15,7 +15,6 @@ moved a random number generator is reported as not replayed, and the generators 
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -145,10 +144,9 @@ def _holds_fake_tensors(module) -> bool:
     return any(without_values(t) and not t.is_meta for t in tensors)
 
 
-def _check_trace_options(trace, options: dict) -> None:
+def _check_trace_options(known, options: dict) -> None:
     """``validate``'s extra keywords are ``tl.trace``'s options: a misspelt one is named as validate's, with the
-    option meant, not left to ``trace()`` to call an unexpected keyword of its own."""
-    known = [name for name, p in inspect.signature(trace).parameters.items() if p.kind == p.KEYWORD_ONLY]
+    option meant, not left to ``trace()`` to call an unexpected keyword of its own.  ``known``: those options."""
     for name in options:
         if name == "save":
             raise TypeError("tl.validate() saves every activation to replay it: it takes no save= (trace with "
@@ -176,7 +174,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     anywhere; False: never).
     """
     from .capture.inputs import note_how_arguments_were_passed
-    from .capture.session import trace
+    from .capture.session import OPTIONS, trace
     from .capture.wrappers import unwrap
 
     model = unwrap(model)
@@ -185,7 +183,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
         raise TypeError(f"tl.validate needs the model to run (a module instance or a callable), got {what}, "
                         "which " + ("is not an instance: pass a module instance" if isinstance(model, type)
                                     else "is not callable"))
-    _check_trace_options(trace, trace_kwargs)
+    _check_trace_options(OPTIONS, trace_kwargs)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.validate"))
     before = RngState()

@@ -391,13 +391,13 @@ def trace(model, args=(), kwargs=None, *, save="all", save_device=None, record_f
 # help(tl.trace) shows the options it takes: **unknown is there only to refuse the others in tl.trace's own words.
 trace.__signature__ = inspect.signature(trace).replace(
     parameters=[p for p in inspect.signature(trace).parameters.values() if p.kind != p.VAR_KEYWORD])
+OPTIONS = tuple(name for name, p in inspect.signature(trace).parameters.items() if p.kind == p.KEYWORD_ONLY)
 
 
 def _refuse_unknown_options(unknown: dict) -> None:
     """A keyword tl.trace does not take, named with the option meant or with where a forward's keyword goes."""
     name = next(iter(unknown))
-    known = [n for n, p in inspect.signature(trace).parameters.items() if p.kind == p.KEYWORD_ONLY]
-    raise TypeError(f"tl.trace() got an unexpected keyword argument {name!r}{closest_hint(name, known)}"
+    raise TypeError(f"tl.trace() got an unexpected keyword argument {name!r}{closest_hint(name, OPTIONS)}"
                     f"{forward_keyword_hint('tl.trace', name)}")
 
 
