@@ -65,12 +65,27 @@ def module_run_by(fn):
     return None
 
 
+class GeneratorStates:
+    """The states of ``torch.Generator`` objects (a module's own), each noted once, when first given: restorable."""
+
+    def __init__(self):
+        self.states: dict = {}  # id(generator) -> (generator, its state when first given)
+
+    def keep(self, generators) -> None:
+        for g in generators:
+            self.states.setdefault(id(g), (g, g.get_state()))
+
+    def restore(self) -> None:
+        for g, state in self.states.values():
+            g.set_state(state)
+
+
 class RngState:
     """The global generators (torch's CPU and every initialized CUDA device, Python's ``random``, NumPy's
     global ``numpy.random`` when imported), and the ``torch.Generator`` objects given to ``keep``, restorable."""
 
     def __init__(self):
-        self.kept: list = []  # [(generator, its state)]
+        self.kept = GeneratorStates()
         self.cpu_rng = torch.get_rng_state()
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
@@ -80,11 +95,10 @@ class RngState:
 
     def keep(self, generators) -> None:
         """Also restore these generators (a module's own ``torch.Generator``) to their states now."""
-        self.kept.extend((g, g.get_state()) for g in generators)
+        self.kept.keep(generators)
 
     def restore(self) -> None:
-        for g, state in self.kept:
-            g.set_state(state)
+        self.kept.restore()
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -373,7 +387,7 @@ class ModelState:
         modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
         self.attributes = ModuleAttributes(modules)
         self._kept: dict = {}  # id(tensor) -> (tensor, its value now)
-        self._generators: dict = {}  # id(generator) -> (generator, its state now)
+        self._generators = GeneratorStates()
         self.parametrized = ParametrizationCache()
         for m in modules:
             self._keep_tensors(m)
@@ -387,15 +401,13 @@ class ModelState:
         for t in [*m._parameters.values(), *m._buffers.values(), *held_tensors(m)]:
             if isinstance(t, torch.Tensor) and id(t) not in self._kept:
                 self._kept[id(t)] = (t, t.detach().clone())
-        for g in held_generators(m):
-            self._generators.setdefault(id(g), (g, g.get_state()))
+        self._generators.keep(held_generators(m))
 
     def restore(self) -> None:
         self.attributes.restore()
         for t, value in self._kept.values():
             put_back(t, value)
-        for g, state in self._generators.values():
-            g.set_state(state)
+        self._generators.restore()
         self.parametrized.restore()
 
 
