@@ -540,6 +540,38 @@ def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_th
     assert tl.trace(lambda x: {"words"}, torch.randn(2)).output == {"words"}  # a set holding no tensor is a value
 
 
+@pytest.mark.parametrize("returned, says", [
+    ("tuple", r"returned a tuple holding a set at output\.1, whose tensors have no order"),
+    ("dict", r"returned a dict holding a frozenset at output\.extra\.0, whose tensors have no order"),
+    ("generator", r"returned a list holding a generator at output\.1, whose body runs only when iterated"),
+])
+def test_a_set_or_generator_held_in_the_result_is_refused_rather_than_dropped_from_the_outputs(returned, says):
+    # Only the result itself was checked: a set held in a tuple was dropped from the trace's outputs, and tl.validate
+    # passed it comparing the sets by the tensors' identity.
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if returned == "tuple":
+                return h, {h * 2}
+            if returned == "dict":
+                return {"h": h, "extra": [frozenset([h + 1])]}
+            return [h, (t * 2 for t in [h])]
+
+    for run in (tl.trace, tl.validate):
+        with pytest.raises(TypeError, match=says):
+            run(Returns(), torch.randn(2, 4))
+    assert_clean_process()
+    def callback():
+        return None
+
+    kept = tl.trace(lambda x: (x * 2, {"words"}, callback), torch.randn(2))  # no tensor in the set; a function held
+    assert kept.output[1:] == ({"words"}, callback) and len(kept.outputs) == 1  # in the result is a value
+
+
 def test_a_predicate_that_cannot_take_an_op_is_refused_before_the_forward():
     # save=lambda: True failed after the forward (intervene={lambda: True: ...} after the reference forward) with
     # Python's bare "takes 0 positional arguments but 1 was given".

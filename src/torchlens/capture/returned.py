@@ -3,7 +3,8 @@ forward, rather than traced with no outputs (a plausible, empty record) and comp
 
 A generator, a coroutine or another iterator (``map``, ``zip``) makes or hands out its items only as it is
 iterated, and a function (``lambda: h * 3``) computes only when called: either runs after tracing ended.  A set
-holds its tensors in no order and at no path, and two runs' sets compare by the tensors' identity.
+holds its tensors in no order and at no path, and two runs' sets compare by the tensors' identity.  The result's
+tuples, lists, dicts and dataclasses are looked into for all but functions (one held beside the tensors is a value).
 """
 
 from __future__ import annotations
@@ -14,28 +15,54 @@ from collections.abc import Iterator
 
 import torch
 
+from ..tree import MAX_DEPTH, container_items
+
+# What a result commonly holds, and never something to refuse or to look inside.
+_LEAVES = frozenset((torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, bytes))
+
 
 def refuse_unrecordable_output(output, model, shown) -> None:
-    """Raise ``TypeError`` for a forward's result no trace can record (see the module's docstring); ``shown``,
-    the progress bar, is closed first."""
-    problem = _unrecordable(output)
-    if problem is None:
+    """Raise ``TypeError`` for a forward's result no trace can record (see the module's docstring), whether it is
+    the result or is held in it (``return h, {h * 2}``); ``shown``, the progress bar, is closed first."""
+    found = _first_unrecordable(output, "output", 0, set())
+    if found is None:
         return
-    getattr(output, "close", lambda: None)()  # a coroutine never awaited would warn
+    path, value, (what, advice) = found
+    getattr(value, "close", lambda: None)()  # a coroutine never awaited would warn
     shown.close()
-    what, advice = problem
-    raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}, {what}; trace a "
+    held = f" holding a {type(value).__name__} at {path}" if value is not output else ""
+    raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}{held}, {what}; trace a "
                     f"forward that returns its results ({advice})")
 
 
-def _unrecordable(output):
-    """``(what is wrong, what to do)`` for a result no trace can record, else None."""
+def _first_unrecordable(value, path: str, depth: int, seen: set):
+    """``(path, value, problem)`` for the first value no trace can record in ``value`` (itself, then what its
+    tuples, lists, dicts and dataclasses hold, depth first), else None."""
+    problem = _unrecordable(value, nested=depth > 0)
+    if problem is not None:
+        return path, value, problem
+    if type(value) in _LEAVES or depth >= MAX_DEPTH or id(value) in seen or isinstance(value, torch.Tensor):
+        return None
+    children = container_items(value, attrs=False)
+    if children is None:
+        return None
+    seen.add(id(value))
+    for key, child in children:
+        found = _first_unrecordable(child, f"{path}.{key}", depth + 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _unrecordable(output, nested: bool = False):
+    """``(what is wrong, what to do)`` for a result no trace can record, else None.  ``nested``: ``output`` is held
+    in the result, beside what was recorded; a function there is a value like any other."""
     if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
         return "whose body runs only when iterated, after tracing ended", "e.g. wrap it: lambda x: list(model(x))"
     if isinstance(output, Iterator):
         return ("an iterator whose items are made or handed out only when iterated, after tracing ended",
                 "e.g. wrap it: lambda x: list(model(x))")
-    if inspect.isfunction(output) or inspect.ismethod(output) or isinstance(output, functools.partial):
+    if not nested and (inspect.isfunction(output) or inspect.ismethod(output) or isinstance(output, functools.partial)):
         return ("which computes only when called, after tracing ended, so its ops would not be recorded",
                 "e.g. call it in the traced callable: lambda x: model(x)()")
     if isinstance(output, (set, frozenset)) and any(isinstance(item, torch.Tensor) for item in output):

@@ -51,8 +51,8 @@ _local = threading.local()  # .active: this thread is tracing
 _collector_was_on: dict = {}  # tracing thread id -> whether the collector ran when its trace began
 if hasattr(os, "register_at_fork"):  # a platform without os.fork (Windows) copies no trace into a child
     os.register_at_fork(after_in_child=lambda: leave_copied_trace(_local, _collector_was_on))  # capture/forks.py
-# What a forward returns in the common case, and never a generator or coroutine (checked by type first).
-_PLAIN_OUTPUTS = frozenset((torch.Tensor, tuple, list, dict, type(None)))
+# What a forward returns in the common case, which holds nothing a trace could not record (checked by type first).
+_LONE_OUTPUTS = frozenset((torch.Tensor, type(None)))
 # save="all" and save="none" name nothing of a model, and a trace never changes them: one policy each.
 _PLAIN_POLICIES = {"all": SavePolicy("all", None), "none": SavePolicy("none", None)}
 
@@ -113,7 +113,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if capture.forked_into is not None:  # set in a child forked inside the forward, never in the parent
         refuse_forked_trace(capture)
     forward_done = perf_counter_ns()
-    if type(output) not in _PLAIN_OUTPUTS:  # the common case: a tensor, a tuple, a dict (never a generator, a set)
+    if type(output) not in _LONE_OUTPUTS:  # the common case: a tensor (never a generator, a set, nor holding one)
         refuse_unrecordable_output(output, model, shown)
 
     mutated = state.check_saved_versions()
