@@ -8,6 +8,7 @@ Python code, and check the grouping against what the source says.
 from __future__ import annotations
 
 import inspect
+import operator
 import sys
 
 import torch
@@ -89,6 +90,26 @@ def test_python_loop_groups_module_and_param_free_body():
     assert [layer.num_passes for layer in log.layers] == [1, 1, 4, 4, 4, 4, 1]
     assert log["add_1_3:2"].parents == ["linear_1_2:2", "mul_1_5:1"]
     assert log.is_recurrent
+
+
+class _BuiltinCallLoop(nn.Module):
+    """A loop whose op is called by a builtin (``operator.mul``): its line runs the op from C code, so the
+    op's site is the forward's own call instruction, which Python 3.11 moves once the call warms up."""
+
+    def forward(self, x):
+        h = x
+        for _ in range(20):
+            h = torch.tanh(operator.mul(h, x))
+        return h
+
+
+def test_a_loop_calling_through_a_builtin_is_one_layer_from_its_first_trace_on():
+    model = _BuiltinCallLoop()  # its forward has never run: the trace sees the call site cold, then warm
+    first, second = (tl.trace(model, torch.randn(2, 4)) for _ in range(2))
+    muls = [op for op in first.ops if op.func_name == "mul"]
+    assert len({op.layer_label for op in muls}) == 1
+    assert [op.pass_index for op in muls] == list(range(1, 21))
+    assert first.op_labels == second.op_labels
 
 
 def _rotate_half(x):

@@ -26,11 +26,15 @@ apart afterwards, for display only (``repetition``).
 
 from __future__ import annotations
 
+import dis
 import math
 from collections import Counter
 from operator import itemgetter
+from types import CodeType
 
 import torch
+
+_PRECALL = dis.opmap.get("PRECALL")  # Python 3.11's; later versions have none
 
 
 def arg_signature(obj, depth: int = 0):
@@ -141,8 +145,43 @@ def _site_key(site) -> tuple:
     """``site`` (``(code, offset)``, or ``(code, offset, caller's site)`` for a function called by user
     code: ``capture/source.py``'s ``user_site``) with each code object by id."""
     if len(site) == 2:
-        return (id(site[0]), site[1])
-    return (id(site[0]), site[1], _site_key(site[2]))
+        return (id(site[0]), call_offset(site[0], site[1]))
+    return (id(site[0]), call_offset(site[0], site[1]), _site_key(site[2]))
+
+
+def call_offset(code, offset):
+    """The offset of the call instruction that a frame at ``offset`` of ``code`` is running.
+
+    Python 3.11's specializing interpreter runs a warm call of a builtin (``operator.mul``, ``sum``,
+    ``functools.reduce``) inside its ``PRECALL`` instruction, while a cold one runs in the ``CALL`` after
+    it: the frame names one call site by two offsets, and a loop through such a call would split into
+    two layers once the site warms up.  Both are read as the ``CALL``'s."""
+    if _PRECALL is None or type(code) is not CodeType:  # (a trace read by tl.load holds stand-ins for code)
+        return offset
+    entry = _TARGETS.get(id(code))
+    if entry is None or entry[0] is not code:
+        entry = _TARGETS[id(code)] = (code, _precall_targets(code))
+    return entry[1].get(offset, offset)
+
+
+# Per code object, by id (hashing a code object hashes its bytecode): the code is kept beside its table, so
+# that its id is not reused while cached.  Cleared when it grows past a bound, as exec'd code comes and goes.
+_TARGETS: dict = {}
+_TARGETS_BOUND = 4096
+
+
+def _precall_targets(code) -> dict:
+    """``{PRECALL offset: offset of the CALL it precedes}`` in ``code``."""
+    if len(_TARGETS) >= _TARGETS_BOUND:
+        _TARGETS.clear()
+    targets, pending = {}, None
+    for instruction in dis.get_instructions(code):
+        if instruction.opcode == _PRECALL:
+            pending = instruction.offset
+        elif pending is not None and instruction.opname == "CALL":
+            targets[pending] = instruction.offset
+            pending = None
+    return targets
 
 
 def _reached_site(call):
@@ -155,7 +194,7 @@ def _reached_site(call):
     code, offset = call[CALL_CODE], call[CALL_LINE]
     if code is None or len(site) == 3 or (site[0] is code and site[1] == offset):
         return _site_key(site)  # the user lines are in the site: its own, or those that reached torch's line
-    return (id(site[0]), site[1], id(code), offset)
+    return (id(site[0]), call_offset(site[0], site[1]), id(code), call_offset(code, offset))
 
 
 def _shared_module_key(call, func, slot, module_call, module, seen_in_call) -> tuple:
@@ -222,11 +261,11 @@ def repetition(trace):
         if c < 0 or group_sizes[groups[i]] < 2:
             continue
         call = calls[c]
-        origin = [id(call.code), call.line]
+        origin = [id(call.code), call_offset(call.code, call.line)]
         m = module_call_indices[i] if frames is not None else -1
         while m >= 0:  # the lines that made each enclosing module call
             code, offset = frames[m]
-            origin += (id(code), offset)
+            origin += (id(code), call_offset(code, offset))
             parent = trace.module_calls[m].parent
             m = parent.index if parent is not None else -1
         origins = seen.setdefault(groups[i], set())
