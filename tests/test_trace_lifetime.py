@@ -107,6 +107,22 @@ def test_an_intervened_trace_is_freed_with_its_originals(no_collector):
     assert not [o for o in originals if o() is not None]
 
 
+@pytest.mark.parametrize("site", ["1:1", "linear_2_3", "2"])
+def test_a_trace_stopped_early_frees_its_model_and_inputs_when_dropped(site, no_collector):
+    """stop_after= ends the forward by an exception the capture state notes as it leaves each module call: kept,
+    it held the forward's frames, so the model and its inputs lived on in a cycle only the collector frees."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2), torch.nn.Tanh())
+    x = torch.randn(3, 4)
+    log = tl.trace(model, x, stop_after=site)
+    assert log.stopped_after is not None and log.output is None
+    _read_everything(log)
+    refs = weakref.ref(log), _tensors_of(log, x)
+    dropped = weakref.ref(model), weakref.ref(x)
+    del log, model, x
+    _assert_freed(*refs)
+    assert not [r for r in dropped if r() is not None], "the stopped trace left its model or input in a cycle"
+
+
 def test_a_loaded_trace_is_freed_when_dropped(tmp_path, no_collector):
     model, args, kwargs = zoo()["small_cnn"]
     tl.trace(model, args, kwargs).save(tmp_path / "run")

@@ -295,7 +295,10 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
             _annotate(exc, state, root, leftovers(mode, parts), args)
             release_failed(state, runtime)
             raise
-        return None  # stop_after= reached: the trace holds everything up to that site
+        # stop_after= reached: the trace holds everything up to that site.  The stop's exception, which ``state``
+        # notes where it left a call, keeps the forward's frames (the model, its inputs): not past this point.
+        state.raised_in = state.failure = None
+        return None
     finally:
         state.suspend = None  # it holds the tracker, which holds the state: no cycle may outlive the forward
 
