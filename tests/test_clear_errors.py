@@ -517,12 +517,15 @@ def test_a_call_number_written_otherwise_than_a_trace_writes_it_is_refused_as_a_
 @pytest.mark.parametrize("returned, says", [
     ("set", r"returned a set, whose tensors have no order and no path .*\(return them in a tuple or a list\)"),
     ("frozenset", r"returned a frozenset, whose tensors have no order"),
+    ("values", r"returned a dict_values, a view of a dict, .*\(return the dict itself, or list\(d.values\(\)\)\)"),
+    ("items", r"returned a dict_items, a view of a dict"),
     ("closure", r"returned a function, which computes only when called, after tracing ended.* "
                 r"lambda x: model\(x\)\(\)"),
 ])
 def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_than_traced_with_no_outputs(
         returned, says):
-    # Each was traced with no outputs, and tl.validate passed it comparing the results by identity.
+    # Each was traced with no outputs, and tl.validate passed it comparing the results by identity (a dict view
+    # compares by identity too).
     class Returns(nn.Module):
         def __init__(self):
             super().__init__()
@@ -530,14 +533,15 @@ def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_th
 
         def forward(self, x):
             h = self.fc(x)
-            return {"set": lambda: {h, h * 2}, "frozenset": lambda: frozenset([h]), "closure": lambda: lambda: h * 3}[
-                returned]()
+            return {"set": lambda: {h, h * 2}, "frozenset": lambda: frozenset([h]), "closure": lambda: lambda: h * 3,
+                    "values": lambda: {"h": h}.values(), "items": lambda: {"h": h}.items()}[returned]()
 
     for run in (tl.trace, tl.validate):
         with pytest.raises(TypeError, match=says):
             run(Returns(), torch.randn(2, 4))
     assert_clean_process()
     assert tl.trace(lambda x: {"words"}, torch.randn(2)).output == {"words"}  # a set holding no tensor is a value
+    assert list(tl.trace(lambda x: {"words": 1}.keys(), torch.randn(2)).output) == ["words"]
 
 
 @pytest.mark.parametrize("returned, says", [
