@@ -59,12 +59,16 @@ def _first_unrecordable(value, path: str, depth: int, seen: set):
 def _unrecordable(output, nested: bool = False):
     """``(what is wrong, what to do)`` for a result no trace can record, else None.  ``nested``: ``output`` is held
     in the result, beside what was recorded; a function there is a value like any other."""
-    if inspect.isgenerator(output) or inspect.iscoroutine(output) or inspect.isasyncgen(output):
+    if inspect.iscoroutine(output):  # an async def forward: its body runs when awaited, which list() cannot do
+        return ("whose body runs only when awaited, after tracing ended",
+                "e.g. run it to the end inside the traced callable: lambda x: asyncio.run(model(x)), with root=model")
+    if inspect.isgenerator(output) or inspect.isasyncgen(output):
         return "whose body runs only when iterated, after tracing ended", "e.g. wrap it: lambda x: list(model(x))"
     if isinstance(output, Iterator):
         return ("an iterator whose items are made or handed out only when iterated, after tracing ended",
                 "e.g. wrap it: lambda x: list(model(x))")
-    if not nested and (inspect.isfunction(output) or inspect.ismethod(output) or isinstance(output, functools.partial)):
+    if not nested and (inspect.isfunction(output) or inspect.ismethod(output)
+                       or isinstance(output, functools.partial)):
         return ("which computes only when called, after tracing ended, so its ops would not be recorded",
                 "e.g. call it in the traced callable: lambda x: model(x)()")
     if isinstance(output, (set, frozenset)) and any(isinstance(item, torch.Tensor) for item in output):
