@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,9 +20,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.flop_counter import FlopCounterMode
 
 import torchlens as tl
+from untouched import assert_clean_process
 
 PROFILED_FIRST_TRACE = """
 import importlib.machinery, sys
+import pytest
 import torch
 import torchlens as tl
 from torch.profiler import ProfilerActivity, profile
@@ -114,3 +117,35 @@ def test_a_flop_counters_module_hooks_run_in_the_forward_and_are_recorded_as_ops
     assert torch.equal(log.output, model(x))
     assert [op.label for op in log.ops[:4]] == ["input_1:1", "viewas_1_1:1", "viewas_2_2:1", "linear_1_3:1"]
     assert [op.label for op in tl.trace(model, x).ops[:2]] == ["input_1:1", "linear_1_1:1"]
+
+
+class _CountsCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_mode_entered_before_the_trace_and_exited_inside_the_forward_is_refused_rather_than_cutting_the_trace():
+    # Exiting a mode pops the top of torch's stack, which was the capture's: the linear and tanh after the hook
+    # ran unseen, and the trace came back holding the first two ops, its output an op with no parent.
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Tanh()), torch.randn(2, 4)
+    counting = _CountsCalls()
+    counting.__enter__()
+    handle = model[1].register_forward_hook(lambda module, args, output: counting.__exit__(None, None, None))
+    try:
+        with pytest.raises(RuntimeError, match=r"took the capture's mode off torch's function-mode stack.*"
+                                               r"Enter and exit the mode both inside the forward"):
+            tl.trace(model, x)
+    finally:
+        handle.remove()
+        while torch._C._len_torch_function_stack():  # the mode the hook meant to exit stays, as the error says
+            torch._C._pop_torch_function_stack()
+    assert_clean_process()
+    with _CountsCalls() as around:  # entered and exited around the trace: traced as usual, and counted
+        log = tl.trace(model, x)
+    assert [op.type for op in log.ops] == ["input", "linear", "relu", "linear", "tanh", "output"]
+    assert around.calls >= 4 and torch.equal(log.output, model(x)) and log.validate().passed

@@ -42,7 +42,7 @@ from .restore import module_run_by
 from .saving import SavePolicy, SelectedModuleOutputs
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, CaptureState, StopForward
-from .teardown import (Capture, ModeOnStack, leftovers, release_failed, release_refused,
+from .teardown import (Capture, ModeOnStack, leftovers, refuse_lifted_mode, release_failed, release_refused,
                        restore_torch_function_state, torch_function_state)
 from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_compile_wrapper, unwrap,
                        warn_unreduced_grads)
@@ -112,6 +112,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     output = _run_captured(capture, parts, mode, state, runtime, packing, model, root, args, kwargs, shown)
     if capture.forked_into is not None:  # set in a child forked inside the forward, never in the parent
         refuse_forked_trace(capture)
+    if state.mode_lifted:
+        release_failed(state, runtime)
+        refuse_lifted_mode(state)
     forward_done = perf_counter_ns()
     if type(output) not in _LONE_OUTPUTS:  # the common case: a tensor (never a generator, a set, nor holding one)
         refuse_unrecordable_output(output, model, shown)

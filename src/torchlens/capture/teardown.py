@@ -97,7 +97,9 @@ class ModeOnStack:
             return
         if not on_stack(self.mode):
             # Lifted off by torch for a handler call whose push-back an interrupt cut short: make sure
-            # no suspended push-back can put it back later.  (Rare: only then is the heap searched.)
+            # no suspended push-back can put it back later.  (Rare: only then is the heap searched.)  With no
+            # interrupt, the forward itself took it off (see ``refuse_lifted_mode``).
+            self.mode.state.mode_lifted = True
             close_pending_pushes(self.mode)
         remove_from_stack(self.mode)
         self.removed = True
@@ -176,6 +178,18 @@ def leftovers(mode, parts) -> list:
         if getattr(part, "registered", False):
             left.append("Dynamo compile callbacks")
     return left
+
+
+def refuse_lifted_mode(state) -> None:
+    """After a forward that returned: one that took capture's mode off torch's function-mode stack (exiting a
+    mode entered before ``tl.trace`` pops the top of the stack, which was capture's) ran its later torch calls
+    unseen, so no trace is made of it."""
+    if state.mode_lifted:
+        raise RuntimeError("the traced forward took the capture's mode off torch's function-mode stack, so the "
+                           "torch calls after that point were not recorded and no trace is returned: a torch "
+                           "function mode entered before tl.trace and exited inside the forward (by a hook, "
+                           "say) pops the mode on top, which was the capture's. Enter and exit the mode both "
+                           "inside the forward, or both around tl.trace")
 
 
 def release_failed(state, runtime) -> None:
