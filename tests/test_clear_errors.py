@@ -520,6 +520,7 @@ def test_a_call_number_written_otherwise_than_a_trace_writes_it_is_refused_as_a_
     ("frozenset", r"returned a frozenset, whose tensors have no order"),
     ("values", r"returned a dict_values, a view of a dict, .*\(return the dict itself, or list\(d.values\(\)\)\)"),
     ("items", r"returned a dict_items, a view of a dict"),
+    ("future", r"returned a Future, whose value is read with .wait\(\).*lambda x: model\(x\).wait\(\)"),
     ("coroutine", r"returned a coroutine, whose body runs only when awaited, .*asyncio.run\(model\(x\)\)"),
     ("closure", r"returned a function, which computes only when called, after tracing ended.* "
                 r"lambda x: model\(x\)\(\)"),
@@ -537,7 +538,8 @@ def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_th
             h = self.fc(x)
             return {"set": lambda: {h, h * 2}, "frozenset": lambda: frozenset([h]), "closure": lambda: lambda: h * 3,
                     "values": lambda: {"h": h}.values(), "items": lambda: {"h": h}.items(),
-                    "coroutine": lambda: asyncio.sleep(0, h)}[returned]()
+                    "coroutine": lambda: asyncio.sleep(0, h),
+                    "future": lambda: torch.jit.fork(torch.relu, h)}[returned]()
 
     for run in (tl.trace, tl.validate):
         with pytest.raises(TypeError, match=says):

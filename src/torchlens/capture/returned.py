@@ -3,10 +3,11 @@ forward, rather than traced with no outputs (a plausible, empty record) and comp
 
 A generator, a coroutine or another iterator (``map``, ``zip``) makes or hands out its items only as it is
 iterated, and a function (``lambda: h * 3``) computes only when called: either runs after tracing ended.  A set
-holds its tensors in no order and at no path, and two runs' sets compare by the tensors' identity.  A dict view
-(``d.values()``) is a window onto a dict, whose tensors no walk of outputs reaches, and which shows whatever the
-dict holds when it is read.  The result's tuples, lists, dicts and dataclasses are looked into for all but
-functions (one held beside the tensors is a value).
+holds its tensors in no order and at no path, and two runs' sets compare by the tensors' identity.  A future
+(``torch.jit.fork``) hands out its value only when waited on.  A dict view (``d.values()``) is a window onto a
+dict, whose tensors no walk of outputs reaches, and which shows whatever the dict holds when it is read.  The
+result's tuples, lists, dicts and dataclasses are looked into for all but functions (one held beside the tensors
+is a value).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def _unrecordable(output, nested: bool = False):
     if isinstance(output, (set, frozenset)) and any(isinstance(item, torch.Tensor) for item in output):
         return ("whose tensors have no order and no path to name them as outputs, and which compares by the "
                 "tensors' identity", "return them in a tuple or a list")
+    if isinstance(output, torch._C.Future) and (not output.done() or has_tensor(output.value())):
+        return ("whose value is read with .wait(), and is not an output a trace can name (a torch.jit.fork, or a "
+                "future another thread completes later)", "e.g. wait for it in the traced callable: "
+                "lambda x: model(x).wait(), with root=model")
     if isinstance(output, (KeysView, ValuesView, ItemsView)) and has_tensor(list(output)):
         return ("a view of a dict, which shows what the dict holds when it is read, not what the forward returned, "
                 "and whose tensors could not be named as outputs", "return the dict itself, or list(d.values())")
