@@ -22,10 +22,12 @@ import torch
 from .errors import closest_hint, counted, first_few, forward_keyword_hint
 from .record.columns import makes_uninitialized, uninitialized_ops
 from .record.layouts import memory_freed, version_of
+from .record.model_index import traced_address
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
-from .record.replay_context import UNSEEN_WRITE, as_traced, denormals_flushed, settings_by_name
+from .record.replay_context import UNSEEN_WRITE, as_traced, began_with, other_settings
 from .capture.collectives import is_collective
-from .capture.restore import RngState, model_state, module_run_by
+from .capture.compiled import module_behind
+from .capture.restore import ModelState, RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
 from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
                    path_text, slice_with_tensor, structures_equal, tensor_leaves, unmaterialized, without_values)
@@ -40,6 +42,8 @@ _RESIZES = frozenset(["resize_", "resize_as_"])
 
 PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
 RANDOM = "random: consumed the RNG (replay would draw other numbers)"
+COMPILED_WROTE = ("its compiled code wrote its module's buffers (running statistics?) as it ran again: it read them as "
+                  "the forward left them, not as they were when it ran")
 TENSOR_SLICE = ("a slice bound is a tensor (x[s:e] with s or e a tensor): the record holds the slice as a value, "
                 "not the bound's producer or its value at the call, which a later write may have changed")
 
@@ -293,7 +297,7 @@ def validate_trace(log, progress=None) -> ValidationResult:
             "the trace saved no activations; trace with save='all' to validate"
         return result
     rng = RngState()
-    began = _began_with(log)
+    began = began_with(log)
     shown = bar(progress, f"validating {log.model_name}", total=len(log), unit=" ops")
     try:
         for op in log.ops:
@@ -326,41 +330,13 @@ def _mismatch(reason: str) -> tuple:
     return ("mismatch", reason)
 
 
-def _began_with(log) -> dict:
-    """The global settings that change an op's bits as the forward began (``global_settings()``), which
-    replay runs each op under whatever they are when you validate."""
-    return settings_by_name(log._settings[0]) if log._settings else {}
-
-
 def _under_another_setting(log, op, rng: RngState, began: dict, problem: tuple):
     """None when ``op``, which mismatched under the settings its forward began with, replays to its saved
     output under another one it may have run under (a forward that changes one itself); else ``problem``."""
-    for change in _other_settings(log, op, began):
+    for change in other_settings(log, op, began):
         if _replay_problem(log, op, rng, {**began, **change}) is None:
             return None
     return problem
-
-
-def _other_settings(log, op, began: dict):
-    """The default dtype the forward ended with, and the op's output's own (``torch.set_default_dtype``
-    called and undone inside the forward); subnormals flushed the other way (``torch.set_flush_denormal``,
-    which torch gives no getter to record); the thread count the forward ended with, and one thread (what a
-    forward pins with ``torch.set_num_threads`` for reproducible sums); oneDNN kernels the other way (a
-    ``torch.backends.mkldnn.flags`` block inside the forward)."""
-    ended = settings_by_name(log._settings[1]) if log._settings else {}
-    saved = log.saved_activations.get(op.index)
-    dtypes = [ended.get("default_dtype")]
-    if isinstance(saved, torch.Tensor) and saved.dtype.is_floating_point:
-        dtypes.append(saved.dtype)
-    for dtype in dict.fromkeys(dtypes):
-        if dtype is not None and dtype is not began.get("default_dtype"):
-            yield {"default_dtype": dtype}
-    yield {"flush_denormal": not denormals_flushed()}
-    for threads in dict.fromkeys((ended.get("num_threads"), 1)):
-        if threads is not None and threads != began.get("num_threads"):
-            yield {"num_threads": threads}
-    if "mkldnn" in began:
-        yield {"mkldnn": not began["mkldnn"]}
 
 
 def _grew_uninitialized(log, op) -> bool:
@@ -430,14 +406,30 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
     args = fill(tuple(skeleton), positional)
     kwargs = fill(dict(kw_skeleton), keyword)
     generators = _private_generators(kwargs)
+    compiled = module_behind(func)  # its compiled code reads (and may write) that module's own state
+    if compiled is not None:
+        why = _compiled_reads_changed(log, replay, compiled, call_position)
+        if why is not None:
+            return _skip(why)
+        kept = ModelState(compiled)
     try:
         with as_traced(log, context, setting, func, op.device):
             out = func(*args, **kwargs)
     except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
         return _skip(f"replay raised {type(exc).__name__}: {exc}")
+    finally:
+        wrote = compiled is not None and _restore_saying_if_changed(kept)
     if rng.moved() or any(g.get_state().ne(state).any() for g, state in generators):
         rng.restore()
         return _skip(RANDOM)
+    problem = _compare_replayed(log, op, call, func, args, kwargs, out)
+    if wrote and problem is not None and problem[0] == "mismatch":
+        return _skip(COMPILED_WROTE)
+    return problem
+
+
+def _compare_replayed(log, op, call, func, args, kwargs, out):
+    """None when what replay returned (``out``) equals what ``op``'s call made, else ``(kind, reason)``."""
     if out is None:
         out = _written_by(func, args, kwargs)
     if isinstance(out, (tuple, list)):
@@ -513,6 +505,35 @@ def _private_copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return copy_with_layout(t)
 
 
+def _compiled_reads_changed(log, replay, module, call_position: int):
+    """Why the parameters of ``module``, which a ``compiled`` op's code reads where they are now rather than from
+    its recorded arguments, may no longer be those it read; None when they are."""
+    for param in module.parameters():
+        writes = replay.param_writes.get(id(param), ()) if replay is not None else ()
+        if any(write_call == UNSEEN_WRITE or write_call >= call_position for write_call, _ in writes):
+            return (f"parameter changed by the forward: parameter {_param_name(log, param)}, which its compiled code "
+                    "reads where it is now, was written after it ran")
+        why = _changed_since_trace(log, replay, param)
+        if why is not None:
+            return why
+    return None
+
+
+def _restore_saying_if_changed(kept: ModelState) -> bool:
+    """Put a module's state back as ``kept`` holds it; whether the run since had changed one of its tensors."""
+    changed = kept.tensors_changed()
+    kept.restore()
+    return changed
+
+
+def _changed_since_trace(log, replay, param):
+    now = version_of(param)  # None for an inference tensor: no counter, so no change can be seen
+    if replay is not None and replay.param_versions.get(id(param), now) != now:
+        return (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "
+                "validate right after tracing")
+    return None
+
+
 def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
     """``(private copy of the parameter as the call saw it, None)`` or ``(None, why not)``."""
     value = param
@@ -532,10 +553,9 @@ def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
         return None, (f"parameter {_param_name(log, param)}'s memory was freed after the forward (FSDP2 reshards "
                       "after forward; fully_shard(..., reshard_after_forward=False) keeps it), so the value this "
                       "op read is gone")
-    now = version_of(param)  # None for an inference tensor: no counter, so no change can be seen
-    if value is param and replay is not None and replay.param_versions.get(id(param), now) != now:
-        return None, (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "
-                      "validate right after tracing")
+    why = _changed_since_trace(log, replay, param) if value is param else None
+    if why is not None:
+        return None, why
     # A parameter's copy is a parameter's kind of tensor even when validating inside torch.inference_mode():
     # some kernels choose their path by it (a CPU GRU given inference-tensor weights rounds differently).
     with torch.inference_mode(value.is_inference()):
@@ -552,7 +572,7 @@ def _param_name(log, param) -> str:
     if isinstance(model, torch.nn.Module):
         for name, p in model.named_parameters(remove_duplicate=False):
             if p is param:
-                return name
+                return traced_address(name)  # as the trace names it: no torch.compile wrapper's step
     return f"of shape {tuple(param.shape)}"
 
 

@@ -80,6 +80,13 @@ class CompiledCall:
             return self.forward(*args, **kwargs)
 
 
+def module_behind(func):
+    """The submodule whose compiled code a recorded ``compiled`` op runs, or None for any other call.  That code
+    reads the submodule's parameters and buffers where they are when it runs, and may write them (a BatchNorm's
+    running statistics in training): none of them is among the op's recorded arguments."""
+    return func.eager if isinstance(func, CompiledCall) else None
+
+
 class InPlaceCompiledCall:
     """The ``_compiled_call_impl`` of a module compiled in place, for the duration of a trace.
 

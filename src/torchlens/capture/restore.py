@@ -410,6 +410,10 @@ class ModelState:
         self._generators.restore()
         self.parametrized.restore()
 
+    def tensors_changed(self) -> bool:
+        """Whether a run since this state was taken changed the value of a tensor it keeps (a running statistic)."""
+        return any(_differs(t, value) for t, value in self._kept.values())
+
 
 class RunState:
     """The global generators and everything ``ModelState`` restores (training flags and a cache built on
@@ -438,21 +442,30 @@ def model_state(model, root=None) -> tuple:
 
 def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Write ``value`` back into ``tensor`` if it differs: only then, since a copy bumps the version counter,
-    which a trace's replay reads as a parameter changed since the trace.  (``torch.equal`` takes strided
-    tensors only: a sparse or other layout is written back whatever it holds.  A meta or fake tensor holds
-    no values to put back.)  A tensor the forward resized (an observer's empty ``min_val`` given a value per
-    channel, a buffer grown by ``resize_``) gets its old shape back with its values, where a copy would
-    broadcast into the new shape, or fail."""
-    if not tensor.is_nested and (tensor.shape != value.shape or tensor.dtype != value.dtype):  # (nested: no .shape)
-        with torch.inference_mode(tensor.is_inference()), torch.no_grad():
-            tensor.data = value.clone()
-    elif without_values(tensor):
+    which a trace's replay reads as a parameter changed since the trace.  A tensor the forward resized (an
+    observer's empty ``min_val`` given a value per channel, a buffer grown by ``resize_``) gets its old shape
+    back with its values, where a copy would broadcast into the new shape, or fail."""
+    if not _differs(tensor, value):
         return
-    elif tensor.layout != torch.strided or not torch.equal(tensor, value):
-        # An inference tensor is written only inside inference mode; leaving it (mode False) turns gradients
-        # back on, hence no_grad inside.
-        with torch.inference_mode(tensor.is_inference()), torch.no_grad():
+    # An inference tensor is written only inside inference mode; leaving it (mode False) turns gradients
+    # back on, hence no_grad inside.
+    with torch.inference_mode(tensor.is_inference()), torch.no_grad():
+        if _reshaped(tensor, value):
+            tensor.data = value.clone()
+        else:
             tensor.copy_(value)
+
+
+def _reshaped(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    return not tensor.is_nested and (tensor.shape != value.shape or tensor.dtype != value.dtype)  # (nested: no .shape)
+
+
+def _differs(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``tensor`` no longer holds ``value``.  ``torch.equal`` takes strided tensors only: a sparse or other
+    layout counts as changed whatever it holds.  A meta or fake tensor holds no values, so never differs."""
+    if _reshaped(tensor, value):
+        return True
+    return not without_values(tensor) and (tensor.layout != torch.strided or not torch.equal(tensor, value))
 
 
 def parameters_read(trace, module=None) -> list:

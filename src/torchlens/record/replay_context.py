@@ -98,6 +98,34 @@ def settings_by_name(values: tuple) -> dict:
     return dict(zip(_SETTINGS, values))
 
 
+def began_with(log) -> dict:
+    """The global settings that change an op's bits as the forward began (``global_settings()``), which
+    replay runs each op under whatever they are when you validate."""
+    return settings_by_name(log._settings[0]) if log._settings else {}
+
+
+def other_settings(log, op, began: dict):
+    """The default dtype the forward ended with, and the op's output's own (``torch.set_default_dtype``
+    called and undone inside the forward); subnormals flushed the other way (``torch.set_flush_denormal``,
+    which torch gives no getter to record); the thread count the forward ended with, and one thread (what a
+    forward pins with ``torch.set_num_threads`` for reproducible sums); oneDNN kernels the other way (a
+    ``torch.backends.mkldnn.flags`` block inside the forward)."""
+    ended = settings_by_name(log._settings[1]) if log._settings else {}
+    saved = log.saved_activations.get(op.index)
+    dtypes = [ended.get("default_dtype")]
+    if isinstance(saved, torch.Tensor) and saved.dtype.is_floating_point:
+        dtypes.append(saved.dtype)
+    for dtype in dict.fromkeys(dtypes):
+        if dtype is not None and dtype is not began.get("default_dtype"):
+            yield {"default_dtype": dtype}
+    yield {"flush_denormal": not denormals_flushed()}
+    for threads in dict.fromkeys((ended.get("num_threads"), 1)):
+        if threads is not None and threads != began.get("num_threads"):
+            yield {"num_threads": threads}
+    if "mkldnn" in began:
+        yield {"mkldnn": not began["mkldnn"]}
+
+
 @functools.lru_cache(maxsize=1)
 def _factories() -> frozenset:
     """The calls a ``with torch.device(...)`` block gives its device to when they are given none."""
