@@ -101,3 +101,48 @@ def test_a_compiled_op_reading_a_buffer_it_writes_is_not_replayed_and_the_buffer
     assert "its compiled code wrote its module's buffers" in dict(result.not_replayed)["compiled_1_2:1"]
     assert _changed(model, after_forward) == [] and model.block._orig_mod.step.item() == 1
     assert_clean_process()
+
+
+class Doubles(nn.Module):
+    """Doubles its input in place; returns ``fc`` of it, or the input itself."""
+
+    def __init__(self, returns_input):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.returns_input = returns_input
+
+    def forward(self, x):
+        x.mul_(2)
+        return x if self.returns_input else self.fc(x)
+
+
+class ReadsAfter(nn.Module):
+    def __init__(self, returns_input):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(4, 4)
+        self.block = torch.compile(Doubles(returns_input), backend="eager")
+
+    def forward(self, x):
+        h = self.pre(x)
+        y = self.block(h)
+        return y + h.sum()  # reads h as the compiled code left it
+
+
+def test_a_read_of_what_a_compiled_op_wrote_and_did_not_return_is_not_replayed_against_its_output():
+    model, x = ReadsAfter(returns_input=False), torch.randn(3, 4)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, ReadsAfter(returns_input=False)(x))
+    assert log["sum_1_3"].parents == ["compiled_1_2:1"]  # the call that wrote h
+    result = log.validate()
+    assert result.passed and not result.mismatched, str(result)  # its output (fc of h) is not the value read
+    assert "a value that no op output holds" in dict(result.not_replayed)["sum_1_3:1"]
+    assert tl.validate(ReadsAfter(returns_input=False), x).passed
+
+
+def test_a_read_of_what_a_compiled_op_wrote_and_returned_is_replayed_from_that_output():
+    model, x = ReadsAfter(returns_input=True), torch.randn(3, 4)
+    log = tl.trace(model, x)
+    assert log["sum_1_3"].parents == ["compiled_1_2:1"]
+    result = log.validate()
+    assert result.passed and "sum_1_3:1" not in dict(result.not_replayed), str(result)

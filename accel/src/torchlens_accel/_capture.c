@@ -54,7 +54,7 @@ typedef struct {
     PyObject *protect;        /* _protect_before_write(st, func, args, kwargs) */
     PyObject *output_leaves;  /* _output_leaves(func, out, args, kwargs) */
     PyObject *record_output;  /* _record_output(st, call_index, slot, t, func, module_call) */
-    PyObject *written_arguments; /* _written_arguments(func, args, kwargs, versions) */
+    PyObject *written_arguments; /* _written_arguments(func, args, kwargs, versions, out) */
     PyObject *shape_of;
     PyObject *verdicts;       /* id(code) -> verdict */
     PyObject *locate;         /* FrameClassifier.locate, bound */
@@ -1289,8 +1289,8 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         if (moved) {  /* a write (or an inference tensor): which ones */
             PyObject *versions = versions_list(bounds, nbound);
             if (versions == NULL) goto done;
-            PyObject *wargv[] = {func, args, kw, versions};
-            written = PyObject_Vectorcall(h->written_arguments, wargv, 4, NULL);
+            PyObject *wargv[] = {func, args, kw, versions, out};
+            written = PyObject_Vectorcall(h->written_arguments, wargv, 5, NULL);
             Py_DECREF(versions);
             if (written == NULL) goto done;
             if (written == Py_None) Py_CLEAR(written);

@@ -248,7 +248,7 @@ class CaptureMode(TorchFunctionMode):
         written = None
         for v, before in versions:
             if before is None or v._version != before:  # a write (or an inference tensor): which ones
-                written = written_arguments(func, args, kwargs, versions)
+                written = written_arguments(func, args, kwargs, versions, out)
                 break
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
@@ -349,7 +349,7 @@ class CaptureMode(TorchFunctionMode):
             site, code, line = self.frames.locate(frame, func, st.call_frames, module_call)
         call_index = len(st.calls)
         first_op = len(st.records)
-        written = written_arguments(func, args, kwargs, versions)
+        written = written_arguments(func, args, kwargs, versions, out)
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)
         if func is _SDPA and st.save_mode:

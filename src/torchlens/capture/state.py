@@ -51,6 +51,10 @@ INFERENCE_CAVEAT = (
 # moving (a collective through a view of it), so a read asks ``writers`` who wrote it last.
 STALE_VERSION = -1
 
+# The output position (``Written.outputs``) of a tensor a call wrote, not by name, and did not return (a
+# compiled submodule writing its input): no output of the call holds its value.
+NOT_RETURNED = -1
+
 
 # What holds a tensor's memory at a write through ``x.data`` when nothing else does: ``x``, ``x.data``, and
 # the storage object the count is read through.
@@ -410,13 +414,16 @@ class CaptureState:
             position = outputs[k] if outputs is not None else 0
             if position is None:
                 continue  # the argument it was written through is noted, with the bytes written
-            index = record_index + (position if position < count else 0)
+            # Written and returned, it is that output; written and not returned (a compiled submodule writing its
+            # input), no output holds its value: the write is noted on the storage alone, as a schema's is.
+            bound = not by_schema and position != NOT_RETURNED
+            index = record_index + (position if 0 <= position < count else 0)
             version = version_of(t)
             self.writers.setdefault(key, []).append((index, version, memory_span(t)))
-            if not by_schema:
+            if bound:
                 self.producers[id(t)] = (weakref(t), index, version)
             alias = self.data_bases.get(id(t))
-            if not by_schema and alias is not None and alias[0]() is t and alias[1]() is not None:
+            if bound and alias is not None and alias[0]() is t and alias[1]() is not None:
                 self._note_data_write(t, alias[1](), index, key)
             stale = self.saved_by_storage.pop(key, None)
             if stale:

@@ -18,7 +18,8 @@ from ..record.columns import writes_first_argument
 from ..record.layouts import memory_span, spans_meet
 from .collectives import WRITTEN_ARGUMENT
 from .fused_writes import WRITES_BY_ATEN_SCHEMA, WRITES_RUNNING_STATS, running_stats_written
-from .state import storage_key
+from .state import NOT_RETURNED, storage_key
+from ..tree import tensor_leaves
 
 Tensor = torch.Tensor
 inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write their output argument
@@ -129,14 +130,16 @@ class Written(list):
     tensor of its list, ``out=(values, indices)`` those two), or None for an argument written only through
     another one the call writes by name (``a`` in ``torch.max(a, 1, out=(a[:, :1], i))``): what it holds
     then is no output of the call; and ``by_schema``: whether the call is an operator whose schema names the
-    arguments it writes (a custom op's ``mutates_args``), which are its outputs only when it returns None."""
+    arguments it writes (a custom op's ``mutates_args``), which are its outputs only when it returns None.  A
+    write not made by name (a fused kernel's, a compiled submodule's) has the position of the written tensor among
+    the tensors the call returned, or ``NOT_RETURNED`` when it returned others."""
 
     __slots__ = ("outputs", "by_schema")
 
 
-def written_arguments(func, args, kwargs, versions):
+def written_arguments(func, args, kwargs, versions, out=None):
     """The tensor arguments the call wrote (version counter moved, or by name for inference tensors),
-    as a ``Written``, or None."""
+    as a ``Written``, or None.  ``out``: what the call returned."""
     written = None
     for v, before in versions:
         if v._version != before if before is not None else _predicted_write(func, args, kwargs, v):
@@ -147,17 +150,19 @@ def written_arguments(func, args, kwargs, versions):
         return None
     if len(written) > 1:
         written = Written(_without_views_only_read(func, args, kwargs, written))
-    written.outputs = _output_positions(func, args, kwargs, written)
+    written.outputs = _output_positions(func, args, kwargs, written, out)
     written.by_schema = type(write_verdict(func)) is tuple and "out" not in kwargs
     return written
 
 
-def _output_positions(func, args, kwargs, written: list) -> list:
+def _output_positions(func, args, kwargs, written: list, out) -> list:
     """``Written.outputs``: where each written tensor is among the call's outputs.  A write not made by name
-    (a fused kernel's, a collective's) keeps position 0, the call's first output, which is what wrote it."""
+    (a fused kernel's, a compiled submodule's writing its input) is found among the tensors the call returned
+    (``out``), by identity; it is ``NOT_RETURNED`` when the call returned other tensors."""
     targets = named_targets(func, args, kwargs)
     if not targets:
-        return [0] * len(written)
+        returned = [t for _, t in tensor_leaves(out)]
+        return [next((k for k, r in enumerate(returned) if r is t), NOT_RETURNED) for t in written]
     # A tensor listed twice (``_foreach_add_([a, a], 1)``) was last written by its last place.
     return [max((k for k, u in enumerate(targets) if u is t), default=None) for t in written]
 
