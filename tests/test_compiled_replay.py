@@ -78,6 +78,26 @@ def test_replaying_a_compiled_batch_norm_leaves_its_running_statistics_as_the_fo
     assert_clean_process()
 
 
+class ReadsRunningMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.compile(_batch_norm_block(), backend="eager")
+
+    def forward(self, x):
+        return self.block(x) + self.block._orig_mod[1].running_mean  # read as the compiled code left it
+
+
+def test_a_buffer_the_trace_holds_by_reference_stays_readable_after_replaying_the_compiled_op_that_writes_it():
+    model, x = ReadsRunningMean(), torch.randn(6, 4)
+    log = tl.trace(model, x)
+    held = log["buffer_1:1"].activation.clone()
+    for _ in range(2):  # the second replay finds the buffer as the first left it
+        result = log.validate()
+        assert result.passed and result.replayed == 2 and not result.not_replayed, str(result)
+    assert log["buffer_1:1"].dropped_reason is None and torch.equal(log["buffer_1:1"].activation, held)
+    assert_clean_process()
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["wrapped", "in_place"])
 def test_a_compiled_op_whose_parameters_changed_since_the_trace_is_not_replayed_rather_than_a_mismatch(in_place):
     model, x = Net(_batch_norm_block(), in_place), torch.randn(6, 4)

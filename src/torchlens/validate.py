@@ -26,8 +26,8 @@ from .record.model_index import traced_address
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
 from .record.replay_context import UNSEEN_WRITE, as_traced, began_with, other_settings
 from .capture.collectives import is_collective
-from .capture.compiled import module_behind
-from .capture.restore import ModelState, RngState, model_state, module_run_by
+from .capture.compiled import KeptForReplay, module_behind
+from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
 from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
                    path_text, slice_with_tensor, structures_equal, tensor_leaves, unmaterialized, without_values)
@@ -411,14 +411,14 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
         why = _compiled_reads_changed(log, replay, compiled, call_position)
         if why is not None:
             return _skip(why)
-        kept = ModelState(compiled)
+        kept = KeptForReplay(compiled)
     try:
         with as_traced(log, context, setting, func, op.device):
             out = func(*args, **kwargs)
     except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
         return _skip(f"replay raised {type(exc).__name__}: {exc}")
     finally:
-        wrote = compiled is not None and _restore_saying_if_changed(kept)
+        wrote = compiled is not None and kept.restore()
     if rng.moved() or any(g.get_state().ne(state).any() for g, state in generators):
         rng.restore()
         return _skip(RANDOM)
@@ -517,13 +517,6 @@ def _compiled_reads_changed(log, replay, module, call_position: int):
         if why is not None:
             return why
     return None
-
-
-def _restore_saying_if_changed(kept: ModelState) -> bool:
-    """Put a module's state back as ``kept`` holds it; whether the run since had changed one of its tensors."""
-    changed = kept.tensors_changed()
-    kept.restore()
-    return changed
 
 
 def _changed_since_trace(log, replay, param):

@@ -31,6 +31,8 @@ from operator import contains
 import torch
 
 from ..errors import warn_user
+from ..record.layouts import version_of
+from .restore import ModelState
 from .teardown import release_stranded, until_done
 
 EAGER_CAVEAT = ("compiled submodules were traced eagerly (compiled='eager'): their outputs may differ from "
@@ -85,6 +87,25 @@ def module_behind(func):
     reads the submodule's parameters and buffers where they are when it runs, and may write them (a BatchNorm's
     running statistics in training): none of them is among the op's recorded arguments."""
     return func.eager if isinstance(func, CompiledCall) else None
+
+
+class KeptForReplay:
+    """A compiled submodule's state while replay runs its compiled op again.  ``restore`` puts back every value
+    that run wrote, with the version counter it had: a trace holds buffers by reference (a running mean read
+    after the call), and a moved counter would make them read as written since the trace.  It returns whether
+    the run wrote any."""
+
+    def __init__(self, module):
+        self.state = ModelState(module)
+        self.versions = [(t, version_of(t)) for t in (*module.parameters(), *module.buffers())]
+
+    def restore(self) -> bool:
+        wrote = self.state.tensors_changed()
+        self.state.restore()
+        moved = [(t, v) for t, v in self.versions if v is not None and version_of(t) != v]
+        if moved:  # the values are those the counters counted to: nothing was written, as far as a trace can tell
+            torch._C._autograd._unsafe_set_version_counter(tuple(t for t, _ in moved), tuple(v for _, v in moved))
+        return wrote
 
 
 class InPlaceCompiledCall:
