@@ -302,8 +302,8 @@ def validate_trace(log, progress=None) -> ValidationResult:
     try:
         for op in log.ops:
             shown.update()
-            if op.kind != "op" or op.multi_output_index not in (None, 0, (0,)):
-                continue
+            if op.kind != "op" or log.calls[log.call_indices[op.index]].first_record != op.index:
+                continue  # a call is replayed once, at its first output, and all its outputs are compared
             problem = _replay_problem(log, op, rng, began)
             if problem is not None and problem[0] == "mismatch":
                 problem = _under_another_setting(log, op, rng, began, problem)
@@ -432,7 +432,7 @@ def _compare_replayed(log, op, call, func, args, kwargs, out):
     """None when what replay returned (``out``) equals what ``op``'s call made, else ``(kind, reason)``."""
     if out is None:
         out = _written_by(func, args, kwargs)
-    if isinstance(out, (tuple, list)):
+    if not isinstance(out, torch.Tensor):  # a tuple, a list; the dict or dataclass of a compiled submodule
         count = call.num_outputs
         wanted = [_as_made(log, i) for i in range(op.index, op.index + count)]
         got = [t for _, t in tensor_leaves(out)]

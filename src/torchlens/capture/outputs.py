@@ -2,7 +2,8 @@
 
 ``output_leaves`` finds the tensors of a result that is not one tensor (a tuple, a structseq, a list, a
 write into the receiver, a collective's output argument, the ``out=`` tensors of a call that returns
-None, the arguments a ``torch.ops`` call that returns None declares it writes); ``record_output``
+None, the arguments a ``torch.ops`` call that returns None declares it writes, the dict or dataclass a
+compiled submodule's forward returns); ``record_output``
 appends one output's record with every feature that may observe it (gradients, saving, finite flags).
 The hot path inlines the common case, one tensor out.
 """
@@ -14,7 +15,9 @@ from weakref import ref as weakref
 import torch
 
 from ..record.layouts import shape_of
+from ..tree import tensor_leaves
 from .collectives import WRITTEN_ARGUMENT, written_tensors
+from .compiled import CompiledCall
 from .writes import schema_written, write_verdict
 
 Tensor = torch.Tensor
@@ -26,6 +29,8 @@ def output_leaves(func, out, args, kwargs):
     when it produced none (only tensor-producing calls are ops)."""
     if func is _setitem:  # returns None but writes its receiver
         return ((None, args[0]),)
+    if type(func) is CompiledCall:  # what a compiled submodule's forward returns: dicts and dataclasses too
+        return _compiled_leaves(out)
     if isinstance(out, (tuple, list)):
         return _tensor_leaves(out)
     if func in WRITTEN_ARGUMENT:  # a torch.distributed collective: its output is the tensor it wrote
@@ -93,6 +98,13 @@ def grad_node(t) -> tuple:
 def made_since(producers, t, first_record: int) -> bool:
     entry = producers.get(id(t))
     return entry is not None and entry[1] >= first_record and (entry[0] is t or entry[0]() is t)
+
+
+def _compiled_leaves(out):
+    """``(slot, tensor)`` for each tensor inside a compiled call's result, at any depth: slots as
+    ``_tensor_leaves`` (and the compiled handler) give them inside tuples and lists, an index at the top."""
+    leaves = [(path[0] if len(path) == 1 and type(path[0]) is int else path, t) for path, t in tensor_leaves(out)]
+    return leaves or None
 
 
 def _tensor_leaves(out, prefix=()):
