@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from untouched import assert_clean_process
 
 
 def test_a_torchscript_model_is_refused_naming_the_way_out():
@@ -97,3 +98,27 @@ def test_a_torchscript_module_outside_the_model_or_beside_a_compiled_one_is_name
     assert torch.equal(log.output, model(x))
     assert [(c.label, c.module.class_name) for c in log.module_calls] == \
         [("0:1", "RecursiveScriptModule"), ("1:1", "Linear")]
+
+
+class _WrapsAScriptedModule(nn.Module):
+    """A Python module whose output its scripted child computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_module_site_returning_what_a_scripted_child_made_is_refused_saying_no_op_made_it():
+    """No op holds the value a scripted module returns, so no record could hold the edit: the refusal says where
+    such a tensor comes from, not that the module passed an input through."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_WrapsAScriptedModule(), nn.Linear(4, 2)), torch.randn(3, 4)
+    with pytest.raises(tl.InterventionError) as refused:
+        tl.trace(model, x, intervene={"0": tl.scale(0.5)})
+    message = str(refused.value)
+    assert "module site '0': 0:1 returns at output (of shape (3, 4)) a tensor no op of the trace made" in message
+    assert "inside a TorchScript or torch.compile'd function" in message and "passed through" not in message
+    assert_clean_process()

@@ -27,6 +27,7 @@ from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PAREN
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..record.layouts import shape_of, version_of
 from ..record.modules import enclosing_calls, is_unregistered, shown_class
+from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
 from ..capture.source import source_of
 from ..capture.bindings import is_bound
@@ -431,6 +432,12 @@ class Interventions:
         made_in = -1
         if record >= 0 and st.records[record][RECORD_CALL] >= 0:
             made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
+        if record < 0:  # (an input passed through has a record: its input's)
+            raise InterventionError(
+                f"module site {site.key!r}: {label} returns at {path_text('output', path)} (of shape {tuple(t.shape)}) "
+                f"a tensor no op of the trace made ({UNSEEN_PLACES}), so no record holds it to change. Intervene at "
+                "the ops that read it, or trace the code that makes it as torch calls (a TorchScript module as it was "
+                "before scripting)")
         calls = st.module_calls
         if module_call not in enclosing_calls(made_in, lambda k: calls[k][MODULE_CALL_PARENT]):
             raise InterventionError(

@@ -100,6 +100,12 @@ def short_path(file: str) -> str:
     return file
 
 
+# Where a tensor of unknown origin (no op of the trace made it) comes from, for the reader to check.
+UNSEEN_PLACES = ("made where the trace cannot see: before the forward, on another thread, by a call that never "
+                 "reaches __torch_function__ (torch.from_numpy, a legacy constructor such as torch.IntTensor([n])), "
+                 "or inside a TorchScript or torch.compile'd function the forward called (docs/capture_honesty.md)")
+
+
 def _unattributed_where(trace) -> str:
     """Where the tensors of unknown origin were read, and which module calls returned them (a TorchScript
     module, a C++ extension, work done on another thread)."""
@@ -124,10 +130,7 @@ def _unattributed_where(trace) -> str:
                   "before tracing to record them)")
     if not held and not cached and not calls:
         # nothing names where they came from: the places a trace cannot see, for the reader to check
-        where += ("; made where the trace cannot see: before the forward, on another thread, by a call that "
-                  "never reaches __torch_function__ (torch.from_numpy, a legacy constructor such as "
-                  "torch.IntTensor([n])), or inside a TorchScript or torch.compile'd function the forward called "
-                  "(docs/capture_honesty.md)")
+        where += "; " + UNSEEN_PLACES
     return where
 
 
