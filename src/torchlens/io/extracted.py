@@ -13,7 +13,7 @@ import os
 from ..checks import check_flag, check_path
 from ..errors import counted
 from .extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS
-from .format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest
+from .format import MANIFEST, TraceFileError, checked_member, read_json, require_numpy, verify_manifest
 from .tensorfile import mapped
 
 
@@ -30,6 +30,8 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
                who="load_extracted")
     folder = check_path(path, "path", "give the folder tl.extract wrote (a str or a pathlib.Path)",
                         who="load_extracted")
+    if not as_torch:  # the arrays are numpy memory maps; without numpy, the import error names no remedy
+        require_numpy("tl.load_extracted (it returns numpy arrays unless as_torch=True, which needs no numpy)")
     refuse_unfinished(folder)
     manifest = verify_manifest(folder, EXTRACT_FORMAT, EXTRACT_SCHEMA, hashes=verify)
     layers = manifest.get("layers")
