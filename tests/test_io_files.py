@@ -41,3 +41,15 @@ def test_without_numpy_load_extracted_names_the_package_and_as_torch_still_reads
         "ImportError tl.load_extracted (it returns numpy arrays unless as_torch=True, which needs no numpy) needs "
         "numpy: pip install numpy",
         "True"]
+
+
+def test_a_bytes_path_saves_loads_and_extracts_like_its_str(tmp_path):
+    model, batch = nn.Linear(4, 2).eval(), torch.randn(3, 4)
+    log = tl.trace(model, batch)
+    folder = bytes(tmp_path / "run")  # os.fsencode: what os.listdir(b".") gives back
+    assert log.save(folder) == str(tmp_path / "run")
+    assert torch.equal(tl.load(folder)[-1].activation, log[-1].activation)
+    log.save(folder, overwrite=True)
+    assert tl.extract(model, [batch], ["output_1"], bytes(tmp_path / "features"), progress=False) == \
+        str(tmp_path / "features")
+    assert torch.equal(tl.load_extracted(bytes(tmp_path / "features"), as_torch=True)["output_1"], log[-1].activation)
