@@ -247,6 +247,17 @@ def test_foreign_folders_and_empty_inputs_are_refused(tmp_path):
         tl.extract(TwoLayer(), [], ["fc"], tmp_path / "none", progress=False)
 
 
+def test_a_file_in_the_way_of_the_folder_and_an_empty_path_are_refused_by_name(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in ("notes.txt", "notes.txt/features"):
+        with pytest.raises(TraceFileError, match=f"cannot extract to .*{out}: .*notes.txt is a file, not a folder; "
+                                                 "choose another path"):
+            tl.extract(TwoLayer(), batches(1), ["fc"], tmp_path / out, progress=False)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(TraceFileError, match="out is an empty path; give the folder"):
+        tl.extract(TwoLayer(), batches(1), ["fc"], "", progress=False)
+
+
 def test_a_trace_and_an_extraction_given_to_each_others_reader_name_the_right_one(tmp_path):
     tl.extract(TwoLayer().eval(), batches(2), ["fc"], tmp_path / "x", progress=False)
     tl.trace(TwoLayer().eval(), batches(1)[0]).save(tmp_path / "t")

@@ -32,7 +32,8 @@ from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX
                           extraction_job, traced_module)
 from ..io.extract_job import check_same_job, recorded_job
 from ..io.extracted import refuse_unfinished
-from ..io.format import MANIFEST, TraceFileError, checked_member, read_json, verify_manifest, write_manifest
+from ..io.format import (MANIFEST, TraceFileError, checked_member, make_folder, read_json, verify_manifest,
+                         write_manifest)
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
 from ..checks import check_path
@@ -52,7 +53,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
     rank, world = dist.get_rank(), dist.get_world_size()
     _refuse_one_process_folder(out)  # on every rank alike, before they meet
     with _barrier_group(dist, barrier_timeout) as barrier_group:
-        os.makedirs(out, exist_ok=True)
+        make_folder(out, out, "extract")
         if _joined(out):
             _barrier(dist, barrier_group, barrier_timeout, "start")
             if rank == 0:

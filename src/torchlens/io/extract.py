@@ -35,8 +35,8 @@ from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
 from ..tree import path_text, strip, tensor_leaves, without_values
-from .format import (MANIFEST, TraceFileError, check_schema, checked_member, dump_json, read_json, require_numpy,
-                     safe_member, write_atomic, write_manifest)
+from .format import (MANIFEST, TraceFileError, check_schema, checked_member, dump_json, make_folder, read_json,
+                     require_numpy, safe_member, write_atomic, write_manifest)
 from .encode import has_no_storage
 from .identity import model_checksum
 from .extract_job import check_same_job
@@ -87,6 +87,9 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     docs/distributed.md.
     """
     out = check_path(out, "out", "give the folder to write (a str or a pathlib.Path)", who="tl.extract")
+    if not out:
+        raise TraceFileError("tl.extract: out is an empty path; give the folder to write the activations to "
+                             "(out='features')")
     layers = check_layers(layers)
     check_options(kwargs, shard_bytes, progress, barrier_timeout, root)
     check_inputs(inputs)
@@ -385,7 +388,7 @@ class _Run:
         self.buffered_bytes = 0
         self.pending_batches = 0
         self.first_fingerprint = None
-        os.makedirs(out, exist_ok=True)
+        make_folder(out, out, "extract")
         has_progress = os.path.lexists(os.path.join(out, PROGRESS))
         self.state = read_json(out, PROGRESS, "a resumed extraction") if has_progress else None
         if self.state is not None and not self._nothing_committed():

@@ -101,6 +101,26 @@ def read_member(folder: str, name, max_bytes: int) -> bytes:
     return data
 
 
+def make_folder(folder: str, path: str, verb: str) -> None:
+    """Create ``folder`` (``path``, or the folder ``path`` goes in) and its parents, naming the part of it that is
+    a file when one is in the way: ``os.makedirs`` says only "File exists" or "Not a directory"."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise TraceFileError(f"cannot {verb} to {path}: {_first_file_on(folder)} is a file, not a folder; choose "
+                             "another path") from None
+
+
+def _first_file_on(folder: str) -> str:
+    """The outermost part of the absolute path ``folder`` that exists but is not a folder."""
+    folder = os.path.abspath(folder)
+    parts = []
+    while os.path.dirname(folder) != folder:
+        parts.append(folder)
+        folder = os.path.dirname(folder)
+    return next((p for p in reversed(parts) if os.path.lexists(p) and not os.path.isdir(p)), parts[0])
+
+
 def write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` so that ``path`` holds either the old or the whole new content, never a part."""
     tmp = path + ".tmp"

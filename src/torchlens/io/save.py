@@ -34,7 +34,7 @@ from .params import write_module_param_counts, write_params
 from .tensorfile import layouts_of, write_tensors
 from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
-                     read_json, require_numpy, safe_member, write_atomic, write_manifest)
+                     make_folder, read_json, require_numpy, safe_member, write_atomic, write_manifest)
 
 
 def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> str:
@@ -58,7 +58,7 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         require_numpy("saving a trace's tensors")  # they are written through Tensor.numpy() (io/tensorfile.py)
     old_files = check_save_target(path, overwrite, trace.rank)
     parent = os.path.dirname(os.path.abspath(path))
-    _make_folder(parent, path)
+    make_folder(parent, path, "save")
     staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
     os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
     try:
@@ -106,25 +106,6 @@ def _move_in(staging: str, path: str, rank=None) -> None:
             raise
         raise TraceFileError(f"{path} was written by another process while this trace was being saved, so this "
                              f"trace was not saved{_one_folder_per_rank(path, rank)}") from None
-
-
-def _make_folder(folder: str, path: str) -> None:
-    """Create ``folder`` (the parent of the save ``path``) and its parents, naming the part of it that is
-    a file when one is in the way (``os.makedirs`` says only "File exists")."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise TraceFileError(f"cannot save to {path}: {_first_file_on(folder)} is a file, not a folder; choose "
-                             "another path") from None
-
-
-def _first_file_on(folder: str) -> str:
-    """The outermost part of the absolute path ``folder`` that exists but is not a folder."""
-    parts = []
-    while os.path.dirname(folder) != folder:
-        parts.append(folder)
-        folder = os.path.dirname(folder)
-    return next((p for p in reversed(parts) if os.path.lexists(p) and not os.path.isdir(p)), parts[0])
 
 
 def check_save_target(path: str, overwrite: bool, rank=None):
