@@ -3,10 +3,13 @@ unusual kinds, and what a loaded extraction holds open."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 
@@ -53,3 +56,37 @@ def test_a_bytes_path_saves_loads_and_extracts_like_its_str(tmp_path):
     assert tl.extract(model, [batch], ["output_1"], bytes(tmp_path / "features"), progress=False) == \
         str(tmp_path / "features")
     assert torch.equal(tl.load_extracted(bytes(tmp_path / "features"), as_torch=True)["output_1"], log[-1].activation)
+
+
+def _open_files_under(folder) -> list:
+    """The files under ``folder`` this process holds open (through ``/dev/fd``, on Linux and macOS)."""
+    held = []
+    for fd in os.listdir("/dev/fd"):
+        try:
+            held.append(os.readlink(f"/dev/fd/{fd}"))
+        except OSError:  # closed since listed (the listing's own descriptor), or not a link (macOS)
+            continue
+    return [path for path in held if path.startswith(str(folder))]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/fd") or sys.platform == "win32", reason="reads /dev/fd")
+def test_loaded_layers_hold_no_open_file_each(tmp_path):
+    # Each layer is a memory map of its own file; a map kept a file descriptor open while it lived, so an extraction
+    # of a few hundred layers could not be loaded under the open-file limit (256 on macOS).
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(24)]).eval()
+    data = [torch.randn(2, 3) for _ in range(2)]
+    tl.extract(model, data, [str(i) for i in range(24)], tmp_path / "features", progress=False)
+    with torch.no_grad():
+        expected = torch.cat([model(x) for x in data])
+    for as_torch in (False, True):
+        layers = tl.load_extracted(tmp_path / "features", as_torch=as_torch)
+        assert _open_files_under(tmp_path) == []
+        assert torch.equal(torch.as_tensor(layers["23"]), expected)
+    arrays = tl.load_extracted(tmp_path / "features")
+    assert isinstance(arrays["0"], np.memmap) and arrays["0"].mode == "r"
+    assert arrays["0"].filename.endswith(".safetensors")
+    with pytest.raises(ValueError, match="read-only"):
+        arrays["0"][0, 0] = 1.0
+    tensors = tl.load_extracted(tmp_path / "features", as_torch=True)
+    tensors["23"][0, 0] = 1e6  # copy-on-write: never reaches the file
+    assert torch.equal(tl.load_extracted(tmp_path / "features", as_torch=True)["23"], expected)

@@ -159,28 +159,35 @@ def mapped(path: str, key: str, as_torch: bool):
         raise TraceFileError(f"{path}: holds no tensor {key!r}")
     dtype, shape, start, end = check_entry(path, key, header[key], os.path.getsize(path) - data_start)
     name = header[key]["dtype"]
-    if as_torch:
-        return _torch_map(path, dtype, shape, data_start + start, end - start)
-    import numpy as np
-
-    if name not in NUMPY:
+    if not as_torch and name not in NUMPY:
         raise TypeError(f"{path}: numpy has no {NAME_OF.get(dtype, name)} dtype ({dtype}); "
                         "load with as_torch=True")
+    raw = _mapped_bytes(path, data_start + start, data_start + end)
+    if as_torch:
+        if (data_start + start) % raw.new_empty((), dtype=dtype).element_size():
+            raw = raw.clone()  # a tensor not aligned to its element size (written by other software)
+        return raw.view(dtype).view(shape)
+    return _read_only_memmap(raw, NUMPY[name], shape, path, data_start + start)
+
+
+def _mapped_bytes(path: str, start: int, end: int) -> torch.Tensor:
+    """Bytes ``[start, end)`` of file ``path`` as a ``uint8`` tensor over a copy-on-write memory map (writes stay
+    in private pages, never reach the file), on the CPU whatever ``with torch.device(...)`` block is open.
+    torch closes the file once it is mapped; Python's ``mmap`` (and so ``np.memmap``) keeps a descriptor open
+    per map, and an extraction of a few hundred layers then exceeds the open-file limit (256 on macOS)."""
     if end == start:
-        return np.empty(shape, dtype=NUMPY[name])
-    return np.memmap(path, dtype=NUMPY[name], mode="r", offset=data_start + start, shape=tuple(shape))
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
+    return torch.from_file(path, shared=False, size=end, dtype=torch.uint8, device="cpu")[start:end]
 
 
-def _torch_map(path, dtype, shape, offset, nbytes):
-    import mmap
+def _read_only_memmap(raw: torch.Tensor, numpy_dtype: str, shape: list, path: str, offset: int):
+    """The bytes ``raw`` as a read-only ``np.memmap`` of ``shape``, naming its file and offset as numpy's own do."""
+    import numpy as np
 
-    if nbytes == 0:  # on the CPU, where a file's tensors are read, whatever `with torch.device(...)` block is open
-        return torch.empty(shape, dtype=dtype, device="cpu")
-    with open(path, "rb") as f:
-        # ACCESS_COPY: writes land in private pages, never in the file.
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    count = nbytes // torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+    array = raw.numpy().view(numpy_dtype).reshape(shape).view(np.memmap)
+    array.flags.writeable = False
+    array._mmap, array.filename, array.offset, array.mode = raw, os.path.abspath(path), offset, "r"
+    return array
 
 
 def layouts_of(tensors: dict) -> dict:
