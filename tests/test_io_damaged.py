@@ -97,6 +97,8 @@ def test_symlinked_member_is_refused(saved, tmp_path):
     (lambda r: r.__setitem__("activation_strides", {"a0": [10 ** 15, 1, 1, 1]}), "not a gapless layout"),
     (lambda r: r.__setitem__("activation_strides", {"missing_key": [1]}), "not a gapless layout"),
     (lambda r: r.__setitem__("activation_strides", [[0, 1]]), "must map tensor names to strides"),
+    (lambda r: r["parents"][r["kind"].index(3)].clear(), r"output op #\d+ has 0 parents; an output has exactly one"),
+    (lambda r: r["parents"][r["kind"].index(3)].append([1, 0]), r"output op #\d+ has 2 parents"),
 ])
 def test_edited_trace_json_is_refused_even_when_rehashed(saved, edit, message):
     edit_json(saved, "trace.json", edit)

@@ -15,7 +15,7 @@ import types
 import torch
 
 from ..checks import check_path
-from ..record.columns import Call, OpMeta
+from ..record.columns import Call, Kind, OpMeta
 from ..record.layouts import RaggedShape
 from ..record.modules import CallRow, ModuleRow
 from ..record.trace import Trace
@@ -124,6 +124,8 @@ def _build(record, tensors: dict) -> Trace:
     if any(g not in group_size for g in group):
         raise TraceFileError(f"{TRACE_JSON}: 'group' names a group missing from 'group_size'")
     meta = [_meta(m) for m in cols.column("meta", n)]
+    parents = [_edges(ps, n, "parents") for ps in cols.column("parents", n)]
+    _check_outputs_have_one_parent(kind, parents)
     activations = _activations(cols, laid_out(tensors, record.get("activation_strides"), "'activation_strides'"), meta)
     finite = {check_index(i, 0, n, "finite"): (bool(a), bool(b)) for i, a, b in cols.column("finite")}
     trace = Trace(
@@ -133,7 +135,7 @@ def _build(record, tensors: dict) -> Trace:
         call=call,
         slot=[decode_value(s) for s in cols.column("slot", n)],
         meta=meta,
-        parents=[_edges(ps, n, "parents") for ps in cols.column("parents", n)],
+        parents=parents,
         module_call=cols.ints("module_call", -1, len(module_calls)),
         inplace=[bool(x) for x in cols.column("inplace", n)],
         io={check_index(i, 0, n, "io"): _string(p, "io") for i, p in cols.column("io")},
@@ -177,6 +179,15 @@ def _build(record, tensors: dict) -> Trace:
     if cols.get("cleaned_up") is True:
         trace.cleanup()
     return trace
+
+
+def _check_outputs_have_one_parent(kind: list, parents: list) -> None:
+    """An output op stands for the tensor its one parent made (``Trace.output_producer``): without exactly one,
+    every view that shows outputs would fail."""
+    for index, (k, ps) in enumerate(zip(kind, parents)):
+        if k == Kind.OUTPUT and len(ps) != 1:
+            raise TraceFileError(f"{TRACE_JSON}: parents: output op #{index} has {len(ps)} parents; an output has "
+                                 "exactly one")
 
 
 def _output_structure(encoded, n_outputs: int):
