@@ -3,6 +3,7 @@ tests/test_extract_resume.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -236,6 +237,17 @@ def test_a_damaged_layer_file_is_refused(tmp_path):
     with pytest.raises(TraceFileError, match="content hash does not match"):
         tl.load_extracted(tmp_path / "x")
     assert tl.load_extracted(tmp_path / "x", verify=False)["fc"].shape == (12, 8)  # sizes still checked
+
+
+@pytest.mark.parametrize("file", [["layer_000.safetensors"], {"name": 1}, 7, "elsewhere.safetensors"])
+def test_a_layer_entry_naming_no_listed_file_is_refused(tmp_path, file):
+    tl.extract(TwoLayer().eval(), batches(1), ["fc"], tmp_path / "x", progress=False)
+    manifest_path = tmp_path / "x" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["layers"][0]["file"] = file
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(TraceFileError, match="layer entry .* names no listed file"):
+        tl.load_extracted(tmp_path / "x")
 
 
 def test_foreign_folders_and_empty_inputs_are_refused(tmp_path):

@@ -40,7 +40,7 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
     arrays = {}
     for info in layers:
         name, file = info.get("name"), info.get("file")
-        if not isinstance(name, str) or file not in manifest["files"]:
+        if not isinstance(name, str) or not isinstance(file, str) or file not in manifest["files"]:
             raise TraceFileError(f"{folder}/{MANIFEST}: layer entry {info!r} names no listed file")
         arrays[name] = mapped(checked_member(folder, file), "activations", as_torch)
         if list(arrays[name].shape) != info.get("shape"):
