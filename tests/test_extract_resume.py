@@ -230,3 +230,30 @@ def test_a_callable_naming_no_model_warns_that_a_resume_cannot_be_checked(tmp_pa
     done = tl.extract(lambda x: model(x), data, ["linear_1_1"], tmp_path / "x", progress=False)
     with pytest.warns(UserWarning, match="names no model.*pass root="):
         assert tl.extract(lambda x: model(x), data, ["linear_1_1"], tmp_path / "x", progress=False) == done
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(rows=s["rows"] - 1), "the shards hold 12 rows, but 'rows' says 11"),
+    (lambda s: s.update(rows=-1), "'rows' is -1, not a count"),
+    (lambda s: s.update(batches_done=s["batches_done"] + 1), r"the shards hold batches \[0, 3\), but 'batches_done'"),
+    (lambda s: s["shards"][1].update(batches=[0, 2]), r"holds batches \[0, 2\], where \[1, <end>\) follows"),
+    (lambda s: s.update(layer_info=s["layer_info"][:1]), "'layer_info' is not a list of 2 entries"),
+    (lambda s: s["layer_info"][0].update(dtype={}), "is not the layer 'fc''s name, label, dtype and row shape"),
+    (lambda s: s["layer_info"][1].update(row_shape=[]), r"its column 1 is not F32 of shape \[4\]"),
+    (lambda s: s["shards"][0].update(rows=5), "the shards hold 13 rows"),
+    (lambda s: s.update(shards={}), "'shards' is not a list of shard records"),
+])
+def test_a_damaged_progress_file_is_refused_before_a_resume_uses_it(tmp_path, edit, message):
+    # progress.json has no hash (it is rewritten as shards commit); a resume trusted it, and a wrong row count was
+    # joined into layer files of that many rows, with no error.
+    model, data = TwoLayer().eval(), batches(6)
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 3), ["fc", "head"], tmp_path / "x", shard_bytes=1, progress=False)
+    path = tmp_path / "x" / "progress.json"
+    state = json.loads(path.read_text())
+    assert state["batches_done"] == 3 and len(state["shards"]) == 3
+    edit(state)
+    path.write_text(json.dumps(state))
+    with pytest.raises(TraceFileError, match=message):
+        tl.extract(model, data, ["fc", "head"], tmp_path / "x", shard_bytes=1, progress=False)
+    assert not (tmp_path / "x" / "manifest.json").exists()

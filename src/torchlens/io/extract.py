@@ -40,12 +40,12 @@ from .format import (MANIFEST, TraceFileError, check_schema, checked_member, dum
 from .encode import has_no_storage
 from .identity import model_checksum
 from .extract_job import check_same_job
+from .extract_progress import PROGRESS, check_progress, check_shard_columns
 from .extract_args import batch_reader, check_inputs, check_layers, check_options
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
 from .tensorfile import DTYPES, NAME_OF, byte_view, copy_range, cpu_values, header_bytes, read_header, write_stacked
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
-PROGRESS = "progress.json"
 SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, where the rows carry one
 
 
@@ -422,13 +422,13 @@ class _Run:
             raise TraceFileError(f"{self.out}/{PROGRESS}: not the progress file of a torchlens extraction")
         check_schema(f"{self.out}/{PROGRESS}", "the progress file", s.get("schema_version"), EXTRACT_SCHEMA)
         check_same_job(self.out, s, job)
-        if not isinstance(s.get("shards"), list) or not all(isinstance(x, dict) for x in s["shards"]):
-            raise TraceFileError(f"{self.out}/{PROGRESS}: no 'shards' list; the file was edited")
+        check_progress(self.out, s, self.layers)  # io/extract_progress.py
         for shard in s["shards"]:
             path = safe_member(self.out, shard.get("file"))
             if not os.path.lexists(path) or os.path.getsize(checked_member(self.out, shard["file"])) != shard["bytes"]:
                 raise TraceFileError(f"{path}: committed shard is missing or has the wrong size; delete {self.out} "
                                      "and extract again")
+            check_shard_columns(self.out, shard, read_header(path)[0], s["layer_info"])
 
     def note_stop(self, model) -> None:
         """Record ``model``'s checksum as the stopped run leaves it (its forwards may update buffers), which a resume
