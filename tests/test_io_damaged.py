@@ -206,3 +206,19 @@ def test_fuzzed_json_values_are_refused_or_harmless(saved, pick, value):
     finally:
         pathlib.Path(path).write_bytes(original)
         pathlib.Path(saved, "manifest.json").write_bytes(manifest)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda rows: rows[0].__setitem__(1, "missing_key"), "the gradient 'missing_key' of parameter .* is missing"),
+    (lambda rows: rows[0].__setitem__(1, rows[1][1]), "does not match parameter"),  # another parameter's gradient
+])
+def test_a_parameter_gradient_the_file_does_not_hold_is_refused(tmp_path, edit, message):
+    # Read as None ("no gradient") or as another parameter's gradient, of another shape, before.
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True)
+    log.backward(log.output.sum())
+    folder = log.save(tmp_path / "t")
+    edit_json(folder, "trace.json", lambda r: edit(r["grads"]["param_tensors"]))
+    rehash(folder)
+    with pytest.raises(TraceFileError, match=message):
+        tl.load(folder)

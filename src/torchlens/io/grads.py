@@ -149,12 +149,29 @@ def _read_grads(trace, record, folder: str, files) -> None:
     missing = grads.get("param_grads", None if GRAD_TENSORS in files or grads["param_tensors"] else
                         "it was saved without gradient tensors")  # files written before the field existed
     if missing is None:
-        trace._param_grads = {address: tensors[key] for address, key in grads["param_tensors"] if key in tensors}
+        trace._param_grads = _param_grads_read(trace, grads["param_tensors"], tensors)
     else:
         trace._param_grads_missing = str(missing)
         _name_grads_without_tensors(trace, capture, str(missing))
     if not capture.grads and stats:  # saved after cleanup(), or without tensors: statistics only
         trace._grad_stats = stats
+
+
+def _param_grads_read(trace, rows, tensors: dict) -> dict:
+    """``address -> .grad`` of the saved parameter gradients, each in the file and, where the ``params`` table
+    lists its parameter, of that parameter's shape and dtype (as autograd and ``p.grad = ...`` require): a
+    gradient named but missing read as None, "no gradient", and one of another parameter as that one's."""
+    expected = {p.address: (tuple(p.shape), p.dtype) for p in trace.params} if trace._params_listed else None
+    saved = {}
+    for address, key in rows:
+        g = tensors.get(key)
+        if not isinstance(address, str) or g is None:
+            raise TraceFileError(f"{GRAD_TENSORS}: the gradient {key!r} of parameter {address!r} is missing")
+        if expected is not None and expected.get(address) != (tuple(g.shape), g.dtype):
+            raise TraceFileError(f"{GRAD_TENSORS}: gradient {key!r} is {tuple(g.shape)} {g.dtype}, which does not "
+                                 f"match parameter {address!r} ({expected.get(address, 'not in the params table')})")
+        saved[address] = g
+    return saved
 
 
 def _name_grads_without_tensors(trace, capture, why: str) -> None:
