@@ -1,5 +1,5 @@
-"""The files and paths that saving, loading and extracting are given: missing optional packages, paths of
-unusual kinds, and what a loaded extraction holds open."""
+"""The files and paths that saving, loading and extracting are given (missing optional packages, paths of
+unusual kinds), and what a loaded trace or extraction holds: open files, and activations written in place."""
 
 from __future__ import annotations
 
@@ -90,3 +90,20 @@ def test_loaded_layers_hold_no_open_file_each(tmp_path):
     tensors = tl.load_extracted(tmp_path / "features", as_torch=True)
     tensors["23"][0, 0] = 1e6  # copy-on-write: never reaches the file
     assert torch.equal(tl.load_extracted(tmp_path / "features", as_torch=True)["23"], expected)
+
+
+def test_a_loaded_activation_written_in_place_reads_as_dropped_as_a_live_one_does(tmp_path):
+    # It showed the written values, and saving the loaded trace again recorded them as what the op made.
+    model, x = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    loaded = tl.load(log.save(tmp_path / "run"))
+    loaded["0"].activation.zero_()
+    with pytest.raises(tl.ActivationUnavailable, match="written in place after the trace ended"):
+        loaded["0"].activation
+    assert torch.equal(loaded["relu_1_2"].activation, log["relu_1_2"].activation)  # the others are untouched
+    again = tl.load(loaded.save(tmp_path / "again"))
+    with pytest.raises(tl.ActivationUnavailable, match="written in place after the trace ended"):
+        again["0"].activation
+    assert torch.equal(again["relu_1_2"].activation, log["relu_1_2"].activation)
+    with torch.inference_mode():  # its tensors have no version counter: a write cannot be seen, as in a live trace
+        assert torch.equal(tl.load(tmp_path / "run")["0"].activation, log["0"].activation)

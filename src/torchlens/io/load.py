@@ -16,7 +16,7 @@ import torch
 
 from ..checks import check_path
 from ..record.columns import Call, Kind, OpMeta
-from ..record.layouts import RaggedShape
+from ..record.layouts import RaggedShape, version_of
 from ..record.modules import CallRow, ModuleRow
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
@@ -163,6 +163,11 @@ def _build(record, tensors: dict) -> Trace:
         alias_reads=frozenset((check_index(c, 0, len(calls) + 1, "alias_reads"), check_index(p, -1, n, "alias_reads"))
                               for c, p in cols.column("alias_reads")),
     )
+    # Held by reference like a live trace's: written in place since (through op.activation), one reads as dropped
+    # with the reason, as there, instead of showing (and saving again) a value its op never made.  Loaded under
+    # torch.inference_mode(), a tensor has no version counter (None), and a write cannot be seen, as live.
+    versions = {i: version_of(t) for i, t in activations.items()}
+    trace._saved_versions = {i: v for i, v in versions.items() if v is not None}
     flops = _flops(record.get("flops"), n)
     if flops is not None:
         trace._flops_col = flops
