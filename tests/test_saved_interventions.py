@@ -61,3 +61,17 @@ def test_a_damaged_interventions_record_is_refused(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(TraceFileError, match="interventions"):
         tl.load(tmp_path / "t")
+
+
+def test_a_channels_last_original_loads_laid_out_as_it_was(tmp_path):
+    # Activations and gradients kept their layout through a save; the values an intervention replaced loaded
+    # row-major.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    log = tl.trace(model, x, intervene={"0": lambda value, op: value * 2})
+    assert log["0"].original.is_contiguous(memory_format=torch.channels_last)
+    loaded = tl.load(log.save(tmp_path / "a"))
+    again = tl.load(loaded.save(tmp_path / "b"))
+    for trace in (loaded, again):
+        kept = trace["0"].original
+        assert kept.stride() == log["0"].original.stride() and torch.equal(kept, log["0"].original)

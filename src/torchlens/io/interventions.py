@@ -14,7 +14,7 @@ import os
 
 from .encode import unsavable
 from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
-from .tensorfile import write_tensors
+from .tensorfile import laid_out, layouts_of, write_tensors
 
 ORIGINAL_TENSORS = "originals.safetensors"
 
@@ -59,6 +59,7 @@ def write_interventions(trace, folder: str, with_tensors: bool):
     if not tensors:
         return [], record
     write_tensors(os.path.join(folder, ORIGINAL_TENSORS), tensors, metadata={"format": "torchlens-originals"})
+    record["strides"] = layouts_of(tensors)  # a channels_last original loads laid out as it was, as activations do
     return [ORIGINAL_TENSORS], record
 
 
@@ -93,6 +94,7 @@ def _read(trace, saved, folder: str, files) -> None:
             tensors = require_safetensors().load_file(safe_member(folder, ORIGINAL_TENSORS), device="cpu")
         except Exception as exc:  # the library raises its own error types for malformed headers
             raise TraceFileError(f"{ORIGINAL_TENSORS}: not a readable safetensors file ({exc})") from None
+        tensors = laid_out(tensors, saved.get("strides"), "interventions: 'strides'")  # absent before it was written
         for i, key in saved["originals"]:
             i = _index(i, n)
             t, meta = tensors.get(key), trace.op_meta[i]
