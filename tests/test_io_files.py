@@ -92,6 +92,18 @@ def test_loaded_layers_hold_no_open_file_each(tmp_path):
     assert torch.equal(tl.load_extracted(tmp_path / "features", as_torch=True)["23"], expected)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only Linux names files with any bytes")
+def test_an_extraction_in_a_folder_whose_name_is_not_utf8_loads(tmp_path):
+    # torch opens only UTF-8 names; such a folder's layers are mapped the way Python maps files.
+    model, batch = nn.Linear(4, 2).eval(), torch.randn(3, 4)
+    out = os.fsdecode(bytes(tmp_path) + b"/caf\xe9")  # Latin-1 bytes, as an older system wrote the name
+    tl.extract(model, [batch], ["output_1"], out, progress=False)
+    with torch.no_grad():
+        expected = model(batch)
+    assert torch.equal(tl.load_extracted(out, as_torch=True)["output_1"], expected)
+    assert torch.equal(torch.as_tensor(tl.load_extracted(out)["output_1"]), expected)
+
+
 def test_a_loaded_activation_written_in_place_reads_as_dropped_as_a_live_one_does(tmp_path):
     # It showed the written values, and saving the loaded trace again recorded them as what the op made.
     model, x = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval(), torch.randn(2, 4)

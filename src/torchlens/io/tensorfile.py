@@ -177,7 +177,26 @@ def _mapped_bytes(path: str, start: int, end: int) -> torch.Tensor:
     per map, and an extraction of a few hundred layers then exceeds the open-file limit (256 on macOS)."""
     if end == start:
         return torch.empty(0, dtype=torch.uint8, device="cpu")
+    if not _utf8(path):  # torch takes UTF-8 names only; Linux allows any bytes, which Python's mmap maps
+        return _python_mapped_bytes(path, start, end)
     return torch.from_file(path, shared=False, size=end, dtype=torch.uint8, device="cpu")[start:end]
+
+
+def _utf8(path: str) -> bool:
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:  # a name os.fsdecode gave surrogates for: its bytes are not UTF-8
+        return False
+    return True
+
+
+def _python_mapped_bytes(path: str, start: int, end: int) -> torch.Tensor:
+    """``_mapped_bytes`` through Python's ``mmap``, for a path torch cannot open: it keeps a descriptor open."""
+    import mmap
+
+    with open(path, "rb") as f:
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write, like torch's private map
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=end - start, offset=start)
 
 
 def _read_only_memmap(raw: torch.Tensor, numpy_dtype: str, shape: list, path: str, offset: int):
