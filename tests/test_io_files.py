@@ -104,6 +104,18 @@ def test_an_extraction_in_a_folder_whose_name_is_not_utf8_loads(tmp_path):
     assert torch.equal(torch.as_tensor(tl.load_extracted(out)["output_1"]), expected)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only Linux names files with any bytes")
+def test_a_trace_saved_in_a_folder_whose_name_is_not_utf8_loads(tmp_path):
+    # The safetensors library opens only UTF-8 names: tl.load refused such a folder as "not a readable file".
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    log = tl.trace(model, torch.randn(3, 4), grads=True, intervene={"0": lambda value, op: value * 2})
+    log.backward(log.output.sum())
+    loaded = tl.load(log.save(os.fsdecode(bytes(tmp_path) + b"/caf\xe9")))
+    for op in log:
+        assert torch.equal(loaded[op.label].activation, op.activation), op.label
+    assert torch.equal(loaded["0"].original, log["0"].original) and torch.equal(loaded["0"].grad, log["0"].grad)
+
+
 def test_a_loaded_activation_written_in_place_reads_as_dropped_as_a_live_one_does(tmp_path):
     # It showed the written values, and saving the loaded trace again recorded them as what the op made.
     model, x = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).eval(), torch.randn(2, 4)

@@ -14,8 +14,8 @@ import os
 
 from ..record.grads import FROM_BATCHED_BACKWARD, unreadable
 from .encode import unsavable
-from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
-from .tensorfile import laid_out, layouts_of, write_tensors
+from .format import TRACE_JSON, TraceFileError
+from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
 
 GRAD_TENSORS = "gradients.safetensors"
 
@@ -128,11 +128,7 @@ def _read_grads(trace, record, folder: str, files) -> None:
     stats = {_index(i, n): {_stat_name(k): _unfloat(v) for k, v in s.items()} for i, s in grads["stats"]}
     tensors = {}
     if GRAD_TENSORS in files:
-        try:
-            tensors = require_safetensors().load_file(safe_member(folder, GRAD_TENSORS), device="cpu")
-        except Exception as exc:  # the library raises its own error types for malformed headers
-            raise TraceFileError(f"{folder}/{GRAD_TENSORS}: not a readable safetensors file ({exc})") from None
-        tensors = laid_out(tensors, grads.get("strides"), "grads: 'strides'")
+        tensors = laid_out(read_tensor_file(folder, GRAD_TENSORS), grads.get("strides"), "grads: 'strides'")
     capture = GradCapture()
     capture.selected = {_index(i, n) for i in grads["selected"]}
     capture.backwards = int(grads["num_backwards"])

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 
 from .encode import unsavable
-from .format import TRACE_JSON, TraceFileError, require_safetensors, safe_member
-from .tensorfile import laid_out, layouts_of, write_tensors
+from .format import TRACE_JSON, TraceFileError
+from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
 
 ORIGINAL_TENSORS = "originals.safetensors"
 
@@ -90,11 +90,8 @@ def _read(trace, saved, folder: str, files) -> None:
     if saved["originals"]:
         if ORIGINAL_TENSORS not in files:
             raise TraceFileError(f"{ORIGINAL_TENSORS}: named in {TRACE_JSON} but not in the manifest")
-        try:
-            tensors = require_safetensors().load_file(safe_member(folder, ORIGINAL_TENSORS), device="cpu")
-        except Exception as exc:  # the library raises its own error types for malformed headers
-            raise TraceFileError(f"{ORIGINAL_TENSORS}: not a readable safetensors file ({exc})") from None
-        tensors = laid_out(tensors, saved.get("strides"), "interventions: 'strides'")  # absent before it was written
+        tensors = laid_out(read_tensor_file(folder, ORIGINAL_TENSORS), saved.get("strides"),
+                           "interventions: 'strides'")  # absent in files written before it
         for i, key in saved["originals"]:
             i = _index(i, n)
             t, meta = tensors.get(key), trace.op_meta[i]

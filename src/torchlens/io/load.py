@@ -20,12 +20,11 @@ from ..record.layouts import RaggedShape, version_of
 from ..record.modules import CallRow, ModuleRow
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
-from .format import (TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, checked_member,
-                     read_json, require_safetensors, verify_manifest)
+from .format import TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, read_json, verify_manifest
 from .grads import read_grads
 from .interventions import read_interventions
 from .params import read_module_param_counts, read_params
-from .tensorfile import laid_out
+from .tensorfile import laid_out, read_tensor_file
 from .trace_state import read_trace_state
 
 
@@ -37,7 +36,7 @@ def load(path) -> Trace:
     folder = check_path(path, "path", "give the folder log.save wrote (a str or a pathlib.Path)", who="tl.load")
     manifest = verify_manifest(folder, TRACE_FORMAT, TRACE_SCHEMA, required=(TRACE_JSON,))
     record = read_json(folder, TRACE_JSON, "a saved trace", max_bytes=manifest["files"][TRACE_JSON]["bytes"])
-    tensors = _read_tensors(folder) if TRACE_TENSORS in manifest["files"] else {}
+    tensors = read_tensor_file(folder, TRACE_TENSORS) if TRACE_TENSORS in manifest["files"] else {}
     try:
         trace = _build(record, tensors)
     except TraceFileError as exc:  # column checks name the file; add the folder
@@ -50,15 +49,6 @@ def load(path) -> Trace:
     read_interventions(trace, record, folder, manifest["files"])  # io/interventions.py
     trace.loaded_from = folder
     return trace
-
-
-def _read_tensors(folder: str) -> dict:
-    path = checked_member(folder, TRACE_TENSORS)
-    st = require_safetensors()
-    try:
-        return st.load_file(path, device="cpu")
-    except Exception as exc:  # the library raises its own error types for malformed headers
-        raise TraceFileError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 class _Columns:

@@ -17,7 +17,7 @@ import struct
 import torch
 
 from ..record.layouts import permuted_strides
-from .format import TRACE_JSON, TraceFileError
+from .format import TRACE_JSON, TraceFileError, checked_member, require_safetensors
 
 _MAX_HEADER = 100 << 20
 _BLOCK_BYTES = 8 << 20  # what a streamed write copies at once, at most (beyond one row)
@@ -180,6 +180,19 @@ def _mapped_bytes(path: str, start: int, end: int) -> torch.Tensor:
     if not _utf8(path):  # torch takes UTF-8 names only; Linux allows any bytes, which Python's mmap maps
         return _python_mapped_bytes(path, start, end)
     return torch.from_file(path, shared=False, size=end, dtype=torch.uint8, device="cpu")[start:end]
+
+
+def read_tensor_file(folder: str, name: str) -> dict:
+    """Every tensor of the safetensors file ``name`` in ``folder`` (a saved trace's), on the CPU."""
+    path = checked_member(folder, name)
+    st = require_safetensors()
+    try:
+        if _utf8(path):
+            return st.load_file(path, device="cpu")
+        with open(path, "rb") as f:  # the library opens UTF-8 names only; Linux allows any bytes
+            return st.load(f.read())
+    except Exception as exc:  # the library raises its own error types for malformed headers
+        raise TraceFileError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 def _utf8(path: str) -> bool:
