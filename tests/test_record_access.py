@@ -12,6 +12,7 @@ import importlib.util
 import pathlib
 import re
 
+import pytest
 import torch
 
 import torchlens as tl
@@ -121,3 +122,19 @@ def test_every_attribute_set_on_a_trace_from_outside_record_is_declared_on_the_c
         undeclared = sorted(name for name in vars(trace) if name not in owned and not hasattr(Trace, name))
         assert not undeclared, f"set on a Trace from outside record/ but not declared on the class: {undeclared}"
     assert log._flops_col is not None and loaded.loaded_from is not None and log._root_class == "LoopRNN"
+
+
+def test_output_producer_refuses_what_is_not_an_output_node():
+    # Any op's index was read as an output node: an op's first parent came back as its "producer", an input
+    # (no parents) raised a bare IndexError, and a label a bare TypeError from the list.
+    log = _traced()
+    out = log.outputs[0].index
+    assert log.output_producer(out) == log.labels.index(log.outputs[0].parents[0])
+    assert log.output_producer(out - len(log)) == log.output_producer(out)
+    linear = log.labels.index("linear_1_2:2")
+    for index in (linear, 0, len(log)):
+        with pytest.raises(ValueError, match=rf"index={index} is not an output node.*are \[{out}\]"):
+            log.output_producer(index)
+    for index in (True, "output_1:1", 1.0, None):
+        with pytest.raises(TypeError, match="output_producer: index=.* not an int; give the op index of an output"):
+            log.output_producer(index)

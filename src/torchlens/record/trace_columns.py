@@ -4,6 +4,9 @@ columns are the trace's own lists, read-only: never mutate what these return."""
 
 from __future__ import annotations
 
+from ..checks import as_position, check_int
+from .columns import Kind
+
 
 class TraceColumns:
     """Per-op and per-call columns of a ``Trace`` (set by ``Trace.__init__`` and ``Trace.relabel``)."""
@@ -52,7 +55,21 @@ class TraceColumns:
     def output_producer(self, index: int) -> int:
         """The op an output node shows (its one parent: an op, or the input returned as it is), or -1 for a
         tensor the trace has no op for (a parameter returned as it is)."""
+        index = self._output_node(index)
         return self._parents[index][0][1]
+
+    def _output_node(self, index) -> int:
+        """``index`` when it is the position of an output node; any other op's first parent would read as a
+        plausible, wrong producer, so anything else is refused naming the trace's output nodes."""
+        position = as_position(index)
+        count = len(self._kind)
+        if type(position) is int and -count <= position < count and self._kind[position] == Kind.OUTPUT:
+            return position % count
+        # The output nodes are listed on refusal only: the bridges call this once per output node.
+        outputs = [i for i, kind in enumerate(self._kind) if kind == Kind.OUTPUT]
+        advice = f"give the op index of an output node: this trace's are {outputs} (log.outputs[k].index)"
+        check_int(position, "index", advice, who="output_producer")
+        raise ValueError(f"output_producer: index={position} is not an output node; {advice}")
 
     @property
     def pass_numbers(self) -> list:
