@@ -221,6 +221,22 @@ def test_op_flops_refuses_a_module_call_whose_index_counts_calls_not_ops():
     assert tl.report.op_flops(log["linear_1_1"]) == 42 and log.summary()["1:1"]["flops"] == 2 * 3
 
 
+def test_op_flops_of_a_layer_that_ran_several_passes_says_to_give_one_pass():
+    # A layer of two passes failed with an AttributeError about its per-pass 'index', which op_flops never named.
+    linear = nn.Linear(3, 3)
+    log = tl.trace(lambda x: linear(linear(x)), torch.randn(2, 3), root=linear)
+    layer = log["linear_1_1"]
+    assert layer.num_passes == 2
+    for reader in (tl.report.op_flops, registry.op_flops_by_family):
+        with pytest.raises(ValueError, match=r"layer linear_1_1 ran 2 passes, .* give one pass "
+                                             r"\(log\['linear_1_1:1'\]\)"):
+            reader(layer)
+    per_pass = [tl.report.op_flops(op) for op in layer.ops]
+    assert per_pass == [2 * 2 * 3 * 3 + 2 * 3] * 2 and sum(per_pass) == int(log.flops)
+    with pytest.raises(TypeError, match="op_flops takes an op of a trace .* got ModuleCall"):
+        registry.op_flops_by_family(log.module_calls[0])
+
+
 def test_fourier_transforms_their_real_part_and_weight_norm_have_formulas_on_real_models():
     # FNet's token mixing (fftn, then .real) and the weight-normed positional convolution of wav2vec2 (HuBERT's
     # and Encodec's too) had no formula, so those models' totals read incomplete.

@@ -478,10 +478,15 @@ def _check_op(op) -> None:
     if not isinstance(op, (Op, Layer)):
         raise TypeError(f"op_flops takes an op of a trace (log['linear_1_1'], or a layer), got {type(op).__name__}; "
                         "for a module call's FLOPs read log.summary()['encoder.layers.0:1']['flops']")
+    if isinstance(op, Layer) and op.num_passes > 1:  # a layer is its op only when it ran once
+        label = op.layer_label
+        raise ValueError(f"op_flops: layer {label} ran {op.num_passes} passes, each counted on its own: give one "
+                         f"pass (log['{label}:1']), or sum(op_flops(op) for op in log['{label}'].ops) for them all")
 
 
 def op_flops_by_family(op):
     """``{family: flops}`` for one op, or None when unknown."""
+    _check_op(op)
     parts = flops_column(op._trace)[op.index]
     return None if parts is None else dict(parts)
 
