@@ -256,6 +256,12 @@ def test_a_bool_is_not_an_op_index():
     # log.ops[100] said only "range object index out of range".
     with pytest.raises(IndexError, match=rf"Op index 100 is out of range: this trace has {len(log)} Op records"):
         log.ops[100]
+    # log.ops[1.5] and log.layers[None] said only "range indices must be integers" or "list indices ...".
+    for records in (log.ops, log.layers, log.params):
+        for key in (1.5, None, (0,)):
+            with pytest.raises(TypeError, match=rf"index the \w+ records with an int or a slice, not "
+                                                rf"{type(key).__name__}$"):
+                records[key]
 
 
 class WithIdleModules(nn.Module):

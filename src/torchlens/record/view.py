@@ -96,6 +96,9 @@ class RecordList(OfATrace, Sequence):
         except IndexError:
             raise IndexError(f"{self._view.__name__} index {i} is out of range: this trace has {len(self)} "
                              f"{self._view.__name__} records") from None
+        except TypeError:  # the key list's own message names a list or a range, not these records
+            raise TypeError(f"index the {self._view.__name__} records with an int or a slice, not "
+                            f"{type(i).__name__}") from None
         return self._view(self._trace, key)
 
     def __iter__(self):
