@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 import warnings
 
@@ -163,3 +164,21 @@ def test_a_quantized_value_is_patched_or_refused_naming_the_helper():
             with pytest.raises(tl.InterventionError, match=named + r" at fc:1: .*quantized \(quint8\) value"):
                 tl.trace(quantized, x, intervene={"fc": action})
     assert_clean_process()
+
+
+def test_an_action_that_raises_is_named_with_its_site_not_left_as_the_models_failure():
+    # A scale tensor that does not broadcast raised torch's shape error noted only "raised in module call 0:1",
+    # which reads as the model failing; the note now names the action and the site it ran at.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(3, 4)
+    actions = ((tl.scale(torch.ones(5)), r"scale\(tensor"), (lambda t, op: t @ torch.ones(5, 5), r"\S*<lambda>"))
+    for action, shown in actions:
+        with pytest.raises(RuntimeError) as raised:
+            tl.trace(model, x, intervene={"linear_1_1:1": action})
+        assert re.fullmatch(rf"torchlens: raised by the intervention action {shown}.* at 'linear_1_1:1', given a "
+                            r"\(3, 4\) torch.float32 value; the model itself did not fail", raised.value.__notes__[0])
+        assert_clean_process()
+    # A helper's own refusal names the site already, and is left without a second note.
+    with pytest.raises(tl.InterventionError) as refused:
+        tl.trace(model, x, intervene={"linear_1_1:1": tl.steer(torch.ones(5))})
+    assert not any("intervention action" in note for note in getattr(refused.value, "__notes__", []))

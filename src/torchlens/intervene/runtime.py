@@ -20,7 +20,7 @@ from weakref import ref as weakref
 
 import torch
 
-from ..errors import InterventionError
+from ..errors import InterventionError, TorchlensError, add_note
 from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
@@ -34,7 +34,7 @@ from ..capture.bindings import is_bound
 from ..capture.state import StopForward, storage_key
 from ..capture.writes import named_targets
 from ..tree import made_in_transform, path_text, tensor_leaves
-from .actions import layout_name, same_shape
+from .actions import Action, layout_name, same_shape
 from .checkpointing import checkpoint_region
 from .sites import ModuleCallInfo, occurrence_key
 
@@ -229,6 +229,12 @@ class Interventions:
             packing.action_at = call
         try:
             new = self._call_action(action, value, op)
+        except Exception as exc:
+            # Else only the module call it ran in is noted, which reads as the model's own failure.
+            if not isinstance(exc, TorchlensError):  # the helpers' refusals name the site themselves
+                add_note(exc, f"torchlens: raised by the intervention action {_shown(action)} at {_where(key, op)}, "
+                              f"given a {tuple(shape_of(value))} {value.dtype} value; the model itself did not fail")
+            raise
         finally:
             if packing is not None:
                 packing.action_at = None
@@ -532,6 +538,13 @@ def _replace_at(obj, path: tuple, value, key):
 def _at(place) -> str:
     """`` (file:line)`` of a recorded call, or nothing when no user frame was found."""
     return f" ({place.file}:{place.line})" if place is not None else ""
+
+
+def _shown(action) -> str:
+    """An action for a message: a helper's repr (``scale(2.0)``), a function's name."""
+    if isinstance(action, Action):
+        return repr(action)
+    return getattr(action, "__qualname__", None) or type(action).__name__
 
 
 def _where(key, op) -> str:
