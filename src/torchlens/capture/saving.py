@@ -23,7 +23,8 @@ from ..labels.naming import folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
 from ..record.lookup import alias_note, refuse_ambiguous
 from ..record.modules import is_unregistered
-from ..record.model_index import container_note, refuse_module_object, scripted_outer, traced_address
+from ..record.model_index import (container_note, refuse_module_object, scripted_outer, tensor_address_note,
+                                  traced_address)
 from ..record.params import bypassed_call_hint
 from ..record.dropped import RELEASED_INSIDE, WRITTEN_UNSEEN
 from ..record.layouts import version_of
@@ -196,8 +197,9 @@ class SavePolicy:
             paths = {path for path in trace.io_paths.values() if path.startswith(_IO_PATH)}
             names = sorted(known | types | called | calls | paths)
             _refuse_made_in_forward(entry, calls, option)
-            hint = (alias_note(trace, entry) or closest_hint(entry, names)) + _module_class_hint(trace, entry) + \
-                _whole_option_hint(entry, option)
+            hint = alias_note(trace, entry) or tensor_address_note(trace.model, entry, f"{option}=") or \
+                closest_hint(entry, names)
+            hint += _module_class_hint(trace, entry) + _whole_option_hint(entry, option)
             ran = ""
             # a module of the model that made no call, named by its address or by a call label ("spare:1")
             address = entry if entry in self.addresses else entry.rpartition(":")[0] if entry in self.call_labels \

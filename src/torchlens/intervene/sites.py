@@ -20,7 +20,8 @@ import torch
 from ..checks import check_takes
 from ..errors import InterventionError, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
-from ..record.model_index import WRAPPED, container_note, refuse_module_object, scripted_outer, traced_address
+from ..record.model_index import (WRAPPED, container_note, refuse_module_object, scripted_outer, tensor_address_note,
+                                  traced_address)
 from ..record.modules import Module, enclosing_calls
 from ..record.op import Layer, Op
 from ..capture.saving import is_io_path
@@ -177,8 +178,9 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             # A container is never called: its first call is no name to suggest.
             called = [name for name, module in modules.items() if not container_note(name, module)]
             names = list(modules) + [f"{name}:1" for name in called]
+            hint = tensor_address_note(model, key, "stop_after=" if stop else "intervene=") or closest_hint(key, names)
             raise KeyError(f"{kind} {key!r} is neither an op or layer label nor a module address or "
-                           f"module call of {type(model).__name__}{closest_hint(key, names)}")
+                           f"module call of {type(model).__name__}{hint}")
     return module_sites, pending
 
 

@@ -248,6 +248,22 @@ def container_note(address: str, module) -> str:
             f"no output; name the modules it holds ({shown})")
 
 
+def tensor_address_note(model, address: str, where: str) -> str:
+    """For a name that is no op, layer or module but a parameter's or a buffer's address (``fc.weight``): what it
+    is and what ``where`` (``save=``, ``intervene=``) takes instead: ops are recorded, the tensors they
+    read are not, so the name would otherwise be refused as unknown, or as a near miss of a module's name."""
+    if not isinstance(model, torch.nn.Module) or not address:
+        return ""
+    for kind, listing, named in (("parameter", "log.params[k].op_labels", model.named_parameters),
+                                 ("buffer", "log.buffers[k].readers", model.named_buffers)):
+        if any(name == address for name, _ in named(remove_duplicate=False)):
+            own = "; its own gradient, on a trace taken with grads=, is log.params[k].grad" if kind == "parameter" \
+                else ""
+            return (f" ({address} is a {kind} of the model, which no op of the forward makes: {where} takes ops; "
+                    f"name the ops that read it, which {listing} lists{own})")
+    return ""
+
+
 def refuse_module_object(value, modules: dict, where: str) -> None:
     """Refuse a class or a module object given ``where`` a name or a predicate over ops is taken (``save=``,
     ``grads=``, an intervention site).  Both are callable, so either would be called on each op as a predicate:
