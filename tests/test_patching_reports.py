@@ -16,6 +16,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torchlens as tl  # noqa: E402
+from untouched import assert_clean_process  # noqa: E402
 import real_models  # noqa: E402 - imports transformers lazily, per entry
 from zoo import ActivationMadePerCall  # noqa: E402
 
@@ -332,6 +333,38 @@ def test_a_metric_that_cannot_be_called_is_refused_before_the_clean_run(report):
                                         r"but .*\(out, target\) cannot take that argument"):
         getattr(tl.report, report)(model, torch.randn(2, 4), torch.randn(2, 4), lambda out, target: out.sum())
     assert not forwards
+
+
+@pytest.mark.parametrize("report", ["activation_patching", "attribution_patching"])
+def test_a_metric_that_returns_no_number_is_refused_naming_what_it_returned(report):
+    # A metric that forgot its return raised float()'s own "float() argument must be a string or a real number",
+    # and one returning the text "0.5" was read as the number 0.5.
+    pytest.importorskip("pandas")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    clean, corrupt = torch.randn(2, 4), torch.randn(2, 4)
+    for returned, shown in ((None, "NoneType None"), ("0.5", "str '0.5'")):
+        with pytest.raises(TypeError, match=rf"the metric must return one number \(a float or a one-element tensor\), "
+                                            rf"got {shown}; return the value itself"):
+            getattr(tl.report, report)(model, clean, corrupt, lambda out, returned=returned: returned)
+    table = getattr(tl.report, report)(model, clean, corrupt, lambda out: out[0, 1] - out[0, 0])
+    assert table.attrs["clean"] == pytest.approx(float((lambda o: o[0, 1] - o[0, 0])(model(clean))))
+
+
+def test_attribution_patching_refuses_a_metric_cut_from_the_graph_naming_why():
+    # A metric returning float(...) raised autograd's "'float' object is not iterable", and a .detach()ed one
+    # "element 0 of tensors does not require grad": attribution takes the metric's gradient, which neither has.
+    pytest.importorskip("pandas")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    clean, corrupt = torch.randn(2, 4), torch.randn(2, 4)
+    with pytest.raises(TypeError, match=r"the metric returned a float, but attribution takes its gradient: return "
+                                        r"the one-element tensor itself, without float\(\) or \.item\(\)"):
+        tl.report.attribution_patching(model, clean, corrupt, lambda out: out[0, 0].item())
+    with pytest.raises(ValueError, match=r"the metric's tensor has no gradient .*compute it from the output"):
+        tl.report.attribution_patching(model, clean, corrupt, lambda out: out[0, 0].detach())
+    assert_clean_process()
+    # activation_patching reads the metric's value alone: a float is all it needs.
+    table = tl.report.activation_patching(model, clean, corrupt, lambda out: out[0, 0].item(), progress=False)
+    assert table.attrs["clean"] == pytest.approx(model(clean)[0, 0].item())
 
 
 def test_attribution_patching_inside_inference_mode_is_refused_naming_it():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 
 import torch
 
@@ -154,6 +155,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
             corrupt_log = _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab)
             value = metric(corrupt_log.output)
             labels = [k for k, (t, v) in live.items() if t._version == v]
+            _check_differentiable(value, bool(labels))
             for k, (t, v) in live.items():
                 if t._version != v:
                     notes[k] = "written in place later in the forward: its gradient is not that of this value"
@@ -366,6 +368,19 @@ def _normalized(value, clean, corrupt, baseline=None):
     return (value - (corrupt if baseline is None else baseline)) / span
 
 
+def _check_differentiable(value, needed: bool) -> None:
+    """The corrupted run's metric, of which attribution takes the gradient: one number, and a tensor still joined
+    to the graph when some value is to be attributed (else autograd's own "'float' object is not iterable" or
+    "does not require grad")."""
+    _scalar(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"attribution_patching: the metric returned a {type(value).__name__}, but attribution takes "
+                        "its gradient: return the one-element tensor itself, without float() or .item()")
+    if needed and not value.requires_grad:
+        raise ValueError("attribution_patching: the metric's tensor has no gradient (made under torch.no_grad(), or "
+                         ".detach()ed), but attribution takes its gradient: compute it from the output as it is")
+
+
 def _scalar(value) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -375,7 +390,12 @@ def _scalar(value) -> float:
                                  "tensor, which has no value: patching compares the metric's values, so run the "
                                  "model on a real device")
         return float(value.detach())
-    return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    # float() would read a string such as "0.5" as a number, and answer None with a message of its own.
+    raise TypeError(f"the metric must return one number (a float or a one-element tensor), got "
+                    f"{type(value).__name__} {value!r:.60}; return the value itself "
+                    "(lambda out: out[0, 1] - out[0, 2])")
 
 
 def _pandas():
