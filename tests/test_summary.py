@@ -55,6 +55,18 @@ def test_rows_follow_module_calls_and_depth_limits_them():
         full[True]
     with pytest.raises(IndexError, match=rf"summary row 100 is out of range: this summary has {len(full)} rows"):
         full[100]
+    # A misspelled call or a module's address listed the first eight rows only, and None or 1.5 read as a name.
+    with pytest.raises(KeyError, match=r"no row 'layers\.0' in this summary \(a row is a module call, 'fc1:1'\); "
+                                       r"closest: layers\.0:1"):
+        full["layers.0"]
+    with pytest.raises(KeyError, match=r"no row 'layres\.2:1' .*; closest: layers\.2:1"):
+        full["layres.2:1"]
+    with pytest.raises(KeyError, match=r"no row 'relu_1_2:1' .*; rows: MLP, layers\.0:1, "):
+        full["relu_1_2:1"]
+    for key in (None, 1.5):
+        with pytest.raises(TypeError, match=rf"index a summary with a row number or a module call .* not "
+                                            rf"{type(key).__name__}$"):
+            full[key]
     layer = full["layers.0:1"]
     assert layer["class_name"] == "Linear" and layer["params"] == 16 * 16 + 16
     assert layer["activation_bytes"] == 2 * 16 * 4

@@ -11,6 +11,7 @@ appears; otherwise it is left out rather than shown as zeros.
 from __future__ import annotations
 
 from ..checks import as_position, check_int
+from ..errors import closest_hint, listed
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
@@ -140,10 +141,15 @@ class ModuleSummary:
             if not -len(self.rows) <= key < len(self.rows):
                 raise IndexError(f"summary row {key} is out of range: this summary has {len(self.rows)} rows")
             return self.rows[key]
+        if not isinstance(key, str):
+            raise TypeError(f"index a summary with a row number or a module call ('fc1:1'), not "
+                            f"{type(key).__name__}")
         for row in self.rows:
             if row["call"] == key:
                 return row
-        raise KeyError(f"no row {key!r} in this summary; rows: {', '.join(r['call'] for r in self.rows[:8])}")
+        calls = [r["call"] for r in self.rows]
+        hint = closest_hint(key, calls) or f"; rows: {listed(calls, 8)}"
+        raise KeyError(f"no row {key!r} in this summary (a row is a module call, 'fc1:1'){hint}")
 
     def __str__(self) -> str:
         return summary_table_text(self)
