@@ -38,6 +38,21 @@ def test_show_outside_a_notebook_refuses_a_bad_max_ops_as_a_notebook_would(log, 
     assert len(opened) == 1
 
 
+def test_show_and_notebook_html_refuse_what_is_not_a_trace(log, monkeypatch):
+    # show(model) and notebook_html(model) failed on a missing attribute ("'Sequential' object has no attribute
+    # 'model_name'"), where render(model) says to trace the model first.
+    opened = []
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url) or True)
+    model = nn.Sequential(nn.Linear(4, 4))
+    for reader in (tl.viz.show, tl.viz.notebook_html):
+        with pytest.raises(TypeError, match=rf"^{reader.__name__} takes a Trace \(log = tl.trace\(model, x\)\), got "
+                                            "Sequential: trace the model first"):
+            reader(model)
+    assert opened == []
+    assert "<pre" in tl.viz.notebook_html(log, max_ops=0)
+
+
 def test_color_by_grad_norm_without_gradients_says_how_to_get_them():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.raises(tl.errors.GradientUnavailable, match="grads=True"):

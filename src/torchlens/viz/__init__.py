@@ -146,8 +146,10 @@ def show(trace, **kwargs):
     where no browser can open (no display), say where the file is.  Returns the file's path (None inline)."""
     # Either way the viewer is HTML: format= may say so (or be None), and is not passed on, since both ways
     # name the format themselves.  DOT or SVG text in the viewer's page is no viewer.
+    from ..record.trace import checked_trace
     from .notebook import check_max_ops
 
+    checked_trace(trace, "show")  # before its name is read for the file's
     _check_show_options(kwargs)
     check_max_ops(kwargs.get("max_ops"), "show")
     shown_format = kwargs.pop("format", None)

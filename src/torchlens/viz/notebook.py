@@ -83,9 +83,11 @@ def check_max_ops(max_ops, who: str) -> None:
 
 
 def notebook_html(trace, max_ops=None, **render_kwargs) -> str:
+    from ..record.trace import checked_trace
     from . import render
     from .layout import LayoutEngineMissing, LayoutFailed
 
+    checked_trace(trace, "notebook_html")
     check_max_ops(max_ops, "notebook_html")
     parts = [f'<pre style="font-size:12px;margin:0">{html.escape(_header_text(trace))}</pre>',
              _module_table(trace), _op_table(trace)]
