@@ -405,7 +405,7 @@ def test_activation_patching_refuses_a_progress_that_is_no_flag():
         tl.report.activation_patching(model, torch.randn(2, 4), torch.randn(2, 4), lambda out: out.sum(), progress="no")
 
 
-def test_heatmap_refuses_what_is_not_a_patching_table_or_a_column_of_numbers():
+def test_heatmap_refuses_what_is_not_a_patching_table_or_a_column_of_numbers(tmp_path):
     # heatmap(df, value="error") failed on a float conversion of its first cell, heatmap(log) with a KeyError
     # for a label 'site', heatmap(df, title=3) on 'int' has no attribute 'replace'.
     pytest.importorskip("pandas")
@@ -419,5 +419,13 @@ def test_heatmap_refuses_what_is_not_a_patching_table_or_a_column_of_numbers():
         tl.viz.heatmap(tl.trace(model, x))
     with pytest.raises(TypeError, match=r"heatmap: title= takes a string, got int 3"):
         tl.viz.heatmap(table, title=3)
+    # A .png path was written with SVG text, and a missing folder raised pathlib's bare FileNotFoundError.
+    with pytest.raises(ValueError, match=r"heatmap: path=.*map\.png' does not end in \.svg, but a heatmap is written "
+                                         r"as SVG text"):
+        tl.viz.heatmap(table, tmp_path / "map.png")
+    with pytest.raises(ValueError, match=r"heatmap: path=.* is in .*missing, which does not exist; name an \.svg"):
+        tl.viz.heatmap(table, tmp_path / "missing" / "map.svg")
+    assert list(tmp_path.iterdir()) == []
+    assert tl.viz.heatmap(table, tmp_path / "map.svg").read_text().startswith("<svg")
     attribution = tl.report.attribution_patching(model, x, x + 1, lambda out: out.sum())
     assert tl.viz.heatmap(table).startswith("<svg") and tl.viz.heatmap(attribution, value="estimate").startswith("<svg")

@@ -11,6 +11,8 @@ import math
 import numbers
 from html import escape
 
+from ..checks import check_file_to_write
+
 _CELL, _ROW_LABEL_CHARS, _FONT = 22, 7, 11
 MISSING = "#dddddd"
 
@@ -20,6 +22,8 @@ def heatmap(frame, path=None, value: str = "normalized", title: str | None = Non
     its ``site`` values in order, columns its ``position`` values (one column without that column), cells
     ``frame[value]``.  Written to ``path`` when given (and the path returned)."""
     _check_table(frame, value, title)
+    if path is not None:
+        path = _checked_svg_path(path)
     sites = list(dict.fromkeys(frame["site"]))
     # A site with no positions (no such dimension in its value) has one row at <NA>: a row of grey cells.
     positions = [p for p in dict.fromkeys(frame["position"]) if isinstance(p, numbers.Integral)] \
@@ -55,10 +59,20 @@ def heatmap(frame, path=None, value: str = "normalized", title: str | None = Non
     svg = "\n".join(parts)
     if path is None:
         return svg
+    path.write_text(svg, encoding="utf-8")
+    return path
+
+
+def _checked_svg_path(path):
+    """``path`` as a ``pathlib.Path`` to write the SVG to: a file that can be written, named ``.svg`` (the text
+    is SVG whatever the name says: a ``.png`` would hold no PNG)."""
     import pathlib
 
-    path = pathlib.Path(path)
-    path.write_text(svg, encoding="utf-8")
+    advice = "name an .svg file in an existing folder (a str or a pathlib.Path)"
+    path = pathlib.Path(check_file_to_write(path, "path", advice, who="heatmap"))
+    if path.suffix.lower() != ".svg":
+        raise ValueError(f"heatmap: path={str(path)!r} does not end in .svg, but a heatmap is written as SVG text; "
+                         f"{advice}, or leave path out for the SVG text")
     return path
 
 
