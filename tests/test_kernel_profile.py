@@ -353,8 +353,13 @@ def test_a_chrome_trace_path_that_cannot_be_written_is_refused_before_the_model_
     for bad in (tmp_path / "a_file" / "run.json", tmp_path / "missing" / "run.json", tmp_path):
         _refused_before_the_model_runs("chrome_trace=", chrome_trace=bad)
     model, x = mlp()
-    path, sidecar = tl.report.kernel_profile(model, x, chrome_trace=tmp_path / "run.json").export_chrome_trace(
-        tmp_path / "again.json")
+    kp = tl.report.kernel_profile(model, x, chrome_trace=tmp_path / "run.json")
+    # export_chrome_trace(folder) raised torch's bare IsADirectoryError, a missing folder FileNotFoundError.
+    for bad, problem in ((tmp_path, "is a folder"), (tmp_path / "missing" / "x.json", "is in .*missing, which does "
+                                                                                          "not exist")):
+        with pytest.raises(ValueError, match=rf"^export_chrome_trace: path=.* {problem}; name a file in an existing"):
+            kp.export_chrome_trace(bad)
+    path, sidecar = kp.export_chrome_trace(tmp_path / "again.json")
     assert os.path.exists(tmp_path / "run.json") and os.path.exists(sidecar)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checks import check_file_to_write, check_path, check_takes
+from ..checks import check_file_to_write, check_takes
 from ..errors import ProfilerBusyError, closest_hint, counted
 from ..tree import as_kwargs
 from .markers import ProfilerMarkers
@@ -305,7 +305,8 @@ class KernelProfile:
     # ----- chrome trace + sidecar -----------------------------------------------------------------
     def export_chrome_trace(self, path) -> tuple:
         """Write torch's own chrome export to ``path`` and the id map beside it; returns both paths."""
-        path = check_path(path, "path", "give the file to write (a str or a pathlib.Path)", who="export_chrome_trace")
+        path = check_file_to_write(path, "path", "name a file in an existing folder (a str or a pathlib.Path)",
+                                   who="export_chrome_trace")
         if self.profiler is None:
             raise ValueError("this profile was built from events, not a live profiler: nothing to export")
         self._join()  # also checks the profiler is closed
