@@ -248,6 +248,9 @@ def test_predicate_rejects_meaningless_settings():
     # max_calls_per_sample=0 was taken as 1, min_sample_s=nan failed in math.ceil.
     ("max_calls_per_sample", 0, ValueError, r"max_calls_per_sample=0 is below 1"),
     ("min_sample_s", float("nan"), ValueError, r"min_sample_s=nan is not a number \(NaN\)"),
+    # device="gpu" was read only where CUDA is available: unseen on a CPU machine, torch's error after the warm-up.
+    ("device", "gpu", ValueError, r"measure_overhead: device='gpu' is not a torch device \(.*\); give one such as "),
+    ("device", 1.5, TypeError, r"measure_overhead: device=1\.5 is a float; give one such as 'cuda' or 'cpu'"),
 ])
 def test_a_count_or_duration_that_cannot_work_is_refused_before_any_call(option, value, error, message):
     calls = []

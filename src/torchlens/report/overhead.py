@@ -179,6 +179,7 @@ def measure_overhead(arm_a, arm_b, *, pairs: int = 21, warmup: int = 3,
                  who="measure_overhead", at_least=0, finite=True)
     if order not in ("abba", "random"):
         raise ValueError(f"order must be 'abba' or 'random', got {order!r}")
+    _check_device(device)
     compare = compare or same_output
 
     # Warm-up doubles as the module-call witness and the calibration of calls per sample.
@@ -317,6 +318,21 @@ def _witness_call(fn):
         out = fn()
         elapsed = perf_counter_ns() - start
     return counter.count, elapsed, out
+
+
+def _check_device(device) -> None:
+    """A ``device=`` torch can read, before any arm runs: it is read only where CUDA is available, so a slip
+    (``"gpu"``) would pass unseen on a CPU machine and fail after the warm-up on a GPU one."""
+    advice = "give one such as 'cuda' or 'cpu', or None to sync when an arm's output is on CUDA"
+    if device is None or isinstance(device, torch.device) or type(device) is int:  # an int: a CUDA index
+        return
+    if not isinstance(device, str):
+        raise TypeError(f"measure_overhead: device={device!r} is a {type(device).__name__}; {advice}")
+    try:
+        torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"measure_overhead: device={device!r} is not a torch device ({str(exc).splitlines()[0]}); "
+                         f"{advice}") from None
 
 
 def _needs_sync(device, out) -> bool:
