@@ -180,6 +180,8 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
         _refuse_backward(trace)
     if type(loss) is not torch.Tensor and not isinstance(loss, torch.Tensor):  # the common call: one exact type check
         _refuse_loss(loss)
+    if retain_graph is not None or create_graph is not False:  # the common call passes neither
+        _check_backward_flags(retain_graph, create_graph)
     backwards = trace._gradcap.backwards
     # Positional, as ``Tensor.backward`` passes them: this wrapper is a fixed cost of every traced backward.
     try:
@@ -191,6 +193,18 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
         raise
     if trace._gradcap.backwards == backwards:
         _warn_unreached()
+
+
+def _check_backward_flags(retain_graph, create_graph) -> None:
+    """torch reads a flag that is no bool as an int ("'str' object cannot be interpreted as an integer"), and
+    a string such as "no" would be true to Python."""
+    from ..checks import check_flag
+
+    if retain_graph is not None:
+        check_flag(retain_graph, "retain_graph", "give True to keep the graph for another backward, False or None "
+                   "(the default) to free it", who="log.backward")
+    check_flag(create_graph, "create_graph", "give True to record the backward itself for higher-order gradients, "
+               "False not to", who="log.backward")
 
 
 def _refuse_loss(loss) -> None:
