@@ -39,6 +39,23 @@ def test_result_is_an_object_with_rows_metadata_and_a_readable_table():
     assert "grouped by op" in text and result.rows[0]["address"] in text
 
 
+def test_rows_are_indexed_by_position_and_anything_else_is_refused_saying_how():
+    # hot[True] gave row 1, hot["linear_1_1:1"] said "list indices must be integers or slices, not str", and
+    # hot[100] "list index out of range".
+    model, args, kwargs = zoo()["mlp"]
+    result = tl.debug.hot_path(tl.trace(model, args, kwargs), by="flops")
+    assert result[0] is result.rows[0] and result[-1] is result.rows[-1] and result[1:3] == result.rows[1:3]
+    address = result.rows[0]["address"]
+    with pytest.raises(TypeError, match=rf"indexed by position \(an int or a slice\), not str; find a row by its "
+                                        rf"address with next\(r for r in hot\.rows if r\['address'\] == '{address}'\)"):
+        result[address]
+    for key in (True, None, 1.5):
+        with pytest.raises(TypeError, match=rf"a hot path's rows are a list, .* not {type(key).__name__}$"):
+            result[key]
+    with pytest.raises(IndexError, match=rf"hot path row 100 is out of range: it has {len(result)} rows"):
+        result[100]
+
+
 def test_durations_are_the_instrumented_call_times_counted_once_per_call():
     log = tl.trace(lambda x: torch.max(x, dim=1), torch.randn(4, 9))
     result = tl.debug.hot_path(log, by="duration")

@@ -9,6 +9,7 @@ ranked as if they cost nothing.  Inputs, buffers and outputs are not torch calls
 
 from __future__ import annotations
 
+from ..checks import as_position
 from ..errors import counted, listed
 from ..record.modules import enclosing_calls
 from ..record.trace import checked_trace
@@ -69,6 +70,14 @@ class HotPath:
         return iter(self.rows)
 
     def __getitem__(self, i):
+        i = as_position(i)  # a NumPy integer is a position
+        if type(i) is not int and not isinstance(i, slice):  # a bool too: never meant as row 0 or row 1
+            found = f"; find a row by its address with next(r for r in hot.rows if r['address'] == {i!r})" \
+                if isinstance(i, str) else ""
+            raise TypeError(f"a hot path's rows are a list, hottest first, indexed by position (an int or a slice), "
+                            f"not {type(i).__name__}{found}")
+        if isinstance(i, int) and not -len(self.rows) <= i < len(self.rows):
+            raise IndexError(f"hot path row {i} is out of range: it has {len(self.rows)} rows")
         return self.rows[i]
 
     def __str__(self) -> str:
