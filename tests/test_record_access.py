@@ -138,3 +138,12 @@ def test_output_producer_refuses_what_is_not_an_output_node():
     for index in (True, "output_1:1", 1.0, None):
         with pytest.raises(TypeError, match="output_producer: index=.* not an int; give the op index of an output"):
             log.output_producer(index)
+
+
+def test_a_record_is_in_the_trace_that_made_it_and_in_no_other():
+    # `log["linear_1_2:1"] in log` was False: a record is no label string, so it was looked up as a key and refused.
+    log, other = _traced(), _traced()
+    records = [log["linear_1_2:1"], log["linear_1_2"], log.module_calls[0], log.modules[0], log.params[0]]
+    assert all(record in log for record in records)
+    assert not any(record in other for record in records)
+    assert "linear_1_2:1" in log and 0 in log and len(log) not in log and "linear_9_9:1" not in log

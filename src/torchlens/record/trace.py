@@ -25,7 +25,7 @@ from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
 from .trace_columns import TraceColumns
-from .view import RecordList
+from .view import RecordList, View
 
 
 _NOT_COPIED = ("a Trace cannot be {} (a live one holds the model and torch's callables; every one holds a record "
@@ -455,6 +455,8 @@ class Trace(TraceColumns):
     def __contains__(self, key) -> bool:
         if type(key) is str:  # a key naming two things is in the trace too, though log[key] refuses it
             return key in self._keys()
+        if isinstance(key, (View, Layer)):  # a record (log['fc:1'], log.params[0]) is in the trace that made it
+            return key._trace is self
         try:
             self[key]
         except (KeyError, IndexError, TypeError):
