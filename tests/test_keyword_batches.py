@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 
 import torchlens as tl
 
@@ -43,6 +44,21 @@ def test_a_tokenizers_mapping_is_taken_as_the_keyword_arguments(gpt2):
 def test_keyword_arguments_that_are_no_mapping_are_still_refused(gpt2):
     with pytest.raises(TypeError, match=r"kwargs must be a dict \(or another mapping\).*got a list"):
         tl.trace(gpt2, (), [torch.tensor([[5, 9]])])
+
+
+def test_keyword_arguments_named_by_no_string_are_refused_before_the_forward():
+    # {0: x} as kwargs failed as the forward was called, with Python's "keywords must be strings" noted as raised
+    # "in the root forward": the model never ran.
+    model, x = nn.Linear(4, 4), torch.randn(2, 4)
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    for name, run in (("trace", tl.trace), ("validate", tl.validate)):
+        with pytest.raises(TypeError, match=rf"^tl\.{name}: kwargs are keyword arguments, named by strings, but one "
+                                            r"key is int 0; positional arguments go in args, as a tuple$") as refused:
+            run(model, (), {0: x})
+        assert not getattr(refused.value, "__notes__", None)
+    assert calls == []
+    assert torch.equal(tl.trace(model, (), {"input": x}).output, model(x))
 
 
 def _notes(exc_info) -> str:

@@ -590,10 +590,14 @@ def as_kwargs(value, who: str = "tl.trace") -> dict:
     the common slip of giving a second positional argument where the keywords go, and is refused saying so."""
     if value is None:
         return {}
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise TypeError(f"{who}: kwargs must be a dict (or another mapping) of keyword arguments for forward, got a "
-                    f"{type(value).__name__}; to call forward with several positional arguments, give them "
-                    f"as one tuple: {who}(model, (x, y))")
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{who}: kwargs must be a dict (or another mapping) of keyword arguments for forward, got a "
+                        f"{type(value).__name__}; to call forward with several positional arguments, give them "
+                        f"as one tuple: {who}(model, (x, y))")
+    named = value if isinstance(value, dict) else dict(value)
+    # Python's own refusal ("keywords must be strings") would come as the forward is called, read as the model's.
+    wrong = next((key for key in named if not isinstance(key, str)), None)
+    if wrong is not None:
+        raise TypeError(f"{who}: kwargs are keyword arguments, named by strings, but one key is "
+                        f"{type(wrong).__name__} {wrong!r}; positional arguments go in args, as a tuple")
+    return named
