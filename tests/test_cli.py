@@ -314,6 +314,21 @@ def test_integer_inputs_outside_the_dtype_or_an_empty_range_are_usage_errors(mod
     assert f"--high {high}: integer inputs are drawn from [0, HIGH)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, message", [
+    # A seed past 64 bits ended with status 1 and "ValueError: Overflow when unpacking long long", a shape past
+    # what torch can allocate with "RuntimeError: Storage size calculation overflowed": both read as the model's.
+    (["--seed", str(2 ** 70)], f"--seed {2 ** 70}: a seed is an integer from -2**63 to 2**64 - 1"),
+    (["--input", "99999999999x99999999999"], "--input 99999999999x99999999999: cannot make a random tensor of that "
+                                             "shape (Storage size calculation overflowed"),
+])
+def test_a_seed_or_a_shape_torch_cannot_take_is_a_usage_error(models, monkeypatch, capsys, extra, message):
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"torchlens: error: {message}" in err and "the model failed" not in err
+
+
 def test_integer_inputs_may_reach_the_top_of_their_dtype():
     from torchlens.cli.targets import make_inputs
 

@@ -117,18 +117,33 @@ def make_inputs(shapes, dtype_name, seed, high, device):
         dtype = torch_constant("dtype", dtype_name)
     except ValueError:
         raise UsageError(f"--dtype {dtype_name!r} is not a torch dtype (try float32, float16, int64)") from None
-    g = torch.Generator().manual_seed(seed)
+    try:
+        g = torch.Generator().manual_seed(seed)
+    except (RuntimeError, ValueError, OverflowError):
+        raise UsageError(f"--seed {seed}: a seed is an integer from -2**63 to 2**64 - 1") from None
     args = []
     for text in shapes:
         shape = parse_shape(text)
-        if dtype.is_floating_point or dtype.is_complex:
-            t = torch.randn(shape, generator=g).to(dtype)
-        elif dtype == torch.bool:
-            t = torch.randint(0, 2, shape, generator=g).bool()
-        else:
-            t = torch.randint(0, checked_high(dtype, dtype_name, high), shape, generator=g).to(dtype)
+        high_for_ints = None if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool else \
+            checked_high(dtype, dtype_name, high)
+        try:
+            t = _random_input(shape, dtype, high_for_ints, g)
+        except (RuntimeError, MemoryError) as exc:  # a shape past what torch can allocate: the input, not the model
+            raise UsageError(f"--input {text}: cannot make a random tensor of that shape "
+                             f"({str(exc).splitlines()[0]}); give a smaller one") from None
         args.append(t.to(device))
     return tuple(args)
+
+
+def _random_input(shape, dtype, high, g):
+    """A random input: normal for a floating or complex dtype, 0 or 1 for bool, integers in ``[0, high)``."""
+    import torch
+
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(0, high, shape, generator=g).to(dtype)
 
 
 def checked_high(dtype, dtype_name: str, high: int) -> int:
