@@ -43,6 +43,7 @@ MODELS = textwrap.dedent('''
         return lambda x, y: torch.relu(x + y)
 
     INSTANCE = Pair()
+    SIZE = 8
 ''')
 
 
@@ -161,6 +162,10 @@ def test_each_command_help_has_examples(capsys):
     (["trace", "sub\\clitargets.py:build", "--input", "2x8"], "(folders are separated by '/' here: sub/clitargets.py)"),
     (["show", "not_a_folder"], "not a folder"),
     (["trace", "clitargets:needs_args", "--input", "2x8"], "cannot be called with no arguments"),
+    # An imported Python module was "a module, not a module", a number "a int".
+    (["trace", "clitargets:torch", "--input", "2x8"], "clitargets:torch is a Python module, not an nn.Module or a "
+                                                       "factory"),
+    (["trace", "clitargets:SIZE", "--input", "2x8"], "clitargets:SIZE is an int, not an nn.Module or a factory"),
 ])
 def test_usage_errors_in_process(models, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(models)

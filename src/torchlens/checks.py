@@ -21,7 +21,7 @@ def check_number(value, name: str, advice: str, *, who: str = "", at_least=None,
     TypeError or ValueError naming ``name`` and ending with ``advice``."""
     kind = numbers.Complex if complex_ok else numbers.Real  # a Decimal is neither: it mixes with no float
     if isinstance(value, bool) or not isinstance(value, kind):
-        _refuse(TypeError, who, name, value, _is_a(value), advice)
+        _refuse(TypeError, who, name, value, is_a(value), advice)
     if value != value:  # NaN, real or complex
         _refuse(ValueError, who, name, value, "is not a number (NaN)", advice)
     if finite and _is_infinite(value):
@@ -42,7 +42,7 @@ def check_int(value, name: str, advice: str, *, who: str = "", at_least=None) ->
     """``value`` when it is an int (not a bool, not a float such as 2.0) and ``>= at_least`` when that is given;
     otherwise a TypeError or ValueError naming ``name`` and ending with ``advice``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _refuse(TypeError, who, name, value, f"{_is_a(value)}, not an int", advice)
+        _refuse(TypeError, who, name, value, f"{is_a(value)}, not an int", advice)
     if at_least is not None:
         _check_at_least(value, name, advice, who, at_least)
     return value
@@ -60,7 +60,7 @@ def check_flag(value, name: str, advice: str = "give True or False", *, who: str
     """``value`` when it is True or False: a string such as ``"no"`` is true to Python, and would be read as
     the opposite of what it says."""
     if value is not True and value is not False:
-        _refuse(TypeError, who, name, value, f"{_is_a(value)}, not True or False", advice)
+        _refuse(TypeError, who, name, value, f"{is_a(value)}, not True or False", advice)
     return value
 
 
@@ -72,7 +72,7 @@ def check_path(value, name: str, advice: str, *, who: str = ""):
     try:
         return os.fsdecode(os.fspath(value))
     except TypeError:
-        _refuse(TypeError, who, name, value, _is_a(value), advice)
+        _refuse(TypeError, who, name, value, is_a(value), advice)
 
 
 def check_file_to_write(value, name: str, advice: str, *, who: str = ""):
@@ -135,7 +135,7 @@ _COUNTS = {2: "two", 3: "three"}
 
 def _check_at_least(value, name, advice, who, at_least) -> None:
     if not isinstance(value, numbers.Real):  # complex: no order
-        _refuse(TypeError, who, name, value, f"{_is_a(value)}, not a real number", advice)
+        _refuse(TypeError, who, name, value, f"{is_a(value)}, not a real number", advice)
     if value < at_least:
         _refuse(ValueError, who, name, value, "is negative" if at_least == 0 else f"is below {at_least}", advice)
 
@@ -147,7 +147,8 @@ def _is_infinite(value) -> bool:
         return False
 
 
-def _is_a(value) -> str:
+def is_a(value) -> str:
+    """``"is a float"``, ``"is an int"``: what ``value`` is, for a message."""
     kind = type(value).__name__
     return f"is {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
 

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from ..checks import unwritable_file
+from ..checks import is_a, unwritable_file
 
 USAGE, MODEL = 2, 1
 
@@ -84,7 +84,9 @@ def _build_model(obj, spec):
     if isinstance(obj, torch.nn.Module):
         return obj
     if not callable(obj):
-        raise UsageError(f"{spec} is a {type(obj).__name__}, not a module or a factory returning one")
+        # A Python module (``pkg:torch``) is no nn.Module: say which kind of module it is.
+        what = "is a Python module" if inspect.ismodule(obj) else is_a(obj)
+        raise UsageError(f"{spec} {what}, not an nn.Module or a factory returning one")
     try:
         inspect.signature(obj).bind()
     except TypeError as exc:
