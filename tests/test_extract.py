@@ -352,6 +352,20 @@ def test_one_tensor_or_one_dict_as_inputs_is_refused_not_iterated(tmp_path):
         assert torch.equal(torch.from_numpy(tl.load_extracted(tmp_path / "z")["1"][:]), model(images))
 
 
+def test_a_layers_entry_that_is_no_name_is_refused_naming_it(tmp_path):
+    # A predicate or an empty name among the layers was refused as "layers must be a non-empty list", of a list
+    # that was not empty, naming neither the entry nor why.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    with pytest.raises(TypeError, match=r"^layers lists a function \(<function .*\); each entry names one op per "
+                                        r"batch by its label or module address"):
+        tl.extract(model, [torch.randn(2, 4)], ["0", lambda op: True], tmp_path / "x", progress=False)
+    with pytest.raises(ValueError, match=r"^layers lists an empty name; each entry names one op per batch"):
+        tl.extract(model, [torch.randn(2, 4)], ["0", ""], tmp_path / "x", progress=False)
+    with pytest.raises(ValueError, match=r"^layers must be a non-empty list"):
+        tl.extract(model, [torch.randn(2, 4)], [], tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
 def test_an_input_of_one_row_broadcast_over_the_batch_does_not_set_the_batch_size(tmp_path):
     # position_ids of shape (1, S) listed before input_ids of shape (B, S) gave "ln_f has 3 rows along dim 0, but
     # the batch has 1": the batch size was dim 0 of the first input tensor, whatever it was.

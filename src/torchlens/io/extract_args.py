@@ -18,9 +18,15 @@ def check_layers(layers) -> list:
         raise TypeError(f"layers is a list of op labels or module addresses, e.g. ['fc', 'relu_1_2'], got "
                         f"{type(layers).__name__}")
     layers = list(layers)
-    if not layers or not all(isinstance(name, str) and name for name in layers):
+    if not layers:
         raise ValueError("layers must be a non-empty list of op labels or module addresses, e.g. ['fc', "
                          "'relu_1_2']")
+    named = "each entry names one op per batch by its label or module address, e.g. ['fc', 'relu_1_2']"
+    for name in layers:
+        if not isinstance(name, str):  # a predicate, a module object: no fixed op to stack batch after batch
+            raise TypeError(f"layers lists a {type(name).__name__} ({name!r:.60}); {named}")
+        if not name:
+            raise ValueError(f"layers lists an empty name; {named}")
     if len(set(layers)) != len(layers):
         raise ValueError(f"layers lists a name twice: {layers}")
     return layers
