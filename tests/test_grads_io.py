@@ -109,6 +109,12 @@ def test_extract_streams_gradients_beside_activations(tmp_path):
 
     with pytest.raises(ValueError, match="loss_fn"):
         tl.extract(model, batches, ["0"], tmp_path / "x", grads=True, progress=False)
+    # A loss of several numbers failed in autograd: "grad can be implicitly created only for scalar outputs".
+    with pytest.raises(ValueError, match=r"batch 0: loss_fn returned a tensor of shape \(5, 3\); it must return one "
+                                         r"number to backpropagate from \(reduce it: \.sum\(\) or \.mean\(\)\)"):
+        tl.extract(model, batches, ["0"], tmp_path / "x", args_of=lambda b: b[0], grads=True,
+                   loss_fn=lambda output, batch: output, progress=False)
+    assert all(p.grad is None for p in model.parameters())
     out = tl.extract(model, batches, ["0", "2"], tmp_path / "e", args_of=lambda b: b[0], grads=True,
                      loss_fn=loss_fn, progress=False)
     arrays = tl.load_extracted(out, as_torch=True)

@@ -51,6 +51,9 @@ def backward_through(log, loss_fn, batch, position, module=None) -> None:
         raise ValueError(f"batch {position}: loss_fn returned {type(loss).__name__}"
                          f"{' that does not require grad' if isinstance(loss, torch.Tensor) else ''}; it must "
                          "return a tensor computed from the model's output")
+    if loss.numel() != 1:  # autograd's own refusal ("grad can be implicitly created only for scalar outputs")
+        raise ValueError(f"batch {position}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return "
+                         "one number to backpropagate from (reduce it: .sum() or .mean())")
     with grads_set_aside(parameters_read(log, module)):
         log.backward(loss)
 
