@@ -77,8 +77,17 @@ def test_an_unknown_label_raises_with_the_closest_labels_before_the_intervened_r
 
 def test_a_module_call_never_made_is_an_error():
     model, x = SharedModule().eval(), torch.randn(2, 8)
-    with pytest.raises(tl.InterventionError, match="never reached"):
+    with pytest.raises(tl.InterventionError, match=r"^intervention site\(s\) 'fc:4' were never reached: .*; nothing "
+                                                   "was changed there"):
         tl.trace(model, x, intervene={"fc:4": tl.zero_ablate()})
+    # As a stop_after= site it was called an intervention site, and said nothing was changed: nothing was to be.
+    with pytest.raises(tl.InterventionError, match=r"^stop_after site 'fc:4' was never reached: the forward ran no "
+                                                   r"such op or module call .*, and the forward ran to its end; name a "
+                                                   "site it reaches"):
+        tl.trace(model, x, stop_after="fc:4")
+    with pytest.raises(tl.InterventionError, match=r"^intervention site\(s\) 'fc:5' were never reached"):
+        tl.trace(model, x, intervene={"fc:5": tl.zero_ablate()}, stop_after="fc:4")
+    assert_clean_process()
 
 
 def test_control_flow_diverging_from_the_reference_names_the_site():

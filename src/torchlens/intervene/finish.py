@@ -35,12 +35,17 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     unmet = runtime.unmet()
     _refuse_a_run_that_ended_before_some_ops(runtime)
     if unmet:
-        names = _site_names(unmet)
-        whole = [site.address for site in unmet if isinstance(site, ModuleSite) and site.call_number is None]
-        raise InterventionError(f"intervention site(s) {names} were never reached: the forward ran no such op or "
-                                "module call (a module call number past its last call, or control flow that skipped "
-                                f"it){_unmet_module_hint(trace, whole)}; nothing was changed there."
-                                f"{runtime._written_note()}")
+        edits = [site for site in unmet if not site.stop]  # a stop_after= site alone changes nothing
+        named = edits or unmet
+        whole = [site.address for site in named if isinstance(site, ModuleSite) and site.call_number is None]
+        never = (f"the forward ran no such op or module call (a module call number past its last call, or control "
+                 f"flow that skipped it){_unmet_module_hint(trace, whole)}")
+        if not edits:
+            raise InterventionError(f"stop_after site {_site_names(named)} was never reached: {never}, and the "
+                                    "forward ran to its end; name a site it reaches (print(tl.trace(model, x)) lists "
+                                    "its ops and module calls)")
+        raise InterventionError(f"intervention site(s) {_site_names(named)} were never reached: {never}; nothing "
+                                f"was changed there.{runtime._written_note()}")
     _refuse_ops_past_the_reference(runtime, trace)
 
 
