@@ -91,6 +91,31 @@ def test_root_names_the_module_behind_a_lambda():
     assert kept["lm_head"].has_activation
 
 
+def test_an_address_asked_of_a_callable_given_no_root_says_to_pass_root():
+    # log["fc"] of `lambda x: model(x)` said only that no such name is in the trace, and save=["fc"] that "a
+    # selection takes module addresses, not module classes", since "fc"... matched a class name by substring.
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    plain = tl.trace(lambda t: model(t), x)
+    no_root = r"\(the traced callable is no module and was given no root=, so its modules have no addresses, only " \
+              r"names such as <unregistered Sequential #1>: pass root= the module it runs"
+    with pytest.raises(KeyError, match=rf"no op, layer, module call or module named 'fc' in this trace {no_root}"):
+        plain["fc"]
+    with pytest.raises(tl.UnmatchedSelection, match=rf"save= matched nothing for it {no_root}") as refused:
+        tl.trace(lambda t: model(t), x, save=["fc"])
+    assert "module classes" not in str(refused.value)
+    with pytest.raises(KeyError) as mistyped:  # a mistyped label is answered with the closest labels alone
+        plain["linaer_1_1:1"]
+    assert "closest: linear_1_1:1" in str(mistyped.value) and "root=" not in str(mistyped.value)
+    assert tl.trace(lambda t: model(t), x, root=model)["fc"].label == "linear_1_1:1"
+    # Given root=, a module the forward makes is unregistered too, but root= was given: no such note.
+    made = tl.trace(lambda t: model(t) + nn.Linear(4, 4)(t), x, root=model)
+    with pytest.raises(KeyError) as unknown:
+        made["head"]
+    assert "root=" not in str(unknown.value) and any("unregistered" in m.address for m in made.modules)
+
+
 def test_a_partial_of_a_module_or_of_its_method_names_modules_from_that_module():
     """``functools.partial`` is how a fixed keyword (an attention mask, ``use_cache=False``) is bound to a
     model: the module behind it names the modules, as for the bound method itself."""

@@ -11,7 +11,6 @@ are released then.
 
 from __future__ import annotations
 
-import re
 import threading
 
 import torch
@@ -19,9 +18,9 @@ import torch.compiler as _compiler
 
 from ..checks import check_takes
 from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint, listed
-from ..labels.naming import folded, func_name_of, type_of_name
+from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
-from ..record.lookup import alias_note, refuse_ambiguous
+from ..record.lookup import alias_note, no_root_note, refuse_ambiguous
 from ..record.modules import is_unregistered
 from ..record.model_index import (container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
@@ -33,7 +32,6 @@ from .bindings import is_bound
 from .state import storage_key
 from .teardown import HookHandles
 
-_LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 _IO_PATH = ("input.", "output.")  # an input's or output's path (input.attention_mask), as log[path] finds it
 
 
@@ -112,7 +110,7 @@ class SavePolicy:
                     self.containers[address] = note
                 self.module_ids.add(id(modules[address]))
                 self.selected_modules[id(modules[address])] = modules[address]
-            elif _LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")) or item.startswith(_IO_PATH):
+            elif LABEL.match(item) or item.startswith(("input_", "output_", "buffer_")) or item.startswith(_IO_PATH):
                 self.labels.add(item)
             else:
                 self.types.add(folded(item))
@@ -175,7 +173,7 @@ class SavePolicy:
         if not (self.labels or self.types or self.addresses or self.call_labels):
             return  # "all", "none" or a predicate: nothing to match
         for entry in sorted(self.addresses | self.call_labels):
-            if _LABEL.match(entry):  # a module named like a label: refused where the label names other ops
+            if LABEL.match(entry):  # a module named like a label: refused where the label names other ops
                 refuse_ambiguous(trace, entry, f"{option}= entry ")
         for entry, op_type in self.shadowed_types.items():
             _refuse_a_module_read_as_a_type(trace, entry, op_type, option)
@@ -198,7 +196,7 @@ class SavePolicy:
             names = sorted(known | types | called | calls | paths)
             _refuse_made_in_forward(entry, calls, option)
             hint = alias_note(trace, entry) or tensor_address_note(trace.model, entry, f"{option}=") or \
-                closest_hint(entry, names)
+                closest_hint(entry, names) + no_root_note(trace, entry)
             hint += _module_class_hint(trace, entry) + _whole_option_hint(entry, option)
             ran = ""
             # a module of the model that made no call, named by its address or by a call label ("spare:1")
@@ -447,6 +445,8 @@ def _module_class_hint(trace, entry: str) -> str:
     """Where ``entry`` names a module class (``T5LayerNorm``, or part of one: ``layernorm``), the addresses
     that select its modules: a selection takes addresses, not classes."""
     wanted = folded(entry)
+    if len(wanted) < 3:  # "l" or "fc" is part of many class names, and no class's name
+        return ""
     addresses: dict = {}
     for module in trace.modules:
         if module.num_calls and wanted in folded(module.class_name):

@@ -327,6 +327,8 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     if rank[0] is not None:  # else not under torch.distributed
         result.rank, result.world_size = rank
     result._root_class = type(root).__name__ if root is not None else model_name
+    if root is None:
+        result._rootless = True
     result._module_call_frames = state.call_frames
     if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
         policy.check_matched(result, stopped_after=runtime.stopped_at if runtime is not None else None)

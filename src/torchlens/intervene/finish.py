@@ -12,7 +12,8 @@ from ..record.lookup import refuse_ambiguous
 from ..record.op import Layer
 from ..record.params import bypassed_call_hint
 from .runtime import Interventions
-from .sites import _LABEL, ModuleSite
+from ..labels.naming import LABEL
+from .sites import ModuleSite
 
 
 def finish_interventions(runtime: Interventions, trace) -> None:
@@ -21,7 +22,7 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     _warn_calls_on_other_threads(runtime)
     module_of = None  # address -> the Module record it names, made once for every numbered module site
     for site in runtime.module_sites:
-        if _LABEL.match(site.key):  # a module named like a label: refused where the label names other ops
+        if LABEL.match(site.key):  # a module named like a label: refused where the label names other ops
             refuse_ambiguous(trace, site.key, "intervention site ")
         if site.call_number is not None:
             module_of = _modules_by_address(trace) if module_of is None else module_of

@@ -12,7 +12,6 @@ forward that took another path fails loudly instead of editing the wrong op.
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 import torch
@@ -26,10 +25,9 @@ from ..record.modules import Module, enclosing_calls
 from ..record.op import Layer, Op
 from ..capture.saving import is_io_path
 from ..capture.source import line_of, source_of
-from ..labels.naming import func_name_of
+from ..labels.naming import LABEL, func_name_of
 from .actions import as_action
 
-_LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 _IN_PLACE = "_compiled_call_impl"  # the instance attribute module.compile() sets
 
 
@@ -163,7 +161,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
                 raise KeyError(f"module call {key!r}: calls are numbered from 1")
             _refuse_alias_call(key, address, modules, first_names)
             module_sites.append(ModuleSite(key, action, address, modules[address], int(number), stop))
-        elif _LABEL.match(key) or is_io_path(key):  # an input's or output's path is refused against the reference,
+        elif LABEL.match(key) or is_io_path(key):  # an input's or output's path is refused against the reference,
             pending.append((key, action, stop))   # naming the ops that read it or the op that makes it
         elif address == "self" and number.isdigit() and isinstance(model, torch.nn.Module):
             raise KeyError(f"{kind} {key!r} is a call of the root module itself (a callable's call of "

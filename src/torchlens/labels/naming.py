@@ -12,6 +12,11 @@ commutative reflected operators map back to their forward name (``__radd__`` -> 
 from __future__ import annotations
 
 import functools
+import re
+
+# An op or layer label (``linear_1_1``, ``linear_1_1:2``, ``input_1:1``): what a module address never looks like,
+# unless a module is named so, which the readers of a name then refuse as ambiguous.
+LABEL = re.compile(r"^[a-z0-9]+_\d+(_\d+)?(:\d+)?$")
 
 _REFLECTED_TO_FORWARD = {
     "__radd__": "add",

@@ -15,9 +15,10 @@ quietly.
 from __future__ import annotations
 
 from ..errors import AmbiguousKey, closest_hint, listed
+from ..labels.naming import LABEL
 from .columns import Kind
 from .model_index import container_note
-from .modules import Module, ModuleCall
+from .modules import Module, ModuleCall, is_unregistered
 from .op import Layer, Op
 
 
@@ -116,7 +117,19 @@ def missing_key_note(trace, key: str) -> str:
     """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
     of a module, a parameter or buffer, a module the forward never ran, a container), else the closest keys."""
     return alias_note(trace, key) or record_address_note(trace, key) or \
-        unrun_module_note(trace, key) + closest_hint(key, trace._lookup)
+        unrun_module_note(trace, key) + closest_hint(key, trace._lookup) + no_root_note(trace, key)
+
+
+def no_root_note(trace, key: str) -> str:
+    """For a module-like key of a trace of a callable given no ``root=`` (``lambda x: model(x)``): its modules have
+    no addresses, only ``<unregistered Linear #1>`` names, so no address of the model can name one."""
+    if not trace._rootless or LABEL.match(key):  # a mistyped label: the closest labels say it all
+        return ""
+    unnamed = next((row.address for row in trace._module_rows if is_unregistered(row.address)), None)
+    if unnamed is None:  # the callable ran no module: there is nothing root= would name
+        return ""
+    return (f" (the traced callable is no module and was given no root=, so its modules have no addresses, only names "
+            f"such as {unnamed}: pass root= the module it runs to name them by their addresses)")
 
 
 def unrun_module_note(trace, key: str) -> str:

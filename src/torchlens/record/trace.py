@@ -60,6 +60,7 @@ class Trace(TraceColumns):
     _autocast: dict = {}  # capture.session: device type -> autocast state around the forward, for replay
     _settings: tuple = ()  # capture.session: global_settings() as the forward began and as it ended, for replay
     _root_class = None  # capture.session: the root module's class name (the module table's first row)
+    _rootless = False  # capture.session: True for a callable traced with no module to name its modules (no root=)
     _input_aliases: dict = {}  # capture.session: input slot -> the input op of the tensor an earlier slot named
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
     _output_structure = None  # io.load: (the output with an OutputSlot per tensor,), from record.saved_output
