@@ -529,7 +529,7 @@ def total_flops(trace) -> FlopCount:
 
 def module_call_flops(trace) -> dict:
     """``{module call label: FlopCount}``, inclusive of nested calls, in call order."""
-    column = flops_column(trace)
+    column = flops_column(checked_trace(trace, "module_call_flops"))
     calls, parents = trace.module_calls, trace.module_call_parents
     totals = [0] * len(calls)
     counted = [0] * len(calls)
@@ -548,7 +548,7 @@ def module_call_flops(trace) -> dict:
 def family_totals(trace) -> dict:
     """``{family: flops}`` over the whole trace (unknown ops are in ``total_flops(trace).unknown``)."""
     totals = dict.fromkeys(FAMILIES, 0)
-    for parts in flops_column(trace):
+    for parts in flops_column(checked_trace(trace, "family_totals")):
         for family, n in (parts or {}).items():
             totals[family] += n
     return totals
