@@ -4,6 +4,7 @@ traces gathered from real ranks are in test_distributed.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import torchlens as tl
@@ -99,3 +100,19 @@ def test_an_agreement_without_values_says_no_values_were_compared():
     full = [tl.trace(MaybeSkips(True), x) for _ in range(2)]
     (row,) = tl.distributed.compare(full).to_dict("records")
     assert (row["diverges"], row["reason"], row["ops_compared"]) == (False, None, len(full[0].ops))
+
+
+def test_a_rank_trace_of_labels_not_saved_leaves_them_out_and_activations_of_no_kind_are_refused():
+    # RankTrace.of (what gather sends) read op.activation, which is None where nothing was saved, and failed with
+    # "'NoneType' object has no attribute 'detach'": under torchrun that rank raised while the others waited at
+    # the gather.  activations=5 failed on "'int' object is not iterable".
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    selected = tl.trace(FillsEmpty(), x, save=["head"])
+    sent = tl.distributed.RankTrace.of(selected, activations=["linear_1_1:1", "linear_2_6:1"])
+    assert list(sent.activations) == ["linear_2_6:1"]
+    assert torch.equal(sent.activations["linear_2_6:1"], selected["linear_2_6:1"].activation)
+    assert tl.distributed.RankTrace.of(tl.trace(FillsEmpty(), x, save="none"), activations=True).activations == {}
+    for activations in (5, [1, 2]):
+        with pytest.raises(TypeError, match=r"^gather: activations=.* is not understood; give False \(metadata only\), "
+                                            r"True \(every saved activation\) or a list of op labels"):
+            tl.distributed.gather(selected, activations=activations)  # refused before any process group is read

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checks import LONGEST_WAIT_S, check_int, check_number
-from ..errors import ActivationUnavailable, RankFailedError
+from ..errors import ActivationUnavailable, RankFailedError, closest_hint
 from ..io.identity import own_values
 from ..record.trace import checked_trace
 from ..record.columns import uninitialized_ops
@@ -47,11 +47,13 @@ class RankTrace:
                         "dtype": str(op.dtype), "parents": list(op.parents), "uninitialized": op.index in undefined})
             if op.label in wanted:
                 try:
+                    value = op.activation  # None where not saved
+                except ActivationUnavailable:
+                    value = None
+                if value is not None:  # dropped or never saved: compare reports it as not compared
                     # A DTensor travels as this rank's shard: compared as one (compare runs on one rank), it would
                     # wait at a collective for the other ranks.
-                    acts[op.label] = own_values(op.activation).detach().to("cpu")
-                except ActivationUnavailable:
-                    pass  # dropped or never saved: compare reports it as not compared
+                    acts[op.label] = own_values(value).detach().to("cpu")
         return cls(trace.rank, trace.world_size, trace.model_name, ops, acts)
 
     def __len__(self) -> int:
@@ -75,7 +77,12 @@ def _asked_labels(activations):
         return []
     if activations is True or activations == "all":
         return None
-    return [activations] if isinstance(activations, str) else list(activations)
+    labels = [activations] if isinstance(activations, str) else \
+        list(activations) if isinstance(activations, (list, tuple, set, frozenset)) else None
+    if labels is None or not all(isinstance(label, str) for label in labels):
+        raise TypeError(f"gather: activations={activations!r:.60} is not understood; give False (metadata only), "
+                        "True (every saved activation) or a list of op labels")
+    return labels
 
 
 def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float = ARRIVAL_TIMEOUT_S):
@@ -94,6 +101,7 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
     import torch.distributed as dist
 
     checked_trace(trace, "gather")
+    _asked_labels(activations)  # refused on every rank alike, before any waits
     check_int(dst, "dst", "give the rank that receives every trace, 0 or more", who="gather", at_least=0)
     # NaN or a negative wait would time out at once (or never, for inf) on every rank; the store counts whole
     # milliseconds and waits forever on 0, so a wait shorter than one would never end either.
@@ -127,4 +135,4 @@ def _check_known(traces, asked) -> None:
     known = {row["label"] for t in traces for row in t.ops}
     unknown = [a for a in asked if a not in known]
     if unknown:
-        raise KeyError(f"gather: no rank has an op labelled {unknown[0]!r}")
+        raise KeyError(f"gather: no rank has an op labelled {unknown[0]!r}{closest_hint(unknown[0], known)}")
