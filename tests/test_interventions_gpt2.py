@@ -263,6 +263,23 @@ def test_patching_between_runs_of_other_shapes_is_refused_not_broadcast(gpt2):
         assert "but the corrupted run's" in calls.note["transformer.h.1:1"]
 
 
+def test_mean_ablate_from_runs_of_another_length_is_refused_not_broadcast(gpt2):
+    """The batch mean of another trace stands for this run's value only where the two agree outside the
+    averaged dimensions: the mean of one-token prompts would otherwise be written at all six positions."""
+    model, clean, _ = gpt2
+    one_token = tl.trace(model, torch.tensor([[5], [7], [9]]))
+    with pytest.raises(tl.InterventionError, match=r"\(3, 1, 32\) but this run's has \(1, 6, 32\), which differ "
+                                                   r"outside the dimensions averaged over \(0\)"):
+        tl.trace(model, clean, intervene={"transformer.h.0": tl.mean_ablate(trace=one_token)})
+    other_batch = tl.trace(model, torch.cat([clean, clean.flip(1)]))  # another batch size, the same length
+    log = tl.trace(model, clean, intervene={"transformer.h.0": tl.mean_ablate(trace=other_batch)})
+    mean = other_batch["transformer.h.0"].activation.mean(0, keepdim=True)
+    assert torch.equal(log["transformer.h.0"].activation, mean)
+    everything = tl.trace(model, clean, intervene={"transformer.h.0": tl.mean_ablate(dims=None, trace=one_token)})
+    assert torch.equal(everything["transformer.h.0"].activation[0, 3],
+                       one_token["transformer.h.0"].activation.mean().expand(32))
+
+
 def test_patching_by_position_between_prompts_of_other_lengths_is_refused_in_every_row(gpt2):
     """Index 2 of a 6-token run and of a 5-token run are not the same place: each row says why, instead of
     patching the indices both runs have and failing with an index error past the shorter one."""

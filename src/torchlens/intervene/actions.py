@@ -218,7 +218,8 @@ class mean_ablate(Action):  # noqa: N801
     def value(self, tensor, op, at):
         _check_dims(self, _as_tuple(self.dims), tensor, op)
         _needs_float(self, tensor, op)
-        source = tensor if self.trace is None else source_value(self.trace, op, "tl.mean_ablate")
+        source = tensor if self.trace is None else _same_kept_dims(self, source_value(self.trace, op,
+                                                                                      "tl.mean_ablate"), tensor, op)
         mean = source.float().mean(dim=self.dims, keepdim=True) if not (source.is_floating_point() or
                                                                          source.is_complex()) \
             else source.mean(dim=self.dims, keepdim=True)
@@ -395,6 +396,24 @@ def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
                                   f"{tuple(shape_of(source))} but this run's has {tuple(shape_of(tensor))}; patch "
                                   "between runs of the same shape (batch size, sequence length), or pass the tensor "
                                   "itself as the action to broadcast it")
+    return source
+
+
+def _same_kept_dims(action, source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
+    """``source`` when its mean over ``action.dims`` stands for this value: the same rank, and the same size in
+    every dimension the mean keeps.  Broadcast, the mean of prompts of length one would be written at every
+    position of a longer run (or a 2-d source's at every position of a 3-d value) unnoticed."""
+    if source.is_nested or tensor.is_nested or action.dims is None:  # nested: no broadcast; None: one number
+        return source
+    averaged = {d % tensor.dim() for d in _as_tuple(action.dims)}
+    kept = [d for d in range(tensor.dim()) if d not in averaged]
+    dims = ", ".join(map(str, sorted(averaged)))
+    if source.dim() != tensor.dim() or any(source.shape[d] != tensor.shape[d] for d in kept):
+        raise ReplacementMismatch(f"{action!r} at {_where(op)}: the source trace's value has shape "
+                                  f"{tuple(shape_of(source))} but this run's has {tuple(shape_of(tensor))}, which "
+                                  f"differ outside the dimensions averaged over ({dims}); take the"
+                                  " mean from runs whose other dimensions (sequence length) match, or pass "
+                                  "the mean itself as the action to broadcast it")
     return source
 
 
