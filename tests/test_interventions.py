@@ -546,3 +546,29 @@ def test_the_one_line_form_of_an_intervened_trace_says_it_was_intervened_on():
     assert "intervention" not in repr(clean)
     assert repr(ablated) == "<Trace of Sequential: 5 ops, 5 layers, 3 module calls, 1 op changed by interventions>"
     assert torch.equal(ablated.output, model[2](torch.zeros(3, 4)))
+
+
+class _ReturnsWhatNoOpMade(nn.Module):
+    """Returns its input and a parameter as they are, beside the one value an op made."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x, self.fc(x), self.fc.weight
+
+
+@pytest.mark.parametrize("site, says", [
+    ("output_1:1", r"output_1:1, its input input_1:1 passed through unchanged, which no op of the forward makes"),
+    ("output.2", r"output_3:1, a tensor the forward returns as it is \(a parameter"),
+    ("output_2:1", r"name the op that produces it \(linear_1_1:1\)"),
+    ("input_1", r"name the ops that read it \(linear_1_1:1\), or pass"),  # not the output record reading it
+])
+def test_an_output_or_input_site_names_only_ops_as_what_to_intervene_at(site, says):
+    """The refusal of an input or output record never sends the user to another record that is no site
+    either: an output no op made (an input or a parameter returned as it is) says so."""
+    with pytest.raises(KeyError, match=says):
+        tl.trace(_ReturnsWhatNoOpMade(), torch.randn(2, 4), intervene={site: tl.zero_ablate()})
+    with pytest.raises(KeyError, match="no stop_after" if site == "output_1:1" else "stop_after site"):
+        tl.trace(_ReturnsWhatNoOpMade(), torch.randn(2, 4), stop_after=site)

@@ -287,7 +287,7 @@ def resolve_labels(reference, pending) -> list:
                 raise KeyError(_matched_nothing(stop))
         for op in ops:
             if reference.kinds[op.index] != Kind.OP:
-                raise KeyError(_not_an_op(key, op, stop))
+                raise KeyError(_not_an_op(key, op, stop, reference))
             sites.append(LabelSite(key, action, op, stop, chains))
             if stop:
                 break  # stop after the first op the site names
@@ -307,15 +307,26 @@ def _kind(stop: bool) -> str:
     return "stop_after site" if stop else "intervention site"
 
 
-def _not_an_op(key, op: Op, stop: bool) -> str:
+def _not_an_op(key, op: Op, stop: bool, reference) -> str:
     """The refusal of a label site naming an input, a buffer or an output record, with what to name instead:
-    an input or a buffer (a pruning mask, an observer's statistic) is made by no op of the forward."""
+    an input or a buffer (a pruning mask, an observer's statistic) is made by no op of the forward, and an
+    output is the value of the op that made it, when an op made it."""
+    def ops_among(labels):  # the output records among an input's readers, the inputs among an output's makers
+        return [label for label in labels if reference[label].kind == "op"]
+
     if op.kind == "output":
-        return (f"{_kind(stop)} {key!r} is the model's output {op.label}: name the op that produces it "
-                f"({first_few(op.parents)})")
+        makers = ops_among(op.parents)
+        if makers:
+            return f"{_kind(stop)} {key!r} is the model's output {op.label}: name the op that produces it ({makers[0]})"
+        held = f"its {reference[op.parents[0]].kind} {op.parents[0]} passed through unchanged" if op.parents else \
+            "a tensor the forward returns as it is (a parameter, or one made outside the traced calls)"
+        remedy = "trace the whole forward instead (no stop_after)" if stop else \
+            "change that tensor before the trace, or the output after it"
+        return (f"{_kind(stop)} {key!r} is the model's output {op.label}, {held}, which no op of the forward makes, so "
+                f"no site holds it: {remedy}")
     remedy = "pass a different input" if op.kind == "input" else "change the buffer before the trace"
     return (f"{_kind(stop)} {key!r} is the model's {op.kind} {op.label}, which no op of the forward produces: "
-            f"name the ops that read it ({first_few(op.children) or 'none'}), or {remedy}")
+            f"name the ops that read it ({first_few(ops_among(op.children)) or 'none'}), or {remedy}")
 
 
 def occurrence_key(call, name) -> tuple:
