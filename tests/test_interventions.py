@@ -572,3 +572,18 @@ def test_an_output_or_input_site_names_only_ops_as_what_to_intervene_at(site, sa
         tl.trace(_ReturnsWhatNoOpMade(), torch.randn(2, 4), intervene={site: tl.zero_ablate()})
     with pytest.raises(KeyError, match="no stop_after" if site == "output_1:1" else "stop_after site"):
         tl.trace(_ReturnsWhatNoOpMade(), torch.randn(2, 4), stop_after=site)
+
+
+
+def test_label_sites_apply_before_module_sites_at_one_value_whatever_the_dict_order():
+    """A label site runs as its op returns, a module site as the call returns: at the module's output op the
+    label's action always comes first, and the record lists the sites in the order they applied."""
+    model, args, _ = CASES["mlp"]
+    plain = tl.trace(model, args)
+    made = plain["layers.0"].activation
+    label = plain["layers.0"].label
+    add_one, double = (lambda t, op: t + 1), (lambda t, op: t * 2)
+    for intervene in ({"layers.0": double, label: add_one}, {label: add_one, "layers.0": double}):
+        site = tl.trace(model, args, intervene=intervene)["layers.0"]
+        assert torch.equal(site.activation, (made + 1) * 2) and torch.equal(site.original, made)
+        assert site.intervention.site == (label, "layers.0")
