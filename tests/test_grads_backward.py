@@ -34,6 +34,44 @@ def test_a_module_call_returning_several_tensors_has_a_gradient_per_tensor():
     assert all(torch.equal(g, t.grad) for g, t in zip(call.grad, (out, h, c)))
 
 
+class _TopTwo(nn.Module):
+    def forward(self, x):
+        return x.topk(2, dim=-1)
+
+
+class _FrozenThenTop(nn.Module):
+    """A call under torch.no_grad(), a call returning values and integer indices, and one ablated below."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.fc, self.top = nn.Linear(4, 4), nn.Linear(4, 4), _TopTwo()
+
+    def forward(self, x):
+        with torch.no_grad():
+            frozen = self.frozen(x)
+        values, _ = self.top(self.fc(x))
+        return values.sum() + frozen.sum() + self.fc.bias.sum()  # a gradient for the backward even when ablated
+
+
+def test_a_module_call_whose_outputs_can_have_no_gradient_says_why_as_its_output_op_does():
+    # frozen:1.grad was None, as if no backward had reached it, where its output op raises saying why.
+    model, x = _FrozenThenTop(), torch.randn(2, 4)
+    log = tl.trace(model, x, grads=True, intervene={"fc": tl.zero_ablate()})
+    log.backward(log.output)
+    calls = {c.label: c for c in log.module_calls}
+    with pytest.raises(GradientUnavailable, match=r"^linear_1_1:1: its output does not require grad \(made under "
+                                                  r"torch.no_grad\(\)"):
+        calls["frozen:1"].grad
+    with pytest.raises(GradientUnavailable, match=r"an intervention \(zero_ablate\(\)\) replaced its output"):
+        calls["fc:1"].grad
+    with pytest.raises(GradientUnavailable, match=r"^topk_1_3:1: its output does not require grad"):
+        calls["top:1"].grad  # the values are computed from the ablated zeros: no output can have a gradient
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output)
+    values_grad, indices_grad = {c.label: c for c in log.module_calls}["top:1"].grad  # in a tuple: None beside
+    assert torch.equal(values_grad, torch.ones(2, 2)) and indices_grad is None
+
+
 def test_backward_with_inputs_accumulates_only_into_those_inputs_as_autograd_does():
     model, x = LoopRNN(steps=4), torch.randn(2, 8)
     oracle = Oracle()

@@ -133,13 +133,18 @@ def has_grad(trace, index: int) -> bool:
 
 
 def module_call_grad(call):
-    """The gradient of a module call's output: one tensor, or a tuple for several outputs."""
+    """The gradient of a module call's output: one tensor, or a tuple for several outputs.  A call no output of
+    which can have a gradient (run under torch.no_grad(), returning integers, ablated) raises as its output op
+    does, saying why, rather than giving a None that reads as "no backward reached it"; in a tuple, an output
+    that cannot have one is None beside the others."""
     trace = call._trace
     outputs = [i for i in call._output_nodes if i >= 0]
-    grads = [grad_of(trace, i) if trace._meta[i].requires_grad else None for i in outputs]
-    if not grads:
+    if not outputs:
         return None
-    return grads[0] if len(grads) == 1 else tuple(grads)
+    if len(outputs) == 1 or not any(trace._meta[gradient_holder(trace, i)].requires_grad for i in outputs):
+        return grad_of(trace, outputs[0])
+    return tuple(grad_of(trace, i) if trace._meta[gradient_holder(trace, i)].requires_grad else None
+                 for i in outputs)
 
 
 def param_grad(trace, address: str, place: int = -1):
