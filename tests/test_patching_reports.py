@@ -367,6 +367,36 @@ def test_attribution_patching_refuses_a_metric_cut_from_the_graph_naming_why():
     assert table.attrs["clean"] == pytest.approx(model(clean)[0, 0].item())
 
 
+class _LastStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(4, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x):
+        out, (h, _) = self.lstm(x)
+        return self.fc(out[:, -1] + h[0])
+
+
+def test_activation_patching_by_position_refuses_a_call_returning_values_of_other_shapes():
+    # Index p along dimension 1 patched the LSTM output's step p and, silently, batch row p of h and c: the rows
+    # of positions 0-2 were numbers for no patch of a position, and those of positions 3-4 an index error.
+    pandas = pytest.importorskip("pandas")
+    torch.manual_seed(0)
+    model, clean, corrupt = _LastStep().eval(), torch.randn(3, 5, 4), torch.randn(3, 5, 4)
+    metric = lambda out: out[0, 0] - out[1, 1]  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites=["lstm", "lstm:1", "fc"],
+                                          positions=1, progress=False)
+    for site in ("lstm", "lstm:1"):
+        (row,) = table[table.site == site].itertuples()
+        assert math.isnan(row.metric) and pandas.isna(row.position)
+        assert "lstm:1 returns values of shapes (3, 5, 4), (1, 3, 4)" in row.error
+        assert "at the op of the output you mean (lstm_1_3:1, lstm_2_4:1, lstm_3_5:1)" in row.error
+    output_op = tl.report.activation_patching(model, clean, corrupt, metric, sites=["lstm_1_3:1"], positions=1,
+                                              progress=False)
+    assert list(output_op.position) == list(range(5)) and not output_op.error.any()
+    assert list(table[table.site == "fc"].position) == [0, 1]
+
+
 def test_attribution_patching_inside_inference_mode_is_refused_naming_it():
     # Every row came back NaN, noted "computed with no gradient ... pass inputs that require grad": the inputs were
     # not the cause, and torch.no_grad() (which the report lifts for its runs) gives the real estimates.

@@ -308,15 +308,33 @@ def _position_patches(log, names, dim: int, unpatchable: dict) -> list:
     tensor has no positions, so no row; a value with no dimension ``dim`` (an ``arange`` among
     ``sites="ops"``) has one row, whose ``error`` says so (added to ``unpatchable``)."""
     patches = []
+    calls = {call.label: call for call in log.module_calls}
     for site in names:
         if isinstance(site, str) and site not in log:
             continue
         try:
+            _refuse_outputs_of_other_shapes(log, site, dim, calls)
             patches += [(site, p) for p in range(_extent(log, site, dim))]
         except ValueError as exc:
             unpatchable[site] = str(exc)
             patches.append((site, None))
     return patches
+
+
+def _refuse_outputs_of_other_shapes(log, site, dim: int, calls: dict) -> None:
+    """A module call returning values of other shapes (an LSTM's output and its final states) has no one
+    position: index ``p`` along ``dim`` is a sequence position of one value and a batch row of another, and
+    patching both would be no patch of position ``p``.  Refused (a ``ValueError``, said in the site's row)."""
+    if not isinstance(site, str):
+        return
+    call = calls.get(site) or calls.get(f"{site}:1")  # a module call, or a module's first call
+    if call is None or len(call.output_ops) < 2:
+        return
+    shapes = list(dict.fromkeys(tuple(log[label].shape or ()) for label in call.output_ops))
+    if len(shapes) > 1:
+        raise ValueError(f"positions={dim}: {call.label} returns values of shapes {', '.join(map(str, shapes))}, so "
+                         f"an index along dimension {dim} is another place in each; patch by position at the op of the "
+                         f"output you mean ({', '.join(call.output_ops)})")
 
 
 def _extent(log, site, dim: int) -> int:
