@@ -110,3 +110,19 @@ def test_an_inference_mode_region_has_no_gradient_and_the_refusal_names_it():
     for label in ("frozen", "relu_1_2:1"):
         with pytest.raises(GradientUnavailable, match=r"torch\.inference_mode\(\)"):
             log[label].grad
+
+
+def test_a_backward_cut_off_by_an_ablation_names_the_site_that_cut_it():
+    # autograd's "element 0 of tensors does not require grad" named neither the ablation nor the way out.
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(2, 4)
+    log = tl.trace(model, x, grads=True, intervene={"2": tl.zero_ablate()})
+    with pytest.raises(RuntimeError, match="does not require grad") as caught:
+        log.backward(log.output.sum())
+    (note,) = caught.value.__notes__
+    assert note.startswith("torchlens: the intervention at linear_2_3:1 replaced a value that needs a gradient")
+    assert "tl.scale(0.0) zeroes it and keeps the graph" in note
+    frozen = nn.Sequential(nn.Linear(4, 2)).requires_grad_(False)  # no site to blame: autograd's message alone
+    log = tl.trace(frozen, x, grads=True, intervene={"0": tl.zero_ablate()})
+    with pytest.raises(RuntimeError, match="does not require grad") as caught:
+        log.backward(log.output.sum())
+    assert not getattr(caught.value, "__notes__", None)

@@ -195,6 +195,8 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
         if "modified by an inplace operation" in str(exc):  # autograd names only a shape and a version
             _note_changed_params(trace, exc)
             _note_written_sites(trace, exc)
+        elif "does not require grad" in str(exc):  # autograd names no cause
+            _note_cut_sites(trace, exc)
         raise
     if trace._gradcap.backwards == backwards:
         _warn_unreached()
@@ -245,6 +247,18 @@ def _note_written_sites(trace, exc: RuntimeError) -> None:
                      "its new value into the tensor that op returned, which its backward may need as it was made; "
                      "to edit that value with gradients, intervene at a module whose output it is (a module site's "
                      f"new value is a new tensor), or at the op before it ({before or 'its input'})")
+
+
+def _note_cut_sites(trace, exc: RuntimeError) -> None:
+    """A loss that needs no gradient, where an intervention replaced a value computed with one by a constant
+    (``tl.zero_ablate()``, a patch): the loss may reach the model only through such sites.  Say which."""
+    cut = [op for op in (trace.ops[i] for i in sorted(trace._interventions))
+           if not op.requires_grad and any(trace._by_label(p).requires_grad for p in op.parents)]
+    if cut:
+        add_note(exc, f"torchlens: the intervention at {', '.join(op.label for op in cut)} replaced a value that needs "
+                     "a gradient with one that does not (a constant such as tl.zero_ablate()'s or a patch), so a "
+                     "loss reached only through it has none; compute the new value from the value it replaces "
+                     "(tl.scale(0.0) zeroes it and keeps the graph), or take the loss from another path")
 
 
 def _warn_unreached() -> None:
