@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torchlens as tl  # noqa: E402
 import real_models  # noqa: E402 - imports transformers lazily, per entry
-from zoo import ActivationMadePerCall  # noqa: E402
+from zoo import ActivationMadePerCall, LoopRNN  # noqa: E402
 
 
 def test_label_sites_inside_a_module_made_per_forward():
@@ -505,3 +505,17 @@ def test_a_reference_traced_before_a_module_was_replaced_says_so():
         tl.trace(model, (ids,), intervene={site: tl.zero_ablate()}, reference=reference)
     fresh = tl.trace(model, (ids,), intervene={site: tl.zero_ablate()})  # its own reference pass
     assert [a.label for a in fresh.interventions] == [site]
+
+
+def test_a_reference_stopped_early_is_named_as_why_it_lacks_the_later_ops():
+    """A trace taken with stop_after= names no op after its stop: a layer label resolved against it was refused as
+    a forward that 'ran longer (a generate() ...)', and a label after the stop as unknown, without a word of it."""
+    model, x = LoopRNN(steps=3).eval(), torch.randn(2, 8)
+    early = tl.trace(model, x, stop_after="cell:2")
+    whole_forward = r"stopped after cell:2 \(stop_after=\) and so names no op after it: pass reference= a trace"
+    with pytest.raises(tl.InterventionError, match=r"'linear_1_2' also name linear_1_2:3, .*" + whole_forward):
+        tl.trace(model, x, intervene={"linear_1_2": tl.scale(2.0)}, reference=early)
+    with pytest.raises(KeyError, match=r"'linear_1_2:3': no op.*the reference trace stopped after cell:2"):
+        tl.trace(model, x, intervene={"linear_1_2:3": tl.scale(2.0)}, reference=early)
+    before_the_stop = tl.trace(model, x, intervene={"linear_1_2:1": tl.scale(2.0)}, reference=early)
+    assert [applied.label for applied in before_the_stop.interventions] == ["linear_1_2:1"]

@@ -116,6 +116,12 @@ def _refuse_ops_past_the_reference(runtime: Interventions, trace) -> None:
               for key, site in sites.items()}
     if any(missed.values()):
         names = _site_names(site for key, site in sites.items() if missed[key])
+        stopped = getattr(reference, "stopped_after", None)
+        if stopped:
+            raise InterventionError(
+                f"intervention site(s) {names} also name {first_few(sum(missed.values(), []))}, made after the last "
+                f"call of the reference trace the sites were resolved against, which stopped after {stopped} "
+                "(stop_after=) and so names no op after it: pass reference= a trace of the whole forward, or none")
         raise InterventionError(
             f"intervention site(s) {names} also name {first_few(sum(missed.values(), []))}, made after the "
             f"last call of the reference run the sites were resolved against: this forward ran longer (a generate() "

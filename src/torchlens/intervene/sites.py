@@ -274,7 +274,7 @@ def resolve_labels(reference, pending) -> list:
             try:
                 found = reference[key]
             except KeyError as exc:
-                raise KeyError(f"{_kind(stop)} {key!r}: {exc.args[0]}") from None
+                raise KeyError(f"{_kind(stop)} {key!r}: {exc.args[0]}{_stopped_note(reference)}") from None
             if isinstance(found, Layer):
                 ops = found.ops
             elif isinstance(found, Op):
@@ -293,6 +293,13 @@ def resolve_labels(reference, pending) -> list:
                 break  # stop after the first op the site names
     number_occurrences(reference, sites)
     return sites
+
+
+def _stopped_note(reference) -> str:
+    """Why a label may be missing from the reference: it stopped early, and names no op after its stop."""
+    stopped = getattr(reference, "stopped_after", None)
+    return (f" (the reference trace stopped after {stopped} (stop_after=), so it names no op after that: pass "
+            "reference= a trace of the whole forward, or none)") if stopped else ""
 
 
 def _matched_nothing(stop: bool) -> str:
