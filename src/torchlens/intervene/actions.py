@@ -49,6 +49,11 @@ class Action:
             return new
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             if tensor.layout == torch.strided and not (tensor.is_nested or tensor.is_quantized or tensor.is_complex()):
+                if isinstance(exc, RuntimeError):  # a tensor argument of the helper's that the value cannot take
+                    raise ReplacementMismatch(
+                        f"{self!r} at {_where(op)}: torch could not compute it on this value of shape "
+                        f"{tuple(tensor.shape)} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); give "
+                        "arguments that fit the value (a tensor argument must broadcast to its shape)") from exc
                 raise
             # torch has no kernel for much of what a helper computes on sparse, nested, quantized and complex values
             # (complex numbers have no order to clamp in): named with the helper and the site rather than left as
