@@ -574,7 +574,6 @@ def test_an_output_or_input_site_names_only_ops_as_what_to_intervene_at(site, sa
         tl.trace(_ReturnsWhatNoOpMade(), torch.randn(2, 4), stop_after=site)
 
 
-
 def test_label_sites_apply_before_module_sites_at_one_value_whatever_the_dict_order():
     """A label site runs as its op returns, a module site as the call returns: at the module's output op the
     label's action always comes first, and the record lists the sites in the order they applied."""

@@ -304,7 +304,9 @@ class Interventions:
             st.protect_saved(old)  # copy-on-write: the saved value of this op becomes the original
             original = st.saved.get(record)
             with torch._C.DisableTorchFunction():
-                old.copy_(new)
+                # A value sharing the receiver's memory (t.view_as(t)) is copied first: torch refuses to write a
+                # tensor from memory it overlaps.
+                old.copy_(new.clone() if new is not old and _aliases(new, old) else new)
             new = old
             writes = st.writers.get(storage_key(old))
             if writes:  # the write just made is now this record's
