@@ -459,3 +459,13 @@ def test_heatmap_refuses_what_is_not_a_patching_table_or_a_column_of_numbers(tmp
     assert tl.viz.heatmap(table, tmp_path / "map.svg").read_text().startswith("<svg")
     attribution = tl.report.attribution_patching(model, x, x + 1, lambda out: out.sum())
     assert tl.viz.heatmap(table).startswith("<svg") and tl.viz.heatmap(attribution, value="estimate").startswith("<svg")
+
+
+@pytest.mark.parametrize("report", ["activation_patching", "attribution_patching"])
+def test_a_metric_the_corruption_does_not_change_is_warned_of(report):
+    # normalized divides by clean - corrupt: every row was NaN with no word of why.
+    pytest.importorskip("pandas")
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(2, 4)
+    with pytest.warns(UserWarning, match=rf"^{report}: the metric is .* on both the clean and the corrupted input"):
+        table = getattr(tl.report, report)(model, x, x.clone(), lambda out: out[:, 0].sum())
+    assert table.normalized.isna().all()

@@ -20,7 +20,7 @@ import numbers
 import torch
 
 from ..checks import check_flag, check_grad_possible, check_int, check_takes
-from ..errors import InterventionError, TorchlensError
+from ..errors import InterventionError, TorchlensError, warn_user
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
 from ..record.trace import Trace
@@ -57,6 +57,7 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
     corrupt_value = _scalar(metric(runs.trace(corrupt, kwargs, save="none", deep=deep).output))
+    _warn_no_span("activation_patching", clean_value, corrupt_value)
     names = _sites(clean_log, sites)
     # Why a site cannot be patched at all (reported in its rows); a name the trace lacks raises KeyError with
     # the closest names, before any patched run.
@@ -165,6 +166,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         raise
     runs.finish()  # after the backward, which may read the buffers the forward saved for it
     corrupt_value = _scalar(value)
+    _warn_no_span("attribution_patching", clean_value, corrupt_value)
     estimate = {}
     for k, g in zip(labels, grads):
         clean_act, corrupt_act = clean_log[k].activation, live[k][0].detach()
@@ -377,6 +379,14 @@ def _check_sites(sites) -> None:
     if not isinstance(sites, str) and not hasattr(sites, "__iter__"):
         raise TypeError(f"sites= is 'modules', 'layers', 'ops' or a list of sites (['encoder.layers.0', "
                         f"'linear_1_1']), got {type(sites).__name__} {sites!r}")
+
+
+def _warn_no_span(who: str, clean: float, corrupt: float) -> None:
+    """``normalized`` divides by ``clean - corrupt``: with the two equal it is NaN in every row, which a table
+    alone would not explain."""
+    if clean == corrupt:
+        warn_user(f"{who}: the metric is {clean!r} on both the clean and the corrupted input, so no change is there "
+                  "to restore: normalized is NaN in every row; corrupt the input so that the metric changes")
 
 
 def _normalized(value, clean, corrupt, baseline=None):
