@@ -122,3 +122,16 @@ def test_a_module_site_returning_what_a_scripted_child_made_is_refused_saying_no
     assert "module site '0': 0:1 returns at output (of shape (3, 4)) a tensor no op of the trace made" in message
     assert "inside a TorchScript or torch.compile'd function" in message and "passed through" not in message
     assert_clean_process()
+
+
+@pytest.mark.parametrize("option", ["save", "grads"])
+def test_a_selection_of_a_module_returning_only_what_a_scripted_child_made_is_refused_rather_than_empty(option):
+    """The module ran, but no op of the trace made what it returned: selecting it would keep nothing."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_WrapsAScriptedModule(), nn.Linear(4, 2)), torch.randn(3, 4)
+    with pytest.raises(tl.UnmatchedSelection, match=rf"{option}= entry '0' matched nothing: 0:1 returned only "
+                                                     "tensors no op of the trace made"):
+        tl.trace(model, x, **{option: ["0"]})
+    assert [op.label for op in tl.trace(model, x, **{option: ["1"]}).ops if op.has_activation] in (
+        ["linear_1_1:1", "output_1:1"], ["input_1:1", "linear_1_1:1", "output_1:1"])  # a module an op made works
+    assert_clean_process()

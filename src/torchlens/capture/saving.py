@@ -17,7 +17,7 @@ import torch
 import torch.compiler as _compiler
 
 from ..checks import check_takes
-from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint, listed
+from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint, first_few, listed
 from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
 from ..record.lookup import alias_note, no_root_note, refuse_ambiguous
@@ -26,6 +26,7 @@ from ..record.model_index import (container_note, refuse_module_object, scripted
                                   traced_address)
 from ..record.params import bypassed_call_hint
 from ..record.dropped import RELEASED_INSIDE, WRITTEN_UNSEEN
+from ..record.summary import UNSEEN_PLACES
 from ..record.layouts import version_of
 from ..tree import tensor_leaves
 from .bindings import is_bound
@@ -184,6 +185,8 @@ class SavePolicy:
         calls = {mc.label for mc in trace.module_calls}
         missing = sorted(self.labels - known) + sorted(self.type_entries[t] for t in self.types if t not in types)
         missing += sorted(self.addresses - called) + sorted(self.call_labels - calls)
+        if not missing:
+            self._refuse_outputs_no_op_made(trace, option)
         if missing:
             entry = missing[0]
             if entry in known:  # a module named like a label that never ran: the label is in the trace
@@ -211,6 +214,22 @@ class SavePolicy:
             more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""
             raise UnmatchedSelection(f"no op, layer, module call or module named {entry!r} in this trace, and no "
                                      f"op of that type: {option}= matched nothing for it{ran}{hint}{more}")
+
+    def _refuse_outputs_no_op_made(self, trace, option: str) -> None:
+        """Refuse a module entry whose every call returned only tensors no op of the trace made (a Python module
+        whose output its TorchScript child computed): it ran, but it selects nothing to save or watch."""
+        chosen: dict = {}  # entry -> [(call label, whether it returned only such tensors)], in one pass
+        for mc in trace.module_calls:
+            label, outputs = mc.label, mc._output_nodes
+            keys = [a for a in mc.module.all_addresses if a in self.addresses]
+            keys += [label] if label in self.call_labels else []
+            for key in keys:
+                chosen.setdefault(key, []).append((label, bool(outputs) and max(outputs) < 0))
+        for entry, calls in sorted(chosen.items()):
+            if all(unseen for _, unseen in calls):
+                raise UnmatchedSelection(
+                    f"{option}= entry {entry!r} matched nothing: {first_few(label for label, _ in calls)} returned "
+                    f"only tensors no op of the trace made ({UNSEEN_PLACES}); select the ops that read them instead")
 
     def apply(self, trace) -> None:
         """Release the activations the selection did not ask for."""
