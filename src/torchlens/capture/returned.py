@@ -5,9 +5,7 @@ A generator, a coroutine or another iterator (``map``, ``zip``) makes or hands o
 iterated, and a function (``lambda: h * 3``) computes only when called: either runs after tracing ended.  A set
 holds its tensors in no order and at no path, and two runs' sets compare by the tensors' identity.  A future
 (``torch.jit.fork``) hands out its value only when waited on.  A dict view (``d.values()``) is a window onto a
-dict, whose tensors no walk of outputs reaches, and which shows whatever the dict holds when it is read.  The
-result's tuples, lists, dicts and dataclasses are looked into for all but functions (one held beside the tensors
-is a value).
+dict, whose tensors no walk of outputs reaches, and which shows whatever the dict holds when it is read.
 """
 
 from __future__ import annotations
@@ -18,48 +16,69 @@ from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 
 import torch
 
-from ..tree import MAX_DEPTH, container_items, has_tensor
+from ..tree import MAX_DEPTH, TENSOR_TYPES, container_items, has_tensor, path_text
 
-# What a result commonly holds, and never something to refuse or to look inside.
-_LEAVES = frozenset((torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, bytes))
+_SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
 
 
 def refuse_unrecordable_output(output, model, shown) -> None:
-    """Raise ``TypeError`` for a forward's result no trace can record (see the module's docstring), whether it is
-    the result or is held in it (``return h, {h * 2}``); ``shown``, the progress bar, is closed first."""
-    found = _first_unrecordable(output, "output", 0, set())
+    """Raise ``TypeError`` for a forward's result no trace can record (see the module's docstring), or one
+    holding such a value among its outputs (``(logits, generator)``); ``shown``, the progress bar, is closed
+    first."""
+    found = _unrecordable(output)
+    value, path = output, ()
+    if found is None and type(output) is not torch.Tensor:
+        value, path, found = _held_unrecordable(output, (), 0, set()) or (output, (), None)
     if found is None:
         return
-    path, value, (what, advice) = found
     getattr(value, "close", lambda: None)()  # a coroutine never awaited would warn
     shown.close()
-    held = f" holding a {type(value).__name__} at {path}" if value is not output else ""
-    raise TypeError(f"{type(model).__name__}'s forward returned a {type(output).__name__}{held}, {what}; trace a "
+    what, advice = found
+    where = f" at {path_text('output', path)}" if path else ""
+    if path:  # the advice for a whole result (wrap the model) does not fit a part of it
+        advice = f"make {path_text('output', path)} {_settled_form(value)} inside the forward"
+    raise TypeError(f"{type(model).__name__}'s forward returned a {type(value).__name__}{where}, {what}; trace a "
                     f"forward that returns its results ({advice})")
 
 
-def _first_unrecordable(value, path: str, depth: int, seen: set):
-    """``(path, value, problem)`` for the first value no trace can record in ``value`` (itself, then what its
-    tuples, lists, dicts and dataclasses hold, depth first), else None."""
-    problem = _unrecordable(value, nested=depth > 0)
-    if problem is not None:
-        return path, value, problem
-    if type(value) in _LEAVES or depth >= MAX_DEPTH or id(value) in seen or isinstance(value, torch.Tensor):
-        return None
-    children = container_items(value, attrs=False)
+def _held_unrecordable(value, path, depth, seen):
+    """``(value, path, problem)`` of the first value inside an output, at any depth a walk of outputs reaches,
+    that hides its tensors from that walk or makes them after tracing ended.  Functions and other iterators
+    are left alone there: an output object may well keep a callback or a counter as an attribute."""
+    children = container_items(value, True) if depth < MAX_DEPTH and id(value) not in seen else None
     if children is None:
         return None
     seen.add(id(value))
     for key, child in children:
-        found = _first_unrecordable(child, f"{path}.{key}", depth + 1, seen)
+        kind = type(child)
+        if kind in TENSOR_TYPES or isinstance(child, _SCALARS):
+            continue
+        problem = _unrecordable(child)
+        if problem is not None and not _kept_as_data(child):
+            return child, path + (key,), problem
+        found = _held_unrecordable(child, path + (key,), depth + 1, seen)
         if found is not None:
             return found
     return None
 
 
-def _unrecordable(output, nested: bool = False):
-    """``(what is wrong, what to do)`` for a result no trace can record, else None.  ``nested``: ``output`` is held
-    in the result, beside what was recorded; a function there is a value like any other."""
+def _settled_form(value) -> str:
+    """What a part of an output that no trace can record should be made into, said for the refusal."""
+    if inspect.iscoroutine(value) or inspect.isasyncgen(value):
+        return "the value it computes (await it)"
+    if isinstance(value, torch._C.Future):
+        return "the value it holds (.wait())"
+    return "a list or a tuple of its values"
+
+
+def _kept_as_data(value) -> bool:
+    """A function or a plain iterator (not a generator) an output object may keep as data beside its tensors."""
+    return inspect.isfunction(value) or inspect.ismethod(value) or isinstance(value, functools.partial) or \
+        isinstance(value, Iterator) and not inspect.isgenerator(value)
+
+
+def _unrecordable(output):
+    """``(what is wrong, what to do)`` for a result no trace can record, else None."""
     if inspect.iscoroutine(output):  # an async def forward: its body runs when awaited, which list() cannot do
         return ("whose body runs only when awaited, after tracing ended",
                 "e.g. run it to the end inside the traced callable: lambda x: asyncio.run(model(x)), with root=model")
@@ -68,8 +87,7 @@ def _unrecordable(output, nested: bool = False):
     if isinstance(output, Iterator):
         return ("an iterator whose items are made or handed out only when iterated, after tracing ended",
                 "e.g. wrap it: lambda x: list(model(x))")
-    if not nested and (inspect.isfunction(output) or inspect.ismethod(output)
-                       or isinstance(output, functools.partial)):
+    if inspect.isfunction(output) or inspect.ismethod(output) or isinstance(output, functools.partial):
         return ("which computes only when called, after tracing ended, so its ops would not be recorded",
                 "e.g. call it in the traced callable: lambda x: model(x)()")
     if isinstance(output, (set, frozenset)) and any(isinstance(item, torch.Tensor) for item in output):

@@ -51,8 +51,6 @@ _local = threading.local()  # .active: this thread is tracing
 _collector_was_on: dict = {}  # tracing thread id -> whether the collector ran when its trace began
 if hasattr(os, "register_at_fork"):  # a platform without os.fork (Windows) copies no trace into a child
     os.register_at_fork(after_in_child=lambda: leave_copied_trace(_local, _collector_was_on))  # capture/forks.py
-# What a forward returns in the common case, which holds nothing a trace could not record (checked by type first).
-_LONE_OUTPUTS = frozenset((torch.Tensor, type(None)))
 # save="all" and save="none" name nothing of a model, and a trace never changes them: one policy each.
 _PLAIN_POLICIES = {"all": SavePolicy("all", None), "none": SavePolicy("none", None)}
 
@@ -71,11 +69,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if deep is not False or name is not None or reference is not None or record_finite is not False \
             or saved_for_backward is not False:  # identity checks alone in the common call
         _check_options(deep, name, reference, intervene, stop_after, record_finite, saved_for_backward)
-    try:
-        kwargs = dict(**kwargs) if kwargs else {}  # as a call unpacks them: a key that is no string is refused
-    except TypeError:
-        as_kwargs(kwargs)  # names the key, before the forward (else Python's refusal reads as the model's)
-        raise
+    kwargs = dict(kwargs) if kwargs else {}
     args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
     policy = _PLAIN_POLICIES.get(save) if type(save) is str else None
@@ -120,7 +114,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         release_failed(state, runtime)
         refuse_lifted_mode(state)
     forward_done = perf_counter_ns()
-    if type(output) not in _LONE_OUTPUTS:  # the common case: a tensor (never a generator, a set, nor holding one)
+    if type(output) is not torch.Tensor and output is not None:  # else nothing in it can hide a tensor
         refuse_unrecordable_output(output, model, shown)
 
     mutated = state.check_saved_versions()
@@ -327,8 +321,6 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     if rank[0] is not None:  # else not under torch.distributed
         result.rank, result.world_size = rank
     result._root_class = type(root).__name__ if root is not None else model_name
-    if root is None:
-        result._rootless = True
     result._module_call_frames = state.call_frames
     if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
         policy.check_matched(result, stopped_after=runtime.stopped_at if runtime is not None else None)
