@@ -519,3 +519,28 @@ def test_a_reference_stopped_early_is_named_as_why_it_lacks_the_later_ops():
         tl.trace(model, x, intervene={"linear_1_2:3": tl.scale(2.0)}, reference=early)
     before_the_stop = tl.trace(model, x, intervene={"linear_1_2:1": tl.scale(2.0)}, reference=early)
     assert [applied.label for applied in before_the_stop.interventions] == ["linear_1_2:1"]
+
+
+def test_a_forward_failing_in_the_extra_run_that_resolves_label_sites_says_so():
+    # The exception's only note named the module call, as if the intervened run had raised there; that run never
+    # started, and the model and the generators are as they were before the call (the extra run's state is put back).
+    class FailsLate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.drop, self.head = torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.drop(self.fc(x))) @ torch.ones(3, 3)  # (2, 2) @ (3, 3): the op raises
+
+    model, x = FailsLate(), torch.randn(2, 4)
+    torch.manual_seed(0)
+    generator_before = torch.get_rng_state()
+    with pytest.raises(RuntimeError) as raised:
+        tl.trace(model, x, intervene={"linear_1_1": tl.zero_ablate()})
+    notes = raised.value.__notes__
+    assert len(notes) == 2 and notes[0].startswith("torchlens: raised by torch call 'matmul'"), notes
+    assert "extra forward that resolves label sites, before the intervened run" in notes[1]
+    assert torch.equal(torch.get_rng_state(), generator_before)
+    with pytest.raises(RuntimeError) as plain:  # a module site needs no extra run: one note, as usual
+        tl.trace(model, x, intervene={"fc": tl.zero_ablate()})
+    assert len(plain.value.__notes__) == 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from ..capture.restore import FirstCalls, ForwardState
-from ..errors import InterventionError
+from ..errors import InterventionError, add_note
 from ..record.trace import checked_trace
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
@@ -56,8 +56,10 @@ def _reference_pass(run_reference, index):
     try:
         with meeting:
             reference = run_reference()
-    except BaseException:
+    except BaseException as exc:
         state.restore()
+        add_note(exc, "torchlens: raised in the extra forward that resolves label sites, before the intervened run; "
+                      "nothing is left installed, and the model and the random number generators are as before it")
         raise
     written = state.written_params()
     if written:
