@@ -3,6 +3,8 @@ ignored or fail midway is refused before anything runs, saying what was wrong an
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -98,3 +100,19 @@ def test_validate_names_its_own_unknown_keyword_and_the_trace_option_meant():
             tl.validate(model, x, **{option: value})
     assert tl.trace(model, x, intervene={"layers.0": tl.zero_ablate()}).validate().passed
     assert tl.validate(model, x, record_finite=True).passed
+
+
+@pytest.mark.parametrize("option", ["save", "grads"])
+def test_a_predicate_that_raises_reaches_the_caller_naming_the_op_it_was_given(option):
+    # The predicate's own exception came with no word of the op it was called with, nor of when.
+    def needs_a_module(op):
+        return op.module.startswith("1")  # an op outside every module has None there, which has no startswith
+
+    from untouched import assert_clean_process
+
+    with pytest.raises(AttributeError) as raised:
+        tl.trace(MLP(), torch.randn(2, 16), **{option: needs_a_module})
+    notes = raised.value.__notes__
+    assert len(notes) == 1 and re.fullmatch(rf"torchlens: raised by the {option}= predicate, called after the forward "
+                                            r"with op \w+:1; no trace is returned", notes[0]), notes
+    assert_clean_process()

@@ -17,7 +17,7 @@ import torch
 import torch.compiler as _compiler
 
 from ..checks import check_takes
-from ..errors import AmbiguousKey, UnmatchedSelection, closest_hint, first_few, listed
+from ..errors import AmbiguousKey, UnmatchedSelection, add_note, closest_hint, first_few, listed
 from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
 from ..record.lookup import alias_note, no_root_note, refuse_ambiguous
@@ -142,7 +142,12 @@ class SavePolicy:
 
     def keep(self, trace, op) -> bool:
         if self.predicate is not None:
-            return bool(self.predicate(op))
+            try:
+                return bool(self.predicate(op))
+            except BaseException as exc:  # the user's own error, with the op it was given: it shows no op itself
+                add_note(exc, f"torchlens: raised by the {self.option}= predicate, called after the forward with op "
+                              f"{op.label}; no trace is returned")
+                raise
         if op.label in self.labels or op.layer_label in self.labels or op.type in self.types:
             return True
         if op.index in self._io_ops(trace):
