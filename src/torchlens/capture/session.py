@@ -69,7 +69,11 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if deep is not False or name is not None or reference is not None or record_finite is not False \
             or saved_for_backward is not False:  # identity checks alone in the common call
         _check_options(deep, name, reference, intervene, stop_after, record_finite, saved_for_backward)
-    kwargs = dict(kwargs) if kwargs else {}
+    try:
+        kwargs = dict(**kwargs) if kwargs else {}  # as a call unpacks them: a key that is no string is refused
+    except TypeError:
+        as_kwargs(kwargs)  # names the key, before the forward (else Python's refusal reads as the model's)
+        raise
     args = args if type(args) is tuple else as_args(args)
     index = index_of(root)  # the one walk over the model's modules, parameters and buffers, cached per model
     policy = _PLAIN_POLICIES.get(save) if type(save) is str else None
@@ -321,6 +325,8 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     if rank[0] is not None:  # else not under torch.distributed
         result.rank, result.world_size = rank
     result._root_class = type(root).__name__ if root is not None else model_name
+    if root is None:
+        result._rootless = True
     result._module_call_frames = state.call_frames
     if policy.mode == 2 or policy.labels:  # a list of entries: each must have matched something
         policy.check_matched(result, stopped_after=runtime.stopped_at if runtime is not None else None)
