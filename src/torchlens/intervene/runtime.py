@@ -314,9 +314,10 @@ class Interventions:
         else:
             passed = _argument_position(old, args, kwargs)  # an op returning an argument (x.contiguous() -> x)
             original = st.saved.get(record)
-            if original is not None and (passed is not None or old._base is not None):
-                # A view (its saved copy is detached, with no _base, when it requires grad: ask the output), or
-                # a tensor the model still holds: a later write to what it shares would change it.
+            if original is not None and (passed is not None or old._base is not None or _aliases(new, old)):
+                # A view (its saved copy is detached, with no _base, when it requires grad: ask the output), a
+                # tensor the model still holds, or one the action's value shares memory with (t.view_as(t)): a
+                # later write to what it shares would change it.
                 original = original.clone()
             self._unbind(st, call_position, old, passed)
         self._rebind(st, record, new)
@@ -417,7 +418,7 @@ class Interventions:
                 if new is not None:
                     current = new
             if current is not t:
-                if original is not None and t._base is not None:
+                if original is not None and (t._base is not None or _aliases(current, t)):
                     original = original.clone()  # a view of a value later ops may write (the output knows)
                 st.producers.pop(id(t), None)
                 self._rebind(st, record, current)
@@ -494,6 +495,12 @@ def _argument_position(t, args, kwargs):
         if a is t:
             return key
     return None
+
+
+def _aliases(new, old) -> bool:
+    """Whether an action's value shares memory with the value it replaces (``t.view_as(t)``, ``t.detach()``, ``t``
+    itself): the ops after the site may write it in place, which would change the kept original too."""
+    return storage_key(new) == storage_key(old)
 
 
 def _rebuild_output(out, changed):
