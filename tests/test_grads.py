@@ -584,30 +584,3 @@ def test_reading_every_parameters_gradient_does_not_search_the_parameter_list_pe
                                    for p, g in zip(log.params, grads))
     str(tl.debug.nonfinite_origin(log, grads=True))
     assert _ScannedParams.searched <= len(grads)
-
-
-def test_a_loss_that_is_no_tensor_is_refused_naming_what_to_give():
-    # log.backward(output.sum().item()) failed in torch with a bare AssertionError ("Expected output to be a
-    # torch.Tensor").
-    model, args, _ = zoo()["mlp"]
-    log = tl.trace(model, args, grads=True)
-    with pytest.raises(TypeError,
-                       match=r"log\.backward\(loss\): loss is the tensor to backpropagate from .* got float"):
-        log.backward(log.output.sum().item())
-    log.backward([log.output.sum()])  # a list of tensors, as torch.autograd.backward takes
-    assert torch.equal(log[-1].grad, torch.ones_like(log.output))
-
-
-def test_a_backward_flag_that_is_no_bool_is_refused_before_the_backward():
-    # retain_graph="yes" and create_graph="no" failed in torch's engine with "'str' object cannot be interpreted as
-    # an integer", naming neither option.
-    model, args, _ = zoo()["mlp"]
-    log = tl.trace(model, args, grads=True)
-    loss = log.output.sum()
-    for option in ("retain_graph", "create_graph"):
-        with pytest.raises(TypeError, match=rf"^log\.backward: {option}='no' is a str, not True or False; give True"):
-            log.backward(loss, **{option: "no"})
-    assert log.num_backwards == 0
-    log.backward(loss, retain_graph=True)
-    log.backward(loss, retain_graph=False, create_graph=False)
-    assert log.num_backwards == 2 and torch.equal(log[-1].grad, 2 * torch.ones_like(log.output))

@@ -45,16 +45,6 @@ def test_an_output_or_input_site_names_only_ops_as_what_to_intervene_at(site, sa
         tl.trace(_ReturnsWhatNoOpMade(), torch.randn(2, 4), stop_after=site)
 
 
-def test_a_stop_after_site_never_reached_says_the_forward_ran_to_its_end():
-    """A stop that never came is no intervention site that changed nothing: the message names the option given."""
-    model, args, _ = CASES["mlp"]
-    message = r"^stop_after site 'layers.1:2' was never reached: .*; the forward ran to its end without stopping\.$"
-    with pytest.raises(tl.InterventionError, match=message):
-        tl.trace(model, args, stop_after="layers.1:2")
-    with pytest.raises(tl.InterventionError, match=r"^intervention sites 'layers.0:2', 'layers.1:2' were never "):
-        tl.trace(model, args, stop_after="layers.1:2", intervene={"layers.0:2": tl.zero_ablate()})
-
-
 def test_label_sites_apply_before_module_sites_at_one_value_whatever_the_dict_order():
     """A label site runs as its op returns, a module site as the call returns: at the module's output op the
     label's action always comes first, and the record lists the sites in the order they applied."""

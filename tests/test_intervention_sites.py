@@ -42,30 +42,6 @@ def test_an_unknown_module_like_site_raises_before_the_model_runs(site):
     assert model.runs == 0
 
 
-def test_a_parameter_or_buffer_address_is_refused_saying_to_name_the_ops_that_read_it():
-    # "fc.weight" as a site, a stop_after= site or a save=/grads= entry was refused as an unknown name, with no
-    # word that it is a parameter nor what to name instead.
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
-    x = torch.randn(3, 4)
-    reads = r"which no op of the forward makes: {}= takes ops; name the ops that read it, which log\.{}"
-    for address, kind, listing in (("0.weight", "parameter", r"params\[k\]\.op_labels lists; its own gradient"),
-                                   ("1.running_mean", "buffer", r"buffers\[k\]\.readers lists\)")):
-        for option, options in (("intervene", {"intervene": {address: tl.zero_ablate()}}),
-                                ("stop_after", {"stop_after": address})):
-            with pytest.raises(KeyError, match=rf"site '{address}' is neither .*\({address} is a {kind} of the model, "
-                                               + reads.format(option, listing)):
-                tl.trace(model, x, **options)
-        for option in ("save", "grads"):
-            with pytest.raises(tl.UnmatchedSelection, match=rf"{option}= matched nothing for it \({address} is a "
-                                                            rf"{kind} of the model, " + reads.format(option, listing)):
-                tl.trace(model, x, **{option: [address]})
-    assert_clean_process()
-    log = tl.trace(model, x)
-    assert log.params[0].address == "0.weight" and log.params[0].op_labels == ["linear_1_1:1"]
-    mean = next(b for b in log.buffers if b.address == "1.running_mean")
-    assert mean.readers == ["batchnorm_1_2:1"]
-
-
 def test_an_unknown_label_raises_with_the_closest_labels_before_the_intervened_run():
     model = _Counting()
     reference = tl.trace(model, torch.randn(2, 4), save="none")
@@ -600,33 +576,3 @@ def test_a_call_site_of_each_of_many_modules_is_checked_without_a_search_of_the_
     monkeypatch.undo()
     every_call = tl.trace(model, x, intervene={f"layers.{i}": tl.scale(0.5) for i in range(80)})
     assert torch.equal(log.output, every_call.output) and not torch.equal(log.output, model(x))
-
-
-class _Exportable(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.block(x))
-
-
-@pytest.mark.parametrize("option", ["intervene", "save", "grads"])
-def test_a_parameter_holder_of_an_exported_module_is_refused_naming_its_ops(option):
-    # torch.export's unlifted module inlines the submodules' forwards: "block.0" holds their parameters only.
-    x = torch.randn(3, 4)
-    exported = torch.export.export(_Exportable(), (x,)).module()
-    assert dict(exported.named_children())["block"] is not None
-    selection = {"block.0": tl.zero_ablate()} if option == "intervene" else ["block.0"]
-    with pytest.raises((tl.InterventionError, tl.UnmatchedSelection)) as raised:
-        tl.trace(exported, x, **{option: selection})
-    message = str(raised.value)
-    assert "no submodules" in message and "ops that read its parameters" in message
-    assert "holds (none)" not in message
-    log = tl.trace(exported, x)
-    assert list(log["linear_1_1:1"].params) == ["block.0.weight", "block.0.bias"]
-    assert torch.equal(log.output, exported(x))
-    assert_clean_process()
-

@@ -575,12 +575,10 @@ def _copy_of_span(t):
 
 
 def as_args(value) -> tuple:
-    """The positional arguments a forward is called with, by one rule and no guessing.
-
-    A tuple is the positional arguments; any other value (a tensor, a list, a dict, ...) is the one
-    positional argument.  So ``trace(model, (a, b))`` calls ``model(a, b)`` and ``trace(model, [a, b])``
-    calls ``model([a, b])``; to pass one tuple as the only argument, wrap it: ``((a, b),)``.
-    """
+    """The positional arguments a forward is called with, by one rule and no guessing: a tuple is the positional
+    arguments; any other value (a tensor, a list, a dict, ...) is the one positional argument.  So ``trace(model,
+    (a, b))`` calls ``model(a, b)`` and ``trace(model, [a, b])`` calls ``model([a, b])``; to pass one tuple as the
+    only argument, wrap it: ``((a, b),)``."""
     return value if isinstance(value, tuple) else (value,)
 
 
@@ -595,8 +593,7 @@ def as_kwargs(value, who: str = "tl.trace") -> dict:
                         f"{type(value).__name__}; to call forward with several positional arguments, give them "
                         f"as one tuple: {who}(model, (x, y))")
     named = value if isinstance(value, dict) else dict(value)
-    # Python's own refusal ("keywords must be strings") would come as the forward is called, read as the model's.
-    wrong = next((key for key in named if not isinstance(key, str)), None)
+    wrong = next((key for key in named if not isinstance(key, str)), None)  # else refused as forward is called
     if wrong is not None:
         raise TypeError(f"{who}: kwargs are keyword arguments, named by strings, but one key is "
                         f"{type(wrong).__name__} {wrong!r}; positional arguments go in args, as a tuple")

@@ -39,23 +39,16 @@ from .pass_through import end_pass_through, note_pass_through
 _any_autocast = torch._C._is_any_autocast_enabled
 _VERSION = operator.attrgetter("_version")
 
-INFERENCE_CAVEAT = (
-    "inference tensors (made under torch.inference_mode()) carry no version counter: in-place writes to "
-    "them were recognised by name only (add_, __setitem__, out=, inplace=True), so a write capture could "
-    "not predict (a fused kernel writing an argument, code running with torch function handling disabled) is "
-    "neither attributed nor detected in their saved activations"
-)
-
-
+INFERENCE_CAVEAT = ("inference tensors (made under torch.inference_mode()) carry no version counter: in-place "
+                    "writes to them were recognised by name only (add_, __setitem__, out=, inplace=True), so a "
+                    "write capture could not predict (a fused kernel writing an argument, code running with torch "
+                    "function handling disabled) is neither attributed nor detected in their saved activations")
 # A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
 # moving (a collective through a view of it), so a read asks ``writers`` who wrote it last.
 STALE_VERSION = -1
-
 # The output position (``Written.outputs``) of a tensor a call wrote, not by name, and did not return (a
 # compiled submodule writing its input): no output of the call holds its value.
 NOT_RETURNED = -1
-
-
 # What holds a tensor's memory at a write through ``x.data`` when nothing else does: ``x``, ``x.data``, and
 # the storage object the count is read through.
 _DATA_WRITE_HOLDERS = 3
@@ -439,8 +432,7 @@ class CaptureState:
         Keyed lazily: the hot path notes nothing per op (records at or after ``keyed_to`` are the new
         ones), and the keys are computed here, the first time a write needs them (copy-on-write before a
         predicted write, or a write found after a call), so over a trace each record is looked at once.
-        A saved tensor keeps its storage alive, so its key is the same now as when it was saved.
-        """
+        A saved tensor keeps its storage alive, so its key is the same now as when it was saved."""
         new = range(self.keyed_to, len(self.records))
         pending = self.unkeyed
         if new or pending:

@@ -38,8 +38,7 @@ class Trace(TraceColumns):
 
     ``log['linear_1_1']`` is a Layer, ``log['linear_1_1:2']`` an Op, ``log['fc:2']`` the output op of
     that module call, ``log['fc']`` the Module (or its output op when it ran once), ``log[i]`` and
-    ``log[a:b]`` index ops in execution order.
-    """
+    ``log[a:b]`` index ops in execution order."""
 
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
     rank = None  # this process's rank and the world size when traced under torch.distributed
@@ -556,8 +555,7 @@ class Trace(TraceColumns):
         """Release every saved activation and every reference to the model and its tensors.
 
         Metadata (labels, shapes, modules, timings) stays readable; reading an activation afterwards
-        raises ``ActivationUnavailable``.  Calling it again does nothing.
-        """
+        raises ``ActivationUnavailable``.  Calling it again does nothing."""
         if self._cleaned:
             return
         self._derive_all()  # from the arguments, parameters and module objects released below

@@ -1,0 +1,66 @@
+"""Names that are no op: a parameter, a buffer, or a module holding only parameters (torch.export's unlifted
+module inlines its submodules' forwards) given as an intervention site, a stop_after= site or a save=/grads= entry
+is refused saying what it is and which ops to name instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+from untouched import assert_clean_process
+
+
+def test_a_parameter_or_buffer_address_is_refused_saying_to_name_the_ops_that_read_it():
+    # "fc.weight" as a site, a stop_after= site or a save=/grads= entry was refused as an unknown name, with no
+    # word that it is a parameter nor what to name instead.
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    x = torch.randn(3, 4)
+    reads = r"which no op of the forward makes: {}= takes ops; name the ops that read it, which log\.{}"
+    for address, kind, listing in (("0.weight", "parameter", r"params\[k\]\.op_labels lists; its own gradient"),
+                                   ("1.running_mean", "buffer", r"buffers\[k\]\.readers lists\)")):
+        for option, options in (("intervene", {"intervene": {address: tl.zero_ablate()}}),
+                                ("stop_after", {"stop_after": address})):
+            with pytest.raises(KeyError, match=rf"site '{address}' is neither .*\({address} is a {kind} of the model, "
+                                               + reads.format(option, listing)):
+                tl.trace(model, x, **options)
+        for option in ("save", "grads"):
+            with pytest.raises(tl.UnmatchedSelection, match=rf"{option}= matched nothing for it \({address} is a "
+                                                            rf"{kind} of the model, " + reads.format(option, listing)):
+                tl.trace(model, x, **{option: [address]})
+    assert_clean_process()
+    log = tl.trace(model, x)
+    assert log.params[0].address == "0.weight" and log.params[0].op_labels == ["linear_1_1:1"]
+    mean = next(b for b in log.buffers if b.address == "1.running_mean")
+    assert mean.readers == ["batchnorm_1_2:1"]
+
+
+class _Exportable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("option", ["intervene", "save", "grads"])
+def test_a_parameter_holder_of_an_exported_module_is_refused_naming_its_ops(option):
+    # torch.export's unlifted module inlines the submodules' forwards: "block.0" holds their parameters only.
+    x = torch.randn(3, 4)
+    exported = torch.export.export(_Exportable(), (x,)).module()
+    assert dict(exported.named_children())["block"] is not None
+    selection = {"block.0": tl.zero_ablate()} if option == "intervene" else ["block.0"]
+    with pytest.raises((tl.InterventionError, tl.UnmatchedSelection)) as raised:
+        tl.trace(exported, x, **{option: selection})
+    message = str(raised.value)
+    assert "no submodules" in message and "ops that read its parameters" in message
+    assert "holds (none)" not in message
+    log = tl.trace(exported, x)
+    assert list(log["linear_1_1:1"].params) == ["block.0.weight", "block.0.bias"]
+    assert torch.equal(log.output, exported(x))
+    assert_clean_process()
+
