@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 
 import torch
@@ -77,8 +78,26 @@ def _kept_as_data(value) -> bool:
         isinstance(value, Iterator) and not inspect.isgenerator(value)
 
 
+# The kinds of value ``_unrecordable`` may refuse: any other type is settled by one lookup (a ModelOutput and the
+# cache objects it holds are walked at every trace).
+_REFUSABLE = (types.CoroutineType, types.AsyncGeneratorType, Iterator, types.FunctionType, types.MethodType,
+              functools.partial, set, frozenset, torch._C.Future, KeysView, ValuesView, ItemsView)
+_refusable_types: dict = {}  # type -> whether it is a subclass of one of _REFUSABLE
+
+
+def _may_be_refused(kind) -> bool:
+    verdict = _refusable_types.get(kind)
+    if verdict is None:
+        if len(_refusable_types) > 4096:  # classes made at run time come and go
+            _refusable_types.clear()
+        verdict = _refusable_types[kind] = issubclass(kind, _REFUSABLE)
+    return verdict
+
+
 def _unrecordable(output):
     """``(what is wrong, what to do)`` for a result no trace can record, else None."""
+    if not _may_be_refused(type(output)):
+        return None
     if inspect.iscoroutine(output):  # an async def forward: its body runs when awaited, which list() cannot do
         return ("whose body runs only when awaited, after tracing ended",
                 "e.g. run it to the end inside the traced callable: lambda x: asyncio.run(model(x)), with root=model")
