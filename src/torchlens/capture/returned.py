@@ -20,6 +20,7 @@ import torch
 from ..tree import MAX_DEPTH, TENSOR_TYPES, container_items, has_tensor, path_text
 
 _SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
+_LEAVES = frozenset((*TENSOR_TYPES, *_SCALARS))
 
 
 def refuse_unrecordable_output(output, model, shown) -> None:
@@ -52,11 +53,14 @@ def _held_unrecordable(value, path, depth, seen):
     seen.add(id(value))
     for key, child in children:
         kind = type(child)
-        if kind in TENSOR_TYPES or isinstance(child, _SCALARS):
+        if kind in _LEAVES:  # by type first: an output object's attributes are mostly tensors and plain values
             continue
-        problem = _unrecordable(child)
-        if problem is not None and not _kept_as_data(child):
-            return child, path + (key,), problem
+        if _may_be_refused(kind):
+            problem = _unrecordable(child)
+            if problem is not None and not _kept_as_data(child):
+                return child, path + (key,), problem
+        elif isinstance(child, _SCALARS) or isinstance(child, torch.Tensor):
+            continue
         found = _held_unrecordable(child, path + (key,), depth + 1, seen)
         if found is not None:
             return found
