@@ -116,7 +116,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         refuse_forked_trace(capture)
     if state.mode_lifted:
         release_failed(state, runtime)
-        refuse_lifted_mode(state)
+        refuse_lifted_mode()
     forward_done = perf_counter_ns()
     if type(output) is not torch.Tensor and output is not None:  # else nothing in it can hide a tensor
         refuse_unrecordable_output(output, model, shown)

@@ -180,16 +180,15 @@ def leftovers(mode, parts) -> list:
     return left
 
 
-def refuse_lifted_mode(state) -> None:
-    """After a forward that returned: one that took capture's mode off torch's function-mode stack (exiting a
-    mode entered before ``tl.trace`` pops the top of the stack, which was capture's) ran its later torch calls
-    unseen, so no trace is made of it."""
-    if state.mode_lifted:
-        raise RuntimeError("the traced forward took the capture's mode off torch's function-mode stack, so the "
-                           "torch calls after that point were not recorded and no trace is returned: a torch "
-                           "function mode entered before tl.trace and exited inside the forward (by a hook, "
-                           "say) pops the mode on top, which was the capture's. Enter and exit the mode both "
-                           "inside the forward, or both around tl.trace")
+def refuse_lifted_mode() -> None:
+    """After a forward that returned with ``state.mode_lifted`` set: one that took capture's mode off torch's
+    function-mode stack (exiting a mode entered before ``tl.trace`` pops the top of the stack, which was capture's)
+    ran its later torch calls unseen, so no trace is made of it."""
+    raise RuntimeError("the traced forward took the capture's mode off torch's function-mode stack, so the "
+                       "torch calls after that point were not recorded and no trace is returned: a torch "
+                       "function mode entered before tl.trace and exited inside the forward (by a hook, "
+                       "say) pops the mode on top, which was the capture's. Enter and exit the mode both "
+                       "inside the forward, or both around tl.trace")
 
 
 def release_failed(state, runtime) -> None:
