@@ -164,7 +164,7 @@ def mapped(path: str, key: str, as_torch: bool):
                         "load with as_torch=True")
     raw = _mapped_bytes(path, data_start + start, data_start + end)
     if as_torch:
-        if (data_start + start) % raw.new_empty((), dtype=dtype).element_size():
+        if (data_start + start) % dtype.itemsize:
             raw = raw.clone()  # a tensor not aligned to its element size (written by other software)
         return raw.view(dtype).view(shape)
     return _read_only_memmap(raw, NUMPY[name], shape, path, data_start + start)
