@@ -131,3 +131,22 @@ def test_a_loaded_activation_written_in_place_reads_as_dropped_as_a_live_one_doe
     assert torch.equal(again["relu_1_2"].activation, log["relu_1_2"].activation)
     with torch.inference_mode():  # its tensors have no version counter: a write cannot be seen, as in a live trace
         assert torch.equal(tl.load(tmp_path / "run")["0"].activation, log["0"].activation)
+
+
+def test_a_save_path_through_a_folder_not_made_yet_is_made_as_the_system_resolves_it(tmp_path, monkeypatch):
+    # "sub/../run" reaches run through sub, so sub must exist first (as `mkdir -p` makes it); read lexically,
+    # the path lay in the current folder, and renaming the written trace onto it failed with a bare OSError.
+    monkeypatch.chdir(tmp_path)
+    log = tl.trace(nn.Linear(3, 2), torch.randn(2, 3))
+    assert log.save(os.path.join("sub", "..", "run")) == os.path.join("sub", "..", "run")
+    assert (tmp_path / "sub").is_dir()
+    assert torch.equal(tl.load(tmp_path / "run")["linear_1_1"].activation, log["linear_1_1"].activation)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "sub"]  # no staging folder left
+
+
+def test_a_file_through_a_missing_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    log = tl.trace(nn.Linear(3, 2), torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"is in missing/\.\., which does not exist"):
+        log.to_chrome_trace(os.path.join("missing", "..", "t.json"))
+    assert list(tmp_path.iterdir()) == []

@@ -87,6 +87,13 @@ def check_file_to_write(value, name: str, advice: str, *, who: str = ""):
     return path
 
 
+def folder_of(path: str) -> str:
+    """The folder that ``path`` lies in, as the system will resolve it: ``sub/../run`` lies in ``sub/..``, which
+    exists only once ``sub`` does (``os.path.abspath`` would say the current folder, which exists)."""
+    trimmed = path.rstrip(os.sep + (os.altsep or "")) or path  # "run/" names run, not a file in it
+    return os.path.dirname(trimmed) or os.curdir
+
+
 def unwritable_file(path) -> str:
     """Why ``path`` cannot be written as a file (``"is a folder"``, ``"is in <folder>, which does not exist"``),
     or ``""`` when it can: the one check behind ``check_file_to_write`` and the command line's output flags."""
@@ -94,7 +101,7 @@ def unwritable_file(path) -> str:
         return "is a folder"
     if os.path.isfile(path):  # written in place: the file's own permission decides, not its folder's
         return "" if os.access(path, os.W_OK) else "is a file that is not writable"
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = folder_of(path)
     if not os.path.isdir(folder):
         return f"is in {folder}, which {'is not a folder' if os.path.lexists(folder) else 'does not exist'}"
     if not os.access(folder, os.W_OK):

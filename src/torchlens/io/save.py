@@ -24,7 +24,7 @@ import shutil
 import stat
 import uuid
 
-from ..checks import check_flag, check_path
+from ..checks import check_flag, check_path, folder_of
 from ..errors import counted, listed, warn_user
 from ..record.trace import checked_trace
 from .encode import encode_value, torch_constant_name, unsavable
@@ -57,7 +57,7 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
     if activations:
         require_numpy("saving a trace's tensors")  # they are written through Tensor.numpy() (io/tensorfile.py)
     old_files = check_save_target(path, overwrite, trace.rank)
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = folder_of(path)
     make_folder(parent, path, "save")
     staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
     os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
