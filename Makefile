@@ -32,10 +32,12 @@ browser:
 
 # The suite runs twice: with the compiled hot path (whose tests fail rather than skip if it is not built),
 # then on the pure-Python path alone, less the tests marked path_independent (spawned ranks meeting, waiting
-# and resuming: what they check no capture path decides, and they are the slowest tests there are).
+# and resuming: what they check no capture path decides, and they are the slowest tests there are).  Each run
+# spreads its tests over one worker process per core (pytest-xdist); TESTFLAGS= runs them in this process.
+TESTFLAGS ?= -n auto --dist worksteal
 test: $(ACCEL) browser
-	TORCHLENS_REQUIRE_ACCEL=1 $(BIN)/python -m pytest tests
-	TORCHLENS_ACCEL=0 $(BIN)/python -m pytest tests -m "not path_independent"
+	TORCHLENS_REQUIRE_ACCEL=1 $(BIN)/python -m pytest tests $(TESTFLAGS)
+	TORCHLENS_ACCEL=0 $(BIN)/python -m pytest tests -m "not path_independent" $(TESTFLAGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/trace_overhead.py
