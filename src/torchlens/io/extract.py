@@ -221,20 +221,24 @@ def _batch_dimension(args, named=None) -> tuple:
     return t.shape[0], path_text(root, path)
 
 
-def _same_layer(known: dict, info: dict) -> bool:
+def _same_layer(known: dict, info: dict, by_module: bool) -> bool:
     """Whether a batch's op for a layer is the one earlier batches gave: the same name, dtype and row shape, and
     the same op up to its layer number (``linear_1_14:1`` and ``linear_1_9:1`` are both the first linear), which
     moves when a forward runs ops before it that another did not (FSDP2's first forward makes the unsharded
-    parameters that later forwards reuse)."""
+    parameters that later forwards reuse).  A layer named by its module call (``by_module``) is that call's
+    output whichever op made it: a padded batch runs more ops before it than an unpadded one (transformers
+    builds the attention mask only when some position is masked), so its label may differ in any number."""
+    if by_module:
+        return (known["dtype"], known["row_shape"]) == (info["dtype"], info["row_shape"])
     return {**known, "label": _without_layer_number(known["label"])} == \
         {**info, "label": _without_layer_number(info["label"])}
 
 
-def _ragged_rows_hint(known: dict, info: dict) -> str:
+def _ragged_rows_hint(known: dict, info: dict, by_module: bool) -> str:
     """What to do when only the rows' shape changed between batches (inputs of another sequence length): a
     layer is one array, so every row needs one shape."""
     same_op = known["dtype"] == info["dtype"] and \
-        _without_layer_number(known["label"]) == _without_layer_number(info["label"])
+        (by_module or _without_layer_number(known["label"]) == _without_layer_number(info["label"]))
     if not same_op or len(known["row_shape"]) != len(info["row_shape"]):
         return ""
     return ("; a layer is stored as one array, so its rows need one shape in every batch: pad every input to one "
@@ -306,7 +310,7 @@ def _layer_values(log, layers, run, position, with_grads: bool) -> list:
     for i, (name, op, t) in enumerate(zip(run.layers, ops, tensors)):
         if t is None:
             raise RuntimeError(f"batch {position}: {name} ({op.label}) was not saved")
-        run.check_layer(i, name, op.label, t, position)
+        run.check_layer(i, name, op.label, t, position, by_module=name in calls)
         acts.append(t.detach().to("cpu"))
     return acts
 
@@ -461,7 +465,7 @@ class _Run:
                                       "resuming needs the same inputs in the same order (a shuffling DataLoader "
                                       f"cannot resume). Delete {self.out} to start over")
 
-    def check_layer(self, i, name, label, t, position):
+    def check_layer(self, i, name, label, t, position, by_module=False):
         refuse_nested(name, label, t)
         if without_values(t):
             raise TypeError(f"{name} ({label}) is a {'meta' if t.is_meta else 'fake (FakeTensorMode)'} tensor, with a "
@@ -480,10 +484,10 @@ class _Run:
         known = self.state["layer_info"][i]
         if known is None:
             self.state["layer_info"][i] = info
-        elif not _same_layer(known, info):
+        elif not _same_layer(known, info, by_module):
             raise ValueError(f"batch {position}: {name} is {label} {info['dtype']} rows of {info['row_shape']}, but "
                              f"earlier batches gave {known['label']} {known['dtype']} rows of {known['row_shape']}"
-                             f"{_ragged_rows_hint(known, info)}")
+                             f"{_ragged_rows_hint(known, info, by_module)}")
 
     def add(self, acts, rows, rows_from, position, sample_index=None):
         """Buffer one batch; ``rows`` is its batch size, dim 0 of the input ``rows_from`` (``_batch_dimension``;

@@ -1,0 +1,63 @@
+"""Everyday interpretability workflows on a transformers GPT-2 built from a small config, each checked against
+the same computation done by hand with forward hooks: caching activations over a tokenized dataset."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from real_models import small_gpt2_lm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    pytest.importorskip("transformers")
+    return small_gpt2_lm()
+
+
+def _hooked_blocks(model, ids, mask):
+    """Each block's output from forward hooks on an untraced run."""
+    kept = {}
+    handles = [block.register_forward_hook(lambda module, args, out, i=i: kept.__setitem__(i, out.detach().clone()))
+               for i, block in enumerate(model.transformer.h)]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [kept[i] for i in range(len(kept))]
+
+
+def test_extracting_a_block_over_padded_and_unpadded_batches_keeps_each_blocks_output(gpt2, tmp_path):
+    # A batch with a padded row makes transformers build an attention mask that an all-ones batch skips, so the
+    # block's output is another op (add_8_79 against add_6_58): this was refused as "earlier batches gave ...".
+    ids = torch.randint(1, 64, (6, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 3:] = 0
+    batches = [{"input_ids": ids[:3], "attention_mask": mask[:3]}, {"input_ids": ids[3:], "attention_mask": mask[3:]}]
+    tl.extract(gpt2, batches, ["transformer.h.0", "transformer.h.1:1"], tmp_path / "feats", kwargs_of=dict,
+               progress=False)
+    features = tl.load_extracted(tmp_path / "feats")
+    expected = _hooked_blocks(gpt2, ids, mask)
+    assert np.array_equal(features["transformer.h.0"], expected[0].numpy())
+    assert np.array_equal(features["transformer.h.1:1"], expected[1].numpy())
+
+
+def test_an_op_label_that_names_another_op_in_a_later_batch_is_still_refused(gpt2, tmp_path):
+    # Named by its label, the op is the one the first batch gave, and a batch whose forward runs another op there
+    # is refused rather than stacked under the same name.
+    ids = torch.randint(1, 64, (4, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 3:] = 0
+    label = tl.trace(gpt2, (), {"input_ids": ids[:2], "attention_mask": mask[:2]})["transformer.h.0"].label
+    batches = [{"input_ids": ids[:2], "attention_mask": mask[:2]}, {"input_ids": ids[2:], "attention_mask": mask[2:]}]
+    with pytest.raises((KeyError, ValueError), match="batch 1"):
+        tl.extract(gpt2, batches, [label], tmp_path / "feats", kwargs_of=dict, progress=False)
