@@ -1,5 +1,6 @@
 """Everyday interpretability workflows on a transformers GPT-2 built from a small config, each checked against
-the same computation done by hand with forward hooks: caching activations over a tokenized dataset."""
+the same computation done by hand with forward hooks: caching activations over a tokenized dataset, and
+patching tokenized clean and corrupted inputs."""
 
 from __future__ import annotations
 
@@ -61,3 +62,40 @@ def test_an_op_label_that_names_another_op_in_a_later_batch_is_still_refused(gpt
     batches = [{"input_ids": ids[:2], "attention_mask": mask[:2]}, {"input_ids": ids[2:], "attention_mask": mask[2:]}]
     with pytest.raises((KeyError, ValueError), match="batch 1"):
         tl.extract(gpt2, batches, [label], tmp_path / "feats", kwargs_of=dict, progress=False)
+
+
+def _logit_diff(output):
+    return output.logits[0, -1, 11] - output.logits[0, -1, 12]
+
+
+@pytest.mark.parametrize("report", ["activation_patching", "attribution_patching"])
+def test_tokenized_clean_and_corrupt_inputs_are_answered_with_how_to_give_their_keywords(gpt2, report):
+    # tl.trace's note said to pass the batch as kwargs=, which both runs of an experiment share: no way to give
+    # two inputs' keyword arguments.
+    clean = {"input_ids": torch.tensor([[5, 9, 13, 21]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    corrupt = {**clean, "input_ids": torch.tensor([[5, 40, 13, 21]])}
+    with pytest.raises(Exception) as refused:
+        getattr(tl.report, report)(gpt2, clean, corrupt, _logit_diff)
+    note = refused.value.__notes__[-1]
+    assert note.startswith(f"torchlens: {report} takes clean and corrupt as the positional arguments")
+    assert "clean['input_ids'] and corrupt['input_ids'], with kwargs={'attention_mask': ...}" in note
+    assert (f"{report}(lambda input_ids, attention_mask: model(input_ids=input_ids, attention_mask=attention_mask), "
+            "(clean[...], ...), (corrupt[...], ...), metric, root=model)") in note
+
+
+def test_the_callable_the_note_gives_patches_inputs_whose_masks_differ(gpt2):
+    ids = torch.tensor([[5, 9, 13, 21]])
+    mask = torch.ones_like(ids)
+    corrupt_ids, corrupt_mask = torch.tensor([[5, 40, 13, 21]]), torch.tensor([[0, 1, 1, 1]])
+    table = tl.report.activation_patching(
+        lambda input_ids, attention_mask: gpt2(input_ids=input_ids, attention_mask=attention_mask),
+        (ids, mask), (corrupt_ids, corrupt_mask), _logit_diff, sites=["transformer.h.0"], progress=False, root=gpt2)
+    clean_block = _hooked_blocks(gpt2, ids, mask)[0]
+    handle = gpt2.transformer.h[0].register_forward_hook(lambda module, args, out: clean_block.clone())
+    try:
+        with torch.no_grad():
+            expected = _logit_diff(gpt2(input_ids=corrupt_ids, attention_mask=corrupt_mask)).item()
+    finally:
+        handle.remove()
+    assert table.metric[0] == pytest.approx(expected, abs=1e-6)
+    assert table.metric[0] != pytest.approx(table.attrs["clean"], abs=1e-6)  # the corrupted mask still acts

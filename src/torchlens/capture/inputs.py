@@ -190,7 +190,7 @@ def note_how_arguments_were_passed(exc: BaseException, args, model=None) -> None
                      "(a tuple's items are passed as several); to pass it as one argument, wrap it: "
                      "tl.trace(model, (batch,)), or args_of=lambda batch: (batch,) in tl.extract")
     else:
-        named = _parameters_named_by(model, args)
+        named = parameters_named_by(model, args)
         if named:
             # a tokenized batch given as the argument: the model read the whole mapping as its first parameter,
             # and fails wherever that first meets it (transformers' GPT-2: "unhashable type: 'slice'")
@@ -200,7 +200,7 @@ def note_how_arguments_were_passed(exc: BaseException, args, model=None) -> None
                          "kwargs_of=dict in tl.extract")
 
 
-def _parameters_named_by(model, args) -> list:
+def parameters_named_by(model, args) -> list:
     """The keys of a mapping passed as the one positional argument that name parameters of ``model``'s forward:
     keyword arguments passed as one value.  [] for any other call."""
     if model is None or len(args) != 1 or not isinstance(args[0], Mapping):

@@ -20,10 +20,11 @@ import numbers
 import torch
 
 from ..checks import check_flag, check_grad_possible, check_int, check_takes
-from ..errors import InterventionError, TorchlensError, warn_user
+from ..errors import InterventionError, TorchlensError, add_note, warn_user
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
 from ..record.trace import Trace
+from ..capture.inputs import parameters_named_by
 from ..capture.restore import FirstCalls, ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
@@ -53,7 +54,7 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     _check_positions(positions)
     _check_sites(sites)
     check_flag(progress, "progress", "give True to show a progress bar, False for none", who="activation_patching")
-    runs = _Runs(model, root)
+    runs = _Runs(model, root, "activation_patching")
     clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
     corrupt_value = _scalar(metric(runs.trace(corrupt, kwargs, save="none", deep=deep).output))
@@ -131,7 +132,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     pd = _pandas()
     _check_call("attribution_patching", clean, corrupt, metric)
     check_grad_possible("attribution_patching")
-    runs = _Runs(model, root)
+    runs = _Runs(model, root, "attribution_patching")
     with torch.enable_grad():
         clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
@@ -226,8 +227,8 @@ class _Runs:
     attributes put back after it.  A forward that writes a parameter in place would make each run start
     from another model: refused the first time, put back once known (``ForwardState``)."""
 
-    def __init__(self, model, root=None):
-        self.model, self.root = model, root
+    def __init__(self, model, root=None, who="activation_patching"):
+        self.model, self.root, self.who = model, root, who
         self.state = ForwardState.of(root if root is not None else model)
         # A callable that names no model (a lambda): its modules join the state as the runs first call them.
         self.names_no_model = self.state.owner is None
@@ -246,8 +247,12 @@ class _Runs:
     def start(self, args, kwargs, **options):
         """One run, left as it ended until ``finish``: a backward through it may need the buffers it read
         (train-mode batch norm saves its running statistics for the backward)."""
-        with self.first_calls:
-            return trace(self.model, *clone_call(args, kwargs), root=self.root, **options)
+        try:
+            with self.first_calls:
+                return trace(self.model, *clone_call(args, kwargs), root=self.root, **options)
+        except Exception as exc:
+            _note_keyword_inputs(exc, self.who, self.model, args)
+            raise
 
     def finish(self) -> None:
         """Put the model back as the experiment found it; or, when the run wrote parameters that cannot be put
@@ -264,6 +269,25 @@ class _Runs:
             if lazy else "those parameters are now known, and every run puts them back"
         raise TorchlensError(f"{cause}, so each run of the experiment would start from another model (it is left as "
                              f"that forward left it); run the experiment again: {again}")
+
+
+def _note_keyword_inputs(exc: BaseException, who: str, model, args) -> None:
+    """A tokenized batch given as ``clean`` or ``corrupt`` reached the forward as its one positional argument.
+    tl.trace's note says to pass it as ``kwargs``, but here ``kwargs=`` is shared by both runs, so say how the
+    keyword arguments of two inputs are given: the ones they share in ``kwargs=``, the others positionally,
+    through a callable taking them so."""
+    named = parameters_named_by(model, args if isinstance(args, tuple) else (args,))
+    if not named:
+        return
+    first, rest = named[0], named[1:]
+    lambda_args = ", ".join(named)
+    call = ", ".join(f"{name}={name}" for name in named)
+    add_note(exc, f"torchlens: {who} takes clean and corrupt as the positional arguments (a tensor or a tuple), and "
+                  f"kwargs= as the keyword arguments both runs share: give clean[{first!r}] and corrupt[{first!r}]"
+                  + (f", with kwargs={{{', '.join(f'{n!r}: ...' for n in rest)}}}" if rest else "")
+                  + f"; when their other keyword arguments differ, patch a callable taking them positionally: "
+                  f"{who}(lambda {lambda_args}: model({call}), (clean[...], ...), (corrupt[...], ...), metric, "
+                  "root=model)")
 
 
 def _change(clean: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
