@@ -37,19 +37,32 @@ def _hooked_blocks(model, ids, mask):
     return [kept[i] for i in range(len(kept))]
 
 
-def test_extracting_a_block_over_padded_and_unpadded_batches_keeps_each_blocks_output(gpt2, tmp_path):
+def _hooked_gradients(model, batch):
+    """Block 0's output and the gradient of the last position's logit 3 with respect to it, by a forward hook."""
+    kept = {}
+    handle = model.transformer.h[0].register_forward_hook(lambda module, args, out: kept.setdefault("out", out))
+    try:
+        logits = model(**batch).logits
+    finally:
+        handle.remove()
+    return kept["out"].detach(), torch.autograd.grad(logits[:, -1, 3].sum(), kept["out"])[0]
+
+
+def test_extracting_a_block_over_padded_and_unpadded_batches_keeps_each_blocks_output_and_gradient(gpt2, tmp_path):
     # A batch with a padded row makes transformers build an attention mask that an all-ones batch skips, so the
-    # block's output is another op (add_8_79 against add_6_58): this was refused as "earlier batches gave ...".
-    ids = torch.randint(1, 64, (6, 5), generator=torch.Generator().manual_seed(0))
+    # block's output is another op (add_8_79 against add_6_58): this was refused as "earlier batches gave ...",
+    # for the activation and then for its gradient.
+    ids = torch.randint(1, 64, (4, 5), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, 3:] = 0
-    batches = [{"input_ids": ids[:3], "attention_mask": mask[:3]}, {"input_ids": ids[3:], "attention_mask": mask[3:]}]
+    batches = [{"input_ids": ids[:2], "attention_mask": mask[:2]}, {"input_ids": ids[2:], "attention_mask": mask[2:]}]
     tl.extract(gpt2, batches, ["transformer.h.0", "transformer.h.1:1"], tmp_path / "feats", kwargs_of=dict,
-               progress=False)
+               grads=True, loss_fn=lambda output, batch: output.logits[:, -1, 3].sum(), progress=False)
     features = tl.load_extracted(tmp_path / "feats")
-    expected = _hooked_blocks(gpt2, ids, mask)
-    assert np.array_equal(features["transformer.h.0"], expected[0].numpy())
-    assert np.array_equal(features["transformer.h.1:1"], expected[1].numpy())
+    hooked = [_hooked_gradients(gpt2, batch) for batch in batches]
+    assert np.array_equal(features["transformer.h.0"], torch.cat([out for out, _ in hooked]).numpy())
+    assert np.array_equal(features["grad:transformer.h.0"], torch.cat([grad for _, grad in hooked]).numpy())
+    assert np.array_equal(features["transformer.h.1:1"], _hooked_blocks(gpt2, ids, mask)[1].numpy())
 
 
 def test_an_op_label_that_names_another_op_in_a_later_batch_is_still_refused(gpt2, tmp_path):

@@ -304,13 +304,15 @@ def _layer_values(log, layers, run, position, with_grads: bool) -> list:
     calls = _module_calls_by_name(log)
     ops = [_resolve(log, name, position, calls) for name in layers]
     tensors = [op.activation for op in ops]
+    by_module = [name in calls for name in layers]  # a module's output, whichever op made it
     if with_grads:
         ops, tensors = ops + ops, tensors + [layer_grad(op, name, position) for op, name in zip(ops, layers)]
+        by_module += by_module
     acts = []
     for i, (name, op, t) in enumerate(zip(run.layers, ops, tensors)):
         if t is None:
             raise RuntimeError(f"batch {position}: {name} ({op.label}) was not saved")
-        run.check_layer(i, name, op.label, t, position, by_module=name in calls)
+        run.check_layer(i, name, op.label, t, position, by_module=by_module[i])
         acts.append(t.detach().to("cpu"))
     return acts
 
