@@ -112,3 +112,28 @@ def test_the_callable_the_note_gives_patches_inputs_whose_masks_differ(gpt2):
         handle.remove()
     assert table.metric[0] == pytest.approx(expected, abs=1e-6)
     assert table.metric[0] != pytest.approx(table.attrs["clean"], abs=1e-6)  # the corrupted mask still acts
+
+
+def test_a_t5_layer_returning_its_position_bias_is_refused_naming_it_not_eager_attention():
+    # T5 already runs sdpa; the refusal told its users that attention returning no weights, 'sdpa', would make
+    # the layer a site again, while the tensor read inside is the position bias its attention added.
+    pytest.importorskip("transformers")
+    import transformers
+
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=1, num_decoder_layers=1, num_heads=2, d_model=16, d_kv=8, d_ff=32, vocab_size=32,
+        decoder_start_token_id=0, pad_token_id=0)).eval()
+    ids, decoder_ids = torch.tensor([[5, 9, 13]]), torch.tensor([[0, 3]])
+    kwargs = {"decoder_input_ids": decoder_ids}
+    with pytest.raises(tl.InterventionError) as refused:
+        tl.trace(t5, (ids,), kwargs, intervene={"encoder.block.0.layer.0": tl.scale(0.5)})
+    assert "a position bias it added to the scores, as a T5 attention layer" in str(refused.value)
+    call = next(c for c in tl.trace(t5, (ids,), kwargs).module_calls if c.label == "encoder.block.0.layer.0:1")
+    handle = t5.encoder.block[0].layer[0].register_forward_hook(lambda m, i, o: (o[0] * 0.5,) + tuple(o[1:]))
+    try:  # with gradients on, as the trace runs: T5's attention takes another kernel without them
+        expected = t5(ids, **kwargs).logits
+    finally:
+        handle.remove()
+    edited = tl.trace(t5, (ids,), kwargs, intervene={call.output_ops[0]: tl.scale(0.5)})
+    assert torch.equal(edited.output.logits, expected)

@@ -460,10 +460,12 @@ class Interventions:
                 raise InterventionError(
                     f"module site {site.key!r}: {label} read the tensor it returns at {path_text('output', path)} (of "
                     f"shape {tuple(t.shape)}, made by {func_name_of(st.calls[producing_call][CALL_FUNC])}) inside the "
-                    "call before returning it (an attention module returning the attention weights its own matmul "
-                    "read), so the trace could not say which value those reads saw. " + _OUTPUTS_HINT.format(label)
-                    + "; for an attention module, attention that returns no weights (transformers' "
-                    "attn_implementation='sdpa') makes its output a module site again")
+                    "call before returning it (attention weights its own matmul read, as eager attention returns "
+                    "them; a position bias it added to the scores, as a T5 attention layer and the blocks around it "
+                    "return it), so the trace could not say which value those reads saw. " + _OUTPUTS_HINT.format(label)
+                    + " (in transformers the first is the hidden states); an attention module returning its weights is "
+                    "a module site again when it returns none (transformers' attn_implementation='sdpa', without "
+                    "output_attentions)")
         return record
 
     # ----- after the forward ---------------------------------------------------------------------
