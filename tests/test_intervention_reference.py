@@ -1,0 +1,57 @@
+"""Runs checked against the reference trace their label sites were resolved against: a forward that ran one
+op past the reference's end is refused, and a stopped trace takes the reference's labels only when its ops
+are, op for op, those the reference made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+
+class _Repeat(nn.Module):
+    """``tanh`` applied ``n`` times: the run's length is set by an argument, not by the values."""
+
+    def forward(self, x, n):
+        for _ in range(n):
+            x = torch.tanh(x)
+        return x
+
+
+class _SignBranch(nn.Module):
+    """A positive input goes through ``relu``, any other through ``sigmoid``; both then reach the same ``add``."""
+
+    def forward(self, x):
+        h = torch.relu(x) if x.sum() > 0 else torch.sigmoid(x)
+        return h + 1
+
+
+def test_a_predicate_site_of_a_run_one_op_longer_than_its_reference_is_refused():
+    # The one op past the reference's end is made by the call right after its last: a check that began one
+    # call later would pass the run off as an edit of every tanh when its last was not edited.
+    model, x = _Repeat(), torch.randn(2, 3)
+    reference = tl.trace(model, (x,), {"n": 2})
+    assert len(reference.calls) == 2
+    with pytest.raises(tl.InterventionError, match="this forward ran longer") as caught:
+        tl.trace(model, (x,), {"n": 3}, intervene={(lambda op: op.type == "tanh"): tl.scale(2.0)},
+                 reference=reference)
+    assert "tanh_3_3" in str(caught.value)
+
+
+def test_a_stopped_trace_that_took_another_path_keeps_its_own_labels():
+    # The stop site matches (the same add from the same line), but the op before it is sigmoid where the
+    # reference ran relu: the reference's labels would call the sigmoid a relu.
+    model = _SignBranch()
+    positive = torch.rand(2, 3) + 0.1
+    reference = tl.trace(model, positive)
+    add = next(op.label for op in reference.ops if op.type == "add")
+    stopped = tl.trace(model, -positive, stop_after=add, reference=reference)
+    assert stopped.stopped_after == add
+    squash = next(op for op in stopped.ops if op.func_name == "sigmoid")
+    assert squash.type == "sigmoid" and squash.label.startswith("sigmoid")
+    assert not any(op.label.startswith("relu") for op in stopped.ops)
+    assert torch.equal(stopped[squash.label].activation, torch.sigmoid(-positive))
+    same_path = tl.trace(model, positive * 2, stop_after=add, reference=reference)
+    assert [op.label for op in same_path.ops] == [op.label for op in reference.ops][:len(same_path.ops)]
