@@ -176,6 +176,7 @@ def test_helpers_compute_what_they_say():
     assert torch.equal(at(tl.steer(vector, 0.5)), base + 0.5 * vector)
     assert torch.equal(at(tl.clamp(-0.1, 0.1)), base.clamp(-0.1, 0.1))
     assert torch.equal(at(tl.mean_ablate()), base.mean(0, keepdim=True).expand_as(base))
+    assert torch.equal(at(tl.mean_ablate(dims=-1)), base.mean(-1, keepdim=True).expand_as(base))  # each row its own
     assert torch.equal(at(torch.ones(16)), torch.ones_like(base))
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert torch.equal(at(tl.noise(0.2, generator=g1)), base + 0.2 * torch.randn(base.shape, generator=g2))
