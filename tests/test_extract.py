@@ -4,6 +4,7 @@ tests/test_extract_resume.py)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 
@@ -51,6 +52,8 @@ def test_dataloader_batches_with_labels_and_a_partial_last_batch(tmp_path):
         assert torch.equal(got["head"], torch.cat([model(x[i:i + 4]) for i in range(0, 10, 4)]))
         assert torch.equal(got["fc"], torch.cat([model.fc(x[i:i + 4]) for i in range(0, 10, 4)]))
     assert isinstance(tl.load_extracted(tmp_path / "x")["fc"], np.memmap)
+    # A tensor is a view of its file's memory map, not a copy: the data section is aligned to its element size.
+    assert got["fc"].untyped_storage().nbytes() == os.path.getsize(tmp_path / "x" / "layer_001.safetensors")
 
 
 def test_layer_names_must_pick_one_op_per_batch(tmp_path):
@@ -237,6 +240,18 @@ def test_a_damaged_layer_file_is_refused(tmp_path):
     with pytest.raises(TraceFileError, match="content hash does not match"):
         tl.load_extracted(tmp_path / "x")
     assert tl.load_extracted(tmp_path / "x", verify=False)["fc"].shape == (12, 8)  # sizes still checked
+
+
+def test_a_layer_file_whose_header_disagrees_with_its_bytes_is_refused_unverified(tmp_path):
+    # An edit of the same length keeps the file's size: unverified, only the header's own check finds it.
+    tl.extract(TwoLayer().eval(), batches(3), ["fc"], tmp_path / "x", progress=False)
+    path = tmp_path / "x" / "layer_000.safetensors"
+    data = path.read_bytes()
+    assert data.count(b'"shape":[12,8]') == 1
+    path.write_bytes(data.replace(b'"shape":[12,8]', b'"shape":[11,8]'))
+    for as_torch in (True, False):
+        with pytest.raises(TraceFileError, match=r"claims bytes \[0, 384\) for shape \[11, 8\]"):
+            tl.load_extracted(tmp_path / "x", verify=False, as_torch=as_torch)
 
 
 @pytest.mark.parametrize("file", [["layer_000.safetensors"], {"name": 1}, 7, "elsewhere.safetensors"])
