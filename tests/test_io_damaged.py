@@ -222,3 +222,22 @@ def test_a_parameter_gradient_the_file_does_not_hold_is_refused(tmp_path, edit, 
     rehash(folder)
     with pytest.raises(TraceFileError, match=message):
         tl.load(folder)
+
+
+def test_an_op_gradient_naming_another_ops_tensor_is_refused(tmp_path):
+    # Else the loaded op's gradient would be the other op's, of another shape, with no word of it.
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True)
+    log.backward(log.output.sum())
+    folder = log.save(tmp_path / "t")
+    shapes = {op.index: tuple(op.shape) for op in log.ops}
+
+    def swap(rows):
+        first = rows[0]
+        other = next(row for row in rows if shapes[row[0]] != shapes[first[0]])
+        first[1] = other[1]
+
+    edit_json(folder, "trace.json", lambda r: swap(r["grads"]["tensors"]))
+    rehash(folder)
+    with pytest.raises(TraceFileError, match=r"gradient '.*' is missing or does not match op #"):
+        tl.load(folder)
