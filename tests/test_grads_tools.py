@@ -206,6 +206,11 @@ def test_nonfinite_origin_of_gradients_names_the_first_op_in_backward_order():
     clean = tl.trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(3, 4), grads=True)
     clean.backward(clean.output.sum())
     assert not tl.debug.nonfinite_origin(clean, grads=True)
+    # A non-finite loss: the first gradient of the backward, the output's, is already NaN.
+    seeded = tl.trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(3, 4), grads=True)
+    seeded.backward(seeded.output.sum() * float("nan"))
+    report = tl.debug.nonfinite_origin(seeded, grads=True)
+    assert report.loss_nonfinite and report.origin_label == "linear_2_3:1" and "the loss side" in str(report)
 
 
 class SqrtBesideOthers(nn.Module):

@@ -314,6 +314,16 @@ def test_with_flags_only_a_nan_where_an_intervention_ran_is_not_pinned_on_either
     assert "either the op or the action may have made it" in str(report)
 
 
+def test_a_nan_the_op_made_itself_is_the_ops_though_an_action_then_ran():
+    """The op's own value (op.original) already held NaN: the action that scaled it did not make it."""
+    model = Inner().eval()  # its log makes NaN
+    x = torch.randn(3, 4)
+    label = next(op.label for op in tl.trace(model, x).ops if op.func_name == "log")
+    log = tl.trace(model, x, intervene={label: tl.scale(2.0)})
+    assert log[label].original.isnan().any()
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin_label == label and report.origin_kind == "op" and report.certain
+
 
 class Float8Cast(nn.Module):
     """Simulated float8 storage of an activation: e5m2 overflows to Inf past 57344; e4m3fn saturates."""
