@@ -179,6 +179,32 @@ def test_an_edit_inside_a_checkpoint_region_with_grad_is_refused(reentrant, site
         assert torch.equal(log.output, expected)
 
 
+class _GateWithoutGrad(nn.Module):
+    """``x`` times a gate computed under no_grad: the product saves the gate for its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            gate = torch.sigmoid(self.lin(x))
+        return x * gate
+
+
+def test_an_edit_under_no_grad_inside_a_checkpoint_region_with_grad_is_refused():
+    # The backward recomputes the region, the no_grad gate among it, without the edit: x's gradient would be
+    # the unedited gate's.
+    model, x = _GateWithoutGrad(), torch.randn(3, 4, requires_grad=True)
+    label = next(op.label for op in tl.trace(model, x).ops if op.func_name == "sigmoid")
+
+    def checkpointed(z):
+        return checkpoint(model, z, use_reentrant=False)
+
+    with pytest.raises(tl.InterventionError, match="inside a non-reentrant torch.utils.checkpoint region"):
+        tl.trace(checkpointed, x, intervene={label: tl.scale(3.0)})
+    assert tl.trace(model, x, intervene={label: tl.scale(3.0)}).interventions  # allowed with no region
+
 def test_label_sites_in_a_python_loop_hit_one_pass_or_every_pass():
     model, x = LoopRNN(steps=4).eval(), torch.randn(2, 8)
     plain = tl.trace(model, x)

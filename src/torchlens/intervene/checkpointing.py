@@ -17,15 +17,17 @@ def checkpoint_region():
     region whose backward will recompute it (an edit made here would be missing from the recomputation),
     else None.  Looked at only when an action changes a value, never per op.
 
-    A non-reentrant region is open while its pack hook is the innermost saved-tensors hook, with grad on
-    (a saved-tensors hook the model pushes inside the region hides it: not detected).  A reentrant region
+    A non-reentrant region is open while its pack hook is the innermost saved-tensors hook (a saved-tensors
+    hook the model pushes inside the region hides it: not detected).  A reentrant region
     runs its forward inside ``CheckpointFunction.forward`` (found on the stack), under no_grad; its
     backward happens only when autograd recorded the call, which gave the node its next functions."""
     checkpointing = sys.modules.get("torch.utils.checkpoint")
     if checkpointing is None:
         return None
     innermost = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if innermost is not None and torch.is_grad_enabled():
+    # Whatever the grad mode now: the backward recomputes a no_grad block inside the region too, and the ops
+    # after it save what it made (torch pushes the pack hook only for a region opened with grad on).
+    if innermost is not None:
         hooks = innermost(False)
         code = getattr(hooks[0], "__code__", None) if hooks is not None else None
         if code is not None and any(code is pack for pack in _pack_hook_codes(checkpointing)):
