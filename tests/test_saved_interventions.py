@@ -44,14 +44,23 @@ def test_a_loaded_intervened_trace_keeps_what_was_applied_and_the_original_value
     assert not reread.interventions and all(op.intervention is None for op in reread)
 
 
-def test_a_damaged_interventions_record_is_refused(tmp_path):
+def _another_originals_key(originals):
+    """Point the first original at the second's tensor (of another shape): else loaded as the first op's."""
+    originals[0][1] = originals[1][1]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda record: record["applied"][0].__setitem__(0, 10 ** 6), "interventions"),
+    (lambda record: _another_originals_key(record["originals"]), r"original '.*' is missing or does not match op #"),
+])
+def test_a_damaged_interventions_record_is_refused(tmp_path, edit, message):
     import json
 
     model, x = _model(), torch.randn(4, 8)
-    tl.trace(model, x, intervene={"2": tl.zero_ablate()}).save(tmp_path / "t")
+    tl.trace(model, x, intervene={"2": tl.zero_ablate(), "4": tl.scale(2.0)}).save(tmp_path / "t")
     path = tmp_path / "t" / "trace.json"
     record = json.loads(path.read_text())
-    record["interventions"]["applied"][0][0] = 10 ** 6
+    edit(record["interventions"])
     path.write_text(json.dumps(record))
     from torchlens.io.format import sha256_of
 
@@ -59,7 +68,7 @@ def test_a_damaged_interventions_record_is_refused(tmp_path):
     manifest = json.loads(manifest_path.read_text())
     manifest["files"]["trace.json"] = {"bytes": path.stat().st_size, "sha256": sha256_of(str(path))}
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(TraceFileError, match="interventions"):
+    with pytest.raises(TraceFileError, match=message):
         tl.load(tmp_path / "t")
 
 
