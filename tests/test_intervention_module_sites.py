@@ -1,4 +1,4 @@
-"""Module sites: how a call is numbered, and a call returning one tensor twice."""
+"""Module sites: how a call is numbered, a call returning one tensor twice, and a call whose hook raised."""
 
 from __future__ import annotations
 
@@ -52,3 +52,32 @@ def test_a_tensor_a_module_site_returns_twice_is_one_value_edited_once():
     with torch.no_grad():
         h = model.pair.fc(x)
     assert torch.equal(log.output, h * 3 + h * 3)
+
+
+class _CaughtHookFailure(nn.Module):
+    """Calls ``pair``, whose forward hook raises, and falls back to ``x * 2`` when it does."""
+
+    def __init__(self):
+        super().__init__()
+        self.pair = _Pair()
+
+        def refuse(module, args, output):
+            raise ValueError("hook refused the output")
+
+        self.pair.register_forward_hook(refuse)
+
+    def forward(self, x):
+        try:
+            a, b = self.pair(x)
+        except ValueError:
+            return x * 2
+        return a + b
+
+
+def test_a_module_call_whose_hook_raised_is_not_edited_nor_counted_as_reached():
+    # The call computed an output, but its caller never received it: nothing to edit, and the site says so.
+    model, x = _CaughtHookFailure(), torch.randn(2, 4)
+    with pytest.raises(tl.InterventionError, match=r"'pair' were never reached.*returned None, or raised an "
+                                                   r"exception, in its forward or one of its hooks"):
+        tl.trace(model, x, intervene={"pair": tl.scale(3.0)})
+    assert torch.equal(tl.trace(model, x).output, x * 2)
