@@ -257,3 +257,30 @@ def test_a_damaged_progress_file_is_refused_before_a_resume_uses_it(tmp_path, ed
     with pytest.raises(TraceFileError, match=message):
         tl.extract(model, data, ["fc", "head"], tmp_path / "x", shard_bytes=1, progress=False)
     assert not (tmp_path / "x" / "manifest.json").exists()
+
+
+class _ShiftedWide(nn.Module):
+    """A layer of more weights than the resume check reads in full, and a buffer added to its output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(300, 300)
+        self.register_buffer("shift", torch.zeros(300))
+
+    def forward(self, x):
+        return self.fc(x) + self.shift
+
+
+@pytest.mark.parametrize("change", ["buffer", "last weight"])
+def test_resuming_with_a_changed_buffer_or_a_changed_last_weight_is_refused(tmp_path, change):
+    # A buffer is part of the model as much as a weight is; of a large weight, a sample of its values is read,
+    # spread over all of it, its last value included.
+    data = [torch.randn(2, 300, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = _ShiftedWide().eval()
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 2), ["fc"], tmp_path / "x", shard_bytes=1, progress=False)
+    with torch.no_grad():
+        (model.shift if change == "buffer" else model.fc.weight[-1])[-1] += 1.0
+    with pytest.raises(ResumeMismatchError, match="parameters or buffers differ"):
+        tl.extract(model, data, ["fc"], tmp_path / "x", shard_bytes=1, progress=False)
