@@ -242,7 +242,7 @@ def test_a_damaged_layer_file_is_refused(tmp_path):
     assert tl.load_extracted(tmp_path / "x", verify=False)["fc"].shape == (12, 8)  # sizes still checked
 
 
-def test_a_layer_file_whose_header_disagrees_with_its_bytes_is_refused_unverified(tmp_path):
+def test_a_layer_file_edited_or_grown_is_refused_unverified(tmp_path):
     # An edit of the same length keeps the file's size: unverified, only the header's own check finds it.
     tl.extract(TwoLayer().eval(), batches(3), ["fc"], tmp_path / "x", progress=False)
     path = tmp_path / "x" / "layer_000.safetensors"
@@ -252,6 +252,10 @@ def test_a_layer_file_whose_header_disagrees_with_its_bytes_is_refused_unverifie
     for as_torch in (True, False):
         with pytest.raises(TraceFileError, match=r"claims bytes \[0, 384\) for shape \[11, 8\]"):
             tl.load_extracted(tmp_path / "x", verify=False, as_torch=as_torch)
+    # Bytes added after the data change no header: the file's size against the manifest's finds them.
+    path.write_bytes(data + b"\0" * 8)
+    with pytest.raises(TraceFileError, match=r"layer_000.safetensors: \d+ bytes, the manifest says \d+"):
+        tl.load_extracted(tmp_path / "x", verify=False)
 
 
 @pytest.mark.parametrize("file", [["layer_000.safetensors"], {"name": 1}, 7, "elsewhere.safetensors"])
