@@ -105,3 +105,27 @@ def test_an_alias_returned_at_an_in_place_site_is_written_into_its_receiver():
     plain = tl.trace(model, x)
     log = tl.trace(model, x, intervene={"setitem_1_4:1": lambda t, op: t.view_as(t)})
     assert torch.equal(log.output, plain.output) and log.validate().passed
+
+
+class _ContiguousThenSum(nn.Module):
+    """``h.contiguous()`` returns ``h`` itself; both are then read."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.contiguous() + h
+
+
+def test_an_op_returning_its_argument_as_the_site_leaves_the_argument_its_own_producer():
+    # The action's value replaces what contiguous returned; h, which the model still reads, stays linear's.
+    model, x = _ContiguousThenSum(), torch.randn(2, 4)
+    site = next(op.label for op in tl.trace(model, x).ops if op.func_name == "contiguous")
+    log = tl.trace(model, x, intervene={site: tl.scale(3.0)})
+    add = next(op for op in log.ops if op.func_name == "add")
+    assert add.parents == [site, "linear_1_1:1"] and log.unattributed == 0
+    with torch.no_grad():
+        h = model.fc(x)
+    assert torch.equal(log.output, h * 3.0 + h)
