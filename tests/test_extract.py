@@ -252,6 +252,13 @@ def test_a_layer_file_edited_or_grown_is_refused_unverified(tmp_path):
     for as_torch in (True, False):
         with pytest.raises(TraceFileError, match=r"claims bytes \[0, 384\) for shape \[11, 8\]"):
             tl.load_extracted(tmp_path / "x", verify=False, as_torch=as_torch)
+    # A manifest naming another shape than the file holds (a folder put together from two extractions).
+    path.write_bytes(data)
+    manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
+    manifest["layers"][0]["shape"] = [11, 8]
+    (tmp_path / "x" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFileError, match=r"holds shape \[12, 8\], the manifest says \[11, 8\]"):
+        tl.load_extracted(tmp_path / "x", verify=False)
     # Bytes added after the data change no header: the file's size against the manifest's finds them.
     path.write_bytes(data + b"\0" * 8)
     with pytest.raises(TraceFileError, match=r"layer_000.safetensors: \d+ bytes, the manifest says \d+"):
