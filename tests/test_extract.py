@@ -252,9 +252,18 @@ def test_a_layer_file_edited_or_grown_is_refused_unverified(tmp_path):
     for as_torch in (True, False):
         with pytest.raises(TraceFileError, match=r"claims bytes \[0, 384\) for shape \[11, 8\]"):
             tl.load_extracted(tmp_path / "x", verify=False, as_torch=as_torch)
+    # Two negative dimensions whose product is the byte count: refused by the header check, not by torch.
+    header = json.dumps({"activations": {"dtype": "F32", "shape": [-12, -8], "data_offsets": [0, 384]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[-384:])
+    manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
+    manifest["files"]["layer_000.safetensors"]["bytes"] = path.stat().st_size
+    (tmp_path / "x" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFileError, match=r"claims bytes \[0, 384\) for shape \[-12, -8\]"):
+        tl.load_extracted(tmp_path / "x", verify=False)
+    manifest["files"]["layer_000.safetensors"]["bytes"] = len(data)
     # A manifest naming another shape than the file holds (a folder put together from two extractions).
     path.write_bytes(data)
-    manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
     manifest["layers"][0]["shape"] = [11, 8]
     (tmp_path / "x" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TraceFileError, match=r"holds shape \[12, 8\], the manifest says \[11, 8\]"):
