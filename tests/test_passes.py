@@ -251,6 +251,21 @@ def test_single_op_self_chain_is_not_recurrence():
     assert labels(log) == ["input_1:1", "add_1_1:1", "add_2_2:1", "add_3_3:1", "output_1:1"]
 
 
+def test_a_loop_line_run_with_other_arguments_is_a_layer_per_argument():
+    # The non-tensor arguments are part of a loop line's key: x.pow(k) for three k is three layers, each
+    # reading the input (no self-chain), while the same call three times is one layer of three passes.
+    def powers(x, exponents):
+        total = x
+        for k in exponents:
+            total = total + x.pow(k)
+        return total
+
+    varied = tl.trace(lambda x: powers(x, (1, 2, 3)), torch.randn(3))
+    assert [op.label for op in varied if op.type == "pow"] == ["pow_1_1:1", "pow_2_3:1", "pow_3_5:1"]
+    same = tl.trace(lambda x: powers(x, (2, 2, 2)), torch.randn(3))
+    assert [op.label for op in same if op.type == "pow"] == ["pow_1_1:1", "pow_1_1:2", "pow_1_1:3"]
+
+
 def test_growing_shapes_are_not_grouped_and_distinct_modules_never_merge():
     def grow(x):
         for _ in range(2):
@@ -264,7 +279,7 @@ def test_growing_shapes_are_not_grouped_and_distinct_modules_never_merge():
         def __init__(self):
             super().__init__()
             self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-            self.b.weight = self.a.weight
+            self.b.weight, self.b.bias = self.a.weight, self.a.bias  # every parameter shared
 
         def forward(self, x):
             return self.b(self.a(x))
@@ -304,3 +319,25 @@ def test_the_layers_table_shows_no_pass_s_shape_for_passes_that_differ():
     rows = log.layers.to_pandas().set_index("layer_label")
     assert rows.loc["linear_1_1", "shape"] is None and rows.loc["linear_1_1", "module"] == "self"
     assert rows.loc["getitem_1_3", "shape"] == (1, 8)
+
+
+class _SplitTwice(nn.Module):
+    """Splits its input twice per call: into as many parts as its width allows."""
+
+    def forward(self, x):
+        total = x.sum()
+        for _ in range(2):
+            total = total + x.split(2, dim=-1)[0].sum()
+        return total
+
+
+def test_a_shared_module_op_with_more_outputs_in_a_later_call_keeps_its_passes():
+    # Each run of a site counts once per module call, at its first output: counted per output, the second
+    # split of a call that made three parts would be a layer of its own instead of the first call's.
+    block = _SplitTwice()
+    log = tl.trace(lambda x: block(x[:, :4]) + block(x), torch.randn(2, 6), root=block)
+    splits = [op for op in log if op.func_name == "split"]
+    assert [op.multi_output_index for op in splits] == [0, 1, 0, 1, 0, 1, 2, 0, 1, 2]
+    first, second = splits[:4], splits[4:]
+    assert [op.layer_label for op in second[:2] + second[3:5]] == [op.layer_label for op in first]
+    assert [op.pass_index for op in second] == [2, 2, 1, 2, 2, 1]
