@@ -341,3 +341,17 @@ def test_a_shared_module_op_with_more_outputs_in_a_later_call_keeps_its_passes()
     first, second = splits[:4], splits[4:]
     assert [op.layer_label for op in second[:2] + second[3:5]] == [op.layer_label for op in first]
     assert [op.pass_index for op in second] == [2, 2, 1, 2, 2, 1]
+
+
+def test_a_loop_body_of_two_iterations_is_still_a_loop_body():
+    # The first sub feeds the loop's test (mean) in the second iteration: what keeps a chain of two subs a
+    # loop body rather than two single-op layers, with nothing else in the chain to tell.
+    def step_down(x):
+        while x.mean() > 0:
+            x = x - 1
+        return x
+
+    log = tl.trace(step_down, torch.full((3,), 1.5))
+    # The test's first run (compiled apart, before the loop) is a pass of the same layer as its later runs.
+    assert [op.label for op in log][1:-1] == ["mean_1_1:1", "gt_1_2:1", "sub_1_3:1", "mean_1_1:2", "gt_1_2:2",
+                                              "sub_1_3:2", "mean_1_1:3", "gt_1_2:3"]

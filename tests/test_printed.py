@@ -107,8 +107,9 @@ def test_a_while_loop_body_groups_every_op_it_runs():
         return x
 
     log = tl.trace(halve_until_small, torch.ones(3))
-    passes = {layer.first.func_name: layer.num_passes for layer in log.layers if layer.num_passes > 1}
-    assert passes == {"mean": 10, "gt": 10, "sub": 10}
+    # The test runs once more than the body, its first run too (compiled apart, before the loop): one layer.
+    passes = [(layer.first.func_name, layer.num_passes) for layer in log.layers if layer.first.kind == "op"]
+    assert passes == [("mean", 11), ("gt", 11), ("sub", 10)]
 
 
 def test_a_single_op_chain_stays_separate_layers():

@@ -150,17 +150,20 @@ def _site_key(site) -> tuple:
 
 
 def call_offset(code, offset):
-    """The offset of the call instruction that a frame at ``offset`` of ``code`` is running.
+    """The offset that names, for grouping, the instruction a frame at ``offset`` of ``code`` is running.
 
     Python 3.11's specializing interpreter runs a warm call of a builtin (``operator.mul``, ``sum``,
     ``functools.reduce``) inside its ``PRECALL`` instruction, while a cold one runs in the ``CALL`` after
     it: the frame names one call site by two offsets, and a loop through such a call would split into
-    two layers once the site warms up.  Both are read as the ``CALL``'s."""
-    if _PRECALL is None or type(code) is not CodeType:  # (a trace read by tl.load holds stand-ins for code)
+    two layers once the site warms up.  Both are read as the ``CALL``'s.  And the compiler copies some
+    code: a ``while`` loop's test is compiled before the loop and again at the end of its body, so its
+    first run and its later ones run at two offsets of one expression.  Each is read as the first offset
+    of the same instruction over the same source span (line and columns)."""
+    if type(code) is not CodeType:  # (a trace read by tl.load holds stand-ins for code)
         return offset
     entry = _TARGETS.get(id(code))
     if entry is None or entry[0] is not code:
-        entry = _TARGETS[id(code)] = (code, _precall_targets(code))
+        entry = _TARGETS[id(code)] = (code, _canonical_offsets(code))
     return entry[1].get(offset, offset)
 
 
@@ -170,18 +173,27 @@ _TARGETS: dict = {}
 _TARGETS_BOUND = 4096
 
 
-def _precall_targets(code) -> dict:
-    """``{PRECALL offset: offset of the CALL it precedes}`` in ``code``."""
+def _canonical_offsets(code) -> dict:
+    """``{offset: the offset call_offset reads it as}`` in ``code``, for the offsets read otherwise."""
     if len(_TARGETS) >= _TARGETS_BOUND:
         _TARGETS.clear()
-    targets, pending = {}, None
-    for instruction in dis.get_instructions(code):
+    instructions = list(dis.get_instructions(code))
+    first_of_span, canonical = {}, {}
+    for instruction in instructions:
+        span = instruction.positions
+        if span is None or None in span:  # no columns (python -X no_debug_ranges): one line is no place
+            continue
+        first = first_of_span.setdefault((instruction.opname, *span), instruction.offset)
+        if first != instruction.offset:
+            canonical[instruction.offset] = first
+    pending = None
+    for instruction in instructions:
         if instruction.opcode == _PRECALL:
             pending = instruction.offset
         elif pending is not None and instruction.opname == "CALL":
-            targets[pending] = instruction.offset
+            canonical[pending] = canonical.get(instruction.offset, instruction.offset)
             pending = None
-    return targets
+    return canonical
 
 
 def _reached_site(call):
