@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import pytest
 
 import torchlens as tl
@@ -355,3 +356,27 @@ def test_a_loop_body_of_two_iterations_is_still_a_loop_body():
     # The test's first run (compiled apart, before the loop) is a pass of the same layer as its later runs.
     assert [op.label for op in log][1:-1] == ["mean_1_1:1", "gt_1_2:1", "sub_1_3:1", "mean_1_1:2", "gt_1_2:2",
                                               "sub_1_3:2", "mean_1_1:3", "gt_1_2:3"]
+
+
+def test_a_chain_fed_or_read_by_one_off_tensors_is_still_a_chain():
+    # Only a repeated layer makes a chain part of a loop body: a one-off tensor it reads (y) or that reads
+    # every member (the stack after the loop) leaves x = x * y a chain of separate layers.
+    def scale(x, y):
+        steps = []
+        for _ in range(3):
+            x = x * y
+            steps.append(x)
+        return torch.stack(steps)
+
+    log = tl.trace(scale, (torch.randn(3), torch.randn(3)))
+    assert [op.label for op in log if op.type == "mul"] == ["mul_1_1:1", "mul_2_2:1", "mul_3_3:1"]
+
+
+def test_one_user_line_reaching_a_function_twice_inside_torch_is_two_layers():
+    # Traced deep, F.triplet_margin_with_distance_loss measures both distances with pairwise_distance, from
+    # two lines of torch's own code that one user line reached: two layers, not two passes of one.
+    anchor, positive, negative = torch.randn(3, 2, 4).unbind(0)
+    log = tl.trace(lambda a, p, n: F.triplet_margin_with_distance_loss(a, p, n), (anchor, positive, negative),
+                   deep=True)
+    assert [op.label for op in log if op.func_name == "pairwise_distance"] == [
+        "pairwisedistance_1_1:1", "pairwisedistance_2_2:1"]
