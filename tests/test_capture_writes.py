@@ -332,3 +332,16 @@ def test_a_call_that_returns_nothing_but_writes_its_out_tensors_is_the_op_its_re
     assert all(torch.equal(a, b) for a, b in zip(log.output, model(x)))
     result = tl.validate(model, x)
     assert result.passed and result.replayed == 4, str(result)  # mul, the split (one call), add and sum
+
+
+def test_an_in_place_write_to_an_inference_tensor_is_recorded_as_one():
+    # An inference tensor has no version counter: the write is known by the function's name alone.
+    def f(x):
+        y = x * 2
+        y.add_(1)
+        return y * 3
+
+    with torch.inference_mode():
+        log = tl.trace(f, torch.ones(2))
+    assert [op.is_inplace for op in log] == [False, False, True, False, False]
+    assert log["mul_1_1"].activation.tolist() == [2.0, 2.0] and log["add_1_2"].activation.tolist() == [3.0, 3.0]

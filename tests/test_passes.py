@@ -380,3 +380,16 @@ def test_one_user_line_reaching_a_function_twice_inside_torch_is_two_layers():
                    deep=True)
     assert [op.label for op in log if op.func_name == "pairwise_distance"] == [
         "pairwisedistance_1_1:1", "pairwisedistance_2_2:1"]
+
+
+class _Recursive(nn.Module):
+    def forward(self, x, depth=2):
+        x = torch.relu(x - 1)
+        return self(x, depth - 1) if depth else x
+
+
+def test_a_root_that_calls_itself_groups_its_first_call_with_its_later_ones():
+    # The root's first call is the trace itself, in no module call: its ops still pair with its later calls'.
+    log = tl.trace(_Recursive(), torch.randn(3))
+    assert labels(log)[1:-1] == ["sub_1_1:1", "relu_1_2:1", "sub_1_1:2", "relu_1_2:2", "sub_1_1:3", "relu_1_2:3"]
+    assert [c.label for c in log.module_calls] == ["self:2", "self:3"]
