@@ -1,0 +1,35 @@
+"""How a call's arguments are recorded: which op made each tensor argument, and the arguments as they were.
+
+A tensor written through a view since its op made it holds the writer's value, and a list the model
+changes after the call must not change the record of the call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import torchlens as tl
+
+
+def _written_through_a_view(x):
+    a = x * 2
+    a[:1].add_(5)
+    return torch.where(x > 0, a, x)  # three tensor arguments: the general scan, not the inline one
+
+
+def test_an_argument_written_through_a_view_has_the_writer_for_its_parent():
+    log = tl.trace(_written_through_a_view, torch.randn(3))
+    assert log["where_1_5"].parents == ["gt_1_4:1", "add_1_3:1", "input_1:1"]
+
+
+def _appends_after_the_call(x):
+    parts = [x, x * 2]
+    y = torch.cat(parts)
+    parts.append(x * 3)  # a change to the list after the call
+    return y
+
+
+def test_a_list_argument_is_recorded_as_it_was_with_its_tensors_blanked():
+    log = tl.trace(_appends_after_the_call, torch.randn(3))
+    cat = log["cat_1_2"]
+    assert cat.args == ([None, None],) and cat.parents == ["input_1:1", "mul_1_1:1"]
