@@ -33,3 +33,22 @@ def test_a_list_argument_is_recorded_as_it_was_with_its_tensors_blanked():
     log = tl.trace(_appends_after_the_call, torch.randn(3))
     cat = log["cat_1_2"]
     assert cat.args == ([None, None],) and cat.parents == ["input_1:1", "mul_1_1:1"]
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass of the user's: its Parameter is a _Tagged, not an nn.Parameter by type."""
+
+
+class _CatsItsParameter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3).as_subclass(_Tagged))
+
+    def forward(self, x):
+        return torch.cat([x, self.w]) * 2  # the parameter inside a list: the container scan
+
+
+def test_a_subclass_parameter_inside_a_list_is_a_parameter_not_a_parent():
+    log = tl.trace(_CatsItsParameter(), torch.randn(3))
+    cat = log["cat_1_1"]
+    assert cat.parents == ["input_1:1"] and cat.params == ("w",) and log.unattributed == 0
