@@ -176,3 +176,14 @@ def test_running_statistics_written_in_a_kernel_keep_the_value_as_read():
     for name, value in before.items():
         assert not torch.equal(getattr(model, name), value), name  # the kernels did update them
         assert torch.equal(_buffer_op(trace, name).activation, value), name  # saved as they were read
+
+
+def test_the_output_node_of_a_returned_tensor_written_after_the_trace_reads_as_dropped():
+    # The output node shows its producer's saved tensor, the very tensor returned: written after the trace,
+    # both read as dropped, never the later value.
+    model = nn.Linear(4, 4)
+    trace = tl.trace(model, torch.randn(2, 4))
+    trace.output.add_(1)
+    for label in ("linear_1_1", "output_1"):
+        with pytest.raises(tl.ActivationUnavailable, match="written in place after the trace ended"):
+            trace[label].activation
