@@ -345,3 +345,14 @@ def test_an_in_place_write_to_an_inference_tensor_is_recorded_as_one():
         log = tl.trace(f, torch.ones(2))
     assert [op.is_inplace for op in log] == [False, False, True, False, False]
     assert log["mul_1_1"].activation.tolist() == [2.0, 2.0] and log["add_1_2"].activation.tolist() == [3.0, 3.0]
+
+
+def test_a_call_writing_its_out_tensor_is_an_in_place_op():
+    def f(x):
+        y = x * 2
+        torch.mul(x, 3, out=y)
+        return y + 1
+
+    log = tl.trace(f, torch.ones(2))
+    assert [op.is_inplace for op in log if op.kind == "op"] == [False, True, False]
+    assert log["add_1_3"].parents == ["mul_2_2:1"] and log["mul_1_1"].activation.tolist() == [2.0, 2.0]
