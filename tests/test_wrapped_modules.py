@@ -170,3 +170,26 @@ def test_a_module_run_only_through_its_forward_is_named_with_the_ops_that_used_i
             run()
     edited = tl.trace(model, x, intervene={users[0]: tl.zero_ablate()})  # the way the message names
     assert torch.equal(edited.output, model.head(torch.zeros(2, 4)))
+
+
+class _OwnCallImpl(nn.Linear):
+    """A class whose own _call_impl hands the call on to nn.Module's, as some wrappers do."""
+
+    def _call_impl(self, *args, **kwargs):
+        return super()._call_impl(*args, **kwargs)
+
+
+class _HoldsOwnCallImpl(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = _OwnCallImpl(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+def test_a_module_whose_call_impl_calls_nn_modules_is_one_call():
+    log = tl.trace(_HoldsOwnCallImpl(), torch.randn(2, 4))
+    assert [c.label for c in log.module_calls] == ["fc:1"]
+    assert [m.num_calls for m in log.modules if m.address == "fc"] == [1]
+    assert log["fc:1"].label == "linear_1_1:1"
