@@ -147,3 +147,27 @@ def test_a_record_is_in_the_trace_that_made_it_and_in_no_other():
     assert all(record in log for record in records)
     assert not any(record in other for record in records)
     assert "linear_1_2:1" in log and 0 in log and len(log) not in log and "linear_9_9:1" not in log
+
+
+class _Pair(torch.nn.Module):
+    def forward(self, x):
+        return x * 2, x * 3
+
+
+class _PairThenNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pair, self.bn = _Pair(), torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        a, b = self.pair(x)
+        return self.bn(a - b)
+
+
+def test_a_call_returning_several_tensors_is_named_by_its_first_and_a_buffer_path_by_log_buffers():
+    # As a forward hook's output[0]: the first tensor a call returned. A buffer's address names no op: the
+    # lookup refuses it and says where its record is.
+    log = tl.trace(_PairThenNorm().eval(), torch.randn(2, 4))
+    assert log["pair"].label == log["pair:1"].label == "mul_1_1:1"
+    with pytest.raises(KeyError, match="bn.running_mean is a buffer, whose record is in log.buffers"):
+        log["bn.running_mean"]
