@@ -6,6 +6,7 @@ changes after the call must not change the record of the call.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import torchlens as tl
@@ -17,8 +18,11 @@ def _written_through_a_view(x):
     return torch.where(x > 0, a, x)  # three tensor arguments: the general scan, not the inline one
 
 
-def test_an_argument_written_through_a_view_has_the_writer_for_its_parent():
-    log = tl.trace(_written_through_a_view, torch.randn(3))
+@pytest.mark.parametrize("inference", [False, True], ids=["versioned", "inference tensors"])
+def test_an_argument_written_through_a_view_has_the_writer_for_its_parent(inference):
+    # An inference tensor has no version counter: the write noted on its storage tells instead.
+    with torch.inference_mode(inference):
+        log = tl.trace(_written_through_a_view, torch.randn(3))
     assert log["where_1_5"].parents == ["gt_1_4:1", "add_1_3:1", "input_1:1"]
 
 
