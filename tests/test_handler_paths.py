@@ -187,3 +187,14 @@ def test_the_output_node_of_a_returned_tensor_written_after_the_trace_reads_as_d
     for label in ("linear_1_1", "output_1"):
         with pytest.raises(tl.ActivationUnavailable, match="written in place after the trace ended"):
             trace[label].activation
+
+
+def test_the_outputs_of_a_call_returning_several_tensors_are_saved_detached():
+    # Several outputs take the general recording path, not the hot path's one-tensor case: each is saved
+    # detached, a reference to the output's memory, holding no graph.
+    model = nn.Linear(3, 4)
+    log = tl.trace(lambda x: [p * 2 for p in model(x).split(2, dim=1)], torch.randn(2, 3), root=model)
+    parts = [op for op in log if op.func_name == "split"]
+    assert len(parts) == 2
+    for op in parts:
+        assert not op.activation.requires_grad and op.activation.grad_fn is None and op.activation.shape == (2, 2)
