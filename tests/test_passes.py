@@ -393,3 +393,17 @@ def test_a_root_that_calls_itself_groups_its_first_call_with_its_later_ones():
     log = tl.trace(_Recursive(), torch.randn(3))
     assert labels(log)[1:-1] == ["sub_1_1:1", "relu_1_2:1", "sub_1_1:2", "relu_1_2:2", "sub_1_1:3", "relu_1_2:3"]
     assert [c.label for c in log.module_calls] == ["self:2", "self:3"]
+
+
+def test_the_two_comparisons_of_a_chained_comparison_are_two_layers():
+    # Both comparisons of a < b < c share one source span, but they are not copies of one instruction.
+    def both_and(a, b, c, d):
+        while (a < b < c).all() and d.sum() > 0:
+            d = d - 1
+        return d
+
+    ones = torch.ones(1)
+    log = tl.trace(both_and, (ones, ones * 2, ones * 3, ones))
+    assert [op.label for op in log if op.kind == "op"] == ["lt_1_1:1", "lt_2_2:1", "all_1_3:1", "sum_1_4:1",
+                                                           "gt_1_5:1", "sub_1_6:1", "lt_1_1:2", "lt_2_2:2",
+                                                           "all_1_3:2", "sum_1_4:2", "gt_1_5:2"]

@@ -35,6 +35,7 @@ from types import CodeType
 import torch
 
 _PRECALL = dis.opmap.get("PRECALL")  # Python 3.11's; later versions have none
+_JUMPS = frozenset(dis.hasjrel + dis.hasjabs)  # whose argument, a target, differs between copies of one code
 
 
 def arg_signature(obj, depth: int = 0):
@@ -157,8 +158,8 @@ def call_offset(code, offset):
     it: the frame names one call site by two offsets, and a loop through such a call would split into
     two layers once the site warms up.  Both are read as the ``CALL``'s.  And the compiler copies some
     code: a ``while`` loop's test is compiled before the loop and again at the end of its body, so its
-    first run and its later ones run at two offsets of one expression.  Each is read as the first offset
-    of the same instruction over the same source span (line and columns)."""
+    first run and its later ones run at two offsets of one expression.  A copy is read as its original's
+    offset (``_copied_offsets``)."""
     if type(code) is not CodeType:  # (a trace read by tl.load holds stand-ins for code)
         return offset
     entry = _TARGETS.get(id(code))
@@ -178,14 +179,7 @@ def _canonical_offsets(code) -> dict:
     if len(_TARGETS) >= _TARGETS_BOUND:
         _TARGETS.clear()
     instructions = list(dis.get_instructions(code))
-    first_of_span, canonical = {}, {}
-    for instruction in instructions:
-        span = instruction.positions
-        if span is None or None in span:  # no columns (python -X no_debug_ranges): one line is no place
-            continue
-        first = first_of_span.setdefault((instruction.opname, *span), instruction.offset)
-        if first != instruction.offset:
-            canonical[instruction.offset] = first
+    canonical = _copied_offsets(instructions)
     pending = None
     for instruction in instructions:
         if instruction.opcode == _PRECALL:
@@ -194,6 +188,29 @@ def _canonical_offsets(code) -> dict:
             canonical[pending] = canonical.get(instruction.offset, instruction.offset)
             pending = None
     return canonical
+
+
+def _copied_offsets(instructions: list) -> dict:
+    """``{offset of a copy: offset of the original}``: an instruction is a copy of an earlier one when the
+    instructions of its line up to it (names, arguments and source spans) are those of the earlier one's.
+    Comparing only its own span would merge the two comparisons of ``a < b < c``, which share one span."""
+    prefixes: dict = {}  # (prefix id, instruction) -> id of the prefix it ends
+    first_of: dict = {}  # prefix id -> the offset of the first instruction that ended it
+    copied = {}
+    prefix, line = -1, None
+    for instruction in instructions:
+        span = instruction.positions
+        if span is None or None in span:  # no columns (python -X no_debug_ranges): one line is no place
+            prefix, line = -1, None
+            continue
+        if span.lineno != line:
+            prefix, line = -1, span.lineno
+        argument = None if instruction.opcode in _JUMPS else instruction.argrepr
+        prefix = prefixes.setdefault((prefix, instruction.opname, argument, *span), len(prefixes))
+        first = first_of.setdefault(prefix, instruction.offset)
+        if first != instruction.offset:
+            copied[instruction.offset] = first
+    return copied
 
 
 def _reached_site(call):
