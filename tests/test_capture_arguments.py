@@ -56,3 +56,11 @@ def test_a_subclass_parameter_inside_a_list_is_a_parameter_not_a_parent():
     log = tl.trace(_CatsItsParameter(), torch.randn(3))
     cat = log["cat_1_1"]
     assert cat.parents == ["input_1:1"] and cat.params == ("w",) and log.unattributed == 0
+
+
+def test_every_output_of_a_call_with_parameters_names_its_parameters():
+    # nn.LSTM's one call returns its output and both final states: each op read the same weights.
+    log = tl.trace(torch.nn.LSTM(4, 3), torch.randn(2, 1, 4))
+    lstm = [op for op in log if op.type == "lstm"]
+    assert len(lstm) == 3
+    assert all(op.params == ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0") for op in lstm)
