@@ -47,8 +47,8 @@ def safe_member(folder: str, name) -> str:
     return path
 
 
-def checked_member(folder: str, name, max_bytes: int | None = None) -> str:
-    """``safe_member`` plus the file itself: it must exist as a regular file of at most ``max_bytes``.
+def checked_member(folder: str, name) -> str:
+    """``safe_member`` plus the file itself: it must exist as a regular file.
 
     Used for files read by other libraries (safetensors, memory maps); ``read_member`` does the same
     checks on the open descriptor for the files torchlens reads itself.
@@ -58,7 +58,7 @@ def checked_member(folder: str, name, max_bytes: int | None = None) -> str:
         info = os.lstat(path)
     except FileNotFoundError:
         raise TraceFileError(f"{path}: missing") from None
-    _check_regular(path, info, max_bytes)
+    _check_regular(path, info, None)
     return path
 
 

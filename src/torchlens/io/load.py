@@ -84,8 +84,8 @@ class _Columns:
             check_index(v, lo, hi, name)
         return values
 
-    def strings(self, name, n=None) -> list:
-        values = self.column(name, self.n if n is None else n)
+    def strings(self, name) -> list:
+        values = self.column(name, self.n)
         if not all(isinstance(v, str) for v in values):
             raise TraceFileError(f"{TRACE_JSON}: column {name!r} must hold strings")
         return values

@@ -88,12 +88,12 @@ def ambiguity(trace, key: str, found: Ambiguous) -> str:
             f"read them as {first[1]} and {second[1]}, or rename the module")
 
 
-def refuse_ambiguous(trace, key: str, role: str = "", instead: str = "") -> None:
+def refuse_ambiguous(trace, key: str, role: str = "") -> None:
     """Raise ``AmbiguousKey`` when ``key`` (a ``save=`` entry, an intervention site: ``role``) names two
-    different things in ``trace``; ``instead`` says what to pass in its place."""
+    different things in ``trace``."""
     found = trace._keys().get(key)
     if type(found) is Ambiguous:
-        raise AmbiguousKey(f"{role}{ambiguity(trace, key, found)}{instead or _PREDICATE}")
+        raise AmbiguousKey(f"{role}{ambiguity(trace, key, found)}{_PREDICATE}")
 
 
 _PREDICATE = "; to select by something else, pass a predicate over ops (lambda op: ...)"

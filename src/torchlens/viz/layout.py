@@ -43,14 +43,14 @@ def find_engine() -> str:
         "render(path='graph.dot').")
 
 
-def layout(dot_texts, fmt: str = "svg", engine: str | None = None) -> list:
+def layout(dot_texts, fmt: str = "svg") -> list:
     """Lay out each DOT text; returns the output bytes of each, in order.
 
     SVG pictures are laid out in batches, one ``dot`` process per worker reading many graphs (a process
     costs several milliseconds to start, a small graph a fraction of one); PNGs one process each."""
     if fmt not in FORMATS:
         raise ValueError(f"layout format must be one of {FORMATS}, not {fmt!r}")
-    engine = engine or find_engine()
+    engine = find_engine()
     texts = list(dot_texts)
     if len(texts) == 1:
         return [_run(engine, texts[0], fmt)]
