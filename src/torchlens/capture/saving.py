@@ -389,7 +389,7 @@ def _refuse_a_module_read_as_a_type(trace, entry: str, op_type: str, option: str
     if set(typed) == outputs:
         return
     labels = trace.labels
-    shown = ", ".join(labels[i] for i in typed[:4]) + (", ..." if len(typed) > 4 else "")
+    shown = listed((labels[i] for i in typed), 4, ", ...")
     raise AmbiguousKey(f"{option}= entry {entry!r} names two things in this trace: the module {entry} (its output "
                        f"ops) and the op type {op_type} ({len(typed)} ops: {shown}); select the module by its call "
                        f"labels ({entry}:1, ...) or the type with a predicate ({option}=lambda op: op.type == "

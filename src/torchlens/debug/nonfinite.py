@@ -130,8 +130,7 @@ class NonfiniteReport:
                      f"{_some(self.possible_origins, 'possible_origins')}; trace with record_finite=True to "
                      "examine every op"]
         if self.propagators:
-            shown = ", ".join(self.propagators[:8]) + (" ..." if len(self.propagators) > 8 else "")
-            lines.append(f"  propagated by {len(self.propagators)} op(s): {shown}")
+            lines.append(f"  propagated by {len(self.propagators)} op(s): {listed(self.propagators, 8)}")
         if self.other_origins:
             lines.append(f"  further independent origins: {_some(self.other_origins, 'other_origins')}")
         if self.undetermined:

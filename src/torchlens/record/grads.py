@@ -15,7 +15,7 @@ from .columns import Kind
 from .dropped import MADE_IN_TRANSFORM
 from .layouts import dense_values
 from ..tree import made_in_transform, without_values
-from ..errors import GradientUnavailable, TraceCleanedUp, add_note, warn_user
+from ..errors import GradientUnavailable, TraceCleanedUp, add_note, first_few, warn_user
 
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
@@ -230,7 +230,7 @@ def _note_changed_params(trace, exc: RuntimeError) -> None:
 
     changed = changed_since_trace(trace)
     if changed:
-        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        shown = first_few(changed, 4)
         add_note(exc, f"torchlens: parameters changed since this trace's forward (an optimizer step?): {shown}; "
                      "autograd needs the values the forward read, so run log.backward(loss) before "
                      "optimizer.step(), or trace again after it")

@@ -10,7 +10,7 @@ from typing import NamedTuple
 from .columns import Kind
 from .layouts import version_of
 from .view import View, row_field
-from ..errors import counted
+from ..errors import counted, first_few
 
 
 class ParamRow:
@@ -180,7 +180,7 @@ def bypassed_call_hint(trace, address: str) -> str:
     users = [op for op in trace.ops if any(p.startswith(prefix) for p in op.params)]
     if not users:
         return ""
-    shown = ", ".join(op.label for op in users[:4]) + (f" and {len(users) - 4} more" if len(users) > 4 else "")
+    shown = first_few((op.label for op in users), 4)
     whole_operators = _whole_operator_names()
     if any(op.func_name in whole_operators for op in users):
         return (f" (module {address!r} made no module call, but ops used its parameters: {shown}; a module called "
