@@ -11,8 +11,7 @@ A path is a tuple of keys: list indices, dict keys and field names, outermost fi
 copies a value with every tensor replaced by ``None`` (so a record holds the non-tensor arguments by
 value, not by reference to a list the model may mutate later) and ``fill`` puts tensors back.
 ``clone_inputs`` copies a call's inputs for an extra run, each plain tensor with its strides and alignment
-(``copy_with_layout``, which replay's copies share).
-"""
+(``copy_with_layout``, which replay's copies share)."""
 
 from __future__ import annotations
 
@@ -38,10 +37,8 @@ MAX_DEPTH = 32  # deeper nesting is not walked: a guard against self-referencing
 def without_values(t: Tensor) -> bool:
     """Whether ``t`` has a shape and dtype but no values: a meta tensor, or a ``FakeTensor`` (made under
     ``FakeTensorMode``, which reports a real device).  Comparing such tensors compares shapes and dtypes."""
-    if t.is_meta:
-        return True
     fake = sys.modules.get("torch._subclasses.fake_tensor")  # none exists before that module is loaded
-    return fake is not None and isinstance(t, fake.FakeTensor)
+    return t.is_meta or (fake is not None and isinstance(t, fake.FakeTensor))
 
 
 def is_uninitialized(t) -> bool:
@@ -427,13 +424,16 @@ def path_text(prefix: str, path: tuple) -> str:
     return ".".join([prefix, *map(str, path)]) if prefix else ".".join(map(str, path))
 
 
-def structures_equal(a, b, *, exact: bool = True, rtol: float = 0.0, atol: float = 0.0) -> tuple:
-    """Whether two return values match, tensor for tensor and leaf for leaf: ``(equal, why)``.
+def outputs_equal(a, b) -> bool:
+    """Whether two return values (or two tensors) match exactly: ``structures_equal``'s verdict alone."""
+    return structures_equal(a, b)[0]
 
-    Walks every container ``tensor_leaves`` walks, plus plain objects' attributes, and compares
-    non-tensor leaves by ``==``; never falls back to comparing types alone.  ``rtol`` / ``atol`` (with
-    ``exact=False``) apply to floating and complex values; integer and boolean tensors match exactly.
-    """
+
+def structures_equal(a, b, *, exact: bool = True, rtol: float = 0.0, atol: float = 0.0) -> tuple:
+    """Whether two return values match, tensor for tensor and leaf for leaf: ``(equal, why)``.  Walks every
+    container ``tensor_leaves`` walks, plus plain objects' attributes, and compares non-tensor leaves by ``==``
+    (NaN equal to NaN); never falls back to comparing types alone.  ``rtol`` / ``atol`` (with ``exact=False``)
+    apply to floating and complex values; integer and boolean tensors match exactly."""
     return _equal(a, b, (), exact, rtol, atol, 0)
 
 

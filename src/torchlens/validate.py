@@ -30,7 +30,8 @@ from .capture.compiled import KeptForReplay, module_behind
 from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
 from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
-                   path_text, slice_with_tensor, structures_equal, tensor_leaves, unmaterialized, without_values)
+                   outputs_equal, path_text, slice_with_tensor, structures_equal, tensor_leaves, unmaterialized,
+                   without_values)
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
@@ -99,13 +100,6 @@ class ValidationResult:
             for label, reason in self.not_replayed[:20]:
                 lines.append(f"    {label}: {reason}")
         return "\n".join(lines)
-
-
-def outputs_equal(a, b) -> bool:
-    """Whether two return values (or two tensors) match, tensor for tensor and leaf for leaf, NaN equal to NaN
-    (``tree.structures_equal``: nested tensors by component, sparse ones of one layout by value, meta or fake
-    ones by shape and dtype)."""
-    return structures_equal(a, b)[0]
 
 
 def _reference_output(model, args: tuple, kwargs: dict, root=None) -> tuple:

@@ -36,7 +36,9 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..checks import check_int, check_number
-from ..tree import structures_equal, tensor_leaves
+from ..tree import outputs_equal, tensor_leaves
+
+same_output = outputs_equal  # measure_overhead's default compare=: exact equality (tree.outputs_equal)
 
 __all__ = ["measure_overhead", "RefusalPredicate", "OverheadResult", "same_output", "machine_fingerprint"]
 
@@ -158,7 +160,7 @@ def measure_overhead(arm_a, arm_b, *, pairs: int = 21, warmup: int = 3,
         warmup: untimed calls of each arm first (alternating); they also count module calls.
         predicate: the ``RefusalPredicate``; defaults to ``RefusalPredicate()``.
         order: ``"abba"`` (A-B then B-A) or ``"random"`` (seeded coin per pair).
-        compare: ``f(out_a, out_b) -> bool``; defaults to exact equality (``same_output``).
+        compare: ``f(out_a, out_b) -> bool``; defaults to exact equality (``tree.outputs_equal``).
         repeats: each arm's sample in a pair is the fastest of this many interleaved blocks, so that
             a pair hit by preemption on a shared machine still yields a usable ratio.
         min_sample_s: each block calls a fast arm repeatedly until it lasts about this long.
@@ -180,7 +182,7 @@ def measure_overhead(arm_a, arm_b, *, pairs: int = 21, warmup: int = 3,
     if order not in ("abba", "random"):
         raise ValueError(f"order must be 'abba' or 'random', got {order!r}")
     _check_device(device)
-    compare = compare or same_output
+    compare = compare or outputs_equal
 
     # Warm-up doubles as the module-call witness and the calibration of calls per sample.
     counts_a, counts_b, first_a, first_b = [], [], [], []
@@ -341,13 +343,6 @@ def _needs_sync(device, out) -> bool:
     if device is not None:
         return torch.device(device).type == "cuda"
     return any(t.is_cuda for _, t in tensor_leaves(out))
-
-
-def same_output(a, b) -> bool:
-    """Exact equality of two return values: ``tree.structures_equal``, the one comparison of outputs, which walks
-    dataclasses, namedtuples, mappings and objects' tensor fields as well as tuples, lists and dicts (tensors
-    must match in dtype, shape, device and values, NaN equal to NaN)."""
-    return structures_equal(a, b)[0]
 
 
 def _quantile(sorted_values: list, q: float) -> float:
