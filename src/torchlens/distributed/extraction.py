@@ -32,7 +32,7 @@ from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX
                           extraction_job, traced_module)
 from ..io.extract_job import check_same_job, recorded_job
 from ..io.extracted import refuse_unfinished
-from ..io.format import (MANIFEST, TraceFileError, checked_member, make_folder, read_json, verify_manifest,
+from ..io.format import (MANIFEST, TraceFileError, atomic_file, checked_member, make_folder, read_json, verify_manifest,
                          write_manifest)
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
@@ -371,16 +371,12 @@ def _write_rows(path, info, n_rows, row_bytes, rows_between) -> None:
     from ..io.tensorfile import DTYPES
 
     shape = [n_rows] + info["row_shape"]
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         f.write(header_bytes({"activations": (DTYPES[info["dtype"]], shape)},
                              {"layer": info["name"], "label": info["label"]}))
         step = max(1, _JOIN_CHUNK_BYTES // max(row_bytes, 1))
         for lo in range(0, n_rows, step):
             f.write(rows_between(lo, min(lo + step, n_rows)).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def sample_index(out):

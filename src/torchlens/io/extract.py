@@ -35,8 +35,8 @@ from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
 from ..tree import path_text, strip, tensor_leaves, without_values
-from .format import (MANIFEST, TraceFileError, check_schema, checked_member, dump_json, make_folder, read_json,
-                     require_numpy, safe_member, write_atomic, write_manifest)
+from .format import (MANIFEST, TraceFileError, atomic_file, check_schema, checked_member, dump_json, make_folder,
+                     read_json, require_numpy, safe_member, write_atomic, write_manifest)
 from .encode import has_no_storage
 from .identity import model_checksum
 from .extract_job import check_same_job
@@ -552,14 +552,11 @@ class _Run:
             shape = [self.state["rows"]] + info["row_shape"]
             dtype = DTYPES[info["dtype"]]
             path = safe_member(self.out, name)
-            with open(path + ".tmp", "wb") as f:
+            with atomic_file(path) as f:
                 f.write(header_bytes({"activations": (dtype, shape)}, {"layer": info["name"], "label": info["label"]}))
                 for shard, (header, data_start) in zip(shards, headers):
                     start, end = header[key]["data_offsets"]
                     copy_range(shard, data_start + start, data_start + end, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
             names.append(name)
             if key != "index":
                 described.append(dict(info, file=name, shape=shape))

@@ -9,6 +9,7 @@ separator, ``..``, a drive, a symlink) is refused before it is opened.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -121,14 +122,22 @@ def _first_file_on(folder: str) -> str:
     return next((p for p in reversed(parts) if os.path.lexists(p) and not os.path.isdir(p)), parts[0])
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` so that ``path`` holds either the old or the whole new content, never a part."""
+@contextlib.contextmanager
+def atomic_file(path: str):
+    """A binary file open for writing whose content replaces ``path`` whole once the block ends (it is
+    written to ``path.tmp``, synced and renamed), so that ``path`` holds the old or the new, never a part."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(data)
+        yield f
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` so that ``path`` holds either the old or the whole new content, never a part."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def dump_json(obj) -> bytes:
