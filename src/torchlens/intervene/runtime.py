@@ -29,7 +29,7 @@ from ..record.layouts import shape_of, version_of
 from ..record.modules import enclosing_calls, is_unregistered, shown_class
 from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
-from ..capture.source import source_of
+from ..record.source import source_of
 from ..capture.bindings import is_bound
 from ..capture.state import StopForward, storage_key
 from ..capture.writes import named_targets

@@ -24,7 +24,7 @@ from ..record.model_index import (WRAPPED, container_note, refuse_module_object,
 from ..record.modules import Module, enclosing_calls
 from ..record.op import Layer, Op
 from ..capture.saving import is_io_path
-from ..capture.source import line_of, source_of
+from ..record.source import line_of, source_of
 from ..labels.naming import LABEL, func_name_of
 from .actions import as_action
 

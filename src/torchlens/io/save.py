@@ -358,7 +358,7 @@ def _output_structure(trace) -> dict:
 
 def _line(code, offset):
     # Calls record the user frame's instruction offset; a saved trace keeps the resolved line number.
-    from ..capture.source import line_of
+    from ..record.source import line_of
 
     return None if code is None else line_of(code, offset)
 

@@ -44,7 +44,7 @@ class Call(NamedTuple):
     params: tuple  # ((argument position, Parameter), ...): parameters are metadata, not graph nodes
     module_call: int  # index of the innermost module call it ran in (-1: the root forward)
     code: Any  # code object of the user frame that made the call (None when none was found)
-    line: Any  # instruction offset in ``code`` (``capture.source.line_of`` turns it into a line)
+    line: Any  # instruction offset in ``code`` (``record.source.line_of`` turns it into a line)
     t0_ns: int  # perf_counter_ns() before the call
     t1_ns: int  # perf_counter_ns() after the call
     first_record: int  # index of the first record (op) it produced; its outputs are consecutive

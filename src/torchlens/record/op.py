@@ -12,6 +12,7 @@ from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import is_packed_weight
 from .modules import enclosing_calls
+from .source import source_of
 from ..tree import container_items
 from .view import OfATrace, View
 from ..errors import ActivationUnavailable, counted
@@ -294,8 +295,6 @@ class Op(View):
     @property
     def source(self):
         """The user's call site (``.file``, ``.line``, ``.function``, ``.code``), or None."""
-        from ..capture.source import source_of  # capture sits above record: imported late
-
         call = self._call()
         return source_of(call.code, call.line) if call is not None else None
 
