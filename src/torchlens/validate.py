@@ -37,7 +37,7 @@ from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, gener
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
 # Forward-mode AD's calls (torch.autograd.forward_ad.make_dual, unpack_dual): they name a dual level, which
 # ended with the forward.
-_DUAL_FUNCS = tuple(f for f in (getattr(torch, "_make_dual", None), getattr(torch, "_unpack_dual", None)) if f)
+_DUAL_FUNCS = (torch._make_dual, torch._unpack_dual)
 # Calls that change a tensor's size in place, leaving what they add uninitialized.
 _RESIZES = frozenset(["resize_", "resize_as_"])
 

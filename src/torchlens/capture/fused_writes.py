@@ -39,7 +39,7 @@ def _schema_written_positions(name: str) -> tuple:
 # func -> the positions of the buffers it writes.  Its flags (observer and fake quantization on) are tensors,
 # which a recorded call no longer holds: the buffers are taken as written at every call.
 _OBSERVERS = {getattr(torch, name): _schema_written_positions(name)
-              for name in WRITES_BY_ATEN_SCHEMA if hasattr(torch, name) and hasattr(torch.ops.aten, name)}
+              for name in WRITES_BY_ATEN_SCHEMA}
 
 # func -> (flag name, flag position, ((name, position) of each running statistic)): the statistics
 # are written when the flag is true, or at every call when there is no flag (None).
@@ -59,21 +59,17 @@ def _aten_norms() -> dict:
     found = {}
     for name, flag in (("batch_norm", "training"), ("native_batch_norm", "training"),
                        ("_batch_norm_impl_index", "training"), ("instance_norm", "use_input_stats")):
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is not None:
-            for op in (packet, packet.default):
-                found[op] = (flag, 5, (("running_mean", 3), ("running_var", 4)))
+        packet = getattr(torch.ops.aten, name)
+        for op in (packet, packet.default):
+            found[op] = (flag, 5, (("running_mean", 3), ("running_var", 4)))
     # (torch.batch_norm and torch.instance_norm are in _NORMS already.  _native_batch_norm_legit's overload
     # without statistics has its flag at 3: read at 5, it is eps, and no tensor stands where statistics would.)
     for name in ("native_batch_norm", "_batch_norm_impl_index", "_native_batch_norm_legit"):
-        func = getattr(torch, name, None)
-        if func is not None:
-            found[func] = ("training", 5, (("running_mean", 3), ("running_var", 4)))
+        found[getattr(torch, name)] = ("training", 5, (("running_mean", 3), ("running_var", 4)))
     # batch_norm_update_stats(input, running_mean, running_var, momentum): it updates them at every call.
-    packet = getattr(torch.ops.aten, "batch_norm_update_stats", None)
-    for op in (getattr(torch, "batch_norm_update_stats", None), packet, getattr(packet, "default", None)):
-        if op is not None:
-            found[op] = (None, None, (("running_mean", 1), ("running_var", 2)))
+    packet = torch.ops.aten.batch_norm_update_stats
+    for op in (torch.batch_norm_update_stats, packet, packet.default):
+        found[op] = (None, None, (("running_mean", 1), ("running_var", 2)))
     return found
 
 

@@ -39,12 +39,10 @@ from . import accel
 
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
-# its hooks by key instead.  Where these internals are absent, the public call is used.
-_INLINE_HOOKS = hasattr(torch._C.TensorBase, "_backward_hooks") and \
-    hasattr(torch._C._FunctionBase, "_register_hook_dict")
-_PLAIN = torch.Tensor if _INLINE_HOOKS else None  # the tensor type whose hooks are added inline
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None) or (lambda: None)
-_sequence_nr = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None)
+# its hooks by key instead.
+_PLAIN = torch.Tensor  # the tensor type whose hooks are added inline (subclasses dispatch register_hook)
+_graph_task_id = torch._C._current_graph_task_id
+_sequence_nr = torch._C._autograd._get_sequence_nr
 
 # A hook's key in a tensor's hook dict is ``capture base - record index``: an int (no tuple per hook),
 # negative, so never a ``RemovableHandle`` id (those count up from 0), and in a range of its own per capture.
@@ -119,8 +117,6 @@ def _unshare_when_done(sink) -> None:
     slices) hands on a view of the gradient the trace keeps, and autograd stores such a view as a leaf's
     ``.grad`` without copying it: ``clip_grad_norm_``, ``GradScaler.unscale_`` or ``zero_()`` on that ``.grad``
     would then rewrite the trace's record.  (The C++ store does the same, ``_autograd.cpp``.)"""
-    if storage_use_count is None:
-        return
     try:
         _queue_callback(partial(_unshare, sink, len(sink.order)))
     except RuntimeError:  # no backward is running (a hook called by hand): nothing to wait for
@@ -215,12 +211,12 @@ class GradCapture:
         self.selector = selector
         self.sources = sources  # inputs are watched (False when a type selection does not name them)
         # The compiled hooks (torchlens-accel), decided per capture: ``accel.use`` applies to later traces.
-        self._cpp = cpp = accel.compiled("_autograd") if _INLINE_HOOKS else None
+        self._cpp = cpp = accel.compiled("_autograd")
         if cpp is not None:  # (the common case first: set-up is a fixed cost of every trace)
             self._native = None
             self._sink = cpp.Sink()
         else:
-            self._native = accel.compiled("_grads") if _INLINE_HOOKS else None
+            self._native = accel.compiled("_grads")
             self._sink = _Sink() if self._native is None else self._native.Sink(_graph_task_id, _unshare_when_done)
         self.handles: dict = {}  # record index -> weakref to the hook dict holding its hook
         self._base = -_KEY_SPAN * next(_bases)
@@ -330,7 +326,7 @@ class GradCapture:
         if self.sequence_numbers.get(index) == number:
             return  # already followed (a Function returning another Function's output unchanged)
         self._unwatch(index)
-        if _INLINE_HOOKS and t._backward_hooks is not None:
+        if t._backward_hooks is not None:
             grad_fn._register_hook_dict(t)
         self.watch(index, t, func, module_call)
         self.sequence_numbers[index] = number
@@ -526,8 +522,4 @@ def _watch_own_outputs(trace, capture) -> None:
 
 def _next_sequence_number():
     """Backward nodes made from here on are numbered above this (this thread's counter, less one)."""
-    if _sequence_nr is not None:
-        return _sequence_nr() - 1
-    with torch.enable_grad():  # torch without the counter's reader: number a probe node
-        probe = torch.zeros((), requires_grad=True) * 1
-    return probe.grad_fn._sequence_nr() if probe.grad_fn is not None else None
+    return _sequence_nr() - 1

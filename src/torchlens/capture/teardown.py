@@ -26,7 +26,7 @@ _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 _depth = torch._C._len_torch_function_stack
 _at = torch._C._get_function_stack_at
-_TEMPORARY_POP = getattr(torch.overrides._pop_mode_temporarily, "__wrapped__", None)
+_TEMPORARY_POP = torch.overrides._pop_mode_temporarily.__wrapped__  # the generator behind the context manager
 
 
 def on_stack(mode) -> bool:
@@ -49,8 +49,6 @@ def remove_from_stack(mode) -> None:
 
 def close_pending_pushes(mode) -> int:
     """Resume every suspended ``_pop_mode_temporarily`` holding ``mode`` (it pushes the mode back)."""
-    if _TEMPORARY_POP is None:
-        return 0
     code = _TEMPORARY_POP.__code__
     pending = [g for g in gc.get_referrers(mode)
                if inspect.isgenerator(g) and g.gi_code is code and g.gi_frame is not None
@@ -264,20 +262,20 @@ def release_stranded(lock) -> None:
         lock.release()
 
 
-# Whether torch functions are enabled, disabled for subclasses or disabled outright, per thread (torch >= 2.5).
-_get_torch_function_state = getattr(torch._C, "_get_torch_function_state", None)
-_set_torch_function_state = getattr(torch._C, "_set_torch_function_state", None)
+# Whether torch functions are enabled, disabled for subclasses or disabled outright, per thread.
+_get_torch_function_state = torch._C._get_torch_function_state
+_set_torch_function_state = torch._C._set_torch_function_state
 _torch_functions_on = torch._C._is_torch_function_enabled  # one C call, no state object made
-_ON = torch._C._TorchFunctionState.ENABLED if _get_torch_function_state is not None else None
-_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED if _get_torch_function_state is not None else None
+_ON = torch._C._TorchFunctionState.ENABLED
+_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED
 
 
 def torch_function_state(for_trace: bool = False):
-    """This thread's torch-function state, to put back with ``restore_torch_function_state`` (None where
-    torch has no accessor for it).  Read by every trace: the usual answer, on, costs one C call.  ``for_trace``:
+    """This thread's torch-function state, to put back with ``restore_torch_function_state``.  Read by
+    every trace: the usual answer, on, costs one C call.  ``for_trace``:
     refuse the state a trace cannot see a call in (inside ``torch._C.DisableTorchFunction()``), where the trace
     would hold no op."""
-    if _ON is None or _torch_functions_on():
+    if _torch_functions_on():
         return _ON
     state = _get_torch_function_state()
     if for_trace and state == _ALL_DISABLED:
@@ -291,7 +289,7 @@ def restore_torch_function_state(saved) -> None:
     """Put back the state ``torch_function_state`` returned.  An interrupt landing on the exit line of a
     ``with torch._C.DisableTorchFunction():`` in a hook skips its ``__exit__``, which would leave every
     later tensor subclass and mode in this thread ignored, and every later trace empty."""
-    if saved is None or (saved is _ON and _torch_functions_on()):
+    if saved is _ON and _torch_functions_on():
         return
     if _get_torch_function_state() != saved:
         _set_torch_function_state(saved)

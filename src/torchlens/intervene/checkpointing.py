@@ -24,14 +24,12 @@ def checkpoint_region():
     checkpointing = sys.modules.get("torch.utils.checkpoint")
     if checkpointing is None:
         return None
-    innermost = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     # Whatever the grad mode now: the backward recomputes a no_grad block inside the region too, and the ops
     # after it save what it made (torch pushes the pack hook only for a region opened with grad on).
-    if innermost is not None:
-        hooks = innermost(False)
-        code = getattr(hooks[0], "__code__", None) if hooks is not None else None
-        if code is not None and any(code is pack for pack in _pack_hook_codes(checkpointing)):
-            return "non-reentrant"
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    code = getattr(hooks[0], "__code__", None) if hooks is not None else None
+    if code is not None and any(code is pack for pack in _pack_hook_codes(checkpointing)):
+        return "non-reentrant"
     function = getattr(checkpointing, "CheckpointFunction", None)
     code = getattr(getattr(function, "forward", None), "__code__", None)
     frame = sys._getframe(1)

@@ -76,7 +76,7 @@ def unsavable(t) -> str | None:
 
 _SAFETENSORS_DTYPES = frozenset(getattr(torch, n) for n in (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-    "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n))
+    "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"))
 
 
 def torch_constant(kind: str, name: str):

@@ -22,12 +22,12 @@ from .format import TRACE_JSON, TraceFileError, checked_member, require_safetens
 _MAX_HEADER = 100 << 20
 _BLOCK_BYTES = 8 << 20  # what a streamed write copies at once, at most (beyond one row)
 _ALIGN = 8
-# safetensors dtype name -> torch dtype (where this torch has it)
+# safetensors dtype name -> torch dtype
 DTYPES = {name: getattr(torch, attr) for name, attr in (
     ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
     ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"),
     ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2")) if hasattr(torch, attr)}
+    ("F8_E5M2", "float8_e5m2"))}
 NAME_OF = {dtype: name for name, dtype in DTYPES.items()}
 # numpy dtype strings for the names numpy can map (bfloat16 and float8 it cannot)
 NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",

@@ -20,7 +20,7 @@ from ..errors import GradientUnavailable, TraceCleanedUp, add_note, first_few, w
 GRAD_COLUMNS = ("grad_norm", "grad_min", "grad_max", "grad_nonfinite")
 _NO_GRADS = ("this trace was captured without gradients: trace with tl.trace(model, x, grads=True) and run a "
              "backward through log.output (or call log.backward(loss))")
-_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None) or (lambda t: False)
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 FROM_BATCHED_BACKWARD = (
     "a backward run under vmap or inside a torch.func transform reached it (torch.autograd.grad(..., "
     "is_grads_batched=True), torch.autograd.functional.jacobian(..., vectorize=True), torch.func.jacrev or "

@@ -58,8 +58,8 @@ _SPARSE_LAYOUTS = frozenset([torch.sparse_coo, torch.sparse_csr, torch.sparse_cs
 
 # Float8 dtypes have no CPU kernels for ``isfinite``, ``min``, ``max`` or norms; each value is a float32
 # exactly (NaN and Inf included), so they are read as float32.
-_FLOAT8 = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                                                       "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
+_FLOAT8 = frozenset([torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
+                     torch.float8_e8m0fnu])
 
 
 def dense_values(t: torch.Tensor) -> torch.Tensor:
@@ -171,8 +171,8 @@ def memory_span(t: torch.Tensor):
         return None
 
 
-# References to a storage, by its ``_cdata`` (None where torch has no such call).
-storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# References to a storage, by its ``_cdata``.
+storage_use_count = torch._C._storage_Use_Count
 
 
 def storage_holders(t: torch.Tensor) -> int:
