@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 
 from ..capture.collectives import NAMES as _DISTRIBUTED_NAMES
+from ..record.tables import require_pandas
 from ..record.trace import checked_trace
 
 _FUNCTIONAL = "_c10d_functional::"
@@ -28,7 +29,8 @@ def collectives(trace):
     group_ranks, async, module, shape."""
     checked_trace(trace, "collectives")
     rows = [row for row in (_describe(op) for op in trace.ops if _first_output(op)) if row is not None]
-    return _frame(rows, ["label", "collective", "group", "group_ranks", "async", "module", "shape"])
+    columns = ["label", "collective", "group", "group_ranks", "async", "module", "shape"]
+    return require_pandas("a torchlens.distributed table").DataFrame(rows, columns=columns)
 
 
 def _first_output(op) -> bool:
@@ -36,14 +38,6 @@ def _first_output(op) -> bool:
     ``all_gather_coalesced``, a list of lists, are ``(0, 0)``, ``(0, 1)`` ...)."""
     call = op.call
     return call is not None and call.first_record == op.index
-
-
-def _frame(rows, columns):
-    try:
-        import pandas as pd
-    except ImportError as exc:  # pragma: no cover - exercised only where pandas is absent
-        raise ImportError("torchlens.distributed tables need pandas: pip install pandas") from exc
-    return pd.DataFrame(rows, columns=columns)
 
 
 def _describe(op):

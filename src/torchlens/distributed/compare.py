@@ -17,6 +17,7 @@ from ..checks import check_int, check_number
 from ..record.trace import Trace, checked_trace
 from ..tree import structures_equal
 from ..record.columns import UNINITIALIZED_FUNCS
+from ..record.tables import require_pandas
 from .gather import RankTrace
 
 COLUMNS = ["rank", "reference", "diverges", "first_op", "module", "func", "reason", "max_abs_diff", "origin",
@@ -34,8 +35,6 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
             ``rank`` and ``reference`` columns give the ranks the traces recorded (positions for traces made
             outside a process group).
     """
-    from .collectives import _frame
-
     if traces is None:  # what gather returns on the ranks other than dst
         raise TypeError("compare got None, which tl.distributed.gather returns on every rank but dst: call compare on "
                         "dst alone (if rank == dst: compare(traces))")
@@ -58,7 +57,7 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
     base = ranks[reference]
     rows = [_first_divergence(base, other, reference, r, rtol, atol)
             for r, other in enumerate(ranks) if r != reference]
-    return _frame(rows, COLUMNS)
+    return require_pandas("a torchlens.distributed table").DataFrame(rows, columns=COLUMNS)
 
 
 def _first_divergence(base, other, reference, rank, rtol, atol) -> dict:

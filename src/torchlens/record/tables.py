@@ -5,11 +5,12 @@ from __future__ import annotations
 from .grads import GRAD_COLUMNS, grad_stats_column
 
 
-def require_pandas():
+def require_pandas(what: str = "to_pandas()"):
+    """pandas, which ``what`` builds its table with (an optional dependency)."""
     try:
         import pandas
     except ImportError as exc:  # pragma: no cover - exercised only where pandas is absent
-        raise ImportError("to_pandas() needs pandas: pip install pandas") from exc
+        raise ImportError(f"{what} needs pandas: pip install pandas") from exc
     return pandas
 
 

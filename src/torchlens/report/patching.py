@@ -23,6 +23,7 @@ from ..checks import check_flag, check_grad_possible, check_int, check_takes
 from ..errors import InterventionError, TorchlensError, add_note, warn_user
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
+from ..record.tables import require_pandas
 from ..record.trace import Trace
 from ..capture.inputs import parameters_named_by
 from ..capture.restore import FirstCalls, ForwardState
@@ -49,7 +50,7 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     Returns a pandas DataFrame with columns ``site``, ``metric``, ``normalized`` and ``error`` (why a site
     could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
     """
-    pd = _pandas()
+    pd = require_pandas("a patching report")
     _check_call("activation_patching", clean, corrupt, metric)
     _check_positions(positions)
     _check_sites(sites)
@@ -129,7 +130,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     to require a gradient they would not have (which could change what the forward does: an in-place write
     into such a value, an integer op on it).  ``root``: as for ``activation_patching``.
     """
-    pd = _pandas()
+    pd = require_pandas("a patching report")
     _check_call("attribution_patching", clean, corrupt, metric)
     check_grad_possible("attribution_patching")
     runs = _Runs(model, root, "attribution_patching")
@@ -448,14 +449,6 @@ def _scalar(value) -> float:
     raise TypeError(f"the metric must return one number (a float or a one-element tensor), got "
                     f"{type(value).__name__} {value!r:.60}; return the value itself "
                     "(lambda out: out[0, 1] - out[0, 2])")
-
-
-def _pandas():
-    try:
-        import pandas
-    except ImportError as exc:  # pragma: no cover - pandas is optional
-        raise ImportError("patching reports are pandas tables: pip install pandas") from exc
-    return pandas
 
 
 def _progress(items, enabled: bool, desc: str):
