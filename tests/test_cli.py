@@ -382,7 +382,8 @@ def test_an_output_file_in_a_folder_the_user_cannot_write_is_a_usage_error(model
     locked = models / "locked"
     locked.mkdir()
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(locked) and real_access(path, mode))
+    monkeypatch.setattr(os, "access",
+                        lambda path, mode: os.path.abspath(path) != str(locked) and real_access(path, mode))
     monkeypatch.chdir(models)
     monkeypatch.syspath_prepend(str(models))
     assert main(["trace", "clitargets:build", "--input", "2x8", "--html", "locked/view.html"]) == 2

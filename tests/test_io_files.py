@@ -147,6 +147,6 @@ def test_a_save_path_through_a_folder_not_made_yet_is_made_as_the_system_resolve
 def test_a_file_through_a_missing_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     log = tl.trace(nn.Linear(3, 2), torch.randn(2, 3))
-    with pytest.raises(ValueError, match=r"is in missing/\.\., which does not exist"):
+    with pytest.raises(ValueError, match=r"is in .*/missing/\.\., which does not exist"):
         log.to_chrome_trace(os.path.join("missing", "..", "t.json"))
     assert list(tmp_path.iterdir()) == []

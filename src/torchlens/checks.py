@@ -102,10 +102,12 @@ def unwritable_file(path) -> str:
     if os.path.isfile(path):  # written in place: the file's own permission decides, not its folder's
         return "" if os.access(path, os.W_OK) else "is a file that is not writable"
     folder = folder_of(path)
+    # Named absolute, as given: normalizing "missing/.." would name the current folder, which exists.
+    shown = os.path.join(os.getcwd(), folder) if os.pardir in folder.split(os.sep) else os.path.abspath(folder)
     if not os.path.isdir(folder):
-        return f"is in {folder}, which {'is not a folder' if os.path.lexists(folder) else 'does not exist'}"
+        return f"is in {shown}, which {'is not a folder' if os.path.lexists(folder) else 'does not exist'}"
     if not os.access(folder, os.W_OK):
-        return f"is in {folder}, which is not writable"
+        return f"is in {shown}, which is not writable"
     return ""
 
 
