@@ -34,10 +34,13 @@ browser:
 # then on the pure-Python path alone, less the tests marked path_independent (spawned ranks meeting, waiting
 # and resuming: what they check no capture path decides, and they are the slowest tests there are).  Each run
 # spreads its tests over one worker process per core (pytest-xdist); TESTFLAGS= runs them in this process.
+# One torch thread per process: workers each running a thread per core would contend for the cores (on two
+# cores the real-model tests took 70 s spread over two workers with two threads each, 24 s with one).
 TESTFLAGS ?= -n auto --dist worksteal
+TESTENV := OMP_NUM_THREADS=1
 test: $(ACCEL) browser
-	TORCHLENS_REQUIRE_ACCEL=1 $(BIN)/python -m pytest tests $(TESTFLAGS)
-	TORCHLENS_ACCEL=0 $(BIN)/python -m pytest tests -m "not path_independent" $(TESTFLAGS)
+	$(TESTENV) TORCHLENS_REQUIRE_ACCEL=1 $(BIN)/python -m pytest tests $(TESTFLAGS)
+	$(TESTENV) TORCHLENS_ACCEL=0 $(BIN)/python -m pytest tests -m "not path_independent" $(TESTFLAGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/trace_overhead.py
