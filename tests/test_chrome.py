@@ -31,10 +31,16 @@ def test_host_view_nests_ops_in_module_calls_with_labels(name, tmp_path):
     calls = {e["name"]: e for e in events if e["cat"] == "module_call"}
     assert len(ops) == len(log._calls) and set(calls) == {mc.label for mc in log.module_calls}
     assert min(e["ts"] for e in events) == 0
+    for mc in log.module_calls:
+        assert abs(calls[mc.label]["dur"] - mc.duration * 1e6) <= 0.001
     by_label = {op.label: op for op in log.ops}
     for e in ops:
         op = by_label[e["name"]]
         assert e["args"]["layer"] == op.layer_label and e["args"]["shapes"][0] == list(op.shape)
+        # Every output's shape, in output order; chrome's time unit is the microsecond.
+        outputs = e["args"].get("outputs", [e["name"]])
+        assert e["args"]["shapes"] == [list(by_label[label].shape) for label in outputs]
+        assert abs(e["dur"] - op.duration * 1e6) <= 0.001
         assert e["args"]["module_call"] == op.module
         if op.source is not None:
             assert e["args"]["source"] == f"{op.source.file}:{op.source.line}"
