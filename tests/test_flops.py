@@ -56,7 +56,8 @@ def test_linear_and_conv_match_flop_counter_mode_up_to_bias(bias):
 def test_matmul_family_spellings_share_one_formula():
     class Spellings(nn.Module):
         def forward(self, a, b):
-            return a @ b, torch.matmul(a, b), torch.mm(a, b), a.matmul(b)
+            # b.__rmatmul__(a) is a @ b: its inner size is b's first dimension, not its last
+            return a @ b, torch.matmul(a, b), torch.mm(a, b), a.matmul(b), b.__rmatmul__(a)
 
     a, b = torch.randn(4, 6), torch.randn(6, 3)
     log = tl.trace(Spellings(), (a, b))
