@@ -116,3 +116,30 @@ def test_a_rank_trace_of_labels_not_saved_leaves_them_out_and_activations_of_no_
         with pytest.raises(TypeError, match=r"^gather: activations=.* is not understood; give False \(metadata only\), "
                                             r"True \(every saved activation\) or a list of op labels"):
             tl.distributed.gather(selected, activations=activations)  # refused before any process group is read
+
+
+def test_a_divergence_after_an_uncompared_parent_has_unknown_origin():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
+    reference, changed = tl.trace(MaybeSkips(True), x), MaybeSkips(True)
+    with torch.no_grad():
+        changed.fc2.bias[0] += 1e-3
+    changed = tl.trace(changed, x)
+    (fc1,) = [op.label for op in reference.ops if op.module == "fc1:1"]
+    (fc2,) = [op.label for op in reference.ops if op.module == "fc2:1"]
+    for left_out, origin in ((fc1, "unknown"), (None, "here")):
+        # fc2 reads fc1's output: unsent, fc1 may already have differed, so the change is not placed at fc2
+        traces = [tl.distributed.RankTrace.of(t, activations=[op.label for op in t.ops if op.label != left_out])
+                  for t in (reference, changed)]
+        (row,) = tl.distributed.compare(traces).to_dict("records")
+        assert (row["diverges"], row["first_op"], row["origin"]) == (True, fc2, origin)
+
+
+def test_compare_names_a_dtype_change_and_a_nan_against_a_number_as_the_largest_difference():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(8))
+    double, nan = x.double(), x.clone()
+    nan[0, 0] = float("nan")
+    reference = tl.trace(lambda t: t * 2, x)
+    (row,) = tl.distributed.compare([reference, tl.trace(lambda t: t * 2, double)]).to_dict("records")
+    assert row["diverges"] and row["reason"] == "(3, 8) torch.float32 on the reference, (3, 8) torch.float64 here"
+    (row,) = tl.distributed.compare([reference, tl.trace(lambda t: t * 2, nan)]).to_dict("records")
+    assert (row["reason"], row["max_abs_diff"]) == ("values differ", float("inf"))
