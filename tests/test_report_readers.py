@@ -1,0 +1,44 @@
+"""Decisions in the report and record readers that no other test pins: which profiler range an op's row reads
+when calls that return no tensor come between ops, and the small readers that summarize a trace."""
+
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+
+class _NonTensorCalls(nn.Module):
+    """Torch calls that return no tensor (``is_nonzero``, ``item``) between ops: each opens a profiler range
+    but is not an op, so the op after it reuses its call index."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        torch.is_nonzero(x.sum() > -1e9)
+        x.norm().item()
+        return self.fc(x) * 2
+
+
+def test_kernel_profile_rows_read_the_range_of_their_own_call():
+    torch.manual_seed(0)
+    profile = tl.report.kernel_profile(_NonTensorCalls(), (torch.randn(2, 4),))
+    aten = {row["op"].split("_")[0]: row["aten"] for row in profile.ops}
+    # The op's own range, not that of the no-tensor call that used its call index first.
+    assert aten["norm"] == ["aten::linalg_vector_norm"]
+    assert aten["linear"] == ["aten::linear"]
+    assert aten["mul"] == ["aten::mul"]
+
+
+def test_gradient_statistics_of_a_bfloat16_model_are_computed_in_float():
+    # A bfloat16 norm keeps about three significant digits: the column would differ from the gradient's norm
+    # in the third digit.
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).to(torch.bfloat16)
+    log = tl.trace(model, torch.randn(4, 16, dtype=torch.bfloat16), grads=True)
+    log.backward((log.output.float() * torch.randn(4, 16)).sum())
+    (op,) = [op for op in log.ops if op.kind == "op"]
+    row = log.to_pandas().set_index("label").loc[op.label]
+    assert op.grad.dtype == torch.bfloat16
+    assert row["grad_norm"] == float(torch.linalg.vector_norm(op.grad.float()))
