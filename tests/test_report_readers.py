@@ -42,3 +42,13 @@ def test_gradient_statistics_of_a_bfloat16_model_are_computed_in_float():
     row = log.to_pandas().set_index("label").loc[op.label]
     assert op.grad.dtype == torch.bfloat16
     assert row["grad_norm"] == float(torch.linalg.vector_norm(op.grad.float()))
+
+
+def test_to_pandas_has_activation_follows_what_save_kept():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    log = tl.trace(model, torch.randn(3, 4), save=["1"])
+    frame = log.to_pandas().set_index("label")
+    kept = {op.label: op.has_activation for op in log.ops}
+    assert True in kept.values() and False in kept.values()
+    assert frame["has_activation"].to_dict() == kept
