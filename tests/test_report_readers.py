@@ -52,3 +52,14 @@ def test_to_pandas_has_activation_follows_what_save_kept():
     kept = {op.label: op.has_activation for op in log.ops}
     assert True in kept.values() and False in kept.values()
     assert frame["has_activation"].to_dict() == kept
+
+
+def test_cli_hot_path_text_shows_durations_in_milliseconds():
+    from torchlens.cli import hot_path_text
+
+    torch.manual_seed(0)
+    log = tl.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(3, 4))
+    top = tl.debug.hot_path(log, by="duration").rows[0]
+    line = hot_path_text(log, 1, by="duration").splitlines()[1]
+    assert line.split()[:3] == [top["address"], f"x{top['count']}", f"{top['total'] * 1e3:.3f}"]
+    assert line.split()[3] == "ms"
