@@ -63,3 +63,16 @@ def test_cli_hot_path_text_shows_durations_in_milliseconds():
     line = hot_path_text(log, 1, by="duration").splitlines()[1]
     assert line.split()[:3] == [top["address"], f"x{top['count']}", f"{top['total'] * 1e3:.3f}"]
     assert line.split()[3] == "ms"
+
+
+def test_attribution_patching_of_a_linear_metric_is_exact_and_normalized_against_zero():
+    # For metric = output.sum() the first-order estimate at the output op is the whole change, so its
+    # normalized value, measured from 0 (not from the corrupted metric), is 1.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    clean, corrupt = torch.randn(3, 4), torch.randn(3, 4)
+    table = tl.report.attribution_patching(model, clean, corrupt, lambda out: out.sum()).set_index("site")
+    row = table.loc["linear_1_1:1"]
+    span = table.attrs["clean"] - table.attrs["corrupt"]
+    assert abs(row["estimate"] - span) <= 1e-5 * abs(span)
+    assert abs(row["normalized"] - 1.0) <= 1e-5
