@@ -356,3 +356,41 @@ def test_a_call_writing_its_out_tensor_is_an_in_place_op():
     log = tl.trace(f, torch.ones(2))
     assert [op.is_inplace for op in log if op.kind == "op"] == [False, True, False]
     assert log["add_1_3"].parents == ["mul_2_2:1"] and log["mul_1_1"].activation.tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_each_tensor_a_foreach_call_writes_in_place_is_an_in_place_output_and_keeps_its_old_value(compiled):
+    def forward(a):
+        return torch._foreach_add_([a * 1, a * 2], 1)
+
+    a = torch.tensor([1.0, 2.0])
+    with on_path(compiled):
+        log = tl.trace(forward, a)
+    ops = [op for op in log if op.kind == "op"]
+    assert [(op.label, op.is_inplace) for op in ops] == [
+        ("mul_1_1:1", False), ("mul_2_2:1", False), ("foreachadd_1_3:1", True), ("foreachadd_2_4:1", True)]
+    assert log["mul_1_1:1"].activation.tolist() == [1.0, 2.0]  # as made, before the call wrote it
+    assert log["mul_2_2:1"].activation.tolist() == [2.0, 4.0]
+    assert log["foreachadd_2_4:1"].activation.tolist() == [3.0, 5.0]
+    result = log.validate()
+    assert result.passed and result.replayed == 3, str(result)  # two muls and the call
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_both_out_tensors_a_call_writes_are_in_place_outputs_and_keep_their_old_values(compiled):
+    def forward(x):
+        v, i = x.sum(1), x.sum(1).long()
+        torch.max(x, 1, out=(v, i))
+        return v + 1, i
+
+    x = torch.tensor([[1.0, 5.0, 2.0], [7.0, 3.0, 4.0]])
+    with on_path(compiled):
+        log = tl.trace(forward, x)
+    assert [(op.label, op.is_inplace) for op in log if op.func_name == "max"] == [("max_1_4:1", True),
+                                                                                 ("max_2_5:1", True)]
+    assert not any(op.is_inplace for op in log if op.func_name != "max")
+    assert log["sum_1_1:1"].activation.tolist() == [8.0, 14.0]  # the value max overwrote
+    assert log["max_1_4:1"].activation.tolist() == [5.0, 7.0] and log["max_2_5:1"].activation.tolist() == [1, 0]
+    assert log["add_1_6:1"].parents == ["max_1_4:1"]
+    result = log.validate()
+    assert result.passed, str(result)

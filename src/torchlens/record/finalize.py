@@ -249,9 +249,10 @@ class RawRecord:
         for call in compress(calls, map(_CALL_WROTE, calls)):  # the calls that wrote an argument: a few
             writes = writes or _receiver_writes()
             if writes(call):
+                # Each output of such a call is an argument it wrote: its receiver, each tensor of an in-place
+                # list call (``_foreach_add_``), each ``out=`` tensor (``torch.max(x, 1, out=(v, i))``).
                 first = call[CALL_FIRST_RECORD]
-                for i in range(first, first + call[CALL_NUM_OUTPUTS]):
-                    inplace[i] = slot_col[i] is None  # a single output: the argument it wrote
+                inplace[first:first + call[CALL_NUM_OUTPUTS]] = [True] * call[CALL_NUM_OUTPUTS]
         # Most ops share a handful of (shape, dtype, device, ...) rows: one OpMeta for each.
         named: dict = {}
         make = OpMeta._make

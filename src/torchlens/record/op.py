@@ -159,6 +159,8 @@ class Op(View):
 
     @property
     def is_inplace(self) -> bool:
+        """Whether this tensor is an argument the call wrote: the receiver of ``add_`` or ``x[i] = v``, an
+        ``out=`` tensor, each tensor of an in-place list call (``torch._foreach_add_``) or of ``out=(v, i)``."""
         return self._trace._inplace[self.index]
 
     @property
