@@ -181,12 +181,19 @@ def _canonical_offsets(code) -> dict:
     instructions = list(dis.get_instructions(code))
     canonical = _copied_offsets(instructions)
     pending = None
+    exits: dict = {}  # a with statement's span -> the offset of its last call (its __exit__ on the normal path)
     for instruction in instructions:
         if instruction.opcode == _PRECALL:
             pending = instruction.offset
-        elif pending is not None and instruction.opname == "CALL":
-            canonical[pending] = canonical.get(instruction.offset, instruction.offset)
-            pending = None
+        elif instruction.opname == "CALL":
+            exits[instruction.positions] = canonical.get(instruction.offset, instruction.offset)
+            if pending is not None:
+                canonical[pending] = exits[instruction.positions]
+                pending = None
+        elif instruction.opname == "WITH_EXCEPT_START" and instruction.positions in exits:
+            # The exit of a with block left by an exception calls __exit__ here, the same place in the source
+            # as the normal exit's call, compiled before it with the same span.
+            canonical[instruction.offset] = exits[instruction.positions]
     return canonical
 
 
@@ -197,20 +204,28 @@ def _copied_offsets(instructions: list) -> dict:
     prefixes: dict = {}  # (prefix id, instruction) -> id of the prefix it ends
     first_of: dict = {}  # prefix id -> the offset of the first instruction that ended it
     copied = {}
-    prefix, line = -1, None
+    prefix, line, previous = -1, None, None
     for instruction in instructions:
         span = instruction.positions
         if span is None or None in span:  # no columns (python -X no_debug_ranges): one line is no place
             prefix, line = -1, None
             continue
-        if span.lineno != line:
+        if span.lineno != line or _wholly_before(span, previous):
+            # A new line, or code of this line before what ran last (``while x.sum() > 0: x = x - 1``
+            # tests again after its body): the copy starts here as its original starts a line.
             prefix, line = -1, span.lineno
+        previous = span
         argument = None if instruction.opcode in _JUMPS else instruction.argrepr
         prefix = prefixes.setdefault((prefix, instruction.opname, argument, *span), len(prefixes))
         first = first_of.setdefault(prefix, instruction.offset)
         if first != instruction.offset:
             copied[instruction.offset] = first
     return copied
+
+
+def _wholly_before(span, previous) -> bool:
+    """Whether the source of ``span`` ends before that of ``previous`` begins."""
+    return previous is not None and (span.end_lineno, span.end_col_offset) <= (previous.lineno, previous.col_offset)
 
 
 def _reached_site(call):

@@ -1,0 +1,127 @@
+"""Code the compiler duplicates (a while loop's test, a finally block, a with block's exit) is one place in the
+source: its ops are one layer, one pass per run, on both capture paths.  Two like expressions on one line are
+still two places."""
+
+import pytest
+import torch
+
+import torchlens as tl
+
+from accel_paths import PATHS, on_path
+
+
+def _labels(f, x, compiled) -> list:
+    with on_path(compiled):
+        log = tl.trace(f, x)
+    return [op.label for op in log if op.kind == "op"]
+
+
+def _counting_down(x):
+    while (x.sum()
+           > 0):
+        x = x - 1
+    return x
+
+
+def _two_tests(x):
+    b = x * 1
+    while x.max() > 0 and b.sum() > 0:
+        x = x - 1
+    return x
+
+
+def _one_line(x):
+    while x.sum() > 0: x = x - 1  # noqa: E701 (the test, compiled again after the body, shares its line)
+    return x
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("forward", [_counting_down, _one_line], ids=["condition over two lines", "one line"])
+def test_a_while_loops_test_is_one_layer_with_a_pass_per_run(compiled, forward):
+    labels = _labels(forward, torch.tensor([2.5]), compiled)
+    assert labels == ["sum_1_1:1", "gt_1_2:1", "sub_1_3:1", "sum_1_1:2", "gt_1_2:2", "sub_1_3:2",
+                      "sum_1_1:3", "gt_1_2:3", "sub_1_3:3", "sum_1_1:4", "gt_1_2:4"]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_while_test_of_two_conditions_is_a_layer_per_condition(compiled):
+    labels = _labels(_two_tests, torch.tensor([1.5]), compiled)
+    assert labels == ["mul_1_1:1", "max_1_2:1", "gt_1_3:1", "sum_1_4:1", "gt_2_5:1", "sub_1_6:1",
+                      "max_1_2:2", "gt_1_3:2", "sum_1_4:2", "gt_2_5:2", "sub_1_6:2", "max_1_2:3", "gt_1_3:3"]
+
+
+def _finally_after_a_raise(x):
+    for k in range(3):
+        try:
+            x = x + 1
+            if k == 1:
+                raise ValueError
+        except ValueError:
+            pass
+        finally:
+            x = x * 2  # run on the exception path at k == 1, on the normal path otherwise
+    return x
+
+
+class _Doubling:
+    def __init__(self, t):
+        self.t = t
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.t.mul_(2)
+        return True  # swallows the exception
+
+
+def _with_left_by_a_raise(x):
+    y = x * 1
+    for k in range(3):
+        with _Doubling(y):
+            y.add_(1)
+            if k == 1:
+                raise ValueError
+    return y
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_finally_block_run_on_both_paths_is_one_layer(compiled):
+    labels = _labels(_finally_after_a_raise, torch.tensor([1.0]), compiled)
+    assert labels == ["add_1_1:1", "mul_1_2:1", "add_1_1:2", "mul_1_2:2", "add_1_1:3", "mul_1_2:3"]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_with_blocks_exit_left_by_an_exception_is_the_same_layer_as_its_normal_exit(compiled):
+    labels = _labels(_with_left_by_a_raise, torch.tensor([1.0]), compiled)
+    assert labels == ["mul_1_1:1", "add_1_2:1", "mul_2_3:1", "add_1_2:2", "mul_2_3:2", "add_1_2:3", "mul_2_3:3"]
+
+
+def _kept(xs):
+    return [t.exp() for t in xs if t.sum() > 0]
+
+
+def _over_a_generator(x):
+    for t in (x + 1 for _ in range(3)):
+        if t.sum() > 0:
+            x = x * t
+    return x
+
+
+def _two_relus(x):
+    return x.relu() + x.relu()
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_loops_over_comprehensions_and_generators_with_conditions_are_a_layer_per_place(compiled):
+    xs = [torch.tensor([1.0]), torch.tensor([-1.0]), torch.tensor([2.0])]
+    assert _labels(_kept, xs, compiled) == ["sum_1_1:1", "gt_1_2:1", "exp_1_3:1", "sum_1_1:2", "gt_1_2:2",
+                                            "sum_1_1:3", "gt_1_2:3", "exp_1_3:2"]
+    labels = _labels(_over_a_generator, torch.tensor([1.0]), compiled)
+    assert labels == ["add_1_1:1", "sum_1_2:1", "gt_1_3:1", "mul_1_4:1", "add_1_1:2", "sum_1_2:2", "gt_1_3:2",
+                      "mul_1_4:2", "add_1_1:3", "sum_1_2:3", "gt_1_3:3", "mul_1_4:3"]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_two_like_expressions_on_one_line_are_two_layers(compiled):
+    assert _labels(_two_relus, torch.tensor([1.0]), compiled) == ["relu_1_1:1", "relu_2_2:1", "add_1_3:1"]
