@@ -8,6 +8,7 @@ region's kind.
 from __future__ import annotations
 
 import sys
+from types import GeneratorType
 
 import torch
 
@@ -17,8 +18,9 @@ def checkpoint_region():
     region whose backward will recompute it (an edit made here would be missing from the recomputation),
     else None.  Looked at only when an action changes a value, never per op.
 
-    A non-reentrant region is open while its pack hook is the innermost saved-tensors hook (a saved-tensors
-    hook the model pushes inside the region hides it: not detected).  A reentrant region
+    A non-reentrant region is open while its pack hook is the innermost saved-tensors hook, or, under a
+    saved-tensors hook the model pushed inside it, while a frame on the stack holds the region's generator
+    suspended inside its hook (torch exposes only the innermost hook).  A reentrant region
     runs its forward inside ``CheckpointFunction.forward`` (found on the stack), under no_grad; its
     backward happens only when autograd recorded the call, which gave the node its next functions."""
     checkpointing = sys.modules.get("torch.utils.checkpoint")
@@ -30,9 +32,11 @@ def checkpoint_region():
     code = getattr(hooks[0], "__code__", None) if hooks is not None else None
     if code is not None and any(code is pack for pack in _pack_hook_codes(checkpointing)):
         return "non-reentrant"
+    frame = sys._getframe(1)
+    if _holds_open_region(checkpointing, frame):
+        return "non-reentrant"
     function = getattr(checkpointing, "CheckpointFunction", None)
     code = getattr(getattr(function, "forward", None), "__code__", None)
-    frame = sys._getframe(1)
     while frame is not None and frame.f_code is not code:
         frame = frame.f_back
     if frame is not None:
@@ -47,3 +51,25 @@ def _pack_hook_codes(checkpointing) -> tuple:
     init = getattr(getattr(checkpointing, "_checkpoint_hook", None), "__init__", None)
     consts = getattr(getattr(init, "__code__", None), "co_consts", ())
     return tuple(c for c in consts if getattr(c, "co_name", None) == "pack_hook")
+
+
+def _holds_open_region(checkpointing, frame) -> bool:
+    """Whether a frame from ``frame`` up holds a non-reentrant region's generator (``checkpoint`` runs the
+    region's function between its two ``next(gen)``) suspended inside the region's saved-tensors hook."""
+    code = getattr(getattr(checkpointing, "_checkpoint_without_reentrant_generator", None), "__code__", None)
+    if code is None:
+        return False
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if type(value) is GeneratorType and value.gi_code is code and _inside_hook(value):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _inside_hook(generator) -> bool:
+    """Whether the region's generator yielded from inside its hook: it yields before pushing one when grad
+    was off as the region opened (nothing is then recomputed), and is done after the region's forward."""
+    state = generator.gi_frame.f_locals if generator.gi_frame is not None and generator.gi_suspended else {}
+    region = state.get("new_frame")
+    return "forward_context_suppressed_exc" in state and not getattr(region, "forward_completed", True)
