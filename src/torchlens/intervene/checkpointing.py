@@ -7,6 +7,7 @@ region's kind.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from types import GeneratorType
 
@@ -57,12 +58,15 @@ def _holds_open_region(checkpointing, frame) -> bool:
     """Whether a frame from ``frame`` up holds a non-reentrant region's generator (``checkpoint`` runs the
     region's function between its two ``next(gen)``) suspended inside the region's saved-tensors hook."""
     code = getattr(getattr(checkpointing, "_checkpoint_without_reentrant_generator", None), "__code__", None)
-    if code is None:
+    opener = getattr(inspect.unwrap(getattr(checkpointing, "checkpoint", None)), "__code__", None)
+    if code is None or opener is None:
         return False
+    # Only checkpoint's own frames are read: reading another frame's locals (f_locals) attaches them to
+    # that frame, which can tie a failed trace's frames into a reference cycle.
     while frame is not None:
-        for value in frame.f_locals.values():
-            if type(value) is GeneratorType and value.gi_code is code and _inside_hook(value):
-                return True
+        value = frame.f_locals.get("gen") if frame.f_code is opener else None
+        if type(value) is GeneratorType and value.gi_code is code and _inside_hook(value):
+            return True
         frame = frame.f_back
     return False
 
