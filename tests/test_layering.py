@@ -19,14 +19,14 @@ import pytest
 
 SRC = importlib.util.find_spec("torchlens").submodule_search_locations[0]
 
-BASE = {"errors", "checks", "tree", "progress"}  # errors, and the leaves, which import at most errors
+BASE = {"errors", "checks", "tree", "progress", "lazy"}  # errors, and the leaves, which import at most errors
 LABELS = BASE | {"labels"}
 RECORD = LABELS | {"record"}
 CAPTURE = RECORD | {"capture"}
 BRIDGES = {"validate", "debug", "report", "viz", "io", "intervene", "distributed", "compat"}
 
 ALLOWED = {
-    "errors": set(), "checks": {"errors"}, "tree": {"errors"}, "progress": {"errors"},
+    "errors": set(), "checks": {"errors"}, "tree": {"errors"}, "progress": {"errors"}, "lazy": set(),
     "labels": BASE,
     "record": LABELS,
     "capture": RECORD,  # the driver imports intervene only inside the call that needs it

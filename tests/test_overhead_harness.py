@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from torchlens.report.overhead import (OverheadResult, RefusalPredicate, _lower_bound, _median_interval, _order_rank,
-                                       measure_overhead, same_output)
+                                       measure_overhead)
+from torchlens.tree import outputs_equal
 
 
 def busy(iterations: int, result=1):
@@ -198,10 +199,10 @@ def test_a_cuda_output_in_a_dataclass_is_synchronized(monkeypatch):
 
 def test_same_output_is_exact():
     a = torch.tensor([1.0, float("nan")])
-    assert same_output((a, {"k": 2}), (a.clone(), {"k": 2}))
-    assert not same_output(a, a.double())
-    assert not same_output(torch.ones(2), torch.ones(2) + 1e-7)
-    assert not same_output([torch.ones(1)], (torch.ones(1),))
+    assert outputs_equal((a, {"k": 2}), (a.clone(), {"k": 2}))
+    assert not outputs_equal(a, a.double())
+    assert not outputs_equal(torch.ones(2), torch.ones(2) + 1e-7)
+    assert not outputs_equal([torch.ones(1)], (torch.ones(1),))
 
 
 def test_equal_outputs_in_a_dataclass_or_object_are_compared_by_their_tensors():
@@ -229,8 +230,8 @@ def test_equal_outputs_in_a_dataclass_or_object_are_compared_by_their_tensors():
     result = measure_overhead(lambda: model(x), lambda: tl.trace(model, x).output, pairs=3, warmup=1, repeats=1)
     assert result.outputs_equal == 3, str(result)
     a = torch.ones(3)
-    assert same_output(Holder(a), Holder(a.clone())) and not same_output(Holder(a), Holder(a + 1))
-    assert not same_output(Out(a), Out(a.double()))
+    assert outputs_equal(Holder(a), Holder(a.clone())) and not outputs_equal(Holder(a), Holder(a + 1))
+    assert not outputs_equal(Out(a), Out(a.double()))
 
 
 def test_predicate_rejects_meaningless_settings():
@@ -291,8 +292,8 @@ def test_outputs_holding_a_cache_object_are_compared_by_their_tensors():
         first, second = model(ids), model(ids)
         other = model(ids.flip(-1))
     assert first.past_key_values is not None
-    assert same_output(first, second)
-    assert not same_output(first, other)
+    assert outputs_equal(first, second)
+    assert not outputs_equal(first, other)
     with torch.no_grad():
         result = measure_overhead(lambda: model(ids), lambda: model(ids), pairs=3, warmup=1, repeats=1,
                                   min_sample_s=0, predicate=RefusalPredicate(min_pairs=3, max_relative_iqr=10))

@@ -8,33 +8,18 @@ to the native PyTorch tools that own each measurement.
 
 from .capture.session import trace
 from .intervene import clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
+from .lazy import exports
 from .record import (ActivationUnavailable, AmbiguousKey, Buffer, GradientUnavailable, InterventionError, Layer, Module,
                      ModuleCall, NestedTraceError, Op, Param, TorchlensError, Trace, TraceCleanedUp, UnmatchedSelection)
 from .validate import validate
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = {"debug", "report", "viz", "io", "distributed"}
-_LAZY_NAMES = {"load": ".io", "extract": ".io", "load_extracted": ".io", "log_forward_pass": ".compat"}
-
-
-def __getattr__(name):
-    # Bridges load on first use so that `import torchlens` stays cheap.
-    import importlib
-
-    if name in _LAZY_MODULES:
-        module = importlib.import_module(f".{name}", __name__)
-        globals()[name] = module
-        return module
-    if name in _LAZY_NAMES:
-        return getattr(importlib.import_module(_LAZY_NAMES[name], __name__), name)
-    raise AttributeError(f"module 'torchlens' has no attribute {name!r}")
-
-
-def __dir__():
-    # The lazy names are listed without importing them.
-    return sorted(set(globals()) | _LAZY_MODULES | set(_LAZY_NAMES))
-
+# Bridges load on first use, so that `import torchlens` stays cheap.
+_LAZY = {"debug": (".debug", None), "report": (".report", None), "viz": (".viz", None), "io": (".io", None),
+         "distributed": (".distributed", None), "load": ".io", "extract": ".io", "load_extracted": ".io",
+         "log_forward_pass": ".compat"}
+__getattr__, __dir__ = exports(__name__, _LAZY)
 
 __all__ = ["trace", "validate", "Trace", "Op", "Layer", "ModuleCall", "Module", "Param", "Buffer", "TorchlensError",
            "ActivationUnavailable", "TraceCleanedUp", "NestedTraceError", "GradientUnavailable", "debug", "report",

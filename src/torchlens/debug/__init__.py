@@ -1,6 +1,6 @@
 """Debugging tools that read an existing trace: ``hot_path`` and ``nonfinite_origin``."""
 
-import importlib
+from ..lazy import exports
 
 _EXPORTS = {
     "hot_path": ".hotspots",
@@ -12,16 +12,6 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'torchlens.debug' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))  # lazy names listed without importing them
-
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
 
 __all__ = list(_EXPORTS)

@@ -1,10 +1,10 @@
 """Reports that bridge a trace to PyTorch's native tools (FLOPs, kernel profiles, chrome traces), and patching
 experiments as tables; and the paired-ratio overhead harness (``measure_overhead``)."""
 
-import importlib
+from ..lazy import exports
 
 _EXPORTS = {
-    "flops": ".flops",
+    "flops": (".flops", None),  # the submodule itself (the registry)
     "op_flops": ".flops",
     "total_flops": ".flops",
     "flops_vs_dispatch": ".flops_compare",
@@ -19,18 +19,6 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        module = importlib.import_module(_EXPORTS[name], __name__)
-        # ``flops`` names its submodule itself (the registry); every other name is defined in its module.
-        value = module if name == "flops" else getattr(module, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'torchlens.report' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))  # lazy names listed without importing them
-
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
 
 __all__ = list(_EXPORTS)

@@ -38,9 +38,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from ..checks import check_int, check_number
 from ..tree import outputs_equal, tensor_leaves
 
-same_output = outputs_equal  # measure_overhead's default compare=: exact equality (tree.outputs_equal)
-
-__all__ = ["measure_overhead", "RefusalPredicate", "OverheadResult", "same_output", "machine_fingerprint"]
+__all__ = ["measure_overhead", "RefusalPredicate", "OverheadResult", "machine_fingerprint"]
 
 
 @dataclass(frozen=True)

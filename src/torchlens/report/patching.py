@@ -228,7 +228,7 @@ class _Runs:
     attributes put back after it.  A forward that writes a parameter in place would make each run start
     from another model: refused the first time, put back once known (``ForwardState``)."""
 
-    def __init__(self, model, root=None, who="activation_patching"):
+    def __init__(self, model, root, who: str):
         self.model, self.root, self.who = model, root, who
         self.state = ForwardState.of(root if root is not None else model)
         # A callable that names no model (a lambda): its modules join the state as the runs first call them.
