@@ -12,8 +12,12 @@ from setuptools import Extension, setup
 
 # An explicit C standard: torch's build command would otherwise give every module its C++ one.
 C_FLAGS = ["-O2", "-std=c11"]
-modules = [Extension(f"torchlens_accel.{name}", [f"src/torchlens_accel/{name}.c"], extra_compile_args=C_FLAGS)
-           for name in ("_capture", "_dispatch", "_grads", "_index")]
+# name -> its C files (the op handler and the module-call recorder are one module, ``_capture``, in two files)
+SOURCES = {"_capture": ["_capture.c", "_module_calls.c"], "_dispatch": ["_dispatch.c"], "_grads": ["_grads.c"],
+           "_index": ["_index.c"]}
+modules = [Extension(f"torchlens_accel.{name}", [f"src/torchlens_accel/{file}" for file in files],
+                     extra_compile_args=C_FLAGS)
+           for name, files in SOURCES.items()]
 commands = {}
 try:
     import torch

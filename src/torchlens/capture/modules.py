@@ -156,7 +156,7 @@ _UNBOUND = (None, None, None, None, None, _Everything(), None, None, False)
 
 class Recorders:
     """One thread's recorders around one ``_call_impl``: the Python ``record_call`` and, built on first
-    use, the compiled one (accel/src/torchlens_accel/_capture.c).  They are built once per thread and
+    use, the compiled one (accel/src/torchlens_accel/_module_calls.c).  They are built once per thread and
     bound to each trace's state as it starts (``bind``) and unbound as it ends (``unbind``), so that a
     trace builds no closures and no compiled recorder, and no trace's records are held in between."""
 
