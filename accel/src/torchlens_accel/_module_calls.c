@@ -41,21 +41,27 @@ typedef struct {
     X(tuple_values) X(bound_output) X(compiler_dict)
 
 /* Interned names. */
-static PyObject *s_raised_in, *s_pass_through, *s_end_pass_through, *s_root, *s_root_running;
+static PyObject *s_raised_in, *s_pass_through, *s_end_pass_through, *s_root, *s_root_running, *s_last_write,
+    *s_value_record;
 
-/* The record index a tensor was last bound to, or -1 (``bound`` in capture/modules.py).  New reference. */
+/* The record whose value a tensor holds, or -1 (``bound`` in capture/modules.py): the one it was last bound
+ * to, unless a write was noted since that record, when ``st.value_record`` decides.  New reference. */
 static PyObject *bound_index(Recorder *r, PyObject *t) {
     PyObject *key = PyLong_FromVoidPtr(t);
     if (key == NULL) return NULL;
     PyObject *entry = PyDict_GetItemWithError(r->producers, key);
     Py_DECREF(key);
     if (entry == NULL && PyErr_Occurred()) return NULL;
-    if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3) {
-        PyObject *ref = PyTuple_GET_ITEM(entry, 0);
-        if (ref == t || (PyWeakref_CheckRef(ref) && PyWeakref_GetObject(ref) == t))
-            return Py_NewRef(PyTuple_GET_ITEM(entry, 1));
-    }
-    return PyLong_FromLong(-1);
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3) return PyLong_FromLong(-1);
+    PyObject *ref = PyTuple_GET_ITEM(entry, 0);
+    if (ref != t && !(PyWeakref_CheckRef(ref) && PyWeakref_GetObject(ref) == t)) return PyLong_FromLong(-1);
+    PyObject *index = PyTuple_GET_ITEM(entry, 1);
+    PyObject *last_write = PyObject_GetAttr(r->state, s_last_write);
+    if (last_write == NULL) return NULL;
+    int written = PyObject_RichCompareBool(last_write, index, Py_GT);  /* a write noted since its binding */
+    Py_DECREF(last_write);
+    if (written < 0) return NULL;
+    return written ? PyObject_CallMethodOneArg(r->state, s_value_record, t) : Py_NewRef(index);
 }
 
 static int recorded_tensor(Recorder *r, PyObject *value) {
@@ -547,7 +553,8 @@ static PyTypeObject RecorderType = {
 
 int add_module_recorder(PyObject *m) {
     INTERN(s_raised_in, "raised_in") INTERN(s_pass_through, "pass_through") INTERN(s_end_pass_through, "end_pass_through")
-    INTERN(s_root, "root") INTERN(s_root_running, "root_running")
+    INTERN(s_root, "root") INTERN(s_root_running, "root_running") INTERN(s_last_write, "last_write")
+    INTERN(s_value_record, "value_record")
     if (PyType_Ready(&RecorderType) < 0) return -1;
     return PyModule_AddObjectRef(m, "ModuleRecorder", (PyObject *)&RecorderType);
 }

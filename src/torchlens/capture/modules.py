@@ -226,9 +226,11 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
         nonlocal st, calls, stack, call_frames, producers, skip, markers, progress, extras
         st, calls, stack, call_frames, producers, skip, markers, progress, extras = binding
 
-    def bound(t):  # st.bound_producer, inlined
+    def bound(t):  # st.value_record, its common case inlined
         entry = producers.get(id(t))
-        return entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1
+        if entry is None or not (entry[0] is t or entry[0]() is t):
+            return -1
+        return entry[1] if st.last_write <= entry[1] else st.value_record(t)  # else maybe written since
 
     def bound_all(value, attrs=False):
         if type(value) is tuple or type(value) is list:  # the common case, as the compiled recorder reads it
@@ -313,9 +315,7 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
         else:
             frame = call_frame(wrapped, parent)
         if len(args) == 1 and not kwargs and type(args[0]) in TENSOR_TYPES:
-            t = args[0]
-            entry = producers.get(id(t))  # bound(), inlined
-            inputs = (entry[1] if entry is not None and (entry[0] is t or entry[0]() is t) else -1,)
+            inputs = (bound(args[0]),)
         else:  # the positional arguments' tensors, then the keyword arguments', in the order passed
             inputs = bound_all(args) + bound_all(tuple(kwargs.values())) if kwargs else bound_all(args)
         index = len(calls)
@@ -340,8 +340,7 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             if extras and markers is not None:
                 markers.module_exit(index)
         if type(output) in TENSOR_TYPES:
-            entry = producers.get(id(output))  # bound(), inlined
-            call[5] = (entry[1] if entry is not None and (entry[0] is output or entry[0]() is output) else -1,)
+            call[5] = (bound(output),)
         elif output is not None:
             call[5] = bound_output(output)
         if st.pass_through is not None:  # an op in it returned its argument itself: CaptureState.note_pass_through

@@ -22,7 +22,7 @@ from functools import partial
 
 import torch
 
-from .state import storage_key
+from ..record.layouts import storage_key
 
 _no_torch_function = torch._C.DisableTorchFunction
 

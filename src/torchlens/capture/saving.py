@@ -30,7 +30,7 @@ from ..record.summary import UNSEEN_PLACES
 from ..record.layouts import version_of
 from ..tree import tensor_leaves
 from .bindings import is_bound
-from .state import storage_key
+from ..record.layouts import storage_key
 from .teardown import HookHandles
 
 _IO_PATH = ("input.", "output.")  # an input's or output's path (input.attention_mask), as log[path] finds it
@@ -234,7 +234,9 @@ class SavePolicy:
             if all(unseen for _, unseen in calls):
                 raise UnmatchedSelection(
                     f"{option}= entry {entry!r} matched nothing: {first_few(label for label, _ in calls)} returned "
-                    f"only tensors no op of the trace made ({UNSEEN_PLACES}); select the ops that read them instead")
+                    f"only tensors no op of the trace made ({UNSEEN_PLACES}), or written through a view or its base "
+                    "after the op that made them (no op's activation is then the value returned); select the ops "
+                    "that read them instead")
 
     def apply(self, trace) -> None:
         """Release the activations the selection did not ask for."""

@@ -25,16 +25,17 @@ import torch
 
 from ..tree import copy_with_layout, is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
-from ..record.layouts import memory_freed, memory_span, shape_of, spans_meet, storage_holders, version_of
+from ..record.layouts import memory_freed, memory_span, shape_of, spans_meet, storage_key, version_of
 from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.replay_context import attention_backends, grad_and_autocast
 
 from ..record.columns import BUFFER, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS, CALL_PARENTS, INPUT
 from . import accel
-from .bindings import bound_tensor, is_bound
+from .bindings import is_bound
 from .budget import SaveBudget
 from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
+from .unversioned_writes import note_data_write, note_unversioned_write
 
 _any_autocast = torch._C._is_any_autocast_enabled
 _VERSION = operator.attrgetter("_version")
@@ -43,15 +44,9 @@ INFERENCE_CAVEAT = ("inference tensors (made under torch.inference_mode()) carry
                     "writes to them were recognised by name only (add_, __setitem__, out=, inplace=True), so a "
                     "write capture could not predict (a fused kernel writing an argument, code running with torch "
                     "function handling disabled) is neither attributed nor detected in their saved activations")
-# A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
-# moving (a collective through a view of it), so a read asks ``writers`` who wrote it last.
-STALE_VERSION = -1
 # The output position (``Written.outputs``) of a tensor a call wrote, not by name, and did not return (a
 # compiled submodule writing its input): no output of the call holds its value.
 NOT_RETURNED = -1
-# What holds a tensor's memory at a write through ``x.data`` when nothing else does: ``x``, ``x.data``, and
-# the storage object the count is read through.
-_DATA_WRITE_HOLDERS = 3
 
 
 def _written_through_each_other(written: list) -> list:
@@ -60,21 +55,6 @@ def _written_through_each_other(written: list) -> list:
     return [t for key, span, t in reached
             if any(key == other_key and t is not other and spans_meet(span, other_span)
                    for other_key, other_span, other in reached)]
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of the memory a tensor lives in; views share it with their base.  A storage with no memory (a
-    meta or fake tensor's, or an empty one) has address 0, which every such storage shares: it is told apart by
-    its own identity instead, without asking a fake tensor for an address (which torch warns against)."""
-    try:
-        storage = t.untyped_storage()
-        if storage.device.type == "meta":
-            return storage._cdata
-        return storage.data_ptr() or storage._cdata
-    # Sparse and other storage-less layouts; a lazy module's UninitializedParameter refuses with ValueError
-    # (it has no memory until its first forward materializes it).
-    except (RuntimeError, NotImplementedError, ValueError):
-        return -id(t)
 
 
 class CaptureState:
@@ -128,6 +108,7 @@ class CaptureState:
         self.producers: dict = {}  # id(tensor) -> (tensor or weakref, record index, version when bound)
         # storage key -> [(record index, version after the write, memory_span of what it wrote), ...]
         self.writers: dict = {}
+        self.last_write = -1  # the latest record in ``writers``: no tensor bound to a later record was written since
         # id(tensor) -> (its binding's reference, how many writes of its storage were found to miss it)
         self.unwritten: dict = {}
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
@@ -216,6 +197,34 @@ class CaptureState:
 
     note_pass_through = note_pass_through
     end_pass_through = end_pass_through
+    _note_data_write = note_data_write
+    note_unversioned_write = note_unversioned_write
+
+    def value_record(self, t: torch.Tensor) -> int:
+        """The record whose saved value ``t`` is as a module call takes or returns it: the op it is bound to, or
+        -1 when no op made it or a view or base of it was written since (``y = x * 2; y[:, :1].zero_();
+        return y``): no op's activation is then the value the call saw (the write's is the view it wrote),
+        though the next op reading ``t`` names that write (``producer_of``).  Called with the capture mode on
+        (module calls run inside it): tensors' properties are read with torch functions disabled."""
+        entry = self.producers.get(id(t))
+        if entry is None or not is_bound(entry, t):
+            return -1
+        if self.last_write <= entry[1]:  # nothing written since it was bound: the common case, no read
+            return entry[1]
+        with torch._C.DisableTorchFunction():
+            version = version_of(t)
+            if entry[2] == version and (version is not None or storage_key(t) not in self.writers):
+                return entry[1]
+            if self._last_writer_of(t, entry, version) is not None:
+                return -1
+        self.producers[id(t)] = (entry[0], entry[1], version)  # every write since missed its bytes
+        return entry[1]
+
+    def _add_write(self, key: int, index: int, version, span) -> None:
+        """Note that record ``index`` wrote ``span`` of storage ``key``, leaving its version at ``version``."""
+        self.writers.setdefault(key, []).append((index, version, span))
+        if index > self.last_write:
+            self.last_write = index
 
     def record_holding(self, t: torch.Tensor):
         """The record whose value ``t`` still is (bound to it, and not written since), or None: off the hot
@@ -224,25 +233,6 @@ class CaptureState:
         if entry is not None and is_bound(entry, t) and entry[2] == version_of(t):
             return entry[1]
         return None
-
-    def _note_data_write(self, t: torch.Tensor, base: torch.Tensor, index: int, key: int) -> None:
-        """Record ``index`` wrote ``t``, which is ``base.data``: ``t`` has a version counter of its own, so the
-        write moved neither ``base``'s nor that of the views sharing it (``base``'s own base, its views),
-        though it changed their bytes.  ``base`` is bound to the write; the others that are bound are made
-        stale, and the write is noted at their version, so that their next read asks ``writers`` who wrote
-        them last (``producer_of``), as after a write through a view.  Writes through ``.data`` are rare in
-        a forward: finding those tensors is one pass over the bound ones, skipped when no other tensor
-        holds the memory."""
-        version = version_of(base)
-        self.producers[id(base)] = (weakref(base), index, version)
-        if version is None or storage_holders(t) <= _DATA_WRITE_HOLDERS:
-            return
-        self.writers[key].append((index, version, memory_span(t)))
-        for tid, entry in list(self.producers.items()):
-            held = bound_tensor(entry)
-            if isinstance(held, torch.Tensor) and id(held) == tid and held is not base and held is not t \
-                    and storage_key(held) == key and entry[2] == version_of(held):
-                self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
 
     def data_replaced(self, t: torch.Tensor, value) -> None:
         """``t.data = value`` ran: ``t`` now holds ``value``'s memory.  It is bound to the record whose value
@@ -367,19 +357,6 @@ class CaptureState:
             return  # the predicted write of this call was kept already
         writes.append((call_index, None if before is None else param.detach().clone()))
 
-    def note_unversioned_write(self, t: torch.Tensor, record_index: int) -> None:
-        """A ``torch.distributed`` collective wrote ``t``, whose output record is ``record_index``.
-
-        c10d's in-place kernels (``all_reduce``, ``broadcast`` ...) move no version counter, so when ``t``
-        is a view, its base would still look like the output of the op that made it.  The write is noted
-        in ``writers`` and the base's binding made stale, so a later read of the base names the collective,
-        as for an in-place op written through a view (``producer_of``)."""
-        self.writers.setdefault(storage_key(t), []).append((record_index, version_of(t), memory_span(t)))
-        base = t._base
-        entry = self.producers.get(id(base)) if base is not None else None
-        if entry is not None and is_bound(entry, base):
-            self.producers[id(base)] = (entry[0], entry[1], STALE_VERSION)
-
     def note_writes(self, written: list, record_index: int) -> None:
         """Tensors an op wrote (in place, through ``out=``, or inside a fused kernel), from its first output
         record ``record_index``.  Each is bound to the output it is (``Written.outputs``); one written only
@@ -412,7 +389,7 @@ class CaptureState:
             bound = not by_schema and position != NOT_RETURNED
             index = record_index + (position if 0 <= position < count else 0)
             version = version_of(t)
-            self.writers.setdefault(key, []).append((index, version, memory_span(t)))
+            self._add_write(key, index, version, memory_span(t))
             if bound:
                 self.producers[id(t)] = (weakref(t), index, version)
             alias = self.data_bases.get(id(t))

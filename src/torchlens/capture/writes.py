@@ -18,7 +18,8 @@ from ..record.columns import writes_first_argument
 from ..record.layouts import memory_span, spans_meet
 from .collectives import WRITTEN_ARGUMENT
 from .fused_writes import WRITES_BY_ATEN_SCHEMA, WRITES_RUNNING_STATS, running_stats_written
-from .state import NOT_RETURNED, storage_key
+from ..record.layouts import storage_key
+from .state import NOT_RETURNED
 from ..tree import tensor_leaves
 
 Tensor = torch.Tensor

@@ -31,7 +31,8 @@ from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
 from ..record.source import source_of
 from ..capture.bindings import is_bound
-from ..capture.state import StopForward, storage_key
+from ..capture.state import StopForward
+from ..record.layouts import storage_key
 from ..capture.writes import named_targets
 from ..tree import made_in_transform, path_text, tensor_leaves
 from .actions import Action, layout_name, same_shape

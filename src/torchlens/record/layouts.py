@@ -261,3 +261,18 @@ def permuted_strides(t) -> list | None:
             return None
         expected *= size
     return list(t.stride())
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the memory a tensor lives in; views share it with their base.  A storage with no memory (a
+    meta or fake tensor's, or an empty one) has address 0, which every such storage shares: it is told apart by
+    its own identity instead, without asking a fake tensor for an address (which torch warns against)."""
+    try:
+        storage = t.untyped_storage()
+        if storage.device.type == "meta":
+            return storage._cdata
+        return storage.data_ptr() or storage._cdata
+    # Sparse and other storage-less layouts; a lazy module's UninitializedParameter refuses with ValueError
+    # (it has no memory until its first forward materializes it).
+    except (RuntimeError, NotImplementedError, ValueError):
+        return -id(t)

@@ -1,0 +1,58 @@
+"""Writes a tensor's version counter does not show, and how capture still finds them.
+
+A write through ``x.data`` moves the version counter of ``x.data`` alone, not that of ``x`` nor of the
+views sharing its memory; ``torch.distributed``'s in-place collectives move none.  Each is noted in
+``CaptureState.writers`` and the tensors it reached are made stale (``STALE_VERSION``), so that their next
+read asks ``writers`` who wrote them last, as after a write through a view (``CaptureState.producer_of``).
+Both functions are methods of ``CaptureState``.
+"""
+
+from __future__ import annotations
+
+from weakref import ref as weakref
+
+import torch
+
+from ..record.layouts import memory_span, storage_holders, storage_key, version_of
+from .bindings import bound_tensor, is_bound
+
+# A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
+# moving (a collective through a view of it), so a read asks ``writers`` who wrote it last.
+STALE_VERSION = -1
+# What holds a tensor's memory at a write through ``x.data`` when nothing else does: ``x``, ``x.data``, and
+# the storage object the count is read through.
+_DATA_WRITE_HOLDERS = 3
+
+
+def note_data_write(self, t: torch.Tensor, base: torch.Tensor, index: int, key: int) -> None:
+    """Record ``index`` wrote ``t``, which is ``base.data``: ``t`` has a version counter of its own, so the
+    write moved neither ``base``'s nor that of the views sharing it (``base``'s own base, its views),
+    though it changed their bytes.  ``base`` is bound to the write; the others that are bound are made
+    stale, and the write is noted at their version, so that their next read asks ``writers`` who wrote
+    them last (``producer_of``), as after a write through a view.  Writes through ``.data`` are rare in
+    a forward: finding those tensors is one pass over the bound ones, skipped when no other tensor
+    holds the memory."""
+    version = version_of(base)
+    self.producers[id(base)] = (weakref(base), index, version)
+    if version is None or storage_holders(t) <= _DATA_WRITE_HOLDERS:
+        return
+    self._add_write(key, index, version, memory_span(t))
+    for tid, entry in list(self.producers.items()):
+        held = bound_tensor(entry)
+        if isinstance(held, torch.Tensor) and id(held) == tid and held is not base and held is not t \
+                and storage_key(held) == key and entry[2] == version_of(held):
+            self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
+
+
+def note_unversioned_write(self, t: torch.Tensor, record_index: int) -> None:
+    """A ``torch.distributed`` collective wrote ``t``, whose output record is ``record_index``.
+
+    c10d's in-place kernels (``all_reduce``, ``broadcast`` ...) move no version counter, so when ``t``
+    is a view, its base would still look like the output of the op that made it.  The write is noted
+    in ``writers`` and the base's binding made stale, so a later read of the base names the collective,
+    as for an in-place op written through a view (``producer_of``)."""
+    self._add_write(storage_key(t), record_index, version_of(t), memory_span(t))
+    base = t._base
+    entry = self.producers.get(id(base)) if base is not None else None
+    if entry is not None and is_bound(entry, base):
+        self.producers[id(base)] = (entry[0], entry[1], STALE_VERSION)
