@@ -51,6 +51,8 @@ def test_a_module_output_written_through_a_view_names_no_op(compiled, inner):
     call = log.module_calls[0]
     assert call.output_ops == []  # not mul_1_1:1, whose saved value is from before the write
     assert isinstance(log["inner:1"], tl.ModuleCall) and isinstance(log["inner"], tl.Module)  # no op's value
+    with pytest.raises(AttributeError, match=r"inner:1 returned no op's value \(no tensor, .* written through a view"):
+        log["inner"].activation
     assert torch.equal(log["mul_1_1:1"].activation, torch.full((2, 2), 2.0))
     writer = log[-2].parents[0]  # the caller's next op reads the write, through a view
     assert log[writer].type in ("add", "zero")

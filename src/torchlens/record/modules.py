@@ -204,6 +204,11 @@ class Module(View):
         # Only reached for names the Module lacks: ``log['fc']`` on a module called several times.
         from .op import Op
 
+        if not name.startswith("_") and hasattr(Op, name) and self.num_calls == 1:
+            raise AttributeError(f"{name!r} belongs to one op, but {self.call_labels[0]} returned no op's value (no "
+                                 "tensor, tensors no op of the trace made, or tensors written through a view or "
+                                 f"their base after the op that made them), so log[{self.address!r}] is the Module: "
+                                 "read it from an op inside the call or one reading its output")
         if not name.startswith("_") and hasattr(Op, name):
             calls = ", ".join(f"log[{label!r}]" for label in self.call_labels[:3])
             raise AttributeError(f"{name!r} belongs to one op, but {self.address} ran {self.num_calls} times, so "
