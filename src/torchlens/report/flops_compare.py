@@ -256,7 +256,9 @@ class _ProductWatch(torch.overrides.TorchFunctionMode):
         counted = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
         if name in self.unknown_names:
             self.unknown_counted[name] = self.unknown_counted.get(name, 0) + sum(counted.values())
-        else:
+        if _is_product(name):
+            # Still a product call when some of its calls have no formula (an einsum with ``...``): the
+            # traced side lists every product op, counted or not, and the two lists are compared in order.
             self.calls.append((name, counted))
         return result
 
