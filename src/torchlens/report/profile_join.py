@@ -11,7 +11,9 @@ Three links, each exact:
    the External id Kineto stamped on it (the launching host op's) is used instead, and counted.
 3. Backward work: the autograd engine wraps each grad node in events carrying the node's sequence
    number; forward aten ops carry the sequence number of the node they created.  Backward work goes to
-   the op whose marker contained those forward aten ops, on whatever thread the engine ran it.
+   the op whose marker contained those forward aten ops, on whatever thread the engine ran it.  A node
+   whose number no aten op recorded (a write into a view's ``CopySlices``) goes to the op recording the
+   number below it, when a forward op recorded one above it too.
 
 Nothing is matched by name except decoding our own marker names.  Work that none of the links reaches
 is counted under a reason, never dropped and never guessed.
@@ -19,6 +21,7 @@ is counted under a reason, never dropped and never guessed.
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 from .markers import PREFIX, parse_marker
@@ -202,13 +205,41 @@ def _forward_sequence_owners(events, owners) -> dict:
     it; the batch norm is the later one, and owns the node.  Ops outside any captured op count too
     (a loss computed after the forward): their nodes belong to no op (``None``)."""
     latest: dict = {}
+    in_nodes: set = set()  # numbers recorded by ops run inside a grad node (a recompute during the backward)
     for i, owner in owners.items():
         e = events[i]
-        if owner.thread is not None and owner.seq is None and e.kind == HOST and not e.backward and e.seq >= 0:
-            seen = latest.get(e.seq)
-            if seen is None or e.start >= seen[0]:
-                latest[e.seq] = (e.start, owner.op)
-    return {seq: serial for seq, (_, serial) in latest.items()}
+        if owner.thread is None or e.kind != HOST or e.backward or e.seq < 0:
+            continue
+        if owner.seq is not None:
+            in_nodes.add(e.seq)
+            continue
+        seen = latest.get(e.seq)
+        if seen is None or e.start >= seen[0]:
+            latest[e.seq] = (e.start, owner.op)
+    owned = {seq: serial for seq, (_, serial) in latest.items()}
+    nodes = {e.seq for e in events if e.kind == HOST and e.backward and e.seq >= 0}
+    owned.update(_unrecorded_node_owners(nodes - owned.keys() - in_nodes, owned, in_nodes))
+    return owned
+
+
+def _unrecorded_node_owners(unrecorded, owned: dict, in_nodes: set) -> dict:
+    """Owners of grad nodes whose number no aten op recorded.
+
+    An in-place write into a view makes two nodes in one aten op, its own and the base's ``CopySlices``, and
+    reading the view's ``grad_fn`` afterwards makes a third; only the first number is recorded.  Numbers
+    are taken in order on the thread, so a node numbered between two recorded numbers was made after the
+    op recording the lower one began and before the one recording the higher one: by the lower one's op
+    (or the capture around it).  A node numbered after every forward record, or before a number an op inside
+    a grad node recorded, may have been made during the backward, so it keeps no owner."""
+    recorded = sorted(owned)
+    later = sorted(set(recorded) | in_nodes)
+    found = {}
+    for seq in unrecorded:
+        below = bisect.bisect_left(recorded, seq) - 1
+        above = bisect.bisect_right(later, seq)
+        if below >= 0 and above < len(later) and later[above] in owned:
+            found[seq] = owned[recorded[below]]
+    return found
 
 
 def _resolve(owner: Owner, seq_owner) -> Target:
