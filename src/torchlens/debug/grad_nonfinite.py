@@ -37,10 +37,13 @@ class GradNonfiniteReport:
     """The first op (in backward order) whose gradient is non-finite, and what produced it."""
 
     def __init__(self, *, origin, kind, born_in, nonfinite, examined, num_backwards, loss_nonfinite,
-                 parameters=(), parameters_checked=True):
+                 parameters=(), parameters_checked=True, born_in_unseen=()):
         self.origin = origin  # Op, or None
         self.kind = kind  # "nan", "inf", "both" or None
         self.born_in = tuple(born_in)  # labels of the ops whose backward produced it: one, or candidates
+        # those of them whose own gradient the trace did not receive (left out by grads=[...], or replaced by a
+        # write into a view): not known to be finite, so the NaN may have been born after them
+        self.born_in_unseen = tuple(born_in_unseen)
         self.nonfinite = tuple(nonfinite)  # every op with a non-finite gradient, in backward order
         self.examined = examined
         self.num_backwards = num_backwards
@@ -59,8 +62,9 @@ class GradNonfiniteReport:
         """Whether ``born_in`` names the one op whose backward produced the first non-finite gradient.
 
         With several candidates, their contributions reached the gradient already summed, so the trace
-        cannot tell which produced it (anomaly mode can)."""
-        return len(self.born_in) == 1
+        cannot tell which produced it (anomaly mode can).  Nor can it when that op's own gradient never reached
+        the trace: it is not known to be finite, and the NaN may come from the backward of ops after it."""
+        return len(self.born_in) == 1 and not self.born_in_unseen
 
     @property
     def origin_label(self):
@@ -88,6 +92,8 @@ class GradNonfiniteReport:
                              "check the forward with tl.debug.nonfinite_origin(log)")
             elif self.born_in_certain:
                 lines.append(f"  born in the backward of {self.born_in[0]} (its output gradient was finite)")
+            elif self.born_in_unseen:
+                lines.append(self._unseen_line())
             elif self.born_in:
                 lines.append(f"  born in the backward of one or more of {', '.join(self.born_in)} (their output "
                              "gradients were finite; autograd summed their contributions before the trace saw "
@@ -106,6 +112,12 @@ class GradNonfiniteReport:
 
     __repr__ = __str__
 
+    def _unseen_line(self) -> str:
+        return (f"  born in the backward of {' or '.join(self.born_in)}, or of ops after "
+                f"{'it' if len(self.born_in) == 1 else 'them'}: the trace did not receive the gradient of "
+                f"{listed(self.born_in_unseen, 5)} (left out by grads=[...], or replaced by a write into a view), "
+                "so it cannot tell where; anomaly mode names the first node that returns NaN")
+
     def _parameter_lines(self) -> list:
         """Every op gradient is finite; the non-finite values are in parameters' ``.grad`` only."""
         lines = [f"  every op gradient is finite, but the .grad of {len(self.parameters)} parameter(s) holds "
@@ -113,6 +125,8 @@ class GradNonfiniteReport:
         if self.born_in_certain:
             lines.append(f"  born in the backward of {self.born_in[0]}, the op that read it (its output gradient "
                          "was finite)")
+        elif self.born_in_unseen:
+            lines.append(self._unseen_line())
         elif self.born_in:
             lines.append(f"  born in the backward of one or more of {', '.join(self.born_in)}, the ops that read "
                          "them (their output gradients were finite)")
@@ -149,15 +163,17 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
     params = [entry for entry in found if entry[1] is not None]
     checked = len(params) == len(found)
     if not bad:
-        return _parameter_report(log, params, examined=len(status), selected=capture.policy is not None,
-                                 checked=checked)
+        return _parameter_report(log, params, status, selected=capture.policy is not None, checked=checked)
     first = bad[0]
     children = _backward_children(log, first)
     return GradNonfiniteReport(
         origin=log.ops[first], kind=_KINDS[status[first]], born_in=[log.labels[c] for c in children],
         nonfinite=[log.labels[i] for i in bad], examined=len(status), num_backwards=log.num_backwards,
-        loss_nonfinite=first == capture.order[0], parameters=[address for address, _, _ in params],
-        parameters_checked=checked)
+        # First to arrive, and no traced op sent it: the loss's own gradient.  Under grads=[...] the first
+        # watched gradient can come from ops the trace did not watch, which say nothing of the loss.
+        loss_nonfinite=first == capture.order[0] and not children,
+        parameters=[address for address, _, _ in params], parameters_checked=checked,
+        born_in_unseen=[log.labels[c] for c in children if c not in status])
 
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
@@ -196,7 +212,7 @@ def _nonfinite_parameter_grads(log) -> list:
     return found
 
 
-def _parameter_report(log, params, examined, selected, checked) -> GradNonfiniteReport:
+def _parameter_report(log, params, status, selected, checked) -> GradNonfiniteReport:
     """No op gradient is non-finite: the report names the parameters whose ``.grad`` is, if any, and the ops
     that read them (whose backward wrote their gradient).  With ``grads=[...]`` (``selected``) most ops'
     gradients were not watched, so a finite watched gradient says nothing of the others: no op is named."""
@@ -204,8 +220,9 @@ def _parameter_report(log, params, examined, selected, checked) -> GradNonfinite
     users = [] if selected else sorted({i for _, _, indices in params for i in indices})
     return GradNonfiniteReport(
         origin=None, kind=_KINDS.get(flags), born_in=[log.labels[i] for i in users], nonfinite=(),
-        examined=examined, num_backwards=log.num_backwards, loss_nonfinite=False,
-        parameters=[address for address, _, _ in params], parameters_checked=checked)
+        examined=len(status), num_backwards=log.num_backwards, loss_nonfinite=False,
+        parameters=[address for address, _, _ in params], parameters_checked=checked,
+        born_in_unseen=[log.labels[i] for i in users if i not in status])
 
 
 def _backward_children(log, index) -> list:
