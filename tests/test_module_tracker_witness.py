@@ -10,7 +10,8 @@ Documented exceptions, none of them in the zoo: a module re-entered while alread
 the tracker's set cannot hold it twice); a module that is not a descendant of the root (the tracker names
 it by bare class name).  Cases that agree by construction and are checked below: one instance registered
 under two names (the tracker uses the first name, torchlens's ``Module.all_addresses`` holds both) and a
-direct ``.forward()`` call (no hooks fire, so neither side sees a module call).
+direct ``.forward()`` call (no hooks fire, so neither side sees a module call).  By design, the ops a module's own
+forward hooks run are inside torchlens's call of it and outside the tracker's, whose global hook left it already.
 
 torchlens must stay strictly richer: call order, an instance map, and the call index of a reused module.
 """
@@ -161,3 +162,22 @@ def test_real_models_module_sets_equal_the_trackers(name):
     for op in ops:
         tracked = tracker_addresses(tracker_set_at(events, op.start_ns), log, root_name)
         assert tracked == torchlens_addresses(op), op.label
+
+
+def test_a_modules_own_forward_hook_ops_are_the_one_difference_by_design():
+    import real_models
+
+    model = real_models.small_gpt2_lm()
+    block = model.transformer.h[0]
+    handle = block.mlp.register_forward_hook(lambda module, args, output: output * 0.5)
+    try:
+        log, events = trace_under_tracker(model, (torch.randint(0, 64, (1, 5)),))
+    finally:
+        handle.remove()
+    differ = []
+    for op in log.ops:
+        if op.kind == "op":
+            tracked = tracker_addresses(tracker_set_at(events, op.start_ns), log, type(model).__name__)
+            if tracked != torchlens_addresses(op):
+                differ.append((op.func_name, op.module, sorted(torchlens_addresses(op) - tracked)))
+    assert differ == [("mul", "transformer.h.0.mlp:1", ["transformer.h.0.mlp"])]
