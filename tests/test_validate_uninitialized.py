@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from accel_paths import PATHS, on_path
 from trusted import assert_trusted
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,3 +98,26 @@ def test_reformer_lsh_attention_validates_without_a_false_mismatch():
     result = tl.validate(model, (), {"input_ids": ids})
     assert result.outputs_match is True and result.mismatched == [], result
     assert [reason for op, reason in result.not_replayed if reason == UNDEFINED], result
+
+
+class ResizesAViewWrittenBase(nn.Module):
+    """Writes a column block of a fresh tensor through a view, then resizes the tensor to its own size (a no-op
+    resize that reads the base the view wrote), and grows another tensor by resizing it."""
+
+    def forward(self, x):
+        h = x.clone()
+        h.view(3, 2, 4)[:, 0].zero_()
+        same = h.resize_as_(h) * 1.5
+        grown = x.sum(1).resize_(4) * 0
+        return same, grown
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_resize_of_a_base_written_through_a_view_is_not_called_growing(compiled):
+    # The resize's parent is the view write, whose output (the 6-element view) is smaller than the 24 elements
+    # resized: validation said "resize_ grew the tensor", a false reason, rather than the read after the write.
+    with on_path(compiled):
+        log = tl.trace(ResizesAViewWrittenBase(), torch.randn(3, 8))
+    reasons = dict(log.validate().not_replayed)
+    assert "it read zero_1_4:1's storage after a write through a view" in reasons["resizeas_1_5:1"]
+    assert reasons["resize_1_8:1"].startswith("uninitialized memory: resize_ grew the tensor")

@@ -339,7 +339,14 @@ def _grew_uninitialized(log, op) -> bool:
     if op.func_name not in _RESIZES:
         return False
     resized = op.parent_arg_positions.get(0)
-    return resized is None or log[resized].numel < op.numel
+    if resized is None:
+        return True
+    parent = log[resized].index
+    if (log.call_indices[op.index], parent) in log.alias_reads:
+        # It resized the base of a view written in place, which the writer's output (the view) is not: its size
+        # says nothing of the base's, and the read is not replayed for that reason.
+        return False
+    return log[resized].numel < op.numel
 
 
 def _replay_problem(log, op, rng: RngState, setting: dict):
