@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import torchlens as tl
 from torchlens.report import flops as registry
+from accel_paths import PATHS, on_path
 from zoo import zoo
 
 
@@ -278,3 +279,28 @@ def test_fft_variants_count_their_sizes_their_real_side_and_their_scaling():
                       "ihfft2_1_7:1": 2.5 * 2 * 32 * 5 + 2 * 40, "fft2_1_8:1": 5 * 4 * 16 * 4,
                       "fftshift_1_9:1": 0, "imag_1_10:1": 0}
     assert log.flops.complete
+
+
+class MatmulAfterAViewWrite(nn.Module):
+    """Zeroes two columns of ``h`` through a view, then multiplies ``h`` (3x8) by an 8x8 weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        h = x.clone()
+        h[:, :2].zero_()
+        return h @ self.w + (x @ self.w)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_an_op_reading_a_tensor_after_a_write_through_its_view_is_unknown_not_counted_from_the_view(compiled):
+    # The matmul's parent is the write, whose output is the 3x2 view: its FLOPs were counted as 2*3*2*8, a
+    # quarter of what it computed. No record holds h's shape as read, so the op is unknown.
+    with on_path(compiled):
+        log = tl.trace(MatmulAfterAViewWrite(), torch.randn(3, 8))
+    after_write, plain = [op for op in log.ops if op.type == "matmul"]
+    assert after_write.parents == ["zero_1_3:1"] and tl.report.op_flops(after_write) is None
+    assert tl.report.op_flops(plain) == 2 * 3 * 8 * 8
+    assert log.flops.unknown == (after_write.label,)

@@ -48,12 +48,21 @@ def canonical_name(func_name: str) -> str:
 class CallArgs:
     """Shapes and non-tensor arguments of one captured call, read by formulas."""
 
-    __slots__ = ("_trace", "_call", "out_shape")
+    __slots__ = ("_trace", "_call", "_position", "out_shape")
 
-    def __init__(self, trace, call, out_shape):
+    def __init__(self, trace, position, out_shape):
         self._trace = trace
-        self._call = call
+        self._call = trace.calls[position]
+        self._position = position
         self.out_shape = tuple(out_shape)
+
+    def _parent_shape(self, parent):
+        """The shape of the tensor read from record ``parent``; None when it is not that record's: a tensor from
+        outside the trace, or one read through an alias after a write (the base of a view written in place,
+        whose parent is the write, with the view's shape)."""
+        if parent < 0 or (self._position, parent) in self._trace.alias_reads:
+            return None
+        return tuple(self._trace.op_meta[parent].shape)
 
     @property
     def out_numel(self) -> int:
@@ -61,10 +70,9 @@ class CallArgs:
 
     def shape(self, position, name=None):
         """Shape of the tensor passed at ``position`` (or keyword ``name``); None if absent or unknown."""
-        meta = self._trace.op_meta
         for pos, parent in self._call.parents:
             if pos == position or (name is not None and pos == name):
-                return tuple(meta[parent].shape) if parent >= 0 else None
+                return self._parent_shape(parent)
         for pos, param in self._call.params:
             if pos == position or (name is not None and pos == name):
                 return tuple(param.shape)
@@ -76,8 +84,7 @@ class CallArgs:
 
     def nested_shapes(self) -> list:
         """Shapes of tensors passed inside list arguments (RNN weights), parents and parameters alike."""
-        meta = self._trace.op_meta
-        shapes = [tuple(meta[p].shape) if p >= 0 else None for pos, p in self._call.parents if isinstance(pos, tuple)]
+        shapes = [self._parent_shape(p) for pos, p in self._call.parents if isinstance(pos, tuple)]
         shapes += [tuple(p.shape) for pos, p in self._call.params if isinstance(pos, tuple)]
         return shapes
 
@@ -442,7 +449,7 @@ def _evaluate(trace, index):
         return None
     family, formula = entry
     try:
-        result = formula(CallArgs(trace, call, trace.op_meta[index].shape))
+        result = formula(CallArgs(trace, c, trace.op_meta[index].shape))
     except Exception:  # an argument layout the formula does not understand: unknown, never 0
         result = None
     if result is None:
