@@ -304,3 +304,13 @@ def test_an_op_reading_a_tensor_after_a_write_through_its_view_is_unknown_not_co
     assert after_write.parents == ["zero_1_3:1"] and tl.report.op_flops(after_write) is None
     assert tl.report.op_flops(plain) == 2 * 3 * 8 * 8
     assert log.flops.unknown == (after_write.label,)
+
+
+def test_flops_vs_dispatch_pairs_a_product_left_unknown_with_the_counted_one():
+    # The product left unknown was taken for a function with no formula, so the counted run's watch left every
+    # call of that function out of its products, and the comparison refused the model as running another
+    # program ("2 against 0").
+    result = tl.report.flops_vs_dispatch(MatmulAfterAViewWrite(), torch.randn(3, 8))
+    matmul = next(row for row in result.families if row["family"] == "matmul")
+    assert (matmul["torchlens"], matmul["native"]) == (2 * 3 * 8 * 8, 2 * (2 * 3 * 8 * 8))
+    assert len(result.torchlens_unknown) == 1

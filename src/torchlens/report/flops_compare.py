@@ -186,8 +186,10 @@ def _refuse_a_trace(model) -> None:
 
 
 def _unknown_names(log) -> frozenset:
-    """Function names of the traced ops torchlens has no formula for."""
-    return frozenset(log._by_label(label).func_name for label in total_flops(log).unknown)
+    """Function names of the traced ops torchlens has no formula for (not those of an op whose formula lacked a
+    shape, a product among them, which the witness pairs with the counted run's products)."""
+    names = (log._by_label(label).func_name for label in total_flops(log).unknown)
+    return frozenset(name for name in names if registry_family(name) is None)
 
 
 def _count_natively(model, args, kwargs, unknown_names=frozenset()):
