@@ -27,10 +27,9 @@ from ..record.model_index import (container_note, refuse_module_object, scripted
 from ..record.params import bypassed_call_hint
 from ..record.dropped import RELEASED_INSIDE, WRITTEN_UNSEEN
 from ..record.summary import UNSEEN_PLACES
-from ..record.layouts import version_of
+from ..record.layouts import storage_key, version_of
 from ..tree import tensor_leaves
 from .bindings import is_bound
-from ..record.layouts import storage_key
 from .teardown import HookHandles
 
 _IO_PATH = ("input.", "output.")  # an input's or output's path (input.attention_mask), as log[path] finds it

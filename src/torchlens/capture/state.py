@@ -108,7 +108,7 @@ class CaptureState:
         self.producers: dict = {}  # id(tensor) -> (tensor or weakref, record index, version when bound)
         # storage key -> [(record index, version after the write, memory_span of what it wrote), ...]
         self.writers: dict = {}
-        self.last_write = -1  # the latest record in ``writers``: no tensor bound to a later record was written since
+        self.last_write = -1  # the latest record in ``writers``: no noted write came after a binding to it or later
         # id(tensor) -> (its binding's reference, how many writes of its storage were found to miss it)
         self.unwritten: dict = {}
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)

@@ -15,10 +15,9 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from ..record.columns import writes_first_argument
-from ..record.layouts import memory_span, spans_meet
+from ..record.layouts import memory_span, spans_meet, storage_key
 from .collectives import WRITTEN_ARGUMENT
 from .fused_writes import WRITES_BY_ATEN_SCHEMA, WRITES_RUNNING_STATS, running_stats_written
-from ..record.layouts import storage_key
 from .state import NOT_RETURNED
 from ..tree import tensor_leaves
 

@@ -25,14 +25,13 @@ from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
-from ..record.layouts import shape_of, version_of
+from ..record.layouts import shape_of, storage_key, version_of
 from ..record.modules import enclosing_calls, is_unregistered, shown_class
 from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
 from ..record.source import source_of
 from ..capture.bindings import is_bound
 from ..capture.state import StopForward
-from ..record.layouts import storage_key
 from ..capture.writes import named_targets
 from ..tree import made_in_transform, path_text, tensor_leaves
 from .actions import Action, layout_name, same_shape
