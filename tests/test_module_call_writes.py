@@ -101,3 +101,21 @@ def test_an_in_place_module_writing_its_input_is_its_own_output(compiled):
     linear, relu, _ = log.module_calls
     assert relu.input_ops == linear.output_ops and relu.output_ops == [log["1"].label]
     assert log["1"].type == "relu" and log["1"].is_inplace
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_write_elsewhere_leaves_a_module_input_named_by_its_op(compiled):
+    # A train-mode BatchNorm writes its running statistics (a write noted after x's op): x itself is unwritten.
+    class AfterANorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn, self.inner = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Identity()
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.bn(h) + self.inner(h)
+
+    with on_path(compiled):
+        log = tl.trace(AfterANorm().train(), torch.randn(3, 4))
+    fc, bn, inner = log.module_calls
+    assert inner.input_ops == fc.output_ops == inner.output_ops == ["linear_1_1:1"]

@@ -8,6 +8,7 @@
 #include <stddef.h>
 
 #include "_capture.h"
+#include "fast_reads.h"
 
 /* ``record_call`` (capture/modules.py) for the common module call: made on the tracing thread, from a
  * user frame or by a torch module's forward (nn.Sequential's) inside a recorded call, with no profiler
@@ -33,6 +34,7 @@ typedef struct {
     PyObject *compiler_dict;  /* vars(torch.compiler): no call is recorded while Dynamo compiles, or NULL */
     unsigned long owner;
     long user, skip_verdict, stop, boundary;  /* the frame verdicts (capture/source.py) */
+    const FastReads *fast;    /* torchlens-accel's _reads (fast_reads.h), or NULL: then st.value_record reads */
 } Recorder;
 
 #define RECORDER_OBJECTS(X) \
@@ -60,8 +62,15 @@ static PyObject *bound_index(Recorder *r, PyObject *t) {
     if (last_write == NULL) return NULL;
     int written = PyObject_RichCompareBool(last_write, index, Py_GT);  /* a write noted since its binding */
     Py_DECREF(last_write);
-    if (written < 0) return NULL;
-    return written ? PyObject_CallMethodOneArg(r->state, s_value_record, t) : Py_NewRef(index);
+    if (written <= 0) return written < 0 ? NULL : Py_NewRef(index);
+    if (r->fast != NULL) {  /* its version unmoved (a write elsewhere: a norm's running statistics): still the op's */
+        PyObject *now = r->fast->version(t);
+        if (now == NULL && PyErr_Occurred()) return NULL;
+        int same = now != NULL ? PyObject_RichCompareBool(now, PyTuple_GET_ITEM(entry, 2), Py_EQ) : 0;
+        Py_XDECREF(now);
+        if (same != 0) return same < 0 ? NULL : Py_NewRef(index);
+    }
+    return PyObject_CallMethodOneArg(r->state, s_value_record, t);
 }
 
 static int recorded_tensor(Recorder *r, PyObject *value) {
@@ -457,18 +466,19 @@ static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     static char *names[] = {"impl", "fallback", "state", "owner", "skip", "stack", "calls", "call_frames",
                             "producers", "verdicts", "bound_all", "outside", "call_frame", "dispatcher_code", "wrapped_call", "call_impl",
                             "inner", "tensor_type", "parameter_type", "user", "skip_verdict", "stop", "boundary",
-                            "tuple_values", "bound_output", "compiler_dict", NULL};
+                            "tuple_values", "bound_output", "compiler_dict", "fast_reads", NULL};
+    PyObject *fast_reads = Py_None;
     Recorder *r = (Recorder *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
     r->stop = r->boundary = -1;  /* not given: every other call site is the Python walk's */
     /* tuple_values not given: every container is the walker's */
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|llO!OO!:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
+            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|llO!OO!O:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
             &r->owner, &PySet_Type, &r->skip, &PyList_Type, &r->stack, &PyList_Type, &r->calls, &PyList_Type,
             &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all, &PyList_Type, &r->outside, &r->call_frame,
             &r->dispatcher_code, &r->wrapped_call, &r->call_impl, &r->inner, &PyType_Type, &r->tensor_type,
             &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict, &r->stop, &r->boundary,
-            &PyFrozenSet_Type, &r->tuple_values, &r->bound_output, &PyDict_Type, &r->compiler_dict)) {
+            &PyFrozenSet_Type, &r->tuple_values, &r->bound_output, &PyDict_Type, &r->compiler_dict, &fast_reads)) {
         memset(&r->dict, 0, offsetof(Recorder, owner) - offsetof(Recorder, dict));
         Py_DECREF(r);
         return NULL;
@@ -480,6 +490,15 @@ static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         PyErr_SetString(PyExc_ValueError, "ModuleRecorder: outside must be a [frame, answer] list");
         Py_DECREF(r);
         return NULL;
+    }
+    if (fast_reads != Py_None) {
+        r->fast = PyCapsule_GetPointer(fast_reads, TORCHLENS_FAST_READS_NAME);
+        if (r->fast == NULL || r->fast->abi != TORCHLENS_FAST_READS_ABI) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "ModuleRecorder: fast_reads is from another build of torchlens-accel's _reads");
+            Py_DECREF(r);
+            return NULL;
+        }
     }
     r->vectorcall = recorder_vectorcall;
     return (PyObject *)r;

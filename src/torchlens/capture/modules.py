@@ -193,13 +193,14 @@ class Recorders:
         # Python one whole.  Positional, in the order of its keyword names (impl, fallback, state, owner, skip,
         # stack, calls, call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
         # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict, stop, boundary,
-        # tuple_values, bound_output, compiler_dict).
+        # tuple_values, bound_output, compiler_dict, fast_reads).
         # ``dispatcher_code``: the relays' codes.
+        reads = accel.compiled("_reads")  # (tensors' versions read off the TensorImpl; None where not built)
         recorder = self._compiled = compiled.ModuleRecorder(
             self.impl, python, st, self.owner, skip, stack, calls, call_frames, producers, verdicts, bound_all,
             self.outside, call_frame, self.relays, _WRAPPED_CALL, _CALL_IMPL, _INNER,
             torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY, TUPLE_VALUES, bound_output,
-            vars(_compiler))
+            vars(_compiler), reads.fast_reads if reads is not None else None)
         return recorder
 
     def unbind(self) -> None:
