@@ -18,7 +18,6 @@
 #error "torchlens-accel needs CPython 3.11 or newer (it reads frames through PyFrame_GetLasti); torchlens itself needs 3.11 too"
 #endif
 #include "_capture.h"
-#include "fast_reads.h"
 #include <structmember.h>
 #include <time.h>
 
@@ -150,6 +149,19 @@ PyObject *now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);  /* time.perf_counter_ns's clock on Linux */
     return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+}
+
+int fast_reads_of(PyObject *capsule, const char *who, const FastReads **out) {
+    *out = NULL;
+    if (capsule == Py_None) return 0;
+    const FastReads *fast = (const FastReads *)PyCapsule_GetPointer(capsule, TORCHLENS_FAST_READS_NAME);
+    if (fast == NULL || fast->abi != TORCHLENS_FAST_READS_ABI) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "%s: fast_reads is from another build of torchlens-accel's _reads", who);
+        return -1;
+    }
+    *out = fast;
+    return 0;
 }
 
 /* A call that made no tensor is no op: the reads through an alias its argument scan noted
@@ -1483,14 +1495,9 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             return NULL;
         }
     }
-    if (fast_reads != Py_None) {
-        h->fast = PyCapsule_GetPointer(fast_reads, TORCHLENS_FAST_READS_NAME);
-        if (h->fast == NULL || h->fast->abi != TORCHLENS_FAST_READS_ABI) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "Handler: fast_reads is from another build of torchlens-accel's _reads");
-            Py_DECREF(h);
-            return NULL;
-        }
+    if (fast_reads_of(fast_reads, "Handler", &h->fast) < 0) {
+        Py_DECREF(h);
+        return NULL;
     }
     if (!PyType_Check(h->tensor_type) || !PyType_Check(h->parameter_type) || !PyType_Check(h->function_type)) {
         PyErr_SetString(PyExc_TypeError, "Handler: tensor_type, parameter_type and function_type must be types");

@@ -5,9 +5,15 @@
 
 #include <Python.h>
 
+#include "fast_reads.h"
+
 PyObject *now_ns(void);          /* time.perf_counter_ns().  New reference. */
 extern PyObject *empty_tuple;    /* () */
 extern PyObject *s_is_compiling; /* "_is_compiling_flag", interned */
+
+/* Unwraps torchlens-accel's ``_reads`` capsule into ``*out``: NULL for None (the getters read instead).
+ * 0, or -1 with a TypeError naming ``who`` when the capsule is from another build. */
+int fast_reads_of(PyObject *capsule, const char *who, const FastReads **out);
 
 /* Adds ``ModuleRecorder`` to the module.  0, or -1 with an exception set. */
 int add_module_recorder(PyObject *module);

@@ -8,7 +8,6 @@
 #include <stddef.h>
 
 #include "_capture.h"
-#include "fast_reads.h"
 
 /* ``record_call`` (capture/modules.py) for the common module call: made on the tracing thread, from a
  * user frame or by a torch module's forward (nn.Sequential's) inside a recorded call, with no profiler
@@ -491,14 +490,9 @@ static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         Py_DECREF(r);
         return NULL;
     }
-    if (fast_reads != Py_None) {
-        r->fast = PyCapsule_GetPointer(fast_reads, TORCHLENS_FAST_READS_NAME);
-        if (r->fast == NULL || r->fast->abi != TORCHLENS_FAST_READS_ABI) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "ModuleRecorder: fast_reads is from another build of torchlens-accel's _reads");
-            Py_DECREF(r);
-            return NULL;
-        }
+    if (fast_reads_of(fast_reads, "ModuleRecorder", &r->fast) < 0) {
+        Py_DECREF(r);
+        return NULL;
     }
     r->vectorcall = recorder_vectorcall;
     return (PyObject *)r;
