@@ -348,20 +348,6 @@ def test_notebook_html_and_show(traces, monkeypatch):
         path.unlink()
 
 
-def test_device_times_from_a_kernel_profile_object():
-    kernel = pytest.importorskip("torchlens.report.kernel_profiling", reason="kernel profiling not installed")
-    model, args, kwargs = zoo(0)["mlp"]
-    profile = kernel.kernel_profile(model, args, kwargs)
-    times = {row["op"]: row["device_ns"] / 1e9 for row in profile.ops if row["device_ns"] is not None}
-    log = profile.trace
-    from_profile = log.render(color_by="device_time", device_times=profile)
-    assert from_profile == log.render(color_by="device_time", device_times=times)
-    ops = [op for op in log.ops if op.kind == "op"]
-    unknown = [op for op in ops if op.label not in times]
-    for op in unknown:  # on a CPU-only run every op is unmeasured, and says so
-        assert "unknown" in re.search(rf"^\s*o{op.index} \[.*$", from_profile, re.M).group(0)
-
-
 def test_left_to_right_layout(traces):
     log = traces["mlp"]
     assert "rankdir=LR" in log.render(format="dot", direction="LR")

@@ -61,26 +61,27 @@ def _check(trace, depth, title):
                   "draw every module", who="render", at_least=0)
 
 
-def _coloring(trace, color_by, device_times):
+def _coloring(trace, color_by, device_times, cpu_times):
     from .metrics import Coloring, nonfinite_origins, op_values, resolve_metric
 
-    metric, device_times = resolve_metric(color_by, device_times)
+    metric, times = resolve_metric(color_by, device_times, cpu_times)
     if metric is None:
         return None
     origins = nonfinite_origins(trace) if metric == "nonfinite" else ()
-    return Coloring(metric, op_values(trace, metric, device_times), origins)
+    return Coloring(metric, op_values(trace, metric, times), origins)
 
 
 def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, format=None, *,
-           device_times=None, title=None, progress=None, direction="TB"):
+           device_times=None, cpu_times=None, title=None, progress=None, direction="TB"):
     """Draw a trace.  Returns the path written, or the content (str, or bytes for PNG) when ``path`` is None.
 
     ``view``: ``"unrolled"`` (one node per op) or ``"rolled"`` (one node per layer, passes folded).
     ``depth``: module calls this many levels down are collapsed into one node (0: every top-level module);
     None draws everything in static formats and picks a readable starting depth in HTML.
     ``color_by``: ``"duration"``, ``"flops"``, ``"memory"``, ``"nonfinite"``, ``"grad_norm"`` (a trace taken
-    with ``grads=True``, after a backward) or ``"device_time"`` (with ``device_times={op label: seconds}``;
-    a mapping passed as ``color_by`` means the same).
+    with ``grads=True``, after a backward), ``"device_time"`` (with ``device_times={op label: seconds}`` or a
+    kernel profile; a mapping passed as ``color_by`` means the same) or ``"cpu_time"`` (with ``cpu_times=``, the
+    same way: the profiler's self CPU time, what a CPU-only kernel profile has instead of device time).
     ``format``: ``"dot"``, ``"svg"``, ``"png"`` or ``"html"``; by default taken from the path's suffix.
     ``direction``: ``"TB"`` (data flows down, the default) or ``"LR"`` (left to right: deep models on wide
     screens).
@@ -94,15 +95,15 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     fmt = format_of(path, format)
     _check(trace, depth, title)
     with bar(progress, f"rendering {trace.model_name}", total=3, unit=" steps") as shown:
-        return _render(trace, path, view, depth, color_by, fmt, device_times, title, shown, direction)
+        return _render(trace, path, view, depth, color_by, fmt, (device_times, cpu_times), title, shown, direction)
 
 
-def _render(trace, path, view, depth, color_by, fmt, device_times, title, shown, direction):
+def _render(trace, path, view, depth, color_by, fmt, times, title, shown, direction):
     from .dot import DotWriter
     from .graph import build_structure, project
 
     structure = build_structure(trace, view)
-    coloring = _coloring(trace, color_by, device_times)
+    coloring = _coloring(trace, color_by, *times)
     shown.update()
     if fmt == "html":
         from .html import html_page

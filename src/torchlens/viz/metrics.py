@@ -2,7 +2,8 @@
 
 Values are read per op and summed over whatever a node stands for (a layer's passes, a collapsed module's
 ops).  An op with no value (no FLOPs formula, a pseudo-op with no host time) stays uncoloured and the
-legend says so: a missing number is never drawn as zero.
+legend says so: a missing number is never drawn as zero.  Times that would leave every op uncoloured (an empty
+mapping, the device time of a kernel profile that recorded no device activity) are refused, saying what to use.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
 from ..record.summary import human_bytes
 
-METRICS = ("duration", "flops", "memory", "nonfinite", "device_time", "grad_norm")
+METRICS = ("duration", "flops", "memory", "nonfinite", "device_time", "cpu_time", "grad_norm")
+# The metrics read from times passed in: their keyword, the kernel profile column, what the time is.
+_PASSED = {"device_time": ("device_times", "device_ns", "device time"),
+           "cpu_time": ("cpu_times", "cpu_ns", "self CPU time")}
+_CPU_RUN = "a CPU-only run (the profiler times device kernels only for a model on a GPU, with ProfilerActivity.CUDA)"
+_CPU_INSTEAD = "colour by its self CPU time per op instead, with color_by='cpu_time', cpu_times=<the kernel profile>"
 # Light to dark: low values pale, the costliest ops dark red.
 _SCALE = ("#fff7c4", "#fee391", "#fec44f", "#fe9929", "#ec7014", "#cc4c02", "#8c2d04")
 _DARK = frozenset(_SCALE[4:])
@@ -30,43 +36,67 @@ _NOTES = {
     "flops": "analytic forward FLOPs from torchlens's formula registry (a multiply-add counts 2)",
     "memory": "bytes of each op's output tensor",
     "device_time": "device time per op from the kernel profile passed in",
+    "cpu_time": "profiler self CPU time per op from the kernel profile passed in (the aten ops and runtime calls "
+                "it ran on the host; not device time)",
     "nonfinite": "ops whose output held NaN or Inf, from flags recorded during capture or saved activations",
     "grad_norm": "2-norm of d loss / d (op output), from a trace taken with grads=True after a backward; "
                  "NaN/Inf gradients take the darkest colour",
 }
 
 
-def resolve_metric(color_by, device_times=None):
-    """Normalise ``color_by`` to ``(name, device_times)``; a mapping alone means device times."""
-    if color_by is None and device_times is not None:  # it would color nothing, without a word
-        raise ValueError("device_times= colors the graph only with color_by='device_time': pass it too, or give the "
-                         "times as color_by=device_times")
-    if color_by is None:
-        return None, None
+def resolve_metric(color_by, device_times=None, cpu_times=None):
+    """Normalise ``color_by`` to ``(name, times)``; a mapping alone means device times."""
     if isinstance(color_by, Mapping):
-        return "device_time", color_by
-    if color_by not in METRICS:
+        return "device_time", _checked_times("device_time", color_by)
+    if color_by is not None and color_by not in METRICS:
         raise ValueError(f"color_by must be one of {', '.join(map(repr, METRICS))} (or a mapping of op label "
                          f"to device seconds), not {color_by!r}")
-    if color_by == "device_time":
-        device_times = _profile_times(device_times)
-        if device_times is None:
-            raise ValueError("color_by='device_time' needs device_times=, a mapping of op label to seconds "
-                             "(for example from a kernel profile)")
-        if not isinstance(device_times, Mapping):
-            raise TypeError(f"device_times must map op labels to seconds, not {type(device_times).__name__}")
-    return color_by, device_times
+    given = {"device_times": device_times, "cpu_times": cpu_times}
+    for keyword, times in given.items():
+        if times is not None and _PASSED.get(color_by, ("",))[0] != keyword:  # it would color nothing, silently
+            also = ", or give the times as color_by=device_times" if keyword == "device_times" else ""
+            raise ValueError(f"{keyword}= colors the graph only with color_by='{keyword[:-1]}': pass it too{also}")
+    if color_by not in _PASSED:
+        return color_by, None
+    keyword = _PASSED[color_by][0]
+    if given[keyword] is None:
+        raise ValueError(f"color_by={color_by!r} needs {keyword}=, a mapping of op label to seconds, or the kernel "
+                         "profile (tl.report.kernel_profile) to read them from")
+    return color_by, _checked_times(color_by, given[keyword])
 
 
-def _profile_times(source):
-    """A kernel profile's per-op device times as ``{op label: seconds}``; anything else unchanged."""
-    rows = getattr(source, "ops", None) if not isinstance(source, Mapping) else None
-    if not isinstance(rows, list) or not hasattr(source, "device_time"):
-        return source
-    return {row["op"]: row["device_ns"] / 1e9 for row in rows if row.get("device_ns") is not None}
+def _checked_times(metric, times) -> Mapping:
+    """``{op label: seconds}`` from a mapping or a kernel profile, refused when it would leave every op grey."""
+    keyword, _, what = _PASSED[metric]
+    if _is_profile(times):
+        return _profile_times(metric, times)
+    if not isinstance(times, Mapping):
+        raise TypeError(f"{keyword} must map op labels to seconds, not {type(times).__name__}")
+    if not times:  # every op would be drawn grey, as if none had been measured
+        hint = f" (a kernel profile of {_CPU_RUN} has none: {_CPU_INSTEAD})" if metric == "device_time" else ""
+        raise ValueError(f"{keyword}= is empty: no op has a {what}, so nothing would be coloured{hint}")
+    return times
 
 
-def op_values(trace, metric, device_times=None) -> list:
+def _is_profile(source) -> bool:
+    return not isinstance(source, Mapping) and hasattr(source, "has_device") and hasattr(source, "device_time")
+
+
+def _profile_times(metric, profile) -> dict:
+    """A kernel profile's per-op times as ``{op label: seconds}``.  A profile that recorded no device activity (a
+    CPU-only run) has no device time at all: refused, naming the CPU time it does have, not drawn all grey."""
+    keyword, column, what = _PASSED[metric]
+    if metric == "device_time" and not profile.has_device:
+        raise ValueError(f"{keyword}= is a kernel profile of {_CPU_RUN}: it recorded no device activity, so there "
+                         f"is no device time to colour by; {_CPU_INSTEAD}")
+    times = {row["op"]: row[column] / 1e9 for row in profile.ops if row[column] is not None}
+    if not times:
+        raise ValueError(f"the kernel profile passed as {keyword}= measured no forward op's {what} (a backward-only "
+                         "profile measures no forward; an incomplete join leaves ops unmeasured: see its .coverage)")
+    return times
+
+
+def op_values(trace, metric, times=None) -> list:
     """One value per op (None where unknown); for ``nonfinite`` True/False/None."""
     n = len(trace)
     if metric == "duration":
@@ -80,25 +110,31 @@ def op_values(trace, metric, device_times=None) -> list:
 
         flops = flops_function()
         return [flops(op) if op.kind == "op" else None for op in trace.ops]
-    if metric == "device_time":
-        values: list = [None] * n
-        for label, seconds in device_times.items():
-            target = trace[label]
-            ops = getattr(target, "ops", None)
-            if ops is not None and not hasattr(target, "first"):
-                raise ValueError(f"device_times key {label!r} is a module, not an op label")
-            if ops is not None and len(ops) > 1:
-                raise ValueError(f"device_times key {label!r} names a layer with {len(ops)} passes: "
-                                 f"key each pass ({label}:1, {label}:2, ...)")
-            index = target.first.index if hasattr(target, "first") else target.index
-            values[index] = float(check_number(seconds, f"device_times[{label!r}]", "give the op's device time in "
-                                         "seconds, a finite number 0 or more", who="render", at_least=0, finite=True))
-        return values
+    if metric in _PASSED:
+        return _passed_values(trace, metric, times)
     if metric == "nonfinite":
         return nonfinite_marks(trace)
     if metric == "grad_norm":
         return _grad_norms(trace, n)
     raise ValueError(metric)
+
+
+def _passed_values(trace, metric, times) -> list:
+    """Each op's time from ``{op label: seconds}``; a key that is no single op is refused, naming the keyword."""
+    keyword, _, what = _PASSED[metric]
+    values: list = [None] * len(trace)
+    for label, seconds in times.items():
+        target = trace[label]
+        ops = getattr(target, "ops", None)
+        if ops is not None and not hasattr(target, "first"):
+            raise ValueError(f"{keyword} key {label!r} is a module, not an op label")
+        if ops is not None and len(ops) > 1:
+            raise ValueError(f"{keyword} key {label!r} names a layer with {len(ops)} passes: "
+                             f"key each pass ({label}:1, {label}:2, ...)")
+        index = target.first.index if hasattr(target, "first") else target.index
+        values[index] = float(check_number(seconds, f"{keyword}[{label!r}]", f"give the op's {what} in seconds, a "
+                                           "finite number 0 or more", who="render", at_least=0, finite=True))
+    return values
 
 
 def _grad_norms(trace, n) -> list:
@@ -232,7 +268,7 @@ class Coloring:
 def format_value(metric, value) -> str:
     if value is None:
         return "unknown"
-    if metric in ("duration", "device_time"):
+    if metric in ("duration", *_PASSED):
         return format_seconds(value)
     if metric == "memory":
         return human_bytes(value)

@@ -124,8 +124,8 @@ class RecordBuilder:
             flops = self.op_flops(op)
             rec["flops"] = format_count(flops) if flops is not None else "unknown"
             coloring = self.coloring
-            if coloring is not None and coloring.metric == "device_time":
-                rec["device_time"] = format_seconds(coloring.values[op.index])
+            if coloring is not None and coloring.metric in ("device_time", "cpu_time"):  # profiler times passed in
+                rec[coloring.metric] = format_seconds(coloring.values[op.index])
             if op.grad_fn:
                 rec["grad_fn"] = op.grad_fn
             if op.is_inplace:
