@@ -1,6 +1,6 @@
 """Colouring a graph by a kernel profile's times: device time where the profile recorded device activity, the
 profiler's self CPU time where it did not; a CPU-only profile has no device time, and asking for it is refused,
-naming the CPU time it does have, rather than drawn all grey."""
+naming the CPU time it does have, rather than drawn all grey or read as None per op."""
 
 import json
 import os
@@ -57,6 +57,15 @@ def test_device_time_of_a_cpu_only_profile_is_refused_naming_the_cpu_time(cpu_pr
     built = {row["op"]: row["device_ns"] / 1e9 for row in cpu_profile.ops if row["device_ns"] is not None}
     with pytest.raises(ValueError, match=r"device_times= is empty: no op has a device time.*" + NO_DEVICE):
         log.render(format="dot", color_by=built)
+
+
+def test_a_cpu_only_profiles_device_time_of_an_op_is_refused_not_none(cpu_profile):
+    # kp.device_time(label) was None on every op, as if that op alone had not been measured.
+    with pytest.raises(ValueError, match=r"no device time for 'linear_1_1:1': this profile recorded no device "
+                                         r"activity \(a CPU-only run.*profile\[label\]\['cpu_ns'\]"):
+        cpu_profile.device_time("linear_1_1:1")
+    with pytest.raises(KeyError, match="no op, layer or module call 'linear_9:1'"):  # a wrong label says so first
+        cpu_profile.device_time("linear_9:1")
 
 
 def test_cpu_time_colours_each_op_by_the_profilers_self_cpu_time(cpu_profile):

@@ -289,8 +289,14 @@ class KernelProfile:
         return dict(row)
 
     def device_time(self, label: str):
-        """Device nanoseconds of an op, layer or module call (inclusive); None when not measured."""
-        return self[label]["device_ns"]
+        """Device nanoseconds of an op, layer or module call (inclusive); None when not measured.  A profile that
+        recorded no device activity (a CPU-only run) has no device time to give: refused, naming the CPU time."""
+        row = self[label]
+        if not self.has_device:  # None would read as "this op was not measured", when no op could be
+            raise ValueError(f"no device time for {label!r}: this profile recorded no device activity (a CPU-only run"
+                             ": the profiler times device kernels only for a model on a GPU, with "
+                             "ProfilerActivity.CUDA); its self CPU time is profile[label]['cpu_ns']")
+        return row["device_ns"]
 
     def to_pandas(self, level: str = "op"):
         """A DataFrame of ``level`` ``"op"``, ``"layer"`` or ``"module"`` rows."""
