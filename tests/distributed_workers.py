@@ -564,3 +564,12 @@ def extract_with_a_slow_rank(rank, world, out, slow_rank, delay, barrier_timeout
     except tl.distributed.RankFailedError as exc:
         return str(exc)
     return "extracted"
+
+
+def extract_streams(rank, world, out, batch_dim):
+    """This rank's share of batches of 2 of test_extract_batch_dim's two-stream model, shared batch by batch."""
+    import torchlens as tl
+    from test_extract_batch_dim import AltUp, rows
+
+    tl.extract(AltUp().eval(), rows([2, 2, 2, 2]), ["streams"], out, batch_dim=batch_dim, progress=False)
+    return "extracted"

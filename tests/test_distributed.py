@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 
 import torchlens as tl
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
-                                 extract_fsdp2, extract_fsdp2_uneven, extract_tensor_parallel, extract_through_ddp,
+                                 extract_fsdp2, extract_fsdp2_uneven, extract_streams, extract_tensor_parallel,
+                                 extract_through_ddp,
                                  gather_labels_some_ranks_lack, gather_skipped_by_one_rank, launch, rerun_joined,
                                  extract_with_a_slow_rank, extract_with_slow_ranks, save_to_one_path, traces)
 from held_files import refuse_held_files
@@ -307,6 +308,22 @@ def test_distributed_extraction_equals_a_single_process_one(tmp_path):
         assert "was extracted with another KilledAfter (its parameters or buffers differ" in got["other weights"]
     ((_, alone),) = launch(extract_share, 1, str(tmp_path), out, 24, 4)
     assert f"{out} was extracted by 2 ranks, and this call runs 1" in alone["error"]
+
+
+@path_independent
+def test_distributed_extraction_stores_a_layer_a_row_per_example_by_its_batch_dim(tmp_path):
+    # Each rank stores its rows with the batch dim first, so the join copies examples; the dim is part of the job a
+    # call into the joined result must match, as in one process (checked here as each rank checks it on a rerun).
+    from test_extract_batch_dim import AltUp, rows, streams_by_row
+    from torchlens.distributed.extraction import _check_rerun, _job
+
+    out, model, data = str(tmp_path / "dist"), AltUp().eval(), rows([2, 2, 2, 2])
+    assert values(launch(extract_streams, 2, str(tmp_path), out, {"streams": 1})) == ["extracted"] * 2
+    assert torch.equal(tl.load_extracted(out, as_torch=True)["streams"], streams_by_row(model, data))
+    for rank in (0, 1):
+        _check_rerun(out, rank, 2, _job(model, data, ["streams"], None, False, None, rank, 2, {"streams": 1}))
+        with pytest.raises(tl.io.ResumeMismatchError, match=r"batch_dim: \{'streams': 1\} then, None now"):
+            _check_rerun(out, rank, 2, _job(model, data, ["streams"], None, False, None, rank, 2))
 
 
 @path_independent

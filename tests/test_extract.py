@@ -68,7 +68,8 @@ def test_layer_names_must_pick_one_op_per_batch(tmp_path):
     assert tl.load_extracted(tmp_path / "b")["head"].shape == (8, 2)
     with pytest.raises(ValueError, match=r"module call lstm returns 3 tensors \(lstm_1_3:1, lstm_2_4:1"):
         tl.extract(LSTMNet(), [torch.randn(2, 3, 4)], ["lstm"], tmp_path / "d", progress=False)
-    with pytest.raises(ValueError, match="batch 0: transpose_1_1 has 5 rows along dim 0, but the batch has 2"):
+    with pytest.raises(ValueError, match=r"batch 0: transpose_1_1 \(transpose_1_1:1\) has shape \(5, 2\), whose batch "
+                                         r"dim 0 has 5 entries, but the batch has 2 rows"):
         tl.extract(lambda x: x.transpose(0, 1), [torch.randn(2, 5)], ["transpose_1_1"], tmp_path / "e", progress=False)
     tl.extract(model, data, ["act:2"], tmp_path / "c", progress=False)
     with torch.no_grad():
@@ -409,8 +410,8 @@ def test_an_input_of_one_row_broadcast_over_the_batch_does_not_set_the_batch_siz
         expected = torch.cat([gpt2.transformer(**batch).last_hidden_state for batch in data])
     assert torch.equal(got, expected)
     # A layer that is not batch-first is still refused, naming the input the batch size was read from.
-    with pytest.raises(ValueError, match=r"has 5 rows along dim 0, but the batch has 3 \(dim 0 of the input "
-                                         r"kwargs\.input_ids, the first input whose dim 0 is not 1\)"):
+    with pytest.raises(ValueError, match=r"whose batch dim 0 has 5 entries, but the batch has 3 rows \(dim 0 of the "
+                                         r"input kwargs\.input_ids, the first input whose dim 0 is not 1\)"):
         tl.extract(lambda position_ids, input_ids: input_ids.t() + position_ids.t(), data, ["t_2_2"],
                    tmp_path / "t", kwargs_of=dict, progress=False)
 

@@ -45,7 +45,7 @@ _JOIN_CHUNK_BYTES = 64 << 20
 
 
 def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, barrier_timeout,
-                  stop_after=None, grads=False, loss_fn=None, root=None) -> str:
+                  stop_after=None, grads=False, loss_fn=None, root=None, batch_dim=None) -> str:
     import torch.distributed as dist
 
     module = traced_module(root if root is not None else model)
@@ -58,7 +58,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
             _barrier(dist, barrier_group, barrier_timeout, "start")
             if rank == 0:
                 _remove_rank_folders(out, world)  # a kill after the join, before its cleanup, leaves them
-            _check_rerun(out, rank, world, _job(model, inputs, layers, kwargs, grads, root, rank, world))
+            _check_rerun(out, rank, world, _job(model, inputs, layers, kwargs, grads, root, rank, world, batch_dim))
             return out
         folder = os.path.join(out, RANK_FOLDER.format(rank))
         batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group)
@@ -68,7 +68,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
                        shard_bytes=shard_bytes, progress=progress and rank == 0, indices_of=indices_of,
                        arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
-                       loss_fn=loss_fn, root=root, before_forward=in_step)
+                       loss_fn=loss_fn, root=root, before_forward=in_step, batch_dim=batch_dim)
         if in_step is not None:
             in_step.finish()
         _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
@@ -78,12 +78,12 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         return out
 
 
-def _job(model, inputs, layers, kwargs, grads, root, rank, world) -> dict:
+def _job(model, inputs, layers, kwargs, grads, root, rank, world, batch_dim=None) -> dict:
     """The job this rank's extraction records (see ``io/extract_job.py``), as ``extract_folder`` builds it."""
     arguments = dict(_sharding(inputs), rank=rank, world_size=world)
     # A stream shared batch by batch reaches extract_folder as a _RoundRobin, which has no batch_size.
     given = inputs if arguments["sharding"] == "DistributedSampler" else None
-    return extraction_job(model, layers, kwargs, given, grads, arguments, root)[3]
+    return extraction_job(model, layers, kwargs, given, grads, arguments, root, batch_dim)[3]
 
 
 def _check_rerun(out, rank, world, job) -> None:

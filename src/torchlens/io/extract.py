@@ -42,6 +42,7 @@ from .identity import model_checksum
 from .extract_job import check_same_job
 from .extract_progress import PROGRESS, check_progress, check_shard_columns
 from .extract_args import batch_reader, check_inputs, check_layers, check_options
+from .extract_rows import batch_dimension, check_batch_dim, rows_first
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
 from .tensorfile import DTYPES, NAME_OF, byte_view, copy_range, cpu_values, header_bytes, read_header, write_stacked
 
@@ -51,7 +52,7 @@ SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, whe
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=None,
             shard_bytes: int = 64 << 20, progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None,
-            grads: bool = False, loss_fn=None, root=None) -> str:
+            grads: bool = False, loss_fn=None, root=None, batch_dim=None) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -62,7 +63,12 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
             be the same on every run for a resume to be valid.
         layers: what to keep, each naming one op per batch: an op label (``linear_1_1:2``), a single-pass
             layer label, a module address called once per forward (``features.3``) or a module call
-            (``encoder.layers.0:1``).  Activations are stacked along dim 0, which must be the batch dim.
+            (``encoder.layers.0:1``).  Activations are stacked along their batch dim, dim 0 unless ``batch_dim``
+            names another.  A batch's size is dim 0 of its first input tensor whose dim 0 is not 1, and a layer's
+            batch dim that does not have it is refused; one that has it by coincidence in every batch cannot be
+            told from a batch dim (transformers' gemma3n altup layers are ``(altup_num_inputs, B, S, H)``: at a
+            batch size of ``altup_num_inputs`` their dim 0 passes) and its rows would not be examples: name such
+            a layer's batch dim in ``batch_dim``.
         out: the folder to write; calling again with the same folder resumes or, when complete, returns.
         kwargs: keyword arguments passed to every forward.
         kwargs_of: a function giving a batch's own keyword arguments, as a dict (``kwargs_of=dict`` for the
@@ -78,6 +84,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
             ``loss_fn(output, batch)`` returning the loss to backpropagate (see io/extract_grads.py).
         root: for a callable that is not a module, a bound method or a partial of one (a lambda), the module it
             runs, as for ``tl.trace``: its modules are named by address, and its weights are what a resume checks.
+        batch_dim: ``{layer: dim}`` for the layers whose batch dim is not dim 0 (``{"layers.0": 1}`` for a gemma3n
+            decoder layer); that dim is moved first, so each row is one example (its gradient's too).
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
@@ -94,26 +102,29 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     check_options(kwargs, shard_bytes, progress, barrier_timeout, root)
     check_inputs(inputs)
     check_request(grads, loss_fn, stop_after)
+    batch_dim = check_batch_dim(batch_dim, layers)
     arguments_of = batch_reader(args_of, kwargs_of, kwargs)
     if process_rank()[0] is not None:
         from ..distributed.extraction import extract_ranks
 
         return extract_ranks(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                              shard_bytes=shard_bytes, progress=progress, barrier_timeout=barrier_timeout,
-                             stop_after=stop_after, grads=grads, loss_fn=loss_fn, root=root)
+                             stop_after=stop_after, grads=grads, loss_fn=loss_fn, root=root, batch_dim=batch_dim)
     return extract_folder(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                           shard_bytes=shard_bytes, progress=progress, stop_after=stop_after, grads=grads,
-                          loss_fn=loss_fn, root=root)
+                          loss_fn=loss_fn, root=root, batch_dim=batch_dim)
 
 
 def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, indices_of=None,
-                   arguments=None, stop_after=None, grads=False, loss_fn=None, root=None, before_forward=None) -> str:
+                   arguments=None, stop_after=None, grads=False, loss_fn=None, root=None, before_forward=None,
+                   batch_dim=None) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match;
-    ``before_forward()``, when given, is called before each forward (ranks that must run forwards in step)."""
+    ``before_forward()``, when given, is called before each forward (ranks that must run forwards in step);
+    ``batch_dim``: ``{layer: its batch dim}`` where that is not dim 0 (``check_batch_dim``)."""
     require_numpy("tl.extract")  # the model checksum and the written shards read tensors' bytes through it
-    model, root, checked, job = extraction_job(model, layers, kwargs, inputs, grads, arguments, root)
-    run = _Run(out, shard_bytes, job)
+    model, root, checked, job = extraction_job(model, layers, kwargs, inputs, grads, arguments, root, batch_dim)
+    run = _Run(out, shard_bytes, job, [(batch_dim or {}).get(name, 0) for name in layers] * (2 if grads else 1))
     if root is None and (run.complete or run.batches_done):
         warn_user(f"{out} was extracted with a callable that names no model, so whether its weights have changed "
                   "since cannot be checked; pass root= the model it runs")
@@ -136,11 +147,11 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                 run.first_fingerprint = inputs_fingerprint(args, named)
             if before_forward is not None:
                 before_forward()
+            rows, request = batch_dimension(args, named), (loss_fn, batch) if grads else None
             with torch.enable_grad() if grads else torch.no_grad():
-                request = (loss_fn, batch) if grads else None
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
-                                       request, root),
-                        *_batch_dimension(args, named), position, None if indices_of is None else indices_of(position))
+                                       request, root, rows),
+                        rows[0], position, None if indices_of is None else indices_of(position))
             if run.buffered_bytes >= run.shard_bytes:
                 run.flush(inputs_fingerprint(*last))
             bar.update(1)
@@ -160,7 +171,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     return out
 
 
-def extraction_job(model, layers, kwargs, inputs, grads, arguments=None, root=None) -> tuple:
+def extraction_job(model, layers, kwargs, inputs, grads, arguments=None, root=None, batch_dim=None) -> tuple:
     """``(the callable to run, the module it runs or None, what a rerun's checksum reads, the job)``: the job is
     what a resume, or a call into a complete folder, must match (see ``extract_job.py``)."""
     # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
@@ -171,6 +182,8 @@ def extraction_job(model, layers, kwargs, inputs, grads, arguments=None, root=No
     job = {"layers": grad_columns(layers) if grads else layers, "model": type(checked).__name__,
            "model_sha256": model_checksum(checked),
            "arguments": dict(_arguments(layers, kwargs, inputs), grads=bool(grads), **(arguments or {}))}
+    # None when every layer is batch-major, as a folder made before batch_dim= existed records it (by its absence)
+    job["arguments"]["batch_dim"] = dict(batch_dim) if batch_dim else None
     return model, root, checked, job
 
 
@@ -205,20 +218,8 @@ def inputs_fingerprint(args, named=None) -> str:
 
 
 def batch_rows(args, named=None):
-    """The batch's row count (see ``_batch_dimension``), or None when it has no tensor of a dimension or more."""
-    return _batch_dimension(args, named)[0]
-
-
-def _batch_dimension(args, named=None) -> tuple:
-    """``(rows, the input they were read from)``: dim 0 of the first input tensor, positional then keyword, whose
-    dim 0 is not 1.  An input of one row is taken to broadcast over the batch (an attention mask of shape (1, S),
-    transformers' ``position_ids``), so it decides the count only when every input has one row."""
-    leaves = [(root, path, t) for root, value in (("args", args), ("kwargs", named)) if value
-              for path, t in tensor_leaves(value) if t.dim()]
-    if not leaves:
-        return None, None
-    root, path, t = next((leaf for leaf in leaves if leaf[2].shape[0] != 1), leaves[0])
-    return t.shape[0], path_text(root, path)
+    """The batch's row count (see ``batch_dimension``), or None when it has no tensor of a dimension or more."""
+    return batch_dimension(args, named)[0]
 
 
 def _same_layer(known: dict, info: dict, by_module: bool) -> bool:
@@ -273,7 +274,8 @@ def _save_targets(model, layers) -> list:
     return targets
 
 
-def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None, root=None) -> list:
+def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None, root=None,
+                   rows=(None, None)) -> list:
     from ..capture.session import trace
 
     from ..errors import AmbiguousKey, UnmatchedSelection
@@ -292,15 +294,16 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
     try:
         if grads is not None:
             backward_through(log, *grads, position, root if root is not None else model)
-        acts = _layer_values(log, layers, run, position, grads is not None)
+        acts = _layer_values(log, layers, run, position, grads is not None, rows)
     finally:
         log.cleanup()
     del log  # the trace is released: what still holds an activation's memory now is not this batch's trace
     return [_buffered(t) for t in acts]
 
 
-def _layer_values(log, layers, run, position, with_grads: bool) -> list:
-    """Each layer's activation (then, ``with_grads``, its gradient) in this batch, detached, on the CPU."""
+def _layer_values(log, layers, run, position, with_grads: bool, rows=(None, None)) -> list:
+    """Each layer's activation (then, ``with_grads``, its gradient) in this batch, detached, on the CPU, its batch
+    dim first; ``rows``: the batch's size and the input it was read from (``batch_dimension``)."""
     calls = _module_calls_by_name(log)
     ops = [_resolve(log, name, position, calls) for name in layers]
     tensors = [op.activation for op in ops]
@@ -312,8 +315,11 @@ def _layer_values(log, layers, run, position, with_grads: bool) -> list:
     for i, (name, op, t) in enumerate(zip(run.layers, ops, tensors)):
         if t is None:
             raise RuntimeError(f"batch {position}: {name} ({op.label}) was not saved")
+        check_storable(name, op.label, t)
+        t = rows_first(name, op.label, t.detach(), run.batch_dims[i], rows, position,
+                       matched_before=run.state["layer_info"][i] is not None)
         run.check_layer(i, name, op.label, t, position, by_module=by_module[i])
-        acts.append(t.detach().to("cpu"))
+        acts.append(t.to("cpu"))
     return acts
 
 
@@ -384,11 +390,29 @@ def refuse_nested(name: str, label: str, t: torch.Tensor) -> None:
                         "its components), which cannot be stored in safetensors or stacked along dim 0; choose a "
                         "layer after it is converted back to a padded tensor (to_padded_tensor)")
 
+
+def check_storable(name: str, label: str, t: torch.Tensor) -> None:
+    """Refuse an activation a safetensors file cannot hold, saying which layer to choose instead."""
+    refuse_nested(name, label, t)
+    if without_values(t):
+        raise TypeError(f"{name} ({label}) is a {'meta' if t.is_meta else 'fake (FakeTensorMode)'} tensor, with a "
+                        "shape and no values to store; run the model on a real device")
+    if has_no_storage(t):
+        raise TypeError(f"{name} ({label}) is a {type(t).__name__} tensor subclass with no storage of its own, "
+                        "whose values tl.extract cannot store; select a layer that makes a plain tensor")
+    if NAME_OF.get(t.dtype) is None or t.layout != torch.strided:
+        instead = ("extract the layer that dequantizes it" if t.is_quantized
+                   else "select a layer that makes a dense tensor of a dtype safetensors stores")
+        raise TypeError(f"{name} ({label}): {t.dtype} {t.layout} activations cannot be stored in safetensors; "
+                        f"{instead}")
+
+
 class _Run:
     """The extraction folder's state: committed shards, the buffer, and what each layer looks like."""
 
-    def __init__(self, out, shard_bytes, job):
+    def __init__(self, out, shard_bytes, job, batch_dims):
         self.out, self.layers, self.shard_bytes = out, job["layers"], max(int(shard_bytes), 1)
+        self.batch_dims = batch_dims  # each column's batch dim in the model's activation
         self.buffer = [[] for _ in self.layers]
         self.index_buffer = []
         self.buffered_bytes = 0
@@ -468,21 +492,9 @@ class _Run:
                                       f"cannot resume). Delete {self.out} to start over")
 
     def check_layer(self, i, name, label, t, position, by_module=False):
-        refuse_nested(name, label, t)
-        if without_values(t):
-            raise TypeError(f"{name} ({label}) is a {'meta' if t.is_meta else 'fake (FakeTensorMode)'} tensor, with a "
-                            "shape and no values to store; run the model on a real device")
-        if has_no_storage(t):
-            raise TypeError(f"{name} ({label}) is a {type(t).__name__} tensor subclass with no storage of its own, "
-                            "whose values tl.extract cannot store; select a layer that makes a plain tensor")
+        """Check that batch ``position``'s activation ``t`` (batch dim first) is the op, dtype and row shape that
+        earlier batches gave for column ``i``; the first batch sets them."""
         info = {"name": name, "label": label, "dtype": NAME_OF.get(t.dtype), "row_shape": list(t.shape[1:])}
-        if info["dtype"] is None or t.layout != torch.strided:
-            instead = ("extract the layer that dequantizes it" if t.is_quantized
-                       else "select a layer that makes a dense tensor of a dtype safetensors stores")
-            raise TypeError(f"{name} ({label}): {t.dtype} {t.layout} activations cannot be stored in safetensors; "
-                            f"{instead}")
-        if t.dim() == 0:
-            raise ValueError(f"{name} ({label}) is a scalar; extraction stacks activations along dim 0 (the batch)")
         known = self.state["layer_info"][i]
         if known is None:
             self.state["layer_info"][i] = info
@@ -491,19 +503,19 @@ class _Run:
                              f"earlier batches gave {known['label']} {known['dtype']} rows of {known['row_shape']}"
                              f"{_ragged_rows_hint(known, info, by_module)}")
 
-    def add(self, acts, rows, rows_from, position, sample_index=None):
-        """Buffer one batch; ``rows`` is its batch size, dim 0 of the input ``rows_from`` (``_batch_dimension``;
-        None when it has no tensor)."""
+    def add(self, acts, rows, position, sample_index=None):
+        """Buffer one batch; ``rows`` is its batch size (``batch_dimension``; None when it has no tensor)."""
         n = acts[0].shape[0] if rows is None else rows
         if sample_index is not None:
             if sample_index.shape != (n,):
                 raise ValueError(f"batch {position} has {n} rows but {tuple(sample_index.shape)} sample indices")
             self.index_buffer.append(sample_index.to(torch.int64))
         for i, t in enumerate(acts):
-            if t.shape[0] != n:
-                raise ValueError(f"batch {position}: {self.layers[i]} has {t.shape[0]} rows along dim 0, but the batch "
-                                 f"has {n} (dim 0 of the input {rows_from}, the first input whose dim 0 is not 1): "
-                                 "extraction stacks along dim 0, which must be every layer's batch dimension")
+            if t.shape[0] != n:  # rows_first checked every layer against a batch size read from an input
+                raise ValueError(f"batch {position}: {self.layers[i]} has {t.shape[0]} rows along its batch dim, but "
+                                 f"{self.layers[0]} has {n}: the batch has no input tensor to read its size from, so "
+                                 "every layer's batch dim must have the first layer's size; name the batch dim of a "
+                                 "layer whose is not dim 0 in batch_dim=")
             self.buffer[i].append(t)
             self.buffered_bytes += t.numel() * t.element_size()
         self.pending_batches += 1

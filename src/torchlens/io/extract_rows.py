@@ -1,0 +1,88 @@
+"""Which rows ``tl.extract`` stacks: a batch's size, read from its inputs, and each layer's batch dim.
+
+A layer is stored as one array with a row per example, so each batch's activation is split along its batch
+dim: dim 0 unless ``batch_dim=`` names another for that layer (transformers' gemma3n keeps its altup
+streams as ``(altup_num_inputs, B, S, H)``), in which case that dim is moved to the front.  The batch size
+is read from the inputs (``batch_dimension``) and every layer's batch dim must have it, batch after batch:
+a dim that does not follow the batch size is refused, naming the layer, its shape and the batch size.
+
+What no check can see is a dim that has the batch's size by coincidence in every batch: gemma3n's
+``(2, B, S, H)`` at ``B = 2`` has the shape a batch-major layer of rows ``(2, S, H)`` would have.  Batches of
+different sizes expose it (the first batch of another size is refused); otherwise only the user knows
+which dim is the batch, which is what ``batch_dim=`` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..tree import path_text, tensor_leaves
+
+
+def check_batch_dim(batch_dim, layers: list) -> dict:
+    """``{layer: its batch dim}`` for the layers ``batch_dim=`` gives a dim other than 0 (``{}`` when every
+    layer's is dim 0, the default), checked before the first batch runs."""
+    if batch_dim is None:
+        return {}
+    example = f"batch_dim={{{layers[0]!r}: 1}}"
+    if not isinstance(batch_dim, Mapping):
+        raise TypeError(f"tl.extract: batch_dim= maps a layer to its batch dim when that is not dim 0 ({example}), "
+                        f"got {type(batch_dim).__name__}")
+    for name, dim in batch_dim.items():
+        if name not in layers:
+            raise ValueError(f"tl.extract: batch_dim= names {name!r}, which layers= does not list ({layers}); "
+                             "name the layers as layers= does")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"tl.extract: batch_dim[{name!r}] is {dim!r}, not a dim; give the index of the layer's "
+                            f"batch dim ({example})")
+    return {name: dim for name, dim in batch_dim.items() if dim != 0}
+
+
+def batch_dimension(args, named=None) -> tuple:
+    """``(rows, the input they were read from)``: dim 0 of the first input tensor, positional then keyword, whose
+    dim 0 is not 1.  An input of one row is taken to broadcast over the batch (an attention mask of shape (1, S),
+    transformers' ``position_ids``), so it decides the count only when every input has one row."""
+    leaves = [(root, path, t) for root, value in (("args", args), ("kwargs", named)) if value
+              for path, t in tensor_leaves(value) if t.dim()]
+    if not leaves:
+        return None, None
+    root, path, t = next((leaf for leaf in leaves if leaf[2].shape[0] != 1), leaves[0])
+    return t.shape[0], path_text(root, path)
+
+
+def rows_first(name: str, label: str, t, dim: int, batch: tuple, position: int, matched_before: bool):
+    """``t`` with its batch dim ``dim`` first, once that dim is checked to have the ``batch``'s size (``(rows,
+    the input they were read from)``; rows None when the batch has no tensor).  ``matched_before``: earlier
+    batches of this layer passed this check, by coincidence when this one fails it."""
+    shape = tuple(t.shape)
+    if t.dim() == 0:
+        raise ValueError(f"{name} ({label}) is a scalar; extraction stacks activations along their batch dim")
+    if not -t.dim() <= dim < t.dim():
+        raise ValueError(f"batch_dim= gives {name} ({label}) the batch dim {dim}, but its activation has shape "
+                         f"{shape}, of {t.dim()} dims; give the index of the dim that counts its rows")
+    dim %= t.dim()
+    rows, rows_from = batch
+    if rows is not None and t.shape[dim] != rows:
+        raise ValueError(f"batch {position}: {name} ({label}) has shape {shape}, whose batch dim {dim} has "
+                         f"{t.shape[dim]} entries, but the batch has {rows} rows (dim 0 of the input {rows_from}, the "
+                         f"first input whose dim 0 is not 1): tl.extract stores a row per example, so dim {dim} is not "
+                         f"this layer's batch dim. {_what_to_do(name, shape, dim, rows, matched_before)}")
+    return t if dim == 0 else t.movedim(dim, 0).contiguous()
+
+
+def _what_to_do(name: str, shape: tuple, dim: int, rows: int, matched_before: bool) -> str:
+    """The advice closing ``rows_first``'s refusal: the dims that have the batch's size, if any, and, when earlier
+    batches passed, that their rows are not examples either."""
+    sized = [k for k, size in enumerate(shape) if size == rows and k != dim]
+    if not sized:
+        advice = ("None of its dims has the batch's size: choose a layer with a row per example (a value computed "
+                  "over the whole batch has none)")
+    elif len(sized) == 1:
+        advice = f"Its dim {sized[0]} has the batch's size: pass batch_dim={{{name!r}: {sized[0]}}} if it is the batch"
+    else:
+        advice = (f"Its dims {', '.join(map(str, sized))} have the batch's size: pass batch_dim={{{name!r}: <the batch "
+                  "dim>}")
+    if matched_before:
+        advice += (f". Earlier batches passed only because dim {dim} had their size by coincidence, so their rows are "
+                   "not examples either: extract again into a new folder, or delete this one")
+    return advice
