@@ -29,7 +29,7 @@ from ..capture.inputs import parameters_named_by
 from ..capture.restore import FirstCalls, ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
-from ..tree import clone_call, without_values
+from ..tree import clone_call, tensor_leaves, without_values
 
 
 def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,
@@ -139,9 +139,12 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     clean_value = _scalar(metric(clean_log.output))
     live: dict = {}  # label -> (differentiable tensor, its version when captured)
     notes: dict = {}
+    held: dict = {}  # id -> every tensor the corrupted run was given or an op of it returned so far
 
     def grab(t, op):
         """A probe: keep the value the gradient reaches, or say why it reaches none."""
+        shared = _held_elsewhere(t, held)
+        held[id(t)] = t
         if not t.is_floating_point():
             notes[op.label] = "not a floating-point value"
         elif op.is_inplace:
@@ -149,13 +152,22 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         elif not t.requires_grad:
             notes[op.label] = ("computed with no gradient (from no parameter or input that requires grad); pass "
                                "inputs that require grad to attribute the ops computed from them")
+        elif shared:
+            # The op returned a tensor the forward held already (``x.to()`` of x's dtype, eval-mode dropout,
+            # ``contiguous()``, a parameter ``flatten`` hands back): autograd's gradient of that tensor sums
+            # every reader of it, not only this op's readers, which patching this op reaches.  A view of it
+            # for this op's readers alone computes the same values and has their gradient only.
+            view = t.view_as(t)
+            held[id(view)] = view
+            live[op.label] = (view, view._version)
+            return view
         else:
             live[op.label] = (t, t._version)
         return None
 
     try:
         with torch.enable_grad():
-            corrupt_log = _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab)
+            corrupt_log = _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab, held)
             value = metric(corrupt_log.output)
             labels = [k for k, (t, v) in live.items() if t._version == v]
             _check_differentiable(value, bool(labels))
@@ -202,6 +214,12 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     return frame
 
 
+def _held_elsewhere(t: torch.Tensor, held: dict) -> bool:
+    """Whether ``t`` may have readers other than the ops reading this op's output: it is an input of the run or
+    an earlier op returned it, or it is a leaf (a parameter the op handed back as it is)."""
+    return held.get(id(t)) is t or (t.is_leaf and t.requires_grad)
+
+
 def _outputs_not_read_inside(log, call) -> tuple:
     """A module call's output ops split into those no op of the call read, and those it read before returning
     them (a key/value cache its attention read, attention weights its own matmul read): a change to one of the
@@ -211,11 +229,12 @@ def _outputs_not_read_inside(log, call) -> tuple:
     return [k for k in outs if k not in inside], inside
 
 
-def _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab):
-    """The corrupted run of attribution patching, with ``grab`` at every op of the clean run; a run that takes
-    another path has no op to match each clean op with, which the error says in the experiment's terms."""
+def _corrupted_run(runs, corrupt, kwargs, deep, clean_log, grab, held):
+    """The corrupted run of attribution patching, with ``grab`` at every op of the clean run (its inputs put in
+    ``held``); a run that takes another path has no op to match each clean op with, which the error says in the
+    experiment's terms."""
     try:
-        return runs.start(corrupt, kwargs, save="none", deep=deep, reference=clean_log,
+        return runs.start(corrupt, kwargs, held, save="none", deep=deep, reference=clean_log,
                           intervene={(lambda op: True): grab})
     except InterventionError as exc:
         raise InterventionError(f"attribution_patching: the corrupted input takes another path through the model "
@@ -245,12 +264,16 @@ class _Runs:
         self.finish()
         return log
 
-    def start(self, args, kwargs, **options):
+    def start(self, args, kwargs, inputs: dict | None = None, **options):
         """One run, left as it ended until ``finish``: a backward through it may need the buffers it read
-        (train-mode batch norm saves its running statistics for the backward)."""
+        (train-mode batch norm saves its running statistics for the backward).  ``inputs`` is given the copies
+        the run starts from, by id (an op handing one back as it is makes no value of its own)."""
+        args, kwargs = clone_call(args, kwargs)
+        if inputs is not None:
+            inputs.update((id(t), t) for _, t in tensor_leaves((args, kwargs), attrs=True))
         try:
             with self.first_calls:
-                return trace(self.model, *clone_call(args, kwargs), root=self.root, **options)
+                return trace(self.model, args, kwargs, root=self.root, **options)
         except Exception as exc:
             _note_keyword_inputs(exc, self.who, self.model, args)
             raise
