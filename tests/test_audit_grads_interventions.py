@@ -58,3 +58,27 @@ def test_attribution_of_an_op_returning_an_input_counts_only_its_own_readers():
     clean, corrupt = _pair(requires_grad=True)
     change = float((clean - corrupt).detach().sum())
     assert abs(_estimate(_InputPassThrough(), clean, corrupt, "contiguous_1_1:1") - 2 * change) < 1e-5
+
+
+class _IdentityRead(nn.Module):
+    """``nn.Identity`` returns the tensor it was given, which is also read directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.ident = nn.Identity()
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.ident(h).sum() * 2 + h.sum() * 3
+
+
+def test_attribution_of_a_call_returning_its_input_is_no_estimate_as_exact_patching_refuses_it():
+    torch.manual_seed(0)
+    model = _IdentityRead()
+    clean, corrupt = _pair()
+    rows = tl.report.attribution_patching(model, clean, corrupt, lambda out: out).set_index("site")
+    exact = tl.report.activation_patching(model, clean, corrupt, lambda out: out, progress=False).set_index("site")
+    assert exact.normalized.isna()["ident:1"] and "did not compute" in exact.error["ident:1"]
+    assert rows.estimate.isna()["ident:1"] and "did not compute (linear_1_1:1" in rows.note["ident:1"]
+    assert rows.estimate["fc:1"] == rows.estimate["linear_1_1:1"]  # a call computing its output keeps its estimate

@@ -201,9 +201,14 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
                      "note": notes.get(op.label, "")})
     for mc in clean_log.module_calls:
         outs, read_inside = _outputs_not_read_inside(clean_log, mc)
-        e = sum(estimate.get(k, math.nan) for k in outs) if outs else math.nan
+        passed = _outputs_not_made_inside(clean_log, mc)
+        e = sum(estimate.get(k, math.nan) for k in outs) if outs and not passed else math.nan
         # once each: the outputs of one call often share a reason (rotary embeddings' cos and sin)
         said = list(dict.fromkeys(notes[k] for k in outs if k in notes))
+        if passed:
+            said.append(f"returns a tensor it did not compute ({', '.join(passed)}, passed through from its input), "
+                        "whose gradient sums every reader of it, not only the call's callers: no estimate of patching "
+                        "the call, which activation_patching refuses too; attribute the op labels of its outputs")
         if read_inside:
             said.append(f"leaves out the outputs the call itself read ({', '.join(read_inside)}): their effect "
                         "reaches the metric through its other outputs, which would count it twice")
@@ -218,6 +223,12 @@ def _held_elsewhere(t: torch.Tensor, held: dict) -> bool:
     """Whether ``t`` may have readers other than the ops reading this op's output: it is an input of the run or
     an earlier op returned it, or it is a leaf (a parameter the op handed back as it is)."""
     return held.get(id(t)) is t or (t.is_leaf and t.requires_grad)
+
+
+def _outputs_not_made_inside(log, call) -> list:
+    """The output ops of a module call that no op of the call made (``nn.Identity``, a T5 block returning the
+    position bias it was given): patching the call changes that tensor for its other readers too."""
+    return [k for k in dict.fromkeys(call.output_ops) if call.label not in log[k].modules]
 
 
 def _outputs_not_read_inside(log, call) -> tuple:
