@@ -82,3 +82,24 @@ def test_attribution_of_a_call_returning_its_input_is_no_estimate_as_exact_patch
     assert exact.normalized.isna()["ident:1"] and "did not compute" in exact.error["ident:1"]
     assert rows.estimate.isna()["ident:1"] and "did not compute (linear_1_1:1" in rows.note["ident:1"]
     assert rows.estimate["fc:1"] == rows.estimate["linear_1_1:1"]  # a call computing its output keeps its estimate
+
+
+class _NoGradInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            scale = self.fc(h).mean()
+        return (h * scale + h.detach() * 2).sum()
+
+
+def test_attribution_says_a_value_made_with_gradients_off_was_not_for_want_of_inputs_needing_grad():
+    torch.manual_seed(0)
+    clean, corrupt = _pair()
+    notes = tl.report.attribution_patching(_NoGradInside(), clean, corrupt, lambda out: out).set_index("site").note
+    assert "gradients off (under torch.no_grad()" in notes["linear_1_1:2"]
+    assert "pass inputs that require grad" not in notes["linear_1_1:2"]
+    assert "from a detached tensor" in notes["mul_2_5:1"]

@@ -150,8 +150,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         elif op.is_inplace:
             notes[op.label] = "written in place: no gradient of its own value"
         elif not t.requires_grad:
-            notes[op.label] = ("computed with no gradient (from no parameter or input that requires grad); pass "
-                               "inputs that require grad to attribute the ops computed from them")
+            notes[op.label] = _no_gradient_note()
         elif shared:
             # The op returned a tensor the forward held already (``x.to()`` of x's dtype, eval-mode dropout,
             # ``contiguous()``, a parameter ``flatten`` hands back): autograd's gradient of that tensor sums
@@ -217,6 +216,16 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
     frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
     return frame
+
+
+def _no_gradient_note() -> str:
+    """Why an op's value has no gradient, read as the op returns (its action runs in the forward's grad mode): with
+    gradients off, inputs that require grad would not change that, so the note does not suggest them there."""
+    if not torch.is_grad_enabled():
+        return ("computed with gradients off (under torch.no_grad() in the forward, or in a reentrant "
+                "torch.utils.checkpoint region, which runs its forward so): autograd gives it no gradient")
+    return ("computed with no gradient (from no parameter or input that requires grad, or from a detached tensor); "
+            "pass inputs that require grad to attribute the ops computed from them")
 
 
 def _held_elsewhere(t: torch.Tensor, held: dict) -> bool:
