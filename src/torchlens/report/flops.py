@@ -22,6 +22,7 @@ from ..errors import counted, listed
 from ..record.modules import enclosing_calls
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
+from .flops_einsum import einsum_flops
 
 CONVENTION = ("analytic forward FLOPs: a multiply-add counts 2, any other arithmetic operation 1, "
               "an elementwise function 1 per output element")
@@ -87,6 +88,25 @@ class CallArgs:
         shapes = [self._parent_shape(p) for pos, p in self._call.parents if isinstance(pos, tuple)]
         shapes += [tuple(p.shape) for pos, p in self._call.params if isinstance(pos, tuple)]
         return shapes
+
+    @property
+    def arg_count(self) -> int:
+        """How many positional arguments the call passed."""
+        return len(self._call.args or ())
+
+    def is_list(self, position) -> bool:
+        """Whether the positional argument at ``position`` is a list or tuple (of tensors, stripped to None)."""
+        args = self._call.args or ()
+        return position < len(args) and isinstance(args[position], (list, tuple))
+
+    def listed_shapes(self, position) -> list:
+        """Shapes of the tensors inside the list at ``position``, in the list's order, parents and parameters
+        alike (None where unknown)."""
+        found = [(pos[1:], self._parent_shape(p)) for pos, p in self._call.parents
+                 if isinstance(pos, tuple) and pos[0] == position]
+        found += [(pos[1:], tuple(p.shape)) for pos, p in self._call.params
+                  if isinstance(pos, tuple) and pos[0] == position]
+        return [shape for _, shape in sorted(found, key=lambda item: item[0])]
 
     def value(self, position, name, default=None):
         """A non-tensor argument, positional or keyword."""
@@ -178,22 +198,13 @@ def _diff(a):
 
 
 def _einsum(a):
+    """Counted as torch computes it (``flops_einsum``); the equation string reaches ``__torch_function__`` also
+    from the sublist form ``einsum(x, [0, 1], y, [1, 2])``, which ``torch.einsum`` converts first."""
     equation = a.value(0, "equation")
-    shapes = [s for s in a.nested_shapes()] or [a.shape(i) for i in range(1, 8) if a.has_tensor(i)]
-    if not isinstance(equation, str) or "..." in equation or "->" not in equation or None in shapes:
+    shapes = a.listed_shapes(1) if a.is_list(1) else [a.shape(i) for i in range(1, a.arg_count)]
+    if not isinstance(equation, str) or not shapes or None in shapes:
         return None
-    inputs, output = equation.replace(" ", "").split("->")
-    terms = inputs.split(",")
-    if len(terms) != len(shapes) or len(terms) > 2:
-        return None
-    sizes = {}
-    for term, shape in zip(terms, shapes):
-        sizes.update(zip(term, shape))
-    total = math.prod(sizes.values())
-    summed = set(sizes) - set(output)
-    if len(terms) == 1:
-        return total if summed else 0
-    return 2 * total if summed else total
+    return einsum_flops(equation, shapes)
 
 
 def _conv(a):
