@@ -113,6 +113,28 @@ def test_chained_batched_and_grouped_products_count_every_multiply_add():
     assert tl.report.op_flops(op) == native_total(lambda p, q: p.float() @ q[0].float(), left, right)
 
 
+class _ChainAroundTheInput(nn.Module):
+    """A multi_dot chain whose first and last matrices are parameters and whose middle one is the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Parameter(torch.randn(2, 3)), nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x):
+        return torch.linalg.multi_dot([self.first, x, self.last])
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_chain_of_parameters_and_inputs_is_read_in_its_order(compiled):
+    # Parameters are recorded apart from the parents, and the list's shapes were read parents first: the chain
+    # was counted as (3, 4) @ (2, 3) @ (4, 6), 180 where torch multiplies (2, 3) @ (3, 4) @ (4, 6).
+    model, x = _ChainAroundTheInput(), torch.randn(3, 4)
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    (op,) = [op for op in log.ops if op.kind == "op"]
+    assert tl.report.op_flops(op) == native_total(model, x)
+
+
 def test_data_movement_and_selection_count_zero_and_named_aliases_count_as_their_op():
     class Moves(nn.Module):
         def forward(self, x):

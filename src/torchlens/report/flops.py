@@ -83,11 +83,13 @@ class CallArgs:
         positions = [p for p, _ in self._call.parents] + [p for p, _ in self._call.params]
         return position in positions or (name is not None and name in positions)
 
-    def nested_shapes(self) -> list:
-        """Shapes of tensors passed inside list arguments (RNN weights), parents and parameters alike."""
-        shapes = [self._parent_shape(p) for pos, p in self._call.parents if isinstance(pos, tuple)]
-        shapes += [tuple(p.shape) for pos, p in self._call.params if isinstance(pos, tuple)]
-        return shapes
+    def nested_shapes(self, position=None) -> list:
+        """Shapes of the tensors passed inside list arguments (RNN weights, multi_dot's matrices), or inside the
+        one at ``position``: in the order passed, parents and parameters alike (None where unknown).  A parameter
+        is recorded apart from the parents, so the two are merged by position."""
+        found = [(pos, self._parent_shape(p)) for pos, p in self._call.parents if isinstance(pos, tuple)]
+        found += [(pos, tuple(p.shape)) for pos, p in self._call.params if isinstance(pos, tuple)]
+        return [shape for pos, shape in sorted(found, key=lambda item: item[0]) if position in (None, pos[0])]
 
     @property
     def arg_count(self) -> int:
@@ -98,15 +100,6 @@ class CallArgs:
         """Whether the positional argument at ``position`` is a list or tuple (of tensors, stripped to None)."""
         args = self._call.args or ()
         return position < len(args) and isinstance(args[position], (list, tuple))
-
-    def listed_shapes(self, position) -> list:
-        """Shapes of the tensors inside the list at ``position``, in the list's order, parents and parameters
-        alike (None where unknown)."""
-        found = [(pos[1:], self._parent_shape(p)) for pos, p in self._call.parents
-                 if isinstance(pos, tuple) and pos[0] == position]
-        found += [(pos[1:], tuple(p.shape)) for pos, p in self._call.params
-                  if isinstance(pos, tuple) and pos[0] == position]
-        return [shape for _, shape in sorted(found, key=lambda item: item[0])]
 
     def value(self, position, name, default=None):
         """A non-tensor argument, positional or keyword."""
@@ -201,7 +194,7 @@ def _einsum(a):
     """Counted as torch computes it (``flops_einsum``); the equation string reaches ``__torch_function__`` also
     from the sublist form ``einsum(x, [0, 1], y, [1, 2])``, which ``torch.einsum`` converts first."""
     equation = a.value(0, "equation")
-    shapes = a.listed_shapes(1) if a.is_list(1) else [a.shape(i) for i in range(1, a.arg_count)]
+    shapes = a.nested_shapes(1) if a.is_list(1) else [a.shape(i) for i in range(1, a.arg_count)]
     if not isinstance(equation, str) or not shapes or None in shapes:
         return None
     return einsum_flops(equation, shapes)
