@@ -100,6 +100,22 @@ def test_einsum_spelled_with_lists_counts_what_it_dispatches(form, compiled):
     assert counted == dispatched(calls[form], operands) and counted["matmul"] > 0
 
 
+@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("optimized", [False, True], ids=["left to right", "opt_einsum"])
+def test_three_operands_are_counted_in_the_order_torch_contracts_them(optimized, compiled):
+    # Left to right costs 2*40*2*40 + 2*40*40*3 here; opt_einsum's order, jk with kl first, a hundredth of that.
+    if optimized:
+        pytest.importorskip("opt_einsum")
+    operands = [R(40, 2), R(2, 40), R(40, 3)]
+    call = lambda *ops: torch.einsum("ij,jk,kl->il", *ops)  # noqa: E731
+    with torch.backends.opt_einsum.flags(enabled=False):
+        left_to_right = dispatched(call, operands)
+    with torch.backends.opt_einsum.flags(enabled=optimized):
+        counted = traced(call, operands, compiled)
+        assert counted == dispatched(call, operands)
+    assert (counted["matmul"] < left_to_right["matmul"]) == optimized
+
+
 class _WeightFirst(nn.Module):
     """An operand list whose first tensor is a parameter and second the input: a parameter is recorded apart
     from the parents, and the shapes were read parents first, so the labels met the wrong operands."""
