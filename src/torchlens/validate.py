@@ -26,7 +26,7 @@ from .record.model_index import traced_address
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
 from .record.replay_context import UNSEEN_WRITE, as_traced, began_with, other_settings
 from .capture.collectives import is_collective
-from .capture.compiled import KeptForReplay, module_behind
+from .capture.compiled import KeptForReplay, module_behind, module_tensors
 from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
 from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
@@ -45,6 +45,9 @@ PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
 RANDOM = "random: consumed the RNG (replay would draw other numbers)"
 COMPILED_WROTE = ("its compiled code wrote its module's buffers (running statistics?) as it ran again: it read them as "
                   "the forward left them, not as they were when it ran")
+COMPILED_SWAPPED = ("its module's parameters or buffers are not the tensors its compiled code read when it ran "
+                    "(torch.func.functional_call swapped others in for the call, or they were replaced since the "
+                    "trace), so replay cannot read what it read")
 TENSOR_SLICE = ("a slice bound is a tensor (x[s:e] with s or e a tensor): the record holds the slice as a value, "
                 "not the bound's producer or its value at the call, which a later write may have changed")
 
@@ -509,6 +512,8 @@ def _private_copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 def _compiled_reads_changed(log, replay, module, call_position: int):
     """Why the parameters of ``module``, which a ``compiled`` op's code reads where they are now rather than from
     its recorded arguments, may no longer be those it read; None when they are."""
+    if not _holds_what_it_read(log, module, call_position):
+        return COMPILED_SWAPPED
     for param in module.parameters():
         writes = replay.param_writes.get(id(param), ()) if replay is not None else ()
         if any(write_call == UNSEEN_WRITE or write_call >= call_position for write_call, _ in writes):
@@ -518,6 +523,15 @@ def _compiled_reads_changed(log, replay, module, call_position: int):
         if why is not None:
             return why
     return None
+
+
+def _holds_what_it_read(log, module, call_position: int) -> bool:
+    """Whether ``module`` holds the very tensors its compiled code read at ``call_position`` (capture noted them
+    by weak reference: a dead one is no tensor the module holds now).  Unknown reads as no."""
+    held = log._held_by_compiled
+    refs = held.get(call_position) if held is not None else None
+    now = module_tensors(module)
+    return refs is not None and len(refs) == len(now) and all(ref() is t for ref, t in zip(refs, now))
 
 
 def _changed_since_trace(log, replay, param):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import weakref
 from itertools import repeat
 from operator import contains
 
@@ -57,7 +58,7 @@ class CompiledCall:
     """One compiled submodule's forward, as a torch callable the capture mode records as one op.
 
     One per compiled submodule, shared by every thread tracing a model that holds it: ``threads`` maps
-    each tracing thread to how it runs the submodule (a ``Suspension`` factory, or ``"eager"``); any
+    each tracing thread to how it runs the submodule (a ``RoutedRun``, or ``"eager"``); any
     other caller, and a replay after the trace, gets the compiled forward plainly.  A class, not a
     function: deep capture re-enters Python functions, and this one must stay opaque.
     """
@@ -78,8 +79,36 @@ class CompiledCall:
         if torch._C._is_torch_function_mode_enabled():
             # Hand this call to the mode stack like any torch function: capture records it as one op.
             return torch.overrides.handle_torch_function(self, (), *args, **kwargs)
-        with how():
+        with how(self.eager):
             return self.forward(*args, **kwargs)
+
+
+class RoutedRun:
+    """How a tracing thread runs a compiled submodule's code: module calls and the shim suspended, and the tensors
+    the module holds as it runs noted under the call's index (``held_by_compiled``).  Replay reads the module's
+    tensors where they are then, which must be the same objects: ``torch.func.functional_call`` swaps others in
+    for the call alone."""
+
+    __slots__ = ("suspend", "state")
+
+    def __init__(self, suspend, state):
+        self.suspend = suspend
+        self.state = state
+
+    def __call__(self, module):
+        state = self.state
+        if state is not None:
+            # Capture records the call after it returns, with nothing recorded meanwhile: it gets this index.
+            held = state.held_by_compiled
+            if held is None:
+                held = state.held_by_compiled = {}
+            held[len(state.calls)] = tuple(map(weakref.ref, module_tensors(module)))
+        return self.suspend()
+
+
+def module_tensors(module) -> tuple:
+    """The parameters and buffers a compiled submodule's code reads, in the module's order."""
+    return (*module.parameters(), *module.buffers())
 
 
 def module_behind(func):
@@ -97,7 +126,7 @@ class KeptForReplay:
 
     def __init__(self, module):
         self.state = ModelState(module)
-        self.versions = [(t, version_of(t)) for t in (*module.parameters(), *module.buffers())]
+        self.versions = [(t, version_of(t)) for t in module_tensors(module)]
 
     def restore(self) -> bool:
         wrote = self.state.tensors_changed()
@@ -347,6 +376,7 @@ class CompiledSubmodules:
         self.in_place = in_place  # modules compiled in place (``compiled_in_place``)
         self.mode = mode
         self.suspend = suspend
+        self.state = None  # the trace's CaptureState, where routed runs note what their modules hold
         self.swapped: list = []  # ids of the OptimizedModules this trace routes
         self.eager_modules: set = set()  # ids of OptimizedModules the module tracker must not record
         self.thread = threading.get_ident()  # the tracing thread (a forked child releases it from its own)
@@ -377,7 +407,7 @@ class CompiledSubmodules:
                 call = router(own, module) if router is not None else CompiledCall(own, module._orig_mod)
                 entry = _installed[id(module)] = (module, own, call, slot)
                 vars(module)[slot] = call
-            entry[2].threads[tid] = "eager" if self.mode == "eager" else self.suspend
+            entry[2].threads[tid] = "eager" if self.mode == "eager" else RoutedRun(self.suspend, self.state)
         if self.mode == "eager" and router is None:
             self.eager_modules.add(id(module))
         elif self.mode == "eager":

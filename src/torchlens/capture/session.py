@@ -279,7 +279,7 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
     state.suspend = lambda: Suspension(tracker, shim)  # around a compiled region, a higher-order op, a compile
     parts = (DynamoCompiles(state), *parts)
     if submodules is not None:
-        submodules.suspend = state.suspend
+        submodules.suspend, submodules.state = state.suspend, state
         parts = (submodules, *parts)
     return parts, submodules
 

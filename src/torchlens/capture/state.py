@@ -88,6 +88,9 @@ class CaptureState:
     # that moved by the end with no write seen was written by a call capture cannot see (record/finalize.py,
     # note_unseen_param_writes).
     param_versions_at_start = None
+    # call index of a compiled submodule's op -> weak references to the tensors its module held as it ran
+    # (capture/compiled.py, RoutedRun); None until one runs.
+    held_by_compiled = None
     _param_storages = None
     # Off unless set (the constructor or the trace driver sets them only when on).
     selector = None  # save_mode 2: (func, module call) -> whether to save

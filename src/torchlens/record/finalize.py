@@ -83,6 +83,8 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     # output, model, unattributed, timings, budget_exhausted_at, alias_reads, index, raw.
     trace = Trace(model_name, calls, activations, dict(state.clobbered), finite, param_addresses, output, model,
                   state.unattributed, timings, state.budget_exhausted_at, state.alias_reads, index, raw)
+    if state.held_by_compiled:
+        trace._held_by_compiled = state.held_by_compiled  # validate: whether replay reads what those ops read
     trace._saved_versions = state.saved_versions  # Trace.drop_written: a later write shows as a dropped value
     # and a later training forward, for BatchNorm statistics (its kernel moves no version)
     trace._batch_counted = state.batch_counted

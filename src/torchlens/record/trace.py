@@ -41,8 +41,7 @@ class Trace(TraceColumns):
     ``log[a:b]`` index ops in execution order."""
 
     loaded_from = None  # the folder a trace read by ``tl.load`` came from (it holds no model)
-    rank = None  # this process's rank and the world size when traced under torch.distributed
-    world_size = None
+    rank = world_size = None  # this process's rank and the world size when traced under torch.distributed
     # A loaded trace's function of each call, by qualified name (``torch.distributed.distributed_c10d.gather``):
     # ``tl.load`` sets it, since such a trace holds no functions and names alone are ambiguous (torch.gather).
     saved_func_paths = None
@@ -66,6 +65,7 @@ class Trace(TraceColumns):
     _saved_repetition = None  # io.trace_state: in a loaded trace, the live trace's "loop" or "reused" verdict
     _outside_attributes: tuple = ()  # record.finalize: module attributes (not buffers) read from outside the trace
     _replay = None  # record.finalize: a record.replay_context.ReplayContext (contexts, parameter values) for validate
+    _held_by_compiled = None  # record.finalize: call index -> weakrefs to what a compiled op's module held as it ran
     _saved_versions = None  # record.finalize: each saved tensor's version at the end (None: capture's own copy)
     _batch_counted = None  # record.finalize: (id(running statistic) -> slot, batch counters, their versions)
     _own_outputs: frozenset = frozenset()  # record.finalize: output nodes showing their own tensor, not the producer's
