@@ -199,3 +199,41 @@ def test_the_context_read_answers_as_torch():
     # x * 2 under no_grad; y.t() and the mm under autocast
     assert sorted(noted[True].values(), key=repr) == [(False, {}), (True, {"cpu": torch.bfloat16}),
                                                       (True, {"cpu": torch.bfloat16})]
+
+
+def test_versions_match_the_python_pass_and_leave_other_values_to_it():
+    weights = [torch.nn.Parameter(torch.randn(2)) for _ in range(3)] + [torch.randn(2)]
+    with torch.no_grad():
+        weights[1].add_(1)
+        weights[1].mul_(2)
+    assert _reads.versions(weights) == [w._version for w in weights] == [0, 2, 0, 0]
+    assert _reads.versions([]) == []
+    with torch.inference_mode():
+        frozen = torch.ones(1)
+    subclass = type("Sub", (torch.Tensor,), {})(torch.ones(1))
+    for undecided in ([weights[0], frozen], [subclass], [weights[0], 3], tuple(weights)):
+        assert _reads.versions(undecided) is None
+
+
+@pytest.mark.parametrize("without", [(), ("_reads",)], ids=["compiled reads", "python reads"])
+def test_a_parameter_written_unseen_is_noted_for_replay_on_either_read(without):
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            y = self.lin(x)
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                self.lin.bias.add_(1)  # a write capture does not see: only the version moves
+            return y
+
+    model = Scaled()
+    weight, bias = model.lin.weight, model.lin.bias
+    before = weight._version, bias._version  # (initialising them in place moved both)
+    with on_path(True, without=without):
+        log = tl.trace(model, torch.ones(1, 2), save="none")
+    replay = log._replay
+    assert replay.param_versions.get(id(bias)) == bias._version == before[1] + 1
+    assert replay.param_versions.get(id(weight)) == weight._version == before[0]
+    assert id(bias) in replay.param_writes and id(weight) not in replay.param_writes

@@ -14,6 +14,14 @@
  *     decides those), an inference tensor with a version to compare, a version that is not an int, an
  *     index missing from ``saved``, or containers other than plain dicts.
  *
+ * versions(tensors)
+ *     Each tensor's version, as ``record.layouts.param_versions`` reads them from Python: the parameters'
+ *     versions as every trace begins and ends (replay checks that none moved since).  From Python each is an
+ *     attribute read through a binding that sets up a warning handler (about 500 instructions a
+ *     parameter); here a list of ints read off the TensorImpls.  None where that pass must decide: a
+ *     container other than a list, a value that is not a plain ``torch.Tensor`` or ``Parameter`` (a
+ *     subclass may answer ``_version`` itself), an inference tensor (it has no version).
+ *
  * any_autocast()
  *     ``torch._C._is_any_autocast_enabled()``, which the handler asks once per op (whether the op ran
  *     under autocast: its context is then recorded); torch's binding builds a vector of device types per
@@ -44,7 +52,7 @@ extern "C" {
 }
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 2
+#define TORCHLENS_ACCEL_ABI 3
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -216,6 +224,36 @@ PyObject *version(PyObject *obj) {
     return PyLong_FromLongLong(v);
 }
 
+PyObject *versions(PyObject *, PyObject *tensors) {
+    if (!PyList_CheckExact(tensors)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    PyObject *out = PyList_New(n);
+    if (out == nullptr) return nullptr;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyList_GET_ITEM(tensors, i);
+        long long v = -1;
+        if (THPVariable_CheckExact(value)) {
+            try {
+                const at::Tensor &t = THPVariable_Unpack(value);
+                if (!t.is_inference()) v = static_cast<long long>(t._version());
+            } catch (...) {
+                v = -1;
+            }
+        }
+        if (v < 0) {  /* the Python pass decides */
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        PyObject *number = PyLong_FromLongLong(v);
+        if (number == nullptr) {
+            Py_DECREF(out);
+            return nullptr;
+        }
+        PyList_SET_ITEM(out, i, number);
+    }
+    return out;
+}
+
 int context() {
     return (c10::GradMode::is_enabled() ? 1 : 0) | (autocast_on() ? 2 : 0);
 }
@@ -226,6 +264,9 @@ PyMethodDef reads_methods[] = {
     {"stale", (PyCFunction)(void (*)(void))stale, METH_FASTCALL,
      "stale(saved, saved_versions): the indices whose saved tensor changed version since it was saved, in "
      "saved_versions order; None where the Python check must decide."},
+    {"versions", (PyCFunction)versions, METH_O,
+     "versions(tensors): each tensor's version, read off its TensorImpl, as a list of ints; None where the "
+     "Python pass must decide."},
     {"any_autocast", (PyCFunction)any_autocast, METH_NOARGS,
      "torch._C._is_any_autocast_enabled(), read without building a list of device types."},
     {nullptr},

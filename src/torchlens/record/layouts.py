@@ -144,11 +144,29 @@ def version_of(t: torch.Tensor):
 
 def param_versions(params: list) -> list:
     """Each parameter's version counter, by a C-level pass; None for an inference tensor (a model built under
-    ``torch.inference_mode()``), which has none."""
+    ``torch.inference_mode()``), which has none.  Read as every trace begins and ends: torchlens-accel's
+    ``_reads`` reads them off the TensorImpls, without a binding call per parameter, where it can answer."""
+    reads = _compiled_reads()
+    versions = reads.versions(params) if reads is not None else None
+    if versions is not None:
+        return versions
     try:
         return list(map(_VERSION, params))
     except RuntimeError:
         return list(map(version_of, params))
+
+
+def _compiled_reads():
+    """torchlens-accel's ``_reads`` when capture uses it, else None."""
+    global _accel
+    if _accel is None:
+        from ..capture import accel  # imported here, not above: capture imports record
+
+        _accel = accel
+    return _accel.compiled("_reads")
+
+
+_accel = None  # capture.accel, once imported
 
 
 def memory_span(t: torch.Tensor):
