@@ -5,7 +5,9 @@ answers None.  Each case here builds the two dicts a trace keeps (``saved``: ind
 ``saved_versions``: index -> version when saved, or None) and checks that the compiled check gives the
 Python loop's answer, or None where the Python loop must decide (subclasses, functorch wrappers, inference
 tensors with a version, malformed entries).  ``any_autocast`` is checked against
-``torch._C._is_any_autocast_enabled`` with autocast switched on for each device type torch accepts.  The
+``torch._C._is_any_autocast_enabled`` with autocast switched on for each device type torch accepts;
+``versions`` and ``requires_grad`` (the parameters' reads as a trace begins and ends) against the
+getters, and through a trace on either read.  The
 end-to-end cases (a write that bypasses capture, beside an
 inference tensor) are in tests/test_record.py, run on both paths by the Makefile.  Skipped, saying so,
 when the module is not built; ``TORCHLENS_REQUIRE_ACCEL=1`` makes that a failure.
@@ -215,6 +217,16 @@ def test_versions_match_the_python_pass_and_leave_other_values_to_it():
         assert _reads.versions(undecided) is None
 
 
+def test_requires_grad_flags_match_the_python_pass_and_leave_other_values_to_it():
+    flags = [torch.nn.Parameter(torch.randn(2)), torch.nn.Parameter(torch.randn(2), requires_grad=False),
+             torch.randn(2), torch.randn(2, requires_grad=True)]
+    assert _reads.requires_grad(flags) == [t.requires_grad for t in flags] == [True, False, False, True]
+    assert _reads.requires_grad([]) == []
+    subclass = type("Sub", (torch.Tensor,), {})(torch.ones(1))
+    for undecided in ([flags[0], subclass], [flags[0], 3], tuple(flags)):
+        assert _reads.requires_grad(undecided) is None
+
+
 @pytest.mark.parametrize("without", [(), ("_reads",)], ids=["compiled reads", "python reads"])
 def test_a_parameter_written_unseen_is_noted_for_replay_on_either_read(without):
     class Scaled(torch.nn.Module):
@@ -237,3 +249,14 @@ def test_a_parameter_written_unseen_is_noted_for_replay_on_either_read(without):
     assert replay.param_versions.get(id(bias)) == bias._version == before[1] + 1
     assert replay.param_versions.get(id(weight)) == weight._version == before[0]
     assert id(bias) in replay.param_writes and id(weight) not in replay.param_writes
+    assert replay.param_requires_grad.get(id(weight)) is True
+
+
+@pytest.mark.parametrize("without", [(), ("_reads",)], ids=["compiled reads", "python reads"])
+def test_frozen_parameters_are_recorded_as_frozen_on_either_read(without):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].requires_grad_(False)
+    with on_path(True, without=without):
+        log = tl.trace(model, torch.ones(1, 2), save="none")
+    flags = log._replay.param_requires_grad
+    assert [flags.get(id(p)) for p in model.parameters()] == [False, False, True, True]

@@ -22,6 +22,11 @@
  *     container other than a list, a value that is not a plain ``torch.Tensor`` or ``Parameter`` (a
  *     subclass may answer ``_version`` itself), an inference tensor (it has no version).
  *
+ * requires_grad(tensors)
+ *     Each tensor's requires_grad flag, as ``record.layouts.requires_grad_flags`` reads them from Python (the
+ *     parameters' flags as a trace ends, for replay), off the TensorImpls; None where that pass must decide:
+ *     a container other than a list, a value that is not a plain ``torch.Tensor`` or ``Parameter``.
+ *
  * any_autocast()
  *     ``torch._C._is_any_autocast_enabled()``, which the handler asks once per op (whether the op ran
  *     under autocast: its context is then recorded); torch's binding builds a vector of device types per
@@ -52,7 +57,7 @@ extern "C" {
 }
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 3
+#define TORCHLENS_ACCEL_ABI 4
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -254,6 +259,20 @@ PyObject *versions(PyObject *, PyObject *tensors) {
     return out;
 }
 
+PyObject *requires_grad(PyObject *, PyObject *tensors) {
+    if (!PyList_CheckExact(tensors)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!THPVariable_CheckExact(PyList_GET_ITEM(tensors, i))) Py_RETURN_NONE;  /* the Python pass decides */
+    PyObject *out = PyList_New(n);
+    if (out == nullptr) return nullptr;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        bool flag = THPVariable_Unpack(PyList_GET_ITEM(tensors, i)).requires_grad();
+        PyList_SET_ITEM(out, i, Py_NewRef(flag ? Py_True : Py_False));
+    }
+    return out;
+}
+
 int context() {
     return (c10::GradMode::is_enabled() ? 1 : 0) | (autocast_on() ? 2 : 0);
 }
@@ -267,6 +286,9 @@ PyMethodDef reads_methods[] = {
     {"versions", (PyCFunction)versions, METH_O,
      "versions(tensors): each tensor's version, read off its TensorImpl, as a list of ints; None where the "
      "Python pass must decide."},
+    {"requires_grad", (PyCFunction)requires_grad, METH_O,
+     "requires_grad(tensors): each tensor's requires_grad flag, read off its TensorImpl, as a list of bools; "
+     "None where the Python pass must decide."},
     {"any_autocast", (PyCFunction)any_autocast, METH_NOARGS,
      "torch._C._is_any_autocast_enabled(), read without building a list of device types."},
     {nullptr},

@@ -6,8 +6,8 @@ the hot path instead; they record exactly what the pure-Python path records, whi
 by tracing the same models both ways.  ``TORCHLENS_ACCEL=0`` in the environment, or ``use(False)``, keeps
 capture on the pure-Python path.  Two modules are built against torch's headers: ``_autograd`` (gradient
 hooks as autograd's C++ hooks) and ``_reads`` (reads of torch's state that its Python bindings make
-slowly: saved tensors' and parameters' versions, the autocast state and an output's record fields
-per op).  Each is used only
+slowly: saved tensors' and parameters' versions, parameters' requires_grad flags, the autocast state and an
+output's record fields per op).  Each is used only
 with the torch it was built for; without them gradient capture takes the ``_grads`` hooks and the reads
 go through torch's bindings.  All of them are imported with this module, never during a trace (``_load_all``).
 """
@@ -20,7 +20,7 @@ import warnings
 
 # What each compiled module must be built for (its ``ABI``): bumped, here and in its C file, whenever the
 # objects it exchanges with this package change shape.
-ABI = {"_capture": 19, "_dispatch": 1, "_grads": 3, "_index": 1, "_autograd": 4, "_reads": 3}
+ABI = {"_capture": 19, "_dispatch": 1, "_grads": 3, "_index": 1, "_autograd": 4, "_reads": 4}
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import chain, compress
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +28,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
 from .finite import drained_flags
-from .layouts import param_versions, shape_of
+from .layouts import param_versions, requires_grad_flags, shape_of
 from .model_index import ModelIndex, fsdp_params, offloaded_address
 from .module_table import params_by_module
 from .modules import CallRow, ModuleRow, shown_class, unregistered_address
@@ -46,7 +46,6 @@ _CALL_MODULE_CALL = itemgetter(CALL_MODULE_CALL)
 _CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUMENTS)
 _MODULE = itemgetter(MODULE_CALL_MODULE)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
-_REQUIRES_GRAD = attrgetter("requires_grad")
 _NO_PARAMS = ByParam([], [])  # the versions and flags of a model without parameters (never changed)
 # A named tuple made from its fields in C (``_made(OpMeta, fields)``): its own ``__new__`` is a Python call.
 _made = tuple.__new__
@@ -105,7 +104,7 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
         note_unseen_param_writes(state, params, versions)
     trace._replay = _made(ReplayContext, (state.context, state.contexts, state.param_writes,
                                           ByParam(ids, versions) if params else _NO_PARAMS,
-                                          ByParam(ids, list(map(_REQUIRES_GRAD, params))) if params else _NO_PARAMS))
+                                          ByParam(ids, requires_grad_flags(params)) if params else _NO_PARAMS))
     return trace
 
 

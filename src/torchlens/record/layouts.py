@@ -17,6 +17,7 @@ import torch
 from ..tree import TENSOR_TYPES
 
 _VERSION = attrgetter("_version")
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 def shape_of(t: torch.Tensor) -> tuple:
@@ -154,6 +155,14 @@ def param_versions(params: list) -> list:
         return list(map(_VERSION, params))
     except RuntimeError:
         return list(map(version_of, params))
+
+
+def requires_grad_flags(params: list) -> list:
+    """Each parameter's requires_grad flag, by a C-level pass (read as a trace ends, for replay); off the
+    TensorImpls with torchlens-accel's ``_reads``, where it can answer."""
+    reads = _compiled_reads()
+    flags = reads.requires_grad(params) if reads is not None else None
+    return flags if flags is not None else list(map(_REQUIRES_GRAD, params))
 
 
 def _compiled_reads():
