@@ -45,7 +45,8 @@ _JOIN_CHUNK_BYTES = 64 << 20
 
 
 def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, barrier_timeout,
-                  stop_after=None, grads=False, loss_fn=None, root=None, batch_dim=None) -> str:
+                  stop_after=None, grads=False, loss_fn=None, root=None, batch_dim=None,
+                  input_batch_dim: int = 0) -> str:
     import torch.distributed as dist
 
     module = traced_module(root if root is not None else model)
@@ -58,17 +59,19 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
             _barrier(dist, barrier_group, barrier_timeout, "start")
             if rank == 0:
                 _remove_rank_folders(out, world)  # a kill after the join, before its cleanup, leaves them
-            _check_rerun(out, rank, world, _job(model, inputs, layers, kwargs, grads, root, rank, world, batch_dim))
+            _check_rerun(out, rank, world, _job(model, inputs, layers, kwargs, grads, root, rank, world, batch_dim,
+                                                input_batch_dim))
             return out
         folder = os.path.join(out, RANK_FOLDER.format(rank))
-        batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group)
+        batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group, input_batch_dim)
         # An FSDP2 model's forwards are collectives: its ranks check, forward by forward, that they all run one.
         in_step = _InStep(dist, barrier_group, out) if module is not None and _fsdp_sharded_params(module) else None
         # A rank that raises here never reaches the barrier, and the others name it there.
         extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
                        shard_bytes=shard_bytes, progress=progress and rank == 0, indices_of=indices_of,
                        arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
-                       loss_fn=loss_fn, root=root, before_forward=in_step, batch_dim=batch_dim)
+                       loss_fn=loss_fn, root=root, before_forward=in_step, batch_dim=batch_dim,
+                       input_batch_dim=input_batch_dim)
         if in_step is not None:
             in_step.finish()
         _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
@@ -78,12 +81,12 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         return out
 
 
-def _job(model, inputs, layers, kwargs, grads, root, rank, world, batch_dim=None) -> dict:
+def _job(model, inputs, layers, kwargs, grads, root, rank, world, batch_dim=None, input_batch_dim=0) -> dict:
     """The job this rank's extraction records (see ``io/extract_job.py``), as ``extract_folder`` builds it."""
     arguments = dict(_sharding(inputs), rank=rank, world_size=world)
     # A stream shared batch by batch reaches extract_folder as a _RoundRobin, which has no batch_size.
     given = inputs if arguments["sharding"] == "DistributedSampler" else None
-    return extraction_job(model, layers, kwargs, given, grads, arguments, root, batch_dim)[3]
+    return extraction_job(model, layers, kwargs, given, grads, arguments, root, batch_dim, input_batch_dim)[3]
 
 
 def _check_rerun(out, rank, world, job) -> None:
@@ -169,7 +172,7 @@ def _fsdp_sharded_params(module) -> set:
     return {id(param.sharded_param) for param in fsdp_params(module.modules()) if not param.is_dtensor}
 
 
-def _share(inputs, rank, world, arguments_of, group):
+def _share(inputs, rank, world, arguments_of, group, input_batch_dim=0):
     """``(batches for this rank, position -> sample indices, settings a resume must match)``."""
     settings = _sharding(inputs)
     if settings["sharding"] == "DistributedSampler":
@@ -180,7 +183,7 @@ def _share(inputs, rank, world, arguments_of, group):
         plan = [torch.as_tensor(list(b), dtype=torch.int64) for b in inputs.batch_sampler]
         return inputs, plan.__getitem__, settings
     inputs = _same_stream_everywhere(inputs, arguments_of, group)
-    share = _RoundRobin(inputs, rank, world, arguments_of)
+    share = _RoundRobin(inputs, rank, world, arguments_of, input_batch_dim)
     return share, share.indices.__getitem__, settings
 
 
@@ -218,14 +221,15 @@ def _same_stream_everywhere(inputs, arguments_of, group):
 class _RoundRobin:
     """Batches ``rank, rank + world, ...`` of a stream every rank iterates; ``indices`` fills as it goes."""
 
-    def __init__(self, inputs, rank, world, arguments_of):
+    def __init__(self, inputs, rank, world, arguments_of, input_batch_dim=0):
         self.inputs, self.rank, self.world, self.arguments_of = inputs, rank, world, arguments_of
+        self.input_batch_dim = input_batch_dim  # where each batch's row count is read (batch_dimension)
         self.indices: dict = {}  # this rank's batch position -> sample index of each row
 
     def __iter__(self):
         offset, mine = 0, 0
         for position, batch in enumerate(self.inputs):
-            rows = batch_rows(*self.arguments_of(batch, position))
+            rows = batch_rows(*self.arguments_of(batch, position), self.input_batch_dim)
             if rows is None:
                 raise ValueError(f"batch {position} holds no tensor with a batch dimension; sharding a stream "
                                  "across ranks needs each batch's row count (use a DataLoader with a "

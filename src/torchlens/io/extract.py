@@ -42,7 +42,7 @@ from .identity import model_checksum
 from .extract_job import check_same_job
 from .extract_progress import PROGRESS, check_progress, check_shard_columns
 from .extract_args import batch_reader, check_inputs, check_layers, check_options
-from .extract_rows import batch_dimension, check_batch_dim, rows_first
+from .extract_rows import batch_dimension, check_batch_dim, check_input_batch_dim, rows_first
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
 from .tensorfile import DTYPES, NAME_OF, byte_view, copy_range, cpu_values, header_bytes, read_header, write_stacked
 
@@ -52,7 +52,7 @@ SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, whe
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=None,
             shard_bytes: int = 64 << 20, progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None,
-            grads: bool = False, loss_fn=None, root=None, batch_dim=None) -> str:
+            grads: bool = False, loss_fn=None, root=None, batch_dim=None, input_batch_dim: int = 0) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -86,6 +86,11 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
             runs, as for ``tl.trace``: its modules are named by address, and its weights are what a resume checks.
         batch_dim: ``{layer: dim}`` for the layers whose batch dim is not dim 0 (``{"layers.0": 1}`` for a gemma3n
             decoder layer); that dim is moved first, so each row is one example (its gradient's too).
+        input_batch_dim: the dim of the inputs that counts the batch's examples, read from the first input tensor
+            whose size there is not 1: 0, or 1 for a sequence-first model (``nn.TransformerEncoderLayer``,
+            ``nn.LSTM``, ``nn.MultiheadAttention`` without ``batch_first=True``) taking ``(S, B, E)`` inputs, whose
+            sequence length would otherwise be read as the batch size.  It does not move the layers' batch dim:
+            name a sequence-first layer's (1) in ``batch_dim``.
 
     Returns the folder's path; read it with ``tl.load_extracted(out)``.  The model runs under
     ``torch.no_grad()`` with its own train/eval mode (call ``.eval()`` first for inference features).
@@ -103,27 +108,31 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     check_inputs(inputs)
     check_request(grads, loss_fn, stop_after)
     batch_dim = check_batch_dim(batch_dim, layers)
+    input_batch_dim = check_input_batch_dim(input_batch_dim)
     arguments_of = batch_reader(args_of, kwargs_of, kwargs)
     if process_rank()[0] is not None:
         from ..distributed.extraction import extract_ranks
 
         return extract_ranks(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                              shard_bytes=shard_bytes, progress=progress, barrier_timeout=barrier_timeout,
-                             stop_after=stop_after, grads=grads, loss_fn=loss_fn, root=root, batch_dim=batch_dim)
+                             stop_after=stop_after, grads=grads, loss_fn=loss_fn, root=root, batch_dim=batch_dim,
+                             input_batch_dim=input_batch_dim)
     return extract_folder(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                           shard_bytes=shard_bytes, progress=progress, stop_after=stop_after, grads=grads,
-                          loss_fn=loss_fn, root=root, batch_dim=batch_dim)
+                          loss_fn=loss_fn, root=root, batch_dim=batch_dim, input_batch_dim=input_batch_dim)
 
 
 def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, indices_of=None,
                    arguments=None, stop_after=None, grads=False, loss_fn=None, root=None, before_forward=None,
-                   batch_dim=None) -> str:
+                   batch_dim=None, input_batch_dim: int = 0) -> str:
     """One process's extraction into ``out``.  ``indices_of(position)`` gives the sample index of each row of
     batch ``position`` (stored with the rows); ``arguments`` are extra settings a resume must match;
     ``before_forward()``, when given, is called before each forward (ranks that must run forwards in step);
-    ``batch_dim``: ``{layer: its batch dim}`` where that is not dim 0 (``check_batch_dim``)."""
+    ``batch_dim``: ``{layer: its batch dim}`` where that is not dim 0 (``check_batch_dim``); ``input_batch_dim``:
+    the inputs' batch dim, which the batch size is read from (``batch_dimension``)."""
     require_numpy("tl.extract")  # the model checksum and the written shards read tensors' bytes through it
-    model, root, checked, job = extraction_job(model, layers, kwargs, inputs, grads, arguments, root, batch_dim)
+    model, root, checked, job = extraction_job(model, layers, kwargs, inputs, grads, arguments, root, batch_dim,
+                                               input_batch_dim)
     run = _Run(out, shard_bytes, job, [(batch_dim or {}).get(name, 0) for name in layers] * (2 if grads else 1))
     if root is None and (run.complete or run.batches_done):
         warn_user(f"{out} was extracted with a callable that names no model, so whether its weights have changed "
@@ -147,7 +156,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                 run.first_fingerprint = inputs_fingerprint(args, named)
             if before_forward is not None:
                 before_forward()
-            rows, request = batch_dimension(args, named), (loss_fn, batch) if grads else None
+            rows, request = batch_dimension(args, named, input_batch_dim), (loss_fn, batch) if grads else None
             with torch.enable_grad() if grads else torch.no_grad():
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
                                        request, root, rows),
@@ -171,7 +180,8 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     return out
 
 
-def extraction_job(model, layers, kwargs, inputs, grads, arguments=None, root=None, batch_dim=None) -> tuple:
+def extraction_job(model, layers, kwargs, inputs, grads, arguments=None, root=None, batch_dim=None,
+                   input_batch_dim: int = 0) -> tuple:
     """``(the callable to run, the module it runs or None, what a rerun's checksum reads, the job)``: the job is
     what a resume, or a call into a complete folder, must match (see ``extract_job.py``)."""
     # The module the callable runs (itself, a bound method's, a partial's, or root=): what a resume checks.
@@ -184,6 +194,7 @@ def extraction_job(model, layers, kwargs, inputs, grads, arguments=None, root=No
            "arguments": dict(_arguments(layers, kwargs, inputs), grads=bool(grads), **(arguments or {}))}
     # None when every layer is batch-major, as a folder made before batch_dim= existed records it (by its absence)
     job["arguments"]["batch_dim"] = dict(batch_dim) if batch_dim else None
+    job["arguments"]["input_batch_dim"] = input_batch_dim or None  # likewise absent from older folders when 0
     return model, root, checked, job
 
 
@@ -217,9 +228,9 @@ def inputs_fingerprint(args, named=None) -> str:
     return digest.hexdigest()
 
 
-def batch_rows(args, named=None):
+def batch_rows(args, named=None, input_batch_dim: int = 0):
     """The batch's row count (see ``batch_dimension``), or None when it has no tensor of a dimension or more."""
-    return batch_dimension(args, named)[0]
+    return batch_dimension(args, named, input_batch_dim)[0]
 
 
 def _same_layer(known: dict, info: dict, by_module: bool) -> bool:

@@ -3,8 +3,10 @@
 A layer is stored as one array with a row per example, so each batch's activation is split along its batch
 dim: dim 0 unless ``batch_dim=`` names another for that layer (transformers' gemma3n keeps its altup
 streams as ``(altup_num_inputs, B, S, H)``), in which case that dim is moved to the front.  The batch size
-is read from the inputs (``batch_dimension``) and every layer's batch dim must have it, batch after batch:
-a dim that does not follow the batch size is refused, naming the layer, its shape and the batch size.
+is read from the inputs (``batch_dimension``): dim 0 of the first input whose dim 0 is not 1, or the dim
+``input_batch_dim=`` names (1 for a sequence-first model's ``(S, B, E)`` inputs); every layer's batch dim must
+have it, batch after batch: a dim that does not follow the batch size is refused, naming the layer, its shape
+and the batch size.
 
 What no check can see is a dim that has the batch's size by coincidence in every batch: gemma3n's
 ``(2, B, S, H)`` at ``B = 2`` has the shape a batch-major layer of rows ``(2, S, H)`` would have.  Batches of
@@ -38,16 +40,31 @@ def check_batch_dim(batch_dim, layers: list) -> dict:
     return {name: dim for name, dim in batch_dim.items() if dim != 0}
 
 
-def batch_dimension(args, named=None) -> tuple:
-    """``(rows, the input they were read from)``: dim 0 of the first input tensor, positional then keyword, whose
-    dim 0 is not 1.  An input of one row is taken to broadcast over the batch (an attention mask of shape (1, S),
-    transformers' ``position_ids``), so it decides the count only when every input has one row."""
+def check_input_batch_dim(input_batch_dim) -> int:
+    """The inputs' batch dim, ``input_batch_dim=``: a dim index, 0 unless the inputs are sequence-first."""
+    if isinstance(input_batch_dim, bool) or not isinstance(input_batch_dim, int) or input_batch_dim < 0:
+        raise TypeError(f"tl.extract: input_batch_dim= is the dim of the inputs that counts the batch's examples (1 "
+                        f"for sequence-first inputs of shape (S, B, E)), a dim index of 0 or more; got "
+                        f"{input_batch_dim!r}")
+    return input_batch_dim
+
+
+def batch_dimension(args, named=None, dim: int = 0) -> tuple:
+    """``(rows, where they were read)``: dim ``dim`` (``input_batch_dim=``) of the first input tensor, positional
+    then keyword, that has it and whose size there is not 1.  An input of one row is taken to broadcast over the
+    batch (an attention mask of shape (1, S), transformers' ``position_ids``), so it decides the count only when
+    every input has one row."""
     leaves = [(root, path, t) for root, value in (("args", args), ("kwargs", named)) if value
               for path, t in tensor_leaves(value) if t.dim()]
     if not leaves:
         return None, None
-    root, path, t = next((leaf for leaf in leaves if leaf[2].shape[0] != 1), leaves[0])
-    return t.shape[0], path_text(root, path)
+    wide = [leaf for leaf in leaves if leaf[2].dim() > dim]
+    if not wide:  # named explicitly, so the batch cannot be guessed from another dim
+        raise ValueError(f"input_batch_dim={dim}, but no input tensor has a dim {dim} (their shapes: "
+                         f"{[tuple(t.shape) for _, _, t in leaves]}); give the dim of the inputs that counts the "
+                         "batch's examples")
+    root, path, t = next((leaf for leaf in wide if leaf[2].shape[dim] != 1), wide[0])
+    return t.shape[dim], f"dim {dim} of the input {path_text(root, path)}, the first input whose dim {dim} is not 1"
 
 
 def rows_first(name: str, label: str, t, dim: int, batch: tuple, position: int, matched_before: bool):
@@ -64,9 +81,9 @@ def rows_first(name: str, label: str, t, dim: int, batch: tuple, position: int, 
     rows, rows_from = batch
     if rows is not None and t.shape[dim] != rows:
         raise ValueError(f"batch {position}: {name} ({label}) has shape {shape}, whose batch dim {dim} has "
-                         f"{t.shape[dim]} entries, but the batch has {rows} rows (dim 0 of the input {rows_from}, the "
-                         f"first input whose dim 0 is not 1): tl.extract stores a row per example, so dim {dim} is not "
-                         f"this layer's batch dim. {_what_to_do(name, shape, dim, rows, matched_before)}")
+                         f"{t.shape[dim]} entries, but the batch has {rows} rows ({rows_from}): tl.extract stores a "
+                         f"row per example, so dim {dim} is not this layer's batch dim. "
+                         f"{_what_to_do(name, shape, dim, rows, matched_before)}")
     return t if dim == 0 else t.movedim(dim, 0).contiguous()
 
 
