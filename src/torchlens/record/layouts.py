@@ -276,11 +276,22 @@ def memory_freed(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() < span[1]
 
 
+def row_major_strides(shape) -> tuple:
+    """The strides torch gives a new tensor of ``shape`` (an empty dim counts as size 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def permuted_strides(t) -> list | None:
     """``t``'s strides when its elements fill their memory without gaps in an order other than row-major
     (channels_last, a transpose): what a copy written in row order needs to be laid out as ``t`` is; None
-    for a row-major tensor, and for one with gaps or overlaps, whose layout a copy of its values cannot keep."""
-    if t.layout != torch.strided or t.is_nested or t.is_contiguous():
+    for a row-major tensor, and for one with gaps or overlaps, whose layout a copy of its values cannot keep.
+    Row-major means torch's own strides for the shape: ``is_contiguous()`` ignores a size-1 or empty dim's
+    stride, which ``(x * 1).t()`` of an ``(n, 1)`` ``x`` sets otherwise, and a copy must keep it too."""
+    if t.layout != torch.strided or t.is_nested or t.stride() == row_major_strides(t.shape):
         return None
     expected = 1  # the stride the next dimension, innermost first, must have to leave no gap
     for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
