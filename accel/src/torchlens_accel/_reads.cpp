@@ -82,6 +82,19 @@ int all_plain(PyObject *saved) {
     return 1;
 }
 
+/* A tensor's version into ``*out``; false for an inference tensor (it has none: ``_version`` raises) or when
+ * torch throws, where the Python reads decide. */
+bool read_version(PyObject *obj, long long *out) {
+    try {
+        const at::Tensor &t = THPVariable_Unpack(obj);
+        if (t.is_inference()) return false;
+        *out = static_cast<long long>(t._version());
+        return true;
+    } catch (...) {
+        return false;
+    }
+}
+
 PyObject *stale(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "stale(saved, saved_versions) takes two arguments");
@@ -107,15 +120,7 @@ PyObject *stale(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             return nullptr;
         }
         long long now = 0;
-        bool readable = true;
-        try {
-            const at::Tensor &t = THPVariable_Unpack(value);
-            readable = !t.is_inference();  /* ``_version`` raises for it: the Python loop says so */
-            if (readable) now = static_cast<long long>(t._version());
-        } catch (...) {
-            readable = false;
-        }
-        if (!readable) {
+        if (!read_version(value, &now)) {  /* the Python loop says why */
             Py_DECREF(changed);
             Py_RETURN_NONE;
         }
@@ -219,14 +224,7 @@ int facts(PyObject *obj, PyObject **shape, PyObject **dtype, PyObject **device, 
 
 PyObject *version(PyObject *obj) {
     long long v;
-    try {
-        const at::Tensor &t = THPVariable_Unpack(obj);
-        if (t.is_inference()) return nullptr;
-        v = static_cast<long long>(t._version());
-    } catch (...) {
-        return nullptr;
-    }
-    return PyLong_FromLongLong(v);
+    return read_version(obj, &v) ? PyLong_FromLongLong(v) : nullptr;
 }
 
 PyObject *versions(PyObject *, PyObject *tensors) {
@@ -236,16 +234,8 @@ PyObject *versions(PyObject *, PyObject *tensors) {
     if (out == nullptr) return nullptr;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *value = PyList_GET_ITEM(tensors, i);
-        long long v = -1;
-        if (THPVariable_CheckExact(value)) {
-            try {
-                const at::Tensor &t = THPVariable_Unpack(value);
-                if (!t.is_inference()) v = static_cast<long long>(t._version());
-            } catch (...) {
-                v = -1;
-            }
-        }
-        if (v < 0) {  /* the Python pass decides */
+        long long v;
+        if (!THPVariable_CheckExact(value) || !read_version(value, &v)) {  /* the Python pass decides */
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
