@@ -831,6 +831,16 @@ static int collect_leaves(Handler *h, PyObject *seq, PyObject *prefix, PyObject 
     return 1;
 }
 
+/* ``st.record_finite(index, t)`` when the trace records finite flags.  0 or -1. */
+static int note_finite(Handler *h, PyObject *index, PyObject *t) {
+    PyObject *flags = state_get(h, s_finite_flags);
+    if (flags == NULL) return -1;
+    if (flags == Py_None) return 0;
+    PyObject *r = PyObject_CallMethodObjArgs(h->state, s_record_finite, index, t, NULL);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
 /* ``_record_output``: one output of a call with several, bound weakly and saved as ``st.save`` saves. */
 static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *slot, PyObject *func,
                        PyObject *module_call) {
@@ -855,13 +865,7 @@ static int record_leaf(Handler *h, PyObject *t, PyObject *call_index, PyObject *
         if (r == NULL) goto done;
         Py_DECREF(r);
     }
-    PyObject *finite = state_get(h, s_finite_flags);
-    if (finite == NULL) goto done;
-    if (finite != Py_None) {
-        PyObject *r = PyObject_CallMethodObjArgs(h->state, s_record_finite, index, t, NULL);
-        if (r == NULL) goto done;
-        Py_DECREF(r);
-    }
+    if (note_finite(h, index, t) < 0) goto done;
     failed = 0;
 done:
     Py_DECREF(index);
@@ -885,7 +889,7 @@ static int record_single(Handler *h, PyObject *out, PyObject *call_index, PyObje
         Py_XDECREF(node);
         return -1;
     }
-    failed = rg == 1 && watch(h, first_op, out, func, module_call) < 0;
+    failed = (rg == 1 && watch(h, first_op, out, func, module_call) < 0) || note_finite(h, first_op, out) < 0;
     Py_XDECREF(node);
     if (failed) goto fail;
     int saving = wanted(h, func, module_call);

@@ -129,8 +129,7 @@ class CaptureMode(TorchFunctionMode):
         self.deep = deep
         self._entered = [None]  # Python-level torch functions currently entered by deep capture
         # The features set on the state before the mode is made; with all off, every op takes the hot path.
-        self.plain = not deep and state.markers is None and state.intervention is None \
-            and state.finite_flags is None and state.plain_save
+        self.plain = not deep and state.markers is None and state.intervention is None and state.plain_save
         compiled = accel.compiled("_capture") if self.plain else None
         if compiled is not None:
             # The compiled hot path records the same; torch finds it through the class's slot (below).
@@ -278,6 +277,8 @@ class CaptureMode(TorchFunctionMode):
             version = st.version(out)
         if node_type is not None and st.grads is not None:  # tl.trace(..., grads=...): capture/grads.py
             st.grads.watch(first_op, out, func, module_call)
+        if st.finite_flags is not None:  # tl.trace(..., record_finite=True)
+            st.record_finite(first_op, out)
         save_mode = st.save_mode
         if save_mode and (save_mode == 1 or st.wants(func, module_call)):
             # Kept by reference; its storage is keyed only when a write may need it (CaptureState.save).
@@ -294,8 +295,8 @@ class CaptureMode(TorchFunctionMode):
         return out
 
     def _call_with_features(self, func, types, args, kwargs):
-        """The general path: deep capture, profiler markers, gradient capture, interventions, finite
-        flags, device moves and a saving budget, and calls Dynamo is compiling."""
+        """The general path: deep capture, profiler markers, gradient capture, interventions,
+        device moves and a saving budget, and calls Dynamo is compiling."""
         if _compiler._is_compiling_flag:
             # Dynamo is tracing this handler symbolically (torch.cond, flex_attention and other
             # higher-order ops compile their bodies even in eager mode): be transparent to it, so the
