@@ -164,11 +164,12 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
     checked = len(params) == len(found)
     if not bad:
         return _parameter_report(log, params, status, selected=capture.policy is not None, checked=checked)
-    first = bad[0]
+    first = _origin(log, bad)
     children = _backward_children(log, first)
     return GradNonfiniteReport(
         origin=log.ops[first], kind=_KINDS[status[first]], born_in=[log.labels[c] for c in children],
-        nonfinite=[log.labels[i] for i in bad], examined=len(status), num_backwards=log.num_backwards,
+        nonfinite=[log.labels[i] for i in (first, *(i for i in bad if i != first))], examined=len(status),
+        num_backwards=log.num_backwards,
         # First to arrive, and no traced op sent it: the loss's own gradient.  Under grads=[...] the first
         # watched gradient can come from ops the trace did not watch, which say nothing of the loss.
         loss_nonfinite=first == capture.order[0] and not children,
@@ -177,6 +178,16 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
 
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
+
+
+def _origin(log, bad: list) -> int:
+    """The first op of ``bad`` (non-finite gradients, in arrival order) none of whose readers' gradients is
+    non-finite.  Within one backward that is ``bad[0]``: a reader's gradient arrives before its input's.  Over
+    several backwards the order is that of each gradient's first arrival: an op an earlier backward reached (an
+    auxiliary loss on a hidden state) comes first, and a NaN a later backward carried down to it from its readers
+    would otherwise be named as born there."""
+    nonfinite = set(bad)
+    return next(i for i in bad if nonfinite.isdisjoint(_backward_children(log, i)))
 
 
 def _require_grad_tensors(log, capture) -> None:
