@@ -147,6 +147,16 @@ def module_call_grad(call):
                  for i in outputs)
 
 
+def passes_grads(trace, indices) -> list:
+    """The gradients of a layer's passes ``indices``.  A pass that can have no gradient (one run under
+    torch.no_grad(), the warm-up iterations of a fixed-point solver) is None beside passes that can, as in a
+    module call's tuple, so that one such pass does not hide the others' gradients; a layer none of whose
+    passes can have one raises as its first op does, saying why."""
+    if not any(trace._meta[i].requires_grad for i in indices):
+        return [grad_of(trace, i) for i in indices]  # raises at the first, saying why
+    return [grad_of(trace, i) if trace._meta[i].requires_grad else None for i in indices]
+
+
 def param_grad(trace, address: str, place: int = -1):
     """The parameter's own ``.grad`` (what autograd accumulated into it), found by address; ``place``: where it
     is likely to be in the model's parameter list (a ``Param`` record's index, since the records are made in

@@ -369,8 +369,11 @@ class Layer(OfATrace):
 
     @property
     def grads(self) -> list:
-        """The gradient of every pass, in pass order (see ``Op.grad``)."""
-        return [op.grad for op in self.ops]
+        """The gradient of every pass, in pass order (see ``Op.grad``): None for a pass that can have none
+        beside passes that can (see ``record.grads.passes_grads``)."""
+        from .grads import passes_grads
+
+        return passes_grads(self._trace, self._indices)
 
     def __getattr__(self, name):
         if name.startswith("_"):
