@@ -348,3 +348,33 @@ def test_inplace_after_save_still_refused_as_autograd_refuses_it():
     log = tl.trace(f, x, grads=True, saved_for_backward=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         log.backward(log.output.sum())
+
+
+class PerturbedEmbeddings(nn.Module):
+    """Adversarial training's perturbation of a GPT-2's input embeddings: a leaf made in the forward, whose
+    gradient a hook registered there normalises (its first hook: torch empties the leaf's hook list)."""
+
+    def __init__(self):
+        super().__init__()
+        import real_models
+
+        self.lm = real_models.small_gpt2_lm()
+        self.delta = None
+
+    def forward(self, ids):
+        embeds = self.lm.transformer.wte(ids)
+        self.delta = torch.zeros_like(embeds).requires_grad_()
+        self.delta.register_hook(lambda g: g / g.norm())
+        return self.lm(inputs_embeds=embeds + self.delta).logits
+
+
+def test_a_hook_the_forward_registers_on_a_leaf_is_run_before_the_leafs_gradient_is_kept():
+    pytest.importorskip("transformers")
+    model, ids = PerturbedEmbeddings(), torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    model(ids).pow(2).sum().backward()
+    expected = model.delta.grad
+    log = tl.trace(model, ids, grads=True)
+    log.backward(log.output.pow(2).sum())
+    (delta,) = [op for op in log if op.func_name == "zeros_like"]
+    assert torch.equal(delta.grad, expected) and torch.equal(delta.grad, model.delta.grad)
+    assert torch.allclose(delta.grad.norm(), torch.tensor(1.0))  # after the user's hook, as .grad is

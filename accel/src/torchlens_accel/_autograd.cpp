@@ -53,7 +53,7 @@
 #include <vector>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 4
+#define TORCHLENS_ACCEL_ABI 5
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -79,6 +79,18 @@ struct Store : std::enable_shared_from_this<Store> {
     void lose(int64_t index) {
         std::lock_guard<std::mutex> lock(mutex);
         lost.emplace(index, backwards);
+    }
+
+    /* A leaf is watched again after torch removed its hook (the capture moves its hook behind one the user
+     * registered in the forward, whose hook dict emptied the list): it missed nothing when no backward ran
+     * since, and is no longer lost.  Whether it may be watched again. */
+    bool rewatch(int64_t index) {
+        std::lock_guard<std::mutex> lock(mutex);
+        auto it = lost.find(index);
+        if (it == lost.end()) return true;
+        if (it->second != backwards) return false;
+        lost.erase(it);
+        return true;
     }
 
     /* A new backward began: a record that lost its hook before it cannot receive its share.  Called
@@ -621,6 +633,7 @@ int place_leaf(HookAdder *self, PyObject *index, int64_t record, const at::Tenso
     auto hook = std::make_unique<LeafHook>(self->store, record, link);
     link->hook = hook.get();
     remove_placed(self, record); /* a record watched again (rewatch) keeps one hook */
+    if (!self->store->rewatch(record)) return 1; /* a backward missed it: it stays lost (``incomplete``) */
     /* Appended to the list itself: ``impl::add_hook`` takes only an empty list (the one hook a Python
      * hook dict or a C++ hook list adds), and the accumulator runs every hook the list holds. */
     torch::autograd::impl::hooks(var).push_back(std::move(hook));

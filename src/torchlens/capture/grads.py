@@ -334,9 +334,10 @@ class GradCapture:
     def run_after_user_hook(self, index: int, t: torch.Tensor) -> None:
         """The user registered a hook on record ``index``'s tensor ``t`` during the forward: move the
         trace's hook behind it, so that the gradient kept is the one the user's hooks hand on, as
-        ``retain_grad()``'s (which torch runs after every tensor hook) would be.  A leaf's C++ hook is
-        left in place: torch just emptied that list (see ``incomplete``)."""
-        if index not in self.handles or (self._cpp is not None and t.grad_fn is None):
+        ``retain_grad()``'s (which torch runs after every tensor hook) would be.  A leaf's C++ hook is gone
+        already (torch empties a leaf's hook list when its first hook dict is set): it is placed again,
+        after the dict."""
+        if index not in self.handles:
             return
         self._unwatch(index)
         self.add_hook(index, t)  # appended: after the user's hook dict on the node, or in that dict

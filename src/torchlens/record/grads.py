@@ -74,7 +74,7 @@ def grad_of(trace, index: int):
     if grad is None and index in capture.incomplete:
         raise GradientUnavailable(
             f"{label}: its gradient hook was removed by torch before a later backward (torch resets a leaf "
-            "tensor's hooks when a hook is first registered on it after the trace began), so its gradient "
+            "tensor's hooks when a hook is first registered on it after the trace returned), so its gradient "
             "would miss that backward's share; register hooks on the inputs before tracing, or trace with "
             "TORCHLENS_ACCEL=0")
     return grad
