@@ -28,7 +28,7 @@ import torch
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
 from ..errors import GradientUnavailable, listed
-from ..record.grads import FROM_BATCHED_BACKWARD, grad_capture_of, unreadable
+from ..record.grads import FROM_BATCHED_BACKWARD, grad_capture_of, gradient_holder, output_nodes, unreadable
 from ..tree import without_values
 from .nonfinite import DETECT_ANOMALY_RECIPE
 
@@ -37,13 +37,16 @@ class GradNonfiniteReport:
     """The first op (in backward order) whose gradient is non-finite, and what produced it."""
 
     def __init__(self, *, origin, kind, born_in, nonfinite, examined, num_backwards, loss_nonfinite,
-                 parameters=(), parameters_checked=True, born_in_unseen=()):
+                 parameters=(), parameters_checked=True, born_in_unseen=(), returned=False):
         self.origin = origin  # Op, or None
         self.kind = kind  # "nan", "inf", "both" or None
         self.born_in = tuple(born_in)  # labels of the ops whose backward produced it: one, or candidates
         # those of them whose own gradient the trace did not receive (left out by grads=[...], or replaced by a
         # write into a view): not known to be finite, so the NaN may have been born after them
         self.born_in_unseen = tuple(born_in_unseen)
+        # the forward returned the origin's tensor: the loss may read it directly, so its gradient also came
+        # straight from the loss side, which the trace does not see apart from what the readers in born_in sent
+        self.returned = returned
         self.nonfinite = tuple(nonfinite)  # every op with a non-finite gradient, in backward order
         self.examined = examined
         self.num_backwards = num_backwards
@@ -63,8 +66,9 @@ class GradNonfiniteReport:
 
         With several candidates, their contributions reached the gradient already summed, so the trace
         cannot tell which produced it (anomaly mode can).  Nor can it when that op's own gradient never reached
-        the trace: it is not known to be finite, and the NaN may come from the backward of ops after it."""
-        return len(self.born_in) == 1 and not self.born_in_unseen
+        the trace: it is not known to be finite, and the NaN may come from the backward of ops after it.  Nor
+        when the forward returned the origin's tensor: the loss's own gradient of it may hold the NaN."""
+        return len(self.born_in) == 1 and not self.born_in_unseen and not self.returned
 
     @property
     def origin_label(self):
@@ -88,8 +92,12 @@ class GradNonfiniteReport:
             lines.append(f"  first non-finite gradient: d loss / d {op.label} ({op.func_name}){where}{source} holds "
                          f"{self.kind.upper()}")
             if self.loss_nonfinite:
-                lines.append("  it is the first gradient of the backward: the loss side was already non-finite; "
-                             "check the forward with tl.debug.nonfinite_origin(log)")
+                lines.append("  no op of the trace read it: its gradient came from the loss side, already "
+                             "non-finite; check the forward with tl.debug.nonfinite_origin(log), then the loss")
+            elif self.returned:
+                lines.append(f"  born in the loss's own gradient of it (the forward returned it), or in the backward "
+                             f"of {' or '.join(self.born_in)}: autograd summed them before the trace saw them, so "
+                             "which one the trace cannot tell; anomaly mode names the first node that returns NaN")
             elif self.born_in_certain:
                 lines.append(f"  born in the backward of {self.born_in[0]} (its output gradient was finite)")
             elif self.born_in_unseen:
@@ -170,11 +178,10 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
         origin=log.ops[first], kind=_KINDS[status[first]], born_in=[log.labels[c] for c in children],
         nonfinite=[log.labels[i] for i in (first, *(i for i in bad if i != first))], examined=len(status),
         num_backwards=log.num_backwards,
-        # First to arrive, and no traced op sent it: the loss's own gradient.  Under grads=[...] the first
-        # watched gradient can come from ops the trace did not watch, which say nothing of the loss.
-        loss_nonfinite=first == capture.order[0] and not children,
+        # No traced op can have sent it (under grads=[...] too: no op read it in the forward): the loss's own.
+        loss_nonfinite=not children,
         parameters=[address for address, _, _ in params], parameters_checked=checked,
-        born_in_unseen=[log.labels[c] for c in children if c not in status])
+        born_in_unseen=[log.labels[c] for c in children if c not in status], returned=first in _returned(log))
 
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
@@ -234,6 +241,11 @@ def _parameter_report(log, params, status, selected, checked) -> GradNonfiniteRe
         examined=len(status), num_backwards=log.num_backwards, loss_nonfinite=False,
         parameters=[address for address, _, _ in params], parameters_checked=checked,
         born_in_unseen=[log.labels[i] for i in users if i not in status])
+
+
+def _returned(log) -> set:
+    """The ops whose tensors the forward returned (those its output nodes show)."""
+    return {gradient_holder(log, i) for i in output_nodes(log)}
 
 
 def _backward_children(log, index) -> list:
