@@ -150,3 +150,23 @@ def test_a_file_through_a_missing_folder_is_refused_before_anything_is_written(t
     with pytest.raises(ValueError, match=r"is in .*/missing/\.\., which does not exist"):
         log.to_chrome_trace(os.path.join("missing", "..", "t.json"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_path_ending_in_a_dot_or_two_is_refused_and_leaves_the_folders_as_they_were(tmp_path, monkeypatch):
+    # A save writes beside the path and renames into place; beside "run/." is inside run, and no "." renames:
+    # "new/." failed with a bare OSError and left an empty folder, "trace/." moved its own working folder around
+    # and warned of it as a file of the user's.
+    monkeypatch.chdir(tmp_path)
+    log = tl.trace(nn.Linear(3, 2), torch.randn(2, 3))
+    log.save("trace")
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "trace").iterdir()}
+    for path, last in [("new/.", "'.'"), ("empty/.", "'.'"), ("empty/sub/..", "'..'"), ("new/sub/..", "'..'"),
+                       ("trace/.", "'.'")]:
+        with pytest.raises(tl.TorchlensError, match=f"ends in {last}; name the folder to save the trace to without"):
+            log.save(path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "trace"]
+    assert [p.name for p in (tmp_path / "empty").iterdir()] == ["sub"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "trace").iterdir()} == before
+    log.save("./run")  # a "." elsewhere in the path names no folder to rename
+    assert torch.equal(tl.load("run")["linear_1_1"].activation, log["linear_1_1"].activation)

@@ -111,6 +111,7 @@ def _move_in(staging: str, path: str, rank=None) -> None:
 def check_save_target(path: str, overwrite: bool, rank=None):
     """The files of the saved trace at ``path`` that saving over it will remove; None when nothing (or an empty
     folder) is there.  ``rank``: the saving trace's, refused over another rank's trace even with ``overwrite``."""
+    _refuse_dot_ending(path)
     if not os.path.lexists(path):
         return None
     if os.path.islink(path):
@@ -143,6 +144,18 @@ def check_save_target(path: str, overwrite: bool, rank=None):
     for name in manifest["files"]:
         safe_member(path, name)  # a manifest naming a path outside the folder is refused, not obeyed
     return [MANIFEST, *manifest["files"]]
+
+
+def _refuse_dot_ending(path: str) -> None:
+    """Refuse a path whose last part is ``.`` or ``..`` (``run1/.``, ``runs/a/..``), the current folder aside (which
+    ``check_save_target`` refuses saying so).  A save writes the trace in a folder beside ``path`` and renames it
+    into place: beside such a path is inside the folder it names, and the system renames no ``.`` or ``..``, so
+    the save failed with a bare OSError, left an empty folder behind, or moved its own working folder around."""
+    last = os.path.basename(path.rstrip(os.sep + (os.altsep or "")))
+    if last not in (os.curdir, os.pardir) or os.path.isdir(path) and os.path.samefile(path, os.curdir):
+        return
+    raise TraceFileError(f"{path} ends in {last!r}; name the folder to save the trace to without it (e.g. "
+                         f"{os.path.abspath(path)!r})")
 
 
 def _replace_saved(path: str, staging: str, old_files: list) -> None:
