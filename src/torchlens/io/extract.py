@@ -44,7 +44,7 @@ from .extract_progress import PROGRESS, check_progress, check_shard_columns
 from .extract_args import batch_reader, check_inputs, check_layers, check_options
 from .extract_rows import batch_dimension, check_batch_dim, check_input_batch_dim, rows_first
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
-from .tensorfile import DTYPES, NAME_OF, byte_view, copy_range, cpu_values, header_bytes, read_header, write_stacked
+from .tensorfile import DTYPES, NAME_OF, copy_range, hash_values, header_bytes, read_header, write_stacked
 
 EXTRACT_FORMAT, EXTRACT_SCHEMA = "torchlens-extraction", 1
 SAMPLE_INDEX = "sample_index.safetensors"  # the dataset index of every row, where the rows carry one
@@ -222,9 +222,7 @@ def inputs_fingerprint(args, named=None) -> str:
                 raise TypeError(f"tl.extract hashes its inputs' values to check a resumed run, and the input "
                                 f"{path_text(root, path)} is a {type(t).__name__} tensor subclass with no storage "
                                 "of its own; pass the plain tensor it wraps")
-            t = cpu_values(t.detach())  # the values, not a view's bytes
-            digest.update(f"{path_text(root, path)}{tuple(t.shape)}{t.dtype}".encode())
-            digest.update(byte_view(t).numpy() if t.numel() else b"")  # hashed in place, no copy
+            hash_values(digest, path_text(root, path), t.detach())
     return digest.hexdigest()
 
 

@@ -139,6 +139,35 @@ def cpu_values(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").resolve_conj().resolve_neg().contiguous()
 
 
+def hash_values(digest, name: str, t: torch.Tensor) -> None:
+    """Feed ``t``'s values to ``digest`` (a hashlib object) under ``name``: a dense tensor's in row order, not a view's
+    bytes, hashed in place; a sparse, nested or quantized one's through the dense tensors that define it (no
+    sparse tensor has bytes of its own, and its dense copy could be far larger than it)."""
+    for part, values in _value_parts(t):
+        values = cpu_values(values)
+        digest.update(f"{name}{part}{tuple(values.shape)}{values.dtype}".encode())
+        digest.update(byte_view(values).numpy() if values.numel() else b"")
+
+
+def _value_parts(t: torch.Tensor) -> list:
+    """``[(part name, dense tensor)]`` holding ``t``'s values: ``t`` itself (named "") when it is dense."""
+    if t.is_quantized:
+        if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            return [(f".q{t.q_scale()!r},{t.q_zero_point()}", t.int_repr())]
+        return [(f".q{t.q_per_channel_axis()}", t.int_repr()), (".scales", t.q_per_channel_scales()),
+                (".zero_points", t.q_per_channel_zero_points())]
+    if t.is_nested:
+        return [(f".{k}", component) for k, component in enumerate(t.unbind())]
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce()  # one layout per set of values: an uncoalesced copy lists the same entries otherwise
+        return [(".indices", t.indices()), (".values", t.values())]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [(".crow", t.crow_indices()), (".col", t.col_indices()), (".values", t.values())]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [(".ccol", t.ccol_indices()), (".row", t.row_indices()), (".values", t.values())]
+    return [("", t)]
+
+
 def copy_range(src: str, start: int, end: int, out) -> None:
     """Append bytes ``[start, end)`` of file ``src`` to the open file ``out`` in bounded chunks."""
     with open(src, "rb") as f:
