@@ -161,3 +161,29 @@ def test_gemma3n_altup_layers_are_extracted_a_row_per_example_and_refused_at_ano
     with pytest.raises(ValueError, match=r"^batch 2: layers\.0 \(\S+\) has shape \(2, 3, 5, 16\), whose batch dim 0 "
                                          r"has 2 entries, but the batch has 3 rows.*batch_dim=\{'layers\.0': 1\}"):
         tl.extract(gemma3n, mixed, ["layers.0"], tmp_path / "y", progress=False)
+
+
+class MeanPool(nn.Module):
+    """Takes a list of token sequences of different lengths, one per example, and pools each."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(20, 4), nn.Linear(4, 2)
+
+    def forward(self, sequences):
+        return self.head(torch.stack([self.embed(s).mean(0) for s in sequences]))
+
+
+def test_a_batch_of_ragged_sequences_is_refused_saying_to_pad_them(tmp_path):
+    # The batch's size is read from a tensor's dim: here the first sequence's length, 5, for a batch of 3. The
+    # refusal said that no dim of the (3, 2) head output had the batch's size and advised choosing another layer.
+    g = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 20, (n,), generator=g) for n in (5, 7, 3)]
+    with pytest.raises(ValueError, match=r"the batch has 5 rows \(dim 0 of the input args\.0\.0, .*\): that input is "
+                                         r"one of the tensors of args\.0, whose dim 0 sizes differ .* padded to one "
+                                         r"length") as refused:
+        tl.extract(MeanPool(), [sequences], ["head"], tmp_path / "f", progress=False)
+    assert "choose a layer with a row per example" not in str(refused.value)
+    padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)  # batch-major: (3, 7), read as 3 rows
+    tl.extract(nn.Sequential(nn.Embedding(20, 4), nn.Linear(4, 2)), [padded], ["1"], tmp_path / "g", progress=False)
+    assert tl.load_extracted(tmp_path / "g")["1"].shape == (3, 7, 2)

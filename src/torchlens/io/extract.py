@@ -284,7 +284,7 @@ def _save_targets(model, layers) -> list:
 
 
 def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None, root=None,
-                   rows=(None, None)) -> list:
+                   rows=(None, None, "")) -> list:
     from ..capture.session import trace
 
     from ..errors import AmbiguousKey, UnmatchedSelection
@@ -310,7 +310,7 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
     return [_buffered(t) for t in acts]
 
 
-def _layer_values(log, layers, run, position, with_grads: bool, rows=(None, None)) -> list:
+def _layer_values(log, layers, run, position, with_grads: bool, rows=(None, None, "")) -> list:
     """Each layer's activation (then, ``with_grads``, its gradient) in this batch, detached, on the CPU, its batch
     dim first; ``rows``: the batch's size and the input it was read from (``batch_dimension``)."""
     calls = _module_calls_by_name(log)

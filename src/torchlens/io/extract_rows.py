@@ -57,14 +57,27 @@ def batch_dimension(args, named=None, dim: int = 0) -> tuple:
     leaves = [(root, path, t) for root, value in (("args", args), ("kwargs", named)) if value
               for path, t in tensor_leaves(value) if t.dim()]
     if not leaves:
-        return None, None
+        return None, None, ""
     wide = [leaf for leaf in leaves if leaf[2].dim() > dim]
     if not wide:  # named explicitly, so the batch cannot be guessed from another dim
         raise ValueError(f"input_batch_dim={dim}, but no input tensor has a dim {dim} (their shapes: "
                          f"{[tuple(t.shape) for _, _, t in leaves]}); give the dim of the inputs that counts the "
                          "batch's examples")
     root, path, t = next((leaf for leaf in wide if leaf[2].shape[dim] != 1), wide[0])
-    return t.shape[dim], f"dim {dim} of the input {path_text(root, path)}, the first input whose dim {dim} is not 1"
+    return (t.shape[dim], f"dim {dim} of the input {path_text(root, path)}, the first input whose dim {dim} is not 1",
+            _ragged_advice(root, path, dim, wide))
+
+
+def _ragged_advice(root: str, path: tuple, dim: int, leaves: list) -> str:
+    """What ``rows_first``'s refusal advises when the batch size was read from one of a list of tensors whose sizes
+    differ there (ragged sequences, a tensor per example), whose examples no tensor's dim counts; "" otherwise."""
+    sizes = {t.shape[dim] for r, p, t in leaves if r == root and len(p) == len(path) >= 2 and p[:-1] == path[:-1]}
+    if len(sizes) < 2:
+        return ""
+    return (f"that input is one of the tensors of {path_text(root, path[:-1])}, whose dim {dim} sizes differ (ragged "
+            "sequences, a tensor per example?): a batch's size is read from a tensor's dim, never from a list's "
+            "length, so give each batch's examples as one tensor, batch dim first (the sequences padded to one "
+            "length, with a mask or their lengths)")
 
 
 def rows_first(name: str, label: str, t, dim: int, batch: tuple, position: int, matched_before: bool):
@@ -78,12 +91,12 @@ def rows_first(name: str, label: str, t, dim: int, batch: tuple, position: int, 
         raise ValueError(f"batch_dim= gives {name} ({label}) the batch dim {dim}, but its activation has shape "
                          f"{shape}, of {t.dim()} dims; give the index of the dim that counts its rows")
     dim %= t.dim()
-    rows, rows_from = batch
+    rows, rows_from, ragged = batch
     if rows is not None and t.shape[dim] != rows:
+        advice = ragged or (f"tl.extract stores a row per example, so dim {dim} is not this layer's batch dim. "
+                            f"{_what_to_do(name, shape, dim, rows, matched_before)}")
         raise ValueError(f"batch {position}: {name} ({label}) has shape {shape}, whose batch dim {dim} has "
-                         f"{t.shape[dim]} entries, but the batch has {rows} rows ({rows_from}): tl.extract stores a "
-                         f"row per example, so dim {dim} is not this layer's batch dim. "
-                         f"{_what_to_do(name, shape, dim, rows, matched_before)}")
+                         f"{t.shape[dim]} entries, but the batch has {rows} rows ({rows_from}): {advice}")
     return t if dim == 0 else t.movedim(dim, 0).contiguous()
 
 
