@@ -284,3 +284,40 @@ def test_resuming_with_a_changed_buffer_or_a_changed_last_weight_is_refused(tmp_
         (model.shift if change == "buffer" else model.fc.weight[-1])[-1] += 1.0
     with pytest.raises(ResumeMismatchError, match="parameters or buffers differ"):
         tl.extract(model, data, ["fc"], tmp_path / "x", shard_bytes=1, progress=False)
+
+
+class Activated(nn.Module):
+    """Takes its activation function, and a generator, as keyword arguments."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x, act=None, generator=None):
+        return act(self.fc(x))
+
+
+def _activation(kind):
+    # A fresh function each call, as a script run again after a kill defines it anew (at another address).
+    def act(t):
+        return getattr(torch, kind)(t)
+    return act
+
+
+def test_a_rerun_with_keyword_functions_and_generators_resumes(tmp_path):
+    # The job hashed the keyword arguments' reprs, memory addresses included ("<function act at 0x7f...>"): the
+    # same call, made again by a new process after a kill, was refused as one with other arguments.
+    model, data = Activated().eval(), batches(6)
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 4), ["fc"], tmp_path / "f", shard_bytes=1, progress=False,
+                   kwargs={"act": _activation("tanh"), "generator": torch.Generator()})
+    tl.extract(model, data, ["fc"], tmp_path / "f", shard_bytes=1, progress=False,
+               kwargs={"act": _activation("tanh"), "generator": torch.Generator()})
+    with torch.no_grad():
+        assert np.array_equal(tl.load_extracted(tmp_path / "f")["fc"], torch.cat([model.fc(x) for x in data]).numpy())
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 4), ["fc"], tmp_path / "g", shard_bytes=1, progress=False,
+                   kwargs={"act": _activation("tanh")})
+    with pytest.raises(ResumeMismatchError, match="kwargs_sha256"):  # another function is still another call
+        tl.extract(model, data, ["fc"], tmp_path / "g", shard_bytes=1, progress=False, kwargs={"act": torch.sigmoid})

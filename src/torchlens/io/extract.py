@@ -39,7 +39,7 @@ from .format import (MANIFEST, TraceFileError, atomic_file, check_schema, checke
                      read_json, require_numpy, safe_member, write_atomic, write_manifest)
 from .encode import has_no_storage
 from .identity import model_checksum
-from .extract_job import check_same_job
+from .extract_job import check_same_job, stable_repr
 from .extract_progress import PROGRESS, check_progress, check_shard_columns
 from .extract_args import batch_reader, check_inputs, check_layers, check_options
 from .extract_rows import batch_dimension, check_batch_dim, check_input_batch_dim, rows_first
@@ -202,7 +202,7 @@ def _arguments(layers, kwargs, inputs) -> dict:
     """What must match for a resume to continue the same job (the model is checked by its checksum)."""
     kwargs_sha256 = None
     if kwargs:  # tensors by value, everything else by its repr
-        kwargs_sha256 = hashlib.sha256(f"{inputs_fingerprint(kwargs)}{strip(kwargs)!r}".encode()).hexdigest()
+        kwargs_sha256 = hashlib.sha256(f"{inputs_fingerprint(kwargs)}{stable_repr(strip(kwargs))}".encode()).hexdigest()
     return {"layers": layers, "kwargs_sha256": kwargs_sha256,
             "batch_size": getattr(inputs, "batch_size", None), "drop_last": getattr(inputs, "drop_last", None)}
 

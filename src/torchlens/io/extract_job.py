@@ -9,9 +9,18 @@ each rank's job, kept in the joined manifest).
 
 from __future__ import annotations
 
+import re
+
 from ..errors import ResumeMismatchError
 
 JOB_KEYS = ("layers", "model", "model_sha256", "model_sha256_at_stop", "arguments")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def stable_repr(value) -> str:
+    """``repr(value)`` without the memory addresses of Python's default reprs (``<function gelu at 0x7f...>``): they
+    differ from one process to the next, so that the same call, made again after a kill, read as another job."""
+    return _ADDRESS.sub("", repr(value))
 
 
 def recorded_job(state: dict) -> dict:
