@@ -118,3 +118,23 @@ def test_an_error_of_args_of_or_kwargs_of_names_the_batch_it_was_given(tmp_path)
     with pytest.raises(IndexError) as raised:
         tl.extract(TwoLayer().eval(), batches(2), ["head"], tmp_path / "out", args_of=lambda b: b[9], progress=False)
     assert raised.value.__notes__[0] == "tl.extract: args_of raised on batch 0 (counting from 0), a Tensor"
+
+
+class _Streamed(torch.utils.data.IterableDataset):
+    """A dataset read as a stream, with no length (as a streaming dataset is)."""
+
+    def __iter__(self):
+        return iter(torch.cat(batches(3)))
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_a_dataloader_over_a_stream_without_a_length_is_extracted(tmp_path, progress, capsys):
+    # The progress bar's total was len(inputs), which such a DataLoader raises TypeError for: the extraction
+    # failed before its first batch, with progress=False too.
+    model = TwoLayer().eval()
+    tl.extract(model, torch.utils.data.DataLoader(_Streamed(), batch_size=5), ["head"], tmp_path / "f",
+               progress=progress)
+    with torch.no_grad():
+        expected = torch.cat([model(rows) for rows in torch.cat(batches(3)).split(5)])
+    assert np.array_equal(tl.load_extracted(tmp_path / "f")["head"], expected.numpy())
+    assert ("extracting" in capsys.readouterr().err) is progress

@@ -41,7 +41,7 @@ from .encode import has_no_storage
 from .identity import model_checksum
 from .extract_job import check_same_job, stable_repr
 from .extract_progress import PROGRESS, check_progress, check_shard_columns
-from .extract_args import batch_reader, check_inputs, check_layers, check_options
+from .extract_args import batch_count, batch_reader, check_inputs, check_layers, check_options
 from .extract_rows import batch_dimension, check_batch_dim, check_input_batch_dim, rows_first
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
 from .tensorfile import DTYPES, NAME_OF, copy_range, hash_values, header_bytes, read_header, write_stacked
@@ -140,7 +140,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     if run.complete:
         return out
     resumed_from = run.batches_done
-    bar = progress_bar(progress, "extracting", len(inputs) if hasattr(inputs, "__len__") else None, "batch",
+    bar = progress_bar(progress, "extracting", batch_count(inputs), "batch",
                        initial=resumed_from, delay=0, leave=True)
     seen, last = 0, None
     try:

@@ -72,6 +72,15 @@ def check_inputs(inputs) -> None:
                         "or DataLoader of them")
 
 
+def batch_count(inputs):
+    """How many batches ``inputs`` holds, for the progress bar's total; None where it cannot say: a generator, or a
+    ``DataLoader`` over an ``IterableDataset`` without ``__len__`` (a streaming dataset), whose ``len()`` raises."""
+    try:
+        return len(inputs)
+    except TypeError:
+        return None
+
+
 def batch_reader(args_of, kwargs_of, kwargs):
     """The function giving batch ``position``'s forward arguments as ``(args, its own kwargs)``.
 
