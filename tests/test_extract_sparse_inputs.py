@@ -59,10 +59,35 @@ def test_a_sparse_keyword_argument_is_part_of_the_job(tmp_path):
 
 @pytest.mark.parametrize("make", [
     lambda x: x.to_sparse(), lambda x: x.to_sparse_csr(), lambda x: x.to_sparse_csc(),
-    lambda x: torch.nested.nested_tensor([x, x[:1]]), lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.qint8),
+    lambda x: torch.nested.nested_tensor([x, x[:1]]),
+    lambda x: torch.nested.nested_tensor([x, x[:1]], layout=torch.jagged),
+    lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.qint8),
     lambda x: torch.quantize_per_channel(x, torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, torch.qint8),
-], ids=["coo", "csr", "csc", "nested", "quantized", "per_channel"])
+], ids=["coo", "csr", "csc", "nested", "jagged", "quantized", "per_channel"])
 def test_inputs_of_other_layouts_hash_by_their_values(make):
     x = torch.tensor([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]])
     assert inputs_fingerprint((make(x),)) == inputs_fingerprint((make(x.clone()),))
     assert inputs_fingerprint((make(x),)) != inputs_fingerprint((make(x * 3),))
+
+
+class PoolTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, tokens):
+        return self.fc(tokens).sum(dim=1)
+
+
+def test_a_model_taking_jagged_nested_sequences_extracts(tmp_path):
+    # A jagged nested tensor is a tensor subclass whose values live in the tensors it holds: the resume check
+    # refused it as a wrapper "with no storage of its own", saying to pass a plain tensor the model cannot take.
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.nested.nested_tensor([torch.randn(n, 4, generator=g) for n in lengths], layout=torch.jagged)
+               for lengths in ((2, 3, 1), (4, 1))]
+    model = PoolTokens().eval()
+    tl.extract(model, batches, ["sum_1_2"], tmp_path / "f", progress=False)
+    with torch.no_grad():
+        expected = torch.cat([model(tokens) for tokens in batches])
+    assert torch.equal(tl.load_extracted(tmp_path / "f", as_torch=True)["sum_1_2"], expected)

@@ -218,7 +218,7 @@ def inputs_fingerprint(args, named=None) -> str:
                 raise TypeError(f"tl.extract stores activations' values, and the input {path_text(root, path)} is a "
                                 f"{'meta' if t.is_meta else 'fake (FakeTensorMode)'} tensor, with a shape and no "
                                 "values; run the model on a real device")
-            if has_no_storage(t):
+            if has_no_storage(t) and not t.is_nested:  # a jagged nested tensor is hashed by its parts
                 raise TypeError(f"tl.extract hashes its inputs' values to check a resumed run, and the input "
                                 f"{path_text(root, path)} is a {type(t).__name__} tensor subclass with no storage "
                                 "of its own; pass the plain tensor it wraps")
