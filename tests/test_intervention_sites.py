@@ -424,7 +424,9 @@ def test_an_action_changing_dtype_at_a_predicate_site_names_the_op_and_the_way_o
     x = torch.randn(2, 4)
     with pytest.raises(tl.InterventionError, match=r"\(arange_1_1:1\) returned a \(4,\) torch.float32 tensor for a "
                                                    r"\(4,\) torch.int64 value.*op.dtype.is_floating_point"):
-        tl.trace(Positions(), x, intervene={(lambda op: True): tl.scale(2.0)})
+        tl.trace(Positions(), x, intervene={(lambda op: True): lambda t, op: t * 2.0})
+    with pytest.raises(tl.InterventionError, match=r"scale\(0.5\) at arange_1_1:1: .*op.dtype.is_floating_point"):
+        tl.trace(Positions(), x, intervene={(lambda op: True): tl.scale(0.5)})
     floats = tl.trace(Positions(), x, intervene={(lambda op: op.dtype.is_floating_point): tl.scale(2.0)})
     assert torch.equal(floats.output, 2 * (x + torch.arange(4)))
 

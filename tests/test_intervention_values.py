@@ -195,3 +195,68 @@ def test_an_action_that_raises_is_named_with_its_site_not_left_as_the_models_fai
             tl.trace(model, x, intervene={"linear_1_1:1": helper})
         assert not any("intervention action" in note for note in getattr(refused.value, "__notes__", []))
         assert_clean_process()
+
+
+class _Counted(nn.Module):
+    """An int64 running count and a bool mask, each a module's output, read by float ops after them."""
+
+    class Count(nn.Module):
+        def forward(self, ids):
+            return ids.ne(0).long().cumsum(-1)
+
+    class Mask(nn.Module):
+        def forward(self, ids):
+            return ids.ne(0)
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.count, self.mask, self.embed = self.Count(), self.Mask(), nn.Embedding(16, 4)
+
+    def forward(self, ids):
+        return self.embed(self.count(ids)) * self.mask(ids)[..., None]
+
+
+def _hooked(model, module, edit, ids):
+    handle = module.register_forward_hook(lambda m, args, out: edit(out))
+    try:
+        return model(ids)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("site, action, edit", [
+    ("count", tl.steer(torch.tensor([1, 0, 2, 0])), lambda out: out + torch.tensor([1, 0, 2, 0])),
+    ("count", tl.scale(2.0), lambda out: out * 2),
+    ("count", tl.clamp(0.0, 2.0), lambda out: out.clamp(0, 2)),
+    ("mask", tl.clamp(max=0), torch.zeros_like),
+    ("mask", tl.clamp(min=1), torch.ones_like),
+    ("mask", tl.scale(0), torch.zeros_like)], ids=["steer", "scale", "clamp", "clamp mask", "fill mask", "scale mask"])
+def test_a_whole_number_helper_edits_an_integer_or_bool_value_as_a_hook_does(site, action, edit):
+    # torch computes count + 1.0 * v, count * 2.0 and mask.clamp(max=0) in float or int64, so every one of these was
+    # refused as "an action must keep shape and dtype", tl.steer with an int64 vector at its default scale=1.0 and
+    # tl.clamp at a mask among them, which the helpers' own rules accept.
+    model, ids = _Counted(), torch.tensor([[3, 0, 4, 5], [0, 2, 0, 7]])
+    edited = tl.trace(model, ids, intervene={site: action})
+    expected = _hooked(model, getattr(model, site), edit, ids)
+    assert torch.equal(edited.output, expected)
+    assert edited[site].activation.dtype == edited[site].original.dtype
+    label = edited[site].label
+    assert torch.equal(tl.trace(model, ids, intervene={label: action}).output, expected)
+    assert_clean_process()
+
+
+@pytest.mark.parametrize("site, action, named", [
+    ("count", tl.scale(0.5), r"scale\(0.5\) at count:1: k=0.5 .*torch.int64.*whole number"),
+    ("count", tl.steer(torch.tensor([1, 1, 1, 1]), scale=0.5), r"steer\(.*\) at count:1: scale=0.5 .*torch.int64"),
+    ("count", tl.scale(torch.tensor([1.0, 2.0, 1.0, 1.0])), r"scale\(.*\)'s k at count:1: .*float32.*torch.int64"),
+    ("mask", tl.scale(2), r"scale\(2\) at mask:1: k=2 .*torch.bool.*0 or 1"),
+    ("mask", tl.steer(torch.tensor([True, False, True, False])), r"steer\(.*\) at mask:1: .*bool mask")],
+    ids=["scale", "steer", "scale tensor", "scale mask", "steer mask"])
+def test_a_helper_number_that_would_round_into_an_integer_or_bool_value_is_refused_by_name(site, action, named):
+    # These were refused too, but as an action returning a float32 or int64 tensor, naming neither the helper's
+    # number nor what to give instead.
+    model, ids = _Counted(), torch.tensor([[3, 0, 4, 5], [0, 2, 0, 7]])
+    with pytest.raises(tl.InterventionError, match=named):
+        tl.trace(model, ids, intervene={site: action})
+    assert_clean_process()

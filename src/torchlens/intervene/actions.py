@@ -95,7 +95,7 @@ class scale(Action):  # noqa: N801
         self.k = _number("tl.scale", "k", k)
 
     def value(self, tensor, op, at):
-        return tensor * self.k
+        return _in_dtype(tensor * _whole(self, "k", self.k, tensor, op), tensor)
 
     def _describe(self):
         return repr(self.k)
@@ -113,7 +113,9 @@ class clamp(Action):  # noqa: N801
         _check_bounds_ordered(self.min, self.max)
 
     def value(self, tensor, op, at):
-        return tensor.clamp(self.min, self.max)
+        low, high = (None if b is None else _whole(self, name, b, tensor, op)
+                     for name, b in (("min", self.min), ("max", self.max)))
+        return _in_dtype(tensor.clamp(low, high), tensor)
 
     def _describe(self):
         return f"min={self.min!r}, max={self.max!r}"
@@ -143,10 +145,14 @@ class steer(Action):  # noqa: N801
                                       f"{tensor.shape[dim]}; give a vector of that length, or dim= the dimension to "
                                       "steer along")
         _castable(self.vector, tensor, op, "tl.steer's vector")
+        if tensor.dtype == torch.bool:  # True + True is 2, which a mask cannot hold
+            raise ReplacementMismatch(f"{self!r} at {_where(op)}: the value is a torch.bool mask, to which nothing "
+                                      "can be added; tl.zero_ablate, tl.clamp, tl.patch_from or a bool tensor can "
+                                      "change it")
         shape = [1] * tensor.dim()
         shape[dim] = -1
         vector = self.vector.to(device=tensor.device, dtype=tensor.dtype).reshape(shape)
-        return tensor + self.scale * vector
+        return tensor + _whole(self, "scale", self.scale, tensor, op) * vector
 
     def value_at(self, tensor, op):
         return self.value(tensor, op, None)[self.at]  # ``dim`` names a dimension of the whole value
@@ -432,9 +438,34 @@ def _castable(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> None:
                                   f"them); give a {tensor.dtype} tensor")
 
 
+def _whole(action, name: str, number, tensor: torch.Tensor, op):
+    """A helper's number as an integer or bool value (indices, counts, a mask) can take it: torch computes
+    ``ids * 2.0`` or ``ids + 1.0 * vector`` in floats, which such a value cannot hold though every number in them
+    is whole.  A whole number is used as the int it is (at a mask, 0 or 1), a tensor of the value's kind as it
+    is; any other would be rounded into the value, and is refused naming the helper, the site and the dtype."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return number
+    if isinstance(number, torch.Tensor):
+        _castable(number, tensor, op, f"{action!r}'s {name}")
+        return number
+    whole = isinstance(number, numbers.Real) and float(number).is_integer()
+    if whole and (tensor.dtype != torch.bool or number in (0, 1)):
+        return int(number)
+    allowed = "0 or 1" if tensor.dtype == torch.bool else "a whole number"
+    raise ReplacementMismatch(f"{action!r} at {_where(op)}: {name}={number!r} cannot apply to this {tensor.dtype} "
+                              f"value (indices, counts or a mask) without rounding; give {allowed}, or keep a "
+                              "predicate site to float values (lambda op: op.dtype.is_floating_point and ...)")
+
+
+def _in_dtype(new: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``new`` in a mask's dtype: torch computes a bool value times 0 or 1, or clamped to them, in int64, whose
+    values (0 and 1, the numbers having passed ``_whole``) a bool holds exactly."""
+    return new.bool() if tensor.dtype == torch.bool and new.dtype != torch.bool else new
+
+
 def _needs_float(action, tensor: torch.Tensor, op) -> None:
-    """Noise, a steering vector and a mean are no values of an integer or bool dtype (indices, counts,
-    masks): the helper refuses such a value rather than rounding what it computed into it."""
+    """Noise and a mean are no values of an integer or bool dtype (indices, counts, masks): the helper
+    refuses such a value rather than rounding what it computed into it."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         raise ReplacementMismatch(f"{action!r} at {_where(op)}: the value is {tensor.dtype} (indices, counts or a "
                                   f"mask), which {type(action).__name__} cannot change without rounding; "
