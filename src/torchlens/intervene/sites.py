@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..checks import check_takes
-from ..errors import InterventionError, closest_hint, first_few
+from ..errors import InterventionError, add_note, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import (WRAPPED, container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
@@ -282,7 +282,7 @@ def resolve_labels(reference, pending) -> list:
             else:
                 raise KeyError(f"{_kind(stop)} {key!r} does not name an op in the reference trace")
         else:
-            ops = [op for op in reference.ops if reference.kinds[op.index] == Kind.OP and key(op)]
+            ops = [op for op in reference.ops if reference.kinds[op.index] == Kind.OP and _accepts(key, op, stop)]
             if not ops:
                 raise KeyError(_matched_nothing(stop))
         for op in ops:
@@ -293,6 +293,19 @@ def resolve_labels(reference, pending) -> list:
                 break  # stop after the first op the site names
     number_occurrences(reference, sites)
     return sites
+
+
+def _accepts(predicate, op: Op, stop: bool) -> bool:
+    """``predicate(op)``, its exception noted with the op it was given: a test written for the ops inside modules
+    (``"attn" in op.module``) meets the ops of the root's own forward too, whose ``module`` is None, and its
+    bare ``TypeError`` would name no op and read as torchlens failing."""
+    try:
+        return predicate(op)
+    except Exception as exc:
+        add_note(exc, f"torchlens: raised by the {_kind(stop)} predicate given the op {op.label} (type {op.type!r}, "
+                      f"module {op.module!r}{', made outside every submodule' if op.module is None else ''}), "
+                      "before the intervened run; a predicate is called on every op of the reference trace")
+        raise
 
 
 def _stopped_note(reference) -> str:

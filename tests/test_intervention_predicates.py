@@ -1,0 +1,46 @@
+"""Predicate sites (``intervene={lambda op: ...: action}``): a predicate that fails on one of the ops it is
+given says which op that was."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchlens as tl  # noqa: E402
+from untouched import assert_clean_process  # noqa: E402
+
+
+class _Head(nn.Module):
+    """An op inside a submodule, then one of the root's own forward (``module`` None), as GPT-2's logits slice."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)[:, -1]
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["intervene", "stop_after"])
+def test_a_predicate_that_raises_names_the_op_it_was_given(stop):
+    # A test written for ops inside modules ("fc" in op.module) raised its bare "argument of type 'NoneType' is not
+    # iterable" at the root's own getitem, naming no op; the error now says which op, and that its module is None.
+    model, x = _Head(), torch.randn(2, 3, 4)
+    site = lambda op: "fc" in op.module  # noqa: E731
+    options = {"stop_after": site} if stop else {"intervene": {site: tl.scale(2.0)}}
+    with pytest.raises(TypeError, match="NoneType") as raised:
+        tl.trace(model, x, **options)
+    kind = "stop_after site" if stop else "intervention site"
+    assert raised.value.__notes__[-1].startswith(
+        f"torchlens: raised by the {kind} predicate given the op getitem_1_2:1 (type 'getitem', module None, made "
+        "outside every submodule)")
+    assert_clean_process()
+    kept = tl.trace(model, x, intervene={(lambda op: op.module is not None and "fc" in op.module): tl.scale(2.0)})
+    assert torch.equal(kept.output, (model.fc(x) * 2)[:, -1])
