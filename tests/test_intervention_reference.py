@@ -55,3 +55,40 @@ def test_a_stopped_trace_that_took_another_path_keeps_its_own_labels():
     assert torch.equal(stopped[squash.label].activation, torch.sigmoid(-positive))
     same_path = tl.trace(model, positive * 2, stop_after=add, reference=reference)
     assert [op.label for op in same_path.ops] == [op.label for op in reference.ops][:len(same_path.ops)]
+
+
+class _Grow(nn.Module):
+    """Adds ``grow(x)`` until the sum reaches 3, then a head: the edit sets how many passes the loop makes, and
+    ops the sites do not name follow the loop."""
+
+    def __init__(self):
+        super().__init__()
+        self.grow, self.head = nn.Linear(2, 2), nn.Linear(2, 2)
+        with torch.no_grad():
+            self.grow.weight.zero_()
+            self.grow.bias.fill_(1.0)  # each pass adds 1 to every element: two passes unedited
+
+    def forward(self, x):
+        h = torch.zeros_like(x)
+        while h.sum() < 3:
+            h = h + self.grow(x)
+        return self.head(h)
+
+
+def test_a_layer_site_whose_edit_makes_a_loop_run_longer_is_refused():
+    # Halved, the loop made a third pass, at the position of the reference's head: no site was placed there and
+    # the check looked only past the reference's last call, so the trace came back as an edit of every pass while
+    # the third ran unedited (its output that of h = 2 where halving every pass gives 1.5).
+    model, x = _Grow(), torch.ones(1, 2)
+    layer = next(op.layer_label for op in tl.trace(model, x).ops if op.module == "grow:1")
+    with pytest.raises(tl.InterventionError, match=rf"also name {layer}:3, which the reference run .* did not make: "
+                                                   "this forward ran longer"):
+        tl.trace(model, x, intervene={layer: tl.scale(0.5)})
+    handle = model.grow.register_forward_hook(lambda module, args, out: out * 0.5)
+    try:
+        expected = model(x)
+    finally:
+        handle.remove()
+    every_call = tl.trace(model, x, intervene={"grow": tl.scale(0.5)})  # the way out the error names
+    assert torch.equal(every_call.output, expected)
+    assert torch.equal(expected, model.head(torch.full((1, 2), 1.5)))

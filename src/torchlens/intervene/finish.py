@@ -104,15 +104,16 @@ def _refuse_a_run_that_ended_before_some_ops(runtime: Interventions) -> None:
 
 def _refuse_ops_past_the_reference(runtime: Interventions, trace) -> None:
     """A layer label or a predicate stands for every op it names, but was resolved against the reference run.
-    A forward that ran longer than the reference (``generate()`` decoding more steps once an edit changed a
-    token) made ops past the reference's last call, where no site was positioned: those the key names were
-    not edited, which the trace must not pass off as an edit of every pass.  Only a longer run is looked at."""
+    A forward that ran longer than the reference (a loop that ran more times, ``generate()`` decoding more steps
+    once an edit changed a token) made ops where no site was positioned: those the key names were not edited,
+    which the trace must not pass off as an edit of every pass.  Such ops come past the reference's last call, or
+    before it when the longer loop is followed by ops the sites do not name.  Only a longer run is looked at."""
     reference = runtime.reference
     if reference is None or len(trace.calls) <= len(reference.calls):
         return
-    end = len(reference.calls)
     sites = {id(site.key): site for site in runtime.label_sites if not site.stop}
-    missed = {key: [op.label for op in _ops_named(trace, site.key) if trace.call_indices[op.index] >= end]
+    edited = _records_edited(runtime)
+    missed = {key: [op.label for op in _ops_named(trace, site.key) if op.index not in edited.get(key, ())]
               for key, site in sites.items()}
     if any(missed.values()):
         names = _site_names(site for key, site in sites.items() if missed[key])
@@ -123,11 +124,20 @@ def _refuse_ops_past_the_reference(runtime: Interventions, trace) -> None:
                 f"call of the reference trace the sites were resolved against, which stopped after {stopped} "
                 "(stop_after=) and so names no op after it: pass reference= a trace of the whole forward, or none")
         raise InterventionError(
-            f"intervention site(s) {names} also name {first_few(sum(missed.values(), []))}, made after the "
-            f"last call of the reference run the sites were resolved against: this forward ran longer (a generate() "
-            f"that decoded more steps once the edit changed a token), so those ops were not edited."
+            f"intervention site(s) {names} also name {first_few(sum(missed.values(), []))}, which the reference run "
+            f"the sites were resolved against did not make: this forward ran longer (a loop that ran more times, a "
+            f"generate() that decoded more steps once the edit changed a token), so those ops were not edited."
             f"{runtime._written_note()} A module site (a module's address) is matched while the model runs and "
             "changes every call of it")
+
+
+def _records_edited(runtime: Interventions) -> dict:
+    """``id(key) -> records`` each site key's action ran at (a probe's too), from what the run applied."""
+    edited: dict = {}
+    for record, applied in runtime.applied.items():
+        for key in applied.site if isinstance(applied.site, tuple) else (applied.site,):
+            edited.setdefault(id(key), set()).add(record)
+    return edited
 
 
 def _ops_named(trace, key) -> list:
