@@ -6,7 +6,7 @@ takes the labels of the whole forward and names the sites past its stop."""
 
 from __future__ import annotations
 
-from ..errors import InterventionError, first_few, listed, warn_user
+from ..errors import InterventionError, counted, first_few, listed, warn_user
 from ..record.columns import Kind
 from ..record.lookup import refuse_ambiguous
 from ..record.op import Layer
@@ -39,8 +39,9 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         edits = [site for site in unmet if not site.stop]  # a stop_after= site alone changes nothing
         named = edits or unmet
         whole = [site.address for site in named if isinstance(site, ModuleSite) and site.call_number is None]
+        numbered = [site for site in named if isinstance(site, ModuleSite) and site.call_number is not None]
         never = (f"the forward ran no such op or module call (a module call number past its last call, or control "
-                 f"flow that skipped it){_unmet_module_hint(trace, whole)}")
+                 f"flow that skipped it){_unmet_module_hint(trace, whole)}{_calls_made_hint(trace, numbered)}")
         if not edits:
             raise InterventionError(f"stop_after site {_site_names(named)} was never reached: {never}, and the "
                                     "forward ran to its end; name a site it reaches (print(tl.trace(model, x)) lists "
@@ -61,6 +62,20 @@ def _unmet_module_hint(trace, addresses: list) -> str:
                     "output to change: it returned None, or raised an exception, in its forward or one of its hooks, "
                     "that the model caught)")
     return next((hint for hint in (bypassed_call_hint(trace, a) for a in addresses) if hint), "")
+
+
+def _calls_made_hint(trace, sites: list) -> str:
+    """The calls the module of a numbered module site past its last call made (``fc:4`` of a module run three
+    times), so that the error names the numbers there are rather than leaving them to be looked up."""
+    module_of = _modules_by_address(trace) if sites else {}
+    for site in sites:
+        module = module_of.get(site.address)
+        if module is not None and module.num_calls:
+            return (f": {site.address} made {counted(module.num_calls, 'call')} in this forward "
+                    f"({listed(module.call_labels, 4, ', ...')})")
+        if module is not None:
+            return f": {site.address} made no call in this forward"
+    return ""
 
 
 def _modules_by_address(trace) -> dict:
