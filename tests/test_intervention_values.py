@@ -260,3 +260,31 @@ def test_a_helper_number_that_would_round_into_an_integer_or_bool_value_is_refus
     with pytest.raises(tl.InterventionError, match=named):
         tl.trace(model, ids, intervene={site: action})
     assert_clean_process()
+
+
+def _noise(std):
+    return lambda out: out + std.to(out.dtype) * torch.randn(out.shape, generator=torch.Generator().manual_seed(3),
+                                                             dtype=out.dtype)
+
+
+@pytest.mark.parametrize("dtype, k", [(torch.bfloat16, torch.tensor([0.5, 2.0, 1.0, 3.0])),
+                                      (torch.float32, torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=torch.float64))],
+                         ids=["float32 at bfloat16", "float64 at float32"])
+def test_a_helper_tensor_of_a_wider_float_dtype_is_cast_to_the_value_as_a_hook_casts_it(dtype, k):
+    # torch's promotion widened value * k to k's dtype (a per-channel float32 scale in a bfloat16 model, a float64 one
+    # from NumPy), which was refused as an action returning another dtype, though a value given within its kind is
+    # cast to the site's dtype (tl.steer's vector always was).
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype), torch.randn(3, 4, dtype=dtype)
+    for action, edit in ((tl.scale(k), lambda out: out * k.to(out.dtype)),
+                         (tl.clamp(min=-k, max=k), lambda out: out.clamp(-k.to(out.dtype), k.to(out.dtype))),
+                         (tl.noise(k, generator=torch.Generator().manual_seed(3)), _noise(k))):
+        edited = tl.trace(model, x, intervene={"0": action})
+        handle = model[0].register_forward_hook(lambda module, args, out: edit(out))
+        try:
+            expected = model(x)
+        finally:
+            handle.remove()
+        assert edited["0"].activation.dtype == dtype
+        assert torch.equal(edited.output, expected)
+    assert_clean_process()

@@ -95,7 +95,7 @@ class scale(Action):  # noqa: N801
         self.k = _number("tl.scale", "k", k)
 
     def value(self, tensor, op, at):
-        return _in_dtype(tensor * _whole(self, "k", self.k, tensor, op), tensor)
+        return _in_dtype(tensor * _operand(self, "k", self.k, tensor, op), tensor)
 
     def _describe(self):
         return repr(self.k)
@@ -113,7 +113,7 @@ class clamp(Action):  # noqa: N801
         _check_bounds_ordered(self.min, self.max)
 
     def value(self, tensor, op, at):
-        low, high = (None if b is None else _whole(self, name, b, tensor, op)
+        low, high = (None if b is None else _operand(self, name, b, tensor, op)
                      for name, b in (("min", self.min), ("max", self.max)))
         return _in_dtype(tensor.clamp(low, high), tensor)
 
@@ -152,7 +152,7 @@ class steer(Action):  # noqa: N801
         shape = [1] * tensor.dim()
         shape[dim] = -1
         vector = self.vector.to(device=tensor.device, dtype=tensor.dtype).reshape(shape)
-        return tensor + _whole(self, "scale", self.scale, tensor, op) * vector
+        return tensor + _operand(self, "scale", self.scale, tensor, op) * vector
 
     def value_at(self, tensor, op):
         return self.value(tensor, op, None)[self.at]  # ``dim`` names a dimension of the whole value
@@ -177,7 +177,7 @@ class noise(Action):  # noqa: N801
     def value(self, tensor, op, at):
         _needs_float(self, tensor, op)
         drawn = torch.randn(tensor.shape, generator=self.generator, dtype=tensor.dtype, device=tensor.device)
-        return tensor + self.std * drawn
+        return tensor + _operand(self, "std", self.std, tensor, op) * drawn
 
     def _describe(self):
         return f"std={self.std!r}"
@@ -438,15 +438,20 @@ def _castable(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> None:
                                   f"them); give a {tensor.dtype} tensor")
 
 
-def _whole(action, name: str, number, tensor: torch.Tensor, op):
-    """A helper's number as an integer or bool value (indices, counts, a mask) can take it: torch computes
-    ``ids * 2.0`` or ``ids + 1.0 * vector`` in floats, which such a value cannot hold though every number in them
-    is whole.  A whole number is used as the int it is (at a mask, 0 or 1), a tensor of the value's kind as it
-    is; any other would be rounded into the value, and is refused naming the helper, the site and the dtype."""
-    if tensor.is_floating_point() or tensor.is_complex():
-        return number
+def _operand(action, name: str, number, tensor: torch.Tensor, op):
+    """A helper's number as the value can take it.  A tensor is cast to the value's dtype and device within its kind
+    (a float32 per-channel scale at a bfloat16 value, a float64 one from NumPy at a float32 value), which torch's
+    promotion would otherwise widen the result to, as a hook writing ``out * k.to(out)`` would; across kinds it is
+    refused (``_castable``).  At an integer or bool value (indices, counts, a mask) torch computes ``ids * 2.0`` or
+    ``ids + 1.0 * vector`` in floats, though every number in them is whole: a whole number is used as the int it is
+    (at a mask, 0 or 1); any other would be rounded into the value, and is refused naming the helper, the site and
+    the dtype."""
     if isinstance(number, torch.Tensor):
+        if tensor.is_quantized:  # no cast to a quantized dtype: torch's own refusal is named with the site
+            return number
         _castable(number, tensor, op, f"{action!r}'s {name}")
+        return number.to(device=tensor.device, dtype=tensor.dtype)
+    if tensor.is_floating_point() or tensor.is_complex():
         return number
     whole = isinstance(number, numbers.Real) and float(number).is_integer()
     if whole and (tensor.dtype != torch.bool or number in (0, 1)):
@@ -459,7 +464,7 @@ def _whole(action, name: str, number, tensor: torch.Tensor, op):
 
 def _in_dtype(new: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """``new`` in a mask's dtype: torch computes a bool value times 0 or 1, or clamped to them, in int64, whose
-    values (0 and 1, the numbers having passed ``_whole``) a bool holds exactly."""
+    values (0 and 1, the numbers having passed ``_operand``) a bool holds exactly."""
     return new.bool() if tensor.dtype == torch.bool and new.dtype != torch.bool else new
 
 
