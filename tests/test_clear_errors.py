@@ -283,7 +283,7 @@ def test_a_key_naming_a_module_that_made_no_call_says_why():
     with pytest.raises(KeyError, match=r"\('blocks' is a ModuleList, a container with no forward of its own: it is "
                                        r"never called, so it has no output; name the modules it holds \(blocks.0\)\)"):
         log["blocks"]
-    with pytest.raises(KeyError, match=r"named 'head:2' in this trace; closest: head:1"):
+    with pytest.raises(KeyError, match=r"named 'head:2' in this trace \(head made 1 call in this forward: head:1\)"):
         log["head:2"]  # head ran, once
     for option in ("save", "grads"):  # a call label of the idle module said nothing of it, where its address did
         with pytest.raises(KeyError, match=rf"'spare:1' .*{option}= matched nothing for it \(that module exists but "
@@ -516,3 +516,29 @@ def test_a_predicate_that_cannot_take_an_op_is_refused_before_the_forward():
         tl.trace(model, x, stop_after=lambda: True)
     assert not forwards
     assert tl.trace(model, x, save=lambda op: op.type == "relu")["relu_1_2:1"].has_activation
+
+
+def test_a_pass_or_call_number_past_the_last_says_how_many_there_were():
+    # log["linear_1_1:4"] of a layer run three times listed the closest keys, leaving the passes to be counted.
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            for _ in range(3):
+                x = self.fc(x)
+            return torch.relu(x)
+
+    model, x = Loop(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    with pytest.raises(KeyError, match=r"\(linear_1_1 ran 3 passes in this forward: linear_1_1:1 to linear_1_1:3\)"):
+        log["linear_1_1:4"]
+    with pytest.raises(KeyError, match=r"\(relu_1_2 ran 1 pass in this forward: relu_1_2:1\)"):
+        log["relu_1_2:2"]
+    with pytest.raises(KeyError, match=r"\(fc made 3 calls in this forward: fc:1 to fc:3\)"):
+        log["fc:9"]
+    with pytest.raises(KeyError, match=r"intervention site 'linear_1_1:4': .*linear_1_1 ran 3 passes"):
+        tl.trace(model, x, intervene={"linear_1_1:4": tl.zero_ablate()})
+    with pytest.raises(KeyError, match=r"closest: "):  # no such layer: the closest keys, as before
+        log["linear_9_9:1"]

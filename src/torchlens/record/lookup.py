@@ -116,8 +116,26 @@ def _described(trace, key: str, target: tuple) -> tuple:
 def missing_key_note(trace, key: str) -> str:
     """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
     of a module, a parameter or buffer, a module the forward never ran, a container), else the closest keys."""
-    return alias_note(trace, key) or record_address_note(trace, key) or \
+    return alias_note(trace, key) or record_address_note(trace, key) or numbered_past_note(trace, key) or \
         unrun_module_note(trace, key) + closest_hint(key, trace._lookup) + no_root_note(trace, key)
+
+
+def numbered_past_note(trace, key: str) -> str:
+    """For a pass or call number past the last one (``linear_1_1:3`` of a layer run twice, ``fc:4`` of a module
+    called three times): how many there were, rather than the closest keys, which leave that to be counted."""
+    name, colon, number = key.rpartition(":")
+    if not colon or not number.isascii() or not number.isdigit() or number != str(int(number)):
+        return ""  # no number, or one written otherwise than a trace writes it (fc:01): the closest keys show how
+    found = trace._lookup.get(name)
+    if isinstance(found, tuple) and found[0] is Layer:
+        count, what = trace[name].num_passes, ("ran", "pass", "passes")
+    else:
+        count = next((len(m.calls) for m in trace._module_rows if name in m.all_addresses), 0)
+        what = ("made", "call", "calls")
+    if not count or int(number) <= count:
+        return ""
+    last = f" to {name}:{count}" if count > 1 else ""
+    return f" ({name} {what[0]} {count} {what[1] if count == 1 else what[2]} in this forward: {name}:1{last})"
 
 
 def no_root_note(trace, key: str) -> str:
