@@ -37,7 +37,11 @@ def test_a_loaded_intervened_trace_keeps_what_was_applied_and_the_original_value
     # Without tensors the record of what was applied stays; the originals, like activations, do not.
     log.save(tmp_path / "meta", activations=False)
     meta = tl.load(tmp_path / "meta")
-    assert meta["2"].intervention is not None and meta["2"].original is None
+    assert meta["2"].intervention is not None
+    says = r"linear_2_3:1: the value before the intervention .*saved with activations=False"
+    with pytest.raises(tl.ActivationUnavailable, match=says):
+        meta["2"].original  # was None, as if the live trace had kept no original there
+    assert meta["relu_1_2:1"].original is None  # no intervention there: none to have
     # A plain trace loads with none.
     plain.save(tmp_path / "plain")
     reread = tl.load(tmp_path / "plain")
@@ -84,3 +88,18 @@ def test_a_channels_last_original_loads_laid_out_as_it_was(tmp_path):
     for trace in (loaded, again):
         kept = trace["0"].original
         assert kept.stride() == log["0"].original.stride() and torch.equal(kept, log["0"].original)
+
+
+def test_an_original_no_file_can_hold_says_why_it_is_missing(tmp_path):
+    # A complex128 original was left out of the folder, and the loaded op.original read None beside an
+    # op.activation that said why it was missing.
+    log = tl.trace(lambda x: (x * 2).to(torch.complex128).abs() + 1, torch.randn(3),
+                   intervene={"to_1_2:1": tl.scale(2.0)})
+    assert log["to_1_2:1"].original.dtype == torch.complex128
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    with pytest.raises(tl.ActivationUnavailable, match=r"to_1_2:1: the value before the intervention was dropped: "
+                                                       r"not saved: safetensors cannot store complex128"):
+        loaded["to_1_2:1"].original
+    assert loaded["to_1_2:1"].intervention is not None and loaded["mul_1_1:1"].original is None
+    loaded.render(tmp_path / "view.html")  # the viewer shows the op without its original

@@ -50,12 +50,16 @@ def write_interventions(trace, folder: str, with_tensors: bool):
         return [], None
     record = {"applied": [[int(i), _site_text(a.site), _action_text(a.action)] for i, a in sorted(applied.items())],
               "originals": []}
-    tensors = {}
-    if with_tensors and not trace.is_cleaned_up:
-        for i, t in sorted(trace._originals.items()):
-            if unsavable(t) is None:  # an original no file can hold (sparse, nested) is left out, as activations are
-                tensors[f"o{i}"] = t  # streamed by write_tensors, never copied whole
-                record["originals"].append([int(i), f"o{i}"])
+    tensors, unsaved = {}, []
+    for i, t in ([] if trace.is_cleaned_up else sorted(trace._originals.items())):
+        why = unsavable(t) if with_tensors else "not saved: the trace was saved with activations=False"
+        if why is None:
+            tensors[f"o{i}"] = t  # streamed by write_tensors, never copied whole
+            record["originals"].append([int(i), f"o{i}"])
+        else:  # an original no file can hold (sparse, complex128) is left out, as activations are, saying why
+            unsaved.append([int(i), why])
+    if unsaved:
+        record["originals_unsaved"] = unsaved
     if not tensors:
         return [], record
     write_tensors(os.path.join(folder, ORIGINAL_TENSORS), tensors, metadata={"format": "torchlens-originals"})
@@ -100,6 +104,7 @@ def _read(trace, saved, folder: str, files) -> None:
             originals[i] = t
     trace._interventions = applied
     trace._originals = originals
+    trace._originals_unsaved = {_index(i, n): str(why) for i, why in saved.get("originals_unsaved", ())}
     trace.interventions = [applied[i] for i in sorted(applied)]
 
 

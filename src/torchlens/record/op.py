@@ -234,10 +234,15 @@ class Op(View):
 
     @property
     def original(self):
-        """The value this op made before an intervention changed it (when saved), else None."""
-        if self._trace._cleaned:
+        """The value this op made before an intervention changed it (when saved), else None.  A loaded trace
+        whose folder could not hold it (a dtype no file format encodes, ``activations=False``) says why."""
+        trace = self._trace
+        if trace._cleaned:
             raise ActivationUnavailable(f"{self.label}: the trace was cleaned up; its activations are gone")
-        return self._trace._originals.get(self.index)
+        why = trace._originals_unsaved.get(self.index)
+        if why is not None:
+            raise ActivationUnavailable(f"{self.label}: the value before the intervention was dropped: {why}")
+        return trace._originals.get(self.index)
 
     @property
     def grad(self):

@@ -49,6 +49,7 @@ class Trace(TraceColumns):
     interventions = ()
     _interventions: dict = {}
     _originals: dict = {}
+    _originals_unsaved: dict = {}  # a loaded trace's op index -> why the file holds no original there
     stopped_after = None  # the stop_after= site the forward was stopped at (output is then None)
     _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
     _packlog = None  # a capture.packing.PackLog when traced with saved_for_backward=True

@@ -165,7 +165,7 @@ class RecordBuilder:
             return
         action = describe_action(applied.action)
         rec["intervention"] = f"{action} at {applied.site_text}: the activation below is the changed value"
-        original = None if self.trace.is_cleaned_up else op.original
+        original = None if self.trace.is_cleaned_up else self.trace._originals.get(op.index)  # None: not kept
         if original is not None:
             rec["original"] = activation_stats(original)
 
