@@ -44,3 +44,17 @@ def test_a_predicate_that_raises_names_the_op_it_was_given(stop):
     assert_clean_process()
     kept = tl.trace(model, x, intervene={(lambda op: op.module is not None and "fc" in op.module): tl.scale(2.0)})
     assert torch.equal(kept.output, (model.fc(x) * 2)[:, -1])
+
+
+def test_activation_patching_by_positions_names_the_op_a_predicate_raised_at_or_matched_nothing():
+    # With positions=, a raising predicate raised bare (no note naming the op), and one matching nothing leaked a
+    # StopIteration from the report's own lookup.
+    model, clean, corrupt = _Head(), torch.randn(1, 3, 4), torch.randn(1, 3, 4)
+    metric = lambda out: out[0, 0]  # noqa: E731
+    with pytest.raises(TypeError, match="NoneType") as raised:
+        tl.report.activation_patching(model, clean, corrupt, metric, sites=[lambda op: "fc" in op.module],
+                                      positions=1, progress=False)
+    assert "given the op getitem_1_2:1" in raised.value.__notes__[-1]
+    with pytest.raises(KeyError, match="predicate matched no op of the reference trace"):
+        tl.report.activation_patching(model, clean, corrupt, metric, sites=[lambda op: op.type == "conv2d"],
+                                      positions=1, progress=False)

@@ -282,9 +282,7 @@ def resolve_labels(reference, pending) -> list:
             else:
                 raise KeyError(f"{_kind(stop)} {key!r} does not name an op in the reference trace")
         else:
-            ops = [op for op in reference.ops if reference.kinds[op.index] == Kind.OP and _accepts(key, op, stop)]
-            if not ops:
-                raise KeyError(_matched_nothing(stop))
+            ops = accepted_ops(reference, key, stop)
         for op in ops:
             if reference.kinds[op.index] != Kind.OP:
                 raise KeyError(_not_an_op(key, op, stop, reference))
@@ -293,6 +291,15 @@ def resolve_labels(reference, pending) -> list:
                 break  # stop after the first op the site names
     number_occurrences(reference, sites)
     return sites
+
+
+def accepted_ops(reference, predicate, stop: bool = False) -> list:
+    """The ops of ``reference`` a predicate site accepts, in order; a predicate accepting none is refused (it would
+    do nothing), and one that raises has its exception noted with the op it was given."""
+    ops = [op for op in reference.ops if reference.kinds[op.index] == Kind.OP and _accepts(predicate, op, stop)]
+    if not ops:
+        raise KeyError(_matched_nothing(stop))
+    return ops
 
 
 def _accepts(predicate, op: Op, stop: bool) -> bool:

@@ -29,6 +29,7 @@ from ..capture.inputs import parameters_named_by
 from ..capture.restore import FirstCalls, ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
+from ..intervene.sites import accepted_ops
 from ..tree import clone_call, tensor_leaves, without_values
 
 
@@ -420,7 +421,7 @@ def _first_op(log, site):
     """The first op whose value ``site`` changes: the op itself, a layer's first pass, a module's first call's
     output, or the first op a predicate accepts."""
     if not isinstance(site, str):
-        return next(op for op in log.ops if op.kind == "op" and site(op))
+        return accepted_ops(log, site)[0]
     found = log[site]
     if isinstance(found, Layer):
         return found.first
