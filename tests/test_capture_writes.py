@@ -1,6 +1,7 @@
 """In-place writes capture must see coming, on both capture paths: the value each op made stays saved, and
 the ops after a write read the write."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -394,3 +395,35 @@ def test_both_out_tensors_a_call_writes_are_in_place_outputs_and_keep_their_old_
     assert log["add_1_6:1"].parents == ["max_1_4:1"]
     result = log.validate()
     assert result.passed, str(result)
+
+
+
+
+class _NumPyWriter(nn.Module):
+    """Doubles its hidden activation and its input through NumPy arrays made by ``np.from_dlpack``, which move
+    no version counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x).relu()
+        np.from_dlpack(y.detach())[...] *= 2
+        np.from_dlpack(x)[...] *= 2
+        return y + 1
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_write_through_a_dlpack_numpy_array_leaves_what_was_saved_as_it_was_made(compiled):
+    # np.from_dlpack(t) shares t's memory as t.numpy() does, through t.__dlpack__: the relu and the input, saved
+    # by reference, would read the doubled values as what relu made and what was passed.
+    model, x = _NumPyWriter(), torch.randn(2, 4)
+    passed = x.clone()
+    with torch.no_grad():
+        made = model.fc(passed).relu()
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    assert torch.equal(log["relu_1_2:1"].activation, made)
+    assert torch.equal(log["input_1"].activation, passed)
+    assert torch.equal(log.output, made * 2 + 1) and torch.equal(x, passed * 2)

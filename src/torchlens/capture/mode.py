@@ -60,7 +60,7 @@ _NOT_OP_METHODS = (
     "size", "dim", "numel", "stride", "item", "tolist", "numpy", "__len__", "__bool__", "__format__",
     "__repr__", "__hash__", "__index__", "__int__", "__float__", "is_contiguous", "is_floating_point",
     "is_complex", "data_ptr", "storage_offset", "element_size", "nelement", "untyped_storage",
-    "get_device", "requires_grad_", "retain_grad", "register_hook", "__array__",
+    "get_device", "requires_grad_", "retain_grad", "register_hook", "__array__", "__dlpack__",
 )
 _NOT_OP_PROPERTIES = (
     "shape", "dtype", "device", "requires_grad", "grad_fn", "grad", "is_leaf", "ndim", "is_cuda",
@@ -94,7 +94,10 @@ _BACKWARDS = frozenset([Tensor.backward, torch.autograd.backward, torch.autograd
 _UNRECORDED_INSIDE = OPERATORS_WHOLE | _BACKWARDS
 # One lookup per call keeps these off the hot path.
 _OFF_HOT_PATH = _NOT_OPS | _DATA_GET | {_SDPA} | _UNRECORDED_INSIDE
-_NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__])
+# Calls that hand a tensor's memory to NumPy (``np.from_dlpack(t)`` calls ``__dlpack__``): a write through the
+# array moves no version counter, so what is saved in that memory is copied first.  ``untyped_storage()`` is
+# not among them: FSDP2 frees memory through it (``resize_(0)``), which must read as freed, not be copied.
+_NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__, Tensor.__dlpack__])
 _REGISTER_HOOK = Tensor.register_hook
 # Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, a user's
 # tensor hook, which the gradient capture's hook must run after (GradCapture.run_after_user_hook), and the
