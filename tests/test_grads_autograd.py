@@ -11,6 +11,7 @@ import torch.nn as nn
 import torchlens as tl
 from torchlens.record.errors import GradientUnavailable
 from grad_oracle import Oracle, _assert_bit_identical, _op_grads
+from accel_paths import PATHS, on_path
 
 
 class Checkpointed(nn.Module):
@@ -378,3 +379,27 @@ def test_a_hook_the_forward_registers_on_a_leaf_is_run_before_the_leafs_gradient
     (delta,) = [op for op in log if op.func_name == "zeros_like"]
     assert torch.equal(delta.grad, expected) and torch.equal(delta.grad, model.delta.grad)
     assert torch.allclose(delta.grad.norm(), torch.tensor(1.0))  # after the user's hook, as .grad is
+
+
+class _InputGradient(nn.Module):
+    """Adds torch.func.grad of a function of its input, which refuses saved-tensor hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + torch.func.grad(lambda row: (row ** 2).sum())(x[0])
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_forward_refusing_saved_tensor_hooks_says_saved_for_backward_is_why(compiled):
+    # torch.func.grad raises on any saved-tensor hook, and saved_for_backward=True is what installs one: the
+    # error says so, where torch's own message only asks for an issue, and the forward traces without it.
+    model, x = _InputGradient(), torch.randn(2, 4)
+    with on_path(compiled):
+        with pytest.raises(RuntimeError, match="saved tensor hooks") as raised:
+            tl.trace(model, x, saved_for_backward=True)
+        log = tl.trace(model, x)
+    assert any("trace it without saved_for_backward=True" in note for note in raised.value.__notes__)
+    assert torch.equal(log.output, model(x))

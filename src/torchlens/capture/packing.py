@@ -22,6 +22,7 @@ from functools import partial
 
 import torch
 
+from ..errors import add_note
 from ..record.layouts import storage_key
 
 _no_torch_function = torch._C.DisableTorchFunction
@@ -99,7 +100,24 @@ class PackLog:
                               "and did not observe packing")
         if self.note_text is not None:
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(partial(_pack, weakref.ref(self)), _unpack)
+        return _refusal_noted(torch.autograd.graph.saved_tensors_hooks(partial(_pack, weakref.ref(self)), _unpack))
+
+
+@contextlib.contextmanager
+def _refusal_noted(hooks):
+    """``hooks`` around the forward, with a note on an error raised by code that refuses saved-tensor hooks
+    (torch.func's ``grad``, ``vjp``, ``jacrev`` and ``hessian``: "don't yet support saved tensor hooks"),
+    which runs untraced: the hooks are the trace's own, and only this option installs them."""
+    try:
+        with hooks:
+            yield
+    except RuntimeError as exc:
+        if "saved tensor" in str(exc):
+            add_note(exc, "torchlens: saved_for_backward=True runs the forward under saved-tensor hooks "
+                          "(torch.autograd.graph.saved_tensors_hooks), which this forward's code refuses ("
+                          "torch.func's grad, vjp, jacrev and hessian do), though it runs without them: trace it "
+                          "without saved_for_backward=True")
+        raise
 
 
 def packing_observed(log):
