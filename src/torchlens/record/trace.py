@@ -45,11 +45,9 @@ class Trace(TraceColumns):
     # A loaded trace's function of each call, by qualified name (``torch.distributed.distributed_c10d.gather``):
     # ``tl.load`` sets it, since such a trace holds no functions and names alone are ambiguous (torch.gather).
     saved_func_paths = None
-    # Interventions (torchlens.intervene): what was applied where, and the values before.
-    interventions = ()
-    _interventions: dict = {}
-    _originals: dict = {}
-    _originals_unsaved: dict = {}  # a loaded trace's op index -> why the file holds no original there
+    # Interventions (torchlens.intervene): what was applied where, and the values before (and, in a loaded trace,
+    # op index -> why the file holds no value before).
+    interventions, _interventions, _originals, _originals_unsaved = (), {}, {}, {}
     stopped_after = None  # the stop_after= site the forward was stopped at (output is then None)
     _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
     _packlog = None  # a capture.packing.PackLog when traced with saved_for_backward=True
