@@ -19,7 +19,7 @@ import functools
 import torch
 
 from ..checks import check_number
-from ..errors import NativeToolFailed, WitnessFailed, listed
+from ..errors import NativeToolFailed, WitnessFailed, counted, listed
 from ..record.modules import enclosing_calls, is_unregistered
 from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, total_flops
 
@@ -456,14 +456,33 @@ def _notes(log, tl_total, tl_families, native_families, attention_calls, unknown
             notes.append(f"{family}: counted by torchlens only (FlopCounterMode counted none of these ops)")
         elif native_families[family] and not tl_families[family]:
             notes.append(f"{family}: counted by FlopCounterMode only (torchlens counted none of these ops)")
-    if tl_total.unknown:
-        names = sorted({log._by_label(label).func_name for label in tl_total.unknown})
+    return notes + _unknown_notes(log, tl_total.unknown, unknown_counted)
+
+
+def _unknown_notes(log, unknown, unknown_counted) -> list:
+    """Notes on the ops torchlens left unknown, in two kinds: a function with no formula, and an op whose formula
+    could not read a shape it needs (an operand read through a view written in place, a nested tensor's ragged
+    size).  Naming the second kind as having no formula would say matmul has none."""
+    ops = [log._by_label(label) for label in unknown]
+    no_formula = [op for op in ops if registry_family(op.func_name) is None]
+    unread = [op.label for op in ops if registry_family(op.func_name) is not None]
+    notes = []
+    if no_formula:
+        names = sorted({op.func_name for op in no_formula})
         neither = [name for name in names if unknown_counted.get(name) == 0]
-        notes.append(f"{len(tl_total.unknown)} captured ops have no torchlens formula ({', '.join(names)}): their "
+        notes.append(f"{_ops_have(len(no_formula))} no torchlens formula ({', '.join(names)}): their "
                      "FLOPs are missing from the torchlens side, not zero"
                      + (f"; FlopCounterMode counted nothing inside {', '.join(neither)} either (no entry in its "
                         "flop registry), so neither side has a figure for that work" if neither else ""))
+    if unread:
+        notes.append(f"{_ops_have(len(unread))} a torchlens formula that could not read a shape it needs "
+                     f"({listed(unread, 3)}: an operand read through a view written in place, or a nested "
+                     "tensor's ragged size): their FLOPs are missing from the torchlens side, not zero")
     return notes
+
+
+def _ops_have(n: int) -> str:
+    return f"{counted(n, 'captured op')} {'has' if n == 1 else 'have'}"
 
 
 def _native_family(overload: str) -> str:
