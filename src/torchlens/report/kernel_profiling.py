@@ -283,9 +283,11 @@ class KernelProfile:
         if row is None and not isinstance(label, str):  # the spelling hint below compares strings
             raise TypeError(f"a profile's rows are found by label, an op ('linear_1_1:1'), a layer or a module call "
                             f"('fc1:1'), not {type(label).__name__} {label!r}")
-        if row is None:
+        if row is None:  # a module's second name (shared, or registered twice) says how its calls are labelled
+            from ..record.lookup import alias_note
+
             raise KeyError(f"no op, layer or module call {label!r} in this profile"
-                           f"{closest_hint(label, self._index)}")
+                           f"{alias_note(self.trace, label) or closest_hint(label, self._index)}")
         return dict(row)
 
     def device_time(self, label: str):
