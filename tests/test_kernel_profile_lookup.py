@@ -39,3 +39,4 @@ def test_a_second_name_of_a_module_points_to_the_calls_labelled_by_its_first(pro
 def test_an_unknown_label_of_no_module_still_names_the_closest(profile):
     with pytest.raises(KeyError, match=r"'fc:3' in this profile; closest: fc:2"):
         profile["fc:3"]
+

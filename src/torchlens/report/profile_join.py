@@ -247,9 +247,11 @@ def _resolve(owner: Owner, seq_owner) -> Target:
         return Target("op", owner.op, "forward")
     if owner.seq is not None:
         serial = seq_owner.get(owner.seq)
-        if serial is None:
-            return Target("unattributed", "backward_without_op")
-        return Target("op", serial, "backward")
+        if serial is not None:
+            return Target("op", serial, "backward")
+        if owner.thread is not None and owner.phase is None:  # on the model's thread, outside this run's phases:
+            return Target("unattributed", "outside_profile")  # another profile's backward, or one run after it
+        return Target("unattributed", "backward_without_op")
     if owner.module is not None:
         return Target("module", owner.module)
     if owner.thread is None:
