@@ -54,6 +54,25 @@ def test_linear_and_conv_match_flop_counter_mode_up_to_bias(bias):
     assert log.flops.complete
 
 
+
+class ScoresIntoABuffer(nn.Module):
+    """Attention scores written into an uninitialized buffer with ``beta=0``, which torch never reads, beside the
+    same product added to a bias (``beta`` 1)."""
+
+    def forward(self, q, k, bias):
+        scores = torch.baddbmm(torch.empty(2, 3, 5), q, k, beta=0.0, alpha=0.5)
+        return scores, torch.baddbmm(bias, q, k), bias[0].addmm(q[0], k[0], beta=0)
+
+
+def test_a_product_that_reads_no_input_with_beta_zero_counts_no_adds_of_it():
+    q, k, bias = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(2, 3, 5)
+    log = tl.trace(ScoresIntoABuffer(), (q, k, bias))
+    ops = [op for op in log.ops if op.func_name in ("baddbmm", "addmm")]
+    buffered, added, method = (tl.report.op_flops(op) for op in ops)
+    product = native_total(torch.bmm, q, k)
+    assert product == 2 * 2 * 3 * 5 * 4
+    assert (buffered, added, method) == (product, product + bias.numel(), product // 2)
+
 def test_matmul_family_spellings_share_one_formula():
     class Spellings(nn.Module):
         def forward(self, a, b):

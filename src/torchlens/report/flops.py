@@ -141,15 +141,21 @@ def _rmatmul(a):
     return 2 * a.out_numel * (right[-2] if len(right) >= 2 else right[0])
 
 
+def _input_adds(a) -> int:
+    """The adds of ``input`` in ``beta * input + alpha * product``: one per output element, none with ``beta=0``,
+    where torch reads no input (attention that fills an uninitialized buffer, ``baddbmm(empty, q, k, beta=0)``)."""
+    return 0 if a.value(None, "beta", 1) == 0 else a.out_numel
+
+
 def _addmm(a):
     left = a.shape(1, "mat1") or a.shape(1, "batch1") or a.shape(1, "mat")
-    return 2 * a.out_numel * left[-1] + a.out_numel if left else None
+    return 2 * a.out_numel * left[-1] + _input_adds(a) if left else None
 
 
 def _addbmm(a):
     """``input + sum_b batch1[b] @ batch2[b]``: a multiply-add per batch and output element, then the sums."""
     left = a.shape(1, "batch1")
-    return (2 * left[0] * left[-1] + 1) * a.out_numel if left else None
+    return 2 * left[0] * left[-1] * a.out_numel + _input_adds(a) if left else None
 
 
 def _grouped_mm(a):
