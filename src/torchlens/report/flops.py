@@ -380,7 +380,7 @@ register("linear", "matmul", _linear)
 register("matmul mm bmm mv dot vdot inner", "matmul", _matmul)
 register("rmatmul", "matmul", _rmatmul)
 register("addmm addmv baddbmm", "matmul", _addmm)
-register("addr", "matmul", _per_element(2))
+register("addr", "matmul", lambda a: a.out_numel + _input_adds(a))  # a multiply per element, then the add
 register("addbmm", "matmul", _addbmm)
 register("_grouped_mm", "matmul", _grouped_mm)
 register("multi_dot linalg_multi_dot", "matmul", _multi_dot)
