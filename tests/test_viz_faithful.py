@@ -157,3 +157,43 @@ def test_the_viewer_record_of_a_rolled_layer_says_which_numbers_are_totals_and_w
     assert linear["memory"] == "32 B to 64 B per pass" and linear["shape"] == "1x8, 2x8"
     assert re.fullmatch(r"\d+ over 3 passes", linear["flops"])
     assert linear["duration"].endswith("over 3 passes (host, instrumented)")
+
+
+class LoopIntoNaN(nn.Module):
+    """``cell`` runs three passes; the log of a negative number makes NaN from the first pass's log on, so
+    ``cell``'s own output is finite on pass 1 and NaN on passes 2 and 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.log(self.cell(x) - 5.0)
+        return x
+
+
+@pytest.fixture(scope="module")
+def nan_loop():
+    torch.manual_seed(0)
+    model, x = LoopIntoNaN(), torch.randn(2, 4)
+    clean = tl.trace(model, (x,), record_finite=True, grads=True)
+    clean.output.nan_to_num().sum().backward()
+    return clean, tl.trace(model, (x,), intervene={"cell:3": tl.zero_ablate()})
+
+
+def rolled_linear(log) -> dict:
+    records = viewer_data(log.render(format="html", view="rolled"))["items"]
+    return next(rec for rec in records.values() if rec["label"] == "linear_1_1")
+
+
+def test_the_viewer_record_of_a_rolled_layer_speaks_for_every_pass_not_its_first(nan_loop):
+    clean, ablated = nan_loop
+    assert [clean[f"linear_1_1:{k}"].finite[0] for k in (1, 2, 3)] == [False, True, True]
+    linear = rolled_linear(clean)
+    assert linear["finite"] == {"nan": True, "inf": False}  # pass 1 alone would say finite
+    assert linear["modules"] == [f"linear_1_1:{k}: cell:{k} (Linear)" for k in (1, 2, 3)]
+    assert [line.split(":")[1] for line in linear["gradient"]] == ["1", "2", "3"]
+    assert "intervention" not in linear
+    changed = rolled_linear(ablated)  # the action replaced pass 3's output only
+    assert changed["intervention"] == ["linear_1_1:3: zero_ablate() at cell:3"]

@@ -104,13 +104,9 @@ class RecordBuilder:
             rec["pass"] = f"{op.pass_index} of {op.num_passes}"
         if op.io_path:
             rec["path"] = op.io_path
-        call = op.module_call
-        stack = []
-        while call is not None:
-            stack.append(f"{call.label} ({call.module.class_name})")
-            call = call.parent
+        stack = _stack(op)
         if stack:
-            rec["modules"] = list(reversed(stack))
+            rec["modules"] = stack
         source = op.source
         if source is not None:
             rec["source"] = f"{source.file}:{source.line} in {source.function}"
@@ -192,7 +188,32 @@ class RecordBuilder:
             rec["flops"] = f"{format_count(sum(flops))} over {len(ops)} passes" if None not in flops else "unknown"
         rec["parents"] = self._in_order(p for op in ops for p in op.parents)
         rec["children"] = self._in_order(c for op in ops for c in op.children)
+        self._pass_fields(rec, ops)
         return rec
+
+    def _pass_fields(self, rec, ops) -> None:
+        """Fields that differ by pass, over every pass: the first pass's alone would stand for all of them (a
+        NaN from pass 2 on, the module calls of a loop, a gradient or an intervention on a later pass)."""
+        stacks = [_stack(op) for op in ops]
+        if any(stack != stacks[0] for stack in stacks):
+            rec["modules"] = [f"{op.label}: {' > '.join(stack) or '-'}" for op, stack in zip(ops, stacks)]
+        flags = [op.finite for op in ops if op.finite is not None]
+        if flags:
+            rec["finite"] = {"nan": any(f[0] for f in flags), "inf": any(f[1] for f in flags)}
+            if len(flags) < len(ops):
+                rec["finite"]["unchecked passes"] = len(ops) - len(flags)
+        coloring = self.coloring
+        if coloring is not None and coloring.metric in ("device_time", "cpu_time") and ops[0].kind == "op":
+            total = sum(coloring.values[op.index] or 0.0 for op in ops)
+            rec[coloring.metric] = f"{format_seconds(total)} over {len(ops)} passes"
+        changed = [op for op in ops if op.intervention is not None]
+        rec.pop("intervention", None), rec.pop("original", None)
+        if changed:
+            rec["intervention"] = [f"{op.label}: {describe_action(op.intervention.action)} at "
+                                   f"{op.intervention.site_text}" for op in changed]
+        gradients = [gradient_record(self.trace, op) for op in ops]
+        if gradients[0] is not None:
+            rec["gradient"] = [f"{op.label}: {_text(g)}" for op, g in zip(ops, gradients)]
 
     def _in_order(self, labels) -> list:
         """Distinct labels in execution order."""
@@ -212,6 +233,22 @@ class RecordBuilder:
         if first.module.param_names:
             rec["params"] = [f"{first.address}.{name}" for name in first.module.param_names]
         return rec
+
+
+def _stack(op) -> list:
+    """The module calls an op ran in, outermost first."""
+    stack, call = [], op.module_call
+    while call is not None:
+        stack.append(f"{call.label} ({call.module.class_name})")
+        call = call.parent
+    return list(reversed(stack))
+
+
+def _text(value) -> str:
+    """A record field as one line (a statistics dict as ``name value`` pairs)."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    return str(value)
 
 
 def _ops_per_call(calls):
