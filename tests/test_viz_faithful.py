@@ -197,3 +197,14 @@ def test_the_viewer_record_of_a_rolled_layer_speaks_for_every_pass_not_its_first
     assert "intervention" not in linear
     changed = rolled_linear(ablated)  # the action replaced pass 3's output only
     assert changed["intervention"] == ["linear_1_1:3: zero_ablate() at cell:3"]
+
+
+def test_the_viewer_record_of_a_rolled_layer_adds_up_the_device_times_of_its_passes(nan_loop):
+    clean, _ = nan_loop
+    times = {"linear_1_1:2": 2e-3, "linear_1_1:3": 1e-3}
+    page = clean.render(format="html", view="rolled", color_by="device_time", device_times=times)
+    records = viewer_data(page)["items"].values()
+    linear = next(rec for rec in records if rec["label"] == "linear_1_1")
+    assert linear["device_time"] == "3 ms over 2 of 3 passes"  # pass 1 has no time: neither it nor 0 stands for all
+    log_op = next(rec for rec in records if rec["label"] == "log_1_3")
+    assert log_op["device_time"] == "unknown"

@@ -204,8 +204,10 @@ class RecordBuilder:
                 rec["finite"]["unchecked passes"] = len(ops) - len(flags)
         coloring = self.coloring
         if coloring is not None and coloring.metric in ("device_time", "cpu_time") and ops[0].kind == "op":
-            total = sum(coloring.values[op.index] or 0.0 for op in ops)
-            rec[coloring.metric] = f"{format_seconds(total)} over {len(ops)} passes"
+            known = [coloring.values[op.index] for op in ops if coloring.values[op.index] is not None]
+            counted_over = f"{len(known)} of {len(ops)}" if len(known) < len(ops) else str(len(ops))
+            # a pass with no time adds no zero: the total says over how many passes it was taken
+            rec[coloring.metric] = f"{format_seconds(sum(known))} over {counted_over} passes" if known else "unknown"
         changed = [op for op in ops if op.intervention is not None]
         rec.pop("intervention", None), rec.pop("original", None)
         if changed:
