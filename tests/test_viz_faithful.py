@@ -110,6 +110,20 @@ def test_the_viewer_record_of_a_rolled_box_counts_ops_per_call():
     assert sorted(rec["ops"] for rec in unrolled["groups"].values() if rec["class"] == "Gated") == [1, 2]
 
 
+def test_the_viewer_record_of_a_rolled_box_gives_the_inputs_and_outputs_of_every_call():
+    log = tl.trace(CalledOnTwoShapes(), (torch.randn(2, 4),))
+    rolled = viewer_data(log.render(format="html", view="rolled", depth=0))
+    block = next(rec for rec in rolled["groups"].values() if rec["label"] == "block")
+    calls = [call for call in log.module_calls if call.address == "block"]
+    assert block["inputs"] == [f"{c.label}: {op} ({'x'.join(map(str, log[op].shape))})"
+                               for c in calls for op in c.input_ops]
+    assert [line.split(" (")[-1] for line in block["outputs"]] == ["2x4)", "1x4)"]  # the first call's alone: 2x4
+    assert block["duration"].endswith(" over 2 calls (host, instrumented)")
+    unrolled = viewer_data(log.render(format="html"))
+    second = next(rec for rec in unrolled["groups"].values() if rec["label"] == "block:2")
+    assert second["outputs"] == [f"{op} (1x4)" for op in calls[1].output_ops]
+
+
 class ThroughAnIdentity(nn.Module):
     def __init__(self):
         super().__init__()

@@ -227,14 +227,21 @@ class RecordBuilder:
         first = calls[0]
         rec = {"label": group.label, "kind": "module", "class": group.class_name, "depth": group.depth,
                "calls": [c.label for c in calls], "ops": _ops_per_call(calls)}
-        rec["inputs"] = [f"{label} ({shape_text(trace._by_label(label).shape)})" for label in first.input_ops]
-        rec["outputs"] = [f"{label} ({shape_text(trace._by_label(label).shape)})" for label in first.output_ops]
+        # A rolled box's calls each had their own inputs and outputs: the first call's alone would stand for all.
+        rec["inputs"] = [line for call in calls for line in self._call_tensors(call, call.input_ops, len(calls))]
+        rec["outputs"] = [line for call in calls for line in self._call_tensors(call, call.output_ops, len(calls))]
         durations = [c.duration for c in calls if c.duration is not None]
         if durations:
-            rec["duration"] = format_seconds(sum(durations)) + " (host, instrumented)"
+            over = f" over {len(durations)} calls" if len(calls) > 1 else ""  # a total, not one call's
+            rec["duration"] = f"{format_seconds(sum(durations))}{over} (host, instrumented)"
         if first.module.param_names:
             rec["params"] = [f"{first.address}.{name}" for name in first.module.param_names]
         return rec
+
+    def _call_tensors(self, call, labels, num_calls) -> list:
+        """``label (shape)`` for each tensor into or out of a call; prefixed by the call in a box of several."""
+        lines = [f"{label} ({shape_text(self.trace._by_label(label).shape)})" for label in labels]
+        return [f"{call.label}: {line}" for line in lines] if num_calls > 1 else lines
 
 
 def _stack(op) -> list:
