@@ -126,3 +126,28 @@ def test_show_takes_format_html_or_none_inline_and_in_a_browser(monkeypatch, tmp
     monkeypatch.setattr("torchlens.viz._has_display", lambda: True)
     assert log.show(format=None).read_text().startswith("<!DOCTYPE html>")
     assert log.show(max_ops=3).read_text().startswith("<!DOCTYPE html>")  # a notebook's limit: the page draws all
+
+
+class ScoredHead(torch.nn.Module):
+    """A linear head (a FLOPs formula) and a cross-entropy loss (none): the loss call's count is a lower bound."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 3)
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def forward(self, x, target):
+        return self.loss(self.head(x), target)
+
+
+def test_the_module_table_marks_flops_that_are_a_lower_bound_as_print_does():
+    log = tl.trace(ScoredHead(), (torch.randn(2, 4), torch.tensor([0, 2])))
+    rows = {row["call"]: row for row in log.summary().rows}
+    assert rows["loss:1"]["flops_complete"] is False and rows["head:1"]["flops_complete"] is True
+    module_table = re.search(r"<table.*?</table>", tl.viz.notebook_html(log, max_ops=0)).group(0)
+    cells = [re.findall(r"<td[^>]*>([^<]*)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", module_table)]
+    flops = {row[0]: row[4] for row in cells if row}  # call, class, params, ops, FLOPs
+    assert set(flops) == set(rows)
+    assert flops["loss:1"].endswith("+") and not flops["head:1"].endswith("+")
+    assert flops[log.model_name] == f"{rows[log.model_name]['flops']}+"
+    assert "a lower bound" in tl.viz.notebook_html(log, max_ops=0)

@@ -236,6 +236,14 @@ def human_count(n) -> str:
     return str(int(n))
 
 
+def flops_text(row) -> str:
+    """A row's FLOPs, with ``+`` where ops inside it have no formula: the count is then a lower bound."""
+    return human_count(row["flops"]) + ("" if row["flops_complete"] in (True, None) else "+")
+
+
+INCOMPLETE_FLOPS_NOTE = "a '+' marks rows with ops no formula covers"
+
+
 def _shapes(shapes) -> str:
     text = ", ".join(shape_text(s) for s in shapes) or "-"
     return text if len(text) <= 22 else text[:21] + "~"
@@ -249,7 +257,7 @@ def summary_table_text(summary: ModuleSummary) -> str:
     table = [header]
     for r in summary.rows:
         name = "  " * (r["depth"] + 1) + r["call"] if r["depth"] >= 0 else r["call"]
-        flops = human_count(r["flops"]) + ("" if r["flops_complete"] in (True, None) else "+")
+        flops = flops_text(r)
         time = f"{r['duration'] * 1e3:.2f} ms" if r["duration"] is not None else "-"
         cells = [name, r["class_name"], human_count(r["params"]), _shapes(r["input_shapes"]),
                  _shapes(r["output_shapes"]), str(r["ops"]), flops, time, human_bytes(r["activation_bytes"])]
@@ -275,7 +283,7 @@ def summary_table_text(summary: ModuleSummary) -> str:
         params += "; the packed weights of quantized modules are not parameters and are not counted (log.caveats)"
     lines.append(f"Parameters: {params}")
     if root["flops"] is not None:
-        incomplete = "" if root["flops_complete"] else " (a '+' marks rows with ops no formula covers)"
+        incomplete = "" if root["flops_complete"] else f" ({INCOMPLETE_FLOPS_NOTE})"
         lines.append(f"Forward FLOPs: {root['flops']:,} (a multiply-add counts 2){incomplete}")
     lines.append("Times are instrumented host times (for ranking); Act. mem is the bytes of the tensors each "
                  "call's ops produced")

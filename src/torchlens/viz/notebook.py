@@ -53,12 +53,14 @@ def _header_text(trace) -> str:
 
 
 def _module_table(trace) -> str:
-    from ..record.module_table import human_count
+    from ..record.module_table import INCOMPLETE_FLOPS_NOTE, flops_text, human_count
 
     summary = trace.summary(depth=2)
-    rows = [(r["call"], r["class_name"], human_count(r["params"]), r["ops"], human_count(r["flops"]))
-            for r in summary.rows]
-    return _table(["module call", "class", "params", "ops", "FLOPs"], rows)
+    rows = [(r["call"], r["class_name"], human_count(r["params"]), r["ops"], flops_text(r)) for r in summary.rows]
+    table = _table(["module call", "class", "params", "ops", "FLOPs"], rows)
+    if summary.rows[0]["flops_complete"] is False:  # the root's count covers every op: any '+' shows there
+        table += f'<p style="font-size:12px;margin:0">FLOPs: {INCOMPLETE_FLOPS_NOTE} (a lower bound)</p>'
+    return table
 
 
 def _op_table(trace) -> str:
