@@ -441,3 +441,23 @@ def test_without_a_layout_engine_the_html_view_is_skipped_and_the_rest_written(m
     assert (models / "run.json").is_file() and not (models / "view.html").exists()
     assert main(["render", "run", "-o", "view.html"]) == 2
     assert "or write a .dot file, which needs no layout engine" in capsys.readouterr().err
+
+
+def test_a_failing_layout_engine_is_named_as_such_not_as_the_model(models, monkeypatch, capsys):
+    # render loads a saved trace and runs no model, yet a layout engine that exits with an error was reported as
+    # "the model failed".
+    import shutil
+
+    failing = shutil.which("false")
+    if failing is None:
+        pytest.skip("no `false` command to stand for a failing layout engine")
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--save", "run"]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("TORCHLENS_DOT", failing)
+    assert main(["render", "run", "-o", "view.svg"]) == 1
+    err = capsys.readouterr().err
+    assert "torchlens: error: the layout engine failed: " in err and "the model failed" not in err
+    assert not (models / "view.svg").exists()
+    assert main(["render", "run", "-o", "view.dot"]) == 0  # DOT needs no engine

@@ -163,8 +163,11 @@ def cmd_render(args) -> int:
         raise UsageError(str(exc)) from None
     except LayoutEngineMissing as exc:
         raise UsageError(f"{exc} (or write a .dot file, which needs no layout engine)") from None
-    except LayoutFailed as exc:
-        raise ModelError(exc) from exc
+    except LayoutFailed as exc:  # no model ran here: the engine itself failed, which is no usage problem either
+        if args.traceback:
+            raise
+        print(f"torchlens: error: the layout engine failed: {exc}", file=sys.stderr)
+        return MODEL
     note(f"wrote {written}")
     return 0
 
