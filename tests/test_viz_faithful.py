@@ -222,3 +222,43 @@ def test_the_viewer_record_of_a_rolled_layer_adds_up_the_device_times_of_its_pas
     assert linear["device_time"] == "3 ms over 2 of 3 passes"  # pass 1 has no time: neither it nor 0 stands for all
     log_op = next(rec for rec in records if rec["label"] == "log_1_3")
     assert log_op["device_time"] == "unknown"
+
+
+class Scored(nn.Module):
+    """A linear head (a FLOPs formula) and a cross-entropy (none) in one module call."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, target):
+        return nn.functional.cross_entropy(self.head(x), target)
+
+
+class ScoredNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scored = Scored()
+
+    def forward(self, x, target):
+        return self.scored(x, target)
+
+
+def node_value(dot, title) -> str:
+    """The value row under a node's title and counts (the last small-font row of its label)."""
+    line = next(line for line in dot.splitlines() if f"<b>{title}" in line)
+    return re.findall(r'<font point-size="8">([^<]*)</font>', line)[-1]
+
+
+def test_a_node_whose_sum_leaves_out_ops_with_no_value_marks_it_a_lower_bound():
+    log = tl.trace(ScoredNet(), (torch.randn(2, 4), torch.tensor([0, 2])))
+    rows = {row["call"]: row for row in log.summary().rows}
+    collapsed = log.render(depth=0, color_by="flops")  # the linear's FLOPs, and a cross-entropy with none
+    assert node_value(collapsed, "scored:1") == f"{rows['scored:1']['flops']}+"
+    assert node_value(log.render(depth=1, color_by="flops"), "scored.head:1") == str(rows["scored.head:1"]["flops"])
+    assert "marked + when some of them have no value" in collapsed
+    loop = tl.trace(LoopIntoNaN(), (torch.randn(2, 4),))
+    timed = loop.render(view="rolled", color_by="device_time", device_times={"linear_1_1:2": 2e-3})
+    assert node_value(timed, "linear_1_1 ") == "2 ms+"  # passes 1 and 3 were not timed
+    full = {f"linear_1_1:{k}": 1e-3 for k in (1, 2, 3)}
+    assert node_value(loop.render(view="rolled", color_by="device_time", device_times=full), "linear_1_1 ") == "3 ms"

@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 
 from .graph import edge_pass_label, pass_ranges
-from .metrics import aggregate, format_value
+from .metrics import SUMMED_METRICS, aggregate, format_value
 from ..errors import counted, listed
+from ..record.columns import Kind
 from ..record.layouts import shape_text
 
 FONT = "Helvetica"
@@ -137,7 +138,18 @@ class DotWriter:
         if self.coloring is None or self.coloring.metric == "nonfinite":
             return None
         value = aggregate(self.coloring.values, ops, self.coloring.metric)
-        return f'<font point-size="8">{esc(format_value(self.coloring.metric, value))}</font>'
+        text = format_value(self.coloring.metric, value)
+        if value is not None and self._some_unknown(ops):
+            text += "+"  # a sum that leaves out ops with no value is a lower bound, as log.summary() marks it
+        return f'<font point-size="8">{esc(text)}</font>'
+
+    def _some_unknown(self, ops) -> bool:
+        """Whether a summed metric has no value for some compute op among ``ops`` (an op no FLOPs formula
+        covers, an op a profile did not time); gradient norms are left alone: an op needing none has none."""
+        if self.coloring.metric not in SUMMED_METRICS:
+            return False
+        values, kinds = self.coloring.values, self.trace._kind
+        return any(values[i] is None for i in ops if kinds[i] == Kind.OP)
 
     def _changed_row(self, ops):
         """What interventions did to these ops (their pass numbers in the rolled view), or None."""

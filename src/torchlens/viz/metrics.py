@@ -17,6 +17,7 @@ from ..record.finite import nonfinite_flags
 from ..record.summary import human_bytes
 
 METRICS = ("duration", "flops", "memory", "nonfinite", "device_time", "cpu_time", "grad_norm")
+SUMMED_METRICS = ("duration", "flops", "memory", "device_time", "cpu_time")  # a node of several ops shows the sum
 # The metrics read from times passed in: their keyword, the kernel profile column, what the time is.
 _PASSED = {"device_time": ("device_times", "device_ns", "device time"),
            "cpu_time": ("cpu_times", "cpu_ns", "self CPU time")}
@@ -261,7 +262,8 @@ class Coloring:
             note += ("; a node standing for several ops (a rolled layer, a collapsed module) shows the norm of their "
                      "gradients taken together")
         elif self.metric != "nonfinite":
-            note += "; a node standing for several ops (a rolled layer, a collapsed module) shows their sum"
+            note += ("; a node standing for several ops (a rolled layer, a collapsed module) shows their sum, "
+                     "marked + when some of them have no value (a lower bound)")
         return {"title": f"colour: {self.metric.replace('_', ' ')}", "note": note, "entries": entries}
 
 
