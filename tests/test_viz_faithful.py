@@ -262,3 +262,27 @@ def test_a_node_whose_sum_leaves_out_ops_with_no_value_marks_it_a_lower_bound():
     assert node_value(timed, "linear_1_1 ") == "2 ms+"  # passes 1 and 3 were not timed
     full = {f"linear_1_1:{k}": 1e-3 for k in (1, 2, 3)}
     assert node_value(loop.render(view="rolled", color_by="device_time", device_times=full), "linear_1_1 ") == "3 ms"
+
+
+class LogBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.log(self.fc(x) - 5.0)  # NaN: the linear's outputs are far below 5
+
+
+def test_a_collapsed_module_with_unchecked_ops_is_not_drawn_checked_finite():
+    from torchlens.viz.metrics import FINITE_FILL, ORIGIN_FILL, UNKNOWN_FILL
+
+    model, x = nn.Sequential(LogBlock()), torch.randn(2, 4)
+    fill = re.compile(r'fillcolor="([^"]+)".*<b>0:1 \(LogBlock\)</b>')
+    # only the linear was saved: it is finite, the unsaved log that made the NaN is unchecked
+    partly = tl.trace(model, (x,), save=["linear"])
+    assert fill.search(partly.render(depth=0, color_by="nonfinite")).group(1) == UNKNOWN_FILL
+    checked = tl.trace(model, (x,), record_finite=True)
+    assert fill.search(checked.render(depth=0, color_by="nonfinite")).group(1) == ORIGIN_FILL  # the NaN began inside
+    finite = tl.trace(nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), (x,), record_finite=True)
+    assert re.search(rf'fillcolor="{FINITE_FILL}".*<b>0:1 \(Sequential\)</b>', finite.render(depth=0,
+                                                                                          color_by="nonfinite"))

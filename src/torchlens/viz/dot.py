@@ -139,15 +139,13 @@ class DotWriter:
             return None
         value = aggregate(self.coloring.values, ops, self.coloring.metric)
         text = format_value(self.coloring.metric, value)
-        if value is not None and self._some_unknown(ops):
+        if value is not None and self.coloring.metric in SUMMED_METRICS and self._some_unknown(ops):
             text += "+"  # a sum that leaves out ops with no value is a lower bound, as log.summary() marks it
         return f'<font point-size="8">{esc(text)}</font>'
 
     def _some_unknown(self, ops) -> bool:
-        """Whether a summed metric has no value for some compute op among ``ops`` (an op no FLOPs formula
-        covers, an op a profile did not time); gradient norms are left alone: an op needing none has none."""
-        if self.coloring.metric not in SUMMED_METRICS:
-            return False
+        """Whether some compute op among ``ops`` has no value (an op no FLOPs formula covers, one a profile did
+        not time, one whose output was neither checked nor saved)."""
         values, kinds = self.coloring.values, self.trace._kind
         return any(values[i] is None for i in ops if kinds[i] == Kind.OP)
 
@@ -233,7 +231,10 @@ class DotWriter:
         if self.coloring is None or kind not in ("op", "param_op", "module"):
             return f'fillcolor="{KIND_FILL[kind]}"'
         labels = [self.trace.labels[i] for i in ops]
-        fill = self.coloring.fill(aggregate(self.coloring.values, ops, self.coloring.metric), labels)
+        value = aggregate(self.coloring.values, ops, self.coloring.metric)
+        if value is False and self._some_unknown(ops):  # no NaN among the checked ops says nothing of the rest
+            value = None
+        fill = self.coloring.fill(value, labels)
         return f'fillcolor="{fill}", fontcolor="{self.coloring.font(fill)}"'
 
     def item_node(self, index, ports=()) -> str:
