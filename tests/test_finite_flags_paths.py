@@ -98,3 +98,24 @@ def test_the_one_pass_check_gives_the_exact_flags(dtype):
     for t in cases:
         assert nonfinite_flags(t) == _exact(t), t
     assert cases[-1].sum().isinf() and nonfinite_flags(cases[-1]) == (False, False)
+
+
+@pytest.fixture(scope="module")
+def nan_running_var():
+    """A BatchNorm whose running variance holds a NaN (a diverged update of its statistics)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU()).eval()
+    model[1].running_var[1] = float("nan")
+    return model
+
+
+@pytest.mark.parametrize("save", ["none", ["0"]])
+def test_a_buffer_is_flagged_like_an_input_so_its_nan_is_named_without_saving_it(nan_running_var, save):
+    """A buffer is a source as an input is: with flags alone, its NaN is named as already in the buffer, as with
+    saved activations, not left unexamined, which made the batch norm reading it only a possible origin."""
+    log = tl.trace(nan_running_var, torch.randn(3, 4), save=save, record_finite=True)
+    var = next(op for op in log.ops if op.kind == "buffer" and op.io_path == "1.running_var")
+    assert var.finite == (True, False)
+    report = tl.debug.nonfinite_origin(log)
+    assert report.certain and report.origin_kind == "buffer" and report.origin_label == var.label
+    assert [log[label].func_name for label in report.propagators] == ["batch_norm", "relu"]

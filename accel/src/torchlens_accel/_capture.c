@@ -188,6 +188,8 @@ static PyObject *version_of(Handler *h, PyObject *t) {
 
 /* ``st.producer_of(t)`` for a tensor no entry is about (defined with the records below). */
 static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key);
+/* ``st.record_finite(index, t)`` when the trace records finite flags (defined below). */
+static int note_finite(Handler *h, PyObject *index, PyObject *t);
 
 /* The record index of a tensor argument read at ``version``: ``st.producer_of(t)``, answered here when
  * its entry is about ``t`` at that version (the bound producer) or no entry is (``unbound_source``), by
@@ -769,7 +771,7 @@ static PyObject *unbound_source(Handler *h, PyObject *t, PyObject *key) {
     if (append_record(h, records, t, h->buffer_kind, PyTuple_GET_ITEM(buffer, 1), &rg, &node) < 0
             || (version = version_of(h, t)) == NULL || (entry = PyTuple_Pack(3, t, index, version)) == NULL
             || PyDict_SetItem(producers, key, entry) < 0
-            || (saving && save_inline(h, index, t, 0, version) != 0)) {
+            || (saving && save_inline(h, index, t, 0, version) != 0) || note_finite(h, index, t) < 0) {
         Py_CLEAR(index);
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "torchlens: a buffer could not be saved inline");
     }

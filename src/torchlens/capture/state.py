@@ -286,7 +286,10 @@ class CaptureState:
         if buffer is not None and buffer[0] is t:
             # By reference, like an activation: a write predicted before the call (in place, or
             # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
-            return self._add(t, BUFFER, buffer[1], held=True)
+            index = self._add(t, BUFFER, buffer[1], held=True)
+            if self.finite_flags is not None:  # as an input's: a NaN already in a buffer is named as such
+                self.record_finite(index, t)
+            return index
         self.unattributed += 1
         # Kept to say later where it lives, if a module holds it (record/finalize.py): once per tensor.
         if self.outside is None:
