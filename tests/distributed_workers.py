@@ -272,6 +272,11 @@ def traces(rank, world, workdir):
     if rank == 0:  # compared on one rank: a DTensor activation compared as one waited for the others
         out["tensor_parallel"] = {"types": sorted({type(t).__name__ for g in gathered for t in g.activations.values()}),
                                   "compare": tl.distributed.compare(gathered).to_dict("records")}
+    poisoned = x.clone()
+    poisoned[0, 0] = float("nan") if rank == 1 else poisoned[0, 0]  # rank 1's NaN reaches rank 0 by all_reduce
+    report = tl.debug.nonfinite_origin(tl.trace(ReducesAView(), poisoned, save="none", record_finite=True))
+    out["nonfinite"] = {"origin": report.origin_label, "kind": report.origin_kind, "certain": report.certain,
+                        "possible": report.possible_origins, "text": str(report)}
     dist.barrier()
     return out
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import torchlens as tl
+from torchlens.debug.nonfinite import OTHER_RANKS
 from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
                                  extract_fsdp2, extract_fsdp2_uneven, extract_streams, extract_tensor_parallel,
                                  extract_through_ddp,
@@ -122,6 +123,15 @@ def test_collectives_in_forward_are_ops_named_by_collective_and_group(traced):
         assert c["loaded_names"] == c["names"]  # a saved trace keeps which collectives ran (not their groups)
         assert c["validate_mismatched"] == []
         assert set(c["labels"]) <= set(c["validate_not_replayed"])  # replay never re-issues a collective
+
+
+def test_a_nan_a_collective_received_from_another_rank_is_not_called_born_in_it(traced):
+    """Rank 0's inputs are finite and rank 1's all_reduce sends it a NaN: rank 0 cannot tell it from one the
+    collective made, so it names the collective as not certain, pointing at the other ranks; rank 1 names its input."""
+    got = [t["nonfinite"] for t in traced]
+    assert got[0]["origin"].startswith("allreduce") and got[0]["kind"] == "op" and not got[0]["certain"]
+    assert got[0]["possible"] == (OTHER_RANKS,) and "run nonfinite_origin on every rank" in got[0]["text"]
+    assert (got[1]["origin"], got[1]["kind"], got[1]["certain"]) == ("input_1:1", "input", True)
 
 
 def test_every_listed_torch_distributed_collective_is_recorded(traced):

@@ -41,6 +41,8 @@ DETECT_ANOMALY_RECIPE = (
       "grads=True show where the Inf itself appeared (tl.debug.nonfinite_origin(log, grads=True)).")
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
+# Among possible origins: what a collective received, which no op of this rank's trace holds.
+OTHER_RANKS = "(values other ranks sent to the collective)"
 
 
 class NonfiniteReport:
@@ -123,6 +125,10 @@ class NonfiniteReport:
         elif self.certain:
             lines = [f"  origin: {op.label} ({op.func_name}){where}{source} produced {self.kind.upper()} from "
                      "finite inputs"]
+        elif self.possible_origins == (OTHER_RANKS,):
+            lines = [f"  first non-finite op examined: {op.label} ({op.func_name}){where}{source} produced "
+                     f"{self.kind.upper()}, from finite inputs on this rank, but it is a collective: the other ranks' "
+                     "values it read may hold it; run nonfinite_origin on every rank too"]
         else:
             lines = [f"  first non-finite op examined: {op.label} ({op.func_name}){where}{source} produced "
                      f"{self.kind.upper()}, but not all of its inputs were examined",
@@ -202,7 +208,7 @@ def nonfinite_origin(log, grads: bool = False):
             if unsure:
                 certain, possible = False, _unexamined_ancestors(log, status, i) + \
                     [f"(parameter {a}, changed since the trace)" for a in log.param_addresses.get(i, ())
-                     if a in params_changed]
+                     if a in params_changed] + ([OTHER_RANKS] if _from_other_ranks(log, i) else [])
         elif unsure:
             undetermined.append(log.labels[i])
         else:
@@ -274,12 +280,22 @@ def _birth_kind(log, i, bad_params, status, changed_params=()):
     if any(p in bad_params for p in params):
         return "parameter", False
     unsure = any(p < 0 or status[p] is None for _, p in log.op_parents[i]) or \
-        any(p in changed_params for p in params)
+        any(p in changed_params for p in params) or _from_other_ranks(log, i)
     if i in log._interventions:
         by_action = _action_made_it(log, i)
         if by_action is not False:
             return "intervention", by_action is None
     return "op", unsure
+
+
+def _from_other_ranks(log, i) -> bool:
+    """Whether op ``i`` is a collective that read other ranks' values (the trace examined this rank's alone): a
+    NaN in its output may have come from one of them, or been born in it (a sum that overflows)."""
+    if log.world_size == 1 or log.kinds[i] != Kind.OP:
+        return False
+    from ..distributed.collectives import is_collective_op
+
+    return is_collective_op(log.ops[i])
 
 
 def _action_made_it(log, i):

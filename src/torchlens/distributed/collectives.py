@@ -33,6 +33,11 @@ def collectives(trace):
     return require_pandas("a torchlens.distributed table").DataFrame(rows, columns=columns)
 
 
+def is_collective_op(op) -> bool:
+    """Whether ``op`` is an output of a collective call, recorded live or read back with ``tl.load``."""
+    return _describe(op) is not None
+
+
 def _first_output(op) -> bool:
     """Whether ``op`` is the first output of its call: one row per call, whatever the outputs' slots (those of
     ``all_gather_coalesced``, a list of lists, are ``(0, 0)``, ``(0, 1)`` ...)."""
