@@ -128,7 +128,8 @@ class NonfiniteReport:
         elif self.possible_origins == (OTHER_RANKS,):
             lines = [f"  first non-finite op examined: {op.label} ({op.func_name}){where}{source} produced "
                      f"{self.kind.upper()}, from finite inputs on this rank, but it is a collective: the other ranks' "
-                     "values it read may hold it; run nonfinite_origin on every rank too"]
+                     "values it read may hold it, or it made it (a sum that overflows); run nonfinite_origin on every "
+                     "rank too"]
         else:
             lines = [f"  first non-finite op examined: {op.label} ({op.func_name}){where}{source} produced "
                      f"{self.kind.upper()}, but not all of its inputs were examined",
