@@ -292,7 +292,7 @@ def _birth_kind(log, i, bad_params, status, changed_params=()):
 def _from_other_ranks(log, i) -> bool:
     """Whether op ``i`` is a collective that read other ranks' values (the trace examined this rank's alone): a
     NaN in its output may have come from one of them, or been born in it (a sum that overflows)."""
-    if log.world_size == 1 or log.kinds[i] != Kind.OP:
+    if (log.world_size or 1) == 1 or log.kinds[i] != Kind.OP:  # None: traced outside torch.distributed
         return False
     from ..distributed.collectives import is_collective_op
 
