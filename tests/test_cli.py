@@ -461,3 +461,9 @@ def test_a_failing_layout_engine_is_named_as_such_not_as_the_model(models, monke
     assert "torchlens: error: the layout engine failed: " in err and "the model failed" not in err
     assert not (models / "view.svg").exists()
     assert main(["render", "run", "-o", "view.dot"]) == 0  # DOT needs no engine
+    # trace --html with that engine stopped before writing --chrome, and called the failure the model's.
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--save", "again",
+                 "--chrome", "again.json", "--html", "again.html"]) == 1
+    err = capsys.readouterr().err
+    assert "torchlens: error: the layout engine failed: " in err and "wrote chrome trace: again.json" in err
+    assert (models / "again.json").is_file() and (models / "again" / "manifest.json").is_file()

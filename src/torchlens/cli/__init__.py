@@ -50,22 +50,25 @@ def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
 
 def _write_exports(log, save=None, html=None, chrome=None, depth=None) -> list:
     written = []
+
+    def wrote(what, path):
+        written.append((what, path))
+        note(f"wrote {what}: {path}")
+
     if save:
         log.save(save, overwrite=_is_saved_trace(save))
-        written.append(("saved trace", save))
-    if html:
+        wrote("saved trace", save)
+    if chrome:
+        if log.to_chrome_trace(chrome) is not None or os.path.exists(chrome):
+            wrote("chrome trace", chrome)
+    if html:  # last: a layout engine that fails then leaves the other exports written
         from ..viz import LayoutEngineMissing
 
         try:
             if log.render(html, format="html", depth=depth) is not None or os.path.exists(html):
-                written.append(("HTML view", html))
+                wrote("HTML view", html)
         except LayoutEngineMissing as exc:  # the trace is fine: say what was left out, and write the rest
             note(f"skipped the HTML view {html}: {exc}")
-    if chrome:
-        if log.to_chrome_trace(chrome) is not None or os.path.exists(chrome):
-            written.append(("chrome trace", chrome))
-    for what, path in written:
-        note(f"wrote {what}: {path}")
     return written
 
 
@@ -118,7 +121,12 @@ def cmd_trace(args) -> int:
     if args.hot_path:
         print()
         print(hot_path_text(log, args.hot_path))
-    _write_exports(log, save=args.save, html=args.html, chrome=args.chrome, depth=args.depth)
+    from ..viz import LayoutFailed
+
+    try:
+        _write_exports(log, save=args.save, html=args.html, chrome=args.chrome, depth=args.depth)
+    except LayoutFailed as exc:  # the other exports are written by then (the HTML view comes last)
+        return _layout_failed(exc, args)
     return 0
 
 
@@ -164,12 +172,17 @@ def cmd_render(args) -> int:
     except LayoutEngineMissing as exc:
         raise UsageError(f"{exc} (or write a .dot file, which needs no layout engine)") from None
     except LayoutFailed as exc:  # no model ran here: the engine itself failed, which is no usage problem either
-        if args.traceback:
-            raise
-        print(f"torchlens: error: the layout engine failed: {exc}", file=sys.stderr)
-        return MODEL
+        return _layout_failed(exc, args)
     note(f"wrote {written}")
     return 0
+
+
+def _layout_failed(exc, args) -> int:
+    """The exit of a command whose layout engine failed: named as such (not as the model, not as a usage error)."""
+    if args.traceback:
+        raise exc
+    print(f"torchlens: error: the layout engine failed: {exc}", file=sys.stderr)
+    return MODEL
 
 
 def cmd_validate(args) -> int:
