@@ -467,3 +467,17 @@ def test_a_failing_layout_engine_is_named_as_such_not_as_the_model(models, monke
     err = capsys.readouterr().err
     assert "torchlens: error: the layout engine failed: " in err and "wrote chrome trace: again.json" in err
     assert (models / "again.json").is_file() and (models / "again" / "manifest.json").is_file()
+
+
+def test_the_module_tree_keeps_its_columns_in_line_past_long_labels():
+    # A label longer than the 30-character column (T5's "<unregistered CrossEntropyLoss #1>:1") pushed that line's
+    # class and op count out of line with the others.
+    import torch.nn as nn
+
+    from torchlens.cli import module_tree
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
+    model.add_module("a_module_name_well_past_thirty_characters", nn.Identity())
+    rows = module_tree(tl.trace(model, torch.randn(2, 4)), 3).splitlines()[1:]
+    classes = [row.index(name) for row, name in zip(rows, ["Linear", "Sequential", "ReLU", "Linear", "Identity"])]
+    assert len(rows) == 5 and len(set(classes)) == 1

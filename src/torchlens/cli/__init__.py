@@ -22,11 +22,15 @@ from .targets import (MODEL, USAGE, ModelError, UsageError, check_output_file, c
 def module_tree(log, depth: int) -> str:
     """Module calls down to ``depth`` levels, indented, with op counts and instrumented host times."""
     lines = [f"Module calls (to depth {depth}):"]
-    for call in log.module_calls:
-        if call.depth < depth:
-            ms = f"{call.duration * 1e3:.2f} ms" if call.duration is not None else "did not return"
-            lines.append(f"  {'  ' * call.depth}{call.label:<30} {call.module.class_name:<20} "
-                         f"{counted(len(call.ops), 'op'):>9}  {ms}")
+    shown = [call for call in log.module_calls if call.depth < depth]
+    names = ["  " * call.depth + call.label for call in shown]
+    # Columns as wide as their longest entry (at least as before): a long label keeps the columns in line.
+    name_width = max([30, *map(len, names)])
+    class_width = max([20, *(len(call.module.class_name) for call in shown)])
+    for call, name in zip(shown, names):
+        ms = f"{call.duration * 1e3:.2f} ms" if call.duration is not None else "did not return"
+        lines.append(f"  {name:<{name_width}} {call.module.class_name:<{class_width}} "
+                     f"{counted(len(call.ops), 'op'):>9}  {ms}")
     if len(lines) == 1:
         lines.append("  (the model made no module calls)")
     return "\n".join(lines)
