@@ -407,3 +407,16 @@ def test_a_returned_parameter_is_not_marked_by_the_last_op():
     weight_out, nan_out = log.outputs
     marks = nonfinite_marks(log)
     assert marks[nan_out.index] is True and marks[weight_out.index] is None
+
+
+def test_a_collective_with_unexamined_inputs_still_says_to_look_at_every_rank(monkeypatch):
+    # With unexamined ancestors beside the other ranks' values, the report gave only the generic advice (trace with
+    # record_finite=True), though one of its possible origins is on another rank. The collective is stood for by
+    # the log of this one-process forward: what marks an op as a collective of several ranks is patched in.
+    import torchlens.debug.nonfinite as nonfinite
+
+    log = tl.trace(lambda x: (x * 2).log() + 1, torch.tensor([-1.0, 2.0]), save=["log"])
+    monkeypatch.setattr(nonfinite, "_from_other_ranks", lambda trace, i: trace.labels[i].startswith("log"))
+    report = tl.debug.nonfinite_origin(log)
+    assert not report.certain and nonfinite.OTHER_RANKS in report.possible_origins
+    assert "it is a collective, so run nonfinite_origin on every rank too" in str(report)

@@ -135,7 +135,8 @@ class NonfiniteReport:
                      f"{self.kind.upper()}, but not all of its inputs were examined",
                      f"  the origin may be among {counted(len(self.possible_origins), 'unexamined ancestor')}: "
                      f"{_some(self.possible_origins, 'possible_origins')}; trace with record_finite=True to "
-                     "examine every op"]
+                     "examine every op" + ("; it is a collective, so run nonfinite_origin on every rank too"
+                                           if OTHER_RANKS in self.possible_origins else "")]
         if self.propagators:
             lines.append(f"  propagated by {len(self.propagators)} op(s): {listed(self.propagators, 8)}")
         if self.other_origins:
