@@ -235,3 +235,34 @@ def test_a_model_that_cannot_be_copied_gets_its_held_tensors_and_generators_back
     once = torch.Generator().manual_seed(2)
     torch.randn(4, generator=once)
     assert torch.equal(model.g.get_state(), once.get_state())
+
+
+_drift_calls = [0]
+
+
+@torch.library.custom_op("torchlens_tests::drift", mutates_args=())
+def _drift(x: torch.Tensor) -> torch.Tensor:
+    """A kernel whose result varies from run to run without touching a generator (as torch.linalg.lstsq's does on
+    the CPU, reading workspace it does not set): each call adds how many calls came before."""
+    _drift_calls[0] += 1
+    return x + _drift_calls[0]
+
+
+@_drift.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_an_op_whose_kernel_varies_from_run_to_run_is_not_replayed_not_called_a_mismatch():
+    # validate reported such an op (lstsq on the CPU) as a MISMATCH, a failure the trace had no part in; running the
+    # call once more shows that it gives other values on the same arguments.
+    class Drifting(nn.Module):
+        def forward(self, x):
+            return _drift(x * 2) + 1
+
+    log = tl.trace(Drifting(), torch.randn(3))
+    result = log.validate()
+    assert result.passed and [label for label, _ in result.not_replayed] == ["drift_1_2:1"]
+    assert result.not_replayed[0][1].startswith("nondeterministic: run twice on the same arguments")
+    steady = tl.trace(lambda x: torch.sin(x * 2), torch.randn(3)).validate()  # a deterministic op still replays
+    assert steady.passed and not steady.not_replayed

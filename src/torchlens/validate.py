@@ -21,14 +21,13 @@ import torch
 
 from .errors import closest_hint, counted, first_few, forward_keyword_hint
 from .record.columns import makes_uninitialized, uninitialized_ops
-from .record.layouts import memory_freed, version_of
-from .record.model_index import traced_address
 from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
-from .record.replay_context import UNSEEN_WRITE, as_traced, began_with, other_settings
+from .record.replay_context import as_traced, began_with, other_settings
 from .capture.collectives import is_collective
-from .capture.compiled import KeptForReplay, module_behind, module_tensors
+from .capture.compiled import KeptForReplay, module_behind
 from .capture.restore import RngState, model_state, module_run_by
 from .capture.writes import schema_written, write_verdict
+from .validate_params import compiled_reads_changed, param_as_it_ran
 from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
                    outputs_equal, path_text, slice_with_tensor, structures_equal, tensor_leaves, unmaterialized,
                    without_values)
@@ -45,9 +44,8 @@ PASSED, FAILED, NOTHING_TO_REPLAY = "passed", "failed", "nothing to replay"
 RANDOM = "random: consumed the RNG (replay would draw other numbers)"
 COMPILED_WROTE = ("its compiled code wrote its module's buffers (running statistics?) as it ran again: it read them as "
                   "the forward left them, not as they were when it ran")
-COMPILED_SWAPPED = ("its module's parameters or buffers are not the tensors its compiled code read when it ran "
-                    "(torch.func.functional_call swapped others in for the call, or they were replaced since the "
-                    "trace), so replay cannot read what it read")
+NONDETERMINISTIC = ("nondeterministic: run twice on the same arguments, the call gave different values (its kernel "
+                    "varies from run to run), so no replay can match what it made")
 TENSOR_SLICE = ("a slice bound is a tensor (x[s:e] with s or e a tensor): the record holds the slice as a value, "
                 "not the bound's producer or its value at the call, which a later write may have changed")
 
@@ -403,7 +401,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
             copies[parent] = _private_copy(log.saved_activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])
     for position, param in call.params:
-        value, why = _param_as_it_ran(log, replay, param, call_position)
+        value, why = param_as_it_ran(log, replay, param, call_position)
         if why is not None:
             return _skip(why)
         _put(positional, keyword, position, value)
@@ -412,7 +410,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
     generators = _private_generators(kwargs)
     compiled = module_behind(func)  # its compiled code reads (and may write) that module's own state
     if compiled is not None:
-        why = _compiled_reads_changed(log, replay, compiled, call_position)
+        why = compiled_reads_changed(log, replay, compiled, call_position)
         if why is not None:
             return _skip(why)
         kept = KeptForReplay(compiled)
@@ -429,7 +427,21 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
     problem = _compare_replayed(log, op, call, func, args, kwargs, out)
     if wrote and problem is not None and problem[0] == "mismatch":
         return _skip(COMPILED_WROTE)
+    if problem is not None and problem[0] == "mismatch" and compiled is None and not call.wrote_arguments \
+            and _varies(func, args, kwargs, out, as_traced(log, context, setting, func, op.device)):
+        return _skip(NONDETERMINISTIC)
     return problem
+
+
+def _varies(func, args, kwargs, out, context) -> bool:
+    """Whether the call, run once more on the same arguments, gives other values than its replay did (a kernel
+    that varies from run to run: ``torch.linalg.lstsq`` on the CPU): its mismatch then says nothing of the trace.
+    Only for a call that wrote none of its arguments, which the second run reads as the first did."""
+    try:
+        with context:
+            return not outputs_equal(func(*args, **kwargs), out)
+    except Exception:  # noqa: BLE001 - a second run that fails says nothing either way
+        return False
 
 
 def _compare_replayed(log, op, call, func, args, kwargs, out):
@@ -507,81 +519,6 @@ def _private_copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         with torch.enable_grad():
             return copy_with_layout(t.detach().requires_grad_(True))
     return copy_with_layout(t)
-
-
-def _compiled_reads_changed(log, replay, module, call_position: int):
-    """Why the parameters of ``module``, which a ``compiled`` op's code reads where they are now rather than from
-    its recorded arguments, may no longer be those it read; None when they are."""
-    if not _holds_what_it_read(log, module, call_position):
-        return COMPILED_SWAPPED
-    for param in module.parameters():
-        writes = replay.param_writes.get(id(param), ()) if replay is not None else ()
-        if any(write_call == UNSEEN_WRITE or write_call >= call_position for write_call, _ in writes):
-            return (f"parameter changed by the forward: parameter {_param_name(log, param)}, which its compiled code "
-                    "reads where it is now, was written after it ran")
-        why = _changed_since_trace(log, replay, param)
-        if why is not None:
-            return why
-    return None
-
-
-def _holds_what_it_read(log, module, call_position: int) -> bool:
-    """Whether ``module`` holds the very tensors its compiled code read at ``call_position`` (capture noted them
-    by weak reference: a dead one is no tensor the module holds now).  Unknown reads as no."""
-    held = log._held_by_compiled
-    refs = held.get(call_position) if held is not None else None
-    now = module_tensors(module)
-    return refs is not None and len(refs) == len(now) and all(ref() is t for ref, t in zip(refs, now))
-
-
-def _changed_since_trace(log, replay, param):
-    now = version_of(param)  # None for an inference tensor: no counter, so no change can be seen
-    if replay is not None and replay.param_versions.get(id(param), now) != now:
-        return (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "
-                "validate right after tracing")
-    return None
-
-
-def _param_as_it_ran(log, replay, param, call_position: int) -> tuple:
-    """``(private copy of the parameter as the call saw it, None)`` or ``(None, why not)``."""
-    value = param
-    writes = replay.param_writes.get(id(param)) if replay is not None else None
-    for write_call, before in writes or ():
-        if write_call == UNSEEN_WRITE:
-            return None, (f"parameter changed by the forward: parameter {_param_name(log, param)} was written by "
-                          "a call capture cannot see (Tensor.set_, as assigning a parametrized tensor makes), so "
-                          "its value when this op ran is unknown")
-        if write_call >= call_position:  # the first write at or after this call: the value before it
-            if before is None:
-                return None, (f"parameter changed by the forward: parameter {_param_name(log, param)} was written by "
-                              "a call capture could not predict, so its value when this op ran is unknown")
-            value = before
-            break
-    if value is param and memory_freed(param):  # FSDP2's unsharded parameters, freed after each forward
-        return None, (f"parameter {_param_name(log, param)}'s memory was freed after the forward (FSDP2 reshards "
-                      "after forward; fully_shard(..., reshard_after_forward=False) keeps it), so the value this "
-                      "op read is gone")
-    why = _changed_since_trace(log, replay, param) if value is param else None
-    if why is not None:
-        return None, why
-    # A parameter's copy is a parameter's kind of tensor even when validating inside torch.inference_mode():
-    # some kernels choose their path by it (a CPU GRU given inference-tensor weights rounds differently).
-    with torch.inference_mode(value.is_inference()):
-        copied = copy_with_layout(value.detach())
-        if copied.is_floating_point() or copied.is_complex():
-            flags = replay.param_requires_grad if replay is not None else {}
-            copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
-    return copied, None
-
-
-def _param_name(log, param) -> str:
-    """The parameter's address in the traced model, else its shape."""
-    model = None if log.is_cleaned_up else log.model
-    if isinstance(model, torch.nn.Module):
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if p is param:
-                return traced_address(name)  # as the trace names it: no torch.compile wrapper's step
-    return f"of shape {tuple(param.shape)}"
 
 
 def _private_generators(kwargs: dict) -> list:
