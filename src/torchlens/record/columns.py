@@ -109,7 +109,7 @@ _INPLACE_DUNDERS = frozenset(
 )
 
 
-# Ops whose output is uninitialized memory: its contents are undefined, so neither replay (validate.py) nor
+# Ops whose output is uninitialized memory: its contents are undefined, so neither replay (validate/) nor
 # a comparison across ranks (distributed/compare.py) may read anything into them.
 UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
                                  "new_empty_strided", "empty_quantized", "_empty_affine_quantized",

@@ -19,18 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import closest_hint, counted, first_few, forward_keyword_hint
-from .record.columns import makes_uninitialized, uninitialized_ops
-from .record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
-from .record.replay_context import as_traced, began_with, other_settings
-from .capture.collectives import is_collective
-from .capture.compiled import KeptForReplay, module_behind
-from .capture.restore import RngState, model_state, module_run_by
-from .capture.writes import schema_written, write_verdict
-from .validate_params import compiled_reads_changed, param_as_it_ran
-from .tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
+from ..errors import closest_hint, counted, first_few, forward_keyword_hint
+from ..record.columns import makes_uninitialized, uninitialized_ops
+from ..record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
+from ..record.replay_context import as_traced, began_with, other_settings
+from ..capture.collectives import is_collective
+from ..capture.compiled import KeptForReplay, module_behind
+from ..capture.restore import RngState, model_state, module_run_by
+from ..capture.writes import schema_written, write_verdict
+from ..tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
                    outputs_equal, path_text, slice_with_tensor, structures_equal, tensor_leaves, unmaterialized,
                    without_values)
+from .params import compiled_reads_changed, param_as_it_ran
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
 _GRAPH_FUNCS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
@@ -172,9 +172,9 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     and replay once either takes about a second (None: on an interactive terminal or notebook only; True:
     anywhere; False: never).
     """
-    from .capture.inputs import note_how_arguments_were_passed
-    from .capture.session import OPTIONS, trace
-    from .capture.wrappers import unwrap
+    from ..capture.inputs import note_how_arguments_were_passed
+    from ..capture.session import OPTIONS, trace
+    from ..capture.wrappers import unwrap
 
     model = unwrap(model)
     if isinstance(model, type) or not callable(model):
@@ -279,7 +279,7 @@ def _without_any_values(output) -> bool:
 
 def validate_trace(log, progress=None) -> ValidationResult:
     """Replay each op of ``log`` from its saved parents; report mismatches and what could not run."""
-    from .progress import bar
+    from ..progress import bar
 
     result = ValidationResult()
     if log.is_cleaned_up:
