@@ -286,10 +286,7 @@ class CaptureState:
         if buffer is not None and buffer[0] is t:
             # By reference, like an activation: a write predicted before the call (in place, or
             # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
-            index = self._add(t, BUFFER, buffer[1], held=True)
-            if self.finite_flags is not None:  # as an input's: a NaN already in a buffer is named as such
-                self.record_finite(index, t)
-            return index
+            return self._add(t, BUFFER, buffer[1], held=True)
         self.unattributed += 1
         # Kept to say later where it lives, if a module holds it (record/finalize.py): once per tensor.
         if self.outside is None:
@@ -314,6 +311,8 @@ class CaptureState:
                 self.saved_versions[index] = version
             else:
                 self.save(index, t, requires_grad)
+        if self.finite_flags is not None:  # an input's, a parameter's or a buffer's NaN is named as such
+            self.record_finite(index, t)
         return index
 
     def add_source(self, t: torch.Tensor, kind: int, slot) -> int:
@@ -322,8 +321,6 @@ class CaptureState:
             if self.parameter_inputs is None:
                 self.parameter_inputs = {}
             self.parameter_inputs[id(t)] = index
-        if self.finite_flags is not None:
-            self.record_finite(index, t)
         if self.grads is not None and t.requires_grad:
             self.grads.watch_source(index, t)
         return index
