@@ -58,6 +58,10 @@ def has_no_storage(t) -> bool:
     return False
 
 
+# Why a tensor a trace held is not in a folder written with ``log.save(..., activations=False)``.
+WITHOUT_ACTIVATIONS = "not saved: the trace was saved with activations=False"
+
+
 def unsavable(t) -> str | None:
     """Why safetensors cannot hold tensor ``t`` (a sentence starting "not saved"), or None when it can."""
     if without_values(t):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from .encode import unsavable
+from .encode import WITHOUT_ACTIVATIONS, unsavable
 from .format import TRACE_JSON, TraceFileError
 from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
 
@@ -52,7 +52,7 @@ def write_interventions(trace, folder: str, with_tensors: bool):
               "originals": []}
     tensors, unsaved = {}, []
     for i, t in ([] if trace.is_cleaned_up else sorted(trace._originals.items())):
-        why = unsavable(t) if with_tensors else "not saved: the trace was saved with activations=False"
+        why = unsavable(t) if with_tensors else WITHOUT_ACTIVATIONS
         if why is None:
             tensors[f"o{i}"] = t  # streamed by write_tensors, never copied whole
             record["originals"].append([int(i), f"o{i}"])

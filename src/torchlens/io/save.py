@@ -27,7 +27,7 @@ import uuid
 from ..checks import check_flag, check_path, folder_of
 from ..errors import counted, listed, warn_user
 from ..record.trace import checked_trace
-from .encode import encode_value, torch_constant_name, unsavable
+from .encode import WITHOUT_ACTIVATIONS, encode_value, torch_constant_name, unsavable
 from .grads import write_grads
 from .interventions import write_interventions
 from .params import write_module_param_counts, write_params
@@ -311,8 +311,7 @@ def trace_columns(trace, keys: dict, unsaved: dict, with_activations: bool) -> d
              for position, c in enumerate(trace.calls)]
     dropped = dict(trace.dropped_activations)
     if not with_activations and not trace.is_cleaned_up:
-        dropped.update({i: "not saved: the trace was saved with activations=False"
-                        for i in trace.saved_activations if i not in dropped})
+        dropped.update({i: WITHOUT_ACTIVATIONS for i in trace.saved_activations if i not in dropped})
     dropped.update(unsaved)
     return {
         "model_name": trace.model_name,
