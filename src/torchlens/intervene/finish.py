@@ -6,9 +6,9 @@ takes the labels of the whole forward and names the sites past its stop."""
 
 from __future__ import annotations
 
-from ..errors import InterventionError, counted, first_few, listed, warn_user
+from ..errors import InterventionError, first_few, listed, warn_user
 from ..record.columns import Kind
-from ..record.lookup import refuse_ambiguous
+from ..record.lookup import numbered_past_note, refuse_ambiguous
 from ..record.op import Layer
 from ..record.params import bypassed_call_hint
 from .runtime import Interventions
@@ -66,16 +66,9 @@ def _unmet_module_hint(trace, addresses: list) -> str:
 
 def _calls_made_hint(trace, sites: list) -> str:
     """The calls the module of a numbered module site past its last call made (``fc:4`` of a module run three
-    times), so that the error names the numbers there are rather than leaving them to be looked up."""
-    module_of = _modules_by_address(trace) if sites else {}
-    for site in sites:
-        module = module_of.get(site.address)
-        if module is not None and module.num_calls:
-            return (f": {site.address} made {counted(module.num_calls, 'call')} in this forward "
-                    f"({listed(module.call_labels, 4, ', ...')})")
-        if module is not None:
-            return f": {site.address} made no call in this forward"
-    return ""
+    times), as a lookup of that key in the trace says them: the numbers there are, rather than a look-up left to do."""
+    notes = (numbered_past_note(trace, f"{site.address}:{site.call_number}") for site in sites)
+    return next((note for note in notes if note), "")
 
 
 def _modules_by_address(trace) -> dict:

@@ -126,7 +126,7 @@ def numbered_past_note(trace, key: str) -> str:
     name, colon, number = key.rpartition(":")
     if not colon or not number.isascii() or not number.isdigit() or number != str(int(number)):
         return ""  # no number, or one written otherwise than a trace writes it (fc:01): the closest keys show how
-    found = trace._lookup.get(name)
+    found = trace._keys().get(name)
     if isinstance(found, tuple) and found[0] is Layer:
         count, what = trace[name].num_passes, ("ran", "pass", "passes")
     else:
