@@ -22,7 +22,8 @@ from decimal import Decimal
 HOST, RUNTIME, DEVICE, OTHER = "host", "runtime", "device", "other"
 OVERHEAD = "overhead"  # the profiler's own work (buffer flushes, CUPTI); kept to be reported, never joined
 
-_HOST_CATEGORIES = frozenset(["cpu_op", "user_annotation"])
+USER_RANGE = "user_annotation"  # a record_function range (torchlens's own markers are cpu_op events)
+_HOST_CATEGORIES = frozenset(["cpu_op", USER_RANGE])
 _RUNTIME_CATEGORIES = frozenset(["cuda_runtime", "cuda_driver", "privateuse1_runtime", "privateuse1_driver"])
 _DEVICE_CATEGORIES = {"kernel": "kernel", "concurrent_kernel": "kernel", "gpu_memcpy": "memcpy",
                       "gpu_memset": "memset"}

@@ -25,7 +25,7 @@ import bisect
 from typing import NamedTuple
 
 from .markers import PREFIX, parse_marker
-from .profile_events import DEVICE, HOST, OVERHEAD, RUNTIME
+from .profile_events import DEVICE, HOST, OVERHEAD, RUNTIME, USER_RANGE
 
 # Why an event is not attributed to an op.  Keys are stable; the text is what the report prints.
 REASONS = {
@@ -148,7 +148,7 @@ def _sweep_threads(events, run, result) -> dict:
     Returns ``{event index: Owner}`` for aten ops and runtime calls (markers themselves are recorded in ``result``)."""
     by_thread: dict = {}
     for i, e in enumerate(events):
-        if e.kind == HOST or e.kind == RUNTIME:
+        if (e.kind == HOST or e.kind == RUNTIME) and not _is_user_range(e):
             by_thread.setdefault(e.thread, []).append(i)
     owners: dict = {}
     children_ns = [0] * len(events)
@@ -194,6 +194,14 @@ def _sweep_threads(events, run, result) -> dict:
         if owner.thread not in marked_threads:
             owner.thread = None  # a thread without any marker of this run
     return owners
+
+
+def _is_user_range(e) -> bool:
+    """A range the model's own code opened (``torch.profiler.record_function``), not one of torchlens's markers.
+    It names code and does no work of its own, so the join looks through it: its enter and its exit are two torch
+    calls, each inside its own op marker, so it never nests in them, and its self time is Python time between
+    ops, not an aten op's."""
+    return e.category == USER_RANGE and not e.name.startswith(PREFIX)
 
 
 def _forward_sequence_owners(events, owners) -> dict:
