@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -459,3 +460,19 @@ def test_flops_vs_dispatch_reads_flop_counter_modes_module_tables_once(monkeypat
     result = tl.report.flops_vs_dispatch(model.eval(), args, kwargs)
     assert result.native_total > 0 and len(result.modules) > 10
     assert sum(copied) <= 2 * len(result.modules)
+
+
+def test_a_torchscript_modules_flops_are_said_to_be_missing_from_the_torchlens_side():
+    # Capture cannot see inside a TorchScript module, so its row read 0 on the torchlens side beside
+    # FlopCounterMode's count, with no note, and no op left unknown to say why.
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    x = torch.randn(2, 8)
+    for scripted in (False, True):
+        model = nn.Sequential(nn.Linear(8, 8), torch.jit.script(block) if scripted else block, nn.Linear(8, 2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the trace's own warning about the TorchScript module
+            result = tl.report.flops_vs_dispatch(model.eval(), x)
+        row = next(r for r in result.modules if r["module"] == "1")
+        assert (row["torchlens"] == 0) == scripted and row["native"] == 2 * 2 * 8 * 8
+        assert any(note.startswith("TorchScript modules (1) ran their ops") for note in result.notes) == scripted

@@ -314,7 +314,7 @@ def _compare(log, model, native_counts, product_calls, traced_products, outputs_
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)
     notes = _notes(log, tl_total, tl_families, native_families, attention_calls, unknown_counted or {})
-    notes += _uncounted_product_notes(log, traced_products, product_calls)
+    notes += _uncounted_product_notes(log, traced_products, product_calls) + _script_notes(log)
     if any(row["native"] is None for row in modules):
         notes.append(UNNAMED_MODULES_NOTE)
     if outputs_match is None:
@@ -479,6 +479,20 @@ def _unknown_notes(log, unknown, unknown_counted) -> list:
                      f"({listed(unread, 3)}: an operand read through a view written in place, or a nested "
                      "tensor's ragged size): their FLOPs are missing from the torchlens side, not zero")
     return notes
+
+
+def _script_notes(log) -> list:
+    """A TorchScript module runs its ops in TorchScript's interpreter, out of capture's sight, so the trace holds
+    none of them and its row reads 0 on the torchlens side, with no op left unknown to say so; FlopCounterMode,
+    which counts at the ATen level below it, counts them."""
+    scripted = [m.address for m in log.modules if isinstance(m._ref, torch.jit.ScriptModule)]
+    outermost = [a for a in scripted if not any(a.startswith(f"{outer}.") for outer in scripted)]
+    if not outermost:
+        return []
+    return [f"TorchScript modules ({', '.join(outermost)}) ran their ops where torchlens's capture cannot see them: "
+            "their FLOPs are missing from the torchlens side, not zero, where FlopCounterMode, which counts below "
+            "TorchScript, counted those in its registry; trace the modules as they were before torch.jit.script or "
+            "torch.jit.trace to compare them"]
 
 
 def _ops_have(n: int) -> str:
