@@ -95,7 +95,8 @@ def _node_owners(trace, capture) -> dict:
     owners = {}
     for index, seq in capture.sequence_numbers.items():
         owners.setdefault(seq, trace.call_indices[index])
-    if capture.policy is not None:  # a grads=[...] selection: unnumbered ops in between; exact only
+    if capture.policy is not None:  # a grads=[...] selection: unnumbered ops in between
+        _selected_call_nodes(trace, capture, owners)
         return owners
     previous = capture.first_sequence_number
     for seq in sorted(owners):
@@ -104,6 +105,29 @@ def _node_owners(trace, capture) -> dict:
                 owners[inner] = owners[seq]
         previous = seq
     return owners
+
+
+def _selected_call_nodes(trace, capture, owners: dict) -> set:
+    """Under a ``grads=[...]`` selection: adds to ``owners`` the nodes each selected call made besides its output's,
+    and returns the calls whose nodes are not all known.  Those nodes are numbered after the last node of the call
+    before that needed grad, so they are known only where that call was selected too; elsewhere the call's backward
+    would read as its output node's alone (a linear's as its reshape's), so it is unknown instead."""
+    last = {}
+    for index, seq in capture.sequence_numbers.items():
+        call = trace.call_indices[index]
+        last[call] = max(seq, last.get(call, seq))
+    partial, previous = set(), capture.first_sequence_number
+    for c, call in enumerate(trace.calls):
+        seq = last.get(c)
+        if seq is None:
+            previous = None if _needs_grad(trace, call) else previous  # an unselected call that made nodes
+            continue
+        if previous is None:
+            partial.add(c)
+        for inner in range(previous + 1 if previous is not None else seq, seq):
+            owners.setdefault(inner, c)
+        previous = seq if previous is None else max(previous, seq)
+    return partial
 
 
 def _numbered_calls(trace) -> set:
@@ -123,6 +147,8 @@ def _needs_grad(trace, call) -> bool:
 
 def join_backward(profile, events):
     """``(serial_of_call, joined, problems)`` where each call is its own serial."""
+    from ..record.grads import grad_capture_of
+
     trace = profile.trace
     serial_of_call = {c: c for c in range(len(trace.calls))}
     joined = join(events, profile.markers.run, None, seq_owner=profile.backward_nodes)
@@ -130,9 +156,12 @@ def join_backward(profile, events):
     # No backward node at all (the output needs no grad) is a measured zero; an unseen node is unknown.
     joined.backward_measured = {c for c, call in enumerate(trace.calls)
                                 if c in known or not _needs_grad(trace, call)}
+    capture = grad_capture_of(trace)
+    if capture.policy is not None:
+        joined.backward_measured -= _selected_call_nodes(trace, capture, {})
     problems = []
     unknown = len(trace.calls) - len(joined.backward_measured)
     if unknown:
-        problems.append(f"the backward nodes of {counted(unknown, 'op')} were not numbered during capture (left out "
-                        "by grads=[...] or tensor subclasses): their backward columns are n/a")
+        problems.append(f"the backward nodes of {counted(unknown, 'op')} were not all numbered during capture (left "
+                        "out by grads=[...], or tensor subclasses): their backward columns are n/a")
     return serial_of_call, joined, problems
