@@ -403,3 +403,45 @@ def test_a_forward_refusing_saved_tensor_hooks_says_saved_for_backward_is_why(co
         log = tl.trace(model, x)
     assert any("trace it without saved_for_backward=True" in note for note in raised.value.__notes__)
     assert torch.equal(log.output, model(x))
+
+
+class _PhysicsInformed(nn.Module):
+    """A physics-informed network: its forward runs a backward of its own, d u / d x, kept in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        u = self.net(x)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return (du.pow(2).sum(-1) - u.squeeze(-1)).pow(2).mean()
+
+
+_PHYSICS_INFORMED = _PhysicsInformed()
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_backward_inside_the_forward_adds_its_gradients_as_retain_grad_does(compiled):
+    # The inner torch.autograd.grad reaches the hooks of the ops before it while the forward runs: they hold
+    # d u.sum() / d output when the trace returns, the loss's backward adds to it, as to retain_grad() tensors,
+    # and the input's record holds both where its .grad holds only the loss's share.
+    model = _PHYSICS_INFORMED
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    oracle = Oracle()
+    with oracle:
+        out = model(x)
+    out.backward()
+    model.zero_grad()
+    x.grad = None
+    with on_path(compiled):
+        log = tl.trace(model, x, grads=True)
+    assert log.num_backwards == 1
+    inner = log["input_1"].grad.clone()
+    assert torch.equal(log["linear_2_3:1"].grad, torch.ones(5, 1))  # d u.sum() / d u
+    log.backward(log.output)
+    assert log.num_backwards == 2
+    ops, got = _op_grads(log)
+    _assert_bit_identical(ops, got, oracle.grads())
+    assert not torch.equal(log["input_1"].grad, x.grad)
+    assert torch.allclose(log["input_1"].grad - inner, x.grad)
