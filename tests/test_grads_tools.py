@@ -176,6 +176,26 @@ def test_hot_path_ranks_nan_gradients_first_and_the_rest_in_order():
     assert first_finite["total"] == pytest.approx(max(v for v in norms.values() if not math.isnan(v)))
 
 
+
+_EXPLODING = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_finite_exploding_gradient_has_a_finite_norm(dtype):
+    # Entries near 1e20 are finite in float32 and bfloat16, their squares are not: torch's own norm of such a
+    # gradient is Inf, which the statistics and hot_path reported while counting no non-finite entry.
+    model = _EXPLODING.to(dtype)
+    log = tl.trace(model, torch.randn(3, 4, generator=torch.Generator().manual_seed(0), dtype=dtype), grads=True)
+    log.backward(log.output.sum() * 1e20)
+    frame = log.to_pandas().set_index("label")
+    for op in log:
+        if op.kind == "op":
+            assert torch.isfinite(op.grad).all() and frame.loc[op.label, "grad_nonfinite"] == 0, op.label
+            expected = float(torch.linalg.vector_norm(op.grad.double()))
+            assert frame.loc[op.label, "grad_norm"] == pytest.approx(expected, rel=1e-5), op.label
+    rows = tl.debug.hot_path(log, by="grad_norm").rows
+    assert all(math.isfinite(r["total"]) and math.isfinite(r["percent"]) for r in rows)
+
 class SqrtOfZero(nn.Module):
     def __init__(self):
         super().__init__()

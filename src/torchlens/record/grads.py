@@ -9,6 +9,8 @@ derived on demand; nothing runs during the forward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .columns import Kind
@@ -304,10 +306,21 @@ def grad_stats(g) -> dict:
         # Contiguous: a reduction's rounding follows the memory order, and a saved trace reloads the gradient
         # contiguous, so the norm must not depend on the layout the backward happened to give.  (Copied only
         # now, once the finite test's temporaries are freed; min and max are exact in any order.)
-        return {"grad_norm": float(torch.linalg.vector_norm(values.contiguous())),
+        return {"grad_norm": _norm(values.contiguous(), nonfinite),
                 "grad_min": float(values.min()) if values.numel() else None,
                 "grad_max": float(values.max()) if values.numel() else None,
                 "grad_nonfinite": nonfinite}
+
+
+def _norm(values, nonfinite: int) -> float:
+    """The 2-norm of ``values``.  torch sums the squares in the gradient's own dtype, where those of a finite,
+    exploding gradient overflow (float32 entries above about 1.8e19 give Inf, with no entry non-finite): such
+    a norm is taken again of the values scaled by the largest magnitude, and scaled back as a Python float."""
+    norm = float(torch.linalg.vector_norm(values))
+    if nonfinite or norm != math.inf:
+        return norm
+    largest = values.abs().max()
+    return float(largest) * float(torch.linalg.vector_norm(values / largest))
 
 
 def grad_stats_column(trace) -> dict:
