@@ -196,6 +196,30 @@ def test_a_finite_exploding_gradient_has_a_finite_norm(dtype):
     rows = tl.debug.hot_path(log, by="grad_norm").rows
     assert all(math.isfinite(r["total"]) and math.isfinite(r["percent"]) for r in rows)
 
+
+class _Spectral(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        spectrum = torch.fft.rfft(self.fc(x), dim=-1) * (1 + 2j)
+        return torch.fft.irfft(spectrum, n=8, dim=-1)
+
+
+def test_a_complex_gradients_min_and_max_are_those_of_its_magnitudes():
+    torch.manual_seed(0)
+    log = tl.trace(_Spectral(), torch.randn(2, 8), grads=True)
+    log.backward(log.output.pow(2).sum())
+    frame = log.to_pandas().set_index("label")
+    complex_ops = [op for op in log if op.kind == "op" and op.dtype.is_complex]
+    assert complex_ops
+    for op in complex_ops:
+        magnitudes = op.grad.abs()
+        assert frame.loc[op.label, "grad_min"] == float(magnitudes.min()), op.label
+        assert frame.loc[op.label, "grad_max"] == float(magnitudes.max()), op.label
+        assert frame.loc[op.label, "grad_norm"] == pytest.approx(float(torch.linalg.vector_norm(op.grad)))
+
 class SqrtOfZero(nn.Module):
     def __init__(self):
         super().__init__()
