@@ -306,3 +306,32 @@ def test_extract_refuses_gradients_of_a_forward_stopped_early(tmp_path):
         tl.extract(model, batches, ["0"], tmp_path / "y", args_of=lambda b: b[0], grads=True, stop_after="0",
                    loss_fn=lambda output, batch: F.cross_entropy(output, batch[1]), progress=False)
     assert not (tmp_path / "y").exists()
+
+
+class _WidensToComplex128(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        wide = h.to(torch.complex128) * 1j  # a gradient no safetensors file can hold
+        return self.head(h) + wide.imag.sum(1, keepdim=True).float()
+
+
+def test_a_gradient_no_file_holds_keeps_its_statistics_on_the_loaded_trace(tmp_path):
+    # The statistics of every gradient are in the saved record; the loaded trace read them only when it held no
+    # gradient tensor at all, and otherwise recomputed them from the tensors it held, showing none for the
+    # complex128 ops' gradients, as if no backward had reached them.
+    torch.manual_seed(0)
+    log = tl.trace(_WidensToComplex128(), torch.randn(2, 4), grads=True)
+    log.backward(log.output.sum())
+    loaded = tl.load(log.save(tmp_path / "t"))
+    columns = ["label", "grad_norm", "grad_min", "grad_max", "grad_nonfinite"]
+    live, read = log.to_pandas()[columns], loaded.to_pandas()[columns]
+    wide = [op.label for op in log if op.kind == "op" and op.dtype == torch.complex128]
+    assert wide and live.set_index("label").loc[wide, "grad_norm"].notna().all()
+    assert read.equals(live)
+    again = tl.load(loaded.save(tmp_path / "again"))  # and saved again from the loaded trace
+    assert again.to_pandas()[columns].equals(live)

@@ -149,7 +149,7 @@ def _read_grads(trace, record, folder: str, files) -> None:
     else:
         trace._param_grads_missing = str(missing)
         _name_grads_without_tensors(trace, capture, str(missing))
-    if not capture.grads and stats:  # saved after cleanup(), or without tensors: statistics only
+    if stats:  # taken of every gradient as it was saved, also of those no file holds (complex128, after cleanup())
         trace._grad_stats = stats
 
 
