@@ -335,3 +335,20 @@ def test_a_gradient_no_file_holds_keeps_its_statistics_on_the_loaded_trace(tmp_p
     assert read.equals(live)
     again = tl.load(loaded.save(tmp_path / "again"))  # and saved again from the loaded trace
     assert again.to_pandas()[columns].equals(live)
+
+
+def test_a_loaded_trace_says_which_ops_a_gradient_reached_also_where_it_holds_no_tensor(tmp_path):
+    # has_grad said False for every op whose gradient the folder holds no tensor for (a complex128 op's, every
+    # op's when saved with activations=False), as if no backward had reached it, while .grad said it was not saved.
+    torch.manual_seed(0)
+    log = tl.trace(_WidensToComplex128(), torch.randn(2, 4), grads=True)
+    log.backward(log.output.sum())
+    reached = [op.label for op in log if op.has_grad]
+    assert len(reached) < len(log.ops)  # the input needs no gradient
+    for options in ({}, {"activations": False}):
+        loaded = tl.load(log.save(tmp_path / f"t{len(options)}", **options))
+        assert [op.label for op in loaded if op.has_grad] == reached, options
+        unheld = [label for label in reached if label != "output_1:1" and log[label].dtype == torch.complex128]
+        with pytest.raises(GradientUnavailable, match="not saved"):
+            loaded[unheld[0]].grad
+        assert '"gradient":{"norm":' in loaded.render(format="html")  # the viewer shows the statistics alone

@@ -131,7 +131,11 @@ def has_grad(trace, index: int) -> bool:
     if capture is None or trace._cleaned:
         return False
     index = gradient_holder(trace, index)
-    return index in capture.grads
+    if index in capture.grads:
+        return True
+    # A loaded trace holds no tensor for a gradient no file could hold (complex128), nor for any when saved with
+    # activations=False; the statistics it read, taken of every gradient that arrived, still name them.
+    return trace.loaded_from is not None and index in (trace._grad_stats or ())
 
 
 def module_call_grad(call):

@@ -13,6 +13,7 @@ from .metrics import format_count, format_seconds
 from ..record.layouts import dense_values, shape_text
 from ..tree import without_values
 from ..record.summary import human_bytes
+from ..errors import GradientUnavailable
 
 
 def flops_function():
@@ -60,14 +61,27 @@ def gradient_record(trace, op):
     if stats is not None:
         shown = {"norm": stats["grad_norm"], "min": stats["grad_min"], "max": stats["grad_max"],
                  "non-finite": stats["grad_nonfinite"]}
-        if not trace.is_cleaned_up and op.has_grad:
-            shown = dict(activation_stats(op.grad), **shown)
+        held = _held_grad(trace, op)
+        if held is not None:
+            shown = dict(activation_stats(held), **shown)
         return {k: (_num(v) if math.isfinite(v) else str(v)) if isinstance(v, float) else v for k, v in shown.items()}
-    if not trace.is_cleaned_up and op.has_grad and without_values(op.grad):
+    held = _held_grad(trace, op)
+    if held is not None and without_values(held):
         return "no values: a meta tensor (the backward ran on the meta device or under FakeTensorMode)"
     if not op.requires_grad:
         return "none: the output does not require grad"
     return "none yet: no backward reached it (or grads=[...] left it out)"
+
+
+def _held_grad(trace, op):
+    """The gradient tensor the trace holds for ``op``, or None: none arrived, or it cannot be read (a loaded trace
+    whose file holds no tensor for it, a batched backward's), where the statistics are all there is to show."""
+    if trace.is_cleaned_up or not op.has_grad:
+        return None
+    try:
+        return op.grad
+    except GradientUnavailable:
+        return None
 
 
 def _num(x) -> float:
