@@ -455,6 +455,19 @@ def test_viewer_colours_by_gradient_norm_and_shows_gradient_stats():
     assert '"norm":"nan"' in html
 
 
+
+def test_viewer_says_why_a_batched_backwards_gradient_has_no_values_shown():
+    # is_grads_batched=True hands every hook vmap's batched gradient, which cannot be read: the viewer read it and
+    # raised GradientUnavailable, failing the whole render.
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, requires_grad=True)
+    log = tl.trace(nn.Sequential(nn.Linear(4, 3), nn.Tanh()), x, grads=True)
+    rows = torch.eye(3).reshape(3, 1, 3)
+    torch.autograd.grad(log.output, x, grad_outputs=rows, is_grads_batched=True)
+    assert log["linear_1_1:1"].has_grad
+    html = log.render(format="html")
+    assert '"gradient":"unreadable: a backward run under vmap' in html
+
 class RaisesMidway(nn.Module):
     def __init__(self):
         super().__init__()

@@ -61,27 +61,30 @@ def gradient_record(trace, op):
     if stats is not None:
         shown = {"norm": stats["grad_norm"], "min": stats["grad_min"], "max": stats["grad_max"],
                  "non-finite": stats["grad_nonfinite"]}
-        held = _held_grad(trace, op)
+        held, _ = _held_grad(trace, op)
         if held is not None:
             shown = dict(activation_stats(held), **shown)
         return {k: (_num(v) if math.isfinite(v) else str(v)) if isinstance(v, float) else v for k, v in shown.items()}
-    held = _held_grad(trace, op)
+    held, unreadable = _held_grad(trace, op)
     if held is not None and without_values(held):
         return "no values: a meta tensor (the backward ran on the meta device or under FakeTensorMode)"
+    if unreadable is not None:
+        return f"unreadable: {unreadable}"
     if not op.requires_grad:
         return "none: the output does not require grad"
     return "none yet: no backward reached it (or grads=[...] left it out)"
 
 
-def _held_grad(trace, op):
-    """The gradient tensor the trace holds for ``op``, or None: none arrived, or it cannot be read (a loaded trace
-    whose file holds no tensor for it, a batched backward's), where the statistics are all there is to show."""
+def _held_grad(trace, op) -> tuple:
+    """``(gradient tensor, None)`` where the trace holds one for ``op``; ``(None, why)`` where one arrived that
+    cannot be read (a loaded trace whose file holds no tensor for it, a batched backward's), whose statistics,
+    if any, are all there is to show; ``(None, None)`` where none arrived."""
     if trace.is_cleaned_up or not op.has_grad:
-        return None
+        return None, None
     try:
-        return op.grad
-    except GradientUnavailable:
-        return None
+        return op.grad, None
+    except GradientUnavailable as exc:
+        return None, str(exc).removeprefix(f"{op.label}: ")
 
 
 def _num(x) -> float:
