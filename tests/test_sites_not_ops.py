@@ -4,6 +4,8 @@ is refused saying what it is and which ops to name instead."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -64,3 +66,37 @@ def test_a_parameter_holder_of_an_exported_module_is_refused_naming_its_ops(opti
     assert torch.equal(log.output, exported(x))
     assert_clean_process()
 
+
+
+def test_an_op_type_as_a_site_is_refused_naming_the_predicate_that_means_it():
+    # save=["relu"] keeps every relu op, but intervene={"relu": ...} and stop_after="relu" were refused as unknown
+    # names with no word that an op type is no site, nor how to name every op of a type.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU()).eval()
+    x = torch.randn(3, 4)
+    every = "'relu' is an op type, which names no site: a predicate site, lambda op: op.type == 'relu', names every"
+    with pytest.raises(KeyError, match=re.escape(every)):
+        tl.trace(model, x, intervene={"relu": tl.zero_ablate()})
+    with pytest.raises(KeyError, match=re.escape("stop_after=lambda op: op.type == 'layernorm' stops after its first")):
+        tl.trace(model, x, stop_after="layer_norm")  # named as torch spells it, compared as op types are
+    with pytest.raises(KeyError, match=re.escape(every)):  # not told to pass root=, which makes no type a site
+        tl.trace(lambda t: model(t), x, intervene={"relu": tl.zero_ablate()})
+    nested = nn.Sequential()
+    nested.add_module("block", nn.Sequential(nn.Linear(4, 4)))
+    nested.block.add_module("norm", nn.LayerNorm(4))
+    with pytest.raises(KeyError, match=r"'norm' is an op type, .*; closest: block\.norm"):  # or a slip for a module
+        tl.trace(nested, x, intervene={"norm": tl.zero_ablate()})
+    with pytest.raises(KeyError) as unknown:  # a name no torch function has gets no such hint
+        tl.trace(model, x, intervene={"relux": tl.zero_ablate()})
+    assert "op type" not in str(unknown.value)
+    assert_clean_process()
+    # The predicate named edits both relus, as hooks on both modules would.
+    handles = [model[k].register_forward_hook(lambda m, i, o: o * 0) for k in (1, 3)]
+    try:
+        expected = model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    log = tl.trace(model, x, intervene={(lambda op: op.type == "relu"): tl.zero_ablate()})
+    assert [a.label for a in log.interventions] == ["relu_1_2:1", "relu_2_4:1"]
+    assert torch.equal(log.output, expected)

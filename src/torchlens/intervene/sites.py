@@ -12,6 +12,7 @@ forward that took another path fails loudly instead of editing the wrong op.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -25,7 +26,7 @@ from ..record.modules import Module, enclosing_calls
 from ..record.op import Layer, Op
 from ..capture.saving import is_io_path
 from ..record.source import line_of, source_of
-from ..labels.naming import LABEL, func_name_of
+from ..labels.naming import LABEL, folded, func_name_of
 from .actions import as_action
 
 _IN_PLACE = "_compiled_call_impl"  # the instance attribute module.compile() sets
@@ -167,6 +168,9 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             raise KeyError(f"{kind} {key!r} is a call of the root module itself (a callable's call of "
                            "its root=, or a root's call of itself in a recursion): those calls are not intervention "
                            "sites; intervene on the op labels inside them or on the root's submodules")
+        elif not isinstance(model, torch.nn.Module) and _op_type_note(key, stop):  # no root= would make it a site
+            raise KeyError(f"{kind} {key!r} is neither an op or layer label nor a module address"
+                           f"{_op_type_note(key, stop)}")
         elif not isinstance(model, torch.nn.Module):
             raise KeyError(f"{kind} {key!r} is neither an op or layer label nor a module address: the "
                            f"traced callable {getattr(model, '__name__', type(model).__name__)!r} is no module and "
@@ -176,7 +180,9 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             # A container is never called: its first call is no name to suggest.
             called = [name for name, module in modules.items() if not container_note(name, module)]
             names = list(modules) + [f"{name}:1" for name in called]
-            hint = tensor_address_note(model, key, "stop_after=" if stop else "intervene=") or closest_hint(key, names)
+            # A type's name may also be a slip for a module's (norm for model.norm): both are said.
+            hint = tensor_address_note(model, key, "stop_after=" if stop else "intervene=") or \
+                _op_type_note(key, stop) + closest_hint(key, names)
             raise KeyError(f"{kind} {key!r} is neither an op or layer label nor a module address or "
                            f"module call of {type(model).__name__}{hint}")
     return module_sites, pending
@@ -327,6 +333,24 @@ def _matched_nothing(stop: bool) -> str:
     kind, effect = ("a stop_after", "never stop the forward") if stop else ("an intervention", "change nothing")
     return (f"{kind} predicate matched no op of the reference trace, so it would {effect}; check what it tests "
             "against the ops the forward runs (print(tl.trace(model, x)) lists their labels and types)")
+
+
+def _op_type_note(key: str, stop: bool) -> str:
+    """What to give when a site names an op type (``relu``), as ``save=`` takes one: a type is no site, since
+    intervening at every op of a type, or stopping at its first, is a choice a predicate states."""
+    if folded(key) not in _torch_op_types():
+        return ""
+    predicate = f"lambda op: op.type == {folded(key)!r}"
+    if stop:
+        return f"; {key!r} is an op type, which names no site: stop_after={predicate} stops after its first op"
+    return f"; {key!r} is an op type, which names no site: a predicate site, {predicate}, names every op of it"
+
+
+@functools.cache
+def _torch_op_types() -> frozenset:
+    """The op types torch's public functions and tensor methods are recorded as (``layer_norm`` as ``layernorm``)."""
+    names = set(dir(torch)) | set(dir(torch.Tensor)) | set(dir(torch.nn.functional))
+    return frozenset(folded(name) for name in names if not name.startswith("_"))
 
 
 def _kind(stop: bool) -> str:
