@@ -288,3 +288,27 @@ def test_a_helper_tensor_of_a_wider_float_dtype_is_cast_to_the_value_as_a_hook_c
         assert edited["0"].activation.dtype == dtype
         assert torch.equal(edited.output, expected)
     assert_clean_process()
+
+
+class _Loss(nn.Module):
+    """A classifier returning its cross-entropy loss: a 0-d value at the last op."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+@pytest.mark.parametrize("action", [tl.mean_ablate(), tl.steer(torch.ones(1))], ids=["mean_ablate", "steer"])
+def test_a_dimension_named_at_a_0d_value_is_refused_saying_it_has_none(action):
+    # A predicate site reaching the loss named "dimensions 0 to -1" as the dimensions a scalar has.
+    model, args = _Loss(), (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+    with pytest.raises(tl.InterventionError, match=r"is not a dimension of this value of shape \(\) \(a 0-d value, "
+                                                   r"which has no dimensions\)"):
+        tl.trace(model, args, intervene={(lambda op: op.type == "crossentropy"): action})
+    assert_clean_process()
+    whole = tl.trace(model, args, intervene={"crossentropy_1_2": tl.mean_ablate(dims=None)})
+    assert torch.equal(whole.output, model(*args))  # the mean of one number is itself

@@ -490,8 +490,10 @@ def _check_dims(action, dims, tensor: torch.Tensor, op) -> None:
     rank = tensor.dim()
     wrong = [d for d in dims if not -rank <= d < rank]
     if wrong:
+        # A 0-d value (a loss, a scalar gate) has no range of dimensions to name: "0 to -1" would read as one.
+        valid = f"dimensions {-rank} to {rank - 1}" if rank else "a 0-d value, which has no dimensions"
         raise ReplacementMismatch(f"{action!r} at {_where(op)}: {wrong[0]} is not a dimension of this value of "
-                                  f"shape {tuple(tensor.shape)} (dimensions {-rank} to {rank - 1})")
+                                  f"shape {tuple(tensor.shape)} ({valid})")
     if len({d % rank for d in dims}) != len(dims):  # dims=(1, -1) of a 2-d value: one dimension twice
         raise ReplacementMismatch(f"{action!r} at {_where(op)}: dims={tuple(dims)} name one dimension of this value "
                                   f"of shape {tuple(tensor.shape)} twice; name each once")
