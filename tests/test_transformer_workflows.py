@@ -137,3 +137,31 @@ def test_a_t5_layer_returning_its_position_bias_is_refused_naming_it_not_eager_a
         handle.remove()
     edited = tl.trace(t5, (ids,), kwargs, intervene={call.output_ops[0]: tl.scale(0.5)})
     assert torch.equal(edited.output.logits, expected)
+
+
+def test_a_bert_layers_hidden_state_recorded_by_its_own_hook_is_the_value_before_a_module_sites_edit():
+    # transformers collects BERT's output_hidden_states by forward hooks of its own on each layer, registered before
+    # a module site's: hidden_states[1] is layer 0's output before the edit, as a hook registered last leaves it,
+    # while a label site at the layer's output op edits the value that hook records.
+    pytest.importorskip("transformers")
+    import real_models
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.bert()
+    model.eval()
+    kwargs = {**kwargs, "output_hidden_states": True}
+    layer = model.bert.encoder.layer[0]
+    model(**kwargs)  # transformers installs its recording hooks on the first call
+    handle = layer.register_forward_hook(lambda m, i, o: o * 2.0)
+    try:
+        expected = model(**kwargs)
+    finally:
+        handle.remove()
+    by_module = tl.trace(model, kwargs=kwargs, intervene={"bert.encoder.layer.0": tl.scale(2.0)})
+    site = by_module["bert.encoder.layer.0"]
+    assert torch.equal(by_module.output.logits, expected.logits)
+    assert all(torch.equal(a, b) for a, b in zip(by_module.output.hidden_states, expected.hidden_states))
+    assert torch.equal(by_module.output.hidden_states[1], site.original)
+    by_label = tl.trace(model, kwargs=kwargs, intervene={site.label: tl.scale(2.0)})
+    assert torch.equal(by_label.output.hidden_states[1], site.activation)
+    assert torch.equal(by_label.output.logits, expected.logits)
