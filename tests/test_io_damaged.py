@@ -99,6 +99,10 @@ def test_symlinked_member_is_refused(saved, tmp_path):
     (lambda r: r.__setitem__("activation_strides", [[0, 1]]), "must map tensor names to strides"),
     (lambda r: r["parents"][r["kind"].index(3)].clear(), r"output op #\d+ has 0 parents; an output has exactly one"),
     (lambda r: r["parents"][r["kind"].index(3)].append([1, 0]), r"output op #\d+ has 2 parents"),
+    (lambda r: r["call"].__setitem__(r["kind"].index(0), -1), r"call: op #\d+ is op, which a torch call makes"),
+    (lambda r: r["call"].__setitem__(0, 0), "call: op #0 is input, which no torch call makes"),
+    (lambda r: r["calls"][0].__setitem__(9, r["calls"][0][9] + 1), "calls: call #0 names ops"),
+    (lambda r: r["module_calls"][1].__setitem__(0, r["module_calls"][0][0]), "module_calls: call #1 is call 1 of"),
 ])
 def test_edited_trace_json_is_refused_even_when_rehashed(saved, edit, message):
     edit_json(saved, "trace.json", edit)

@@ -108,6 +108,7 @@ def _build(record, tensors: dict) -> Trace:
     module_calls, modules, call_ops = _modules(cols, n)
     kind = cols.ints("kind", 0, 4)
     call = cols.ints("call", -1, len(calls))
+    _check_calls_match_ops(kind, call, calls)
     group = cols.ints("group", 0, 1 << 62)
     group_size = {check_index(g, 0, 1 << 62, "group_size"): check_index(k, 1, n + 1, "group_size")
                   for g, k in cols.column("group_size")}
@@ -183,6 +184,22 @@ def _check_outputs_have_one_parent(kind: list, parents: list) -> None:
         if k == Kind.OUTPUT and len(ps) != 1:
             raise TraceFileError(f"{TRACE_JSON}: parents: output op #{index} has {len(ps)} parents; an output has "
                                  "exactly one")
+
+
+def _check_calls_match_ops(kind: list, call: list, calls: list) -> None:
+    """Each op is an output of exactly one call, and each call's outputs are the ops it names (``first_record`` on,
+    ``num_outputs`` of them), as capture records them; an input, buffer or output op has no call.  Views that
+    read an op's call (``tl.debug.hot_path``, the profile tables) would otherwise fail on a file edited so."""
+    for index, (k, c) in enumerate(zip(kind, call)):
+        if (k == Kind.OP) != (c >= 0):
+            raise TraceFileError(f"{TRACE_JSON}: call: op #{index} is {Kind(k).label}, which "
+                                 f"{'a torch call makes' if k == Kind.OP else 'no torch call makes'}, but names "
+                                 f"call {c}")
+    for c, row in enumerate(calls):
+        rows = range(row.first_record, row.first_record + row.num_outputs)
+        if rows.stop > len(call) or any(call[i] != c for i in rows):
+            raise TraceFileError(f"{TRACE_JSON}: calls: call #{c} names ops #{rows.start} to #{rows.stop - 1} as its "
+                                 "outputs, which are not all ops it made")
 
 
 def _output_structure(encoded, n_outputs: int):
@@ -354,7 +371,7 @@ def _modules(cols, n):
     for address, addresses, class_name, param_names in cols.column("modules"):
         modules.append(ModuleRow(_string(address, "modules"), [_string(a, "modules") for a in addresses],
                                  _string(class_name, "modules"), [_string(p, "modules") for p in param_names]))
-    module_calls, call_ops = [], []
+    module_calls, call_ops, numbered = [], [], set()
     for index, row in enumerate(cols.column("module_calls")):
         module, call_index, parent, start, end, inputs, outputs, op_nodes = row
         m = check_index(module, 0, len(modules), "module_calls.module")
@@ -364,5 +381,9 @@ def _modules(cols, n):
                                     tuple(check_index(i, -1, n, "module_calls.inputs") for i in inputs),
                                     tuple(check_index(i, -1, n, "module_calls.outputs") for i in outputs)))
         call_ops.append([check_index(i, 0, n, "module_calls.ops") for i in op_nodes])
+        if (m, call_index) in numbered:  # log["fc:2"] would name both
+            raise TraceFileError(f"{TRACE_JSON}: module_calls: call #{index} is call {call_index} of module "
+                                 f"{modules[m].address!r}, which an earlier call is")
+        numbered.add((m, call_index))
         modules[m].calls.append(index)
     return module_calls, modules, call_ops
