@@ -352,3 +352,28 @@ def test_a_loaded_trace_says_which_ops_a_gradient_reached_also_where_it_holds_no
         with pytest.raises(GradientUnavailable, match="not saved"):
             loaded[unheld[0]].grad
         assert '"gradient":{"norm":' in loaded.render(format="html")  # the viewer shows the statistics alone
+
+
+@pytest.mark.parametrize("layer, why", [
+    ("argmax_1_2", "its output is int64, a dtype autograd computes no gradient for"),
+    ("input_1", "it is an input that does not require grad"),
+])
+def test_extract_names_the_layer_whose_gradient_no_batch_can_have(tmp_path, layer, why):
+    # An integer layer (indices, a mask) or an input has no gradient in any batch: the refusal names the batch and
+    # the layers= entry and says to extract it without grads=True; it named the op label alone.
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.fc(x)
+            return logits, logits.argmax(-1)
+
+    batches = [torch.randn(5, 4) for _ in range(2)]
+    message = (rf"batch 0: grads=True writes every layer's gradient, and {layer} \({layer}:1\) has none: .*{why}.*; "
+               r"extract it in a tl.extract call without grads=True")
+    with pytest.raises(GradientUnavailable, match=message):
+        tl.extract(Tagger(), batches, ["fc", layer], tmp_path / "g", grads=True,
+                   loss_fn=lambda output, batch: output[0].sum(), progress=False)
+    assert tl.trace(Tagger(), batches[0]).labels[:3] == ["input_1:1", "linear_1_1:1", "argmax_1_2:1"]

@@ -12,6 +12,7 @@ import torch
 
 from ..capture.restore import grads_set_aside, parameters_read
 from ..checks import check_flag, check_grad_possible, check_takes
+from ..errors import GradientUnavailable
 
 GRAD_PREFIX = "grad:"
 
@@ -59,7 +60,12 @@ def backward_through(log, loss_fn, batch, position, module=None) -> None:
 
 
 def layer_grad(op, name, position):
-    g = op.grad
+    try:
+        g = op.grad
+    except GradientUnavailable as exc:  # an integer layer (indices, a mask) or an input: none in any batch
+        raise GradientUnavailable(f"batch {position}: grads=True writes every layer's gradient, and {name} "
+                                  f"({op.label}) has none: {exc}; extract it in a tl.extract call without "
+                                  "grads=True") from None
     if g is None:
         raise RuntimeError(f"batch {position}: no gradient reached {name} ({op.label}): the loss does not depend on it")
     return g
