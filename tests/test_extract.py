@@ -269,6 +269,14 @@ def test_a_layer_file_edited_or_grown_is_refused_unverified(tmp_path):
     (tmp_path / "x" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TraceFileError, match=r"holds shape \[12, 8\], the manifest says \[11, 8\]"):
         tl.load_extracted(tmp_path / "x", verify=False)
+    # A dtype of the same size edited into the header (or a manifest naming another): the values would read as
+    # integers, with no error, where the manifest still says F32.
+    manifest["layers"][0]["shape"] = [12, 8]
+    (tmp_path / "x" / "manifest.json").write_text(json.dumps(manifest))
+    path.write_bytes(data.replace(b'"dtype":"F32"', b'"dtype":"I32"'))
+    for as_torch in (True, False):
+        with pytest.raises(TraceFileError, match="holds dtype I32, the manifest says F32"):
+            tl.load_extracted(tmp_path / "x", verify=False, as_torch=as_torch)
     # Bytes added after the data change no header: the file's size against the manifest's finds them.
     path.write_bytes(data + b"\0" * 8)
     with pytest.raises(TraceFileError, match=r"layer_000.safetensors: \d+ bytes, the manifest says \d+"):

@@ -42,7 +42,7 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
         name, file = info.get("name"), info.get("file")
         if not isinstance(name, str) or not isinstance(file, str) or file not in manifest["files"]:
             raise TraceFileError(f"{folder}/{MANIFEST}: layer entry {info!r} names no listed file")
-        arrays[name] = mapped(checked_member(folder, file), "activations", as_torch)
+        arrays[name] = mapped(checked_member(folder, file), "activations", as_torch, info.get("dtype"))
         if list(arrays[name].shape) != info.get("shape"):
             raise TraceFileError(f"{folder}/{file}: holds shape {list(arrays[name].shape)}, the manifest says "
                                  f"{info.get('shape')}")

@@ -181,13 +181,16 @@ def copy_range(src: str, start: int, end: int, out) -> None:
             remaining -= len(block)
 
 
-def mapped(path: str, key: str, as_torch: bool):
-    """Tensor ``key`` of a safetensors file as a read-only memory map (numpy) or a copy-on-write one (torch)."""
+def mapped(path: str, key: str, as_torch: bool, expected_dtype: str | None = None):
+    """Tensor ``key`` of a safetensors file as a read-only memory map (numpy) or a copy-on-write one (torch).
+    ``expected_dtype``: the safetensors dtype name a manifest gives it; a file holding another is refused."""
     header, data_start = read_header(path)
     if key not in header:
         raise TraceFileError(f"{path}: holds no tensor {key!r}")
     dtype, shape, start, end = check_entry(path, key, header[key], os.path.getsize(path) - data_start)
     name = header[key]["dtype"]
+    if expected_dtype is not None and name != expected_dtype:  # same size, so only a hash would see it otherwise
+        raise TraceFileError(f"{path}: holds dtype {name}, the manifest says {expected_dtype}")
     if not as_torch and name not in NUMPY:
         raise TypeError(f"{path}: numpy has no {NAME_OF.get(dtype, name)} dtype ({dtype}); "
                         "load with as_torch=True")
