@@ -220,3 +220,18 @@ def test_counts_of_one_read_in_the_singular_in_the_command_line_module_tree():
     log = tl.trace(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()), torch.randn(2, 3))
     tree = module_tree(log, 2)
     assert "    1 op  " in tree and "1 ops" not in tree, tree
+
+
+def test_the_table_keeps_its_columns_in_line_past_long_call_labels():
+    # Columns were capped at 48 characters: T5's deepest calls (encoder.block.0.layer.0.SelfAttention.q:1, indented
+    # five levels) pushed their parameters, shapes, ops, FLOPs, time and bytes out of line with every other row.
+    pytest.importorskip("transformers")
+    import real_models
+
+    model, args, kwargs = real_models.build("t5")
+    with real_models.in_mode(model, "eval"):
+        table = tl.trace(model, args, kwargs).summary()
+    lines = str(table).splitlines()[: len(table) + 2]  # the header, its rule and one line per row
+    assert max(len("  " * (row["depth"] + 1) + row["call"]) for row in table.rows) > 48
+    # Every column is right-aligned up to the last, "Act. mem": rows in line all end at the same place.
+    assert len({len(line) for line in lines}) == 1

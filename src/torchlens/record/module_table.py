@@ -264,7 +264,9 @@ def summary_table_text(summary: ModuleSummary) -> str:
         if backward:
             cells.append(human_bytes(r[SAVED_FOR_BACKWARD]))
         table.append(cells)
-    widths = [min(48, max(len(row[k]) for row in table)) for k in range(len(header))]
+    # Each column as wide as its longest cell: a capped width let a deep call's label (T5's
+    # encoder.block.0.layer.0.SelfAttention.q:1, indented) push its row's numbers out of line with the rest.
+    widths = [max(len(row[k]) for row in table) for k in range(len(header))]
     right = {2, 5, 6, 7, 8, 9}
     lines = []
     for n, cells in enumerate(table):
