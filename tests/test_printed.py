@@ -132,3 +132,23 @@ def test_inputs_buffers_and_outputs_are_shown_by_their_place_not_a_function_they
     assert repr(log["output_1"]) == "<Layer output_1 (output, 1 pass)>"
     assert repr(log["batchnorm_1_1:1"]) == "<Op batchnorm_1_1:1 batch_norm(2x3, float32)>"
     assert "none" not in " ".join(repr(op) for op in log.ops)
+
+
+def test_the_roster_keeps_its_columns_in_line_past_long_entries():
+    # The label and function columns were capped (40 and 32 characters): GPT-2's cache outputs
+    # (output.past_key_values.layers.0.keys) pushed their shapes out of line with every other op's.
+    import pytest
+
+    pytest.importorskip("transformers")
+    import real_models
+
+    model, args, kwargs = real_models.build("gpt2")
+    with real_models.in_mode(model, "eval"):
+        log = tl.trace(model, args, dict(kwargs, use_cache=True))  # the cache's tensors are outputs
+    rows = [line for line in str(log).split("\nOps:\n")[1].splitlines() if not line.lstrip().startswith("...")]
+    assert any(len(op.io_path or "") > 32 for op in log.outputs)
+    starts = set()
+    for line in rows:
+        rest = line.split("  @")[0].rstrip()  # the module call, where there is one, comes after the shape
+        starts.add(len(rest) - len(rest.split()[-1]))
+    assert len(rows) == 35 and len(starts) == 1  # the first 30 ops and the last 5

@@ -194,8 +194,11 @@ def summary_text(trace) -> str:
     shown = list(range(len(ops))) if len(ops) <= _HEAD + _TAIL else \
         list(range(_HEAD)) + [None] + list(range(len(ops) - _TAIL, len(ops)))
     listed = [ops[i] for i in shown if i is not None]
-    label_width = min(40, max(len(op.label) for op in listed) + 1)
-    func_width = min(32, max(len(_what(op)) for op in listed) + 1)
+    # Columns as wide as their longest entry: a capped width let a long one (GPT-2's cache output,
+    # output.past_key_values.layers.0.keys) push its line's shape and module call out of line with the rest.
+    label_width = max(len(op.label) for op in listed) + 1
+    func_width = max(len(_what(op)) for op in listed) + 1
+    shape_width = max([14, *(len(_shape(op)) for op in listed)])
     index_width = len(str(len(ops) - 1)) + 2
     for i in shown:
         if i is None:
@@ -204,5 +207,5 @@ def summary_text(trace) -> str:
         op = ops[i]
         where = f"  @{op.module}" if op.module else ""
         lines.append(f"  {f'({i})':<{index_width}} {op.label:<{label_width}} {_what(op):<{func_width}} "
-                     f"{_shape(op):<14}{where}".rstrip())
+                     f"{_shape(op):<{shape_width}}{where}".rstrip())
     return "\n".join(lines)
