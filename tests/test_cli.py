@@ -481,3 +481,21 @@ def test_the_module_tree_keeps_its_columns_in_line_past_long_labels():
     rows = module_tree(tl.trace(model, torch.randn(2, 4)), 3).splitlines()[1:]
     classes = [row.index(name) for row, name in zip(rows, ["Linear", "Sequential", "ReLU", "Linear", "Identity"])]
     assert len(rows) == 5 and len(set(classes)) == 1
+
+
+def test_the_hot_path_keeps_its_columns_in_line_past_long_addresses():
+    # The address column was 36 characters: a source line in transformers
+    # (transformers/models/gpt2/modeling_gpt2.py:695) pushed its count, total and share out of line.
+    pytest.importorskip("transformers")
+    import real_models
+
+    from torchlens.cli import hot_path_text
+
+    model, args, kwargs = real_models.build("gpt2")
+    with real_models.in_mode(model, "eval"):
+        log = tl.trace(model, args, kwargs)
+    rows = hot_path_text(log, 10, by="flops", group="source").splitlines()[1:-1]
+    addresses = [row.split()[0] for row in rows]
+    assert len(rows) == 10 and max(map(len, addresses)) > 36
+    counts = {row.index(" x", 2 + len(address)) for row, address in zip(rows, addresses)}
+    assert len(counts) == 1

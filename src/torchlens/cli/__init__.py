@@ -42,10 +42,13 @@ def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
     ranked = hot_path(log, by=by, group=group)
     lines = [f"Hot path ({by}, by {group}; top {min(n, len(ranked.rows))} of {len(ranked.rows)}):"]
     unit = "ms" if by == "duration" else ranked.unit
+    # As wide as the longest address shown (at least as before): a source file's path
+    # (transformers/models/gpt2/modeling_gpt2.py:695) pushed its line's count and total out of line.
+    width = max([36, *(len(row["address"]) for row in ranked.rows[:n])])
     for row in ranked.rows[:n]:
         total = row["total"] * 1e3 if by == "duration" else row["total"]
         shown = f"{total:.3f}" if by == "duration" else f"{int(total):,}"
-        lines.append(f"  {row['address']:<36} x{row['count']:<4} {shown:>14} {unit}  {row['percent']:5.1f}%")
+        lines.append(f"  {row['address']:<{width}} x{row['count']:<4} {shown:>14} {unit}  {row['percent']:5.1f}%")
     if ranked.excluded:
         lines.append(f"  excluded (no {by} value): {counted(len(ranked.excluded), 'op')}")
     lines.append(f"  note: {ranked.note}")
