@@ -322,6 +322,22 @@ def test_the_layers_table_shows_no_pass_s_shape_for_passes_that_differ():
     assert rows.loc["getitem_1_3", "shape"] == (1, 8)
 
 
+def test_a_layer_with_no_torch_call_has_no_time_rather_than_zero():
+    # Layer.duration summed its passes' times with None read as 0.0: Llama's inputs, rotary buffer and output had a
+    # duration of 0.0 in log.layers.to_pandas(), where log.to_pandas() has none for the same ops.
+    pytest.importorskip("transformers")
+    import real_models
+
+    model, args, kwargs = real_models.build("llama")
+    with real_models.in_mode(model, "eval"):
+        log = tl.trace(model, args, kwargs)
+    ops = log.to_pandas().groupby("layer_label")["duration"].sum(min_count=1)
+    layers = log.layers.to_pandas().set_index("layer_label")["duration"]
+    assert {log[label].first.kind for label in layers.index[layers.isna()]} == {"input", "buffer", "output"}
+    assert layers.isna().equals(ops[layers.index].isna())
+    assert layers.dropna().equals(ops[layers.dropna().index])
+
+
 class _SplitTwice(nn.Module):
     """Splits its input twice per call: into as many parts as its width allows."""
 

@@ -369,8 +369,11 @@ class Layer(OfATrace):
         return Op(self._trace, self._indices[0])
 
     @property
-    def duration(self) -> float:
-        return sum(op.duration or 0.0 for op in self.ops)
+    def duration(self):
+        """Host wall time of every pass, summed (instrumented, as ``Op.duration``); None for a layer whose ops
+        made no torch call (an input, output or buffer), which has no time, not a time of zero."""
+        times = [op.duration for op in self.ops if op.duration is not None]
+        return sum(times) if times else None
 
     @property
     def grads(self) -> list:
