@@ -66,3 +66,40 @@ def test_a_module_called_once_still_swallows_the_edges_inside_its_call():
     log = tl.trace(model, torch.randn(2, 4))
     for depth in (0, 1):
         assert loops(log.render(view="rolled", depth=depth)) == []
+
+
+class CallsItself(nn.Module):
+    """A block that applies itself again on its own output (recursion): in the rolled view its later calls are
+    drawn in the box of its first, from whose position they were made."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, repeats=2):
+        x = torch.relu(self.fc(x))
+        return self(x, repeats - 1) if repeats > 0 else x
+
+
+class Recursive(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = CallsItself()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_the_viewer_s_search_lists_only_module_boxes_it_can_go_to():
+    # The search listed every rolled module position, drawn or not: "block" came up three times, and choosing the
+    # second or third (the recursive calls, drawn inside the first box) did nothing.
+    import json
+
+    for model in (Recursive(), SharedOutsideItsFirstBox()):
+        page = tl.trace(model, torch.randn(2, 4)).render(format="html", view="rolled")
+        data = json.loads(re.search(r'id="tl-data">(.*?)</script>', page, re.S).group(1).replace("<\\/", "</"))
+        # "where" holds each drawn item and module box: some module position here is drawn in another one's box
+        assert len(data["groups"]) > len(data["where"]) - len(data["items"])
+        assert [key for _, key in data["search"] if key not in data["where"]] == []
+        drawn = {key for key in data["groups"] if key in data["where"]}
+        assert {key for _, key in data["search"] if key in data["groups"]} == drawn

@@ -77,7 +77,9 @@ def page_data(trace, structure, pictures, records, coloring) -> dict:
     for group in groups:
         group_records[group.key] = records.group_record(group)
     search = [[item.label, item.key] for item in items]
-    search += [[group.label, group.key] for group in groups]
+    # A group no picture draws (in the rolled view, a module's calls from a second position, drawn in its first:
+    # a module that calls itself) would be a search result that goes nowhere when chosen.
+    search += [[group.label, group.key] for group in groups if group.key in where]
     return {"model": trace.model_name, "view": structure.view, "ops": len(trace), "items": item_records,
             "groups": group_records, "titles": {g.key: f"{g.label} ({g.class_name})" for g in groups},
             "where": where, "opens": opens, "views": views, "search": search,
