@@ -43,6 +43,9 @@ DETECT_ANOMALY_RECIPE = (
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
 # Among possible origins: what a collective received, which no op of this rank's trace holds.
 OTHER_RANKS = "(values other ranks sent to the collective)"
+_OUTSIDE = "(a tensor made outside the trace)"  # among possible origins: an argument no op of the trace made
+_CHANGED = "changed since the trace"  # why a parameter is among them
+_UNCHECKED = "not checked: the trace no longer holds the model"
 
 
 class NonfiniteReport:
@@ -134,9 +137,7 @@ class NonfiniteReport:
             lines = [f"  first non-finite op examined: {op.label} ({op.func_name}){where}{source} produced "
                      f"{self.kind.upper()}, but not all of its inputs were examined",
                      f"  the origin may be among {counted(len(self.possible_origins), 'unexamined ancestor')}: "
-                     f"{_some(self.possible_origins, 'possible_origins')}; trace with record_finite=True to "
-                     "examine every op" + ("; it is a collective, so run nonfinite_origin on every rank too"
-                                           if OTHER_RANKS in self.possible_origins else "")]
+                     f"{_some(self.possible_origins, 'possible_origins')}; {_advice(self.possible_origins)}"]
         if self.propagators:
             lines.append(f"  propagated by {len(self.propagators)} op(s): {listed(self.propagators, 8)}")
         if self.other_origins:
@@ -147,6 +148,22 @@ class NonfiniteReport:
         return lines
 
     __repr__ = __str__
+
+
+def _advice(possible) -> str:
+    """How to examine the possible origins: ops by recording flags, parameters on a trace that holds the model,
+    other ranks' values by looking there."""
+    ways = []
+    if any(not p.startswith("(") or p == _OUTSIDE for p in possible):
+        ways.append("trace with record_finite=True to examine every op")
+    if any(p.endswith(f"{_UNCHECKED})") for p in possible):
+        ways.append("call nonfinite_origin before cleanup(), on the trace that holds the model, to check the "
+                    "parameters")
+    if any(p.endswith(f"{_CHANGED})") for p in possible):
+        ways.append("call nonfinite_origin before the parameters change (an optimizer step) to check them")
+    if OTHER_RANKS in possible:
+        ways.append("it is a collective, so run nonfinite_origin on every rank too")
+    return "; ".join(ways)
 
 
 def _some(labels, attribute: str) -> str:
@@ -193,6 +210,8 @@ def nonfinite_origin(log, grads: bool = False):
         raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
                          "recorded; trace with save='all' or record_finite=True")
     bad_params, params_checked, params_changed = _nonfinite_parameters(log)
+    # Parameters whose value at the forward is unknown: every one when none could be checked (no live model).
+    unread_params = set(params_changed) if params_checked else _ALL
     unexamined = [log.labels[i] for i, s in enumerate(status) if s is None and log.kinds[i] != Kind.OUTPUT]
     uninitialized = _set_aside_uninitialized(log, status)
     origin = origin_kind = None
@@ -204,13 +223,13 @@ def nonfinite_origin(log, grads: bool = False):
         if any(p >= 0 and status[p] not in (None, (False, False)) for p in parents):
             propagators.append(log.labels[i])
             continue
-        kind_here, unsure = _birth_kind(log, i, bad_params, status, params_changed)
+        kind_here, unsure = _birth_kind(log, i, bad_params, status, unread_params)
         if origin is None:
             origin, origin_kind = i, kind_here
             if unsure:
                 certain, possible = False, _unexamined_ancestors(log, status, i) + \
-                    [f"(parameter {a}, changed since the trace)" for a in log.param_addresses.get(i, ())
-                     if a in params_changed] + ([OTHER_RANKS] if _from_other_ranks(log, i) else [])
+                    _unread_parameters(log, i, params_checked, params_changed) + \
+                    ([OTHER_RANKS] if _from_other_ranks(log, i) else [])
         elif unsure:
             undetermined.append(log.labels[i])
         else:
@@ -269,10 +288,11 @@ def _set_aside_uninitialized(log, status) -> list:
     return found
 
 
-def _birth_kind(log, i, bad_params, status, changed_params=()):
+def _birth_kind(log, i, bad_params, status, unread_params=()):
     """What a non-finite op with no non-finite examined parent is: ("op" / "input" / "buffer" /
-    "parameter", unsure) where unsure means an unexamined or untracked tensor fed it, or a parameter changed
-    since the trace (``changed_params``), whose value then is unknown."""
+    "parameter", unsure) where unsure means an unexamined or untracked tensor fed it, or it read a parameter
+    whose value at the forward is unknown (``unread_params``: changed since the trace, or ``_ALL`` when none
+    could be checked)."""
     kind = log.kinds[i]
     if kind == Kind.INPUT:
         return "input", False
@@ -282,12 +302,28 @@ def _birth_kind(log, i, bad_params, status, changed_params=()):
     if any(p in bad_params for p in params):
         return "parameter", False
     unsure = any(p < 0 or status[p] is None for _, p in log.op_parents[i]) or \
-        any(p in changed_params for p in params) or _from_other_ranks(log, i)
+        any(p in unread_params for p in params) or _from_other_ranks(log, i)
     if i in log._interventions:
         by_action = _action_made_it(log, i)
         if by_action is not False:
             return "intervention", by_action is None
     return "op", unsure
+
+
+class _Everything:
+    """Contains every parameter address: none could be checked."""
+
+    def __contains__(self, address) -> bool:
+        return True
+
+
+_ALL = _Everything()
+
+
+def _unread_parameters(log, i, checked: bool, changed) -> list:
+    """The parameters op ``i`` read whose value at the forward was not checked, as possible origins."""
+    why = _CHANGED if checked else _UNCHECKED
+    return [f"(parameter {a}, {why})" for a in log.param_addresses.get(i, ()) if not checked or a in changed]
 
 
 def _from_other_ranks(log, i) -> bool:
@@ -323,7 +359,7 @@ def _unexamined_ancestors(log, status, i) -> list:
     found.sort()
     labels = [log.labels[p] for p in found]
     if any(p < 0 for _, p in log.op_parents[i]):
-        labels.append("(a tensor made outside the trace)")
+        labels.append(_OUTSIDE)
     return labels
 
 
