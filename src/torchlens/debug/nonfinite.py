@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_flag
-from ..record.columns import Kind, uninitialized_ops
+from ..record.columns import Kind, overwritten_allocations, uninitialized_ops
 from ..record.dropped import all_made_in_transform
 from ..record.finite import nonfinite_flags
 from ..record.params import changed_since_trace
@@ -219,8 +219,7 @@ def nonfinite_origin(log, grads: bool = False):
     for i, s in enumerate(status):
         if s is None or s == (False, False):
             continue
-        parents = [p for _, p in log.op_parents[i]]
-        if any(p >= 0 and status[p] not in (None, (False, False)) for p in parents):
+        if any(p >= 0 and status[p] not in (None, (False, False)) for p in _read_parents(log, i)):
             propagators.append(log.labels[i])
             continue
         kind_here, unsure = _birth_kind(log, i, bad_params, status, unread_params)
@@ -272,6 +271,16 @@ def _all_on_meta(log) -> bool:
     return bool(saved) and all(isinstance(t, torch.Tensor) and without_values(t) for t in saved)
 
 
+def _read_parents(log, i) -> list:
+    """The parents whose values op ``i`` read: not the uninitialized memory it overwrote whole (a ``copy_`` into a
+    ``torch.empty``), whose bits it never looked at."""
+    parents = [p for _, p in log.op_parents[i]]
+    if not log.ops[i].is_inplace:
+        return parents
+    overwritten = overwritten_allocations(log, log.ops[i])
+    return [p for p in parents if p not in overwritten]
+
+
 def _set_aside_uninitialized(log, status) -> list:
     """Labels of the non-finite values that are uninitialized memory, their status set to unknown (None).
 
@@ -301,7 +310,7 @@ def _birth_kind(log, i, bad_params, status, unread_params=()):
     params = log.param_addresses.get(i, ())
     if any(p in bad_params for p in params):
         return "parameter", False
-    unsure = any(p < 0 or status[p] is None for _, p in log.op_parents[i]) or \
+    unsure = any(p < 0 or status[p] is None for p in _read_parents(log, i)) or \
         any(p in unread_params for p in params) or _from_other_ranks(log, i)
     if i in log._interventions:
         by_action = _action_made_it(log, i)
@@ -350,7 +359,7 @@ def _unexamined_ancestors(log, status, i) -> list:
     """Unexamined ops upstream of ``i`` reachable without crossing an examined op."""
     found, stack, seen = [], [i], {i}
     while stack:
-        for _, p in log.op_parents[stack.pop()]:
+        for p in _read_parents(log, stack.pop()):
             if p >= 0 and p not in seen:
                 seen.add(p)
                 if status[p] is None:
@@ -358,7 +367,7 @@ def _unexamined_ancestors(log, status, i) -> list:
                     stack.append(p)
     found.sort()
     labels = [log.labels[p] for p in found]
-    if any(p < 0 for _, p in log.op_parents[i]):
+    if any(p < 0 for p in _read_parents(log, i)):
         labels.append(_OUTSIDE)
     return labels
 

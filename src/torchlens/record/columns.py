@@ -119,6 +119,18 @@ _MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "
                     "squeeze", "flatten", "unflatten", "movedim", "narrow", "select", "split", "chunk", "unbind",
                     "expand", "expand_as", "as_strided", "contiguous", "clone", "detach"])
 
+# In-place calls that write every element of the argument they write, by the (position, keyword) of that
+# argument: what they leave in a whole allocation of uninitialized memory is defined when what they read is
+# (dist.all_gather into a list of empty_like buffers, a copy_ into torch.empty).
+_WHOLE_WRITES = {"copy_": (0, "self"), "fill_": (0, "self"), "zero_": (0, "self"), "broadcast": (0, "tensor"),
+                 "all_reduce": (0, "tensor"), "recv": (0, "tensor"), "irecv": (0, "tensor"),
+                 "all_reduce_coalesced": (0, "tensors"), "all_gather_coalesced": (0, "output_tensor_lists"),
+                 "all_gather": (0, "tensor_list"), "all_gather_single": (0, "output_tensor"),
+                 "all_gather_into_tensor": (0, "output_tensor"), "scatter": (0, "tensor"),
+                 "reduce_scatter": (0, "output"), "reduce_scatter_single": (0, "output"),
+                 "reduce_scatter_tensor": (0, "output"), "all_to_all_single": (0, "output"),
+                 "all_to_all": (0, "output_tensor_list")}
+
 
 def makes_uninitialized(op) -> bool:
     """Whether ``op`` returns uninitialized memory: ``torch.empty`` and kin, and the legacy ``Tensor.new`` given
@@ -148,9 +160,33 @@ def uninitialized_ops(trace, through_writes: bool) -> set:
             continue
         op = trace.ops[i]
         if makes_uninitialized(op) or (op.func_name in _MOVES or through_writes and op.is_inplace) \
-                and any(p in undefined for _, p in parents[i]):
+                and any(p in undefined for _, p in parents[i]) and not _fills_whole(trace, op, undefined):
             undefined.add(i)
     return undefined
+
+
+def _fills_whole(trace, op, undefined: set) -> bool:
+    """Whether in-place ``op`` wrote every element of the uninitialized memory it read, from defined values: all
+    it read that is undefined is an allocation it overwrote whole (``overwritten_allocations``)."""
+    if op.func_name not in _WHOLE_WRITES or not op.is_inplace:
+        return False
+    overwritten = overwritten_allocations(trace, op)
+    return all(p in overwritten for _, p in trace.op_parents[op.index] if p in undefined)
+
+
+def overwritten_allocations(trace, op) -> set:
+    """Indices of the allocations of uninitialized memory (``torch.empty`` and kin) that in-place ``op`` writes
+    whole, every element (``_WHOLE_WRITES``): their old bits are not read.  A view of one is only part of its
+    base (a later read of the base names ``op``), so it is not among them."""
+    written = _WHOLE_WRITES.get(op.func_name)
+    if written is None or not op.is_inplace:
+        return set()
+    found = set()
+    for position, p in trace.op_parents[op.index]:
+        head = position[0] if isinstance(position, tuple) else position
+        if p >= 0 and head in written and trace.kinds[p] == Kind.OP and makes_uninitialized(trace.ops[p]):
+            found.add(p)
+    return found
 
 
 def writes_first_argument(func) -> bool:
