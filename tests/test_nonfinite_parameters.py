@@ -55,3 +55,15 @@ def test_an_op_reading_no_parameter_stays_certain_on_a_cleaned_up_trace():
     log.cleanup()
     report = tl.debug.nonfinite_origin(log)
     assert report.certain and report.origin.func_name == "log" and report.possible_origins == ()
+
+
+def test_a_parameter_of_a_module_a_traced_function_called_is_not_taken_for_finite(nan_head):
+    # tl.trace(lambda x: model(x), x) holds no model: the head's weight is named by its shape and was never
+    # checked, where the report called the head's linear the certain origin "from finite inputs".
+    model, x = nan_head
+    report = tl.debug.nonfinite_origin(tl.trace(lambda t: model(t), x))
+    assert report.parameters_checked and report.parameters == () and report.origin.func_name == "linear"
+    weight = "(parameter <unregistered parameter (4, 16)>, not checked: no parameter of the traced model)"
+    assert not report.certain and weight in report.possible_origins
+    assert "from finite inputs" not in str(report) and "trace the module itself" in str(report)
+    assert tl.debug.nonfinite_origin(tl.trace(model.forward, x)).origin_kind == "parameter"

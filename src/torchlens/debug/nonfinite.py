@@ -46,6 +46,7 @@ OTHER_RANKS = "(values other ranks sent to the collective)"
 _OUTSIDE = "(a tensor made outside the trace)"  # among possible origins: an argument no op of the trace made
 _CHANGED = "changed since the trace"  # why a parameter is among them
 _UNCHECKED = "not checked: the trace no longer holds the model"
+_UNREGISTERED = "not checked: no parameter of the traced model"  # a function given to tl.trace called the module
 
 
 class NonfiniteReport:
@@ -159,6 +160,9 @@ def _advice(possible) -> str:
     if any(p.endswith(f"{_UNCHECKED})") for p in possible):
         ways.append("call nonfinite_origin before cleanup(), on the trace that holds the model, to check the "
                     "parameters")
+    if any(p.endswith(f"{_UNREGISTERED})") for p in possible):
+        ways.append("trace the module itself (tl.trace(model, x)), not a function that calls it, to check its "
+                    "parameters")
     if any(p.endswith(f"{_CHANGED})") for p in possible):
         ways.append("call nonfinite_origin before the parameters change (an optimizer step) to check them")
     if OTHER_RANKS in possible:
@@ -210,8 +214,7 @@ def nonfinite_origin(log, grads: bool = False):
         raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
                          "recorded; trace with save='all' or record_finite=True")
     bad_params, params_checked, params_changed = _nonfinite_parameters(log)
-    # Parameters whose value at the forward is unknown: every one when none could be checked (no live model).
-    unread_params = set(params_changed) if params_checked else _ALL
+    unread_params = _UnreadParameters(log, params_checked, params_changed)
     unexamined = [log.labels[i] for i, s in enumerate(status) if s is None and log.kinds[i] != Kind.OUTPUT]
     uninitialized = _set_aside_uninitialized(log, status)
     origin = origin_kind = None
@@ -227,7 +230,7 @@ def nonfinite_origin(log, grads: bool = False):
             origin, origin_kind = i, kind_here
             if unsure:
                 certain, possible = False, _unexamined_ancestors(log, status, i) + \
-                    _unread_parameters(log, i, params_checked, params_changed) + \
+                    unread_params.possible_origins(log.param_addresses.get(i, ())) + \
                     ([OTHER_RANKS] if _from_other_ranks(log, i) else [])
         elif unsure:
             undetermined.append(log.labels[i])
@@ -300,8 +303,7 @@ def _set_aside_uninitialized(log, status) -> list:
 def _birth_kind(log, i, bad_params, status, unread_params=()):
     """What a non-finite op with no non-finite examined parent is: ("op" / "input" / "buffer" /
     "parameter", unsure) where unsure means an unexamined or untracked tensor fed it, or it read a parameter
-    whose value at the forward is unknown (``unread_params``: changed since the trace, or ``_ALL`` when none
-    could be checked)."""
+    whose value at the forward is unknown (``unread_params``, a ``_UnreadParameters``)."""
     kind = log.kinds[i]
     if kind == Kind.INPUT:
         return "input", False
@@ -319,20 +321,28 @@ def _birth_kind(log, i, bad_params, status, unread_params=()):
     return "op", unsure
 
 
-class _Everything:
-    """Contains every parameter address: none could be checked."""
+class _UnreadParameters:
+    """The parameters whose value at the forward is unknown, as ``in`` answers it: all of them when the trace no
+    longer holds the model, else those changed since the trace and those the model does not hold (read by a
+    module that a function given to ``tl.trace`` called: named by shape, never checked)."""
+
+    def __init__(self, log, checked: bool, changed):
+        self.held = {address for address, _ in log._model_params or ()} if checked else None
+        self.changed = set(changed)
+
+    def why(self, address):
+        """Why ``address`` was not checked, or None when it was."""
+        if self.held is None:
+            return _UNCHECKED
+        if address in self.changed:
+            return _CHANGED
+        return None if address in self.held else _UNREGISTERED
 
     def __contains__(self, address) -> bool:
-        return True
+        return self.why(address) is not None
 
-
-_ALL = _Everything()
-
-
-def _unread_parameters(log, i, checked: bool, changed) -> list:
-    """The parameters op ``i`` read whose value at the forward was not checked, as possible origins."""
-    why = _CHANGED if checked else _UNCHECKED
-    return [f"(parameter {a}, {why})" for a in log.param_addresses.get(i, ()) if not checked or a in changed]
+    def possible_origins(self, addresses) -> list:
+        return [f"(parameter {a}, {self.why(a)})" for a in addresses if a in self]
 
 
 def _from_other_ranks(log, i) -> bool:
