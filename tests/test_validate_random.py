@@ -266,3 +266,29 @@ def test_an_op_whose_kernel_varies_from_run_to_run_is_not_replayed_not_called_a_
     assert result.not_replayed[0][1].startswith("nondeterministic: run twice on the same arguments")
     steady = tl.trace(lambda x: torch.sin(x * 2), torch.randn(3)).validate()  # a deterministic op still replays
     assert steady.passed and not steady.not_replayed
+
+
+class ReseedsAfterAllReduce(Reseeds):
+    """``Reseeds`` after summing its input over the ranks (``dist.all_reduce``), as a tensor-parallel layer does."""
+
+    def forward(self, x):
+        summed = x.clone()
+        torch.distributed.all_reduce(summed)
+        return super().forward(summed)
+
+
+def test_a_forward_issuing_collectives_is_not_run_a_third_time():
+    # Its outputs differ from run to run, and validate ran a third, untraced forward to tell so on this rank alone:
+    # under several ranks its all_reduce waited for ranks that ran no such forward, until the group's timeout.
+    import torch.distributed as dist
+
+    runs = []
+    model = ReseedsAfterAllReduce()
+    model.register_forward_pre_hook(lambda module, args: runs.append(1))  # shared with validate's copy
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        result = tl.validate(model, torch.randn(4, 16))
+    finally:
+        dist.destroy_process_group()
+    assert len(runs) == 2 and result.outputs_match is False and not result.passed, result
+    assert "not run a third time" in result.outputs_differ and "collectives" in result.outputs_differ

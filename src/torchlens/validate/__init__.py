@@ -46,6 +46,8 @@ COMPILED_WROTE = ("its compiled code wrote its module's buffers (running statist
                   "the forward left them, not as they were when it ran")
 NONDETERMINISTIC = ("nondeterministic: run twice on the same arguments, the call gave different values (its kernel "
                     "varies from run to run), so no replay can match what it made")
+NOT_RUN_AGAIN = ("; not run a third time to see whether the forward itself varies from run to run: it issues "
+                 "collectives, which an extra forward on this rank alone would leave waiting on the other ranks")
 TENSOR_SLICE = ("a slice bound is a tensor (x[s:e] with s or e a tensor): the record holds the slice as a value, "
                 "not the bound's producer or its value at the call, which a later write may have changed")
 
@@ -212,7 +214,9 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
             "put back between its untraced and traced runs (it knows only the global generators), so the two "
             "drew other numbers; that generator has now advanced by both runs. Seed it again before each run and "
             "compare the outputs yourself")
-    if result.outputs_match is False and drawing is None and _untraced_runs_differ(
+    if result.outputs_match is False and drawing is None and _issues_collectives(log):
+        result.outputs_differ += NOT_RUN_AGAIN
+    elif result.outputs_match is False and drawing is None and _untraced_runs_differ(
             model, (call_args, kwargs, trace_kwargs.get("root")), (before, after), log, expected):
         result.outputs_match = None
         result.outputs_differ = (
@@ -259,6 +263,12 @@ def _untraced_runs_differ(model, call, states, log, expected) -> bool:
         return _compare_outputs(log, expected, output=again)[0] is False
     except Exception:  # noqa: BLE001 - compared as the traced output was, which raised nothing
         return False
+
+
+def _issues_collectives(log) -> bool:
+    """Whether the forward issued a collective (``dist.all_reduce`` in forward, FSDP2's all-gathers): one more
+    forward on this rank alone would wait at it for ranks that run no such forward (until the group's timeout)."""
+    return any(is_collective(call.func) for call in log.calls)
 
 
 def _op_drawing_from_own_generator(log):
