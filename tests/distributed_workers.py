@@ -277,6 +277,9 @@ def traces(rank, world, workdir):
     report = tl.debug.nonfinite_origin(tl.trace(ReducesAView(), poisoned, save="none", record_finite=True))
     out["nonfinite"] = {"origin": report.origin_label, "kind": report.origin_kind, "certain": report.certain,
                         "possible": report.possible_origins, "text": str(report)}
+    report = tl.debug.nonfinite_origin(tl.trace(ReducesLate(), poisoned, save="none", record_finite=True))
+    out["nonfinite_async"] = {"origin": report.origin_label, "certain": report.certain,
+                              "possible": report.possible_origins}
     dist.barrier()
     return out
 
@@ -288,6 +291,18 @@ def _all_reduced(model, x):
         y = model.fc(x)
         dist.all_reduce(y)
     return y
+
+
+class ReducesLate(nn.Module):
+    """An async ``dist.all_reduce`` that rank 1 joins late: rank 0's result arrives at the wait, after the issue."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        h = x * 2
+        time.sleep(0.3 * dist.get_rank())
+        dist.all_reduce(h, async_op=True).wait()
+        return h + 1
 
 
 class ReducesAView(nn.Module):

@@ -134,6 +134,14 @@ def test_a_nan_a_collective_received_from_another_rank_is_not_called_born_in_it(
     assert (got[1]["origin"], got[1]["kind"], got[1]["certain"]) == ("input_1:1", "input", True)
 
 
+def test_the_flag_of_an_async_collective_taken_before_its_result_arrived_is_not_evidence(traced):
+    # The flag recorded at issue was finite on rank 0; the report named the add after the wait as the certain origin.
+    got = traced[0]["nonfinite_async"]
+    assert got["origin"].startswith("add") and not got["certain"]
+    assert got["possible"] == ("allreduce_1_2:1", OTHER_RANKS)
+    assert traced[1]["nonfinite_async"]["origin"] == "input_1:1" and traced[1]["nonfinite_async"]["certain"]
+
+
 def test_every_listed_torch_distributed_collective_is_recorded(traced):
     names = ["broadcast", "all_reduce_coalesced", "reduce", "reduce_scatter_single", "all_gather_single",
              "reduce_scatter", "all_to_all_single", "all_to_all", "scatter"]

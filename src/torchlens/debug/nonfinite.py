@@ -156,7 +156,8 @@ def _advice(possible) -> str:
     other ranks' values by looking there."""
     ways = []
     if any(not p.startswith("(") or p == _OUTSIDE for p in possible):
-        ways.append("trace with record_finite=True to examine every op")
+        ways.append("trace with record_finite=True to examine every op (and save the outputs of collectives issued "
+                    "async: their flags are taken when they are issued, before their results arrive)")
     if any(p.endswith(f"{_UNCHECKED})") for p in possible):
         ways.append("call nonfinite_origin before cleanup(), on the trace that holds the model, to check the "
                     "parameters")
@@ -229,9 +230,10 @@ def nonfinite_origin(log, grads: bool = False):
         if origin is None:
             origin, origin_kind = i, kind_here
             if unsure:
-                certain, possible = False, _unexamined_ancestors(log, status, i) + \
-                    unread_params.possible_origins(log.param_addresses.get(i, ())) + \
-                    ([OTHER_RANKS] if _from_other_ranks(log, i) else [])
+                read_params = unread_params.possible_origins(log.param_addresses.get(i, ()))
+                certain, possible = False, list(dict.fromkeys(  # each once: ancestors may name OTHER_RANKS
+                    _unexamined_ancestors(log, status, i) + read_params
+                    + ([OTHER_RANKS] if _from_other_ranks(log, i) else [])))
         elif unsure:
             undetermined.append(log.labels[i])
         else:
@@ -251,7 +253,7 @@ def nonfinite_origin(log, grads: bool = False):
 def _status(log, i):
     """``(has_nan, has_inf)`` for op ``i``, or None when neither an activation nor a flag says."""
     flag = log.finite_flags.get(i)
-    if flag is not None:
+    if flag is not None and not _flagged_before_arrival(log, i):
         return tuple(flag)
     if log.is_cleaned_up or log.ops[i].dropped_reason is not None:
         return None
@@ -259,6 +261,16 @@ def _status(log, i):
     if t is None:
         return None
     return nonfinite_flags(t)
+
+
+def _flagged_before_arrival(log, i) -> bool:
+    """Whether op ``i`` is a collective issued asynchronously, whose finite flag capture recorded when it was issued,
+    before its result arrived (its saved activation, the buffer itself, holds the result once waited on)."""
+    if log.world_size is None or log.kinds[i] != Kind.OP:  # outside a process group: no collective ran
+        return False
+    from ..distributed.collectives import issued_async
+
+    return issued_async(log.ops[i])
 
 
 def _why_activations_gone(log):
@@ -379,6 +391,8 @@ def _unexamined_ancestors(log, status, i) -> list:
     labels = [log.labels[p] for p in found]
     if any(p < 0 for p in _read_parents(log, i)):
         labels.append(_OUTSIDE)
+    if any(_from_other_ranks(log, p) for p in found):  # an unexamined collective may have received it
+        labels.append(OTHER_RANKS)
     return labels
 
 
