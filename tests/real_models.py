@@ -461,11 +461,54 @@ def qwen3_next():
     return Qwen3NextForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
 
 
+def perceiver():
+    from transformers import PerceiverConfig, PerceiverForMaskedLM
+
+    # Cross-attention from the inputs into a fixed set of learned latents, self-attention among the latents, and
+    # a decoder whose queries are position embeddings cross-attending back to them.
+    config = PerceiverConfig(num_latents=8, d_latents=HIDDEN, d_model=HIDDEN, num_blocks=1,
+                             num_self_attends_per_block=1, num_self_attention_heads=4, num_cross_attention_heads=4,
+                             vocab_size=VOCAB, max_position_embeddings=SEQ)
+    return PerceiverForMaskedLM(config), (), {"inputs": _tokens(), "attention_mask": _attention_mask()}
+
+
+def led():
+    from transformers import LEDConfig, LEDForConditionalGeneration
+
+    # Longformer's windowed encoder attention (global attention padded in, chunked as_strided views) under a BART
+    # decoder.
+    config = LEDConfig(**_SEQ2SEQ, attention_window=4, max_encoder_position_embeddings=64,
+                       max_decoder_position_embeddings=64)
+    return LEDForConditionalGeneration(config), (), _seq2seq_inputs()
+
+
+def recurrent_gemma():
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    # A real-gated linear recurrence (the RG-LRU, a scan over time) beside local sliding-window attention, and
+    # logits soft-capped after the head.
+    config = RecurrentGemmaConfig(**_DECODER, lru_width=HIDDEN, attention_window_size=4, head_dim=8,
+                                  block_types=["recurrent", "attention"])
+    return RecurrentGemmaForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def canine():
+    from transformers import CanineConfig, CanineModel
+
+    # Characters hashed into several embedding buckets, a local transformer, a strided convolution that
+    # downsamples, and an upsampling that repeats the molecules back to characters.
+    config = CanineConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                          max_position_embeddings=64, downsampling_rate=4, local_transformer_stride=4,
+                          num_hash_buckets=64, num_hash_functions=2)
+    return CanineModel(config), (), {"input_ids": _tokens(vocab=1000), "attention_mask": _attention_mask()}
+
+
 TRANSFORMERS = {f.__name__: f for f in (
     gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit, swin, convnext, resnet, detr, clip, mamba,
     mixtral, deberta_v2, albert, rwkv, gpt_neox, opt, bloom, falcon, phi, gemma, gptj, roberta, mobilebert, xlnet,
     funnel, convbert, longformer, pegasus, segformer, mobilevit, regnet, bigbird, mamba2, qwen3_moe, deepseek_v3,
-    gemma3, modernbert, dinov2, siglip, llava, gemma2, jamba, qwen3_next, deformable_detr)}
+    gemma3, modernbert, dinov2, siglip, llava, gemma2, jamba, qwen3_next, deformable_detr, perceiver, led,
+    recurrent_gemma, canine)}
 TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
 CORPUS = {**TRANSFORMERS, **TORCH_NN}
 
