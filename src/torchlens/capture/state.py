@@ -35,7 +35,7 @@ from .bindings import is_bound
 from .budget import SaveBudget
 from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
-from .unversioned_writes import note_data_write, note_unversioned_write
+from .unversioned_writes import exported_alias, note_data_write, note_export, note_unversioned_write
 
 _any_autocast = torch._C._is_any_autocast_enabled
 _VERSION = operator.attrgetter("_version")
@@ -115,6 +115,7 @@ class CaptureState:
         # id(tensor) -> (its binding's reference, how many writes of its storage were found to miss it)
         self.unwritten: dict = {}
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
+        self.exports: dict = {}  # storage key -> weakref to the tensor whose __dlpack__ handed those bytes out
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
         # (call index, parent record) read after a write through a view, while the call wrote it through
         # another argument, or of a statistic a kernel wrote
@@ -201,6 +202,8 @@ class CaptureState:
     note_pass_through = note_pass_through
     end_pass_through = end_pass_through
     _note_data_write = note_data_write
+    note_export = note_export
+    _exported_alias = exported_alias
     note_unversioned_write = note_unversioned_write
 
     def value_record(self, t: torch.Tensor) -> int:
@@ -393,9 +396,12 @@ class CaptureState:
             index = record_index + (position if 0 <= position < count else 0)
             version = version_of(t)
             self._add_write(key, index, version, memory_span(t))
+            before = self.producers.get(id(t)) if self.exports else None  # its binding before this write
             if bound:
                 self.producers[id(t)] = (weakref(t), index, version)
             alias = self.data_bases.get(id(t))
+            if alias is None and bound and self.exports:
+                alias = self._exported_alias(t, key, before)
             if bound and alias is not None and alias[0]() is t and alias[1]() is not None:
                 self._note_data_write(t, alias[1](), index, key)
             stale = self.saved_by_storage.pop(key, None)

@@ -198,7 +198,7 @@ def release_failed(state, runtime) -> None:
     its inputs and the activations only when the collector runs."""
     state.failure = state.raised_in = state.grads = state.finite_flags = None
     for held in (state.calls, state.records, state.module_calls, state.producers, state.writers, state.unwritten,
-                 state.data_bases, state.saved, state.saved_versions, state._by_storage, state.unkeyed,
+                 state.data_bases, state.exports, state.saved, state.saved_versions, state._by_storage, state.unkeyed,
                  state.param_writes, state.contexts, state.clobbered):
         held.clear()
     if runtime is not None:

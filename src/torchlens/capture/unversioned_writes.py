@@ -1,10 +1,11 @@
 """Writes a tensor's version counter does not show, and how capture still finds them.
 
 A write through ``x.data`` moves the version counter of ``x.data`` alone, not that of ``x`` nor of the
-views sharing its memory; ``torch.distributed``'s in-place collectives move none.  Each is noted in
+views sharing its memory, and so does one through ``torch.from_dlpack(x)``, a tensor of its own on ``x``'s
+bytes; ``torch.distributed``'s in-place collectives move none.  Each is noted in
 ``CaptureState.writers`` and the tensors it reached are made stale (``STALE_VERSION``), so that their next
 read asks ``writers`` who wrote them last, as after a write through a view (``CaptureState.producer_of``).
-Both functions are methods of ``CaptureState``.
+The functions taking ``self`` are methods of ``CaptureState``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def note_data_write(self, t: torch.Tensor, base: torch.Tensor, index: int, key: 
     holds the memory."""
     version = version_of(base)
     self.producers[id(base)] = (weakref(base), index, version)
-    if version is None or storage_holders(t) <= _DATA_WRITE_HOLDERS:
+    if version is None or storage_holders(base) <= (_DATA_WRITE_HOLDERS if _same_storage(t, base) else 2):
         return
     self._add_write(key, index, version, memory_span(t))
     for tid, entry in list(self.producers.items()):
@@ -42,6 +43,35 @@ def note_data_write(self, t: torch.Tensor, base: torch.Tensor, index: int, key: 
         if isinstance(held, torch.Tensor) and id(held) == tid and held is not base and held is not t \
                 and storage_key(held) == key and entry[2] == version_of(held):
             self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
+
+
+def _same_storage(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``t`` holds ``base``'s storage object, as ``base.data`` does; a tensor made from ``base``'s
+    DLPack capsule has one of its own on the same bytes, so ``base``'s holders are counted without it."""
+    try:
+        return t.untyped_storage()._cdata == base.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, ValueError):  # a layout without a storage (sparse)
+        return True
+
+
+def note_export(self, t: torch.Tensor) -> None:
+    """``t.__dlpack__()`` handed ``t``'s bytes out (``torch.from_dlpack(t)`` calls it): a tensor made from the
+    capsule shares them without sharing ``t``'s version counter, as ``t.data`` does."""
+    self.exports[storage_key(t)] = weakref(t)
+
+
+def exported_alias(self, t: torch.Tensor, key: int, entry) -> tuple | None:
+    """``(weak t, weak exported)`` when ``t``, which no op had made before this write (``entry``, its binding
+    then), lives in bytes a bound tensor handed out through ``__dlpack__``: a write to ``t`` is then one
+    through ``exported.data``, noted so (``note_data_write``) for this and every later write to ``t``."""
+    if entry is not None and is_bound(entry, t):
+        return None
+    ref = self.exports.get(key)
+    exported = ref() if ref is not None else None
+    if exported is None or exported is t:
+        return None
+    alias = self.data_bases[id(t)] = (weakref(t), weakref(exported))
+    return alias
 
 
 def note_unversioned_write(self, t: torch.Tensor, record_index: int) -> None:
