@@ -429,18 +429,20 @@ def test_a_write_through_a_dlpack_numpy_array_leaves_what_was_saved_as_it_was_ma
     assert torch.equal(log.output, made * 2 + 1) and torch.equal(x, passed * 2)
 
 
-class _DLPackWriter(nn.Module):
-    """Zeroes its hidden activation, then adds 2, through ``torch.from_dlpack(y)``: a tensor of its own on
-    ``y``'s bytes, whose writes move its own version counter, not ``y``'s nor that of ``y``'s views."""
+class _AliasWriter(nn.Module):
+    """Zeroes its hidden activation, then adds 2, through a tensor of its own on ``y``'s bytes (``share(y)``:
+    ``torch.from_dlpack(y)``, ``torch.from_numpy(y.numpy())``), whose writes move its own version counter, not
+    ``y``'s nor that of ``y``'s views."""
 
-    def __init__(self):
+    def __init__(self, share):
         super().__init__()
         self.fc = nn.Linear(4, 4)
+        self.share = share
 
     def forward(self, x):
         y = self.fc(x)
         tail = y[1:]
-        alias = torch.from_dlpack(y)
+        alias = self.share(y)
         alias.mul_(0)
         zeroed = y.relu()
         alias.add_(2)
@@ -448,10 +450,13 @@ class _DLPackWriter(nn.Module):
 
 
 @pytest.mark.parametrize("compiled", PATHS)
-def test_a_write_through_torch_from_dlpack_is_the_parent_of_the_later_reads_of_what_it_wrote(compiled):
+@pytest.mark.parametrize("share", [torch.from_dlpack, lambda y: torch.from_numpy(y.numpy())],
+                         ids=["from_dlpack", "from_numpy"])
+def test_a_write_through_a_tensor_sharing_memory_but_no_version_counter_is_the_parent_of_later_reads(compiled,
+                                                                                                       share):
     # The ops reading y or its view after a write through the alias read the written values: they named the
     # linear, whose saved value is from before the write, and validation reported them as mismatches.
-    model, x = _DLPackWriter(), torch.randn(3, 4)
+    model, x = _AliasWriter(share), torch.randn(3, 4)
     with torch.no_grad():
         made = model.fc(x)
         with on_path(compiled):

@@ -97,8 +97,7 @@ _OFF_HOT_PATH = _NOT_OPS | _DATA_GET | {_SDPA} | _UNRECORDED_INSIDE
 # Calls that hand a tensor's memory to NumPy (``np.from_dlpack(t)`` calls ``__dlpack__``): a write through the
 # array moves no version counter, so what is saved in that memory is copied first.  ``untyped_storage()`` is
 # not among them: FSDP2 frees memory through it (``resize_(0)``), which must read as freed, not be copied.
-_DLPACK = Tensor.__dlpack__
-_NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__, _DLPACK])
+_NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__, Tensor.__dlpack__])
 _REGISTER_HOOK = Tensor.register_hook
 # Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, a user's
 # tensor hook, which the gradient capture's hook must run after (GradCapture.run_after_user_hook), and the
@@ -480,8 +479,9 @@ def _not_an_op(st, func, args, kwargs):
             # NumPy shares the memory and writes through it bump no version counter: what is saved
             # must not change with it.
             st.protect_saved(args[0])
-        if func is _DLPACK:  # a tensor made from the capsule shares the bytes, not the version counter
-            st.note_export(args[0])
+        # A tensor made from what it hands out (torch.from_dlpack(t), torch.from_numpy(t.numpy())) shares the
+        # bytes, not the version counter: its writes are noted as writes through t.data.
+        st.note_export(args[0])
     return func(*args, **(kwargs or _NO_KWARGS))
 
 

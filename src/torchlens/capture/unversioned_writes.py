@@ -1,8 +1,8 @@
 """Writes a tensor's version counter does not show, and how capture still finds them.
 
 A write through ``x.data`` moves the version counter of ``x.data`` alone, not that of ``x`` nor of the
-views sharing its memory, and so does one through ``torch.from_dlpack(x)``, a tensor of its own on ``x``'s
-bytes; ``torch.distributed``'s in-place collectives move none.  Each is noted in
+views sharing its memory, and so does one through ``torch.from_dlpack(x)`` or ``torch.from_numpy(x.numpy())``,
+a tensor of its own on ``x``'s bytes; ``torch.distributed``'s in-place collectives move none.  Each is noted in
 ``CaptureState.writers`` and the tensors it reached are made stale (``STALE_VERSION``), so that their next
 read asks ``writers`` who wrote them last, as after a write through a view (``CaptureState.producer_of``).
 The functions taking ``self`` are methods of ``CaptureState``.
@@ -55,14 +55,15 @@ def _same_storage(t: torch.Tensor, base: torch.Tensor) -> bool:
 
 
 def note_export(self, t: torch.Tensor) -> None:
-    """``t.__dlpack__()`` handed ``t``'s bytes out (``torch.from_dlpack(t)`` calls it): a tensor made from the
-    capsule shares them without sharing ``t``'s version counter, as ``t.data`` does."""
+    """``t.__dlpack__()``, ``t.numpy()`` or ``t.__array__()`` handed ``t``'s bytes out: a tensor made from what
+    they return (``torch.from_dlpack(t)``, ``torch.from_numpy(t.numpy())``) shares them without sharing ``t``'s
+    version counter, as ``t.data`` does."""
     self.exports[storage_key(t)] = weakref(t)
 
 
 def exported_alias(self, t: torch.Tensor, key: int, entry) -> tuple | None:
     """``(weak t, weak exported)`` when ``t``, which no op had made before this write (``entry``, its binding
-    then), lives in bytes a bound tensor handed out through ``__dlpack__``: a write to ``t`` is then one
+    then), lives in bytes a bound tensor handed out (``note_export``): a write to ``t`` is then one
     through ``exported.data``, noted so (``note_data_write``) for this and every later write to ``t``."""
     if entry is not None and is_bound(entry, t):
         return None
