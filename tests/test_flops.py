@@ -360,3 +360,22 @@ def test_flops_vs_dispatch_pairs_a_product_left_unknown_with_the_counted_one():
     matmul = next(row for row in result.families if row["family"] == "matmul")
     assert (matmul["torchlens"], matmul["native"]) == (2 * 3 * 8 * 8, 2 * (2 * 3 * 8 * 8))
     assert len(result.torchlens_unknown) == 1
+
+
+def test_a_torchscript_module_makes_the_totals_around_it_incomplete(tmp_path):
+    # Capture cannot see the ops a TorchScript module runs, so none of them is counted and none is an unknown
+    # op either: the total read complete, a plausible wrong count, with only the trace's caveat saying otherwise.
+    torch.manual_seed(0)
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    model = nn.Sequential(nn.Linear(8, 8), scripted, nn.Linear(8, 2)).eval()
+    with pytest.warns(UserWarning, match="TorchScript"):
+        log = tl.trace(model, torch.randn(2, 8))
+    total = log.flops
+    assert int(total) == (2 * 2 * 8 * 8 + 2 * 8) + (2 * 2 * 8 * 2 + 2 * 2)  # the two Linears outside it, biases too
+    assert total.unknown == () and total.hidden == ("1",) and not total.complete
+    assert "not counted inside TorchScript modules 1" in str(total)
+    per_call = registry.module_call_flops(log)
+    assert [per_call[label].complete for label in ("0:1", "1:1", "2:1")] == [True, False, True]
+    assert "TorchScript modules whose ops go uncounted" in str(log.summary())
+    loaded = tl.load(log.save(tmp_path / "t"))  # told by the class name once no model is held
+    assert loaded.flops.hidden == ("1",) and not loaded.flops.complete

@@ -241,7 +241,7 @@ def flops_text(row) -> str:
     return human_count(row["flops"]) + ("" if row["flops_complete"] in (True, None) else "+")
 
 
-INCOMPLETE_FLOPS_NOTE = "a '+' marks rows with ops no formula covers"
+INCOMPLETE_FLOPS_NOTE = "a '+' marks rows with ops no formula covers, or TorchScript modules whose ops go uncounted"
 
 
 def _shapes(shapes) -> str:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..errors import counted, listed
 from ..record.modules import enclosing_calls
 from ..record.op import Layer, Op
@@ -509,26 +511,45 @@ def op_flops_by_family(op):
 
 
 class FlopCount(int):
-    """A FLOP total (an int) that also names the ops it could not count."""
+    """A FLOP total (an int) that also names the ops it could not count (``unknown``) and the TorchScript
+    modules whose ops capture never saw (``hidden``): a total is ``complete`` when it has neither."""
 
-    def __new__(cls, total: int, unknown=(), counted: int = 0):
+    def __new__(cls, total: int, unknown=(), counted: int = 0, hidden=()):
         self = super().__new__(cls, total)
         self.unknown = tuple(unknown)
         self.counted = counted
+        self.hidden = tuple(hidden)
         return self
 
     @property
     def complete(self) -> bool:
-        return not self.unknown
+        return not self.unknown and not self.hidden
 
     def __repr__(self) -> str:
-        if not self.unknown:
+        if self.complete:
             return f"{int(self):,} FLOPs"
-        shown = listed(self.unknown, 5)
-        unknown = counted(len(self.unknown), "op")
-        return f"{int(self):,} FLOPs over {counted(self.counted, 'counted op')}; {unknown} unknown: {shown}"
+        parts = [f"{int(self):,} FLOPs over {counted(self.counted, 'counted op')}"]
+        if self.unknown:
+            parts.append(f"{counted(len(self.unknown), 'op')} unknown: {listed(self.unknown, 5)}")
+        if self.hidden:
+            parts.append(f"not counted inside TorchScript modules {listed(self.hidden, 5)}")
+        return "; ".join(parts)
 
     __str__ = __repr__
+
+
+_SCRIPT_CLASSES = frozenset(["RecursiveScriptModule", "TopLevelTracedModule", "TracedModule"])
+
+
+def script_modules(trace) -> dict:
+    """``{address: module call indices}`` of the TorchScript modules the forward called, outermost only: they run
+    their ops in TorchScript's interpreter, which capture cannot see, so no op of theirs is counted, nor known
+    to be missing.  Told by the module (or, once a trace no longer holds it, by torch's class names for them)."""
+    scripted = [m for m in trace.modules if isinstance(m._ref, torch.jit.ScriptModule)
+                or m._ref is None and m.class_name in _SCRIPT_CLASSES]
+    addresses = [m.address for m in scripted]
+    return {m.address: m._row.calls for m in scripted
+            if not any(m.address.startswith(f"{outer}.") for outer in addresses)}
 
 
 def total_flops(trace) -> FlopCount:
@@ -541,7 +562,7 @@ def total_flops(trace) -> FlopCount:
         elif parts:
             total += sum(parts.values())
             counted += 1
-    return FlopCount(total, unknown, counted)
+    return FlopCount(total, unknown, counted, script_modules(trace))
 
 
 def module_call_flops(trace) -> dict:
@@ -559,7 +580,13 @@ def module_call_flops(trace) -> dict:
             elif parts:
                 totals[k] += sum(parts.values())
                 counted[k] += 1
-    return {call.label: FlopCount(totals[k], unknown[k], counted[k]) for k, call in enumerate(calls)}
+    hidden = [[] for _ in calls]
+    for address, call_indices in script_modules(trace).items():
+        for c in call_indices:
+            for k in enclosing_calls(c, parents.__getitem__):
+                hidden[k].append(address)
+    return {call.label: FlopCount(totals[k], unknown[k], counted[k], dict.fromkeys(hidden[k]))
+            for k, call in enumerate(calls)}
 
 
 def family_totals(trace) -> dict:

@@ -21,7 +21,7 @@ import torch
 from ..checks import check_number
 from ..errors import NativeToolFailed, WitnessFailed, counted, listed
 from ..record.modules import enclosing_calls, is_unregistered
-from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, total_flops
+from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, script_modules, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
@@ -485,8 +485,7 @@ def _script_notes(log) -> list:
     """A TorchScript module runs its ops in TorchScript's interpreter, out of capture's sight, so the trace holds
     none of them and its row reads 0 on the torchlens side, with no op left unknown to say so; FlopCounterMode,
     which counts at the ATen level below it, counts them."""
-    scripted = [m.address for m in log.modules if isinstance(m._ref, torch.jit.ScriptModule)]
-    outermost = [a for a in scripted if not any(a.startswith(f"{outer}.") for outer in scripted)]
+    outermost = list(script_modules(log))
     if not outermost:
         return []
     return [f"TorchScript modules ({', '.join(outermost)}) ran their ops where torchlens's capture cannot see them: "
