@@ -235,3 +235,20 @@ def test_the_table_keeps_its_columns_in_line_past_long_call_labels():
     assert max(len("  " * (row["depth"] + 1) + row["call"]) for row in table.rows) > 48
     # Every column is right-aligned up to the last, "Act. mem": rows in line all end at the same place.
     assert len({len(line) for line in lines}) == 1
+
+
+@pytest.mark.parametrize("n, count, short, size", [
+    (999, "999", "999", "999 B"),
+    (999_994, "999.99 k", "1M", "976.6 KiB"),
+    (999_999, "1.00 M", "1M", "976.6 KiB"),
+    (1_048_575, "1.05 M", "1.05M", "1.0 MiB"),
+    (999_999_999, "1.00 G", "1G", "953.7 MiB"),
+])
+def test_a_figure_that_rounds_up_to_a_thousand_of_its_unit_is_shown_in_the_next(n, count, short, size):
+    # 999,999 FLOPs read "1000.00 k" in the summary and "1e+03k" in a rendered node, and 1,048,575 bytes
+    # "1024.0 KiB": each rounded in its unit, chosen before rounding.
+    from torchlens.record.module_table import human_count
+    from torchlens.record.summary import human_bytes
+    from torchlens.viz.metrics import format_count
+
+    assert (human_count(n), format_count(n), human_bytes(n)) == (count, short, size)

@@ -230,10 +230,13 @@ def _produced_bytes(trace, i: int) -> int:
 def human_count(n) -> str:
     if n is None:
         return "-"
-    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return str(int(n))
+    units = [(unit, size) for unit, size in (("k", 1e3), ("M", 1e6), ("G", 1e9)) if abs(n) >= size]
+    if not units:
+        return str(int(n))
+    unit, size = units[-1]
+    if round(abs(n) / size, 2) >= 1000 and unit != "G":  # 999,999 is 1.00 M, not 1000.00 k
+        unit, size = {"k": ("M", 1e6), "M": ("G", 1e9)}[unit]
+    return f"{n / size:.2f} {unit}"
 
 
 def flops_text(row) -> str:

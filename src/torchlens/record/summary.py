@@ -11,7 +11,7 @@ _HEAD, _TAIL = 30, 5
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+        if round(n, 0 if unit == "B" else 1) < 1024 or unit == "GiB":  # 1,048,575 B is 1.0 MiB, not 1024.0 KiB
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"

@@ -291,7 +291,12 @@ def format_seconds(seconds) -> str:
 
 
 def format_count(n) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
+    units = (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12))
+    reached = [k for k, (_, scale) in enumerate(units) if n >= scale]
+    if not reached:
+        return f"{n:.0f}"
+    k = reached[-1]
+    if float(f"{n / units[k][1]:.3g}") >= 1000 and k + 1 < len(units):  # 999,999 is 1M, not 1e+03k
+        k += 1
+    unit, scale = units[k]
+    return f"{n / scale:.3g}{unit}"
