@@ -361,9 +361,14 @@ def test_cleanup_removes_hooks_and_keeps_statistics():
     out = log.output
     log.backward(out.sum(), retain_graph=True)
     norm = float(log["linear_1_1:1"].grad.norm())
+    reached = [op.label for op in log.ops if op.has_grad]
     log.cleanup()
     frame = log.to_pandas().set_index("label")
     assert frame.loc["linear_1_1:1", "grad_norm"] == pytest.approx(norm)
+    # has_grad says a gradient arrived, as a trace saved after cleanup() and loaded says: not whether one is held.
+    assert [op.label for op in log.ops if op.has_grad] == reached and "linear_1_1:1" in reached
+    with pytest.raises(tl.TraceCleanedUp, match="its gradients were released"):
+        log["linear_1_1:1"].grad
     out.sum().backward()
     assert log.num_backwards == 1
 

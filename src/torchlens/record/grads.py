@@ -128,14 +128,15 @@ def _why_no_grad(trace, index: int) -> str:
 
 def has_grad(trace, index: int) -> bool:
     capture = trace._gradcap
-    if capture is None or trace._cleaned:
+    if capture is None:
         return False
     index = gradient_holder(trace, index)
-    if index in capture.grads:
+    if not trace._cleaned and index in capture.grads:
         return True
-    # A loaded trace holds no tensor for a gradient no file could hold (complex128), nor for any when saved with
-    # activations=False; the statistics it read, taken of every gradient that arrived, still name them.
-    return trace.loaded_from is not None and index in (trace._grad_stats or ())
+    # A trace cleaned up holds no gradient tensor, and a loaded one none for a gradient no file could hold
+    # (complex128), nor any when saved with activations=False; the statistics kept of every gradient that arrived
+    # still name them.
+    return (trace._cleaned or trace.loaded_from is not None) and index in (trace._grad_stats or ())
 
 
 def module_call_grad(call):
