@@ -277,9 +277,11 @@ def traces(rank, world, workdir):
     report = tl.debug.nonfinite_origin(tl.trace(ReducesAView(), poisoned, save="none", record_finite=True))
     out["nonfinite"] = {"origin": report.origin_label, "kind": report.origin_kind, "certain": report.certain,
                         "possible": report.possible_origins, "text": str(report)}
-    report = tl.debug.nonfinite_origin(tl.trace(ReducesLate(), poisoned, save="none", record_finite=True))
+    late = tl.trace(ReducesLate(), poisoned, save="none", record_finite=True)
+    report = tl.debug.nonfinite_origin(late)
     out["nonfinite_async"] = {"origin": report.origin_label, "certain": report.certain,
-                              "possible": report.possible_origins}
+                              "possible": report.possible_origins,
+                              "finite": {op.label: op.finite for op in late.ops if op.kind == "op"}}
     dist.barrier()
     return out
 

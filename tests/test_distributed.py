@@ -140,6 +140,10 @@ def test_the_flag_of_an_async_collective_taken_before_its_result_arrived_is_not_
     assert got["origin"].startswith("add") and not got["certain"]
     assert got["possible"] == ("allreduce_1_2:1", OTHER_RANKS)
     assert traced[1]["nonfinite_async"]["origin"] == "input_1:1" and traced[1]["nonfinite_async"]["certain"]
+    # No flag at all is recorded for it (to_pandas and the viewer read the same): the add after the wait has the NaN.
+    finite = [got["nonfinite_async"]["finite"] for got in traced]
+    assert [flags["allreduce_1_2:1"] for flags in finite] == [None, None]
+    assert finite[0][traced[0]["nonfinite_async"]["origin"]] == (True, False)
 
 
 def test_every_listed_torch_distributed_collective_is_recorded(traced):

@@ -67,6 +67,18 @@ def written_tensors(func, args, kwargs) -> tuple:
     return tuple(leaves)
 
 
+def issued_async(func, args, kwargs) -> bool:
+    """Whether a ``torch.distributed`` collective was called with ``async_op=True``: its result arrives when the
+    returned handle is waited on, after the call, so nothing read of the written tensor at the call is its result."""
+    import inspect
+
+    try:
+        bound = inspect.signature(func).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # a signature that cannot be read: the keyword alone
+        bound = kwargs
+    return bool(bound.get("async_op", False))
+
+
 def is_collective(func) -> bool:
     """A ``torch.distributed`` collective or a functional one: replaying it on one rank alone would block on,
     or pair with, the other ranks' calls."""

@@ -253,7 +253,7 @@ def nonfinite_origin(log, grads: bool = False):
 def _status(log, i):
     """``(has_nan, has_inf)`` for op ``i``, or None when neither an activation nor a flag says."""
     flag = log.finite_flags.get(i)
-    if flag is not None and not _flagged_before_arrival(log, i):
+    if flag is not None:
         return tuple(flag)
     if log.is_cleaned_up or log.ops[i].dropped_reason is not None:
         return None
@@ -261,16 +261,6 @@ def _status(log, i):
     if t is None:
         return None
     return nonfinite_flags(t)
-
-
-def _flagged_before_arrival(log, i) -> bool:
-    """Whether op ``i`` is a collective issued asynchronously, whose finite flag capture recorded when it was issued,
-    before its result arrived (its saved activation, the buffer itself, holds the result once waited on)."""
-    if log.world_size is None or log.kinds[i] != Kind.OP:  # outside a process group: no collective ran
-        return False
-    from ..distributed.collectives import issued_async
-
-    return issued_async(log.ops[i])
 
 
 def _why_activations_gone(log):

@@ -38,14 +38,6 @@ def is_collective_op(op) -> bool:
     return _describe(op) is not None
 
 
-def issued_async(op) -> bool:
-    """Whether ``op`` is an output of a collective issued asynchronously (``async_op=True``, or a functional
-    collective), whose result arrives only when it is waited on, or of one read back with ``tl.load``, whose way
-    of issue was not saved."""
-    row = _describe(op)
-    return row is not None and row["async"] is not False
-
-
 def _first_output(op) -> bool:
     """Whether ``op`` is the first output of its call: one row per call, whatever the outputs' slots (those of
     ``all_gather_coalesced``, a list of lists, are ``(0, 0)``, ``(0, 1)`` ...)."""
