@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import sys
 
+from ..record.columns import CALL_ARGS, CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS
+
 # collective name -> (position, keyword) of the argument it writes
 _WRITTEN_ARGUMENT = {
     "broadcast": (0, "tensor"), "all_reduce": (0, "tensor"), "all_reduce_coalesced": (0, "tensors"),
@@ -67,15 +69,27 @@ def written_tensors(func, args, kwargs) -> tuple:
     return tuple(leaves)
 
 
-def issued_async(func, args, kwargs) -> bool:
-    """Whether a ``torch.distributed`` collective was called with ``async_op=True``: its result arrives when the
-    returned handle is waited on, after the call, so nothing read of the written tensor at the call is its result."""
+def drop_flags_before_arrival(state) -> None:
+    """Forget the finite flags ``record_finite=True`` took of what a collective issued asynchronously produced
+    (``async_op=True``, or a functional collective, whose result a later wait completes): they were read at
+    the call, before the result arrived, so those ops are left unexamined rather than called finite."""
+    flags = state.finite_flags
+    for call in state.calls:
+        func = call[CALL_FUNC]
+        if func in WRITTEN_ARGUMENT and _issued_async(func, call[CALL_ARGS], call[CALL_KWARGS]) or \
+                func not in WRITTEN_ARGUMENT and is_collective(func):
+            for index in range(call[CALL_FIRST_RECORD], call[CALL_FIRST_RECORD] + call[CALL_NUM_OUTPUTS]):
+                flags.pop(index, None)
+
+
+def _issued_async(func, args, kwargs) -> bool:
+    """Whether a ``torch.distributed`` collective was called with ``async_op=True`` (its recorded arguments)."""
     import inspect
 
     try:
-        bound = inspect.signature(func).bind_partial(*args, **kwargs).arguments
+        bound = inspect.signature(func).bind_partial(*args, **(kwargs or {})).arguments
     except (TypeError, ValueError):  # a signature that cannot be read: the keyword alone
-        bound = kwargs
+        bound = kwargs or {}
     return bool(bound.get("async_op", False))
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..record.layouts import shape_of
 from ..tree import tensor_leaves
-from .collectives import WRITTEN_ARGUMENT, issued_async, written_tensors
+from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .compiled import CompiledCall
 from .writes import schema_written, write_verdict
 
@@ -79,14 +79,8 @@ def record_output(st, call_index: int, slot, t, func, module_call: int) -> None:
     save_mode = st.save_mode
     if save_mode and (save_mode == 1 or st.wants(func, module_call)):
         st.save(index, t, requires_grad)
-    if st.finite_flags is not None and (func not in WRITTEN_ARGUMENT or not _issued_async(st, call_index)):
-        st.record_finite(index, t)  # (an async collective's result is not there yet: its op stays unexamined)
-
-
-def _issued_async(st, call_index: int) -> bool:
-    """Whether call ``call_index``, a collective, was issued with ``async_op=True`` (its arguments as recorded)."""
-    func, args, kwargs = st.calls[call_index][:3]
-    return issued_async(func, args, kwargs)
+    if st.finite_flags is not None:
+        st.record_finite(index, t)
 
 
 def grad_node(t) -> tuple:

@@ -25,7 +25,7 @@ from ..record.replay_context import global_settings
 from ..record.modules import is_unregistered
 from ..record.trace import Trace
 from ..tree import as_args, as_kwargs, clone_call
-from .collectives import process_rank
+from .collectives import drop_flags_before_arrival, process_rank
 from .compiled import (CompiledSubmodules, DynamoCompiles, Suspension, check_compiled_option,
                        compiled_in_place, optimized_module_type)
 from .fastpath import FastPathShim
@@ -122,6 +122,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         refuse_unrecordable_output(output, model, shown)
 
     mutated = state.check_saved_versions()
+    if state.finite_flags and process_rank()[0] is not None:  # only under torch.distributed can a collective run
+        drop_flags_before_arrival(state)
     norms = norm_calls(state.calls)
     if norms:
         if state.saved:  # before the links below rename what each norm call read
