@@ -106,3 +106,21 @@ def test_a_custom_functions_backward_lands_on_its_output_op_only_in_the_backward
     assert forward_and_backward[(None, "GeLUFunctionBackward")] == 2  # documented: no op made the node
     holders = [label for label, name in backward_only if name == "GeLUFunctionBackward"]
     assert len(holders) == 2 and all(log[label].grad_fn == "GeLUFunctionBackward" for label in holders)
+
+
+def test_a_torchscript_modules_backward_is_unknown_not_a_measured_zero():
+    # Its backward nodes are no captured op's (capture cannot see inside it), so its module row read 0 backward
+    # time and 0 aten ops as if measured, while the work sat under "a grad node no captured op created".
+    import warnings
+
+    torch.manual_seed(0)
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    model = nn.Sequential(nn.Linear(8, 8), scripted, nn.Linear(8, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the trace's TorchScript caveat
+        profile = tl.report.kernel_profile(model, torch.randn(2, 8), backward=True)
+    rows = {row["module_call"]: row for row in profile.to_pandas("module").to_dict("records")}
+    assert rows["0:1"]["bwd_aten_ops"] > 0 and rows["2:1"]["bwd_aten_ops"] > 0
+    assert all(rows["1:1"][k] is None or rows["1:1"][k] != rows["1:1"][k]  # None or NaN in pandas
+               for k in ("bwd_cpu_ns", "bwd_aten_ops", "self_bwd_cpu_ns"))
+    assert rows["1:1"]["cpu_ns"] > 0  # its forward, inside its own range, stays measured

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from .view import View, row_field
 from ..errors import counted
 
@@ -236,3 +238,17 @@ def call_ops(rows, op_module_calls) -> list:
         for k in enclosing_calls(m, parent_of):
             ops[k].append(i)
     return ops
+
+
+_SCRIPT_CLASSES = frozenset(["RecursiveScriptModule", "TopLevelTracedModule", "TracedModule"])
+
+
+def script_modules(trace) -> dict:
+    """``{address: module call indices}`` of the TorchScript modules the forward called, outermost only: they run
+    their ops in TorchScript's interpreter, which capture cannot see, so no op of theirs is counted, nor known
+    to be missing.  Told by the module (or, once a trace no longer holds it, by torch's class names for them)."""
+    scripted = [m for m in trace.modules if isinstance(m._ref, torch.jit.ScriptModule)
+                or m._ref is None and m.class_name in _SCRIPT_CLASSES]
+    addresses = [m.address for m in scripted]
+    return {m.address: m._row.calls for m in scripted
+            if not any(m.address.startswith(f"{outer}.") for outer in addresses)}

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..errors import counted, listed
-from ..record.modules import enclosing_calls
+from ..record.modules import enclosing_calls, script_modules
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
 from .flops_einsum import einsum_flops
@@ -536,20 +534,6 @@ class FlopCount(int):
         return "; ".join(parts)
 
     __str__ = __repr__
-
-
-_SCRIPT_CLASSES = frozenset(["RecursiveScriptModule", "TopLevelTracedModule", "TracedModule"])
-
-
-def script_modules(trace) -> dict:
-    """``{address: module call indices}`` of the TorchScript modules the forward called, outermost only: they run
-    their ops in TorchScript's interpreter, which capture cannot see, so no op of theirs is counted, nor known
-    to be missing.  Told by the module (or, once a trace no longer holds it, by torch's class names for them)."""
-    scripted = [m for m in trace.modules if isinstance(m._ref, torch.jit.ScriptModule)
-                or m._ref is None and m.class_name in _SCRIPT_CLASSES]
-    addresses = [m.address for m in scripted]
-    return {m.address: m._row.calls for m in scripted
-            if not any(m.address.startswith(f"{outer}.") for outer in addresses)}
 
 
 def total_flops(trace) -> FlopCount:

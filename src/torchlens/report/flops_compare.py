@@ -20,8 +20,8 @@ import torch
 
 from ..checks import check_number
 from ..errors import NativeToolFailed, WitnessFailed, counted, listed
-from ..record.modules import enclosing_calls, is_unregistered
-from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, script_modules, total_flops
+from ..record.modules import enclosing_calls, is_unregistered, script_modules
+from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, total_flops
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "

@@ -8,6 +8,7 @@ activity recorded, or the op's marker is missing from the profiler's results), n
 
 from __future__ import annotations
 
+from ..record.modules import script_modules
 from .profile_join import ATEN_OPS, CPU_NS, DEVICE_NS, KERNELS, MEMOPS
 
 SUMMED = ("cpu_ns", "aten_ops", "device_ns", "kernels", "memops")
@@ -104,6 +105,9 @@ def module_rows(trace, rows: list, joined, backward: bool) -> list:
             direct = _metrics(tally, True, joined.has_device, "")
             for k in SUMMED:
                 own[index][k] = add(own[index][k], direct[k])
+    if backward:  # a TorchScript module's backward nodes are no captured op's: not its measured zero
+        for index in (c for indices in script_modules(trace).values() for c in indices):
+            own[index].update((k, None) for k in names if k.startswith("bwd_"))
     for index in range(len(calls)):
         if joined.marker_counts.get(("module", index)) != 1:
             # Its direct work is unknown; its ops' numbers still stand on their own markers.
