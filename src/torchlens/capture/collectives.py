@@ -16,17 +16,8 @@ from __future__ import annotations
 import functools
 import sys
 
-from ..record.columns import CALL_ARGS, CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS
-
-# collective name -> (position, keyword) of the argument it writes
-_WRITTEN_ARGUMENT = {
-    "broadcast": (0, "tensor"), "all_reduce": (0, "tensor"), "all_reduce_coalesced": (0, "tensors"),
-    "reduce": (0, "tensor"), "recv": (0, "tensor"), "irecv": (0, "tensor"), "all_gather": (0, "tensor_list"),
-    "all_gather_single": (0, "output_tensor"), "all_gather_into_tensor": (0, "output_tensor"),
-    "all_gather_coalesced": (0, "output_tensor_lists"), "gather": (1, "gather_list"), "scatter": (0, "tensor"),
-    "reduce_scatter": (0, "output"), "reduce_scatter_single": (0, "output"), "reduce_scatter_tensor": (0, "output"),
-    "all_to_all_single": (0, "output"), "all_to_all": (0, "output_tensor_list"),
-}
+from ..record.columns import (CALL_ARGS, CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS,
+                              COLLECTIVE_WRITES)
 
 
 def _written_arguments() -> dict:
@@ -37,14 +28,14 @@ def _written_arguments() -> dict:
     import torch.distributed.distributed_c10d as c10d  # already imported by torch itself: no cost
 
     found = {}
-    for name, where in _WRITTEN_ARGUMENT.items():
+    for name, where in COLLECTIVE_WRITES.items():
         func = getattr(c10d, name, None)
         if func is not None:
             found[func] = where
     return found
 
 
-NAMES = frozenset(_WRITTEN_ARGUMENT)  # the torch.distributed collectives capture records
+NAMES = frozenset(COLLECTIVE_WRITES)  # the torch.distributed collectives capture records
 
 # func -> (position, keyword) of the argument it writes; looked up by the capture mode only for calls
 # that returned no tensor.

@@ -119,17 +119,23 @@ _MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "
                     "squeeze", "flatten", "unflatten", "movedim", "narrow", "select", "split", "chunk", "unbind",
                     "expand", "expand_as", "as_strided", "contiguous", "clone", "detach"])
 
+# torch.distributed collective name -> (position, keyword) of the argument it writes: what capture records as
+# the call's output (capture/collectives.py), and what a whole write below overwrites.
+COLLECTIVE_WRITES = {
+    "broadcast": (0, "tensor"), "all_reduce": (0, "tensor"), "all_reduce_coalesced": (0, "tensors"),
+    "reduce": (0, "tensor"), "recv": (0, "tensor"), "irecv": (0, "tensor"), "all_gather": (0, "tensor_list"),
+    "all_gather_single": (0, "output_tensor"), "all_gather_into_tensor": (0, "output_tensor"),
+    "all_gather_coalesced": (0, "output_tensor_lists"), "gather": (1, "gather_list"), "scatter": (0, "tensor"),
+    "reduce_scatter": (0, "output"), "reduce_scatter_single": (0, "output"), "reduce_scatter_tensor": (0, "output"),
+    "all_to_all_single": (0, "output"), "all_to_all": (0, "output_tensor_list"),
+}
+
 # In-place calls that write every element of the argument they write, by the (position, keyword) of that
 # argument: what they leave in a whole allocation of uninitialized memory is defined when what they read is
-# (dist.all_gather into a list of empty_like buffers, a copy_ into torch.empty).
-_WHOLE_WRITES = {"copy_": (0, "self"), "fill_": (0, "self"), "zero_": (0, "self"), "broadcast": (0, "tensor"),
-                 "all_reduce": (0, "tensor"), "recv": (0, "tensor"), "irecv": (0, "tensor"),
-                 "all_reduce_coalesced": (0, "tensors"), "all_gather_coalesced": (0, "output_tensor_lists"),
-                 "all_gather": (0, "tensor_list"), "all_gather_single": (0, "output_tensor"),
-                 "all_gather_into_tensor": (0, "output_tensor"), "scatter": (0, "tensor"),
-                 "reduce_scatter": (0, "output"), "reduce_scatter_single": (0, "output"),
-                 "reduce_scatter_tensor": (0, "output"), "all_to_all_single": (0, "output"),
-                 "all_to_all": (0, "output_tensor_list")}
+# (dist.all_gather into a list of empty_like buffers, a copy_ into torch.empty).  Every collective but reduce and
+# gather, which write the result on their destination rank alone.
+_WHOLE_WRITES = {"copy_": (0, "self"), "fill_": (0, "self"), "zero_": (0, "self"),
+                 **{name: where for name, where in COLLECTIVE_WRITES.items() if name not in ("reduce", "gather")}}
 
 
 def makes_uninitialized(op) -> bool:
