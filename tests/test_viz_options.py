@@ -76,3 +76,36 @@ def test_a_collapsed_module_shows_the_gradient_norm_of_its_ops_together_as_hot_p
     assert shown == format_value("grad_norm", together) == "1.1"
     by_module = {row["address"]: row["total"] for row in tl.debug.hot_path(log, by="grad_norm", group="module").rows}
     assert math.isclose(by_module["0:1"], together)
+
+
+@pytest.mark.parametrize("values", [
+    torch.randn(5, 7),  # finite floats
+    torch.tensor([1.0, float("nan"), -3.0, float("inf"), 2.0]),  # the statistics skip NaN and Inf
+    torch.tensor([float("nan"), float("-inf")]),  # nothing finite: counts only
+    torch.randn(4, dtype=torch.bfloat16),
+    torch.randint(-5, 5, (6,)),
+    torch.tensor([True, False, True]),
+    torch.randn(3, dtype=torch.complex64),  # magnitudes
+    torch.randn(6, 4).t(),  # not contiguous
+])
+def test_activation_statistics_match_a_direct_computation(values):
+    # The viewer's statistics take a shortcut for finite tensors (one sum decides, min and max in one
+    # reduction): every figure must still be what the plain reductions give.
+    from torchlens.viz.records import activation_stats
+
+    stats = activation_stats(values)
+    expected = {"numel": values.numel()}
+    t = values.abs() if values.is_complex() else values
+    if t.dtype == torch.bool:
+        expected["true"] = int(t.sum())
+    else:
+        if t.is_floating_point():
+            expected.update(nan=int(t.isnan().sum()), inf=int(t.isinf().sum()))
+            t = t[t.isfinite()]
+        t = t.double()
+        if t.numel():
+            expected.update(min=float(t.min()), max=float(t.max()), mean=float(t.mean()))
+        if t.numel() > 1:
+            expected["std"] = float(t.std())
+    assert stats.keys() == expected.keys()
+    assert stats == pytest.approx(expected, rel=1e-5)

@@ -10,6 +10,7 @@ import math
 
 from .dot import describe_action
 from .metrics import format_count, format_seconds
+from ..record.finite import nonfinite_flags
 from ..record.layouts import dense_values, shape_text
 from ..tree import without_values
 from ..record.summary import human_bytes
@@ -24,6 +25,10 @@ def flops_function():
 
 
 def activation_stats(tensor) -> dict:
+    """The panel's statistics of a tensor's values: ``numel``; ``nan``/``inf`` counts for floats; ``true`` for
+    bools; ``min``/``max``/``mean``/``std`` over the finite values (complex: their magnitudes).  Large
+    activations make this the bulk of a render, so the common, finite case takes few passes: one sum proves
+    every value finite (``record.finite``), and min and max come from one reduction."""
     import torch
 
     with torch.no_grad():
@@ -36,16 +41,17 @@ def activation_stats(tensor) -> dict:
         if t.dtype == torch.bool:
             stats["true"] = int(t.sum())
             return stats
-        finite = torch.isfinite(t) if t.is_floating_point() else None
-        if finite is not None:
-            stats["nan"] = int(torch.isnan(t).sum())
-            stats["inf"] = int(torch.isinf(t).sum())
-            if not bool(finite.all()):
-                t = t[finite]
+        if t.is_floating_point():
+            stats["nan"] = stats["inf"] = 0
+            if nonfinite_flags(t) != (False, False):
+                stats["nan"] = int(torch.isnan(t).sum())
+                stats["inf"] = int(torch.isinf(t).sum())
+                t = t[torch.isfinite(t)]
                 if t.numel() == 0:
                     return stats
         t = t.double() if t.is_floating_point() else t.to(torch.float64)
-        stats.update(min=_num(t.min()), max=_num(t.max()), mean=_num(t.mean()))
+        low, high = torch.aminmax(t)
+        stats.update(min=_num(low), max=_num(high), mean=_num(t.mean()))
         if t.numel() > 1:
             stats["std"] = _num(t.std())
         return stats
