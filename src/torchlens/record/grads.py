@@ -143,15 +143,20 @@ def module_call_grad(call):
     """The gradient of a module call's output: one tensor, or a tuple for several outputs.  A call no output of
     which can have a gradient (run under torch.no_grad(), returning integers, ablated) raises as its output op
     does, saying why, rather than giving a None that reads as "no backward reached it"; in a tuple, an output
-    that cannot have one is None beside the others."""
+    that cannot have one is None beside the others.  The tuple keeps the call's return order: an output no op
+    holds (``-1``: a tensor written through a view after the op that made it, a buffer returned as it is) is
+    None in its place, so that the gradients after it are not read as those of the outputs before them."""
     trace = call._trace
-    outputs = [i for i in call._output_nodes if i >= 0]
+    slots = call._output_nodes
+    outputs = [i for i in slots if i >= 0]
     if not outputs:
         return None
-    if len(outputs) == 1 or not any(trace._meta[gradient_holder(trace, i)].requires_grad for i in outputs):
+    if not any(trace._meta[gradient_holder(trace, i)].requires_grad for i in outputs):
+        return grad_of(trace, outputs[0])  # raises, saying why
+    if len(slots) == 1:
         return grad_of(trace, outputs[0])
-    return tuple(grad_of(trace, i) if trace._meta[gradient_holder(trace, i)].requires_grad else None
-                 for i in outputs)
+    return tuple(grad_of(trace, i) if i >= 0 and trace._meta[gradient_holder(trace, i)].requires_grad else None
+                 for i in slots)
 
 
 def passes_grads(trace, indices) -> list:

@@ -1,0 +1,64 @@
+"""``module_call.grad`` of a call returning several tensors: a tuple in the call's return order, also where an
+output has no op holding it (a tensor written through a view after the op that made it, see docs/tracing.md), which
+is None in its place rather than dropped, so that each gradient stays with the output it is the gradient of."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+
+class MaskedFeatures(nn.Module):
+    """Returns ``(hidden, features)``: ``hidden`` is a linear's output whose last time steps (padding) are zeroed
+    in place through a view, ``features`` a second projection of the same input."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.features = nn.Linear(4, 6)
+
+    def forward(self, x):
+        hidden = self.proj(x)
+        hidden[:, -2:].zero_()  # written through a view of the projection
+        return hidden, self.features(x)
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mask = MaskedFeatures()
+
+    def forward(self, x):
+        hidden, features = self.mask(x)
+        return (hidden * features).sum()
+
+
+@pytest.fixture(scope="module")
+def traced():
+    torch.manual_seed(0)
+    model, x = Encoder(), torch.randn(2, 5, 4)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output)
+    hidden, features = model.mask(x)  # the untraced reference: the features' gradient, by retain_grad()
+    features.retain_grad()
+    (hidden * features).sum().backward()
+    return log, features.grad
+
+
+def test_a_call_output_no_op_holds_is_none_in_its_place(traced):
+    log, features_grad = traced
+    (call,) = [c for c in log.module_calls if c.address == "mask"]
+    assert len(call.output_ops) == 1  # the written hidden state has no op holding it
+    grad = call.grad
+    assert isinstance(grad, tuple) and len(grad) == 2
+    assert grad[0] is None  # not the features' gradient, which is the second output's
+    assert torch.equal(grad[1], features_grad)
+
+
+def test_a_loaded_trace_keeps_the_return_order(traced, tmp_path):
+    log, features_grad = traced
+    loaded = tl.load(log.save(str(tmp_path / "trace")))
+    (call,) = [c for c in loaded.module_calls if c.address == "mask"]
+    grad = call.grad
+    assert isinstance(grad, tuple) and grad[0] is None and torch.equal(grad[1], features_grad)
