@@ -62,3 +62,14 @@ def test_a_loaded_trace_keeps_the_return_order(traced, tmp_path):
     (call,) = [c for c in loaded.module_calls if c.address == "mask"]
     grad = call.grad
     assert isinstance(grad, tuple) and grad[0] is None and torch.equal(grad[1], features_grad)
+
+
+def test_the_calls_address_names_the_call_not_its_second_output(traced):
+    # log["mask:1"] is the op of the call's first output, as a forward hook's output[0]; no op holds it here, so
+    # the key is the call, whose .grad keeps both places, and not the features' op, read as the call's output
+    log, features_grad = traced
+    for key in ("mask", "mask:1"):
+        found = log[key]
+        assert not isinstance(found, tl.Op), key
+    call = log["mask:1"]
+    assert isinstance(call, tl.ModuleCall) and call.grad[0] is None and torch.equal(call.grad[1], features_grad)

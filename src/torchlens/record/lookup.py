@@ -2,8 +2,8 @@
 
 Keys are claimed in order of precedence: op and layer labels, then module call labels and module addresses
 (a module named ``output`` or ``input`` is found by its name), then the inputs' and outputs' paths
-(``input.x``, ``output``).  A module call that returned no tensor is the ``ModuleCall`` itself, as a module
-none of whose calls did is the ``Module``.
+(``input.x``, ``output``).  A module call that returned no tensor, or whose first tensor no op holds, is the
+``ModuleCall`` itself, as a module none of whose calls did is the ``Module``.
 
 A module may be named like a label (``self.linear_1_1 = nn.Linear(...)``, or a ``ModuleDict`` key): its
 address or call label is then also an op or layer label.  When both readings name the same ops (the
@@ -40,7 +40,9 @@ def build_lookup(trace) -> dict:
     rows, modules = trace._call_rows, trace._module_rows
     # A call returning several tensors is named by its first, as a forward hook's ``output[0]``: an attention
     # module's output before its weights, a decoder layer's hidden states before its attentions, nn.LSTM's output.
-    first_output = [next((i for i in row.outputs if i >= 0), -1) for row in rows]
+    # Where no op holds that first tensor (written through a view after the op that made it), the key is the call
+    # itself: the op of its second tensor is not its output.
+    first_output = [row.outputs[0] if row.outputs else -1 for row in rows]
     for k, row in enumerate(rows):
         out = first_output[k]
         target = (Op, out) if out >= 0 else (ModuleCall, k)
@@ -104,7 +106,7 @@ def _described(trace, key: str, target: tuple) -> tuple:
     if view is Layer:
         return f"the layer {index}", f"log.layers_by_label[{index!r}]"
     if view is ModuleCall:
-        return f"the module call {key} (no tensor returned)", f"log.module_calls[{index}]"
+        return f"the module call {key} (no op holds its output)", f"log.module_calls[{index}]"
     if view is Module:
         return f"the module {trace._module_rows[index].address}", f"log.modules[{index}]"
     label = trace._labels[index]
