@@ -73,3 +73,13 @@ def test_the_calls_address_names_the_call_not_its_second_output(traced):
         assert not isinstance(found, tl.Op), key
     call = log["mask:1"]
     assert isinstance(call, tl.ModuleCall) and call.grad[0] is None and torch.equal(call.grad[1], features_grad)
+
+
+def test_extract_refuses_a_call_whose_first_output_no_op_holds(tmp_path):
+    # It streamed the features' activation and gradient under the name "mask", as if they were the call's output
+    torch.manual_seed(0)
+    batches = [torch.randn(2, 5, 4) for _ in range(2)]
+    for name in ("mask", "mask:1"):
+        with pytest.raises(ValueError, match="does not name one op: .*written through a view"):
+            tl.extract(Encoder(), batches, [name], str(tmp_path / name), grads=True,
+                       loss_fn=lambda out, batch: out, progress=False)

@@ -355,11 +355,12 @@ def _resolve(log, name, position, calls: dict):
             raise ValueError(f"{name} ran {found.num_passes} times per forward; name one pass: "
                              f"{', '.join(op.label for op in found.ops[:3])} ...")
         found = found.first
-    if isinstance(found, Module):
+    if isinstance(found, Module) and found.num_calls > 1:
         raise ValueError(f"module {name} is called {found.num_calls} times per forward; name one call: "
                          f"{', '.join(found.call_labels[:3])} ...")
-    if not isinstance(found, Op):
-        raise ValueError(f"{name} does not name one op")
+    if not isinstance(found, Op):  # a module call returning no tensor, or whose first tensor no op holds
+        raise ValueError(f"{name} does not name one op: its call returned no tensor, or one written through a view "
+                         "after the op that made it, which no op holds (see tracing); name an op by its label")
     call = calls.get(name)
     outputs = list(dict.fromkeys(call.output_ops)) if call is not None else []
     if len(outputs) > 1:
