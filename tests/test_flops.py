@@ -379,3 +379,17 @@ def test_a_torchscript_module_makes_the_totals_around_it_incomplete(tmp_path):
     assert "TorchScript modules whose ops go uncounted" in str(log.summary())
     loaded = tl.load(log.save(tmp_path / "t"))  # told by the class name once no model is held
     assert loaded.flops.hidden == ("1",) and not loaded.flops.complete
+
+
+def test_sdpa_with_broadcast_batch_counts_every_output_batch_as_flop_counter_mode_does():
+    # One query batch against three key/value batches: torch broadcasts, computing three batches of attention.
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(6, 5, requires_grad=True))
+
+    log = tl.trace(sdpa, (q, k, v))
+    (op,) = [op for op in log.ops if op.func_name == "scaled_dot_product_attention"]
+    assert op.shape == (3, 2, 6, 8)
+    # A mask that requires grad takes the math path, whose batched products FlopCounterMode counts.
+    assert tl.report.op_flops(op) == native_total(sdpa, q, k, v) == 2 * 3 * 2 * 6 * 5 * (8 + 8)

@@ -226,7 +226,8 @@ def _sdpa(a):
     q, k, v = a.shape(0, "query"), a.shape(1, "key"), a.shape(2, "value")
     if not (q and k and v):
         return None
-    batch = math.prod(q[:-2])
+    # The batch dimensions broadcast (a query of batch 1 against keys of batch B): the output's are those computed.
+    batch = math.prod(a.out_shape[:-2])
     return 2 * batch * q[-2] * k[-2] * (q[-1] + v[-1])  # Q @ K^T, then weights @ V
 
 
