@@ -3,7 +3,7 @@ the Python attributes of a module tree (``ModuleAttributes``), and both with the
 parameters' versions (``ForwardState``), or with the values of every tensor a module tree holds, for
 ``tl.validate``'s untraced reference run on the model itself (``ModelState``, ``RunState``); and what a
 backward torchlens runs itself (``kernel_profile``'s, ``tl.extract``'s) must leave: the parameters'
-``.grad`` (``grads_set_aside``).
+``.grad`` (``grads_set_aside``), and for ``kernel_profile`` every leaf its backward reaches (``leaves_reached``).
 
 Every run torchlens makes besides the traced one (``tl.validate``'s untraced reference, the metadata
 pass that resolves intervention labels, the patching tables' runs, ``flops_vs_dispatch``) must leave the
@@ -477,6 +477,31 @@ def parameters_read(trace, module=None) -> list:
         found.update((id(p), p) for p in module.parameters())
     for call in trace.calls:
         found.update((id(p), p) for _, p in call.params)
+    return list(found.values())
+
+
+def leaves_reached(output) -> list:
+    """The leaf tensors a backward from ``output`` accumulates ``.grad`` into, each once, found on the graph (their
+    ``AccumulateGrad`` nodes): besides the parameters, an input that requires grad and a tensor the forward read
+    from elsewhere (a learnt prompt, a steering vector), which an optimizer may hold as it holds parameters."""
+    from ..tree import tensor_leaves
+
+    found, seen = {}, set()
+    nodes = []
+    for _, t in tensor_leaves(output):
+        if t.grad_fn is not None:
+            nodes.append(t.grad_fn)
+        elif t.requires_grad:  # returned as it is: a leaf itself
+            found[id(t)] = t
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # only AccumulateGrad holds one
+        if isinstance(leaf, torch.Tensor):
+            found[id(leaf)] = leaf
+        nodes.extend(child for child, _ in node.next_functions)
     return list(found.values())
 
 

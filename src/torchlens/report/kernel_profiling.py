@@ -164,15 +164,18 @@ def _check_borrowed(profiler, chrome_trace) -> None:
 
 
 def _run(model, args, kwargs, markers, backward, name):
-    from ..capture.restore import grads_set_aside, module_run_by, parameters_read
+    from ..capture.restore import grads_set_aside, leaves_reached, module_run_by, parameters_read
     from ..capture.session import trace_with_markers
 
     try:
         markers.phase_enter("forward")
         trace = trace_with_markers(model, args, kwargs, markers, save="none", name=name)
         if backward is not False:
+            # Every leaf the backward may write .grad into: the parameters, and the inputs and other tensors
+            # the forward read that require grad (an optimizer may hold those too).
+            kept = {id(t): t for t in parameters_read(trace, module_run_by(model)) + leaves_reached(trace.output)}
             markers.phase_enter("backward")
-            with grads_set_aside(parameters_read(trace, module_run_by(model))):
+            with grads_set_aside(list(kept.values())):
                 _run_backward(trace.output, backward)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # every launched kernel finishes inside the profile
