@@ -393,3 +393,26 @@ def test_sdpa_with_broadcast_batch_counts_every_output_batch_as_flop_counter_mod
     assert op.shape == (3, 2, 6, 8)
     # A mask that requires grad takes the math path, whose batched products FlopCounterMode counts.
     assert tl.report.op_flops(op) == native_total(sdpa, q, k, v) == 2 * 3 * 2 * 6 * 5 * (8 + 8)
+
+
+def test_ops_that_only_place_values_count_zero_and_a_scatter_that_combines_stays_unknown():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    # WavLM's gated relative position bias broadcasts its gate with broadcast_to: a view, no arithmetic.
+    config = transformers.WavLMConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                      conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_buckets=8,
+                                      max_bucket_distance=16, num_conv_pos_embeddings=8,
+                                      num_conv_pos_embedding_groups=2)
+    log = tl.trace(transformers.WavLMModel(config).eval(), torch.randn(1, 200))
+    assert any(op.func_name == "broadcast_to" for op in log.ops) and log.flops.complete
+
+    def placed(x, i):
+        grid = torch.meshgrid(x, x, indexing="ij")[0]
+        return grid.scatter(0, i, x[None].expand(2, -1)), grid.scatter(0, i, 2.0, reduce="add")
+
+    x, i = torch.randn(3), torch.tensor([[0, 1, 2], [2, 0, 1]])
+    log = tl.trace(placed, (x, i))
+    assert all(tl.report.op_flops(op) == 0 for op in log.ops if op.func_name in ("meshgrid", "expand"))
+    placing, adding = [op for op in log.ops if op.func_name == "scatter"]
+    assert tl.report.op_flops(placing) == 0
+    assert tl.report.total_flops(log).unknown == (adding.label,)  # its adds are not modelled: unknown, not 0

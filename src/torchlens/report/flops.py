@@ -430,7 +430,10 @@ register("""view view_as reshape reshape_as permute transpose swapaxes swapdims 
     full_like arange linspace eye tensor as_tensor rand randn randint rand_like randn_like randint_like
     randperm new_zeros new_ones new_empty new_full new_tensor fill zero tril triu diag diagonal
     unfold as_strided nonzero argwhere repeat_interleave real imag view_as_real view_as_complex conj fftshift
-    ifftshift fftfreq rfftfreq""".split(), "other", _per_element(0))
+    ifftshift fftfreq rfftfreq broadcast_to broadcast_tensors meshgrid masked_scatter""".split(), "other",
+         _per_element(0))
+# A scatter only places values, unless it combines them with what is there (reduce="add", "multiply").
+register("scatter", "other", lambda a: 0 if a.value(4, "reduce") is None else None)
 
 
 for _d in (1, 2, 3):
