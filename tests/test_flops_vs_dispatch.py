@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -476,3 +477,27 @@ def test_a_torchscript_modules_flops_are_said_to_be_missing_from_the_torchlens_s
         row = next(r for r in result.modules if r["module"] == "1")
         assert (row["torchlens"] == 0) == scripted and row["native"] == 2 * 2 * 8 * 8
         assert any(note.startswith("TorchScript modules (1) ran their ops") for note in result.notes) == scripted
+
+
+def _hubert(**draws):
+    """A HuBERT in training mode with every dropout at p=0: what draws is ``draws`` alone."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.HubertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                       conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                       num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+                                       attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, **draws)
+    return transformers.HubertModel(config).train()
+
+
+@pytest.mark.parametrize("draws, drawn_by", [(dict(layerdrop=0.5, mask_time_prob=0.0), r"\(rand_1_\d+:1"),
+                                             (dict(layerdrop=0.0, mask_time_prob=0.5, mask_time_length=2),
+                                              r"\(NumPy's numpy.random moved")],
+                         ids=["layerdrop", "time mask"])
+def test_a_random_draw_refusal_names_what_drew_not_a_dropout_with_p_zero(draws, drawn_by):
+    # In training mode HuBERT draws its layer skips with torch.rand and its time masks with NumPy, which capture
+    # cannot see; its dropouts at p=0 draw nothing, and naming them (they are the first ops torch tags as random)
+    # hid both.
+    with pytest.raises(tl.TorchlensError, match="random numbers") as refused:
+        tl.report.flops_vs_dispatch(_hubert(**draws), torch.randn(1, 200))
+    assert re.search(drawn_by, str(refused.value)) and "dropout" not in str(refused.value)

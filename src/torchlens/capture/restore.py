@@ -108,17 +108,24 @@ class RngState:
 
     def moved(self) -> bool:
         """Whether any generator drew numbers since this state was taken."""
+        return bool(self.moved_generators())
+
+    def moved_generators(self) -> list:
+        """The names of the generators that drew numbers since this state was taken, for a refusal to name."""
+        moved = []
         if not torch.equal(torch.get_rng_state(), self.cpu_rng):
-            return True
+            moved.append("torch's CPU generator")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            if self.cuda_rng is None:
-                return True  # CUDA started since: its generators may have been used
-            if any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), self.cuda_rng)):
-                return True
+            # CUDA started since (no state kept): its generators may have been used
+            if self.cuda_rng is None or any(not torch.equal(a, b)
+                                            for a, b in zip(torch.cuda.get_rng_state_all(), self.cuda_rng)):
+                moved.append("torch's CUDA generators")
         if random.getstate() != self.python_rng:
-            return True
+            moved.append("Python's random")
         numpy = sys.modules.get("numpy")
-        return numpy is not None and self.numpy_rng is not None and _numpy_moved(numpy, self.numpy_rng)
+        if numpy is not None and self.numpy_rng is not None and _numpy_moved(numpy, self.numpy_rng):
+            moved.append("NumPy's numpy.random")
+        return moved
 
 
 def _numpy_moved(numpy, before) -> bool:

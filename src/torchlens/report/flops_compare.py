@@ -21,7 +21,8 @@ import torch
 from ..checks import check_number
 from ..errors import NativeToolFailed, WitnessFailed, counted, listed
 from ..record.modules import enclosing_calls, is_unregistered, script_modules
-from .flops import CONVENTION, FAMILIES, family_totals, flops_column, registry_family, total_flops
+from .flops import (CONVENTION, FAMILIES, CallArgs, canonical_name, family_totals, flops_column, registry_family,
+                    total_flops)
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
@@ -142,13 +143,11 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
         with saved.watching:
             log = trace(model, *clone_call(call_args, kwargs), save="none")
         traced_output = _detached(log.output)
-        drew = saved.rng.moved()
+        drew = saved.rng.moved_generators()
         if drew:
-            randoms = [op.label for op in log.ops if op.kind == "op" and _is_random(op.func_name)]
             raise WitnessFailed(
-                "flops_vs_dispatch refused: the forward draws random numbers"
-                + (f" ({', '.join(randoms[:5])})" if randoms else "")
-                + ", so matching outputs would rest on both executions drawing the same numbers in the same "
+                f"flops_vs_dispatch refused: the forward draws random numbers ({_drawn_by(log, drew)})"
+                ", so matching outputs would rest on both executions drawing the same numbers in the same "
                 "order, which restoring the global generators cannot guarantee. Call model.eval() (or remove "
                 "the randomness) and compare again.")
         saved.restore()
@@ -503,6 +502,25 @@ def _native_family(overload: str) -> str:
     if "attention" in name:
         return "attention"
     return _NATIVE_FAMILY.get(name, "other")
+
+
+def _drawn_by(log, generators) -> str:
+    """What drew: the captured ops that draw (up to five), else the generators that moved.  A dropout in eval mode
+    or with ``p=0`` draws nothing, so it is no suspect: naming it would hide a draw capture cannot see (NumPy's,
+    as wav2vec2-style time masks make)."""
+    randoms = [op.label for op in log.ops if op.kind == "op" and _is_random(op.func_name) and _draws(log, op)]
+    if randoms:
+        return listed(randoms, 5)
+    return f"{' and '.join(generators)} moved, outside any captured op's draw"
+
+
+def _draws(log, op) -> bool:
+    """Whether an op torch tags as drawing random numbers did: a dropout only in training mode with ``p`` above 0
+    (``F.dropout``'s ``training``, ``torch.dropout``'s ``train``)."""
+    if "dropout" not in canonical_name(op.func_name):
+        return True
+    a = CallArgs(log, log.call_indices[op.index], op.shape)
+    return bool(a.value(2, "training", a.value(None, "train", True)) and a.value(1, "p", 0.5))
 
 
 def _is_random(func_name: str) -> bool:
