@@ -416,3 +416,12 @@ def test_ops_that_only_place_values_count_zero_and_a_scatter_that_combines_stays
     placing, adding = [op for op in log.ops if op.func_name == "scatter"]
     assert tl.report.op_flops(placing) == 0
     assert tl.report.total_flops(log).unknown == (adding.label,)  # its adds are not modelled: unknown, not 0
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_torch_dropout_reads_its_train_keyword(train):
+    # torch.dropout spells F.dropout's training= as train=: with train=False it drops nothing, like eval mode.
+    x = torch.randn(4, 5)
+    log = tl.trace(lambda t: torch.dropout(t, 0.5, train=train), x)
+    (op,) = [op for op in log.ops if op.kind == "op"]
+    assert tl.report.op_flops(op) == (x.numel() if train else 0)

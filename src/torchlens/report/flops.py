@@ -317,9 +317,14 @@ def _adaptive_pool(dims):
     return formula
 
 
+def dropout_applies(a) -> bool:
+    """Whether a dropout call drops anything (and so draws random numbers): in training mode, ``F.dropout``'s
+    ``training`` or ``torch.dropout``'s ``train``, with ``p`` above 0."""
+    return bool(a.value(2, "training", a.value(None, "train", True)) and a.value(1, "p", 0.5))
+
+
 def _dropout(a):
-    training, p = a.value(2, "training", True), a.value(1, "p", 0.5)
-    return a.out_numel if training and p else 0
+    return a.out_numel if dropout_applies(a) else 0
 
 
 def _fft(rank, kind, inverse: bool):

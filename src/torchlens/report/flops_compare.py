@@ -21,8 +21,8 @@ import torch
 from ..checks import check_number
 from ..errors import NativeToolFailed, WitnessFailed, counted, listed
 from ..record.modules import enclosing_calls, is_unregistered, script_modules
-from .flops import (CONVENTION, FAMILIES, CallArgs, canonical_name, family_totals, flops_column, registry_family,
-                    total_flops)
+from .flops import (CONVENTION, FAMILIES, CallArgs, canonical_name, dropout_applies, family_totals, flops_column,
+                    registry_family, total_flops)
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
@@ -515,12 +515,10 @@ def _drawn_by(log, generators) -> str:
 
 
 def _draws(log, op) -> bool:
-    """Whether an op torch tags as drawing random numbers did: a dropout only in training mode with ``p`` above 0
-    (``F.dropout``'s ``training``, ``torch.dropout``'s ``train``)."""
+    """Whether an op torch tags as drawing random numbers did: a dropout only when it drops anything."""
     if "dropout" not in canonical_name(op.func_name):
         return True
-    a = CallArgs(log, log.call_indices[op.index], op.shape)
-    return bool(a.value(2, "training", a.value(None, "train", True)) and a.value(1, "p", 0.5))
+    return dropout_applies(CallArgs(log, log.call_indices[op.index], op.shape))
 
 
 def _is_random(func_name: str) -> bool:
