@@ -40,3 +40,26 @@ def test_an_unknown_label_of_no_module_still_names_the_closest(profile):
     with pytest.raises(KeyError, match=r"'fc:3' in this profile; closest: fc:2"):
         profile["fc:3"]
 
+
+
+@pytest.fixture(scope="module")
+def routed():
+    """A mixture-of-experts decoder: its router's topk returns weights and expert indices, one call, two layers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.OlmoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                                      num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return tl.report.kernel_profile(transformers.OlmoeForCausalLM(config).eval(), torch.tensor([[3, 5, 7, 9]]))
+
+
+def test_every_layer_of_the_trace_finds_its_row_those_of_further_outputs_too(routed):
+    # A call's further outputs have no row of their own: their op labels and layers lead to its first output's row.
+    layers = {op.layer_label: op for op in routed.trace.ops if op.kind == "op"}
+    further = {layer: op for layer, op in layers.items() if routed.trace.calls[op._trace.call_indices[op.index]]
+               .first_record != op.index}
+    assert any(op.func_name == "topk" for op in further.values())
+    for layer, op in layers.items():
+        first = routed[op.label]["layer"]  # the op row of the call that made it
+        assert routed[layer]["layer"] == first
+        assert (layer in routed[first]["outputs"]) == (layer in further)

@@ -253,7 +253,7 @@ class KernelProfile:
             if level == "op":
                 tables[level] = [{k: v for k, v in row.items() if k != "_index"} for row in rows]
             elif level == "layer":
-                tables[level] = layer_rows(rows, self.backward)
+                tables[level] = layer_rows(self.trace, rows, self.backward)
             else:
                 tables[level] = module_rows(self.trace, rows, joined, self.backward)
         return tables[level]

@@ -72,18 +72,26 @@ def _metric_names(backward: bool) -> list:
     return names
 
 
-def layer_rows(rows: list, backward: bool) -> list:
+def layer_rows(trace, rows: list, backward: bool) -> list:
+    """One dict per layer, summed over its passes; a multi-output call's row also lists, in ``outputs``, the layers
+    of its further outputs, which have no row of their own (as its op row lists their op labels)."""
     names = _metric_names(backward)
     by_layer: dict = {}
     for row in rows:
         entry = by_layer.get(row["layer"])
         if entry is None:
             entry = by_layer[row["layer"]] = {"layer": row["layer"], "type": row["type"], "passes": 0,
-                                              **{k: 0 for k in names}}
+                                              "outputs": _output_layers(trace, row), **{k: 0 for k in names}}
         entry["passes"] += 1
         for k in names:
             entry[k] = add(entry[k], row[k])
     return list(by_layer.values())
+
+
+def _output_layers(trace, row) -> list:
+    """The layer labels of a call's further outputs (``max_2_3`` beside ``max_1_2``), from its first record on."""
+    first, layers = row["_index"], trace.op_layer_labels
+    return [layers[i] for i in range(first + 1, first + 1 + len(row["outputs"]))]
 
 
 def module_rows(trace, rows: list, joined, backward: bool) -> list:
