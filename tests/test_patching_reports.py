@@ -241,7 +241,7 @@ class _Shrinking(nn.Module):
 
 
 def test_activation_patching_by_position_past_a_shorter_pass_says_so_in_its_row():
-    """Positions are counted on a layer's first pass; one a later, shorter pass lacks is that row's error."""
+    """Positions are counted up to a layer's longest pass; one a later, shorter pass lacks is that row's error."""
     pytest.importorskip("pandas")
     torch.manual_seed(0)
     model, clean, corrupt = _Shrinking().eval(), torch.randn(1, 4, 3), torch.randn(1, 4, 3)
@@ -252,6 +252,56 @@ def test_activation_patching_by_position_past_a_shorter_pass_says_so_in_its_row(
         expected = [_patched_by_hook(model, model.fc, clean, corrupt, metric, at=(slice(None), p)) for p in range(3)]
     assert table.metric[:3].tolist() == pytest.approx(expected)
     assert math.isnan(table.metric[3]) and "outside this value of shape (1, 3, 3)" in table.error[3]
+
+
+def _patched_at_by_hooks(model, modules, clean, corrupt, metric, at, kwargs):
+    """``metric`` of the corrupted run with ``[at]`` of each module's output taken from the clean run, untraced."""
+    clean_outputs = {}
+    handles = [m.register_forward_hook(lambda m, i, out: clean_outputs.__setitem__(m, out.detach())) for m in modules]
+    try:
+        model(clean, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def patch(m, inputs, output):
+        patched = output.clone()
+        patched[at] = clean_outputs[m][at]
+        return patched
+
+    handles = [m.register_forward_hook(patch) for m in modules]
+    try:
+        return float(metric(model(corrupt, **kwargs)))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_activation_patching_by_position_counts_the_longest_pass_not_the_first():
+    """A predicate accepting T5's two embeddings, of a 2-token input and a 4-token decoder input: the rows stopped
+    at position 1, the first value's last, so positions 2 and 3 of the decoder had no row, which read as no
+    effect there. Every position of the longest value has a row; one the shorter value lacks is that row's error."""
+    pytest.importorskip("transformers")
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+                      decoder_start_token_id=0, pad_token_id=0)
+    model = T5ForConditionalGeneration(config).eval()
+    clean, corrupt = torch.tensor([[5, 6]]), torch.tensor([[5, 9]])
+    kwargs = {"decoder_input_ids": torch.tensor([[0, 7, 8, 9]])}
+    metric = lambda out: out.logits[0, -1, 3] - out.logits[0, -1, 4]  # noqa: E731
+    embeddings = lambda op: op.type == "embedding"  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, metric, sites=[embeddings], positions=1,
+                                          kwargs=kwargs, progress=False)
+    assert list(table.position) == [0, 1, 2, 3]
+    modules = [model.encoder.embed_tokens, model.decoder.embed_tokens]
+    with torch.no_grad():
+        expected = [_patched_at_by_hooks(model, modules, clean, corrupt, metric, (slice(None), p), kwargs)
+                    for p in range(2)]
+    assert table.metric[:2].tolist() == pytest.approx(expected) and not table.error[:2].any()
+    assert table.metric[2:].isna().all()
+    assert all("outside this value of shape (1, 2, 16)" in error for error in table.error[2:])
 
 
 def test_attribution_patching_gives_a_reason_shared_by_a_calls_outputs_once():

@@ -409,25 +409,28 @@ def _refuse_outputs_of_other_shapes(log, site, dim: int, calls: dict) -> None:
 
 
 def _extent(log, site, dim: int) -> int:
-    """Size of dimension ``dim`` of the value at ``site`` in ``log`` (its first op's, for a layer or a
-    module called several times: each pass is patched along the same dimension)."""
-    shape = _first_op(log, site).shape
+    """Size of dimension ``dim`` of the values at ``site``: the longest pass's, for a layer, a module called several
+    times or a predicate (each pass is patched along the same dimension), so that no position a later, longer pass
+    has goes without a row; a position a shorter pass lacks is that row's error.  A first value with no such
+    dimension has no positions."""
+    values = _changed_ops(log, site)
+    shape = values[0].shape
     if shape is None or len(shape) <= dim:
         raise ValueError(f"positions={dim}: the value at {site!r} has shape {shape}, with no dimension {dim}")
-    return shape[dim]
+    return max(op.shape[dim] for op in values if op.shape is not None and len(op.shape) > dim)
 
 
-def _first_op(log, site):
-    """The first op whose value ``site`` changes: the op itself, a layer's first pass, a module's first call's
-    output, or the first op a predicate accepts."""
+def _changed_ops(log, site) -> list:
+    """The ops whose values ``site`` changes, in order: the op itself, a layer's passes, a module's calls' outputs,
+    or every op a predicate accepts."""
     if not isinstance(site, str):
-        return accepted_ops(log, site)[0]
+        return accepted_ops(log, site)
     found = log[site]
     if isinstance(found, Layer):
-        return found.first
+        return found.ops
     if isinstance(found, Module):
-        return log[found.call_labels[0]]
-    return found
+        return [log[label] for label in found.call_labels]
+    return [found]
 
 
 def _sites(log, sites) -> list:
