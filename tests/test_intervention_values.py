@@ -251,8 +251,11 @@ def test_a_whole_number_helper_edits_an_integer_or_bool_value_as_a_hook_does(sit
     ("count", tl.steer(torch.tensor([1, 1, 1, 1]), scale=0.5), r"steer\(.*\) at count:1: scale=0.5 .*torch.int64"),
     ("count", tl.scale(torch.tensor([1.0, 2.0, 1.0, 1.0])), r"scale\(.*\)'s k at count:1: .*float32.*torch.int64"),
     ("mask", tl.scale(2), r"scale\(2\) at mask:1: k=2 .*torch.bool.*0 or 1"),
-    ("mask", tl.steer(torch.tensor([True, False, True, False])), r"steer\(.*\) at mask:1: .*bool mask")],
-    ids=["scale", "steer", "scale tensor", "scale mask", "steer mask"])
+    ("mask", tl.steer(torch.tensor([True, False, True, False])), r"steer\(.*\) at mask:1: .*bool mask"),
+    # An int64 or float vector was refused as one to give in torch.bool instead, which the mask then refused too.
+    ("mask", tl.steer(torch.tensor([1, 0, 1, 0])), r"steer\(.*\) at mask:1: .*bool mask, to which nothing"),
+    ("mask", tl.steer(torch.ones(4)), r"steer\(.*\) at mask:1: .*bool mask, to which nothing")],
+    ids=["scale", "steer", "scale tensor", "scale mask", "steer mask", "steer mask int", "steer mask float"])
 def test_a_helper_number_that_would_round_into_an_integer_or_bool_value_is_refused_by_name(site, action, named):
     # These were refused too, but as an action returning a float32 or int64 tensor, naming neither the helper's
     # number nor what to give instead.

@@ -144,11 +144,12 @@ class steer(Action):  # noqa: N801
                                       f"dimension {self.dim} of the value (of shape {tuple(tensor.shape)}) has "
                                       f"{tensor.shape[dim]}; give a vector of that length, or dim= the dimension to "
                                       "steer along")
-        _castable(self.vector, tensor, op, "tl.steer's vector")
+        # Before the dtype check, whose advice (a vector of the value's dtype) a mask would refuse in turn.
         if tensor.dtype == torch.bool:  # True + True is 2, which a mask cannot hold
             raise ReplacementMismatch(f"{self!r} at {_where(op)}: the value is a torch.bool mask, to which nothing "
                                       "can be added; tl.zero_ablate, tl.clamp, tl.patch_from or a bool tensor can "
                                       "change it")
+        _castable(self.vector, tensor, op, "tl.steer's vector")
         shape = [1] * tensor.dim()
         shape[dim] = -1
         vector = self.vector.to(device=tensor.device, dtype=tensor.dtype).reshape(shape)
