@@ -304,6 +304,26 @@ def test_activation_patching_by_position_counts_the_longest_pass_not_the_first()
     assert all("outside this value of shape (1, 2, 16)" in error for error in table.error[2:])
 
 
+def test_activation_patching_by_position_refuses_a_site_whose_values_differ_in_rank():
+    """A predicate accepting BERT's linear layers takes its (batch, seq, d) projections and its (batch, d) pooler:
+    row p patched sequence position p of the ones and channel p of the pooler, so position 0 read as carrying the
+    whole effect on a metric of pooler channel 0. The site has one row saying so, naming the pooler's op."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    model = BertModel(config).eval()
+    clean, corrupt = torch.tensor([[2, 5, 6, 7]]), torch.tensor([[2, 5, 9, 7]])
+    pooler = tl.trace(model, clean)["pooler.dense:1"].label
+    linears = lambda op: op.type == "linear"  # noqa: E731
+    table = tl.report.activation_patching(model, clean, corrupt, lambda out: out.pooler_output[0, 0],
+                                          sites=[linears], positions=1, progress=False)
+    assert len(table) == 1 and table.position.isna().all() and table.metric.isna().all()
+    assert "differ in rank" in table.error[0] and f"of another rank here: {pooler})" in table.error[0]
+
+
 def test_attribution_patching_gives_a_reason_shared_by_a_calls_outputs_once():
     """Llama's rotary embedding returns cos and sin, both computed with no gradient: its row says why once."""
     pytest.importorskip("transformers")

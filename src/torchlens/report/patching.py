@@ -20,7 +20,7 @@ import numbers
 import torch
 
 from ..checks import check_flag, check_grad_possible, check_int, check_takes
-from ..errors import InterventionError, TorchlensError, add_note, warn_user
+from ..errors import InterventionError, TorchlensError, add_note, first_few, warn_user
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
 from ..record.tables import require_pandas
@@ -417,7 +417,22 @@ def _extent(log, site, dim: int) -> int:
     shape = values[0].shape
     if shape is None or len(shape) <= dim:
         raise ValueError(f"positions={dim}: the value at {site!r} has shape {shape}, with no dimension {dim}")
-    return max(op.shape[dim] for op in values if op.shape is not None and len(op.shape) > dim)
+    _refuse_values_of_other_ranks(site, dim, values)
+    return max(op.shape[dim] for op in values)
+
+
+def _refuse_values_of_other_ranks(site, dim: int, values: list) -> None:
+    """Values of another rank (a predicate accepting BERT's ``(batch, seq, d)`` projections and its ``(batch, d)``
+    pooler) have another meaning at dimension ``dim``: index ``p`` is a sequence position of one and a channel of the
+    other, and patching both would be no patch of position ``p``.  Refused, as a call's outputs of other shapes are."""
+    first = values[0]
+    other = [op for op in values if len(op.shape or ()) != len(first.shape)]
+    if other:
+        where = repr(site) if isinstance(site, str) else "the predicate site"
+        raise ValueError(f"positions={dim}: the values at {where} differ in rank ({first.label} has shape "
+                         f"{tuple(first.shape)}, {other[0].label} {tuple(other[0].shape or ())}), so an index along "
+                         f"dimension {dim} is another place in each; patch by position at a site whose values have "
+                         f"one rank (of another rank here: {first_few(op.label for op in other)})")
 
 
 def _changed_ops(log, site) -> list:
