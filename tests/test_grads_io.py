@@ -168,6 +168,23 @@ def test_extract_gradients_leave_the_grad_of_a_callable_s_model_untouched(tmp_pa
     assert torch.equal(tl.load_extracted(out, as_torch=True)["grad:linear_1_1"], torch.cat(hidden_grads))
 
 
+def test_extract_gradients_leave_the_grad_of_every_leaf_the_loss_reaches_untouched(tmp_path):
+    # Besides the parameters, a backward writes .grad into any leaf that requires grad: a learnt steering
+    # vector the forward reads, an input that requires grad.  An optimizer holding them would step on the
+    # extraction's gradients.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    steer = torch.zeros(4, requires_grad=True)
+    steer.grad = held = torch.full((4,), 7.0)
+    batches = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+    run = lambda x: model(x + steer)  # noqa: E731
+    label = next(op.layer_label for op in tl.trace(run, batches[0], root=model).ops if op.func_name == "linear")
+    tl.extract(run, batches, [label], tmp_path / "e", grads=True, loss_fn=lambda o, b: o.sum(), root=model,
+               progress=False)
+    assert steer.grad is held and bool((held == 7.0).all())
+    assert all(x.grad is None for x in batches) and all(p.grad is None for p in model.parameters())
+
+
 def test_loaded_trace_gives_parameters_and_their_gradients_back(tmp_path):
     model, args, _ = zoo()["mlp"]
     model.zero_grad(set_to_none=True)

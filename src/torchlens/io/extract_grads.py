@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.restore import grads_set_aside, parameters_read
+from ..capture.restore import grads_set_aside, leaves_reached, parameters_read
 from ..checks import check_flag, check_grad_possible, check_takes
 from ..errors import GradientUnavailable
 
@@ -46,7 +46,8 @@ def check_request(grads: bool, loss_fn, stop_after=None) -> None:
 
 def backward_through(log, loss_fn, batch, position, module=None) -> None:
     """Run ``loss_fn(log.output, batch)``'s backward, leaving the parameter ``.grad`` of ``module`` (the model
-    the traced callable runs) and of every parameter the forward read untouched."""
+    the traced callable runs), of every parameter the forward read, and of every other leaf the backward reaches
+    (an input that requires grad, a learnt prompt or steering vector the forward read) untouched."""
     loss = loss_fn(log.output, batch)
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
         raise ValueError(f"batch {position}: loss_fn returned {type(loss).__name__}"
@@ -55,7 +56,8 @@ def backward_through(log, loss_fn, batch, position, module=None) -> None:
     if loss.numel() != 1:  # autograd's own refusal ("grad can be implicitly created only for scalar outputs")
         raise ValueError(f"batch {position}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return "
                          "one number to backpropagate from (reduce it: .sum() or .mean())")
-    with grads_set_aside(parameters_read(log, module)):
+    kept = {id(t): t for t in parameters_read(log, module) + leaves_reached(loss)}
+    with grads_set_aside(list(kept.values())):
         log.backward(loss)
 
 
