@@ -83,3 +83,16 @@ def test_extract_refuses_a_call_whose_first_output_no_op_holds(tmp_path):
         with pytest.raises(ValueError, match="does not name one op: .*written through a view"):
             tl.extract(Encoder(), batches, [name], str(tmp_path / name), grads=True,
                        loss_fn=lambda out, batch: out, progress=False)
+
+
+def test_a_module_site_returning_a_tensor_written_through_a_view_is_refused_for_what_it_is():
+    # The refusal said the call "read the tensor it returns" and pointed at the call's output_ops, which leave
+    # that output out: following it would have edited the other output.
+    torch.manual_seed(0)
+    with pytest.raises(tl.InterventionError, match=r"written in place inside the call after the op that made it") \
+            as refused:
+        tl.trace(Encoder(), torch.randn(2, 5, 4), intervene={"mask": tl.zero_ablate()})
+    assert "output_ops leave it out" in str(refused.value) and "log['mask:1'].ops" in str(refused.value)
+    # The advice holds: the submodule that made it is a site, and the write applies to the changed value.
+    log = tl.trace(Encoder(), torch.randn(2, 5, 4), intervene={"mask.proj": tl.zero_ablate()})
+    assert log.output.item() == 0.0

@@ -455,6 +455,15 @@ class Interventions:
                 "returns the position bias it was given), so changing it would change it for its other readers. "
                 + _OUTPUTS_HINT.format(label))
         producing_call = st.records[record][RECORD_CALL]
+        if st.value_record(t) < 0:  # written in place since its op made it: no record holds what is returned
+            raise InterventionError(
+                f"module site {site.key!r}: {label} returns at {path_text('output', path)} (of shape {tuple(t.shape)}) "
+                f"a tensor written in place inside the call after the op that made it "
+                f"({func_name_of(st.calls[producing_call][CALL_FUNC])}), as itself or through a view "
+                "(hidden[:, -2:].zero_()), so no op's record holds the value it returns, and the call's output_ops "
+                "leave it out. Intervene inside the call instead: at the submodule or op that made it (the write "
+                f"then applies to the changed value), or at the op that wrote it; a plain trace's log[{label!r}].ops "
+                "lists them")
         for later in st.calls[producing_call + 1:]:
             if any(parent == record for _, parent in later[CALL_PARENTS]):
                 raise InterventionError(
