@@ -60,8 +60,8 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
     parent = folder_of(path)
     make_folder(parent, path, "save")
     staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
-    os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
     try:
+        os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
         tensors, keys, unsaved = _activation_tensors(trace) if activations else ({}, {}, {})
         names = [TRACE_JSON]
         if activations:
@@ -98,14 +98,37 @@ def _move_in(staging: str, path: str, rank=None) -> None:
     """Rename the written trace to ``path``, replacing the empty folder ``check_save_target`` found there, if any:
     removed only now, so that a save that failed earlier leaves the user's folder where it was."""
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.rmdir(path)  # refuses a folder something was written into since the check
-        os.replace(staging, path)
+        _uninterrupted(lambda: _rename_in(staging, path))
     except OSError as exc:  # another process (another rank, saving to the same path) got there first
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
         raise TraceFileError(f"{path} was written by another process while this trace was being saved, so this "
                              f"trace was not saved{_one_folder_per_rank(path, rank)}") from None
+
+
+def _rename_in(staging: str, path: str) -> None:
+    """Rename ``staging`` to ``path``, an empty folder first removed; run again after an interrupt, it goes on."""
+    if not os.path.lexists(staging):
+        return  # renamed by an earlier try
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)  # refuses a folder something was written into since the check
+    os.replace(staging, path)
+
+
+def _uninterrupted(step) -> None:
+    """Run ``step`` until it returns, and only then raise a KeyboardInterrupt that landed meanwhile: ``step``
+    goes on from where the folders are, so an interrupt cannot stop a save half way through putting its trace in
+    place and deleting the old one's files (which left the old trace in a hidden folder beside ``path``).  An
+    error ends it at once, ``step`` having put back what it moved."""
+    interrupted = None
+    while True:
+        try:
+            step()
+            break
+        except KeyboardInterrupt as exc:
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def check_save_target(path: str, overwrite: bool, rank=None):
@@ -168,14 +191,13 @@ def _replace_saved(path: str, staging: str, old_files: list) -> None:
                              "trace's manifest lists, so saving would overwrite it; remove it or choose another path")
     retired = f"{staging}-old"
     try:
-        _swap_in(path, staging, retired, old_files, whole_folder=not others)
+        _uninterrupted(lambda: _swap_in(path, staging, retired, old_files, whole_folder=not others))
     except PermissionError as exc:  # on Windows, most often a file of the old trace held open
         raise TraceFileError(f"cannot save over {path}: {exc.filename or path} could not be moved ({exc.strerror}); "
                              "the saved trace there is left as it was. A file in the folder may be in use (a trace "
                              "tl.load read from it holds its activations file until deleted, e.g. del loaded; or "
                              "another program holds one), or the folder may not be writable; release it, or save "
                              "to another path") from None
-    _discard_retired(retired, old_files, path)
     if not others:
         return
     kept = [n for n in others if os.path.lexists(os.path.join(path, n))]
@@ -185,20 +207,36 @@ def _replace_saved(path: str, staging: str, old_files: list) -> None:
 
 
 def _swap_in(path: str, staging: str, retired: str, old_files: list, whole_folder: bool) -> None:
-    """Put the new trace in ``staging`` at ``path`` and the old one's files in ``retired``; on failure, the old
-    trace is back at ``path`` as it was."""
-    if whole_folder:  # the usual case: swap whole folders, so the old trace stays whole until the new is in place
+    """Put the new trace in ``staging`` at ``path``, the old one's files moved aside into ``retired``, then delete
+    those.  Run again after an interrupt (``_uninterrupted``), it goes on from where the files are; on an error
+    before the new trace is in place, the old trace is back at ``path`` as it was."""
+    if os.path.isdir(staging) and os.listdir(staging):  # the new trace is not in place yet
+        if whole_folder:
+            _swap_folders(path, staging, retired)
+        else:
+            _swap_trace_files(path, staging, retired, old_files)
+    if os.path.isdir(staging):
+        os.rmdir(staging)  # emptied by _swap_trace_files: removed here, so that no interrupt can leave it
+    if os.path.lexists(retired):
+        _discard_retired(retired, old_files, path)
+
+
+def _swap_folders(path: str, staging: str, retired: str) -> None:
+    """The usual case: swap whole folders, so the old trace stays whole until the new one is in place."""
+    if not os.path.lexists(retired):  # (moved aside by an earlier, interrupted, try)
         os.replace(path, retired)
-        try:
-            os.replace(staging, path)
-        except BaseException:
-            os.replace(retired, path)  # put the old trace back where it was
-            raise
-        return
-    # Foreign files share the folder: the old trace's files are moved aside (its manifest first, so the folder
-    # stops claiming to be a trace), the new ones moved in (their manifest last), and the old ones deleted only
-    # then.  A step that fails (Ctrl-C; on Windows a file another program holds open) moves everything back.
-    os.mkdir(retired)
+    try:
+        os.replace(staging, path)
+    except OSError:
+        os.replace(retired, path)  # put the old trace back where it was
+        raise
+
+
+def _swap_trace_files(path: str, staging: str, retired: str, old_files: list) -> None:
+    """Foreign files share the folder: the old trace's files are moved aside (its manifest first, so the folder
+    stops claiming to be a trace), the new ones moved in (their manifest last), and the old ones deleted only
+    then.  A step that fails (Ctrl-C; on Windows a file another program holds open) moves everything back."""
+    os.makedirs(retired, exist_ok=True)
     try:
         _swap_files(path, staging, retired, [n for n in dict.fromkeys([MANIFEST, *old_files])
                                              if _is_regular(os.path.join(path, n))])
@@ -210,11 +248,12 @@ def _swap_in(path: str, staging: str, retired: str, old_files: list, whole_folde
 def _swap_files(path: str, staging: str, retired: str, old_names: list) -> None:
     """Move the old trace's files ``old_names`` (its manifest first) from ``path`` into ``retired``, then the new
     trace's from ``staging`` into ``path`` (its manifest last); if either fails, every file goes back."""
-    _move_all(path, retired, old_names, undo=True)
     try:
+        _move_all(path, retired, old_names, undo=True)
         _move_all(staging, path, sorted(os.listdir(staging), key=lambda n: n == MANIFEST), undo=True)
-    except BaseException:
-        _move_all(retired, path, old_names[::-1], undo=False)  # the manifest last: whole before it claims a trace
+    except BaseException:  # the old files moved aside go back, the manifest last: whole before it claims a trace
+        _move_all(retired, path, [n for n in old_names[::-1] if os.path.lexists(os.path.join(retired, n))],
+                  undo=False)
         raise
 
 
@@ -224,12 +263,13 @@ def _move_all(source: str, target: str, names: list, undo: bool) -> None:
     moved = []
     try:
         for name in names:
+            moved.append(name)  # before the move: an interrupt landing just after it must find it listed
             os.replace(os.path.join(source, name), os.path.join(target, name))
-            moved.append(name)
     except BaseException:
         if undo:
             for name in reversed(moved):
-                os.replace(os.path.join(target, name), os.path.join(source, name))
+                if os.path.lexists(os.path.join(target, name)):  # (the last listed may not have moved)
+                    os.replace(os.path.join(target, name), os.path.join(source, name))
         raise
 
 
