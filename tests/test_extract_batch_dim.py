@@ -187,3 +187,31 @@ def test_a_batch_of_ragged_sequences_is_refused_saying_to_pad_them(tmp_path):
     padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)  # batch-major: (3, 7), read as 3 rows
     tl.extract(nn.Sequential(nn.Embedding(20, 4), nn.Linear(4, 2)), [padded], ["1"], tmp_path / "g", progress=False)
     assert tl.load_extracted(tmp_path / "g")["1"].shape == (3, 7, 2)
+
+
+class FeaturesFirst(nn.Module):
+    """Returns its rows as columns: a (3, B) activation, whose batch dim is 1, or -1 counted from the end."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x).t()
+
+
+def test_a_batch_dim_counted_from_the_end_is_the_same_job_as_counted_from_the_front(tmp_path):
+    # batch_dim={"fc_t": -1} and {"fc_t": 1} extract the same rows of a 2-d layer, but named the job apart: the
+    # resume of an interrupted run written the other way was refused, as was the call into the complete folder.
+    model, data = nn.Sequential(FeaturesFirst(), nn.Tanh()).eval(), rows([2, 3, 2])
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 2), ["0"], tmp_path / "x", batch_dim={"0": -1}, shard_bytes=1,
+                   progress=False)
+    tl.extract(model, data, ["0"], tmp_path / "x", batch_dim={"0": 1}, shard_bytes=1, progress=False)
+    with torch.no_grad():
+        expected = torch.cat([model[0](x).t() for x in data])
+    assert torch.equal(tl.load_extracted(tmp_path / "x", as_torch=True)["0"], expected)
+    tl.extract(model, data, ["0"], tmp_path / "x", batch_dim={"0": -1}, progress=False)  # the folder, complete
+    with pytest.raises(ResumeMismatchError, match=r"batch_dim: \{'0': -1\} then, \{'0': -2\} now"):
+        tl.extract(model, data, ["0"], tmp_path / "x", batch_dim={"0": -2}, progress=False)  # dim 0: another job

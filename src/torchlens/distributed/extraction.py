@@ -30,7 +30,7 @@ import torch
 
 from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, batch_rows, extract_folder,
                           extraction_job, traced_module)
-from ..io.extract_job import check_same_job, recorded_job
+from ..io.extract_job import check_same_job, layer_dims, recorded_job
 from ..io.extracted import refuse_unfinished
 from ..io.format import (MANIFEST, TraceFileError, atomic_file, checked_member, make_folder, read_json, verify_manifest,
                          write_manifest)
@@ -93,13 +93,14 @@ def _check_rerun(out, rank, world, job) -> None:
     """Refuse a call into a joined extraction that is not the call that made it (other layers, model, data or
     world size), as one process refuses a complete folder: returning it would hand back rows this call did not
     ask for.  Each rank checks its own job, after the ranks have met, so no rank waits for one that raised."""
-    jobs = read_json(out, MANIFEST, "a distributed extraction").get("rank_jobs")
+    manifest = read_json(out, MANIFEST, "a distributed extraction")
+    jobs = manifest.get("rank_jobs")
     if not isinstance(jobs, list):  # joined by a version that kept no record of its call
         return
     if len(jobs) != world:
         raise ResumeMismatchError(f"{out} was extracted by {len(jobs)} ranks, and this call runs {world}; use "
                                   f"another folder, or delete {out} to extract again")
-    check_same_job(out, jobs[rank], job)
+    check_same_job(out, jobs[rank], job, layer_dims(manifest.get("layers")))
 
 
 def _refuse_one_process_folder(out) -> None:

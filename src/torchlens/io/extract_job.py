@@ -28,8 +28,28 @@ def recorded_job(state: dict) -> dict:
     return {k: state.get(k) for k in JOB_KEYS if k in state}
 
 
-def check_same_job(out, recorded: dict, job: dict) -> None:
-    """Raise ``ResumeMismatchError`` when ``job`` (this call's) is not the ``recorded`` one that made ``out``."""
+def layer_dims(layer_info) -> dict:
+    """``{layer: its activation's dim count}`` from a folder's layer records (``progress.json``'s ``layer_info``, a
+    joined manifest's ``layers``): a row shape and the batch dim."""
+    infos = layer_info if isinstance(layer_info, list) else []
+    return {info["name"]: len(info["row_shape"]) + 1 for info in infos
+            if isinstance(info, dict) and isinstance(info.get("row_shape"), list) and "name" in info}
+
+
+def _counted_from_the_front(batch_dim, dims: dict):
+    """``batch_dim=`` as a job compares it: each layer's dim counted from the front, where its dim count is known
+    (-1 of a 2-d layer is 1, the same extraction), dim 0 dropped as the default; None when none is left."""
+    if not isinstance(batch_dim, dict):
+        return batch_dim
+    counted = {name: dim % dims[name] if isinstance(dim, int) and -dims.get(name, 0) <= dim < dims.get(name, 0)
+               else dim for name, dim in batch_dim.items()}
+    return {name: dim for name, dim in counted.items() if dim != 0} or None
+
+
+def check_same_job(out, recorded: dict, job: dict, dims: dict | None = None) -> None:
+    """Raise ``ResumeMismatchError`` when ``job`` (this call's) is not the ``recorded`` one that made ``out``.
+    ``dims``: each layer's dim count in the rows ``out`` holds (``layer_dims``), by which a batch dim counted from
+    the end is the same as one counted from the front."""
     model_name = job["model"]
     if recorded.get("layers") != job["layers"] or recorded.get("model") != model_name:
         raise ResumeMismatchError(f"{out} holds an extraction of {recorded.get('model')} layers "
@@ -43,7 +63,9 @@ def check_same_job(out, recorded: dict, job: dict) -> None:
             f"{str(recorded.get('model_sha256'))[:12]} vs {job['model_sha256'][:12]}); resuming would mix rows of two "
             f"models. Resume with the model that started it, or use another folder / delete {out}")
     before = recorded.get("arguments") if isinstance(recorded.get("arguments"), dict) else {}
-    changed = {k: (before.get(k), v) for k, v in job["arguments"].items() if before.get(k) != v}
+    changed = {k: (before.get(k), v) for k, v in job["arguments"].items()
+               if before.get(k) != v and (k != "batch_dim" or _counted_from_the_front(before.get(k), dims or {})
+                                          != _counted_from_the_front(v, dims or {}))}
     if changed:
         what = "; ".join(f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changed.items())
         raise ResumeMismatchError(f"{out} was started with other arguments ({what}); resume with the same "

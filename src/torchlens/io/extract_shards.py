@@ -18,7 +18,7 @@ from ..errors import ResumeMismatchError
 from .format import (MANIFEST, TraceFileError, atomic_file, check_schema, checked_member, dump_json, make_folder,
                      read_json, safe_member, write_atomic, write_manifest)
 from .identity import model_checksum
-from .extract_job import check_same_job
+from .extract_job import check_same_job, layer_dims
 from .extract_progress import PROGRESS, check_progress, check_shard_columns
 from .tensorfile import DTYPES, NAME_OF, copy_range, header_bytes, read_header, write_stacked
 
@@ -70,7 +70,7 @@ class ExtractionRun:
         if not isinstance(s, dict) or s.get("format") != EXTRACT_FORMAT:
             raise TraceFileError(f"{self.out}/{PROGRESS}: not the progress file of a torchlens extraction")
         check_schema(f"{self.out}/{PROGRESS}", "the progress file", s.get("schema_version"), EXTRACT_SCHEMA)
-        check_same_job(self.out, s, job)
+        check_same_job(self.out, s, job, layer_dims(s.get("layer_info")))
         check_progress(self.out, s, self.layers)  # io/extract_progress.py
         for shard in s["shards"]:
             path = safe_member(self.out, shard.get("file"))
