@@ -170,3 +170,22 @@ def test_a_save_path_ending_in_a_dot_or_two_is_refused_and_leaves_the_folders_as
     assert {p.name: p.read_bytes() for p in (tmp_path / "trace").iterdir()} == before
     log.save("./run")  # a "." elsewhere in the path names no folder to rename
     assert torch.equal(tl.load("run")["linear_1_1"].activation, log["linear_1_1"].activation)
+
+
+def test_loading_under_fake_tensor_mode_is_refused_naming_the_mode_not_the_file(tmp_path):
+    # FakeTensorMode makes tensors without values: tl.load reported a sound activations file as "not a readable
+    # safetensors file", and tl.load_extracted failed inside torch (aten::from_file has no fake impl).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, batch = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval(), torch.randn(3, 4)
+    log = tl.trace(model, batch)
+    folder = log.save(tmp_path / "t")
+    tl.extract(model, [batch], ["0"], tmp_path / "e", progress=False)
+    for read in (lambda: tl.load(folder), lambda: tl.load_extracted(tmp_path / "e"),
+                 lambda: tl.load_extracted(tmp_path / "e", as_torch=True)):
+        with FakeTensorMode(), pytest.raises(RuntimeError, match=r"\.safetensors: .* runs under FakeTensorMode, "
+                                                                  r".*outside the FakeTensorMode block"):
+            read()
+    loaded = tl.load(folder)  # outside it, the same files read as saved
+    assert torch.equal(loaded["0"].activation, log["0"].activation)
+    assert torch.equal(tl.load_extracted(tmp_path / "e", as_torch=True)["0"], model[0](batch).detach())

@@ -207,6 +207,7 @@ def _mapped_bytes(path: str, start: int, end: int) -> torch.Tensor:
     in private pages, never reach the file), on the CPU whatever ``with torch.device(...)`` block is open.
     torch closes the file once it is mapped; Python's ``mmap`` (and so ``np.memmap``) keeps a descriptor open
     per map, and an extraction of a few hundred layers then exceeds the open-file limit (256 on macOS)."""
+    refuse_fake_mode(path)
     if end == start:
         return torch.empty(0, dtype=torch.uint8, device="cpu")
     if not _utf8(path):  # torch takes UTF-8 names only; Linux allows any bytes, which Python's mmap maps
@@ -218,6 +219,7 @@ def read_tensor_file(folder: str, name: str) -> dict:
     """Every tensor of the safetensors file ``name`` in ``folder`` (a saved trace's), on the CPU."""
     path = checked_member(folder, name)
     st = require_safetensors()
+    refuse_fake_mode(path)
     try:
         if _utf8(path):
             return st.load_file(path, device="cpu")
@@ -225,6 +227,18 @@ def read_tensor_file(folder: str, name: str) -> dict:
             return st.load(f.read())
     except Exception as exc:  # the library raises its own error types for malformed headers
         raise TraceFileError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def refuse_fake_mode(path: str) -> None:
+    """Refuse to read ``path``'s tensors under ``FakeTensorMode``: it makes tensors without values, so reading
+    them failed inside torch (``aten::from_file``... no fake impl), or was reported as a damaged file."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # (imported by torch itself)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+        raise RuntimeError(f"{path}: a saved file's tensors are read as values, and this read runs under "
+                           "FakeTensorMode, which makes tensors without values; call tl.load or tl.load_extracted "
+                           "outside the FakeTensorMode block")
 
 
 def _utf8(path: str) -> bool:
