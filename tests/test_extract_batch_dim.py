@@ -215,3 +215,28 @@ def test_a_batch_dim_counted_from_the_end_is_the_same_job_as_counted_from_the_fr
     tl.extract(model, data, ["0"], tmp_path / "x", batch_dim={"0": -1}, progress=False)  # the folder, complete
     with pytest.raises(ResumeMismatchError, match=r"batch_dim: \{'0': -1\} then, \{'0': -2\} now"):
         tl.extract(model, data, ["0"], tmp_path / "x", batch_dim={"0": -2}, progress=False)  # dim 0: another job
+
+
+class WithTable(nn.Module):
+    """Takes the batch and a table of 5 rows that is no batch (a codebook, class prototypes)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, table):
+        return self.fc(x) @ self.fc(table).t()
+
+
+def test_a_last_batch_of_one_example_is_counted_by_the_input_that_counted_the_others(tmp_path):
+    # The batch size was read from the first input whose dim 0 is not 1: in a last batch of one example, the table.
+    # The batch was refused, saying that the earlier batches' rows were not examples either (they were).
+    model, table = WithTable().eval(), torch.randn(5, 4)
+    data = [(x, table) for x in rows([2, 2, 1])]
+    tl.extract(model, data, ["fc:1", "output_1"], tmp_path / "x", args_of=lambda batch: batch, progress=False)
+    got = tl.load_extracted(tmp_path / "x", as_torch=True)
+    with torch.no_grad():
+        assert torch.equal(got["fc:1"], torch.cat([model.fc(x) for x, _ in data]))
+        assert torch.equal(got["output_1"], torch.cat([model(x, t) for x, t in data]))
+    assert got["output_1"].shape == (5, 5)

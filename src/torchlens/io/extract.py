@@ -140,7 +140,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     resumed_from = run.batches_done
     bar = progress_bar(progress, "extracting", batch_count(inputs), "batch",
                        initial=resumed_from, delay=0, leave=True)
-    seen, last = 0, None
+    seen, last, source = 0, None, None  # source: the input the batch sizes are read from (batch_dimension)
     try:
         for position, batch in enumerate(inputs):
             seen = position + 1
@@ -154,7 +154,8 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                 run.first_fingerprint = inputs_fingerprint(args, named)
             if before_forward is not None:
                 before_forward()
-            rows, request = batch_dimension(args, named, input_batch_dim), (loss_fn, batch) if grads else None
+            rows, request = batch_dimension(args, named, input_batch_dim, source), (loss_fn, batch) if grads else None
+            source = source or rows[3]
             with torch.enable_grad() if grads else torch.no_grad():
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
                                        request, root, rows),
@@ -251,7 +252,7 @@ def _save_targets(model, layers) -> list:
 
 
 def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None, root=None,
-                   rows=(None, None, "")) -> list:
+                   rows=(None, None, "", None)) -> list:
     from ..capture.session import trace
 
     from ..errors import AmbiguousKey, UnmatchedSelection
@@ -277,7 +278,7 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
     return [_buffered(t) for t in acts]
 
 
-def _layer_values(log, layers, run, position, with_grads: bool, rows=(None, None, "")) -> list:
+def _layer_values(log, layers, run, position, with_grads: bool, rows=(None, None, "", None)) -> list:
     """Each layer's activation (then, ``with_grads``, its gradient) in this batch, detached, on the CPU, its batch
     dim first; ``rows``: the batch's size and the input it was read from (``batch_dimension``)."""
     calls = _module_calls_by_name(log)

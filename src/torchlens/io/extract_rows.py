@@ -3,10 +3,10 @@
 A layer is stored as one array with a row per example, so each batch's activation is split along its batch
 dim: dim 0 unless ``batch_dim=`` names another for that layer (transformers' gemma3n keeps its altup
 streams as ``(altup_num_inputs, B, S, H)``), in which case that dim is moved to the front.  The batch size
-is read from the inputs (``batch_dimension``): dim 0 of the first input whose dim 0 is not 1, or the dim
-``input_batch_dim=`` names (1 for a sequence-first model's ``(S, B, E)`` inputs); every layer's batch dim must
-have it, batch after batch: a dim that does not follow the batch size is refused, naming the layer, its shape
-and the batch size.
+is read from the inputs (``batch_dimension``): dim 0 of the first input whose dim 0 is not 1 (later, of the
+input earlier batches were counted by), or the dim ``input_batch_dim=`` names (1 for a sequence-first model's
+``(S, B, E)`` inputs); every layer's batch dim must have it, batch after batch: a dim that does not follow the
+batch size is refused, naming the layer, its shape and the batch size.
 
 What no check can see is a dim that has the batch's size by coincidence in every batch: gemma3n's
 ``(2, B, S, H)`` at ``B = 2`` has the shape a batch-major layer of rows ``(2, S, H)`` would have.  Batches of
@@ -49,23 +49,27 @@ def check_input_batch_dim(input_batch_dim) -> int:
     return input_batch_dim
 
 
-def batch_dimension(args, named=None, dim: int = 0) -> tuple:
-    """``(rows, where they were read)``: dim ``dim`` (``input_batch_dim=``) of the first input tensor, positional
-    then keyword, that has it and whose size there is not 1.  An input of one row is taken to broadcast over the
-    batch (an attention mask of shape (1, S), transformers' ``position_ids``), so it decides the count only when
-    every input has one row."""
+def batch_dimension(args, named=None, dim: int = 0, source=None) -> tuple:
+    """``(rows, where they were read, ragged advice, source)``: dim ``dim`` (``input_batch_dim=``) of the input
+    ``source`` (``(root, path)``, the input earlier batches' sizes were read from), when this batch has it; else of
+    the first input tensor, positional then keyword, that has the dim and whose size there is not 1.  An input of
+    one row is taken to broadcast over the batch (an attention mask of shape (1, S), transformers'
+    ``position_ids``), so it decides the count only when every input has one row; but a last batch of one example
+    is still counted by the input that counted the others, not by another input that has no batch dim."""
     leaves = [(root, path, t) for root, value in (("args", args), ("kwargs", named)) if value
               for path, t in tensor_leaves(value) if t.dim()]
     if not leaves:
-        return None, None, ""
+        return None, None, "", None
     wide = [leaf for leaf in leaves if leaf[2].dim() > dim]
     if not wide:  # named explicitly, so the batch cannot be guessed from another dim
         raise ValueError(f"input_batch_dim={dim}, but no input tensor has a dim {dim} (their shapes: "
                          f"{[tuple(t.shape) for _, _, t in leaves]}); give the dim of the inputs that counts the "
                          "batch's examples")
-    root, path, t = next((leaf for leaf in wide if leaf[2].shape[dim] != 1), wide[0])
-    return (t.shape[dim], f"dim {dim} of the input {path_text(root, path)}, the first input whose dim {dim} is not 1",
-            _ragged_advice(root, path, dim, wide))
+    earlier = next((leaf for leaf in wide if (leaf[0], leaf[1]) == source), None)
+    root, path, t = earlier or next((leaf for leaf in wide if leaf[2].shape[dim] != 1), wide[0])
+    how = "the input earlier batches' sizes were read from" if earlier else f"the first input whose dim {dim} is not 1"
+    return (t.shape[dim], f"dim {dim} of the input {path_text(root, path)}, {how}",
+            _ragged_advice(root, path, dim, wide), (root, path))
 
 
 def _ragged_advice(root: str, path: tuple, dim: int, leaves: list) -> str:
@@ -91,7 +95,7 @@ def rows_first(name: str, label: str, t, dim: int, batch: tuple, position: int, 
         raise ValueError(f"batch_dim= gives {name} ({label}) the batch dim {dim}, but its activation has shape "
                          f"{shape}, of {t.dim()} dims; give the index of the dim that counts its rows")
     dim %= t.dim()
-    rows, rows_from, ragged = batch
+    rows, rows_from, ragged = batch[:3]
     if rows is not None and t.shape[dim] != rows:
         advice = ragged or (f"tl.extract stores a row per example, so dim {dim} is not this layer's batch dim. "
                             f"{_what_to_do(name, shape, dim, rows, matched_before)}")
