@@ -240,3 +240,15 @@ def test_a_last_batch_of_one_example_is_counted_by_the_input_that_counted_the_ot
         assert torch.equal(got["fc:1"], torch.cat([model.fc(x) for x, _ in data]))
         assert torch.equal(got["output_1"], torch.cat([model(x, t) for x, t in data]))
     assert got["output_1"].shape == (5, 5)
+
+
+def test_a_resumed_extraction_counts_its_last_batch_of_one_by_the_same_input(tmp_path):
+    model, table = WithTable().eval(), torch.randn(5, 4)
+    data = [(x, table) for x in rows([2, 2, 1])]
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 2), ["fc:1"], tmp_path / "x", args_of=lambda batch: batch, shard_bytes=1,
+                   progress=False)
+    tl.extract(model, data, ["fc:1"], tmp_path / "x", args_of=lambda batch: batch, shard_bytes=1, progress=False)
+    with torch.no_grad():
+        assert torch.equal(tl.load_extracted(tmp_path / "x", as_torch=True)["fc:1"],
+                           torch.cat([model.fc(x) for x, _ in data]))

@@ -140,7 +140,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     resumed_from = run.batches_done
     bar = progress_bar(progress, "extracting", batch_count(inputs), "batch",
                        initial=resumed_from, delay=0, leave=True)
-    seen, last, source = 0, None, None  # source: the input the batch sizes are read from (batch_dimension)
+    seen, last = 0, None
     try:
         for position, batch in enumerate(inputs):
             seen = position + 1
@@ -154,8 +154,9 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                 run.first_fingerprint = inputs_fingerprint(args, named)
             if before_forward is not None:
                 before_forward()
-            rows, request = batch_dimension(args, named, input_batch_dim, source), (loss_fn, batch) if grads else None
-            source = source or rows[3]
+            rows = batch_dimension(args, named, input_batch_dim, run.rows_source)
+            run.rows_source = run.rows_source or rows[3]
+            request = (loss_fn, batch) if grads else None
             with torch.enable_grad() if grads else torch.no_grad():
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
                                        request, root, rows),

@@ -59,6 +59,20 @@ class ExtractionRun:
     def batches_done(self) -> int:
         return self.state["batches_done"]
 
+    @property
+    def rows_source(self):
+        """``(root, path)`` of the input the batches' sizes are read from (``batch_dimension``), kept in the progress
+        file so that a resumed run counts its batches by the same input; None before the first batch."""
+        kept = self.state.get("rows_source")
+        valid = isinstance(kept, list) and len(kept) == 2 and isinstance(kept[1], list)
+        return (kept[0], tuple(kept[1])) if valid else None
+
+    @rows_source.setter
+    def rows_source(self, source) -> None:
+        # Written with the next commit; a path through keys JSON cannot hold as they are (a tuple key) is not kept.
+        if source is not None and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in source[1]):
+            self.state["rows_source"] = [source[0], list(source[1])]
+
     def _nothing_committed(self) -> bool:
         # A run that failed before its first shard (a mistyped layer name, say) leaves nothing to keep.
         s = self.state
