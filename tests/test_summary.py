@@ -243,6 +243,11 @@ def test_the_table_keeps_its_columns_in_line_past_long_call_labels():
     (999_999, "1.00 M", "1M", "976.6 KiB"),
     (1_048_575, "1.05 M", "1.05M", "1.0 MiB"),
     (999_999_999, "1.00 G", "1G", "953.7 MiB"),
+    (999.5, "999", "1k", "1000 B"),
+    (999_995, "1.00 M", "1M", "976.6 KiB"),
+    (999_999_999_999, "1000.00 G", "1T", "931.3 GiB"),
+    (999_999_999_999_999, "1000000.00 G", "1P", "931322.6 GiB"),
+    (-999_999, "-1.00 M", "-1M", "-976.6 KiB"),
 ])
 def test_a_figure_that_rounds_up_to_a_thousand_of_its_unit_is_shown_in_the_next(n, count, short, size):
     # 999,999 FLOPs read "1000.00 k" in the summary and "1e+03k" in a rendered node, and 1,048,575 bytes
@@ -252,3 +257,17 @@ def test_a_figure_that_rounds_up_to_a_thousand_of_its_unit_is_shown_in_the_next(
     from torchlens.viz.metrics import format_count
 
     assert (human_count(n), format_count(n), human_bytes(n)) == (count, short, size)
+
+
+def test_both_count_forms_take_their_unit_from_one_chooser(monkeypatch):
+    # The summary's "1.00 M" and a node's "1M" pick the unit by one rule: a chooser that moves up a unit
+    # changes both, and the byte form through the same rule with its 1024 steps.
+    from torchlens.record import module_table, summary
+    from torchlens.viz import metrics
+
+    calls = []
+    real = summary.unit_for
+    monkeypatch.setattr(module_table, "unit_for", lambda *a: calls.append("table") or real(*a))
+    monkeypatch.setattr(metrics, "unit_for", lambda *a: calls.append("node") or real(*a))
+    assert (module_table.human_count(1500), metrics.format_count(1500)) == ("1.50 k", "1.5k")
+    assert calls == ["table", "node"]

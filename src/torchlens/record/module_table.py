@@ -16,7 +16,7 @@ from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
 from .grads import saved_for_backward_bytes
-from .summary import human_bytes
+from .summary import COUNT_UNITS, human_bytes, unit_for
 
 COLUMNS = ("call", "depth", "class_name", "params", "input_shapes", "output_shapes", "ops", "flops",
            "flops_complete", "duration", "activation_bytes")
@@ -227,16 +227,16 @@ def _produced_bytes(trace, i: int) -> int:
 
 
 # ----- text ---------------------------------------------------------------------------------------------
+def _count_shown(value: float, suffix: str) -> float:
+    return int(value) if suffix == "" else round(value, 2)
+
+
 def human_count(n) -> str:
+    """A count in the table's form: whole below a thousand, else two decimals and a unit up to G."""
     if n is None:
         return "-"
-    units = [(unit, size) for unit, size in (("k", 1e3), ("M", 1e6), ("G", 1e9)) if abs(n) >= size]
-    if not units:
-        return str(int(n))
-    unit, size = units[-1]
-    if round(abs(n) / size, 2) >= 1000 and unit != "G":  # 999,999 is 1.00 M, not 1000.00 k
-        unit, size = {"k": ("M", 1e6), "M": ("G", 1e9)}[unit]
-    return f"{n / size:.2f} {unit}"
+    unit, scale = unit_for(n, COUNT_UNITS[:4], _count_shown)
+    return str(int(n)) if unit == "" else f"{n / scale:.2f} {unit}"
 
 
 def flops_text(row) -> str:

@@ -9,12 +9,30 @@ from .layouts import shape_text
 _HEAD, _TAIL = 30, 5
 
 
+COUNT_UNITS = (("", 1.0), ("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12))
+BYTE_UNITS = (("B", 1.0), ("KiB", 1024.0), ("MiB", 1024.0 ** 2), ("GiB", 1024.0 ** 3))
+
+
+def unit_for(n: float, units, shown) -> tuple[str, float]:
+    """The ``(suffix, scale)`` to print ``n`` in: the largest unit it reaches, or the next one up where the
+    figure as printed would be a whole next unit.  ``shown(value, suffix)`` rounds a value as the caller prints
+    it: the unit is chosen before rounding, so without this 999,999 reads 1000.00 k and 1,048,575 B 1024.0 KiB.
+    """
+    k = max((i for i, (_, scale) in enumerate(units) if abs(n) >= scale), default=0)
+    if k + 1 < len(units):
+        suffix, scale = units[k]
+        if abs(shown(n / scale, suffix)) >= units[k + 1][1] / scale:
+            k += 1
+    return units[k]
+
+
+def _bytes_shown(value: float, suffix: str) -> float:
+    return round(value, 0 if suffix == "B" else 1)
+
+
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if round(n, 0 if unit == "B" else 1) < 1024 or unit == "GiB":  # 1,048,575 B is 1.0 MiB, not 1024.0 KiB
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    unit, scale = unit_for(n, BYTE_UNITS, _bytes_shown)
+    return f"{n:.0f} B" if unit == "B" else f"{n / scale:.1f} {unit}"
 
 
 def _shape(op) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from ..checks import check_number
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
-from ..record.summary import human_bytes
+from ..record.summary import COUNT_UNITS, human_bytes, unit_for
 
 METRICS = ("duration", "flops", "memory", "nonfinite", "device_time", "cpu_time", "grad_norm")
 SUMMED_METRICS = ("duration", "flops", "memory", "device_time", "cpu_time")  # a node of several ops shows the sum
@@ -290,13 +290,11 @@ def format_seconds(seconds) -> str:
     return f"{seconds * 1e9:.3g} ns"
 
 
+def _short_shown(value: float, suffix: str) -> float:
+    return float(f"{value:.0f}" if suffix == "" else f"{value:.3g}")
+
+
 def format_count(n) -> str:
-    units = (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12))
-    reached = [k for k, (_, scale) in enumerate(units) if n >= scale]
-    if not reached:
-        return f"{n:.0f}"
-    k = reached[-1]
-    if float(f"{n / units[k][1]:.3g}") >= 1000 and k + 1 < len(units):  # 999,999 is 1M, not 1e+03k
-        k += 1
-    unit, scale = units[k]
-    return f"{n / scale:.3g}{unit}"
+    """A count in a node's short form: three significant digits and a unit up to T (``1.05M``)."""
+    unit, scale = unit_for(n, (*COUNT_UNITS, ("P", 1e15)), _short_shown)
+    return f"{n:.0f}" if unit == "" else f"{n / scale:.3g}{unit}"
