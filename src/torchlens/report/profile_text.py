@@ -27,6 +27,9 @@ def profile_text(profile, top: int = 15) -> str:
         "forward + backward" if profile.backward else "forward"
     lines = [f"KernelProfile of {profile.trace.model_name}: {counted(len(rows), 'op')}, {phases}, {mode}; "
              "all times are profiler (Kineto) measurements", str(coverage)]
+    if not rows:  # an empty table under "top 0 ops" reads as a profile that lost its rows
+        lines.append("the forward ran no torch ops: there is nothing to rank")
+        return "\n".join(lines)
     device = coverage.has_device
     key = "device_ns" if device else "cpu_ns"
     rank_key = "bwd_" + key if backward_only else key
