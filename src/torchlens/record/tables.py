@@ -39,7 +39,7 @@ def ops_frame(ops) -> "pandas.DataFrame":
             "params": op.params,
             "source_file": source.file if source else None,
             "source_line": source.line if source else None,
-            "duration": op.duration,
+            "duration": call_duration_once(op),
             "grad_fn": op.grad_fn,
             "is_inplace": op.is_inplace,
             "multi_output_index": op.multi_output_index,
@@ -48,6 +48,21 @@ def ops_frame(ops) -> "pandas.DataFrame":
         if with_grads:  # columns appear once a backward delivered gradients
             rows[-1].update(grad_stats.get(op.index, _NO_GRAD))
     return pd.DataFrame(rows)
+
+
+def call_duration_once(op):
+    """``op.duration`` on its call's first output and None (NaN) on the call's further outputs: the time is the
+    call's, so a column holding it on every output of ``torch.split`` sums to more time than the forward took,
+    where ``hot_path`` counts the call once."""
+    call = op.call
+    return op.duration if call is None or call.first_record == op.index else None
+
+
+def _layer_duration(layer):
+    """The summed time of a layer's passes, counted as the ops table counts it (None for a layer of further
+    outputs of multi-output calls, or of no torch call)."""
+    times = [t for t in map(call_duration_once, layer.ops) if t is not None]
+    return sum(times) if times else None
 
 
 def _grad_stats(ops) -> tuple:
@@ -73,7 +88,7 @@ def layers_frame(layers) -> "pandas.DataFrame":
             "num_passes": layer.num_passes,
             "shape": _agreed(layer, "shape"),
             "module": _agreed(layer, "module_address"),
-            "duration": layer.duration,
+            "duration": _layer_duration(layer),
         }
         for layer in layers
     ])

@@ -191,10 +191,13 @@ def nonfinite_origins(trace) -> set:
     return labels
 
 
-def aggregate(values, ops, metric=None):
+def aggregate(values, ops, metric=None, calls=None):
     """Sum of the known values of ``ops`` (any() for flags); None when none is known.  Gradient norms combine as
     the norm of the gradients taken together, as ``hot_path(by="grad_norm")`` groups them: a sum of norms is the
-    norm of nothing."""
+    norm of nothing.  A duration is its call's, held by each of its outputs: given ``calls`` (each op's call
+    index), a call is counted once, as ``hot_path`` counts it."""
+    if metric == "duration" and calls is not None:
+        ops = _one_per_call(ops, calls)
     known = [values[i] for i in ops if values[i] is not None]
     if not known:
         return None
@@ -203,6 +206,16 @@ def aggregate(values, ops, metric=None):
     if metric == "grad_norm":
         return math.sqrt(sum(v * v for v in known))
     return sum(known)
+
+
+def _one_per_call(ops, calls) -> list:
+    """``ops`` less the further outputs of a call already among them (ops of no call are kept)."""
+    seen, kept = set(), []
+    for i in ops:
+        if calls[i] < 0 or calls[i] not in seen:
+            seen.add(calls[i])
+            kept.append(i)
+    return kept
 
 
 class Coloring:
