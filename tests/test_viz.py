@@ -215,7 +215,7 @@ def test_color_by_duration_and_memory_fill_ops_and_explain(traces):
     line = re.search(rf"^\s*o{slowest.index} \[.*$", dot, re.M).group(0)
     assert 'fillcolor="#8c2d04"' in line and 'fontcolor="white"' in line
     memory = log.render(color_by="memory")
-    assert "bytes of each op" in memory
+    assert "bytes of the tensor each op produced" in memory
     head = next(op for op in log.ops if op.func_name == "linear" and op.shape == (4, 4))
     assert "64 B" in re.search(rf"^\s*o{head.index} \[.*$", memory, re.M).group(0)
 

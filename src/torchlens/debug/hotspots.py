@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..checks import as_position
 from ..errors import counted, listed
+from ..record.module_table import produced_bytes
 from ..record.modules import enclosing_calls
 from ..record.trace import checked_trace
 
@@ -27,7 +28,8 @@ DURATION_NOTE = ("duration = instrumented host time around each torch call (no d
 _METRIC_NOTES = {
     "duration": DURATION_NOTE,
     "flops": "flops = analytic forward FLOPs (a multiply-add counts 2); see torchlens.report.flops",
-    "memory": "memory = bytes of each op's output tensor (activation size, saved or not)",
+    "memory": ("memory = bytes of the tensor each op produced (its output's size, saved or not; an in-place op "
+               "adds 0, having written into a tensor another op produced), as log.summary()'s Act. mem counts them"),
     "grad_norm": ("grad_norm = 2-norm of d loss / d (op output), accumulated over the backwards seen (grads=True); "
                   "a group's value is the 2-norm over its ops (square root of the sum of squares); percent is "
                   "its share of the total's square, the sum of squares, which rows without common ops add up in"),
@@ -188,7 +190,7 @@ def _metric_values(log, by):
                 continue  # packing is per call: on the call's first output
             value = op_saved_for_backward_bytes(log, i)
         else:
-            value = op.nbytes
+            value = produced_bytes(log, i)
         if value is None:
             excluded.append(op.label)
         else:

@@ -173,7 +173,7 @@ def module_summary(trace, depth=None) -> ModuleSummary:
     from ..report.flops import FlopCount, module_call_flops, total_flops
 
     ops = trace.ops
-    produced = [_produced_bytes(trace, i) for i in range(len(ops))]
+    produced = [produced_bytes(trace, i) for i in range(len(ops))]
     packlog = trace._packlog  # tl.trace(..., saved_for_backward=True): what autograd kept, per op
     has_backward = packlog is not None and packlog.note_text is None
     try:
@@ -219,8 +219,10 @@ def _root_class(trace) -> str:
     return type(trace._model).__name__ if trace._model is not None else trace.model_name
 
 
-def _produced_bytes(trace, i: int) -> int:
-    """Bytes a compute op's output occupies; an in-place op wrote into memory another op produced."""
+def produced_bytes(trace, i: int) -> int:
+    """Bytes of the tensor a compute op produced: its output's size (a view's in full), and 0 for an in-place op,
+    which wrote into a tensor another op produced.  The summary's Act. mem, ``hot_path(by="memory")`` and
+    ``color_by="memory"`` all count it, so that a module's total counts each tensor once."""
     if trace._kind[i] != Kind.OP or trace._inplace[i]:
         return 0
     return numel_of(trace._meta[i].shape) * getattr(trace._meta[i].dtype, "itemsize", 0)
@@ -291,5 +293,5 @@ def summary_table_text(summary: ModuleSummary) -> str:
         incomplete = "" if root["flops_complete"] else f" ({INCOMPLETE_FLOPS_NOTE})"
         lines.append(f"Forward FLOPs: {root['flops']:,} (a multiply-add counts 2){incomplete}")
     lines.append("Times are instrumented host times (for ranking); Act. mem is the bytes of the tensors each "
-                 "call's ops produced")
+                 "call's ops produced (an in-place op adds 0)")
     return "\n".join(lines)

@@ -35,7 +35,7 @@ _NOTES = {
     "duration": "host wall time per op; instrumented, so right for ranking ops and wrong for quoting them "
                 "(time a model with torch.utils.benchmark.Timer)",
     "flops": "analytic forward FLOPs from torchlens's formula registry (a multiply-add counts 2)",
-    "memory": "bytes of each op's output tensor",
+    "memory": "bytes of the tensor each op produced (0 for an in-place op, which wrote into another op's tensor)",
     "device_time": "device time per op from the kernel profile passed in",
     "cpu_time": "profiler self CPU time per op from the kernel profile passed in (the aten ops and runtime calls "
                 "it ran on the host; not device time)",
@@ -105,7 +105,9 @@ def op_values(trace, metric, times=None) -> list:
         return [(c.t1_ns - c.t0_ns) / 1e9 if c is not None else None
                 for c in (calls[k] if k >= 0 else None for k in trace.call_indices)]
     if metric == "memory":
-        return [op.nbytes if op.kind == "op" else None for op in trace.ops]
+        from ..record.module_table import produced_bytes
+
+        return [produced_bytes(trace, i) if kind == Kind.OP else None for i, kind in enumerate(trace._kind)]
     if metric == "flops":
         from .records import flops_function
 
