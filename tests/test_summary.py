@@ -271,3 +271,20 @@ def test_both_count_forms_take_their_unit_from_one_chooser(monkeypatch):
     monkeypatch.setattr(metrics, "unit_for", lambda *a: calls.append("node") or real(*a))
     assert (module_table.human_count(1500), metrics.format_count(1500)) == ("1.50 k", "1.5k")
     assert calls == ["table", "node"]
+
+
+def test_the_op_count_of_print_log_names_every_part_it_counts_buffers_included():
+    # Granite's rotary embedding reads its inv_freq buffer: print(log) said "156 ops (149 torch calls, 1 input,
+    # 5 outputs)", parts adding up to 155, the buffer op left unnamed.
+    import re
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=99)
+    log = tl.trace(transformers.GraniteForCausalLM(config).eval(), torch.randint(0, 99, (1, 6)))
+    kinds = [op.kind for op in log.ops]
+    head = re.search(r"(\d+) ops \((\d+) torch calls, (\d+) input, (\d+) buffer, (\d+) outputs\)", str(log))
+    assert head is not None and kinds.count("buffer") >= 1
+    total, *parts = map(int, head.groups())
+    assert total == len(log.ops) == sum(parts)
+    assert parts == [kinds.count(kind) for kind in ("op", "input", "buffer", "output")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import counted, first_few
 from ..tree import without_values
+from .columns import Kind
 from .layouts import shape_text
 
 _HEAD, _TAIL = 30, 5
@@ -54,6 +55,13 @@ def _tensors_and_calls(trace, n_compute: int) -> str:
     if calls == n_compute:
         return counted(calls, "torch call")
     return f"{counted(n_compute, 'tensor')} from {counted(calls, 'torch call')}"
+
+
+def _buffers(trace) -> str:
+    """The buffers read as ops (a rotary embedding's ``inv_freq``), when there are any: the parts of the op count
+    add up to it."""
+    count = sum(1 for kind in trace._kind if kind == Kind.BUFFER)
+    return f"{counted(count, 'buffer')}, " if count else ""
 
 
 def _recurrence(trace) -> str:
@@ -192,7 +200,7 @@ def summary_text(trace) -> str:
     lines = [
         f"Trace of {trace.model_name}",
         f"  {counted(len(ops), 'op')} ({_tensors_and_calls(trace, n_compute)}, {counted(len(trace.inputs), 'input')}, "
-        f"{counted(len(trace.outputs), 'output')}), {counted(len(trace.layers), 'layer')}",
+        f"{_buffers(trace)}{counted(len(trace.outputs), 'output')}), {counted(len(trace.layers), 'layer')}",
         f"  {counted(len(trace.modules), 'module')}, {counted(len(trace.module_calls), 'module call')}; {recurrence}",
         f"  {saved}",
         f"  captured in {trace.capture_duration * 1e3:.1f} ms (host times below are instrumented)",
