@@ -381,4 +381,4 @@ class KernelProfile:
 
     def __repr__(self) -> str:
         state = "pending (profiler still open)" if self._joined is None and self.borrowed else "joined"
-        return f"<KernelProfile of {self.trace.model_name}: {counted(len(self.trace.calls), 'op')}, {state}>"
+        return f"<KernelProfile of {self.trace.model_name}: {counted(len(self.trace.calls), 'torch call')}, {state}>"

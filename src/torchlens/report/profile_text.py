@@ -25,7 +25,8 @@ def profile_text(profile, top: int = 15) -> str:
     backward_only = profile.backward_nodes is not None
     phases = "backward only (no forward profiled)" if backward_only else \
         "forward + backward" if profile.backward else "forward"
-    lines = [f"KernelProfile of {profile.trace.model_name}: {counted(len(rows), 'op')}, {phases}, {mode}; "
+    # A row is a torch call (a call returning several tensors is one row): counted as print(log) counts calls.
+    lines = [f"KernelProfile of {profile.trace.model_name}: {counted(len(rows), 'torch call')}, {phases}, {mode}; "
              "all times are profiler (Kineto) measurements", str(coverage)]
     if not rows:  # an empty table under "top 0 ops" reads as a profile that lost its rows
         lines.append("the forward ran no torch ops: there is nothing to rank")
