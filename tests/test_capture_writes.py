@@ -468,3 +468,32 @@ def test_a_write_through_a_tensor_sharing_memory_but_no_version_counter_is_the_p
     assert not zeroed.any() and torch.equal(tail, torch.full((2, 4), 2.0).exp()) and torch.equal(tripled, made * 0 + 6)
     result = log.validate()
     assert result.passed, str(result)
+
+
+def _dlpack_of_rows(y):
+    return torch.from_dlpack(y[1:])
+
+
+def _set_on_rows(y):
+    # Tensor.set_ reaches no __torch_function__: only y.untyped_storage() tells capture the bytes left.
+    return torch.empty(0).set_(y.untyped_storage(), 4, (2, 4), (4, 1))  # y[1:] of a contiguous (3, 4) y
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("share", [_dlpack_of_rows, _set_on_rows], ids=["from_dlpack_of_a_view", "set_on_storage"])
+def test_a_write_through_a_tensor_on_part_of_another_s_memory_is_the_parent_of_later_reads(compiled, share):
+    # The alias holds y's last rows in a storage of its own (from_dlpack of a view) or in y's storage (set_):
+    # reads of y and of its earlier view named the linear, whose saved value predates both writes.
+    model, x = _AliasWriter(share), torch.randn(3, 4)
+    with torch.no_grad():
+        made = model.fc(x)
+        with on_path(compiled):
+            log = tl.trace(model, x)
+    assert torch.equal(log["linear_1_1:1"].activation, made)
+    assert log["relu_1_5:1"].parents == ["mul_1_4:1"]
+    assert log["exp_1_7:1"].parents == ["add_1_6:1"] and log["mul_2_8:1"].parents == ["add_1_6:1"]
+    zeroed, tail, tripled = log.output
+    assert torch.equal(zeroed[0], made[0].relu()) and not zeroed[1:].any()
+    assert torch.equal(tail, torch.full((2, 4), 2.0).exp()) and torch.equal(tripled[1:], torch.full((2, 4), 6.0))
+    result = log.validate()
+    assert result.passed, str(result)

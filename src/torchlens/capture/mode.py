@@ -98,11 +98,14 @@ _OFF_HOT_PATH = _NOT_OPS | _DATA_GET | {_SDPA} | _UNRECORDED_INSIDE
 # array moves no version counter, so what is saved in that memory is copied first.  ``untyped_storage()`` is
 # not among them: FSDP2 frees memory through it (``resize_(0)``), which must read as freed, not be copied.
 _NUMPY_VIEWS = frozenset([Tensor.numpy, Tensor.__array__, Tensor.__dlpack__])
+# ``t.untyped_storage()`` hands out the storage object itself: a tensor put on it (``u.set_(storage, ...)``, a
+# call torch hands no ``__torch_function__``) shares ``t``'s bytes but not its version counter.
+_STORAGE_GET = Tensor.untyped_storage
 _REGISTER_HOOK = Tensor.register_hook
-# Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views, a user's
-# tensor hook, which the gradient capture's hook must run after (GradCapture.run_after_user_hook), and the
-# requires_grad setters, after which the record of the tensor set says what it now is, and the data setter.
-_NOT_OPS_SEEN = _NUMPY_VIEWS | {_REGISTER_HOOK} | _REQUIRES_GRAD_SETTERS | _DATA_SET
+# Not ops that ``_not_an_op`` must see (the compiled handler hands them to Python): NumPy views and storage
+# reads, a user's tensor hook, which the gradient capture's hook must run after (GradCapture.run_after_user_hook),
+# and the requires_grad setters, after which the record of the tensor set says what it now is, and the data setter.
+_NOT_OPS_SEEN = _NUMPY_VIEWS | {_STORAGE_GET, _REGISTER_HOOK} | _REQUIRES_GRAD_SETTERS | _DATA_SET
 _grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 
@@ -475,6 +478,9 @@ def _not_an_op(st, func, args, kwargs):
             return result
         if func in _DATA_SET:
             return _set_data(st, func, args, kwargs)
+        if func is _STORAGE_GET:
+            st.note_export(args[0], whole_storage=True)
+            return func(*args, **(kwargs or _NO_KWARGS))
         if st.saved:
             # NumPy shares the memory and writes through it bump no version counter: what is saved
             # must not change with it.

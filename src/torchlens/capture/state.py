@@ -396,12 +396,11 @@ class CaptureState:
             index = record_index + (position if 0 <= position < count else 0)
             version = version_of(t)
             self._add_write(key, index, version, memory_span(t))
-            before = self.producers.get(id(t)) if self.exports else None  # its binding before this write
             if bound:
                 self.producers[id(t)] = (weakref(t), index, version)
             alias = self.data_bases.get(id(t))
             if alias is None and bound and self.exports:
-                alias = self._exported_alias(t, key, before)
+                alias = self._exported_alias(t, key)
             if bound and alias is not None and alias[0]() is t and alias[1]() is not None:
                 self._note_data_write(t, alias[1](), index, key)
             stale = self.saved_by_storage.pop(key, None)

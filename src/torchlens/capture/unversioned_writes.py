@@ -26,23 +26,51 @@ _DATA_WRITE_HOLDERS = 3
 
 
 def note_data_write(self, t: torch.Tensor, base: torch.Tensor, index: int, key: int) -> None:
-    """Record ``index`` wrote ``t``, which is ``base.data``: ``t`` has a version counter of its own, so the
-    write moved neither ``base``'s nor that of the views sharing it (``base``'s own base, its views),
-    though it changed their bytes.  ``base`` is bound to the write; the others that are bound are made
-    stale, and the write is noted at their version, so that their next read asks ``writers`` who wrote
-    them last (``producer_of``), as after a write through a view.  Writes through ``.data`` are rare in
-    a forward: finding those tensors is one pass over the bound ones, skipped when no other tensor
-    holds the memory."""
+    """Record ``index`` wrote ``t``, which shares bytes with ``base`` but not its version counter (``t`` is
+    ``base.data``, or a tensor on bytes ``base`` handed out: ``note_export``), so the write moved neither
+    ``base``'s counter nor that of the views sharing it, though it changed their bytes.  ``base`` is bound to
+    the write when ``t`` is all of it; the other bound tensors on those bytes (``base`` when ``t`` is a part
+    of it) are made stale, and the write is noted at their version, so that their next read asks ``writers``
+    who wrote them last (``producer_of``), as after a write through a view.  ``key`` is ``t``'s storage key.
+    Such writes are rare in a forward: finding those tensors is one pass over the bound ones, skipped when
+    no other tensor holds the memory."""
     version = version_of(base)
-    self.producers[id(base)] = (weakref(base), index, version)
-    if version is None or storage_holders(base) <= (_DATA_WRITE_HOLDERS if _same_storage(t, base) else 2):
+    span = _span_in(t, base)
+    if span is not None and span == memory_span(base):
+        self.producers[id(base)] = (weakref(base), index, version)
+        if storage_holders(base) <= (_DATA_WRITE_HOLDERS if _same_storage(t, base) else 2):
+            return
+    if version is None:
         return
-    self._add_write(key, index, version, memory_span(t))
+    key = storage_key(base)
+    self._add_write(key, index, version, span)
     for tid, entry in list(self.producers.items()):
         held = bound_tensor(entry)
-        if isinstance(held, torch.Tensor) and id(held) == tid and held is not base and held is not t \
-                and storage_key(held) == key and entry[2] == version_of(held):
+        if isinstance(held, torch.Tensor) and id(held) == tid and not _same_counter(held, t) \
+                and entry[1] != index and storage_key(held) == key and entry[2] == version_of(held):
             self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
+
+
+def _span_in(t: torch.Tensor, base: torch.Tensor):
+    """``memory_span(t)`` placed in ``base``'s storage (``t`` may have one of its own on a part of those bytes,
+    made from a DLPack capsule or a NumPy array), or None when unknown."""
+    span = memory_span(t)
+    try:
+        shift = t.untyped_storage().data_ptr() - base.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, ValueError):  # a layout without a storage (sparse)
+        return None
+    if span is None or not shift:
+        return span
+    return (span[0] + shift, span[1] + shift, *span[2:])
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _same_counter(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor or views of one base, and so share a version counter."""
+    return _root(a) is _root(b)
 
 
 def _same_storage(t: torch.Tensor, base: torch.Tensor) -> bool:
@@ -54,22 +82,30 @@ def _same_storage(t: torch.Tensor, base: torch.Tensor) -> bool:
         return True
 
 
-def note_export(self, t: torch.Tensor) -> None:
-    """``t.__dlpack__()``, ``t.numpy()`` or ``t.__array__()`` handed ``t``'s bytes out: a tensor made from what
-    they return (``torch.from_dlpack(t)``, ``torch.from_numpy(t.numpy())``) shares them without sharing ``t``'s
-    version counter, as ``t.data`` does."""
-    self.exports[storage_key(t)] = weakref(t)
+def note_export(self, t: torch.Tensor, whole_storage: bool = False) -> None:
+    """``t.__dlpack__()``, ``t.numpy()`` or ``t.__array__()`` handed ``t``'s bytes out, or ``t.untyped_storage()``
+    its whole storage (``whole_storage``): a tensor made from what they return (``torch.from_dlpack(t)``,
+    ``torch.from_numpy(t.numpy())``, ``u.set_(t.untyped_storage(), ...)``) shares them without sharing ``t``'s
+    version counter, as ``t.data`` does.  Noted by the address of the first byte handed out, where such a
+    tensor's storage starts, with ``t``'s base, which every view sharing its counter keeps alive (``t`` itself
+    may be a view made for the call alone: ``torch.from_dlpack(y[2:])``)."""
+    try:
+        start = t.untyped_storage().data_ptr() if whole_storage else t.data_ptr()
+    except (RuntimeError, NotImplementedError, ValueError):  # a layout without a storage (sparse)
+        return
+    if start:
+        self.exports[start] = weakref(_root(t))
 
 
-def exported_alias(self, t: torch.Tensor, key: int, entry) -> tuple | None:
-    """``(weak t, weak exported)`` when ``t``, which no op had made before this write (``entry``, its binding
-    then), lives in bytes a bound tensor handed out (``note_export``): a write to ``t`` is then one
-    through ``exported.data``, noted so (``note_data_write``) for this and every later write to ``t``."""
-    if entry is not None and is_bound(entry, t):
-        return None
+def exported_alias(self, t: torch.Tensor, key: int) -> tuple | None:
+    """``(weak t, weak exported)`` when ``t``, which shares no version counter with a tensor that handed out
+    its bytes (``note_export``), lives in them (its storage, whose key is ``key``, starts where those bytes
+    do): a write to ``t`` is then one through ``exported.data``, noted so (``note_data_write``) for this and
+    every later write to ``t``.  ``t`` may be bound to an op: ``u.set_(storage, ...)`` keeps ``u`` bound to
+    the op that made it, since torch hands ``set_`` no ``__torch_function__``."""
     ref = self.exports.get(key)
     exported = ref() if ref is not None else None
-    if exported is None or exported is t:
+    if exported is None or _same_counter(exported, t):
         return None
     alias = self.data_bases[id(t)] = (weakref(t), weakref(exported))
     return alias
