@@ -497,3 +497,33 @@ def test_a_write_through_a_tensor_on_part_of_another_s_memory_is_the_parent_of_l
     assert torch.equal(tail, torch.full((2, 4), 2.0).exp()) and torch.equal(tripled[1:], torch.full((2, 4), 6.0))
     result = log.validate()
     assert result.passed, str(result)
+
+
+class _ArrayArgument(nn.Module):
+    """Makes a tensor from a NumPy array on its hidden activation's memory, then zeroes it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        u = torch.asarray(y.detach().numpy())
+        u.mul_(0)
+        return y.relu()
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_an_array_argument_is_recorded_as_the_op_read_it_not_as_a_later_write_left_it(compiled):
+    # The array was recorded by reference: after the write through u it showed zeros as what asarray read,
+    # and validation, replaying asarray on it, reported the op's saved output as a mismatch.
+    model, x = _ArrayArgument(), torch.randn(3, 4)
+    with torch.no_grad():
+        made = model.fc(x)
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    (read,) = log["asarray_1_3:1"].args
+    assert torch.equal(torch.from_numpy(read), made) and torch.equal(log["asarray_1_3:1"].activation, made)
+    assert not log.output.any()
+    result = log.validate()
+    assert result.passed, str(result)

@@ -10,6 +10,8 @@ each shortcut against the general scan.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..tree import split
@@ -28,6 +30,14 @@ PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsi
 # The exact types a flat tuple argument may hold and be recorded as it is (``tree.split``'s plain values);
 # the walker finds no tensor in them, so a module call's flat tuple of these and tensors is read in one loop.
 TUPLE_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device])
+
+
+def _ndarray():
+    """``numpy.ndarray`` where NumPy is imported (a model passing one has imported it), else None.  An array
+    argument (``torch.asarray(y.numpy())``) is recorded as a copy: it may share memory a later write changes
+    without moving any version counter, and the record must hold what the op read."""
+    numpy = sys.modules.get("numpy")
+    return numpy.ndarray if numpy is not None else None
 
 
 def is_subclass_param(t) -> bool:
@@ -83,6 +93,10 @@ def scan_arguments(st, args, kwargs):
                 if skeleton is None:
                     skeleton = list(args)
                 skeleton[pos] = inner
+        elif kind is _ndarray():
+            if skeleton is None:
+                skeleton = list(args)
+            skeleton[pos] = a.copy()  # see _ndarray
     kw_skeleton = kwargs
     if kwargs:
         kw_skeleton, params = _scan_keywords(st, kwargs, parents, params, versions)
@@ -143,6 +157,10 @@ def _scan_keywords(st, kwargs, parents, params, versions):
                 if kw_skeleton is kwargs:
                     kw_skeleton = dict(kwargs)
                 kw_skeleton[key] = inner
+        elif kind is _ndarray():
+            if kw_skeleton is kwargs:
+                kw_skeleton = dict(kwargs)
+            kw_skeleton[key] = a.copy()  # see _ndarray
     return kw_skeleton, params
 
 

@@ -115,7 +115,7 @@ class CaptureState:
         # id(tensor) -> (its binding's reference, how many writes of its storage were found to miss it)
         self.unwritten: dict = {}
         self.data_bases: dict = {}  # id(x.data result) -> (weakref to it, weakref to x)
-        self.exports: dict = {}  # storage key -> weakref to the tensor whose bytes __dlpack__ or numpy() handed out
+        self.exports: dict = {}  # address of bytes handed out (note_export) -> weakref to their base tensor
         self.buffers = buffers or {}  # id(buffer tensor) -> (tensor, address)
         # (call index, parent record) read after a write through a view, while the call wrote it through
         # another argument, or of a statistic a kernel wrote
