@@ -527,3 +527,34 @@ def test_an_array_argument_is_recorded_as_the_op_read_it_not_as_a_later_write_le
     assert not log.output.any()
     result = log.validate()
     assert result.passed, str(result)
+
+
+class _SetWriter(nn.Module):
+    """Puts an empty tensor on its hidden activation's memory with ``u.set_(y)``, which reaches no
+    ``__torch_function__`` and shares no version counter, and zeroes it through that tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        tail = y[1:]
+        u = torch.empty(0).set_(y)
+        u.mul_(0)
+        return y.relu(), tail * 3
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_write_through_a_tensor_set_on_another_is_the_parent_of_later_reads(compiled):
+    # The reads of y and of its earlier view named the linear, whose saved value predates the write.
+    model, x = _SetWriter(), torch.randn(3, 4)
+    with torch.no_grad():
+        made = model.fc(x)
+        with on_path(compiled):
+            log = tl.trace(model, x)
+    assert torch.equal(log["linear_1_1:1"].activation, made)
+    assert log["relu_1_5:1"].parents == ["mul_1_4:1"] and log["mul_2_6:1"].parents == ["mul_1_4:1"]
+    assert not log.output[0].any() and not log.output[1].any()
+    result = log.validate()
+    assert result.passed, str(result)

@@ -35,7 +35,8 @@ from .bindings import is_bound
 from .budget import SaveBudget
 from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
-from .unversioned_writes import exported_alias, note_data_write, note_export, note_unversioned_write
+from .unversioned_writes import (exported_alias, moved_unseen, note_data_write, note_export, note_unversioned_write,
+                                 note_write_past_counters)
 
 _any_autocast = torch._C._is_any_autocast_enabled
 _VERSION = operator.attrgetter("_version")
@@ -205,6 +206,8 @@ class CaptureState:
     note_export = note_export
     _exported_alias = exported_alias
     note_unversioned_write = note_unversioned_write
+    _moved_unseen = moved_unseen
+    _note_write_past_counters = note_write_past_counters
 
     def value_record(self, t: torch.Tensor) -> int:
         """The record whose saved value ``t`` is as a module call takes or returns it: the op it is bound to, or
@@ -395,9 +398,12 @@ class CaptureState:
             bound = not by_schema and position != NOT_RETURNED
             index = record_index + (position if 0 <= position < count else 0)
             version = version_of(t)
+            rebound = self._moved_unseen(t, key, version)
             self._add_write(key, index, version, memory_span(t))
             if bound:
                 self.producers[id(t)] = (weakref(t), index, version)
+            if rebound:
+                self._note_write_past_counters(t, index, key)
             alias = self.data_bases.get(id(t))
             if alias is None and bound and self.exports:
                 alias = self._exported_alias(t, key)

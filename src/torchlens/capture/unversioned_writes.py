@@ -14,7 +14,7 @@ from weakref import ref as weakref
 
 import torch
 
-from ..record.layouts import memory_span, storage_holders, storage_key, version_of
+from ..record.layouts import memory_span, spans_meet, storage_holders, storage_key, version_of
 from .bindings import bound_tensor, is_bound
 
 # A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
@@ -109,6 +109,36 @@ def exported_alias(self, t: torch.Tensor, key: int) -> tuple | None:
         return None
     alias = self.data_bases[id(t)] = (weakref(t), weakref(exported))
     return alias
+
+
+def moved_unseen(self, t: torch.Tensor, key: int, version) -> bool:
+    """Whether ``t``, just written once more (now at ``version``), had moved since it was bound with no noted
+    write of its storage to tell why: ``u.set_(y)`` (a call torch hands no ``__torch_function__``) moves
+    ``u``'s counter and puts it on ``y``'s memory, which ``u``'s writes then change without moving ``y``'s."""
+    entry = self.producers.get(id(t))
+    if entry is None or version is None or entry[2] is None or entry[2] >= version - 1 or not is_bound(entry, t):
+        return False
+    writes = self.writers.get(key)
+    return not writes or writes[-1][1] != version - 1
+
+
+def note_write_past_counters(self, t: torch.Tensor, index: int, key: int) -> None:
+    """Record ``index`` wrote ``t``, whose counter no other bound tensor on its storage may share (see
+    ``moved_unseen``): those whose bytes it reached are made stale, and the write is noted at their version,
+    so that their next read names it (``producer_of``), as after a write through ``x.data``."""
+    span = memory_span(t)
+    noted = set()  # the versions the write is noted at: one per version counter found
+    for tid, entry in list(self.producers.items()):
+        held = bound_tensor(entry)
+        if not isinstance(held, torch.Tensor) or id(held) != tid or _same_counter(held, t) or entry[1] == index:
+            continue
+        version = version_of(held)
+        if version is not None and entry[2] == version and storage_key(held) == key \
+                and spans_meet(memory_span(held), span):
+            if version not in noted:
+                noted.add(version)
+                self._add_write(key, index, version, span)
+            self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
 
 
 def note_unversioned_write(self, t: torch.Tensor, record_index: int) -> None:
