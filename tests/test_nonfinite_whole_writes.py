@@ -1,9 +1,9 @@
 """``nonfinite_origin`` and uninitialized memory a call then writes whole.
 
 ``torch.empty`` and kin hold whatever bits the memory held, so a NaN in them, or in a write into part of them,
-is no evidence.  A call that writes every element of such an allocation (``copy_``, ``fill_``, a collective
-such as ``dist.all_gather`` into ``empty_like`` buffers) leaves values as defined as what it read: a NaN there
-was made or carried by that call, and is evidence.
+is no evidence.  A call that writes every element of such an allocation (``copy_``, ``fill_``, a call given it
+as ``out=``, a collective such as ``dist.all_gather`` into ``empty_like`` buffers) leaves values as defined as
+what it read: a NaN there was made or carried by that call, and is evidence.
 """
 
 from __future__ import annotations
@@ -55,6 +55,46 @@ def test_a_copy_into_a_whole_empty_tensor_that_overflows_is_the_origin():
         report = tl.debug.nonfinite_origin(log)
         assert report.origin.func_name == "copy_" and report.kind == "inf" and report.certain
         assert funcs(log, report.uninitialized) == ["empty"]  # the NaN it held, overwritten unread
+
+
+class HalfScores(nn.Module):
+    """Scores scaled into a preallocated float16 buffer through out=."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x).half()
+        scores = torch.empty_like(h)
+        torch.mul(h, 1e5, out=scores)  # beyond float16's range: overflows to Inf here
+        return scores.float().softmax(-1)
+
+
+def test_a_call_writing_its_whole_result_into_an_empty_out_tensor_is_the_origin():
+    # The out= call was taken for a write into part of the allocation: its Inf was set aside as no evidence, and
+    # the softmax after it was reported as not certain, with torch.empty_like among its possible origins.
+    torch.manual_seed(0)
+    model, x = HalfScores().eval(), torch.randn(2, 4)
+    for options in ({}, {"save": "none", "record_finite": True}):
+        with nan_filled_empties(), torch.no_grad():  # out= takes no tensor that requires grad
+            log = tl.trace(model, x, **options)
+        report = tl.debug.nonfinite_origin(log)
+        assert report.origin.func_name == "mul" and report.kind == "inf" and report.certain
+        assert funcs(log, report.uninitialized) == ["empty_like"]  # the NaN it held, overwritten unread
+
+
+def test_an_out_tensor_the_call_also_reads_stays_no_evidence():
+    def reread(x):
+        buf = torch.empty_like(x)
+        torch.add(buf, 1, out=buf)  # adds 1 to whatever bits buf held
+        return buf * x
+
+    with nan_filled_empties():
+        log = tl.trace(reread, torch.ones(2, 2))
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin.func_name == "mul" and not report.certain
+    assert funcs(log, report.uninitialized) == ["empty_like", "add"]
 
 
 def test_a_write_into_part_of_an_empty_tensor_is_still_no_evidence():

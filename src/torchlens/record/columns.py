@@ -136,6 +136,7 @@ COLLECTIVE_WRITES = {
 # gather, which write the result on their destination rank alone.
 _WHOLE_WRITES = {"copy_": (0, "self"), "fill_": (0, "self"), "zero_": (0, "self"),
                  **{name: where for name, where in COLLECTIVE_WRITES.items() if name not in ("reduce", "gather")}}
+_OUT = (None, "out")  # a call given out=: see _whole_write_target
 
 
 def makes_uninitialized(op) -> bool:
@@ -174,7 +175,7 @@ def uninitialized_ops(trace, through_writes: bool) -> set:
 def _fills_whole(trace, op, undefined: set) -> bool:
     """Whether in-place ``op`` wrote every element of the uninitialized memory it read, from defined values: all
     it read that is undefined is an allocation it overwrote whole (``overwritten_allocations``)."""
-    if op.func_name not in _WHOLE_WRITES or not op.is_inplace:
+    if _whole_write_target(trace, op) is None:
         return False
     overwritten = overwritten_allocations(trace, op)
     return all(p in overwritten for _, p in trace.op_parents[op.index] if p in undefined)
@@ -182,17 +183,35 @@ def _fills_whole(trace, op, undefined: set) -> bool:
 
 def overwritten_allocations(trace, op) -> set:
     """Indices of the allocations of uninitialized memory (``torch.empty`` and kin) that in-place ``op`` writes
-    whole, every element (``_WHOLE_WRITES``): their old bits are not read.  A view of one is only part of its
-    base (a later read of the base names ``op``), so it is not among them."""
-    written = _WHOLE_WRITES.get(op.func_name)
-    if written is None or not op.is_inplace:
+    whole, every element (``_whole_write_target``), and reads nowhere else: their old bits are not read.  A view
+    of one is only part of its base (a later read of the base names ``op``), so it is not among them."""
+    written = _whole_write_target(trace, op)
+    if written is None:
         return set()
-    found = set()
+    found, read = set(), set()
     for position, p in trace.op_parents[op.index]:
-        head = position[0] if isinstance(position, tuple) else position
-        if p >= 0 and head in written and trace.kinds[p] == Kind.OP and makes_uninitialized(trace.ops[p]):
+        if _head(position) not in written:
+            read.add(p)  # torch.add(buf, 1, out=buf) reads the bits it then overwrites
+        elif p >= 0 and trace.kinds[p] == Kind.OP and makes_uninitialized(trace.ops[p]):
             found.add(p)
-    return found
+    return found - read
+
+
+def _head(position):
+    """The argument a parent position names: an int or a keyword, before any path into a list or dict."""
+    return position[0] if isinstance(position, tuple) else position
+
+
+def _whole_write_target(trace, op):
+    """The ``(position, keyword)`` of the argument in-place ``op`` writes every element of, or None: those of
+    ``_WHOLE_WRITES``, and ``out=``, into which torch's out= variants write their whole result (resizing it first
+    when its shape differs) without reading what it held."""
+    if not op.is_inplace:
+        return None
+    written = _WHOLE_WRITES.get(op.func_name)
+    if written is None and any(_head(position) == "out" for position, _ in trace.op_parents[op.index]):
+        return _OUT
+    return written
 
 
 def writes_first_argument(func) -> bool:
