@@ -220,9 +220,8 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
             model, (call_args, kwargs, trace_kwargs.get("root")), (before, after), log, expected):
         result.outputs_match = None
         result.outputs_differ = (
-            "not compared: two untraced runs from the same generator states gave different outputs, so the forward "
-            "draws from a source validation cannot put back (torch.seed(), which reseeds from the operating system, "
-            "or the clock) and no traced run could match them; replay checks each op on its own")
+            "not compared: two untraced runs from the same generator states gave different outputs, "
+            f"{_why_runs_differ(result)} and no traced run could match them; replay checks each op on its own")
     if result.outputs_match and _without_any_values(log.output):  # meta or fake: only shapes agreed
         result.outputs_match = None
         result.outputs_differ = "not compared by value: meta or fake tensors hold none (their shapes and dtypes agree)"
@@ -263,6 +262,17 @@ def _untraced_runs_differ(model, call, states, log, expected) -> bool:
         return _compare_outputs(log, expected, output=again)[0] is False
     except Exception:  # noqa: BLE001 - compared as the traced output was, which raised nothing
         return False
+
+
+def _why_runs_differ(result) -> str:
+    """Why two untraced runs from the same generator states differed: an op whose kernel replay found varying from
+    run to run (``NONDETERMINISTIC``), or else a source of randomness validation cannot put back."""
+    varying = [label for label, why in result.not_replayed if why == NONDETERMINISTIC]
+    if varying:
+        return (f"since {first_few(varying)} gave other values run twice on the same arguments (a kernel that varies "
+                "from run to run: listed below),")
+    return ("so the forward draws from a source validation cannot put back (torch.seed(), which reseeds from the "
+            "operating system, or the clock)")
 
 
 def _issues_collectives(log) -> bool:
