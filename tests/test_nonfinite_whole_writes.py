@@ -123,6 +123,21 @@ def test_copying_uninitialized_memory_into_a_tensor_leaves_it_undefined():
     assert report.origin.func_name == "add" and not report.certain
 
 
+def test_the_advice_for_an_uninitialized_possible_origin_is_to_fill_it_not_to_record_flags():
+    # The report called such values unexamined and advised record_finite=True, which examines them again to no
+    # more effect: they were examined, and set aside as uninitialized memory.
+    def copied(x):
+        y = x.clone()
+        y.copy_(torch.empty_like(x))
+        return y + 1
+
+    with nan_filled_empties():
+        report = tl.debug.nonfinite_origin(tl.trace(copied, torch.ones(2, 2), save="none", record_finite=True))
+    assert report.possible_origins == report.uninitialized and not report.certain
+    assert "record_finite" not in str(report) and "not examined or uninitialized" in str(report)
+    assert "copy_1_3:1 held uninitialized memory (torch.empty and kin)" in str(report)
+
+
 def _gathered(x):
     h = torch.log(x)  # NaN where x < 0
     parts = [torch.empty_like(h) for _ in range(dist.get_world_size())]

@@ -135,10 +135,15 @@ class NonfiniteReport:
                      "values it read may hold it, or it made it (a sum that overflows); run nonfinite_origin on every "
                      "rank too"]
         else:
+            undefined = any(p in self.uninitialized for p in self.possible_origins)
+            among = counted(len(self.possible_origins), "ancestor") + " not examined or uninitialized" if undefined \
+                else counted(len(self.possible_origins), "unexamined ancestor")
             lines = [f"  first non-finite op examined: {op.label} ({op.func_name}){where}{source} produced "
-                     f"{self.kind.upper()}, but not all of its inputs were examined",
-                     f"  the origin may be among {counted(len(self.possible_origins), 'unexamined ancestor')}: "
-                     f"{_some(self.possible_origins, 'possible_origins')}; {_advice(self.possible_origins)}"]
+                     f"{self.kind.upper()}, but not all of its inputs were examined"
+                     + (" and defined" if undefined else ""),
+                     f"  the origin may be among {among}: "
+                     f"{_some(self.possible_origins, 'possible_origins')}; "
+                     f"{_advice(self.possible_origins, self.uninitialized)}"]
         if self.propagators:
             lines.append(f"  propagated by {len(self.propagators)} op(s): {listed(self.propagators, 8)}")
         if self.other_origins:
@@ -151,11 +156,12 @@ class NonfiniteReport:
     __repr__ = __str__
 
 
-def _advice(possible) -> str:
+def _advice(possible, uninitialized=()) -> str:
     """How to examine the possible origins: ops by recording flags, parameters on a trace that holds the model,
-    other ranks' values by looking there."""
+    other ranks' values by looking there; uninitialized memory (``uninitialized``) no flag can vouch for."""
     ways = []
-    if any(not p.startswith("(") or p == _OUTSIDE for p in possible):
+    undefined = [p for p in possible if p in uninitialized]
+    if any((not p.startswith("(") and p not in undefined) or p == _OUTSIDE for p in possible):
         ways.append("trace with record_finite=True to examine every op (and save the outputs of collectives issued "
                     "async: their flags are taken when they are issued, before their results arrive)")
     if any(p.endswith(f"{_UNCHECKED})") for p in possible):
@@ -168,6 +174,9 @@ def _advice(possible) -> str:
         ways.append("call nonfinite_origin before the parameters change (an optimizer step) to check them")
     if OTHER_RANKS in possible:
         ways.append("it is a collective, so run nonfinite_origin on every rank too")
+    if undefined:  # examined, and set aside: recording flags would examine them again, to no more effect
+        ways.append(f"{listed(undefined, 3)} held uninitialized memory (torch.empty and kin), whose bits say nothing "
+                    "whatever was recorded: write every element (fill_, zero_, copy_) before reading it")
     return "; ".join(ways)
 
 
