@@ -110,6 +110,27 @@ def test_a_write_into_part_of_an_empty_tensor_is_still_no_evidence():
     assert funcs(log, report.uninitialized) == ["empty", "__getitem__", "copy_"]
 
 
+def test_uninitialized_memory_converted_to_another_dtype_stays_no_evidence():
+    # .float() of a torch.empty was taken for a defined value: the NaN it converted was named the first non-finite
+    # op's, produced by the conversion, while only the allocation was set aside as no evidence.
+    def converted(x):
+        buf = torch.empty(2, 4, dtype=torch.float16).float()
+        buf[:, :2] = x  # the other half is never written
+        return buf.sum(-1)
+
+    def typed_as(x):
+        buf = torch.empty(2, 2)
+        return torch.log(x).type_as(buf) + 1  # reads buf's dtype alone: the log's NaN is still evidence
+
+    with nan_filled_empties():
+        log, typed = tl.trace(converted, torch.ones(2, 2)), tl.trace(typed_as, -torch.ones(2, 2))
+    report = tl.debug.nonfinite_origin(log)
+    assert funcs(log, report.uninitialized) == ["empty", "float", "__setitem__"] and not report.certain
+    assert report.origin.func_name == "sum" and report.possible_origins == report.uninitialized
+    report = tl.debug.nonfinite_origin(typed)
+    assert report.origin.func_name == "log" and report.certain and funcs(typed, report.uninitialized) == ["empty"]
+
+
 def test_copying_uninitialized_memory_into_a_tensor_leaves_it_undefined():
     def copied(x):
         y = x.clone()

@@ -118,6 +118,9 @@ UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "empty_
 _MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "unsqueeze",
                     "squeeze", "flatten", "unflatten", "movedim", "narrow", "select", "split", "chunk", "unbind",
                     "expand", "expand_as", "as_strided", "contiguous", "clone", "detach"])
+# Ops that convert their first argument's values (dtype or device): converted, undefined bits stay undefined.  Only
+# that argument counts: ``x.type_as(buf)`` or ``x.to(buf)`` reads no more of ``buf`` than its dtype and device.
+_CONVERSIONS = frozenset(["to", "type", "type_as", "float", "half", "double", "bfloat16", "cpu", "cuda"])
 
 # torch.distributed collective name -> (position, keyword) of the argument it writes: what capture records as
 # the call's output (capture/collectives.py), and what a whole write below overwrites.
@@ -166,10 +169,16 @@ def uninitialized_ops(trace, through_writes: bool) -> set:
         if kinds[i] != Kind.OP:
             continue
         op = trace.ops[i]
-        if makes_uninitialized(op) or (op.func_name in _MOVES or through_writes and op.is_inplace) \
+        if makes_uninitialized(op) or _converts_undefined(op, parents[i], undefined) or \
+                (op.func_name in _MOVES or through_writes and op.is_inplace) \
                 and any(p in undefined for _, p in parents[i]) and not _fills_whole(trace, op, undefined):
             undefined.add(i)
     return undefined
+
+
+def _converts_undefined(op, parents, undefined: set) -> bool:
+    """Whether ``op`` converts uninitialized memory to another dtype or device (``torch.empty(n).float()``)."""
+    return op.func_name in _CONVERSIONS and any(position == 0 and p in undefined for position, p in parents)
 
 
 def _fills_whole(trace, op, undefined: set) -> bool:
