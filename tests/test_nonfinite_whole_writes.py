@@ -131,6 +131,19 @@ def test_uninitialized_memory_converted_to_another_dtype_stays_no_evidence():
     assert report.origin.func_name == "log" and report.certain and funcs(typed, report.uninitialized) == ["empty"]
 
 
+def test_a_value_shaped_after_uninitialized_memory_is_still_evidence():
+    # x.view_as(buf) reads buf's shape alone, yet was set aside as uninitialized memory like buf itself.
+    def shaped(x):
+        buf = torch.empty(2, 2)
+        return torch.log(x).view_as(buf) + 1
+
+    with nan_filled_empties():
+        log = tl.trace(shaped, -torch.ones(4))
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin.func_name == "log" and report.certain and funcs(log, report.uninitialized) == ["empty"]
+    assert funcs(log, report.propagators) == ["view_as", "add"]
+
+
 def test_copying_uninitialized_memory_into_a_tensor_leaves_it_undefined():
     def copied(x):
         y = x.clone()

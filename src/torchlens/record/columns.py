@@ -115,12 +115,14 @@ UNINITIALIZED_FUNCS = frozenset(["empty", "empty_like", "empty_strided", "empty_
                                  "new_empty_strided", "empty_quantized", "_empty_affine_quantized",
                                  "_empty_per_channel_affine_quantized"])
 # Ops that only select, reshape or copy values: what they read from uninitialized memory stays undefined.
-_MOVES = frozenset(["__getitem__", "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "unsqueeze",
+_MOVES = frozenset(["__getitem__", "view", "reshape", "transpose", "permute", "t", "unsqueeze",
                     "squeeze", "flatten", "unflatten", "movedim", "narrow", "select", "split", "chunk", "unbind",
-                    "expand", "expand_as", "as_strided", "contiguous", "clone", "detach"])
-# Ops that convert their first argument's values (dtype or device): converted, undefined bits stay undefined.  Only
-# that argument counts: ``x.type_as(buf)`` or ``x.to(buf)`` reads no more of ``buf`` than its dtype and device.
-_CONVERSIONS = frozenset(["to", "type", "type_as", "float", "half", "double", "bfloat16", "cpu", "cuda"])
+                    "expand", "as_strided", "contiguous", "clone", "detach"])
+# Ops that carry their first argument's values into another dtype, device or shape: undefined bits stay undefined.
+# Only that argument counts: ``x.type_as(buf)``, ``x.to(buf)`` or ``x.view_as(buf)`` reads no more of ``buf`` than
+# its dtype, device or shape.
+_CONVERSIONS = frozenset(["to", "type", "type_as", "float", "half", "double", "bfloat16", "cpu", "cuda",
+                          "view_as", "reshape_as", "expand_as"])
 
 # torch.distributed collective name -> (position, keyword) of the argument it writes: what capture records as
 # the call's output (capture/collectives.py), and what a whole write below overwrites.
