@@ -487,6 +487,9 @@ def _hubert(**draws):
                                        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
                                        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
                                        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, **draws)
+    # Its attention as scaled_dot_product_attention, which torch tags as drawing and which draws nothing at
+    # dropout_p=0.0: no suspect either (which attention transformers picks may depend on what ran before).
+    config._attn_implementation = "sdpa"
     return transformers.HubertModel(config).train()
 
 

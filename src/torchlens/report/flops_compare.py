@@ -515,28 +515,29 @@ def _drawn_by(log, generators) -> str:
 
 
 def _draws(log, op) -> bool:
-    """Whether an op torch tags as drawing random numbers did: a dropout only when it drops anything."""
-    if "dropout" not in canonical_name(op.func_name):
-        return True
-    return dropout_applies(CallArgs(log, log.call_indices[op.index], op.shape))
+    """Whether an op torch tags as drawing random numbers did: a dropout only when it drops anything, attention
+    only with a ``dropout_p`` above 0 (transformers passes 0.0 in eval mode and when its dropout is 0)."""
+    name = canonical_name(op.func_name)
+    if "dropout" in name:
+        return dropout_applies(CallArgs(log, log.call_indices[op.index], op.shape))
+    if name == "scaled_dot_product_attention":
+        return bool(CallArgs(log, log.call_indices[op.index], op.shape).value(4, "dropout_p", 0.0))
+    return True
 
 
+@functools.lru_cache(maxsize=None)
 def _is_random(func_name: str) -> bool:
     """Whether torch tags an aten op of this name as drawing random numbers (used to name suspects;
-    that the forward drew at all is decided by the generator state, ``RngState.moved``)."""
-    return func_name in _seeded_aten_names()
-
-
-@functools.lru_cache(maxsize=1)
-def _seeded_aten_names() -> frozenset:
-    names = set()
-    for name in dir(torch.ops.aten):
-        packet = getattr(torch.ops.aten, name, None)
-        overloads = getattr(packet, "overloads", None)
-        if overloads is not None and any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags
-                                         for o in overloads()):
-            names.add(name)
-    return frozenset(names)
+    that the forward drew at all is decided by the generator state, ``RngState.moved``).  Looked up by name:
+    ``dir(torch.ops.aten)`` lists only the ops loaded so far in the process, so a set built from it answered
+    differently depending on what had run before."""
+    try:
+        packet = getattr(torch.ops.aten, func_name)
+    except (AttributeError, RuntimeError):  # no aten op of that name (__getitem__, a user's function)
+        return False
+    overloads = getattr(packet, "overloads", None)
+    return overloads is not None and any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags
+                                         for o in overloads())
 
 
 def _detached(output):
