@@ -480,3 +480,21 @@ def test_reliability_page_is_current():
     with open(os.path.join(root, "docs", "reliability.md")) as f:
         current = f.read()
     assert current == report.render(), "docs/reliability.md is stale: run scripts/reliability_report.py"
+
+
+def test_the_failing_torch_call_is_numbered_as_the_trace_numbers_its_ops():
+    # The note counted from 1 with the input, one past the index print(log) and log.ops give the same call
+    # where it succeeds.
+    class Product(nn.Module):
+        def __init__(self, rows):
+            super().__init__()
+            self.rows = rows
+
+        def forward(self, x):
+            return torch.mm(x * 2, torch.ones(self.rows, 2))
+
+    mm = next(op for op in tl.trace(Product(4), torch.randn(3, 4)).ops if op.func_name == "mm")
+    with pytest.raises(RuntimeError) as failed:
+        tl.trace(Product(5), torch.randn(3, 4))
+    assert f"raised by torch call 'mm' (op #{mm.index})" in failed.value.__notes__[0], failed.value.__notes__
+    assert f"({mm.index}) {mm.label}" in str(tl.trace(Product(4), torch.randn(3, 4)))

@@ -561,7 +561,8 @@ def _annotate(exc: BaseException, state, model, left=(), args=()) -> None:
         from ..labels.naming import func_name_of
 
         func, module_call, _ = state.failure
-        add_note(exc, f"torchlens: raised by torch call {func_name_of(func)!r} (op #{len(state.records) + 1}) "
+        # The index its first output would have had: print(log) lists a trace's ops from (0), the first input.
+        add_note(exc, f"torchlens: raised by torch call {func_name_of(func)!r} (op #{len(state.records)}) "
                      f"in {_where(state, module_call, model)}; {torn_down}")
     else:
         module_call = state.module_stack[-1] if state.module_stack else -1
