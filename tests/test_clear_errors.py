@@ -542,3 +542,10 @@ def test_a_pass_or_call_number_past_the_last_says_how_many_there_were():
         tl.trace(model, x, intervene={"linear_1_1:4": tl.zero_ablate()})
     with pytest.raises(KeyError, match=r"closest: "):  # no such layer: the closest keys, as before
         log["linear_9_9:1"]
+    # Number 0 is no pass and no call: said so, where the closest keys (linear_1_1:1, linear_1_1) left it a guess.
+    with pytest.raises(KeyError, match=r"\(passes are numbered from 1: linear_1_1:1 to linear_1_1:3\)"):
+        log["linear_1_1:0"]
+    with pytest.raises(KeyError, match=r"intervention site 'linear_1_1:0': .*passes are numbered from 1"):
+        tl.trace(model, x, intervene={"linear_1_1:0": tl.zero_ablate()})
+    with pytest.raises(KeyError, match=r"\(calls are numbered from 1: fc:1 to fc:3\)"):
+        log["fc:0"]

@@ -124,7 +124,8 @@ def missing_key_note(trace, key: str) -> str:
 
 def numbered_past_note(trace, key: str) -> str:
     """For a pass or call number past the last one (``linear_1_1:3`` of a layer run twice, ``fc:4`` of a module
-    called three times): how many there were, rather than the closest keys, which leave that to be counted."""
+    called three times): how many there were, rather than the closest keys, which leave that to be counted; for
+    number 0, that they are numbered from 1."""
     name, colon, number = key.rpartition(":")
     if not colon or not number.isascii() or not number.isdigit() or number != str(int(number)):
         return ""  # no number, or one written otherwise than a trace writes it (fc:01): the closest keys show how
@@ -134,9 +135,11 @@ def numbered_past_note(trace, key: str) -> str:
     else:
         count = next((len(m.calls) for m in trace._module_rows if name in m.all_addresses), 0)
         what = ("made", "call", "calls")
-    if not count or int(number) <= count:
+    if not count or 0 < int(number) <= count:
         return ""
     last = f" to {name}:{count}" if count > 1 else ""
+    if int(number) == 0:
+        return f" ({what[2]} are numbered from 1: {name}:1{last})"
     return f" ({name} {what[0]} {count} {what[1] if count == 1 else what[2]} in this forward: {name}:1{last})"
 
 
