@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -67,6 +68,30 @@ def test_a_module_class_is_refused_with_what_to_pass():
 def test_validate_says_a_non_callable_model_is_not_callable():
     with pytest.raises(TypeError, match="got a str, which is not callable"):
         tl.validate("model", torch.randn(2, 2))
+
+
+_ENTRY_POINTS = {
+    "tl.trace": lambda m, x: tl.trace(m, x),
+    "tl.report.flops_vs_dispatch": lambda m, x: tl.report.flops_vs_dispatch(m, x),
+    "tl.report.kernel_profile": lambda m, x: tl.report.kernel_profile(m, x),
+    "tl.extract": lambda m, x: tl.extract(m, [x], ["output_1"], "never-written"),
+    "tl.report.activation_patching": lambda m, x: tl.report.activation_patching(m, x, x, lambda o: o.sum()),
+    "tl.report.attribution_patching": lambda m, x: tl.report.attribution_patching(m, x, x, lambda o: o.sum()),
+    "log_forward_pass": lambda m, x: tl.log_forward_pass(m, x),
+}
+
+
+@pytest.mark.parametrize("who", list(_ENTRY_POINTS))
+def test_every_entry_point_refuses_a_model_it_cannot_run_in_its_own_name(who, tmp_path, monkeypatch):
+    # Each said "tl.trace needs an nn.Module or a callable", naming a function the user never called.
+    monkeypatch.chdir(tmp_path)
+    x = torch.randn(2, 4)
+    refused = rf"^{re.escape(who)} needs the model to run .*got an int, which is not callable"
+    with pytest.raises(TypeError, match=refused):
+        _ENTRY_POINTS[who](5, x)
+    with pytest.raises(TypeError, match=rf"^{re.escape(who)} .*got the class Linear, which is not an instance"):
+        _ENTRY_POINTS[who](nn.Linear, x)
+    assert not (tmp_path / "never-written").exists()
 
 
 def test_warnings_name_the_users_line_not_a_line_of_torchlens(tmp_path):

@@ -156,6 +156,18 @@ def _is_infinite(value) -> bool:
         return False
 
 
+def check_model(model, who: str) -> None:
+    """Refuse, in ``who``'s words and before any work, a model that cannot be run: a module class rather than an
+    instance, or a value that is not callable (otherwise the refusal came from tl.trace, which was not called)."""
+    if isinstance(model, type):
+        raise TypeError(f"{who} needs the model to run (a module instance or a callable), got the class "
+                        f"{model.__name__}, which is not an instance: pass a module instance, e.g. "
+                        f"{who}({model.__name__}(...), ...)")
+    if not callable(model):
+        raise TypeError(f"{who} needs the model to run (a module instance or a callable), got {is_a(model)[3:]}, "
+                        "which is not callable")
+
+
 def is_a(value) -> str:
     """``"is a float"``, ``"is an int"``: what ``value`` is, for a message."""
     kind = type(value).__name__

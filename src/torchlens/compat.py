@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 
 from .capture.session import trace
-from .checks import check_flag
+from .checks import check_flag, check_model
 
 _INSTEAD = {
     "vis_opt": "call log.render('graph.html', view='rolled' or 'unrolled') on the returned trace",
@@ -34,6 +34,7 @@ def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all",
         instead = _INSTEAD.get(option, "see tl.trace's arguments")
         raise TypeError(f"log_forward_pass: {option}= is a reference-library option torchlens does not take; "
                         f"{instead}")
+    check_model(model, "log_forward_pass")
     # save_gradients="no" is true to Python: it would keep gradients.
     check_flag(save_gradients, "save_gradients", "give True to keep the saved layers' gradients, False not to",
                who="log_forward_pass")

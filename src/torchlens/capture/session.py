@@ -14,7 +14,7 @@ from time import perf_counter_ns
 
 import torch
 
-from ..checks import check_flag, check_number
+from ..checks import check_flag, check_model, check_number
 from ..errors import NestedTraceError, add_note, closest_hint, first_few, forward_keyword_hint, warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.columns import MODULE_CALL_MODULE
@@ -176,11 +176,7 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
     if grads and isinstance(model, PARALLEL[1]):
         warn_unreduced_grads(model)
     model = unwrap(model)
-    if isinstance(model, type) and issubclass(model, torch.nn.Module):
-        raise TypeError(f"tl.trace got the class {model.__name__}, not a module: pass a module instance, "
-                        f"e.g. tl.trace({model.__name__}(...), x)")
-    if not callable(model):
-        raise TypeError(f"tl.trace needs an nn.Module or a callable, got {type(model).__name__}")
+    check_model(model, "tl.trace")
     root = _root_of(model, root)
     if kwargs is not None and not isinstance(kwargs, dict):
         as_kwargs(kwargs)  # raises for anything but a mapping, saying how to pass several positional arguments

@@ -26,7 +26,7 @@ import hashlib
 
 import torch
 
-from ..checks import check_path
+from ..checks import check_model, check_path
 from ..errors import ResumeMismatchError, add_note, counted, first_few, warn_user  # noqa: F401 (re-exported)
 from ..progress import bar as progress_bar
 from ..labels.naming import folded
@@ -96,6 +96,7 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     into ``out/rank-{r}/`` and the shares are joined in dataset order when all ranks are done; see
     docs/distributed.md.
     """
+    check_model(model, "tl.extract")
     out = check_path(out, "out", "give the folder to write (a str or a pathlib.Path)", who="tl.extract")
     if not out:
         raise TraceFileError("tl.extract: out is an empty path; give the folder to write the activations to "

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from ..checks import check_number
+from ..checks import check_model, check_number
 from ..errors import NativeToolFailed, WitnessFailed, counted, listed
 from ..record.modules import enclosing_calls, is_unregistered, script_modules
 from .flops import (CONVENTION, FAMILIES, CallArgs, canonical_name, dropout_applies, family_totals, flops_column,
@@ -134,6 +134,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
 
     _check_tolerances(rtol, atol)
     _refuse_a_trace(model)
+    check_model(model, "tl.report.flops_vs_dispatch")
     model = unwrap(model)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.report.flops_vs_dispatch"))

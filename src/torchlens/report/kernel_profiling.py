@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checks import check_file_to_write, check_takes
+from ..checks import check_file_to_write, check_model, check_takes
 from ..errors import ProfilerBusyError, closest_hint, counted
 from ..tree import as_kwargs
 from .markers import ProfilerMarkers
@@ -67,6 +67,7 @@ def kernel_profile(model, args=(), kwargs=None, *, backward=False, chrome_trace=
         from .backward_profile import profile_backward_of
 
         return profile_backward_of(model, backward, chrome_trace, profiler, activities, profiler_kwargs)
+    check_model(model, "tl.report.kernel_profile")
     kwargs = as_kwargs(kwargs, "tl.report.kernel_profile")
     markers = ProfilerMarkers()
     if profiler is not None:

@@ -19,7 +19,7 @@ import numbers
 
 import torch
 
-from ..checks import check_flag, check_grad_possible, check_int, check_takes
+from ..checks import check_flag, check_grad_possible, check_int, check_model, check_takes
 from ..errors import InterventionError, TorchlensError, add_note, first_few, warn_user
 from ..record.modules import Module, is_unregistered
 from ..record.op import Layer
@@ -269,6 +269,7 @@ class _Runs:
     from another model: refused the first time, put back once known (``ForwardState``)."""
 
     def __init__(self, model, root, who: str):
+        check_model(model, f"tl.report.{who}")
         self.model, self.root, self.who = model, root, who
         self.state = ForwardState.of(root if root is not None else model)
         # A callable that names no model (a lambda): its modules join the state as the runs first call them.

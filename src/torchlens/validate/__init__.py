@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import check_model
 from ..errors import closest_hint, counted, first_few, forward_keyword_hint
 from ..record.columns import makes_uninitialized, uninitialized_ops
 from ..record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
@@ -179,11 +180,7 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     from ..capture.wrappers import unwrap
 
     model = unwrap(model)
-    if isinstance(model, type) or not callable(model):
-        what = f"the class {model.__name__}" if isinstance(model, type) else f"a {type(model).__name__}"
-        raise TypeError(f"tl.validate needs the model to run (a module instance or a callable), got {what}, "
-                        "which " + ("is not an instance: pass a module instance" if isinstance(model, type)
-                                    else "is not callable"))
+    check_model(model, "tl.validate")
     _check_trace_options(OPTIONS, trace_kwargs)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.validate"))
