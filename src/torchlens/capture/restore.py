@@ -3,7 +3,7 @@ the Python attributes of a module tree (``ModuleAttributes``), and both with the
 parameters' versions (``ForwardState``), or with the values of every tensor a module tree holds, for
 ``tl.validate``'s untraced reference run on the model itself (``ModelState``, ``RunState``); and what a
 backward torchlens runs itself (``kernel_profile``'s, ``tl.extract``'s) must leave: the parameters'
-``.grad`` (``grads_set_aside``), and for ``kernel_profile`` every leaf its backward reaches (``leaves_reached``).
+``.grad`` (``grads_set_aside``), and that of every other leaf their backward reaches (``backward_leaves``).
 
 Every run torchlens makes besides the traced one (``tl.validate``'s untraced reference, the metadata
 pass that resolves intervention labels, the patching tables' runs, ``flops_vs_dispatch``) must leave the
@@ -487,7 +487,16 @@ def parameters_read(trace, module=None) -> list:
     return list(found.values())
 
 
-def leaves_reached(output) -> list:
+def backward_leaves(trace, module, output) -> list:
+    """Every tensor a backward from ``output`` (a result of ``trace``'s forward) may write ``.grad`` into, each once:
+    the parameters (``parameters_read``) and the other leaves it reaches (``_leaves_reached``), for a backward
+    torchlens runs itself to set aside (``grads_set_aside``)."""
+    found = {id(t): t for t in parameters_read(trace, module)}
+    found.update((id(t), t) for t in _leaves_reached(output))
+    return list(found.values())
+
+
+def _leaves_reached(output) -> list:
     """The leaf tensors a backward from ``output`` accumulates ``.grad`` into, each once, found on the graph (their
     ``AccumulateGrad`` nodes): besides the parameters, an input that requires grad and a tensor the forward read
     from elsewhere (a learnt prompt, a steering vector), which an optimizer may hold as it holds parameters."""

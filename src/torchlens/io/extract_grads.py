@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.restore import grads_set_aside, leaves_reached, parameters_read
+from ..capture.restore import backward_leaves, grads_set_aside
 from ..checks import check_flag, check_grad_possible, check_takes
 from ..errors import GradientUnavailable
 
@@ -56,8 +56,7 @@ def backward_through(log, loss_fn, batch, position, module=None) -> None:
     if loss.numel() != 1:  # autograd's own refusal ("grad can be implicitly created only for scalar outputs")
         raise ValueError(f"batch {position}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return "
                          "one number to backpropagate from (reduce it: .sum() or .mean())")
-    kept = {id(t): t for t in parameters_read(log, module) + leaves_reached(loss)}
-    with grads_set_aside(list(kept.values())):
+    with grads_set_aside(backward_leaves(log, module, loss)):
         log.backward(loss)
 
 

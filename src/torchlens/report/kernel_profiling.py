@@ -165,7 +165,7 @@ def _check_borrowed(profiler, chrome_trace) -> None:
 
 
 def _run(model, args, kwargs, markers, backward, name):
-    from ..capture.restore import grads_set_aside, leaves_reached, module_run_by, parameters_read
+    from ..capture.restore import backward_leaves, grads_set_aside, module_run_by
     from ..capture.session import trace_with_markers
 
     try:
@@ -174,9 +174,9 @@ def _run(model, args, kwargs, markers, backward, name):
         if backward is not False:
             # Every leaf the backward may write .grad into: the parameters, and the inputs and other tensors
             # the forward read that require grad (an optimizer may hold those too).
-            kept = {id(t): t for t in parameters_read(trace, module_run_by(model)) + leaves_reached(trace.output)}
+            kept = backward_leaves(trace, module_run_by(model), trace.output)
             markers.phase_enter("backward")
-            with grads_set_aside(list(kept.values())):
+            with grads_set_aside(kept):
                 _run_backward(trace.output, backward)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # every launched kernel finishes inside the profile
