@@ -44,11 +44,21 @@ def note_data_write(self, t: torch.Tensor, base: torch.Tensor, index: int, key: 
         return
     key = storage_key(base)
     self._add_write(key, index, version, span)
+    for tid, entry, _, _ in _current_on(self, key, t, index):
+        self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
+
+
+def _current_on(self, key: int, t: torch.Tensor, index: int):
+    """``(id, binding, tensor, version)`` of each tensor on storage ``key`` bound to an op other than ``index``, not
+    since written, whose version counter is not ``t``'s: those a write through ``t`` changes unseen.  One pass over
+    the bound tensors, made from a copy, so that the caller may rebind them meanwhile."""
     for tid, entry in list(self.producers.items()):
         held = bound_tensor(entry)
-        if isinstance(held, torch.Tensor) and id(held) == tid and not _same_counter(held, t) \
-                and entry[1] != index and storage_key(held) == key and entry[2] == version_of(held):
-            self.producers[tid] = (entry[0], entry[1], STALE_VERSION)
+        if isinstance(held, torch.Tensor) and id(held) == tid and not _same_counter(held, t) and entry[1] != index \
+                and storage_key(held) == key:
+            version = version_of(held)
+            if entry[2] == version:
+                yield tid, entry, held, version
 
 
 def _span_in(t: torch.Tensor, base: torch.Tensor):
@@ -128,13 +138,8 @@ def note_write_past_counters(self, t: torch.Tensor, index: int, key: int) -> Non
     so that their next read names it (``producer_of``), as after a write through ``x.data``."""
     span = memory_span(t)
     noted = set()  # the versions the write is noted at: one per version counter found
-    for tid, entry in list(self.producers.items()):
-        held = bound_tensor(entry)
-        if not isinstance(held, torch.Tensor) or id(held) != tid or _same_counter(held, t) or entry[1] == index:
-            continue
-        version = version_of(held)
-        if version is not None and entry[2] == version and storage_key(held) == key \
-                and spans_meet(memory_span(held), span):
+    for tid, entry, held, version in _current_on(self, key, t, index):
+        if version is not None and spans_meet(memory_span(held), span):
             if version not in noted:
                 noted.add(version)
                 self._add_write(key, index, version, span)
