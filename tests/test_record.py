@@ -164,10 +164,14 @@ def test_aliased_module_keeps_first_address_and_counts_calls_per_object():
         def forward(self, x):
             return self.b(self.a(x))
 
-    log = tl.trace(Alias(), torch.randn(1, 3))
+    model = Alias()
+    log = tl.trace(model, torch.randn(1, 3))
     assert [c.label for c in log.module_calls] == ["a:1", "a:2"]
     assert log["a"].all_addresses == ["a", "b"]
     assert isinstance(log["b"], tl.Module)
+    for _ in range(2):  # the second name selects the module, on the model's cached index too
+        kept = tl.trace(model, torch.randn(1, 3), save=["b"])
+        assert [op.label for op in kept if op.activation is not None] == ["linear_1_1:1", "linear_1_1:2", "output_1:1"]
 
 
 def test_summary_is_bounded_and_informative():

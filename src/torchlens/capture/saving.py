@@ -434,11 +434,7 @@ def _modules_by_address(model, index) -> dict:
         for name, module in list(modules.items()):
             modules.setdefault(traced_address(name), module)
         return modules
-    modules = dict(index.modules)
-    for module in list(modules.values()):
-        for alias in index.module_addresses.get(id(module), ())[1:]:
-            modules.setdefault(alias, module)
-    return modules
+    return index.modules_and_aliases()
 
 
 def _refuse_made_in_forward(entry: str, calls: set, option: str) -> None:

@@ -129,6 +129,21 @@ class ModelIndex:
         root = self._root() if self._root is not None else None
         return {"": root, **self._addressed} if root is not None else dict(self._addressed)
 
+    def modules_and_aliases(self) -> dict:
+        """``modules``, and each module's further addresses after its first (one module registered under two
+        names answers to both): a fresh dict per call, from a table listed once per index."""
+        root = self._root() if self._root is not None else None
+        return {"": root, **self._aliased} if root is not None else dict(self._aliased)
+
+    @functools.cached_property
+    def _aliased(self) -> dict:
+        """Every address of every module but the root -> the module (the root is held only weakly)."""
+        aliased = dict(self._addressed)
+        for module in list(aliased.values()):
+            for alias in self.module_addresses.get(id(module), ())[1:]:
+                aliased.setdefault(alias, module)
+        return aliased
+
     def attributes_holding(self, tensors) -> list:
         """``address.name`` of each tensor of ``tensors`` that a module of the model holds as a plain
         attribute, not as a parameter or buffer (so a trace does not know it as either), and
