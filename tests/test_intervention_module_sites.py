@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from accel_paths import PATHS, on_path
 
 
 class _Pair(nn.Module):
@@ -81,3 +82,34 @@ def test_a_module_call_whose_hook_raised_is_not_edited_nor_counted_as_reached():
                                                    r"exception, in its forward or one of its hooks"):
         tl.trace(model, x, intervene={"pair": tl.scale(3.0)})
     assert torch.equal(tl.trace(model, x).output, x * 2)
+
+
+@pytest.fixture(scope="module")
+def falcon_mamba():
+    """FalconMamba's mixer applies ``ACT2FN["silu"](x)``, a module made in the forward, to its B and C states."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconMambaConfig(hidden_size=16, state_size=4, num_hidden_layers=1, vocab_size=32,
+                                            expand=2, conv_kernel=3, time_step_rank=4, use_mambapy=False)
+    ids = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(1))
+    return transformers.FalconMambaForCausalLM(config).eval(), ids
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_module_the_forward_makes_itself_is_refused_as_a_site_naming_the_op_to_use(falcon_mamba, compiled):
+    # The trace names it <unregistered SiLUActivation #1>; as a site it was refused as neither a label nor an address.
+    model, ids = falcon_mamba
+    with on_path(compiled):
+        plain = tl.trace(model, ids)
+        call = next(c for c in plain.module_calls if c.label.startswith("<unregistered SiLUActivation"))
+        for key in (call.label, call.label.rpartition(":")[0]):
+            for option in ("intervene", "stop_after"):
+                given = {"intervene": {key: tl.scale(2.0)}} if option == "intervene" else {"stop_after": key}
+                with pytest.raises(KeyError, match=r"names a module that is not in FalconMambaForCausalLM .* "
+                                                   r"intervene at the label of the op it returned"):
+                    tl.trace(model, ids, **given)
+        (label,) = call.output_ops
+        assert plain[call.label].label == label
+        edited = tl.trace(model, ids, intervene={label: tl.scale(2.0)})
+    assert edited[label].intervention is not None
+    assert torch.equal(edited[label].activation, 2 * plain[label].activation)

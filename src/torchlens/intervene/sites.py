@@ -22,7 +22,7 @@ from ..errors import InterventionError, add_note, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import (WRAPPED, container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
-from ..record.modules import Module, enclosing_calls
+from ..record.modules import Module, enclosing_calls, is_unregistered
 from ..record.op import Layer, Op
 from ..capture.saving import is_io_path
 from ..record.source import line_of, source_of
@@ -168,6 +168,8 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
             raise KeyError(f"{kind} {key!r} is a call of the root module itself (a callable's call of "
                            "its root=, or a root's call of itself in a recursion): those calls are not intervention "
                            "sites; intervene on the op labels inside them or on the root's submodules")
+        elif isinstance(model, torch.nn.Module) and is_unregistered(address or key):
+            raise KeyError(_unregistered_note(key, kind, model))
         elif not isinstance(model, torch.nn.Module) and _op_type_note(key, stop):  # no root= would make it a site
             raise KeyError(f"{kind} {key!r} is neither an op or layer label nor a module address"
                            f"{_op_type_note(key, stop)}")
@@ -351,6 +353,17 @@ def _torch_op_types() -> frozenset:
     """The op types torch's public functions and tensor methods are recorded as (``layer_norm`` as ``layernorm``)."""
     names = set(dir(torch)) | set(dir(torch.Tensor)) | set(dir(torch.nn.functional))
     return frozenset(folded(name) for name in names if not name.startswith("_"))
+
+
+def _unregistered_note(key: str, kind: str, model) -> str:
+    """The refusal of a site a trace names ``<unregistered SiLU #1>`` (or one of its calls): a module the model's
+    tree does not hold (``ACT2FN["silu"](x)`` makes one in the forward), which a trace names by its class
+    and a count.  Module sites are found among the model's modules, so no hook can be put on it; the op
+    it returned is a label site."""
+    return (f"{kind} {key!r} names a module that is not in {type(model).__name__} (one the forward made itself, "
+            "or held outside the model), which a trace names by its class and count: module sites are the "
+            "model's own modules, so it is no module site; intervene at the label of the op it returned (in a "
+            f"plain trace, log[{key!r}] is that op, and the call's output_ops list each output's)")
 
 
 def _kind(stop: bool) -> str:
