@@ -113,3 +113,45 @@ def test_a_module_the_forward_makes_itself_is_refused_as_a_site_naming_the_op_to
         edited = tl.trace(model, ids, intervene={label: tl.scale(2.0)})
     assert edited[label].intervention is not None
     assert torch.equal(edited[label].activation, 2 * plain[label].activation)
+
+
+@pytest.fixture(scope="module")
+def blip2():
+    """BLIP-2's Q-Former returns its hidden states and their first token (pooled inside it) as its outputs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config = transformers.Blip2Config(
+        vision_config=dict(small, image_size=16, patch_size=8),
+        qformer_config=dict(small, encoder_hidden_size=16, cross_attention_frequency=1, vocab_size=32),
+        text_config=transformers.OPTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
+                                           vocab_size=64, max_position_embeddings=32, word_embed_proj_dim=16).to_dict(),
+        num_query_tokens=2, image_token_index=63)
+    ids = torch.tensor([[63, 63, 5, 6, 7]])
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    return transformers.Blip2ForConditionalGeneration(config).eval(), {"input_ids": ids, "pixel_values": pixels}
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_call_reading_what_it_returns_is_refused_naming_the_read(blip2, compiled):
+    # The refusal gave attention weights and a T5 position bias as what the call read, never the read itself: here
+    # the Q-Former's pooling of its hidden states' first token, a __getitem__.
+    model, kwargs = blip2
+    with on_path(compiled):
+        with pytest.raises(tl.InterventionError, match=r"qformer:1 read the tensor it returns at "
+                                                       r"output\.last_hidden_state .* \(by __getitem__ in qformer; "):
+            tl.trace(model, (), kwargs, intervene={"qformer": tl.scale(2.0)})
+        plain = tl.trace(model, (), kwargs)
+        hidden, pooled = next(call for call in plain.module_calls if call.label == "qformer:1").output_ops
+        edited = tl.trace(model, (), kwargs, intervene={hidden: tl.scale(2.0)})
+    # The named output op is the site: the pooling inside the call reads the edited value, as a hook on the norm
+    # that makes it gives.
+    norm = plain[hidden].module.rpartition(":")[0]
+    assert norm.startswith("qformer.encoder.layer.0.") and plain[pooled].func_name == "__getitem__"
+    handle = model.get_submodule(norm).register_forward_hook(lambda module, args, output: output * 2.0)
+    try:
+        with torch.no_grad():
+            expected = model(**kwargs).logits
+    finally:
+        handle.remove()
+    assert torch.equal(edited.output.logits, expected)

@@ -217,6 +217,13 @@ class Interventions:
                 return False
         return True
 
+    def _reader(self, st, call) -> str:
+        """A torch call named for a refusal: its function and the module it ran in (a pooling head's ``transpose``
+        in ``vision_tower.head``), which says what read a value better than the function alone."""
+        module_call = call[CALL_MODULE]
+        where = f" in {self._address(st.module_calls[module_call][MODULE_CALL_MODULE])}" if module_call >= 0 else ""
+        return func_name_of(call[CALL_FUNC]) + where
+
     def _address(self, module) -> str:
         names = self.addresses.get(id(module))
         return names[0] if names else type(module).__name__
@@ -469,9 +476,10 @@ class Interventions:
                 raise InterventionError(
                     f"module site {site.key!r}: {label} read the tensor it returns at {path_text('output', path)} (of "
                     f"shape {tuple(t.shape)}, made by {func_name_of(st.calls[producing_call][CALL_FUNC])}) inside the "
-                    "call before returning it (attention weights its own matmul read, as eager attention returns "
-                    "them; a position bias it added to the scores, as a T5 attention layer and the blocks around it "
-                    "return it), so the trace could not say which value those reads saw. " + _OUTPUTS_HINT.format(label)
+                    f"call before returning it (by {self._reader(st, later)}; as eager attention's matmul "
+                    "reads the weights it returns, a T5 attention layer, and the blocks around it, the position bias "
+                    "it added to its scores, a Q-Former's pooling the first token of its hidden states), so the "
+                    "trace could not say which value those reads saw. " + _OUTPUTS_HINT.format(label)
                     + " (in transformers the first is the hidden states); an attention module returning its weights is "
                     "a module site again when it returns none (transformers' attn_implementation='sdpa', without "
                     "output_attentions)")
