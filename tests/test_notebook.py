@@ -151,3 +151,24 @@ def test_the_module_table_marks_flops_that_are_a_lower_bound_as_print_does():
     assert flops["loss:1"].endswith("+") and not flops["head:1"].endswith("+")
     assert flops[log.model_name] == f"{rows[log.model_name]['flops']}+"
     assert "a lower bound" in tl.viz.notebook_html(log, max_ops=0)
+
+
+def test_the_module_table_says_how_many_deeper_calls_it_leaves_out_and_where_they_are():
+    """The table lists two levels: BERT's encoder.layer.0.attention.self (four levels down) was simply missing,
+    as if the model had no deeper modules; a line now counts the calls left out and names log.summary()."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                     intermediate_size=32, vocab_size=50)
+    log = tl.trace(transformers.BertModel(config).eval(), torch.randint(0, 50, (1, 4)))
+    snippet = tl.viz.notebook_html(log, max_ops=0)
+    listed_calls = set(re.findall(r"<tr><td[^>]*>([^<]*)</td>", snippet))
+    deeper = [mc for mc in log.module_calls if mc.label not in listed_calls]
+    assert "encoder.layer.0.attention.self:1" in {mc.label for mc in deeper}
+    assert f"{len(deeper)} deeper module calls (down to level {max(mc.depth for mc in deeper) + 1}) not listed: " \
+           "log.summary() lists every call" in snippet
+    assert {mc.label for mc in deeper} <= {row["call"] for row in log.summary().rows}
+
+
+def test_a_module_table_that_lists_every_call_adds_no_line_about_deeper_ones():
+    snippet = tl.viz.notebook_html(tl.trace(torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.randn(1, 3)), max_ops=0)
+    assert "deeper module call" not in snippet and "0:1" in snippet

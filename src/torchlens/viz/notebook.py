@@ -14,10 +14,12 @@ import html
 import itertools
 
 from ..checks import check_int
+from ..errors import counted
 from ..record.layouts import shape_text
 
 BUDGET_BYTES = 240_000  # the compressed viewer; with the tables a display stays under 300 KB
 _HEAD, _TAIL = 12, 4
+MODULE_DEPTH = 2  # the module table's levels: a deep model's full tree would bury the op table under it
 _ids = itertools.count()
 
 _STYLE = ("font:12px monospace;border-collapse:collapse;margin:4px 0", "padding:1px 8px;text-align:left;"
@@ -55,12 +57,25 @@ def _header_text(trace) -> str:
 def _module_table(trace) -> str:
     from ..record.module_table import INCOMPLETE_FLOPS_NOTE, flops_text, human_count
 
-    summary = trace.summary(depth=2)
+    summary = trace.summary(depth=MODULE_DEPTH)
     rows = [(r["call"], r["class_name"], human_count(r["params"]), r["ops"], flops_text(r)) for r in summary.rows]
     table = _table(["module call", "class", "params", "ops", "FLOPs"], rows)
     if summary.rows[0]["flops_complete"] is False:  # the root's count covers every op: any '+' shows there
         table += f'<p style="font-size:12px;margin:0">FLOPs: {INCOMPLETE_FLOPS_NOTE} (a lower bound)</p>'
+    cut = _deeper_calls_note(trace)
+    if cut:
+        table += f'<p style="font-size:12px;margin:0">{html.escape(cut)}</p>'
     return table
+
+
+def _deeper_calls_note(trace) -> str:
+    """Say that calls below the table's levels exist and where they are listed: a table that simply stopped read
+    as a model with no deeper modules (BERT's encoder.layer.0.attention.self, four levels down)."""
+    deeper = [mc.depth for mc in trace.module_calls if mc.depth >= MODULE_DEPTH]
+    if not deeper:
+        return ""
+    return (f"{counted(len(deeper), 'deeper module call')} (down to level {max(deeper) + 1}) not listed: "
+            f"log.summary() lists every call, log.summary(depth=N) the first N levels")
 
 
 def _op_table(trace) -> str:
