@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..checks import as_position
 from ..errors import counted, listed
+from ..record.columns import is_first_output
 from ..record.module_table import produced_bytes
 from ..record.modules import enclosing_calls
 from ..record.trace import checked_trace
@@ -175,7 +176,7 @@ def _metric_values(log, by):
         if op.kind != "op":
             continue
         i = op.index
-        first_output = op.call.first_record == i
+        first_output = is_first_output(log, i)
         if by == "duration":
             if not first_output:
                 continue  # one call, one duration: it is on the call's first output

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 
 from ..capture.collectives import NAMES as _DISTRIBUTED_NAMES
+from ..record.columns import is_first_output
 from ..record.tables import require_pandas
 from ..record.trace import checked_trace
 
@@ -41,8 +42,7 @@ def is_collective_op(op) -> bool:
 def _first_output(op) -> bool:
     """Whether ``op`` is the first output of its call: one row per call, whatever the outputs' slots (those of
     ``all_gather_coalesced``, a list of lists, are ``(0, 0)``, ``(0, 1)`` ...)."""
-    call = op.call
-    return call is not None and call.first_record == op.index
+    return is_first_output(op._trace, op.index)
 
 
 def _describe(op):

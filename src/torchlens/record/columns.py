@@ -54,6 +54,15 @@ class Call(NamedTuple):
     # ``user_site``), used to tell op sites apart
 
 
+def is_first_output(trace, index: int) -> bool:
+    """Whether op ``index`` is the first output of the torch call that made it (False for inputs, buffers and
+    outputs, which no call made).  A call that returned several tensors ran once: what belongs to the call (its
+    duration, FLOPs, the bytes autograd saved, a replay, a collective's row) is counted on this output alone, so
+    that ``hot_path``, ``summary``, ``to_pandas`` and the viewer's nodes all count it once, on the same op."""
+    c = trace.call_indices[index]
+    return c >= 0 and trace.calls[c].first_record == index
+
+
 # Index of each ``Call`` field, for code that still reads the raw tuple before finalize.
 (CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARENTS, CALL_PARAMS, CALL_MODULE_CALL, CALL_CODE, CALL_LINE, CALL_T0_NS,
  CALL_T1_NS, CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, CALL_WROTE_ARGUMENTS, CALL_SITE) = range(len(Call._fields))

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .columns import Kind
+from .columns import Kind, is_first_output
 from .dropped import MADE_IN_TRANSFORM
 from .layouts import dense_values
 from ..tree import made_in_transform, without_values
@@ -377,10 +377,9 @@ def op_saved_for_backward_bytes(trace, index: int) -> int:
 
     A call that returned several tensors counts once, on its first output (0 on the others)."""
     packed = _packed(trace)
-    c = trace._call[index]
-    if c < 0 or trace.calls[c].first_record != index:
+    if not is_first_output(trace, index):
         return 0
-    return sum(packed.get(c, {}).values())
+    return sum(packed.get(trace._call[index], {}).values())
 
 
 def saved_for_backward_bytes(trace, op_indices=None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .columns import is_first_output
 from .grads import GRAD_COLUMNS, grad_stats_column
 
 
@@ -54,8 +55,7 @@ def call_duration_once(op):
     """``op.duration`` on its call's first output and None (NaN) on the call's further outputs: the time is the
     call's, so a column holding it on every output of ``torch.split`` sums to more time than the forward took,
     where ``hot_path`` counts the call once."""
-    call = op.call
-    return op.duration if call is None or call.first_record == op.index else None
+    return op.duration if op.call is None or is_first_output(op._trace, op.index) else None
 
 
 def _layer_duration(layer):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from ..errors import counted, listed
+from ..record.columns import is_first_output
 from ..record.modules import enclosing_calls, script_modules
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
@@ -457,18 +458,14 @@ def registry_family(func_name: str):
 
 def _evaluate(trace, index):
     """``{family: flops}`` for op ``index``; ``{}`` for pseudo-ops and secondary outputs; None if unknown."""
-    c = trace.call_indices[index]
-    if c < 0:
-        return {}
-    call = trace.calls[c]
-    if call.first_record != index:
-        return {}  # a further output of a multi-output call: the call was counted on its first output
+    if not is_first_output(trace, index):
+        return {}  # not a call's output, or a further output of one: the call was counted on its first output
     entry = _REGISTRY.get(canonical_name(trace.func_names[index]))
     if entry is None:
         return None
     family, formula = entry
     try:
-        result = formula(CallArgs(trace, c, trace.op_meta[index].shape))
+        result = formula(CallArgs(trace, trace.call_indices[index], trace.op_meta[index].shape))
     except Exception:  # an argument layout the formula does not understand: unknown, never 0
         result = None
     if result is None:

@@ -21,7 +21,7 @@ import torch
 
 from ..checks import check_model
 from ..errors import closest_hint, counted, first_few, forward_keyword_hint
-from ..record.columns import makes_uninitialized, uninitialized_ops
+from ..record.columns import is_first_output, makes_uninitialized, uninitialized_ops
 from ..record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
 from ..record.replay_context import as_traced, began_with, other_settings
 from ..capture.collectives import is_collective
@@ -314,7 +314,7 @@ def validate_trace(log, progress=None) -> ValidationResult:
     try:
         for op in log.ops:
             shown.update()
-            if op.kind != "op" or log.calls[log.call_indices[op.index]].first_record != op.index:
+            if op.kind != "op" or not is_first_output(log, op.index):
                 continue  # a call is replayed once, at its first output, and all its outputs are compared
             problem = _replay_problem(log, op, rng, began)
             if problem is not None and problem[0] == "mismatch":

@@ -137,7 +137,7 @@ class DotWriter:
     def _value_row(self, ops):
         if self.coloring is None or self.coloring.metric == "nonfinite":
             return None
-        value = aggregate(self.coloring.values, ops, self.coloring.metric, self.trace.call_indices)
+        value = aggregate(self.coloring.values, ops, self.coloring.metric, self.trace)
         text = format_value(self.coloring.metric, value)
         if value is not None and self.coloring.metric in SUMMED_METRICS and self._some_unknown(ops):
             text += "+"  # a sum that leaves out ops with no value is a lower bound, as log.summary() marks it
@@ -231,7 +231,7 @@ class DotWriter:
         if self.coloring is None or kind not in ("op", "param_op", "module"):
             return f'fillcolor="{KIND_FILL[kind]}"'
         labels = [self.trace.labels[i] for i in ops]
-        value = aggregate(self.coloring.values, ops, self.coloring.metric, self.trace.call_indices)
+        value = aggregate(self.coloring.values, ops, self.coloring.metric, self.trace)
         if value is False and self._some_unknown(ops):  # no NaN among the checked ops says nothing of the rest
             value = None
         fill = self.coloring.fill(value, labels)

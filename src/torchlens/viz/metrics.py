@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 
 from ..checks import check_number
-from ..record.columns import Kind
+from ..record.columns import Kind, is_first_output
 from ..record.finite import nonfinite_flags
 from ..record.summary import COUNT_UNITS, human_bytes, unit_for
 
@@ -193,13 +193,13 @@ def nonfinite_origins(trace) -> set:
     return labels
 
 
-def aggregate(values, ops, metric=None, calls=None):
+def aggregate(values, ops, metric=None, trace=None):
     """Sum of the known values of ``ops`` (any() for flags); None when none is known.  Gradient norms combine as
     the norm of the gradients taken together, as ``hot_path(by="grad_norm")`` groups them: a sum of norms is the
-    norm of nothing.  A duration is its call's, held by each of its outputs: given ``calls`` (each op's call
-    index), a call is counted once, as ``hot_path`` counts it."""
-    if metric == "duration" and calls is not None:
-        ops = _one_per_call(ops, calls)
+    norm of nothing.  A duration is its call's, held by each of its outputs: given the ``trace``, it counts on
+    the call's first output only (``is_first_output``), as ``hot_path`` and ``to_pandas`` count it."""
+    if metric == "duration" and trace is not None:
+        ops = [i for i in ops if is_first_output(trace, i)]
     known = [values[i] for i in ops if values[i] is not None]
     if not known:
         return None
@@ -208,16 +208,6 @@ def aggregate(values, ops, metric=None, calls=None):
     if metric == "grad_norm":
         return math.sqrt(sum(v * v for v in known))
     return sum(known)
-
-
-def _one_per_call(ops, calls) -> list:
-    """``ops`` less the further outputs of a call already among them (ops of no call are kept)."""
-    seen, kept = set(), []
-    for i in ops:
-        if calls[i] < 0 or calls[i] not in seen:
-            seen.add(calls[i])
-            kept.append(i)
-    return kept
 
 
 class Coloring:
