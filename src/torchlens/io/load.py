@@ -24,6 +24,7 @@ from .format import TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, Trace
 from .grads import read_grads
 from .interventions import read_interventions
 from .params import read_module_param_counts, read_params
+from .recover import recover_killed_save
 from .tensorfile import laid_out, read_tensor_file
 from .trace_state import read_trace_state
 
@@ -34,6 +35,7 @@ def load(path) -> Trace:
     tables, reports, rendering); ``log.model`` is None, ``log.validate()`` raises, and ``log.output`` is
     rebuilt from the saved output tensors."""
     folder = check_path(path, "path", "give the folder log.save wrote (a str or a pathlib.Path)", who="tl.load")
+    recover_killed_save(folder)
     manifest = verify_manifest(folder, TRACE_FORMAT, TRACE_SCHEMA, required=(TRACE_JSON,))
     record = read_json(folder, TRACE_JSON, "a saved trace", max_bytes=manifest["files"][TRACE_JSON]["bytes"])
     tensors = read_tensor_file(folder, TRACE_TENSORS) if TRACE_TENSORS in manifest["files"] else {}

@@ -22,7 +22,6 @@ import errno
 import os
 import shutil
 import stat
-import uuid
 
 from ..checks import check_flag, check_path, folder_of
 from ..errors import counted, listed, warn_user
@@ -31,6 +30,7 @@ from .encode import WITHOUT_ACTIVATIONS, encode_value, torch_constant_name, unsa
 from .grads import write_grads
 from .interventions import write_interventions
 from .params import write_module_param_counts, write_params
+from .recover import recover_killed_save, staging_path
 from .tensorfile import layouts_of, write_tensors
 from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
@@ -56,10 +56,11 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")
     if activations:
         require_numpy("saving a trace's tensors")  # they are written through Tensor.numpy() (io/tensorfile.py)
+    recover_killed_save(path)
     old_files = check_save_target(path, overwrite, trace.rank)
     parent = folder_of(path)
     make_folder(parent, path, "save")
-    staging = os.path.join(parent, f".torchlens-save-{uuid.uuid4().hex[:12]}")
+    staging = staging_path(path)  # named after path, so that a save killed part way is found (io/recover.py)
     try:
         os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
         tensors, keys, unsaved = _activation_tensors(trace) if activations else ({}, {}, {})
