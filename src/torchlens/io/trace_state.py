@@ -24,6 +24,7 @@ def write_trace_state(trace) -> dict:
         "stopped_after": trace.stopped_after,
         "caveats": list(trace.caveats),
         "root_class": trace._root_class,
+        "rootless": trace._rootless,  # a callable traced without root=: no model whose parameters to count
         "outside_attributes": list(trace._outside_attributes),
         "repetition": repetition(trace),  # the live verdict: a loaded trace lacks the module call frames
         "own_outputs": sorted(trace._own_outputs),  # output nodes with their own tensor and gradient
@@ -42,6 +43,10 @@ def read_trace_state(trace, record: dict) -> None:
     root_class = _optional_string(record, "root_class")
     if root_class is not None:
         trace._root_class = root_class
+    rootless = record.get("rootless", False)  # absent in files of older versions
+    if not isinstance(rootless, bool):
+        raise TraceFileError(f"{TRACE_JSON}: 'rootless' must be true or false, not {rootless!r}")
+    trace._rootless = rootless
     outside = _strings(record, "outside_attributes")
     if outside:
         trace._outside_attributes = outside

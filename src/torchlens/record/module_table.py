@@ -109,7 +109,11 @@ def _used_param_counts(trace) -> dict:
 
 def root_param_count(trace):
     """Unique parameters of the whole model: 0 for a model without any (for a loaded trace from a file
-    without the parameter table: those its ops used, None when even their shapes were not kept)."""
+    without the parameter table: those its ops used, None when even their shapes were not kept).  None for a
+    callable traced without ``root=``: there is no model, and its empty parameter table counted 0 above rows
+    of modules holding parameters."""
+    if trace._rootless:
+        return None
     if trace._params_listed:  # a live trace, or a file with the parameter table (io/params.py)
         return sum(p.numel for p in trace.params)
     numels = _used_numels(trace)
@@ -284,6 +288,9 @@ def summary_table_text(summary: ModuleSummary) -> str:
     params = "unknown" if root["params"] is None else f"{root['params']:,} (each parameter counted once, tied " \
                                                       "weights included)"
     trace = summary.trace
+    if trace._rootless:
+        params += (f"; {trace.model_name} was traced without root=, so there is no model whose parameters to count "
+                   "(each module's row counts its own; tl.trace(f, x, root=model) counts the model's)")
     if root["params"] is not None and trace.loaded_from is not None and counts_from_used_params(trace):
         params += "; this trace was saved without its parameter counts, so they count the parameters its ops used"
     if any(caveat.startswith(PACKED_WEIGHTS_CAVEAT) for caveat in trace.caveats):
