@@ -128,3 +128,15 @@ def test_a_kill_after_the_old_trace_was_moved_aside_puts_it_back_at_the_path(tmp
                                          r"torchlens-save-run-[0-9a-f]{12}-old, is put back"):
         assert _same(tl.load(str(folder)), old)
     assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_a_link_named_like_a_moved_aside_trace_is_not_followed(tmp_path, traces):
+    """Only a real folder is a save's own: a link with that name, to anywhere, is left alone."""
+    old, _ = traces
+    elsewhere = str(tmp_path / "elsewhere")
+    old.save(elsewhere)
+    link = tl.io.recover.staging_path(str(tmp_path / "run")) + "-old"
+    os.symlink(elsewhere, link)
+    with pytest.raises(tl.errors.TraceFileError, match="not a folder"):
+        tl.load(str(tmp_path / "run"))
+    assert os.path.islink(link) and os.path.isdir(elsewhere)

@@ -48,9 +48,10 @@ def left_behind(path: str) -> list:
     found = []
     for name in sorted(names):
         middle = name[len(start):-len(_RETIRED)]
+        full = os.path.join(parent, name)
         if name.startswith(start) and name.endswith(_RETIRED) and len(middle) == _ID_LENGTH \
-                and all(c in "0123456789abcdef" for c in middle):
-            found.append(os.path.join(parent, name))
+                and all(c in "0123456789abcdef" for c in middle) and _is_folder(full):
+            found.append(full)
     return found
 
 
@@ -118,6 +119,14 @@ def _delete_moved_aside(retired: str) -> None:
 def _listed(folder: str) -> list:
     files = read_json(folder, MANIFEST, "a saved trace's manifest").get("files", {})
     return [name for name in files if isinstance(name, str) and os.path.basename(name) == name]
+
+
+def _is_folder(path: str) -> bool:
+    """A real folder, not a link to one: a save makes its hidden folders itself, never links."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def _is_regular(path: str) -> bool:
