@@ -25,7 +25,8 @@ import torch
 
 from ..tree import copy_with_layout, is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
-from ..record.layouts import memory_freed, memory_span, shape_of, spans_meet, storage_key, version_of
+from ..record.layouts import (memory_freed, memory_span, shape_of, sharing_bytes, spans_meet, storage_key,
+                              version_of)
 from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
 from ..record.replay_context import attention_backends, grad_and_autocast
 
@@ -35,8 +36,9 @@ from .bindings import is_bound
 from .budget import SaveBudget
 from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
-from .unversioned_writes import (exported_alias, moved_unseen, note_data_write, note_export, note_unversioned_write,
-                                 note_write_past_counters)
+from .unversioned_writes import (UNSEEN, exported_alias, moved_unseen, note_data_write, note_export,
+                                 note_unversioned_write, note_write_past_counters, read_not_saved, read_through,
+                                 repointed_onto, unwritten_since)
 
 _any_autocast = torch._C._is_any_autocast_enabled
 _VERSION = operator.attrgetter("_version")
@@ -48,14 +50,6 @@ INFERENCE_CAVEAT = ("inference tensors (made under torch.inference_mode()) carry
 # The output position (``Written.outputs``) of a tensor a call wrote, not by name, and did not return (a
 # compiled submodule writing its input): no output of the call holds its value.
 NOT_RETURNED = -1
-
-
-def _written_through_each_other(written: list) -> list:
-    """The distinct tensors a call wrote that may share a byte with another of them."""
-    reached = [(storage_key(t), memory_span(t), t) for t in written]
-    return [t for key, span, t in reached
-            if any(key == other_key and t is not other and spans_meet(span, other_span)
-                   for other_key, other_span, other in reached)]
 
 
 class CaptureState:
@@ -171,23 +165,25 @@ class CaptureState:
                 return entry[1]
             # Its version counter moved since it was bound: a view or base sharing it was written.
             index = self._last_writer_of(t, entry, version)
+            # No write capture saw moved it: ``t.set_(y)`` may have put it on y's bytes (a read names y's op).
+            holder = self._repointed_onto(t) if index == UNSEEN or (
+                index is None and self._unwritten_since(t, entry)) else None
+            if holder is not None:
+                return self._read_through(t, holder)
             if index is None:  # every such write missed its bytes: still the value that op made
                 self.producers[id(t)] = (entry[0], entry[1], version)
                 return entry[1]
-            # The value read is not that op's output as saved (it was written through an alias).
-            read = (len(self.calls), index)
-            self.alias_reads.add(read)
-            self.recent_alias_reads.append(read)
-            return index
+            # The value read is not that op's output as saved (written through an alias), or unknown (UNSEEN).
+            return self._read_not_saved(entry[1] if index == UNSEEN else index)
         return self._source_of(t)
 
     def _last_writer_of(self, t: torch.Tensor, entry: tuple, version):
         """The record of the latest write since ``t`` was bound (``entry``) that reached ``t``'s bytes, None
-        when no write reached them, or ``entry``'s own record when capture did not see the last write of
-        its storage (what it holds then is unknown).  Writes checked once are not checked again."""
+        when no write reached them, or ``UNSEEN`` when capture did not see the last write of its storage.
+        Writes checked once are not checked again."""
         writes = self.writers.get(storage_key(t))
         if not writes or writes[-1][1] != version:
-            return entry[1]
+            return UNSEEN
         span = memory_span(t)
         checked = self.unwritten.get(id(t)) if self.unwritten else None
         checked = checked[1] if checked is not None and checked[0] is entry[0] else 0  # the same binding's
@@ -208,6 +204,11 @@ class CaptureState:
     note_unversioned_write = note_unversioned_write
     _moved_unseen = moved_unseen
     _note_write_past_counters = note_write_past_counters
+    _repointed_onto = repointed_onto
+    _unwritten_since = unwritten_since
+    _read_through = read_through
+    _read_not_saved = read_not_saved
+
 
     def value_record(self, t: torch.Tensor) -> int:
         """The record whose saved value ``t`` is as a module call takes or returns it: the op it is bound to, or
@@ -382,7 +383,7 @@ class CaptureState:
             # two views of one tensor): what it made depends on the order its kernel read and wrote, which
             # replay on separate copies of them cannot repeat.
             call_index = len(self.calls) - 1
-            for t in _written_through_each_other(written):
+            for t in sharing_bytes(written):
                 entry = self.producers.get(id(t))
                 if entry is not None and is_bound(entry, t):
                     self.alias_reads.add((call_index, entry[1]))
@@ -488,8 +489,14 @@ class CaptureState:
         if stale:
             copies: dict = {}
             for i in stale:
-                if i in self.saved:
-                    self._copy_saved(i, copies)  # as the later readers saw it
+                if i not in self.saved:
+                    continue
+                # Changed unseen since it was saved (``u.set_(y)`` put it on other memory), a copy would hold
+                # what it holds now, not what its op made; else it is kept as the later readers saw it.
+                if self.saved_versions.get(i) not in (None, version_of(self.saved[i])):
+                    self._drop(i, WRITTEN_UNSEEN)
+                else:
+                    self._copy_saved(i, copies)
 
     def guard_running_stats(self, norms: list, batch) -> None:
         """Keep the running statistics that the norm calls ``norms`` read, saved by reference, true to the

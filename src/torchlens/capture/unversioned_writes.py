@@ -5,6 +5,9 @@ views sharing its memory, and so does one through ``torch.from_dlpack(x)`` or ``
 a tensor of its own on ``x``'s bytes; ``torch.distributed``'s in-place collectives move none.  Each is noted in
 ``CaptureState.writers`` and the tensors it reached are made stale (``STALE_VERSION``), so that their next
 read asks ``writers`` who wrote them last, as after a write through a view (``CaptureState.producer_of``).
+``u.set_(y)`` is the converse: it moves ``u``'s counter and writes nothing, putting ``u`` on ``y``'s bytes, so
+a read of ``u`` whose counter moved with no write seen looks for the bound tensor whose bytes it now holds
+(``repointed_onto``).
 The functions taking ``self`` are methods of ``CaptureState``.
 """
 
@@ -20,6 +23,9 @@ from .bindings import bound_tensor, is_bound
 # A ``producers`` entry's version that no tensor has: the tensor was written without its version counter
 # moving (a collective through a view of it), so a read asks ``writers`` who wrote it last.
 STALE_VERSION = -1
+# What ``CaptureState._last_writer_of`` answers when capture saw no write moving a tensor's counter to its
+# version (``t.set_(y)`` moves it and writes nothing; code out of capture's sight writes unseen).
+UNSEEN = -2
 # What holds a tensor's memory at a write through ``x.data`` when nothing else does: ``x``, ``x.data``, and
 # the storage object the count is read through.
 _DATA_WRITE_HOLDERS = 3
@@ -158,3 +164,50 @@ def note_unversioned_write(self, t: torch.Tensor, record_index: int) -> None:
     entry = self.producers.get(id(base)) if base is not None else None
     if entry is not None and is_bound(entry, base):
         self.producers[id(base)] = (entry[0], entry[1], STALE_VERSION)
+
+
+def repointed_onto(self, t: torch.Tensor):
+    """The bound tensor whose bytes ``t`` now holds, when ``t``'s counter moved with no write capture saw: a
+    tensor on the same storage, with a counter of its own, reaching every byte ``t`` reaches, as ``t.set_(y)``
+    (which torch hands no ``__torch_function__``) leaves ``t`` and ``y``.  One with ``t``'s very layout first
+    (``t`` then holds its value), else the latest bound; None when no bound tensor holds those bytes.  One
+    pass over the bound tensors: ``set_`` is rare in a forward, and only a read after it pays."""
+    span, key = memory_span(t), storage_key(t)
+    if span is None or not span[1]:
+        return None
+    found = None
+    for tid, entry in list(self.producers.items()):
+        held = bound_tensor(entry)
+        if not isinstance(held, torch.Tensor) or id(held) != tid or held is t or _same_counter(held, t) \
+                or storage_key(held) != key:
+            continue
+        holds = memory_span(held)
+        if holds == span and held.dtype == t.dtype:
+            return held
+        if holds is not None and holds[0] <= span[0] and span[1] <= holds[1]:
+            found = held if found is None or self.producers[id(found)][1] < entry[1] else found
+    return found
+
+
+def unwritten_since(self, t: torch.Tensor, entry: tuple) -> bool:
+    """Whether no write capture saw reached ``t``'s storage since ``t`` was bound (``entry``), though its
+    counter moved: the storage may be one ``t`` was put on since (``t.set_(y)``, after ``y`` was written)."""
+    writes = self.writers.get(storage_key(t))
+    return not writes or writes[-1][0] <= entry[1]
+
+
+def read_through(self, t: torch.Tensor, holder: torch.Tensor) -> int:
+    """The parent of a read of ``t``, put on ``holder``'s memory by ``t.set_(holder)``: the op whose value
+    ``holder`` is.  When ``t`` holds another part or layout of those bytes, no op output is the value
+    read, and replay is told so (``alias_reads``)."""
+    index = self.producer_of(holder)
+    return self._read_not_saved(index) if index >= 0 and memory_span(t) != memory_span(holder) else index
+
+
+def read_not_saved(self, index: int) -> int:
+    """Note that the call about to be recorded reads a value of ``index``'s memory its saved output is not
+    (replay cannot take it), and return ``index``."""
+    read = (len(self.calls), index)
+    self.alias_reads.add(read)
+    self.recent_alias_reads.append(read)
+    return index

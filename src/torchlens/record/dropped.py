@@ -29,8 +29,8 @@ MEMORY_FREED = ("its memory was freed after the op made it (its storage resized 
 # Why capture dropped a saved tensor whose version moved with no write it saw.  Writes through ``.data`` are
 # ops capture sees, and NumPy views do not move a version: neither is a cause here.
 WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (code running with torch "
-                  "function handling disabled, TorchScript, or a custom autograd.Function's ctx.mark_dirty, which "
-                  "counts as a write of the tensor it marks)")
+                  "function handling disabled, TorchScript, a custom autograd.Function's ctx.mark_dirty, which "
+                  "counts as a write of the tensor it marks, or Tensor.set_, which puts the tensor on other memory)")
 # Why a module selection's output has no activation: the op ran inside another selected module's call, which
 # did not return it, and was let go as that call returned; a later call returned it all the same (a tensor the
 # first call kept in an attribute or put in a list it was given), but written in place since (through a view), so no

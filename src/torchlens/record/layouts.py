@@ -314,3 +314,11 @@ def storage_key(t: torch.Tensor) -> int:
     # (it has no memory until its first forward materializes it).
     except (RuntimeError, NotImplementedError, ValueError):
         return -id(t)
+
+
+def sharing_bytes(tensors: list) -> list:
+    """The distinct tensors among ``tensors`` (those one call wrote) that may share a byte with another of them."""
+    reached = [(storage_key(t), memory_span(t), t) for t in tensors]
+    return [t for key, span, t in reached
+            if any(key == other_key and t is not other and spans_meet(span, other_span)
+                   for other_key, other_span, other in reached)]

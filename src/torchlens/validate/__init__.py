@@ -413,7 +413,8 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
         if (call_position, parent) in log.alias_reads:
             return _skip(f"it read {log.labels[parent]}'s storage after a write through a view (or while "
                          "writing it through another argument, or a running statistic or observer buffer it wrote "
-                         "in its kernel), a value that no op output holds")
+                         "in its kernel, or through a tensor Tensor.set_ put on part of that storage), a value "
+                         "that no op output holds")
         if parent not in copies:
             copies[parent] = _private_copy(log.saved_activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])
