@@ -11,6 +11,7 @@ each shortcut against the general scan.
 from __future__ import annotations
 
 import sys
+from weakref import ref as weakref
 
 import torch
 
@@ -30,14 +31,41 @@ PLAIN_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsi
 # The exact types a flat tuple argument may hold and be recorded as it is (``tree.split``'s plain values);
 # the walker finds no tensor in them, so a module call's flat tuple of these and tensors is read in one loop.
 TUPLE_VALUES = frozenset([int, float, bool, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device])
+_UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8"}  # element size -> the NumPy unsigned integer of that size
 
 
 def _ndarray():
     """``numpy.ndarray`` where NumPy is imported (a model passing one has imported it), else None.  An array
-    argument (``torch.asarray(y.numpy())``) is recorded as a copy: it may share memory a later write changes
-    without moving any version counter, and the record must hold what the op read."""
+    argument (``torch.asarray(y.numpy())``) is recorded as a copy (``recorded_array``): it may share memory a
+    later write changes without moving any version counter, and the record must hold what the op read."""
     numpy = sys.modules.get("numpy")
     return numpy.ndarray if numpy is not None else None
+
+
+def recorded_array(st, a):
+    """A copy of the array argument ``a``, as an op reads it.  One copy per array per trace while its bytes stay
+    the same: an array no version counter guards is compared with the copy last taken of it (one pass over
+    its bytes, no second copy), so that a large array many ops take is held once, and a write between them
+    (through a tensor on its memory, or by NumPy) gets the ops after it a copy of their own."""
+    copies = st.array_copies
+    if copies is None:
+        copies = st.array_copies = {}
+    kept = copies.get(id(a))
+    if kept is not None and kept[0]() is a and _same_bytes(a, kept[1]):
+        return kept[1]
+    copy = a.copy()
+    copies[id(a)] = (weakref(a), copy)
+    return copy
+
+
+def _same_bytes(a, kept) -> bool:
+    """Whether array ``a`` holds the bytes of ``kept``, a copy of it: compared as unsigned integers of the
+    element's size, so that NaNs and signed zeros compare as the bytes they are; False for an element size
+    without such an integer, or one holding Python objects (whose identity a byte test would not see)."""
+    code = _UNSIGNED.get(a.itemsize)
+    if code is None or a.dtype != kept.dtype or a.shape != kept.shape or a.dtype.hasobject:
+        return False
+    return bool((a.view(code) == kept.view(code)).all())
 
 
 def is_subclass_param(t) -> bool:
@@ -96,7 +124,7 @@ def scan_arguments(st, args, kwargs):
         elif kind is _ndarray():
             if skeleton is None:
                 skeleton = list(args)
-            skeleton[pos] = a.copy()  # see _ndarray
+            skeleton[pos] = recorded_array(st, a)
     kw_skeleton = kwargs
     if kwargs:
         kw_skeleton, params = _scan_keywords(st, kwargs, parents, params, versions)
@@ -160,7 +188,7 @@ def _scan_keywords(st, kwargs, parents, params, versions):
         elif kind is _ndarray():
             if kw_skeleton is kwargs:
                 kw_skeleton = dict(kwargs)
-            kw_skeleton[key] = a.copy()  # see _ndarray
+            kw_skeleton[key] = recorded_array(st, a)
     return kw_skeleton, params
 
 

@@ -86,6 +86,7 @@ class CaptureState:
     # call index of a compiled submodule's op -> weak references to the tensors its module held as it ran
     # (capture/compiled.py, RoutedRun); None until one runs.
     held_by_compiled = None
+    array_copies: dict | None = None  # id(NumPy array argument) -> (weak reference, copy): see recorded_array
     _param_storages = None
     # Off unless set (the constructor or the trace driver sets them only when on).
     selector = None  # save_mode 2: (func, module call) -> whether to save
