@@ -109,3 +109,37 @@ def test_a_tensor_set_on_other_memory_then_written_drops_its_saved_value(compile
     assert torch.equal(log["linear_1_1:1"].activation, made)
     result = log.validate()
     assert result.passed, str(result)
+
+
+class _PutOnAWrittenInput(nn.Module):
+    """Returns a fresh tensor put on its written input's memory, after a write elsewhere."""
+
+    def forward(self, y):
+        u = torch.empty(0).set_(y)
+        torch.zeros(2).add_(1)  # a write after the empty: the module's output is looked at closely
+        return u
+
+
+class _SetInAModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.put = _PutOnAWrittenInput()
+
+    def forward(self, x):
+        y = self.fc(x)
+        y.add_(1)
+        return self.put(y).relu()
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_module_returning_a_tensor_set_on_written_memory_does_not_rebind_it_to_its_first_op(compiled):
+    # Looking up the module's output found the write of y's memory older than the empty and took u as
+    # unchanged since: it bound u to the empty again, and the relu named the empty as its parent.
+    model, x = _SetInAModule(), torch.randn(3, 4)
+    with torch.no_grad():
+        expected = model(x)
+    log = _trace(model, x, compiled)
+    assert log["relu_1_6:1"].parents == ["add_1_2:1"] and torch.equal(log.output, expected)
+    result = log.validate()
+    assert result.passed and "relu_1_6:1" not in dict(result.not_replayed), str(result)

@@ -226,7 +226,8 @@ class CaptureState:
             version = version_of(t)
             if entry[2] == version and (version is not None or storage_key(t) not in self.writers):
                 return entry[1]
-            if self._last_writer_of(t, entry, version) is not None:
+            # Written since, or moved with no write seen (``t.set_(y)``: its next read finds y's op).
+            if self._last_writer_of(t, entry, version) is not None or self._unwritten_since(t, entry):
                 return -1
         self.producers[id(t)] = (entry[0], entry[1], version)  # every write since missed its bytes
         return entry[1]
