@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ..record.columns import CALL_ARGS, CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_PARENTS
+from ..record.finite import nonfinite_flags
+from ..record.layouts import version_of
+from .bindings import is_bound
 
 _FUNC_OF = operator.itemgetter(CALL_FUNC)
 
@@ -163,3 +166,26 @@ def running_stats_written(func, args, kwargs) -> list:
         return []
     found = (_argument(args, kwargs, name, position) for name, position in stats)
     return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def stats_left_nonfinite(calls: list, norms: list, producers: dict, buffers) -> dict:
+    """``{op: ((buffer address, (has_nan, has_inf)), ...)}``: the running statistics that a call (its first
+    output's record, ``op``) wrote last in its kernel and left holding NaN or Inf at the forward's end.  That
+    write is in no saved value (the statistic is saved as read, before the kernel ran) and moves no version
+    counter, so ``nonfinite_origin`` would see it only on the next trace, as a buffer already non-finite.
+    Called before ``link_running_stats_readers`` renames what each call read.  ``buffers``: the model's
+    ``(buffer, address)`` pairs; ``producers``: capture's, which still binds an untouched buffer to its read."""
+    last = {}  # record of a statistic as read -> first record of the call that last wrote it
+    for c in norms:
+        call = calls[c]
+        slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
+        last.update((record, call[CALL_FIRST_RECORD]) for slot, record in call[CALL_PARENTS] if slot in slots)
+    found: dict = {}
+    for b, address in buffers:
+        entry = producers.get(id(b))
+        if entry is None or entry[1] not in last or not is_bound(entry, b) or entry[2] != version_of(b):
+            continue  # never read as a statistic, or written since by an op the trace holds
+        flags = nonfinite_flags(b)
+        if flags is not None and flags != (False, False):
+            found.setdefault(last[entry[1]], []).append((address, flags))
+    return {op: tuple(stats) for op, stats in found.items()}

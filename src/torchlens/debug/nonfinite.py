@@ -55,7 +55,8 @@ class NonfiniteReport:
     def __init__(self, **fields):
         self.found = fields["found"]
         self.origin = fields["origin"]  # Op, or None
-        self.origin_kind = fields["origin_kind"]  # "op", "intervention", "input", "buffer", "parameter" or None
+        # "op", "intervention", "input", "buffer", "buffer_write" (a kernel's write into one), "parameter" or None
+        self.origin_kind = fields["origin_kind"]
         self.kind = fields["kind"]  # "nan", "inf", "both" or None
         self.certain = fields["certain"]
         self.possible_origins = tuple(fields["possible_origins"])
@@ -69,6 +70,8 @@ class NonfiniteReport:
         self.examined = fields["examined"]
         self.unexamined = tuple(fields["unexamined"])
         self.uninitialized = tuple(fields["uninitialized"])  # non-finite values that are undefined memory
+        # (op label, buffer address, kind) for each running statistic an op's kernel left non-finite
+        self.buffers_written = tuple(fields.get("buffers_written", ()))
         self.recipe = DETECT_ANOMALY_RECIPE
 
     @property
@@ -99,6 +102,10 @@ class NonfiniteReport:
             shown = listed(self.uninitialized, 5)
             lines.append(f"  not evidence: {shown} held NaN/Inf in uninitialized memory (torch.empty and kin, a view "
                          "of it, or a write into part of it), whose contents are undefined")
+        if self.buffers_written and self.origin_kind != "buffer_write":
+            shown = ", ".join(f"{address} ({kind.upper()}, by {label})"
+                              for label, address, kind in self.buffers_written)
+            lines.append(f"  running statistics left non-finite inside a kernel: {shown}")
         if self.parameters and self.origin_kind != "parameter":
             lines.append(f"  parameters holding NaN/Inf: {', '.join(self.parameters)}")
         if not self.parameters_checked:
@@ -121,6 +128,11 @@ class NonfiniteReport:
             read = [a for a in self.parameters if a in op.params]
             lines = [f"  {self.kind.upper()} already present in parameter(s) {', '.join(read)}, first "
                      f"read by {op.label} ({op.func_name}){where}{source}"]
+        elif self.origin_kind == "buffer_write":
+            lines = [f"  origin: {op.label} ({op.func_name}){where}{source} left {self.kind.upper()} in "
+                     f"{_written_by(self.buffers_written, op.label)}, written inside its kernel from "
+                     + ("finite inputs" if self.certain else "inputs not all examined")
+                     + " (its output was finite): a running statistic that overflowed"]
         elif self.origin_kind == "intervention":
             made = "was finite" if self.certain else \
                 "was not kept, so either the op or the action may have made it"
@@ -154,6 +166,10 @@ class NonfiniteReport:
         return lines
 
     __repr__ = __str__
+
+
+def _written_by(written, label: str) -> str:
+    return ", ".join(f"buffer {address}" for by, address, _ in written if by == label)
 
 
 def _advice(possible, uninitialized=()) -> str:
@@ -247,6 +263,12 @@ def nonfinite_origin(log, grads: bool = False):
             undetermined.append(log.labels[i])
         else:
             others.append(log.labels[i])
+    stats = _stats_born(log, status)
+    if stats and origin is None:
+        first = min(stats)
+        origin, origin_kind, status[first] = first, "buffer_write", _worst(flags for _, flags in stats[first])
+        certain = all(status[p] is not None for p in _read_parents(log, first))
+    others += [log.labels[i] for i in sorted(stats) if i != origin and log.labels[i] not in others]
     basis = ("recorded finite flags" if has_flags and (log.is_cleaned_up or not log.saved_activations) else
              "saved activations and recorded finite flags" if has_flags else "saved activations")
     return NonfiniteReport(
@@ -256,7 +278,24 @@ def nonfinite_origin(log, grads: bool = False):
         undetermined=undetermined,
         parameters=bad_params,
         parameters_checked=params_checked, parameters_changed=params_changed, basis=basis, examined=examined,
-        unexamined=unexamined, uninitialized=uninitialized)
+        unexamined=unexamined, uninitialized=uninitialized,
+        buffers_written=tuple((log.labels[i], address, _KINDS[flags])
+                              for i in sorted(stats) for address, flags in stats[i]))
+
+
+def _stats_born(log, status) -> dict:
+    """``{op: ((buffer address, flags), ...)}``: the running statistics (BatchNorm's ``running_var``) that op
+    left holding NaN/Inf, written inside its kernel, from values it read finite: that write is in no output,
+    so the op's own status cannot show it (capture noted the statistics' state at the forward's end)."""
+    written = getattr(log, "_stats_left_nonfinite", None) or {}
+    return {i: stats for i, stats in written.items()
+            if not any(p >= 0 and status[p] not in (None, (False, False)) for p in _read_parents(log, i))}
+
+
+def _worst(flags) -> tuple:
+    """``(has_nan, has_inf)`` over several flags."""
+    flags = list(flags)
+    return any(nan for nan, _ in flags), any(inf for _, inf in flags)
 
 
 def _status(log, i):

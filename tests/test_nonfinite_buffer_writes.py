@@ -1,0 +1,54 @@
+"""``nonfinite_origin`` on running statistics that a kernel writes (BatchNorm in training mode): the trace on
+which a statistic goes non-finite names the op whose kernel wrote it, not only the next trace."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+
+def _overflowing_norm():
+    """Inputs of magnitude 1e20: their variance (1e40) overflows float32 inside batch_norm's kernel, whose
+    output (normalised) stays finite while ``running_var`` (momentum 1: the batch's variance) becomes Inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=1.0)).train()
+    return model, torch.randn(8, 4) * 1e20
+
+
+def test_running_var_overflow_is_named_on_the_trace_where_it_happens():
+    model, x = _overflowing_norm()
+    log = tl.trace(model, x)
+    assert torch.isinf(model[1].running_var).all() and torch.isfinite(log[-1].activation).all()
+    report = tl.debug.nonfinite_origin(log)
+    assert report.found and report.origin_kind == "buffer_write" and report.certain
+    assert report.origin.func_name == "batch_norm" and report.kind == "inf"
+    assert report.buffers_written == ((report.origin_label, "1.running_var", "inf"),)
+    assert "left INF in buffer 1.running_var" in str(report)
+    later = tl.debug.nonfinite_origin(tl.trace(model, torch.randn(8, 4)))  # the next trace: already present
+    assert later.origin_kind == "buffer" and later.origin.io_path == "1.running_var"
+
+
+def test_flags_alone_still_name_the_write_after_cleanup():
+    model, x = _overflowing_norm()
+    log = tl.trace(model, x, record_finite=True)
+    log.cleanup()
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin_kind == "buffer_write" and report.origin.func_name == "batch_norm"
+
+
+def test_eval_mode_and_finite_training_report_no_write():
+    model, x = _overflowing_norm()
+    assert not tl.debug.nonfinite_origin(tl.trace(model, torch.randn(8, 4))).buffers_written
+    model.eval()
+    assert not tl.debug.nonfinite_origin(tl.trace(model, x)).found  # eval: statistics read, never written
+
+
+def test_an_earlier_op_origin_keeps_the_write_among_further_origins():
+    model, x = _overflowing_norm()
+    log = tl.trace(lambda t: (model(t), torch.log(-t.abs() - 1)), x, root=model)
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin_kind == "op" and report.origin.func_name == "log"  # born in an output: named first
+    assert report.buffers_written[0][0] in report.other_origins
+    assert "running statistics left non-finite inside a kernel: 1.running_var (INF" in str(report)
