@@ -147,10 +147,13 @@ COLLECTIVE_WRITES = {
 # In-place calls that write every element of the argument they write, by the (position, keyword) of that
 # argument: what they leave in a whole allocation of uninitialized memory is defined when what they read is
 # (dist.all_gather into a list of empty_like buffers, a copy_ into torch.empty).  Every collective but reduce and
-# gather, which write the result on their destination rank alone.
+# gather, which write the result on their destination rank alone; those that also read it: _READ_AND_WRITTEN.
 _WHOLE_WRITES = {"copy_": (0, "self"), "fill_": (0, "self"), "zero_": (0, "self"),
                  **{name: where for name, where in COLLECTIVE_WRITES.items() if name not in ("reduce", "gather")}}
 _OUT = (None, "out")  # a call given out=: see _whole_write_target
+# Collectives among those that also read the tensor they write: all_reduce sums what every rank's holds,
+# broadcast sends its source rank's (there it reads the tensor; elsewhere it writes it whole, unread).
+_READ_AND_WRITTEN = frozenset(["all_reduce", "all_reduce_coalesced", "broadcast"])
 
 
 def makes_uninitialized(op) -> bool:
@@ -229,9 +232,22 @@ def _whole_write_target(trace, op):
     if not op.is_inplace:
         return None
     written = _WHOLE_WRITES.get(op.func_name)
+    if written is not None and op.func_name in _READ_AND_WRITTEN and _reads_its_target(trace, op):
+        return None  # it read what it overwrote: an undefined tensor stays undefined (all_reduce(torch.empty(n)))
     if written is None and any(_head(position) == "out" for position, _ in trace.op_parents[op.index]):
         return _OUT
     return written
+
+
+def _reads_its_target(trace, op) -> bool:
+    """Whether a collective of ``_READ_AND_WRITTEN`` read the tensor it wrote on this rank: always, but for a
+    broadcast whose source (``src``, a world rank) is another rank.  A source given otherwise (``group_src``, a
+    rank within a group) is taken as this rank's: its values are then not counted as defined."""
+    if op.func_name != "broadcast":
+        return True
+    args, kwargs = op.args or (), op.kwargs or {}
+    src = kwargs["src"] if "src" in kwargs else args[1] if len(args) > 1 else None
+    return type(src) is not int or src == trace.rank
 
 
 def writes_first_argument(func) -> bool:
