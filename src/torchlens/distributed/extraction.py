@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import torch
 
-from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, batch_rows, extract_folder,
+from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, counted_rows, extract_folder,
                           extraction_job, traced_module)
 from ..io.extract_job import check_same_job, layer_dims, recorded_job
 from ..io.extracted import refuse_unfinished
@@ -225,12 +225,13 @@ class _RoundRobin:
     def __init__(self, inputs, rank, world, arguments_of, input_batch_dim=0):
         self.inputs, self.rank, self.world, self.arguments_of = inputs, rank, world, arguments_of
         self.input_batch_dim = input_batch_dim  # where each batch's row count is read (batch_dimension)
+        self.rows_source = None  # the input that counted the first batch: counted_rows reads the others' there
         self.indices: dict = {}  # this rank's batch position -> sample index of each row
 
     def __iter__(self):
         offset, mine = 0, 0
         for position, batch in enumerate(self.inputs):
-            rows = batch_rows(*self.arguments_of(batch, position), self.input_batch_dim)
+            rows = counted_rows(*self.arguments_of(batch, position), self.input_batch_dim, self)[0]
             if rows is None:
                 raise ValueError(f"batch {position} holds no tensor with a batch dimension; sharding a stream "
                                  "across ranks needs each batch's row count (use a DataLoader with a "

@@ -155,8 +155,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
                 run.first_fingerprint = inputs_fingerprint(args, named)
             if before_forward is not None:
                 before_forward()
-            rows = batch_dimension(args, named, input_batch_dim, run.rows_source)
-            run.rows_source = run.rows_source or rows[3]
+            rows = counted_rows(args, named, input_batch_dim, run)
             request = (loss_fn, batch) if grads else None
             with torch.enable_grad() if grads else torch.no_grad():
                 run.add(_extract_batch(model, args, {**(kwargs or {}), **named}, layers, run, position, stop_after,
@@ -227,9 +226,13 @@ def inputs_fingerprint(args, named=None) -> str:
     return digest.hexdigest()
 
 
-def batch_rows(args, named=None, input_batch_dim: int = 0):
-    """The batch's row count (see ``batch_dimension``), or None when it has no tensor of a dimension or more."""
-    return batch_dimension(args, named, input_batch_dim)[0]
+def counted_rows(args, named, input_batch_dim: int, counter) -> tuple:
+    """``batch_dimension`` of a batch, read from the input that counted the batches before it
+    (``counter.rows_source``, an ``ExtractionRun``'s or a rank's share's), which it notes on the first batch:
+    a last batch of one example is counted by that input, not by another whose dim happens to be larger."""
+    rows = batch_dimension(args, named, input_batch_dim, counter.rows_source)
+    counter.rows_source = counter.rows_source or rows[3]
+    return rows
 
 
 def traced_module(model):

@@ -1,0 +1,44 @@
+"""A distributed ``tl.extract`` counts each batch's rows as the single-process one does: by the input that
+counted the first batch, so that the sample indices match the rows written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import torchlens as tl
+from torchlens.distributed.extraction import sample_index
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+
+
+class WithTable(nn.Module):
+    """Reads a batch ``x`` and a table of 5 rows that is no batch (its dim 0 is not the examples')."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, table):
+        return self.fc(x) + table.sum()
+
+
+def _batches():
+    """Two examples, then a last batch of one: there the table's 5 rows are the first dim 0 that is not 1."""
+    torch.manual_seed(0)
+    return [(torch.randn(2, 4), torch.randn(5, 3)), (torch.randn(1, 4), torch.randn(5, 3))]
+
+
+def test_a_last_batch_of_one_is_counted_by_the_input_that_counted_the_first(tmp_path):
+    model = WithTable()
+    single = tl.extract(model, _batches(), ["fc"], tmp_path / "one", args_of=lambda b: b, progress=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # its round-robin share read the table's 5 rows, and refused: "batch 1 has 1 rows but (5,) sample indices"
+        ranks = tl.extract(model, _batches(), ["fc"], tmp_path / "ranks", args_of=lambda b: b, progress=False)
+    finally:
+        dist.destroy_process_group()
+    assert sample_index(ranks).tolist() == [0, 1, 2]
+    rows = tl.load_extracted(ranks, as_torch=True)["fc"]
+    assert rows.shape == (3, 3) and torch.equal(rows, tl.load_extracted(single, as_torch=True)["fc"])
