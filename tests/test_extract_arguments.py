@@ -138,3 +138,30 @@ def test_a_dataloader_over_a_stream_without_a_length_is_extracted(tmp_path, prog
         expected = torch.cat([model(rows) for rows in torch.cat(batches(3)).split(5)])
     assert np.array_equal(tl.load_extracted(tmp_path / "f")["head"], expected.numpy())
     assert ("extracting" in capsys.readouterr().err) is progress
+
+
+def test_an_unbatched_dataloader_of_rows_is_refused_naming_batch_size(tmp_path):
+    """batch_size=None yields a TensorDataset's rows one by one: the error said only that no dim of the layer had
+    the batch's size (or, for nn.Linear(4, 4), stored 4 scalar rows per example)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    for dataset in (torch.randn(6, 4), TensorDataset(torch.randn(6, 4))):
+        with pytest.raises(ValueError, match=r"DataLoader made with batch_size=None over a (Tensor|TensorDataset), "
+                                             r"so it yields the dataset's rows one at a time.*give the DataLoader a "
+                                             r"batch_size"):
+            tl.extract(torch.nn.Linear(4, 4), DataLoader(dataset, batch_size=None), ["linear_1_1"],
+                       tmp_path / "out", progress=False)
+        assert not (tmp_path / "out").exists()
+
+
+def test_an_unbatched_dataloader_that_fails_says_batch_size_none(tmp_path):
+    from torch.utils.data import DataLoader
+
+    examples = [(torch.randn(4),) for _ in range(3)]  # single examples, a list the loader passes on unbatched
+    with pytest.raises(TypeError) as caught:
+        tl.extract(torch.nn.Linear(4, 4), DataLoader(examples, batch_size=None), ["linear_1_1"], tmp_path / "out",
+                   progress=False)
+    assert any("DataLoader made with batch_size=None" in note for note in caught.value.__notes__)
+    batched = tl.extract(torch.nn.Linear(4, 4), DataLoader([torch.randn(2, 4)] * 2, batch_size=None),
+                         ["linear_1_1"], tmp_path / "batches", progress=False)  # items that are batches: taken
+    assert tl.load_extracted(batched, as_torch=True)["linear_1_1"].shape == (4, 4)

@@ -40,7 +40,8 @@ from .identity import model_checksum
 from .extract_job import stable_repr
 from .extract_progress import PROGRESS  # noqa: F401 - with the names below, what the rest of torchlens imports here
 from .extract_shards import EXTRACT_FORMAT, EXTRACT_SCHEMA, SAMPLE_INDEX, ExtractionRun  # noqa: F401
-from .extract_args import batch_count, batch_reader, check_inputs, check_layers, check_options
+from .extract_args import (UNBATCHED_NOTE, batch_count, batch_reader, check_inputs, check_layers, check_options,
+                           unbatched_loader)
 from .extract_rows import batch_dimension, check_batch_dim, check_input_batch_dim, rows_first
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
 from .tensorfile import NAME_OF, hash_values
@@ -172,8 +173,10 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
         if run.pending_batches:
             run.flush(inputs_fingerprint(*last))
         run.consolidate()
-    except BaseException:
+    except BaseException as exc:
         run.note_stop(checked)
+        if seen <= 1 and unbatched_loader(inputs):  # a loader of single examples fails at its first batch
+            add_note(exc, UNBATCHED_NOTE)
         raise
     finally:
         bar.close()

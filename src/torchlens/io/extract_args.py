@@ -70,6 +70,23 @@ def check_inputs(inputs) -> None:
         raise TypeError("inputs is an iterable of batches, and was given a dict, whose iteration gives its keys: "
                         "pass [batch] for one dict batch (with kwargs_of=dict for keyword arguments), or a list "
                         "or DataLoader of them")
+    if unbatched_loader(inputs) and isinstance(inputs.dataset, (torch.Tensor, torch.utils.data.TensorDataset)):
+        raise ValueError(f"inputs is a DataLoader made with batch_size=None over a {type(inputs.dataset).__name__}, "
+                         "so it yields the dataset's rows one at a time, each without its batch dimension, which "
+                         "tl.extract would store as if it were a batch; give the DataLoader a batch_size "
+                         "(DataLoader(dataset, batch_size=32)), or pass the batches themselves (x.split(32))")
+
+
+UNBATCHED_NOTE = ("tl.extract: inputs is a DataLoader made with batch_size=None, which yields each item of its "
+                  "dataset as it is, not collated into batches: if the items are single examples, give the DataLoader "
+                  "a batch_size (DataLoader(dataset, batch_size=32)), or pass the batches themselves")
+
+
+def unbatched_loader(inputs) -> bool:
+    """Whether ``inputs`` is a DataLoader made with ``batch_size=None`` (automatic batching off): each batch is one
+    item of its dataset, a single example unless the dataset's items are batches already."""
+    return isinstance(inputs, torch.utils.data.DataLoader) and inputs.batch_size is None \
+        and inputs.batch_sampler is None
 
 
 def batch_count(inputs):
