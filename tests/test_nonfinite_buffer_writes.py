@@ -52,3 +52,23 @@ def test_an_earlier_op_origin_keeps_the_write_among_further_origins():
     assert report.origin_kind == "op" and report.origin.func_name == "log"  # born in an output: named first
     assert report.buffers_written[0][0] in report.other_origins
     assert "running statistics left non-finite inside a kernel: 1.running_var (INF" in str(report)
+
+
+class Twice(nn.Module):
+    """One BatchNorm run on two inputs: the first overflows its running_var, the second only carries the Inf on."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x, y):
+        return self.bn(x) + self.bn(y)
+
+
+def test_a_statistic_written_by_several_calls_is_no_certain_origin_of_the_last():
+    model = Twice().train()
+    log = tl.trace(model, (torch.randn(8, 4) * 1e20, torch.randn(8, 4)))
+    report = tl.debug.nonfinite_origin(log)
+    first, last = (op.label for op in log.ops if op.func_name == "batch_norm")
+    assert report.origin_kind == "buffer_write" and report.origin_label == last and not report.certain
+    assert report.possible_origins == (first,) and f"the origin may be among {first}" in str(report)

@@ -169,23 +169,27 @@ def running_stats_written(func, args, kwargs) -> list:
 
 
 def stats_left_nonfinite(calls: list, norms: list, producers: dict, buffers) -> dict:
-    """``{op: ((buffer address, (has_nan, has_inf)), ...)}``: the running statistics that a call (its first
-    output's record, ``op``) wrote last in its kernel and left holding NaN or Inf at the forward's end.  That
+    """``{op: ((buffer address, (has_nan, has_inf), earlier writers), ...)}``: the running statistics that a call
+    (its first output's record, ``op``) wrote last in its kernel and left holding NaN or Inf at the forward's end,
+    with the ops of the calls that wrote each before it (a BatchNorm run twice), any of which may have made it.  That
     write is in no saved value (the statistic is saved as read, before the kernel ran) and moves no version
     counter, so ``nonfinite_origin`` would see it only on the next trace, as a buffer already non-finite.
     Called before ``link_running_stats_readers`` renames what each call read.  ``buffers``: the model's
     ``(buffer, address)`` pairs; ``producers``: capture's, which still binds an untouched buffer to its read."""
-    last = {}  # record of a statistic as read -> first record of the call that last wrote it
+    writers: dict = {}  # record of a statistic as read -> first record of each call that wrote it, in order
     for c in norms:
         call = calls[c]
         slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
-        last.update((record, call[CALL_FIRST_RECORD]) for slot, record in call[CALL_PARENTS] if slot in slots)
+        for slot, record in call[CALL_PARENTS]:
+            if slot in slots:
+                writers.setdefault(record, []).append(call[CALL_FIRST_RECORD])
     found: dict = {}
     for b, address in buffers:
         entry = producers.get(id(b))
-        if entry is None or entry[1] not in last or not is_bound(entry, b) or entry[2] != version_of(b):
+        if entry is None or entry[1] not in writers or not is_bound(entry, b) or entry[2] != version_of(b):
             continue  # never read as a statistic, or written since by an op the trace holds
         flags = nonfinite_flags(b)
         if flags is not None and flags != (False, False):
-            found.setdefault(last[entry[1]], []).append((address, flags))
+            *earlier, last = writers[entry[1]]
+            found.setdefault(last, []).append((address, flags, tuple(earlier)))
     return {op: tuple(stats) for op, stats in found.items()}

@@ -129,10 +129,14 @@ class NonfiniteReport:
             lines = [f"  {self.kind.upper()} already present in parameter(s) {', '.join(read)}, first "
                      f"read by {op.label} ({op.func_name}){where}{source}"]
         elif self.origin_kind == "buffer_write":
-            lines = [f"  origin: {op.label} ({op.func_name}){where}{source} left {self.kind.upper()} in "
-                     f"{_written_by(self.buffers_written, op.label)}, written inside its kernel from "
-                     + ("finite inputs" if self.certain else "inputs not all examined")
+            lines = [f"  {'origin' if self.certain else 'last writer'}: {op.label} ({op.func_name}){where}{source} "
+                     f"left {self.kind.upper()} in {_written_by(self.buffers_written, op.label)}, written inside "
+                     "its kernel" + (" from finite inputs" if self.certain else "" if self.possible_origins
+                                     else " (not all its inputs examined)")
                      + " (its output was finite): a running statistic that overflowed"]
+            if self.possible_origins:
+                lines.append(f"  earlier calls wrote it too, in their kernels, unexamined: the origin may be among "
+                             f"{_some(self.possible_origins, 'possible_origins')}")
         elif self.origin_kind == "intervention":
             made = "was finite" if self.certain else \
                 "was not kept, so either the op or the action may have made it"
@@ -266,8 +270,10 @@ def nonfinite_origin(log, grads: bool = False):
     stats = _stats_born(log, status)
     if stats and origin is None:
         first = min(stats)
-        origin, origin_kind, status[first] = first, "buffer_write", _worst(flags for _, flags in stats[first])
-        certain = all(status[p] is not None for p in _read_parents(log, first))
+        origin, origin_kind, status[first] = first, "buffer_write", _worst(flags for _, flags, _ in stats[first])
+        earlier = [log.labels[e] for _, _, before in stats[first] for e in before]
+        certain = not earlier and all(status[p] is not None for p in _read_parents(log, first))
+        possible = list(dict.fromkeys(earlier))  # each wrote the statistic in its kernel, unexamined
     others += [log.labels[i] for i in sorted(stats) if i != origin and log.labels[i] not in others]
     basis = ("recorded finite flags" if has_flags and (log.is_cleaned_up or not log.saved_activations) else
              "saved activations and recorded finite flags" if has_flags else "saved activations")
@@ -280,7 +286,7 @@ def nonfinite_origin(log, grads: bool = False):
         parameters_checked=params_checked, parameters_changed=params_changed, basis=basis, examined=examined,
         unexamined=unexamined, uninitialized=uninitialized,
         buffers_written=tuple((log.labels[i], address, _KINDS[flags])
-                              for i in sorted(stats) for address, flags in stats[i]))
+                              for i in sorted(stats) for address, flags, _ in stats[i]))
 
 
 def _stats_born(log, status) -> dict:
@@ -294,7 +300,7 @@ def _stats_born(log, status) -> dict:
 
 def _worst(flags) -> tuple:
     """``(has_nan, has_inf)`` over several flags."""
-    flags = list(flags)
+    flags = list(flags)  # (a generator: read twice below)
     return any(nan for nan, _ in flags), any(inf for _, inf in flags)
 
 
