@@ -72,3 +72,13 @@ def test_a_statistic_written_by_several_calls_is_no_certain_origin_of_the_last()
     first, last = (op.label for op in log.ops if op.func_name == "batch_norm")
     assert report.origin_kind == "buffer_write" and report.origin_label == last and not report.certain
     assert report.possible_origins == (first,) and f"the origin may be among {first}" in str(report)
+
+
+def test_a_saved_trace_keeps_the_write(tmp_path):
+    model, x = _overflowing_norm()
+    log = tl.trace(model, x)
+    live = tl.debug.nonfinite_origin(log)
+    loaded = tl.debug.nonfinite_origin(tl.load(log.save(tmp_path / "t")))
+    assert (loaded.origin_kind, loaded.origin_label, loaded.buffers_written) == \
+        (live.origin_kind, live.origin_label, live.buffers_written) == \
+        ("buffer_write", live.origin_label, ((live.origin_label, "1.running_var", "inf"),))

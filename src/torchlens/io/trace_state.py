@@ -1,7 +1,8 @@
 """Trace-level facts a saved trace keeps beside its columns, so that a loaded trace prints what the live
 one printed: where ``stop_after=`` stopped the forward, the caveats, the root module's class, the module
 attributes read from outside the trace, whether repeated layers came from a loop or a reused module,
-which output nodes show a tensor of their own, and the input slots that named a tensor an earlier slot named.
+which output nodes show a tensor of their own, the input slots that named a tensor an earlier slot named, and the
+running statistics a kernel left non-finite (``nonfinite_origin`` names the op that wrote them).
 
 Each is one optional key of ``trace.json``: a file written before the key existed loads as it always did
 (nothing stopped, no caveats, the class shown as the model's name, repetition told apart from the ops'
@@ -29,6 +30,10 @@ def write_trace_state(trace) -> dict:
         "repetition": repetition(trace),  # the live verdict: a loaded trace lacks the module call frames
         "own_outputs": sorted(trace._own_outputs),  # output nodes with their own tensor and gradient
         "input_aliases": trace._input_aliases,  # slots naming a tensor an earlier slot named
+        # running statistics a kernel left non-finite (nonfinite_origin): [op, address, nan, inf, earlier ops]
+        "stats_left_nonfinite": [[op, address, nan, inf, list(earlier)]
+                                 for op, stats in getattr(trace, "_stats_left_nonfinite", {}).items()
+                                 for address, (nan, inf), earlier in stats],
     }
 
 
@@ -56,6 +61,9 @@ def read_trace_state(trace, record: dict) -> None:
     aliases = _input_aliases(trace, record)
     if aliases:
         trace._input_aliases = aliases
+    stats = _stats(trace, record)
+    if stats:
+        trace._stats_left_nonfinite = stats
     verdict = _optional_string(record, "repetition")
     if verdict is not None:
         if verdict not in _REPETITIONS:
@@ -93,3 +101,17 @@ def _input_aliases(trace, record: dict) -> dict:
                                               and kinds[i] == Kind.INPUT for k, i in value.items()):
         raise TraceFileError(f"{TRACE_JSON}: 'input_aliases' must map input slots to input nodes by index")
     return value
+
+
+def _stats(trace, record: dict) -> dict:
+    """``write_trace_state``'s ``stats_left_nonfinite`` as capture made it: op -> ((address, flags, earlier), ...)."""
+    value, found = record.get("stats_left_nonfinite", []), {}
+    ops = range(len(trace._kind))
+    for entry in value if isinstance(value, list) else [None]:
+        if not (isinstance(entry, list) and len(entry) == 5 and type(entry[0]) is int and entry[0] in ops
+                and isinstance(entry[1], str) and all(type(f) is bool for f in entry[2:4])
+                and isinstance(entry[4], list) and all(type(e) is int and e in ops for e in entry[4])):
+            raise TraceFileError(f"{TRACE_JSON}: 'stats_left_nonfinite' must list [op, buffer address, has_nan, "
+                                 "has_inf, [earlier ops]] entries")
+        found.setdefault(entry[0], []).append((entry[1], (entry[2], entry[3]), tuple(entry[4])))
+    return {op: tuple(stats) for op, stats in found.items()}
