@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..record.columns import CALL_ARGS, CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_PARENTS
-from ..record.finite import nonfinite_flags
+from ..record.finite import drained_flags, nonfinite_flags
 from ..record.layouts import version_of
 from .bindings import is_bound
 
@@ -183,13 +183,16 @@ def stats_left_nonfinite(calls: list, norms: list, producers: dict, buffers) -> 
         for slot, record in call[CALL_PARENTS]:
             if slot in slots:
                 writers.setdefault(record, []).append(call[CALL_FIRST_RECORD])
-    found: dict = {}
+    written = []  # (statistic, its address, the record it was read as)
     for b, address in buffers:
         entry = producers.get(id(b))
-        if entry is None or entry[1] not in writers or not is_bound(entry, b) or entry[2] != version_of(b):
-            continue  # never read as a statistic, or written since by an op the trace holds
-        flags = nonfinite_flags(b)
-        if flags is not None and flags != (False, False):
-            *earlier, last = writers[entry[1]]
-            found.setdefault(last, []).append((address, flags, tuple(earlier)))
+        if entry is not None and entry[1] in writers and is_bound(entry, b) and entry[2] == version_of(b):
+            written.append((b, address, entry[1]))  # (else never read as a statistic, or written since by an op)
+    # On an accelerator the flags stay on the device until one read of them all: no sync per statistic.
+    flags = drained_flags({k: nonfinite_flags(b, sync=False) for k, (b, _, _) in enumerate(written)})
+    found: dict = {}
+    for k, (_, address, record) in enumerate(written):
+        if flags[k] is not None and flags[k] != (False, False):
+            *earlier, last = writers[record]
+            found.setdefault(last, []).append((address, flags[k], tuple(earlier)))
     return {op: tuple(stats) for op, stats in found.items()}
