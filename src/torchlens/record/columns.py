@@ -241,13 +241,28 @@ def _whole_write_target(trace, op):
 
 def _reads_its_target(trace, op) -> bool:
     """Whether a collective of ``_READ_AND_WRITTEN`` read the tensor it wrote on this rank: always, but for a
-    broadcast whose source (``src``, a world rank) is another rank.  A source given otherwise (``group_src``, a
-    rank within a group) is taken as this rank's: its values are then not counted as defined."""
+    broadcast whose source (``src``, a world rank, or ``group_src``, a rank of ``group``) is another rank.  A
+    source that cannot be told is taken as this rank's: what the broadcast left is then not counted as defined."""
     if op.func_name != "broadcast":
         return True
     args, kwargs = op.args or (), op.kwargs or {}
-    src = kwargs["src"] if "src" in kwargs else args[1] if len(args) > 1 else None
+    src = kwargs.get("src") if "src" in kwargs else args[1] if len(args) > 1 else None
+    if src is None and type(kwargs.get("group_src")) is int:
+        src = _world_rank(kwargs.get("group"), kwargs["group_src"])
     return type(src) is not int or src == trace.rank
+
+
+def _world_rank(group, rank: int):
+    """The world rank of ``group``'s rank ``rank`` (the default group's when ``group`` is None), or None when the
+    group can no longer tell (destroyed since the trace)."""
+    if group is None:
+        return rank
+    import torch.distributed as dist
+
+    try:
+        return dist.get_global_rank(group, rank)
+    except (RuntimeError, ValueError):
+        return None
 
 
 def writes_first_argument(func) -> bool:
