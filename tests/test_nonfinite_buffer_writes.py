@@ -82,3 +82,16 @@ def test_a_saved_trace_keeps_the_write(tmp_path):
     assert (loaded.origin_kind, loaded.origin_label, loaded.buffers_written) == \
         (live.origin_kind, live.origin_label, live.buffers_written) == \
         ("buffer_write", live.origin_label, ((live.origin_label, "1.running_var", "inf"),))
+
+
+def test_statistics_from_outside_the_trace_are_said_to_be_unexamined():
+    """A BatchNorm called by a function traced with no root: its statistics are no buffers of the trace, so
+    nothing examines what its kernel wrote, and the report said only that no NaN or Inf was found."""
+    model, x = _overflowing_norm()
+    norm = model[1]
+    report = tl.debug.nonfinite_origin(tl.trace(lambda t: norm(t), x))
+    assert torch.isinf(norm.running_var).all() and not report.found
+    (label,) = report.stats_unexamined
+    assert label.startswith("batchnorm") and f"kernels of {label} were not examined" in str(report)
+    model, x = _overflowing_norm()
+    assert not tl.debug.nonfinite_origin(tl.trace(model, x)).stats_unexamined  # its buffers: examined

@@ -196,3 +196,17 @@ def stats_left_nonfinite(calls: list, norms: list, producers: dict, buffers) -> 
             *earlier, last = writers[record]
             found.setdefault(last, []).append((address, flags[k], tuple(earlier)))
     return {op: tuple(stats) for op, stats in found.items()}
+
+
+def stats_writers_untracked(calls: list, norms: list) -> list:
+    """The first records of the calls that wrote, in their kernels, running statistics the trace does not hold
+    (tensors from outside it: a BatchNorm called by a function traced with no root, or ``F.batch_norm`` given
+    plain tensors), whose values after the write ``stats_left_nonfinite`` could not examine.  ``norms``:
+    ``norm_calls(calls)``."""
+    found = []
+    for c in norms:
+        call = calls[c]
+        slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
+        if any(slot in slots and record < 0 for slot, record in call[CALL_PARENTS]):
+            found.append(call[CALL_FIRST_RECORD])
+    return found

@@ -30,7 +30,7 @@ from .compiled import (CompiledSubmodules, DynamoCompiles, Suspension, check_com
                        compiled_in_place, optimized_module_type)
 from .fastpath import FastPathShim
 from .forks import leave_copied_trace, refuse_forked_trace
-from .fused_writes import link_running_stats_readers, norm_calls, stats_left_nonfinite
+from .fused_writes import link_running_stats_readers, norm_calls, stats_left_nonfinite, stats_writers_untracked
 from .function_outputs import function_outputs
 from .grads import attach_grads, grad_capture
 from .inputs import add_inputs, note_how_arguments_were_passed
@@ -125,9 +125,10 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if state.finite_flags and process_rank()[0] is not None:  # only under torch.distributed can a collective run
         drop_flags_before_arrival(state)
     norms = norm_calls(state.calls)
-    stats_written = None
+    stats_written = stats_untracked = None
     if norms:
         stats_written = stats_left_nonfinite(state.calls, norms, state.producers, index.buffers.values())
+        stats_untracked = stats_writers_untracked(state.calls, norms)
         if state.saved:  # before the links below rename what each norm call read
             state.guard_running_stats(norms, index.batch_counters())
         link_running_stats_readers(state.calls, norms, state.alias_reads)
@@ -142,6 +143,8 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
             shown.close()
     if stats_written:  # nonfinite_origin: statistics a kernel left holding NaN/Inf, in no saved value
         result._stats_left_nonfinite = stats_written
+    if stats_untracked:  # (and those it could not examine)
+        result._stats_untracked = tuple(stats_untracked)
     result._autocast = state.context[1]  # the autocast state around the forward, for replay
     if input_aliases:
         result._input_aliases = input_aliases

@@ -72,6 +72,7 @@ class NonfiniteReport:
         self.uninitialized = tuple(fields["uninitialized"])  # non-finite values that are undefined memory
         # (op label, buffer address, kind) for each running statistic an op's kernel left non-finite
         self.buffers_written = tuple(fields.get("buffers_written", ()))
+        self.stats_unexamined = tuple(fields.get("stats_unexamined", ()))  # ops writing statistics not traced
         self.recipe = DETECT_ANOMALY_RECIPE
 
     @property
@@ -106,6 +107,10 @@ class NonfiniteReport:
             shown = ", ".join(f"{address} ({kind.upper()}, by {label})"
                               for label, address, kind in self.buffers_written)
             lines.append(f"  running statistics left non-finite inside a kernel: {shown}")
+        if self.stats_unexamined:
+            lines.append(f"  running statistics written inside the kernels of {listed(self.stats_unexamined, 5)} "
+                         "were not examined (tensors from outside the trace, not buffers of a traced module): trace "
+                         "the module that holds them (tl.trace(model, x)) to examine them")
         if self.parameters and self.origin_kind != "parameter":
             lines.append(f"  parameters holding NaN/Inf: {', '.join(self.parameters)}")
         if not self.parameters_checked:
@@ -285,6 +290,7 @@ def nonfinite_origin(log, grads: bool = False):
         parameters=bad_params,
         parameters_checked=params_checked, parameters_changed=params_changed, basis=basis, examined=examined,
         unexamined=unexamined, uninitialized=uninitialized,
+        stats_unexamined=_stats_unexamined(log),
         buffers_written=tuple((log.labels[i], address, _KINDS[flags])
                               for i in sorted(stats) for address, flags, _ in stats[i]))
 
@@ -296,6 +302,12 @@ def _stats_born(log, status) -> dict:
     written = getattr(log, "_stats_left_nonfinite", None) or {}
     return {i: stats for i, stats in written.items()
             if not any(p >= 0 and status[p] not in (None, (False, False)) for p in _read_parents(log, i))}
+
+
+def _stats_unexamined(log) -> tuple:
+    """Labels of the ops that wrote, inside their kernels, running statistics from outside the trace (capture
+    noted them: ``stats_writers_untracked``): whether those went non-finite is not known."""
+    return tuple(log.labels[i] for i in getattr(log, "_stats_untracked", ()))
 
 
 def _worst(flags) -> tuple:
