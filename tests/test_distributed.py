@@ -158,11 +158,24 @@ def test_every_listed_torch_distributed_collective_is_recorded(traced):
         assert every["groups"] == [[0, 1]] * len(every["names"])
 
 
-def test_a_collective_written_through_a_view_is_the_parent_of_a_later_read_of_its_base(tmp_path):
-    for got in values(launch(collective_on_a_view, 2, str(tmp_path))):
+@pytest.fixture(scope="module")
+def view_and_broadcast(tmp_path_factory):
+    """Both ranks' results of ``collective_on_a_view`` (one launch serves the two tests below)."""
+    return values(launch(collective_on_a_view, 2, str(tmp_path_factory.mktemp("view"))))
+
+
+def test_a_collective_written_through_a_view_is_the_parent_of_a_later_read_of_its_base(view_and_broadcast):
+    for got in view_and_broadcast:
         assert got["mul_read_reduced"] and got["fc_saved_before_the_write"]  # the values: y * 2 read reduced rows
         assert got["mul_parents"] == got["collective"]  # so the graph says y * 2 read the all_reduce, not fc
         assert got["mismatched"] == []  # and validate does not replay y * 2 from fc's unreduced output
+
+
+def test_a_broadcast_received_from_another_rank_fills_torch_empty_whole(view_and_broadcast):
+    """A broadcast sent from this rank reads its tensor (tests/test_distributed_uninitialized.py); one received,
+    its source named by world rank or by group rank, writes the receiver's torch.empty whole."""
+    sender, receiver = (got["undefined_after_broadcast"] for got in view_and_broadcast)
+    assert sender == [] and receiver == ["empty", "empty"]  # the broadcasts' values are defined
 
 
 @path_independent
