@@ -173,31 +173,6 @@ def test_a_profiled_backward_leaves_the_parameters_grads_as_they_were(how):
         assert p.grad is g and (v is None or torch.equal(p.grad, v))
 
 
-class _ReluMatmul(torch.autograd.Function):
-    """relu(a @ b) with its own backward: the grad node is made by ``apply``, after the ops inside."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return (a @ b).relu()
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        grad = grad * ((a @ b) > 0)
-        return grad @ b.T, a.T @ grad
-
-
-def test_a_custom_function_backward_is_listed_off_the_ops_with_the_reason_naming_it():
-    """Its backward's aten calls belong to no captured op's grad node: they are listed as such, under a
-    reason that names custom Functions, not only AccumulateGrad and the loss."""
-    w = nn.Parameter(torch.randn(16, 16))
-    kp = tl.report.kernel_profile(lambda x: _ReluMatmul.apply(x, w).sum(), (torch.randn(8, 16),), backward=True)
-    events, ns = kp.coverage.host_unattributed["backward_without_op"]
-    assert events > 0 and ns > 0
-    assert "custom autograd.Function" in str(kp.coverage)
-
-
 def test_a_loaded_trace_is_refused_for_a_backward_profile_as_loaded(tmp_path):
     """A trace read from disk has no live output to run a backward from: the refusal says so, whether or not
     it was taken with gradients (not that it was "captured without gradients")."""

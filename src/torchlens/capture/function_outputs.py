@@ -7,7 +7,9 @@ capture sees, so while a trace with gradients runs, ``Function.apply`` is wrappe
 (``FunctionOutputs``), and each output that is a record's tensor has its record and gradient hook moved
 to the Function's node.  torch.utils.checkpoint's reentrant regions and nn.Module's full backward hooks
 are such Functions.  With ``saved_for_backward=True`` the wrapper also tells the pack log when a Function
-runs, since torch packs what it keeps only as ``apply`` returns (capture/packing.py).
+runs, since torch packs what it keeps only as ``apply`` returns (capture/packing.py).  In a profiled trace
+(``kernel_profile``) it tells the profiler markers which op made the output each Function's node differentiates,
+the op a backward-only profile of a trace with gradients charges that node's backward to.
 """
 
 from __future__ import annotations
@@ -117,28 +119,52 @@ class FunctionOutputs:
 
 
 def function_outputs(state, capture, packing) -> FunctionOutputs:
-    """The ``FunctionOutputs`` part of a trace with gradients (``capture``) or noting what backward keeps
-    (``packing``): each output of a ``Function.apply`` that is a record's tensor has its record and hook
-    moved to the Function's backward node, and what torch packs for the Function is kept by its output op."""
+    """The ``FunctionOutputs`` part of a trace with gradients (``capture``), noting what backward keeps
+    (``packing``) or driving profiler markers (``state.markers``): each output of a ``Function.apply`` that is
+    a record's tensor has its record and hook moved to the Function's backward node, what torch packs for the
+    Function is kept by its output op, and the markers learn which op's output the node differentiates."""
     receive = None if capture is None else _output_receiver(state, capture)
+    note = None if state.markers is None else _node_noter(state, state.markers)
 
     def run(cls, args, kwargs):
         out = _torch_apply(cls, *args, **kwargs) if packing is None else packing.within_function(
             _torch_apply, cls, args, kwargs)
         if receive is not None:
             receive(out, args)
+        if note is not None:
+            note(out)
         return out
 
     return FunctionOutputs(run, grads=capture is not None)
+
+
+def _tensors_out(out) -> tuple:
+    """The tensors ``apply`` returned, in order (a Function may return a tuple holding other values)."""
+    found = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ()
+    return tuple(t for t in found if isinstance(t, torch.Tensor))
+
+
+def _node_noter(state, markers):
+    """``note(out)``: for each output of a ``Function.apply`` that a record holds and that has a backward node,
+    tells ``markers`` the call that made the record.  The profiler numbers the node inside ``apply``, outside
+    every op's range, so without this the join could charge its backward to no op."""
+    records = state.records
+
+    def note(out) -> None:
+        for t in _tensors_out(out):
+            grad_fn = t.grad_fn
+            index = None if grad_fn is None else state.record_holding(t)
+            if index is not None:
+                markers.function_node(grad_fn._sequence_nr(), Record._make(records[index]).call)
+
+    return note
 
 
 def _output_receiver(state, capture):
     records, calls = state.records, state.calls
 
     def receive(out, args) -> None:
-        for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors_out(out):
             if any(t is a for a in args):
                 # torch hands an argument back as itself only when the forward marked it dirty, and then
                 # moves its version counter once more, after the forward's in-place op was recorded.

@@ -278,8 +278,9 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (*parts, runtime.module_hooks(state, skip))
     parts = (*parts, installed)
-    if state.grads is not None or packing is not None:
-        # A custom autograd Function's outputs get their backward node late, and what it keeps is packed late.
+    if state.grads is not None or packing is not None or state.markers is not None:
+        # A custom autograd Function's outputs get their backward node late, and what it keeps is packed late
+        # (a profile's markers learn which op's output that node differentiates).
         parts = (function_outputs(state, state.grads, packing), *parts)
     state.suspend = lambda: Suspension(tracker, shim)  # around a compiled region, a higher-order op, a compile
     parts = (DynamoCompiles(state), *parts)

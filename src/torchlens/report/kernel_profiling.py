@@ -227,7 +227,9 @@ class KernelProfile:
                 serial_of_call, joined, problems = join_backward(self, events)
             else:
                 serial_of_call = {c: s for s, c in self.markers.resolve_calls(len(self.trace.calls)).items()}
-                joined = join(events, self.markers.run, set(serial_of_call.values()))
+                functions = {seq: serial_of_call[c] for seq, c in self.markers.function_nodes.items()
+                             if c in serial_of_call}
+                joined = join(events, self.markers.run, set(serial_of_call.values()), function_nodes=functions)
                 problems = find_problems(joined, len(self.trace.module_calls), serial_of_call)
             rows = op_rows(self.trace, serial_of_call, joined, self.backward)
             self._joined = (joined, Coverage(joined, problems), rows, serial_of_call)

@@ -54,6 +54,7 @@ class ProfilerMarkers:
         self._op_prefix = f"torchlens::op::{self.run}."
         self._module_prefix = f"torchlens::module::{self.run}."
         self.op_calls: list = []  # serial -> call index the capture was about to use
+        self.function_nodes: dict = {}  # a custom Function's node number -> the call that made its output
         self.phases: list = []
         self._open_modules: dict = {}  # module call index -> open range
         self._open_phase = None
@@ -78,6 +79,12 @@ class ProfilerMarkers:
         record = self._open_modules.pop(module_call_index, None)
         if record is not None:
             record.__exit__(None, None, None)
+
+    def function_node(self, sequence_number: int, call_index: int) -> None:
+        """A ``Function.apply`` gave the output of call ``call_index`` its backward node: that node's backward
+        belongs to the call, as a backward-only profile of a trace with gradients has it.  The first output
+        named keeps the node (the trace's gradient capture keeps the first too)."""
+        self.function_nodes.setdefault(sequence_number, call_index)
 
     # ----- phases and teardown ------------------------------------------------------------------
     def phase_enter(self, phase: str) -> None:

@@ -34,7 +34,7 @@ REASONS = {
     "backward_outside_nodes": "in the backward phase outside any grad node (the loss, the backward seed, "
                               "AccumulateGrad, engine bookkeeping)",
     "backward_without_op": "backward of a grad node no captured op created (AccumulateGrad, the loss, a custom "
-                           "autograd.Function's backward, whose node its apply makes after the ops inside it)",
+                           "autograd.Function's backward whose output no captured op made)",
     "call_without_op": "inside a torch call that returned no tensor, so is not an op (torch.equal, ...)",
     "outside_profile": "before or after the profiled forward/backward on the model's thread",
     "other_thread": "on a thread that ran no torchlens marker (other threads' work)",
@@ -116,18 +116,20 @@ class JoinResult:
         return self.device_events > 0
 
 
-def join(events: list, run: int, op_serials=None, seq_owner=None) -> JoinResult:
+def join(events: list, run: int, op_serials=None, seq_owner=None, function_nodes=None) -> JoinResult:
     """Attribute ``events`` to the markers of profile ``run`` (see the module docstring).
 
     ``op_serials``: the op marker serials that became ops (``ProfilerMarkers.resolve_calls``); work
     under any other op marker belongs to a call that returned no tensor.  ``seq_owner``
     (``{sequence number: op serial}``): a backward-only profile of an earlier trace, whose backward
-    nodes the trace itself numbered (``grads=True``); no forward ran inside the profile."""
+    nodes the trace itself numbered (``grads=True``); no forward ran inside the profile.
+    ``function_nodes`` (``{sequence number: op serial}``): the nodes custom Functions gave the output of an op
+    (``ProfilerMarkers.function_node``), numbered inside ``apply``, outside that op's range."""
     result = JoinResult()
     owners = _sweep_threads(events, run, result)
     result.backward_only = seq_owner is not None
     if seq_owner is None:
-        seq_owner = _forward_sequence_owners(events, owners)
+        seq_owner = _forward_sequence_owners(events, owners, function_nodes or {})
     resolved = {}
     for i, owner in owners.items():
         e = events[i]
@@ -204,14 +206,16 @@ def _is_user_range(e) -> bool:
     return e.category == USER_RANGE and not e.name.startswith(PREFIX)
 
 
-def _forward_sequence_owners(events, owners) -> dict:
+def _forward_sequence_owners(events, owners, function_nodes: dict) -> dict:
     """``{sequence number: op serial or None}`` from the aten ops run on the model's thread.
 
     Every autograd-aware aten op records the *next* sequence number, but only an op that creates a
     grad node advances it; so node N was created by the last op (in time) that recorded N.  An
     in-place ``add_`` on a BatchNorm's step counter records the same N as the ``batch_norm`` after
     it; the batch norm is the later one, and owns the node.  Ops outside any captured op count too
-    (a loss computed after the forward): their nodes belong to no op (``None``)."""
+    (a loss computed after the forward): their nodes belong to no op (``None``), except a custom Function's,
+    which ``apply`` numbers outside the ops inside it: it belongs to the op that made the Function's output
+    (``function_nodes``), whose output the node differentiates."""
     latest: dict = {}
     in_nodes: set = set()  # numbers recorded by ops run inside a grad node (a recompute during the backward)
     for i, owner in owners.items():
@@ -225,6 +229,7 @@ def _forward_sequence_owners(events, owners) -> dict:
         if seen is None or e.start >= seen[0]:
             latest[e.seq] = (e.start, owner.op)
     owned = {seq: serial for seq, (_, serial) in latest.items()}
+    owned.update(function_nodes)
     nodes = {e.seq for e in events if e.kind == HOST and e.backward and e.seq >= 0}
     owned.update(_unrecorded_node_owners(nodes - owned.keys() - in_nodes, owned, in_nodes))
     return owned
