@@ -20,6 +20,7 @@ import torch
 
 from ..checks import check_model, check_number
 from ..errors import NativeToolFailed, WitnessFailed, counted, listed
+from ..labels.naming import func_name_of
 from ..record.modules import enclosing_calls, is_unregistered, script_modules
 from .flops import (CONVENTION, FAMILIES, CallArgs, canonical_name, dropout_applies, family_totals, flops_column,
                     registry_family, total_flops)
@@ -245,7 +246,9 @@ class _ProductWatch(torch.overrides.TorchFunctionMode):
         self._depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
+        # Named as capture names its ops (torch.linalg.multi_dot's builtin is ``linalg_multi_dot``, its op's
+        # ``multi_dot``): the witness compares these names with the traced ops' in order.
+        name = func_name_of(func)
         if self._depth or not (_is_product(name) or name in self.unknown_names):
             return func(*args, **(kwargs or {}))
         before = _global_counts(self.counter)
