@@ -137,6 +137,31 @@ def test_chained_batched_and_grouped_products_count_every_multiply_add():
     assert tl.report.op_flops(op) == native_total(lambda p, q: p.float() @ q[0].float(), left, right)
 
 
+class _Contractions(nn.Module):
+    """tensordot with each spelling of its dims, and chain_matmul with parameters around the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.cube, self.first, self.last = (nn.Parameter(torch.randn(*s)) for s in ((3, 4, 5), (2, 5), (4, 7)))
+
+    def forward(self, x):
+        pair = torch.tensordot(x, self.cube, dims=([-2, 2], [0, 1]))  # x is (2, 3, 4): a (2, 5) result
+        last = torch.tensordot(x, self.cube[0], dims=1).sum() + torch.tensordot(x, self.cube, 2).sum()
+        return pair.sum() + last + torch.chain_matmul(self.first, pair.T @ pair[:, :4], self.last).sum()
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_tensordot_and_chain_matmul_count_the_products_torch_runs(compiled):
+    # Neither had a formula: their FLOPs were unknown, where FlopCounterMode counts the products inside them.
+    model, x = _Contractions(), torch.randn(2, 3, 4)
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    ops = [op for op in log.ops if op.func_name in ("tensordot", "chain_matmul")]
+    assert len(ops) == 4 and all(registry.op_flops_by_family(op).keys() == {"matmul"} for op in ops)
+    products = [op for op in log.ops if registry.op_flops_by_family(op).get("matmul")]
+    assert sum(tl.report.op_flops(op) for op in products) == native_total(model, x) and not log.flops.unknown
+
+
 class _ChainAroundTheInput(nn.Module):
     """A multi_dot chain whose first and last matrices are parameters and whose middle one is the input."""
 

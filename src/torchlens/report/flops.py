@@ -24,6 +24,7 @@ from ..record.modules import enclosing_calls, script_modules
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
 from .flops_einsum import einsum_flops
+from .flops_products import chain_matmul_flops, multi_dot_flops, tensordot_flops
 
 CONVENTION = ("analytic forward FLOPs: a multiply-add counts 2, any other arithmetic operation 1, "
               "an elementwise function 1 per output element")
@@ -168,28 +169,6 @@ def _grouped_mm(a):
     if len(left) == 2 and len(right) == 2:
         return 2 * (a.out_numel // a.out_shape[0]) * left[-1] if len(a.out_shape) == 3 else None
     return 2 * a.out_numel * left[-1]
-
-
-def _multi_dot(a):
-    """The chain's products in the order torch picks (the cheapest); each counted as a matmul."""
-    shapes = a.nested_shapes()
-    if len(shapes) < 2 or None in shapes:
-        return None
-    first, last = shapes[0], shapes[-1]  # a 1-D first operand is a row (1, k), a 1-D last one a column (k, 1)
-    dims = [first[0] if len(first) == 2 else 1] + [s[-1] for s in shapes[:-1]] + [last[-1] if len(last) == 2 else 1]
-    return 2 * _cheapest_chain(dims)
-
-
-def _cheapest_chain(dims) -> int:
-    """Multiply-adds of the cheapest order to multiply matrices of sizes dims[i] x dims[i + 1]."""
-    n = len(dims) - 1
-    cost = [[0] * n for _ in range(n)]
-    for length in range(1, n):
-        for i in range(n - length):
-            j = i + length
-            cost[i][j] = min(cost[i][k] + cost[k + 1][j] + dims[i] * dims[k + 1] * dims[j + 1]
-                             for k in range(i, j))
-    return cost[0][n - 1]
 
 
 def _diff(a):
@@ -390,7 +369,9 @@ register("addmm addmv baddbmm", "matmul", _addmm)
 register("addr", "matmul", lambda a: a.out_numel + _input_adds(a))  # a multiply per element, then the add
 register("addbmm", "matmul", _addbmm)
 register("_grouped_mm", "matmul", _grouped_mm)
-register("multi_dot linalg_multi_dot", "matmul", _multi_dot)
+register("multi_dot linalg_multi_dot", "matmul", multi_dot_flops)
+register("chain_matmul", "matmul", chain_matmul_flops)
+register("tensordot", "matmul", tensordot_flops)
 register("einsum", "matmul", _einsum)
 register("lstm gru rnn_tanh rnn_relu", "matmul", _recurrent)
 register("lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell", "matmul", _recurrent_cell)
