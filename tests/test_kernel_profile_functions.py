@@ -95,3 +95,42 @@ def test_a_node_of_several_outputs_lands_on_the_first_outputs_op(profiles):
 def test_both_profiles_put_every_node_on_the_same_op(profiles):
     forward_and_backward, backward_only, _ = profiles
     assert _nodes_by_op(forward_and_backward) == _nodes_by_op(backward_only)
+
+
+class Checkpointed(nn.Module):
+    """Two same-shaped layers, the second run in a reentrant checkpoint region (a Function whose backward
+    recomputes the region and runs the region's own backward inside its node)."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain, self.region = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.region, self.plain(x), use_reentrant=True).tanh()
+
+
+@pytest.fixture(scope="module")
+def checkpointed():
+    torch.manual_seed(0)
+    model, x = Checkpointed(), torch.randn(4, 16, requires_grad=True)  # reentrant regions need an input that does
+    forward_and_backward = tl.report.kernel_profile(model, x, backward=True)
+    log = tl.trace(model, x, grads=True)
+    return forward_and_backward, tl.report.kernel_profile(log, backward=True)
+
+
+def test_a_reentrant_checkpoints_inner_backward_goes_where_its_node_goes(checkpointed):
+    # The region's backward nodes are made afresh during the backward, inside the checkpoint's node, and no op
+    # made them: they were listed as work of no op while the checkpoint's own node and recompute were the op's.
+    forward_and_backward, _ = checkpointed
+    nodes = _nodes_by_op(forward_and_backward)
+    assert not [name for label, name in nodes if label is None and "AccumulateGrad" not in name]
+    assert "backward_without_op" not in forward_and_backward.coverage.host_unattributed
+    plain, region = forward_and_backward["plain:1"], forward_and_backward["region:1"]
+    assert region["bwd_aten_ops"] > plain["bwd_aten_ops"]  # its own backward, plus the recompute
+
+
+def test_both_profiles_put_a_reentrant_checkpoints_nodes_on_the_same_op(checkpointed):
+    forward_and_backward, backward_only = checkpointed
+    assert _nodes_by_op(forward_and_backward) == _nodes_by_op(backward_only)

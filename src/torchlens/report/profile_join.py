@@ -56,13 +56,15 @@ class Target(NamedTuple):
 
 class Owner:
     """What encloses one aten op or runtime call on its thread: the innermost op marker, module marker, phase
-    and grad node (sequence number), the thread (None when no marker of the run ran on it), and the event's
-    own time, its children's excluded."""
+    and grad node (sequence number), the grad nodes around that node (``outer``, outermost first: a backward run
+    inside a node's, as a reentrant checkpoint runs its region's), the thread (None when no marker of the run
+    ran on it), and the event's own time, its children's excluded."""
 
-    __slots__ = ("op", "module", "phase", "seq", "thread", "self_ns")
+    __slots__ = ("op", "module", "phase", "seq", "outer", "thread", "self_ns")
 
-    def __init__(self, op, module, phase, seq, thread):
-        self.op, self.module, self.phase, self.seq, self.thread = op, module, phase, seq, thread
+    def __init__(self, op, module, phase, nodes, thread):
+        self.op, self.module, self.phase, self.thread = op, module, phase, thread
+        self.seq, self.outer = (nodes[-1], nodes[:-1]) if nodes else (None, ())
         self.self_ns = 0
 
 
@@ -157,19 +159,19 @@ def _sweep_threads(events, run, result) -> dict:
     marked_threads = set()
     for thread, indices in by_thread.items():
         indices.sort(key=lambda i: (events[i].start, -events[i].end))
-        stack: list = []  # (end, index, op, module, phase, seq, is_marker)
+        stack: list = []  # (end, index, op, module, phase, grad node numbers (outermost first), is_marker)
         for i in indices:
             e = events[i]
             while stack and stack[-1][0] <= e.start:
                 stack.pop()
             if stack:
-                end, parent, op, module, phase, seq, parent_is_op_marker = stack[-1]
+                end, parent, op, module, phase, nodes, parent_is_op_marker = stack[-1]
                 children_ns[parent] += e.end - e.start
                 if e.end > end:
                     result.nesting_violations += 1
             else:
-                op = module = phase = seq = None
-                parent_is_op_marker = False
+                op = module = phase = None
+                nodes, parent_is_op_marker = (), False
             marker = parse_marker(e.name) if e.kind == HOST and e.name.startswith(PREFIX) else None
             if marker is not None and marker[1] == run:
                 kind, _, key = marker
@@ -177,20 +179,20 @@ def _sweep_threads(events, run, result) -> dict:
                 result.marker_counts[(kind, key)] = result.marker_counts.get((kind, key), 0) + 1
                 result.marker_ids[e.name] = e.external_id
                 if kind == "op":
-                    op, seq = key, None
+                    op, nodes = key, ()
                     result.op_span[key] = result.op_span.get(key, 0) + e.end - e.start
                 elif kind == "module":
                     module = key
                 else:
                     phase = key
-                stack.append((e.end, i, op, module, phase, seq, kind == "op"))
+                stack.append((e.end, i, op, module, phase, nodes, kind == "op"))
                 continue
             if parent_is_op_marker and e.kind == HOST:
                 result.op_aten.setdefault(op, []).append(e.name)
             if e.kind == HOST and e.backward and e.seq >= 0:
-                seq, op = e.seq, None
-            owners[i] = Owner(op, module, phase, seq, thread)
-            stack.append((e.end, i, op, module, phase, seq, False))
+                nodes, op = nodes + (e.seq,), None
+            owners[i] = Owner(op, module, phase, nodes, thread)
+            stack.append((e.end, i, op, module, phase, nodes, False))
     for i, owner in owners.items():
         owner.self_ns = events[i].end - events[i].start - children_ns[i]
         if owner.thread not in marked_threads:
@@ -259,7 +261,7 @@ def _resolve(owner: Owner, seq_owner) -> Target:
     if owner.op is not None:
         return Target("op", owner.op, "forward")
     if owner.seq is not None:
-        serial = seq_owner.get(owner.seq)
+        serial = _node_owner(owner, seq_owner)
         if serial is not None:
             return Target("op", serial, "backward")
         if owner.thread is not None and owner.phase is None:  # on the model's thread, outside this run's phases:
@@ -274,6 +276,17 @@ def _resolve(owner: Owner, seq_owner) -> Target:
     if owner.phase == "backward":
         return Target("unattributed", "backward_outside_nodes")
     return Target("unattributed", "outside_profile")
+
+
+def _node_owner(owner: Owner, seq_owner):
+    """The op whose backward the node around ``owner`` belongs to.  A node no op made that ran inside another node
+    (the backward of the region a reentrant checkpoint recomputes, run inside the checkpoint's node) is that
+    node's work, so it goes where the node around it goes."""
+    for seq in (owner.seq, *reversed(owner.outer)):
+        serial = seq_owner.get(seq)
+        if serial is not None:
+            return serial
+    return None
 
 
 def _credit_host(result, e, target: Target, self_ns) -> None:
