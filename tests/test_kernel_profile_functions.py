@@ -134,3 +134,38 @@ def test_a_reentrant_checkpoints_inner_backward_goes_where_its_node_goes(checkpo
 def test_both_profiles_put_a_reentrant_checkpoints_nodes_on_the_same_op(checkpointed):
     forward_and_backward, backward_only = checkpointed
     assert _nodes_by_op(forward_and_backward) == _nodes_by_op(backward_only)
+
+
+class _DoubleInPlace(torch.autograd.Function):
+    """Doubles its input in place and hands it back, marked dirty: torch moves the tensor's version once more
+    as apply returns, after the recorded mul_."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class Dirty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _DoubleInPlace.apply(self.fc(x) + 1).tanh()
+
+
+def test_a_function_that_hands_back_its_dirty_input_has_its_backward_on_the_write():
+    # Without gradient capture the version move read as a write no op made, so no record held the output and the
+    # model profile listed the Function's backward under no op, where the trace's put it on the mul_.
+    torch.manual_seed(0)
+    model, x = Dirty(), torch.randn(2, 8)
+    forward_and_backward = _nodes_by_op(tl.report.kernel_profile(model, x, backward=True))
+    log = tl.trace(model, x, grads=True)
+    holder = next(label for label, name in forward_and_backward if name == "_DoubleInPlaceBackward")
+    assert holder is not None and log[holder].func_name == "mul_"
+    assert forward_and_backward == _nodes_by_op(tl.report.kernel_profile(log, backward=True))

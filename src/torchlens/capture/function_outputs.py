@@ -124,7 +124,7 @@ def function_outputs(state, capture, packing) -> FunctionOutputs:
     a record's tensor has its record and hook moved to the Function's backward node, what torch packs for the
     Function is kept by its output op, and the markers learn which op's output the node differentiates."""
     receive = None if capture is None else _output_receiver(state, capture)
-    note = None if state.markers is None else _node_noter(state, state.markers)
+    note = None if state.markers is None else _node_noter(state, state.markers, dirty=capture is None)
 
     def run(cls, args, kwargs):
         out = _torch_apply(cls, *args, **kwargs) if packing is None else packing.within_function(
@@ -132,7 +132,7 @@ def function_outputs(state, capture, packing) -> FunctionOutputs:
         if receive is not None:
             receive(out, args)
         if note is not None:
-            note(out)
+            note(out, args)
         return out
 
     return FunctionOutputs(run, grads=capture is not None)
@@ -144,14 +144,18 @@ def _tensors_out(out) -> tuple:
     return tuple(t for t in found if isinstance(t, torch.Tensor))
 
 
-def _node_noter(state, markers):
-    """``note(out)``: for each output of a ``Function.apply`` that a record holds and that has a backward node,
-    tells ``markers`` the call that made the record.  The profiler numbers the node inside ``apply``, outside
-    every op's range, so without this the join could charge its backward to no op."""
+def _node_noter(state, markers, dirty: bool):
+    """``note(out, args)``: for each output of a ``Function.apply`` that a record holds and that has a backward
+    node, tells ``markers`` the call that made the record.  The profiler numbers the node inside ``apply``, outside
+    every op's range, so without this the join could charge its backward to no op.  ``dirty`` (no gradient
+    capture, which does it otherwise): an argument handed back, marked dirty, has its version move noted first,
+    or no record would hold it any more."""
     records = state.records
 
-    def note(out) -> None:
+    def note(out, args) -> None:
         for t in _tensors_out(out):
+            if dirty and any(t is a for a in args):
+                state.note_version_bump(t)
             grad_fn = t.grad_fn
             index = None if grad_fn is None else state.record_holding(t)
             if index is not None:
