@@ -183,6 +183,8 @@ def stats_left_nonfinite(calls: list, norms: list, producers: dict, buffers) -> 
         for slot, record in call[CALL_PARENTS]:
             if slot in slots:
                 writers.setdefault(record, []).append(call[CALL_FIRST_RECORD])
+    if not writers:  # no kernel wrote a statistic (an eval forward): no buffer to look at
+        return {}
     written = []  # (statistic, its address, the record it was read as)
     for b, address in buffers:
         entry = producers.get(id(b))
