@@ -32,7 +32,9 @@ browser:
 
 # The suite runs twice: with the compiled hot path (whose tests fail rather than skip if it is not built),
 # then on the pure-Python path alone, less the tests marked path_independent (spawned ranks meeting, waiting
-# and resuming: what they check no capture path decides, and they are the slowest tests there are).  Each run
+# and resuming, and the import layering: what they check no capture path decides, and they are the slowest
+# tests there are) and those marked picks_its_path (every trace in them sets its own path, both paths side
+# by side or a child process's: the second run would repeat the first, path for path).  Each run
 # spreads its tests over one worker process per core (pytest-xdist); TESTFLAGS= runs them in this process.
 # One torch thread per process: workers each running a thread per core would contend for the cores (on two
 # cores the real-model tests took 70 s spread over two workers with two threads each, 24 s with one).
@@ -40,7 +42,7 @@ TESTFLAGS ?= -n auto --dist worksteal
 TESTENV := OMP_NUM_THREADS=1
 test: $(ACCEL) browser
 	$(TESTENV) TORCHLENS_REQUIRE_ACCEL=1 $(BIN)/python -m pytest tests $(TESTFLAGS)
-	$(TESTENV) TORCHLENS_ACCEL=0 $(BIN)/python -m pytest tests -m "not path_independent" $(TESTFLAGS)
+	$(TESTENV) TORCHLENS_ACCEL=0 $(BIN)/python -m pytest tests -m "not path_independent and not picks_its_path" $(TESTFLAGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/trace_overhead.py

@@ -30,6 +30,9 @@ from zoo import zoo
 
 compiled_or_skip("_capture")
 
+# Each trace here sets its own path (_both_ways, on_path): the Makefile's pure-Python pass would repeat it.
+pytestmark = pytest.mark.picks_its_path
+
 
 @pytest.mark.parametrize("name", sorted(zoo()))
 def test_zoo_models_record_the_same(states, name):

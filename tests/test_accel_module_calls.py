@@ -21,6 +21,9 @@ from accel_paths import compiled_or_skip, on_path
 
 compiled_or_skip("_capture")
 
+# Each trace here sets its own path (_both_ways, on_path): the Makefile's pure-Python pass would repeat it.
+pytestmark = pytest.mark.picks_its_path
+
 
 class _Nested(nn.Module):
     """Module calls made from user code, by nn.Sequential, with keywords and several arguments."""

@@ -39,6 +39,9 @@ PATH_SETUP = {"cpp": (True, (), CPP.Sink), "c": (True, ("_autograd",), NATIVE.Si
 PATH_NAMES = tuple(PATH_SETUP)
 PATHS = [pytest.param(name, id=name) for name in PATH_NAMES]
 
+# Each trace here sets its own path (_trace, _on): the Makefile's pure-Python pass would repeat it.
+pytestmark = pytest.mark.picks_its_path
+
 
 def _on(path: str):
     compiled, without, _ = PATH_SETUP[path]

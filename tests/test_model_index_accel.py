@@ -31,6 +31,9 @@ from test_model_index_cache import Net, test_a_changed_structure_is_seen_by_the_
 
 NATIVE = compiled_or_skip("_index")
 
+# Each trace here sets its own path (on_path): the Makefile's pure-Python pass would repeat it.
+pytestmark = pytest.mark.picks_its_path
+
 
 def _checkers(model) -> dict:
     modules = list(ModelIndex(model).submodules.values())
