@@ -91,6 +91,7 @@ def test_trace_a_factory_with_two_inputs_kwargs_and_save(models):
     assert len(rows) == 2 and all(row.split()[0] in [op.label for op in loaded.ops] for row in rows)
 
 
+@pytest.mark.path_independent  # refused before any trace: once, on the first pass
 def test_usage_errors_exit_2_with_a_clear_message(models):
     done = run(["trace", "clitargets:nothing_here", "--input", "2x8"], models)
     assert done.returncode == 2
@@ -134,6 +135,7 @@ def test_a_file_target_imports_the_modules_beside_it(tmp_path):
     assert "linear_1_1:1" in done.stdout and "relu_1_2:1" in done.stdout
 
 
+@pytest.mark.path_independent  # help only, no trace: once, on the first pass
 def test_console_script_help_lists_every_command(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "torchlens")
     done = subprocess.run([script, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
