@@ -137,6 +137,7 @@ def _positional_reads_of_raw_records(path) -> list:
     return found
 
 
+@pytest.mark.path_independent  # reads the source, traces nothing: once, on the first pass
 def test_no_file_reads_a_raw_record_by_a_bare_position():
     """Raw calls, records and module calls are read through the names of record/columns.py (``CALL_*``,
     ``RECORD_*``, ``MODULE_CALL_*``, or the ``Call`` fields), never by a literal index."""
