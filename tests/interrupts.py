@@ -21,7 +21,20 @@ def signature(log) -> list:
 def interrupt_every_line(run, traced, collect=None) -> int:
     """Run ``run()`` once per line event of the code ``traced(code)`` selects, raising KeyboardInterrupt
     at that event; after each, nothing may be left installed and the interrupt must reach the caller
-    unchanged.  Returns how many interrupts landed."""
+    unchanged.  Returns how many interrupts landed.  ``collect(code)``: whether an interrupt landing in
+    ``code`` is followed by a collection (and the same checks again)."""
+    if collect is None:
+        return _interrupt_every_line(run, traced, None)
+    # The objects made before the runs are none of their garbage: frozen, they are left out of each
+    # collection, which then scans what the runs made (a whole test process's heap took seconds each).
+    gc.freeze()
+    try:
+        return _interrupt_every_line(run, traced, collect)
+    finally:
+        gc.unfreeze()
+
+
+def _interrupt_every_line(run, traced, collect) -> int:
     from torchlens.capture import session
 
     interrupted = 0
