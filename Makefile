@@ -32,10 +32,11 @@ browser:
 
 # The suite runs twice: with the compiled hot path (whose tests fail rather than skip if it is not built),
 # then on the pure-Python path alone, less the tests marked path_independent (spawned ranks meeting, waiting
-# and resuming, and the import layering: what they check no capture path decides, and they are the slowest
-# tests there are) and those marked picks_its_path (every trace in them sets its own path, both paths side
-# by side or a child process's: the second run would repeat the first, path for path).  Each run
-# spreads its tests over one worker process per core (pytest-xdist); TESTFLAGS= runs them in this process.
+# and resuming, and the tests that never trace, such as the import layering: what they check no capture
+# path decides, and the distributed ones are the slowest tests there are) and those marked picks_its_path
+# (every trace in them sets its own path, both paths side by side or a child process's: the second run
+# would repeat the first, path for path).  Each run spreads its tests over one worker process per core
+# (pytest-xdist); TESTFLAGS= runs them in this process.
 # One torch thread per process: workers each running a thread per core would contend for the cores (on two
 # cores the real-model tests took 70 s spread over two workers with two threads each, 24 s with one).
 TESTFLAGS ?= -n auto --dist worksteal
