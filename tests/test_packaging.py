@@ -10,6 +10,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "torchlens"
 
@@ -19,6 +21,7 @@ def _package_files() -> set:
             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".so")}
 
 
+@pytest.mark.path_independent  # builds a wheel, traces nothing: once, on the first pass
 def test_the_wheel_holds_every_file_of_the_package(tmp_path):
     tree = tmp_path / "tree"  # built from a copy: setuptools writes build/ and egg-info beside the source
     tree.mkdir()
