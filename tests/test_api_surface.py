@@ -15,6 +15,7 @@ import torchlens as tl
 from zoo import MLP
 
 
+@pytest.mark.path_independent  # imports only, no trace: once, on the first pass
 def test_dir_lists_every_public_name_and_the_lazy_ones_without_importing_them():
     code = ("import sys, torchlens as tl; names = dir(tl); "
             "print(','.join(n for n in ('debug', 'report', 'load', 'extract', 'viz', 'io', 'load_extracted', "
