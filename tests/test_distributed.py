@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 
 import torchlens as tl
 from torchlens.debug.nonfinite import OTHER_RANKS
-from distributed_workers import (LAYERS, KilledAfter, collective_on_a_view, dataset, extract_share,
+from collective_workers import collective_on_a_view
+from distributed_workers import (LAYERS, KilledAfter, dataset, extract_share,
                                  extract_fsdp2, extract_fsdp2_uneven, extract_streams, extract_tensor_parallel,
                                  extract_through_ddp,
                                  gather_labels_some_ranks_lack, gather_skipped_by_one_rank, launch, rerun_joined,

@@ -158,8 +158,7 @@ def test_aliased_module_keeps_first_address_and_counts_calls_per_object():
     class Alias(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a = nn.Linear(3, 3)
-            self.b = self.a
+            self.a = self.b = nn.Linear(3, 3)
 
         def forward(self, x):
             return self.b(self.a(x))
@@ -167,10 +166,8 @@ def test_aliased_module_keeps_first_address_and_counts_calls_per_object():
     model = Alias()
     log = tl.trace(model, torch.randn(1, 3))
     assert [c.label for c in log.module_calls] == ["a:1", "a:2"]
-    assert log["a"].all_addresses == ["a", "b"]
-    assert isinstance(log["b"], tl.Module)
-    for _ in range(2):  # the second name selects the module, on the model's cached index too
-        kept = tl.trace(model, torch.randn(1, 3), save=["b"])
+    assert log["a"].all_addresses == ["a", "b"] and isinstance(log["b"], tl.Module)
+    for kept in [tl.trace(model, torch.randn(1, 3), save=["b"]) for _ in range(2)]:  # the second: cached index
         assert [op.label for op in kept if op.activation is not None] == ["linear_1_1:1", "linear_1_1:2", "output_1:1"]
 
 
