@@ -210,7 +210,6 @@ class CaptureState:
     _read_through = read_through
     _read_not_saved = read_not_saved
 
-
     def value_record(self, t: torch.Tensor) -> int:
         """The record whose saved value ``t`` is as a module call takes or returns it: the op it is bound to, or
         -1 when no op made it or a view or base of it was written since (``y = x * 2; y[:, :1].zero_();
