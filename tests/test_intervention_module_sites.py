@@ -138,8 +138,8 @@ def test_a_call_reading_what_it_returns_is_refused_naming_the_read(blip2, compil
     # the Q-Former's pooling of its hidden states' first token, a __getitem__.
     model, kwargs = blip2
     with on_path(compiled):
-        with pytest.raises(tl.InterventionError, match=r"qformer:1 read the tensor it returns at "
-                                                       r"output\.last_hidden_state .* \(by __getitem__ in qformer; "):
+        with pytest.raises(tl.InterventionError, match=r"qformer:1 read the tensor it returns at output\.last_"
+                                                       r"hidden_state .* \(read by __getitem__ in qformer\), "):
             tl.trace(model, (), kwargs, intervene={"qformer": tl.scale(2.0)})
         plain = tl.trace(model, (), kwargs)
         hidden, pooled = next(call for call in plain.module_calls if call.label == "qformer:1").output_ops

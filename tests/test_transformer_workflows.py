@@ -128,7 +128,7 @@ def test_a_t5_layer_returning_its_position_bias_is_refused_naming_it_not_eager_a
     kwargs = {"decoder_input_ids": decoder_ids}
     with pytest.raises(tl.InterventionError) as refused:
         tl.trace(t5, (ids,), kwargs, intervene={"encoder.block.0.layer.0": tl.scale(0.5)})
-    assert "a position bias it added to the scores, as a T5 attention layer" in str(refused.value)
+    assert "a T5 attention layer, and the blocks around it, return a position bias" in str(refused.value)
     call = next(c for c in tl.trace(t5, (ids,), kwargs).module_calls if c.label == "encoder.block.0.layer.0:1")
     handle = t5.encoder.block[0].layer[0].register_forward_hook(lambda m, i, o: (o[0] * 0.5,) + tuple(o[1:]))
     try:  # with gradients on, as the trace runs: T5's attention takes another kernel without them

@@ -476,10 +476,11 @@ class Interventions:
                 raise InterventionError(
                     f"module site {site.key!r}: {label} read the tensor it returns at {path_text('output', path)} (of "
                     f"shape {tuple(t.shape)}, made by {func_name_of(st.calls[producing_call][CALL_FUNC])}) inside the "
-                    f"call before returning it (by {self._reader(st, later)}; as eager attention's matmul "
-                    "reads the weights it returns, a T5 attention layer, and the blocks around it, the position bias "
-                    "it added to its scores, a Q-Former's pooling the first token of its hidden states), so the "
-                    "trace could not say which value those reads saw. " + _OUTPUTS_HINT.format(label)
+                    f"call before returning it (read by {self._reader(st, later)}), so the trace could not say which "
+                    "value those reads saw. Such calls: eager attention returns the weights its matmul read; a T5 "
+                    "attention layer, and the blocks around it, return a position bias added to the scores; a "
+                    "Q-Former's pooler reads the first token of the hidden states it returns. "
+                    + _OUTPUTS_HINT.format(label)
                     + " (in transformers the first is the hidden states); an attention module returning its weights is "
                     "a module site again when it returns none (transformers' attn_implementation='sdpa', without "
                     "output_attentions)")

@@ -61,7 +61,7 @@ def recover_killed_save(path: str) -> None:
         try:
             _recover(path, retired)
         except (OSError, TraceFileError) as exc:
-            raise TraceFileError(f"{path}: a save over the trace there was killed part way, and the old trace's "
+            raise TraceFileError(f"{path}: a save over the trace there did not finish, and the old trace's "
                                  f"files it moved aside into {retired} could not be put back or deleted ({exc}); "
                                  f"move them back into {path} to keep the old trace, or delete the folder") from None
 
@@ -73,11 +73,13 @@ def _recover(path: str, retired: str) -> None:
         try:
             _delete_moved_aside(retired)
         except OSError as exc:  # the trace at path is whole: say where the rest is, as a finished save does
-            warn_user(f"{path}: a save over this trace was killed part way; the trace there is whole, and the old "
-                      f"trace's files it moved aside are left in {retired} ({exc.strerror or exc}): delete it")
+            warn_user(f"{path}: a save over this trace did not finish (it was killed, or failed to delete the old "
+                      f"trace); the trace there is whole, and the old trace's files it moved aside are left in "
+                      f"{retired} ({exc.strerror or exc}): delete it")
             return
-        warn_user(f"{path}: a save over this trace was killed part way; the trace there is whole, and the old "
-                  f"trace's files it had moved aside into {retired} are now deleted")
+        warn_user(f"{path}: a save over this trace did not finish (it was killed, or failed to delete the old trace); "
+                  f"the trace there is whole, and the old trace's files it had moved aside into {retired} are now "
+                  "deleted")
         return
     if not _is_regular(os.path.join(retired, MANIFEST)):
         raise TraceFileError(f"neither {path} nor {retired} holds a manifest.json")
