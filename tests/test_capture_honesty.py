@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torchlens as tl
 from torchlens.tree import structures_equal
 from accel_paths import PATHS, on_path
-from zoo import zoo
+from zoo import DoubledInPlace, zoo
 
 
 class FunctionLevelCalls(TorchFunctionMode):
@@ -353,23 +353,9 @@ def test_a_users_mode_entered_inside_the_forward_sees_the_models_calls_and_nothi
     assert "detach" in outside.names and len(outside.names) > len(untraced.names)  # as documented
 
 
-class _DoubleInPlace(torch.autograd.Function):
-    """Doubles its input in place and marks it dirty, as in-place custom activations do."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x.mul_(2)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
 class _MarksDirty(nn.Module):
     def forward(self, x):
-        return _DoubleInPlace.apply(x + 1) * 3
+        return DoubledInPlace.apply(x + 1) * 3
 
 
 def test_a_saved_value_dropped_for_an_unseen_version_bump_names_the_causes_that_make_one():

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torchlens as tl
 
 from accel_paths import PATHS, on_path
+from zoo import DoubledInPlace
 
 
 @pytest.mark.parametrize("compiled", PATHS)
@@ -149,20 +150,6 @@ def test_a_read_of_a_buffer_the_fused_fake_quantize_kernel_wrote_names_that_call
     result = log.validate()
     assert not result.mismatched and result.passed
     assert [label for label, _ in result.not_replayed] == [product.label]
-
-
-class DoubledInPlace(torch.autograd.Function):
-    """Writes its input in place and marks it dirty: as ``apply`` returns, torch clears the tensor's
-    ``_backward_hooks`` (a torch call that makes no tensor) and moves its version counter once more."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.mark_dirty(x)
-        return x.mul_(2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
 
 
 @pytest.mark.parametrize("compiled", PATHS)

@@ -13,6 +13,7 @@ import torchlens as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_kernel_profile_views import _nodes_by_op  # noqa: E402
+from zoo import DoubledInPlace  # noqa: E402
 
 
 class _ReluMatmul(torch.autograd.Function):
@@ -136,27 +137,13 @@ def test_both_profiles_put_a_reentrant_checkpoints_nodes_on_the_same_op(checkpoi
     assert _nodes_by_op(forward_and_backward) == _nodes_by_op(backward_only)
 
 
-class _DoubleInPlace(torch.autograd.Function):
-    """Doubles its input in place and hands it back, marked dirty: torch moves the tensor's version once more
-    as apply returns, after the recorded mul_."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.mark_dirty(x)
-        return x.mul_(2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
 class Dirty(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x):
-        return _DoubleInPlace.apply(self.fc(x) + 1).tanh()
+        return DoubledInPlace.apply(self.fc(x) + 1).tanh()
 
 
 def test_a_function_that_hands_back_its_dirty_input_has_its_backward_on_the_write():
@@ -166,6 +153,6 @@ def test_a_function_that_hands_back_its_dirty_input_has_its_backward_on_the_writ
     model, x = Dirty(), torch.randn(2, 8)
     forward_and_backward = _nodes_by_op(tl.report.kernel_profile(model, x, backward=True))
     log = tl.trace(model, x, grads=True)
-    holder = next(label for label, name in forward_and_backward if name == "_DoubleInPlaceBackward")
+    holder = next(label for label, name in forward_and_backward if name == "DoubledInPlaceBackward")
     assert holder is not None and log[holder].func_name == "mul_"
     assert forward_and_backward == _nodes_by_op(tl.report.kernel_profile(log, backward=True))

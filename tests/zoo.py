@@ -195,6 +195,21 @@ class ActivationMadePerCall(nn.Module):
         return self.act()(self.fc(x)) * 2
 
 
+class DoubledInPlace(torch.autograd.Function):
+    """Doubles its input in place and hands it back marked dirty, as in-place custom activations do: as ``apply``
+    returns, torch clears the tensor's ``_backward_hooks`` (a torch call that makes no tensor) and moves its
+    version counter once more, after the recorded ``mul_``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 def zoo(seed: int = 0) -> dict:
     """name -> (model, args, kwargs); models in eval mode unless the case is about training."""
     torch.manual_seed(seed)
