@@ -436,6 +436,18 @@ class _AliasWriter(nn.Module):
         return zeroed, tail.exp(), y * 3
 
 
+def _traced_alias_writer(share, compiled) -> tuple:
+    """A trace of ``_AliasWriter(share)`` on ``compiled``'s path, and the linear's output made untraced, which
+    the trace must have saved as it was before the writes through the alias."""
+    model, x = _AliasWriter(share), torch.randn(3, 4)
+    with torch.no_grad():
+        made = model.fc(x)
+        with on_path(compiled):
+            log = tl.trace(model, x)
+    assert torch.equal(log["linear_1_1:1"].activation, made)
+    return log, made
+
+
 @pytest.mark.parametrize("compiled", PATHS)
 @pytest.mark.parametrize("share", [torch.from_dlpack, lambda y: torch.from_numpy(y.numpy())],
                          ids=["from_dlpack", "from_numpy"])
@@ -443,12 +455,7 @@ def test_a_write_through_a_tensor_sharing_memory_but_no_version_counter_is_the_p
                                                                                                        share):
     # The ops reading y or its view after a write through the alias read the written values: they named the
     # linear, whose saved value is from before the write, and validation reported them as mismatches.
-    model, x = _AliasWriter(share), torch.randn(3, 4)
-    with torch.no_grad():
-        made = model.fc(x)
-        with on_path(compiled):
-            log = tl.trace(model, x)
-    assert torch.equal(log["linear_1_1:1"].activation, made)
+    log, made = _traced_alias_writer(share, compiled)
     assert log["relu_1_4:1"].parents == ["mul_1_3:1"]
     assert log["exp_1_6:1"].parents == ["add_1_5:1"] and log["mul_2_7:1"].parents == ["add_1_5:1"]
     zeroed, tail, tripled = log.output
@@ -471,12 +478,7 @@ def _set_on_rows(y):
 def test_a_write_through_a_tensor_on_part_of_another_s_memory_is_the_parent_of_later_reads(compiled, share):
     # The alias holds y's last rows in a storage of its own (from_dlpack of a view) or in y's storage (set_):
     # reads of y and of its earlier view named the linear, whose saved value predates both writes.
-    model, x = _AliasWriter(share), torch.randn(3, 4)
-    with torch.no_grad():
-        made = model.fc(x)
-        with on_path(compiled):
-            log = tl.trace(model, x)
-    assert torch.equal(log["linear_1_1:1"].activation, made)
+    log, made = _traced_alias_writer(share, compiled)
     assert log["relu_1_5:1"].parents == ["mul_1_4:1"]
     assert log["exp_1_7:1"].parents == ["add_1_6:1"] and log["mul_2_8:1"].parents == ["add_1_6:1"]
     zeroed, tail, tripled = log.output
