@@ -168,21 +168,30 @@ def running_stats_written(func, args, kwargs) -> list:
     return [t for t in found if isinstance(t, torch.Tensor)]
 
 
-def stats_left_nonfinite(calls: list, norms: list, producers: dict, buffers) -> dict:
+def stat_writes(calls: list, norms: list) -> list:
+    """``(op, record)`` for each running statistic a norm call (``norms``: ``norm_calls(calls)``) wrote in its
+    kernel, in call order: ``op`` the call's first output's record, ``record`` the one the statistic was read as
+    (negative for a tensor the trace does not hold).  Read before ``link_running_stats_readers`` renames them."""
+    writes = []
+    for c in norms:
+        call = calls[c]
+        slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
+        if slots:
+            writes += [(call[CALL_FIRST_RECORD], record) for slot, record in call[CALL_PARENTS] if slot in slots]
+    return writes
+
+
+def stats_left_nonfinite(writes: list, producers: dict, buffers) -> dict:
     """``{op: ((buffer address, (has_nan, has_inf), earlier writers), ...)}``: the running statistics that a call
     (its first output's record, ``op``) wrote last in its kernel and left holding NaN or Inf at the forward's end,
     with the ops of the calls that wrote each before it (a BatchNorm run twice), any of which may have made it.  That
     write is in no saved value (the statistic is saved as read, before the kernel ran) and moves no version
     counter, so ``nonfinite_origin`` would see it only on the next trace, as a buffer already non-finite.
-    Called before ``link_running_stats_readers`` renames what each call read.  ``buffers``: the model's
-    ``(buffer, address)`` pairs; ``producers``: capture's, which still binds an untouched buffer to its read."""
+    ``writes``: ``stat_writes``; ``buffers``: the model's ``(buffer, address)`` pairs; ``producers``: capture's,
+    which still binds an untouched buffer to its read."""
     writers: dict = {}  # record of a statistic as read -> first record of each call that wrote it, in order
-    for c in norms:
-        call = calls[c]
-        slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
-        for slot, record in call[CALL_PARENTS]:
-            if slot in slots:
-                writers.setdefault(record, []).append(call[CALL_FIRST_RECORD])
+    for op, record in writes:
+        writers.setdefault(record, []).append(op)
     if not writers:  # no kernel wrote a statistic (an eval forward): no buffer to look at
         return {}
     written = []  # (statistic, its address, the record it was read as)
@@ -200,15 +209,9 @@ def stats_left_nonfinite(calls: list, norms: list, producers: dict, buffers) -> 
     return {op: tuple(stats) for op, stats in found.items()}
 
 
-def stats_writers_untracked(calls: list, norms: list) -> list:
+def stats_writers_untracked(writes: list) -> list:
     """The first records of the calls that wrote, in their kernels, running statistics the trace does not hold
     (tensors from outside it: a BatchNorm called by a function traced with no root, or ``F.batch_norm`` given
-    plain tensors), whose values after the write ``stats_left_nonfinite`` could not examine.  ``norms``:
-    ``norm_calls(calls)``."""
-    found = []
-    for c in norms:
-        call = calls[c]
-        slots = _written_stat_slots(call[CALL_FUNC], call[CALL_ARGS], call[CALL_KWARGS] or {})
-        if any(slot in slots and record < 0 for slot, record in call[CALL_PARENTS]):
-            found.append(call[CALL_FIRST_RECORD])
-    return found
+    plain tensors), whose values after the write ``stats_left_nonfinite`` could not examine, each call once.
+    ``writes``: ``stat_writes``."""
+    return list(dict.fromkeys(op for op, record in writes if record < 0))

@@ -30,7 +30,8 @@ from .compiled import (CompiledSubmodules, DynamoCompiles, Suspension, check_com
                        compiled_in_place, optimized_module_type)
 from .fastpath import FastPathShim
 from .forks import leave_copied_trace, refuse_forked_trace
-from .fused_writes import link_running_stats_readers, norm_calls, stats_left_nonfinite, stats_writers_untracked
+from .fused_writes import (link_running_stats_readers, norm_calls, stat_writes, stats_left_nonfinite,
+                           stats_writers_untracked)
 from .function_outputs import function_outputs
 from .grads import attach_grads, grad_capture
 from .inputs import add_inputs, note_how_arguments_were_passed
@@ -127,8 +128,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     norms = norm_calls(state.calls)
     stats_written = stats_untracked = None
     if norms:
-        stats_written = stats_left_nonfinite(state.calls, norms, state.producers, index.buffers.values())
-        stats_untracked = stats_writers_untracked(state.calls, norms)
+        writes = stat_writes(state.calls, norms)
+        stats_written = stats_left_nonfinite(writes, state.producers, index.buffers.values())
+        stats_untracked = stats_writers_untracked(writes)
         if state.saved:  # before the links below rename what each norm call read
             state.guard_running_stats(norms, index.batch_counters())
         link_running_stats_readers(state.calls, norms, state.alias_reads)
