@@ -38,7 +38,7 @@ from .fused_writes import stat_slots
 from .pass_through import end_pass_through, note_pass_through
 from .unversioned_writes import (UNSEEN, exported_alias, moved_unseen, note_data_write, note_export,
                                  note_unversioned_write, note_write_past_counters, read_not_saved, read_through,
-                                 repointed_onto, unwritten_since)
+                                 repointed_onto, set_onto_other_bytes, unwritten_since)
 
 _any_autocast = torch._C._is_any_autocast_enabled
 _VERSION = operator.attrgetter("_version")
@@ -46,7 +46,8 @@ _VERSION = operator.attrgetter("_version")
 INFERENCE_CAVEAT = ("inference tensors (made under torch.inference_mode()) carry no version counter: in-place "
                     "writes to them were recognised by name only (add_, __setitem__, out=, inplace=True), so a "
                     "write capture could not predict (a fused kernel writing an argument, code running with torch "
-                    "function handling disabled) is neither attributed nor detected in their saved activations")
+                    "function handling disabled, Tensor.set_) is neither attributed nor detected in their saved "
+                    "activations")
 # The output position (``Written.outputs``) of a tensor a call wrote, not by name, and did not return (a
 # compiled submodule writing its input): no output of the call holds its value.
 NOT_RETURNED = -1
@@ -167,8 +168,7 @@ class CaptureState:
             # Its version counter moved since it was bound: a view or base sharing it was written.
             index = self._last_writer_of(t, entry, version)
             # No write capture saw moved it: ``t.set_(y)`` may have put it on y's bytes (a read names y's op).
-            holder = self._repointed_onto(t) if index == UNSEEN or (
-                index is None and self._unwritten_since(t, entry)) else None
+            holder = self._repointed_onto(t) if self._set_onto_other_bytes(t, entry, version, index) else None
             if holder is not None:
                 return self._read_through(t, holder)
             if index is None:  # every such write missed its bytes: still the value that op made
@@ -207,6 +207,7 @@ class CaptureState:
     _note_write_past_counters = note_write_past_counters
     _repointed_onto = repointed_onto
     _unwritten_since = unwritten_since
+    _set_onto_other_bytes = set_onto_other_bytes
     _read_through = read_through
     _read_not_saved = read_not_saved
 
@@ -226,7 +227,8 @@ class CaptureState:
             if entry[2] == version and (version is not None or storage_key(t) not in self.writers):
                 return entry[1]
             # Written since, or moved with no write seen (``t.set_(y)``: its next read finds y's op).
-            if self._last_writer_of(t, entry, version) is not None or self._unwritten_since(t, entry):
+            index = self._last_writer_of(t, entry, version)
+            if index is not None or self._set_onto_other_bytes(t, entry, version, index):
                 return -1
         self.producers[id(t)] = (entry[0], entry[1], version)  # every write since missed its bytes
         return entry[1]

@@ -196,6 +196,17 @@ def unwritten_since(self, t: torch.Tensor, entry: tuple) -> bool:
     return not writes or writes[-1][0] <= entry[1]
 
 
+def set_onto_other_bytes(self, t: torch.Tensor, entry: tuple, version, index) -> bool:
+    """Whether ``t``'s counter moved since it was bound (``entry``) with no write capture saw reaching its bytes
+    (``index``, from ``_last_writer_of``), as ``t.set_(y)`` moves it.  An inference tensor has no counter to
+    have moved, and its views no ``_base`` to tell them from a tensor ``set_`` put on its bytes: only the writes
+    noted on its storage tell, so a view of an in-place result (``relu_`` then ``view``) holds that view's op's
+    value, and is never read through another tensor (each would name the other)."""
+    if version is None:
+        return False
+    return index == UNSEEN or (index is None and self._unwritten_since(t, entry))
+
+
 def read_through(self, t: torch.Tensor, holder: torch.Tensor) -> int:
     """The parent of a read of ``t``, put on ``holder``'s memory by ``t.set_(holder)``: the op whose value
     ``holder`` is.  When ``t`` holds another part or layout of those bytes, no op output is the value
