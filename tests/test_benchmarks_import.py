@@ -124,3 +124,17 @@ def test_each_step_the_call_count_benchmark_counts_runs(shape, monkeypatch, tmp_
             assert scale_calls.counted(step) > 0, name
     finally:
         gc.unfreeze()
+
+
+def test_the_bytecode_count_sees_the_trace_driver_and_restores_the_tracer(monkeypatch):
+    """``trace_bytecodes.py`` attributes each bytecode and C call to the function running it: a trace's count
+    names the driver (``_trace``), a first read's the label derivation, and the tracer in place before (coverage's,
+    a debugger's) is back after."""
+    bench = _load(BENCHMARKS / "trace_bytecodes.py", monkeypatch)
+    before = sys.gettrace()
+    traced = bench.count(torchlens, pure=True, grads=False, read=False, traces=1)
+    read = bench.count(torchlens, pure=False, grads=True, read=True, traces=1)
+    assert sys.gettrace() is before
+    assert traced.bytecodes["session.py:_trace"] > 100 and sum(traced.c_calls.values()) > 10
+    assert read.bytecodes["passes.py:group_ops"] > 0 and "session.py:_trace" not in read.bytecodes
+    assert "| this |" in bench.table({"this": traced}, 1, 5)
