@@ -7,6 +7,13 @@ the old trace in the hidden folder with nothing at ``path`` saying so.  Both fol
 for, so the next ``save`` or ``tl.load`` of that path finds them: a trace whole at ``path`` means the new one
 was in place, and the old one's files are deleted, as the save would have done; otherwise the old trace is put
 back where it was, since the save that was to replace it never finished.  Either way a warning says so.
+
+A kill before the renames leaves only the new trace's half-written hidden folder.  A save holds a lock on that
+folder while it writes (``claim_staging``), and the kernel drops the lock when the process dies, so a folder no
+process holds is a dead save's: the next ``save`` or ``tl.load`` of the path deletes it.  One still held is a
+save running now (another process), and stays.  Where the system has no such locks (Windows), a warning names it.
+Folders from before they carried the path's name (``.torchlens-save-<id>-old``) do not say which trace they
+belong to, so they are named in a warning, never moved.
 """
 
 from __future__ import annotations
@@ -17,6 +24,11 @@ import shutil
 import stat
 import uuid
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks, so a left staging folder is named in a warning, not deleted
+    fcntl = None
+
 from ..checks import folder_of
 from ..errors import TraceFileError, warn_user
 from .format import MANIFEST, read_json
@@ -24,6 +36,7 @@ from .format import MANIFEST, read_json
 _PREFIX = ".torchlens-save-"
 _RETIRED = "-old"
 _ID_LENGTH = 12
+_BUSY = "busy"  # _lock's answer for a folder another open of it holds: a save writing it now
 
 
 def staging_path(path: str) -> str:
@@ -38,25 +51,96 @@ def _tag(path: str) -> str:
     return name if len(name) <= 64 else hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+def claim_staging(path: str):
+    """Make a fresh staging folder for ``path`` and lock it for as long as the save writes: returns the folder and
+    the lock (``release_staging`` ends it), None where the system has no locks."""
+    for _ in range(3):
+        staging = staging_path(path)
+        os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
+        lock = _lock(staging, wait=True)
+        if lock in (None, _BUSY) or _still_at(lock, staging):
+            return staging, (None if lock == _BUSY else lock)
+        os.close(lock)  # a save or load of path took it for a dead save's in the instant before the lock: again
+    raise TraceFileError(f"{path}: the folder to write the trace in beside it was deleted three times as it was "
+                         "made; is another program deleting hidden folders there? Save again, or to another path")
+
+
+def release_staging(lock) -> None:
+    if lock is not None:
+        os.close(lock)
+
+
+def _lock(folder: str, wait: bool):
+    """An open of ``folder`` holding an exclusive lock on it; ``_BUSY`` when another open holds it (not waiting),
+    None when the system or file system has no such locks."""
+    if fcntl is None:
+        return None
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return _BUSY
+    except OSError:  # a file system without locks (some network ones)
+        os.close(fd)
+        return None
+    except BaseException:  # a Ctrl-C while waiting: the folder is left unlocked, as a dead save's
+        os.close(fd)
+        raise
+    return fd
+
+
+def _still_at(fd: int, folder: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(folder))
+    except FileNotFoundError:
+        return False
+
+
 def left_behind(path: str) -> list:
     """The folders the old trace of ``path`` was moved aside into by saves killed before they finished."""
-    parent, start = folder_of(path), f"{_PREFIX}{_tag(path)}-"
+    return [full for full, retired in _hidden_of(path) if retired]
+
+
+def _hidden_of(path: str) -> list:
+    """Each hidden folder a save of ``path`` made, ``(folder, moved aside)``: its staging folders and those the
+    old trace was moved aside into."""
+    start = f"{_PREFIX}{_tag(path)}-"
+    found = []
+    for name, full in _hidden_names(folder_of(path)):
+        if not name.startswith(start):
+            continue
+        retired = name.endswith(_RETIRED)
+        if _is_id(name[len(start):len(name) - len(_RETIRED) * retired]):
+            found.append((full, retired))
+    return found
+
+
+def _hidden_names(parent: str) -> list:
+    """``(name, path)`` of each real folder in ``parent`` named like a save's hidden folder."""
     try:
         names = os.listdir(parent)
     except OSError:  # no parent: nothing was saved there
         return []
-    found = []
-    for name in sorted(names):
-        middle = name[len(start):-len(_RETIRED)]
-        full = os.path.join(parent, name)
-        if name.startswith(start) and name.endswith(_RETIRED) and len(middle) == _ID_LENGTH \
-                and all(c in "0123456789abcdef" for c in middle) and _is_folder(full):
-            found.append(full)
-    return found
+    return [(name, os.path.join(parent, name)) for name in sorted(names)
+            if name.startswith(_PREFIX) and _is_folder(os.path.join(parent, name))]
+
+
+def _is_id(text: str) -> bool:
+    return len(text) == _ID_LENGTH and all(c in "0123456789abcdef" for c in text)
 
 
 def recover_killed_save(path: str) -> None:
-    """Finish or undo each save over ``path`` that was killed part way (see the module's docstring)."""
+    """Finish or undo each save over ``path`` that was killed part way, delete the half-written trace of each one
+    killed before, and name the folders of older saves (see the module's docstring)."""
+    _recover_retired(path)
+    for staging, retired in _hidden_of(path):
+        if not retired and not os.path.lexists(staging + _RETIRED):
+            _discard_staging(path, staging)
+    _name_unattributed(path)
+
+
+def _recover_retired(path: str) -> None:
     for retired in left_behind(path):
         try:
             _recover(path, retired)
@@ -90,6 +174,36 @@ def _recover(path: str, retired: str) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     warn_user(f"{path}: a save over this trace was killed before the new trace was in place; the old trace, "
               f"left in {retired}, is put back at {path}")
+
+
+def _discard_staging(path: str, staging: str) -> None:
+    """Delete the half-written trace of a save of ``path`` killed before its renames, unless a save holds it."""
+    lock = _lock(staging, wait=False)
+    if lock == _BUSY:
+        return  # a save of path writing now, in another process
+    if lock is None:
+        warn_user(f"{path}: {staging} holds the half-written trace of a save of this path that was killed, or of "
+                  "one running now; delete it once no save of this path is running")
+        return
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        os.close(lock)
+    if os.path.lexists(staging):
+        warn_user(f"{path}: {staging} holds the half-written trace of a save of this path that was killed, and "
+                  "could not be deleted; delete it")
+
+
+def _name_unattributed(path: str) -> None:
+    """Warn of each folder an older save moved a trace aside into, named without its path: which trace it was
+    is unknown, so nothing is moved; the user, who knows which trace is missing, can put it back."""
+    for name, full in _hidden_names(folder_of(path)):
+        if name.endswith(_RETIRED) and _is_id(name[len(_PREFIX):-len(_RETIRED)]):
+            warn_user(f"{full} holds the files of a saved trace that a save over it moved aside and did not "
+                      "finish (killed, or unable to delete them), from a version of torchlens whose hidden folders "
+                      "did not name their trace; if a saved trace in "
+                      f"{os.path.abspath(folder_of(path))} is missing or damaged, move these files back into its "
+                      "folder (tl.load the folder to check them), otherwise delete the folder")
 
 
 def _undo_file_moves(path: str, staging: str, retired: str) -> None:

@@ -30,7 +30,7 @@ from .encode import WITHOUT_ACTIVATIONS, encode_value, torch_constant_name, unsa
 from .grads import write_grads
 from .interventions import write_interventions
 from .params import write_module_param_counts, write_params
-from .recover import recover_killed_save, staging_path
+from .recover import claim_staging, recover_killed_save, release_staging
 from .tensorfile import layouts_of, write_tensors
 from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
@@ -60,9 +60,9 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
     old_files = check_save_target(path, overwrite, trace.rank)
     parent = folder_of(path)
     make_folder(parent, path, "save")
-    staging = staging_path(path)  # named after path, so that a save killed part way is found (io/recover.py)
+    # Named after path and locked while written, so that a save killed part way is found (io/recover.py).
+    staging, lock = claim_staging(path)
     try:
-        os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
         tensors, keys, unsaved = _activation_tensors(trace) if activations else ({}, {}, {})
         names = [TRACE_JSON]
         if activations:
@@ -81,7 +81,10 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
         else:
             _replace_saved(path, staging, old_files)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            release_staging(lock)  # only once it is gone: a load meanwhile would take it for a dead save's
     return path
 
 
