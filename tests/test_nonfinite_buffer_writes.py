@@ -95,3 +95,14 @@ def test_statistics_from_outside_the_trace_are_said_to_be_unexamined():
     assert label.startswith("batchnorm") and f"kernels of {label} were not examined" in str(report)
     model, x = _overflowing_norm()
     assert not tl.debug.nonfinite_origin(tl.trace(model, x)).stats_unexamined  # its buffers: examined
+
+
+def test_a_saved_trace_keeps_the_statistics_it_could_not_examine(tmp_path):
+    """The loaded report said nothing of them, as if the statistics had been examined and found finite."""
+    model, x = _overflowing_norm()
+    norm = model[1]
+    log = tl.trace(lambda t: norm(t), x)
+    live = tl.debug.nonfinite_origin(log)
+    loaded = tl.debug.nonfinite_origin(tl.load(log.save(tmp_path / "t")))
+    assert loaded.stats_unexamined == live.stats_unexamined and len(live.stats_unexamined) == 1
+    assert f"kernels of {live.stats_unexamined[0]} were not examined" in str(loaded)

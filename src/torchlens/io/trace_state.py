@@ -2,7 +2,8 @@
 one printed: where ``stop_after=`` stopped the forward, the caveats, the root module's class, the module
 attributes read from outside the trace, whether repeated layers came from a loop or a reused module,
 which output nodes show a tensor of their own, the input slots that named a tensor an earlier slot named, and the
-running statistics a kernel left non-finite (``nonfinite_origin`` names the op that wrote them).
+running statistics a kernel left non-finite (``nonfinite_origin`` names the op that wrote them) and the ops
+whose kernels wrote statistics from outside the trace (which it says it could not examine).
 
 Each is one optional key of ``trace.json``: a file written before the key existed loads as it always did
 (nothing stopped, no caveats, the class shown as the model's name, repetition told apart from the ops'
@@ -34,6 +35,8 @@ def write_trace_state(trace) -> dict:
         "stats_left_nonfinite": [[op, address, nan, inf, list(earlier)]
                                  for op, stats in getattr(trace, "_stats_left_nonfinite", {}).items()
                                  for address, (nan, inf), earlier in stats],
+        # ops whose kernels wrote running statistics from outside the trace (nonfinite_origin: unexamined)
+        "stats_untracked": list(getattr(trace, "_stats_untracked", ())),
     }
 
 
@@ -64,6 +67,9 @@ def read_trace_state(trace, record: dict) -> None:
     stats = _stats(trace, record)
     if stats:
         trace._stats_left_nonfinite = stats
+    untracked = _ops(trace, record, "stats_untracked")
+    if untracked:
+        trace._stats_untracked = untracked
     verdict = _optional_string(record, "repetition")
     if verdict is not None:
         if verdict not in _REPETITIONS:
@@ -92,6 +98,13 @@ def _output_nodes(trace, record: dict, key: str) -> frozenset:
                                               for i in value):
         raise TraceFileError(f"{TRACE_JSON}: {key!r} must list output nodes by index")
     return frozenset(value)
+
+
+def _ops(trace, record: dict, key: str) -> tuple:
+    value = record.get(key, [])  # absent in files of older versions
+    if not isinstance(value, list) or not all(type(i) is int and 0 <= i < len(trace._kind) for i in value):
+        raise TraceFileError(f"{TRACE_JSON}: {key!r} must list ops by index")
+    return tuple(value)
 
 
 def _input_aliases(trace, record: dict) -> dict:
