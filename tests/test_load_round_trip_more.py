@@ -62,3 +62,21 @@ def test_gradients_and_originals_keep_strides_of_size_one_dims(tmp_path):
     assert {label: loaded[label].original.stride() for label in originals} == originals
     for label in grads:
         assert torch.equal(loaded[label].grad, live[label].grad)
+
+
+class _EmptySlices(nn.Module):
+    """Empty slices keep their base's strides ((4, 0) of a (4, 3): (3, 1)), which no gapless layout of a
+    non-empty tensor of their shape has: the loaded trace held them row-major, (1, 1)."""
+
+    def forward(self, x):
+        y = x * 2
+        return y[:, :0], y.t()[:0], y.unsqueeze(0)[:, :, :0]
+
+
+def test_empty_slices_keep_their_base_strides(tmp_path):
+    live = tl.trace(_EmptySlices(), torch.randn(4, 3))
+    kept = {op.label: op.activation.stride() for op in live.ops if op.has_activation and op.activation.numel() == 0}
+    assert len(kept) >= 3 and all(s != torch.empty(live[label].shape).stride() for label, s in kept.items())
+    loaded = tl.load(live.save(tmp_path / "run"))
+    assert {label: loaded[label].activation.stride() for label in kept} == kept
+    assert all(loaded[label].activation.shape == live[label].activation.shape for label in kept)

@@ -288,11 +288,14 @@ def row_major_strides(shape) -> tuple:
 def permuted_strides(t) -> list | None:
     """``t``'s strides when its elements fill their memory without gaps in an order other than row-major
     (channels_last, a transpose): what a copy written in row order needs to be laid out as ``t`` is; None
-    for a row-major tensor, and for one with gaps or overlaps, whose layout a copy of its values cannot keep.
+    for a row-major tensor, and for one with gaps or overlaps, whose layout a copy of its values cannot keep (an
+    empty tensor has neither, whatever its strides).
     Row-major means torch's own strides for the shape: ``is_contiguous()`` ignores a size-1 or empty dim's
     stride, which ``(x * 1).t()`` of an ``(n, 1)`` ``x`` sets otherwise, and a copy must keep it too."""
     if t.layout != torch.strided or t.is_nested or t.stride() == row_major_strides(t.shape):
         return None
+    if t.numel() == 0:  # no element, no memory to leave a gap in: any strides (a slice's of its base) are kept
+        return list(t.stride())
     expected = 1  # the stride the next dimension, innermost first, must have to leave no gap
     for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
         if stride != expected:
