@@ -99,3 +99,21 @@ def test_a_folder_of_an_older_save_not_naming_its_trace_is_named_and_left(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert _same(tl.load(str(unnamed)), old)  # left whole, for the user to put back
+
+
+def test_a_kill_at_any_step_before_the_renames_leaves_nothing_after_the_next_load(tmp_path, monkeypatch, traces):
+    """Every file operation of a save over a trace up to its first rename, killed in turn."""
+    from test_save_killed import _first_move_out, _killed_after
+
+    old, new = traces
+    last = _first_move_out(tmp_path, monkeypatch, traces)
+    for steps in range(last + 1):
+        parent = tmp_path / f"k{steps}"
+        folder = str(parent / "run")
+        old.save(folder)
+        with monkeypatch.context() as m:
+            _killed_after(m, steps)
+            with pytest.raises(BaseException, match="^$"):  # the kill, whichever operation it hit
+                new.save(folder, overwrite=True)
+        assert _same(tl.load(folder), old) and sorted(os.listdir(parent)) == ["run"], f"killed after {steps}"
+    assert last >= 3  # kills while the folder was made, written and before the first move
