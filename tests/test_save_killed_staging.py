@@ -117,3 +117,16 @@ def test_a_kill_at_any_step_before_the_renames_leaves_nothing_after_the_next_loa
                 new.save(folder, overwrite=True)
         assert _same(tl.load(folder), old) and sorted(os.listdir(parent)) == ["run"], f"killed after {steps}"
     assert last >= 3  # kills while the folder was made, written and before the first move
+
+
+def test_a_folder_named_like_a_dead_saves_keeps_what_no_save_writes(tmp_path, traces):
+    """A save writes plain files in its folder, never a subfolder: one found there is not the save's to delete."""
+    old, _ = traces
+    folder = str(tmp_path / "run")
+    old.save(folder)
+    staging, lock = recover.claim_staging(folder)
+    recover.release_staging(lock)
+    os.mkdir(os.path.join(staging, "mine"))
+    with pytest.warns(UserWarning, match="could not be deleted"):
+        assert _same(tl.load(folder), old)
+    assert os.listdir(staging) == ["mine"]

@@ -186,12 +186,12 @@ def _discard_staging(path: str, staging: str) -> None:
                   "one running now; delete it once no save of this path is running")
         return
     try:
-        shutil.rmtree(staging, ignore_errors=True)
+        _delete_moved_aside(staging)  # a save writes plain files only: anything else there is no save's, and stays
+    except OSError as exc:
+        warn_user(f"{path}: {staging} holds the half-written trace of a save of this path that was killed, and "
+                  f"could not be deleted ({exc.strerror or exc}); delete it")
     finally:
         os.close(lock)
-    if os.path.lexists(staging):
-        warn_user(f"{path}: {staging} holds the half-written trace of a save of this path that was killed, and "
-                  "could not be deleted; delete it")
 
 
 def _name_unattributed(path: str) -> None:
@@ -225,7 +225,7 @@ def _delete_moved_aside(retired: str) -> None:
     """Delete the old trace's files from ``retired``, then the folder.  Every file there is one the save moved
     aside (only the old trace's files go there), and the save deletes the manifest first, so a kill while it
     deleted them leaves files no manifest lists: all of them go.  Anything not a plain file stays, and so does
-    the folder then."""
+    the folder then.  (A dead save's staging folder goes the same way: it holds only the files it wrote.)"""
     for name in sorted(os.listdir(retired), key=lambda n: n != MANIFEST):
         if _is_regular(os.path.join(retired, name)):
             os.remove(os.path.join(retired, name))
