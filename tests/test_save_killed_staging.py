@@ -130,3 +130,27 @@ def test_a_folder_named_like_a_dead_saves_keeps_what_no_save_writes(tmp_path, tr
     with pytest.warns(UserWarning, match="could not be deleted"):
         assert _same(tl.load(folder), old)
     assert os.listdir(staging) == ["mine"]
+
+
+@pytest.mark.skipif(getattr(recover, "fcntl", None) is None, reason="no advisory locks on this system")
+@pytest.mark.parametrize("when", ["before-the-open", "while-the-lock-waits"])
+def test_a_save_whose_new_folder_is_taken_for_a_dead_saves_makes_another(tmp_path, monkeypatch, traces, when):
+    """A load of the path in another process, between the save's mkdir and its lock, deletes the folder: before
+    the save opens it, or (holding the lock the save then waits for) once it is open."""
+    _, new = traces
+    real, taken = recover._lock, []
+
+    def lock_after_a_load(folder, wait):
+        if taken:
+            return real(folder, wait)
+        taken.append(folder)
+        if when == "before-the-open":
+            os.rmdir(folder)  # what that load does to a folder no process holds yet
+            return real(folder, wait)
+        lock = real(folder, wait)
+        os.rmdir(folder)  # (deleted by the load that held it, which then let go)
+        return lock
+    monkeypatch.setattr(recover, "_lock", lock_after_a_load)
+    folder = str(tmp_path / "run")
+    new.save(folder)
+    assert taken and sorted(os.listdir(tmp_path)) == ["run"] and _same(tl.load(folder), new)

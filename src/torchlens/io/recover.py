@@ -57,10 +57,15 @@ def claim_staging(path: str):
     for _ in range(3):
         staging = staging_path(path)
         os.mkdir(staging)  # (not mkdtemp: the folder keeps the user's usual permissions once renamed)
-        lock = _lock(staging, wait=True)
-        if lock in (None, _BUSY) or _still_at(lock, staging):
-            return staging, (None if lock == _BUSY else lock)
-        os.close(lock)  # a save or load of path took it for a dead save's in the instant before the lock: again
+        # A save or load of path (another process) may take the folder for a dead save's until it is locked,
+        # and delete it: before it is opened, or while the lock waits.  Then another is made.
+        try:
+            lock = _lock(staging, wait=True)  # (waiting, never _BUSY)
+        except FileNotFoundError:
+            continue
+        if lock is None or _still_at(lock, staging):
+            return staging, lock
+        os.close(lock)
     raise TraceFileError(f"{path}: the folder to write the trace in beside it was deleted three times as it was "
                          "made; is another program deleting hidden folders there? Save again, or to another path")
 
