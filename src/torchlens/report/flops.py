@@ -24,7 +24,8 @@ from ..record.modules import enclosing_calls, script_modules
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
 from .flops_einsum import einsum_flops
-from .flops_products import chain_matmul_flops, multi_dot_flops, tensordot_flops
+from .flops_products import (bilinear_flops, cdist_flops, chain_matmul_flops, conv_tbc_flops, matrix_power_flops,
+                             multi_dot_flops, tensordot_flops, vecdot_flops)
 
 CONVENTION = ("analytic forward FLOPs: a multiply-add counts 2, any other arithmetic operation 1, "
               "an elementwise function 1 per output element")
@@ -372,11 +373,17 @@ register("_grouped_mm", "matmul", _grouped_mm)
 register("multi_dot linalg_multi_dot", "matmul", multi_dot_flops)
 register("chain_matmul", "matmul", chain_matmul_flops)
 register("tensordot", "matmul", tensordot_flops)
+register("matrix_power linalg_matrix_power", "matmul", matrix_power_flops)
+register("bilinear", "matmul", bilinear_flops)
+register("vecdot linalg_vecdot", "matmul", vecdot_flops)
+register("outer ger kron", "elementwise", _per_element(1))
+register("cdist", "other", cdist_flops)
 register("einsum", "matmul", _einsum)
 register("lstm gru rnn_tanh rnn_relu", "matmul", _recurrent)
 register("lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell", "matmul", _recurrent_cell)
 register("conv1d conv2d conv3d", "conv", _conv)
 register("conv_transpose1d conv_transpose2d conv_transpose3d", "conv", _conv_transpose)
+register("conv_tbc", "conv", conv_tbc_flops)
 register("scaled_dot_product_attention", "attention", _sdpa)
 register("multi_head_attention_forward", "attention", _multi_head_attention)
 register("add sub rsub subtract", "elementwise", _add_like)

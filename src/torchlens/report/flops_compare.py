@@ -464,8 +464,10 @@ def _notes(log, tl_total, tl_families, native_families, attention_calls, unknown
 
 def _unknown_notes(log, unknown, unknown_counted) -> list:
     """Notes on the ops torchlens left unknown, in two kinds: a function with no formula, and an op whose formula
-    could not read a shape it needs (an operand read through a view written in place, a nested tensor's ragged
-    size).  Naming the second kind as having no formula would say matmul has none."""
+    could not count that call: a shape it needs was unreadable (an operand read through a view written in place,
+    a nested tensor's ragged size), or the call's arguments are ones it does not model (``matrix_power`` with a
+    negative exponent, which inverts first).  Naming the second kind as having no formula would say matmul has
+    none, and naming it an unread shape would send a user hunting for a write that never happened."""
     ops = [log._by_label(label) for label in unknown]
     no_formula = [op for op in ops if registry_family(op.func_name) is None]
     unread = [op.label for op in ops if registry_family(op.func_name) is not None]
@@ -478,9 +480,10 @@ def _unknown_notes(log, unknown, unknown_counted) -> list:
                      + (f"; FlopCounterMode counted nothing inside {', '.join(neither)} either (no entry in its "
                         "flop registry), so neither side has a figure for that work" if neither else ""))
     if unread:
-        notes.append(f"{_ops_have(len(unread))} a torchlens formula that could not read a shape it needs "
-                     f"({listed(unread, 3)}: an operand read through a view written in place, or a nested "
-                     "tensor's ragged size): their FLOPs are missing from the torchlens side, not zero")
+        notes.append(f"{_ops_have(len(unread))} a torchlens formula that could not count that call "
+                     f"({listed(unread, 3)}: an operand read through a view written in place, a nested tensor's "
+                     "ragged size, or arguments the formula does not model, such as a negative matrix_power "
+                     "exponent): their FLOPs are missing from the torchlens side, not zero")
     return notes
 
 
