@@ -45,6 +45,6 @@ def broadcast_into_empty(rank, world) -> list:
         dist.broadcast(by_group, group=group, group_src=0)
         return x + by_world + by_group
 
-    with torch.inference_mode():  # recorded as writes, which the undefined-memory rule reads
+    with torch.inference_mode():  # writes, which the undefined-memory rule reads, in any grad mode
         log = tl.trace(receive, torch.randn(4))
     return sorted(log.ops[i].func_name for i in uninitialized_ops(log, through_writes=True))

@@ -1308,6 +1308,10 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
             Py_DECREF(after);
             if (moved < 0) goto done;
         }
+        /* A torch.distributed collective (its tensors found by ``_output_leaves``) writes its argument without
+         * moving the version counter: asked on its last argument all the same; for any other call returning
+         * no tensor of its own nothing moved means nothing written, as ``_written_arguments`` finds. */
+        if (!moved && leaves != NULL && i == nbound - 1) moved = 1;
         if (moved) {  /* a write (or an inference tensor): which ones */
             PyObject *versions = versions_list(bounds, nbound);
             if (versions == NULL) goto done;

@@ -49,6 +49,7 @@ from .source import USER as _USER_FRAME
 from .source import VERDICTS as _verdicts
 from .source import FrameClassifier, called_by_module_call, dispatched_site, outside_torch, user_site
 from .state import CaptureState
+from .collectives import WRITTEN_ARGUMENT
 from .writes import inplace_cache, protect_before_write, written_arguments
 
 Tensor = torch.Tensor
@@ -255,6 +256,9 @@ class CaptureMode(TorchFunctionMode):
             if before is None or v._version != before:  # a write (or an inference tensor): which ones
                 written = written_arguments(func, args, kwargs, versions, out)
                 break
+        else:
+            if leaves is not None and func in WRITTEN_ARGUMENT:  # a collective's write moves no version
+                written = written_arguments(func, args, kwargs, versions, out)
         if st.save_mode and (_grad_enabled() is not st.grad_enabled or _any_autocast() or st.any_autocast):
             st.note_context(call_index)  # replay (which needs saved values) runs it as it ran
         # Compact for long traces: tuples, and one shared empty dict for the common no-keyword call.

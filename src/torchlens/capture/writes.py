@@ -16,7 +16,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 
 from ..record.columns import writes_first_argument
 from ..record.layouts import memory_span, spans_meet, storage_key
-from .collectives import WRITTEN_ARGUMENT
+from .collectives import WRITTEN_ARGUMENT, written_tensors
 from .fused_writes import WRITES_BY_ATEN_SCHEMA, WRITES_RUNNING_STATS, running_stats_written
 from .state import NOT_RETURNED
 from ..tree import tensor_leaves
@@ -114,6 +114,9 @@ def protect_before_write(st, func, args, kwargs) -> None:
     if type(inplace) is tuple:  # an operator whose schema names what it writes
         st.protect_saved_all(schema_written(inplace, args, kwargs))
         return
+    if func in WRITTEN_ARGUMENT:  # a collective: where it writes, not always its first argument (gather's list)
+        st.protect_saved_all([t for _, t in written_tensors(func, args, kwargs)])
+        return
     if inplace or kwargs.get("inplace"):
         target = _first_argument(args, kwargs)
         if isinstance(target, Tensor):
@@ -138,11 +141,14 @@ class Written(list):
 
 
 def written_arguments(func, args, kwargs, versions, out=None):
-    """The tensor arguments the call wrote (version counter moved, or by name for inference tensors),
-    as a ``Written``, or None.  ``out``: what the call returned."""
+    """The tensor arguments the call wrote (version counter moved, or by name for inference tensors and for
+    the ``torch.distributed`` collectives, which write their result without moving the version counter), as a
+    ``Written``, or None.  ``out``: what the call returned."""
     written = None
+    by_name = func in WRITTEN_ARGUMENT
     for v, before in versions:
-        if v._version != before if before is not None else _predicted_write(func, args, kwargs, v):
+        moved = before is not None and v._version != before
+        if moved or (before is None or by_name) and _predicted_write(func, args, kwargs, v):
             if written is None:
                 written = Written()
             written.append(v)
@@ -171,6 +177,8 @@ def named_targets(func, args, kwargs) -> list:
     """The tensors ``func`` writes by name, in the order it returns them: its first argument (each tensor
     of it, for a list) when it writes in place, else its ``out=`` tensors, else the arguments its schema
     says it writes."""
+    if func in WRITTEN_ARGUMENT:  # where each collective writes (gather its second argument, lists whole)
+        return [t for _, t in written_tensors(func, args, kwargs)]
     verdict = write_verdict(func)
     if type(verdict) is tuple and "out" not in kwargs:
         return schema_written(verdict, args, kwargs)
@@ -213,7 +221,10 @@ def _first_argument(args, kwargs):
 
 
 def _predicted_write(func, args, kwargs, t) -> bool:
-    """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter) are known."""
+    """Whether ``func`` writes ``t`` by name: how writes to inference tensors (no version counter), and a
+    collective's writes (which move none), are known."""
+    if func in WRITTEN_ARGUMENT:
+        return any(u is t for _, u in written_tensors(func, args, kwargs))
     if _first_argument(args, kwargs) is t and (predicts_inplace(func) or kwargs.get("inplace")):
         return True
     verdict = write_verdict(func)
