@@ -143,3 +143,38 @@ def test_compare_names_a_dtype_change_and_a_nan_against_a_number_as_the_largest_
     assert row["diverges"] and row["reason"] == "(3, 8) torch.float32 on the reference, (3, 8) torch.float64 here"
     (row,) = tl.distributed.compare([reference, tl.trace(lambda t: t * 2, nan)]).to_dict("records")
     assert (row["reason"], row["max_abs_diff"]) == ("values differ", float("inf"))
+
+
+class Doubles(torch.nn.Module):
+    """Returns ``g + g`` (one tensor read twice), or ``g + x`` in its place."""
+
+    def __init__(self, twice=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(3, 3)
+        self.twice = twice
+
+    def forward(self, x):
+        g = self.fc(x)
+        return g + g if self.twice else g + x
+
+
+def test_an_op_reading_one_tensor_twice_agrees_with_itself_and_not_with_one_reading_two(tmp_path):
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(8))
+    twice, once_each = tl.trace(Doubles(), x), tl.trace(Doubles(twice=False), x)
+    assert [op.label for op in twice.ops] == [op.label for op in once_each.ops]
+    twice.save(tmp_path / "twice")
+    (row,) = tl.distributed.compare([tl.load(tmp_path / "twice"), twice]).to_dict("records")
+    assert (row["diverges"], row["reason"], row["ops_compared"]) == (False, None, len(twice.ops))
+    for activations in (False, True):  # the two reads of g are the graph, with or without values
+        traces = [tl.distributed.RankTrace.of(t, activations=activations) for t in (twice, once_each)]
+        (row,) = tl.distributed.compare(traces).to_dict("records")
+        origin = "here" if activations else "unknown"  # without values, g may already have differed
+        assert (row["diverges"], row["first_op"], row["origin"]) == (True, "add_1_2:1", origin)
+        assert row["reason"] == ("the graph differs: add_1_2:1 reads linear_1_1:1, linear_1_1:1 on the reference, "
+                                 "linear_1_1:1, input_1:1 here")
+    changed = Doubles()
+    with torch.no_grad():
+        changed.fc.bias[1] += 0.5
+    (row,) = tl.distributed.compare([twice, tl.trace(changed, x)]).to_dict("records")
+    assert (row["first_op"], row["origin"], row["max_abs_diff"]) == ("linear_1_1:1", "here", 0.5)
