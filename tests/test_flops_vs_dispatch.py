@@ -527,3 +527,27 @@ def test_a_random_draw_refusal_names_what_drew_not_a_dropout_with_p_zero(draws, 
     with pytest.raises(tl.TorchlensError, match="random numbers") as refused:
         tl.report.flops_vs_dispatch(_hubert(**draws), torch.randn(1, 200))
     assert re.search(drawn_by, str(refused.value)) and "dropout" not in str(refused.value)
+
+
+class _CompiledInside(nn.Module):
+    """A torch.compile'd submodule between two plain products."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.middle = torch.compile(nn.Linear(4, 4), backend="eager")
+
+    def forward(self, x):
+        return self.last(self.middle(self.first(x)).relu())
+
+
+def test_a_compiled_submodule_is_compared_with_its_products_named_on_the_native_side_alone():
+    # The counted run listed the linear inside the compiled submodule, which capture records as one op with
+    # nothing inside: the comparison refused the model as calling different products (2 against 3).
+    model, x = _CompiledInside().eval(), torch.randn(3, 4)
+    result = tl.report.flops_vs_dispatch(model, x)
+    assert result.native_total == native_total(model, x) == 2 * 3 * 4 * (4 + 4 + 2)
+    (compiled,) = result.torchlens_unknown
+    assert compiled.startswith("compiled") and any("no torchlens formula (compiled)" in n for n in result.notes)
+    matmul = next(row for row in result.families if row["family"] == "matmul")
+    assert matmul["torchlens"] == 2 * 3 * 4 * (4 + 2) + 3 * (4 + 2)  # the two plain linears and their biases

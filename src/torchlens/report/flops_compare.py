@@ -14,6 +14,7 @@ both are formulas applied to shapes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -207,7 +208,7 @@ def _count_natively(model, args, kwargs, unknown_names=frozenset()):
 
     try:
         with FlopCounterMode(display=False) as counter, _ProductWatch(counter, unknown_names) as watch, \
-                FastPathShim(watch):
+                FastPathShim(watch), _unwatched_compiled_calls(watch):
             return counter, _detached(model(*args, **kwargs)), watch.calls, watch.unknown_counted
     except AssertionError as error:
         if torch.is_grad_enabled() or str(error) != "Expected gradient function to be set":
@@ -217,6 +218,35 @@ def _count_natively(model, args, kwargs, unknown_names=frozenset()):
             "a module was handed a view of a parameter made with gradients off, which has no gradient node "
             "for the tracker's backward hook (a limitation of torch.utils.module_tracker). Call "
             "flops_vs_dispatch outside torch.no_grad().") from error
+
+
+@contextlib.contextmanager
+def _unwatched_compiled_calls(watch):
+    """Hides from ``watch`` the products a ``torch.compile``'d submodule runs: capture records its call as one op
+    (``compiled``, with no formula) and sees nothing inside it, so the watch must not list them either, or the
+    two runs' product sequences differ and the comparison refuses the model as running another program."""
+    from ..capture.compiled import optimized_module_type
+
+    compiled = optimized_module_type()
+    if compiled is None:  # Dynamo never imported: no module can be compiled
+        yield
+        return
+
+    def enter(module, args):
+        if isinstance(module, compiled):
+            watch._depth += 1
+
+    def leave(module, args, output):
+        if isinstance(module, compiled):
+            watch._depth -= 1
+
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+             torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 class _ProductWatch(torch.overrides.TorchFunctionMode):
