@@ -551,3 +551,13 @@ def test_a_compiled_submodule_is_compared_with_its_products_named_on_the_native_
     assert compiled.startswith("compiled") and any("no torchlens formula (compiled)" in n for n in result.notes)
     matmul = next(row for row in result.families if row["family"] == "matmul")
     assert matmul["torchlens"] == 2 * 3 * 4 * (4 + 2) + 3 * (4 + 2)  # the two plain linears and their biases
+
+
+def test_a_forward_flop_counter_mode_cannot_run_is_refused_naming_the_tool_and_the_count_that_remains():
+    # A jagged nested input raised torch's bare "Multiple dispatch failed for ... sym_is_contiguous" TypeError.
+    model = nn.Linear(4, 3).eval()
+    x = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)
+    with pytest.raises(tl.TorchlensError, match=r"FlopCounterMode could not run this forward: .*jagged nested "
+                                                r"tensor.*tl\.trace\(model, x\)\.flops"):
+        tl.report.flops_vs_dispatch(model, x)
+    assert tl.trace(model, x).flops.unknown == ("linear_1_1:1",)  # a ragged size: unknown, and said so

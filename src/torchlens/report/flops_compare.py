@@ -210,6 +210,14 @@ def _count_natively(model, args, kwargs, unknown_names=frozenset()):
         with FlopCounterMode(display=False) as counter, _ProductWatch(counter, unknown_names) as watch, \
                 FastPathShim(watch), _unwatched_compiled_calls(watch):
             return counter, _detached(model(*args, **kwargs)), watch.calls, watch.unknown_counted
+    except TypeError as error:
+        if "__torch_dispatch__ handlers returned NotImplemented" not in str(error):
+            raise
+        raise NativeToolFailed(
+            "flops_vs_dispatch: FlopCounterMode could not run this forward: its dispatch mode handles no tensor "
+            f"subclass of the kind met here ({str(error).splitlines()[0]}), a jagged nested tensor for one (a "
+            "limitation of torch.utils.flop_counter). torchlens's own count needs no second run: "
+            "tl.trace(model, x).flops.") from error
     except AssertionError as error:
         if torch.is_grad_enabled() or str(error) != "Expected gradient function to be set":
             raise
@@ -227,10 +235,7 @@ def _unwatched_compiled_calls(watch):
     two runs' product sequences differ and the comparison refuses the model as running another program."""
     from ..capture.compiled import optimized_module_type
 
-    compiled = optimized_module_type()
-    if compiled is None:  # Dynamo never imported: no module can be compiled
-        yield
-        return
+    compiled = optimized_module_type() or ()  # () when Dynamo was never imported: no module is compiled
 
     def enter(module, args):
         if isinstance(module, compiled):
