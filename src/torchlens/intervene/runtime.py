@@ -275,7 +275,9 @@ class Interventions:
                 "output, an input, a parameter or a buffer); downstream readers of it could not be told from "
                 "readers of the site, so the record would name the wrong parents. Return a copy instead "
                 "(return held.clone())")
-        region = checkpoint_region()
+        # The recomputation leaves out only what the edit changed: a new value reading the same elements of the
+        # same memory (t.view_as(t), attribution_patching's probe of an op handing back its input) changes none.
+        region = None if _same_elements(new, value) else checkpoint_region()
         if region is not None:
             raise InterventionError(
                 f"intervention at {_where(key, op)}: the site is inside a {region} torch.utils.checkpoint region "
@@ -521,6 +523,18 @@ def _aliases(new, old) -> bool:
     """Whether an action's value shares memory with the value it replaces (``t.view_as(t)``, ``t.detach()``, ``t``
     itself): the ops after the site may write it in place, which would change the kept original too."""
     return storage_key(new) == storage_key(old)
+
+
+def _same_elements(new, old) -> bool:
+    """Whether an action's value is an alias reading exactly the elements of the value it replaces, as they are:
+    the same memory at the same offset and strides (shape and dtype were checked equal; a dimension of size 1 is
+    never stepped along, and ``view_as`` may give it another stride), and no conjugate or negative bit of its
+    own, so that every op after the site reads what it would have read unedited."""
+    if new.layout != torch.strided or new.is_nested or not _aliases(new, old):
+        return False
+    strides = [(a, b) for a, b, size in zip(new.stride(), old.stride(), old.shape) if size != 1]
+    return (new.storage_offset() == old.storage_offset() and all(a == b for a, b in strides)
+            and new.is_conj() == old.is_conj() and new.is_neg() == old.is_neg())
 
 
 def _rebuild_output(out, changed):
