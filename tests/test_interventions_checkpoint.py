@@ -50,9 +50,9 @@ def test_an_edit_after_the_region_closed_is_allowed(hooked):
 class _CastInsideCheckpoint(nn.Module):
     """Llama's norms in a checkpointed block: ``h.to(torch.float32)`` of a float32 ``h`` hands back ``h`` itself."""
 
-    def __init__(self, checkpointed: bool):
+    def __init__(self, reentrant=None):
         super().__init__()
-        self.checkpointed = checkpointed
+        self.reentrant = reentrant  # None: no checkpoint
         self.fc = nn.Linear(4, 4)
         self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
         self.head = nn.Linear(4, 2)
@@ -63,15 +63,15 @@ class _CastInsideCheckpoint(nn.Module):
 
     def forward(self, x):
         h = self.fc(x)
-        h = checkpoint(self.region, h, use_reentrant=False) if self.checkpointed else self.region(h)
+        h = self.region(h) if self.reentrant is None else checkpoint(self.region, h, use_reentrant=self.reentrant)
         return self.head(h)
 
 
 @pytest.fixture(scope="module")
 def cast_models():
     torch.manual_seed(0)
-    plain = _CastInsideCheckpoint(checkpointed=False)
-    checkpointed = _CastInsideCheckpoint(checkpointed=True)
+    plain = _CastInsideCheckpoint()
+    checkpointed = _CastInsideCheckpoint(reentrant=False)
     checkpointed.load_state_dict(plain.state_dict())
     return plain, checkpointed
 
@@ -98,3 +98,13 @@ def test_an_alias_of_the_value_inside_the_region_is_allowed_and_changes_no_gradi
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     with pytest.raises(tl.InterventionError, match="inside a non-reentrant torch.utils.checkpoint region"):
         tl.trace(cast_models[1], x, grads=True, intervene={"block.0": lambda t, op: t * 1.0})
+
+
+def test_attribution_patching_through_a_reentrant_region_says_what_refuses_it_and_what_to_do():
+    # torch's own refusal names .grad(), which the caller of the table never wrote.
+    torch.manual_seed(0)
+    model = _CastInsideCheckpoint(reentrant=True)
+    refused = r"attribution_patching takes the metric's gradient .*use_reentrant=False"
+    with pytest.raises(tl.InterventionError, match=refused):
+        tl.report.attribution_patching(model, torch.randn(3, 4), torch.randn(3, 4), lambda out: out[0, 0])
+    assert all(p.grad is None for p in model.parameters())

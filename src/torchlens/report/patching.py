@@ -174,7 +174,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
             for k, (t, v) in live.items():
                 if t._version != v:
                     notes[k] = "written in place later in the forward: its gradient is not that of this value"
-            grads = torch.autograd.grad(value, [live[k][0] for k in labels], allow_unused=True) if labels else ()
+            grads = _gradients(value, [live[k][0] for k in labels]) if labels else ()
     except BaseException:
         runs.state.restore()
         raise
@@ -495,6 +495,22 @@ def _check_differentiable(value, needed: bool) -> None:
     if needed and not value.requires_grad:
         raise ValueError("attribution_patching: the metric's tensor has no gradient (made under torch.no_grad(), or "
                          ".detach()ed), but attribution takes its gradient: compute it from the output as it is")
+
+
+def _gradients(value, tensors) -> tuple:
+    """d value / d each tensor, by ``torch.autograd.grad``.  A reentrant ``torch.utils.checkpoint`` region refuses
+    it (its backward runs only inside a whole ``.backward()``) with a message naming ``.grad()``, which the caller
+    never wrote: the refusal is said in the experiment's terms, with the two ways out."""
+    try:
+        return torch.autograd.grad(value, tensors, allow_unused=True)
+    except RuntimeError as exc:
+        if "use_reentrant=True" not in str(exc):
+            raise
+        raise InterventionError(
+            "attribution_patching takes the metric's gradient with torch.autograd.grad, which a reentrant "
+            "torch.utils.checkpoint region of the model refuses (its backward runs only in a whole .backward()); "
+            "checkpoint with use_reentrant=False (for a transformers model, model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})), or turn gradient checkpointing off") from exc
 
 
 def _scalar(value) -> float:
