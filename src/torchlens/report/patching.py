@@ -21,7 +21,7 @@ import torch
 
 from ..checks import check_flag, check_grad_possible, check_int, check_model, check_takes
 from ..errors import InterventionError, TorchlensError, add_note, first_few, warn_user
-from ..record.modules import Module, is_unregistered
+from ..record.modules import Module, is_unregistered, script_modules
 from ..record.op import Layer
 from ..record.tables import require_pandas
 from ..record.trace import Trace
@@ -205,6 +205,8 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         e = sum(estimate.get(k, math.nan) for k in outs) if outs and not passed else math.nan
         # once each: the outputs of one call often share a reason (rotary embeddings' cos and sin)
         said = list(dict.fromkeys(notes[k] for k in outs if k in notes))
+        if not mc.output_ops:
+            said.append(_no_output_op(clean_log, mc))
         if passed:
             said.append(f"returns a tensor it did not compute ({', '.join(passed)}, passed through from its input), "
                         "whose gradient sums every reader of it, not only the call's callers: no estimate of patching "
@@ -356,7 +358,7 @@ def _unpatchable_sites(log, names, names_no_model: bool = False) -> dict:
             continue
         call = calls.get(site)
         if call is not None and not call.output_ops:
-            reasons[site] = f"module call {site} returns no tensor: there is nothing to patch"
+            reasons[site] = _no_output_op(log, call)
             continue
         log[site]  # raises KeyError with the closest names
         address = site.rpartition(":")[0] if call is not None else site
@@ -373,6 +375,19 @@ def _unpatchable_sites(log, names, names_no_model: bool = False) -> dict:
             reasons[site] = (f"{site} is a module the forward made itself, not a module of the model, so it is no "
                              f"module site; {instead}")
     return reasons
+
+
+def _no_output_op(log, call) -> str:
+    """Why a module call lists no output op: a TorchScript module's output is made in TorchScript's interpreter,
+    where no op of the trace holds it (it reaches its readers as a tensor of unknown origin); any other such call
+    returns no tensor."""
+    scripted = [outer for outer in script_modules(log)
+                if call.address == outer or call.address.startswith(f"{outer}.")]
+    if scripted:
+        return (f"module call {call.label} runs in TorchScript's interpreter ({scripted[0]} is a torch.jit.script or "
+                "torch.jit.trace module), where capture cannot see its ops: no op of the trace holds its output to "
+                "patch; patch the ops that read it, or trace the module as it was before scripting")
+    return f"module call {call.label} returns no tensor: there is nothing to patch"
 
 
 def _position_patches(log, names, dim: int, unpatchable: dict) -> list:
