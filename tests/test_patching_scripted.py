@@ -52,3 +52,13 @@ def test_attribution_patching_notes_why_a_call_without_output_ops_has_no_estimat
     assert "runs in TorchScript's interpreter" in rows.note["inner:1"]
     assert "returns no tensor" in rows.note["count:1"]
     assert not rows.estimate[["a:1", "b:1"]].isna().any()
+
+
+def test_by_position_a_call_without_output_ops_has_one_row_saying_why(experiment):
+    # It used to fail the whole table, reading the shape of the call record as if it were an op.
+    model, clean, corrupt, metric = experiment
+    rows = tl.report.activation_patching(model, clean, corrupt, metric, sites="modules", positions=1, progress=False)
+    unindexed = rows[rows.position.isna()].set_index("site").error
+    assert sorted(unindexed.index) == ["count:1", "inner:1"]
+    assert "TorchScript" in unindexed["inner:1"] and "returns no tensor" in unindexed["count:1"]
+    assert rows[rows.site == "b:1"].position.tolist() == [0, 1]

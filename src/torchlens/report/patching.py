@@ -391,13 +391,17 @@ def _no_output_op(log, call) -> str:
 
 
 def _position_patches(log, names, dim: int, unpatchable: dict) -> list:
-    """``(site, position)`` for each index along ``dim`` of each site's value.  A module call returning no
-    tensor has no positions, so no row; a value with no dimension ``dim`` (an ``arange`` among
-    ``sites="ops"``) has one row, whose ``error`` says so (added to ``unpatchable``)."""
+    """``(site, position)`` for each index along ``dim`` of each site's value.  A module call with no output op
+    (one returning no tensor, or a TorchScript module's) has no value to index: one row, whose ``error`` is its
+    reason in ``unpatchable``; so has a value with no dimension ``dim`` (an ``arange`` among ``sites="ops"``),
+    whose reason is added there."""
     patches = []
     calls = {call.label: call for call in log.module_calls}
     for site in names:
         if isinstance(site, str) and site not in log:
+            continue
+        if isinstance(site, str) and site in calls and not calls[site].output_ops:
+            patches.append((site, None))
             continue
         try:
             _refuse_outputs_of_other_shapes(log, site, dim, calls)
