@@ -78,10 +78,36 @@ class _CaughtHookFailure(nn.Module):
 def test_a_module_call_whose_hook_raised_is_not_edited_nor_counted_as_reached():
     # The call computed an output, but its caller never received it: nothing to edit, and the site says so.
     model, x = _CaughtHookFailure(), torch.randn(2, 4)
-    with pytest.raises(tl.InterventionError, match=r"'pair' were never reached.*returned None, or raised an "
-                                                   r"exception, in its forward or one of its hooks"):
+    with pytest.raises(tl.InterventionError, match=r"'pair' were never reached.*returned None or no tensor, or "
+                                                   r"raised an exception, in its forward or one of its hooks"):
         tl.trace(model, x, intervene={"pair": tl.scale(3.0)})
     assert torch.equal(tl.trace(model, x).output, x * 2)
+
+
+class _CountsRows(nn.Module):
+    """A submodule returning a number, no tensor: a module site there has nothing to edit."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.rows = _Rows()
+
+    def forward(self, x):
+        return self.fc(x) * self.rows(x)
+
+
+class _Rows(nn.Module):
+    def forward(self, x):
+        return x.shape[0]
+
+
+@pytest.mark.parametrize("site", ["rows", "rows:1"])
+def test_a_module_site_whose_calls_return_no_tensor_is_refused_not_returned_as_edited(site):
+    # It used to return the plain forward with no intervention applied and nothing said.
+    model, x = _CountsRows(), torch.randn(2, 4)
+    with pytest.raises(tl.InterventionError, match=rf"'{site}' were never reached.*returned None or no tensor"):
+        tl.trace(model, x, intervene={site: tl.zero_ablate()})
+    assert tl.trace(model, x, stop_after=site).stopped_after == "rows:1"  # a stop needs no tensor to change
 
 
 @pytest.fixture(scope="module")

@@ -62,3 +62,14 @@ def test_by_position_a_call_without_output_ops_has_one_row_saying_why(experiment
     assert sorted(unindexed.index) == ["count:1", "inner:1"]
     assert "TorchScript" in unindexed["inner:1"] and "returns no tensor" in unindexed["count:1"]
     assert rows[rows.site == "b:1"].position.tolist() == [0, 1]
+
+
+def test_a_module_whose_calls_return_no_tensor_has_a_row_saying_so_not_a_patch_that_changed_nothing(experiment):
+    # Its row used to hold the corrupted baseline (normalized 0.0), as if the patch had been made and had no effect.
+    model, clean, corrupt, metric = experiment
+    whole = tl.report.activation_patching(model, clean, corrupt, metric, sites=["count", "b"], progress=False)
+    assert whole.normalized.isna().tolist() == [True, False] and "no tensor" in whole.error[0]
+    by_position = tl.report.activation_patching(model, clean, corrupt, metric, sites=["count", "inner"], positions=1,
+                                                progress=False).set_index("site")
+    assert by_position.position.isna().all() and "no tensor" in by_position.error["count"]
+    assert "TorchScript" in by_position.error["inner"]

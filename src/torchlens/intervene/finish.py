@@ -51,6 +51,10 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     _refuse_ops_past_the_reference(runtime, trace)
 
 
+_NO_OUTPUT = ("it returned None or no tensor, or raised an exception, in its forward or one of its hooks, that the "
+              "model caught")
+
+
 def _unmet_module_hint(trace, addresses: list) -> str:
     """Why a module site (an address alone) was never reached although the module ran: every call of it ended
     with no output its caller received; or else ``bypassed_call_hint``, for a forward called directly."""
@@ -59,16 +63,20 @@ def _unmet_module_hint(trace, addresses: list) -> str:
         module = module_of.get(address)
         if module is not None and module.num_calls:
             return (f" (module {address!r} was called ({first_few(module.call_labels)}), but no call of it returned an "
-                    "output to change: it returned None, or raised an exception, in its forward or one of its hooks, "
-                    "that the model caught)")
+                    f"output to change: {_NO_OUTPUT})")
     return next((hint for hint in (bypassed_call_hint(trace, a) for a in addresses) if hint), "")
 
 
 def _calls_made_hint(trace, sites: list) -> str:
     """The calls the module of a numbered module site past its last call made (``fc:4`` of a module run three
-    times), as a lookup of that key in the trace says them: the numbers there are, rather than a look-up left to do."""
-    notes = (numbered_past_note(trace, f"{site.address}:{site.call_number}") for site in sites)
-    return next((note for note in notes if note), "")
+    times), as a lookup of that key in the trace says them: the numbers there are, rather than a look-up left to do;
+    or, for a call that ran, that it returned nothing to change."""
+    keys = [f"{site.address}:{site.call_number}" for site in sites]
+    notes = (numbered_past_note(trace, key) for key in keys)
+    made = {call.label for call in trace.module_calls}
+    ran = [key for key in keys if key in made]  # a call that ran and returned nothing to change
+    return next((note for note in notes if note), f" ({ran[0]} ran, but returned no output to change: {_NO_OUTPUT})"
+                if ran else "")
 
 
 def _modules_by_address(trace) -> dict:

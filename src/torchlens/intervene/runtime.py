@@ -391,16 +391,19 @@ class Interventions:
     def at_module_output(self, st, module, module_call: int, call_number: int, output):
         """Apply the module sites matching this call to each tensor it returns; the new output or None."""
         sites = self.sites_of_call(module, call_number)
-        for site in sites:
-            self.hit.add(id(site))
-        sites = [s for s in sites if s.action is not None]
-        if not sites:
-            return None
-        address = self._address(module)  # the call's label uses the module's first address, not an alias
         # Every tensor the call returns, numbered as the call's record numbers its outputs (capture/modules.py's
         # bound_output: objects' attributes included), so that ``output_index`` names the same tensor in
         # every trace of the call (tl.patch_from reads the source trace's output number ``output_index``).
         leaves = tensor_leaves(output, attrs=True)
+        for site in sites:
+            # A call returning no tensor (a count, a flag) has nothing to edit: as for a call returning None, an
+            # edit site whose every call did so is refused after the run, rather than returned as applied.
+            if leaves or site.action is None:
+                self.hit.add(id(site))
+        sites = [s for s in sites if s.action is not None]
+        if not sites or not leaves:
+            return None
+        address = self._address(module)  # the call's label uses the module's first address, not an alias
         # Only those in containers are edited.  Those in plain objects' attributes (a key/value cache, a state
         # object) are listed in the call's record but not edited here: a cache's tensors were read inside
         # the call, and an object cannot be rebuilt reliably.

@@ -22,7 +22,7 @@ import torch
 from ..checks import check_flag, check_grad_possible, check_int, check_model, check_takes
 from ..errors import InterventionError, TorchlensError, add_note, first_few, warn_user
 from ..record.modules import Module, is_unregistered, script_modules
-from ..record.op import Layer
+from ..record.op import Layer, Op
 from ..record.tables import require_pandas
 from ..record.trace import Trace
 from ..capture.inputs import parameters_named_by
@@ -392,15 +392,15 @@ def _no_output_op(log, call) -> str:
 
 def _position_patches(log, names, dim: int, unpatchable: dict) -> list:
     """``(site, position)`` for each index along ``dim`` of each site's value.  A module call with no output op
-    (one returning no tensor, or a TorchScript module's) has no value to index: one row, whose ``error`` is its
-    reason in ``unpatchable``; so has a value with no dimension ``dim`` (an ``arange`` among ``sites="ops"``),
-    whose reason is added there."""
+    (one returning no tensor, or a TorchScript module's), or a module with only such calls, has no value to index:
+    one row, whose ``error`` is its reason in ``unpatchable`` or the patched run's refusal; so has a value with no
+    dimension ``dim`` (an ``arange`` among ``sites="ops"``), whose reason is added there."""
     patches = []
     calls = {call.label: call for call in log.module_calls}
     for site in names:
         if isinstance(site, str) and site not in log:
             continue
-        if isinstance(site, str) and site in calls and not calls[site].output_ops:
+        if isinstance(site, str) and not _changed_ops(log, site):  # a module whose calls returned no tensor
             patches.append((site, None))
             continue
         try:
@@ -457,15 +457,16 @@ def _refuse_values_of_other_ranks(site, dim: int, values: list) -> None:
 
 def _changed_ops(log, site) -> list:
     """The ops whose values ``site`` changes, in order: the op itself, a layer's passes, a module's calls' outputs,
-    or every op a predicate accepts."""
+    or every op a predicate accepts.  A module call with no output op (returning no tensor, or a TorchScript
+    module's) is looked up as its call record, which has no value: it adds none."""
     if not isinstance(site, str):
         return accepted_ops(log, site)
     found = log[site]
     if isinstance(found, Layer):
         return found.ops
     if isinstance(found, Module):
-        return [log[label] for label in found.call_labels]
-    return [found]
+        return [op for op in (log[label] for label in found.call_labels) if isinstance(op, Op)]
+    return [found] if isinstance(found, Op) else []
 
 
 def _sites(log, sites) -> list:
