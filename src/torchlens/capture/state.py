@@ -35,6 +35,7 @@ from . import accel
 from .bindings import is_bound
 from .budget import SaveBudget
 from .fused_writes import stat_slots
+from .outside import note_outside
 from .pass_through import end_pass_through, note_pass_through
 from .unversioned_writes import (UNSEEN, exported_alias, moved_unseen, note_data_write, note_export,
                                  note_unversioned_write, note_write_past_counters, read_not_saved, read_through,
@@ -60,6 +61,7 @@ class CaptureState:
     # failure reads a few): a trace that meets none of these cases does not pay for setting them.
     unattributed = 0  # tensor arguments whose producer capture never saw
     outside: dict | None = None  # id -> weak reference, per tensor of those
+    per_example_calls: set | None = None  # positions of calls reading vmap's batched tensors (outside.py)
     # id(Parameter) -> input record, for Parameters passed to the model as inputs: the argument scan files
     # every Parameter as parameter metadata, and finalize turns these back into parent edges.
     parameter_inputs: dict | None = None
@@ -209,6 +211,7 @@ class CaptureState:
     _unwritten_since = unwritten_since
     _set_onto_other_bytes = set_onto_other_bytes
     _read_through = read_through
+    _note_outside = note_outside
     _read_not_saved = read_not_saved
 
     def value_record(self, t: torch.Tensor) -> int:
@@ -297,14 +300,7 @@ class CaptureState:
             # By reference, like an activation: a write predicted before the call (in place, or
             # BatchNorm's running statistics in training: capture/fused_writes.py) copies it first.
             return self._add(t, BUFFER, buffer[1], held=True)
-        self.unattributed += 1
-        # Kept to say later where it lives, if a module holds it (record/finalize.py): once per tensor.
-        if self.outside is None:
-            self.outside = {}
-        known = self.outside.get(id(t))
-        if known is None or known() is not t:
-            self.outside[id(t)] = weakref(t)
-        return -1
+        return self._note_outside(t)  # a tensor from outside the trace (capture/outside.py)
 
     def _add(self, t: torch.Tensor, kind: int, slot, held: bool = False) -> int:
         """Record (and save) a source tensor: each of its properties read once.  ``held``: the tensor is

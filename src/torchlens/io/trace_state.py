@@ -37,6 +37,8 @@ def write_trace_state(trace) -> dict:
                                  for address, (nan, inf), earlier in stats],
         # ops whose kernels wrote running statistics from outside the trace (nonfinite_origin: unexamined)
         "stats_untracked": list(getattr(trace, "_stats_untracked", ())),
+        # calls that read torch.vmap's batched tensors: with their readers, ops of one example's shape
+        "per_example_calls": sorted(trace._per_example_calls),
     }
 
 
@@ -67,6 +69,7 @@ def read_trace_state(trace, record: dict) -> None:
     stats = _stats(trace, record)
     if stats:
         trace._stats_left_nonfinite = stats
+    trace._per_example_calls = _calls(trace, record, "per_example_calls")
     untracked = _ops(trace, record, "stats_untracked")
     if untracked:
         trace._stats_untracked = untracked
@@ -105,6 +108,13 @@ def _ops(trace, record: dict, key: str) -> tuple:
     if not isinstance(value, list) or not all(type(i) is int and 0 <= i < len(trace._kind) for i in value):
         raise TraceFileError(f"{TRACE_JSON}: {key!r} must list ops by index")
     return tuple(value)
+
+
+def _calls(trace, record: dict, key: str) -> frozenset:
+    value = record.get(key, [])  # absent in files of older versions
+    if not isinstance(value, list) or not all(type(i) is int and 0 <= i < len(trace.calls) for i in value):
+        raise TraceFileError(f"{TRACE_JSON}: {key!r} must list calls by index")
+    return frozenset(value)
 
 
 def _input_aliases(trace, record: dict) -> dict:

@@ -63,6 +63,21 @@ def is_first_output(trace, index: int) -> bool:
     return c >= 0 and trace.calls[c].first_record == index
 
 
+def per_example_ops(trace) -> frozenset:
+    """The ops that ran inside ``torch.vmap`` on its batched tensors, whose recorded shapes are one example's (the
+    kernels ran on the whole batch): each call capture saw read such a tensor from outside the trace (vmap makes
+    them below ``__torch_function__``), and every op reading one of theirs.  vmap's results reach the forward as
+    new tensors of unknown origin too, so nothing after the transform descends from an op inside it."""
+    calls, found = trace._per_example_calls, set()
+    if not calls:
+        return frozenset()
+    for index, parents in enumerate(trace.op_parents):  # parents come before the ops that read them
+        c = trace.call_indices[index]
+        if (c in calls and any(p < 0 for _, p in parents)) or any(p in found for _, p in parents):
+            found.add(index)
+    return frozenset(found)
+
+
 # Index of each ``Call`` field, for code that still reads the raw tuple before finalize.
 (CALL_FUNC, CALL_ARGS, CALL_KWARGS, CALL_PARENTS, CALL_PARAMS, CALL_MODULE_CALL, CALL_CODE, CALL_LINE, CALL_T0_NS,
  CALL_T1_NS, CALL_FIRST_RECORD, CALL_NUM_OUTPUTS, CALL_WROTE_ARGUMENTS, CALL_SITE) = range(len(Call._fields))

@@ -94,6 +94,8 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     trace._params_by_module = index.params_by_module
     if state.own_outputs:
         trace._own_outputs = frozenset(state.own_outputs)
+    if state.per_example_calls:
+        trace._per_example_calls = frozenset(state.per_example_calls)
     if state.outside:  # tensors read from outside the trace: those a module holds as plain attributes, named
         alive = [t for t in (ref() for ref in state.outside.values()) if t is not None]
         trace._outside_attributes = tuple(index.attributes_holding(alive))

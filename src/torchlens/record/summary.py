@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import counted, first_few
 from ..tree import without_values
-from .columns import Kind
+from .columns import Kind, per_example_ops
 from .layouts import shape_text
 
 _HEAD, _TAIL = 30, 5
@@ -208,6 +208,11 @@ def summary_text(trace) -> str:
     if trace.unattributed:
         lines.append(f"  {counted(trace.unattributed, 'tensor argument')} came from outside the trace (no parent op)"
                      + _unattributed_where(trace))
+    batched = sorted(per_example_ops(trace))
+    if batched:
+        labels = first_few(trace._labels[i] for i in batched)
+        lines.append(f"  {counted(len(batched), 'op')} ran inside torch.vmap ({labels}): recorded with one example's "
+                     "shape, while the kernels ran on the whole batch (FLOPs not counted)")
     lines += _dropped_lines(trace)
     if trace.budget_exhausted_at is not None:
         lines.append(f"  saving stopped at {trace._labels[trace.budget_exhausted_at]} (max_saved_bytes)")

@@ -68,6 +68,7 @@ class Trace(TraceColumns):
     _saved_versions = None  # record.finalize: each saved tensor's version at the end (None: capture's own copy)
     _batch_counted = None  # record.finalize: (id(running statistic) -> slot, batch counters, their versions)
     _own_outputs: frozenset = frozenset()  # record.finalize: output nodes showing their own tensor, not the producer's
+    _per_example_calls: frozenset = frozenset()  # record.finalize: calls reading vmap's batched tensors
     _param_grads = None  # io.grads: parameter address -> gradient, in a trace read by ``tl.load``
     _unsaved_grads: dict = {}  # io.grads: op index or parameter address -> why its saved gradient is missing
     _param_grads_missing = None  # io.grads: in a trace read by ``tl.load``, why its parameter gradients were not saved

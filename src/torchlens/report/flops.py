@@ -4,7 +4,8 @@ Convention: a multiply-add counts 2 FLOPs; every other arithmetic operation coun
 function (``exp``, ``gelu``, a comparison) counts 1 per output element whatever its kernel does inside.
 A formula reads only shapes and non-tensor arguments, never values, so counts are metadata: they stay
 available after ``Trace.cleanup()``.  An op whose function has no formula, or whose formula lacks a shape
-it needs, is *unknown*: it is listed, never counted as 0.  Ops that only move or create data (views,
+it needs, is *unknown*: it is listed, never counted as 0 (so is an op that ran inside ``torch.vmap``, whose recorded
+shapes are one example's).  Ops that only move or create data (views,
 ``cat``, ``zeros``) have a formula, and it says 0.
 
 The registry is keyed by the torch function's canonical name, so ``torch.add``, ``Tensor.add``,
@@ -19,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ..errors import counted, listed
-from ..record.columns import is_first_output
+from ..record.columns import is_first_output, per_example_ops
 from ..record.modules import enclosing_calls, script_modules
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
@@ -449,7 +450,7 @@ def _evaluate(trace, index):
     if not is_first_output(trace, index):
         return {}  # not a call's output, or a further output of one: the call was counted on its first output
     entry = _REGISTRY.get(canonical_name(trace.func_names[index]))
-    if entry is None:
+    if entry is None or index in per_example_ops(trace):  # inside vmap the shapes are one example's: unknown
         return None
     family, formula = entry
     try:

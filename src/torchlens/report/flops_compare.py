@@ -20,11 +20,12 @@ import functools
 import torch
 
 from ..checks import check_model, check_number
-from ..errors import NativeToolFailed, WitnessFailed, counted, listed
+from ..errors import NativeToolFailed, WitnessFailed, listed
 from ..labels.naming import func_name_of
-from ..record.modules import enclosing_calls, is_unregistered, script_modules
+from ..record.modules import enclosing_calls, is_unregistered
 from .flops import (CONVENTION, FAMILIES, CallArgs, canonical_name, dropout_applies, family_totals, flops_column,
                     registry_family, total_flops)
+from .flops_notes import script_notes, unknown_notes
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
@@ -352,7 +353,7 @@ def _compare(log, model, native_counts, product_calls, traced_products, outputs_
                  "difference": native_families[f] - tl_families[f]} for f in FAMILIES]
     modules = _module_rows(log, native_counts, root_name)
     notes = _notes(log, tl_total, tl_families, native_families, attention_calls, unknown_counted or {})
-    notes += _uncounted_product_notes(log, traced_products, product_calls) + _script_notes(log)
+    notes += _uncounted_product_notes(log, traced_products, product_calls) + script_notes(log)
     if any(row["native"] is None for row in modules):
         notes.append(UNNAMED_MODULES_NOTE)
     if outputs_match is None:
@@ -494,49 +495,7 @@ def _notes(log, tl_total, tl_families, native_families, attention_calls, unknown
             notes.append(f"{family}: counted by torchlens only (FlopCounterMode counted none of these ops)")
         elif native_families[family] and not tl_families[family]:
             notes.append(f"{family}: counted by FlopCounterMode only (torchlens counted none of these ops)")
-    return notes + _unknown_notes(log, tl_total.unknown, unknown_counted)
-
-
-def _unknown_notes(log, unknown, unknown_counted) -> list:
-    """Notes on the ops torchlens left unknown, in two kinds: a function with no formula, and an op whose formula
-    could not count that call: a shape it needs was unreadable (an operand read through a view written in place,
-    a nested tensor's ragged size), or the call's arguments are ones it does not model (``matrix_power`` with a
-    negative exponent, which inverts first).  Naming the second kind as having no formula would say matmul has
-    none, and naming it an unread shape would send a user hunting for a write that never happened."""
-    ops = [log._by_label(label) for label in unknown]
-    no_formula = [op for op in ops if registry_family(op.func_name) is None]
-    unread = [op.label for op in ops if registry_family(op.func_name) is not None]
-    notes = []
-    if no_formula:
-        names = sorted({op.func_name for op in no_formula})
-        neither = [name for name in names if unknown_counted.get(name) == 0]
-        notes.append(f"{_ops_have(len(no_formula))} no torchlens formula ({', '.join(names)}): their "
-                     "FLOPs are missing from the torchlens side, not zero"
-                     + (f"; FlopCounterMode counted nothing inside {', '.join(neither)} either (no entry in its "
-                        "flop registry), so neither side has a figure for that work" if neither else ""))
-    if unread:
-        notes.append(f"{_ops_have(len(unread))} a torchlens formula that could not count that call "
-                     f"({listed(unread, 3)}: an operand read through a view written in place, a nested tensor's "
-                     "ragged size, or arguments the formula does not model, such as a negative matrix_power "
-                     "exponent): their FLOPs are missing from the torchlens side, not zero")
-    return notes
-
-
-def _script_notes(log) -> list:
-    """A TorchScript module runs its ops in TorchScript's interpreter, out of capture's sight, so the trace holds
-    none of them and its row reads 0 on the torchlens side, with no op left unknown to say so; FlopCounterMode,
-    which counts at the ATen level below it, counts them."""
-    outermost = list(script_modules(log))
-    if not outermost:
-        return []
-    return [f"TorchScript modules ({', '.join(outermost)}) ran their ops where torchlens's capture cannot see them: "
-            "their FLOPs are missing from the torchlens side, not zero, where FlopCounterMode, which counts below "
-            "TorchScript, counted those in its registry; trace the modules as they were before torch.jit.script or "
-            "torch.jit.trace to compare them"]
-
-
-def _ops_have(n: int) -> str:
-    return f"{counted(n, 'captured op')} {'has' if n == 1 else 'have'}"
+    return notes + unknown_notes(log, tl_total.unknown, unknown_counted)
 
 
 def _native_family(overload: str) -> str:
