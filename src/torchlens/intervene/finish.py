@@ -40,8 +40,9 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         named = edits or unmet
         whole = [site.address for site in named if isinstance(site, ModuleSite) and site.call_number is None]
         numbered = [site for site in named if isinstance(site, ModuleSite) and site.call_number is not None]
-        never = (f"the forward ran no such op or module call (a module call number past its last call, or control "
-                 f"flow that skipped it){_unmet_module_hint(trace, whole)}{_calls_made_hint(trace, numbered)}")
+        never = _ran_without_output(trace, named) or (
+            f"the forward ran no such op or module call (a module call number past its last call, or control "
+            f"flow that skipped it){_unmet_module_hint(trace, whole)}{_calls_made_hint(trace, numbered)}")
         if not edits:
             raise InterventionError(f"stop_after site {_site_names(named)} was never reached: {never}, and the "
                                     "forward ran to its end; name a site it reaches (print(tl.trace(model, x)) lists "
@@ -53,6 +54,23 @@ def finish_interventions(runtime: Interventions, trace) -> None:
 
 _NO_OUTPUT = ("it returned None or no tensor, or raised an exception, in its forward or one of its hooks, that the "
               "model caught")
+
+
+def _ran_without_output(trace, sites: list) -> str:
+    """That the module sites ran but returned nothing to change, when each of them did (a module returning a count
+    or None); "" when any site did not run, for which the message says the forward ran no such call."""
+    module_of, made, ran = _modules_by_address(trace), {call.label for call in trace.module_calls}, []
+    for site in sites:
+        module = module_of.get(site.address) if isinstance(site, ModuleSite) else None
+        if module is None or not module.num_calls:
+            return ""
+        if site.call_number is None:
+            ran.append(f"module {site.address!r} was called ({first_few(module.call_labels)})")
+        elif f"{site.address}:{site.call_number}" in made:
+            ran.append(f"{site.address}:{site.call_number} ran")
+        else:
+            return ""
+    return f"{', '.join(ran)}, but returned no output to change: {_NO_OUTPUT}"
 
 
 def _unmet_module_hint(trace, addresses: list) -> str:
