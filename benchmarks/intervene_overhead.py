@@ -17,6 +17,10 @@ every op (a predicate site) against ``tl.trace(save="none")`` without interventi
 Every arm returns the edited output, so the harness's output witness checks each did the edit.
 
 Run:  .venv/bin/python benchmarks/intervene_overhead.py [--quick] [--no-docs]
+
+With ``--baseline DIR/src/torchlens`` (another revision's tree, ``git archive REV src accel benchmarks | tar -x
+-C DIR``, its compiled modules built in place in ``DIR/accel``) it prints instead, per model, the label-site
+(reference given), module-site and plain traces of the package under test against that revision, side by side.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import build, native_arm  # noqa: E402
+from models import baseline_package, build, native_arm  # noqa: E402
 from overhead_matrix import write_section  # noqa: E402
 
 import torchlens as tl  # noqa: E402
@@ -56,15 +60,20 @@ def hooked_arm(model, args, address, times: int = 1):
     return hooked
 
 
+def site_label(ref, address: str) -> str:
+    """The label of the op that makes ``address``'s output in ``ref``; the layer label (every pass) of a module
+    called more than once, whose hook edits every call."""
+    if hasattr(ref[address], "calls"):
+        return ref[f"{address}:1"].layer_label
+    return ref[address].label
+
+
 def row_arms(name: str) -> tuple:
     """The row's arms (name -> zero-argument callable), the label of its site, and its op count."""
     model, args = build(name)
     address = SITES[name]
     ref = tl.trace(model, args, save="none")
-    label = ref[address].label if not hasattr(ref[address], "calls") else ref[f"{address}:1"].label
-    ops = sum(1 for op in ref.ops if op.kind == "op")
-    if hasattr(ref[address], "calls"):  # a module called more than once: the hook edits every call
-        label = ref[f"{address}:1"].layer_label
+    label, ops = site_label(ref, address), sum(1 for op in ref.ops if op.kind == "op")
     arms = {
         "hooked": hooked_arm(model, args, address),
         "hooked x2": hooked_arm(model, args, address, times=2),
@@ -136,18 +145,53 @@ def section(rows: list, cfg: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def before_after(models: list, baseline: str, cfg: dict) -> str:
+    """``--baseline``: a label site (reference given), a module site and a plain trace, each by the package under
+    test against another revision's source tree (``models.baseline_package``) in alternating pairs."""
+    before = baseline_package(os.path.abspath(baseline))
+    lines = ["| model | ops | label site, ref: after / before | module site: after / before | "
+             "plain trace: after / before |", "|---|---|---|---|---|"]
+    for name in models:
+        model, args = build(name)
+        address = SITES[name]
+        refs = {package: package.trace(model, args, save="none") for package in (before, tl)}
+        label, ops = site_label(refs[tl], address), sum(1 for op in refs[tl].ops if op.kind == "op")
+        arms = {
+            "label site, ref": lambda p: lambda: p.trace(model, args, intervene={label: p.scale(0.5)},
+                                                          reference=refs[p]).output,
+            "module site": lambda p: lambda: p.trace(model, args, intervene={address: p.scale(0.5)}).output,
+            "plain trace": lambda p: lambda: p.trace(model, args).output,
+        }
+        cells = []
+        for arm, make in arms.items():
+            result = measure_overhead(("before", make(before)), ("after", make(tl)), pairs=cfg["pairs"],
+                                      repeats=cfg["repeats"], predicate=cfg["predicate"])
+            print(f"  {name} {arm}: {result}", flush=True)
+            delta = "" if result.delta_ns is None else f" ({result.delta_ns / 1e3:+.0f} us)"
+            cells.append(result.cell() + delta)
+        lines.append(f"| {name} (`{label}`) | {ops} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", f"Median of {cfg['pairs']} paired ratios [95% interval] (median paired "
+                                   f"difference); torch {torch.__version__}, {torch.get_num_threads()} torch "
+                                   f"thread(s), load {tuple(round(x, 2) for x in os.getloadavg())}."])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer pairs and models (a smoke run)")
     parser.add_argument("--models", default=",".join(SITES))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-docs", action="store_true", help="print only; do not rewrite docs/overhead.md")
+    parser.add_argument("--baseline", help="another revision's src/torchlens: print after / before instead")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     torch.backends.mha.set_fastpath_enabled(False)
     pairs = 7 if opts.quick else 15
     cfg = {"pairs": pairs, "repeats": 2 if opts.quick else 3, "predicate": RefusalPredicate(min_pairs=pairs)}
     models = opts.models.split(",")[:2] if opts.quick else opts.models.split(",")
+    if opts.baseline:
+        with torch.no_grad():
+            print(before_after(models, opts.baseline, cfg))
+        return
     rows = []
     with torch.no_grad():
         for name in models:
