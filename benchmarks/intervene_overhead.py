@@ -131,7 +131,7 @@ def section(rows: list, cfg: dict, command: str) -> str:
     fp = machine_fingerprint()
     lines += ["", "Reading it: an intervened trace should cost about what a plain trace costs (compare the "
               "plain-trace column; on a loaded machine the cells move by more than their intervals between runs): "
-              "a module site adds two hooks' worth of work per call of its module, a label site one dictionary "
+              "a module site adds two hooks' worth of work per call of its module, a label site one set "
               "lookup per op plus the action at its op. Without `reference=` a label site also runs one "
               "metadata-only pass to resolve its label, so it costs about two traces (the label-site column is "
               "against two hooked forwards). The last column is the identity action applied at every op of the "

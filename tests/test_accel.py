@@ -22,11 +22,12 @@ import torch.nn.functional as F
 
 import torchlens as tl
 import torchlens.capture.mode as mode_module
+from torchlens.labels.naming import func_name_of
 
 import real_models
 from accel_compare import _both_ways, _same_state, states  # noqa: F401 (states: a fixture)
 from accel_paths import compiled_or_skip, on_path
-from zoo import zoo
+from zoo import LoopRNN, zoo
 
 compiled_or_skip("_capture")
 
@@ -77,6 +78,37 @@ def test_most_calls_of_a_transformer_stay_in_c(states):
     assert states[-1][1] == "Handler"
     assert handed == [F.scaled_dot_product_attention] * model.config.n_layer, handed
     assert len(trace.ops) > 50
+
+
+def test_label_sites_leave_the_compiled_handler_at_their_calls_only_and_record_the_same(states):
+    """A trace with label sites kept no compiled handler: every op went to the Python method's general path.
+    The handler now hands the Python method only the calls at the sites' positions, and the intervened trace
+    records on it what the pure-Python path records."""
+    model, x = LoopRNN(steps=4).eval(), torch.randn(2, 8)
+    with on_path(False):
+        reference = tl.trace(model, x, save="none")
+    sites = {"tanh_1_4:3": tl.scale(0.5), "linear_1_2:2": tl.zero_ablate()}
+
+    def run():
+        return tl.trace(model, x, reference=reference, intervene=sites)
+    (_, compiled), kind = _both_ways(states, run)
+    assert kind == "Handler"
+    assert [a.label for a in compiled.interventions] == ["linear_1_2:2", "tanh_1_4:3"]
+    assert torch.equal(compiled["tanh_1_4:3"].activation, compiled["tanh_1_4:3"].original * 0.5)
+    method = mode_module.CaptureMode.__torch_function__.__code__
+    handed = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is method:
+            handed.append(func_name_of(frame.f_locals.get("func")))
+
+    with on_path(True):
+        sys.setprofile(profile)
+        try:
+            run()
+        finally:
+            sys.setprofile(None)
+    assert handed == ["linear", "tanh"]
 
 
 class _Writes(nn.Module):

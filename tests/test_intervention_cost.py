@@ -100,4 +100,38 @@ def test_a_trace_with_module_sites_only_keeps_the_hot_path_for_every_op(monkeypa
     assert torch.equal(edited["layers.2"].original, plain["layers.2"].activation)
     assert [a.label for a in edited.interventions] == [plain["layers.2"].label]
     tl.trace(model, x, reference=plain, intervene={plain["layers.2"].label: tl.scale(0.5)})
-    assert general  # a label site is looked for at each op
+    assert len(general) == 1  # a label site takes the general path at its own call only
+
+
+def _loop_with_zeroed_pass(model, x, zeroed: int):
+    """LoopRNN's forward by hand, its tanh zeroed at pass ``zeroed`` (from 1)."""
+    h = torch.zeros_like(x)
+    for step in range(1, model.steps + 1):
+        h = torch.tanh(model.cell(x) + h)
+        h = (torch.zeros_like(h) if step == zeroed else h) * 0.5
+    return h
+
+
+def test_label_sites_send_only_their_own_calls_down_the_general_path(monkeypatch):
+    # Every op of a trace with a label site took the general path, since each was looked up among the sites as it
+    # was made: one site cost what a trace with an optional feature costs.  Sites are positions, so only the calls
+    # at those positions leave the hot path (the compiled handler, where built); the others cannot match.
+    from torchlens.capture.mode import CaptureMode
+
+    model, x = LoopRNN(steps=4).eval(), torch.randn(2, 8)
+    reference = tl.trace(model, x)
+    general = []
+    real_general = CaptureMode._call_with_features
+    counted = lambda self, func, *a: general.append(func.__name__) or real_general(self, func, *a)  # noqa: E731
+    monkeypatch.setattr(CaptureMode, "_call_with_features", counted)
+    sites = {"tanh_1_4:3": tl.zero_ablate(), "linear_1_2:2": tl.scale(1.0)}
+    log = tl.trace(model, x, reference=reference, intervene=sites)
+    assert general == ["linear", "tanh"]
+    assert torch.equal(log.output, _loop_with_zeroed_pass(model, x, 3))
+    assert [a.label for a in log.interventions] == ["linear_1_2:2", "tanh_1_4:3"]
+    assert torch.equal(log["tanh_1_4:3"].original, reference["tanh_1_4:3"].activation)
+    assert [op.label for op in log.ops] == [op.label for op in reference.ops]
+    general.clear()
+    stopped = tl.trace(model, x, reference=reference, stop_after="add_1_3:4",
+                       intervene={"tanh_1_4:1": tl.zero_ablate()})
+    assert general == ["tanh", "add"] and stopped.stopped_after == "add_1_3:4"

@@ -1,7 +1,8 @@
 /* The capture hot path in C: see torchlens/capture/accel.py for how it is loaded.
  *
  * ``Handler`` replaces ``CaptureMode.__torch_function__`` for a plain capture (every optional feature
- * off: see ``CaptureMode.plain``).  It records exactly what the Python method records, for the
+ * off: see ``CaptureMode.plain``; an intervention's label sites hand it their own calls' positions, which
+ * it passes to the Python method).  It records exactly what the Python method records, for the
  * commonest shapes of call: exact tensors and Parameters, plain values, and flat lists and tuples of
  * those (``torch.cat([a, b])``) in positional and keyword slots; one tensor out, or tuples (structseqs
  * included) and lists of tensors, None and plain values, nested.  Every other call is decided before
@@ -93,7 +94,7 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
     *s_note_failure, *s_note_context, *s_note_writes, *s_note_pass_through, *s_wants, *s_watch, *s_out,
     *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_save_sources, *s_context, *s_contexts,
-    *s_recent_alias_reads, *s_forget_unrecorded_reads;
+    *s_recent_alias_reads, *s_forget_unrecorded_reads, *s_site_calls;
 
 PyObject *empty_tuple;
 PyObject *s_is_compiling;
@@ -1089,6 +1090,20 @@ static PyObject *scan_container(Handler *h, Scan *sc, PyObject *key, PyObject *a
     return inner;
 }
 
+/* Whether the next call is at an intervention's label site (its position, ``len(calls)``, is in the state's
+ * ``site_calls``): that call is the Python method's, whose general path applies the action.  1, 0 or -1. */
+static int at_site_call(Handler *h) {
+    PyObject *site_calls = PyDict_GetItemWithError(h->state_dict, s_site_calls);
+    if (site_calls == NULL || site_calls == Py_None) return site_calls == NULL && PyErr_Occurred() ? -1 : 0;
+    PyObject *calls = held(h, H_CALLS);
+    if (calls == NULL) return -1;
+    PyObject *position = PyLong_FromSsize_t(PyList_GET_SIZE(calls));
+    if (position == NULL) return -1;
+    int found = PySet_Contains(site_calls, position);
+    Py_DECREF(position);
+    return found;
+}
+
 static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     Handler *h = (Handler *)self;
     if (h->state_dict == NULL) {
@@ -1119,6 +1134,8 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         if (on < 0) return NULL;
         if (on) return call_method(h, argv, nargsf, kwnames);
     }
+    found = at_site_call(h);
+    if (found != 0) return found < 0 ? NULL : call_method(h, argv, nargsf, kwnames);
     if (kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;  /* ``kwargs or _NO_KWARGS`` */
     int tensors = 0, nparams_all = 0, positional = 0;
     found = classify(h, args, kwargs, &tensors, &nparams_all, &positional);
@@ -1697,6 +1714,7 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
     INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
     INTERN(s_recent_alias_reads, "recent_alias_reads") INTERN(s_forget_unrecorded_reads, "forget_unrecorded_reads")
+    INTERN(s_site_calls, "site_calls")
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     getter_names[G_VERSION] = s_version;
     getter_names[G_SHAPE] = s_shape;

@@ -136,7 +136,8 @@ class CaptureMode(TorchFunctionMode):
         self.deep = deep
         self._entered = [None]  # Python-level torch functions currently entered by deep capture
         # The features set on the state before the mode is made; with all off, every op takes the hot path.
-        self.plain = not deep and state.markers is None and state.intervention is None and state.plain_save
+        # Label sites leave it only at their own positions (``state.site_calls``, checked per call below).
+        self.plain = not deep and state.markers is None and state.plain_save
         compiled = accel.compiled("_capture") if self.plain else None
         if compiled is not None:
             # The compiled hot path records the same; torch finds it through the class's slot (below).
@@ -153,9 +154,9 @@ class CaptureMode(TorchFunctionMode):
             if func in _DATA_GET and is_uninitialized(args[0]):  # a lazy module reading it to materialize it
                 return func(*args)  # no value yet, nothing to record
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # x.data, cond, backward
-        if not self.plain:
-            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
+        if not self.plain or (st.site_calls is not None and len(st.calls) in st.site_calls):
+            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # (at an intervention site)
         n = len(args)
         inline = 0 < n < 3 and type(args[0]) is Tensor and (n == 1 or type(args[1]) in _PLAIN_SECOND)
         if not inline and n > 2 and type(args[0]) is Tensor:  # x.view(b, t, h, d), x.transpose(1, 2)

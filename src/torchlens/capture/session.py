@@ -99,7 +99,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy,
                               compiled)
     if runtime is not None and runtime.watches_calls:
-        state.intervention = runtime
+        state.intervention, state.site_calls = runtime, runtime.site_calls
     state.grads = grad_capture(grads, root, state) if grads is not False else None
     packing = PackLog(state.calls) if saved_for_backward else None
     if runtime is not None:

@@ -98,7 +98,8 @@ class CaptureState:
     # Optional profiler markers (report/markers.py): an object with op_enter(call index) -> token,
     # op_exit(token), module_enter(module call index) and module_exit(module call index).
     markers = None
-    intervention = None  # interventions (intervene/runtime.py): called once per tensor-producing call when set
+    intervention = None  # interventions (intervene/runtime.py): called at the calls in ``site_calls``
+    site_calls = None  # with it, a frozenset of call positions (label sites): those take the general path
 
     def __init__(self, *, save_mode: int, selector=None, save_device=None, record_finite: bool = False,
                  buffers: dict | None = None, max_saved_bytes: int | None = None, params=()):

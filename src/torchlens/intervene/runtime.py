@@ -1,7 +1,8 @@
 """Applying interventions while the forward runs, and recording what was applied.
 
-Label sites are applied by ``Interventions.at_call``, which the capture handler calls once per
-tensor-producing call when a trace has interventions (one attribute check otherwise).  It runs after
+Label sites are applied by ``Interventions.at_call``, which the capture handler calls at the calls whose
+position is a site's (``site_calls``): those take the general path, every other op stays on the hot path,
+compiled or not, at the cost of one set lookup (one attribute check in a trace without label sites).  It runs after
 the call's outputs were recorded and fixes the record up: the op's record, saved activation and
 producer binding then describe the value downstream ops see, and the value the op made is kept as
 ``op.original``.  Module sites are applied by a forward hook on each site module, registered after the
@@ -103,6 +104,11 @@ class Interventions:
     def watches_calls(self) -> bool:
         """Whether the capture handler must call ``at_call`` (label sites or a label stop site)."""
         return bool(self.by_call) or self.stop_call is not None
+
+    @property
+    def site_calls(self) -> frozenset:
+        """The positions of the calls ``at_call`` acts at: only these leave the hot path, the others cannot match."""
+        return frozenset(self.by_call) | ({self.stop_call} if self.stop_call is not None else frozenset())
 
     # ----- label sites: called by the capture handler ------------------------------------------
     def at_call(self, st, call_position: int, first_op: int, out, leaves, func, args, kwargs):
