@@ -135,3 +135,18 @@ def test_label_sites_send_only_their_own_calls_down_the_general_path(monkeypatch
     stopped = tl.trace(model, x, reference=reference, stop_after="add_1_3:4",
                        intervene={"tanh_1_4:1": tl.zero_ablate()})
     assert general == ["tanh", "add"] and stopped.stopped_after == "add_1_3:4"
+
+
+def test_an_intervened_trace_derives_its_labels_only_when_read():
+    # Every intervened trace derived all its labels as it ended, to name the op of each applied intervention,
+    # where a plain trace leaves them until read.  Each is now named when read from the trace, and keeps its name
+    # once the trace is gone.
+    model, x = LoopRNN(steps=4).eval(), torch.randn(2, 8)
+    reference = tl.trace(model, x)
+    log = tl.trace(model, x, reference=reference, intervene={"tanh_1_4:3": tl.zero_ablate(), "cell": tl.scale(1.0)})
+    assert "_labels" not in vars(log)
+    assert log.ops[reference["tanh_1_4:3"].index].intervention.label == "tanh_1_4:3"
+    applied = log.interventions
+    del log
+    assert [a.label for a in applied] == ["linear_1_2:1", "linear_1_2:2", "linear_1_2:3", "tanh_1_4:3", "linear_1_2:4"]
+    assert [a.site for a in applied] == ["cell"] * 3 + ["tanh_1_4:3", "cell"]

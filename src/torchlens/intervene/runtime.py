@@ -507,14 +507,12 @@ class Interventions:
         return sites
 
     def attach(self, trace) -> None:
-        labels = trace.labels
-        for record, applied in self.applied.items():
-            applied.label = labels[record]
+        # Each applied intervention is named by its op's label when read from the trace (Trace._applied_at):
+        # deriving every label here would cost each intervened trace what a plain trace leaves until read.
         trace._interventions = dict(self.applied)
         # A value a torch.func transform made is its wrapper, unreadable once the transform returns: not kept,
         # as the trace's own activations are not (MADE_IN_TRANSFORM)
         trace._originals = {r: t for r, t in self.originals.items() if not made_in_transform(t)}
-        trace.interventions = [self.applied[r] for r in sorted(self.applied)]
 
 
 def _argument_position(t, args, kwargs):

@@ -105,7 +105,6 @@ def _read(trace, saved, folder: str, files) -> None:
     trace._interventions = applied
     trace._originals = originals
     trace._originals_unsaved = {_index(i, n): str(why) for i, why in saved.get("originals_unsaved", ())}
-    trace.interventions = [applied[i] for i in sorted(applied)]
 
 
 def _from_text(value, make):

@@ -230,7 +230,7 @@ class Op(View):
     def intervention(self):
         """What an intervention applied here (``.site``, ``.action``), or None; ``activation`` is then the
         value downstream ops saw and ``original`` the value the op made."""
-        return self._trace._interventions.get(self.index)
+        return self._trace._applied_at(self.index)
 
     @property
     def original(self):

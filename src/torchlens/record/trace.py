@@ -47,7 +47,7 @@ class Trace(TraceColumns):
     saved_func_paths = None
     # Interventions (torchlens.intervene): what was applied where, and the values before (and, in a loaded trace,
     # op index -> why the file holds no value before).
-    interventions, _interventions, _originals, _originals_unsaved = (), {}, {}, {}
+    _interventions, _originals, _originals_unsaved = {}, {}, {}  # (``interventions``: trace_columns.py)
     stopped_after = None  # the stop_after= site the forward was stopped at (output is then None)
     _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
     _packlog = None  # a capture.packing.PackLog when traced with saved_for_backward=True

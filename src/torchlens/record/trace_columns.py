@@ -28,6 +28,19 @@ class TraceColumns:
         return self._meta
 
     @property
+    def interventions(self) -> list:
+        """What interventions applied (``.site``, ``.action``, ``.label``), in op order."""
+        return [self._applied_at(index) for index in sorted(self._interventions)]
+
+    def _applied_at(self, index: int):
+        """The intervention applied at op ``index``, or None; its ``label`` filled in when first read from the
+        trace, so that an intervened trace, like a plain one, derives its labels only when they are read."""
+        applied = self._interventions.get(index)
+        if applied is not None and applied.label is None:
+            applied.label = self.labels[index]
+        return applied
+
+    @property
     def labels(self) -> list:
         """Each op's label (``relu_1_2:3``), by op index (the column itself; ``op_labels`` copies it)."""
         return self._labels
