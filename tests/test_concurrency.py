@@ -175,7 +175,8 @@ def test_a_compiled_model_calling_a_hooked_module_fails_in_another_thread_only_w
         collect_compile_garbage):
     # README and capture_honesty name this exception to "other threads get torch's own behaviour": Dynamo
     # inlines the _call_impl of a module with hooks, and while a trace runs that is the trace's relay.  When
-    # this is lifted, say so on both pages.
+    # this is lifted, say so on both pages.  From a clean Dynamo: code another test compiled is not compiled again.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     inner = nn.Linear(4, 4)
     inner.register_forward_hook(lambda module, args, output: output * 2)
