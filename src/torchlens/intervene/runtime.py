@@ -26,7 +26,7 @@ from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
-from ..record.layouts import shape_of, storage_key, version_of
+from ..record.layouts import same_elements, shape_of, storage_key, version_of
 from ..record.modules import enclosing_calls, is_unregistered, shown_class
 from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
@@ -283,7 +283,7 @@ class Interventions:
                 "(return held.clone())")
         # The recomputation leaves out only what the edit changed: a new value reading the same elements of the
         # same memory (t.view_as(t), attribution_patching's probe of an op handing back its input) changes none.
-        region = None if _same_elements(new, value) else checkpoint_region()
+        region = None if same_elements(new, value) else checkpoint_region()
         if region is not None:
             raise InterventionError(
                 f"intervention at {_where(key, op)}: the site is inside a {region} torch.utils.checkpoint region "
@@ -530,18 +530,6 @@ def _aliases(new, old) -> bool:
     """Whether an action's value shares memory with the value it replaces (``t.view_as(t)``, ``t.detach()``, ``t``
     itself): the ops after the site may write it in place, which would change the kept original too."""
     return storage_key(new) == storage_key(old)
-
-
-def _same_elements(new, old) -> bool:
-    """Whether an action's value is an alias reading exactly the elements of the value it replaces, as they are:
-    the same memory at the same offset and strides (shape and dtype were checked equal; a dimension of size 1 is
-    never stepped along, and ``view_as`` may give it another stride), and no conjugate or negative bit of its
-    own, so that every op after the site reads what it would have read unedited."""
-    if new.layout != torch.strided or new.is_nested or not _aliases(new, old):
-        return False
-    strides = [(a, b) for a, b, size in zip(new.stride(), old.stride(), old.shape) if size != 1]
-    return (new.storage_offset() == old.storage_offset() and all(a == b for a, b in strides)
-            and new.is_conj() == old.is_conj() and new.is_neg() == old.is_neg())
 
 
 def _rebuild_output(out, changed):

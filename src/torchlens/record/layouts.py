@@ -319,6 +319,18 @@ def storage_key(t: torch.Tensor) -> int:
         return -id(t)
 
 
+def same_elements(new: torch.Tensor, old: torch.Tensor) -> bool:
+    """Whether ``new`` reads exactly the elements ``old`` reads, as they are: the same memory at the same offset and
+    strides (of equal shapes, a dimension of size 1 is never stepped along, and ``view_as`` may give it another
+    stride), and no conjugate or negative bit of its own.  An intervention returning such an alias
+    (``t.view_as(t)``) changes no value an op after its site reads."""
+    if new.layout != torch.strided or new.is_nested or storage_key(new) != storage_key(old):
+        return False
+    strides = [(a, b) for a, b, size in zip(new.stride(), old.stride(), old.shape) if size != 1]
+    return (new.storage_offset() == old.storage_offset() and all(a == b for a, b in strides)
+            and new.is_conj() == old.is_conj() and new.is_neg() == old.is_neg())
+
+
 def sharing_bytes(tensors: list) -> list:
     """The distinct tensors among ``tensors`` (those one call wrote) that may share a byte with another of them."""
     reached = [(storage_key(t), memory_span(t), t) for t in tensors]
