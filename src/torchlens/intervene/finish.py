@@ -40,9 +40,12 @@ def finish_interventions(runtime: Interventions, trace) -> None:
         named = edits or unmet
         whole = [site.address for site in named if isinstance(site, ModuleSite) and site.call_number is None]
         numbered = [site for site in named if isinstance(site, ModuleSite) and site.call_number is not None]
-        never = _ran_without_output(trace, named) or (
+        ran = _ran(trace, named)
+        done = f"{', '.join(r for r in ran if r)}, but returned no output to change: {_NO_OUTPUT}" if any(ran) else ""
+        never = done if all(ran) else (
             f"the forward ran no such op or module call (a module call number past its last call, or control "
-            f"flow that skipped it){_unmet_module_hint(trace, whole)}{_calls_made_hint(trace, numbered)}")
+            f"flow that skipped it){_bypassed_hint(trace, whole)}{_calls_made_hint(trace, numbered)}"
+            + (f" ({done})" if done else ""))
         if not edits:
             raise InterventionError(f"stop_after site {_site_names(named)} was never reached: {never}, and the "
                                     "forward ran to its end; name a site it reaches (print(tl.trace(model, x)) lists "
@@ -56,45 +59,32 @@ _NO_OUTPUT = ("it returned None or no tensor, or raised an exception, in its for
               "model caught")
 
 
-def _ran_without_output(trace, sites: list) -> str:
-    """That the module sites ran but returned nothing to change, when each of them did (a module returning a count
-    or None); "" when any site did not run, for which the message says the forward ran no such call."""
+def _ran(trace, sites: list) -> list:
+    """For each site, how it ran though it was never reached: a module site whose calls returned nothing to change
+    (a count, None) is "module 'x' was called (x:1)" or "x:1 ran"; None for a site that did not run."""
     module_of, made, ran = _modules_by_address(trace), {call.label for call in trace.module_calls}, []
     for site in sites:
         module = module_of.get(site.address) if isinstance(site, ModuleSite) else None
         if module is None or not module.num_calls:
-            return ""
-        if site.call_number is None:
+            ran.append(None)
+        elif site.call_number is None:
             ran.append(f"module {site.address!r} was called ({first_few(module.call_labels)})")
-        elif f"{site.address}:{site.call_number}" in made:
-            ran.append(f"{site.address}:{site.call_number} ran")
         else:
-            return ""
-    return f"{', '.join(ran)}, but returned no output to change: {_NO_OUTPUT}"
+            key = f"{site.address}:{site.call_number}"
+            ran.append(f"{key} ran" if key in made else None)
+    return ran
 
 
-def _unmet_module_hint(trace, addresses: list) -> str:
-    """Why a module site (an address alone) was never reached although the module ran: every call of it ended
-    with no output its caller received; or else ``bypassed_call_hint``, for a forward called directly."""
-    module_of = _modules_by_address(trace)
-    for address in addresses:
-        module = module_of.get(address)
-        if module is not None and module.num_calls:
-            return (f" (module {address!r} was called ({first_few(module.call_labels)}), but no call of it returned an "
-                    f"output to change: {_NO_OUTPUT})")
+def _bypassed_hint(trace, addresses: list) -> str:
+    """For a module site (an address alone) never reached: ``bypassed_call_hint``, for a forward called directly."""
     return next((hint for hint in (bypassed_call_hint(trace, a) for a in addresses) if hint), "")
 
 
 def _calls_made_hint(trace, sites: list) -> str:
     """The calls the module of a numbered module site past its last call made (``fc:4`` of a module run three
-    times), as a lookup of that key in the trace says them: the numbers there are, rather than a look-up left to do;
-    or, for a call that ran, that it returned nothing to change."""
-    keys = [f"{site.address}:{site.call_number}" for site in sites]
-    notes = (numbered_past_note(trace, key) for key in keys)
-    made = {call.label for call in trace.module_calls}
-    ran = [key for key in keys if key in made]  # a call that ran and returned nothing to change
-    return next((note for note in notes if note), f" ({ran[0]} ran, but returned no output to change: {_NO_OUTPUT})"
-                if ran else "")
+    times), as a lookup of that key in the trace says them: the numbers there are, rather than a look-up left to do."""
+    notes = (numbered_past_note(trace, f"{site.address}:{site.call_number}") for site in sites)
+    return next((note for note in notes if note), "")
 
 
 def _modules_by_address(trace) -> dict:
