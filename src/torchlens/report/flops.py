@@ -445,12 +445,13 @@ def registry_family(func_name: str):
     return entry[0] if entry else None
 
 
-def _evaluate(trace, index):
-    """``{family: flops}`` for op ``index``; ``{}`` for pseudo-ops and secondary outputs; None if unknown."""
+def _evaluate(trace, index, per_example: frozenset):
+    """``{family: flops}`` for op ``index``; ``{}`` for pseudo-ops and secondary outputs; None if unknown (also for
+    an op in ``per_example``, inside vmap, whose shapes are one example's)."""
     if not is_first_output(trace, index):
         return {}  # not a call's output, or a further output of one: the call was counted on its first output
     entry = _REGISTRY.get(canonical_name(trace.func_names[index]))
-    if entry is None or index in per_example_ops(trace):  # inside vmap the shapes are one example's: unknown
+    if entry is None or index in per_example:
         return None
     family, formula = entry
     try:
@@ -468,7 +469,8 @@ def flops_column(trace) -> list:
     if column is None:
         if trace.is_cleaned_up:
             raise RuntimeError("this trace was cleaned up before its FLOPs were derived")
-        column = [_evaluate(trace, i) for i in range(len(trace))]
+        per_example = per_example_ops(trace)  # derived once for the column: a walk over the ops
+        column = [_evaluate(trace, i, per_example) for i in range(len(trace))]
         trace._flops_col = column
     return column
 
