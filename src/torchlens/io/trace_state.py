@@ -69,8 +69,8 @@ def read_trace_state(trace, record: dict) -> None:
     stats = _stats(trace, record)
     if stats:
         trace._stats_left_nonfinite = stats
-    trace._per_example_calls = _calls(trace, record, "per_example_calls")
-    untracked = _ops(trace, record, "stats_untracked")
+    trace._per_example_calls = frozenset(_indices(record, "per_example_calls", len(trace.calls), "calls"))
+    untracked = _indices(record, "stats_untracked", len(trace._kind), "ops")
     if untracked:
         trace._stats_untracked = untracked
     verdict = _optional_string(record, "repetition")
@@ -103,18 +103,12 @@ def _output_nodes(trace, record: dict, key: str) -> frozenset:
     return frozenset(value)
 
 
-def _ops(trace, record: dict, key: str) -> tuple:
+def _indices(record: dict, key: str, count: int, of: str) -> tuple:
+    """The list of indices saved under ``key``, each below ``count`` (of ops, or of calls: ``of``)."""
     value = record.get(key, [])  # absent in files of older versions
-    if not isinstance(value, list) or not all(type(i) is int and 0 <= i < len(trace._kind) for i in value):
-        raise TraceFileError(f"{TRACE_JSON}: {key!r} must list ops by index")
+    if not isinstance(value, list) or not all(type(i) is int and 0 <= i < count for i in value):
+        raise TraceFileError(f"{TRACE_JSON}: {key!r} must list {of} by index")
     return tuple(value)
-
-
-def _calls(trace, record: dict, key: str) -> frozenset:
-    value = record.get(key, [])  # absent in files of older versions
-    if not isinstance(value, list) or not all(type(i) is int and 0 <= i < len(trace.calls) for i in value):
-        raise TraceFileError(f"{TRACE_JSON}: {key!r} must list calls by index")
-    return frozenset(value)
 
 
 def _input_aliases(trace, record: dict) -> dict:
