@@ -302,10 +302,15 @@ def _layer_values(log, layers, run, position, with_grads: bool, rows=(None, None
             raise RuntimeError(f"batch {position}: {name} ({op.label}) was not saved")
         check_storable(name, op.label, t)
         t = rows_first(name, op.label, t.detach(), run.batch_dims[i], rows, position,
-                       matched_before=run.state["layer_info"][i] is not None)
+                       earlier_rows=_row_shape(run.state["layer_info"][i]))
         run.check_layer(i, name, op.label, t, position, by_module=by_module[i])
         acts.append(t.to("cpu"))
     return acts
+
+
+def _row_shape(info):
+    """The shape of one row of a layer in the earlier batches (``check_layer``'s record), None before the first."""
+    return None if info is None else info["row_shape"]
 
 
 def _buffered(t: torch.Tensor) -> torch.Tensor:

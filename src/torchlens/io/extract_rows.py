@@ -84,24 +84,47 @@ def _ragged_advice(root: str, path: tuple, dim: int, leaves: list) -> str:
             "length, with a mask or their lengths)")
 
 
-def rows_first(name: str, label: str, t, dim: int, batch: tuple, position: int, matched_before: bool):
+def rows_first(name: str, label: str, t, dim: int, batch: tuple, position: int, earlier_rows=None):
     """``t`` with its batch dim ``dim`` first, once that dim is checked to have the ``batch``'s size (``(rows,
-    the input they were read from)``; rows None when the batch has no tensor).  ``matched_before``: earlier
-    batches of this layer passed this check, by coincidence when this one fails it."""
+    the input they were read from)``; rows None when the batch has no tensor).  ``earlier_rows``: the shape of one
+    row of this layer in earlier batches (None before the first), which passed this check, by coincidence when this
+    one fails it."""
     shape = tuple(t.shape)
+    rows, rows_from, ragged = batch[:3]
+    if rows == 1 and earlier_rows is not None and list(shape) == list(earlier_rows):
+        raise ValueError(_dropped_batch_dim(name, label, shape, position, rows_from))
     if t.dim() == 0:
-        raise ValueError(f"{name} ({label}) is a scalar; extraction stacks activations along their batch dim")
+        raise ValueError(f"batch {position}: {name} ({label}) is a scalar; extraction stacks activations along their "
+                         f"batch dim{_one_example_note(rows)}")
     if not -t.dim() <= dim < t.dim():
         raise ValueError(f"batch_dim= gives {name} ({label}) the batch dim {dim}, but its activation has shape "
                          f"{shape}, of {t.dim()} dims; give the index of the dim that counts its rows")
     dim %= t.dim()
-    rows, rows_from, ragged = batch[:3]
     if rows is not None and t.shape[dim] != rows:
         advice = ragged or (f"tl.extract stores a row per example, so dim {dim} is not this layer's batch dim. "
-                            f"{_what_to_do(name, shape, dim, rows, matched_before)}")
+                            f"{_what_to_do(name, shape, dim, rows, earlier_rows is not None)}")
         raise ValueError(f"batch {position}: {name} ({label}) has shape {shape}, whose batch dim {dim} has "
                          f"{t.shape[dim]} entries, but the batch has {rows} rows ({rows_from}): {advice}")
     return t if dim == 0 else t.movedim(dim, 0).contiguous()
+
+
+def _dropped_batch_dim(name: str, label: str, shape: tuple, position: int, rows_from: str) -> str:
+    """The refusal for a batch of one example whose activation has the shape of one row of the earlier batches:
+    the forward dropped the batch dim because its size was 1 (``squeeze()`` with no dim), the usual fate of a
+    DataLoader's odd last batch.  Its one row is not stacked as if it were the example: the dim it lacks is a
+    guess, and the earlier batches' rows are examples, not the coincidence ``_what_to_do`` warns of."""
+    return (f"batch {position} has one example ({rows_from}), and {name} ({label}) has shape {shape}, the shape of "
+            "one row of the earlier batches, with no batch dim: the forward dropped the batch's dim because its size "
+            "is 1 (squeeze() with no dim squeezes it too). Squeeze only the dims you mean (x.squeeze(-1)), or leave "
+            "the batch of one out (DataLoader(..., drop_last=True))")
+
+
+def _one_example_note(rows) -> str:
+    """A scalar in a batch of one example is usually a row whose batch dim ``squeeze()`` dropped: say so."""
+    if rows != 1:
+        return ""
+    return (" (this batch has one example: a squeeze() with no dim drops its batch dim of size 1 too; squeeze only "
+            "the dims you mean)")
 
 
 def _what_to_do(name: str, shape: tuple, dim: int, rows: int, matched_before: bool) -> str:
