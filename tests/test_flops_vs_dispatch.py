@@ -135,6 +135,41 @@ def test_flop_counter_modes_failure_under_no_grad_is_named_with_the_way_round_it
     assert tl.report.flops_vs_dispatch(model, x).native_total == native_total(model, x)
 
 
+class PhysicsInformed(nn.Module):
+    """Takes d u / d x inside the forward, as a physics-informed loss does, of a leaf of its own (``leaf=True``);
+    of its input, it is compared, since flops_vs_dispatch hands each run a copy (no leaf)."""
+
+    def __init__(self, leaf: bool):
+        super().__init__()
+        self.net, self.leaf = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1)), leaf
+
+    def forward(self, x):
+        x = x.detach().requires_grad_() if self.leaf else x
+        u = self.net(x)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return du.pow(2).sum() - u.sum()
+
+
+class FuncGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(2, 1)
+
+    def forward(self, x):
+        return torch.func.grad(lambda r: self.net(r).sum())(x)
+
+
+@pytest.mark.parametrize("model", [PhysicsInformed(leaf=True), FuncGrad()], ids=["leaf", "func.grad"])
+def test_flop_counter_modes_failure_on_a_gradient_taken_inside_the_forward_is_named(model):
+    x = torch.randn(5, 2, requires_grad=True)[0]
+    with pytest.raises(RuntimeError, match="_will_engine_execute_node"):  # torch's own, untraced: being named
+        with FlopCounterMode(display=False):
+            model(x)
+    with pytest.raises(tl.errors.NativeToolFailed, match=r"takes a gradient itself .* tl.trace\(model, x\).flops"):
+        tl.report.flops_vs_dispatch(model, x)
+    assert int(tl.trace(model, x).flops) > 0
+
+
 def test_sdpa_on_cpu_is_noted_and_counted_only_by_torchlens():
     class Attention(nn.Module):
         def forward(self, q, k, v):

@@ -202,7 +202,8 @@ def _count_natively(model, args, kwargs, unknown_names=frozenset()):
     Its module tracker hooks, for backward attribution, every module input that requires gradients. With
     gradients off, a view of a parameter handed to a submodule (DeBERTa's relative embeddings) has no
     gradient node to hook, and torch 2.13's tracker fails on it with a bare assertion: named here, with
-    the way round it."""
+    the way round it.  A forward taking a gradient with respect to a leaf a module received (a physics-informed
+    loss) fails in that hook with a bare RuntimeError: named here too."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..capture.fastpath import FastPathShim
@@ -227,6 +228,20 @@ def _count_natively(model, args, kwargs, unknown_names=frozenset()):
             "a module was handed a view of a parameter made with gradients off, which has no gradient node "
             "for the tracker's backward hook (a limitation of torch.utils.module_tracker). Call "
             "flops_vs_dispatch outside torch.no_grad().") from error
+    except RuntimeError as error:
+        if "_will_engine_execute_node" not in str(error):
+            raise
+        raise NativeToolFailed(_GRAD_IN_FORWARD) from error
+
+
+# torch 2.13's module tracker hooks the backward of every module input that requires gradients; a backward the
+# forward runs itself (autograd.grad) then reaches that hook for a leaf, which the engine refuses to answer for.
+_GRAD_IN_FORWARD = (
+    "flops_vs_dispatch: FlopCounterMode's module tracker failed on this forward: it takes a gradient itself "
+    "(torch.autograd.grad, or a torch.func transform such as grad, jacrev or vjp) with respect to a leaf tensor "
+    "that a module received, and the tracker's backward hook on that input cannot run inside autograd.grad (a "
+    "limitation of torch.utils.module_tracker). torchlens's own count needs no second run: "
+    "tl.trace(model, x).flops.")
 
 
 @contextlib.contextmanager
