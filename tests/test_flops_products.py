@@ -99,3 +99,20 @@ def test_outer_kron_and_cdist_count_their_elementwise_work():
     pairs = 2 * 6 * 8
     assert counts == [{"elementwise": 35}, {"elementwise": 35}, {"elementwise": 6 * 8 * 3 * 3},
                       {"other": pairs * (3 * 3 + 1)}, {"other": pairs * 3 * 3}, {"other": pairs * (4 * 3 + 1)}]
+
+
+class _Spectral(nn.Module):
+    """A spectral layer's complex product between two FFTs, as a Fourier neural operator mixes its modes."""
+
+    def forward(self, x, weight):
+        return torch.fft.irfft(torch.fft.rfft(x) @ weight, n=x.shape[-1])
+
+
+def test_a_complex_product_counts_as_the_real_one_and_as_flop_counter_mode_counts_it():
+    x = torch.randn(3, 8)
+    weight = torch.randn(5, 5, dtype=torch.complex64)
+    log = tl.trace(_Spectral(), (x, weight))
+    real = tl.trace(lambda a, b: a @ b, (torch.randn(3, 5), torch.randn(5, 5)))
+    assert tl.report.op_flops(log["matmul_1_2:1"]) == tl.report.op_flops(real["matmul_1_1:1"]) == 2 * 3 * 5 * 5
+    families = {row["family"]: row for row in tl.report.flops_vs_dispatch(_Spectral(), (x, weight)).families}
+    assert families["matmul"]["torchlens"] == families["matmul"]["native"] == 2 * 3 * 5 * 5
