@@ -152,8 +152,7 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             raise WitnessFailed(
                 f"flops_vs_dispatch refused: the forward draws random numbers ({_drawn_by(log, drew)})"
                 ", so matching outputs would rest on both executions drawing the same numbers in the same "
-                "order, which restoring the global generators cannot guarantee. Call model.eval() (or remove "
-                "the randomness) and compare again.")
+                f"order, which restoring the global generators cannot guarantee. {_randomness_advice(model)}")
         saved.restore()
         with saved.watching:
             counter, native_output, product_calls, unknown_counted = _count_natively(
@@ -518,6 +517,18 @@ def _native_family(overload: str) -> str:
     if "attention" in name:
         return "attention"
     return _NATIVE_FAMILY.get(name, "other")
+
+
+def _randomness_advice(model) -> str:
+    """What to do about a forward that draws: eval mode, unless every module it runs is in eval mode already, where
+    that advice would change nothing (the forward samples by itself: ViLT's multinomial patch sampling)."""
+    from ..capture.restore import module_run_by
+
+    module = module_run_by(model)
+    if module is None or any(m.training for m in module.modules()):
+        return "Call model.eval() (or remove the randomness) and compare again."
+    return ("The model is in eval mode already, so its forward draws them by itself (sampling, not dropout): "
+            "remove the randomness, or compare a part of the model that draws none.")
 
 
 def _drawn_by(log, generators) -> str:
