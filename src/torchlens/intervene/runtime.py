@@ -22,22 +22,23 @@ from weakref import ref as weakref
 import torch
 
 from ..errors import InterventionError, TorchlensError, add_note
-from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
+from ..record.columns import CALL_FUNC
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..record.layouts import same_elements, shape_of, storage_key, version_of
-from ..record.modules import enclosing_calls, is_unregistered, shown_class
+from ..record.modules import enclosing_calls
 from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
-from ..record.source import source_of
 from ..capture.bindings import is_bound
 from ..capture.state import StopForward
 from ..capture.writes import named_targets
 from ..tree import made_in_transform, path_text, tensor_leaves
 from .actions import Action, layout_name, same_shape
 from .checkpointing import checkpoint_region
-from .sites import ModuleCallInfo, occurrence_key
+from .path import ReferencePath
+from .path import site_where as _where
+from .sites import ModuleCallInfo
 
 # What a refused module site's message ends with: where the op labels to intervene at instead are found.
 _OUTPUTS_HINT = ("Intervene at the op labels of the outputs to change instead: a plain trace's module_calls entry "
@@ -69,7 +70,7 @@ class Applied:
         return f"<Intervention {self.action!r} at {self.site_text} -> {self.label}>"
 
 
-class Interventions:
+class Interventions(ReferencePath):
     """The runtime state of one intervened trace."""
 
     def __init__(self, label_sites: list, module_sites: list, index, keep_originals: bool):
@@ -96,8 +97,7 @@ class Interventions:
         self.called_elsewhere: set = set()  # ids of site modules called on another thread while the trace ran
         self.stopped_at = None  # the site key the forward stopped after
         self.reference = None  # the trace label sites were resolved against, if any
-        self.seen_keys: dict = {}  # occurrence_key -> calls of this run with it, before position ``counted``
-        self.counted, self.last_counted = 0, (-1, 0)  # and the last call counted: (its position, occurrence)
+        self._start_path()
         self.packing = None  # the PackLog of saved_for_backward=True, which learns where each action runs
 
     @property
@@ -138,101 +138,12 @@ class Interventions:
             raise StopForward
         return out
 
-    def _check_path(self, st, sites, call_position, func) -> None:
-        name = func_name_of(func)
-        call = st.calls[call_position]
-        place = source_of(call[CALL_CODE], call[CALL_LINE])
-        occurrence = self._occurrence(st, call_position, name)
-        for site in sites:
-            if name != site.func_name or not self._same_chain(st, site.chain) or not site.same_place(place):
-                where = " > ".join(self._address(st.module_calls[k][MODULE_CALL_MODULE]) for k in st.module_stack) \
-                    or "the root forward"
-                expected = " > ".join(link.address for link in site.chain) or "the root forward"
-                self._refuse_replaced(st, site)
-                self._diverged(site, f"called {name!r} in {where}{_at(place)}, where the reference called "
-                                     f"{site.func_name!r} in {expected}{_at(site.place)}")
-            if site.occurrence is not None and occurrence != site.occurrence:
-                self._diverged(site, f"made call {occurrence + 1} of {name!r} from that line{_at(place)} in its "
-                                     f"module call, where the reference made call {site.occurrence + 1}")
-
-    def _refuse_replaced(self, st, site) -> None:
-        """Refuse, saying so, a site whose open module calls are the reference's by address but not by object:
-        modules replaced since the reference was traced (``model.fc = nn.Linear(...)``), which an account of
-        the two paths would describe alike."""
-        if len(st.module_stack) != len(site.chain):
-            return
-        replaced = [link.address for k, link in zip(st.module_stack, site.chain)
-                    if link.module is not None and st.module_calls[k][MODULE_CALL_MODULE] is not link.module
-                    and self._address(st.module_calls[k][MODULE_CALL_MODULE]) == link.address]
-        if replaced:
-            kind = "stop_after site" if site.stop else "intervention site"
-            raise InterventionError(
-                f"{kind} {_where(site.key, site.op)}: module {', '.join(replaced)} is another object than the one "
-                "the reference trace ran (replaced since the reference was traced?), so the reference does not "
-                "describe this model; pass reference= a trace of the model as it is now, or none (a reference pass "
-                "is then made first)")
-
-    def _diverged(self, site, what: str):
-        """Refuse a label site whose position holds another op in this run than in the reference."""
-        kind = "stop_after site" if site.stop else "intervention site"
-        raise InterventionError(
-            f"{kind} {_where(site.key, site.op)}: the forward took another path than the reference "
-            f"trace: at that position it {what}.{self._written_note()} Pass reference= a trace of inputs that take "
-            "the same path, or use a module site")
-
-    def _occurrence(self, st, call_position: int, name: str) -> int:
-        """How many calls with the ``occurrence_key`` of the call at ``call_position`` this run made before it,
-        counted up to each site only when the forward reaches it (the ops between sites cost nothing), and each
-        call once: the site's own is counted here (a stop site at that call asks again, ``last_counted``)."""
-        if call_position != self.last_counted[0]:
-            seen = self.seen_keys
-            for position in range(self.counted, call_position):
-                key = occurrence_key(st.calls[position], func_name_of(st.calls[position][CALL_FUNC]))
-                seen[key] = seen.get(key, 0) + 1
-            key = occurrence_key(st.calls[call_position], name)
-            self.last_counted = (call_position, seen.get(key, 0))
-            if call_position >= self.counted:
-                seen[key], self.counted = self.last_counted[1] + 1, call_position + 1
-        return self.last_counted[1]
-
-    def _written_note(self) -> str:
-        """Why a reference of the same inputs can still take another path: its forward wrote parameters."""
-        replay = getattr(self.reference, "_replay", None)
-        if replay is None or not replay.param_writes:
-            return ""
-        return (" The reference's forward wrote parameters in place (a one-time rescale, an update), so the model "
-                "has changed since it ran.")
-
-    def _same_chain(self, st, expected) -> bool:
-        """Whether the module calls open now are the reference's, call for call."""
-        stack = st.module_stack
-        if len(stack) != len(expected):
-            return False
-        for k, link in zip(stack, expected):
-            module = st.module_calls[k][MODULE_CALL_MODULE]
-            if k != link.call:
-                return False
-            if module is link.module:
-                continue
-            if is_unregistered(link.address):
-                # A module outside the model may be made anew by each forward (T5's loss): at the same call,
-                # an unregistered module of the same class is the same site.
-                if id(module) in self.addresses or shown_class(module).__name__ != link.class_name:
-                    return False
-            elif link.module is not None or self._address(module) != link.address:
-                return False
-        return True
-
     def _reader(self, st, call) -> str:
         """A torch call named for a refusal: its function and the module it ran in (a pooling head's ``transpose``
         in ``vision_tower.head``), which says what read a value better than the function alone."""
         module_call = call[CALL_MODULE]
         where = f" in {self._address(st.module_calls[module_call][MODULE_CALL_MODULE])}" if module_call >= 0 else ""
         return func_name_of(call[CALL_FUNC]) + where
-
-    def _address(self, module) -> str:
-        names = self.addresses.get(id(module))
-        return names[0] if names else type(module).__name__
 
     def _run_action(self, st, action, value, op, key, call: int):
         """``action(value, op)`` at the site made by ``call``, checked: the new value, or None to keep it."""
@@ -573,20 +484,8 @@ def _replace_at(obj, path: tuple, value, key):
                             "tensor; intervene at the op label of that tensor instead")
 
 
-def _at(place) -> str:
-    """`` (file:line)`` of a recorded call, or nothing when no user frame was found."""
-    return f" ({place.file}:{place.line})" if place is not None else ""
-
-
 def _shown(action) -> str:
     """An action for a message: a helper's repr (``scale(2.0)``), a function's name."""
     if isinstance(action, Action):
         return repr(action)
     return getattr(action, "__qualname__", None) or type(action).__name__
-
-
-def _where(key, op) -> str:
-    """A site for a message: its key (``<predicate>`` for a function), and the op or module call it resolved
-    to when that says more."""
-    name = repr(key) if isinstance(key, str) else "<predicate>"
-    return name if key == op.label else f"{name} ({op.label})"

@@ -35,7 +35,8 @@ _IN_PLACE = "_compiled_call_impl"  # the instance attribute module.compile() set
 class LabelSite:
     """One op of the reference trace an action applies to."""
 
-    __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "place", "stop", "occurrence")
+    __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "file", "line", "stop", "occurrence",
+                 "_code", "_offset")
 
     def __init__(self, key, action, op, stop: bool, chains: dict | None = None):
         trace = op._trace
@@ -46,16 +47,23 @@ class LabelSite:
         self.chain = module_chain(trace, trace.module_call_indices[op.index], chains)
         # The line that made the call: a loop that ran fewer times reaches the same position with the same
         # function in the same module call from another line.  Kept as file and line, which a loaded
-        # trace also holds (None where no user frame was found: not compared).
+        # trace also holds (None where no user frame was found: not compared); ``place`` is built when read.
         call = trace.calls[self.call]
-        self.place = source_of(call.code, call.line)
+        self._code, self._offset = call.code, call.line
+        self.file = None if call.code is None else call.code.co_filename
+        self.line = None if call.code is None else line_of(call.code, call.line)
         self.occurrence = None  # which call of its function from its line in its module call (number_occurrences)
 
-    def same_place(self, place) -> bool:
-        """Whether a call made at ``place`` (a ``SourceLocation``) can be this site's call in the reference."""
-        if self.place is None or place is None:
+    @property
+    def place(self):
+        """Where the reference made the call (a ``SourceLocation``), or None where no user frame was found."""
+        return source_of(self._code, self._offset)
+
+    def same_line(self, code, line) -> bool:
+        """Whether a call made from ``code`` at source line ``line`` can be this site's call in the reference."""
+        if self.file is None or code is None:
             return True
-        return (place.file, place.line) == (self.place.file, self.place.line)
+        return line == self.line and code.co_filename == self.file
 
 
 class ModuleSite:
@@ -409,11 +417,14 @@ def number_occurrences(trace, sites) -> None:
         wanted.setdefault(site.call, []).append(site)
     if not wanted:
         return
-    calls, names, seen = trace.calls, trace.func_names, {}
+    calls, names, seen, named = trace.calls, trace.func_names, {}, {}
     for position in range(max(wanted) + 1):
         call = calls[position]
         # A loaded trace keeps no function objects, only the names its ops were given.
-        name = func_name_of(call.func) if call.func is not None else names[call.first_record]
+        func = call.func
+        name = named.get(func) if func is not None else names[call.first_record]
+        if name is None:
+            name = named[func] = func_name_of(func)
         key = occurrence_key(call, name)
         count = seen.get(key, 0)
         seen[key] = count + 1
