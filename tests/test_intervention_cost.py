@@ -78,7 +78,7 @@ def test_sites_at_consecutive_calls_read_each_calls_function_once_and_a_stop_the
 def test_a_trace_with_module_sites_only_keeps_the_hot_path_for_every_op(monkeypatch):
     # Module sites are applied by forward hooks on their modules and need no look at any op, so a trace with
     # module sites only runs every op on the hot path (the compiled handler, where built), as a plain trace
-    # does; only label sites, looked for at each op, send the ops down the general path.
+    # does; label sites keep it too (test_label_sites_keep_every_call_on_the_hot_path).
     from torchlens.capture.mode import CaptureMode
     from zoo import MLP
 
@@ -100,7 +100,7 @@ def test_a_trace_with_module_sites_only_keeps_the_hot_path_for_every_op(monkeypa
     assert torch.equal(edited["layers.2"].original, plain["layers.2"].activation)
     assert [a.label for a in edited.interventions] == [plain["layers.2"].label]
     tl.trace(model, x, reference=plain, intervene={plain["layers.2"].label: tl.scale(0.5)})
-    assert len(general) == 1  # a label site takes the general path at its own call only
+    assert not general  # a label site's call is recorded on the hot path, then its action applied
 
 
 def _loop_with_zeroed_pass(model, x, zeroed: int):
@@ -112,10 +112,10 @@ def _loop_with_zeroed_pass(model, x, zeroed: int):
     return h
 
 
-def test_label_sites_send_only_their_own_calls_down_the_general_path(monkeypatch):
-    # Every op of a trace with a label site took the general path, since each was looked up among the sites as it
-    # was made: one site cost what a trace with an optional feature costs.  Sites are positions, so only the calls
-    # at those positions leave the hot path (the compiled handler, where built); the others cannot match.
+def test_label_sites_keep_every_call_on_the_hot_path(monkeypatch):
+    # The calls at label sites' positions took the general path, which costs several times the hot path's
+    # recording (the compiled handler's, where built): an action at every op cost each op that on top of the
+    # action.  A site's call is now recorded on the hot path as any other, then handed to the interventions.
     from torchlens.capture.mode import CaptureMode
 
     model, x = LoopRNN(steps=4).eval(), torch.randn(2, 8)
@@ -126,7 +126,7 @@ def test_label_sites_send_only_their_own_calls_down_the_general_path(monkeypatch
     monkeypatch.setattr(CaptureMode, "_call_with_features", counted)
     sites = {"tanh_1_4:3": tl.zero_ablate(), "linear_1_2:2": tl.scale(1.0)}
     log = tl.trace(model, x, reference=reference, intervene=sites)
-    assert general == ["linear", "tanh"]
+    assert general == []
     assert torch.equal(log.output, _loop_with_zeroed_pass(model, x, 3))
     assert [a.label for a in log.interventions] == ["linear_1_2:2", "tanh_1_4:3"]
     assert torch.equal(log["tanh_1_4:3"].original, reference["tanh_1_4:3"].activation)
@@ -134,7 +134,7 @@ def test_label_sites_send_only_their_own_calls_down_the_general_path(monkeypatch
     general.clear()
     stopped = tl.trace(model, x, reference=reference, stop_after="add_1_3:4",
                        intervene={"tanh_1_4:1": tl.zero_ablate()})
-    assert general == ["tanh", "add"] and stopped.stopped_after == "add_1_3:4"
+    assert general == [] and stopped.stopped_after == "add_1_3:4"
 
 
 def test_an_intervened_trace_derives_its_labels_only_when_read():

@@ -94,7 +94,7 @@ static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
     *s_note_failure, *s_note_context, *s_note_writes, *s_note_pass_through, *s_wants, *s_watch, *s_out,
     *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_save_sources, *s_context, *s_contexts,
-    *s_recent_alias_reads, *s_forget_unrecorded_reads, *s_site_calls;
+    *s_recent_alias_reads, *s_forget_unrecorded_reads, *s_site_calls, *s_intervention, *s_at_call;
 
 PyObject *empty_tuple;
 PyObject *s_is_compiling;
@@ -1091,7 +1091,8 @@ static PyObject *scan_container(Handler *h, Scan *sc, PyObject *key, PyObject *a
 }
 
 /* Whether the next call is at an intervention's label site (its position, ``len(calls)``, is in the state's
- * ``site_calls``): that call is the Python method's, whose general path applies the action.  1, 0 or -1. */
+ * ``site_calls``): that call is recorded here as any other, then handed to ``intervention.at_call``, which
+ * applies the action (``apply_site``).  1, 0 or -1. */
 static int at_site_call(Handler *h) {
     PyObject *site_calls = PyDict_GetItemWithError(h->state_dict, s_site_calls);
     if (site_calls == NULL || site_calls == Py_None) return site_calls == NULL && PyErr_Occurred() ? -1 : 0;
@@ -1102,6 +1103,25 @@ static int at_site_call(Handler *h) {
     int found = PySet_Contains(site_calls, position);
     Py_DECREF(position);
     return found;
+}
+
+/* A label site's call, recorded: what ``intervention.at_call`` returns to the model (the action's value, or
+ * ``out``).  ``leaves``: the call's (slot, tensor) pairs, NULL for one tensor out. */
+static PyObject *apply_site(Handler *h, PyObject *call_index, PyObject *first_op, PyObject *out, PyObject *leaves,
+                            PyObject *func, PyObject *args, PyObject *kw) {
+    PyObject *runtime = state_get(h, s_intervention);
+    if (runtime == NULL) return NULL;
+    PyObject *pairs = leaves;
+    if (pairs == NULL) {
+        PyObject *pair = PyTuple_Pack(2, Py_None, out);
+        pairs = pair != NULL ? PyTuple_Pack(1, pair) : NULL;
+        Py_XDECREF(pair);
+        if (pairs == NULL) return NULL;
+    }
+    PyObject *aargv[] = {runtime, h->state, call_index, first_op, out, pairs, func, args, kw};
+    PyObject *result = PyObject_VectorcallMethod(s_at_call, aargv, 9, NULL);
+    if (leaves == NULL) Py_DECREF(pairs);
+    return result;
 }
 
 static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
@@ -1134,8 +1154,8 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         if (on < 0) return NULL;
         if (on) return call_method(h, argv, nargsf, kwnames);
     }
-    found = at_site_call(h);
-    if (found != 0) return found < 0 ? NULL : call_method(h, argv, nargsf, kwnames);
+    int at_site = at_site_call(h);  /* recorded here all the same, then handed to ``apply_site`` */
+    if (at_site < 0) return NULL;
     if (kwargs == Py_None || PyDict_GET_SIZE(kwargs) == 0) kwargs = NULL;  /* ``kwargs or _NO_KWARGS`` */
     int tensors = 0, nparams_all = 0, positional = 0;
     found = classify(h, args, kwargs, &tensors, &nparams_all, &positional);
@@ -1420,7 +1440,7 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         }
         if (record_single(h, out, call_index, first_op, func, module_call) < 0) goto done;
     }
-    result = Py_NewRef(out);
+    result = at_site ? apply_site(h, call_index, first_op, out, found_leaves, func, args, kw) : Py_NewRef(out);
 done:
     release_bounds(sc.bounds, sc.nbound);
     if (sc.bounds != small) PyMem_Free(sc.bounds);
@@ -1714,7 +1734,7 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
     INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
     INTERN(s_recent_alias_reads, "recent_alias_reads") INTERN(s_forget_unrecorded_reads, "forget_unrecorded_reads")
-    INTERN(s_site_calls, "site_calls")
+    INTERN(s_site_calls, "site_calls") INTERN(s_intervention, "intervention") INTERN(s_at_call, "at_call")
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     getter_names[G_VERSION] = s_version;
     getter_names[G_SHAPE] = s_shape;

@@ -136,7 +136,7 @@ class CaptureMode(TorchFunctionMode):
         self.deep = deep
         self._entered = [None]  # Python-level torch functions currently entered by deep capture
         # The features set on the state before the mode is made; with all off, every op takes the hot path.
-        # Label sites leave it only at their own positions (``state.site_calls``, checked per call below).
+        # Label sites keep it too: their calls are recorded there, then handed to ``at_call`` (``state.site_calls``).
         self.plain = not deep and state.markers is None and state.plain_save
         compiled = accel.compiled("_capture") if self.plain else None
         if compiled is not None:
@@ -154,9 +154,11 @@ class CaptureMode(TorchFunctionMode):
             if func in _DATA_GET and is_uninitialized(args[0]):  # a lazy module reading it to materialize it
                 return func(*args)  # no value yet, nothing to record
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # x.data, cond, backward
+        if not self.plain:
+            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
         st = self.state
-        if not self.plain or (st.site_calls is not None and len(st.calls) in st.site_calls):
-            return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)  # (at an intervention site)
+        # A label site's call is recorded here as any other, then handed to the interventions (``at_call``).
+        at_site = st.site_calls is not None and len(st.calls) in st.site_calls
         n = len(args)
         inline = 0 < n < 3 and type(args[0]) is Tensor and (n == 1 or type(args[1]) in _PLAIN_SECOND)
         if not inline and n > 2 and type(args[0]) is Tensor:  # x.view(b, t, h, d), x.transpose(1, 2)
@@ -270,6 +272,8 @@ class CaptureMode(TorchFunctionMode):
         if leaves is not None:
             for slot, t in leaves:
                 record_output(st, call_index, slot, t, func, module_call)
+            if at_site:
+                return st.intervention.at_call(st, call_index, first_op, out, leaves, func, args, kwargs)
             return out
 
         # One tensor out, the common case, inlined.
@@ -301,8 +305,12 @@ class CaptureMode(TorchFunctionMode):
                 # A selection's (mode 2) may be let go as a selected call returns (SelectedModuleOutputs):
                 # its binding must not hold it then.
                 st.producers[id(out)] = (out, first_op, version)
+                if at_site:
+                    return st.intervention.at_call(st, call_index, first_op, out, ((None, out),), func, args, kwargs)
                 return out
         st.producers[id(out)] = (weakref(out), first_op, version)
+        if at_site:
+            return st.intervention.at_call(st, call_index, first_op, out, ((None, out),), func, args, kwargs)
         return out
 
     def _call_with_features(self, func, types, args, kwargs):

@@ -99,7 +99,7 @@ class CaptureState:
     # op_exit(token), module_enter(module call index) and module_exit(module call index).
     markers = None
     intervention = None  # interventions (intervene/runtime.py): called at the calls in ``site_calls``
-    site_calls = None  # with it, a frozenset of call positions (label sites): those take the general path
+    site_calls = None  # with it, a frozenset of call positions (label sites): recorded, then handed to at_call
 
     def __init__(self, *, save_mode: int, selector=None, save_device=None, record_finite: bool = False,
                  buffers: dict | None = None, max_saved_bytes: int | None = None, params=()):

@@ -1,8 +1,8 @@
 """Applying interventions while the forward runs, and recording what was applied.
 
 Label sites are applied by ``Interventions.at_call``, which the capture handler calls at the calls whose
-position is a site's (``site_calls``): those take the general path, every other op stays on the hot path,
-compiled or not, at the cost of one set lookup (one attribute check in a trace without label sites).  It runs after
+position is a site's (``site_calls``): those are recorded on the hot path as any other op, compiled or not, and
+each op costs one set lookup (one attribute check in a trace without label sites).  It runs after
 the call's outputs were recorded and fixes the record up: the op's record, saved activation and
 producer binding then describe the value downstream ops see, and the value the op made is kept as
 ``op.original``.  Module sites are applied by a forward hook on each site module, registered after the
