@@ -133,7 +133,8 @@ def _refuse_ops_past_the_reference(runtime: Interventions, trace) -> None:
     which the trace must not pass off as an edit of every pass.  Such ops come past the reference's last call, or
     before it when the longer loop is followed by ops the sites do not name.  Only a longer run is looked at."""
     reference = runtime.reference
-    if reference is None or len(trace.calls) <= len(reference.calls):
+    # The raw count: ``trace.calls`` would name every call of the trace to count them.
+    if reference is None or len(trace._calls) <= len(reference.calls):
         return
     sites = {id(site.key): site for site in runtime.label_sites if not site.stop}
     edited = _records_edited(runtime)

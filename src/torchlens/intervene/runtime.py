@@ -116,22 +116,23 @@ class Interventions(ReferencePath):
         sites = self.by_call.get(call_position)
         if sites is not None:
             self._check_path(st, sites, call_position, func)
-            values = [t for _, t in leaves]
-            slots = [slot for slot, _ in leaves]
-            changed = []
+            values = changed = None  # the call's output tensors, copied at the first action that changes one
             for site in sites:
-                k = slots.index(site.slot) if site.slot in slots else -1
+                k = _leaf_index(leaves, site.slot)
                 if k < 0:
                     raise InterventionError(f"intervention site {site.key!r}: the op at this position returned no "
                                             f"output {site.slot!r}; the forward took another path than the reference")
-                new = self._run_action(st, site.action, values[k], site.op, site.key, call_position)
+                value = leaves[k][1] if values is None else values[k]
+                new = self._run_action(st, site.action, value, site.op, site.key, call_position)
                 self.hit.add(id(site))
                 self._note(first_op + k, site.key, site.action)
                 if new is not None:
-                    values[k] = self._replace(st, call_position, first_op + k, values[k], new, args, kwargs)
+                    if values is None:
+                        values, changed = [t for _, t in leaves], []
+                    values[k] = self._replace(st, call_position, first_op + k, value, new, args, kwargs)
                     changed.append(k)
             if changed:
-                out = _rebuild_output(out, [(slots[k], values[k]) for k in dict.fromkeys(changed)])
+                out = _rebuild_output(out, [(leaves[k][0], values[k]) for k in dict.fromkeys(changed)])
         if call_position == self.stop_call:
             self._check_path(st, [self.stop_site], call_position, func)
             self.stopped_at = self.stop_key
@@ -424,6 +425,14 @@ class Interventions(ReferencePath):
         # A value a torch.func transform made is its wrapper, unreadable once the transform returns: not kept,
         # as the trace's own activations are not (MADE_IN_TRANSFORM)
         trace._originals = {r: t for r, t in self.originals.items() if not made_in_transform(t)}
+
+
+def _leaf_index(leaves, slot) -> int:
+    """Where the output at ``slot`` is among a call's ``(slot, tensor)`` pairs, or -1."""
+    for k, (leaf_slot, _) in enumerate(leaves):
+        if leaf_slot == slot:
+            return k
+    return -1
 
 
 def _argument_position(t, args, kwargs):

@@ -38,20 +38,20 @@ class LabelSite:
     __slots__ = ("key", "action", "op", "call", "slot", "func_name", "chain", "file", "line", "stop", "occurrence",
                  "_code", "_offset")
 
-    def __init__(self, key, action, op, stop: bool, chains: dict | None = None):
-        trace = op._trace
+    def __init__(self, key, action, op, stop: bool, columns: ReferenceColumns | None = None):
+        columns = ReferenceColumns(op._trace) if columns is None else columns
+        i = op.index
         self.key, self.action, self.op, self.stop = key, action, op, stop
-        self.call = trace.call_indices[op.index]
-        self.slot = trace.slots[op.index]
-        self.func_name = op.func_name
-        self.chain = module_chain(trace, trace.module_call_indices[op.index], chains)
+        self.call, self.slot, self.func_name = columns.call_indices[i], columns.slots[i], columns.func_names[i]
+        self.chain = columns.chain(columns.module_calls[i])
         # The line that made the call: a loop that ran fewer times reaches the same position with the same
         # function in the same module call from another line.  Kept as file and line, which a loaded
         # trace also holds (None where no user frame was found: not compared); ``place`` is built when read.
-        call = trace.calls[self.call]
-        self._code, self._offset = call.code, call.line
-        self.file = None if call.code is None else call.code.co_filename
-        self.line = None if call.code is None else line_of(call.code, call.line)
+        call = columns.calls[self.call]
+        code = self._code = call[CALL_CODE]
+        self._offset = call[CALL_LINE]
+        self.file = None if code is None else code.co_filename
+        self.line = None if code is None else line_of(code, self._offset)
         self.occurrence = None  # which call of its function from its line in its module call (number_occurrences)
 
     @property
@@ -108,6 +108,24 @@ class ChainLink(NamedTuple):
     module: object  # the module object, or None (gone from cleaned-up and loaded traces)
     address: str
     class_name: str  # what identifies an unregistered module, which each forward may make anew
+
+
+class ReferenceColumns:
+    """The reference's columns its label sites read, bound once per resolution rather than once per site, and
+    the module-call chains built so far (sites at many ops share them)."""
+
+    def __init__(self, trace):
+        self.trace = trace
+        self.calls, self.call_indices, self.slots = trace.calls, trace.call_indices, trace.slots
+        self.func_names, self.module_calls, self.kinds = trace.func_names, trace.module_call_indices, trace.kinds
+        self.chains: dict = {}  # module call -> its chain
+
+    def chain(self, module_call: int) -> tuple:
+        """``module_chain`` of an op made in ``module_call``."""
+        chain = self.chains.get(module_call)
+        if chain is None:  # (the root forward's, (), is kept here too)
+            chain = self.chains[module_call] = module_chain(self.trace, module_call, self.chains)
+        return chain
 
 
 def module_chain(trace, module_call: int, chains: dict | None = None) -> tuple:
@@ -284,7 +302,7 @@ def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:
 
 def resolve_labels(reference, pending) -> list:
     """``LabelSite`` per op each pending key names in ``reference``."""
-    sites, chains = [], {}
+    sites, columns = [], ReferenceColumns(reference)
     for key, action, stop in pending:
         if isinstance(key, str):
             try:
@@ -300,9 +318,9 @@ def resolve_labels(reference, pending) -> list:
         else:
             ops = accepted_ops(reference, key, stop)
         for op in ops:
-            if reference.kinds[op.index] != Kind.OP:
+            if columns.kinds[op.index] != Kind.OP:
                 raise KeyError(_not_an_op(key, op, stop, reference))
-            sites.append(LabelSite(key, action, op, stop, chains))
+            sites.append(LabelSite(key, action, op, stop, columns))
             if stop:
                 break  # stop after the first op the site names
     number_occurrences(reference, sites)
@@ -312,7 +330,8 @@ def resolve_labels(reference, pending) -> list:
 def accepted_ops(reference, predicate, stop: bool = False) -> list:
     """The ops of ``reference`` a predicate site accepts, in order; a predicate accepting none is refused (it would
     do nothing), and one that raises has its exception noted with the op it was given."""
-    ops = [op for op in reference.ops if reference.kinds[op.index] == Kind.OP and _accepts(predicate, op, stop)]
+    kinds = reference.kinds
+    ops = [op for op in reference.ops if kinds[op.index] == Kind.OP and _accepts(predicate, op, stop)]
     if not ops:
         raise KeyError(_matched_nothing(stop))
     return ops
