@@ -20,7 +20,8 @@ Run:  .venv/bin/python benchmarks/intervene_overhead.py [--quick] [--no-docs]
 
 With ``--baseline DIR/src/torchlens`` (another revision's tree, ``git archive REV src accel benchmarks | tar -x
 -C DIR``, its compiled modules built in place in ``DIR/accel``) it prints instead, per model, the label-site
-(reference given), module-site and plain traces of the package under test against that revision, side by side.
+(reference given), module-site and plain traces and the identity at every op of the package under test against
+that revision, side by side; the last cell's difference is also given per op.
 """
 
 from __future__ import annotations
@@ -146,11 +147,12 @@ def section(rows: list, cfg: dict, command: str) -> str:
 
 
 def before_after(models: list, baseline: str, cfg: dict) -> str:
-    """``--baseline``: a label site (reference given), a module site and a plain trace, each by the package under
-    test against another revision's source tree (``models.baseline_package``) in alternating pairs."""
+    """``--baseline``: a label site (reference given), a module site, a plain trace and the identity at every op,
+    each by the package under test against another revision's source tree (``models.baseline_package``) in
+    alternating pairs."""
     before = baseline_package(os.path.abspath(baseline))
     lines = ["| model | ops | label site, ref: after / before | module site: after / before | "
-             "plain trace: after / before |", "|---|---|---|---|---|"]
+             "plain trace: after / before | identity at every op: after / before |", "|---|---|---|---|---|---|"]
     for name in models:
         model, args = build(name)
         address = SITES[name]
@@ -161,6 +163,8 @@ def before_after(models: list, baseline: str, cfg: dict) -> str:
                                                           reference=refs[p]).output,
             "module site": lambda p: lambda: p.trace(model, args, intervene={address: p.scale(0.5)}).output,
             "plain trace": lambda p: lambda: p.trace(model, args).output,
+            "every op": lambda p: lambda: p.trace(model, args, save="none", reference=refs[p],
+                                                   intervene={(lambda op: True): lambda t, op: None}).output,
         }
         cells = []
         for arm, make in arms.items():
@@ -168,6 +172,8 @@ def before_after(models: list, baseline: str, cfg: dict) -> str:
                                       repeats=cfg["repeats"], predicate=cfg["predicate"])
             print(f"  {name} {arm}: {result}", flush=True)
             delta = "" if result.delta_ns is None else f" ({result.delta_ns / 1e3:+.0f} us)"
+            if arm == "every op" and result.delta_ns is not None:
+                delta = f" ({result.delta_ns / 1e3 / ops:+.1f} us per op)"
             cells.append(result.cell() + delta)
         lines.append(f"| {name} (`{label}`) | {ops} | " + " | ".join(cells) + " |")
     return "\n".join(lines + ["", f"Median of {cfg['pairs']} paired ratios [95% interval] (median paired "
