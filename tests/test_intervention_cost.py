@@ -152,3 +152,37 @@ def test_an_intervened_trace_derives_its_labels_only_when_read():
     assert [a.label for a in applied] == ["linear_1_2:1", "linear_1_2:2", "linear_1_2:3", "tanh_1_4:3", "linear_1_2:4"]
     assert [a.site for a in applied] == ["cell"] * 3 + ["tanh_1_4:3", "cell"]
 
+
+def test_plain_function_actions_and_predicates_are_checked_without_building_a_signature(monkeypatch):
+    # Each intervened trace built an inspect.signature for its predicate and its action, to refuse one that
+    # cannot take its arguments before the run: tens of us per trace.  A plain function's arity is now read from
+    # its code object; any other callable, and a refusal's message, still go through the signature.
+    import inspect
+
+    from torchlens.checks import _plainly_takes
+
+    def keyword_only(t, op, *, scale):
+        return None
+
+    def with_defaults(t, op=None, *rest, scale=1.0):
+        return None
+
+    callables = [lambda t, op: None, lambda t: None, lambda *a: None, lambda t, op, k: None, keyword_only,
+                 with_defaults, print]
+    for func in callables:  # never a pass that the signature refuses
+        for count in (1, 2, 3):
+            try:
+                inspect.signature(func).bind(*[None] * count)
+                takes = True
+            except (TypeError, ValueError):
+                takes = False
+            assert takes or not _plainly_takes(func, count), (func, count)
+    model, x = LoopRNN(steps=2).eval(), torch.randn(2, 8)
+    reference = tl.trace(model, x)
+
+    def no_signature(*args, **kwargs):
+        raise AssertionError("a signature was built")
+    monkeypatch.setattr(inspect, "signature", no_signature)
+    log = tl.trace(model, x, reference=reference, intervene={(lambda op: op.type == "tanh"): lambda t, op: t * 0.5})
+    assert [a.label for a in log.interventions] == ["tanh_1_4:1", "tanh_1_4:2"]
+    assert torch.equal(log["tanh_1_4:2"].activation, log["tanh_1_4:2"].original * 0.5)

@@ -12,6 +12,7 @@ import inspect
 import math
 import numbers
 import os
+import types
 
 
 def check_number(value, name: str, advice: str, *, who: str = "", at_least=None, finite: bool = False,
@@ -127,6 +128,8 @@ def check_takes(func, count: int, called_as: str, advice: str) -> None:
     ``TypeError``, which names neither the option nor how it is called.  ``called_as`` says how it is called
     (``"an intervention action is called as action(tensor, op)"``).  A callable without a signature (a builtin
     or C callable) passes: its call answers."""
+    if _plainly_takes(func, count):
+        return
     try:
         signature = inspect.signature(func)
     except (TypeError, ValueError):
@@ -140,6 +143,23 @@ def check_takes(func, count: int, called_as: str, advice: str) -> None:
 
 
 _COUNTS = {2: "two", 3: "three"}
+_VARARGS = inspect.CO_VARARGS
+
+
+def _plainly_takes(func, count: int) -> bool:
+    """Whether a plain Python function (a lambda, a ``def``) takes ``count`` positional arguments, read from its
+    code object and defaults: building its ``inspect.signature`` costs each intervened trace tens of us per
+    callable.  False when it does not, or when the signature says more than the code (attributes such as
+    ``__wrapped__`` or ``__signature__``, which ``check_takes`` then reads)."""
+    if type(func) is not types.FunctionType or vars(func):
+        return False
+    code = func.__code__
+    required = code.co_argcount - len(func.__defaults__ or ())
+    if count < required or (count > code.co_argcount and not code.co_flags & _VARARGS):
+        return False
+    keyword_only = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+    defaults = func.__kwdefaults__ or {}
+    return all(name in defaults for name in keyword_only)
 
 
 def _check_at_least(value, name, advice, who, at_least) -> None:
