@@ -107,7 +107,7 @@ class Interventions(ReferencePath):
 
     @property
     def site_calls(self) -> frozenset:
-        """The positions of the calls ``at_call`` acts at: only these leave the hot path, the others cannot match."""
+        """The positions of the calls ``at_call`` acts at: only these are handed to it, the others cannot match."""
         return frozenset(self.by_call) | ({self.stop_call} if self.stop_call is not None else frozenset())
 
     # ----- label sites: called by the capture handler ------------------------------------------
