@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.two_tensor import TwoTensor
 
 import torchlens as tl
+
+from accel_paths import PATHS, on_path
 
 
 class Small(nn.Module):
@@ -474,3 +477,54 @@ def test_complex32_outputs_are_compared_by_their_real_and_imaginary_halves():
     torch.manual_seed(0)
     result = tl.validate(_HalfComplexRotation(), torch.randn(4, 2))
     assert result.passed and result.outputs_match and result.replayed == 3, result
+
+
+class _WriteThroughAView(nn.Module):
+    """Writes part of a layer's output through a view of a view, then reads the whole output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x).relu()
+        h.view(-1)[:3].mul_(2)
+        return h.sum(-1), h * 1
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_write_through_a_view_of_a_wrapper_subclass_is_seen_as_for_a_plain_tensor(compiled):
+    # A wrapper subclass has no storage: each of its tensors was its own memory, so the write through a view
+    # reached nothing saved.  The readers after it named relu (whose value they did not read) as their parent,
+    # and relu's and the view's saved values were dropped as changed by a write capture could not see.
+    torch.manual_seed(0)
+    model, x = _WriteThroughAView(), torch.randn(3, 4)
+    with on_path(compiled):
+        plain, wrapped = tl.trace(model, x), tl.trace(model, TwoTensor(x, x * 2))
+    assert [op.parents for op in wrapped.ops] == [op.parents for op in plain.ops]
+    assert wrapped["sum_1_6:1"].parents == wrapped["mul_2_7:1"].parents == ["mul_1_5:1"]
+    relu, expected = wrapped["relu_1_2:1"], model.fc(x).relu()
+    assert relu.dropped_reason is None and torch.equal(relu.activation.a, expected.detach())
+    assert torch.equal(relu.activation.b, model.fc(x * 2).relu().detach())
+    result = wrapped.validate()
+    assert result.passed and result.replayed == plain.validate().replayed == 5, result
+
+
+def _write_through_jagged_values(x):
+    nested = torch.nested.nested_tensor([x[:2], x[2:]], layout=torch.jagged) * 2
+    nested.mul_(3)
+    nested.values()[:2].add_(1)  # the first sequence's rows, written through the values' view
+    return (nested + 1).values()
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_write_through_the_values_of_a_jagged_nested_tensor_is_the_parent_of_its_next_read(compiled):
+    # A jagged nested tensor is a wrapper subclass too: the read after the write named the op before it as its
+    # parent, and that op's saved value was dropped as changed by a write capture could not see.
+    x = torch.randn(5, 4)
+    with on_path(compiled):
+        log = tl.trace(_write_through_jagged_values, x)
+    tripled, written, read = [op for op in log if op.type in ("mul", "add")][1:]
+    assert tripled.dropped_reason is None and torch.equal(tripled.activation.values(), x * 6)
+    assert read.parents == [written.label]
+    assert torch.equal(log.output, x * 6 + torch.cat([torch.ones(2, 4), torch.zeros(3, 4)]) + 1)

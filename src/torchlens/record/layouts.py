@@ -13,6 +13,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..tree import TENSOR_TYPES
 
@@ -316,7 +317,18 @@ def storage_key(t: torch.Tensor) -> int:
     # Sparse and other storage-less layouts; a lazy module's UninitializedParameter refuses with ValueError
     # (it has no memory until its first forward materializes it).
     except (RuntimeError, NotImplementedError, ValueError):
-        return -id(t)
+        inner = _first_inner(t)
+        return -id(t) if inner is None else storage_key(inner)
+
+
+def _first_inner(t: torch.Tensor):
+    """The first tensor a wrapper subclass (``TwoTensor``, ``DTensor``) keeps its data in, or None.  The wrapper has
+    no memory of its own, but its views and detached copies wrap views of that same tensor: keyed by it, a write
+    through one of them reaches what was saved of the others, as for plain tensors."""
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    return getattr(t, names[0]) if names else None
 
 
 def same_elements(new: torch.Tensor, old: torch.Tensor) -> bool:
