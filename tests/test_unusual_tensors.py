@@ -528,3 +528,20 @@ def test_a_write_through_the_values_of_a_jagged_nested_tensor_is_the_parent_of_i
     assert tripled.dropped_reason is None and torch.equal(tripled.activation.values(), x * 6)
     assert read.parents == [written.label]
     assert torch.equal(log.output, x * 6 + torch.cat([torch.ones(2, 4), torch.zeros(3, 4)]) + 1)
+
+
+def _relu_written_through_a_view(x):
+    h = x.relu()
+    h.view(-1)[:3].mul_(2)
+    return h.sum(-1), h * 1
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_write_through_a_view_of_an_untraceable_wrapper_subclass_is_seen_through_the_view_s_base(compiled):
+    # Wrapped has no __tensor_flatten__ to name what it wraps; its views still know their base.
+    x = torch.rand(3, 4)
+    with on_path(compiled):
+        log = tl.trace(_relu_written_through_a_view, Wrapped(x))
+    assert log["sum_1_5:1"].parents == log["mul_2_6:1"].parents == ["mul_1_4:1"]
+    relu = log["relu_1_1:1"]
+    assert relu.dropped_reason is None and torch.equal(relu.activation.inner, x.relu())

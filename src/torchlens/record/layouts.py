@@ -318,7 +318,11 @@ def storage_key(t: torch.Tensor) -> int:
     # (it has no memory until its first forward materializes it).
     except (RuntimeError, NotImplementedError, ValueError):
         inner = _first_inner(t)
-        return -id(t) if inner is None else storage_key(inner)
+        if inner is not None:
+            return storage_key(inner)
+        # Another tensor without memory: its views still know their base (which they keep alive, id and all).
+        base = t._base
+        return -id(t if base is None else base)
 
 
 def _first_inner(t: torch.Tensor):
