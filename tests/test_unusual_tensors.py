@@ -545,3 +545,16 @@ def test_a_write_through_a_view_of_an_untraceable_wrapper_subclass_is_seen_throu
     assert log["sum_1_5:1"].parents == log["mul_2_6:1"].parents == ["mul_1_4:1"]
     relu = log["relu_1_1:1"]
     assert relu.dropped_reason is None and torch.equal(relu.activation.inner, x.relu())
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_value_of_an_untraceable_wrapper_subclass_dropped_after_a_write_names_the_subclass_and_the_way_out(compiled):
+    # What is saved of an output that requires grad is a detached copy, which for Wrapped is a new wrapper capture
+    # cannot relate to the views written: dropped, it blamed a write capture could not see, naming none of this.
+    torch.manual_seed(0)
+    model, x = _WriteThroughAView(), torch.rand(3, 4)
+    with on_path(compiled):
+        log = tl.trace(model, Wrapped(x))
+    assert log["sum_1_6:1"].parents == ["mul_1_5:1"]
+    reason = log["relu_1_2:1"].dropped_reason
+    assert "a Wrapped tensor subclass has no memory of its own" in reason and "__tensor_flatten__" in reason, reason

@@ -25,9 +25,8 @@ import torch
 
 from ..tree import copy_with_layout, is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
-from ..record.layouts import (memory_freed, memory_span, shape_of, sharing_bytes, spans_meet, storage_key,
-                              version_of)
-from ..record.dropped import MADE_IN_TRANSFORM, MEMORY_FREED, WRITTEN_UNSEEN
+from ..record.layouts import memory_span, shape_of, sharing_bytes, spans_meet, storage_key, version_of
+from ..record.dropped import MADE_IN_TRANSFORM, WRITTEN_UNSEEN, why_stale
 from ..record.replay_context import attention_backends, grad_and_autocast
 
 from ..record.columns import BUFFER, CALL_FUNC, CALL_KWARGS, CALL_NUM_OUTPUTS, CALL_PARENTS, INPUT
@@ -557,8 +556,7 @@ class CaptureState:
         if mutated is None:  # the compiled check cannot answer (or is not built): the same check here
             mutated = self._stale_in_python()
         for i in mutated:
-            freed = memory_freed(self.saved[i])  # FSDP2's resharding: the write that matters is the free
-            self._drop(i, MEMORY_FREED if freed else WRITTEN_UNSEEN)
+            self._drop(i, why_stale(self.saved[i]))
         return mutated
 
     def _stale_in_python(self) -> list:

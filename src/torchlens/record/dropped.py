@@ -5,6 +5,8 @@ readers, the gradient readers) can tell the causes apart.
 
 from __future__ import annotations
 
+from .layouts import holds_unknown_memory, memory_freed
+
 # Why ``drop_written`` dropped a saved tensor (validate reads it as a mismatch: the record no longer holds it).
 WRITTEN_AFTER_TRACE = ("written in place after the trace ended (a later forward updating a buffer the trace holds "
                        "by reference, or code changing an input or the output); read activations, or .clone() "
@@ -31,6 +33,14 @@ MEMORY_FREED = ("its memory was freed after the op made it (its storage resized 
 WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (code running with torch "
                   "function handling disabled, TorchScript, a custom autograd.Function's ctx.mark_dirty, which "
                   "counts as a write of the tensor it marks, or Tensor.set_, which puts the tensor on other memory)")
+# Why capture dropped a saved tensor of a wrapper subclass that has no memory of its own and does not say which
+# tensor it wraps: capture relates its views to it through their base, but not a copy detached from it (which is
+# what is saved of a tensor that requires grad), so a write it saw may be the one that moved its version.
+WRITTEN_THROUGH_UNKNOWN_ALIAS = (
+    "mutated after capture saved it, through an alias capture could not relate to it, or by a write capture could not "
+    "see: a {} tensor subclass has no memory of its own, and this one does not say which tensor it wraps; define "
+    "__tensor_flatten__ (a traceable wrapper subclass), so that its views and detached copies share that tensor's "
+    "memory and a write through them is followed")
 # Why a module selection's output has no activation: the op ran inside another selected module's call, which
 # did not return it, and was let go as that call returned; a later call returned it all the same (a tensor the
 # first call kept in an attribute or put in a list it was given), but written in place since (through a view), so no
@@ -47,3 +57,12 @@ def all_made_in_transform(trace) -> bool:
     """Whether every activation the trace dropped was a torch.func transform's wrapper, and it dropped some: a
     trace taken inside ``vmap`` or ``grad``, whose values no reader can have."""
     return bool(trace._dropped) and all(reason == MADE_IN_TRANSFORM for reason in trace._dropped.values())
+
+
+def why_stale(t) -> str:
+    """Why capture drops a saved tensor whose version moved with no write it related to that tensor."""
+    if memory_freed(t):  # FSDP2's resharding: the write that matters is the free
+        return MEMORY_FREED
+    if holds_unknown_memory(t):
+        return WRITTEN_THROUGH_UNKNOWN_ALIAS.format(type(t).__name__)
+    return WRITTEN_UNSEEN

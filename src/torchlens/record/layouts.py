@@ -335,6 +335,18 @@ def _first_inner(t: torch.Tensor):
     return getattr(t, names[0]) if names else None
 
 
+def holds_unknown_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a strided wrapper subclass with no memory of its own that names no tensor it wraps: its
+    aliases share no memory capture can read, only their base (``storage_key``)."""
+    if t.layout != torch.strided or is_traceable_wrapper_subclass(t):
+        return False
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
 def same_elements(new: torch.Tensor, old: torch.Tensor) -> bool:
     """Whether ``new`` reads exactly the elements ``old`` reads, as they are: the same memory at the same offset and
     strides (of equal shapes, a dimension of size 1 is never stepped along, and ``view_as`` may give it another
