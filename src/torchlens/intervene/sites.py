@@ -24,6 +24,7 @@ from ..record.model_index import (WRAPPED, container_note, refuse_module_object,
                                   traced_address)
 from ..record.modules import Module, enclosing_calls, is_unregistered
 from ..record.op import Layer, Op
+from ..capture.compiled import optimized_module_type
 from ..capture.saving import is_io_path
 from ..record.source import line_of, source_of
 from ..labels.naming import LABEL, folded, func_name_of
@@ -151,6 +152,8 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run"):
     resolve against one.  Unknown module-like names, TorchScript modules and modules inside a
     torch.compile'd submodule that runs compiled raise here, before anything runs."""
     modules, compiled_in = _site_modules(model)
+    if compiled == "eager":
+        modules = _wrapped_when_eager(modules)
     modules.pop("", None)  # the root's output is the trace's output: change it after the trace
     module_sites, pending = [], []
     first_names: dict = {}  # id(module) -> its first address, for the numbered sites' alias check
@@ -245,6 +248,17 @@ def _site_modules(model) -> tuple:
             if in_place_here or traced != address:
                 compiled.setdefault(traced, holder)
     return modules, compiled
+
+
+def _wrapped_when_eager(modules: dict) -> dict:
+    """Under ``compiled="eager"`` the module tracker records no call of a torch.compile wrapper: the call the trace
+    gives the wrapper's address (``block:1``) is that of the module it wraps, whose hooks run inside it.  So a site
+    naming the wrapper hooks the wrapped module, whose call the edit is recorded in."""
+    optimized = optimized_module_type()
+    if optimized is None:
+        return modules
+    return {name: module._modules[WRAPPED] if type(module) is optimized and WRAPPED in module._modules else module
+            for name, module in modules.items()}
 
 
 def _refuse_alias_call(key: str, address: str, modules: dict, first_names: dict) -> None:
