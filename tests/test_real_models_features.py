@@ -100,6 +100,16 @@ def same_output(a, b) -> bool:
     return structures_equal(a, b)[0]
 
 
+def _zero_at(model, args, kwargs, k: int, label: str, grad: bool) -> tuple:
+    """The untraced output with op ``k`` zeroed, and the trace zeroing the op ``label``, with gradients on or off."""
+    with torch.set_grad_enabled(grad):
+        seed(1)
+        with ZeroAt(k):
+            expected = model(*args, **kwargs)
+        seed(1)
+        return expected, tl.trace(model, args, kwargs, intervene={label: tl.zero_ablate()})
+
+
 @pytest.mark.parametrize("name, mode", CASES)
 def test_interventions_equal_the_untraced_edit(name, mode):
     model, args, kwargs = fresh(name, mode)
@@ -117,14 +127,13 @@ def test_interventions_equal_the_untraced_edit(name, mode):
                     and op.func_name != "__setitem__"]
     checked = 0
     for k in dict.fromkeys(plain_values[len(plain_values) * i // 4] for i in (1, 2, 3)):
-        seed(1)
         try:
-            with ZeroAt(k):
-                expected = model(*args, **kwargs)
+            expected, zeroed = _zero_at(model, args, kwargs, k, ops[k].label, grad=True)
         except LookupError:  # an LSTM's output among its states: the label site covers it, ZeroAt does not
             continue
-        seed(1)
-        zeroed = tl.trace(model, args, kwargs, intervene={ops[k].label: tl.zero_ablate()})
+        except tl.InterventionError as error:  # in a custom autograd.Function (Bloom's GeLU), whose backward misses it
+            assert "custom autograd.Function" in str(error)
+            expected, zeroed = _zero_at(model, args, kwargs, k, ops[k].label, grad=False)
         assert [a.label for a in zeroed.interventions] == [ops[k].label]
         assert same_output(zeroed.output, expected), ops[k].label
         checked += 1

@@ -36,6 +36,7 @@ from ..capture.writes import named_targets
 from ..tree import made_in_transform, path_text, tensor_leaves
 from .actions import Action, layout_name, same_shape
 from .checkpointing import checkpoint_region
+from .functions import refuse_inside_function
 from .path import ReferencePath
 from .path import site_where as _where
 from .sites import ModuleCallInfo
@@ -203,6 +204,8 @@ class Interventions(ReferencePath):
                 "through it would be those of the unedited forward. Trace with gradient checkpointing off (for a "
                 "transformers model, model.gradient_checkpointing_disable()), or under torch.no_grad() when no "
                 "gradient is needed")
+        if region is None and not same_elements(new, value):
+            refuse_inside_function(_where(key, op), new, value)
         return new
 
     def _call_action(self, action, value, op):
