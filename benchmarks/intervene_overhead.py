@@ -21,7 +21,8 @@ Run:  .venv/bin/python benchmarks/intervene_overhead.py [--quick] [--no-docs]
 With ``--baseline DIR/src/torchlens`` (another revision's tree, ``git archive REV src accel benchmarks | tar -x
 -C DIR``, its compiled modules built in place in ``DIR/accel``) it prints instead, per model, the label-site
 (reference given), module-site and plain traces and the identity at every op of the package under test against
-that revision, side by side; the last cell's difference is also given per op.
+that revision, side by side; the last cell's difference is also given per op.  ``--edit`` makes that last arm
+``tl.scale(1.0)`` at every op: each value replaced by an equal new tensor, so that it runs what an edit runs.
 """
 
 from __future__ import annotations
@@ -146,13 +147,18 @@ def section(rows: list, cfg: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def before_after(models: list, baseline: str, cfg: dict) -> str:
+def before_after(models: list, baseline: str, cfg: dict, edit: bool = False) -> str:
     """``--baseline``: a label site (reference given), a module site, a plain trace and the identity at every op,
     each by the package under test against another revision's source tree (``models.baseline_package``) in
     alternating pairs."""
     before = baseline_package(os.path.abspath(baseline))
+    # The identity keeps each value (None); ``--edit`` returns a new tensor of equal values at every op
+    # (tl.scale(1.0)), which runs what an edit runs: the checks that no checkpoint region or custom
+    # autograd.Function around the op would miss it, and the new value's binding.
+    every_action = (lambda p: p.scale(1.0)) if edit else (lambda p: lambda t, op: None)
     lines = ["| model | ops | label site, ref: after / before | module site: after / before | "
-             "plain trace: after / before | identity at every op: after / before |", "|---|---|---|---|---|---|"]
+             f"plain trace: after / before | {'tl.scale(1.0)' if edit else 'identity'} at every op: after / before |",
+             "|---|---|---|---|---|---|"]
     for name in models:
         model, args = build(name)
         address = SITES[name]
@@ -164,7 +170,7 @@ def before_after(models: list, baseline: str, cfg: dict) -> str:
             "module site": lambda p: lambda: p.trace(model, args, intervene={address: p.scale(0.5)}).output,
             "plain trace": lambda p: lambda: p.trace(model, args).output,
             "every op": lambda p: lambda: p.trace(model, args, save="none", reference=refs[p],
-                                                   intervene={(lambda op: True): lambda t, op: None}).output,
+                                                   intervene={(lambda op: True): every_action(p)}).output,
         }
         cells = []
         for arm, make in arms.items():
@@ -188,6 +194,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-docs", action="store_true", help="print only; do not rewrite docs/overhead.md")
     parser.add_argument("--baseline", help="another revision's src/torchlens: print after / before instead")
+    parser.add_argument("--edit", action="store_true", help="with --baseline: tl.scale(1.0) at every op, not the "
+                        "identity (every op's value replaced by an equal new tensor)")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     torch.backends.mha.set_fastpath_enabled(False)
@@ -196,7 +204,7 @@ def main(argv=None) -> None:
     models = opts.models.split(",")[:2] if opts.quick else opts.models.split(",")
     if opts.baseline:
         with torch.no_grad():
-            print(before_after(models, opts.baseline, cfg))
+            print(before_after(models, opts.baseline, cfg, opts.edit))
         return
     rows = []
     with torch.no_grad():
