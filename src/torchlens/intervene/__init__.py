@@ -32,7 +32,7 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
         raise TypeError(f"intervene= takes a dict {{site: action}}, got {type(intervene).__name__}")
     if reference is not None:
         checked_trace(reference, "reference=", "tl.trace(model, x) of a run taking the same path")
-    module_sites, pending = split_sites(model, intervene or {}, stop_after, compiled)
+    module_sites, pending = split_sites(model, intervene or {}, stop_after, compiled, index)
     label_sites = []
     if pending or (stop_after is not None and reference is not None):
         if reference is None:
