@@ -569,8 +569,8 @@ def test_a_call_site_of_each_of_many_modules_is_checked_without_a_search_of_the_
 
     model, x = MLP(width=8, depth=80), torch.randn(2, 8)
     real_site_modules = sites._site_modules
-    monkeypatch.setattr(sites, "_site_modules", lambda m: (_CountedModules(real_site_modules(m)[0]),
-                                                           real_site_modules(m)[1]))
+    monkeypatch.setattr(sites, "_site_modules", lambda m, *index: (_CountedModules(real_site_modules(m, *index)[0]),
+                                                                   real_site_modules(m, *index)[1]))
     reads = []
     real_addresses = Module.all_addresses
     monkeypatch.setattr(Module, "all_addresses", property(lambda m: reads.append(1) or real_addresses.fget(m)))
