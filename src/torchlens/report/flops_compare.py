@@ -121,13 +121,16 @@ def _check_tolerances(rtol, atol) -> None:
                      at_least=0)
 
 
-def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: float = 1e-6) -> FlopsComparison:
+def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: float = 1e-6,
+                      root=None) -> FlopsComparison:
     """Count ``model(*args, **kwargs)``'s forward FLOPs with torchlens's registry and with
     ``FlopCounterMode``, in two separate executions, and report both side by side.
 
     Raises ``WitnessFailed`` when the two executions cannot be shown to have run the same program: the
     forward drew random numbers (e.g. dropout in training mode), the outputs differ, or they called
-    different products (matrix products, convolutions, attention).
+    different products (matrix products, convolutions, attention).  ``root``: for a callable that is not a
+    module (``lambda **k: m.generate(**k)``), the module it runs, as for ``tl.trace``: its modules' rows are
+    named by their addresses in it, and FlopCounterMode's rows matched to them.
     """
     from ..capture.session import trace
     from ..capture.wrappers import unwrap
@@ -141,11 +144,11 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     model = unwrap(model)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.report.flops_vs_dispatch"))
-    refuse_unmaterialized(module_run_by(model), "tl.report.flops_vs_dispatch")
-    saved = RunState(model)
+    refuse_unmaterialized(root if root is not None else module_run_by(model), "tl.report.flops_vs_dispatch")
+    saved = RunState(model, root)
     try:
         with saved.watching:
-            log = trace(model, *clone_call(call_args, kwargs), save="none")
+            log = trace(model, *clone_call(call_args, kwargs), save="none", root=root)
         traced_output = _detached(log.output)
         drew = saved.rng.moved_generators()
         if drew:
@@ -172,8 +175,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
             f"outputs but called different matrix products, convolutions or attention ({len(traced_products)} "
             f"against {len(counted_products)}), so they did not run the same program. Make the forward's control "
             "flow depend on its inputs alone and compare again.")
-    return _compare(log, model, counter.get_flop_counts(), product_calls, traced_products, outputs_match,
-                    unknown_counted)
+    return _compare(log, root if root is not None else module_run_by(model) or model, counter.get_flop_counts(),
+                    product_calls, traced_products, outputs_match, unknown_counted)
 
 
 def _refuse_a_trace(model) -> None:
@@ -412,20 +415,32 @@ def _native_by_address(log, native_counts, root_name) -> dict:
     it meets first by bare class name, and its children from there: only when it entered the root
     module itself are its names the root's paths.  Otherwise (a function, a bound method), and for a
     module outside the root's tree (``<unregistered ...>``, whose instances of one class it merges), a
-    row has None: no native figure is that module's own."""
+    row has None: no native figure is that module's own.  So has a row whose class (or an enclosing module's)
+    the tracker met outside the root first (a generate loop calling the encoder before the model): that
+    module and its children carry the class's name, not their paths."""
     by_alias = {alias: module.address for module in log.modules for alias in module.all_addresses}
     total = sum(int(v) for v in native_counts.get("Global", {}).values())
     named_from_root = root_name in native_counts or total == 0
-    native = {module.address: None if is_unregistered(module.address) or not named_from_root else 0
-              for module in log.modules}
+    met_outside = {name.split(".", 1)[0] for name in native_counts if name != "Global"} - {root_name}
+    native = {module.address: None if is_unregistered(module.address) or not named_from_root
+              or _named_by_class(log, module.address, met_outside) else 0 for module in log.modules}
     native[""] = total
+    if native.get("self") is not None:  # a callable's calls of its root (generate's steps): the root's own row
+        native["self"] = sum(int(v) for v in native_counts.get(root_name, {}).values())
     for name, counts in native_counts.items():
-        if name in ("Global", root_name) or "." not in name:
-            continue  # the root (Global above), or a module the tracker named by bare class
+        if not name.startswith(root_name + "."):
+            continue  # the root (Global above), or a module the tracker named by class, from outside the root
         address = by_alias.get(name.split(".", 1)[1])
         if address is not None and native.get(address) is not None:
             native[address] += sum(int(v) for v in counts.values())
     return native
+
+
+def _named_by_class(log, address, classes) -> bool:
+    """Whether the module at ``address``, or one enclosing it, is of a class in ``classes``."""
+    class_of = {module.address: module.class_name for module in log.modules}  # a ModuleList never called: none
+    parts = address.split(".")
+    return any(class_of.get(".".join(parts[:n])) in classes for n in range(1, len(parts) + 1))
 
 
 def _signed_difference(native, torchlens):
