@@ -105,6 +105,21 @@ def test_model_errors_exit_1_naming_where_it_failed(models):
     assert "module call blocks.1:1" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.path_independent  # fails before any trace: once, on the first pass
+@pytest.mark.parametrize("source, stage", [
+    ("import torch\ndef build():\n    raise RuntimeError('no weights here')\n", "building the model (broken:build())"),
+    ("raise RuntimeError('no weights here')\n", "importing broken"),
+], ids=["factory", "import"])
+def test_a_failing_import_or_factory_is_not_called_the_model_failing(models, source, stage):
+    """An exception raised while importing the target's file or calling its factory was reported as "the model
+    failed", as if the forward had raised: the message now names the stage that raised, with its line."""
+    (models / "broken.py").write_text(source)
+    done = run(["trace", "broken:build", "--input", "2x8"], models)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"torchlens: {stage} failed:" in done.stderr and "the model failed" not in done.stderr
+    assert "RuntimeError: no weights here" in done.stderr and "broken.py:" in done.stderr
+
+
 def test_a_model_error_names_the_line_in_a_package_whose_folder_name_begins_with_torchs(tmp_path, monkeypatch,
                                                                                          capsys):
     # torchvision/, torchaudio/ sit beside torch/ and begin with its name: they are not torch.

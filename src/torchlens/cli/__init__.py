@@ -2,7 +2,7 @@
 
 Results go to stdout, progress notes to stderr.  Exit status: 0 success, 2 a usage problem (bad
 arguments, an unimportable target, a damaged saved trace), 1 the model failed (the message names the
-op or module call where it raised) or validation found a mismatch.
+op or module call where it raised; or the target's import or factory, named so) or validation found a mismatch.
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ def _main(argv=None) -> int:
         print(f"torchlens: error: {exc}", file=sys.stderr)
         return USAGE
     except ModelError as exc:
-        _report_model_error(exc.__cause__ or exc, args.traceback)
+        _report_model_error(exc.__cause__ or exc, args.traceback, exc.stage)
         return MODEL
     except KeyboardInterrupt:
         print("torchlens: interrupted", file=sys.stderr)
@@ -374,11 +374,11 @@ def _main(argv=None) -> int:
         return MODEL
 
 
-def _report_model_error(exc: BaseException, full: bool) -> None:
+def _report_model_error(exc: BaseException, full: bool, stage: str = "the model") -> None:
     if full:
         traceback.print_exception(exc, file=sys.stderr)
     else:
-        print("torchlens: the model failed:", file=sys.stderr)
+        print(f"torchlens: {stage} failed:", file=sys.stderr)
         sys.stderr.write("".join("  " + line for line in traceback.format_exception_only(exc)))
         frame = _user_frame(exc)
         if frame:

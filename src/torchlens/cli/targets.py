@@ -20,7 +20,12 @@ class UsageError(Exception):
 
 
 class ModelError(Exception):
-    """Wraps an exception the user's model (or its factory) raised; exits with status 1."""
+    """Wraps an exception the user's code raised; exits with status 1.  ``stage`` names what was running (the
+    import of the target's file, its factory, or the model), so a failing import is not read as the forward's."""
+
+    def __init__(self, cause: BaseException, stage: str = "the model"):
+        super().__init__(cause)
+        self.stage = stage
 
 
 def note(message: str) -> None:
@@ -72,9 +77,9 @@ def _import(module_name: str):
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
             raise UsageError(f"cannot import {module_name!r}: {exc} (is it on PYTHONPATH?)") from None
-        raise ModelError(exc) from exc
+        raise ModelError(exc, f"importing {module_name}") from exc
     except Exception as exc:
-        raise ModelError(exc) from exc
+        raise ModelError(exc, f"importing {module_name}") from exc
     return module if module is not None else result
 
 
@@ -97,7 +102,7 @@ def _build_model(obj, spec):
     try:
         model = obj()
     except Exception as exc:
-        raise ModelError(exc) from exc
+        raise ModelError(exc, f"building the model ({spec}())") from exc
     if not isinstance(model, torch.nn.Module) and not callable(model):
         raise UsageError(f"{spec}() returned a value of type {type(model).__name__}, not a module")
     return model
