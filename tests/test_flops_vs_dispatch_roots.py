@@ -48,6 +48,7 @@ def test_root_names_a_generate_loops_modules_and_matches_flop_counter_modes_rows
     ids = torch.tensor([[1, 2, 3]])
     plain = tl.report.flops_vs_dispatch(generate(gpt2), kwargs={"input_ids": ids})
     assert all(row["module"].startswith(("(root", "<unregistered")) for row in plain.modules)
+    assert any("n/a" in note and "root=" in note for note in plain.notes)  # the note says what to pass
     result = tl.report.flops_vs_dispatch(generate(gpt2), kwargs={"input_ids": ids}, root=gpt2)
     rows = rows_of(result)
     assert "transformer.h.0.attn.c_attn" in rows and not any("unregistered" in name for name in rows)

@@ -39,8 +39,9 @@ BATCHED_ATTENTION_NOTE = ("FlopCounterMode counted these attention calls through
                           "example when the mask requires grad, or multi_head_attention_forward with "
                           "need_weights): those FLOPs are in the native attention family, not matmul.")
 UNNAMED_MODULES_NOTE = ("module rows shown n/a on the native side: FlopCounterMode's module tracker names a module "
-                        "by its class alone when it meets it outside the root module's own call (the root is a "
-                        "function or a bound method, or the module is not the root's submodule), merging every "
+                        "by its class alone when it meets it outside the root module's own call (a function given "
+                        "no root= the module it runs, a module run before the root's call, or one outside the "
+                        "root's submodules; a module of its class is n/a too), merging every "
                         "instance of that class, so those rows have no native figure of their own; the root row "
                         "is FlopCounterMode's whole-call total.")
 NO_VALUES_NOTE = ("the outputs hold no values (meta or fake tensors): the two executions' outputs were compared by "
