@@ -574,3 +574,10 @@ def test_a_pass_or_call_number_past_the_last_says_how_many_there_were():
         tl.trace(model, x, intervene={"linear_1_1:0": tl.zero_ablate()})
     with pytest.raises(KeyError, match=r"\(calls are numbered from 1: fc:1 to fc:3\)"):
         log["fc:0"]
+    # A negative number, Python's count from the end, named nothing with only the closest keys: said so, with the last.
+    with pytest.raises(KeyError, match=r"passes are numbered from 1, not from the end: .* last being linear_1_1:3"):
+        log["linear_1_1:-1"]
+    with pytest.raises(KeyError, match=r"calls are numbered from 1, not from the end: fc:1 to fc:3, the last being"):
+        log["fc:-1"]
+    with pytest.raises(KeyError, match=r"passes are numbered from 1, not from the end: relu_1_2:1 is the only pass"):
+        log["relu_1_2:-1"]

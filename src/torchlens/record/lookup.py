@@ -125,9 +125,10 @@ def missing_key_note(trace, key: str) -> str:
 def numbered_past_note(trace, key: str) -> str:
     """For a pass or call number past the last one (``linear_1_1:3`` of a layer run twice, ``fc:4`` of a module
     called three times): how many there were, rather than the closest keys, which leave that to be counted; for
-    number 0, that they are numbered from 1."""
+    number 0, that they are numbered from 1; for a negative one (Python's ``:-1``), which is the last."""
     name, colon, number = key.rpartition(":")
-    if not colon or not number.isascii() or not number.isdigit() or number != str(int(number)):
+    digits = number[1:] if number.startswith("-") else number
+    if not colon or not digits.isascii() or not digits.isdigit() or number != str(int(number)):
         return ""  # no number, or one written otherwise than a trace writes it (fc:01): the closest keys show how
     found = trace._keys().get(name)
     if isinstance(found, tuple) and found[0] is Layer:
@@ -138,6 +139,9 @@ def numbered_past_note(trace, key: str) -> str:
     if not count or 0 < int(number) <= count:
         return ""
     last = f" to {name}:{count}" if count > 1 else ""
+    if int(number) < 0:  # no counting from the end: a key names one pass or call, whatever the forward ran after
+        tail = f"{name}:1{last}, the last being {name}:{count}" if count > 1 else f"{name}:1 is the only {what[1]}"
+        return f" ({what[2]} are numbered from 1, not from the end: {tail})"
     if int(number) == 0:
         return f" ({what[2]} are numbered from 1: {name}:1{last})"
     return f" ({name} {what[0]} {count} {what[1] if count == 1 else what[2]} in this forward: {name}:1{last})"
