@@ -144,3 +144,25 @@ def test_modules_compiled_in_place_are_found_whatever_the_layout_of_their_refere
     assert compiled_in_place([plain, marked]) == [marked]
     slotted._compiled_call_impl = marked._compiled_call_impl
     assert compiled_in_place([slotted, plain]) == [slotted]
+
+
+@pytest.mark.parametrize("how", ["wrapper", "in place"])
+def test_a_module_inside_a_compiled_one_is_named_as_such_when_indexed(how):
+    """log['block.fc'] of a module inside a compiled submodule said it never ran in this forward: it ran, inside
+    the block's compiled op.  The error now says so, naming compiled='eager' and the address it records."""
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randn(2, 4)
+    if how == "wrapper":
+        model.block = torch.compile(model.block, backend="eager")
+    else:
+        model.block.compile(backend="eager")
+    log = tl.trace(model, x)
+    keys = ["block.fc", "block.fc:1"] + (["block._orig_mod.fc"] if how == "wrapper" else [])
+    for key in keys:
+        with pytest.raises(KeyError, match=r"ran inside 'block', a torch.compile'd module whose calls are each one "
+                                           r"compiled op, compiled_1_2:1: index 'block', or trace with "
+                                           r"compiled='eager' to record it as block\.fc\)"):
+            log[key]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the caveat that eager outputs may differ from the compiled run
+        assert tl.trace(model, x, compiled="eager")["block.fc:1"].func_name == "linear"

@@ -168,11 +168,29 @@ def unrun_module_note(trace, key: str) -> str:
     if not address or not hasattr(model, "named_modules") or \
             any(address in row.all_addresses for row in trace._module_rows):  # '': the model itself, which ran
         return ""
-    module = dict(model.named_modules(remove_duplicate=False)).get(address)
-    if module is None:
+    modules = dict(model.named_modules(remove_duplicate=False))
+    module = modules.get(address)
+    # The eager addresses of modules inside a compiled one (b.0 for b._orig_mod.0), as compiled="eager" names them.
+    eager = {name.replace("._orig_mod", "") for name in modules}
+    compiled = compiled_note(trace, address) if module is not None or address in eager else ""
+    if module is None and not compiled:
         return ""
-    what = container_note(address, module) or "is a module of the model that never ran in this forward"
+    what = (module is not None and container_note(address, module)) or compiled or \
+        "is a module of the model that never ran in this forward"
     return f" ({address!r} {what})"
+
+
+def compiled_note(trace, address: str) -> str:
+    """For a module inside a ``torch.compile``'d submodule: it ran, inside that submodule's ``compiled`` ops,
+    whose interior a trace records only with ``compiled="eager"`` (as a selection naming it is told)."""
+    parts = address.split(".")
+    enclosing = {".".join(parts[:n]) for n in range(1, len(parts))}
+    ops = [op.label for op in trace.ops if op.func_name == "compiled" and op.module_address in enclosing]
+    if not ops:
+        return ""
+    owner, eager = trace[ops[0]].module_address, address.replace("._orig_mod", "")
+    return (f"ran inside {owner!r}, a torch.compile'd module whose calls are each one compiled op, "
+            f"{listed(ops, 3, ', ...')}: index {owner!r}, or trace with compiled='eager' to record it as {eager}")
 
 
 # The records kept by address beside the ops: what each is called, and the list that holds them.
