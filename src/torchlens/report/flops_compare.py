@@ -423,8 +423,9 @@ def _native_by_address(log, native_counts, root_name) -> dict:
     total = sum(int(v) for v in native_counts.get("Global", {}).values())
     named_from_root = root_name in native_counts or total == 0
     met_outside = {name.split(".", 1)[0] for name in native_counts if name != "Global"} - {root_name}
+    class_of = {module.address: module.class_name for module in log.modules}  # a ModuleList never called: none
     native = {module.address: None if is_unregistered(module.address) or not named_from_root
-              or _named_by_class(log, module.address, met_outside) else 0 for module in log.modules}
+              or _named_by_class(class_of, module.address, met_outside) else 0 for module in log.modules}
     native[""] = total
     if native.get("self") is not None:  # a callable's calls of its root (generate's steps): the root's own row
         native["self"] = sum(int(v) for v in native_counts.get(root_name, {}).values())
@@ -437,9 +438,8 @@ def _native_by_address(log, native_counts, root_name) -> dict:
     return native
 
 
-def _named_by_class(log, address, classes) -> bool:
-    """Whether the module at ``address``, or one enclosing it, is of a class in ``classes``."""
-    class_of = {module.address: module.class_name for module in log.modules}  # a ModuleList never called: none
+def _named_by_class(class_of: dict, address, classes) -> bool:
+    """Whether the module at ``address``, or one enclosing it, is of a class in ``classes`` (by ``class_of``)."""
     parts = address.split(".")
     return any(class_of.get(".".join(parts[:n])) in classes for n in range(1, len(parts) + 1))
 
