@@ -263,3 +263,33 @@ def test_a_saved_tensor_dropped_for_an_unpredicted_write_leaves_the_budget():
     assert state.budget.used == 0 and 0 not in state.saved and 0 in state.clobbered
     state.save(1, torch.zeros(200), False)  # 800 bytes: fits now
     assert 1 in state.saved and state.budget_exhausted_at is None
+
+
+def _wide_then_narrow():
+    """4 -> 1000 -> 2: the middle activations (4 KB each) dwarf the last one (8 bytes)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 1000), nn.ReLU(), nn.Linear(1000, 2)), torch.randn(1, 4)
+
+
+@pytest.mark.parametrize("save", ["linear_2_3:1", lambda op: op.label == "linear_2_3:1"], ids=["label", "predicate"])
+def test_a_budget_spent_on_held_ops_names_the_first_selected_op_left_unsaved(save):
+    # A label or predicate selection holds every output until the forward ends, and those count against the
+    # budget: it ran out at linear_1_1:1, which the selection never asked for, and the warning named that op.
+    model, x = _wide_then_narrow()
+    log, messages = trace_with_budget(model, x, 100, save=save)
+    assert not log["linear_2_3:1"].has_activation and log.budget_exhausted_at == log["linear_2_3:1"].index
+    assert len(messages) == 1 and messages[0].startswith(
+        "max_saved_bytes reached: activations from linear_2_3:1 on were not saved (save= holds every op"), messages
+    assert "saving stopped at linear_2_3:1 (max_saved_bytes)" in str(log)
+
+
+def test_a_budget_spent_after_every_selected_op_was_saved_warns_of_nothing():
+    # The held ops passed the budget only after the one selected op was saved: nothing asked for was left out, yet
+    # the warning and log.budget_exhausted_at named an op the selection let go as where saving stopped.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 2), nn.ReLU(), nn.Linear(2, 1000)), torch.randn(1, 4)
+    log, messages = trace_with_budget(model, x, 100, save="relu_1_2:1")
+    assert messages == [] and log.budget_exhausted_at is None
+    assert [op.label for op in log.ops if op.has_activation] == ["relu_1_2:1"]
+    assert torch.equal(log["relu_1_2:1"].activation, model[1](model[0](x)))
+    assert "saving stopped" not in str(log)

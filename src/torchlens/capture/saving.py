@@ -48,6 +48,7 @@ class SavePolicy:
         if isinstance(save, LayerSelection):
             option = "layers"  # tl.extract's layers=: its refusals name the option the caller wrote
         self.predicate, self.option = None, option
+        self.budget_spent_holding = False  # max_saved_bytes ran out on an op held but not selected (see ``apply``)
         self.labels = self.types = self.module_ids = self.addresses = self.call_labels = _NOTHING
         self.type_entries: dict = {}  # normalized op type -> the entry as written
         self.selected_modules: dict = {}  # id(module) -> module, for each module a selection names
@@ -153,6 +154,19 @@ class SavePolicy:
             return True
         return op.index in self._selected_outputs(trace)
 
+    def held_note(self) -> str:
+        """Why a budget ran out before the selected op it names, though that op alone might fit: what was held."""
+        if not self.budget_spent_holding:
+            return ""
+        return (f" ({self.option}= holds every op it may keep until the forward ends, or a selected module's inner ops "
+                "until its call returns, and what it holds counts against the budget)")
+
+    def _first_selected_from(self, trace, stop: int):
+        """The first op from ``stop`` on that the selection asks for, or None.  Until the forward ends every op a
+        label, predicate or module selection may keep is held, and counts against ``max_saved_bytes``: the op the
+        budget ran out at may be one the selection then lets go, which the user never asked to save."""
+        return next((i for i in range(stop, len(trace.ops)) if self.keep(trace, trace.ops[i])), None)
+
     def _io_ops(self, trace) -> set:
         """The indices of the input and output ops the entries name by path (``input.mask``; a tensor passed twice
         is one input, which either of its paths names), looked up as ``log[path]`` does."""
@@ -239,7 +253,13 @@ class SavePolicy:
 
     def apply(self, trace) -> None:
         """Release the activations the selection did not ask for."""
-        if not self.filters_after or not trace.saved_activations:
+        if not self.filters_after:
+            return
+        stop = trace.budget_exhausted_at
+        if stop is not None:
+            trace.budget_exhausted_at = self._first_selected_from(trace, stop)
+            self.budget_spent_holding = trace.budget_exhausted_at != stop
+        if not trace.saved_activations:
             return
         kept = {i for i in trace.saved_activations if trace.kinds[i] != Kind.OUTPUT and self.keep(trace, trace.ops[i])}
         # An output node shows its producer's tensor: kept when the producer is (or when asked for).

@@ -165,9 +165,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     mutated = [*mutated, *policy.written_unseen]  # (those a selection let go were not saved by then)
     if mutated:
         warn_mutated([result.labels[i] for i in sorted(mutated)])
-    if state.budget_exhausted_at is not None:
-        warn_user(f"max_saved_bytes reached: activations from {result.labels[state.budget_exhausted_at]} "
-                  "on were not saved")
+    if result.budget_exhausted_at is not None:  # the first op a selection asked for that was left unsaved
+        warn_user(f"max_saved_bytes reached: activations from {result.labels[result.budget_exhausted_at]} "
+                  f"on were not saved{policy.held_note()}")
     return result
 
 
