@@ -92,3 +92,30 @@ def test_a_layer_site_whose_edit_makes_a_loop_run_longer_is_refused():
     every_call = tl.trace(model, x, intervene={"grow": tl.scale(0.5)})  # the way out the error names
     assert torch.equal(every_call.output, expected)
     assert torch.equal(expected, model.head(torch.full((1, 2), 1.5)))
+
+
+class _Normalized(nn.Module):
+    """``F.normalize``, a torch function written in Python: one op, or four with ``deep=True``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(nn.functional.normalize(self.a(x)) + 1)
+
+
+@pytest.mark.parametrize("option", ["intervene", "stop_after"])
+def test_a_reference_traced_with_another_deep_is_named_as_why_the_path_differs(option):
+    # A reference without deep= numbers normalize's four inner ops as one: its add_1_3:1 is the deep run's
+    # clamp_min, and the refusal said only that the forward took another path, as if the inputs had differed.
+    model, x = _Normalized(), torch.randn(2, 4)
+    reference = tl.trace(model, x, save="none")
+    site = {"intervene": {"intervene": {"add_1_3:1": tl.zero_ablate()}}, "stop_after": {"stop_after": "add_1_3:1"}}
+    with pytest.raises(tl.InterventionError, match="another path") as refused:
+        tl.trace(model, x, deep=True, reference=reference, **site[option])
+    assert "The reference was traced with deep=False and this trace has deep=True" in str(refused.value)
+    assert "trace the reference with deep=True" in str(refused.value)
+    deep = tl.trace(model, x, deep=True, reference=tl.trace(model, x, save="none", deep=True), stop_after="add_1_6:1")
+    assert deep.ops[-1].label == "add_1_6:1" and deep.ops[-2].func_name == "div"

@@ -148,6 +148,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     if stats_untracked:  # (and those it could not examine)
         result._stats_untracked = tuple(stats_untracked)
     result._autocast = state.context[1]  # the autocast state around the forward, for replay
+    result._deep = deep  # a reference= trace numbers ops as deep= said (intervene/path.py)
     if input_aliases:
         result._input_aliases = input_aliases
     result._settings = (began, global_settings())  # a forward may change them: replay tries those it ended with
@@ -490,7 +491,7 @@ def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, refe
     from ..intervene import prepare
 
     return prepare(root if root is not None else model, intervene=intervene, stop_after=stop_after,
-                   reference=reference, index=index,
+                   reference=reference, index=index, deep=deep,
                    keep_originals=policy.mode != 0, compiled=compiled,
                    run_reference=lambda: _reference_trace(model, args, kwargs, deep, root, compiled))
 

@@ -21,7 +21,7 @@ __all__ = ["Action", "Applied", "Interventions", "StopForward", "clamp", "mean_a
 
 
 def prepare(model, *, intervene, stop_after, reference, index, keep_originals: bool, run_reference,
-            compiled: str = "run"):
+            compiled: str = "run", deep=False):
     """The runtime for one intervened trace, or None when nothing is asked.  Label sites are resolved
     against ``reference`` or, when None, a metadata-only trace made here by ``run_reference()``.
     ``compiled``: how torch.compile'd submodules run (``tl.trace``'s option), which decides whether a module
@@ -39,7 +39,7 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
             reference = _reference_pass(run_reference, index)
         label_sites = resolve_labels(reference, pending)
     runtime = Interventions(label_sites, module_sites, index, keep_originals)
-    runtime.reference = reference
+    runtime.reference, runtime.deep = reference, deep
     return runtime
 
 

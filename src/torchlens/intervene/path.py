@@ -22,6 +22,7 @@ class ReferencePath:
 
     addresses: dict
     reference = None
+    deep = False  # the intervened trace's deep=, against the reference's (``_deep_note``)
 
     def _start_path(self) -> None:
         self.names: dict = {}  # function -> func_name_of(function), derived once per trace
@@ -93,8 +94,8 @@ class ReferencePath:
         kind = "stop_after site" if site.stop else "intervention site"
         raise InterventionError(
             f"{kind} {site_where(site.key, site.op)}: the forward took another path than the reference "
-            f"trace: at that position it {what}.{self._written_note()} Pass reference= a trace of inputs that take "
-            "the same path, or use a module site")
+            f"trace: at that position it {what}.{self._written_note()}{self._deep_note()} Pass reference= a trace of "
+            "inputs that take the same path, or use a module site")
 
     def _occurrence(self, st, call_position: int, name: str, line) -> int:
         """How many calls with the ``occurrence_key`` of the call at ``call_position`` (``name`` made at ``line``)
@@ -111,6 +112,16 @@ class ReferencePath:
             if call_position >= self.counted:
                 seen[key], self.counted = self.last_counted[1] + 1, call_position + 1
         return self.last_counted[1]
+
+    def _deep_note(self) -> str:
+        """Why a reference of the same inputs can take another path: it was traced with another ``deep=``, which
+        records the torch calls inside torch functions written in Python, so that the two number other ops."""
+        traced = getattr(self.reference, "_deep", None)  # None: a trace loaded from a file does not say
+        if traced is None or traced == self.deep:
+            return ""
+        return (f" The reference was traced with deep={traced} and this trace has deep={self.deep}, which records "
+                f"{'more' if self.deep else 'fewer'} ops (the torch calls inside torch functions written in Python): "
+                f"trace the reference with deep={self.deep}, or give no reference= (one is then made).")
 
     def _written_note(self) -> str:
         """Why a reference of the same inputs can still take another path: its forward wrote parameters."""
