@@ -279,3 +279,51 @@ def test_a_module_site_also_run_on_another_thread_says_that_call_was_not_edited(
     assert torch.equal(log.output, model.fc(x))  # the worker's call kept its value, the traced one was zeroed
     assert [str(applied.label) for applied in log.interventions] == ["linear_1_1:1"]  # the only call recorded
     assert_clean_process()
+
+
+@pytest.mark.picks_its_path
+def test_a_compiled_model_in_another_thread_stays_compiled_after_the_capture_path_changes(collect_compile_garbage):
+    # Dynamo is told to run the frames of capture's module-call recorder uncompiled, once per redirected
+    # _call_impl: that was done for the first trace's recorder only, so after a trace on the compiled path (a C
+    # recorder, no frame) the pure-Python path's recorder was traced into by Dynamo in a thread calling a
+    # compiled model during a trace, which compiled that model again.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from accel_paths import on_path
+
+    from real_models import bert
+
+    torch.manual_seed(0)
+    model, _, inputs = bert()
+    compiled, x = torch.compile(model.eval(), backend="eager"), torch.randn(3, 4)
+    with torch.no_grad():
+        expected = compiled(**inputs).logits
+    started, finished = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def forward(self, y):
+            started.set()
+            finished.wait(60)
+            return y + 1
+
+    def compiled_call():
+        started.wait(60)
+        try:
+            graphs = counters["stats"]["unique_graphs"]
+            with torch.no_grad():
+                out = compiled(**inputs).logits
+            return out, counters["stats"]["unique_graphs"] - graphs
+        finally:
+            finished.set()
+
+    for path in (True, False):  # each path's first trace after Dynamo is imported
+        with on_path(path):
+            finished.set()
+            tl.trace(Waits(), x)
+            started.clear(), finished.clear()
+            results = _run_together({"trace": lambda: tl.trace(Waits(), x), "compiled": compiled_call})
+        assert not isinstance(results["compiled"], BaseException), repr(results["compiled"])
+        out, recompiled = results["compiled"]
+        assert torch.equal(out, expected) and recompiled == 0, f"compiled again during a trace on path {path}"
+    assert_clean_process()

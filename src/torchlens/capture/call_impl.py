@@ -119,7 +119,9 @@ class Site:
         self.impl = impl
         self.dispatcher = _dispatcher(impl, self.recorders)
         self.relays = (DISPATCHER_CODE, self.relay)  # in the order a recorder meets them (None: no relay)
-        self.unseen_by_dynamo = False  # whether Dynamo runs the frames of this site's relays uncompiled
+        # The recorders' codes (None: a compiled recorder, which has none) whose frames, with this site's relays,
+        # Dynamo runs uncompiled: a process may trace on both capture paths, whose recorders differ.
+        self.unseen_by_dynamo: set = set()
 
     def changed(self) -> bool:
         """Whether the class now holds another ``_call_impl`` (or the function other code) than this site
@@ -219,8 +221,10 @@ class Replacement:
                 self.held.append(id(owner))  # first: whatever happens next, __exit__ undoes it
                 site.threads.add(tid)
                 recorder = self._recorders[id(owner)] = self.make_recorder(site.impl, site.relays)
-                if not site.unseen_by_dynamo and _EVAL_FRAME in sys.modules:
-                    site.unseen_by_dynamo = _unseen_by_dynamo((*site.relays, getattr(recorder, "__code__", None)))
+                code = recorder.__code__ if type(recorder) is types.FunctionType else None
+                if code not in site.unseen_by_dynamo and _EVAL_FRAME in sys.modules \
+                        and _unseen_by_dynamo((*site.relays, code)):
+                    site.unseen_by_dynamo.add(code)
                 if site.slot is None:  # a replaced class attribute: Dynamo may keep it (_unsee_in_dynamo)
                     setattr(recorder, MARK, site.original)
                 recorders = site.recorders
