@@ -301,6 +301,34 @@ def keyboard_interrupt_in_the_trace_driver():
 
 
 @CASE
+def keyboard_interrupt_in_torchs_hook_registration():
+    """KeyboardInterrupt in torch's register_forward_hook and _pre_hook (module sites, module selections).
+
+    At each line, as a trace hooks an intervention's module site or a `save=`/`grads=` module selection.  One
+    landing once the hook was in the module's dict, before its handle was kept, left the hook on the module
+    for good: every later call of the module ran it, traced or not (an intervention's raised IndexError)."""
+    model, x = Normalized(), torch.randn(2, 4)
+    registers = {nn.Module.register_forward_pre_hook.__code__, nn.Module.register_forward_hook.__code__}
+    stranded = []
+
+    def run(options):
+        try:
+            tl.trace(model, x, **options)
+        finally:
+            stranded.extend((name, options) for name, module in model.named_modules()
+                            if module._forward_hooks or module._forward_pre_hooks)
+
+    for options in ({"intervene": {"fc": tl.scale(2.0)}}, {"save": ["fc"]}, {"grads": ["fc"]}):
+        landed = interrupt_every_line(lambda: run(options), lambda code: code in registers)
+        assert landed > 5, (options, landed)
+    assert stranded == []
+    assert torch.equal(model(x), Normalized()(x))
+    assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
+    return ("every interrupt re-raised unchanged; the hook removed also when torch had registered it and its "
+            "handle was not yet kept; the module's later calls, traced or not, run as before")
+
+
+@CASE
 def keyboard_interrupt_in_torch_mode_push_pop():
     """KeyboardInterrupt at every line of torch's handle_torch_function, its temporary mode pop and contextlib
     (torch's own, which a trace still meets wherever its shorter dispatcher does not answer), and at every

@@ -346,8 +346,8 @@ class SelectedModuleOutputs(HookHandles):
             if self.releases and id(module) in saved_ids:
                 # First, so that the call's first record precedes the ops of the module's own pre-hooks (a
                 # weight_norm's weight), which run inside the call.
-                self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
-            self._handles.append(module.register_forward_hook(post_hook))
+                self.hook(module, pre_hook, pre=True, prepend=True)
+            self.hook(module, post_hook, pre=False)
 
     def _lost_to_unseen_write(self, record: int) -> None:
         """A let-go op a selected call returns, whose value a write capture could not see changed meanwhile: that

@@ -232,15 +232,45 @@ def remove_handles(handles: list) -> None:
     until_done(remove_all)
 
 
+# A module's per-hook flags, keyed like its hook dicts by the handle id.
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def remove_module_hook(module, hook) -> None:
+    """Remove every registration of ``hook`` (a forward or forward pre-hook) from ``module``, and its flags.
+    Idempotent: found by identity, so it needs no handle."""
+    for name in ("_forward_pre_hooks", "_forward_hooks"):
+        hooks = getattr(module, name)
+        for key in [key for key, registered in hooks.items() if registered is hook]:
+            hooks.pop(key, None)
+            for flags in _HOOK_FLAGS:
+                getattr(module, flags, {}).pop(key, None)
+
+
 class HookHandles:
-    """A capture part (``Capture``) owning the hook handles its ``install`` adds to ``self._handles``: all are
+    """A capture part (``Capture``) owning the module hooks its ``install`` registers with ``hook``: all are
     removed on exit, and at once when installing raises part-way."""
 
     def __init__(self):
         self._handles = []
+        self._hooked = []  # (module, hook), noted before torch registers it
 
     def install(self) -> None:
         raise NotImplementedError
+
+    def hook(self, module, hook, pre: bool, **options) -> None:
+        """Register ``hook`` on ``module`` (a forward pre-hook if ``pre``), to be removed on exit.  Noted before
+        it is registered: an interrupt landing inside torch's register call, or before its handle is kept,
+        leaves the hook on the module with no handle, and the exit then finds it by identity."""
+        self._hooked.append((module, hook))
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        self._handles.append(register(hook, **options))
+
+    def _remove_all(self) -> None:
+        remove_handles(self._handles)
+        while self._hooked:  # what the handles removed is gone already: this finds only hooks left without one
+            remove_module_hook(*self._hooked[-1])
+            self._hooked.pop()
 
     def __enter__(self):
         try:
@@ -251,7 +281,7 @@ class HookHandles:
             raise
 
     def __exit__(self, *exc):
-        remove_handles(self._handles)
+        until_done(self._remove_all)  # an interrupt inside ``remove_handles`` is re-raised once all are gone
         return False
 
 

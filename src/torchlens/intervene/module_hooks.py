@@ -77,8 +77,8 @@ class ModuleHooks(HookHandles):
         for module in _site_modules(runtime.module_sites, root):
             # The count first, before the module's own pre-hooks, so it numbers every call the tracker
             # records; the edit last, after its own forward hooks (always_call: an exception pops the count).
-            self._handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
-            self._handles.append(module.register_forward_hook(post_hook, always_call=True))
+            self.hook(module, pre_hook, pre=True, prepend=True)
+            self.hook(module, post_hook, pre=False, always_call=True)
 
 
 def _site_modules(module_sites, root) -> list:
