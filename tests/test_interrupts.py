@@ -152,3 +152,29 @@ def test_keyboard_interrupt_in_the_compile_watch_puts_torchs_hop_entry_back(monk
     landed = interrupt_every_line(lambda: tl.trace(model, x), _in_files(compiled))
     assert landed > 10, landed
     assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
+
+
+def test_keyboard_interrupt_as_a_dropped_trace_is_freed_still_removes_its_gradient_hooks():
+    """Dropping a trace made with ``grads=True`` removes its tensor hooks in a finalizer.  An interrupt landing
+    there ended it part-way, and Python ignores what a finalizer raises: the hooks left on the input kept the
+    dead trace's gradient store alive and filled it on every later backward through that input."""
+    from torchlens.capture import grads
+
+    model, x = Normalized(), torch.randn(2, 4, requires_grad=True)
+    left, ignored, report = [], [], sys.unraisablehook
+
+    def run():
+        log = tl.trace(model, x, grads=True)
+        del log  # an interrupt in its finalizer is reported as ignored, not raised
+        left.extend(hook for hook in (x._backward_hooks or {}).values())
+
+    sys.unraisablehook = lambda unraisable: ignored.append(unraisable.exc_type)
+    try:
+        interrupt_every_line(run, lambda code: code is grads._remove_all.__code__)
+    finally:
+        sys.unraisablehook = report
+    assert left == [] and set(ignored) <= {KeyboardInterrupt}
+    # The compiled hooks remove themselves as they die, without this finalizer: only the Python path meets it.
+    assert ignored or tl.capture.accel.compiled("_autograd") is not None or tl.capture.accel.compiled("_grads")
+    model(x).sum().backward()
+    assert torch.equal(x.grad, torch.autograd.grad(Normalized()(x).sum(), x)[0])

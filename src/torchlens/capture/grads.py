@@ -36,6 +36,7 @@ from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tenso
 from ..record.layouts import storage_use_count
 from ..tree import made_in_transform, tensor_leaves
 from . import accel
+from .teardown import until_done
 
 # ``GradCapture.watch`` takes the steps of ``Tensor.register_hook`` itself: the public call also builds a
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
@@ -198,6 +199,13 @@ def _remove_all(handles: dict, keys: dict, base: int) -> None:
     handles.clear()
 
 
+def _remove_all_when_freed(handles: dict, keys: dict, base: int) -> None:
+    """``_remove_all`` as the finalizer runs it, to the end: an interrupt landing in it (the trace dropped as a
+    signal arrives) would leave the rest of the hooks on their tensors, and Python ignores what a finalizer
+    raises, so no teardown would run after it."""
+    until_done(partial(_remove_all, handles, keys, base))
+
+
 class GradCapture:
     """The gradients one trace receives and the hooks that deliver them.
 
@@ -229,7 +237,7 @@ class GradCapture:
         # before finalizers run; the finalizer's own reference keeps them out of that garbage.  (The
         # compiled adders remove the hooks themselves when they die, with the capture: see _grads.c.)
         if self._native is None and self._cpp is None:
-            weakref.finalize(self, _remove_all, self.handles, self._keys, self._base)
+            weakref.finalize(self, _remove_all_when_freed, self.handles, self._keys, self._base)
         self.add_hook = self._hook_adder()
         if selector is None:
             self.watch = self.add_hook
