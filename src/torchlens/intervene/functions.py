@@ -14,6 +14,7 @@ import sys
 import torch
 
 from ..errors import InterventionError
+from .path import site_where
 
 _APPLY = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
 
@@ -59,13 +60,14 @@ def _ctx_of(frame):
     return first if isinstance(first, torch.autograd.function.BackwardCFunction) else None
 
 
-def refuse_inside_function(where: str, new: torch.Tensor, value: torch.Tensor) -> None:
-    """Refuse an edit at ``where`` made inside a custom Function's forward whose backward will run; a new value equal
-    to the one it replaces (a copy) changes nothing that backward misses, and is allowed."""
+def refuse_inside_function(key, op, new: torch.Tensor, value: torch.Tensor) -> None:
+    """Refuse an edit at the site ``key`` (resolved to ``op``) made inside a custom Function's forward whose backward
+    will run; a new value equal to the one it replaces (a copy) changes nothing that backward misses, and is
+    allowed."""
     cls = function_with_backward()
     if cls is not None and not _same_values(new, value):
         raise InterventionError(
-            f"intervention at {where}: the site is inside the forward of the custom autograd.Function "
+            f"intervention at {site_where(key, op)}: the site is inside the forward of the custom autograd.Function "
             f"{getattr(cls, '__qualname__', cls)}, whose own backward gives the gradient of its output, unaware of "
             "the edit, so gradients through it would be those of the unedited Function. Intervene at the op or "
             "module that reads the Function's output, or trace under torch.no_grad() when no gradient is needed")

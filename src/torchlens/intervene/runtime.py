@@ -196,7 +196,9 @@ class Interventions(ReferencePath):
                 "(return held.clone())")
         # The recomputation leaves out only what the edit changed: a new value reading the same elements of the
         # same memory (t.view_as(t), attribution_patching's probe of an op handing back its input) changes none.
-        region = None if same_elements(new, value) else checkpoint_region()
+        if same_elements(new, value):
+            return new
+        region = checkpoint_region()
         if region is not None:
             raise InterventionError(
                 f"intervention at {_where(key, op)}: the site is inside a {region} torch.utils.checkpoint region "
@@ -204,8 +206,7 @@ class Interventions(ReferencePath):
                 "through it would be those of the unedited forward. Trace with gradient checkpointing off (for a "
                 "transformers model, model.gradient_checkpointing_disable()), or under torch.no_grad() when no "
                 "gradient is needed")
-        if region is None and not same_elements(new, value):
-            refuse_inside_function(_where(key, op), new, value)
+        refuse_inside_function(key, op, new, value)
         return new
 
     def _call_action(self, action, value, op):
