@@ -119,3 +119,21 @@ def test_a_reference_traced_with_another_deep_is_named_as_why_the_path_differs(o
     assert "trace the reference with deep=True" in str(refused.value)
     deep = tl.trace(model, x, deep=True, reference=tl.trace(model, x, save="none", deep=True), stop_after="add_1_6:1")
     assert deep.ops[-1].label == "add_1_6:1" and deep.ops[-2].func_name == "div"
+
+
+@pytest.mark.parametrize("option", ["intervene", "stop_after"])
+def test_a_label_missing_from_a_reference_traced_with_deep_names_the_deep_option(option):
+    # The other way round the label itself is missing from the reference (its add is add_1_6:1 there): the
+    # refusal listed the closest labels only, not why this run's labels are not the reference's.
+    model, x = _Normalized(), torch.randn(2, 4)
+    reference = tl.trace(model, x, save="none", deep=True)
+    site = {"intervene": {"intervene": {"add_1_3:1": tl.zero_ablate()}}, "stop_after": {"stop_after": "add_1_3:1"}}
+    with pytest.raises(KeyError, match="add_1_3:1") as refused:
+        tl.trace(model, x, reference=reference, **site[option])
+    assert "The reference was traced with deep=True and this trace has deep=False" in str(refused.value)
+    assert "trace the reference with deep=False" in str(refused.value)
+    log = tl.trace(model, x, reference=tl.trace(model, x, save="none"), **site[option])
+    if option == "stop_after":
+        assert log.ops[-1].label == "add_1_3:1"
+    else:
+        assert [a.label for a in log.interventions] == ["add_1_3:1"]

@@ -37,7 +37,7 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
     if pending or (stop_after is not None and reference is not None):
         if reference is None:
             reference = _reference_pass(run_reference, index)
-        label_sites = resolve_labels(reference, pending)
+        label_sites = resolve_labels(reference, pending, deep)
     runtime = Interventions(label_sites, module_sites, index, keep_originals)
     runtime.reference, runtime.deep = reference, deep
     return runtime

@@ -13,7 +13,7 @@ from ..labels.naming import func_name_of
 from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE, CALL_MODULE_CALL, MODULE_CALL_MODULE
 from ..record.modules import is_unregistered, shown_class
 from ..record.source import line_of, source_of
-from .sites import occurrence_key
+from .sites import deep_mismatch_note, occurrence_key
 
 
 class ReferencePath:
@@ -114,14 +114,8 @@ class ReferencePath:
         return self.last_counted[1]
 
     def _deep_note(self) -> str:
-        """Why a reference of the same inputs can take another path: it was traced with another ``deep=``, which
-        records the torch calls inside torch functions written in Python, so that the two number other ops."""
-        traced = getattr(self.reference, "_deep", None)  # None: a trace loaded from a file does not say
-        if traced is None or traced == self.deep:
-            return ""
-        return (f" The reference was traced with deep={traced} and this trace has deep={self.deep}, which records "
-                f"{'more' if self.deep else 'fewer'} ops (the torch calls inside torch functions written in Python): "
-                f"trace the reference with deep={self.deep}, or give no reference= (one is then made).")
+        note = deep_mismatch_note(self.reference, self.deep)
+        return f" {note}." if note else ""
 
     def _written_note(self) -> str:
         """Why a reference of the same inputs can still take another path: its forward wrote parameters."""
@@ -166,3 +160,4 @@ def site_where(key, op) -> str:
     to when that says more."""
     name = repr(key) if isinstance(key, str) else "<predicate>"
     return name if key == op.label else f"{name} ({op.label})"
+

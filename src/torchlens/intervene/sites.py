@@ -325,15 +325,18 @@ def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:
         "intervene there")
 
 
-def resolve_labels(reference, pending) -> list:
-    """``LabelSite`` per op each pending key names in ``reference``."""
+def resolve_labels(reference, pending, deep: bool = False) -> list:
+    """``LabelSite`` per op each pending key names in ``reference``, for a trace with ``deep=`` (which a reference
+    traced otherwise numbers ops unlike)."""
     sites, columns = [], ReferenceColumns(reference)
     for key, action, stop in pending:
         if isinstance(key, str):
             try:
                 found = reference[key]
             except KeyError as exc:
-                raise KeyError(f"{_kind(stop)} {key!r}: {exc.args[0]}{_stopped_note(reference)}") from None
+                deep_note = deep_mismatch_note(reference, deep)
+                raise KeyError(f"{_kind(stop)} {key!r}: {exc.args[0]}{_stopped_note(reference)}"
+                               f"{f'. {deep_note}' if deep_note else ''}") from None
             if isinstance(found, Layer):
                 ops = found.ops
             elif isinstance(found, Op):
@@ -474,3 +477,15 @@ def number_occurrences(trace, sites) -> None:
         seen[key] = count + 1
         for site in wanted.get(position, ()):
             site.occurrence = count
+
+
+def deep_mismatch_note(reference, deep: bool) -> str:
+    """Why a reference of the same inputs can take another path, or lack a label: it was traced with another
+    ``deep=``, which records the torch calls inside torch functions written in Python, so that the two number other
+    ops ("" when both were traced alike, or the reference does not say: a trace loaded from a file)."""
+    traced = getattr(reference, "_deep", None)
+    if traced is None or traced == deep:
+        return ""
+    return (f"The reference was traced with deep={traced} and this trace has deep={deep}, which records "
+            f"{'more' if deep else 'fewer'} ops (the torch calls inside torch functions written in Python): "
+            f"trace the reference with deep={deep}, or give no reference= (one is then made)")
