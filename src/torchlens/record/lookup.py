@@ -118,8 +118,20 @@ def _described(trace, key: str, target: tuple) -> tuple:
 def missing_key_note(trace, key: str) -> str:
     """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
     of a module, a parameter or buffer, a module the forward never ran, a container), else the closest keys."""
-    return alias_note(trace, key) or record_address_note(trace, key) or numbered_past_note(trace, key) or \
-        unrun_module_note(trace, key) + closest_hint(key, trace._lookup) + no_root_note(trace, key)
+    return root_call_note(trace, key) or alias_note(trace, key) or record_address_note(trace, key) or \
+        numbered_past_note(trace, key) or unrun_module_note(trace, key) + closest_hint(key, trace._lookup) + \
+        no_root_note(trace, key)
+
+
+def root_call_note(trace, key: str) -> str:
+    """For ``""``, ``"self"`` or ``"self:1"`` in a trace of a module: the root's own call is the whole trace (only a
+    callable's calls of its ``root=`` are module calls named ``self``), so its output and inputs are the trace's."""
+    if key.partition(":")[0] not in ("", "self") or trace._rootless \
+            or any(row.address == "self" for row in trace._module_rows):
+        return ""
+    outputs = ", ".join(repr(op.label) for op in trace.outputs[:3]) or "none: the trace stopped before it returned"
+    return (f" (the traced module's own call is the whole trace, not a module call: it returned log.output (output "
+            f"ops {outputs}) from log.inputs; log.modules lists its submodules by their addresses)")
 
 
 def numbered_past_note(trace, key: str) -> str:
