@@ -9,11 +9,10 @@ when it refuses.
 from __future__ import annotations
 
 from ..errors import InterventionError
-from ..labels.naming import func_name_of
 from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE, CALL_MODULE_CALL, MODULE_CALL_MODULE
 from ..record.modules import is_unregistered, shown_class
 from ..record.source import line_of, source_of
-from .sites import deep_mismatch_note, occurrence_key
+from .sites import deep_mismatch_note, named_once, occurrence_key
 
 
 class ReferencePath:
@@ -32,18 +31,8 @@ class ReferencePath:
         self.seen_keys: dict = {}  # occurrence_key -> calls of this run with it, before position ``counted``
         self.counted, self.last_counted = 0, (-1, 0)  # and the last call counted: (its position, occurrence)
 
-    def _name_of(self, func) -> str:
-        """``func_name_of(func)``, derived once per function."""
-        try:
-            name = self.names.get(func)
-        except TypeError:  # an unhashable callable
-            return func_name_of(func)
-        if name is None:
-            name = self.names[func] = func_name_of(func)
-        return name
-
     def _check_path(self, st, sites, call_position, func) -> None:
-        name = self._name_of(func)
+        name = named_once(self.names, func)
         call = st.calls[call_position]
         code = call[CALL_CODE]
         line = None if code is None else line_of(code, call[CALL_LINE])
@@ -105,7 +94,7 @@ class ReferencePath:
         if call_position != self.last_counted[0]:
             seen, calls = self.seen_keys, st.calls
             for position in range(self.counted, call_position):
-                key = occurrence_key(calls[position], self._name_of(calls[position][CALL_FUNC]))
+                key = occurrence_key(calls[position], named_once(self.names, calls[position][CALL_FUNC]))
                 seen[key] = seen.get(key, 0) + 1
             key = (calls[call_position][CALL_MODULE_CALL], name, line)  # occurrence_key's
             self.last_counted = (call_position, seen.get(key, 0))

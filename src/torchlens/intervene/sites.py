@@ -469,9 +469,7 @@ def number_occurrences(trace, sites) -> None:
         call = calls[position]
         # A loaded trace keeps no function objects, only the names its ops were given.
         func = call.func
-        name = named.get(func) if func is not None else names[call.first_record]
-        if name is None:
-            name = named[func] = func_name_of(func)
+        name = names[call.first_record] if func is None else named_once(named, func)
         key = occurrence_key(call, name)
         count = seen.get(key, 0)
         seen[key] = count + 1
@@ -489,3 +487,14 @@ def deep_mismatch_note(reference, deep: bool) -> str:
     return (f"The reference was traced with deep={traced} and this trace has deep={deep}, which records "
             f"{'more' if deep else 'fewer'} ops (the torch calls inside torch functions written in Python): "
             f"trace the reference with deep={deep}, or give no reference= (one is then made)")
+
+
+def named_once(named: dict, func) -> str:
+    """``func_name_of(func)``, kept in ``named`` (a callable that cannot be hashed is named each time)."""
+    try:
+        name = named.get(func)
+    except TypeError:
+        return func_name_of(func)
+    if name is None:
+        name = named[func] = func_name_of(func)
+    return name
