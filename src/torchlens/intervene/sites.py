@@ -481,7 +481,7 @@ def deep_mismatch_note(reference, deep: bool) -> str:
     """Why a reference of the same inputs can take another path, or lack a label: it was traced with another
     ``deep=``, which records the torch calls inside torch functions written in Python, so that the two number other
     ops ("" when both were traced alike, or the reference does not say: a trace loaded from a file)."""
-    traced = getattr(reference, "_deep", None)
+    traced = reference._deep
     if traced is None or traced == deep:
         return ""
     return (f"The reference was traced with deep={traced} and this trace has deep={deep}, which records "

@@ -3,8 +3,7 @@
 The trace holds plain data only (columns, rows, tensors); every record it hands out (``Op``, ``Layer``,
 ``ModuleCall``, ``Module``, ``Param``, ``Buffer``) is a view made on demand that refers to the trace, and no
 view is kept by the trace.  So there is no reference cycle: a trace is freed, with its activations and
-the autograd graph its output holds, as soon as nothing refers to it or to one of its records.
-"""
+the autograd graph its output holds, as soon as nothing refers to it or to one of its records."""
 
 from __future__ import annotations
 
@@ -58,6 +57,7 @@ class Trace(TraceColumns):
     _settings: tuple = ()  # capture.session: global_settings() as the forward began and as it ended, for replay
     _root_class = None  # capture.session: the root module's class name (the module table's first row)
     _rootless = False  # capture.session: True for a callable traced with no module to name its modules (no root=)
+    _deep = None  # capture.session: the deep= it was traced with (None: a loaded trace does not say)
     _input_aliases: dict = {}  # capture.session: input slot -> the input op of the tensor an earlier slot named
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
     _output_structure = None  # io.load: (the output with an OutputSlot per tensor,), from record.saved_output
