@@ -44,7 +44,7 @@ class LabelSite:
         i = op.index
         self.key, self.action, self.op, self.stop = key, action, op, stop
         self.call, self.slot, self.func_name = columns.call_indices[i], columns.slots[i], columns.func_names[i]
-        self.chain = columns.chain(columns.module_calls[i])
+        self.chain = module_chain(columns.trace, columns.module_calls[i], columns.chains)
         # The line that made the call: a loop that ran fewer times reaches the same position with the same
         # function in the same module call from another line.  Kept as file and line, which a loaded
         # trace also holds (None where no user frame was found: not compared); ``place`` is built when read.
@@ -119,21 +119,16 @@ class ReferenceColumns:
         self.trace = trace
         self.calls, self.call_indices, self.slots = trace.calls, trace.call_indices, trace.slots
         self.func_names, self.module_calls, self.kinds = trace.func_names, trace.module_call_indices, trace.kinds
-        self.chains: dict = {}  # module call -> its chain
-
-    def chain(self, module_call: int) -> tuple:
-        """``module_chain`` of an op made in ``module_call``."""
-        chain = self.chains.get(module_call)
-        if chain is None:  # (the root forward's, (), is kept here too)
-            chain = self.chains[module_call] = module_chain(self.trace, module_call, self.chains)
-        return chain
+        self.chains: dict = {}  # module call -> its chain (``module_chain``)
 
 
-def module_chain(trace, module_call: int, chains: dict | None = None) -> tuple:
+def module_chain(trace, module_call: int, chains: dict) -> tuple:
     """The ``ChainLink``s open around one op of ``trace`` (made in ``module_call``, -1 for the root forward),
     outer to inner.  ``chains``: those already built for this trace, by module call, so that sites at many ops
     build each call's link once (the ops of one call, and the calls of one parent, share a chain)."""
-    chains = {} if chains is None else chains
+    chain = chains.get(module_call)
+    if chain is not None:  # the common case: another op of the same call
+        return chain
     rows = trace._call_rows
     unbuilt, chain = [], ()
     for k in enclosing_calls(module_call, lambda k: rows[k].parent):
@@ -144,6 +139,7 @@ def module_chain(trace, module_call: int, chains: dict | None = None) -> tuple:
     for k in reversed(unbuilt):
         module = Module(trace, rows[k].module)
         chain = chains[k] = chain + (ChainLink(k, module._ref, module.address, module.class_name),)
+    chains[module_call] = chain  # the root forward's, (), too
     return chain
 
 
