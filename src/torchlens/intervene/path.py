@@ -9,10 +9,10 @@ when it refuses.
 from __future__ import annotations
 
 from ..errors import InterventionError
-from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE, CALL_MODULE_CALL, MODULE_CALL_MODULE
+from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE, MODULE_CALL_MODULE
 from ..record.modules import is_unregistered, shown_class
-from ..record.source import line_of, source_of
-from .sites import deep_mismatch_note, named_once, occurrence_key
+from ..record.source import source_of
+from .sites import call_line, deep_mismatch_note, named_once, occurrence_key
 
 
 class ReferencePath:
@@ -34,8 +34,7 @@ class ReferencePath:
     def _check_path(self, st, sites, call_position, func) -> None:
         name = named_once(self.names, func)
         call = st.calls[call_position]
-        code = call[CALL_CODE]
-        line = None if code is None else line_of(code, call[CALL_LINE])
+        code, line = call[CALL_CODE], call_line(call)
         occurrence = self._occurrence(st, call_position, name, line)
         innermost = st.module_stack[-1] if st.module_stack else -1
         for site in sites:
@@ -94,9 +93,10 @@ class ReferencePath:
         if call_position != self.last_counted[0]:
             seen, calls = self.seen_keys, st.calls
             for position in range(self.counted, call_position):
-                key = occurrence_key(calls[position], named_once(self.names, calls[position][CALL_FUNC]))
+                call = calls[position]
+                key = occurrence_key(call, named_once(self.names, call[CALL_FUNC]), call_line(call))
                 seen[key] = seen.get(key, 0) + 1
-            key = (calls[call_position][CALL_MODULE_CALL], name, line)  # occurrence_key's
+            key = occurrence_key(calls[call_position], name, line)
             self.last_counted = (call_position, seen.get(key, 0))
             if call_position >= self.counted:
                 seen[key], self.counted = self.last_counted[1] + 1, call_position + 1

@@ -52,7 +52,7 @@ class LabelSite:
         code = self._code = call[CALL_CODE]
         self._offset = call[CALL_LINE]
         self.file = None if code is None else code.co_filename
-        self.line = None if code is None else line_of(code, self._offset)
+        self.line = call_line(call)
         self.occurrence = None  # which call of its function from its line in its module call (number_occurrences)
 
     @property
@@ -444,11 +444,16 @@ def _not_an_op(key, op: Op, stop: bool, reference) -> str:
             f"name the ops that read it ({first_few(ops_among(op.children)) or 'none'}), or {remedy}")
 
 
-def occurrence_key(call, name) -> tuple:
+def occurrence_key(call, name, line) -> tuple:
     """What a call is counted by to tell the passes of one line apart: its module call, the function's name
-    (``name``) and the source line that made it (None where no user frame was found)."""
+    (``name``) and the source line that made it (``line``, ``call_line(call)``)."""
+    return call[CALL_MODULE_CALL], name, line
+
+
+def call_line(call):
+    """The source line that made a recorded call, None where no user frame was found."""
     code = call[CALL_CODE]
-    return call[CALL_MODULE_CALL], name, None if code is None else line_of(code, call[CALL_LINE])
+    return None if code is None else line_of(code, call[CALL_LINE])
 
 
 def number_occurrences(trace, sites) -> None:
@@ -466,7 +471,7 @@ def number_occurrences(trace, sites) -> None:
         # A loaded trace keeps no function objects, only the names its ops were given.
         func = call.func
         name = names[call.first_record] if func is None else named_once(named, func)
-        key = occurrence_key(call, name)
+        key = occurrence_key(call, name, call_line(call))
         count = seen.get(key, 0)
         seen[key] = count + 1
         for site in wanted.get(position, ()):
