@@ -299,7 +299,7 @@ def _stats_born(log, status) -> dict:
     """``{op: ((buffer address, flags), ...)}``: the running statistics (BatchNorm's ``running_var``) that op
     left holding NaN/Inf, written inside its kernel, from values it read finite: that write is in no output,
     so the op's own status cannot show it (capture noted the statistics' state at the forward's end)."""
-    written = getattr(log, "_stats_left_nonfinite", None) or {}
+    written = log._stats_left_nonfinite
     return {i: stats for i, stats in written.items()
             if not any(p >= 0 and status[p] not in (None, (False, False)) for p in _read_parents(log, i))}
 
@@ -307,7 +307,7 @@ def _stats_born(log, status) -> dict:
 def _stats_unexamined(log) -> tuple:
     """Labels of the ops that wrote, inside their kernels, running statistics from outside the trace (capture
     noted them: ``stats_writers_untracked``): whether those went non-finite is not known."""
-    return tuple(log.labels[i] for i in getattr(log, "_stats_untracked", ()))
+    return tuple(log.labels[i] for i in log._stats_untracked)
 
 
 def _worst(flags) -> tuple:

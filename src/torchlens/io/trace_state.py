@@ -33,10 +33,10 @@ def write_trace_state(trace) -> dict:
         "input_aliases": trace._input_aliases,  # slots naming a tensor an earlier slot named
         # running statistics a kernel left non-finite (nonfinite_origin): [op, address, nan, inf, earlier ops]
         "stats_left_nonfinite": [[op, address, nan, inf, list(earlier)]
-                                 for op, stats in getattr(trace, "_stats_left_nonfinite", {}).items()
+                                 for op, stats in trace._stats_left_nonfinite.items()
                                  for address, (nan, inf), earlier in stats],
         # ops whose kernels wrote running statistics from outside the trace (nonfinite_origin: unexamined)
-        "stats_untracked": list(getattr(trace, "_stats_untracked", ())),
+        "stats_untracked": list(trace._stats_untracked),
         # calls that read torch.vmap's batched tensors: with their readers, ops of one example's shape
         "per_example_calls": sorted(trace._per_example_calls),
     }

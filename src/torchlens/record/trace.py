@@ -27,9 +27,8 @@ from .trace_columns import TraceColumns
 from .view import RecordList, View
 
 
-_NOT_COPIED = ("a Trace cannot be {} (a live one holds the model and torch's callables; every one holds a record "
-               "read on demand): "
-               "keep one with log.save(path) and read it back, as a separate trace, with tl.load(path)")
+_NOT_COPIED = ("a Trace cannot be {} (a live one holds the model and torch's callables; every one holds a record read "
+               "on demand): keep one with log.save(path) and read it back, as a separate trace, with tl.load(path)")
 
 
 class Trace(TraceColumns):
@@ -58,6 +57,7 @@ class Trace(TraceColumns):
     _root_class = None  # capture.session: the root module's class name (the module table's first row)
     _rootless = False  # capture.session: True for a callable traced with no module to name its modules (no root=)
     _deep = None  # capture.session: the deep= it was traced with (None: a loaded trace does not say)
+    _stats_left_nonfinite, _stats_untracked = {}, ()  # capture.session: for nonfinite_origin (debug/nonfinite.py)
     _input_aliases: dict = {}  # capture.session: input slot -> the input op of the tensor an earlier slot named
     _module_call_frames = None  # capture.session: (code, offset) per module call, tells loops from reuse
     _output_structure = None  # io.load: (the output with an OutputSlot per tensor,), from record.saved_output
