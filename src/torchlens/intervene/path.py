@@ -108,7 +108,7 @@ class ReferencePath:
 
     def _written_note(self) -> str:
         """Why a reference of the same inputs can still take another path: its forward wrote parameters."""
-        replay = self.reference._replay
+        replay = self.reference._replay if self.reference is not None else None  # (none: module sites only)
         if replay is None or not replay.param_writes:
             return ""
         return (" The reference's forward wrote parameters in place (a one-time rescale, an update), so the model "
