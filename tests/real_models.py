@@ -1,7 +1,8 @@
 """The real-model corpus: standard architectures at tiny sizes, with random weights.
 
 Each entry builds ``(model, args, kwargs)``: ``transformers`` models from small configs (no download,
-no pretrained weights, ``HF_HUB_OFFLINE`` set; the vision entries are built in ``real_models_vision``) and
+no pretrained weights, ``HF_HUB_OFFLINE`` set; the vision entries are built in ``real_models_vision``, the
+time-series ones in ``real_models_series``) and
 the recurrent and transformer layers of ``torch.nn`` (built in ``real_models_nn``).  Sizes are tiny (hidden
 32, one or two layers, sequences of 8, images of 32 pixels) so the whole corpus traces and validates in
 seconds.  Builders import ``transformers`` lazily:
@@ -30,8 +31,9 @@ import torch
 import torch.nn as nn
 
 from real_models_nn import HIDDEN, SEQ, gru, lstm, transformer_encoder, transformer_encoder_padded
-from real_models_vision import (IMAGE, _image, beit, convnext, deformable_detr, detr, dinov2, mobilevit, regnet, resnet,
-                                segformer, swin, vit)
+from real_models_series import time_series_transformer, timesfm
+from real_models_vision import (IMAGE, _image, beit, convnext, deformable_detr, detr, dinov2, focalnet, hiera,
+                                mobilevit, regnet, resnet, segformer, swin, vit)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing here may reach the network
 
@@ -503,12 +505,40 @@ def canine():
     return CanineModel(config), (), {"input_ids": _tokens(vocab=1000), "attention_mask": _attention_mask()}
 
 
+def gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    # Attention with a learnt sink logit per head, sliding-window and full layers, clamped SwiGLU experts.
+    config = GptOssConfig(**_DECODER, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                          layer_types=["sliding_attention", "full_attention"])
+    return GptOssForCausalLM(config), (), {"input_ids": _tokens(), "attention_mask": _attention_mask()}
+
+
+def prophetnet():
+    from transformers import ProphetNetConfig, ProphetNetForConditionalGeneration
+
+    # A main stream and two predicting streams in the decoder, with bucketed relative positions.
+    config = ProphetNetConfig(hidden_size=HIDDEN, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=1,
+                              num_decoder_layers=1, num_encoder_attention_heads=4, num_decoder_attention_heads=4,
+                              vocab_size=VOCAB, max_position_embeddings=64, ngram=2, num_buckets=8,
+                              relative_max_distance=16)
+    return ProphetNetForConditionalGeneration(config), (), _seq2seq_inputs()
+
+
+def nllb_moe():
+    from transformers import NllbMoeConfig, NllbMoeForConditionalGeneration
+
+    # Top-2 experts with a capacity per expert in both the encoder and the decoder.
+    config = NllbMoeConfig(**_SEQ2SEQ, num_experts=4, expert_capacity=8, sparse_step=1)
+    return NllbMoeForConditionalGeneration(config), (), _seq2seq_inputs()
+
+
 TRANSFORMERS = {f.__name__: f for f in (
     gpt2, bert, llama, mistral, qwen2, t5, bart, whisper, wav2vec2, vit, swin, convnext, resnet, detr, clip, mamba,
     mixtral, deberta_v2, albert, rwkv, gpt_neox, opt, bloom, falcon, phi, gemma, gptj, roberta, mobilebert, xlnet,
     funnel, convbert, longformer, pegasus, segformer, mobilevit, regnet, bigbird, mamba2, qwen3_moe, deepseek_v3,
     gemma3, modernbert, dinov2, siglip, llava, gemma2, jamba, qwen3_next, deformable_detr, perceiver, led,
-    recurrent_gemma, canine)}
+    recurrent_gemma, canine, gpt_oss, prophetnet, nllb_moe, hiera, focalnet, time_series_transformer, timesfm)}
 TORCH_NN = {f.__name__: f for f in (lstm, gru, transformer_encoder, transformer_encoder_padded)}
 CORPUS = {**TRANSFORMERS, **TORCH_NN}
 

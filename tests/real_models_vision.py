@@ -117,3 +117,22 @@ def deformable_detr():
                                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5,
                                   num_labels=3, num_feature_levels=2, encoder_n_points=2, decoder_n_points=2)
     return DeformableDetrForObjectDetection(config), (), {"pixel_values": _image(size=64)}
+
+
+def hiera():
+    from transformers import HieraConfig, HieraForImageClassification
+
+    # Tokens unrolled into mask units, attention within each unit, and queries max-pooled as a stage begins.
+    config = HieraConfig(embed_dim=16, image_size=[IMAGE, IMAGE], patch_size=[3, 3], patch_stride=[2, 2],
+                         patch_padding=[1, 1], depths=[1, 1], num_heads=[1, 2], query_stride=[2, 2],
+                         masked_unit_size=[4, 4], num_query_pool=1, num_labels=3, embed_dim_multiplier=2.0)
+    return HieraForImageClassification(config), (_image(),), {}
+
+
+def focalnet():
+    from transformers import FocalNetConfig, FocalNetForImageClassification
+
+    # Focal modulation instead of attention: depthwise convolutions at growing ranges, gated and summed.
+    config = FocalNetConfig(image_size=IMAGE, patch_size=4, embed_dim=16, depths=[1, 1], focal_levels=[2, 2],
+                            focal_windows=[3, 3], num_labels=3)
+    return FocalNetForImageClassification(config), (_image(),), {}
