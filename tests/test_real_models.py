@@ -215,14 +215,37 @@ def test_every_reading_of_the_record_runs_on_it(name):
     assert len(tl.debug.hot_path(log, by="memory", group="module").rows) > 0
 
 
-def test_corpus_script_counts_every_run(capsys):
-    # scripts/validate_corpus.py is how the false-alarm and false-pass figures are produced: keep it running.
+def _corpus_script():
+    """scripts/validate_corpus.py, loaded as a module."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "validate_corpus.py")
     spec = importlib.util.spec_from_file_location("validate_corpus", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_corpus_script_counts_every_run(capsys):
+    # scripts/validate_corpus.py is how the false-alarm and false-pass figures are produced: keep it running.
+    script = _corpus_script()
     assert script.main(["lstm", "gru", "--modes", "eval,train", "--plants", "2"]) == 0
     out = capsys.readouterr().out
     assert "runs: 4 (2 models x 2 modes), crashed: 0" in out
     assert "traced == untraced: 4 of 4" in out
     assert "planted activations missed: 0 of 8" in out, out
+
+
+class MaskedScores(torch.nn.Module):
+    """Scores masked with float32's lowest value, made by ``torch.full`` (as ProphetNet's decoder does)."""
+
+    def forward(self, x):
+        lowest = torch.full((), torch.finfo(x.dtype).min)
+        return torch.where(x > 0, x * 2, lowest).softmax(-1)
+
+
+def test_corpus_script_plants_only_values_that_adding_one_changes():
+    # float32's lowest plus one is itself: a plant there changed nothing, validate rightly passed, and the
+    # script counted a false pass (ProphetNet in train mode).
+    script = _corpus_script()
+    log = tl.trace(MaskedScores(), torch.randn(2, 4, generator=torch.Generator().manual_seed(0)))
+    candidates = [op.func_name for op in script.plant_candidates(log, log.validate())]
+    assert "full" not in candidates and "mul" in candidates
