@@ -123,6 +123,37 @@ def test_a_trace_stopped_early_frees_its_model_and_inputs_when_dropped(site, no_
     assert not [r for r in dropped if r() is not None], "the stopped trace left its model or input in a cycle"
 
 
+class _FallsBack(torch.nn.Module):
+    """Tries one path and falls back on another when it raises, as models do around optional kernels: the
+    exception comes out of a module call (``module``) or out of a torch call in the forward itself (``op``)."""
+
+    def __init__(self, raises: str):
+        super().__init__()
+        self.raises = raises
+        self.fast, self.slow = torch.nn.Linear(5, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        try:
+            return self.fast(x) if self.raises == "module" else torch.mm(x, self.fast.weight.T)
+        except RuntimeError:  # the shapes do not match: the other path
+            return self.slow(x).relu()
+
+
+@pytest.mark.parametrize("raises", ["module", "op"])
+def test_a_trace_whose_forward_caught_an_exception_is_freed_when_dropped(raises, no_collector):
+    """The capture state notes where an exception left a module call or a torch call; the exception's traceback
+    holds the forward's frames, which hold that state: kept past the forward, the activations lived on in a
+    cycle that only the collector frees."""
+    model, x = _FallsBack(raises), torch.randn(3, 4)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x)) and log.ops[-2].type == "relu"  # the path it fell back on
+    _read_everything(log)
+    refs = weakref.ref(log), _tensors_of(log, x)
+    assert refs[1]
+    del log
+    _assert_freed(*refs)
+
+
 def test_a_loaded_trace_is_freed_when_dropped(tmp_path, no_collector):
     model, args, kwargs = zoo()["small_cnn"]
     tl.trace(model, args, kwargs).save(tmp_path / "run")

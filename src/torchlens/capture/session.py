@@ -300,7 +300,7 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
         # Torn down once by the ``with`` exit; whenever that exit is skipped or cut short, an exception
         # is on its way to the ``except`` below, which tears down again (see capture/teardown.py).
         with capture:
-            return _run_forward(model, args, kwargs) if packing is None else \
+            output = _run_forward(model, args, kwargs) if packing is None else \
                 _run_observed(packing, model, args, kwargs)
     except BaseException as exc:
         capture.tear_down()
@@ -315,6 +315,9 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
         return None
     finally:
         state.suspend = None  # it holds the tracker, which holds the state: no cycle may outlive the forward
+    # Nor may an exception the forward caught, as the stop's above: its traceback holds the forward's frames.
+    state.raised_in = state.failure = None
+    return output
 
 
 def _complete(result, state, index, policy, runtime, packing, submodules, root, model_name) -> None:
