@@ -316,6 +316,42 @@ def test_a_model_that_raises_leaves_nothing_and_the_note_names_the_innermost_cal
     assert not call_impl.installed() and list(call_impl._sites) in ([], [id(nn.Module)])
 
 
+class _FallsBack(nn.Module):
+    """Tries one block and falls back on another when it raises, as models do around optional kernels; a hook
+    that returns nothing runs first."""
+
+    def __init__(self):
+        super().__init__()
+        self.hook = nn.Identity()
+        self.hook.forward = lambda x: None
+        self.fast = nn.Sequential(nn.ReLU(), nn.Linear(5, 4))  # the wrong input size: raises after its ReLU
+        self.slow = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.hook(x)
+        try:
+            return self.fast(x)
+        except RuntimeError:
+            return self.slow(x)
+
+
+def test_module_calls_left_by_an_exception_the_forward_caught_are_named_as_returning_nothing():
+    """A call an exception left lists no outputs, as one that returned None does: a caveat tells them apart,
+    naming it and the calls inside it the exception left, and neither the others nor those a stop left."""
+    model, x = _FallsBack(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    assert [(call.label, call.output_ops) for call in log.module_calls] == [
+        ("hook:1", []), ("fast:1", []), ("fast.0:1", ["relu_1_1:1"]), ("fast.1:1", []), ("slow:1", ["linear_1_2:1"])]
+    caught = [text for text in log.caveats if "exception that the forward caught" in text]
+    assert len(caught) == 1 and "(fast:1, fast.1:1)" in caught[0] and caught[0] in str(log)
+    for site in ("slow", "relu_1_1:1"):  # the stop leaves slow:1, or fast:1 and fast.0:1
+        stopped = tl.trace(model, x, stop_after=site)
+        named = [text for text in stopped.caveats if "exception that the forward caught" in text]
+        assert named == ([] if site == "relu_1_1:1" else caught), site
+    assert_clean_process()
+
+
 def test_the_modules_own_call_impl_override_found_once_per_model_class():
     """Which classes replace _call_impl is read from the model's cached index: one lookup per class."""
     from torchlens.record.model_index import index_of

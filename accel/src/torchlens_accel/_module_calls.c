@@ -366,6 +366,9 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
         PyErr_Fetch(&type, &value, &tb);
         PyErr_NormalizeException(&type, &value, &tb);
         if (tb != NULL) PyException_SetTraceback(value, tb);
+        /* It returned nothing: outputs of None, where a call returning None has () (capture/caught.py). */
+        PyObject *outputs = PyList_GET_ITEM(call, 5);
+        if (PyTuple_Check(outputs) && PyTuple_GET_SIZE(outputs) == 0) PyList_SetItem(call, 5, Py_NewRef(Py_None));
         PyObject *raised_in = PyObject_GetAttr(r->state, s_raised_in);
         int fresh = raised_in != NULL && (raised_in == Py_None || !PyTuple_Check(raised_in)
                                          || PyTuple_GET_SIZE(raised_in) < 1 || PyTuple_GET_ITEM(raised_in, 0) != value);

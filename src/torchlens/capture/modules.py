@@ -332,6 +332,8 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
         try:
             output = impl(module, *args, **kwargs)
         except BaseException as raised:
+            if not call[5]:  # it returned nothing: None, where a call returning None has () (capture/caught.py)
+                call[5] = None
             if st.raised_in is None or st.raised_in[0] is not raised:  # the innermost call it left
                 st.raised_in = (raised, index)
             raise

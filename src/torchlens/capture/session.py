@@ -25,6 +25,7 @@ from ..record.replay_context import global_settings
 from ..record.modules import is_unregistered
 from ..record.trace import Trace
 from ..tree import as_args, as_kwargs, clone_call
+from .caught import caught_calls_caveat, forget_caught_exceptions
 from .collectives import drop_flags_before_arrival, process_rank
 from .compiled import (CompiledSubmodules, DynamoCompiles, Suspension, check_compiled_option,
                        compiled_in_place, optimized_module_type)
@@ -309,14 +310,12 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
             _annotate(exc, state, root, leftovers(mode, parts), args)
             release_failed(state, runtime)
             raise
-        # stop_after= reached: the trace holds everything up to that site.  The stop's exception, which ``state``
-        # notes where it left a call, keeps the forward's frames (the model, its inputs): not past this point.
-        state.raised_in = state.failure = None
+        # stop_after= reached: the trace holds everything up to that site, the stop's exception let go.
+        state.caught_calls = forget_caught_exceptions(state, exc)
         return None
     finally:
         state.suspend = None  # it holds the tracker, which holds the state: no cycle may outlive the forward
-    # Nor may an exception the forward caught, as the stop's above: its traceback holds the forward's frames.
-    state.raised_in = state.failure = None
+    state.caught_calls = forget_caught_exceptions(state)  # and the exceptions the forward caught
     return output
 
 
@@ -326,11 +325,11 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     entry matched, the interventions' outcome, the ``save=`` filter applied after the fact, the gradient
     hooks' sink and what autograd kept for backward.  Class defaults stand where none apply."""
     if state.versionless or submodules is not None or index.script_modules or state.unattributed \
-            or index.packed_weights:  # else the class default: no caveat
+            or index.packed_weights or state.caught_calls:  # else the class default: no caveat
         caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
             (submodules.caveats() if submodules is not None else ()) + \
             _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ())) + \
-            _packed_weights_caveat(index.packed_weights)
+            _packed_weights_caveat(index.packed_weights) + caught_calls_caveat(result, state.caught_calls)
         if caveats:
             result.caveats = caveats
     rank = process_rank()
