@@ -526,3 +526,21 @@ def test_the_failing_torch_call_is_numbered_as_the_trace_numbers_its_ops():
         tl.trace(Product(5), torch.randn(3, 4))
     assert f"raised by torch call 'mm' (op #{mm.index})" in failed.value.__notes__[0], failed.value.__notes__
     assert f"({mm.index}) {mm.label}" in str(tl.trace(Product(4), torch.randn(3, 4)))
+
+
+def test_the_failing_torch_call_is_named_after_a_failure_the_forward_caught():
+    # The note named the first torch call that raised in the forward: one the model caught and recovered from
+    # (a shape it tried first) took the place of the call whose exception ended the trace, and the note fell
+    # back on naming the module call alone.
+    class TriesFirst(nn.Module):
+        def forward(self, x):
+            try:
+                x = torch.mm(x, torch.ones(5, 2))
+            except RuntimeError:  # the wrong shape: the other way
+                x = x[:, :2]
+            return torch.cat([x, torch.ones(2, 3)])
+
+    with pytest.raises(RuntimeError) as failed:
+        tl.trace(TriesFirst(), torch.randn(3, 4))
+    assert "raised by torch call 'cat'" in failed.value.__notes__[0], failed.value.__notes__
+    assert_clean_process()

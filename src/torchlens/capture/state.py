@@ -69,7 +69,7 @@ class CaptureState:
     save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
     keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
     budget_exhausted_at: int | None = None
-    failure = None  # (func, module call, exception) of the first torch call that raised
+    failure = None  # (func, module call, exception) of the torch call the latest exception left first
     versionless = False  # an inference tensor was seen: in-place writes known by name only
     raised_in = None  # (exception, module call index) where an exception left a module call
     caught_calls = ()  # the module calls an exception left, when the forward is over (capture/caught.py)
@@ -586,7 +586,7 @@ class CaptureState:
     def note_failure(self, func, module_call: int, exc: BaseException) -> None:
         if self.recent_alias_reads:
             self.forget_unrecorded_reads()
-        if self.failure is None:
+        if self.failure is None or self.failure[2] is not exc:  # else a call around the one it left first
             self.failure = (func, module_call, exc)
 
 
