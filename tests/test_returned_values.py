@@ -95,3 +95,27 @@ def test_an_output_holding_a_value_no_trace_can_record_is_refused_naming_where_i
     assert_clean_process()
     kept = tl.trace(lambda x: (x * 2, print, iter([1]), {"words"}), torch.randn(2))  # kept as data: no tensor hidden
     assert [op.type for op in kept.ops] == ["input", "mul", "output"]
+
+
+def test_an_output_nesting_its_tensors_deeper_than_a_trace_looks_is_refused_naming_where():
+    # A chain of (step, rest) pairs kept step by step put the first steps' tensors below the 32 levels a walk of
+    # outputs looks into: the trace listed the last 32 steps' outputs alone, and said nothing of the others.
+    class KeepsSteps(nn.Module):
+        def __init__(self, steps):
+            super().__init__()
+            self.steps = steps
+            self.cell = nn.Linear(4, 4)
+
+        def forward(self, x):
+            kept = None
+            for _ in range(self.steps):
+                x = torch.tanh(self.cell(x))
+                kept = (x, kept)
+            return kept
+
+    assert len(tl.trace(KeepsSteps(8), torch.randn(2, 4)).outputs) == 8
+    says = r"returned a tuple at output(\.1){32}, which holds tensors more than 32 levels deep.*\(return them less"
+    for run in (tl.trace, tl.validate):
+        with pytest.raises(TypeError, match=says):
+            run(KeepsSteps(40), torch.randn(2, 4))
+    assert_clean_process()

@@ -5,7 +5,9 @@ A generator, a coroutine or another iterator (``map``, ``zip``) makes or hands o
 iterated, and a function (``lambda: h * 3``) computes only when called: either runs after tracing ended.  A set
 holds its tensors in no order and at no path, and two runs' sets compare by the tensors' identity.  A future
 (``torch.jit.fork``) hands out its value only when waited on.  A dict view (``d.values()``) is a window onto a
-dict, whose tensors no walk of outputs reaches, and which shows whatever the dict holds when it is read.
+dict, whose tensors no walk of outputs reaches, and which shows whatever the dict holds when it is read.  A walk
+of outputs looks ``MAX_DEPTH`` levels deep (a list of a list ... of a tensor, as a chain of pairs kept step by
+step makes): tensors nested deeper are out of its reach too.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def refuse_unrecordable_output(output, model, shown) -> None:
     shown.close()
     what, advice = found
     where = f" at {path_text('output', path)}" if path else ""
-    if path:  # the advice for a whole result (wrap the model) does not fit a part of it
+    if path and found is not _TOO_DEEP:  # the advice for a whole result (wrap the model) does not fit a part of it
         advice = f"make {path_text('output', path)} {_settled_form(value)} inside the forward"
     raise TypeError(f"{type(model).__name__}'s forward returned a {type(value).__name__}{where}, {what}; trace a "
                     f"forward that returns its results ({advice})")
@@ -47,7 +49,9 @@ def _held_unrecordable(value, path, depth, seen):
     """``(value, path, problem)`` of the first value inside an output, at any depth a walk of outputs reaches,
     that hides its tensors from that walk or makes them after tracing ended.  Functions and other iterators
     are left alone there: an output object may well keep a callback or a counter as an attribute."""
-    children = container_items(value, True) if depth < MAX_DEPTH and id(value) not in seen else None
+    if depth >= MAX_DEPTH:  # where the walk of outputs stops
+        return (value, path, _TOO_DEEP) if id(value) not in seen and _holds_tensor(value) else None
+    children = container_items(value, True) if id(value) not in seen else None
     if children is None:
         return None
     seen.add(id(value))
@@ -65,6 +69,24 @@ def _held_unrecordable(value, path, depth, seen):
         if found is not None:
             return found
     return None
+
+
+_TOO_DEEP = (f"which holds tensors more than {MAX_DEPTH} levels deep, below the depth a trace looks into for its "
+             "outputs", "return them less deeply nested, a list of the tensors say")
+
+
+def _holds_tensor(value) -> bool:
+    """Whether a tensor lies inside ``value`` at any depth, as a walk of outputs would find it if it went on."""
+    stack, seen = [value], set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            return True
+        children = container_items(value, True) if id(value) not in seen and type(value) not in _LEAVES else None
+        if children is not None:
+            seen.add(id(value))
+            stack.extend(child for _, child in children)
+    return False
 
 
 def _settled_form(value) -> str:
