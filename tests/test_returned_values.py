@@ -44,6 +44,7 @@ def test_a_forward_returning_a_lazy_iterator_is_refused_rather_than_traced_with_
     ("coroutine", r"returned a coroutine, whose body runs only when awaited, .*asyncio.run\(model\(x\)\)"),
     ("closure", r"returned a function, which computes only when called, after tracing ended.* "
                 r"lambda x: model\(x\)\(\)"),
+    ("tensor keys", r"returned a dict, keyed by tensors, .*\(key it by names or positions"),
 ])
 def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_than_traced_with_no_outputs(
         returned, says):
@@ -59,7 +60,7 @@ def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_th
             return {"set": lambda: {h, h * 2}, "frozenset": lambda: frozenset([h]), "closure": lambda: lambda: h * 3,
                     "values": lambda: {"h": h}.values(), "items": lambda: {"h": h}.items(),
                     "coroutine": lambda: asyncio.sleep(0, h),
-                    "future": lambda: torch.jit.fork(torch.relu, h)}[returned]()
+                    "future": lambda: torch.jit.fork(torch.relu, h), "tensor keys": lambda: {h: 1}}[returned]()
 
     for run in (tl.trace, tl.validate):
         with pytest.raises(TypeError, match=says):
@@ -75,6 +76,7 @@ def test_a_forward_returning_a_set_of_tensors_or_a_function_is_refused_rather_th
     ("set", r"returned a set at output.extra.0, whose tensors have no order"),
     ("future", r"returned a Future at output.1, whose value is read with .wait\(\).*\(make output.1 the value it "
                r"holds \(.wait\(\)\) inside the forward\)"),
+    ("tensor keys", r"returned a dict at output.1, keyed by tensors, .*\(key it by names or positions"),
 ])
 def test_an_output_holding_a_value_no_trace_can_record_is_refused_naming_where_it_is(held, says):
     # Each was traced with the output's other tensors alone, and tl.validate said the outputs were not compared
@@ -87,7 +89,8 @@ def test_an_output_holding_a_value_no_trace_can_record_is_refused_naming_where_i
         def forward(self, x):
             h = self.fc(x)
             return {"generator": lambda: (h, (t * 2 for t in [h])), "set": lambda: {"h": h, "extra": [{h * 2}]},
-                    "future": lambda: (h, torch.jit.fork(torch.relu, h))}[held]()
+                    "future": lambda: (h, torch.jit.fork(torch.relu, h)),
+                    "tensor keys": lambda: (h, {h * 2: "doubled"})}[held]()
 
     for run in (tl.trace, tl.validate):
         with pytest.raises(TypeError, match=says):

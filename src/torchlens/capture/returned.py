@@ -5,9 +5,10 @@ A generator, a coroutine or another iterator (``map``, ``zip``) makes or hands o
 iterated, and a function (``lambda: h * 3``) computes only when called: either runs after tracing ended.  A set
 holds its tensors in no order and at no path, and two runs' sets compare by the tensors' identity.  A future
 (``torch.jit.fork``) hands out its value only when waited on.  A dict view (``d.values()``) is a window onto a
-dict, whose tensors no walk of outputs reaches, and which shows whatever the dict holds when it is read.  A walk
-of outputs looks ``MAX_DEPTH`` levels deep (a list of a list ... of a tensor, as a chain of pairs kept step by
-step makes): tensors nested deeper are out of its reach too.
+dict, whose tensors no walk of outputs reaches, and which shows whatever the dict holds when it is read; a dict
+keyed by tensors hides its keys from that walk, which reads a dict's values.  A walk of outputs looks
+``MAX_DEPTH`` levels deep (a list of a list ... of a tensor, as a chain of pairs kept step by step makes):
+tensors nested deeper are out of its reach too.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def refuse_unrecordable_output(output, model, shown) -> None:
     shown.close()
     what, advice = found
     where = f" at {path_text('output', path)}" if path else ""
-    if path and found is not _TOO_DEEP:  # the advice for a whole result (wrap the model) does not fit a part of it
+    if path and found not in _ANY_PART:  # the advice for a whole result (wrap the model) does not fit a part of it
         advice = f"make {path_text('output', path)} {_settled_form(value)} inside the forward"
     raise TypeError(f"{type(model).__name__}'s forward returned a {type(value).__name__}{where}, {what}; trace a "
                     f"forward that returns its results ({advice})")
@@ -56,6 +57,8 @@ def _held_unrecordable(value, path, depth, seen):
         return None
     seen.add(id(value))
     for key, child in children:
+        if type(key) in TENSOR_TYPES:  # a dict keyed by tensors: a walk of outputs reads its values alone
+            return value, path, _TENSOR_KEYS
         kind = type(child)
         if kind in _LEAVES:  # by type first: an output object's attributes are mostly tensors and plain values
             continue
@@ -71,8 +74,12 @@ def _held_unrecordable(value, path, depth, seen):
     return None
 
 
+_TENSOR_KEYS = ("keyed by tensors, which a walk of outputs does not read (it reads a dict's values), and which "
+                "compares by the tensors' identity", "key it by names or positions, or return its keys and values "
+                "in lists")
 _TOO_DEEP = (f"which holds tensors more than {MAX_DEPTH} levels deep, below the depth a trace looks into for its "
              "outputs", "return them less deeply nested, a list of the tensors say")
+_ANY_PART = (_TENSOR_KEYS, _TOO_DEEP)  # problems whose advice fits a part of an output as well as the whole
 
 
 def _holds_tensor(value) -> bool:
