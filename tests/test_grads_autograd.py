@@ -445,3 +445,65 @@ def test_a_backward_inside_the_forward_adds_its_gradients_as_retain_grad_does(co
     _assert_bit_identical(ops, got, oracle.grads())
     assert not torch.equal(log["input_1"].grad, x.grad)
     assert torch.allclose(log["input_1"].grad - inner, x.grad)
+
+
+def _t5gemma_checkpointed():
+    """A tiny T5Gemma whose layers are checkpointed with ``use_reentrant=True``.  Its norms scale by ``1 +
+    self.weight.float()``, and ``float()`` of a float32 weight returns the parameter itself: an op whose output
+    is a leaf, inside a region whose forward torch runs again, in a backward of its own, to take the gradient."""
+    from transformers import T5GemmaConfig, T5GemmaForConditionalGeneration, T5GemmaModuleConfig
+
+    stack = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, vocab_size=99, max_position_embeddings=64)
+    config = T5GemmaConfig(encoder=T5GemmaModuleConfig(**stack), decoder=T5GemmaModuleConfig(**stack), vocab_size=99,
+                           use_cache=False)
+    torch.manual_seed(0)
+    model = T5GemmaForConditionalGeneration(config).train()
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    ids = torch.randint(0, 99, (2, 8), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+
+
+# Each sink the hooks may write into: the C++ hooks', the C hooks' (where ``_autograd`` is left out), Python's.
+SINKS = [pytest.param((True, ()), id="cpp"), pytest.param((True, ("_autograd",)), id="c"),
+         pytest.param((False, ()), id="python")]
+
+
+@pytest.mark.parametrize("path", SINKS)
+def test_a_parameter_an_op_returns_in_a_reentrant_checkpoint_has_the_parameters_gradient(path):
+    # The recomputing backward reaches no record but the parameter: its gradient was dropped as a later forward's.
+    pytest.importorskip("transformers")
+    model, kwargs = _t5gemma_checkpointed()
+    with on_path(*path):
+        log = tl.trace(model, (), kwargs, grads=True)
+    log.backward(log.output.logits.pow(2).mean())
+    returned = [op for op in log if op.func_name == "float" and op.params]  # weight.float(): the weight itself
+    assert any(".layers." in op.module for op in returned), "no norm weight returned inside a checkpointed layer"
+    for op in returned:
+        assert torch.equal(op.grad, model.get_parameter(op.params[0]).grad), op.label
+    assert log.num_backwards == 1
+    kept = [op.grad for op in returned]
+    model(**kwargs).logits.pow(2).mean().backward()  # a later forward, untraced, recomputing its regions too
+    assert log.num_backwards == 1
+    assert all(op.grad is grad for op, grad in zip(returned, kept))
+
+
+@pytest.mark.parametrize("path", SINKS)
+def test_an_input_a_reentrant_region_reads_unhanded_has_its_whole_gradient(path):
+    # The region reads x without being handed it: its recomputing backward sends x a share of its own.
+    from torch.utils.checkpoint import checkpoint
+
+    head = nn.Linear(4, 1)
+
+    def forward(x):
+        return head(checkpoint(lambda a: a * x, x * 2, use_reentrant=True)).sum()
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    forward(x).backward()
+    expected, x.grad = x.grad, None
+    with on_path(*path):
+        log = tl.trace(forward, x, grads=True)
+    log.backward(log.output)
+    assert torch.equal(x.grad, expected)
+    assert torch.allclose(log["input_1"].grad, expected)
+    assert log.num_backwards == 1

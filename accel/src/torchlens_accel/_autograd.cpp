@@ -53,7 +53,7 @@
 #include <vector>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 5
+#define TORCHLENS_ACCEL_ABI 6
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -68,12 +68,15 @@ struct Store : std::enable_shared_from_this<Store> {
     std::vector<int64_t> order; /* record indices in the order their first gradient arrived */
     Py_ssize_t backwards = 0;
     bool has_task = false;
-    int task = 0;               /* the graph task (one backward) that last delivered a gradient */
+    int task = 0;               /* the graph task (one backward) delivering gradients here, until it ends */
     uint64_t version = 1;       /* bumped by every write to ``grads`` */
     uint64_t order_version = 1; /* bumped by every change of ``order`` */
     std::unordered_map<int64_t, Py_ssize_t> lost; /* record -> backwards seen when torch removed its hook */
     std::vector<int64_t> incomplete; /* lost records a later backward may have reached: gradient dropped */
     std::unordered_set<int64_t> guarded; /* leaves counted only in a backward that reached another record first */
+    std::unordered_map<int64_t, at::Tensor> held; /* guarded leaf -> gradient from a backward run inside ``held_for`` */
+    bool has_held_for = false;
+    int held_for = 0;
 
     /* A leaf's hook was removed by torch, not by the capture (see the top of the file). */
     void lose(int64_t index) {
@@ -125,7 +128,8 @@ struct Store : std::enable_shared_from_this<Store> {
         std::optional<size_t> first_of_backward;
         std::lock_guard<std::mutex> lock(mutex);
         if ((!has_task || current != task) && guarded.count(index)) {
-            return; /* a leaf reached by a backward that reached nothing else here: a later forward's */
+            hold(index, grad, replaced, dropped); /* a leaf reached by a backward that reached nothing else here */
+            return;
         }
         if (!has_task || current != task) {
             has_task = true;
@@ -134,7 +138,7 @@ struct Store : std::enable_shared_from_this<Store> {
             if (!lost.empty()) drop_lost(dropped);
             first_of_backward = order.size();
         }
-        if (first_of_backward) unshare_when_done(*first_of_backward);
+        if (first_of_backward) unshare_when_done(*first_of_backward, current);
         auto kept = grads.find(index);
         if (kept == grads.end()) {
             /* Kept by reference, not copied, as the Python path keeps it. */
@@ -148,16 +152,64 @@ struct Store : std::enable_shared_from_this<Store> {
         version++;
     }  /* the lock goes first, then ``replaced`` and ``dropped`` (declared before it) */
 
-    /* grads.py's ``_unshare_when_done``: once this backward is over, copy each gradient it kept first whose
-     * memory another tensor shares.  A view op's backward hands on a view of the gradient the trace keeps,
-     * and autograd stores such a view as a leaf's ``.grad`` without copying it: ``clip_grad_norm_`` or
-     * ``zero_()`` on that ``.grad`` would then rewrite the trace's record.  The callback holds the store
-     * weakly: a store whose capture is gone has nothing to protect. */
-    void unshare_when_done(size_t first) {
+    /* grads.py's ``_hold``: a guarded leaf reached by a backward that reached no other record here is dropped
+     * between the trace's backwards (a later forward's), and held while one runs (a backward run inside it, as a
+     * reentrant checkpoint runs one), to be added when it ends.  Called with the lock held; the tensors it lets
+     * go of go to ``replaced`` and ``dropped``, released by the caller after the lock. */
+    void hold(int64_t index, const at::Tensor &grad, at::Tensor &replaced, std::vector<at::Tensor> &dropped) {
+        if (!has_task) return;
+        if (!has_held_for || held_for != task) { /* what is held for a backward that never ended (it raised) */
+            for (auto &entry : held) dropped.push_back(std::move(entry.second));
+            held.clear();
+            has_held_for = true;
+            held_for = task;
+        }
+        auto kept = held.find(index);
+        if (kept == held.end()) {
+            held.emplace(index, grad);
+        } else {
+            replaced = kept->second;
+            kept->second = at::add(replaced, grad);
+        }
+    }
+
+    /* grads.py's ``_Sink.settle``: the backward ``ended`` is over: add the leaf gradients held for it; no
+     * backward of the trace runs now, until the next delivers. */
+    void settle(int ended) {
+        std::unordered_map<int64_t, at::Tensor> settled;
+        std::vector<at::Tensor> replaced;
+        std::lock_guard<std::mutex> lock(mutex);
+        if (has_task && task == ended) has_task = false;
+        if (!has_held_for || held_for != ended) return; /* (held for a backward still running that this one ran in) */
+        settled.swap(held);
+        has_held_for = false;
+        for (auto &[index, grad] : settled) {
+            auto kept = grads.find(index);
+            if (kept == grads.end()) {
+                grads.emplace(index, grad);
+                order.push_back(index);
+                order_version++;
+            } else {
+                replaced.push_back(kept->second);
+                kept->second = at::add(kept->second, grad);
+            }
+            version++;
+        }
+    }  /* the lock goes first, then ``replaced`` and ``settled`` */
+
+    /* grads.py's ``_unshare_when_done``: once this backward (``backward``) is over, settle it and copy each
+     * gradient it kept first whose memory another tensor shares.  A view op's backward hands on a view of the
+     * gradient the trace keeps, and autograd stores such a view as a leaf's ``.grad`` without copying it:
+     * ``clip_grad_norm_`` or ``zero_()`` on that ``.grad`` would then rewrite the trace's record.  The callback
+     * holds the store weakly: a store whose capture is gone has nothing to protect. */
+    void unshare_when_done(size_t first, int backward) {
         std::weak_ptr<Store> weak = weak_from_this();
         try {
-            torch::autograd::Engine::get_default_engine().queue_callback([weak, first]() {
-                if (auto store = weak.lock()) store->unshare(first);
+            torch::autograd::Engine::get_default_engine().queue_callback([weak, first, backward]() {
+                if (auto store = weak.lock()) {
+                    store->settle(backward);
+                    store->unshare(first);
+                }
             });
         } catch (const c10::Error &) {
             /* no backward is running (a hook called by hand): nothing to wait for */

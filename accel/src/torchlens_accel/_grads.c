@@ -17,7 +17,7 @@
 #include <structmember.h>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 3
+#define TORCHLENS_ACCEL_ABI 4
 
 static PyObject *str_requires_grad, *str_detach, *str_grad_fn, *str_backward_hooks, *str_register_hook_dict,
     *str_sequence_nr;
@@ -28,10 +28,12 @@ typedef struct {
     PyObject *grads;   /* record index -> accumulated gradient (detached; never written in place) */
     PyObject *order;   /* record indices in the order their first gradient arrived (a list) */
     Py_ssize_t backwards;
-    PyObject *task;    /* the graph task that last delivered a gradient; NULL before the first */
+    PyObject *task;    /* the graph task delivering gradients here, until it ends; NULL between backwards */
     PyObject *task_id; /* torch._C._current_graph_task_id, or a stand-in returning None */
     PyObject *on_backward; /* called with the sink when a backward delivers its first gradient, or None */
     PyObject *guarded; /* a frozenset of leaves counted only in a backward that reached another record first */
+    PyObject *held;     /* guarded leaf -> gradient from a backward run inside ``held_for`` (a dict, or NULL) */
+    PyObject *held_for; /* the backward ``held`` waits for, or NULL */
 } Sink;
 
 static PyObject *sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -60,6 +62,8 @@ static int sink_traverse(Sink *self, visitproc visit, void *arg) {
     Py_VISIT(self->task_id);
     Py_VISIT(self->on_backward);
     Py_VISIT(self->guarded);
+    Py_VISIT(self->held);
+    Py_VISIT(self->held_for);
     return 0;
 }
 
@@ -70,6 +74,8 @@ static int sink_clear(Sink *self) {
     Py_CLEAR(self->task_id);
     Py_CLEAR(self->on_backward);
     Py_CLEAR(self->guarded);
+    Py_CLEAR(self->held);
+    Py_CLEAR(self->held_for);
     return 0;
 }
 
@@ -103,9 +109,37 @@ static PyObject *sink_guard(Sink *self, PyObject *indices) {
     Py_RETURN_NONE;
 }
 
+static int accumulate(PyObject *grads, PyObject *index, PyObject *grad, PyObject *order);
+
+/* grads.py's ``_Sink.settle``: the backward ``task`` ended: add the leaf gradients held for it; no backward of
+ * the trace runs now, until the next delivers. */
+static PyObject *sink_settle(Sink *self, PyObject *task) {
+    if (self->task != NULL) {
+        int same = PyObject_RichCompareBool(self->task, task, Py_EQ);
+        if (same < 0) return NULL;
+        if (same) Py_CLEAR(self->task);
+    }
+    if (self->held_for == NULL) Py_RETURN_NONE;
+    int same = PyObject_RichCompareBool(self->held_for, task, Py_EQ);
+    if (same < 0) return NULL;
+    if (!same) Py_RETURN_NONE; /* (held for a backward still running that this one ran inside) */
+    PyObject *held = self->held;
+    self->held = NULL;
+    Py_CLEAR(self->held_for);
+    PyObject *index, *grad;
+    Py_ssize_t pos = 0;
+    int rc = 0;
+    while (rc == 0 && PyDict_Next(held, &pos, &index, &grad)) rc = accumulate(self->grads, index, grad, self->order);
+    Py_DECREF(held);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef sink_methods[] = {
     {"guard", (PyCFunction)sink_guard, METH_O, "guard(indices): leaves counted only in a backward that reached "
      "another record first."},
+    {"settle", (PyCFunction)sink_settle, METH_O, "settle(task): the backward task ended: add the leaf gradients "
+     "held for it."},
     {NULL},
 };
 
@@ -145,6 +179,40 @@ typedef struct {
     vectorcallfunc vectorcall;
 } Hook;
 
+/* Add ``grad`` to the gradient kept for ``index`` in ``grads``; ``order``, when not NULL, lists each index as it
+ * first arrives.  Kept by reference, not copied: autograd accumulates into a gradient buffer in place only
+ * while nothing else holds it (it checks the reference count), so holding it is enough. */
+static int accumulate(PyObject *grads, PyObject *index, PyObject *grad, PyObject *order) {
+    PyObject *kept = PyDict_GetItemWithError(grads, index);
+    if (kept == NULL) {
+        int rc = PyErr_Occurred() ? -1 : PyDict_SetItem(grads, index, grad);
+        return rc == 0 && order != NULL ? PyList_Append(order, index) : rc;
+    }
+    Py_INCREF(kept);
+    PyObject *sum = PyNumber_Add(kept, grad);
+    Py_DECREF(kept);
+    int rc = sum == NULL ? -1 : PyDict_SetItem(grads, index, sum);
+    Py_XDECREF(sum);
+    return rc;
+}
+
+/* grads.py's ``_hold``: a guarded leaf reached by a backward that reached no other record here is dropped
+ * between the trace's backwards (a later forward's), and held while one runs (a backward run inside it, as a
+ * reentrant checkpoint runs one), to be added when it ends.  ``grad`` is detached already. */
+static int hold(Sink *sink, PyObject *index, PyObject *grad) {
+    if (sink->task == NULL) return 0;
+    int same = sink->held_for == NULL ? 0 : PyObject_RichCompareBool(sink->held_for, sink->task, Py_EQ);
+    if (same < 0) return -1;
+    if (!same) { /* what is held for a backward that never ended (it raised) is dropped */
+        PyObject *held = PyDict_New();
+        if (held == NULL) return -1;
+        Py_XSETREF(sink->held, held);
+        Py_INCREF(sink->task);
+        Py_XSETREF(sink->held_for, sink->task);
+    }
+    return accumulate(sink->held, index, grad, NULL);
+}
+
 /* Add ``grad`` to the gradient kept for the record; never alters it (grads.py's _store). */
 static int store(Sink *sink, PyObject *index, PyObject *grad) {
     if (grad == Py_None) return 0; /* an output this backward did not reach (a multi-output op's other) */
@@ -155,14 +223,9 @@ static int store(Sink *sink, PyObject *index, PyObject *grad) {
         Py_DECREF(task);
         return -1;
     }
-    if (differs && sink->guarded != NULL) {
-        int leaf = PySet_Contains(sink->guarded, index);
-        if (leaf != 0) { /* a leaf reached by a backward that reached nothing else here: a later forward's */
-            Py_DECREF(task);
-            return leaf < 0 ? -1 : 0;
-        }
-    }
-    if (differs) {
+    /* a leaf reached by a backward that reached nothing else here: held (``hold``) */
+    int leaf = differs && sink->guarded != NULL ? PySet_Contains(sink->guarded, index) : 0;
+    if (differs && leaf == 0) {
         Py_XSETREF(sink->task, task);
         sink->backwards++;
         if (sink->on_backward != Py_None) { /* grads.py's _unshare_when_done */
@@ -172,6 +235,7 @@ static int store(Sink *sink, PyObject *index, PyObject *grad) {
         }
     } else {
         Py_DECREF(task);
+        if (leaf < 0) return -1;
     }
     PyObject *requires_grad = PyObject_GetAttr(grad, str_requires_grad);
     if (requires_grad == NULL) return -1;
@@ -183,20 +247,7 @@ static int store(Sink *sink, PyObject *index, PyObject *grad) {
         Py_SETREF(grad, PyObject_CallMethodNoArgs(grad, str_detach));
         if (grad == NULL) return -1;
     }
-    int rc;
-    PyObject *kept = PyDict_GetItemWithError(sink->grads, index);
-    if (kept == NULL) {
-        /* Kept by reference, not copied: autograd accumulates into a gradient buffer in place only while
-         * nothing else holds it (it checks the reference count), so holding it is enough. */
-        rc = PyErr_Occurred() ? -1 : PyDict_SetItem(sink->grads, index, grad);
-        if (rc == 0) rc = PyList_Append(sink->order, index);
-    } else {
-        Py_INCREF(kept);
-        PyObject *sum = PyNumber_Add(kept, grad);
-        Py_DECREF(kept);
-        rc = sum == NULL ? -1 : PyDict_SetItem(sink->grads, index, sum);
-        Py_XDECREF(sum);
-    }
+    int rc = leaf ? hold(sink, index, grad) : accumulate(sink->grads, index, grad, sink->order);
     Py_DECREF(grad);
     return rc;
 }

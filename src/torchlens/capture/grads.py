@@ -66,19 +66,37 @@ class _Sink:
     The hooks hold the sink, not the capture: the autograd graph may outlive the trace, and the
     capture's death is what removes the hooks (its finalizer)."""
 
-    __slots__ = ("grads", "order", "backwards", "task", "guarded")
+    __slots__ = ("grads", "order", "backwards", "task", "guarded", "held", "held_for")
 
     def __init__(self):
         self.grads: dict = {}  # record index -> accumulated gradient (detached; never written in place)
         self.order: list = []  # record indices in the order their first gradient arrived (backward order)
         self.backwards = 0
-        self.task = _NO_TASK  # the graph task (one backward) that last delivered a gradient
+        self.task = _NO_TASK  # the graph task (one backward) delivering gradients here, until it ends
         self.guarded = frozenset()  # leaves counted only in a backward that reached another record first
+        self.held: dict = {}  # guarded leaf -> gradient from a backward run inside ``held_for`` (``_hold``)
+        self.held_for = _NO_TASK
 
     def guard(self, indices) -> None:
         """Count the gradients of the records ``indices`` (leaves) only in a backward that has already
         delivered a gradient here (see ``GradCapture.guard_leaves``)."""
         self.guarded = frozenset(indices)
+
+    def settle(self, task) -> None:
+        """The backward ``task`` ended: add the leaf gradients held for it (``_hold``); no backward of the
+        trace runs now, until the next delivers."""
+        if self.task == task:
+            self.task = _NO_TASK
+        if self.held_for != task:
+            return  # (none held, or held for a backward still running that this one ran inside)
+        held, self.held, self.held_for = self.held, {}, _NO_TASK
+        for index, grad in held.items():
+            kept = self.grads.get(index)
+            if kept is None:
+                self.grads[index] = grad
+                self.order.append(index)
+            else:
+                self.grads[index] = kept + grad
 
 
 def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
@@ -91,7 +109,8 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
     task = _task_id()
     if task != sink.task:
         if index in sink.guarded:
-            return  # a leaf reached by a backward that reached nothing else here: a forward after the trace
+            _hold(sink, index, grad)  # a leaf reached by a backward that reached nothing else here
+            return
         sink.task = task
         sink.backwards += 1
         _unshare_when_done(sink)
@@ -112,16 +131,38 @@ def _store(sink: _Sink, index: int, grad, _task_id=_graph_task_id) -> None:
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
+def _hold(sink: _Sink, index: int, grad) -> None:
+    """A guarded leaf reached by a backward that reached no other record here.  Between the trace's backwards
+    that is the backward of a forward after the trace: dropped.  While one runs (``sink.task``), it is a
+    backward run inside it, as a reentrant checkpoint runs one to recompute its region, whose graph may hold
+    no record but the leaf (a norm's ``weight.float()``): held, and added when that backward ends."""
+    if sink.task is _NO_TASK:
+        return
+    if sink.held_for != sink.task:  # what is held for a backward that never ended (it raised) is dropped
+        sink.held, sink.held_for = {}, sink.task
+    if grad.requires_grad:
+        grad = grad.detach()
+    kept = sink.held.get(index)
+    sink.held[index] = grad if kept is None else kept + grad
+
+
 def _unshare_when_done(sink) -> None:
-    """A backward began delivering gradients to ``sink``: once it is over, copy each gradient it kept first
-    whose memory another tensor shares.  A view op's backward (``w.t()``, ``gamma.view(...)``, ``torch.cat``'s
-    slices) hands on a view of the gradient the trace keeps, and autograd stores such a view as a leaf's
-    ``.grad`` without copying it: ``clip_grad_norm_``, ``GradScaler.unscale_`` or ``zero_()`` on that ``.grad``
-    would then rewrite the trace's record.  (The C++ store does the same, ``_autograd.cpp``.)"""
+    """A backward began delivering gradients to ``sink``: once it is over, settle it (``_Sink.settle``) and
+    copy each gradient it kept first whose memory another tensor shares.  A view op's backward (``w.t()``,
+    ``gamma.view(...)``, ``torch.cat``'s slices) hands on a view of the gradient the trace keeps, and autograd
+    stores such a view as a leaf's ``.grad`` without copying it: ``clip_grad_norm_``, ``GradScaler.unscale_``
+    or ``zero_()`` on that ``.grad`` would then rewrite the trace's record.  (The C++ store does the same,
+    ``_autograd.cpp``.)"""
     try:
-        _queue_callback(partial(_unshare, sink, len(sink.order)))
+        _queue_callback(partial(_when_done, sink, _graph_task_id(), len(sink.order)))
     except RuntimeError:  # no backward is running (a hook called by hand): nothing to wait for
         pass
+
+
+def _when_done(sink, task, first: int) -> None:
+    """The backward ``task`` ended: add what it held, then unshare what it kept from ``sink.order[first]`` on."""
+    sink.settle(task)
+    _unshare(sink, first)
 
 
 def _unshare(sink, first: int) -> None:
@@ -386,9 +427,10 @@ class GradCapture:
         weight) belongs to every graph built from it, so a backward of a forward run after the trace reaches
         its hook too.  With every op watched (``grads=True``), a backward through the traced ops reaches an
         op that read the leaf before the leaf itself (autograd accumulates into a leaf once all its
-        consumers are done), so a leaf reached first belongs to another forward.  Not guarded: the leaves
-        the forward returned (their gradient may come straight from the loss), and every leaf when a
-        selection watches only some ops or no op has a backward node."""
+        consumers are done), so a leaf reached first belongs to another forward, or to a backward run inside
+        one of the trace's, as a reentrant checkpoint runs one, which is held until that ends (``_hold``).
+        Not guarded: the leaves the forward returned (their gradient may come straight from the loss), and
+        every leaf when a selection watches only some ops or no op has a backward node."""
         numbers, handles = self.sequence_numbers, self.handles
         if self.selector is not None or self.policy is not None or not numbers or len(handles) <= len(numbers):
             return  # a hook without a sequence number is a leaf's: usually there is none
