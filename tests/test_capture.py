@@ -60,6 +60,22 @@ def test_mlp_labels_modules_and_params():
     assert log["head"].label == "linear_4_5:1"  # a module that ran once -> its output op
 
 
+class _ScaledByWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((4,), 0.5))
+
+    def forward(self, x):
+        return x * self.weight.float()  # .float() of a float32 parameter returns the parameter itself
+
+
+def test_an_op_returning_a_leaf_has_no_grad_fn():
+    # A leaf that requires grad has no autograd node: its op's grad_fn is None (it read "NoneType").
+    log = tl.trace(_ScaledByWeight(), torch.randn(2, 4))
+    assert log["float_1_1"].requires_grad and log["float_1_1"].grad_fn is None
+    assert log["mul_1_2"].grad_fn == "MulBackward0"
+
+
 def _write_two_of_three_pieces(x):
     a, b, c = (x * 1).chunk(3)  # three views sharing one storage and one version counter
     a.mul_(2)
