@@ -280,8 +280,11 @@ def test_an_op_let_go_before_the_budget_stopped_saving_is_saved_again_as_a_later
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         log = tl.trace(model, x, save=["a", "b"], max_saved_bytes=3 * 32)  # the input, a's linear and its mul
+    # The input and a's linear, held and let go, spent the budget a's output would have fitted: the warning says so.
     assert [str(w.message) for w in caught] == ["max_saved_bytes reached: activations from add_1_3:1 on were not "
-                                                "saved"]
+                                                "saved (save= holds every op it may keep until the forward ends, or "
+                                                "a selected module's inner ops until its call returns, and what it "
+                                                "holds counts against the budget)"]
     assert [log.labels[i] for i in sorted(log.saved_activations)] == ["mul_1_2:1"]
     assert torch.equal(log["mul_1_2:1"].activation, model.a.kept)
 

@@ -48,7 +48,7 @@ class SavePolicy:
         if isinstance(save, LayerSelection):
             option = "layers"  # tl.extract's layers=: its refusals name the option the caller wrote
         self.predicate, self.option = None, option
-        self.budget_spent_holding = False  # max_saved_bytes ran out on an op held but not selected (see ``apply``)
+        self.budget_spent_holding = False  # max_saved_bytes was spent on ops held but not selected (see ``apply``)
         self.labels = self.types = self.module_ids = self.addresses = self.call_labels = _NOTHING
         self.type_entries: dict = {}  # normalized op type -> the entry as written
         self.selected_modules: dict = {}  # id(module) -> module, for each module a selection names
@@ -251,14 +251,17 @@ class SavePolicy:
                     "after the op that made them (no op's activation is then the value returned); select the ops "
                     "that read them instead")
 
-    def apply(self, trace) -> None:
-        """Release the activations the selection did not ask for."""
+    def apply(self, trace, held_at_exhaustion=()) -> None:
+        """Release the activations the selection did not ask for.  ``held_at_exhaustion``: the records saved as
+        ``max_saved_bytes`` ran out, whose bytes spent it."""
         if not self.filters_after:
             return
         stop = trace.budget_exhausted_at
         if stop is not None:
             trace.budget_exhausted_at = self._first_selected_from(trace, stop)
-            self.budget_spent_holding = trace.budget_exhausted_at != stop
+            # Held for the selection and let go: the budget ran out on them, though it stopped at a selected op.
+            self.budget_spent_holding = trace.budget_exhausted_at != stop or any(
+                not self.keep(trace, trace.ops[i]) for i in held_at_exhaustion)
         if not trace.saved_activations:
             return
         kept = {i for i in trace.saved_activations if trace.kinds[i] != Kind.OUTPUT and self.keep(trace, trace.ops[i])}

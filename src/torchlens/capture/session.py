@@ -346,7 +346,7 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
 
         finish_interventions(runtime, result)
     if policy.filters_after:
-        policy.apply(result)
+        policy.apply(result, state.held_at_exhaustion)
     if state.grads is not None:
         attach_grads(result, state.grads, bool(state.outside or state.own_outputs))
     if packing is not None:

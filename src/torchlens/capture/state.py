@@ -69,6 +69,7 @@ class CaptureState:
     save_sources = True  # inputs and buffers; False when a save= selection cannot pick them
     keyed_to = 0  # records below this index that were saved are keyed in ``_by_storage``
     budget_exhausted_at: int | None = None
+    held_at_exhaustion: tuple = ()  # the records whose saved tensors filled max_saved_bytes as it ran out
     failure = None  # (func, module call, exception) of the torch call the latest exception left first
     versionless = False  # an inference tensor was seen: in-place writes known by name only
     raised_in = None  # (exception, module call index) where an exception left a module call
@@ -464,6 +465,7 @@ class CaptureState:
         if self.budget is not None and not self.budget.admit(t):
             if self.budget_exhausted_at is None:
                 self.budget_exhausted_at = index
+                self.held_at_exhaustion = tuple(self.saved)
                 self.save_mode = 0
                 self.plain_save = False
             return
