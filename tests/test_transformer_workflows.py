@@ -165,3 +165,29 @@ def test_a_bert_layers_hidden_state_recorded_by_its_own_hook_is_the_value_before
     by_label = tl.trace(model, kwargs=kwargs, intervene={site.label: tl.scale(2.0)})
     assert torch.equal(by_label.output.hidden_states[1], site.activation)
     assert torch.equal(by_label.output.logits, expected.logits)
+
+
+def test_a_module_sites_edit_follows_the_hooks_a_models_first_call_installs():
+    # transformers installs its hidden-state recording hooks during a model's first call, after a module site's edit
+    # hook was registered: traced first, the edit ran before the recording hook and hidden_states[1] was the edited
+    # value, while every later trace of the same call recorded the value before the edit.
+    pytest.importorskip("transformers")
+    import copy
+
+    import real_models
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.bert()
+    model.eval()
+    kwargs = {**kwargs, "output_hidden_states": True}
+    called_before = copy.deepcopy(model)  # the same weights; its first call installs the recording hooks
+    called_before(**kwargs)
+    handle = called_before.bert.encoder.layer[0].register_forward_hook(lambda m, i, o: o * 2.0)
+    try:
+        expected = called_before(**kwargs)
+    finally:
+        handle.remove()
+    for _ in range(2):  # the first trace is the model's first call
+        edited = tl.trace(model, kwargs=kwargs, intervene={"bert.encoder.layer.0": tl.scale(2.0)})
+        assert torch.equal(edited.output.logits, expected.logits)
+        assert all(torch.equal(a, b) for a, b in zip(edited.output.hidden_states, expected.hidden_states))

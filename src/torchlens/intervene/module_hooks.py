@@ -1,4 +1,4 @@
-"""Module sites: a forward hook on each site module, registered after the module's own hooks, replaces the
+"""Module sites: a forward hook on each site module, run after the module's own hooks, replaces the
 output of the calls the tracing thread makes.  A call made on another thread is neither recorded nor edited (capture
 is thread-local); the runtime notes the module so that the trace can say so."""
 
@@ -22,12 +22,12 @@ if TYPE_CHECKING:
 
 class ModuleHooks(HookHandles):
     """Forward hooks on the module sites' modules, for the trace.  The edit hook is registered on each
-    site module after the module's own hooks (torch runs them in registration order), so it sees what the
-    module's hooks made and callers receive the edited value, as from a hook the user added last.  Torch
-    runs a module's hooks inside the call ``ModuleCallTracker`` records, so the call is on
-    ``state.module_stack`` in both; the call's outputs are recorded when it returns, after the edit hook
-    replaced them (or by the edit hook itself when it stops the forward).  Only the site modules get hooks:
-    every other module call runs as in a plain trace."""
+    site module after the module's own hooks (torch runs them in registration order), and moved after any
+    registered since as each call begins, so it sees what the module's hooks made and callers receive the
+    edited value, as from a hook the user added last.  Torch runs a module's hooks inside the call
+    ``ModuleCallTracker`` records, so the call is on ``state.module_stack`` in both; the call's outputs are
+    recorded when it returns, after the edit hook replaced them (or by the edit hook itself when it stops the
+    forward).  Only the site modules get hooks: every other module call runs as in a plain trace."""
 
     def __init__(self, runtime: Interventions, st, root):
         super().__init__()
@@ -37,6 +37,7 @@ class ModuleHooks(HookHandles):
         runtime, st, root, owner = self.runtime, self.st, self.root, threading.get_ident()
         counts: dict = {}
         open_calls: list = []  # (module, module call index, call number) of site modules now running
+        edit_keys: dict = {}  # id(site module) -> the key of its edit hook in the module's _forward_hooks
 
         # Both step aside while Dynamo compiles a body of torch.cond (or while_loop, map, scan) calling a site
         # module: that call is inside one op, unseen, and Dynamo cannot trace the thread check.
@@ -47,6 +48,7 @@ class ModuleHooks(HookHandles):
                 runtime.called_elsewhere.add(id(module))
                 return
             counts[id(module)] = number = counts.get(id(module), 0) + 1
+            _run_last(module._forward_hooks, edit_keys[id(module)])
             # With the exception being handled where the call began (None, but for a model called
             # inside an except block): another one at its end is an exception raised in the call.
             open_calls.append((module, st.module_stack[-1], number, sys.exc_info()[1]))
@@ -79,6 +81,15 @@ class ModuleHooks(HookHandles):
             # records; the edit last, after its own forward hooks (always_call: an exception pops the count).
             self.hook(module, pre_hook, pre=True, prepend=True)
             self.hook(module, post_hook, pre=False, always_call=True)
+            edit_keys[id(module)] = self._handles[-1].id
+
+
+def _run_last(hooks: dict, key) -> None:
+    """Move the hook at ``key`` after every other forward hook of its module: a hook the model registered since
+    the trace began (transformers installs its hidden-state recorders during a model's first call) runs before the
+    edit, as it would from the start of any later trace."""
+    if key in hooks and next(reversed(hooks)) != key:
+        hooks[key] = hooks.pop(key)
 
 
 def _site_modules(module_sites, root) -> list:
