@@ -510,3 +510,17 @@ def test_gpt2_an_inputs_or_outputs_path_as_a_site_names_what_to_intervene_at_ins
     with pytest.raises(KeyError, match=r"stop_after site 'input\.input_ids' is the model's input input_1:1, which no "
                                        r"op of the forward produces: name the ops that read it"):
         tl.trace(model, clean, stop_after="input.input_ids")
+
+
+@pytest.mark.parametrize("entry", ["transformer.h.0", "transformer.h.0:1"])
+def test_gpt2_a_selection_of_a_call_the_stop_cut_short_is_refused_not_empty(gpt2, tmp_path, entry):
+    # stop_after= at the block's mlp ends the forward inside the block, which never returns: save= of the block kept
+    # nothing and said nothing, and tl.extract said that its call returned no tensor.
+    model, clean, _ = gpt2
+    cut_short = r"'transformer\.h\.0(:1)?'.*stopped after transformer\.h\.0\.mlp:1.*inside transformer\.h\.0:1"
+    with pytest.raises(tl.UnmatchedSelection, match=cut_short):
+        tl.trace(model, clean, save=[entry], stop_after="transformer.h.0.mlp")
+    with pytest.raises(tl.UnmatchedSelection, match=cut_short):
+        tl.extract(model, [clean], [entry], tmp_path / "a", stop_after="transformer.h.0.mlp", progress=False)
+    log = tl.trace(model, clean, save=["transformer.h.0.mlp"], stop_after="transformer.h.0.mlp")  # it returned
+    assert [op.label for op in log if op.has_activation] == [log["transformer.h.0.mlp"].label]

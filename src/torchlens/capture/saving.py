@@ -205,6 +205,7 @@ class SavePolicy:
         missing += sorted(self.addresses - called) + sorted(self.call_labels - calls)
         if not missing:
             self._refuse_outputs_no_op_made(trace, option)
+            self._refuse_calls_cut_short(trace, option, stopped_after)
         if missing:
             entry = missing[0]
             if entry in known:  # a module named like a label that never ran: the label is in the trace
@@ -232,6 +233,27 @@ class SavePolicy:
             more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""
             raise UnmatchedSelection(f"no op, layer, module call or module named {entry!r} in this trace, and no "
                                      f"op of that type: {option}= matched nothing for it{ran}{hint}{more}")
+
+    def _refuse_calls_cut_short(self, trace, option: str, stopped_after) -> None:
+        """Refuse a module entry whose every call a stop ended inside (``stop_after=`` at a submodule or an op of
+        it): those calls never returned, so they have no output to save or watch."""
+        if stopped_after is None or not trace.ops:
+            return
+        around_stop = set(trace.ops[-1].modules)  # the calls open as the last op was made
+        unreturned, chosen = set(), {}  # chosen: entry -> its calls' labels
+        for mc in trace.module_calls:
+            if mc.label in around_stop and not mc._output_nodes:
+                unreturned.add(mc.label)
+            keys = [a for a in mc.module.all_addresses if a in self.addresses]
+            keys += [mc.label] if mc.label in self.call_labels else []
+            for key in keys:
+                chosen.setdefault(key, []).append(mc.label)
+        for entry, calls in sorted(chosen.items()):
+            if unreturned.issuperset(calls):
+                raise UnmatchedSelection(
+                    f"{option}= entry {entry!r} matched nothing: the forward stopped after {stopped_after}, as "
+                    f"stop_after= asked, inside {calls[0]}, which never returned, so it has no output; select the "
+                    "ops inside it by label, or stop after it")
 
     def _refuse_outputs_no_op_made(self, trace, option: str) -> None:
         """Refuse a module entry whose every call returned only tensors no op of the trace made (a Python module
