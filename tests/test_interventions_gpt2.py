@@ -524,3 +524,13 @@ def test_gpt2_a_selection_of_a_call_the_stop_cut_short_is_refused_not_empty(gpt2
         tl.extract(model, [clean], [entry], tmp_path / "a", stop_after="transformer.h.0.mlp", progress=False)
     log = tl.trace(model, clean, save=["transformer.h.0.mlp"], stop_after="transformer.h.0.mlp")  # it returned
     assert [op.label for op in log if op.has_activation] == [log["transformer.h.0.mlp"].label]
+
+
+def test_gpt2_reading_a_value_of_a_module_the_stop_cut_short_says_so(gpt2):
+    # log["transformer.h.0"] of a trace stopped inside the block is the Module (its call has no output): reading its
+    # activation said the call returned no op's value, as for a module returning no tensor, not that it never returned.
+    model, clean, _ = gpt2
+    log = tl.trace(model, clean, stop_after="transformer.h.0.mlp")
+    with pytest.raises(AttributeError, match=r"transformer\.h\.0:1 never returned: the forward stopped after "
+                                             r"transformer\.h\.0\.mlp:1 inside it \(stop_after=\)"):
+        log["transformer.h.0"].activation

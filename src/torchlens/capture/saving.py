@@ -21,7 +21,7 @@ from ..errors import AmbiguousKey, UnmatchedSelection, add_note, closest_hint, f
 from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
 from ..record.lookup import alias_note, no_root_note, refuse_ambiguous
-from ..record.modules import is_unregistered
+from ..record.modules import calls_cut_short, is_unregistered
 from ..record.model_index import (container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
 from ..record.params import bypassed_call_hint
@@ -204,8 +204,9 @@ class SavePolicy:
         missing = sorted(self.labels - known) + sorted(self.type_entries[t] for t in self.types if t not in types)
         missing += sorted(self.addresses - called) + sorted(self.call_labels - calls)
         if not missing:
-            self._refuse_outputs_no_op_made(trace, option)
-            self._refuse_calls_cut_short(trace, option, stopped_after)
+            chosen = self._calls_by_entry(trace)
+            self._refuse_outputs_no_op_made(chosen, option)
+            self._refuse_calls_cut_short(trace, chosen, option, stopped_after)
         if missing:
             entry = missing[0]
             if entry in known:  # a module named like a label that never ran: the label is in the trace
@@ -234,41 +235,38 @@ class SavePolicy:
             raise UnmatchedSelection(f"no op, layer, module call or module named {entry!r} in this trace, and no "
                                      f"op of that type: {option}= matched nothing for it{ran}{hint}{more}")
 
-    def _refuse_calls_cut_short(self, trace, option: str, stopped_after) -> None:
-        """Refuse a module entry whose every call a stop ended inside (``stop_after=`` at a submodule or an op of
-        it): those calls never returned, so they have no output to save or watch."""
-        if stopped_after is None or not trace.ops:
-            return
-        around_stop = set(trace.ops[-1].modules)  # the calls open as the last op was made
-        unreturned, chosen = set(), {}  # chosen: entry -> its calls' labels
+    def _calls_by_entry(self, trace) -> dict:
+        """Each module entry (an address or a call label) -> the calls it selected, in one pass over the calls."""
+        chosen: dict = {}
         for mc in trace.module_calls:
-            if mc.label in around_stop and not mc._output_nodes:
-                unreturned.add(mc.label)
             keys = [a for a in mc.module.all_addresses if a in self.addresses]
             keys += [mc.label] if mc.label in self.call_labels else []
             for key in keys:
-                chosen.setdefault(key, []).append(mc.label)
+                chosen.setdefault(key, []).append(mc)
+        return chosen
+
+    @staticmethod
+    def _refuse_calls_cut_short(trace, chosen: dict, option: str, stopped_after) -> None:
+        """Refuse a module entry whose every call a stop ended inside (``stop_after=`` at a submodule or an op of
+        it): those calls never returned, so they have no output to save or watch."""
+        if stopped_after is None:
+            return
+        unreturned = calls_cut_short(trace)
         for entry, calls in sorted(chosen.items()):
-            if unreturned.issuperset(calls):
+            if all(mc.label in unreturned for mc in calls):
                 raise UnmatchedSelection(
                     f"{option}= entry {entry!r} matched nothing: the forward stopped after {stopped_after}, as "
-                    f"stop_after= asked, inside {calls[0]}, which never returned, so it has no output; select the "
-                    "ops inside it by label, or stop after it")
+                    f"stop_after= asked, inside {calls[0].label}, which never returned, so it has no output; select "
+                    "the ops inside it by label, or stop after it")
 
-    def _refuse_outputs_no_op_made(self, trace, option: str) -> None:
+    @staticmethod
+    def _refuse_outputs_no_op_made(chosen: dict, option: str) -> None:
         """Refuse a module entry whose every call returned only tensors no op of the trace made (a Python module
         whose output its TorchScript child computed): it ran, but it selects nothing to save or watch."""
-        chosen: dict = {}  # entry -> [(call label, whether it returned only such tensors)], in one pass
-        for mc in trace.module_calls:
-            label, outputs = mc.label, mc._output_nodes
-            keys = [a for a in mc.module.all_addresses if a in self.addresses]
-            keys += [label] if label in self.call_labels else []
-            for key in keys:
-                chosen.setdefault(key, []).append((label, bool(outputs) and max(outputs) < 0))
         for entry, calls in sorted(chosen.items()):
-            if all(unseen for _, unseen in calls):
+            if all(_only_unseen(mc._output_nodes) for mc in calls):
                 raise UnmatchedSelection(
-                    f"{option}= entry {entry!r} matched nothing: {first_few(label for label, _ in calls)} returned "
+                    f"{option}= entry {entry!r} matched nothing: {first_few(mc.label for mc in calls)} returned "
                     f"only tensors no op of the trace made ({UNSEEN_PLACES}), or written through a view or its base "
                     "after the op that made them (no op's activation is then the value returned); select the ops "
                     "that read them instead")
@@ -295,6 +293,11 @@ class SavePolicy:
         let_go = {i: RELEASED_INSIDE.format(trace.module_calls[call].label, trace.labels[i])
                   for i, call in self.released.items() if i not in kept and self.keep(trace, trace.ops[i])}
         trace.keep_activations(kept, let_go)
+
+
+def _only_unseen(outputs: tuple) -> bool:
+    """Whether a call returned tensors, all of them made by no op of the trace (their indices are negative)."""
+    return bool(outputs) and max(outputs) < 0
 
 
 class SelectedModuleOutputs(HookHandles):

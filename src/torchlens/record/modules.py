@@ -207,18 +207,36 @@ class Module(View):
         from .op import Op
 
         if not name.startswith("_") and hasattr(Op, name) and self.num_calls == 1:
-            raise AttributeError(f"{name!r} belongs to one op, but {self.call_labels[0]} returned no op's value (no "
-                                 "tensor, tensors no op of the trace made, or tensors written through a view or "
-                                 f"their base after the op that made them), so log[{self.address!r}] is the Module: "
-                                 "read it from an op inside the call or one reading its output")
+            label = self.call_labels[0]
+            raise AttributeError(f"{name!r} belongs to one op, but {label} {self._no_output(label)}, so "
+                                 f"log[{self.address!r}] is the Module: read it from an op inside the call or one "
+                                 "reading its output")
         if not name.startswith("_") and hasattr(Op, name):
             calls = ", ".join(f"log[{label!r}]" for label in self.call_labels[:3])
             raise AttributeError(f"{name!r} belongs to one op, but {self.address} ran {self.num_calls} times, so "
                                  f"log[{self.address!r}] is the Module: read it from one call's output op: {calls}")
         raise AttributeError(f"'Module' object has no attribute {name!r}")
 
+    def _no_output(self, label: str) -> str:
+        """Why the call ``label`` has no output op: a ``stop_after=`` stop ended the forward inside it, or it
+        returned none."""
+        trace = self._trace
+        if trace.stopped_after is not None and label in calls_cut_short(trace):
+            return f"never returned: the forward stopped after {trace.stopped_after} inside it (stop_after=)"
+        return ("returned no op's value (no tensor, tensors no op of the trace made, or tensors written through a view "
+                "or their base after the op that made them)")
+
     def __repr__(self) -> str:
         return f"<Module {self.address} ({self.class_name}, {counted(self.num_calls, 'call')})>"
+
+
+def calls_cut_short(trace) -> set:
+    """The labels of the module calls a ``stop_after=`` stop ended inside, in a stopped trace: open as its last op
+    was made, they never returned, so they have no output."""
+    if not trace.ops:
+        return set()
+    around_stop = set(trace.ops[-1].modules)
+    return {mc.label for mc in trace.module_calls if mc.label in around_stop and not mc._output_nodes}
 
 
 def call_children(rows) -> list:
