@@ -534,3 +534,20 @@ def test_gpt2_reading_a_value_of_a_module_the_stop_cut_short_says_so(gpt2):
     with pytest.raises(AttributeError, match=r"transformer\.h\.0:1 never returned: the forward stopped after "
                                              r"transformer\.h\.0\.mlp:1 inside it \(stop_after=\)"):
         log["transformer.h.0"].activation
+
+
+def test_gpt2_reading_an_ops_value_from_a_module_call_record_says_where_it_is(gpt2):
+    # log["transformer.h.0:1"] of a trace stopped inside the block is the ModuleCall, which has no output op: reading
+    # its activation raised a bare "'ModuleCall' object has no attribute 'activation'", where the Module said why.
+    model, clean, _ = gpt2
+    log = tl.trace(model, clean, stop_after="transformer.h.0.mlp")
+    with pytest.raises(AttributeError, match=r"'activation' belongs to one op, but transformer\.h\.0:1 never returned: "
+                                             r"the forward stopped after transformer\.h\.0\.mlp:1 inside it"):
+        log["transformer.h.0:1"].activation
+    with pytest.raises(AttributeError, match="'ModuleCall' object has no attribute 'no_such_field'"):
+        log["transformer.h.0:1"].no_such_field
+    # A call that returned its output, reached as a record (the Module said it returned no op's value).
+    call = next(c for c in tl.trace(model, clean).module_calls if c.label == "transformer.h.0:1")
+    for record in (call, call.module):
+        with pytest.raises(AttributeError, match=r"read it from the call's output op, log\['transformer\.h\.0:1'\]"):
+            record.activation

@@ -168,6 +168,14 @@ class ModuleCall(View):
         labels = self._trace._labels
         return [labels[i] for i in self._op_nodes]
 
+    def __getattr__(self, name):
+        # Only reached for names a ModuleCall lacks: ``log['fc:1']`` is the call itself when it has no output op.
+        from .op import Op
+
+        if not name.startswith("_") and hasattr(Op, name):
+            raise op_field_refusal(self, name, "the ModuleCall")
+        raise AttributeError(f"'ModuleCall' object has no attribute {name!r}")
+
     def __repr__(self) -> str:
         return f"<ModuleCall {self.label} ({self.module.class_name}, {counted(len(self._op_nodes), 'op')})>"
 
@@ -207,27 +215,33 @@ class Module(View):
         from .op import Op
 
         if not name.startswith("_") and hasattr(Op, name) and self.num_calls == 1:
-            label = self.call_labels[0]
-            raise AttributeError(f"{name!r} belongs to one op, but {label} {self._no_output(label)}, so "
-                                 f"log[{self.address!r}] is the Module: read it from an op inside the call or one "
-                                 "reading its output")
+            raise op_field_refusal(self.calls[0], name, "the Module", self.address)
         if not name.startswith("_") and hasattr(Op, name):
             calls = ", ".join(f"log[{label!r}]" for label in self.call_labels[:3])
             raise AttributeError(f"{name!r} belongs to one op, but {self.address} ran {self.num_calls} times, so "
                                  f"log[{self.address!r}] is the Module: read it from one call's output op: {calls}")
         raise AttributeError(f"'Module' object has no attribute {name!r}")
 
-    def _no_output(self, label: str) -> str:
-        """Why the call ``label`` has no output op: a ``stop_after=`` stop ended the forward inside it, or it
-        returned none."""
-        trace = self._trace
-        if trace.stopped_after is not None and label in calls_cut_short(trace):
-            return f"never returned: the forward stopped after {trace.stopped_after} inside it (stop_after=)"
-        return ("returned no op's value (no tensor, tensors no op of the trace made, or tensors written through a view "
-                "or their base after the op that made them)")
-
     def __repr__(self) -> str:
         return f"<Module {self.address} ({self.class_name}, {counted(self.num_calls, 'call')})>"
+
+
+def op_field_refusal(call: ModuleCall, name: str, record: str, key: str | None = None) -> AttributeError:
+    """The error for an op's field ``name`` read from the Module or ModuleCall (``record``) of ``call``, reached as
+    ``log[key]``: where that value is, its output op, or why the call has none (a ``stop_after=`` stop ended the
+    forward inside it, or it returned no op's value)."""
+    trace, label = call._trace, call.label
+    outputs = call.output_ops
+    if outputs:
+        return AttributeError(f"{name!r} belongs to one op, and this is {record} of {label}: read it from the call's "
+                              f"output op, log[{label!r}] ({outputs[0]})")
+    if trace.stopped_after is not None and label in calls_cut_short(trace):
+        why = f"never returned: the forward stopped after {trace.stopped_after} inside it (stop_after=)"
+    else:
+        why = ("returned no op's value (no tensor, tensors no op of the trace made, or tensors written through a view "
+               "or their base after the op that made them)")
+    return AttributeError(f"{name!r} belongs to one op, but {label} {why}, so log[{key or label!r}] is {record}: read "
+                          "it from an op inside the call or one reading its output")
 
 
 def calls_cut_short(trace) -> set:
