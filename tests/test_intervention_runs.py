@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from collections import deque
 
 import pytest
 import torch
@@ -83,6 +84,35 @@ def test_a_label_site_on_a_model_whose_first_forward_builds_a_cache():
     assert torch.equal(log.output, torch.zeros(2, 4))  # tanh(0): the product zeroed
     assert log.labels == first.labels  # the first forward's path, cache building included
     assert torch.equal(model.cache, torch.arange(4.0).exp())  # built once, by the intervened run
+
+
+class _KeepsRecentStates(nn.Module):
+    """Adds the states of its last forwards, kept in a deque (as a streaming model keeps its recent context), and
+    appends its own: each forward reads what the one before it left."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.recent = deque([torch.zeros(4)], maxlen=3)
+
+    def forward(self, x):
+        h = self.fc(x) + sum(self.recent)
+        self.recent.append(h.detach().mean(0))
+        return torch.tanh(h)
+
+
+def test_a_label_sites_reference_pass_puts_back_a_deque_a_module_holds():
+    # The pass that resolves the label appended to the deque and left it so: the intervened run read two states
+    # where the same edit made by hand reads one, and every forward after it read one state too many.
+    torch.manual_seed(0)
+    by_hand, x = _KeepsRecentStates(), torch.randn(2, 4)
+    traced = copy.deepcopy(by_hand)
+    by_hand.fc.register_forward_hook(lambda module, args, out: out * -3.0)
+    log = tl.trace(traced, x, intervene={"linear_1_1:1": tl.scale(-3.0)})  # resolved by an extra pass
+    assert torch.equal(log.output, by_hand(x))
+    assert len(traced.recent) == 2
+    traced.fc.register_forward_hook(lambda module, args, out: out * -3.0)
+    assert torch.equal(traced(x), by_hand(x))  # the next untraced forward reads the same states
 
 
 def test_a_label_site_on_a_model_writing_its_parameters_is_refused_once():

@@ -33,7 +33,7 @@ import random
 import sys
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -160,7 +160,8 @@ def _held(module, kind) -> list:
     for name, value in vars(module).items():
         if name in _TABLES:
             continue
-        members = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        members = value.values() if isinstance(value, dict) else \
+            value if isinstance(value, (list, tuple, deque)) else (value,)
         found.extend(member for member in members if isinstance(member, kind))
     return found
 
@@ -222,7 +223,8 @@ class ModuleAttributes:
 
 
 _ABSENT = object()
-_PLAIN_CONTAINERS = (dict, OrderedDict, list, set)
+# A deque too: a module keeping its last few states in one (deque(maxlen=n)) appends to it in every forward.
+_PLAIN_CONTAINERS = (dict, OrderedDict, list, set, deque)
 
 
 def _noted(value) -> tuple:
@@ -244,7 +246,7 @@ def _put_members_back(container, members: list) -> None:
     """Give ``container`` back ``members`` (from ``_members``), in place, only where they differ."""
     if not _same_members(container, members):
         container.clear()
-        if isinstance(container, list):
+        if isinstance(container, (list, deque)):  # within a deque's maxlen: it held them all
             container.extend(members)
         else:  # a dict from its entries, a set from its items
             container.update(members)
