@@ -58,3 +58,21 @@ def test_activation_patching_by_positions_names_the_op_a_predicate_raised_at_or_
     with pytest.raises(KeyError, match="predicate matched no op of the reference trace"):
         tl.report.activation_patching(model, clean, corrupt, metric, sites=[lambda op: op.type == "conv2d"],
                                       positions=1, progress=False)
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["intervene", "stop_after"])
+def test_a_predicate_testing_values_in_the_default_reference_says_it_saves_none(stop):
+    # A predicate reading op.activation met None in the metadata-only reference made for label sites and raised
+    # "'NoneType' object has no attribute 'abs'", with nothing saying why the op had no value; the note says so now.
+    model, x = _Head(), torch.randn(2, 3, 4)
+    site = lambda op: bool(op.activation.abs().max() > 0)  # noqa: E731
+    options = {"stop_after": site} if stop else {"intervene": {site: tl.scale(2.0)}}
+    with pytest.raises(AttributeError, match="NoneType") as raised:
+        tl.trace(model, x, **options)
+    assert "reference saved no activation for linear_1_1:1" in raised.value.__notes__[-1]
+    assert_clean_process()
+    log = tl.trace(model, x, reference=tl.trace(model, x), **options)  # a reference that saved the values
+    if stop:
+        assert log.stopped_after == "linear_1_1:1"
+    else:
+        assert [a.label for a in log.interventions] == ["linear_1_1:1", "getitem_1_2:1"]

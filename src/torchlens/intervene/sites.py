@@ -364,13 +364,18 @@ def accepted_ops(reference, predicate, stop: bool = False) -> list:
 def _accepts(predicate, op: Op, stop: bool) -> bool:
     """``predicate(op)``, its exception noted with the op it was given: a test written for the ops inside modules
     (``"attn" in op.module``) meets the ops of the root's own forward too, whose ``module`` is None, and its
-    bare ``TypeError`` would name no op and read as torchlens failing."""
+    bare ``TypeError`` would name no op and read as torchlens failing.  A test of the values
+    (``op.activation.abs().max() > 5``) meets ``None`` in the default reference, which saves none: said so when
+    the exception is about a None."""
     try:
         return predicate(op)
     except Exception as exc:
+        unsaved = "" if op.has_activation or "NoneType" not in str(exc) else (
+            f"; op.activation is None there, as the reference saved no activation for {op.label} (the one made for "
+            "label sites saves none): to test values, pass reference= a trace that saved them (tl.trace(model, x))")
         add_note(exc, f"torchlens: raised by the {_kind(stop)} predicate given the op {op.label} (type {op.type!r}, "
                       f"module {op.module!r}{', made outside every submodule' if op.module is None else ''}), "
-                      "before the intervened run; a predicate is called on every op of the reference trace")
+                      f"before the intervened run; a predicate is called on every op of the reference trace{unsaved}")
         raise
 
 
