@@ -182,3 +182,35 @@ def test_a_call_reading_what_it_returns_is_refused_naming_the_read(blip2, compil
     finally:
         handle.remove()
     assert torch.equal(edited.output.logits, expected)
+
+
+class _FcTwice(nn.Module):
+    """``fc``, then ``mid``, then ``fc`` again."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.mid = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(self.mid(self.fc(x)))
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+@pytest.mark.parametrize("at", ["mid", "linear_2_2:1"], ids=["module site", "label site"])
+def test_a_module_an_action_runs_is_no_call_of_the_forward(at, compiled):
+    # The action's own model.fc(t) was recorded as fc:2, a call with no ops: the model's second call became fc:3,
+    # a site "fc:2" met the action's call (refused as returning a tensor no op made) and stop_after="fc:2" stopped
+    # the forward inside the action, before the model's second call ran.
+    model, x = _FcTwice(), torch.randn(2, 4)
+    probe = lambda t, op: t + 0 * model.fc(t)  # noqa: E731 - reads the model, changes nothing
+    with on_path(compiled):
+        log = tl.trace(model, x, intervene={at: probe, "fc:2": tl.scale(-2.0)})
+        stopped = tl.trace(model, x, intervene={at: probe}, stop_after="fc:2")
+    assert [call.label for call in log.module_calls] == ["fc:1", "mid:1", "fc:2"]
+    assert [applied.label for applied in log.interventions] == ["linear_2_2:1", "linear_1_1:2"]
+    with torch.no_grad():
+        assert torch.equal(log.output, model(x) * -2.0)
+        assert torch.equal(stopped["fc:2"].activation, model(x))
+    assert [op.label for op in stopped.ops] == ["input_1:1", "linear_1_1:1", "linear_2_2:1", "linear_1_1:2"]
+    assert not model.fc._forward_hooks and not model.fc._forward_pre_hooks

@@ -14,6 +14,7 @@ the subclass computes the new value and types it, as in a forward hook.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from operator import itemgetter
@@ -101,6 +102,7 @@ class Interventions(ReferencePath):
         self.reference = None  # the trace label sites were resolved against, if any
         self._start_path()
         self.packing = None  # the PackLog of saved_for_backward=True, which learns where each action runs
+        self.acting = 0  # how many actions run now: the module calls they make are none of the forward's
 
     @property
     def watches_calls(self) -> bool:
@@ -155,7 +157,7 @@ class Interventions(ReferencePath):
         if packing is not None:  # what the action makes autograd keep is counted at its site
             packing.action_at = call
         try:
-            new = self._call_action(action, value, op)
+            new = self._call_unrecorded(st, action, value, op)
         except Exception as exc:
             # Else only the module call it ran in is noted, which reads as the model's own failure.
             if not isinstance(exc, TorchlensError):  # the helpers' refusals name the site themselves
@@ -209,6 +211,17 @@ class Interventions(ReferencePath):
                 "gradient is needed")
         refuse_inside_function(key, op, new, value)
         return new
+
+    def _call_unrecorded(self, st, action, value, op):
+        """``action(value, op)`` with the module calls it makes neither recorded nor edited, as its ops are not: a
+        model module it runs (``model.fc(t)``) would otherwise be recorded as a call with no ops, take the number of
+        the model's next call of it, and be the one a module site or ``stop_after=`` of that number meets."""
+        self.acting += 1
+        try:
+            with st.suspend() if st.suspend is not None else contextlib.nullcontext():
+                return self._call_action(action, value, op)
+        finally:
+            self.acting -= 1
 
     def _call_action(self, action, value, op):
         """``action(value, op)``; its own torch calls are not ops of the model.  A tensor subclass whose
