@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import types
 from collections import deque
 
 import pytest
@@ -101,18 +102,34 @@ class _KeepsRecentStates(nn.Module):
         return torch.tanh(h)
 
 
-def test_a_label_sites_reference_pass_puts_back_a_deque_a_module_holds():
-    # The pass that resolves the label appended to the deque and left it so: the intervened run read two states
-    # where the same edit made by hand reads one, and every forward after it read one state too many.
+class _KeepsRunningStats(nn.Module):
+    """Counts its forwards and sums its inputs in a plain object it holds (``self.stats.calls += 1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.stats = types.SimpleNamespace(calls=0, total=torch.zeros(4))
+
+    def forward(self, x):
+        self.stats.calls += 1
+        self.stats.total.add_(x.sum(0))
+        return torch.tanh(self.fc(x) * self.stats.calls + self.stats.total)
+
+
+@pytest.mark.parametrize("model_type", [_KeepsRecentStates, _KeepsRunningStats], ids=["deque", "object"])
+def test_a_label_sites_reference_pass_puts_back_the_state_a_module_keeps(model_type):
+    # The pass that resolves the label left a state appended to the deque, and the object's count and sum advanced
+    # once more: the intervened run read the state of two forwards where the same edit made by hand reads that of
+    # one, and every untraced forward after it read one forward too many.
     torch.manual_seed(0)
-    by_hand, x = _KeepsRecentStates(), torch.randn(2, 4)
+    by_hand, x = model_type(), torch.randn(2, 4)
     traced = copy.deepcopy(by_hand)
     by_hand.fc.register_forward_hook(lambda module, args, out: out * -3.0)
-    log = tl.trace(traced, x, intervene={"linear_1_1:1": tl.scale(-3.0)})  # resolved by an extra pass
+    site = tl.trace(copy.deepcopy(traced), x)["fc"].label  # the label of fc's output op
+    log = tl.trace(traced, x, intervene={site: tl.scale(-3.0)})  # resolved by an extra pass
     assert torch.equal(log.output, by_hand(x))
-    assert len(traced.recent) == 2
     traced.fc.register_forward_hook(lambda module, args, out: out * -3.0)
-    assert torch.equal(traced(x), by_hand(x))  # the next untraced forward reads the same states
+    assert torch.equal(traced(x), by_hand(x))  # the next untraced forward reads the same state
 
 
 def test_a_label_site_on_a_model_writing_its_parameters_is_refused_once():

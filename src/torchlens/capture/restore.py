@@ -32,6 +32,7 @@ import operator
 import random
 import sys
 import threading
+import types
 import weakref
 from collections import OrderedDict, deque
 
@@ -160,10 +161,27 @@ def _held(module, kind) -> list:
     for name, value in vars(module).items():
         if name in _TABLES:
             continue
+        attributes = _object_attributes(value)
         members = value.values() if isinstance(value, dict) else \
-            value if isinstance(value, (list, tuple, deque)) else (value,)
+            value if isinstance(value, (list, tuple, deque)) else \
+            attributes.values() if attributes is not None else (value,)
         found.extend(member for member in members if isinstance(member, kind))
     return found
+
+
+# Whose namespace is no state of the model's: a class, a Python module, a function.  (A torch module is the model's
+# own, kept by its own rules; a tensor's attributes are not its value.)
+_NO_STATE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+             torch.nn.Module, torch.Tensor)
+
+
+def _object_attributes(value):
+    """The attributes of a plain object a module holds (``self.stats = RunningStats()``), which a forward may write
+    as a module's own (``self.stats.count += 1``); None for anything else."""
+    if isinstance(value, _NO_STATE) or type(value) in _PLAIN_CONTAINERS:
+        return None
+    attributes = getattr(value, "__dict__", None)  # None without one: a number, slots, a type of C's (a lock)
+    return attributes if type(attributes) is dict else None
 
 
 class ParametrizationCache:
@@ -185,9 +203,9 @@ class ParametrizationCache:
 
 class ModuleAttributes:
     """Every module's Python attributes (``vars(module)``: flags, counters, caches, and the parameter,
-    buffer, submodule and hook tables), restorable; a container's members are noted one level deep, so
-    membership is restored, not the values inside them.  Tensor values are restored as objects, not as
-    contents.
+    buffer, submodule and hook tables), restorable; a container's members, and a plain object's attributes, are
+    noted one level deep, so membership is restored, not the values inside them.  Tensor values are restored as
+    objects, not as contents.
 
     The containers themselves are put back, not copies of them: a hook's ``RemovableHandle`` removes the
     hook from the very dict it was registered in, and the model index's structure check holds the very
@@ -212,8 +230,8 @@ class ModuleAttributes:
         for m, attributes in self.saved:
             state = vars(m)
             for k, (value, members, copied) in attributes.items():
-                if members is not None:
-                    _put_members_back(value, members)
+                if members is not None:  # a container's members, or a plain object's attributes
+                    _put_members_back(value if type(value) in _PLAIN_CONTAINERS else vars(value), members)
                 elif copied is not None:  # another kind of container: a copy of it as it was
                     value = copy.copy(copied)
                 if state.get(k, _ABSENT) is not value:
@@ -229,12 +247,13 @@ _PLAIN_CONTAINERS = (dict, OrderedDict, list, set, deque)
 
 def _noted(value) -> tuple:
     """``(value, members, copy)``: a plain container's members (``_members``), or a copy of any other
-    container, or neither."""
+    container, or a plain object's attributes (as a dict's members), or none of them."""
     if type(value) in _PLAIN_CONTAINERS:
         return value, _members(value), None
     if isinstance(value, (list, dict, set)):
         return value, None, copy.copy(value)
-    return value, None, None
+    attributes = _object_attributes(value)
+    return value, None if attributes is None else _members(attributes), None
 
 
 def _members(container) -> list:
