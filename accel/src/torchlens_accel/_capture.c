@@ -23,8 +23,9 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape or what a plain capture asks of the handler changes (finite
- * flags, ABI 20), with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 20
+ * flags, ABI 20; an intervention's action running, which the module recorder leaves unrecorded, ABI 21), with
+ * torchlens.capture.accel.ABI. */
+#define TORCHLENS_ACCEL_ABI 21
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16

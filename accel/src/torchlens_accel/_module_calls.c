@@ -43,7 +43,7 @@ typedef struct {
 
 /* Interned names. */
 static PyObject *s_raised_in, *s_pass_through, *s_end_pass_through, *s_root, *s_root_running, *s_last_write,
-    *s_value_record;
+    *s_value_record, *s_acting;
 
 /* The record whose value a tensor holds, or -1 (``bound`` in capture/modules.py): the one it was last bound
  * to, unless a write was noted since that record, when ``st.value_record`` decides.  New reference. */
@@ -310,6 +310,13 @@ static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size
     Py_DECREF(key);
     if (skipped < 0) return NULL;
     if (skipped) return skipped_call(r, module, argv, nargsf, kwnames);
+    /* An intervention's action running (intervene/runtime.py): the module calls it makes are none of the forward's. */
+    PyObject *acting = PyObject_GetAttr(r->state, s_acting);
+    if (acting == NULL) return NULL;
+    int in_action = acting != Py_False && PyObject_IsTrue(acting);
+    Py_DECREF(acting);
+    if (in_action < 0) return NULL;
+    if (in_action) return PyObject_Vectorcall(r->impl, argv, nargsf, kwnames);
     Py_ssize_t depth = PyList_GET_SIZE(r->stack);
     PyObject *parent = depth ? Py_NewRef(PyList_GET_ITEM(r->stack, depth - 1)) : PyLong_FromLong(-1);
     if (parent == NULL) return NULL;
@@ -570,7 +577,7 @@ static PyTypeObject RecorderType = {
 int add_module_recorder(PyObject *m) {
     INTERN(s_raised_in, "raised_in") INTERN(s_pass_through, "pass_through") INTERN(s_end_pass_through, "end_pass_through")
     INTERN(s_root, "root") INTERN(s_root_running, "root_running") INTERN(s_last_write, "last_write")
-    INTERN(s_value_record, "value_record")
+    INTERN(s_value_record, "value_record") INTERN(s_acting, "acting")
     if (PyType_Ready(&RecorderType) < 0) return -1;
     return PyModule_AddObjectRef(m, "ModuleRecorder", (PyObject *)&RecorderType);
 }

@@ -278,6 +278,8 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
             if not st.root_running:  # the trace's own call of its root, which is not a module call
                 return _run_root(module, args, kwargs)
             # else the root called again inside its own call (recursion): a module call like any other
+        if st.acting:  # a call an intervention's action makes (intervene/runtime.py): none of the forward's
+            return impl(module, *args, **kwargs)
         parent = stack[-1] if stack else -1
         # record_call <- (the dispatcher, while several threads trace) <- (the relay, when the code of
         # _call_impl is swapped) <- _wrapped_call_impl <- the caller: a user frame is the answer

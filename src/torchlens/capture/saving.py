@@ -332,7 +332,7 @@ class SelectedModuleOutputs(HookHandles):
         saved_ids, watched_ids = self.saved_ids, self.watched_ids
 
         def pre_hook(module, args):
-            if not _compiler._is_compiling_flag and threading.get_ident() == owner:
+            if not _compiler._is_compiling_flag and not st.acting and threading.get_ident() == owner:
                 call = self._current_call(module)
                 if call is not None:
                     self.first_record[call] = len(st.records)
@@ -341,7 +341,8 @@ class SelectedModuleOutputs(HookHandles):
         def post_hook(module, args, output):
             # Aside while Dynamo compiles a torch.cond body calling the module: that call is unseen, in one op.
             # (A call returning None returns no tensor, and still lets go of its inner ops.)
-            if _compiler._is_compiling_flag or threading.get_ident() != owner:
+            # Nor calls an intervention's action makes, which are none of the forward's.
+            if _compiler._is_compiling_flag or st.acting or threading.get_ident() != owner:
                 return None
             saving, watching = id(module) in saved_ids, id(module) in watched_ids
             returned, released = set(), self.policy.released

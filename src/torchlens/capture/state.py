@@ -74,6 +74,7 @@ class CaptureState:
     versionless = False  # an inference tensor was seen: in-place writes known by name only
     raised_in = None  # (exception, module call index) where an exception left a module call
     caught_calls = ()  # the module calls an exception left, when the forward is over (capture/caught.py)
+    acting = False  # an intervention's action runs: the module calls it makes are none of the forward's
     mode_lifted = False  # the forward took the capture's mode off the function-mode stack (capture/teardown.py)
     # The module traced (not a callable's root=): its own call is the trace, not a module call, while its calls
     # of itself inside that one (recursion) are; ``root_running`` says whether that call is running.

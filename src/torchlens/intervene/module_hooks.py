@@ -42,7 +42,7 @@ class ModuleHooks(HookHandles):
         # Both step aside while Dynamo compiles a body of torch.cond (or while_loop, map, scan) calling a site
         # module: that call is inside one op, unseen, and Dynamo cannot trace the thread check.
         def pre_hook(module, args):
-            if _compiler._is_compiling_flag or runtime.acting:  # an action's own call: none of the forward's
+            if _compiler._is_compiling_flag or st.acting:  # an action's own call: none of the forward's
                 return
             if threading.get_ident() != owner:  # not recorded, so not edited: said after the trace
                 runtime.called_elsewhere.add(id(module))
@@ -54,7 +54,7 @@ class ModuleHooks(HookHandles):
             open_calls.append((module, st.module_stack[-1], number, sys.exc_info()[1]))
 
         def post_hook(module, args, output):
-            if _compiler._is_compiling_flag or runtime.acting or threading.get_ident() != owner or not open_calls \
+            if _compiler._is_compiling_flag or st.acting or threading.get_ident() != owner or not open_calls \
                     or open_calls[-1][0] is not module:
                 return None
             _, module_call, number, handled = open_calls.pop()

@@ -14,7 +14,6 @@ the subclass computes the new value and types it, as in a forward hook.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping
 from operator import itemgetter
@@ -102,7 +101,6 @@ class Interventions(ReferencePath):
         self.reference = None  # the trace label sites were resolved against, if any
         self._start_path()
         self.packing = None  # the PackLog of saved_for_backward=True, which learns where each action runs
-        self.acting = 0  # how many actions run now: the module calls they make are none of the forward's
 
     @property
     def watches_calls(self) -> bool:
@@ -215,13 +213,14 @@ class Interventions(ReferencePath):
     def _call_unrecorded(self, st, action, value, op):
         """``action(value, op)`` with the module calls it makes neither recorded nor edited, as its ops are not: a
         model module it runs (``model.fc(t)``) would otherwise be recorded as a call with no ops, take the number of
-        the model's next call of it, and be the one a module site or ``stop_after=`` of that number meets."""
-        self.acting += 1
+        the model's next call of it, and be the one a module site or ``stop_after=`` of that number meets.  The
+        recorders and the module hooks read ``st.acting`` (one attribute per module call, where stepping the
+        recorder aside per action cost some 40 k instructions)."""
+        was, st.acting = st.acting, True
         try:
-            with st.suspend() if st.suspend is not None else contextlib.nullcontext():
-                return self._call_action(action, value, op)
+            return self._call_action(action, value, op)
         finally:
-            self.acting -= 1
+            st.acting = was
 
     def _call_action(self, action, value, op):
         """``action(value, op)``; its own torch calls are not ops of the model.  A tensor subclass whose
