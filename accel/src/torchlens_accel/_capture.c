@@ -672,8 +672,7 @@ static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject 
                 rg = RG_REFUSED;
                 grad_type = Py_NewRef(Py_None);
             } else if (grad_fn != NULL) {
-                /* A leaf (a parameter an op returns as it is: ``w.float()``) has no node: None, not NoneType. */
-                grad_type = grad_fn == Py_None ? Py_None : (PyObject *)Py_TYPE(grad_fn);
+                grad_type = (PyObject *)Py_TYPE(grad_fn);
                 Py_INCREF(grad_type);
                 *node_out = grad_fn;
             }

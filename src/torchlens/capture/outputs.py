@@ -92,7 +92,7 @@ def grad_node(t) -> tuple:
         grad_fn = t.grad_fn
     except RuntimeError:
         return None, None
-    return grad_fn, type(grad_fn) if grad_fn is not None else None  # a leaf (``w.float()``) has no node
+    return grad_fn, type(grad_fn)
 
 
 def made_since(producers, t, first_record: int) -> bool:

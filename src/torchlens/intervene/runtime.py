@@ -31,7 +31,6 @@ from ..record.modules import enclosing_calls
 from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
 from ..capture.bindings import is_bound
-from ..capture.outputs import grad_node
 from ..capture.state import StopForward
 from ..capture.writes import named_targets
 from ..tree import made_in_transform, path_text, tensor_leaves
@@ -282,7 +281,7 @@ class Interventions(ReferencePath):
         rec = st.records[record]
         requires_grad = new.requires_grad
         st.records[record] = rec[:2] + (shape_of(new), new.dtype, new.device, requires_grad,
-                                        grad_node(new)[1] if requires_grad else None)
+                                        type(new.grad_fn) if requires_grad else None)
         st.producers[id(new)] = (weakref(new), record, version_of(new))
         if st.grads is not None:  # grads=True: the op's gradient is that of the value downstream saw
             st.grads.rewatch(record, new, st.calls, rec)

@@ -189,7 +189,9 @@ class Op(View):
     def grad_fn(self):
         """Name of the autograd node that produced the tensor (``AddmmBackward0``), or None."""
         cls = self._trace._meta[self.index].grad_fn_class
-        return cls.__name__ if cls is not None else None
+        # A leaf that requires grad (a parameter an op returns as it is: ``w.float()``) is recorded with None's type,
+        # which capture reads as "watch its gradient" (a refused node is None): it has no node.
+        return cls.__name__ if cls is not None and cls.__name__ != "NoneType" else None
 
     @property
     def numel(self) -> int:
