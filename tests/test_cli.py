@@ -283,6 +283,23 @@ def test_hot_path_says_how_many_rows_it_shows(tmp_path, capsys):
     assert "top 3 of 3)" in capsys.readouterr().out  # three torch calls: not "top 5"
 
 
+def test_hot_path_ranks_gradient_norms_and_bytes_saved_for_backward(tmp_path, capsys):
+    # The library ranks by both; the command offered duration, FLOPs and memory only.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    log = tl.trace(model, torch.randn(3, 4), grads=True, saved_for_backward=True)
+    log.backward(log.output.pow(2).sum())
+    log.save(tmp_path / "g")
+    norms = {op.label: float(op.grad.norm()) for op in log if op.requires_grad and op.grad is not None}
+    assert main(["hot-path", str(tmp_path / "g"), "--by", "grad_norm", "-n", "1"]) == 0
+    top = max(norms, key=norms.get)
+    out = capsys.readouterr().out
+    assert "Hot path (grad_norm" in out and f"{top} " in out and f"{norms[top]:.4g}" in out
+    assert main(["hot-path", str(tmp_path / "g"), "--by", "saved_for_backward"]) == 0
+    assert "Hot path (saved_for_backward" in capsys.readouterr().out
+    assert main(["hot-path", str(_saved(tmp_path)), "--by", "grad_norm"]) != 0  # no gradients: refused
+    assert "grads=True" in capsys.readouterr().err
+
+
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     saved = _saved(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

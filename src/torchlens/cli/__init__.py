@@ -47,7 +47,7 @@ def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
     width = max([36, *(len(row["address"]) for row in ranked.rows[:n])])
     for row in ranked.rows[:n]:
         total = row["total"] * 1e3 if by == "duration" else row["total"]
-        shown = f"{total:.3f}" if by == "duration" else f"{int(total):,}"
+        shown = f"{total:.3f}" if by == "duration" else f"{total:.4g}" if by == "grad_norm" else f"{int(total):,}"
         lines.append(f"  {row['address']:<{width}} x{row['count']:<4} {shown:>14} {unit}  {row['percent']:5.1f}%")
     if ranked.excluded:
         lines.append(f"  excluded (no {by} value): {counted(len(ranked.excluded), 'op')}")
@@ -278,10 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--summary", action="store_true", help="print the module summary table (parameters, "
                                                               "shapes, ops, FLOPs, time, bytes; to --depth)")
 
-    hot = command("hot-path", cmd_hot_path, "rank the ops of a saved trace by host time, FLOPs or memory")
+    hot = command("hot-path", cmd_hot_path, "rank the ops of a saved trace by host time, FLOPs, memory, gradient "
+                                            "norm or bytes saved for backward")
     hot.add_argument("dir", help="a folder written by log.save or 'torchlens trace --save'")
     hot.add_argument("-n", type=int, default=10, help="rows to print (default 10)")
-    hot.add_argument("--by", default="duration", choices=["duration", "flops", "memory"])
+    # grad_norm and saved_for_backward rank what a trace saved with grads=True (after a backward) or
+    # saved_for_backward=True holds; a trace without it is refused with the option to trace it with.
+    hot.add_argument("--by", default="duration",
+                     choices=["duration", "flops", "memory", "grad_norm", "saved_for_backward"])
     hot.add_argument("--group", default="op", choices=["op", "layer", "module", "source"])
 
     draw = command("render", cmd_render, "draw a saved trace: an interactive .html viewer, or a .svg, .png or .dot "
