@@ -55,7 +55,7 @@ class CallRow(NamedTuple):
     number: int  # the call's number among that module's calls, from 1
     parent: int  # the enclosing module call's index, -1 in the root forward
     start_ns: int
-    end_ns: int | None  # None if the call never returned
+    end_ns: int | None  # as the call ended: it returned, or an exception or a stop_after= stop left it
     inputs: tuple  # op indices of the tensors the caller passed (-1: of unknown origin)
     outputs: tuple  # op indices of the tensors the caller received
 
@@ -101,7 +101,8 @@ class ModuleCall(View):
         return [ModuleCall(self._trace, c) for c in self._trace._call_children()[self.index]]
 
     start_ns = row_field("start_ns", "``perf_counter_ns()`` as the call began.")
-    end_ns = row_field("end_ns", "``perf_counter_ns()`` as the call returned.")
+    end_ns = row_field("end_ns", "``perf_counter_ns()`` as the call ended: as it returned, or as an exception (the "
+                       "forward caught) or a ``stop_after=`` stop left it.")
     _input_nodes = row_field("inputs")
     _output_nodes = row_field("outputs")
 
@@ -126,7 +127,8 @@ class ModuleCall(View):
 
     @property
     def duration(self):
-        """Host wall time of the whole call in seconds (None if the call never returned)."""
+        """Host wall time of the whole call in seconds: until it returned, or until an exception or a ``stop_after=``
+        stop left it (``Trace.caveats`` names the calls an exception left)."""
         row = self._row
         return (row.end_ns - row.start_ns) / 1e9 if row.end_ns is not None else None
 
