@@ -153,8 +153,12 @@ class Interventions(ReferencePath):
         packing = self.packing
         if packing is not None:  # what the action makes autograd keep is counted at its site
             packing.action_at = call
+        # The module calls the action makes are none of the forward's, as its ops are not: a model module it runs
+        # (``model.fc(t)``) would take the number of the model's next call of it, and be the one a module site or
+        # ``stop_after=`` of that number meets.  The recorders and the module hooks read the flag.
+        acting, st.acting = st.acting, True
         try:
-            new = self._call_unrecorded(st, action, value, op)
+            new = self._call_action(action, value, op)
         except Exception as exc:
             # Else only the module call it ran in is noted, which reads as the model's own failure.
             if not isinstance(exc, TorchlensError):  # the helpers' refusals name the site themselves
@@ -162,6 +166,7 @@ class Interventions(ReferencePath):
                               f"given a {tuple(shape_of(value))} {value.dtype} value; the model itself did not fail")
             raise
         finally:
+            st.acting = acting
             if packing is not None:
                 packing.action_at = None
         if version is not None and value._version != version:
@@ -208,18 +213,6 @@ class Interventions(ReferencePath):
                 "gradient is needed")
         refuse_inside_function(key, op, new, value)
         return new
-
-    def _call_unrecorded(self, st, action, value, op):
-        """``action(value, op)`` with the module calls it makes neither recorded nor edited, as its ops are not: a
-        model module it runs (``model.fc(t)``) would otherwise be recorded as a call with no ops, take the number of
-        the model's next call of it, and be the one a module site or ``stop_after=`` of that number meets.  The
-        recorders and the module hooks read ``st.acting`` (one attribute per module call, where stepping the
-        recorder aside per action cost some 40 k instructions)."""
-        was, st.acting = st.acting, True
-        try:
-            return self._call_action(action, value, op)
-        finally:
-            st.acting = was
 
     def _call_action(self, action, value, op):
         """``action(value, op)``; its own torch calls are not ops of the model.  A tensor subclass whose
