@@ -12,7 +12,7 @@ from ..errors import InterventionError
 from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE, MODULE_CALL_MODULE
 from ..record.modules import is_unregistered, shown_class
 from ..record.source import source_of
-from .sites import call_line, deep_mismatch_note, named_once, occurrence_key
+from .sites import call_line, deep_mismatch_note, named_once, occurrence_key, site_kind
 
 
 class ReferencePath:
@@ -70,20 +70,18 @@ class ReferencePath:
                     if link.module is not None and st.module_calls[k][MODULE_CALL_MODULE] is not link.module
                     and self._address(st.module_calls[k][MODULE_CALL_MODULE]) == link.address]
         if replaced:
-            kind = "stop_after site" if site.stop else "intervention site"
             raise InterventionError(
-                f"{kind} {site_where(site.key, site.op)}: module {', '.join(replaced)} is another object than the one "
-                "the reference trace ran (replaced since the reference was traced?), so the reference does not "
-                "describe this model; pass reference= a trace of the model as it is now, or none (a reference pass "
-                "is then made first)")
+                f"{site_kind(site.stop)} {site_where(site.key, site.op)}: module {', '.join(replaced)} is another "
+                "object than the one the reference trace ran (replaced since the reference was traced?), so the "
+                "reference does not describe this model; pass reference= a trace of the model as it is now, or none "
+                "(a reference pass is then made first)")
 
     def _diverged(self, site, what: str):
         """Refuse a label site whose position holds another op in this run than in the reference."""
-        kind = "stop_after site" if site.stop else "intervention site"
         raise InterventionError(
-            f"{kind} {site_where(site.key, site.op)}: the forward took another path than the reference "
-            f"trace: at that position it {what}.{self._written_note()}{self._deep_note()} Pass reference= a trace of "
-            "inputs that take the same path, or use a module site")
+            f"{site_kind(site.stop)} {site_where(site.key, site.op)}: the forward took another path than the "
+            f"reference trace: at that position it {what}.{self._written_note()}{self._deep_note()} Pass reference= a "
+            "trace of inputs that take the same path, or use a module site")
 
     def _occurrence(self, st, call_position: int, name: str, line) -> int:
         """How many calls with the ``occurrence_key`` of the call at ``call_position`` (``name`` made at ``line``)

@@ -161,7 +161,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run", index
         items.append((stop_after, None, True))
     for key, action, stop in items:
         refuse_module_object(key, modules, "stop_after=" if stop else "an intervention site")
-        kind = _kind(stop)
+        kind = site_kind(stop)
         if callable(key) and not isinstance(key, str):
             # Called with each op of the reference, after its forward: one that cannot take an op would fail there.
             check_takes(key, 1, f"a predicate {kind} is called as site(op), with each op of the reference trace",
@@ -301,7 +301,7 @@ def _refuse_container(key: str, address: str, modules: dict, stop: bool) -> None
     name.  Refused before anything runs, naming the modules it holds."""
     note = container_note(address, modules.get(address))
     if note:
-        raise InterventionError(f"{_kind(stop)} {key!r} {note}")
+        raise InterventionError(f"{site_kind(stop)} {key!r} {note}")
 
 
 def _refuse_inside_compiled(key: str, address: str, compiled: dict) -> None:
@@ -331,14 +331,14 @@ def resolve_labels(reference, pending, deep: bool = False) -> list:
                 found = reference[key]
             except KeyError as exc:
                 deep_note = deep_mismatch_note(reference, deep)
-                raise KeyError(f"{_kind(stop)} {key!r}: {exc.args[0]}{_stopped_note(reference)}"
+                raise KeyError(f"{site_kind(stop)} {key!r}: {exc.args[0]}{_stopped_note(reference)}"
                                f"{f'. {deep_note}' if deep_note else ''}") from None
             if isinstance(found, Layer):
                 ops = found.ops
             elif isinstance(found, Op):
                 ops = [found]
             else:
-                raise KeyError(f"{_kind(stop)} {key!r} does not name an op in the reference trace")
+                raise KeyError(f"{site_kind(stop)} {key!r} does not name an op in the reference trace")
         else:
             ops = accepted_ops(reference, key, stop)
         for op in ops:
@@ -373,8 +373,9 @@ def _accepts(predicate, op: Op, stop: bool) -> bool:
         unsaved = "" if op.has_activation or "NoneType" not in str(exc) else (
             f"; op.activation is None there, as the reference saved no activation for {op.label} (the one made for "
             "label sites saves none): to test values, pass reference= a trace that saved them (tl.trace(model, x))")
-        add_note(exc, f"torchlens: raised by the {_kind(stop)} predicate given the op {op.label} (type {op.type!r}, "
-                      f"module {op.module!r}{', made outside every submodule' if op.module is None else ''}), "
+        outside = ", made outside every submodule" if op.module is None else ""
+        add_note(exc, f"torchlens: raised by the {site_kind(stop)} predicate given the op {op.label} (type "
+                      f"{op.type!r}, module {op.module!r}{outside}), "
                       f"before the intervened run; a predicate is called on every op of the reference trace{unsaved}")
         raise
 
@@ -422,7 +423,7 @@ def _unregistered_note(key: str, kind: str, model) -> str:
             f"plain trace, log[{key!r}] is that op, and the call's output_ops list each output's)")
 
 
-def _kind(stop: bool) -> str:
+def site_kind(stop: bool) -> str:
     """What a site is called in an error: ``stop_after=``'s, or one of ``intervene=``'s."""
     return "stop_after site" if stop else "intervention site"
 
@@ -437,15 +438,16 @@ def _not_an_op(key, op: Op, stop: bool, reference) -> str:
     if op.kind == "output":
         makers = ops_among(op.parents)
         if makers:
-            return f"{_kind(stop)} {key!r} is the model's output {op.label}: name the op that produces it ({makers[0]})"
+            return (f"{site_kind(stop)} {key!r} is the model's output {op.label}: name the op that produces it "
+                    f"({makers[0]})")
         held = f"its {reference[op.parents[0]].kind} {op.parents[0]} passed through unchanged" if op.parents else \
             "a tensor the forward returns as it is (a parameter, or one made outside the traced calls)"
         remedy = "trace the whole forward instead (no stop_after)" if stop else \
             "change that tensor before the trace, or the output after it"
-        return (f"{_kind(stop)} {key!r} is the model's output {op.label}, {held}, which no op of the forward makes, so "
-                f"no site holds it: {remedy}")
+        return (f"{site_kind(stop)} {key!r} is the model's output {op.label}, {held}, which no op of the forward "
+                f"makes, so no site holds it: {remedy}")
     remedy = "pass a different input" if op.kind == "input" else "change the buffer before the trace"
-    return (f"{_kind(stop)} {key!r} is the model's {op.kind} {op.label}, which no op of the forward produces: "
+    return (f"{site_kind(stop)} {key!r} is the model's {op.kind} {op.label}, which no op of the forward produces: "
             f"name the ops that read it ({first_few(ops_among(op.children)) or 'none'}), or {remedy}")
 
 
