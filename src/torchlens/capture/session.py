@@ -20,7 +20,7 @@ from ..progress import QUIET, bar, shows_bar
 from ..record.columns import MODULE_CALL_MODULE
 from ..record.finalize import finalize
 from ..record.layouts import param_versions
-from ..record.model_index import PACKED_WEIGHTS_CAVEAT, index_of
+from ..record.model_index import PACKED_WEIGHTS_CAVEAT, index_of, traced_address
 from ..record.replay_context import global_settings
 from ..record.modules import is_unregistered
 from ..record.trace import Trace
@@ -594,6 +594,5 @@ def _where(state, index: int, model) -> str:
     address = type(module).__name__
     if isinstance(model, torch.nn.Module):
         # The root module's own address is "" in named_modules; a trace calls it "self".
-        address = next((n or "self" for n, m in model.named_modules() if m is module), address)
-        address = address.replace("._orig_mod", "")
+        address = traced_address(next((n or "self" for n, m in model.named_modules() if m is module), address))
     return f"module call {address}:{call_number}"

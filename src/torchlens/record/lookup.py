@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..errors import AmbiguousKey, closest_hint, listed
 from ..labels.naming import LABEL
 from .columns import Kind
-from .model_index import container_note
+from .model_index import container_note, traced_address
 from .modules import Module, ModuleCall, is_unregistered
 from .op import Layer, Op
 
@@ -183,7 +183,7 @@ def unrun_module_note(trace, key: str) -> str:
     modules = dict(model.named_modules(remove_duplicate=False))
     module = modules.get(address)
     # The eager addresses of modules inside a compiled one (b.0 for b._orig_mod.0), as compiled="eager" names them.
-    eager = {name.replace("._orig_mod", "") for name in modules}
+    eager = {traced_address(name) for name in modules}
     compiled = compiled_note(trace, address) if module is not None or address in eager else ""
     if module is None and not compiled:
         return ""
@@ -200,7 +200,7 @@ def compiled_note(trace, address: str) -> str:
     ops = [op.label for op in trace.ops if op.func_name == "compiled" and op.module_address in enclosing]
     if not ops:
         return ""
-    owner, eager = trace[ops[0]].module_address, address.replace("._orig_mod", "")
+    owner, eager = trace[ops[0]].module_address, traced_address(address)
     return (f"ran inside {owner!r}, a torch.compile'd module whose calls are each one compiled op, "
             f"{listed(ops, 3, ', ...')}: index {owner!r}, or trace with compiled='eager' to record it as {eager}")
 
