@@ -92,7 +92,11 @@ def test_cpp_hooks_count_backwards_by_graph_task_and_stop_when_removed():
     assert x._backward_hooks is None  # no Python hook dict: the backward calls no Python for the leaf
     z.sum().backward(retain_graph=True)
     assert sink.backwards == 1 and sink.order == [2, 1, 0]
-    assert torch.equal(sink.grads[2], torch.ones(3)) and torch.allclose(sink.grads[1], 1 - z.detach() ** 2)
+    # d sum(z) / dy as autograd computes it on a twin graph, bit for bit: 1 - z**2 written out rounds otherwise where
+    # tanh nears 1 (the difference cancels), so a random x failed allclose about once in twenty draws.
+    twin = x.detach().requires_grad_() * 2
+    expected = torch.autograd.grad(twin.tanh().sum(), twin)[0]
+    assert torch.equal(sink.grads[2], torch.ones(3)) and torch.equal(sink.grads[1], expected)
     assert torch.equal(sink.grads[0], x.grad) and sink.grads[0] is not x.grad  # x.grad is its own copy
     z.sum().backward(retain_graph=True)
     assert sink.backwards == 2 and torch.equal(sink.grads[2], torch.full((3,), 2.0))
