@@ -139,24 +139,33 @@ def test_a_t5_layer_returning_its_position_bias_is_refused_naming_it_not_eager_a
     assert torch.equal(edited.output.logits, expected)
 
 
-def test_a_bert_layers_hidden_state_recorded_by_its_own_hook_is_the_value_before_a_module_sites_edit():
-    # transformers collects BERT's output_hidden_states by forward hooks of its own on each layer, registered before
-    # a module site's: hidden_states[1] is layer 0's output before the edit, as a hook registered last leaves it,
-    # while a label site at the layer's output op edits the value that hook records.
+def _bert_with_hidden_states() -> tuple:
+    """The corpus's BERT in eval mode and its inputs, asking for every layer's hidden state."""
     pytest.importorskip("transformers")
     import real_models
 
     torch.manual_seed(0)
     model, _, kwargs = real_models.bert()
-    model.eval()
-    kwargs = {**kwargs, "output_hidden_states": True}
-    layer = model.bert.encoder.layer[0]
-    model(**kwargs)  # transformers installs its recording hooks on the first call
-    handle = layer.register_forward_hook(lambda m, i, o: o * 2.0)
+    return model.eval(), {**kwargs, "output_hidden_states": True}
+
+
+def _doubled_by_a_hook_added_last(model, kwargs):
+    """``model``'s output with layer 0's output doubled by a forward hook registered after the model's first call,
+    which installs transformers' hidden-state recording hooks."""
+    model(**kwargs)
+    handle = model.bert.encoder.layer[0].register_forward_hook(lambda m, i, o: o * 2.0)
     try:
-        expected = model(**kwargs)
+        return model(**kwargs)
     finally:
         handle.remove()
+
+
+def test_a_bert_layers_hidden_state_recorded_by_its_own_hook_is_the_value_before_a_module_sites_edit():
+    # transformers collects BERT's output_hidden_states by forward hooks of its own on each layer, registered before
+    # a module site's: hidden_states[1] is layer 0's output before the edit, as a hook registered last leaves it,
+    # while a label site at the layer's output op edits the value that hook records.
+    model, kwargs = _bert_with_hidden_states()
+    expected = _doubled_by_a_hook_added_last(model, kwargs)
     by_module = tl.trace(model, kwargs=kwargs, intervene={"bert.encoder.layer.0": tl.scale(2.0)})
     site = by_module["bert.encoder.layer.0"]
     assert torch.equal(by_module.output.logits, expected.logits)
@@ -171,22 +180,11 @@ def test_a_module_sites_edit_follows_the_hooks_a_models_first_call_installs():
     # transformers installs its hidden-state recording hooks during a model's first call, after a module site's edit
     # hook was registered: traced first, the edit ran before the recording hook and hidden_states[1] was the edited
     # value, while every later trace of the same call recorded the value before the edit.
-    pytest.importorskip("transformers")
     import copy
 
-    import real_models
-
-    torch.manual_seed(0)
-    model, _, kwargs = real_models.bert()
-    model.eval()
-    kwargs = {**kwargs, "output_hidden_states": True}
-    called_before = copy.deepcopy(model)  # the same weights; its first call installs the recording hooks
-    called_before(**kwargs)
-    handle = called_before.bert.encoder.layer[0].register_forward_hook(lambda m, i, o: o * 2.0)
-    try:
-        expected = called_before(**kwargs)
-    finally:
-        handle.remove()
+    model, kwargs = _bert_with_hidden_states()
+    # The same weights, called first: its first call installs the recording hooks.
+    expected = _doubled_by_a_hook_added_last(copy.deepcopy(model), kwargs)
     for _ in range(2):  # the first trace is the model's first call
         edited = tl.trace(model, kwargs=kwargs, intervene={"bert.encoder.layer.0": tl.scale(2.0)})
         assert torch.equal(edited.output.logits, expected.logits)
