@@ -109,6 +109,15 @@ def test_a_probe_or_a_copy_inside_the_forward_changes_nothing_and_is_allowed(mod
     assert seen == [_SITE] and torch.equal(log.output, model(x)) and torch.equal(copied.output, log.output)
 
 
+def test_a_copy_of_a_value_holding_nan_is_a_copy_and_is_allowed(model):
+    model, x = model
+    x = x.clone()
+    x[0, 0] = float("nan")  # the row's values through fc and the square: NaN, as in an untraced run
+    copied = tl.trace(model, x, intervene={_SITE: lambda t, op: t.clone()})
+    torch.testing.assert_close(copied.output, model(x), rtol=0, atol=0, equal_nan=True)
+    assert copied.output.isnan().any()
+
+
 class Outer(torch.autograd.Function):  # runs Square inside its forward, where no_grad leaves Square unrecorded
     @staticmethod
     def forward(ctx, x):

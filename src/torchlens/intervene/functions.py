@@ -14,6 +14,7 @@ import sys
 import torch
 
 from ..errors import InterventionError
+from ..tree import outputs_equal
 from .path import site_where
 
 _APPLY = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
@@ -74,9 +75,11 @@ def refuse_inside_function(key, op, new: torch.Tensor, value: torch.Tensor) -> N
 
 
 def _same_values(new: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether ``new`` holds the values ``value`` does (False where torch cannot compare them, as for a layout)."""
+    """Whether ``new`` holds the values ``value`` does, by the package's one comparison of outputs (a NaN where
+    the other holds a NaN is the same value: a copy of a value holding NaN is a copy); False where torch
+    cannot compare them."""
     try:
         with torch._C.DisableTorchFunction():  # a comparison, no op of the model
-            return bool(torch.equal(new, value))
+            return outputs_equal(new, value)
     except (RuntimeError, NotImplementedError):
         return False
