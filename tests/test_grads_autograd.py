@@ -12,6 +12,7 @@ import torchlens as tl
 from torchlens.record.errors import GradientUnavailable
 from grad_oracle import Oracle, _assert_bit_identical, _op_grads
 from accel_paths import PATHS, on_path
+from zoo import Square
 
 
 class Checkpointed(nn.Module):
@@ -82,18 +83,6 @@ def test_reentrant_checkpoint_region_output_has_the_gradient_retain_grad_gives()
     log = tl.trace(lambda v: checkpoint(block, v, use_reentrant=True), x.detach().requires_grad_(), grads=True)
     log.backward(log.output.pow(2).sum())
     assert torch.equal(log["output_1"].grad, y.grad)
-
-
-class Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
 
 
 def test_function_apply_is_wrapped_whether_torch_writes_it_in_python_or_c():

@@ -195,6 +195,20 @@ class ActivationMadePerCall(nn.Module):
         return self.act()(self.fc(x)) * 2
 
 
+class Square(torch.autograd.Function):
+    """``x * x`` with its backward written out and its input saved through ``ctx``: the plainest custom Function."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
 class DoubledInPlace(torch.autograd.Function):
     """Doubles its input in place and hands it back marked dirty, as in-place custom activations do: as ``apply``
     returns, torch clears the tensor's ``_backward_hooks`` (a torch call that makes no tensor) and moves its
