@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import torchlens as tl
 from torchlens.capture import inputs
+from untouched import assert_clean_process
 
 
 class _Plain(nn.Module):
@@ -141,3 +142,34 @@ def test_a_tensor_default_of_the_forward_is_an_input_of_the_trace():
     assert [op.io_path for op in given.ops if op.is_input] == ["input.ids", "input.temperature", "input.bias"]
     assert torch.equal(given["input.temperature"].activation, torch.tensor(2.0))
     assert tl.validate(model, ids).passed
+
+
+class _ReadsHistory(nn.Module):
+    """Reads every step of a history kept as (step, rest) pairs, the newest first."""
+
+    def forward(self, history):
+        total = 0
+        while history is not None:
+            step, history = history
+            total = total + step
+        return total
+
+
+def _history(steps: int, requires_grad: bool) -> tuple:
+    history = None
+    for _ in range(steps):
+        history = (torch.randn(3, requires_grad=requires_grad), history)
+    return history
+
+
+@pytest.mark.parametrize("grads", [False, True])
+def test_an_argument_nesting_its_tensors_deeper_than_a_trace_looks_is_refused_naming_where(grads):
+    # The steps below the 32 levels a walk of the arguments looks into were no inputs of the trace: the adds
+    # reading them had a parent from nowhere (log.unattributed), with nothing said.
+    shallow = tl.trace(_ReadsHistory(), (_history(8, grads),), grads=grads)
+    assert sum(op.is_input for op in shallow.ops) == 8 and not shallow.unattributed
+    deep = _history(40, grads)
+    says = r"the argument input\.history(\.1){32} holds tensors more than 32 levels deep.*pass them less deeply"
+    with pytest.raises(TypeError, match=says):
+        tl.trace(_ReadsHistory(), (deep,), grads=grads)
+    assert_clean_process()

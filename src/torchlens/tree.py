@@ -154,6 +154,44 @@ def has_tensor(obj) -> bool:
     return bool(tensor_leaves(obj))
 
 
+def holds_tensor(value) -> bool:
+    """Whether a tensor lies inside ``value`` at any depth (plain objects' attributes included), as
+    ``tensor_leaves`` would find it if it looked below ``MAX_DEPTH``."""
+    stack, seen = [value], set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Tensor):
+            return True
+        children = container_items(value, True) if id(value) not in seen and type(value) not in _SCALAR_TYPES \
+            else None
+        if children is not None:
+            seen.add(id(value))
+            stack.extend(child for _, child in children)
+    return False
+
+
+def cut_off_path(obj, attrs: bool = False) -> tuple | None:
+    """The path of the first value that ``tensor_leaves`` does not look into, being ``MAX_DEPTH`` levels down,
+    and that holds a tensor (one missing from the walk's answer); None where there is none."""
+    return _cut_off(obj, (), attrs, 0, set())
+
+
+def _cut_off(obj, path, attrs, depth, seen):
+    if isinstance(obj, Tensor) or type(obj) in _SCALAR_TYPES or id(obj) in seen:
+        return None
+    children = container_items(obj, attrs)
+    if children is None:
+        return None
+    if depth >= MAX_DEPTH:
+        return path if holds_tensor(obj) else None
+    seen.add(id(obj))
+    for key, child in children:
+        found = _cut_off(child, path + (key,), attrs, depth + 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
 def strip(obj, depth: int = 0):
     """A copy of ``obj`` with every tensor replaced by ``None``; containers are copied, leaves kept."""
     if isinstance(obj, Tensor):

@@ -20,6 +20,7 @@ import torch
 from ..errors import add_note
 from ..record.columns import INPUT
 from ..record.finalize import io_tensor_leaves
+from ..tree import MAX_DEPTH, cut_off_path, path_text
 
 
 def _forward_signature(model):
@@ -160,15 +161,28 @@ def add_inputs(state, model, args, kwargs) -> dict:
         if names is None:
             names = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
         inputs = [(f"input.{name}", value) for name, value in names]
+    # Every argument's tensors found before any is registered: a refusal leaves no input watched.
+    found = [((slot, value),) if type(value) is torch.Tensor else _argument_leaves(value, slot)
+             for slot, value in inputs]
     producers, aliases = state.producers, {}
-    for slot, value in inputs:
-        leaves = ((slot, value),) if type(value) is torch.Tensor else io_tensor_leaves(value, slot)
+    for leaves in found:
         for path, t in leaves:
             if id(t) not in producers:
                 state.add_source(t, INPUT, path)
             else:  # the same tensor passed twice is one input
                 aliases[path] = producers[id(t)][1]
     return aliases
+
+
+def _argument_leaves(value, slot: str) -> list:
+    """``io_tensor_leaves`` of one argument, refused where it holds tensors nested deeper than that walk looks:
+    read by the forward, they would show as tensors from nowhere, not as the trace's inputs."""
+    cut = cut_off_path(value, attrs=True)
+    if cut is not None:
+        raise TypeError(f"tl.trace: the argument {path_text(slot, cut)} holds tensors more than {MAX_DEPTH} levels "
+                        "deep, below the depth a trace looks into for its inputs; pass them less deeply nested (a "
+                        "list of the tensors, say)")
+    return io_tensor_leaves(value, slot)
 
 
 def note_how_arguments_were_passed(exc: BaseException, args, model=None) -> None:

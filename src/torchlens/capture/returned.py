@@ -20,7 +20,7 @@ from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 
 import torch
 
-from ..tree import MAX_DEPTH, TENSOR_TYPES, container_items, has_tensor, path_text
+from ..tree import MAX_DEPTH, TENSOR_TYPES, container_items, has_tensor, holds_tensor, path_text
 
 _SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
 _LEAVES = frozenset((*TENSOR_TYPES, *_SCALARS))
@@ -51,7 +51,7 @@ def _held_unrecordable(value, path, depth, seen):
     that hides its tensors from that walk or makes them after tracing ended.  Functions and other iterators
     are left alone there: an output object may well keep a callback or a counter as an attribute."""
     if depth >= MAX_DEPTH:  # where the walk of outputs stops
-        return (value, path, _TOO_DEEP) if id(value) not in seen and _holds_tensor(value) else None
+        return (value, path, _TOO_DEEP) if id(value) not in seen and holds_tensor(value) else None
     children = container_items(value, True) if id(value) not in seen else None
     if children is None:
         return None
@@ -80,20 +80,6 @@ _TENSOR_KEYS = ("keyed by tensors, which a walk of outputs does not read (it rea
 _TOO_DEEP = (f"which holds tensors more than {MAX_DEPTH} levels deep, below the depth a trace looks into for its "
              "outputs", "return them less deeply nested, a list of the tensors say")
 _ANY_PART = (_TENSOR_KEYS, _TOO_DEEP)  # problems whose advice fits a part of an output as well as the whole
-
-
-def _holds_tensor(value) -> bool:
-    """Whether a tensor lies inside ``value`` at any depth, as a walk of outputs would find it if it went on."""
-    stack, seen = [value], set()
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            return True
-        children = container_items(value, True) if id(value) not in seen and type(value) not in _LEAVES else None
-        if children is not None:
-            seen.add(id(value))
-            stack.extend(child for _, child in children)
-    return False
 
 
 def _settled_form(value) -> str:
