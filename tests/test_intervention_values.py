@@ -48,14 +48,19 @@ def test_a_helper_that_would_round_into_an_integer_value_is_refused(action, name
     assert torch.equal(kept["argmax_1_3:1"].activation, torch.tensor([[1, 2, 3], [1, 2, 3]]))
 
 
-@pytest.mark.parametrize("action", [tl.scale(torch.tensor([1.0, 2.0])), tl.noise(torch.ones(5)),
-                                    tl.clamp(min=torch.zeros(4)), tl.scale(torch.ones(3), at=(slice(None), 1))],
+_AT = r"value\[at\] of shape \(2,\), in "  # with at=, the part a tensor argument broadcasts to is named too
+
+
+@pytest.mark.parametrize("action, part", [(tl.scale(torch.tensor([1.0, 2.0])), ""), (tl.noise(torch.ones(5)), ""),
+                                          (tl.clamp(min=torch.zeros(4)), ""),
+                                          (tl.scale(torch.ones(3), at=(slice(None), 1)), _AT)],
                          ids=["scale", "noise", "clamp", "scale at"])
-def test_a_helper_tensor_argument_that_does_not_fit_the_value_is_named_with_the_site(action):
-    # torch's "The size of tensor a (3) must match the size of tensor b (2)" came through, naming no helper or site.
+def test_a_helper_tensor_argument_that_does_not_fit_the_value_is_named_with_the_site(action, part):
+    # torch's "The size of tensor a (3) must match the size of tensor b (2)" came through, naming no helper or site;
+    # with at=, the message named the whole value's shape, to which the argument need not broadcast.
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    with pytest.raises(tl.InterventionError, match=rf"^{type(action).__name__}\(.*\) at 0:1: torch could not compute "
-                                                   r"it on this value of shape \(2, 3\) \(RuntimeError: .*broadcast"):
+    says = rf"^{type(action).__name__}\(.*\) at 0:1: torch could not compute it on {part}this value of shape \(2, 3\) "
+    with pytest.raises(tl.InterventionError, match=says + r"\(RuntimeError: .*broadcast"):
         tl.trace(model, torch.randn(2, 4), intervene={"0": action})
     assert_clean_process()
 

@@ -51,9 +51,9 @@ class Action:
             if tensor.layout == torch.strided and not (tensor.is_nested or tensor.is_quantized or tensor.is_complex()):
                 if isinstance(exc, RuntimeError):  # a tensor argument of the helper's that the value cannot take
                     raise ReplacementMismatch(
-                        f"{self!r} at {_where(op)}: torch could not compute it on this value of shape "
-                        f"{tuple(tensor.shape)} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); give "
-                        "arguments that fit the value (a tensor argument must broadcast to its shape)") from exc
+                        f"{self!r} at {_where(op)}: torch could not compute it on {self._part_shown(tensor)} "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); give arguments that fit it (a "
+                        "tensor argument must broadcast to its shape)") from exc
                 raise
             # torch has no kernel for much of what a helper computes on sparse, nested, quantized and complex values
             # (complex numbers have no order to clamp in): named with the helper and the site rather than left as
@@ -63,6 +63,17 @@ class Action:
                                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); write the "
                                       "action as a function of the tensor (lambda t, op: ...), or intervene where "
                                       "the value is a real, dense tensor") from exc
+
+    def _part_shown(self, tensor: torch.Tensor) -> str:
+        """What the helper computed on, for a refusal: the value, or with ``at=`` the part of it its tensor
+        arguments broadcast to."""
+        whole = f"this value of shape {tuple(tensor.shape)}"
+        if self.at is None:
+            return whole
+        try:
+            return f"value[at] of shape {tuple(tensor[self.at].shape)}, in {whole}"
+        except (IndexError, RuntimeError, TypeError):
+            return whole
 
     def value(self, tensor: torch.Tensor, op, at):
         raise NotImplementedError
