@@ -1,6 +1,7 @@
 """Leaves that start (or stop) requiring grad inside the forward: ``torch.zeros(n).requires_grad_()``, an
 input made differentiable by the model itself, ``t.requires_grad = False``.  The trace's record of such a tensor
 says what it is once set, and with ``grads=True`` its gradient is what autograd accumulates into its ``.grad``.
+A leaf the trace hooked (an input that requires grad, a parameter an op returns as it is) is left as it was found.
 """
 
 from __future__ import annotations
@@ -8,9 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.utils.parametrizations import spectral_norm
 
 import torchlens as tl
 from torchlens.record.errors import GradientUnavailable
+
+from accel_paths import on_path
+from untouched import assert_untouched, snapshot
 
 
 class LearnedOffset(nn.Module):
@@ -97,3 +102,28 @@ def test_a_selection_of_grads_decides_for_a_leaf_set_in_the_forward():
     log.output[0].backward()
     assert log["linear_1_2"].grad is not None
     assert not log["zeros_1_1"].has_grad  # not selected, though it now requires grad
+
+
+# (accel.use, compiled modules left out): torchlens-accel's C++ hooks, its C hooks, pure Python.
+HOOK_PATHS = [pytest.param((True, ()), id="cpp"), pytest.param((True, ("_autograd",)), id="c"),
+              pytest.param((False, ()), id="python")]
+
+
+@pytest.mark.picks_its_path
+@pytest.mark.parametrize("path", HOOK_PATHS)
+def test_a_leaf_the_trace_hooked_is_left_without_a_hook_dict_once_the_trace_is_dropped(path):
+    # A leaf keeps a Python hook (torch's own, calling each hook of its dict) for as long as it holds a hook dict,
+    # however empty: the dict the trace put on an input that requires grad, or on a parameter an op returns as it
+    # is (spectral_norm's flatten(1) of its 2-D weight), stayed on it, so every later backward called Python there.
+    torch.manual_seed(0)
+    model = nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2))
+    weight, x = model[0].parametrizations.weight.original, torch.randn(3, 4, requires_grad=True)
+    before = snapshot(model, [x])
+    with on_path(*path):
+        log = tl.trace(model, x, grads=True)
+    assert weight._backward_hooks  # the trace's hook, while the trace lives
+    log.backward(log.output.square().sum())
+    assert torch.equal(log["input_1"].grad, x.grad)
+    del log
+    assert weight._backward_hooks is None and x._backward_hooks is None
+    assert_untouched(before, snapshot(model, [x]))

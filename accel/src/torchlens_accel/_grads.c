@@ -17,10 +17,10 @@
 #include <structmember.h>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 4
+#define TORCHLENS_ACCEL_ABI 5
 
 static PyObject *str_requires_grad, *str_detach, *str_grad_fn, *str_backward_hooks, *str_register_hook_dict,
-    *str_sequence_nr;
+    *str_sequence_nr, *str_release;
 
 /* ----- Sink ---------------------------------------------------------------------------------- */
 typedef struct {
@@ -312,6 +312,22 @@ static PyObject *make_hook(Sink *sink, PyObject *index) {
 }
 
 /* ----- removing hooks ------------------------------------------------------------------------ */
+/* A hook dict emptied by a removal: a leaf's that the capture made (grads.py's LeafHooks, the only hook dict
+ * that is not exactly an OrderedDict) is taken off its leaf by its ``release``. */
+static int release_if_leaf_dict(PyObject *hooks) {
+    if (PyDict_GET_SIZE(hooks) != 0 || PyODict_CheckExact(hooks)) return 0;
+    PyObject *release = PyObject_GetAttr(hooks, str_release);
+    if (release == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear(); /* another library's dict */
+        return 0;
+    }
+    PyObject *r = PyObject_CallNoArgs(release);
+    Py_DECREF(release);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
 /* Remove every hook named in ``handles`` (record index -> weakref to its hook dict; its key is
  * keys[index] where a subclass's register_hook chose it, else base - index), then clear ``handles``:
  * grads.py's _remove_all. */
@@ -341,11 +357,13 @@ static int remove_all(PyObject *handles, PyObject *keys, long long base) {
         }
         int rc = key == NULL ? -1 : PyObject_DelItem(hooks, key);
         Py_XDECREF(key);
-        Py_DECREF(hooks);
-        if (rc < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+        if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
             PyErr_Clear(); /* already gone: pop(key, None) */
+            rc = 0;
         }
+        if (rc == 0) rc = release_if_leaf_dict(hooks);
+        Py_DECREF(hooks);
+        if (rc < 0) return -1;
     }
     PyDict_Clear(handles);
     return 0;
@@ -378,6 +396,7 @@ typedef struct {
     PyObject *keys;         /* record index -> key, where a subclass's register_hook chose it */
     PyObject *plain;        /* the tensor type whose hooks are added here (torch.Tensor) */
     PyObject *ordered_dict; /* collections.OrderedDict, the hook dict Tensor.register_hook makes */
+    PyObject *leaf_dict;    /* grads.py's LeafHooks, the one made for a leaf: leaf_dict(t) */
     PyObject *fallback;     /* the Python add_hook, for every other call */
     long long base;         /* a hook's key is base - index */
     vectorcallfunc vectorcall;
@@ -386,12 +405,13 @@ typedef struct {
 static PyObject *adder_vectorcall(HookAdder *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 
 static PyObject *adder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    PyObject *sink, *handles, *numbers, *keys, *plain, *ordered_dict, *fallback;
+    PyObject *sink, *handles, *numbers, *keys, *plain, *ordered_dict, *leaf_dict, *fallback;
     long long base;
-    static char *kwlist[] = {"sink", "handles", "numbers", "keys", "base", "plain", "ordered_dict", "fallback", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!LOOO:HookAdder", kwlist, &SinkType, &sink, &PyDict_Type,
+    static char *kwlist[] = {"sink", "handles", "numbers", "keys", "base", "plain", "ordered_dict", "leaf_dict",
+                             "fallback", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!LOOOO:HookAdder", kwlist, &SinkType, &sink, &PyDict_Type,
                                      &handles, &PyDict_Type, &numbers, &PyDict_Type, &keys, &base, &plain,
-                                     &ordered_dict, &fallback))
+                                     &ordered_dict, &leaf_dict, &fallback))
         return NULL;
     if (!PyDict_CheckExact(handles) || !PyDict_CheckExact(numbers) || !PyDict_CheckExact(keys)) {
         PyErr_SetString(PyExc_TypeError, "HookAdder: handles, numbers and keys must be dicts");
@@ -400,8 +420,8 @@ static PyObject *adder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     HookAdder *self = (HookAdder *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     PyObject **slots[] = {(PyObject **)&self->sink, &self->handles, &self->numbers, &self->keys, &self->plain,
-                          &self->ordered_dict, &self->fallback};
-    PyObject *values[] = {sink, handles, numbers, keys, plain, ordered_dict, fallback};
+                          &self->ordered_dict, &self->leaf_dict, &self->fallback};
+    PyObject *values[] = {sink, handles, numbers, keys, plain, ordered_dict, leaf_dict, fallback};
     for (size_t k = 0; k < sizeof(values) / sizeof(values[0]); k++) {
         Py_INCREF(values[k]);
         *slots[k] = values[k];
@@ -424,6 +444,7 @@ static void adder_dealloc(HookAdder *self) {
     Py_DECREF(self->keys);
     Py_DECREF(self->plain);
     Py_DECREF(self->ordered_dict);
+    Py_DECREF(self->leaf_dict);
     Py_DECREF(self->fallback);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -439,7 +460,8 @@ static int add_plain_hook(HookAdder *self, PyObject *index, PyObject *t) {
     hooks = PyObject_GetAttr(t, str_backward_hooks);
     if (hooks == NULL) goto done;
     if (hooks == Py_None || grad_fn != Py_None) { /* a dict on a node may be an older node's: see capture/grads.py */
-        Py_SETREF(hooks, PyObject_CallNoArgs(self->ordered_dict));
+        Py_SETREF(hooks, grad_fn != Py_None ? PyObject_CallNoArgs(self->ordered_dict)
+                                            : PyObject_CallOneArg(self->leaf_dict, t));
         if (hooks == NULL || PyObject_SetAttr(t, str_backward_hooks, hooks) < 0) goto done;
         if (grad_fn != Py_None) {
             PyObject *r = PyObject_CallMethodOneArg(grad_fn, str_register_hook_dict, t);
@@ -488,7 +510,7 @@ static PyMethodDef adder_methods[] = {
 static PyTypeObject HookAdderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "torchlens_accel._grads.HookAdder",
-    .tp_doc = "HookAdder(sink, handles, numbers, keys, base, plain, ordered_dict, fallback): "
+    .tp_doc = "HookAdder(sink, handles, numbers, keys, base, plain, ordered_dict, leaf_dict, fallback): "
               "add_hook(index, t, func=None, module_call=-1); removes its hooks when deleted.",
     .tp_basicsize = sizeof(HookAdder),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
@@ -517,7 +539,8 @@ static int intern(PyObject **slot, const char *text) {
 PyMODINIT_FUNC PyInit__grads(void) {
     if (intern(&str_requires_grad, "requires_grad") < 0 || intern(&str_detach, "detach") < 0 ||
         intern(&str_grad_fn, "grad_fn") < 0 || intern(&str_backward_hooks, "_backward_hooks") < 0 ||
-        intern(&str_register_hook_dict, "_register_hook_dict") < 0 || intern(&str_sequence_nr, "_sequence_nr") < 0)
+        intern(&str_register_hook_dict, "_register_hook_dict") < 0 || intern(&str_sequence_nr, "_sequence_nr") < 0 ||
+        intern(&str_release, "release") < 0)
         return NULL;
     if (PyType_Ready(&SinkType) < 0 || PyType_Ready(&HookType) < 0 || PyType_Ready(&HookAdderType) < 0) return NULL;
     PyObject *m = PyModule_Create(&grads_module);

@@ -42,6 +42,7 @@ from .teardown import until_done
 # ``RemovableHandle`` per hook, which costs several times what ``retain_grad()`` does.  The trace removes
 # its hooks by key instead.
 _PLAIN = torch.Tensor  # the tensor type whose hooks are added inline (subclasses dispatch register_hook)
+_PARAMETER = torch.nn.Parameter  # added inline too: a parameter takes Tensor.register_hook's own steps
 _graph_task_id = torch._C._current_graph_task_id
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
@@ -193,12 +194,27 @@ def _storage_of(t: torch.Tensor):
         return None
 
 
+class LeafHooks(OrderedDict):
+    """The hook dict the capture put on a leaf that had none (an input that requires grad, a parameter an op
+    returned as it is).  torch runs a Python hook on a leaf for as long as it holds a hook dict, however empty, at
+    every later backward: ``release`` takes the dict off again once the capture's last hook has left it."""
+
+    def __init__(self, leaf: torch.Tensor):
+        super().__init__()
+        self.leaf = weakref.ref(leaf)
+
+    def release(self) -> None:
+        leaf = self.leaf()
+        if not self and leaf is not None and leaf._backward_hooks is self:
+            leaf._backward_hooks = None
+
+
 def _python_add_hook(handles: dict, numbers: dict, keys: dict, base: int, make_hook):
     """The Python ``add_hook(index, t)``: a tensor hook ``make_hook(index)``, which writes into the sink."""
     ref = weakref.ref
 
     def add_hook(index: int, t: torch.Tensor, func=None, module_call: int = -1) -> None:
-        if type(t) is not _PLAIN:  # subclasses dispatch register_hook themselves
+        if type(t) is not _PLAIN and type(t) is not _PARAMETER:  # subclasses dispatch register_hook themselves
             hook = make_hook(index)
             handle = t.register_hook(hook)
             handles[index] = handle.hooks_dict_ref
@@ -213,7 +229,7 @@ def _python_add_hook(handles: dict, numbers: dict, keys: dict, base: int, make_h
         # as_strided_), where a hook added to it would get the gradient of the value before the op.  So a
         # tensor with a node gets a dict on its current node (hooks already registered keep firing).
         if hooks is None or grad_fn is not None:
-            hooks = t._backward_hooks = OrderedDict()
+            hooks = t._backward_hooks = OrderedDict() if grad_fn is not None else LeafHooks(t)
             if grad_fn is not None:
                 grad_fn._register_hook_dict(t)
         hooks[base - index] = make_hook(index)
@@ -224,19 +240,21 @@ def _python_add_hook(handles: dict, numbers: dict, keys: dict, base: int, make_h
 
 
 def _cpp_fallback(sink, handles: dict, numbers: dict, keys: dict, base: int):
-    """The C++ ``HookAdder``'s fallback (tensor subclasses, tensors that need no grad): Python hooks
+    """The C++ ``HookAdder``'s fallback (parameters, tensor subclasses, tensors that need no grad): Python hooks
     writing into the C++ store."""
     return _python_add_hook(handles, numbers, keys, base, sink.hook)
 
 
 def _remove_all(handles: dict, keys: dict, base: int) -> None:
     """Remove the hook of every record in ``handles`` (its key: ``keys[index]`` where a subclass's
-    ``register_hook`` chose it, else ``base - index``), and forget them.  Takes no capture: the
-    finalizer calls it after the capture's death."""
+    ``register_hook`` chose it, else ``base - index``), and forget them, taking a leaf's dict off with the
+    last of them (``LeafHooks``).  Takes no capture: the finalizer calls it after the capture's death."""
     for index, hooks_ref in handles.items():
         hooks = hooks_ref()
         if hooks is not None:
             hooks.pop(keys.get(index, base - index), None)
+            if type(hooks) is LeafHooks:
+                hooks.release()
     handles.clear()
 
 
@@ -336,7 +354,7 @@ class GradCapture:
         make_hook = partial(partial, _store, sink) if native is None else partial(native.Hook, sink)
         add_hook = _python_add_hook(handles, numbers, keys, base, make_hook)
         if native is not None:  # the same steps in C for plain tensors; add_hook takes every other call
-            return native.HookAdder(sink, handles, numbers, keys, base, _PLAIN, OrderedDict, add_hook)
+            return native.HookAdder(sink, handles, numbers, keys, base, _PLAIN, OrderedDict, LeafHooks, add_hook)
         return add_hook
 
     def rewatch(self, index: int, t: torch.Tensor, calls: list, record) -> None:
