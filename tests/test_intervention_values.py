@@ -153,9 +153,8 @@ def test_a_nested_value_is_ablated_and_patched_component_by_component():
     assert_clean_process()
 
 
-def test_a_quantized_value_is_patched_or_refused_naming_the_helper():
-    # zero_ablate and scale at a quantized Linear's output raised torch's "Could not run 'aten::zero_' with
-    # arguments from the 'QuantizedCPU' backend" and "promoteTypes with quantized numbers is not handled yet".
+def _quantized_linear():
+    """A Linear quantized statically (eager mode): its output is a quint8 tensor standing for real numbers."""
     import torch.ao.quantization as tq
 
     class Quantized(nn.Module):
@@ -173,13 +172,34 @@ def test_a_quantized_value_is_patched_or_refused_naming_the_helper():
         model.qconfig = tq.get_default_qconfig("fbgemm")
         prepared = tq.prepare(model)
         prepared(torch.randn(16, 8))
-        quantized = tq.convert(prepared)
+        return tq.convert(prepared)
+
+
+def test_a_quantized_value_is_patched_or_refused_naming_the_helper():
+    # zero_ablate and scale at a quantized Linear's output raised torch's "Could not run 'aten::zero_' with
+    # arguments from the 'QuantizedCPU' backend" and "promoteTypes with quantized numbers is not handled yet".
+    quantized = _quantized_linear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         x, other = torch.randn(3, 8), tl.trace(quantized, torch.randn(3, 8))
         patched = tl.trace(quantized, x, intervene={"fc": tl.patch_from(other)})
         assert torch.equal(patched.output, quantized.dequant(other["fc"].activation))
         for action, named in ((tl.zero_ablate(), r"zero_ablate\(\)"), (tl.scale(2.0), r"scale\(2.0\)")):
             with pytest.raises(tl.InterventionError, match=named + r" at fc:1: .*quantized \(quint8\) value"):
                 tl.trace(quantized, x, intervene={"fc": action})
+    assert_clean_process()
+
+
+def test_a_quantized_value_takes_a_fraction_as_the_real_number_it_stands_for():
+    # A quantized value was taken for indices, counts or a mask: tl.clamp(0.1, 0.5), which torch computes on it, was
+    # refused saying to give a whole number, and scale(0.5), noise and mean_ablate were refused the same way, though
+    # no whole number or float value would have helped them.
+    quantized, x = _quantized_linear(), torch.randn(3, 8)
+    expected = quantized.dequant(torch.clamp(quantized.fc(quantized.quant(x)), 0.1, 0.5))
+    assert torch.equal(tl.trace(quantized, x, intervene={"fc": tl.clamp(0.1, 0.5)}).output, expected)
+    for action in (tl.scale(0.5), tl.noise(0.1), tl.mean_ablate()):
+        with pytest.raises(tl.InterventionError, match=r" at fc:1: torch cannot compute it on this quantized \(quint8"):
+            tl.trace(quantized, x, intervene={"fc": action})
     assert_clean_process()
 
 

@@ -457,13 +457,14 @@ def _operand(action, name: str, number, tensor: torch.Tensor, op):
     refused (``_castable``).  At an integer or bool value (indices, counts, a mask) torch computes ``ids * 2.0`` or
     ``ids + 1.0 * vector`` in floats, though every number in them is whole: a whole number is used as the int it is
     (at a mask, 0 or 1); any other would be rounded into the value, and is refused naming the helper, the site and
-    the dtype."""
+    the dtype.  A quantized value stands for real numbers: it takes any number (torch clamps it to 0.1, and refuses
+    what it has no kernel for, which ``Action.__call__`` names)."""
     if isinstance(number, torch.Tensor):
         if tensor.is_quantized:  # no cast to a quantized dtype: torch's own refusal is named with the site
             return number
         _castable(number, tensor, op, f"{action!r}'s {name}")
         return number.to(device=tensor.device, dtype=tensor.dtype)
-    if tensor.is_floating_point() or tensor.is_complex():
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.is_quantized:
         return number
     whole = isinstance(number, numbers.Real) and float(number).is_integer()
     if whole and (tensor.dtype != torch.bool or number in (0, 1)):
@@ -483,7 +484,7 @@ def _in_dtype(new: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
 def _needs_float(action, tensor: torch.Tensor, op) -> None:
     """Noise and a mean are no values of an integer or bool dtype (indices, counts, masks): the helper
     refuses such a value rather than rounding what it computed into it."""
-    if not (tensor.is_floating_point() or tensor.is_complex()):
+    if not (tensor.is_floating_point() or tensor.is_complex() or tensor.is_quantized):
         raise ReplacementMismatch(f"{action!r} at {_where(op)}: the value is {tensor.dtype} (indices, counts or a "
                                   f"mask), which {type(action).__name__} cannot change without rounding; "
                                   "tl.zero_ablate, tl.clamp, tl.patch_from or a tensor of that dtype can, and a "
