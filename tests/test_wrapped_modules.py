@@ -159,13 +159,31 @@ class CallsForwardDirectly(nn.Module):
         return self.head(self.inner.forward(x))  # bypasses inner's __call__: no module call, no hooks
 
 
-def test_a_module_run_only_through_its_forward_is_named_with_the_ops_that_used_its_parameters():
-    model, x = CallsForwardDirectly(), torch.randn(2, 4)
+class _RunsItsForward(nn.Linear):
+    """A class whose own ``__call__`` runs its forward directly, never reaching nn.Module's."""
+
+    def __call__(self, x):
+        return self.forward(x) * 2
+
+
+class OverridesCall(CallsForwardDirectly):
+    def __init__(self):
+        super().__init__()
+        self.inner = _RunsItsForward(4, 4)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+@pytest.mark.parametrize("build", [CallsForwardDirectly, OverridesCall])
+def test_a_module_run_only_through_its_forward_is_named_with_the_ops_that_used_its_parameters(build):
+    # log["inner"] said that 'inner' "is a module of the model that never ran in this forward", though it ran.
+    model, x = build(), torch.randn(2, 4)
     log = tl.trace(model, x)
     users = [op.label for op in log.ops if "inner.weight" in op.params]
     assert users and [call.label for call in log.module_calls] == ["head:1"]
     for run in (lambda: tl.trace(model, x, save=["inner"]), lambda: tl.trace(model, x, grads=["inner"]),
-                lambda: tl.trace(model, x, intervene={"inner": tl.zero_ablate()})):
+                lambda: tl.trace(model, x, intervene={"inner": tl.zero_ablate()}), lambda: log["inner"]):
         with pytest.raises((tl.InterventionError, KeyError), match=rf"made no module call.*{users[0]}.*forward\("):
             run()
     edited = tl.trace(model, x, intervene={users[0]: tl.zero_ablate()})  # the way the message names

@@ -20,6 +20,7 @@ from .columns import Kind
 from .model_index import container_note, traced_address
 from .modules import Module, ModuleCall, is_unregistered
 from .op import Layer, Op
+from .params import bypassed_call_hint
 
 
 class Ambiguous:
@@ -173,7 +174,8 @@ def no_root_note(trace, key: str) -> str:
 
 def unrun_module_note(trace, key: str) -> str:
     """For a missing module address or call label (``head``, ``head:1``) of one of the model's modules that made
-    no module call: a container, which has no forward to call, or a module this forward never ran."""
+    no module call: a container, which has no forward to call, a module whose forward ran without its __call__, or a
+    module this forward never ran."""
     address, colon, number = key.rpartition(":")
     address = address if colon and number.isdigit() else key  # a bare "7" is an address, not the root's call 7
     model = trace._model  # None once cleaned up, and for a loaded trace: no module to name then
@@ -187,9 +189,12 @@ def unrun_module_note(trace, key: str) -> str:
     compiled = compiled_note(trace, address) if module is not None or address in eager else ""
     if module is None and not compiled:
         return ""
-    what = (module is not None and container_note(address, module)) or compiled or \
-        "is a module of the model that never ran in this forward"
-    return f" ({address!r} {what})"
+    what = (module is not None and container_note(address, module)) or compiled
+    if what:
+        return f" ({address!r} {what})"
+    # A module whose forward ran around its __call__ (module.forward(...), a __call__ of its own) made no call.
+    return bypassed_call_hint(trace, address) or f" ({address!r} is a module of the model that never ran in this " \
+        "forward)"
 
 
 def compiled_note(trace, address: str) -> str:

@@ -175,7 +175,8 @@ def build_buffers(trace) -> list:
 
 def bypassed_call_hint(trace, address: str) -> str:
     """For a module address that made no module call: the ops that used its parameters, when there are any
-    (its forward was called as ``module.forward(...)``, which bypasses ``__call__``), or ''."""
+    (its forward was called as ``module.forward(...)``, or by a ``__call__`` its class overrides, which bypasses
+    nn.Module's ``__call__``), or ''."""
     prefix = address + "."
     users = [op for op in trace.ops if any(p.startswith(prefix) for p in op.params)]
     if not users:
@@ -187,8 +188,8 @@ def bypassed_call_hint(trace, address: str) -> str:
                 "inside a body of torch.cond, while_loop, map or scan runs inside that one op, whose interior is "
                 "unseen, so it has no module call or module site: name that op by its label)")
     return (f" (module {address!r} made no module call, but ops used its parameters: {shown}; a forward called "
-            "as module.forward(...) directly bypasses the module's __call__, so it has no module call, hooks or "
-            "module site: name those ops by their labels)")
+            "as module.forward(...) directly, or by a __call__ its class overrides, bypasses nn.Module's __call__, so "
+            "it has no module call, hooks or module site: name those ops by their labels)")
 
 
 @functools.cache
