@@ -135,3 +135,17 @@ def test_a_selection_of_a_module_returning_only_what_a_scripted_child_made_is_re
     assert [op.label for op in tl.trace(model, x, **{option: ["1"]}).ops if op.has_activation] in (
         ["linear_1_1:1", "output_1:1"], ["input_1:1", "linear_1_1:1", "output_1:1"])  # a module an op made works
     assert_clean_process()
+
+
+def test_the_gradient_of_a_call_returning_what_a_scripted_child_made_is_refused_rather_than_none():
+    """After a backward, the call's .grad was None, which reads as "no backward reached it": the gradient went
+    through, but no op of the trace holds the value the call returned, so no hook received it."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_WrapsAScriptedModule(), nn.Linear(4, 2)), torch.randn(3, 4)
+    log = tl.trace(model, x, grads=True)
+    log.backward(log.output.sum())
+    assert log["1"].grad is not None
+    for call in ("0:1", "0.inner:1"):
+        with pytest.raises(tl.GradientUnavailable, match=rf"{call} returned no op's value .*: read the gradient "
+                                                          "of an op inside the call or one reading its output"):
+            log[call].grad

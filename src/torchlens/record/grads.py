@@ -16,6 +16,7 @@ import torch
 from .columns import Kind, is_first_output
 from .dropped import MADE_IN_TRANSFORM
 from .layouts import dense_values
+from .modules import no_output_reason
 from ..tree import made_in_transform, without_values
 from ..errors import GradientUnavailable, TraceCleanedUp, add_note, first_few, warn_user
 
@@ -141,16 +142,17 @@ def has_grad(trace, index: int) -> bool:
 
 def module_call_grad(call):
     """The gradient of a module call's output: one tensor, or a tuple for several outputs.  A call no output of
-    which can have a gradient (run under torch.no_grad(), returning integers, ablated) raises as its output op
-    does, saying why, rather than giving a None that reads as "no backward reached it"; in a tuple, an output
+    which can have a gradient (run under torch.no_grad(), returning integers, ablated), or that has no output op,
+    raises saying why, rather than giving a None that reads as "no backward reached it"; in a tuple, an output
     that cannot have one is None beside the others.  The tuple keeps the call's return order: an output no op
     holds (``-1``: a tensor written through a view after the op that made it, a buffer returned as it is) is
     None in its place, so that the gradients after it are not read as those of the outputs before them."""
     trace = call._trace
     slots = call._output_nodes
     outputs = [i for i in slots if i >= 0]
-    if not outputs:
-        return None
+    if not outputs:  # no hook holds what it returned (a TorchScript child's output): None would read as unreached
+        raise GradientUnavailable(f"{call.label} {no_output_reason(call)}, so no gradient of its output was kept: "
+                                  "read the gradient of an op inside the call or one reading its output")
     if not any(trace._meta[gradient_holder(trace, i)].requires_grad for i in outputs):
         return grad_of(trace, outputs[0])  # raises, saying why
     if len(slots) == 1:

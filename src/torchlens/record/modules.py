@@ -232,18 +232,24 @@ def op_field_refusal(call: ModuleCall, name: str, record: str, key: str | None =
     """The error for an op's field ``name`` read from the Module or ModuleCall (``record``) of ``call``, reached as
     ``log[key]``: where that value is, its output op, or why the call has none (a ``stop_after=`` stop ended the
     forward inside it, or it returned no op's value)."""
-    trace, label = call._trace, call.label
+    label = call.label
     outputs = call.output_ops
     if outputs:
         return AttributeError(f"{name!r} belongs to one op, and this is {record} of {label}: read it from the call's "
                               f"output op, log[{label!r}] ({outputs[0]})")
-    if trace.stopped_after is not None and label in calls_cut_short(trace):
-        why = f"never returned: the forward stopped after {trace.stopped_after} inside it (stop_after=)"
-    else:
-        why = ("returned no op's value (no tensor, tensors no op of the trace made, or tensors written through a view "
-               "or their base after the op that made them)")
-    return AttributeError(f"{name!r} belongs to one op, but {label} {why}, so log[{key or label!r}] is {record}: read "
-                          "it from an op inside the call or one reading its output")
+    return AttributeError(f"{name!r} belongs to one op, but {label} {no_output_reason(call)}, so "
+                          f"log[{key or label!r}] is {record}: read it from an op inside the call or one reading its "
+                          "output")
+
+
+def no_output_reason(call: ModuleCall) -> str:
+    """Why ``call`` has no output op: a ``stop_after=`` stop ended the forward inside it, or it returned no op's
+    value."""
+    trace = call._trace
+    if trace.stopped_after is not None and call.label in calls_cut_short(trace):
+        return f"never returned: the forward stopped after {trace.stopped_after} inside it (stop_after=)"
+    return ("returned no op's value (no tensor, tensors no op of the trace made, or tensors written through a view or "
+            "their base after the op that made them)")
 
 
 def calls_cut_short(trace) -> set:
