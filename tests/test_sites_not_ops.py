@@ -67,6 +67,45 @@ def test_a_parameter_holder_of_an_exported_module_is_refused_naming_its_ops(opti
     assert_clean_process()
 
 
+class _LearnedPositions(nn.Module):
+    """A module that returns its own parameter or buffer as it is (a learned positional embedding, a fixed mask)."""
+
+    def __init__(self, returns: str):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 4))
+        self.register_buffer("fixed", torch.randn(5, 4))
+        self.returns = returns
+
+    def forward(self):
+        return getattr(self, self.returns)
+
+
+class _AddsPositions(nn.Module):
+    def __init__(self, returns: str):
+        super().__init__()
+        self.positions, self.head = _LearnedPositions(returns), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(x + self.positions())
+
+
+@pytest.mark.parametrize("returns, kind, listing", [("table", "parameter", r"log\.params\[k\]\.op_labels"),
+                                                     ("fixed", "buffer", r"log\.buffers\[k\]\.readers")],
+                         ids=["parameter", "buffer"])
+def test_a_module_returning_its_own_parameter_or_buffer_is_refused_as_a_site_naming_it(returns, kind, listing):
+    # The refusal said the tensor was made where the trace cannot see (before the forward, on another thread, inside
+    # TorchScript) and to trace the code that makes it as torch calls, which no change to the model could do.
+    model, x = _AddsPositions(returns), torch.randn(2, 5, 4)
+    with pytest.raises(tl.InterventionError, match=rf"positions:1 returns at output \(of shape \(5, 4\)\) the {kind} "
+                                                   rf"positions\.{returns} as it is, which no op of the forward makes, "
+                                                   rf"so no record holds it to change\. Intervene at the ops that read "
+                                                   rf"it, which {listing} lists"):
+        tl.trace(model, x, intervene={"positions": tl.zero_ablate()})
+    with pytest.raises(tl.UnmatchedSelection, match=r"positions:1 returned only tensors no op of the trace made \(a "
+                                                    r"parameter or buffer returned as it is, or one made where"):
+        tl.trace(model, x, save=["positions"])
+    assert_clean_process()
+
 
 def test_an_op_type_as_a_site_is_refused_naming_the_predicate_that_means_it():
     # save=["relu"] keeps every relu op, but intervene={"relu": ...} and stop_after="relu" were refused as unknown

@@ -262,14 +262,15 @@ class SavePolicy:
     @staticmethod
     def _refuse_outputs_no_op_made(chosen: dict, option: str) -> None:
         """Refuse a module entry whose every call returned only tensors no op of the trace made (a Python module
-        whose output its TorchScript child computed): it ran, but it selects nothing to save or watch."""
+        whose output its TorchScript child computed, a module returning its own parameter): it ran, but it selects
+        nothing to save or watch."""
         for entry, calls in sorted(chosen.items()):
             if all(_only_unseen(mc._output_nodes) for mc in calls):
                 raise UnmatchedSelection(
                     f"{option}= entry {entry!r} matched nothing: {first_few(mc.label for mc in calls)} returned "
-                    f"only tensors no op of the trace made ({UNSEEN_PLACES}), or written through a view or its base "
-                    "after the op that made them (no op's activation is then the value returned); select the ops "
-                    "that read them instead")
+                    f"only tensors no op of the trace made (a parameter or buffer returned as it is, or one "
+                    f"{UNSEEN_PLACES}), or written through a view or its base after the op that made them (no op's "
+                    "activation is then the value returned); select the ops that read them instead")
 
     def apply(self, trace, held_at_exhaustion=()) -> None:
         """Release the activations the selection did not ask for.  ``held_at_exhaustion``: the records saved as

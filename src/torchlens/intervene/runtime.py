@@ -27,6 +27,7 @@ from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..record.layouts import same_elements, shape_of, storage_key, version_of
+from ..record.model_index import READERS_LISTED
 from ..record.modules import enclosing_calls
 from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
@@ -91,6 +92,7 @@ class Interventions(ReferencePath):
         for position, site in enumerate(module_sites):
             self.by_module.setdefault(id(site.module), {}).setdefault(site.call_number, []).append((position, site))
         self.addresses = index.module_addresses
+        self.tensor_named = index.tensor_named
         self.keep_originals = keep_originals
         self.applied: dict = {}  # record index -> Applied
         self.originals: dict = {}  # record index -> the value before the action
@@ -371,6 +373,19 @@ class Interventions(ReferencePath):
                 new_output = _replace_at(new_output, path, replaced[id(t)], sites[0].key)
         return new_output
 
+    def _unrecorded(self, t, returned: str) -> InterventionError:
+        """The refusal of a module site whose call ``returned`` ``t``, which no op of the trace made: the model's
+        own parameter or buffer, returned as it is, or a tensor made where capture cannot see."""
+        named = self.tensor_named(t)
+        if named is not None:
+            return InterventionError(
+                f"{returned} the {named[0]} {named[1]} as it is, which no op of the forward makes, so no record holds "
+                f"it to change. Intervene at the ops that read it, which {READERS_LISTED[named[0]]} lists")
+        return InterventionError(
+            f"{returned} a tensor no op of the trace made ({UNSEEN_PLACES}), so no record holds it to change. "
+            "Intervene at the ops that read it, or trace the code that makes it as torch calls (a TorchScript "
+            "module as it was before scripting)")
+
     def _made_here(self, st, t, module_call, site, call_number, path=()) -> int:
         """The record of an output tensor made inside this module call and read nowhere inside it; ``path`` is
         where the call's return value holds it, for the refusals."""
@@ -381,11 +396,8 @@ class Interventions(ReferencePath):
         if record >= 0 and st.records[record][RECORD_CALL] >= 0:
             made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
         if record < 0:  # (an input passed through has a record: its input's)
-            raise InterventionError(
-                f"module site {site.key!r}: {label} returns at {path_text('output', path)} (of shape {tuple(t.shape)}) "
-                f"a tensor no op of the trace made ({UNSEEN_PLACES}), so no record holds it to change. Intervene at "
-                "the ops that read it, or trace the code that makes it as torch calls (a TorchScript module as it was "
-                "before scripting)")
+            raise self._unrecorded(t, f"module site {site.key!r}: {label} returns at {path_text('output', path)} "
+                                      f"(of shape {tuple(t.shape)})")
         calls = st.module_calls
         if module_call not in enclosing_calls(made_in, lambda k: calls[k][MODULE_CALL_PARENT]):
             raise InterventionError(

@@ -104,6 +104,14 @@ class ModelIndex:
                 if b is not None and id(b) not in self.buffers:
                     self.buffers[id(b)] = (b, prefix + key)
 
+    def tensor_named(self, t) -> tuple | None:
+        """``(kind, address)`` of ``t`` when it is one of the model's parameters or buffers, else None."""
+        address = self.param_addresses.get(id(t))
+        if address is not None:
+            return "parameter", address
+        buffer = self.buffers.get(id(t))
+        return ("buffer", buffer[1]) if buffer is not None and buffer[0] is t else None
+
     def module_types(self) -> tuple:
         """Every distinct class of the model's modules, the root's first: capture checks which of them
         replace ``nn.Module._call_impl`` themselves (``capture/call_impl.py``)."""
@@ -263,15 +271,19 @@ def container_note(address: str, module) -> str:
             f"no output; name the modules it holds ({shown})")
 
 
+# Where the ops that read a parameter or a buffer are listed, as the refusals of its name say.
+READERS_LISTED = {"parameter": "log.params[k].op_labels", "buffer": "log.buffers[k].readers"}
+
+
 def tensor_address_note(model, address: str, where: str) -> str:
     """For a name that is no op, layer or module but a parameter's or a buffer's address (``fc.weight``): what it
     is and what ``where`` (``save=``, ``intervene=``) takes instead: ops are recorded, the tensors they
     read are not, so the name would otherwise be refused as unknown, or as a near miss of a module's name."""
     if not isinstance(model, torch.nn.Module) or not address:
         return ""
-    for kind, listing, named in (("parameter", "log.params[k].op_labels", model.named_parameters),
-                                 ("buffer", "log.buffers[k].readers", model.named_buffers)):
+    for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
         if any(name == address for name, _ in named(remove_duplicate=False)):
+            listing = READERS_LISTED[kind]
             own = "; its own gradient, on a trace taken with grads=, is log.params[k].grad" if kind == "parameter" \
                 else ""
             return (f" ({address} is a {kind} of the model, which no op of the forward makes: {where} takes ops; "
