@@ -296,8 +296,12 @@ def test_hot_path_ranks_gradient_norms_and_bytes_saved_for_backward(tmp_path, ca
     assert "Hot path (grad_norm" in out and f"{top} " in out and f"{norms[top]:.4g}" in out
     assert main(["hot-path", str(tmp_path / "g"), "--by", "saved_for_backward"]) == 0
     assert "Hot path (saved_for_backward" in capsys.readouterr().out
-    assert main(["hot-path", str(_saved(tmp_path)), "--by", "grad_norm"]) != 0  # no gradients: refused
+    # A metric the saved trace holds no values for is a usage problem (2), not a failed model (1).
+    plain = str(_saved(tmp_path))
+    assert main(["hot-path", plain, "--by", "grad_norm"]) == 2
     assert "grads=True" in capsys.readouterr().err
+    assert main(["hot-path", plain, "--by", "saved_for_backward"]) == 2
+    assert "saved_for_backward=True" in capsys.readouterr().err
 
 
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):

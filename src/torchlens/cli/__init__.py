@@ -157,8 +157,14 @@ def cmd_show(args) -> int:
 
 
 def cmd_hot_path(args) -> int:
+    from ..errors import GradientUnavailable
+
     log = _load(args.dir)
-    print(hot_path_text(log, args.n, by=args.by, group=args.group))
+    try:
+        text = hot_path_text(log, args.n, by=args.by, group=args.group)
+    except (ValueError, GradientUnavailable) as exc:  # a --by this saved trace holds no values for
+        raise UsageError(str(exc)) from None
+    print(text)
     return 0
 
 
