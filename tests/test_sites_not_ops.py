@@ -139,3 +139,25 @@ def test_an_op_type_as_a_site_is_refused_naming_the_predicate_that_means_it():
     log = tl.trace(model, x, intervene={(lambda op: op.type == "relu"): tl.zero_ablate()})
     assert [a.label for a in log.interventions] == ["relu_1_2:1", "relu_2_4:1"]
     assert torch.equal(log.output, expected)
+
+
+def test_a_class_name_that_spells_an_op_type_selects_that_type_wherever_it_ran():
+    # Op types are compared without case or underscores, so "Linear" is the type linear: the F.linear the root
+    # forward calls outside every nn.Linear is selected with the modules' outputs (docs/tracing.md).
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.weight = nn.Parameter(torch.randn(2, 4))
+
+        def forward(self, x):
+            return nn.functional.linear(self.fc(x).relu(), self.weight)
+
+    x = torch.randn(3, 4)
+    saved = tl.trace(Head(), x, save=["Linear"])
+    assert [op.label for op in saved.ops if op.kind == "op" and op.has_activation] == ["linear_1_1:1", "linear_2_3:1"]
+    watched = tl.trace(Head(), x, save="none", grads=["Linear"])
+    watched.backward(watched.output.sum())
+    assert [op.label for op in watched.ops if op.kind == "op" and op.grad is not None] == ["linear_1_1:1",
+                                                                                          "linear_2_3:1"]
+    assert_clean_process()
