@@ -76,7 +76,8 @@ class TorchlensError(Exception):
 
 # ----- the record ---------------------------------------------------------------------------------
 class ActivationUnavailable(TorchlensError):
-    """An activation was asked for that the trace does not hold (cleaned up or dropped)."""
+    """An activation was asked for that the trace does not hold: cleaned up, dropped (written or freed since it was
+    saved), or left out of a saved trace (``activations=False``, a layout no file format encodes)."""
 
 
 class TraceCleanedUp(TorchlensError):
@@ -89,7 +90,8 @@ class NestedTraceError(TorchlensError):
 
 
 class UnmatchedSelection(TorchlensError, KeyError):
-    """A ``save=`` entry named nothing in the trace (a ``KeyError`` naming the closest labels)."""
+    """A ``save=`` or ``grads=`` entry, or a ``layers=`` entry of ``tl.extract``, named nothing in the trace (a
+    ``KeyError`` naming the closest labels)."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
