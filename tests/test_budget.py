@@ -204,6 +204,22 @@ def test_a_tensor_saved_for_two_ops_counts_once_as_log_saved_bytes_counts_it():
     assert log.saved_bytes == everything.saved_bytes
 
 
+def test_an_op_returning_a_tensor_that_requires_grad_counts_once_beside_its_parent():
+    # With gradients on, each op is saved as its output's detach(): eval-mode dropout, returning the linear's
+    # output itself, saved a second object over the same elements, which log.saved_bytes and the budget counted
+    # again, so a budget of the trace's own size stopped saving before the last op.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    everything = tl.trace(model, x)
+    assert everything["dropout_1_2:1"].activation.requires_grad is False
+    assert everything.saved_bytes == 3 * 2 * 4 * 4  # the input, the linear's output (twice saved) and the relu's
+    log, messages = trace_with_budget(model, x, everything.saved_bytes)
+    assert messages == [] and len(log.saved_activations) == len(everything.saved_activations)
+    assert log.saved_bytes == everything.saved_bytes
+    assert_clean_process()
+
+
 def test_a_copy_made_before_an_in_place_write_counts_beside_the_written_tensor():
     def forward(x):
         y = x * 2

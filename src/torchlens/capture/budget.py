@@ -1,16 +1,17 @@
 """``max_saved_bytes``: the bytes a trace's saved activations hold, counted as ``log.saved_bytes`` counts them.
 
-Each saved tensor object counts once at its own size (``record.layouts.held_bytes``), however many records
-hold it: an op that returns its argument itself (dropout in eval mode, ``x.contiguous()`` on a contiguous
-``x``) saves the tensor its parent saved, which holds no more memory.  A tensor is known by ``id`` while a
-weak reference says it is still the same object, so a freed tensor's id reused by another is counted anew.
+Each saved tensor counts once at its own size (``record.layouts.held_bytes``), however many records hold it:
+an op that returns its argument itself (dropout in eval mode, ``x.contiguous()`` on a contiguous ``x``) saves
+the tensor its parent saved, or, when it requires grad, another ``detach()`` of it over the same elements
+(``record.layouts.alias_key``), which holds no more memory.  A key counts while a weak reference says one of
+the objects counted under it is alive, so a freed tensor's id or memory reused by another is counted anew.
 """
 
 from __future__ import annotations
 
 from weakref import ref as weakref
 
-from ..record.layouts import held_bytes
+from ..record.layouts import alias_key, held_bytes
 
 
 class SaveBudget:
@@ -21,23 +22,23 @@ class SaveBudget:
     def __init__(self, limit):
         self.limit = limit
         self.used = 0
-        self._held: dict = {}  # id(tensor) -> [weak reference, records saving it]
+        self._held: dict = {}  # alias_key(tensor) -> [weak references to the objects counted, records saving them]
 
     def _entry(self, t):
-        entry = self._held.get(id(t))
-        return entry if entry is not None and entry[0]() is t else None
+        entry = self._held.get(alias_key(t))
+        return entry if entry is not None and any(alive() is not None for alive in entry[0]) else None
 
     def admit(self, t) -> bool:
         """Count ``t`` for one more record; False, counting nothing, when its bytes would pass the limit."""
         entry = self._entry(t)
         if entry is not None:  # saved already for another record: no more memory
-            entry[1] += 1
+            _hold(entry, t)
             return True
         size = held_bytes(t)
         if self.used + size > self.limit:
             return False
         self.used += size
-        self._held[id(t)] = [weakref(t), 1]
+        self._held[alias_key(t)] = [[weakref(t)], 1]
         return True
 
     def release(self, t) -> None:
@@ -55,9 +56,9 @@ class SaveBudget:
         self.release(old)
         shared = self._entry(new)
         if shared is not None:
-            shared[1] += 1
+            _hold(shared, new)
             return
-        self._held[id(new)] = [weakref(new), 1]
+        self._held[alias_key(new)] = [[weakref(new)], 1]
         self.used += held_bytes(new)
 
     def _uncount(self, t) -> bool:
@@ -68,5 +69,13 @@ class SaveBudget:
         entry[1] -= 1
         if entry[1]:
             return False
-        del self._held[id(t)]
+        del self._held[alias_key(t)]
         return True
+
+
+def _hold(entry, t) -> None:
+    """One more record saves ``t``, counted under ``entry`` already (itself, or another object over its elements):
+    the entry stays alive while any of them is."""
+    entry[1] += 1
+    if all(alive() is not t for alive in entry[0]):
+        entry[0].append(weakref(t))

@@ -25,6 +25,7 @@ import stat
 
 from ..checks import check_flag, check_path, folder_of
 from ..errors import counted, listed, warn_user
+from ..record.layouts import alias_key
 from ..record.trace import checked_trace
 from .encode import WITHOUT_ACTIVATIONS, encode_value, torch_constant_name, unsavable
 from .grads import write_grads
@@ -313,13 +314,14 @@ def _activation_tensors(trace):
         return tensors, keys, unsaved
     trace.drop_written()  # a tensor written since the trace is not what its op made
     for index, t in sorted(trace.saved_activations.items()):
-        key = key_of_tensor.get(id(t))
+        same = alias_key(t)  # each op's detach of one tensor is written once, as log.saved_bytes counts it
+        key = key_of_tensor.get(same)
         if key is None:
             problem = unsavable(t)
             if problem:
                 unsaved[index] = problem
                 continue
-            key = key_of_tensor[id(t)] = f"a{index}"
+            key = key_of_tensor[same] = f"a{index}"
             tensors[key] = t
         keys[index] = key
     return tensors, keys, unsaved

@@ -305,6 +305,21 @@ def permuted_strides(t) -> list | None:
     return list(t.stride())
 
 
+def alias_key(t: torch.Tensor):
+    """One key for saved tensors that are the same elements: an op that requires grad is saved as its output's
+    ``detach()``, so an op returning its argument itself (eval-mode dropout, ``contiguous()`` of a contiguous
+    tensor) saves a second object over its parent's saved elements, which holds no more.  A plain strided tensor
+    with memory is keyed by where its elements lie and how they are read (a lazy conjugate or negative view reads
+    the same memory as other values); any other tensor (meta, sparse, nested, quantized, a subclass) by itself."""
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized \
+            or t.device.type == "meta":
+        return id(t)
+    address = t.untyped_storage().data_ptr()
+    if not address:  # no memory (an empty tensor, or one whose storage was freed): nothing to share
+        return id(t)
+    return address, t.device, t.storage_offset(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg()
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the memory a tensor lives in; views share it with their base.  A storage with no memory (a
     meta or fake tensor's, or an empty one) has address 0, which every such storage shares: it is told apart by

@@ -18,7 +18,7 @@ from . import grads as _grads
 from . import tables
 from .derived import Derived as _Derived
 from .dropped import MEMORY_FREED, PARAM_WRITTEN_AFTER_TRACE, WRITTEN_AFTER_TRACE
-from .layouts import held_bytes, memory_freed
+from .layouts import alias_key, held_bytes, memory_freed
 from .lookup import Ambiguous, build_lookup, missing_key_note, raise_ambiguous
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
@@ -369,12 +369,8 @@ class Trace(TraceColumns):
         """The saved activations' sizes summed, each at its own size, as ``max_saved_bytes`` counts them: not the
         memory they hold, since a view saved with its base counts again, and one saved without it counts its
         own elements while keeping the base's whole storage alive."""
-        seen, total = set(), 0
-        for t in self._activations.values():
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += held_bytes(t)
-        return total
+        distinct = {alias_key(t): t for t in self._activations.values()}  # each op's detach of one tensor: once
+        return sum(held_bytes(t) for t in distinct.values())
 
     @property
     def capture_duration(self) -> float:
