@@ -69,3 +69,32 @@ def test_an_array_written_between_two_reads_is_recorded_as_each_read_it(compiled
         assert np.array_equal(a, (x * 2 + k).numpy())
     result = log.validate()
     assert result.passed and all(op.startswith("add") for op, _ in result.not_replayed), str(result)
+
+
+class _WritesAfterATensorOnIt(nn.Module):
+    """Makes a tensor on an array's memory (``torch.asarray`` copies nothing), or a copy of it, then writes the
+    array through NumPy."""
+
+    def __init__(self, copy):
+        super().__init__()
+        self.copy = copy
+
+    def forward(self, x):
+        a = x.detach().numpy() * 2
+        t = torch.asarray(a, copy=self.copy)
+        a[:] = 0
+        return t + 1
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_an_output_on_an_array_written_afterwards_is_a_mismatch_not_a_pass(compiled):
+    # The write moves no version counter, so the saved output shows the written values: replay must say so
+    # (docs/capture_honesty.md, Values), and a copy keeps what the op made.
+    x = torch.arange(12.0).reshape(3, 4)
+    with on_path(compiled):
+        shared = tl.trace(_WritesAfterATensorOnIt(copy=None), x)
+        copied = tl.trace(_WritesAfterATensorOnIt(copy=True), x)
+    assert not shared["asarray_1_2:1"].activation.any()
+    result = shared.validate()
+    assert result.status == "failed" and [label for label, *_ in result.mismatched] == ["asarray_1_2:1"]
+    assert torch.equal(copied["asarray_1_2:1"].activation, x * 2) and copied.validate().passed
