@@ -110,6 +110,22 @@ def test_a_write_into_part_of_an_empty_tensor_is_still_no_evidence():
     assert funcs(log, report.uninitialized) == ["empty", "__getitem__", "copy_"]
 
 
+def test_a_read_after_a_finite_write_into_part_of_an_empty_tensor_is_no_certain_origin():
+    # The write's own value (the half it wrote) is finite, and the op reading the whole tensor names the write as
+    # its parent: it was reported as a certain origin of the NaN the unwritten half held, "from finite inputs".
+    def partial(x):
+        buf = torch.empty(2, 4)
+        buf[:, :2].copy_(x)
+        return buf * 2
+
+    with nan_filled_empties():
+        log = tl.trace(partial, torch.ones(2, 2))
+    report = tl.debug.nonfinite_origin(log)
+    assert report.origin.func_name == "mul" and not report.certain
+    assert funcs(log, report.uninitialized) == ["empty", "__getitem__", "copy_"]
+    assert set(report.uninitialized) <= set(report.possible_origins)
+
+
 def test_uninitialized_memory_converted_to_another_dtype_stays_no_evidence():
     # .float() of a torch.empty was taken for a defined value: the NaN it converted was named the first non-finite
     # op's, produced by the conversion, while only the allocation was set aside as no evidence.

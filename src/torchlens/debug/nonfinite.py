@@ -359,11 +359,15 @@ def _set_aside_uninitialized(log, status) -> list:
     ``torch.use_deterministic_algorithms(True)``, which fills it so), and a model fills the tensor afterwards
     (DeepSeek-V3 writes its key states into two slices of a ``new_empty``).  Such a value, a view of it, or a
     write into part of it says nothing about where a NaN was born.  A later op that computes with one is
-    then not certain to be an origin: its undefined input is named among the possible ones."""
-    undefined, found = uninitialized_ops(log, through_writes=True), []
+    then not certain to be an origin: its undefined input is named among the possible ones.  A write into part
+    of memory holding NaN/Inf leaves the rest of it so, whatever the part it wrote holds (its own value, a view):
+    the ops reading the whole tensor after it name the write as their parent, so it is set aside too."""
+    undefined, found, aside = uninitialized_ops(log, through_writes=True), [], set()
     for i in sorted(undefined):
-        if status[i] not in (None, (False, False)):
+        carried = log.ops[i].is_inplace and any(p in aside for _, p in log.op_parents[i])
+        if carried or status[i] not in (None, (False, False)):
             status[i] = None
+            aside.add(i)
             found.append(log.labels[i])
     return found
 
