@@ -41,23 +41,25 @@ def output_structure(output):
     """``output`` with each tensor replaced by its ``OutputSlot`` (numbered as ``log.outputs`` are: in the
     order capture walked the output), and every container made a list, tuple or dict."""
     slots = {path: OutputSlot(k) for k, (path, _) in enumerate(tensor_leaves(output, attrs=True))}
-    return _structure(output, (), slots, 0)
+    # Every path with a tensor below it, gathered once: asking each container whether a slot lies below it
+    # read every slot per container (a list of n cache layers, each an object holding its tensors: n * n).
+    holders = {path[:end] for path in slots for end in range(len(path))}
+    return _structure(output, (), slots, holders, 0)
 
 
-def _structure(value, path: tuple, slots: dict, depth: int):
+def _structure(value, path: tuple, slots: dict, holders: set, depth: int):
     if path in slots:
         return slots[path]
     if depth >= MAX_DEPTH:
         return value  # not walked by capture either; saved as its repr
     if type(value) is list:
-        return [_structure(v, path + (i,), slots, depth + 1) for i, v in enumerate(value)]
+        return [_structure(v, path + (i,), slots, holders, depth + 1) for i, v in enumerate(value)]
     if isinstance(value, tuple):  # a named tuple too: its class is code, not data
-        return tuple(_structure(v, path + (i,), slots, depth + 1) for i, v in enumerate(value))
-    holds_tensor = any(p[:len(path)] == path and len(p) > len(path) for p in slots)
-    children = container_items(value, attrs=holds_tensor)
+        return tuple(_structure(v, path + (i,), slots, holders, depth + 1) for i, v in enumerate(value))
+    children = container_items(value, attrs=path in holders)
     if children is None:
         return value
-    return {key: _structure(v, path + (key,), slots, depth + 1) for key, v in children}
+    return {key: _structure(v, path + (key,), slots, holders, depth + 1) for key, v in children}
 
 
 def rebuild_output(trace):

@@ -1,0 +1,74 @@
+"""What each step after the forward costs grows with the trace, not with its square.
+
+Each test counts the work one step does (the Python function calls it makes, generator steps included) on a
+model of n and of 4n parts, shaped so that a step doing something per part per part would multiply it: the
+counts grow about 4x when the step is linear, far more when it is not.  Work is counted, not timed, so a busy
+machine cannot fail a test nor pass a quadratic step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn as nn
+
+import torchlens as tl
+
+GROWTH = 4.6  # a linear step's count grows 4x from n to 4n, plus what is paid once per step
+
+
+def _calls_made(step) -> int:
+    """Python function calls (each step of a generator too) made while ``step()`` runs."""
+    made = 0
+
+    def count(frame, event, arg):
+        nonlocal made
+        if event == "call":
+            made += 1
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return made
+
+
+def _growth(step_of, n: int) -> float:
+    """How much more work ``step_of(4 * n)()`` does than ``step_of(n)()`` (after a first run of each, so that
+    imports and first-use caches count against neither)."""
+    small, large = step_of(n), step_of(4 * n)
+    small(), large()
+    return _calls_made(large) / _calls_made(small)
+
+
+class _Layer:
+    """What a key/value cache holds per layer: a plain object with its tensors as attributes."""
+
+    def __init__(self, keys):
+        self.keys = keys
+
+
+class _LayeredOutput(nn.Module):
+    """Returns a list of ``n`` objects, each holding one tensor, as a model returning its cache does."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        return [_Layer(x + i) for i in range(self.n)]
+
+
+def test_saving_an_output_of_many_objects_walks_each_once(tmp_path):
+    # Saving a trace keeps the output's structure, and asked of each object whether a tensor lay below it by
+    # reading every output tensor's path: a list of n cache layers cost n * n.
+    def save_of(n):
+        log = tl.trace(_LayeredOutput(n), torch.randn(2, 3))
+        return lambda: log.save(tmp_path / f"t{n}", overwrite=True)
+
+    assert _growth(save_of, 300) < GROWTH
+    log = tl.trace(_LayeredOutput(3), torch.randn(2, 3))
+    loaded = tl.load(log.save(tmp_path / "small"))
+    assert all(torch.equal(saved["keys"], layer.keys) for saved, layer in zip(loaded.output, log.output, strict=True))
