@@ -72,3 +72,29 @@ def test_saving_an_output_of_many_objects_walks_each_once(tmp_path):
     log = tl.trace(_LayeredOutput(3), torch.randn(2, 3))
     loaded = tl.load(log.save(tmp_path / "small"))
     assert all(torch.equal(saved["keys"], layer.keys) for saved, layer in zip(loaded.output, log.output, strict=True))
+
+
+class _Nest(nn.Module):
+    """A module calling a module ``depth`` deep, each adding one op: as many module calls as ops, nested."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.inner = _Nest(depth - 1) if depth > 1 else None
+
+    def forward(self, x):
+        x = x + 1
+        return self.inner(x) if self.inner is not None else x
+
+
+def test_module_call_depths_and_op_modules_read_once_per_record(tmp_path):
+    # Each call's depth, and each op's innermost call (op.module), walked the chain of calls up to the root:
+    # reading them over a nest of n modules cost n * n, and so did every table and text indenting by depth.
+    def reads_of(n):
+        log = tl.trace(_Nest(n), torch.randn(2, 3))
+        return lambda: ([call.depth for call in log.module_calls], [op.module for op in log.ops])
+
+    assert _growth(reads_of, 20) < GROWTH
+    log = tl.trace(_Nest(3), torch.randn(2, 3))
+    assert [call.depth for call in log.module_calls] == [0, 1]
+    assert [op.module for op in log.ops] == [None, None, "inner:1", "inner.inner:1", None]
+    assert [op.module for op in tl.load(log.save(tmp_path / "t")).ops] == [op.module for op in log.ops]

@@ -122,8 +122,7 @@ class ModuleCall(View):
 
     @property
     def depth(self) -> int:
-        rows = self._trace._call_rows
-        return len(enclosing_calls(self.index, lambda k: rows[k].parent)) - 1
+        return call_depths(self._trace)[self.index]
 
     @property
     def duration(self):
@@ -268,6 +267,18 @@ def call_children(rows) -> list:
         if row.parent >= 0:
             children[row.parent].append(k)
     return children
+
+
+def call_depths(trace) -> list:
+    """Each module call's depth (0: called from the root forward), derived once per trace in one pass: a
+    call's parent is recorded before it.  Walking each call's chain up cost the depth per call, the depth
+    squared over a deep nest of modules."""
+    if trace._call_depths_col is None:
+        depths: list = []
+        for row in trace._call_rows:
+            depths.append(depths[row.parent] + 1 if row.parent >= 0 else 0)
+        trace._call_depths_col = depths
+    return trace._call_depths_col
 
 
 def call_ops(rows, op_module_calls) -> list:

@@ -290,8 +290,8 @@ class Op(View):
     def module(self):
         """The innermost module call's label (``features.2:1``), or None in the root forward: the former
         spelling of ``op.module_call.label``, kept for one release (docs/labels.md)."""
-        labels = self.modules
-        return labels[-1] if labels else None
+        call = self.module_call  # that call alone: ``modules`` would name every call around it
+        return call.label if call is not None else None
 
     @property
     def modules(self) -> tuple:

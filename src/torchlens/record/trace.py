@@ -82,6 +82,7 @@ class Trace(TraceColumns):
     _calls_named = False  # whether ``calls`` has named the raw call tuples
     _cleaned = False
     _children_col = _lookup = _layer_index_col = _layer_keys = _call_children_col = _call_ops_col = None
+    _call_depths_col = None  # record.modules.call_depths: each module call's depth
     _param_rows = _buffer_rows = None  # record.params rows, built on first read of ``params`` / ``buffers``
 
     # The columns: derived on first read, a group at a time, from ``_raw`` (a trace made by
@@ -214,8 +215,7 @@ class Trace(TraceColumns):
         return self._call_children_col
 
     def _call_ops(self) -> list:
-        """Every module call's op indices (nested calls included), derived on first use in one pass over
-        the ops rather than while the trace is built, since most traces never ask."""
+        """Every module call's op indices, nested calls included: derived on first use, as most traces never ask."""
         if self._call_ops_col is None:
             self._call_ops_col = call_ops(self._call_rows, self._module_call)
         return self._call_ops_col
