@@ -75,15 +75,20 @@ def test_saving_an_output_of_many_objects_walks_each_once(tmp_path):
 
 
 class _Nest(nn.Module):
-    """A module calling a module ``depth`` deep, each adding one op: as many module calls as ops, nested."""
+    """A module calling a module ``depth`` deep, each adding one op; the innermost then runs ``ops`` more."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, ops: int = 0):
         super().__init__()
-        self.inner = _Nest(depth - 1) if depth > 1 else None
+        self.ops = ops
+        self.inner = _Nest(depth - 1, ops) if depth > 1 else None
 
     def forward(self, x):
         x = x + 1
-        return self.inner(x) if self.inner is not None else x
+        if self.inner is not None:
+            return self.inner(x)
+        for _ in range(self.ops):
+            x = torch.tanh(x)
+        return x
 
 
 def test_module_call_depths_and_op_modules_read_once_per_record(tmp_path):
@@ -98,3 +103,17 @@ def test_module_call_depths_and_op_modules_read_once_per_record(tmp_path):
     assert [call.depth for call in log.module_calls] == [0, 1]
     assert [op.module for op in log.ops] == [None, None, "inner:1", "inner.inner:1", None]
     assert [op.module for op in tl.load(log.save(tmp_path / "t")).ops] == [op.module for op in log.ops]
+
+
+def test_the_module_table_totals_each_call_without_walking_the_calls_inside_it():
+    # log.summary() counted each call's ops, bytes and FLOPs over every op inside it, nested calls included:
+    # over a nest of n modules each op was counted once per call around it, n * n in all.
+    def summary_of(depth):
+        log = tl.trace(_Nest(depth, ops=2000), torch.randn(2, 3))
+        return lambda: str(log.summary())
+
+    # 4x the depth over the same 2000 ops: a few more rows, not the 4x of counting each op once per call around it.
+    assert _growth(summary_of, 10) < 2
+    rows = tl.trace(_Nest(3), torch.randn(2, 3)).summary().rows
+    assert [(row["call"], row["ops"], row["flops"], row["activation_bytes"]) for row in rows] == [
+        ("_Nest", 3, 18, 72), ("inner:1", 2, 12, 48), ("inner.inner:1", 1, 6, 24)]

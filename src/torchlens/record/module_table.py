@@ -15,6 +15,7 @@ from ..errors import closest_hint, listed
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
+from .modules import rolled_up
 from .grads import saved_for_backward_bytes
 from .summary import COUNT_UNITS, human_bytes, unit_for
 
@@ -186,34 +187,49 @@ def module_summary(trace, depth=None) -> ModuleSummary:
         call_flops, whole_flops = {}, None
     param_counts = module_param_counts(trace)
     compute = [i for i in range(len(ops)) if trace._kind[i] == Kind.OP]
+    call_counts, call_bytes = _inclusive_ops_and_bytes(trace, produced)
 
-    def row(call, depth_, class_name, params, inputs, outputs, members, flops, duration):
+    def row(call, depth_, class_name, params, inputs, outputs, counted, flops, duration, members):
         entry = {
             "call": call, "depth": depth_, "class_name": class_name, "params": params,
             "input_shapes": [tuple(trace._meta[i].shape) for i in inputs],
             "output_shapes": [tuple(trace._meta[i].shape) for i in outputs],
-            "ops": len(members), "flops": int(flops) if flops is not None else None,
+            "ops": counted[0], "flops": int(flops) if flops is not None else None,
             "flops_complete": flops.complete if isinstance(flops, FlopCount) else None,
-            "duration": duration, "activation_bytes": sum(produced[i] for i in members),
+            "duration": duration, "activation_bytes": counted[1],
         }
         if has_backward:
             # Distinct storages over the call's ops: a tensor two ops saved counts once.
-            entry[SAVED_FOR_BACKWARD] = saved_for_backward_bytes(trace, members)
+            entry[SAVED_FOR_BACKWARD] = saved_for_backward_bytes(trace, members())
         return entry
 
     forward = trace.timings.get("forward")
     rows = [row(trace.model_name, -1, _root_class(trace), root_param_count(trace),
                 [op.index for op in trace.inputs], [trace.output_producer(op.index) for op in trace.outputs
                                                     if trace.output_producer(op.index) >= 0],
-                compute, whole_flops, forward)]
+                (len(compute), sum(produced[i] for i in compute)), whole_flops, forward, lambda: compute)]
     for mc in trace.module_calls:
         if depth is not None and mc.depth >= depth:
             continue
+        k = mc.index
         rows.append(row(mc.label, mc.depth, mc.module.class_name, param_counts.get(mc.address),
                         [i for i in mc._input_nodes if i >= 0], [i for i in mc._output_nodes if i >= 0],
-                        mc._op_nodes, call_flops.get(mc.label), mc.duration))
+                        (call_counts[k], call_bytes[k]), call_flops.get(mc.label), mc.duration,
+                        lambda mc=mc: mc._op_nodes))
     columns = COLUMNS + ((SAVED_FOR_BACKWARD,) if has_backward else ())
     return ModuleSummary(trace, rows, columns)
+
+
+def _inclusive_ops_and_bytes(trace, produced: list) -> tuple:
+    """Each module call's ops, and the bytes they produced, nested calls included: each op counted in its
+    innermost call, then rolled up the calls (summing over every call's list of ops cost the depth per op)."""
+    counts, produced_by = [0] * len(trace._call_rows), [0] * len(trace._call_rows)
+    for i, m in enumerate(trace._module_call):
+        if m >= 0:
+            counts[m] += 1
+            produced_by[m] += produced[i]
+    parents = trace.module_call_parents
+    return rolled_up(counts, parents), rolled_up(produced_by, parents)
 
 
 def _root_class(trace) -> str:

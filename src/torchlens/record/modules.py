@@ -281,6 +281,17 @@ def call_depths(trace) -> list:
     return trace._call_depths_col
 
 
+def rolled_up(own: list, parents: list) -> list:
+    """Each module call's ``own`` value summed over itself and every call inside it (``parents``: each call's
+    enclosing call, -1 at the root), in one pass from the last call back, as a call's parent is recorded
+    before it: adding each op's value into every call around it cost the depth per op."""
+    totals = list(own)
+    for k in range(len(totals) - 1, -1, -1):
+        if parents[k] >= 0:
+            totals[parents[k]] += totals[k]
+    return totals
+
+
 def call_ops(rows, op_module_calls) -> list:
     """Each module call's op indices, nested calls included, in execution order: one pass over the ops."""
     ops: list = [[] for _ in rows]
