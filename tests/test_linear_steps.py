@@ -1,6 +1,6 @@
 """What each step after the forward costs grows with the trace, not with its square.
 
-Each test counts the work one step does (the Python function calls it makes, generator steps included) on a
+Each test counts the work one step does (the function calls it makes, builtins and generator steps included) on a
 model of n and of 4n parts, shaped so that a step doing something per part per part would multiply it: the
 counts grow about 4x when the step is linear, far more when it is not.  Work is counted, not timed, so a busy
 machine cannot fail a test nor pass a quadratic step.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -19,12 +20,13 @@ GROWTH = 4.6  # a linear step's count grows 4x from n to 4n, plus what is paid o
 
 
 def _calls_made(step) -> int:
-    """Python function calls (each step of a generator too) made while ``step()`` runs."""
+    """Function calls made while ``step()`` runs: Python functions (each step of a generator too) and builtins
+    (``list.append``, a column's ``__getitem__``), which do the work of a loop over plain lists."""
     made = 0
 
     def count(frame, event, arg):
         nonlocal made
-        if event == "call":
+        if event == "call" or event == "c_call":
             made += 1
 
     sys.setprofile(count)
@@ -35,11 +37,18 @@ def _calls_made(step) -> int:
     return made
 
 
+def _read(log):
+    """``log`` with the columns every step reads derived (labels, module calls), so that a step is counted for
+    what it derives of its own."""
+    log.op_labels, [call.label for call in log.module_calls]  # noqa: B018 - read for what it derives
+    return log
+
+
 def _growth(step_of, n: int) -> float:
-    """How much more work ``step_of(4 * n)()`` does than ``step_of(n)()`` (after a first run of each, so that
-    imports and first-use caches count against neither)."""
+    """How much more work ``step_of(4 * n)()`` does than ``step_of(n)()``, each the first read of its trace (what
+    a trace derives on first use is part of the step), after a run on a trace of its own has made the imports."""
+    step_of(n)()
     small, large = step_of(n), step_of(4 * n)
-    small(), large()
     return _calls_made(large) / _calls_made(small)
 
 
@@ -109,7 +118,7 @@ def test_the_module_table_totals_each_call_without_walking_the_calls_inside_it()
     # log.summary() counted each call's ops, bytes and FLOPs over every op inside it, nested calls included:
     # over a nest of n modules each op was counted once per call around it, n * n in all.
     def summary_of(depth):
-        log = tl.trace(_Nest(depth, ops=2000), torch.randn(2, 3))
+        log = _read(tl.trace(_Nest(depth, ops=2000), torch.randn(2, 3)))
         return lambda: str(log.summary())
 
     # 4x the depth over the same 2000 ops: a few more rows, not the 4x of counting each op once per call around it.
@@ -117,3 +126,19 @@ def test_the_module_table_totals_each_call_without_walking_the_calls_inside_it()
     rows = tl.trace(_Nest(3), torch.randn(2, 3)).summary().rows
     assert [(row["call"], row["ops"], row["flops"], row["activation_bytes"]) for row in rows] == [
         ("_Nest", 3, 18, 72), ("inner:1", 2, 12, 48), ("inner.inner:1", 1, 6, 24)]
+
+
+def test_module_call_op_counts_are_counted_without_listing_each_calls_ops():
+    # A call's op count (its repr, the calls' table, the chrome trace, a collapsed box of the picture) was the
+    # length of its list of ops, nested calls included, and making those lists put each op in every call around
+    # it: over a nest of n modules, n * n.
+    def counts_of(n):
+        log = _read(tl.trace(_Nest(n), torch.randn(2, 3)))
+        return lambda: [repr(call) for call in log.module_calls]
+
+    assert _growth(counts_of, 20) < GROWTH
+    log = tl.trace(_Nest(3, ops=2), torch.randn(2, 3))
+    assert [repr(call) for call in log.module_calls] == ["<ModuleCall inner:1 (_Nest, 4 ops)>",
+                                                         "<ModuleCall inner.inner:1 (_Nest, 3 ops)>"]
+    pytest.importorskip("pandas")
+    assert list(log.module_calls.to_pandas()["num_ops"]) == [len(call.ops) for call in log.module_calls] == [4, 3]

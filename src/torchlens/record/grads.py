@@ -405,7 +405,7 @@ class SavedForBackward:
         self.model_name = trace.model_name
         self.rows = sorted(
             ({"module_call": mc.label, "class_name": mc.module.class_name, "depth": mc.depth,
-              "num_ops": len(mc._op_nodes), "saved_for_backward_bytes": saved_for_backward_bytes(trace, mc._op_nodes)}
+              "num_ops": mc._num_ops, "saved_for_backward_bytes": saved_for_backward_bytes(trace, mc._op_nodes)}
              for mc in trace.module_calls),
             key=lambda r: r["saved_for_backward_bytes"], reverse=True)
 

@@ -15,7 +15,7 @@ from ..errors import closest_hint, listed
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
-from .modules import rolled_up
+from .modules import call_op_counts, rolled_up
 from .grads import saved_for_backward_bytes
 from .summary import COUNT_UNITS, human_bytes, unit_for
 
@@ -187,7 +187,7 @@ def module_summary(trace, depth=None) -> ModuleSummary:
         call_flops, whole_flops = {}, None
     param_counts = module_param_counts(trace)
     compute = [i for i in range(len(ops)) if trace._kind[i] == Kind.OP]
-    call_counts, call_bytes = _inclusive_ops_and_bytes(trace, produced)
+    call_counts, call_bytes = call_op_counts(trace), _inclusive_bytes(trace, produced)
 
     def row(call, depth_, class_name, params, inputs, outputs, counted, flops, duration, members):
         entry = {
@@ -220,16 +220,14 @@ def module_summary(trace, depth=None) -> ModuleSummary:
     return ModuleSummary(trace, rows, columns)
 
 
-def _inclusive_ops_and_bytes(trace, produced: list) -> tuple:
-    """Each module call's ops, and the bytes they produced, nested calls included: each op counted in its
-    innermost call, then rolled up the calls (summing over every call's list of ops cost the depth per op)."""
-    counts, produced_by = [0] * len(trace._call_rows), [0] * len(trace._call_rows)
+def _inclusive_bytes(trace, produced: list) -> list:
+    """The bytes each module call's ops produced, nested calls included: each op's counted in its innermost
+    call, then rolled up the calls (summing over every call's list of ops cost the depth per op)."""
+    produced_by = [0] * len(trace._call_rows)
     for i, m in enumerate(trace._module_call):
         if m >= 0:
-            counts[m] += 1
             produced_by[m] += produced[i]
-    parents = trace.module_call_parents
-    return rolled_up(counts, parents), rolled_up(produced_by, parents)
+    return rolled_up(produced_by, trace.module_call_parents)
 
 
 def _root_class(trace) -> str:

@@ -112,6 +112,11 @@ class ModuleCall(View):
         return self._trace._call_ops()[self.index]
 
     @property
+    def _num_ops(self) -> int:
+        """How many ops ran inside this call, nested calls included (``len(_op_nodes)``, without building it)."""
+        return call_op_counts(self._trace)[self.index]
+
+    @property
     def address(self) -> str:
         return self._trace._module_rows[self._row.module].address
 
@@ -178,7 +183,7 @@ class ModuleCall(View):
         raise AttributeError(f"'ModuleCall' object has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        return f"<ModuleCall {self.label} ({self.module.class_name}, {counted(len(self._op_nodes), 'op')})>"
+        return f"<ModuleCall {self.label} ({self.module.class_name}, {counted(self._num_ops, 'op')})>"
 
 
 class Module(View):
@@ -290,6 +295,19 @@ def rolled_up(own: list, parents: list) -> list:
         if parents[k] >= 0:
             totals[parents[k]] += totals[k]
     return totals
+
+
+def call_op_counts(trace) -> list:
+    """How many ops each module call ran, nested calls included, derived once per trace: each op counted in
+    its innermost call and rolled up, where the length of each call's list of ops (``call_ops``) put every op
+    in every call around it."""
+    if trace._call_op_counts_col is None:
+        own = [0] * len(trace._call_rows)
+        for m in trace._module_call:
+            if m >= 0:
+                own[m] += 1
+        trace._call_op_counts_col = rolled_up(own, [row.parent for row in trace._call_rows])
+    return trace._call_op_counts_col
 
 
 def call_ops(rows, op_module_calls) -> list:

@@ -113,7 +113,7 @@ def module_calls_frame(calls) -> "pandas.DataFrame":
             "class_name": c.module.class_name,
             "parent": c.parent.label if c.parent else None,
             "depth": c.depth,
-            "num_ops": len(c._op_nodes),
+            "num_ops": c._num_ops,
             "input_ops": c.input_ops,
             "output_ops": c.output_ops,
             "duration": c.duration,

@@ -82,7 +82,7 @@ class Trace(TraceColumns):
     _calls_named = False  # whether ``calls`` has named the raw call tuples
     _cleaned = False
     _children_col = _lookup = _layer_index_col = _layer_keys = _call_children_col = _call_ops_col = None
-    _call_depths_col = None  # record.modules.call_depths: each module call's depth
+    _call_depths_col = _call_op_counts_col = None  # record.modules: each module call's depth, and its ops counted
     _param_rows = _buffer_rows = None  # record.params rows, built on first read of ``params`` / ``buffers``
 
     # The columns: derived on first read, a group at a time, from ``_raw`` (a trace made by

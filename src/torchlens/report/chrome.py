@@ -71,7 +71,7 @@ def _module_events(trace, base: int) -> list:
             "ph": "X", "cat": "module_call", "name": mc.label, "pid": _PID, "tid": _TID,
             "ts": _us(mc.start_ns - base), "dur": _us(mc.end_ns - mc.start_ns),
             "args": {"module_call": mc.label, "address": mc.address, "class": mc.module.class_name,
-                     "depth": mc.depth, "ops": len(mc._op_nodes)},
+                     "depth": mc.depth, "ops": mc._num_ops},
         })
     return events
 

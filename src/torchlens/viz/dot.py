@@ -173,7 +173,7 @@ class DotWriter:
         notes, calls = reading_notes(self.trace), self.trace.module_calls
         # A rolled box with no items of its own may be a shared module's second position, drawn in its first.
         empty = [f"{group.label} ({group.class_name})" for group in self.structure.groups
-                 if not group.items and not any(calls[c]._op_nodes for c in group.calls)]
+                 if not group.items and not any(calls[c]._num_ops for c in group.calls)]
         if empty:
             has = "has" if len(empty) == 1 else "have"
             notes.append(f"{counted(len(empty), 'module call')} ran no torch op and {has} no box: {listed(empty, 3)}")
@@ -217,7 +217,7 @@ class DotWriter:
         trace that the count must not leave out."""
         items = self.structure.items
         buffers = sum(items[i].kind == "buffer" for i in self.structure.groups[g].items)
-        low, high = min(len(c._op_nodes) for c in calls), max(len(c._op_nodes) for c in calls)
+        low, high = min(c._num_ops for c in calls), max(c._num_ops for c in calls)
         ops = counted(low, "op") if low == high else f"{low}-{high} ops"
         return ops + (f", {counted(buffers, 'buffer')}" if buffers else "")
 
