@@ -142,3 +142,18 @@ def test_module_call_op_counts_are_counted_without_listing_each_calls_ops():
                                                          "<ModuleCall inner.inner:1 (_Nest, 3 ops)>"]
     pytest.importorskip("pandas")
     assert list(log.module_calls.to_pandas()["num_ops"]) == [len(call.ops) for call in log.module_calls] == [4, 3]
+
+
+def test_a_predicate_at_every_op_of_a_deep_nest_walks_each_module_call_up_once():
+    # Resolving sites built the chain of calls open around each op from the chains already built, but first
+    # listed the whole chain up to the root for each new call: n * n over a nest of n modules.
+    def intervene_of(n):
+        model, x = _Nest(n), torch.randn(2, 3)
+        reference = tl.trace(model, x)
+        every_op = {(lambda op: True): tl.scale(2.0)}
+        return lambda: tl.trace(model, x, reference=reference, save="none", intervene=every_op)
+
+    assert _growth(intervene_of, 20) < 4.3  # 4.8 and more before, on either capture path
+    model, x = _Nest(3), torch.randn(2, 3)
+    log = tl.trace(model, x, intervene={(lambda op: op.module == "inner.inner:1"): tl.scale(2.0)})
+    assert [a.label for a in log.interventions] == ["add_3_3:1"] and torch.equal(log.output, (x + 1 + 1 + 1) * 2)
