@@ -22,7 +22,7 @@ from ..errors import InterventionError, add_note, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
 from ..record.model_index import (WRAPPED, container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
-from ..record.modules import Module, is_unregistered
+from ..record.modules import Module, enclosing_calls, is_unregistered
 from ..record.op import Layer, Op
 from ..capture.compiled import compiled_in_place, optimized_module_type
 from ..capture.saving import is_io_path
@@ -130,13 +130,9 @@ def module_chain(trace, module_call: int, chains: dict) -> tuple:
     if chain is not None:  # the common case: another op of the same call
         return chain
     rows = trace._call_rows
-    unbuilt, chain, k = [], (), module_call
-    while k >= 0:  # up to the first call built, not the whole chain (enclosing_calls): each call's own links only
-        if k in chains:
-            chain = chains[k]
-            break
-        unbuilt.append(k)
-        k = rows[k].parent
+    # Up to the first call built, not the whole chain: each call's own links are made once.
+    unbuilt = enclosing_calls(module_call, lambda k: rows[k].parent, chains)
+    chain = chains.get(rows[unbuilt[-1]].parent, ()) if unbuilt else ()
     for k in reversed(unbuilt):
         module = Module(trace, rows[k].module)
         chain = chains[k] = chain + (ChainLink(k, module._ref, module.address, module.class_name),)

@@ -26,12 +26,13 @@ def unregistered_address(class_name: str, number: int) -> str:
     return f"{_UNREGISTERED}{class_name} #{number}>"
 
 
-def enclosing_calls(m: int, parent_of) -> list:
+def enclosing_calls(m: int, parent_of, stop=()) -> list:
     """Module call ``m`` and each call around it, innermost first (empty for -1, the root forward): the one
     walk up the module-call tree.  ``parent_of(k)`` is call ``k``'s enclosing call (-1 at the root): the
-    ``module_call_parents`` column's ``__getitem__`` (bind the column once: each read builds it), or the rows'."""
+    ``module_call_parents`` column's ``__getitem__`` (bind the column once: each read builds it), or the rows'.
+    The walk ends before the first call in ``stop`` (calls whose answer a caller has already built)."""
     chain = []
-    while m >= 0:
+    while m >= 0 and m not in stop:
         chain.append(m)
         m = parent_of(m)
     return chain
