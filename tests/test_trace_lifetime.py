@@ -10,11 +10,14 @@ and checks that it and its tensors are gone.  A record held on its own keeps its
 
 from __future__ import annotations
 
+import gc
+import types
 import weakref
 
 import pytest
 import torch
 
+import real_models
 import torchlens as tl
 from real_models import build
 from torchlens.tree import tensor_leaves
@@ -320,3 +323,47 @@ def test_the_collector_waits_for_the_trace_to_end_and_an_explicit_collect_still_
         assert all(value() is None for value in values)
     gc.collect()
     assert all(value() is None for value in values)
+
+
+def _forward_replaced(model):
+    """``model`` with a forward of its own that calls the one it had, as a patching wrapper sets it: the new
+    forward's closure holds the old bound forward, which holds the model."""
+    old = model.forward
+
+    def forward(self, *args, **kwargs):
+        return old(*args, **kwargs).logits * 2
+
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+def _forward_closing_over(weight):
+    """A model whose class is made around ``weight``, which its forward's closure holds."""
+
+    class Projection(torch.nn.Module):
+        def forward(self, x):
+            return x @ weight
+
+    return Projection()
+
+
+@pytest.mark.parametrize("kind", ["forward replaced", "forward closing over a tensor"])
+def test_what_a_traced_forward_function_holds_is_freed_with_its_model(kind):
+    """The signature of a module's forward was cached per forward function, which the cache held: a forward set
+    on the model, whose closure leads back to it, kept the model and its parameters alive once it and its
+    trace were dropped, as a forward closing over a tensor kept the tensor, until 256 other forwards had been
+    traced.  Both are cycles that a collection frees untraced (a model and its bound forward, a class and its
+    functions), so the test collects."""
+    if kind == "forward replaced":
+        model, args, kwargs = real_models.gpt2()
+        model = _forward_replaced(model.eval())
+        held = weakref.ref(model)
+    else:
+        weight = torch.randn(4, 4)
+        model, args, kwargs, held = _forward_closing_over(weight), (torch.randn(2, 4),), {}, weakref.ref(weight)
+        del weight
+    log = tl.trace(model, args, kwargs)
+    assert torch.equal(log.output, model(*args, **kwargs))
+    del model, log
+    gc.collect()
+    assert held() is None

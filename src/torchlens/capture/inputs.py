@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import weakref
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -38,7 +39,26 @@ def _forward_signature(model):
         return None
 
 
-@functools.lru_cache(maxsize=256)
+def _per_forward(compute):
+    """``compute(func)``, cached for as long as the forward function ``func`` lives: keyed weakly, since a
+    forward's closure may hold its model (a forward set on the model that calls the one it replaced) or
+    tensors, which a strong key would keep alive once the model was dropped."""
+    results = weakref.WeakKeyDictionary()
+
+    @functools.wraps(compute)
+    def cached(func):
+        try:
+            return results[func]
+        except KeyError:
+            result = results[func] = compute(func)
+            return result
+        except TypeError:  # a callable that takes no weak reference: computed each time
+            return compute(func)
+
+    return cached
+
+
+@_per_forward
 def _bound_signature(func):
     try:
         sig = inspect.signature(func)
@@ -95,7 +115,7 @@ class CallLayout(NamedTuple):
     tensor_defaults: bool  # whether a parameter's default is a tensor
 
 
-@functools.lru_cache(maxsize=256)
+@_per_forward
 def _call_layout(func):
     """The forward's ``CallLayout``, or None when it has no signature."""
     sig = _bound_signature(func)
