@@ -267,3 +267,38 @@ def test_a_save_selection_finds_modules_by_the_cached_index_as_the_model_changes
 def _trace_saving(model, x, save):
     with torch.no_grad():
         return tl.trace(model.eval(), x, save=save)
+
+
+def _let_go(model, change: str):
+    """Make ``change`` to a traced GPT-2 and return what the model no longer holds (a block, a head, a weight,
+    a buffer)."""
+    if change == "block removed":
+        dropped = model.transformer.h[1]
+        del model.transformer.h[1]
+    elif change == "head replaced":
+        dropped, model.lm_head = model.lm_head, nn.Linear(32, 99, bias=False)
+    elif change == "parameter replaced":
+        mlp = model.transformer.h[0].mlp.c_fc
+        dropped, mlp.weight = mlp.weight, nn.Parameter(mlp.weight.detach().clone())
+    else:  # a buffer replaced
+        dropped = torch.zeros(4)
+        model.register_buffer("steps", dropped)
+        _trace(model, model.ids)
+        model.steps = torch.ones(4)
+    return dropped
+
+
+@pytest.mark.parametrize("change", ["block removed", "head replaced", "parameter replaced", "buffer replaced"])
+def test_what_a_traced_model_lets_go_is_not_kept_by_its_cached_index(change):
+    """The cached index holds the modules, parameters and buffers of the model as it was when walked: a block
+    deleted, a head replaced or a weight swapped out stayed in memory for as long as the model lived, until a
+    next trace walked it again.  An index whose model changed is let go before a full collection."""
+    import real_models  # transformers, imported here: the other tests of this file do without it
+
+    model, _, kwargs = real_models.gpt2()
+    model.ids = kwargs["input_ids"]
+    _trace(model, model.ids)
+    dropped = weakref.ref(_let_go(model, change))
+    gc.collect()
+    assert dropped() is None
+    assert torch.equal(_trace(model, model.ids).output.logits, model(model.ids).logits)

@@ -429,7 +429,9 @@ def index_of(model) -> ModelIndex:
 # a plain attribute) puts the model in a cycle that the cache, a global, reaches: the collector would never
 # free it.  Such a model is a cycle of its own, which only a collection frees even untraced: so before each
 # full collection the cache lets go of the entries whose modules lead back to their model, and the collection
-# frees those no one else holds (a model still in use is walked again by its next trace).
+# frees those no one else holds (a model still in use is walked again by its next trace).  So too for a model
+# changed since its walk: its index still holds what the model let go (a block deleted, a head or a weight
+# replaced), which nothing would free while the model lives untraced.
 _NOT_SEARCHED = (type, types.ModuleType, types.CodeType)  # what leads back from there is the program's own
 _SEARCH_LIMIT = 200_000  # objects; a search this long is given up, and the model taken to refer back
 
@@ -461,22 +463,23 @@ def refers_back(model, modules) -> bool:
     return False
 
 
-def _release_cycles(phase: str, info: dict, cache: dict = _cache) -> None:
-    """``gc.callbacks`` entry: before a full collection, drop the cache entries of models their modules lead
-    back to (see above)."""
+def _release_entries(phase: str, info: dict, cache: dict = _cache) -> None:
+    """``gc.callbacks`` entry: before a full collection, drop the cache entries of models changed since their
+    walk, and of models their modules lead back to (see above)."""
     if phase != "start" or info.get("generation") != 2 or not cache:
         return
     try:
-        for key, (model_ref, _, index) in list(cache.items()):
+        for key, (model_ref, structure, index) in list(cache.items()):
             model = model_ref()
-            if model is not None and refers_back(model, list(index.submodules.values())):
+            if model is not None and (not structure.unchanged(model)
+                                      or refers_back(model, list(index.submodules.values()))):
                 cache.pop(key, None)
             model = None  # this frame must not hold it through the collection
     except Exception:  # noqa: BLE001 - at interpreter exit the names it reads may be gone: nothing to release
         return
 
 
-gc.callbacks.append(_release_cycles)
+gc.callbacks.append(_release_entries)
 
 
 def _snapshot(model, modules: list):
