@@ -16,6 +16,7 @@ import weakref
 
 import pytest
 import torch
+from torch.overrides import handle_torch_function, has_torch_function
 
 import real_models
 import torchlens as tl
@@ -347,20 +348,38 @@ def _forward_closing_over(weight):
     return Projection()
 
 
-@pytest.mark.parametrize("kind", ["forward replaced", "forward closing over a tensor"])
-def test_what_a_traced_forward_function_holds_is_freed_with_its_model(kind):
+def _scaling_by(weight):
+    """A model whose forward calls a function of its own that speaks torch's protocol (as library functions do:
+    recorded as one op), made around ``weight``, which the function's closure holds."""
+
+    def scaled(x):
+        if has_torch_function((x,)):
+            return handle_torch_function(scaled, (x,), x)
+        return x * weight.mean()
+
+    class Scaling(torch.nn.Module):
+        def forward(self, x):
+            return scaled(x.relu())
+
+    return Scaling()
+
+
+@pytest.mark.parametrize("kind", ["forward replaced", "forward closing over a tensor", "protocol function"])
+def test_what_the_functions_of_a_traced_model_hold_is_freed_with_it(kind):
     """The signature of a module's forward was cached per forward function, which the cache held: a forward set
     on the model, whose closure leads back to it, kept the model and its parameters alive once it and its
     trace were dropped, as a forward closing over a tensor kept the tensor, until 256 other forwards had been
-    traced.  Both are cycles that a collection frees untraced (a model and its bound forward, a class and its
-    functions), so the test collects."""
+    traced; and the in-place verdict of each function a trace records was kept for the life of the process, a
+    function made with its model among them.  Each is a cycle that a collection frees untraced (a model and its
+    bound forward, a class and its functions), so the test collects."""
     if kind == "forward replaced":
         model, args, kwargs = real_models.gpt2()
         model = _forward_replaced(model.eval())
         held = weakref.ref(model)
     else:
         weight = torch.randn(4, 4)
-        model, args, kwargs, held = _forward_closing_over(weight), (torch.randn(2, 4),), {}, weakref.ref(weight)
+        made = _forward_closing_over if kind == "forward closing over a tensor" else _scaling_by
+        model, args, kwargs, held = made(weight), (torch.randn(2, 4),), {}, weakref.ref(weight)
         del weight
     log = tl.trace(model, args, kwargs)
     assert torch.equal(log.output, model(*args, **kwargs))

@@ -423,15 +423,11 @@ class CompiledSubmodules:
             self._unroute(self.swapped[-1])
 
     def _unroute(self, key: int) -> None:
-        from .writes import inplace_cache
-
         with _lock:  # every step is idempotent: a retry after an interrupt repeats them harmlessly
             entry = _installed.get(key)
             if entry is not None:
                 module, own, call, slot = entry
                 call.threads.pop(self.thread, None)
-                # The process-wide cache must not keep the model alive.
-                inplace_cache.pop(getattr(call, "op", call), None)
                 if not call.threads:  # the last trace using it: the module gets its own forward back
                     vars(module)[slot] = own
                     _installed.pop(key, None)

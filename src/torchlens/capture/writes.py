@@ -6,10 +6,14 @@ by schema, the ``Tensor(a!)`` arguments of an operator called through ``torch.op
 whatever its name, or of QAT's fused fake-quantize kernel; and the normalisations whose kernels update their running
 statistics).  After the call, a moved version counter says which tensor arguments it wrote
 (``written_arguments``); an inference tensor has no counter, so for it the prediction by name decides.
-``inplace_cache`` keeps each function's verdict, and the compiled handler reads the same dict.
+``inplace_cache`` keeps the verdict of each function that lasts as long as the program, and the compiled
+handler reads the same dict; any other function's is kept only as long as the function lives.
 """
 
 from __future__ import annotations
+
+import types
+import weakref
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
@@ -26,6 +30,11 @@ inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write
 # Normalisations that may update running statistics in their kernel: truthy, so the hot path asks.
 _RUNNING_STATS = "running statistics"
 inplace_cache.update(dict.fromkeys(WRITES_RUNNING_STATS, _RUNNING_STATS))
+# The verdicts of the functions inplace_cache must not hold (``_lasting``), for as long as each lives.
+_passing_verdicts = weakref.WeakKeyDictionary()
+# Torch's operators and functions written in C: made once, holding nothing of a model.
+_LASTING_TYPES = (OpOverload, OpOverloadPacket, types.BuiltinFunctionType, types.MethodDescriptorType,
+                  types.WrapperDescriptorType, types.MethodWrapperType, types.ClassMethodDescriptorType)
 
 
 def predicts_inplace(func) -> bool:
@@ -38,10 +47,41 @@ def write_verdict(func):
     returns it (by name, or, for an operator called through ``torch.ops``, by schema), the ``(position,
     name)`` pairs of the arguments an operator's schema declares written otherwise, False when it writes none."""
     verdict = inplace_cache.get(func)
-    if verdict is None:
-        operator = isinstance(func, (OpOverload, OpOverloadPacket))
-        verdict = inplace_cache[func] = _operator_writes(func) if operator else writes_first_argument(func)
+    if verdict is not None:
+        return verdict
+    if not _lasting(func):
+        return _passing_verdict(func)
+    verdict = inplace_cache[func] = _verdict_of(func)
     return verdict
+
+
+def _lasting(func) -> bool:
+    """Whether ``func`` lasts as long as the program: one of torch's operators, a function written in C (but
+    one bound to a tensor or a module), or a function defined at the top of a module or class.  A function made
+    inside another (a model's own, whose closure may hold the model or its tensors), a bound method (which
+    holds its object) or a callable object (a compiled submodule's call) may not, and a process-wide cache
+    must not keep it alive."""
+    if isinstance(func, _LASTING_TYPES):
+        return not isinstance(getattr(func, "__self__", None), (Tensor, torch.nn.Module))
+    return type(func) is types.FunctionType and "<locals>" not in func.__qualname__
+
+
+def _passing_verdict(func):
+    """The verdict of a function that may not last, kept for as long as it lives; computed on each ask for one
+    that takes no weak reference."""
+    try:
+        verdict = _passing_verdicts.get(func)
+        if verdict is None:
+            verdict = _passing_verdicts[func] = _verdict_of(func)
+        return verdict
+    except TypeError:
+        return _verdict_of(func)
+
+
+def _verdict_of(func):
+    if isinstance(func, (OpOverload, OpOverloadPacket)):
+        return _operator_writes(func)
+    return writes_first_argument(func)
 
 
 def _operator_writes(op):
