@@ -364,22 +364,42 @@ def _scaling_by(weight):
     return Scaling()
 
 
-@pytest.mark.parametrize("kind", ["forward replaced", "forward closing over a tensor", "protocol function"])
+def _passing_through(weight):
+    """As ``_scaling_by``, with a function that returns its argument itself (as eval-mode dropout does), called
+    in a submodule (a pass-through is noted inside a module call)."""
+
+    def kept(x):
+        if has_torch_function((x,)):
+            return handle_torch_function(kept, (x,), x)
+        return x if weight.numel() else x * weight
+
+    class PassingThrough(torch.nn.Module):
+        def forward(self, x):
+            return kept(x.relu()) + 1
+
+    return torch.nn.Sequential(PassingThrough())
+
+
+_MADE_AROUND = {"forward closing over a tensor": _forward_closing_over, "protocol function": _scaling_by,
+                "protocol function returning its argument": _passing_through}
+
+
+@pytest.mark.parametrize("kind", ["forward replaced", *_MADE_AROUND])
 def test_what_the_functions_of_a_traced_model_hold_is_freed_with_it(kind):
     """The signature of a module's forward was cached per forward function, which the cache held: a forward set
     on the model, whose closure leads back to it, kept the model and its parameters alive once it and its
     trace were dropped, as a forward closing over a tensor kept the tensor, until 256 other forwards had been
-    traced; and the in-place verdict of each function a trace records was kept for the life of the process, a
-    function made with its model among them.  Each is a cycle that a collection frees untraced (a model and its
-    bound forward, a class and its functions), so the test collects."""
+    traced; and the in-place verdict of each function a trace records was kept for the life of the process (in
+    two caches, one for a function returning its argument), a function made with its model among them.  Each is
+    a cycle that a collection frees untraced (a model and its bound forward, a class and its functions), so the
+    test collects."""
     if kind == "forward replaced":
         model, args, kwargs = real_models.gpt2()
         model = _forward_replaced(model.eval())
         held = weakref.ref(model)
     else:
         weight = torch.randn(4, 4)
-        made = _forward_closing_over if kind == "forward closing over a tensor" else _scaling_by
-        model, args, kwargs, held = made(weight), (torch.randn(2, 4),), {}, weakref.ref(weight)
+        model, args, kwargs, held = _MADE_AROUND[kind](weight), (torch.randn(2, 4),), {}, weakref.ref(weight)
         del weight
     log = tl.trace(model, args, kwargs)
     assert torch.equal(log.output, model(*args, **kwargs))

@@ -18,8 +18,6 @@ import torch
 from ..record.columns import writes_first_argument
 from .bindings import is_bound
 
-_writes_in_place: dict = {}  # func -> whether it writes its first argument by name
-
 
 def note_pass_through(self, t: torch.Tensor, record: int, module_call: int, func) -> None:
     """An op inside module call ``module_call`` returned its argument ``t`` itself, unwritten (``x.to()``
@@ -33,10 +31,9 @@ def note_pass_through(self, t: torch.Tensor, record: int, module_call: int, func
     entry = self.producers.get(id(t))
     if entry is None or not is_bound(entry, t):
         return  # no producer to go back to (a tensor from outside the trace): the op is its first
-    inplace = _writes_in_place.get(func)
-    if inplace is None:
-        inplace = _writes_in_place[func] = writes_first_argument(func)
-    if inplace:
+    # By name, on each such op: a process-wide cache of the verdict would keep the function (a model's own, whose
+    # closure may hold the model) alive.
+    if writes_first_argument(func):
         return  # an in-place call that moves no version counter (resize_, detach_): its result stands
     pending = self.pass_through
     if pending is None:
