@@ -328,9 +328,10 @@ static int called_by_module_call(Handler *h, PyFrameObject *frame) {
     return answer;
 }
 
-/* ``verdicts.get(id(code))``: -1 when unknown, -2 on error.  A known verdict never changes (the
- * classifier keeps every code it classified alive, so no id is reused, and sets its stop codes when
- * torchlens is imported), so the handler remembers those it read: most ops come from a few lines. */
+/* ``verdicts.get(id(code))``: -1 when unknown, -2 on error.  A known verdict never changes within a trace
+ * (the classifier holds every code it classifies while any trace runs and forgets a verdict only as its code
+ * dies, so no id is reused meanwhile, and sets its stop codes when torchlens is imported), so the handler
+ * remembers those it read in its trace: most ops come from a few lines. */
 static long verdict_of(Handler *h, PyObject *code) {
     size_t slot = ((uintptr_t)code >> 4) & (VERDICTS_SEEN - 1);
     if (h->seen[slot].code == code) return h->seen[slot].verdict;

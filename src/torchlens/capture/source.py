@@ -9,6 +9,7 @@ few dict lookups.  Reaching the trace driver's own frame means no user code call
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -19,13 +20,18 @@ _DISPATCHERS = (_TORCH_DIR + "overrides.py",)
 _USER, _SKIP, _STOP, _DISPATCH, _BOUNDARY = 0, 1, 2, 3, 4
 
 # Verdicts per code object, shared by every trace.  Keyed by ``id(code)``: hashing a code object
-# hashes its bytecode (about a microsecond), an id costs nothing.  The code objects themselves are kept
-# in ``_KEPT`` so that no id is ever reused while its verdict is cached.  A module call's ``_call_impl``
-# frame is a boundary: above it, every op of that call has the same user frame, found once when the
-# call starts (``module_call_frame``).
+# hashes its bytecode (about a microsecond), an id costs nothing.  So that no id is reused while its verdict
+# is cached, a code's verdict is forgotten as the code dies (a weak reference's callback, run before its memory
+# can be reused), and while any trace runs every code classified is held (``_HELD``, let go as the last
+# running trace ends): the compiled handler remembers the verdicts it read in a trace by the code's address.
+# A code made at run time (a ``torch.fx`` module's forward) is thus freed with its model.  A module call's
+# ``_call_impl`` frame is a boundary: above it, every op of that call has the same user frame, found once when
+# the call starts (``module_call_frame``).
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _VERDICTS: dict = {id(_CALL_IMPL): _BOUNDARY}
-_KEPT: list = [_CALL_IMPL]
+_KEPT: list = [_CALL_IMPL]  # codes whose verdicts are set, not classified: held for good
+_HELD: list = []  # the codes classified since the last running trace ended
+_WATCHES: dict = {}  # id(code) -> the weak reference that forgets its verdict as it dies
 VERDICTS, USER = _VERDICTS, _USER  # for the capture handler's inlined check of an already-known user frame
 # ``_call_impl``'s nested ``inner``, which calls ``forward`` when hooks are installed: the handler's
 # inlined check of an op called straight from a torch module's forward (``FrameClassifier.locate``'s
@@ -43,9 +49,23 @@ def _classify(code) -> int:
         verdict = _SKIP
     else:
         verdict = _USER
-    _KEPT.append(code)
-    _VERDICTS[id(code)] = verdict
+    key = id(code)
+    _HELD.append(code)
+    _WATCHES[key] = weakref.ref(code, lambda _, key=key, forget=_forget: forget(key))
+    _VERDICTS[key] = verdict
     return verdict
+
+
+def _forget(key: int, verdicts: dict = _VERDICTS, watches: dict = _WATCHES) -> None:
+    # The dicts are bound here: at interpreter exit a code may die after this module's globals are gone.
+    verdicts.pop(key, None)
+    watches.pop(key, None)
+
+
+def release_classified() -> None:
+    """Let go of the codes classified while traces ran (called as the last running trace ends): each keeps
+    its verdict until it dies."""
+    _HELD.clear()
 
 
 def outside_torch(frame):

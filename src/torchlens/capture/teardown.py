@@ -22,6 +22,8 @@ import threading
 import torch
 import torch.overrides
 
+from .source import release_classified
+
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 _depth = torch._C._len_torch_function_stack
@@ -143,6 +145,8 @@ class Capture:
         """Exit every part, innermost first; an interrupt landing meanwhile is re-raised after."""
         if _running.get(self.thread) is self:
             del _running[self.thread]
+        if not _running:
+            release_classified()
         interrupted = None
         for part in reversed(self.parts):
             try:
