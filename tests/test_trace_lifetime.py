@@ -413,7 +413,8 @@ def test_the_code_of_a_function_made_at_run_time_is_freed_with_it(no_collector):
     """Capture classifies the code of each frame it walks once (user code, torch's, its own) and kept every code
     object it classified for the life of the process: code made at run time (by ``exec``, as ``torch.fx`` makes
     each GraphModule's forward) stayed in memory once its function and the trace were dropped, one more per
-    function traced."""
+    function traced; reading the trace's labels and source lines kept it too, until thousands of others were
+    read."""
     x = torch.randn(3, 4)
     codes = []
     for _ in range(2):  # the second trace classifies its frames with the first one's verdicts cached
@@ -422,6 +423,7 @@ def test_the_code_of_a_function_made_at_run_time_is_freed_with_it(no_collector):
         made = namespace.pop("made")
         log = tl.trace(made, x)
         assert torch.equal(log.output, made(x))
+        assert log.ops[1].type == "mul" and log.ops[1].source.function == "made"  # labels and lines: read per code
         codes.append(weakref.ref(made.__code__))
         del made, log
     assert not [code for code in codes if code() is not None]

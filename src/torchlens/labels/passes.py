@@ -34,6 +34,8 @@ from types import CodeType
 
 import torch
 
+from ..record.source import per_code
+
 _PRECALL = dis.opmap.get("PRECALL")  # Python 3.11's; later versions have none
 _JUMPS = frozenset(dis.hasjrel + dis.hasjabs)  # whose argument, a target, differs between copies of one code
 
@@ -162,22 +164,12 @@ def call_offset(code, offset):
     offset (``_copied_offsets``)."""
     if type(code) is not CodeType:  # (a trace read by tl.load holds stand-ins for code)
         return offset
-    entry = _TARGETS.get(id(code))
-    if entry is None or entry[0] is not code:
-        entry = _TARGETS[id(code)] = (code, _canonical_offsets(code))
-    return entry[1].get(offset, offset)
+    return _canonical_offsets(code).get(offset, offset)
 
 
-# Per code object, by id (hashing a code object hashes its bytecode): the code is kept beside its table, so
-# that its id is not reused while cached.  Cleared when it grows past a bound, as exec'd code comes and goes.
-_TARGETS: dict = {}
-_TARGETS_BOUND = 4096
-
-
+@per_code
 def _canonical_offsets(code) -> dict:
     """``{offset: the offset call_offset reads it as}`` in ``code``, for the offsets read otherwise."""
-    if len(_TARGETS) >= _TARGETS_BOUND:
-        _TARGETS.clear()
     instructions = list(dis.get_instructions(code))
     canonical = _copied_offsets(instructions)
     pending = None

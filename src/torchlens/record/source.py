@@ -3,8 +3,8 @@ offset capture recorded for the op (``record.columns.Call``'s ``code`` and ``lin
 
 from __future__ import annotations
 
-import functools
 import linecache
+import weakref
 from dataclasses import dataclass
 
 
@@ -25,13 +25,40 @@ class SourceLocation:
         return f"{self.file}:{self.line} in {self.function}"
 
 
-@functools.lru_cache(maxsize=65536)
+def per_code(compute):
+    """``compute(code)``, cached for as long as the code object ``code`` lives: by id (hashing a code object
+    hashes its bytecode, about a microsecond), with a weak reference whose callback forgets the entry as the
+    code dies, before its id can be reused.  Code made at run time (``exec``, a ``torch.fx`` module's forward)
+    is then freed with its function.  A stand-in for code (in a trace read by ``tl.load``) is not cached."""
+    cache: dict = {}
+
+    def cached(code):
+        entry = cache.get(id(code))
+        if entry is None or entry[0]() is not code:
+            key = id(code)
+            try:
+                watch = weakref.ref(code, lambda _, key=key: cache.pop(key, None))
+            except TypeError:
+                return compute(code)
+            entry = cache[key] = (watch, compute(code))
+        return entry[1]
+
+    return cached
+
+
 def line_of(code, offset: int):
     """The source line of instruction ``offset`` in ``code``."""
-    for start, end, line in code.co_lines():
-        if start <= offset < end:
-            return line
-    return code.co_firstlineno
+    line = _lines(code).get(offset, _NO_LINE)
+    return code.co_firstlineno if line is _NO_LINE else line
+
+
+_NO_LINE = object()  # an offset outside every range of co_lines (a line may be None: no line)
+
+
+@per_code
+def _lines(code) -> dict:
+    """``{instruction offset: its source line}`` in ``code``."""
+    return {offset: line for start, end, line in code.co_lines() for offset in range(start, end, 2)}
 
 
 def source_of(code, offset):
