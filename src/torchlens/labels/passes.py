@@ -34,7 +34,7 @@ from types import CodeType
 
 import torch
 
-from ..record.source import per_code
+from ..code_cache import per_code
 
 _PRECALL = dis.opmap.get("PRECALL")  # Python 3.11's; later versions have none
 _JUMPS = frozenset(dis.hasjrel + dis.hasjabs)  # whose argument, a target, differs between copies of one code
