@@ -22,14 +22,16 @@ SRC = importlib.util.find_spec("torchlens").submodule_search_locations[0]
 # Makefile's pure-Python pass need not import every package again.
 pytestmark = pytest.mark.path_independent
 
-BASE = {"errors", "checks", "tree", "progress", "lazy"}  # errors, and the leaves, which import at most errors
+# errors, and the leaves, which import at most errors (copies: the tree walker too)
+BASE = {"errors", "checks", "tree", "copies", "code_cache", "progress", "lazy"}
 LABELS = BASE | {"labels"}
 RECORD = LABELS | {"record"}
 CAPTURE = RECORD | {"capture"}
 BRIDGES = {"validate", "debug", "report", "viz", "io", "intervene", "distributed", "compat"}
 
 ALLOWED = {
-    "errors": set(), "checks": {"errors"}, "tree": {"errors"}, "progress": {"errors"}, "lazy": set(),
+    "errors": set(), "checks": {"errors"}, "tree": {"errors"}, "copies": {"errors", "tree"},
+    "code_cache": set(), "progress": {"errors"}, "lazy": set(),
     "labels": BASE,
     "record": LABELS,
     "capture": RECORD,  # the driver imports intervene only inside the call that needs it

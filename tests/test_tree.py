@@ -165,7 +165,7 @@ def test_structures_equal_walks_the_same_containers():
 def test_clone_inputs_copies_objects_holding_tensors_and_warns_when_it_cannot():
     import threading
 
-    from torchlens.tree import clone_call, clone_inputs
+    from torchlens.copies import clone_call, clone_inputs
 
     t = torch.ones(2)
     holder = Holder(t)
@@ -184,7 +184,7 @@ def test_clone_call_keeps_overlapping_inputs_views_of_one_copy_of_what_they_span
     """Inputs whose memory overlaps stay views of one copy (a write through one shows in the other), a copy
     of the span they cover only: features and targets sliced from one batch of a dataset tensor do not copy
     the dataset; an input that overlaps none is cloned alone."""
-    from torchlens.tree import clone_call
+    from torchlens.copies import clone_call
 
     data = torch.randn(1000, 20)
     batch = data[100:132]

@@ -60,7 +60,7 @@ def test_a_cell_stepped_over_time_slices_replays_exactly(cell):
 
 
 def test_a_replay_copy_of_a_view_starts_as_far_from_an_aligned_address_as_the_view():
-    from torchlens.tree import copy_with_layout
+    from torchlens.copies import copy_with_layout
 
     x = torch.randn(2, 4, 6)
     for view in (x[:, 1], x[1], x[0, 0, 1:], x[:, :, 1:]):

@@ -24,7 +24,8 @@ from ..record.model_index import PACKED_WEIGHTS_CAVEAT, index_of, traced_address
 from ..record.replay_context import global_settings
 from ..record.modules import is_unregistered
 from ..record.trace import Trace
-from ..tree import as_args, as_kwargs, clone_call
+from ..copies import clone_call
+from ..tree import as_args, as_kwargs
 from .caught import caught_calls_caveat, forget_caught_exceptions
 from .collectives import drop_flags_before_arrival, process_rank
 from .compiled import (CompiledSubmodules, DynamoCompiles, Suspension, check_compiled_option,

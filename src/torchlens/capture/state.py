@@ -23,7 +23,8 @@ from weakref import ref as weakref
 
 import torch
 
-from ..tree import copy_with_layout, is_uninitialized, made_in_transform
+from ..copies import copy_with_layout
+from ..tree import is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
 from ..record.layouts import memory_span, shape_of, sharing_bytes, spans_meet, storage_key, version_of
 from ..record.dropped import MADE_IN_TRANSFORM, WRITTEN_UNSEEN, why_stale

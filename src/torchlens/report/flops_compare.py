@@ -135,7 +135,8 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     """
     from ..capture.session import trace
     from ..capture.wrappers import unwrap
-    from ..tree import as_args, as_kwargs, clone_call
+    from ..copies import clone_call
+    from ..tree import as_args, as_kwargs
     from ..capture.restore import RunState, module_run_by
     from ..validate import refuse_unmaterialized
 

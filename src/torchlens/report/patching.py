@@ -30,7 +30,8 @@ from ..capture.restore import FirstCalls, ForwardState
 from ..capture.session import trace
 from ..intervene import patch_from
 from ..intervene.sites import accepted_ops
-from ..tree import clone_call, tensor_leaves, without_values
+from ..copies import clone_call
+from ..tree import tensor_leaves, without_values
 
 
 def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,

@@ -28,9 +28,9 @@ from ..capture.collectives import is_collective
 from ..capture.compiled import KeptForReplay, module_behind
 from ..capture.restore import RngState, model_state, module_run_by
 from ..capture.writes import schema_written, write_verdict
-from ..tree import (as_args, as_kwargs, clone_call, copy_with_layout, fill, generator_twin, is_global_generator,
-                   outputs_equal, path_text, slice_with_tensor, structures_equal, tensor_leaves, unmaterialized,
-                   without_values)
+from ..copies import clone_call, copy_with_layout, generator_twin, is_global_generator
+from ..tree import (as_args, as_kwargs, fill, outputs_equal, path_text, slice_with_tensor, structures_equal,
+                   tensor_leaves, unmaterialized, without_values)
 from .params import compiled_reads_changed, param_as_it_ran
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).

@@ -12,7 +12,7 @@ from ..record.layouts import memory_freed, version_of
 from ..record.model_index import traced_address
 from ..record.replay_context import UNSEEN_WRITE
 from ..capture.compiled import module_tensors
-from ..tree import copy_with_layout
+from ..copies import copy_with_layout
 
 COMPILED_SWAPPED = ("its module's parameters or buffers are not the tensors its compiled code read when it ran "
                     "(torch.func.functional_call swapped others in for the call, or they were replaced since the "
