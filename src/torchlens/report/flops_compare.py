@@ -20,9 +20,11 @@ import functools
 import torch
 
 from ..checks import check_model, check_number
+from ..copies import clone_call
 from ..errors import NativeToolFailed, WitnessFailed, listed
 from ..labels.naming import func_name_of
 from ..record.modules import enclosing_calls, is_unregistered
+from ..tree import as_args, as_kwargs, structures_equal, tensor_leaves, without_values
 from .flops import (CONVENTION, FAMILIES, CallArgs, canonical_name, dropout_applies, family_totals, flops_column,
                     registry_family, total_flops)
 from .flops_notes import script_notes, unknown_notes
@@ -135,8 +137,6 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
     """
     from ..capture.session import trace
     from ..capture.wrappers import unwrap
-    from ..copies import clone_call
-    from ..tree import as_args, as_kwargs
     from ..capture.restore import RunState, module_run_by
     from ..validate import refuse_unmaterialized
 
@@ -585,8 +585,6 @@ def _is_random(func_name: str) -> bool:
 
 
 def _detached(output):
-    from ..tree import tensor_leaves
-
     return [t.detach().clone() for _, t in tensor_leaves(output)]
 
 
@@ -594,8 +592,6 @@ def _outputs_close(a: list, b: list, rtol: float, atol: float):
     """Whether the two runs returned the same outputs (``tree.structures_equal``, the one comparison of outputs:
     nested tensors by component, sparse ones by value); None when they agree in shapes and dtypes and hold no
     values to compare (a forward on the meta device, or under FakeTensorMode)."""
-    from ..tree import structures_equal, without_values
-
     if not structures_equal(a, b, exact=False, rtol=rtol, atol=atol)[0]:
         return False
     return None if a and all(without_values(t) for t in a) else True
