@@ -140,7 +140,10 @@ trace (tables, printing, lookups, validation, files, `hot_path`, gradients, inte
 trace) at n, 4n and 16n blocks, on three shapes: a chain of distinct blocks, one block applied n times
 (one module called n times, layers of n passes) and n branches over one input (an op with n children). The
 counts are the same from run to run, so they read cleanly on a loaded machine; work inside a single C call is
-not counted, which the timings of `scale_steps.py` cover.
+not counted, which the timings of `scale_steps.py` cover. `tests/test_linear_steps.py` counts the same way, in the
+suite, on the shapes where a step once grew with the square: a nest of n modules (each call's depth, `op.module`,
+the module table, the calls' op counts, an intervention predicate at every op) and an output of n objects each
+holding a tensor (`log.save`).
 """
 
 # Figures from the last run of benchmarks/scale_memory.py (machine-independent to within a few bytes:
