@@ -23,7 +23,7 @@ SRC = importlib.util.find_spec("torchlens").submodule_search_locations[0]
 pytestmark = pytest.mark.path_independent
 
 # errors, and the leaves, which import at most errors (copies: the tree walker too)
-BASE = {"errors", "checks", "tree", "copies", "code_cache", "progress", "lazy"}
+BASE = {"errors", "checks", "tree", "copies", "cache", "progress", "lazy"}
 LABELS = BASE | {"labels"}
 RECORD = LABELS | {"record"}
 CAPTURE = RECORD | {"capture"}
@@ -31,7 +31,7 @@ BRIDGES = {"validate", "debug", "report", "viz", "io", "intervene", "distributed
 
 ALLOWED = {
     "errors": set(), "checks": {"errors"}, "tree": {"errors"}, "copies": {"errors", "tree"},
-    "code_cache": set(), "progress": {"errors"}, "lazy": set(),
+    "cache": set(), "progress": {"errors"}, "lazy": set(),
     "labels": BASE,
     "record": LABELS,
     "capture": RECORD,  # the driver imports intervene only inside the call that needs it

@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-import weakref
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 
+from ..cache import per_object
 from ..errors import add_note
 from ..record.columns import INPUT
 from ..record.finalize import io_tensor_leaves
@@ -39,26 +39,7 @@ def _forward_signature(model):
         return None
 
 
-def _per_forward(compute):
-    """``compute(func)``, cached for as long as the forward function ``func`` lives: keyed weakly, since a
-    forward's closure may hold its model (a forward set on the model that calls the one it replaced) or
-    tensors, which a strong key would keep alive once the model was dropped."""
-    results = weakref.WeakKeyDictionary()
-
-    @functools.wraps(compute)
-    def cached(func):
-        try:
-            return results[func]
-        except KeyError:
-            result = results[func] = compute(func)
-            return result
-        except TypeError:  # a callable that takes no weak reference: computed each time
-            return compute(func)
-
-    return cached
-
-
-@_per_forward
+@per_object  # a forward's closure may hold its model: not kept past the function
 def _bound_signature(func):
     try:
         sig = inspect.signature(func)
@@ -115,7 +96,7 @@ class CallLayout(NamedTuple):
     tensor_defaults: bool  # whether a parameter's default is a tensor
 
 
-@_per_forward
+@per_object  # a forward's closure may hold its model: not kept past the function
 def _call_layout(func):
     """The forward's ``CallLayout``, or None when it has no signature."""
     sig = _bound_signature(func)

@@ -34,7 +34,7 @@ from types import CodeType
 
 import torch
 
-from ..code_cache import per_code
+from ..cache import per_object
 
 _PRECALL = dis.opmap.get("PRECALL")  # Python 3.11's; later versions have none
 _JUMPS = frozenset(dis.hasjrel + dis.hasjabs)  # whose argument, a target, differs between copies of one code
@@ -167,7 +167,7 @@ def call_offset(code, offset):
     return _canonical_offsets(code).get(offset, offset)
 
 
-@per_code
+@per_object
 def _canonical_offsets(code) -> dict:
     """``{offset: the offset call_offset reads it as}`` in ``code``, for the offsets read otherwise."""
     instructions = list(dis.get_instructions(code))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import linecache
 from dataclasses import dataclass
 
-from ..code_cache import per_code
+from ..cache import per_object
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def line_of(code, offset: int):
 _NO_LINE = object()  # an offset outside every range of co_lines (a line may be None: no line)
 
 
-@per_code
+@per_object
 def _lines(code) -> dict:
     """``{instruction offset: its source line}`` in ``code``."""
     return {offset: line for start, end, line in code.co_lines() for offset in range(start, end, 2)}
