@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -68,3 +70,20 @@ def test_asked_for_bars_where_there_is_no_stderr_the_work_runs_without_them(no_d
     folder = tl.extract(model, [x, x], [expected[-2].label], tmp_path / "x")
     monkeypatch.undo()
     assert tl.load_extracted(folder)[expected[-2].label].shape[0] == 4
+
+
+def test_extract_and_patching_show_bars_by_default_as_a_trace_does(monkeypatch, tmp_path):
+    # Both asked for a bar by default, anywhere: without tqdm they failed with an ImportError before any work
+    # (tl.trace's automatic bar is left out then), and into a pipe or a log file they drew one.
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed
+    model, x = MLP(), torch.randn(2, 16)
+    label = tl.trace(model, x)[-2].label
+    folder = tl.extract(model, [x, x], [label], tmp_path / "x")
+    assert tl.load_extracted(folder)[label].shape[0] == 4
+    with pytest.raises(ImportError, match="progress=True needs tqdm"):
+        tl.extract(model, [x], [label], tmp_path / "y", progress=True)
+    pytest.importorskip("pandas")
+    table = tl.report.activation_patching(model, x, x + 1, lambda out: out.sum())
+    assert len(table) == len(tl.trace(model, x).module_calls)
+    with pytest.raises(ImportError, match="progress=True needs tqdm"):
+        tl.report.activation_patching(model, x, x + 1, lambda out: out.sum(), progress=True)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import sys
 
 DELAY_S = 1.0
+# What a refusal of a ``progress=`` other than True, False or None advises.
+PROGRESS_ADVICE = ("give True to show a progress bar anywhere, False for none, or None (the default) for one on an "
+                   "interactive terminal or in a notebook when tqdm is installed")
 
 
 class _Quiet:

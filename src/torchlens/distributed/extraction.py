@@ -68,7 +68,7 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         in_step = _InStep(dist, barrier_group, out) if module is not None and _fsdp_sharded_params(module) else None
         # A rank that raises here never reaches the barrier, and the others name it there.
         extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
-                       shard_bytes=shard_bytes, progress=progress and rank == 0, indices_of=indices_of,
+                       shard_bytes=shard_bytes, progress=progress if rank == 0 else False, indices_of=indices_of,
                        arguments=dict(settings, rank=rank, world_size=world), stop_after=stop_after, grads=grads,
                        loss_fn=loss_fn, root=root, before_forward=in_step, batch_dim=batch_dim,
                        input_batch_dim=input_batch_dim)

@@ -49,7 +49,7 @@ from .tensorfile import NAME_OF, hash_values
 
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=None,
-            shard_bytes: int = 64 << 20, progress: bool = True, barrier_timeout: float = 1800.0, stop_after=None,
+            shard_bytes: int = 64 << 20, progress: bool | None = None, barrier_timeout: float = 1800.0, stop_after=None,
             grads: bool = False, loss_fn=None, root=None, batch_dim=None, input_batch_dim: int = 0) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
@@ -73,7 +73,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
             dict batches of a tokenized ``transformers`` dataset, which the model takes as ``model(**batch)``).
             With ``kwargs_of`` and no ``args_of``, the forward gets no positional arguments.
         shard_bytes: buffer size before a shard is written: the bound on extra memory used.
-        progress: show a progress bar on stderr (needs tqdm).
+        progress: a bar over the batches on stderr: None (automatic) on an interactive terminal or in a notebook
+            when tqdm is installed, True anywhere (needs tqdm), False never.
         barrier_timeout: under ``torch.distributed``, how long (seconds) a rank that finished waits for the
             others before naming the ones that did not arrive.
         stop_after: stop each forward once this site (a module address or call, or an op label) is produced,

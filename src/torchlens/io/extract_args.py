@@ -8,6 +8,7 @@ import torch
 
 from ..checks import LONGEST_WAIT_S, check_flag, check_number, check_takes
 from ..errors import add_note
+from ..progress import PROGRESS_ADVICE
 from ..tree import as_args
 
 
@@ -42,7 +43,8 @@ def check_options(kwargs, shard_bytes, progress, barrier_timeout, root) -> None:
                         "kwargs_of=)")
     check_number(shard_bytes, "shard_bytes", "give the number of bytes to buffer before a shard is written (2**26 "
                  "for 64 MiB; 0 writes every batch)", who="tl.extract", at_least=0, finite=True)
-    check_flag(progress, "progress", "give True to show a progress bar, False for none", who="tl.extract")
+    if progress is not None:
+        check_flag(progress, "progress", PROGRESS_ADVICE, who="tl.extract")
     if root is not None and not isinstance(root, torch.nn.Module):  # it would be dropped: no module runs as it
         raise TypeError(f"tl.extract: root= is the nn.Module the callable runs, as for tl.trace, not "
                         f"{type(root).__name__}")

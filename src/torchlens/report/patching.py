@@ -31,11 +31,12 @@ from ..capture.session import trace
 from ..intervene import patch_from
 from ..intervene.sites import accepted_ops
 from ..copies import clone_call
+from ..progress import PROGRESS_ADVICE, bar
 from ..tree import tensor_leaves, without_values
 
 
 def activation_patching(model, clean, corrupt, metric, sites="modules", *, positions: int | None = None,
-                        kwargs=None, deep: bool = False, progress: bool = True, root=None):
+                        kwargs=None, deep: bool = False, progress: bool | None = None, root=None):
     """Patch each site from the clean into the corrupted run; one row per site.
 
     Args:
@@ -49,6 +50,8 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
             table with ``tl.viz.heatmap(df)``.
         root: for a callable that is not a module (``lambda x: m(x).logits``), the module it runs, as for
             ``tl.trace``: its modules are then module sites, and it is what each run puts back.
+        progress: a bar over the patched runs: None (automatic) on an interactive terminal or in a notebook when
+            tqdm is installed, True anywhere (needs tqdm), False never.
     Returns a pandas DataFrame with columns ``site``, ``metric``, ``normalized`` and ``error`` (why a site
     could not be patched, else empty); ``df.attrs`` holds the ``clean`` and ``corrupt`` baselines.
     """
@@ -56,7 +59,8 @@ def activation_patching(model, clean, corrupt, metric, sites="modules", *, posit
     _check_call("activation_patching", clean, corrupt, metric)
     _check_positions(positions)
     _check_sites(sites)
-    check_flag(progress, "progress", "give True to show a progress bar, False for none", who="activation_patching")
+    if progress is not None:
+        check_flag(progress, "progress", PROGRESS_ADVICE, who="activation_patching")
     runs = _Runs(model, root, "activation_patching")
     clean_log = runs.trace(clean, kwargs, save="all", deep=deep)
     clean_value = _scalar(metric(clean_log.output))
@@ -551,11 +555,12 @@ def _scalar(value) -> float:
                     "(lambda out: out[0, 1] - out[0, 2])")
 
 
-def _progress(items, enabled: bool, desc: str):
-    if not enabled:
-        return items
+def _progress(items: list, progress, desc: str):
+    """``items``, one by one, advancing a bar (``progress.bar``, automatic by default) as each is done."""
+    shown = bar(progress, desc, total=len(items))
     try:
-        from tqdm.auto import tqdm
-    except ImportError as exc:  # pragma: no cover - tqdm is optional
-        raise ImportError("the progress bar needs tqdm: pip install tqdm, or pass progress=False") from exc
-    return tqdm(items, desc=desc, leave=False)
+        for item in items:
+            yield item
+            shown.update()
+    finally:
+        shown.close()
