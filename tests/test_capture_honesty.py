@@ -529,6 +529,27 @@ def test_a_dynamically_quantized_model_names_its_packed_weights_instead_of_no_pa
     assert tl.load(log.save(tmp_path / "q")).caveats == log.caveats  # kept by a save
 
 
+def test_grads_on_a_dynamically_quantized_model_say_its_packed_weights_take_no_gradient():
+    # The warning blamed frozen parameters or inputs without requires_grad, where the model had its weights packed
+    # by quantize_dynamic, which no requires_grad_() can make take a gradient.
+    import warnings
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation notices for its quantized modules
+        quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    says = r"no tensor of this forward requires grad.*packed weights \(0\._packed_params\._packed_params, 2\."
+    with pytest.warns(UserWarning, match=says):
+        tl.trace(quantized, torch.randn(2, 4), grads=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    quantized(x).sum().backward()  # a gradient reaches the output, none the input: torch's answer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an input that requires grad makes outputs that do: nothing said
+        log = tl.trace(quantized, x.detach().requires_grad_(), grads=True)
+    log.backward(log.output.sum())
+    assert x.grad is None and log["input_1:1"].grad is None and log["output_1:1"].grad is not None
+
+
 def test_a_dynamically_quantized_lstm_names_the_packed_weights_of_its_layers():
     import warnings
 

@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from ..errors import warn_user
+from ..errors import first_few, warn_user
 from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
 from ..record.layouts import storage_use_count
@@ -481,6 +481,10 @@ NOTHING_REQUIRES_GRAD = ("grads=True, but no tensor of this forward requires gra
                          "a gradient: it ran under torch.no_grad() or torch.inference_mode() (an evaluation "
                          "function decorated with one), or nothing it read requires grad (frozen parameters, "
                          "inputs without requires_grad); trace outside them, or drop grads=")
+# Where the model's quantized modules hold packed weights, which are no tensors and take no gradient.
+PACKED_TAKE_NO_GRAD = (". This model's quantized modules compute with packed weights ({}), which are not parameters: "
+                       "no gradient reaches them, nor through them the ops before; trace the float model for "
+                       "gradients")
 # The same inside a torch.func transform (vmap): its wrapped tensors require no grad as autograd sees them.
 TRANSFORM_REQUIRES_NO_GRAD = ("grads=True, but this trace ran inside a torch.func transform (vmap, ...), whose "
                               "wrapped tensors do not require grad as autograd sees them, so no backward can give "
@@ -509,10 +513,11 @@ def grad_capture(grads, model, state):
     return capture
 
 
-def attach_grads(trace, capture, own_outputs: bool = False) -> None:
+def attach_grads(trace, capture, own_outputs: bool = False, packed_weights: tuple = ()) -> None:
     """Give the finished trace its gradient capture, and apply a ``grads=[...]`` selection.  ``own_outputs``:
     an output node may show a tensor of its own (the forward read tensors no op made, or returned one
-    written through a view): ``_watch_own_outputs`` looks."""
+    written through a view): ``_watch_own_outputs`` looks.  ``packed_weights``: the quantized modules' packed
+    weights the model holds, named where no tensor required grad."""
     if capture is None:
         return
     trace._gradcap = capture
@@ -526,7 +531,9 @@ def attach_grads(trace, capture, own_outputs: bool = False) -> None:
     if policy is None:
         if not capture.handles:  # grads=True hooks every output that requires grad: there was none
             in_transform = torch._C._functorch.peek_interpreter_stack() is not None
-            warn_user(TRANSFORM_REQUIRES_NO_GRAD if in_transform else NOTHING_REQUIRES_GRAD)
+            warn_user(TRANSFORM_REQUIRES_NO_GRAD if in_transform else
+                      NOTHING_REQUIRES_GRAD + (PACKED_TAKE_NO_GRAD.format(first_few(packed_weights))
+                                               if packed_weights else ""))
         capture.guard_leaves(trace)
         return
     try:

@@ -349,7 +349,7 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     if policy.filters_after:
         policy.apply(result, state.held_at_exhaustion)
     if state.grads is not None:
-        attach_grads(result, state.grads, bool(state.outside or state.own_outputs))
+        attach_grads(result, state.grads, bool(state.outside or state.own_outputs), index.packed_weights)
     if packing is not None:
         packing.calls = None  # the forward is over: nothing more is attributed
         result._packlog = packing
