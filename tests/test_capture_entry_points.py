@@ -74,6 +74,27 @@ def test_as_subclass_never_reaches_capture():
     assert not {"as_subclass", "_make_subclass"} & set(plain_mode.names)
 
 
+def test_a_masked_tensor_made_in_the_forward_enters_as_a_tensor_of_unknown_origin():
+    """``torch.masked.masked_tensor(data, mask)`` wraps its tensors as a subclass without an op: the op reading it
+    has no parent there, and the trace counts it among the tensors of unknown origin, as docs/capture_honesty.md
+    says of such wrappers."""
+    import warnings
+
+    from torch.masked import masked_tensor
+
+    def f(x):
+        return (masked_tensor(x * 2, x > 0) + 1).get_data() * 3
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notice that MaskedTensor is a prototype
+        x = torch.randn(4)
+        log = tl.trace(f, x)
+        expected = f(x)
+    added = next(op for op in log.ops if op.type == "add")
+    assert added.parents == [] and log.unattributed >= 1 and "read by " + added.label in str(log)
+    assert torch.equal(log.output, expected)
+
+
 class LegacyConstructor(nn.Module):
     """Builds a tensor with a legacy type constructor inside the forward, as VITS's WaveNet makes its channel
     count (``torch.IntTensor([self.hidden_size])``, then reads element 0)."""
