@@ -39,6 +39,11 @@ KIND_FILL = {"input": "#c8ecc8", "output": "#cfe0fa", "buffer": "#fff2c2", "op":
 # whatever the kind or the colouring says, since its value is no longer the one the op made.
 CHANGED = "#c62828"
 _BORDER = re.compile(r'(?<!font)color="[^"]*"')
+# The nodes a picture of the HTML viewer is kept within when modules can be collapsed.  Past it Graphviz's
+# network simplex, which places the nodes of each layer and by default iterates until the placement is optimal,
+# ran for minutes on a picture whose edges span many layers (a 130-step loop's input, read at every step): a
+# larger picture stops after one iteration per node (``nslimit=1``), a less tidy placement laid out in seconds.
+BUDGET = 250
 
 
 def esc(text) -> str:
@@ -313,10 +318,11 @@ class DotWriter:
 
     # ----- a whole picture ----------------------------------------------------------------------
     def write(self, picture, title=None, legend=None) -> str:
+        bounded = "nslimit=1, " if picture.size > BUDGET else ""
         lines = [
             "digraph torchlens {",
-            f'graph [rankdir={self.direction}, nodesep=0.25, ranksep=0.35, fontname="{FONT}", fontsize=11, '
-            'bgcolor="white", id="tl-graph"];',
+            f'graph [rankdir={self.direction}, nodesep=0.25, ranksep=0.35, {bounded}fontname="{FONT}", '
+            'fontsize=11, bgcolor="white", id="tl-graph"];',
             f'node [fontname="{FONT}", fontsize=10, margin="0.1,0.04", height=0.3];',
             f'edge [fontname="{FONT}", fontsize=8, color="#555555", arrowsize=0.6];',
         ]

@@ -226,6 +226,11 @@ class Picture:
     edges: dict  # (src node id, dst node id) -> list of (src pass, dst pass)
     placement: dict = field(default_factory=dict)  # node id -> enclosing cluster group (-1: top level)
 
+    @property
+    def size(self) -> int:
+        """How many nodes the picture draws: ops or layers, collapsed modules and references."""
+        return len(self.items) + len(self.collapsed) + len(self.refs_in) + len(self.refs_out)
+
 
 def _relative_depth(structure, focus):
     base = structure.groups[focus].depth + 1 if focus >= 0 else 0

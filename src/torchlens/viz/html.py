@@ -16,11 +16,10 @@ import re
 from collections import deque
 from importlib import resources
 
-from .dot import CHANGED, KIND_FILL, DotWriter
+from .dot import BUDGET, CHANGED, KIND_FILL, DotWriter
 from .graph import auto_depth, project
 from .layout import layout
 
-BUDGET = 250
 _SVG_START = re.compile(rb"<svg\b")
 
 
