@@ -157,3 +157,16 @@ def test_a_predicate_at_every_op_of_a_deep_nest_walks_each_module_call_up_once()
     model, x = _Nest(3), torch.randn(2, 3)
     log = tl.trace(model, x, intervene={(lambda op: op.module == "inner.inner:1"): tl.scale(2.0)})
     assert [a.label for a in log.interventions] == ["add_3_3:1"] and torch.equal(log.output, (x + 1 + 1 + 1) * 2)
+
+
+@pytest.mark.parametrize("view", ["unrolled", "rolled"])
+def test_drawing_a_deep_nest_walks_each_module_call_up_once(view):
+    # Every box of the picture held every item inside it, and each op walked its chain of boxes (to place it, and in
+    # the rolled view twice more, over its chain of calls, to find the loops through a box): n * n over n modules.
+    def dot_of(n):
+        log = _read(tl.trace(_Nest(n), torch.randn(2, 3)))
+        return lambda: log.render(view=view)
+
+    assert _growth(dot_of, 20) < GROWTH  # 6.1x unrolled and 11x rolled before
+    dot = tl.trace(_Nest(3, ops=2), torch.randn(2, 3)).render(view=view, depth=1)
+    assert dot.count("subgraph cluster_") == 1 and "3 ops" in dot  # inner.inner (an add, 2 tanh) collapsed in inner

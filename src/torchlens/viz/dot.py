@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import re
 
-from .graph import edge_pass_label, pass_ranges
+from .graph import edge_pass_label, items_inside, pass_ranges
 from .metrics import SUMMED_METRICS, aggregate, format_value
 from ..errors import counted, listed
 from ..record.columns import Kind
 from ..record.layouts import shape_text
+from ..record.modules import rolled_up
 
 FONT = "Helvetica"
 DIRECTIONS = ("TB", "LR")  # data flows down the page, or across it (wide screens, deep models)
@@ -175,10 +176,11 @@ class DotWriter:
     def notes(self) -> list:
         """``reading_notes``, and the module calls drawn nowhere: a call that ran no torch op (``nn.Identity``)
         has no node to put a box around, so the picture says it happened rather than leave it out unseen."""
-        notes, calls = reading_notes(self.trace), self.trace.module_calls
+        notes, calls, groups = reading_notes(self.trace), self.trace.module_calls, self.structure.groups
+        drawn = rolled_up([len(group.items) for group in groups], [group.parent for group in groups])
         # A rolled box with no items of its own may be a shared module's second position, drawn in its first.
-        empty = [f"{group.label} ({group.class_name})" for group in self.structure.groups
-                 if not group.items and not any(calls[c]._num_ops for c in group.calls)]
+        empty = [f"{group.label} ({group.class_name})" for group, inside in zip(groups, drawn, strict=True)
+                 if not inside and not any(calls[c]._num_ops for c in group.calls)]
         if empty:
             has = "has" if len(empty) == 1 else "have"
             notes.append(f"{counted(len(empty), 'module call')} ran no torch op and {has} no box: {listed(empty, 3)}")
@@ -221,14 +223,14 @@ class DotWriter:
         for the buffer nodes drawn inside the module: a collapsed box hides those too, and they are ops of the
         trace that the count must not leave out."""
         items = self.structure.items
-        buffers = sum(items[i].kind == "buffer" for i in self.structure.groups[g].items)
+        buffers = sum(items[i].kind == "buffer" for i in items_inside(self.structure, g))
         low, high = min(c._num_ops for c in calls), max(c._num_ops for c in calls)
         ops = counted(low, "op") if low == high else f"{low}-{high} ops"
         return ops + (f", {counted(buffers, 'buffer')}" if buffers else "")
 
     def _group_ops(self, g):
         items = self.structure.items
-        return [i for it in self.structure.groups[g].items for i in items[it].ops]
+        return [i for it in items_inside(self.structure, g) for i in items[it].ops]
 
     # ----- nodes and edges ----------------------------------------------------------------------
     def _fill(self, kind, ops=()):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..record.columns import Kind
-from ..record.modules import enclosing_calls
+from ..record.modules import call_depths, enclosing_calls
 
 KIND_NAMES = {kind: kind.label for kind in Kind}
 VIEWS = ("unrolled", "rolled")
@@ -43,7 +43,7 @@ class Group:
     depth: int
     calls: list = field(default_factory=list)  # ModuleCall indices this group stands for
     children: list = field(default_factory=list)
-    items: list = field(default_factory=list)  # every item inside, nested groups included
+    items: list = field(default_factory=list)  # the items it holds itself, not those of the groups inside it
 
 
 @dataclass
@@ -71,10 +71,8 @@ def build_structure(trace, view: str = "unrolled") -> Structure:
         groups, call_group = _position_groups(trace)
         items, op_item = _layer_items(trace, op_call, call_group)
     for index, item in enumerate(items):
-        g = item.group
-        while g >= 0:
-            groups[g].items.append(index)
-            g = groups[g].parent
+        if item.group >= 0:
+            groups[item.group].items.append(index)
     if view == "rolled":
         _count_calls_drawn_from_other_positions(trace, groups, items, op_call, call_group)
     edges: dict = {}
@@ -99,28 +97,32 @@ def build_structure(trace, view: str = "unrolled") -> Structure:
 def _edges_between_calls(trace, op_call, call_group, op_item) -> set:
     """``(src item, dst item, group)`` where an op in one call of a rolled group feeds an op in another call of
     it: the recurrence that collapsing the group must not swallow as if it were inside one call."""
-    parent_of = trace.module_call_parents.__getitem__
-
-    def chain(op):  # module position group -> the call of it the op ran in, innermost first
-        found = {}
-        for c in enclosing_calls(op_call[op], parent_of):
-            found.setdefault(call_group[c], c)
-        return found
-
+    parent_of, depths = trace.module_call_parents.__getitem__, call_depths(trace)
     between = set()
     for child, parents in enumerate(trace.op_parents):
-        child_calls = None
         for _, parent in parents:
             if parent < 0:
                 continue
-            child_calls = chain(child) if child_calls is None else child_calls
-            parent_calls = chain(parent)
             # A group only one side ran in counts too: a module shared by two positions is drawn in its first,
             # so its call from the other position sits inside a group none of whose calls it ran in.
-            for group in parent_calls.keys() | child_calls.keys():
-                if parent_calls.get(group) != child_calls.get(group):
-                    between.add((op_item[parent], op_item[child], group))
+            for c in _calls_apart(op_call[parent], op_call[child], parent_of, depths):
+                between.add((op_item[parent], op_item[child], call_group[c]))
     return between
+
+
+def _calls_apart(a, b, parent_of, depths) -> list:
+    """The module calls around call ``a`` or call ``b`` (each itself included) but not around both: the two walk up
+    to their innermost common call and no further, where listing both chains up to the root cost the depth per
+    edge.  A call's group has the call's depth, so the groups of the common calls are the ones both share."""
+    apart = []
+    while a != b:
+        if (depths[a] if a >= 0 else -1) >= (depths[b] if b >= 0 else -1):
+            apart.append(a)
+            a = parent_of(a)
+        else:
+            apart.append(b)
+            b = parent_of(b)
+    return apart
 
 
 def _op_module_calls(trace) -> list:
@@ -175,11 +177,15 @@ def _count_calls_drawn_from_other_positions(trace, groups, items, op_call, call_
     once, in the position of their first pass: that box draws the passes of both calls, so it stands for
     both (``p1.a (Linear) x2 calls``, as a module called twice from one parent reads), not for one."""
     calls, parent_of = trace.module_calls, trace.module_call_parents.__getitem__
+    reentered = _reentered_calls(trace)
     drawn: dict = {}  # group -> the calls of its module whose ops it draws, from other positions
     for item in items:
         for op in item.ops:
+            call = op_call[op]
+            if call < 0 or (call_group[call] == item.group and not reentered[call]):
+                continue  # ran in the position its layer is drawn in, each call around it its module's only one
             chain = {}  # module address -> the call of it the op ran in, innermost first
-            for c in enclosing_calls(op_call[op], parent_of):
+            for c in enclosing_calls(call, parent_of):
                 chain.setdefault(calls[c].address, c)
             g = item.group
             while g >= 0:
@@ -189,6 +195,25 @@ def _count_calls_drawn_from_other_positions(trace, groups, items, op_call, call_
                 g = groups[g].parent
     for g, more in drawn.items():
         groups[g].calls = sorted(set(groups[g].calls) | more)
+
+
+def _reentered_calls(trace) -> list:
+    """Whether each module call runs inside another call of its module (a module calling itself, at any depth), in
+    one pass over the calls in the order they began, which puts each call's calls right after it: only such a call's
+    chain of calls can name one module twice."""
+    addresses = [call.address for call in trace.module_calls]
+    parent_of = trace.module_call_parents.__getitem__
+    reentered: list = []
+    open_calls: list = []
+    open_count: dict = {}  # address -> calls of it open around the call met
+    for c, address in enumerate(addresses):
+        parent = parent_of(c)
+        while open_calls and open_calls[-1] != parent:  # the calls that ended before this one began
+            open_count[addresses[open_calls.pop()]] -= 1
+        reentered.append(open_count.get(address, 0) > 0 or (parent >= 0 and reentered[parent]))
+        open_calls.append(c)
+        open_count[address] = open_count.get(address, 0) + 1
+    return reentered
 
 
 def _op_items(trace, op_call, call_group):
@@ -232,6 +257,16 @@ class Picture:
         return len(self.items) + len(self.collapsed) + len(self.refs_in) + len(self.refs_out)
 
 
+def items_inside(structure, g) -> list:
+    """The items drawn inside group ``g``, those of the groups nested in it included, in item order (every item for
+    -1, the whole model): derived when a picture or a box asks, as each group holds its own items alone, where every
+    group holding all those inside it put each item in every group around it."""
+    if g < 0:
+        return list(range(len(structure.items)))
+    groups = structure.groups
+    return sorted(i for h in (g, *_descendants(structure, g)) for i in groups[h].items)
+
+
 def _relative_depth(structure, focus):
     base = structure.groups[focus].depth + 1 if focus >= 0 else 0
     return lambda g: structure.groups[g].depth - base
@@ -241,7 +276,7 @@ def auto_depth(structure, focus: int, budget: int) -> int:
     """The deepest level whose picture still has at most ``budget`` nodes (at least level 0)."""
     groups = structure.groups
     rel = _relative_depth(structure, focus)
-    inside = groups[focus].items if focus >= 0 else range(len(structure.items))
+    inside = items_inside(structure, focus)
     below = list(_descendants(structure, focus))
     if not below:
         return 0
@@ -273,24 +308,26 @@ def _descendants(structure, focus):
         stack.extend(groups[g].children)
 
 
-def _representative(structure, group, focus, depth, rel):
-    """The collapsed group that swallows an item in ``group``, None when the item is drawn itself.
+def _representatives(structure, focus, depth, rel):
+    """``representative(group)``: the collapsed group that swallows an item in ``group``, None when the item is
+    drawn itself, ``False`` when the group lies outside the focus.  Each group's answer is its parent's, or itself
+    when it is the first collapsed on the way down, derived once: walking every item's chain up to the focus cost
+    the depth per item."""
+    groups, known = structure.groups, {focus: None}
 
-    Returns ``False`` when the group lies outside the focus.
-    """
-    chain = []
-    g = group
-    while g >= 0 and g != focus:
-        chain.append(g)
-        g = structure.groups[g].parent
-    if g != focus:
-        return False
-    if depth is None:
-        return None
-    for g in reversed(chain):  # outermost first
-        if rel(g) >= depth:
-            return g
-    return None
+    def parent_of(g):
+        return groups[g].parent
+
+    def representative(group):
+        chain = enclosing_calls(group, parent_of, known)  # the groups whose answer is not known yet
+        above = known.get(parent_of(chain[-1]), False) if chain else None
+        for g in reversed(chain):  # outermost first
+            if above is None and depth is not None and rel(g) >= depth:
+                above = g
+            known[g] = above
+        return known.get(group, False)
+
+    return representative
 
 
 def project(structure, focus: int = -1, depth=None) -> Picture:
@@ -301,19 +338,20 @@ def project(structure, focus: int = -1, depth=None) -> Picture:
     """
     groups, items = structure.groups, structure.items
     rel = _relative_depth(structure, focus)
-    inside = groups[focus].items if focus >= 0 else range(len(items))
+    inside = items_inside(structure, focus)
+    representative = _representatives(structure, focus, depth, rel)
     node_of: dict = {}
     collapsed_as: dict = {}  # item -> the collapsed group it is drawn as
     visible, collapsed, clusters = [], [], set()
     placement: dict = {}
     for i in inside:
-        rep = _representative(structure, items[i].group, focus, depth, rel)
+        rep = representative(items[i].group)
         if rep is None:
             node_of[i] = items[i].key
             visible.append(i)
             g = items[i].group
             placement[items[i].key] = g if g != focus else -1
-            while g >= 0 and g != focus:
+            while g >= 0 and g != focus and g not in clusters:  # the boxes around a box drawn are drawn already
                 clusters.add(g)
                 g = groups[g].parent
         else:
@@ -325,7 +363,7 @@ def project(structure, focus: int = -1, depth=None) -> Picture:
                 parent = groups[rep].parent
                 placement[key] = parent if parent != focus else -1
                 g = parent
-                while g >= 0 and g != focus:
+                while g >= 0 and g != focus and g not in clusters:
                     clusters.add(g)
                     g = groups[g].parent
     edges: dict = {}
