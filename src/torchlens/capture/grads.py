@@ -482,9 +482,8 @@ NOTHING_REQUIRES_GRAD = ("grads=True, but no tensor of this forward requires gra
                          "function decorated with one), or nothing it read requires grad (frozen parameters, "
                          "inputs without requires_grad); trace outside them, or drop grads=")
 # Where the model's quantized modules hold packed weights, which are no tensors and take no gradient.
-PACKED_TAKE_NO_GRAD = (". This model's quantized modules compute with packed weights ({}), which are not parameters: "
-                       "no gradient reaches them, nor through them the ops before; trace the float model for "
-                       "gradients")
+PACKED_TAKE_NO_GRAD = (". This model's quantized modules compute with packed weights ({}), not parameters: no "
+                       "gradient reaches them, nor through them the ops before; trace the float model for gradients")
 # The same inside a torch.func transform (vmap): its wrapped tensors require no grad as autograd sees them.
 TRANSFORM_REQUIRES_NO_GRAD = ("grads=True, but this trace ran inside a torch.func transform (vmap, ...), whose "
                               "wrapped tensors do not require grad as autograd sees them, so no backward can give "
