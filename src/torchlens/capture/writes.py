@@ -13,11 +13,11 @@ handler reads the same dict; any other function's is kept only as long as the fu
 from __future__ import annotations
 
 import types
-import weakref
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
+from ..cache import per_object
 from ..record.columns import writes_first_argument
 from ..record.layouts import memory_span, spans_meet, storage_key
 from .collectives import WRITTEN_ARGUMENT, written_tensors
@@ -30,8 +30,6 @@ inplace_cache: dict = dict.fromkeys(WRITTEN_ARGUMENT, True)  # collectives write
 # Normalisations that may update running statistics in their kernel: truthy, so the hot path asks.
 _RUNNING_STATS = "running statistics"
 inplace_cache.update(dict.fromkeys(WRITES_RUNNING_STATS, _RUNNING_STATS))
-# The verdicts of the functions inplace_cache must not hold (``_lasting``), for as long as each lives.
-_passing_verdicts = weakref.WeakKeyDictionary()
 # Torch's operators and functions written in C: made once, holding nothing of a model.
 _LASTING_TYPES = (OpOverload, OpOverloadPacket, types.BuiltinFunctionType, types.MethodDescriptorType,
                   types.WrapperDescriptorType, types.MethodWrapperType, types.ClassMethodDescriptorType)
@@ -66,22 +64,15 @@ def _lasting(func) -> bool:
     return type(func) is types.FunctionType and "<locals>" not in func.__qualname__
 
 
-def _passing_verdict(func):
-    """The verdict of a function that may not last, kept for as long as it lives; computed on each ask for one
-    that takes no weak reference."""
-    try:
-        verdict = _passing_verdicts.get(func)
-        if verdict is None:
-            verdict = _passing_verdicts[func] = _verdict_of(func)
-        return verdict
-    except TypeError:
-        return _verdict_of(func)
-
-
 def _verdict_of(func):
     if isinstance(func, (OpOverload, OpOverloadPacket)):
         return _operator_writes(func)
     return writes_first_argument(func)
+
+
+# The verdict of a function inplace_cache must not hold (``_lasting``), kept for as long as it lives; computed on
+# each ask for one that takes no weak reference.
+_passing_verdict = per_object(_verdict_of)
 
 
 def _operator_writes(op):

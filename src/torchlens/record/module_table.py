@@ -15,7 +15,7 @@ from ..errors import closest_hint, listed
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
-from .modules import call_op_counts, rolled_up
+from .modules import call_op_counts, inclusive_totals
 from .grads import saved_for_backward_bytes
 from .summary import COUNT_UNITS, human_bytes, unit_for
 
@@ -187,7 +187,7 @@ def module_summary(trace, depth=None) -> ModuleSummary:
         call_flops, whole_flops = {}, None
     param_counts = module_param_counts(trace)
     compute = [i for i in range(len(ops)) if trace._kind[i] == Kind.OP]
-    call_counts, call_bytes = call_op_counts(trace), _inclusive_bytes(trace, produced)
+    call_counts, call_bytes = call_op_counts(trace), inclusive_totals(trace, produced)
 
     def row(call, depth_, class_name, params, inputs, outputs, counted, flops, duration, members):
         entry = {
@@ -218,16 +218,6 @@ def module_summary(trace, depth=None) -> ModuleSummary:
                         lambda mc=mc: mc._op_nodes))
     columns = COLUMNS + ((SAVED_FOR_BACKWARD,) if has_backward else ())
     return ModuleSummary(trace, rows, columns)
-
-
-def _inclusive_bytes(trace, produced: list) -> list:
-    """The bytes each module call's ops produced, nested calls included: each op's counted in its innermost
-    call, then rolled up the calls (summing over every call's list of ops cost the depth per op)."""
-    produced_by = [0] * len(trace._call_rows)
-    for i, m in enumerate(trace._module_call):
-        if m >= 0:
-            produced_by[m] += produced[i]
-    return rolled_up(produced_by, trace.module_call_parents)
 
 
 def _root_class(trace) -> str:

@@ -9,6 +9,7 @@ cycle collector.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -298,16 +299,21 @@ def rolled_up(own: list, parents: list) -> list:
     return totals
 
 
+def inclusive_totals(trace, values) -> list:
+    """Each module call's sum of ``values`` (one per op, by op index) over the ops it ran, nested calls
+    included: each op's value added to its innermost call, then rolled up the calls (``rolled_up``)."""
+    own = [0] * len(trace._call_rows)
+    for m, value in zip(trace._module_call, values):
+        if m >= 0:
+            own[m] += value
+    return rolled_up(own, trace.module_call_parents)
+
+
 def call_op_counts(trace) -> list:
-    """How many ops each module call ran, nested calls included, derived once per trace: each op counted in
-    its innermost call and rolled up, where the length of each call's list of ops (``call_ops``) put every op
-    in every call around it."""
+    """How many ops each module call ran, nested calls included, derived once per trace (``inclusive_totals``),
+    where the length of each call's list of ops (``call_ops``) put every op in every call around it."""
     if trace._call_op_counts_col is None:
-        own = [0] * len(trace._call_rows)
-        for m in trace._module_call:
-            if m >= 0:
-                own[m] += 1
-        trace._call_op_counts_col = rolled_up(own, [row.parent for row in trace._call_rows])
+        trace._call_op_counts_col = inclusive_totals(trace, itertools.repeat(1))
     return trace._call_op_counts_col
 
 

@@ -21,7 +21,7 @@ import math
 
 from ..errors import counted, listed
 from ..record.columns import is_first_output, per_example_ops
-from ..record.modules import enclosing_calls, rolled_up, script_modules
+from ..record.modules import enclosing_calls, inclusive_totals, script_modules
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
 from .flops_einsum import einsum_flops
@@ -550,18 +550,13 @@ def module_call_flops(trace) -> dict:
     """``{module call label: FlopCount}``, inclusive of nested calls, in call order."""
     column = flops_column(checked_trace(trace, "module_call_flops"))
     calls, parents = trace.module_calls, trace.module_call_parents
-    totals = [0] * len(calls)  # each call's own, rolled up below
-    counted = [0] * len(calls)
+    totals = inclusive_totals(trace, [sum(parts.values()) if parts else 0 for parts in column])
+    counted = inclusive_totals(trace, [1 if parts else 0 for parts in column])
     unknown = [[] for _ in calls]
     for i, m in enumerate(trace.module_call_indices):
-        parts = column[i]
-        if parts is None:
+        if column[i] is None:
             for k in enclosing_calls(m, parents.__getitem__):
                 unknown[k].append(trace.labels[i])
-        elif parts and m >= 0:
-            totals[m] += sum(parts.values())
-            counted[m] += 1
-    totals, counted = rolled_up(totals, parents), rolled_up(counted, parents)
     hidden = [[] for _ in calls]
     for address, call_indices in script_modules(trace).items():
         for c in call_indices:
