@@ -526,23 +526,17 @@ def test_gpt2_a_selection_of_a_call_the_stop_cut_short_is_refused_not_empty(gpt2
     assert [op.label for op in log if op.has_activation] == [log["transformer.h.0.mlp"].label]
 
 
-def test_gpt2_reading_a_value_of_a_module_the_stop_cut_short_says_so(gpt2):
-    # log["transformer.h.0"] of a trace stopped inside the block is the Module (its call has no output): reading its
-    # activation said the call returned no op's value, as for a module returning no tensor, not that it never returned.
+def test_gpt2_reading_an_ops_value_from_a_module_record_says_where_it_is(gpt2):
+    # Of a trace stopped inside the block, log["transformer.h.0"] is the Module and log["transformer.h.0:1"] the
+    # ModuleCall, neither with an output op. Reading the Module's activation said the call returned no op's value, as
+    # for a module returning no tensor, not that it never returned; the ModuleCall's raised a bare "'ModuleCall'
+    # object has no attribute 'activation'".
     model, clean, _ = gpt2
     log = tl.trace(model, clean, stop_after="transformer.h.0.mlp")
-    with pytest.raises(AttributeError, match=r"transformer\.h\.0:1 never returned: the forward stopped after "
-                                             r"transformer\.h\.0\.mlp:1 inside it \(stop_after=\)"):
+    never_returned = r"transformer\.h\.0:1 never returned: the forward stopped after transformer\.h\.0\.mlp:1 inside it"
+    with pytest.raises(AttributeError, match=never_returned + r" \(stop_after=\)"):
         log["transformer.h.0"].activation
-
-
-def test_gpt2_reading_an_ops_value_from_a_module_call_record_says_where_it_is(gpt2):
-    # log["transformer.h.0:1"] of a trace stopped inside the block is the ModuleCall, which has no output op: reading
-    # its activation raised a bare "'ModuleCall' object has no attribute 'activation'", where the Module said why.
-    model, clean, _ = gpt2
-    log = tl.trace(model, clean, stop_after="transformer.h.0.mlp")
-    with pytest.raises(AttributeError, match=r"'activation' belongs to one op, but transformer\.h\.0:1 never returned: "
-                                             r"the forward stopped after transformer\.h\.0\.mlp:1 inside it"):
+    with pytest.raises(AttributeError, match=r"'activation' belongs to one op, but " + never_returned):
         log["transformer.h.0:1"].activation
     with pytest.raises(AttributeError, match="'ModuleCall' object has no attribute 'no_such_field'"):
         log["transformer.h.0:1"].no_such_field
