@@ -45,6 +45,11 @@ _BORDER = re.compile(r'(?<!font)color="[^"]*"')
 # ran for minutes on a picture whose edges span many layers (a 130-step loop's input, read at every step): a
 # larger picture stops after one iteration per node (``nslimit=1``), a less tidy placement laid out in seconds.
 BUDGET = 250
+# Within the budget the same shape still took seconds (a 60-step loop collapsed to depth 0, 243 nodes: 37 s with
+# Graphviz 2.43), so every picture is bounded: ten iterations per node, more than the pictures of common models
+# need to reach the optimum (159 of 160 come out as unbounded: benchmarks/viz_layout_bound.py), far fewer than
+# such a loop runs.
+ITERATIONS_PER_NODE = 10
 
 
 def esc(text) -> str:
@@ -320,7 +325,7 @@ class DotWriter:
 
     # ----- a whole picture ----------------------------------------------------------------------
     def write(self, picture, title=None, legend=None) -> str:
-        bounded = "nslimit=1, " if picture.size > BUDGET else ""
+        bounded = f"nslimit={1 if picture.size > BUDGET else ITERATIONS_PER_NODE}, "
         lines = [
             "digraph torchlens {",
             f'graph [rankdir={self.direction}, nodesep=0.25, ranksep=0.35, {bounded}fontname="{FONT}", '
