@@ -25,6 +25,7 @@ from ..record.modules import enclosing_calls, inclusive_totals, script_modules
 from ..record.op import Layer, Op
 from ..record.trace import checked_trace
 from .flops_einsum import einsum_flops
+from .flops_fft import fft_flops
 from .flops_products import (bilinear_flops, cdist_flops, chain_matmul_flops, conv_tbc_flops, matrix_power_flops,
                              multi_dot_flops, tensordot_flops, vecdot_flops)
 
@@ -37,7 +38,9 @@ _BINARY_DUNDERS = frozenset(["add", "sub", "mul", "truediv", "floordiv", "mod", 
 
 
 def canonical_name(func_name: str) -> str:
-    """``__iadd__``/``__radd__``/``add_`` -> ``add``; ``__rmatmul__`` stays distinct (operands swap)."""
+    """``__iadd__``/``__radd__``/``add_`` -> ``add``; ``__rmatmul__`` stays distinct (operands swap); an operator
+    overload called directly (``add_.Tensor``) -> its operator's name (``add``)."""
+    func_name = func_name.partition(".")[0]
     if func_name.startswith("__") and func_name.endswith("__"):
         inner = func_name[2:-2]
         if inner in ("rmatmul", "imatmul"):
@@ -309,43 +312,6 @@ def _dropout(a):
     return a.out_numel if dropout_applies(a) else 0
 
 
-def _fft(rank, kind, inverse: bool):
-    """A ``torch.fft`` transform of ``rank`` 1, 2 or None (n-dimensional); ``kind`` ``"c2c"``, ``"r2c"`` (real
-    input: ``rfft``, ``ihfft``) or ``"c2r"`` (real output: ``irfft``, ``hfft``); ``inverse`` for the ``i`` ones.
-    The radix-2 count: n points take n/2 log2 n butterflies of a complex multiply (6 operations) and two complex
-    adds (4), so 5 n log2 n over the transformed sizes' product n, half of that with a real side; a size that is
-    no power of two is counted alike.  The 1/n scale of a normalised direction is a multiply per real output
-    value."""
-    def formula(a):
-        given = a.value(1, "n" if rank == 1 else "s")
-        given = (given,) if isinstance(given, int) else given
-        default = -1 if rank == 1 else (-2, -1) if rank == 2 else None
-        dims = _fft_dims(a.value(2, "dim", default), given, len(a.out_shape))
-        n = math.prod(_fft_sizes(a, kind, given, dims))
-        transforms = a.out_numel // math.prod(a.out_shape[d] for d in dims) if n else 0
-        butterflies = (5 if kind == "c2c" else 2.5) * transforms * n * math.log2(n) if n else 0
-        norm = a.value(3, "norm")
-        scaled = norm == "ortho" or (norm in (None, "backward")) == inverse  # "backward": the inverse scales
-        return round(butterflies) + scaled * (1 if kind == "c2r" else 2) * a.out_numel
-    return formula
-
-
-def _fft_dims(dims, given, ndim: int) -> list:
-    """The dimensions a transform runs over, counted from the front: ``dim=``, else the last ``len(s)``, else all."""
-    if dims is None:
-        dims = range(ndim - len(given), ndim) if given else range(ndim)
-    return [d % ndim for d in ((dims,) if isinstance(dims, int) else dims)]
-
-
-def _fft_sizes(a, kind, given, dims) -> list:
-    """The transformed sizes: the output's, except for a real input, whose output keeps n // 2 + 1 of the last
-    dimension's n: then ``n=``/``s=`` where given (-1 in ``s``: the input's size), else the input's."""
-    if kind != "r2c":
-        return [a.out_shape[d] for d in dims]
-    source = a.shape(0, "input")
-    return [g if g not in (None, -1) else source[d] for g, d in zip(given or [None] * len(dims), dims)]
-
-
 def _weight_norm(a):
     """``v * (g / ||v||)``: a square and an add per element of ``v`` for the norms, a divide per norm, a multiply per
     element (``torch._weight_norm``, what ``nn.utils.weight_norm`` and its parametrization compute)."""
@@ -410,7 +376,7 @@ register("_weight_norm", "other", _weight_norm)
 for _rank, _suffix in ((1, ""), (2, "2"), (None, "n")):
     for _kind, _names in (("c2c", "fft ifft"), ("r2c", "rfft ihfft"), ("c2r", "irfft hfft")):
         for _name in _names.split():
-            register(_name + _suffix, "other", _fft(_rank, _kind, _name.startswith("i")))
+            register(_name + _suffix, "other", fft_flops(_rank, _kind, _name.startswith("i")))
 register("softmax log_softmax softmin", "other", _per_element(5))
 register("sum mean nansum nanmean prod amax amin max min argmax argmin all any cumsum cumprod "
          "count_nonzero", "other", _reduction(1))
@@ -438,10 +404,42 @@ for _d in (1, 2, 3):
              "other", _adaptive_pool(_d))
 
 
+# An operator overload called directly (``torch.ops.aten.linear.default``, named ``linear.default``: the ops of an
+# exported program's module) takes the formula of its operator's name, whose arguments sit where the torch
+# function's do, except for the operators below: aten's ``batch_norm`` and ``instance_norm`` take the affine weights
+# before the running statistics, where ``F.batch_norm`` takes them after, and the decomposed programs of
+# ``run_decompositions()`` call operators no torch function is named after.
+_BY_OPERATOR: dict = {}
+_ATEN_BATCH_NORM = _norm(lambda a: 3 if a.value(5, "training", False) or not a.has_tensor(3, "running_mean") else 0,
+                         [(1, "weight"), (2, "bias")])
+for _names, _family, _formula in (
+        ("batch_norm native_batch_norm _native_batch_norm_legit", "other", _ATEN_BATCH_NORM),
+        ("_native_batch_norm_legit_no_training", "other", _norm(lambda a: 0, [(1, "weight"), (2, "bias")])),
+        ("instance_norm", "other", _norm(lambda a: 3 if a.value(5, "use_input_stats", True) else 0,
+                                         [(1, "weight"), (2, "bias")])),
+        ("native_group_norm", "other", _norm(lambda a: 3, [(1, "weight"), (2, "bias")])),
+        ("native_layer_norm", "other", _norm(lambda a: 3, [(2, "weight"), (3, "bias")])),
+        ("convolution _convolution", "conv", lambda a: (_conv_transpose if a.value(6, "transposed") else _conv)(a)),
+        ("_softmax _log_softmax", "other", _per_element(5))):
+    for _name in _names.split():
+        _BY_OPERATOR[_name] = (_family, _formula)
+
+
+def _entry(func_name: str, func=None):
+    """``(family, formula)`` for a function's name, or None.  ``func``, when known, is the function itself: an
+    overload of another namespace than aten (a custom ``mylib::linear``) has no formula, whatever its name."""
+    operator, overload, _ = func_name.partition(".")
+    if not overload:
+        return _REGISTRY.get(canonical_name(func_name))
+    if func is not None and getattr(func, "namespace", None) != "aten":
+        return None
+    return _BY_OPERATOR.get(operator) or _REGISTRY.get(canonical_name(func_name))
+
+
 # ----- per-op evaluation -------------------------------------------------------------------------------
 def registry_family(func_name: str):
     """The family a function's formula credits (one of FAMILIES), or None when no formula covers it."""
-    entry = _REGISTRY.get(canonical_name(func_name))
+    entry = _entry(func_name)
     return entry[0] if entry else None
 
 
@@ -450,12 +448,13 @@ def _evaluate(trace, index, per_example: frozenset):
     an op in ``per_example``, inside vmap, whose shapes are one example's)."""
     if not is_first_output(trace, index):
         return {}  # not a call's output, or a further output of one: the call was counted on its first output
-    entry = _REGISTRY.get(canonical_name(trace.func_names[index]))
+    position = trace.call_indices[index]
+    entry = _entry(trace.func_names[index], trace.calls[position].func)
     if entry is None or index in per_example:
         return None
     family, formula = entry
     try:
-        result = formula(CallArgs(trace, trace.call_indices[index], trace.op_meta[index].shape))
+        result = formula(CallArgs(trace, position, trace.op_meta[index].shape))
     except Exception:  # an argument layout the formula does not understand: unknown, never 0
         result = None
     if result is None:

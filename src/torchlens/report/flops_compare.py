@@ -15,7 +15,6 @@ both are formulas applied to shapes.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -25,9 +24,8 @@ from ..errors import NativeToolFailed, WitnessFailed, listed
 from ..labels.naming import func_name_of
 from ..record.modules import enclosing_calls, is_unregistered
 from ..tree import as_args, as_kwargs, structures_equal, tensor_leaves, without_values
-from .flops import (CONVENTION, FAMILIES, CallArgs, canonical_name, dropout_applies, family_totals, flops_column,
-                    registry_family, total_flops)
-from .flops_notes import script_notes, unknown_notes
+from .flops import CONVENTION, FAMILIES, canonical_name, family_totals, flops_column, registry_family, total_flops
+from .flops_notes import drawn_by, randomness_advice, script_notes, unknown_notes
 
 NATIVE_CONVENTION = ("FlopCounterMode: per dispatched ATen overload in its flop_registry (matrix products, "
                      "convolutions, some attention kernels); a multiply-add counts 2; every other overload "
@@ -155,9 +153,9 @@ def flops_vs_dispatch(model, args=(), kwargs=None, *, rtol: float = 1e-5, atol: 
         drew = saved.rng.moved_generators()
         if drew:
             raise WitnessFailed(
-                f"flops_vs_dispatch refused: the forward draws random numbers ({_drawn_by(log, drew)})"
+                f"flops_vs_dispatch refused: the forward draws random numbers ({drawn_by(log, drew)})"
                 ", so matching outputs would rest on both executions drawing the same numbers in the same "
-                f"order, which restoring the global generators cannot guarantee. {_randomness_advice(model)}")
+                f"order, which restoring the global generators cannot guarantee. {randomness_advice(model)}")
         saved.restore()
         with saved.watching:
             counter, native_output, product_calls, unknown_counted = _count_natively(
@@ -299,12 +297,21 @@ class _ProductWatch(torch.overrides.TorchFunctionMode):
         self.unknown_names = unknown_names
         self.unknown_counted: dict = {}  # {function name: FLOPs counted inside its calls}
         self._depth = 0
+        self._dispatch_modes = 0
+
+    def __enter__(self):
+        self._dispatch_modes = torch._C._len_torch_dispatch_stack()  # FlopCounterMode's among them
+        return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Named as capture names its ops (torch.linalg.multi_dot's builtin is ``linalg_multi_dot``, its op's
         # ``multi_dot``): the witness compares these names with the traced ops' in order.
         name = func_name_of(func)
-        if self._depth or not (_is_product(name) or name in self.unknown_names):
+        # FlopCounterMode, off its stack while it handles an overload, calls it from Python: an op that reached
+        # only the dispatcher (inside a TorchScript module) is no call capture sees, though named like an
+        # exported program's (``linear.default``).
+        below = torch._C._len_torch_dispatch_stack() < self._dispatch_modes
+        if self._depth or below or not (_is_product(name) or name in self.unknown_names):
             return func(*args, **(kwargs or {}))
         before = _global_counts(self.counter)
         self._depth += 1
@@ -362,7 +369,7 @@ def _native_families(native_global, attention_calls) -> dict:
 
 def _compare(log, model, native_counts, product_calls, traced_products, outputs_match=True,
              unknown_counted=None) -> FlopsComparison:
-    attention_calls = [call for call in product_calls if call[0] in _ATTENTION_FUNCTIONS]
+    attention_calls = [call for call in product_calls if canonical_name(call[0]) in _ATTENTION_FUNCTIONS]
     tl_total = total_flops(log)
     root_name = type(model).__name__
     native_global = {str(k): int(v) for k, v in native_counts.get("Global", {}).items()}
@@ -462,7 +469,7 @@ def _attention_notes(log, attention_calls) -> list:
 
     Captured attention ops and watched calls are paired in order when their numbers agree (both runs ran
     the same program); otherwise the notes give counts without labels."""
-    ops = [op for op in log.ops if op.kind == "op" and op.func_name in _ATTENTION_FUNCTIONS]
+    ops = [op for op in log.ops if op.kind == "op" and canonical_name(op.func_name) in _ATTENTION_FUNCTIONS]
     paired = len(ops) == len(attention_calls)
     zero, batched = [], []
     for k, (_, counts) in enumerate(attention_calls):
@@ -488,7 +495,8 @@ def _uncounted_product_notes(log, ops, product_calls) -> list:
     which FlopCounterMode counted nothing.  ``ops`` are the captured products (``_traced_products``); they
     and the watched calls pair in order (the witness checked that both runs called the same ones)."""
     missed = [op.label for (op, counted), (name, native) in zip(ops, product_calls)
-              if name not in _ATTENTION_FUNCTIONS and _product_part(counted) and not any(native.values())]
+              if canonical_name(name) not in _ATTENTION_FUNCTIONS and _product_part(counted)
+              and not any(native.values())]
     if not missed:
         return []
     names = sorted({log._by_label(label).func_name for label in missed})
@@ -534,54 +542,6 @@ def _native_family(overload: str) -> str:
     if "attention" in name:
         return "attention"
     return _NATIVE_FAMILY.get(name, "other")
-
-
-def _randomness_advice(model) -> str:
-    """What to do about a forward that draws: eval mode, unless every module it runs is in eval mode already, where
-    that advice would change nothing (the forward samples by itself: ViLT's multinomial patch sampling)."""
-    from ..capture.restore import module_run_by
-
-    module = module_run_by(model)
-    if module is None or any(m.training for m in module.modules()):
-        return "Call model.eval() (or remove the randomness) and compare again."
-    return ("The model is in eval mode already, so its forward draws them by itself (sampling, not dropout): "
-            "remove the randomness, or compare a part of the model that draws none.")
-
-
-def _drawn_by(log, generators) -> str:
-    """What drew: the captured ops that draw (up to five), else the generators that moved.  A dropout in eval mode
-    or with ``p=0`` draws nothing, so it is no suspect: naming it would hide a draw capture cannot see (NumPy's,
-    as wav2vec2-style time masks make)."""
-    randoms = [op.label for op in log.ops if op.kind == "op" and _is_random(op.func_name) and _draws(log, op)]
-    if randoms:
-        return listed(randoms, 5)
-    return f"{' and '.join(generators)} moved, outside any captured op's draw"
-
-
-def _draws(log, op) -> bool:
-    """Whether an op torch tags as drawing random numbers did: a dropout only when it drops anything, attention
-    only with a ``dropout_p`` above 0 (transformers passes 0.0 in eval mode and when its dropout is 0)."""
-    name = canonical_name(op.func_name)
-    if "dropout" in name:
-        return dropout_applies(CallArgs(log, log.call_indices[op.index], op.shape))
-    if name == "scaled_dot_product_attention":
-        return bool(CallArgs(log, log.call_indices[op.index], op.shape).value(4, "dropout_p", 0.0))
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def _is_random(func_name: str) -> bool:
-    """Whether torch tags an aten op of this name as drawing random numbers (used to name suspects;
-    that the forward drew at all is decided by the generator state, ``RngState.moved``).  Looked up by name:
-    ``dir(torch.ops.aten)`` lists only the ops loaded so far in the process, so a set built from it answered
-    differently depending on what had run before."""
-    try:
-        packet = getattr(torch.ops.aten, func_name)
-    except (AttributeError, RuntimeError):  # no aten op of that name (__getitem__, a user's function)
-        return False
-    overloads = getattr(packet, "overloads", None)
-    return overloads is not None and any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags
-                                         for o in overloads())
 
 
 def _detached(output):

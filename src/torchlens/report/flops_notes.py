@@ -1,13 +1,17 @@
 """Notes ``flops_vs_dispatch`` adds for work one side of the comparison could not count: ops torchlens left
 unknown (no formula, a formula that could not count the call, ops inside ``torch.vmap``) and TorchScript modules,
-whose ops capture never sees."""
+whose ops capture never sees; and what its refusal of a forward that draws random numbers names."""
 
 from __future__ import annotations
+
+import functools
+
+import torch
 
 from ..errors import counted, listed
 from ..record.columns import per_example_ops
 from ..record.modules import script_modules
-from .flops import registry_family
+from .flops import CallArgs, canonical_name, dropout_applies, registry_family
 
 
 def unknown_notes(log, unknown, unknown_counted) -> list:
@@ -57,3 +61,52 @@ def script_notes(log) -> list:
 
 def _ops_have(n: int) -> str:
     return f"{counted(n, 'captured op')} {'has' if n == 1 else 'have'}"
+
+
+def randomness_advice(model) -> str:
+    """What to do about a forward that draws: eval mode, unless every module it runs is in eval mode already, where
+    that advice would change nothing (the forward samples by itself: ViLT's multinomial patch sampling)."""
+    from ..capture.restore import module_run_by
+
+    module = module_run_by(model)
+    if module is None or any(m.training for m in module.modules()):
+        return "Call model.eval() (or remove the randomness) and compare again."
+    return ("The model is in eval mode already, so its forward draws them by itself (sampling, not dropout): "
+            "remove the randomness, or compare a part of the model that draws none.")
+
+
+def drawn_by(log, generators) -> str:
+    """What drew: the captured ops that draw (up to five), else the generators that moved.  A dropout in eval mode
+    or with ``p=0`` draws nothing, so it is no suspect: naming it would hide a draw capture cannot see (NumPy's,
+    as wav2vec2-style time masks make)."""
+    randoms = [op.label for op in log.ops
+               if op.kind == "op" and _is_random(op.func_name.partition(".")[0]) and _draws(log, op)]
+    if randoms:
+        return listed(randoms, 5)
+    return f"{' and '.join(generators)} moved, outside any captured op's draw"
+
+
+def _draws(log, op) -> bool:
+    """Whether an op torch tags as drawing random numbers did: a dropout only when it drops anything, attention
+    only with a ``dropout_p`` above 0 (transformers passes 0.0 in eval mode and when its dropout is 0)."""
+    name = canonical_name(op.func_name)
+    if "dropout" in name:
+        return dropout_applies(CallArgs(log, log.call_indices[op.index], op.shape))
+    if name == "scaled_dot_product_attention":
+        return bool(CallArgs(log, log.call_indices[op.index], op.shape).value(4, "dropout_p", 0.0))
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _is_random(func_name: str) -> bool:
+    """Whether torch tags an aten op of this name as drawing random numbers (used to name suspects;
+    that the forward drew at all is decided by the generator state, ``RngState.moved``).  Looked up by name:
+    ``dir(torch.ops.aten)`` lists only the ops loaded so far in the process, so a set built from it answered
+    differently depending on what had run before."""
+    try:
+        packet = getattr(torch.ops.aten, func_name)
+    except (AttributeError, RuntimeError):  # no aten op of that name (__getitem__, a user's function)
+        return False
+    overloads = getattr(packet, "overloads", None)
+    return overloads is not None and any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags
+                                         for o in overloads())
