@@ -89,6 +89,42 @@ def test_a_value_returned_unchanged_inside_a_module_stays_its_producers_for_the_
     assert_trusted(tl.validate(model, x))
 
 
+
+class Broadcasting(nn.Module):
+    """Broadcasts a column against its input: ``torch.broadcast_tensors`` hands back the input itself, already
+    of the broadcast shape, as the second of the tensors it returns."""
+
+    def forward(self, x):
+        column, same = torch.broadcast_tensors(x[:, :1], x)
+        return column * 2 + same
+
+
+class BroadcastingResidual(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.mix = Broadcasting()
+
+    def forward(self, x):
+        residual = self.embed(x)
+        return self.mix(residual) + residual
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_an_input_returned_among_several_outputs_stays_its_producers_for_the_caller(compiled):
+    torch.manual_seed(0)
+    model, x = BroadcastingResidual(4), torch.randn(3, 4)
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    embed = log["embed"]
+    same = next(op for op in log.ops if op.type == "broadcasttensors" and op.multi_output_index == 1)
+    # Inside the module, its code reads the tensor broadcast_tensors returned ...
+    assert log["mix"].parents[1] == same.label
+    # ... while the caller's residual is still the embedding's output.
+    assert log.ops[-2].parents == [log["mix"].label, embed.label]
+    assert torch.equal(log.output, model(x))
+    assert_trusted(log.validate())
+
 @pytest.mark.parametrize("compiled", PATHS)
 def test_adapters_reading_one_input_read_it_from_its_producer_not_from_another_adapters_dropout(compiled):
     torch.manual_seed(0)

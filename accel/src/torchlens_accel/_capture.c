@@ -93,7 +93,8 @@ static PyObject *getter_names[N_GETTERS];
 static PyObject *s_version, *s_shape, *s_dtype, *s_device, *s_requires_grad, *s_grad_fn, *s_detach,
     *s_producers, *s_calls, *s_records, *s_saved, *s_saved_versions, *s_module_stack, *s_call_frames,
     *s_save_mode, *s_grad_enabled, *s_any_autocast, *s_grads, *s_producer_of, *s_version_m,
-    *s_note_failure, *s_note_context, *s_note_writes, *s_note_pass_through, *s_wants, *s_watch, *s_out,
+    *s_note_failure, *s_note_context, *s_note_writes, *s_note_pass_through, *s_note_returned_arguments,
+    *s_wants, *s_watch, *s_out,
     *s_inplace, *s_torch_function, *s_save, *s_finite_flags, *s_record_finite, *s_plain_save, *s_buffers, *s_save_sources, *s_context, *s_contexts,
     *s_recent_alias_reads, *s_forget_unrecorded_reads, *s_site_calls, *s_intervention, *s_at_call;
 
@@ -1107,6 +1108,22 @@ static int at_site_call(Handler *h) {
     return found;
 }
 
+/* Whether one of ``leaves`` (the (slot, tensor) pairs of a call returning several tensors) is one of ``args``
+ * itself: 1 or 0, -1 on error.  Checked here so that the common call, returning new tensors, costs no call. */
+static int returns_an_argument(PyObject *leaves, PyObject *args) {
+    PyObject *seq = PySequence_Fast(leaves, "torchlens: the output leaves are no sequence");
+    if (seq == NULL) return -1;
+    int found = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && !found; i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) continue;
+        PyObject *t = PyTuple_GET_ITEM(pair, 1);
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(args) && !found; j++) found = PyTuple_GET_ITEM(args, j) == t;
+    }
+    Py_DECREF(seq);
+    return found;
+}
+
 /* A label site's call, recorded: what ``intervention.at_call`` returns to the model (the action's value, or
  * ``out``).  ``leaves``: the call's (slot, tensor) pairs, NULL for one tensor out. */
 static PyObject *apply_site(Handler *h, PyObject *call_index, PyObject *first_op, PyObject *out, PyObject *leaves,
@@ -1398,6 +1415,17 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         PyObject *r = PyObject_CallMethodObjArgs(h->state, s_note_writes, written, first_op, NULL);
         if (r == NULL) goto done;
         Py_DECREF(r);
+    }
+    if (found_leaves != NULL && written == NULL && module_index >= 0 && (PyTuple_Check(out) || PyList_Check(out))) {
+        int returned = returns_an_argument(found_leaves, args);
+        if (returned < 0) goto done;
+        if (returned) {
+            /* Some of its outputs are its arguments themselves: ``st.note_returned_arguments``, as in Python. */
+            PyObject *r = PyObject_CallMethodObjArgs(h->state, s_note_returned_arguments, out, args, found_leaves,
+                                                     first_op, module_call, func, NULL);
+            if (r == NULL) goto done;
+            Py_DECREF(r);
+        }
     }
     if (pairs != NULL) {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
@@ -1732,7 +1760,8 @@ PyMODINIT_FUNC PyInit__capture(void) {
     INTERN(s_call_frames, "call_frames") INTERN(s_save_mode, "save_mode") INTERN(s_grad_enabled, "grad_enabled")
     INTERN(s_any_autocast, "any_autocast") INTERN(s_grads, "grads") INTERN(s_producer_of, "producer_of")
     INTERN(s_version_m, "version") INTERN(s_note_failure, "note_failure") INTERN(s_note_context, "note_context")
-    INTERN(s_note_writes, "note_writes") INTERN(s_note_pass_through, "note_pass_through") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
+    INTERN(s_note_writes, "note_writes") INTERN(s_note_pass_through, "note_pass_through")
+    INTERN(s_note_returned_arguments, "note_returned_arguments") INTERN(s_wants, "wants") INTERN(s_watch, "watch")
     INTERN(s_is_compiling, "_is_compiling_flag") INTERN(s_out, "out") INTERN(s_inplace, "inplace") INTERN(s_torch_function, "__torch_function__")
     INTERN(s_save, "save") INTERN(s_finite_flags, "finite_flags") INTERN(s_record_finite, "record_finite") INTERN(s_plain_save, "plain_save") INTERN(s_buffers, "buffers") INTERN(s_save_sources, "save_sources") INTERN(s_context, "context") INTERN(s_contexts, "contexts")
     INTERN(s_recent_alias_reads, "recent_alias_reads") INTERN(s_forget_unrecorded_reads, "forget_unrecorded_reads")

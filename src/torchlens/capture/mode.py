@@ -270,6 +270,8 @@ class CaptureMode(TorchFunctionMode):
         if written is not None:
             st.note_writes(written, first_op)
         if leaves is not None:
+            if written is None and module_call >= 0:
+                st.note_returned_arguments(out, args, leaves, first_op, module_call, func)
             for slot, t in leaves:
                 record_output(st, call_index, slot, t, func, module_call)
             if at_site:
@@ -383,6 +385,8 @@ class CaptureMode(TorchFunctionMode):
             st.data_bases[id(out)] = (weakref(out), weakref(args[0]))
         if len(leaves) == 1 and args and leaves[0][1] is args[0] and written is None and module_call >= 0:
             st.note_pass_through(args[0], first_op, module_call, func)
+        elif len(leaves) > 1 and written is None and module_call >= 0:
+            st.note_returned_arguments(out, args, leaves, first_op, module_call, func)
         for slot, t in leaves:
             record_output(st, call_index, slot, t, func, module_call)
         if st.intervention is not None:  # intervene/runtime.py: may change what the model gets back

@@ -4,7 +4,8 @@
 the very tensor they were given.  The code after such an op reads it as the op's result; the caller of the
 module call it ran in still holds the tensor under the name it passed, and can only get the op's result
 from what the call returns.  ``note_pass_through`` notes such an op (called by the capture handlers, the
-compiled one included, before the output is bound) and ``end_pass_through`` (called by the module-call
+compiled one included, before the output is bound; ``note_returned_arguments`` for a call returning several
+tensors) and ``end_pass_through`` (called by the module-call
 recorders as each call ends) binds the tensor back to its earlier producer when the call returned
 something else.  Both are methods of ``CaptureState``.
 """
@@ -40,6 +41,20 @@ def note_pass_through(self, t: torch.Tensor, record: int, module_call: int, func
         self.pass_through = [[module_call, id(t), entry, record]]
     else:
         pending.append([module_call, id(t), entry, record])
+
+
+def note_returned_arguments(self, out, args: tuple, leaves, first_op: int, module_call: int, func) -> None:
+    """A call inside module call ``module_call`` returned several tensors (``leaves``, recorded from ``first_op``
+    on), unwritten: each that is one of its arguments itself (``torch.broadcast_tensors`` of a tensor already
+    of the broadcast shape, ``torch.atleast_2d(a, b)`` of matrices) is noted as ``note_pass_through`` notes the
+    one a single-output call returns.  Called before the outputs are bound."""
+    if not isinstance(out, (tuple, list)):
+        return  # the leaves of a write (``x[i] = v``, a collective): that argument was written, not handed back
+    for k, (_, t) in enumerate(leaves):
+        for arg in args:
+            if t is arg:
+                self.note_pass_through(t, first_op + k, module_call, func)
+                break
 
 
 def end_pass_through(self, index: int, parent: int, returned: tuple) -> None:

@@ -36,7 +36,7 @@ from .bindings import is_bound
 from .budget import SaveBudget
 from .fused_writes import stat_slots
 from .outside import note_outside
-from .pass_through import end_pass_through, note_pass_through
+from .pass_through import end_pass_through, note_pass_through, note_returned_arguments
 from .unversioned_writes import (UNSEEN, exported_alias, moved_unseen, note_data_write, note_export,
                                  note_unversioned_write, note_write_past_counters, read_not_saved, read_through,
                                  repointed_onto, set_onto_other_bytes, unwritten_since)
@@ -81,8 +81,7 @@ class CaptureState:
     # of itself inside that one (recursion) are; ``root_running`` says whether that call is running.
     root = None
     root_running = False
-    # [module call, id, previous entry, record] per op that returned its first argument itself
-    # (capture/pass_through.py); None until one does.
+    # [module call, id, previous entry, record] per op returning an argument itself (pass_through.py), or None.
     pass_through: list | None = None
     _watched = ()  # (address, Parameter) of the model: see ``param_storages``
     # The parameters' versions as the forward begins, in the model index's order (set by the trace driver): one
@@ -204,6 +203,7 @@ class CaptureState:
         return None
 
     note_pass_through = note_pass_through
+    note_returned_arguments = note_returned_arguments
     end_pass_through = end_pass_through
     _note_data_write = note_data_write
     note_export = note_export
