@@ -321,3 +321,33 @@ def test_a_rerun_with_keyword_functions_and_generators_resumes(tmp_path):
                    kwargs={"act": _activation("tanh")})
     with pytest.raises(ResumeMismatchError, match="kwargs_sha256"):  # another function is still another call
         tl.extract(model, data, ["fc"], tmp_path / "g", shard_bytes=1, progress=False, kwargs={"act": torch.sigmoid})
+
+
+class _FailsOnFirstBatch(TwoLayer):
+    def forward(self, x):
+        raise RuntimeError("the model failed")
+
+
+@pytest.mark.parametrize("how", ["mistyped layer", "model fails", "no batches", "no tqdm for its bar"])
+def test_a_run_that_commits_no_batch_leaves_no_folder_to_finish(tmp_path, monkeypatch, how):
+    """A run that stopped before its first batch was committed left a folder holding a progress file alone, which
+    tl.load_extracted called an incomplete extraction to finish with the same arguments: they stop the same way."""
+    model, layers, data, error = {
+        "mistyped layer": (TwoLayer(), ["fcc"], batches(3), "named 'fcc'"),
+        "model fails": (_FailsOnFirstBatch(), ["fc"], batches(3), "the model failed"),
+        "no batches": (TwoLayer(), ["fc"], [], "no batches"),
+        "no tqdm for its bar": (TwoLayer(), ["fc"], batches(3), "progress=True needs tqdm")}[how]
+    progress = how == "no tqdm for its bar"
+    if progress:
+        monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed
+    with pytest.raises(Exception, match=error) as raised:
+        tl.extract(model.eval(), data, layers, tmp_path / "new" / "x", progress=progress)
+    assert os.listdir(tmp_path / "new") == []
+    if how == "model fails":  # the note said a call with the same arguments resumes after the 0 committed batches
+        assert "no batch was committed yet, so nothing is kept in" in "".join(raised.value.__notes__)
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(Exception, match=error):
+        tl.extract(model.eval(), data, layers, tmp_path / "mine", progress=progress)
+    assert os.listdir(tmp_path / "mine") == []  # a folder that was there is kept, emptied of what the run wrote
+    tl.extract(TwoLayer().eval(), batches(3), ["fc"], tmp_path / "mine", progress=False)
+    assert tl.load_extracted(tmp_path / "mine")["fc"].shape == (12, 8)

@@ -22,13 +22,14 @@ Every write is atomic (temporary file, fsync, rename), so a kill at any instant,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
 
 from ..checks import check_model, check_path
 from ..errors import ResumeMismatchError, add_note, counted, first_few, warn_user  # noqa: F401 (re-exported)
-from ..progress import bar as progress_bar
+from ..progress import QUIET, bar as progress_bar
 from ..labels.naming import folded
 from ..record.layouts import shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
@@ -141,10 +142,10 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     if run.complete:
         return out
     resumed_from = run.batches_done
-    bar = progress_bar(progress, "extracting", batch_count(inputs), "batch",
-                       initial=resumed_from, delay=0, leave=True)
-    seen, last = 0, None
+    seen, last, bar = 0, None, QUIET
     try:
+        bar = progress_bar(progress, "extracting", batch_count(inputs), "batch",  # progress=True needs tqdm
+                           initial=resumed_from, delay=0, leave=True)
         for position, batch in enumerate(inputs):
             seen = position + 1
             args, named = arguments_of(batch, position)
@@ -176,6 +177,8 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
         run.consolidate()
     except BaseException as exc:
         run.note_stop(checked)
+        with contextlib.suppress(OSError):  # best effort: the error that stopped the run is what the caller sees
+            run.discard_if_empty()
         if seen <= 1 and unbatched_loader(inputs):  # a loader of single examples fails at its first batch
             add_note(exc, UNBATCHED_NOTE)
         raise
@@ -260,6 +263,16 @@ def _save_targets(model, layers) -> list:
     return targets
 
 
+def _kept(run) -> str:
+    """What a run stopped by an error leaves: the batches a call with the same arguments resumes after, or nothing
+    (``ExtractionRun.discard_if_empty`` removes a run's files when no batch was committed)."""
+    done = run.batches_done
+    if not done:
+        return f"no batch was committed yet, so nothing is kept in {run.out}"
+    return (f"{counted(done, 'batch', 'batches')} {'is' if done == 1 else 'are'} committed in {run.out}, and "
+            "calling tl.extract again with the same arguments resumes after them")
+
+
 def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, grads=None, root=None,
                    rows=(None, None, "", None)) -> list:
     from ..capture.session import trace
@@ -273,9 +286,7 @@ def _extract_batch(model, args, kwargs, layers, run, position, stop_after=None, 
     except (UnmatchedSelection, AmbiguousKey) as exc:  # (a LayerSelection's refusals name layers=)
         raise type(exc)(f"batch {position}: {exc}") from None
     except Exception as exc:  # the model's own error: which of thousands of batches, and what is kept
-        add_note(exc, f"tl.extract: raised while tracing batch {position} (counting from 0); "
-                 f"{counted(run.batches_done, 'batch', 'batches')} {'is' if run.batches_done == 1 else 'are'} "
-                 f"committed in {run.out}, and calling tl.extract again with the same arguments resumes after them")
+        add_note(exc, f"tl.extract: raised while tracing batch {position} (counting from 0); {_kept(run)}")
         raise
     try:
         if grads is not None:

@@ -37,6 +37,7 @@ class ExtractionRun:
         self.buffered_bytes = 0
         self.pending_batches = 0
         self.first_fingerprint = None
+        self.made_folder = not os.path.lexists(out)  # removed again by ``discard_if_empty``
         make_folder(out, out, "extract")
         has_progress = os.path.lexists(os.path.join(out, PROGRESS))
         self.state = read_json(out, PROGRESS, "a resumed extraction") if has_progress else None
@@ -78,6 +79,19 @@ class ExtractionRun:
         s = self.state
         return isinstance(s, dict) and s.get("format") == EXTRACT_FORMAT and s.get("batches_done") == 0 \
             and not s.get("shards") and not s.get("complete")
+
+    def discard_if_empty(self) -> None:
+        """Remove what a run that stopped before committing a batch wrote (a mistyped layer, a model failing on its
+        first batch, inputs yielding none): its progress file, counting no batches, and the folder it made.  Left
+        there, the folder was an extraction that tl.load_extracted said to finish "with the same arguments", which
+        stop the same way.  A folder that was there before keeps its other files (a killed run's temporary files
+        aside)."""
+        if not self._nothing_committed():
+            return
+        self._remove_uncommitted()
+        os.remove(os.path.join(self.out, PROGRESS))
+        if self.made_folder and not os.listdir(self.out):
+            os.rmdir(self.out)
 
     def _check_resumable(self, job):
         s = self.state
