@@ -10,6 +10,7 @@ locations are file names and line numbers only.
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -20,7 +21,8 @@ from ..record.layouts import RaggedShape, version_of
 from ..record.modules import CallRow, ModuleRow
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
-from .format import TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, read_json, verify_manifest
+from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, read_json,
+                     verify_manifest)
 from .grads import read_grads
 from .interventions import read_interventions
 from .params import read_module_param_counts, read_params
@@ -30,12 +32,37 @@ from .trace_state import read_trace_state
 
 
 
+_READS = 3  # reads of a folder a save keeps replacing before its last error is raised
+
+
 def load(path) -> Trace:
     """Load a saved trace.  It supports everything that does not need the live model (indexing, summary,
     tables, reports, rendering); ``log.model`` is None, ``log.validate()`` raises, and ``log.output`` is
     rebuilt from the saved output tensors."""
     folder = check_path(path, "path", "give the folder log.save wrote (a str or a pathlib.Path)", who="tl.load")
-    recover_killed_save(folder)
+    for read in range(_READS):
+        recover_killed_save(folder)  # also waits for a save moving its trace in now (io/recover.py)
+        version = _version_of(folder)
+        try:
+            return _read(folder)
+        except (TraceFileError, FileNotFoundError) as exc:
+            if read + 1 < _READS and (version is None or _version_of(folder) != version):
+                continue  # a save over the folder moved its files while they were read: read the new ones
+            if isinstance(exc, FileNotFoundError):
+                raise TraceFileError(f"{folder}: {exc.filename} went missing while it was read; load again") from None
+            raise
+
+
+def _version_of(folder: str):
+    """Which saved trace ``folder`` holds, as the file system tells them apart: a save over it moves a new folder,
+    or a new manifest, into place."""
+    try:
+        return os.stat(folder).st_ino, os.stat(os.path.join(folder, MANIFEST)).st_ino
+    except OSError:
+        return None
+
+
+def _read(folder: str) -> Trace:
     manifest = verify_manifest(folder, TRACE_FORMAT, TRACE_SCHEMA, required=(TRACE_JSON,))
     record = read_json(folder, TRACE_JSON, "a saved trace", max_bytes=manifest["files"][TRACE_JSON]["bytes"])
     tensors = read_tensor_file(folder, TRACE_TENSORS) if TRACE_TENSORS in manifest["files"] else {}

@@ -7,6 +7,8 @@ the old trace in the hidden folder with nothing at ``path`` saying so.  Both fol
 for, so the next ``save`` or ``tl.load`` of that path finds them: a trace whole at ``path`` means the new one
 was in place, and the old one's files are deleted, as the save would have done; otherwise the old trace is put
 back where it was, since the save that was to replace it never finished.  Either way a warning says so.
+A save still running (another process or thread) holds its staging folder locked until the old trace's folder
+is gone, so a ``tl.load`` meanwhile waits for it instead.
 
 A kill before the renames leaves only the new trace's half-written hidden folder.  A save holds a lock on that
 folder while it writes (``claim_staging``), and the kernel drops the lock when the process dies, so a folder no
@@ -147,12 +149,29 @@ def recover_killed_save(path: str) -> None:
 
 def _recover_retired(path: str) -> None:
     for retired in left_behind(path):
+        _wait_for_running_save(path, retired[: -len(_RETIRED)])
+        if not os.path.lexists(retired):
+            continue  # its save was running, not killed, and has deleted it
         try:
             _recover(path, retired)
         except (OSError, TraceFileError) as exc:
             raise TraceFileError(f"{path}: a save over the trace there did not finish, and the old trace's "
                                  f"files it moved aside into {retired} could not be put back or deleted ({exc}); "
                                  f"move them back into {path} to keep the old trace, or delete the folder") from None
+
+
+def _wait_for_running_save(path: str, staging: str) -> None:
+    """Wait for the save that moved the old trace of ``path`` aside into ``staging``'s ``-old`` folder, if it is
+    running (another process or thread), not killed: it holds ``staging`` locked until it has deleted that folder,
+    and ``staging`` is ``path`` once the new trace is moved in whole.  Taken for a killed save's, its old trace was
+    put back over the new one being moved in, or its files deleted as the save deleted them, and both failed."""
+    for folder in (staging, path):
+        if not _is_folder(folder):
+            continue
+        try:
+            release_staging(_lock(folder, wait=True))
+        except FileNotFoundError:  # renamed or deleted since: that save has moved on
+            pass
 
 
 def _recover(path: str, retired: str) -> None:
@@ -183,7 +202,10 @@ def _recover(path: str, retired: str) -> None:
 
 def _discard_staging(path: str, staging: str) -> None:
     """Delete the half-written trace of a save of ``path`` killed before its renames, unless a save holds it."""
-    lock = _lock(staging, wait=False)
+    try:
+        lock = _lock(staging, wait=False)
+    except FileNotFoundError:
+        return  # moved into place or deleted since it was listed: a save running now, not a killed one
     if lock == _BUSY:
         return  # a save of path writing now, in another process
     if lock is None:

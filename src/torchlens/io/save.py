@@ -220,10 +220,13 @@ def _swap_in(path: str, staging: str, retired: str, old_files: list, whole_folde
             _swap_folders(path, staging, retired)
         else:
             _swap_trace_files(path, staging, retired, old_files)
-    if os.path.isdir(staging):
-        os.rmdir(staging)  # emptied by _swap_trace_files: removed here, so that no interrupt can leave it
     if os.path.lexists(retired):
         _discard_retired(retired, old_files, path)
+    if os.path.isdir(staging):
+        # Emptied by _swap_trace_files: removed here, so that no interrupt can leave it, and only now, since its lock
+        # tells a tl.load of path meanwhile that the old trace's files are being deleted by a save, not left by a
+        # killed one (io/recover.py)
+        os.rmdir(staging)
 
 
 def _swap_folders(path: str, staging: str, retired: str) -> None:
