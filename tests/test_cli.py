@@ -537,3 +537,19 @@ def test_the_hot_path_keeps_its_columns_in_line_past_long_addresses():
     assert len(rows) == 10 and max(map(len, addresses)) > 36
     counts = {row.index(" x", 2 + len(address)) for row, address in zip(rows, addresses)}
     assert len(counts) == 1
+
+
+def test_a_package_a_command_needs_missing_is_a_usage_error_saying_what_to_install(models, monkeypatch, capsys):
+    # Without safetensors, show, hot-path and render ended with status 1, as a failing model does, and with
+    # "ImportError: ... (rerun with --traceback for the full traceback)", as a fault of torchlens's own.
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", "--save", "run"]) == 0
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    for command in (["show", "run"], ["hot-path", "run"], ["render", "run", "-o", "view.dot"]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert "torchlens: error: reading a saved trace's tensors needs safetensors: pip install safetensors" in err
+        assert "--traceback" not in err and "ImportError" not in err

@@ -456,8 +456,8 @@ def test_without_numpy_saving_tensors_and_extracting_name_the_package_and_leave_
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[:3] == ["save ImportError saving a trace's tensors needs numpy: pip install numpy",
-                         "extract ImportError tl.extract needs numpy: pip install numpy",
+    assert lines[:3] == ["save MissingPackage saving a trace's tensors needs numpy: pip install numpy",
+                         "extract MissingPackage tl.extract needs numpy: pip install numpy",
                          "left []"]
     assert lines[3] == "metadata output_1:1"  # a metadata-only save needs no numpy
 

@@ -41,7 +41,7 @@ def test_without_numpy_load_extracted_names_the_package_and_as_torch_still_reads
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [
-        "ImportError tl.load_extracted (it returns numpy arrays unless as_torch=True, which needs no numpy) needs "
+        "MissingPackage tl.load_extracted (it returns numpy arrays unless as_torch=True, which needs no numpy) needs "
         "numpy: pip install numpy",
         "True"]
 

@@ -74,6 +74,10 @@ class TorchlensError(Exception):
     """Base class for torchlens's own errors."""
 
 
+class MissingPackage(TorchlensError, ImportError):
+    """An optional package the call needs is not installed; the message names it and how to install it."""
+
+
 # ----- the record ---------------------------------------------------------------------------------
 class ActivationUnavailable(TorchlensError):
     """An activation was asked for that the trace does not hold: cleaned up, dropped (written or freed since it was

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from .errors import MissingPackage
+
 DELAY_S = 1.0
 # What a refusal of a ``progress=`` other than True, False or None advises.
 PROGRESS_ADVICE = ("give True to show a progress bar anywhere, False for none, or None (the default) for one on an "
@@ -84,6 +86,6 @@ def bar(progress, desc: str, total=None, unit: str = "it", *, initial: int = 0, 
     except ImportError as exc:
         if progress is None:
             return QUIET  # automatic bars are a nicety: without tqdm there are none
-        raise ImportError("progress=True needs tqdm: pip install tqdm (or pass progress=False)") from exc
+        raise MissingPackage("progress=True needs tqdm: pip install tqdm (or pass progress=False)") from exc
     return tqdm(total=total, desc=desc, unit=unit, initial=initial,
                 delay=DELAY_S if delay is None else delay, leave=leave, file=sys.stderr)

@@ -372,9 +372,11 @@ def _main(argv=None) -> int:
         print("torchlens: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        from ..errors import MissingPackage
         from ..io.format import TraceFileError
 
-        if isinstance(exc, (TraceFileError, FileNotFoundError)):
+        # A package the command needs that is not installed is no failure of the model's: the message says what to do
+        if isinstance(exc, (TraceFileError, FileNotFoundError, MissingPackage)):
             print(f"torchlens: error: {exc}", file=sys.stderr)
             return USAGE
         if isinstance(exc, BrokenPipeError) or args.traceback:

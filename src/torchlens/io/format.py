@@ -17,7 +17,7 @@ import os
 import re
 import stat
 
-from ..errors import TraceFileError, UnsafeMemberError
+from ..errors import MissingPackage, TraceFileError, UnsafeMemberError
 
 MANIFEST = "manifest.json"
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
@@ -262,7 +262,7 @@ def require_numpy(what: str):
     try:
         import numpy
     except ImportError as exc:
-        raise ImportError(f"{what} needs numpy: pip install numpy") from exc
+        raise MissingPackage(f"{what} needs numpy: pip install numpy") from exc
     return numpy
 
 
@@ -272,6 +272,6 @@ def require_safetensors():
     try:
         import safetensors.torch
     except ImportError as exc:
-        raise ImportError("reading a saved trace's tensors needs safetensors: pip install safetensors (saving "
+        raise MissingPackage("reading a saved trace's tensors needs safetensors: pip install safetensors (saving "
                           "does not, so save where it is missing, load where it is installed)") from exc
     return safetensors.torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import MissingPackage
 from .columns import is_first_output
 from .grads import GRAD_COLUMNS, grad_stats_column
 
@@ -11,7 +12,7 @@ def require_pandas(what: str = "to_pandas()"):
     try:
         import pandas
     except ImportError as exc:  # pragma: no cover - exercised only where pandas is absent
-        raise ImportError(f"{what} needs pandas: pip install pandas") from exc
+        raise MissingPackage(f"{what} needs pandas: pip install pandas") from exc
     return pandas
 
 

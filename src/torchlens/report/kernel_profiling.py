@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from ..checks import check_file_to_write, check_model, check_takes
-from ..errors import ProfilerBusyError, closest_hint, counted
+from ..errors import MissingPackage, ProfilerBusyError, closest_hint, counted
 from ..tree import as_kwargs
 from .markers import ProfilerMarkers
 from .profile_coverage import Coverage, find_problems
@@ -313,7 +313,7 @@ class KernelProfile:
         try:
             import pandas as pd
         except ImportError as exc:
-            raise ImportError("KernelProfile.to_pandas needs pandas: pip install pandas") from exc
+            raise MissingPackage("KernelProfile.to_pandas needs pandas: pip install pandas") from exc
         return pd.DataFrame(self._table(level))
 
     # ----- chrome trace + sidecar -----------------------------------------------------------------
