@@ -17,7 +17,9 @@ from zoo import MLP, SharedModule
 @pytest.mark.parametrize("entry, closest", [("linearr_1_1", "linear_1_1"), ("rleu", "relu"),
                                             ("layers.0:3", "layers.0:1"), ("linear_9_9", "linear_1_1")])
 def test_a_save_entry_that_matches_nothing_names_the_closest(entry, closest):
-    with pytest.raises(KeyError, match=rf"named .{entry}. in this trace.*save= matched nothing.*closest: .*{closest}"):
+    # a call number past the last names the calls there were, rather than the closest keys
+    named = rf"named .{entry}. in this trace.*save= matched nothing.*(closest|in this forward): .*{closest}"
+    with pytest.raises(KeyError, match=named):
         tl.trace(MLP(), torch.randn(2, 16), save=["layers.0", entry])
 
 
@@ -543,7 +545,7 @@ def test_a_predicate_that_cannot_take_an_op_is_refused_before_the_forward():
     assert tl.trace(model, x, save=lambda op: op.type == "relu")["relu_1_2:1"].has_activation
 
 
-def test_a_pass_or_call_number_past_the_last_says_how_many_there_were():
+def test_a_pass_or_call_number_past_the_last_says_how_many_there_were(tmp_path):
     # log["linear_1_1:4"] of a layer run three times listed the closest keys, leaving the passes to be counted.
     class Loop(nn.Module):
         def __init__(self):
@@ -565,6 +567,14 @@ def test_a_pass_or_call_number_past_the_last_says_how_many_there_were():
         log["fc:9"]
     with pytest.raises(KeyError, match=r"intervention site 'linear_1_1:4': .*linear_1_1 ran 3 passes"):
         tl.trace(model, x, intervene={"linear_1_1:4": tl.zero_ablate()})
+    # save=, grads= and layers= listed only the closest keys, leaving the passes and calls to be counted.
+    for option in ("save", "grads"):
+        with pytest.raises(tl.UnmatchedSelection, match=rf"{option}= matched nothing for it \(linear_1_1 ran 3 passes"):
+            tl.trace(model, x, **{option: ["linear_1_1:4"]})
+        with pytest.raises(tl.UnmatchedSelection, match=r"\(fc made 3 calls in this forward: fc:1 to fc:3\)"):
+            tl.trace(model, x, **{option: ["fc:4"]})
+    with pytest.raises(tl.UnmatchedSelection, match=r"layers= .* \(linear_1_1 ran 3 passes in this forward"):
+        tl.extract(model, [x], layers=["linear_1_1:4"], out=str(tmp_path / "feats"))
     with pytest.raises(KeyError, match=r"closest: "):  # no such layer: the closest keys, as before
         log["linear_9_9:1"]
     # Number 0 is no pass and no call: said so, where the closest keys (linear_1_1:1, linear_1_1) left it a guess.

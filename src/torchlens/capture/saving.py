@@ -20,7 +20,7 @@ from ..checks import check_takes
 from ..errors import AmbiguousKey, UnmatchedSelection, add_note, closest_hint, first_few, listed
 from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
-from ..record.lookup import alias_note, no_root_note, refuse_ambiguous
+from ..record.lookup import alias_note, no_root_note, numbered_past_note, refuse_ambiguous
 from ..record.modules import calls_cut_short, is_unregistered
 from ..record.model_index import (container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
@@ -219,7 +219,7 @@ class SavePolicy:
             names = sorted(known | types | called | calls | paths)
             _refuse_made_in_forward(entry, calls, option)
             hint = alias_note(trace, entry) or tensor_address_note(trace.model, entry, f"{option}=") or \
-                closest_hint(entry, names) + no_root_note(trace, entry)
+                numbered_past_note(trace, entry) or closest_hint(entry, names) + no_root_note(trace, entry)
             hint += _module_class_hint(trace, entry) + _whole_option_hint(entry, option)
             ran = ""
             # a module of the model that made no call, named by its address or by a call label ("spare:1")
