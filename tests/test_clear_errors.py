@@ -471,7 +471,8 @@ def test_an_empty_entry_is_refused_before_the_forward_and_a_capitalised_all_is_a
                                                  f"log.output, and no op; give op labels.*{option}='none'"):
                 tl.trace(model, x, **{option: empty})
     assert forwards == []
-    for spelt in ("ALL", ["all"], "None"):
+    # A mistyped one (save="al") is no label, so no closest label was named either: it was told nothing.
+    for spelt in ("ALL", ["all"], "None", "al", ["0", "nnone"]):
         with pytest.raises(tl.UnmatchedSelection, match="give save='all' or save='none' itself"):
             tl.trace(model, x, save=spelt)
 

@@ -11,6 +11,7 @@ are released then.
 
 from __future__ import annotations
 
+import difflib
 import threading
 
 import torch
@@ -502,9 +503,10 @@ def _refuse_made_in_forward(entry: str, calls: set, option: str) -> None:
 
 
 def _whole_option_hint(entry: str, option: str) -> str:
-    """For an entry spelling ``all`` or ``none`` (``"ALL"``, or ``["all"]``, a list of one): how those are given.
-    ``tl.extract``'s ``layers=`` takes neither: it names the layers whose values are stored."""
-    if entry.lower() not in ("all", "none"):
+    """For an entry spelling ``all`` or ``none`` (``"ALL"``, or ``["all"]``, a list of one) or mistyping one
+    (``"al"``, which is no label and so has no closest label either): how those are given.  ``tl.extract``'s
+    ``layers=`` takes neither: it names the layers whose values are stored."""
+    if not difflib.get_close_matches(entry.lower(), ("all", "none"), n=1, cutoff=0.6):
         return ""
     if option == "layers":
         return "; layers= takes no 'all' or 'none': list the op labels or module addresses to extract (tl.trace the " \
