@@ -83,6 +83,12 @@ def test_log_forward_pass_is_trace_under_the_reference_names():
     assert log["head"].has_activation and not log["linear_1_1"].has_activation
     with pytest.raises(TypeError, match="vis_opt= is a reference-library option.*log.render"):
         tl.log_forward_pass(model, x, vis_opt="rolled")
+    # Given to tl.trace, a reference option was answered by spelling: layers_to_save by "closest: stop_after".
+    with pytest.raises(TypeError, match=r"'layers_to_save'; layers_to_save= is a reference-library option torchlens "
+                                        r"does not take: give save= the same selection$"):
+        tl.trace(model, x, layers_to_save=["head"])
+    with pytest.raises(TypeError, match="random_seed= is a reference-library option.*seed torch yourself"):
+        tl.trace(model, x, random_seed=0)
 
 
 class _Pair(nn.Module):

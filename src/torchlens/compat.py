@@ -11,16 +11,7 @@ import inspect
 
 from .capture.session import trace
 from .checks import check_flag, check_model
-
-_INSTEAD = {
-    "vis_opt": "call log.render('graph.html', view='rolled' or 'unrolled') on the returned trace",
-    "vis_outpath": "call log.render(path) on the returned trace",
-    "output_device": "pass save_device= to tl.trace",
-    "random_seed": "seed torch yourself before tracing (torchlens never touches the RNG)",
-    "keep_unsaved_layers": "every op's metadata is always kept; save= chooses activations",
-    "activation_postfunc": "transform log[label].activation after the trace",
-    "detach_saved_tensors": "saved activations are always detached",
-}
+from .errors import REFERENCE_OPTIONS
 
 
 def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all", save_gradients=False,
@@ -31,7 +22,7 @@ def log_forward_pass(model, input_args, input_kwargs=None, layers_to_save="all",
     for option, value in reference_options.items():
         if option == "vis_opt" and value == "none":
             continue  # the reference's default: no picture
-        instead = _INSTEAD.get(option, "see tl.trace's arguments")
+        instead = REFERENCE_OPTIONS.get(option, "see tl.trace's arguments")
         raise TypeError(f"log_forward_pass: {option}= is a reference-library option torchlens does not take; "
                         f"{instead}")
     check_model(model, "log_forward_pass")

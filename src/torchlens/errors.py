@@ -63,6 +63,29 @@ def closest_hint(name: str, known) -> str:
     return f"; closest: {', '.join(close)}" if close else ""
 
 
+# The reference library's options, as its users type them into tl.trace (or log_forward_pass): what torchlens
+# takes instead.  A spelling match answers them wrongly (layers_to_save is closest to stop_after, not save).
+REFERENCE_OPTIONS = {
+    "layers_to_save": "give save= the same selection",
+    "save_gradients": "give grads=True, or grads= the layers whose gradients to keep",
+    "vis_opt": "call log.render('graph.html', view='rolled' or 'unrolled') on the returned trace",
+    "vis_outpath": "call log.render(path) on the returned trace",
+    "output_device": "pass save_device= to tl.trace",
+    "random_seed": "seed torch yourself before tracing (torchlens never touches the RNG)",
+    "keep_unsaved_layers": "every op's metadata is always kept; save= chooses activations",
+    "activation_postfunc": "transform log[label].activation after the trace",
+    "detach_saved_tensors": "saved activations are always detached",
+}
+
+
+def unknown_option_hint(who: str, name: str, known) -> str:
+    """The tail of an entry point's refusal of a keyword ``name`` it does not take: the torchlens way for a
+    reference-library option, else the closest of the ``known`` options and where a forward's keyword goes."""
+    if name in REFERENCE_OPTIONS:
+        return f"; {name}= is a reference-library option torchlens does not take: {REFERENCE_OPTIONS[name]}"
+    return closest_hint(name, known) + forward_keyword_hint(who, name)
+
+
 def forward_keyword_hint(who: str, name: str) -> str:
     """The tail of an entry point's refusal of a keyword it does not take: the commonest such keyword is one of
     the forward's own (``attention_mask=``, ``max_new_tokens=``), which goes in ``kwargs``."""

@@ -15,7 +15,7 @@ from time import perf_counter_ns
 import torch
 
 from ..checks import check_flag, check_model, check_number
-from ..errors import NestedTraceError, add_note, closest_hint, first_few, forward_keyword_hint, warn_user
+from ..errors import NestedTraceError, add_note, first_few, unknown_option_hint, warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.columns import MODULE_CALL_MODULE
 from ..record.finalize import finalize
@@ -419,8 +419,8 @@ OPTIONS = tuple(name for name, p in inspect.signature(trace).parameters.items() 
 def _refuse_unknown_options(unknown: dict) -> None:
     """A keyword tl.trace does not take, named with the option meant or with where a forward's keyword goes."""
     name = next(iter(unknown))
-    raise TypeError(f"tl.trace() got an unexpected keyword argument {name!r}{closest_hint(name, OPTIONS)}"
-                    f"{forward_keyword_hint('tl.trace', name)}")
+    raise TypeError(f"tl.trace() got an unexpected keyword argument {name!r}"
+                    f"{unknown_option_hint('tl.trace', name, OPTIONS)}")
 
 
 def trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
