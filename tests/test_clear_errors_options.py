@@ -116,3 +116,20 @@ def test_a_predicate_that_raises_reaches_the_caller_naming_the_op_it_was_given(o
     assert len(notes) == 1 and re.fullmatch(rf"torchlens: raised by the {option}= predicate, called after the forward "
                                             r"with op \w+:1; no trace is returned", notes[0]), notes
     assert_clean_process()
+
+
+def test_a_record_given_where_its_name_is_asked_for_is_answered_with_that_name(tmp_path):
+    # log[op], save=[op], intervene={op: ...}, stop_after=op and layers=[op] (an op of another trace, say) said
+    # only that a string was wanted, leaving the user to find which attribute holds it.
+    model, x = MLP(), torch.randn(2, 16)
+    log = tl.trace(model, x)
+    records = [(log["linear_1_1:1"], "label, 'linear_1_1:1'"), (log.layers[1], "layer label, 'linear_1_1'"),
+               (log.module_calls[0], "call label, 'layers.0:1'"), (log.modules[0], "address, 'layers.0'")]
+    for record, name in records:
+        uses = [lambda: log[record], lambda: tl.trace(model, x, save=[record]),
+                lambda: tl.trace(model, x, intervene={record: tl.zero_ablate()}),
+                lambda: tl.trace(model, x, stop_after=record),
+                lambda: tl.extract(model, [x], [record], tmp_path / "feats", progress=False)]
+        for use in uses:
+            with pytest.raises((TypeError, ValueError), match=f"; give its {name}$"):
+                use()

@@ -21,7 +21,7 @@ from ..checks import check_takes
 from ..errors import AmbiguousKey, UnmatchedSelection, add_note, closest_hint, first_few, listed
 from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
-from ..record.lookup import alias_note, no_root_note, numbered_past_note, refuse_ambiguous
+from ..record.lookup import alias_note, no_root_note, numbered_past_note, record_name_hint, refuse_ambiguous
 from ..record.modules import calls_cut_short, is_unregistered
 from ..record.model_index import (container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
@@ -87,7 +87,7 @@ class SavePolicy:
         for item in items:
             if not isinstance(item, str):
                 refuse_module_object(item, modules, f"a {self.option}= entry")
-                raise ValueError(f"{self.option}= entries must be strings, got {item!r}")
+                raise ValueError(f"{self.option}= entries must be strings, got {item!r}{record_name_hint(item)}")
             if not item:  # the root module's address: the model itself, whose output is the trace's output
                 advice = "op labels or module addresses" if not types_too else \
                     f"op labels, module addresses or op types, or {self.option}='none' for none"

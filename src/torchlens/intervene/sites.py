@@ -20,6 +20,7 @@ import torch
 from ..checks import check_takes
 from ..errors import InterventionError, add_note, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
+from ..record.lookup import record_name_hint
 from ..record.model_index import (WRAPPED, container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
 from ..record.modules import Module, enclosing_calls, is_unregistered
@@ -167,7 +168,7 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run", index
             continue
         if not isinstance(key, str):
             raise TypeError(f"{'stop_after=' if stop else 'an intervention site'} must be a label, a module address "
-                            f"or a predicate over ops, got {key!r}")
+                            f"or a predicate over ops, got {key!r}{record_name_hint(key)}")
         address, _, number = key.rpartition(":")
         named = address if address in modules else key
         _refuse_scripted(key, named, modules)

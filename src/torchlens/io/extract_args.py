@@ -9,6 +9,7 @@ import torch
 from ..checks import LONGEST_WAIT_S, check_flag, check_number, check_takes
 from ..errors import add_note
 from ..progress import PROGRESS_ADVICE
+from ..record.lookup import record_name_hint
 from ..tree import as_args
 
 
@@ -25,7 +26,7 @@ def check_layers(layers) -> list:
     named = "each entry names one op per batch by its label or module address, e.g. ['fc', 'relu_1_2']"
     for name in layers:
         if not isinstance(name, str):  # a predicate, a module object: no fixed op to stack batch after batch
-            raise TypeError(f"layers lists a {type(name).__name__} ({name!r:.60}); {named}")
+            raise TypeError(f"layers lists a {type(name).__name__} ({name!r:.60}); {named}{record_name_hint(name)}")
         if not name:
             raise ValueError(f"layers lists an empty name; {named}")
     if len(set(layers)) != len(layers):

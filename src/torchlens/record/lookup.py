@@ -124,6 +124,20 @@ def missing_key_note(trace, key: str) -> str:
         no_root_note(trace, key)
 
 
+def record_name_hint(key) -> str:
+    """For a record given where a string names it (``log[op]``, ``save=[op]``, ``intervene={op: ...}``, a record of
+    another trace among them): the string that names it, which answers in any trace of the same model."""
+    if isinstance(key, Op):
+        return f"; give its label, {key.label!r}"
+    if isinstance(key, Layer):
+        return f"; give its layer label, {key.layer_label!r}"
+    if isinstance(key, ModuleCall):
+        return f"; give its call label, {key.label!r}"
+    if isinstance(key, Module):
+        return f"; give its address, {key.address!r}"
+    return ""
+
+
 def root_call_note(trace, key: str) -> str:
     """For ``""``, ``"self"`` or ``"self:1"`` in a trace of a module: the root's own call is the whole trace (only a
     callable's calls of its ``root=`` are module calls named ``self``), so its output and inputs are the trace's."""

@@ -19,7 +19,7 @@ from . import tables
 from .derived import Derived as _Derived
 from .dropped import MEMORY_FREED, PARAM_WRITTEN_AFTER_TRACE, WRITTEN_AFTER_TRACE
 from .layouts import alias_key, held_bytes, memory_freed
-from .lookup import Ambiguous, build_lookup, missing_key_note, raise_ambiguous
+from .lookup import Ambiguous, build_lookup, missing_key_note, raise_ambiguous, record_name_hint
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
@@ -421,7 +421,8 @@ class Trace(TraceColumns):
         if isinstance(key, (int, slice)):
             return self.ops[key]
         if not isinstance(key, str):
-            raise TypeError(f"index a trace with a label string, an int or a slice, not {type(key).__name__}")
+            raise TypeError(f"index a trace with a label string, an int or a slice, not {type(key).__name__}"
+                            f"{record_name_hint(key)}")
         found = self._keys().get(key)
         if found is None:
             raise KeyError(f"no op, layer, module call or module named {key!r} in this trace"
