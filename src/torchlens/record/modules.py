@@ -87,6 +87,7 @@ class ModuleCall(View):
 
     @property
     def module(self) -> "Module":
+        """The ``Module`` this is a call of."""
         return Module(self._trace, self._row.module)
 
     call_index = row_field("number", "Which call of its module this is, from 1 (``fc:2`` has call_index 2).")
@@ -120,15 +121,18 @@ class ModuleCall(View):
 
     @property
     def address(self) -> str:
+        """Its module's address (``features.2``)."""
         return self._trace._module_rows[self._row.module].address
 
     @property
     def label(self) -> str:
+        """``{address}:{call_index}`` (``features.2:1``), its key in the trace."""
         row = self._row
         return f"{self._trace._module_rows[row.module].address}:{row.number}"
 
     @property
     def depth(self) -> int:
+        """How deep the call is nested: 0 for a call the model's forward made."""
         return call_depths(self._trace)[self.index]
 
     @property
@@ -140,11 +144,13 @@ class ModuleCall(View):
 
     @property
     def input_ops(self) -> list:
+        """Labels of the ops whose tensors the call was given."""
         labels = self._trace._labels
         return [labels[i] for i in self._row.inputs if i >= 0]
 
     @property
     def output_ops(self) -> list:
+        """Labels of the ops holding the tensors the call returned, its first output first."""
         labels = self._trace._labels
         return [labels[i] for i in self._row.outputs if i >= 0]
 
@@ -206,15 +212,18 @@ class Module(View):
 
     @property
     def calls(self) -> list:
+        """Every call of this module (``ModuleCall`` objects), in order."""
         trace = self._trace
         return [ModuleCall(trace, c) for c in self._row.calls]
 
     @property
     def num_calls(self) -> int:
+        """How many times the forward called this module."""
         return len(self._row.calls)
 
     @property
     def call_labels(self) -> list:
+        """The labels of its calls (``fc:1``, ``fc:2``)."""
         address, rows = self._row.address, self._trace._call_rows
         return [f"{address}:{rows[c].number}" for c in self._row.calls]
 

@@ -31,33 +31,40 @@ def _packed_arguments(values) -> set:
 
 
 class Op(View):
-    """One tensor produced by one torch call (or a model input, buffer or output)."""
+    """One tensor produced by one torch call (or a model input, buffer or output).  Its fields are listed, with
+    what each means, in docs/tracing.md ("What every op records")."""
 
     __slots__ = ()
 
     # ----- addressing ----------------------------------------------------------------------------
     @property
     def label(self) -> str:
+        """Its address, ``{type}_{typeIndex}_{layerIndex}:{pass}`` (``linear_1_1:2``; see docs/labels.md)."""
         return self._trace._labels[self.index]
 
     @property
     def layer_label(self) -> str:
+        """The label of its layer, every pass of one op site (``linear_1_1``)."""
         return self._trace._layer_labels[self.index]
 
     @property
     def pass_index(self) -> int:
+        """Which pass of its layer this op is, from 1."""
         return self._trace._pass[self.index]
 
     @property
     def num_passes(self) -> int:
+        """How many passes its layer ran in the forward."""
         return self._trace._group_size[self._trace._group[self.index]]
 
     @property
     def layer(self) -> "Layer":
+        """Its ``Layer``: every pass of its op site."""
         return Layer(self._trace, self._trace._layer_labels[self.index])
 
     @property
     def type(self) -> str:
+        """The torch function's name, lowercased, underscores removed (``maxpool2d``, ``getitem``)."""
         return self._trace._types[self.index]
 
     @property
@@ -67,14 +74,17 @@ class Op(View):
 
     @property
     def is_input(self) -> bool:
+        """Whether it is an input of the forward (``input_1``)."""
         return self._trace._kind[self.index] == Kind.INPUT
 
     @property
     def is_output(self) -> bool:
+        """Whether it is an output of the forward (``output_1``)."""
         return self._trace._kind[self.index] == Kind.OUTPUT
 
     @property
     def is_buffer(self) -> bool:
+        """Whether it is a buffer of the model as first read (``buffer_1``)."""
         return self._trace._kind[self.index] == Kind.BUFFER
 
     @property
@@ -95,11 +105,13 @@ class Op(View):
 
     @property
     def func(self):
+        """The torch function called, or None for an input, buffer or output."""
         call = self._call()
         return call.func if call is not None else None
 
     @property
     def func_name(self) -> str:
+        """The torch function's raw name, as the model wrote it (``relu_``, ``__getitem__``)."""
         return self._trace._func_names[self.index]
 
     @property
@@ -110,6 +122,7 @@ class Op(View):
 
     @property
     def kwargs(self):
+        """Non-tensor keyword arguments, with ``None`` where a tensor was passed."""
         call = self._call()
         return call.kwargs if call is not None else None
 
@@ -128,6 +141,7 @@ class Op(View):
 
     @property
     def children(self) -> list:
+        """Labels of the ops that consumed this op's output, in execution order."""
         labels = self._trace._labels
         return [labels[c] for c in self._trace._children()[self.index]]
 
@@ -171,18 +185,22 @@ class Op(View):
     # ----- the tensor ----------------------------------------------------------------------------
     @property
     def shape(self) -> tuple:
+        """The output tensor's shape, as a tuple."""
         return tuple(self._trace._meta[self.index].shape)
 
     @property
     def dtype(self):
+        """The output tensor's dtype."""
         return self._trace._meta[self.index].dtype
 
     @property
     def device(self):
+        """The output tensor's device."""
         return self._trace._meta[self.index].device
 
     @property
     def requires_grad(self) -> bool:
+        """Whether the output tensor required grad."""
         return self._trace._meta[self.index].requires_grad
 
     @property
@@ -195,16 +213,19 @@ class Op(View):
 
     @property
     def numel(self) -> int:
+        """The number of elements of the output tensor."""
         return numel_of(self._trace._meta[self.index].shape)
 
     @property
     def nbytes(self) -> int:
+        """The bytes of the output tensor (``numel`` times the dtype's size)."""
         dtype = self.dtype
         size = dtype.itemsize if hasattr(dtype, "itemsize") else 0
         return self.numel * size
 
     @property
     def has_activation(self) -> bool:
+        """Whether the trace holds this op's output (``save=`` chose it, and it was not dropped since)."""
         trace = self._trace
         trace.drop_written((self.index,))
         return self.index in trace._activations
@@ -256,6 +277,7 @@ class Op(View):
 
     @property
     def has_grad(self) -> bool:
+        """Whether a gradient reached this op's output (``grads=``; see docs/gradients.md)."""
         from .grads import has_grad
 
         return has_grad(self._trace, self.index)
@@ -315,6 +337,7 @@ class Op(View):
 
     @property
     def start_ns(self):
+        """Host clock (``perf_counter_ns``) at the start of the torch call, or None for an input, buffer or output."""
         call = self._call()
         return call.t0_ns if call is not None else None
 
@@ -353,6 +376,7 @@ class Layer(OfATrace):
 
     @property
     def ops(self) -> list:
+        """Every pass of this layer (``Op`` objects), in execution order."""
         trace = self._trace
         return [Op(trace, i) for i in self._indices]
 
@@ -364,10 +388,12 @@ class Layer(OfATrace):
 
     @property
     def num_passes(self) -> int:
+        """How many passes this layer ran in the forward."""
         return len(self._indices)
 
     @property
     def first(self) -> Op:
+        """Its first pass (``Op``)."""
         return Op(self._trace, self._indices[0])
 
     @property

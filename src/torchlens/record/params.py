@@ -85,6 +85,7 @@ class Param(View):
 
     @property
     def numel(self) -> int:
+        """The number of elements of the parameter."""
         n = 1
         for d in self._row.shape:
             n *= d
@@ -92,6 +93,7 @@ class Param(View):
 
     @property
     def module_address(self) -> str:
+        """The address of the module holding it (``self`` for the model's own)."""
         return self._row.address.rpartition(".")[0] or "self"
 
     @property
@@ -144,6 +146,7 @@ class Buffer(View):
 
     @property
     def readers(self) -> list:
+        """Labels of the ops that read the buffer."""
         trace = self._trace
         children, labels = trace._children(), trace._labels
         return [labels[c] for i in self._row.nodes for c in children[i]]
