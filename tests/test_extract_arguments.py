@@ -29,6 +29,11 @@ from test_extract import TwoLayer
     ("root", "model", TypeError, r"tl\.extract: root= is the nn\.Module the callable runs, as for tl\.trace, not str"),
     # a loss_fn without grads=True was ignored without a word.
     ("loss_fn", lambda output, batch: output.sum(), ValueError, r"tl\.extract: loss_fn= is read only with grads=True"),
+    # A keyword it does not take got Python's bare "extract() got an unexpected keyword argument", naming neither
+    # the option meant nor where a forward's keyword goes.
+    ("progres", False, TypeError, r"tl\.extract\(\) got an unexpected keyword argument 'progres'; closest: progress"),
+    ("save", "all", TypeError, r"'save'; tl\.extract saves what layers names, and nothing else"),
+    ("attention_mask", None, TypeError, r"give it in kwargs, for every batch: kwargs=\{'attention_mask': \.\.\.\}"),
 ])
 def test_a_setting_that_cannot_work_is_refused_before_the_first_batch(tmp_path, option, value, error, message):
     # (inputs=3 and layers=3 failed on "'int' object is not iterable": checked below)

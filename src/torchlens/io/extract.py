@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 
 import torch
 
 from ..checks import check_model, check_path
-from ..errors import ResumeMismatchError, add_note, counted, first_few, warn_user  # noqa: F401 (re-exported)
+from ..errors import (ResumeMismatchError, add_note, closest_hint, counted, first_few,  # noqa: F401 (re-exported)
+                      warn_user)
 from ..progress import QUIET, bar as progress_bar
 from ..labels.naming import folded
 from ..record.layouts import shape_of, shape_text, storage_holders
@@ -51,7 +53,7 @@ from .tensorfile import NAME_OF, hash_values
 
 def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=None,
             shard_bytes: int = 64 << 20, progress: bool | None = None, barrier_timeout: float = 1800.0, stop_after=None,
-            grads: bool = False, loss_fn=None, root=None, batch_dim=None, input_batch_dim: int = 0) -> str:
+            grads: bool = False, loss_fn=None, root=None, batch_dim=None, input_batch_dim: int = 0, **unknown) -> str:
     """Trace ``model`` on every batch of ``inputs`` and write ``layers``' activations under ``out``.
 
     Args:
@@ -99,6 +101,8 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     into ``out/rank-{r}/`` and the shares are joined in dataset order when all ranks are done; see
     docs/distributed.md.
     """
+    if unknown:
+        _refuse_unknown_options(unknown)
     check_model(model, "tl.extract")
     out = check_path(out, "out", "give the folder to write (a str or a pathlib.Path)", who="tl.extract")
     if not out:
@@ -121,6 +125,22 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     return extract_folder(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                           shard_bytes=shard_bytes, progress=progress, stop_after=stop_after, grads=grads,
                           loss_fn=loss_fn, root=root, batch_dim=batch_dim, input_batch_dim=input_batch_dim)
+
+
+# help(tl.extract) shows the options it takes: **unknown is there only to refuse the others in its own words.
+extract.__signature__ = inspect.signature(extract).replace(
+    parameters=[p for p in inspect.signature(extract).parameters.values() if p.kind != p.VAR_KEYWORD])
+OPTIONS = tuple(name for name, p in inspect.signature(extract).parameters.items() if p.kind == p.KEYWORD_ONLY)
+
+
+def _refuse_unknown_options(unknown: dict) -> None:
+    """A keyword tl.extract does not take, named with the option meant or with where a forward's keyword goes
+    (``kwargs=``, for every batch): Python's own refusal named neither."""
+    name = next(iter(unknown))
+    meant = "; tl.extract saves what layers names, and nothing else" if name == "save" else \
+        closest_hint(name, OPTIONS)
+    raise TypeError(f"tl.extract() got an unexpected keyword argument {name!r}{meant}; if {name!r} is a keyword "
+                    f"argument of the forward, give it in kwargs, for every batch: kwargs={{{name!r}: ...}}")
 
 
 def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, indices_of=None,
