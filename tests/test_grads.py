@@ -276,7 +276,7 @@ def test_a_grads_selector_is_checked_like_a_save_selector():
         tl.trace(model, args, grads=[called[0][:-1] + "3"])
 
 
-def test_a_module_class_in_a_selection_is_answered_with_its_modules_addresses():
+def test_a_module_class_in_a_selection_or_a_key_is_answered_with_its_modules_addresses():
     class RMSNorm(nn.Module):  # a hand-written norm, as in T5 and LLaMA: no layer_norm op to select
         def forward(self, x):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -286,6 +286,12 @@ def test_a_module_class_in_a_selection_is_answered_with_its_modules_addresses():
         with pytest.raises(KeyError, match=rf"{option}= matched nothing.*not module classes: RMSNorm modules "
                                            r"are at 1, 3"):
             tl.trace(model, torch.randn(2, 4), **{option: ["rmsnorm"]})
+    # log[...] and intervene= named nothing for a class: they now answer as the selections do.
+    with pytest.raises(KeyError, match=r"a trace is keyed by module addresses, not module classes: RMSNorm modules "
+                                       r"are at 1, 3"):
+        tl.trace(model, torch.randn(2, 4))["RMSNorm"]
+    with pytest.raises(KeyError, match=r"intervene= takes module addresses, not module classes: RMSNorm modules"):
+        tl.trace(model, torch.randn(2, 4), intervene={"RMSNorm": tl.zero_ablate()})
 
 
 def test_an_output_last_written_through_a_view_has_its_own_gradient(tmp_path):

@@ -21,7 +21,8 @@ from ..checks import check_takes
 from ..errors import AmbiguousKey, UnmatchedSelection, add_note, closest_hint, first_few, listed
 from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
-from ..record.lookup import alias_note, no_root_note, numbered_past_note, record_name_hint, refuse_ambiguous
+from ..record.lookup import (alias_note, module_class_note, no_root_note, numbered_past_note, record_name_hint,
+                             refuse_ambiguous)
 from ..record.modules import calls_cut_short, is_unregistered
 from ..record.model_index import (container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
@@ -221,7 +222,8 @@ class SavePolicy:
             _refuse_made_in_forward(entry, calls, option)
             hint = alias_note(trace, entry) or tensor_address_note(trace.model, entry, f"{option}=") or \
                 numbered_past_note(trace, entry) or closest_hint(entry, names) + no_root_note(trace, entry)
-            hint += _module_class_hint(trace, entry) + _whole_option_hint(entry, option)
+            called_modules = ((m.address, m.class_name) for m in trace.modules if m.num_calls)
+            hint += module_class_note(entry, called_modules, "a selection takes") + _whole_option_hint(entry, option)
             ran = ""
             # a module of the model that made no call, named by its address or by a call label ("spare:1")
             address = entry if entry in self.addresses else entry.rpartition(":")[0] if entry in self.call_labels \
@@ -512,20 +514,3 @@ def _whole_option_hint(entry: str, option: str) -> str:
         return "; layers= takes no 'all' or 'none': list the op labels or module addresses to extract (tl.trace the " \
             "model once and read log.layers and log.modules for them)"
     return f"; for every op or for none, give {option}='all' or {option}='none' itself (lower case, in no list)"
-
-
-def _module_class_hint(trace, entry: str) -> str:
-    """Where ``entry`` names a module class (``T5LayerNorm``, or part of one: ``layernorm``), the addresses
-    that select its modules: a selection takes addresses, not classes."""
-    wanted = folded(entry)
-    if len(wanted) < 3:  # "l" or "fc" is part of many class names, and no class's name
-        return ""
-    addresses: dict = {}
-    for module in trace.modules:
-        if module.num_calls and wanted in folded(module.class_name):
-            addresses.setdefault(module.class_name, []).append(module.address)
-    if not addresses:
-        return ""
-    shown = "; ".join(f"{name} modules are at {listed(found, 3, ', ...')}"
-                      for name, found in sorted(addresses.items()))
-    return f"; a selection takes module addresses, not module classes: {shown}"

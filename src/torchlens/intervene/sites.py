@@ -20,7 +20,7 @@ import torch
 from ..checks import check_takes
 from ..errors import InterventionError, add_note, closest_hint, first_few
 from ..record.columns import CALL_CODE, CALL_LINE, CALL_MODULE_CALL, Kind
-from ..record.lookup import record_name_hint
+from ..record.lookup import module_class_note, record_name_hint
 from ..record.model_index import (WRAPPED, container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
 from ..record.modules import Module, enclosing_calls, is_unregistered
@@ -207,8 +207,10 @@ def split_sites(model, intervene: dict, stop_after, compiled: str = "run", index
             called = [name for name, module in modules.items() if not container_note(name, module)]
             names = list(modules) + [f"{name}:1" for name in called]
             # A type's name may also be a slip for a module's (norm for model.norm): both are said.
-            hint = tensor_address_note(model, key, "stop_after=" if stop else "intervene=") or \
-                _op_type_note(key, stop) + closest_hint(key, names)
+            option = "stop_after=" if stop else "intervene="
+            hint = tensor_address_note(model, key, option) or _op_type_note(key, stop) + closest_hint(key, names) + \
+                module_class_note(key, ((name, type(module).__name__) for name, module in modules.items() if name),
+                                  f"{option} takes")
             raise KeyError(f"{kind} {key!r} is neither an op or layer label nor a module address or "
                            f"module call of {type(model).__name__}{hint}")
     return module_sites, pending

@@ -15,7 +15,7 @@ quietly.
 from __future__ import annotations
 
 from ..errors import AmbiguousKey, closest_hint, listed
-from ..labels.naming import LABEL
+from ..labels.naming import LABEL, folded
 from .columns import Kind
 from .model_index import container_note, traced_address
 from .modules import Module, ModuleCall, is_unregistered
@@ -119,9 +119,10 @@ def _described(trace, key: str, target: tuple) -> tuple:
 def missing_key_note(trace, key: str) -> str:
     """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
     of a module, a parameter or buffer, a module the forward never ran, a container), else the closest keys."""
+    called = ((row.address, row.class_name) for row in trace._module_rows if row.calls)
     return root_call_note(trace, key) or alias_note(trace, key) or record_address_note(trace, key) or \
         numbered_past_note(trace, key) or unrun_module_note(trace, key) + closest_hint(key, trace._lookup) + \
-        no_root_note(trace, key)
+        no_root_note(trace, key) + module_class_note(key, called, "a trace is keyed by")
 
 
 def record_name_hint(key) -> str:
@@ -172,6 +173,23 @@ def numbered_past_note(trace, key: str) -> str:
     if int(number) == 0:
         return f" ({what[2]} are numbered from 1: {name}:1{last})"
     return f" ({name} {what[0]} {count} {what[1] if count == 1 else what[2]} in this forward: {name}:1{last})"
+
+
+def module_class_note(key: str, modules, takes: str) -> str:
+    """Where ``key`` names a module class (``T5LayerNorm``, or part of one: ``layernorm``), the addresses of its
+    modules, from ``modules`` (``(address, class name)`` pairs): what ``takes`` (``"a selection takes"``) are
+    addresses, not classes."""
+    wanted = folded(key)
+    if len(wanted) < 3:  # "l" or "fc" is part of many class names, and no class's name
+        return ""
+    addresses: dict = {}
+    for address, class_name in modules:
+        if wanted in folded(class_name):
+            addresses.setdefault(class_name, []).append(address)
+    if not addresses:
+        return ""
+    shown = "; ".join(f"{name} modules are at {listed(found, 3, ', ...')}" for name, found in sorted(addresses.items()))
+    return f"; {takes} module addresses, not module classes: {shown}"
 
 
 def no_root_note(trace, key: str) -> str:
