@@ -161,3 +161,10 @@ def test_every_field_of_the_op_module_and_parameter_records_says_what_it_is():
         undocumented = [name for name, field in vars(record).items()
                         if not name.startswith("_") and isinstance(field, property) and not field.__doc__]
         assert not undocumented, f"{record.__name__}: {undocumented}"
+
+
+def test_every_intervention_helper_says_what_its_at_option_does():
+    # help(tl.zero_ablate) showed the signature (at=None) and "Replace the value with zeros.", nothing on at=.
+    for helper in (tl.zero_ablate, tl.scale, tl.clamp, tl.noise, tl.steer, tl.mean_ablate, tl.patch_from):
+        assert "at" in inspect.signature(helper).parameters
+        assert "``at=``" in helper.__doc__, helper.__name__

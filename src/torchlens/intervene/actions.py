@@ -92,14 +92,16 @@ class Action:
 
 
 class zero_ablate(Action):  # noqa: N801 - lower case: used like a function, tl.zero_ablate()
-    """Replace the value with zeros."""
+    """Replace the value with zeros.  With ``at=`` (an index: ``at=1``, ``at=(slice(None), 3)``), only
+    ``value[at]`` changes."""
 
     def value(self, tensor, op, at):
         return torch.zeros_like(tensor)
 
 
 class scale(Action):  # noqa: N801
-    """Multiply the value by ``k``."""
+    """Multiply the value by ``k``.  With ``at=`` (an index: ``at=1``, ``at=(slice(None), 3)``), only
+    ``value[at]`` changes."""
 
     def __init__(self, k, at=None):
         super().__init__(at)
@@ -113,7 +115,8 @@ class scale(Action):  # noqa: N801
 
 
 class clamp(Action):  # noqa: N801
-    """Clamp the value into ``[min, max]`` (either bound may be None)."""
+    """Clamp the value into ``[min, max]`` (either bound may be None).  With ``at=`` (an index: ``at=1``,
+    ``at=(slice(None), 3)``), only ``value[at]`` changes."""
 
     def __init__(self, min=None, max=None, at=None):  # noqa: A002 - torch.clamp's names
         super().__init__(at)
@@ -174,7 +177,8 @@ class steer(Action):  # noqa: N801
 
 
 class noise(Action):  # noqa: N801
-    """Add Gaussian noise of standard deviation ``std`` (drawn from ``generator``, else the global RNG)."""
+    """Add Gaussian noise of standard deviation ``std`` (drawn from ``generator``, else the global RNG).
+    With ``at=`` (an index: ``at=1``, ``at=(slice(None), 3)``), only ``value[at]`` changes."""
 
     def __init__(self, std, generator=None, at=None):
         super().__init__(at)
@@ -198,7 +202,8 @@ class noise(Action):  # noqa: N801
 class patch_from(Action):  # noqa: N801
     """The value at the same site in another trace (activation patching: run on a corrupted input,
     patch in the clean run's value).  That trace must hold the activation (``save="all"`` or a ``save=``
-    list naming the site), of the shape of the value it replaces."""
+    list naming the site), of the shape of the value it replaces.  With ``at=`` (an index), only ``value[at]``
+    is patched, from the same index of that trace's value."""
 
     def __init__(self, trace, at=None):
         super().__init__(at)
