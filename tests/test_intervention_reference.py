@@ -137,3 +137,20 @@ def test_a_label_missing_from_a_reference_traced_with_deep_names_the_deep_option
         assert log.ops[-1].label == "add_1_3:1"
     else:
         assert [a.label for a in log.interventions] == ["add_1_3:1"]
+
+
+def test_a_reference_traced_from_another_model_is_refused_naming_it():
+    # A reference of another model answered a label of this trace with "no op ... named 'relu_1_2:1' in this trace"
+    # (the user's trace holds it), and a module site ran with the reference unread.
+    import copy
+
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(2, 4)
+    other = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Sigmoid(), nn.Linear(4, 2))
+    reference = tl.trace(other, x)
+    for site in ("relu_1_2:1", "0"):
+        with pytest.raises(tl.InterventionError, match=r"reference= is a trace of another model \(Sequential, whose 1 "
+                                                       r"is a GELU, which this model does not have there\)"):
+            tl.trace(model, x, intervene={site: tl.zero_ablate()}, reference=reference)
+    # A copy of the model (the same classes at the same addresses) is left to the path's checks, as before.
+    with pytest.raises(tl.InterventionError, match=r"module 1 is another object than the one the reference trace ran"):
+        tl.trace(model, x, intervene={"relu_1_2:1": tl.zero_ablate()}, reference=tl.trace(copy.deepcopy(model), x))

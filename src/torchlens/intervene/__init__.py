@@ -11,6 +11,7 @@ import contextlib
 
 from ..capture.restore import FirstCalls, ForwardState
 from ..errors import InterventionError, add_note
+from ..record.modules import is_unregistered
 from ..record.trace import checked_trace
 from .actions import Action, clamp, mean_ablate, noise, patch_from, scale, steer, zero_ablate
 from .runtime import Applied, Interventions, StopForward
@@ -32,6 +33,7 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
         raise TypeError(f"intervene= takes a dict {{site: action}}, got {type(intervene).__name__}")
     if reference is not None:
         checked_trace(reference, "reference=", "tl.trace(model, x) of a run taking the same path")
+        _refuse_another_models(reference, index)
     module_sites, pending = split_sites(model, intervene or {}, stop_after, compiled, index)
     label_sites = []
     if pending or (stop_after is not None and reference is not None):
@@ -41,6 +43,25 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
     runtime = Interventions(label_sites, module_sites, index, keep_originals)
     runtime.reference, runtime.deep = reference, deep
     return runtime
+
+
+def _refuse_another_models(reference, index) -> None:
+    """Refuse a reference traced from a model of another make, none of whose modules is one of this model's: its
+    labels name that model's ops, and a site it lacks was refused as naming nothing "in this trace" (which the
+    user's trace may well hold), one it holds as the forward taking another path.  A copy of this model (the same
+    module classes at the same addresses) is left to the site-by-site checks of the path."""
+    ours = index.modules if index is not None else {}
+    theirs = {row.address: row.ref for row in reference._module_rows
+              if row.ref is not None and not is_unregistered(row.address)}
+    if not ours or not theirs or not {id(m) for m in ours.values()}.isdisjoint(id(m) for m in theirs.values()):
+        return  # a loaded reference holds no modules to compare, and a module-less model none to compare them with
+    other = next((address for address, module in theirs.items() if type(ours.get(address)) is not type(module)), None)
+    if other is None:
+        return
+    raise InterventionError(f"reference= is a trace of another model ({reference.model_name}, whose {other} is a "
+                            f"{type(theirs[other]).__name__}, which this model does not have there): its labels name "
+                            "that model's ops; pass reference= a trace of this model, or none (a reference pass is "
+                            "then made first)")
 
 
 def _reference_pass(run_reference, index):
