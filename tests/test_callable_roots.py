@@ -49,6 +49,12 @@ def test_a_bound_method_names_modules_from_its_owner():
     assert log["proj"].func_name == "linear"
 
 
+def test_a_torch_function_traced_alone_is_named_as_it_is_called():
+    # torch.relu's qualified name is _VariableFunctionsClass.relu, the class torch keeps its functions in.
+    assert tl.trace(torch.relu, torch.randn(3)).model_name == "relu"
+    assert str(tl.trace(torch.sigmoid, torch.randn(3))).splitlines()[0] == "Trace of sigmoid"
+
+
 def test_generate_names_every_module_and_numbers_the_steps():
     model, ids = _gpt2()
     log = tl.trace(model.generate, (ids,), {"max_new_tokens": 2, "do_sample": False})

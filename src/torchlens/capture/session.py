@@ -483,7 +483,8 @@ def _display_name(model, root) -> str:
     if root is not None:
         bound = getattr(model, "__self__", None) is root and method
         return f"{type(root).__name__}.{method}" if bound else type(root).__name__
-    return getattr(model, "__qualname__", None) or type(model).__name__
+    qualname = getattr(model, "__qualname__", None)  # torch.relu's: _VariableFunctionsClass.relu, named relu here
+    return (model.__name__ if qualname and qualname[0] == "_" else qualname) or type(model).__name__
 
 
 def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy,
