@@ -23,7 +23,6 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 
 import torchlens as tl
 from torchlens.viz.layout import find_engine, layout
@@ -34,20 +33,6 @@ import models  # noqa: E402  (the overhead benchmark's models)
 import zoo  # noqa: E402  (the test suite's models)
 
 BOUND = re.compile(r"nslimit=\d+, ")
-
-
-class StepLoop(nn.Module):
-    """A cell applied in a Python loop, reading the input at every step: edges that span ever more layers."""
-
-    def __init__(self):
-        super().__init__()
-        self.cell = nn.Linear(16, 8)
-
-    def forward(self, x):
-        h = torch.zeros(x.shape[0], 8)
-        for t in range(x.shape[1]):
-            h = torch.tanh(self.cell(torch.cat([x[:, t], h], 1)))
-        return h
 
 
 def unbounded(text: str) -> str:
@@ -66,7 +51,7 @@ def seconds(text: str, repeat: int) -> float:
 def loop_rows(steps: list, repeat: int) -> list:
     rows = ["| loop steps | nodes | bound | laid out with it, s | without it, s |", "|---|---|---|---|---|"]
     for n in steps:
-        text = tl.trace(StepLoop(), torch.randn(2, n, 8)).render(depth=0)
+        text = tl.trace(zoo.StepLoop(), torch.randn(2, n, 8)).render(depth=0)
         nodes = text.count("[id=")
         bound = BOUND.search(text).group(0).rstrip(", ")
         rows.append(f"| {n} | {nodes} | {bound} | {seconds(text, repeat):.2f} | "

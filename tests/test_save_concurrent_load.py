@@ -17,14 +17,6 @@ import torchlens as tl
 from torchlens.io import recover
 
 
-@pytest.fixture(scope="module")
-def traces():
-    torch.manual_seed(0)
-    old = tl.trace(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU()), torch.randn(2, 3))
-    new = tl.trace(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh()), torch.randn(2, 3))
-    return old, new
-
-
 def _paused(step, moved_aside: threading.Event, resume: threading.Event):
     """The save's ``step`` that stops once the old trace is moved aside, until ``resume`` is set."""
     def paused(*args):
@@ -52,9 +44,9 @@ def _waits_noted(loader: list, waiting: threading.Event):
 # Paused between the two moves of a whole folder, or, with a file of the user's in the folder, while the old
 # trace's files moved aside are deleted.
 @pytest.mark.parametrize("step", ["_swap_folders", "_discard_retired"])
-def test_a_load_while_a_save_moves_its_trace_in_waits_for_it_and_reads_the_new_trace(tmp_path, monkeypatch, traces,
+def test_a_load_while_a_save_moves_its_trace_in_waits_for_it_and_reads_the_new_trace(tmp_path, monkeypatch, two_traces,
                                                                                      step):
-    old, new = traces
+    old, new = two_traces
     folder = old.save(tmp_path / "run")
     if step == "_discard_retired":
         (tmp_path / "run" / "notes.txt").write_text("mine")
@@ -88,10 +80,10 @@ def _outcome(call):
         return exc
 
 
-def test_a_load_that_a_save_over_the_folder_overtakes_reads_the_new_trace(tmp_path, monkeypatch, traces):
+def test_a_load_that_a_save_over_the_folder_overtakes_reads_the_new_trace(tmp_path, monkeypatch, two_traces):
     """A save that replaced the folder after the load had read its record, before its tensors: the old record and
     the new tensors were refused as a damaged trace.  The load reads the folder again."""
-    old, new = traces
+    old, new = two_traces
     folder = old.save(tmp_path / "run")
     load_module = sys.modules["torchlens.io.load"]
     read_tensor_file = load_module.read_tensor_file

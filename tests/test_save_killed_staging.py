@@ -22,14 +22,6 @@ class _Killed(BaseException):
     """A kill: nothing after it runs (the save's own clean-up included); the kernel then drops the lock."""
 
 
-@pytest.fixture(scope="module")
-def traces():
-    torch.manual_seed(0)
-    old = tl.trace(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU()), torch.randn(2, 3))
-    new = tl.trace(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh()), torch.randn(2, 3))
-    return old, new
-
-
 def _killed_while_writing(monkeypatch, trace, folder: str, overwrite: bool) -> None:
     """Save ``trace`` to ``folder`` and kill the save as it writes its manifest, the last file before the renames."""
     def kill(*args, **kwargs):
@@ -50,8 +42,8 @@ def _same(loaded, trace) -> bool:
                                                  for label in trace.labels)
 
 
-def test_a_load_after_a_save_killed_while_writing_deletes_its_half_written_folder(tmp_path, monkeypatch, traces):
-    old, new = traces
+def test_a_load_after_a_save_killed_while_writing_deletes_its_half_written_folder(tmp_path, monkeypatch, two_traces):
+    old, new = two_traces
     folder = str(tmp_path / "run")
     old.save(folder)
     _killed_while_writing(monkeypatch, new, folder, overwrite=True)
@@ -62,8 +54,8 @@ def test_a_load_after_a_save_killed_while_writing_deletes_its_half_written_folde
     assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
-def test_a_save_after_a_first_save_killed_while_writing_deletes_it_and_saves(tmp_path, monkeypatch, traces):
-    _, new = traces
+def test_a_save_after_a_first_save_killed_while_writing_deletes_it_and_saves(tmp_path, monkeypatch, two_traces):
+    _, new = two_traces
     folder = str(tmp_path / "run")
     _killed_while_writing(monkeypatch, new, folder, overwrite=False)
     new.save(folder)
@@ -71,9 +63,9 @@ def test_a_save_after_a_first_save_killed_while_writing_deletes_it_and_saves(tmp
 
 
 @pytest.mark.skipif(getattr(recover, "fcntl", None) is None, reason="no advisory locks on this system")
-def test_the_folder_of_a_save_running_now_is_left_alone(tmp_path, traces):
+def test_the_folder_of_a_save_running_now_is_left_alone(tmp_path, two_traces):
     """Another process saving to the path holds its folder: a load meanwhile must not delete it."""
-    old, _ = traces
+    old, _ = two_traces
     folder = str(tmp_path / "run")
     old.save(folder)
     staging, lock = recover.claim_staging(folder)
@@ -86,9 +78,9 @@ def test_the_folder_of_a_save_running_now_is_left_alone(tmp_path, traces):
     assert not os.path.lexists(staging)
 
 
-def test_a_folder_of_an_older_save_not_naming_its_trace_is_named_and_left(tmp_path, traces):
+def test_a_folder_of_an_older_save_not_naming_its_trace_is_named_and_left(tmp_path, two_traces):
     """``.torchlens-save-<id>-old``: the old trace of some save in this folder, but which is unknown."""
-    old, new = traces
+    old, new = two_traces
     folder = str(tmp_path / "run")
     new.save(folder)
     unnamed = tmp_path / ".torchlens-save-0123456789ab-old"
@@ -101,12 +93,12 @@ def test_a_folder_of_an_older_save_not_naming_its_trace_is_named_and_left(tmp_pa
         assert _same(tl.load(str(unnamed)), old)  # left whole, for the user to put back
 
 
-def test_a_kill_at_any_step_before_the_renames_leaves_nothing_after_the_next_load(tmp_path, monkeypatch, traces):
+def test_a_kill_at_any_step_before_the_renames_leaves_nothing_after_the_next_load(tmp_path, monkeypatch, two_traces):
     """Every file operation of a save over a trace up to its first rename, killed in turn."""
     from test_save_killed import _first_move_out, _killed_after
 
-    old, new = traces
-    last = _first_move_out(tmp_path, monkeypatch, traces)
+    old, new = two_traces
+    last = _first_move_out(tmp_path, monkeypatch, two_traces)
     for steps in range(last + 1):
         parent = tmp_path / f"k{steps}"
         folder = str(parent / "run")
@@ -119,9 +111,9 @@ def test_a_kill_at_any_step_before_the_renames_leaves_nothing_after_the_next_loa
     assert last >= 3  # kills while the folder was made, written and before the first move
 
 
-def test_a_folder_named_like_a_dead_saves_keeps_what_no_save_writes(tmp_path, traces):
+def test_a_folder_named_like_a_dead_saves_keeps_what_no_save_writes(tmp_path, two_traces):
     """A save writes plain files in its folder, never a subfolder: one found there is not the save's to delete."""
-    old, _ = traces
+    old, _ = two_traces
     folder = str(tmp_path / "run")
     old.save(folder)
     staging, lock = recover.claim_staging(folder)
@@ -134,10 +126,10 @@ def test_a_folder_named_like_a_dead_saves_keeps_what_no_save_writes(tmp_path, tr
 
 @pytest.mark.skipif(getattr(recover, "fcntl", None) is None, reason="no advisory locks on this system")
 @pytest.mark.parametrize("when", ["before-the-open", "while-the-lock-waits"])
-def test_a_save_whose_new_folder_is_taken_for_a_dead_saves_makes_another(tmp_path, monkeypatch, traces, when):
+def test_a_save_whose_new_folder_is_taken_for_a_dead_saves_makes_another(tmp_path, monkeypatch, two_traces, when):
     """A load of the path in another process, between the save's mkdir and its lock, deletes the folder: before
     the save opens it, or (holding the lock the save then waits for) once it is open."""
-    _, new = traces
+    _, new = two_traces
     real, taken = recover._lock, []
 
     def lock_after_a_load(folder, wait):

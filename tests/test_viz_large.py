@@ -5,27 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import torchlens as tl
 from torchlens.viz import html
 from torchlens.viz.layout import LayoutEngineMissing, find_engine, layout
-from zoo import SmallCNN, transformer_encoder
-
-
-class StepLoop(nn.Module):
-    """A recurrent cell applied in a Python loop, reading the input at every step: the loop's edges from the input
-    span ever more layers of the picture, the shape on which Graphviz's unbounded placement ran for minutes."""
-
-    def __init__(self):
-        super().__init__()
-        self.cell = nn.Linear(16, 8)
-
-    def forward(self, x):
-        h = torch.zeros(x.shape[0], 8)
-        for t in range(x.shape[1]):
-            h = torch.tanh(self.cell(torch.cat([x[:, t], h], 1)))
-        return h
+from zoo import SmallCNN, StepLoop, transformer_encoder
 
 
 def _pictures(steps, monkeypatch) -> list:

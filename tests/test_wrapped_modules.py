@@ -89,7 +89,6 @@ def test_a_value_returned_unchanged_inside_a_module_stays_its_producers_for_the_
     assert_trusted(tl.validate(model, x))
 
 
-
 class Broadcasting(nn.Module):
     """Broadcasts a column against its input: ``torch.broadcast_tensors`` hands back the input itself, already
     of the broadcast shape, as the second of the tensors it returns."""

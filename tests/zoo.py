@@ -111,6 +111,21 @@ class LoopRNN(nn.Module):
         return h
 
 
+class StepLoop(nn.Module):
+    """A recurrent cell applied in a Python loop, reading the input at every step: the loop's edges from the input
+    span ever more layers of the picture, the shape on which Graphviz's unbounded placement ran for minutes."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.zeros(x.shape[0], 8)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.cell(torch.cat([x[:, t], h], 1)))
+        return h
+
+
 class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
