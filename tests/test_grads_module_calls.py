@@ -96,3 +96,38 @@ def test_a_module_site_returning_a_tensor_written_through_a_view_is_refused_for_
     # The advice holds: the submodule that made it is a site, and the write applies to the changed value.
     log = tl.trace(Encoder(), torch.randn(2, 5, 4), intervene={"mask.proj": tl.zero_ablate()})
     assert log.output.item() == 0.0
+
+
+class ScaledAndWeight(nn.Module):
+    """Returns ``(x * 2, self.weight)``: its input needs no gradient, its weight, returned as it is, does."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * 2, self.weight
+
+
+class Weighted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.part = ScaledAndWeight()
+
+    def forward(self, x):
+        scaled, weight = self.part(x)
+        return (scaled * weight).sum()
+
+
+def test_a_call_whose_only_op_output_has_no_gradient_names_the_output_no_op_holds():
+    # It was refused as if nothing it returned could have a gradient, naming the product alone, while the weight it
+    # returned as it is has one.
+    torch.manual_seed(0)
+    model = Weighted()
+    log = tl.trace(model, torch.randn(3), grads=True)
+    log.backward(log.output)
+    (call,) = [c for c in log.module_calls if c.address == "part"]
+    with pytest.raises(tl.GradientUnavailable, match=r"does not require grad.*part:1's output 2 of 2 is a tensor no "
+                                                     r"op holds \(a parameter or buffer returned as it is"):
+        call.grad
+    assert model.part.weight.grad is not None

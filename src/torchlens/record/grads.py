@@ -154,7 +154,17 @@ def module_call_grad(call):
         raise GradientUnavailable(f"{call.label} {no_output_reason(call)}, so no gradient of its output was kept: "
                                   "read the gradient of an op inside the call or one reading its output")
     if not any(trace._meta[gradient_holder(trace, i)].requires_grad for i in outputs):
-        return grad_of(trace, outputs[0])  # raises, saying why
+        unheld = [str(k + 1) for k, i in enumerate(slots) if i < 0]
+        try:
+            return grad_of(trace, outputs[0])  # raises, saying why
+        except GradientUnavailable as error:
+            if not unheld:
+                raise
+            # The outputs no op holds may have gradients (a parameter returned as it is): the call's are not all gone.
+            raise GradientUnavailable(f"{error}; {call.label}'s output {' and '.join(unheld)} of {len(slots)} is a "
+                                      "tensor no op holds (a parameter or buffer returned as it is, or a tensor "
+                                      "written through a view after the op that made it): read that tensor's .grad "
+                                      "itself") from None
     if len(slots) == 1:
         return grad_of(trace, outputs[0])
     return tuple(grad_of(trace, i) if i >= 0 and trace._meta[gradient_holder(trace, i)].requires_grad else None
