@@ -157,7 +157,8 @@ def test_pandas_is_imported_only_by_to_pandas_and_its_absence_names_the_install(
 
 def test_every_field_of_the_op_module_and_parameter_records_says_what_it_is():
     # help(op), and op.shape? in a notebook, showed no description for most fields (label, shape, children, ...).
-    for record in (tl.Op, tl.Layer, tl.ModuleCall, tl.Module, tl.Param, tl.Buffer):
+    # The Trace's own fields too (buffers, layers, inputs, outputs, model, is_recurrent, ...).
+    for record in (tl.Trace, tl.Op, tl.Layer, tl.ModuleCall, tl.Module, tl.Param, tl.Buffer):
         undocumented = [name for name, field in vars(record).items()
                         if not name.startswith("_") and isinstance(field, property) and not field.__doc__]
         assert not undocumented, f"{record.__name__}: {undocumented}"

@@ -1,10 +1,12 @@
 """Why a record holds no activation where its op made one: the reasons a trace gives, in ``op.dropped_reason``
 and ``log.dropped_activations``, for a saved tensor it let go, so that every reader (validate, the debug
-readers, the gradient readers) can tell the causes apart.
+readers, the gradient readers) can tell the causes apart; and ``drop_written``, which lets go of the saved tensors
+written or freed since their op ran.
 """
 
 from __future__ import annotations
 
+from ..tree import without_values
 from .layouts import holds_unknown_memory, memory_freed
 
 # Why ``drop_written`` dropped a saved tensor (validate reads it as a mismatch: the record no longer holds it).
@@ -66,3 +68,50 @@ def why_stale(t) -> str:
     if holds_unknown_memory(t):
         return WRITTEN_THROUGH_UNKNOWN_ALIAS.format(type(t).__name__)
     return WRITTEN_UNSEEN
+
+
+def drop_written(trace, indices=None) -> None:
+    """Drop the saved tensors (of ``indices``, or all) written in place, or freed, since their op ran.
+
+    Activations are kept by reference, so a later forward that updates a buffer the trace holds, or
+    code that changes an input or the output, would otherwise show a value the op never made, and
+    memory the model freed (FSDP2's unsharded parameters) would be read after it is gone: each reads
+    as dropped, with the reason, instead.  Readers of the activations call this first."""
+    versions = trace._saved_versions
+    if not versions:
+        return
+    activations = trace._activations
+    owners: dict = {}  # the parameters' memory, read only when a saved tensor was written
+    for i in list(versions) if indices is None else indices:
+        version, t = versions.get(i), activations.get(i)
+        if version is None or t is None:
+            continue  # not held by reference (a private copy), or not saved
+        reason = MEMORY_FREED if memory_freed(t) else _written_reason(trace, t, owners) if t._version != version \
+            else _counted_since(trace, t)
+        if reason is not None:
+            del activations[i]
+            trace._dropped[i] = reason
+
+
+def _written_reason(trace, t, owners: dict) -> str:
+    """Why ``t``, whose version moved since its op ran, is dropped: a parameter's memory written (named, so
+    that an optimizer step reads as one), else any other write after the trace.  ``owners``: filled on
+    first use with each parameter's ``(device, storage address) -> address``, once per ``drop_written``."""
+    if not t.untyped_storage().nbytes() or without_values(t):  # no memory to tell apart (a fake one's is at 0)
+        return WRITTEN_AFTER_TRACE
+    if not owners:
+        owners.update(((p.device, p.untyped_storage().data_ptr()), address)
+                      for address, p in reversed(trace._model_params or ()))  # reversed: the first name wins
+    address = owners.get((t.device, t.untyped_storage().data_ptr()))
+    return WRITTEN_AFTER_TRACE if address is None else PARAM_WRITTEN_AFTER_TRACE.format(address)
+
+
+def _counted_since(trace, t):
+    """Why ``t``, if it is a BatchNorm's running statistic, is stale: its layer counted a batch since the
+    trace (a training forward, whose kernel updated the statistic without moving its version counter);
+    None if not."""
+    if trace._batch_counted is None:
+        return None
+    slot_of, counters, versions = trace._batch_counted
+    k = slot_of.get(id(t))  # t is held, so its id is its own
+    return WRITTEN_AFTER_TRACE if k is not None and counters[k]._version != versions[k] else None

@@ -12,13 +12,12 @@ from collections import Counter
 
 from ..checks import as_position
 from ..errors import TorchlensError, TraceCleanedUp
-from ..tree import without_values
 from .columns import Call, Kind
 from . import grads as _grads
 from . import tables
 from .derived import Derived as _Derived
-from .dropped import MEMORY_FREED, PARAM_WRITTEN_AFTER_TRACE, WRITTEN_AFTER_TRACE
-from .layouts import alias_key, held_bytes, memory_freed
+from .dropped import drop_written
+from .layouts import alias_key, held_bytes
 from .lookup import Ambiguous, build_lookup, missing_key_note, raise_ambiguous, record_name_hint
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
@@ -174,6 +173,7 @@ class Trace(TraceColumns):
 
     @property
     def buffers(self) -> RecordList:
+        """Every buffer of the model the forward read (``Buffer`` records), in the order first read."""
         if self._buffer_rows is None:
             from .params import build_buffers
 
@@ -182,6 +182,7 @@ class Trace(TraceColumns):
 
     @property
     def layers(self) -> RecordList:
+        """Every layer (an op and its passes, ``Layer`` records), in order of first execution."""
         self._layer_index()
         return RecordList(self, Layer, self._layer_keys, tables.layers_frame)
 
@@ -254,48 +255,9 @@ class Trace(TraceColumns):
         return self._dropped
 
     def drop_written(self, indices=None) -> None:
-        """Drop the saved tensors (of ``indices``, or all) written in place, or freed, since their op ran.
-
-        Activations are kept by reference, so a later forward that updates a buffer the trace holds, or
-        code that changes an input or the output, would otherwise show a value the op never made, and
-        memory the model freed (FSDP2's unsharded parameters) would be read after it is gone: each reads
-        as dropped, with the reason, instead.  Readers of the activations call this first."""
-        versions = self._saved_versions
-        if not versions:
-            return
-        activations = self._activations
-        owners: dict = {}  # the parameters' memory, read only when a saved tensor was written
-        for i in list(versions) if indices is None else indices:
-            version, t = versions.get(i), activations.get(i)
-            if version is None or t is None:
-                continue  # not held by reference (a private copy), or not saved
-            reason = MEMORY_FREED if memory_freed(t) else self._written_reason(t, owners) if t._version != version \
-                else self._counted_since(t)
-            if reason is not None:
-                del activations[i]
-                self._dropped[i] = reason
-
-    def _written_reason(self, t, owners: dict) -> str:
-        """Why ``t``, whose version moved since its op ran, is dropped: a parameter's memory written (named, so
-        that an optimizer step reads as one), else any other write after the trace.  ``owners``: filled on
-        first use with each parameter's ``(device, storage address) -> address``, once per ``drop_written``."""
-        if not t.untyped_storage().nbytes() or without_values(t):  # no memory to tell apart (a fake one's is at 0)
-            return WRITTEN_AFTER_TRACE
-        if not owners:
-            owners.update(((p.device, p.untyped_storage().data_ptr()), address)
-                          for address, p in reversed(self._model_params or ()))  # reversed: the first name wins
-        address = owners.get((t.device, t.untyped_storage().data_ptr()))
-        return WRITTEN_AFTER_TRACE if address is None else PARAM_WRITTEN_AFTER_TRACE.format(address)
-
-    def _counted_since(self, t):
-        """Why ``t``, if it is a BatchNorm's running statistic, is stale: its layer counted a batch since the
-        trace (a training forward, whose kernel updated the statistic without moving its version counter);
-        None if not."""
-        if self._batch_counted is None:
-            return None
-        slot_of, counters, versions = self._batch_counted
-        k = slot_of.get(id(t))  # t is held, so its id is its own
-        return WRITTEN_AFTER_TRACE if k is not None and counters[k]._version != versions[k] else None
+        """Drop the saved tensors (of ``indices``, or all) written in place, or freed, since their op ran: see
+        ``record.dropped.drop_written``.  Readers of the activations call this first."""
+        drop_written(self, indices)
 
     def keep_activations(self, kept, dropped=None) -> None:
         """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward),
@@ -331,10 +293,12 @@ class Trace(TraceColumns):
 
     @property
     def inputs(self) -> list:
+        """The input records (``input_1:1`` ...), one per tensor passed to the forward."""
         return [Op(self, i) for i, kind in enumerate(self._kind) if kind == Kind.INPUT]
 
     @property
     def outputs(self) -> list:
+        """The output records (``output_1:1`` ...), one per tensor the forward returned."""
         return [Op(self, i) for i, kind in enumerate(self._kind) if kind == Kind.OUTPUT]
 
     @property
@@ -352,16 +316,19 @@ class Trace(TraceColumns):
 
     @property
     def model(self):
+        """The traced model (None for a loaded trace); a cleaned-up trace no longer holds it."""
         if self._cleaned:
             raise TraceCleanedUp("the trace was cleaned up; it no longer holds the model")
         return self._model
 
     @property
     def num_passes_max(self) -> int:
+        """The most passes any layer ran (1 when nothing repeated)."""
         return max(self._group_size.values(), default=1)
 
     @property
     def is_recurrent(self) -> bool:
+        """Whether some layer ran more than one pass (a loop, a module called again)."""
         return self.num_passes_max > 1
 
     @property
@@ -479,7 +446,7 @@ class Trace(TraceColumns):
 
     # ----- views and tools -----------------------------------------------------------------------
     def to_pandas(self):
-        """One row per op."""
+        """A pandas DataFrame with one row per op and a column per field (``log.ops.to_pandas()``)."""
         return self.ops.to_pandas()
 
     def __str__(self) -> str:
@@ -581,6 +548,7 @@ class Trace(TraceColumns):
 
     @property
     def is_cleaned_up(self) -> bool:
+        """Whether ``cleanup()`` released the saved activations and the model."""
         return self._cleaned
 
 
