@@ -403,7 +403,9 @@ def test_eval_on_a_function_target_is_a_usage_error_and_without_it_the_function_
     (["demo", "--out", "clitargets.py"], "--out clitargets.py: that is a file"),
     (["trace", "clitargets:build", "--input", "2x8", "--save", "clitargets.py"],
      "--save clitargets.py exists and is a file, not a saved trace; choose another path"),
-    (["trace", "clitargets:build", "--input", "2x8", "--save", "."], "--save . is the current working directory"),
+    # (its hint named no Python call: "log.save('run1')" is no command line)
+    (["trace", "clitargets:build", "--input", "2x8", "--save", "."],
+     "--save . is the current working directory; save the trace to a folder inside it (run1, not .)"),
     (["demo", "--out", "clitargets.py/demo"], "--out clitargets.py/demo: cannot create that folder (Not a directory)"),
 ])
 def test_an_output_that_cannot_be_written_is_a_usage_error_before_any_work(models, monkeypatch, capsys, argv,

@@ -149,7 +149,7 @@ def check_save_target(path: str, overwrite: bool, rank=None):
         raise TraceFileError(f"{path} exists and is a file, not a saved trace; choose another path")
     if os.path.samefile(path, os.curdir):  # a save swaps folders: this process would be left in a deleted one
         raise TraceFileError(f"{path} is the current working directory; save the trace to a folder inside it "
-                             "(log.save('run1'))")
+                             "(run1, not .)")
     if not os.listdir(path):
         return None  # an empty folder: replaced only once the new trace is written (``_move_in``)
     if not os.path.lexists(os.path.join(path, MANIFEST)):
