@@ -16,9 +16,11 @@ Parameters are not ops, so a gradient that goes non-finite only on its way into 
 a parameter at 0) shows on no op: the parameters' own ``.grad`` are examined too, and such a parameter is
 reported with the ops that read it, in whose backward it was born.
 
-A backward step torchlens did not see as an op (the internals of a custom ``autograd.Function``, a
-fused kernel's backward) shows only as its outcome; the report always carries the anomaly-mode recipe,
-which names the first backward node that returns NaN (anomaly mode does not check for Inf).
+A custom ``autograd.Function`` runs its forward under ``no_grad``, and its backward sends its output's gradient
+straight to its inputs: its output is a reader of the ops its inner ops read, and the report names the Function
+whose backward that is.  A backward step torchlens did not see as an op (what a Function's backward computes, a
+fused kernel's backward) shows only as its outcome; the report always carries the anomaly-mode recipe, which
+names the first backward node that returns NaN (anomaly mode does not check for Inf).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class GradNonfiniteReport:
     """The first op (in backward order) whose gradient is non-finite, and what produced it."""
 
     def __init__(self, *, origin, kind, born_in, nonfinite, examined, num_backwards, loss_nonfinite,
-                 parameters=(), parameters_checked=True, born_in_unseen=(), returned=False):
+                 parameters=(), parameters_checked=True, born_in_unseen=(), returned=False, functions=None):
         self.origin = origin  # Op, or None
         self.kind = kind  # "nan", "inf", "both" or None
         self.born_in = tuple(born_in)  # labels of the ops whose backward produced it: one, or candidates
@@ -47,6 +49,8 @@ class GradNonfiniteReport:
         # the forward returned the origin's tensor: the loss may read it directly, so its gradient also came
         # straight from the loss side, which the trace does not see apart from what the readers in born_in sent
         self.returned = returned
+        # those of born_in whose backward is a custom autograd.Function's: label -> the Function's name
+        self.functions = dict(functions or {})
         self.nonfinite = tuple(nonfinite)  # every op with a non-finite gradient, in backward order
         self.examined = examined
         self.num_backwards = num_backwards
@@ -107,6 +111,7 @@ class GradNonfiniteReport:
                              "gradients were finite; autograd summed their contributions before the trace saw "
                              "them, so which one produced it the trace cannot tell; anomaly mode names the "
                              "first node that returns NaN)")
+            lines += self._function_lines()
             if len(self.nonfinite) > 1:
                 shown = ", ".join(self.nonfinite[1:9]) + (" ..." if len(self.nonfinite) > 9 else "")
                 lines.append(f"  then propagated to {len(self.nonfinite) - 1} op(s): {shown}")
@@ -119,6 +124,12 @@ class GradNonfiniteReport:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _function_lines(self) -> list:
+        """Which of ``born_in`` ran a custom Function's backward: that code, not its forward's ops, made it."""
+        return [f"  {label} is the output of custom autograd.Function {name}: its backward is {name}.backward, "
+                "which ran in place of the backward of the ops its forward ran; anomaly mode names it when it "
+                "returns NaN" for label, name in self.functions.items()]
 
     def _unseen_line(self) -> str:
         return (f"  born in the backward of {' or '.join(self.born_in)}, or of ops after "
@@ -181,7 +192,8 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
         # No traced op can have sent it (under grads=[...] too: no op read it in the forward): the loss's own.
         loss_nonfinite=not children,
         parameters=[address for address, _, _ in params], parameters_checked=checked,
-        born_in_unseen=[log.labels[c] for c in children if c not in status], returned=first in _returned(log))
+        born_in_unseen=[log.labels[c] for c in children if c not in status], returned=first in _returned(log),
+        functions={log.labels[c]: _function_of(log, c) for c in children if _function_of(log, c) is not None})
 
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
@@ -251,5 +263,34 @@ def _returned(log) -> set:
 def _backward_children(log, index) -> list:
     """The ops that read op ``index``'s output in the forward and whose own output requires grad: only
     their backward can have sent a gradient to it (an output node runs no backward, and a child made
-    without grad, such as a comparison or a detach, has no backward edge to it)."""
-    return [c for c in log.op_children[index] if log.kinds[c] != Kind.OUTPUT and log.ops[c].requires_grad]
+    without grad, such as a comparison or a detach, has no backward edge to it).  A custom Function's output
+    read it through the Function's inner ops, which ran under ``no_grad``: its backward sent it one too."""
+    children = [c for c in log.op_children[index] if log.kinds[c] != Kind.OUTPUT]
+    with_grad = [c for c in children if log.ops[c].requires_grad]
+    inner = [c for c in children if not log.ops[c].requires_grad]
+    return with_grad + [c for c in _function_outputs_after(log, inner) if c not in with_grad]
+
+
+def _function_outputs_after(log, start) -> list:
+    """The outputs of custom autograd Functions that ops ``start`` (made without grad) fed, through ops made
+    without grad: a Function's forward runs under ``no_grad``, and only its output gets the Function's node."""
+    found, stack, seen = [], list(start), set(start)
+    while stack:
+        for c in log.op_children[stack.pop()]:
+            if c in seen or log.kinds[c] == Kind.OUTPUT:
+                continue
+            seen.add(c)
+            if _function_of(log, c) is not None:
+                found.append(c)
+            elif not log.ops[c].requires_grad:
+                stack.append(c)
+    return sorted(found)
+
+
+def _function_of(log, index):
+    """The name of the custom autograd Function whose backward node op ``index``'s output has, or None (a
+    loaded trace keeps only the node's name, which cannot tell)."""
+    node = log._meta[index].grad_fn_class
+    if isinstance(node, type) and issubclass(node, torch.autograd.function.BackwardCFunction):
+        return node.__name__.removesuffix("Backward")
+    return None
