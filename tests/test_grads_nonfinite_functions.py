@@ -80,3 +80,38 @@ def test_a_function_beside_another_reader_is_a_candidate_not_left_out(gpt2):
     log, report = _report(*gpt2, through_function_beside_a_reader)
     assert sorted(log[label].func_name for label in report.born_in) == ["div", "tanh"]
     assert not report.born_in_certain and list(report.functions.values()) == ["NaNBackward"]
+
+
+class LinearWithFaultyWeightGrad(torch.autograd.Function):
+    """A hand-written linear (as quantized and low-rank adapters write theirs) whose weight gradient is NaN."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, (grad.transpose(-1, -2) @ x) * float("nan")
+
+
+class CustomLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(LinearWithFaultyWeightGrad.apply(x, self.weight))
+
+
+def test_a_nan_only_in_a_weight_grad_is_placed_in_the_function_that_read_the_weight():
+    model = CustomLinear()
+    log = tl.trace(model, torch.randn(3, 4), grads=True)
+    log.backward(log.output.sum())
+    report = tl.debug.nonfinite_origin(log, grads=True)
+    # The Function read the weight through a transpose taken under no_grad, which has no backward of its own.
+    assert report.origin is None and report.parameters == ("weight",)
+    assert [log[label].func_name for label in report.born_in] == ["matmul"] and report.born_in_certain
+    assert list(report.functions.values()) == ["LinearWithFaultyWeightGrad"]

@@ -152,6 +152,7 @@ class GradNonfiniteReport:
         else:
             lines.append("  the trace watched only some ops' gradients (grads=[...]), so where it was born is "
                          "not known from the trace; anomaly mode names the first node that returns NaN")
+        lines += self._function_lines()
         lines.append("  (a parameter's .grad accumulates over every backward since it was last cleared)")
         return lines
 
@@ -193,7 +194,7 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
         loss_nonfinite=not children,
         parameters=[address for address, _, _ in params], parameters_checked=checked,
         born_in_unseen=[log.labels[c] for c in children if c not in status], returned=first in _returned(log),
-        functions={log.labels[c]: _function_of(log, c) for c in children if _function_of(log, c) is not None})
+        functions=_functions(log, children))
 
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
@@ -247,12 +248,13 @@ def _parameter_report(log, params, status, selected, checked) -> GradNonfiniteRe
     that read them (whose backward wrote their gradient).  With ``grads=[...]`` (``selected``) most ops'
     gradients were not watched, so a finite watched gradient says nothing of the others: no op is named."""
     flags = (any(f[0] for _, f, _ in params), any(f[1] for _, f, _ in params))
-    users = [] if selected else sorted({i for _, _, indices in params for i in indices})
+    readers = [] if selected else sorted({i for _, _, indices in params for i in indices})
+    users = _senders(log, readers) or readers  # (read under no_grad alone: named as before, gradient unseen)
     return GradNonfiniteReport(
         origin=None, kind=_KINDS.get(flags), born_in=[log.labels[i] for i in users], nonfinite=(),
         examined=len(status), num_backwards=log.num_backwards, loss_nonfinite=False,
         parameters=[address for address, _, _ in params], parameters_checked=checked,
-        born_in_unseen=[log.labels[i] for i in users if i not in status])
+        born_in_unseen=[log.labels[i] for i in users if i not in status], functions=_functions(log, users))
 
 
 def _returned(log) -> set:
@@ -265,10 +267,21 @@ def _backward_children(log, index) -> list:
     their backward can have sent a gradient to it (an output node runs no backward, and a child made
     without grad, such as a comparison or a detach, has no backward edge to it).  A custom Function's output
     read it through the Function's inner ops, which ran under ``no_grad``: its backward sent it one too."""
-    children = [c for c in log.op_children[index] if log.kinds[c] != Kind.OUTPUT]
-    with_grad = [c for c in children if log.ops[c].requires_grad]
-    inner = [c for c in children if not log.ops[c].requires_grad]
+    return _senders(log, [c for c in log.op_children[index] if log.kinds[c] != Kind.OUTPUT])
+
+
+def _senders(log, readers) -> list:
+    """Of the ops ``readers``, those whose backward sends a gradient back to what they read: the ones made with
+    grad, and, for those made without (or with no node: a view of a parameter taken under ``no_grad``, which needs
+    grad yet has no backward), the outputs of the custom Functions whose forward ran them."""
+    with_grad = [c for c in readers if _has_backward(log, c)]
+    inner = [c for c in readers if not _has_backward(log, c)]
     return with_grad + [c for c in _function_outputs_after(log, inner) if c not in with_grad]
+
+
+def _functions(log, ops) -> dict:
+    """``{label: Function name}`` for those of ``ops`` whose backward is a custom Function's."""
+    return {log.labels[c]: _function_of(log, c) for c in ops if _function_of(log, c) is not None}
 
 
 def _function_outputs_after(log, start) -> list:
@@ -282,9 +295,14 @@ def _function_outputs_after(log, start) -> list:
             seen.add(c)
             if _function_of(log, c) is not None:
                 found.append(c)
-            elif not log.ops[c].requires_grad:
+            elif not _has_backward(log, c):
                 stack.append(c)
     return sorted(found)
+
+
+def _has_backward(log, index) -> bool:
+    op = log.ops[index]
+    return op.requires_grad and op.grad_fn is not None
 
 
 def _function_of(log, index):
