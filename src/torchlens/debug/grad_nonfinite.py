@@ -29,7 +29,7 @@ import torch
 
 from ..record.columns import Kind
 from ..record.finite import nonfinite_flags
-from ..errors import GradientUnavailable, listed
+from ..errors import GradientUnavailable, counted, listed
 from ..record.grads import FROM_BATCHED_BACKWARD, grad_capture_of, gradient_holder, output_nodes, unreadable
 from ..tree import without_values
 from .nonfinite import DETECT_ANOMALY_RECIPE
@@ -39,7 +39,8 @@ class GradNonfiniteReport:
     """The first op (in backward order) whose gradient is non-finite, and what produced it."""
 
     def __init__(self, *, origin, kind, born_in, nonfinite, examined, num_backwards, loss_nonfinite,
-                 parameters=(), parameters_checked=True, born_in_unseen=(), returned=False, functions=None):
+                 parameters=(), parameters_checked=True, born_in_unseen=(), returned=False, functions=None,
+                 unreached=()):
         self.origin = origin  # Op, or None
         self.kind = kind  # "nan", "inf", "both" or None
         self.born_in = tuple(born_in)  # labels of the ops whose backward produced it: one, or candidates
@@ -51,6 +52,9 @@ class GradNonfiniteReport:
         self.returned = returned
         # those of born_in whose backward is a custom autograd.Function's: label -> the Function's name
         self.functions = dict(functions or {})
+        # ops that received no gradient though an op that read them did: the backward stopped before them (it
+        # raised, as anomaly mode's does at a NaN) or sent them none; their gradients were not examined
+        self.unreached = tuple(unreached)
         self.nonfinite = tuple(nonfinite)  # every op with a non-finite gradient, in backward order
         self.examined = examined
         self.num_backwards = num_backwards
@@ -86,7 +90,8 @@ class GradNonfiniteReport:
                  f"{self.num_backwards} backward(s)):"]
         if not self.found:
             lines.append("  every gradient the trace received is finite, and so is every parameter's .grad"
-                         + ("" if self.parameters_checked else " it could read (a loaded trace without them)"))
+                         + ("" if self.parameters_checked else " it could read (a loaded trace without them)")
+                         + (" the backward wrote" if self.unreached else ""))
         elif self.origin is None:
             lines += self._parameter_lines()
         else:
@@ -115,6 +120,12 @@ class GradNonfiniteReport:
             if len(self.nonfinite) > 1:
                 shown = ", ".join(self.nonfinite[1:9]) + (" ..." if len(self.nonfinite) > 9 else "")
                 lines.append(f"  then propagated to {len(self.nonfinite) - 1} op(s): {shown}")
+        if self.unreached:
+            them = "it" if len(self.unreached) == 1 else "them"
+            lines.append(f"  {counted(len(self.unreached), 'op')} received no gradient though ops that read {them} "
+                         f"did, so not examined: {listed(self.unreached, 5)}; the backward stopped before {them} "
+                         f"(it raised: anomaly mode raises at a node that returns NaN) or sent {them} none (inputs=, a "
+                         "Function's backward returning None)")
         if self.kind == "inf":
             lines.append("  only Inf, no NaN: anomaly mode checks for NaN alone, so it raises nothing here until "
                          "an Inf turns into a NaN")
@@ -182,8 +193,10 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
     found = _nonfinite_parameter_grads(log)
     params = [entry for entry in found if entry[1] is not None]
     checked = len(params) == len(found)
+    unreached = [log.labels[i] for i in _unreached(log, capture)]
     if not bad:
-        return _parameter_report(log, params, status, selected=capture.policy is not None, checked=checked)
+        return _parameter_report(log, params, status, selected=capture.policy is not None, checked=checked,
+                                 unreached=unreached)
     first = _origin(log, bad)
     children = _backward_children(log, first)
     return GradNonfiniteReport(
@@ -194,7 +207,7 @@ def grad_nonfinite_origin(log) -> GradNonfiniteReport:
         loss_nonfinite=not children,
         parameters=[address for address, _, _ in params], parameters_checked=checked,
         born_in_unseen=[log.labels[c] for c in children if c not in status], returned=first in _returned(log),
-        functions=_functions(log, children))
+        functions=_functions(log, children), unreached=unreached)
 
 
 _KINDS = {(True, False): "nan", (False, True): "inf", (True, True): "both"}
@@ -243,7 +256,7 @@ def _nonfinite_parameter_grads(log) -> list:
     return found
 
 
-def _parameter_report(log, params, status, selected, checked) -> GradNonfiniteReport:
+def _parameter_report(log, params, status, selected, checked, unreached=()) -> GradNonfiniteReport:
     """No op gradient is non-finite: the report names the parameters whose ``.grad`` is, if any, and the ops
     that read them (whose backward wrote their gradient).  With ``grads=[...]`` (``selected``) most ops'
     gradients were not watched, so a finite watched gradient says nothing of the others: no op is named."""
@@ -254,7 +267,18 @@ def _parameter_report(log, params, status, selected, checked) -> GradNonfiniteRe
         origin=None, kind=_KINDS.get(flags), born_in=[log.labels[i] for i in users], nonfinite=(),
         examined=len(status), num_backwards=log.num_backwards, loss_nonfinite=False,
         parameters=[address for address, _, _ in params], parameters_checked=checked,
-        born_in_unseen=[log.labels[i] for i in users if i not in status], functions=_functions(log, users))
+        born_in_unseen=[log.labels[i] for i in users if i not in status], functions=_functions(log, users),
+        unreached=unreached)
+
+
+def _unreached(log, capture) -> list:
+    """The watched ops that received no gradient though one of their readers in the backward did.  A backward
+    that finishes runs every node it reached, so each sends its inputs their share: these were left behind by one
+    that raised part way (anomaly mode's, at a node that returns NaN), or sent none (``inputs=``, a Function's
+    backward returning None for them)."""
+    received = set(capture.grads)
+    return [i for i in sorted(capture.selected) if i not in received
+            and any(c in received for c in _backward_children(log, i))]
 
 
 def _returned(log) -> set:
@@ -275,7 +299,7 @@ def _senders(log, readers) -> list:
     grad, and, for those made without (or with no node: a view of a parameter taken under ``no_grad``, which needs
     grad yet has no backward), the outputs of the custom Functions whose forward ran them."""
     with_grad = [c for c in readers if _has_backward(log, c)]
-    inner = [c for c in readers if not _has_backward(log, c)]
+    inner = [c for c in readers if _made_without_grad(log, c)]
     return with_grad + [c for c in _function_outputs_after(log, inner) if c not in with_grad]
 
 
@@ -295,7 +319,7 @@ def _function_outputs_after(log, start) -> list:
             seen.add(c)
             if _function_of(log, c) is not None:
                 found.append(c)
-            elif not _has_backward(log, c):
+            elif _made_without_grad(log, c):
                 stack.append(c)
     return sorted(found)
 
@@ -303,6 +327,15 @@ def _function_outputs_after(log, start) -> list:
 def _has_backward(log, index) -> bool:
     op = log.ops[index]
     return op.requires_grad and op.grad_fn is not None
+
+
+def _made_without_grad(log, index) -> bool:
+    """Whether op ``index`` computed a float value with no backward, as a Function's inner ops do under ``no_grad``;
+    not a comparison or an index (``h > 0``, ``argmax``), which has none in any mode: a Function that reads such a
+    mask sends it no gradient, nor the tensor it was taken from."""
+    dtype = log.ops[index].dtype
+    return not _has_backward(log, index) and isinstance(dtype, torch.dtype) and (dtype.is_floating_point
+                                                                                  or dtype.is_complex)
 
 
 def _function_of(log, index):
