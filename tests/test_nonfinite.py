@@ -420,3 +420,25 @@ def test_a_collective_with_unexamined_inputs_still_says_to_look_at_every_rank(mo
     report = tl.debug.nonfinite_origin(log)
     assert not report.certain and nonfinite.OTHER_RANKS in report.possible_origins
     assert "it is a collective, so run nonfinite_origin on every rank too" in str(report)
+
+
+class _ScaledByAPlainAttribute(nn.Module):
+    """Reads a tensor held as a plain attribute, not a buffer: the trace has no value or flag for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = torch.tensor([float("nan"), 1.0, 1.0, 1.0])
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_a_tensor_made_outside_the_trace_is_advised_on_as_such_not_by_recording_flags_again():
+    model = _ScaledByAPlainAttribute()
+    report = tl.debug.nonfinite_origin(tl.trace(model, torch.randn(2, 4), save="none", record_finite=True))
+    assert not report.certain and report.possible_origins == ("(a tensor made outside the trace)",)
+    assert "record_finite=True" not in str(report) and "register_buffer" in str(report)
+    model.register_buffer("scale", model.__dict__.pop("scale"))  # now the trace examines it
+    report = tl.debug.nonfinite_origin(tl.trace(model, torch.randn(2, 4), save="none", record_finite=True))
+    assert report.certain and report.origin_kind == "buffer"

@@ -186,9 +186,14 @@ def _advice(possible, uninitialized=()) -> str:
     other ranks' values by looking there; uninitialized memory (``uninitialized``) no flag can vouch for."""
     ways = []
     undefined = [p for p in possible if p in uninitialized]
-    if any((not p.startswith("(") and p not in undefined) or p == _OUTSIDE for p in possible):
+    if any(not p.startswith("(") and p not in undefined for p in possible):
         ways.append("trace with record_finite=True to examine every op (and save the outputs of collectives issued "
                     "async: their flags are taken when they are issued, before their results arrive)")
+    if _OUTSIDE in possible:  # no flag is taken for it: it is no op's, input's or buffer's value
+        ways.append("a tensor the forward read but the trace did not make (a module attribute that is not a "
+                    "buffer, a global, the output of a TorchScript module) is never examined, flags or not: register "
+                    "it as a buffer (module.register_buffer), pass it in as an input, or run such a module as plain "
+                    "Python to have it examined")
     if any(p.endswith(f"{_UNCHECKED})") for p in possible):
         ways.append("call nonfinite_origin before cleanup(), on the trace that holds the model, to check the "
                     "parameters")
