@@ -115,3 +115,12 @@ def test_a_nan_only_in_a_weight_grad_is_placed_in_the_function_that_read_the_wei
     assert report.origin is None and report.parameters == ("weight",)
     assert [log[label].func_name for label in report.born_in] == ["matmul"] and report.born_in_certain
     assert list(report.functions.values()) == ["LinearWithFaultyWeightGrad"]
+
+
+def test_a_loaded_trace_places_a_function_backward_nan_as_the_live_one_does(gpt2, tmp_path):
+    log, report = _report(*gpt2, through_function)
+    log.save(tmp_path / "trace.tl")
+    loaded = tl.debug.nonfinite_origin(tl.load(tmp_path / "trace.tl"), grads=True)
+    assert not loaded.loss_nonfinite
+    assert (loaded.origin_label, loaded.born_in, loaded.functions) == (report.origin_label, report.born_in,
+                                                                       report.functions)

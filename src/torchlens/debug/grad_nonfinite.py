@@ -339,9 +339,13 @@ def _made_without_grad(log, index) -> bool:
 
 
 def _function_of(log, index):
-    """The name of the custom autograd Function whose backward node op ``index``'s output has, or None (a
-    loaded trace keeps only the node's name, which cannot tell)."""
+    """The name of the custom autograd Function whose backward node op ``index``'s output has, or None.  A loaded
+    trace keeps only the node's name: torch names a Function's node ``<Function>Backward``, and its own nodes
+    otherwise (``AddmmBackward0``), but for a few C++ ones, which it holds in ``torch._C._functions``."""
     node = log._meta[index].grad_fn_class
-    if isinstance(node, type) and issubclass(node, torch.autograd.function.BackwardCFunction):
-        return node.__name__.removesuffix("Backward")
-    return None
+    if isinstance(node, type):
+        is_function = issubclass(node, torch.autograd.function.BackwardCFunction)
+    else:
+        name = getattr(node, "__name__", "")
+        is_function = name.endswith("Backward") and not hasattr(torch._C._functions, name)
+    return node.__name__.removesuffix("Backward") if is_function else None
