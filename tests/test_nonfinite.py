@@ -442,3 +442,13 @@ def test_a_tensor_made_outside_the_trace_is_advised_on_as_such_not_by_recording_
     model.register_buffer("scale", model.__dict__.pop("scale"))  # now the trace examines it
     report = tl.debug.nonfinite_origin(tl.trace(model, torch.randn(2, 4), save="none", record_finite=True))
     assert report.certain and report.origin_kind == "buffer"
+
+
+def test_recorded_finite_flags_are_a_column_of_to_pandas_that_survives_cleanup():
+    log = tl.trace(Deep(), torch.randn(3, 4), save="none", record_finite=True)
+    log.cleanup()
+    frame = log.to_pandas().set_index("label")
+    origin = tl.debug.nonfinite_origin(log).origin_label
+    assert frame.loc[origin, "finite"] == (True, False) == log[origin].finite
+    assert frame.loc["input_1:1", "finite"] == (False, False)
+    assert "finite" not in tl.trace(Deep(), torch.randn(3, 4)).to_pandas().columns

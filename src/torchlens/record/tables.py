@@ -20,6 +20,7 @@ def ops_frame(ops) -> "pandas.DataFrame":
     pd = require_pandas()
     rows = []
     grad_stats, with_grads = _grad_stats(ops)
+    flags = ops[0]._trace._finite if ops else {}  # record_finite=True's (has_nan, has_inf) by op index
     for op in ops:
         source = op.source
         rows.append({
@@ -47,6 +48,8 @@ def ops_frame(ops) -> "pandas.DataFrame":
             "multi_output_index": op.multi_output_index,
             "has_activation": op.index in op._trace._activations,
         })
+        if flags:  # a column of a trace taken with record_finite=True: None where capture took no flag
+            rows[-1]["finite"] = flags.get(op.index)
         if with_grads:  # columns appear once a backward delivered gradients
             rows[-1].update(grad_stats.get(op.index, _NO_GRAD))
     return pd.DataFrame(rows)
