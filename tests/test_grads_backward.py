@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import torchlens as tl
 from torchlens.record.errors import GradientUnavailable
+from accel_paths import PATHS, on_path
 from grad_oracle import Oracle, _assert_bit_identical, _op_grads
 from zoo import LoopRNN, zoo
 
@@ -153,3 +154,35 @@ def test_a_backward_flag_that_is_no_bool_is_refused_before_the_backward():
     log.backward(loss, retain_graph=True)
     log.backward(loss, retain_graph=False, create_graph=False)
     assert log.num_backwards == 2 and torch.equal(log[-1].grad, 2 * torch.ones_like(log.output))
+
+
+class OverwritesSaved(nn.Module):
+    """Scales a sigmoid's output in place after another op read it: sigmoid's backward needs that output as made."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.sigmoid(self.fc(x))
+        doubled = h * 2
+        h.mul_(3)
+        return doubled + h
+
+
+WRITE_NOTE = "torchlens: the forward wrote in place at mul_2_4:1 (writing sigmoid_1_2:1)"
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_backward_refused_for_a_value_the_forward_overwrote_names_the_write(compiled):
+    # Autograd names only "[torch.FloatTensor [3, 4]] ... is at version 1": the note names the forward's write.
+    torch.manual_seed(0)
+    model, x = OverwritesSaved(), torch.randn(3, 4)
+    with on_path(compiled):
+        log = tl.trace(model, x, grads=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+        log.backward(log.output.sum())
+    assert any(note.startswith(WRITE_NOTE) for note in caught.value.__notes__)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+        tl.report.attribution_patching(model, torch.randn(3, 4), torch.randn(3, 4), lambda out: out.sum())
+    assert any(note.startswith(WRITE_NOTE) for note in caught.value.__notes__)

@@ -10,6 +10,7 @@ derived on demand; nothing runs during the forward.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -229,6 +230,8 @@ def backward(trace, loss, gradient=None, retain_graph=None, create_graph=False, 
         if "modified by an inplace operation" in str(exc):  # autograd names only a shape and a version
             _note_changed_params(trace, exc)
             _note_written_sites(trace, exc)
+            if not getattr(exc, "__notes__", None):  # no write of an intervention or an optimizer: the forward's own
+                note_model_writes(trace, exc)
         elif "does not require grad" in str(exc):  # autograd names no cause
             _note_cut_sites(trace, exc)
         raise
@@ -281,6 +284,23 @@ def _note_written_sites(trace, exc: RuntimeError) -> None:
                      "its new value into the tensor that op returned, which its backward may need as it was made; "
                      "to edit that value with gradients, intervene at a module whose output it is (a module site's "
                      f"new value is a new tensor), or at the op before it ({before or 'its input'})")
+
+
+_WRITTEN_SHAPE = re.compile(r"\[torch\.\w+ \[([0-9, ]*)\]\]")  # autograd's "[torch.FloatTensor [3, 4]]"
+
+
+def note_model_writes(trace, exc: RuntimeError) -> None:
+    """Autograd names only the shape and version of a value the forward overwrote after saving it; the trace knows
+    the forward's own in-place writes (``h.mul_(3)`` after ``sigmoid``, whose backward needs its output): name
+    those of that shape, and the op whose output each wrote."""
+    found = _WRITTEN_SHAPE.search(str(exc))
+    shape = tuple(int(n) for n in found.group(1).split(",") if n.strip()) if found else None
+    written = [op for op in trace.ops if op.is_inplace and op.requires_grad and (shape is None or op.shape == shape)]
+    if written:
+        shown = first_few([f"{op.label} (writing {op.parents[0]})" if op.parents else op.label for op in written], 4)
+        add_note(exc, f"torchlens: the forward wrote in place at {shown}; the backward of an op that read the "
+                     "value before the write may need it as it was: write into a new tensor instead (h = h * 3 in "
+                     "place of h.mul_(3)), or clone the value the later op reads")
 
 
 def _note_cut_sites(trace, exc: RuntimeError) -> None:

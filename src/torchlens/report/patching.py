@@ -21,6 +21,7 @@ import torch
 
 from ..checks import check_flag, check_grad_possible, check_int, check_model, check_takes
 from ..errors import InterventionError, TorchlensError, add_note, first_few, warn_user
+from ..record.grads import note_model_writes
 from ..record.modules import Module, is_unregistered, script_modules
 from ..record.op import Layer, Op
 from ..record.tables import require_pandas
@@ -179,7 +180,7 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
             for k, (t, v) in live.items():
                 if t._version != v:
                     notes[k] = "written in place later in the forward: its gradient is not that of this value"
-            grads = _gradients(value, [live[k][0] for k in labels]) if labels else ()
+            grads = _gradients(value, [live[k][0] for k in labels], corrupt_log) if labels else ()
     except BaseException:
         runs.state.restore()
         raise
@@ -522,13 +523,16 @@ def _check_differentiable(value, needed: bool) -> None:
                          ".detach()ed), but attribution takes its gradient: compute it from the output as it is")
 
 
-def _gradients(value, tensors) -> tuple:
+def _gradients(value, tensors, trace) -> tuple:
     """d value / d each tensor, by ``torch.autograd.grad``.  A reentrant ``torch.utils.checkpoint`` region refuses
     it (its backward runs only inside a whole ``.backward()``) with a message naming ``.grad()``, which the caller
-    never wrote: the refusal is said in the experiment's terms, with the two ways out."""
+    never wrote: the refusal is said in the experiment's terms, with the two ways out.  Autograd's refusal of a
+    value the forward overwrote gets the note naming the forward's writes (``trace``: the corrupted run's)."""
     try:
         return torch.autograd.grad(value, tensors, allow_unused=True)
     except RuntimeError as exc:
+        if "modified by an inplace operation" in str(exc):
+            note_model_writes(trace, exc)
         if "use_reentrant=True" not in str(exc):
             raise
         raise InterventionError(
