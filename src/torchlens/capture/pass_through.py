@@ -4,10 +4,10 @@
 the very tensor they were given.  The code after such an op reads it as the op's result; the caller of the
 module call it ran in still holds the tensor under the name it passed, and can only get the op's result
 from what the call returns.  ``note_pass_through`` notes such an op (called by the capture handlers, the
-compiled one included, before the output is bound; ``note_returned_arguments`` for a call returning several
-tensors) and ``end_pass_through`` (called by the module-call
-recorders as each call ends) binds the tensor back to its earlier producer when the call returned
-something else.  Both are methods of ``CaptureState``.
+compiled one included, before the output is bound), ``note_returned_arguments`` each such output of a call
+returning several tensors, and ``end_pass_through`` (called by the module-call recorders as each call ends)
+binds the tensor back to its earlier producer when the call returned something else.  All three are methods of
+``CaptureState``.
 """
 
 from __future__ import annotations

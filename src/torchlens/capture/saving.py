@@ -21,8 +21,8 @@ from ..checks import check_takes
 from ..errors import AmbiguousKey, UnmatchedSelection, add_note, closest_hint, first_few, listed
 from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
-from ..record.lookup import (alias_note, module_class_note, no_root_note, numbered_past_note, record_name_hint,
-                             refuse_ambiguous)
+from ..record.lookup import (alias_note, called_classes, module_class_note, no_root_note, numbered_past_note,
+                             record_name_hint, refuse_ambiguous)
 from ..record.modules import calls_cut_short, is_unregistered
 from ..record.model_index import (container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
@@ -222,8 +222,8 @@ class SavePolicy:
             _refuse_made_in_forward(entry, calls, option)
             hint = alias_note(trace, entry) or tensor_address_note(trace.model, entry, f"{option}=") or \
                 numbered_past_note(trace, entry) or closest_hint(entry, names) + no_root_note(trace, entry)
-            called_modules = ((m.address, m.class_name) for m in trace.modules if m.num_calls)
-            hint += module_class_note(entry, called_modules, "a selection takes") + _whole_option_hint(entry, option)
+            hint += module_class_note(entry, called_classes(trace), "a selection takes") + \
+                _whole_option_hint(entry, option)
             ran = ""
             # a module of the model that made no call, named by its address or by a call label ("spare:1")
             address = entry if entry in self.addresses else entry.rpartition(":")[0] if entry in self.call_labels \

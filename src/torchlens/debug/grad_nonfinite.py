@@ -305,7 +305,8 @@ def _senders(log, readers) -> list:
 
 def _functions(log, ops) -> dict:
     """``{label: Function name}`` for those of ``ops`` whose backward is a custom Function's."""
-    return {log.labels[c]: _function_of(log, c) for c in ops if _function_of(log, c) is not None}
+    named = ((c, _function_of(log, c)) for c in ops)
+    return {log.labels[c]: name for c, name in named if name is not None}
 
 
 def _function_outputs_after(log, start) -> list:

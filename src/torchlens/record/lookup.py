@@ -119,10 +119,9 @@ def _described(trace, key: str, target: tuple) -> tuple:
 def missing_key_note(trace, key: str) -> str:
     """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
     of a module, a parameter or buffer, a module the forward never ran, a container), else the closest keys."""
-    called = ((row.address, row.class_name) for row in trace._module_rows if row.calls)
     return root_call_note(trace, key) or alias_note(trace, key) or record_address_note(trace, key) or \
         numbered_past_note(trace, key) or unrun_module_note(trace, key) + closest_hint(key, trace._lookup) + \
-        no_root_note(trace, key) + module_class_note(key, called, "a trace is keyed by")
+        no_root_note(trace, key) + module_class_note(key, called_classes(trace), "a trace is keyed by")
 
 
 def record_name_hint(key) -> str:
@@ -173,6 +172,11 @@ def numbered_past_note(trace, key: str) -> str:
     if int(number) == 0:
         return f" ({what[2]} are numbered from 1: {name}:1{last})"
     return f" ({name} {what[0]} {count} {what[1] if count == 1 else what[2]} in this forward: {name}:1{last})"
+
+
+def called_classes(trace):
+    """``(address, class name)`` of each module the forward called: what ``module_class_note`` searches in a trace."""
+    return ((row.address, row.class_name) for row in trace._module_rows if row.calls)
 
 
 def module_class_note(key: str, modules, takes: str) -> str:

@@ -310,8 +310,8 @@ class _ProductWatch(torch.overrides.TorchFunctionMode):
         # FlopCounterMode, off its stack while it handles an overload, calls it from Python: an op that reached
         # only the dispatcher (inside a TorchScript module) is no call capture sees, though named like an
         # exported program's (``linear.default``).
-        below = torch._C._len_torch_dispatch_stack() < self._dispatch_modes
-        if self._depth or below or not (_is_product(name) or name in self.unknown_names):
+        if self._depth or not (_is_product(name) or name in self.unknown_names) \
+                or torch._C._len_torch_dispatch_stack() < self._dispatch_modes:
             return func(*args, **(kwargs or {}))
         before = _global_counts(self.counter)
         self._depth += 1
