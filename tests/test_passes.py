@@ -423,3 +423,18 @@ def test_the_two_comparisons_of_a_chained_comparison_are_two_layers():
     assert [op.label for op in log if op.kind == "op"] == ["lt_1_1:1", "lt_2_2:1", "all_1_3:1", "sum_1_4:1",
                                                            "gt_1_5:1", "sub_1_6:1", "lt_1_1:2", "lt_2_2:2",
                                                            "all_1_3:2", "sum_1_4:2", "gt_1_5:2"]
+
+
+def test_a_layer_label_missing_from_layers_by_label_is_answered_with_the_closest_or_its_passes():
+    """``layers_by_label`` is keyed by layer labels, which carry no pass number: a label with one names the
+    layer and its passes, and a typo the closest labels, where a plain dict repeated the key alone."""
+    log = tl.trace(LoopRNN(), torch.randn(2, 8))
+    looped = next(layer for layer in log.layers if layer.num_passes > 1)
+    label, passes = looped.layer_label, looped.num_passes
+    with pytest.raises(KeyError, match=rf"layers_by_label\['{label}'\] is the layer, and its passes are "
+                                       rf"log\['{label}:1'\] to log\['{label}:{passes}'\]"):
+        log.layers_by_label[f"{label}:{passes + 1}"]
+    typo = label[:-1] + str(int(label[-1]) + 7)
+    with pytest.raises(KeyError, match=rf"no layer labelled '{typo}' in this trace; closest: .*{label}"):
+        log.layers_by_label[typo]
+    assert log.layers_by_label[label].num_passes == passes

@@ -116,6 +116,20 @@ def _described(trace, key: str, target: tuple) -> tuple:
     return f"the output op of {key} ({label})", f"log[{label!r}]"
 
 
+class LayersByLabel(dict):
+    """``Trace.layers_by_label``: layer label -> ``Layer``, whose miss says what was meant (a plain dict's
+    ``KeyError('linear_1_2')`` repeats the key alone)."""
+
+    def __missing__(self, key):
+        if isinstance(key, str) and ":" in key and key.rsplit(":", 1)[0] in self:
+            layer = key.rsplit(":", 1)[0]
+            passes = f"log['{layer}:1']" + (f" to log['{layer}:{self[layer].num_passes}']"
+                                            if self[layer].num_passes > 1 else "")
+            raise KeyError(f"a layer's label has no pass number: layers_by_label[{layer!r}] is the layer, and "
+                           f"its passes are {passes}")
+        raise KeyError(f"no layer labelled {key!r} in this trace{closest_hint(str(key), self)}")
+
+
 def missing_key_note(trace, key: str) -> str:
     """The tail of the KeyError for a key naming nothing in the trace: what the key is instead (another name
     of a module, a parameter or buffer, a module the forward never ran, a container), else the closest keys."""

@@ -18,7 +18,7 @@ from . import tables
 from .derived import Derived as _Derived
 from .dropped import drop_written
 from .layouts import alias_key, held_bytes
-from .lookup import Ambiguous, build_lookup, missing_key_note, raise_ambiguous, record_name_hint
+from .lookup import Ambiguous, LayersByLabel, build_lookup, missing_key_note, raise_ambiguous, record_name_hint
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
@@ -189,7 +189,7 @@ class Trace(TraceColumns):
     @property
     def layers_by_label(self) -> dict:
         """Layer label -> ``Layer``, in order of first execution."""
-        return {label: Layer(self, label) for label in self._layer_index()}
+        return LayersByLabel((label, Layer(self, label)) for label in self._layer_index())
 
     @property
     def module_calls(self) -> RecordList:
