@@ -189,3 +189,24 @@ def test_loading_under_fake_tensor_mode_is_refused_naming_the_mode_not_the_file(
     loaded = tl.load(folder)  # outside it, the same files read as saved
     assert torch.equal(loaded["0"].activation, log["0"].activation)
     assert torch.equal(tl.load_extracted(tmp_path / "e", as_torch=True)["0"], model[0](batch).detach())
+
+
+def test_a_path_starting_with_a_tilde_is_under_the_home_folder_as_a_shell_reads_it(tmp_path, monkeypatch):
+    """``~/runs/a`` names a folder in the home folder, as the shell and pandas read it; taken literally it made a
+    folder named ``~`` in the working folder, which a user deleting it with ``rm -r ~`` would regret."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    model, batch = nn.Linear(4, 2).eval(), torch.randn(3, 4)
+    log = tl.trace(model, batch)
+    assert log.save("~/runs/a") == str(home / "runs" / "a")
+    assert torch.equal(tl.load("~/runs/a")[-1].activation, log[-1].activation)
+    assert tl.extract(model, [batch], ["output_1"], "~/features", progress=False) == str(home / "features")
+    assert torch.equal(tl.load_extracted("~/features", as_torch=True)["output_1"], log[-1].activation)
+    log.render("~/graph.dot")
+    log.to_chrome_trace("~/host.json")
+    tl.report.kernel_profile(model, batch, chrome_trace="~/kernels.json")
+    assert sorted(os.listdir(home)) == ["features", "graph.dot", "host.json", "kernels.json",
+                                        "kernels.json.torchlens.json", "runs"]
+    assert os.listdir(work) == []

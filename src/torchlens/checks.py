@@ -67,11 +67,12 @@ def check_flag(value, name: str, advice: str = "give True or False", *, who: str
 
 def check_path(value, name: str, advice: str, *, who: str = ""):
     """``value`` as a str path (``os.fspath``: a str, bytes or ``pathlib.Path``; bytes decoded as the file system
-    names them, since the paths built from it join str names, which bytes cannot be joined with); otherwise a
-    TypeError naming ``name``, where Python's own ("expected str, bytes or os.PathLike object, not int") names no
-    parameter."""
+    names them, since the paths built from it join str names, which bytes cannot be joined with), a leading
+    ``~`` expanded to the home folder as a shell would (else ``log.save("~/runs/a")`` made a folder named ``~``
+    in the working folder); otherwise a TypeError naming ``name``, where Python's own ("expected str, bytes or
+    os.PathLike object, not int") names no parameter."""
     try:
-        return os.fsdecode(os.fspath(value))
+        return os.path.expanduser(os.fsdecode(os.fspath(value)))
     except TypeError:
         _refuse(TypeError, who, name, value, is_a(value), advice)
 

@@ -91,7 +91,8 @@ def render(trace, path=None, view: str = "unrolled", depth=None, color_by=None, 
     from ..progress import bar
 
     if path is not None:  # checked now: the file is written only after the layout, which can take seconds
-        check_file_to_write(path, "path", "name a file in an existing folder (a str or a pathlib.Path)", who="render")
+        path = check_file_to_write(path, "path", "name a file in an existing folder (a str or a pathlib.Path)",
+                                   who="render")
     fmt = format_of(path, format)
     _check(trace, depth, title)
     with bar(progress, f"rendering {trace.model_name}", total=3, unit=" steps") as shown:
