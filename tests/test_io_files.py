@@ -210,3 +210,32 @@ def test_a_path_starting_with_a_tilde_is_under_the_home_folder_as_a_shell_reads_
     assert sorted(os.listdir(home)) == ["features", "graph.dot", "host.json", "kernels.json",
                                         "kernels.json.torchlens.json", "runs"]
     assert os.listdir(work) == []
+
+
+SAVE_PAST_THE_FILE_SIZE_LIMIT = textwrap.dedent("""
+    import os, resource, signal, sys
+    import torch
+    import torchlens as tl
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    log = tl.trace(torch.nn.Linear(256, 256), torch.randn(8, 256))
+    try:
+        log.save(os.path.join(sys.argv[1], "made", "for", "run"))
+    except OSError as exc:
+        print(type(exc).__name__)
+    print(os.listdir(sys.argv[1]))
+""")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="file size limits are a POSIX resource")
+def test_a_save_that_fails_part_way_removes_the_folders_it_made_for_the_path(tmp_path):
+    """The folders a save made on the way to its path (here ``made/for``) are removed when it fails (the
+    weights file outgrows the process's file size limit, as on a full disk), rather than left empty."""
+    script = tmp_path / "save_past_limit.py"
+    script.write_text(SAVE_PAST_THE_FILE_SIZE_LIMIT)
+    (tmp_path / "out").mkdir()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["OSError", "[]"]

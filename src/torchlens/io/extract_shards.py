@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ResumeMismatchError
 from .format import (MANIFEST, TraceFileError, atomic_file, check_schema, checked_member, dump_json, make_folder,
-                     read_json, safe_member, write_atomic, write_manifest)
+                     read_json, remove_made_folders, safe_member, write_atomic, write_manifest)
 from .identity import model_checksum
 from .extract_job import check_same_job, layer_dims
 from .extract_progress import PROGRESS, check_progress, check_shard_columns
@@ -37,8 +37,7 @@ class ExtractionRun:
         self.buffered_bytes = 0
         self.pending_batches = 0
         self.first_fingerprint = None
-        self.made_folder = not os.path.lexists(out)  # removed again by ``discard_if_empty``
-        make_folder(out, out, "extract")
+        self.made_folder = make_folder(out, out, "extract")  # removed again by ``discard_if_empty``
         has_progress = os.path.lexists(os.path.join(out, PROGRESS))
         self.state = read_json(out, PROGRESS, "a resumed extraction") if has_progress else None
         if self.state is not None and not self._nothing_committed():
@@ -90,8 +89,7 @@ class ExtractionRun:
             return
         self._remove_uncommitted()
         os.remove(os.path.join(self.out, PROGRESS))
-        if self.made_folder and not os.listdir(self.out):
-            os.rmdir(self.out)
+        remove_made_folders(self.out, self.made_folder)
 
     def _check_resumable(self, job):
         s = self.state

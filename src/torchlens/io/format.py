@@ -102,14 +102,39 @@ def read_member(folder: str, name, max_bytes: int) -> bytes:
     return data
 
 
-def make_folder(folder: str, path: str, verb: str) -> None:
+def make_folder(folder: str, path: str, verb: str) -> str | None:
     """Create ``folder`` (``path``, or the folder ``path`` goes in) and its parents, naming the part of it that is
-    a file when one is in the way: ``os.makedirs`` says only "File exists" or "Not a directory"."""
+    a file when one is in the way: ``os.makedirs`` says only "File exists" or "Not a directory".  Returns the
+    outermost folder it made (None when ``folder`` was there), for ``remove_made_folders`` if the write fails."""
+    made = _outermost_missing(folder)
     try:
         os.makedirs(folder, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise TraceFileError(f"cannot {verb} to {path}: {_first_file_on(folder)} is a file, not a folder; choose "
                              "another path") from None
+    return made
+
+
+def remove_made_folders(folder: str, made: str | None) -> None:
+    """Remove ``folder`` and its parents up to ``made`` (what ``make_folder`` made), each only while empty: a
+    write that failed leaves the folders as it found them, and a folder something else wrote into stays."""
+    if made is None:
+        return
+    folder, made = os.path.abspath(folder), os.path.abspath(made)
+    while folder == made or folder.startswith(made + os.sep):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+        folder = os.path.dirname(folder)
+
+
+def _outermost_missing(folder: str) -> str | None:
+    """The outermost part of the absolute path ``folder`` that does not exist yet (None: all of it does)."""
+    folder, missing = os.path.abspath(folder), None
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+        folder, missing = os.path.dirname(folder), folder
+    return missing
 
 
 def _first_file_on(folder: str) -> str:

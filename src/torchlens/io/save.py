@@ -35,7 +35,8 @@ from .recover import claim_staging, recover_killed_save, release_staging
 from .tensorfile import layouts_of, write_tensors
 from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
-                     make_folder, read_json, require_numpy, safe_member, write_atomic, write_manifest)
+                     make_folder, read_json, remove_made_folders, require_numpy, safe_member, write_atomic,
+                     write_manifest)
 
 
 def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> str:
@@ -60,7 +61,17 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
     recover_killed_save(path)
     old_files = check_save_target(path, overwrite, trace.rank)
     parent = folder_of(path)
-    make_folder(parent, path, "save")
+    made = make_folder(parent, path, "save")
+    try:
+        _write(trace, path, activations, old_files)
+    except BaseException:
+        remove_made_folders(parent, made)  # a failed save leaves no empty folders behind
+        raise
+    return path
+
+
+def _write(trace, path: str, activations: bool, old_files) -> None:
+    """Write the trace into a staging folder beside ``path``, then move it in (or swap it for ``old_files``)."""
     # Named after path and locked while written, so that a save killed part way is found (io/recover.py).
     staging, lock = claim_staging(path)
     try:
@@ -86,7 +97,6 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
             shutil.rmtree(staging, ignore_errors=True)
         finally:
             release_staging(lock)  # only once it is gone: a load meanwhile would take it for a dead save's
-    return path
 
 
 def _saved_by(trace) -> dict:
