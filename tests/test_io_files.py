@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from torchlens.io import TraceFileError
 
 LOAD_EXTRACTED_WITHOUT_NUMPY = textwrap.dedent("""
     import sys
@@ -239,3 +240,23 @@ def test_a_save_that_fails_part_way_removes_the_folders_it_made_for_the_path(tmp
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["OSError", "[]"]
+
+
+@pytest.mark.skipif(not hasattr(os, "pathconf"), reason="asks the file system's name limit")
+def test_a_name_longer_than_the_file_system_allows_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A save, an extraction or a picture whose path holds a name past the file system's limit failed with the
+    system's "File name too long" only as the folder was moved in, after the whole trace was written (or the
+    layout made), leaving the folders made on the way to it; it is now refused first, naming the limit."""
+    monkeypatch.chdir(tmp_path)
+    long_name = "a" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1)
+    model, batch = nn.Linear(4, 2).eval(), torch.randn(3, 4)
+    log = tl.trace(model, batch)
+    for path in (long_name, os.path.join("made", long_name, "run")):
+        with pytest.raises(TraceFileError, match=rf"cannot save to .*: it has a name of {len(long_name)} bytes "
+                                                    r"\(a{24}\.\.\.\), longer than the \d+ its file system allows"):
+            log.save(path)
+    with pytest.raises(TraceFileError, match="cannot extract to .*: it has a name of"):
+        tl.extract(model, [batch], ["output_1"], long_name, progress=False)
+    with pytest.raises(ValueError, match="has a name of .*, longer than the"):
+        log.render(long_name + ".dot")
+    assert os.listdir(tmp_path) == []

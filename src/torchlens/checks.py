@@ -110,6 +110,25 @@ def unwritable_file(path) -> str:
         return f"is in {shown}, which {'is not a folder' if os.path.lexists(folder) else 'does not exist'}"
     if not os.access(folder, os.W_OK):
         return f"is in {shown}, which is not writable"
+    return overlong_name(path)
+
+
+def overlong_name(path) -> str:
+    """Why a part of ``path`` not made yet cannot be made: a name longer than its file system allows, or ``""``.
+    Asked before the work whose result the path receives: the system's "File name too long" comes only as the
+    file or folder is made, after the layout, the profile or a whole trace was written beside it."""
+    missing, head = [], os.path.abspath(path)
+    while not os.path.lexists(head) and os.path.dirname(head) != head:
+        missing.append(os.path.basename(head))
+        head = os.path.dirname(head)
+    try:
+        limit = os.pathconf(head, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):  # no such query here (Windows), or no answer for this folder
+        return ""
+    for name in missing:
+        size = len(os.fsencode(name))
+        if size > limit:
+            return f"has a name of {size} bytes ({name[:24]}...), longer than the {limit} its file system allows"
     return ""
 
 

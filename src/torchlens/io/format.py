@@ -17,6 +17,7 @@ import os
 import re
 import stat
 
+from ..checks import overlong_name
 from ..errors import MissingPackage, TraceFileError, UnsafeMemberError
 
 MANIFEST = "manifest.json"
@@ -106,6 +107,9 @@ def make_folder(folder: str, path: str, verb: str) -> str | None:
     """Create ``folder`` (``path``, or the folder ``path`` goes in) and its parents, naming the part of it that is
     a file when one is in the way: ``os.makedirs`` says only "File exists" or "Not a directory".  Returns the
     outermost folder it made (None when ``folder`` was there), for ``remove_made_folders`` if the write fails."""
+    problem = overlong_name(path)
+    if problem:
+        raise TraceFileError(f"cannot {verb} to {path}: it {problem}; choose a shorter name")
     made = _outermost_missing(folder)
     try:
         os.makedirs(folder, exist_ok=True)
