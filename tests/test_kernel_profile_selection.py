@@ -1,5 +1,6 @@
-"""The backward-only profile of a trace whose gradients were selected (``grads=[...]``): each op's backward
-figures are the ones the whole trace's profile gives, or unknown, never those of a part of its nodes."""
+"""The backward-only profile of a trace: each op's backward figures are the ones the profile of the whole forward
+and backward gives, or, where gradients were selected (``grads=[...]``), unknown, never those of a part of its
+nodes."""
 
 import os
 import sys
@@ -37,3 +38,18 @@ def test_a_selected_ops_backward_is_all_its_nodes_or_unknown(llama):
     # follow selected ops, so all their nodes are known.
     assert [op in measured for op in mlp if op.startswith("linear")] == [False, True, True]
     assert not selected.complete and "not all numbered" in selected.coverage.problems[0]
+
+
+def test_an_op_handing_on_a_parameter_has_the_whole_profiles_zero_backward():
+    # Mamba's A_log.float() returns the float parameter itself, a leaf with no backward node: the backward-only
+    # profile called its backward unknown, "not all numbered during capture (left out by grads=[...], or tensor
+    # subclasses)", on a trace taken with every gradient, where the whole profile measures 0 for it.
+    model, args, kwargs = real_models.build("mamba")
+    model.eval()
+    whole = tl.report.kernel_profile(model, args, kwargs, backward=_backward)
+    alone = tl.report.kernel_profile(tl.trace(model, args, kwargs, grads=True), backward=_backward)
+    handed_on = [row["op"] for row in whole.ops if row["type"] == "float" and not whole.trace[row["op"]].parents]
+    assert handed_on  # the case under test is there
+    assert alone.complete, alone.coverage.problems
+    backward_events = {row["op"]: row["bwd_aten_ops"] for row in whole.ops}
+    assert {row["op"]: row["bwd_aten_ops"] for row in alone.ops} == backward_events

@@ -6,7 +6,9 @@ already knows them: capture read each recorded output's ``grad_fn`` sequence num
 its gradient hook.  So the backward can be profiled on its own, later, without a second forward: every
 profiler event inside a backward node is joined to the op whose output that node differentiates, per
 op, per layer and per module call (inclusive).  Forward columns are ``None`` (not measured), and so is
-the backward of any op whose node number capture did not see (an op left out by ``grads=[...]``).
+the backward of any op whose node number capture did not see (an op left out by ``grads=[...]``).  An op that
+handed on a leaf (``w.float()`` of a float parameter returns ``w``) made no node: its backward is a measured zero,
+as in the profile of a whole forward and backward, the leaf's ``AccumulateGrad`` being no op's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def profile_backward_of(trace, backward, chrome_trace, profiler, activities, pro
                          "cleaned up or loaded from disk")
     capture = _grad_capture(trace)
     nodes = _node_owners(trace, capture)
+    numbered = _numbered_calls(trace, capture)  # read now: cleanup() removes the hooks it reads
     markers = ProfilerMarkers()
 
     def run():
@@ -43,7 +46,8 @@ def profile_backward_of(trace, backward, chrome_trace, profiler, activities, pro
     if profiler is not None:
         _check_borrowed(profiler, chrome_trace)
         run()
-        return KernelProfile(trace, profiler, markers, borrowed=True, backward=True, backward_nodes=nodes)
+        return KernelProfile(trace, profiler, markers, borrowed=True, backward=True, backward_nodes=nodes,
+                             backward_numbered=numbered)
     if torch._C._autograd._profiler_enabled():
         raise ProfilerBusyError("a torch profiler is already running in this process. Pass it as "
                                 "kernel_profile(..., profiler=prof), or close it first.")
@@ -51,7 +55,8 @@ def profile_backward_of(trace, backward, chrome_trace, profiler, activities, pro
     prof = _own_profiler(activities, profiler_kwargs)
     with prof:
         run()
-    result = KernelProfile(trace, prof, markers, borrowed=False, backward=True, backward_nodes=nodes)
+    result = KernelProfile(trace, prof, markers, borrowed=False, backward=True, backward_nodes=nodes,
+                           backward_numbered=numbered)
     if chrome_trace is not None:
         result.export_chrome_trace(chrome_trace)
     return result
@@ -130,14 +135,14 @@ def _selected_call_nodes(trace, capture, owners: dict) -> set:
     return partial
 
 
-def _numbered_calls(trace) -> set:
-    """The calls whose output's backward-node number capture read.  Besides the nodes' owners this holds
-    the calls that handed on a tensor another call made (dropout in eval mode, ``contiguous`` on a
-    contiguous tensor, ``.to`` its own dtype): their output's node is the earlier call's, so they made
-    none, and their backward is a measured zero, not an unknown."""
-    from ..record.grads import grad_capture_of
-
-    return {trace.call_indices[index] for index in grad_capture_of(trace).sequence_numbers}
+def _numbered_calls(trace, capture) -> set:
+    """The calls whose output's backward-node number capture read, or whose output it watched as a leaf (a hook
+    without a number: the output had no node).  Besides the nodes' owners this holds the calls that handed on a
+    tensor another call made (dropout in eval mode, ``contiguous`` on a contiguous tensor, ``.to`` its own dtype)
+    or a leaf (``w.float()`` of a float parameter): their output's node is the earlier call's, or the leaf's
+    ``AccumulateGrad``, no op's, so they made none, and their backward is a measured zero, not an unknown."""
+    watched = capture.sequence_numbers.keys() | capture.handles.keys()
+    return {trace.call_indices[index] for index in watched if trace.call_indices[index] >= 0}
 
 
 def _needs_grad(trace, call) -> bool:
@@ -152,7 +157,7 @@ def join_backward(profile, events):
     trace = profile.trace
     serial_of_call = {c: c for c in range(len(trace.calls))}
     joined = join(events, profile.markers.run, None, seq_owner=profile.backward_nodes)
-    known = set(profile.backward_nodes.values()) | _numbered_calls(trace)
+    known = set(profile.backward_nodes.values()) | profile.backward_numbered
     # No backward node at all (the output needs no grad) is a measured zero; an unseen node is unknown.
     joined.backward_measured = {c for c, call in enumerate(trace.calls)
                                 if c in known or not _needs_grad(trace, call)}

@@ -205,8 +205,9 @@ class KernelProfile:
     instead of reading ``profiler``: a trace read back from disk with ``events_from_chrome``."""
 
     def __init__(self, trace, profiler, markers, *, borrowed: bool, backward: bool, events=None,
-                 backward_nodes=None):
+                 backward_nodes=None, backward_numbered=frozenset()):
         self.backward_nodes = backward_nodes  # {sequence number: call} for a backward-only profile
+        self.backward_numbered = backward_numbered  # there: the calls known to have made their nodes, or none
         self.trace = trace
         self.profiler = profiler
         self.markers = markers
