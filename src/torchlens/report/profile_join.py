@@ -152,7 +152,7 @@ def _sweep_threads(events, run, result) -> dict:
     Returns ``{event index: Owner}`` for aten ops and runtime calls (markers themselves are recorded in ``result``)."""
     by_thread: dict = {}
     for i, e in enumerate(events):
-        if (e.kind == HOST or e.kind == RUNTIME) and not _is_user_range(e):
+        if (e.kind == HOST or e.kind == RUNTIME) and not _is_user_range(e) and not _is_other_run(e, run):
             by_thread.setdefault(e.thread, []).append(i)
     owners: dict = {}
     children_ns = [0] * len(events)
@@ -206,6 +206,16 @@ def _is_user_range(e) -> bool:
     calls, each inside its own op marker, so it never nests in them, and its self time is Python time between
     ops, not an aten op's."""
     return e.category == USER_RANGE and not e.name.startswith(PREFIX)
+
+
+def _is_other_run(e, run) -> bool:
+    """A marker of another profile in the same profiler (several ``kernel_profile`` calls borrowing one).  Like a
+    user's range it does no work of its own: its self time is that run's capture in Python, not an aten op's, so
+    the join looks through it and counts only the work inside it, as outside this profile."""
+    if not e.name.startswith(PREFIX):
+        return False
+    marker = parse_marker(e.name)
+    return marker is not None and marker[1] != run
 
 
 def _forward_sequence_owners(events, owners, function_nodes: dict) -> dict:
