@@ -11,7 +11,8 @@ Three links, each exact:
    the External id Kineto stamped on it (the launching host op's) is used instead, and counted.
 3. Backward work: the autograd engine wraps each grad node in events carrying the node's sequence
    number; forward aten ops carry the sequence number of the node they created.  Backward work goes to
-   the op whose marker contained those forward aten ops, on whatever thread the engine ran it.  A node
+   the op whose marker contained those forward aten ops, on whatever thread the engine ran it (a node run
+   inside an op's marker, by a ``torch.autograd.grad`` the forward calls, is that op's work).  A node
    whose number no aten op recorded (a write into a view's ``CopySlices``) goes to the op recording the
    number below it, when a forward op recorded one above it too.
 
@@ -190,7 +191,9 @@ def _sweep_threads(events, run, result) -> dict:
             if parent_is_op_marker and e.kind == HOST:
                 result.op_aten.setdefault(op, []).append(e.name)
             if e.kind == HOST and e.backward and e.seq >= 0:
-                nodes, op = nodes + (e.seq,), None
+                # A grad node run inside an op's range is that op's work (torch.autograd.grad called by the
+                # forward): it keeps the op; run outside one, it is the backward of whichever op made it.
+                nodes = nodes + (e.seq,)
             owners[i] = Owner(op, module, phase, nodes, thread)
             stack.append((e.end, i, op, module, phase, nodes, False))
     for i, owner in owners.items():
@@ -234,7 +237,7 @@ def _forward_sequence_owners(events, owners, function_nodes: dict) -> dict:
         e = events[i]
         if owner.thread is None or e.kind != HOST or e.backward or e.seq < 0:
             continue
-        if owner.seq is not None:
+        if owner.seq is not None and owner.op is None:
             in_nodes.add(e.seq)
             continue
         seen = latest.get(e.seq)
