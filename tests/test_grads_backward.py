@@ -186,3 +186,19 @@ def test_a_backward_refused_for_a_value_the_forward_overwrote_names_the_write(co
     with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
         tl.report.attribution_patching(model, torch.randn(3, 4), torch.randn(3, 4), lambda out: out.sum())
     assert any(note.startswith(WRITE_NOTE) for note in caught.value.__notes__)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_profiled_backward_refused_for_a_value_the_forward_overwrote_names_the_write(compiled):
+    # kernel_profile's backward, of the model or of a trace, raised autograd's bare refusal without the note.
+    torch.manual_seed(0)
+    model, x = OverwritesSaved(), torch.randn(3, 4)
+    with on_path(compiled):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+            tl.report.kernel_profile(model, x, backward=True)
+        assert any(note.startswith(WRITE_NOTE) for note in caught.value.__notes__)
+        log = tl.trace(model, x, grads=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+        tl.report.kernel_profile(log, backward=lambda out: out.sum().backward())
+    assert any(note.startswith(WRITE_NOTE) for note in caught.value.__notes__)
+    assert not torch._C._autograd._profiler_enabled()

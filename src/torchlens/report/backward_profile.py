@@ -81,10 +81,10 @@ def _grad_capture(trace):
 def _backward_once(trace, backward) -> None:
     """The trace's backward; autograd's refusal of a second one (the graph freed by an earlier backward) is said
     in the terms of this call."""
-    from .kernel_profiling import _run_backward
+    from .kernel_profiling import run_backward
 
     try:
-        _run_backward(trace.output, backward)
+        run_backward(trace, backward)
     except RuntimeError as error:
         if "backward through the graph a second time" not in str(error):
             raise

@@ -177,12 +177,25 @@ def _run(model, args, kwargs, markers, backward, name):
             kept = backward_leaves(trace, module_run_by(model), trace.output)
             markers.phase_enter("backward")
             with grads_set_aside(kept):
-                _run_backward(trace.output, backward)
+                run_backward(trace, backward)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # every launched kernel finishes inside the profile
     finally:
         markers.close()
     return trace
+
+
+def run_backward(trace, backward) -> None:
+    """The profiled backward of ``trace``'s output.  Autograd's refusal of a value the forward overwrote after
+    saving it names only a shape and a version: it gets the note naming the forward's in-place writes."""
+    from ..record.grads import note_model_writes
+
+    try:
+        _run_backward(trace.output, backward)
+    except RuntimeError as exc:
+        if "modified by an inplace operation" in str(exc):
+            note_model_writes(trace, exc)
+        raise
 
 
 def _run_backward(output, backward) -> None:
