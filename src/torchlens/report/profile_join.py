@@ -12,7 +12,8 @@ Three links, each exact:
 3. Backward work: the autograd engine wraps each grad node in events carrying the node's sequence
    number; forward aten ops carry the sequence number of the node they created.  Backward work goes to
    the op whose marker contained those forward aten ops, on whatever thread the engine ran it (a node run
-   inside an op's marker, by a ``torch.autograd.grad`` the forward calls, is that op's work).  A node
+   inside an op's marker, by a ``torch.autograd.grad`` the forward calls, is that op's work; an engine range
+   that lost its node's number to a tensor hook run before the node takes it from the node's own event).  A node
    whose number no aten op recorded (a write into a view's ``CopySlices``) goes to the op recording the
    number below it, when a forward op recorded one above it too.
 
@@ -194,6 +195,8 @@ def _sweep_threads(events, run, result) -> dict:
                 # A grad node run inside an op's range is that op's work (torch.autograd.grad called by the
                 # forward): it keeps the op; run outside one, it is the backward of whichever op made it.
                 nodes = nodes + (e.seq,)
+                if stack and parent in owners and _lost_its_number(events[parent]):
+                    _number_wrapper(stack, owners[parent], nodes)
             owners[i] = Owner(op, module, phase, nodes, thread)
             stack.append((e.end, i, op, module, phase, nodes, False))
     for i, owner in owners.items():
@@ -201,6 +204,22 @@ def _sweep_threads(events, run, result) -> dict:
         if owner.thread not in marked_threads:
             owner.thread = None  # a thread without any marker of this run
     return owners
+
+
+def _lost_its_number(e) -> bool:
+    """Whether ``e``, holding a grad node's own event, is the engine's range around that node without the node's
+    number.  Torch's profiler copies the number onto the range from the event right after it, the node's, and a
+    tensor hook run in between (one that adds the gradient to one kept from an earlier backward, as a trace taken
+    with ``grads=True`` does) comes first."""
+    return e.kind == HOST and not e.backward and e.seq < 0
+
+
+def _number_wrapper(stack, owner: Owner, nodes: tuple) -> None:
+    """Give the engine's range around a node (the top of ``stack``, ``owner``) that node's numbers, ``nodes``, for
+    itself and for what it runs after the node's own event."""
+    owner.seq, owner.outer = nodes[-1], nodes[:-1]
+    end, index, op, module, phase, _, is_op_marker = stack[-1]
+    stack[-1] = (end, index, op, module, phase, nodes, is_op_marker)
 
 
 def _is_user_range(e) -> bool:
