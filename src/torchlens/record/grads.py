@@ -292,7 +292,9 @@ _WRITTEN_SHAPE = re.compile(r"\[torch\.\w+ \[([0-9, ]*)\]\]")  # autograd's "[to
 def note_model_writes(trace, exc: RuntimeError) -> None:
     """Autograd names only the shape and version of a value the forward overwrote after saving it; the trace knows
     the forward's own in-place writes (``h.mul_(3)`` after ``sigmoid``, whose backward needs its output): name
-    those of that shape, and the op whose output each wrote."""
+    those of that shape, and the op whose output each wrote.  Any other error is left as it is."""
+    if "modified by an inplace operation" not in str(exc):
+        return
     found = _WRITTEN_SHAPE.search(str(exc))
     shape = tuple(int(n) for n in found.group(1).split(",") if n.strip()) if found else None
     written = [op for op in trace.ops if op.is_inplace and op.requires_grad and (shape is None or op.shape == shape)]

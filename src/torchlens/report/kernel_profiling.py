@@ -193,8 +193,7 @@ def run_backward(trace, backward) -> None:
     try:
         _run_backward(trace.output, backward)
     except RuntimeError as exc:
-        if "modified by an inplace operation" in str(exc):
-            note_model_writes(trace, exc)
+        note_model_writes(trace, exc)
         raise
 
 

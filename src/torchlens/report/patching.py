@@ -531,8 +531,7 @@ def _gradients(value, tensors, trace) -> tuple:
     try:
         return torch.autograd.grad(value, tensors, allow_unused=True)
     except RuntimeError as exc:
-        if "modified by an inplace operation" in str(exc):
-            note_model_writes(trace, exc)
+        note_model_writes(trace, exc)
         if "use_reentrant=True" not in str(exc):
             raise
         raise InterventionError(
