@@ -64,6 +64,14 @@ def checked_member(folder: str, name) -> str:
     return path
 
 
+def is_regular_file(path: str) -> bool:
+    """Whether ``path`` is a regular file itself, not a link to one (``os.path.isfile`` follows links)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def _check_regular(path: str, info, max_bytes) -> None:
     if not stat.S_ISREG(info.st_mode):
         kind = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else "a directory" if stat.S_ISDIR(info.st_mode)

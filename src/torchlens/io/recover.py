@@ -33,7 +33,7 @@ except ImportError:  # Windows: no advisory locks, so a left staging folder is n
 
 from ..checks import folder_of
 from ..errors import TraceFileError, warn_user
-from .format import MANIFEST, read_json
+from .format import MANIFEST, is_regular_file, read_json
 
 _PREFIX = ".torchlens-save-"
 _RETIRED = "-old"
@@ -176,7 +176,7 @@ def _wait_for_running_save(path: str, staging: str) -> None:
 
 def _recover(path: str, retired: str) -> None:
     staging = retired[: -len(_RETIRED)]
-    if _is_regular(os.path.join(path, MANIFEST)):  # a whole trace is at path: the new one, or the old left in place
+    if is_regular_file(os.path.join(path, MANIFEST)):  # a whole trace is at path: the new one, or the old left in place
         shutil.rmtree(staging, ignore_errors=True)
         try:
             _delete_moved_aside(retired)
@@ -189,7 +189,7 @@ def _recover(path: str, retired: str) -> None:
                   f"the trace there is whole, and the old trace's files it had moved aside into {retired} are now "
                   "deleted")
         return
-    if not _is_regular(os.path.join(retired, MANIFEST)):
+    if not is_regular_file(os.path.join(retired, MANIFEST)):
         raise TraceFileError(f"neither {path} nor {retired} holds a manifest.json")
     if os.path.lexists(path):  # foreign files shared the folder: the trace files were moved one by one
         _undo_file_moves(path, staging, retired)
@@ -236,11 +236,11 @@ def _name_unattributed(path: str) -> None:
 def _undo_file_moves(path: str, staging: str, retired: str) -> None:
     """Take out of ``path`` the new trace's files moved in so far (those its manifest, still in ``staging`` since
     it moves last, lists and ``staging`` no longer holds), then move the old trace's files back, manifest last."""
-    new_files = _listed(staging) if _is_regular(os.path.join(staging, MANIFEST)) else []
+    new_files = _listed(staging) if is_regular_file(os.path.join(staging, MANIFEST)) else []
     for name in new_files:
         moved_in = os.path.join(path, name)
         if not os.path.lexists(os.path.join(retired, name)) and not os.path.lexists(os.path.join(staging, name)) \
-                and _is_regular(moved_in):
+                and is_regular_file(moved_in):
             os.remove(moved_in)
     old = sorted(os.listdir(retired), key=lambda n: n == MANIFEST)
     for name in old:
@@ -254,7 +254,7 @@ def _delete_moved_aside(retired: str) -> None:
     deleted them leaves files no manifest lists: all of them go.  Anything not a plain file stays, and so does
     the folder then.  (A dead save's staging folder goes the same way: it holds only the files it wrote.)"""
     for name in sorted(os.listdir(retired), key=lambda n: n != MANIFEST):
-        if _is_regular(os.path.join(retired, name)):
+        if is_regular_file(os.path.join(retired, name)):
             os.remove(os.path.join(retired, name))
     os.rmdir(retired)
 
@@ -268,12 +268,5 @@ def _is_folder(path: str) -> bool:
     """A real folder, not a link to one: a save makes its hidden folders itself, never links."""
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
-
-
-def _is_regular(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
     except FileNotFoundError:
         return False

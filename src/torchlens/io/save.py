@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import stat
 
 from ..checks import check_flag, check_path, folder_of
 from ..errors import counted, listed, warn_user
@@ -35,8 +34,8 @@ from .recover import claim_staging, recover_killed_save, release_staging
 from .tensorfile import layouts_of, write_tensors
 from .trace_state import write_trace_state
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, dump_json,
-                     make_folder, read_json, remove_made_folders, require_numpy, safe_member, write_atomic,
-                     write_manifest)
+                     is_regular_file, make_folder, read_json, remove_made_folders, require_numpy, safe_member,
+                     write_atomic, write_manifest)
 
 
 def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> str:
@@ -198,10 +197,10 @@ def _refuse_dot_ending(path: str) -> None:
 
 def _replace_saved(path: str, staging: str, old_files: list) -> None:
     """Replace the saved trace at ``path`` by the one in ``staging``, deleting only ``old_files``."""
-    others = sorted(n for n in os.listdir(path) if n not in old_files or not _is_regular(os.path.join(path, n)))
+    others = sorted(n for n in os.listdir(path) if n not in old_files or not is_regular_file(os.path.join(path, n)))
     blocked = [n for n in os.listdir(staging)
                if n in others and n != MANIFEST and os.path.lexists(os.path.join(path, n))]
-    if blocked or not _is_regular(os.path.join(path, MANIFEST)):
+    if blocked or not is_regular_file(os.path.join(path, MANIFEST)):
         raise TraceFileError(f"{path}: {', '.join(blocked) or MANIFEST} exists but is not a regular file the old "
                              "trace's manifest lists, so saving would overwrite it; remove it or choose another path")
     retired = f"{staging}-old"
@@ -257,7 +256,7 @@ def _swap_trace_files(path: str, staging: str, retired: str, old_files: list) ->
     os.makedirs(retired, exist_ok=True)
     try:
         _swap_files(path, staging, retired, [n for n in dict.fromkeys([MANIFEST, *old_files])
-                                             if _is_regular(os.path.join(path, n))])
+                                             if is_regular_file(os.path.join(path, n))])
     except BaseException:
         os.rmdir(retired)  # empty again: every file went back where it was
         raise
@@ -303,18 +302,11 @@ def _discard_retired(retired: str, old_files: list, path: str) -> None:
                   f"({exc.strerror or exc}); they are left in {retired}, which you can delete")
 
 
-def _is_regular(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
-
-
 def _remove_files(folder: str, names: list) -> None:
     """Delete the regular files ``names`` from ``folder``; anything else under those names stays."""
     for name in [MANIFEST, *[n for n in names if n != MANIFEST]]:
         member = os.path.join(folder, name)
-        if _is_regular(member):
+        if is_regular_file(member):
             os.remove(member)
 
 
