@@ -4,7 +4,9 @@ Every folder torchlens writes has a ``manifest.json`` naming its format, its sch
 each file, its size and sha256.  Readers check all three before parsing anything, so a truncated copy,
 a flipped byte or a file from a newer schema is refused with a message naming the file and the problem.
 File names in a manifest are plain names inside the folder: anything that could point elsewhere (a
-separator, ``..``, a drive, a symlink) is refused before it is opened.
+separator, ``..``, a drive, a symlink) is refused before it is opened.  The checks of the values read from a
+saved trace's ``trace.json`` (an op index, a string) live here too, so that every reader refuses a
+damaged value in the same words.
 """
 
 from __future__ import annotations
@@ -291,6 +293,18 @@ def _verify_file(folder: str, name, entry, hashes: bool) -> None:
 
 TRACE_FORMAT, TRACE_SCHEMA = "torchlens-trace", 1
 TRACE_JSON, TRACE_TENSORS = "trace.json", "activations.safetensors"
+
+
+def is_int(v) -> bool:
+    """An integer as JSON reads one: ``true`` reads as a bool, which Python counts among the ints."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_index(v, lo, hi, what) -> int:
+    """``v``, an integer in ``[lo, hi)`` read from ``trace.json``'s record ``what``; else a TraceFileError."""
+    if not is_int(v) or not lo <= v < hi:
+        raise TraceFileError(f"{TRACE_JSON}: {what}: {v!r} is not an integer in [{lo}, {hi})")
+    return v
 
 
 def require_numpy(what: str):

@@ -14,7 +14,7 @@ import os
 
 from ..record.grads import FROM_BATCHED_BACKWARD, unreadable
 from .encode import unsavable
-from .format import TRACE_JSON, TraceFileError
+from .format import TRACE_JSON, TraceFileError, check_index
 from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
 
 GRAD_TENSORS = "gradients.safetensors"
@@ -125,22 +125,23 @@ def _read_grads(trace, record, folder: str, files) -> None:
         trace._packlog.packed = {int(c): {int(k): int(b) for k, b in sizes} for c, sizes in packed["packed"]}
     if "selected" not in grads:  # saved_for_backward without gradients
         return
-    stats = {_index(i, n): {_stat_name(k): _unfloat(v) for k, v in s.items()} for i, s in grads["stats"]}
+    stats = {check_index(i, 0, n, "grads"): {_stat_name(k): _unfloat(v) for k, v in s.items()}
+             for i, s in grads["stats"]}
     tensors = {}
     if GRAD_TENSORS in files:
         tensors = laid_out(read_tensor_file(folder, GRAD_TENSORS), grads.get("strides"), "grads: 'strides'")
     capture = GradCapture()
-    capture.selected = {_index(i, n) for i in grads["selected"]}
+    capture.selected = {check_index(i, 0, n, "grads") for i in grads["selected"]}
     capture.backwards = int(grads["num_backwards"])
-    capture.order = [_index(i, n) for i in grads["order"]]
+    capture.order = [check_index(i, 0, n, "grads") for i in grads["order"]]
     for i, key in grads["tensors"]:
         g = tensors.get(key)
-        meta = trace.op_meta[_index(i, n)]
+        meta = trace.op_meta[check_index(i, 0, n, "grads")]
         if g is None or tuple(g.shape) != tuple(meta.shape) or g.dtype != meta.dtype:
             raise TraceFileError(f"{folder}/{GRAD_TENSORS}: gradient {key!r} is missing or does not match op #{i}")
         capture.grads[i] = g
     trace._gradcap = capture
-    trace._unsaved_grads = {(_index(owner, n) if isinstance(owner, int) else str(owner)): str(why)
+    trace._unsaved_grads = {(check_index(owner, 0, n, "grads") if isinstance(owner, int) else str(owner)): str(why)
                             for owner, why in grads.get("not_saved", ())}  # absent in files written before it
     missing = grads.get("param_grads", None if GRAD_TENSORS in files or grads["param_tensors"] else
                         "it was saved without gradient tensors")  # files written before the field existed
@@ -185,9 +186,3 @@ def _stat_name(k) -> str:
     if k not in GRAD_COLUMNS:
         raise TraceFileError(f"{TRACE_JSON}: grads: {k!r} is not a gradient statistic")
     return k
-
-
-def _index(i, n) -> int:
-    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
-        raise TraceFileError(f"{TRACE_JSON}: grads: {i!r} is not an op index in [0, {n})")
-    return i

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .encode import WITHOUT_ACTIVATIONS, unsavable
-from .format import TRACE_JSON, TraceFileError
+from .format import TRACE_JSON, TraceFileError, check_index
 from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
 
 ORIGINAL_TENSORS = "originals.safetensors"
@@ -88,7 +88,7 @@ def _read(trace, saved, folder: str, files) -> None:
     n = len(trace.kinds)
     applied = {}
     for i, site, action in saved["applied"]:
-        i = _index(i, n)
+        i = check_index(i, 0, n, "interventions")
         applied[i] = Applied(_from_text(site, str), _from_text(action, SavedAction), trace.labels[i])
     originals = {}
     if saved["originals"]:
@@ -97,14 +97,15 @@ def _read(trace, saved, folder: str, files) -> None:
         tensors = laid_out(read_tensor_file(folder, ORIGINAL_TENSORS), saved.get("strides"),
                            "interventions: 'strides'")  # absent in files written before it
         for i, key in saved["originals"]:
-            i = _index(i, n)
+            i = check_index(i, 0, n, "interventions")
             t, meta = tensors.get(key), trace.op_meta[i]
             if t is None or tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype:
                 raise TraceFileError(f"{ORIGINAL_TENSORS}: original {key!r} is missing or does not match op #{i}")
             originals[i] = t
     trace._interventions = applied
     trace._originals = originals
-    trace._originals_unsaved = {_index(i, n): str(why) for i, why in saved.get("originals_unsaved", ())}
+    trace._originals_unsaved = {check_index(i, 0, n, "interventions"): str(why)
+                                for i, why in saved.get("originals_unsaved", ())}
 
 
 def _from_text(value, make):
@@ -117,9 +118,3 @@ def _string(v) -> str:
     if not isinstance(v, str):
         raise TraceFileError(f"{TRACE_JSON}: interventions: {v!r} is not a string")
     return v
-
-
-def _index(i, n) -> int:
-    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
-        raise TraceFileError(f"{TRACE_JSON}: interventions: {i!r} is not an op index in [0, {n})")
-    return i

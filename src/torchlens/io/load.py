@@ -21,8 +21,8 @@ from ..record.layouts import RaggedShape, version_of
 from ..record.modules import CallRow, ModuleRow
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
-from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, read_json,
-                     verify_manifest)
+from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, check_index,
+                     is_int, read_json, verify_manifest)
 from .grads import read_grads
 from .interventions import read_interventions
 from .params import read_module_param_counts, read_params
@@ -96,7 +96,7 @@ class _Columns:
 
     def count(self, name) -> int:
         value = self.get(name)
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise TraceFileError(f"{TRACE_JSON}: {name!r} must be a non-negative integer")
         return value
 
@@ -118,16 +118,6 @@ class _Columns:
         if not all(isinstance(v, str) for v in values):
             raise TraceFileError(f"{TRACE_JSON}: column {name!r} must hold strings")
         return values
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_index(v, lo, hi, what) -> int:
-    if not _is_int(v) or not lo <= v < hi:
-        raise TraceFileError(f"{TRACE_JSON}: {what}: {v!r} is not an integer in [{lo}, {hi})")
-    return v
 
 
 def _build(record, tensors: dict) -> Trace:
@@ -267,7 +257,7 @@ def _edges(pairs, n, what) -> tuple:
         if isinstance(position, list):
             position = tuple(position)
         parts = position if isinstance(position, tuple) and len(position) >= 2 else (position,)
-        if not all(_is_int(p) or isinstance(p, str) for p in parts):
+        if not all(is_int(p) or isinstance(p, str) for p in parts):
             raise TraceFileError(f"{TRACE_JSON}: {what}: bad argument position {position!r}")
         out.append((position, check_index(index, -1, n, what)))
     return tuple(out)
@@ -288,9 +278,9 @@ def _grad_fn_stub(name):
 
 def _meta(m) -> OpMeta:
     shape, dtype, device, requires_grad, grad_fn, *ragged = m  # ragged: [numel] of a nested tensor
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 or d is None and ragged for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 or d is None and ragged for d in shape):
         raise TraceFileError(f"{TRACE_JSON}: meta: bad shape {shape!r}")
-    if ragged and not (len(ragged) == 1 and _is_int(ragged[0]) and ragged[0] >= 0):
+    if ragged and not (len(ragged) == 1 and is_int(ragged[0]) and ragged[0] >= 0):
         raise TraceFileError(f"{TRACE_JSON}: meta: bad element count {ragged!r}")
     return OpMeta(RaggedShape(shape, ragged[0]) if ragged else torch.Size(shape), torch_constant("dtype", dtype),
                   torch.device(_string(device, "meta device")), bool(requires_grad), _grad_fn_stub(grad_fn))
@@ -372,7 +362,7 @@ def _params(rows) -> tuple:
     # Parameters are stored by shape (what reports such as FLOPs read), never by value.
     out = []
     for (position, _), (_, shape) in zip(_edges([(p, 0) for p, _ in rows], 1, "calls.params"), rows):
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise TraceFileError(f"{TRACE_JSON}: calls.params: bad shape {shape!r}")
         out.append((position, types.SimpleNamespace(shape=torch.Size(shape))))
     return tuple(out)
@@ -382,14 +372,14 @@ def _flops(column, n):
     if column is None:
         return None
     if not isinstance(column, list) or len(column) != n or not all(
-            c is None or (isinstance(c, dict) and all(isinstance(k, str) and _is_int(v) for k, v in c.items()))
+            c is None or (isinstance(c, dict) and all(isinstance(k, str) and is_int(v) for k, v in c.items()))
             for c in column):
         raise TraceFileError(f"{TRACE_JSON}: column 'flops' must hold, per op, null or {{family: integer}}")
     return column
 
 
 def _ns(v) -> int:
-    if not _is_int(v):
+    if not is_int(v):
         raise TraceFileError(f"{TRACE_JSON}: a timestamp must be an integer of nanoseconds, got {v!r}")
     return v
 
