@@ -307,6 +307,13 @@ def check_index(v, lo, hi, what) -> int:
     return v
 
 
+def check_string(v, what) -> str:
+    """``v``, a string read from ``trace.json``'s record ``what``; else a TraceFileError."""
+    if not isinstance(v, str):
+        raise TraceFileError(f"{TRACE_JSON}: {what}: expected a string, got {type(v).__name__}")
+    return v
+
+
 def require_numpy(what: str):
     """numpy, through which ``what`` reads a tensor's bytes (``Tensor.numpy()``): without it torch says only
     "Numpy is not available", so the message names the package and the task needing it."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .encode import WITHOUT_ACTIVATIONS, unsavable
-from .format import TRACE_JSON, TraceFileError, check_index
+from .format import TRACE_JSON, TraceFileError, check_index, check_string
 from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
 
 ORIGINAL_TENSORS = "originals.safetensors"
@@ -110,11 +110,5 @@ def _read(trace, saved, folder: str, files) -> None:
 
 def _from_text(value, make):
     if isinstance(value, list):
-        return tuple(make(_string(v)) for v in value)
-    return make(_string(value))
-
-
-def _string(v) -> str:
-    if not isinstance(v, str):
-        raise TraceFileError(f"{TRACE_JSON}: interventions: {v!r} is not a string")
-    return v
+        return tuple(make(check_string(v, "interventions")) for v in value)
+    return make(check_string(value, "interventions"))

@@ -22,7 +22,7 @@ from ..record.modules import CallRow, ModuleRow
 from ..record.trace import Trace
 from .encode import decode_value, torch_constant
 from .format import (MANIFEST, TRACE_FORMAT, TRACE_JSON, TRACE_SCHEMA, TRACE_TENSORS, TraceFileError, check_index,
-                     is_int, read_json, verify_manifest)
+                     check_string, is_int, read_json, verify_manifest)
 from .grads import read_grads
 from .interventions import read_interventions
 from .params import read_module_param_counts, read_params
@@ -139,7 +139,7 @@ def _build(record, tensors: dict) -> Trace:
     activations = _activations(cols, laid_out(tensors, record.get("activation_strides"), "'activation_strides'"), meta)
     finite = {check_index(i, 0, n, "finite"): (bool(a), bool(b)) for i, a, b in cols.column("finite")}
     trace = Trace(
-        model_name=_string(cols.get("model_name"), "model_name"),
+        model_name=check_string(cols.get("model_name"), "model_name"),
         calls=calls,
         kind=kind,
         call=call,
@@ -148,7 +148,7 @@ def _build(record, tensors: dict) -> Trace:
         parents=parents,
         module_call=cols.ints("module_call", -1, len(module_calls)),
         inplace=[bool(x) for x in cols.column("inplace", n)],
-        io={check_index(i, 0, n, "io"): _string(p, "io") for i, p in cols.column("io")},
+        io={check_index(i, 0, n, "io"): check_string(p, "io") for i, p in cols.column("io")},
         labels=cols.strings("labels"),
         layer_labels=cols.strings("layer_labels"),
         pass_col=cols.ints("pass", 1, n + 1),
@@ -157,9 +157,9 @@ def _build(record, tensors: dict) -> Trace:
         types=cols.strings("types"),
         func_names=cols.strings("func_names"),
         activations=activations,
-        dropped={check_index(i, 0, n, "dropped"): _string(r, "dropped") for i, r in cols.column("dropped")},
+        dropped={check_index(i, 0, n, "dropped"): check_string(r, "dropped") for i, r in cols.column("dropped")},
         finite=finite,
-        param_addresses={check_index(i, 0, n, "param_addresses"): tuple(_string(a, "param_addresses") for a in ps)
+        param_addresses={check_index(i, 0, n, "param_addresses"): tuple(check_string(a, "param_addresses") for a in ps)
                          for i, ps in cols.column("param_addresses")},
         call_rows=module_calls,
         module_rows=modules,
@@ -167,7 +167,7 @@ def _build(record, tensors: dict) -> Trace:
         output=None,
         model=None,
         unattributed=cols.count("unattributed"),
-        timings={_string(k, "timings"): float(v) for k, v in cols.get("timings").items()},
+        timings={check_string(k, "timings"): float(v) for k, v in cols.get("timings").items()},
         budget_exhausted_at=_optional_index(cols.get("budget_exhausted_at"), n),
         # A read by the returned output is numbered after the last call (capture/state.py ``producer_of``).
         alias_reads=frozenset((check_index(c, 0, len(calls) + 1, "alias_reads"), check_index(p, -1, n, "alias_reads"))
@@ -238,12 +238,6 @@ def _output_structure(encoded, n_outputs: int):
     return structure
 
 
-def _string(v, what) -> str:
-    if not isinstance(v, str):
-        raise TraceFileError(f"{TRACE_JSON}: {what}: expected a string, got {type(v).__name__}")
-    return v
-
-
 def _optional_index(v, n):
     return None if v is None else check_index(v, 0, n, "budget_exhausted_at")
 
@@ -272,7 +266,7 @@ def _grad_fn_stub(name):
         return None
     stub = _grad_fn_stubs.get(name)
     if stub is None:
-        stub = _grad_fn_stubs[name] = types.SimpleNamespace(__name__=_string(name, "grad_fn"))
+        stub = _grad_fn_stubs[name] = types.SimpleNamespace(__name__=check_string(name, "grad_fn"))
     return stub
 
 
@@ -283,7 +277,7 @@ def _meta(m) -> OpMeta:
     if ragged and not (len(ragged) == 1 and is_int(ragged[0]) and ragged[0] >= 0):
         raise TraceFileError(f"{TRACE_JSON}: meta: bad element count {ragged!r}")
     return OpMeta(RaggedShape(shape, ragged[0]) if ragged else torch.Size(shape), torch_constant("dtype", dtype),
-                  torch.device(_string(device, "meta device")), bool(requires_grad), _grad_fn_stub(grad_fn))
+                  torch.device(check_string(device, "meta device")), bool(requires_grad), _grad_fn_stub(grad_fn))
 
 
 def _activations(cols, tensors: dict, meta: list) -> dict:
@@ -327,14 +321,14 @@ def _code_stub(codes, i, line, cache):
     stub = cache.get(key)
     if stub is None:
         filename, qualname = codes[i]
-        stub = cache[key] = _SavedCode(_string(filename, "codes"), _string(qualname, "codes"), line)
+        stub = cache[key] = _SavedCode(check_string(filename, "codes"), check_string(qualname, "codes"), line)
     return stub
 
 
 def _func_paths(cols) -> tuple:
     """Each call's function as saved, by qualified name (``_calls`` has checked the indices)."""
     funcs = cols.column("funcs")
-    return tuple(_string(funcs[row[0]], "funcs") for row in cols.column("calls"))
+    return tuple(check_string(funcs[row[0]], "funcs") for row in cols.column("calls"))
 
 
 def _calls(cols, n) -> list:
@@ -388,8 +382,9 @@ def _modules(cols, n):
     """The module rows, the module call rows and each call's op indices (``record.modules``)."""
     modules = []
     for address, addresses, class_name, param_names in cols.column("modules"):
-        modules.append(ModuleRow(_string(address, "modules"), [_string(a, "modules") for a in addresses],
-                                 _string(class_name, "modules"), [_string(p, "modules") for p in param_names]))
+        modules.append(ModuleRow(check_string(address, "modules"), [check_string(a, "modules") for a in addresses],
+                                 check_string(class_name, "modules"),
+                                 [check_string(p, "modules") for p in param_names]))
     module_calls, call_ops, numbered = [], [], set()
     for index, row in enumerate(cols.column("module_calls")):
         module, call_index, parent, start, end, inputs, outputs, op_nodes = row
