@@ -314,6 +314,20 @@ def check_string(v, what) -> str:
     return v
 
 
+@contextlib.contextmanager
+def reading_record(folder: str, name: str):
+    """Errors reading ``trace.json``'s record ``name`` (``grads``, ``interventions``) as TraceFileErrors naming
+    the folder: a check's own, and any other a damaged record makes its reader raise, as that record being
+    malformed."""
+    try:
+        yield
+    except TraceFileError as exc:  # column checks name the file; add the folder
+        raise exc if str(exc).startswith(folder) else TraceFileError(f"{folder}/{exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise TraceFileError(f"{folder}/{TRACE_JSON}: its {name!r} record is malformed ({type(exc).__name__}: "
+                             f"{exc}); the file was edited or written by other software") from None
+
+
 def require_numpy(what: str):
     """numpy, through which ``what`` reads a tensor's bytes (``Tensor.numpy()``): without it torch says only
     "Numpy is not available", so the message names the package and the task needing it."""

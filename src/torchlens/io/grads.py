@@ -14,7 +14,7 @@ import os
 
 from ..record.grads import FROM_BATCHED_BACKWARD, unreadable
 from .encode import unsavable
-from .format import TRACE_JSON, TraceFileError, check_index
+from .format import TRACE_JSON, TraceFileError, check_index, reading_record
 from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
 
 GRAD_TENSORS = "gradients.safetensors"
@@ -99,13 +99,8 @@ def _add(tensors: dict, record: dict, owner, key: str, grad, column: str) -> Non
 
 def read_grads(trace, record, folder: str, files) -> None:
     """Give a loaded ``trace`` the gradients its folder holds (nothing when it was traced without them)."""
-    try:
+    with reading_record(folder, "grads"):
         _read_grads(trace, record, folder, files)
-    except TraceFileError as exc:  # column checks name the file; add the folder
-        raise exc if str(exc).startswith(folder) else TraceFileError(f"{folder}/{exc}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise TraceFileError(f"{folder}/{TRACE_JSON}: its 'grads' record is malformed ({type(exc).__name__}: {exc}); "
-                             "the file was edited or written by other software") from None
 
 
 def _read_grads(trace, record, folder: str, files) -> None:

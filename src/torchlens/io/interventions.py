@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from .encode import WITHOUT_ACTIVATIONS, unsavable
-from .format import TRACE_JSON, TraceFileError, check_index, check_string
+from .format import TRACE_JSON, TraceFileError, check_index, check_string, reading_record
 from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
 
 ORIGINAL_TENSORS = "originals.safetensors"
@@ -72,14 +72,8 @@ def read_interventions(trace, record, folder: str, files) -> None:
     saved = record.get("interventions")
     if saved is None:
         return
-    try:
+    with reading_record(folder, "interventions"):
         _read(trace, saved, folder, files)
-    except TraceFileError as exc:
-        raise exc if str(exc).startswith(folder) else TraceFileError(f"{folder}/{exc}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise TraceFileError(f"{folder}/{TRACE_JSON}: its 'interventions' record is malformed "
-                             f"({type(exc).__name__}: {exc}); the file was edited or written by other "
-                             "software") from None
 
 
 def _read(trace, saved, folder: str, files) -> None:
