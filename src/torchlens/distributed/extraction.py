@@ -28,9 +28,10 @@ from datetime import timedelta
 
 import torch
 
-from ..io.extract import (EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS, SAMPLE_INDEX, counted_rows, extract_folder,
-                          extraction_job, traced_module)
+from ..io.extract import counted_rows, extract_folder, extraction_job, traced_module
 from ..io.extract_job import check_same_job, layer_dims, recorded_job
+from ..io.extract_progress import PROGRESS
+from ..io.extract_shards import EXTRACT_FORMAT, EXTRACT_SCHEMA, SAMPLE_INDEX
 from ..io.extracted import refuse_unfinished
 from ..io.format import (MANIFEST, TraceFileError, atomic_file, checked_member, make_folder, read_json, verify_manifest,
                          write_manifest)

@@ -41,8 +41,7 @@ from .format import TraceFileError, require_numpy
 from .encode import has_no_storage
 from .identity import model_checksum
 from .extract_job import stable_repr
-from .extract_progress import PROGRESS  # noqa: F401 - with the names below, what the rest of torchlens imports here
-from .extract_shards import EXTRACT_FORMAT, EXTRACT_SCHEMA, SAMPLE_INDEX, ExtractionRun  # noqa: F401
+from .extract_shards import ExtractionRun
 from .extract_args import (UNBATCHED_NOTE, batch_count, batch_reader, check_inputs, check_layers, check_options,
                            unbatched_loader)
 from .extract_rows import batch_dimension, check_batch_dim, check_input_batch_dim, rows_first

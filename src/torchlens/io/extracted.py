@@ -12,7 +12,8 @@ import os
 
 from ..checks import check_flag, check_path
 from ..errors import counted
-from .extract import EXTRACT_FORMAT, EXTRACT_SCHEMA, PROGRESS
+from .extract_progress import PROGRESS
+from .extract_shards import EXTRACT_FORMAT, EXTRACT_SCHEMA
 from .format import MANIFEST, TraceFileError, checked_member, read_json, require_numpy, verify_manifest
 from .tensorfile import mapped
 
