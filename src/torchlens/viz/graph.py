@@ -274,7 +274,6 @@ def _relative_depth(structure, focus):
 
 def auto_depth(structure, focus: int, budget: int) -> int:
     """The deepest level whose picture still has at most ``budget`` nodes (at least level 0)."""
-    groups = structure.groups
     rel = _relative_depth(structure, focus)
     inside = items_inside(structure, focus)
     below = list(_descendants(structure, focus))
