@@ -238,21 +238,7 @@ def nonfinite_origin(log, grads: bool = False):
     status = [_status(log, i) if k != Kind.OUTPUT else None for i, k in enumerate(log.kinds)]
     examined = sum(1 for s in status if s is not None)
     if examined == 0 and any(k != Kind.OUTPUT for k in log.kinds):
-        if _all_on_meta(log):
-            raise ValueError("nonfinite_origin has nothing to examine: this forward ran on the meta device (or "
-                             "under FakeTensorMode), whose tensors have shapes but no values; trace the model on "
-                             "a real device")
-        if all_made_in_transform(log):
-            raise ValueError("nonfinite_origin has nothing to examine: this forward ran inside a torch.func transform "
-                             "(vmap, grad, ...), whose values cannot be read once it has returned (and which "
-                             "record_finite=True cannot examine); trace the model outside the transform")
-        gone = _why_activations_gone(log)
-        if gone is not None:
-            raise ValueError(f"nonfinite_origin has nothing to examine: the trace loaded from {log.loaded_from} "
-                             f"holds no activations ({gone}) and no finite flags; save it with its activations, "
-                             "or trace with record_finite=True (the flags are saved with the metadata)")
-        raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
-                         "recorded; trace with save='all' or record_finite=True")
+        _refuse_nothing_examined(log)
     bad_params, params_checked, params_changed = _nonfinite_parameters(log)
     unread_params = _UnreadParameters(log, params_checked, params_changed)
     unexamined = [log.labels[i] for i, s in enumerate(status) if s is None and log.kinds[i] != Kind.OUTPUT]
@@ -298,6 +284,25 @@ def nonfinite_origin(log, grads: bool = False):
         stats_unexamined=_stats_unexamined(log),
         buffers_written=tuple((log.labels[i], address, _KINDS[flags])
                               for i in sorted(stats) for address, flags, _ in stats[i]))
+
+
+def _refuse_nothing_examined(log) -> None:
+    """Raise, naming why a trace with ops holds no value and no flag to examine, and what would give it some."""
+    if _all_on_meta(log):
+        raise ValueError("nonfinite_origin has nothing to examine: this forward ran on the meta device (or "
+                         "under FakeTensorMode), whose tensors have shapes but no values; trace the model on "
+                         "a real device")
+    if all_made_in_transform(log):
+        raise ValueError("nonfinite_origin has nothing to examine: this forward ran inside a torch.func transform "
+                         "(vmap, grad, ...), whose values cannot be read once it has returned (and which "
+                         "record_finite=True cannot examine); trace the model outside the transform")
+    gone = _why_activations_gone(log)
+    if gone is not None:
+        raise ValueError(f"nonfinite_origin has nothing to examine: the trace loaded from {log.loaded_from} "
+                         f"holds no activations ({gone}) and no finite flags; save it with its activations, "
+                         "or trace with record_finite=True (the flags are saved with the metadata)")
+    raise ValueError("nonfinite_origin has nothing to examine: no activation was saved and no finite flag "
+                     "recorded; trace with save='all' or record_finite=True")
 
 
 def _stats_born(log, status) -> dict:
