@@ -187,6 +187,17 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
     runs.finish()  # after the backward, which may read the buffers the forward saved for it
     corrupt_value = _scalar(value)
     _warn_no_span("attribution_patching", clean_value, corrupt_value)
+    estimate = _estimates(clean_log, live, labels, grads, notes)
+    rows = _attribution_rows(clean_log, estimate, notes, clean_value, corrupt_value)
+    frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
+    frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
+    return frame
+
+
+def _estimates(clean_log, live: dict, labels: list, grads, notes: dict) -> dict:
+    """label -> ``sum((clean - corrupt) * grad)`` for each op whose gradient was taken.  An op whose two values
+    differ in shape gets no estimate and a note in ``notes``; one whose estimate is not finite keeps it, with a
+    note."""
     estimate = {}
     for k, g in zip(labels, grads):
         clean_act, corrupt_act = clean_log[k].activation, live[k][0].detach()
@@ -197,6 +208,12 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         estimate[k] = 0.0 if g is None else float((_change(clean_act, corrupt_act) * g).sum())
         if not math.isfinite(estimate[k]):
             notes[k] = "the value or its gradient is not finite: no first-order estimate"
+    return estimate
+
+
+def _attribution_rows(clean_log, estimate: dict, notes: dict, clean_value: float, corrupt_value: float) -> list:
+    """One row per op, then one per module call, whose estimate sums those of its outputs (NaN with a note
+    where that sum would not be the call's)."""
     rows = []
     for op in clean_log.ops:
         if op.kind != "op":
@@ -209,22 +226,26 @@ def attribution_patching(model, clean, corrupt, metric, *, kwargs=None, deep: bo
         outs, read_inside = _outputs_not_read_inside(clean_log, mc)
         passed = _outputs_not_made_inside(clean_log, mc)
         e = sum(estimate.get(k, math.nan) for k in outs) if outs and not passed else math.nan
-        # once each: the outputs of one call often share a reason (rotary embeddings' cos and sin)
-        said = list(dict.fromkeys(notes[k] for k in outs if k in notes))
-        if not mc.output_ops:
-            said.append(_no_output_op(clean_log, mc))
-        if passed:
-            said.append(f"returns a tensor it did not compute ({', '.join(passed)}, passed through from its input), "
-                        "whose gradient sums every reader of it, not only the call's callers: no estimate of patching "
-                        "the call, which activation_patching refuses too; attribute the op labels of its outputs")
-        if read_inside:
-            said.append(f"leaves out the outputs the call itself read ({', '.join(read_inside)}): their effect "
-                        "reaches the metric through its other outputs, which would count it twice")
         rows.append({"site": mc.label, "kind": "module call", "estimate": e,
-                     "normalized": _normalized(e, clean_value, corrupt_value, baseline=0.0), "note": "; ".join(said)})
-    frame = pd.DataFrame(rows, columns=["site", "kind", "estimate", "normalized", "note"])
-    frame.attrs.update(clean=clean_value, corrupt=corrupt_value)
-    return frame
+                     "normalized": _normalized(e, clean_value, corrupt_value, baseline=0.0),
+                     "note": _call_note(clean_log, mc, outs, read_inside, passed, notes)})
+    return rows
+
+
+def _call_note(clean_log, mc, outs: list, read_inside: list, passed: list, notes: dict) -> str:
+    """Why a module call's estimate is missing or leaves outputs out: its outputs' notes, once each (the outputs
+    of one call often share a reason: rotary embeddings' cos and sin), then the call's own reasons."""
+    said = list(dict.fromkeys(notes[k] for k in outs if k in notes))
+    if not mc.output_ops:
+        said.append(_no_output_op(clean_log, mc))
+    if passed:
+        said.append(f"returns a tensor it did not compute ({', '.join(passed)}, passed through from its input), "
+                    "whose gradient sums every reader of it, not only the call's callers: no estimate of patching "
+                    "the call, which activation_patching refuses too; attribute the op labels of its outputs")
+    if read_inside:
+        said.append(f"leaves out the outputs the call itself read ({', '.join(read_inside)}): their effect "
+                    "reaches the metric through its other outputs, which would count it twice")
+    return "; ".join(said)
 
 
 def _no_gradient_note() -> str:
