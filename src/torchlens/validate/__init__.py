@@ -372,6 +372,45 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
     to replay under (``as_traced``; one that is None or absent stays as it is now)."""
     call_position = log.call_indices[op.index]
     call = log.calls[call_position]
+    func = call.func
+    problem = _unreplayable(log, op, call)
+    if problem is not None:
+        return problem
+    replay = log._replay
+    context = replay.contexts.get(call_position, replay.context) if replay is not None else None
+    arguments, why = _replay_arguments(log, replay, call, call_position)
+    if why is not None:
+        return _skip(why)
+    args, kwargs = arguments
+    generators = _private_generators(kwargs)
+    compiled = module_behind(func)  # its compiled code reads (and may write) that module's own state
+    if compiled is not None:
+        why = compiled_reads_changed(log, replay, compiled, call_position)
+        if why is not None:
+            return _skip(why)
+        kept = KeptForReplay(compiled)
+    try:
+        with as_traced(log, context, setting, func, op.device):
+            out = func(*args, **kwargs)
+    except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
+        return _skip(f"replay raised {type(exc).__name__}: {exc}")
+    finally:
+        wrote = compiled is not None and kept.restore()
+    if rng.moved() or any(g.get_state().ne(state).any() for g, state in generators):
+        rng.restore()
+        return _skip(RANDOM)
+    problem = _compare_replayed(log, op, call, func, args, kwargs, out)
+    if wrote and problem is not None and problem[0] == "mismatch":
+        return _skip(COMPILED_WROTE)
+    if problem is not None and problem[0] == "mismatch" and compiled is None and not call.wrote_arguments \
+            and _varies(func, args, kwargs, out, as_traced(log, context, setting, func, op.device)):
+        return _skip(NONDETERMINISTIC)
+    return problem
+
+
+def _unreplayable(log, op, call):
+    """``_skip(reason)`` (or a mismatch) when ``op`` cannot be replayed at all, before any argument is built: its
+    call's record is gone, its values are none to compare, or running it again could not give its output."""
     func, skeleton, kw_skeleton = call.func, call.args, call.kwargs
     if skeleton is None and kw_skeleton is None:
         return _skip("the trace was cleaned up")
@@ -401,54 +440,33 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
         if is_param_written(dropped):  # a parameter updated since, as for the ops reading it: not a mismatch
             return _skip(f"parameter changed since the trace: {dropped}")
         return _skip(f"its saved output was dropped: {dropped}" if dropped else "its own output was not saved")
-    replay = log._replay
-    context = replay.contexts.get(call_position, replay.context) if replay is not None else None
+    return None
+
+
+def _replay_arguments(log, replay, call, call_position: int) -> tuple:
+    """``((args, kwargs), None)``: the call's arguments rebuilt from private copies of its parents' saved values
+    and its parameters as they were when it ran; or ``(None, why)`` when one cannot be had."""
     positional, keyword = {}, {}
     copies: dict = {}  # one copy per parent: a tensor passed twice stays one tensor (``query is key``)
     for position, parent in call.parents:
         if parent < 0:
-            return _skip("a tensor argument came from outside the trace")
+            return None, "a tensor argument came from outside the trace"
         if parent not in log.saved_activations:
-            return _skip(_parent_unsaved(log, parent))
+            return None, _parent_unsaved(log, parent)
         if (call_position, parent) in log.alias_reads:
-            return _skip(f"it read {log.labels[parent]}'s storage after a write through a view (or while "
-                         "writing it through another argument, or a running statistic or observer buffer it wrote "
-                         "in its kernel, or through a tensor Tensor.set_ put on part of that storage), a value "
-                         "that no op output holds")
+            return None, (f"it read {log.labels[parent]}'s storage after a write through a view (or while writing "
+                          "it through another argument, or a running statistic or observer buffer it wrote in its "
+                          "kernel, or through a tensor Tensor.set_ put on part of that storage), a value that no op "
+                          "output holds")
         if parent not in copies:
             copies[parent] = _private_copy(log.saved_activations[parent], log.op_meta[parent].requires_grad)
         _put(positional, keyword, position, copies[parent])
     for position, param in call.params:
         value, why = param_as_it_ran(log, replay, param, call_position)
         if why is not None:
-            return _skip(why)
+            return None, why
         _put(positional, keyword, position, value)
-    args = fill(tuple(skeleton), positional)
-    kwargs = fill(dict(kw_skeleton), keyword)
-    generators = _private_generators(kwargs)
-    compiled = module_behind(func)  # its compiled code reads (and may write) that module's own state
-    if compiled is not None:
-        why = compiled_reads_changed(log, replay, compiled, call_position)
-        if why is not None:
-            return _skip(why)
-        kept = KeptForReplay(compiled)
-    try:
-        with as_traced(log, context, setting, func, op.device):
-            out = func(*args, **kwargs)
-    except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
-        return _skip(f"replay raised {type(exc).__name__}: {exc}")
-    finally:
-        wrote = compiled is not None and kept.restore()
-    if rng.moved() or any(g.get_state().ne(state).any() for g, state in generators):
-        rng.restore()
-        return _skip(RANDOM)
-    problem = _compare_replayed(log, op, call, func, args, kwargs, out)
-    if wrote and problem is not None and problem[0] == "mismatch":
-        return _skip(COMPILED_WROTE)
-    if problem is not None and problem[0] == "mismatch" and compiled is None and not call.wrote_arguments \
-            and _varies(func, args, kwargs, out, as_traced(log, context, setting, func, op.device)):
-        return _skip(NONDETERMINISTIC)
-    return problem
+    return (fill(tuple(call.args), positional), fill(dict(call.kwargs), keyword)), None
 
 
 def _varies(func, args, kwargs, out, context) -> bool:
