@@ -178,29 +178,7 @@ class Interventions(ReferencePath):
                 "return t)")
         if new is None:
             return None
-        if not isinstance(new, torch.Tensor):
-            raise InterventionError(f"intervention at {_where(key, op)} returned {type(new).__name__}; an action "
-                                    "returns a tensor (the new value) or None (keep the value)")
-        if not same_shape(new, value) or new.dtype != value.dtype:
-            hint = " (a predicate site can keep to float values: lambda op: op.dtype.is_floating_point and ...)" \
-                if callable(key) and not value.dtype.is_floating_point else ""
-            raise InterventionError(f"intervention at {_where(key, op)} returned a {tuple(shape_of(new))} {new.dtype} "
-                                    f"tensor for a {tuple(shape_of(value))} {value.dtype} value; an action must keep "
-                                    "shape and dtype" + hint)
-        if new.layout != value.layout or new.is_nested != value.is_nested:
-            raise InterventionError(f"intervention at {_where(key, op)} returned a {layout_name(new)} tensor for a "
-                                    f"{layout_name(value)} value; an action must keep the layout, which decides the "
-                                    "kernels the ops after it run")
-        if new.device != value.device:
-            raise InterventionError(f"intervention at {_where(key, op)} returned a tensor on {new.device} for a value "
-                                    f"on {value.device}; an action must keep the device (move the new value there "
-                                    "with .to(tensor.device))")
-        if new is not value and _held_by_the_forward(st, new):
-            raise InterventionError(
-                f"the action at {_where(key, op)} returned a tensor the forward already holds (an earlier op's "
-                "output, an input, a parameter or a buffer); downstream readers of it could not be told from "
-                "readers of the site, so the record would name the wrong parents. Return a copy instead "
-                "(return held.clone())")
+        _check_new_value(st, new, value, key, op)
         # The recomputation leaves out only what the edit changed: a new value reading the same elements of the
         # same memory (t.view_as(t), attribution_patching's probe of an op handing back its input) changes none.
         if same_elements(new, value):
@@ -446,6 +424,34 @@ class Interventions(ReferencePath):
         # A value a torch.func transform made is its wrapper, unreadable once the transform returns: not kept,
         # as the trace's own activations are not (MADE_IN_TRANSFORM)
         trace._originals = {r: t for r, t in self.originals.items() if not made_in_transform(t)}
+
+
+def _check_new_value(st, new, value, key, op) -> None:
+    """Refuse what an action returned in place of ``value`` unless the ops after the site can read it as they read
+    ``value``: a tensor of its shape, dtype, layout and device, and none the forward already holds."""
+    if not isinstance(new, torch.Tensor):
+        raise InterventionError(f"intervention at {_where(key, op)} returned {type(new).__name__}; an action "
+                                "returns a tensor (the new value) or None (keep the value)")
+    if not same_shape(new, value) or new.dtype != value.dtype:
+        hint = " (a predicate site can keep to float values: lambda op: op.dtype.is_floating_point and ...)" \
+            if callable(key) and not value.dtype.is_floating_point else ""
+        raise InterventionError(f"intervention at {_where(key, op)} returned a {tuple(shape_of(new))} {new.dtype} "
+                                f"tensor for a {tuple(shape_of(value))} {value.dtype} value; an action must keep "
+                                "shape and dtype" + hint)
+    if new.layout != value.layout or new.is_nested != value.is_nested:
+        raise InterventionError(f"intervention at {_where(key, op)} returned a {layout_name(new)} tensor for a "
+                                f"{layout_name(value)} value; an action must keep the layout, which decides the "
+                                "kernels the ops after it run")
+    if new.device != value.device:
+        raise InterventionError(f"intervention at {_where(key, op)} returned a tensor on {new.device} for a value "
+                                f"on {value.device}; an action must keep the device (move the new value there "
+                                "with .to(tensor.device))")
+    if new is not value and _held_by_the_forward(st, new):
+        raise InterventionError(
+            f"the action at {_where(key, op)} returned a tensor the forward already holds (an earlier op's "
+            "output, an input, a parameter or a buffer); downstream readers of it could not be told from "
+            "readers of the site, so the record would name the wrong parents. Return a copy instead "
+            "(return held.clone())")
 
 
 def _leaf_index(leaves, slot) -> int:
