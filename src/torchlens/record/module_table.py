@@ -17,7 +17,7 @@ from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
 from .modules import call_op_counts, inclusive_totals
 from .grads import saved_for_backward_bytes
-from .summary import COUNT_UNITS, human_bytes, unit_for
+from .summary import COUNT_UNITS, aligned_lines, human_bytes, unit_for
 
 COLUMNS = ("call", "depth", "class_name", "params", "input_shapes", "output_shapes", "ops", "flops",
            "flops_complete", "duration", "activation_bytes")
@@ -279,14 +279,8 @@ def summary_table_text(summary: ModuleSummary) -> str:
         table.append(cells)
     # Each column as wide as its longest cell: a capped width let a deep call's label (T5's
     # encoder.block.0.layer.0.SelfAttention.q:1, indented) push its row's numbers out of line with the rest.
-    widths = [max(len(row[k]) for row in table) for k in range(len(header))]
-    right = {2, 5, 6, 7, 8, 9}
-    lines = []
-    for n, cells in enumerate(table):
-        lines.append("  ".join(c.rjust(w) if k in right else c.ljust(w)
-                               for k, (c, w) in enumerate(zip(cells, widths))).rstrip())
-        if n == 0:
-            lines.append("-" * len(lines[0]))
+    lines = aligned_lines(table, right={2, 5, 6, 7, 8, 9})
+    lines.insert(1, "-" * len(lines[0]))
     root = summary.rows[0]
     lines.append("-" * len(lines[0]))
     params = "unknown" if root["params"] is None else f"{root['params']:,} (each parameter counted once, tied " \

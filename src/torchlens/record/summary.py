@@ -36,6 +36,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B" if unit == "B" else f"{n / scale:.1f} {unit}"
 
 
+def aligned_lines(table: list, right=()) -> list:
+    """The rows of ``table`` (lists of strings) as lines, each column as wide as its longest cell and two spaces
+    apart: left-aligned, or right-aligned for the column positions in ``right`` (numbers)."""
+    widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
+    return ["  ".join(c.rjust(w) if k in right else c.ljust(w) for k, (c, w) in enumerate(zip(row, widths))).rstrip()
+            for row in table]
+
+
 def _shape(op) -> str:
     return shape_text(op.shape)
 

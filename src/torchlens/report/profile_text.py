@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import counted
+from ..record.summary import aligned_lines
 
 
 def _fmt_ns(ns) -> str:
@@ -44,11 +45,9 @@ def profile_text(profile, top: int = 15) -> str:
         if profile.backward:
             line.append(_fmt_ns(r["bwd_" + key]))
         table.append(line)
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines.append(f"top {len(ranked)} ops by {'backward ' if backward_only else ''}"
                  f"{'device time' if device else 'self CPU time'}:")
-    for row in table:
-        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    lines += ["  " + line for line in aligned_lines(table)]
     if profile.backward:
         lines += _backward_by_module(profile, "bwd_" + key, device)
     return "\n".join(lines)
