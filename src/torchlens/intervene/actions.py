@@ -210,13 +210,13 @@ class patch_from(Action):  # noqa: N801
         self.trace = checked_trace(trace, "tl.patch_from: trace=", _SOURCE_TRACE)
 
     def value(self, tensor, op, at):
-        return _like(_same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op), tensor, op,
+        return _like(_checked_same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op), tensor, op,
                      "tl.patch_from")
 
     def value_at(self, tensor, op):
         """``source[at]``, from a source of the whole value's shape: index ``at`` of a run of another length
         is not the same place in it."""
-        source = _same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op)
+        source = _checked_same_shape(source_value(self.trace, op, "tl.patch_from"), tensor, op)
         return _like(source[self.at], tensor[self.at], op, "tl.patch_from")
 
     def _describe(self):
@@ -246,8 +246,8 @@ class mean_ablate(Action):  # noqa: N801
     def value(self, tensor, op, at):
         _check_dims(self, _as_tuple(self.dims), tensor, op)
         _needs_float(self, tensor, op)
-        source = tensor if self.trace is None else _same_kept_dims(self, source_value(self.trace, op,
-                                                                                      "tl.mean_ablate"), tensor, op)
+        source = tensor if self.trace is None else \
+            _checked_kept_dims(self, source_value(self.trace, op, "tl.mean_ablate"), tensor, op)
         mean = source.float().mean(dim=self.dims, keepdim=True) if not (source.is_floating_point() or
                                                                          source.is_complex()) \
             else source.mean(dim=self.dims, keepdim=True)
@@ -415,7 +415,7 @@ def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape
 
 
-def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
+def _checked_same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
     """``source`` when it has the shape of the value it replaces.  The value at the same site of another run
     stands for this one only when the two runs made it alike; broadcast, a batch of one clean prompt (or a
     clean sequence of length one) would be written into every row of the corrupted run unnoticed."""
@@ -427,7 +427,7 @@ def _same_shape(source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
     return source
 
 
-def _same_kept_dims(action, source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
+def _checked_kept_dims(action, source: torch.Tensor, tensor: torch.Tensor, op) -> torch.Tensor:
     """``source`` when its mean over ``action.dims`` stands for this value: the same rank, and the same size in
     every dimension the mean keeps.  Broadcast, the mean of prompts of length one would be written at every
     position of a longer run (or a 2-d source's at every position of a 3-d value) unnoticed."""
