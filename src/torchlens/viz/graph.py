@@ -350,9 +350,7 @@ def project(structure, focus: int = -1, depth=None) -> Picture:
             visible.append(i)
             g = items[i].group
             placement[items[i].key] = g if g != focus else -1
-            while g >= 0 and g != focus and g not in clusters:  # the boxes around a box drawn are drawn already
-                clusters.add(g)
-                g = groups[g].parent
+            _add_boxes_around(clusters, groups, g, focus)
         else:
             key = groups[rep].key
             node_of[i] = key
@@ -361,10 +359,7 @@ def project(structure, focus: int = -1, depth=None) -> Picture:
                 collapsed.append(rep)
                 parent = groups[rep].parent
                 placement[key] = parent if parent != focus else -1
-                g = parent
-                while g >= 0 and g != focus and g not in clusters:
-                    clusters.add(g)
-                    g = groups[g].parent
+                _add_boxes_around(clusters, groups, parent, focus)
     edges: dict = {}
     refs_in, refs_out = [], []
     for i in inside:
@@ -389,6 +384,14 @@ def project(structure, focus: int = -1, depth=None) -> Picture:
             edges.setdefault((dst, ref), []).extend(structure.edges[(i, dst_item)])
     ordered_clusters = sorted(clusters, key=lambda g: (groups[g].depth, g))
     return Picture(focus, depth, visible, collapsed, ordered_clusters, refs_in, refs_out, edges, placement)
+
+
+def _add_boxes_around(clusters: set, groups, g: int, focus: int) -> None:
+    """Add group ``g`` and the groups enclosing it, up to ``focus``, to the boxes drawn (``clusters``); a group
+    already there has its enclosing ones there too."""
+    while g >= 0 and g != focus and g not in clusters:
+        clusters.add(g)
+        g = groups[g].parent
 
 
 def pass_ranges(passes) -> str:
