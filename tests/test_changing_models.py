@@ -130,3 +130,63 @@ def test_extract_layers_naming_a_module_made_in_forward_says_to_give_its_output_
     label = tl.trace(model, x)["<unregistered Linear #1>:1"].layer_label
     folder = tl.extract(model, [x], [label], tmp_path / "feats", progress=False)
     assert tl.load_extracted(folder)[label].shape == (2, 4)
+
+
+def _gpt2_and_ids():
+    from real_models import small_gpt2_lm
+
+    return small_gpt2_lm(), torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_trace_keeps_the_parameters_its_forward_read_after_a_cast_or_resize_in_place(compiled, tmp_path):
+    """``model.half()`` and transformers' ``resize_token_embeddings`` give the same ``Parameter`` objects other
+    data (``p.data = ...``), which moves no version counter: a trace taken before keeps the dtypes and shapes
+    its ops read, in its records, its summary and its file, and a trace taken after shows the new ones."""
+    model, ids = _gpt2_and_ids()
+    with on_path(compiled):
+        before = tl.trace(model, ids)
+        model.resize_token_embeddings(70)
+        model.half()
+        after = tl.trace(model, ids.clip(max=69))
+    before.save(tmp_path / "before.tl")
+    loaded = tl.load(tmp_path / "before.tl")
+    for log in (before, loaded):
+        assert {p.dtype for p in log.params} == {torch.float32}
+        assert log.params[0].address == "transformer.wte.weight" and log.params[0].shape == (64, 32)
+    assert {p.dtype for p in after.params} == {torch.float16}
+    assert after.params[0].shape == (70, 32)
+    grown = 6 * 32  # the embedding, whose weight the head shares: counted once
+    assert after.summary().rows[0]["params"] == before.summary().rows[0]["params"] + grown
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_validate_names_a_parameter_cast_since_the_trace_instead_of_reporting_a_mismatch(compiled):
+    model, ids = _gpt2_and_ids()
+    with on_path(compiled):
+        log = tl.trace(model, ids)
+    model.half()
+    result = log.validate()
+    assert_trusted(result)
+    reasons = dict(result.not_replayed)
+    assert "torch.float32 tensor of shape (64, 32), it now holds a torch.float16" in reasons[log.params[0].op_labels[0]]
+
+
+
+class _SpareLazyHead(nn.Module):
+    """A lazy head its forward never calls: its parameters stay uninitialized, with no shape to read."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.spare = nn.Linear(2, 2), nn.LazyLinear(3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_lazy_module_the_forward_never_calls_is_traced_as_untraced(compiled):
+    model, x = _SpareLazyHead(), torch.randn(1, 2)
+    with on_path(compiled):
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x)) and [c.address for c in log.module_calls] == ["body"]

@@ -260,3 +260,33 @@ def test_frozen_parameters_are_recorded_as_frozen_on_either_read(without):
         log = tl.trace(model, torch.ones(1, 2), save="none")
     flags = log._replay.param_requires_grad
     assert [flags.get(id(p)) for p in model.parameters()] == [False, False, True, True]
+
+
+def test_same_layouts_matches_the_python_pass_and_leaves_other_values_to_it():
+    from torchlens.record.layouts import param_layouts
+
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
+    known = [(p.shape, p.dtype) for p in params]
+    assert _reads.same_layouts(params, known) is True and param_layouts(params, known) is known
+    params[1].data = torch.randn(5)  # new data, no version moved
+    assert _reads.same_layouts(params, known) is False
+    params[1].data = torch.randn(4, dtype=torch.float64)
+    assert _reads.same_layouts(params, known) is False
+    assert param_layouts(params, known) == [(params[0].shape, torch.float32), ((4,), torch.float64)]
+    subclass = type("Sub", (torch.Tensor,), {})(torch.ones(1))
+    for tensors, layouts in (([subclass], [((1,), torch.float32)]), (tuple(params), known),
+                             (params, [(params[0].shape, "float32"), known[1]]), (params, [known[0], [(4,), 0]])):
+        assert _reads.same_layouts(tensors, layouts) is None
+
+
+@pytest.mark.parametrize("without", [(), ("_reads",)], ids=["compiled reads", "python reads"])
+def test_traces_share_the_layouts_of_unchanged_parameters_on_either_read(without):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with on_path(True, without=without):
+        first, second = (tl.trace(model, torch.ones(1, 2), save="none") for _ in range(2))
+        model[1].weight.data = torch.zeros(3, 2)  # a resize in place: same Parameter, no version moved
+        model[1].bias.data = torch.zeros(3)
+        third = tl.trace(model, torch.ones(1, 2), save="none")
+    assert first._replay.param_layouts._values is second._replay.param_layouts._values
+    assert [p.shape for p in first.params] == [(2, 2), (2,), (2, 2), (2,)]
+    assert [p.shape for p in third.params] == [(2, 2), (2,), (3, 2), (3,)]

@@ -27,6 +27,14 @@
  *     parameters' flags as a trace ends, for replay), off the TensorImpls; None where that pass must decide:
  *     a container other than a list, a value that is not a plain ``torch.Tensor`` or ``Parameter``.
  *
+ * same_layouts(tensors, layouts)
+ *     Whether each tensor's shape and dtype are still the ``(torch.Size, dtype)`` pair at its position in
+ *     ``layouts``, as ``record.layouts.param_layouts`` compares them from Python (the parameters' as a trace
+ *     ends: data replaced by ``p.data = ...`` or ``model.half()`` moves no version counter).  From Python two
+ *     getters a parameter; here read off the TensorImpls.  None where that pass must decide: a container
+ *     other than a list, a value that is not a plain ``torch.Tensor`` or ``Parameter``, a nested tensor or
+ *     one of symbolic sizes, an entry of ``layouts`` that is not a pair of a tuple of ints and a dtype.
+ *
  * any_autocast()
  *     ``torch._C._is_any_autocast_enabled()``, which the handler asks once per op (whether the op ran
  *     under autocast: its context is then recorded); torch's binding builds a vector of device types per
@@ -57,7 +65,7 @@ extern "C" {
 }
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 4
+#define TORCHLENS_ACCEL_ABI 5
 
 #ifndef TORCHLENS_TORCH_VERSION
 #error "build with -DTORCHLENS_TORCH_VERSION=\"<torch.__version__>\" (accel/setup.py does)"
@@ -263,6 +271,56 @@ PyObject *requires_grad(PyObject *, PyObject *tensors) {
     return out;
 }
 
+/* 1 when ``shape`` (a tuple of ints) is ``sizes``, 0 when not, -1 when the Python pass must decide. */
+int same_sizes(PyObject *shape, c10::IntArrayRef sizes) {
+    if (!PyTuple_Check(shape)) return -1;
+    if (PyTuple_GET_SIZE(shape) != static_cast<Py_ssize_t>(sizes.size())) return 0;
+    for (size_t i = 0; i < sizes.size(); i++) {
+        PyObject *n = PyTuple_GET_ITEM(shape, static_cast<Py_ssize_t>(i));
+        if (!PyLong_CheckExact(n)) return -1;
+        long long value = PyLong_AsLongLong(n);
+        if (value == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+        if (value != sizes[i]) return 0;
+    }
+    return 1;
+}
+
+/* 1 when ``obj``'s shape and dtype are ``layout``'s, 0 when not, -1 when the Python pass must decide. */
+int same_layout(PyObject *obj, PyObject *layout) {
+    if (!THPVariable_CheckExact(obj) || !PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 2) return -1;
+    PyObject *dtype = PyTuple_GET_ITEM(layout, 1);
+    if (!THPDtype_Check(dtype)) return -1;
+    try {
+        const at::Tensor &t = THPVariable_Unpack(obj);
+        const c10::TensorImpl *impl = t.unsafeGetTensorImpl();
+        if (impl->is_nested() || impl->has_symbolic_sizes_strides()) return -1;
+        if (reinterpret_cast<THPDtype *>(dtype)->scalar_type != t.scalar_type()) return 0;
+        return same_sizes(PyTuple_GET_ITEM(layout, 0), t.sizes());
+    } catch (...) {
+        return -1;
+    }
+}
+
+PyObject *same_layouts(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "same_layouts(tensors, layouts) takes two arguments");
+        return nullptr;
+    }
+    PyObject *tensors = args[0], *layouts = args[1];
+    if (!PyList_CheckExact(tensors) || !PyList_CheckExact(layouts)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    if (PyList_GET_SIZE(layouts) != n) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int answer = same_layout(PyList_GET_ITEM(tensors, i), PyList_GET_ITEM(layouts, i));
+        if (answer < 0) Py_RETURN_NONE;
+        if (answer == 0) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 int context() {
     return (c10::GradMode::is_enabled() ? 1 : 0) | (autocast_on() ? 2 : 0);
 }
@@ -279,6 +337,9 @@ PyMethodDef reads_methods[] = {
     {"requires_grad", (PyCFunction)requires_grad, METH_O,
      "requires_grad(tensors): each tensor's requires_grad flag, read off its TensorImpl, as a list of bools; "
      "None where the Python pass must decide."},
+    {"same_layouts", (PyCFunction)(void (*)(void))same_layouts, METH_FASTCALL,
+     "same_layouts(tensors, layouts): whether each tensor's shape and dtype are the (torch.Size, dtype) pair "
+     "at its position in layouts; None where the Python pass must decide."},
     {"any_autocast", (PyCFunction)any_autocast, METH_NOARGS,
      "torch._C._is_any_autocast_enabled(), read without building a list of device types."},
     {nullptr},

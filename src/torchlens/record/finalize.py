@@ -28,7 +28,7 @@ from .columns import (CALL_FIRST_RECORD, CALL_FUNC, CALL_KWARGS, CALL_MODULE_CAL
                       MODULE_CALL_OUTPUTS, MODULE_CALL_PARENT, MODULE_CALL_T0_NS, MODULE_CALL_T1_NS, RECORD_CALL,
                       RECORD_SLOT, Kind, OpMeta, writes_first_argument)
 from .finite import drained_flags
-from .layouts import param_versions, requires_grad_flags, shape_of
+from .layouts import param_layouts, param_versions, requires_grad_flags, shape_of
 from .model_index import ModelIndex, fsdp_params, offloaded_address
 from .module_table import params_by_module
 from .modules import CallRow, ModuleRow, shown_class, unregistered_address
@@ -46,7 +46,7 @@ _CALL_MODULE_CALL = itemgetter(CALL_MODULE_CALL)
 _CALL_PARAMS, _CALL_WROTE = itemgetter(CALL_PARAMS), itemgetter(CALL_WROTE_ARGUMENTS)
 _MODULE = itemgetter(MODULE_CALL_MODULE)
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
-_NO_PARAMS = ByParam([], [])  # the versions and flags of a model without parameters (never changed)
+_NO_PARAMS = ByParam([], [])  # the versions, flags and layouts of a model without parameters (never changed)
 # A named tuple made from its fields in C (``_made(OpMeta, fields)``): its own ``__new__`` is a Python call.
 _made = tuple.__new__
 
@@ -104,9 +104,12 @@ def finalize(state: CaptureState, model, output, model_name: str, timings: dict,
     versions = param_versions(params) if params else None
     if params:
         note_unseen_param_writes(state, params, versions)
+        # Shared by the traces of unchanged parameters: a new list only where one changed since the last trace.
+        index.param_layouts = param_layouts(params, index.param_layouts)
     trace._replay = _made(ReplayContext, (state.context, state.contexts, state.param_writes,
                                           ByParam(ids, versions) if params else _NO_PARAMS,
-                                          ByParam(ids, requires_grad_flags(params)) if params else _NO_PARAMS))
+                                          ByParam(ids, requires_grad_flags(params)) if params else _NO_PARAMS,
+                                          ByParam(ids, index.param_layouts) if params else _NO_PARAMS))
     return trace
 
 

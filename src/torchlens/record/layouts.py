@@ -19,6 +19,7 @@ from ..tree import TENSOR_TYPES
 
 _VERSION = attrgetter("_version")
 _REQUIRES_GRAD = attrgetter("requires_grad")
+_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 
 
 def shape_of(t: torch.Tensor) -> tuple:
@@ -164,6 +165,28 @@ def requires_grad_flags(params: list) -> list:
     reads = _compiled_reads()
     flags = reads.requires_grad(params) if reads is not None else None
     return flags if flags is not None else list(map(_REQUIRES_GRAD, params))
+
+
+def param_layouts(params: list, known: list | None) -> list:
+    """Each parameter's ``(shape, dtype)`` as a trace ends: ``known`` (what an earlier trace of the same parameters
+    kept) while every one still matches it, checked by a C-level pass, else read anew.  A parameter's data can be
+    replaced without a new ``Parameter`` and without moving its version counter (``model.half()``, ``p.data =
+    ...``, transformers' ``resize_token_embeddings``): a trace keeps the layouts its forward read, not the live
+    ones.  torchlens-accel's ``_reads`` compares them off the TensorImpls, where it can answer."""
+    reads = _compiled_reads()
+    same = reads.same_layouts(params, known) if reads is not None and known is not None else None
+    if same:
+        return known
+    try:
+        now = list(zip(map(_SHAPE, params), map(_DTYPE, params)))
+    except RuntimeError:  # a lazy module's parameter its forward did not materialize has no shape yet
+        now = list(map(_layout_if_any, params))
+    return known if same is None and now == known else now
+
+
+def _layout_if_any(p) -> tuple | None:
+    """``(shape, dtype)``, or None for an uninitialized parameter (``nn.LazyLinear``'s before its first call)."""
+    return None if isinstance(p, torch.nn.parameter.UninitializedTensorMixin) else (p.shape, p.dtype)
 
 
 def _compiled_reads():

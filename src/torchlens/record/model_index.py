@@ -72,6 +72,7 @@ class ModelIndex:
         self._module_types = None  # every distinct module class, the root's included (on first use)
         self.wrappers = False  # whether a module holds an ``_orig_mod`` (a torch.compile wrapper does)
         self.params_by_module = None  # record.finalize: id(module) -> (module, [its parameters]), on first trace
+        self.param_layouts = None  # record.finalize: each parameter's (shape, dtype) as the last trace ended
         self._batch_counters = None  # BatchCounters, on first use
         if isinstance(model, torch.nn.Module):
             self._root = weakref(model)

@@ -35,7 +35,8 @@ def module_param_counts(trace) -> dict:
         live = [row for row in rows if row.ref is not None]
         if live or not rows:
             at_forward, memo = trace._params_by_module or {}, {}
-            counts = {row.address: _count_under(row.ref, at_forward, memo) for row in live}
+            numel = _numel_at_forward(trace._replay)
+            counts = {row.address: _count_under(row.ref, at_forward, memo, numel) for row in live}
             trace._params_by_module = None  # the counts are kept: the modules need not be
         else:
             counts = _used_param_counts(trace)
@@ -55,10 +56,22 @@ def params_by_module(index) -> dict:
     return {id(m): (None if m is root else m, list(_params_under(m, memo).values())) for m in index.all_modules()}
 
 
-def _count_under(module, at_forward: dict, memo: dict) -> int:
+def _numel_at_forward(replay):
+    """``numel(parameter)`` as the forward read it (its shape kept when the trace ended: a resize in place since
+    does not count), else as it is now."""
+    layouts = replay.param_layouts if replay is not None else None
+
+    def numel(p) -> int:
+        layout = layouts.get(id(p)) if layouts is not None else None
+        return numel_of(layout[0]) if layout is not None else p.numel()
+
+    return numel
+
+
+def _count_under(module, at_forward: dict, memo: dict, numel) -> int:
     known = at_forward.get(id(module))
     if known is not None and (known[0] is module or known[0] is None):  # None: the root, alive with the trace
-        return sum(p.numel() for p in known[1])
+        return sum(map(numel, known[1]))
     return sum(p.numel() for p in _params_under(module, memo).values())  # a module made in the forward
 
 

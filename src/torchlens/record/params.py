@@ -34,29 +34,34 @@ class ParamState(NamedTuple):
     requires_grad: bool
 
 
-def param_states(model_params, requires_grad) -> list:
-    """``[(address, ParamState)]`` for a trace's ``(address, Parameter)`` list: each one's ``requires_grad`` as
-    the forward ran (``requires_grad``: the flags read when it ended, a ``ByParam``), so a parameter frozen
-    since keeps the flag its ops saw; shape and dtype are read now (reading them per trace would cost every
-    trace a pass over the parameters)."""
-    flags = requires_grad.get if requires_grad is not None else (lambda _, now: now)
-    return [(address, ParamState(tuple(p.shape), p.dtype, flags(id(p), p.requires_grad)))
-            for address, p in model_params]
+def param_states(model_params, replay) -> list:
+    """``[(address, ParamState)]`` for a trace's ``(address, Parameter)`` list, as the forward ran: each one's
+    ``requires_grad``, shape and dtype as read when it ended (``replay``'s ``ByParam``s), so a parameter frozen,
+    cast (``model.half()``) or resized in place since keeps what its ops saw; read now where ``replay`` is None."""
+    if replay is None:
+        return [(address, ParamState(tuple(p.shape), p.dtype, p.requires_grad)) for address, p in model_params]
+    flags, layouts = replay.param_requires_grad.get, replay.param_layouts.get
+    return [(address, ParamState(tuple(shape), dtype, flags(id(p), p.requires_grad)))
+            for address, p in model_params for shape, dtype in (layouts(id(p)) or (p.shape, p.dtype),)]
 
 
 def changed_since_trace(trace) -> list:
-    """Addresses of the traced model's parameters written in place since the forward ended (an optimizer step):
-    their version counters moved.  Empty for a trace that holds no live model, or no versions."""
+    """Addresses of the traced model's parameters changed since the forward ended: written in place (an optimizer
+    step: their version counters moved), or given other data of another shape or dtype (``model.half()``,
+    ``resize_token_embeddings``).  Empty for a trace that holds no live model, or no versions."""
     replay = trace._replay
     if replay is None or trace._model_params is None:
         return []
-    versions = replay.param_versions
-    changed = []
-    for address, p in trace._model_params:
-        now = version_of(p)  # None for an inference tensor: no counter, so no change can be seen
-        if versions.get(id(p), now) != now:
-            changed.append(address)
-    return changed
+    return [address for address, p in trace._model_params if changed_since(replay, p)]
+
+
+def changed_since(replay, p) -> bool:
+    """Whether parameter ``p`` changed since the forward ``replay`` belongs to ended: its version counter moved,
+    or its shape or dtype is not the one the forward read (no counter moves for data replaced by ``p.data =``)."""
+    now = version_of(p)  # None for an inference tensor: no counter, so no write can be seen
+    layout = replay.param_layouts.get(id(p))
+    return replay.param_versions.get(id(p), now) != now or (
+        layout is not None and (layout[0] != p.shape or layout[1] != p.dtype))
 
 
 class BufferRow:

@@ -67,6 +67,7 @@ class ReplayContext(NamedTuple):
     param_writes: dict  # id(Parameter) -> [(call index or UNSEEN_WRITE, value before the write or None)]
     param_versions: ByParam  # id(Parameter) -> version when the forward ended
     param_requires_grad: ByParam  # id(Parameter) -> its requires_grad flag during the forward
+    param_layouts: ByParam  # id(Parameter) -> its (shape, dtype) when the forward ended
 
 
 def denormals_flushed() -> bool:

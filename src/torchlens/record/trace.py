@@ -166,8 +166,7 @@ class Trace(TraceColumns):
         if self._param_rows is None:
             from .params import build_params, param_states
 
-            flags = self._replay.param_requires_grad if self._replay is not None else None
-            states = param_states(self._model_params, flags) if self._model_params is not None else None
+            states = param_states(self._model_params, self._replay) if self._model_params is not None else None
             self._param_rows = build_params(self, states)
         return RecordList(self, Param, range(len(self._param_rows)), tables.params_frame)
 

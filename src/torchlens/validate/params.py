@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..record.layouts import memory_freed, version_of
+from ..record.layouts import memory_freed
 from ..record.model_index import traced_address
+from ..record.params import changed_since
 from ..record.replay_context import UNSEEN_WRITE
 from ..capture.compiled import module_tensors
 from ..copies import copy_with_layout
@@ -45,11 +46,16 @@ def _holds_what_it_read(log, module, call_position: int) -> bool:
 
 
 def _changed_since_trace(log, replay, param):
-    now = version_of(param)  # None for an inference tensor: no counter, so no change can be seen
-    if replay is not None and replay.param_versions.get(id(param), now) != now:
-        return (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "
-                "validate right after tracing")
-    return None
+    if replay is None or not changed_since(replay, param):
+        return None
+    layout = replay.param_layouts.get(id(param))
+    if layout is not None and layout != (param.shape, param.dtype):  # its data replaced: no version moved
+        shape, dtype = layout
+        return (f"parameter {_param_name(log, param)} changed since the trace: its forward read a {dtype} tensor of "
+                f"shape {tuple(shape)}, it now holds a {param.dtype} one of shape {tuple(param.shape)} (a cast such "
+                "as model.half(), or a resize): validate right after tracing")
+    return (f"parameter {_param_name(log, param)} changed since the trace (an optimizer step?): "
+            "validate right after tracing")
 
 
 def param_as_it_ran(log, replay, param, call_position: int) -> tuple:
