@@ -394,3 +394,19 @@ def test_extract_names_the_layer_whose_gradient_no_batch_can_have(tmp_path, laye
         tl.extract(Tagger(), batches, ["fc", layer], tmp_path / "g", grads=True,
                    loss_fn=lambda output, batch: output[0].sum(), progress=False)
     assert tl.trace(Tagger(), batches[0]).labels[:3] == ["input_1:1", "linear_1_1:1", "argmax_1_2:1"]
+
+
+def test_a_parameter_gradient_cast_since_the_trace_is_named_as_not_saved_and_the_file_loads(tmp_path):
+    """``model.half()`` after a backward casts each ``.grad`` too: saved beside the parameter's float32 record, it
+    made a file that tl.load refused as not matching its parameter."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    log = tl.trace(model, torch.randn(2, 3), grads=True)
+    log.backward(log.output.sum())
+    expected = model[2].bias.grad.clone()
+    model[0].half()
+    log.save(tmp_path / "cast.tl")
+    loaded = tl.load(tmp_path / "cast.tl")
+    with pytest.raises(GradientUnavailable, match=r"0\.weight: .*cast or resized since the trace: the forward read "
+                                                  r"a torch\.float32 tensor .*now a torch\.float16 one"):
+        loaded.params[0].grad
+    assert torch.equal(loaded.params[3].grad, expected)
