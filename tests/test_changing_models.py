@@ -190,3 +190,22 @@ def test_a_lazy_module_the_forward_never_calls_is_traced_as_untraced(compiled):
     with on_path(compiled):
         log = tl.trace(model, x)
     assert torch.equal(log.output, model(x)) and [c.address for c in log.module_calls] == ["body"]
+
+
+class _CallsItsForward(nn.Linear):
+    """A class with its own ``_call_impl``, not reached through ``nn.Module``'s: capture redirects it too."""
+
+    def _call_impl(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_module_given_another_class_between_traces_is_seen_by_the_next_trace(compiled):
+    # The class swap leaves every dict of the module as it was: the model's cached index once kept its
+    # module classes, so the new class's own _call_impl was not redirected and the call went unrecorded.
+    model, x = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), torch.randn(1, 2)
+    with on_path(compiled):
+        tl.trace(model, x)
+        model[2].__class__ = _CallsItsForward
+        log = tl.trace(model, x)
+    assert [c.address for c in log.module_calls] == ["0", "1", "2"] and torch.equal(log.output, model(x))

@@ -103,10 +103,21 @@ CASES = {
     "_buffers removed from __dict__": (lambda m: vars(m.norm).pop("_buffers"), False),
     "_modules made a custom mapping": (lambda m: setattr(m.body, "_modules", _Mapping(m.body._modules)), False),
     "__dict__ made a dict subclass": (lambda m: setattr(m.norm, "__dict__", _Mapping(vars(m.norm))), True),
+    "same class assigned again": (lambda m: setattr(m.norm, "__class__", nn.BatchNorm1d), True),
+    "another class assigned": (lambda m: setattr(m.norm, "__class__", _Norm), False),
+    "another class assigned to the root": (lambda m: setattr(m, "__class__", _Wider), False),
 }
 
 
 class _Mapping(dict):
+    pass
+
+
+class _Norm(nn.BatchNorm1d):
+    pass
+
+
+class _Wider(Wide):
     pass
 
 

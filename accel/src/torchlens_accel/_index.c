@@ -7,9 +7,9 @@
  *            and its address reused by a different object that would then pass for it; a module's
  *            ``__dict__`` is not held (the root's may hold the root itself, through a bound method or
  *            a closure), so it is found again on every check.
- * unchanged(model)  whether model's module tree is exactly what was snapshotted: the same dict objects
- *            under the same three names of every ``__dict__``, each with the same keys (equal, in
- *            order) and the same values (identical, in order).
+ * unchanged(model)  whether model's module tree is exactly what was snapshotted: every module of the
+ *            same class, the same dict objects under the same three names of every ``__dict__``, each
+ *            with the same keys (equal, in order) and the same values (identical, in order).
  *
  * Raises TypeError (a module without a ``__dict__``, or keeping its submodules, parameters or buffers in
  * a custom mapping) or KeyError (a module without the usual dicts), as Structure does: never cached.
@@ -26,7 +26,7 @@
 #include <stdint.h>
 
 /* Bumped with torchlens.capture.accel.ABI whenever what is built here changes meaning. */
-#define TORCHLENS_ACCEL_ABI 1
+#define TORCHLENS_ACCEL_ABI 2
 
 /* Only where it is built and tested: CPython 3.11 (3.12 deprecates the tag and folds watcher bits into it). */
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
@@ -47,6 +47,7 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t owners;      /* the root and every module */
     PyObject *modules;      /* a tuple: every module but the root, in walk order */
+    PyObject **classes;     /* per owner: its class when snapshotted (``__class__`` can be assigned) */
     PyObject **dicts;       /* owners * KINDS dicts, the root's first */
     char *ordered;          /* per dict: an OrderedDict (keys in its own order) */
     Py_ssize_t *offsets;    /* per dict, then one more: where its entries start in ``entries`` */
@@ -121,6 +122,8 @@ static int entries_equal(Snapshot *self, Py_ssize_t k) {
 
 static int snapshot_traverse(Snapshot *self, visitproc visit, void *arg) {
     Py_VISIT(self->modules);
+    if (self->classes != NULL)
+        for (Py_ssize_t i = 0; i < self->owners; i++) Py_VISIT(self->classes[i]);
     if (self->dicts != NULL)
         for (Py_ssize_t k = 0; k < self->owners * KINDS; k++) Py_VISIT(self->dicts[k]);
     if (self->entries != NULL && self->offsets != NULL)
@@ -133,6 +136,8 @@ static int snapshot_clear(Snapshot *self) {
         for (Py_ssize_t i = 0; i < 2 * self->offsets[self->owners * KINDS]; i++) Py_CLEAR(self->entries[i]);
     if (self->dicts != NULL)
         for (Py_ssize_t k = 0; k < self->owners * KINDS; k++) Py_CLEAR(self->dicts[k]);
+    if (self->classes != NULL)
+        for (Py_ssize_t i = 0; i < self->owners; i++) Py_CLEAR(self->classes[i]);
     Py_CLEAR(self->modules);
     return 0;
 }
@@ -140,6 +145,7 @@ static int snapshot_clear(Snapshot *self) {
 static void snapshot_dealloc(Snapshot *self) {
     PyObject_GC_UnTrack(self);
     snapshot_clear(self);
+    PyMem_Free(self->classes);
     PyMem_Free(self->dicts);
     PyMem_Free(self->ordered);
     PyMem_Free(self->offsets);
@@ -157,6 +163,7 @@ static PyObject *owner_at(Snapshot *self, PyObject *model, Py_ssize_t i) {
 /* Find every owner's three dicts (strong references into self->dicts) and count their entries. */
 static int take_dicts(Snapshot *self, PyObject *model) {
     for (Py_ssize_t i = 0; i < self->owners; i++) {
+        self->classes[i] = Py_NewRef((PyObject *)Py_TYPE(owner_at(self, model, i)));
         PyObject *d = instance_dict(owner_at(self, model, i));
         if (d == NULL) {
             if (PyErr_ExceptionMatches(PyExc_AttributeError)) { /* never cached, as Structure's vars() */
@@ -238,13 +245,14 @@ static PyObject *snapshot_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     if (self->modules == NULL) goto fail;
     self->owners = PyTuple_GET_SIZE(self->modules) + 1;
     Py_ssize_t count = self->owners * KINDS;
+    self->classes = PyMem_Calloc(self->owners, sizeof(PyObject *));
     self->dicts = PyMem_Calloc(count, sizeof(PyObject *));
     self->ordered = PyMem_Calloc(count, 1);
     self->offsets = PyMem_Calloc(count + 1, sizeof(Py_ssize_t));
     self->owner_dicts = PyMem_Calloc(self->owners, sizeof(void *));
     self->owner_versions = PyMem_Calloc(self->owners, sizeof(uint64_t));
     self->dict_versions = PyMem_Calloc(count, sizeof(uint64_t));
-    if (self->dicts == NULL || self->ordered == NULL || self->offsets == NULL || self->owner_dicts == NULL ||
+    if (self->classes == NULL || self->dicts == NULL || self->ordered == NULL || self->offsets == NULL || self->owner_dicts == NULL ||
         self->owner_versions == NULL || self->dict_versions == NULL) {
         PyErr_NoMemory();
         goto fail;
@@ -259,6 +267,7 @@ fail:
 /* Whether owner i's three dicts are still the snapshotted ones, each with the same entries; -1 on an
  * error to propagate (none: every failure to read reads as a change). */
 static int owner_unchanged(Snapshot *self, PyObject *owner, Py_ssize_t i) {
+    if ((PyObject *)Py_TYPE(owner) != self->classes[i]) return 0;
     PyObject *d = instance_dict(owner);
     if (d == NULL) {
         PyErr_Clear();

@@ -315,22 +315,25 @@ def refuse_module_object(value, modules: dict, where: str) -> None:
 # Each module keeps its submodules, parameters and buffers in three dicts of its ``__dict__``; every
 # change to the module tree (assigning, replacing or deleting a submodule, parameter or buffer,
 # ``register_*``, ``add_module``, ``_apply`` producing new tensors) changes the keys or the values of
-# one of them, or replaces the dict.
+# one of them, or replaces the dict.  A module given another class (``module.__class__ = ...``) keeps its
+# dicts: the index's module classes (which of them bring their own ``_call_impl``) would go stale, so each
+# module's class is compared too.
 _DICTS = itemgetter("_modules", "_parameters", "_buffers")
 
 
 class Structure:
-    """What a model's index was derived from: every module's three dicts, their keys and their values.
+    """What a model's index was derived from: every module's class and three dicts, their keys and their values.
 
     Everything is held strongly, so an object seen here can never be freed and its address reused by a
     different object that would then pass for it.  The check is a few C-level loops: the dicts and
     their values come from ``gc.get_referents`` (a container's references, in order: any change of a
     value changes the list), the keys from one chained iteration (string keys are not references)."""
 
-    __slots__ = ("modules", "snapshot", "keyed", "keys", "by_referents")
+    __slots__ = ("modules", "classes", "snapshot", "keyed", "keys", "by_referents")
 
     def __init__(self, model, modules: list):
         self.modules = modules  # every module but the root, once each, in walk order
+        self.classes = list(map(type, chain((model,), modules)))  # the root's first
         # A plain module's references are its ``__dict__`` and its class, in that order: one C call then
         # finds every module's ``__dict__`` (no ``vars`` per module).  Anything else (slots, a dict not
         # materialised) takes the general path.
@@ -367,7 +370,8 @@ class Structure:
         now = dicts + gc.get_referents(*dicts)
         # ``keyed`` holds some of the very dicts just found identical, so its keys are theirs now.
         return (len(now) == len(self.snapshot) and all(map(is_, now, self.snapshot))
-                and list(chain.from_iterable(self.keyed)) == self.keys)
+                and list(chain.from_iterable(self.keyed)) == self.keys
+                and all(map(is_, map(type, chain((model,), self.modules)), self.classes)))
 
 
 _cache: dict = {}  # id(model) -> (weak reference to the model, Structure, ModelIndex)
