@@ -48,3 +48,30 @@ def broadcast_into_empty(rank, world) -> list:
     with torch.inference_mode():  # writes, which the undefined-memory rule reads, in any grad mode
         log = tl.trace(receive, torch.randn(4))
     return sorted(log.ops[i].func_name for i in uninitialized_ops(log, through_writes=True))
+
+
+def received_late(rank, world) -> dict:
+    """Rank 0 sends a NaN late; rank 1 receives it with ``irecv``, always issued async: the finite flag taken at
+    the call was read before the NaN arrived.  Rank 1's report and recorded flags."""
+    import time
+
+    import torch.distributed as dist
+
+    import torchlens as tl
+
+    def exchange(x):
+        buffer = torch.zeros(4)
+        if rank == 0:
+            time.sleep(0.3)  # the receiver's call returns before the NaN is sent
+            dist.send(torch.full((4,), float("nan")), 1)
+        else:
+            dist.irecv(buffer, 0).wait()
+        return x + buffer
+
+    log = tl.trace(exchange, torch.ones(4), save="none", record_finite=True)
+    if rank == 0:
+        return None
+    report = tl.debug.nonfinite_origin(log)
+    return {"origin": report.origin_label, "certain": report.certain, "possible": report.possible_origins,
+            "flags": {op.func_name: op.finite for op in log.ops if op.kind == "op"},
+            "async": list(tl.distributed.collectives(log)["async"])}

@@ -8,7 +8,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import torchlens as tl
+from torchlens.debug.nonfinite import OTHER_RANKS
 from accel_paths import PATHS, on_path
+from collective_workers import received_late
+from distributed_workers import launch
 
 
 def _reduced(x):
@@ -35,3 +38,14 @@ def test_a_collective_issued_async_gets_no_finite_flag(path):
     reduces = [op.label for op in log.ops if op.func_name == "all_reduce"]
     assert len(reduces) == 3 and log[reduces[0]].finite == (False, False)  # the synchronous one keeps its flag
     assert set(reduces[1:]) <= set(unflagged)
+
+
+def test_a_receive_issued_by_irecv_gets_no_finite_flag_and_names_the_other_rank(tmp_path):
+    # irecv takes no async_op= and is always async: its flag was read at the call, while the buffer still held
+    # zeros, and the report named the add after the wait as the certain origin of rank 0's NaN.
+    _, (code, result) = launch(received_late, 2, str(tmp_path), timeout=45)
+    assert result is not None and "error" not in result, (code, result)
+    got = result["value"]
+    assert got["flags"]["irecv"] is None and got["async"] == [True]
+    assert got["origin"].startswith("add") and not got["certain"]
+    assert got["possible"] == ("irecv_1_2:1", OTHER_RANKS)

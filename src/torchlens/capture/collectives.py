@@ -41,6 +41,10 @@ NAMES = frozenset(COLLECTIVE_WRITES)  # the torch.distributed collectives captur
 # that returned no tensor.
 WRITTEN_ARGUMENT = _written_arguments()
 
+# Collectives async whatever their arguments: irecv takes no async_op= and returns a Work handle, its result
+# arriving at the wait.
+_ALWAYS_ASYNC = frozenset(["irecv"])
+
 
 def written_tensors(func, args, kwargs) -> tuple:
     """``(slot, tensor)`` for each tensor ``func`` wrote, in the form capture records outputs."""
@@ -62,21 +66,24 @@ def written_tensors(func, args, kwargs) -> tuple:
 
 def drop_flags_before_arrival(state) -> None:
     """Forget the finite flags ``record_finite=True`` took of what a collective issued asynchronously produced
-    (``async_op=True``, or a functional collective, whose result a later wait completes): they were read at
-    the call, before the result arrived, so those ops are left unexamined rather than called finite."""
+    (``async_op=True``, ``irecv``, or a functional collective, whose result a later wait completes): they were
+    read at the call, before the result arrived, so those ops are left unexamined rather than called finite."""
     flags = state.finite_flags
     for call in state.calls:
         func = call[CALL_FUNC]
-        if func in WRITTEN_ARGUMENT and _issued_async(func, call[CALL_ARGS], call[CALL_KWARGS]) or \
+        if func in WRITTEN_ARGUMENT and issued_async(func, call[CALL_ARGS], call[CALL_KWARGS]) or \
                 func not in WRITTEN_ARGUMENT and is_collective(func):
             for index in range(call[CALL_FIRST_RECORD], call[CALL_FIRST_RECORD] + call[CALL_NUM_OUTPUTS]):
                 flags.pop(index, None)
 
 
-def _issued_async(func, args, kwargs) -> bool:
-    """Whether a ``torch.distributed`` collective was called with ``async_op=True`` (its recorded arguments)."""
+def issued_async(func, args, kwargs) -> bool:
+    """Whether a ``torch.distributed`` collective's result arrives after the call: ``irecv`` always, the others
+    when called with ``async_op=True`` (read from the recorded arguments)."""
     import inspect
 
+    if func.__name__ in _ALWAYS_ASYNC:
+        return True
     try:
         bound = inspect.signature(func).bind_partial(*args, **(kwargs or {})).arguments
     except (TypeError, ValueError):  # a signature that cannot be read: the keyword alone

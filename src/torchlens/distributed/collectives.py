@@ -46,7 +46,7 @@ def _first_output(op) -> bool:
 
 
 def _describe(op):
-    from ..capture.collectives import WRITTEN_ARGUMENT
+    from ..capture.collectives import WRITTEN_ARGUMENT, issued_async
 
     func = op.func
     if func is None:  # a loaded trace keeps the functions' names only: the group was not saved
@@ -58,7 +58,7 @@ def _describe(op):
         bound = _bind(func, op.args or (), op.kwargs or {})
         group = bound.get("group")
         return {"label": op.label, "collective": func.__name__, "group": _group_name(group),
-                "group_ranks": _group_ranks(group), "async": bool(bound.get("async_op", False)),
+                "group_ranks": _group_ranks(group), "async": issued_async(func, op.args or (), op.kwargs or {}),
                 "module": op.module, "shape": op.shape}
     qualified = getattr(func, "_qualified_op_name", None) or getattr(getattr(func, "_schema", None), "name", "")
     if qualified.startswith(_FUNCTIONAL):
