@@ -574,3 +574,17 @@ def extract_streams(rank, world, out, batch_dim):
 
     tl.extract(AltUp().eval(), rows([2, 2, 2, 2]), ["streams"], out, batch_dim=batch_dim, progress=False)
     return "extracted"
+
+
+def extract_batch_sampled(rank, world, out, n, batch_size):
+    """This rank's part of a distributed extraction from a DataLoader given ``batch_sampler=`` batching a shuffling
+    DistributedSampler (the loader's own ``sampler`` is then a default one)."""
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    import torchlens as tl
+
+    ds = dataset(n)
+    batches = BatchSampler(DistributedSampler(ds, shuffle=True, seed=5), batch_size, drop_last=False)
+    tl.extract(KilledAfter(0).eval(), DataLoader(ds, batch_sampler=batches), LAYERS, out, args_of=lambda b: b[0],
+               progress=False)
+    return "extracted"

@@ -3,6 +3,7 @@ counted the first batch, so that the sample indices match the rows written."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +11,8 @@ import torch.nn as nn
 
 import torchlens as tl
 from torchlens.distributed.extraction import sample_index
+from distributed_workers import LAYERS, extract_batch_sampled, launch
+from test_distributed import single_process, values
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -42,3 +45,15 @@ def test_a_last_batch_of_one_is_counted_by_the_input_that_counted_the_first(tmp_
     assert sample_index(ranks).tolist() == [0, 1, 2]
     rows = tl.load_extracted(ranks, as_torch=True)["fc"]
     assert rows.shape == (3, 3) and torch.equal(rows, tl.load_extracted(single, as_torch=True)["fc"])
+
+
+@pytest.mark.path_independent  # how ranks share the batches, not what capture records
+def test_a_distributed_sampler_given_through_batch_sampler_shards_by_its_indices(tmp_path):
+    # The loader's own sampler is then a default one: the ranks' streams were refused as "different inputs" (and on
+    # one rank a shuffled stream was indexed by position, each row under another sample's index).
+    out = str(tmp_path / "dist")
+    assert values(launch(extract_batch_sampled, 2, str(tmp_path), out, 21, 4)) == ["extracted", "extracted"]
+    assert sample_index(out).tolist() == list(range(21))
+    expected = single_process(21, 4, tmp_path)
+    for name in LAYERS:  # other batch shapes: the same rows, up to matmul rounding
+        np.testing.assert_allclose(tl.load_extracted(out)[name], expected[name], rtol=1e-6, atol=1e-6)

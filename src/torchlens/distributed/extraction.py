@@ -3,8 +3,9 @@
 Each rank writes ``out/rank-{r}/``, an ordinary resumable, checksummed extraction folder whose rows also
 carry their sample index (``sample_index.safetensors``).  Which rows a rank takes:
 
-- a ``DataLoader`` over a ``DistributedSampler``: the loader's own batches; the sample indices are the
-  ones its batch sampler yields (the sampler's padding duplicates are dropped when joining);
+- a ``DataLoader`` over a ``DistributedSampler`` (its ``sampler=``, or the one its ``batch_sampler=`` batches): the
+  loader's own batches; the sample indices are the ones its batch sampler yields (the sampler's padding
+  duplicates are dropped when joining);
 - anything else (a list of batches, a generator, a plain ``DataLoader``): every rank iterates all of it
   and takes batches ``r, r + world, r + 2 * world, ...``; a row's sample index is its position in the
   whole stream.
@@ -178,7 +179,7 @@ def _share(inputs, rank, world, arguments_of, group, input_batch_dim=0):
     """``(batches for this rank, position -> sample indices, settings a resume must match)``."""
     settings = _sharding(inputs)
     if settings["sharding"] == "DistributedSampler":
-        sampler = inputs.sampler
+        sampler = _distributed_sampler(inputs)
         if sampler.num_replicas != world or sampler.rank != rank:
             raise ValueError(f"the DistributedSampler is set for rank {sampler.rank} of {sampler.num_replicas}, but "
                              f"this process is rank {rank} of {world}")
@@ -191,11 +192,24 @@ def _share(inputs, rank, world, arguments_of, group, input_batch_dim=0):
 
 def _sharding(inputs) -> dict:
     """How the ranks share ``inputs``, as a resume (or a call into the joined result) must find it again."""
-    sampler = getattr(inputs, "sampler", None)
-    if isinstance(sampler, torch.utils.data.DistributedSampler) and getattr(inputs, "batch_sampler", None) is not None:
+    sampler = _distributed_sampler(inputs)
+    if sampler is not None:
         return {"sharding": "DistributedSampler", "shuffle": sampler.shuffle, "seed": sampler.seed,
                 "epoch": sampler.epoch, "dataset_rows": len(sampler.dataset)}
     return {"sharding": "round-robin batches"}
+
+
+def _distributed_sampler(inputs):
+    """The ``DistributedSampler`` that picks this rank's samples of a batching ``DataLoader``: its ``sampler=``, or the
+    sampler its ``batch_sampler=`` batches (``BatchSampler(DistributedSampler(ds), 32, False)``, where the loader's
+    own ``sampler`` is a default one); None for anything else."""
+    batch_sampler = getattr(inputs, "batch_sampler", None)
+    if batch_sampler is None:  # not a DataLoader, or one that batches nothing (batch_size=None)
+        return None
+    for sampler in (getattr(inputs, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(sampler, torch.utils.data.DistributedSampler):
+            return sampler
+    return None
 
 
 def _same_stream_everywhere(inputs, arguments_of, group):
