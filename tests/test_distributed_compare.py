@@ -178,3 +178,32 @@ def test_an_op_reading_one_tensor_twice_agrees_with_itself_and_not_with_one_read
         changed.fc.bias[1] += 0.5
     (row,) = tl.distributed.compare([twice, tl.trace(changed, x)]).to_dict("records")
     assert (row["first_op"], row["origin"], row["max_abs_diff"]) == ("linear_1_1:1", "here", 0.5)
+
+
+class ScaledCausalScores(torch.nn.Module):
+    """Attention scores masked with -inf above the diagonal, then scaled by a learned temperature."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, scores):
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        return (scores.masked_fill(causal, float("-inf")) * self.temperature).softmax(-1)
+
+
+def test_infinities_both_ranks_hold_do_not_hide_the_largest_difference():
+    # The masked -inf entries agree, but inf - inf is NaN, which read as a difference made max_abs_diff inf.
+    scores = torch.randn(4, 4, generator=torch.Generator().manual_seed(8))
+    reference, nudged = ScaledCausalScores(), ScaledCausalScores()
+    with torch.no_grad():
+        nudged.temperature += 1e-3
+    (row,) = tl.distributed.compare([tl.trace(reference, scores), tl.trace(nudged, scores)]).to_dict("records")
+    (mul,) = [op for op in tl.trace(reference, scores).ops if op.func_name == "mul"]
+    finite = scores.masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), 0.0)
+    assert (row["first_op"], row["origin"]) == (mul.label, "here")
+    assert row["max_abs_diff"] == float((finite * nudged.temperature.detach() - finite).abs().max())
+    nan = scores.clone()  # a NaN both hold agrees too; one against a number stays the largest difference
+    nan[0, 0] = float("nan")
+    (row,) = tl.distributed.compare([tl.trace(reference, nan), tl.trace(nudged, nan)]).to_dict("records")
+    assert row["max_abs_diff"] < 1e-2

@@ -114,10 +114,18 @@ def _op_difference(a, b, base, other, rtol, atol):
     equal, _ = structures_equal(x, y, exact=rtol == 0 and atol == 0, rtol=rtol, atol=atol)
     if equal:
         return None, None
-    diff = None
-    if x.is_floating_point() or x.is_complex():
-        diff = float((x - y).abs().double().nan_to_num(nan=float("inf")).max()) if x.numel() else 0.0
+    diff = _largest_difference(x, y) if x.is_floating_point() or x.is_complex() else None
     return "values differ" if rtol == 0 and atol == 0 else f"values differ beyond rtol={rtol}, atol={atol}", diff
+
+
+def _largest_difference(x, y) -> float:
+    """``max |x - y|`` over the elements that differ: an infinity or a NaN both ranks hold agrees (``inf - inf`` is
+    NaN, which read as a difference hid the real one behind ``inf``), and one against anything else is the largest
+    difference there is (``inf``)."""
+    if not x.numel():
+        return 0.0
+    agree = (x == y) | (x.isnan() & y.isnan())
+    return float((x - y).abs().double().nan_to_num(nan=float("inf")).masked_fill(agree, 0.0).max())
 
 
 def _values_comparable(op, trace) -> bool:
