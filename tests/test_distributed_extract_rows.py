@@ -1,7 +1,10 @@
 """A distributed ``tl.extract`` counts each batch's rows as the single-process one does: by the input that
-counted the first batch, so that the sample indices match the rows written."""
+counted the first batch, so that the sample indices match the rows written; it finds each rank's samples through
+the DistributedSampler given, and joins round-robin shares only when their rows cover the stream once each."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -57,3 +60,30 @@ def test_a_distributed_sampler_given_through_batch_sampler_shards_by_its_indices
     expected = single_process(21, 4, tmp_path)
     for name in LAYERS:  # other batch shapes: the same rows, up to matmul rounding
         np.testing.assert_allclose(tl.load_extracted(out)[name], expected[name], rtol=1e-6, atol=1e-6)
+
+
+def extract_stream_of_its_own_length(rank, world, out, extra_on_rank_1):
+    """A stream of 4-row batches shared batch by batch, ``extra_on_rank_1`` batches longer (or shorter, if negative)
+    on rank 1: what each rank's tl.extract says."""
+    from distributed_workers import KilledAfter, dataset
+
+    batches = list(dataset(40).tensors[0].split(4))
+    if rank == 1:
+        batches = batches + batches[:extra_on_rank_1] if extra_on_rank_1 > 0 else batches[:extra_on_rank_1]
+    try:
+        tl.extract(KilledAfter(0).eval(), batches, LAYERS, out, progress=False)
+    except ValueError as exc:
+        return str(exc)
+    return "extracted"
+
+
+@pytest.mark.path_independent  # how ranks share the batches, not what capture records
+@pytest.mark.parametrize("extra, gap", [(2, "rows 40, 41, 42 ..."), (-3, "rows 28, 29, 30 ...")])
+def test_ranks_given_streams_of_different_lengths_are_refused_before_the_join(tmp_path, extra, gap):
+    # Each rank took the batches at its own positions of its own stream: the join left the rows of the batches no
+    # rank had out (and took rank 1's extra batches as rows of the dataset), silently.
+    out = str(tmp_path / "dist")
+    refused = values(launch(extract_stream_of_its_own_length, 2, str(tmp_path), out, extra))
+    assert refused[0] == refused[1]
+    assert f"streams of different lengths or batch sizes: {gap} of the stream were extracted by no rank" in refused[0]
+    assert not os.path.exists(os.path.join(out, "manifest.json"))  # nothing joined

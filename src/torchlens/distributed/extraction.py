@@ -77,6 +77,8 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         if in_step is not None:
             in_step.finish()
         _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
+        if settings["sharding"] != "DistributedSampler":
+            _refuse_uncovered_stream(out, world)  # on every rank alike, before the join
         if rank == 0:
             join_ranks(out, world)
         _barrier(dist, barrier_group, barrier_timeout, "the joined result")
@@ -307,6 +309,27 @@ def _unfinished(out, world) -> list:
         if not (isinstance(state, dict) and state.get("complete")):
             late.append(r)
     return late
+
+
+def _refuse_uncovered_stream(out, world) -> None:
+    """Refuse to join round-robin shares whose rows do not cover the stream once each: ranks that iterated streams of
+    different lengths (or batch sizes) took batches at positions the others' streams lacked, or counted rows at other
+    offsets, and the join would leave a gap where no rank had the batch, or hold a row twice."""
+    import numpy as np
+
+    folders = [os.path.join(out, RANK_FOLDER.format(r)) for r in range(world)]
+    indices = np.sort(np.concatenate([mapped(checked_member(f, SAMPLE_INDEX), "activations", as_torch=False)
+                                      for f in folders]))
+    wrong = np.flatnonzero(indices != np.arange(len(indices)))
+    if not len(wrong):
+        return
+    missing = np.setdiff1d(np.arange(int(indices[-1]) + 1), indices)
+    found = (f"rows {', '.join(map(str, missing[:3].tolist()))}{' ...' if len(missing) > 3 else ''} of the stream "
+             "were extracted by no rank" if len(missing) else
+             f"row {int(indices[wrong[0]])} of the stream was extracted twice")
+    raise ValueError(f"the ranks iterated streams of different lengths or batch sizes: {found}. A stream shared batch "
+                     "by batch (batches rank, rank + world, ...) must be the same on every rank; give every rank the "
+                     f"same batches, or a DataLoader with a DistributedSampler. Delete {out} and extract again")
 
 
 def _joined(out) -> bool:
