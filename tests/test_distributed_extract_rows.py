@@ -62,13 +62,13 @@ def test_a_distributed_sampler_given_through_batch_sampler_shards_by_its_indices
         np.testing.assert_allclose(tl.load_extracted(out)[name], expected[name], rtol=1e-6, atol=1e-6)
 
 
-def extract_stream_of_its_own_length(rank, world, out, extra_on_rank_1):
-    """A stream of 4-row batches shared batch by batch, ``extra_on_rank_1`` batches longer (or shorter, if negative)
-    on rank 1: what each rank's tl.extract says."""
+def extract_stream_of_its_own_length(rank, world, out, extra_on_rank_1, batch_size=4):
+    """A stream of 40 rows in batches of ``batch_size`` shared batch by batch, ``extra_on_rank_1`` batches longer (or
+    shorter, if negative) on rank 1: what each rank's tl.extract says."""
     from distributed_workers import KilledAfter, dataset
 
-    batches = list(dataset(40).tensors[0].split(4))
-    if rank == 1:
+    batches = list(dataset(40).tensors[0].split(batch_size))
+    if rank == 1 and extra_on_rank_1:
         batches = batches + batches[:extra_on_rank_1] if extra_on_rank_1 > 0 else batches[:extra_on_rank_1]
     try:
         tl.extract(KilledAfter(0).eval(), batches, LAYERS, out, progress=False)
@@ -87,3 +87,13 @@ def test_ranks_given_streams_of_different_lengths_are_refused_before_the_join(tm
     assert refused[0] == refused[1]
     assert f"streams of different lengths or batch sizes: {gap} of the stream were extracted by no rank" in refused[0]
     assert not os.path.exists(os.path.join(out, "manifest.json"))  # nothing joined
+
+
+@pytest.mark.path_independent
+def test_a_stream_of_fewer_batches_than_ranks_is_refused_on_every_rank_alike(tmp_path):
+    # Rank 1 had no batch: it said "inputs yielded no batches", and rank 0 that rank 1 died, hung or raised.
+    refused = values(launch(extract_stream_of_its_own_length, 2, str(tmp_path), str(tmp_path / "dist"), 0, 40))
+    assert refused[0] == refused[1] == (
+        "the stream holds 1 batch, fewer than the 2 ranks that share it batch by batch: rank 1 would have none to "
+        "extract. Split it into at least 2 batches, or give a DataLoader with a DistributedSampler, which gives every "
+        "rank a share")

@@ -39,7 +39,7 @@ from ..io.format import (MANIFEST, TraceFileError, atomic_file, checked_member, 
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
 from ..checks import check_path
-from ..errors import RankFailedError, ResumeMismatchError
+from ..errors import RankFailedError, ResumeMismatchError, counted
 from .arrival import absent_ranks, ranks_named
 
 RANK_FOLDER = "rank-{}"
@@ -246,7 +246,7 @@ class _RoundRobin:
         self.indices: dict = {}  # this rank's batch position -> sample index of each row
 
     def __iter__(self):
-        offset, mine = 0, 0
+        offset, mine, position = 0, 0, -1
         for position, batch in enumerate(self.inputs):
             rows = counted_rows(*self.arguments_of(batch, position), self.input_batch_dim, self)[0]
             if rows is None:
@@ -258,6 +258,12 @@ class _RoundRobin:
                 yield batch
                 mine += 1
             offset += rows
+        if 0 <= position < self.world - 1:  # every rank iterated the same stream: each raises this alike
+            idle = ranks_named(range(position + 1, self.world))
+            raise ValueError(f"the stream holds {counted(position + 1, 'batch', 'batches')}, fewer than the "
+                             f"{self.world} ranks that share it batch by batch: {idle} would have none to extract. "
+                             f"Split it into at least {self.world} batches, or give a DataLoader with a "
+                             "DistributedSampler, which gives every rank a share")
 
 
 @contextlib.contextmanager
