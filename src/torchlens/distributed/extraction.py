@@ -273,7 +273,7 @@ def _barrier_group(dist, timeout):
     gloo, since ``monitored_barrier`` (which names the ranks that did not arrive) exists on gloo alone; a group of
     its own, since ranks other than 0 wait in it for the group's timeout, not the barrier's: on the world's group
     a rank 0 slower than the process group's timeout failed every rank, however long ``barrier_timeout``."""
-    absent = absent_ranks(dist, None, range(dist.get_world_size()), "extract", timeout)
+    absent = absent_ranks(dist, None, range(dist.get_world_size()), "tl.extract", timeout)
     if absent:  # new_group would wait for them, then fail naming no one
         raise RankFailedError(f"{ranks_named(absent)} did not call tl.extract within {timeout:g}s of this rank: under "
                               "torch.distributed every rank must call it, like a collective")

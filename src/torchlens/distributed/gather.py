@@ -115,7 +115,7 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
         raise ValueError(f"gather: dst={dst} is not a rank of the process group gathered over (ranks "
                          f"{', '.join(map(str, ranks))}); give the rank, in the world's numbering, that receives "
                          "every trace")
-    absent = absent_ranks(dist, group, ranks, "gather", timeout)
+    absent = absent_ranks(dist, group, ranks, "tl.distributed.gather", timeout)
     if absent:
         raise RankFailedError(
             f"{ranks_named(absent)} did not call tl.distributed.gather within {timeout:g}s of this rank: every rank of "
