@@ -1,6 +1,7 @@
 """A distributed ``tl.extract`` counts each batch's rows as the single-process one does: by the input that
 counted the first batch, so that the sample indices match the rows written; it finds each rank's samples through
-the DistributedSampler given, and joins round-robin shares only when their rows cover the stream once each."""
+the DistributedSampler given, refusing ranks that would shard the dataset differently, and joins round-robin shares
+only when their rows cover the stream once each."""
 
 from __future__ import annotations
 
@@ -97,3 +98,33 @@ def test_a_stream_of_fewer_batches_than_ranks_is_refused_on_every_rank_alike(tmp
         "the stream holds 1 batch, fewer than the 2 ranks that share it batch by batch: rank 1 would have none to "
         "extract. Split it into at least 2 batches, or give a DataLoader with a DistributedSampler, which gives every "
         "rank a share")
+
+
+def extract_own_order(rank, world, out, setting):
+    """A distributed extraction whose shuffling DistributedSampler has a ``setting`` ("seed" or "epoch") of each
+    rank's own: what each rank's tl.extract says."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from distributed_workers import KilledAfter, dataset
+
+    ds = dataset(20)
+    sampler = DistributedSampler(ds, shuffle=True, seed=rank if setting == "seed" else 0)
+    sampler.set_epoch(rank if setting == "epoch" else 0)
+    try:
+        tl.extract(KilledAfter(0).eval(), DataLoader(ds, batch_size=4, sampler=sampler), LAYERS, out,
+                   args_of=lambda b: b[0], progress=False)
+    except ValueError as exc:
+        return str(exc)
+    return "extracted"
+
+
+@pytest.mark.path_independent
+@pytest.mark.parametrize("setting", ["seed", "epoch"])
+def test_distributed_samplers_ordering_the_dataset_differently_are_refused_on_every_rank(tmp_path, setting):
+    # Each rank drew its share from its own order: the shares overlapped, and the join dropped the overlap as the
+    # sampler's padding, leaving out the samples no rank drew without a word.
+    out = str(tmp_path / "dist")
+    refused = values(launch(extract_own_order, 2, str(tmp_path), out, setting))
+    assert refused[0] == refused[1]
+    assert refused[0].startswith(f"the ranks shard the dataset differently ({setting}: 0 on rank 0, 1 on rank 1)")
+    assert not os.path.exists(os.path.join(out, "manifest.json"))

@@ -185,9 +185,14 @@ def _share(inputs, rank, world, arguments_of, group, input_batch_dim=0):
         if sampler.num_replicas != world or sampler.rank != rank:
             raise ValueError(f"the DistributedSampler is set for rank {sampler.rank} of {sampler.num_replicas}, but "
                              f"this process is rank {rank} of {world}")
+        sampling = dict(settings, drop_last=sampler.drop_last)
+        if not sampler.shuffle:  # the seed and the epoch order a shuffled dataset alone
+            del sampling["seed"], sampling["epoch"]
+        _same_sharding_everywhere(sampling, group)
         plan = [torch.as_tensor(list(b), dtype=torch.int64) for b in inputs.batch_sampler]
         return inputs, plan.__getitem__, settings
-    inputs = _same_stream_everywhere(inputs, arguments_of, group)
+    inputs, first = _first_batch(inputs, arguments_of)
+    _same_sharding_everywhere(dict(settings, first_batch=first), group)
     share = _RoundRobin(inputs, rank, world, arguments_of, input_batch_dim)
     return share, share.indices.__getitem__, settings
 
@@ -214,26 +219,44 @@ def _distributed_sampler(inputs):
     return None
 
 
-def _same_stream_everywhere(inputs, arguments_of, group):
-    """Refuse to shard batch by batch a stream that differs between ranks (each rank's own share already):
-    taking every ``world``-th batch of it would silently drop rows.  Returns an iterable of all batches."""
+def _first_batch(inputs, arguments_of):
+    """``(an iterable of all of inputs' batches, a hash of the first one)``: the ranks compare the hashes, since a
+    stream that differs between ranks (each rank's own share already) cannot be shared batch by batch."""
     import itertools
-
-    import torch.distributed as dist
 
     from ..io.extract import inputs_fingerprint
 
     iterator = iter(inputs)
     first = next(iterator, None)
-    mine = None if first is None else inputs_fingerprint(*arguments_of(first, 0))
+    if first is None:
+        return [], None
+    return itertools.chain([first], iterator), inputs_fingerprint(*arguments_of(first, 0))
+
+
+def _same_sharding_everywhere(sharding: dict, group) -> None:
+    """Refuse, on every rank alike, ranks that would not take their shares of one dataset: some sharding it with a
+    DistributedSampler and others batch by batch; DistributedSamplers that order it differently (a seed or an epoch of
+    each rank's own), whose shares would overlap and miss samples (and the join, dropping the overlap as the sampler's
+    padding, would silently lose those rows); streams whose first batches differ, whose taking every ``world``-th
+    batch would silently drop rows."""
+    import torch.distributed as dist
+
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine, group=group)
-    if len(set(everyone)) > 1:
-        raise ValueError("the ranks were given different inputs (their first batches differ). Under "
-                         "torch.distributed, tl.extract shards either a DataLoader with a DistributedSampler or "
-                         "one stream that every rank iterates identically; it cannot tell where the rows of "
-                         "per-rank streams belong in the dataset")
-    return [] if first is None else itertools.chain([first], iterator)
+    dist.all_gather_object(everyone, sharding, group=group)
+    for name in sharding:
+        values = [s.get(name) for s in everyone]  # a rank that does not shuffle has no seed to compare
+        if len(set(values)) == 1:
+            continue
+        if name == "first_batch":
+            raise ValueError("the ranks were given different inputs (their first batches differ). Under "
+                             "torch.distributed, tl.extract shards either a DataLoader with a DistributedSampler or "
+                             "one stream that every rank iterates identically; it cannot tell where the rows of "
+                             "per-rank streams belong in the dataset")
+        differ = ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+        raise ValueError(f"the ranks shard the dataset differently ({name}: {differ}): each rank would take its share "
+                         "of another order of it, and the shares would overlap and miss samples. Give every rank a "
+                         "DataLoader with a DistributedSampler of the same dataset, shuffle, seed, drop_last and epoch "
+                         "(set_epoch), or every rank the same stream")
 
 
 class _RoundRobin:
