@@ -1,7 +1,7 @@
 """A distributed ``tl.extract`` counts each batch's rows as the single-process one does: by the input that
 counted the first batch, so that the sample indices match the rows written; it finds each rank's samples through
-the DistributedSampler given, refusing ranks that would shard the dataset differently, and joins round-robin shares
-only when their rows cover the stream once each."""
+the DistributedSampler given, refusing ranks that would shard the dataset differently or run different models, and
+joins round-robin shares only when their rows cover the stream once each."""
 
 from __future__ import annotations
 
@@ -127,4 +127,33 @@ def test_distributed_samplers_ordering_the_dataset_differently_are_refused_on_ev
     refused = values(launch(extract_own_order, 2, str(tmp_path), out, setting))
     assert refused[0] == refused[1]
     assert refused[0].startswith(f"the ranks shard the dataset differently ({setting}: 0 on rank 0, 1 on rank 1)")
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+
+
+def extract_own_model(rank, world, out):
+    """A distributed extraction of a model each rank initialised with its own seed: what each rank's tl.extract
+    says."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from distributed_workers import KilledAfter, dataset
+
+    model = KilledAfter(0).eval()
+    with torch.no_grad():
+        model.inner.fc1.weight.add_(rank)  # as a model built before seeding every rank alike
+    ds = dataset(8)
+    try:
+        tl.extract(model, DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, shuffle=False)), LAYERS, out,
+                   args_of=lambda b: b[0], progress=False)
+    except ValueError as exc:
+        return str(exc)
+    return "extracted"
+
+
+@pytest.mark.path_independent
+def test_ranks_whose_models_differ_are_refused_before_extracting(tmp_path):
+    # Each rank's rows were computed by its own weights, and the join put them together as one model's rows.
+    out = str(tmp_path / "dist")
+    refused = values(launch(extract_own_model, 2, str(tmp_path), out))
+    assert refused[0] == refused[1]
+    assert refused[0].startswith("the ranks' KilledAfter models differ (their parameters or buffers: checksums ")
     assert not os.path.exists(os.path.join(out, "manifest.json"))

@@ -36,6 +36,7 @@ from ..io.extract_shards import EXTRACT_FORMAT, EXTRACT_SCHEMA, SAMPLE_INDEX
 from ..io.extracted import refuse_unfinished
 from ..io.format import (MANIFEST, TraceFileError, atomic_file, checked_member, make_folder, read_json, verify_manifest,
                          write_manifest)
+from ..io.identity import model_checksum
 from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
 from ..checks import check_path
@@ -66,8 +67,10 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
             return out
         folder = os.path.join(out, RANK_FOLDER.format(rank))
         batches, indices_of, settings = _share(inputs, rank, world, arguments_of, barrier_group, input_batch_dim)
+        fsdp = module is not None and bool(_fsdp_sharded_params(module))
+        _same_model_everywhere(None if fsdp else module, barrier_group)  # an FSDP2 model's shards differ by design
         # An FSDP2 model's forwards are collectives: its ranks check, forward by forward, that they all run one.
-        in_step = _InStep(dist, barrier_group, out) if module is not None and _fsdp_sharded_params(module) else None
+        in_step = _InStep(dist, barrier_group, out) if fsdp else None
         # A rank that raises here never reaches the barrier, and the others name it there.
         extract_folder(model, batches, layers, folder, arguments_of=arguments_of, kwargs=kwargs,
                        shard_bytes=shard_bytes, progress=progress if rank == 0 else False, indices_of=indices_of,
@@ -217,6 +220,22 @@ def _distributed_sampler(inputs):
         if isinstance(sampler, torch.utils.data.DistributedSampler):
             return sampler
     return None
+
+
+def _same_model_everywhere(module, group) -> None:
+    """Refuse, on every rank alike, ranks whose models differ (weights initialised with each rank's own seed, another
+    checkpoint): the join would put their rows together as one model's.  ``module`` None: nothing to compare."""
+    import torch.distributed as dist
+
+    mine = None if module is None else model_checksum(module)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=group)
+    if len(set(everyone)) > 1:
+        differ = ", ".join(f"{str(checksum)[:12]} on rank {r}" for r, checksum in enumerate(everyone))
+        raise ValueError(f"the ranks' {type(module).__name__} models differ (their parameters or buffers: checksums "
+                         f"{differ}), and their rows would be joined as one model's. Give every rank the same weights: "
+                         "the same seed before building the model, the same checkpoint, or DDP(model), which copies "
+                         "rank 0's")
 
 
 def _first_batch(inputs, arguments_of):
