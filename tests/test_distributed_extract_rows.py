@@ -6,6 +6,7 @@ joins round-robin shares only when their rows cover the stream once each."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -157,3 +158,25 @@ def test_ranks_whose_models_differ_are_refused_before_extracting(tmp_path):
     assert refused[0] == refused[1]
     assert refused[0].startswith("the ranks' KilledAfter models differ (their parameters or buffers: checksums ")
     assert not os.path.exists(os.path.join(out, "manifest.json"))
+
+
+def extract_checking_slowly(rank, world, out):
+    """A stream of equal length on every rank, whose rank 1 is slow to check that the shares cover it."""
+    from torchlens.distributed import extraction
+
+    check = extraction._refuse_uncovered_stream
+
+    def slow_check(*args):
+        time.sleep(2.0 * rank)
+        check(*args)
+
+    extraction._refuse_uncovered_stream = slow_check
+    return extract_stream_of_its_own_length(rank, world, out, 0)
+
+
+@pytest.mark.path_independent
+def test_the_join_waits_for_every_rank_to_check_the_shares_it_removes(tmp_path):
+    # Rank 0 joined and removed the rank folders while rank 1 still read their sample indices.
+    out = str(tmp_path / "dist")
+    assert values(launch(extract_checking_slowly, 2, str(tmp_path), out)) == ["extracted", "extracted"]
+    assert sample_index(out).tolist() == list(range(40))

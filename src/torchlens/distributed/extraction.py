@@ -82,6 +82,8 @@ def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_byt
         _barrier(dist, barrier_group, barrier_timeout, "the end of its share", lambda: _unfinished(out, world))
         if settings["sharding"] != "DistributedSampler":
             _refuse_uncovered_stream(out, world)  # on every rank alike, before the join
+            # the join removes the rank folders: every rank must have read them first
+            _barrier(dist, barrier_group, barrier_timeout, "the check of the shares")
         if rank == 0:
             join_ranks(out, world)
         _barrier(dist, barrier_group, barrier_timeout, "the joined result")
