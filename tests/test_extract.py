@@ -109,23 +109,23 @@ SHARD_MEMORY = textwrap.dedent('''
 
     def batches():  # made on demand: only the extraction holds rows
         for _ in range(8):
-            yield torch.ones(250, 25000)  # 25 MB in, 25 MB out
+            yield torch.ones(250, 12500)  # 12.5 MB in, 12.5 MB out
 
-    tl.extract(Double(), [torch.ones(2, 25000)], ["mul_1_1"], sys.argv[1] + "/warm", progress=False)
+    tl.extract(Double(), [torch.ones(2, 12500)], ["mul_1_1"], sys.argv[1] + "/warm", progress=False)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tl.extract(Double(), batches(), ["mul_1_1"], sys.argv[1] + "/big", shard_bytes=200 << 20, progress=False)
+    tl.extract(Double(), batches(), ["mul_1_1"], sys.argv[1] + "/big", shard_bytes=100 << 20, progress=False)
     print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)  # MiB (Linux counts KiB)
 ''')
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux only")
 def test_a_shard_is_written_without_a_second_copy_in_memory(tmp_path):
-    # The docs bound memory by one shard plus one batch: the 200 MiB of buffered rows are written as they
-    # are, never first joined into a second 200 MiB tensor.
+    # The docs bound memory by one shard plus one batch: the 100 MiB of buffered rows are written as they
+    # are, never first joined into a second 100 MiB tensor.
     growth = peak_growth_mib(SHARD_MEMORY, tmp_path)
-    assert growth < 300, f"peak memory grew {growth:.0f} MiB for a 200 MiB shard of 25 MiB batches"
+    assert growth < 150, f"peak memory grew {growth:.0f} MiB for a 100 MiB shard of 12.5 MiB batches"
     rows = tl.load_extracted(tmp_path / "big")["mul_1_1"]
-    assert rows.shape == (2000, 25000) and bool((rows == 2).all())
+    assert rows.shape == (2000, 12500) and bool((rows == 2).all())
 
 
 def test_a_layer_after_the_stop_site_is_refused_naming_the_stop(tmp_path):
