@@ -35,11 +35,10 @@ SPAWNED = textwrap.dedent('''
         log.save(path)
         return [op.label for op in log.ops]
 
-    def load_elsewhere(path, queue):
+    def load_elsewhere_and_return_a_trace(path, queue, conn):
+        """In another spawned process than the one that saved: load the trace, then send a new one back."""
         loaded = tl.load(path)
         queue.put([[op.label for op in loaded.ops], loaded[-1].activation.tolist()])
-
-    def trace_returned(conn):
         try:
             conn.send(tl.trace(Net(), torch.ones(1, 4)))
         except TypeError as exc:
@@ -51,13 +50,10 @@ SPAWNED = textwrap.dedent('''
         with mp.Pool(1) as pool:
             labels = pool.apply(trace_and_save, (path,))
         queue = mp.Queue()
-        child = mp.Process(target=load_elsewhere, args=(path, queue))
+        near, far = mp.Pipe()
+        child = mp.Process(target=load_elsewhere_and_return_a_trace, args=(path, queue, far))
         child.start()
         loaded_labels, output = queue.get(timeout=120)
-        child.join()
-        near, far = mp.Pipe()
-        child = mp.Process(target=trace_returned, args=(far,))
-        child.start()
         refusal = near.recv()
         child.join()
         expected = Net()(torch.arange(8.0).reshape(2, 4)).tolist()
