@@ -110,14 +110,21 @@ def test_model_errors_exit_1_naming_where_it_failed(models):
     ("import torch\ndef build():\n    raise RuntimeError('no weights here')\n", "building the model (broken:build())"),
     ("raise RuntimeError('no weights here')\n", "importing broken"),
 ], ids=["factory", "import"])
-def test_a_failing_import_or_factory_is_not_called_the_model_failing(models, source, stage):
+def test_a_failing_import_or_factory_is_not_called_the_model_failing(models, monkeypatch, capsys, source, stage):
     """An exception raised while importing the target's file or calling its factory was reported as "the model
     failed", as if the forward had raised: the message now names the stage that raised, with its line."""
     (models / "broken.py").write_text(source)
-    done = run(["trace", "broken:build", "--input", "2x8"], models)
-    assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert f"torchlens: {stage} failed:" in done.stderr and "the model failed" not in done.stderr
-    assert "RuntimeError: no weights here" in done.stderr and "broken.py:" in done.stderr
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    monkeypatch.delitem(sys.modules, "broken", raising=False)  # each case imports its own file
+    try:
+        assert main(["trace", "broken:build", "--input", "2x8"]) == 1
+    finally:
+        sys.modules.pop("broken", None)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"torchlens: {stage} failed:" in err and "the model failed" not in err
+    assert "RuntimeError: no weights here" in err and "broken.py:" in err
 
 
 def test_a_model_error_names_the_line_in_a_package_whose_folder_name_begins_with_torchs(tmp_path, monkeypatch,
