@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import torchlens as tl
 from torchlens.distributed.extraction import sample_index
-from distributed_workers import LAYERS, extract_batch_sampled, launch
+from distributed_workers import LAYERS, extract_batch_sampled, extract_fsdp2_uneven, launch
 from test_distributed import single_process, values
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
@@ -99,6 +99,17 @@ def test_a_stream_of_fewer_batches_than_ranks_is_refused_on_every_rank_alike(tmp
         "the stream holds 1 batch, fewer than the 2 ranks that share it batch by batch: rank 1 would have none to "
         "extract. Split it into at least 2 batches, or give a DataLoader with a DistributedSampler, which gives every "
         "rank a share")
+
+
+@pytest.mark.path_independent
+def test_an_fsdp2_model_given_fewer_batches_than_ranks_is_refused_before_any_forward(tmp_path):
+    # Rank 0 ran its batch's forward, whose all-gather waited for rank 1, which had found the stream too short at
+    # its end and raised: rank 0 failed there with gloo's "connection closed".
+    out = str(tmp_path / "fsdp2-short")
+    for got in values(launch(extract_fsdp2_uneven, 2, str(tmp_path), out, 1, timeout=45)):
+        assert got["forwards"] == 0
+        assert got["error"].startswith("the stream holds 1 batch, fewer than the 2 ranks that share it batch by "
+                                       "batch: rank 1 would have none to extract")
 
 
 def extract_own_order(rank, world, out, setting):

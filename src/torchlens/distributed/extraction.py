@@ -21,6 +21,7 @@ result is readable.  Rerunning the same command after a kill resumes each rank f
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -290,8 +291,8 @@ class _RoundRobin:
         self.indices: dict = {}  # this rank's batch position -> sample index of each row
 
     def __iter__(self):
-        offset, mine, position = 0, 0, -1
-        for position, batch in enumerate(self.inputs):
+        offset, mine = 0, 0
+        for position, batch in enumerate(self._at_least_one_batch_a_rank()):
             rows = counted_rows(*self.arguments_of(batch, position), self.input_batch_dim, self)[0]
             if rows is None:
                 raise ValueError(f"batch {position} holds no tensor with a batch dimension; sharding a stream "
@@ -302,12 +303,21 @@ class _RoundRobin:
                 yield batch
                 mine += 1
             offset += rows
-        if 0 <= position < self.world - 1:  # every rank iterated the same stream: each raises this alike
-            idle = ranks_named(range(position + 1, self.world))
-            raise ValueError(f"the stream holds {counted(position + 1, 'batch', 'batches')}, fewer than the "
+
+    def _at_least_one_batch_a_rank(self):
+        """The stream's batches, once its first ``world`` have been read: a stream with fewer is refused before
+        any forward, on every rank alike (every rank iterates the same stream).  Found at its end instead, it
+        left an FSDP2 model's ranks that had a batch waiting in that forward's all-gather for those that raised,
+        to fail there with gloo's "connection closed"."""
+        stream = iter(self.inputs)
+        first = list(itertools.islice(stream, self.world))
+        if 0 < len(first) < self.world:
+            idle = ranks_named(range(len(first), self.world))
+            raise ValueError(f"the stream holds {counted(len(first), 'batch', 'batches')}, fewer than the "
                              f"{self.world} ranks that share it batch by batch: {idle} would have none to extract. "
                              f"Split it into at least {self.world} batches, or give a DataLoader with a "
                              "DistributedSampler, which gives every rank a share")
+        return itertools.chain(first, stream)
 
 
 @contextlib.contextmanager
