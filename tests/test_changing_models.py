@@ -209,3 +209,33 @@ def test_a_module_given_another_class_between_traces_is_seen_by_the_next_trace(c
         model[2].__class__ = _CallsItsForward
         log = tl.trace(model, x)
     assert [c.address for c in log.module_calls] == ["0", "1", "2"] and torch.equal(log.output, model(x))
+
+
+class _WithAnUncalledLazyHead(nn.Module):
+    """A lazy head its forward never calls: its parameters stay uninitialized, with no shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.head = nn.LazyLinear(5)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_parameters_a_lazy_module_never_initialized_are_listed_without_a_shape_and_not_counted(compiled, tmp_path):
+    # log.params, log.summary() and params.to_pandas() raised torch's "Can't access the shape of an uninitialized
+    # parameter".
+    with on_path(compiled):
+        log = tl.trace(_WithAnUncalledLazyHead(), torch.randn(2, 4))
+    log.save(tmp_path / "trace")
+    for trace in (log, tl.load(tmp_path / "trace")):
+        assert [(p.address, p.shape, p.numel) for p in trace.params] == [
+            ("fc.weight", (3, 4), 12), ("fc.bias", (3,), 3), ("head.weight", None, None), ("head.bias", None, None)]
+        assert trace.params.to_pandas()["shape"].tolist() == [(3, 4), (3,), None, None]
+        summary = trace.summary()
+        assert summary.rows[0]["params"] == 15
+        assert ("Parameters: 15 (each parameter counted once, tied weights included); not counted: 2 uninitialized "
+                "parameters of lazy modules the forward never called, with no shape yet (head.weight, head.bias)"
+                in str(summary))

@@ -17,9 +17,9 @@ from .format import TRACE_JSON, TraceFileError
 
 
 def write_params(trace) -> list:
-    """``[[address, shape, dtype name, requires_grad], ...]`` for ``trace.json``."""
-    return [[p.address, [int(d) for d in p.shape], torch_constant_name(p.dtype), bool(p.requires_grad)]
-            for p in trace.params]
+    """``[[address, shape, dtype name, requires_grad], ...]`` for ``trace.json`` (shape null: uninitialized)."""
+    return [[p.address, None if p.shape is None else [int(d) for d in p.shape], torch_constant_name(p.dtype),
+             bool(p.requires_grad)] for p in trace.params]
 
 
 def read_params(trace, rows) -> None:
@@ -33,13 +33,18 @@ def read_params(trace, rows) -> None:
         raise TraceFileError(f"{TRACE_JSON}: 'params' must be a list")
     saved = []
     for row in rows:
-        if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and isinstance(row[1], list)
-                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row[1])
+        if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str) and _is_shape(row[1])
                 and isinstance(row[3], bool)):
             raise TraceFileError(f"{TRACE_JSON}: params: {row!r} is not [address, shape, dtype, requires_grad]")
         address, shape, dtype, requires_grad = row
-        saved.append((address, ParamState(tuple(shape), torch_constant("dtype", dtype), requires_grad)))
+        saved.append((address, ParamState(shape, torch_constant("dtype", dtype), requires_grad)))
     trace._param_rows = build_params(trace, saved)
+
+
+def _is_shape(shape) -> bool:
+    """A saved parameter shape: a list of sizes, or None for an uninitialized (lazy) parameter."""
+    return shape is None or isinstance(shape, list) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
 
 
 def write_module_param_counts(trace) -> list:

@@ -11,7 +11,8 @@ appears; otherwise it is left out rather than shown as zeros.
 from __future__ import annotations
 
 from ..checks import as_position, check_int
-from ..errors import closest_hint, listed
+from ..errors import closest_hint, counted, first_few, listed
+from ..tree import is_uninitialized
 from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import PACKED_WEIGHTS_CAVEAT
@@ -63,7 +64,7 @@ def _numel_at_forward(replay):
 
     def numel(p) -> int:
         layout = layouts.get(id(p)) if layouts is not None else None
-        return numel_of(layout[0]) if layout is not None else p.numel()
+        return numel_of(layout[0]) if layout is not None else _numel_now(p)
 
     return numel
 
@@ -72,7 +73,13 @@ def _count_under(module, at_forward: dict, memo: dict, numel) -> int:
     known = at_forward.get(id(module))
     if known is not None and (known[0] is module or known[0] is None):  # None: the root, alive with the trace
         return sum(map(numel, known[1]))
-    return sum(p.numel() for p in _params_under(module, memo).values())  # a module made in the forward
+    return sum(map(_numel_now, _params_under(module, memo).values()))  # a module made in the forward
+
+
+def _numel_now(p) -> int:
+    """``p.numel()``, or 0 for a lazy module's parameter not yet initialized: it has no elements to count (torch
+    refuses to read its size), and the summary names it as not counted."""
+    return 0 if is_uninitialized(p) else p.numel()
 
 
 def _params_under(module, memo: dict) -> dict:
@@ -99,7 +106,8 @@ def counts_from_used_params(trace) -> bool:
 
 def _used_numels(trace) -> dict:
     """``{parameter address: numel}`` for every parameter an op used (from the recorded shapes)."""
-    numels = {p.address: p.numel for p in trace.params}  # a loaded trace's saved table (io/params.py)
+    # A loaded trace's saved table (io/params.py); an uninitialized parameter has no count
+    numels = {p.address: p.numel for p in trace.params if p.numel is not None}
     for i, addresses in trace._param_addresses.items():
         for address, (_, param) in zip(addresses, trace.calls[trace._call[i]].params):
             n = 1
@@ -121,6 +129,12 @@ def _used_param_counts(trace) -> dict:
             if all(a in numels for a in names)}
 
 
+def uninitialized_params(trace) -> list:
+    """Addresses of the parameters a lazy module's forward never initialized (``nn.LazyLinear`` never called):
+    they have no shape, so the parameter counts leave them out."""
+    return [p.address for p in trace.params if p.shape is None]
+
+
 def root_param_count(trace):
     """Unique parameters of the whole model: 0 for a model without any (for a loaded trace from a file
     without the parameter table: those its ops used, None when even their shapes were not kept).  None for a
@@ -129,7 +143,7 @@ def root_param_count(trace):
     if trace._rootless:
         return None
     if trace._params_listed:  # a live trace, or a file with the parameter table (io/params.py)
-        return sum(p.numel for p in trace.params)
+        return sum(p.numel for p in trace.params if p.numel is not None)  # uninitialized_params: not counted
     numels = _used_numels(trace)
     used = {a for addresses in trace._param_addresses.values() for a in addresses}
     return sum(numels.values()) if used <= set(numels) else None
@@ -304,6 +318,10 @@ def summary_table_text(summary: ModuleSummary) -> str:
                    "(each module's row counts its own; tl.trace(f, x, root=model) counts the model's)")
     if root["params"] is not None and trace.loaded_from is not None and counts_from_used_params(trace):
         params += "; this trace was saved without its parameter counts, so they count the parameters its ops used"
+    uninitialized = uninitialized_params(trace)
+    if uninitialized:
+        params += (f"; not counted: {counted(len(uninitialized), 'uninitialized parameter')} of lazy modules the "
+                   f"forward never called, with no shape yet ({first_few(uninitialized)})")
     if any(caveat.startswith(PACKED_WEIGHTS_CAVEAT) for caveat in trace.caveats):
         params += "; the packed weights of quantized modules are not parameters and are not counted (log.caveats)"
     lines.append(f"Parameters: {params}")

@@ -11,6 +11,7 @@ from .columns import Kind
 from .layouts import version_of
 from .view import View, row_field
 from ..errors import counted, first_few
+from ..tree import is_uninitialized
 
 
 class ParamRow:
@@ -20,7 +21,7 @@ class ParamRow:
 
     def __init__(self, address, shape, dtype, requires_grad):
         self.address = address
-        self.shape = tuple(shape)
+        self.shape = tuple(shape) if shape is not None else None  # None: uninitialized (lazy)
         self.dtype = dtype
         self.requires_grad = requires_grad
         self.users: list = []  # indices of the ops that used it, in execution order
@@ -29,7 +30,7 @@ class ParamRow:
 class ParamState(NamedTuple):
     """What a ``Param`` record reads from a parameter: as the forward saw it, or as a file saved it."""
 
-    shape: tuple
+    shape: tuple | None  # None for a lazy module's parameter not yet initialized: it has no shape
     dtype: object
     requires_grad: bool
 
@@ -37,12 +38,18 @@ class ParamState(NamedTuple):
 def param_states(model_params, replay) -> list:
     """``[(address, ParamState)]`` for a trace's ``(address, Parameter)`` list, as the forward ran: each one's
     ``requires_grad``, shape and dtype as read when it ended (``replay``'s ``ByParam``s), so a parameter frozen,
-    cast (``model.half()``) or resized in place since keeps what its ops saw; read now where ``replay`` is None."""
+    cast (``model.half()``) or resized in place since keeps what its ops saw; read now where ``replay`` is None.
+    A lazy module's parameter its forward never initialized (``nn.LazyLinear`` never called) has shape None."""
     if replay is None:
-        return [(address, ParamState(tuple(p.shape), p.dtype, p.requires_grad)) for address, p in model_params]
+        return [(address, ParamState(_shape_now(p), p.dtype, p.requires_grad)) for address, p in model_params]
     flags, layouts = replay.param_requires_grad.get, replay.param_layouts.get
-    return [(address, ParamState(tuple(shape), dtype, flags(id(p), p.requires_grad)))
-            for address, p in model_params for shape, dtype in (layouts(id(p)) or (p.shape, p.dtype),)]
+    return [(address, ParamState(shape, dtype, flags(id(p), p.requires_grad)))
+            for address, p in model_params for shape, dtype in (layouts(id(p)) or (_shape_now(p), p.dtype),)]
+
+
+def _shape_now(p) -> tuple | None:
+    """``p``'s shape, or None where it has none yet (torch refuses to read an uninitialized parameter's)."""
+    return None if is_uninitialized(p) else tuple(p.shape)
 
 
 def changed_since_trace(trace) -> list:
@@ -84,13 +91,17 @@ class Param(View):
         return self._trace._param_rows[self.index]
 
     address = row_field("address", "The parameter's address in the model (``fc.weight``).")
-    shape = row_field("shape", "Its shape, read from the live parameter when the parameters are first read.")
+    shape = row_field("shape", "Its shape, read from the live parameter when the parameters are first read; None "
+                               "for a lazy module's parameter its forward never initialized (``nn.LazyLinear`` "
+                               "never called), which has none yet.")
     dtype = row_field("dtype", "Its dtype, read from the live parameter when the parameters are first read.")
     requires_grad = row_field("requires_grad", "Whether it required grad when the forward ran.")
 
     @property
-    def numel(self) -> int:
-        """The number of elements of the parameter."""
+    def numel(self) -> int | None:
+        """The number of elements of the parameter; None for an uninitialized one (its shape is None)."""
+        if self._row.shape is None:
+            return None
         n = 1
         for d in self._row.shape:
             n *= d
@@ -122,7 +133,8 @@ class Param(View):
         return [labels[i] for i in self._row.users]
 
     def __repr__(self) -> str:
-        return f"<Param {self.address} {tuple(self.shape)}, used by {counted(len(self._row.users), 'op')}>"
+        shape = "uninitialized" if self.shape is None else tuple(self.shape)
+        return f"<Param {self.address} {shape}, used by {counted(len(self._row.users), 'op')}>"
 
 
 class Buffer(View):
