@@ -42,7 +42,7 @@ from ..io.tensorfile import header_bytes, mapped, read_header
 from ..record.model_index import fsdp_params
 from ..checks import check_path
 from ..errors import RankFailedError, ResumeMismatchError, counted
-from .arrival import absent_ranks, ranks_named
+from .arrival import ranks_named
 
 RANK_FOLDER = "rank-{}"
 _JOIN_CHUNK_BYTES = 64 << 20
@@ -50,14 +50,17 @@ _JOIN_CHUNK_BYTES = 64 << 20
 
 def extract_ranks(model, inputs, layers, out, *, arguments_of, kwargs, shard_bytes, progress, barrier_timeout,
                   stop_after=None, grads=False, loss_fn=None, root=None, batch_dim=None,
-                  input_batch_dim: int = 0) -> str:
+                  input_batch_dim: int = 0, arrival) -> str:
+    """``arrival``: this rank's call (``Arrival``), counted before any check, where a check this rank refuses
+    tells the others at the meeting."""
     import torch.distributed as dist
 
-    module = traced_module(root if root is not None else model)
-    _refuse_tensor_parallel(module)  # on every rank alike
     rank, world = dist.get_rank(), dist.get_world_size()
-    _refuse_one_process_folder(out)  # on every rank alike, before they meet
-    with _barrier_group(dist, barrier_timeout) as barrier_group:
+    with arrival.refusals():
+        module = traced_module(root if root is not None else model)
+        _refuse_tensor_parallel(module)
+        _refuse_one_process_folder(out)
+    with _barrier_group(dist, arrival, barrier_timeout) as barrier_group:
         make_folder(out, out, "extract")
         if _joined(out):
             _barrier(dist, barrier_group, barrier_timeout, "start")
@@ -321,13 +324,13 @@ class _RoundRobin:
 
 
 @contextlib.contextmanager
-def _barrier_group(dist, timeout):
+def _barrier_group(dist, arrival, timeout):
     """A gloo group whose collectives wait ``timeout`` seconds, made once every rank has called ``tl.extract`` and
     destroyed when the call ends (calls in a loop must not pile up groups, each holding its connections).
     gloo, since ``monitored_barrier`` (which names the ranks that did not arrive) exists on gloo alone; a group of
     its own, since ranks other than 0 wait in it for the group's timeout, not the barrier's: on the world's group
     a rank 0 slower than the process group's timeout failed every rank, however long ``barrier_timeout``."""
-    absent = absent_ranks(dist, None, range(dist.get_world_size()), "tl.extract", timeout)
+    absent = arrival.absent_ranks(range(dist.get_world_size()), timeout)
     if absent:  # new_group would wait for them, then fail naming no one
         raise RankFailedError(f"{ranks_named(absent)} did not call tl.extract within {timeout:g}s of this rank: under "
                               "torch.distributed every rank must call it, like a collective")

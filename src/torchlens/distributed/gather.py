@@ -7,6 +7,7 @@ parents), plus the activations asked for, moved to the CPU.  ``compare`` accepts
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from ..errors import ActivationUnavailable, RankFailedError, closest_hint
 from ..io.identity import own_values
 from ..record.trace import checked_trace
 from ..record.columns import uninitialized_ops
-from .arrival import absent_ranks, ranks_named
+from .arrival import Arrival, ranks_named
 
 # How long the ranks of a gather wait for each other to call it: ranks that traced the same forward arrive
 # within moments, and a rank that never calls it (``if rank == 0: gather(log)``) should be named soon, not
@@ -100,22 +101,10 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
     """
     import torch.distributed as dist
 
-    checked_trace(trace, "gather")
-    _asked_labels(activations)  # refused on every rank alike, before any waits
-    check_int(dst, "dst", "give the rank that receives every trace, 0 or more", who="gather", at_least=0)
-    # NaN or a negative wait would time out at once (or never, for inf) on every rank; the store counts whole
-    # milliseconds and waits forever on 0, so a wait shorter than one would never end either.
-    check_number(timeout, "timeout", "give the seconds every rank has to arrive, a finite number of 0.001 or more "
-                 "(120)", who="gather", at_least=_SHORTEST_WAIT_S, finite=True, at_most=LONGEST_WAIT_S)
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
-                           "(run under torchrun, or call torch.distributed.init_process_group first)")
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    if dst not in ranks:  # refused on every rank alike, before any waits
-        raise ValueError(f"gather: dst={dst} is not a rank of the process group gathered over (ranks "
-                         f"{', '.join(map(str, ranks))}); give the rank, in the world's numbering, that receives "
-                         "every trace")
-    absent = absent_ranks(dist, group, ranks, "tl.distributed.gather", timeout)
+    arrival = Arrival.begun(group, "tl.distributed.gather")  # counted before any check, on every rank alike
+    with arrival.refusals() if arrival is not None else contextlib.nullcontext():
+        ranks = _checked_call(dist, trace, dst, activations, group, timeout)
+    absent = arrival.absent_ranks(ranks, timeout)
     if absent:
         raise RankFailedError(
             f"{ranks_named(absent)} did not call tl.distributed.gather within {timeout:g}s of this rank: every rank of "
@@ -128,6 +117,27 @@ def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float
     if everyone is not None:
         _check_known(everyone, _asked_labels(activations) or [])
     return everyone
+
+
+def _checked_call(dist, trace, dst, activations, group, timeout) -> list:
+    """The ranks of ``group``, once gather's arguments are checked: a rank refusing its own tells the others at
+    the meeting (``Arrival.refusals``), instead of leaving them waiting there."""
+    checked_trace(trace, "gather")
+    _asked_labels(activations)
+    check_int(dst, "dst", "give the rank that receives every trace, 0 or more", who="gather", at_least=0)
+    # NaN or a negative wait would time out at once (or never, for inf) on every rank; the store counts whole
+    # milliseconds and waits forever on 0, so a wait shorter than one would never end either.
+    check_number(timeout, "timeout", "give the seconds every rank has to arrive, a finite number of 0.001 or more "
+                 "(120)", who="gather", at_least=_SHORTEST_WAIT_S, finite=True, at_most=LONGEST_WAIT_S)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tl.distributed.gather needs an initialised torch.distributed process group "
+                           "(run under torchrun, or call torch.distributed.init_process_group first)")
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if dst not in ranks:
+        raise ValueError(f"gather: dst={dst} is not a rank of the process group gathered over (ranks "
+                         f"{', '.join(map(str, ranks))}); give the rank, in the world's numbering, that receives "
+                         "every trace")
+    return ranks
 
 
 def _check_known(traces, asked) -> None:

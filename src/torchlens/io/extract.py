@@ -100,30 +100,42 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     into ``out/rank-{r}/`` and the shares are joined in dataset order when all ranks are done; see
     docs/distributed.md.
     """
-    if unknown:
-        _refuse_unknown_options(unknown)
-    check_model(model, "tl.extract")
-    out = check_path(out, "out", "give the folder to write (a str or a pathlib.Path)", who="tl.extract")
-    if not out:
-        raise TraceFileError("tl.extract: out is an empty path; give the folder to write the activations to "
-                             "(out='features')")
-    layers = check_layers(layers)
-    check_options(kwargs, shard_bytes, progress, barrier_timeout, root)
-    check_inputs(inputs)
-    check_request(grads, loss_fn, stop_after)
-    batch_dim = check_batch_dim(batch_dim, layers)
-    input_batch_dim = check_input_batch_dim(input_batch_dim)
-    arguments_of = batch_reader(args_of, kwargs_of, kwargs)
-    if process_rank()[0] is not None:
+    arrival = _distributed_arrival()
+    with arrival.refusals() if arrival is not None else contextlib.nullcontext():
+        if unknown:
+            _refuse_unknown_options(unknown)
+        check_model(model, "tl.extract")
+        out = check_path(out, "out", "give the folder to write (a str or a pathlib.Path)", who="tl.extract")
+        if not out:
+            raise TraceFileError("tl.extract: out is an empty path; give the folder to write the activations to "
+                                 "(out='features')")
+        layers = check_layers(layers)
+        check_options(kwargs, shard_bytes, progress, barrier_timeout, root)
+        check_inputs(inputs)
+        check_request(grads, loss_fn, stop_after)
+        batch_dim = check_batch_dim(batch_dim, layers)
+        input_batch_dim = check_input_batch_dim(input_batch_dim)
+        arguments_of = batch_reader(args_of, kwargs_of, kwargs)
+    if arrival is not None:
         from ..distributed.extraction import extract_ranks
 
         return extract_ranks(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                              shard_bytes=shard_bytes, progress=progress, barrier_timeout=barrier_timeout,
                              stop_after=stop_after, grads=grads, loss_fn=loss_fn, root=root, batch_dim=batch_dim,
-                             input_batch_dim=input_batch_dim)
+                             input_batch_dim=input_batch_dim, arrival=arrival)
     return extract_folder(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                           shard_bytes=shard_bytes, progress=progress, stop_after=stop_after, grads=grads,
                           loss_fn=loss_fn, root=root, batch_dim=batch_dim, input_batch_dim=input_batch_dim)
+
+
+def _distributed_arrival():
+    """Under ``torch.distributed``, this rank's call, counted before its arguments are checked (see
+    distributed/arrival.py: a rank refusing its own must still meet the others at their next call); else None."""
+    if process_rank()[0] is None:
+        return None
+    from ..distributed.arrival import Arrival
+
+    return Arrival.begun(None, "tl.extract")
 
 
 # help(tl.extract) shows the options it takes: **unknown is there only to refuse the others in its own words.
