@@ -371,7 +371,7 @@ class Structure:
         # ``keyed`` holds some of the very dicts just found identical, so its keys are theirs now.
         return (len(now) == len(self.snapshot) and all(map(is_, now, self.snapshot))
                 and list(chain.from_iterable(self.keyed)) == self.keys
-                and all(map(is_, map(type, chain((model,), self.modules)), self.classes)))
+                and list(map(type, chain((model,), self.modules))) == self.classes)  # a type equals itself alone
 
 
 _cache: dict = {}  # id(model) -> (weak reference to the model, Structure, ModelIndex)
