@@ -4,6 +4,8 @@ outputs and their gradients (``retain_grad()``, or a hook per output for tensors
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -46,17 +48,21 @@ class Oracle(TorchFunctionMode):
     def _retain(self, k, t):
         if self.how == "retain_grad":
             t.retain_grad()
-        else:
-            # Held across the call: registering on a view written in place (Longformer's masked
-            # chunks) regenerates its grad_fn, which torch frees too early unless it is referenced.
-            node = t.grad_fn
-            if node is not None and t._backward_hooks is not None:
-                # torch keeps a tensor's hook dict across the in-place ops that only change its shape
-                # (BigBird's ``unsqueeze_``), registered on the node before them: a hook on the current
-                # node receives this version's gradient.
-                node.register_prehook(lambda grads, k=k, n=t.output_nr: self._keep(k, grads[n]))
-                return
-            t.register_hook(lambda g, k=k: self._keep(k, g))
+            return
+        # The hooks reach the oracle weakly: held by the graph's nodes, which Python's collector cannot see, a
+        # strong reference would close a cycle (oracle -> outputs -> grad_fn -> hook -> oracle) that keeps
+        # every output and parameter of the model alive for the rest of the test process.
+        keep = weakref.WeakMethod(self._keep)
+        # Held across the call: registering on a view written in place (Longformer's masked
+        # chunks) regenerates its grad_fn, which torch frees too early unless it is referenced.
+        node = t.grad_fn
+        if node is not None and t._backward_hooks is not None:
+            # torch keeps a tensor's hook dict across the in-place ops that only change its shape
+            # (BigBird's ``unsqueeze_``), registered on the node before them: a hook on the current
+            # node receives this version's gradient.
+            node.register_prehook(lambda grads, k=k, n=t.output_nr: keep()(k, grads[n]))
+            return
+        t.register_hook(lambda g, k=k: keep()(k, g))
 
     def __exit__(self, *exc):
         # A custom autograd Function's output is made under no_grad inside its forward and given the
