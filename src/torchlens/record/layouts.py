@@ -15,7 +15,7 @@ from operator import attrgetter
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..tree import TENSOR_TYPES
+from ..tree import TENSOR_TYPES, is_uninitialized
 
 _VERSION = attrgetter("_version")
 _REQUIRES_GRAD = attrgetter("requires_grad")
@@ -186,7 +186,7 @@ def param_layouts(params: list, known: list | None) -> list:
 
 def _layout_if_any(p) -> tuple | None:
     """``(shape, dtype)``, or None for an uninitialized parameter (``nn.LazyLinear``'s before its first call)."""
-    return None if isinstance(p, torch.nn.parameter.UninitializedTensorMixin) else (p.shape, p.dtype)
+    return None if is_uninitialized(p) else (p.shape, p.dtype)
 
 
 def _compiled_reads():

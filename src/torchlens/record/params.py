@@ -91,10 +91,10 @@ class Param(View):
         return self._trace._param_rows[self.index]
 
     address = row_field("address", "The parameter's address in the model (``fc.weight``).")
-    shape = row_field("shape", "Its shape, read from the live parameter when the parameters are first read; None "
+    shape = row_field("shape", "Its shape as the forward ended (a resize in place since does not change it); None "
                                "for a lazy module's parameter its forward never initialized (``nn.LazyLinear`` "
                                "never called), which has none yet.")
-    dtype = row_field("dtype", "Its dtype, read from the live parameter when the parameters are first read.")
+    dtype = row_field("dtype", "Its dtype as the forward ended (``model.half()`` since does not change it).")
     requires_grad = row_field("requires_grad", "Whether it required grad when the forward ran.")
 
     @property
