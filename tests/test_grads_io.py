@@ -410,3 +410,19 @@ def test_a_parameter_gradient_cast_since_the_trace_is_named_as_not_saved_and_the
                                                   r"a torch\.float32 tensor .*now a torch\.float16 one"):
         loaded.params[0].grad
     assert torch.equal(loaded.params[3].grad, expected)
+
+
+def test_a_parameter_gradient_cast_since_the_trace_is_refused_on_the_live_trace():
+    """The live trace's ``Param.grad`` handed back the cast ``.grad`` (float16) beside its record's float32 dtype,
+    as if it were the traced parameter's gradient: it is refused with both layouts, as the saved file names it."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    log = tl.trace(model, torch.randn(2, 3), grads=True)
+    log.backward(log.output.sum())
+    expected = model[2].bias.grad.clone()
+    model[0].half()
+    assert log.params[0].dtype == torch.float32
+    with pytest.raises(GradientUnavailable, match=r"0\.weight: its \.grad is no gradient of the traced parameter "
+                                                  r"\(.*forward read a torch\.float32 tensor .*now a torch\.float16"):
+        log.params[0].grad
+    assert torch.equal(log.params[3].grad, expected)
+    assert tl.debug.nonfinite_origin(log, grads=True).parameters_checked is False  # unread, not called finite

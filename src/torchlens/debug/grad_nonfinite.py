@@ -90,7 +90,8 @@ class GradNonfiniteReport:
                  f"{self.num_backwards} backward(s)):"]
         if not self.found:
             lines.append("  every gradient the trace received is finite, and so is every parameter's .grad"
-                         + ("" if self.parameters_checked else " it could read (a loaded trace without them)")
+                         + ("" if self.parameters_checked
+                            else " it could read (not those a loaded trace left unsaved, or a model cast since)")
                          + (" the backward wrote" if self.unreached else ""))
         elif self.origin is None:
             lines += self._parameter_lines()
@@ -247,7 +248,7 @@ def _nonfinite_parameter_grads(log) -> list:
     for param in log.params:
         try:
             grad = param.grad
-        except GradientUnavailable:  # a loaded trace saved without its parameters' gradients
+        except GradientUnavailable:  # a loaded trace saved without them, or a model cast since the trace
             found.append((param.address, None, []))
             continue
         flags = nonfinite_flags(grad) if grad is not None else None

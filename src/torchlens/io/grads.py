@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 
-from ..record.grads import FROM_BATCHED_BACKWARD, unreadable
+from ..record.grads import FROM_BATCHED_BACKWARD, grad_of_another_layout, unreadable
 from .encode import unsavable
 from .format import TRACE_JSON, TraceFileError, check_index, reading_record
 from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
@@ -59,15 +59,15 @@ def write_grads(trace, folder: str, with_tensors: bool):
     if with_tensors and not trace.is_cleaned_up:
         for i, g in sorted(capture.grads.items()):
             _add(tensors, record, i, f"g{i}", g, "tensors")
-        layouts = {p.address: (p.shape, p.dtype) for p in trace.params}
+        layouts = {p.address: (p.shape, p.dtype) for p in trace.params if p.shape is not None}
         for n, (address, g) in enumerate(_param_grads(trace)):
             if g is None:
                 continue
-            why = _grad_of_another_layout(layouts.get(address), g)
+            why = grad_of_another_layout(layouts.get(address), g)
             if why is None:
                 _add(tensors, record, address, f"p{n}", g, "param_tensors")
             else:
-                record["not_saved"].append([address, why])
+                record["not_saved"].append([address, f"its gradient was not saved ({why})"])
     if not tensors:
         return [], record
     write_tensors(os.path.join(folder, GRAD_TENSORS), tensors, metadata={"format": "torchlens-grads"})
@@ -80,19 +80,6 @@ def _param_grads(trace) -> list:
     if trace.loaded_from is not None:
         return list((trace._param_grads or {}).items())
     return [(address, p.grad) for address, p in trace._model_params or ()]
-
-
-def _grad_of_another_layout(layout: tuple, grad) -> str | None:
-    """Why a parameter's ``.grad`` is not saved when its shape or dtype is not the parameter's as the forward read it
-    (the model cast, ``model.half()``, or resized since, which casts or replaces the ``.grad`` too): it is then no
-    gradient of the trace's parameter, and a file holding it would not load.  None when it is, or is of no
-    parameter the trace lists."""
-    if layout is None or (tuple(grad.shape), grad.dtype) == (tuple(layout[0]), layout[1]):
-        return None
-    shape, dtype = layout
-    return (f"its gradient was not saved (the parameter was cast or resized since the trace: the forward read a "
-            f"{dtype} tensor of shape {tuple(shape)}, its .grad is now a {grad.dtype} one of shape "
-            f"{tuple(grad.shape)})")
 
 
 def _param_grads_missing(trace, with_tensors: bool):

@@ -182,10 +182,11 @@ def passes_grads(trace, indices) -> list:
     return [grad_of(trace, i) if trace._meta[i].requires_grad else None for i in indices]
 
 
-def param_grad(trace, address: str, place: int = -1):
+def param_grad(trace, address: str, place: int = -1, layout: tuple | None = None):
     """The parameter's own ``.grad`` (what autograd accumulated into it), found by address; ``place``: where it
     is likely to be in the model's parameter list (a ``Param`` record's index, since the records are made in
-    that order), so that reading every parameter's gradient is not a search of the list per parameter."""
+    that order), so that reading every parameter's gradient is not a search of the list per parameter.
+    ``layout``: the parameter's ``(shape, dtype)`` as the forward read it; a ``.grad`` of another is refused."""
     if trace.loaded_from is not None:
         return _saved_param_grad(trace, address)
     params = trace._model_params
@@ -193,11 +194,25 @@ def param_grad(trace, address: str, place: int = -1):
         raise TraceCleanedUp(f"{address}: the trace no longer holds the model, so its parameters' .grad "
                              "cannot be read")
     if 0 <= place < len(params) and params[place][0] == address:
-        return params[place][1].grad
-    for name, p in params:
-        if name == address:
-            return p.grad
-    return None
+        grad = params[place][1].grad
+    else:
+        grad = next((p.grad for name, p in params if name == address), None)
+    why = grad_of_another_layout(layout, grad)
+    if why is not None:
+        raise GradientUnavailable(f"{address}: its .grad is no gradient of the traced parameter ({why}); read "
+                                  "it from the model itself")
+    return grad
+
+
+def grad_of_another_layout(layout: tuple | None, grad) -> str | None:
+    """Why a parameter's ``.grad`` is not a gradient of the parameter the forward read, when its shape or dtype
+    is not that parameter's (the model cast, ``model.half()``, or resized since, which casts or replaces the
+    ``.grad`` too).  None when it is, when there is none, or when ``layout`` is None (no layout known)."""
+    if grad is None or layout is None or (tuple(grad.shape), grad.dtype) == (tuple(layout[0]), layout[1]):
+        return None
+    shape, dtype = layout
+    return (f"the parameter was cast or resized since the trace: the forward read a {dtype} tensor of shape "
+            f"{tuple(shape)}, its .grad is now a {grad.dtype} one of shape {tuple(grad.shape)}")
 
 
 def _saved_param_grad(trace, address: str):

@@ -114,10 +114,13 @@ class Param(View):
 
     @property
     def grad(self):
-        """The parameter's own ``.grad`` after a backward (what the optimizer would read)."""
+        """The parameter's own ``.grad`` after a backward (what the optimizer would read); refused once the model
+        was cast or resized (``model.half()``), which gives the ``.grad`` another dtype or shape than the traced one."""
         from .grads import param_grad
 
-        return param_grad(self._trace, self._row.address, self.index)
+        row = self._row
+        layout = None if row.shape is None else (row.shape, row.dtype)
+        return param_grad(self._trace, row.address, self.index, layout)
 
     @property
     def ops(self) -> list:
