@@ -233,7 +233,10 @@ def test_parameters_a_lazy_module_never_initialized_are_listed_without_a_shape_a
     for trace in (log, tl.load(tmp_path / "trace")):
         assert [(p.address, p.shape, p.numel) for p in trace.params] == [
             ("fc.weight", (3, 4), 12), ("fc.bias", (3,), 3), ("head.weight", None, None), ("head.bias", None, None)]
-        assert trace.params.to_pandas()["shape"].tolist() == [(3, 4), (3,), None, None]
+        frame = trace.params.to_pandas()
+        assert frame["shape"].tolist() == [(3, 4), (3,), None, None]
+        assert frame["numel"].tolist()[:2] == [12, 3] and frame["numel"].isna().tolist() == [False, False, True, True]
+        assert str(frame["numel"].dtype) == "Int64"  # whole counts, and a missing one, not 12.0 and NaN
         summary = trace.summary()
         assert summary.rows[0]["params"] == 15
         assert ("Parameters: 15 (each parameter counted once, tied weights included); not counted: 2 uninitialized "

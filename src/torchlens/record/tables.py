@@ -142,11 +142,15 @@ def modules_frame(modules) -> "pandas.DataFrame":
 
 def params_frame(params) -> "pandas.DataFrame":
     pd = require_pandas()
-    return pd.DataFrame([
+    frame = pd.DataFrame([
         {"address": p.address, "shape": p.shape, "dtype": str(p.dtype).replace("torch.", ""),
          "numel": p.numel, "requires_grad": p.requires_grad, "module": p.module_address, "ops": p.op_labels}
         for p in params
-    ])
+    ], columns=["address", "shape", "dtype", "numel", "requires_grad", "module", "ops"])
+    # A lazy module's uninitialized parameter has no size: a missing count, where a float column would turn every
+    # count into a float (16.0) and that one into NaN.
+    frame["numel"] = frame["numel"].astype("Int64")
+    return frame
 
 
 def buffers_frame(buffers) -> "pandas.DataFrame":
