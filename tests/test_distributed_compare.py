@@ -4,6 +4,8 @@ traces gathered from real ranks are in test_distributed.py."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -207,3 +209,23 @@ def test_infinities_both_ranks_hold_do_not_hide_the_largest_difference():
     nan[0, 0] = float("nan")
     (row,) = tl.distributed.compare([tl.trace(reference, nan), tl.trace(nudged, nan)]).to_dict("records")
     assert row["max_abs_diff"] < 1e-2
+
+
+def test_an_activation_viewing_part_of_a_larger_tensor_is_sent_without_the_rest():
+    """gather pickles each rank's activations, and a tensor pickles with its whole storage: a split attention head,
+    or one row of a matrix, sent the whole matrix (a 1 KB row sent 1 MB).  Such a view now travels as its own
+    elements; a tensor covering its storage (a transpose) travels as it is."""
+    class Rows(torch.nn.Module):
+        def forward(self, x):
+            big = x.repeat(1000, 1)
+            return big[0] * 2, big.t()
+
+    log = tl.trace(Rows(), torch.randn(1, 256))
+    sent = tl.distributed.RankTrace.of(log, activations=["getitem_1_2:1", "t_1_4:1"])
+    row, transposed = sent.activations["getitem_1_2:1"], sent.activations["t_1_4:1"]
+    assert torch.equal(row, log["getitem_1_2:1"].activation)
+    assert row.untyped_storage().nbytes() == 256 * 4
+    assert transposed.untyped_storage().data_ptr() == log["t_1_4:1"].activation.untyped_storage().data_ptr()
+    received = pickle.loads(pickle.dumps(sent))
+    assert torch.equal(received.activations["getitem_1_2:1"], row)
+    assert received.activations["t_1_4:1"].stride() == (1, 256)

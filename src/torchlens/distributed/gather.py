@@ -17,6 +17,7 @@ from ..errors import ActivationUnavailable, RankFailedError, closest_hint
 from ..io.identity import own_values
 from ..record.trace import checked_trace
 from ..record.columns import uninitialized_ops
+from ..record.layouts import holds_more_than_itself
 from .arrival import Arrival, ranks_named
 
 # How long the ranks of a gather wait for each other to call it: ranks that traced the same forward arrive
@@ -54,11 +55,17 @@ class RankTrace:
                 if value is not None:  # dropped or never saved: compare reports it as not compared
                     # A DTensor travels as this rank's shard: compared as one (compare runs on one rank), it would
                     # wait at a collective for the other ranks.
-                    acts[op.label] = own_values(value).detach().to("cpu")
+                    acts[op.label] = _sent_alone(own_values(value).detach().to("cpu"))
         return cls(trace.rank, trace.world_size, trace.model_name, ops, acts)
 
     def __len__(self) -> int:
         return len(self.ops)
+
+
+def _sent_alone(t):
+    """``t``, or a copy of its elements alone where it views part of a larger tensor (a slice, a split head):
+    a tensor is pickled with its whole storage, so the view of one row of a matrix would send the matrix."""
+    return t.clone() if holds_more_than_itself(t) else t
 
 
 def _wanted(trace, activations, strict: bool = True) -> set:

@@ -33,7 +33,7 @@ from ..errors import (ResumeMismatchError, add_note, closest_hint, counted, firs
                       warn_user)
 from ..progress import QUIET, bar as progress_bar
 from ..labels.naming import folded
-from ..record.layouts import shape_of, shape_text, storage_holders
+from ..record.layouts import holds_more_than_itself, shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
 from ..tree import path_text, strip, tensor_leaves, without_values
@@ -361,7 +361,7 @@ def _buffered(t: torch.Tensor) -> torch.Tensor:
     holds its memory, else a copy.  A view would keep its whole base alive in the buffer, past the shard
     bound; and memory the model keeps (a buffer updated in place, a key/value cache, a view of either) is
     written again by the next batches' forwards, which would leave this batch's rows holding their values."""
-    if t.untyped_storage().nbytes() > t.numel() * t.element_size() or storage_holders(t) > 2:
+    if holds_more_than_itself(t) or storage_holders(t) > 2:
         return t.clone()
     return t
 

@@ -235,6 +235,14 @@ def storage_holders(t: torch.Tensor) -> int:
         return 1 << 30
 
 
+def holds_more_than_itself(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds more bytes than its own elements (a view of part of a larger tensor):
+    kept or sent as it is, ``t`` would keep or send the rest too.  False for layouts without one storage."""
+    if t.layout is not torch.strided or t.is_nested:
+        return False
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 def spans_meet(a, b) -> bool:
     """Whether two ``memory_span``s may share a byte (an unknown span may share any).  Spans that overlap
     may still hold no common byte: the column halves of a matrix (``x.chunk(2, dim=-1)``) interleave."""
