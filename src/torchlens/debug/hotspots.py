@@ -14,6 +14,7 @@ from ..errors import counted, listed
 from ..record.columns import is_first_output
 from ..record.module_table import produced_bytes
 from ..record.modules import enclosing_calls
+from ..record.summary import aligned_lines
 from ..record.trace import checked_trace
 
 METRICS = {
@@ -84,13 +85,12 @@ class HotPath:
         return self.rows[i]
 
     def __str__(self) -> str:
-        width = max([len("address")] + [len(r["address"]) for r in self.rows[:_SHOWN]])
+        table = [["address", "count", "total", "percent"]] + [
+            [row["address"], str(row["count"]), _fmt(row["total"], self.by), f"{row['percent']:.1f}%"]
+            for row in self.rows[:_SHOWN]]
         lines = [f"hot path of {self.model_name} by {self.by} ({self.unit}), grouped by {self.group}: "
-                 f"{self._calls_text()}, total {_fmt(self.total, self.by)} {self.unit}",
-                 f"  {'address':<{width}}  {'count':>6}  {'total':>12}  {'percent':>7}"]
-        for row in self.rows[:_SHOWN]:
-            lines.append(f"  {row['address']:<{width}}  {row['count']:>6}  {_fmt(row['total'], self.by):>12}  "
-                         f"{row['percent']:>6.1f}%")
+                 f"{self._calls_text()}, total {_fmt(self.total, self.by)} {self.unit}"]
+        lines += ["  " + line for line in aligned_lines(table, right=(1, 2, 3))]
         if len(self.rows) > _SHOWN:
             lines.append(f"  ... {len(self.rows) - _SHOWN} more rows (see .rows or .to_pandas())")
         if self.excluded:

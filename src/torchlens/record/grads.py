@@ -465,16 +465,14 @@ class SavedForBackward:
         return frame
 
     def __str__(self) -> str:
-        from .summary import human_bytes
+        from .summary import aligned_lines, human_bytes
 
-        width = max([len("module call")] + [len(r["module_call"]) for r in self.rows[:30]])
-        classes = max([len("class")] + [len(r["class_name"]) for r in self.rows[:30]])
+        table = [["module call", "class", "ops", "saved"]] + [
+            [r["module_call"], r["class_name"], str(r["num_ops"]), human_bytes(r["saved_for_backward_bytes"])]
+            for r in self.rows[:30]]
         lines = [f"saved for backward by {self.model_name}: {human_bytes(self.total)} in distinct storages "
-                 "(a storage packed by several ops counts once)",
-                 f"  {'module call':<{width}}  {'class':<{classes}} {'ops':>5}  {'saved':>10}"]
-        for r in self.rows[:30]:
-            lines.append(f"  {r['module_call']:<{width}}  {r['class_name']:<{classes}} {r['num_ops']:>5}  "
-                         f"{human_bytes(r['saved_for_backward_bytes']):>10}")
+                 "(a storage packed by several ops counts once)"]
+        lines += ["  " + line for line in aligned_lines(table, right=(2, 3))]
         if len(self.rows) > 30:
             lines.append(f"  ... {len(self.rows) - 30} more module calls (see .rows or .to_pandas())")
         return "\n".join(lines)

@@ -23,6 +23,7 @@ from ..copies import clone_call
 from ..errors import NativeToolFailed, WitnessFailed, listed
 from ..labels.naming import func_name_of
 from ..record.modules import enclosing_calls, is_unregistered
+from ..record.summary import aligned_lines
 from ..tree import as_args, as_kwargs, structures_equal, tensor_leaves, without_values
 from .flops import CONVENTION, FAMILIES, canonical_name, family_totals, flops_column, registry_family, total_flops
 from .flops_notes import drawn_by, randomness_advice, script_notes, unknown_notes
@@ -91,18 +92,17 @@ class FlopsComparison:
         return require_pandas().DataFrame(self.families if table == "family" else self.modules)
 
     def __str__(self) -> str:
-        # The first column as wide as its longest name: module addresses cut short read alike.
-        width = max([24] + [len(row["module"]) + 2 for row in self.modules])
-        lines = [f"FLOPs of {self.model_name}: two formula registries, never measured",
-                 f"  {'':<{width}}{'torchlens':>14}{'native':>14}{'native-tl':>14}",
-                 f"  {'total':<{width}}{int(self.torchlens_total):>14,}{self.native_total:>14,}{self.difference:>14,}"]
-        for row in self.families:
-            lines.append(f"  {row['family']:<{width}}{row['torchlens']:>14,}{row['native']:>14,}"
-                         f"{row['difference']:>14,}")
-        lines.append("  by module (inclusive; calls of one module merged, as FlopCounterMode does):")
-        for row in self.modules:
-            lines.append(f"  {row['module']:<{width}}{row['torchlens']:>14,}{_shown(row['native']):>14}"
-                         f"{_shown(row['difference']):>14}")
+        table = [["", "torchlens", "native", "native-tl"],
+                 ["total", f"{int(self.torchlens_total):,}", f"{self.native_total:,}", f"{self.difference:,}"]]
+        table += [[row["family"], f"{row['torchlens']:,}", f"{row['native']:,}", f"{row['difference']:,}"]
+                  for row in self.families]
+        table += [[row["module"], f"{row['torchlens']:,}", _shown(row["native"]), _shown(row["difference"])]
+                  for row in self.modules]
+        # One table, so the module rows line up with the families'; the module rows get their heading between.
+        rows = ["  " + line for line in aligned_lines(table, right=(1, 2, 3))]
+        families = 2 + len(self.families)
+        lines = [f"FLOPs of {self.model_name}: two formula registries, never measured", *rows[:families],
+                 "  by module (inclusive; calls of one module merged, as FlopCounterMode does):", *rows[families:]]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 

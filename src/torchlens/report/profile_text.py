@@ -58,7 +58,6 @@ def _backward_by_module(profile, key, device, top: int = 8) -> list:
     calls = sorted(profile.module_calls, key=lambda r: -(r[key] or 0))[:top]
     if not calls:
         return []
-    width = max(len(r["module_call"]) for r in calls)
     lines = [f"top {len(calls)} module calls by backward {'device' if device else 'self CPU'} time (inclusive):"]
-    lines += [f"  {r['module_call'].ljust(width)}  {_fmt_ns(r[key])}" for r in calls]
+    lines += ["  " + line for line in aligned_lines([[r["module_call"], _fmt_ns(r[key])] for r in calls])]
     return lines
