@@ -31,7 +31,6 @@ from ..record.model_index import READERS_LISTED
 from ..record.modules import enclosing_calls
 from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
-from ..capture.bindings import is_bound
 from ..capture.state import StopForward
 from ..capture.writes import named_targets
 from ..tree import made_in_transform, path_text, tensor_leaves
@@ -368,8 +367,7 @@ class Interventions(ReferencePath):
         """The record of an output tensor made inside this module call and read nowhere inside it; ``path`` is
         where the call's return value holds it, for the refusals."""
         label = f"{site.address}:{call_number}"
-        entry = st.producers.get(id(t))
-        record = entry[1] if entry is not None and is_bound(entry, t) else -1
+        record = st.bound_producer(t)
         made_in = -1
         if record >= 0 and st.records[record][RECORD_CALL] >= 0:
             made_in = st.calls[st.records[record][RECORD_CALL]][CALL_MODULE]
@@ -493,8 +491,7 @@ def _rebuild_output(out, changed):
 def _held_by_the_forward(st, t) -> bool:
     """Whether ``t`` is already a value of the traced forward: an op's output or an input (bound in
     ``producers``), a parameter or a buffer."""
-    entry = st.producers.get(id(t))
-    return (entry is not None and is_bound(entry, t)) or isinstance(t, torch.nn.Parameter) or id(t) in st.buffers
+    return st.bound_producer(t) >= 0 or isinstance(t, torch.nn.Parameter) or id(t) in st.buffers
 
 
 def _replace_at(obj, path: tuple, value, key):
