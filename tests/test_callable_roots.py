@@ -337,3 +337,14 @@ def test_a_call_of_the_root_itself_as_an_intervention_site_is_refused_saying_wha
     with pytest.raises(KeyError, match=f"'{site}' is a call of the root module itself .* intervene on the op "
                                        "labels inside them or on the root's submodules"):
         tl.trace(fn, args, intervene={site: tl.zero_ablate()}, **kwargs)
+
+
+def test_a_function_traced_without_a_model_gives_tables_with_their_columns_and_no_rows():
+    """Its module calls, modules, parameters and buffers are empty, and their tables had no columns at all, so code
+    reading ``frame["address"]`` over several traces failed on this one with a KeyError."""
+    log = tl.trace(lambda x: x.sin() * 2, torch.randn(3))
+    model_log = tl.trace(nn.Sequential(nn.BatchNorm1d(3)).eval(), torch.randn(2, 3))  # four tables with rows
+    for name in ("module_calls", "modules", "params", "buffers"):
+        empty, full = getattr(log, name).to_pandas(), getattr(model_log, name).to_pandas()
+        assert len(empty) == 0 and len(full) > 0
+        assert list(empty.columns) == list(full.columns) and "address" in full.columns

@@ -107,9 +107,14 @@ def _agreed(layer, name: str):
         return None
 
 
+def _frame(rows: list, columns: list) -> "pandas.DataFrame":
+    """A frame of ``rows`` (dicts) with ``columns`` even when there is no row (a function traced without a model
+    has no module calls, modules, parameters or buffers): an empty table still has the columns code reads."""
+    return require_pandas().DataFrame(rows, columns=columns)
+
+
 def module_calls_frame(calls) -> "pandas.DataFrame":
-    pd = require_pandas()
-    return pd.DataFrame([
+    return _frame([
         {
             "label": c.label,
             "address": c.address,
@@ -123,12 +128,12 @@ def module_calls_frame(calls) -> "pandas.DataFrame":
             "duration": c.duration,
         }
         for c in calls
-    ])
+    ], ["label", "address", "call_index", "class_name", "parent", "depth", "num_ops", "input_ops", "output_ops",
+        "duration"])
 
 
 def modules_frame(modules) -> "pandas.DataFrame":
-    pd = require_pandas()
-    return pd.DataFrame([
+    return _frame([
         {
             "address": m.address,
             "all_addresses": m.all_addresses,
@@ -137,12 +142,11 @@ def modules_frame(modules) -> "pandas.DataFrame":
             "params": m.param_names,
         }
         for m in modules
-    ])
+    ], ["address", "all_addresses", "class_name", "num_calls", "params"])
 
 
 def params_frame(params) -> "pandas.DataFrame":
-    pd = require_pandas()
-    frame = pd.DataFrame([
+    frame = _frame([
         {"address": p.address, "shape": p.shape, "dtype": str(p.dtype).replace("torch.", ""),
          "numel": p.numel, "requires_grad": p.requires_grad, "module": p.module_address, "ops": p.op_labels}
         for p in params
@@ -154,5 +158,5 @@ def params_frame(params) -> "pandas.DataFrame":
 
 
 def buffers_frame(buffers) -> "pandas.DataFrame":
-    pd = require_pandas()
-    return pd.DataFrame([{"address": b.address, "ops": b.op_labels, "readers": b.readers} for b in buffers])
+    return _frame([{"address": b.address, "ops": b.op_labels, "readers": b.readers} for b in buffers],
+                  ["address", "ops", "readers"])
