@@ -84,6 +84,20 @@ def test_every_repeated_op_of_a_generate_step_has_that_steps_pass():
     assert sorted({op.num_passes for op in attention}) == [3]
 
 
+def test_a_module_the_first_generate_step_skips_is_numbered_from_the_step_that_first_runs_it():
+    """Given ``inputs_embeds``, generate()'s first step looks up no token: the embedding's call 1 and its lookup's
+    pass 1 are the second step's, which the root call each ran in names (tracing.md said the pass of every op
+    the model ran is the decoding step)."""
+    model, ids = _gpt2()
+    embeds = model.transformer.wte(ids).detach()
+    generate = {"inputs_embeds": embeds, "max_new_tokens": 3, "do_sample": False}
+    log = tl.trace(model.generate, (), generate)
+    assert torch.equal(log.output, model.generate(**generate))
+    assert [log[f"lm_head:{step}"].modules[0] for step in (1, 2, 3)] == ["self:1", "self:2", "self:3"]
+    lookups = [op for op in log.ops if op.module and op.module.startswith("transformer.wte:")]
+    assert [(op.pass_index, op.modules[0]) for op in lookups] == [(1, "self:2"), (2, "self:3")]
+
+
 def test_root_names_the_module_behind_a_lambda():
     model, ids = _gpt2()
     plain = tl.trace(lambda x: model(x).logits, ids)
