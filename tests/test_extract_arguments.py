@@ -170,3 +170,24 @@ def test_an_unbatched_dataloader_that_fails_says_batch_size_none(tmp_path):
     batched = tl.extract(torch.nn.Linear(4, 4), DataLoader([torch.randn(2, 4)] * 2, batch_size=None),
                          ["linear_1_1"], tmp_path / "batches", progress=False)  # items that are batches: taken
     assert tl.load_extracted(batched, as_torch=True)["linear_1_1"].shape == (4, 4)
+
+
+def test_gradients_of_a_forward_that_computes_without_grad_say_so_not_that_loss_fn_is_wrong(tmp_path):
+    """generate() runs under its own torch.no_grad(), so no tensor of it requires grad: grads=True blamed loss_fn,
+    "returned Tensor that does not require grad; it must return a tensor computed from the model's output", though
+    it did; the refusal now says what no backward can reach, and why."""
+    pytest.importorskip("transformers")
+    import real_models
+
+    model = real_models.small_gpt2_lm()
+    prompts = [torch.tensor([[5, 9, 13]]), torch.tensor([[7, 3, 2]])]
+    generate = {"max_new_tokens": 2, "do_sample": False, "pad_token_id": 0}
+    with pytest.raises(ValueError, match=r"batch 0: grads=True, but no tensor of this forward requires grad, .*"
+                                         r"an evaluation function decorated with one") as refused:
+        tl.extract(model.generate, prompts, ["lm_head:2"], tmp_path / "out", kwargs=generate, grads=True,
+                   loss_fn=lambda output, batch: output.float().sum(), progress=False)
+    assert "loss_fn returned" not in str(refused.value)
+    # A forward that computes with grad, and a loss_fn that drops it (argmax), is still the loss_fn's doing.
+    with pytest.raises(ValueError, match=r"batch 0: loss_fn returned Tensor that does not require grad"):
+        tl.extract(model, prompts, ["lm_head"], tmp_path / "argmax", grads=True,
+                   loss_fn=lambda output, batch: output.logits.argmax(-1).float().sum(), progress=False)

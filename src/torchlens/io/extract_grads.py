@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..capture.grads import NOTHING_REQUIRES_GRAD
 from ..capture.restore import backward_leaves, grads_set_aside
 from ..checks import check_flag, check_grad_possible, check_takes
 from ..errors import GradientUnavailable
@@ -50,6 +51,8 @@ def backward_through(log, loss_fn, batch, position, module=None) -> None:
     (an input that requires grad, a learnt prompt or steering vector the forward read) untouched."""
     loss = loss_fn(log.output, batch)
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        if not any(op.requires_grad for op in log.ops):  # no loss could: not loss_fn's doing (generate() is no_grad)
+            raise ValueError(f"batch {position}: {NOTHING_REQUIRES_GRAD}")
         raise ValueError(f"batch {position}: loss_fn returned {type(loss).__name__}"
                          f"{' that does not require grad' if isinstance(loss, torch.Tensor) else ''}; it must "
                          "return a tensor computed from the model's output")
