@@ -35,13 +35,13 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
         checked_trace(reference, "reference=", "tl.trace(model, x) of a run taking the same path")
         _refuse_another_models(reference, index)
     module_sites, pending = split_sites(model, intervene or {}, stop_after, compiled, index)
-    label_sites = []
+    label_sites, made = [], False
     if pending or (stop_after is not None and reference is not None):
         if reference is None:
-            reference = _reference_pass(run_reference, index)
+            reference, made = _reference_pass(run_reference, index), True
         label_sites = resolve_labels(reference, pending, deep)
     runtime = Interventions(label_sites, module_sites, index, keep_originals)
-    runtime.reference, runtime.deep = reference, deep
+    runtime.reference, runtime.reference_made, runtime.deep = reference, made, deep
     return runtime
 
 

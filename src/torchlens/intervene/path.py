@@ -21,6 +21,7 @@ class ReferencePath:
 
     addresses: dict
     reference = None
+    reference_made = False  # the reference is the pass of these inputs made first (``_state_note``)
     deep = False  # the intervened trace's deep=, against the reference's (``_deep_note``)
 
     def _start_path(self) -> None:
@@ -80,8 +81,8 @@ class ReferencePath:
         """Refuse a label site whose position holds another op in this run than in the reference."""
         raise InterventionError(
             f"{site_kind(site.stop)} {site_where(site.key, site.op)}: the forward took another path than the "
-            f"reference trace: at that position it {what}.{self._written_note()}{self._deep_note()} Pass reference= a "
-            "trace of inputs that take the same path, or use a module site")
+            f"reference trace: at that position it {what}.{self._written_note() or self._state_note()}"
+            f"{self._deep_note()} Pass reference= a trace of inputs that take the same path, or use a module site")
 
     def _occurrence(self, st, call_position: int, name: str, line) -> int:
         """How many calls with the ``occurrence_key`` of the call at ``call_position`` (``name`` made at ``line``)
@@ -111,6 +112,14 @@ class ReferencePath:
             return ""
         return (" The reference's forward wrote parameters in place (a one-time rescale, an update), so the model "
                 "has changed since it ran.")
+
+    def _state_note(self) -> str:
+        """Why a reference made of these same inputs, with the model put back after it, can take another path."""
+        if not self.reference_made:
+            return ""
+        return (" The reference was a pass of these same inputs, made first, and the model was put back after it: "
+                "a callable keeping state of its own between calls (a cache object it holds, a counter) runs "
+                "differently each time; give it fresh state per call.")
 
     def _same_chain(self, st, expected) -> bool:
         """Whether the module calls open now are the reference's, call for call."""
