@@ -91,3 +91,36 @@ def test_a_model_taking_jagged_nested_sequences_extracts(tmp_path):
     with torch.no_grad():
         expected = torch.cat([model(tokens) for tokens in batches])
     assert torch.equal(tl.load_extracted(tmp_path / "f", as_torch=True)["sum_1_2"], expected)
+
+
+class PadThenPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, tokens):
+        return torch.nested.to_padded_tensor(self.fc(tokens), 0.0).sum(dim=1)
+
+
+def _strided_nested_batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.nested.nested_tensor([torch.randn(n, 4, generator=g) for n in lengths])
+            for lengths in ((2, 3, 1), (4, 1))]
+
+
+def test_a_model_taking_strided_nested_sequences_extracts(tmp_path):
+    # A strided nested tensor raises on .shape ("NestedTensorImpl doesn't support sizes"): reading a batch's size
+    # from it failed every extraction of such a model with torch's internal error, before its first batch.
+    batches, model = _strided_nested_batches(), PadThenPool().eval()
+    tl.extract(model, batches, ["sum_1_3"], tmp_path / "f", progress=False)
+    with torch.no_grad():
+        expected = torch.cat([model(tokens) for tokens in batches])
+    assert torch.equal(tl.load_extracted(tmp_path / "f", as_torch=True)["sum_1_3"], expected)
+
+
+def test_an_input_batch_dim_that_is_ragged_in_every_nested_input_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"input_batch_dim=1, but the sizes of dim 1 differ between the components "
+                                         r"of each nested input tensor \(their shapes: \['3x\?x4'\]\)"):
+        tl.extract(PadThenPool().eval(), _strided_nested_batches(), ["sum_1_3"], tmp_path / "f", input_batch_dim=1,
+                   progress=False)

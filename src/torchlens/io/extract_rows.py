@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..record.layouts import shape_of, shape_text
 from ..tree import path_text, tensor_leaves
 
 
@@ -60,22 +61,30 @@ def batch_dimension(args, named=None, dim: int = 0, source=None) -> tuple:
               for path, t in tensor_leaves(value) if t.dim()]
     if not leaves:
         return None, None, "", None
-    wide = [leaf for leaf in leaves if leaf[2].dim() > dim]
+    # A nested tensor's shape is read as shape_of reads it (a strided one raises on .shape); a dim whose size
+    # differs between its components counts no examples.
+    wide = [(root, path, t, shape_of(t)[dim]) for root, path, t in leaves if t.dim() > dim]
     if not wide:  # named explicitly, so the batch cannot be guessed from another dim
         raise ValueError(f"input_batch_dim={dim}, but no input tensor has a dim {dim} (their shapes: "
-                         f"{[tuple(t.shape) for _, _, t in leaves]}); give the dim of the inputs that counts the "
+                         f"{[tuple(shape_of(t)) for _, _, t in leaves]}); give the dim of the inputs that counts the "
                          "batch's examples")
+    if all(size is None for *_, size in wide):
+        raise ValueError(f"input_batch_dim={dim}, but the sizes of dim {dim} differ between the components of each "
+                         f"nested input tensor (their shapes: {[shape_text(shape_of(t)) for _, _, t, _ in wide]}), so "
+                         "it counts no examples; give the dim of the inputs that counts the batch's examples")
+    wide = [leaf for leaf in wide if leaf[3] is not None]
     earlier = next((leaf for leaf in wide if (leaf[0], leaf[1]) == source), None)
-    root, path, t = earlier or next((leaf for leaf in wide if leaf[2].shape[dim] != 1), wide[0])
+    root, path, _, rows = earlier or next((leaf for leaf in wide if leaf[3] != 1), wide[0])
     how = "the input earlier batches' sizes were read from" if earlier else f"the first input whose dim {dim} is not 1"
-    return (t.shape[dim], f"dim {dim} of the input {path_text(root, path)}, {how}",
-            _ragged_advice(root, path, dim, wide), (root, path))
+    return (rows, f"dim {dim} of the input {path_text(root, path)}, {how}", _ragged_advice(root, path, dim, wide),
+            (root, path))
 
 
 def _ragged_advice(root: str, path: tuple, dim: int, leaves: list) -> str:
     """What ``rows_first``'s refusal advises when the batch size was read from one of a list of tensors whose sizes
-    differ there (ragged sequences, a tensor per example), whose examples no tensor's dim counts; "" otherwise."""
-    sizes = {t.shape[dim] for r, p, t in leaves if r == root and len(p) == len(path) >= 2 and p[:-1] == path[:-1]}
+    differ there (ragged sequences, a tensor per example), whose examples no tensor's dim counts; "" otherwise.
+    ``leaves``: ``(root, path, tensor, its size in the batch dim)``."""
+    sizes = {size for r, p, _, size in leaves if r == root and len(p) == len(path) >= 2 and p[:-1] == path[:-1]}
     if len(sizes) < 2:
         return ""
     return (f"that input is one of the tensors of {path_text(root, path[:-1])}, whose dim {dim} sizes differ (ragged "
