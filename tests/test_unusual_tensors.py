@@ -42,6 +42,21 @@ def test_validate_under_fake_tensor_mode_replays_nothing_and_says_why():
     assert replayed.status == "nothing to replay" and {why for _, why in replayed.not_replayed} == {reason}
 
 
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_model_with_real_weights_traces_under_a_fake_tensor_mode_that_allows_them(compiled):
+    """A model made outside ``FakeTensorMode(allow_non_fake_inputs=True)`` and run on fake inputs inside it returns
+    a FakeTensor: the check of what a forward returned walked its attributes as an output object's and refused
+    the trace, saying the forward returned "a WeakIdKeyDictionary at output.fake_mode.fake_tensor_converter..."."""
+    model = Small()
+    with FakeTensorMode(allow_non_fake_inputs=True), on_path(compiled):
+        x = torch.randn(2, 4)
+        expected = model(x)
+        log = tl.trace(model, x)
+    assert type(log.output) is type(expected) and log.output.shape == expected.shape == (2, 2)
+    assert [op.shape for op in log.ops] == [(2, 4), (2, 4), (2, 4), (2, 2), (2, 2)]
+    assert log["linear_1_1"].params == ("fc.weight", "fc.bias")
+
+
 def test_a_parameter_of_a_tensor_subclass_is_named_as_a_parameter():
     """``nn.Parameter`` of a subclass's tensor is that subclass (a FakeTensor under ``FakeTensorMode``, a tensor
     subclass of the user's): capture knew Parameters by their exact type, so these were recorded as tensors

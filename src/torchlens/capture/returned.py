@@ -32,7 +32,9 @@ def refuse_unrecordable_output(output, model, shown) -> None:
     first."""
     found = _unrecordable(output)
     value, path = output, ()
-    if found is None and type(output) is not torch.Tensor:
+    # A tensor subclass is recorded as the tensor it is: its attributes (a FakeTensor's fake_mode and the tables
+    # it keeps keyed by tensors) are no part of the output.
+    if found is None and not isinstance(output, torch.Tensor):
         value, path, found = _held_unrecordable(output, (), 0, set()) or (output, (), None)
     if found is None:
         return
