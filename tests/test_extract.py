@@ -172,6 +172,19 @@ def test_tensors_without_values_are_refused_by_name(tmp_path):
         tl.extract(lambda x: (x * 2).to("meta"), [torch.randn(3, 4)], ["to_1_2"], tmp_path / "out", progress=False)
 
 
+def test_an_extraction_under_fake_tensor_mode_is_refused_naming_the_mode(tmp_path):
+    """A model with real weights extracted under FakeTensorMode(allow_non_fake_inputs=True) failed inside torch
+    (".numpy() is not supported for tensor subclasses") as its weights were read for the resume check."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = nn.Linear(4, 2)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(TypeError, match="tl.extract stores activations' values, and it is called under "
+                                            "FakeTensorMode.*call tl.extract outside the FakeTensorMode block"):
+            tl.extract(model, [torch.randn(3, 4)], ["linear_1_1"], tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
 def test_dtypes_numpy_lacks_load_as_torch(tmp_path):
     model = nn.Linear(8, 4).to(torch.bfloat16)
     data = [x.to(torch.bfloat16) for x in batches(3)]

@@ -46,7 +46,7 @@ from .extract_args import (UNBATCHED_NOTE, batch_count, batch_reader, check_inpu
                            unbatched_loader)
 from .extract_rows import batch_dimension, check_batch_dim, check_input_batch_dim, rows_first
 from .extract_grads import backward_through, check_request, grad_columns, layer_grad
-from .tensorfile import NAME_OF, hash_values
+from .tensorfile import NAME_OF, fake_mode_active, hash_values
 
 
 
@@ -105,6 +105,7 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
         if unknown:
             _refuse_unknown_options(unknown)
         check_model(model, "tl.extract")
+        _refuse_fake_mode()
         out = check_path(out, "out", "give the folder to write (a str or a pathlib.Path)", who="tl.extract")
         if not out:
             raise TraceFileError("tl.extract: out is an empty path; give the folder to write the activations to "
@@ -126,6 +127,15 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
     return extract_folder(model, inputs, layers, out, arguments_of=arguments_of, kwargs=kwargs,
                           shard_bytes=shard_bytes, progress=progress, stop_after=stop_after, grads=grads,
                           loss_fn=loss_fn, root=root, batch_dim=batch_dim, input_batch_dim=input_batch_dim)
+
+
+def _refuse_fake_mode() -> None:
+    """Refuse an extraction under ``FakeTensorMode``, which makes every activation a tensor without values: with
+    a model made outside the mode, reading its weights for the resume check failed inside torch (".numpy() is
+    not supported for tensor subclasses")."""
+    if fake_mode_active():
+        raise TypeError("tl.extract stores activations' values, and it is called under FakeTensorMode, whose tensors "
+                        "have a shape and no values; call tl.extract outside the FakeTensorMode block")
 
 
 def _distributed_arrival():

@@ -229,13 +229,18 @@ def read_tensor_file(folder: str, name: str) -> dict:
         raise TraceFileError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
-def refuse_fake_mode(path: str) -> None:
-    """Refuse to read ``path``'s tensors under ``FakeTensorMode``: it makes tensors without values, so reading
-    them failed inside torch (``aten::from_file``... no fake impl), or was reported as a damaged file."""
+def fake_mode_active() -> bool:
+    """Whether a ``FakeTensorMode`` is active: every tensor made or computed now has a shape and no values."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # (imported by torch itself)
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    if any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+    return any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+
+
+def refuse_fake_mode(path: str) -> None:
+    """Refuse to read ``path``'s tensors under ``FakeTensorMode``: it makes tensors without values, so reading
+    them failed inside torch (``aten::from_file``... no fake impl), or was reported as a damaged file."""
+    if fake_mode_active():
         raise RuntimeError(f"{path}: a saved file's tensors are read as values, and this read runs under "
                            "FakeTensorMode, which makes tensors without values; call tl.load or tl.load_extracted "
                            "outside the FakeTensorMode block")
