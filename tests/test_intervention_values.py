@@ -340,3 +340,30 @@ def test_a_dimension_named_at_a_0d_value_is_refused_saying_it_has_none(action):
     assert_clean_process()
     whole = tl.trace(model, args, intervene={"crossentropy_1_2": tl.mean_ablate(dims=None)})
     assert torch.equal(whole.output, model(*args))  # the mean of one number is itself
+
+
+class _Float8Activations(nn.Module):
+    """Keeps a Linear's output in float8, as float8 inference stores activations, and computes on in float32."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.fc(x).to(torch.float8_e4m3fn).float())
+
+
+def test_a_helper_torch_has_no_kernel_for_on_a_float8_value_is_refused_naming_the_dtype():
+    # scale(2.0) at a float8 value was refused saying "give arguments that fit it (a tensor argument must broadcast to
+    # its shape)": torch has no float8 multiplication on the CPU, which no argument of the helper's changes.
+    model, x = _Float8Activations(), torch.randn(3, 4)
+    with pytest.raises(tl.InterventionError, match=r"scale\(2.0\) at to_1_2:1: torch cannot compute it on this "
+                                                   r"float8_e4m3fn value \(NotImplementedError: .*\); write the action "
+                                                   r"as a function of the tensor .*has a dtype torch computes it on"):
+        tl.trace(model, x, intervene={"to_1_2": tl.scale(2.0)})
+    doubled = tl.trace(model, x, intervene={"to_1_2": lambda t, op: (t.float() * 2).to(t.dtype)})
+    with torch.no_grad():
+        expected = model.head((model.fc(x).to(torch.float8_e4m3fn).float() * 2).to(torch.float8_e4m3fn).float())
+    assert torch.equal(doubled.output, expected)
+    assert_clean_process()

@@ -48,7 +48,11 @@ class Action:
                                           f"{tuple(tensor.shape)} ({exc})") from exc
             return new
         except (RuntimeError, NotImplementedError, TypeError) as exc:
-            if tensor.layout == torch.strided and not (tensor.is_nested or tensor.is_quantized or tensor.is_complex()):
+            plain = tensor.layout == torch.strided and not (tensor.is_nested or tensor.is_quantized
+                                                            or tensor.is_complex())
+            # NotImplementedError is a RuntimeError that says torch has no kernel for this value's dtype (a float8
+            # dtype has few on the CPU), which no argument of the helper's can change.
+            if plain and not isinstance(exc, NotImplementedError):
                 if isinstance(exc, RuntimeError):  # a tensor argument of the helper's that the value cannot take
                     raise ReplacementMismatch(
                         f"{self!r} at {_where(op)}: torch could not compute it on {self._part_shown(tensor)} "
@@ -56,13 +60,14 @@ class Action:
                         "tensor argument must broadcast to its shape)") from exc
                 raise
             # torch has no kernel for much of what a helper computes on sparse, nested, quantized and complex values
-            # (complex numbers have no order to clamp in): named with the helper and the site rather than left as
-            # torch's own message.
-            kind = str(tensor.dtype).replace("torch.", "") if tensor.is_complex() else layout_name(tensor)
+            # (complex numbers have no order to clamp in), nor for some dtypes: named with the helper and the site
+            # rather than left as torch's own message.
+            kind = str(tensor.dtype).replace("torch.", "") if plain or tensor.is_complex() else layout_name(tensor)
+            where = "has a dtype torch computes it on" if plain else "is a real, dense tensor"
             raise ReplacementMismatch(f"{self!r} at {_where(op)}: torch cannot compute it on this {kind} value "
                                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); write the "
                                       "action as a function of the tensor (lambda t, op: ...), or intervene where "
-                                      "the value is a real, dense tensor") from exc
+                                      f"the value {where}") from exc
 
     def _part_shown(self, tensor: torch.Tensor) -> str:
         """What the helper computed on, for a refusal: the value, or with ``at=`` the part of it its tensor
