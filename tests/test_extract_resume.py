@@ -351,3 +351,35 @@ def test_a_run_that_commits_no_batch_leaves_no_folder_to_finish(tmp_path, monkey
     assert os.listdir(tmp_path / "mine") == []  # a folder that was there is kept, emptied of what the run wrote
     tl.extract(TwoLayer().eval(), batches(3), ["fc"], tmp_path / "mine", progress=False)
     assert tl.load_extracted(tmp_path / "mine")["fc"].shape == (12, 8)
+
+
+class WrappedWeight(nn.Module):
+    """A Linear whose weight is a wrapper tensor subclass, as torchao's quantized weights are: no storage of its own,
+    its values in the tensors it wraps."""
+
+    def __init__(self, shift: float = 0.0):
+        super().__init__()
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        torch.manual_seed(0)
+        weight = torch.randn(2, 4)
+        self.weight = nn.Parameter(TwoTensor(weight, weight + shift))
+
+    def forward(self, x):
+        linear = nn.functional.linear(x, self.weight)
+        return linear.a + linear.b
+
+
+def test_a_model_with_a_wrapper_subclass_weight_extracts_and_resumes_only_with_its_values(tmp_path):
+    """Reading the weights for the resume check failed inside torch (".numpy() is not supported for tensor
+    subclasses"): no model holding such a weight could be extracted at all."""
+    data = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    model = WrappedWeight()
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 2), ["add_1_2"], tmp_path / "x", shard_bytes=1, progress=False)
+    with pytest.raises(ResumeMismatchError, match="parameters or buffers differ"):
+        tl.extract(WrappedWeight(shift=1.0), data, ["add_1_2"], tmp_path / "x", shard_bytes=1, progress=False)
+    tl.extract(WrappedWeight(), data, ["add_1_2"], tmp_path / "x", shard_bytes=1, progress=False)
+    with torch.no_grad():
+        expected = torch.cat([model(x) for x in data])
+    assert torch.equal(tl.load_extracted(tmp_path / "x", as_torch=True)["add_1_2"], expected)
