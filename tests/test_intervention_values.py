@@ -367,3 +367,29 @@ def test_a_helper_torch_has_no_kernel_for_on_a_float8_value_is_refused_naming_th
         expected = model.head((model.fc(x).to(torch.float8_e4m3fn).float() * 2).to(torch.float8_e4m3fn).float())
     assert torch.equal(doubled.output, expected)
     assert_clean_process()
+
+
+def test_a_plain_tensor_argument_at_a_dtensor_value_is_refused_naming_the_dtensor():
+    # A steering vector or replacement that broadcasts, given as a plain tensor at a single-rank DTensor value, was
+    # refused saying "a tensor argument must broadcast to its shape", which it did: torch computes a DTensor only
+    # with DTensors.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model, x = nn.Linear(4, 4), distribute_tensor(torch.randn(3, 4), mesh, [Replicate()])
+        model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
+        model.bias = nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Replicate()]))
+        refused = r" at linear_1_1:1: .*a tensor argument must broadcast to its shape, and be a DTensor, as the value"
+        for helper, named in ((tl.steer(torch.ones(4)), r"steer\(vector\[4\]"), (torch.ones(3, 4), "replace_with")):
+            with pytest.raises(tl.InterventionError, match=named + ".*" + refused):
+                tl.trace(model, x, intervene={"linear_1_1": helper})
+        steered = tl.trace(model, x, intervene={"linear_1_1": tl.steer(distribute_tensor(torch.ones(4), mesh,
+                                                                                          [Replicate()]))})
+        assert torch.equal(steered.output.full_tensor(), model(x).full_tensor() + 1)
+    finally:
+        dist.destroy_process_group()
+    assert_clean_process()

@@ -57,7 +57,7 @@ class Action:
                     raise ReplacementMismatch(
                         f"{self!r} at {_where(op)}: torch could not compute it on {self._part_shown(tensor)} "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); give arguments that fit it (a "
-                        "tensor argument must broadcast to its shape)") from exc
+                        f"tensor argument must broadcast to its shape{_of_its_kind(tensor, exc)})") from exc
                 raise
             # torch has no kernel for much of what a helper computes on sparse, nested, quantized and complex values
             # (complex numbers have no order to clamp in), nor for some dtypes: named with the helper and the site
@@ -402,6 +402,15 @@ def _like_unstrided(source: torch.Tensor, tensor: torch.Tensor, op, who: str) ->
         raise ReplacementMismatch(f"{who} at {_where(op)}: a {layout_name(source)} value cannot replace a "
                                   f"{layout_name(tensor)} one; give a tensor of that layout")
     return value.clone()
+
+
+def _of_its_kind(tensor: torch.Tensor, exc: Exception) -> str:
+    """What a helper's refusal adds when torch's error names the value's tensor subclass: torch computes some (a
+    ``DTensor``) only with tensors of their own type, so a plain tensor argument that broadcasts is refused too."""
+    kind = type(tensor).__name__
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or kind not in str(exc):
+        return ""
+    return f", and be a {kind}, as the value is"
 
 
 def layout_name(t: torch.Tensor) -> str:
