@@ -547,3 +547,24 @@ def test_a_write_through_a_tensor_set_on_another_is_the_parent_of_later_reads(co
     assert not log.output[0].any() and not log.output[1].any()
     result = log.validate()
     assert result.passed, str(result)
+
+
+def _wrap_then_write(x):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    pair = TwoTensor(x.clone(), (x * 2).clone())  # wraps the two clones' outputs themselves
+    pair.add_(1)  # writes both below autograd: neither clone's version counter moves
+    return pair.a + 0, pair.b + 0
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_write_to_a_wrapper_subclass_keeps_what_every_tensor_it_wraps_held(compiled):
+    # Copy-on-write before a write to a wrapper subclass kept the first tensor it wraps (the one its memory is named
+    # by) and not the others: the second clone's activation read as x * 2 + 1, a value its op never made, with no
+    # warning, since the write moves no version counter.
+    x = torch.randn(3, 4)
+    with on_path(compiled):
+        log = tl.trace(_wrap_then_write, x)
+    assert torch.equal(log["clone_1_1"].activation, x)
+    assert torch.equal(log["clone_2_3"].activation, x * 2)
+    assert torch.equal(log.output[1], x * 2 + 1)

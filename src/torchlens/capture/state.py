@@ -26,7 +26,7 @@ import torch
 from ..copies import copy_with_layout
 from ..tree import is_uninitialized, made_in_transform
 from ..record.finite import nonfinite_flags
-from ..record.layouts import memory_span, shape_of, sharing_bytes, spans_meet, storage_key, version_of
+from ..record.layouts import memory_span, shape_of, sharing_bytes, spans_meet, storage_key, storage_keys, version_of
 from ..record.dropped import MADE_IN_TRANSFORM, WRITTEN_UNSEEN, why_stale
 from ..record.replay_context import attention_backends, grad_and_autocast
 
@@ -485,22 +485,22 @@ class CaptureState:
     def protect_saved(self, t, between_calls: bool = False) -> None:
         """Copy every saved activation sharing ``t``'s storage before an in-place write to ``t``: the next call's,
         or (``between_calls``) one made by no call (``t.data = value``), between the last call and the next."""
-        key = storage_key(t)
-        if self.param_storages:  # replay needs the parameter as the ops before this write saw it
-            # A write between calls is kept half a call early, so that the next call's own write is kept too.
-            self.keep_param(key, len(self.calls) - 0.5 if between_calls else len(self.calls), True)
-        stale = self.saved_by_storage.pop(key, None)
-        if stale:
-            copies: dict = {}
-            for i in stale:
-                if i not in self.saved:
-                    continue
-                # Changed unseen since it was saved (``u.set_(y)`` put it on other memory), a copy would hold
-                # what it holds now, not what its op made; else it is kept as the later readers saw it.
-                if self.saved_versions.get(i) not in (None, version_of(self.saved[i])):
-                    self._drop(i, WRITTEN_UNSEEN)
-                else:
-                    self._copy_saved(i, copies)
+        for key in storage_keys(t):  # a wrapper subclass's: the memory of every tensor it wraps
+            if self.param_storages:  # replay needs the parameter as the ops before this write saw it
+                # A write between calls is kept half a call early, so that the next call's own write is kept too.
+                self.keep_param(key, len(self.calls) - 0.5 if between_calls else len(self.calls), True)
+            stale = self.saved_by_storage.pop(key, None)
+            if stale:
+                copies: dict = {}
+                for i in stale:
+                    if i not in self.saved:
+                        continue
+                    # Changed unseen since it was saved (``u.set_(y)`` put it on other memory), a copy would hold
+                    # what it holds now, not what its op made; else it is kept as the later readers saw it.
+                    if self.saved_versions.get(i) not in (None, version_of(self.saved[i])):
+                        self._drop(i, WRITTEN_UNSEEN)
+                    else:
+                        self._copy_saved(i, copies)
 
     def guard_running_stats(self, norms: list, batch) -> None:
         """Keep the running statistics that the norm calls ``norms`` read, saved by reference, true to the

@@ -371,14 +371,28 @@ def storage_key(t: torch.Tensor) -> int:
         return -id(t if base is None else base)
 
 
+def storage_keys(t: torch.Tensor) -> list:
+    """``[storage_key(t)]``, or for a wrapper subclass wrapping several tensors (``TwoTensor``) the key of each: a
+    write to it writes them all, where its own key names the first alone."""
+    inner = wrapped_tensors(t)
+    return [key for wrapped in inner for key in storage_keys(wrapped)] if len(inner) > 1 else [storage_key(t)]
+
+
 def _first_inner(t: torch.Tensor):
     """The first tensor a wrapper subclass (``TwoTensor``, ``DTensor``) keeps its data in, or None.  The wrapper has
     no memory of its own, but its views and detached copies wrap views of that same tensor: keyed by it, a write
     through one of them reaches what was saved of the others, as for plain tensors."""
-    if not is_traceable_wrapper_subclass(t):
-        return None
+    inner = wrapped_tensors(t)
+    return inner[0] if inner else None
+
+
+def wrapped_tensors(t: torch.Tensor) -> list:
+    """The tensors a traceable wrapper subclass keeps its data in (``TwoTensor``'s two, ``DTensor``'s local shard),
+    in ``__tensor_flatten__``'s order; ``[]`` for any other tensor."""
+    if type(t) in TENSOR_TYPES or not is_traceable_wrapper_subclass(t):
+        return []
     names, _ = t.__tensor_flatten__()
-    return getattr(t, names[0]) if names else None
+    return [getattr(t, name) for name in names]
 
 
 def holds_unknown_memory(t: torch.Tensor) -> bool:
