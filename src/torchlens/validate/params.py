@@ -7,6 +7,7 @@ tensors it read."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..record.layouts import memory_freed
 from ..record.model_index import traced_address
@@ -83,11 +84,23 @@ def param_as_it_ran(log, replay, param, call_position: int) -> tuple:
     # A parameter's copy is a parameter's kind of tensor even when validating inside torch.inference_mode():
     # some kernels choose their path by it (a CPU GRU given inference-tensor weights rounds differently).
     with torch.inference_mode(value.is_inference()):
-        copied = copy_with_layout(value.detach())
+        copied = _of_its_class(param, copy_with_layout(value.detach()))
         if copied.is_floating_point() or copied.is_complex():
             flags = replay.param_requires_grad if replay is not None else {}
             copied.requires_grad_(flags.get(id(param), param.requires_grad))  # as in the forward, not now
     return copied, None
+
+
+def _of_its_class(param, copied):
+    """``copied`` as ``param``'s own tensor subclass where copying made it a plain tensor: a parameter class with a
+    ``__torch_function__`` of its own (bitsandbytes' quantized weights) computes the ops reading it, and replay must
+    run them as the forward did.  Its attributes (a quantization state, a scale) are shared with it, not copied."""
+    kind = type(param)
+    if type(copied) is kind or kind in (torch.Tensor, torch.nn.Parameter) or is_traceable_wrapper_subclass(param):
+        return copied
+    mirrored = torch.Tensor._make_subclass(kind, copied, copied.requires_grad)
+    vars(mirrored).update(vars(param))
+    return mirrored
 
 
 def _param_name(log, param) -> str:
