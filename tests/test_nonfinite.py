@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import torchlens as tl
 from torchlens.debug.nonfinite import DETECT_ANOMALY_CODE
+from accel_paths import PATHS, on_path
 
 
 def line_of(func, needle: str) -> int:
@@ -452,3 +453,25 @@ def test_recorded_finite_flags_are_a_column_of_to_pandas_that_survives_cleanup()
     assert frame.loc[origin, "finite"] == (True, False) == log[origin].finite
     assert frame.loc["input_1:1", "finite"] == (False, False)
     assert "finite" not in tl.trace(Deep(), torch.randn(3, 4)).to_pandas().columns
+
+
+def _packed_as(dtype):
+    """Bytes viewed as ``dtype`` and read back as bytes: a forward holding a value torch can barely compute on."""
+    return lambda codes: codes.view(dtype).view(torch.uint8).float()
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_packed_float4_and_bits_values_are_read_rather_than_failing_the_readers(compiled):
+    # torch has no isfinite for float4_e2m1fn_x2 and no conversion of torch.bits8 or torch.uint4 values:
+    # record_finite=True failed the trace, and nonfinite_origin and the html viewer raised NotImplementedError.
+    from torchlens.viz.records import activation_stats
+
+    codes = torch.tensor([0x21, 0x7F], dtype=torch.uint8)  # float4 codes 1, 2, 15, 7: 0.5, 1.0, -6.0, 6.0
+    with on_path(compiled):
+        for dtype in (torch.float4_e2m1fn_x2, torch.bits8, torch.uint4):
+            log = tl.trace(_packed_as(dtype), codes, record_finite=True)
+            assert log["view_1_1"].dtype == dtype and log["view_1_1"].finite == (False, False)
+            assert tl.debug.nonfinite_origin(log).origin is None and "view_1_1" in log.render(format="html")
+    float4 = activation_stats(codes.view(torch.float4_e2m1fn_x2))
+    assert (float4["numel"], float4["min"], float4["max"], float4["nan"], float4["inf"]) == (2, -6.0, 6.0, 0, 0)
+    assert activation_stats(codes.view(torch.bits8)) == {"numel": 2}

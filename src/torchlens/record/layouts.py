@@ -65,19 +65,29 @@ _FLOAT8 = frozenset([torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5
                      torch.float8_e8m0fnu])
 
 
+# float4_e2m1fn_x2 packs two 4-bit floats in each byte, which torch has no kernel to widen; read through the 16
+# values a 4-bit float can be (it has no NaN or Inf), each exact in float32.
+_FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)
+_FLOAT4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
 def dense_values(t: torch.Tensor) -> torch.Tensor:
     """``t``, or the elements of a tensor whose layout or dtype the reductions a check of values needs
     (``any``, ``all``, ``min``, ``sum``, ``isfinite``) have no kernels for: a nested tensor's components'
     elements, in one flat tensor; a sparse tensor's stored values (summed where an index repeats), with one
     zero more when some elements are implicit zeros, so that its min, max, norm and NaN/Inf count are those
     of the dense tensor it stands for, without making that tensor; a float8 tensor's values as float32,
-    which holds each of them exactly; a quantized tensor's dequantized values."""
+    which holds each of them exactly (a float4 tensor's two per element); a quantized tensor's dequantized values."""
     if t.is_nested:
         t = torch.cat([component.reshape(-1) for component in t.unbind()])
     elif t.layout in _SPARSE_LAYOUTS:
         t = _sparse_values(t)
     if t.dtype in _FLOAT8:
         return t.float()
+    if t.dtype is _FLOAT4:
+        packed = t.view(torch.uint8).reshape(-1)
+        codes = torch.cat((packed & 15, packed >> 4)).long()
+        return torch.tensor(_FLOAT4_VALUES, device=t.device)[codes]
     if t.is_quantized:
         return t.dequantize()
     return t

@@ -49,7 +49,10 @@ def activation_stats(tensor) -> dict:
                 t = t[torch.isfinite(t)]
                 if t.numel() == 0:
                     return stats
-        t = t.double() if t.is_floating_point() else t.to(torch.float64)
+        try:
+            t = t.double() if t.is_floating_point() else t.to(torch.float64)
+        except NotImplementedError:  # bits and sub-byte integer dtypes (torch.bits8, torch.uint4): no arithmetic
+            return stats
         low, high = torch.aminmax(t)
         stats.update(min=_num(low), max=_num(high), mean=_num(t.mean()))
         if t.numel() > 1:
