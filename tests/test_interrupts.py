@@ -54,6 +54,37 @@ def test_keyboard_interrupt_in_intervention_hooks_leaves_torch_functions_on():
     assert signature(tl.trace(model, x)) == signature(tl.trace(Normalized(), x))
 
 
+class Centred(Normalized):
+    """A buffer (``tl.validate``'s copy of the model deep-copies it, which torch does under ``no_grad()``) read
+    under ``no_grad()`` (replay runs that op so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("centre", torch.zeros(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            shift = x.mean(0) - self.centre
+        return super().forward(x - shift)
+
+
+def test_keyboard_interrupt_in_torchs_grad_mode_switch_leaves_gradients_as_they_were(tmp_path):
+    """torch's ``no_grad()`` and ``set_grad_enabled()`` switch back in Python code.  An interrupt landing there as a
+    trace checked a value for NaN (``record_finite=True``), as ``tl.validate`` copied the model or replayed an op
+    run under ``no_grad()``, or as ``tl.extract`` left a batch's ``no_grad()`` block left gradients off in the
+    thread: every later forward built no graph."""
+    from torch.autograd import grad_mode
+
+    model, x = Centred(), torch.randn(2, 4)
+    folders = iter(range(1000))
+    runs = {"record_finite": lambda: tl.trace(model, x, record_finite=True), "validate": lambda: tl.validate(model, x),
+            "extract": lambda: tl.extract(model, [x, x], ["fc"], tmp_path / str(next(folders)), progress=False)}
+    for name, run in runs.items():
+        landed = interrupt_every_line(run, lambda code: code.co_filename == grad_mode.__file__)
+        assert landed > 10, (name, landed)
+    assert model(x).requires_grad and tl.trace(model, x, record_finite=True).output.requires_grad
+
+
 def test_keyboard_interrupt_in_gradient_capture_never_strands_its_lock():
     """An interrupt on the exit line of ``with _receivers_lock:`` left that lock held, and the teardown
     waiting for it hung the process; every interrupt now ends with the lock free."""

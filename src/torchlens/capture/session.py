@@ -46,7 +46,7 @@ from .saving import SavePolicy, SelectedModuleOutputs
 from .source import FrameClassifier
 from .state import INFERENCE_CAVEAT, CaptureState, StopForward
 from .teardown import (Capture, ModeOnStack, leftovers, refuse_lifted_mode, release_failed, release_refused,
-                       restore_torch_function_state, torch_function_state)
+                       restore_grad_mode, restore_torch_function_state, torch_function_state)
 from .wrappers import (COMPILED_ROOT_CAVEAT, PARALLEL, PARALLEL_CLASSES, is_compile_wrapper, unwrap,
                        warn_unreduced_grads)
 
@@ -205,9 +205,8 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
 
 
 def _check_options(deep, name, reference, intervene, stop_after, record_finite, saved_for_backward) -> None:
-    """Options that would otherwise be taken as something else, or quietly ignored: ``deep="yes"`` read as
-    true (and ``record_finite="no"`` too), ``name=3`` as a display name, ``reference=`` with nothing to resolve
-    against it."""
+    """Options that would otherwise be taken as something else, or quietly ignored: ``deep="yes"`` read as true (and
+    ``record_finite="no"`` too), ``name=3`` as a display name, ``reference=`` with nothing to resolve against it."""
     check_flag(record_finite, "record_finite", "give True to record a (has_nan, has_inf) flag per op, False not to")
     check_flag(saved_for_backward, "saved_for_backward", "give True to record what autograd keeps for backward, "
                "False not to")
@@ -429,14 +428,14 @@ def trace_with_markers(model, args, kwargs, markers, **options) -> Trace:
 
 
 def _paused_collector(run, arguments: tuple) -> Trace:
-    """``run(*arguments)`` (one trace) with the thread marked as tracing and the collector paused; both
-    are restored whatever is raised and wherever (an interrupt can land on any line of the restore,
-    which then runs again as the interrupt passes)."""
+    """``run(*arguments)`` (one trace) with the thread marked as tracing and the collector paused; both are restored
+    whatever is raised and wherever (an interrupt can land on any line of the restore, which then runs again as the
+    interrupt passes).  A trace that raises also gets its grad mode back (``restore_grad_mode``)."""
     if getattr(_local, "active", False):
         raise NestedTraceError("tl.trace, or a tool that traces (tl.validate, tl.extract, the patching and "
                                "profiling reports), was called inside a forward that is already being traced; "
                                "trace the outer model once instead")
-    collecting, torch_functions = gc.isenabled(), torch_function_state(for_trace=True)
+    collecting, torch_functions, grad = gc.isenabled(), torch_function_state(for_trace=True), torch.is_grad_enabled()
     thread = threading.get_ident()
     try:
         try:
@@ -455,6 +454,7 @@ def _paused_collector(run, arguments: tuple) -> Trace:
         _local.active = False
         _collector_was_on.pop(thread, None)
         restore_torch_function_state(torch_functions)
+        restore_grad_mode(grad)
         if collecting and not gc.isenabled():
             gc.enable()
         raise

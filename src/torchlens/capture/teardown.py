@@ -329,6 +329,15 @@ def restore_torch_function_state(saved) -> None:
         _set_torch_function_state(saved)
 
 
+def restore_grad_mode(enabled: bool) -> None:
+    """Put back this thread's grad mode, read as a call began, once the call raised.  ``torch.no_grad()`` and
+    ``torch.set_grad_enabled()`` switch back in Python code: an interrupt landing there (as a trace checks a value
+    for NaN, as a tensor is deep-copied, as replay leaves an op's grad mode) would leave gradients off in the
+    thread, and every later forward would build no graph."""
+    if torch.is_grad_enabled() != enabled:
+        torch.set_grad_enabled(enabled)
+
+
 def until_done(step) -> None:
     """Run ``step`` (idempotent) until it returns; an interrupt that landed meanwhile is re-raised after,
     so teardown always finishes before the user's KeyboardInterrupt propagates."""

@@ -36,6 +36,7 @@ from ..labels.naming import folded
 from ..record.layouts import holds_more_than_itself, shape_of, shape_text, storage_holders
 from ..capture.collectives import process_rank
 from ..capture.restore import module_run_by
+from ..capture.teardown import restore_grad_mode
 from ..tree import path_text, strip, tensor_leaves, without_values
 from .format import TraceFileError, require_numpy
 from .encode import has_no_storage
@@ -183,7 +184,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
     if run.complete:
         return out
     resumed_from = run.batches_done
-    seen, last, bar = 0, None, QUIET
+    seen, last, bar, grad = 0, None, QUIET, torch.is_grad_enabled()
     try:
         bar = progress_bar(progress, "extracting", batch_count(inputs), "batch",  # progress=True needs tqdm
                            initial=resumed_from, delay=0, leave=True)
@@ -217,6 +218,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
             run.flush(inputs_fingerprint(*last))
         run.consolidate()
     except BaseException as exc:
+        restore_grad_mode(grad)  # an interrupt as a batch's no_grad() block ended leaves gradients off
         run.note_stop(checked)
         with contextlib.suppress(OSError):  # best effort: the error that stopped the run is what the caller sees
             run.discard_if_empty()

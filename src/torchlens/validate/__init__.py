@@ -27,6 +27,7 @@ from ..record.replay_context import as_traced, began_with, other_settings
 from ..capture.collectives import is_collective
 from ..capture.compiled import KeptForReplay, module_behind
 from ..capture.restore import RngState, model_state, module_run_by
+from ..capture.teardown import restore_grad_mode
 from ..capture.writes import schema_written, write_verdict
 from ..copies import clone_call, copy_with_layout, generator_twin, is_global_generator
 from ..tree import (as_args, as_kwargs, fill, outputs_equal, path_text, slice_with_tensor, structures_equal,
@@ -184,11 +185,12 @@ def validate(model, args=(), kwargs=None, progress=None, **trace_kwargs) -> Vali
     _check_trace_options(OPTIONS, trace_kwargs)
     call_args = as_args(args)
     kwargs = dict(as_kwargs(kwargs, "tl.validate"))
-    before = RngState()
+    before, grad = RngState(), torch.is_grad_enabled()
     try:
         expected, on_a_copy = _reference_output(model, call_args, kwargs, trace_kwargs.get("root"))
         after = RngState()
     except BaseException as exc:  # the untraced run fails first: say how the arguments were passed, as a trace does
+        restore_grad_mode(grad)  # (an interrupt inside torch's Tensor.__deepcopy__ leaves gradients off)
         note_how_arguments_were_passed(exc, call_args, model)
         raise
     finally:
@@ -308,7 +310,7 @@ def validate_trace(log, progress=None) -> ValidationResult:
             "validate outside the transform" if all_made_in_transform(log) else \
             "the trace saved no activations; trace with save='all' to validate"
         return result
-    rng = RngState()
+    rng, grad = RngState(), torch.is_grad_enabled()
     began = began_with(log)
     shown = bar(progress, f"validating {log.model_name}", total=len(log), unit=" ops")
     try:
@@ -327,6 +329,7 @@ def validate_trace(log, progress=None) -> ValidationResult:
                 result.not_replayed.append((op.label, problem[1]))
     finally:
         rng.restore()
+        restore_grad_mode(grad)  # an interrupt landing as replay put an op's grad mode back left the op's
         shown.close()
     if result.replayed == 0:
         result.nothing_reason = "no op could be replayed (see the reasons listed)"
