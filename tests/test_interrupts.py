@@ -209,3 +209,28 @@ def test_keyboard_interrupt_as_a_dropped_trace_is_freed_still_removes_its_gradie
     assert ignored or tl.capture.accel.compiled("_autograd") is not None or tl.capture.accel.compiled("_grads")
     model(x).sum().backward()
     assert torch.equal(x.grad, torch.autograd.grad(Normalized()(x).sum(), x)[0])
+
+
+class Offset(Normalized):
+    """Makes a tensor with a factory (``torch.arange``): replay makes it on the device it was made on."""
+
+    def forward(self, x):
+        return super().forward(x + torch.arange(4.0))
+
+
+def test_keyboard_interrupt_as_replay_runs_a_factory_leaves_no_device_mode_on_the_stack():
+    """Replay ran a factory inside ``with torch.device(...)``, entered and left through an ``ExitStack``.  An
+    interrupt landing between pushing that block's mode and noting its exit, or as the stack unwound, left
+    the mode on the torch function-mode stack for good: every later factory call in the thread went through
+    it, and every later trace ran under a mode it did not put there."""
+    import contextlib
+
+    from torch.utils import _device
+
+    model, x = Offset(), torch.randn(2, 4)
+    log = tl.trace(model, x)
+    assert log.validate().passed  # (and torch's list of factories is read: its lines are not counted below)
+    files = {contextlib.__file__, _device.__file__}
+    landed = interrupt_every_line(lambda: log.validate(), lambda code: code.co_filename in files)
+    assert landed > 10, landed
+    assert log.validate().passed and signature(tl.trace(model, x)) == signature(log)

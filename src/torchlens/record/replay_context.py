@@ -135,16 +135,22 @@ def _factories() -> frozenset:
     return frozenset(_device_constructors())
 
 
-def as_traced(log, context, setting: dict, func=None, device=None):
+def on_device(func, kwargs: dict, device) -> dict:
+    """``kwargs`` for replaying ``func``: a factory (``torch.ones``, ``torch.arange``) given no device makes its
+    output on ``device``, the one it made it on, whatever ``with torch.device(...)`` block is open around replay.
+    Given by keyword, as such a block gives it, rather than by opening one: an interrupt landing as the block was
+    entered or left kept its mode on the torch function-mode stack for good."""
+    if device is not None and kwargs.get("device") is None and func in _factories():
+        return {**kwargs, "device": device}
+    return kwargs
+
+
+def as_traced(log, context, setting: dict):
     """Grad mode and autocast exactly as the op ran under (``context``, with the attention backends a
     ``scaled_dot_product_attention`` call could choose from), and each global setting in ``setting`` that is
     not None (``global_settings()``'s, and ``flush_denormal``); a trace without a recorded context replays
-    under no grad, with the autocast state around its forward.  A factory ``func`` (``torch.ones``,
-    ``torch.arange``) makes its output on ``device``, the one it made it on, whatever ``with torch.device(...)``
-    block is open around replay."""
+    under no grad, with the autocast state around its forward."""
     stack = contextlib.ExitStack()
-    if device is not None and func in _factories():
-        stack.enter_context(torch.device(device))
     for name, value in setting.items():
         if name == "flush_denormal":  # torch has no getter: the setting replay puts back is the other one
             if value is not None and torch.set_flush_denormal(value):  # False: this CPU cannot flush

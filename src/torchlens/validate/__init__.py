@@ -23,7 +23,7 @@ from ..checks import check_model
 from ..errors import closest_hint, counted, first_few, forward_keyword_hint
 from ..record.columns import is_first_output, makes_uninitialized, uninitialized_ops
 from ..record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
-from ..record.replay_context import as_traced, began_with, other_settings
+from ..record.replay_context import as_traced, began_with, on_device, other_settings
 from ..capture.collectives import is_collective
 from ..capture.compiled import KeptForReplay, module_behind
 from ..capture.restore import RngState, model_state, module_run_by
@@ -385,6 +385,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
     if why is not None:
         return _skip(why)
     args, kwargs = arguments
+    kwargs = on_device(func, kwargs, op.device)
     generators = _private_generators(kwargs)
     compiled = module_behind(func)  # its compiled code reads (and may write) that module's own state
     if compiled is not None:
@@ -393,7 +394,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
             return _skip(why)
         kept = KeptForReplay(compiled)
     try:
-        with as_traced(log, context, setting, func, op.device):
+        with as_traced(log, context, setting):
             out = func(*args, **kwargs)
     except Exception as exc:  # replay cannot always rebuild a call (e.g. objects with hidden state)
         return _skip(f"replay raised {type(exc).__name__}: {exc}")
@@ -406,7 +407,7 @@ def _replay_problem(log, op, rng: RngState, setting: dict):
     if wrote and problem is not None and problem[0] == "mismatch":
         return _skip(COMPILED_WROTE)
     if problem is not None and problem[0] == "mismatch" and compiled is None and not call.wrote_arguments \
-            and _varies(func, args, kwargs, out, as_traced(log, context, setting, func, op.device)):
+            and _varies(func, args, kwargs, out, as_traced(log, context, setting)):
         return _skip(NONDETERMINISTIC)
     return problem
 
