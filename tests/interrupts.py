@@ -52,7 +52,7 @@ def _interrupt_every_line(run, traced, collect) -> int:
         def tracer(frame, event, arg):
             return local if traced(frame.f_code) else None
 
-        collecting, grad = gc.isenabled(), torch.is_grad_enabled()
+        collecting, grad, autocast = gc.isenabled(), torch.is_grad_enabled(), torch._C._is_any_autocast_enabled()
         sys.settrace(tracer)
         try:
             run()
@@ -65,6 +65,7 @@ def _interrupt_every_line(run, traced, collect) -> int:
             sys.settrace(None)
         assert gc.isenabled() == collecting, f"the collector was left off (line event {target})"
         assert torch.is_grad_enabled() == grad, f"gradients were left {'off' if grad else 'on'} ({target})"
+        assert torch._C._is_any_autocast_enabled() == autocast, f"autocast was left {'off' if autocast else 'on'}"
         assert not getattr(session._local, "active", False), f"the thread is left marked as tracing ({target})"
         assert not tl.capture.compiled._installed, f"a compiled submodule is left routed ({target})"
         assert_clean_process()

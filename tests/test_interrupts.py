@@ -234,3 +234,21 @@ def test_keyboard_interrupt_as_replay_runs_a_factory_leaves_no_device_mode_on_th
     landed = interrupt_every_line(lambda: log.validate(), lambda code: code.co_filename in files)
     assert landed > 10, landed
     assert log.validate().passed and signature(tl.trace(model, x)) == signature(log)
+
+
+def test_keyboard_interrupt_as_replay_leaves_an_ops_autocast_block_leaves_autocast_off():
+    """Replay runs each op of a trace made under autocast inside an autocast block of its own, entered and left
+    through an ``ExitStack``.  An interrupt landing as the stack unwound left autocast on in the thread: every
+    later forward there ran at lower precision."""
+    import contextlib
+
+    from torch.amp import autocast_mode
+
+    model, x = Normalized(), torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log = tl.trace(model, x)
+    expected = model(x)
+    files = {contextlib.__file__, autocast_mode.__file__}
+    landed = interrupt_every_line(lambda: log.validate(), lambda code: code.co_filename in files)
+    assert landed > 10, landed
+    assert log.validate().passed and torch.equal(model(x), expected) and expected.dtype == torch.float32

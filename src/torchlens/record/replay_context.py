@@ -135,6 +135,56 @@ def _factories() -> frozenset:
     return frozenset(_device_constructors())
 
 
+class ThreadSettings:
+    """What ``as_traced`` may change on this thread, read before replay and put back after it, whatever was raised.
+    ``as_traced`` undoes its changes through an ``ExitStack``, whose building and unwinding an interrupt can cut
+    short: an op's autocast block left open ran every later forward of the thread at lower precision, and an op's
+    grad mode, attention backends or global setting stayed in place."""
+
+    def __init__(self):
+        self.grad = torch.is_grad_enabled()
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.nesting = _autocast_nesting()
+        self.settings = global_settings()
+        self.flushed = denormals_flushed()
+        self.attention = attention_backends(), torch._C._get_sdp_priority_order()
+
+    def restore(self) -> None:
+        if torch.is_grad_enabled() != self.grad:
+            torch.set_grad_enabled(self.grad)
+        self._restore_autocast()
+        for (get, put), value in zip(_SETTINGS.values(), self.settings):
+            if get() != value:
+                put(value)
+        if denormals_flushed() != self.flushed:
+            torch.set_flush_denormal(self.flushed)
+        if (attention_backends(), torch._C._get_sdp_priority_order()) != self.attention:
+            from torch.nn.attention import _sdpa_kernel
+
+            _sdpa_kernel(self.attention[0])
+            torch._C._set_sdp_priority_order(self.attention[1])
+
+    def _restore_autocast(self) -> None:
+        for device_type, enabled, dtype in self.autocast:
+            if torch.is_autocast_enabled(device_type) != enabled or torch.get_autocast_dtype(device_type) != dtype:
+                torch.set_autocast_enabled(device_type, enabled)
+                torch.set_autocast_dtype(device_type, dtype)
+        torch.set_autocast_cache_enabled(self.autocast_cache)
+        nesting = _autocast_nesting()
+        while nesting > self.nesting:  # an autocast block left open: closed as its exit would
+            nesting = torch.autocast_decrement_nesting()
+            if nesting == 0:
+                torch.clear_autocast_cache()
+
+
+def _autocast_nesting() -> int:
+    """How many autocast blocks are open on this thread (torch reads it only as it changes it)."""
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return nesting
+
+
 def on_device(func, kwargs: dict, device) -> dict:
     """``kwargs`` for replaying ``func``: a factory (``torch.ones``, ``torch.arange``) given no device makes its
     output on ``device``, the one it made it on, whatever ``with torch.device(...)`` block is open around replay.

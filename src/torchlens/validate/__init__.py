@@ -23,7 +23,7 @@ from ..checks import check_model
 from ..errors import closest_hint, counted, first_few, forward_keyword_hint
 from ..record.columns import is_first_output, makes_uninitialized, uninitialized_ops
 from ..record.dropped import WRITTEN_AFTER_TRACE, all_made_in_transform, is_param_written
-from ..record.replay_context import as_traced, began_with, on_device, other_settings
+from ..record.replay_context import ThreadSettings, as_traced, began_with, on_device, other_settings
 from ..capture.collectives import is_collective
 from ..capture.compiled import KeptForReplay, module_behind
 from ..capture.restore import RngState, model_state, module_run_by
@@ -310,7 +310,7 @@ def validate_trace(log, progress=None) -> ValidationResult:
             "validate outside the transform" if all_made_in_transform(log) else \
             "the trace saved no activations; trace with save='all' to validate"
         return result
-    rng, grad = RngState(), torch.is_grad_enabled()
+    rng, settings = RngState(), ThreadSettings()
     began = began_with(log)
     shown = bar(progress, f"validating {log.model_name}", total=len(log), unit=" ops")
     try:
@@ -329,7 +329,7 @@ def validate_trace(log, progress=None) -> ValidationResult:
                 result.not_replayed.append((op.label, problem[1]))
     finally:
         rng.restore()
-        restore_grad_mode(grad)  # an interrupt landing as replay put an op's grad mode back left the op's
+        settings.restore()
         shown.close()
     if result.replayed == 0:
         result.nothing_reason = "no op could be replayed (see the reasons listed)"
