@@ -252,3 +252,21 @@ def test_keyboard_interrupt_as_replay_leaves_an_ops_autocast_block_leaves_autoca
     landed = interrupt_every_line(lambda: log.validate(), lambda code: code.co_filename in files)
     assert landed > 10, landed
     assert log.validate().passed and torch.equal(model(x), expected) and expected.dtype == torch.float32
+
+
+def test_keyboard_interrupt_as_the_saved_tensor_hooks_are_popped_leaves_none_pushed():
+    """``saved_for_backward=True`` runs the forward under saved-tensor hooks, which torch's ``saved_tensors_hooks``
+    and a ``contextlib`` block around it popped in Python.  An interrupt landing there left the trace's pack hook
+    as the thread's default for good: every later op saving a tensor for backward called it, and every later
+    ``saved_for_backward=True`` trace took them for the caller's own and observed nothing."""
+    import contextlib
+
+    from torch.autograd import graph
+
+    model, x = Normalized(), torch.randn(2, 4)
+    files = {contextlib.__file__, graph.__file__}
+    landed = interrupt_every_line(lambda: tl.trace(model, x, saved_for_backward=True),
+                                  lambda code: code.co_filename in files)
+    assert landed > 5, landed
+    log = tl.trace(model, x, saved_for_backward=True)
+    assert log.saved_for_backward_bytes > 0 and signature(log) == signature(tl.trace(Normalized(), x))

@@ -111,3 +111,4 @@ def assert_clean_process() -> None:
     assert not leftover, f"global module hooks left installed: {leftover}"
     assert _hop_compiles_are_torchs_own(), "torch._higher_order_ops.utils._hop_compile_and_call is replaced"
     assert not _compile_callbacks_of_torchlens(), "Dynamo compile callbacks are left registered"
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "saved-tensor hooks are left pushed"

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import add_note
 from ..record.layouts import storage_key
+from .teardown import until_done
 
 _no_torch_function = torch._C.DisableTorchFunction
 
@@ -88,29 +89,55 @@ class PackLog:
         except (RuntimeError, NotImplementedError):  # storage-less layouts: their own size
             sizes[-id(t)] = t.numel() * t.element_size()
 
-    def context(self):
-        """``saved_tensors_hooks`` for the forward, or a null context when packing cannot be observed."""
+    def hooks(self):
+        """``(pack, unpack)``, the saved-tensor hooks for the forward, or None when packing cannot be observed."""
         autograd = torch._C._autograd
         enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", lambda: True)()
-        top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
         if not enabled:
             self.note_text = "saved-tensor hooks are disabled here, so packing was not observed"
-        elif top is not None and top(False) is not None:
+        elif autograd._top_saved_tensors_default_hooks(False) is not None:
             self.note_text = ("the caller's own saved_tensors_hooks were active: torchlens left them in charge "
                               "and did not observe packing")
-        if self.note_text is not None:
-            return contextlib.nullcontext()
-        return _refusal_noted(torch.autograd.graph.saved_tensors_hooks(partial(_pack, weakref.ref(self)), _unpack))
+        return None if self.note_text is not None else (partial(_pack, weakref.ref(self)), _unpack)
+
+
+class SavedTensorHooks:
+    """A capture part (``Capture``): ``log``'s saved-tensor hooks pushed for the forward, popped on exit.  Not
+    torch's ``saved_tensors_hooks`` block, which pops them in Python: an interrupt landing there left the trace's
+    pack hook as the thread's default for good (every later op saving a tensor for backward called it, and every
+    later ``saved_for_backward=True`` trace took it for the caller's own)."""
+
+    def __init__(self, log: PackLog):
+        self.log = log
+        self.pushed_hooks = None  # the hooks, from just before they are pushed until they are popped
+
+    def __enter__(self):
+        hooks = self.log.hooks()
+        if hooks is not None:
+            self.pushed_hooks = hooks  # first: an interrupt before the push costs the exit one look at the top
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
+        return self
+
+    def __exit__(self, *exc):
+        until_done(self._pop)
+        return False
+
+    def _pop(self) -> None:
+        """Idempotent: pops the hooks only while they are the thread's top ones."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if self.pushed_hooks is not None and top is not None and top[0] is self.pushed_hooks[0]:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        self.pushed_hooks = None
 
 
 @contextlib.contextmanager
-def _refusal_noted(hooks):
-    """``hooks`` around the forward, with a note on an error raised by code that refuses saved-tensor hooks
-    (torch.func's ``grad``, ``vjp``, ``jacrev`` and ``hessian``: "don't yet support saved tensor hooks"),
-    which runs untraced: the hooks are the trace's own, and only this option installs them."""
+def refusal_noted():
+    """Around the forward of ``saved_for_backward=True``: a note on an error raised by code that refuses
+    saved-tensor hooks (torch.func's ``grad``, ``vjp``, ``jacrev`` and ``hessian``: "don't yet support saved tensor
+    hooks"), which runs untraced: the hooks are the trace's own (``SavedTensorHooks``), and only this option
+    installs them."""
     try:
-        with hooks:
-            yield
+        yield
     except RuntimeError as exc:
         if "saved tensor" in str(exc):
             add_note(exc, "torchlens: saved_for_backward=True runs the forward under saved-tensor hooks "
@@ -118,8 +145,3 @@ def _refusal_noted(hooks):
                           "torch.func's grad, vjp, jacrev and hessian do), though it runs without them: trace it "
                           "without saved_for_backward=True")
         raise
-
-
-def packing_observed(log):
-    """The context the forward runs in: saved-tensor hooks when ``saved_for_backward=True``."""
-    return log.context() if log is not None else contextlib.nullcontext()

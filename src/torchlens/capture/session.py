@@ -39,7 +39,7 @@ from .grads import attach_grads, grad_capture
 from .inputs import add_inputs, note_how_arguments_were_passed
 from .mode import CaptureMode, redispatch_function
 from .modules import ModuleCallTracker
-from .packing import PackLog, packing_observed
+from .packing import PackLog, SavedTensorHooks, refusal_noted
 from .returned import refuse_unrecordable_output
 from .restore import module_run_by
 from .saving import SavePolicy, SelectedModuleOutputs
@@ -281,7 +281,7 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
     if runtime is not None and runtime.module_sites:
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (*parts, runtime.module_hooks(state, skip))
-    parts = (*parts, installed)
+    parts = (*parts, installed) if packing is None else (*parts, installed, SavedTensorHooks(packing))
     if state.grads is not None or packing is not None or state.markers is not None:
         # A custom autograd Function's outputs get their backward node late, and what it keeps is packed late
         # (a profile's markers learn which op's output that node differentiates).
@@ -301,8 +301,7 @@ def _run_captured(capture, parts, mode, state, runtime, packing, model, root, ar
         # Torn down once by the ``with`` exit; whenever that exit is skipped or cut short, an exception
         # is on its way to the ``except`` below, which tears down again (see capture/teardown.py).
         with capture:
-            output = _run_forward(model, args, kwargs) if packing is None else \
-                _run_observed(packing, model, args, kwargs)
+            output = _run_forward(model, args, kwargs) if packing is None else _run_observed(model, args, kwargs)
     except BaseException as exc:
         capture.tear_down()
         if runtime is None or runtime.stopped_at is None or not isinstance(exc, StopForward):
@@ -513,9 +512,10 @@ def _run_forward(model, args, kwargs):
     return model(*args, **kwargs)
 
 
-def _run_observed(packing, model, args, kwargs):
-    """``_run_forward`` inside the saved-tensor hooks of ``saved_for_backward=True``."""
-    with packing_observed(packing):
+def _run_observed(model, args, kwargs):
+    """``_run_forward`` under the saved-tensor hooks of ``saved_for_backward=True`` (a capture part), noting a
+    refusal of them."""
+    with refusal_noted():
         return _run_forward(model, args, kwargs)
 
 

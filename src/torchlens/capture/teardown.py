@@ -179,6 +179,8 @@ def leftovers(mode, parts) -> list:
             left.append("torch.autograd.Function.apply wrapped")
         if getattr(part, "registered", False):
             left.append("Dynamo compile callbacks")
+        if getattr(part, "pushed_hooks", None):
+            left.append("saved-tensor hooks")
     return left
 
 
