@@ -274,10 +274,47 @@ class _HandsOneCallToAThread(nn.Module):
 
 def test_a_module_site_also_run_on_another_thread_says_that_call_was_not_edited():
     model, x = _HandsOneCallToAThread(), torch.randn(2, 4)
-    with pytest.warns(UserWarning, match=r"module site\(s\) 'fc' also ran on another thread .* ran unedited"):
+    with pytest.warns(UserWarning, match=r"module site\(s\) 'fc' also ran on another thread .* ran unedited, and "
+                                         r"what they returned, read by this forward, enters the trace as tensors"):
         log = tl.trace(model, x, intervene={"fc": tl.zero_ablate()})
     assert torch.equal(log.output, model.fc(x))  # the worker's call kept its value, the traced one was zeroed
     assert [str(applied.label) for applied in log.interventions] == ["linear_1_1:1"]  # the only call recorded
+    assert_clean_process()
+
+
+class _WaitsForAThread(nn.Module):
+    """Calls ``fc``, then waits while another thread runs ``fc`` on its own (the forward never reads its result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.started, self.done = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        self.started.set()
+        assert self.done.wait(30)
+        return self.fc(x)
+
+
+def test_a_module_site_run_by_an_independent_thread_is_not_said_to_reach_the_trace():
+    """The warning said what the other thread's calls returned "enters the trace as tensors of unknown origin",
+    also when that thread ran the model on its own and this forward read none of it."""
+    model, x = _WaitsForAThread(), torch.randn(2, 4)
+
+    def run_alone():
+        model.started.wait(30)
+        model.fc(x)
+        model.done.set()
+
+    worker = threading.Thread(target=run_alone)
+    worker.start()
+    try:
+        with pytest.warns(UserWarning, match=r"'fc' also ran on another thread .* so those calls ran unedited; make"):
+            log = tl.trace(model, x, intervene={"fc": tl.zero_ablate()})
+    finally:
+        model.done.set()
+        worker.join()
+    assert log.unattributed == 0 and torch.equal(log.output, torch.zeros(2, 4))
     assert_clean_process()
 
 

@@ -19,7 +19,7 @@ from .sites import ModuleSite
 def finish_interventions(runtime: Interventions, trace) -> None:
     """Attach what was applied to the finished trace; a site the forward never reached is an error."""
     runtime.attach(trace)
-    _warn_calls_on_other_threads(runtime)
+    _warn_calls_on_other_threads(runtime, trace)
     module_of = None  # address -> the Module record it names, made once for every numbered module site
     for site in runtime.module_sites:
         if LABEL.match(site.key):  # a module named like a label: refused where the label names other ops
@@ -176,16 +176,19 @@ def _ops_named(trace, key) -> list:
     return found.ops if isinstance(found, Layer) else []
 
 
-def _warn_calls_on_other_threads(runtime: Interventions) -> None:
+def _warn_calls_on_other_threads(runtime: Interventions, trace) -> None:
     """A site module the forward also ran on another thread (or that another thread ran meanwhile): capture records
     and edits the tracing thread's calls only, so those calls ran as untraced, which a forward hook of the user's
-    would have edited.  Said, rather than leaving an output unlike the hand-made edit unexplained."""
+    would have edited.  Said, rather than leaving an output unlike the hand-made edit unexplained.  What they
+    returned reached this trace only if its forward read it (a thread it started): then as tensors of unknown
+    origin; a thread running the model on its own (its own trace, or none) hands this trace nothing."""
     elsewhere = [site for site in runtime.module_sites if id(site.module) in runtime.called_elsewhere]
     if elsewhere:
+        read = (", and what they returned, read by this forward, enters the trace as tensors of unknown origin "
+                "(Trace.unattributed)") if trace.unattributed else ""
         warn_user(f"module site(s) {_site_names(elsewhere)} also ran on another thread while the trace ran: a trace "
-                  "records and edits the calls of its own thread only, so those calls ran unedited, and what they "
-                  "returned enters the trace as tensors of unknown origin (Trace.unattributed); make those calls on "
-                  "the thread that calls tl.trace to edit them")
+                  f"records and edits the calls of its own thread only, so those calls ran unedited{read}; make "
+                  "those calls on the thread that calls tl.trace to edit them")
 
 
 def _site_names(sites) -> str:
