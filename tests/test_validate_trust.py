@@ -592,3 +592,34 @@ def test_ops_reading_a_parameter_class_that_computes_for_them_replay_through_it(
     result = log.validate()
     assert_trusted(result)
     assert result.replayed == 2 and not result.not_replayed
+
+
+class _KeepsAScale(nn.Parameter):
+    """A parameter class keeping a scale beside its data, as quantized weight classes keep their state:
+    ``Parameter.__deepcopy__`` rebuilds it from its data alone, so a copy's scale is another."""
+
+    def __new__(cls, data, scale=2.0):
+        weight = super().__new__(cls, data)
+        weight.scale = scale
+        return weight
+
+
+class _ReadsItsScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = _KeepsAScale(torch.randn(4, 4), 3.0)
+
+    def forward(self, x):
+        return x @ (self.w * self.w.scale)
+
+
+def test_a_model_its_deep_copy_computes_otherwise_is_validated_against_itself():
+    """tl.validate runs its untraced reference on a deep copy of the model; a copy that lost a weight's scale computed
+    otherwise, and the faithful trace was reported as FAILED, its outputs unlike an untraced run's.  Such a copy is
+    now told apart before it runs, and the reference is the model itself, put back after."""
+    torch.manual_seed(0)
+    model, x = _ReadsItsScale(), torch.randn(2, 4)
+    assert not torch.equal(copy.deepcopy(model)(x), model(x))  # the copy is not the model
+    result = tl.validate(model, x)
+    assert result.passed and result.outputs_match is True
+    assert model.w.scale == 3.0 and type(model.w) is _KeepsAScale
