@@ -99,6 +99,16 @@ def _compile_callbacks_of_torchlens() -> list:
     return [c for c in callbacks if getattr(c, "__module__", "").startswith("torchlens")]
 
 
+def _dynamo_entry_hook_is_torchs_own() -> bool:
+    """Torch's ``set_eval_frame_isolate_recompiles_id``, which Dynamo's entry to a compiled function calls as it
+    starts and finishes the function: a trace stands in for it (capture/compiled_functions.py)."""
+    import sys
+
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    hook = getattr(eval_frame, "set_eval_frame_isolate_recompiles_id", None)
+    return hook is None or hook is torch._C._dynamo.eval_frame.set_eval_frame_isolate_recompiles_id
+
+
 def assert_clean_process() -> None:
     """The parts of a snapshot that do not depend on a model: nothing installed at all."""
     assert torch._C._len_torch_function_stack() == 0, "a torch function mode is still on the stack"
@@ -112,3 +122,5 @@ def assert_clean_process() -> None:
     assert _hop_compiles_are_torchs_own(), "torch._higher_order_ops.utils._hop_compile_and_call is replaced"
     assert not _compile_callbacks_of_torchlens(), "Dynamo compile callbacks are left registered"
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "saved-tensor hooks are left pushed"
+    assert _dynamo_entry_hook_is_torchs_own(), "torch._dynamo.eval_frame.set_eval_frame_isolate_recompiles_id " \
+        "is replaced"

@@ -30,6 +30,7 @@ from .caught import caught_calls_caveat, forget_caught_exceptions
 from .collectives import drop_flags_before_arrival, process_rank
 from .compiled import (CompiledSubmodules, DynamoCompiles, Suspension, check_compiled_option,
                        compiled_in_place, optimized_module_type)
+from .compiled_functions import CompiledFunctions, compiled_function_caveat
 from .fastpath import FastPathShim
 from .forks import leave_copied_trace, refuse_forked_trace
 from .fused_writes import (link_running_stats_readers, norm_calls, stat_writes, stats_left_nonfinite,
@@ -111,8 +112,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
     mode = CaptureMode(state, _FRAMES, deep=deep)
     shown = bar(progress, f"tracing {name or _display_name(model, root)}", unit=" module calls") \
         if shows_bar(progress) else QUIET
-    parts, submodules = _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown,
-                                       packing)
+    parts, submodules = _capture_parts(state, mode, model, root, index, policy, runtime, compiled, shown, packing)
     capture = Capture(parts)
     output = _run_captured(capture, parts, mode, state, runtime, packing, model, root, args, kwargs, shown)
     if capture.forked_into is not None:  # set in a child forked inside the forward, never in the parent
@@ -282,6 +282,8 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (*parts, runtime.module_hooks(state, skip))
     parts = (*parts, installed) if packing is None else (*parts, installed, SavedTensorHooks(packing))
+    if optimized is not None:  # torch.compile'd functions (Dynamo imported) run with capture aside; last, so that
+        parts = (*parts, CompiledFunctions(state))  # the mode it lifts is back first
     if state.grads is not None or packing is not None or state.markers is not None:
         # A custom autograd Function's outputs get their backward node late, and what it keeps is packed late
         # (a profile's markers learn which op's output that node differentiates).
@@ -324,9 +326,10 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     entry matched, the interventions' outcome, the ``save=`` filter applied after the fact, the gradient
     hooks' sink and what autograd kept for backward.  Class defaults stand where none apply."""
     if state.versionless or submodules is not None or index.script_modules or state.unattributed \
-            or index.packed_weights or state.caught_calls:  # else the class default: no caveat
+            or index.packed_weights or state.caught_calls or state.compiled_functions:  # else no caveat
         caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
             (submodules.caveats() if submodules is not None else ()) + \
+            compiled_function_caveat(state.compiled_functions) + \
             _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ())) + \
             _packed_weights_caveat(index.packed_weights) + caught_calls_caveat(result, state.caught_calls)
         if caveats:
@@ -486,16 +489,14 @@ def _display_name(model, root) -> str:
     return (model.__name__ if qualname and qualname[0] == "_" else qualname) or type(model).__name__
 
 
-def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy,
-                          compiled):
+def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy, compiled):
     """The runtime applying ``intervene=`` / ``stop_after=``, or None (the hot path then costs one check)."""
     if not intervene and stop_after is None:
         return None
     from ..intervene import prepare
 
     return prepare(root if root is not None else model, intervene=intervene, stop_after=stop_after,
-                   reference=reference, index=index, deep=deep,
-                   keep_originals=policy.mode != 0, compiled=compiled,
+                   reference=reference, index=index, deep=deep, keep_originals=policy.mode != 0, compiled=compiled,
                    run_reference=lambda: _reference_trace(model, args, kwargs, deep, root, compiled))
 
 

@@ -88,9 +88,9 @@ class CaptureState:
     # that moved by the end with no write seen was written by a call capture cannot see (record/finalize.py,
     # note_unseen_param_writes).
     param_versions_at_start = None
-    # call index of a compiled submodule's op -> weak references to the tensors its module held as it ran
-    # (capture/compiled.py, RoutedRun); None until one runs.
+    # call index of a compiled submodule's op -> weak refs to the tensors its module held as it ran (RoutedRun), or None
     held_by_compiled = None
+    compiled_functions = ()  # names of the torch.compile'd functions run with capture aside (compiled_functions.py)
     array_copies: dict | None = None  # id(NumPy array argument) -> (weak reference, copy): see recorded_array
     _param_storages = None
     # Off unless set (the constructor or the trace driver sets them only when on).
