@@ -1,8 +1,7 @@
 """``tl.trace``: set capture up, run the forward once, tear everything down, finalize.
 
 Nothing outlives the call: the capture mode is popped, ``_call_impl``'s relay, the shims, compiled routing and
-any module hooks removed by one context manager (``teardown.Capture``), whether the model returns or raises.
-"""
+any module hooks removed by one context manager (``teardown.Capture``), whether the model returns or raises."""
 
 from __future__ import annotations
 
@@ -282,8 +281,8 @@ def _capture_parts(state, mode, model, root, index, policy, runtime, compiled, s
         # Interventions' module hooks run inside each module call the tracker records (torch's _call_impl runs them).
         parts = (*parts, runtime.module_hooks(state, skip))
     parts = (*parts, installed) if packing is None else (*parts, installed, SavedTensorHooks(packing))
-    if optimized is not None:  # torch.compile'd functions (Dynamo imported) run with capture aside; last, so that
-        parts = (*parts, CompiledFunctions(state))  # the mode it lifts is back first
+    if optimized is not None:  # Dynamo imported: compiled functions run with capture aside (last: its mode back first)
+        parts = (*parts, CompiledFunctions(state))
     if state.grads is not None or packing is not None or state.markers is not None:
         # A custom autograd Function's outputs get their backward node late, and what it keeps is packed late
         # (a profile's markers learn which op's output that node differentiates).
