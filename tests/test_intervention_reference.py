@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+import real_models
 
 
 class _Repeat(nn.Module):
@@ -154,3 +155,24 @@ def test_a_reference_traced_from_another_model_is_refused_naming_it():
     # A copy of the model (the same classes at the same addresses) is left to the path's checks, as before.
     with pytest.raises(tl.InterventionError, match=r"module 1 is another object than the one the reference trace ran"):
         tl.trace(model, x, intervene={"relu_1_2:1": tl.zero_ablate()}, reference=tl.trace(copy.deepcopy(model), x))
+
+
+def test_a_callable_holding_a_cache_across_calls_is_named_as_why_its_path_changed():
+    """A decoding step written as a closure over one DynamicCache grows that cache in the pass that resolves label
+    sites, so the intervened run attends over more positions; the refusal named only other inputs as the cause.
+    It now says the reference was a pass of these same inputs, and that state the callable keeps between calls
+    makes each run differ."""
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    model, _, kwargs = real_models.CORPUS["gpt2"]()
+    model.eval()
+    ids, cache = kwargs["input_ids"][:1], DynamicCache()
+    step = tl.trace(lambda i: model(i, past_key_values=cache, use_cache=True).logits, ids, root=model)
+    site = next(op.label for op in step.ops if op.func_name == "scaled_dot_product_attention")
+    cache = DynamicCache()
+    with pytest.raises(tl.InterventionError, match="another path .* The reference was a pass of these same inputs, "
+                                                   r"made first.*keeping state of its own between calls \(a cache"):
+        tl.trace(lambda i: model(i, past_key_values=cache, use_cache=True).logits, ids, root=model,
+                 intervene={site: tl.scale(0.5)})

@@ -591,24 +591,3 @@ def test_a_forward_failing_in_the_extra_run_that_resolves_label_sites_says_so():
     with pytest.raises(RuntimeError) as plain:  # a module site needs no extra run: one note, as usual
         tl.trace(model, x, intervene={"fc": tl.zero_ablate()})
     assert len(plain.value.__notes__) == 1
-
-
-def test_a_callable_holding_a_cache_across_calls_is_named_as_why_its_path_changed():
-    """A decoding step written as a closure over one DynamicCache grows that cache in the pass that resolves label
-    sites, so the intervened run attends over more positions; the refusal named only other inputs as the cause.
-    It now says the reference was a pass of these same inputs, and that state the callable keeps between calls
-    makes each run differ."""
-    pytest.importorskip("transformers")
-    from transformers import DynamicCache
-
-    torch.manual_seed(0)
-    model, _, kwargs = real_models.CORPUS["gpt2"]()
-    model.eval()
-    ids, cache = kwargs["input_ids"][:1], DynamicCache()
-    step = tl.trace(lambda i: model(i, past_key_values=cache, use_cache=True).logits, ids, root=model)
-    site = next(op.label for op in step.ops if op.func_name == "scaled_dot_product_attention")
-    cache = DynamicCache()
-    with pytest.raises(tl.InterventionError, match="another path .* The reference was a pass of these same inputs, "
-                                                   r"made first.*keeping state of its own between calls \(a cache"):
-        tl.trace(lambda i: model(i, past_key_values=cache, use_cache=True).logits, ids, root=model,
-                 intervene={site: tl.scale(0.5)})

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import torch
 
 from .errors import warn_user
-from .tree import (MAX_DEPTH, SCALAR_TYPES, SCALARS, container_items, fill, made_in_transform, strip, tensor_leaves,
-                   without_values)
+from .tree import (MAX_DEPTH, SCALAR_TYPES, SCALARS, container_items, fill, is_uninitialized, made_in_transform, strip,
+                   tensor_leaves, without_values)
 
 Tensor = torch.Tensor
 
@@ -260,3 +260,28 @@ def _copy_of_span(t):
     the view's strides: a reduction over it then sums in the order it did in the forward."""
     reach = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) + 1
     return t.as_strided((reach,), (1,)).clone().as_strided(t.shape, t.stride())
+
+
+def copied_whole(module, copied) -> bool:
+    """Whether ``copied``, a deep copy of ``module``, holds parameters and buffers of the same classes and layouts,
+    and a tensor subclass's plain attributes.  A ``Parameter`` subclass whose ``__new__`` takes more than the data
+    (a scale, a quantization state) loses those attributes in ``Parameter.__deepcopy__``, which rebuilds it from its
+    data alone: the copy then computes otherwise, and the difference would be blamed on the trace.  (A plain
+    parameter's attributes, tags such as an initialization flag, are lost too, and read by no op.)"""
+    pairs = zip((*module.named_parameters(), *module.named_buffers()),
+                (*copied.named_parameters(), *copied.named_buffers()))
+    return all(name == copy_name and type(t) is type(c) and t.dtype == c.dtype and _shape(t) == _shape(c)
+               and (type(t) in _PLAIN_TENSORS or _plain_attributes(t) == _plain_attributes(c))
+               for (name, t), (copy_name, c) in pairs)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _shape(t):
+    return None if is_uninitialized(t) else t.shape
+
+
+def _plain_attributes(t) -> dict:
+    """A tensor's own attributes, the plain values by value and the others by class."""
+    return {k: v if isinstance(v, (bool, int, float, str, bytes, type(None))) else type(v) for k, v in vars(t).items()}

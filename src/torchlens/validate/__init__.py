@@ -29,9 +29,9 @@ from ..capture.compiled import KeptForReplay, module_behind
 from ..capture.restore import RngState, model_state, module_run_by
 from ..capture.teardown import restore_grad_mode
 from ..capture.writes import schema_written, write_verdict
-from ..copies import clone_call, copy_with_layout, generator_twin, is_global_generator
-from ..tree import (as_args, as_kwargs, fill, is_uninitialized, outputs_equal, path_text, slice_with_tensor,
-                   structures_equal, tensor_leaves, unmaterialized, without_values)
+from ..copies import clone_call, copied_whole, copy_with_layout, generator_twin, is_global_generator
+from ..tree import (as_args, as_kwargs, fill, outputs_equal, path_text, slice_with_tensor, structures_equal,
+                   tensor_leaves, unmaterialized, without_values)
 from .params import compiled_reads_changed, param_as_it_ran
 
 # Calls that differentiate through the forward's own graph (a gradient penalty, a physics-informed loss).
@@ -119,7 +119,7 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None) -> tuple:
             reference = copy.deepcopy(model)
         except Exception:  # noqa: BLE001 - locks, open files, C++ handles: fall back to restoring
             reference = None
-        if reference is not None and _copied_whole(bound, module_run_by(reference)):
+        if reference is not None and copied_whole(bound, module_run_by(reference)):
             return reference(*args, **kwargs), True
     refuse_unmaterialized(root if root is not None else bound, "tl.validate")  # torch could not copy it
     state, watching = model_state(model, root)
@@ -128,31 +128,6 @@ def _reference_output(model, args: tuple, kwargs: dict, root=None) -> tuple:
             return model(*args, **kwargs), False
     finally:
         state.restore()
-
-
-def _copied_whole(module, copied) -> bool:
-    """Whether ``copied``, a deep copy of ``module``, holds parameters and buffers of the same classes and layouts,
-    and a tensor subclass's plain attributes.  A ``Parameter`` subclass whose ``__new__`` takes more than the data
-    (a scale, a quantization state) loses those attributes in ``Parameter.__deepcopy__``, which rebuilds it from its
-    data alone: the copy then computes otherwise, and the difference would be blamed on the trace.  (A plain
-    parameter's attributes, tags such as an initialization flag, are lost too, and read by no op.)"""
-    pairs = zip((*module.named_parameters(), *module.named_buffers()),
-                (*copied.named_parameters(), *copied.named_buffers()))
-    return all(name == copy_name and type(t) is type(c) and t.dtype == c.dtype and _shape(t) == _shape(c)
-               and (type(t) in _PLAIN_TENSORS or _plain_attributes(t) == _plain_attributes(c))
-               for (name, t), (copy_name, c) in pairs)
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def _shape(t):
-    return None if is_uninitialized(t) else t.shape
-
-
-def _plain_attributes(t) -> dict:
-    """A tensor's own attributes, the plain values by value and the others by class."""
-    return {k: v if isinstance(v, (bool, int, float, str, bytes, type(None))) else type(v) for k, v in vars(t).items()}
 
 
 def refuse_unmaterialized(module, tool: str) -> None:
