@@ -25,6 +25,7 @@ import threading
 import torch
 
 from ..errors import warn_user
+from .teardown import release_stranded, until_done
 
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
@@ -35,7 +36,7 @@ _EVAL_FRAME = "torch._dynamo.eval_frame"
 _HOOK = "set_eval_frame_isolate_recompiles_id"  # called by the entry only, as it starts and as it finishes
 _HOP_UTILS = "torch._higher_order_ops.utils"  # where torch.cond, while_loop, map and scan compile their bodies
 _ENTRY = "compile_wrapper"  # the function ``torch.compile`` returns, made in ``_TorchDynamoContext.__call__``
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a hold stranded by an interrupt is dropped (release_stranded)
 _steppers: dict = {}  # tracing thread id -> its trace's CompiledFunctions
 _routed: list = []  # [torch's function] while the stand-in stands in for it
 
@@ -63,29 +64,42 @@ class CompiledFunctions:
         self.outer = None  # the trace this thread was running when this one began (a trace nested in it), if any
 
     def __enter__(self):
-        if _entry_code() is None:  # a torch whose Dynamo enters compiled code otherwise: left as it was
+        if _entry[0] is None and _entry_code() is None:  # a torch whose Dynamo enters compiled code otherwise
             return self
-        with _lock:
+        # acquire/release rather than ``with``, as the other parts do: a trace pays for this part whenever Dynamo is
+        # imported (transformers imports it), compiled functions or not.
+        _lock.acquire()
+        try:
             self.outer = _steppers.get(self.thread)
             _steppers[self.thread] = self  # first: whatever happens next, __exit__ takes it out
             if not _routed:
                 eval_frame = sys.modules[_EVAL_FRAME]
                 _routed.append(getattr(eval_frame, _HOOK))
                 setattr(eval_frame, _HOOK, _entered_or_left)
+        finally:
+            _lock.release()
         return self
 
     def __exit__(self, *exc):
+        until_done(self._release)  # an interrupt landing mid-teardown cannot leave the stand-in in place
+        return False
+
+    def _release(self) -> None:
         while self.running:  # an interrupt between the entry's two calls: capture steps back all the same
             self.step_back()
-        with _lock:
-            if _steppers.get(self.thread) is self and self.outer is not None:
-                _steppers[self.thread] = self.outer
-            elif _steppers.get(self.thread) is self:
-                del _steppers[self.thread]
+        release_stranded(_lock)
+        _lock.acquire()
+        try:
+            if _steppers.get(self.thread) is self:
+                if self.outer is not None:
+                    _steppers[self.thread] = self.outer
+                else:
+                    del _steppers[self.thread]
             if not _steppers and _routed:
                 setattr(sys.modules[_EVAL_FRAME], _HOOK, _routed[-1])  # put back before forgetting: see compiled.py
                 _routed.pop()
-        return False
+        finally:
+            _lock.release()
 
     def entered_or_left(self, entry_frame) -> None:
         """The entry running in ``entry_frame`` starts its compiled function, or has finished it."""
