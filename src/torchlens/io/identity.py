@@ -14,9 +14,9 @@ import hashlib
 import sys
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import first_few
+from ..record.layouts import wrapped_tensors
 from ..tree import unmaterialized, without_values
 from .encode import has_no_storage
 from .tensorfile import byte_view
@@ -60,8 +60,7 @@ def _value_bytes(t: torch.Tensor) -> bytes:
     if without_values(t) or t.is_quantized or t.layout != torch.strided or t.numel() == 0:
         return b""  # no values to read (meta), or no plain byte view of them: shapes and dtypes still count
     if has_no_storage(t):  # a wrapper subclass (torchao's quantized weights, TwoTensor): the tensors it wraps
-        names = t.__tensor_flatten__()[0] if is_traceable_wrapper_subclass(t) else ()
-        return b"".join(_value_bytes(getattr(t, name)) for name in names)
+        return b"".join(_value_bytes(wrapped) for wrapped in wrapped_tensors(t))
     flat = t.detach().reshape(-1)
     if flat.numel() > FULL_HASH_ELEMENTS:
         steps = torch.arange(SAMPLES_PER_TENSOR, dtype=torch.int64, device=flat.device)
