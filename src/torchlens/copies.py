@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import torch
 
 from .errors import warn_user
-from .tree import (MAX_DEPTH, SCALAR_TYPES, SCALARS, container_items, fill, is_uninitialized, made_in_transform, strip,
-                   tensor_leaves, without_values)
+from .tree import (MAX_DEPTH, SCALAR_TYPES, SCALARS, TENSOR_TYPES, container_items, fill, is_uninitialized,
+                   made_in_transform, strip, tensor_leaves, without_values)
 
 Tensor = torch.Tensor
 
@@ -271,11 +271,8 @@ def copied_whole(module, copied) -> bool:
     pairs = zip((*module.named_parameters(), *module.named_buffers()),
                 (*copied.named_parameters(), *copied.named_buffers()))
     return all(name == copy_name and type(t) is type(c) and t.dtype == c.dtype and _shape(t) == _shape(c)
-               and (type(t) in _PLAIN_TENSORS or _plain_attributes(t) == _plain_attributes(c))
+               and (type(t) in TENSOR_TYPES or _plain_attributes(t) == _plain_attributes(c))
                for (name, t), (copy_name, c) in pairs)
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _shape(t):

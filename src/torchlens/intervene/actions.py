@@ -17,6 +17,7 @@ from ..errors import ReplacementMismatch
 from ..record.layouts import shape_of
 from ..record.trace import checked_trace
 from ..capture.teardown import restore_torch_function_state, torch_function_state
+from ..tree import TENSOR_TYPES
 
 # What a helper reading another run takes: a trace of a run taking the same path, with its site saved.
 _SOURCE_TRACE = "tl.trace(model, x) of a run taking the same path, with the site's activation saved"
@@ -408,7 +409,7 @@ def _of_its_kind(tensor: torch.Tensor, exc: Exception) -> str:
     """What a helper's refusal adds when torch's error names the value's tensor subclass: torch computes some (a
     ``DTensor``) only with tensors of their own type, so a plain tensor argument that broadcasts is refused too."""
     kind = type(tensor).__name__
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or kind not in str(exc):
+    if type(tensor) in TENSOR_TYPES or kind not in str(exc):
         return ""
     return f", and be a {kind}, as the value is"
 

@@ -15,6 +15,7 @@ from ..record.params import changed_since
 from ..record.replay_context import UNSEEN_WRITE
 from ..capture.compiled import module_tensors
 from ..copies import copy_with_layout
+from ..tree import TENSOR_TYPES
 
 COMPILED_SWAPPED = ("its module's parameters or buffers are not the tensors its compiled code read when it ran "
                     "(torch.func.functional_call swapped others in for the call, or they were replaced since the "
@@ -96,7 +97,7 @@ def _of_its_class(param, copied):
     ``__torch_function__`` of its own (bitsandbytes' quantized weights) computes the ops reading it, and replay must
     run them as the forward did.  Its attributes (a quantization state, a scale) are shared with it, not copied."""
     kind = type(param)
-    if type(copied) is kind or kind in (torch.Tensor, torch.nn.Parameter) or is_traceable_wrapper_subclass(param):
+    if type(copied) is kind or kind in TENSOR_TYPES or is_traceable_wrapper_subclass(param):
         return copied
     mirrored = torch.Tensor._make_subclass(kind, copied, copied.requires_grad)
     vars(mirrored).update(vars(param))
