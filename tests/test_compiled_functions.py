@@ -93,3 +93,22 @@ def test_generate_compiling_its_decoding_steps_records_the_prefill_alone_and_nam
     assert [op.label for op in log.ops if op.func_name in kernels and not op.modules] == []
     assert log.unattributed > 0 and "disable_compile=True" in log.caveats[-1]
     assert_clean_process()
+
+
+def test_an_interrupt_anywhere_in_stepping_aside_leaves_nothing_and_compiles_nothing_again():
+    """A KeyboardInterrupt landing on each line of capture/compiled_functions.py in turn, as the trace enters and
+    leaves its part and as a compiled function is stepped aside for and back: each time the stand-in is gone,
+    nothing is left on the mode stack, and the next trace neither records more nor makes Dynamo compile again."""
+    from interrupts import interrupt_every_line, signature
+    from torchlens.capture import compiled_functions
+
+    model, x = CallsCompiledFunctions(), torch.randn(3, 8)
+    expected = model(x)
+    with dynamo.config.patch(error_on_recompile=True), pytest.warns(UserWarning, match="ran compiled"):
+        landed = interrupt_every_line(lambda: tl.trace(model, x),
+                                      lambda code: code.co_filename == compiled_functions.__file__)
+        log = tl.trace(model, x)
+    assert landed > 50, landed
+    assert torch.equal(log.output, expected) and torch.equal(model(x), expected)
+    assert [label for label, *_ in signature(log)] == ["input_1:1", "linear_1_1:1", "linear_1_1:2", "add_1_2:1",
+                                                         "output_1:1"]
