@@ -1,6 +1,7 @@
 """Replay hands each op copies of its inputs laid out as the forward's were, so a kernel whose order of
 work follows the strides (a reduction) gives the same bits."""
 
+import pytest
 import torch
 import torch.nn as nn
 
