@@ -172,24 +172,24 @@ def test_validate_names_a_parameter_cast_since_the_trace_instead_of_reporting_a_
     assert "torch.float32 tensor of shape (64, 32), it now holds a torch.float16" in reasons[log.params[0].op_labels[0]]
 
 
-
-class _SpareLazyHead(nn.Module):
-    """A lazy head its forward never calls: its parameters stay uninitialized, with no shape to read."""
+class _WithAnUncalledLazyHead(nn.Module):
+    """A lazy head its forward never calls: its parameters stay uninitialized, with no shape."""
 
     def __init__(self):
         super().__init__()
-        self.body, self.spare = nn.Linear(2, 2), nn.LazyLinear(3)
+        self.fc = nn.Linear(4, 3)
+        self.head = nn.LazyLinear(5)
 
     def forward(self, x):
-        return self.body(x)
+        return self.fc(x)
 
 
 @pytest.mark.parametrize("compiled", PATHS)
 def test_a_lazy_module_the_forward_never_calls_is_traced_as_untraced(compiled):
-    model, x = _SpareLazyHead(), torch.randn(1, 2)
+    model, x = _WithAnUncalledLazyHead(), torch.randn(1, 4)
     with on_path(compiled):
         log = tl.trace(model, x)
-    assert torch.equal(log.output, model(x)) and [c.address for c in log.module_calls] == ["body"]
+    assert torch.equal(log.output, model(x)) and [c.address for c in log.module_calls] == ["fc"]
 
 
 class _CallsItsForward(nn.Linear):
@@ -209,18 +209,6 @@ def test_a_module_given_another_class_between_traces_is_seen_by_the_next_trace(c
         model[2].__class__ = _CallsItsForward
         log = tl.trace(model, x)
     assert [c.address for c in log.module_calls] == ["0", "1", "2"] and torch.equal(log.output, model(x))
-
-
-class _WithAnUncalledLazyHead(nn.Module):
-    """A lazy head its forward never calls: its parameters stay uninitialized, with no shape."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-        self.head = nn.LazyLinear(5)
-
-    def forward(self, x):
-        return self.fc(x)
 
 
 @pytest.mark.parametrize("compiled", PATHS)
