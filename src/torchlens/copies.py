@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import torch
 
 from .errors import warn_user
-from .tree import (MAX_DEPTH, SCALAR_TYPES, SCALARS, TENSOR_TYPES, container_items, fill, is_uninitialized,
-                   made_in_transform, strip, tensor_leaves, without_values)
+from .tree import (MAX_DEPTH, SCALAR_TYPES, SCALARS, TENSOR_TYPES, container_items, fill, made_in_transform,
+                   shape_or_none, strip, tensor_leaves, without_values)
 
 Tensor = torch.Tensor
 
@@ -270,13 +270,9 @@ def copied_whole(module, copied) -> bool:
     parameter's attributes, tags such as an initialization flag, are lost too, and read by no op.)"""
     pairs = zip((*module.named_parameters(), *module.named_buffers()),
                 (*copied.named_parameters(), *copied.named_buffers()))
-    return all(name == copy_name and type(t) is type(c) and t.dtype == c.dtype and _shape(t) == _shape(c)
+    return all(name == copy_name and type(t) is type(c) and t.dtype == c.dtype and shape_or_none(t) == shape_or_none(c)
                and (type(t) in TENSOR_TYPES or _plain_attributes(t) == _plain_attributes(c))
                for (name, t), (copy_name, c) in pairs)
-
-
-def _shape(t):
-    return None if is_uninitialized(t) else t.shape
 
 
 def _plain_attributes(t) -> dict:

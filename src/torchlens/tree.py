@@ -44,6 +44,11 @@ def is_uninitialized(t) -> bool:
     return isinstance(t, UninitializedTensorMixin)
 
 
+def shape_or_none(t) -> tuple | None:
+    """``t``'s shape, or None where it has none yet (torch refuses to read an uninitialized parameter's)."""
+    return None if is_uninitialized(t) else tuple(t.shape)
+
+
 def unmaterialized(module) -> list:
     """The names of ``module``'s parameters and buffers that are not yet materialized (``is_uninitialized``)."""
     named = (*module.named_parameters(), *module.named_buffers()) if isinstance(module, torch.nn.Module) else ()

@@ -11,7 +11,7 @@ from .columns import Kind
 from .layouts import version_of
 from .view import View, row_field
 from ..errors import counted, first_few
-from ..tree import is_uninitialized
+from ..tree import shape_or_none
 
 
 class ParamRow:
@@ -41,15 +41,10 @@ def param_states(model_params, replay) -> list:
     cast (``model.half()``) or resized in place since keeps what its ops saw; read now where ``replay`` is None.
     A lazy module's parameter its forward never initialized (``nn.LazyLinear`` never called) has shape None."""
     if replay is None:
-        return [(address, ParamState(_shape_now(p), p.dtype, p.requires_grad)) for address, p in model_params]
+        return [(address, ParamState(shape_or_none(p), p.dtype, p.requires_grad)) for address, p in model_params]
     flags, layouts = replay.param_requires_grad.get, replay.param_layouts.get
     return [(address, ParamState(shape, dtype, flags(id(p), p.requires_grad)))
-            for address, p in model_params for shape, dtype in (layouts(id(p)) or (_shape_now(p), p.dtype),)]
-
-
-def _shape_now(p) -> tuple | None:
-    """``p``'s shape, or None where it has none yet (torch refuses to read an uninitialized parameter's)."""
-    return None if is_uninitialized(p) else tuple(p.shape)
+            for address, p in model_params for shape, dtype in (layouts(id(p)) or (shape_or_none(p), p.dtype),)]
 
 
 def changed_since_trace(trace) -> list:
