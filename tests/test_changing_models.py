@@ -5,6 +5,8 @@ modules and parameters the model has when the trace runs."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -209,6 +211,48 @@ def test_a_module_given_another_class_between_traces_is_seen_by_the_next_trace(c
         model[2].__class__ = _CallsItsForward
         log = tl.trace(model, x)
     assert [c.address for c in log.module_calls] == ["0", "1", "2"] and torch.equal(log.output, model(x))
+
+
+class _NamesItsOwnModules(nn.Module):
+    """Names its modules through a ``named_modules`` of its own, which reads a flag (as a wrapper that hides or
+    renames what it wraps may): what it yields changes while the module tree does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+        self.renamed = False
+
+    def named_modules(self, *args, **kwargs):
+        for name, module in super().named_modules(*args, **kwargs):
+            yield ("core" if self.renamed and name == "body" else name), module
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _first_renamed(self, *args, **kwargs):
+    for name, module in nn.Module.named_modules(self, *args, **kwargs):
+        yield ("first" if name == "0" else name), module
+
+
+def _addresses(log) -> list:
+    return [(call.address, op.params) for call in log.module_calls for op in call.ops]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_model_naming_its_own_modules_is_named_as_it_names_them_now_on_every_trace(compiled):
+    # The cached index kept the names of the first walk: the second trace named body what the model now calls core.
+    model, fresh, x = _NamesItsOwnModules(), _NamesItsOwnModules(), torch.randn(1, 2)
+    fresh.renamed = True
+    with on_path(compiled):
+        assert _addresses(tl.trace(model, x)) == [("body", ("body.weight", "body.bias"))]
+        model.renamed = True
+        renamed = [("core", ("core.weight", "core.bias"))]
+        assert _addresses(tl.trace(model, x)) == _addresses(tl.trace(fresh, x)) == renamed
+        plain = nn.Sequential(nn.Linear(2, 2))
+        assert _addresses(tl.trace(plain, x)) == [("0", ("0.weight", "0.bias"))]
+        plain.named_modules = types.MethodType(_first_renamed, plain)  # set on the model itself, after a trace
+        assert _addresses(tl.trace(plain, x)) == [("first", ("first.weight", "first.bias"))]
 
 
 @pytest.mark.parametrize("compiled", PATHS)

@@ -3,7 +3,8 @@
 Every part of a trace that needs an address (buffer sources during capture, module records, parameter
 records, the save policy) reads this index instead of walking ``named_modules`` again.  ``index_of``
 keeps one index per model and hands it to later traces while the model's structure is unchanged
-(``Structure``): tracing the same model again walks nothing it already knows.
+(``Structure``): tracing the same model again walks nothing it already knows.  A model whose modules are
+named by a ``named_modules`` of its own is walked on every trace (``_names_its_own``).
 """
 
 from __future__ import annotations
@@ -415,9 +416,11 @@ def index_of(model) -> ModelIndex:
     if not isinstance(model, torch.nn.Module):
         return ModelIndex(model)
     entry = _cache.get(id(model))
-    if entry is not None and entry[0]() is model and entry[1].unchanged(model):
+    if entry is not None and entry[0]() is model and entry[1].unchanged(model) and not _names_its_own(model):
         return entry[2]
     index = ModelIndex(model)
+    if any(map(_names_its_own, index.all_modules())):
+        return index
     try:
         structure = _snapshot(model, list(index.submodules.values()))
     except (KeyError, TypeError):
@@ -426,6 +429,15 @@ def index_of(model) -> ModelIndex:
     # The callback holds the cache itself: at interpreter exit this module's globals may already be gone.
     _cache[key] = (weakref(model, lambda _, key=key, cache=_cache: _forget(cache, key)), structure, index)
     return index
+
+
+def _names_its_own(module) -> bool:
+    """Whether ``module`` names its submodules with a ``named_modules`` of its own (its class's, or one set on it):
+    what that yields may change while the module tree does not (a flag it reads, an override set later), so an
+    index walked through it is never reused.  Checked for every module when an index is cached, for the root
+    when it is reused: a submodule's classes are compared then (``Structure``), not what is set on it."""
+    own = type(module).named_modules is not torch.nn.Module.named_modules  # (nn.Module's as it is now)
+    return own or "named_modules" in getattr(module, "__dict__", ())
 
 
 # ----- a model its own modules lead back to --------------------------------------------------------
