@@ -2,6 +2,8 @@
 source: its ops are one layer, one pass per run, on both capture paths.  Two like expressions on one line are
 still two places."""
 
+import dis
+
 import pytest
 import torch
 
@@ -125,3 +127,18 @@ def test_loops_over_comprehensions_and_generators_with_conditions_are_a_layer_pe
 @pytest.mark.parametrize("compiled", PATHS)
 def test_two_like_expressions_on_one_line_are_two_layers(compiled):
     assert _labels(_two_relus, torch.tensor([1.0]), compiled) == ["relu_1_1:1", "relu_2_2:1", "add_1_3:1"]
+
+
+def test_an_offset_inside_an_instructions_inline_cache_is_read_as_the_instructions():
+    """A frame suspended in a warm instruction that runs a generator inline (Python 3.12's ``FOR_ITER_GEN``)
+    names an offset inside the instruction's inline cache, where the cold one names its own: both are one
+    place, so a loop over a generator stays one layer once the loop warms up (the test above, on 3.12)."""
+    from torchlens.labels.passes import call_offset
+
+    code = _over_a_generator.__code__
+    instructions = list(dis.get_instructions(code))
+    cached = [(a, b) for a, b in zip(instructions, instructions[1:]) if b.offset > a.offset + 2]
+    assert cached  # (a load of a global, an attribute or a binary op has cache entries on every version run)
+    for instruction, after in cached:
+        for inside in range(instruction.offset + 2, after.offset, 2):
+            assert call_offset(code, inside) == call_offset(code, instruction.offset)

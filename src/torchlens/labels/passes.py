@@ -161,7 +161,10 @@ def call_offset(code, offset):
     two layers once the site warms up.  Both are read as the ``CALL``'s.  And the compiler copies some
     code: a ``while`` loop's test is compiled before the loop and again at the end of its body, so its
     first run and its later ones run at two offsets of one expression.  A copy is read as its original's
-    offset (``_copied_offsets``)."""
+    offset (``_copied_offsets``).  On Python 3.12 a frame suspended in an instruction that runs a generator
+    inline (a warm ``for`` over a generator, ``FOR_ITER_GEN``) names an offset inside that instruction's inline
+    cache, where the cold instruction names its own: an offset inside an instruction's cache is read as the
+    instruction's."""
     if type(code) is not CodeType:  # (a trace read by tl.load holds stand-ins for code)
         return offset
     return _canonical_offsets(code).get(offset, offset)
@@ -186,6 +189,9 @@ def _canonical_offsets(code) -> dict:
             # The exit of a with block left by an exception calls __exit__ here, the same place in the source
             # as the normal exit's call, compiled before it with the same span.
             canonical[instruction.offset] = exits[instruction.positions]
+    for instruction, after in zip(instructions, instructions[1:]):
+        for cache in range(instruction.offset + 2, after.offset, 2):  # its inline cache entries
+            canonical[cache] = canonical.get(instruction.offset, instruction.offset)
     return canonical
 
 
