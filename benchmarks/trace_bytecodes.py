@@ -7,7 +7,8 @@ runs the one-op model (``x + 1``, as ``fixed_cost.py``) 50 times to warm up, the
 ``sys.settrace`` with opcode events and ``sys.setprofile``: every bytecode and every C call is counted
 against the function that executes it.  What runs inside compiled code (torchlens-accel, torch's kernels)
 is not counted, so the two paths' totals are not comparable with each other, only with another revision's
-same arm.  ``--baseline`` counts another revision's tree in the same process (``models.baseline_package``)
+same arm (CPython 3.11 only: later versions send sys.settrace opcode events to some frames only).
+``--baseline`` counts another revision's tree in the same process (``models.baseline_package``)
 and lists the functions whose count changed most.  ``--grads`` traces with ``grads=True`` (an input that
 requires grad), ``--read`` counts the first read of the record (``labels``, ``ops``, ``module_calls``,
 ``modules``) instead of the trace.  Run:
@@ -71,6 +72,11 @@ def _key(code) -> str:
 
 def count(tl, pure: bool, grads: bool, read: bool, traces: int) -> Counter:
     """The counts of ``traces`` calls of one arm, each a trace (or a first read) of the one-op model."""
+    if sys.version_info[:2] != (3, 11):
+        # sys.settrace's opcode events, turned on by a frame in its call event, reach no frame on CPython 3.12.1
+        # and miss a function's first calls under the tracer on 3.13: the counts would be zeros or short.
+        raise RuntimeError(f"bytecodes are counted on CPython 3.11 only (this is {sys.version.split()[0]}): "
+                           "later versions send sys.settrace's opcode events to some frames only")
     previous = importlib.import_module(f"{tl.__name__}.capture.accel").use(not pure)
     model, x = OneOp().eval(), torch.randn(4, requires_grad=grads)
     options = {"grads": True} if grads else {}
