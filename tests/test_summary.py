@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
+import weakref
 
 import pytest
 import torch
@@ -81,6 +84,25 @@ def test_a_module_called_twice_has_a_row_per_call():
     calls = [r["call"] for r in log.summary().rows]
     shared = [c.label for c in log.module_calls if c.module.num_calls > 1]
     assert shared and set(shared) <= set(calls)
+
+
+def test_a_kept_summary_holds_no_trace_and_pickles_and_copies_as_a_table(tmp_path, no_collector):
+    # The summary held its trace: a list of summaries kept every trace's activations and model alive, and pickling
+    # or deep-copying one was refused as "a Trace cannot be pickled".
+    model, ids = _tied_gpt2()
+    log = tl.trace(model, ids, intervene={"transformer.h.0": tl.zero_ablate()})
+    table = log.summary()
+    trace, activation = weakref.ref(log), weakref.ref(log["transformer.h.1"].activation)
+    del log
+    assert trace() is None and activation() is None
+    torch.save(table, tmp_path / "summary.pt")
+    for copied in (pickle.loads(pickle.dumps(table)), copy.deepcopy(table), copy.copy(table),
+                   torch.load(tmp_path / "summary.pt", weights_only=False)):
+        assert copied.rows == table.rows and copied.columns == table.columns and str(copied) == str(table)
+    # The notes on the parameter count are kept with it (a callable traced without root= has no model to count).
+    head = model.lm_head
+    rootless = tl.trace(lambda x: head(x).relu(), torch.randn(2, 32)).summary()
+    assert "<lambda> was traced without root=" in str(pickle.loads(pickle.dumps(rootless)))
 
 
 def test_summary_survives_cleanup():

@@ -150,12 +150,15 @@ def root_param_count(trace):
 
 
 class ModuleSummary:
-    """The rows of ``log.summary()``; ``print`` it for the tree, ``.to_pandas()`` for a DataFrame."""
+    """The rows of ``log.summary()``; ``print`` it for the tree, ``.to_pandas()`` for a DataFrame.
 
-    def __init__(self, trace, rows: list, columns: tuple):
-        self.trace = trace
+    Plain data, like the other reports: it holds no trace, so a summary kept (a list of them over many
+    inputs) keeps no activations or model alive, and it pickles and copies as a table does."""
+
+    def __init__(self, rows: list, columns: tuple, param_notes: tuple = ()):
         self.rows = rows
         self.columns = columns
+        self.param_notes = param_notes  # what the printed parameter count leaves out, and why (_param_notes)
 
     def to_pandas(self):
         from .tables import require_pandas
@@ -244,7 +247,25 @@ def module_summary(trace, depth=None) -> ModuleSummary:
                         (call_counts[k], call_bytes[k]), call_flops.get(mc.label), mc.duration,
                         lambda mc=mc: mc._op_nodes))
     columns = COLUMNS + ((SAVED_FOR_BACKWARD,) if has_backward else ())
-    return ModuleSummary(trace, rows, columns)
+    return ModuleSummary(rows, columns, _param_notes(trace, rows[0]["params"]))
+
+
+def _param_notes(trace, root_params) -> tuple:
+    """The notes the printed Parameters line adds to the whole model's count ``root_params``: why there is
+    none, where it comes from, and what it leaves out."""
+    notes = []
+    if trace._rootless:
+        notes.append(f"{trace.model_name} was traced without root=, so there is no model whose parameters to count "
+                     "(each module's row counts its own; tl.trace(f, x, root=model) counts the model's)")
+    if root_params is not None and trace.loaded_from is not None and counts_from_used_params(trace):
+        notes.append("this trace was saved without its parameter counts, so they count the parameters its ops used")
+    uninitialized = uninitialized_params(trace)
+    if uninitialized:
+        notes.append(f"not counted: {counted(len(uninitialized), 'uninitialized parameter')} of lazy modules the "
+                     f"forward never called, with no shape yet ({first_few(uninitialized)})")
+    if any(caveat.startswith(PACKED_WEIGHTS_CAVEAT) for caveat in trace.caveats):
+        notes.append("the packed weights of quantized modules are not parameters and are not counted (log.caveats)")
+    return tuple(notes)
 
 
 def _root_class(trace) -> str:
@@ -312,19 +333,7 @@ def summary_table_text(summary: ModuleSummary) -> str:
     lines.append("-" * len(lines[0]))
     params = "unknown" if root["params"] is None else f"{root['params']:,} (each parameter counted once, tied " \
                                                       "weights included)"
-    trace = summary.trace
-    if trace._rootless:
-        params += (f"; {trace.model_name} was traced without root=, so there is no model whose parameters to count "
-                   "(each module's row counts its own; tl.trace(f, x, root=model) counts the model's)")
-    if root["params"] is not None and trace.loaded_from is not None and counts_from_used_params(trace):
-        params += "; this trace was saved without its parameter counts, so they count the parameters its ops used"
-    uninitialized = uninitialized_params(trace)
-    if uninitialized:
-        params += (f"; not counted: {counted(len(uninitialized), 'uninitialized parameter')} of lazy modules the "
-                   f"forward never called, with no shape yet ({first_few(uninitialized)})")
-    if any(caveat.startswith(PACKED_WEIGHTS_CAVEAT) for caveat in trace.caveats):
-        params += "; the packed weights of quantized modules are not parameters and are not counted (log.caveats)"
-    lines.append(f"Parameters: {params}")
+    lines.append("; ".join(("Parameters: " + params, *summary.param_notes)))
     if root["flops"] is not None:
         incomplete = "" if root["flops_complete"] else f" ({INCOMPLETE_FLOPS_NOTE})"
         lines.append(f"Forward FLOPs: {root['flops']:,} (a multiply-add counts 2){incomplete}")
