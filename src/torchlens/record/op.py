@@ -424,6 +424,24 @@ class Layer(OfATrace):
                 return self._shared(name)
         return getattr(self.first, name)
 
+    def __dir__(self):
+        """What tab completion offers: the layer's own attributes and the ``Op`` fields it answers, every one for a
+        single pass; for several, those ``__getattr__`` answers (none that differs per pass, and a field the passes
+        share only when they agree on it), so that no name offered raises when read."""
+        answered = {name for name in dir(Op) if not name.startswith("_")}
+        if len(self._indices) > 1:
+            answered -= _PER_PASS
+            answered -= {name for name in _SHARED_WHEN_EQUAL if not self._agrees(name)}
+        return sorted({*super().__dir__(), *answered})
+
+    def _agrees(self, name) -> bool:
+        """Whether every pass has the same ``name`` (``_shared`` answers it)."""
+        try:
+            self._shared(name)
+        except AttributeError:
+            return False
+        return True
+
     def _shared(self, name):
         """``name`` of every pass when they all agree; an ``AttributeError`` naming two that differ."""
         ops = self.ops

@@ -1,0 +1,48 @@
+"""A trace and its records as Python objects, as a notebook or a script meets them: what tab completion offers
+(``dir``), and that every name it offers reads, or refuses in torchlens's own words."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchlens as tl
+from real_models import small_gpt2_lm
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    """A trace of GPT-2's ``generate()``: each decoding step runs the model's layers again, on a key/value cache
+    that grows, so its layers have several passes, some of one shape and some of a shape that grows."""
+    model = small_gpt2_lm()
+    ids = torch.randint(1, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    return tl.trace(model.generate, (ids,), {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0})
+
+
+def _unreadable(record) -> dict:
+    """The names ``dir(record)`` offers that raise an AttributeError when read (a TorchlensError is a refusal
+    that says what to do instead: an op without a gradient, a value not saved)."""
+    failed = {}
+    for name in dir(record):
+        try:
+            getattr(record, name)
+        except tl.TorchlensError:
+            pass
+        except AttributeError as error:
+            failed[name] = str(error)
+    return failed
+
+
+def test_a_layer_offers_the_op_fields_it_answers_and_none_that_raises(decoded):
+    # dir(layer) listed the layer's own attributes alone: tab completion offered no shape, activation or func_name,
+    # which a layer answers from its passes.
+    single = next(layer for layer in decoded.layers if layer.num_passes == 1 and layer.first.kind == "op")
+    assert {"activation", "shape", "func_name", "parents", "source"} <= set(dir(single))
+    grown = next(layer for layer in decoded.layers if len({op.shape for op in layer.ops}) > 1)
+    same = next(layer for layer in decoded.layers if layer.num_passes > 1 and len({op.shape for op in layer.ops}) == 1)
+    for layer in (grown, same):
+        offered = set(dir(layer))
+        assert {"func_name", "dtype", "ops", "num_passes"} <= offered and not {"activation", "parents"} & offered
+    assert "shape" in dir(same) and same.shape == same.ops[0].shape and "shape" not in dir(grown)
+    for layer in decoded.layers:
+        assert not _unreadable(layer), layer
