@@ -46,3 +46,12 @@ def test_a_layer_offers_the_op_fields_it_answers_and_none_that_raises(decoded):
     assert "shape" in dir(same) and same.shape == same.ops[0].shape and "shape" not in dir(grown)
     for layer in decoded.layers:
         assert not _unreadable(layer), layer
+
+
+def test_a_name_no_record_has_is_refused_as_the_layers(decoded):
+    # A layer of one pass refused it as "'Op' object has no attribute", naming the first pass, not what was read.
+    layer = next(layer for layer in decoded.layers if layer.num_passes == 1)
+    for name in ("shap", "_shape"):
+        with pytest.raises(AttributeError, match=f"'Layer' object has no attribute '{name}'") as refused:
+            getattr(layer, name)
+        assert refused.value.obj is layer and refused.value.name == name  # Python suggests the names dir() lists

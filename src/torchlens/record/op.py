@@ -412,8 +412,8 @@ class Layer(OfATrace):
         return passes_grads(self._trace, self._indices)
 
     def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
+        if name.startswith("_") or not hasattr(Op, name):  # named as the Layer's, not as its first pass's
+            raise AttributeError(f"'Layer' object has no attribute {name!r}", name=name, obj=self)
         if len(self._indices) > 1:
             if name in _PER_PASS:
                 raise AttributeError(
