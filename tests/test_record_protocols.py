@@ -8,6 +8,7 @@ import torch
 
 import torchlens as tl
 from real_models import small_gpt2_lm
+from zoo import MLP
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,13 @@ def test_a_name_no_record_has_is_refused_as_the_layers(decoded):
         with pytest.raises(AttributeError, match=f"'Layer' object has no attribute '{name}'") as refused:
             getattr(layer, name)
         assert refused.value.obj is layer and refused.value.name == name  # Python suggests the names dir() lists
+
+
+def test_a_long_record_list_prints_its_first_and_last_records_and_counts_the_rest(decoded):
+    # repr(log.ops) listed every op: a real model's thousands printed page after page in a notebook.
+    ops, text = decoded.ops, repr(decoded.ops)
+    assert text.startswith(f"[{ops[0]!r}, {ops[1]!r}") and text.endswith(f"{ops[-2]!r}, {ops[-1]!r}]")
+    assert f"... {len(ops) - 12} more Op records (of {len(ops)}) ..." in text and text.count("<Op ") == 12
+    assert len(decoded.params) > 12 and f"more Param records (of {len(decoded.params)})" in repr(decoded.params)
+    few = tl.trace(MLP(), torch.randn(2, 16)).module_calls
+    assert 1 < len(few) <= 12 and repr(few) == repr(list(few))  # a short list prints whole, as a list does

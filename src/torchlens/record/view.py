@@ -59,6 +59,9 @@ def row_field(name: str, doc: str = "") -> property:
     return property(attrgetter(f"_row.{name}"), doc=doc)
 
 
+_SHOWN = 12  # the most records ``repr`` of a RecordList lists
+
+
 class RecordList(OfATrace, Sequence):
     """The records of one kind (ops, layers, module calls, modules, parameters, buffers) as a sequence
     that also converts to a DataFrame.  Each item is a view made when it is read, ``view(trace, key)``
@@ -113,7 +116,13 @@ class RecordList(OfATrace, Sequence):
     __hash__ = None  # like a list
 
     def __repr__(self) -> str:
-        return repr(list(self))
+        """The records as a list shows them, up to ``_SHOWN``: a real model's thousands of ops would print a page
+        each, so a longer list shows its first and last few records and counts those left out."""
+        if len(self) <= _SHOWN:
+            return repr(list(self))
+        head, tail = self[:_SHOWN - 2], self[-2:]
+        left_out = f"... {len(self) - _SHOWN} more {self._view.__name__} records (of {len(self)}) ..."
+        return f"[{', '.join(map(repr, head))}, {left_out}, {', '.join(map(repr, tail))}]"
 
     def to_pandas(self):
         return self._to_frame(self)
