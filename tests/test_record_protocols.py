@@ -66,3 +66,11 @@ def test_a_long_record_list_prints_its_first_and_last_records_and_counts_the_res
     assert len(decoded.params) > 12 and f"more Param records (of {len(decoded.params)})" in repr(decoded.params)
     few = tl.trace(MLP(), torch.randn(2, 16)).module_calls
     assert 1 < len(few) <= 12 and repr(few) == repr(list(few))  # a short list prints whole, as a list does
+
+
+def test_a_tensor_is_refused_by_in_rather_than_answered_false(decoded):
+    # `tensor in log` was False even for the trace's own output: the keys are names and records, never values.
+    for tensor in (decoded.output, decoded.ops[-2].activation, torch.tensor(0)):
+        with pytest.raises(TypeError, match=r"not by tensor: the tensors are the ops' values, compared with log\["):
+            tensor in decoded
+    assert decoded.ops[-2] in decoded and decoded.labels[-2] in decoded and 0 in decoded

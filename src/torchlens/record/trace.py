@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 from collections import Counter
 
+import torch
+
 from ..checks import as_position
 from ..errors import TorchlensError, TraceCleanedUp
 from .columns import Call, Kind
@@ -420,6 +422,9 @@ class Trace(TraceColumns):
             return key in self._keys()
         if isinstance(key, (View, Layer)):  # a record (log['fc:1'], log.params[0]) is in the trace that made it
             return key._trace is self
+        if isinstance(key, torch.Tensor):  # False would say no op made it, where the keys are names, not values
+            raise TypeError("`in` looks a trace up by label, address, position or record ('linear_1_1:1' in log, op in "
+                            "log), not by tensor: the tensors are the ops' values, compared with log[label].activation")
         try:
             self[key]
         except (KeyError, IndexError, TypeError):
