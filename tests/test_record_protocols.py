@@ -74,3 +74,20 @@ def test_a_tensor_is_refused_by_in_rather_than_answered_false(decoded):
         with pytest.raises(TypeError, match=r"not by tensor: the tensors are the ops' values, compared with log\["):
             tensor in decoded
     assert decoded.ops[-2] in decoded and decoded.labels[-2] in decoded and 0 in decoded
+
+
+def test_a_cleaned_up_trace_still_names_the_packed_weights_its_ops_read():
+    # After cleanup, op.packed_params raised TraceCleanedUp on an op of the root forward (an input), and answered ()
+    # on every op inside a module: the quantized Linears' ops said they had read no packed weight.
+    import warnings
+
+    from real_models import build
+
+    model, args, kwargs = build("bert")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation notices for its quantized modules
+        quantized = torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8)
+        log = tl.trace(quantized, args, kwargs)
+    before = [op.packed_params for op in log.ops]
+    log.cleanup()
+    assert [op.packed_params for op in log.ops] == before and sum(map(bool, before)) >= 12

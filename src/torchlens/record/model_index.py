@@ -42,6 +42,11 @@ _PACKED_CELL = "__torch__.torch.classes.rnn.CellParamsBase"  # a quantized LSTM'
 PACKED_WEIGHTS_CAVEAT = "quantized modules hold packed weights"
 
 
+def holds_packed_weights(trace) -> bool:
+    """Whether ``trace``'s model held packed weights as it ran (its caveat says so, in a loaded trace too)."""
+    return any(caveat.startswith(PACKED_WEIGHTS_CAVEAT) for caveat in trace.caveats)
+
+
 def is_packed_weight(value) -> bool:
     """Whether ``value`` is a quantized kernel's packed weight (``LinearPackedParamsBase``,
     ``Conv2dPackedParamsBase`` ..., a quantized RNN's ``CellParamsBase``): a TorchScript object holding the

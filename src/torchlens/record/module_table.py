@@ -15,7 +15,7 @@ from ..errors import closest_hint, counted, first_few, listed
 from ..tree import is_uninitialized
 from .columns import Kind
 from .layouts import numel_of, shape_text
-from .model_index import PACKED_WEIGHTS_CAVEAT
+from .model_index import holds_packed_weights
 from .modules import call_op_counts, inclusive_totals
 from .grads import saved_for_backward_bytes
 from .summary import COUNT_UNITS, aligned_lines, human_bytes, unit_for
@@ -263,7 +263,7 @@ def _param_notes(trace, root_params) -> tuple:
     if uninitialized:
         notes.append(f"not counted: {counted(len(uninitialized), 'uninitialized parameter')} of lazy modules the "
                      f"forward never called, with no shape yet ({first_few(uninitialized)})")
-    if any(caveat.startswith(PACKED_WEIGHTS_CAVEAT) for caveat in trace.caveats):
+    if holds_packed_weights(trace):
         notes.append("the packed weights of quantized modules are not parameters and are not counted (log.caveats)")
     return tuple(notes)
 

@@ -155,7 +155,10 @@ class Op(View):
         """Addresses of the packed weights this op read (``0._packed_params._packed_params``): a quantized
         module's weight and bias, packed into one object that is not a tensor, so ``params`` cannot list them
         (``model.get_submodule("0").weight()`` unpacks one).  Found in the module call the op ran in, so
-        empty on a trace read by ``tl.load``, which holds no modules."""
+        empty on a trace read by ``tl.load``, which holds no modules; a cleaned-up trace answers what ``cleanup``
+        found before it released them."""
+        if self._trace._cleaned:
+            return self._trace._packed_col.get(self.index, ())
         packed = _packed_arguments((*(self.args or ()), *(self.kwargs or {}).values()))
         call = self.module_call
         module = call.module._ref if call is not None else self._trace.model

@@ -21,6 +21,7 @@ from .derived import Derived as _Derived
 from .dropped import drop_written
 from .layouts import alias_key, held_bytes
 from .lookup import Ambiguous, LayersByLabel, build_lookup, missing_key_note, raise_ambiguous, record_name_hint
+from .model_index import holds_packed_weights
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
 from .params import Buffer, Param
@@ -85,6 +86,7 @@ class Trace(TraceColumns):
     _children_col = _lookup = _layer_index_col = _layer_keys = _call_children_col = _call_ops_col = None
     _call_depths_col = _call_op_counts_col = None  # record.modules: each module call's depth, and its ops counted
     _param_rows = _buffer_rows = None  # record.params rows, built on first read of ``params`` / ``buffers``
+    _packed_col: dict = {}  # cleanup: op index -> the packed weights it read (``Op.packed_params``)
 
     # The columns: derived on first read, a group at a time, from ``_raw`` (a trace made by
     # ``record.finalize``), or given to ``__init__`` (a trace read by ``tl.load``).
@@ -532,6 +534,9 @@ class Trace(TraceColumns):
 
             flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held
         self.params  # parameter records keep shapes, not tensors: build them before the index goes
+        if holds_packed_weights(self):  # found in the modules and arguments released below
+            packed = {op.index: op.packed_params for op in self.ops}
+            self._packed_col = {index: names for index, names in packed.items() if names}
         from .module_table import module_param_counts
 
         module_param_counts(self)  # counted from the module objects, which cleanup releases
