@@ -91,3 +91,20 @@ def test_a_cleaned_up_trace_still_names_the_packed_weights_its_ops_read():
     before = [op.packed_params for op in log.ops]
     log.cleanup()
     assert [op.packed_params for op in log.ops] == before and sum(map(bool, before)) >= 12
+
+
+def test_an_intervention_shows_a_tensor_argument_by_its_shape(tmp_path):
+    # scale(k) with a tensor k printed every element of k in log.interventions, in the saved trace and in each
+    # refusal naming the helper (a page of numbers for a (6, 32) factor), where replace_with showed its shape.
+    model, site = small_gpt2_lm(), "transformer.h.0.mlp"
+    ids, factor = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(0)), torch.rand(6, 32)
+    log = tl.trace(model, ids, intervene={site: tl.scale(factor)})
+    assert repr(log.interventions[0].action) == "scale(tensor(6, 32))"
+    assert repr(tl.load(log.save(tmp_path / "t")).interventions[0].action) == "scale(tensor(6, 32))"
+    with pytest.raises(tl.errors.ReplacementMismatch, match=r"^scale\(tensor\(7, 32\)\) at ") as refused:
+        tl.trace(model, ids, intervene={site: tl.scale(torch.rand(7, 32))})
+    assert "tensor([" not in str(refused.value)
+    shown = repr(tl.clamp(min=-factor, max=factor, at=(slice(None), torch.arange(12))))
+    assert shown == "clamp(min=tensor(6, 32), max=tensor(6, 32), at=(slice(None, None, None), tensor(12,)))"
+    assert repr(tl.noise(std=factor)) == "noise(std=tensor(6, 32))"
+    assert repr(tl.scale(2.0, at=torch.tensor([1, 3]))) == "scale(2.0, at=tensor([1, 3]))"  # a few elements, as given

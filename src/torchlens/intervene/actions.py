@@ -93,8 +93,22 @@ class Action:
         return ""
 
     def __repr__(self) -> str:
-        parts = [p for p in (self._describe(), f"at={self.at!r}" if self.at is not None else "") if p]
+        parts = [p for p in (self._describe(), f"at={_shown(self.at)}" if self.at is not None else "") if p]
         return f"{type(self).__name__.lstrip('_')}({', '.join(parts)})"
+
+
+_SHOWN_ELEMENTS = 8  # the most elements a helper's repr prints of a tensor argument
+
+
+def _shown(value) -> str:
+    """An argument of a helper as its repr shows it: a tensor of more than a few elements by its shape
+    (``tensor(6, 32)``), as ``replace_with`` shows its tensor, where its own repr printed rows of numbers into
+    ``log.interventions``, a saved trace and every refusal naming the helper; an index tuple element by element."""
+    if isinstance(value, tuple):
+        return f"({', '.join(map(_shown, value))}{',' if len(value) == 1 else ''})"
+    if isinstance(value, torch.Tensor) and value.numel() > _SHOWN_ELEMENTS:
+        return f"tensor{tuple(value.shape)}"
+    return repr(value)
 
 
 class zero_ablate(Action):  # noqa: N801 - lower case: used like a function, tl.zero_ablate()
@@ -117,7 +131,7 @@ class scale(Action):  # noqa: N801
         return _in_dtype(tensor * _operand(self, "k", self.k, tensor, op), tensor)
 
     def _describe(self):
-        return repr(self.k)
+        return _shown(self.k)
 
 
 class clamp(Action):  # noqa: N801
@@ -138,7 +152,7 @@ class clamp(Action):  # noqa: N801
         return _in_dtype(tensor.clamp(low, high), tensor)
 
     def _describe(self):
-        return f"min={self.min!r}, max={self.max!r}"
+        return f"min={_shown(self.min)}, max={_shown(self.max)}"
 
 
 class steer(Action):  # noqa: N801
@@ -202,7 +216,7 @@ class noise(Action):  # noqa: N801
         return tensor + _operand(self, "std", self.std, tensor, op) * drawn
 
     def _describe(self):
-        return f"std={self.std!r}"
+        return f"std={_shown(self.std)}"
 
 
 class patch_from(Action):  # noqa: N801
