@@ -108,3 +108,16 @@ def test_an_intervention_shows_a_tensor_argument_by_its_shape(tmp_path):
     assert shown == "clamp(min=tensor(6, 32), max=tensor(6, 32), at=(slice(None, None, None), tensor(12,)))"
     assert repr(tl.noise(std=factor)) == "noise(std=tensor(6, 32))"
     assert repr(tl.scale(2.0, at=torch.tensor([1, 3]))) == "scale(2.0, at=tensor([1, 3]))"  # a few elements, as given
+
+
+def test_a_module_record_read_for_an_attribute_of_its_module_says_it_is_the_record(decoded):
+    # log['transformer.h.0.attn.c_attn'].weight said "'Module' object has no attribute 'weight'", as if GPT-2's
+    # module had no weight: the record of a module is not the module.
+    record = decoded["transformer.h.0.attn.c_attn"]
+    assert isinstance(record, tl.Module) and record.num_calls == 3
+    with pytest.raises(AttributeError, match=r"no attribute 'weight': this is the trace's record of the Conv1D \(its "
+                                             r"calls, .*, not the module; the module is model\.get_submodule\("
+                                             r"'transformer\.h\.0\.attn\.c_attn'\)$"):
+        record.weight
+    with pytest.raises(AttributeError, match=r"^'Module' object has no attribute 'wieght'$"):  # no module has it
+        record.wieght

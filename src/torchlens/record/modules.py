@@ -237,7 +237,19 @@ class Module(View):
             calls = ", ".join(f"log[{label!r}]" for label in self.call_labels[:3])
             raise AttributeError(f"{name!r} belongs to one op, but {self.address} ran {self.num_calls} times, so "
                                  f"log[{self.address!r}] is the Module: read it from one call's output op: {calls}")
-        raise AttributeError(f"'Module' object has no attribute {name!r}")
+        raise AttributeError(f"'Module' object has no attribute {name!r}{self._not_the_module_note(name)}", name=name,
+                             obj=self)
+
+    def _not_the_module_note(self, name: str) -> str:
+        """For a name the traced ``nn.Module`` has (``log['fc'].weight``): that this is the trace's record of it, and
+        where the module is; the bare refusal read as if the model's module lacked it."""
+        module = self._ref
+        if name.startswith("_") or module is None or not hasattr(module, name):
+            return ""
+        record = f": this is the trace's record of the {self.class_name} (its calls, address and class), not the module"
+        if is_unregistered(self.address):
+            return f"{record}, which is no submodule of the model (made inside the forward, or held outside the model)"
+        return f"{record}; the module is model.get_submodule({'' if self.address == 'self' else self.address!r})"
 
     def __repr__(self) -> str:
         return f"<Module {self.address} ({self.class_name}, {counted(self.num_calls, 'call')})>"
