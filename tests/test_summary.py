@@ -105,6 +105,16 @@ def test_a_kept_summary_holds_no_trace_and_pickles_and_copies_as_a_table(tmp_pat
     assert "<lambda> was traced without root=" in str(pickle.loads(pickle.dumps(rootless)))
 
 
+def test_a_call_label_is_in_the_summary_it_indexes():
+    # `"layers.0:1" in table` was False while table["layers.0:1"] found the row: `in` fell back to comparing the
+    # label with each row dict.
+    model, ids = _tied_gpt2()
+    table = tl.trace(model, ids).summary()
+    assert table["lm_head:1"]["call"] == "lm_head:1" and "lm_head:1" in table and table[3] in table
+    assert "GPT2LMHeadModel" in table and "lm_head" not in table and "nope:1" not in table and 3 not in table
+    assert list(table) == table.rows
+
+
 def test_summary_survives_cleanup():
     log = tl.trace(MLP(), torch.randn(2, 16))
     before = log.summary().rows

@@ -168,6 +168,16 @@ class ModuleSummary:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __contains__(self, key) -> bool:
+        """A call label is in the table when ``table[label]`` finds its row (``"fc1:1" in table``), and a row when it
+        is one of the rows: Python's fallback compared a label with each row and always answered False."""
+        if isinstance(key, str):
+            return any(row["call"] == key for row in self.rows)
+        return key in self.rows
+
     def __getitem__(self, key):
         key = as_position(key)  # a NumPy integer is a row number
         if isinstance(key, bool):  # an int to Python, but never meant as row 0 or row 1
