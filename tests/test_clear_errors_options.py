@@ -133,3 +133,27 @@ def test_a_record_given_where_its_name_is_asked_for_is_answered_with_that_name(t
         for use in uses:
             with pytest.raises((TypeError, ValueError), match=f"; give its {name}$"):
                 use()
+
+
+def test_an_option_whose_truth_was_read_before_its_type_is_refused_in_its_own_name():
+    # intervene="" or 0 was taken for no interventions, without a word; intervene=, deep= or (beside stop_after=)
+    # grads= given a tensor failed with "Boolean value of Tensor ... is ambiguous"; grads="none" beside stop_after=
+    # was refused as asking for gradients; kernel_profile(activities="") profiled the default activities.
+    from untouched import assert_untouched, snapshot
+
+    model, x, vector = MLP().eval(), torch.randn(2, 16), torch.ones(2)
+    before = snapshot(model, (x,))
+    for intervene in ("", 0, vector):
+        with pytest.raises(TypeError, match=r"intervene= takes a dict \{site: action\}, got (str|int|Tensor)$"):
+            tl.trace(model, x, intervene=intervene)
+    with pytest.raises(TypeError, match=r"deep=tensor\(.* is a Tensor, not True or False"):
+        tl.trace(model, x, deep=vector)
+    with pytest.raises(ValueError, match=r"stop_after='linear_1_1' stops the forward before it makes one"):
+        tl.trace(model, x, stop_after="linear_1_1", grads=vector)
+    for activities in ("", 0, vector):
+        with pytest.raises(TypeError, match="activities= is a list of torch.profiler.ProfilerActivity values"):
+            tl.report.kernel_profile(model, x, activities=activities)
+    assert_untouched(before, snapshot(model, (x,)))
+    assert tl.trace(model, x, stop_after="linear_1_1", grads="none").stopped_after == "linear_1_1:1"
+    assert tl.trace(model, x, intervene={}).output is not None
+    assert tl.report.kernel_profile(model, x, activities=[])["linear_1_1:1"]["cpu_ns"] > 0

@@ -65,6 +65,12 @@ def check_flag(value, name: str, advice: str = "give True or False", *, who: str
     return value
 
 
+def asks_for_grads(grads) -> bool:
+    """Whether ``grads=`` asks for gradients, as ``capture.grads.grad_capture`` reads it, without reading its truth:
+    ``"none"`` is a true string asking for none, and a tensor has no truth to read."""
+    return grads is not None and grads is not False and not (type(grads) is str and grads == "none")
+
+
 def check_path(value, name: str, advice: str, *, who: str = ""):
     """``value`` as a str path (``os.fspath``: a str, bytes or ``pathlib.Path``; bytes decoded as the file system
     names them, since the paths built from it join str names, which bytes cannot be joined with), a leading

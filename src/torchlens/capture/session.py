@@ -13,7 +13,7 @@ from time import perf_counter_ns
 
 import torch
 
-from ..checks import check_flag, check_model, check_number
+from ..checks import asks_for_grads, check_flag, check_model, check_number
 from ..errors import NestedTraceError, add_note, first_few, unknown_option_hint, warn_user
 from ..progress import QUIET, bar, shows_bar
 from ..record.columns import MODULE_CALL_MODULE
@@ -97,7 +97,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
     if markers is not None:  # profiler ranges per op and module call (torchlens.report.kernel_profile)
         state.markers = markers
-    runtime = None if not intervene and stop_after is None else \
+    runtime = None if intervene is None and stop_after is None else \
         _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy,
                               compiled)
     if runtime is not None and runtime.watches_calls:
@@ -184,7 +184,7 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
         # mapping, no compiled or parallel wrapper), default options.  Every other call takes the checks below.
         return model, model, False
     compiled_root = is_compile_wrapper(model)
-    if grads and isinstance(model, PARALLEL[1]):
+    if asks_for_grads(grads) and isinstance(model, PARALLEL[1]):
         warn_unreduced_grads(model)
     model = unwrap(model)
     check_model(model, "tl.trace")
@@ -193,11 +193,11 @@ def _checked_call(model, root, kwargs, compiled, deep, grads, stop_after) -> tup
         as_kwargs(kwargs)  # raises for anything but a mapping, saying how to pass several positional arguments
     if compiled != "run":
         check_compiled_option(compiled)
-    if deep and redispatch_function is None:
+    if deep is True and redispatch_function is None:  # any other value is refused by _check_options
         raise RuntimeError(f"deep=True needs torch.overrides.redispatch_function, which torch {torch.__version__} "
                            "lacks; upgrade torch or trace with deep=False")
-    if stop_after is not None and grads:
-        raise ValueError(f"tl.trace(..., grads=True) gives gradients from a backward through the output, but "
+    if stop_after is not None and asks_for_grads(grads):
+        raise ValueError(f"tl.trace(..., grads=) keeps gradients from a backward through the output, but "
                          f"stop_after={stop_after!r} stops the forward before it makes one (and the saved "
                          "activations are detached); trace the whole forward (no stop_after) for gradients")
     return model, root, compiled_root
@@ -213,7 +213,8 @@ def _check_options(deep, name, reference, intervene, stop_after, record_finite, 
                "False for one op each")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name= takes a string (the trace's display name), got {type(name).__name__} {name!r}")
-    if reference is not None and not intervene and stop_after is None:
+    if reference is not None and (intervene is None or (type(intervene) is dict and not intervene)) \
+            and stop_after is None:
         raise ValueError("reference= is the trace the label sites of intervene= and stop_after= are resolved "
                          "against, and this call gives neither, so it would be ignored: drop reference=, or give "
                          "intervene={site: action} or stop_after=site with it")
@@ -490,8 +491,6 @@ def _display_name(model, root) -> str:
 
 def _intervention_runtime(model, root, args, kwargs, intervene, stop_after, reference, deep, index, policy, compiled):
     """The runtime applying ``intervene=`` / ``stop_after=``, or None (the hot path then costs one check)."""
-    if not intervene and stop_after is None:
-        return None
     from ..intervene import prepare
 
     return prepare(root if root is not None else model, intervene=intervene, stop_after=stop_after,

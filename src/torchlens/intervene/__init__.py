@@ -27,10 +27,10 @@ def prepare(model, *, intervene, stop_after, reference, index, keep_originals: b
     against ``reference`` or, when None, a metadata-only trace made here by ``run_reference()``.
     ``compiled``: how torch.compile'd submodules run (``tl.trace``'s option), which decides whether a module
     inside one can be a site."""
+    if intervene is not None and not isinstance(intervene, dict):  # first: intervene="" or 0 is no empty dict
+        raise TypeError(f"intervene= takes a dict {{site: action}}, got {type(intervene).__name__}")
     if not intervene and stop_after is None:
         return None
-    if intervene is not None and not isinstance(intervene, dict):
-        raise TypeError(f"intervene= takes a dict {{site: action}}, got {type(intervene).__name__}")
     if reference is not None:
         checked_trace(reference, "reference=", "tl.trace(model, x) of a run taking the same path")
         _refuse_another_models(reference, index)

@@ -111,7 +111,7 @@ def _own_profiler(activities, profiler_kwargs):
         if activities is not None:
             raise TypeError("activities were given twice, as activities= and in profiler_kwargs; give them once")
         activities = profiler_kwargs.pop("activities")
-    activities = _listed_activities(activities) if activities else _default_activities()
+    activities = _listed_activities(activities) if activities is not None else _default_activities()
     _check_activities(activities)
     prof = torch.profiler.profile(activities=activities, **profiler_kwargs)
     recording = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
@@ -125,14 +125,14 @@ def _own_profiler(activities, profiler_kwargs):
 
 
 def _listed_activities(activities) -> list:
-    """``activities`` as a list of ProfilerActivity values: ``activities=3`` failed in ``list()``, and
-    ``["cpu"]`` inside torch's profiler."""
+    """``activities`` as a list of ProfilerActivity values, the defaults for an empty one: ``activities=3`` failed
+    in ``list()``, ``["cpu"]`` inside torch's profiler, and ``""`` or ``0`` was taken for the defaults."""
     activity = torch.profiler.ProfilerActivity
     listed = list(activities) if isinstance(activities, (list, tuple, set, frozenset)) else None
     if listed is None or not all(isinstance(a, activity) for a in listed):
         raise TypeError(f"activities= is a list of torch.profiler.ProfilerActivity values "
                         f"([torch.profiler.ProfilerActivity.CPU]), got {activities!r}")
-    return listed
+    return listed or _default_activities()
 
 
 def _check_activities(activities) -> None:
