@@ -157,3 +157,16 @@ def test_an_option_whose_truth_was_read_before_its_type_is_refused_in_its_own_na
     assert tl.trace(model, x, stop_after="linear_1_1", grads="none").stopped_after == "linear_1_1:1"
     assert tl.trace(model, x, intervene={}).output is not None
     assert tl.report.kernel_profile(model, x, activities=[])["linear_1_1:1"]["cpu_ns"] > 0
+
+
+def test_an_empty_output_path_is_refused_before_the_work_it_would_receive(tmp_path, monkeypatch):
+    # render("") and to_chrome_trace("") failed opening the file after the layout with a bare IsADirectoryError or
+    # FileNotFoundError, and kernel_profile(chrome_trace="") so after the profile had been taken.
+    monkeypatch.chdir(tmp_path)
+    model, x = MLP().eval(), torch.randn(2, 16)
+    log = tl.trace(model, x)
+    for who, call in (("render", lambda: log.render("")), ("to_chrome_trace", lambda: log.to_chrome_trace("")),
+                      ("kernel_profile", lambda: tl.report.kernel_profile(model, x, chrome_trace=""))):
+        with pytest.raises(ValueError, match=rf"^{who}: \w+='' is empty; name a file in an existing folder"):
+            call()
+    assert list(tmp_path.iterdir()) == []

@@ -562,3 +562,12 @@ def test_a_package_a_command_needs_missing_is_a_usage_error_saying_what_to_insta
         err = capsys.readouterr().err
         assert "torchlens: error: reading a saved trace's tensors needs safetensors: pip install safetensors" in err
         assert "--traceback" not in err and "ImportError" not in err
+
+
+@pytest.mark.parametrize("flag", ["--save", "--html", "--chrome"])
+def test_an_empty_output_flag_is_refused_not_skipped(models, monkeypatch, capsys, flag):
+    # --save "" (or --html "", --chrome "") traced, printed and wrote nothing, exiting 0 as if it had.
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", flag, ""]) == 2
+    assert f"{flag} " in capsys.readouterr().err and sorted(p.name for p in models.iterdir()) == ["clitargets.py"]

@@ -104,7 +104,10 @@ def folder_of(path: str) -> str:
 
 def unwritable_file(path) -> str:
     """Why ``path`` cannot be written as a file (``"is a folder"``, ``"is in <folder>, which does not exist"``),
-    or ``""`` when it can: the one check behind ``check_file_to_write`` and the command line's output flags."""
+    or ``""`` when it can: the one check behind ``check_file_to_write`` and the command line's output flags.  An
+    empty path names no file: opening it fails only once the work is done, and the command line took it for no file."""
+    if not path:
+        return "is empty"
     if os.path.isdir(path):
         return "is a folder"
     if os.path.isfile(path):  # written in place: the file's own permission decides, not its folder's

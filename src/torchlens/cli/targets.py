@@ -187,7 +187,7 @@ def check_output_file(flag: str, path) -> None:
     does not exist or is not writable), rather than after a trace that may have taken minutes."""
     problem = None if path is None else unwritable_file(path)
     if problem:
-        raise UsageError(f"{flag} {path} {problem}; give the name of a file you can write")
+        raise UsageError(f"{flag} {path or repr(path)} {problem}; give the name of a file you can write")
 
 
 def check_save_folder(flag: str, path) -> None:

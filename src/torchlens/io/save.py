@@ -53,8 +53,7 @@ def save(trace, path, *, activations: bool = True, overwrite: bool = False) -> s
                who="save")
     check_flag(overwrite, "overwrite", "give True to replace a trace saved at the path, False to refuse", who="save")
     path = check_path(path, "path", "give the folder to write the trace to (a str or a pathlib.Path)", who="save")
-    if not path:
-        raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")
+    _refuse_empty(path)
     if activations:
         require_numpy("saving a trace's tensors")  # they are written through Tensor.numpy() (io/tensorfile.py)
     recover_killed_save(path)
@@ -148,6 +147,7 @@ def _uninterrupted(step) -> None:
 def check_save_target(path: str, overwrite: bool, rank=None):
     """The files of the saved trace at ``path`` that saving over it will remove; None when nothing (or an empty
     folder) is there.  ``rank``: the saving trace's, refused over another rank's trace even with ``overwrite``."""
+    _refuse_empty(path)  # here too for the command line's --save, which checks its folder before tracing
     _refuse_dot_ending(path)
     if not os.path.lexists(path):
         return None
@@ -181,6 +181,11 @@ def check_save_target(path: str, overwrite: bool, rank=None):
     for name in manifest["files"]:
         safe_member(path, name)  # a manifest naming a path outside the folder is refused, not obeyed
     return [MANIFEST, *manifest["files"]]
+
+
+def _refuse_empty(path: str) -> None:
+    if not path:
+        raise TraceFileError("the save path is empty; give the folder to write the trace to (log.save('run1'))")
 
 
 def _refuse_dot_ending(path: str) -> None:
