@@ -170,3 +170,18 @@ def test_an_empty_output_path_is_refused_before_the_work_it_would_receive(tmp_pa
         with pytest.raises(ValueError, match=rf"^{who}: \w+='' is empty; name a file in an existing folder"):
             call()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_misspelt_option_of_a_trace_method_is_answered_with_the_one_meant(tmp_path):
+    # log.save(path, activation=False) was told only "save() got an unexpected keyword argument 'activation'",
+    # where log.show(colour_by=...) named color_by; so log.render and log.to_chrome_trace.
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    calls = {"log.save": (lambda: log.save(tmp_path / "t", activation=False), "activation", "activations"),
+             "log.render": (lambda: log.render(tmp_path / "g.dot", colour_by="flops"), "colour_by", "color_by"),
+             "log.to_chrome_trace": (lambda: log.to_chrome_trace(tmp_path / "c.json", modules=False), "modules",
+                                     "module_calls")}
+    for who, (call, given, meant) in calls.items():
+        with pytest.raises(TypeError, match=rf"^{re.escape(who)}\(\) got an unexpected keyword argument '{given}'; "
+                                            rf"it takes .*; closest: {meant}"):
+            call()
+    assert list(tmp_path.iterdir()) == []

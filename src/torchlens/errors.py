@@ -86,6 +86,19 @@ def unknown_option_hint(who: str, name: str, known) -> str:
     return closest_hint(name, known) + forward_keyword_hint(who, name)
 
 
+def refuse_unknown_keywords(who: str, kwargs: dict, func) -> None:
+    """Refuse, in ``who``'s name and with the closest option, a keyword that ``func`` (which ``who`` passes its
+    keywords on to, after the record and the path) does not take: Python's refusal names ``func`` alone, with no
+    hint (``log.save(p, activation=False)``: "save() got an unexpected keyword argument 'activation'")."""
+    import inspect
+
+    options = list(inspect.signature(func).parameters)[2:]
+    for name in kwargs:
+        if name not in options:
+            raise TypeError(f"{who}() got an unexpected keyword argument {name!r}; it takes "
+                            f"{', '.join(options)}{closest_hint(name, options)}")
+
+
 def forward_keyword_hint(who: str, name: str) -> str:
     """The tail of an entry point's refusal of a keyword it does not take: the commonest such keyword is one of
     the forward's own (``attention_mask=``, ``max_new_tokens=``), which goes in ``kwargs``."""

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from ..checks import as_position
-from ..errors import TorchlensError, TraceCleanedUp
+from ..errors import TorchlensError, TraceCleanedUp, refuse_unknown_keywords
 from .columns import Call, Kind
 from . import grads as _grads
 from . import tables
@@ -498,6 +498,7 @@ class Trace(TraceColumns):
         content.  Options (``view``, ``depth``, ``color_by``, ``format``, ...): ``help(torchlens.viz.render)``."""
         from ..viz import render
 
+        refuse_unknown_keywords("log.render", kwargs, render)
         return render(self, path, **kwargs)
 
     def show(self, **kwargs):
@@ -512,6 +513,7 @@ class Trace(TraceColumns):
         ``activations=False`` keeps metadata only, ``overwrite=True`` replaces a saved trace there."""
         from ..io import save
 
+        refuse_unknown_keywords("log.save", kwargs, save)
         return save(self, path, **kwargs)
 
     def to_chrome_trace(self, path, **kwargs):
@@ -519,6 +521,7 @@ class Trace(TraceColumns):
         profiler's clock) to ``path`` and return it; ``module_calls=False`` leaves the module calls out."""
         from ..report.chrome import to_chrome_trace
 
+        refuse_unknown_keywords("log.to_chrome_trace", kwargs, to_chrome_trace)
         return to_chrome_trace(self, path, **kwargs)
 
     def cleanup(self) -> None:
