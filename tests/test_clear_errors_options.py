@@ -185,3 +185,14 @@ def test_a_misspelt_option_of_a_trace_method_is_answered_with_the_one_meant(tmp_
                                             rf"it takes .*; closest: {meant}"):
             call()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_name_written_in_other_case_is_answered_with_the_name_meant():
+    # log["LINEAR_1_1"] and intervene={"LAYERS.0": ...} named no closest key: the case differs in too many letters
+    # for a spelling match.
+    model, x = MLP(), torch.randn(2, 16)
+    log = tl.trace(model, x)
+    with pytest.raises(KeyError, match=r"'LINEAR_1_1' in this trace; closest: linear_1_1"):
+        log["LINEAR_1_1"]
+    with pytest.raises(KeyError, match=r"'LAYERS.0' .*; closest: layers.0"):
+        tl.trace(model, x, intervene={"LAYERS.0": tl.zero_ablate()})

@@ -571,3 +571,13 @@ def test_an_empty_output_flag_is_refused_not_skipped(models, monkeypatch, capsys
     monkeypatch.syspath_prepend(str(models))
     assert main(["trace", "clitargets:build", "--input", "2x8", "--input", "2x8", flag, ""]) == 2
     assert f"{flag} " in capsys.readouterr().err and sorted(p.name for p in models.iterdir()) == ["clitargets.py"]
+
+
+def test_a_misspelt_factory_is_answered_with_the_closest_names(models, monkeypatch, capsys):
+    # torch.nn:Lineer listed the first twelve names torch.nn defines (AdaptiveAvgPool1d, ...), not Linear.
+    monkeypatch.chdir(models)
+    monkeypatch.syspath_prepend(str(models))
+    assert main(["trace", "torch.nn:Lineer", "--input", "2x8"]) == 2
+    assert "torch.nn has no attribute 'Lineer'; closest: Linear" in capsys.readouterr().err
+    assert main(["trace", "clitargets:BUILD", "--input", "2x8"]) == 2
+    assert "clitargets has no attribute 'BUILD'; closest: build" in capsys.readouterr().err

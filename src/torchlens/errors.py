@@ -56,10 +56,12 @@ def closest_hint(name: str, known) -> str:
     tail of every "no such label" message, so a typo is answered with what was meant.  The names ``name`` is
     the end of come first: a module address written from inside the model (``layers.1`` for
     ``model.layers.1``, as the module's own code or another library's names call it) is no typo, and too
-    short beside the full address for a spelling match to find it."""
+    short beside the full address for a spelling match to find it.  Then those equal to it but for case
+    (``LINEAR_1_1``, ``Relu``), which differ in too many letters for a spelling match."""
     known = list(known)
     ends = sorted((k for k in known if k.endswith("." + name)), key=len)
-    close = list(dict.fromkeys(ends + difflib.get_close_matches(name, known, n=5, cutoff=0.5)))[:5]
+    cased = [k for k in known if k.lower() == name.lower()]
+    close = list(dict.fromkeys(ends + cased + difflib.get_close_matches(name, known, n=5, cutoff=0.5)))[:5]
     return f"; closest: {', '.join(close)}" if close else ""
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 
 from ..checks import is_a, unwritable_file
+from ..errors import closest_hint
 
 USAGE, MODEL = 2, 1
 
@@ -47,7 +48,8 @@ def load_target(spec: str):
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             names = [n for n in dir(obj) if not n.startswith("_")]
-            raise UsageError(f"{module_name} has no attribute {attr_path!r} (it defines: {', '.join(names[:12])})")
+            known = closest_hint(part, names) or f" (it defines: {', '.join(names[:12])})"  # the first, if none is near
+            raise UsageError(f"{module_name} has no attribute {attr_path!r}{known}")
         obj = getattr(obj, part)
     return _build_model(obj, spec)
 
