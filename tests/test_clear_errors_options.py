@@ -196,3 +196,15 @@ def test_a_name_written_in_other_case_is_answered_with_the_name_meant():
         log["LINEAR_1_1"]
     with pytest.raises(KeyError, match=r"'LAYERS.0' .*; closest: layers.0"):
         tl.trace(model, x, intervene={"LAYERS.0": tl.zero_ablate()})
+
+
+def test_a_reader_given_no_list_or_no_path_says_so_in_its_own_name():
+    # tl.distributed.compare(3) failed in its loop ("'int' object is not iterable"), a generator of traces likewise
+    # once consumed, and tl.viz.format_of(3) inside pathlib ("expected str, bytes or os.PathLike object").
+    log = tl.trace(MLP(), torch.randn(2, 16))
+    for traces in (3, iter([log, log])):
+        with pytest.raises(TypeError, match=r"^compare: traces=.* is an? \w+; give one trace per rank, in rank order"):
+            tl.distributed.compare(traces)
+    with pytest.raises(TypeError, match=r"^format_of: path=3 is an int; name a file"):
+        tl.viz.format_of(3)
+    assert tl.viz.format_of("graph.SVG") == "svg" and len(tl.distributed.compare((log, log))) == 1

@@ -13,7 +13,7 @@ hold whatever the allocator left there, which differs between ranks that agree.
 from __future__ import annotations
 
 from ..errors import counted
-from ..checks import check_int, check_number
+from ..checks import check_int, check_number, is_a
 from ..record.trace import Trace, checked_trace
 from ..tree import structures_equal
 from ..record.columns import UNINITIALIZED_FUNCS
@@ -41,6 +41,9 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
     if isinstance(traces, Trace):  # iterating it would give its ops
         raise TypeError("compare takes one trace per rank, in rank order ([log_rank0, log_rank1] or what gather "
                         "returns), got a single Trace")
+    if not isinstance(traces, (list, tuple)):  # compare(3) failed in the loop below: "'int' object is not iterable"
+        raise TypeError(f"compare: traces={traces!r} {is_a(traces)}; give one trace per rank, in rank order "
+                        "([log_rank0, log_rank1] or what gather returns)")
     # A NaN or negative tolerance fails inside torch.allclose, a string too; reference=True is no rank.
     for name, value in (("rtol", rtol), ("atol", atol)):
         check_number(value, name, "a tolerance is a number, 0 or more (0 compares bit for bit)", who="compare",

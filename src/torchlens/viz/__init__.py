@@ -13,7 +13,7 @@ import re
 import sys
 import tempfile
 
-from ..checks import check_file_to_write, check_int
+from ..checks import check_file_to_write, check_int, check_path
 from .layout import LayoutEngineMissing, LayoutFailed, find_engine
 
 FORMATS = ("dot", "svg", "png", "html")
@@ -40,6 +40,8 @@ def format_of(path, fmt=None) -> str:
         return fmt
     if path is None:
         return "dot"
+    path = check_path(path, "path", "name a file (a str or a pathlib.Path) whose suffix names the format",
+                      who="format_of")  # pathlib's own refusal names no parameter
     suffix = pathlib.Path(path).suffix.lower().lstrip(".")
     suffix = _BY_OTHER_NAME.get(suffix, suffix)
     if suffix not in FORMATS:
