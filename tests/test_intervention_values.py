@@ -393,3 +393,20 @@ def test_a_plain_tensor_argument_at_a_dtensor_value_is_refused_naming_the_dtenso
     finally:
         dist.destroy_process_group()
     assert_clean_process()
+
+
+def test_clamp_takes_a_number_and_a_tensor_bound_together():
+    # tl.clamp(min=0.0, max=per_channel) failed at its site with torch's "clamp() received an invalid combination of
+    # arguments - got (float, Tensor)": torch.clamp takes two numbers or two tensors.
+    from zoo import MLP
+
+    model, x = MLP().eval(), torch.randn(2, 16)
+    bound = torch.linspace(-0.5, 0.5, 16)
+    made = tl.trace(model, x)["linear_1_1"].activation
+    for action, expected in ((tl.clamp(min=-0.2, max=bound), made.clamp(torch.tensor(-0.2), bound)),
+                             (tl.clamp(min=bound - 1, max=0.3), made.clamp(bound - 1, torch.tensor(0.3)))):
+        log = tl.trace(model, x, intervene={"linear_1_1": action})
+        assert torch.equal(log["linear_1_1"].activation, expected)
+        with torch.no_grad():
+            untraced = model.head(torch.relu(model.layers[2](torch.relu(model.layers[1](torch.relu(expected))))))
+        assert torch.equal(log.output, untraced)

@@ -149,6 +149,10 @@ class clamp(Action):  # noqa: N801
     def value(self, tensor, op, at):
         low, high = (None if b is None else _operand(self, name, b, tensor, op)
                      for name, b in (("min", self.min), ("max", self.max)))
+        if low is not None and high is not None and isinstance(low, torch.Tensor) != isinstance(high, torch.Tensor):
+            # torch.clamp takes two numbers or two tensors, and refuses one of each: the number becomes a tensor
+            low, high = (b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=tensor.dtype, device=tensor.device)
+                         for b in (low, high))
         return _in_dtype(tensor.clamp(low, high), tensor)
 
     def _describe(self):
