@@ -208,3 +208,17 @@ def test_a_reader_given_no_list_or_no_path_says_so_in_its_own_name():
     with pytest.raises(TypeError, match=r"^format_of: path=3 is an int; name a file"):
         tl.viz.format_of(3)
     assert tl.viz.format_of("graph.SVG") == "svg" and len(tl.distributed.compare((log, log))) == 1
+
+
+def test_a_module_object_given_as_a_key_is_answered_with_its_address():
+    # log[model.layers[0]] said only "index a trace with a label string, an int or a slice, not Linear", where
+    # save=model.layers[0] names the address to give.
+    model = MLP()
+    log = tl.trace(model, torch.randn(2, 16))
+    answers = {model.layers[0]: r"; give its address, 'layers.0'$",
+               model: r"; the traced model's own call is the whole",
+               torch.nn.Linear(2, 2): r"; this module is no submodule of the traced model"}
+    for key, answer in answers.items():
+        with pytest.raises(TypeError, match=rf"^index a trace with a label string, an int or a slice, not \w+{answer}"):
+            log[key]
+    assert log["layers.0"].module_address == "layers.0"

@@ -152,6 +152,20 @@ def record_name_hint(key) -> str:
     return ""
 
 
+def module_object_hint(trace, key) -> str:
+    """For a module object given where a string names it (``log[model.layers[0]]``): its address in the traced
+    model, as ``save=`` and ``intervene=`` answer the same slip, or that it has none there."""
+    named = getattr(trace._model, "named_modules", None)  # None in a loaded or cleaned-up trace, and for a callable
+    if named is None or not callable(getattr(key, "named_modules", None)):
+        return ""
+    addresses = [repr(name) for name, module in named(remove_duplicate=False) if module is key and name]
+    if addresses:
+        return f"; give its address, {listed(addresses, 3)}"
+    if key is trace._model:
+        return "; the traced model's own call is the whole trace: its output is log.output, its inputs log.inputs"
+    return "; this module is no submodule of the traced model, so it names nothing in the trace"
+
+
 def root_call_note(trace, key: str) -> str:
     """For ``""``, ``"self"`` or ``"self:1"`` in a trace of a module: the root's own call is the whole trace (only a
     callable's calls of its ``root=`` are module calls named ``self``), so its output and inputs are the trace's."""

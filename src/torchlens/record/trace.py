@@ -20,7 +20,8 @@ from . import tables
 from .derived import Derived as _Derived
 from .dropped import drop_written
 from .layouts import alias_key, held_bytes
-from .lookup import Ambiguous, LayersByLabel, build_lookup, missing_key_note, raise_ambiguous, record_name_hint
+from .lookup import (Ambiguous, LayersByLabel, build_lookup, missing_key_note, module_object_hint, raise_ambiguous,
+                     record_name_hint)
 from .model_index import holds_packed_weights
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
@@ -392,7 +393,7 @@ class Trace(TraceColumns):
             return self.ops[key]
         if not isinstance(key, str):
             raise TypeError(f"index a trace with a label string, an int or a slice, not {type(key).__name__}"
-                            f"{record_name_hint(key)}")
+                            f"{record_name_hint(key) or module_object_hint(self, key)}")
         found = self._keys().get(key)
         if found is None:
             raise KeyError(f"no op, layer, module call or module named {key!r} in this trace"
