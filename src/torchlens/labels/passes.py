@@ -204,6 +204,10 @@ def _copied_offsets(instructions: list) -> dict:
     copied = {}
     prefix, line, previous = -1, None, None
     for instruction in instructions:
+        if instruction.opname.startswith("LOAD_FAST"):
+            # A local's load is the same in a copy as in its original, and Python 3.13 fuses the copy's into the
+            # body's last store (STORE_FAST_LOAD_FAST, with the store's span): read only what the loads feed.
+            continue
         span = instruction.positions
         if span is None or None in span:  # no columns (python -X no_debug_ranges): one line is no place
             prefix, line = -1, None
