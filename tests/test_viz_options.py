@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import statistics
 
 import pytest
 import torch
@@ -109,3 +111,25 @@ def test_activation_statistics_match_a_direct_computation(values):
             expected["std"] = float(t.std())
     assert stats.keys() == expected.keys()
     assert stats == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("values, std", [
+    ([1.7e308, 1.6e308, 1.65e308], statistics.stdev([1.7e308, 1.6e308, 1.65e308])),  # their sum overflows float64
+    ([1e200, -1e200, 3e199], statistics.stdev([1e200, -1e200, 3e199])),  # their squares overflow
+    ([1.7e308, -1.7e308], "2.40416e+308"),  # a std beyond float64's largest number, given as text
+], ids=["sum", "squares", "beyond"])
+def test_statistics_of_float64_values_near_overflow_are_what_exact_arithmetic_gives(values, std):
+    # Reduced directly in float64, the mean of values near 1.8e308 and the std of values above 1e154 overflow:
+    # the panel said mean inf and std inf of finite values, and the page's data held Infinity, which JSON.parse
+    # refuses, so the viewer of such a trace drew nothing at all.
+    class Passes(nn.Module):
+        def forward(self, x):
+            return x * 1.0
+
+    log = tl.trace(Passes(), torch.tensor(values, dtype=torch.float64))
+    page = log.render(format="html")
+    raw = re.search(r'id="tl-data">(.*?)</script>', page, re.S).group(1)
+    data = json.loads(raw, parse_constant=lambda name: pytest.fail(f"the page's data holds {name}"))
+    stats = next(rec["activation"] for rec in data["items"].values() if rec.get("label") == "mul_1_1:1")
+    assert stats["mean"] == pytest.approx(statistics.mean(values), rel=1e-5)
+    assert stats["std"] == (std if isinstance(std, str) else pytest.approx(std, rel=1e-5))

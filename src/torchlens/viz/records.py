@@ -7,6 +7,7 @@ activations, under ``torch.no_grad``, and never for a cleaned-up trace.
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 from .dot import describe_action
 from .metrics import format_count, format_seconds
@@ -54,10 +55,31 @@ def activation_stats(tensor) -> dict:
         except NotImplementedError:  # bits and sub-byte integer dtypes (torch.bits8, torch.uint4): no arithmetic
             return stats
         low, high = torch.aminmax(t)
-        stats.update(min=_num(low), max=_num(high), mean=_num(t.mean()))
-        if t.numel() > 1:
-            stats["std"] = _num(t.std())
+        stats.update(min=_num(low), max=_num(high), **_mean_std(t, max(-float(low), float(high))))
         return stats
+
+
+def _mean_std(t, largest: float) -> dict:
+    """``mean``, and ``std`` of more than one value, of finite float64 values whose largest magnitude is
+    ``largest``.  Reduced directly, the sum a mean takes overflows for values near 1.8e308 and the squares a std
+    sums for values above about 1e154: those are taken again of the values scaled by ``largest`` and scaled
+    back, as a gradient's norm is (``record.grads``), since an Infinity would misstate finite values and is no
+    JSON the page can parse."""
+    figures = {"mean": t.mean()}
+    if t.numel() > 1:
+        figures["std"] = t.std()
+    if all(math.isfinite(v) for v in figures.values()):
+        return {name: _num(v) for name, v in figures.items()}
+    scaled = t / largest
+    figures = {name: getattr(scaled, name)() for name in figures}
+    return {name: _scaled_back(float(v), largest) for name, v in figures.items()}
+
+
+def _scaled_back(value: float, scale: float):
+    """``value * scale`` as a figure of the panel: a number, or text where it is beyond float64's largest
+    number (a std of values near it can be: that of 1.7e308 and -1.7e308 is 2.4e308)."""
+    product = value * scale
+    return _num(product) if math.isfinite(product) else format(Decimal(value) * Decimal(scale), ".6g")
 
 
 def gradient_record(trace, op):
