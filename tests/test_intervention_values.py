@@ -410,3 +410,24 @@ def test_clamp_takes_a_number_and_a_tensor_bound_together():
         with torch.no_grad():
             untraced = model.head(torch.relu(model.layers[2](torch.relu(model.layers[1](torch.relu(expected))))))
         assert torch.equal(log.output, untraced)
+
+
+@pytest.mark.parametrize("dims", [0, None], ids=["batch", "whole"])
+def test_a_mean_from_a_run_with_an_empty_batch_is_refused_not_written_as_nan(dims):
+    # The mean of no values is NaN: mean_ablate(trace=) of a run given an empty batch wrote NaN into every element
+    # of the site, and the model computed on from it as if from a mean.
+    from zoo import transformer_encoder
+
+    torch.manual_seed(0)
+    model, x = transformer_encoder().eval(), torch.randn(2, 5, 32)
+    empty = tl.trace(model, torch.randn(0, 5, 32))
+    with pytest.raises(tl.InterventionError, match=r"mean_ablate\(dims=.*, trace=<trace>\) at layers\.0:1: the "
+                                                   r"source trace's value has shape \(0, 5, 32\), which holds no "
+                                                   r"values to average over"):
+        tl.trace(model, x, intervene={"layers.0": tl.mean_ablate(dims=dims, trace=empty)})
+    assert_clean_process()
+    clean = tl.trace(model, x)
+    log = tl.trace(model, x, intervene={"layers.0": tl.mean_ablate(dims=dims, trace=clean)})
+    value = clean["layers.0"].activation
+    mean = value.mean() if dims is None else value.mean(dims, keepdim=True)
+    assert torch.equal(log["layers.0"].activation, mean.expand(2, 5, 32))

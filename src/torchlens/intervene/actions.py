@@ -8,6 +8,7 @@ position) and leaves the rest of the tensor as it was.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -271,7 +272,8 @@ class mean_ablate(Action):  # noqa: N801
         _check_dims(self, _as_tuple(self.dims), tensor, op)
         _needs_float(self, tensor, op)
         source = tensor if self.trace is None else \
-            _checked_kept_dims(self, source_value(self.trace, op, "tl.mean_ablate"), tensor, op)
+            _checked_holds_values(self, _checked_kept_dims(self, source_value(self.trace, op, "tl.mean_ablate"),
+                                                           tensor, op), op)
         mean = source.float().mean(dim=self.dims, keepdim=True) if not (source.is_floating_point() or
                                                                          source.is_complex()) \
             else source.mean(dim=self.dims, keepdim=True)
@@ -476,6 +478,22 @@ def _checked_kept_dims(action, source: torch.Tensor, tensor: torch.Tensor, op) -
                                   " mean from runs whose other dimensions (sequence length) match, or pass "
                                   "the mean itself as the action to broadcast it")
     return source
+
+
+def _checked_holds_values(action, source: torch.Tensor, op) -> torch.Tensor:
+    """``source`` when the dimensions its mean is taken over hold values.  The mean of none is NaN: from a run
+    given an empty batch, it would be written into every element of this value, and the forward would carry it on
+    as if it were a mean."""
+    if source.is_nested:  # no .shape to read: its mean, if torch takes one, is over its components' values
+        return source
+    dims = _as_tuple(action.dims) or range(source.dim())
+    if math.prod(source.shape[d] for d in dims):
+        return source
+    averaged = ", ".join(str(d) for d in _as_tuple(action.dims)) or "every dimension"
+    raise ReplacementMismatch(f"{action!r} at {_where(op)}: the source trace's value has shape "
+                              f"{tuple(source.shape)}, which holds no values to average over ({averaged}): their "
+                              "mean is NaN; take the mean from a run with values there (a batch of at least one "
+                              "example)")
 
 
 def _castable(source: torch.Tensor, tensor: torch.Tensor, op, who: str) -> None:
