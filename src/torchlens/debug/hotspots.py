@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..checks import as_position
 from ..errors import counted, listed
 from ..record.columns import is_first_output
+from ..record.grads import norm_of_norms
 from ..record.module_table import produced_bytes
 from ..record.modules import enclosing_calls
 from ..record.summary import aligned_lines
@@ -125,24 +126,17 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     if group not in GROUPS:
         raise ValueError(f"group={group!r} is not a grouping hot_path knows; use one of: {', '.join(GROUPS)}")
     values, excluded = _metric_values(log, by)
-    if by == "grad_norm":  # norms combine as the norm of the concatenation
-        values = [(i, v * v) for i, v in values]
-    totals: dict = {}
-    counts: dict = {}
+    members: dict = {}
     parent_of = log.module_call_parents.__getitem__
     for index, value in values:
         for key in _keys(log, index, group, parent_of):
-            totals[key] = totals.get(key, 0) + value
-            counts[key] = counts.get(key, 0) + 1
-    grand = sum(v for _, v in values)
-    if by == "grad_norm":
-        totals = {key: total ** 0.5 for key, total in totals.items()}
-        shares = {key: 100.0 * total * total / grand if grand else 0.0 for key, total in totals.items()}
-        grand = grand ** 0.5
-    else:
-        shares = {key: 100.0 * total / grand if grand else 0.0 for key, total in totals.items()}
-    rows = [{"address": key, "count": counts[key], "total": total, "percent": shares[key]}
-            for key, total in totals.items()]
+            members.setdefault(key, []).append(value)
+    combine = norm_of_norms if by == "grad_norm" else sum  # norms combine as the norm of the concatenation
+    grand = combine([v for _, v in values])
+    rows = []
+    for key, parts in members.items():
+        total = combine(parts)
+        rows.append({"address": key, "count": len(parts), "total": total, "percent": _percent(total, grand, by)})
     rows.sort(key=_hottest_first, reverse=True)
     ranked = HotPath(rows, by=by, group=group, total=grand, excluded=excluded, considered=len(values),
                      model_name=log.model_name)
@@ -151,6 +145,14 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     ranked.calls = len({log.call_indices[i] for i, _ in values})  # counted as print(log) counts them
     ranked.trace_calls = torch_call_count(log)
     return ranked
+
+
+def _percent(total, grand, by) -> float:
+    """A row's share of the grand total; for gradient norms, the share of its square in the sum of squares."""
+    if not grand:
+        return 0.0
+    share = total / grand
+    return 100.0 * (share * share if by == "grad_norm" else share)
 
 
 def _hottest_first(row) -> tuple:

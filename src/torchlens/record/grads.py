@@ -382,6 +382,15 @@ def _norm(values, nonfinite: int) -> float:
     return float(largest) * float(torch.linalg.vector_norm(values / largest))
 
 
+def norm_of_norms(norms) -> float:
+    """The 2-norm of gradients taken together, from the norm of each: the square root of the sum of their
+    squares, which ``math.hypot`` takes without forming them (those of norms above about 1.3e154, which float64
+    gradients reach, overflow a Python float).  A NaN among them makes it NaN, as the sum of squares would, where
+    hypot gives Inf for an Inf beside it: a NaN gradient is the one to look at."""
+    norms = list(norms)
+    return math.nan if any(math.isnan(norm) for norm in norms) else math.hypot(*norms)
+
+
 def grad_stats_column(trace) -> dict:
     """``{op index: stats}`` for every op holding a gradient (output nodes repeat their producer's)."""
     kept = trace._grad_stats

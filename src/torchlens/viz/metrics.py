@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from ..checks import check_number
 from ..record.columns import Kind, is_first_output
 from ..record.finite import nonfinite_flags
+from ..record.grads import norm_of_norms
 from ..record.summary import COUNT_UNITS, human_bytes, unit_for
 
 METRICS = ("duration", "flops", "memory", "nonfinite", "device_time", "cpu_time", "grad_norm")
@@ -206,7 +207,7 @@ def aggregate(values, ops, metric=None, trace=None):
     if isinstance(known[0], bool):
         return any(known)
     if metric == "grad_norm":
-        return math.sqrt(sum(v * v for v in known))
+        return norm_of_norms(known)
     return sum(known)
 
 
