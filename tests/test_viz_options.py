@@ -1,4 +1,5 @@
-"""Options of render and show: each refused by name when wrong, before anything is drawn; grad_norm colours."""
+"""Options of render and show: each refused by name when wrong, before anything is drawn; grad_norm colours; the
+statistics a record shows of values near the largest numbers of their dtype."""
 
 from __future__ import annotations
 
@@ -133,3 +134,28 @@ def test_statistics_of_float64_values_near_overflow_are_what_exact_arithmetic_gi
     stats = next(rec["activation"] for rec in data["items"].values() if rec.get("label") == "mul_1_1:1")
     assert stats["mean"] == pytest.approx(statistics.mean(values), rel=1e-5)
     assert stats["std"] == (std if isinstance(std, str) else pytest.approx(std, rel=1e-5))
+
+
+class _Pairs(nn.Module):
+    """Each value made the real and imaginary part of a complex64 number, read back through its parts."""
+
+    def forward(self, x):
+        return torch.view_as_real(torch.complex(x, x) * 1.0).sum()
+
+
+def test_complex64_values_with_finite_parts_have_finite_magnitudes():
+    # |2.5e38 + 2.5e38j| is 3.5e38, past float32's largest number: taken in complex64's own float32, the magnitude
+    # was Inf, and the viewer and the gradient columns counted an Inf the values do not hold (op.finite says none).
+    x = torch.full((2,), 2.5e38, requires_grad=True)
+    log = tl.trace(_Pairs(), x, grads=True, record_finite=True)
+    log.backward(log.output, torch.tensor(3e38))  # d loss / d z = 3e38 + 3e38j, finite
+    op = log["mul_1_2:1"]
+    assert op.dtype == torch.complex64 and op.finite == (False, False)
+    frame = log.to_pandas().set_index("label")
+    assert frame.loc[op.label, "grad_nonfinite"] == 0
+    assert frame.loc[op.label, "grad_max"] == pytest.approx(3e38 * math.sqrt(2), rel=1e-6)
+    data = json.loads(re.search(r'id="tl-data">(.*?)</script>', log.render(format="html"), re.S).group(1))
+    record = next(rec for rec in data["items"].values() if rec.get("label") == op.label)
+    assert record["activation"]["inf"] == 0
+    assert record["activation"]["max"] == pytest.approx(2.5e38 * math.sqrt(2), rel=1e-5)
+    assert record["gradient"]["inf"] == 0 and record["gradient"]["non-finite"] == 0

@@ -16,7 +16,7 @@ import torch
 
 from .columns import Kind, is_first_output
 from .dropped import MADE_IN_TRANSFORM
-from .layouts import dense_values
+from .layouts import dense_values, magnitudes
 from .modules import no_output_reason
 from ..tree import made_in_transform, without_values
 from ..errors import GradientUnavailable, TraceCleanedUp, add_note, first_few, warn_user
@@ -359,7 +359,7 @@ def grad_stats(g) -> dict:
     with torch.no_grad():
         g = dense_values(g)
         if g.is_complex():
-            g = g.abs()
+            g = magnitudes(g)
         values = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
         nonfinite = int(values.numel() - torch.isfinite(values).sum())
         # Contiguous: a reduction's rounding follows the memory order, and a saved trace reloads the gradient

@@ -93,6 +93,17 @@ def dense_values(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def magnitudes(t: torch.Tensor) -> torch.Tensor:
+    """``|z|`` of a complex tensor's values, which the statistics of a complex value are taken of.  A complex64
+    (or complex32) number whose parts are finite can have a magnitude past its float32 (float16) parts' largest
+    number (``2.5e38 + 2.5e38j``): those are taken again in float64, so that no Inf is counted that the values
+    do not hold."""
+    values = t.abs()
+    if t.dtype in (torch.complex64, torch.complex32) and not bool(torch.isfinite(values).all()):
+        values = t.to(torch.complex128).abs()
+    return values
+
+
 def held_bytes(t: torch.Tensor) -> int:
     """The bytes of ``t``'s own elements, as ``max_saved_bytes`` and ``Trace.saved_bytes`` count a saved tensor:
     its elements times their size, or for a sparse tensor the indices and values it stores (a 1000 x 1000

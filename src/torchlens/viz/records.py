@@ -12,7 +12,7 @@ from decimal import Decimal
 from .dot import describe_action
 from .metrics import format_count, format_seconds
 from ..record.finite import nonfinite_flags
-from ..record.layouts import dense_values, shape_text
+from ..record.layouts import dense_values, magnitudes, shape_text
 from ..tree import without_values
 from ..record.summary import human_bytes
 from ..errors import GradientUnavailable
@@ -38,7 +38,7 @@ def activation_stats(tensor) -> dict:
             return stats
         t = dense_values(tensor.detach())
         if t.is_complex():
-            t = t.abs()
+            t = magnitudes(t)
         if t.dtype == torch.bool:
             stats["true"] = int(t.sum())
             return stats
