@@ -1,5 +1,6 @@
 """The printed form of tl.report.kernel_profile where there is nothing to rank."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -11,6 +12,19 @@ def test_a_forward_that_ran_no_torch_op_says_so_rather_than_print_an_empty_top_t
     assert "KernelProfile of Identity: 0 torch calls" in text
     assert "the forward ran no torch ops: there is nothing to rank" in text
     assert "top 0 ops" not in text
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("level", ["op", "layer", "module"])
+def test_the_tables_of_a_forward_that_ran_no_torch_op_have_the_columns_of_any_other(level, backward):
+    # A table of no rows was a DataFrame of no columns: reading a column of it (table["cpu_ns"].sum()) raised a
+    # KeyError where a model with ops gives a number.
+    empty = tl.report.kernel_profile(nn.Identity(), torch.randn(2, 3, requires_grad=True), backward=backward)
+    model = nn.Sequential(nn.Linear(3, 3))
+    ran = tl.report.kernel_profile(model, torch.randn(2, 3, requires_grad=True), backward=backward)
+    table = empty.to_pandas(level)
+    assert table.empty and list(table.columns) == list(ran.to_pandas(level).columns)
+    assert table["cpu_ns"].sum() == 0
 
 
 def test_a_forward_with_ops_still_ranks_them():

@@ -27,7 +27,7 @@ from .markers import ProfilerMarkers
 from .profile_coverage import Coverage, find_problems
 from .profile_events import events_from_profiler
 from .profile_join import Target, join
-from .profile_tables import layer_rows, module_rows, op_rows
+from .profile_tables import layer_rows, module_rows, op_rows, table_columns
 
 SIDECAR_SUFFIX = ".torchlens.json"
 SIDECAR_SCHEMA = "torchlens.kernel_profile_map.v1"
@@ -327,7 +327,8 @@ class KernelProfile:
             import pandas as pd
         except ImportError as exc:
             raise MissingPackage("KernelProfile.to_pandas needs pandas: pip install pandas") from exc
-        return pd.DataFrame(self._table(level))
+        rows = self._table(level)
+        return pd.DataFrame(rows) if rows else pd.DataFrame(columns=table_columns(level, self.backward))
 
     # ----- chrome trace + sidecar -----------------------------------------------------------------
     def export_chrome_trace(self, path) -> tuple:

@@ -72,6 +72,21 @@ def _metric_names(backward: bool) -> list:
     return names
 
 
+# The fields each level's rows begin with, before their figures.
+_LEADING = {"op": ("op", "layer", "type", "module", "outputs", "host_ns", "aten"),
+            "layer": ("layer", "type", "passes", "outputs"),
+            "module": ("module_call", "address", "class", "depth", "ops", "self_ops", "marked")}
+
+
+def table_columns(level: str, backward: bool) -> list:
+    """The fields of ``level``'s rows, in their order: the columns of a table with no rows (a forward that ran no
+    torch call), which has them as any other does."""
+    names = _metric_names(backward)
+    if level == "module":  # each figure inclusive, then its call's own
+        names = [name for k in names for name in (k, f"self_{k}")]
+    return [*_LEADING[level], *names]
+
+
 def layer_rows(trace, rows: list, backward: bool) -> list:
     """One dict per layer, summed over its passes; a multi-output call's row also lists, in ``outputs``, the layers
     of its further outputs, which have no row of their own (as its op row lists their op labels)."""
