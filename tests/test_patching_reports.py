@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -539,3 +540,28 @@ def test_a_metric_the_corruption_does_not_change_is_warned_of(report):
     with pytest.warns(UserWarning, match=rf"^{report}: the metric is .* on both the clean and the corrupted input"):
         table = getattr(tl.report, report)(model, x, x.clone(), lambda out: out[:, 0].sum())
     assert table.normalized.isna().all()
+
+
+class _Product(nn.Module):
+    """The product of two non-negative values, each through a site of its own: 0 where either is."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.ReLU(), nn.ReLU()
+
+    def forward(self, x):
+        return self.a(x[:, 0]) * self.b(x[:, 1])
+
+
+def test_an_infinite_value_in_a_heatmap_is_drawn_saturated_on_its_own_side():
+    # The colour scale was the largest magnitude in the table, Inf itself: every finite cell was drawn white (x / inf
+    # is 0), and -inf / inf is NaN, which was drawn red, the colour of positive values.
+    pytest.importorskip("pandas")
+    clean, corrupt = torch.tensor([[2.0, 3.0]]), torch.tensor([[0.0, 3.0]])
+    table = tl.report.activation_patching(_Product(), clean, corrupt, lambda out: out.log().sum(), progress=False)
+    metrics = table.set_index("site").metric
+    assert metrics["a:1"] == pytest.approx(math.log(6)) and metrics["b:1"] == -math.inf
+    svg = tl.viz.heatmap(table, value="metric")
+    fills = dict(re.findall(r'fill="(#[0-9a-f]{6})" stroke="white"><title>(\S+):', svg))
+    assert {site: fill for fill, site in fills.items()} == {"a:1": "#ff0000", "b:1": "#0000ff"}
+    assert f"|max| = {math.log(6):.3g}" in svg

@@ -1,7 +1,7 @@
 """A patching table as a heatmap: one row per site, one column per position, as a standalone SVG.
 
 Written directly as SVG (no plotting library): cells are coloured on a diverging scale centred on 0,
-blue for negative and red for positive values, saturated at the largest magnitude in the table; a
+blue for negative and red for positive values, saturated at the largest finite magnitude in the table; a
 missing value (NaN: a site that could not be patched) is grey and says so in its tooltip.
 """
 
@@ -32,7 +32,9 @@ def heatmap(frame, path=None, value: str = "normalized", title: str | None = Non
     for row in frame.itertuples(index=False):
         position = getattr(row, "position", None) if positions != [None] else None
         cells[(row.site, position)] = float(getattr(row, value))
-    finite = [abs(v) for v in cells.values() if not math.isnan(v)]
+    # Saturated at the largest finite magnitude: an infinite one (a log-probability of 0) drawn as the scale would
+    # draw every finite cell white, and itself as inf / inf, NaN, of no side.  It saturates on its own side instead.
+    finite = [abs(v) for v in cells.values() if math.isfinite(v)]
     scale = max(finite, default=1.0) or 1.0
     left = _ROW_LABEL_CHARS * max((len(str(s)) for s in sites), default=4) + 10
     top = 40
