@@ -4,6 +4,7 @@ has its row, and a model's own error is let through."""
 
 from __future__ import annotations
 
+import html
 import math
 import os
 import re
@@ -565,3 +566,16 @@ def test_an_infinite_value_in_a_heatmap_is_drawn_saturated_on_its_own_side():
     fills = dict(re.findall(r'fill="(#[0-9a-f]{6})" stroke="white"><title>(\S+):', svg))
     assert {site: fill for fill, site in fills.items()} == {"a:1": "#ff0000", "b:1": "#0000ff"}
     assert f"|max| = {math.log(6):.3g}" in svg
+
+
+def test_a_nan_cell_of_a_heatmap_says_why_the_table_has_no_number_there():
+    # Every NaN cell said "not patched", also where the site was patched and the metric of the patched run was NaN.
+    pytest.importorskip("pandas")
+    model, clean, corrupt = _Product(), torch.tensor([[2.0, 3.0]]), torch.tensor([[0.0, 3.0]])
+    table = tl.report.activation_patching(model, clean, corrupt, lambda out: (out - 5).sqrt().sum(), progress=False)
+    assert math.isnan(table.set_index("site").metric["b:1"]) and not table.set_index("site").error["b:1"]
+    tips = dict(re.findall(r"<title>(\S+): ([^<]*)</title>", tl.viz.heatmap(table, value="metric")))
+    assert tips == {"a:1": "1", "b:1": "nan"}
+    estimate = tl.report.attribution_patching(model, clean, corrupt, lambda out: out.sum())  # nothing requires grad
+    tips = dict(re.findall(r"<title>(\S+): ([^<]*)</title>", tl.viz.heatmap(estimate, value="estimate")))
+    assert html.unescape(tips["a:1"]) == estimate.set_index("site").note["a:1"] and "no gradient" in tips["a:1"]

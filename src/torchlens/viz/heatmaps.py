@@ -2,7 +2,8 @@
 
 Written directly as SVG (no plotting library): cells are coloured on a diverging scale centred on 0,
 blue for negative and red for positive values, saturated at the largest finite magnitude in the table; a
-missing value (NaN: a site that could not be patched) is grey and says so in its tooltip.
+missing value (NaN: a site that could not be patched, or a metric that was NaN) is grey, and its tooltip says
+which.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ def heatmap(frame, path=None, value: str = "normalized", title: str | None = Non
     # A site with no positions (no such dimension in its value) has one row at <NA>: a row of grey cells.
     positions = [p for p in dict.fromkeys(frame["position"]) if isinstance(p, numbers.Integral)] \
         if "position" in frame else [None]
-    cells = {}
+    cells, reasons = {}, {}
     for row in frame.itertuples(index=False):
         position = getattr(row, "position", None) if positions != [None] else None
         cells[(row.site, position)] = float(getattr(row, value))
+        # Why a row has no number, where the table says: activation patching's error, attribution's note.
+        reasons[(row.site, position)] = getattr(row, "error", "") or getattr(row, "note", "")
     # Saturated at the largest finite magnitude: an infinite one (a log-probability of 0) drawn as the scale would
     # draw every finite cell white, and itself as inf / inf, NaN, of no side.  It saturates on its own side instead.
     finite = [abs(v) for v in cells.values() if math.isfinite(v)]
@@ -53,16 +56,25 @@ def heatmap(frame, path=None, value: str = "normalized", title: str | None = Non
         for j, position in enumerate(positions):
             v = cells.get((site, position), math.nan)
             fill = MISSING if math.isnan(v) else _color(v / scale)
-            shown = "not patched" if math.isnan(v) else f"{v:.4g}"
+            shown = f"{v:.4g}" if not math.isnan(v) else _no_number(reasons.get((site, position)))
             where = f" position {position}" if position is not None else ""
             parts.append(f'<rect x="{left + j * _CELL}" y="{y}" width="{_CELL}" height="{_CELL}" fill="{fill}" '
-                         f'stroke="white"><title>{escape(str(site))}{where}: {shown}</title></rect>')
+                         f'stroke="white"><title>{escape(str(site))}{where}: {escape(shown)}</title></rect>')
     parts.append("</svg>")
     svg = "\n".join(parts)
     if path is None:
         return svg
     path.write_text(svg, encoding="utf-8")
     return path
+
+
+def _no_number(reason) -> str:
+    """The tooltip of a NaN cell: why the table has no number there, where it says (a site that could not be
+    patched); NaN itself where the row holds no reason (a metric that was NaN on the patched run); no row at all, a
+    position the site's value does not have, was not patched."""
+    if reason is None:
+        return "not patched"
+    return str(reason) if reason else "nan"
 
 
 def _checked_svg_path(path):
