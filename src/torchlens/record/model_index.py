@@ -421,7 +421,10 @@ def index_of(model) -> ModelIndex:
     if not isinstance(model, torch.nn.Module):
         return ModelIndex(model)
     entry = _cache.get(id(model))
-    if entry is not None and entry[0]() is model and entry[1].unchanged(model) and not _names_its_own(model):
+    # A cached index is of a model no module of which named its own submodules as it was walked (below), and the
+    # structure check compares their classes: what is left to see is a named_modules set on the model since.
+    if entry is not None and entry[0]() is model and entry[1].unchanged(model) and "named_modules" not in \
+            model.__dict__:
         return entry[2]
     index = ModelIndex(model)
     if any(map(_names_its_own, index.all_modules())):
@@ -439,8 +442,8 @@ def index_of(model) -> ModelIndex:
 def _names_its_own(module) -> bool:
     """Whether ``module`` names its submodules with a ``named_modules`` of its own (its class's, or one set on it):
     what that yields may change while the module tree does not (a flag it reads, an override set later), so an
-    index walked through it is never reused.  Checked for every module when an index is cached, for the root
-    when it is reused: a submodule's classes are compared then (``Structure``), not what is set on it."""
+    index walked through it is never cached.  Checked for every module as an index is cached; as it is reused, the
+    structure check compares the modules' classes, and ``index_of`` looks for one set on the model since."""
     own = type(module).named_modules is not torch.nn.Module.named_modules  # (nn.Module's as it is now)
     return own or "named_modules" in getattr(module, "__dict__", ())
 
