@@ -87,6 +87,16 @@ def _with_left_by_a_raise(x):
     return y
 
 
+def _two_items_left_by_a_raise(x):
+    y, z = x * 1, x * 2
+    for k in range(3):
+        with _Doubling(y), _Doubling(z):
+            y.add_(z)
+            if k == 1:
+                raise ValueError
+    return y
+
+
 @pytest.mark.parametrize("compiled", PATHS)
 def test_a_finally_block_run_on_both_paths_is_one_layer(compiled):
     labels = _labels(_finally_after_a_raise, torch.tensor([1.0]), compiled)
@@ -97,6 +107,29 @@ def test_a_finally_block_run_on_both_paths_is_one_layer(compiled):
 def test_a_with_blocks_exit_left_by_an_exception_is_the_same_layer_as_its_normal_exit(compiled):
     labels = _labels(_with_left_by_a_raise, torch.tensor([1.0]), compiled)
     assert labels == ["mul_1_1:1", "add_1_2:1", "mul_2_3:1", "add_1_2:2", "mul_2_3:2", "add_1_2:3", "mul_2_3:3"]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_each_item_of_a_with_statement_left_by_an_exception_is_the_same_layer_as_its_normal_exit(compiled):
+    # z's exit runs first, then y's, on every path out (k == 1 leaves by the raise, swallowed by z's exit).
+    labels = _labels(_two_items_left_by_a_raise, torch.tensor([1.0]), compiled)
+    assert labels == ["mul_1_1:1", "mul_2_2:1", "add_1_3:1", "mul_3_4:1", "mul_4_5:1", "add_1_3:2", "mul_3_4:2",
+                      "mul_4_5:2", "add_1_3:3", "mul_3_4:3", "mul_4_5:3"]
+
+
+def test_the_handlers_of_a_with_statements_items_pair_with_their_exits_however_they_are_laid_out():
+    """The items of one with statement share a span on Python 3.11 and 3.12: 3.11 compiles each item's exception
+    handler after its normal exit, 3.12 all handlers after the last exit.  Both layouts pair the k-th handler
+    with the k-th exit (the innermost item's first), here on this version's code and on it laid out as 3.12 does."""
+    from torchlens.labels.passes import _exception_exits
+
+    instructions = list(dis.get_instructions(_two_items_left_by_a_raise.__code__))
+    handlers = [i for i in instructions if i.opname == "WITH_EXCEPT_START"]
+    exits = [i.offset for i in instructions if i.opname == "CALL" and i.arg == 2]
+    assert len(handlers) == len(exits) == 2
+    handlers_last = [i for i in instructions if i.opname != "WITH_EXCEPT_START"] + handlers
+    for layout in (instructions, handlers_last):
+        assert _exception_exits(layout, {}) == {handler.offset: exit for handler, exit in zip(handlers, exits)}
 
 
 def _kept(xs):

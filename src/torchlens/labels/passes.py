@@ -176,19 +176,13 @@ def _canonical_offsets(code) -> dict:
     instructions = list(dis.get_instructions(code))
     canonical = _copied_offsets(instructions)
     pending = None
-    exits: dict = {}  # a with statement's span -> the offset of its last call (its __exit__ on the normal path)
     for instruction in instructions:
         if instruction.opcode == _PRECALL:
             pending = instruction.offset
-        elif instruction.opname == "CALL":
-            exits[instruction.positions] = canonical.get(instruction.offset, instruction.offset)
-            if pending is not None:
-                canonical[pending] = exits[instruction.positions]
-                pending = None
-        elif instruction.opname == "WITH_EXCEPT_START" and instruction.positions in exits:
-            # The exit of a with block left by an exception calls __exit__ here, the same place in the source
-            # as the normal exit's call, compiled before it with the same span.
-            canonical[instruction.offset] = exits[instruction.positions]
+        elif instruction.opname == "CALL" and pending is not None:
+            canonical[pending] = canonical.get(instruction.offset, instruction.offset)
+            pending = None
+    canonical.update(_exception_exits(instructions, canonical))
     for instruction, after in zip(instructions, instructions[1:]):
         for cache in range(instruction.offset + 2, after.offset, 2):  # its inline cache entries
             canonical[cache] = canonical.get(instruction.offset, instruction.offset)
@@ -223,6 +217,34 @@ def _copied_offsets(instructions: list) -> dict:
         if first != instruction.offset:
             copied[instruction.offset] = first
     return copied
+
+
+def _exception_exits(instructions: list, canonical: dict) -> dict:
+    """``{offset of a WITH_EXCEPT_START: offset of the normal exit's __exit__ call of its with item}``.
+
+    A with block left by an exception calls ``__exit__`` at ``WITH_EXCEPT_START``, the same place in the source
+    as the normal exit's call (``CALL 2`` of three ``None``), which has the same span.  The items of one
+    statement (``with a(), b():``) share that span on Python 3.11 and 3.12 (3.13 gives each item its own): their
+    normal exits are compiled innermost first, and so are their handlers, each after its exit on 3.11 but all
+    after the last exit on 3.12, so the k-th handler of a span is the k-th item's whichever way they interleave.
+    A copy of an exit (a return or break leaving the block) is one exit with its original; a copy of the whole
+    statement (in a finally block) repeats the items' order."""
+    exits: dict = {}  # span -> the canonical offsets of its normal exits' calls, in order, each once
+    handlers: dict = {}  # span -> the offsets of its WITH_EXCEPT_STARTs, in order
+    nones = 0  # consecutive loads of None just before (3.11's PRECALL between them and the CALL)
+    for instruction in instructions:
+        if instruction.opname == "CALL" and instruction.arg == 2 and nones >= 3:
+            offsets = exits.setdefault(instruction.positions, [])
+            original = canonical.get(instruction.offset, instruction.offset)
+            if original not in offsets:
+                offsets.append(original)
+        elif instruction.opname == "WITH_EXCEPT_START":
+            handlers.setdefault(instruction.positions, []).append(instruction.offset)
+        if instruction.opcode != _PRECALL:
+            loads_none = instruction.opname == "LOAD_CONST" and instruction.argval is None
+            nones = nones + 1 if loads_none else 0
+    return {offset: exits[span][k % len(exits[span])] for span, offsets in handlers.items() if span in exits
+            for k, offset in enumerate(offsets)}
 
 
 def _wholly_before(span, previous) -> bool:
