@@ -97,6 +97,14 @@ def _two_items_left_by_a_raise(x):
     return y
 
 
+def _three_items(x):
+    y, z, w = x * 1, x * 2, x * 3
+    for _ in range(2):
+        with _Doubling(y), _Doubling(z), _Doubling(w):
+            y.add_(z + w)
+    return y
+
+
 @pytest.mark.parametrize("compiled", PATHS)
 def test_a_finally_block_run_on_both_paths_is_one_layer(compiled):
     labels = _labels(_finally_after_a_raise, torch.tensor([1.0]), compiled)
@@ -115,6 +123,14 @@ def test_each_item_of_a_with_statement_left_by_an_exception_is_the_same_layer_as
     labels = _labels(_two_items_left_by_a_raise, torch.tensor([1.0]), compiled)
     assert labels == ["mul_1_1:1", "mul_2_2:1", "add_1_3:1", "mul_3_4:1", "mul_4_5:1", "add_1_3:2", "mul_3_4:2",
                       "mul_4_5:2", "add_1_3:3", "mul_3_4:3", "mul_4_5:3"]
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_each_item_of_a_with_statement_is_a_layer_of_its_own(compiled):
+    # Python 3.11 compiles each item's exception handler between the normal exits, ending in code of no line.
+    labels = _labels(_three_items, torch.tensor([1.0]), compiled)
+    assert labels == ["mul_1_1:1", "mul_2_2:1", "mul_3_3:1", "add_1_4:1", "add_2_5:1", "mul_4_6:1", "mul_5_7:1",
+                      "mul_6_8:1", "add_1_4:2", "add_2_5:2", "mul_4_6:2", "mul_5_7:2", "mul_6_8:2"]
 
 
 def test_the_handlers_of_a_with_statements_items_pair_with_their_exits_however_they_are_laid_out():

@@ -203,7 +203,12 @@ def _copied_offsets(instructions: list) -> dict:
             # body's last store (STORE_FAST_LOAD_FAST, with the store's span): read only what the loads feed.
             continue
         span = instruction.positions
-        if span is None or None in span:  # no columns (python -X no_debug_ranges): one line is no place
+        if span is None or span.lineno is None:
+            # The compiler's own code (the cleanup of a with item's exception handler on 3.11) is no place in the
+            # source: read through it, or what follows would start its line again there, and the exits of
+            # ``with a, b, c:`` after the first would read as copies of one another.
+            continue
+        if None in span:  # no columns (python -X no_debug_ranges): one line is no place
             prefix, line = -1, None
             continue
         if span.lineno != line or _wholly_before(span, previous):
