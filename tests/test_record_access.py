@@ -171,3 +171,19 @@ def test_a_call_returning_several_tensors_is_named_by_its_first_and_a_buffer_pat
     assert log["pair"].label == log["pair:1"].label == "mul_1_1:1"
     with pytest.raises(KeyError, match="bn.running_mean is a buffer, whose record is in log.buffers"):
         log["bn.running_mean"]
+
+
+def test_drop_written_refuses_what_is_not_a_list_of_op_indices():
+    # A lone index raised "'int' object is not iterable", and a label ("ab" read letter by letter), a bool, a float
+    # or an index past the trace was passed over: drop_written seemed to have looked where it never did.
+    log = _traced()
+    log.drop_written([0, -1, len(log) - 1])
+    for indices in (3, "linear_1_2:1", b"\x00"):
+        with pytest.raises(TypeError, match=r"drop_written: indices=.* not a list of op indices; give a list"):
+            log.drop_written(indices)
+    for index in (True, 1.0, "1", None):
+        with pytest.raises(TypeError, match=r"drop_written: index=.* not an int; give a list of op indices below"):
+            log.drop_written([index])
+    for index in (len(log), -len(log) - 1):
+        with pytest.raises(ValueError, match=rf"drop_written: index={index} is not an op of this trace"):
+            log.drop_written((index,))

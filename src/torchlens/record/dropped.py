@@ -6,6 +6,7 @@ written or freed since their op ran.
 
 from __future__ import annotations
 
+from ..checks import as_position, check_int, is_a
 from ..tree import without_values
 from .layouts import holds_unknown_memory, memory_freed
 
@@ -91,6 +92,22 @@ def drop_written(trace, indices=None) -> None:
         if reason is not None:
             del activations[i]
             trace._dropped[i] = reason
+
+
+def op_indices(trace, indices) -> list:
+    """``indices`` as a list of the trace's op indices (a negative one counted from the end, as a list's): a
+    string was read letter by letter, and an index past the trace, a bool or a float was looked for, not found, and
+    passed over, so ``drop_written`` seemed to have looked where it never did."""
+    count = len(trace)
+    advice = f"give a list of op indices below {count} (log[label].index), or None for every op"
+    if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
+        raise TypeError(f"drop_written: indices={indices!r:.60} {is_a(indices)}, not a list of op indices; {advice}")
+    positions = [as_position(i) for i in indices]
+    for i in positions:
+        check_int(i, "index", advice, who="drop_written")
+        if not -count <= i < count:
+            raise ValueError(f"drop_written: index={i} is not an op of this trace; {advice}")
+    return [i % count for i in positions]
 
 
 def _written_reason(trace, t, owners: dict) -> str:

@@ -18,7 +18,7 @@ from .columns import Call, Kind
 from . import grads as _grads
 from . import tables
 from .derived import Derived as _Derived
-from .dropped import drop_written
+from .dropped import drop_written, op_indices
 from .layouts import alias_key, held_bytes
 from .lookup import (Ambiguous, LayersByLabel, build_lookup, missing_key_note, module_object_hint, raise_ambiguous,
                      record_name_hint)
@@ -261,7 +261,7 @@ class Trace(TraceColumns):
     def drop_written(self, indices=None) -> None:
         """Drop the saved tensors (of ``indices``, or all) written in place, or freed, since their op ran: see
         ``record.dropped.drop_written``.  Readers of the activations call this first."""
-        drop_written(self, indices)
+        drop_written(self, None if indices is None else op_indices(self, indices))
 
     def keep_activations(self, kept, dropped=None) -> None:
         """Release every saved activation whose op index is not in ``kept`` (``save=`` filters after the forward),
