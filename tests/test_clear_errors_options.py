@@ -222,3 +222,33 @@ def test_a_module_object_given_as_a_key_is_answered_with_its_address():
         with pytest.raises(TypeError, match=rf"^index a trace with a label string, an int or a slice, not \w+{answer}"):
             log[key]
     assert log["layers.0"].module_address == "layers.0"
+
+
+def test_a_misspelt_option_of_a_helper_or_public_function_is_answered_with_the_one_meant(tmp_path):
+    # tl.scale(2, atx=1) was told "scale.__init__() got an unexpected keyword argument 'atx'" (tl.zero_ablate's
+    # named Action.__init__), and tl.load_extracted(p, astorch=True) no more than its name: none said what it took.
+    model, x = MLP().eval(), torch.randn(2, 16)
+    log = tl.trace(model, x)
+    vector = torch.ones(16)
+    calls = {"tl.scale": (lambda: tl.scale(2, atx=1), "atx", "at"),
+             "tl.steer": (lambda: tl.steer(vector, scal=2.0), "scal", "scale"),
+             "tl.clamp": (lambda: tl.clamp(minimum=0.0), "minimum", "min"),
+             "tl.noise": (lambda: tl.noise(0.1, generater=None), "generater", "generator"),
+             "tl.mean_ablate": (lambda: tl.mean_ablate(dim=0), "dim", "dims"),
+             "tl.zero_ablate": (lambda: tl.zero_ablate(at_=1), "at_", "at"),
+             "tl.patch_from": (lambda: tl.patch_from(source=log), "source", "trace"),
+             "tl.load_extracted": (lambda: tl.load_extracted(tmp_path, astorch=True), "astorch", "as_torch"),
+             "tl.load": (lambda: tl.load(paths=tmp_path), "paths", "path"),
+             "tl.debug.hot_path": (lambda: tl.debug.hot_path(log, by_="flops"), "by_", "by"),
+             "tl.debug.nonfinite_origin": (lambda: tl.debug.nonfinite_origin(log, grad=True), "grad", "grads"),
+             "tl.distributed.compare": (lambda: tl.distributed.compare([log], rtl=0.1), "rtl", "rtol"),
+             "tl.distributed.gather": (lambda: tl.distributed.gather(log, activation=True), "activation",
+                                       "activations")}
+    for who, (call, given, meant) in calls.items():
+        with pytest.raises(TypeError, match=rf"^{re.escape(who)}\(\) got an unexpected keyword argument '{given}'; "
+                                            rf"it takes .*; closest: {meant}"):
+            call()
+    # The options they do take still work, given by name.
+    actions = [tl.scale(k=2, at=1), tl.steer(vector=vector, scale=2.0, dim=-1), tl.clamp(max=0.0), tl.zero_ablate(at=0)]
+    for action in actions:
+        assert not torch.equal(tl.trace(model, x, intervene={"relu_1_2:1": action}).output, log.output)

@@ -88,17 +88,35 @@ def unknown_option_hint(who: str, name: str, known) -> str:
     return closest_hint(name, known) + forward_keyword_hint(who, name)
 
 
-def refuse_unknown_keywords(who: str, kwargs: dict, func) -> None:
+def refuse_unknown_keywords(who: str, kwargs: dict, func, given: int = 2) -> None:
     """Refuse, in ``who``'s name and with the closest option, a keyword that ``func`` (which ``who`` passes its
-    keywords on to, after the record and the path) does not take: Python's refusal names ``func`` alone, with no
-    hint (``log.save(p, activation=False)``: "save() got an unexpected keyword argument 'activation'")."""
+    keywords on to) does not take: Python's refusal names ``func`` alone, with no hint (``log.save(p,
+    activation=False)``: "save() got an unexpected keyword argument 'activation'").  ``given``: how many of
+    ``func``'s leading parameters ``who`` fills itself (a method's record and path; a helper's ``self``)."""
+    if not kwargs:
+        return
     import inspect
 
-    options = list(inspect.signature(func).parameters)[2:]
+    parameters = list(inspect.signature(func).parameters.values())[given:]
+    options = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     for name in kwargs:
         if name not in options:
             raise TypeError(f"{who}() got an unexpected keyword argument {name!r}; it takes "
                             f"{', '.join(options)}{closest_hint(name, options)}")
+
+
+def refusing_unknown_keywords(who: str):
+    """Decorate a public function so that a keyword it does not take is refused by ``refuse_unknown_keywords``,
+    naming ``who``, what it takes and the closest, rather than by Python with no hint."""
+    import functools
+
+    def decorate(func):
+        @functools.wraps(func)
+        def checked(*args, **kwargs):
+            refuse_unknown_keywords(who, kwargs, func, given=0)
+            return func(*args, **kwargs)
+        return checked
+    return decorate
 
 
 def forward_keyword_hint(who: str, name: str) -> str:

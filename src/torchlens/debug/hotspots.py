@@ -10,7 +10,7 @@ ranked as if they cost nothing.  Inputs, buffers and outputs are not torch calls
 from __future__ import annotations
 
 from ..checks import as_position
-from ..errors import counted, listed
+from ..errors import counted, listed, refusing_unknown_keywords
 from ..record.columns import is_first_output
 from ..record.grads import norm_of_norms
 from ..record.module_table import produced_bytes
@@ -114,6 +114,7 @@ def _fmt(value, by) -> str:
     return f"{value:.6f}" if by == "duration" else f"{int(value):,}"
 
 
+@refusing_unknown_keywords("tl.debug.hot_path")
 def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
     """Rank ``log``'s torch calls by ``by`` ("duration", "flops", "memory", "grad_norm" (a trace taken with
     ``grads=True``, after a backward), "saved_for_backward" (``saved_for_backward=True``)), grouped by ``group``

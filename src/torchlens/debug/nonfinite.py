@@ -21,7 +21,7 @@ from ..record.dropped import all_made_in_transform
 from ..record.finite import nonfinite_flags
 from ..record.params import changed_since_trace
 from ..record.trace import checked_trace
-from ..errors import TraceCleanedUp, counted, listed
+from ..errors import TraceCleanedUp, counted, listed, refusing_unknown_keywords
 from ..tree import without_values
 
 DETECT_ANOMALY_CODE = """\
@@ -215,6 +215,7 @@ def _some(labels, attribute: str) -> str:
     return listed(labels, 8, f" ... (all {len(labels)} in report.{attribute})")
 
 
+@refusing_unknown_keywords("tl.debug.nonfinite_origin")
 def nonfinite_origin(log, grads: bool = False):
     """Name the forward op where a NaN/Inf first appeared in ``log`` (no extra forward is run).
 

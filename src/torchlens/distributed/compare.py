@@ -12,7 +12,7 @@ hold whatever the allocator left there, which differs between ranks that agree.
 
 from __future__ import annotations
 
-from ..errors import counted
+from ..errors import counted, refusing_unknown_keywords
 from ..checks import check_int, check_number, is_a
 from ..record.trace import Trace, checked_trace
 from ..tree import structures_equal
@@ -24,6 +24,7 @@ COLUMNS = ["rank", "reference", "diverges", "first_op", "module", "func", "reaso
            "ops_compared"]
 
 
+@refusing_unknown_keywords("tl.distributed.compare")
 def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0):
     """A pandas table with one row per rank other than ``reference``: where it first diverges, and why.
 

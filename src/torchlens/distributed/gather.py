@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checks import LONGEST_WAIT_S, check_int, check_number
-from ..errors import ActivationUnavailable, RankFailedError, closest_hint
+from ..errors import ActivationUnavailable, RankFailedError, closest_hint, refusing_unknown_keywords
 from ..io.identity import own_values
 from ..record.trace import checked_trace
 from ..record.columns import uninitialized_ops
@@ -93,6 +93,7 @@ def _asked_labels(activations):
     return labels
 
 
+@refusing_unknown_keywords("tl.distributed.gather")
 def gather(trace, dst: int = 0, *, activations=False, group=None, timeout: float = ARRIVAL_TIMEOUT_S):
     """Collect every rank's ``RankTrace`` on rank ``dst`` (a list indexed by rank there, None elsewhere).
 

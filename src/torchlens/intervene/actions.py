@@ -8,13 +8,14 @@ position) and leaves the rest of the tensor as it was.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
 import torch
 
 from ..checks import check_int, check_number, check_takes
-from ..errors import ReplacementMismatch
+from ..errors import ReplacementMismatch, refuse_unknown_keywords
 from ..record.layouts import shape_of
 from ..record.trace import checked_trace
 from ..capture.teardown import restore_torch_function_state, torch_function_state
@@ -30,6 +31,13 @@ _INDEX_TYPES = (numbers.Integral, slice, type(Ellipsis), tuple, list, torch.Tens
 
 class Action:
     """Base class of the helpers: ``value`` computes the new value of ``tensor[at]`` (or the whole)."""
+
+    def __init_subclass__(cls, **kwargs):
+        # Python's refusal of an unknown keyword names __init__ alone ("scale.__init__() got an unexpected keyword
+        # argument 'atx'"), with no hint of what the helper takes.  Wrapped, not checked in __new__, whose
+        # (*args, **kwargs) help() and inspect.signature would show in place of the helper's own options.
+        super().__init_subclass__(**kwargs)
+        cls.__init__ = _keywords_checked(cls.__init__)
 
     def __init__(self, at=None):
         if at is not None and not isinstance(at, _INDEX_TYPES) or isinstance(at, bool):
@@ -96,6 +104,15 @@ class Action:
     def __repr__(self) -> str:
         parts = [p for p in (self._describe(), f"at={_shown(self.at)}" if self.at is not None else "") if p]
         return f"{type(self).__name__.lstrip('_')}({', '.join(parts)})"
+
+
+def _keywords_checked(init):
+    """``init``, refusing a keyword it does not take in the helper's name, with what it takes and the closest."""
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        refuse_unknown_keywords(f"tl.{type(self).__name__}", kwargs, init, given=1)
+        init(self, *args, **kwargs)
+    return checked
 
 
 _SHOWN_ELEMENTS = 8  # the most elements a helper's repr prints of a tensor argument

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 
 from ..checks import check_flag, check_path
-from ..errors import counted
+from ..errors import counted, refusing_unknown_keywords
 from .extract_progress import PROGRESS
 from .extract_shards import EXTRACT_FORMAT, EXTRACT_SCHEMA
 from .format import MANIFEST, TraceFileError, checked_member, read_json, require_numpy, verify_manifest
 from .tensorfile import mapped
 
 
+@refusing_unknown_keywords("tl.load_extracted")
 def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict:
     """``{layer name: array of shape (inputs, ...)}`` for an extraction written by ``tl.extract``.
 

@@ -16,6 +16,7 @@ import types
 import torch
 
 from ..checks import check_path
+from ..errors import refusing_unknown_keywords
 from ..record.columns import Call, Kind, OpMeta
 from ..record.layouts import RaggedShape, version_of
 from ..record.modules import CallRow, ModuleRow
@@ -35,6 +36,7 @@ from .trace_state import read_trace_state
 _READS = 3  # reads of a folder a save keeps replacing before its last error is raised
 
 
+@refusing_unknown_keywords("tl.load")
 def load(path) -> Trace:
     """Load a saved trace.  It supports everything that does not need the live model (indexing, summary,
     tables, reports, rendering); ``log.model`` is None, ``log.validate()`` raises, and ``log.output`` is
