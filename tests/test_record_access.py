@@ -187,3 +187,25 @@ def test_drop_written_refuses_what_is_not_a_list_of_op_indices():
     for index in (len(log), -len(log) - 1):
         with pytest.raises(ValueError, match=rf"drop_written: index={index} is not an op of this trace"):
             log.drop_written((index,))
+
+
+def test_inputs_and_outputs_are_indexed_as_the_ops_are():
+    # log.inputs[True] was the second input and log.outputs["output_1:1"] raised the list's own "list indices must
+    # be integers or slices, not str", where log.ops refuses both; what they hold is unchanged.
+    class TwoInTwoOut(torch.nn.Module):
+        def forward(self, a, b):
+            return a + b, a * b
+
+    log = tl.trace(TwoInTwoOut(), (torch.randn(3), torch.randn(3)))
+    for records, kind in ((log.inputs, "input"), (log.outputs, "output")):
+        ops = [op for op in log.ops if op.kind == kind]
+        assert len(records) == 2 and records == ops and list(records) == ops and records[-1] == ops[-1]
+        assert [op.label for op in records[:1]] == [ops[0].label]
+        for flag in (True, False):
+            with pytest.raises(TypeError, match=r"index the Op records with an int or a slice, not a bool"):
+                records[flag]
+        with pytest.raises(TypeError, match=r"indexed by position \(an int or a slice\), not by name: log\["):
+            records[ops[0].label]
+        with pytest.raises(IndexError, match=r"Op index 2 is out of range: this trace has 2 Op records"):
+            records[2]
+        assert list(records.to_pandas()["label"]) == [op.label for op in ops]

@@ -296,14 +296,18 @@ class Trace(TraceColumns):
         return list(self._labels)
 
     @property
-    def inputs(self) -> list:
-        """The input records (``input_1:1`` ...), one per tensor passed to the forward."""
-        return [Op(self, i) for i, kind in enumerate(self._kind) if kind == Kind.INPUT]
+    def inputs(self) -> RecordList:
+        """The input records (``input_1:1`` ...), one per tensor passed to the forward: indexed as ``ops`` are (a
+        plain list took ``log.inputs[True]`` for the second input)."""
+        return self._ops_of_kind(Kind.INPUT)
 
     @property
-    def outputs(self) -> list:
+    def outputs(self) -> RecordList:
         """The output records (``output_1:1`` ...), one per tensor the forward returned."""
-        return [Op(self, i) for i, kind in enumerate(self._kind) if kind == Kind.OUTPUT]
+        return self._ops_of_kind(Kind.OUTPUT)
+
+    def _ops_of_kind(self, kind) -> RecordList:
+        return RecordList(self, Op, [i for i, k in enumerate(self._kind) if k == kind], tables.ops_frame)
 
     @property
     def output(self):
