@@ -143,3 +143,25 @@ def test_unknown_metric_or_grouping_is_refused_with_the_valid_values(kwargs, val
     log = tl.trace(F.relu, torch.randn(3))
     with pytest.raises(ValueError, match=valid):
         tl.debug.hot_path(log, **kwargs)
+
+
+def test_a_total_of_zero_gives_no_row_a_share():
+    # The FLOPs of an empty batch, or gradients all zero, total 0: every row read 0.0%, as if it cost nothing
+    # beside the others, where a share of nothing is undefined.
+    from torchlens.cli import hot_path_text
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    empty = tl.trace(model, torch.randn(0, 8))
+    zeroed = tl.trace(model, torch.randn(3, 8), grads=True)
+    zeroed.backward(zeroed.output.sum() * 0)
+    for log, by in ((empty, "flops"), (zeroed, "grad_norm")):
+        ranked = tl.debug.hot_path(log, by=by)
+        assert ranked.total == 0 and len(ranked) == 3 and all(row["total"] == 0 for row in ranked)
+        assert all(row["percent"] != row["percent"] for row in ranked)  # NaN
+        assert ranked.to_pandas()["percent"].isna().all()
+        text = str(ranked)
+        assert "0.0%" not in text and "percent: n/a, a share of a total of 0 is undefined" in text
+        text = hot_path_text(log, 5, by=by)
+        assert "0.0%" not in text and "percent: n/a, a share of a total of 0 is undefined" in text
+    ranked = tl.debug.hot_path(tl.trace(model, torch.randn(3, 8)), by="flops")
+    assert abs(sum(row["percent"] for row in ranked) - 100.0) < 1e-6 and "n/a" not in str(ranked)

@@ -37,7 +37,7 @@ def module_tree(log, depth: int) -> str:
 
 
 def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
-    from ..debug.hotspots import hot_path
+    from ..debug.hotspots import ZERO_TOTAL_NOTE, hot_path, percent_text
 
     ranked = hot_path(log, by=by, group=group)
     lines = [f"Hot path ({by}, by {group}; top {min(n, len(ranked.rows))} of {len(ranked.rows)}):"]
@@ -48,9 +48,12 @@ def hot_path_text(log, n: int, by: str = "duration", group: str = "op") -> str:
     for row in ranked.rows[:n]:
         total = row["total"] * 1e3 if by == "duration" else row["total"]
         shown = f"{total:.3f}" if by == "duration" else f"{total:.4g}" if by == "grad_norm" else f"{int(total):,}"
-        lines.append(f"  {row['address']:<{width}} x{row['count']:<4} {shown:>14} {unit}  {row['percent']:5.1f}%")
+        percent = percent_text(row["percent"], ranked.total)
+        lines.append(f"  {row['address']:<{width}} x{row['count']:<4} {shown:>14} {unit}  {percent:>6}")
     if ranked.excluded:
         lines.append(f"  excluded (no {by} value): {counted(len(ranked.excluded), 'op')}")
+    if ranked.rows and ranked.total == 0:
+        lines.append(f"  {ZERO_TOTAL_NOTE}")
     lines.append(f"  note: {ranked.note}")
     return "\n".join(lines)
 

@@ -9,6 +9,8 @@ ranked as if they cost nothing.  Inputs, buffers and outputs are not torch calls
 
 from __future__ import annotations
 
+import math
+
 from ..checks import as_position
 from ..errors import counted, listed, refusing_unknown_keywords
 from ..record.columns import is_first_output
@@ -41,6 +43,7 @@ _METRIC_NOTES = {
                            "counts for each of them"),
 }
 _SHOWN = 20
+ZERO_TOTAL_NOTE = "percent: n/a, a share of a total of 0 is undefined (NaN in .rows and .to_pandas())"
 
 
 class HotPath:
@@ -87,7 +90,7 @@ class HotPath:
 
     def __str__(self) -> str:
         table = [["address", "count", "total", "percent"]] + [
-            [row["address"], str(row["count"]), _fmt(row["total"], self.by), f"{row['percent']:.1f}%"]
+            [row["address"], str(row["count"]), _fmt(row["total"], self.by), percent_text(row["percent"], self.total)]
             for row in self.rows[:_SHOWN]]
         lines = [f"hot path of {self.model_name} by {self.by} ({self.unit}), grouped by {self.group}: "
                  f"{self._calls_text()}, total {_fmt(self.total, self.by)} {self.unit}"]
@@ -97,6 +100,8 @@ class HotPath:
         if self.excluded:
             shown = listed(self.excluded, 5)
             lines.append(f"  excluded, no {self.by} value: {counted(len(self.excluded), 'op')} ({shown})")
+        if self.rows and self.total == 0:
+            lines.append(f"  {ZERO_TOTAL_NOTE}")
         lines.append(f"  note: {self.note}")
         return "\n".join(lines)
 
@@ -106,6 +111,11 @@ class HotPath:
         # Counted as print(log) counts them; the others are listed under "excluded" below.
         total = self.trace_calls
         return f"{self.calls} torch calls" if total == self.calls else f"{self.calls} of {total} torch calls"
+
+
+def percent_text(percent, total) -> str:
+    """A row's percent as a printed table shows it: "n/a" where the total is 0, of which no row has a share."""
+    return "n/a" if total == 0 else f"{percent:.1f}%"
 
 
 def _fmt(value, by) -> str:
@@ -149,9 +159,11 @@ def hot_path(log, by: str = "duration", group: str = "op") -> HotPath:
 
 
 def _percent(total, grand, by) -> float:
-    """A row's share of the grand total; for gradient norms, the share of its square in the sum of squares."""
-    if not grand:
-        return 0.0
+    """A row's share of the grand total; for gradient norms, the share of its square in the sum of squares.  A
+    total of 0 (the FLOPs of an empty batch, gradients all zero) has no shares: NaN, where 0.0 read as "costs
+    nothing beside the others"."""
+    if grand == 0:
+        return math.nan
     share = total / grand
     return 100.0 * (share * share if by == "grad_norm" else share)
 
