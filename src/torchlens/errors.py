@@ -88,21 +88,25 @@ def unknown_option_hint(who: str, name: str, known) -> str:
     return closest_hint(name, known) + forward_keyword_hint(who, name)
 
 
-def refuse_unknown_keywords(who: str, kwargs: dict, func, given: int = 2) -> None:
+def refuse_unknown_keywords(who: str, kwargs: dict, func, given: int = 2, also: tuple = (),
+                            takes: str = "{}") -> None:
     """Refuse, in ``who``'s name and with the closest option, a keyword that ``func`` (which ``who`` passes its
     keywords on to) does not take: Python's refusal names ``func`` alone, with no hint (``log.save(p,
     activation=False)``: "save() got an unexpected keyword argument 'activation'").  ``given``: how many of
-    ``func``'s leading parameters ``who`` fills itself (a method's record and path; a helper's ``self``)."""
+    ``func``'s leading parameters ``who`` fills itself (a method's record and path; a helper's ``self``);
+    ``also``: options ``who`` takes besides ``func``'s, which ``takes`` then names; ``takes``: how the message lists
+    the options, ``{}`` standing for ``func``'s."""
     if not kwargs:
         return
     import inspect
 
     parameters = list(inspect.signature(func).parameters.values())[given:]
-    options = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    named = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    options = named + list(also)
     for name in kwargs:
         if name not in options:
             raise TypeError(f"{who}() got an unexpected keyword argument {name!r}; it takes "
-                            f"{', '.join(options)}{closest_hint(name, options)}")
+                            f"{takes.format(', '.join(named))}{closest_hint(name, options)}")
 
 
 def refusing_unknown_keywords(who: str):

@@ -175,8 +175,12 @@ class ModuleSummary:
         """A call label is in the table when ``table[label]`` finds its row (``"fc1:1" in table``), and a row when it
         is one of the rows: Python's fallback compared a label with each row and always answered False."""
         if isinstance(key, str):
-            return any(row["call"] == key for row in self.rows)
+            return self._row_of_call(key) is not None
         return key in self.rows
+
+    def _row_of_call(self, call: str):
+        """The row of module call ``call`` (``"fc1:1"``), or None."""
+        return next((row for row in self.rows if row["call"] == call), None)
 
     def __getitem__(self, key):
         key = as_position(key)  # a NumPy integer is a row number
@@ -189,9 +193,9 @@ class ModuleSummary:
         if not isinstance(key, str):
             raise TypeError(f"index a summary with a row number or a module call ('fc1:1'), not "
                             f"{type(key).__name__}")
-        for row in self.rows:
-            if row["call"] == key:
-                return row
+        row = self._row_of_call(key)
+        if row is not None:
+            return row
         calls = [r["call"] for r in self.rows]
         hint = closest_hint(key, calls) or f"; rows: {listed(calls, 8)}"
         raise KeyError(f"no row {key!r} in this summary (a row is a module call, 'fc1:1'){hint}")

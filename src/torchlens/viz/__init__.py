@@ -197,15 +197,10 @@ def _has_display() -> bool:
 def _check_show_options(kwargs) -> None:
     """Refuse an option ``show`` does not take by its own name (render's would name render, which the user did
     not call): render's options but ``path``, and ``max_ops`` for a notebook's inline drawing."""
-    import inspect
+    from ..errors import refuse_unknown_keywords
 
-    from ..errors import closest_hint
-
-    options = [name for name in inspect.signature(render).parameters if name not in ("trace", "path")] + ["max_ops"]
-    for name in kwargs:
-        if name not in options:
-            raise TypeError(f"show() got an unexpected keyword argument {name!r}; it takes render's options "
-                            f"({', '.join(options[:-1])}) and max_ops in a notebook{closest_hint(name, options)}")
+    refuse_unknown_keywords("show", kwargs, render, also=("max_ops",),
+                            takes="render's options ({}) and max_ops in a notebook")
 
 
 def notebook_html(trace, max_ops=None, **kwargs) -> str:
