@@ -63,13 +63,13 @@ def extract(model, inputs, layers, out, *, args_of=None, kwargs=None, kwargs_of=
             (``args_of=lambda batch: batch[0]`` drops the labels of an ``(x, y)`` loader).  The order must
             be the same on every run for a resume to be valid.
         layers: what to keep, each naming one op per batch: an op label (``linear_1_1:2``), a single-pass
-            layer label, a module address called once per forward (``features.3``) or a module call
-            (``encoder.layers.0:1``).  Activations are stacked along their batch dim, dim 0 unless ``batch_dim``
-            names another.  A batch's size is dim 0 of its first input tensor whose dim 0 is not 1, and a layer's
-            batch dim that does not have it is refused; one that has it by coincidence in every batch cannot be
-            told from a batch dim (transformers' gemma3n altup layers are ``(altup_num_inputs, B, S, H)``: at a
-            batch size of ``altup_num_inputs`` their dim 0 passes) and its rows would not be examples: name such
-            a layer's batch dim in ``batch_dim``.
+            layer label, a module address called once per forward (``features.3``), a module call
+            (``encoder.layers.0:1``) or an input's or output's path (``input.attention_mask``).  Activations are
+            stacked along their batch dim, dim 0 unless ``batch_dim`` names another.  A batch's size is dim 0 of
+            its first input tensor whose dim 0 is not 1, and a layer's batch dim that does not have it is refused;
+            one that has it by coincidence in every batch cannot be told from a batch dim (transformers' gemma3n
+            altup layers are ``(altup_num_inputs, B, S, H)``: at a batch size of ``altup_num_inputs`` their dim 0
+            passes) and its rows would not be examples: name such a layer's batch dim in ``batch_dim``.
         out: the folder to write; calling again with the same folder resumes or, when complete, returns.
         kwargs: keyword arguments passed to every forward.
         kwargs_of: a function giving a batch's own keyword arguments, as a dict (``kwargs_of=dict`` for the
