@@ -128,6 +128,24 @@ def test_show_takes_format_html_or_none_inline_and_in_a_browser(monkeypatch, tmp
     assert log.show(max_ops=3).read_text().startswith("<!DOCTYPE html>")  # a notebook's limit: the page draws all
 
 
+
+def test_notebook_html_takes_renders_options_in_its_own_name():
+    """notebook_html passed render's options on beside its own format="html": format="html" (or any format) failed
+    with render's "got multiple values for keyword argument 'format'", and an option render does not take was
+    refused in the name of render, a function the user did not call."""
+    _engine_or_skip()
+    log = tl.trace(LoopRNN(), torch.randn(2, 8))
+    page = _packed_page(tl.viz.notebook_html(log, format="html", view="rolled"))
+    assert page == log.render(None, format="html", view="rolled")
+    for other in ("dot", "svg"):
+        with pytest.raises(ValueError, match=rf"notebook_html packs the interactive HTML viewer, not format='{other}'"):
+            tl.viz.notebook_html(log, format=other)
+    with pytest.raises(TypeError, match=r"notebook_html\(\) got an unexpected keyword argument 'dept'; it takes "
+                                        r"max_ops and render's options \(view, depth, .*\); closest: depth"):
+        tl.viz.notebook_html(log, dept=2)
+    with pytest.raises(TypeError, match=r"notebook_html\(\) got an unexpected keyword argument 'path'"):
+        tl.viz.notebook_html(log, path="graph.html")
+
 class ScoredHead(torch.nn.Module):
     """A linear head (a FLOPs formula) and a cross-entropy loss (none): the loss call's count is a lower bound."""
 

@@ -154,12 +154,8 @@ def show(trace, **kwargs):
     from .notebook import check_max_ops
 
     checked_trace(trace, "show")  # before its name is read for the file's
-    _check_show_options(kwargs)
+    _check_viewer_options("show", "opens", kwargs, takes="render's options ({}) and max_ops in a notebook")
     check_max_ops(kwargs.get("max_ops"), "show")
-    shown_format = kwargs.pop("format", None)
-    if shown_format is not None and format_of(None, shown_format) != "html":
-        raise ValueError(f"show opens the interactive HTML viewer, not format={shown_format!r}; write that "
-                         "format with render(path, format=...)")
     if _in_notebook():
         from IPython.display import HTML, display
 
@@ -194,19 +190,25 @@ def _has_display() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def _check_show_options(kwargs) -> None:
-    """Refuse an option ``show`` does not take by its own name (render's would name render, which the user did
-    not call): render's options but ``path``, and ``max_ops`` for a notebook's inline drawing."""
+def _check_viewer_options(who: str, does: str, kwargs: dict, takes: str) -> None:
+    """Refuse an option of the viewer ``who`` draws that it does not take by its own name (render's would name
+    render, which the user did not call): render's options but ``path``, and ``max_ops`` for a notebook's inline
+    drawing.  ``format=`` may only say HTML, and is taken out of ``kwargs``: the viewer names its format itself."""
     from ..errors import refuse_unknown_keywords
 
-    refuse_unknown_keywords("show", kwargs, render, also=("max_ops",),
-                            takes="render's options ({}) and max_ops in a notebook")
+    refuse_unknown_keywords(who, kwargs, render, also=("max_ops",), takes=takes)
+    shown_format = kwargs.pop("format", None)
+    if shown_format is not None and format_of(None, shown_format) != "html":
+        raise ValueError(f"{who} {does} the interactive HTML viewer, not format={shown_format!r}; write that "
+                         "format with render(path, format=...)")
 
 
 def notebook_html(trace, max_ops=None, **kwargs) -> str:
-    """The trace's summary, module and op tables, and the viewer packed for opening on demand."""
+    """The trace's summary, module and op tables, and the viewer packed for opening on demand; ``kwargs`` are
+    render's options for that viewer."""
     from .notebook import notebook_html as page
 
+    _check_viewer_options("notebook_html", "packs", kwargs, takes="max_ops and render's options ({})")
     return page(trace, max_ops=max_ops, **kwargs)
 
 
