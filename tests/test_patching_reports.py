@@ -5,6 +5,7 @@ has its row, and a model's own error is let through."""
 from __future__ import annotations
 
 import html
+import inspect
 import math
 import os
 import re
@@ -532,6 +533,16 @@ def test_heatmap_refuses_what_is_not_a_patching_table_or_a_column_of_numbers(tmp
     attribution = tl.report.attribution_patching(model, x, x + 1, lambda out: out.sum())
     assert tl.viz.heatmap(table).startswith("<svg") and tl.viz.heatmap(attribution, value="estimate").startswith("<svg")
 
+
+
+def test_heatmap_names_its_options_and_takes_them_as_its_drawing_does():
+    # tl.viz.heatmap was (frame, path=None, **kwargs): help() named neither value= nor title=, and
+    # heatmap(table, None, "metric") was refused as a positional argument too many.
+    pytest.importorskip("pandas")
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    table = tl.report.activation_patching(model, x, x + 1, lambda out: out.sum(), progress=False)
+    assert list(inspect.signature(tl.viz.heatmap).parameters) == ["frame", "path", "value", "title"]
+    assert tl.viz.heatmap(table, None, "metric", "patched") == tl.viz.heatmap(table, value="metric", title="patched")
 
 @pytest.mark.parametrize("report", ["activation_patching", "attribution_patching"])
 def test_a_metric_the_corruption_does_not_change_is_warned_of(report):

@@ -212,11 +212,14 @@ def notebook_html(trace, max_ops=None, **kwargs) -> str:
     return page(trace, max_ops=max_ops, **kwargs)
 
 
-def heatmap(frame, path=None, **kwargs):
-    """A patching table (``tl.report.activation_patching``) as an SVG heatmap: see ``viz/heatmaps.py``."""
+def heatmap(frame, path=None, value: str = "normalized", title: str | None = None):
+    """A patching table (``tl.report.activation_patching`` or ``attribution_patching``) as an SVG heatmap, a row
+    per site and a column per position: ``value`` names the column drawn, ``title`` the heading (``value`` by
+    default).  Written to ``path`` (an ``.svg`` file) when given, and the path returned; the SVG text otherwise
+    (``viz/heatmaps.py``)."""
     from .heatmaps import heatmap as draw  # a submodule named heatmap would shadow this function
 
-    return draw(frame, path, **kwargs)
+    return draw(frame, path, value=value, title=title)
 
 
 __all__ = ["render", "show", "notebook_html", "format_of", "find_engine", "LayoutEngineMissing", "LayoutFailed",
