@@ -29,8 +29,8 @@ def compare(traces, *, rtol: float = 0.0, atol: float = 0.0, reference: int = 0)
     """A pandas table with one row per rank other than ``reference``: where it first diverges, and why.
 
     Args:
-        traces: one trace per rank, in rank order: ``Trace`` objects (a rank's own, or ``tl.load``'ed
-            per-rank saves) or the ``RankTrace`` list ``gather`` returns.
+        traces: one trace per rank, in any order (each row names the rank its trace recorded): ``Trace`` objects
+            (a rank's own, or ``tl.load``'ed per-rank saves) or the ``RankTrace`` list ``gather`` returns.
         rtol, atol: tolerances; both 0 (the default) compares bit for bit (NaN equals NaN).
         reference: the position in ``traces`` of the trace the others are compared with.  The table's
             ``rank`` and ``reference`` columns give the ranks the traces recorded (positions for traces made
