@@ -199,6 +199,9 @@ def test_root_must_be_a_module_and_agree_with_a_module_model():
         tl.trace(lambda x: model(x), torch.tensor([[1]]), root="model")
     with pytest.raises(ValueError, match="already a module"):
         tl.trace(model, torch.tensor([[1]]), root=nn.Linear(1, 1))
+    # Beside a module, root="model" was a ValueError calling the string another module: "root= is another (str)".
+    with pytest.raises(TypeError, match="root= must be an nn.Module .*, not str"):
+        tl.trace(model, torch.tensor([[1]]), root="model")
 
 
 def test_a_root_the_callable_never_runs_is_refused_not_shown_as_its_trace():

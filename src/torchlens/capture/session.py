@@ -464,6 +464,8 @@ def _paused_collector(run, arguments: tuple) -> Trace:
 
 def _root_of(model, root):
     """The module whose addresses name the modules a trace sees (None: a plain function)."""
+    if root is not None and not isinstance(root, torch.nn.Module):
+        raise TypeError(f"root= must be an nn.Module (the model the callable runs), not {type(root).__name__}")
     if isinstance(model, torch.nn.Module):
         # root= the wrapper that was traced (DDP, DataParallel, torch.compile) names the module traced too.
         if root is not None and root is not model and unwrap(root) is not model:
@@ -473,8 +475,6 @@ def _root_of(model, root):
         return model
     if root is None:
         return module_run_by(model)  # a bound method (m.generate, m.embed), or a partial of one or of a module
-    if not isinstance(root, torch.nn.Module):
-        raise TypeError(f"root= must be an nn.Module (the model the callable runs), not {type(root).__name__}")
     return root
 
 
