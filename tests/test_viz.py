@@ -499,7 +499,7 @@ def test_a_tensor_from_outside_the_trace_is_named_on_the_op_that_read_it():
     marked = [line.split()[0] for line in dot.splitlines() if "tl-node" in line and "from outside the trace" in line]
     assert marked == [f"o{mul.index}"]
     assert "+1 tensor argument from outside the trace" in dot
-    assert "1 tensor arguments came from outside the trace" in dot  # the heading
+    assert "1 tensor argument came from outside the trace (no op made it)" in dot  # the heading (was "arguments")
     records = _page_data(log.render(format="html"))["items"]
     assert [key for key, rec in records.items() if "outside" in rec] == [f"o{mul.index}"]
 

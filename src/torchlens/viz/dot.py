@@ -78,8 +78,9 @@ def reading_notes(trace) -> list:
         notes.append(f"stopped after {trace.stopped_after} (stop_after=): the forward ran no further and has no "
                      "output")
     if trace.unattributed:
-        notes.append(f"{trace.unattributed} tensor arguments came from outside the trace (no op made them): no edge "
-                     "shows them, the ops that read them say so")
+        them = "it" if trace.unattributed == 1 else "them"
+        notes.append(f"{counted(trace.unattributed, 'tensor argument')} came from outside the trace (no op made "
+                     f"{them}): no edge shows {them}, the ops that read {them} say so")
     return notes
 
 
