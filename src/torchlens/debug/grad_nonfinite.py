@@ -80,6 +80,7 @@ class GradNonfiniteReport:
 
     @property
     def origin_label(self):
+        """The label of the op whose gradient went non-finite first, or None where no op's did."""
         return self.origin.label if self.origin is not None else None
 
     def __bool__(self) -> bool:

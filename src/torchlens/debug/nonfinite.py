@@ -77,14 +77,17 @@ class NonfiniteReport:
 
     @property
     def origin_label(self):
+        """The origin op's label (``sqrt_1_3:1``), or None where no op is the origin."""
         return self.origin.label if self.origin is not None else None
 
     @property
     def module(self):
+        """The label of the module call the origin op ran in (``block:1``), or None."""
         return self.origin.module if self.origin is not None else None
 
     @property
     def source(self):
+        """The user's line that led to the origin op (``.file``, ``.line``, ``.function``, ``.code``), or None."""
         return self.origin.source if self.origin is not None else None
 
     def __bool__(self) -> bool:

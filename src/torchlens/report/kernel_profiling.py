@@ -251,6 +251,7 @@ class KernelProfile:
 
     @property
     def coverage(self) -> Coverage:
+        """What the join attributed to ops and module calls, and what it could not, by reason."""
         return self._join()[1]
 
     @property
@@ -260,6 +261,7 @@ class KernelProfile:
 
     @property
     def has_device(self) -> bool:
+        """Whether the profile recorded device activity (a CPU-only run's has none, so no device time)."""
         return self._join()[0].has_device
 
     def _table(self, level: str) -> list:
@@ -281,6 +283,7 @@ class KernelProfile:
 
     @property
     def layers(self) -> list:
+        """One dict per layer: the figures of its passes summed (``passes`` counts them)."""
         return [dict(row) for row in self._table("layer")]
 
     @property

@@ -74,6 +74,7 @@ class RefusalPredicate:
                          who="RefusalPredicate")
 
     def describe(self) -> str:
+        """The predicate in one line, as a result prints it (``pairs>=10, relIQR<=0.25, ...``)."""
         parts = [f"pairs>={self.min_pairs}", f"relIQR<={self.max_relative_iqr:g}"]
         if self.min_ratio is not None:
             parts.append(f"CI not below {self.min_ratio:g}")
@@ -110,9 +111,11 @@ class OverheadResult:
 
     @property
     def relative_iqr(self) -> float | None:
+        """The spread of the paired ratios, (Q3 - Q1) / median, that the predicate bounds (None below 4 pairs)."""
         return _relative_iqr(self.ratios)
 
     def to_dict(self) -> dict:
+        """Every field as plain data, with the predicate's, the clock and a schema name (for a JSON file)."""
         out = asdict(self)
         out["predicate"] = asdict(self.predicate)
         out["relative_iqr"] = self.relative_iqr
