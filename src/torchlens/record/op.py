@@ -243,7 +243,9 @@ class Op(View):
 
     @property
     def activation(self):
-        """The saved output tensor (detached), or None when it was not selected for saving."""
+        """The saved output tensor (detached), or None when it was not saved (``save=`` left it out, or
+        ``max_saved_bytes`` was spent); one dropped since, or any after ``cleanup()``, raises
+        ``ActivationUnavailable`` saying why."""
         trace = self._trace
         if trace._cleaned:
             raise ActivationUnavailable(f"{self.label}: the trace was cleaned up; its activations are gone")
@@ -273,7 +275,9 @@ class Op(View):
     @property
     def grad(self):
         """d loss / d (this op's output), accumulated over the backwards seen (``grads=True``); None before
-        a backward reached it or when ``grads=[...]`` did not select it.  See docs/gradients.md."""
+        a backward reached it or when ``grads=[...]`` did not select it.  An op that can have none (made under
+        ``torch.no_grad()``, an integer result, a trace taken without ``grads=``) raises ``GradientUnavailable``
+        saying why.  See docs/gradients.md."""
         from .grads import grad_of
 
         return grad_of(self._trace, self.index)
