@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -166,7 +168,8 @@ def test_a_call_reading_what_it_returns_is_refused_naming_the_read(blip2, compil
     model, kwargs = blip2
     with on_path(compiled):
         with pytest.raises(tl.InterventionError, match=r"qformer:1 read the tensor it returns at output\.last_"
-                                                       r"hidden_state .* \(read by __getitem__ in qformer\), "):
+                                                       r"hidden_state .* \(read by __getitem__ in qformer at "
+                                                       r".*\.py:\d+\), "):
             tl.trace(model, (), kwargs, intervene={"qformer": tl.scale(2.0)})
         plain = tl.trace(model, (), kwargs)
         hidden, pooled = next(call for call in plain.module_calls if call.label == "qformer:1").output_ops
@@ -182,6 +185,28 @@ def test_a_call_reading_what_it_returns_is_refused_naming_the_read(blip2, compil
     finally:
         handle.remove()
     assert torch.equal(edited.output.logits, expected)
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_forward_hook_reading_what_its_module_returns_is_named_by_its_line(compiled):
+    # A module's forward hooks run inside its call, so an activation cache's output.detach() is a read the refusal
+    # must name: it gave "detach in 0" and listed attention weights and position biases, never the user's hook.
+    torch.manual_seed(0)
+    model, x, cache = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4), {}
+
+    def cache_output(module, args, output):
+        cache["0"] = output.detach()
+
+    line = cache_output.__code__.co_firstlineno + 1
+    handle = model[0].register_forward_hook(cache_output)
+    try:
+        with on_path(compiled), pytest.raises(tl.InterventionError) as refused:
+            tl.trace(model, x, intervene={"0": tl.scale(2.0)})
+    finally:
+        handle.remove()
+    message = str(refused.value)
+    assert re.search(rf"\(read by detach in 0 at {re.escape(__file__)}:{line}\), ", message), message
+    assert "a forward hook of the module reading its output" in message
 
 
 class _FcTwice(nn.Module):

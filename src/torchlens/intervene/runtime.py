@@ -22,13 +22,14 @@ from weakref import ref as weakref
 import torch
 
 from ..errors import InterventionError, TorchlensError, add_note
-from ..record.columns import CALL_FUNC
+from ..record.columns import CALL_CODE, CALL_FUNC, CALL_LINE
 from ..record.columns import CALL_MODULE_CALL as CALL_MODULE
 from ..record.columns import CALL_PARENTS, MODULE_CALL_MODULE, MODULE_CALL_PARENT, RECORD_CALL
 from ..record.columns import CALL_WROTE_ARGUMENTS as CALL_WROTE
 from ..record.layouts import same_elements, shape_of, storage_key, version_of
 from ..record.model_index import READERS_LISTED
 from ..record.modules import enclosing_calls
+from ..record.source import source_of
 from ..record.summary import UNSEEN_PLACES
 from ..labels.naming import func_name_of
 from ..capture.state import StopForward
@@ -142,11 +143,14 @@ class Interventions(ReferencePath):
         return out
 
     def _reader(self, st, call) -> str:
-        """A torch call named for a refusal: its function and the module it ran in (a pooling head's ``transpose``
-        in ``vision_tower.head``), which says what read a value better than the function alone."""
+        """A torch call named for a refusal: its function, the module it ran in (a pooling head's ``transpose``
+        in ``vision_tower.head``) and the line that made it, which says what read a value better than the function
+        alone: a forward hook of the module runs inside its call, and only its line tells its read from the
+        forward's."""
         module_call = call[CALL_MODULE]
         where = f" in {self._address(st.module_calls[module_call][MODULE_CALL_MODULE])}" if module_call >= 0 else ""
-        return func_name_of(call[CALL_FUNC]) + where
+        place = source_of(call[CALL_CODE], call[CALL_LINE])
+        return func_name_of(call[CALL_FUNC]) + where + (f" at {place.file}:{place.line}" if place is not None else "")
 
     def _run_action(self, st, action, value, op, key, call: int):
         """``action(value, op)`` at the site made by ``call``, checked: the new value, or None to keep it."""
@@ -397,7 +401,8 @@ class Interventions(ReferencePath):
                     f"module site {site.key!r}: {label} read the tensor it returns at {path_text('output', path)} (of "
                     f"shape {tuple(t.shape)}, made by {func_name_of(st.calls[producing_call][CALL_FUNC])}) inside the "
                     f"call before returning it (read by {self._reader(st, later)}), so the trace could not say which "
-                    "value those reads saw. Such calls: eager attention returns the weights its matmul read; a T5 "
+                    "value those reads saw. Such calls: a forward hook of the module reading its output (an "
+                    "activation cache's output.detach()); eager attention returns the weights its matmul read; a T5 "
                     "attention layer, and the blocks around it, return a position bias added to the scores; a "
                     "Q-Former's pooler reads the first token of the hidden states it returns. "
                     + _OUTPUTS_HINT.format(label)
