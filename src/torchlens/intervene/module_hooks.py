@@ -10,8 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.compiler as _compiler
+import torch.nn.modules.module as _module_globals
 
-from ..record.columns import MODULE_CALL_OUTPUTS
+from ..errors import warn_user
+from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS
+from ..capture.source import _CALL_IMPL
 from ..capture.state import StopForward
 from ..capture.teardown import HookHandles
 from ..tree import tensor_leaves
@@ -73,6 +76,7 @@ class ModuleHooks(HookHandles):
                 returned = output if new is None else new
                 st.module_calls[module_call][MODULE_CALL_OUTPUTS] = tuple(
                     st.bound_producer(t) for _, t in tensor_leaves(returned, attrs=True))
+                run_always_called_hooks(st)
                 raise StopForward
             return new
 
@@ -97,3 +101,57 @@ def _site_modules(module_sites, root) -> list:
     its output is the trace's output."""
     modules = {id(site.module): site.module for site in module_sites if site.module is not root}
     return list(modules.values())
+
+
+def run_always_called_hooks(st) -> None:
+    """Run the ``always_call=True`` forward hooks a stop is about to skip, as torch runs them for a module call an
+    exception leaves: ``StopForward`` is a BaseException, which ``_call_impl`` lets through without them, so a
+    forward pre-hook and its always-called forward hook would be left unpaired by every call the stop leaves open
+    (torch's composable ``checkpoint`` would leave its saved-tensor hooks pushed, failing every later backward; a
+    stack of one's own would keep its entries; FSDP2 registers its post-forward this way too).  Each open call's
+    hooks run as torch's except block runs them, innermost call first, with the arguments its pre-hooks made and
+    the result it had (None, for a call whose forward never returned), skipping those the call ran already; one
+    that raises is silenced with a warning, as torch does.  They run after the stop, so their torch calls and module
+    calls are no ops or calls of the trace."""
+    left = [st.module_calls[k][MODULE_CALL_MODULE] for k in reversed(st.module_stack)]
+    if isinstance(st.root, torch.nn.Module):
+        left.append(st.root)
+    frame, acting, st.acting = sys._getframe(1), st.acting, True
+    try:
+        with torch._C.DisableTorchFunction():
+            while frame is not None and left:
+                # Matched by identity, not in stack order: a class whose own _call_impl never runs torch's has no
+                # such frame, and must not keep the calls around it from theirs.
+                if frame.f_code is _CALL_IMPL:
+                    module = frame.f_locals.get("self")
+                    k = next((k for k, m in enumerate(left) if m is module), -1)
+                    if k >= 0:
+                        _run_left_hooks(frame.f_locals)
+                        del left[k]
+                frame = frame.f_back
+    finally:
+        st.acting = acting
+
+
+def _run_left_hooks(call: dict) -> None:
+    """Torch's except block of ``_call_impl`` for the call whose locals are ``call``: a call that took the fast path
+    (no hooks anywhere) has no ``called_always_called_hooks`` and nothing to run."""
+    called = call.get("called_always_called_hooks")
+    if called is None:
+        return
+    module, args, kwargs, result = call["self"], call["args"], call["kwargs"], call["result"]
+    hooks = [(key, hook, False, "global module forward hook")
+             for key, hook in _module_globals._global_forward_hooks.items()
+             if key in _module_globals._global_forward_hooks_always_called]
+    hooks += [(key, hook, key in module._forward_hooks_with_kwargs, "module forward hook")
+              for key, hook in module._forward_hooks.items() if key in module._forward_hooks_always_called]
+    for key, hook, with_kwargs, kind in hooks:
+        if key in called:
+            continue
+        called.add(key)
+        try:
+            new = hook(module, args, kwargs, result) if with_kwargs else hook(module, args, result)
+            result = result if new is None else new
+        except Exception as exc:  # noqa: BLE001 - as torch: the stop goes on, the hook's failure is said
+            warn_user(f"{kind} with ``always_call=True`` raised an exception that was silenced as the forward "
+                      f"stopped at stop_after=: {exc}")

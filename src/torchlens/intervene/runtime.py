@@ -38,6 +38,7 @@ from ..tree import made_in_transform, path_text, tensor_leaves
 from .actions import Action, layout_name, same_shape
 from .checkpointing import checkpoint_region
 from .functions import refuse_inside_function
+from .module_hooks import run_always_called_hooks
 from .path import ReferencePath
 from .path import site_where as _where
 from .sites import ModuleCallInfo
@@ -139,6 +140,7 @@ class Interventions(ReferencePath):
         if call_position == self.stop_call:
             self._check_path(st, [self.stop_site], call_position, func)
             self.stopped_at = self.stop_key
+            run_always_called_hooks(st)
             raise StopForward
         return out
 
