@@ -14,7 +14,7 @@ import torch.nn.modules.module as _module_globals
 
 from ..errors import warn_user
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_OUTPUTS
-from ..capture.source import _CALL_IMPL
+from ..capture.source import CALL_IMPL
 from ..capture.state import StopForward
 from ..capture.teardown import HookHandles
 from ..tree import tensor_leaves
@@ -122,7 +122,7 @@ def run_always_called_hooks(st) -> None:
             while frame is not None and left:
                 # Matched by identity, not in stack order: a class whose own _call_impl never runs torch's has no
                 # such frame, and must not keep the calls around it from theirs.
-                if frame.f_code is _CALL_IMPL:
+                if frame.f_code is CALL_IMPL:
                     module = frame.f_locals.get("self")
                     k = next((k for k, m in enumerate(left) if m is module), -1)
                     if k >= 0:
