@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import torchlens as tl
 from torchlens.record.errors import GradientUnavailable
+from test_io_damaged import edit_json, rehash
 from zoo import zoo
 
 
@@ -47,6 +48,34 @@ def test_save_and_load_keep_gradients(tmp_path):
     packed_only.save(tmp_path / "s")
     reread = tl.load(tmp_path / "s")
     assert reread._gradcap is None and reread.saved_for_backward_bytes == packed_only.saved_for_backward_bytes
+
+
+def _as_first_gradients_layout(grads: dict) -> None:
+    """A ``grads`` record as the first torchlens to save gradients wrote it: what autograd packed for backward
+    beside the gradients (``pack_note``, ``packed``), and none of the later fields."""
+    packing = grads.pop("saved_for_backward")
+    grads.update(pack_note=packing["note"], packed=packing["packed"])
+    for later in ("not_saved", "param_grads", "strides"):
+        del grads[later]
+
+
+def test_a_trace_saved_with_the_first_gradients_layout_loads_its_gradients(tmp_path):
+    # Such a file was refused as "malformed (KeyError: 'saved_for_backward'); the file was edited or written by
+    # other software", though torchlens wrote it, under the same schema version.
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True, saved_for_backward=True)  # the first files always accounted packing
+    log.backward(log.output.sum())
+    folder = log.save(tmp_path / "t")
+    edit_json(folder, "trace.json", lambda record: _as_first_gradients_layout(record["grads"]))
+    rehash(folder)
+    loaded = tl.load(folder)
+    assert loaded.num_backwards == 1
+    for op in log:
+        if op.has_grad:
+            assert torch.equal(loaded[op.label].grad, op.grad), op.label
+    assert torch.equal(loaded._param_grads["head.weight"], model.head.weight.grad)
+    assert loaded.saved_for_backward_bytes == log.saved_for_backward_bytes
+    assert loaded.to_pandas()["grad_norm"].equals(log.to_pandas()["grad_norm"])
 
 
 def test_gradient_statistics_do_not_depend_on_the_gradient_s_memory_layout(tmp_path):

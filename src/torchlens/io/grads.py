@@ -119,7 +119,7 @@ def _read_grads(trace, record, folder: str, files) -> None:
     n = len(trace.kinds)
     if not isinstance(grads, dict):
         raise TraceFileError(f"{TRACE_JSON}: 'grads' must be a table")
-    packed = grads["saved_for_backward"]
+    packed = grads["saved_for_backward"] if "saved_for_backward" in grads else _packing_of_first_layout(grads)
     if packed is not None:
         trace._packlog = PackLog(None)
         trace._packlog.note_text = None if packed["note"] is None else str(packed["note"])
@@ -153,6 +153,13 @@ def _read_grads(trace, record, folder: str, files) -> None:
         _name_grads_without_tensors(trace, capture, str(missing))
     if stats:  # taken of every gradient as it was saved, also of those no file holds (complex128, after cleanup())
         trace._grad_stats = stats
+
+
+def _packing_of_first_layout(grads: dict) -> dict:
+    """What autograd packed for backward, as the first files to hold gradients kept it: beside the gradients
+    (``pack_note``, ``packed``), which always accounted it, where later files keep it under ``saved_for_backward``
+    (absent without ``saved_for_backward=True``) with the same content."""
+    return {"note": grads["pack_note"], "packed": grads["packed"]}
 
 
 def _param_grads_read(trace, rows, tensors: dict) -> dict:
