@@ -13,6 +13,8 @@ import torch
 import torchlens as tl
 from torchlens.record.op import Op
 
+from real_models import build
+from test_io import _without_key
 from zoo import MLP, SharedModule
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -223,6 +225,19 @@ def test_a_trace_saved_after_cleanup_keeps_its_parameter_counts_or_says_they_are
     assert old[0]["params"] is None and old["head:1"]["params"] is None
     assert old[0]["flops"] == live[0]["flops"]
     assert "Parameters: unknown" in str(old)
+
+
+def test_a_trace_from_a_file_without_the_parameter_table_saved_again_keeps_its_parameter_counts(tmp_path):
+    # The copy was written with an empty table, read as a model without parameters: Parameters: 0, 0 on every row.
+    model, args, kwargs = build("bert")
+    folder = tl.trace(model.eval(), args, kwargs).save(tmp_path / "old")
+    for key in ("params", "module_param_counts"):  # as a torchlens from before the table wrote it
+        _without_key(folder, key)
+    old = tl.load(folder)
+    again = tl.load(old.save(tmp_path / "again"))
+    assert old.summary()[0]["params"] > 0
+    assert again.summary().rows == old.summary().rows
+    assert str(again.summary()) == str(old.summary())
 
 
 def test_counts_of_one_read_in_the_singular():

@@ -16,8 +16,12 @@ from .encode import torch_constant, torch_constant_name
 from .format import TRACE_JSON, TraceFileError
 
 
-def write_params(trace) -> list:
-    """``[[address, shape, dtype name, requires_grad], ...]`` for ``trace.json`` (shape null: uninitialized)."""
+def write_params(trace) -> list | None:
+    """``[[address, shape, dtype name, requires_grad], ...]`` for ``trace.json`` (shape null: uninitialized); None
+    for a trace loaded from a file that predates the table, whose empty ``log.params`` lists no parameters because
+    none were kept, not because the model had none: written as an empty table, the copy would say it had none."""
+    if not trace._params_listed:
+        return None
     return [[p.address, None if p.shape is None else [int(d) for d in p.shape], torch_constant_name(p.dtype),
              bool(p.requires_grad)] for p in trace.params]
 
