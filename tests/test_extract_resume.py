@@ -192,6 +192,19 @@ def test_resuming_with_other_inputs_or_layers_is_refused(tmp_path):
         tl.load_extracted(tmp_path / "x")
 
 
+def test_a_finished_extraction_without_its_manifest_is_refused_as_such_not_sent_to_finish(tmp_path):
+    # A copy that missed manifest.json was called "incomplete; call tl.extract again with the same arguments to finish
+    # it", and that call, finding the run complete, returned the folder as it was, which was refused again.
+    model, data = TwoLayer().eval(), batches()
+    folder = tl.extract(model, data, ["fc"], tmp_path / "x", progress=False)
+    os.remove(os.path.join(folder, "manifest.json"))
+    missing = r"the extraction finished, but its manifest.json is missing .* copy the whole folder again"
+    with pytest.raises(TraceFileError, match=missing):
+        tl.load_extracted(folder)
+    with pytest.raises(TraceFileError, match=missing):
+        tl.extract(model, data, ["fc"], folder, progress=False)
+
+
 @pytest.mark.parametrize("how", ["bound method", "partial", "lambda with root"])
 def test_resuming_a_callable_checks_the_weights_of_the_model_it_runs(tmp_path, how):
     """A resume checks the model's weights; through a bound method or a partial it checked only their type,

@@ -43,6 +43,7 @@ from .encode import has_no_storage
 from .identity import model_checksum
 from .extract_job import stable_repr
 from .extract_shards import ExtractionRun
+from .extracted import refuse_unfinished
 from .extract_args import (UNBATCHED_NOTE, batch_count, batch_reader, check_inputs, check_layers, check_options,
                            unbatched_loader)
 from .extract_rows import batch_dimension, check_batch_dim, check_input_batch_dim, rows_first
@@ -182,6 +183,7 @@ def extract_folder(model, inputs, layers, out, *, arguments_of, kwargs, shard_by
         warn_user(f"{out} was extracted with a callable that names no model, so whether its weights have changed "
                   "since cannot be checked; pass root= the model it runs")
     if run.complete:
+        refuse_unfinished(out)  # returned without its manifest, the folder is one tl.load_extracted refuses
         return out
     resumed_from = run.batches_done
     seen, last, bar, grad = 0, None, QUIET, torch.is_grad_enabled()

@@ -52,11 +52,19 @@ def load_extracted(path, *, as_torch: bool = False, verify: bool = True) -> dict
 
 
 def refuse_unfinished(folder) -> None:
-    """Raise ``TraceFileError`` saying what to do when ``folder`` holds an extraction that has not finished."""
+    """Raise ``TraceFileError`` saying what to do when ``folder`` holds an extraction that has not finished, or a
+    finished one without its manifest."""
     if os.path.lexists(os.path.join(folder, MANIFEST)):
         return
     if os.path.lexists(os.path.join(folder, PROGRESS)):
         progress = read_json(folder, PROGRESS, "an extraction")
+        if isinstance(progress, dict) and progress.get("complete") is True:
+            # tl.extract writes the manifest before it marks the run complete: the manifest was lost since, and a
+            # call to finish the run finds nothing to do
+            raise TraceFileError(f"{folder}: the extraction finished, but its {MANIFEST} is missing (the folder was "
+                                 "copied in part, or the file deleted), so its layer files cannot be checked; copy "
+                                 "the whole folder again from where tl.extract wrote it, or delete it and extract "
+                                 "again")
         done = progress.get("batches_done") if isinstance(progress, dict) else "?"
         done = counted(done, "batch", "batches") if isinstance(done, int) else done
         raise TraceFileError(f"{folder}: the extraction is incomplete ({done} committed); call tl.extract "
