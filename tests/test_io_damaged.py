@@ -7,8 +7,10 @@ import json
 import os
 import pathlib
 import pickle
+import re
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -108,6 +110,16 @@ def test_edited_trace_json_is_refused_even_when_rehashed(saved, edit, message):
     edit_json(saved, "trace.json", edit)
     rehash(saved)
     with pytest.raises(TraceFileError, match=message):
+        tl.load(saved)
+
+
+def test_a_dtype_this_torch_lacks_is_refused_as_saved_under_another_torch(saved):
+    # A trace saved under a torch with a dtype this one lacks was refused as "does not match trace schema 1
+    # (ValueError: ... is not a torch dtype); the file was edited or written by other software".
+    edit_json(saved, "trace.json", lambda r: r["meta"][1].__setitem__(1, "float4_e9m9"))
+    rehash(saved)
+    with pytest.raises(TraceFileError, match=rf"trace\.json: torch {re.escape(torch.__version__)} has no dtype "
+                                             "'float4_e9m9': the trace was saved with a torch that has it, and loads"):
         tl.load(saved)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from ..record.saved_output import OutputSlot
 from ..tree import without_values
+from .format import TRACE_JSON, TraceFileError
 
 _MAX_DEPTH = 32
 _TORCH_CONSTANT_TYPES = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
@@ -86,7 +87,12 @@ _SAFETENSORS_DTYPES = frozenset(getattr(torch, n) for n in (
 def torch_constant(kind: str, name: str):
     """``torch.<name>`` when it is a constant of the expected type; never anything callable."""
     expected = _TORCH_CONSTANT_TYPES[kind]
-    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    named = isinstance(name, str) and name.isidentifier()
+    value = getattr(torch, name, None) if named else None
+    if named and value is None:  # a dtype a later torch added (saved where it was), or an edit
+        raise TraceFileError(f"{TRACE_JSON}: torch {torch.__version__} has no {kind} {name!r}: the trace was saved "
+                             "with a torch that has it, and loads where that torch is installed (or the file was "
+                             "edited)")
     if not isinstance(value, expected):
         raise ValueError(f"{name!r} is not a torch {kind}")
     return value
