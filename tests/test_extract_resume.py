@@ -205,6 +205,19 @@ def test_a_finished_extraction_without_its_manifest_is_refused_as_such_not_sent_
         tl.extract(model, data, ["fc"], folder, progress=False)
 
 
+def test_a_resume_of_a_run_started_by_the_first_torchlens_to_extract_says_it_cannot_be_checked(tmp_path):
+    # Its progress file keeps no checksum of the model and no arguments: the resume was refused as a run of "another
+    # TwoLayer (its parameters or buffers differ: checksum None vs ...)", the model that started it.
+    model, data = TwoLayer().eval(), batches()
+    with pytest.raises(KeyboardInterrupt):
+        tl.extract(model, interrupted(data, 6), ["fc"], tmp_path / "x", shard_bytes=100, progress=False)
+    first = {k: v for k, v in progress_of(tmp_path / "x").items()
+             if k not in ("model_sha256", "model_sha256_at_stop", "arguments")}
+    pathlib.Path(tmp_path, "x", "progress.json").write_text(json.dumps(first))
+    with pytest.raises(ResumeMismatchError, match="started by an earlier torchlens, which recorded neither a checksum"):
+        tl.extract(model, data, ["fc"], tmp_path / "x", shard_bytes=100, progress=False)
+
+
 @pytest.mark.parametrize("how", ["bound method", "partial", "lambda with root"])
 def test_resuming_a_callable_checks_the_weights_of_the_model_it_runs(tmp_path, how):
     """A resume checks the model's weights; through a bound method or a partial it checked only their type,

@@ -55,6 +55,11 @@ def check_same_job(out, recorded: dict, job: dict, dims: dict | None = None) -> 
         raise ResumeMismatchError(f"{out} holds an extraction of {recorded.get('model')} layers "
                                   f"{recorded.get('layers')}; this call asks for {model_name} layers {job['layers']}. "
                                   "Use another folder, or delete it to start over")
+    if "model_sha256" not in recorded:  # the first torchlens to extract recorded the layers and the model's class alone
+        raise ResumeMismatchError(f"{out} was started by an earlier torchlens, which recorded neither a checksum of "
+                                  "the model nor the call's arguments, so whether this call continues the same job "
+                                  f"cannot be checked; delete {out} and extract again (a finished one loads with "
+                                  "tl.load_extracted as it is)")
     # The model as the run started (rebuilt after a kill), or as its own forwards left it when the run stopped (a
     # train-mode BatchNorm updates its running statistics): either is the model that wrote the committed rows.
     if job["model_sha256"] not in (recorded.get("model_sha256"), recorded.get("model_sha256_at_stop")):
