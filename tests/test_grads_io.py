@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import torchlens as tl
 from torchlens.record.errors import GradientUnavailable
+from test_grads_tools import SqrtOfParameter
 from test_io_damaged import edit_json, rehash
 from zoo import zoo
 
@@ -76,6 +77,20 @@ def test_a_trace_saved_with_the_first_gradients_layout_loads_its_gradients(tmp_p
     assert torch.equal(loaded._param_grads["head.weight"], model.head.weight.grad)
     assert loaded.saved_for_backward_bytes == log.saved_for_backward_bytes
     assert loaded.to_pandas()["grad_norm"].equals(log.to_pandas()["grad_norm"])
+
+
+def test_nonfinite_origin_of_a_trace_whose_file_has_no_parameter_table_reads_the_parameter_grads_it_saved(tmp_path):
+    # Such a trace has no Param records, so the .grad its file holds went unread: the report found nothing, and said
+    # that every gradient the trace received was finite, and so was every parameter's .grad.
+    torch.manual_seed(0)
+    log = tl.trace(SqrtOfParameter(), torch.randn(3, 4), grads=True)
+    log.backward(log.output.sum())
+    folder = log.save(tmp_path / "t")
+    edit_json(folder, "trace.json", lambda record: [record.pop(key) for key in ("params", "module_param_counts")])
+    rehash(folder)
+    report = tl.debug.nonfinite_origin(tl.load(folder), grads=True)
+    assert report.found and report.parameters == ("scale",) and report.kind == "nan"
+    assert "every gradient the trace received is finite" not in str(report)
 
 
 def test_gradient_statistics_do_not_depend_on_the_gradient_s_memory_layout(tmp_path):

@@ -240,6 +240,19 @@ def test_a_trace_from_a_file_without_the_parameter_table_saved_again_keeps_its_p
     assert str(again.summary()) == str(old.summary())
 
 
+def test_the_parameters_of_a_trace_whose_file_has_no_parameter_table_are_refused_not_listed_as_none(tmp_path):
+    # log.params was an empty list, as if the model had no parameters, beside a summary counting 23,554.
+    model, args, kwargs = build("bert")
+    folder = tl.trace(model.eval(), args, kwargs).save(tmp_path / "old")
+    for key in ("params", "module_param_counts"):  # as a torchlens from before the table wrote it
+        _without_key(folder, key)
+    old = tl.load(folder)
+    with pytest.raises(tl.TorchlensError, match=r"log\.params: the trace loaded from .* was saved by an earlier "
+                                                "torchlens, which kept no table of the model's parameters"):
+        old.params
+    assert old.summary()[0]["params"] > 0  # counted from the parameters the ops used
+
+
 def test_counts_of_one_read_in_the_singular():
     # The texts read "1 torch calls, 1 inputs", "used by 1 ops" and, in the graph, "1 ops" for a module box.
     class Head(torch.nn.Module):

@@ -245,6 +245,8 @@ def _require_grad_tensors(log, capture) -> None:
 def _nonfinite_parameter_grads(log) -> list:
     """``[(address, (has_nan, has_inf), user op indices)]`` for parameters whose ``.grad`` holds NaN/Inf;
     flags None for a parameter whose ``.grad`` could not be read."""
+    if not log._params_listed:
+        return _nonfinite_saved_param_grads(log)
     found = []
     for param in log.params:
         try:
@@ -255,6 +257,23 @@ def _nonfinite_parameter_grads(log) -> list:
         flags = nonfinite_flags(grad) if grad is not None else None
         if flags is not None and flags != (False, False):
             found.append((param.address, flags, [op.index for op in param.ops]))
+    return found
+
+
+def _nonfinite_saved_param_grads(log) -> list:
+    """``_nonfinite_parameter_grads`` of a trace loaded from a file that predates the parameter table, which has no
+    ``Param`` records: each ``.grad`` the file saved, by address; without any, each parameter an op used, unread."""
+    users = {}
+    for i, addresses in sorted(log.param_addresses.items()):
+        for address in addresses:
+            users.setdefault(address, []).append(i)
+    if log._param_grads is None:
+        return [(address, None, []) for address in users]
+    found = []
+    for address, grad in log._param_grads.items():
+        flags = nonfinite_flags(grad)
+        if flags != (False, False):
+            found.append((address, flags, users.get(address, [])))
     return found
 
 

@@ -13,6 +13,7 @@ import math
 import os
 
 from ..record.grads import FROM_BATCHED_BACKWARD, grad_of_another_layout, unreadable
+from ..record.params import listed_params
 from .encode import unsavable
 from .format import TRACE_JSON, TraceFileError, check_index, reading_record
 from .tensorfile import laid_out, layouts_of, read_tensor_file, write_tensors
@@ -59,7 +60,7 @@ def write_grads(trace, folder: str, with_tensors: bool):
     if with_tensors and not trace.is_cleaned_up:
         for i, g in sorted(capture.grads.items()):
             _add(tensors, record, i, f"g{i}", g, "tensors")
-        layouts = {p.address: (p.shape, p.dtype) for p in trace.params if p.shape is not None}
+        layouts = {p.address: (p.shape, p.dtype) for p in listed_params(trace) if p.shape is not None}
         for n, (address, g) in enumerate(_param_grads(trace)):
             if g is None:
                 continue

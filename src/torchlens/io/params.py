@@ -3,7 +3,7 @@
 A loaded trace holds no model, so without this table it would have no ``log.params``; with it, every
 ``Param`` record comes back with the ops that used it (from the saved ``param_addresses``), and
 ``Param.grad`` returns the gradient saved with the trace (io/grads.py) or says why there is none.
-Traces saved before the table existed load with no ``Param`` records, as they did.
+Traces saved before the table existed load with no ``Param`` records, and ``log.params`` says so.
 
 The summary's per-module parameter counts are saved beside the table, as the live trace counted them
 from its modules: a module's count includes a weight it shares with another (a tied embedding and head),
@@ -18,8 +18,8 @@ from .format import TRACE_JSON, TraceFileError
 
 def write_params(trace) -> list | None:
     """``[[address, shape, dtype name, requires_grad], ...]`` for ``trace.json`` (shape null: uninitialized); None
-    for a trace loaded from a file that predates the table, whose empty ``log.params`` lists no parameters because
-    none were kept, not because the model had none: written as an empty table, the copy would say it had none."""
+    for a trace loaded from a file that predates the table, which has no ``Param`` records because none were kept:
+    written as an empty table, the copy would say the model had no parameters."""
     if not trace._params_listed:
         return None
     return [[p.address, None if p.shape is None else [int(d) for d in p.shape], torch_constant_name(p.dtype),

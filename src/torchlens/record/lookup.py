@@ -20,7 +20,7 @@ from .columns import Kind
 from .model_index import container_note, traced_address
 from .modules import Module, ModuleCall, is_unregistered
 from .op import Layer, Op
-from .params import bypassed_call_hint
+from .params import bypassed_call_hint, listed_params
 
 
 class Ambiguous:
@@ -282,7 +282,8 @@ def record_address_note(trace, key: str) -> str:
     """For a missing key that is a parameter's or a buffer's address: where its ``Param`` or ``Buffer`` record is
     (parameters and buffers are no ops, and their addresses name none)."""
     for view, (kind, records) in _BY_ADDRESS.items():
-        if any(record.address == key for record in getattr(trace, records)):
+        held = listed_params(trace) if records == "params" else trace.buffers
+        if any(record.address == key for record in held):
             return f"; {key} is a {kind}, whose record is in log.{records}: {find_by_address(view, key)}"
     return ""
 

@@ -17,6 +17,7 @@ from .columns import Kind
 from .layouts import numel_of, shape_text
 from .model_index import holds_packed_weights
 from .modules import call_op_counts, inclusive_totals
+from .params import listed_params
 from .grads import saved_for_backward_bytes
 from .summary import COUNT_UNITS, aligned_lines, human_bytes, unit_for
 
@@ -107,7 +108,7 @@ def counts_from_used_params(trace) -> bool:
 def _used_numels(trace) -> dict:
     """``{parameter address: numel}`` for every parameter an op used (from the recorded shapes)."""
     # A loaded trace's saved table (io/params.py); an uninitialized parameter has no count
-    numels = {p.address: p.numel for p in trace.params if p.numel is not None}
+    numels = {p.address: p.numel for p in listed_params(trace) if p.numel is not None}
     for i, addresses in trace._param_addresses.items():
         for address, (_, param) in zip(addresses, trace.calls[trace._call[i]].params):
             n = 1
@@ -132,7 +133,7 @@ def _used_param_counts(trace) -> dict:
 def uninitialized_params(trace) -> list:
     """Addresses of the parameters a lazy module's forward never initialized (``nn.LazyLinear`` never called):
     they have no shape, so the parameter counts leave them out."""
-    return [p.address for p in trace.params if p.shape is None]
+    return [p.address for p in listed_params(trace) if p.shape is None]
 
 
 def root_param_count(trace):

@@ -14,6 +14,12 @@ from ..errors import counted, first_few
 from ..tree import shape_or_none
 
 
+def listed_params(trace):
+    """``trace.params``; none for a trace loaded from a file that predates the parameter table (io/params.py), whose
+    ``log.params`` refuses rather than list none."""
+    return trace.params if trace._params_listed else ()
+
+
 class ParamRow:
     """One parameter's data, as the trace holds it."""
 

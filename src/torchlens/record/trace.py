@@ -25,7 +25,7 @@ from .lookup import (Ambiguous, LayersByLabel, build_lookup, missing_key_note, m
 from .model_index import holds_packed_weights
 from .modules import Module, ModuleCall, call_children, call_ops
 from .op import Layer, Op
-from .params import Buffer, Param
+from .params import Buffer, Param, listed_params
 from .trace_columns import TraceColumns
 from .view import RecordList, View
 
@@ -168,6 +168,10 @@ class Trace(TraceColumns):
     @property
     def params(self) -> RecordList:
         """The model's parameters and the ops that used each (built on first use)."""
+        if not self._params_listed:  # an empty list would say the model had none
+            raise TorchlensError(f"log.params: the trace loaded from {self.loaded_from} was saved by an earlier "
+                                 "torchlens, which kept no table of the model's parameters; op.params names those each "
+                                 "op used, and the summary counts them")
         if self._param_rows is None:
             from .params import build_params, param_states
 
@@ -541,7 +545,7 @@ class Trace(TraceColumns):
             from ..report.flops import flops_column
 
             flops_column(self)  # FLOPs are shape metadata: derive them while the arguments are still held
-        self.params  # parameter records keep shapes, not tensors: build them before the index goes
+        listed_params(self)  # parameter records keep shapes, not tensors: build them before the index goes
         if holds_packed_weights(self):  # found in the modules and arguments released below
             packed = {op.index: op.packed_params for op in self.ops}
             self._packed_col = {index: names for index, names in packed.items() if names}
