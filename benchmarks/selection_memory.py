@@ -1,9 +1,8 @@
 """What a ``save=`` selection of every block holds at its peak during the forward.
 
-A selection of module addresses (``tl.extract``'s ``layers=``) keeps each module's output, but which op
-that is becomes known only as the call returns, so the ops inside a selected call are held until then.
-The peak is measured as the smallest ``max_saved_bytes`` under which the trace saves every selected output
-(found by bisection: a budget the peak exceeds stops saving with a warning), and reported beside the
+A selection of module addresses (``tl.extract``'s ``layers=``) keeps each module's output, saved as the call
+returns: nothing inside a selected call is held meanwhile.  The peak is measured as the smallest
+``max_saved_bytes`` under which the trace saves every selected output (found by bisection: a budget the peak exceeds stops saving with a warning), and reported beside the
 bytes of the selected outputs alone and of ``save="all"``.  The memory really held is measured too: the
 bytes of every live tensor's storage as the model's last module starts (``gc``, each storage once), with
 the selection, with ``save="all"`` and with ``save="none"``.  With ``--baseline DIR`` (another revision's

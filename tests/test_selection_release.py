@@ -1,9 +1,10 @@
-"""A ``save=`` selection of module addresses lets go of the ops inside each selected call that the call did not
-return, as the call returns (``SelectedModuleOutputs`` in capture/saving.py): what is let go must really be
-freed, and what the selection keeps must be what a ``save="all"`` trace holds for it."""
+"""A ``save=`` selection of module addresses holds none of the ops inside each selected call: it saves what the call
+returns as it returns (``SelectedModuleOutputs`` in capture/saving.py).  What it does not keep must be freed as an
+untraced forward frees it, and what it keeps must be what a ``save="all"`` trace holds for it."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 import weakref
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import torchlens as tl
+from real_models import build
 
 
 class _Block(nn.Module):
@@ -54,25 +56,85 @@ def test_the_ops_a_selected_call_lets_go_are_freed_as_it_returns_without_a_budge
     assert all(torch.equal(log.ops[i].activation, everything.ops[i].activation) for i in kept)
 
 
-def test_no_selected_output_is_saved_after_the_budget_stopped_saving():
-    # A budget reached inside the first block's call stopped saving there, but the blocks let go of their inner
-    # ops as they returned, which made room again: the later blocks' hooks saved their outputs, so the trace
-    # held activations after the op its warning said saving stopped at ("from ... on were not saved").
+class _WideInside(nn.Module):
+    """A block whose inner ops alone are 37 wide, the first written in place: none is alive once it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 37), nn.Linear(37, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        h.relu_()  # a write predicted before the call: a saved value would be copied first
+        return self.down(h * 2) + x
+
+
+def _storages_of_width(width: int) -> set:
+    """The storages of the live tensors ``width`` wide (no Parameter)."""
+    return {o.untyped_storage().data_ptr() for o in gc.get_objects()
+            if type(o) is torch.Tensor and o.dim() and o.shape[-1] == width}
+
+
+def _inner_alive_as_each_returns(model, blocks, width: int) -> list:
+    """Run ``model`` (traced or not) noting, as each of ``blocks`` returns, how many storages of tensors ``width``
+    wide that the run made are alive: those only its inner ops made, which nothing outside it holds."""
+    seen, before = [], _storages_of_width(width)
+
+    def count(module, args, output):
+        seen.append(len(_storages_of_width(width) - before))
+
+    handles = [block.register_forward_hook(count) for block in blocks]
+    try:
+        model()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def test_a_selected_module_holds_none_of_its_inner_ops_nor_copies_them_while_it_runs():
+    # Every op inside a selected call was held until the call returned (which one it returns was known only
+    # then), and one written in place was copied first: selecting the layers of a transformer held each layer's
+    # inner activations (attention scores among them) beside the untraced forward's, near twice its peak.  Its
+    # output is saved as the call returns, as a selected module's output made outside it always was.
+    blocks = nn.Sequential(_WideInside(), _WideInside())
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        untraced = _inner_alive_as_each_returns(lambda: blocks(x), blocks, 37)
+        traced = _inner_alive_as_each_returns(lambda: tl.trace(blocks, x, save=["0", "1"]), blocks, 37)
+        log = tl.trace(blocks, x, save=["0", "1"])
+        everything = tl.trace(blocks, x)
+    assert untraced == [0, 0] and traced == untraced
+    kept = sorted(log.saved_activations)
+    assert [log.labels[i] for i in kept] == ["add_1_5:1", "add_2_10:1", "output_1:1"]
+    assert all(torch.equal(log.ops[i].activation, everything.ops[i].activation) for i in kept)
+
+
+def test_a_gpt2_selection_of_its_blocks_holds_no_inner_activation_while_each_runs():
+    model, args, kwargs = build("gpt2")
+    blocks, width = model.transformer.h, model.config.n_embd * 4  # only the MLP's inner ops are this wide
+    with torch.no_grad():
+        untraced = _inner_alive_as_each_returns(lambda: model.eval()(*args, **kwargs), blocks, width)
+        traced = _inner_alive_as_each_returns(
+            lambda: tl.trace(model, args, kwargs, save=["transformer.h.0", "transformer.h.1"]), blocks, width)
+    assert untraced == [0, 0] and traced == untraced
+
+
+def test_a_module_selection_spends_the_budget_on_the_outputs_it_keeps_alone():
+    # Each selected call held its inner ops until it returned, and they counted against max_saved_bytes: a budget
+    # of two blocks' outputs ran out inside the first block's call, and no output was saved.
     model, x = _Blocks(4), torch.randn(4, 16)
     with torch.no_grad():
         everything = tl.trace(model, x)
-        budget = everything.ops[2].nbytes * 2  # the first block's first two inner ops, not its third
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            log = tl.trace(model, x, save=[f"blocks.{i}" for i in range(4)], max_saved_bytes=budget)
-    stop = log.budget_exhausted_at
-    assert [str(w.message).split(" (save= holds")[0] for w in caught] == [
-        f"max_saved_bytes reached: activations from {log.labels[stop]} on were not saved"]
-    assert "what it holds counts against the budget)" in str(caught[0].message)
-    # Reached inside the first block's call, on an inner op it let go: named is the first op selected, its output.
-    assert stop == log["blocks.0"].index
-    assert not log.saved_activations  # nothing from there on: no block's output either
-    assert torch.equal(log.output, everything.output)
+            log = tl.trace(model, x, save=[f"blocks.{i}" for i in range(4)],
+                           max_saved_bytes=everything["blocks.0"].nbytes * 2)
+    assert [str(w.message) for w in caught] == [
+        f"max_saved_bytes reached: activations from {log['blocks.2'].label} on were not saved"]
+    kept = sorted(log.saved_activations)
+    assert kept == [log["blocks.0"].index, log["blocks.1"].index]  # nothing from the stop on: block 3's neither
+    assert all(torch.equal(log.ops[i].activation, everything.ops[i].activation) for i in kept)
 
 
 class _KeepsAside(nn.Module):
@@ -82,7 +144,7 @@ class _KeepsAside(nn.Module):
 
     def forward(self, x):
         h = self.fc(x)
-        self.kept = h * 2  # not returned: let go as this call returns, returned by the next call of _Returns
+        self.kept = h * 2  # not returned: no longer referred to as this call returns, returned by _Returns' call
         return h + 1
 
 
@@ -272,20 +334,15 @@ def test_an_op_let_go_and_written_unseen_before_a_later_call_returns_it_is_named
     assert tl.trace(_WritesUnseenThenReturns(True), x, save=["a", "mul_1_2:1"])["mul_1_2:1"].has_activation
 
 
-def test_an_op_let_go_before_the_budget_stopped_saving_is_saved_again_as_a_later_call_returns_it():
-    # Saving stopped at a's output, after a had made what it kept aside: the warning says the ops before that one
-    # were saved, so b's hook saves what a let go when b returns it, room allowing (save="all"'s budget would hold
-    # it from the start).
+def test_an_op_kept_aside_by_a_selected_call_and_returned_by_a_later_one_is_saved_within_the_budget():
+    # a held its inner ops until it returned, and saved the input besides: a budget of a's output and what it kept
+    # aside was spent on the input and a's linear, and a's output was left unsaved, with a warning saying so.
     model, x = _KeepsThenReturns(), torch.randn(2, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        log = tl.trace(model, x, save=["a", "b"], max_saved_bytes=3 * 32)  # the input, a's linear and its mul
-    # The input and a's linear, held and let go, spent the budget a's output would have fitted: the warning says so.
-    assert [str(w.message) for w in caught] == ["max_saved_bytes reached: activations from add_1_3:1 on were not "
-                                                "saved (save= holds every op it may keep until the forward ends, or "
-                                                "a selected module's inner ops until its call returns, and what it "
-                                                "holds counts against the budget)"]
-    assert [log.labels[i] for i in sorted(log.saved_activations)] == ["mul_1_2:1"]
+        log = tl.trace(model, x, save=["a", "b"], max_saved_bytes=2 * 32)  # a's output and its mul
+    assert [str(w.message) for w in caught] == []
+    assert [log.labels[i] for i in sorted(log.saved_activations)] == ["mul_1_2:1", "add_1_3:1"]
     assert torch.equal(log["mul_1_2:1"].activation, model.a.kept)
 
 

@@ -702,7 +702,7 @@ static int append_record(Handler *h, PyObject *records, PyObject *out, PyObject 
 }
 
 /* Whether the output of ``func`` is saved: 1 when ``save_mode == 1`` (every op, held until the trace ends), 2
- * when the selection wants it (it may be let go before then: ``SelectedModuleOutputs``), 0, or -1. */
+ * when the selection wants it (it may be let go before then, dropped as written unseen), 0, or -1. */
 static int wanted(Handler *h, PyObject *func, PyObject *module_call) {
     PyObject *save_mode = state_get(h, s_save_mode);
     if (save_mode == NULL) return -1;

@@ -304,8 +304,8 @@ class CaptureMode(TorchFunctionMode):
             if save_mode == 1:
                 # Every op saved holds its output's memory until the trace ends, so the binding holds the
                 # output itself: no weak reference to make and to clear when it dies (CaptureState.producers).
-                # A selection's (mode 2) may be let go as a selected call returns (SelectedModuleOutputs):
-                # its binding must not hold it then.
+                # A selection's (mode 2) may be let go before then (written unseen, so dropped): its binding must
+                # not hold it then.
                 st.producers[id(out)] = (out, first_op, version)
                 if at_site:
                     return st.intervention.at_call(st, call_index, first_op, out, ((None, out),), func, args, kwargs)

@@ -3,10 +3,9 @@
 ``save`` accepts ``"all"`` (default), ``"none"``, a predicate ``f(op) -> bool``, or a list mixing op
 labels (``linear_1_1:2``), layer labels (``linear_1_1``), module addresses (``features.0``: that
 module's output op, every call), module call labels (``fc:2``: that call's output op) and op types
-(``relu``).  Types and module addresses are decided during the forward (ops outside them are never held;
-a selected module's inner ops are held until its call returns, see ``SelectedModuleOutputs``); labels and
-predicates need final labels, so every output is held by reference until the forward ends and the rest
-are released then.
+(``relu``).  Types and module addresses are decided during the forward (no other op is ever held: a selected
+module's output is saved as its call returns, see ``SelectedModuleOutputs``); labels and predicates need final
+labels, so every output is held by reference until the forward ends and the rest are released then.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from ..record.modules import calls_cut_short, is_unregistered
 from ..record.model_index import (container_note, refuse_module_object, scripted_outer, tensor_address_note,
                                   traced_address)
 from ..record.params import bypassed_call_hint
-from ..record.dropped import RELEASED_INSIDE, WRITTEN_UNSEEN
+from ..record.dropped import WRITTEN_UNSEEN
 from ..record.summary import UNSEEN_PLACES
 from ..record.layouts import storage_key, version_of
 from ..tree import tensor_leaves
@@ -56,8 +55,7 @@ class SavePolicy:
         self.selected_modules: dict = {}  # id(module) -> module, for each module a selection names
         self.shadowed_types: dict = {}  # module address entry -> the op type it also reads as (save=["relu"])
         self.containers: dict = {}  # module address entry -> why it never runs (a ModuleList has no forward)
-        self.released: dict = {}  # record -> module call: let go as that call returned (SelectedModuleOutputs)
-        self.written_unseen: list = []  # of those, the ones a later selected call returned written unseen
+        self.written_unseen: list = []  # ops a selected call returned, written unseen before it was saved
         if isinstance(save, str) and save in _SAVE_ALL or save is True:
             self.mode = 1
         elif save is None or save is False or (isinstance(save, str) and save in _SAVE_NONE):
@@ -122,9 +120,12 @@ class SavePolicy:
         # output node shows its producer's tensor, which a test of each op's own type would never hold.
         self.mode = 1 if self.labels or "output" in self.types else 2
 
-    def capture_selector(self, state):
-        """The during-forward test for mode 2: op type selected, or inside a selected module."""
-        types, module_ids, calls = self.types, self.module_ids, state.module_calls
+    def capture_selector(self, state, modules: bool = True):
+        """The during-forward test for mode 2: op type selected, or (``modules``) inside a selected module.  A
+        ``save=`` selection passes ``modules=False``: its modules' outputs are saved as their calls return
+        (``SelectedModuleOutputs``), so that no op inside them is held, nor copied before a write, meanwhile."""
+        types, calls = self.types, state.module_calls
+        module_ids = self.module_ids if modules else _NOTHING
         type_cache: dict = {}
 
         def wants(func, module_call):
@@ -160,13 +161,13 @@ class SavePolicy:
         """Why a budget ran out before the selected op it names, though that op alone might fit: what was held."""
         if not self.budget_spent_holding:
             return ""
-        return (f" ({self.option}= holds every op it may keep until the forward ends, or a selected module's inner ops "
-                "until its call returns, and what it holds counts against the budget)")
+        return (f" ({self.option}= holds every op it may keep until the forward ends, and what it holds counts against "
+                "the budget)")
 
     def _first_selected_from(self, trace, stop: int):
         """The first op from ``stop`` on that the selection asks for, or None.  Until the forward ends every op a
-        label, predicate or module selection may keep is held, and counts against ``max_saved_bytes``: the op the
-        budget ran out at may be one the selection then lets go, which the user never asked to save."""
+        label or predicate selection may keep is held, and counts against ``max_saved_bytes``: the op the budget
+        ran out at may be one the selection then lets go, which the user never asked to save."""
         return next((i for i in range(stop, len(trace.ops)) if self.keep(trace, trace.ops[i])), None)
 
     def _io_ops(self, trace) -> set:
@@ -293,10 +294,7 @@ class SavePolicy:
         for i in trace.saved_activations:
             if trace.kinds[i] == Kind.OUTPUT and (trace.output_producer(i) in kept or self.keep(trace, trace.ops[i])):
                 kept.add(i)
-        # Ops a selected call let go that a selection still asks for (those saved again are no longer listed).
-        let_go = {i: RELEASED_INSIDE.format(trace.module_calls[call].label, trace.labels[i])
-                  for i, call in self.released.items() if i not in kept and self.keep(trace, trace.ops[i])}
-        trace.keep_activations(kept, let_go)
+        trace.keep_activations(kept)
 
 
 def _only_unseen(outputs: tuple) -> bool:
@@ -305,16 +303,16 @@ def _only_unseen(outputs: tuple) -> bool:
 
 
 class SelectedModuleOutputs(HookHandles):
-    """Forward hooks on the modules a ``save=`` or ``grads=`` selection names, for one trace: a module's output
-    op is kept for that module, but the op may have run outside it (``nn.Identity`` returns its input, a module
-    may return a tensor it was given or one it kept), where the during-forward selector never holds it nor
-    watches its gradient.  Each hook saves (``save=``), or watches the gradient of (``grads=``), as the call
-    returns, the output tensors whose producer it did not yet; only the selected modules get one, so a trace
-    without a module selection costs nothing.
+    """Forward hooks on the modules a ``save=`` or ``grads=`` selection names, for one trace: each hook saves
+    (``save=``), or watches the gradient of (``grads=``), as the call returns, the output tensors whose producer it
+    did not yet; only the selected modules get one, so a trace without a module selection costs nothing.
 
-    The selector holds every op inside a selected module's call, since which of them the call returns is
-    known only as it returns.  Then the others are let go (``release_inner``), so that a selection of many
-    layers holds one layer's inner ops at a time, not the whole forward's."""
+    A ``save=`` selection holds nothing inside a selected call meanwhile: which op the call returns is known only
+    as it returns, and the tensor it returns is then that op's value, unless written since (no op's then).  So
+    a selection of every layer of a transformer holds the layers' outputs alone, as an untraced forward would
+    have them, and an output an op outside the call made (``nn.Identity`` returns its input, a module may return
+    a tensor it was given or one it kept) is kept alike.  A ``grads=`` selection watches the ops inside its
+    modules as they run (capture/grads.py); the hook watches those an op outside them made."""
 
     def __init__(self, state, policy, grads, root):
         super().__init__()
@@ -326,98 +324,43 @@ class SelectedModuleOutputs(HookHandles):
         # A TorchScript module takes no hooks, and no op of the trace makes its outputs (its ops run unseen).
         self.modules = [m for m in {**saved, **watched}.values()
                         if m is not root and not isinstance(m, torch.jit.ScriptModule)]
-        # Op types selected beside the modules hold their ops for themselves: nothing is let go early then.
-        self.releases = bool(saved) and not policy.types
-        self.first_record: dict = {}  # module call index -> the first record made inside it
-        self.returned: set = set()  # the records the selected calls returned so far
 
     def install(self) -> None:
         st, owner, grads = self.state, threading.get_ident(), self.grads
         saved_ids, watched_ids = self.saved_ids, self.watched_ids
 
-        def pre_hook(module, args):
-            if not _compiler._is_compiling_flag and not st.acting and threading.get_ident() == owner:
-                call = self._current_call(module)
-                if call is not None:
-                    self.first_record[call] = len(st.records)
-            return None
-
         def post_hook(module, args, output):
             # Aside while Dynamo compiles a torch.cond body calling the module: that call is unseen, in one op.
-            # (A call returning None returns no tensor, and still lets go of its inner ops.)
             # Nor calls an intervention's action makes, which are none of the forward's.
             if _compiler._is_compiling_flag or st.acting or threading.get_ident() != owner:
                 return None
             saving, watching = id(module) in saved_ids, id(module) in watched_ids
-            returned, released = set(), self.policy.released
             with torch._C.DisableTorchFunction():  # reading tensors' properties must not re-enter capture
                 for _, t in tensor_leaves(output, attrs=True):
                     entry = st.producers.get(id(t))
                     if entry is None or not is_bound(entry, t):
                         continue
-                    returned.add(entry[1])
                     if entry[2] != version_of(t):  # written since (through a view): no longer that op's value
-                        if saving and entry[1] in released and _written_unseen(st, t):
+                        if saving and entry[1] not in st.saved and _written_unseen(st, t):
                             self._lost_to_unseen_write(entry[1])
                         continue
-                    if saving:
-                        # Past max_saved_bytes no op from the one it stopped at on is saved, though the calls' letting
-                        # go made room since: only one made before it (let go, or made outside), as its warning says.
-                        stop = st.budget_exhausted_at
-                        if (stop is None or entry[1] < stop) and entry[1] not in st.saved:
-                            st.save(entry[1], t, t.requires_grad)
-                        # Saved again, or unsaved for the budget: no longer one a call let go (SavePolicy.apply).
-                        released.pop(entry[1], None)
+                    # Past max_saved_bytes no op from the one it stopped at on is saved, as its warning says.
+                    stop = st.budget_exhausted_at
+                    if saving and (stop is None or entry[1] < stop) and entry[1] not in st.saved:
+                        st.save(entry[1], t, t.requires_grad)
                     if watching and entry[1] not in grads.handles and t.requires_grad:
                         grads.add_hook(entry[1], t)
-            if saving and self.releases:
-                self.returned |= returned  # a selected call's outputs: kept when a call around it lets go
-                self.release_inner(module)
             return None
 
         for module in self.modules:
-            if self.releases and id(module) in saved_ids:
-                # First, so that the call's first record precedes the ops of the module's own pre-hooks (a
-                # weight_norm's weight), which run inside the call.
-                self.hook(module, pre_hook, pre=True, prepend=True)
             self.hook(module, post_hook, pre=False)
 
     def _lost_to_unseen_write(self, record: int) -> None:
-        """A let-go op a selected call returns, whose value a write capture could not see changed meanwhile: that
-        write, not the letting go, is why it is not saved (as a held one is dropped at the end, and named)."""
-        self.policy.released.pop(record)
-        self.state.clobbered[record] = WRITTEN_UNSEEN
-        self.policy.written_unseen.append(record)
-
-    def _current_call(self, module):
-        """The index of ``module``'s call running now, or None where the tracker records no call of it."""
-        stack, calls = self.state.module_stack, self.state.module_calls
-        return stack[-1] if stack and calls[stack[-1]][MODULE_CALL_MODULE] is module else None
-
-    def release_inner(self, module) -> None:
-        """Let go of the activations made inside ``module``'s call that neither it nor a selected call inside it
-        returned: none can be a selected output now.  Inside another selected call, they are left to it, which
-        may return one.  A later call may still return one kept aside (an attribute, a list it was given): it
-        saves it again as it returns, and ``SavePolicy.apply`` names any it could not (``policy.released``)."""
-        st = self.state
-        call = self._current_call(module)
-        first = self.first_record.pop(call, None)
-        if first is None or self._inside_selected(call):
-            return
-        saved, returned = st.saved, self.returned
-        for record in range(first, len(st.records)):
-            if record in saved and record not in returned:
-                st.release(record)
-                self.policy.released[record] = call
-
-    def _inside_selected(self, call: int) -> bool:
-        calls, saved_ids = self.state.module_calls, self.saved_ids
-        parent = calls[call][MODULE_CALL_PARENT]
-        while parent >= 0:
-            if id(calls[parent][MODULE_CALL_MODULE]) in saved_ids:
-                return True
-            parent = calls[parent][MODULE_CALL_PARENT]
-        return False
+        """An op a selected call returns, unsaved until then, whose value a write capture could not see changed
+        meanwhile: that write is why it is not saved (as a held one is dropped at the end, and named)."""
+        if record not in self.state.clobbered:  # (returned by two calls: named once)
+            self.state.clobbered[record] = WRITTEN_UNSEEN
+            self.policy.written_unseen.append(record)
 
 
 def _written_unseen(st, t) -> bool:

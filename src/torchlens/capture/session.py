@@ -92,9 +92,9 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
                          buffers=index.buffers, max_saved_bytes=max_saved_bytes, params=index.params)
     state.param_versions_at_start = param_versions(index.param_objects[0]) if index.params else None
     if policy.mode == 2:
-        state.selector = policy.capture_selector(state)
-        # A type-only selection cannot pick inputs or buffers unless it names them: do not hold them.
-        state.save_sources = bool({"input", "buffer"} & policy.types or policy.module_ids)
+        state.selector = policy.capture_selector(state, modules=False)  # (their calls save their outputs)
+        # A selection picks inputs or buffers only when it names them (a module returning one saves it): not held.
+        state.save_sources = bool({"input", "buffer"} & policy.types)
     if markers is not None:  # profiler ranges per op and module call (torchlens.report.kernel_profile)
         state.markers = markers
     runtime = None if intervene is None and stop_after is None else \
@@ -164,7 +164,7 @@ def _trace(model, args=(), kwargs=None, save="all", save_device=None, record_fin
         warn_user(COMPILED_ROOT_CAVEAT)
         result.caveats = result.caveats + (COMPILED_ROOT_CAVEAT,)
     timings["total"] = (perf_counter_ns() - started) / 1e9
-    mutated = [*mutated, *policy.written_unseen]  # (those a selection let go were not saved by then)
+    mutated = [*mutated, *policy.written_unseen]  # (those a selected call returned were not saved by then)
     if mutated:
         warn_mutated([result.labels[i] for i in sorted(mutated)])
     if result.budget_exhausted_at is not None:  # the first op a selection asked for that was left unsaved

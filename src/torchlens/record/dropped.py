@@ -44,13 +44,6 @@ WRITTEN_THROUGH_UNKNOWN_ALIAS = (
     "see: a {} tensor subclass has no memory of its own, and this one does not say which tensor it wraps; define "
     "__tensor_flatten__ (a traceable wrapper subclass), so that its views and detached copies share that tensor's "
     "memory and a write through them is followed")
-# Why a module selection's output has no activation: the op ran inside another selected module's call, which
-# did not return it, and was let go as that call returned; a later call returned it all the same (a tensor the
-# first call kept in an attribute or put in a list it was given), but written in place since (through a view), so no
-# longer the op's value.  (Written where capture could not see, it is dropped as WRITTEN_UNSEEN instead.)
-RELEASED_INSIDE = ("made inside the call {}, which save= selected and which did not return it, so let go as that "
-                   "call returned; a later selected call returned it (kept in an attribute or a list): add its label, "
-                   "{!r}, to save= to keep it")
 # Why capture dropped a saved tensor made inside a torch.func transform.
 MADE_IN_TRANSFORM = ("made inside a torch.func transform (vmap, grad, ...): what was saved is the transform's "
                      "internal wrapper, which cannot be read outside it")
