@@ -346,6 +346,17 @@ def test_an_op_kept_aside_by_a_selected_call_and_returned_by_a_later_one_is_save
     assert torch.equal(log["mul_1_2:1"].activation, model.a.kept)
 
 
+def test_an_op_kept_aside_that_the_budget_refuses_as_a_later_call_returns_it_is_where_saving_stopped():
+    # a's output fitted the budget and was saved as a returned; what a kept aside, made before it and returned by b,
+    # did not: the warning said activations from that op on were not saved, while a's output, after it, was.
+    model, x = _KeepsThenReturns(), torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log = tl.trace(model, x, save=["a", "b"], max_saved_bytes=32)  # one of them
+    assert [str(w.message) for w in caught] == ["max_saved_bytes reached: activations from mul_1_2:1 on were not saved"]
+    assert log.budget_exhausted_at == log["mul_1_2:1"].index and not log.saved_activations
+
+
 def test_save_true_keeps_every_activation_and_save_false_or_none_keeps_none():
     # The pages promise these spellings: save=True is save="all", save=False and save=None are save="none".
     model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)

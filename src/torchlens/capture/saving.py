@@ -348,12 +348,20 @@ class SelectedModuleOutputs(HookHandles):
                     stop = st.budget_exhausted_at
                     if saving and (stop is None or entry[1] < stop) and entry[1] not in st.saved:
                         st.save(entry[1], t, t.requires_grad)
+                        if st.budget_exhausted_at == entry[1]:  # it did not fit
+                            self._unsave_after(entry[1])
                     if watching and entry[1] not in grads.handles and t.requires_grad:
                         grads.add_hook(entry[1], t)
             return None
 
         for module in self.modules:
             self.hook(module, post_hook, pre=False)
+
+    def _unsave_after(self, stop: int) -> None:
+        """Let go of the ops after ``stop`` saved already, where the budget ran out at ``stop`` (an op made before
+        them, kept aside and returned only now), so that nothing from ``stop`` on is saved, as its warning says."""
+        for record in [i for i in self.state.saved if i > stop]:
+            self.state.release(record)
 
     def _lost_to_unseen_write(self, record: int) -> None:
         """An op a selected call returns, unsaved until then, whose value a write capture could not see changed
