@@ -2,13 +2,13 @@
 
 A selection of module addresses (``tl.extract``'s ``layers=``) keeps each module's output, saved as the call
 returns: nothing inside a selected call is held meanwhile.  The peak is measured as the smallest
-``max_saved_bytes`` under which the trace saves every selected output (found by bisection: a budget the peak exceeds stops saving with a warning), and reported beside the
-bytes of the selected outputs alone and of ``save="all"``.  The memory really held is measured too: the
-bytes of every live tensor's storage as the model's last module starts (``gc``, each storage once), with
-the selection, with ``save="all"`` and with ``save="none"``.  With ``--baseline DIR`` (another revision's
-``src/torchlens``) the same is measured there in a worker process, beside this revision.  Deterministic: the
-figures do not move with the host's load.  Needs ``transformers`` (models from small configs, random
-weights, no download).
+``max_saved_bytes`` under which the trace saves every selected output (found by bisection: a budget the peak
+exceeds stops saving with a warning), and reported beside the bytes of the selected outputs alone and of
+``save="all"``.  The memory really held is measured too: the bytes of every live tensor's storage as the
+model's last module starts (``gc``, each storage once), with the selection, with ``save="all"`` and with
+``save="none"``.  With ``--baseline DIR`` (another revision's ``src/torchlens``) the same is measured there in
+a worker process, beside this revision.  Deterministic: the figures do not move with the host's load.  Needs
+``transformers`` (models from small configs, random weights, no download).
 
 Run:  .venv/bin/python benchmarks/selection_memory.py [--baseline DIR]
 """
