@@ -149,3 +149,48 @@ def test_the_gradient_of_a_call_returning_what_a_scripted_child_made_is_refused_
         with pytest.raises(tl.GradientUnavailable, match=rf"{call} returned no op's value .*: read the gradient "
                                                           "of an op inside the call or one reading its output"):
             log[call].grad
+
+
+@torch.jit.ignore
+def _on_the_inter_op_pool(a):  # unannotated: a tensor in, one out (the file's annotations are strings)
+    return torch.tanh(a) * 2
+
+
+@torch.jit.script
+def _fork_python(a: torch.Tensor) -> torch.jit.Future[torch.Tensor]:
+    return torch.jit.fork(_on_the_inter_op_pool, a)
+
+
+@torch.jit.script
+def _wait_for(future: torch.jit.Future[torch.Tensor]) -> torch.Tensor:
+    return torch.jit.wait(future)
+
+
+class _ForksPythonWhileItRunsAModule(nn.Module):
+    """TorchScript's fork runs a Python function on torch's inter-op pool while the forward runs ``fc``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        future = _fork_python(x * 2)
+        return _wait_for(future) + self.fc(x)
+
+
+@pytest.mark.parametrize("option", [{}, {"saved_for_backward": True}])
+def test_a_python_function_torchscript_forks_onto_another_thread_is_not_recorded_into_the_trace(option):
+    """Torch hands the forked task its forker's torch state, capture mode and saved-tensor hooks included: the ops
+    of that thread were recorded into the trace, under whichever module the tracing thread was in then (``fc`` or
+    none, as the threads met), and what they kept for backward was counted in the trace's ops.  Another thread's
+    work is left out, as any is, and what it returned enters as a tensor of unknown origin."""
+    torch.manual_seed(0)
+    model, x = _ForksPythonWhileItRunsAModule(), torch.randn(2, 4, requires_grad=True)
+    log = tl.trace(model, x, **option)
+    assert torch.equal(log.output, model(x))
+    assert [op.type for op in log.ops if op.kind == "op"] == ["mul", "linear", "add"] and log.unattributed == 1
+    assert log["add_1_3"].parents == ["linear_1_2:1"]
+    if option:  # the linear keeps its input and weight, as in a trace of fc alone; tanh's output is no op's
+        alone = tl.trace(model.fc, x, **option)
+        assert log.saved_for_backward_bytes == alone.saved_for_backward_bytes > 0
+    assert_clean_process()

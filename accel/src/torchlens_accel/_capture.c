@@ -23,9 +23,9 @@
 #include <time.h>
 
 /* Bumped whenever the records built here change shape or what a plain capture asks of the handler changes (finite
- * flags, ABI 20; an intervention's action running, which the module recorder leaves unrecorded, ABI 21), with
- * torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 21
+ * flags, ABI 20; an intervention's action running, which the module recorder leaves unrecorded, ABI 21; the calls
+ * of a thread other than the tracing one, handed to the Python method, ABI 22), with torchlens.capture.accel.ABI. */
+#define TORCHLENS_ACCEL_ABI 22
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16
@@ -69,6 +69,7 @@ typedef struct {
     PyObject *getters;        /* the tensor attributes' data descriptors, in GETTER order, or None */
     const FastReads *fast;    /* torchlens-accel's _reads (fast_reads.h), or NULL: then the getters */
     long user, skip, dispatch, stop, boundary;  /* the frame verdicts (capture/source.py) */
+    unsigned long thread;     /* the tracing thread, the only one whose calls are recorded (handler_vectorcall) */
     /* The state's raw lists and dicts, in HELD order: a CaptureState makes them in its constructor and
      * keeps them for the whole trace, so they are looked up once, when the handler is bound, instead of
      * in the state's __dict__ several times per op.  NULL where the state had none (then looked up per
@@ -1149,6 +1150,9 @@ static PyObject *handler_vectorcall(PyObject *self, PyObject *const *argv, size_
         PyErr_SetString(PyExc_TypeError, "torchlens: a Handler template records for no capture: bind() it first");
         return NULL;
     }
+    /* Another thread, handed the mode with its forker's torch state (TorchScript's fork): the Python method runs
+     * its call untraced. */
+    if (PyThread_get_thread_ident() != h->thread) return call_method(h, argv, nargsf, kwnames);
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (kwnames != NULL || nargs < 2 || nargs > 4) return call_method(h, argv, nargsf, kwnames);
     PyObject *func = argv[0];
@@ -1556,6 +1560,7 @@ static PyObject *handler_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (mode != Py_None || h->state != Py_None) {  /* (both None: a template, see handler_bind) */
         h->mode_ref = PyWeakref_NewRef(mode, NULL);
         h->state_dict = PyObject_GenericGetDict(h->state, NULL);
+        h->thread = PyThread_get_thread_ident();
         if (h->mode_ref == NULL || h->state_dict == NULL || hold_containers(h) < 0) {
             Py_DECREF(h);
             return NULL;
@@ -1611,6 +1616,7 @@ static PyObject *handler_bind(Handler *t, PyObject *const *args, Py_ssize_t narg
     Py_XSETREF(h->locate, Py_NewRef(args[2]));
     h->mode_ref = PyWeakref_NewRef(args[0], NULL);
     h->state_dict = h->mode_ref ? PyObject_GenericGetDict(h->state, NULL) : NULL;
+    h->thread = PyThread_get_thread_ident();  /* bound as the mode is made, on the tracing thread */
     if (h->state_dict == NULL || hold_containers(h) < 0) {
         Py_DECREF(h);
         return NULL;

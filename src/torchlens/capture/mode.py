@@ -108,6 +108,7 @@ _REGISTER_HOOK = Tensor.register_hook
 # and the requires_grad setters, after which the record of the tensor set says what it now is, and the data setter.
 _NOT_OPS_SEEN = _NUMPY_VIEWS | {_STORAGE_GET, _REGISTER_HOOK} | _REQUIRES_GRAD_SETTERS | _DATA_SET
 _grad_enabled = torch.is_grad_enabled
+_get_ident = threading.get_ident
 _any_autocast = torch._C._is_any_autocast_enabled
 
 _NO_KWARGS: dict = {}  # shared and never mutated: saves a dict per call
@@ -134,6 +135,7 @@ class CaptureMode(TorchFunctionMode):
         # Deep capture: torch functions written in Python (F.normalize, F.multi_head_attention_forward)
         # are entered and the torch calls inside them recorded, instead of one op per call.
         self.deep = deep
+        self.thread = _get_ident()  # the tracing thread: the only one whose calls are recorded (see the handler)
         self._entered = [None]  # Python-level torch functions currently entered by deep capture
         # The features set on the state before the mode is made; with all off, every op takes the hot path.
         # Label sites keep it too: their calls are recorded there, then handed to ``at_call`` (``state.site_calls``).
@@ -148,6 +150,13 @@ class CaptureMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if _compiler._is_compiling_flag:  # first: Dynamo reads no further (it cannot hold torch.cond in a set)
             return self._call_with_features(func, types, args, kwargs or _NO_KWARGS)
+        if _get_ident() != self.thread:
+            # Torch hands a thread its forker's torch state, this mode included, when TorchScript's fork runs a
+            # task on its inter-op pool: a Python function that task calls (a torch.jit.ignore'd one) reaches
+            # the mode there, while the tracing thread runs other modules.  Capture records its own thread's
+            # calls only (the module stack, the order, the state are that thread's), so the call runs untraced
+            # and its result enters the trace as a tensor of unknown origin, as any other thread's work does.
+            return func(*args, **(kwargs or _NO_KWARGS))
         if func in _OFF_HOT_PATH:
             if func in _NOT_OPS:
                 return _not_an_op(self.state, func, args, kwargs)

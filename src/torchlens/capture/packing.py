@@ -17,6 +17,7 @@ packing was not observed.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from functools import partial
 
@@ -56,6 +57,9 @@ class PackLog:
     def __init__(self, calls: list):
         self.packed: dict = {}
         self.calls = calls  # the capture state's call list while the forward runs; None after it
+        # The tracing thread.  Torch hands the hooks, with the rest of its state, to the thread TorchScript's fork
+        # runs a task on: what that thread's ops keep is no call's of this trace, which records none of them.
+        self.thread = threading.get_ident()
         self.note_text = None  # why packing was not observed, when it was not
         # The call an intervention's action is run for (after that call was listed), while it runs: what
         # the action makes autograd keep is kept at its site, not by the call after it.
@@ -76,7 +80,7 @@ class PackLog:
 
     def note(self, t: torch.Tensor) -> None:
         calls = self.calls
-        if calls is None:
+        if calls is None or threading.get_ident() != self.thread:
             return
         call = len(calls) if self.action_at is None else self.action_at
         if self.action_at is None and self.function_from is not None and call > self.function_from:
