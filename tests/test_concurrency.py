@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -279,6 +280,38 @@ def test_a_module_site_also_run_on_another_thread_says_that_call_was_not_edited(
         log = tl.trace(model, x, intervene={"fc": tl.zero_ablate()})
     assert torch.equal(log.output, model.fc(x))  # the worker's call kept its value, the traced one was zeroed
     assert [str(applied.label) for applied in log.interventions] == ["linear_1_1:1"]  # the only call recorded
+    assert_clean_process()
+
+
+class _ExpertsOnAThreadPool(nn.Module):
+    """A mixture of experts by hand: each expert runs on a thread pool's worker, the gate on the calling thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.experts = nn.Linear(4, 2), nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        weights = self.gate(x).softmax(-1)
+        with ThreadPoolExecutor(2) as pool:
+            outputs = [future.result(timeout=30) for future in [pool.submit(e, x) for e in self.experts]]
+        return sum(weights[:, i:i + 1] * out for i, out in enumerate(outputs))
+
+
+def test_a_module_site_run_on_another_thread_only_is_refused_saying_so():
+    """The refusal said the forward "ran no such op or module call (a module call number past its last call, or
+    control flow that skipped it)", just after the warning that the site ran on another thread."""
+    model, x = _ExpertsOnAThreadPool(), torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=r"'experts.0' also ran on another thread"), \
+            pytest.raises(tl.InterventionError) as refused:
+        tl.trace(model, x, intervene={"experts.0": tl.zero_ablate()})
+    assert "were never reached: 'experts.0' ran on another thread only, where a trace neither records nor edits a " \
+           "call: make those calls on the thread that calls tl.trace; nothing was changed there" in str(refused.value)
+    with pytest.warns(UserWarning, match=r"'experts.1' also ran on another thread"), \
+            pytest.raises(tl.InterventionError, match=r"skipped it\) \(gate made 1 call in this forward: gate:1\); "
+                                                     r"'experts.1' ran on another thread only"):
+        tl.trace(model, x, intervene={"experts.1": tl.zero_ablate(), "gate:2": tl.zero_ablate()})
+    log = tl.trace(model, x, intervene={"gate": tl.scale(1.0)})  # the calling thread's site is edited as usual
+    assert torch.equal(log.output, model(x)) and log.unattributed == 2
     assert_clean_process()
 
 

@@ -38,14 +38,9 @@ def finish_interventions(runtime: Interventions, trace) -> None:
     if unmet:
         edits = [site for site in unmet if not site.stop]  # a stop_after= site alone changes nothing
         named = edits or unmet
-        whole = [site.address for site in named if isinstance(site, ModuleSite) and site.call_number is None]
-        numbered = [site for site in named if isinstance(site, ModuleSite) and site.call_number is not None]
         ran = _ran(trace, named)
         done = f"{', '.join(r for r in ran if r)}, but returned no output to change: {_NO_OUTPUT}" if any(ran) else ""
-        never = done if all(ran) else (
-            f"the forward ran no such op or module call (a module call number past its last call, or control "
-            f"flow that skipped it){_bypassed_hint(trace, whole)}{_calls_made_hint(trace, numbered)}"
-            + (f" ({done})" if done else ""))
+        never = done if all(ran) else _not_run(runtime, trace, named, ran) + (f" ({done})" if done else "")
         if not edits:
             raise InterventionError(f"stop_after site {_site_names(named)} was never reached: {never}, and the "
                                     "forward ran to its end; name a site it reaches (print(tl.trace(model, x)) lists "
@@ -73,6 +68,22 @@ def _ran(trace, sites: list) -> list:
             key = f"{site.address}:{site.call_number}"
             ran.append(f"{key} ran" if key in made else None)
     return ran
+
+
+def _not_run(runtime: Interventions, trace, sites: list, ran: list) -> str:
+    """Why the sites that did not run (``ran``'s None) were never reached.  A module site run on another thread only
+    (a thread pool's worker) is said to be that, rather than read as control flow that skipped it."""
+    away = [site for site, how in zip(sites, ran) if how is None and isinstance(site, ModuleSite)
+            and id(site.module) in runtime.called_elsewhere]
+    elsewhere = (f"{_site_names(away)} ran on another thread only, where a trace neither records nor edits a call: "
+                 "make those calls on the thread that calls tl.trace") if away else ""
+    if len(away) == ran.count(None):
+        return elsewhere
+    whole = [site.address for site in sites if isinstance(site, ModuleSite) and site.call_number is None]
+    numbered = [site for site in sites if isinstance(site, ModuleSite) and site.call_number is not None]
+    return (f"the forward ran no such op or module call (a module call number past its last call, or control flow "
+            f"that skipped it){_bypassed_hint(trace, whole)}{_calls_made_hint(trace, numbered)}"
+            + (f"; {elsewhere}" if elsewhere else ""))
 
 
 def _bypassed_hint(trace, addresses: list) -> str:
