@@ -315,6 +315,34 @@ def test_a_module_site_run_on_another_thread_only_is_refused_saying_so():
     assert_clean_process()
 
 
+class _ClampsOnAThreadPool(nn.Module):
+    """Hands an in-place clamp of ``fc``'s output to a thread pool's worker, then reads the clamped value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(hidden.clamp_, min=0).result(timeout=30)
+        return hidden + 1
+
+
+def test_a_saved_value_another_thread_wrote_is_dropped_naming_that_thread_among_the_writes_unseen():
+    """The reason listed the writes capture cannot see (torch function handling disabled, TorchScript, mark_dirty,
+    set_) but not the commonest one a forward makes: another thread's."""
+    model, x = _ClampsOnAThreadPool(), torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=r"dropped saved activations .*: linear_1_1:1"):
+        log = tl.trace(model, x)
+    assert torch.equal(log.output, model(x))
+    assert log.dropped_activations[1].startswith("mutated after capture saved it, by a write capture could not see "
+                                                 "(one made on another thread, ")
+    with pytest.raises(tl.ActivationUnavailable, match="one made on another thread"):
+        log["linear_1_1:1"].activation
+    assert_clean_process()
+
+
 class _WaitsForAThread(nn.Module):
     """Calls ``fc``, then waits while another thread runs ``fc`` on its own (the forward never reads its result)."""
 

@@ -33,9 +33,10 @@ MEMORY_FREED = ("its memory was freed after the op made it (its storage resized 
 
 # Why capture dropped a saved tensor whose version moved with no write it saw.  Writes through ``.data`` are
 # ops capture sees, and NumPy views do not move a version: neither is a cause here.
-WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (code running with torch "
-                  "function handling disabled, TorchScript, a custom autograd.Function's ctx.mark_dirty, which "
-                  "counts as a write of the tensor it marks, or Tensor.set_, which puts the tensor on other memory)")
+WRITTEN_UNSEEN = ("mutated after capture saved it, by a write capture could not see (one made on another thread, "
+                  "code running with torch function handling disabled, TorchScript, a custom autograd.Function's "
+                  "ctx.mark_dirty, which counts as a write of the tensor it marks, or Tensor.set_, which puts the "
+                  "tensor on other memory)")
 # Why capture dropped a saved tensor of a wrapper subclass that has no memory of its own and does not say which
 # tensor it wraps: capture relates its views to it through their base, but not a copy detached from it (which is
 # what is saved of a tensor that requires grad), so a write it saw may be the one that moved its version.
