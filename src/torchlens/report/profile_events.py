@@ -11,7 +11,9 @@ Two readers produce the same ``Event``s:
 
 Kinds come from Kineto's typed categories (``cpu_op``, ``cuda_runtime``, ``kernel``, ...), never from
 event names.  Host thread ids differ between the two sources (a Kineto thread index in memory, the OS
-thread id in chrome); the join only compares threads within one source, so that never matters.
+thread id in chrome); the join only compares threads within one source, so that never matters.  A grad node's
+event names the thread that made the node by the Kineto index in both: only in memory can the join compare it with
+the threads events ran on (``Event.fwd_thread``).
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ class Event:
     """One profiler event.  Times are integer nanoseconds on the profiler's own clock."""
 
     __slots__ = ("name", "category", "kind", "start", "end", "thread", "device", "stream", "correlation",
-                 "external_id", "seq", "backward")
+                 "external_id", "seq", "backward", "fwd_thread")
 
     def __init__(self, name, category, start, end, thread, *, device=None, stream=None, correlation=None,
-                 external_id=None, seq=-1, backward=False):
+                 external_id=None, seq=-1, backward=False, fwd_thread=None):
         self.name = name
         self.category = category
         self.kind = kind_of(category)
@@ -59,6 +61,9 @@ class Event:
         self.external_id = external_id  # host: its own External id; runtime/device: the launching op's
         self.seq = seq  # autograd sequence number, -1 when none
         self.backward = backward  # a grad-node event (carries a forward thread id)
+        # A grad-node event's: the thread that made the node, as ``thread`` names threads (in memory only: a chrome
+        # trace names the node's thread by an index, but an event's by the OS's id), else None.
+        self.fwd_thread = fwd_thread
 
     @property
     def device_kind(self):
@@ -105,7 +110,7 @@ def events_from_profiler(prof) -> list:
         else:
             events.append(Event(e.name(), category, e.start_ns(), e.end_ns(), e.start_thread_id(),
                                 external_id=_positive(e.correlation_id()), seq=e.sequence_nr(),
-                                backward=e.fwd_thread_id() > 0))
+                                backward=e.fwd_thread_id() > 0, fwd_thread=_positive(e.fwd_thread_id())))
     return events
 
 

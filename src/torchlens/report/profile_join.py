@@ -35,8 +35,9 @@ REASONS = {
     "forward_outside_ops": "inside the traced forward but outside any captured op or module call",
     "backward_outside_nodes": "in the backward phase outside any grad node (the loss, the backward seed, "
                               "AccumulateGrad, engine bookkeeping)",
-    "backward_without_op": "backward of a grad node no captured op created (AccumulateGrad, the loss, a custom "
-                           "autograd.Function's backward whose output no captured op made)",
+    "backward_without_op": "backward of a grad node no captured op created (AccumulateGrad, the loss, a node made "
+                           "on another thread, a custom autograd.Function's backward whose output no captured op "
+                           "made)",
     "call_without_op": "inside a torch call that returned no tensor, so is not an op (torch.equal, ...)",
     "outside_profile": "before or after the profiled forward/backward on the model's thread",
     "other_thread": "on a thread that ran no torchlens marker (other threads' work)",
@@ -130,7 +131,8 @@ def join(events: list, run: int, op_serials=None, seq_owner=None, function_nodes
     ``function_nodes`` (``{sequence number: op serial}``): the nodes custom Functions gave the output of an op
     (``ProfilerMarkers.function_node``), numbered inside ``apply``, outside that op's range."""
     result = JoinResult()
-    owners = _sweep_threads(events, run, result)
+    # A backward-only profile's forward ran earlier, on a thread this profile may not mark: its nodes go by number.
+    owners = _sweep_threads(events, run, result, _marked_threads(events, run) if seq_owner is None else None)
     result.backward_only = seq_owner is not None
     if seq_owner is None:
         seq_owner = _forward_sequence_owners(events, owners, function_nodes or {})
@@ -148,8 +150,9 @@ def join(events: list, run: int, op_serials=None, seq_owner=None, function_nodes
     return result
 
 
-def _sweep_threads(events, run, result) -> dict:
-    """Per thread, the innermost op marker / module marker / phase / grad node around each event.
+def _sweep_threads(events, run, result, model_threads) -> dict:
+    """Per thread, the innermost op marker / module marker / phase / grad node around each event.  ``model_threads``
+    (``_marked_threads``, or None): the threads whose grad nodes an op of the trace may have made.
 
     Returns ``{event index: Owner}`` for aten ops and runtime calls (markers themselves are recorded in ``result``)."""
     by_thread: dict = {}
@@ -194,7 +197,7 @@ def _sweep_threads(events, run, result) -> dict:
             if e.kind == HOST and e.backward and e.seq >= 0:
                 # A grad node run inside an op's range is that op's work (torch.autograd.grad called by the
                 # forward): it keeps the op; run outside one, it is the backward of whichever op made it.
-                nodes = nodes + (e.seq,)
+                nodes = nodes + (_node_number(e, model_threads),)
                 if stack and parent in owners and _lost_its_number(events[parent]):
                     _number_wrapper(stack, owners[parent], nodes)
             owners[i] = Owner(op, module, phase, nodes, thread)
@@ -204,6 +207,22 @@ def _sweep_threads(events, run, result) -> dict:
         if owner.thread not in marked_threads:
             owner.thread = None  # a thread without any marker of this run
     return owners
+
+
+def _marked_threads(events, run) -> set:
+    """The threads that ran a marker of profile ``run``: the model's (and the one its backward ran on)."""
+    return {e.thread for e in events if e.kind == HOST and e.name.startswith(PREFIX)
+            and (marker := parse_marker(e.name)) is not None and marker[1] == run}
+
+
+def _node_number(e, model_threads) -> int:
+    """The number of the grad node ``e`` runs, by which it is joined to the op that made it; -1 (no op's) for a node
+    made on a thread that ran no marker (a thread pool's worker): each thread numbers its nodes from its own
+    counter, so its numbers are those of other nodes of the model's thread.  Known where the profile names the
+    node's thread as it names the others (``Event.fwd_thread``)."""
+    if model_threads is None or e.fwd_thread is None or e.fwd_thread in model_threads:
+        return e.seq
+    return -1
 
 
 def _lost_its_number(e) -> bool:
