@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -376,6 +377,42 @@ def test_a_module_site_run_by_an_independent_thread_is_not_said_to_reach_the_tra
         model.done.set()
         worker.join()
     assert log.unattributed == 0 and torch.equal(log.output, torch.zeros(2, 4))
+    assert_clean_process()
+
+
+class _MeetsAnotherTrace(nn.Module):
+    """Waits until two threads are inside its forward (so both traces are in place), then calls ``fc``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.both_inside = threading.Barrier(2)
+
+    def forward(self, x):
+        self.both_inside.wait(30)
+        return self.fc(x)
+
+
+def test_two_traces_editing_one_site_of_one_model_do_not_call_each_others_calls_unedited():
+    """Each trace warned that 'fc' "also ran on another thread ... so those calls ran unedited": they ran edited, by
+    the other thread's own trace, as its site asked.  A call the calling thread's own trace has a site at is that
+    trace's; each trace still edits its own calls alone."""
+    model, x = _MeetsAnotherTrace(), torch.randn(2, 4)
+    actions, logs = {"zero": tl.zero_ablate(), "scale": tl.scale(3.0)}, {}
+
+    def run(name):
+        logs[name] = tl.trace(model, x, intervene={"fc": actions[name]})
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=run, args=(name,)) for name in actions]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert not [w for w in caught if "another thread" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.equal(logs["zero"].output, torch.zeros(2, 4))
+    assert torch.equal(logs["scale"].output, model.fc(x) * 3)
     assert_clean_process()
 
 

@@ -48,13 +48,16 @@ class ModuleHooks(HookHandles):
             if _compiler._is_compiling_flag or st.acting:  # an action's own call: none of the forward's
                 return
             if threading.get_ident() != owner:  # not recorded, so not edited: said after the trace
-                runtime.called_elsewhere.add(id(module))
+                if not _a_site_of_its_own_trace(module):
+                    runtime.called_elsewhere.add(id(module))
                 return
             counts[id(module)] = number = counts.get(id(module), 0) + 1
             _run_last(module._forward_hooks, edit_keys[id(module)])
             # With the exception being handled where the call began (None, but for a model called
             # inside an except block): another one at its end is an exception raised in the call.
             open_calls.append((module, st.module_stack[-1], number, sys.exc_info()[1]))
+
+        pre_hook.site_of_thread = owner  # read by the pre-hooks of other threads' traces of the same model
 
         def post_hook(module, args, output):
             if _compiler._is_compiling_flag or st.acting or threading.get_ident() != owner or not open_calls \
@@ -86,6 +89,13 @@ class ModuleHooks(HookHandles):
             self.hook(module, pre_hook, pre=True, prepend=True)
             self.hook(module, post_hook, pre=False, always_call=True)
             edit_keys[id(module)] = self._handles[-1].id
+
+
+def _a_site_of_its_own_trace(module) -> bool:
+    """Whether the calling thread traces with a site at ``module`` (two threads tracing one model): that trace records
+    and edits this call as its sites say, so it is none of another trace's to call unedited."""
+    thread = threading.get_ident()
+    return any(getattr(hook, "site_of_thread", None) == thread for hook in list(module._forward_pre_hooks.values()))
 
 
 def _run_last(hooks: dict, key) -> None:
