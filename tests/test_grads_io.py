@@ -17,18 +17,23 @@ from test_io_damaged import edit_json, rehash
 from zoo import zoo
 
 
-def test_save_and_load_keep_gradients(tmp_path):
-    model, args, _ = zoo()["mlp"]
-    log = tl.trace(model, args, grads=True, saved_for_backward=True)
-    log.backward(log.output.sum())
-    log.save(tmp_path / "t")
-    loaded = tl.load(tmp_path / "t")
+def _assert_same_gradients(loaded, log, model) -> None:
+    """``loaded`` holds the gradients of ``log``, a zoo MLP's trace after one backward, as the live trace has them."""
     assert loaded.num_backwards == 1
     for op in log:
         if op.has_grad:
             assert torch.equal(loaded[op.label].grad, op.grad), op.label
     assert torch.equal(loaded._param_grads["head.weight"], model.head.weight.grad)
     assert loaded.saved_for_backward_bytes == log.saved_for_backward_bytes
+
+
+def test_save_and_load_keep_gradients(tmp_path):
+    model, args, _ = zoo()["mlp"]
+    log = tl.trace(model, args, grads=True, saved_for_backward=True)
+    log.backward(log.output.sum())
+    log.save(tmp_path / "t")
+    loaded = tl.load(tmp_path / "t")
+    _assert_same_gradients(loaded, log, model)
     assert loaded["linear_1_1:1"].saved_for_backward_bytes == log["linear_1_1:1"].saved_for_backward_bytes
     frame, original = loaded.to_pandas(), log.to_pandas()
     assert frame["grad_norm"].equals(original["grad_norm"])
@@ -70,12 +75,7 @@ def test_a_trace_saved_with_the_first_gradients_layout_loads_its_gradients(tmp_p
     edit_json(folder, "trace.json", lambda record: _as_first_gradients_layout(record["grads"]))
     rehash(folder)
     loaded = tl.load(folder)
-    assert loaded.num_backwards == 1
-    for op in log:
-        if op.has_grad:
-            assert torch.equal(loaded[op.label].grad, op.grad), op.label
-    assert torch.equal(loaded._param_grads["head.weight"], model.head.weight.grad)
-    assert loaded.saved_for_backward_bytes == log.saved_for_backward_bytes
+    _assert_same_gradients(loaded, log, model)
     assert loaded.to_pandas()["grad_norm"].equals(log.to_pandas()["grad_norm"])
 
 

@@ -227,13 +227,18 @@ def test_a_trace_saved_after_cleanup_keeps_its_parameter_counts_or_says_they_are
     assert "Parameters: unknown" in str(old)
 
 
-def test_a_trace_from_a_file_without_the_parameter_table_saved_again_keeps_its_parameter_counts(tmp_path):
-    # The copy was written with an empty table, read as a model without parameters: Parameters: 0, 0 on every row.
+def _loaded_without_parameter_table(tmp_path):
+    """A small BERT's trace, saved and loaded as a torchlens from before the parameter table wrote it."""
     model, args, kwargs = build("bert")
     folder = tl.trace(model.eval(), args, kwargs).save(tmp_path / "old")
-    for key in ("params", "module_param_counts"):  # as a torchlens from before the table wrote it
+    for key in ("params", "module_param_counts"):
         _without_key(folder, key)
-    old = tl.load(folder)
+    return tl.load(folder)
+
+
+def test_a_trace_from_a_file_without_the_parameter_table_saved_again_keeps_its_parameter_counts(tmp_path):
+    # The copy was written with an empty table, read as a model without parameters: Parameters: 0, 0 on every row.
+    old = _loaded_without_parameter_table(tmp_path)
     again = tl.load(old.save(tmp_path / "again"))
     assert old.summary()[0]["params"] > 0
     assert again.summary().rows == old.summary().rows
@@ -242,11 +247,7 @@ def test_a_trace_from_a_file_without_the_parameter_table_saved_again_keeps_its_p
 
 def test_the_parameters_of_a_trace_whose_file_has_no_parameter_table_are_refused_not_listed_as_none(tmp_path):
     # log.params was an empty list, as if the model had no parameters, beside a summary counting 23,554.
-    model, args, kwargs = build("bert")
-    folder = tl.trace(model.eval(), args, kwargs).save(tmp_path / "old")
-    for key in ("params", "module_param_counts"):  # as a torchlens from before the table wrote it
-        _without_key(folder, key)
-    old = tl.load(folder)
+    old = _loaded_without_parameter_table(tmp_path)
     with pytest.raises(tl.TorchlensError, match=r"log\.params: the trace loaded from .* was saved by an earlier "
                                                 "torchlens, which kept no table of the model's parameters"):
         old.params
