@@ -61,16 +61,30 @@ def test_a_sequence_first_layer_left_at_dim_0_is_refused_naming_its_batch_dim(tm
         tl.extract(MODEL, DATA, LAYERS, tmp_path / "x", input_batch_dim=1, progress=False)
 
 
-@pytest.mark.parametrize("value", ["1", True, -1, 1.0])
-def test_an_input_batch_dim_that_is_not_a_dim_is_refused_before_the_first_batch(tmp_path, value):
+@pytest.mark.parametrize(("value", "error", "problem"), [
+    ("1", TypeError, "is a str, not an int"), (True, TypeError, "is a bool, not an int"),
+    (1.0, TypeError, "is a float, not an int"), (-1, ValueError, "is negative")])
+def test_an_input_batch_dim_that_is_not_a_dim_is_refused_before_the_first_batch(tmp_path, value, error, problem):
+    # A negative dim was a TypeError, where every other option's negative number is a ValueError.
     def never():
         raise AssertionError("a batch was read")
         yield
 
-    with pytest.raises(TypeError, match=r"tl\.extract: input_batch_dim= is the dim of the inputs that counts the "
-                                        r"batch's examples \(1 for sequence-first inputs of shape \(S, B, E\)\), a dim "
-                                        rf"index of 0 or more; got {value!r}"):
+    with pytest.raises(error, match=rf"tl\.extract: input_batch_dim={value!r} {problem}; give the dim of the inputs "
+                                    r"that counts the batch's examples \(1 for sequence-first inputs of shape "
+                                    r"\(S, B, E\)\)"):
         tl.extract(MODEL, never(), LAYERS, tmp_path / "x", input_batch_dim=value, progress=False)
+
+
+def test_a_numpy_integer_input_batch_dim_is_a_dim(tmp_path):
+    # It was refused as no dim index, where other options take NumPy integers as ints.
+    numpy = pytest.importorskip("numpy")
+    options = {**BY_EXAMPLE, "input_batch_dim": numpy.int64(1)}
+    folder = tl.extract(MODEL, DATA, LAYERS, tmp_path / "np", progress=False, **options)
+    same = tl.extract(MODEL, DATA, LAYERS, tmp_path / "int", progress=False, **BY_EXAMPLE)
+    rows, expected = tl.load_extracted(folder, as_torch=True), tl.load_extracted(same, as_torch=True)
+    assert rows.keys() == expected.keys()
+    assert all(torch.equal(rows[name], expected[name]) for name in expected)
 
 
 def test_an_input_batch_dim_no_input_has_is_refused(tmp_path):

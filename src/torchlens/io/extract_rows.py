@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..checks import check_int
 from ..record.layouts import shape_of, shape_text
 from ..tree import path_text, tensor_leaves
 
@@ -43,11 +44,8 @@ def check_batch_dim(batch_dim, layers: list) -> dict:
 
 def check_input_batch_dim(input_batch_dim) -> int:
     """The inputs' batch dim, ``input_batch_dim=``: a dim index, 0 unless the inputs are sequence-first."""
-    if isinstance(input_batch_dim, bool) or not isinstance(input_batch_dim, int) or input_batch_dim < 0:
-        raise TypeError(f"tl.extract: input_batch_dim= is the dim of the inputs that counts the batch's examples (1 "
-                        f"for sequence-first inputs of shape (S, B, E)), a dim index of 0 or more; got "
-                        f"{input_batch_dim!r}")
-    return input_batch_dim
+    return int(check_int(input_batch_dim, "input_batch_dim", "give the dim of the inputs that counts the batch's "
+                         "examples (1 for sequence-first inputs of shape (S, B, E))", who="tl.extract", at_least=0))
 
 
 def batch_dimension(args, named=None, dim: int = 0, source=None) -> tuple:
