@@ -454,8 +454,10 @@ def test_a_single_selector_is_taken_by_save_as_by_grads_and_extract():
     assert not any(op.has_activation for op in tl.trace(model, x, save="none"))
     with pytest.raises(tl.UnmatchedSelection, match="'rleu'"):
         tl.trace(model, x, save="rleu")
-    with pytest.raises(ValueError, match="save=7 is not understood"):
+    with pytest.raises(TypeError, match="save=7 is an int, which is not understood"):
         tl.trace(model, x, save=7)
+    with pytest.raises(TypeError, match="grads=1.5 is a float, which is not understood"):  # a ValueError, as save's
+        tl.trace(model, x, grads=1.5)
 
 
 def test_an_empty_entry_is_refused_before_the_forward_and_a_capitalised_all_is_answered():

@@ -16,7 +16,7 @@ import threading
 import torch
 import torch.compiler as _compiler
 
-from ..checks import check_takes
+from ..checks import check_takes, is_a
 from ..errors import AmbiguousKey, UnmatchedSelection, add_note, closest_hint, first_few, listed
 from ..labels.naming import LABEL, folded, func_name_of, type_of_name
 from ..record.columns import MODULE_CALL_MODULE, MODULE_CALL_PARENT, Kind
@@ -71,10 +71,9 @@ class SavePolicy:
             self._parse_selection(save if isinstance(save, LayerSelection) else
                                   [save] if isinstance(save, str) else list(save), model, index)
         else:
-            raise ValueError(
-                f"{option}={save!r} is not understood: use 'all', 'none', a label / module address / op type "
-                "or a list of them, or a predicate taking an Op"
-            )
+            raise TypeError(
+                f"{option}={save!r:.60} {is_a(save)}, which is not understood: use 'all', 'none', a label / module "
+                "address / op type or a list of them, or a predicate taking an Op")
         # Whether what is kept is only settled after the forward (see ``apply``); read once per trace.
         self.filters_after = self.predicate is not None or bool(self.labels or self.types or self.addresses
                                                                  or self.call_labels)
