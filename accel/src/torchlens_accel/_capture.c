@@ -24,8 +24,9 @@
 
 /* Bumped whenever the records built here change shape or what a plain capture asks of the handler changes (finite
  * flags, ABI 20; an intervention's action running, which the module recorder leaves unrecorded, ABI 21; the calls
- * of a thread other than the tracing one, handed to the Python method, ABI 22), with torchlens.capture.accel.ABI. */
-#define TORCHLENS_ACCEL_ABI 22
+ * of a thread other than the tracing one, handed to the Python method, ABI 22; the module recorder's calls of
+ * another thread, noted by note_other_thread, ABI 23), with torchlens.capture.accel.ABI. */
+#define TORCHLENS_ACCEL_ABI 23
 
 /* The tensor arguments one call's scan holds on the stack; a call with more (torch.cat of many) allocates. */
 #define MAX_TENSORS 16

@@ -31,6 +31,7 @@ typedef struct {
     PyObject *tuple_values;   /* the Handler's: the exact types a flat tuple may hold beside tensors, or NULL */
     PyObject *bound_output;   /* bound_all of a call's result (plain objects' attributes walked too), or NULL */
     PyObject *compiler_dict;  /* vars(torch.compiler): no call is recorded while Dynamo compiles, or NULL */
+    PyObject *note_other;     /* note_other_thread (capture/call_impl.py): another thread's call noted, or NULL */
     unsigned long owner;
     long user, skip_verdict, stop, boundary;  /* the frame verdicts (capture/source.py) */
     const FastReads *fast;    /* torchlens-accel's _reads (fast_reads.h), or NULL: then st.value_record reads */
@@ -39,7 +40,7 @@ typedef struct {
 #define RECORDER_OBJECTS(X) \
     X(dict) X(impl) X(fallback) X(state) X(skip) X(stack) X(calls) X(call_frames) X(producers) X(verdicts) \
     X(bound_all) X(outside) X(call_frame) X(dispatcher_code) X(wrapped_call) X(call_impl) X(inner) X(tensor_type) X(parameter_type) \
-    X(tuple_values) X(bound_output) X(compiler_dict)
+    X(tuple_values) X(bound_output) X(compiler_dict) X(note_other)
 
 /* Interned names. */
 static PyObject *s_raised_in, *s_pass_through, *s_end_pass_through, *s_root, *s_root_running, *s_last_write,
@@ -290,8 +291,15 @@ static PyObject *skipped_call(Recorder *r, PyObject *module, PyObject *const *ar
 static PyObject *recorder_vectorcall(PyObject *self, PyObject *const *argv, size_t nargsf, PyObject *kwnames) {
     Recorder *r = (Recorder *)self;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1 || PyThread_get_thread_ident() != r->owner || r->stack == NULL)  /* NULL: unbound */
+    if (nargs < 1 || PyThread_get_thread_ident() != r->owner || r->stack == NULL) {  /* NULL: unbound */
+        if (nargs >= 1 && r->stack != NULL && r->note_other != NULL) {
+            /* Another thread's call: not recorded, but noted, as the Python record_call does. */
+            PyObject *noted = PyObject_CallOneArg(r->note_other, argv[0]);
+            if (noted == NULL) return NULL;
+            Py_DECREF(noted);
+        }
         return PyObject_Vectorcall(nargs < 1 ? r->fallback : r->impl, argv, nargsf, kwnames);
+    }
     if (r->compiler_dict != NULL) {
         /* Dynamo compiling (torch.cond's branches in eager mode) runs modules on fake tensors: no calls of the
          * model's forward. */
@@ -475,19 +483,20 @@ static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     static char *names[] = {"impl", "fallback", "state", "owner", "skip", "stack", "calls", "call_frames",
                             "producers", "verdicts", "bound_all", "outside", "call_frame", "dispatcher_code", "wrapped_call", "call_impl",
                             "inner", "tensor_type", "parameter_type", "user", "skip_verdict", "stop", "boundary",
-                            "tuple_values", "bound_output", "compiler_dict", "fast_reads", NULL};
+                            "tuple_values", "bound_output", "compiler_dict", "fast_reads", "note_other", NULL};
     PyObject *fast_reads = Py_None;
     Recorder *r = (Recorder *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
     r->stop = r->boundary = -1;  /* not given: every other call site is the Python walk's */
     /* tuple_values not given: every container is the walker's */
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|llO!OO!O:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
+            args, kwds, "OOOkO!O!O!O!O!O!OO!OOOOOO!O!ll|llO!OO!OO:ModuleRecorder", names, &r->impl, &r->fallback, &r->state,
             &r->owner, &PySet_Type, &r->skip, &PyList_Type, &r->stack, &PyList_Type, &r->calls, &PyList_Type,
             &r->call_frames, &PyDict_Type, &r->producers, &PyDict_Type, &r->verdicts, &r->bound_all, &PyList_Type, &r->outside, &r->call_frame,
             &r->dispatcher_code, &r->wrapped_call, &r->call_impl, &r->inner, &PyType_Type, &r->tensor_type,
             &PyType_Type, &r->parameter_type, &r->user, &r->skip_verdict, &r->stop, &r->boundary,
-            &PyFrozenSet_Type, &r->tuple_values, &r->bound_output, &PyDict_Type, &r->compiler_dict, &fast_reads)) {
+            &PyFrozenSet_Type, &r->tuple_values, &r->bound_output, &PyDict_Type, &r->compiler_dict, &fast_reads,
+            &r->note_other)) {
         memset(&r->dict, 0, offsetof(Recorder, owner) - offsetof(Recorder, dict));
         Py_DECREF(r);
         return NULL;

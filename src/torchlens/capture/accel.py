@@ -20,7 +20,7 @@ import warnings
 
 # What each compiled module must be built for (its ``ABI``): bumped, here and in its C file, whenever the
 # objects it exchanges with this package change shape.
-ABI = {"_capture": 22, "_dispatch": 1, "_grads": 5, "_index": 2, "_autograd": 6, "_reads": 5}
+ABI = {"_capture": 23, "_dispatch": 1, "_grads": 5, "_index": 2, "_autograd": 6, "_reads": 5}
 
 _enabled = os.environ.get("TORCHLENS_ACCEL", "1") != "0"
 _modules: dict = {}

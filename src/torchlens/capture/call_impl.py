@@ -38,6 +38,7 @@ MARK = "_torchlens_replaces"  # set on what is put in a class attribute here: th
 _lock = threading.RLock()  # reentrant: a hold stranded by an interrupt on a ``with`` exit line is dropped
 _MODULE_ONLY = (torch.nn.Module,)  # the owners of a trace whose model's classes keep nn.Module's _call_impl
 _sites: dict = {}  # id(owner) -> the Site replacing owner's _call_impl: nn.Module's stays, others while held
+_watching: dict = {}  # id(Replacement) -> ids of the modules threads that do not trace called while it is held
 
 
 def _dispatcher(impl, recorders: dict):
@@ -46,12 +47,23 @@ def _dispatcher(impl, recorders: dict):
 
     def _call_impl(self, *args, **kwargs):
         recorder = get_recorder(get_ident())
-        if recorder is None:
+        if recorder is None:  # a thread that records no call here
+            note_other_thread(self)
             return impl(self, *args, **kwargs)
         return recorder(self, *args, **kwargs)
 
     setattr(_call_impl, MARK, impl)
     return _call_impl
+
+
+def note_other_thread(module) -> None:
+    """Note a call of ``module`` made by a thread that is not recording (a thread pool's worker running an expert)
+    for every trace running: each records its own thread's calls only, and says after the forward which of its
+    model's modules ran elsewhere.  A thread that traces (a second trace of the model, or one paused for a compiled
+    region) is left out: its calls are its own trace's.  Called on that other thread only, never the tracing one."""
+    if _watching and not held_by(threading.get_ident()):
+        for seen in list(_watching.values()):
+            seen.add(id(module))  # ids alone: no module is held; a model's, alive all trace long, keeps its id
 
 
 DISPATCHER_CODE = _dispatcher(None, {}).__code__  # a recorder called by it finds the caller one frame up
@@ -189,12 +201,14 @@ def unsupported_overrides(owners) -> list:
 class Replacement:
     """Context manager: while it is entered, this thread's calls of ``nn.Module`` and of the classes in
     ``owners`` go through ``make_recorder(impl, relays)`` (one recorder per redirected function; see
-    ``Site`` for its two arguments)."""
+    ``Site`` for its two arguments).  ``elsewhere`` (a set, or None) gets the ids of the modules other threads call
+    meanwhile (``note_other_thread``)."""
 
-    __slots__ = ("make_recorder", "owners", "held", "_recorders", "thread")
+    __slots__ = ("make_recorder", "owners", "held", "_recorders", "thread", "elsewhere")
 
-    def __init__(self, make_recorder, owners=()):
+    def __init__(self, make_recorder, owners=(), elsewhere=None):
         self.make_recorder = make_recorder
+        self.elsewhere = elsewhere
         self.thread = threading.get_ident()  # the tracing thread (a forked child releases it from its own)
         self.owners = (torch.nn.Module, *owners) if owners else _MODULE_ONLY
         self.held: list = []  # ids of the sites this trace holds
@@ -214,6 +228,8 @@ class Replacement:
         # dropped by ``release_all`` (as one stranded on a ``with`` exit line would be).
         _lock.acquire()
         try:
+            if self.elsewhere is not None:
+                _watching[id(self)] = self.elsewhere
             for owner in self.owners:
                 site = _sites.get(id(owner))
                 if site is None or not site.threads and site.changed():
@@ -248,6 +264,7 @@ class Replacement:
         tid = self.thread
         _lock.acquire()
         try:
+            _watching.pop(id(self), None)
             while self.held:
                 key = self.held[-1]
                 site = _sites.get(key)

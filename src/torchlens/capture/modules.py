@@ -23,11 +23,11 @@ from types import CodeType
 import torch
 import torch.compiler as _compiler
 
-from ..errors import warn_user
+from ..errors import first_few, warn_user
 from ..tree import TENSOR_TYPES, tensor_leaves
 from . import accel
 from .arguments import TUPLE_VALUES
-from .call_impl import Replacement, held_by, owners_overriding, unsupported_overrides
+from .call_impl import Replacement, held_by, note_other_thread, owners_overriding, unsupported_overrides
 from .teardown import until_done
 from .source import _BOUNDARY, _CALL_IMPL, _SKIP, _STOP, _USER
 from .state import CaptureState
@@ -75,7 +75,8 @@ class ModuleCallTracker:
                 warn_user(f"the _call_impl of {names} is not a function: calls of their modules are not "
                           "recorded as module calls (their ops are attributed to the enclosing call)")
                 owners = [o for o in owners if o not in unsupported]
-            replacement = self._replacement = Replacement(self._recorder_for, owners)
+            self.state.called_elsewhere = elsewhere = set()  # filled by other threads' calls (note_other_thread)
+            replacement = self._replacement = Replacement(self._recorder_for, owners, elsewhere)
             replacement.acquire()  # Replacement.__enter__ without its own try: the except below undoes it
             return self  # inside the try: an interrupt landing here must not strand the replacement
         except BaseException:
@@ -124,6 +125,24 @@ class ModuleCallTracker:
         while bound:  # the trace's records are freed by reference counting, not held until the next trace
             bound[-1].unbind()
             bound.pop()
+
+
+def other_threads_caveat(trace, called: set, index) -> tuple:
+    """The caveat of a trace whose model's modules (``called``: their ids) were called on other threads while it
+    ran (each expert of a mixture handed to a ThreadPoolExecutor), or none.  Their addresses are kept on the trace
+    (``_ran_elsewhere``), so that a selection naming one says it ran on another thread, not that it never ran."""
+    if not called:
+        return ()
+    trace._ran_elsewhere = tuple(a or "self" for a, m in index.modules_and_aliases().items() if id(m) in called)
+    addresses = [a or "self" for a, m in index.modules.items() if id(m) in called]
+    if not addresses:
+        return ()
+    text = (f"modules ran on another thread while the trace ran ({first_few(addresses)}): a trace records the calls "
+            "and ops of its own thread only, so their calls and ops are not recorded, and what they returned enters "
+            "the trace, where this forward read it, as tensors of unknown origin (Trace.unattributed); make those "
+            "calls on the thread that calls tl.trace to record them")
+    warn_user(text)
+    return (text,)
 
 
 _kept = threading.local()  # per thread: the Recorders of its last trace around torch's _call_impl
@@ -193,14 +212,14 @@ class Recorders:
         # Python one whole.  Positional, in the order of its keyword names (impl, fallback, state, owner, skip,
         # stack, calls, call_frames, producers, verdicts, bound_all, outside, call_frame, dispatcher_code,
         # wrapped_call, call_impl, inner, tensor_type, parameter_type, user, skip_verdict, stop, boundary,
-        # tuple_values, bound_output, compiler_dict, fast_reads).
+        # tuple_values, bound_output, compiler_dict, fast_reads, note_other).
         # ``dispatcher_code``: the relays' codes.
         reads = accel.compiled("_reads")  # (tensors' versions read off the TensorImpl; None where not built)
         recorder = self._compiled = compiled.ModuleRecorder(
             self.impl, python, st, self.owner, skip, stack, calls, call_frames, producers, verdicts, bound_all,
             self.outside, call_frame, self.relays, _WRAPPED_CALL, _CALL_IMPL, _INNER,
             torch.Tensor, torch.nn.Parameter, _USER, _SKIP, _STOP, _BOUNDARY, TUPLE_VALUES, bound_output,
-            vars(_compiler), reads.fast_reads if reads is not None else None)
+            vars(_compiler), reads.fast_reads if reads is not None else None, note_other_thread)
         return recorder
 
     def unbind(self) -> None:
@@ -269,8 +288,11 @@ def _python_recorder(impl, relays, frames, outside: list, owner: int):
     # Runs once per module call inside every trace: the common cases (one tensor argument, a call
     # made straight from user code or by nn.Sequential) take no loop and no method call.
     def record_call(module, *args, **kwargs):
+        if get_ident() != owner:  # not recorded, but noted: the trace says so after the forward
+            note_other_thread(module)
+            return impl(module, *args, **kwargs)
         # Modules Dynamo runs while it compiles (torch.cond's branches, on fake tensors) are no module calls.
-        if get_ident() != owner or _compiler._is_compiling_flag:
+        if _compiler._is_compiling_flag:
             return impl(module, *args, **kwargs)
         if id(module) in skip:
             if st is None or module is not st.root:

@@ -231,7 +231,7 @@ class SavePolicy:
             if address is not None and address not in called:
                 ran = (f" ({address!r} {self.containers[address]})" if address in self.containers else "") or \
                     bypassed_call_hint(trace, address) or _compiled_holder_hint(trace, address) or \
-                    " (that module exists but never ran in this forward)"
+                    _other_thread_hint(trace, address) or " (that module exists but never ran in this forward)"
             if stopped_after is not None:
                 ran += f" (the forward stopped after {stopped_after}, as stop_after= asked: what follows never ran)"
             more = f" ({len(missing)} entries matched nothing: {', '.join(missing[:6])})" if len(missing) > 1 else ""
@@ -422,6 +422,14 @@ def _compiled_holder_hint(trace, address: str) -> str:
                     f"compiled op, {op.label}: select {op.module_address!r}, or trace with compiled='eager' to "
                     "record its interior op by op)")
     return ""
+
+
+def _other_thread_hint(trace, address: str) -> str:
+    """For a module that made no module call: that it ran on another thread (log.caveats), or ''."""
+    if address not in trace._ran_elsewhere:
+        return ""
+    return (" (it ran on another thread only, where a trace records no call and no op: make its calls on the thread "
+            "that calls tl.trace to record them)")
 
 
 def _modules_by_address(model, index) -> dict:

@@ -38,7 +38,7 @@ from .function_outputs import function_outputs
 from .grads import attach_grads, grad_capture
 from .inputs import add_inputs, note_how_arguments_were_passed
 from .mode import CaptureMode, redispatch_function
-from .modules import ModuleCallTracker
+from .modules import ModuleCallTracker, other_threads_caveat
 from .packing import PackLog, SavedTensorHooks, refusal_noted
 from .returned import refuse_unrecordable_output
 from .restore import module_run_by
@@ -326,12 +326,13 @@ def _complete(result, state, index, policy, runtime, packing, submodules, root, 
     entry matched, the interventions' outcome, the ``save=`` filter applied after the fact, the gradient
     hooks' sink and what autograd kept for backward.  Class defaults stand where none apply."""
     if state.versionless or submodules is not None or index.script_modules or state.unattributed \
-            or index.packed_weights or state.caught_calls or state.compiled_functions:  # else no caveat
+            or index.packed_weights or state.caught_calls or state.compiled_functions or state.called_elsewhere:
         caveats = ((INFERENCE_CAVEAT,) if state.versionless else ()) + \
             (submodules.caveats() if submodules is not None else ()) + \
             compiled_function_caveat(state.compiled_functions) + \
             _script_caveat(index.script_modules + (_unregistered_scripts(result) if state.unattributed else ())) + \
-            _packed_weights_caveat(index.packed_weights) + caught_calls_caveat(result, state.caught_calls)
+            _packed_weights_caveat(index.packed_weights) + caught_calls_caveat(result, state.caught_calls) + \
+            other_threads_caveat(result, state.called_elsewhere, index)
         if caveats:
             result.caveats = caveats
     rank = process_rank()

@@ -88,8 +88,8 @@ class CaptureState:
     # that moved by the end with no write seen was written by a call capture cannot see (record/finalize.py,
     # note_unseen_param_writes).
     param_versions_at_start = None
-    # call index of a compiled submodule's op -> weak refs to the tensors its module held as it ran (RoutedRun), or None
-    held_by_compiled = None
+    held_by_compiled = None  # call index of a compiled op -> weak refs to what its module held as it ran (RoutedRun)
+    called_elsewhere: set | None = None  # ids of the modules threads not tracing called meanwhile (modules.py)
     compiled_functions = ()  # names of the torch.compile'd functions run with capture aside (compiled_functions.py)
     array_copies: dict | None = None  # id(NumPy array argument) -> (weak reference, copy): see recorded_array
     _param_storages = None

@@ -53,6 +53,7 @@ class Trace(TraceColumns):
     _gradcap = None  # a capture.grads.GradCapture when traced with grads=...
     _packlog = None  # a capture.packing.PackLog when traced with saved_for_backward=True
     caveats: tuple = ()  # guarantees this trace gives only in weakened form, one sentence each
+    _ran_elsewhere: tuple = ()  # capture.modules: addresses of the modules called on other threads while traced
     # Set after finalize by the layers named; declared here so this class lists all a Trace holds.
     _flops_col = None  # report.flops.flops_column: each op's FLOPs, derived once (kept by cleanup and save)
     _autocast: dict = {}  # capture.session: device type -> autocast state around the forward, for replay
