@@ -66,9 +66,9 @@ def check_flag(value, name: str, advice: str = "give True or False", *, who: str
 
 
 def asks_for_grads(grads) -> bool:
-    """Whether ``grads=`` asks for gradients, as ``capture.grads.grad_capture`` reads it, without reading its truth:
-    ``"none"`` is a true string asking for none, and a tensor has no truth to read."""
-    return grads is not None and grads is not False and not (type(grads) is str and grads == "none")
+    """Whether ``grads=`` asks for gradients (``capture.grads.grad_capture`` makes none otherwise), without reading
+    its truth: ``"none"`` is a true string asking for none, and a tensor has no truth to read."""
+    return grads is not None and grads is not False and not (isinstance(grads, str) and grads == "none")
 
 
 def check_path(value, name: str, advice: str, *, who: str = ""):

@@ -30,6 +30,7 @@ from functools import partial
 
 import torch
 
+from ..checks import asks_for_grads
 from ..errors import first_few, warn_user
 from ..record.columns import CALL_FUNC, CALL_MODULE_CALL, Record
 from ..record.grads import gradient_holder, output_nodes, outputs_with_own_tensor
@@ -494,7 +495,7 @@ def grad_capture(grads, model, state):
     """The ``GradCapture`` for ``tl.trace(..., grads=...)``, or None when gradients are off."""
     if grads is True:  # the common case, first: set-up is a fixed cost of every trace
         return GradCapture(None, True, _next_sequence_number())
-    if grads is None or grads is False or grads == "none":
+    if not asks_for_grads(grads):
         return None
     first = _next_sequence_number()
     if grads == "all":
